@@ -1,0 +1,64 @@
+"""Datasets that ship with Kiln's dependencies, so nothing downloads at run time.
+
+``digits`` is scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes): a small real task.
+``synthetic`` makes a learnable classification problem of any input shape, for tests and benchmarks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DatasetSplits:
+    """Train and held-out tensors. ``x`` is the model's single input, ``y`` integer class labels."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+    num_classes: int
+    name: str = "dataset"
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one sample, without the batch axis."""
+        return tuple(self.val_x.shape[1:])
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, val_fraction: float, seed: int) -> tuple[torch.Tensor, ...]:
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, int(round(len(x) * val_fraction)))
+    val, train = perm[:n_val], perm[n_val:]
+    return x[train], y[train], x[val], y[val]
+
+
+def digits(val_fraction: float = 0.2, seed: int = 0, as_ids: bool = False) -> DatasetSplits:
+    """scikit-learn digits: ``[N, 1, 8, 8]`` floats in [0, 1], or ``[N, 64]`` int64 ids 0..16 with ``as_ids``."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    pixels = np.asarray(bunch.data)  # values 0..16
+    if as_ids:
+        x = torch.as_tensor(pixels, dtype=torch.long)
+    else:
+        x = torch.as_tensor(pixels / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    y = torch.as_tensor(bunch.target, dtype=torch.long)
+    return DatasetSplits(*_split(x, y, val_fraction, seed), num_classes=10, name="digits_ids" if as_ids else "digits")
+
+
+def digits_ids(val_fraction: float = 0.2, seed: int = 0) -> DatasetSplits:
+    return digits(val_fraction=val_fraction, seed=seed, as_ids=True)
+
+
+def synthetic(shape: tuple[int, ...] | list[int] = (1, 8, 8), num_classes: int = 10, size: int = 512,
+              val_fraction: float = 0.25, seed: int = 0, noise: float = 0.5) -> DatasetSplits:
+    """Gaussian clusters around one random prototype per class: learnable, deterministic for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(int(s) for s in shape)
+    protos = torch.randn((num_classes, *shape), generator=g)
+    y = torch.randint(0, num_classes, (size,), generator=g)
+    x = protos[y] + noise * torch.randn((size, *shape), generator=g)
+    return DatasetSplits(*_split(x, y, val_fraction, seed), num_classes=num_classes, name="synthetic")

@@ -1,0 +1,117 @@
+"""Content hashing and atomic writes: the two primitives the cache and every stage rely on.
+
+Hashes are of content, never of paths or names (two models at one path must not share a cache entry).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+CHUNK = 1 << 20
+
+
+def hash_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def hash_json(obj: Any) -> str:
+    return hash_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode())
+
+
+def hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``root`` (sorted; ``exclude`` names skipped)."""
+    return {
+        p.relative_to(root).as_posix(): hash_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name not in exclude
+    }
+
+
+def hash_source(*modules: Any) -> str:
+    """Hash of the source files of the given modules (packages: every .py under them): the code version."""
+    files: list[Path] = []
+    for mod in modules:
+        f = Path(mod.__file__)
+        files += sorted(f.parent.rglob("*.py")) if f.name == "__init__.py" else [f]
+    return hash_json({p.name + str(i): hash_file(p) for i, p in enumerate(files)})
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``final``; on success it replaces ``final`` in one rename.
+
+    On failure the staging folder is removed and whatever was at ``final`` before stays untouched.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{final.name}.staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(staging, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_stale_staging(root: Path) -> None:
+    """Remove staging/old folders left by an interrupted run (their final folders are intact)."""
+    if not root.is_dir():
+        return
+    for p in root.glob(".*.staging-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".*.old-*"):
+        shutil.rmtree(p, ignore_errors=True)

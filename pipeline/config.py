@@ -1,0 +1,174 @@
+"""The run configuration: typed sections, loaded from YAML or TOML, validated with clear errors.
+
+Each stage owns its section's model (``stages/<stage>/config.py``); this module assembles them. Unknown keys,
+wrong types and missing files become one :class:`ConfigError` naming the key and the valid choices.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+
+from calibration.config import CalibrationConfig
+from pipeline.errors import ConfigError, InputFileError
+from pipeline.sections import Section
+from stages.build.config import BuildConfig
+from stages.optimize.config import OptimizeConfig
+from stages.precision.config import PrecisionConfig
+from stages.train.config import TrainConfig
+
+
+class ModelConfig(Section):
+    name: str = Field("cnn", description="built-in model name or import path 'package.module:function'")
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
+    checkpoint: str | None = Field(None, description="state dict (.safetensors/.pt) to start from; skips training")
+
+
+class DataConfig(Section):
+    name: str | None = Field(None, description="built-in dataset or 'package.module:function'; default per model")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ExportConfig(Section):
+    opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
+    dynamic_batch: bool = True
+    parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
+
+
+class GatesConfig(Section):
+    min_cosine: float = Field(0.9999, le=1.0, description="cosine similarity of outputs vs PyTorch")
+    max_abs_err: float | None = Field(None, description="max abs output error vs PyTorch; null = unchecked")
+    min_top1_agreement: float = Field(0.99, le=1.0, description="fraction of samples whose argmax matches PyTorch")
+    max_accuracy_drop: float = Field(0.01, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
+    max_latency_p50_ms: float | None = Field(None, description="latency budget at the largest batch size")
+    # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
+    per_precision: dict[str, dict[str, float]] = Field(
+        default_factory=lambda: {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
+                                                                          "max_accuracy_drop": 0.02}},
+        description="overrides of the gates above per precision")
+
+
+class ValidateConfig(Section):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32])
+    warmup: int = Field(5, ge=0)
+    iterations: int = Field(30, ge=1)
+    max_samples: int | None = Field(None, description="cap on held-out samples used for accuracy")
+    gates: GatesConfig = Field(default_factory=GatesConfig)
+
+
+class PackageConfig(Section):
+    enabled: bool = True
+    triton: bool = Field(True, description="write a Triton model repository")
+    max_batch_size: int = Field(32, ge=0)
+
+
+class KilnConfig(Section):
+    name: str = "kiln"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    optimize: OptimizeConfig = Field(default_factory=OptimizeConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    build: BuildConfig = Field(default_factory=BuildConfig)
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    package: PackageConfig = Field(default_factory=PackageConfig)
+
+    model_config = Section.model_config | {"populate_by_name": True}
+
+    def section(self, name: str) -> Section:
+        return getattr(self, "validate_" if name == "validate" else name)
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]).replace("validate_", "validate")
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(tuple(p for p in e["loc"][:-1]))
+            valid = ", ".join(sorted(_field_names(parent))) if parent else "?"
+            lines.append(f"unknown key '{key}' (valid keys here: {valid})")
+        elif e["type"] == "literal_error":
+            lines.append(f"'{key}': {e['msg']}, got {e.get('input')!r}")
+        else:
+            lines.append(f"'{key}': {e['msg']} (got {e.get('input')!r})")
+    return f"invalid config {source}: " + "; ".join(lines)
+
+
+def _field_names(model: type[Section]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[Section] | None:
+    model: Any = KilnConfig
+    for part in loc:
+        fields = {(f.alias or n): f for n, f in model.model_fields.items()} | model.model_fields
+        field = fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, Section)):
+            return None
+        model = field.annotation
+    return model
+
+
+def config_from_dict(data: dict[str, Any], source: str = "") -> KilnConfig:
+    try:
+        return KilnConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source), hint="see `kiln config` for every key and its default") from None
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> KilnConfig:
+    """Read a YAML/TOML/JSON file (or the built-in demo when ``path`` is None) and validate it."""
+    data: dict[str, Any] = {}
+    source = "(built-in demo)"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise InputFileError(f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo")
+        text = p.read_text()
+        try:
+            if p.suffix == ".toml":
+                data = tomllib.loads(text)
+            elif p.suffix == ".json":
+                data = json.loads(text)
+            else:
+                data = yaml.safe_load(text) or {}
+        except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot parse config {p}: {exc}", hint="fix the file's syntax") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {p} must be a mapping of sections, got {type(data).__name__}")
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    config = config_from_dict(data, source)
+    _check_files(config, Path(path).parent if path else Path.cwd())
+    return config
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _check_files(config: KilnConfig, base: Path) -> None:
+    ckpt = config.model.checkpoint
+    if ckpt is not None:
+        p = Path(ckpt) if Path(ckpt).is_absolute() else base / ckpt
+        if not p.is_file():
+            raise InputFileError(f"model.checkpoint not found: {p}", hint="fix the path or remove model.checkpoint to train")
+        config.model.checkpoint = str(p.resolve())
+
+
+StageName = Literal["train", "export", "optimize", "precision", "build", "validate", "package"]

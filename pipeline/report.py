@@ -1,0 +1,66 @@
+"""report.json (machine-readable) and report.md (for people), written into the workdir after every run."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import write_json_atomic, write_text_atomic
+from pipeline.config import KilnConfig
+from pipeline.env import environment
+from pipeline.runner import RunResult
+
+
+def build_report(result: RunResult, config: KilnConfig) -> dict[str, Any]:
+    stages = {r.name: {"status": r.status, "seconds": round(r.seconds, 3), **({"error": r.error} if r.error else {}),
+                       "summary": r.summary} for r in result.records}
+    validation = next((r.summary for r in result.records if r.name == "validate" and r.summary), None)
+    report: dict[str, Any] = {"name": config.name, "ok": result.ok, "stages": stages, "environment": environment()}
+    if result.error is not None:
+        report["error"] = str(result.error)
+    if validation:
+        report["validation"] = {k: validation[k] for k in ("passed", "baseline", "engines", "failures")}
+    return report
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Kiln report: {report['name']}", "", f"**Result: {'PASSED' if report['ok'] else 'FAILED'}**", ""]
+    if "error" in report:
+        lines += [f"> {report['error']}", ""]
+    lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
+    lines += [f"| {n} | {s['status']} | {s['seconds']:.2f} |" for n, s in report["stages"].items()]
+    v = report.get("validation")
+    if v:
+        b = v["baseline"]
+        sizes = list(b["latency_ms"])
+        lines += ["", "## Validation against PyTorch", "",
+                  f"Baseline: PyTorch FP32 on CPU, accuracy {b['accuracy']:.4f} on {b['samples']} held-out samples.", "",
+                  "| engine | precision | passed | max abs err | cosine | top-1 agree | accuracy | "
+                  + " | ".join(f"p50 ms @{s}" for s in sizes) + f" | speedup @{sizes[-1]} |",
+                  "|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|"]
+        lines.append("| pytorch (baseline) | fp32 | | | | | " + f"{b['accuracy']:.4f} | "
+                     + " | ".join(f"{b['latency_ms'][s]['p50']:.3f}" for s in sizes) + " | 1.00 |")
+        for e in v["engines"]:
+            if e.get("status") != "validated":
+                lines.append(f"| {e['name']} | {e['precision']} | not run: {e.get('reason', '')} |" + " |" * (5 + len(sizes)))
+                continue
+            lat = " | ".join(f"{e['latency_ms'][s]['p50']:.3f}" for s in sizes)
+            lines.append(f"| {e['name']} | {e['precision']} | {'yes' if e['passed'] else '**no**'} | "
+                         f"{e['max_abs_err']:.2e} | {_fmt(e['cosine'], '.6f')} | {e['top1_agreement']:.4f} | "
+                         f"{e['accuracy']:.4f} | {lat} | {e['speedup_vs_baseline'][sizes[-1]]:.2f} |")
+        if v["failures"]:
+            lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v["failures"]]
+    env = report["environment"]
+    lines += ["", "## Environment", "", ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+              f"python {env['python']}, GPU: {env.get('gpu', 'none')}", ""]
+    return "\n".join(lines)
+
+
+def write_report(result: RunResult, config: KilnConfig, workdir: Path) -> dict[str, Any]:
+    report = build_report(result, config)
+    write_json_atomic(workdir / "report.json", report)
+    write_text_atomic(workdir / "report.md", render_markdown(report))
+    return report

@@ -1,0 +1,138 @@
+"""Runs stages in order, skipping those whose cache key matches what is already in the workdir.
+
+A stage's key hashes its code, its config sections, its inputs' content hashes and the environment it
+depends on. Outputs go to ``<workdir>/<stage>/`` through a staging folder renamed into place, with a
+``manifest.json``; an interrupted run leaves finished stages intact, so the next run resumes after them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import atomic_dir, clean_stale_staging, hash_json, hash_source, hash_tree, write_json_atomic
+from pipeline.config import KilnConfig
+from pipeline.env import environment
+from pipeline.errors import GateFailure, KilnError
+from pipeline.progress import Progress, SilentProgress
+from pipeline.stage import Stage, StageContext
+
+MANIFEST = "manifest.json"
+log = logging.getLogger("kiln")
+
+
+@dataclass
+class StageRecord:
+    name: str
+    status: str  # ran | cached | skipped | failed | not-run
+    seconds: float = 0.0
+    key: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class RunResult:
+    workdir: Path
+    records: list[StageRecord]
+    error: KilnError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((stage_dir / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def outputs_intact(stage_dir: Path, manifest: dict[str, Any]) -> bool:
+    """Cheap integrity check: every recorded output exists with its recorded size."""
+    sizes = manifest.get("sizes", {})
+    return all((stage_dir / rel).is_file() and (stage_dir / rel).stat().st_size == n for rel, n in sizes.items())
+
+
+def cache_key(stage: Stage, config: KilnConfig, workdir: Path) -> tuple[str, dict[str, Any]]:
+    inputs = {}
+    for up in stage.inputs:
+        m = read_manifest(workdir / up)
+        inputs[up] = hash_json(m["outputs"]) if m else None
+    parts = {
+        "code": hash_source(*stage.code),
+        "config": {s: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v)
+                   for s in stage.sections for v in [config.section(s) if s not in ("seed", "name") else getattr(config, s)]},
+        "inputs": inputs,
+        "env": stage.env(config),
+    }
+    return hash_json(parts), parts
+
+
+class Runner:
+    def __init__(self, config: KilnConfig, workdir: Path, stages: list[Stage], progress: Progress | None = None,
+                 on_event: Any = None) -> None:
+        self.config, self.workdir, self.stages = config, Path(workdir), stages
+        self.progress = progress or SilentProgress()
+        self.on_event = on_event or (lambda record: None)
+
+    def run(self, force: set[str] | None = None, start: str | None = None, stop: str | None = None) -> RunResult:
+        """``force``: rerun these stages; ``start``: rerun from this stage on; ``stop``: end after this stage."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        clean_stale_staging(self.workdir)
+        names = [s.name for s in self.stages]
+        force = set(force or ())
+        if start is not None:
+            force |= set(names[names.index(start):])
+        records: list[StageRecord] = []
+        error: KilnError | None = None
+        for stage in self.stages:
+            if error is not None:
+                records.append(StageRecord(stage.name, "not-run"))
+                continue
+            try:
+                record = self._run_one(stage, stage.name in force)
+            except KilnError as exc:
+                record = StageRecord(stage.name, "failed", error=str(exc))
+                error = exc
+            records.append(record)
+            self.on_event(record)
+            if record.status != "failed" and record.summary.get("passed") is False and error is None:
+                error = GateFailure(f"validation gates failed: {record.summary.get('failures_text', 'see report')}",
+                                    hint="see report.md; relax validate.gates only if the numbers are acceptable")
+            if stop is not None and stage.name == stop:
+                break
+        return RunResult(self.workdir, records, error)
+
+    def _run_one(self, stage: Stage, forced: bool) -> StageRecord:
+        final = self.workdir / stage.name
+        key, parts = cache_key(stage, self.config, self.workdir)
+        missing = [up for up in stage.inputs if parts["inputs"][up] is None]
+        if missing:
+            raise KilnError(f"stage '{stage.name}' needs the output of {missing}, which is missing",
+                            hint=f"run `kiln run --from {missing[0]}` first")
+        old = read_manifest(final)
+        if not forced and old and old.get("key") == key and outputs_intact(final, old):
+            log.info("%s: cached (key %s)", stage.name, key[:12])
+            return StageRecord(stage.name, "cached", old.get("seconds", 0.0), key, old.get("summary", {}))
+        log.info("%s: running", stage.name)
+        t0 = time.perf_counter()
+        with atomic_dir(final) as out:
+            ctx = StageContext(stage.name, self.config, self.workdir, out,
+                               {up: self.workdir / up for up in stage.inputs}, self.progress)
+            summary = stage.run(ctx)
+            seconds = time.perf_counter() - t0
+            status = summary.pop("status", "ran")
+            outputs = hash_tree(out, exclude=(MANIFEST,))
+            write_json_atomic(out / MANIFEST, {
+                "stage": stage.name, "key": key, "key_parts": parts, "status": status,
+                "outputs": outputs, "sizes": {rel: (out / rel).stat().st_size for rel in outputs},
+                "summary": summary, "seconds": seconds,
+                "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "environment": environment(),
+            })
+        return StageRecord(stage.name, status, seconds, key, summary)

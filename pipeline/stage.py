@@ -1,0 +1,61 @@
+"""What a stage is (a function of its config and upstream artifacts) and what it is handed when it runs."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from models.datasets import DatasetSplits
+from pipeline.config import KilnConfig
+from pipeline.progress import Progress, SilentProgress
+
+
+@dataclass
+class StageContext:
+    """Everything a stage may use. A stage writes only into ``out`` (a staging folder made final atomically)."""
+
+    name: str
+    config: KilnConfig
+    workdir: Path
+    out: Path
+    inputs: dict[str, Path]
+    progress: Progress = field(default_factory=SilentProgress)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("kiln"))
+    _data: DatasetSplits | None = None
+
+    @property
+    def cache_dir(self) -> Path:
+        """Long-lived caches shared across stages and runs (timing cache, calibration cache)."""
+        p = self.workdir / "cache"
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def dataset(self) -> DatasetSplits:
+        if self._data is None:
+            from stages.train.model_io import dataset_for
+
+            self._data = dataset_for(self.config)
+        return self._data
+
+
+StageFn = Callable[[StageContext], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline step.
+
+    ``inputs``: upstream stages whose artifacts it reads. ``sections``: config sections its result depends on.
+    ``code``: modules whose source is hashed as the stage's code version. ``env``: the environment facts
+    (library versions, device) that belong in its cache key.
+    """
+
+    name: str
+    run: StageFn
+    inputs: tuple[str, ...]
+    sections: tuple[str, ...]
+    code: tuple[ModuleType, ...]
+    env: Callable[[KilnConfig], dict[str, Any]]
+    description: str = ""

@@ -1,0 +1,71 @@
+"""The ordered list of pipeline stages: what each reads, which config it depends on, and its code."""
+from __future__ import annotations
+
+from typing import Any
+
+import calibration
+import stages.build
+import stages.build.stage as build_stage
+import stages.export as export_stage
+import stages.optimize
+import stages.optimize.stage as optimize_stage
+import stages.package as package_stage
+import stages.precision
+import stages.precision.stage as precision_stage
+import stages.train
+import stages.train.stage as train_stage
+import stages.validate as validate_stage
+from pipeline.config import KilnConfig
+from pipeline.env import environment_subset
+from pipeline.stage import Stage
+
+
+def _train_env(cfg: KilnConfig) -> dict[str, Any]:
+    return environment_subset("torch", device=True)
+
+
+def _torch_ort_env(cfg: KilnConfig) -> dict[str, Any]:
+    return environment_subset("torch", "onnx", "onnxruntime")
+
+
+def _onnx_env(cfg: KilnConfig) -> dict[str, Any]:
+    return environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime")
+
+
+def _build_env(cfg: KilnConfig) -> dict[str, Any]:
+    # Engines depend on the library that built them and on the GPU they were tuned for.
+    return environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", device=True)
+
+
+def _validate_env(cfg: KilnConfig) -> dict[str, Any]:
+    return environment_subset("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", device=True)
+
+
+STAGES: list[Stage] = [
+    Stage("train", train_stage.run, (), ("seed", "model", "data", "train"), (stages.train,), _train_env,
+          "train the model (AMP, gradient accumulation) or load a checkpoint"),
+    Stage("export", export_stage.run, ("train",), ("model", "data", "export"), (export_stage,), _torch_ort_env,
+          "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity"),
+    Stage("optimize", optimize_stage.run, ("export",), ("optimize",), (stages.optimize,), _onnx_env,
+          "graph passes with onnx-graphsurgeon"),
+    Stage("precision", precision_stage.run, ("optimize", "train"), ("seed", "data", "precision", "calibration"),
+          (stages.precision, calibration), _onnx_env,
+          "FP16 mixed precision and INT8 (Q/DQ) graphs"),
+    Stage("build", build_stage.run, ("precision",), ("build",), (stages.build,), _build_env,
+          "ONNX Runtime and TensorRT engines"),
+    Stage("validate", validate_stage.run, ("train", "build"), ("seed", "data", "validate"), (validate_stage,),
+          _validate_env, "accuracy and latency of every engine vs PyTorch, with gates"),
+    Stage("package", package_stage.run, ("train", "build", "validate"), ("name", "package"), (package_stage,),
+          lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository"),
+]
+
+STAGE_NAMES = [s.name for s in STAGES]
+
+
+def stage_named(name: str) -> Stage:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    from pipeline.errors import ConfigError
+
+    raise ConfigError(f"unknown stage '{name}'", hint=f"use one of {', '.join(STAGE_NAMES)}")

@@ -1,0 +1,4 @@
+"""Engine builders (ONNX Runtime, TensorRT) and runners that load a built engine directory.
+
+Serving code loads an engine with :func:`stages.build.engines.load_engine`.
+"""

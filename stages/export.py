@@ -1,0 +1,88 @@
+"""Export stage: the trained PyTorch model to ONNX with a dynamic batch axis, checked and shape-inferred,
+and proven to compute the same function (ONNX Runtime vs PyTorch on held-out data)."""
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from pipeline.errors import ModelError
+from pipeline.onnx_io import check_onnx, infer_shapes, input_feed, load_onnx, ort_run, ort_session, save_onnx
+from pipeline.stage import StageContext
+from stages.train.model_io import load_trained
+
+INPUT_NAME, OUTPUT_NAME = "input", "logits"
+log = logging.getLogger("kiln.export")
+
+
+def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int = 18,
+                dynamic_batch: bool = True) -> onnx.ModelProto:
+    """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes."""
+    model = model.eval()
+    errors = []
+    for dynamo in (True, False):
+        try:
+            _export(model, example, path, opset, dynamic_batch, dynamo)
+            break
+        except Exception as exc:  # the exporter raises many types; keep the message for the user
+            errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {str(exc).splitlines()[0][:300]}")
+    else:
+        raise ModelError("torch.onnx.export failed: " + " | ".join(errors),
+                         hint="the model may use an op ONNX cannot express; see the message above")
+    proto = infer_shapes(load_onnx(path))
+    check_onnx(proto, "exported model")
+    save_onnx(proto, path)
+    return proto
+
+
+def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dynamic_batch: bool,
+            dynamo: bool) -> None:
+    kw: dict[str, Any] = dict(input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=opset,
+                              dynamo=dynamo)
+    if dynamo:
+        # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
+        kw["optimize"] = False
+    if dynamic_batch:
+        if dynamo:
+            kw["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=65536)},)
+        else:
+            kw["dynamic_axes"] = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}
+    with warnings.catch_warnings(), redirect_stdout(io.StringIO()):  # the exporter prints progress chatter
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), str(path), **kw)
+
+
+def parity(model: nn.Module, onnx_path: Path, x: torch.Tensor) -> dict[str, float]:
+    with torch.no_grad():
+        ref = model(x).numpy()
+    sess = ort_session(onnx_path)
+    got = ort_run(sess, input_feed(sess, x.numpy()))[0]
+    if got.shape != ref.shape:
+        raise ModelError(f"exported model's output shape {got.shape} differs from PyTorch's {ref.shape}")
+    err = float(np.max(np.abs(got - ref)))
+    return {"max_abs_err": err, "samples": int(len(x))}
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.config.export
+    model = load_trained(ctx.inputs["train"], ctx.config)
+    data = ctx.dataset()
+    path = ctx.out / "model.onnx"
+    proto = export_onnx(model, data.val_x[:2], path, cfg.opset, cfg.dynamic_batch)
+    check = parity(model, path, data.val_x[:256])
+    if check["max_abs_err"] > cfg.parity_atol:
+        raise ModelError(f"ONNX export differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
+                         f"export.parity_atol {cfg.parity_atol:g}",
+                         hint="raise export.parity_atol, or check the model for ops that export inexactly")
+    log.info("exported %d nodes, opset %d, parity max abs err %.2e", len(proto.graph.node),
+             proto.opset_import[0].version, check["max_abs_err"])
+    return {"nodes": len(proto.graph.node), "opset": max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
+            "parity": check}

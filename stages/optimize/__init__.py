@@ -1,0 +1,1 @@
+"""Graph optimization with onnx-graphsurgeon."""

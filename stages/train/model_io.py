@@ -1,0 +1,81 @@
+"""Load/save the trained model and find the run's dataset: the contract between train and later stages.
+
+The train stage writes ``model.safetensors`` (state dict) and ``model.json`` (how to rebuild the module).
+Checkpoints are read with safetensors or ``torch.load(weights_only=True)``: never arbitrary pickles.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.datasets import DatasetSplits
+from models.registry import DEFAULT_DATASET, build_model, load_dataset
+from pipeline.config import KilnConfig
+from pipeline.errors import ConfigError, InputFileError
+
+WEIGHTS = "model.safetensors"
+SPEC = "model.json"
+
+
+def dataset_for(config: KilnConfig) -> DatasetSplits:
+    name = config.data.name or DEFAULT_DATASET.get(config.model.name)
+    if name is None:
+        raise ConfigError(f"no dataset configured for model '{config.model.name}'",
+                          hint="set data.name to a built-in dataset or 'package.module:function'")
+    params = dict(config.data.params)
+    params.setdefault("seed", config.seed) if name in DEFAULT_DATASET.values() else None
+    return load_dataset(name, params)
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise InputFileError(f"checkpoint not found: {path}", hint="fix model.checkpoint")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # corrupt or not a checkpoint: a user problem, not a Kiln bug
+        raise InputFileError(f"cannot read checkpoint {path}: {exc}",
+                             hint="give a safetensors file or a torch.save'd state_dict") from None
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]
+    if not isinstance(state, dict):
+        raise InputFileError(f"checkpoint {path} holds {type(state).__name__}, not a state dict",
+                             hint="save with torch.save(model.state_dict(), path)")
+    return state
+
+
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0:3]
+        raise ModelShapeError(f"checkpoint {source} does not fit model: {' '.join(first)}") from None
+    return model
+
+
+class ModelShapeError(InputFileError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, hint="check model.name/model.params match the checkpoint's architecture")
+
+
+def save_trained(out: Path, model: nn.Module, config: KilnConfig, extra: dict[str, Any] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(out / WEIGHTS))
+    spec = {"model": config.model.name, "params": config.model.params, **(extra or {})}
+    (out / SPEC).write_text(json.dumps(spec, indent=2, sort_keys=True))
+
+
+def load_trained(train_dir: Path, config: KilnConfig) -> nn.Module:
+    """Rebuild the model from the config and load the train stage's weights; eval mode, FP32, CPU."""
+    model = build_model(config.model.name, config.model.params)
+    load_weights(model, read_state_dict(train_dir / WEIGHTS), str(train_dir / WEIGHTS))
+    return model.float().eval()
