@@ -55,9 +55,16 @@ def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dyn
             kw["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=65536)},)
         else:
             kw["dynamic_axes"] = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}
-    with warnings.catch_warnings(), redirect_stdout(io.StringIO()):  # the exporter prints progress chatter
-        warnings.simplefilter("ignore")
-        torch.onnx.export(model, (example,), str(path), **kw)
+    # The exporter prints progress chatter and warns about optional torchvision ops; keep the user's console clean.
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (example,), str(path), **kw)
+    finally:
+        quiet.setLevel(level)
 
 
 def parity(model: nn.Module, onnx_path: Path, x: torch.Tensor) -> dict[str, float]:

@@ -1,0 +1,28 @@
+"""The Python API behind the CLI: run the pipeline (or some stages of it) and write the report."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.config import KilnConfig
+from pipeline.progress import Progress
+from pipeline.report import write_report
+from pipeline.runner import Runner, RunResult, StageRecord
+from pipeline.stages import STAGES, STAGE_NAMES, stage_named
+
+
+def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | None = None, start: str | None = None,
+                 stop: str | None = None, only: list[str] | None = None, progress: Progress | None = None,
+                 on_stage: Callable[[StageRecord], Any] | None = None) -> tuple[RunResult, dict[str, Any]]:
+    """Run stages in order with caching; ``only`` restricts to those stages (their inputs must exist)."""
+    for name in [*(force or ()), start, stop, *(only or ())]:
+        if name is not None:
+            stage_named(name)  # raises ConfigError listing valid stage names
+    stages = [s for s in STAGES if only is None or s.name in only]
+    workdir = Path(workdir)
+    result = Runner(config, workdir, stages, progress, on_stage).run(force=force, start=start, stop=stop)
+    report = write_report(result, config, workdir)
+    return result, report
+
+
+__all__ = ["run_pipeline", "STAGE_NAMES"]

@@ -1,0 +1,101 @@
+"""Single stages applied straight to files, for users who bring their own model (no workdir, no cache)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import KilnConfig
+from pipeline.errors import ConfigError, InputFileError
+from pipeline.onnx_io import input_feed, load_onnx, ort_session
+
+
+def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
+    from models.registry import build_model
+    from stages.export import export_onnx, parity
+    from stages.train.model_io import dataset_for, load_weights, read_state_dict
+
+    model = build_model(cfg.model.name, cfg.model.params)
+    if checkpoint:
+        load_weights(model, read_state_dict(Path(checkpoint)), checkpoint)
+    model.eval()
+    if input_shape:
+        try:
+            shape = tuple(int(s) for s in input_shape.split(","))
+        except ValueError:
+            raise ConfigError(f"--input-shape '{input_shape}' is not comma-separated integers", hint="e.g. 3,224,224") from None
+        example = torch.randn(2, *shape)
+    else:
+        example = dataset_for(cfg).val_x[:2]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch)
+    check = parity(model, output, example)
+    return {"path": str(output), "nodes": len(proto.graph.node), **check}
+
+
+def optimize_direct(src: Path, dst: Path, cfg: KilnConfig) -> dict[str, Any]:
+    from stages.optimize.api import optimize_file
+
+    if not src.is_file():
+        raise InputFileError(f"ONNX file not found: {src}", hint="check the path")
+    return optimize_file(src, dst, cfg.optimize)
+
+
+def build_direct(src: Path, out: Path, backend: str, device: str, precision: str, cfg: KilnConfig) -> dict[str, Any]:
+    from stages.build.stage import build_engine
+
+    load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
+    out.mkdir(parents=True, exist_ok=True)
+    cache = out.parent / ".kiln-cache"
+    return build_engine(src, out, backend, device, precision, cfg.build, cache)
+
+
+def random_feed(specs: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feed = {}
+    for s in specs:
+        shape = [batch if i == 0 and not isinstance(d, int) or d == 0 else d for i, d in enumerate(s["shape"])]
+        if any(not isinstance(d, int) for d in shape):
+            raise ConfigError(f"input '{s['name']}' has symbolic dims {s['shape']} beyond the batch axis",
+                              hint="pass --inputs file.npz with concrete arrays")
+        if s["dtype"].startswith("int"):
+            feed[s["name"]] = rng.integers(0, 2, size=shape).astype(s["dtype"])
+        else:
+            feed[s["name"]] = rng.standard_normal(shape).astype(s["dtype"])
+    return feed
+
+
+def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> dict[str, Any]:
+    from stages.build.engines import load_engine, read_metadata
+    from stages.validate import check_gates, compare, gates_for, percentiles
+
+    meta = read_metadata(engine_dir)
+    if inputs is not None:
+        if not inputs.is_file():
+            raise InputFileError(f"inputs file not found: {inputs}", hint="give an .npz with one array per input name")
+        feed = dict(np.load(inputs))
+    else:
+        feed = random_feed(meta["inputs"], batch=max(cfg.validate_.batch_sizes))
+    ref_sess = ort_session(load_onnx(reference))
+    ref_names = [i.name for i in ref_sess.get_inputs()]
+    if sorted(ref_names) != sorted(feed):
+        raise InputFileError(f"reference inputs {ref_names} differ from the engine's/feed's {sorted(feed)}",
+                             hint="validate an engine against the ONNX model it was built from")
+    ref = ref_sess.run(None, feed)[0]
+    with load_engine(engine_dir) as runner:
+        got = next(iter(runner.infer(feed).values()))
+        t = runner.time_ms(feed, cfg.validate_.warmup, cfg.validate_.iterations)
+    if got.shape != ref.shape:
+        raise InputFileError(f"engine output shape {got.shape} differs from the reference's {ref.shape}",
+                             hint="the engine was built from a different model")
+    entry: dict[str, Any] = {"name": meta["name"], **compare(ref, got, ref.argmax(-1))}
+    batch = str(len(next(iter(feed.values()))))
+    entry["latency_ms"] = {batch: percentiles(t)}
+    gates = gates_for(cfg.validate_, meta["precision"])
+    gates["max_accuracy_drop"] = 1.0  # no labels: accuracy is agreement with the reference, already gated
+    entry["failures"] = check_gates(entry, 1.0, gates, int(batch))
+    entry["passed"] = not entry["failures"]
+    return entry

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny configs that run the real pipeline in seconds."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipeline.config import KilnConfig, config_from_dict
+
+HAS_TRT = any(importlib.util.find_spec(m) is not None for m in ("tensorrt", "tensorrt_rtx"))
+
+
+def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "name": "tiny",
+        "model": {"name": "cnn", "params": {"width": 8, "depth": 2}},
+        "train": {"epochs": 2, "batch_size": 128},
+        "validate": {"batch_sizes": [1, 8], "warmup": 1, "iterations": 3, "max_samples": 128},
+        "build": {"backends": ["onnxruntime"]},
+    }
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg
+
+
+@pytest.fixture
+def tiny_config() -> KilnConfig:
+    return config_from_dict(tiny_config_dict())
+
+
+@pytest.fixture(autouse=True)
+def _few_threads() -> None:
+    torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
+    skip_trt = pytest.mark.skip(reason="needs the tensorrt or tensorrt_rtx Python package (pip install 'kiln[rtx]')")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "tensorrt" in item.keywords and not HAS_TRT:
+            item.add_marker(skip_trt)
+
+
+@pytest.fixture
+def write_yaml(tmp_path: Path):
+    import yaml
+
+    def _write(data: dict[str, Any], name: str = "kiln.yaml") -> Path:
+        p = tmp_path / name
+        p.write_text(yaml.safe_dump(data))
+        return p
+
+    return _write

@@ -1,0 +1,82 @@
+"""The CLI through click's CliRunner: help everywhere, exit codes, clean errors (no tracebacks)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from tests.conftest import tiny_config_dict
+
+COMMANDS = ["run", "config", "train", "export", "optimize", "precision", "build", "validate", "package"]
+
+
+@pytest.fixture
+def cli() -> CliRunner:
+    return CliRunner()
+
+
+def assert_clean_error(result, code: int, *needles: str) -> None:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    for n in needles:
+        assert n in result.output, result.output
+
+
+@pytest.mark.parametrize("cmd", [None, *COMMANDS])
+def test_help(cli: CliRunner, cmd: str | None) -> None:
+    result = cli.invoke(main, [cmd, "--help"] if cmd else ["--help"])
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_config_prints_resolved_yaml(cli: CliRunner) -> None:
+    result = cli.invoke(main, ["config", "--set", "train.epochs=3"])
+    data = yaml.safe_load(result.output)
+    assert result.exit_code == 0 and data["train"]["epochs"] == 3 and "validate" in data
+
+
+def test_bad_config_key(cli: CliRunner, write_yaml) -> None:
+    result = cli.invoke(main, ["run", str(write_yaml({"train": {"epoch": 2}}))])
+    assert_clean_error(result, 2, "unknown key 'train.epoch'", "fix:")
+
+
+def test_missing_config_file(cli: CliRunner, tmp_path: Path) -> None:
+    assert_clean_error(cli.invoke(main, ["run", str(tmp_path / "nope.yaml")]), 2, "config file not found")
+
+
+def test_unknown_stage_name(cli: CliRunner, tmp_path: Path) -> None:
+    result = cli.invoke(main, ["run", "--until", "deploy", "-w", str(tmp_path)])
+    assert_clean_error(result, 2, "unknown stage 'deploy'", "package")
+
+
+def test_stage_without_upstream_says_what_to_run(cli: CliRunner, tmp_path: Path) -> None:
+    result = cli.invoke(main, ["build", "-w", str(tmp_path / "empty")])
+    assert_clean_error(result, 2, "needs the output of ['precision']", "kiln run --from precision")
+
+
+def test_corrupt_onnx(cli: CliRunner, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00not an onnx model at all")
+    assert_clean_error(cli.invoke(main, ["build", str(bad), "-o", str(tmp_path / "e")]), 2, "not a readable ONNX model")
+
+
+def test_missing_onnx(cli: CliRunner, tmp_path: Path) -> None:
+    assert_clean_error(cli.invoke(main, ["optimize", str(tmp_path / "m.onnx")]), 2, "not found")
+
+
+def test_run_then_stage_commands(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    cfg = str(write_yaml(tiny_config_dict()))
+    wd = str(tmp_path / "wd")
+    first = cli.invoke(main, ["run", cfg, "-w", wd, "--quiet"])
+    assert first.exit_code == 0, first.output
+    assert (Path(wd) / "package" / "triton").is_dir()
+    again = cli.invoke(main, ["validate", "-c", cfg, "-w", wd, "--quiet"])
+    assert again.exit_code == 0, again.output
+
+
+def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    cfg = str(write_yaml(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9})))
+    result = cli.invoke(main, ["run", cfg, "-w", str(tmp_path / "wd"), "--quiet"])
+    assert_clean_error(result, 3, "validation gates failed", "p50 latency")

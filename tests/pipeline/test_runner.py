@@ -1,0 +1,86 @@
+"""The cache and resume behaviour of the stage runner, on the real pipeline with a tiny model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.api import run_pipeline
+from pipeline.config import config_from_dict
+from pipeline.errors import BuildError
+from pipeline.runner import Runner
+from pipeline.stages import STAGES
+from tests.conftest import tiny_config_dict
+
+
+def statuses(result) -> dict[str, str]:
+    return {r.name: r.status for r in result.records}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    cfg = config_from_dict(tiny_config_dict())
+    result, report = run_pipeline(cfg, workdir)
+    return workdir, result, report
+
+
+def test_first_run_runs_everything_and_passes(first_run) -> None:
+    workdir, result, report = first_run
+    assert result.ok, result.error
+    assert set(statuses(result).values()) == {"ran"}
+    assert report["validation"]["passed"] is True
+    ort = [e for e in report["validation"]["engines"] if e["backend"] == "onnxruntime"]
+    assert ort and ort[0]["cosine"] >= 0.9999 and ort[0]["top1_agreement"] == 1.0
+    assert {"p50", "p90", "p99"} <= set(ort[0]["latency_ms"]["8"])
+    on_disk = json.loads((workdir / "report.json").read_text())
+    assert on_disk["stages"]["train"]["status"] == "ran" and (workdir / "report.md").read_text().startswith("# Kiln")
+
+
+def test_rerun_is_fully_cached(first_run) -> None:
+    workdir, _, _ = first_run
+    result, report = run_pipeline(config_from_dict(tiny_config_dict()), workdir)
+    assert set(statuses(result).values()) == {"cached"}
+    assert report["validation"]["passed"] is True
+
+
+def test_changing_one_setting_reruns_only_downstream(first_run) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
+    result, _ = run_pipeline(cfg, workdir)
+    assert statuses(result) == {"train": "cached", "export": "cached", "optimize": "cached", "precision": "cached",
+                                "build": "ran", "validate": "ran", "package": "ran"}
+
+
+def test_force_and_stop(first_run) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
+    result, _ = run_pipeline(cfg, workdir, force={"optimize"}, stop="optimize")
+    assert statuses(result) == {"train": "cached", "export": "cached", "optimize": "ran"}
+
+
+def test_failed_stage_keeps_earlier_work_and_rerun_resumes(tmp_path: Path) -> None:
+    cfg = config_from_dict(tiny_config_dict())
+
+    def broken_build(ctx):
+        (ctx.out / "half-written.plan").write_bytes(b"x")
+        raise BuildError("simulated builder failure")
+
+    stages = [dataclasses.replace(s, run=broken_build) if s.name == "build" else s for s in STAGES]
+    result = Runner(cfg, tmp_path, stages).run()
+    assert isinstance(result.error, BuildError)
+    assert statuses(result) == {"train": "ran", "export": "ran", "optimize": "ran", "precision": "ran",
+                                "build": "failed", "validate": "not-run", "package": "not-run"}
+    assert not (tmp_path / "build").exists()  # nothing half-written left as if it were finished
+    resumed, _ = run_pipeline(cfg, tmp_path)
+    assert statuses(resumed)["train"] == "cached" and statuses(resumed)["build"] == "ran" and resumed.ok
+
+
+def test_gate_failure_fails_the_run_with_values(tmp_path: Path) -> None:
+    cfg = config_from_dict(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9}))
+    result, report = run_pipeline(cfg, tmp_path)
+    assert not result.ok and "max_latency" not in str(result.error)
+    assert "p50 latency" in str(result.error) and report["validation"]["passed"] is False
+    assert statuses(result)["package"] == "not-run"
