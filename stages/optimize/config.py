@@ -1,13 +1,52 @@
 """Settings of the optimize stage."""
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any, Union
+
+from pydantic import Field, field_validator
 
 from pipeline.sections import Section
 
-DEFAULT_PASSES = ["fold_constants", "cleanup", "toposort"]
+# Order matters: fold first so patterns see constants, fuse, then fold/clean again what fusions exposed.
+DEFAULT_PASSES: list[str] = [
+    "fold_constants",
+    "eliminate_identity",
+    "eliminate_noop",
+    "fold_conv_bn",
+    "fold_conv_add",
+    "merge_transposes",
+    "merge_reshapes",
+    "fold_scalar_mul",
+    "fuse_layernorm",
+    "fuse_gelu",
+    "canonical_softmax",
+    "merge_qkv",
+    "matmul_add_to_gemm",
+    "cse",
+    "fold_constants",
+    "remove_unused_initializers",
+    "toposort",
+]
 
 
 class OptimizeConfig(Section):
-    passes: list[str] = Field(default_factory=lambda: list(DEFAULT_PASSES), description="graph passes, in order")
-    verify: bool = Field(True, description="check each pass keeps the graph's function; roll back if not")
+    passes: list[Union[str, dict[str, Any]]] = Field(
+        default_factory=lambda: list(DEFAULT_PASSES),
+        description="graph passes in order: names, or {name: ..., <params>} mappings (see stages.optimize.registry)")
+    verify: bool = Field(True, description="after each pass, compare before/after in ONNX Runtime; roll back a pass "
+                                           "that changes outputs")
+    rtol: float = Field(1e-4, gt=0, description="safety net: allowed error relative to the largest reference output")
+    atol: float = Field(1e-5, ge=0, description="safety net: allowed absolute error")
+    verify_batch: int = Field(2, ge=1, description="safety net: size given to dynamic (symbolic) input axes")
+    int_high: int = Field(16, ge=0, description="safety net: integer inputs are drawn from [0, int_high]")
+    seed: int = Field(0, description="safety net: seed of the random inputs")
+
+    @field_validator("passes")
+    @classmethod
+    def _known_passes(cls, v: list[Union[str, dict[str, Any]]]) -> list[Union[str, dict[str, Any]]]:
+        # Raises ConfigError (listing the available passes) for unknown names or bad params, at config load.
+        from stages.optimize.registry import resolve
+
+        for entry in v:
+            resolve(entry)
+        return v

@@ -1,0 +1,164 @@
+"""Run a configured list of passes over an ONNX model, with the safety net and a per-pass report."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from pipeline.errors import ModelError
+from pipeline.onnx_io import check_onnx, load_onnx
+from stages.optimize.config import OptimizeConfig
+from stages.optimize.registry import resolve
+from stages.optimize.verify import Verifier
+
+log = logging.getLogger("kiln.optimize")
+_STRIP_BYTES = 4096  # initializers above this are handed to shape inference as dims only
+
+
+def histogram(model: onnx.ModelProto) -> Counter[str]:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
+    return {op: after[op] - before[op] for op in sorted(set(before) | set(after)) if after[op] != before[op]}
+
+
+def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX shape inference (with data propagation) on a copy whose big initializers carry dims but no data:
+    fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` with value_info filled."""
+    light = onnx.ModelProto()
+    light.CopyFrom(_without_initializers(model))
+    for init in model.graph.initializer:
+        t = light.graph.initializer.add()
+        if init.ByteSize() <= _STRIP_BYTES:
+            t.CopyFrom(init)
+        else:  # dims and type only: inference reads nothing else from big tensors
+            t.name, t.data_type = init.name, init.data_type
+            t.dims.extend(init.dims)
+            t.data_location = onnx.TensorProto.EXTERNAL
+            t.external_data.add(key="location", value="__kiln_stripped__")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
+    except Exception as exc:  # inference is a helper for the passes, not a gate: carry on without it
+        log.warning("shape inference failed (%s); passes that need shapes will skip", str(exc).splitlines()[0])
+        return model
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+    return model
+
+
+def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    inits = list(model.graph.initializer)
+    del model.graph.initializer[:]
+    try:
+        shell = onnx.ModelProto()
+        shell.CopyFrom(model)
+    finally:
+        model.graph.initializer.extend(inits)
+    return shell
+
+
+def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
+    out = gs.export_onnx(graph)
+    out.ir_version = like.ir_version
+    out.producer_name, out.producer_version = like.producer_name, like.producer_version
+    del out.metadata_props[:]
+    out.metadata_props.extend(like.metadata_props)
+    return out
+
+
+def _apply(spec: Any, params: Any, model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, int]:
+    """Run one pass on a fresh graph of ``model``. (None, 0) when it matched nothing."""
+    graph = gs.import_onnx(model)
+    changes = spec.fn(graph, params)
+    if not changes:
+        return None, 0
+    graph.cleanup().toposort()
+    return infer_shapes(_export(graph, model)), changes
+
+
+def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """Apply ``cfg.passes`` in order. With ``cfg.verify`` each changed graph is run in ONNX Runtime against the
+    original; a pass that changes the outputs (or crashes) is rolled back and reported by name."""
+    t_start = time.perf_counter()
+    plan = [resolve(e) for e in cfg.passes]
+    current = infer_shapes(model)
+    verifier = None
+    if cfg.verify:
+        try:
+            verifier = Verifier(current, cfg)
+        except Exception as exc:
+            log.warning("safety net off: ONNX Runtime cannot run the input model (%s)", str(exc).splitlines()[0])
+    passes: list[dict[str, Any]] = []
+    for spec, params in plan:
+        t0 = time.perf_counter()
+        hist = histogram(current)
+        entry: dict[str, Any] = {"name": spec.name, "params": params.model_dump(), "nodes_before": len(current.graph.node),
+                                 "changes": 0, "rolled_back": False}
+        try:
+            cand, entry["changes"] = _apply(spec, params, current)
+        except Exception as exc:  # a crashing pass is a Kiln bug; ship the graph without it, say so loudly
+            log.warning("optimize pass %s failed and was skipped: %s", spec.name, exc, exc_info=True)
+            cand, entry["rolled_back"], entry["reason"] = None, True, f"{type(exc).__name__}: {exc}"[:300]
+        if cand is not None and verifier is not None:
+            verdict = verifier.check(cand)
+            entry["max_abs_err"] = verdict.max_abs_err
+            if not verdict.ok:
+                log.warning("optimize pass %s changed the model's outputs and was rolled back: %s",
+                            spec.name, verdict.reason)
+                cand, entry["rolled_back"], entry["reason"] = None, True, verdict.reason
+        if cand is not None:
+            current = cand
+        entry.update(nodes_after=len(current.graph.node), ops_delta=_delta(hist, histogram(current)),
+                     seconds=round(time.perf_counter() - t0, 4))
+        passes.append(entry)
+        log.info("pass %-26s nodes %4d -> %4d%s", spec.name, entry["nodes_before"], entry["nodes_after"],
+                 "  ROLLED BACK" if entry["rolled_back"] else "")
+    summary = {"nodes_before": len(model.graph.node), "nodes_after": len(current.graph.node),
+               "ops_before": dict(histogram(model)), "ops_after": dict(histogram(current)),
+               "verified": verifier is not None, "rolled_back": [p["name"] for p in passes if p["rolled_back"]],
+               "seconds": round(time.perf_counter() - t_start, 3), "passes": passes}
+    return current, summary
+
+
+def save_model(model: onnx.ModelProto, dst: Path, external: bool) -> None:
+    """Write ``model`` to ``dst``; weights go to ``<dst>.data`` when ``external`` or when over 2 GB.
+    A stale data file is removed first: onnx appends to an existing one."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    data = dst.with_name(dst.name + ".data")
+    if data.exists():
+        data.unlink()
+    try:
+        big = model.ByteSize() > 2**31 - 1
+    except ValueError:
+        big = True
+    if external or big:
+        onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(dst))
+
+
+def _uses_external_data(path: Path) -> bool:
+    shell = onnx.load(str(path), load_external_data=False)
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in shell.graph.initializer)
+
+
+def optimize_file(src: Path, dst: Path, cfg: OptimizeConfig) -> dict[str, Any]:
+    """``kiln optimize src -o dst``: any ONNX file, including > 2 GB models whose weights live in external data
+    (the result then keeps its weights in ``<dst>.data`` next to it)."""
+    src, dst = Path(src), Path(dst)
+    model = load_onnx(src)
+    external = _uses_external_data(src)
+    out, summary = optimize_model(model, cfg)
+    if dst.resolve() == src.resolve():
+        raise ModelError(f"refusing to overwrite the input model {src}", hint="choose another -o path")
+    save_model(out, dst, external)
+    check_onnx(dst, "optimized model")
+    summary.update(src=str(src), dst=str(dst), external_data=external or (dst.with_name(dst.name + ".data")).exists())
+    return summary

@@ -1,0 +1,184 @@
+"""Elimination: nodes that compute nothing (Identity, Dropout, no-op Cast/Reshape/Transpose/Expand/Slice),
+redundant Cast chains, duplicate subgraphs (CSE) and unused initializers."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from pydantic import BaseModel
+
+from stages.optimize.passes.util import const, drop, known_shape, producer, replace_uses
+from stages.optimize.registry import register
+
+
+def _bypass(graph: gs.Graph, node: gs.Node, keep: gs.Tensor) -> int:
+    """Readers of ``node``'s output read ``keep`` instead; the node is dropped. 1 if it happened."""
+    if replace_uses(graph, node.outputs[0], keep, via=node):
+        drop(node)
+        return 1
+    return 0
+
+
+@register("eliminate_identity")
+def eliminate_identity(graph: gs.Graph, p: BaseModel) -> int:
+    """Remove Identity nodes and inference-mode Dropout (whose mask output nobody reads)."""
+    n = 0
+    for node in list(graph.nodes):
+        if node.op == "Identity" and node.outputs:
+            n += _bypass(graph, node, node.inputs[0])
+        elif node.op == "Dropout" and node.outputs:
+            training = const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else np.array(False)
+            mask_used = len(node.outputs) > 1 and (node.outputs[1].outputs or node.outputs[1] in graph.outputs)
+            if training is not None and not bool(training) and not mask_used:
+                n += _bypass(graph, node, node.inputs[0])
+    return n
+
+
+# dtype -> dtypes that hold every one of its values exactly (so a round trip through them is lossless)
+_WIDER: dict[str, set[str]] = {
+    "float16": {"float32", "float64"}, "float32": {"float64"}, "bool": {"int8", "int16", "int32", "int64",
+                                                                      "uint8", "float16", "float32", "float64"},
+    "int8": {"int16", "int32", "int64", "float32", "float64"}, "uint8": {"int16", "int32", "int64", "float32",
+                                                                       "float64", "uint16", "uint32", "uint64"},
+    "int16": {"int32", "int64", "float32", "float64"}, "int32": {"int64", "float64"},
+}
+
+
+def _dtype_name(t: gs.Tensor) -> str | None:
+    try:
+        return np.dtype(t.dtype).name if t.dtype is not None else None
+    except TypeError:
+        return None
+
+
+def _cast_target(node: gs.Node) -> str | None:
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"])).name
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _same_shape(a: gs.Tensor, b: gs.Tensor) -> bool:
+    sa, sb = known_shape(a), known_shape(b)
+    return sa is not None and sb is not None and len(sa) == len(sb) and all(
+        x == y and (isinstance(x, int) or (isinstance(x, str) and x)) for x, y in zip(sa, sb))
+
+
+def _opt_const(node: gs.Node, i: int) -> tuple[bool, np.ndarray | None]:
+    """(known, value) of optional input ``i``: absent inputs are known (None), variable ones are not."""
+    if i >= len(node.inputs) or not node.inputs[i].name:
+        return True, None
+    v = const(node.inputs[i])
+    return v is not None, v
+
+
+def _noop_slice(node: gs.Node) -> bool:
+    known = [_opt_const(node, i) for i in range(1, 5)]
+    if not all(k for k, _ in known) or known[0][1] is None or known[1][1] is None:
+        return False
+    starts, ends, axes, steps = (v for _, v in known)
+    axes = axes if axes is not None else np.arange(len(starts))
+    steps = steps if steps is not None else np.ones(len(starts), dtype=np.int64)
+    shape = known_shape(node.inputs[0])
+    for s, e, a, st in zip(starts.ravel(), ends.ravel(), axes.ravel(), steps.ravel()):
+        dim = shape[int(a)] if shape is not None and -len(shape) <= int(a) < len(shape) else None
+        full_end = e >= 2**62 or (isinstance(dim, int) and e >= dim)
+        if s != 0 or st != 1 or not full_end:
+            return False
+    return True
+
+
+def _is_noop(node: gs.Node) -> bool:
+    if node.op == "Cast":
+        return _dtype_name(node.inputs[0]) is not None and _dtype_name(node.inputs[0]) == _cast_target(node)
+    if node.op == "Transpose":
+        perm = node.attrs.get("perm")
+        return perm is not None and list(perm) == list(range(len(perm)))
+    if node.op in ("Reshape", "Expand", "Squeeze", "Unsqueeze", "Flatten"):
+        return _same_shape(node.inputs[0], node.outputs[0])
+    if node.op == "Slice":
+        return _noop_slice(node)
+    return False
+
+
+@register("eliminate_noop")
+def eliminate_noop(graph: gs.Graph, p: BaseModel) -> int:
+    """Remove Cast/Reshape/Transpose/Expand/Slice that return their input unchanged, and shorten lossless Cast chains."""
+    n = 0
+    for node in list(graph.nodes):
+        if not node.outputs or not node.inputs:
+            continue
+        if _is_noop(node):
+            n += _bypass(graph, node, node.inputs[0])
+            continue
+        first = producer(node.inputs[0], "Cast") if node.op == "Cast" else None
+        if first is None:
+            continue
+        src, mid = _dtype_name(first.inputs[0]), _cast_target(first)
+        if src is None or mid not in _WIDER.get(src, set()):
+            continue  # the first cast may round: both casts are needed
+        if src == _cast_target(node):
+            n += _bypass(graph, node, first.inputs[0])  # x -> wider -> back: nothing happened
+        else:
+            node.inputs[0] = first.inputs[0]  # x -> wider -> other == x -> other
+            n += 1
+    return n
+
+
+def _const_key(t: gs.Constant) -> tuple:
+    v = np.asarray(t.values)
+    return (v.dtype.str, v.shape, hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
+
+
+def _node_key(node: gs.Node) -> tuple | None:
+    if node.op in ("Constant",) or any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+        return None  # Constants are deduplicated as tensors; subgraph attributes are not compared
+    if node.op in ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                   "Bernoulli", "Dropout"):
+        return None  # each call draws new numbers: two of them are not duplicates
+    attrs = tuple(sorted((k, repr(v)) for k, v in node.attrs.items()))
+    return (node.op, node.domain, tuple(id(t) for t in node.inputs), attrs, len(node.outputs))
+
+
+@register("cse")
+def cse(graph: gs.Graph, p: BaseModel) -> int:
+    """Merge identical constants and nodes that compute the same op on the same inputs (common subexpressions)."""
+    n = 0
+    seen_const: dict[tuple, gs.Constant] = {}
+    for node in graph.nodes:  # identical constants first, so duplicate nodes over them become identical too
+        for i, t in enumerate(node.inputs):
+            if isinstance(t, gs.Constant):
+                keep = seen_const.setdefault(_const_key(t), t)
+                if keep is not t:
+                    node.inputs[i] = keep
+                    n += 1
+    changed = True
+    while changed:
+        changed = False
+        graph.toposort()
+        seen: dict[tuple, gs.Node] = {}
+        for node in list(graph.nodes):
+            key = _node_key(node)
+            if key is None or not node.outputs:
+                continue
+            keep = seen.setdefault(key, node)
+            if keep is node:
+                continue
+            if any(o in graph.outputs for o in node.outputs):
+                continue  # a graph output keeps its own producer (its name is part of the model's interface)
+            for o, k in zip(node.outputs, keep.outputs):
+                replace_uses(graph, o, k)
+            drop(node)
+            n += 1
+            changed = True
+    return n
+
+
+@register("remove_unused_initializers")
+def remove_unused_initializers(graph: gs.Graph, p: BaseModel) -> int:
+    """Drop initializers (and any nodes) that no graph output depends on."""
+    before = sum(1 for t in graph.tensors().values() if isinstance(t, gs.Constant))
+    graph.cleanup(remove_unused_graph_inputs=False)
+    return before - sum(1 for t in graph.tensors().values() if isinstance(t, gs.Constant))

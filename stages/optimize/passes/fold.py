@@ -1,0 +1,114 @@
+"""Constant folding to a fixpoint (shape subgraphs included), cleanup and topological sort."""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from pydantic import BaseModel, ConfigDict, Field
+
+from stages.optimize.passes.util import const, known_shape
+from stages.optimize.registry import register
+
+log = logging.getLogger("kiln.optimize")
+
+
+class FoldParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_rounds: int = Field(8, ge=1, description="fold/clean rounds before giving up on a fixpoint")
+    size_threshold: Optional[int] = Field(64 << 20, description="bytes: do not fold tensors larger than this "
+                                                                 "(keeps e.g. huge Expand results out of the file)")
+    static_reshape: bool = Field(True, description="replace computed Reshape shapes by constants when at most "
+                                                   "one axis (the batch) is dynamic")
+
+
+@contextmanager
+def _quiet_gs() -> Iterator[None]:
+    # graphsurgeon logs every op it cannot fold at WARNING; those are expected (dynamic inputs), not news.
+    logger = gs.logger.G_LOGGER
+    old = logger.severity
+    logger.severity = logger.ERROR
+    try:
+        yield
+    finally:
+        logger.severity = old
+
+
+def _np_to_onnx_dtype(dtype: object) -> int | None:
+    try:
+        return int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def resolve_castlike(graph: gs.Graph) -> int:
+    """CastLike whose ``target_type`` input has a known dtype -> plain Cast (which folds if its input is constant)."""
+    n = 0
+    for node in graph.nodes:
+        if node.op != "CastLike" or len(node.inputs) != 2 or node.inputs[1].dtype is None:
+            continue
+        to = _np_to_onnx_dtype(node.inputs[1].dtype)
+        if to is None:
+            continue
+        node.op, node.inputs, node.attrs = "Cast", [node.inputs[0]], {"to": to}
+        n += 1
+    return n
+
+
+def static_reshapes(graph: gs.Graph) -> int:
+    """Reshape whose shape is computed (e.g. from Shape(input)) but whose output shape is known except one
+    axis -> constant shape, using 0 ("copy this axis") or -1 for that axis. Exact: shape inference already
+    proved the output shape; this is what turns batch-only-dynamic shape subgraphs into dead code."""
+    n = 0
+    for node in graph.nodes:
+        if node.op != "Reshape" or const(node.inputs[1]) is not None:
+            continue
+        out, src = known_shape(node.outputs[0]), known_shape(node.inputs[0])
+        if out is None:
+            continue
+        dyn = [i for i, d in enumerate(out) if not isinstance(d, int) or d < 0]
+        if len(dyn) > 1 or any(d == 0 for d in out if isinstance(d, int)):
+            continue  # two unknown axes cannot both be -1; a literal 0 would clash with copy semantics
+        shape = [int(d) if i not in dyn else -1 for i, d in enumerate(out)]
+        for i in dyn:  # prefer "copy from input" when the axis is the same symbol at the same position
+            if src is not None and i < len(src) and isinstance(out[i], str) and src[i] == out[i]:
+                shape[i] = 0
+        node.inputs[1] = gs.Constant(node.outputs[0].name + "_shape", np.array(shape, dtype=np.int64))
+        node.attrs["allowzero"] = 0
+        n += 1
+    return n
+
+
+@register("fold_constants", FoldParams)
+def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
+    """Fold everything computable ahead of time (CastLike, static shapes, constant subgraphs) until nothing changes."""
+    total = 0
+    for _ in range(p.max_rounds):
+        before = len(graph.nodes)
+        changed = resolve_castlike(graph) + (static_reshapes(graph) if p.static_reshape else 0)
+        with _quiet_gs():
+            graph.fold_constants(fold_shapes=True, size_threshold=p.size_threshold, error_ok=True)
+        graph.cleanup()
+        removed = before - len(graph.nodes)
+        total += changed + max(removed, 0)
+        if not changed and removed <= 0:
+            break
+    return total
+
+
+@register("cleanup")
+def cleanup(graph: gs.Graph, p: BaseModel) -> int:
+    """Remove nodes and tensors that no graph output depends on."""
+    before = len(graph.nodes)
+    graph.cleanup()
+    return before - len(graph.nodes)
+
+
+@register("toposort")
+def toposort(graph: gs.Graph, p: BaseModel) -> int:
+    """Order nodes topologically (a valid ONNX graph requires it; rewrites may append nodes at the end)."""
+    graph.toposort()
+    return 0

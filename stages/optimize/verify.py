@@ -1,0 +1,108 @@
+"""The safety net: does a rewritten graph still compute the same function?
+
+Both graphs run in ONNX Runtime (CPU, its own optimizations off so we test *our* graph) on the same random
+inputs; the candidate must match the original model's outputs within ``atol + rtol * max|reference|``.
+Comparing against the original (not the previous pass) keeps small per-pass errors from accumulating.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from stages.optimize.config import OptimizeConfig
+
+log = logging.getLogger("kiln.optimize")
+_INLINE_LIMIT = 1_800_000_000  # bytes: above this, hand ORT a file with external data (protobuf caps at 2 GB)
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    max_abs_err: float
+    reason: str = ""
+
+
+def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig) -> dict[str, np.ndarray]:
+    """One random array per real graph input; symbolic axes get ``verify_batch``, integers lie in [0, int_high]."""
+    rng = np.random.default_rng(cfg.seed)
+    inits = {i.name for i in model.graph.initializer}
+    feed: dict[str, np.ndarray] = {}
+    for inp in model.graph.input:
+        if inp.name in inits:
+            continue
+        tt = inp.type.tensor_type
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        shape = [d.dim_value if d.HasField("dim_value") else cfg.verify_batch for d in tt.shape.dim]
+        if dtype == np.bool_:
+            feed[inp.name] = rng.random(shape) < 0.5
+        elif np.issubdtype(dtype, np.integer):
+            feed[inp.name] = rng.integers(0, cfg.int_high + 1, size=shape).astype(dtype)
+        else:
+            feed[inp.name] = rng.standard_normal(shape).astype(dtype)
+    return feed
+
+
+def run_ort(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.log_severity_level = 3
+    names = [o.name for o in model.graph.output]
+    if _byte_size(model) < _INLINE_LIMIT:
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        return dict(zip(names, sess.run(None, feed)))
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data")
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        return dict(zip(names, sess.run(None, feed)))
+
+
+def _byte_size(model: onnx.ModelProto) -> int:
+    try:
+        return model.ByteSize()
+    except ValueError:
+        return 1 << 62
+
+
+class Verifier:
+    """Holds the original model's outputs on fixed random inputs; ``check`` compares a candidate to them."""
+
+    def __init__(self, model: onnx.ModelProto, cfg: OptimizeConfig) -> None:
+        self.cfg = cfg
+        self.feed = random_inputs(model, cfg)
+        self.reference = run_ort(model, self.feed)
+
+    def check(self, candidate: onnx.ModelProto) -> Verdict:
+        try:
+            got = run_ort(candidate, self.feed)
+        except Exception as exc:  # ORT rejects the graph: the pass broke it
+            return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {str(exc).splitlines()[0][:200]}")
+        worst = 0.0
+        for name, ref in self.reference.items():
+            out = got.get(name)
+            if out is None or out.shape != ref.shape or out.dtype != ref.dtype:
+                what = "missing" if out is None else f"{out.dtype}{list(out.shape)} vs {ref.dtype}{list(ref.shape)}"
+                return Verdict(False, float("inf"), f"output '{name}' {what}")
+            if not np.issubdtype(ref.dtype, np.inexact):
+                if not np.array_equal(out, ref):
+                    return Verdict(False, float("inf"), f"output '{name}' (integer) differs")
+                continue
+            if not np.array_equal(np.isnan(out), np.isnan(ref)):
+                return Verdict(False, float("inf"), f"output '{name}' has NaNs in different places")
+            ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
+            finite = np.isfinite(ref64)
+            err = float(np.max(np.abs(out64[finite] - ref64[finite]), initial=0.0))
+            scale = float(np.max(np.abs(ref64[finite]), initial=0.0))
+            worst = max(worst, err)
+            if err > self.cfg.atol + self.cfg.rtol * scale:
+                return Verdict(False, err, f"output '{name}' max abs error {err:.3g} > {self.cfg.atol:g} + "
+                                           f"{self.cfg.rtol:g} * {scale:.3g}")
+        return Verdict(True, worst)
