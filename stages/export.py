@@ -3,6 +3,7 @@ and proven to compute the same function (ONNX Runtime vs PyTorch on held-out dat
 from __future__ import annotations
 
 import io
+import re
 import logging
 import warnings
 from contextlib import redirect_stdout
@@ -33,7 +34,9 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int 
             _export(model, example, path, opset, dynamic_batch, dynamo)
             break
         except Exception as exc:  # the exporter raises many types; keep the message for the user
-            errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {str(exc).splitlines()[0][:300]}")
+            errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
+            if dynamo:
+                log.warning("dynamo exporter failed (%s); trying the TorchScript exporter", _reason(exc))
     else:
         raise ModelError("torch.onnx.export failed: " + " | ".join(errors),
                          hint="the model may use an op ONNX cannot express; see the message above")
@@ -41,6 +44,14 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int 
     check_onnx(proto, "exported model")
     save_onnx(proto, path)
     return proto
+
+
+def _reason(exc: BaseException) -> str:
+    """The most specific line of an exporter error (the dynamo exporter wraps the real cause)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:300]
 
 
 def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dynamic_batch: bool,

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
+from pipeline.errors import ConfigError
+
+SMALL = {"resnet18": {"width": 8, "num_classes": 10}, "bert_base": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128,
+                                                                    "in_features": 16, "seq_len": 8}}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_runs_on_its_default_dataset_shape(name: str) -> None:
+    model = build_model(name, SMALL.get(name)).eval()
+    if DEFAULT_DATASET[name] == "synthetic":
+        shape = (3, 32, 32) if name == "resnet18" else (8, 16)
+        x = torch.randn(2, *shape)
+    else:
+        x = load_dataset(DEFAULT_DATASET[name]).val_x[:2]
+    out = model(x)
+    assert out.shape[0] == 2 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_datasets_split_and_label(name: str) -> None:
+    d = load_dataset(name)
+    assert len(d.train_x) > len(d.val_x) > 0 and int(d.train_y.max()) < d.num_classes
+    assert len(set(map(tuple, d.val_x.flatten(1).tolist()[:50]))) > 1
+
+
+def test_digits_is_deterministic_per_seed() -> None:
+    a, b, c = load_dataset("digits", {"seed": 1}), load_dataset("digits", {"seed": 1}), load_dataset("digits", {"seed": 2})
+    assert torch.equal(a.val_y, b.val_y) and not torch.equal(a.val_y, c.val_y)
+
+
+def test_import_path_and_errors() -> None:
+    assert resolve_callable("models.cnn:small_cnn", MODELS, "model") is MODELS["cnn"]
+    with pytest.raises(ConfigError, match="(?s)unknown model 'nope'.*cnn"):
+        resolve_callable("nope", MODELS, "model")
+    with pytest.raises(ConfigError, match="cannot import module"):
+        resolve_callable("no_such_pkg.x:f", MODELS, "model")
+    with pytest.raises(ConfigError, match="rejected its params"):
+        build_model("cnn", {"wdith": 3})

@@ -1,0 +1,34 @@
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from models.registry import build_model
+from pipeline.errors import ModelError
+from stages.export import export_onnx, parity
+
+
+@pytest.mark.parametrize("name,x", [("cnn", torch.rand(2, 1, 8, 8)), ("transformer", torch.rand(2, 1, 8, 8)),
+                                    ("mlp_embed", torch.randint(0, 17, (2, 64)))])
+def test_export_has_dynamic_batch_and_matches(tmp_path: Path, name: str, x: torch.Tensor) -> None:
+    model = build_model(name).eval()
+    path = tmp_path / "m.onnx"
+    proto = export_onnx(model, x, path)
+    dim0 = proto.graph.input[0].type.tensor_type.shape.dim[0]
+    assert dim0.dim_param and not dim0.dim_value
+    assert proto.graph.value_info, "shape inference results are stored"
+    big = torch.cat([x] * 5)  # a batch size never seen at export time
+    assert parity(model, path, big)["max_abs_err"] < 1e-4
+    onnx.checker.check_model(str(path))
+
+
+class Unexportable(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.eigvals(x).real  # no ONNX op computes eigenvalues
+
+
+def test_unexportable_model_gives_model_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="(?s)torch.onnx.export failed.*eigvals"):
+        export_onnx(Unexportable(), torch.rand(2, 3, 3), tmp_path / "m.onnx")

@@ -1,0 +1,33 @@
+import json
+
+from stages.package import triton_config
+
+
+def test_triton_config_for_onnxruntime_cpu_engine() -> None:
+    meta = {"backend": "onnxruntime", "device": "cpu",
+            "inputs": [{"name": "input", "shape": ["batch", 1, 8, 8], "dtype": "float32"}],
+            "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]}
+    text = triton_config("demo_cnn", meta, 32)
+    assert 'platform: "onnxruntime_onnx"' in text and "max_batch_size: 32" in text
+    assert "dims: [ 1, 8, 8 ]" in text and "dims: [ 10 ]" in text and "KIND_CPU" in text and "dynamic_batching" in text
+
+
+def test_triton_config_for_tensorrt_plan_with_int64_input() -> None:
+    meta = {"backend": "tensorrt", "device": "cuda",
+            "inputs": [{"name": "ids", "shape": ["batch", 64], "dtype": "int64"}],
+            "outputs": [{"name": "logits", "shape": ["batch", "n"], "dtype": "float16"}]}
+    text = triton_config("m", meta, 0)
+    assert 'platform: "tensorrt_plan"' in text and "TYPE_INT64" in text and "dims: [ batch, 64 ]" not in text
+    assert "dims: [ -1, 64 ]" in text and "dims: [ -1, -1 ]" in text and "KIND_GPU" in text
+
+
+def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
+    from pipeline.api import run_pipeline
+
+    result, _ = run_pipeline(tiny_config, tmp_path)
+    assert result.ok
+    pkg = json.loads((tmp_path / "package" / "kiln-package.json").read_text())
+    model = pkg["models"][0]
+    repo = tmp_path / "package" / "triton" / model["triton_model"]
+    assert (repo / "config.pbtxt").is_file() and (repo / "1" / "model.onnx").is_file()
+    assert model["validation"]["cosine"] >= 0.9999
