@@ -1,0 +1,1 @@
+"""INT8 calibration: data batches, cached activation ranges, Q/DQ quantization, TensorRT calibration table."""

@@ -1,14 +1,36 @@
-"""Settings of INT8 calibration."""
+"""Settings of INT8 calibration (Q/DQ graphs for ONNX Runtime and TensorRT)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from pipeline.sections import Section
 
 
+# Compute ops plus the pooling and data-movement ops between them, so Q/DQ pairs line up with what TensorRT
+# and ONNX Runtime fuse into INT8 kernels. Normalisations, Softmax, GELU and bias/residual adds stay float.
+DEFAULT_OP_TYPES = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool",
+                    "Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
+
+
 class CalibrationConfig(Section):
-    method: Literal["minmax", "entropy", "percentile"] = "minmax"
-    num_batches: int = Field(8, ge=1)
+    method: Literal["minmax", "entropy", "percentile"] = Field(
+        "minmax", description="how activation ranges are chosen from the calibration data")
+    num_batches: int = Field(8, ge=1, description="calibration batches (a fixed number: the cache key depends on it)")
     batch_size: int = Field(32, ge=1)
+    reader: str | None = Field(
+        None, description="user data reader 'package.module:function' returning an iterable of input batches; "
+                          "default: the run's training split, preprocessed like validation data")
+    reader_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the reader")
+    percentile: float = Field(99.999, gt=90, le=100, description="percentile method only")
+    per_channel: bool = Field(True, description="per-output-channel weight scales")
+    symmetric_activations: bool = Field(True, description="zero-point 0 for activations (what TensorRT requires)")
+    op_types: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_OP_TYPES),
+        description="op types to quantize; norms, Softmax and element-wise math stay float by default")
+    exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
+    exclude_op_types: list[str] = Field(default_factory=list, description="op types kept in float, e.g. [Softmax]")
+    exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")
+    cache: bool = Field(True, description="reuse calibration ranges across runs (keyed on model, data, settings)")
+    trt_table: bool = Field(True, description="also write a TensorRT 10 IInt8Calibrator calibration table")

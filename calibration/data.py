@@ -1,0 +1,106 @@
+"""Calibration data: a fixed number of batches from the run's dataset, or from a user reader by import path.
+
+The dataset's tensors are already preprocessed exactly as the validation split is (one function makes both),
+so calibration sees the same distribution the accuracy gates are measured on.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from calibration.config import CalibrationConfig
+from models.datasets import DatasetSplits
+from models.registry import resolve_callable
+from pipeline.errors import ConfigError
+
+log = logging.getLogger("kiln.calibration")
+
+
+def dataset_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0) -> list[np.ndarray]:
+    """``num_batches`` x ``batch_size`` samples of the training split, in a seeded order (deterministic)."""
+    x = data.train_x if len(data.train_x) else data.val_x
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    batches = []
+    for i in range(cfg.num_batches):
+        idx = perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+        if len(idx) == 0:
+            break  # fewer samples than asked for: use what there is
+        batches.append(x[idx].numpy())
+    return batches
+
+
+def reader_batches(cfg: CalibrationConfig, sample_shape: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
+    """Call the user's reader and take its first ``num_batches`` batches, checked against the model's input."""
+    assert cfg.reader is not None
+    fn = resolve_callable(cfg.reader, {}, "calibration reader")
+    try:
+        source = fn(**cfg.reader_params)
+    except TypeError as exc:
+        raise ConfigError(f"calibration.reader '{cfg.reader}' rejected its params: {exc}",
+                          hint="fix calibration.reader_params") from exc
+    if not isinstance(source, Iterable):
+        raise ConfigError(f"calibration.reader '{cfg.reader}' returned {type(source).__name__}, not an iterable",
+                          hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape]")
+    batches = []
+    for i, item in zip(range(cfg.num_batches), _as_arrays(source)):
+        if tuple(item.shape[1:]) != tuple(sample_shape):
+            raise ConfigError(f"calibration batch {i} has shape {tuple(item.shape)}, the model takes "
+                              f"[batch, {', '.join(map(str, sample_shape))}]",
+                              hint="preprocess calibration data exactly like validation data")
+        batches.append(item.astype(dtype, copy=False))
+    if not batches:
+        raise ConfigError(f"calibration.reader '{cfg.reader}' yielded no batches", hint="yield at least one batch")
+    return batches
+
+
+def _as_arrays(source: Iterable[Any]) -> Iterator[np.ndarray]:
+    for item in source:
+        if isinstance(item, dict):  # {input_name: array}, the ONNX Runtime reader convention
+            item = next(iter(item.values()))
+        if isinstance(item, (tuple, list)):  # (x, y) pairs from a DataLoader
+            item = item[0]
+        yield item.numpy() if isinstance(item, torch.Tensor) else np.asarray(item)
+
+
+def calibration_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0) -> list[np.ndarray]:
+    if cfg.reader:
+        return reader_batches(cfg, data.input_shape, data.val_x.numpy().dtype)
+    return dataset_batches(data, cfg, seed)
+
+
+def hash_batches(batches: list[np.ndarray]) -> str:
+    """Content hash of the calibration data (shapes, dtypes and bytes): part of the cache key."""
+    h = hashlib.sha256()
+    for b in batches:
+        h.update(f"{b.shape}{b.dtype}".encode())
+        h.update(np.ascontiguousarray(b).tobytes())
+    return h.hexdigest()
+
+
+class ArrayReader:
+    """An ``onnxruntime.quantization.CalibrationDataReader`` over in-memory batches (re-iterable via ``rewind``)."""
+
+    def __init__(self, input_name: str, batches: list[np.ndarray]) -> None:
+        self.input_name, self.batches, self._i = input_name, batches, 0
+        self.reads = 0  # how many batches were consumed: lets tests prove a cache hit skipped calibration
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._i >= len(self.batches):
+            return None
+        self._i += 1
+        self.reads += 1
+        return {self.input_name: self.batches[self._i - 1]}
+
+    def rewind(self) -> None:
+        self._i = 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def set_range(self, start_index: int, end_index: int) -> None:  # part of ORT's reader protocol
+        self._i = start_index

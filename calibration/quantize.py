@@ -1,0 +1,84 @@
+"""INT8 Q/DQ graphs with ``onnxruntime.quantization.quantize_static``: per-channel symmetric weights,
+symmetric activations, QuantizeLinear/DequantizeLinear pairs (the form TensorRT 10/11 and ORT both run)."""
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from calibration.config import CalibrationConfig
+from calibration.ranges import Ranges, _ort_method
+
+log = logging.getLogger("kiln.calibration")
+
+# The ops that carry the arithmetic worth quantizing; the first and last of them are the usual accuracy risks.
+COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+
+
+def first_last_compute(model: onnx.ModelProto) -> list[str]:
+    names = [n.name for n in model.graph.node if n.op_type in COMPUTE_OPS]
+    return sorted({names[0], names[-1]}) if names else []
+
+
+def excluded_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, extra: Iterable[str] = ()) -> list[str]:
+    """Nodes kept in float: configured names, configured op types, first/last layer, and fallback's picks."""
+    names = set(cfg.exclude_nodes) | set(extra)
+    names |= {n.name for n in model.graph.node if n.op_type in cfg.exclude_op_types}
+    if cfg.exclude_first_last:
+        names |= set(first_last_compute(model))
+    return sorted(names)
+
+
+def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
+    return sorted(set(cfg.op_types) - set(cfg.exclude_op_types))
+
+
+def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: CalibrationConfig,
+                  extra_exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """Write the Q/DQ model to ``out_path`` from cached ``ranges`` (no calibration pass happens here)."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    exclude = excluded_nodes(model, cfg, extra_exclude)
+    kw: dict[str, Any] = {}
+    if "calibration_cache_path" in inspect.signature(quantize_static).parameters:
+        kw["calibration_cache_path"] = str(ranges.path)
+    else:  # ORT < 1.32 has no cache argument; it would need a reader and calibrate again
+        raise RuntimeError("onnxruntime >= 1.32 is needed to quantize from cached calibration ranges")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _quiet_ort_preprocess_warning()
+    quantize_static(
+        str(model_path), str(out_path), None,
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=quantizable_op_types(cfg),
+        per_channel=cfg.per_channel,
+        activation_type=QuantType.QInt8,  # TensorRT takes only symmetric signed INT8
+        weight_type=QuantType.QInt8,
+        nodes_to_exclude=exclude,
+        calibrate_method=_ort_method(ranges.method),
+        use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+        extra_options={"ActivationSymmetric": cfg.symmetric_activations, "WeightSymmetric": True},
+        **kw,
+    )
+    q = onnx.load(str(out_path), load_external_data=False)
+    counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
+    log.info("int8: %d Q / %d DQ nodes, %d nodes kept in float", counts["QuantizeLinear"],
+             counts["DequantizeLinear"], len(exclude))
+    return {"excluded": exclude, "qdq_nodes": counts, "calibration_cache": str(ranges.path),
+            "cache_hit": ranges.cache_hit, "method": ranges.method}
+
+
+def _quiet_ort_preprocess_warning() -> None:
+    """quantize_static warns on the root logger that the model was not pre-processed; Kiln's optimize stage
+    already ran shape inference and graph cleanup, and ORT's pre-processing would add ORT-only fused ops that
+    TensorRT cannot parse, so the advice does not apply."""
+    root = logging.getLogger()
+    if not any(getattr(f, "_kiln", False) for f in root.filters):
+        f = logging.Filter()
+        f.filter = lambda rec: "pre-process" not in rec.getMessage()  # type: ignore[method-assign]
+        f._kiln = True  # type: ignore[attr-defined]
+        root.addFilter(f)

@@ -1,0 +1,100 @@
+"""Activation ranges from calibration data, computed by ONNX Runtime's calibrators and cached on disk.
+
+The cache key is a content hash of (model file, calibration data, method, settings, ORT version): a changed
+model or data set never reuses stale ranges, while a rebuild, a later run or another fallback round does.
+The file format is ONNX Runtime's own calibration cache (``save_tensors_data``), which ``quantize_static``
+reads back through its ``calibration_cache_path`` argument.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calibration.data import ArrayReader, hash_batches
+from pipeline.artifacts import hash_file, hash_json
+
+log = logging.getLogger("kiln.calibration")
+
+# Counts real calibrator passes in this process, so callers and tests can prove a cache hit did no work.
+STATS = {"calibrations": 0}
+
+
+@dataclass
+class Ranges:
+    """Per-tensor calibration result: ``tensors`` is ORT's ``TensorsData``; ``path`` its cache file."""
+
+    tensors: Any
+    path: Path
+    key: str
+    cache_hit: bool
+    method: str
+
+    def amax(self) -> dict[str, float]:
+        """Largest magnitude seen per tensor (what a symmetric INT8 scale and an FP16 range check need)."""
+        out = {}
+        for name, td in self.tensors.items():
+            lo, hi = td.range_value
+            out[name] = float(max(np.max(np.abs(lo)), np.max(np.abs(hi))))
+        return out
+
+
+def model_hash(model_path: Path) -> str:
+    """Content hash of an ONNX file plus its external-data file, if any."""
+    parts = [hash_file(model_path)]
+    data = model_path.with_name(model_path.name + ".data")
+    if data.is_file():
+        parts.append(hash_file(data))
+    return hash_json(parts)
+
+
+def _ort_method(method: str) -> Any:
+    from onnxruntime.quantization import CalibrationMethod
+
+    return {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+            "percentile": CalibrationMethod.Percentile}[method]
+
+
+def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, method: str, *,
+              cache_dir: Path | None, symmetric: bool = True, percentile: float = 99.999) -> Ranges:
+    """Ranges of every float tensor of the model (not only the quantized ops', so FP16 can use them too)."""
+    import onnxruntime
+
+    settings = {"symmetric": symmetric, "percentile": percentile if method == "percentile" else None}
+    key = hash_json({"model": model_hash(model_path), "data": hash_batches(batches), "method": method,
+                     "settings": settings, "ort": onnxruntime.__version__})
+    path = (cache_dir / "calibration" if cache_dir else Path(tempfile.mkdtemp(prefix="kiln-calib-"))) / f"{key}.json"
+    from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
+
+    if path.is_file():
+        try:
+            tensors = load_tensors_data(path)
+            log.info("calibration cache hit %s (%s)", path.name[:12], method)
+            return Ranges(tensors, path, key, True, method)
+        except (ValueError, KeyError, TypeError) as exc:  # a torn or foreign file: recalibrate over it
+            log.warning("ignoring unreadable calibration cache %s: %s", path, exc)
+    tensors = _run_calibrator(model_path, batches, input_name, method, symmetric, percentile)
+    save_tensors_data(tensors, path)  # atomic (temp file + rename) in ORT
+    return Ranges(tensors, path, key, False, method)
+
+
+def _run_calibrator(model_path: Path, batches: list[np.ndarray], input_name: str, method: str, symmetric: bool,
+                    percentile: float) -> Any:
+    from onnxruntime.quantization import create_calibrator
+
+    extra: dict[str, Any] = {"symmetric": symmetric}
+    if method == "percentile":
+        extra["percentile"] = percentile
+    with tempfile.TemporaryDirectory(prefix="kiln-calib-") as tmp:
+        calibrator = create_calibrator(model_path, None, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+                                       calibrate_method=_ort_method(method), extra_options=extra,
+                                       use_external_data_format=model_path.with_name(model_path.name + ".data").is_file())
+        calibrator.collect_data(ArrayReader(input_name, batches))
+        tensors = calibrator.compute_data()
+    STATS["calibrations"] += 1
+    log.info("calibrated %d tensors with %s over %d batches", len(tensors.data), method, len(batches))
+    return tensors

@@ -1,0 +1,74 @@
+"""Cast clean-up after mixed-precision conversion: one Cast per FP16/FP32 boundary, never a chain.
+
+onnxconverter-common inserts a Cast at every boundary it creates, and with kept I/O types or neighbouring
+FP32 islands that yields Cast->Cast pairs and no-op casts. Neither ONNX Runtime's session-time
+CastElimination nor onnx-graphsurgeon rewrites the saved graph TensorRT reads, so this small pass does.
+"""
+from __future__ import annotations
+
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper
+
+FLOAT_ONNX = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _onnx_type(t: gs.Tensor) -> int | None:
+    if t.dtype is None:
+        return None
+    try:
+        return int(helper.np_dtype_to_tensor_dtype(t.dtype))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _rewire(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    for consumer in list(old.outputs):
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                consumer.inputs[i] = new
+
+
+def remove_cast_chains(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Collapse float Cast(a->b)->Cast(b->c) into Cast(a->c) and drop casts to the type they already have.
+
+    Dropping an FP32->FP16->FP32 round trip removes a rounding, never adds one: both sides already run in
+    FP32, so the FP16 step was a conversion artefact. Integer casts are left alone (they truncate).
+    """
+    graph = gs.import_onnx(model)
+    outputs = {id(t) for t in graph.outputs}
+    inputs = {id(t) for t in graph.inputs}
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "Cast" or not node.inputs:
+            continue
+        src, dst = node.inputs[0], node.outputs[0]
+        to = int(node.attrs["to"])
+        prev = src.inputs[0] if src.inputs else None
+        if prev is not None and prev.op == "Cast" and int(prev.attrs["to"]) in FLOAT_ONNX and to in FLOAT_ONNX:
+            origin = prev.inputs[0]
+            if _onnx_type(origin) in FLOAT_ONNX:
+                node.inputs[0] = origin  # one cast from the origin; the first cast dies if nobody else reads it
+                src, changed = origin, changed + 1
+        if _onnx_type(src) == to and id(dst) not in outputs:
+            _rewire(graph, dst, src)
+            node.outputs.clear()
+            changed += 1
+        elif _onnx_type(src) == to and id(dst) in outputs and id(src) not in inputs:
+            producer = src.inputs[0] if src.inputs else None
+            if producer is not None and len(src.outputs) == 1:  # let the producer write the output directly
+                producer.outputs[producer.outputs.index(src)] = dst
+                node.outputs.clear()
+                changed += 1
+    graph.cleanup().toposort()
+    out = gs.export_onnx(graph)
+    out.ir_version = model.ir_version
+    return out, changed
+
+
+def cast_chains(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """(first, second) names of every Cast that feeds straight into another Cast."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    return [(producers[n.input[0]].name, n.name) for n in model.graph.node
+            if n.op_type == "Cast" and n.input and n.input[0] in producers
+            and producers[n.input[0]].op_type == "Cast"]

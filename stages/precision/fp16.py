@@ -1,0 +1,98 @@
+"""FP16 mixed precision: onnxconverter-common's ``convert_float_to_float16`` with Kiln's node selection, plus
+the fixes it lacks (shared initializers, kept output types, Cast chains), checked by the ONNX checker."""
+from __future__ import annotations
+
+import logging
+
+import onnx
+from onnx import helper
+
+from pipeline.errors import ModelError
+from pipeline.onnx_io import check_onnx, infer_shapes
+from stages.precision.casts import cast_chains, remove_cast_chains
+from stages.precision.config import FP16Config
+
+log = logging.getLogger("kiln.precision")
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Node names are how FP32 islands are chosen and reported: give unnamed nodes stable, unique names."""
+    seen: set[str] = set()
+    for i, n in enumerate(model.graph.node):
+        if not n.name or n.name in seen:
+            n.name = f"{n.op_type}_{i}"
+        seen.add(n.name)
+    return model
+
+
+def split_shared_initializers(model: onnx.ModelProto, fp32_nodes: set[str]) -> int:
+    """Give FP32 nodes their own copy of initializers they share with FP16 nodes.
+
+    The converter converts an initializer only if none of its readers is blocked, so a shared one stays FP32
+    and the FP16 reader then mixes types (an invalid graph).
+    """
+    inits = {i.name: i for i in model.graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for name in n.input:
+            if name in inits:
+                readers.setdefault(name, []).append(n)
+    copies = 0
+    for name, nodes in readers.items():
+        kept = [n for n in nodes if n.name in fp32_nodes]
+        if not kept or len(kept) == len(nodes) or inits[name].data_type != onnx.TensorProto.FLOAT:
+            continue
+        copy = onnx.TensorProto()
+        copy.CopyFrom(inits[name])
+        copy.name = f"{name}__fp32"
+        model.graph.initializer.append(copy)
+        for n in kept:
+            for i, inp in enumerate(n.input):
+                if inp == name:
+                    n.input[i] = copy.name
+        copies += 1
+    return copies
+
+
+def restore_output_types(converted: onnx.ModelProto, original: onnx.ModelProto) -> None:
+    """With ``keep_io_types`` the converter still retypes an output made by a blocked node as FP16; put the
+    original type back on the output and on the Cast that writes it (the cast clean-up then drops it)."""
+    producers = {o: n for n in converted.graph.node for o in n.output}
+    want = {o.name: o.type.tensor_type.elem_type for o in original.graph.output}
+    for out in converted.graph.output:
+        t = want.get(out.name)
+        if t is None or out.type.tensor_type.elem_type == t:
+            continue
+        out.type.tensor_type.elem_type = t
+        node = producers.get(out.name)
+        if node is not None and node.op_type == "Cast":
+            del node.attribute[:]
+            node.attribute.append(helper.make_attribute("to", t))
+        else:
+            raise ModelError(f"FP16 conversion changed the type of output '{out.name}'",
+                             hint="set precision.fp16.keep_io_types: false, or report the model to Kiln")
+
+
+def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) -> tuple[onnx.ModelProto, dict]:
+    """The FP16 graph with ``fp32_nodes`` (plus the converter's own block list) left in FP32."""
+    from onnxconverter_common import float16
+
+    src = onnx.ModelProto()
+    src.CopyFrom(model)
+    shared = split_shared_initializers(src, fp32_nodes)
+    converted = float16.convert_float_to_float16(
+        src, keep_io_types=cfg.keep_io_types,
+        # Clamp only at FP16's real limits: the range check already kept nodes whose weights do not fit.
+        min_positive_val=2.0**-24, max_finite_val=65504.0,
+        op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST), node_block_list=sorted(fp32_nodes))
+    if cfg.keep_io_types:
+        restore_output_types(converted, model)
+    converted, removed = remove_cast_chains(converted)
+    converted = infer_shapes(converted)
+    check_onnx(converted, "FP16 model")
+    left = cast_chains(converted)
+    if left:  # the pass above guarantees none; a survivor means a new converter pattern
+        raise ModelError(f"FP16 graph still has Cast chains: {left[:3]}", hint="report the model to Kiln")
+    casts = sum(n.op_type == "Cast" for n in converted.graph.node)
+    log.info("fp16: %d nodes kept FP32, %d casts (%d chain/no-op casts removed)", len(fp32_nodes), casts, removed)
+    return converted, {"casts": casts, "casts_removed": removed, "shared_initializers_split": shared}

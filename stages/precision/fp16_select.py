@@ -1,0 +1,172 @@
+"""Which nodes of a graph must stay FP32 in an FP16 engine, and why.
+
+onnxconverter-common only blocks op types and node names it is given; deciding *which* (sensitive ops,
+LayerNorm written out as elementwise ops, long reductions, tensors out of FP16 range) is done here.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from stages.precision.config import FP16Config
+
+FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
+REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
+# Ops that only move, shape or index data: never a reason to care about their precision.
+SHAPE_OPS = {"Shape", "Size", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Flatten", "Concat", "Gather",
+             "Slice", "Expand", "Identity", "Cast", "CastLike", "ConstantOfShape", "Range"}
+
+
+def select_fp32_nodes(model: onnx.ModelProto, cfg: FP16Config,
+                      activation_amax: dict[str, float] | None = None) -> dict[str, str]:
+    """``{node name: reason}`` for every node to keep in FP32. ``model`` must be shape-inferred and named."""
+    keep: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.op_type in cfg.fp32_ops:
+            keep.setdefault(n.name, f"{n.op_type} is precision-sensitive (fp16.fp32_ops)")
+        if n.name in cfg.fp32_nodes:
+            keep.setdefault(n.name, "listed in fp16.fp32_nodes")
+    if cfg.decomposed_layernorm:
+        for name in decomposed_layernorm_nodes(model):
+            keep.setdefault(name, "part of a LayerNorm written as elementwise ops")
+    for name, reason in long_reductions(model, cfg.long_reduction).items():
+        keep.setdefault(name, reason)
+    if cfg.range_check:
+        for name, reason in weight_range_violations(model, cfg.range_limit).items():
+            keep.setdefault(name, reason)
+        for name, reason in activation_range_violations(model, activation_amax or {}, cfg.range_limit).items():
+            keep.setdefault(name, reason)
+    return keep
+
+
+def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
+def _only(nodes: list[onnx.NodeProto], *ops: str) -> onnx.NodeProto | None:
+    hits = [n for n in nodes if n.op_type in ops]
+    return hits[0] if len(hits) == 1 else None
+
+
+def decomposed_layernorm_nodes(model: onnx.ModelProto) -> list[str]:
+    """Match ``x - mean(x)`` -> square -> mean -> +eps -> sqrt -> divide (or * reciprocal), then the
+    optional scale Mul and shift Add: LayerNorm as exporters write it without the fused op."""
+    cons = _consumers(model)
+    found: list[str] = []
+    for r1 in (n for n in model.graph.node if n.op_type == "ReduceMean"):
+        x = r1.input[0]
+        sub = next((c for c in cons.get(r1.output[0], []) if c.op_type == "Sub" and list(c.input) == [x, r1.output[0]]),
+                   None)
+        if sub is None:
+            continue
+        centered = sub.output[0]
+        sq = next((c for c in cons.get(centered, []) if c.op_type == "Pow"
+                   or (c.op_type == "Mul" and list(c.input) == [centered, centered])), None)
+        r2 = _only(cons.get(sq.output[0], []), "ReduceMean") if sq else None
+        add = _only(cons.get(r2.output[0], []), "Add") if r2 else None
+        sqrt = _only(cons.get(add.output[0], []), "Sqrt") if add else None
+        if sqrt is None:
+            continue
+        chain = [r1, sub, sq, r2, add, sqrt]
+        div = next((c for c in cons.get(sqrt.output[0], []) if c.op_type == "Div" and c.input[0] == centered), None)
+        if div is None:  # x_centered * (1 / sqrt(var + eps))
+            rec = _only(cons.get(sqrt.output[0], []), "Reciprocal")
+            div = _only(cons.get(rec.output[0], []), "Mul") if rec else None
+            chain += [rec] if rec else []
+        if div is None:
+            continue
+        chain.append(div)
+        tail = div
+        for op in ("Mul", "Add"):  # gamma, beta
+            nxt = _only(cons.get(tail.output[0], []), op)
+            if nxt is None:
+                break
+            chain.append(nxt)
+            tail = nxt
+        found += [n.name for n in chain if n is not None]
+    return found
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    shapes: dict[str, list[int | None]] = {}
+    for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    return shapes
+
+
+def _reduce_axes(n: onnx.NodeProto, rank: int, inits: dict[str, onnx.TensorProto]) -> list[int]:
+    axes: list[int] | None = None
+    for a in n.attribute:
+        if a.name == "axes":
+            axes = list(a.ints)
+    if axes is None and len(n.input) > 1 and n.input[1] in inits:  # opset 18: axes is an input
+        axes = [int(v) for v in numpy_helper.to_array(inits[n.input[1]]).ravel()]
+    if axes is None or not axes:
+        axes = list(range(rank))  # reduce over all axes (noop_with_empty_axes aside)
+    return [a % rank for a in axes]
+
+
+def long_reductions(model: onnx.ModelProto, threshold: int) -> dict[str, str]:
+    """Reductions (and global pools) over >= ``threshold`` elements: FP16 sums lose small addends."""
+    shapes = _shapes(model)
+    inits = {i.name: i for i in model.graph.initializer}
+    out: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.op_type not in REDUCE_OPS | {"GlobalAveragePool"}:
+            continue
+        shape = shapes.get(n.input[0])
+        if shape is None:
+            out[n.name] = f"{n.op_type} over an input of unknown shape"
+            continue
+        axes = list(range(2, len(shape))) if n.op_type == "GlobalAveragePool" else _reduce_axes(n, len(shape), inits)
+        dims = [shape[a] for a in axes]
+        count = math.prod(d for d in dims if d) if None not in dims else None
+        if count is None or count >= threshold:
+            what = "a dynamic axis" if count is None else f"{count} elements"
+            out[n.name] = f"{n.op_type} reduces over {what} (fp16.long_reduction={threshold})"
+    return out
+
+
+def weight_range_violations(model: onnx.ModelProto, limit: float) -> dict[str, str]:
+    """Nodes reading a float initializer with values beyond ``limit`` or that mostly underflow FP16's
+    smallest subnormal (2**-24) — the converter would otherwise clamp them silently."""
+    bad: dict[str, str] = {}
+    for init in model.graph.initializer:
+        if init.data_type not in FLOAT_TYPES:
+            continue
+        w = np.abs(numpy_helper.to_array(init))
+        if w.size == 0:
+            continue
+        amax = float(w.max())
+        nonzero = w[w > 0]
+        tiny = float(np.mean(nonzero < 2.0**-24)) if nonzero.size else 0.0
+        if amax > limit:
+            bad[init.name] = f"weight '{init.name}' reaches {amax:.3g} (> {limit:g}, FP16 max 65504)"
+        elif tiny > 0.01:
+            bad[init.name] = f"weight '{init.name}' has {tiny:.0%} of values below FP16's smallest subnormal"
+    return {n.name: bad[i] for n in model.graph.node for i in n.input if i in bad}
+
+
+def activation_range_violations(model: onnx.ModelProto, amax: dict[str, float], limit: float) -> dict[str, str]:
+    """A tensor whose calibrated magnitude exceeds ``limit`` overflows wherever it is FP16: keep the node that
+    makes it and every node that reads it (a Cast to FP16 on their input would overflow too)."""
+    out: dict[str, str] = {}
+    cons = _consumers(model)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for name, value in amax.items():
+        if not (value > limit) or name not in producers and name not in cons:
+            continue
+        reason = f"activation '{name}' reaches {value:.3g} on calibration data (> {limit:g})"
+        for n in [producers.get(name), *cons.get(name, [])]:
+            if n is not None and n.op_type not in SHAPE_OPS:
+                out.setdefault(n.name, reason)
+    return out
