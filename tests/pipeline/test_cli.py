@@ -80,3 +80,53 @@ def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> N
     cfg = str(write_yaml(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9})))
     result = cli.invoke(main, ["run", cfg, "-w", str(tmp_path / "wd"), "--quiet"])
     assert_clean_error(result, 3, "validation gates failed", "p50 latency")
+
+
+class EigModel(__import__("torch").nn.Module):
+    """A model no ONNX exporter can express (eigenvalues)."""
+
+    def forward(self, x):
+        import torch
+
+        return torch.linalg.eigvals(x.reshape(-1, 8, 8)).real
+
+
+def eig_model() -> EigModel:
+    return EigModel()
+
+
+def test_unsupported_op_in_model(cli: CliRunner, tmp_path: Path) -> None:
+    result = cli.invoke(main, ["export", "--model", "tests.pipeline.test_cli:eig_model", "--input-shape", "1,8,8", "-o", str(tmp_path / "m.onnx")])
+    assert_clean_error(result, 2, "torch.onnx.export failed", "eigvals")
+
+
+def test_checkpoint_that_does_not_fit_the_model(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    import torch
+
+    from models.registry import build_model
+
+    ckpt = tmp_path / "w.pt"
+    torch.save(build_model("cnn", {"width": 4}).state_dict(), ckpt)
+    cfg = write_yaml({**tiny_config_dict(), "model": {"name": "cnn", "params": {"width": 8}, "checkpoint": str(ckpt)}})
+    result = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert_clean_error(result, 2, "does not fit model", "size mismatch")
+
+
+def test_corrupt_checkpoint(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    ckpt = tmp_path / "w.safetensors"
+    ckpt.write_bytes(b"garbage")
+    cfg = write_yaml({**tiny_config_dict(), "model": {"name": "cnn", "checkpoint": str(ckpt)}})
+    result = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert_clean_error(result, 2, "cannot read checkpoint")
+
+
+def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stages.build.tensorrt_backend as trt_backend
+
+    # Simulate a machine without any TensorRT package (CI has tensorrt_rtx installed).
+    monkeypatch.setattr(trt_backend, "import_tensorrt", lambda: None)
+    model = tmp_path / "m.onnx"
+    exported = cli.invoke(main, ["export", "--model", "cnn", "-o", str(model)])
+    assert exported.exit_code == 0, exported.output
+    result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "-o", str(tmp_path / "e")])
+    assert_clean_error(result, 2, "TensorRT", "pip install")
