@@ -97,3 +97,13 @@ def unique_name(graph: gs.Graph, base: str) -> str:
         i += 1
         name = f"{base}_{i}"
     return name
+
+
+def node_name(graph: gs.Graph, base: str) -> str:
+    """A node name not yet used in the graph (ONNX Runtime rejects duplicates)."""
+    names = {n.name for n in graph.nodes}
+    name, i = base, 0
+    while name in names:
+        i += 1
+        name = f"{base}_{i}"
+    return name
