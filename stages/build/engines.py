@@ -1,10 +1,17 @@
 """Engine directories: a model file plus ``kiln-engine.json``, and the runners that execute them.
 
+Serving code opens an engine with :func:`load_engine`::
+
+    with load_engine("out/onnxruntime-cuda-fp16") as runner:
+        outputs = runner.infer({"input": batch})
+
 Runners follow Polygraphy's shape: ``activate`` (load; heavy work happens here, not in ``__init__``),
-``infer`` (dict of numpy arrays in, dict out), ``deactivate``; they are context managers.
+``infer`` (dict of numpy arrays in, dict out), ``deactivate``; they are context managers. Backends' runner
+modules are imported lazily, so this module imports without onnxruntime-gpu or TensorRT.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from pathlib import Path
@@ -21,7 +28,10 @@ def read_metadata(engine_dir: Path) -> dict[str, Any]:
     p = Path(engine_dir) / SIDECAR
     if not p.is_file():
         raise InputFileError(f"{engine_dir} is not a Kiln engine (no {SIDECAR})", hint="point at a folder `kiln build` wrote")
-    return json.loads(p.read_text())
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputFileError(f"{p} is corrupt ({exc})", hint="rebuild the engine") from None
 
 
 class Runner:
@@ -81,40 +91,25 @@ class Runner:
         pass
 
 
-class OnnxRuntimeRunner(Runner):
-    def _activate(self) -> None:
-        import onnxruntime as ort
-
-        settings = self.meta.get("session", {})
-        providers = settings.get("providers", ["CPUExecutionProvider"])
-        missing = [p for p in providers if p not in ort.get_available_providers()]
-        if missing:
-            raise BackendUnavailable(f"engine {self.name} needs {missing}, not available in this onnxruntime",
-                                     hint="install onnxruntime-gpu (pip install 'kiln[gpu]') on a CUDA machine")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = settings.get("intra_op_threads", 0)
-        opts.log_severity_level = 3
-        # The saved model is already optimized offline; redoing it at load would only cost start-up time.
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        self.session = ort.InferenceSession(str(self.engine_dir / self.meta["files"]["model"]), opts,
-                                            providers=providers)
-        self.output_names = [o.name for o in self.session.get_outputs()]
-
-    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(self.output_names, self.session.run(None, feed)))
-
-    def _deactivate(self) -> None:
-        del self.session
-
-
-RUNNERS: dict[str, type[Runner]] = {"onnxruntime": OnnxRuntimeRunner}
+# (backend, device) -> "module:Class"; imported only when an engine of that kind is opened.
+RUNNERS: dict[tuple[str, str], str] = {
+    ("onnxruntime", "cpu"): "stages.build.onnxruntime_runner:OrtCpuRunner",
+    ("onnxruntime", "cuda"): "stages.build.onnxruntime_runner:OrtCudaRunner",
+    ("tensorrt", "cuda"): "stages.build.tensorrt_runtime:TensorRTRunner",
+}
 
 
 def runnable(meta: dict[str, Any]) -> tuple[bool, str]:
-    """Whether this machine can execute the engine, and why not."""
-    if meta["backend"] not in RUNNERS:
-        return False, meta.get("not_runnable_reason") or f"no runner for backend '{meta['backend']}' on this machine"
-    if meta.get("device") == "cuda":
+    """Whether this machine can execute the engine, and why not (a sentence for reports)."""
+    key = (meta.get("backend"), meta.get("device"))
+    if key not in RUNNERS:
+        return False, f"no runner for backend '{key[0]}' on device '{key[1]}'"
+    if key[0] == "tensorrt":
+        from stages.build.tensorrt_backend import import_tensorrt
+        from stages.build.tensorrt_runtime import can_execute
+
+        return can_execute(import_tensorrt(meta.get("flavour")), meta)
+    if key[1] == "cuda":
         import onnxruntime as ort
 
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -127,5 +122,7 @@ def load_engine(engine_dir: str | Path) -> Runner:
     meta = read_metadata(Path(engine_dir))
     ok, why = runnable(meta)
     if not ok:
-        raise BackendUnavailable(f"cannot run engine {meta['name']}: {why}")
-    return RUNNERS[meta["backend"]](Path(engine_dir), meta)
+        raise BackendUnavailable(f"cannot run engine {meta['name']}: {why}",
+                                 hint="run it on a machine that can (see the engine's kiln-engine.json)")
+    module, _, cls = RUNNERS[(meta["backend"], meta["device"])].partition(":")
+    return getattr(importlib.import_module(module), cls)(Path(engine_dir), meta)

@@ -1,27 +1,133 @@
-"""ONNX Runtime engines: the model optimized offline by ONNX Runtime, saved with its session settings."""
+"""ONNX Runtime engines: the model optimized offline by ONNX Runtime, saved beside its session settings.
+
+CPU: extended-level fusions done offline (portable across x86 hosts; the host-specific NCHWc layout pass runs
+at load), thread counts and execution mode stored for the runner. CUDA: cuDNN exhaustive convolution search,
+NHWC where it helps, IO binding and CUDA graphs (applied by the runner), and ORT's transformer fusions. Those
+fusions emit ORT-only contrib ops, so they are applied here, to ORT engines only, never to TensorRT's graphs.
+"""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
+from pipeline.errors import BuildError
 from stages.build.config import OnnxRuntimeConfig
+from stages.build.tensorrt_weak import graph_carries_precision
 
+log = logging.getLogger("kiln.build")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+ATTENTION_OPS = {"Softmax", "MatMul"}
 
 
-def build_ort_engine(onnx_path: Path, out: Path, device: str, cfg: OnnxRuntimeConfig) -> dict[str, Any]:
+def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
+                     keep_fp32: list[str] | None = None) -> dict[str, Any]:
+    """Write ``out/engine.onnx``; returns the backend's part of the metadata."""
     import onnxruntime as ort
 
+    model = onnx.load(str(onnx_path))
+    notes: dict[str, Any] = {}
+    model, notes["transformer_fusion"] = maybe_fuse(model, device, cfg)
+    if precision == "fp16" and not graph_carries_precision(onnx_path):
+        from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+        # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
+        ops = {n.op_type for n in model.graph.node}
+        keep = list(keep_fp32 or [])
+        model = convert_float_to_float16(model, keep_io_types=True,
+                                         op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
+                                         node_block_list=[k for k in keep if k not in ops])
+        notes["fp16_conversion"] = "onnxruntime.transformers.float16 after fusion, io kept fp32"
+    src = out / "source.onnx"
+    onnx.save(model, str(src))
+    cuda_here = "CUDAExecutionProvider" in ort.get_available_providers()
+    # Fusions are assigned per execution provider, so fuse offline only for the EP the engine will run on.
+    offline = "extended" if device == "cpu" or cuda_here else "basic"
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}[offline]
     opts.optimized_model_filepath = str(out / "engine.onnx")
-    opts.intra_op_num_threads = cfg.intra_op_threads
     opts.log_severity_level = 3
-    ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])  # writes the optimized model
-    return {"files": {"model": "engine.onnx"},
-            "session": {"providers": PROVIDERS[device], "intra_op_threads": cfg.intra_op_threads}}
+    providers = provider_list(device, cfg, has_conv(model), precision) if device == "cuda" and cuda_here \
+        else ["CPUExecutionProvider"]
+    try:
+        ort.InferenceSession(str(src), opts, providers=providers)  # writes the optimized model
+    except Exception as exc:
+        raise BuildError(f"ONNX Runtime cannot optimize the model: {str(exc).splitlines()[0][:300]}",
+                         hint="an op or type may be unsupported by ONNX Runtime; try another opset") from None
+    src.unlink()
+    session = {"providers": provider_list(device, cfg, has_conv(model), precision),
+               "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
+               "execution_mode": cfg.execution_mode, "offline_optimization": offline, "load_optimization": "all"}
+    import onnxruntime
+
+    return {"files": {"model": "engine.onnx"}, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
+            "versions": {"onnxruntime": onnxruntime.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
+
+
+def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> list[Any]:
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    c = cfg.cuda
+    nhwc = c.prefer_nhwc == "on" or (c.prefer_nhwc == "auto" and conv and precision != "fp32")
+    opts = {"device_id": str(c.device_id), "cudnn_conv_algo_search": c.conv_algo_search,
+            "cudnn_conv_use_max_workspace": "1", "prefer_nhwc": "1" if nhwc else "0", "use_tf32": "1" if c.tf32 else "0"}
+    return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+
+def has_conv(model: onnx.ModelProto) -> bool:
+    return any(n.op_type == "Conv" for n in model.graph.node)
+
+
+def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """ORT transformer fusions, kept only if the fused graph computes the same outputs (checked on CPU)."""
+    ops = {n.op_type for n in model.graph.node}
+    if cfg.transformer_fusion == "off":
+        return model, {"applied": False, "why": "off in config"}
+    if cfg.transformer_fusion == "auto" and not ATTENTION_OPS <= ops:
+        return model, {"applied": False, "why": "no attention-like ops"}
+    if cfg.transformer_fusion == "auto" and graph_has_fp16(model):
+        return model, {"applied": False, "why": "graph already FP16: ORT fuses best from the FP32 graph"}
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    fused = optimize_model(model, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0,
+                           use_gpu=device == "cuda")
+    stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
+    if not stats:
+        return model, {"applied": False, "why": "no pattern matched"}
+    err = _parity(model, fused.model)
+    if err is not None:
+        log.warning("ORT transformer fusion changed the outputs (%s); keeping the unfused graph", err)
+        return model, {"applied": False, "why": f"fused graph differs: {err}"}
+    return fused.model, {"applied": True, "fused": stats}
+
+
+def graph_has_fp16(model: onnx.ModelProto) -> bool:
+    return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
+
+
+def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2) -> str | None:
+    """None when both graphs agree on random inputs; else a short description of the difference."""
+    import onnxruntime as ort
+
+    try:
+        a, b = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (ref, new))
+    except Exception as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
+        return f"cannot run on CPU to check ({str(exc).splitlines()[0][:120]})"
+    rng = np.random.default_rng(0)
+    feed = {}
+    for i in a.get_inputs():
+        shape = [d if isinstance(d, int) else batch for d in i.shape]
+        feed[i.name] = (rng.integers(0, 2, shape) if "int" in i.type else rng.standard_normal(shape)).astype(
+            np.int64 if "int64" in i.type else np.int32 if "int" in i.type else np.float32)
+    for x, y in zip(a.run(None, feed), b.run(None, feed)):
+        tol = 1e-3 * max(1.0, float(np.abs(x).max()))
+        if x.shape != y.shape or float(np.abs(x.astype(np.float64) - y).max()) > tol:
+            return f"max abs diff {float(np.abs(x.astype(np.float64) - y).max()):.3g} > {tol:.3g}"
+    return None
 
 
 def io_spec(model: onnx.ModelProto) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -1,22 +1,35 @@
 """TensorRT engines, built with whichever TensorRT flavour imports: ``tensorrt`` (10/11) or ``tensorrt_rtx``.
 
+One code path chosen by feature detection, not version numbers (see :func:`features`):
+- strongly typed (TensorRT 11, TensorRT-RTX; optional in 10): precision comes from the graph (FP16 tensors,
+  Q/DQ pairs); no precision flags exist.
+- weakly typed (TensorRT 10 handed an FP32 graph for fp16/int8): FP16/INT8 builder flags, an entropy
+  calibrator fed from a calibration cache, and per-layer constraints keeping sensitive layers FP32.
+
 Imported lazily: Kiln works without TensorRT, and TensorRT-RTX builds engines even on a CPU-only machine.
 """
 from __future__ import annotations
 
 import importlib
+import json
+import logging
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from pipeline.errors import BackendUnavailable, BuildError
+from stages.build import tensorrt_cache
 from stages.build.config import TensorRTConfig
+from stages.build.profiles import Profile, as_json
+from stages.build.tensorrt_errors import KilnTrtLogger, parse_onnx
+from stages.build.tensorrt_weak import configure_weak_typing, graph_carries_precision
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
+log = logging.getLogger("kiln.build")
 
 
-def import_tensorrt() -> ModuleType | None:
-    for name in FLAVOURS:
+def import_tensorrt(flavour: str | None = None) -> ModuleType | None:
+    for name in (flavour,) if flavour else FLAVOURS:
         try:
             return importlib.import_module(name)
         except ImportError:
@@ -32,32 +45,172 @@ def require_tensorrt() -> ModuleType:
     return trt
 
 
-def build_trt_engine(onnx_path: Path, out: Path, cfg: TensorRTConfig, input_shape: tuple[int, ...],
-                     max_batch: int) -> dict[str, Any]:
+def features(trt: ModuleType) -> dict[str, bool]:
+    """What this TensorRT can do, detected from its API rather than its version number."""
+    flags, cfg = trt.BuilderFlag, trt.IBuilderConfig
+    return {
+        "strongly_typed": hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"),
+        "fp16_flag": hasattr(flags, "FP16"),
+        "int8_flag": hasattr(flags, "INT8"),
+        "int8_calibrator": hasattr(trt, "IInt8EntropyCalibrator2"),
+        "compute_capability_targets": hasattr(cfg, "set_compute_capability"),
+        "runtime_cache": hasattr(trt, "IRuntimeCache"),
+        # TensorRT-RTX keeps the timing-cache API but documents it as a no-op.
+        "timing_cache": trt.__name__ != "tensorrt_rtx",
+    }
+
+
+def build_trt_engine(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile],
+                     cache_dir: Path) -> dict[str, Any]:
+    """Parse, configure, build and serialize; returns the backend's part of the metadata."""
     trt = require_tensorrt()
-    logger = trt.Logger(trt.Logger.ERROR)
+    feats = features(trt)
+    logger = KilnTrtLogger(trt)
     builder = trt.Builder(logger)
-    flags = 0
-    if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
-        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errs = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise BuildError(f"TensorRT's ONNX parser rejected the model: {'; '.join(errs)[:500]}",
-                         hint="run the optimize stage, or export with another opset")
+    strong = feats["strongly_typed"] and (not (feats["fp16_flag"] or feats["int8_flag"])
+                                          or precision == "fp32" or graph_carries_precision(onnx_path))
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strong else 0)
+    parser = parse_onnx(trt, network, logger, onnx_path)
     config = builder.create_builder_config()
-    config.builder_optimization_level = cfg.optimization_level
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, cfg.workspace_mb << 20)
-    profile = builder.create_optimization_profile()
-    for i in range(network.num_inputs):
-        inp = network.get_input(i)
-        dims = tuple(input_shape)
-        profile.set_shape(inp.name, (1, *dims), (max_batch, *dims), (max_batch, *dims))
-    config.add_optimization_profile(profile)
+    settings = _configure(trt, builder, config, cfg, profiles, feats)
+    if not strong:
+        settings["weak_typing"] = configure_weak_typing(trt, network, config, precision, cfg)
+    elif precision != "fp32" and not graph_carries_precision(onnx_path):
+        raise BuildError(f"the {precision} graph for TensorRT holds no FP16 tensors or Q/DQ nodes, and "
+                         f"{trt.__name__} {trt.__version__} is strongly typed (precision comes from the graph)",
+                         hint="run the precision stage to convert the graph; builder flags cannot do it here")
+    target = _target(trt, cfg)
+    cache_file = tensorrt_cache.timing_cache_path(cache_dir, trt, target)
+    timing = tensorrt_cache.attach_timing_cache(config, cache_file) if cfg.timing_cache else None
+    (out / "network_layers.json").write_text(json.dumps(network_layers(network), indent=1))
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise BuildError("TensorRT failed to build the engine", hint="see the TensorRT log above")
+        raise BuildError(f"TensorRT ({trt.__name__} {trt.__version__}) failed to build the engine: "
+                         + logger.last_errors(), hint=_build_hint(logger.last_errors()))
+    if timing is not None:
+        timing["saved_bytes"] = tensorrt_cache.save_timing_cache(config, cache_file)
+        if not feats["timing_cache"]:
+            timing["note"] = "no-op in TensorRT-RTX: kernels are compiled on the target GPU into the runtime cache"
     (out / "engine.plan").write_bytes(bytes(plan))
-    return {"files": {"model": "engine.plan"}, "flavour": trt.__name__, "trt_version": trt.__version__,
-            "not_runnable_reason": "TensorRT engine execution is not wired on this machine"}
+    del parser
+    return {"files": {"model": "engine.plan", "network_layers": "network_layers.json",
+                      **_inspect(trt, bytes(plan), out, logger)},
+            "flavour": trt.__name__, "versions": {trt.__name__: trt.__version__}, "features": feats,
+            "strongly_typed": strong, "target": _target_meta(trt, cfg, target), "profiles": as_json(profiles),
+            "builder_settings": settings, "timing_cache": timing,
+            "runtime_cache": str(tensorrt_cache.runtime_cache_path(cache_dir, trt, target))
+            if feats["runtime_cache"] else None}
+
+
+def _configure(trt: ModuleType, builder: Any, config: Any, cfg: TensorRTConfig, profiles: list[Profile],
+               feats: dict[str, bool]) -> dict[str, Any]:
+    config.builder_optimization_level = cfg.optimization_level
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, cfg.workspace_mb << 20)
+    settings: dict[str, Any] = {"optimization_level": cfg.optimization_level, "workspace_mb": cfg.workspace_mb}
+    if cfg.tactic_shared_memory_kb is not None:
+        config.set_memory_pool_limit(trt.MemoryPoolType.TACTIC_SHARED_MEMORY, cfg.tactic_shared_memory_kb << 10)
+        settings["tactic_shared_memory_kb"] = cfg.tactic_shared_memory_kb
+    if cfg.tactic_sources is not None:
+        config.set_tactic_sources(_tactic_mask(trt, cfg.tactic_sources))
+        settings["tactic_sources"] = cfg.tactic_sources
+    if cfg.avg_timing_iterations is not None:
+        config.avg_timing_iterations = cfg.avg_timing_iterations
+        settings["avg_timing_iterations"] = cfg.avg_timing_iterations
+    if cfg.max_aux_streams is not None:
+        config.max_aux_streams = cfg.max_aux_streams
+        settings["max_aux_streams"] = cfg.max_aux_streams
+    if cfg.detailed_profiling:
+        config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    if cfg.compute_capabilities:
+        if not feats["compute_capability_targets"]:
+            raise BuildError(f"build.tensorrt.compute_capabilities needs TensorRT-RTX; {trt.__name__} builds for the "
+                             "local GPU only", hint="remove compute_capabilities, or install tensorrt-rtx")
+        config.num_compute_capabilities = len(cfg.compute_capabilities)
+        for i, cc in enumerate(cfg.compute_capabilities):
+            config.set_compute_capability(_enum(trt, "ComputeCapability", cc), i)
+        settings["compute_capabilities"] = cfg.compute_capabilities
+    for profile in profiles:
+        p = builder.create_optimization_profile()
+        for name, rng in profile.items():
+            p.set_shape(name, tuple(rng.min), tuple(rng.opt), tuple(rng.max))
+        config.add_optimization_profile(p)
+    return settings
+
+
+def _enum(trt: ModuleType, enum: str, name: str) -> Any:
+    members = getattr(trt, enum).__members__
+    if name not in members:
+        from pipeline.errors import ConfigError
+
+        raise ConfigError(f"unknown {enum} '{name}' for {trt.__name__} {trt.__version__}",
+                          hint=f"use one of {sorted(members)}")
+    return members[name]
+
+
+def _tactic_mask(trt: ModuleType, names: list[str]) -> int:
+    mask = 0
+    for name in names:
+        mask |= 1 << int(_enum(trt, "TacticSource", name.upper()))
+    return mask
+
+
+def _target(trt: ModuleType, cfg: TensorRTConfig) -> str:
+    """What the engine is tuned for: RTX targets when given, else the local GPU (or 'cpu' when there is none)."""
+    if cfg.compute_capabilities and cfg.compute_capabilities != ["CURRENT"]:
+        return "+".join(cfg.compute_capabilities)
+    gpu = local_gpu()
+    return f"sm{gpu['compute_capability'].replace('.', '')}" if gpu else "no-gpu"
+
+
+def _target_meta(trt: ModuleType, cfg: TensorRTConfig, target: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"key": target, "local_gpu": local_gpu()}
+    if cfg.compute_capabilities:
+        meta["compute_capabilities"] = cfg.compute_capabilities
+    elif trt.__name__ == "tensorrt_rtx":
+        meta["compute_capabilities"] = ["library default"]
+    return meta
+
+
+def local_gpu() -> dict[str, str] | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return {"name": torch.cuda.get_device_name(0),
+            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}
+
+
+def network_layers(network: Any) -> list[dict[str, Any]]:
+    """The parsed network's layers (name, type, output dtypes): available on every machine, unlike the inspector."""
+    layers = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        outs = [layer.get_output(j) for j in range(layer.num_outputs)]
+        layers.append({"name": layer.name, "type": str(layer.type).split(".")[-1],
+                       "outputs": [{"name": t.name, "dtype": str(t.dtype).split(".")[-1]} for t in outs if t]})
+    return layers
+
+
+def _inspect(trt: ModuleType, plan: bytes, out: Path, logger: Any) -> dict[str, str]:
+    """The engine inspector's per-layer JSON; it needs to deserialize the engine, so only where it can run."""
+    from stages.build.tensorrt_runtime import can_execute
+
+    ok, why = can_execute(trt)
+    if not ok:
+        log.info("no engine inspector layer info: %s", why)
+        return {}
+    engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
+    if engine is None:
+        log.warning("engine inspector unavailable: %s", logger.last_errors())
+        return {}
+    info = engine.create_engine_inspector().get_engine_information(trt.LayerInformationFormat.JSON)
+    (out / "layers.json").write_text(info)
+    return {"layers": "layers.json"}
+
+
+def _build_hint(errors: str) -> str:
+    if "memory" in errors.lower() or "workspace" in errors.lower():
+        return "raise build.tensorrt.workspace_mb, or lower the profile's max shapes"
+    if "profile" in errors.lower() or "dimension" in errors.lower():
+        return "check build.tensorrt.profiles against the model's input shapes"
+    return "the layer named above is the one TensorRT could not implement; try optimize passes or another opset"

@@ -1,0 +1,81 @@
+"""TensorRT's log routed to Python logging, and parser errors turned into BuildErrors that name the node.
+
+The parser reports which ONNX node failed (name, op, description); we add a hint for the failures users hit
+most. Nothing falls back silently: a node TensorRT cannot import fails the build with that node named.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from pipeline.errors import BuildError
+
+log = logging.getLogger("kiln.build.tensorrt")
+
+# (substring of the op or message, hint); the first match wins.
+PARSER_HINTS: list[tuple[str, str]] = [
+    ("build-time constant", "run the optimize stage (fold_constants) so shape/axes inputs become constants"),
+    ("DequantizeLinear", "TensorRT takes INT8/FP8 Q/DQ on activations and weights only; keep biases FP32 "
+                         "(onnxruntime quantize_static extra_options QuantizeBias=False) and use symmetric scales"),
+    ("QuantizeLinear", "TensorRT needs symmetric quantization (zero point 0): ActivationSymmetric/WeightSymmetric"),
+    ("No importer registered", "TensorRT has no importer for this op: rewrite it in the optimize stage, export "
+                               "with another opset, or use the onnxruntime backend for this model"),
+    ("opset", "export with another opset (export.opset: 17 or 18)"),
+]
+DEFAULT_HINT = "try the optimize stage's passes or another export.opset; the onnxruntime backend still builds"
+
+
+def KilnTrtLogger(trt: ModuleType) -> Any:  # noqa: N802 - a factory standing in for a class
+    """An ``ILogger`` for this TensorRT module that logs through ``logging`` and keeps recent errors."""
+
+    class _Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity: Any, msg: str) -> None:
+            if severity in (trt.ILogger.INTERNAL_ERROR, trt.ILogger.ERROR):
+                self.errors.append(msg)
+                log.debug("%s", msg)  # surfaced in the BuildError; the CLI shows no raw library log
+            elif severity == trt.ILogger.WARNING:
+                log.info("%s", msg)
+            else:
+                log.debug("%s", msg)
+
+        def last_errors(self, n: int = 3) -> str:
+            useful = [e for e in self.errors if "cudaError 35" not in e and "CUDA driver" not in e] or self.errors
+            return " | ".join(e.strip()[:300] for e in useful[-n:]) or "(no error message from TensorRT)"
+
+    return _Logger()
+
+
+def parse_onnx(trt: ModuleType, network: Any, logger: Any, onnx_path: Path) -> Any:
+    parser = trt.OnnxParser(network, logger)
+    # parse_from_file resolves external-data files relative to the model, which parse(bytes) cannot.
+    if parser.parse_from_file(str(onnx_path)):
+        return parser
+    errors = [parser.get_error(i) for i in range(parser.num_errors)]
+    raise parser_error(errors, onnx_path)
+
+
+def parser_error(errors: list[Any], onnx_path: Path) -> BuildError:
+    if not errors:
+        return BuildError(f"TensorRT's ONNX parser rejected {onnx_path.name} without saying why", hint=DEFAULT_HINT)
+    first = errors[0]
+    node, op, desc = _call(first, "node_name"), _call(first, "node_operator"), _call(first, "desc")
+    where = f"node '{node}' (op {op})" if node or op else f"node #{_call(first, 'node')}"
+    text = f"{op} {desc}"
+    hint = next((h for key, h in PARSER_HINTS if key in text), DEFAULT_HINT)
+    more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return BuildError(f"TensorRT's ONNX parser failed at {where} in {onnx_path.name}: {desc.strip()[:300]}{more}",
+                      hint=hint)
+
+
+def _call(obj: Any, name: str) -> str:
+    fn = getattr(obj, name, None)
+    try:
+        return str(fn()) if callable(fn) else ""
+    except Exception:  # older parsers lack some accessors; the message must still be built
+        return ""

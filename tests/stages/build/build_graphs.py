@@ -1,0 +1,84 @@
+"""Zoo models as ONNX graphs in FP32, FP16 and INT8 (Q/DQ), made here because the precision stage is not ours.
+
+FP16: onnxconverter-common's converter keeping LayerNormalization/Softmax/reductions in FP32 (what TensorRT 11 and
+TensorRT-RTX expect: precision lives in the graph). INT8: onnxruntime.quantization.quantize_static in QDQ format,
+symmetric per-channel weights, as TensorRT requires.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import torch
+
+from models import build_model
+from stages.export import export_onnx
+
+# Per model: factory params small enough for fast CPU builds, and one sample's shape / dtype.
+ZOO: dict[str, tuple[dict, tuple[int, ...], str]] = {
+    "cnn": ({}, (1, 8, 8), "float32"),
+    "transformer": ({}, (1, 8, 8), "float32"),
+    "mlp_embed": ({}, (64,), "int64"),
+}
+KEEP_FP32 = ["LayerNormalization", "Softmax", "ReduceMean", "ReduceSum", "Pow", "Sqrt", "Gather"]
+
+
+def sample(name: str, batch: int, seed: int = 0) -> np.ndarray:
+    _, shape, dtype = ZOO[name]
+    rng = np.random.default_rng(seed)
+    if dtype == "int64":
+        return rng.integers(0, 17, size=(batch, *shape), dtype=np.int64)
+    return rng.standard_normal((batch, *shape)).astype(np.float32)
+
+
+def fp32_graph(name: str, folder: Path) -> Path:
+    """Export, then fold constants (what the optimize stage does): TensorRT needs constant Reduce axes."""
+    torch.manual_seed(0)
+    params, _, _ = ZOO[name]
+    path = folder / f"{name}-export.onnx"
+    export_onnx(build_model(name, params), torch.from_numpy(sample(name, 2)), path)
+    graph = gs.import_onnx(onnx.load(str(path)))
+    graph.fold_constants().cleanup().toposort()
+    out = folder / f"{name}-fp32.onnx"
+    onnx.save(gs.export_onnx(graph), str(out))
+    return out
+
+
+def fp16_graph(fp32: Path, out: Path) -> Path:
+    from onnxconverter_common import float16
+
+    model = float16.convert_float_to_float16(onnx.load(str(fp32)), keep_io_types=True, op_block_list=KEEP_FP32)
+    onnx.save(model, str(out))
+    return out
+
+
+def int8_graph(fp32: Path, out: Path, name: str) -> Path:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{"input": sample(name, 8, seed=s)} for s in range(4)])
+
+        def get_next(self):  # type: ignore[override]
+            return next(self.batches, None)
+
+    quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    op_types_to_quantize=["Conv", "MatMul", "Gemm"],
+                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                   "QuantizeBias": False})
+    return out
+
+
+def zoo_graph(name: str, precision: str, folder: Path) -> Path:
+    fp32 = folder / f"{name}-fp32.onnx"
+    if not fp32.exists():
+        fp32_graph(name, folder)
+    if precision == "fp32":
+        return fp32
+    out = folder / f"{name}-{precision}.onnx"
+    if not out.exists():
+        fp16_graph(fp32, out) if precision == "fp16" else int8_graph(fp32, out, name)
+    return out
