@@ -66,8 +66,8 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:

@@ -61,6 +61,6 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def write_report(result: RunResult, config: KilnConfig, workdir: Path) -> dict[str, Any]:
     report = build_report(result, config)
-    write_json_atomic(workdir / "report.json", report)
+    write_json_atomic(workdir / "report.json", report, sort_keys=False)  # keep stages in pipeline order
     write_text_atomic(workdir / "report.md", render_markdown(report))
     return report
