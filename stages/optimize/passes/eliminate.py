@@ -90,12 +90,29 @@ def _noop_slice(node: gs.Node) -> bool:
     return True
 
 
+def _reshape_keeps_shape(node: gs.Node) -> bool:
+    """Constant target shape that spells out the input's own shape (static axes equal, one -1 or 0 for the
+    single dynamic axis)."""
+    shape, src = const(node.inputs[1]), known_shape(node.inputs[0])
+    if shape is None or src is None or shape.size != len(src):
+        return False
+    allowzero = node.attrs.get("allowzero", 0)
+    dynamic = [i for i, d in enumerate(src) if not isinstance(d, int)]
+    for i, (want, have) in enumerate(zip(shape.tolist(), src)):
+        copies = want == 0 and not allowzero
+        if not (copies or want == have or (want == -1 and len(dynamic) <= 1 and (i in dynamic or not dynamic))):
+            return False
+    return True
+
+
 def _is_noop(node: gs.Node) -> bool:
     if node.op == "Cast":
         return _dtype_name(node.inputs[0]) is not None and _dtype_name(node.inputs[0]) == _cast_target(node)
     if node.op == "Transpose":
         perm = node.attrs.get("perm")
         return perm is not None and list(perm) == list(range(len(perm)))
+    if node.op == "Reshape" and _reshape_keeps_shape(node):
+        return True
     if node.op in ("Reshape", "Expand", "Squeeze", "Unsqueeze", "Flatten"):
         return _same_shape(node.inputs[0], node.outputs[0])
     if node.op == "Slice":

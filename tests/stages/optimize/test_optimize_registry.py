@@ -1,0 +1,64 @@
+"""Config of the optimize stage: pass names and params are checked at load, with the choices listed."""
+from __future__ import annotations
+
+import pytest
+from onnx import helper as h
+
+from optimize_helpers import FLOAT, make_model, ops
+from pipeline.config import config_from_dict
+from pipeline.errors import ConfigError
+from stages.optimize import registry
+from stages.optimize.api import optimize_model
+from stages.optimize.config import DEFAULT_PASSES, OptimizeConfig
+from test_optimize_passes import TESTED
+
+
+def test_unknown_pass_lists_the_available_ones():
+    with pytest.raises(ConfigError) as err:
+        OptimizeConfig(passes=["fold_constants", "make_it_fast"])
+    assert "make_it_fast" in err.value.message and "merge_qkv" in err.value.hint
+
+
+def test_unknown_pass_through_the_pipeline_config_is_a_config_error():
+    with pytest.raises(ConfigError):
+        config_from_dict({"optimize": {"passes": ["nope"]}})
+
+
+def test_pass_params_are_typed():
+    OptimizeConfig(passes=[{"name": "merge_qkv", "min_branches": 3}])
+    with pytest.raises(ConfigError, match="merge_qkv"):
+        OptimizeConfig(passes=[{"name": "merge_qkv", "min_branchez": 3}])
+    with pytest.raises(ConfigError):
+        OptimizeConfig(passes=[{"min_branches": 3}])
+
+
+def test_default_pipeline_is_registered_and_every_pass_is_tested_and_described():
+    assert set(DEFAULT_PASSES) <= set(registry.available())
+    assert set(registry.available()) == TESTED, "each registered pass needs its own test"
+    assert all(d and len(d) < 200 for d in registry.describe().values())
+
+
+def test_a_pass_that_changes_outputs_is_rolled_back_and_named(monkeypatch):
+    def relu_to_identity(graph, p):  # a deliberately wrong rewrite
+        n = 0
+        for node in graph.nodes:
+            if node.op == "Relu":
+                node.op, n = "Identity", n + 1
+        return n
+
+    monkeypatch.setitem(registry.PASSES, "wrong", registry.PassSpec("wrong", relu_to_identity, registry.NoParams, "bad"))
+    m = make_model([h.make_node("Relu", ["x"], ["y"])], [("x", ["N", 8], FLOAT)], ["y"], {})
+    out, s = optimize_model(m, OptimizeConfig(passes=["wrong"]))
+    assert s["rolled_back"] == ["wrong"] and ops(out) == ["Relu"] and "max abs error" in s["passes"][0]["reason"]
+    out, s = optimize_model(m, OptimizeConfig(passes=["wrong"], verify=False))  # without the net it ships
+    assert ops(out) == ["Identity"] and not s["verified"]
+
+
+def test_a_crashing_pass_is_rolled_back(monkeypatch):
+    def boom(graph, p):
+        raise RuntimeError("bug")
+
+    monkeypatch.setitem(registry.PASSES, "boom", registry.PassSpec("boom", boom, registry.NoParams, "crashes"))
+    m = make_model([h.make_node("Relu", ["x"], ["y"])], [("x", ["N", 8], FLOAT)], ["y"], {})
+    out, s = optimize_model(m, OptimizeConfig(passes=["boom", "toposort"]))
+    assert s["rolled_back"] == ["boom"] and "RuntimeError" in s["passes"][0]["reason"]
