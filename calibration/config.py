@@ -29,6 +29,8 @@ class CalibrationConfig(Section):
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
         description="op types to quantize; norms, Softmax and element-wise math stay float by default")
+    quantize_bias: bool = Field(False, description="int32 bias Q/DQ: ONNX Runtime accepts it, TensorRT's parser "
+                                                    "rejects it, so biases stay float by default")
     exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
     exclude_op_types: list[str] = Field(default_factory=list, description="op types kept in float, e.g. [Softmax]")
     exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")

@@ -61,7 +61,8 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
         nodes_to_exclude=exclude,
         calibrate_method=_ort_method(ranges.method),
         use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
-        extra_options={"ActivationSymmetric": cfg.symmetric_activations, "WeightSymmetric": True},
+        extra_options={"ActivationSymmetric": cfg.symmetric_activations, "WeightSymmetric": True,
+                       "QuantizeBias": cfg.quantize_bias},
         **kw,
     )
     q = onnx.load(str(out_path), load_external_data=False)

@@ -1,22 +1,66 @@
-"""Pipeline entry of the precision stage: one graph per configured precision, listed in variants.json."""
+"""Pipeline entry of the precision stage: one graph per configured precision, listed in variants.json.
+
+variants.json: ``{variant: {"path": "<variant>/model.onnx", "kept_fp32": [...], "reasons": {node: why},
+"vs_fp32": {...}, "fallback": {...}, ...}}``; the build stage reads ``path``, the report the rest.
+"""
 from __future__ import annotations
 
 import json
-import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ConfigError
+import numpy as np
+
+from calibration.data import calibration_batches
+from pipeline.onnx_io import load_onnx
 from pipeline.stage import StageContext
+from stages.precision.variants import Source, build_fp16, build_int8
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    src = ctx.inputs["optimize"] / "model.onnx"
+    cfg, ccfg = ctx.config.precision, ctx.config.calibration
+    wanted = list(dict.fromkeys(cfg.variants))
+    data = ctx.dataset()
+    needs_data = "int8" in wanted or ("fp16" in wanted and cfg.fp16.range_check)
+    batches = calibration_batches(data, ccfg, ctx.config.seed) if needs_data else []
+    x_val = data.val_x[:cfg.fallback.samples].numpy()
     variants: dict[str, Any] = {}
-    for precision in ctx.config.precision.variants:
-        if precision != "fp32":
-            raise ConfigError(f"precision '{precision}' is not available yet", hint="use precision.variants: [fp32]")
-        (ctx.out / precision).mkdir()
-        shutil.copy2(src, ctx.out / precision / "model.onnx")
-        variants[precision] = {"path": f"{precision}/model.onnx", "kept_fp32": []}
-    (ctx.out / "variants.json").write_text(json.dumps(variants, indent=2))
-    return {"variants": variants}
+    with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
+        # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
+        # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
+        fp32_path = ctx.out / "fp32" / "model.onnx" if "fp32" in wanted else Path(tmp) / "fp32.onnx"
+        src = Source.prepare(load_onnx(ctx.inputs["optimize"] / "model.onnx"), fp32_path, batches,
+                             ctx.cache_dir if ccfg.cache else None)
+        cache_dir = src.cache_dir
+        with ctx.progress.task("precision variants", total=len(wanted)) as bar:
+            for precision in wanted:
+                out = ctx.out / precision / "model.onnx"
+                if precision == "fp32":
+                    variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
+                elif precision == "fp16":
+                    variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
+                else:
+                    variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+                bar.advance(1, note=precision)
+                _log_variant(ctx, precision, variants[precision])
+    (ctx.out / "variants.json").write_text(json.dumps(variants, indent=2, default=_jsonable))
+    summary = {v: {"kept_fp32": len(e["kept_fp32"]), **(e.get("vs_fp32") or {}),
+                   "fallback_passed": e.get("fallback", {}).get("passed", True)} for v, e in variants.items()}
+    return {"variants": summary, "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+
+
+def _log_variant(ctx: StageContext, precision: str, entry: dict[str, Any]) -> None:
+    vs = entry.get("vs_fp32") or {}
+    if vs:
+        ctx.log.info("%s: top-1 agreement vs FP32 %.4f, %d nodes kept FP32", precision, vs["top1_agreement"],
+                     len(entry["kept_fp32"]))
+    if not entry.get("fallback", {}).get("passed", True):
+        ctx.log.warning("%s misses precision.fallback targets after %d rounds; validation gates decide",
+                        precision, len(entry["fallback"]["rounds"]) - 1)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return str(obj)

@@ -1,0 +1,106 @@
+"""Building each precision variant of an FP32 graph: FP16 mixed precision and INT8 Q/DQ, each through the
+accuracy-driven fallback. Callable without the pipeline (the benchmark and tests use it directly)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from calibration.config import CalibrationConfig
+from calibration.quantize import excluded_nodes, quantizable_op_types, quantize_int8
+from calibration.ranges import Ranges, calibrate
+from calibration.trt_table import write_trt_table
+from pipeline.onnx_io import infer_shapes, save_onnx
+from stages.precision.config import FallbackConfig, FP16Config
+from stages.precision.fallback import FallbackResult, run_fallback
+from stages.precision.fp16 import convert_fp16, name_nodes
+from stages.precision.fp16_select import SHAPE_OPS, select_fp32_nodes
+
+log = logging.getLogger("kiln.precision")
+
+
+@dataclass
+class Source:
+    """The FP32 graph (named, shape-inferred) saved at ``path``, its input name and calibration batches."""
+
+    model: onnx.ModelProto
+    path: Path
+    input_name: str
+    batches: list[np.ndarray]
+    cache_dir: Path | None
+
+    @classmethod
+    def prepare(cls, model: onnx.ModelProto, path: Path, batches: list[np.ndarray],
+                cache_dir: Path | None) -> "Source":
+        model = name_nodes(infer_shapes(model))
+        save_onnx(model, path)
+        return cls(model, path, model.graph.input[0].name, batches, cache_dir)
+
+    def ranges(self, method: str, ccfg: CalibrationConfig) -> Ranges:
+        return calibrate(self.path, self.batches, self.input_name, method, cache_dir=self.cache_dir,
+                         symmetric=ccfg.symmetric_activations, percentile=ccfg.percentile)
+
+
+def _float_nodes(model: onnx.ModelProto) -> set[str]:
+    return {n.name for n in model.graph.node if n.op_type not in SHAPE_OPS}
+
+
+def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig, x_val: np.ndarray,
+               ccfg: CalibrationConfig) -> dict[str, Any]:
+    """FP16 graph at ``out``: sensitive and out-of-range nodes FP32, then fallback until the target holds."""
+    amax = src.ranges("minmax", ccfg).amax() if cfg.range_check and src.batches else {}
+    base = select_fp32_nodes(src.model, cfg, amax)
+    info: dict[str, Any] = {}
+
+    def build(extra: set[str]) -> Path:
+        model, stats = convert_fp16(src.model, set(base) | extra, cfg)
+        info.update(stats)
+        save_onnx(model, out)
+        return out
+
+    res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16")
+    return _entry(out, base | res.kept, res, info)
+
+
+def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig,
+               x_val: np.ndarray) -> dict[str, Any]:
+    """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table."""
+    ranges = src.ranges(ccfg.method, ccfg)
+    base = {n: _exclusion_reason(src.model, n, ccfg) for n in excluded_nodes(src.model, ccfg)}
+    info: dict[str, Any] = {}
+
+    def build(extra: set[str]) -> Path:
+        info.update(quantize_int8(src.path, out, ranges, ccfg, extra))
+        return out
+
+    ops = set(quantizable_op_types(ccfg))
+    candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
+    res = run_fallback(build, src.model, x_val, fallback, candidates, "int8")
+    entry = _entry(out, base | res.kept, res, {"calibration": {
+        "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
+        "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes")}})
+    if ccfg.trt_table:
+        table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
+        entry["trt_calibration_table"] = table.name
+    return entry
+
+
+def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig) -> str:
+    if name in ccfg.exclude_nodes:
+        return "listed in calibration.exclude_nodes"
+    op = next((n.op_type for n in model.graph.node if n.name == name), "?")
+    if op in ccfg.exclude_op_types:
+        return f"{op} in calibration.exclude_op_types"
+    return "first/last compute layer (calibration.exclude_first_last)"
+
+
+def _entry(out: Path, kept: dict[str, str], res: FallbackResult, extra: dict[str, Any]) -> dict[str, Any]:
+    last = res.rounds[-1] if res.rounds else {}
+    return {"path": f"{out.parent.name}/{out.name}", "kept_fp32": sorted(kept), "reasons": dict(sorted(kept.items())),
+            "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},
+            "fallback": {"passed": res.passed, "rounds": res.rounds,
+                         "nodes": sorted(res.kept)}, **extra}
