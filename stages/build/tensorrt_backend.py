@@ -97,7 +97,7 @@ def build_trt_engine(onnx_path: Path, out: Path, precision: str, cfg: TensorRTCo
                       **_inspect(trt, bytes(plan), out, logger)},
             "flavour": trt.__name__, "versions": {trt.__name__: trt.__version__}, "features": feats,
             "strongly_typed": strong, "target": _target_meta(trt, cfg, target), "profiles": as_json(profiles),
-            "builder_settings": settings, "timing_cache": timing,
+            "builder_settings": settings, "timing_cache": timing, "cuda_graph": cfg.cuda_graph,
             "runtime_cache": str(tensorrt_cache.runtime_cache_path(cache_dir, trt, target))
             if feats["runtime_cache"] else None}
 
@@ -167,7 +167,7 @@ def _target_meta(trt: ModuleType, cfg: TensorRTConfig, target: str) -> dict[str,
     if cfg.compute_capabilities:
         meta["compute_capabilities"] = cfg.compute_capabilities
     elif trt.__name__ == "tensorrt_rtx":
-        meta["compute_capabilities"] = ["library default"]
+        meta["compute_capabilities"] = ["library default (none set)"]
     return meta
 
 

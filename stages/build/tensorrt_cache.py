@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -47,8 +49,21 @@ def read_locked(path: Path) -> bytes:
         return path.read_bytes() if path.is_file() else b""
 
 
+@contextmanager
+def _quiet_rtx() -> Any:
+    """TensorRT-RTX warns on every timing-cache call that it is a no-op; the metadata says so once instead."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Timing cache operations are no-ops.*")
+        yield
+
+
 def attach_timing_cache(config: Any, path: Path) -> dict[str, Any]:
     """Load the cache file into ``config``; returns what was loaded, for the metadata."""
+    with _quiet_rtx():
+        return _attach(config, path)
+
+
+def _attach(config: Any, path: Path) -> dict[str, Any]:
     data = read_locked(path)
     cache = config.create_timing_cache(data)
     if cache is None and data:  # a corrupt or foreign file: start afresh rather than fail the build
@@ -60,6 +75,11 @@ def attach_timing_cache(config: Any, path: Path) -> dict[str, Any]:
 
 def save_timing_cache(config: Any, path: Path) -> int:
     """Merge the build's timing cache into the file (under the lock) and replace it atomically."""
+    with _quiet_rtx():
+        return _save(config, path)
+
+
+def _save(config: Any, path: Path) -> int:
     ours = config.get_timing_cache()
     if ours is None:
         return 0

@@ -1,0 +1,16 @@
+"""Fixtures of the build-stage tests: zoo graphs in every precision, made once per session."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from build_graphs import zoo_graph  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("zoo")
+    return lambda name, precision="fp32": zoo_graph(name, precision, folder)
