@@ -1,23 +1,81 @@
-"""Settings of the train stage."""
+"""Settings of the train stage: one strict section with small nested groups (unknown keys are errors)."""
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipeline.sections import Section
+
+
+class AmpConfig(Section):
+    """Loss scaling for fp16 (bf16 and fp32 need none)."""
+
+    loss_scale: Literal["dynamic"] | float = Field(
+        "dynamic", description="'dynamic' (GradScaler grows/backs off the scale) or a fixed scale, e.g. 1024")
+    init_scale: float = Field(2.0**16, gt=0, description="first scale of dynamic loss scaling")
+    growth_interval: int = Field(2000, ge=1, description="overflow-free steps before the dynamic scale doubles")
+    nonfinite_patience: int = Field(
+        25, ge=0, description="consecutive steps with a NaN/Inf loss tolerated (skipped) before training aborts")
+    fp32_norms: bool = Field(True, description="run LayerNorm/GroupNorm/RMSNorm in FP32 where autocast would not")
+
+    @model_validator(mode="after")
+    def _static_positive(self) -> "AmpConfig":
+        if not isinstance(self.loss_scale, str) and self.loss_scale <= 0:
+            raise ValueError("amp.loss_scale must be 'dynamic' or a positive number")
+        return self
+
+
+class LoaderConfig(Section):
+    """torch DataLoader knobs (https://pytorch.org/docs/stable/data.html)."""
+
+    num_workers: int = Field(0, ge=0, description="worker processes loading batches; 0 loads in the main process")
+    pin_memory: bool | None = Field(None, description="page-locked host batches for faster copies; null: on CUDA")
+    persistent_workers: bool = Field(False, description="keep workers alive between epochs (needs num_workers > 0)")
+    prefetch_factor: int | None = Field(None, ge=1, description="batches each worker loads ahead (needs workers)")
+    on_device: bool = Field(False, description="move the whole dataset to the device once (small data sets)")
+
+
+class CheckpointConfig(Section):
+    dir: str | None = Field(None, description="checkpoint folder; null: <workdir>/cache/train/<run key>")
+    every_steps: int | None = Field(None, ge=1, description="also save the training state every N optimizer steps")
+    resume: Literal["auto", "never"] | str = Field(
+        "auto", description="'auto': continue an interrupted run of this config; 'never'; or a path to last.pt")
+    select: Literal["last", "best"] = Field("last", description="weights written as model.safetensors")
+
+
+class DistributedConfig(Section):
+    nproc_per_node: int = Field(1, ge=1, description="> 1: the stage launches torchrun with this many processes")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU")
+    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size")
+    gradient_as_bucket_view: bool = Field(True, description="gradients alias the all-reduce buckets (saves memory)")
+    sync_batchnorm: bool = Field(False, description="convert BatchNorm to SyncBatchNorm (CUDA only)")
+    find_unused_parameters: bool = False
 
 
 class TrainConfig(Section):
     enabled: bool = Field(True, description="false skips training (use model.checkpoint or random init)")
     epochs: int = Field(8, ge=1)
-    batch_size: int = Field(64, ge=1, description="global batch size per optimizer step")
+    batch_size: int = Field(64, ge=1, description="global batch size per optimizer step (all processes together)")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     lr: float = Field(3e-3, gt=0)
+    min_lr: float = Field(0.0, ge=0, description="floor of the cosine/linear schedule")
+    warmup_steps: int = Field(0, ge=0, description="linear LR warm-up from lr/100 over this many steps")
     weight_decay: float = Field(0.01, ge=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    schedule: Literal["constant", "cosine"] = "cosine"
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    momentum: float = Field(0.9, ge=0, description="SGD momentum")
+    fused: bool | None = Field(None, description="fused optimizer kernels; null: on CUDA")
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto", description="auto: fp16+GradScaler on CUDA, bf16 autocast on CPU")
-    grad_clip: float | None = Field(1.0, description="clip global grad norm (after unscale); null disables")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip global grad norm (after unscale); null disables")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    deterministic: bool = Field(False, description="torch.use_deterministic_algorithms + no cuDNN autotuning")
+    eval_every: int = Field(1, ge=1, description="validate every N epochs (and always after the last)")
+    profile_steps: int = Field(0, ge=0, description="> 0: write a torch.profiler trace of this many steps (trace.json)")
+    plot: bool = Field(True, description="write loss.png (train/val loss per epoch)")
+    amp: AmpConfig = Field(default_factory=AmpConfig)
+    loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)

@@ -1,15 +1,20 @@
 """The training loop: autocast, scaled backward, unscale, clip, step, update — in that order.
 
-fp16 uses a GradScaler (dynamic loss scaling); bf16 and fp32 run with the scaler disabled. Parameters stay
-FP32 (master weights); autocast only lowers the precision of eligible ops, and norm layers run in FP32.
+One plain loop in the style of nanoGPT. fp16 uses a GradScaler; bf16 and fp32 run with it disabled.
+Parameters stay FP32 (master weights) and the loss is computed in FP32 on FP32 logits. Each global batch
+is split into ``grad_accum_steps`` micro-batches whose losses are weighted by their share of the batch,
+so accumulation gives the same update as one big batch, the short last batch included. Under DDP,
+gradients are all-reduced only on the last micro-step (``no_sync`` on the others): syncing on every
+micro-step would move the same bytes K times for the same result.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,114 +22,252 @@ from torch import nn
 from models.datasets import DatasetSplits
 from pipeline.errors import TrainingError
 from pipeline.progress import Progress, SilentProgress
+from stages.train import checkpoint as ckpt
 from stages.train.config import TrainConfig
+from stages.train.data import local_batch_size, make_loader, micro_batches
+from stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
+from stages.train.metrics import EpochMetrics, TrainResult, peak_memory_mb, reset_peak_memory
+from stages.train.optim import make_optimizer, make_schedule
+from stages.train.precision import autocast, fp32_norms, make_scaler, resolve_device, resolve_precision, update_scaler
+from stages.train.runtime import determinism, profiler
 
-
-@dataclass
-class EpochMetrics:
-    epoch: int
-    loss: float
-    val_accuracy: float
-    samples_per_s: float
-    loss_scale: float | None = None
-    skipped_steps: int = 0
-
-
-@dataclass
-class TrainResult:
-    history: list[EpochMetrics] = field(default_factory=list)
-    precision: str = "fp32"
-    device: str = "cpu"
-
-    def summary(self) -> dict[str, Any]:
-        last = self.history[-1] if self.history else None
-        return {
-            "precision": self.precision,
-            "device": self.device,
-            "epochs": [vars(m) for m in self.history],
-            "final_loss": last.loss if last else None,
-            "val_accuracy": last.val_accuracy if last else None,
-        }
-
-
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device is 'cuda' but no CUDA GPU is visible", hint="set train.device: cpu or auto")
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
-
-
-def resolve_precision(cfg: TrainConfig, device: torch.device) -> str:
-    if cfg.precision != "auto":
-        return cfg.precision
-    return "fp16" if device.type == "cuda" else "bf16"
+log = logging.getLogger("kiln.train")
+StepHook = Callable[[int], None]
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch: int = 256) -> float:
+def evaluate_loss_acc(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
+                      env: DistEnv = DistEnv(), batch: int = 256) -> tuple[float, float]:
+    """FP32 validation loss and accuracy; each process takes every W-th sample, then one all-reduce."""
+    was_training = model.training
     model.eval()
-    correct = 0
+    x, y = x[env.rank::env.world_size], y[env.rank::env.world_size]
+    correct, loss_sum = 0.0, 0.0
     for i in range(0, len(x), batch):
-        correct += (model(x[i:i + batch].to(device)).argmax(-1).cpu() == y[i:i + batch]).sum().item()
-    model.train()
-    return correct / max(1, len(x))
+        logits = model(x[i:i + batch].to(device)).float()
+        target = y[i:i + batch].to(device)
+        loss_sum += nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        correct += (logits.argmax(-1) == target).sum().item()
+    correct, loss_sum, n = all_sum([correct, loss_sum, float(len(x))], device, env)
+    model.train(was_training)
+    return loss_sum / max(1.0, n), correct / max(1.0, n)
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch: int = 256) -> float:
+    return evaluate_loss_acc(model, x, y, device, batch=batch)[1]
+
+
+def grad_norm(params: list[nn.Parameter], clip: float | None) -> torch.Tensor:
+    """Global gradient norm (clipping to ``clip`` if set). Under DDP the gradients are already all-reduced,
+    so every process gets the same norm and takes the same skip decision without another collective."""
+    if clip is not None:
+        return nn.utils.clip_grad_norm_(params, clip)
+    return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
 def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0,
-          progress: Progress | None = None) -> TrainResult:
-    progress = progress or SilentProgress()
-    torch.manual_seed(seed)
-    device = resolve_device(cfg)
+          progress: Progress | None = None, *, env: DistEnv | None = None, ckpt_dir: Path | None = None,
+          run_key: str = "", out_dir: Path | None = None, on_step: StepHook | None = None) -> TrainResult:
+    """Train ``model`` in place (returned on CPU, eval mode). Only the main process writes files:
+    checkpoints into ``ckpt_dir``, ``loss.png``/``trace.json`` into ``out_dir``."""
+    env = env or env_from_torchrun()
+    device = resolve_device(cfg, env.local_rank if env.enabled else None)
     precision = resolve_precision(cfg, device)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    model.to(device).train()
-    opt = (torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if cfg.optimizer == "adamw"
-           else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay))
-    micro = max(1, cfg.batch_size // cfg.grad_accum_steps)
-    steps_per_epoch = math.ceil(len(data.train_x) / cfg.batch_size)
-    total_steps = steps_per_epoch * cfg.epochs
-    sched = (torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total_steps) if cfg.schedule == "cosine" else None)
-    scaler = torch.amp.GradScaler(device.type, enabled=(precision == "fp16"))
-    loss_fn = nn.CrossEntropyLoss()
-    result = TrainResult(precision=precision, device=str(device))
-    gen = torch.Generator().manual_seed(seed)
+    with ExitStack() as stack:
+        stack.enter_context(determinism(cfg.deterministic, device))
+        torch.manual_seed(seed)
+        model.to(device).train()
+        norms = stack.enter_context(fp32_norms(model, device, precision, cfg.amp.fp32_norms))
+        trainer = _Trainer(model, data, cfg, seed, env, device, precision, ckpt_dir, run_key, on_step)
+        trainer.result.fp32_norms = norms
+        prof = stack.enter_context(profiler(cfg.profile_steps, device, out_dir if env.is_main else None))
+        trainer.run(progress or SilentProgress(), prof)
+    result = trainer.result
+    if env.is_main and out_dir is not None and cfg.plot and result.history:
+        from stages.train.metrics import plot_loss
 
-    with progress.task("training", total=cfg.epochs) as bar:
-        for epoch in range(cfg.epochs):
-            t0, seen, loss_sum, skipped = time.perf_counter(), 0, 0.0, 0
-            perm = torch.randperm(len(data.train_x), generator=gen)
-            for start in range(0, len(perm), cfg.batch_size):
-                idx = perm[start:start + cfg.batch_size]
-                chunks = idx.split(micro)
-                for chunk in chunks:
-                    xb, yb = data.train_x[chunk].to(device), data.train_y[chunk].to(device)
-                    ctx = torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-                    with ctx:
-                        logits = model(xb)
-                    # The loss in FP32, weighted by the micro-batch's share so K chunks equal one big batch.
-                    loss = loss_fn(logits.float(), yb) * (len(chunk) / len(idx))
-                    if not torch.isfinite(loss):
-                        raise TrainingError(f"non-finite loss ({loss.item()}) at epoch {epoch + 1}",
-                                            hint="lower train.lr, or use train.precision: fp32/bf16")
-                    scaler.scale(loss).backward()
-                    loss_sum += loss.item() * len(idx)
-                scaler.unscale_(opt)  # clip true gradients, not scaled ones
-                if cfg.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                scale_before = scaler.get_scale()
-                scaler.step(opt)
-                scaler.update()
-                if precision == "fp16" and scaler.get_scale() < scale_before:
-                    skipped += 1  # the scaler skipped this step: gradients overflowed
-                opt.zero_grad(set_to_none=True)
-                if sched is not None:
-                    sched.step()
-                seen += len(idx)
-            acc = evaluate(model, data.val_x, data.val_y, device)
-            m = EpochMetrics(epoch + 1, loss_sum / max(1, seen), acc, seen / (time.perf_counter() - t0),
-                             scaler.get_scale() if precision == "fp16" else None, skipped)
-            result.history.append(m)
-            bar.advance(1, note=f"loss {m.loss:.3f} acc {acc:.3f}")
+        plot_loss(result.history, out_dir / "loss.png", f"{type(model).__name__} ({precision})")
+        result.files.append("loss.png")
+    if out_dir is not None and cfg.profile_steps and (out_dir / "trace.json").is_file():
+        result.files.append("trace.json")
     model.to("cpu").eval()
     return result
+
+
+class _Trainer:
+    """State of one run. A class only so the step and the epoch can be short methods sharing it."""
+
+    def __init__(self, model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int, env: DistEnv,
+                 device: torch.device, precision: str, ckpt_dir: Path | None, run_key: str,
+                 on_step: StepHook | None) -> None:
+        self.model, self.data, self.cfg, self.env, self.device = model, data, cfg, env, device
+        self.precision, self.ckpt_dir, self.run_key, self.on_step = precision, ckpt_dir, run_key, on_step
+        self.loader, self.sampler = make_loader(data.train_x, data.train_y, cfg, env, seed, device)
+        self.local_batch = local_batch_size(cfg, env)
+        self.steps_per_epoch = math.ceil(self.sampler.num_samples / self.local_batch)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = make_optimizer(model, cfg, device)
+        self.sched = make_schedule(self.opt, cfg, self.steps_per_epoch * cfg.epochs)
+        self.scaler = make_scaler(cfg.amp, device, precision)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.result = TrainResult(precision=precision, device=str(device), world_size=env.world_size,
+                                  checkpoint_dir=str(ckpt_dir) if ckpt_dir else None)
+        self.epoch, self.step_in_epoch, self.bad_streak, self.last_good = 0, 0, 0, "none written yet"
+        self.acc: dict[str, float] = {}  # running sums of the current epoch
+        self._maybe_resume()
+        self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
+
+    # -- resume / checkpoint ------------------------------------------------------------------------
+    def _maybe_resume(self) -> None:
+        if self.ckpt_dir is None and self.cfg.checkpoint.resume in ("auto", "never"):
+            return
+        path = ckpt.find_resume(self.cfg.checkpoint.resume, self.ckpt_dir or Path("."), self.run_key)
+        if path is None:
+            return
+        state = ckpt.load_state(path, self.device)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+        self.epoch, self.step_in_epoch, self.acc = state["epoch"], state["step_in_epoch"], dict(state["acc"])
+        self.result.history = [EpochMetrics(**m) for m in state["history"]]
+        self.result.global_step, self.result.best_epoch = state["global_step"], state["best_epoch"]
+        self.result.best_val_accuracy = state["best_val_accuracy"]
+        self.result.resumed_from, self.last_good = str(path), f"{path} (step {state['global_step']})"
+        log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
+
+    def _save(self, complete: bool = False) -> None:
+        if self.ckpt_dir is None or not self.env.is_main:
+            return
+        r = self.result
+        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(), "rng": ckpt.rng_state(),
+                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": r.global_step,
+                 "acc": dict(self.acc), "history": [vars(m) for m in r.history], "best_epoch": r.best_epoch,
+                 "best_val_accuracy": r.best_val_accuracy, "run_key": self.run_key, "complete": complete}
+        ckpt.save_state(self.ckpt_dir / ckpt.LAST, state)
+        ckpt.write_info(self.ckpt_dir, {"run_key": self.run_key, "epoch": self.epoch, "complete": complete,
+                                        "global_step": r.global_step})
+        self.last_good = f"{self.ckpt_dir / ckpt.LAST} (step {r.global_step})"
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self, progress: Progress, prof: Any) -> None:
+        with progress.task("training", total=self.cfg.epochs) as bar:
+            bar.advance(self.epoch)
+            while self.epoch < self.cfg.epochs:
+                m = self._epoch(prof)
+                note = f"loss {m.loss:.3f}" + (f" acc {m.val_accuracy:.3f}" if m.val_accuracy is not None else "")
+                bar.advance(1, note=note)
+        self._save(complete=True)
+        if self.cfg.checkpoint.select == "best" and self.result.best_epoch is not None and self.ckpt_dir:
+            self._load_best()
+
+    def _epoch(self, prof: Any) -> EpochMetrics:
+        cfg, epoch = self.cfg, self.epoch
+        self.sampler.set_position(epoch, self.step_in_epoch * self.local_batch)
+        if not self.acc:
+            self.acc = {"loss": 0.0, "seen": 0.0, "secs": 0.0, "skipped": 0.0, "nonfinite": 0.0}
+        reset_peak_memory(self.device)
+        t0 = time.perf_counter()
+        for xb, yb in self.loader:
+            self._step(xb, yb)
+            prof.step()
+            if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:
+                self._sync()
+                self.acc["secs"] += time.perf_counter() - t0
+                self._save()
+                t0 = time.perf_counter()
+            if self.on_step is not None:
+                self.on_step(self.result.global_step)
+        self._sync()
+        self.acc["secs"] += time.perf_counter() - t0
+        m = self._epoch_metrics()
+        self.result.history.append(m)
+        log.info("epoch %d: loss %.4f, val acc %s, %.0f samples/s", m.epoch, m.loss, m.val_accuracy, m.samples_per_s)
+        self.epoch, self.step_in_epoch, self.acc = epoch + 1, 0, {}
+        self._save()
+        return m
+
+    def _step(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
+        total = torch.zeros((), device=self.device)
+        for i, (cx, cy) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
+            with sync:
+                cx = cx.to(self.device, non_blocking=True)
+                cy = cy.to(self.device, non_blocking=True)
+                with autocast(self.device, self.precision):
+                    logits = self.ddp(cx)
+                # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
+                # to the mean over the whole batch, also when the last micro-batch is smaller.
+                loss = self.loss_fn(logits.float(), cy) * (len(cx) / len(xb))
+                self.scaler.scale(loss).backward()
+            total += loss.detach()
+        self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
+        norm = grad_norm(self.params, self.cfg.grad_clip)
+        loss_v, norm_v = torch.stack([total, norm.to(total.device).float()]).tolist()  # the one sync per step
+        finite_loss = math.isfinite(loss_v)
+        if self.scaler.is_enabled():
+            self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
+            update_scaler(self.scaler, self.cfg.amp)
+        elif finite_loss and math.isfinite(norm_v):
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        self.step_in_epoch += 1
+        self.result.global_step += 1
+        self._account(loss_v, norm_v, len(xb))
+
+    def _account(self, loss_v: float, norm_v: float, n: int) -> None:
+        """Book-keeping of one step; aborts when non-finite values persist beyond the patience."""
+        if math.isfinite(loss_v):
+            self.acc["loss"] += loss_v * n
+            self.acc["seen"] += n
+        if math.isfinite(norm_v) and math.isfinite(loss_v):
+            self.bad_streak = 0
+            return
+        # The norm is the same on every process (all-reduced gradients), so all take the same decision.
+        if math.isfinite(loss_v) and self.scaler.is_enabled():
+            self.acc["skipped"] += 1  # fp16 gradient overflow: the scaler skipped the step and backs off
+        else:
+            self.acc["nonfinite"] += 1
+        self.bad_streak += 1
+        log.warning("step %d skipped: loss %s, grad norm %s", self.result.global_step, loss_v, norm_v)
+        if self.bad_streak > self.cfg.amp.nonfinite_patience:
+            raise TrainingError(
+                f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
+                f"{self.result.global_step} (epoch {self.epoch + 1}); last good checkpoint: {self.last_good}",
+                hint="lower train.lr, use train.precision: bf16 or fp32, or raise train.amp.nonfinite_patience; "
+                     "train.checkpoint.resume: <last.pt> continues from the checkpoint")
+
+    def _epoch_metrics(self) -> EpochMetrics:
+        a, cfg = self.acc, self.cfg
+        loss, seen, secs, skipped, bad = all_sum(
+            [a["loss"], a["seen"], a["secs"], a["skipped"], a["nonfinite"]], self.device, self.env)
+        m = EpochMetrics(self.epoch + 1, loss / max(1.0, seen), seen / max(secs / self.env.world_size, 1e-9),
+                         self.steps_per_epoch, self.opt.param_groups[0]["lr"],
+                         peak_memory_mb=round(peak_memory_mb(self.device), 1),
+                         loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
+                         skipped_steps=int(skipped / self.env.world_size), nonfinite_steps=int(bad / self.env.world_size))
+        if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
+            m.val_loss, m.val_accuracy = evaluate_loss_acc(self.model, self.data.val_x, self.data.val_y,
+                                                           self.device, self.env)
+            r = self.result
+            if r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy:
+                r.best_val_accuracy, r.best_epoch = m.val_accuracy, m.epoch
+                if self.ckpt_dir is not None and self.env.is_main:
+                    ckpt.save_weights(self.ckpt_dir / ckpt.BEST, self.model)
+        return m
+
+    def _load_best(self) -> None:
+        from safetensors.torch import load_file
+
+        if self.env.is_main:
+            self.model.load_state_dict(load_file(str(self.ckpt_dir / ckpt.BEST), device=str(self.device)))
+            log.info("selected the best epoch's weights (epoch %s)", self.result.best_epoch)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,30 +1,80 @@
-"""Pipeline entry of the train stage: train the configured model, or take a user's checkpoint."""
+"""Pipeline entry of the train stage: train the configured model, or take a user's checkpoint.
+
+With ``train.distributed.nproc_per_node`` > 1 the stage runs ``torchrun`` (``launch.py``) whose rank 0
+writes the weights into the stage's folder; otherwise it trains in this process.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
+from models.datasets import DatasetSplits
 from models.registry import build_model
+from pipeline.config import KilnConfig
+from pipeline.progress import Progress
 from pipeline.stage import StageContext
+from stages.train.checkpoint import run_key
+from stages.train.dist import env_from_torchrun, process_group
 from stages.train.loop import evaluate, train
 from stages.train.model_io import load_weights, read_state_dict, save_trained
+from stages.train.precision import resolve_device
+
+
+def build_seeded(config: KilnConfig) -> nn.Module:
+    """Build the model right after seeding, so its initial weights depend on ``seed`` alone."""
+    torch.manual_seed(config.seed)
+    return build_model(config.model.name, config.model.params)
+
+
+def checkpoint_dir(config: KilnConfig, cache_dir: Path) -> Path:
+    if config.train.checkpoint.dir:
+        return Path(config.train.checkpoint.dir)
+    return cache_dir / "train" / run_key(config.dump())
+
+
+def train_to(out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path,
+             progress: Progress | None = None) -> dict[str, Any]:
+    """Train and (main process only) write ``model.safetensors`` + ``model.json`` + ``loss.png`` into ``out``.
+
+    Shared by the stage and by ``stages.train.worker`` (one call per torchrun process)."""
+    env = env_from_torchrun()
+    device = resolve_device(config.train, env.local_rank if env.enabled else None)
+    model = build_seeded(config)
+    with process_group(env, config.train.distributed, device):
+        result = train(model, data, config.train, seed=config.seed, progress=progress, env=env,
+                       ckpt_dir=ckpt_dir, run_key=run_key(config.dump()), out_dir=out)
+    if env.is_main:
+        save_trained(out, model, config, {"dataset": data.name, "input_shape": list(data.input_shape)})
+    return result.summary()
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config
-    model = build_model(cfg.model.name, cfg.model.params)
+    if cfg.model.checkpoint or not cfg.train.enabled:
+        return _skip(ctx)
+    ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
+    if cfg.train.distributed.nproc_per_node > 1 and not env_from_torchrun().enabled:
+        from stages.train.launch import run_torchrun
+
+        summary = run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log)
+    else:
+        summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress)
+    ctx.log.info("trained %d epochs (%s on %s x%d): val accuracy %.4f", cfg.train.epochs, summary["precision"],
+                 summary["device"], summary["world_size"], summary["val_accuracy"] or 0.0)
+    return summary
+
+
+def _skip(ctx: StageContext) -> dict[str, Any]:
+    cfg = ctx.config
+    model = build_seeded(cfg)
     data = ctx.dataset()
+    source = cfg.model.checkpoint or "random init"
     if cfg.model.checkpoint:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)
-    if cfg.model.checkpoint or not cfg.train.enabled:
-        model.eval()
-        acc = evaluate(model, data.val_x, data.val_y, __import__("torch").device("cpu"))
-        save_trained(ctx.out, model, cfg, {"source": cfg.model.checkpoint or "random init"})
-        ctx.log.info("training skipped (%s); val accuracy %.4f", cfg.model.checkpoint or "train.enabled: false", acc)
-        return {"status": "skipped", "val_accuracy": acc, "source": cfg.model.checkpoint or "random init"}
-    result = train(model, data, cfg.train, seed=cfg.seed, progress=ctx.progress)
-    summary = result.summary()
-    save_trained(ctx.out, model, cfg, {"dataset": data.name, "input_shape": list(data.input_shape)})
-    ctx.log.info("trained %d epochs (%s on %s): val accuracy %.4f", cfg.train.epochs, result.precision,
-                 result.device, summary["val_accuracy"])
-    return summary
+    acc = evaluate(model.eval(), data.val_x, data.val_y, torch.device("cpu"))
+    save_trained(ctx.out, model, cfg, {"source": source})
+    ctx.log.info("training skipped (%s); val accuracy %.4f", cfg.model.checkpoint or "train.enabled: false", acc)
+    return {"status": "skipped", "val_accuracy": acc, "source": source}

@@ -1,0 +1,102 @@
+"""Training checkpoints: ``last.pt`` (everything needed to resume bit-exactly) and ``best.safetensors``.
+
+Both are written atomically (temp file + fsync + rename), so a crash mid-write leaves the previous
+checkpoint intact. ``last.pt`` holds only tensors and plain containers and is read back with
+``torch.load(weights_only=True)``: never an arbitrary pickle.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.artifacts import hash_json, write_bytes_atomic, write_json_atomic
+from pipeline.errors import InputFileError
+
+log = logging.getLogger("kiln.train")
+
+LAST = "last.pt"
+BEST = "best.safetensors"
+INFO = "last.json"
+# Settings that change how training runs but not what it computes: left out of the run key so that
+# e.g. more loader workers or a profiler trace can still resume an interrupted run.
+NOT_IN_KEY = ("enabled", "loader", "checkpoint", "profile_steps", "plot", "eval_every")
+
+
+def run_key(config_dump: dict[str, Any]) -> str:
+    """Identity of a training run: seed, model, data and the train settings that affect the weights."""
+    train = {k: v for k, v in config_dump["train"].items() if k not in NOT_IN_KEY}
+    train["distributed"] = {k: v for k, v in train["distributed"].items() if k not in ("nproc_per_node", "backend")}
+    return hash_json({"seed": config_dump["seed"], "model": config_dump["model"], "data": config_dump["data"],
+                      "train": train})[:16]
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    write_bytes_atomic(path, buf.getvalue())
+    log.debug("checkpoint %s (epoch %s, step %s)", path, state.get("epoch"), state.get("global_step"))
+
+
+def load_state(path: Path, device: torch.device) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # truncated/corrupt/not ours: the user pointed at the wrong file
+        raise InputFileError(f"cannot read training checkpoint {path}: {exc}",
+                             hint="point train.checkpoint.resume at a last.pt written by Kiln, or use 'never'") from None
+    if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
+        raise InputFileError(f"{path} is not a Kiln training checkpoint (no model/optimizer state)",
+                             hint="train.checkpoint.resume takes a last.pt; use model.checkpoint for plain weights")
+    return state
+
+
+def save_weights(path: Path, model: nn.Module) -> None:
+    from safetensors.torch import save
+
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    write_bytes_atomic(path, save(state))
+
+
+def find_resume(setting: str, ckpt_dir: Path, key: str) -> Path | None:
+    """The checkpoint to resume from: an explicit path, or (auto) an unfinished run of the same key."""
+    if setting == "never":
+        return None
+    if setting != "auto":
+        path = Path(setting)
+        if not path.is_file():
+            raise InputFileError(f"train.checkpoint.resume: {path} not found", hint="give a last.pt path, 'auto' or 'never'")
+        return path
+    last, info = ckpt_dir / LAST, _read_info(ckpt_dir)
+    if not last.is_file() or info.get("run_key") != key or info.get("complete"):
+        return None  # nothing, another config's, or a finished run: start fresh
+    return last
+
+
+def write_info(ckpt_dir: Path, info: dict[str, Any]) -> None:
+    """A small JSON beside last.pt (run key, epoch, step, complete) so nobody loads the big file to ask."""
+    write_json_atomic(ckpt_dir / INFO, info)
+
+
+def _read_info(ckpt_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt_dir / INFO).read_text())
+    except (OSError, ValueError):
+        return {}

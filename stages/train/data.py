@@ -1,0 +1,80 @@
+"""Batches for the loop: torch DataLoader over a TensorDataset, sharded and shuffled by DistributedSampler.
+
+The same sampler is used with one process (num_replicas=1), so a single-process run sees exactly the global
+batches a multi-process run sees: rank r's j-th local batch is elements ``r::W`` of global batch j.
+The loader yields one process's share of a *global* batch; the loop splits it into accumulation
+micro-batches, so the last, smaller batch of an epoch is weighted exactly like a full one.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Iterator
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from pipeline.errors import ConfigError
+from stages.train.config import LoaderConfig, TrainConfig
+from stages.train.dist import DistEnv
+
+log = logging.getLogger("kiln.train")
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way (resume after ``start`` local samples).
+
+    Hand-written because torch's samplers have no offset; torchdata's StatefulDataLoader would do it
+    but is not a dependency.
+    """
+
+    start = 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        self.set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+def local_batch_size(cfg: TrainConfig, env: DistEnv) -> int:
+    if cfg.batch_size % env.world_size:
+        raise ConfigError(f"train.batch_size {cfg.batch_size} is not divisible by {env.world_size} processes",
+                          hint="make the global batch a multiple of the number of processes")
+    return cfg.batch_size // env.world_size
+
+
+def make_loader(x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed: int,
+                device: torch.device) -> tuple[DataLoader, ResumableSampler]:
+    """Batches of this process's share of each global batch, in the order fixed by ``seed`` and the epoch."""
+    lc: LoaderConfig = cfg.loader
+    if lc.on_device:
+        x, y = x.to(device), y.to(device)
+    if len(x) % env.world_size and env.enabled:
+        log.warning("%d samples over %d processes: DistributedSampler repeats %d samples to even the shards",
+                    len(x), env.world_size, env.world_size - len(x) % env.world_size)
+    dataset = TensorDataset(x, y)
+    sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    # A BatchSampler as the sampler with batch_size=None: the dataset is indexed with the whole list of
+    # indices at once (one gather per batch instead of one per sample plus a collate).
+    batches = BatchSampler(sampler, local_batch_size(cfg, env), drop_last=False)
+    workers = 0 if lc.on_device else lc.num_workers
+    pin = (device.type == "cuda" if lc.pin_memory is None else lc.pin_memory) and not lc.on_device
+    loader = DataLoader(dataset, sampler=batches, batch_size=None, num_workers=workers,
+                        pin_memory=pin and torch.cuda.is_available(),
+                        persistent_workers=lc.persistent_workers and workers > 0,
+                        prefetch_factor=lc.prefetch_factor if workers > 0 else None,
+                        # Its own generator, so creating iterators never draws from the global RNG (dropout).
+                        generator=torch.Generator().manual_seed(seed))
+    return loader, sampler
+
+
+def micro_batches(xb: torch.Tensor, yb: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split one process's batch into at most ``steps`` micro-batches (fewer for a short last batch)."""
+    size = -(-len(xb) // steps)
+    return list(zip(xb.split(size), yb.split(size)))

@@ -1,0 +1,93 @@
+"""torch.distributed plumbing: read the torchrun environment, start/stop the process group, wrap in DDP.
+
+Kiln never launches processes itself beyond calling ``torch.distributed.run`` (see ``launch.py``);
+everything here reads what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.errors import TrainingError
+from stages.train.config import DistributedConfig
+
+log = logging.getLogger("kiln.train")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Only the main process writes artifacts, checkpoints and logs metrics."""
+        return self.rank == 0
+
+
+def env_from_torchrun() -> DistEnv:
+    """The process's place in the job, from torchrun's variables; a plain process is rank 0 of 1."""
+    if "WORLD_SIZE" not in os.environ:
+        return DistEnv()
+    return DistEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def backend_for(cfg: DistributedConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        if cfg.backend == "nccl" and device.type != "cuda":
+            raise TrainingError("train.distributed.backend 'nccl' needs CUDA", hint="use backend: gloo or auto")
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextmanager
+def process_group(env: DistEnv, cfg: DistributedConfig, device: torch.device) -> Iterator[None]:
+    """Initialise the default process group for the job (no-op for one process) and always tear it down."""
+    if not env.enabled or dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend_for(cfg, device)
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    log.info("rank %d/%d joined (%s on %s)", env.rank, env.world_size, backend, device)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: nn.Module, env: DistEnv, cfg: DistributedConfig, device: torch.device) -> nn.Module:
+    """DistributedDataParallel with the configured buckets; SyncBatchNorm first when asked (CUDA only)."""
+    if not env.enabled:
+        return model
+    if cfg.sync_batchnorm:
+        if device.type != "cuda":
+            raise TrainingError("train.distributed.sync_batchnorm needs CUDA (PyTorch's SyncBatchNorm is GPU-only)",
+                                hint="set sync_batchnorm: false for CPU runs")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        find_unused_parameters=cfg.find_unused_parameters)
+
+
+def all_sum(values: list[float], device: torch.device, env: DistEnv) -> list[float]:
+    """Sum a few numbers over all processes (one small all-reduce); identity for one process."""
+    if not env.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()

@@ -1,0 +1,96 @@
+"""What the loop measures per epoch, the JSON summary the stage returns, and the loss-curve plot."""
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("kiln.train")
+
+
+@dataclass
+class EpochMetrics:
+    epoch: int
+    loss: float  # mean training loss over the epoch's samples (all processes)
+    samples_per_s: float  # training samples per second, validation excluded
+    steps: int  # optimizer steps in the epoch
+    lr: float  # learning rate at the end of the epoch
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    peak_memory_mb: float | None = None  # CUDA: max allocated this epoch; CPU: process peak RSS so far
+    loss_scale: float | None = None  # fp16 only
+    skipped_steps: int = 0  # fp16 steps skipped for overflowing gradients
+    nonfinite_steps: int = 0  # steps skipped for a NaN/Inf loss
+
+
+@dataclass
+class TrainResult:
+    history: list[EpochMetrics] = field(default_factory=list)
+    precision: str = "fp32"
+    device: str = "cpu"
+    world_size: int = 1
+    global_step: int = 0
+    best_epoch: int | None = None
+    best_val_accuracy: float | None = None
+    resumed_from: str | None = None
+    checkpoint_dir: str | None = None
+    fp32_norms: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able: goes into the stage manifest and report.json (``stages.train.summary``)."""
+        last = self.history[-1] if self.history else None
+        evaluated = [m for m in self.history if m.val_accuracy is not None]
+        return {
+            "precision": self.precision, "device": self.device, "world_size": self.world_size,
+            "steps": self.global_step, "epochs": [asdict(m) for m in self.history],
+            "final_loss": last.loss if last else None,
+            "val_accuracy": evaluated[-1].val_accuracy if evaluated else None,
+            "best_val_accuracy": self.best_val_accuracy, "best_epoch": self.best_epoch,
+            "skipped_steps": sum(m.skipped_steps for m in self.history),
+            "nonfinite_steps": sum(m.nonfinite_steps for m in self.history),
+            "samples_per_s": last.samples_per_s if last else None,
+            "peak_memory_mb": max((m.peak_memory_mb or 0.0) for m in self.history) if self.history else None,
+            "resumed_from": self.resumed_from, "checkpoint_dir": self.checkpoint_dir,
+            "fp32_norm_layers": len(self.fp32_norms), "files": self.files,
+        }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # CPU has no per-epoch allocator statistics; the process's peak resident set is the honest figure.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def plot_loss(history: list[EpochMetrics], path: Path, title: str) -> None:
+    """Train (and validation) loss per epoch as a PNG; matplotlib's Agg backend, no display needed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    FigureCanvasAgg(fig)  # the Agg canvas explicitly: no pyplot, no global backend switch
+    ax = fig.add_subplot()
+    epochs = [m.epoch for m in history]
+    ax.plot(epochs, [m.loss for m in history], marker="o", label="train loss")
+    val = [(m.epoch, m.val_loss) for m in history if m.val_loss is not None]
+    if val:
+        ax.plot(*zip(*val), marker="s", label="val loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Software": None})  # no version string: same curve, same bytes

@@ -1,0 +1,59 @@
+"""Process-wide switches the loop turns on for its duration: determinism and the profiler."""
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger("kiln.train")
+
+
+@contextmanager
+def determinism(deterministic: bool, device: torch.device) -> Iterator[None]:
+    """deterministic: torch's deterministic algorithms and no cuDNN autotuning (bit-identical reruns on one
+    machine, some speed lost). Otherwise cuDNN autotunes convolutions. Global flags are restored on exit,
+    since later stages run in the same process."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
+             torch.backends.cudnn.deterministic)
+    if deterministic:
+        # cuBLAS needs this to be deterministic; it only takes effect if set before cuBLAS initialises.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[1], saved[2]
+
+
+class _NoProfiler:
+    def step(self) -> None:
+        pass
+
+
+@contextmanager
+def profiler(steps: int, device: torch.device, out_dir: Path | None) -> Iterator[Any]:
+    """A torch.profiler over ``steps`` optimizer steps (after 1 skipped and 1 warm-up step), written as a
+    Chrome trace ``trace.json`` (opens in Perfetto, chrome://tracing and TensorBoard's profiler plugin)."""
+    if steps <= 0 or out_dir is None:
+        yield _NoProfiler()
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trace = out_dir / "trace.json"
+
+    def write(prof: Any) -> None:
+        prof.export_chrome_trace(str(trace))
+        log.info("profiler trace of %d steps: %s", steps, trace)
+
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                 on_trace_ready=write, record_shapes=True) as prof:
+        yield prof

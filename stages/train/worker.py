@@ -1,0 +1,47 @@
+"""One training process of a torchrun job: ``python -m torch.distributed.run ... -m stages.train.worker``.
+
+Every process trains its shard; rank 0 writes ``model.safetensors``, ``model.json``, ``loss.png`` and
+``summary.json`` into ``--out`` (or ``error.json`` when a user-fixable error stops training).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from pipeline.artifacts import write_json_atomic
+from pipeline.config import load_config
+from pipeline.errors import KilnError
+from stages.train.dist import env_from_torchrun
+from stages.train.launch import ERROR, SUMMARY
+from stages.train.model_io import dataset_for
+from stages.train.stage import train_to
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stages.train.worker", description=__doc__)
+    parser.add_argument("--config", required=True, help="Kiln config file (.yaml/.toml/.json)")
+    parser.add_argument("--out", required=True, type=Path, help="folder for the trained weights (rank 0)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="folder for last.pt/best.safetensors (shared by all nodes); default <out>/checkpoints")
+    args = parser.parse_args(argv)
+    env = env_from_torchrun()
+    logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
+                        format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        config = load_config(args.config)
+        summary = train_to(args.out, config, dataset_for(config), args.checkpoint_dir or args.out / "checkpoints")
+    except KilnError as exc:
+        if env.is_main:
+            write_json_atomic(args.out / ERROR, {"message": exc.message, "hint": exc.hint})
+        logging.getLogger("kiln").error("%s", exc)
+        return exc.exit_code
+    if env.is_main:
+        write_json_atomic(args.out / SUMMARY, summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
