@@ -36,6 +36,19 @@ def remove_cast_chains(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     FP32, so the FP16 step was a conversion artefact. Integer casts are left alone (they truncate).
     """
     graph = gs.import_onnx(model)
+    total = 0
+    while True:  # a removal can expose another (a cast made dead only goes away in cleanup)
+        changed = _one_pass(graph)
+        graph.cleanup().toposort()
+        total += changed
+        if not changed:
+            break
+    out = gs.export_onnx(graph)
+    out.ir_version = model.ir_version
+    return out, total
+
+
+def _one_pass(graph: gs.Graph) -> int:
     outputs = {id(t) for t in graph.outputs}
     inputs = {id(t) for t in graph.inputs}
     changed = 0
@@ -60,10 +73,7 @@ def remove_cast_chains(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
                 producer.outputs[producer.outputs.index(src)] = dst
                 node.outputs.clear()
                 changed += 1
-    graph.cleanup().toposort()
-    out = gs.export_onnx(graph)
-    out.ir_version = model.ir_version
-    return out, changed
+    return changed
 
 
 def cast_chains(model: onnx.ModelProto) -> list[tuple[str, str]]:

@@ -3,6 +3,7 @@ accuracy-driven fallback. Callable without the pipeline (the benchmark and tests
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from calibration.ranges import Ranges, calibrate
 from calibration.trt_table import write_trt_table
 from pipeline.onnx_io import infer_shapes, save_onnx
 from stages.precision.config import FallbackConfig, FP16Config
+from stages.precision.emulate import emulate_fp16
 from stages.precision.fallback import FallbackResult, run_fallback
 from stages.precision.fp16 import convert_fp16, name_nodes
 from stages.precision.fp16_select import SHAPE_OPS, select_fp32_nodes
@@ -56,13 +58,17 @@ def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig
     base = select_fp32_nodes(src.model, cfg, amax)
     info: dict[str, Any] = {}
 
-    def build(extra: set[str]) -> Path:
-        model, stats = convert_fp16(src.model, set(base) | extra, cfg)
-        info.update(stats)
-        save_onnx(model, out)
-        return out
+    with tempfile.TemporaryDirectory(prefix="kiln-fp16-") as tmp:
+        def build(extra: set[str]) -> Path:
+            model, stats = convert_fp16(src.model, set(base) | extra, cfg)
+            info.update(stats)
+            save_onnx(model, out)
+            # Accuracy is judged on the FP16 emulation: ORT's CPU provider would hide FP16 rounding (emulate.py).
+            emulated = Path(tmp) / "emulated.onnx"
+            save_onnx(emulate_fp16(src.model, set(base) | extra), emulated)
+            return emulated
 
-    res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16")
+        res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16")
     return _entry(out, base | res.kept, res, info)
 
 
