@@ -98,6 +98,9 @@ def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig) -> t
     stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
     if not stats:
         return model, {"applied": False, "why": "no pattern matched"}
+    if not any(o.domain == "com.microsoft" for o in fused.model.opset_import):
+        # The fused ops live in ORT's contrib domain; without its import the model is invalid to save/convert.
+        fused.model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     err = _parity(model, fused.model)
     if err is not None:
         log.warning("ORT transformer fusion changed the outputs (%s); keeping the unfused graph", err)

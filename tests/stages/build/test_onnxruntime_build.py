@@ -1,0 +1,135 @@
+"""ONNX Runtime engines: built for real and run with ONNX Runtime (CPU here; CUDA tests need onnxruntime-gpu)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from build_graphs import sample
+from stages.build.config import BuildConfig, OnnxRuntimeConfig
+from stages.build.engines import load_engine, read_metadata, runnable
+from stages.build.stage import build_engine
+
+ZOO = ["cnn", "transformer", "mlp_embed"]
+HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def ort_cfg(**kw) -> BuildConfig:
+    return BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(**kw))
+
+
+def reference(path: Path, x: np.ndarray) -> np.ndarray:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x})[0]
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("model", ZOO)
+def test_cpu_engine_builds_and_runs(zoo, tmp_path: Path, model: str, precision: str) -> None:
+    meta = build_engine(zoo(model, precision), tmp_path / "e", "onnxruntime", "cpu", precision, ort_cfg(),
+                        tmp_path / "cache")
+    assert (tmp_path / "e" / "engine.onnx").is_file() and meta == read_metadata(tmp_path / "e")
+    assert runnable(meta) == (True, "")
+    x = sample(model, 5, seed=3)
+    with load_engine(tmp_path / "e") as runner:
+        got = runner.infer({"input": x})["logits"]
+        times = runner.time_ms({"input": x}, warmup=1, iterations=3)
+    ref32 = reference(zoo(model), x)
+    assert got.shape == ref32.shape and len(times) == 3 and all(t > 0 for t in times)
+    if precision == "fp32":
+        np.testing.assert_allclose(got, ref32, atol=1e-4, rtol=1e-4)
+    else:
+        assert cosine(got, ref32) > 0.99
+
+
+def test_cpu_metadata_and_session_settings(zoo, tmp_path: Path) -> None:
+    cfg = ort_cfg(intra_op_threads=1, inter_op_threads=2, execution_mode="parallel")
+    meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache")
+    assert meta["session"] == {"providers": ["CPUExecutionProvider"], "intra_op_threads": 1, "inter_op_threads": 2,
+                               "execution_mode": "parallel", "offline_optimization": "extended",
+                               "load_optimization": "all"}
+    assert meta["versions"] == {"onnxruntime": ort.__version__} and meta["cuda_graph"] is False
+    assert meta["inputs"] == [{"name": "input", "shape": ["batch", 1, 8, 8], "dtype": "float32"}]
+    assert meta["outputs"] == [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]
+    assert meta["size_bytes"] >= (tmp_path / "e" / "engine.onnx").stat().st_size
+    with load_engine(tmp_path / "e") as runner:
+        opts = runner.session.get_session_options()
+        assert opts.intra_op_num_threads == 1 and opts.execution_mode == ort.ExecutionMode.ORT_PARALLEL
+
+
+def test_offline_optimization_is_saved(zoo, tmp_path: Path) -> None:
+    """ORT's extended fusions ran at build time (Transpose+MatMul became FusedMatMul), not at each load."""
+    assert "FusedMatMul" not in {n.op_type for n in onnx.load(str(zoo("transformer"))).graph.node}
+    build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", ort_cfg(transformer_fusion="off"),
+                 tmp_path / "cache")
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "e" / "engine.onnx")).graph.node}
+    assert "FusedMatMul" in ops
+
+
+def test_transformer_fusion_applied_and_exact(zoo, tmp_path: Path) -> None:
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", ort_cfg(),
+                        tmp_path / "cache")
+    fusion = meta["builder_settings"]["transformer_fusion"]
+    assert fusion["applied"] and fusion["fused"].get("SkipLayerNormalization", 0) >= 1
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "e" / "engine.onnx")).graph.node}
+    assert "SkipLayerNormalization" in ops
+    x = sample("transformer", 4)
+    with load_engine(tmp_path / "e") as runner:
+        np.testing.assert_allclose(runner.infer({"input": x})["logits"], reference(zoo("transformer"), x), atol=1e-4)
+
+
+@pytest.mark.parametrize("setting, model, why", [("off", "transformer", "off in config"),
+                                                  ("auto", "cnn", "no attention-like ops")])
+def test_transformer_fusion_skipped(zoo, tmp_path: Path, setting: str, model: str, why: str) -> None:
+    meta = build_engine(zoo(model), tmp_path / "e", "onnxruntime", "cpu", "fp32",
+                        ort_cfg(transformer_fusion=setting), tmp_path / "cache")
+    assert meta["builder_settings"]["transformer_fusion"] == {"applied": False, "why": why}
+
+
+def test_fp16_engine_from_fp32_graph_fuses_then_converts(zoo, tmp_path: Path) -> None:
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(),
+                        tmp_path / "cache")
+    assert meta["builder_settings"]["transformer_fusion"]["applied"]
+    assert "fp16_conversion" in meta["builder_settings"]
+    model = onnx.load(str(tmp_path / "e" / "engine.onnx"))
+    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
+    x = sample("transformer", 4)
+    with load_engine(tmp_path / "e") as runner:
+        assert cosine(runner.infer({"input": x})["logits"], reference(zoo("transformer"), x)) > 0.999
+
+
+def test_cuda_engine_builds_anywhere_and_says_why_it_cannot_run(zoo, tmp_path: Path) -> None:
+    meta = build_engine(zoo("cnn", "fp16"), tmp_path / "e", "onnxruntime", "cuda", "fp16", ort_cfg(),
+                        tmp_path / "cache")
+    name, opts = meta["session"]["providers"][0]
+    assert name == "CUDAExecutionProvider" and opts["cudnn_conv_algo_search"] == "EXHAUSTIVE"
+    assert opts["prefer_nhwc"] == "1" and meta["cuda_graph"] is True  # Conv + fp16: NHWC on by default
+    ok, why = runnable(meta)
+    assert ok == HAS_CUDA_EP and (ok or "CUDAExecutionProvider" in why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_cuda_runner_matches_cpu(zoo, tmp_path: Path, cuda_graph: bool) -> None:
+    if not HAS_CUDA_EP:
+        pytest.skip("onnxruntime-gpu's CUDAExecutionProvider is not installed")
+    from stages.build.config import OrtCudaConfig
+
+    cfg = ort_cfg(devices=["cuda"], cuda=OrtCudaConfig(cuda_graph=cuda_graph))
+    build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cuda", "fp32", cfg, tmp_path / "cache")
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 4, 1):  # shapes alternate: each has its own buffers / graph
+            x = sample("transformer", batch, seed=batch)
+            np.testing.assert_allclose(runner.infer({"input": x})["logits"], reference(zoo("transformer"), x),
+                                       atol=1e-3)
+        assert len(runner.slots) == 2 and all(s["static"] == cuda_graph for s in runner.slots.values())
+        times = runner.time_ms({"input": sample("transformer", 4)}, warmup=2, iterations=5)
+        assert len(times) == 5 and all(t > 0 for t in times)
