@@ -45,8 +45,9 @@ def output_metrics(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
     """Top-1 agreement, mean cosine similarity and max abs error of ``got`` against ``ref`` logits."""
     ref2, got2 = ref.reshape(len(ref), -1), got.reshape(len(got), -1)
     finite = bool(np.isfinite(got2).all())
-    num = (ref2 * got2).sum(1)
-    den = np.linalg.norm(ref2, axis=1) * np.linalg.norm(got2, axis=1) + 1e-30
+    with np.errstate(all="ignore"):  # non-finite outputs are reported as NaN/inf, not warned about
+        num = (ref2 * got2).sum(1)
+        den = np.linalg.norm(ref2, axis=1) * np.linalg.norm(got2, axis=1) + 1e-30
     return {"top1_agreement": float(np.mean(ref2.argmax(1) == got2.argmax(1))),
             "cosine": float(np.mean(num / den)) if finite else float("nan"),
             "max_abs_err": float(np.max(np.abs(ref2 - got2))) if finite else float("inf"),
@@ -66,9 +67,10 @@ def tensor_errors(ref_model: Model, model: Model, x: np.ndarray, tensors: list[s
     ref_m, m = (onnx.load(str(p)) if isinstance(p, Path) else p for p in (ref_model, model))
     common = _produced(ref_m) & _produced(m) - {ref_m.graph.output[0].name}
     tensors = [t for t in tensors if t in common]  # e.g. a tensor the cast clean-up merged away
-    ref = run_batched(ref_m, x, extra_outputs=tensors)[1:]
-    got = run_batched(m, x, extra_outputs=tensors)[1:]
-    return {t: rel_error(r, g) for t, r, g in zip(tensors, ref, got)}
+    ref = run_batched(ref_m, x, extra_outputs=tensors)
+    got = run_batched(m, x, extra_outputs=tensors)
+    names = [ref_m.graph.output[0].name, *tensors]
+    return {t: rel_error(r, g) for t, r, g in zip(names, ref, got)}
 
 
 def _produced(model: onnx.ModelProto) -> set[str]:

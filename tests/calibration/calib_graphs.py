@@ -1,0 +1,40 @@
+"""A tiny Conv -> Relu -> pool -> MatMul -> Gemm classifier built in code for the calibration tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def conv_model() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)  # noqa: E731
+    nodes = [
+        helper.make_node("Conv", ["input", "cw"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("GlobalAveragePool", ["r"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("MatMul", ["f", "mw"], ["m"], name="matmul"),
+        helper.make_node("Gemm", ["m", "gw", "gb"], ["logits"], name="head", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
+        [numpy_helper.from_array(v, k) for k, v in
+         {"cw": w(8, 1, 3, 3), "mw": w(8, 16), "gw": w(10, 16), "gb": w(10)}.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def batches(n: int = 4, size: int = 16, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.random((size, 1, 8, 8), dtype=np.float32) for _ in range(n)]
+
+
+def saved(tmp: Path) -> Path:
+    p = tmp / "model.onnx"
+    onnx.save(conv_model(), p)
+    return p

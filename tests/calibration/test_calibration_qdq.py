@@ -1,0 +1,77 @@
+"""INT8 Q/DQ graphs: where Q/DQ pairs go, per-channel symmetric weights, symmetric activations, exclusions."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from calib_graphs import batches, saved
+from calibration.config import CalibrationConfig
+from calibration.quantize import quantize_int8
+from calibration.ranges import calibrate
+from stages.precision.compare import output_metrics, run_batched
+
+
+def _quantize(tmp: Path, cfg: CalibrationConfig, method: str = "minmax") -> onnx.ModelProto:
+    path = saved(tmp)
+    ranges = calibrate(path, batches(), "input", method, cache_dir=tmp / "cache", percentile=cfg.percentile)
+    quantize_int8(path, tmp / "int8.onnx", ranges, cfg)
+    return onnx.load(tmp / "int8.onnx")
+
+
+def _dq_feeding(model: onnx.ModelProto, node: str) -> list[onnx.NodeProto]:
+    producers = {o: n for n in model.graph.node for o in n.output}
+    target = next(n for n in model.graph.node if n.name == node)
+    return [producers[i] for i in target.input if i in producers and producers[i].op_type == "DequantizeLinear"]
+
+
+def test_weights_per_channel_symmetric_and_activations_symmetric(tmp_path: Path) -> None:
+    q = _quantize(tmp_path, CalibrationConfig())
+    inits = {i.name: numpy_helper.to_array(i) for i in q.graph.initializer}
+    conv_dq = _dq_feeding(q, "conv")
+    assert len(conv_dq) == 2  # activation and weight
+    act, weight = sorted(conv_dq, key=lambda n: n.input[0] in inits)
+    # weight: INT8 initializer, one scale per output channel along axis 0, zero points 0
+    assert inits[weight.input[0]].dtype == np.int8
+    assert inits[weight.input[1]].shape == (8,)
+    assert {a.name: a.i for a in weight.attribute}.get("axis", 1) == 0
+    assert not inits[weight.input[2]].any()
+    # activation: a per-tensor scale, INT8, zero point 0 (symmetric: what TensorRT requires)
+    assert inits[act.input[1]].shape == ()
+    assert inits[act.input[2]].dtype == np.int8 and inits[act.input[2]] == 0
+    # MatMul weights [K, N] are per output column (axis 1); Gemm(transB) weights [N, K] per row (axis 0)
+    mm_w = next(n for n in _dq_feeding(q, "matmul") if n.input[0] in inits)
+    assert inits[mm_w.input[1]].shape == (16,) and {a.name: a.i for a in mm_w.attribute}["axis"] == 1
+    head_w = next(n for n in _dq_feeding(q, "head") if n.input[0] == "gw_quantized")
+    assert inits[head_w.input[1]].shape == (10,)
+    # the bias stays float (TensorRT's parser rejects INT32 bias Q/DQ)
+    head = next(n for n in q.graph.node if n.name == "head")
+    assert head.input[2] == "gb"
+
+
+def test_every_quantized_activation_has_a_qdq_pair(tmp_path: Path) -> None:
+    q = _quantize(tmp_path, CalibrationConfig())
+    producers = {o: n for n in q.graph.node for o in n.output}
+    for dq in (n for n in q.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in producers):
+        assert producers[dq.input[0]].op_type == "QuantizeLinear"
+
+
+def test_exclusions_first_last_and_op_types(tmp_path: Path) -> None:
+    q = _quantize(tmp_path, CalibrationConfig(exclude_first_last=True, exclude_op_types=["MatMul"]))
+    nodes = {n.name: n for n in q.graph.node}
+    # excluded nodes read their float weights directly (an activation Q/DQ made by a neighbour may remain)
+    assert nodes["conv"].input[1] == "cw" and nodes["matmul"].input[1] == "mw" and nodes["head"].input[1] == "gw"
+    assert _dq_feeding(q, "conv") == []  # first layer: its input stays float too
+    assert not any(i.name.endswith("_quantized") for i in q.graph.initializer)
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy", "percentile"])
+def test_methods_produce_accurate_runnable_graphs(tmp_path: Path, method: str) -> None:
+    q = _quantize(tmp_path, CalibrationConfig(method=method), method)
+    x = np.concatenate(batches(2, seed=1))
+    ref, got = run_batched(saved(tmp_path), x)[0], run_batched(q, x)[0]
+    m = output_metrics(ref, got)
+    assert m["cosine"] > 0.98 and m["top1_agreement"] >= 0.85, m

@@ -1,0 +1,77 @@
+"""Accuracy-driven fallback finds planted bad nodes, keeps them FP32, and records why."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from calibration.config import CalibrationConfig
+from precision_graphs import chain_graph, inputs, make_model, rng_weights
+from stages.precision.config import FallbackConfig, FP16Config
+from stages.precision.variants import Source, build_fp16, build_int8
+
+NO_RANGE_CHECK = FP16Config(range_check=False)  # so only the fallback can catch the planted node
+
+
+def _source(model: onnx.ModelProto, tmp: Path, batches: list[np.ndarray] | None = None) -> Source:
+    return Source.prepare(model, tmp / "fp32.onnx", batches or [], tmp / "cache")
+
+
+def test_fallback_finds_planted_overflow(tmp_path: Path) -> None:
+    """scale_up overflows FP16 (the range check is off): fallback keeps it and its reader in FP32."""
+    src = _source(chain_graph(scale=3e4), tmp_path)
+    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK, FallbackConfig(nodes_per_round=1),
+                       inputs(256), CalibrationConfig())
+    assert entry["fallback"]["passed"]
+    assert entry["fallback"]["rounds"][0]["top1_agreement"] < 0.9  # it really was broken
+    assert "scale_up" in entry["kept_fp32"]
+    assert "fallback round 1" in entry["reasons"]["scale_up"]
+    assert "mm1" not in entry["kept_fp32"] and "head" not in entry["kept_fp32"]  # only what it must
+    assert entry["vs_fp32"]["top1_agreement"] >= 0.99
+
+
+def test_fallback_follows_error_to_its_producer(tmp_path: Path) -> None:
+    """(h + 4096) - 4096: the damage shows at the Sub but is done by the Add's FP16 rounding."""
+    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "big"], ["hb"], name="add_big"),
+             helper.make_node("Sub", ["hb", "big"], ["hs"], name="sub_big"),
+             helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="head")]
+    model = make_model(nodes, {"w1": rng_weights(16, 32), "big": np.array(4096.0, np.float32),
+                               "w2": rng_weights(32, 10, seed=1)})
+    src = _source(model, tmp_path)
+    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK,
+                       FallbackConfig(nodes_per_round=1, max_rounds=4), inputs(256), CalibrationConfig())
+    assert entry["fallback"]["passed"], entry["fallback"]["rounds"]
+    assert {"add_big", "sub_big"} <= set(entry["kept_fp32"])
+    assert "feeds sub_big" in entry["reasons"]["add_big"]
+
+
+def test_fallback_disabled_reports_failure(tmp_path: Path) -> None:
+    src = _source(chain_graph(scale=3e4), tmp_path)
+    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK, FallbackConfig(enabled=False),
+                       inputs(128), CalibrationConfig())
+    assert not entry["fallback"]["passed"] and entry["kept_fp32"] == []
+
+
+def test_int8_fallback_finds_planted_node(tmp_path: Path) -> None:
+    """A MatMul whose input mixes a huge-outlier channel with small ones: per-tensor INT8 activations wipe
+    out the small channels, so that node (and only a few) must go back to float."""
+    rng = np.random.default_rng(0)
+    w1 = rng_weights(16, 32)
+    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+             helper.make_node("Mul", ["h", "spread"], ["hs"], name="spread"),
+             helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="planted")]
+    spread = np.ones(32, np.float32)
+    spread[0] = 2000.0  # one channel a thousand times larger than the rest
+    w2 = rng_weights(32, 10, seed=1)
+    w2[0] = 1e-4 * rng.standard_normal(10)  # ... that barely matters to the result
+    model = make_model(nodes, {"w1": w1, "spread": spread, "w2": w2})
+    x = inputs(256)
+    src = _source(model, tmp_path, [x[:64], x[64:128]])
+    entry = build_int8(src, tmp_path / "int8" / "model.onnx", CalibrationConfig(), FallbackConfig(nodes_per_round=1),
+                       x)
+    assert entry["fallback"]["rounds"][0]["top1_agreement"] < 0.9
+    assert entry["fallback"]["passed"] and "planted" in entry["kept_fp32"]
+    assert "fallback round" in entry["reasons"]["planted"]
