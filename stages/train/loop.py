@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any, Callable
@@ -140,6 +141,9 @@ class _Trainer:
     def _save(self, complete: bool = False) -> None:
         if self.ckpt_dir is None or not self.env.is_main:
             return
+        if self.bad_streak:  # the state after a NaN/Inf step may hold NaN (e.g. BatchNorm statistics)
+            log.warning("no checkpoint at step %d: the last step was non-finite", self.result.global_step)
+            return
         r = self.result
         state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(), "rng": ckpt.rng_state(),
@@ -215,7 +219,10 @@ class _Trainer:
         elif finite_loss and math.isfinite(norm_v):
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        with warnings.catch_warnings():
+            # The schedule counts batches, stepped or skipped; torch warns when the very first step is skipped.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.sched.step()
         self.step_in_epoch += 1
         self.result.global_step += 1
         self._account(loss_v, norm_v, len(xb))

@@ -1,0 +1,60 @@
+"""DDP on CPU: 2 gloo processes started by torchrun give the result of one process with the same global batch."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from pipeline.config import KilnConfig, config_from_dict
+from pipeline.errors import TrainingError
+from stages.train.launch import run_torchrun, torchrun_command
+from stages.train.model_io import dataset_for
+from stages.train.stage import train_to
+
+LOG = logging.getLogger("test")
+
+
+def _config(nproc: int, **train: Any) -> KilnConfig:
+    return config_from_dict({
+        "seed": 1,
+        "model": {"name": "transformer", "params": {"dim": 16, "heads": 2, "layers": 1}},  # LayerNorm, no BN
+        "data": {"name": "synthetic", "params": {"size": 256}},  # 192 train samples: divisible by 2
+        "train": {"epochs": 2, "batch_size": 32, "grad_accum_steps": 2, "precision": "fp32", "optimizer": "sgd",
+                  "lr": 0.05, "device": "cpu", "distributed": {"nproc_per_node": nproc}, **train},
+    })
+
+
+@pytest.mark.timeout(180)
+def test_two_gloo_processes_equal_one_process(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    single = train_to(one, _config(1), dataset_for(_config(1)), tmp_path / "ck1")
+    multi = run_torchrun(_config(2), two, tmp_path / "ck2", LOG)
+
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    assert a.keys() == b.keys()
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff < 1e-6, diff  # observed ~6e-8: float summation order only
+    assert multi["world_size"] == 2 and single["world_size"] == 1
+    assert multi["steps"] == single["steps"] == 12
+    assert [m["loss"] for m in multi["epochs"]] == pytest.approx([m["loss"] for m in single["epochs"]], rel=1e-5)
+    assert multi["val_accuracy"] == pytest.approx(single["val_accuracy"])
+    # Only rank 0 wrote, and the folder looks like a one-process run's.
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    assert (tmp_path / "ck2" / "last.pt").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_worker_error_reaches_the_user(tmp_path: Path) -> None:
+    with pytest.raises(TrainingError, match="batch_size 33 is not divisible by 2 processes"):
+        run_torchrun(_config(2, batch_size=33), tmp_path, tmp_path / "ck", LOG)
+
+
+def test_torchrun_command_uses_torch_launcher(tmp_path: Path) -> None:
+    cmd = torchrun_command(4, tmp_path / "c.json", tmp_path / "out", tmp_path / "ck")
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc_per_node=4" in cmd and cmd[cmd.index("-m", 2) + 1] == "stages.train.worker"

@@ -1,0 +1,68 @@
+"""The train stage in the pipeline: artifacts, JSON summary in the manifest, skip paths, plot and trace."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import config_from_dict
+from pipeline.runner import Runner
+from pipeline.stages import STAGES
+from stages.train.model_io import load_trained
+from tests.conftest import tiny_config_dict
+
+
+def _run(tmp_path: Path, **overrides: object) -> tuple[dict, Path]:
+    cfg = config_from_dict(tiny_config_dict(**overrides))
+    result = Runner(cfg, tmp_path, STAGES).run(stop="train")
+    assert result.ok, result.error
+    return json.loads((tmp_path / "train" / "manifest.json").read_text()), tmp_path / "train"
+
+
+def test_stage_writes_weights_plot_and_per_epoch_metrics(tmp_path: Path) -> None:
+    manifest, out = _run(tmp_path, **{"train.precision": "bf16"})
+    s = manifest["summary"]
+    assert {"model.safetensors", "model.json", "loss.png"} <= set(manifest["outputs"])
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(s["epochs"]) == 2 and s["precision"] == "bf16" and s["world_size"] == 1
+    for m in s["epochs"]:
+        assert m["samples_per_s"] > 0 and m["peak_memory_mb"] > 0 and m["val_accuracy"] is not None
+        assert m["loss_scale"] is None  # bf16 needs no scaler
+    assert s["val_accuracy"] == s["epochs"][-1]["val_accuracy"]
+    json.dumps(s)  # JSON-able (it also went through the manifest)
+    model = load_trained(out, config_from_dict(tiny_config_dict()))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert Path(s["checkpoint_dir"], "last.pt").is_file()
+
+
+def test_same_seed_same_weights(tmp_path: Path) -> None:
+    _, a = _run(tmp_path / "a", **{"train.deterministic": True, "train.precision": "fp32"})
+    _, b = _run(tmp_path / "b", **{"train.deterministic": True, "train.precision": "fp32"})
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert not torch.are_deterministic_algorithms_enabled()  # the global switch was restored
+
+
+def test_profiler_trace_and_eval_every(tmp_path: Path) -> None:
+    manifest, out = _run(tmp_path, **{"train.profile_steps": 2, "train.epochs": 3, "train.eval_every": 2,
+                                      "train.plot": False})
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["traceEvents"] and "trace.json" in manifest["summary"]["files"]
+    assert not (out / "loss.png").exists()
+    assert [m["val_accuracy"] is not None for m in manifest["summary"]["epochs"]] == [False, True, True]
+
+
+@pytest.mark.parametrize("how", ["disabled", "checkpoint"])
+def test_skipped_training(tmp_path: Path, how: str) -> None:
+    over: dict[str, object] = {"train.enabled": False}
+    if how == "checkpoint":
+        from models.registry import build_model
+        from safetensors.torch import save_file
+
+        ck = tmp_path / "w.safetensors"
+        save_file(build_model("cnn", {"width": 8, "depth": 2}).state_dict(), str(ck))
+        over = {"model.checkpoint": str(ck)}
+    cfg = config_from_dict(tiny_config_dict(**over))
+    rec = Runner(cfg, tmp_path / "wd", STAGES).run(stop="train").records[0]
+    assert rec.status == "skipped" and 0.0 <= rec.summary["val_accuracy"] <= 1.0

@@ -1,0 +1,48 @@
+"""Tiny models and data for the train-stage tests: a few hundred parameters, a few hundred samples."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.datasets import DatasetSplits, synthetic
+from stages.train.config import TrainConfig
+
+
+class TinyNet(nn.Module):
+    """Linear + LayerNorm + GELU + Linear on [B, 1, 8, 8]: no BatchNorm and no dropout, so a batch's update
+    does not depend on how it is split (BatchNorm statistics would)."""
+
+    def __init__(self, hidden: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.LayerNorm(hidden), nn.GELU(),
+                                 nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def tiny_net(seed: int = 0) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def tiny_data(size: int = 200) -> DatasetSplits:
+    return synthetic(size=size, val_fraction=0.2, seed=3)
+
+
+def train_cfg(**kw: Any) -> TrainConfig:
+    base: dict[str, Any] = {"epochs": 2, "batch_size": 32, "precision": "fp32", "device": "cpu", "plot": False,
+                            "lr": 0.05, "optimizer": "sgd", "checkpoint": {"resume": "never"}}
+    for key, value in kw.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return TrainConfig.model_validate(base)
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
