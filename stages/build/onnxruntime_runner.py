@@ -133,18 +133,28 @@ class OrtCudaRunner(Runner):
         slot["session"].run_with_iobinding(slot["binding"])
         return dict(zip(self.output_names, slot["binding"].copy_outputs_to_cpu()))
 
+    def prepared(self, feed: dict[str, np.ndarray]) -> tuple[Any, bool]:
+        """``(call, graph)``: ``call()`` runs once on device-resident copies of ``feed`` and returns the first
+        output as an ``OrtValue`` on the GPU; ``graph`` says whether it replays a CUDA graph. For benchmarks."""
+        slot = self._slot(feed)
+        self._load(slot, feed)
+        binding = slot["binding"]
+
+        def call() -> Any:
+            slot["session"].run_with_iobinding(binding)
+            return binding.get_outputs()[0]
+        return call, slot["static"]
+
     def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
         """Engine time on device buffers (inputs uploaded once, outputs left on the GPU).
 
         ``run_with_iobinding`` returns after ORT synchronizes its stream, so CUDA events recorded around it on
         torch's stream bracket the whole GPU execution plus launch overhead (what a serving loop pays).
         """
-        slot = self._slot(feed)
-        self._load(slot, feed)
-        run = lambda: slot["session"].run_with_iobinding(slot["binding"])  # noqa: E731
+        call, _ = self.prepared(feed)
         for _ in range(max(warmup, 3)):  # ORT captures the CUDA graph during its first runs
-            run()
-        return _time(run, iterations)
+            call()
+        return _time(call, iterations)
 
     def _deactivate(self) -> None:
         self.slots.clear()

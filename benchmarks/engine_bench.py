@@ -1,0 +1,305 @@
+"""Kiln's engine vs what a PyTorch user gets today, side by side in one run (GPU host).
+
+Rows per (model, batch): PyTorch eager FP32, eager FP16 (``.half()``), ``torch.compile`` FP16 (mode from
+``--compile-mode``, default max-autotune), ONNX Runtime CUDA FP16 with default settings, and Kiln's engine
+(``stages.build.build_engine``: ORT CUDA FP16 with transformer fusion, exhaustive cuDNN search, NHWC where it
+helps, IO binding on device buffers, one CUDA graph per shape). Latency: median (and p90) of ``--iterations``
+timed runs after warm-up, CUDA events, inputs already on the GPU, TF32 off. Agreement: top-1 agreement, cosine
+and max abs error vs eager FP32 on ``--eval-samples`` random inputs. Build: seconds to produce the runnable
+thing (compile / session / engine build) and its size on disk.
+
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/engine_bench.py --out $OUT                  # full (GPU host)
+    ... --models resnet18 --batches 32 --rows compile,kiln --compile-mode max-autotune       # one slice
+    python benchmarks/engine_bench.py --smoke --out /tmp/bench                             # tiny, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models.registry import build_model  # noqa: E402
+from stages.build.config import BuildConfig  # noqa: E402
+from stages.build.engines import load_engine  # noqa: E402
+from stages.build.stage import build_engine  # noqa: E402
+from stages.export import export_onnx  # noqa: E402
+
+ROWS = ["eager32", "eager16", "compile", "ort_default", "kiln"]
+LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",
+         "ort_default": "ORT CUDA fp16 default", "kiln": "Kiln engine"}
+T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def model_specs(smoke: bool, bert_layers: int) -> dict[str, tuple[dict[str, Any], tuple[int, ...]]]:
+    if smoke:
+        return {"resnet18": ({"width": 8, "blocks": (1, 1), "num_classes": 10}, (3, 32, 32)),
+                "bert_base": ({"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16},
+                              (16, 64))}
+    return {"resnet18": ({}, (3, 224, 224)), "bert_base": ({"layers": bert_layers}, (128, 768))}
+
+
+def time_fn(fn: Callable[[], Any], warmup: int, iterations: int, cuda: bool) -> list[float]:
+    """ms per call: CUDA events on the current stream (the call's work is on it or synchronized), else wall clock."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iterations):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def agreement(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
+    r, g = ref.astype(np.float64), got.astype(np.float64)
+    return {"top1_agreement": float(np.mean(r.argmax(-1) == g.argmax(-1))),
+            "cosine": float((r.ravel() @ g.ravel()) / (np.linalg.norm(r) * np.linalg.norm(g))),
+            "max_abs_err": float(np.abs(r - g).max())}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.cuda = args, torch.cuda.is_available()
+        self.dev = "cuda" if self.cuda else "cpu"
+        self.work = Path(tempfile.mkdtemp(prefix="engine-bench-"))
+        self.results: list[dict[str, Any]] = []
+
+    def label(self, row: str) -> str:
+        return LABEL[row] if self.cuda else LABEL[row].replace("CUDA", "CPU") + (" (fp32 on CPU)" if row == "kiln" else "")
+
+    def run_model(self, name: str, params: dict[str, Any], shape: tuple[int, ...]) -> None:
+        a = self.args
+        torch.manual_seed(0)
+        model = build_model(name, params).eval().to(self.dev)
+        gen = torch.Generator().manual_seed(1)
+        evalx = torch.randn((a.eval_samples, *shape), generator=gen)
+        with torch.inference_mode():
+            ref = self._batched(lambda x: model(x.to(self.dev)).float().cpu(), evalx).numpy()
+        onnx32 = self._export(name, model, shape)
+        say(f"{name}: exported FP32 ONNX ({onnx32.stat().st_size / 1e6:.0f} MB)")
+        for row in a.rows:
+            try:
+                self._row(row, name, model, shape, evalx, ref, onnx32)
+            except Exception as exc:  # one broken row must not lose the others; it is reported, not hidden
+                say(f"{name} {row}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                self.results.append({"model": name, "row": row, "label": self.label(row), "error": str(exc)[:500]})
+
+    def _batched(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        bs = max(self.args.batches)
+        return torch.cat([fn(x[i:i + bs]) for i in range(0, len(x), bs)])
+
+    def _export(self, name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> Path:
+        import onnx_graphsurgeon as gs
+
+        raw = self.work / f"{name}-raw.onnx"
+        export_onnx(model.float().cpu(), torch.randn(2, *shape), raw)
+        model.to(self.dev)
+        graph = gs.import_onnx(onnx.load(str(raw)))
+        graph.fold_constants().cleanup().toposort()  # what Kiln's optimize stage always does first
+        out = self.work / f"{name}-fp32.onnx"
+        onnx.save(gs.export_onnx(graph), str(out), save_as_external_data=False)
+        return out
+
+    def _row(self, row: str, name: str, model: torch.nn.Module, shape: tuple[int, ...], evalx: torch.Tensor,
+             ref: np.ndarray, onnx32: Path) -> None:
+        say(f"{name} {row}: preparing")
+        t0 = time.perf_counter()
+        runner, size, extra = self._prepare(row, model, onnx32, name)
+        for batch in self.args.batches:
+            x = torch.randn((batch, *shape), generator=torch.Generator().manual_seed(2))
+            t1 = time.perf_counter()
+            call = runner(x)  # first call compiles/captures for this shape: counted in build_seconds
+            build = time.perf_counter() - t0 if batch == self.args.batches[0] else None
+            times = time_fn(call, self.args.warmup, self.args.iterations, self.cuda)
+            got = self._eval(row, runner, evalx)
+            entry = {"model": name, "row": row, "label": self.label(row), "batch": batch,
+                     "median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90)),
+                     "iterations": len(times), "first_call_s": time.perf_counter() - t1,
+                     "build_seconds": build, "size_bytes": size, **agreement(ref, got), **extra}
+            self.results.append(entry)
+            say(f"{name} {row} batch {batch}: median {entry['median_ms']:.3f} ms, top1 "
+                f"{entry['top1_agreement']:.4f}, cos {entry['cosine']:.6f}")
+
+    def _eval(self, row: str, runner: Callable[[torch.Tensor], Callable[[], Any]], evalx: torch.Tensor) -> np.ndarray:
+        bs = max(self.args.batches)
+        outs = [self._out(row, runner(evalx[i:i + bs])) for i in range(0, len(evalx), bs)]
+        return np.concatenate(outs)
+
+    @staticmethod
+    def _out(row: str, call: Callable[[], Any]) -> np.ndarray:
+        out = call()
+        if isinstance(out, torch.Tensor):
+            return out.float().cpu().numpy()
+        if hasattr(out, "numpy"):  # an ORT OrtValue on the device: copies to the host
+            return np.asarray(out.numpy(), dtype=np.float32)
+        return np.asarray(out, dtype=np.float32)
+
+    def _prepare(self, row: str, model: torch.nn.Module, onnx32: Path, name: str) -> tuple[Any, int | None, dict]:
+        """A factory ``x -> call`` where ``call()`` runs one inference on device-resident inputs and returns outputs."""
+        dev = self.dev
+        if row in ("eager32", "eager16", "compile"):
+            half = row != "eager32"
+            dtype = torch.float16 if half else torch.float32
+            m = build_model(name, model_specs(self.args.smoke, self.args.bert_layers)[name][0]).eval().to(dev)
+            m.load_state_dict(model.state_dict())
+            m = m.to(dtype)
+            extra: dict[str, Any] = {}
+            if row == "compile":
+                m = torch.compile(m, mode=self.args.compile_mode, dynamic=False)
+                extra["compile_mode"] = self.args.compile_mode
+
+            def torch_factory(x: torch.Tensor) -> Callable[[], Any]:
+                xd = x.to(dev, dtype)
+
+                def call() -> torch.Tensor:
+                    with torch.inference_mode():
+                        return m(xd)
+                return call
+            return torch_factory, None, extra
+        if row == "ort_default":
+            return self._ort_default(onnx32, name)
+        return self._kiln(onnx32, name)
+
+    def _ort_default(self, onnx32: Path, name: str) -> tuple[Any, int, dict]:
+        import onnxruntime as ort
+        from onnxconverter_common import float16
+
+        path = self.work / f"{name}-ort-fp16.onnx"
+        onnx.save(float16.convert_float_to_float16(onnx.load(str(onnx32)), keep_io_types=True), str(path))
+        providers = ["CUDAExecutionProvider"] if self.cuda else ["CPUExecutionProvider"]
+        sess = ort.InferenceSession(str(path), providers=providers)  # default options: what a user gets
+        in_name, out_names = sess.get_inputs()[0].name, [o.name for o in sess.get_outputs()]
+
+        def factory(x: torch.Tensor) -> Callable[[], Any]:
+            if not self.cuda:
+                feed = {in_name: x.numpy()}
+                return lambda: sess.run(None, feed)[0]
+            binding = sess.io_binding()  # device buffers, as for every other row: no host copies timed
+            binding.bind_ortvalue_input(in_name, ort.OrtValue.ortvalue_from_numpy(x.numpy(), "cuda", 0))
+            for o in out_names:
+                binding.bind_output(o, "cuda", 0)
+
+            def call() -> np.ndarray:
+                sess.run_with_iobinding(binding)
+                return binding.get_outputs()[0]
+            return call
+        return factory, path.stat().st_size, {"providers": providers}
+
+    def _kiln(self, onnx32: Path, name: str) -> tuple[Any, int, dict]:
+        device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
+        cfg = BuildConfig(backends=["onnxruntime"])
+        meta = build_engine(onnx32, self.work / f"{name}-kiln", "onnxruntime", device, precision, cfg,
+                            self.work / "cache", max_batch=max(self.args.batches))
+        say(f"{name} kiln: engine built in {meta['build_seconds']:.1f}s "
+            f"(fusion: {meta['builder_settings'].get('transformer_fusion')})")
+        runner = load_engine(self.work / f"{name}-kiln").activate()
+        in_name = runner.input_names[0]
+        out_name = runner.meta["outputs"][0]["name"]
+        graphs: dict[int, bool] = {}  # batch -> whether the timed call replays a CUDA graph
+
+        def factory(x: torch.Tensor) -> Callable[[], Any]:
+            feed = {in_name: x.numpy()}
+            if device == "cpu":
+                return lambda: runner.infer(feed)[out_name]
+            call, graph = runner.prepared(feed)  # the runner's own device buffers / CUDA graph for this shape
+            graphs[x.shape[0]] = graph
+            return call
+
+        extra = {"engine": meta["name"], "precision": precision,
+                 "fusion": meta["builder_settings"].get("transformer_fusion"),
+                 "engine_build_seconds": meta["build_seconds"], "cuda_graph_by_batch": graphs}
+        return factory, meta["size_bytes"], extra
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    lines = [f"# Engine benchmark ({env['device']})", "", f"Command: `{env['command']}`", "",
+             "| model | batch | row | median ms | p90 ms | vs eager fp32 | top-1 agree | cosine | build s | size MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["model"], r["batch"]): r["median_ms"] for r in results if r["row"] == "eager32" and "median_ms" in r}
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | - | {r['label']} | failed: {r['error'][:80]} | | | | | | |")
+            continue
+        speed = base.get((r["model"], r["batch"]))
+        lines.append(f"| {r['model']} | {r['batch']} | {r['label']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | "
+                     f"{(speed / r['median_ms']) if speed else float('nan'):.2f}x | {r['top1_agreement']:.4f} | "
+                     f"{r['cosine']:.6f} | {_num(r['build_seconds'] if r['row'] not in ('eager32', 'eager16') else None)} | "
+                     f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true", help="tiny models, few iterations, CPU is fine")
+    p.add_argument("--models", default="resnet18,bert_base")
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
+    p.add_argument("--compile-mode", default="max-autotune")
+    p.add_argument("--iterations", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--eval-samples", type=int, default=256)
+    p.add_argument("--bert-layers", type=int, default=12)
+    args = p.parse_args()
+    args.models, args.rows = args.models.split(","), args.rows.split(",")
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.smoke:
+        args.iterations, args.warmup, args.eval_samples = min(args.iterations, 5), min(args.warmup, 2), 16
+        args.batches = [b if b <= 4 else 4 for b in args.batches]
+    unknown = set(args.rows) - set(ROWS)
+    if unknown:
+        p.error(f"unknown rows {sorted(unknown)}; choose from {ROWS}")
+    logging.basicConfig(level=logging.WARNING)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    bench = Bench(args)
+    env = {"device": torch.cuda.get_device_name(0) if bench.cuda else f"CPU ({platform.processor() or 'x86'})",
+           "command": " ".join(["python", *sys.argv]), "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import onnxruntime as ort
+
+        env["onnxruntime"] = ort.__version__
+        env["ort_providers"] = ort.get_available_providers()
+    except ImportError:
+        pass
+    say(f"engine bench on {env['device']}: models {args.models}, batches {args.batches}, rows {args.rows}")
+    specs = model_specs(args.smoke, args.bert_layers)
+    for name in args.models:
+        bench.run_model(name, *specs[name])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine_bench.json").write_text(json.dumps({"env": env, "args": vars(args) | {"out": str(args.out)},
+                                                             "results": bench.results}, indent=2, default=str))
+    md = markdown(bench.results, env)
+    (args.out / "engine_bench.md").write_text(md)
+    print(md, flush=True)
+
+
+if __name__ == "__main__":
+    main()
