@@ -1,0 +1,74 @@
+"""The precision stage's pipeline entry: variants.json, kept nodes, the calibration cache.
+
+Runs ``stages.precision.stage.run`` on an exported zoo graph directly (not through the runner), so these
+tests do not depend on the other stages' state.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibration.ranges import STATS
+from conftest import tiny_config_dict
+from models import build_model
+from pipeline.config import config_from_dict
+from pipeline.stage import StageContext
+from stages.export import export_onnx
+from stages.precision.stage import run
+
+TRANSFORMER = {"model.name": "transformer", "model.params": {"dim": 16, "heads": 2, "layers": 1}}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("optimize")
+    torch.manual_seed(0)
+    export_onnx(build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8),
+                folder / "model.onnx")
+    return folder
+
+
+def _run(workdir: Path, optimize_dir: Path, out: str = "precision", **overrides) -> tuple[dict, dict]:
+    cfg = config_from_dict(tiny_config_dict(**{**TRANSFORMER, "precision.variants": ["fp32", "fp16", "int8"],
+                                               **overrides}))
+    ctx = StageContext("precision", cfg, workdir, workdir / out, {"optimize": optimize_dir})
+    ctx.out.mkdir(parents=True)
+    summary = run(ctx)
+    json.dumps(summary)  # the runner stores it as JSON
+    return json.loads((ctx.out / "variants.json").read_text()), summary
+
+
+def test_variants_and_report_fields(tmp_path: Path, exported: Path) -> None:
+    variants, summary = _run(tmp_path, exported)
+    assert set(variants) == set(summary["variants"]) == {"fp32", "fp16", "int8"}
+    for v in variants.values():
+        assert (tmp_path / "precision" / v["path"]).is_file()
+    fp16 = variants["fp16"]
+    kept_ops = " ".join(fp16["reasons"].values())
+    assert "LayerNormalization" in kept_ops and "Softmax" in kept_ops
+    assert set(fp16["kept_fp32"]) == set(fp16["reasons"])
+    assert fp16["vs_fp32"]["top1_agreement"] >= 0.99 and fp16["fallback"]["passed"]
+    int8 = variants["int8"]
+    assert int8["calibration"]["qdq_nodes"]["QuantizeLinear"] > 0
+    assert (tmp_path / "precision" / "int8" / int8["trt_calibration_table"]).is_file()
+
+
+def test_second_run_reuses_calibration(tmp_path: Path, exported: Path) -> None:
+    _run(tmp_path, exported, "p1", **{"precision.variants": ["int8"]})
+    assert list((tmp_path / "cache" / "calibration").glob("*.json"))
+    before = STATS["calibrations"]
+    variants, _ = _run(tmp_path, exported, "p2", **{"precision.variants": ["int8"], "precision.fallback.samples": 64})
+    assert variants["int8"]["calibration"]["cache_hit"] is True
+    assert STATS["calibrations"] == before
+
+
+def test_int64_input_model(tmp_path: Path) -> None:
+    folder = tmp_path / "optimize"
+    folder.mkdir()
+    params = {"hidden": [16], "embed_dim": 4}
+    export_onnx(build_model("mlp_embed", params), torch.randint(0, 17, (2, 64)), folder / "model.onnx")
+    variants, _ = _run(tmp_path, folder, **{"model.name": "mlp_embed", "model.params": params})
+    assert variants["fp16"]["fallback"]["passed"] and variants["int8"]["calibration"]["batches"] > 0
