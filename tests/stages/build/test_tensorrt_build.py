@@ -209,3 +209,26 @@ def test_graph_carries_precision(zoo) -> None:
     from stages.build.tensorrt_weak import graph_carries_precision
 
     assert [graph_carries_precision(zoo("cnn", p)) for p in ("fp32", "fp16", "int8")] == [False, True, True]
+
+
+@pytest.mark.trt_runtime
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_tensorrt_runner_matches_onnxruntime(zoo, tmp_path: Path, cuda_graph: bool) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    from build_graphs import sample
+
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(cuda_graph=cuda_graph),
+                        tmp_path / "cache")
+    ok, why = runnable(meta)
+    if not ok:
+        pytest.skip(f"no TensorRT runtime that can execute here: {why}")
+    sess = ort.InferenceSession(str(zoo("transformer")), providers=["CPUExecutionProvider"])
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 7, 1):
+            x = sample("transformer", batch, seed=batch)
+            np.testing.assert_allclose(runner.infer({"input": x})["logits"], sess.run(None, {"input": x})[0],
+                                       atol=2e-3, rtol=2e-3)
+        times = runner.time_ms({"input": sample("transformer", 4)}, warmup=2, iterations=5)
+    assert len(times) == 5 and all(t > 0 for t in times)

@@ -1,0 +1,73 @@
+"""The build stage as the pipeline runs it: every (backend, device, precision) engine from variants.json."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import config_from_dict
+from pipeline.errors import ConfigError
+from pipeline.stage import StageContext
+from stages.build import stage
+from stages.build.engines import SIDECAR, read_metadata
+
+HAS_TRT = stage.import_tensorrt() is not None
+
+
+def _ctx(tmp_path: Path, zoo, build: dict) -> StageContext:
+    precision_dir = tmp_path / "precision"
+    variants = {}
+    for p in ("fp32", "fp16", "int8"):
+        (precision_dir / p).mkdir(parents=True)
+        shutil.copy(zoo("cnn", p), precision_dir / p / "model.onnx")
+        variants[p] = {"path": f"{p}/model.onnx", "kept_fp32": []}
+    (precision_dir / "variants.json").write_text(json.dumps(variants))
+    cfg = config_from_dict({"build": build, "validate": {"batch_sizes": [1, 8]}})
+    (tmp_path / "out").mkdir()
+    return StageContext("build", cfg, tmp_path, tmp_path / "out", {"precision": precision_dir},
+                        log=logging.getLogger("test"))
+
+
+@pytest.mark.tensorrt
+def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path, zoo, {"backends": ["onnxruntime", "tensorrt"]})
+    result = stage.run(ctx)
+    names = sorted(e["name"] for e in result["engines"])
+    assert names == sorted([f"onnxruntime-cpu-{p}" for p in ("fp32", "fp16", "int8")]
+                           + [f"tensorrt-{p}" for p in ("fp32", "fp16", "int8")])
+    assert result["skipped"] == []
+    for name in names:
+        meta = read_metadata(ctx.out / name)
+        assert (ctx.out / name / SIDECAR).is_file() and meta["name"] == name
+    # Profiles default to dynamic batch 1..max(validate.batch_sizes); the cache is shared under ctx.cache_dir.
+    trt = read_metadata(ctx.out / "tensorrt-fp16")
+    assert trt["profiles"][0]["input"]["max"][0] == 8 and trt["source"]["file"] == "model.onnx"
+    assert Path(trt["timing_cache"]["path"]).parent == ctx.cache_dir / "tensorrt"
+    # ORT's fp16 engine is made from the FP32 graph (fuse, then convert): see onnxruntime.fp16_source.
+    ort16 = read_metadata(ctx.out / "onnxruntime-cpu-fp16")
+    assert ort16["source"]["sha256"] == read_metadata(ctx.out / "onnxruntime-cpu-fp32")["source"]["sha256"]
+
+
+def test_run_onnxruntime_only(zoo, tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path, zoo, {"backends": ["onnxruntime"], "onnxruntime": {"fp16_source": "precision_graph"}})
+    result = stage.run(ctx)
+    assert [e["name"] for e in result["engines"]] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16",
+                                                       "onnxruntime-cpu-int8"]
+    ort16 = read_metadata(ctx.out / "onnxruntime-cpu-fp16")
+    assert "fp16_conversion" not in ort16["builder_settings"]  # the precision stage's graph, used as is
+
+
+@pytest.mark.tensorrt
+def test_bad_profile_fails_the_stage(zoo, tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path, zoo, {"backends": ["tensorrt"], "tensorrt": {"profiles": [
+        {"x": {"min": [1, 1, 8, 8], "opt": [1, 1, 8, 8], "max": [1, 1, 8, 8]}}]}})
+    with pytest.raises(ConfigError, match="does not match the model's inputs"):
+        stage.run(ctx)
+
+
+def test_unknown_backend_in_direct_mode(zoo, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown backend 'tvm'"):
+        stage.build_engine(zoo("cnn"), tmp_path / "e", "tvm", "cpu", "fp32", stage.BuildConfig(), tmp_path)
