@@ -68,8 +68,12 @@ def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, meth
     key = hash_json({"model": model_hash(model_path), "data": hash_batches(batches), "method": method,
                      "settings": settings, "ort": onnxruntime.__version__})
     path = (cache_dir / "calibration" if cache_dir else Path(tempfile.mkdtemp(prefix="kiln-calib-"))) / f"{key}.json"
-    from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
-
+    try:
+        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
+    except ImportError:  # ONNX Runtime < 1.32 has no cache format: ranges work, caching does not
+        log.warning("onnxruntime %s cannot cache calibration ranges", onnxruntime.__version__)
+        return Ranges(_run_calibrator(model_path, batches, input_name, method, symmetric, percentile), path, key,
+                      False, method)
     if path.is_file():
         try:
             tensors = load_tensors_data(path)

@@ -1,0 +1,274 @@
+"""Precision variants, measured side by side in one run.
+
+CPU mode (default): ONNX Runtime CPU, 2 threads, batch 8. For the zoo ``cnn`` and ``transformer`` (trained
+briefly on digits) and wider variants of both: Kiln's FP32 engine vs its INT8 Q/DQ engine (session graph
+optimisation ALL, so ORT fuses DQ->op->Q into QLinear / integer kernels). Latency: median and p90 of timed runs,
+FP32 and INT8 interleaved in rounds so both see the same machine state. Accuracy on the digits held-out split,
+top-1 agreement of INT8 with FP32. Targets: INT8 >= 1.5x faster, agreement >= 99%, accuracy within 1 point.
+
+GPU mode (``--gpu``, GPU host with onnxruntime-gpu): FP16 graphs of ``resnet18`` (3x224x224) and ``bert_base``
+(128x768) with random weights on ORT CUDA vs PyTorch FP32 (TF32 off) on ``--samples`` random inputs. Target:
+top-1 agreement >= 99.5%. Latency of ORT CUDA FP32 / FP16 (session.run with host arrays, so copies included).
+
+    python benchmarks/precision_bench.py --out benchmarks/results                    # CPU
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/precision_bench.py --gpu --out $OUT   # GPU host
+    python benchmarks/precision_bench.py --smoke [--gpu] --out /tmp/pb               # tiny, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from calibration.config import CalibrationConfig  # noqa: E402
+from models.registry import build_model  # noqa: E402
+from stages.export import export_onnx  # noqa: E402
+from stages.precision.compare import output_metrics  # noqa: E402
+from stages.precision.config import FallbackConfig, FP16Config  # noqa: E402
+from stages.precision.fp16 import convert_fp16  # noqa: E402
+from stages.precision.fp16_select import select_fp32_nodes  # noqa: E402
+from stages.precision.variants import Source, build_int8  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[+{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def optimized(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    """Kiln's optimize stage (default passes); if it fails, constant folding only — and the row says so."""
+    try:
+        from stages.optimize.config import OptimizeConfig
+        from stages.optimize.stage import optimize_model  # type: ignore[attr-defined]
+
+        return optimize_model(model, OptimizeConfig())[0], "kiln optimize (default passes)"
+    except Exception as exc:  # another stage's failure must not hide this benchmark's numbers
+        import onnx_graphsurgeon as gs
+
+        graph = gs.import_onnx(model)
+        graph.fold_constants().cleanup().toposort()
+        out = gs.export_onnx(graph)
+        out.ir_version = model.ir_version
+        return out, f"constant folding only (optimize stage failed: {type(exc).__name__}: {str(exc)[:80]})"
+
+
+def session(model: Path | onnx.ModelProto, threads: int, providers: list[str]) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(src, opts, providers=providers)
+
+
+def predict(sess: Any, x: np.ndarray, batch: int = 64) -> np.ndarray:
+    name = sess.get_inputs()[0].name
+    return np.concatenate([sess.run(None, {name: x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+
+
+def interleaved_latency(sessions: dict[str, Any], x: np.ndarray, rounds: int, per_round: int,
+                        warmup: int) -> dict[str, dict[str, float]]:
+    """ms per batch; the variants take turns in rounds so drift (turbo, noisy neighbours) hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    feeds = {k: {s.get_inputs()[0].name: x} for k, s in sessions.items()}
+    for k, s in sessions.items():
+        for _ in range(warmup):
+            s.run(None, feeds[k])
+    for _ in range(rounds):
+        for k, s in sessions.items():
+            for _ in range(per_round):
+                t = time.perf_counter()
+                s.run(None, feeds[k])
+                times[k].append((time.perf_counter() - t) * 1e3)
+    return {k: {"p50_ms": float(np.median(v)), "p90_ms": float(np.percentile(v, 90)), "runs": len(v)}
+            for k, v in times.items()}
+
+
+# ---------------------------------------------------------------- CPU: INT8 vs FP32
+CPU_ROWS = {  # row -> (zoo model, params); "wide" rows show where INT8 arithmetic outweighs per-op overhead
+    "cnn": ("cnn", {}),
+    "transformer": ("transformer", {}),
+    "cnn-w64": ("cnn", {"width": 64}),
+    "transformer-d256": ("transformer", {"dim": 256, "heads": 4}),
+}
+
+
+def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from models.datasets import digits
+    from stages.train.config import TrainConfig
+    from stages.train.loop import evaluate, train
+
+    name, params = CPU_ROWS[row]
+    data = digits()
+    torch.manual_seed(0)
+    model = build_model(name, params)
+    epochs = 1 if smoke else args.epochs
+    hist = train(model, data, TrainConfig(epochs=epochs, device="cpu", precision="fp32", lr=3e-3), seed=0)
+    torch_acc = evaluate(model, data.val_x, data.val_y, torch.device("cpu"))
+    say(f"{row}: trained {epochs} epochs, PyTorch val accuracy {torch_acc:.4f}")
+    proto, how = optimized(export_onnx(model, data.val_x[:2], work / f"{row}.onnx"))
+    ccfg = CalibrationConfig(method=args.method)
+    from calibration.data import calibration_batches
+
+    src = Source.prepare(proto, work / f"{row}_fp32.onnx", calibration_batches(data, ccfg), work / "cache")
+    x_val, y_val = data.val_x.numpy(), data.val_y.numpy()
+    t = time.perf_counter()
+    entry = build_int8(src, work / row / "int8.onnx", ccfg, FallbackConfig(min_top1_agreement=0.99), x_val)
+    build_s = time.perf_counter() - t
+    sessions = {"fp32": session(src.path, 2, ["CPUExecutionProvider"]),
+                "int8": session(work / row / "int8.onnx", 2, ["CPUExecutionProvider"])}
+    logits = {k: predict(s, x_val) for k, s in sessions.items()}
+    acc = {k: float(np.mean(v.argmax(1) == y_val)) for k, v in logits.items()}
+    agree = output_metrics(logits["fp32"], logits["int8"])
+    xb = x_val[:8]
+    lat = interleaved_latency(sessions, xb, rounds=3 if smoke else 10, per_round=10 if smoke else 60,
+                              warmup=5 if smoke else 30)
+    speedup = lat["fp32"]["p50_ms"] / lat["int8"]["p50_ms"]
+    res = {"row": row, "model": name, "params": params, "graph": how, "epochs": epochs, "torch_accuracy": torch_acc,
+           "accuracy_fp32": acc["fp32"], "accuracy_int8": acc["int8"],
+           "accuracy_delta_points": 100 * (acc["int8"] - acc["fp32"]), "top1_agreement": agree["top1_agreement"],
+           "cosine": agree["cosine"], "latency": lat, "speedup_int8": speedup, "int8_build_s": build_s,
+           "kept_fp32": entry["kept_fp32"], "fallback_rounds": len(entry["fallback"]["rounds"]) - 1,
+           "qdq_nodes": entry["calibration"]["qdq_nodes"], "calibration": args.method, "batch": 8, "threads": 2}
+    res["targets_met"] = {"speedup>=1.5": speedup >= 1.5, "agreement>=0.99": agree["top1_agreement"] >= 0.99,
+                          "accuracy_within_1pt": abs(res["accuracy_delta_points"]) <= 1.0}
+    say(f"{row}: fp32 {lat['fp32']['p50_ms']:.3f} ms, int8 {lat['int8']['p50_ms']:.3f} ms ({speedup:.2f}x), "
+        f"agreement {agree['top1_agreement']:.4f}, acc {acc['fp32']:.4f} -> {acc['int8']:.4f}")
+    return res
+
+
+# ---------------------------------------------------------------- GPU: FP16 vs PyTorch FP32
+def gpu_specs(smoke: bool) -> dict[str, tuple[dict[str, Any], tuple[int, ...]]]:
+    if smoke:
+        return {"resnet18": ({"width": 8, "blocks": (1, 1), "num_classes": 10}, (3, 32, 32)),
+                "bert_base": ({"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16},
+                              (16, 64))}
+    return {"resnet18": ({}, (3, 224, 224)), "bert_base": ({}, (128, 768))}
+
+
+def gpu_row(name: str, params: dict[str, Any], shape: tuple[int, ...], smoke: bool, work: Path,
+            args: argparse.Namespace) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+    if not cuda and not smoke:
+        raise SystemExit("--gpu needs onnxruntime-gpu with CUDAExecutionProvider and a CUDA torch")
+    dev = torch.device("cuda" if cuda else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    model = build_model(name, params).eval()
+    gen = torch.Generator().manual_seed(1)
+    n = 32 if smoke else args.samples
+    x = torch.randn((n, *shape), generator=gen)
+    say(f"{name}: exporting")
+    proto, how = optimized(export_onnx(model, x[:2], work / f"{name}.onnx"))
+    src = Source.prepare(proto, work / f"{name}_fp32.onnx", [x[i:i + 8].numpy() for i in (0, 8)], work / "cache")
+    cfg = FP16Config()
+    amax = src.ranges("minmax", CalibrationConfig()).amax()
+    keep = select_fp32_nodes(src.model, cfg, amax)
+    fp16, info = convert_fp16(src.model, set(keep), cfg)
+    fp16_path = work / f"{name}_fp16.onnx"
+    onnx.save(fp16, fp16_path, save_as_external_data=True, location=fp16_path.name + ".data")
+    say(f"{name}: fp16 graph with {len(keep)} nodes kept FP32, {info['casts']} casts")
+    with torch.no_grad():
+        model.to(dev)
+        ref = np.concatenate([model(x[i:i + 32].to(dev)).float().cpu().numpy() for i in range(0, n, 32)])
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+    sessions = {"ort_fp32": session(src.path, 0, providers), "ort_fp16": session(fp16_path, 0, providers)}
+    out = {"model": name, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
+           "input_shape": list(shape), "graph": how, "samples": n, "device": "cuda" if cuda else "cpu (smoke)",
+           "kept_fp32": len(keep), "kept_ops": sorted({r.split(" ")[0] for r in keep.values()}), "casts": info["casts"]}
+    for k, s in sessions.items():
+        out[f"{k}_vs_torch_fp32"] = output_metrics(ref, predict(s, x.numpy(), batch=32))
+    for b in (1, 32):
+        xb = x[:b].numpy()
+        out[f"latency_b{b}"] = interleaved_latency(sessions, xb, rounds=2 if smoke else 5, per_round=5 if smoke else 20,
+                                                   warmup=3 if smoke else 10)
+    agree = out["ort_fp16_vs_torch_fp32"]["top1_agreement"]
+    out["targets_met"] = {"fp16_agreement>=0.995": agree >= 0.995}
+    say(f"{name}: ORT fp16 vs torch fp32 agreement {agree:.4f}, cosine {out['ort_fp16_vs_torch_fp32']['cosine']:.6f}")
+    return out
+
+
+# ---------------------------------------------------------------- report
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# Precision benchmark ({results['mode']})", "", f"Command: `{results['command']}`  ",
+             f"Host: {results['host']}, onnxruntime {results['onnxruntime']}, torch {results['torch']}", ""]
+    if results["mode"].startswith("cpu"):
+        lines += ["ORT CPU, 2 threads, batch 8, graph optimisation ALL; latency median (p90) over interleaved runs.", "",
+                  "| row | params | FP32 ms | INT8 ms | speedup | top-1 agree | acc FP32 | acc INT8 | Δ pts | kept FP32 | targets |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["rows"]:
+            lat = r["latency"]
+            ok = ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["targets_met"].items())
+            lines.append(f"| {r['row']} | {r['params'] or 'zoo default'} | {lat['fp32']['p50_ms']:.3f} "
+                         f"({lat['fp32']['p90_ms']:.3f}) | {lat['int8']['p50_ms']:.3f} ({lat['int8']['p90_ms']:.3f}) | "
+                         f"{r['speedup_int8']:.2f}x | {r['top1_agreement']:.4f} | {r['accuracy_fp32']:.4f} | "
+                         f"{r['accuracy_int8']:.4f} | {r['accuracy_delta_points']:+.2f} | {len(r['kept_fp32'])} | {ok} |")
+    else:
+        lines += ["ORT CUDA (session.run with host arrays: copies included) vs PyTorch FP32, TF32 off.", "",
+                  "| model | samples | FP16 agree vs torch | FP16 cosine | FP32 agree | b1 FP32 / FP16 ms | "
+                  "b32 FP32 / FP16 ms | kept FP32 | target |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in results["rows"]:
+            f16, f32 = r["ort_fp16_vs_torch_fp32"], r["ort_fp32_vs_torch_fp32"]
+            b1, b32 = r["latency_b1"], r["latency_b32"]
+            lines.append(f"| {r['model']} | {r['samples']} | {f16['top1_agreement']:.4f} | {f16['cosine']:.6f} | "
+                         f"{f32['top1_agreement']:.4f} | {b1['ort_fp32']['p50_ms']:.2f} / {b1['ort_fp16']['p50_ms']:.2f}"
+                         f" | {b32['ort_fp32']['p50_ms']:.2f} / {b32['ort_fp16']['p50_ms']:.2f} | {r['kept_fp32']} | "
+                         f"{'met' if all(r['targets_met'].values()) else 'NOT met'} |")
+    lines += ["", "Graphs: " + "; ".join(sorted({r['graph'] for r in results['rows']}))]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--gpu", action="store_true", help="FP16 on ORT CUDA vs PyTorch FP32 (GPU host)")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU, seconds")
+    ap.add_argument("--rows", default=",".join(CPU_ROWS), help="CPU rows to run")
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--method", default="minmax", choices=["minmax", "entropy", "percentile"])
+    ap.add_argument("--samples", type=int, default=512)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(2 if not args.gpu else torch.get_num_threads())
+    import onnxruntime as ort
+
+    mode = ("gpu" if args.gpu else "cpu") + ("-smoke" if args.smoke else "")
+    results: dict[str, Any] = {"mode": mode, "command": " ".join(sys.argv), "host": platform.node(),
+                               "onnxruntime": ort.__version__, "torch": torch.__version__, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="kiln-pbench-") as tmp:
+        work = Path(tmp)
+        if args.gpu:
+            for name, (params, shape) in gpu_specs(args.smoke).items():
+                results["rows"].append(gpu_row(name, params, shape, args.smoke, work, args))
+        else:
+            rows = [r for r in args.rows.split(",") if r]
+            for row in rows[:2] if args.smoke else rows:
+                results["rows"].append(cpu_row(row, args.smoke, work, args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"precision_{mode}"
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2, default=str))
+    md = markdown(results)
+    (args.out / f"{stem}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
