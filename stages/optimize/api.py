@@ -31,8 +31,7 @@ def _delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference (with data propagation) on a copy whose big initializers carry dims but no data:
     fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` with value_info filled."""
-    light = onnx.ModelProto()
-    light.CopyFrom(_without_initializers(model))
+    light = _without_initializers(model)
     for init in model.graph.initializer:
         t = light.graph.initializer.add()
         if init.ByteSize() <= _STRIP_BYTES:
@@ -53,14 +52,23 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    inits = list(model.graph.initializer)
-    del model.graph.initializer[:]
-    try:
-        shell = onnx.ModelProto()
-        shell.CopyFrom(model)
-    finally:
-        model.graph.initializer.extend(inits)
+    """A copy of ``model`` without its initializers, built field by field so the weights are never copied."""
+    shell = onnx.ModelProto()
+    _copy_fields(model, shell, skip="graph")
+    _copy_fields(model.graph, shell.graph, skip="initializer")
     return shell
+
+
+def _copy_fields(src: Any, dst: Any, skip: str) -> None:
+    for field, value in src.ListFields():
+        if field.name == skip:
+            continue
+        if hasattr(value, "extend"):  # repeated field
+            getattr(dst, field.name).extend(value)
+        elif hasattr(value, "ListFields"):  # sub-message
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
 
 
 def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
@@ -87,7 +95,9 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.Mo
     original; a pass that changes the outputs (or crashes) is rolled back and reported by name."""
     t_start = time.perf_counter()
     plan = [resolve(e) for e in cfg.passes]
-    current = infer_shapes(model)
+    current = onnx.ModelProto()
+    current.CopyFrom(model)  # shape inference refreshes value_info: leave the caller's model untouched
+    current = infer_shapes(current)
     verifier = None
     if cfg.verify:
         try:
