@@ -238,10 +238,11 @@ class _Trainer:
         # The norm is the same on every process (all-reduced gradients), so all take the same decision.
         if math.isfinite(loss_v) and self.scaler.is_enabled():
             self.acc["skipped"] += 1  # fp16 gradient overflow: the scaler skipped the step and backs off
+            log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", self.result.global_step)
         else:
             self.acc["nonfinite"] += 1
+            log.warning("step %d skipped: loss %s, grad norm %s", self.result.global_step, loss_v, norm_v)
         self.bad_streak += 1
-        log.warning("step %d skipped: loss %s, grad norm %s", self.result.global_step, loss_v, norm_v)
         if self.bad_streak > self.cfg.amp.nonfinite_patience:
             raise TrainingError(
                 f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "

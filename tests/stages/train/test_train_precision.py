@@ -89,3 +89,18 @@ def test_invalid_static_scale_is_a_config_error() -> None:
 
     with pytest.raises(ValidationError):
         AmpConfig(loss_scale=-1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_autocast_keeps_layernorm_fp32_and_trains(precision: str) -> None:
+    cuda = torch.device("cuda")
+    assert not autocast_lowers(nn.LayerNorm, "cuda", precision)  # CUDA autocast lists layer_norm as FP32
+    model = tiny_net().to(cuda)
+    seen = norm_dtypes(model, torch.randn(4, 1, 8, 8), cuda, precision)
+    assert seen["net.2"] == {"output": "float32", "params": "float32"}
+    result = train(model, tiny_data(), train_cfg(precision=precision, device="cuda", epochs=1))
+    assert result.fp32_norms == []
+    assert (result.history[0].loss_scale is not None) == (precision == "fp16")
+    assert result.history[0].peak_memory_mb > 0
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
