@@ -25,6 +25,8 @@ class CalibrationConfig(Section):
     reader_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the reader")
     percentile: float = Field(99.999, gt=90, le=100, description="percentile method only")
     per_channel: bool = Field(True, description="per-output-channel weight scales")
+    activation_type: Literal["int8", "uint8"] = Field(
+        "int8", description="int8 (symmetric): what TensorRT executes; uint8: ONNX Runtime's faster x86 CPU kernels")
     symmetric_activations: bool = Field(True, description="zero-point 0 for activations (what TensorRT requires)")
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
