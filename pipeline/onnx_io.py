@@ -46,6 +46,7 @@ def save_onnx(model: onnx.ModelProto, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     large = model.ByteSize() > PROTOBUF_LIMIT if _has_no_external(model) else True
     if large:
+        (path.parent / (path.name + ".data")).unlink(missing_ok=True)  # onnx appends to an existing data file
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=path.name + ".data", size_threshold=1024)
     else:

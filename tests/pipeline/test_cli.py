@@ -128,5 +128,5 @@ def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: p
     model = tmp_path / "m.onnx"
     exported = cli.invoke(main, ["export", "--model", "cnn", "-o", str(model)])
     assert exported.exit_code == 0, exported.output
-    result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "-o", str(tmp_path / "e")])
+    result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "--device", "cuda", "-o", str(tmp_path / "e")])
     assert_clean_error(result, 2, "TensorRT", "pip install")
