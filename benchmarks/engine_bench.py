@@ -291,14 +291,17 @@ def main() -> None:
         pass
     say(f"engine bench on {env['device']}: models {args.models}, batches {args.batches}, rows {args.rows}")
     specs = model_specs(args.smoke, args.bert_layers)
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         bench.run_model(name, *specs[name])
-    args.out.mkdir(parents=True, exist_ok=True)
+        write_results(args, env, bench.results)  # after each model: a run cut short by a time limit keeps its rows
+    print(markdown(bench.results, env), flush=True)
+
+
+def write_results(args: argparse.Namespace, env: dict[str, Any], results: list[dict[str, Any]]) -> None:
     (args.out / "engine_bench.json").write_text(json.dumps({"env": env, "args": vars(args) | {"out": str(args.out)},
-                                                             "results": bench.results}, indent=2, default=str))
-    md = markdown(bench.results, env)
-    (args.out / "engine_bench.md").write_text(md)
-    print(md, flush=True)
+                                                             "results": results}, indent=2, default=str))
+    (args.out / "engine_bench.md").write_text(markdown(results, env))
 
 
 if __name__ == "__main__":
