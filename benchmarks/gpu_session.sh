@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
+# /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
+# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, train, precision.
+set -uo pipefail
+OUT=${OUT:-/tmp/kiln-gpu-out}
+mkdir -p "$OUT"
+stamp() { echo "[$(date +%H:%M:%S)] $*"; }
+for phase in "$@"; do
+  stamp "phase $phase"
+  case $phase in
+    check)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+      python3 -c "import sys, torch, onnxruntime as ort; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'ort', ort.__version__, ort.get_available_providers())"
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+      python3 -m pipeline.cli run -w /tmp/kiln-gpu --quiet --set 'build.onnxruntime.devices=[cpu,cuda]' \
+        --set 'validate.batch_sizes=[1,32]'; echo "kiln run rc=$?"
+      cp /tmp/kiln-gpu/report.md "$OUT/gpu_demo_report.md"; cp /tmp/kiln-gpu/report.json "$OUT/gpu_demo_report.json"
+      grep -A12 "## Validation" /tmp/kiln-gpu/report.md ;;
+    engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
+    train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
+    precision) python3 benchmarks/precision_bench.py --gpu --out "$OUT" ${PRECISION_ARGS:-} ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
+stamp done
