@@ -56,9 +56,10 @@ def save_state(path: Path, state: dict[str, Any]) -> None:
     log.debug("checkpoint %s (epoch %s, step %s)", path, state.get("epoch"), state.get("global_step"))
 
 
-def load_state(path: Path, device: torch.device) -> dict[str, Any]:
+def load_state(path: Path) -> dict[str, Any]:
+    """Read on CPU: RNG states must stay CPU tensors; load_state_dict moves the rest to the model's device."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated/corrupt/not ours: the user pointed at the wrong file
         raise InputFileError(f"cannot read training checkpoint {path}: {exc}",
                              hint="point train.checkpoint.resume at a last.pt written by Kiln, or use 'never'") from None

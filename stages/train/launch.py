@@ -28,8 +28,18 @@ def torchrun_command(nproc: int, config_path: Path, out: Path, ckpt_dir: Path) -
             "--checkpoint-dir", str(ckpt_dir)]
 
 
+def _check_gpus(config: KilnConfig, nproc: int) -> None:
+    import torch
+
+    wants_cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+    if wants_cuda and nproc > torch.cuda.device_count():
+        raise TrainingError(f"train.distributed.nproc_per_node is {nproc} but {torch.cuda.device_count()} GPUs are "
+                            "visible", hint="one process per GPU: lower nproc_per_node (or train.device: cpu)")
+
+
 def run_torchrun(config: KilnConfig, out: Path, ckpt_dir: Path, log: logging.Logger) -> dict[str, Any]:
     nproc = config.train.distributed.nproc_per_node
+    _check_gpus(config, nproc)
     config_path = ckpt_dir / "worker_config.json"
     write_json_atomic(config_path, config.dump())
     cmd = torchrun_command(nproc, config_path, out, ckpt_dir)

@@ -125,7 +125,7 @@ class _Trainer:
         path = ckpt.find_resume(self.cfg.checkpoint.resume, self.ckpt_dir or Path("."), self.run_key)
         if path is None:
             return
-        state = ckpt.load_state(path, self.device)
+        state = ckpt.load_state(path)
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])

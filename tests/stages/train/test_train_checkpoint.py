@@ -64,7 +64,7 @@ def test_best_and_last_checkpoints_and_select_best(tmp_path: Path) -> None:
     best = load_file(str(tmp_path / ckpt.BEST))
     assert r.best_epoch is not None and r.best_val_accuracy == max(m.val_accuracy for m in r.history)
     assert all(torch.equal(best[k], v) for k, v in model.state_dict().items())  # select: best loaded it
-    state = ckpt.load_state(tmp_path / ckpt.LAST, torch.device("cpu"))
+    state = ckpt.load_state(tmp_path / ckpt.LAST)
     assert state["complete"] and state["global_step"] == r.global_step
 
 
@@ -91,7 +91,7 @@ def test_persistent_nan_aborts_naming_step_and_last_good_checkpoint(tmp_path: Pa
     msg = str(err.value)
     assert "3 consecutive steps, at step 7" in msg
     assert f"{tmp_path / ckpt.LAST} (step 3)" in msg
-    good = ckpt.load_state(tmp_path / ckpt.LAST, torch.device("cpu"))
+    good = ckpt.load_state(tmp_path / ckpt.LAST)
     assert good["global_step"] == 3 and all(torch.isfinite(v).all() for v in good["model"].values())
 
 
