@@ -75,7 +75,7 @@ def autocast_lowers(norm: type[nn.Module], device_type: str, precision: str) -> 
         return probe(x.to(DTYPES[precision])).dtype != torch.float32
 
 
-def _fp32_forward(module: nn.Module, forward: Any) -> Any:
+def _fp32_forward(forward: Any) -> Any:
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             return forward(x.float(), *args, **kwargs)
@@ -91,7 +91,7 @@ def fp32_norms(model: nn.Module, device: torch.device, precision: str, enabled: 
         for name, mod in model.named_modules():
             kind = next((t for t in FP32_NORMS if isinstance(mod, t)), None)
             if kind is not None and autocast_lowers(kind, device.type, precision):
-                mod.forward = _fp32_forward(mod, mod.forward)  # type: ignore[method-assign]
+                mod.forward = _fp32_forward(mod.forward)  # type: ignore[method-assign]
                 patched.append((name, mod))
     if patched:
         log.info("running %d norm layers in FP32 (autocast on %s would lower them)", len(patched), device.type)
