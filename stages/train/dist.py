@@ -65,6 +65,9 @@ def process_group(env: DistEnv, cfg: DistributedConfig, device: torch.device) ->
     log.info("rank %d/%d joined (%s on %s)", env.rank, env.world_size, backend, device)
     try:
         yield
+        # Everyone done before anyone tears down: a peer closing its sockets while another still polls
+        # them can abort the slower process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
