@@ -67,3 +67,28 @@ def test_skipped_training(tmp_path: Path, how: str) -> None:
     cfg = config_from_dict(tiny_config_dict(**over))
     rec = Runner(cfg, tmp_path / "wd", STAGES).run(stop="train").records[0]
     assert rec.status == "skipped" and 0.0 <= rec.summary["val_accuracy"] <= 1.0
+
+
+def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    from stages.train.checkpoint import run_key
+    from stages.train.loop import train
+    from stages.train.model_io import dataset_for
+    from stages.train.stage import build_seeded
+
+    over = {"train.precision": "fp32", "train.deterministic": True, "train.checkpoint.every_steps": 2,
+            "train.batch_size": 64}
+    cfg = config_from_dict(tiny_config_dict(**over))
+    key = run_key(cfg.dump())
+    ck = tmp_path / "crashed" / "cache" / "train" / key
+
+    def crash(step: int) -> None:
+        if step == 5:
+            raise KeyboardInterrupt  # what Ctrl-C mid-epoch looks like to the loop
+
+    with pytest.raises(KeyboardInterrupt):
+        train(build_seeded(cfg), dataset_for(cfg), cfg.train, seed=cfg.seed, ckpt_dir=ck, run_key=key, on_step=crash)
+    resumed, out = _run(tmp_path / "crashed", **over)
+    fresh, ref = _run(tmp_path / "fresh", **over)
+    assert resumed["summary"]["resumed_from"] == str(ck / "last.pt")
+    assert fresh["summary"]["resumed_from"] is None
+    assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
