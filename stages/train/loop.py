@@ -171,7 +171,7 @@ class _Trainer:
         cfg, epoch = self.cfg, self.epoch
         self.sampler.set_position(epoch, self.step_in_epoch * self.local_batch)
         if not self.acc:
-            self.acc = {"loss": 0.0, "seen": 0.0, "secs": 0.0, "skipped": 0.0, "nonfinite": 0.0}
+            self.acc = {"loss": 0.0, "seen": 0.0, "samples": 0.0, "secs": 0.0, "skipped": 0.0, "nonfinite": 0.0}
         reset_peak_memory(self.device)
         t0 = time.perf_counter()
         for xb, yb in self.loader:
@@ -190,7 +190,8 @@ class _Trainer:
         self.result.history.append(m)
         log.info("epoch %d: loss %.4f, val acc %s, %.0f samples/s", m.epoch, m.loss, m.val_accuracy, m.samples_per_s)
         self.epoch, self.step_in_epoch, self.acc = epoch + 1, 0, {}
-        self._save()
+        if self.epoch < cfg.epochs:  # after the last epoch run() writes the final, complete checkpoint
+            self._save()
         return m
 
     def _step(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
@@ -229,6 +230,7 @@ class _Trainer:
 
     def _account(self, loss_v: float, norm_v: float, n: int) -> None:
         """Book-keeping of one step; aborts when non-finite values persist beyond the patience."""
+        self.acc["samples"] += n
         if math.isfinite(loss_v):
             self.acc["loss"] += loss_v * n
             self.acc["seen"] += n
@@ -252,9 +254,9 @@ class _Trainer:
 
     def _epoch_metrics(self) -> EpochMetrics:
         a, cfg = self.acc, self.cfg
-        loss, seen, secs, skipped, bad = all_sum(
-            [a["loss"], a["seen"], a["secs"], a["skipped"], a["nonfinite"]], self.device, self.env)
-        m = EpochMetrics(self.epoch + 1, loss / max(1.0, seen), seen / max(secs / self.env.world_size, 1e-9),
+        loss, seen, samples, secs, skipped, bad = all_sum(
+            [a["loss"], a["seen"], a["samples"], a["secs"], a["skipped"], a["nonfinite"]], self.device, self.env)
+        m = EpochMetrics(self.epoch + 1, loss / max(1.0, seen), samples / max(secs / self.env.world_size, 1e-9),
                          self.steps_per_epoch, self.opt.param_groups[0]["lr"],
                          peak_memory_mb=round(peak_memory_mb(self.device), 1),
                          loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
