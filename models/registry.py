@@ -54,26 +54,24 @@ def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) 
     return fn
 
 
-def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
-    factory = resolve_callable(ref, MODELS, "model")
+def _call_factory(ref: str, table: dict[str, Callable[..., Any]], kind: str, params: dict[str, Any] | None,
+                  expected: type, hint: str) -> Any:
+    factory = resolve_callable(ref, table, kind)
     try:
-        model = factory(**(params or {}))
+        obj = factory(**(params or {}))
     except TypeError as exc:
-        raise ConfigError(f"model '{ref}' rejected its params {params}: {exc}",
-                          hint="fix model.params in the config") from exc
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model factory '{ref}' returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+        raise ConfigError(f"{kind} '{ref}' rejected its params {params}: {exc}",
+                          hint=f"fix {'model' if kind == 'model' else 'data'}.params in the config") from exc
+    if not isinstance(obj, expected):
+        raise ConfigError(f"{kind} factory '{ref}' returned {type(obj).__name__}, not {expected.__module__}.{expected.__name__}",
+                          hint=hint)
+    return obj
+
+
+def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
+    return _call_factory(ref, MODELS, "model", params, nn.Module, "return a torch.nn.Module from the factory")
 
 
 def load_dataset(ref: str, params: dict[str, Any] | None = None) -> DatasetSplits:
-    factory = resolve_callable(ref, DATASETS, "dataset")
-    try:
-        data = factory(**(params or {}))
-    except TypeError as exc:
-        raise ConfigError(f"dataset '{ref}' rejected its params {params}: {exc}",
-                          hint="fix data.params in the config") from exc
-    if not isinstance(data, DatasetSplits):
-        raise ConfigError(f"dataset factory '{ref}' returned {type(data).__name__}, not models.DatasetSplits",
-                          hint="return models.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")
-    return data
+    return _call_factory(ref, DATASETS, "dataset", params, DatasetSplits,
+                         "return models.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")

@@ -52,18 +52,7 @@ def hash_source(*modules: Any) -> str:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, text.encode())
 
 
 def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
@@ -71,6 +60,7 @@ def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same folder, fsync, then rename over ``path``: never a torn file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
