@@ -246,14 +246,16 @@ def build(model: str | None, backend: str, device: str, precision_: str, output:
 
 @main.command()
 @click.argument("engine", required=False, type=click.Path(file_okay=False))
-@click.option("--reference", type=click.Path(dir_okay=False), help="ONNX model the engine must match (direct mode)")
+@click.option("--reference", type=click.Path(dir_okay=False),
+              help="what the engine must match (direct mode): an ONNX model, or a PyTorch checkpoint of --model")
+@click.option("--model", "model_name", help="model name or import path for a checkpoint --reference")
 @click.option("--inputs", type=click.Path(dir_okay=False), help=".npz of inputs (default: random from the engine's spec)")
 @click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="gates and timing settings")
 @workdir_opt
 @set_opt
 @quiet_opt
-def validate(engine: str | None, reference: str | None, inputs: str | None, config: str | None, workdir: str,
-             sets: tuple[str, ...], quiet: bool) -> None:
+def validate(engine: str | None, reference: str | None, model_name: str | None, inputs: str | None,
+             config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
     """Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference."""
     _setup_logging(quiet, False)
     if engine is None:
@@ -262,7 +264,8 @@ def validate(engine: str | None, reference: str | None, inputs: str | None, conf
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
     from pipeline.direct import validate_direct
 
-    result = validate_direct(Path(engine), Path(reference), Path(inputs) if inputs else None, _config(config, sets))
+    cfg = load_config(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
+    result = validate_direct(Path(engine), Path(reference), Path(inputs) if inputs else None, cfg)
     console.print_json(data=result)
     if not result["passed"]:
         from pipeline.errors import GateFailure

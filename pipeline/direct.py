@@ -10,7 +10,7 @@ import torch
 
 from pipeline.config import KilnConfig
 from pipeline.errors import ConfigError, InputFileError
-from pipeline.onnx_io import input_feed, load_onnx, ort_session
+from pipeline.onnx_io import load_onnx, ort_session
 
 
 def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
@@ -68,6 +68,26 @@ def random_feed(specs: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[
     return feed
 
 
+def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnConfig) -> np.ndarray:
+    """First output of the reference: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of ``cfg.model``."""
+    if reference.suffix != ".onnx":
+        from models.registry import build_model
+        from stages.train.model_io import load_weights, read_state_dict
+
+        model = load_weights(build_model(cfg.model.name, cfg.model.params), read_state_dict(reference), str(reference))
+        if len(feed) != 1:
+            raise InputFileError("a PyTorch reference takes one input; this engine has several",
+                                 hint="validate against the ONNX model instead")
+        with torch.inference_mode():
+            return model.float().eval()(torch.from_numpy(next(iter(feed.values())))).numpy()
+    ref_sess = ort_session(load_onnx(reference))
+    ref_names = [i.name for i in ref_sess.get_inputs()]
+    if sorted(ref_names) != sorted(feed):
+        raise InputFileError(f"reference inputs {ref_names} differ from the engine's/feed's {sorted(feed)}",
+                             hint="validate an engine against the ONNX model it was built from")
+    return ref_sess.run(None, feed)[0]
+
+
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> dict[str, Any]:
     from stages.build.engines import load_engine, read_metadata
     from stages.validate import check_gates, compare, gates_for, percentiles
@@ -79,12 +99,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
         feed = dict(np.load(inputs))
     else:
         feed = random_feed(meta["inputs"], batch=max(cfg.validate_.batch_sizes))
-    ref_sess = ort_session(load_onnx(reference))
-    ref_names = [i.name for i in ref_sess.get_inputs()]
-    if sorted(ref_names) != sorted(feed):
-        raise InputFileError(f"reference inputs {ref_names} differ from the engine's/feed's {sorted(feed)}",
-                             hint="validate an engine against the ONNX model it was built from")
-    ref = ref_sess.run(None, feed)[0]
+    ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
         got = next(iter(runner.infer(feed).values()))
         t = runner.time_ms(feed, cfg.validate_.warmup, cfg.validate_.iterations)

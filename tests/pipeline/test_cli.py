@@ -130,3 +130,38 @@ def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: p
     assert exported.exit_code == 0, exported.output
     result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "--device", "cuda", "-o", str(tmp_path / "e")])
     assert_clean_error(result, 2, "TensorRT", "pip install")
+
+
+def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
+    """The README's direct-file workflow: a user's checkpoint -> ONNX -> optimized -> engine -> validated."""
+    import torch
+
+    from models.registry import build_model
+
+    ckpt = tmp_path / "w.pt"
+    torch.save(build_model("cnn").state_dict(), ckpt)
+    onnx_path, opt, engine = tmp_path / "m.onnx", tmp_path / "m.opt.onnx", tmp_path / "engine"
+    for args in (["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)],
+                 ["optimize", str(onnx_path), "-o", str(opt)],
+                 ["build", str(opt), "--backend", "onnxruntime", "-o", str(engine)],
+                 ["validate", str(engine), "--reference", str(onnx_path)],
+                 ["validate", str(engine), "--reference", str(ckpt), "--model", "cnn"]):
+        result = cli.invoke(main, args)
+        assert result.exit_code == 0, (args, result.output)
+    assert '"passed": true' in result.output
+
+
+def test_direct_validate_against_wrong_model_fails_gate(cli: CliRunner, tmp_path: Path) -> None:
+    import torch
+
+    from models.registry import build_model
+
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.manual_seed(0)
+    torch.save(build_model("cnn").state_dict(), a)
+    torch.manual_seed(1)
+    torch.save(build_model("cnn").state_dict(), b)
+    assert cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(a), "-o", str(tmp_path / "a.onnx")]).exit_code == 0
+    assert cli.invoke(main, ["build", str(tmp_path / "a.onnx"), "-o", str(tmp_path / "e")]).exit_code == 0
+    result = cli.invoke(main, ["validate", str(tmp_path / "e"), "--reference", str(b), "--model", "cnn"])
+    assert_clean_error(result, 3, "failed its gates", "cosine")
