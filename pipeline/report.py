@@ -53,10 +53,42 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{e['accuracy']:.4f} | {lat} | {e['speedup_vs_baseline'][sizes[-1]]:.2f} |")
         if v["failures"]:
             lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v["failures"]]
+    lines += _stage_sections(report["stages"])
     env = report["environment"]
     lines += ["", "## Environment", "", ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
               f"python {env['python']}, GPU: {env.get('gpu', 'none')}", ""]
     return "\n".join(lines)
+
+
+def _stage_sections(stages: dict[str, Any]) -> list[str]:
+    """Short per-stage facts for people: training result, graph size, precision choices, engines."""
+    out: list[str] = []
+    train = stages.get("train", {}).get("summary", {})
+    if train.get("val_accuracy") is not None:
+        out += ["", "## Training", "",
+                f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
+                f"{_fmt(train.get('final_loss'))}, validation accuracy {_fmt(train.get('val_accuracy'))}"
+                + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "") + "."]
+        if "loss.png" in train.get("files", []):
+            out += ["", "![loss curve](train/loss.png)"]
+    opt = stages.get("optimize", {}).get("summary", {})
+    if "nodes_before" in opt:
+        fired = [p["name"] for p in opt.get("passes", []) if p.get("nodes_before") != p.get("nodes_after")]
+        out += ["", "## Graph optimization", "",
+                f"{opt['nodes_before']} -> {opt['nodes_after']} nodes; passes that changed the graph: "
+                f"{', '.join(dict.fromkeys(fired)) or 'none'}; rolled back: {', '.join(opt.get('rolled_back', [])) or 'none'}."]
+    variants = stages.get("precision", {}).get("summary", {}).get("variants", {})
+    if variants:
+        out += ["", "## Precision variants", "", "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |", "|---|---|---|"]
+        out += [f"| {name} | {v.get('kept_fp32', 0)} | {_fmt(v.get('top1_agreement'))} |" for name, v in variants.items()]
+    build = stages.get("build", {}).get("summary", {})
+    if build.get("engines"):
+        out += ["", "## Engines", "", "| engine | backend | device | precision | build s | size MB |", "|---|---|---|---|---|---|"]
+        out += [f"| {e['name']} | {e['backend']} | {e.get('device', '')} | {e['precision']} | "
+                f"{_fmt(e.get('build_seconds'), '.2f')} | {_fmt((e.get('size_bytes') or 0) / 1e6, '.2f')} |"
+                for e in build["engines"]]
+        out += [f"- not built: {s}" for s in build.get("skipped", [])]
+    return out
 
 
 def write_report(result: RunResult, config: KilnConfig, workdir: Path) -> dict[str, Any]:
