@@ -49,14 +49,14 @@ def emulate_fp16(model: onnx.ModelProto, fp32_nodes: set[str]) -> onnx.ModelProt
         for i, name in enumerate(node.input):
             if name in floats:
                 n.input[i] = round_of(name)
+        rounding: list[onnx.NodeProto] = []
         for i, name in enumerate(node.output):
             if name in floats:  # compute, then store in FP16: the consumer-visible tensor keeps its name
                 n.output[i] = f"{name}__f32"
-                out.graph.node.append(n)
-                out.graph.node.extend(_round_nodes(n.output[i], name))
+                rounding += _round_nodes(n.output[i], name)
                 rounded[name] = name
-        if not any(o in floats for o in node.output):
-            out.graph.node.append(n)
+        out.graph.node.append(n)
+        out.graph.node.extend(rounding)
     return out
 
 

@@ -162,3 +162,20 @@ def test_emulation_rounds_what_fp16_stores() -> None:
     kept = run_batched(emulate_fp16(model, {"add_big", "sub_big"}), x)[0]
     assert np.abs(lossy - ref).max() > 0.5
     assert np.abs(kept - ref).max() < 0.05
+
+
+def test_emulation_and_conversion_of_multi_output_nodes() -> None:
+    """A Split (as the QKV merge pass makes) has several float outputs: each is rounded, the node kept once."""
+    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+             helper.make_node("Split", ["h", "sizes"], ["a", "b"], name="split", axis=1),
+             helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+             helper.make_node("MatMul", ["s", "w2"], ["logits"], name="head")]
+    model = make_model(nodes, {"w1": rng_weights(16, 32), "sizes": np.array([16, 16], np.int64),
+                               "w2": rng_weights(16, 10, seed=1)})
+    emulated = emulate_fp16(model, set())
+    onnx.checker.check_model(emulated, full_check=True)
+    assert sum(n.name == "split" for n in emulated.graph.node) == 1
+    x = inputs(32)
+    np.testing.assert_allclose(run_batched(emulated, x)[0], run_batched(model, x)[0], atol=2e-2, rtol=2e-2)
+    _, converted, _ = _convert(model)
+    assert node_input_types(converted)["add"] == F16
