@@ -22,6 +22,9 @@ from stages.precision.config import PrecisionConfig
 from stages.train.config import TrainConfig
 
 
+DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+
+
 class ModelConfig(Section):
     name: str = Field("cnn", description="built-in model name or import path 'package.module:function'")
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
@@ -127,10 +130,12 @@ def config_from_dict(data: dict[str, Any], source: str = "") -> KilnConfig:
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> KilnConfig:
-    """Read a YAML/TOML/JSON file (or the built-in demo when ``path`` is None) and validate it."""
+    """Read a YAML/TOML/JSON file (or the built-in demo, ``demo.yaml``, when ``path`` is None) and validate it."""
     data: dict[str, Any] = {}
     source = "(built-in demo)"
-    if path is not None:
+    if path is None:
+        data = yaml.safe_load(DEMO_CONFIG.read_text())
+    else:
         p = Path(path)
         source = str(p)
         if not p.is_file():

@@ -8,7 +8,8 @@ from pipeline.errors import ConfigError, InputFileError
 
 def test_demo_defaults_are_valid() -> None:
     cfg = load_config(None)
-    assert cfg.model.name == "cnn" and cfg.validate_.gates.min_cosine == 0.9999
+    assert cfg.name == "demo" and cfg.model.name == "cnn" and cfg.validate_.gates.min_cosine == 0.9999
+    assert cfg.precision.variants == ["fp32", "fp16", "int8"]
 
 
 def test_unknown_key_names_key_and_valid_choices() -> None:
