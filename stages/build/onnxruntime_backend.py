@@ -16,6 +16,7 @@ import onnx
 
 from pipeline.errors import BuildError
 from stages.build.config import OnnxRuntimeConfig
+from stages.build.ort_autotune import autotune, relevant_knobs
 from stages.build.tensorrt_weak import graph_carries_precision
 
 log = logging.getLogger("kiln.build")
@@ -24,13 +25,85 @@ ATTENTION_OPS = {"Softmax", "MatMul"}
 
 
 def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                     keep_fp32: list[str] | None = None) -> dict[str, Any]:
-    """Write ``out/engine.onnx``; returns the backend's part of the metadata."""
+                     keep_fp32: list[str] | None = None, max_batch: int = 32) -> dict[str, Any]:
+    """Write ``out/engine.onnx`` and, where it can, autotune its session settings on this machine (see
+    ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned."""
     import onnxruntime as ort
 
     model = onnx.load(str(onnx_path))
     notes: dict[str, Any] = {}
-    model, notes["transformer_fusion"] = maybe_fuse(model, device, cfg)
+    fused, notes["transformer_fusion"] = maybe_fuse(model, device, cfg)
+    cuda_here = "CUDAExecutionProvider" in ort.get_available_providers()
+    conv, applied = has_conv(model), notes["transformer_fusion"]["applied"]
+    skip = autotune_skip_reason(device, cfg, cuda_here)
+    knobs = {} if skip else relevant_knobs(cfg.autotune.cuda_knobs if device == "cuda" else cfg.autotune.cpu_knobs,
+                                           conv, applied)
+    conversion = _write_engine(fused, onnx_path, out / "engine.onnx", device, precision, cfg, keep_fp32, cuda_here)
+    if conversion:
+        notes["fp16_conversion"] = conversion
+    files = {"model": "engine.onnx"}
+    if applied and False in knobs.get("transformer_fusion", []):  # the unfused graph is a candidate too
+        _write_engine(model, onnx_path, out / "engine-unfused.onnx", device, precision, cfg, keep_fp32, cuda_here)
+        files["model_unfused"] = "engine-unfused.onnx"
+    session = {"providers": provider_list(device, cfg, conv, precision),
+               "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
+               "execution_mode": cfg.execution_mode, "offline_optimization": _offline_level(device, cuda_here),
+               "load_optimization": "all"}
+    built = {"files": files, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
+             "versions": {"onnxruntime": ort.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
+    if skip:
+        log.info("not autotuning %s: %s", out.name, skip)
+        built["autotune"] = {"skipped": skip}
+        return built
+    inputs, _ = io_spec(model)
+    batches = sorted(set(cfg.autotune.batch_sizes or [1, max_batch]))
+    base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
+    built["autotune"] = autotune(out, {**built, "name": out.name, "device": device, "inputs": inputs}, onnx_path,
+                                 cfg.autotune, base, knobs, batches, per_batch=device == "cuda")
+    _drop_unused_unfused(out, built)
+    return built
+
+
+def autotune_skip_reason(device: str, cfg: OnnxRuntimeConfig, cuda_here: bool) -> str | None:
+    """None when this build autotunes; else why not (logged and recorded in the sidecar)."""
+    if device == "cuda" and not cfg.autotune.cuda:
+        return "build.onnxruntime.autotune.cuda is false"
+    if device == "cuda" and not cuda_here:
+        return ("no CUDAExecutionProvider on the build machine (needs onnxruntime-gpu and a GPU): the configured"
+                " settings are used as built")
+    if device == "cpu" and not cfg.autotune.cpu:
+        return "build.onnxruntime.autotune.cpu is false"
+    return None
+
+
+def configured_knobs(cfg: OnnxRuntimeConfig, conv: bool, precision: str, fused: bool) -> dict[str, Any]:
+    """The knob values the configuration alone gives: autotuning's starting point (and its baseline)."""
+    c = cfg.cuda
+    return {"prefer_nhwc": _nhwc(cfg, conv, precision), "conv_algo_search": c.conv_algo_search,
+            "conv_max_workspace": True, "cuda_graph": c.cuda_graph, "transformer_fusion": fused,
+            "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
+            "execution_mode": cfg.execution_mode}
+
+
+def _drop_unused_unfused(out: Path, built: dict[str, Any]) -> None:
+    """The unfused graph stays in the engine only if some batch size chose it."""
+    record = built["autotune"]
+    choices = list((record.get("choice_by_batch") or {}).values()) + [record["choice"]]
+    if "model_unfused" in built["files"] and all(c["knobs"].get("transformer_fusion", True) for c in choices):
+        (out / built["files"].pop("model_unfused")).unlink()
+
+
+def _offline_level(device: str, cuda_here: bool) -> str:
+    # Fusions are assigned per execution provider, so fuse offline only for the EP the engine will run on.
+    return "extended" if device == "cpu" or cuda_here else "basic"
+
+
+def _write_engine(model: onnx.ModelProto, onnx_path: Path, dst: Path, device: str, precision: str,
+                  cfg: OnnxRuntimeConfig, keep_fp32: list[str] | None, cuda_here: bool) -> str | None:
+    """FP16 conversion (if asked and the graph is FP32), then ORT's offline optimization saved to ``dst``."""
+    import onnxruntime as ort
+
+    note = None
     if precision == "fp16" and not graph_carries_precision(onnx_path):
         from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
@@ -40,16 +113,14 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
         model = convert_float_to_float16(model, keep_io_types=True,
                                          op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
                                          node_block_list=[k for k in keep if k not in ops])
-        notes["fp16_conversion"] = "onnxruntime.transformers.float16 after fusion, io kept fp32"
-    src = out / "source.onnx"
+        note = "onnxruntime.transformers.float16 after fusion, io kept fp32"
+    src = dst.with_suffix(".source.onnx")
     onnx.save(model, str(src))
-    cuda_here = "CUDAExecutionProvider" in ort.get_available_providers()
-    # Fusions are assigned per execution provider, so fuse offline only for the EP the engine will run on.
-    offline = "extended" if device == "cpu" or cuda_here else "basic"
+    offline = _offline_level(device, cuda_here)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
                                      "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}[offline]
-    opts.optimized_model_filepath = str(out / "engine.onnx")
+    opts.optimized_model_filepath = str(dst)
     opts.log_severity_level = 3
     providers = provider_list(device, cfg, has_conv(model), precision) if device == "cuda" and cuda_here \
         else ["CPUExecutionProvider"]
@@ -58,24 +129,24 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     except Exception as exc:
         raise BuildError(f"ONNX Runtime cannot optimize the model: {str(exc).splitlines()[0][:300]}",
                          hint="an op or type may be unsupported by ONNX Runtime; try another opset") from None
-    src.unlink()
-    session = {"providers": provider_list(device, cfg, has_conv(model), precision),
-               "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
-               "execution_mode": cfg.execution_mode, "offline_optimization": offline, "load_optimization": "all"}
-    import onnxruntime
-
-    return {"files": {"model": "engine.onnx"}, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
-            "versions": {"onnxruntime": onnxruntime.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
+    finally:
+        src.unlink(missing_ok=True)
+    return note
 
 
 def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> list[Any]:
     if device == "cpu":
         return ["CPUExecutionProvider"]
-    c = cfg.cuda
-    nhwc = c.prefer_nhwc == "on" or (c.prefer_nhwc == "auto" and conv and precision != "fp32")
+    c, nhwc = cfg.cuda, _nhwc(cfg, conv, precision)
     opts = {"device_id": str(c.device_id), "cudnn_conv_algo_search": c.conv_algo_search,
-            "cudnn_conv_use_max_workspace": "1", "prefer_nhwc": "1" if nhwc else "0", "use_tf32": "1" if c.tf32 else "0"}
+            "cudnn_conv_use_max_workspace": "1", "prefer_nhwc": "1" if nhwc else "0",
+            "use_tf32": "1" if c.tf32 else "0"}
     return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+
+def _nhwc(cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> bool:
+    p = cfg.cuda.prefer_nhwc
+    return p == "on" or (p == "auto" and conv and precision != "fp32")
 
 
 def has_conv(model: onnx.ModelProto) -> bool:

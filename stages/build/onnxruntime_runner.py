@@ -45,13 +45,107 @@ def providers_of(settings: dict[str, Any]) -> list[Any]:
     return [tuple(p) if isinstance(p, list) else p for p in settings.get("providers", ["CPUExecutionProvider"])]
 
 
+# Autotuning knobs -> where they land: a CUDA provider option (with its value encoder), a session setting, the
+# runner's CUDA-graph switch, or the model file. Plain dicts so the autotuner and the runner share one meaning.
+CUDA_OPTION_KNOBS: dict[str, tuple[str, Any]] = {
+    "prefer_nhwc": ("prefer_nhwc", lambda v: "1" if v else "0"),
+    "conv_algo_search": ("cudnn_conv_algo_search", str),
+    "conv_max_workspace": ("cudnn_conv_use_max_workspace", lambda v: "1" if v else "0"),
+}
+SESSION_KNOBS = {"intra_op_threads", "inter_op_threads", "execution_mode", "load_optimization"}
+OTHER_KNOBS = {"cuda_graph", "transformer_fusion"}
+KNOBS = set(CUDA_OPTION_KNOBS) | SESSION_KNOBS | OTHER_KNOBS
+
+
+def plan_for(meta: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
+    """How to open the engine with these knob values: ``{model, settings, providers, cuda_graph}``."""
+    settings = {**meta.get("session", {}), **{k: v for k, v in knobs.items() if k in SESSION_KNOBS}}
+    providers = providers_of(settings)
+    if providers and isinstance(providers[0], tuple):
+        name, opts = providers[0]
+        opts = {**opts, **{CUDA_OPTION_KNOBS[k][0]: CUDA_OPTION_KNOBS[k][1](v)
+                           for k, v in knobs.items() if k in CUDA_OPTION_KNOBS}}
+        providers = [(name, opts)] + providers[1:]
+    files = meta["files"]
+    model = files.get("model_unfused", files["model"]) if knobs.get("transformer_fusion") is False else files["model"]
+    return {"model": model, "settings": settings, "providers": providers,
+            "cuda_graph": bool(knobs.get("cuda_graph", meta.get("cuda_graph", False)))}
+
+
+def chosen_knobs(meta: dict[str, Any], batch: int | None) -> dict[str, Any]:
+    """The autotuned knobs for this batch size: its own choice, else the next larger tuned batch (kernels picked
+    for more work degrade least), else the largest; ``{}`` (the built settings) when nothing was tuned."""
+    tuned = meta.get("autotune") or {}
+    by_batch = {int(b): c["knobs"] for b, c in (tuned.get("choice_by_batch") or {}).items()}
+    if batch is None or not by_batch:
+        return dict(tuned.get("choice", {}).get("knobs", {}))
+    bigger = [b for b in sorted(by_batch) if b >= batch]
+    return dict(by_batch[bigger[0] if bigger else max(by_batch)])
+
+
+def open_session(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], graph: bool = False) -> Any:
+    providers = plan["providers"]
+    if graph:
+        name, opts = providers[0]
+        providers = [(name, {**opts, "enable_cuda_graph": "1"})] + providers[1:]
+    return ort.InferenceSession(model.SerializeToString(), session_options(plan["settings"]), providers=providers)
+
+
+def cuda_slot(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], feed: dict[str, np.ndarray],
+              out_like: dict[str, np.ndarray], device_id: int, engine: str = "") -> dict[str, Any]:
+    """A session for these fixed input shapes with IO binding, ready to run: static device buffers and a CUDA graph
+    when ``plan`` asks for one (falling back to plain IO binding with a warning if ORT cannot capture)."""
+    ov = ort.OrtValue
+    shapes = {n: feed[n].shape for n in feed}
+    fixed = pin_shapes(model, shapes)  # fixed shapes: ORT folds the shape arithmetic, every node can sit on the GPU
+    static = plan["cuda_graph"]
+    if static:
+        try:
+            session = open_session(ort, fixed, plan, graph=True)
+        except Exception as exc:
+            log.warning("engine %s: no CUDA graph for shapes %s (%s); using IO binding without it", engine, shapes,
+                        str(exc).splitlines()[0][:200])
+            static = False
+    if not static:
+        session = open_session(ort, fixed, plan)
+    binding = session.io_binding()
+    slot = {"session": session, "binding": binding, "static": static, "inputs": list(feed), "device_id": device_id}
+    if static:
+        bufs = {n: ov.ortvalue_from_numpy(np.ascontiguousarray(a), "cuda", device_id) for n, a in feed.items()}
+        bufs |= {n: ov.ortvalue_from_shape_and_type(o.shape, o.dtype, "cuda", device_id) for n, o in out_like.items()}
+        for n in feed:
+            binding.bind_ortvalue_input(n, bufs[n])
+        for n in out_like:
+            binding.bind_ortvalue_output(n, bufs[n])
+        slot["bufs"] = bufs
+    slot["outputs"] = list(out_like)
+    return slot
+
+
+def load_slot(ort: Any, slot: dict[str, Any], feed: dict[str, np.ndarray]) -> None:
+    """Put the inputs on the device: in place for graphs (addresses are baked in), fresh buffers otherwise."""
+    if slot["static"]:
+        for n in slot["inputs"]:
+            slot["bufs"][n].update_inplace(np.ascontiguousarray(feed[n]))
+        return
+    binding, dev = slot["binding"], slot["device_id"]
+    binding.clear_binding_inputs()
+    binding.clear_binding_outputs()
+    for n in slot["inputs"]:
+        binding.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feed[n]), "cuda", dev))
+    for n in slot["outputs"]:
+        binding.bind_output(n, "cuda", dev)
+
+
 class OrtCpuRunner(Runner):
+    """One session with the autotuned (or built) settings: CPU sessions take any shape, so one choice serves all."""
+
     def _activate(self) -> None:
         import onnxruntime as ort
 
-        settings = self.meta.get("session", {})
-        self.session = ort.InferenceSession(str(self.engine_dir / self.meta["files"]["model"]),
-                                            session_options(settings), providers=providers_of(settings))
+        plan = plan_for(self.meta, chosen_knobs(self.meta, None))
+        self.session = ort.InferenceSession(str(self.engine_dir / plan["model"]), session_options(plan["settings"]),
+                                            providers=plan["providers"])
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -62,74 +156,38 @@ class OrtCpuRunner(Runner):
 
 
 class OrtCudaRunner(Runner):
-    """IO binding on device buffers; CUDA graph replay per input-shape set when the engine enables it."""
+    """IO binding on device buffers; per input-shape set a fixed-shape session with the settings autotuned for that
+    batch (``kiln-engine.json`` ``autotune``), replaying a CUDA graph when the choice uses one."""
 
     def _activate(self) -> None:
         import onnxruntime as ort
 
-        self.ort, self.settings = ort, self.meta.get("session", {})
-        self.model = onnx.load(str(self.engine_dir / self.meta["files"]["model"]))
-        self.session = self._session(self.model, graph=False)
-        first = providers_of(self.settings)[0]
+        self.ort, self.models = ort, {}
+        base = plan_for(self.meta, {})
+        self.session = open_session(ort, self._model(base["model"]), base)  # any shape: gives output shapes
+        first = base["providers"][0]
         self.device_id = int(first[1].get("device_id", 0)) if isinstance(first, tuple) else 0
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.slots: dict[tuple, dict[str, Any]] = {}
 
-    def _session(self, model: onnx.ModelProto, graph: bool) -> Any:
-        providers = providers_of(self.settings)
-        if graph:
-            name, opts = providers[0]
-            providers = [(name, {**opts, "enable_cuda_graph": "1"})] + providers[1:]
-        return self.ort.InferenceSession(model.SerializeToString(), session_options(self.settings), providers=providers)
+    def _model(self, file: str) -> onnx.ModelProto:
+        if file not in self.models:
+            self.models[file] = onnx.load(str(self.engine_dir / file))
+        return self.models[file]
 
     def _slot(self, feed: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Device buffers for this shape set: static (graph) or per-call (no graph)."""
         key = tuple((n, feed[n].shape, feed[n].dtype.str) for n in self.input_names)
         if key not in self.slots:
-            self.slots[key] = self._graph_slot(feed) if self.meta.get("cuda_graph") else self._plain_slot()
+            feed = {n: feed[n] for n in self.input_names}
+            plan = plan_for(self.meta, chosen_knobs(self.meta, int(feed[self.input_names[0]].shape[0])))
+            outs = dict(zip(self.output_names, self.session.run(None, feed)))
+            self.slots[key] = cuda_slot(self.ort, self._model(plan["model"]), plan, feed, outs, self.device_id,
+                                        self.name)
         return self.slots[key]
-
-    def _plain_slot(self) -> dict[str, Any]:
-        return {"session": self.session, "binding": self.session.io_binding(), "static": False}
-
-    def _graph_slot(self, feed: dict[str, np.ndarray]) -> dict[str, Any]:
-        ov = self.ort.OrtValue
-        outs = self.session.run(None, feed)  # output shapes and dtypes for the static buffers
-        fixed = pin_shapes(self.model, {n: feed[n].shape for n in self.input_names})
-        try:
-            session = self._session(fixed, graph=True)
-        except Exception as exc:
-            log.warning("engine %s: no CUDA graph for shapes %s (%s); using IO binding without it", self.name,
-                        {n: feed[n].shape for n in self.input_names}, str(exc).splitlines()[0][:200])
-            return self._plain_slot()
-        binding = session.io_binding()
-        bufs = {n: ov.ortvalue_from_numpy(np.ascontiguousarray(feed[n]), "cuda", self.device_id) for n in self.input_names}
-        bufs |= {n: ov.ortvalue_from_shape_and_type(o.shape, o.dtype, "cuda", self.device_id)
-                 for n, o in zip(self.output_names, outs)}
-        for n in self.input_names:
-            binding.bind_ortvalue_input(n, bufs[n])
-        for n in self.output_names:
-            binding.bind_ortvalue_output(n, bufs[n])
-        return {"session": session, "binding": binding, "bufs": bufs, "static": True}
-
-    def _load(self, slot: dict[str, Any], feed: dict[str, np.ndarray]) -> None:
-        """Put the inputs on the device: in place for graphs (addresses are baked in), fresh buffers otherwise."""
-        if slot["static"]:
-            for n in self.input_names:
-                slot["bufs"][n].update_inplace(np.ascontiguousarray(feed[n]))
-            return
-        binding = slot["binding"]
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        for n in self.input_names:
-            binding.bind_ortvalue_input(n, self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(feed[n]),
-                                                                                 "cuda", self.device_id))
-        for n in self.output_names:
-            binding.bind_output(n, "cuda", self.device_id)
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         slot = self._slot(feed)
-        self._load(slot, feed)
+        load_slot(self.ort, slot, feed)
         slot["session"].run_with_iobinding(slot["binding"])
         return dict(zip(self.output_names, slot["binding"].copy_outputs_to_cpu()))
 
@@ -137,7 +195,7 @@ class OrtCudaRunner(Runner):
         """``(call, graph)``: ``call()`` runs once on device-resident copies of ``feed`` and returns the first
         output as an ``OrtValue`` on the GPU; ``graph`` says whether it replays a CUDA graph. For benchmarks."""
         slot = self._slot(feed)
-        self._load(slot, feed)
+        load_slot(self.ort, slot, feed)
         binding = slot["binding"]
 
         def call() -> Any:
@@ -154,14 +212,17 @@ class OrtCudaRunner(Runner):
         call, _ = self.prepared(feed)
         for _ in range(max(warmup, 3)):  # ORT captures the CUDA graph during its first runs
             call()
-        return _time(call, iterations)
+        return time_calls(call, iterations)
 
     def _deactivate(self) -> None:
         self.slots.clear()
+        self.models.clear()
         del self.session
 
 
-def _time(fn: Any, iterations: int) -> list[float]:
+def time_calls(fn: Any, iterations: int) -> list[float]:
+    """ms per call: CUDA events when torch sees a GPU (``fn`` synchronizes, so they bracket its work), else wall
+    clock (CPU sessions and ``run_with_iobinding`` return only when the work is done)."""
     try:
         import torch
 

@@ -47,7 +47,7 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
     t0 = time.perf_counter()
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         if backend == "onnxruntime":
-            built = build_ort_engine(onnx_path, out, device, precision, cfg.onnxruntime, keep_fp32)
+            built = build_ort_engine(onnx_path, out, device, precision, cfg.onnxruntime, keep_fp32, max_batch)
         else:
             built = build_trt_engine(onnx_path, out, precision, cfg.tensorrt, profiles, Path(cache_dir))
         meta: dict[str, Any] = {

@@ -1,0 +1,239 @@
+"""Build-time autotuning of ONNX Runtime engines, like TensorRT's tactic selection: on the target machine, time a
+small set of candidate session settings per optimization batch size and keep the fastest one whose outputs still
+agree with the FP32 reference. Every trial and the choice go into ``kiln-engine.json`` (``autotune``); the runner
+opens each shape with the choice recorded for its batch (``onnxruntime_runner.chosen_knobs``).
+
+A candidate is a dict of knob values (``onnxruntime_runner.KNOBS``: cuDNN search, NHWC, workspace, CUDA graph,
+transformer fusion, CPU threads...). ONNX Runtime has no autotuner of its own across these session-level settings
+(cuDNN's EXHAUSTIVE search only picks kernels inside one setting), hence this module.
+
+Search: ``greedy`` starts from the configured settings and varies one knob at a time, keeping the best so far
+(ORT's knobs interact little, and this keeps the candidate count at 1 + sum(values - 1)); ``grid`` tries every
+combination. A time budget bounds the whole search; what it cut is recorded.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+
+from pipeline.errors import ConfigError
+from stages.build.config import OrtAutotuneConfig
+from stages.build.onnxruntime_runner import (KNOBS, cuda_slot, load_slot, open_session, plan_for, session_options,
+                                             time_calls)
+
+log = logging.getLogger("kiln.build")
+Measure = Callable[[dict[str, Any]], dict[str, Any]]
+Timer = Callable[[Callable[[], Any], int], list[float]]
+
+
+# ----------------------------------------------------------------------------------------------- search / choice
+def better(trial: dict[str, Any], best: dict[str, Any] | None) -> bool:
+    """Agreeing beats not agreeing; among equals, the lower median wins."""
+    if trial.get("median_ms") is None:
+        return False
+    if best is None or best.get("median_ms") is None:
+        return True
+    if trial["agrees"] != best["agrees"]:
+        return trial["agrees"]
+    return trial["median_ms"] < best["median_ms"]
+
+
+def search(knobs: dict[str, list[Any]], base: dict[str, Any], measure: Measure, strategy: str = "greedy",
+           deadline: float = float("inf")) -> tuple[list[dict[str, Any]], list[str]]:
+    """Trials (``measure(candidate)`` each, base first) and notes on what the deadline cut."""
+    trials: list[dict[str, Any]] = [measure(dict(base))]
+    best, notes = trials[0], []
+    for cand in _candidates(knobs, base, strategy, lambda: best["knobs"]):
+        if any(t["knobs"] == cand for t in trials):
+            continue
+        if time.monotonic() > deadline:
+            notes.append(f"time budget spent after {len(trials)} candidates")
+            break
+        trials.append(measure(cand))
+        if better(trials[-1], best):
+            best = trials[-1]
+    return trials, notes
+
+
+def _candidates(knobs: dict[str, list[Any]], base: dict[str, Any], strategy: str,
+                best: Callable[[], dict[str, Any]]) -> Any:
+    if strategy == "grid":
+        for combo in itertools.product(*knobs.values()):
+            yield {**base, **dict(zip(knobs, combo))}
+        return
+    for knob, values in knobs.items():
+        for value in values:
+            yield {**best(), knob: value}  # the best so far, this knob changed
+
+
+def pick(trials: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest trial that agrees with the reference, or None."""
+    ok = [t for t in trials if t["agrees"] and t.get("median_ms") is not None]
+    return min(ok, key=lambda t: t["median_ms"]) if ok else None
+
+
+# ------------------------------------------------------------------------------------------------- agreement
+def agreement(ref: list[np.ndarray], got: list[np.ndarray], rel_tie: float = 1e-3) -> dict[str, float]:
+    """Worst cosine over the outputs, and top-1 agreement on the first one (last axis). A top-1 mismatch where the
+    reference's two logits are within ``rel_tie`` of its largest magnitude is a tie, not a disagreement: random
+    weights give near-ties that FP16 legitimately flips."""
+    cos = []
+    for r, g in zip(ref, got):
+        r64, g64 = r.astype(np.float64).ravel(), np.asarray(g, dtype=np.float64).ravel()
+        denom = np.linalg.norm(r64) * np.linalg.norm(g64)
+        cos.append(1.0 if denom == 0 and not r64.any() and not g64.any() else float(r64 @ g64 / max(denom, 1e-30)))
+    r, g = ref[0].astype(np.float64), np.asarray(got[0], dtype=np.float64)
+    r2, g2 = r.reshape(-1, r.shape[-1]), g.reshape(-1, r.shape[-1])
+    ri, gi = r2.argmax(-1), g2.argmax(-1)
+    rows = np.arange(len(r2))
+    tie = np.abs(r2[rows, ri] - r2[rows, gi]) <= rel_tie * max(float(np.abs(r2).max()), 1e-30)
+    return {"cosine": min(cos), "top1": float(np.mean((ri == gi) | tie))}
+
+
+def random_feed(inputs: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs of the engine's declared shapes with the batch axis set; ids in [0, 2) so any embedding accepts them."""
+    rng = np.random.default_rng(seed)
+    feed = {}
+    for spec in inputs:
+        rest = spec["shape"][1:]
+        if any(not isinstance(d, int) or d < 1 for d in rest):
+            raise ConfigError(f"input '{spec['name']}' has dynamic axes {spec['shape']} besides the batch axis",
+                              hint="autotuning times fixed shapes: export with only the batch axis dynamic, or set"
+                                   " build.onnxruntime.autotune.cuda/cpu: false")
+        shape, dtype = (batch, *rest), np.dtype(spec["dtype"])
+        values = rng.integers(0, 2, shape) if dtype.kind in "iu" else rng.standard_normal(shape)
+        feed[spec["name"]] = values.astype(dtype)
+    return feed
+
+
+# --------------------------------------------------------------------------------------------------- measuring
+class Bench:
+    """Times candidates of one built engine on this machine. ``timer`` is injectable (tests); by default CUDA
+    events / wall clock around a synchronizing call (``time_calls``)."""
+
+    def __init__(self, engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAutotuneConfig,
+                 timer: Timer = time_calls) -> None:
+        import onnxruntime as ort
+
+        self.ort, self.dir, self.meta, self.cfg, self.timer = ort, Path(engine_dir), meta, cfg, timer
+        self.cuda = meta["device"] == "cuda"
+        self.models: dict[str, onnx.ModelProto] = {}
+        # The FP32 reference runs on the CPU EP: independent of every knob tried here.
+        self.ref = ort.InferenceSession(str(reference), session_options({}), providers=["CPUExecutionProvider"])
+        self.feeds: dict[int, dict[str, np.ndarray]] = {}
+        self.refs: dict[int, list[np.ndarray]] = {}
+
+    def feed(self, batch: int) -> dict[str, np.ndarray]:
+        if batch not in self.feeds:
+            self.feeds[batch] = random_feed(self.meta["inputs"], batch)
+            self.refs[batch] = self.ref.run(None, self.feeds[batch])
+        return self.feeds[batch]
+
+    def measure(self, knobs: dict[str, Any], batch: int) -> dict[str, Any]:
+        trial: dict[str, Any] = {"knobs": knobs, "batch": batch, "agrees": False, "median_ms": None}
+        t0 = time.perf_counter()
+        try:
+            call, fetch = self._prepare(plan_for(self.meta, knobs), batch)
+            for _ in range(self.cfg.warmup):  # cuDNN search, CUDA-graph capture, arena growth
+                call()
+            times = self.timer(call, self.cfg.iterations)
+            quality = agreement(self.refs[batch], fetch())
+        except Exception as exc:  # a candidate ORT rejects here (e.g. a knob this build lacks) is recorded, not fatal
+            trial["error"] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            log.info("autotune batch %d %s: failed (%s)", batch, knobs, trial["error"])
+            return trial
+        trial |= {"median_ms": round(float(np.median(times)), 4), "p90_ms": round(float(np.percentile(times, 90)), 4),
+                  "runs": len(times), **{k: round(v, 6) for k, v in quality.items()},
+                  "seconds": round(time.perf_counter() - t0, 2)}
+        trial["agrees"] = trial["cosine"] >= self.cfg.min_cosine and trial["top1"] >= self.cfg.min_top1
+        log.info("autotune batch %d %s: %.3f ms, cos %.6f%s", batch, knobs, trial["median_ms"], trial["cosine"],
+                 "" if trial["agrees"] else " (disagrees)")
+        return trial
+
+    def _model(self, file: str) -> onnx.ModelProto:
+        if file not in self.models:
+            self.models[file] = onnx.load(str(self.dir / file))
+        return self.models[file]
+
+    def _prepare(self, plan: dict[str, Any], batch: int) -> tuple[Callable[[], Any], Callable]:
+        """``call`` runs once the way the runner would; ``fetch`` returns the last outputs as host arrays."""
+        model, feed = self._model(plan["model"]), self.feed(batch)
+        if not self.cuda:
+            session = open_session(self.ort, model, plan)
+            last: list[Any] = []
+
+            def run_cpu() -> None:
+                last[:] = session.run(None, feed)
+            return run_cpu, lambda: last
+        # Static output buffers: the reference's shapes, the engine graph's declared dtypes.
+        to_np = onnx.helper.tensor_dtype_to_np_dtype
+        dtypes = {o.name: to_np(o.type.tensor_type.elem_type) for o in model.graph.output}
+        outs = {o.name: np.empty(r.shape, dtypes[o.name]) for o, r in zip(self.ref.get_outputs(), self.refs[batch])}
+        first = plan["providers"][0]
+        slot = cuda_slot(self.ort, model, plan, feed, outs, int(first[1].get("device_id", 0)), self.meta["name"])
+        load_slot(self.ort, slot, feed)
+        return (lambda: slot["session"].run_with_iobinding(slot["binding"])), slot["binding"].copy_outputs_to_cpu
+
+
+# ------------------------------------------------------------------------------------------------- entry point
+def relevant_knobs(knobs: dict[str, list[Any]], conv: bool, fused: bool) -> dict[str, list[Any]]:
+    """Drop knobs that cannot change anything for this model (and empty value lists); unknown names are errors."""
+    unknown = sorted(set(knobs) - KNOBS)
+    if unknown:
+        raise ConfigError(f"build.onnxruntime.autotune: unknown knobs {unknown}", hint=f"use some of {sorted(KNOBS)}")
+    moot = set() if conv else {"prefer_nhwc", "conv_algo_search", "conv_max_workspace"}
+    moot |= set() if fused else {"transformer_fusion"}
+    return {k: list(v) for k, v in knobs.items() if k not in moot and v}
+
+
+def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAutotuneConfig, base: dict[str, Any],
+             knobs: dict[str, list[Any]], batches: list[int], per_batch: bool,
+             timer: Timer = time_calls) -> dict[str, Any]:
+    """Search ``knobs`` from ``base`` and return the sidecar's ``autotune`` record.
+
+    ``per_batch``: one search and one choice per batch size (CUDA: the runner keeps a session per shape); else one
+    search whose objective is the sum of the batches' medians, and one choice (CPU: one session for all shapes).
+    """
+    bench = Bench(engine_dir, meta, reference, cfg, timer)
+    t0, notes = time.monotonic(), []
+    record: dict[str, Any] = {"strategy": cfg.strategy, "base": base, "knobs": knobs, "batches": batches,
+                              "iterations": cfg.iterations, "warmup": cfg.warmup,
+                              "criteria": {"min_cosine": cfg.min_cosine, "min_top1": cfg.min_top1}}
+    if per_batch:
+        trials, choices = [], {}
+        for i, b in enumerate(batches):  # an even share of what is left of the budget per batch size
+            deadline = time.monotonic() + (cfg.time_budget_s - (time.monotonic() - t0)) / (len(batches) - i)
+            got, cut = search(knobs, base, lambda k: bench.measure(k, b), cfg.strategy, deadline)
+            trials += got
+            notes += [f"batch {b}: {n}" for n in cut]
+            choices[str(b)] = _choice(got, base, notes, f"batch {b}")
+        record |= {"trials": trials, "choice_by_batch": choices, "choice": choices[str(max(batches))]}
+    else:
+        def total(k: dict[str, Any]) -> dict[str, Any]:
+            parts = [bench.measure(k, b) for b in batches]
+            ok = all(p["median_ms"] is not None for p in parts)
+            return {"knobs": k, "by_batch": [{x: v for x, v in p.items() if x != "knobs"} for p in parts],
+                    "agrees": all(p["agrees"] for p in parts),
+                    "median_ms": round(sum(p["median_ms"] for p in parts), 4) if ok else None}
+        trials, cut = search(knobs, base, total, cfg.strategy, t0 + cfg.time_budget_s)
+        notes += cut
+        record |= {"trials": trials, "choice": _choice(trials, base, notes, "all batches")}
+    record |= {"notes": notes, "seconds": round(time.monotonic() - t0, 2)}
+    return record
+
+
+def _choice(trials: list[dict[str, Any]], base: dict[str, Any], notes: list[str], what: str) -> dict[str, Any]:
+    best = pick(trials)
+    if best is None:
+        notes.append(f"{what}: no candidate agreed with the reference; keeping the configured settings")
+        log.warning("autotune %s: no candidate agreed with the FP32 reference; keeping the configured settings", what)
+        return {"knobs": dict(base), "median_ms": None, "reason": "no candidate agreed"}
+    base_ms = next((t["median_ms"] for t in trials if t["knobs"] == base and t["median_ms"] is not None), None)
+    return {"knobs": best["knobs"], "median_ms": best["median_ms"], "base_ms": base_ms,
+            "speedup_vs_base": round(base_ms / best["median_ms"], 3) if base_ms and best["median_ms"] else None}
