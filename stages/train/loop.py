@@ -6,6 +6,10 @@ is split into ``grad_accum_steps`` micro-batches whose losses are weighted by th
 so accumulation gives the same update as one big batch, the short last batch included. Under DDP,
 gradients are all-reduced only on the last micro-step (``no_sync`` on the others): syncing on every
 micro-step would move the same bytes K times for the same result.
+
+Nothing in a step waits for the GPU: non-finite steps are skipped on the device, and the loss and
+gradient norm reach the host one step late (:mod:`stages.train.health`). The loop drains them before
+a checkpoint or the epoch metrics, so a checkpoint is only written once every step before it is known.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from stages.train import checkpoint as ckpt
 from stages.train.config import TrainConfig
 from stages.train.data import local_batch_size, make_loader, micro_batches
 from stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
+from stages.train.health import LaggedStats, StepStats, skip_if_nonfinite, skips_on_device
 from stages.train.metrics import EpochMetrics, TrainResult, peak_memory_mb, reset_peak_memory
 from stages.train.optim import make_optimizer, make_schedule
 from stages.train.precision import autocast, fp32_norms, make_scaler, resolve_device, resolve_precision, update_scaler
@@ -110,6 +115,10 @@ class _Trainer:
         self.opt = make_optimizer(model, cfg, device)
         self.sched = make_schedule(self.opt, cfg, self.steps_per_epoch * cfg.epochs)
         self.scaler = make_scaler(cfg.amp, device, precision)
+        # The update skips non-finite steps on the device (GradScaler for fp16, found_inf for fused
+        # optimizers), so the host may look at a step's values late. Otherwise it decides at once.
+        self.device_skip = self.scaler.is_enabled() or skips_on_device(self.opt)
+        self.stats = LaggedStats(device, lag=1 if self.device_skip else 0)
         self.loss_fn = nn.CrossEntropyLoss()
         self.result = TrainResult(precision=precision, device=str(device), world_size=env.world_size,
                                   checkpoint_dir=str(ckpt_dir) if ckpt_dir else None)
@@ -157,7 +166,9 @@ class _Trainer:
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self, progress: Progress, prof: Any) -> None:
-        with progress.task("training", total=self.cfg.epochs) as bar:
+        with warnings.catch_warnings(), progress.task("training", total=self.cfg.epochs) as bar:
+            # The schedule counts batches, stepped or skipped; torch warns when the very first step is skipped.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
             bar.advance(self.epoch)
             while self.epoch < self.cfg.epochs:
                 m = self._epoch(prof)
@@ -178,12 +189,14 @@ class _Trainer:
             self._step(xb, yb)
             prof.step()
             if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:
+                self._drain()  # the checkpoint waits until every step before it is known good
                 self._sync()
                 self.acc["secs"] += time.perf_counter() - t0
                 self._save()
                 t0 = time.perf_counter()
             if self.on_step is not None:
                 self.on_step(self.result.global_step)
+        self._drain()
         self._sync()
         self.acc["secs"] += time.perf_counter() - t0
         m = self._epoch_metrics()
@@ -196,7 +209,7 @@ class _Trainer:
 
     def _step(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
         chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
-        total = torch.zeros((), device=self.device)
+        total: torch.Tensor | None = None
         for i, (cx, cy) in enumerate(chunks):
             last = i == len(chunks) - 1
             sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
@@ -207,50 +220,61 @@ class _Trainer:
                     logits = self.ddp(cx)
                 # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
                 # to the mean over the whole batch, also when the last micro-batch is smaller.
-                loss = self.loss_fn(logits.float(), cy) * (len(cx) / len(xb))
+                loss = self.loss_fn(logits.float(), cy)
+                if len(cx) != len(xb):  # one micro-batch: weight 1, no extra kernels
+                    loss = loss * (len(cx) / len(xb))
                 self.scaler.scale(loss).backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
         self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
         norm = grad_norm(self.params, self.cfg.grad_clip)
-        loss_v, norm_v = torch.stack([total, norm.to(total.device).float()]).tolist()  # the one sync per step
-        finite_loss = math.isfinite(loss_v)
+        self.result.global_step += 1
+        self.stats.push(self.result.global_step, self.epoch, len(xb), total, norm)
+        done: list[tuple[StepStats, float, float]] = []
         if self.scaler.is_enabled():
             self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
             update_scaler(self.scaler, self.cfg.amp)
-        elif finite_loss and math.isfinite(norm_v):
-            self.opt.step()
+        elif self.device_skip:
+            with skip_if_nonfinite(self.opt, total, norm):
+                self.opt.step()
+        else:  # a non-fused optimizer: the host decides (lag 0: this step's values are read now)
+            done = list(self.stats.ready())
+            if all(math.isfinite(v) for _, loss_v, norm_v in done for v in (loss_v, norm_v)):
+                self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            # The schedule counts batches, stepped or skipped; torch warns when the very first step is skipped.
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-            self.sched.step()
+        self.sched.step()
         self.step_in_epoch += 1
-        self.result.global_step += 1
-        self._account(loss_v, norm_v, len(xb))
+        self.acc["samples"] += len(xb)
+        # With device-side skipping these are the previous step's values; this step's work is queued
+        # behind them, so the GPU stays busy while the host looks.
+        self._account(done if not self.device_skip else list(self.stats.ready()))
 
-    def _account(self, loss_v: float, norm_v: float, n: int) -> None:
-        """Book-keeping of one step; aborts when non-finite values persist beyond the patience."""
-        self.acc["samples"] += n
-        if math.isfinite(loss_v):
-            self.acc["loss"] += loss_v * n
-            self.acc["seen"] += n
-        if math.isfinite(norm_v) and math.isfinite(loss_v):
-            self.bad_streak = 0
-            return
-        # The norm is the same on every process (all-reduced gradients), so all take the same decision.
-        if math.isfinite(loss_v) and self.scaler.is_enabled():
-            self.acc["skipped"] += 1  # fp16 gradient overflow: the scaler skipped the step and backs off
-            log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", self.result.global_step)
-        else:
-            self.acc["nonfinite"] += 1
-            log.warning("step %d skipped: loss %s, grad norm %s", self.result.global_step, loss_v, norm_v)
-        self.bad_streak += 1
-        if self.bad_streak > self.cfg.amp.nonfinite_patience:
-            raise TrainingError(
-                f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
-                f"{self.result.global_step} (epoch {self.epoch + 1}); last good checkpoint: {self.last_good}",
-                hint="lower train.lr, use train.precision: bf16 or fp32, or raise train.amp.nonfinite_patience; "
-                     "train.checkpoint.resume: <last.pt> continues from the checkpoint")
+    def _drain(self) -> None:
+        self._account(list(self.stats.drain()))
+
+    def _account(self, stats: list[tuple[StepStats, float, float]]) -> None:
+        """Book-keeping of finished steps; aborts when non-finite values persist beyond the patience."""
+        for s, loss_v, norm_v in stats:
+            if math.isfinite(loss_v):
+                self.acc["loss"] += loss_v * s.samples
+                self.acc["seen"] += s.samples
+            if math.isfinite(norm_v) and math.isfinite(loss_v):
+                self.bad_streak = 0
+                continue
+            # The norm is the same on every process (all-reduced gradients), so all take the same decision.
+            if math.isfinite(loss_v) and self.scaler.is_enabled():
+                self.acc["skipped"] += 1  # fp16 gradient overflow: the scaler skipped the step and backs off
+                log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", s.step)
+            else:
+                self.acc["nonfinite"] += 1
+                log.warning("step %d skipped: loss %s, grad norm %s", s.step, loss_v, norm_v)
+            self.bad_streak += 1
+            if self.bad_streak > self.cfg.amp.nonfinite_patience:
+                raise TrainingError(
+                    f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
+                    f"{s.step} (epoch {s.epoch + 1}); last good checkpoint: {self.last_good}",
+                    hint="lower train.lr, use train.precision: bf16 or fp32, or raise train.amp.nonfinite_patience; "
+                         "train.checkpoint.resume: <last.pt> continues from the checkpoint")
 
     def _epoch_metrics(self) -> EpochMetrics:
         a, cfg = self.acc, self.cfg

@@ -1,0 +1,81 @@
+"""Per-step loss and gradient norm, read back to the host one step late so the CPU never waits on the GPU.
+
+Reading a CUDA value with ``.item()``/``.tolist()`` right after a step blocks the CPU until the GPU has
+finished that step. The GPU then sits idle while Python queues the next step's first kernels. Here each
+step's ``[loss, grad_norm]`` goes into pinned host memory with a non-blocking copy and a CUDA event. The
+loop looks at step t's values only after it has queued step t+1 (``lag=1``), by which time they have
+almost always arrived. Waiting on the event then costs nothing, and the GPU still has step t+1 queued.
+
+The update itself never depends on the host: a non-finite step is skipped on the device (GradScaler for
+fp16, :func:`skip_if_nonfinite` for fused optimizers). So the lag only delays book-keeping: skip counting,
+the loss sum and the abort. The loop drains everything (:meth:`LaggedStats.drain`) before anything that
+must know every step is good, i.e. checkpoints and epoch metrics.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class StepStats:
+    step: int  # global step, 1-based, as in log messages
+    epoch: int  # 0-based
+    samples: int
+    values: torch.Tensor  # [loss, grad_norm], on the host once ``event`` has completed
+    event: torch.cuda.Event | None
+
+
+class LaggedStats:
+    """A queue of per-step stats; ``ready()`` yields the ones at least ``lag`` steps old, as floats."""
+
+    def __init__(self, device: torch.device, lag: int) -> None:
+        self.device, self.lag = device, lag
+        self.queue: deque[StepStats] = deque()
+
+    def push(self, step: int, epoch: int, samples: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        values = torch.stack([loss.float(), norm.float()])
+        event = None
+        if values.is_cuda:
+            values = values.to("cpu", non_blocking=True)  # D2H non_blocking lands in pinned memory
+            event = torch.cuda.Event()
+            event.record()
+        self.queue.append(StepStats(step, epoch, samples, values, event))
+
+    def ready(self) -> Iterator[tuple[StepStats, float, float]]:
+        while len(self.queue) > self.lag:
+            yield self._pop()
+
+    def drain(self) -> Iterator[tuple[StepStats, float, float]]:
+        while self.queue:
+            yield self._pop()
+
+    def _pop(self) -> tuple[StepStats, float, float]:
+        s = self.queue.popleft()
+        if s.event is not None:
+            s.event.synchronize()  # waits for this step only, not for the steps queued after it
+        loss_v, norm_v = s.values.tolist()
+        return s, loss_v, norm_v
+
+
+def skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Fused AdamW/SGD take a ``found_inf`` tensor and skip the update in the kernel (the mechanism
+    GradScaler uses), so the decision needs no host round trip."""
+    return bool(opt.param_groups) and all(g.get("fused") for g in opt.param_groups)
+
+
+@contextmanager
+def skip_if_nonfinite(opt: torch.optim.Optimizer, loss: torch.Tensor, norm: torch.Tensor) -> Iterator[None]:
+    """Within the block, ``opt.step()`` leaves weights, moments and step counts untouched when the loss
+    or the gradient norm is not finite. The same optimizer attributes ``torch.amp.GradScaler.step``
+    sets for fused optimizers (``grad_scale``, ``found_inf``); grad_scale None: nothing to unscale."""
+    found_inf = (~torch.isfinite(loss) | ~torch.isfinite(norm)).float()
+    opt.grad_scale, opt.found_inf = None, found_inf  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del opt.grad_scale, opt.found_inf  # type: ignore[attr-defined]
