@@ -28,6 +28,9 @@ class CalibrationConfig(Section):
     activation_type: Literal["int8", "uint8"] = Field(
         "int8", description="int8 (symmetric): what TensorRT executes; uint8: ONNX Runtime's faster x86 CPU kernels")
     symmetric_activations: bool = Field(True, description="zero-point 0 for activations (what TensorRT requires)")
+    ort_cpu_uint8: bool = Field(
+        True, description="also write an INT8 graph with asymmetric uint8 activations for ONNX Runtime CPU engines "
+                          "(its fastest x86 kernels); TensorRT engines keep the symmetric int8 graph")
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
         description="op types to quantize; norms, Softmax and element-wise math stay float by default")

@@ -99,7 +99,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     skipped: list[str] = []
     for precision, variant in variants.items():
         for backend, device in _jobs(cfg, skipped, precision):
-            src, keep = root / variant["path"], variant.get("kept_fp32")
+            # A variant may carry a graph tuned for one backend (e.g. uint8 activations for ORT on CPU).
+            src = root / variant.get("backend_paths", {}).get(f"{backend}-{device}", variant["path"])
+            keep = variant.get("kept_fp32")
             if (backend, precision) == ("onnxruntime", "fp16") and cfg.onnxruntime.fp16_source == "fp32_graph" \
                     and "fp32" in variants:
                 src = root / variants["fp32"]["path"]  # ORT fuses first, then converts (see fp16_source)

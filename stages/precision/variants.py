@@ -89,6 +89,13 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
     entry = _entry(out, base | res.kept, res, {"calibration": {
         "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
         "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes")}})
+    if ccfg.ort_cpu_uint8 and ccfg.activation_type == "int8":
+        # Same data and float-kept nodes; the activation encoding differs (see CalibrationConfig), and so do the
+        # cached ranges (they hold scales computed for one encoding), hence a calibration of its own.
+        ort_cfg = ccfg.model_copy(update={"activation_type": "uint8", "symmetric_activations": False})
+        ort_out = out.with_name("model.ort_cpu.onnx")
+        quantize_int8(src.path, ort_out, src.ranges(ccfg.method, ort_cfg), ort_cfg, set(base | res.kept))
+        entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
         entry["trt_calibration_table"] = table.name
