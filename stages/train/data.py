@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
@@ -49,22 +49,44 @@ def local_batch_size(cfg: TrainConfig, env: DistEnv) -> int:
     return cfg.batch_size // env.world_size
 
 
+class DeviceBatches:
+    """Batches of a device-resident dataset, in exactly the order ``BatchSampler(sampler)`` gives.
+
+    Hand-written because indexing a CUDA tensor with a Python list (what DataLoader + TensorDataset do)
+    copies the indices from pageable memory and synchronises the stream on every batch. Here the epoch's
+    indices go to the device once, from pinned memory without blocking, and each batch is an index_select.
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, sampler: ResumableSampler, batch: int) -> None:
+        self.x, self.y, self.sampler, self.batch = x, y, sampler, batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        idx = torch.tensor(list(self.sampler), dtype=torch.long)
+        if self.x.is_cuda:
+            idx = idx.pin_memory().to(self.x.device, non_blocking=True)
+        for part in idx.split(self.batch):
+            yield self.x.index_select(0, part), self.y.index_select(0, part)
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch)
+
+
 def make_loader(x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed: int,
-                device: torch.device) -> tuple[DataLoader, ResumableSampler]:
+                device: torch.device) -> tuple[Iterable[tuple[torch.Tensor, torch.Tensor]], ResumableSampler]:
     """Batches of this process's share of each global batch, in the order fixed by ``seed`` and the epoch."""
     lc: LoaderConfig = cfg.loader
-    if lc.on_device:
-        x, y = x.to(device), y.to(device)
     if len(x) % env.world_size and env.enabled:
         log.warning("%d samples over %d processes: DistributedSampler repeats %d samples to even the shards",
                     len(x), env.world_size, env.world_size - len(x) % env.world_size)
     dataset = TensorDataset(x, y)
     sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
+    if lc.on_device:
+        return DeviceBatches(x.to(device), y.to(device), sampler, local_batch_size(cfg, env)), sampler
     # A BatchSampler as the sampler with batch_size=None: the dataset is indexed with the whole list of
     # indices at once (one gather per batch instead of one per sample plus a collate).
     batches = BatchSampler(sampler, local_batch_size(cfg, env), drop_last=False)
-    workers = 0 if lc.on_device else lc.num_workers
-    pin = (device.type == "cuda" if lc.pin_memory is None else lc.pin_memory) and not lc.on_device
+    workers = lc.num_workers
+    pin = device.type == "cuda" if lc.pin_memory is None else lc.pin_memory
     loader = DataLoader(dataset, sampler=batches, batch_size=None, num_workers=workers,
                         pin_memory=pin and torch.cuda.is_available(),
                         persistent_workers=lc.persistent_workers and workers > 0,

@@ -1,0 +1,136 @@
+"""The sync-free step: non-finite steps skipped on the device (fused optimizers), loss/norm read one step
+late, checkpoints only after every earlier step is known good, and device-resident batches in sampler order.
+
+Fused AdamW/SGD run on CPU too, so these exercise on CPU the same code path CUDA takes by default."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.errors import TrainingError
+from stages.train import checkpoint as ckpt
+from stages.train.data import DeviceBatches, make_loader
+from stages.train.dist import DistEnv
+from stages.train.health import LaggedStats, skip_if_nonfinite, skips_on_device
+from stages.train.loop import train
+from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_fused_step_is_skipped_on_device_when_not_finite(optimizer: str) -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt = cls([p], lr=0.1, fused=True)
+    assert skips_on_device(opt) and not skips_on_device(cls([p], lr=0.1))
+    for loss, norm, moves in ((float("nan"), 1.0, False), (1.0, float("inf"), False), (1.0, 1.0, True)):
+        before = p.detach().clone()
+        p.grad = torch.ones(3)
+        with skip_if_nonfinite(opt, torch.tensor(loss), torch.tensor(norm)):
+            opt.step()
+        assert (not torch.equal(p.detach(), before)) == moves
+        assert not hasattr(opt, "found_inf")  # the attributes GradScaler also uses are removed again
+    if optimizer == "adamw":
+        assert opt.state[p]["step"].item() == 1.0  # skipped steps do not advance Adam's step count
+
+
+def test_lagged_stats_release_a_step_only_after_the_next_one() -> None:
+    stats = LaggedStats(CPU, lag=1)
+    stats.push(1, 0, 8, torch.tensor(0.5), torch.tensor(2.0))
+    assert list(stats.ready()) == []
+    stats.push(2, 0, 8, torch.tensor(float("nan")), torch.tensor(3.0))
+    (s, loss, norm), = stats.ready()
+    assert (s.step, loss, norm) == (1, 0.5, 2.0)
+    (s, loss, _), = stats.drain()
+    assert s.step == 2 and loss != loss  # NaN
+
+
+def test_fused_training_equals_unfused_training() -> None:
+    """Same updates whether the step is decided on the host (lag 0) or on the device (lag 1)."""
+    data = tiny_data()
+    a, b = tiny_net(), tiny_net()
+    ra = train(a, data, train_cfg(optimizer="adamw", lr=0.01, fused=False))
+    rb = train(b, data, train_cfg(optimizer="adamw", lr=0.01, fused=True))
+    assert max_diff(a, b) < 1e-6
+    assert [round(m.loss, 5) for m in ra.history] == [round(m.loss, 5) for m in rb.history]
+
+
+@pytest.mark.parametrize("every, poison_at", [(3, 4), (2, 3)])
+def test_lagged_nan_abort_names_the_step_and_keeps_the_good_checkpoint(tmp_path: Path, every: int,
+                                                                      poison_at: int) -> None:
+    """The first NaN step is itself a checkpoint step (5: end of epoch 1; 4: every 2 steps), whose values
+    the lag has not read yet when the checkpoint is due: the checkpoint must wait for them, then be refused."""
+    model = tiny_net()
+
+    def poison(step: int) -> None:
+        if step == poison_at:  # right after a good checkpoint the weights turn NaN: every later loss is NaN
+            with torch.no_grad():
+                model.net[1].weight.fill_(float("nan"))
+
+    cfg = train_cfg(epochs=3, optimizer="adamw", fused=True, checkpoint={"every_steps": every},
+                    amp={"nonfinite_patience": 2})
+    with pytest.raises(TrainingError) as err:
+        train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=poison)
+    msg = str(err.value)
+    assert f"3 consecutive steps, at step {poison_at + 3} (epoch 2)" in msg
+    assert f"{tmp_path / ckpt.LAST} (step {every})" in msg
+    good = ckpt.load_state(tmp_path / ckpt.LAST)
+    assert good["global_step"] == every and all(torch.isfinite(v).all() for v in good["model"].values())
+
+
+def test_lagged_nan_burst_is_skipped_and_counted() -> None:
+    data, model = tiny_data(), tiny_net()
+    calls = {"n": 0}
+    orig = model.forward
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        out = orig(inp)
+        return out * float("nan") if model.training and calls["n"] == 5 else out  # the last step of epoch 1
+
+    model.forward = forward  # type: ignore[method-assign]
+    r = train(model, data, train_cfg(epochs=2, optimizer="adamw", fused=True, amp={"nonfinite_patience": 1}))
+    assert [m.nonfinite_steps for m in r.history] == [1, 0]  # drained into the epoch it belongs to
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_lagged_resume_mid_epoch_is_bit_exact(tmp_path: Path) -> None:
+    data = tiny_data(200)
+    cfg = train_cfg(epochs=3, optimizer="adamw", lr=0.01, fused=True, warmup_steps=3,
+                    checkpoint={"every_steps": 3, "resume": "auto"})
+    ref = tiny_net()
+    want = train(ref, data, cfg, ckpt_dir=tmp_path / "ref", run_key="k")
+
+    class Crash(Exception):
+        pass
+
+    def crash(step: int) -> None:
+        if step == 8:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(tiny_net(), data, cfg, ckpt_dir=tmp_path / "run", run_key="k", on_step=crash)
+    assert json.loads((tmp_path / "run" / ckpt.INFO).read_text())["global_step"] == 6
+    resumed = tiny_net(seed=99)
+    got = train(resumed, data, cfg, ckpt_dir=tmp_path / "run", run_key="k")
+    assert max_diff(ref, resumed) == 0.0
+    assert [m.loss for m in got.history] == [m.loss for m in want.history]
+
+
+def test_device_batches_follow_the_sampler_order() -> None:
+    data = tiny_data()
+    cfg, on_dev = train_cfg(batch_size=32), train_cfg(batch_size=32, loader={"on_device": True})
+    for env in (DistEnv(), DistEnv(1, 2, 1)):
+        loader, s1 = make_loader(data.train_x, data.train_y, cfg, env, seed=0, device=CPU)
+        batches, s2 = make_loader(data.train_x, data.train_y, on_dev, env, seed=0, device=CPU)
+        assert isinstance(batches, DeviceBatches)
+        for epoch, start in ((0, 0), (1, 0), (1, 32)):
+            s1.set_position(epoch, start)
+            s2.set_position(epoch, start)
+            got, want = list(batches), list(loader)
+            assert len(got) == len(want) == len(batches)
+            assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
