@@ -118,10 +118,10 @@ class Bench:
     events / wall clock around a synchronizing call (``time_calls``)."""
 
     def __init__(self, engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAutotuneConfig,
-                 timer: Timer = time_calls) -> None:
+                 timer: Timer | None = None) -> None:
         import onnxruntime as ort
 
-        self.ort, self.dir, self.meta, self.cfg, self.timer = ort, Path(engine_dir), meta, cfg, timer
+        self.ort, self.dir, self.meta, self.cfg, self.timer = ort, Path(engine_dir), meta, cfg, timer or time_calls
         self.cuda = meta["device"] == "cuda"
         self.models: dict[str, onnx.ModelProto] = {}
         # The FP32 reference runs on the CPU EP: independent of every knob tried here.
@@ -149,9 +149,9 @@ class Bench:
             log.info("autotune batch %d %s: failed (%s)", batch, knobs, trial["error"])
             return trial
         trial |= {"median_ms": round(float(np.median(times)), 4), "p90_ms": round(float(np.percentile(times, 90)), 4),
-                  "runs": len(times), **{k: round(v, 6) for k, v in quality.items()},
+                  "runs": len(times), **{k: round(v, 8) for k, v in quality.items()},
+                  "agrees": quality["cosine"] >= self.cfg.min_cosine and quality["top1"] >= self.cfg.min_top1,
                   "seconds": round(time.perf_counter() - t0, 2)}
-        trial["agrees"] = trial["cosine"] >= self.cfg.min_cosine and trial["top1"] >= self.cfg.min_top1
         log.info("autotune batch %d %s: %.3f ms, cos %.6f%s", batch, knobs, trial["median_ms"], trial["cosine"],
                  "" if trial["agrees"] else " (disagrees)")
         return trial
@@ -194,7 +194,7 @@ def relevant_knobs(knobs: dict[str, list[Any]], conv: bool, fused: bool) -> dict
 
 def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAutotuneConfig, base: dict[str, Any],
              knobs: dict[str, list[Any]], batches: list[int], per_batch: bool,
-             timer: Timer = time_calls) -> dict[str, Any]:
+             timer: Timer | None = None) -> dict[str, Any]:
     """Search ``knobs`` from ``base`` and return the sidecar's ``autotune`` record.
 
     ``per_batch``: one search and one choice per batch size (CUDA: the runner keeps a session per shape); else one
