@@ -1,9 +1,12 @@
 """Kiln's engine vs what a PyTorch user gets today, side by side in one run (GPU host).
 
 Rows per (model, batch): PyTorch eager FP32, eager FP16 (``.half()``), ``torch.compile`` FP16 (mode from
-``--compile-mode``, default max-autotune), ONNX Runtime CUDA FP16 with default settings, and Kiln's engine
-(``stages.build.build_engine``: ORT CUDA FP16 with transformer fusion, exhaustive cuDNN search, NHWC where it
-helps, IO binding on device buffers, one CUDA graph per shape). Latency: median (and p90) of ``--iterations``
+``--compile-mode``, default max-autotune), ONNX Runtime CUDA FP16 with default settings, Kiln's engine with its
+fixed settings (``kiln_fixed``: ORT CUDA FP16 with transformer fusion, exhaustive cuDNN search, NHWC for
+convolutions, IO binding on device buffers, one CUDA graph per shape) and Kiln's engine autotuned at build time
+(``kiln``: ``stages.build.build_engine`` times candidate settings per batch size on this GPU and keeps the fastest
+that agrees with FP32; the choice per batch is printed and recorded, see ``stages/build/ort_autotune.py``).
+Latency: median (and p90) of ``--iterations``
 timed runs after warm-up, CUDA events, inputs already on the GPU, TF32 off. Agreement: top-1 agreement, cosine
 and max abs error vs eager FP32 on ``--eval-samples`` random inputs. Build: seconds to produce the runnable
 thing (compile / session / engine build) and its size on disk.
@@ -30,14 +33,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.registry import build_model  # noqa: E402
-from stages.build.config import BuildConfig  # noqa: E402
+from stages.build.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
 from stages.build.engines import load_engine  # noqa: E402
 from stages.build.stage import build_engine  # noqa: E402
 from stages.export import export_onnx  # noqa: E402
 
-ROWS = ["eager32", "eager16", "compile", "ort_default", "kiln"]
+ROWS = ["eager32", "eager16", "compile", "ort_default", "kiln_fixed", "kiln"]
 LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",
-         "ort_default": "ORT CUDA fp16 default", "kiln": "Kiln engine"}
+         "ort_default": "ORT CUDA fp16 default", "kiln_fixed": "Kiln engine, fixed settings",
+         "kiln": "Kiln engine, autotuned"}
 T0 = time.perf_counter()
 
 
@@ -88,7 +92,9 @@ class Bench:
         self.results: list[dict[str, Any]] = []
 
     def label(self, row: str) -> str:
-        return LABEL[row] if self.cuda else LABEL[row].replace("CUDA", "CPU") + (" (fp32 on CPU)" if row == "kiln" else "")
+        if self.cuda:
+            return LABEL[row]
+        return LABEL[row].replace("CUDA", "CPU") + (" (fp32 on CPU)" if row.startswith("kiln") else "")
 
     def run_model(self, name: str, params: dict[str, Any], shape: tuple[int, ...]) -> None:
         a = self.args
@@ -118,7 +124,11 @@ class Bench:
         export_onnx(model.float().cpu(), torch.randn(2, *shape), raw)
         model.to(self.dev)
         graph = gs.import_onnx(onnx.load(str(raw)))
-        graph.fold_constants().cleanup().toposort()  # what Kiln's optimize stage always does first
+        # What Kiln's optimize stage always does first, and deliberately no more: its default passes include
+        # merge_qkv (one MatMul for Q/K/V), matmul_add_to_gemm and fold_scalar_mul, which rewrite exactly the
+        # MatMul+Add / scaled-QK^T subgraphs ORT's transformer fusion matches to emit Attention/SkipLayerNorm, so
+        # they would cost the ORT engine its biggest win; its Conv+BN folding ORT's basic level does anyway.
+        graph.fold_constants().cleanup().toposort()
         out = self.work / f"{name}-fp32.onnx"
         onnx.save(gs.export_onnx(graph), str(out), save_as_external_data=False)
         return out
@@ -181,7 +191,7 @@ class Bench:
             return torch_factory, None, extra
         if row == "ort_default":
             return self._ort_default(onnx32, name)
-        return self._kiln(onnx32, name)
+        return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str) -> tuple[Any, int, dict]:
         import onnxruntime as ort
@@ -208,14 +218,26 @@ class Bench:
             return call
         return factory, path.stat().st_size, {"providers": providers}
 
-    def _kiln(self, onnx32: Path, name: str) -> tuple[Any, int, dict]:
+    def _kiln(self, onnx32: Path, name: str, autotuned: bool) -> tuple[Any, int, dict]:
         device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
-        cfg = BuildConfig(backends=["onnxruntime"])
-        meta = build_engine(onnx32, self.work / f"{name}-kiln", "onnxruntime", device, precision, cfg,
-                            self.work / "cache", max_batch=max(self.args.batches))
+        a = self.args
+        # Tuned at the benchmark's batch sizes; on CPU (--smoke) the CPU knobs are tuned so the path runs here too.
+        tune = OrtAutotuneConfig(cuda=autotuned, cpu=autotuned, batch_sizes=a.batches, iterations=a.autotune_iterations,
+                                 time_budget_s=a.autotune_budget)
+        cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(autotune=tune))
+        folder = self.work / f"{name}-{'kiln' if autotuned else 'kiln-fixed'}"
+        meta = build_engine(onnx32, folder, "onnxruntime", device, precision, cfg, self.work / "cache",
+                            max_batch=max(a.batches))
         say(f"{name} kiln: engine built in {meta['build_seconds']:.1f}s "
             f"(fusion: {meta['builder_settings'].get('transformer_fusion')})")
-        runner = load_engine(self.work / f"{name}-kiln").activate()
+        tuned = meta.get("autotune", {})
+        for b, choice in (tuned.get("choice_by_batch") or {"all": tuned.get("choice")}).items():
+            if choice:
+                say(f"{name} kiln autotune batch {b}: {choice['knobs']} {choice.get('median_ms')} ms "
+                    f"(configured settings {choice.get('base_ms')} ms)")
+        if tuned.get("skipped"):
+            say(f"{name} kiln: autotune skipped: {tuned['skipped']}")
+        runner = load_engine(folder).activate()
         in_name = runner.input_names[0]
         out_name = runner.meta["outputs"][0]["name"]
         graphs: dict[int, bool] = {}  # batch -> whether the timed call replays a CUDA graph
@@ -228,7 +250,7 @@ class Bench:
             graphs[x.shape[0]] = graph
             return call
 
-        extra = {"engine": meta["name"], "precision": precision,
+        extra = {"engine": meta["name"], "precision": precision, "autotune": tuned,
                  "fusion": meta["builder_settings"].get("transformer_fusion"),
                  "engine_build_seconds": meta["build_seconds"], "cuda_graph_by_batch": graphs}
         return factory, meta["size_bytes"], extra
@@ -252,7 +274,28 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                      f"{(speed / r['median_ms']) if speed else float('nan'):.2f}x | {r['top1_agreement']:.4f} | "
                      f"{r['cosine']:.6f} | {_num(r['build_seconds'] if r['row'] not in ('eager32', 'eager16') else None)} | "
                      f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + autotune_table(results)) + "\n"
+
+
+def autotune_table(results: list[dict[str, Any]]) -> list[str]:
+    """What the autotuned Kiln engine chose per batch, vs its configured settings, and how many candidates it timed."""
+    lines = ["", "## Kiln autotune choices", "",
+             "| model | batch | chosen settings | chosen ms | configured ms | candidates | tune s |",
+             "|---|---|---|---|---|---|---|"]
+    seen = set()
+    for r in results:
+        tuned = r.get("autotune") or {}
+        if r.get("row") != "kiln" or (r["model"], r.get("batch")) in seen:
+            continue
+        seen.add((r["model"], r.get("batch")))
+        if tuned.get("skipped") or "trials" not in tuned:
+            lines.append(f"| {r['model']} | {r.get('batch')} | skipped: {tuned.get('skipped')} | | | | |")
+            continue
+        choice = (tuned.get("choice_by_batch") or {}).get(str(r["batch"]), tuned["choice"])
+        n = sum(1 for t in tuned["trials"] if t.get("batch") in (None, r["batch"]))
+        lines.append(f"| {r['model']} | {r['batch']} | `{json.dumps(choice['knobs'])}` | {choice.get('median_ms')} | "
+                     f"{choice.get('base_ms')} | {n} | {tuned.get('seconds')} |")
+    return lines if len(lines) > 4 else []
 
 
 def main() -> None:
@@ -267,11 +310,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-samples", type=int, default=256)
     p.add_argument("--bert-layers", type=int, default=12)
+    p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")
+    p.add_argument("--autotune-iterations", type=int, default=20, help="timed runs per autotune candidate")
     args = p.parse_args()
     args.models, args.rows = args.models.split(","), args.rows.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
     if args.smoke:
         args.iterations, args.warmup, args.eval_samples = min(args.iterations, 5), min(args.warmup, 2), 16
+        args.autotune_iterations = min(args.autotune_iterations, 5)
         args.batches = [b if b <= 4 else 4 for b in args.batches]
     unknown = set(args.rows) - set(ROWS)
     if unknown:

@@ -91,7 +91,8 @@ def test_runner_plan_follows_the_choice_for_each_batch() -> None:
                          "choice": {"knobs": {"cuda_graph": True}}}}
     assert chosen_knobs(meta, 1) == {"cuda_graph": True} and chosen_knobs(meta, 8) == chosen_knobs(meta, 64)
     plan = plan_for(meta, chosen_knobs(meta, 32))
-    assert plan["providers"][0] == ("CUDAExecutionProvider", {"prefer_nhwc": "0", "cudnn_conv_algo_search": "HEURISTIC"})
+    assert plan["providers"][0] == ("CUDAExecutionProvider",
+                                    {"prefer_nhwc": "0", "cudnn_conv_algo_search": "HEURISTIC"})
     assert plan["model"] == "engine-unfused.onnx" and plan["cuda_graph"] is False
     assert chosen_knobs({**meta, "autotune": {"skipped": "no CUDA EP"}}, 32) == {}
     assert plan_for(meta, {})["model"] == "engine.onnx" and plan_for(meta, {})["cuda_graph"] is True
@@ -121,7 +122,8 @@ def test_cpu_autotune_records_every_trial_and_the_runner_uses_the_choice(zoo, tm
         {"intra_op_threads": 0, "execution_mode": "sequential"}, {"intra_op_threads": 1, "execution_mode": "sequential"},
         {"intra_op_threads": 1, "execution_mode": "parallel"}]
     assert [t["median_ms"] for t in tuned["trials"]] == [3.0, 1.0, 5.0]
-    assert all(p["agrees"] and p["cosine"] > 0.99999 and p["runs"] == 3 for t in tuned["trials"] for p in t["by_batch"])
+    assert all(p["agrees"] and p["cosine"] > 0.99999 and p["runs"] == 3
+               for t in tuned["trials"] for p in t["by_batch"])
     assert tuned["choice"]["knobs"] == {"intra_op_threads": 1, "execution_mode": "sequential"}
     assert tuned["choice"]["speedup_vs_base"] == 3.0
     with load_engine(tmp_path / "e") as runner:
