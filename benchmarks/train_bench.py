@@ -2,26 +2,46 @@
 
 Models (random weights, synthetic data already on the GPU): a BERT-base-shaped encoder (12 layers, hidden 768,
 seq 128) at batch 64 and a ResNet-18-shaped CNN (3x224x224) at batch 128. Both loops do the same work per
-step: autocast forward, FP32 loss, (scaled) backward, unscale, clip to norm 1.0, fused AdamW step, scaler
-update, zero_grad(set_to_none). TF32 is off for both (FP32 means FP32), cuDNN autotuning on for both.
+step: gather a shuffled batch from the device-resident data set (index_select), autocast forward, FP32 loss,
+(scaled) backward, unscale, clip to norm 1.0, fused AdamW step (lr 1e-4, weight decay 0.01 on matrices only,
+two param groups), scaler update, zero_grad(set_to_none). TF32 off for both, cuDNN autotuning on for both.
 
-* bare: that step in a Python for-loop over device-resident batches, nothing else.
-* kiln: ``stages.train.loop.train`` with ``loader.on_device`` (DataLoader + DistributedSampler + gather),
-  its per-step sync for the loss/NaN check, metrics and schedule. Steps/s comes from Kiln's own per-epoch
-  samples/s of the epochs after the first (the first epoch is the warm-up); validation is excluded there.
+* bare: that step in a Python for-loop, nothing else (no NaN check, no schedule, no metrics).
+* kiln: ``stages.train.loop.train`` with ``loader.on_device``, one epoch of warm-up + timed steps; on top of
+  the bare step it does the lagged loss/NaN book-keeping, the LR schedule and its epoch metrics.
 
-Peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps (both hold the same dataset on the GPU).
+Both are timed the same way: ``torch.cuda.synchronize`` after the warm-up steps, clock, timed steps,
+``torch.cuda.synchronize``, clock (Kiln's through its ``on_step`` hook, so the timed window is exactly the
+same steps, away from epoch boundaries). Peak memory is ``torch.cuda.max_memory_allocated`` over the timed
+steps, reset at the same point for both. Each cell runs ``--rounds`` times, alternating which loop goes
+first and emptying the allocator cache before every run; the table shows medians and the JSON every round.
+
+Why the first version of this benchmark showed Kiln bf16 31% *faster* than the bare loop: the two were not
+measured alike. Kiln was timed by its own per-epoch clock over four 8-step epochs, the bare loop over one
+stretch. The bare loop sliced contiguous batches while Kiln gathered shuffled ones. The bare loop used one
+param group. Each cell ran once (~1.3 s of timed work), always bare first, with ``empty_cache`` before the
+bare run only, so Kiln always started on the allocator cache the bare run had warmed. Reading the code finds
+no step in which Kiln's bf16 path does less GPU work than the bare one. On CUDA no norm is patched (CUDA
+autocast already runs layer_norm in FP32). The scaler is off in both. It is the same fused AdamW. More than
+25 consecutive skipped steps would have aborted. Kiln also did strictly more: two host syncs per step. The
+AMP encoder step (~1,500 kernel launches in ~35 ms) is close to launch-bound, so one short window per cell
+swings with host jitter; the fp16 and bf16 bare cells (22.3 and 21.6 steps/s) were also well below the
+reference bare loop's 27.7 and 30.2. The like-for-like loops, the identical timing and the repeated
+alternating rounds above remove those differences, and the per-round figures show how much noise is left.
+
 Writes <out>/train.json and <out>/train.md.
 
-    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~1-2 minutes
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~2-3 minutes
     python benchmarks/train_bench.py --smoke --out /tmp/train_bench          # tiny models on CPU, seconds
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import platform
+import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -71,88 +91,138 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Window:
+    """The timed window, identical for both loops: sync + clock + peak reset at the start, sync + clock +
+    peak at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.t0, self.secs, self.peak = device, 0.0, 0.0, None
+
+    def start(self) -> None:
+        sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        sync(self.device)
+        self.secs = time.perf_counter() - self.t0
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+
+
 def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
-              warmup: int, steps: int) -> dict[str, float]:
+              warmup: int, steps: int) -> dict[str, float | None]:
     """The minimal AMP step, nothing around it."""
     model.to(device).train()
     x, y = data.train_x.to(device), data.train_y.to(device)
-    nb = len(x) // batch
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    perm = torch.randperm(len(x), device=device)  # shuffled batches, gathered on the device like Kiln's
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-4, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     ctx = (lambda: torch.autocast(device.type, dtype=DTYPES[precision])) if precision != "fp32" else nullcontext
 
     def step(i: int) -> None:
-        xb, yb = x[(i % nb) * batch:(i % nb + 1) * batch], y[(i % nb) * batch:(i % nb + 1) * batch]
+        idx = perm[i * batch:(i + 1) * batch]
+        xb, yb = x.index_select(0, idx), y.index_select(0, idx)
         with ctx():
             logits = model(xb)
         loss = nn.functional.cross_entropy(logits.float(), yb)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        nn.utils.clip_grad_norm_(params, 1.0)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
 
+    window = Window(device)
     for i in range(warmup):
         step(i)
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
+    window.start()
     for i in range(steps):
         step(warmup + i)
-    sync(device)
-    secs = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    window.stop()
     model.to("cpu")
-    return {"steps_per_s": steps / secs, "peak_mb": peak}
+    return {"steps_per_s": steps / window.secs, "peak_mb": window.peak}
 
 
 def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
-              epochs: int) -> dict[str, Any]:
-    """Kiln's loop: epoch 1 warms up, epochs 2.. are timed by Kiln's own metrics."""
+              warmup: int, steps: int) -> dict[str, Any]:
+    """Kiln's loop over one epoch of warmup + steps batches, timed through its on_step hook."""
     cfg = TrainConfig.model_validate({
-        "epochs": epochs, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
-        "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant", "eval_every": 10_000, "plot": False,
-        "loader": {"on_device": True}, "checkpoint": {"resume": "never"}})
-    result = train(model, data, cfg)
-    timed = result.history[1:]
-    secs = sum(len(data.train_x) / m.samples_per_s for m in timed)
-    steps = sum(m.steps for m in timed)
-    peak = max(m.peak_memory_mb or 0 for m in timed) if device.type == "cuda" else None
-    return {"steps_per_s": steps / secs, "peak_mb": peak, "skipped_steps": sum(m.skipped_steps for m in timed),
-            "final_loss": result.history[-1].loss}
+        "epochs": 1, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
+        "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant",
+        "eval_every": 10_000, "plot": False, "loader": {"on_device": True}, "checkpoint": {"resume": "never"}})
+    window = Window(device)
+
+    def on_step(step: int) -> None:
+        if step == warmup:
+            window.start()
+        elif step == warmup + steps:
+            window.stop()
+
+    result = train(model, data, cfg, on_step=on_step)
+    m = result.history[-1]
+    assert result.global_step == warmup + steps and window.secs > 0
+    return {"steps_per_s": steps / window.secs, "peak_mb": window.peak, "skipped_steps": m.skipped_steps,
+            "nonfinite_steps": m.nonfinite_steps, "final_loss": m.loss}
 
 
-def run(smoke: bool, batches: int, epochs: int) -> dict[str, Any]:
+def measure(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
+            warmup: int, steps: int, rounds: int) -> dict[str, Any]:
+    """``rounds`` runs of each loop, alternating which goes first; medians plus every round."""
+    runs: dict[str, list[dict[str, Any]]] = {"bare": [], "kiln": []}
+    for r in range(rounds):
+        for which in (("bare", "kiln") if r % 2 == 0 else ("kiln", "bare")):
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            fn = bare_loop if which == "bare" else kiln_loop
+            runs[which].append(fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, steps))
+    row: dict[str, Any] = {"model": name, "batch": spec["batch"], "precision": precision}
+    for which, rs in runs.items():
+        cell = dict(rs[-1])
+        cell["steps_per_s"] = statistics.median(x["steps_per_s"] for x in rs)
+        cell["peak_mb"] = max(x["peak_mb"] for x in rs) if device.type == "cuda" else None
+        cell["rounds_steps_per_s"] = [round(x["steps_per_s"], 3) for x in rs]
+        if which == "kiln":
+            cell["skipped_steps"] = sum(x["skipped_steps"] for x in rs)
+            cell["nonfinite_steps"] = sum(x["nonfinite_steps"] for x in rs)
+        row[which] = cell
+    row["kiln_vs_bare"] = row["kiln"]["steps_per_s"] / row["bare"]["steps_per_s"]
+    return row
+
+
+def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True  # Kiln turns it on too (non-deterministic mode)
     rows = []
     for name, spec in specs(smoke).items():
-        data = make_data(spec, batches)
+        data = make_data(spec, warmup + steps)  # one epoch: Kiln's timed window has no epoch boundary
         for precision in PRECISIONS:
             log.info("%s %s", name, precision)
-            bare = bare_loop(fresh_model(name, spec), data, spec["batch"], precision, device,
-                             warmup=batches, steps=batches * (epochs - 1))
-            kiln = kiln_loop(fresh_model(name, spec), data, spec["batch"], precision, device, epochs)
-            rows.append({"model": name, "batch": spec["batch"], "precision": precision, "bare": bare, "kiln": kiln,
-                         "kiln_vs_bare": kiln["steps_per_s"] / bare["steps_per_s"]})
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            row = measure(name, spec, data, precision, device, warmup, steps, rounds)
+            # Both loops hold this on the device during the timed steps: it is part of both peaks.
+            row["dataset_mb"] = round((data.train_x.nbytes + data.train_y.nbytes) / 2**20, 1)
+            rows.append(row)
     for r in rows:
         base = next(b for b in rows if b["model"] == r["model"] and b["precision"] == "fp32")
         r["speedup_vs_fp32"] = {k: r[k]["steps_per_s"] / base[k]["steps_per_s"] for k in ("bare", "kiln")}
     return {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "smoke": smoke, "tf32": False, "timed_steps": batches * (epochs - 1),
-            "warmup_steps": batches, "rows": rows, "targets": targets(rows)}
+            "torch": torch.__version__, "smoke": smoke, "tf32": False, "timed_steps": steps,
+            "warmup_steps": warmup, "rounds": rounds, "rows": rows, "targets": targets(rows)}
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each AMP mode judged on its own: the issue's 2.8x is not met by one mode beating it."""
     amp = [r for r in rows if r["model"] == "bert_base" and r["precision"] != "fp32"]
-    return {"encoder_amp_speedup_kiln": {r["precision"]: round(r["speedup_vs_fp32"]["kiln"], 2) for r in amp},
-            "encoder_amp_at_least_2.8x": any(r["speedup_vs_fp32"]["kiln"] >= 2.8 for r in amp),
+    speed = {r["precision"]: round(r["speedup_vs_fp32"]["kiln"], 2) for r in amp}
+    return {"encoder_amp_speedup_kiln": speed,
+            "encoder_amp_at_least_2.8x": {p: v >= 2.8 for p, v in speed.items()},
             "kiln_within_5pct_of_bare": all(r["kiln_vs_bare"] >= 0.95 for r in rows),
             "worst_kiln_vs_bare": round(min(r["kiln_vs_bare"] for r in rows), 3)}
 
@@ -160,8 +230,10 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
     mb = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
     lines = [f"# Training throughput: Kiln loop vs bare loop ({res['device']}, torch {res['torch']})", "",
-             f"{res['warmup_steps']} warm-up + {res['timed_steps']} timed steps per cell; TF32 off; "
-             "synthetic data on the device.", "",
+             f"{res['warmup_steps']} warm-up + {res['timed_steps']} timed steps per run, median of "
+             f"{res['rounds']} runs per loop in alternating order; TF32 off; synthetic data on the device "
+             "(in both peaks: " + ", ".join(dict.fromkeys(f"{r['model']} {r['dataset_mb']:,.0f} MB" for r in res["rows"]))
+             + ").", "",
              "| model | batch | precision | bare steps/s | Kiln steps/s | Kiln / bare | AMP speedup (bare) "
              "| AMP speedup (Kiln) | peak MB bare | peak MB Kiln |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -170,8 +242,9 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{r['speedup_vs_fp32']['bare']:.2f}x | {r['speedup_vs_fp32']['kiln']:.2f}x | "
                      f"{mb(r['bare']['peak_mb'])} | {mb(r['kiln']['peak_mb'])} |")
     t = res["targets"]
-    lines += ["", f"- encoder AMP speedup through Kiln: {t['encoder_amp_speedup_kiln']} "
-                  f"(target >= 2.8x: {'met' if t['encoder_amp_at_least_2.8x'] else 'NOT met'})",
+    amp = ", ".join(f"{p} {v:.2f}x ({'met' if t['encoder_amp_at_least_2.8x'][p] else 'NOT met'})"
+                    for p, v in t["encoder_amp_speedup_kiln"].items())
+    lines += ["", f"- encoder AMP speedup over FP32 through Kiln, target >= 2.8x each: {amp}",
               f"- Kiln vs bare loop, worst cell: {t['worst_kiln_vs_bare']} "
               f"(target >= 0.95: {'met' if t['kiln_within_5pct_of_bare'] else 'NOT met'})"]
     return "\n".join(lines) + "\n"
@@ -181,12 +254,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU")
-    ap.add_argument("--batches", type=int, default=None, help="batches per epoch (default 8; smoke 2)")
-    ap.add_argument("--epochs", type=int, default=None, help="epochs; the first is warm-up (default 5; smoke 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 8; smoke 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 32; smoke 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per loop and cell (default 3; smoke 2)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
-    res = run(args.smoke, args.batches or (2 if args.smoke else 8), args.epochs or (2 if args.smoke else 5))
+    res = run(args.smoke, args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 32),
+              args.rounds or (2 if args.smoke else 3))
     args.out.mkdir(parents=True, exist_ok=True)
     name = "train_smoke" if args.smoke else "train"
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
