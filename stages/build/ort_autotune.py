@@ -139,7 +139,10 @@ class Bench:
         trial: dict[str, Any] = {"knobs": knobs, "batch": batch, "agrees": False, "median_ms": None}
         t0 = time.perf_counter()
         try:
-            call, fetch = self._prepare(plan_for(self.meta, knobs), batch)
+            plan = plan_for(self.meta, knobs)
+            call, fetch, graph = self._prepare(plan, batch)
+            if plan["cuda_graph"] and not graph:  # timing it would mislabel a graph-less run; that one is its own trial
+                raise RuntimeError("ONNX Runtime cannot capture a CUDA graph for this model and shape")
             for _ in range(self.cfg.warmup):  # cuDNN search, CUDA-graph capture, arena growth
                 call()
             times = self.timer(call, self.cfg.iterations)
@@ -161,8 +164,9 @@ class Bench:
             self.models[file] = onnx.load(str(self.dir / file))
         return self.models[file]
 
-    def _prepare(self, plan: dict[str, Any], batch: int) -> tuple[Callable[[], Any], Callable]:
-        """``call`` runs once the way the runner would; ``fetch`` returns the last outputs as host arrays."""
+    def _prepare(self, plan: dict[str, Any], batch: int) -> tuple[Callable[[], Any], Callable, bool]:
+        """``call`` runs once the way the runner would; ``fetch`` returns the last outputs as host arrays; the flag
+        says whether ``call`` replays a CUDA graph."""
         model, feed = self._model(plan["model"]), self.feed(batch)
         if not self.cuda:
             session = open_session(self.ort, model, plan)
@@ -170,7 +174,7 @@ class Bench:
 
             def run_cpu() -> None:
                 last[:] = session.run(None, feed)
-            return run_cpu, lambda: last
+            return run_cpu, lambda: last, False
         # Static output buffers: the reference's shapes, the engine graph's declared dtypes.
         to_np = onnx.helper.tensor_dtype_to_np_dtype
         dtypes = {o.name: to_np(o.type.tensor_type.elem_type) for o in model.graph.output}
@@ -178,7 +182,8 @@ class Bench:
         first = plan["providers"][0]
         slot = cuda_slot(self.ort, model, plan, feed, outs, int(first[1].get("device_id", 0)), self.meta["name"])
         load_slot(self.ort, slot, feed)
-        return (lambda: slot["session"].run_with_iobinding(slot["binding"])), slot["binding"].copy_outputs_to_cpu
+        run = slot["session"].run_with_iobinding
+        return (lambda: run(slot["binding"])), slot["binding"].copy_outputs_to_cpu, slot["static"]
 
 
 # ------------------------------------------------------------------------------------------------- entry point
