@@ -134,3 +134,41 @@ def test_device_batches_follow_the_sampler_order() -> None:
             got, want = list(batches), list(loader)
             assert len(got) == len(want) == len(batches)
             assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, on_device", [("fp32", True), ("fp16", True), ("bf16", True), ("fp16", False)])
+def test_cuda_steps_never_sync(precision: str, on_device: bool) -> None:
+    """Between step 2 and the last step of the epoch, any synchronising CUDA call (.item(), a list index
+    copied from pageable memory, ...) raises under torch's sync debug mode."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none is visible")
+    data = tiny_data(400)  # 320 train samples, batch 32: 10 steps in the epoch
+
+    def hook(step: int) -> None:
+        torch.cuda.set_sync_debug_mode("error" if 2 <= step < 10 else "default")
+
+    try:
+        r = train(tiny_net(), data, train_cfg(epochs=1, optimizer="adamw", lr=0.01, precision=precision,
+                                              device="cuda", loader={"on_device": on_device}), on_step=hook)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert r.global_step == 10 and r.history[0].nonfinite_steps == 0
+
+
+@pytest.mark.gpu
+def test_cuda_lagged_nan_abort(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none is visible")
+    model = tiny_net()
+
+    def poison(step: int) -> None:
+        if step == 4:
+            with torch.no_grad():
+                model.net[1].weight.fill_(float("nan"))
+
+    cfg = train_cfg(epochs=3, optimizer="adamw", device="cuda", checkpoint={"every_steps": 3},
+                    amp={"nonfinite_patience": 2})
+    with pytest.raises(TrainingError, match=r"3 consecutive steps, at step 7 \(epoch 2\)"):
+        train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=poison)
+    assert ckpt.load_state(tmp_path / ckpt.LAST)["global_step"] == 3
