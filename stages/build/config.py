@@ -45,6 +45,8 @@ class OrtAutotuneConfig(Section):
     warmup: int = Field(5, ge=1, description="untimed runs per candidate (CUDA-graph capture, cuDNN search)")
     iterations: int = Field(20, ge=3, description="timed runs per candidate; the median counts")
     time_budget_s: float = Field(180.0, gt=0, description="stop trying new candidates after this many seconds")
+    min_gain: float = Field(0.03, ge=0, lt=1, description="keep the configured settings unless a candidate is faster"
+                                                           " by more than this fraction (timing noise is no reason)")
     min_cosine: float = Field(0.999, ge=0, le=1, description="a candidate must reach this cosine vs the FP32 reference")
     min_top1: float = Field(0.99, ge=0, le=1, description="and this top-1 agreement (near-ties in the reference"
                                                            " excused)")

@@ -72,10 +72,17 @@ def _candidates(knobs: dict[str, list[Any]], base: dict[str, Any], strategy: str
             yield {**best(), knob: value}  # the best so far, this knob changed
 
 
-def pick(trials: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest trial that agrees with the reference, or None."""
+def pick(trials: list[dict[str, Any]], min_gain: float = 0.0) -> dict[str, Any] | None:
+    """The fastest trial that agrees with the reference, or None. The first trial (the configured settings) is kept
+    unless the fastest beats it by more than ``min_gain`` (a fraction): a difference inside timing noise is no
+    reason to switch (it once chose an unfused BERT graph for 0.2%, doubling the engine's size)."""
     ok = [t for t in trials if t["agrees"] and t.get("median_ms") is not None]
-    return min(ok, key=lambda t: t["median_ms"]) if ok else None
+    if not ok:
+        return None
+    best, first = min(ok, key=lambda t: t["median_ms"]), trials[0]
+    if first in ok and best["median_ms"] > first["median_ms"] * (1 - min_gain):
+        return first
+    return best
 
 
 # ------------------------------------------------------------------------------------------------- agreement
@@ -217,7 +224,7 @@ def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAu
             got, cut = search(knobs, base, lambda k: bench.measure(k, b), cfg.strategy, deadline)
             trials += got
             notes += [f"batch {b}: {n}" for n in cut]
-            choices[str(b)] = _choice(got, base, notes, f"batch {b}")
+            choices[str(b)] = _choice(got, base, notes, f"batch {b}", cfg.min_gain)
         record |= {"trials": trials, "choice_by_batch": choices, "choice": choices[str(max(batches))]}
     else:
         def total(k: dict[str, Any]) -> dict[str, Any]:
@@ -228,13 +235,14 @@ def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAu
                     "median_ms": round(sum(p["median_ms"] for p in parts), 4) if ok else None}
         trials, cut = search(knobs, base, total, cfg.strategy, t0 + cfg.time_budget_s)
         notes += cut
-        record |= {"trials": trials, "choice": _choice(trials, base, notes, "all batches")}
+        record |= {"trials": trials, "choice": _choice(trials, base, notes, "all batches", cfg.min_gain)}
     record |= {"notes": notes, "seconds": round(time.monotonic() - t0, 2)}
     return record
 
 
-def _choice(trials: list[dict[str, Any]], base: dict[str, Any], notes: list[str], what: str) -> dict[str, Any]:
-    best = pick(trials)
+def _choice(trials: list[dict[str, Any]], base: dict[str, Any], notes: list[str], what: str,
+            min_gain: float) -> dict[str, Any]:
+    best = pick(trials, min_gain)
     if best is None:
         notes.append(f"{what}: no candidate agreed with the reference; keeping the configured settings")
         log.warning("autotune %s: no candidate agreed with the FP32 reference; keeping the configured settings", what)

@@ -197,3 +197,12 @@ def test_cuda_autotune_per_batch_and_runner_follows_it(zoo, tmp_path: Path) -> N
         assert len(runner.slots) == 2
         for key, slot in runner.slots.items():  # key: ((input name, shape, dtype),)
             assert slot["static"] == tuned["choice_by_batch"][str(key[0][1][0])]["knobs"]["cuda_graph"]
+
+
+def test_configured_settings_kept_unless_a_candidate_clearly_wins() -> None:
+    trials = [{"knobs": {"k": 0}, "median_ms": 1.000, "agrees": True},
+              {"knobs": {"k": 1}, "median_ms": 0.990, "agrees": True}]
+    assert pick(trials, min_gain=0.03)["knobs"] == {"k": 0}  # 1% is noise
+    assert pick(trials, min_gain=0.0)["knobs"] == {"k": 1}
+    trials[1]["median_ms"] = 0.90
+    assert pick(trials, min_gain=0.03)["knobs"] == {"k": 1}  # 10% is a real win
