@@ -81,6 +81,10 @@ def _stage_sections(stages: dict[str, Any]) -> list[str]:
     if variants:
         out += ["", "## Precision variants", "", "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |", "|---|---|---|"]
         out += [f"| {name} | {v.get('kept_fp32', 0)} | {_fmt(v.get('top1_agreement'))} |" for name, v in variants.items()]
+        kept = [(name, node, why) for name, v in variants.items() for node, why in v.get("kept_fp32_nodes", {}).items()]
+        if kept:
+            out += ["", "Nodes kept in FP32:", ""] + [f"- {name}: `{node}`: {why}" for name, node, why in kept[:40]]
+            out += [f"- ... and {len(kept) - 40} more (see precision/variants.json)"] if len(kept) > 40 else []
     build = stages.get("build", {}).get("summary", {})
     if build.get("engines"):
         out += ["", "## Engines", "", "| engine | backend | device | precision | build s | size MB |", "|---|---|---|---|---|---|"]
