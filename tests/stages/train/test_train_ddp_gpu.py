@@ -1,0 +1,58 @@
+"""DDP on GPUs: 2 NCCL processes (torchrun) give the result of one GPU process with the same global batch.
+
+Needs 2 CUDA GPUs; skipped otherwise (the gloo version of this test runs in CI on CPU).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.config import KilnConfig, config_from_dict
+from stages.train.launch import run_torchrun
+from stages.train.model_io import dataset_for
+from stages.train.stage import train_to
+
+LOG = logging.getLogger("test")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+def _config(nproc: int, model: str = "transformer", **train: Any) -> KilnConfig:
+    params = {"dim": 32, "heads": 2, "layers": 1} if model == "transformer" else {"width": 8, "depth": 2}
+    return config_from_dict({
+        "seed": 1,
+        "model": {"name": model, "params": params},
+        "data": {"name": "digits"} if model == "cnn" else {"name": "synthetic", "params": {"size": 256}},
+        "train": {"epochs": 2, "batch_size": 32, "grad_accum_steps": 2, "precision": "fp32", "optimizer": "sgd",
+                  "lr": 0.05, "device": "cuda", "distributed": {"nproc_per_node": nproc}, **train},
+    })
+
+
+@pytest.mark.timeout(300)
+def test_two_nccl_processes_equal_one_gpu_process(tmp_path: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    single = train_to(one, _config(1), dataset_for(_config(1)), tmp_path / "ck1")
+    multi = run_torchrun(_config(2), two, tmp_path / "ck2", LOG)
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff < 1e-5, diff
+    assert multi["world_size"] == 2 and multi["steps"] == single["steps"]
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_fp16_sync_batchnorm_trains_on_two_gpus(tmp_path: Path) -> None:
+    cfg = _config(2, "cnn", precision="fp16", optimizer="adamw", lr=3e-3, epochs=8, batch_size=64, grad_accum_steps=1,
+                  distributed={"nproc_per_node": 2, "sync_batchnorm": True})
+    summary = run_torchrun(cfg, tmp_path, tmp_path / "ck", LOG)
+    # This tiny CNN learns slowly (one CPU process reaches ~0.69 after 8 epochs; on 2 H200s with fp16 and
+    # SyncBatchNorm it reached 0.58 after 3 epochs): the test asserts it trains, not how well.
+    losses = [e["loss"] for e in summary["epochs"]]
+    assert summary["world_size"] == 2 and losses[-1] < losses[0] and summary["val_accuracy"] > 0.3
