@@ -43,8 +43,9 @@ def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor, via: gs.Node |
     """Make every reader of ``old`` read ``new``; False if impossible (then nothing changed).
 
     Graph outputs keep their names: when ``old`` is one, the producer of ``new`` is made to write ``old``
-    instead, which is only possible if ``new`` is a variable read by nobody but ``via`` (the node being
-    bypassed, which the caller then drops)."""
+    instead (``via`` is the node being bypassed, which the caller then drops). That needs ``new`` to be a
+    variable with a producer and not itself a graph input or output; its other readers then read ``old``,
+    which now holds the same value under the output's name."""
     if old is new:
         return False
     if old in graph.outputs:
@@ -52,6 +53,10 @@ def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor, via: gs.Node |
             return False
         for prev in list(old.inputs):  # detach old's current writer without shifting its output slots
             prev.outputs[prev.outputs.index(old)] = gs.Variable(unique_name(graph, old.name + "_dead"))
+        for reader in list(new.outputs):  # they would otherwise read a tensor nobody writes any more
+            for i, t in enumerate(reader.inputs):
+                if t is new and reader is not via:
+                    reader.inputs[i] = old
         prod = new.inputs[0]
         prod.outputs[prod.outputs.index(new)] = old
         old.dtype, old.shape = old.dtype or new.dtype, old.shape if old.shape is not None else new.shape

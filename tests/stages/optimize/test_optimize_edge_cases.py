@@ -1,0 +1,30 @@
+"""Edge cases where a rewrite touches a graph output or a tensor with several readers: the pass must still
+fire (run_pass fails on a rollback) and the result must be a valid graph with the interface names kept."""
+from __future__ import annotations
+
+import onnx
+from onnx import helper as h
+
+from optimize_helpers import FLOAT, make_model, ops, run_pass
+
+
+def _valid(model: onnx.ModelProto) -> None:
+    onnx.checker.check_model(model, full_check=True)
+    assert [o.name for o in model.graph.output] == ["y", "z"]
+
+
+def test_identity_to_graph_output_whose_input_has_other_readers():
+    m = make_model([h.make_node("Relu", ["x"], ["r"]), h.make_node("Identity", ["r"], ["y"]),
+                    h.make_node("Sigmoid", ["r"], ["z"])], [("x", ["N", 3], FLOAT)], ["y", "z"], {})
+    out, _ = run_pass(m, "eliminate_identity")
+    _valid(out)
+    assert ops(out) == ["Relu", "Sigmoid"]
+
+
+def test_transposes_vanish_into_graph_output_while_first_is_read_elsewhere():
+    m = make_model([h.make_node("Relu", ["x"], ["r"]), h.make_node("Transpose", ["r"], ["t"], perm=[1, 0]),
+                    h.make_node("Transpose", ["t"], ["y"], perm=[1, 0]), h.make_node("Sigmoid", ["t"], ["z"])],
+                   [("x", [2, 3], FLOAT)], ["y", "z"], {})
+    out, _ = run_pass(m, "merge_transposes")
+    _valid(out)
+    assert ops(out) == ["Relu", "Transpose", "Sigmoid"]
