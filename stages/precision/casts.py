@@ -67,9 +67,10 @@ def _one_pass(graph: gs.Graph) -> int:
             _rewire(graph, dst, src)
             node.outputs.clear()
             changed += 1
-        elif _onnx_type(src) == to and id(dst) in outputs and id(src) not in inputs:
+        elif _onnx_type(src) == to and id(dst) in outputs and id(src) not in inputs and id(src) not in outputs:
             producer = src.inputs[0] if src.inputs else None
-            if producer is not None and len(src.outputs) == 1:  # let the producer write the output directly
+            if producer is not None:  # let the producer write the output directly; src's other readers read it
+                _rewire(graph, src, dst)
                 producer.outputs[producer.outputs.index(src)] = dst
                 node.outputs.clear()
                 changed += 1

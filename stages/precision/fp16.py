@@ -56,7 +56,8 @@ def split_shared_initializers(model: onnx.ModelProto, fp32_nodes: set[str]) -> i
 
 def restore_output_types(converted: onnx.ModelProto, original: onnx.ModelProto) -> None:
     """With ``keep_io_types`` the converter still retypes an output made by a blocked node as FP16; put the
-    original type back on the output and on the Cast that writes it (the cast clean-up then drops it)."""
+    original type back on the output and on the Cast that writes it (the cast clean-up then drops it).
+    Nodes inside the graph that read that output were converted to read FP16: they keep an FP16 Cast."""
     producers = {o: n for n in converted.graph.node for o in n.output}
     want = {o.name: o.type.tensor_type.elem_type for o in original.graph.output}
     for out in converted.graph.output:
@@ -66,11 +67,34 @@ def restore_output_types(converted: onnx.ModelProto, original: onnx.ModelProto) 
         out.type.tensor_type.elem_type = t
         node = producers.get(out.name)
         if node is not None and node.op_type == "Cast":
-            del node.attribute[:]
-            node.attribute.append(helper.make_attribute("to", t))
+            _retype_output_cast(converted, node, t)
         else:
             raise ModelError(f"FP16 conversion changed the type of output '{out.name}'",
                              hint="set precision.fp16.keep_io_types: false, or report the model to Kiln")
+
+
+def _retype_output_cast(model: onnx.ModelProto, cast: onnx.NodeProto, to: int) -> None:
+    """Make the graph output written by ``cast`` type ``to``. Internal readers of that output expect the type
+    the converter gave it, so when there are any, ``cast`` keeps its type under a new name for them and a
+    second Cast writes the output."""
+    out = cast.output[0]
+    readers = [n for n in model.graph.node if out in n.input]
+    if readers:
+        taken = {t for n in model.graph.node for t in n.output} | {i.name for i in model.graph.initializer}
+        inner, i = f"{out}__internal", 0
+        while inner in taken:
+            i += 1
+            inner = f"{out}__internal_{i}"
+        cast.output[0] = inner
+        for n in readers:
+            for k, name in enumerate(n.input):
+                if name == out:
+                    n.input[k] = inner
+        pos = list(model.graph.node).index(cast) + 1
+        model.graph.node.insert(pos, helper.make_node("Cast", [cast.input[0]], [out], name=f"{cast.name}_output", to=to))
+        return
+    del cast.attribute[:]
+    cast.attribute.append(helper.make_attribute("to", to))
 
 
 def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) -> tuple[onnx.ModelProto, dict]:
