@@ -8,21 +8,22 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, PositiveInt, ValidationError, field_validator
 
 from calibration.config import CalibrationConfig
 from pipeline.errors import ConfigError, InputFileError
 from pipeline.sections import Section
 from stages.build.config import BuildConfig
 from stages.optimize.config import OptimizeConfig
-from stages.precision.config import PrecisionConfig
+from stages.precision.config import Precision, PrecisionConfig
 from stages.train.config import TrainConfig
 
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 class ModelConfig(Section):
@@ -54,13 +55,33 @@ class GatesConfig(Section):
                                                                           "max_accuracy_drop": 0.02}},
         description="overrides of the gates above per precision")
 
+    @field_validator("per_precision")
+    @classmethod
+    def _known_overrides(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        # A dict of dicts escapes the strict section check: a misspelt gate would be silently ignored.
+        gates = sorted(set(cls.model_fields) - {"per_precision"})
+        for precision, overrides in value.items():
+            if precision not in PRECISIONS:
+                raise ValueError(f"unknown precision '{precision}' (valid: {', '.join(PRECISIONS)})")
+            unknown = sorted(set(overrides) - set(gates))
+            if unknown:
+                raise ValueError(f"unknown gate {unknown} for {precision} (valid gates: {', '.join(gates)})")
+        return value
+
 
 class ValidateConfig(Section):
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32])
+    batch_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 32], min_length=1,
+                                           description="latency batch sizes; the largest also sizes engine profiles")
     warmup: int = Field(5, ge=0)
     iterations: int = Field(30, ge=1)
-    max_samples: int | None = Field(None, description="cap on held-out samples used for accuracy")
+    max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
     gates: GatesConfig = Field(default_factory=GatesConfig)
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _sorted_unique(cls, value: list[int]) -> list[int]:
+        # Reports and the CLI read the last batch size as the largest one.
+        return sorted(set(value))
 
 
 class PackageConfig(Section):

@@ -56,3 +56,34 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
 def test_dump_round_trips() -> None:
     cfg = load_config(None)
     assert KilnConfig.model_validate(cfg.dump()) == cfg
+
+
+@pytest.mark.parametrize("batch_sizes", [[], [0], [-1, 8]])
+def test_bad_batch_sizes_are_config_errors(batch_sizes) -> None:
+    # Before: an empty list reached max() in the build stage and a 0 reached range(): tracebacks.
+    with pytest.raises(ConfigError, match="validate.batch_sizes"):
+        config_from_dict({"validate": {"batch_sizes": batch_sizes}})
+
+
+def test_batch_sizes_sorted_and_unique() -> None:
+    # The report and CLI read the last batch size as the largest one.
+    assert config_from_dict({"validate": {"batch_sizes": [32, 1, 32]}}).validate_.batch_sizes == [1, 32]
+
+
+def test_zero_max_samples_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="validate.max_samples"):
+        config_from_dict({"validate": {"max_samples": 0}})
+
+
+@pytest.mark.parametrize("override, named", [({"fp16": {"min_cosin": 0.9}}, "min_cosin"),
+                                             ({"fp8": {"min_cosine": 0.9}}, "fp8")])
+def test_per_precision_gate_typos_are_errors(override, named) -> None:
+    # Before: a misspelt gate or precision under per_precision was accepted and silently ignored.
+    with pytest.raises(ConfigError, match=named) as e:
+        config_from_dict({"validate": {"gates": {"per_precision": override}}})
+    assert "validate.gates.per_precision" in e.value.message
+
+
+def test_per_precision_valid_override_accepted() -> None:
+    cfg = config_from_dict({"validate": {"gates": {"per_precision": {"int8": {"max_accuracy_drop": 0.05}}}}})
+    assert cfg.validate_.gates.per_precision["int8"]["max_accuracy_drop"] == 0.05
