@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from models.datasets import DatasetSplits
-from pipeline.errors import TrainingError
+from pipeline.errors import InputFileError, TrainingError
 from pipeline.progress import Progress, SilentProgress
 from stages.train import checkpoint as ckpt
 from stages.train.config import TrainConfig
@@ -135,6 +135,21 @@ class _Trainer:
         if path is None:
             return
         state = ckpt.load_state(path)
+        if state.get("run_key") != self.run_key:
+            log.warning("resuming from %s, written by another training configuration (run key %s, now %s)",
+                        path, state.get("run_key"), self.run_key)
+        try:
+            self._restore(state)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another model, optimizer or format
+            raise InputFileError(
+                f"cannot resume from {path}: it does not fit this run ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:300]})",
+                hint="resume only with the model and train.optimizer that wrote it, or set "
+                     "train.checkpoint.resume: never") from None
+        self.result.resumed_from, self.last_good = str(path), f"{path} (step {state['global_step']})"
+        log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
+
+    def _restore(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -144,8 +159,6 @@ class _Trainer:
         self.result.history = [EpochMetrics(**m) for m in state["history"]]
         self.result.global_step, self.result.best_epoch = state["global_step"], state["best_epoch"]
         self.result.best_val_accuracy = state["best_val_accuracy"]
-        self.result.resumed_from, self.last_good = str(path), f"{path} (step {state['global_step']})"
-        log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
 
     def _save(self, complete: bool = False) -> None:
         if self.ckpt_dir is None or not self.env.is_main:

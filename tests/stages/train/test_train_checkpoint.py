@@ -10,7 +10,7 @@ import torch
 from pipeline.errors import InputFileError, TrainingError
 from stages.train import checkpoint as ckpt
 from stages.train.loop import train
-from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
+from train_helpers import TinyNet, max_diff, tiny_data, tiny_net, train_cfg
 
 
 class Crash(Exception):
@@ -75,6 +75,16 @@ def test_resume_from_a_wrong_file_is_a_user_error(tmp_path: Path) -> None:
         train(tiny_net(), tiny_data(), train_cfg(checkpoint={"resume": str(bad)}))
     with pytest.raises(InputFileError, match="not found"):
         train(tiny_net(), tiny_data(), train_cfg(checkpoint={"resume": str(tmp_path / "missing.pt")}))
+
+
+def test_resume_from_another_models_or_optimizers_checkpoint_is_a_user_error(tmp_path: Path) -> None:
+    train(tiny_net(), tiny_data(), train_cfg(epochs=1), ckpt_dir=tmp_path, run_key="a")
+    resume = {"resume": str(tmp_path / ckpt.LAST)}
+    torch.manual_seed(0)
+    with pytest.raises(InputFileError, match="cannot resume from .*size mismatch"):
+        train(TinyNet(hidden=8), tiny_data(), train_cfg(checkpoint=resume))
+    with pytest.raises(InputFileError, match="cannot resume from"):
+        train(tiny_net(), tiny_data(), train_cfg(optimizer="adamw", checkpoint=resume))
 
 
 def test_persistent_nan_aborts_naming_step_and_last_good_checkpoint(tmp_path: Path) -> None:
