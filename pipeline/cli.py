@@ -52,7 +52,11 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise click.BadParameter(f"'{item}' is not KEY=VALUE", param_hint="--set")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise click.BadParameter(f"'{item}': the value is not valid YAML ({exc.problem})",
+                                     param_hint="--set") from None
     return out
 
 

@@ -161,7 +161,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         source = str(p)
         if not p.is_file():
             raise InputFileError(f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo")
-        text = p.read_text()
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError:
+            raise ConfigError(f"config {p} is not a text file", hint="pass a .yaml/.toml/.json run config") from None
         try:
             if p.suffix == ".toml":
                 data = tomllib.loads(text)
@@ -183,8 +186,14 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node = data
     *parents, leaf = dotted.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
+    for i, part in enumerate(parents):
+        if node.get(part) is None:  # missing, or an empty section in YAML (`validate:`)
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            prefix = ".".join(parents[:i + 1])
+            raise ConfigError(f"cannot set '{dotted}': '{prefix}' is a value ({node!r}), not a section",
+                              hint=f"use --set {prefix}=VALUE, or see `kiln config` for the keys under each section")
     node[leaf] = value
 
 

@@ -165,3 +165,9 @@ def test_direct_validate_against_wrong_model_fails_gate(cli: CliRunner, tmp_path
     assert cli.invoke(main, ["build", str(tmp_path / "a.onnx"), "-o", str(tmp_path / "e")]).exit_code == 0
     result = cli.invoke(main, ["validate", str(tmp_path / "e"), "--reference", str(b), "--model", "cnn"])
     assert_clean_error(result, 3, "failed its gates", "cosine")
+
+
+def test_set_with_invalid_yaml_value(cli: CliRunner) -> None:
+    # Before: a yaml ParserError traceback.
+    result = cli.invoke(main, ["config", "--set", "validate.batch_sizes=[1,"])
+    assert result.exit_code == 2 and "not valid YAML" in result.output and "Traceback" not in result.output

@@ -87,3 +87,24 @@ def test_per_precision_gate_typos_are_errors(override, named) -> None:
 def test_per_precision_valid_override_accepted() -> None:
     cfg = config_from_dict({"validate": {"gates": {"per_precision": {"int8": {"max_accuracy_drop": 0.05}}}}})
     assert cfg.validate_.gates.per_precision["int8"]["max_accuracy_drop"] == 0.05
+
+
+@pytest.mark.parametrize("dotted", ["name.x", "model.name.deep"])
+def test_override_below_a_value_is_config_error(dotted) -> None:
+    # Before: TypeError ('str'/'int' object does not support item assignment).
+    with pytest.raises(ConfigError, match="is a value"):
+        load_config(None, {dotted: 1})
+
+
+def test_override_into_empty_yaml_section(tmp_path: Path) -> None:
+    p = tmp_path / "k.yaml"
+    p.write_text("validate:\n")  # an empty section loads as None
+    assert load_config(p, {"validate.warmup": 2}).validate_.warmup == 2
+
+
+def test_binary_config_file_is_config_error(tmp_path: Path) -> None:
+    # e.g. `kiln run model.onnx`: before, a UnicodeDecodeError traceback.
+    p = tmp_path / "model.onnx"
+    p.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(ConfigError, match="not a text file"):
+        load_config(p)
