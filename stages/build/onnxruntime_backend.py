@@ -164,7 +164,11 @@ def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig) -> t
         return model, {"applied": False, "why": "graph already FP16: ORT fuses best from the FP32 graph"}
     from onnxruntime.transformers.optimizer import optimize_model
 
-    fused = optimize_model(model, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0,
+    # optimize_model rewrites a ModelProto in place: fuse a copy, so the parity check below compares two
+    # different graphs and the caller's unfused graph (an autotune candidate) stays unfused.
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    fused = optimize_model(work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0,
                            use_gpu=device == "cuda")
     stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
     if not stats:

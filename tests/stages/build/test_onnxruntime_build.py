@@ -86,6 +86,18 @@ def test_transformer_fusion_applied_and_exact(zoo, tmp_path: Path) -> None:
         np.testing.assert_allclose(runner.infer({"input": x})["logits"], reference(zoo("transformer"), x), atol=1e-4)
 
 
+def test_fusion_leaves_the_callers_graph_unfused(zoo) -> None:
+    """ORT's optimize_model rewrites its input in place; the parity check needs the unfused graph intact."""
+    from stages.build.onnxruntime_backend import maybe_fuse
+
+    model = onnx.load(str(zoo("transformer")))
+    before = [n.op_type for n in model.graph.node]
+    fused, note = maybe_fuse(model, "cpu", OnnxRuntimeConfig())
+    assert note["applied"] and fused is not model
+    assert [n.op_type for n in model.graph.node] == before
+    assert "SkipLayerNormalization" in {n.op_type for n in fused.graph.node}
+
+
 @pytest.mark.parametrize("setting, model, why", [("off", "transformer", "off in config"),
                                                   ("auto", "cnn", "no attention-like ops")])
 def test_transformer_fusion_skipped(zoo, tmp_path: Path, setting: str, model: str, why: str) -> None:

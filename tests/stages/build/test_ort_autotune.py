@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -158,6 +159,9 @@ def test_fusion_candidate_keeps_the_unfused_graph_only_when_chosen(zoo, tmp_path
                                                                 {"transformer_fusion": False}]
     assert (tmp_path / "e" / "engine-unfused.onnx").is_file() == unfused_wins
     assert ("model_unfused" in read_metadata(tmp_path / "e")["files"]) == unfused_wins
+    if unfused_wins:  # the candidate really is the graph before ORT's transformer fusion
+        unfused = onnx.load(str(tmp_path / "e" / "engine-unfused.onnx"))
+        assert not {"Attention", "BiasGelu"} & {n.op_type for n in unfused.graph.node}  # ORT-session fusions aside
     x = sample("transformer", 2)
     ref = ort.InferenceSession(str(zoo("transformer")), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
     with load_engine(tmp_path / "e") as runner:
