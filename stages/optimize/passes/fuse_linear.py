@@ -63,10 +63,12 @@ def fold_conv_bn(graph: gs.Graph, p: BaseModel) -> int:
 
 def _channel_vector(v: np.ndarray, channels: int, rank: int) -> np.ndarray | None:
     """A constant added to a Conv output [N, C, ...] that is per-channel (shape [C,1,..], [1,C,1,..] or scalar)."""
+    if v.ndim > rank:
+        return None  # broadcasting would add axes to the output: not a bias
     if v.ndim == 0 or v.size == 1:
         return np.full(channels, v.ravel()[0], dtype=v.dtype)
     shape = list(v.shape)
-    if len(shape) > rank or len(shape) < rank - 1:
+    if len(shape) < rank - 1:
         return None
     full = [1] * (rank - len(shape)) + shape
     if full[0] != 1 or full[1] != channels or any(d != 1 for d in full[2:]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper as h
 
-from optimize_helpers import FLOAT, make_model, ops, run_pass
+from optimize_helpers import FLOAT, f32, make_model, ops, run_pass
 
 
 def _valid(model: onnx.ModelProto) -> None:
@@ -28,3 +28,10 @@ def test_transposes_vanish_into_graph_output_while_first_is_read_elsewhere():
     out, _ = run_pass(m, "merge_transposes")
     _valid(out)
     assert ops(out) == ["Relu", "Transpose", "Sigmoid"]
+
+
+def test_conv_add_of_a_one_element_constant_that_adds_an_axis_is_not_a_bias():
+    m = make_model([h.make_node("Conv", ["x", "w"], ["c"]), h.make_node("Add", ["c", "k"], ["y"])],
+                   [("x", ["N", 3, 4, 4], FLOAT)], ["y"], {"w": f32(5, 3, 1, 1), "k": f32(1, 1, 1, 1, 1)})
+    out, s = run_pass(m, "fold_conv_add")  # folding would drop the output's fifth axis
+    assert ops(out) == ["Conv", "Add"] and s["passes"][0]["changes"] == 0
