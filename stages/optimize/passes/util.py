@@ -87,12 +87,7 @@ def static_shape(t: gs.Tensor) -> list[int] | None:
 
 def new_const(graph: gs.Graph, base: str, values: np.ndarray) -> gs.Constant:
     """A constant with a name unique in the graph."""
-    names = graph.tensors()
-    name, i = base, 0
-    while name in names:
-        i += 1
-        name = f"{base}_{i}"
-    return gs.Constant(name, np.ascontiguousarray(values))
+    return gs.Constant(unique_name(graph, base), np.ascontiguousarray(values))
 
 
 def unique_name(graph: gs.Graph, base: str) -> str:
