@@ -59,6 +59,15 @@ def outputs_intact(stage_dir: Path, manifest: dict[str, Any]) -> bool:
     return all((stage_dir / rel).is_file() and (stage_dir / rel).stat().st_size == n for rel, n in sizes.items())
 
 
+def config_value(config: KilnConfig, dotted: str) -> Any:
+    """A config section (``"build"``), top-level value (``"seed"``) or one key (``"validate.batch_sizes"``) as JSON."""
+    head, *rest = dotted.split(".")
+    value: Any = config.section(head)
+    for part in rest:
+        value = getattr(value, part)
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+
+
 def cache_key(stage: Stage, config: KilnConfig, workdir: Path) -> tuple[str, dict[str, Any]]:
     inputs = {}
     for up in stage.inputs:
@@ -66,8 +75,7 @@ def cache_key(stage: Stage, config: KilnConfig, workdir: Path) -> tuple[str, dic
         inputs[up] = hash_json(m["outputs"]) if m else None
     parts = {
         "code": hash_source(*stage.code),
-        "config": {s: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v)
-                   for s in stage.sections for v in [config.section(s) if s not in ("seed", "name") else getattr(config, s)]},
+        "config": {s: config_value(config, s) for s in stage.sections},
         "inputs": inputs,
         "env": stage.env(config),
     }

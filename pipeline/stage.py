@@ -47,7 +47,8 @@ StageFn = Callable[[StageContext], dict[str, Any]]
 class Stage:
     """A pipeline step.
 
-    ``inputs``: upstream stages whose artifacts it reads. ``sections``: config sections its result depends on.
+    ``inputs``: upstream stages whose artifacts it reads. ``sections``: config it reads, as sections (``"data"``),
+    top-level values (``"seed"``) or single keys (``"validate.batch_sizes"``); everything the result depends on.
     ``code``: modules whose source is hashed as the stage's code version. ``env``: the environment facts
     (library versions, device) that belong in its cache key.
     """

@@ -10,7 +10,7 @@ import pytest
 from pipeline.api import run_pipeline
 from pipeline.config import config_from_dict
 from pipeline.errors import BuildError
-from pipeline.runner import Runner
+from pipeline.runner import Runner, cache_key
 from pipeline.stages import STAGES
 from tests.conftest import tiny_config_dict
 
@@ -84,3 +84,36 @@ def test_gate_failure_fails_the_run_with_values(tmp_path: Path) -> None:
     assert not result.ok and "max_latency" not in str(result.error)
     assert "p50 latency" in str(result.error) and report["validation"]["passed"] is False
     assert statuses(result)["package"] == "not-run"
+
+
+def _keys(tmp_path: Path, **overrides) -> dict[str, str]:
+    cfg = config_from_dict(tiny_config_dict(**overrides))
+    return {s.name: cache_key(s, cfg, tmp_path)[0] for s in STAGES}
+
+
+@pytest.mark.parametrize("override, stages", [
+    # build sizes engine profiles / autotuned shapes from the largest validate batch size
+    ({"validate.batch_sizes": [1, 64]}, {"build", "validate"}),
+    # the default dataset (and so calibration data, parity data, held-out data) follows model.name
+    ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "validate"}),
+    # built-in datasets are split by seed
+    ({"seed": 1}, {"train", "export", "precision", "validate"}),
+])
+def test_cache_key_covers_config_the_stage_reads(tmp_path: Path, override, stages) -> None:
+    # Before: build ignored validate.batch_sizes, precision model.name, export seed, validate model.
+    before, after = _keys(tmp_path), _keys(tmp_path, **override)
+    assert {name for name in before if before[name] != after[name]} == stages
+
+
+def test_cache_key_ignores_gates_for_build(tmp_path: Path) -> None:
+    before, after = _keys(tmp_path), _keys(tmp_path, **{"validate.gates.min_cosine": 0.5})
+    assert before["build"] == after["build"] and before["validate"] != after["validate"]
+
+
+def test_code_versions_cover_what_stages_run() -> None:
+    # validate runs engines through stages.build's runners; train builds models from the zoo.
+    import models
+    import stages.build
+    from pipeline.stages import stage_named
+
+    assert stages.build in stage_named("validate").code and models in stage_named("train").code
