@@ -62,3 +62,13 @@ def synthetic(shape: tuple[int, ...] | list[int] = (1, 8, 8), num_classes: int =
     y = torch.randint(0, num_classes, (size,), generator=g)
     x = protos[y] + noise * torch.randn((size, *shape), generator=g)
     return DatasetSplits(*_split(x, y, val_fraction, seed), num_classes=num_classes, name="synthetic")
+
+
+def synthetic_rgb(num_classes: int = 10, size: int = 512, seed: int = 0) -> DatasetSplits:
+    """``[N, 3, 32, 32]`` images: the smallest input the ResNet-18 layout (stride 32) takes; resnet18's default."""
+    return synthetic(shape=(3, 32, 32), num_classes=num_classes, size=size, seed=seed)
+
+
+def synthetic_tokens(num_classes: int = 2, size: int = 256, seed: int = 0) -> DatasetSplits:
+    """``[N, 128, 768]`` token features, the BERT-base input; bert_base's default."""
+    return synthetic(shape=(128, 768), num_classes=num_classes, size=size, seed=seed)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from torch import nn
 
 from models.cnn import resnet18, small_cnn
-from models.datasets import DatasetSplits, digits, digits_ids, synthetic
+from models.datasets import DatasetSplits, digits, digits_ids, synthetic, synthetic_rgb, synthetic_tokens
 from models.mlp import mlp_embed
 from models.transformer import bert_base, transformer
 from pipeline.errors import ConfigError
@@ -27,11 +27,14 @@ DATASETS: dict[str, Callable[..., DatasetSplits]] = {
     "digits": digits,
     "digits_ids": digits_ids,
     "synthetic": synthetic,
+    "synthetic_rgb": synthetic_rgb,
+    "synthetic_tokens": synthetic_tokens,
 }
 
-# Which built-in dataset a built-in model trains on when the config names none.
+# Which built-in dataset a built-in model trains on when the config names none: it must fit the model's
+# default input (plain ``synthetic`` is 1x8x8, which neither ResNet-18 nor BERT-base takes).
 DEFAULT_DATASET: dict[str, str] = {"cnn": "digits", "transformer": "digits", "mlp_embed": "digits_ids",
-                                   "resnet18": "synthetic", "bert_base": "synthetic"}
+                                   "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens"}
 
 
 def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
@@ -59,7 +62,7 @@ def _call_factory(ref: str, table: dict[str, Callable[..., Any]], kind: str, par
     factory = resolve_callable(ref, table, kind)
     try:
         obj = factory(**(params or {}))
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # unknown keyword / invalid value: both are config mistakes
         raise ConfigError(f"{kind} '{ref}' rejected its params {params}: {exc}",
                           hint=f"fix {'model' if kind == 'model' else 'data'}.params in the config") from exc
     if not isinstance(obj, expected):

@@ -14,7 +14,8 @@ from torch import nn
 class SelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        assert dim % heads == 0, "dim must be divisible by heads"
+        if dim % heads:
+            raise ValueError(f"dim {dim} must be divisible by heads {heads}")
         self.heads, self.head_dim = heads, dim // heads
         self.q = nn.Linear(dim, dim)
         self.k = nn.Linear(dim, dim)
@@ -57,6 +58,8 @@ class TransformerClassifier(nn.Module):
     def __init__(self, in_features: int = 8, seq_len: int = 8, num_classes: int = 10, dim: int = 64,
                  heads: int = 4, layers: int = 2, ffn: int | None = None, input_kind: str = "image") -> None:
         super().__init__()
+        if input_kind not in ("image", "tokens"):
+            raise ValueError(f"input_kind must be 'image' or 'tokens', got {input_kind!r}")
         self.input_kind = input_kind
         self.embed = nn.Linear(in_features, dim)
         self.pos = nn.Parameter(torch.zeros(1, seq_len, dim))

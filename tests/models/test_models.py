@@ -11,7 +11,7 @@ SMALL = {"resnet18": {"width": 8, "num_classes": 10}, "bert_base": {"layers": 1,
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_model_runs_on_its_default_dataset_shape(name: str) -> None:
     model = build_model(name, SMALL.get(name)).eval()
-    if DEFAULT_DATASET[name] == "synthetic":
+    if DEFAULT_DATASET[name].startswith("synthetic"):
         shape = (3, 32, 32) if name == "resnet18" else (8, 16)
         x = torch.randn(2, *shape)
     else:
@@ -40,3 +40,19 @@ def test_import_path_and_errors() -> None:
         resolve_callable("no_such_pkg.x:f", MODELS, "model")
     with pytest.raises(ConfigError, match="rejected its params"):
         build_model("cnn", {"wdith": 3})
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_default_dataset_fits_the_default_model(name: str) -> None:
+    # Before: resnet18 and bert_base defaulted to 1x8x8 `synthetic` data and training died in a conv/linear.
+    x = load_dataset(DEFAULT_DATASET[name]).val_x[:2]
+    with torch.inference_mode():
+        out = build_model(name).eval()(x)
+    assert out.shape[0] == 2 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("params, named", [({"dim": 64, "heads": 5}, "divisible"), ({"input_kind": "img"}, "input_kind")])
+def test_bad_transformer_params_are_config_errors(params, named) -> None:
+    # Before: an AssertionError traceback (heads) or a silently wrong model (input_kind).
+    with pytest.raises(ConfigError, match=named):
+        build_model("transformer", params)
