@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from calibration.ranges import STATS
-from conftest import tiny_config_dict
+from tests.conftest import tiny_config_dict
 from models import build_model
 from pipeline.config import config_from_dict
 from pipeline.stage import StageContext
