@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from models.datasets import DatasetSplits
-from models.registry import DEFAULT_DATASET, build_model, load_dataset
+from models.registry import DATASETS, DEFAULT_DATASET, build_model, load_dataset
 from pipeline.config import KilnConfig
 from pipeline.errors import ConfigError, InputFileError
 
@@ -27,7 +27,7 @@ def dataset_for(config: KilnConfig) -> DatasetSplits:
         raise ConfigError(f"no dataset configured for model '{config.model.name}'",
                           hint="set data.name to a built-in dataset or 'package.module:function'")
     params = dict(config.data.params)
-    params.setdefault("seed", config.seed) if name in DEFAULT_DATASET.values() else None
+    params.setdefault("seed", config.seed) if name in DATASETS else None  # built-ins split by the run seed
     return load_dataset(name, params)
 
 

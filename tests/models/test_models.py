@@ -56,3 +56,13 @@ def test_bad_transformer_params_are_config_errors(params, named) -> None:
     # Before: an AssertionError traceback (heads) or a silently wrong model (input_kind).
     with pytest.raises(ConfigError, match=named):
         build_model("transformer", params)
+
+
+@pytest.mark.parametrize("data", ["synthetic", "digits", "synthetic_rgb"])
+def test_built_in_datasets_follow_the_run_seed(data: str) -> None:
+    # Every built-in dataset is split by the run's seed, not only those some model defaults to.
+    from pipeline.config import config_from_dict
+    from stages.train.model_io import dataset_for
+
+    a, b = (dataset_for(config_from_dict({"seed": s, "data": {"name": data}})) for s in (1, 2))
+    assert not torch.equal(a.val_y, b.val_y)
