@@ -15,7 +15,7 @@ import onnx
 import torch
 from torch import nn
 
-from pipeline.errors import ModelError
+from pipeline.errors import ConfigError, ModelError
 from pipeline.onnx_io import check_onnx, infer_shapes, input_feed, load_onnx, ort_run, ort_session, save_onnx
 from pipeline.stage import StageContext
 from stages.train.model_io import load_trained
@@ -91,6 +91,12 @@ def parity(model: nn.Module, onnx_path: Path, x: torch.Tensor) -> dict[str, floa
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.export
+    if not cfg.dynamic_batch:
+        # A static graph is fixed at the export example's batch; parity, build and validate all need others.
+        raise ConfigError("export.dynamic_batch: false cannot run through the pipeline, which checks and times "
+                          "the engines at every size in validate.batch_sizes",
+                          hint="keep export.dynamic_batch: true; for a fixed-batch file use `kiln export "
+                               "--checkpoint W.safetensors -o model.onnx --set export.dynamic_batch=false`")
     model = load_trained(ctx.inputs["train"], ctx.config)
     data = ctx.dataset()
     path = ctx.out / "model.onnx"

@@ -32,3 +32,16 @@ class Unexportable(nn.Module):
 def test_unexportable_model_gives_model_error(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="(?s)torch.onnx.export failed.*eigvals"):
         export_onnx(Unexportable(), torch.rand(2, 3, 3), tmp_path / "m.onnx")
+
+
+def test_static_batch_in_the_pipeline_is_a_config_error(tmp_path: Path) -> None:
+    # Before: parity fed 256 samples to a graph fixed at batch 2: an ONNX Runtime INVALID_ARGUMENT traceback.
+    from pipeline.api import run_pipeline
+    from pipeline.config import config_from_dict
+    from pipeline.errors import ConfigError
+    from tests.conftest import tiny_config_dict
+
+    cfg = config_from_dict(tiny_config_dict(**{"export.dynamic_batch": False}))
+    result, _ = run_pipeline(cfg, tmp_path, stop="export")
+    assert isinstance(result.error, ConfigError) and "export.dynamic_batch" in result.error.message
+    assert [r.status for r in result.records] == ["ran", "failed"]
