@@ -98,10 +98,18 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def clean_stale_staging(root: Path) -> None:
-    """Remove staging/old folders left by an interrupted run (their final folders are intact)."""
+    """Remove staging/old folders left by an interrupted run.
+
+    An ``.old`` folder whose final folder is missing was cut off between :func:`atomic_dir`'s two renames:
+    it is the last finished result, so it is put back rather than deleted.
+    """
     if not root.is_dir():
         return
     for p in root.glob(".*.staging-*"):
         shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".*.old-*"):
-        shutil.rmtree(p, ignore_errors=True)
+        final = root / p.name[1:].rsplit(".old-", 1)[0]
+        if final.exists():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.replace(p, final)

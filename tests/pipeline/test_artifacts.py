@@ -41,3 +41,21 @@ def test_stale_staging_is_cleaned(tmp_path: Path) -> None:
     write_json_atomic(tmp_path / "x.json", {"a": 1})
     clean_stale_staging(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_interrupted_swap_restores_the_previous_result(tmp_path: Path) -> None:
+    # Cut off after `final` was moved aside and before staging took its place: before, both were deleted.
+    old = tmp_path / ".train.old-1234abcd"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"w")
+    (tmp_path / ".train.staging-5678abcd").mkdir()
+    clean_stale_staging(tmp_path)
+    assert (tmp_path / "train" / "model.safetensors").read_bytes() == b"w"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]
+
+
+def test_old_folder_beside_its_final_is_removed(tmp_path: Path) -> None:
+    (tmp_path / "train").mkdir()
+    (tmp_path / ".train.old-1234abcd").mkdir()
+    clean_stale_staging(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]
