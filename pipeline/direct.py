@@ -88,15 +88,31 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnCon
     return ref_sess.run(None, feed)[0]
 
 
+def read_feed(path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` keyed by the engine's input names."""
+    hint = f"give an .npz with one array per input: np.savez(path, {', '.join(f'{n}=...' for n in names)})"
+    if not path.is_file():
+        raise InputFileError(f"inputs file not found: {path}", hint=hint)
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise InputFileError(f"cannot read inputs {path}: {exc}", hint=hint) from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise InputFileError(f"{path} holds one bare array, not named arrays", hint=hint)
+    with loaded:
+        feed = dict(loaded)
+    if sorted(feed) != sorted(names):
+        raise InputFileError(f"inputs {path} has arrays {sorted(feed)}; the engine takes {sorted(names)}", hint=hint)
+    return feed
+
+
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> dict[str, Any]:
     from stages.build.engines import load_engine, read_metadata
     from stages.validate import check_gates, compare, gates_for, percentiles
 
     meta = read_metadata(engine_dir)
     if inputs is not None:
-        if not inputs.is_file():
-            raise InputFileError(f"inputs file not found: {inputs}", hint="give an .npz with one array per input name")
-        feed = dict(np.load(inputs))
+        feed = read_feed(inputs, [s["name"] for s in meta["inputs"]])
     else:
         feed = random_feed(meta["inputs"], batch=max(cfg.validate_.batch_sizes))
     ref = reference_outputs(reference, feed, cfg)

@@ -171,3 +171,27 @@ def test_set_with_invalid_yaml_value(cli: CliRunner) -> None:
     # Before: a yaml ParserError traceback.
     result = cli.invoke(main, ["config", "--set", "validate.batch_sizes=[1,"])
     assert result.exit_code == 2 and "not valid YAML" in result.output and "Traceback" not in result.output
+
+
+def test_direct_validate_with_bad_inputs_files(cli: CliRunner, tmp_path: Path) -> None:
+    # Before: a .npy, a non-numpy file or misnamed arrays gave numpy/ONNX Runtime tracebacks.
+    import numpy as np
+    import torch
+
+    from models.registry import build_model
+
+    ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
+    torch.save(build_model("cnn").state_dict(), ckpt)
+    assert cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)]).exit_code == 0
+    assert cli.invoke(main, ["build", str(onnx_path), "-o", str(engine)]).exit_code == 0
+    x = np.zeros((2, 1, 8, 8), np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.savez(tmp_path / "wrong.npz", pixels=x)
+    np.savez(tmp_path / "good.npz", input=x)
+    (tmp_path / "junk.npz").write_text("not numpy")
+    for name, needle in (("x.npy", "bare array"), ("wrong.npz", "the engine takes ['input']"),
+                         ("junk.npz", "cannot read inputs")):
+        result = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / name)])
+        assert_clean_error(result, 2, needle, "np.savez")
+    result = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / "good.npz")])
+    assert result.exit_code == 0, result.output
