@@ -12,6 +12,7 @@ from pipeline.runner import RunResult
 
 def build_report(result: RunResult, config: KilnConfig) -> dict[str, Any]:
     stages = {r.name: {"status": r.status, "seconds": round(r.seconds, 3), **({"error": r.error} if r.error else {}),
+                       **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
                        "summary": r.summary} for r in result.records}
     validation = next((r.summary for r in result.records if r.name == "validate" and r.summary), None)
     report: dict[str, Any] = {"name": config.name, "ok": result.ok, "stages": stages, "environment": environment()}

@@ -6,6 +6,7 @@ depends on. Outputs go to ``<workdir>/<stage>/`` through a staging folder rename
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ class StageRecord:
     key: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    original_seconds: float | None = None  # for a cached stage: how long it took when it ran
 
 
 @dataclass
@@ -79,7 +81,24 @@ def cache_key(stage: Stage, config: KilnConfig, workdir: Path) -> tuple[str, dic
         "inputs": inputs,
         "env": stage.env(config),
     }
+    user = user_code(config, stage.sections)
+    if user:
+        parts["user_code"] = user
     return hash_json(parts), parts
+
+
+def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
+    """Source hashes of the user's own model/data/calibration-reader modules named by import path, for the stages
+    whose config names them: editing that code must invalidate the cache just as editing Kiln's does."""
+    refs = {"model": config.model.name, "data": config.data.name, "calibration": config.calibration.reader}
+    heads = {s.split(".")[0] for s in sections}
+    out = {}
+    for section, ref in refs.items():
+        if section in heads and ref and ":" in ref:
+            module = importlib.import_module(ref.partition(":")[0])  # already imported by config validation or the stage
+            if getattr(module, "__file__", None):
+                out[ref] = hash_source(module)
+    return out
 
 
 class Runner:
@@ -119,6 +138,7 @@ class Runner:
 
     def _run_one(self, stage: Stage, forced: bool) -> StageRecord:
         final = self.workdir / stage.name
+        t_check = time.perf_counter()
         key, parts = cache_key(stage, self.config, self.workdir)
         missing = [up for up in stage.inputs if parts["inputs"][up] is None]
         if missing:
@@ -127,7 +147,9 @@ class Runner:
         old = read_manifest(final)
         if not forced and old and old.get("key") == key and outputs_intact(final, old):
             log.info("%s: cached (key %s)", stage.name, key[:12])
-            return StageRecord(stage.name, "cached", old.get("seconds", 0.0), key, old.get("summary", {}))
+            # seconds: what this run spent on the stage (the check); the original run's time stays in the manifest
+            return StageRecord(stage.name, "cached", time.perf_counter() - t_check, key, old.get("summary", {}),
+                               original_seconds=old.get("seconds"))
         log.info("%s: running", stage.name)
         t0 = time.perf_counter()
         with atomic_dir(final) as out:

@@ -14,6 +14,7 @@ from torch import nn
 from models.datasets import DatasetSplits
 from models.registry import build_model
 from pipeline.config import KilnConfig
+from pipeline.errors import ModelError
 from pipeline.progress import Progress
 from pipeline.stage import StageContext
 from stages.train.checkpoint import run_key
@@ -51,8 +52,27 @@ def train_to(out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path,
     return result.summary()
 
 
+def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str) -> None:
+    """One forward pass on two samples, so that data which does not fit the model fails with a clear message
+    before training starts (and not as a traceback from deep inside the loop)."""
+    x = data.train_x[:2]
+    try:
+        with torch.no_grad():
+            out = model.eval()(x)
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        raise ModelError(f"model '{model_ref}' cannot take the dataset's input {tuple(x.shape)} ({x.dtype}): "
+                         f"{str(exc).splitlines()[0][:200]}",
+                         hint="make data.name/data.params produce what the model expects, or change model.params") from None
+    finally:
+        model.train()
+    if out.ndim != 2 or out.shape[1] < data.num_classes:
+        raise ModelError(f"model '{model_ref}' returns shape {tuple(out.shape)} for a batch of 2, but the dataset has "
+                         f"{data.num_classes} classes", hint="set the model's num_classes to the dataset's")
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config
+    check_model_fits_data(build_model(cfg.model.name, cfg.model.params), ctx.dataset(), cfg.model.name)
     if cfg.model.checkpoint or not cfg.train.enabled:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)

@@ -195,3 +195,15 @@ def test_direct_validate_with_bad_inputs_files(cli: CliRunner, tmp_path: Path) -
         assert_clean_error(result, 2, needle, "np.savez")
     result = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / "good.npz")])
     assert result.exit_code == 0, result.output
+
+
+def test_data_that_does_not_fit_the_model(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    cfg = write_yaml({**tiny_config_dict(), "data": {"name": "synthetic", "params": {"shape": [3, 16, 16]}}})
+    result = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert_clean_error(result, 2, "cannot take the dataset's input (2, 3, 16, 16)", "fix:")
+
+
+def test_model_with_too_few_classes(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    cfg = write_yaml({**tiny_config_dict(), "model": {"name": "cnn", "params": {"width": 8, "num_classes": 3}}})
+    result = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert_clean_error(result, 2, "dataset has 10 classes", "num_classes")

@@ -117,3 +117,30 @@ def test_code_versions_cover_what_stages_run() -> None:
     from pipeline.stages import stage_named
 
     assert stages.build in stage_named("validate").code and models in stage_named("train").code
+
+
+def test_cached_stages_report_this_runs_time(first_run) -> None:
+    workdir, _, _ = first_run
+    result, report = run_pipeline(config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1})),
+                                  workdir)
+    train = report["stages"]["train"]
+    assert train["status"] == "cached" and train["seconds"] < 0.5 and train["original_seconds"] > train["seconds"]
+
+
+def test_editing_user_model_code_reruns_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import sys
+
+    pkg = tmp_path / "src"
+    pkg.mkdir()
+    module = pkg / "my_models.py"
+    module.write_text("from models.cnn import SmallCNN\n\ndef build():\n    return SmallCNN(width=4, depth=2)\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    cfg = config_from_dict(tiny_config_dict(**{"model.name": "my_models:build", "model.params": {}, "data.name": "digits"}))
+    first, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
+    assert statuses(first) == {"train": "ran", "export": "ran"}
+    module.write_text(module.read_text().replace("width=4", "width=6"))
+    sys.modules.pop("my_models", None)
+    importlib.invalidate_caches()
+    second, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
+    assert statuses(second) == {"train": "ran", "export": "ran"}
