@@ -11,7 +11,7 @@ import torch
 from models import build_model
 from pipeline.onnx_io import ort_session
 from stages.export import export_onnx
-from test_precision_stage import _run
+from tests.stages.precision.test_precision_stage import _run
 
 
 @pytest.fixture(scope="module")
