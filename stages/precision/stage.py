@@ -31,8 +31,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
         fp32_path = ctx.out / "fp32" / "model.onnx" if "fp32" in wanted else Path(tmp) / "fp32.onnx"
         src = Source.prepare(load_onnx(ctx.inputs["optimize"] / "model.onnx"), fp32_path, batches,
-                             ctx.cache_dir if ccfg.cache else None)
-        cache_dir = src.cache_dir
+                             ctx.cache_dir if ccfg.cache else Path(tmp))  # no cache: ranges live only this run
+        cache_dir = src.cache_dir if ccfg.cache else None
         with ctx.progress.task("precision variants", total=len(wanted)) as bar:
             for precision in wanted:
                 out = ctx.out / precision / "model.onnx"

@@ -47,3 +47,14 @@ def test_ort_cpu_graph_can_be_turned_off(tmp_path: Path, cnn_dir: Path) -> None:
                  "calibration.ort_cpu_uint8": False}
     variants, _ = _run(tmp_path, cnn_dir, **overrides)
     assert "backend_paths" not in variants["int8"]
+
+
+def test_no_cache_leaves_no_temporary_folders(tmp_path: Path, cnn_dir: Path) -> None:
+    import glob
+
+    before = set(glob.glob("/tmp/kiln-calib-*"))
+    overrides = {"model.name": "cnn", "model.params": {"width": 8, "depth": 2}, "precision.variants": ["int8"],
+                 "calibration.cache": False}
+    variants, summary = _run(tmp_path, cnn_dir, **overrides)
+    assert summary["calibration_cache"] is None and "int8" in variants
+    assert set(glob.glob("/tmp/kiln-calib-*")) == before
