@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.registry import build_model  # noqa: E402
 from stages.build.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
 from stages.build.engines import load_engine  # noqa: E402
+from stages.build.onnxruntime_runner import time_calls  # noqa: E402
 from stages.build.stage import build_engine  # noqa: E402
 from stages.export import export_onnx  # noqa: E402
 
@@ -57,24 +58,11 @@ def model_specs(smoke: bool, bert_layers: int) -> dict[str, tuple[dict[str, Any]
     return {"resnet18": ({}, (3, 224, 224)), "bert_base": ({"layers": bert_layers}, (128, 768))}
 
 
-def time_fn(fn: Callable[[], Any], warmup: int, iterations: int, cuda: bool) -> list[float]:
-    """ms per call: CUDA events on the current stream (the call's work is on it or synchronized), else wall clock."""
+def time_fn(fn: Callable[[], Any], warmup: int, iterations: int) -> list[float]:
+    """ms per call after ``warmup`` calls, timed like Kiln's runners do (CUDA events on a GPU, else wall clock)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iterations):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return time_calls(fn, iterations)
 
 
 def agreement(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
@@ -143,7 +131,7 @@ class Bench:
             t1 = time.perf_counter()
             call = runner(x)  # first call compiles/captures for this shape: counted in build_seconds
             build = time.perf_counter() - t0 if batch == self.args.batches[0] else None
-            times = time_fn(call, self.args.warmup, self.args.iterations, self.cuda)
+            times = time_fn(call, self.args.warmup, self.args.iterations)
             got = self._eval(row, runner, evalx)
             entry = {"model": name, "row": row, "label": self.label(row), "batch": batch,
                      "median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90)),
