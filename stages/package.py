@@ -27,8 +27,17 @@ def _tensor_block(kind: str, specs: list[dict[str, Any]], batched: bool) -> str:
     return f"{kind} [\n" + ",\n".join(items) + "\n]\n"
 
 
+def engine_max_batch(meta: dict[str, Any]) -> int | None:
+    """The largest batch a TensorRT engine's optimization profiles accept (None: not bounded, e.g. ONNX Runtime)."""
+    sizes = [shape["max"][0] for profile in meta.get("profiles") or [] for shape in profile.values()]
+    return max(sizes) if sizes else None
+
+
 def triton_config(model_name: str, meta: dict[str, Any], max_batch_size: int) -> str:
     platform, _ = PLATFORMS[meta["backend"]]
+    limit = engine_max_batch(meta)
+    if limit is not None and max_batch_size > limit:
+        max_batch_size = limit  # Triton must not batch beyond what the engine's profiles were built for
     gpu = meta.get("device") == "cuda"
     batched = max_batch_size > 0
     text = f'name: "{model_name}"\nplatform: "{platform}"\nmax_batch_size: {max_batch_size}\n'

@@ -99,6 +99,8 @@ class Verifier:
                 return Verdict(False, float("inf"), f"output '{name}' has NaNs in different places")
             ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
             finite = np.isfinite(ref64)
+            if not np.array_equal(out64[~finite], ref64[~finite]):  # an inf must stay the same inf
+                return Verdict(False, float("inf"), f"output '{name}' has infinities in different places")
             err = float(np.max(np.abs(out64[finite] - ref64[finite]), initial=0.0))
             scale = float(np.max(np.abs(ref64[finite]), initial=0.0))
             worst = max(worst, err)

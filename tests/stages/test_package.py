@@ -31,3 +31,12 @@ def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
     repo = tmp_path / "package" / "triton" / model["triton_model"]
     assert (repo / "config.pbtxt").is_file() and (repo / "1" / "model.onnx").is_file()
     assert model["validation"]["cosine"] >= 0.9999
+
+
+def test_triton_batch_is_capped_by_the_engine_profile() -> None:
+    meta = {"backend": "tensorrt", "device": "cuda",
+            "profiles": [{"input": {"min": [1, 3, 8, 8], "opt": [8, 3, 8, 8], "max": [16, 3, 8, 8]}}],
+            "inputs": [{"name": "input", "shape": ["batch", 3, 8, 8], "dtype": "float32"}],
+            "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]}
+    assert "max_batch_size: 16" in triton_config("m", meta, 32)
+    assert "max_batch_size: 8" in triton_config("m", meta, 8)

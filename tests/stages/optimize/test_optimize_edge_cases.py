@@ -35,3 +35,25 @@ def test_conv_add_of_a_one_element_constant_that_adds_an_axis_is_not_a_bias():
                    [("x", ["N", 3, 4, 4], FLOAT)], ["y"], {"w": f32(5, 3, 1, 1), "k": f32(1, 1, 1, 1, 1)})
     out, s = run_pass(m, "fold_conv_add")  # folding would drop the output's fifth axis
     assert ops(out) == ["Conv", "Add"] and s["passes"][0]["changes"] == 0
+
+
+
+def test_safety_net_rejects_moved_infinities() -> None:
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from stages.optimize.config import OptimizeConfig
+    from stages.optimize.verify import Verifier
+
+    def divide_by(divisor: list[float]) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            [helper.make_node("Div", ["x", "c"], ["y"])], "div",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+            [numpy_helper.from_array(np.array(divisor, dtype=np.float32), "c")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    verifier = Verifier(divide_by([1.0, 0.0]), OptimizeConfig())  # the reference has an inf in its second output
+    assert verifier.check(divide_by([1.0, 0.0])).ok
+    verdict = verifier.check(divide_by([1.0, 1.0]))  # finite where the reference was inf
+    assert not verdict.ok and "infinities" in verdict.reason
