@@ -99,7 +99,12 @@ def load_runtime_cache(runtime_config: Any, path: Path) -> Any:
     cache = runtime_config.create_runtime_cache()
     data = read_locked(path)
     if data:
-        cache.deserialize(data)
+        try:
+            if cache.deserialize(data) is False:
+                raise ValueError("deserialize returned False")
+        except Exception as exc:  # a torn or foreign file only costs the JIT work it would have saved
+            log.warning("ignoring unreadable TensorRT-RTX runtime cache %s (%s); starting empty", path, exc)
+            cache = runtime_config.create_runtime_cache()
     runtime_config.set_runtime_cache(cache)
     return cache
 
