@@ -144,3 +144,12 @@ def test_editing_user_model_code_reruns_training(tmp_path: Path, monkeypatch: py
     importlib.invalidate_caches()
     second, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
     assert statuses(second) == {"train": "ran", "export": "ran"}
+
+
+def test_start_from_a_stage_reruns_it_and_everything_after(first_run) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
+    run_pipeline(cfg, workdir)  # settle the cache for this config first
+    result, _ = run_pipeline(cfg, workdir, start="build")
+    assert statuses(result) == {"train": "cached", "export": "cached", "optimize": "cached", "precision": "cached",
+                                "build": "ran", "validate": "ran", "package": "ran"}
