@@ -87,6 +87,16 @@ def chain_graph(scale: float = 1.0, big_weight: float | None = None) -> onnx.Mod
     return make_model(n, {"w1": rng_weights(16, 32), "scale": np.array(scale, np.float32), "w2": w2})
 
 
+def plus_minus_big_graph() -> onnx.ModelProto:
+    """(h + 4096) - 4096 between two MatMuls: FP16 rounding at the Add loses h's fraction, the Sub shows it."""
+    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "big"], ["hb"], name="add_big"),
+             helper.make_node("Sub", ["hb", "big"], ["hs"], name="sub_big"),
+             helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="head")]
+    return make_model(nodes, {"w1": rng_weights(16, 32), "big": np.array(4096.0, np.float32),
+                              "w2": rng_weights(32, 10, seed=1)})
+
+
 def inputs(n: int = 256, features: int = 16, seed: int = 0, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((n, features)) * scale).astype(np.float32)
 

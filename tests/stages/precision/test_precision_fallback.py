@@ -8,7 +8,7 @@ import onnx
 from onnx import helper
 
 from calibration.config import CalibrationConfig
-from precision_graphs import chain_graph, inputs, make_model, rng_weights
+from precision_graphs import chain_graph, inputs, make_model, plus_minus_big_graph, rng_weights
 from stages.precision.config import FallbackConfig, FP16Config
 from stages.precision.variants import Source, build_fp16, build_int8
 
@@ -34,12 +34,7 @@ def test_fallback_finds_planted_overflow(tmp_path: Path) -> None:
 
 def test_fallback_follows_error_to_its_producer(tmp_path: Path) -> None:
     """(h + 4096) - 4096: the damage shows at the Sub but is done by the Add's FP16 rounding."""
-    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-             helper.make_node("Add", ["h", "big"], ["hb"], name="add_big"),
-             helper.make_node("Sub", ["hb", "big"], ["hs"], name="sub_big"),
-             helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="head")]
-    model = make_model(nodes, {"w1": rng_weights(16, 32), "big": np.array(4096.0, np.float32),
-                               "w2": rng_weights(32, 10, seed=1)})
+    model = plus_minus_big_graph()
     src = _source(model, tmp_path)
     entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK,
                        FallbackConfig(nodes_per_round=1, max_rounds=4), inputs(256), CalibrationConfig())

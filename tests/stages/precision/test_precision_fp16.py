@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from precision_graphs import (chain_graph, decomposed_layernorm_graph, inputs, make_model, node_input_types,
-                              reduction_graph, rng_weights, sensitive_graph)
+                              plus_minus_big_graph, reduction_graph, rng_weights, sensitive_graph)
 from calibration.ranges import calibrate
 from stages.precision.casts import cast_chains, remove_cast_chains
 from stages.precision.compare import run_batched
@@ -150,12 +150,7 @@ def test_int_inputs_keep_their_type() -> None:
 def test_emulation_rounds_what_fp16_stores() -> None:
     """ORT's CPU provider computes most FP16 nodes in FP32 and hides FP16 rounding; the emulation shows it:
     (h + 4096) - 4096 loses h's fraction in FP16 unless those two nodes stay FP32."""
-    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-             helper.make_node("Add", ["h", "big"], ["hb"], name="add_big"),
-             helper.make_node("Sub", ["hb", "big"], ["hs"], name="sub_big"),
-             helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="head")]
-    model = make_model(nodes, {"w1": rng_weights(16, 32), "big": np.array(4096.0, np.float32),
-                               "w2": rng_weights(32, 10, seed=1)})
+    model = plus_minus_big_graph()
     x = inputs(64)
     ref = run_batched(model, x)[0]
     lossy = run_batched(emulate_fp16(model, set()), x)[0]

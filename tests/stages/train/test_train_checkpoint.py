@@ -10,7 +10,7 @@ import torch
 from pipeline.errors import InputFileError, TrainingError
 from stages.train import checkpoint as ckpt
 from stages.train.loop import train
-from train_helpers import TinyNet, max_diff, tiny_data, tiny_net, train_cfg
+from train_helpers import TinyNet, max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 
 class Crash(Exception):
@@ -108,15 +108,7 @@ def test_persistent_nan_aborts_naming_step_and_last_good_checkpoint(tmp_path: Pa
 def test_short_nan_burst_within_patience_is_skipped(tmp_path: Path) -> None:
     """One NaN batch: that step is skipped (weights untouched), training goes on and stays finite."""
     data, model = tiny_data(), tiny_net()
-    calls = {"n": 0}
-    orig = model.forward
-
-    def forward(inp: torch.Tensor) -> torch.Tensor:
-        calls["n"] += 1
-        out = orig(inp)
-        return out * float("nan") if model.training and calls["n"] == 2 else out
-
-    model.forward = forward  # type: ignore[method-assign]
+    nan_on_forward(model, 2)
     r = train(model, data, train_cfg(epochs=1, amp={"nonfinite_patience": 1}))
     assert r.history[0].nonfinite_steps == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -16,7 +16,7 @@ from stages.train.data import DeviceBatches, make_loader
 from stages.train.dist import DistEnv
 from stages.train.health import LaggedStats, skip_if_nonfinite, skips_on_device
 from stages.train.loop import train
-from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
+from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")
 
@@ -84,15 +84,7 @@ def test_lagged_nan_abort_names_the_step_and_keeps_the_good_checkpoint(tmp_path:
 
 def test_lagged_nan_burst_is_skipped_and_counted() -> None:
     data, model = tiny_data(), tiny_net()
-    calls = {"n": 0}
-    orig = model.forward
-
-    def forward(inp: torch.Tensor) -> torch.Tensor:
-        calls["n"] += 1
-        out = orig(inp)
-        return out * float("nan") if model.training and calls["n"] == 5 else out  # the last step of epoch 1
-
-    model.forward = forward  # type: ignore[method-assign]
+    nan_on_forward(model, 5)  # the last step of epoch 1
     r = train(model, data, train_cfg(epochs=2, optimizer="adamw", fused=True, amp={"nonfinite_patience": 1}))
     assert [m.nonfinite_steps for m in r.history] == [1, 0]  # drained into the epoch it belongs to
     assert all(torch.isfinite(p).all() for p in model.parameters())

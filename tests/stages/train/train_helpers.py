@@ -28,6 +28,19 @@ def tiny_net(seed: int = 0) -> TinyNet:
     return TinyNet()
 
 
+def nan_on_forward(model: nn.Module, call: int) -> None:
+    """Make the ``call``-th training-mode forward pass of ``model`` return NaNs (a one-step loss blow-up)."""
+    calls = {"n": 0}
+    orig = model.forward
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        out = orig(inp)
+        return out * float("nan") if model.training and calls["n"] == call else out
+
+    model.forward = forward  # type: ignore[method-assign]
+
+
 def tiny_data(size: int = 200) -> DatasetSplits:
     return synthetic(size=size, val_fraction=0.2, seed=3)
 
