@@ -44,6 +44,7 @@ def train_to(out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path,
     env = env_from_torchrun()
     device = resolve_device(config.train, env.local_rank if env.enabled else None)
     model = build_seeded(config)
+    check_model_fits_data(model, data, config.model.name)
     with process_group(env, config.train.distributed, device):
         result = train(model, data, config.train, seed=config.seed, progress=progress, env=env,
                        ckpt_dir=ckpt_dir, run_key=run_key(config.dump()), out_dir=out)
@@ -72,7 +73,6 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str)
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config
-    check_model_fits_data(build_model(cfg.model.name, cfg.model.params), ctx.dataset(), cfg.model.name)
     if cfg.model.checkpoint or not cfg.train.enabled:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
@@ -91,6 +91,7 @@ def _skip(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config
     model = build_seeded(cfg)
     data = ctx.dataset()
+    check_model_fits_data(model, data, cfg.model.name)
     source = cfg.model.checkpoint or "random init"
     if cfg.model.checkpoint:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)
