@@ -130,7 +130,7 @@ class Runner:
             records.append(record)
             self.on_event(record)
             if record.status != "failed" and record.summary.get("passed") is False and error is None:
-                error = GateFailure(f"validation gates failed: {record.summary.get('failures_text', 'see report')}",
+                error = GateFailure(f"validation gates failed: {'; '.join(record.summary.get('failures', [])) or 'see report'}",
                                     hint="see report.md; relax validate.gates only if the numbers are acceptable")
             if stop is not None and stage.name == stop:
                 break

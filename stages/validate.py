@@ -128,8 +128,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     failures = [f"{e['name']}: {f}" for e in validated for f in e["failures"]]
     if not validated:
         failures.append("no engine could be validated on this machine")
-    result = {"passed": not failures, "baseline": baseline, "engines": engines, "failures": failures,
-              "failures_text": "; ".join(failures)}
+    result = {"passed": not failures, "baseline": baseline, "engines": engines, "failures": failures}
     (ctx.out / "validation.json").write_text(json.dumps(result, indent=2))
     for e in engines:
         ctx.log.info("%s: %s", e["name"], e.get("status"))
