@@ -31,7 +31,7 @@ alternating rounds above remove those differences, and the per-round figures sho
 
 Writes <out>/train.json and <out>/train.md.
 
-    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~2-3 minutes
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~4 minutes
     python benchmarks/train_bench.py --smoke --out /tmp/train_bench          # tiny models on CPU, seconds
 """
 from __future__ import annotations
@@ -255,13 +255,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 8; smoke 2)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 32; smoke 2)")
-    ap.add_argument("--rounds", type=int, default=None, help="runs per loop and cell (default 3; smoke 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 48; smoke 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per loop and cell (default 5; smoke 2)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
-    res = run(args.smoke, args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 32),
-              args.rounds or (2 if args.smoke else 3))
+    res = run(args.smoke, args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 48),
+              args.rounds or (2 if args.smoke else 5))
     args.out.mkdir(parents=True, exist_ok=True)
     name = "train_smoke" if args.smoke else "train"
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
