@@ -31,6 +31,12 @@ class CalibrationConfig(Section):
     ort_cpu_uint8: bool = Field(
         True, description="also write an INT8 graph with asymmetric uint8 activations for ONNX Runtime CPU engines "
                           "(its fastest x86 kernels); TensorRT engines keep the symmetric int8 graph")
+    ort_cpu_scheme: Literal["auto", "static", "dynamic"] = Field(
+        "auto", description="how that ONNX Runtime CPU graph is quantized. static: calibrated uint8 activation "
+                            "ranges (best for convolutions); dynamic: MatMul/Gemm only, activation ranges measured "
+                            "per batch at run time, so a sample's output depends slightly on its batch mates "
+                            "(ONNX Runtime's advice for Transformers); auto: dynamic when the graph has MatMul or "
+                            "Gemm layers and no convolutions, else static")
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
         description="op types to quantize; norms, Softmax and element-wise math stay float by default")

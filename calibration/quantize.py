@@ -74,6 +74,45 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
             "cache_hit": ranges.cache_hit, "method": ranges.method}
 
 
+# quantize_dynamic's integer kernels exist for these; its Conv path (ConvInteger) is slower than float on x86.
+DYNAMIC_OPS = ("MatMul", "Gemm")
+
+
+def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:
+    """``cfg.ort_cpu_scheme`` with ``auto`` resolved: ONNX Runtime's quantization guide recommends dynamic
+    quantization for Transformer-style graphs and static for CNNs. On a Transformer, dynamic wins on CPU
+    because ORT fuses each quantized MatMul with its bias into one DynamicQuantizeMatMul kernel, while the
+    static graph adds Q/DQ nodes on every activation (measured in benchmarks/precision_bench.py)."""
+    if cfg.ort_cpu_scheme != "auto":
+        return cfg.ort_cpu_scheme
+    ops = {n.op_type for n in model.graph.node}
+    return "dynamic" if ops & set(DYNAMIC_OPS) and not ops & {"Conv", "ConvTranspose"} else "static"
+
+
+def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConfig,
+                          extra_exclude: Iterable[str] = ()) -> dict[str, Any]:
+    """ONNX Runtime CPU graph with int8 weights and run-time (per batch) uint8 activation scales: needs no
+    calibration ranges. Same float-kept nodes as the Q/DQ graph."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    exclude = excluded_nodes(model, cfg, extra_exclude)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _quiet_ort_preprocess_warning()
+    quantize_dynamic(
+        str(model_path), str(out_path),
+        op_types_to_quantize=sorted(set(DYNAMIC_OPS) & set(quantizable_op_types(cfg))),
+        per_channel=cfg.per_channel,
+        weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
+        nodes_to_exclude=exclude,
+        use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+    )
+    q = onnx.load(str(out_path), load_external_data=False)
+    quantized = sum(n.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for n in q.graph.node)
+    log.info("int8 dynamic: %d integer/quantize nodes, %d nodes kept in float", quantized, len(exclude))
+    return {"excluded": exclude, "scheme": "dynamic"}
+
+
 def _quiet_ort_preprocess_warning() -> None:
     """quantize_static warns on the root logger that the model was not pre-processed; Kiln's optimize stage
     already ran shape inference and graph cleanup, and ORT's pre-processing would add ORT-only fused ops that

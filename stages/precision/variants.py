@@ -12,7 +12,8 @@ import numpy as np
 import onnx
 
 from calibration.config import CalibrationConfig
-from calibration.quantize import excluded_nodes, quantizable_op_types, quantize_int8
+from calibration.quantize import (excluded_nodes, ort_cpu_scheme, quantizable_op_types, quantize_int8,
+                                  quantize_int8_dynamic)
 from calibration.ranges import Ranges, calibrate
 from calibration.trt_table import write_trt_table
 from pipeline.onnx_io import infer_shapes, save_onnx
@@ -90,16 +91,26 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
         "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
         "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes")}})
     if ccfg.ort_cpu_uint8 and ccfg.activation_type == "int8":
-        # Same data and float-kept nodes; the activation encoding differs (see CalibrationConfig), and so do the
-        # cached ranges (they hold scales computed for one encoding), hence a calibration of its own.
-        ort_cfg = ccfg.model_copy(update={"activation_type": "uint8", "symmetric_activations": False})
         ort_out = out.with_name("model.ort_cpu.onnx")
-        quantize_int8(src.path, ort_out, src.ranges(ccfg.method, ort_cfg), ort_cfg, set(base | res.kept))
+        entry["ort_cpu_scheme"] = build_ort_cpu_int8(src, ort_out, ccfg, set(base | res.kept))
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
         entry["trt_calibration_table"] = table.name
     return entry
+
+
+def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_float: set[str]) -> str:
+    """The INT8 graph ONNX Runtime CPU engines load instead of the symmetric Q/DQ one; returns its scheme.
+    Same float-kept nodes. Static: uint8 activations, which need a calibration of their own (the cached ranges
+    hold scales computed for one encoding)."""
+    scheme = ort_cpu_scheme(src.model, ccfg)
+    if scheme == "dynamic":
+        quantize_int8_dynamic(src.path, out, ccfg, keep_float)
+    else:
+        ort_cfg = ccfg.model_copy(update={"activation_type": "uint8", "symmetric_activations": False})
+        quantize_int8(src.path, out, src.ranges(ccfg.method, ort_cfg), ort_cfg, keep_float)
+    return scheme
 
 
 def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig) -> str:

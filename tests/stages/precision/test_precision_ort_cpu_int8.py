@@ -1,4 +1,5 @@
-"""The extra INT8 graph for ONNX Runtime CPU: uint8 asymmetric activations, same function as the FP32 graph."""
+"""The extra INT8 graph for ONNX Runtime CPU: static uint8 activations for CNNs, dynamic quantization for
+Transformers (``calibration.ort_cpu_scheme``), same function as the FP32 graph."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from models import build_model
 from pipeline.onnx_io import ort_session
 from stages.export import export_onnx
-from tests.stages.precision.test_precision_stage import _run
+from tests.stages.precision.test_precision_stage import TRANSFORMER, _run
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +35,52 @@ def test_ort_cpu_graph_is_uint8_and_agrees(tmp_path: Path, cnn_dir: Path) -> Non
     variants, _ = _run(tmp_path, cnn_dir, **overrides)
     root = tmp_path / "precision"
     ort_path = root / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+    assert variants["int8"]["ort_cpu_scheme"] == "static"  # auto: the graph has convolutions
     assert _zero_point_types(ort_path) == {onnx.TensorProto.UINT8}
     assert _zero_point_types(root / variants["int8"]["path"]) == {onnx.TensorProto.INT8}  # TensorRT's form
+    assert _cosine_to_fp32(root, variants, ort_path) > 0.99
+
+
+def _cosine_to_fp32(root: Path, variants: dict, path: Path) -> float:
     x = np.random.default_rng(0).random((64, 1, 8, 8), dtype=np.float32)
-    ref, got = (ort_session(p).run(None, {"input": x})[0] for p in (root / variants["fp32"]["path"], ort_path))
-    cos = float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))
-    assert cos > 0.99
+    ref, got = (ort_session(p).run(None, {"input": x})[0] for p in (root / variants["fp32"]["path"], path))
+    return float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))
+
+
+@pytest.fixture(scope="module")
+def transformer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("optimize-transformer")
+    torch.manual_seed(0)
+    export_onnx(build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8), folder / "model.onnx")
+    return folder
+
+
+def _ops(path: Path) -> list[str]:
+    return [n.op_type for n in onnx.load(str(path)).graph.node]
+
+
+def test_transformer_ort_cpu_graph_is_dynamic_and_keeps_float_nodes(tmp_path: Path, transformer_dir: Path) -> None:
+    keep = next(n.name for n in onnx.load(str(transformer_dir / "model.onnx")).graph.node if n.op_type == "MatMul")
+    variants, summary = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
+                                                           "calibration.exclude_nodes": [keep]})
+    root = tmp_path / "precision"
+    ort_path = root / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+    assert variants["int8"]["ort_cpu_scheme"] == summary["variants"]["int8"]["ort_cpu_scheme"] == "dynamic"
+    ops = _ops(ort_path)
+    # int8 weights, activation scales computed per batch: no calibrated QuantizeLinear on activations
+    assert "DynamicQuantizeLinear" in ops and "MatMulInteger" in ops and "QuantizeLinear" not in ops
+    kept = [n for n in onnx.load(str(ort_path)).graph.node if n.name == keep]
+    assert [n.op_type for n in kept] == ["MatMul"]
+    assert "QuantizeLinear" in _ops(root / variants["int8"]["path"])  # TensorRT still gets the Q/DQ graph
+    assert _cosine_to_fp32(root, variants, ort_path) > 0.99
+
+
+def test_transformer_ort_cpu_scheme_can_be_forced_static(tmp_path: Path, transformer_dir: Path) -> None:
+    variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
+                                                     "calibration.ort_cpu_scheme": "static"})
+    ort_path = tmp_path / "precision" / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+    assert variants["int8"]["ort_cpu_scheme"] == "static" and "DynamicQuantizeLinear" not in _ops(ort_path)
+    assert _zero_point_types(ort_path) == {onnx.TensorProto.UINT8}
 
 
 def test_ort_cpu_graph_can_be_turned_off(tmp_path: Path, cnn_dir: Path) -> None:
