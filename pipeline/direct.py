@@ -53,21 +53,6 @@ def build_direct(src: Path, out: Path, backend: str, device: str, precision: str
     return build_engine(src, out, backend, device, precision, cfg.build, cache)
 
 
-def random_feed(specs: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feed = {}
-    for s in specs:
-        shape = [batch if i == 0 and not isinstance(d, int) or d == 0 else d for i, d in enumerate(s["shape"])]
-        if any(not isinstance(d, int) for d in shape):
-            raise ConfigError(f"input '{s['name']}' has symbolic dims {s['shape']} beyond the batch axis",
-                              hint="pass --inputs file.npz with concrete arrays")
-        if s["dtype"].startswith("int"):
-            feed[s["name"]] = rng.integers(0, 2, size=shape).astype(s["dtype"])
-        else:
-            feed[s["name"]] = rng.standard_normal(shape).astype(s["dtype"])
-    return feed
-
-
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnConfig) -> np.ndarray:
     """First output of the reference: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of ``cfg.model``."""
     if reference.suffix != ".onnx":
@@ -107,14 +92,15 @@ def read_feed(path: Path, names: list[str]) -> dict[str, np.ndarray]:
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> dict[str, Any]:
-    from stages.build.engines import load_engine, read_metadata
+    from stages.build.engines import load_engine, random_feed, read_metadata
     from stages.validate import check_gates, compare, gates_for, percentiles
 
     meta = read_metadata(engine_dir)
     if inputs is not None:
         feed = read_feed(inputs, [s["name"] for s in meta["inputs"]])
     else:
-        feed = random_feed(meta["inputs"], batch=max(cfg.validate_.batch_sizes))
+        feed = random_feed(meta["inputs"], batch=max(cfg.validate_.batch_sizes),
+                           hint="pass --inputs file.npz with concrete arrays")
     ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
         got = next(iter(runner.infer(feed).values()))

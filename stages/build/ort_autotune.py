@@ -24,12 +24,17 @@ import onnx
 
 from pipeline.errors import ConfigError
 from stages.build.config import OrtAutotuneConfig
+from stages.build.engines import random_feed
 from stages.build.onnxruntime_runner import (KNOBS, cuda_slot, load_slot, open_session, plan_for, session_options,
                                              time_calls)
 
 log = logging.getLogger("kiln.build")
 Measure = Callable[[dict[str, Any]], dict[str, Any]]
 Timer = Callable[[Callable[[], Any], int], list[float]]
+
+
+AUTOTUNE_SHAPES_HINT = ("autotuning times fixed shapes: export with only the batch axis dynamic, or set "
+                        "build.onnxruntime.autotune.cuda/cpu: false")
 
 
 # ----------------------------------------------------------------------------------------------- search / choice
@@ -103,22 +108,6 @@ def agreement(ref: list[np.ndarray], got: list[np.ndarray], rel_tie: float = 1e-
     return {"cosine": min(cos), "top1": float(np.mean((ri == gi) | tie))}
 
 
-def random_feed(inputs: list[dict[str, Any]], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs of the engine's declared shapes with the batch axis set; ids in [0, 2) so any embedding accepts them."""
-    rng = np.random.default_rng(seed)
-    feed = {}
-    for spec in inputs:
-        rest = spec["shape"][1:]
-        if any(not isinstance(d, int) or d < 1 for d in rest):
-            raise ConfigError(f"input '{spec['name']}' has dynamic axes {spec['shape']} besides the batch axis",
-                              hint="autotuning times fixed shapes: export with only the batch axis dynamic, or set"
-                                   " build.onnxruntime.autotune.cuda/cpu: false")
-        shape, dtype = (batch, *rest), np.dtype(spec["dtype"])
-        values = rng.integers(0, 2, shape) if dtype.kind in "iu" else rng.standard_normal(shape)
-        feed[spec["name"]] = values.astype(dtype)
-    return feed
-
-
 # --------------------------------------------------------------------------------------------------- measuring
 class Bench:
     """Times candidates of one built engine on this machine. ``timer`` is injectable (tests); by default CUDA
@@ -138,7 +127,7 @@ class Bench:
 
     def feed(self, batch: int) -> dict[str, np.ndarray]:
         if batch not in self.feeds:
-            self.feeds[batch] = random_feed(self.meta["inputs"], batch)
+            self.feeds[batch] = random_feed(self.meta["inputs"], batch, hint=AUTOTUNE_SHAPES_HINT)
             self.refs[batch] = self.ref.run(None, self.feeds[batch])
         return self.feeds[batch]
 
