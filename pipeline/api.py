@@ -9,6 +9,7 @@ from pipeline.progress import Progress
 from pipeline.report import write_report
 from pipeline.runner import Runner, RunResult, StageRecord
 from pipeline.stages import STAGES, STAGE_NAMES, stage_named
+from pipeline.workdir_lock import workdir_lock
 
 
 def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | None = None, start: str | None = None,
@@ -20,8 +21,9 @@ def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | N
             stage_named(name)  # raises ConfigError listing valid stage names
     stages = [s for s in STAGES if only is None or s.name in only]
     workdir = Path(workdir)
-    result = Runner(config, workdir, stages, progress, on_stage).run(force=force, start=start, stop=stop)
-    report = write_report(result, config, workdir)
+    with workdir_lock(workdir):
+        result = Runner(config, workdir, stages, progress, on_stage).run(force=force, start=start, stop=stop)
+        report = write_report(result, config, workdir)
     return result, report
 
 

@@ -44,6 +44,10 @@ class TrainingError(KilnError):
     """Training diverged (NaN/Inf loss) or cannot start."""
 
 
+class WorkdirBusy(KilnError):
+    """Another Kiln run holds the workdir."""
+
+
 class GateFailure(KilnError):
     """A validation gate failed: the engine is not as accurate or fast as the config demands."""
 

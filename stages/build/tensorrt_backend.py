@@ -21,7 +21,7 @@ from pipeline.errors import BackendUnavailable, BuildError
 from stages.build import tensorrt_cache
 from stages.build.config import TensorRTConfig
 from stages.build.profiles import Profile, as_json
-from stages.build.tensorrt_errors import KilnTrtLogger, parse_onnx
+from stages.build.tensorrt_errors import KilnTrtLogger, gc_paused_for_tensorrt, parse_onnx
 from stages.build.tensorrt_weak import configure_weak_typing, graph_carries_precision
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
@@ -63,6 +63,12 @@ def features(trt: ModuleType) -> dict[str, bool]:
 def build_trt_engine(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile],
                      cache_dir: Path) -> dict[str, Any]:
     """Parse, configure, build and serialize; returns the backend's part of the metadata."""
+    with gc_paused_for_tensorrt():  # our Python logger runs inside TensorRT's locks
+        return _build(onnx_path, out, precision, cfg, profiles, cache_dir)
+
+
+def _build(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile],
+           cache_dir: Path) -> dict[str, Any]:
     trt = require_tensorrt()
     feats = features(trt)
     logger = KilnTrtLogger(trt)

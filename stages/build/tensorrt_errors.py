@@ -5,10 +5,13 @@ most. Nothing falls back silently: a node TensorRT cannot import fails the build
 """
 from __future__ import annotations
 
+import gc
 import logging
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 from pipeline.errors import BuildError
 
@@ -49,6 +52,38 @@ def KilnTrtLogger(trt: ModuleType) -> Any:  # noqa: N802 - a factory standing in
             return " | ".join(e.strip()[:300] for e in useful[-n:]) or "(no error message from TensorRT)"
 
     return _Logger()
+
+
+_gc_lock = threading.RLock()
+_gc_pauses = 0
+_gc_was_enabled = True
+
+
+@contextmanager
+def gc_paused_for_tensorrt() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector out of TensorRT's logger callbacks.
+
+    TensorRT calls the logger while holding its own mutex. If the collector runs inside that callback (any
+    allocation can start it) and frees an unreachable builder from an earlier build (one kept in a reference
+    cycle, e.g. by a traceback), the builder's destructor takes the same mutex and the process hangs for good:
+    seen with TensorRT-RTX 1.7 in ``trt.Builder(logger)`` (a second builder, whose creation logs a warning).
+    So the collector is off while any TensorRT build or load runs in this process (a count, since builds
+    may run in threads), and garbage is collected when none is running, when no TensorRT lock can be held.
+    Reference counting frees everything that is not in a cycle as usual."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.collect()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def parse_onnx(trt: ModuleType, network: Any, logger: Any, onnx_path: Path) -> Any:

@@ -52,6 +52,12 @@ class TensorRTRunner(Runner):
     """Device buffers from torch; one CUDA graph per input shape when ``cuda_graph`` is on (TensorRT 10/11)."""
 
     def _activate(self) -> None:
+        from stages.build.tensorrt_errors import gc_paused_for_tensorrt
+
+        with gc_paused_for_tensorrt():  # our Python logger runs inside TensorRT's locks
+            self._load()
+
+    def _load(self) -> None:
         import torch
 
         from stages.build import tensorrt_cache

@@ -207,3 +207,24 @@ def test_model_with_too_few_classes(cli: CliRunner, tmp_path: Path, write_yaml) 
     cfg = write_yaml({**tiny_config_dict(), "model": {"name": "cnn", "params": {"width": 8, "num_classes": 3}}})
     result = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "wd"), "--quiet"])
     assert_clean_error(result, 2, "dataset has 10 classes", "num_classes")
+
+
+def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path) -> None:
+    # Before: the second run's start-up cleanup deleted the first run's staging folders under it.
+    import subprocess
+    import sys
+
+    staging = tmp_path / ".train.staging-other-run"
+    staging.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.workdir_lock import workdir_lock\n"
+                               f"with workdir_lock(Path({str(tmp_path)!r})):\n print('locked', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = cli.invoke(main, ["run", "-w", str(tmp_path)])
+        assert_clean_error(result, 2, "in use by another kiln run", f"pid {holder.pid}", "--workdir")
+        assert staging.is_dir()
+    finally:
+        holder.communicate("")
+    assert holder.returncode == 0
