@@ -59,6 +59,14 @@ def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
+def _file_mode() -> int:
+    """What ``open()`` would give a new file under the process umask (read with a set-and-restore: the only
+    way the os module offers)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``: never a torn file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +76,9 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates 0600 files; an engine or model that a serving process (another user, e.g. Triton's)
+        # must read gets the permissions a plain write would have given it.
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

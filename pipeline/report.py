@@ -82,8 +82,10 @@ def _stage_sections(stages: dict[str, Any]) -> list[str]:
     if variants:
         out += ["", "## Precision variants", "", "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |", "|---|---|---|"]
         out += [f"| {name} | {v.get('kept_fp32', 0)} | {_fmt(v.get('top1_agreement'))} |" for name, v in variants.items()]
-        schemes = [f"{name}: {v['ort_cpu_scheme']}" for name, v in variants.items() if "ort_cpu_scheme" in v]
-        out += ["", f"ONNX Runtime CPU INT8 graph ({', '.join(schemes)}; calibration.ort_cpu_scheme)."] if schemes else []
+        for name, v in variants.items():
+            if "ort_cpu_scheme" in v:
+                out += ["", f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
+                            f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`)."]
         kept = [(name, node, why) for name, v in variants.items() for node, why in v.get("kept_fp32_nodes", {}).items()]
         if kept:
             out += ["", "Nodes kept in FP32:", ""] + [f"- {name}: `{node}`: {why}" for name, node, why in kept[:40]]

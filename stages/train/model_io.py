@@ -14,6 +14,7 @@ from torch import nn
 
 from models.datasets import DatasetSplits
 from models.registry import DATASETS, DEFAULT_DATASET, build_model, load_dataset
+from pipeline.artifacts import write_bytes_atomic
 from pipeline.config import KilnConfig
 from pipeline.errors import ConfigError, InputFileError
 
@@ -66,10 +67,11 @@ class ModelShapeError(InputFileError):
 
 
 def save_trained(out: Path, model: nn.Module, config: KilnConfig, extra: dict[str, Any] | None = None) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(out / WEIGHTS))
+    # save() + our atomic write rather than save_file(): that one leaves a 0600 file a server cannot read
+    write_bytes_atomic(out / WEIGHTS, save(state))
     spec = {"model": config.model.name, "params": config.model.params, **(extra or {})}
     (out / SPEC).write_text(json.dumps(spec, indent=2, sort_keys=True))
 

@@ -59,3 +59,21 @@ def test_old_folder_beside_its_final_is_removed(tmp_path: Path) -> None:
     (tmp_path / ".train.old-1234abcd").mkdir()
     clean_stale_staging(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train"]
+
+
+def test_atomic_writes_get_the_umask_permissions_not_mkstemps_0600(tmp_path: Path) -> None:
+    # Before: every artifact was 0600, unreadable for a serving process running as another user.
+    import os
+    import stat
+
+    from pipeline.artifacts import write_bytes_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_bytes_atomic(tmp_path / "engine.plan", b"x")
+        os.umask(0o077)
+        write_bytes_atomic(tmp_path / "private.plan", b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "engine.plan").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "private.plan").stat().st_mode) == 0o600
