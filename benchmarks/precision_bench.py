@@ -144,7 +144,7 @@ def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict
     x_val, y_val = data.val_x.numpy(), data.val_y.numpy()
     src = Source.prepare(proto, work / f"{row}_fp32.onnx", calibration_batches(data, ccfg), work / "cache")
     entry = build_int8(src, work / row / "int8.onnx", ccfg, FallbackConfig(min_top1_agreement=0.99), x_val)
-    chosen = entry["ort_cpu_scheme"]
+    chosen = entry["ort_cpu"]["scheme"]
     paths = {"int8": work / row / "int8.onnx", f"ort_cpu_{chosen}": work / row / "model.ort_cpu.onnx"}
     other = "static" if chosen == "dynamic" else "dynamic"
     build_ort_cpu_int8(src, work / row / f"ort_cpu_{other}.onnx", ccfg.model_copy(update={"ort_cpu_scheme": other}),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipeline.sections import Section
 
@@ -28,15 +28,15 @@ class CalibrationConfig(Section):
     activation_type: Literal["int8", "uint8"] = Field(
         "int8", description="int8 (symmetric): what TensorRT executes; uint8: ONNX Runtime's faster x86 CPU kernels")
     symmetric_activations: bool = Field(True, description="zero-point 0 for activations (what TensorRT requires)")
-    ort_cpu_uint8: bool = Field(
-        True, description="also write an INT8 graph with asymmetric uint8 activations for ONNX Runtime CPU engines "
-                          "(its fastest x86 kernels); TensorRT engines keep the symmetric int8 graph")
+    ort_cpu_graph: bool = Field(
+        True, description="also write an INT8 graph made for ONNX Runtime CPU engines (see ort_cpu_scheme); "
+                          "TensorRT engines keep the symmetric int8 Q/DQ graph")
     ort_cpu_scheme: Literal["auto", "static", "dynamic"] = Field(
-        "auto", description="how that ONNX Runtime CPU graph is quantized. static: calibrated uint8 activation "
-                            "ranges (best for convolutions); dynamic: MatMul/Gemm only, activation ranges measured "
-                            "per batch at run time, so a sample's output depends slightly on its batch mates "
-                            "(ONNX Runtime's advice for Transformers); auto: dynamic when the graph has MatMul or "
-                            "Gemm layers and no convolutions, else static")
+        "auto", description="how that ONNX Runtime CPU graph is quantized. static: calibrated, asymmetric uint8 "
+                            "activations (ORT's fastest x86 kernels for convolutions); dynamic: MatMul layers only, "
+                            "activation ranges measured per batch at run time, so a sample's output depends "
+                            "slightly on its batch mates (ONNX Runtime's advice for Transformers); auto: dynamic "
+                            "when the graph has MatMul or Gemm layers and no convolutions, else static")
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
         description="op types to quantize; norms, Softmax and element-wise math stay float by default")
@@ -47,3 +47,10 @@ class CalibrationConfig(Section):
     exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")
     cache: bool = Field(True, description="reuse calibration ranges across runs (keyed on model, data, settings)")
     trt_table: bool = Field(True, description="also write a TensorRT 10 IInt8Calibrator calibration table")
+
+    @model_validator(mode="after")
+    def _dynamic_needs_matmul(self) -> "CalibrationConfig":
+        if self.ort_cpu_scheme == "dynamic" and ("MatMul" not in self.op_types or "MatMul" in self.exclude_op_types):
+            raise ValueError("ort_cpu_scheme 'dynamic' quantizes MatMul layers only, and MatMul is not among the "
+                             "quantized op types (op_types / exclude_op_types); use 'static' or 'auto'")
+        return self

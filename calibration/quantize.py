@@ -74,43 +74,49 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
             "cache_hit": ranges.cache_hit, "method": ranges.method}
 
 
-# quantize_dynamic's integer kernels exist for these; its Conv path (ConvInteger) is slower than float on x86.
-DYNAMIC_OPS = ("MatMul", "Gemm")
-
-
 def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:
     """``cfg.ort_cpu_scheme`` with ``auto`` resolved: ONNX Runtime's quantization guide recommends dynamic
     quantization for Transformer-style graphs and static for CNNs. On a Transformer, dynamic wins on CPU
     because ORT fuses each quantized MatMul with its bias into one DynamicQuantizeMatMul kernel, while the
-    static graph adds Q/DQ nodes on every activation (measured in benchmarks/precision_bench.py)."""
+    static graph adds Q/DQ nodes on every activation (measured in benchmarks/precision_bench.py).
+    Dynamic quantizes MatMul layers only, so it needs MatMul among the quantized op types."""
     if cfg.ort_cpu_scheme != "auto":
-        return cfg.ort_cpu_scheme
+        return cfg.ort_cpu_scheme  # the config refuses "dynamic" without MatMul among the quantized op types
     ops = {n.op_type for n in model.graph.node}
-    return "dynamic" if ops & set(DYNAMIC_OPS) and not ops & {"Conv", "ConvTranspose"} else "static"
+    transformer_like = bool(ops & {"MatMul", "Gemm"}) and not ops & {"Conv", "ConvTranspose"}
+    return "dynamic" if transformer_like and "MatMul" in quantizable_op_types(cfg) else "static"
 
 
 def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConfig,
                           extra_exclude: Iterable[str] = ()) -> dict[str, Any]:
     """ONNX Runtime CPU graph with int8 weights and run-time (per batch) uint8 activation scales: needs no
-    calibration ranges. Same float-kept nodes as the Q/DQ graph."""
+    calibration ranges. Float-kept nodes as in the Q/DQ graph; unlike it, MatMuls of two activations (q k^T,
+    attention x v) stay float too (ORT's MatMulConstBOnly default for dynamic quantization)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(str(model_path), load_external_data=False)
-    exclude = excluded_nodes(model, cfg, extra_exclude)
+    ops = quantizable_op_types(cfg)
+    exclude = set(excluded_nodes(model, cfg, extra_exclude))
+    # quantize_dynamic first rewrites every Gemm into "<name>_MatMul" + "<name>_Add" and quantizes that MatMul,
+    # so a Gemm kept in float (by name or because Gemm is not a quantized op type) is excluded under that name.
+    gemms = [n.name for n in model.graph.node if n.op_type == "Gemm"]
+    exclude |= {f"{g}_MatMul" for g in gemms if g in exclude or "Gemm" not in ops}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
     quantize_dynamic(
         str(model_path), str(out_path),
-        op_types_to_quantize=sorted(set(DYNAMIC_OPS) & set(quantizable_op_types(cfg))),
+        op_types_to_quantize=["MatMul"],  # never empty: ORT reads an empty list as "every op it can"
         per_channel=cfg.per_channel,
         weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
-        nodes_to_exclude=exclude,
+        nodes_to_exclude=sorted(exclude),
         use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
     )
     q = onnx.load(str(out_path), load_external_data=False)
-    quantized = sum(n.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for n in q.graph.node)
-    log.info("int8 dynamic: %d integer/quantize nodes, %d nodes kept in float", quantized, len(exclude))
-    return {"excluded": exclude, "scheme": "dynamic"}
+    integer = sum(n.op_type == "MatMulInteger" for n in q.graph.node)
+    if integer == 0:
+        log.warning("int8 dynamic: no MatMul was quantized (all excluded?); the ONNX Runtime CPU INT8 graph is float")
+    log.info("int8 dynamic: %d integer MatMuls, %d nodes kept in float", integer, len(exclude))
+    return {"scheme": "dynamic", "integer_matmuls": integer, "excluded": sorted(exclude)}
 
 
 def _quiet_ort_preprocess_warning() -> None:

@@ -36,16 +36,18 @@ def read_metadata(engine_dir: Path) -> dict[str, Any]:
 
 def random_feed(inputs: list[dict[str, Any]], batch: int, seed: int = 0,
                 hint: str = "pass concrete input arrays") -> dict[str, np.ndarray]:
-    """Inputs of an engine's declared shapes (``kiln-engine.json`` "inputs") with the batch axis set; ids in
-    [0, 2) so any embedding accepts them. Any other axis must be a fixed size."""
+    """Inputs of an engine's declared shapes (``kiln-engine.json`` "inputs"), ``batch`` on a dynamic batch
+    axis (a model exported with a fixed batch keeps it); ids in [0, 2) so any embedding accepts them. Any
+    other axis must be a fixed size."""
     rng = np.random.default_rng(seed)
     feed = {}
     for spec in inputs:
-        rest = spec["shape"][1:]
+        first, rest = spec["shape"][0], spec["shape"][1:]
         if any(not isinstance(d, int) or d < 1 for d in rest):
             raise ConfigError(f"input '{spec['name']}' has dynamic axes {spec['shape']} besides the batch axis",
                               hint=hint)
-        shape, dtype = (batch, *rest), np.dtype(spec["dtype"])
+        fixed_batch = isinstance(first, int) and first >= 1
+        shape, dtype = (first if fixed_batch else batch, *rest), np.dtype(spec["dtype"])
         values = rng.integers(0, 2, shape) if dtype.kind in "iu" else rng.standard_normal(shape)
         feed[spec["name"]] = values.astype(dtype)
     return feed

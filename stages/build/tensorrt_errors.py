@@ -5,6 +5,7 @@ most. Nothing falls back silently: a node TensorRT cannot import fails the build
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import threading
@@ -32,6 +33,12 @@ DEFAULT_HINT = "try the optimize stage's passes or another export.opset; the onn
 
 def KilnTrtLogger(trt: ModuleType) -> Any:  # noqa: N802 - a factory standing in for a class
     """An ``ILogger`` for this TensorRT module that logs through ``logging`` and keeps recent errors."""
+    return _logger_class(trt)()
+
+
+@functools.lru_cache(maxsize=None)
+def _logger_class(trt: ModuleType) -> type:
+    """One class per TensorRT module (tensorrt, tensorrt_rtx), not one per logger: a class is cyclic garbage."""
 
     class _Logger(trt.ILogger):
         def __init__(self) -> None:
@@ -51,7 +58,7 @@ def KilnTrtLogger(trt: ModuleType) -> Any:  # noqa: N802 - a factory standing in
             useful = [e for e in self.errors if "cudaError 35" not in e and "CUDA driver" not in e] or self.errors
             return " | ".join(e.strip()[:300] for e in useful[-n:]) or "(no error message from TensorRT)"
 
-    return _Logger()
+    return _Logger
 
 
 _gc_lock = threading.RLock()

@@ -47,7 +47,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     (ctx.out / "variants.json").write_text(json.dumps(variants, indent=2, default=_jsonable))
     summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"], **(e.get("vs_fp32") or {}),
                    "fallback_passed": e.get("fallback", {}).get("passed", True),
-                   **({"ort_cpu_scheme": e["ort_cpu_scheme"]} if "ort_cpu_scheme" in e else {})}
+                   **({"ort_cpu_scheme": e["ort_cpu"]["scheme"]} if "ort_cpu" in e else {})}
                for v, e in variants.items()}
     return {"variants": summary, "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
 

@@ -90,9 +90,9 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
     entry = _entry(out, base | res.kept, res, {"calibration": {
         "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
         "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes")}})
-    if ccfg.ort_cpu_uint8 and ccfg.activation_type == "int8":
+    if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
         ort_out = out.with_name("model.ort_cpu.onnx")
-        entry["ort_cpu_scheme"] = build_ort_cpu_int8(src, ort_out, ccfg, set(base | res.kept))
+        entry["ort_cpu"] = build_ort_cpu_int8(src, ort_out, ccfg, set(base | res.kept))
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
@@ -100,17 +100,17 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
     return entry
 
 
-def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_float: set[str]) -> str:
-    """The INT8 graph ONNX Runtime CPU engines load instead of the symmetric Q/DQ one; returns its scheme.
-    Same float-kept nodes. Static: uint8 activations, which need a calibration of their own (the cached ranges
-    hold scales computed for one encoding)."""
+def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_float: set[str]) -> dict[str, Any]:
+    """The INT8 graph ONNX Runtime CPU engines load instead of the symmetric Q/DQ one: its scheme and what
+    was quantized. Same float-kept nodes. Static: uint8 activations, which need a calibration of their own
+    (the cached ranges hold scales computed for one encoding)."""
     scheme = ort_cpu_scheme(src.model, ccfg)
     if scheme == "dynamic":
-        quantize_int8_dynamic(src.path, out, ccfg, keep_float)
-    else:
-        ort_cfg = ccfg.model_copy(update={"activation_type": "uint8", "symmetric_activations": False})
-        quantize_int8(src.path, out, src.ranges(ccfg.method, ort_cfg), ort_cfg, keep_float)
-    return scheme
+        info = quantize_int8_dynamic(src.path, out, ccfg, keep_float)
+        return {"scheme": scheme, "integer_matmuls": info["integer_matmuls"]}
+    ort_cfg = ccfg.model_copy(update={"activation_type": "uint8", "symmetric_activations": False})
+    info = quantize_int8(src.path, out, src.ranges(ccfg.method, ort_cfg), ort_cfg, keep_float)
+    return {"scheme": scheme, "qdq_nodes": info["qdq_nodes"]}
 
 
 def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig) -> str:

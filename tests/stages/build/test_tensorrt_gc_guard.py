@@ -19,11 +19,15 @@ class _Cycle:
 def test_garbage_is_collected_before_and_the_collector_is_off_inside() -> None:
     assert gc.isenabled()
     freed: list = []
-    gc.disable()  # the cycle must still be garbage when the guard starts
-    _Cycle(freed)
-    gc.enable()
-    with gc_paused_for_tensorrt():
-        assert freed == [1] and not gc.isenabled()
+    threshold = gc.get_threshold()
+    gc.set_threshold(10**9)  # no automatic collection may free the cycle before the guard does
+    try:
+        _Cycle(freed)
+        assert freed == []
+        with gc_paused_for_tensorrt():
+            assert freed == [1] and not gc.isenabled()
+    finally:
+        gc.set_threshold(*threshold)
     assert gc.isenabled()
 
 

@@ -35,7 +35,7 @@ def test_ort_cpu_graph_is_uint8_and_agrees(tmp_path: Path, cnn_dir: Path) -> Non
     variants, _ = _run(tmp_path, cnn_dir, **overrides)
     root = tmp_path / "precision"
     ort_path = root / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
-    assert variants["int8"]["ort_cpu_scheme"] == "static"  # auto: the graph has convolutions
+    assert variants["int8"]["ort_cpu"]["scheme"] == "static"  # auto: the graph has convolutions
     assert _zero_point_types(ort_path) == {onnx.TensorProto.UINT8}
     assert _zero_point_types(root / variants["int8"]["path"]) == {onnx.TensorProto.INT8}  # TensorRT's form
     assert _cosine_to_fp32(root, variants, ort_path) > 0.99
@@ -49,9 +49,17 @@ def _cosine_to_fp32(root: Path, variants: dict, path: Path) -> float:
 
 @pytest.fixture(scope="module")
 def transformer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # What the precision stage gets: the optimize stage's graph (weights folded into constants, so dynamic
+    # quantization sees constant MatMul weights, as it does in a run).
+    from pipeline.onnx_io import save_onnx
+    from stages.optimize.config import OptimizeConfig
+    from stages.optimize.stage import optimize_model
+
     folder = tmp_path_factory.mktemp("optimize-transformer")
     torch.manual_seed(0)
-    export_onnx(build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8), folder / "model.onnx")
+    exported = export_onnx(build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8),
+                           folder / "exported.onnx")
+    save_onnx(optimize_model(exported, OptimizeConfig())[0], folder / "model.onnx")
     return folder
 
 
@@ -65,7 +73,8 @@ def test_transformer_ort_cpu_graph_is_dynamic_and_keeps_float_nodes(tmp_path: Pa
                                                            "calibration.exclude_nodes": [keep]})
     root = tmp_path / "precision"
     ort_path = root / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
-    assert variants["int8"]["ort_cpu_scheme"] == summary["variants"]["int8"]["ort_cpu_scheme"] == "dynamic"
+    assert variants["int8"]["ort_cpu"]["scheme"] == summary["variants"]["int8"]["ort_cpu_scheme"] == "dynamic"
+    assert variants["int8"]["ort_cpu"]["integer_matmuls"] > 0
     ops = _ops(ort_path)
     # int8 weights, activation scales computed per batch: no calibrated QuantizeLinear on activations
     assert "DynamicQuantizeLinear" in ops and "MatMulInteger" in ops and "QuantizeLinear" not in ops
@@ -79,13 +88,13 @@ def test_transformer_ort_cpu_scheme_can_be_forced_static(tmp_path: Path, transfo
     variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
                                                      "calibration.ort_cpu_scheme": "static"})
     ort_path = tmp_path / "precision" / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
-    assert variants["int8"]["ort_cpu_scheme"] == "static" and "DynamicQuantizeLinear" not in _ops(ort_path)
+    assert variants["int8"]["ort_cpu"]["scheme"] == "static" and "DynamicQuantizeLinear" not in _ops(ort_path)
     assert _zero_point_types(ort_path) == {onnx.TensorProto.UINT8}
 
 
 def test_ort_cpu_graph_can_be_turned_off(tmp_path: Path, cnn_dir: Path) -> None:
     overrides = {"model.name": "cnn", "model.params": {"width": 8, "depth": 2}, "precision.variants": ["int8"],
-                 "calibration.ort_cpu_uint8": False}
+                 "calibration.ort_cpu_graph": False}
     variants, _ = _run(tmp_path, cnn_dir, **overrides)
     assert "backend_paths" not in variants["int8"]
 
@@ -99,3 +108,28 @@ def test_no_cache_leaves_no_temporary_folders(tmp_path: Path, cnn_dir: Path) -> 
     variants, summary = _run(tmp_path, cnn_dir, **overrides)
     assert summary["calibration_cache"] is None and "int8" in variants
     assert set(glob.glob("/tmp/kiln-calib-*")) == before
+
+
+def test_dynamic_graph_keeps_an_excluded_gemm_float(tmp_path: Path, transformer_dir: Path) -> None:
+    # quantize_dynamic rewrites Gemm into "<name>_MatMul" + "<name>_Add" before quantizing, so excluding the
+    # Gemm by name or op type only works under the new name.
+    (head,) = [n.name for n in onnx.load(str(transformer_dir / "model.onnx")).graph.node if n.op_type == "Gemm"]
+    variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
+                                                     "calibration.exclude_op_types": ["Gemm"]})
+    ort_path = tmp_path / "precision" / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+    ops = {n.name: n.op_type for n in onnx.load(str(ort_path)).graph.node}
+    assert ops[f"{head}_MatMul"] == "MatMul" and "MatMulInteger" in ops.values()
+
+
+def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer_dir: Path) -> None:
+    variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
+                                                     "calibration.exclude_op_types": ["MatMul"]})
+    assert variants["int8"]["ort_cpu"]["scheme"] == "static"
+
+
+def test_dynamic_without_matmul_is_a_config_error() -> None:
+    from pipeline.config import config_from_dict
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="ort_cpu_scheme 'dynamic' quantizes MatMul"):
+        config_from_dict({"calibration": {"ort_cpu_scheme": "dynamic", "exclude_op_types": ["MatMul"]}})
