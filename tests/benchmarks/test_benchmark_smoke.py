@@ -1,0 +1,30 @@
+"""The CPU benchmarks run end to end on tiny settings and write results whose fields the README quotes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> None:
+    subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, check=True, capture_output=True,
+                   timeout=240)
+
+
+def test_int8_anatomy(tmp_path: Path) -> None:
+    _run("int8_anatomy.py", "--out", str(tmp_path), "--rounds", "2")
+    res = json.loads((tmp_path / "int8_anatomy.json").read_text())
+    assert abs(sum(res["op_type_share_of_kernel_time"].values()) - 1) < 0.01
+    assert 0 < res["matmul_share"] < 1 and res["ceiling_if_matmuls_were_free"] > 1
+    assert set(res["matmul_per_op"]) == {"64x64", "64x256"}
+
+
+def test_precision_bench_marks_the_ort_cpu_graph_kiln_uses(tmp_path: Path) -> None:
+    _run("precision_bench.py", "--smoke", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "precision_cpu-smoke.json").read_text())
+    picked = {r["row"]: r["kiln_ort_cpu"] for r in res["rows"]}
+    assert picked == {"cnn": "ort_cpu_static", "transformer": "ort_cpu_dynamic"}
+    for r in res["rows"]:
+        assert {"int8", "ort_cpu_static", "ort_cpu_dynamic"} == set(r["variants"])
+        assert sum(v["kiln_ort_cpu_engine"] for v in r["variants"].values()) == 1
