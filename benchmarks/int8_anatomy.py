@@ -21,7 +21,6 @@ import logging
 import platform
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any

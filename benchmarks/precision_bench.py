@@ -131,7 +131,7 @@ def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict
     torch.manual_seed(0)
     model = build_model(name, params)
     epochs = 1 if smoke else (args.epochs or epochs)
-    hist = train(model, data, TrainConfig(epochs=epochs, device="cpu", precision="fp32", lr=lr), seed=0)
+    train(model, data, TrainConfig(epochs=epochs, device="cpu", precision="fp32", lr=lr), seed=0)
     torch_acc = evaluate(model, data.val_x, data.val_y, torch.device("cpu"))
     say(f"{row}: trained {epochs} epochs, PyTorch val accuracy {torch_acc:.4f}")
     proto, how = optimized(export_onnx(model, data.val_x[:2], work / f"{row}.onnx"))

@@ -1,7 +1,6 @@
 """Single stages applied straight to files, for users who bring their own model (no workdir, no cache)."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 from typing import Any
 
 from pipeline.stage import StageContext

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.errors import BuildError, ConfigError
 from stages.build.config import BuildConfig, TensorRTConfig
-from stages.build.engines import SIDECAR, load_engine, read_metadata, runnable
+from stages.build.engines import load_engine, read_metadata, runnable
 from stages.build.stage import build_engine
 from stages.build.tensorrt_backend import features, import_tensorrt
 

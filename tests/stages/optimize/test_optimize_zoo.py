@@ -2,7 +2,6 @@
 smaller, and accepted by TensorRT-RTX's parser and builder. Also the file API with external data."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import onnx
