@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,29 +58,21 @@ def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
-def _file_mode() -> int:
-    """What ``open()`` would give a new file under the process umask (read with a set-and-restore: the only
-    way the os module offers)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``: never a torn file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    # Created like open() creates files (0666 less the umask, applied by the kernel), not mkstemp's 0600: an
+    # engine or model a serving process running as another user (e.g. Triton's) must read.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp creates 0600 files; an engine or model that a serving process (another user, e.g. Triton's)
-        # must read gets the permissions a plain write would have given it.
-        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
