@@ -116,7 +116,7 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
     if integer == 0:
         log.warning("int8 dynamic: no MatMul was quantized (all excluded?); the ONNX Runtime CPU INT8 graph is float")
     log.info("int8 dynamic: %d integer MatMuls, %d nodes kept in float", integer, len(exclude))
-    return {"scheme": "dynamic", "integer_matmuls": integer, "excluded": sorted(exclude)}
+    return {"integer_matmuls": integer, "excluded": sorted(exclude)}
 
 
 def _quiet_ort_preprocess_warning() -> None:

@@ -2,6 +2,8 @@
 and scalar Mul/Div folded into the weights of the linear op that produced the tensor."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,26 +78,32 @@ def _channel_vector(v: np.ndarray, channels: int, rank: int) -> np.ndarray | Non
     return v.reshape(channels)
 
 
-@register("fold_conv_add")
-def fold_conv_add(graph: gs.Graph, p: BaseModel) -> int:
-    """Add of a per-channel constant right after a Conv whose output nothing else reads -> added into its bias."""
-    n = 0
+def _constant_adds_after(graph: gs.Graph, op: str) -> Iterator[tuple[gs.Node, gs.Node, np.ndarray, int]]:
+    """``(add, producer, constant, constant_side)`` for each Add of a constant to the output of an ``op`` node
+    that nothing else reads. At most one side of an Add can match (the other must be a constant), and the
+    nodes are listed up front, so callers may rewrite the Add they are given."""
     for add in list(graph.nodes):
         if add.op != "Add":
             continue
         for i in (0, 1):
-            conv = producer(add.inputs[i], "Conv")
-            c = const(add.inputs[1 - i])
-            if conv is None or c is None or only_consumer(graph, add.inputs[i]) is not add:
-                continue
-            wb = _conv_weight_bias(graph, conv)
-            vec = _channel_vector(c, wb[0].shape[0], wb[0].ndim) if wb is not None else None
-            if vec is None or vec.dtype != wb[0].dtype:
-                continue
-            _set_conv_weights(graph, conv, wb[0], (wb[1] + vec).astype(wb[0].dtype))
-            _fold_into_output(graph, conv, add)
-            n += 1
-            break
+            node, c = producer(add.inputs[i], op), const(add.inputs[1 - i])
+            if node is not None and c is not None and only_consumer(graph, add.inputs[i]) is add:
+                yield add, node, c, 1 - i
+                break
+
+
+@register("fold_conv_add")
+def fold_conv_add(graph: gs.Graph, p: BaseModel) -> int:
+    """Add of a per-channel constant right after a Conv whose output nothing else reads -> added into its bias."""
+    n = 0
+    for add, conv, c, _ in _constant_adds_after(graph, "Conv"):
+        wb = _conv_weight_bias(graph, conv)
+        vec = _channel_vector(c, wb[0].shape[0], wb[0].ndim) if wb is not None else None
+        if vec is None or vec.dtype != wb[0].dtype:
+            continue
+        _set_conv_weights(graph, conv, wb[0], (wb[1] + vec).astype(wb[0].dtype))
+        _fold_into_output(graph, conv, add)
+        n += 1
     return n
 
 
@@ -104,25 +112,17 @@ def matmul_add_to_gemm(graph: gs.Graph, p: BaseModel) -> int:
     """MatMul of a 2-D input by a constant 2-D weight, then Add of a constant bias -> one Gemm (3-D inputs keep
     MatMul+Add: Gemm is 2-D only, and reshaping around it would add nodes)."""
     n = 0
-    for add in list(graph.nodes):
-        if add.op != "Add":
+    for add, mm, bias, bias_side in _constant_adds_after(graph, "MatMul"):
+        a_shape, w = _shape(mm.inputs[0]), const(mm.inputs[1])
+        if a_shape is None or len(a_shape) != 2 or w is None or w.ndim != 2:
             continue
-        for i in (0, 1):
-            mm = producer(add.inputs[i], "MatMul")
-            bias = const(add.inputs[1 - i])
-            if mm is None or bias is None or only_consumer(graph, add.inputs[i]) is not add:
-                continue
-            a_shape, w = _shape(mm.inputs[0]), const(mm.inputs[1])
-            if a_shape is None or len(a_shape) != 2 or w is None or w.ndim != 2:
-                continue
-            if bias.ndim > 2 or (bias.ndim >= 1 and bias.shape[-1] not in (1, w.shape[1])) or (
-                    bias.ndim == 2 and bias.shape[0] != 1) or bias.dtype != w.dtype:
-                continue  # Gemm's C must broadcast to [M, N] without depending on M
-            add.op, add.attrs = "Gemm", {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}
-            add.inputs = [mm.inputs[0], mm.inputs[1], add.inputs[1 - i]]
-            drop(mm)
-            n += 1
-            break
+        if bias.ndim > 2 or (bias.ndim >= 1 and bias.shape[-1] not in (1, w.shape[1])) or (
+                bias.ndim == 2 and bias.shape[0] != 1) or bias.dtype != w.dtype:
+            continue  # Gemm's C must broadcast to [M, N] without depending on M
+        add.op, add.attrs = "Gemm", {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}
+        add.inputs = [mm.inputs[0], mm.inputs[1], add.inputs[bias_side]]
+        drop(mm)
+        n += 1
     return n
 
 
