@@ -1,21 +1,16 @@
 """DDP on CPU: 2 gloo processes started by torchrun give the result of one process with the same global batch."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from pipeline.config import KilnConfig, config_from_dict
 from pipeline.errors import TrainingError
 from stages.train.launch import run_torchrun, torchrun_command
-from stages.train.model_io import dataset_for
-from stages.train.stage import train_to
-
-LOG = logging.getLogger("test")
+from tests.stages.train.ddp_helpers import LOG, train_one_and_two
 
 
 def _config(nproc: int, **train: Any) -> KilnConfig:
@@ -30,22 +25,18 @@ def _config(nproc: int, **train: Any) -> KilnConfig:
 
 @pytest.mark.timeout(180)
 def test_two_gloo_processes_equal_one_process(tmp_path: Path) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    single = train_to(one, _config(1), dataset_for(_config(1)), tmp_path / "ck1")
-    multi = run_torchrun(_config(2), two, tmp_path / "ck2", LOG)
+    r = train_one_and_two(tmp_path, _config)
+    single, multi = r.single, r.multi
 
-    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
-    assert a.keys() == b.keys()
-    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert r.weights_one.keys() == r.weights_two.keys()
+    diff = r.max_weight_diff()
     assert diff < 1e-6, diff  # observed ~6e-8: float summation order only
     assert multi["world_size"] == 2 and single["world_size"] == 1
     assert multi["steps"] == single["steps"] == 12
     assert [m["loss"] for m in multi["epochs"]] == pytest.approx([m["loss"] for m in single["epochs"]], rel=1e-5)
     assert multi["val_accuracy"] == pytest.approx(single["val_accuracy"])
     # Only rank 0 wrote, and the folder looks like a one-process run's.
-    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    assert sorted(p.name for p in r.two.iterdir()) == sorted(p.name for p in r.one.iterdir())
     assert (tmp_path / "ck2" / "last.pt").is_file()
 
 

@@ -4,20 +4,16 @@ Needs 2 CUDA GPUs; skipped otherwise (the gloo version of this test runs in CI o
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from pipeline.config import KilnConfig, config_from_dict
 from stages.train.launch import run_torchrun
-from stages.train.model_io import dataset_for
-from stages.train.stage import train_to
+from tests.stages.train.ddp_helpers import LOG, train_one_and_two
 
-LOG = logging.getLogger("test")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
 
@@ -35,16 +31,11 @@ def _config(nproc: int, model: str = "transformer", **train: Any) -> KilnConfig:
 @pytest.mark.timeout(300)
 def test_two_nccl_processes_equal_one_gpu_process(tmp_path: Path) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    single = train_to(one, _config(1), dataset_for(_config(1)), tmp_path / "ck1")
-    multi = run_torchrun(_config(2), two, tmp_path / "ck2", LOG)
-    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
-    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    r = train_one_and_two(tmp_path, _config)
+    diff = r.max_weight_diff()
     assert diff < 1e-5, diff
-    assert multi["world_size"] == 2 and multi["steps"] == single["steps"]
-    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
+    assert r.multi["world_size"] == 2 and r.multi["steps"] == r.single["steps"]
+    assert sorted(p.name for p in r.two.iterdir()) == sorted(p.name for p in r.one.iterdir())
 
 
 @pytest.mark.timeout(300)
