@@ -205,7 +205,8 @@ def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAu
     t0, notes = time.monotonic(), []
     record: dict[str, Any] = {"strategy": cfg.strategy, "base": base, "knobs": knobs, "batches": batches,
                               "iterations": cfg.iterations, "warmup": cfg.warmup,
-                              "criteria": {"min_cosine": cfg.min_cosine, "min_top1": cfg.min_top1}}
+                              "criteria": {"min_cosine": cfg.min_cosine, "min_top1": cfg.min_top1,
+                                           "min_gain": cfg.min_gain}}
     if per_batch:
         trials, choices = [], {}
         for i, b in enumerate(batches):  # an even share of what is left of the budget per batch size

@@ -124,7 +124,9 @@ def test_cached_stages_report_this_runs_time(first_run) -> None:
     result, report = run_pipeline(config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1})),
                                   workdir)
     train = report["stages"]["train"]
-    assert train["status"] == "cached" and train["seconds"] < 0.5 and train["original_seconds"] > train["seconds"]
+    # A cache hit takes milliseconds, training seconds: the stage reports this run's time, not the cached one's
+    # (no absolute threshold: a loaded CI machine can stall any step).
+    assert train["status"] == "cached" and 0 <= train["seconds"] < train["original_seconds"]
 
 
 def test_editing_user_model_code_reruns_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

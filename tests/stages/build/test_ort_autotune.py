@@ -136,16 +136,20 @@ def test_cpu_autotune_records_every_trial_and_the_runner_uses_the_choice(zoo, tm
 
 
 def test_real_timing_chooses_the_fastest_measured_candidate(zoo, tmp_path: Path) -> None:
-    """Unscripted timing (which mode wins on a shared 2-core machine is noise): the choice is the measured fastest
-    and the runner opens the engine with it."""
+    """Unscripted timing (which mode wins on a shared 2-core machine is noise): the choice is the configured mode
+    (sequential) unless the other one measured faster by more than ``min_gain``, and the runner opens the engine
+    with the choice. (CI once saw 0.047 vs 0.046 ms: inside the margin, so sequential is right.)"""
     cfg = cfg_with(cpu=True, cpu_knobs={"execution_mode": ["sequential", "parallel"]}, batch_sizes=[2], iterations=10)
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "c")
     ms = {t["knobs"]["execution_mode"]: t["median_ms"] for t in meta["autotune"]["trials"]}
     assert set(ms) == {"sequential", "parallel"} and all(v > 0 for v in ms.values())
-    assert meta["autotune"]["choice"]["knobs"] == {"execution_mode": min(ms, key=ms.get)}
+    min_gain = meta["autotune"]["criteria"]["min_gain"]
+    assert min_gain == 0.03  # the default
+    expected = "parallel" if ms["parallel"] < ms["sequential"] * (1 - min_gain) else "sequential"
+    assert meta["autotune"]["choice"]["knobs"] == {"execution_mode": expected}
     with load_engine(tmp_path / "e") as runner:
         parallel = runner.session.get_session_options().execution_mode == ort.ExecutionMode.ORT_PARALLEL
-        assert parallel == (min(ms, key=ms.get) == "parallel")
+        assert parallel == (expected == "parallel")
 
 
 @pytest.mark.parametrize("unfused_wins", [True, False])
