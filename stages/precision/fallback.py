@@ -19,7 +19,7 @@ import onnx
 
 from stages.precision.compare import output_metrics, run_batched, tensor_errors
 from stages.precision.config import FallbackConfig
-from stages.precision.fp16_select import SHAPE_OPS
+from stages.precision.fp16_select import INDEX_OPS
 
 log = logging.getLogger("kiln.precision")
 BLAME_SAMPLES = 32  # per-tensor comparison holds every activation in memory: a few samples suffice
@@ -79,7 +79,7 @@ def _informative(x: np.ndarray, ref: np.ndarray, got: np.ndarray) -> np.ndarray:
 def blame(fp32: onnx.ModelProto, model: Path, x: np.ndarray, candidates: set[str], kept: set[str],
           count: int) -> dict[str, str]:
     """The ``count`` nodes whose output error most exceeds their inputs' error, with a reason each."""
-    nodes = [n for n in fp32.graph.node if n.op_type not in SHAPE_OPS and n.output]
+    nodes = [n for n in fp32.graph.node if n.op_type not in INDEX_OPS and n.output]
     float_tensors = _float_tensors(fp32)
     tensors = sorted({o for n in nodes for o in n.output if o in float_tensors})
     err = tensor_errors(fp32, model, x, tensors)
@@ -95,11 +95,12 @@ def blame(fp32: onnx.ModelProto, model: Path, x: np.ndarray, candidates: set[str
     for jump, n, out_err in scored:
         if len(picks) >= count or not jump > 1e-6:
             break
-        why = f"output error {out_err:.3g} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32)"
+        why = (f"output error {out_err:.3g} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32)" if np.isfinite(jump)
+               else "first node whose output is not finite (FP16 overflow)")
         if n.name in kept:  # the error comes in through its inputs: keep the nodes that produce them
             for i in n.input:
                 p = producers.get(i)
-                if p is not None and p.name in candidates and p.name not in kept and p.op_type not in SHAPE_OPS:
+                if p is not None and p.name in candidates and p.name not in kept and p.op_type not in INDEX_OPS:
                     picks.setdefault(p.name, f"feeds {n.name} (kept FP32) whose {why}")
         elif n.name in candidates:
             picks[n.name] = why

@@ -15,9 +15,11 @@ from stages.precision.config import FP16Config
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
 REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
-# Ops that only move, shape or index data: never a reason to care about their precision.
-SHAPE_OPS = {"Shape", "Size", "Reshape", "Squeeze", "Unsqueeze", "Transpose", "Flatten", "Concat", "Gather",
-             "Slice", "Expand", "Identity", "Cast", "CastLike", "ConstantOfShape", "Range"}
+# Ops whose outputs are shapes or indices, never the model's float values: no reason to keep them FP32. Ops that
+# only move float values (Reshape, Transpose, Concat, Cast...) add no rounding error, so nothing selects them for
+# precision, but a value beyond FP16's range overflows in them like anywhere else: range checks and the fallback
+# must be able to keep them FP32 (else an FP32 island broken by a Reshape still overflows).
+INDEX_OPS = {"Shape", "Size", "ConstantOfShape", "Range"}
 
 
 def select_fp32_nodes(model: onnx.ModelProto, cfg: FP16Config,
@@ -167,6 +169,6 @@ def activation_range_violations(model: onnx.ModelProto, amax: dict[str, float], 
             continue
         reason = f"activation '{name}' reaches {value:.3g} on calibration data (> {limit:g})"
         for n in [producers.get(name), *cons.get(name, [])]:
-            if n is not None and n.op_type not in SHAPE_OPS:
+            if n is not None and n.op_type not in INDEX_OPS:
                 out.setdefault(n.name, reason)
     return out

@@ -21,7 +21,7 @@ from stages.precision.config import FallbackConfig, FP16Config
 from stages.precision.emulate import emulate_fp16
 from stages.precision.fallback import FallbackResult, run_fallback
 from stages.precision.fp16 import convert_fp16, name_nodes
-from stages.precision.fp16_select import SHAPE_OPS, select_fp32_nodes
+from stages.precision.fp16_select import INDEX_OPS, select_fp32_nodes
 
 log = logging.getLogger("kiln.precision")
 
@@ -49,7 +49,7 @@ class Source:
 
 
 def _float_nodes(model: onnx.ModelProto) -> set[str]:
-    return {n.name for n in model.graph.node if n.op_type not in SHAPE_OPS}
+    return {n.name for n in model.graph.node if n.op_type not in INDEX_OPS}
 
 
 def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig, x_val: np.ndarray,

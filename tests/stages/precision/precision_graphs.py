@@ -87,6 +87,19 @@ def chain_graph(scale: float = 1.0, big_weight: float | None = None) -> onnx.Mod
     return make_model(n, {"w1": rng_weights(16, 32), "scale": np.array(scale, np.float32), "w2": w2})
 
 
+def reshape_in_range_graph(scale: float) -> onnx.ModelProto:
+    """chain_graph with a Reshape where the Relu was: the scaled-up values pass through an op that only moves data."""
+    n = [
+        helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+        helper.make_node("Mul", ["h", "scale"], ["hs"], name="scale_up"),
+        helper.make_node("Reshape", ["hs", "shape"], ["r"], name="reshape"),
+        helper.make_node("Div", ["r", "scale"], ["rd"], name="scale_down"),
+        helper.make_node("MatMul", ["rd", "w2"], ["logits"], name="head"),
+    ]
+    return make_model(n, {"w1": rng_weights(16, 32), "scale": np.array(scale, np.float32),
+                          "shape": np.array([-1, 32], np.int64), "w2": rng_weights(32, 10, seed=1)})
+
+
 def plus_minus_big_graph() -> onnx.ModelProto:
     """(h + 4096) - 4096 between two MatMuls: FP16 rounding at the Add loses h's fraction, the Sub shows it."""
     nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),

@@ -8,7 +8,8 @@ import onnx
 from onnx import helper
 
 from calibration.config import CalibrationConfig
-from precision_graphs import chain_graph, inputs, make_model, plus_minus_big_graph, rng_weights
+from precision_graphs import (chain_graph, inputs, make_model, plus_minus_big_graph, reshape_in_range_graph,
+                              rng_weights)
 from stages.precision.config import FallbackConfig, FP16Config
 from stages.precision.variants import Source, build_fp16, build_int8
 
@@ -30,6 +31,18 @@ def test_fallback_finds_planted_overflow(tmp_path: Path) -> None:
     assert "fallback round 1" in entry["reasons"]["scale_up"]
     assert "mm1" not in entry["kept_fp32"] and "head" not in entry["kept_fp32"]  # only what it must
     assert entry["vs_fp32"]["top1_agreement"] >= 0.99
+
+
+def test_fallback_can_keep_a_reshape_that_overflows(tmp_path: Path) -> None:
+    """Without the range check, the ~1e5 values overflow in the FP16 Reshape between FP32 nodes: the fallback
+    must be able to pick the Reshape (it once could not, and stopped with 'no node left' and NaN outputs)."""
+    src = _source(reshape_in_range_graph(scale=3e4), tmp_path)
+    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK,
+                       FallbackConfig(nodes_per_round=1, max_rounds=6), inputs(256), CalibrationConfig())
+    assert entry["fallback"]["passed"], entry["fallback"]["rounds"]
+    assert not np.isfinite(entry["fallback"]["rounds"][0]["cosine"])  # it really overflowed at first
+    assert "reshape" in entry["kept_fp32"]
+    assert "not finite" in entry["reasons"]["reshape"]
 
 
 def test_fallback_follows_error_to_its_producer(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from precision_graphs import (chain_graph, decomposed_layernorm_graph, inputs, make_model, node_input_types,
-                              plus_minus_big_graph, reduction_graph, rng_weights, sensitive_graph)
+                              plus_minus_big_graph, reduction_graph, reshape_in_range_graph, rng_weights,
+                              sensitive_graph)
 from calibration.ranges import calibrate
 from stages.precision.casts import cast_chains, remove_cast_chains
 from stages.precision.compare import run_batched
@@ -92,6 +93,20 @@ def test_activation_out_of_fp16_range_stays_fp32(tmp_path: Path) -> None:
     keep, unchecked, _ = _convert(model, FP16Config(range_check=False), amax)
     assert node_input_types(unchecked)["scale_up"] == F16
     assert not np.isfinite(run_batched(emulate_fp16(model, set(keep)), x)[0]).all()
+
+
+def test_out_of_range_values_stay_fp32_through_a_reshape(tmp_path: Path) -> None:
+    """A Reshape between the nodes that make and read a ~1e5 tensor must stay FP32 too: in FP16 it overflows."""
+    model = reshape_in_range_graph(scale=3e4)
+    x = inputs(128)
+    onnx.save(model, tmp_path / "m.onnx")
+    amax = calibrate(tmp_path / "m.onnx", [x], "input", "minmax", cache_dir=None).amax()
+    keep, converted, _ = _convert(model, amax=amax)
+    assert {"scale_up", "reshape", "scale_down"} <= set(keep)
+    assert node_input_types(converted)["reshape"] == F32
+    got, ref = run_batched(converted, x)[0], run_batched(model, x)[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
 def test_no_cast_chains_with_neighbouring_fp32_islands_and_blocked_output() -> None:
