@@ -34,8 +34,8 @@ def dataset_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0) 
     return batches
 
 
-def reader_batches(cfg: CalibrationConfig, sample_shape: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
-    """Call the user's reader and take its first ``num_batches`` batches, checked against the model's input."""
+def read_reader(cfg: CalibrationConfig) -> list[np.ndarray]:
+    """Call the user's reader and take its first ``num_batches`` batches, as they come."""
     assert cfg.reader is not None
     fn = resolve_callable(cfg.reader, {}, "calibration reader")
     try:
@@ -46,16 +46,21 @@ def reader_batches(cfg: CalibrationConfig, sample_shape: tuple[int, ...], dtype:
     if not isinstance(source, Iterable):
         raise ConfigError(f"calibration.reader '{cfg.reader}' returned {type(source).__name__}, not an iterable",
                           hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape]")
-    batches = []
-    for i, item in zip(range(cfg.num_batches), _as_arrays(source)):
+    batches = [item for _, item in zip(range(cfg.num_batches), _as_arrays(source))]
+    if not batches:
+        raise ConfigError(f"calibration.reader '{cfg.reader}' yielded no batches", hint="yield at least one batch")
+    return batches
+
+
+def reader_batches(cfg: CalibrationConfig, sample_shape: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
+    """The user reader's batches, checked against the model's input and cast to its dtype."""
+    batches = read_reader(cfg)
+    for i, item in enumerate(batches):
         if tuple(item.shape[1:]) != tuple(sample_shape):
             raise ConfigError(f"calibration batch {i} has shape {tuple(item.shape)}, the model takes "
                               f"[batch, {', '.join(map(str, sample_shape))}]",
                               hint="preprocess calibration data exactly like validation data")
-        batches.append(item.astype(dtype, copy=False))
-    if not batches:
-        raise ConfigError(f"calibration.reader '{cfg.reader}' yielded no batches", hint="yield at least one batch")
-    return batches
+    return [item.astype(dtype, copy=False) for item in batches]
 
 
 def _as_arrays(source: Iterable[Any]) -> Iterator[np.ndarray]:

@@ -19,6 +19,7 @@ from pipeline.artifacts import atomic_dir, clean_stale_staging, hash_json, hash_
 from pipeline.config import KilnConfig
 from pipeline.env import environment
 from pipeline.errors import GateFailure, KilnError
+from pipeline.fingerprints import FINGERPRINTS
 from pipeline.progress import Progress, SilentProgress
 from pipeline.stage import Stage, StageContext
 
@@ -70,7 +71,9 @@ def config_value(config: KilnConfig, dotted: str) -> Any:
     return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
 
 
-def cache_key(stage: Stage, config: KilnConfig, workdir: Path) -> tuple[str, dict[str, Any]]:
+def cache_key(stage: Stage, config: KilnConfig, workdir: Path,
+              fingerprints: dict[str, str | None] | None = None) -> tuple[str, dict[str, Any]]:
+    """The stage's key and what went into it. ``fingerprints`` memoizes user-data hashes across one run's stages."""
     inputs = {}
     for up in stage.inputs:
         m = read_manifest(workdir / up)
@@ -84,6 +87,13 @@ def cache_key(stage: Stage, config: KilnConfig, workdir: Path) -> tuple[str, dic
     user = user_code(config, stage.sections)
     if user:
         parts["user_code"] = user
+    memo = {} if fingerprints is None else fingerprints
+    for name in stage.data:
+        if name not in memo:
+            memo[name] = FINGERPRINTS[name](config)
+    data = {name: memo[name] for name in stage.data if memo[name] is not None}
+    if data:
+        parts["user_data"] = data
     return hash_json(parts), parts
 
 
@@ -118,6 +128,7 @@ class Runner:
             force |= set(names[names.index(start):])
         records: list[StageRecord] = []
         error: KilnError | None = None
+        self._fingerprints: dict[str, str | None] = {}  # user data is hashed once per run
         for stage in self.stages:
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
@@ -139,7 +150,7 @@ class Runner:
     def _run_one(self, stage: Stage, forced: bool) -> StageRecord:
         final = self.workdir / stage.name
         t_check = time.perf_counter()
-        key, parts = cache_key(stage, self.config, self.workdir)
+        key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints)
         missing = [up for up in stage.inputs if parts["inputs"][up] is None]
         if missing:
             raise KilnError(f"stage '{stage.name}' needs the output of {missing}, which is missing",

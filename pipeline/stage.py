@@ -50,7 +50,7 @@ class Stage:
     ``inputs``: upstream stages whose artifacts it reads. ``sections``: config it reads, as sections (``"data"``),
     top-level values (``"seed"``) or single keys (``"validate.batch_sizes"``); everything the result depends on.
     ``code``: modules whose source is hashed as the stage's code version. ``env``: the environment facts
-    (library versions, device) that belong in its cache key.
+    (library versions, device) that belong in its cache key. ``data``: fingerprints of user-supplied data it reads.
     """
 
     name: str
@@ -60,3 +60,4 @@ class Stage:
     code: tuple[ModuleType, ...]
     env: Callable[[KilnConfig], dict[str, Any]]
     description: str = ""
+    data: tuple[str, ...] = ()  # user-data fingerprints in its key (``pipeline.fingerprints``)

@@ -44,22 +44,24 @@ def _validate_env(cfg: KilnConfig) -> dict[str, Any]:
 
 STAGES: list[Stage] = [
     Stage("train", train_stage.run, (), ("seed", "model", "data", "train"), (stages.train, models), _train_env,
-          "train the model (AMP, gradient accumulation) or load a checkpoint"),
-    # ctx.dataset() reads seed, data and (for the default dataset) model.name: every stage calling it hashes them.
+          "train the model (AMP, gradient accumulation) or load a checkpoint", data=("dataset",)),
+    # ctx.dataset() reads seed, data and (for the default dataset) model.name: every stage calling it hashes them,
+    # and the content of a user dataset (data=("dataset",)).
     Stage("export", export_stage.run, ("train",), ("seed", "model", "data", "export"), (export_stage,), _torch_ort_env,
-          "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity"),
+          "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity", data=("dataset",)),
     Stage("optimize", optimize_stage.run, ("export",), ("optimize",), (stages.optimize,), _onnx_env,
           "graph passes with onnx-graphsurgeon"),
     Stage("precision", precision_stage.run, ("optimize", "train"),
           ("seed", "model.name", "data", "precision", "calibration"),
           (stages.precision, calibration), _onnx_env,
-          "FP16 mixed precision and INT8 (Q/DQ) graphs"),
+          "FP16 mixed precision and INT8 (Q/DQ) graphs", data=("dataset", "calibration")),
     # The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.
     Stage("build", build_stage.run, ("precision",), ("build", "validate.batch_sizes"), (stages.build,), _build_env,
           "ONNX Runtime and TensorRT engines"),
     # Engines run through stages.build's runners, so their code is part of validate's result.
     Stage("validate", validate_stage.run, ("train", "build"), ("seed", "model", "data", "validate"),
-          (validate_stage, stages.build), _validate_env, "accuracy and latency of every engine vs PyTorch, with gates"),
+          (validate_stage, stages.build), _validate_env, "accuracy and latency of every engine vs PyTorch, with gates",
+          data=("dataset",)),
     Stage("package", package_stage.run, ("train", "build", "validate"), ("name", "package"), (package_stage,),
           lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository"),
 ]

@@ -1,0 +1,47 @@
+"""Content hashes of user-supplied data that neither the config nor the code pins down.
+
+A user's data module or calibration reader (``package.module:function``) may read files: the cache key already
+covers the function's source and its params, but not what the files hold. Stages that read such data name a
+fingerprint here (``Stage.data``) and the runner adds its value to their cache key, computed once per run.
+Built-in datasets are pinned by Kiln's code and config, so they need none (and cost nothing).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from pipeline.config import KilnConfig
+
+
+def _is_import_path(name: str | None) -> bool:
+    return bool(name) and ":" in name
+
+
+def dataset_fingerprint(config: KilnConfig) -> str | None:
+    """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one."""
+    if not _is_import_path(config.data.name):
+        return None
+    from calibration.data import hash_batches
+    from stages.train.model_io import dataset_for
+
+    d = dataset_for(config)
+    return hash_batches([np.asarray(t.numpy()) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
+
+
+def calibration_fingerprint(config: KilnConfig) -> str | None:
+    """Hash of the batches a user calibration reader yields (what calibration would use), or None when there is
+    no reader or the precision stage will not calibrate."""
+    ccfg, pcfg = config.calibration, config.precision
+    needs_data = "int8" in pcfg.variants or ("fp16" in pcfg.variants and pcfg.fp16.range_check)
+    if not (ccfg.reader and needs_data):
+        return None
+    from calibration.data import hash_batches, read_reader
+
+    return hash_batches(read_reader(ccfg))
+
+
+FINGERPRINTS: dict[str, Callable[[KilnConfig], str | None]] = {
+    "dataset": dataset_fingerprint,
+    "calibration": calibration_fingerprint,
+}

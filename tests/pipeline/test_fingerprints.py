@@ -1,0 +1,82 @@
+"""User data read from files (a data module, a calibration reader) is part of the cache key by content: changing
+the file reruns the stages that read it, even though the config and the user's code did not change."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.api import run_pipeline
+from pipeline.config import config_from_dict
+from pipeline.fingerprints import calibration_fingerprint, dataset_fingerprint
+from tests.conftest import tiny_config_dict
+
+USER_CODE = '''
+import numpy as np
+import torch
+from models.datasets import DatasetSplits, digits
+
+def load(path):
+    d, k = digits(seed=0), float(np.load(path))
+    return DatasetSplits(d.train_x * k, d.train_y, d.val_x * k, d.val_y, d.num_classes, "scaled digits")
+
+def calib(path):
+    x = np.load(path)
+    return [x[i:i + 16] for i in range(0, len(x), 16)]
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "my_files.py").write_text(USER_CODE)
+    monkeypatch.syspath_prepend(str(src))
+    yield src
+    sys.modules.pop("my_files", None)
+
+
+def statuses(result) -> dict[str, str]:
+    return {r.name: r.status for r in result.records}
+
+
+def test_changed_calibration_file_reruns_precision(tmp_path: Path, user_module: Path) -> None:
+    calib = tmp_path / "calib.npy"
+    x = np.random.default_rng(0).random((64, 1, 8, 8), dtype=np.float32)
+    np.save(calib, x)
+    cfg = config_from_dict(tiny_config_dict(**{"precision.variants": ["fp32", "int8"],
+                                               "calibration.reader": "my_files:calib",
+                                               "calibration.reader_params": {"path": str(calib)}}))
+    first, _ = run_pipeline(cfg, tmp_path / "wd", stop="precision")
+    assert first.ok and set(statuses(first).values()) == {"ran"}
+    same, _ = run_pipeline(cfg, tmp_path / "wd", stop="precision")
+    assert set(statuses(same).values()) == {"cached"}
+    np.save(calib, x * 4)  # same code, same config, other data
+    changed, _ = run_pipeline(cfg, tmp_path / "wd", stop="precision")
+    assert statuses(changed) == {"train": "cached", "export": "cached", "optimize": "cached", "precision": "ran"}
+
+
+def test_changed_dataset_file_reruns_training(tmp_path: Path, user_module: Path) -> None:
+    scale = tmp_path / "scale.npy"
+    np.save(scale, np.float32(1.0))
+    cfg = config_from_dict(tiny_config_dict(**{"data.name": "my_files:load", "data.params": {"path": str(scale)}}))
+    first, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
+    assert statuses(first) == {"train": "ran", "export": "ran"}
+    assert set(statuses(run_pipeline(cfg, tmp_path / "wd", stop="export")[0]).values()) == {"cached"}
+    np.save(scale, np.float32(0.5))
+    changed, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
+    assert statuses(changed) == {"train": "ran", "export": "ran"}
+
+
+def test_built_in_data_and_no_reader_need_no_fingerprint() -> None:
+    cfg = config_from_dict(tiny_config_dict(**{"precision.variants": ["fp32", "int8"]}))
+    assert dataset_fingerprint(cfg) is None and calibration_fingerprint(cfg) is None
+
+
+def test_reader_is_not_called_when_nothing_calibrates(tmp_path: Path, user_module: Path) -> None:
+    cfg = config_from_dict(tiny_config_dict(**{"precision.variants": ["fp32"],
+                                               "calibration.reader": "my_files:calib",
+                                               "calibration.reader_params": {"path": str(tmp_path / "absent.npy")}}))
+    assert calibration_fingerprint(cfg) is None  # the file does not exist: calling the reader would fail
