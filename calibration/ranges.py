@@ -20,6 +20,10 @@ from pipeline.artifacts import hash_file, hash_json
 
 log = logging.getLogger("kiln.calibration")
 
+# Entropy (KL) calibration as TensorRT's EntropyCalibration2 does it: a 2048-bin histogram, thresholds tried over
+# 128 quantized bins. ONNX Runtime's defaults (128 and 128) leave one candidate threshold, the full range:
+# "entropy" would then silently equal "minmax".
+ENTROPY_BINS = {"num_bins": 2048, "num_quantized_bins": 128}
 # Counts real calibrator passes in this process, so callers and tests can prove a cache hit did no work.
 STATS = {"calibrations": 0}
 
@@ -64,7 +68,8 @@ def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, meth
     """Ranges of every float tensor of the model (not only the quantized ops', so FP16 can use them too)."""
     import onnxruntime
 
-    settings = {"symmetric": symmetric, "percentile": percentile if method == "percentile" else None}
+    settings = {"symmetric": symmetric, "percentile": percentile if method == "percentile" else None,
+                "bins": ENTROPY_BINS if method == "entropy" else None}
     key = hash_json({"model": model_hash(model_path), "data": hash_batches(batches), "method": method,
                      "settings": settings, "ort": onnxruntime.__version__})
     path = (cache_dir / "calibration" if cache_dir else Path(tempfile.mkdtemp(prefix="kiln-calib-"))) / f"{key}.json"
@@ -93,6 +98,8 @@ def _run_calibrator(model_path: Path, batches: list[np.ndarray], input_name: str
     extra: dict[str, Any] = {"symmetric": symmetric}
     if method == "percentile":
         extra["percentile"] = percentile
+    if method == "entropy":
+        extra |= ENTROPY_BINS
     with tempfile.TemporaryDirectory(prefix="kiln-calib-") as tmp:
         calibrator = create_calibrator(model_path, None, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
                                        calibrate_method=_ort_method(method), extra_options=extra,

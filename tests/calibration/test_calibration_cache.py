@@ -58,3 +58,16 @@ def test_unreadable_cache_file_is_recomputed(tmp_path: Path) -> None:
     first.path.write_text("{not json")
     again = calibrate(path, batches(), "input", "minmax", cache_dir=cache)
     assert not again.cache_hit and again.amax() == first.amax()
+
+
+def test_methods_give_their_own_ranges(tmp_path: Path) -> None:
+    """Entropy clips long tails below the observed maximum, so its ranges differ from minmax's (with ONNX Runtime's
+    default 128 bins it had a single candidate threshold and silently equalled minmax everywhere)."""
+    path = saved(tmp_path)
+    data = [b * np.where(np.random.default_rng(i).random(b.shape) < 0.01, 20.0, 1.0).astype(np.float32)
+            for i, b in enumerate(batches(n=8))]  # a few outliers: a long tail
+    amax = {m: calibrate(path, data, "input", m, cache_dir=None).amax() for m in ("minmax", "entropy", "percentile")}
+    assert amax["minmax"].keys() == amax["entropy"].keys()
+    assert all(amax["entropy"][t] <= amax["minmax"][t] * (1 + 1e-6) for t in amax["minmax"])
+    assert amax["entropy"]["input"] < 0.9 * amax["minmax"]["input"]  # the outliers are clipped
+    assert amax["percentile"]["input"] < amax["minmax"]["input"]
