@@ -31,7 +31,7 @@ def _delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference (with data propagation) on a copy whose big initializers carry dims but no data:
     fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` with value_info filled."""
-    light = _without_initializers(model)
+    light = _without_initializers(model)  # and without recorded value_info: stale shapes must not survive
     for init in model.graph.initializer:
         t = light.graph.initializer.add()
         if init.ByteSize() <= _STRIP_BYTES:
@@ -54,14 +54,14 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` without its initializers, built field by field so the weights are never copied."""
     shell = onnx.ModelProto()
-    _copy_fields(model, shell, skip="graph")
-    _copy_fields(model.graph, shell.graph, skip="initializer")
+    _copy_fields(model, shell, skip=("graph",))
+    _copy_fields(model.graph, shell.graph, skip=("initializer", "value_info"))
     return shell
 
 
-def _copy_fields(src: Any, dst: Any, skip: str) -> None:
+def _copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> None:
     for field, value in src.ListFields():
-        if field.name == skip:
+        if field.name in skip:
             continue
         if hasattr(value, "extend"):  # repeated field
             getattr(dst, field.name).extend(value)
@@ -102,8 +102,12 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.Mo
     if cfg.verify:
         try:
             verifier = Verifier(current, cfg)
-        except Exception as exc:
-            log.warning("safety net off: ONNX Runtime cannot run the input model (%s)", str(exc).splitlines()[0])
+        except Exception as exc:  # unverified rewrites must never ship silently: the user decides
+            raise ModelError(f"the optimizer's safety net cannot run the input model on random inputs "
+                             f"({str(exc).splitlines()[0][:200]})",
+                             hint="set optimize.int_high below the smallest vocabulary / index range, or "
+                                  "optimize.verify_batch to a size every dynamic axis accepts; or "
+                                  "optimize.verify: false to rewrite without checking") from None
     passes: list[dict[str, Any]] = []
     for spec, params in plan:
         t0 = time.perf_counter()

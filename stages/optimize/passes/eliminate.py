@@ -9,7 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel
 
-from stages.optimize.passes.util import const, drop, known_shape, producer, replace_uses
+from stages.optimize.passes.util import RANDOM_OPS, const, drop, known_shape, producer, replace_uses
 from stages.optimize.registry import register
 
 
@@ -149,13 +149,24 @@ def _const_key(t: gs.Constant) -> tuple:
     return (v.dtype.str, v.shape, hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
 
 
+def _attr_key(v: object) -> object:
+    """Attribute values by content: a tensor attribute's repr shows only its name, shape and dtype (so
+    ConstantOfShape(value=0) and ConstantOfShape(value=1) once looked identical)."""
+    if isinstance(v, gs.Constant):
+        return _const_key(v)
+    if isinstance(v, np.ndarray):
+        return _const_key(gs.Constant("", v))
+    if isinstance(v, (list, tuple)):
+        return tuple(_attr_key(x) for x in v)
+    return repr(v)
+
+
 def _node_key(node: gs.Node) -> tuple | None:
     if node.op in ("Constant",) or any(isinstance(v, gs.Graph) for v in node.attrs.values()):
         return None  # Constants are deduplicated as tensors; subgraph attributes are not compared
-    if node.op in ("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-                   "Bernoulli", "Dropout"):
+    if node.op in RANDOM_OPS:
         return None  # each call draws new numbers: two of them are not duplicates
-    attrs = tuple(sorted((k, repr(v)) for k, v in node.attrs.items()))
+    attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items()))
     return (node.op, node.domain, tuple(id(t) for t in node.inputs), attrs, len(node.outputs))
 
 

@@ -10,7 +10,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.optimize.passes.util import const, known_shape
+from stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
 from stages.optimize.registry import register
 
 log = logging.getLogger("kiln.optimize")
@@ -76,7 +76,7 @@ def static_reshapes(graph: gs.Graph) -> int:
         for i in dyn:  # prefer "copy from input" when the axis is the same symbol at the same position
             if src is not None and i < len(src) and isinstance(out[i], str) and src[i] == out[i]:
                 shape[i] = 0
-        node.inputs[1] = gs.Constant(node.outputs[0].name + "_shape", np.array(shape, dtype=np.int64))
+        node.inputs[1] = new_const(graph, node.outputs[0].name + "_shape", np.array(shape, dtype=np.int64))
         node.attrs["allowzero"] = 0
         n += 1
     return n
@@ -90,7 +90,9 @@ def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
         before = len(graph.nodes)
         changed = resolve_castlike(graph) + (static_reshapes(graph) if p.static_reshape else 0)
         with _quiet_gs():
-            graph.fold_constants(fold_shapes=True, size_threshold=p.size_threshold, error_ok=True)
+            # A random op has no variable inputs, so it looks foldable; folding would freeze one draw forever.
+            graph.fold_constants(fold_shapes=True, size_threshold=p.size_threshold, error_ok=True,
+                                 should_exclude_node=lambda node: node.op in RANDOM_OPS)
         graph.cleanup()
         removed = before - len(graph.nodes)
         total += changed + max(removed, 0)

@@ -168,7 +168,7 @@ class ScaleParams(BaseModel):
 
 
 def _scalar(v: np.ndarray | None, div: bool, exact_only: bool) -> float | None:
-    if v is None or v.size != 1 or not np.issubdtype(v.dtype, np.floating):
+    if v is None or v.size != 1 or v.ndim > 1 or not np.issubdtype(v.dtype, np.floating):  # [1,1,1] adds axes
         return None
     s = float(v.ravel()[0])
     if s == 0 or not np.isfinite(s):

@@ -13,8 +13,10 @@ from stages.optimize.registry import register
 
 
 def _scalar(t: gs.Tensor) -> float | None:
+    """The value of a one-element constant of rank 0 or 1. A higher-rank one is not a scalar: broadcasting
+    it can raise the other operand's rank, which a fused op would drop."""
     v = const(t)
-    return float(v.ravel()[0]) if v is not None and v.size == 1 else None
+    return float(v.ravel()[0]) if v is not None and v.size == 1 and v.ndim <= 1 else None
 
 
 def _other(node: gs.Node, t: gs.Tensor) -> gs.Tensor | None:
@@ -49,6 +51,8 @@ def _reduce_axes(node: gs.Node) -> list[int] | None:
 
 def _trailing(axes: list[int], rank: int | None) -> int | None:
     """The LayerNormalization ``axis`` if ``axes`` are the last k axes, else None."""
+    if not axes:  # opset 18 empty axes: all axes, or none with noop_with_empty_axes: not a LayerNorm's
+        return None
     if rank is None:
         if all(a < 0 for a in axes):
             norm = sorted(axes)
@@ -62,10 +66,11 @@ def _private(graph: gs.Graph, t: gs.Tensor, reader: gs.Node) -> bool:
     return only_consumer(graph, t) is reader
 
 
-def _affine_param(v: np.ndarray, norm_shape: list[int]) -> np.ndarray | None:
-    """gamma/beta broadcast to the normalized shape, if it does not broadcast along the other axes."""
+def _affine_param(v: np.ndarray, norm_shape: list[int], rank: int) -> np.ndarray | None:
+    """gamma/beta broadcast to the normalized shape, if it does not broadcast along the other axes (nor add
+    axes to an input of rank ``rank``)."""
     k = len(norm_shape)
-    if v.ndim > k and any(d != 1 for d in v.shape[:-k]):
+    if v.ndim > rank or (v.ndim > k and any(d != 1 for d in v.shape[:-k])):
         return None
     v = v.reshape(v.shape[-k:]) if v.ndim > k else v
     try:
@@ -99,7 +104,8 @@ def _match_layernorm(graph: gs.Graph, dv: gs.Node) -> dict | None:
             _private(graph, t, r) for t, r in ((sub.inputs[1], sub), (rm2.outputs[0], add_eps),
                                                (add_eps.outputs[0], sqrt), (std, dv), (rm2.inputs[0], rm2))):
         return None
-    return {"x": x, "axis": axis, "eps": eps, "norm_shape": [int(v) for v in shape[axis:]], "last": dv}
+    return {"x": x, "axis": axis, "eps": eps, "norm_shape": [int(v) for v in shape[axis:]], "rank": len(shape),
+            "last": dv}
 
 
 def _absorb_affine(graph: gs.Graph, m: dict, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -109,7 +115,7 @@ def _absorb_affine(graph: gs.Graph, m: dict, dtype: np.dtype) -> tuple[np.ndarra
         out = m["last"].outputs[0]
         nxt = only_consumer(graph, out)
         c = const(_other(nxt, out)) if nxt is not None and nxt.op == op else None
-        v = _affine_param(c, m["norm_shape"]) if c is not None and c.dtype == dtype else None
+        v = _affine_param(c, m["norm_shape"], m["rank"]) if c is not None and c.dtype == dtype else None
         if v is None:
             break
         if op == "Mul":

@@ -7,6 +7,11 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 
+# Ops that draw new numbers on every run: never folded into constants, never merged as duplicates.
+RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                        "Bernoulli", "Dropout"})
+
+
 def const(t: gs.Tensor | None) -> np.ndarray | None:
     """The value of a constant tensor (initializer or Constant-node output), else None."""
     if isinstance(t, gs.Constant):

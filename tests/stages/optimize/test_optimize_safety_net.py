@@ -1,0 +1,125 @@
+"""The safety net and the passes on graphs that once fooled them: tensor attributes, random ops, stale recorded
+shapes, NaN and sequence outputs, name clashes, rank-raising 'scalars', empty reduce axes."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper as h
+
+from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
+from pipeline.errors import ModelError
+from stages.optimize.api import optimize_model
+from stages.optimize.config import OptimizeConfig
+from stages.optimize.verify import run_ort
+
+N = h.make_node
+
+
+def test_cse_keeps_constant_of_shape_nodes_with_different_values():
+    fill = lambda v: h.make_tensor("value", onnx.TensorProto.FLOAT, [1], [v])  # noqa: E731
+    m = make_model([N("Shape", ["x"], ["s"]), N("ConstantOfShape", ["s"], ["zeros"], value=fill(0.0)),
+                    N("ConstantOfShape", ["s"], ["ones"], value=fill(1.0)), N("Add", ["zeros", "ones"], ["a"]),
+                    N("Add", ["x", "a"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {})
+    out, s = optimize_model(m, OptimizeConfig(passes=["cse"], verify=False))  # the net is off: the pass alone
+    assert ops(out).count("ConstantOfShape") == 2
+    x = f32(3, 4)
+    np.testing.assert_allclose(run_ort(out, {"x": x})["y"], x + 1)
+
+
+def test_fold_constants_does_not_freeze_random_ops():
+    """An unseeded RandomUniform has no variable inputs, so it looks constant; folding would freeze one draw."""
+    m = make_model([N("RandomUniform", [], ["r"], shape=[1, 4]), N("Add", ["x", "r"], ["y"])],
+                   [("x", ["N", 4], FLOAT)], ["y"], {})
+    out, s = optimize_model(m, OptimizeConfig(passes=["fold_constants"]))
+    assert "RandomUniform" in ops(out)
+
+
+def test_random_model_is_checked_for_shapes_only_and_not_rolled_back():
+    m = make_model([N("RandomNormalLike", ["x"], ["r"]), N("Identity", ["r"], ["i"]), N("Add", ["x", "i"], ["y"])],
+                   [("x", ["N", 4], FLOAT)], ["y"], {})
+    out, s = run_pass(m, "eliminate_identity")
+    assert "Identity" not in ops(out) and s["verified"]
+
+
+def test_a_recorded_batch_in_value_info_is_not_baked_into_reshapes():
+    """The file says 'r' is [2, 12] (the export batch) while the input is dynamic: folding must not trust it."""
+    m = make_model([N("Relu", ["x"], ["r"]), N("Shape", ["r"], ["s"]), N("Gather", ["s", "i0"], ["b"], axis=0),
+                    N("Unsqueeze", ["b", "ax"], ["bu"]), N("Concat", ["bu", "tail"], ["shp"], axis=0),
+                    N("Reshape", ["r", "shp"], ["y"])], [("x", ["N", 12], FLOAT)], ["y"],
+                   {"i0": np.array(0), "ax": np.array([0]), "tail": np.array([3, 4])})
+    del m.graph.value_info[:]
+    m.graph.value_info.append(h.make_tensor_value_info("r", FLOAT, [2, 12]))
+    out, _ = optimize_model(m, OptimizeConfig(verify=False))
+    for batch in (1, 2, 3):
+        assert run_ort(out, {"x": f32(batch, 12)})["y"].shape == (batch, 3, 4)
+
+
+def test_nan_in_the_reference_does_not_roll_everything_back():
+    m = make_model([N("Log", ["x"], ["l"]), N("Identity", ["l"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {})
+    out, s = run_pass(m, "eliminate_identity")  # random normal inputs: Log of negatives is NaN
+    assert ops(out) == ["Log"]
+
+
+def test_sequence_outputs_are_compared():
+    graph = h.make_graph([N("Relu", ["x"], ["r"]), N("Identity", ["r"], ["i"]),
+                          N("SplitToSequence", ["i"], ["seq"], axis=0, keepdims=1)], "g",
+                         [h.make_tensor_value_info("x", FLOAT, ["N", 4])],
+                         [h.make_tensor_sequence_value_info("seq", FLOAT, None)])
+    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    m.ir_version = 9
+    out, s = run_pass(m, "eliminate_identity")
+    assert ops(out) == ["Relu", "SplitToSequence"] and s["verified"]
+
+
+def test_static_reshape_constant_gets_a_free_name():
+    m = make_model([N("Shape", ["x"], ["s"]), N("Gather", ["s", "i0"], ["b"], axis=0),
+                    N("Unsqueeze", ["b", "ax"], ["bu"]), N("Concat", ["bu", "tail"], ["y_shape"], axis=0),
+                    N("Reshape", ["x", "y_shape"], ["y"]), N("Relu", ["y"], ["out"]),
+                    N("Cast", ["y_shape"], ["z"], to=FLOAT)], [("x", ["N", 12], FLOAT)], ["out", "z"],
+                   {"i0": np.array(0), "ax": np.array([0]), "tail": np.array([3, 4])})
+    out, s = run_pass(m, "fold_constants")
+    onnx.checker.check_model(out, full_check=True)
+
+
+def test_a_pass_whose_graph_fails_the_checker_is_rolled_back(monkeypatch):
+    from stages.optimize import registry
+
+    def bogus_attribute(graph, p):  # the ONNX checker rejects an attribute Relu does not have
+        for node in graph.nodes:
+            node.attrs["bogus"] = 1
+        return 1
+    monkeypatch.setitem(registry.PASSES, "bogus", registry.PassSpec("bogus", bogus_attribute, registry.NoParams, "x"))
+    m = make_model([N("Relu", ["x"], ["r"]), N("Sigmoid", ["r"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {})
+    out, s = optimize_model(m, OptimizeConfig(passes=["bogus"]))
+    assert s["rolled_back"] == ["bogus"] and "not a valid ONNX graph" in s["passes"][0]["reason"]
+
+
+def test_one_element_constant_of_higher_rank_is_not_a_scalar():
+    m = make_model([N("MatMul", ["x", "w"], ["mm"]), N("Mul", ["mm", "s"], ["y"])], [("x", ["N", 16], FLOAT)],
+                   ["y"], {"w": f32(16, 8), "s": np.full((1, 1, 1), 0.5, np.float32)})
+    out, s = optimize_model(m, OptimizeConfig(passes=["fold_scalar_mul"], verify=False))
+    assert run_ort(out, {"x": f32(2, 16)})["y"].shape == (1, 2, 8)
+
+
+def test_layernorm_fusion_skips_empty_axes_and_still_fuses_the_real_one():
+    def ln(x: str, tag: str, axes: str) -> list[onnx.NodeProto]:
+        return [N("ReduceMean", [x, axes], [f"{tag}m"]), N("Sub", [x, f"{tag}m"], [f"{tag}d"]),
+                N("Pow", [f"{tag}d", "two"], [f"{tag}p"]), N("ReduceMean", [f"{tag}p", axes], [f"{tag}v"]),
+                N("Add", [f"{tag}v", "eps"], [f"{tag}e"]), N("Sqrt", [f"{tag}e"], [f"{tag}s"]),
+                N("Div", [f"{tag}d", f"{tag}s"], [f"{tag}o"])]
+    nodes = ln("x", "a", "last") + ln("x", "b", "none") + [N("Add", ["ao", "bo"], ["y"])]
+    m = make_model(nodes, [("x", [2, 8], FLOAT)], ["y"],
+                   {"last": np.array([-1]), "none": np.array([], np.int64), "two": np.array(2.0, np.float32),
+                    "eps": np.array(1e-5, np.float32)})
+    out, s = run_pass(m, "fuse_layernorm")
+    assert ops(out).count("LayerNormalization") == 1
+
+
+def test_net_that_cannot_run_the_model_is_a_clear_error():
+    m = make_model([N("Gather", ["table", "ids"], ["y"])], [("ids", ["N", 3], INT64)], ["y"], {"table": f32(5, 4)})
+    with pytest.raises(ModelError, match="safety net cannot run") as err:
+        optimize_model(m, OptimizeConfig())
+    assert "int_high" in err.value.hint and "verify: false" in err.value.hint
+    out, s = optimize_model(m, OptimizeConfig(int_high=4))
+    assert s["verified"]
