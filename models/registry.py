@@ -49,7 +49,11 @@ def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) 
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"cannot import module '{module_name}' for {kind} '{ref}': {exc}",
-                          hint="check the module is installed or on PYTHONPATH") from exc
+                          hint="run kiln from the folder holding the module, put it next to the config, or add "
+                               "its folder to PYTHONPATH") from None
+    except Exception as exc:  # the user's module itself fails (SyntaxError, an exception at import time)
+        raise ConfigError(f"importing module '{module_name}' for {kind} '{ref}' failed: "
+                          f"{type(exc).__name__}: {exc}", hint=f"fix the error in {module_name}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"'{attr}' in module '{module_name}' is not a callable {kind} factory",

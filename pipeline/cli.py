@@ -10,6 +10,7 @@ import click
 import yaml
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from pipeline.config import KilnConfig, load_config
@@ -27,9 +28,10 @@ class KilnCommand(click.Command):
         try:
             return super().invoke(ctx)
         except KilnError as exc:
-            console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+            # escape: messages quote shapes like [batch, 3, 8, 8], which rich would take for markup and drop
+            console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
             if exc.hint:
-                console.print(f"[bold]fix:[/] {exc.hint}", highlight=False, soft_wrap=True)
+                console.print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
             ctx.exit(exc.exit_code)
 
 
@@ -60,8 +62,22 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _importable(*folders: Path) -> None:
+    """User code named by import path (``model.name: mymodels:build``) resolves from the current folder and the
+    config's folder, as ``python -m`` would, before PYTHONPATH."""
+    for folder in folders:
+        entry = str(folder.resolve())
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+def _load(path: str | None, overrides: dict[str, Any]) -> KilnConfig:
+    _importable(*([Path(path).parent] if path else []), Path.cwd())
+    return load_config(path, overrides)
+
+
 def _config(path: str | None, sets: tuple[str, ...]) -> KilnConfig:
-    return load_config(path, _parse_sets(sets))
+    return _load(path, _parse_sets(sets))
 
 
 config_arg = click.argument("config", required=False, type=click.Path(dir_okay=False))
@@ -109,7 +125,8 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         console.print(et)
     for e in (v or {}).get("engines", []):
         if e.get("status") != "validated":
-            console.print(f"[yellow]{e['name']}[/]: built, not validated here: {e.get('reason', '')}", soft_wrap=True)
+            console.print(f"[yellow]{escape(e['name'])}[/]: built, not validated here: {escape(e.get('reason', ''))}",
+                          soft_wrap=True)
     console.print(f"report: {workdir / 'report.md'}")
 
 
@@ -151,6 +168,16 @@ def show_config(config: str | None, sets: tuple[str, ...]) -> None:
     click.echo(yaml.safe_dump(_config(config, sets).dump(), sort_keys=False), nl=False)
 
 
+def _refuse_direct_options(what: str, *names: str) -> None:
+    """Direct-mode options given without the file they apply to would be silently ignored: refuse instead."""
+    ctx = click.get_current_context()
+    given = [f"--{n.replace('_', '-').rstrip('-')}" for n in names
+             if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: direct-mode option{'s' if len(given) > 1 else ''}, give {what} "
+                               f"too (without it, `kiln {ctx.info_name}` runs the stage inside --workdir)")
+
+
 def _stage_in_workdir(stage: str, config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
     """Run one stage inside a run's workdir, from its upstream artifacts, even if cached."""
     _run(_config(config, sets), workdir, quiet, only=[stage], force={stage})
@@ -181,11 +208,12 @@ def export(config: str | None, workdir: str, sets: tuple[str, ...], checkpoint: 
     """Export to ONNX: from WORKDIR/train, or directly with --checkpoint/--model and -o."""
     _setup_logging(quiet, False)
     if checkpoint is None and output is None:
+        _refuse_direct_options("-o/--output or --checkpoint", "model_name", "input_shape")
         return _stage_in_workdir("export", config, workdir, sets, quiet)
     from pipeline.direct import export_direct
 
     overrides = {"model.name": model_name} if model_name else {}
-    cfg = load_config(config, {**overrides, **_parse_sets(sets)})
+    cfg = _load(config, {**overrides, **_parse_sets(sets)})
     summary = export_direct(cfg, checkpoint, input_shape, Path(output or "model.onnx"))
     console.print(f"wrote {summary['path']} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})")
 
@@ -204,6 +232,7 @@ def optimize(model: str | None, output: str | None, config: str | None, passes: 
     _setup_logging(quiet, False)
     extra = (f"optimize.passes={passes.split(',')!r}",) if passes else ()
     if model is None:
+        _refuse_direct_options("the MODEL file", "output")
         return _stage_in_workdir("optimize", config, workdir, sets + extra, quiet)
     from pipeline.direct import optimize_direct
 
@@ -240,6 +269,7 @@ def build(model: str | None, backend: str, device: str, precision_: str, output:
     """Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision."""
     _setup_logging(quiet, False)
     if model is None:
+        _refuse_direct_options("the MODEL file", "backend", "device", "precision_", "output")
         return _stage_in_workdir("build", config, workdir, sets, quiet)
     from pipeline.direct import build_direct
 
@@ -263,12 +293,13 @@ def validate(engine: str | None, reference: str | None, model_name: str | None, 
     """Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference."""
     _setup_logging(quiet, False)
     if engine is None:
+        _refuse_direct_options("the ENGINE folder", "reference", "model_name", "inputs")
         return _stage_in_workdir("validate", config, workdir, sets, quiet)
     if reference is None:
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
     from pipeline.direct import validate_direct
 
-    cfg = load_config(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
+    cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
     result = validate_direct(Path(engine), Path(reference), Path(inputs) if inputs else None, cfg)
     console.print_json(data=result)
     if not result["passed"]:

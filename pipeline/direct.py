@@ -4,12 +4,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import logging
+
 import numpy as np
 import torch
 
 from pipeline.config import KilnConfig
 from pipeline.errors import ConfigError, InputFileError
 from pipeline.onnx_io import load_onnx, ort_session
+
+log = logging.getLogger("kiln")
 
 
 def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
@@ -18,21 +22,33 @@ def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | No
     from stages.train.model_io import dataset_for, load_weights, read_state_dict
 
     model = build_model(cfg.model.name, cfg.model.params)
+    checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
     if checkpoint:
         load_weights(model, read_state_dict(Path(checkpoint)), checkpoint)
+    else:
+        log.warning("exporting '%s' with its initial weights: no --checkpoint and no model.checkpoint given",
+                    cfg.model.name)
     model.eval()
     if input_shape:
-        try:
-            shape = tuple(int(s) for s in input_shape.split(","))
-        except ValueError:
-            raise ConfigError(f"--input-shape '{input_shape}' is not comma-separated integers", hint="e.g. 3,224,224") from None
-        example = torch.randn(2, *shape)
+        example = torch.randn(2, *parse_shape(input_shape))
     else:
         example = dataset_for(cfg).val_x[:2]
     output.parent.mkdir(parents=True, exist_ok=True)
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch)
     check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape``: one sample's shape, positive integers separated by commas."""
+    try:
+        shape = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ConfigError(f"--input-shape '{text}' is not comma-separated positive integers",
+                          hint="one sample's shape without the batch axis, e.g. 3,224,224")
+    return shape
 
 
 def optimize_direct(src: Path, dst: Path, cfg: KilnConfig) -> dict[str, Any]:
@@ -72,8 +88,10 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnCon
     return ref_sess.run(None, feed)[0]
 
 
-def read_feed(path: Path, names: list[str]) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` keyed by the engine's input names."""
+def read_feed(path: Path, specs: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` keyed by the engine's input names, checked against their declared dtypes and
+    shapes (``kiln-engine.json`` "inputs")."""
+    names = [s["name"] for s in specs]
     hint = f"give an .npz with one array per input: np.savez(path, {', '.join(f'{n}=...' for n in names)})"
     if not path.is_file():
         raise InputFileError(f"inputs file not found: {path}", hint=hint)
@@ -87,7 +105,19 @@ def read_feed(path: Path, names: list[str]) -> dict[str, np.ndarray]:
         feed = dict(loaded)
     if sorted(feed) != sorted(names):
         raise InputFileError(f"inputs {path} has arrays {sorted(feed)}; the engine takes {sorted(names)}", hint=hint)
+    for spec in specs:
+        _check_array(spec, feed[spec["name"]])
     return feed
+
+
+def _check_array(spec: dict[str, Any], array: np.ndarray) -> None:
+    want = [d if isinstance(d, int) and d >= 1 else None for d in spec["shape"]]
+    shape_ok = array.ndim == len(want) and all(w is None or w == d for w, d in zip(want, array.shape))
+    if array.dtype != np.dtype(spec["dtype"]) or not shape_ok:
+        dims = ", ".join("batch" if w is None else str(w) for w in want)
+        raise InputFileError(f"input '{spec['name']}' is {array.dtype}{list(array.shape)}; the engine takes "
+                             f"{spec['dtype']}[{dims}]",
+                             hint=f"save it as {spec['dtype']} with that shape, e.g. x.astype('{spec['dtype']}')")
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> dict[str, Any]:
@@ -96,7 +126,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
 
     meta = read_metadata(engine_dir)
     if inputs is not None:
-        feed = read_feed(inputs, [s["name"] for s in meta["inputs"]])
+        feed = read_feed(inputs, meta["inputs"])
     else:
         feed = random_feed(meta["inputs"], batch=max(cfg.validate_.batch_sizes),
                            hint="pass --inputs file.npz with concrete arrays")

@@ -1,12 +1,13 @@
 """Content hashes of user-supplied data that neither the config nor the code pins down.
 
-A user's data module or calibration reader (``package.module:function``) may read files: the cache key already
-covers the function's source and its params, but not what the files hold. Stages that read such data name a
+A user's data module or calibration reader (``package.module:function``) may read files, and
+``model.checkpoint`` names one: the cache key covers the config (paths) and the code, not what the files hold. Stages that read such data name a
 fingerprint here (``Stage.data``) and the runner adds its value to their cache key, computed once per run.
 Built-in datasets are pinned by Kiln's code and config, so they need none (and cost nothing).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -29,6 +30,19 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     return hash_batches([np.asarray(t.numpy()) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
 
 
+def checkpoint_fingerprint(config: KilnConfig) -> str | None:
+    """Hash of the ``model.checkpoint`` file the train stage starts from, if any."""
+    if not config.model.checkpoint:
+        return None
+    from pipeline.artifacts import hash_file
+    from pipeline.errors import InputFileError
+
+    path = Path(config.model.checkpoint)
+    if not path.is_file():
+        raise InputFileError(f"model.checkpoint not found: {path}", hint="fix the path or remove model.checkpoint")
+    return hash_file(path)
+
+
 def calibration_fingerprint(config: KilnConfig) -> str | None:
     """Hash of the batches a user calibration reader yields (what calibration would use), or None when there is
     no reader or the precision stage will not calibrate."""
@@ -43,5 +57,6 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
 
 FINGERPRINTS: dict[str, Callable[[KilnConfig], str | None]] = {
     "dataset": dataset_fingerprint,
+    "checkpoint": checkpoint_fingerprint,
     "calibration": calibration_fingerprint,
 }

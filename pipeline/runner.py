@@ -6,16 +6,19 @@ depends on. Outputs go to ``<workdir>/<stage>/`` through a staging folder rename
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
+import site
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from pipeline.artifacts import atomic_dir, clean_stale_staging, hash_json, hash_source, hash_tree, write_json_atomic
+from pipeline.artifacts import (atomic_dir, clean_stale_staging, hash_file, hash_json, hash_source, hash_tree,
+                                write_json_atomic)
 from pipeline.config import KilnConfig
 from pipeline.env import environment
 from pipeline.errors import GateFailure, KilnError
@@ -98,17 +101,36 @@ def cache_key(stage: Stage, config: KilnConfig, workdir: Path,
 
 
 def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
-    """Source hashes of the user's own model/data/calibration-reader modules named by import path, for the stages
+    """Source hashes of the user's own model/data/calibration-reader code named by import path, for the stages
     whose config names them: editing that code must invalidate the cache just as editing Kiln's does."""
+    from models.registry import resolve_callable
+
     refs = {"model": config.model.name, "data": config.data.name, "calibration": config.calibration.reader}
     heads = {s.split(".")[0] for s in sections}
     out = {}
     for section, ref in refs.items():
         if section in heads and ref and ":" in ref:
-            module = importlib.import_module(ref.partition(":")[0])  # already imported by config validation or the stage
-            if getattr(module, "__file__", None):
-                out[ref] = hash_source(module)
+            resolve_callable(ref, {}, section)  # imports it, or a clean ConfigError naming the problem
+            files = user_source_files(sys.modules[ref.partition(":")[0]])
+            if files:
+                out[ref] = hash_json({str(i): hash_file(p) for i, p in enumerate(files)})
     return out
+
+
+def user_source_files(module: ModuleType) -> list[Path]:
+    """The code a user module stands for: its whole top-level package, or for a top-level module every .py file
+    in its folder (the helpers it imports usually sit next to it). An installed top-level module is just itself."""
+    top = sys.modules.get(module.__name__.partition(".")[0], module)
+    top_file = getattr(top, "__file__", None)
+    if not top_file:
+        return []
+    top_path = Path(top_file)
+    if top_path.name == "__init__.py":
+        return sorted(top_path.parent.rglob("*.py"))
+    installed = {Path(p).resolve() for p in site.getsitepackages() + [site.getusersitepackages()]}
+    if top_path.parent.resolve() in installed:
+        return [top_path]
+    return sorted(top_path.parent.glob("*.py"))
 
 
 class Runner:

@@ -15,7 +15,9 @@ import stages.precision
 import stages.precision.stage as precision_stage
 import stages.train
 import stages.train.stage as train_stage
+import stages.train.model_io as model_io
 import stages.validate as validate_stage
+import pipeline.onnx_io as onnx_io
 from pipeline.config import KilnConfig
 from pipeline.env import environment_subset
 from pipeline.stage import Stage
@@ -44,10 +46,13 @@ def _validate_env(cfg: KilnConfig) -> dict[str, Any]:
 
 STAGES: list[Stage] = [
     Stage("train", train_stage.run, (), ("seed", "model", "data", "train"), (stages.train, models), _train_env,
-          "train the model (AMP, gradient accumulation) or load a checkpoint", data=("dataset",)),
+          "train the model (AMP, gradient accumulation) or load a checkpoint", data=("dataset", "checkpoint")),
     # ctx.dataset() reads seed, data and (for the default dataset) model.name: every stage calling it hashes them,
     # and the content of a user dataset (data=("dataset",)).
-    Stage("export", export_stage.run, ("train",), ("seed", "model", "data", "export"), (export_stage,), _torch_ort_env,
+    # Export builds the model from models/ (the zoo Transformer has an export-only attention path) and loads it
+    # through model_io; validate builds the same PyTorch baseline.
+    Stage("export", export_stage.run, ("train",), ("seed", "model", "data", "export"),
+          (export_stage, models, model_io, onnx_io), _torch_ort_env,
           "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity", data=("dataset",)),
     Stage("optimize", optimize_stage.run, ("export",), ("optimize",), (stages.optimize,), _onnx_env,
           "graph passes with onnx-graphsurgeon"),
@@ -60,8 +65,8 @@ STAGES: list[Stage] = [
           "ONNX Runtime and TensorRT engines"),
     # Engines run through stages.build's runners, so their code is part of validate's result.
     Stage("validate", validate_stage.run, ("train", "build"), ("seed", "model", "data", "validate"),
-          (validate_stage, stages.build), _validate_env, "accuracy and latency of every engine vs PyTorch, with gates",
-          data=("dataset",)),
+          (validate_stage, stages.build, models, model_io), _validate_env,
+          "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset",)),
     Stage("package", package_stage.run, ("train", "build", "validate"), ("name", "package"), (package_stage,),
           lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository"),
 ]

@@ -228,3 +228,85 @@ def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path)
     finally:
         holder.communicate("")
     assert holder.returncode == 0
+
+
+def _exported_engine(cli: CliRunner, tmp_path: Path) -> tuple[Path, Path, Path]:
+    import torch
+
+    from models.registry import build_model
+
+    ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
+    torch.save(build_model("cnn").state_dict(), ckpt)
+    assert cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)]).exit_code == 0
+    assert cli.invoke(main, ["build", str(onnx_path), "-o", str(engine)]).exit_code == 0
+    return ckpt, onnx_path, engine
+
+
+def test_direct_validate_inputs_of_the_wrong_shape_or_dtype(cli: CliRunner, tmp_path: Path) -> None:
+    # Before: ONNX Runtime's InvalidArgument traceback.
+    import numpy as np
+
+    _, onnx_path, engine = _exported_engine(cli, tmp_path)
+    np.savez(tmp_path / "shape.npz", input=np.zeros((4, 3, 8, 8), np.float32))
+    np.savez(tmp_path / "dtype.npz", input=np.zeros((4, 1, 8, 8), np.float64))
+    for name in ("shape.npz", "dtype.npz"):
+        result = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs",
+                                   str(tmp_path / name)])
+        assert_clean_error(result, 2, "input 'input' is", "the engine takes float32[batch, 1, 8, 8]")
+
+
+def test_direct_export_takes_the_configs_checkpoint(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    """model.checkpoint in the config is the weights to export (it once exported random weights, exit 0)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    ckpt, explicit, _ = _exported_engine(cli, tmp_path)
+    cfg = write_yaml({"model": {"name": "cnn", "checkpoint": str(ckpt)}})
+    result = cli.invoke(main, ["export", "-c", str(cfg), "-o", str(tmp_path / "from_config.onnx")])
+    assert result.exit_code == 0, result.output
+    x = np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)
+    run = lambda p: ort.InferenceSession(str(p)).run(None, {"input": x})[0]  # noqa: E731
+    np.testing.assert_allclose(run(tmp_path / "from_config.onnx"), run(explicit), atol=1e-6)
+
+
+@pytest.mark.parametrize("args", [["build", "--backend", "tensorrt"], ["build", "-o", "out"],
+                                  ["validate", "--reference", "m.onnx"], ["optimize", "-o", "x.onnx"],
+                                  ["export", "--input-shape", "1,8,8"]])
+def test_direct_mode_options_without_their_file_are_refused(cli: CliRunner, tmp_path: Path, args) -> None:
+    """They used to be ignored silently: the stage ran inside the workdir instead, exit 0."""
+    result = cli.invoke(main, [*args, "-w", str(tmp_path / "w")])
+    assert result.exit_code == 2 and "direct-mode option" in result.output, result.output
+    assert not (tmp_path / "w").exists()
+
+
+def test_bad_input_shape_is_a_clean_error(cli: CliRunner, tmp_path: Path) -> None:
+    result = cli.invoke(main, ["export", "--model", "cnn", "--input-shape=-1,8,8", "-o", str(tmp_path / "m.onnx")])
+    assert_clean_error(result, 2, "positive integers")
+
+
+def test_user_model_module_next_to_the_config(cli: CliRunner, tmp_path: Path, write_yaml,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.name: mymodels:build` with mymodels.py beside the config imports without PYTHONPATH; a typo or a
+    broken module is a clean error (both were tracebacks)."""
+    import sys
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "kiln_t_models.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n")
+    (folder / "kiln_t_broken.py").write_text("def build(:\n")
+    cfg = folder / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"name": "kiln_t_models:build"}, "data": {"name": "digits"},
+                                   "train": {"epochs": 1}}))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        ok = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "w"), "--until", "train", "-q"])
+        assert ok.exit_code == 0, ok.output
+        for name, needle in (("nosuch.mod:fn", "cannot import module 'nosuch.mod'"),
+                             ("kiln_t_broken:build", "SyntaxError")):
+            bad = cli.invoke(main, ["run", str(cfg), "--set", f"model.name={name}", "-w", str(tmp_path / "w"),
+                                    "--until", "train", "-q"])
+            assert_clean_error(bad, 2, needle)
+    finally:
+        for m in ("kiln_t_models", "kiln_t_broken"):
+            sys.modules.pop(m, None)

@@ -80,3 +80,44 @@ def test_reader_is_not_called_when_nothing_calibrates(tmp_path: Path, user_modul
                                                "calibration.reader": "my_files:calib",
                                                "calibration.reader_params": {"path": str(tmp_path / "absent.npy")}}))
     assert calibration_fingerprint(cfg) is None  # the file does not exist: calling the reader would fail
+
+
+def test_changed_checkpoint_file_reruns_training(tmp_path: Path) -> None:
+    """model.checkpoint names a file: new weights under the same path must not reuse the old export."""
+    import torch
+
+    from models.registry import build_model
+
+    params = {"width": 8, "depth": 2}
+    ckpt = tmp_path / "w.pt"
+    torch.manual_seed(0)
+    torch.save(build_model("cnn", params).state_dict(), ckpt)
+    cfg = config_from_dict(tiny_config_dict(**{"model.checkpoint": str(ckpt)}))
+    first, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
+    assert statuses(first) == {"train": "skipped", "export": "ran"}  # 'skipped': weights loaded, no training
+    assert set(statuses(run_pipeline(cfg, tmp_path / "wd", stop="export")[0]).values()) == {"cached"}
+    torch.manual_seed(1)
+    torch.save(build_model("cnn", params).state_dict(), ckpt)
+    changed, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
+    assert statuses(changed) == {"train": "skipped", "export": "ran"}
+
+
+def test_editing_a_helper_module_of_user_code_reruns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mymodels.py imports its layers from a sibling file: editing that file counts as editing the model."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "kiln_fp_layers.py").write_text("import torch\nACT = torch.nn.ReLU\n")
+    (src / "kiln_fp_models.py").write_text(
+        "import torch\nfrom kiln_fp_layers import ACT\n\n"
+        "def build():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 16), ACT(), "
+        "torch.nn.Linear(16, 10))\n")
+    monkeypatch.syspath_prepend(str(src))
+    try:
+        cfg = config_from_dict(tiny_config_dict(**{"model.name": "kiln_fp_models:build", "model.params": {},
+                                                   "data.name": "digits"}))
+        assert set(statuses(run_pipeline(cfg, tmp_path / "wd", stop="train")[0]).values()) == {"ran"}
+        (src / "kiln_fp_layers.py").write_text("import torch\nACT = torch.nn.Tanh\n")
+        assert statuses(run_pipeline(cfg, tmp_path / "wd", stop="train")[0]) == {"train": "ran"}
+    finally:
+        for m in ("kiln_fp_models", "kiln_fp_layers"):
+            sys.modules.pop(m, None)

@@ -117,6 +117,7 @@ def test_code_versions_cover_what_stages_run() -> None:
     from pipeline.stages import stage_named
 
     assert stages.build in stage_named("validate").code and models in stage_named("train").code
+    assert models in stage_named("export").code and models in stage_named("validate").code
 
 
 def test_cached_stages_report_this_runs_time(first_run) -> None:
