@@ -7,15 +7,26 @@ from typing import Any
 from pipeline.artifacts import write_json_atomic, write_text_atomic
 from pipeline.config import KilnConfig
 from pipeline.env import environment
-from pipeline.runner import RunResult
+from pipeline.runner import RunResult, read_manifest
+from pipeline.stages import STAGE_NAMES
 
 
-def build_report(result: RunResult, config: KilnConfig) -> dict[str, Any]:
-    stages = {r.name: {"status": r.status, "seconds": round(r.seconds, 3), **({"error": r.error} if r.error else {}),
-                       **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
-                       "summary": r.summary} for r in result.records}
-    validation = next((r.summary for r in result.records if r.name == "validate" and r.summary), None)
-    report: dict[str, Any] = {"name": config.name, "ok": result.ok, "stages": stages, "environment": environment()}
+def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = None) -> dict[str, Any]:
+    """This run's stages, plus (with ``workdir``) the stages it did not touch as their manifests left them, so a
+    one-stage command (`kiln package`) does not shrink the report to that stage."""
+    ran = {r.name: {"status": r.status, "seconds": round(r.seconds, 3), **({"error": r.error} if r.error else {}),
+                    **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
+                    "summary": r.summary} for r in result.records}
+    stages: dict[str, Any] = {}
+    for name in STAGE_NAMES:
+        if name in ran:
+            stages[name] = ran[name]
+        elif workdir is not None and (m := read_manifest(workdir / name)) is not None:
+            stages[name] = {"status": "kept", "seconds": 0.0, "original_seconds": round(m.get("seconds", 0.0), 3),
+                            "summary": m.get("summary", {})}
+    validation = stages.get("validate", {}).get("summary") or None
+    ok = result.ok and (validation or {}).get("passed") is not False
+    report: dict[str, Any] = {"name": config.name, "ok": ok, "stages": stages, "environment": environment()}
     if result.error is not None:
         report["error"] = str(result.error)
     if validation:
@@ -33,6 +44,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"> {report['error']}", ""]
     lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
     lines += [f"| {n} | {s['status']} | {s['seconds']:.2f} |" for n, s in report["stages"].items()]
+    if any(s["status"] == "kept" for s in report["stages"].values()):
+        lines += ["", "*kept*: not part of this command; its results are those already in the workdir."]
     v = report.get("validation")
     if v:
         b = v["baseline"]
@@ -101,7 +114,7 @@ def _stage_sections(stages: dict[str, Any]) -> list[str]:
 
 
 def write_report(result: RunResult, config: KilnConfig, workdir: Path) -> dict[str, Any]:
-    report = build_report(result, config)
+    report = build_report(result, config, workdir)
     write_json_atomic(workdir / "report.json", report, sort_keys=False)  # keep stages in pipeline order
     write_text_atomic(workdir / "report.md", render_markdown(report))
     return report

@@ -164,7 +164,9 @@ class Runner:
             self.on_event(record)
             if record.status != "failed" and record.summary.get("passed") is False and error is None:
                 error = GateFailure(f"validation gates failed: {'; '.join(record.summary.get('failures', [])) or 'see report'}",
-                                    hint="see report.md; relax validate.gates only if the numbers are acceptable")
+                                    hint="see report.md; relax validate.gates only if the numbers are acceptable"
+                                         + (" (latency from an earlier run: `--force validate` measures again)"
+                                            if record.status == "cached" else ""))
             if stop is not None and stage.name == stop:
                 break
         return RunResult(self.workdir, records, error)

@@ -9,6 +9,7 @@ import re
 import shutil
 from typing import Any
 
+from pipeline.errors import GateFailure
 from pipeline.stage import StageContext
 from stages.build.engines import SIDECAR, read_metadata
 
@@ -52,6 +53,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if not cfg.enabled:
         return {"status": "skipped", "models": []}
     validation = json.loads((ctx.inputs["validate"] / "validation.json").read_text())
+    if validation.get("passed") is False:  # `kiln package` after a failed gate: keep the last good package
+        raise GateFailure(f"validation failed ({'; '.join(validation.get('failures', [])) or 'see report.md'}): "
+                          "nothing is packaged", hint="fix the engines, or relax validate.gates if the numbers are "
+                                                      "acceptable, then `kiln run` again")
     results = {e["name"]: e for e in validation["engines"]}
     packaged = []
     for engine_dir in sorted(p.parent for p in ctx.inputs["build"].glob(f"*/{SIDECAR}")):

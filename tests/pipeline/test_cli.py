@@ -310,3 +310,29 @@ def test_user_model_module_next_to_the_config(cli: CliRunner, tmp_path: Path, wr
     finally:
         for m in ("kiln_t_models", "kiln_t_broken"):
             sys.modules.pop(m, None)
+
+
+def test_package_after_a_failed_gate_keeps_the_good_package_and_the_full_report(cli: CliRunner, tmp_path: Path,
+                                                                                 write_yaml) -> None:
+    """`kiln package` after a failed gate used to exit 0, replace the package by an empty one and cut report.md
+    down to the package stage, saying PASSED."""
+    import json
+
+    cfg = write_yaml(tiny_config_dict())
+    wd = tmp_path / "w"
+    assert cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q"]).exit_code == 0
+    good = json.loads((wd / "package" / "kiln-package.json").read_text())
+    assert good["models"]
+    # a per-stage command keeps the other stages in the report
+    assert cli.invoke(main, ["package", str(cfg), "-w", str(wd), "-q"]).exit_code == 0
+    report = json.loads((wd / "report.json").read_text())
+    assert report["stages"]["package"]["status"] == "ran" and report["stages"]["train"]["status"] == "kept"
+    assert report["validation"]["passed"] and "Validation against PyTorch" in (wd / "report.md").read_text()
+    # a failed gate, then `kiln package`: refused, the earlier package stays
+    failed = cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q", "--set", "validate.gates.max_latency_p50_ms=1e-6"])
+    assert failed.exit_code == 3
+    result = cli.invoke(main, ["package", str(cfg), "-w", str(wd), "-q",
+                               "--set", "validate.gates.max_latency_p50_ms=1e-6"])
+    assert_clean_error(result, 3, "nothing is packaged")
+    assert json.loads((wd / "package" / "kiln-package.json").read_text()) == good
+    assert "**Result: FAILED**" in (wd / "report.md").read_text()
