@@ -6,9 +6,11 @@ checkpoint intact. ``last.pt`` holds only tensors and plain containers and is re
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +71,54 @@ def load_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def save_weights(path: Path, model: nn.Module) -> None:
+def save_weights(path: Path, model: nn.Module) -> str:
+    """Write the model's weights as safetensors; returns the file's sha256 (recorded in last.pt)."""
     from safetensors.torch import save
 
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    write_bytes_atomic(path, save(state))
+    data = save(state)
+    write_bytes_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def find_best(folders: Iterable[Path | None], digest: str | None, own_folder: Path) -> Path | None:
+    """The best.safetensors whose sha256 is ``digest``, from the first folder that has it.
+
+    Checkpoints written before the digest was recorded (``digest`` None) accept only the file beside
+    their own last.pt (``own_folder``), which the same run wrote."""
+    for folder in folders:
+        if folder is None or not (folder / BEST).is_file():
+            continue
+        path = folder / BEST
+        if digest is None and folder == own_folder:
+            return path
+        if digest is not None and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
+            return path
+    return None
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    write_bytes_atomic(dst, src.read_bytes())
+
+
+def all_finite(*states: dict[Any, Any]) -> bool:
+    """No NaN/Inf in any floating-point tensor of these (nested) state dicts; one host sync per device."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for t in _tensors(states):
+        if t.is_floating_point() and t.numel():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(f).all()) for f in flags.values())
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def find_resume(setting: str, ckpt_dir: Path, key: str) -> Path | None:

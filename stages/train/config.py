@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.sections import Section
 
@@ -63,8 +63,8 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="linear LR warm-up from lr/100 over this many steps")
     weight_decay: float = Field(0.01, ge=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    momentum: float = Field(0.9, ge=0, description="SGD momentum")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum, in [0, 1)")
     fused: bool | None = Field(None, description="fused optimizer kernels; null: on CUDA")
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
@@ -79,3 +79,19 @@ class TrainConfig(Section):
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        # torch.optim.AdamW would refuse them only when training starts, with a traceback
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError("each AdamW beta must be in [0, 1), e.g. [0.9, 0.999]")
+        return betas
+
+    @model_validator(mode="after")
+    def _min_lr_below_lr(self) -> "TrainConfig":
+        # A floor above the peak would make the cosine/linear "decay" raise the LR
+        if self.schedule != "constant" and self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr ({self.min_lr}) is above train.lr ({self.lr}): the {self.schedule} "
+                             "schedule decays from lr down to min_lr, so min_lr must not exceed lr")
+        return self

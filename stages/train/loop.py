@@ -31,14 +31,17 @@ from stages.train import checkpoint as ckpt
 from stages.train.config import TrainConfig
 from stages.train.data import local_batch_size, make_loader, micro_batches
 from stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
-from stages.train.health import LaggedStats, StepStats, skip_if_nonfinite, skips_on_device
+from stages.train.health import BufferGuard, LaggedStats, StepStats, skip_if_nonfinite, skips_on_device
 from stages.train.metrics import EpochMetrics, TrainResult, peak_memory_mb, reset_peak_memory
-from stages.train.optim import make_optimizer, make_schedule
+from stages.train.optim import make_optimizer, make_schedule, replay_schedule, zero_momentum_buffers
 from stages.train.precision import autocast, fp32_norms, make_scaler, resolve_device, resolve_precision, update_scaler
 from stages.train.runtime import determinism, profiler
 
 log = logging.getLogger("kiln.train")
 StepHook = Callable[[int], None]
+# The schedule counts batches, stepped or skipped (and a resume replays it without optimizer steps);
+# torch warns when a scheduler steps before the optimizer has.
+SCHED_WARNING = r"Detected call of `lr_scheduler.step\(\)` before"
 
 
 @torch.no_grad()
@@ -113,7 +116,8 @@ class _Trainer:
         self.steps_per_epoch = math.ceil(self.sampler.num_samples / self.local_batch)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = make_optimizer(model, cfg, device)
-        self.sched = make_schedule(self.opt, cfg, self.steps_per_epoch * cfg.epochs)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.sched = make_schedule(self.opt, cfg, self.total_steps)
         self.scaler = make_scaler(cfg.amp, device, precision)
         # The update skips non-finite steps on the device (GradScaler for fp16, found_inf for fused
         # optimizers), so the host may look at a step's values late. Otherwise it decides at once.
@@ -122,10 +126,13 @@ class _Trainer:
         self.loss_fn = nn.CrossEntropyLoss()
         self.result = TrainResult(precision=precision, device=str(device), world_size=env.world_size,
                                   checkpoint_dir=str(ckpt_dir) if ckpt_dir else None)
-        self.epoch, self.step_in_epoch, self.bad_streak, self.last_good = 0, 0, 0, "none written yet"
-        self.acc: dict[str, float] = {}  # running sums of the current epoch
+        self.epoch, self.step_in_epoch, self.last_good = 0, 0, "none written yet"
+        self.bad_streak = 0  # consecutive steps with a NaN/Inf loss (fp16 scale back-offs do not count)
+        self.best_digest: str | None = None  # sha256 of best.safetensors, kept in last.pt to find it on resume
+        self.acc: dict[str, float] = {}  # running sums of the current epoch (this process's share)
         self._maybe_resume()
         self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
+        self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
 
     # -- resume / checkpoint ------------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -139,7 +146,7 @@ class _Trainer:
             log.warning("resuming from %s, written by another training configuration (run key %s, now %s)",
                         path, state.get("run_key"), self.run_key)
         try:
-            self._restore(state)
+            self._restore(state, path)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another model, optimizer or format
             raise InputFileError(
                 f"cannot resume from {path}: it does not fit this run ({type(exc).__name__}: "
@@ -149,47 +156,85 @@ class _Trainer:
         self.result.resumed_from, self.last_good = str(path), f"{path} (step {state['global_step']})"
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
 
-    def _restore(self, state: dict[str, Any]) -> None:
+    def _restore(self, state: dict[str, Any], path: Path) -> None:
         self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
+        self.opt.load_state_dict(state["optimizer"])  # moments and step counts; its lr etc. are replaced below
+        zero_momentum_buffers(self.opt)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SCHED_WARNING)
+            # The LR follows this config at the resumed step (not the old run's lr and length): the
+            # abort's advice "lower train.lr and resume" must take effect. state["scheduler"] is not read.
+            self.sched = replay_schedule(self.opt, self.cfg, self.total_steps, state["global_step"])
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
-        self.epoch, self.step_in_epoch, self.acc = state["epoch"], state["step_in_epoch"], dict(state["acc"])
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        # The saved sums are over all processes (see _save): one process takes them, the others start at 0.
+        self.acc = {k: v if self.env.is_main else 0.0 for k, v in state["acc"].items()}
         self.result.history = [EpochMetrics(**m) for m in state["history"]]
         self.result.global_step, self.result.best_epoch = state["global_step"], state["best_epoch"]
         self.result.best_val_accuracy = state["best_val_accuracy"]
+        self.best_digest = state.get("best_sha256")
+        self._adopt_best(path)
+
+    def _adopt_best(self, path: Path) -> None:
+        """Bring the resumed run's best.safetensors into this run's checkpoint folder. It lies beside the
+        last.pt resumed from (another folder when that was another run key); it is accepted only when its
+        digest is the one last.pt recorded, so a stale best of some other run is never taken."""
+        if self.result.best_epoch is None:
+            return
+        found = ckpt.find_best([self.ckpt_dir, path.parent], self.best_digest, path.parent)
+        if found is not None:
+            if self.ckpt_dir is not None and self.env.is_main and found != self.ckpt_dir / ckpt.BEST:
+                ckpt.copy_file(found, self.ckpt_dir / ckpt.BEST)
+            return
+        log.warning("the best weights of the resumed run (epoch %s) are not in %s; select: best now chooses "
+                    "among the epochs trained from here on", self.result.best_epoch, path.parent / ckpt.BEST)
+        self.result.best_epoch = self.result.best_val_accuracy = self.best_digest = None
 
     def _save(self, complete: bool = False) -> None:
-        if self.ckpt_dir is None or not self.env.is_main:
+        if self.ckpt_dir is None:
             return
-        if self.bad_streak:  # the state after a NaN/Inf step may hold NaN (e.g. BatchNorm statistics)
-            log.warning("no checkpoint at step %d: the last step was non-finite", self.result.global_step)
+        acc = self._global_acc()  # a collective: every process reaches _save at the same steps
+        if not self.env.is_main:
+            return
+        # A skipped step leaves weights and buffers as they were, so the state is normally good even
+        # right after a NaN step or an fp16 back-off; this catches weights that became NaN/Inf anyway.
+        if not ckpt.all_finite(self.model.state_dict(), self.opt.state_dict()["state"]):
+            log.warning("no checkpoint at step %d: the model or optimizer state holds NaN/Inf", self.result.global_step)
             return
         r = self.result
         state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(), "rng": ckpt.rng_state(),
                  "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": r.global_step,
-                 "acc": dict(self.acc), "history": [vars(m) for m in r.history], "best_epoch": r.best_epoch,
-                 "best_val_accuracy": r.best_val_accuracy, "run_key": self.run_key, "complete": complete}
+                 "acc": acc, "history": [vars(m) for m in r.history], "best_epoch": r.best_epoch,
+                 "best_val_accuracy": r.best_val_accuracy, "best_sha256": self.best_digest,
+                 "run_key": self.run_key, "complete": complete}
         ckpt.save_state(self.ckpt_dir / ckpt.LAST, state)
         ckpt.write_info(self.ckpt_dir, {"run_key": self.run_key, "epoch": self.epoch, "complete": complete,
                                         "global_step": r.global_step})
         self.last_good = f"{self.ckpt_dir / ckpt.LAST} (step {r.global_step})"
 
+    def _global_acc(self) -> dict[str, float]:
+        """The epoch's running sums over all processes: saved from rank 0 alone they would lose the
+        other processes' share of a resumed epoch's loss, sample and skip counts."""
+        keys = sorted(self.acc)
+        return dict(zip(keys, all_sum([self.acc[k] for k in keys], self.device, self.env))) if keys else {}
+
     # -- the loop -------------------------------------------------------------------------------------
     def run(self, progress: Progress, prof: Any) -> None:
         with warnings.catch_warnings(), progress.task("training", total=self.cfg.epochs) as bar:
-            # The schedule counts batches, stepped or skipped; torch warns when the very first step is skipped.
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            warnings.filterwarnings("ignore", message=SCHED_WARNING)
             bar.advance(self.epoch)
             while self.epoch < self.cfg.epochs:
                 m = self._epoch(prof)
                 note = f"loss {m.loss:.3f}" + (f" acc {m.val_accuracy:.3f}" if m.val_accuracy is not None else "")
                 bar.advance(1, note=note)
         self._save(complete=True)
-        if self.cfg.checkpoint.select == "best" and self.result.best_epoch is not None and self.ckpt_dir:
+        r = self.result
+        r.selected_epoch = r.history[-1].epoch if r.history else None
+        if self.cfg.checkpoint.select == "best" and r.best_epoch is not None and self.ckpt_dir:
             self._load_best()
+            r.selected_epoch = r.best_epoch
 
     def _epoch(self, prof: Any) -> EpochMetrics:
         cfg, epoch = self.cfg, self.epoch
@@ -202,7 +247,7 @@ class _Trainer:
             self._step(xb, yb)
             prof.step()
             if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:
-                self._drain()  # the checkpoint waits until every step before it is known good
+                self._drain()  # the checkpoint waits until every step before it is known (and accounted)
                 self._sync()
                 self.acc["secs"] += time.perf_counter() - t0
                 self._save()
@@ -223,6 +268,7 @@ class _Trainer:
     def _step(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
         chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
         total: torch.Tensor | None = None
+        self.guard.save()  # the forward passes update BatchNorm statistics even if the step is then skipped
         for i, (cx, cy) in enumerate(chunks):
             last = i == len(chunks) - 1
             sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
@@ -247,13 +293,17 @@ class _Trainer:
         if self.scaler.is_enabled():
             self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
             update_scaler(self.scaler, self.cfg.amp)
+            self.guard.restore_if_nonfinite(total, norm)
         elif self.device_skip:
             with skip_if_nonfinite(self.opt, total, norm):
                 self.opt.step()
+            self.guard.restore_if_nonfinite(total, norm)
         else:  # a non-fused optimizer: the host decides (lag 0: this step's values are read now)
             done = list(self.stats.ready())
             if all(math.isfinite(v) for _, loss_v, norm_v in done for v in (loss_v, norm_v)):
                 self.opt.step()
+            else:
+                self.guard.restore()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.step_in_epoch += 1
@@ -266,7 +316,7 @@ class _Trainer:
         self._account(list(self.stats.drain()))
 
     def _account(self, stats: list[tuple[StepStats, float, float]]) -> None:
-        """Book-keeping of finished steps; aborts when non-finite values persist beyond the patience."""
+        """Book-keeping of finished steps; aborts when non-finite losses persist beyond the patience."""
         for s, loss_v, norm_v in stats:
             if math.isfinite(loss_v):
                 self.acc["loss"] += loss_v * s.samples
@@ -274,13 +324,16 @@ class _Trainer:
             if math.isfinite(norm_v) and math.isfinite(loss_v):
                 self.bad_streak = 0
                 continue
-            # The norm is the same on every process (all-reduced gradients), so all take the same decision.
-            if math.isfinite(loss_v) and self.scaler.is_enabled():
-                self.acc["skipped"] += 1  # fp16 gradient overflow: the scaler skipped the step and backs off
+            if self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v):
+                # fp16 gradient overflow on a finite loss: the scaler skipped the step and backs off. That
+                # is how dynamic loss scaling finds its scale, not a NaN/Inf loss: it ends a NaN streak
+                # rather than extending it (a large init_scale takes dozens of back-offs).
+                self.acc["skipped"] += 1
+                self.bad_streak = 0
                 log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", s.step)
-            else:
-                self.acc["nonfinite"] += 1
-                log.warning("step %d skipped: loss %s, grad norm %s", s.step, loss_v, norm_v)
+                continue
+            self.acc["nonfinite"] += 1
+            log.warning("step %d skipped: loss %s, grad norm %s", s.step, loss_v, norm_v)
             self.bad_streak += 1
             if self.bad_streak > self.cfg.amp.nonfinite_patience:
                 raise TrainingError(
@@ -289,11 +342,23 @@ class _Trainer:
                     hint="lower train.lr, use train.precision: bf16 or fp32, or raise train.amp.nonfinite_patience; "
                          "train.checkpoint.resume: <last.pt> continues from the checkpoint")
 
+    def _loss_finite_everywhere(self, loss_v: float, norm_v: float) -> bool:
+        """Was this step's loss finite on every process? Each process has its own loss, so under DDP one
+        NaN loss would make one process count a NaN step and the others an fp16 back-off, and only some
+        would abort (the rest then hang). The non-finite norm is the same on every process (all-reduced
+        gradients), so all of them ask here for the same step: a collective only on such steps."""
+        finite = math.isfinite(loss_v)
+        if self.env.enabled and not math.isfinite(norm_v):
+            finite = all_sum([0.0 if finite else 1.0], self.device, self.env)[0] == 0.0
+        return finite
+
     def _epoch_metrics(self) -> EpochMetrics:
         a, cfg = self.acc, self.cfg
         loss, seen, samples, secs, skipped, bad = all_sum(
             [a["loss"], a["seen"], a["samples"], a["secs"], a["skipped"], a["nonfinite"]], self.device, self.env)
-        m = EpochMetrics(self.epoch + 1, loss / max(1.0, seen), samples / max(secs / self.env.world_size, 1e-9),
+        # NaN when every step of the epoch was non-finite: there is no mean loss to report (0.0 would look good)
+        mean_loss = loss / seen if seen else math.nan
+        m = EpochMetrics(self.epoch + 1, mean_loss, samples / max(secs / self.env.world_size, 1e-9),
                          self.steps_per_epoch, self.opt.param_groups[0]["lr"],
                          peak_memory_mb=round(peak_memory_mb(self.device), 1),
                          loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
@@ -305,7 +370,7 @@ class _Trainer:
             if r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy:
                 r.best_val_accuracy, r.best_epoch = m.val_accuracy, m.epoch
                 if self.ckpt_dir is not None and self.env.is_main:
-                    ckpt.save_weights(self.ckpt_dir / ckpt.BEST, self.model)
+                    self.best_digest = ckpt.save_weights(self.ckpt_dir / ckpt.BEST, self.model)
         return m
 
     def _load_best(self) -> None:

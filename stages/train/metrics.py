@@ -16,7 +16,7 @@ log = logging.getLogger("kiln.train")
 @dataclass
 class EpochMetrics:
     epoch: int
-    loss: float  # mean training loss over the epoch's samples (all processes)
+    loss: float  # mean training loss over the epoch's samples (all processes); NaN if no step was finite
     samples_per_s: float  # training samples per second, validation excluded
     steps: int  # optimizer steps in the epoch
     lr: float  # learning rate at the end of the epoch
@@ -37,6 +37,7 @@ class TrainResult:
     global_step: int = 0
     best_epoch: int | None = None
     best_val_accuracy: float | None = None
+    selected_epoch: int | None = None  # the epoch whose weights were returned (checkpoint.select)
     resumed_from: str | None = None
     checkpoint_dir: str | None = None
     fp32_norms: list[str] = field(default_factory=list)
@@ -45,12 +46,15 @@ class TrainResult:
     def summary(self) -> dict[str, Any]:
         """JSON-able: goes into the stage manifest and report.json (``stages.train.summary``)."""
         last = self.history[-1] if self.history else None
-        evaluated = [m for m in self.history if m.val_accuracy is not None]
+        chosen = self.selected()
         return {
             "precision": self.precision, "device": self.device, "world_size": self.world_size,
             "steps": self.global_step, "epochs": [asdict(m) for m in self.history],
             "final_loss": last.loss if last else None,
-            "val_accuracy": evaluated[-1].val_accuracy if evaluated else None,
+            # of the weights actually returned (and saved as model.safetensors): with select: best, the
+            # best epoch's, not the last epoch's
+            "val_accuracy": chosen.val_accuracy if chosen else None,
+            "val_loss": chosen.val_loss if chosen else None, "selected_epoch": chosen.epoch if chosen else None,
             "best_val_accuracy": self.best_val_accuracy, "best_epoch": self.best_epoch,
             "skipped_steps": sum(m.skipped_steps for m in self.history),
             "nonfinite_steps": sum(m.nonfinite_steps for m in self.history),
@@ -59,6 +63,14 @@ class TrainResult:
             "resumed_from": self.resumed_from, "checkpoint_dir": self.checkpoint_dir,
             "fp32_norm_layers": len(self.fp32_norms), "files": self.files,
         }
+
+    def selected(self) -> EpochMetrics | None:
+        """Metrics of the returned weights' epoch: the selected one, else the last evaluated one."""
+        by_epoch = {m.epoch: m for m in self.history}
+        if self.selected_epoch in by_epoch:
+            return by_epoch[self.selected_epoch]
+        evaluated = [m for m in self.history if m.val_accuracy is not None]
+        return evaluated[-1] if evaluated else None
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 log = logging.getLogger("kiln.train")
+SKIPPED = 2  # profiler steps before the trace: 1 waited, 1 warm-up
 
 
 @contextmanager
@@ -52,8 +53,14 @@ def profiler(steps: int, device: torch.device, out_dir: Path | None) -> Iterator
 
     def write(prof: Any) -> None:
         prof.export_chrome_trace(str(trace))
-        log.info("profiler trace of %d steps: %s", steps, trace)
+        # A run shorter than the schedule ends the trace early: say how many steps it really holds.
+        got = max(0, min(steps, prof.step_num - SKIPPED))
+        if got < steps:
+            log.warning("profiler trace of %d steps, not %d: the run has only %d steps (the first %d are not "
+                        "recorded): %s", got, steps, prof.step_num, SKIPPED, trace)
+        else:
+            log.info("profiler trace of %d steps: %s", got, trace)
 
-    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=SKIPPED - 1, active=steps, repeat=1),
                  on_trace_ready=write, record_shapes=True) as prof:
         yield prof

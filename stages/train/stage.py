@@ -82,8 +82,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         summary = run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log)
     else:
         summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress)
-    ctx.log.info("trained %d epochs (%s on %s x%d): val accuracy %.4f", cfg.train.epochs, summary["precision"],
-                 summary["device"], summary["world_size"], summary["val_accuracy"] or 0.0)
+    ctx.log.info("trained %d epochs (%s on %s x%d): val accuracy %.4f (weights of epoch %s, select: %s)",
+                 cfg.train.epochs, summary["precision"], summary["device"], summary["world_size"],
+                 summary["val_accuracy"] or 0.0, summary.get("selected_epoch"), cfg.train.checkpoint.select)
     return summary
 
 

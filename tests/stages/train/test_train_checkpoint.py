@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 
 from pipeline.errors import InputFileError, TrainingError
 from stages.train import checkpoint as ckpt
-from stages.train.loop import train
-from train_helpers import TinyNet, max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
+from stages.train.loop import evaluate, train
+from train_helpers import TinyNet, bn_net, max_diff, nan_inside, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 
 class Crash(Exception):
@@ -112,3 +113,106 @@ def test_short_nan_burst_within_patience_is_skipped(tmp_path: Path) -> None:
     r = train(model, data, train_cfg(epochs=1, amp={"nonfinite_patience": 1}))
     assert r.history[0].nonfinite_steps == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("optimizer, fused, precision", [("sgd", False, "fp32"), ("adamw", True, "fp32"),
+                                                         ("sgd", False, "fp16")])
+def test_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path: Path, optimizer: str, fused: bool,
+                                                              precision: str) -> None:
+    """A NaN inside the network reaches BatchNorm's running statistics in the forward pass. The skipped step
+    (host-decided, on the device for fused optimizers, by the GradScaler for fp16) must put them back."""
+    model = bn_net()
+    nan_inside(model[1], {3})  # step 3's batch blows up before the BatchNorm
+    states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def snapshot(step: int) -> None:
+        if step in (2, 3):
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    cfg = train_cfg(epochs=2, optimizer=optimizer, fused=fused, precision=precision,
+                    checkpoint={"every_steps": 3, "resume": "auto"})
+    r = train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=snapshot)
+    assert sum(m.nonfinite_steps for m in r.history) == 1
+    assert all(torch.equal(states[2][k], states[3][k]) for k in states[2])  # step 3 changed nothing
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
+    last = ckpt.load_state(tmp_path / ckpt.LAST)
+    assert last["complete"] and all(torch.isfinite(v).all() for v in last["model"].values() if v.is_floating_point())
+
+
+def test_resume_follows_the_configured_lr_and_schedule_length(tmp_path: Path) -> None:
+    """The abort's advice (lower train.lr, resume from last.pt) must take effect, and resuming with more
+    epochs must continue the longer run's cosine, not the old one's."""
+    data = tiny_data(200)  # 5 steps per epoch
+    train(tiny_net(), data, train_cfg(epochs=1, lr=0.05, schedule="constant"), ckpt_dir=tmp_path / "a", run_key="a")
+    lowered = train(tiny_net(), data, train_cfg(epochs=3, lr=0.0005, schedule="constant",
+                                                checkpoint={"resume": str(tmp_path / "a" / ckpt.LAST)}))
+    assert [m.lr for m in lowered.history] == [0.05, 0.0005, 0.0005]
+
+    train(tiny_net(), data, train_cfg(epochs=2, lr=0.05), ckpt_dir=tmp_path / "b", run_key="b")
+    longer = train(tiny_net(), data, train_cfg(epochs=4, lr=0.05, checkpoint={"resume": str(tmp_path / "b" / ckpt.LAST)}))
+    fresh = train(tiny_net(), data, train_cfg(epochs=4, lr=0.05))
+    assert [m.lr for m in longer.history[2:]] == [m.lr for m in fresh.history[2:]]  # bit-identical: replayed
+
+
+def _best_run(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    train(tiny_net(), tiny_data(), train_cfg(epochs=2, checkpoint={"select": "best"}), ckpt_dir=tmp_path / "a",
+          run_key="a")
+    return tmp_path / "a" / ckpt.LAST, load_file(str(tmp_path / "a" / ckpt.BEST))
+
+
+def test_select_best_after_resuming_another_runs_checkpoint(tmp_path: Path) -> None:
+    """best.safetensors lies beside the resumed last.pt, not in the new run's folder; a stale best of some
+    other run in the new folder must not be taken for it."""
+    from safetensors.torch import load_file, save_file
+
+    last, best = _best_run(tmp_path)
+    (tmp_path / "b").mkdir()
+    save_file(tiny_net(seed=7).state_dict(), str(tmp_path / "b" / ckpt.BEST))  # an unrelated run's
+    for folder in ("b", "c"):  # stale best there / nothing there
+        model = tiny_net(seed=99)
+        cfg = train_cfg(epochs=2, checkpoint={"select": "best", "resume": str(last)})  # finished: no new epoch
+        r = train(model, tiny_data(), cfg, ckpt_dir=tmp_path / folder, run_key="new")
+        assert all(torch.equal(best[k], v) for k, v in model.state_dict().items())
+        assert load_file(str(tmp_path / folder / ckpt.BEST)).keys() == best.keys()
+        assert r.selected_epoch == r.best_epoch
+
+
+def test_missing_best_of_the_resumed_run_is_not_replaced_by_a_stale_one(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    last, _ = _best_run(tmp_path)
+    (tmp_path / "a" / ckpt.BEST).unlink()
+    (tmp_path / "b").mkdir()
+    stale = tiny_net(seed=7)
+    save_file(stale.state_dict(), str(tmp_path / "b" / ckpt.BEST))
+    model = tiny_net(seed=99)
+    r = train(model, tiny_data(), train_cfg(epochs=2, checkpoint={"select": "best", "resume": str(last)}),
+              ckpt_dir=tmp_path / "b", run_key="new")
+    assert max_diff(model, stale) > 0 and r.best_epoch is None and r.selected_epoch == 2  # the last weights
+
+
+def test_select_best_reports_the_selected_epochs_metrics(tmp_path: Path) -> None:
+    data, model = tiny_data(), tiny_net()
+
+    def spoil(step: int) -> None:
+        if step > 5:  # after epoch 1: the classifier outputs constants, so later epochs are worse
+            with torch.no_grad():
+                model.net[4].weight.zero_()
+                model.net[4].bias.zero_()
+
+    r = train(model, data, train_cfg(epochs=3, checkpoint={"select": "best"}), ckpt_dir=tmp_path, run_key="k",
+              on_step=spoil)
+    assert r.best_epoch == 1 and r.history[-1].val_accuracy < r.history[0].val_accuracy
+    s = r.summary()
+    assert s["selected_epoch"] == 1 and len(s["epochs"]) == 3  # the history stays complete
+    assert s["val_accuracy"] == r.best_val_accuracy == evaluate(model, data.val_x, data.val_y, torch.device("cpu"))
+
+
+def test_epoch_without_a_finite_step_reports_nan_loss() -> None:
+    model = tiny_net()
+    nan_inside(model.net[1], set(range(1, 6)))  # every step of epoch 1 (5 steps)
+    r = train(model, tiny_data(), train_cfg(epochs=2, amp={"nonfinite_patience": 10}))
+    assert math.isnan(r.history[0].loss) and r.history[0].nonfinite_steps == 5
+    assert math.isfinite(r.history[1].loss)

@@ -33,3 +33,24 @@ def test_bad_values_are_errors() -> None:
         config_from_dict({"train": {"amp": {"loss_scale": "big"}}})
     with pytest.raises(ConfigError, match="grad_accum_steps"):
         config_from_dict({"train": {"grad_accum_steps": 0}})
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"betas": [1.5, 0.999]}, r"'train.betas': .*each AdamW beta must be in \[0, 1\)"),
+    ({"betas": [0.9, -0.1]}, r"'train.betas'"),
+    ({"momentum": 1.5}, r"'train.momentum': Input should be less than 1"),
+    ({"lr": 0.01, "min_lr": 0.1}, r"train.min_lr \(0.1\) is above train.lr \(0.01\)"),
+])
+def test_optimizer_values_out_of_range_are_config_errors(train: dict, message: str) -> None:
+    """Checked when the config loads, not as a torch traceback at the first step or a rising 'decay'."""
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"train": train})
+    config_from_dict({"train": {"lr": 0.01, "min_lr": 0.1, "schedule": "constant"}})  # no decay: no floor
+
+
+def test_warmup_longer_than_the_run_is_a_config_error() -> None:
+    from stages.train.loop import train
+    from train_helpers import tiny_data, tiny_net, train_cfg
+
+    with pytest.raises(ConfigError, match=r"warmup_steps is 10 but the run has only 10 optimizer steps"):
+        train(tiny_net(), tiny_data(), train_cfg(epochs=2, warmup_steps=10))  # 5 steps per epoch

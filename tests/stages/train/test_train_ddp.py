@@ -40,6 +40,23 @@ def test_two_gloo_processes_equal_one_process(tmp_path: Path) -> None:
     assert (tmp_path / "ck2" / "last.pt").is_file()
 
 
+@pytest.mark.timeout(180)
+def test_two_process_resume_mid_epoch_reports_the_epochs_loss(tmp_path: Path) -> None:
+    """The running sums of a resumed epoch are saved over all processes, not rank 0's alone."""
+    import json
+    import subprocess
+    import sys
+
+    worker = Path(__file__).parent / "ddp_resume_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads((tmp_path / "losses.json").read_text())
+    assert got["resumed_from"] == str(tmp_path / "run" / "last.pt")
+    assert got["resumed"] == pytest.approx(got["ref"], rel=1e-12)
+
+
 @pytest.mark.timeout(120)
 def test_worker_error_reaches_the_user(tmp_path: Path) -> None:
     with pytest.raises(TrainingError, match="batch_size 33 is not divisible by 2 processes"):

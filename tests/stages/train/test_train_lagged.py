@@ -59,6 +59,23 @@ def test_fused_training_equals_unfused_training() -> None:
     assert [round(m.loss, 5) for m in ra.history] == [round(m.loss, 5) for m in rb.history]
 
 
+@pytest.mark.parametrize("precision, amp", [("fp32", {}), ("fp16", {"init_scale": 2.0**24})])
+def test_fused_sgd_survives_a_skipped_first_step(precision: str, amp: dict) -> None:
+    """torch's fused SGD creates its momentum buffers with empty_like on the first step and fills them in
+    the kernel, which a found_inf skip (NaN step, fp16 overflow) bypasses: the next step read garbage."""
+    data = tiny_data()
+    models = []
+    for fused in (False, True):
+        m = tiny_net()
+        if precision == "fp32":
+            nan_on_forward(m, 1)
+        r = train(m, data, train_cfg(epochs=2, optimizer="sgd", fused=fused, precision=precision, amp=amp))
+        assert sum(h.nonfinite_steps + h.skipped_steps for h in r.history) >= 1  # the first step was skipped
+        assert all(torch.isfinite(p).all() for p in m.parameters())
+        models.append(m)
+    assert max_diff(*models) < 1e-6
+
+
 @pytest.mark.parametrize("every, poison_at", [(3, 4), (2, 3)])
 def test_lagged_nan_abort_names_the_step_and_keeps_the_good_checkpoint(tmp_path: Path, every: int,
                                                                       poison_at: int) -> None:

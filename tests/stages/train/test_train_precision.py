@@ -1,10 +1,14 @@
 """Mixed precision: FP32 master weights and norms, loss scaling (dynamic and static), overflow counting."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from stages.train import checkpoint as ckpt
 from stages.train.config import AmpConfig
 from stages.train.loop import train
 from stages.train.precision import autocast_lowers, fp32_norms, make_scaler, norm_dtypes, update_scaler
@@ -82,6 +86,36 @@ def test_fp16_overflow_steps_are_skipped_and_counted() -> None:
     assert result.history[-1].loss_scale < 2.0**60
     assert result.history[-1].nonfinite_steps == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fp16_back_offs_on_finite_losses_neither_abort_nor_block_checkpoints(tmp_path: Path) -> None:
+    """init_scale 2^60 takes dozens of back-offs, each a skipped step with a finite loss: that is loss scaling
+    at work, not the NaN/Inf losses nonfinite_patience counts; and the weights are unchanged, so the
+    checkpoints during the back-offs are good ones."""
+    seen: list[int] = []
+
+    def watch(step: int) -> None:
+        if step == 5:  # one back-off after the checkpoint of step 4, all steps so far backed off
+            seen.append(json.loads((tmp_path / ckpt.INFO).read_text())["global_step"])
+
+    cfg = train_cfg(precision="fp16", epochs=2, amp={"init_scale": 2.0**60, "nonfinite_patience": 2},
+                    checkpoint={"every_steps": 2})
+    r = train(tiny_net(), tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=watch)
+    assert sum(m.skipped_steps for m in r.history) == 10 and sum(m.nonfinite_steps for m in r.history) == 0
+    assert seen == [4]
+    assert ckpt.load_state(tmp_path / ckpt.LAST)["complete"]
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's, from the RMSNorm probe
+def test_fp32_norm_probe_leaves_the_global_rng_alone() -> None:
+    """The probe runs once per process (cached): drawing from the seeded global RNG would make a run depend
+    on whether another run came before it in the same process."""
+    autocast_lowers.cache_clear()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    for norm in (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm):
+        autocast_lowers(norm, "cpu", "bf16")
+    assert torch.equal(before, torch.get_rng_state())
 
 
 def test_invalid_static_scale_is_a_config_error() -> None:

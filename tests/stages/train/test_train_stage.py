@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,18 @@ def test_profiler_trace_and_eval_every(tmp_path: Path) -> None:
     assert trace["traceEvents"] and "trace.json" in manifest["summary"]["files"]
     assert not (out / "loss.png").exists()
     assert [m["val_accuracy"] is not None for m in manifest["summary"]["epochs"]] == [False, True]
+
+
+def test_profile_longer_than_the_run_says_how_many_steps_it_traced(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages.train.loop import train
+    from train_helpers import tiny_data, tiny_net, train_cfg
+
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.INFO, logger="kiln.train")
+    r = train(tiny_net(), tiny_data(), train_cfg(epochs=1, profile_steps=50), out_dir=tmp_path)  # 5 steps
+    assert "trace.json" in r.files
+    assert "profiler trace of 3 steps, not 50: the run has only 5 steps" in caplog.text
 
 
 @pytest.mark.parametrize("how", ["disabled", "checkpoint"])

@@ -28,6 +28,26 @@ def tiny_net(seed: int = 0) -> TinyNet:
     return TinyNet()
 
 
+def bn_net(seed: int = 0) -> nn.Sequential:
+    """Linear + BatchNorm: running statistics that every training forward pass updates in place."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def nan_inside(layer: nn.Module, calls: set[int]) -> None:
+    """Make ``layer``'s output NaN on those training-mode calls (1-based): a blow-up inside the network,
+    before the layers after it (e.g. BatchNorm) have seen the batch."""
+    n = {"calls": 0}
+
+    def hook(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if not m.training:
+            return None
+        n["calls"] += 1
+        return out * float("nan") if n["calls"] in calls else None
+
+    layer.register_forward_hook(hook)
+
+
 def nan_on_forward(model: nn.Module, call: int) -> None:
     """Make the ``call``-th training-mode forward pass of ``model`` return NaNs (a one-step loss blow-up)."""
     calls = {"n": 0}
