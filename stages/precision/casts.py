@@ -60,7 +60,11 @@ def _one_pass(graph: gs.Graph) -> int:
         prev = src.inputs[0] if src.inputs else None
         if prev is not None and prev.op == "Cast" and int(prev.attrs["to"]) in FLOAT_ONNX and to in FLOAT_ONNX:
             origin = prev.inputs[0]
-            if _onnx_type(origin) in FLOAT_ONNX:
+            # From an int/bool origin only int -> FP32 -> FP16 collapses exactly (FP32 holds every int below
+            # 2**24 exactly, and above FP16's range both give inf); int -> FP16 -> FP32 keeps its rounding.
+            widening = int(prev.attrs["to"]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) \
+                and to == onnx.TensorProto.FLOAT16
+            if _onnx_type(origin) in FLOAT_ONNX or (_onnx_type(origin) is not None and widening):
                 node.inputs[0] = origin  # one cast from the origin; the first cast dies if nobody else reads it
                 src, changed = origin, changed + 1
         if _onnx_type(src) == to and id(dst) not in outputs:

@@ -97,6 +97,43 @@ def _retype_output_cast(model: onnx.ModelProto, cast: onnx.NodeProto, to: int) -
     cast.attribute.append(helper.make_attribute("to", to))
 
 
+def casts_from_non_float(model: onnx.ModelProto) -> set[str]:
+    """Cast nodes that make FP32 from a non-float tensor (``mask = (x > 0).float()``). The converter types their
+    output FP16 but leaves ``to=FLOAT``, an invalid graph; blocked, they stay FP32 and it casts after them."""
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.input]}
+    types |= {i.name: i.data_type for i in model.graph.initializer}
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+    out = set()
+    for n in model.graph.node:
+        to = next((a.i for a in n.attribute if a.name == "to"), None)
+        if n.op_type == "Cast" and to == onnx.TensorProto.FLOAT and types.get(n.input[0], 0) not in floats:
+            out.add(n.name)
+    return out
+
+
+def rewire_output_readers(converted: onnx.ModelProto, fp32_nodes: set[str]) -> int:
+    """With ``keep_io_types`` the converter ends an FP16 branch that is a graph output with a Cast to FP32, but
+    leaves the graph's own FP16 readers of that output reading the FP32 copy (a type clash). Point them at the
+    FP16 tensor before the Cast; FP32 readers keep the output."""
+    from onnxconverter_common import float16
+
+    outputs = {o.name for o in converted.graph.output}
+    fp32 = fp32_nodes | {n.name for n in converted.graph.node if n.op_type in float16.DEFAULT_OP_BLOCK_LIST}
+    rewired = 0
+    for cast in [n for n in converted.graph.node if n.op_type == "Cast" and n.output[0] in outputs]:
+        to = next((a.i for a in cast.attribute if a.name == "to"), None)
+        if to != onnx.TensorProto.FLOAT:
+            continue
+        for n in converted.graph.node:
+            if n is cast or n.name in fp32 or n.op_type == "Cast":
+                continue
+            for i, name in enumerate(n.input):
+                if name == cast.output[0]:
+                    n.input[i] = cast.input[0]
+                    rewired += 1
+    return rewired
+
+
 def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) -> tuple[onnx.ModelProto, dict]:
     """The FP16 graph with ``fp32_nodes`` (plus the converter's own block list) left in FP32."""
     from onnxconverter_common import float16
@@ -104,12 +141,18 @@ def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) 
     src = onnx.ModelProto()
     src.CopyFrom(model)
     shared = split_shared_initializers(src, fp32_nodes)
+    io = {v.name for v in [*src.graph.input, *src.graph.output]}
+    kept_info = [v for v in src.graph.value_info if v.name not in io]  # a graph I/O also listed there would be
+    del src.graph.value_info[:]                                          # retyped FP16 behind keep_io_types' back
+    src.graph.value_info.extend(kept_info)
     converted = float16.convert_float_to_float16(
         src, keep_io_types=cfg.keep_io_types,
         # Clamp only at FP16's real limits: the range check already kept nodes whose weights do not fit.
         min_positive_val=2.0**-24, max_finite_val=65504.0,
-        op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST), node_block_list=sorted(fp32_nodes))
+        op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST),
+        node_block_list=sorted(fp32_nodes | casts_from_non_float(src)))
     if cfg.keep_io_types:
+        rewire_output_readers(converted, fp32_nodes)
         restore_output_types(converted, model)
     converted, removed = remove_cast_chains(converted)
     converted = infer_shapes(converted)

@@ -63,3 +63,36 @@ def test_noop_cast_between_two_graph_outputs_is_kept() -> None:
     x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
     got = run_batched(cleaned, x)
     np.testing.assert_array_equal(got[0], got[1])
+
+
+def _close(converted: onnx.ModelProto, model: onnx.ModelProto) -> None:
+    onnx.checker.check_model(converted, full_check=True)
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    for got, ref in zip(run_batched(converted, x), run_batched(model, x)):
+        np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fp16_output_that_also_feeds_fp16_nodes() -> None:
+    """Like the Softmax case but the output's producer is FP16 (a Relu): its FP16 readers must read the FP16
+    tensor, not the FP32 copy the converter casts for the output (that was a type clash: ModelError)."""
+    model = _model([helper.make_node("MatMul", ["input", "w"], ["h"], name="mm"),
+                    helper.make_node("Relu", ["h"], ["logits"], name="relu"),
+                    helper.make_node("Mul", ["logits", "two"], ["extra"], name="mul2")],
+                   ["logits", "extra"], {"w": rng_weights(16, 10), "two": np.array(2, np.float32)})
+    converted, _ = convert_fp16(model, set(), FP16Config())
+    assert [o.type.tensor_type.elem_type for o in converted.graph.output] == [F32, F32]
+    _close(converted, model)
+
+
+def test_cast_to_float_from_a_mask() -> None:
+    """mask = (x > 0).float(): the converter typed the Cast's output FP16 and kept to=FLOAT (an invalid graph;
+    the error blamed the opset). One Cast bool -> FP16 remains."""
+    model = _model([helper.make_node("Greater", ["input", "zero"], ["gt"], name="gt"),
+                    helper.make_node("Cast", ["gt"], ["mask"], name="cast_mask", to=F32),
+                    helper.make_node("Mul", ["input", "mask"], ["xm"], name="mul"),
+                    helper.make_node("MatMul", ["xm", "w"], ["logits"], name="mm")],
+                   ["logits"], {"zero": np.array(0, np.float32), "w": rng_weights(16, 10)})
+    converted, _ = convert_fp16(model, set(), FP16Config())
+    from_mask = [n.attribute[0].i for n in converted.graph.node if n.op_type == "Cast" and n.input[0] == "gt"]
+    assert from_mask == [F16]
+    _close(converted, model)
