@@ -38,7 +38,10 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     skip = autotune_skip_reason(device, cfg, cuda_here)
     knobs = {} if skip else relevant_knobs(cfg.autotune.cuda_knobs if device == "cuda" else cfg.autotune.cpu_knobs,
                                            conv, applied)
-    conversion = _write_engine(fused, onnx_path, out / "engine.onnx", device, precision, cfg, keep_fp32, cuda_here)
+    keep_fused = None
+    if keep_fp32 and precision == "fp16" and not graph_carries_precision(onnx_path):
+        keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32)
+    conversion = _write_engine(fused, onnx_path, out / "engine.onnx", device, precision, cfg, keep_fused, cuda_here)
     if conversion:
         notes["fp16_conversion"] = conversion
     files = {"model": "engine.onnx"}
@@ -62,6 +65,34 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
                                  cfg.autotune, base, knobs, batches, per_batch=device == "cuda")
     _drop_unused_unfused(out, built)
     return built
+
+
+def keep_list_after_fusion(source: onnx.ModelProto, fused: onnx.ModelProto,
+                           keep: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """The precision stage's FP32 nodes under the names they have after ORT's transformer fusion.
+
+    Fusion replaces nodes (LayerNormalization + Add -> SkipLayerNormalization...) and their names with them, so
+    a kept name may be gone: then the fused node that now writes one of the kept node's outputs is kept FP32
+    instead. Kept nodes that vanished inside a fusion without a trace are reported, not silently dropped."""
+    names = {n.name for n in fused.graph.node}
+    writer = {o: n.name for n in fused.graph.node for o in n.output}
+    outputs = {n.name: list(n.output) for n in source.graph.node}
+    mapped: dict[str, str] = {}
+    lost: list[str] = []
+    for name in keep:
+        if name in names:
+            mapped[name] = name
+            continue
+        heir = next((writer[o] for o in outputs.get(name, []) if o in writer), None)
+        if heir is None:
+            lost.append(name)
+        else:
+            mapped[name] = heir
+    if lost:
+        log.warning("%d nodes the precision stage kept FP32 were fused away by ONNX Runtime and run in the fused "
+                    "kernels' precision: %s", len(lost), ", ".join(lost[:10]))
+    record = {"requested": len(keep), "renamed": {k: v for k, v in mapped.items() if k != v}, "lost": lost}
+    return sorted(set(mapped.values())), record
 
 
 def autotune_skip_reason(device: str, cfg: OnnxRuntimeConfig, cuda_here: bool) -> str | None:

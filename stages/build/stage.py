@@ -55,9 +55,12 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
             "inputs": inputs, "outputs": outputs, "source": {"file": onnx_path.name, "sha256": hash_file(onnx_path)},
             **built, "build_seconds": round(time.perf_counter() - t0, 3),
         }
+        if keep_fp32:  # an FP16 engine converted from the FP32 graph: which nodes the precision stage kept FP32
+            meta["source"]["kept_fp32"] = sorted(keep_fp32)
         meta["settings_hash"] = hash_json({"backend": backend, "device": device, "precision": precision,
                                            "settings": section.model_dump(mode="json"), "profiles": meta.get("profiles"),
-                                           "source": meta["source"]["sha256"], "versions": meta.get("versions")})
+                                           "source": meta["source"]["sha256"], "kept_fp32": sorted(keep_fp32 or []),
+                                           "versions": meta.get("versions")})
         meta["size_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
         (out / SIDECAR).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
         bar.advance()
@@ -101,10 +104,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
         for backend, device in _jobs(cfg, skipped, precision):
             # A variant may carry a graph tuned for one backend (e.g. uint8 activations for ORT on CPU).
             src = root / variant.get("backend_paths", {}).get(f"{backend}-{device}", variant["path"])
-            keep = variant.get("kept_fp32")
+            keep = None  # a variant's own graph already carries its FP32 nodes
             if (backend, precision) == ("onnxruntime", "fp16") and cfg.onnxruntime.fp16_source == "fp32_graph" \
                     and "fp32" in variants:
                 src = root / variants["fp32"]["path"]  # ORT fuses first, then converts (see fp16_source)
+                keep = variant.get("kept_fp32")  # ... keeping what the precision stage kept FP32
             name = engine_name(backend, device, precision)
             try:
                 meta = build_engine(src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir,

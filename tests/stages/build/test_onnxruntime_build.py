@@ -118,6 +118,26 @@ def test_fp16_engine_from_fp32_graph_fuses_then_converts(zoo, tmp_path: Path) ->
         assert cosine(runner.infer({"input": x})["logits"], reference(zoo("transformer"), x)) > 0.999
 
 
+def test_fp16_engine_keeps_the_precision_stages_fp32_nodes_through_fusion(zoo, tmp_path: Path) -> None:
+    """The precision stage kept the LayerNorms FP32; ORT's fusion renames them (SkipLayerNormalization), which
+    once dropped them silently from the keep list. Their fused heirs stay FP32 and the sidecar says so."""
+    src = onnx.load(str(zoo("transformer")))
+    lns = [n.name for n in src.graph.node if n.op_type == "LayerNormalization"]
+    assert lns
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(),
+                        tmp_path / "cache", keep_fp32=lns)
+    record = meta["builder_settings"]["fp16_kept_fp32"]
+    assert record["requested"] == len(lns) and record["lost"] == [] and record["renamed"]
+    assert meta["source"]["kept_fp32"] == sorted(lns)
+    plain = build_engine(zoo("transformer"), tmp_path / "p", "onnxruntime", "cpu", "fp16", ort_cfg(),
+                         tmp_path / "cache")
+    assert plain["settings_hash"] != meta["settings_hash"]  # the keep list is part of what was built
+    model = onnx.load(str(tmp_path / "e" / "engine.onnx"))
+    types = {i.name: i.data_type for i in model.graph.initializer}
+    heirs = [n for n in model.graph.node if n.name in record["renamed"].values()]
+    assert heirs and all(types.get(n.input[2]) == onnx.TensorProto.FLOAT for n in heirs)  # gamma stays FP32
+
+
 def test_cuda_engine_builds_anywhere_and_says_why_it_cannot_run(zoo, tmp_path: Path) -> None:
     meta = build_engine(zoo("cnn", "fp16"), tmp_path / "e", "onnxruntime", "cuda", "fp16", ort_cfg(),
                         tmp_path / "cache")
