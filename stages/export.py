@@ -29,7 +29,8 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int 
     """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes."""
     model = model.eval()
     errors = []
-    for dynamo in (True, False):
+    # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
+    for dynamo in (True, False) if opset >= 18 else (False,):
         try:
             _export(model, example, path, opset, dynamic_batch, dynamo)
             break
@@ -41,6 +42,9 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int 
         raise ModelError("torch.onnx.export failed: " + " | ".join(errors),
                          hint="the model may use an op ONNX cannot express; see the message above")
     proto = infer_shapes(load_onnx(path))
+    got = max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    if got != opset:
+        log.warning("asked for opset %d, the exporter wrote opset %d", opset, got)
     check_onnx(proto, "exported model")
     save_onnx(proto, path)
     return proto

@@ -45,3 +45,12 @@ def test_static_batch_in_the_pipeline_is_a_config_error(tmp_path: Path) -> None:
     result, _ = run_pipeline(cfg, tmp_path, stop="export")
     assert isinstance(result.error, ConfigError) and "export.dynamic_batch" in result.error.message
     assert [r.status for r in result.records] == ["ran", "failed"]
+
+
+@pytest.mark.parametrize("opset", [13, 17, 18])
+def test_the_asked_opset_is_the_one_written(tmp_path: Path, opset: int) -> None:
+    """The dynamo exporter silently wrote opset 18 when asked for 13; older opsets go through TorchScript's."""
+    model = build_model("cnn").eval()
+    proto = export_onnx(model, torch.randn(2, 1, 8, 8), tmp_path / "m.onnx", opset)
+    assert max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) == opset
+    assert parity(model, tmp_path / "m.onnx", torch.randn(3, 1, 8, 8))["max_abs_err"] < 1e-4  # batch 3: dynamic
