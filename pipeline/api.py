@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.config import KilnConfig
+from pipeline.errors import ConfigError
 from pipeline.progress import Progress
 from pipeline.report import write_report
 from pipeline.runner import Runner, RunResult, StageRecord
@@ -19,6 +20,9 @@ def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | N
     for name in [*(force or ()), start, stop, *(only or ())]:
         if name is not None:
             stage_named(name)  # raises ConfigError listing valid stage names
+    if start is not None and stop is not None and STAGE_NAMES.index(start) > STAGE_NAMES.index(stop):
+        raise ConfigError(f"--from {start} comes after --until {stop}: nothing would run",
+                          hint=f"stages run in the order {' -> '.join(STAGE_NAMES)}")
     stages = [s for s in STAGES if only is None or s.name in only]
     workdir = Path(workdir)
     with workdir_lock(workdir):

@@ -139,7 +139,8 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
         _print_summary(result, report, Path(workdir))
     if result.error is not None:
         failed = next((r.name for r in result.records if r.status == "failed"), None)
-        if failed:
+        done_before = any(r.status in ("ran", "cached", "skipped") for r in result.records)  # else nothing to keep
+        if failed and done_before:
             console.print(f"stages before '{failed}' are kept; after fixing, `kiln run` resumes from '{failed}'.")
         raise result.error
 

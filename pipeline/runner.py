@@ -175,10 +175,11 @@ class Runner:
         final = self.workdir / stage.name
         t_check = time.perf_counter()
         key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints)
-        missing = [up for up in stage.inputs if parts["inputs"][up] is None]
+        missing = [up for up in stage.inputs if parts["inputs"][up] is None
+                   or not outputs_intact(self.workdir / up, read_manifest(self.workdir / up) or {})]
         if missing:
-            raise KilnError(f"stage '{stage.name}' needs the output of {missing}, which is missing",
-                            hint=f"run `kiln run --from {missing[0]}` first")
+            raise KilnError(f"stage '{stage.name}' needs the output of {missing}, which is missing or damaged "
+                            f"(files deleted or changed since it ran)", hint=f"run `kiln run --from {missing[0]}`")
         old = read_manifest(final)
         if not forced and old and old.get("key") == key and outputs_intact(final, old):
             log.info("%s: cached (key %s)", stage.name, key[:12])

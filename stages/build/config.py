@@ -121,6 +121,7 @@ class TensorRTConfig(Section):
 
 
 class BuildConfig(Section):
-    backends: list[Literal["onnxruntime", "tensorrt"]] = Field(default_factory=lambda: ["onnxruntime", "tensorrt"])
+    backends: list[Literal["onnxruntime", "tensorrt"]] = Field(default_factory=lambda: ["onnxruntime", "tensorrt"],
+                                                              min_length=1)
     onnxruntime: OnnxRuntimeConfig = Field(default_factory=OnnxRuntimeConfig)
     tensorrt: TensorRTConfig = Field(default_factory=TensorRTConfig)

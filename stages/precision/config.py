@@ -39,6 +39,7 @@ class FallbackConfig(Section):
 
 
 class PrecisionConfig(Section):
-    variants: list[Precision] = Field(default_factory=lambda: ["fp32"], description="graph precisions to build")
+    variants: list[Precision] = Field(default_factory=lambda: ["fp32"], min_length=1,
+                                      description="graph precisions to build")
     fp16: FP16Config = Field(default_factory=FP16Config)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)

@@ -336,3 +336,21 @@ def test_package_after_a_failed_gate_keeps_the_good_package_and_the_full_report(
     assert_clean_error(result, 3, "nothing is packaged")
     assert json.loads((wd / "package" / "kiln-package.json").read_text()) == good
     assert "**Result: FAILED**" in (wd / "report.md").read_text()
+
+
+def test_from_after_until_and_empty_lists_are_config_errors(cli: CliRunner, tmp_path: Path) -> None:
+    wd = str(tmp_path / "w")
+    assert_clean_error(cli.invoke(main, ["run", "--from", "validate", "--until", "export", "-w", wd]), 2,
+                       "comes after --until export")
+    for key in ("build.backends=[]", "precision.variants=[]"):
+        assert_clean_error(cli.invoke(main, ["run", "--set", key, "-w", wd]), 2, "at least 1 item")
+
+
+def test_damaged_upstream_output_is_named(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    """A deleted engine file used to be skipped silently by `kiln validate` (exit 0)."""
+    cfg, wd = write_yaml(tiny_config_dict()), tmp_path / "w"
+    assert cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q", "--until", "build"]).exit_code == 0
+    next((wd / "build").glob("*/engine.onnx")).unlink()
+    result = cli.invoke(main, ["validate", "-c", str(cfg), "-w", str(wd), "-q"])
+    assert_clean_error(result, 2, "missing or damaged", "kiln run --from build")
+    assert "stages before" not in result.output  # nothing of this command ran: no 'kept / resumes' line
