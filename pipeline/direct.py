@@ -31,6 +31,13 @@ def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | No
     model.eval()
     if input_shape:
         example = torch.randn(2, *parse_shape(input_shape))
+        try:
+            with torch.no_grad():
+                model(example)
+        except Exception as exc:  # the model rejects this shape: say so, not "an op ONNX cannot express"
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ConfigError(f"the model rejects an input of shape [batch, {input_shape}]: {reason}",
+                              hint="give --input-shape the shape of one sample the model takes") from None
     else:
         example = dataset_for(cfg).val_x[:2]
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,8 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt or not a checkpoint: a user problem, not a Kiln bug
-        raise InputFileError(f"cannot read checkpoint {path}: {exc}",
+        reason = _load_failure(exc)
+        raise InputFileError(f"cannot read checkpoint {path}: {reason}",
                              hint="give a safetensors file or a torch.save'd state_dict") from None
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]
@@ -52,12 +53,24 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _load_failure(exc: Exception) -> str:
+    """The useful line of a load error. torch's weights-only refusal opens with advice to pass
+    ``weights_only=False`` (which would run code from the file): Kiln never does, so give what it unpickled."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        detail = next((ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the documentation"))),
+                      "")
+        return f"not a plain state dict (torch.load with weights_only=True: {detail or 'refused'})"
+    return (lines or [type(exc).__name__])[0][:300]
+
+
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        first = str(exc).splitlines()[0:3]
-        raise ModelShapeError(f"checkpoint {source} does not fit model: {' '.join(first)}") from None
+        first = " ".join(str(exc).splitlines()[0:3])
+        first = first if len(first) <= 400 else first[:400] + " ..."  # it lists every missing key
+        raise ModelShapeError(f"checkpoint {source} does not fit model: {first}") from None
     return model
 
 

@@ -354,3 +354,15 @@ def test_damaged_upstream_output_is_named(cli: CliRunner, tmp_path: Path, write_
     result = cli.invoke(main, ["validate", "-c", str(cfg), "-w", str(wd), "-q"])
     assert_clean_error(result, 2, "missing or damaged", "kiln run --from build")
     assert "stages before" not in result.output  # nothing of this command ran: no 'kept / resumes' line
+
+
+def test_garbage_pt_checkpoint_and_wrong_input_shape_say_what_is_wrong(cli: CliRunner, tmp_path: Path) -> None:
+    """A garbage .pt used to echo torch's advice to load with weights_only=False (running the file's code); a
+    wrong --input-shape used to blame 'an op ONNX cannot express'."""
+    garbage = tmp_path / "w.pt"
+    garbage.write_bytes(b"garbage")
+    result = cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(garbage), "-o", str(tmp_path / "m.onnx")])
+    assert_clean_error(result, 2, "cannot read checkpoint", "not a plain state dict")
+    assert "weights_only` set to `False`" not in result.output
+    result = cli.invoke(main, ["export", "--model", "cnn", "--input-shape", "3,32,32", "-o", str(tmp_path / "m.onnx")])
+    assert_clean_error(result, 2, "the model rejects an input of shape [batch, 3,32,32]", "--input-shape")
