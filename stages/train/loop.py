@@ -199,8 +199,10 @@ class _Trainer:
             return
         # A skipped step leaves weights and buffers as they were, so the state is normally good even
         # right after a NaN step or an fp16 back-off; this catches weights that became NaN/Inf anyway.
-        if not ckpt.all_finite(self.model.state_dict(), self.opt.state_dict()["state"]):
-            log.warning("no checkpoint at step %d: the model or optimizer state holds NaN/Inf", self.result.global_step)
+        # Parameters and optimizer state only: buffers may hold inf on purpose (a -inf causal mask), and the
+        # buffer guard already undoes what a skipped step wrote into them.
+        if not ckpt.all_finite(dict(self.model.named_parameters()), self.opt.state_dict()["state"]):
+            log.warning("no checkpoint at step %d: the weights or optimizer state hold NaN/Inf", self.result.global_step)
             return
         r = self.result
         state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
@@ -324,7 +326,8 @@ class _Trainer:
             if math.isfinite(norm_v) and math.isfinite(loss_v):
                 self.bad_streak = 0
                 continue
-            if self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v):
+            if self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v) \
+                    and self._scale_can_back_off():
                 # fp16 gradient overflow on a finite loss: the scaler skipped the step and backs off. That
                 # is how dynamic loss scaling finds its scale, not a NaN/Inf loss: it ends a NaN streak
                 # rather than extending it (a large init_scale takes dozens of back-offs).
@@ -333,7 +336,8 @@ class _Trainer:
                 log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", s.step)
                 continue
             self.acc["nonfinite"] += 1
-            log.warning("step %d skipped: loss %s, grad norm %s", s.step, loss_v, norm_v)
+            log.warning("step %d skipped: loss %s, grad norm %s%s", s.step, loss_v, norm_v,
+                        " (the gradients themselves, not an fp16 overflow)" if math.isfinite(loss_v) else "")
             self.bad_streak += 1
             if self.bad_streak > self.cfg.amp.nonfinite_patience:
                 raise TrainingError(
@@ -341,6 +345,13 @@ class _Trainer:
                     f"{s.step} (epoch {s.epoch + 1}); last good checkpoint: {self.last_good}",
                     hint="lower train.lr, use train.precision: bf16 or fp32, or raise train.amp.nonfinite_patience; "
                          "train.checkpoint.resume: <last.pt> continues from the checkpoint")
+
+    def _scale_can_back_off(self) -> bool:
+        """Can an overflow on a finite loss still be the loss scale's fault? Not with a static scale, nor once
+        the dynamic one has fallen below 1 (gradients that overflow unscaled are NaN/Inf in their own right):
+        such steps count toward nonfinite_patience, so a NaN-gradient bug aborts instead of skipping forever.
+        A host read of the scale, on overflow steps only."""
+        return self.cfg.amp.loss_scale == "dynamic" and self.scaler.get_scale() >= 1.0
 
     def _loss_finite_everywhere(self, loss_v: float, norm_v: float) -> bool:
         """Was this step's loss finite on every process? Each process has its own loss, so under DDP one

@@ -216,3 +216,13 @@ def test_epoch_without_a_finite_step_reports_nan_loss() -> None:
     r = train(model, tiny_data(), train_cfg(epochs=2, amp={"nonfinite_patience": 10}))
     assert math.isnan(r.history[0].loss) and r.history[0].nonfinite_steps == 5
     assert math.isfinite(r.history[1].loss)
+
+
+def test_a_model_with_an_inf_buffer_still_checkpoints(tmp_path: Path) -> None:
+    """A -inf mask buffer is legitimate: only weights and optimizer state are checked for NaN/Inf before a save
+    (all state once was, and such a model never got a last.pt)."""
+    model = tiny_net()
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+    train(model, tiny_data(), train_cfg(epochs=1, checkpoint={"every_steps": 2}), ckpt_dir=tmp_path, run_key="k")
+    state = ckpt.load_state(tmp_path / ckpt.LAST)
+    assert state["complete"] and torch.isinf(state["model"]["mask"]).any()

@@ -138,3 +138,25 @@ def test_cuda_autocast_keeps_layernorm_fp32_and_trains(precision: str) -> None:
     assert (result.history[0].loss_scale is not None) == (precision == "fp16")
     assert result.history[0].peak_memory_mb > 0
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+class NanGradNet(nn.Module):
+    """A finite loss whose gradient is NaN on every step (sqrt'(0) * 0): a real bug, not a loss-scale overflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.p = nn.Linear(64, 10), nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.flatten(1)) + torch.sqrt(self.p * 0.0)
+
+
+@pytest.mark.parametrize("amp", [{"init_scale": 2.0**4}, {"loss_scale": 8.0}])
+def test_fp16_nan_gradients_on_finite_losses_still_abort(amp: dict) -> None:
+    """Back-offs are forgiven only while the dynamic scale can still be the cause (>= 1): a static scale, or one
+    halved below 1, means the gradients are NaN by themselves, and the run must stop (it once skipped forever)."""
+    from pipeline.errors import TrainingError
+
+    cfg = train_cfg(precision="fp16", epochs=4, amp={**amp, "nonfinite_patience": 3})
+    with pytest.raises(TrainingError, match="consecutive steps"):
+        train(NanGradNet(), tiny_data(), cfg)
