@@ -64,7 +64,13 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
 
 def _importable(*folders: Path) -> None:
     """User code named by import path (``model.name: mymodels:build``) resolves from the current folder and the
-    config's folder, as ``python -m`` would, before PYTHONPATH."""
+    config's folder, as ``python -m`` would, before PYTHONPATH. Kiln's own packages are imported first, so a
+    user folder that happens to be called ``models/`` or ``stages/`` cannot stand in for them."""
+    import calibration  # noqa: F401
+    import models  # noqa: F401
+    import pipeline  # noqa: F401
+    import stages  # noqa: F401
+
     for folder in folders:
         entry = str(folder.resolve())
         if entry not in sys.path:

@@ -366,3 +366,19 @@ def test_garbage_pt_checkpoint_and_wrong_input_shape_say_what_is_wrong(cli: CliR
     assert "weights_only` set to `False`" not in result.output
     result = cli.invoke(main, ["export", "--model", "cnn", "--input-shape", "3,32,32", "-o", str(tmp_path / "m.onnx")])
     assert_clean_error(result, 2, "the model rejects an input of shape [batch, 3,32,32]", "--input-shape")
+
+
+def test_a_models_folder_in_the_working_directory_does_not_shadow_kiln(tmp_path: Path, write_yaml) -> None:
+    """kiln puts the current folder on sys.path for user modules; a project folder named models/ (weights, say)
+    must not replace Kiln's own package. A fresh process: in this one Kiln's packages are imported already."""
+    import subprocess
+    import sys
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "weights.safetensors").write_bytes(b"")
+    cfg = write_yaml(tiny_config_dict())
+    # -P: like the `kiln` script, Python itself does not put the current folder first (as `-m` would)
+    proc = subprocess.run([sys.executable, "-P", "-m", "pipeline.cli", "run", str(cfg), "-w", str(tmp_path / "w"), "-q",
+                           "--until", "train"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
