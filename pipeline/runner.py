@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import json
 import logging
-import site
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from pipeline.artifacts import (atomic_dir, clean_stale_staging, hash_file, hash_json, hash_source, hash_tree,
-                                write_json_atomic)
+from pipeline.artifacts import atomic_dir, clean_stale_staging, hash_json, hash_source, hash_tree, write_json_atomic
 from pipeline.config import KilnConfig
 from pipeline.env import environment
 from pipeline.errors import GateFailure, KilnError
 from pipeline.fingerprints import FINGERPRINTS
 from pipeline.progress import Progress, SilentProgress
 from pipeline.stage import Stage, StageContext
+from pipeline.user_code import code_version
 
 MANIFEST = "manifest.json"
 log = logging.getLogger("kiln")
@@ -111,26 +109,10 @@ def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
     for section, ref in refs.items():
         if section in heads and ref and ":" in ref:
             resolve_callable(ref, {}, section)  # imports it, or a clean ConfigError naming the problem
-            files = user_source_files(sys.modules[ref.partition(":")[0]])
-            if files:
-                out[ref] = hash_json({str(i): hash_file(p) for i, p in enumerate(files)})
+            version = code_version(sys.modules[ref.partition(":")[0]])
+            if version:
+                out[ref] = version
     return out
-
-
-def user_source_files(module: ModuleType) -> list[Path]:
-    """The code a user module stands for: its whole top-level package, or for a top-level module every .py file
-    in its folder (the helpers it imports usually sit next to it). An installed top-level module is just itself."""
-    top = sys.modules.get(module.__name__.partition(".")[0], module)
-    top_file = getattr(top, "__file__", None)
-    if not top_file:
-        return []
-    top_path = Path(top_file)
-    if top_path.name == "__init__.py":
-        return sorted(top_path.parent.rglob("*.py"))
-    installed = {Path(p).resolve() for p in site.getsitepackages() + [site.getusersitepackages()]}
-    if top_path.parent.resolve() in installed:
-        return [top_path]
-    return sorted(top_path.parent.glob("*.py"))
 
 
 class Runner:

@@ -1,0 +1,61 @@
+"""The version of user code in cache keys: the module and the local modules it imports, nothing else."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.user_code import code_version, local_sources
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names: list[str] = []
+
+    def load(name: str):
+        importlib.invalidate_caches()
+        for m in [m for m in sys.modules if m == name.partition(".")[0] or m.startswith(name.partition(".")[0] + ".")]:
+            sys.modules.pop(m)
+        names.append(name)
+        return importlib.import_module(name)
+    yield tmp_path, load
+    for name in names:
+        for m in [m for m in sys.modules if m.partition(".")[0] == name.partition(".")[0]]:
+            sys.modules.pop(m)
+
+
+def test_imported_siblings_count_unrelated_files_do_not(project) -> None:
+    root, load = project
+    (root / "kuc_layers.py").write_text("ACT = 'relu'\n")
+    (root / "kuc_plot.py").write_text("print('a script')\n")
+    (root / "kuc_model.py").write_text("from kuc_layers import ACT\n\ndef build():\n    return ACT\n")
+    first = code_version(load("kuc_model"))
+    assert [p.name for p in local_sources(root / "kuc_model.py", [root])] == ["kuc_layers.py", "kuc_model.py"]
+    (root / "kuc_plot.py").write_text("print('edited')\n")
+    assert code_version(load("kuc_model")) == first  # editing an unrelated script retrains nothing
+    (root / "kuc_layers.py").write_text("ACT = 'tanh'\n")
+    assert code_version(load("kuc_model")) != first  # editing what the model imports does
+
+
+def test_namespace_package_and_relative_imports(project) -> None:
+    """A folder without __init__.py has no __file__: its modules were once left out of the key."""
+    root, load = project
+    pkg = root / "kuc_ns"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "layers.py").write_text("WIDTH = 4\n")
+    (pkg / "model.py").write_text("from .sub.layers import WIDTH\n\ndef build():\n    return WIDTH\n")
+    first = code_version(load("kuc_ns.model"))
+    assert first is not None
+    (pkg / "sub" / "layers.py").write_text("WIDTH = 8\n")
+    assert code_version(load("kuc_ns.model")) != first
+
+
+def test_installed_code_is_versioned_by_its_distribution() -> None:
+    import torch.nn
+
+    version = code_version(torch.nn)
+    assert version is not None and version == code_version(torch.nn)
