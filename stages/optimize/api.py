@@ -106,8 +106,8 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.Mo
             raise ModelError(f"the optimizer's safety net cannot run the input model on random inputs "
                              f"({str(exc).splitlines()[0][:200]})",
                              hint="set optimize.int_high below the smallest vocabulary / index range, or "
-                                  "optimize.verify_batch to a size every dynamic axis accepts; or "
-                                  "optimize.verify: false to rewrite without checking") from None
+                                  "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
+                                  "size); or optimize.verify: false to rewrite without checking") from None
     passes: list[dict[str, Any]] = []
     for spec, params in plan:
         t0 = time.perf_counter()

@@ -31,10 +31,9 @@ class Verdict:
     reason: str = ""
 
 
-def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, dynamic: int | None = None) -> dict[str, np.ndarray]:
-    """One random array per real graph input; symbolic axes get ``dynamic`` (default ``verify_batch``), integers
-    lie in [0, int_high]."""
-    dynamic = cfg.verify_batch if dynamic is None else dynamic
+def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None = None) -> dict[str, np.ndarray]:
+    """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``
+    when given), integers lie in [0, int_high]."""
     rng = np.random.default_rng(cfg.seed)
     inits = {i.name for i in model.graph.initializer}
     feed: dict[str, np.ndarray] = {}
@@ -43,7 +42,8 @@ def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, dynamic: int | No
             continue
         tt = inp.type.tensor_type
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        shape = [d.dim_value if d.HasField("dim_value") else dynamic for d in tt.shape.dim]
+        shape = [d.dim_value if d.HasField("dim_value") else batch if i == 0 and batch else cfg.verify_batch
+                 for i, d in enumerate(tt.shape.dim)]
         if dtype == np.bool_:
             feed[inp.name] = rng.random(shape) < 0.5
         elif np.issubdtype(dtype, np.integer):
@@ -82,15 +82,25 @@ class Verifier:
 
     def __init__(self, model: onnx.ModelProto, cfg: OptimizeConfig) -> None:
         self.cfg = cfg
-        self.feeds = [random_inputs(model, cfg, size) for size in dict.fromkeys((cfg.verify_batch, 1))]
-        self.references = [run_ort(model, feed) for feed in self.feeds]
+        self.feeds = [random_inputs(model, cfg)]
+        self.references = [run_ort(model, self.feeds[0])]  # must run: else the caller reports why
+        try:  # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch)
+            one = random_inputs(model, cfg, batch=1)
+            self.references.append(run_ort(model, one))
+            self.feeds.append(one)
+        except Exception as exc:
+            log.info("safety net: the input model does not run at batch 1 (%s); checking at %d only",
+                     str(exc).splitlines()[0][:120], cfg.verify_batch)
+        self.check_graph = _passes_checker(model)
+        if not self.check_graph:
+            log.warning("the input model fails the ONNX checker; passes are verified by running them only")
         self.random = not compare(self.references[0], run_ort(model, self.feeds[0]), cfg.atol, cfg.rtol).ok
         if self.random:
             log.warning("the model's outputs differ between two runs (random ops): the safety net can compare only "
                         "output shapes and types")
 
     def check(self, candidate: onnx.ModelProto) -> Verdict:
-        if _byte_size(candidate) < _INLINE_LIMIT:
+        if self.check_graph and _byte_size(candidate) < _INLINE_LIMIT:
             try:
                 onnx.checker.check_model(candidate)
             except onnx.checker.ValidationError as exc:
@@ -107,6 +117,18 @@ class Verifier:
                 return verdict
             worst = max(worst, verdict.max_abs_err)
         return Verdict(True, worst)
+
+
+def _passes_checker(model: onnx.ModelProto) -> bool:
+    """Whether the checker can judge the passes: not when the input already fails it (then every pass would be
+    rolled back for what it inherited), nor for models too big to check in memory."""
+    if _byte_size(model) >= _INLINE_LIMIT:
+        return False
+    try:
+        onnx.checker.check_model(model)
+        return True
+    except onnx.checker.ValidationError:
+        return False
 
 
 def _flat(outputs: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -123,3 +123,22 @@ def test_net_that_cannot_run_the_model_is_a_clear_error():
     assert "int_high" in err.value.hint and "verify: false" in err.value.hint
     out, s = optimize_model(m, OptimizeConfig(int_high=4))
     assert s["verified"]
+
+
+def test_dynamic_spatial_axes_are_not_forced_to_one():
+    """Batch 1 is checked on the batch axis only: a dynamic H/W that cannot be 1 keeps verify_batch (it once made
+    the net refuse such models outright)."""
+    m = make_model([N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])], [("x", ["N", 3, "H", "W"], FLOAT)],
+                   ["y"], {"w": f32(4, 3, 2, 2)})
+    out, s = run_pass(m, "eliminate_identity")  # 2x2 Conv without padding: H = W = 1 would be refused
+    assert ops(out) == ["Conv"] and s["verified"]
+
+
+def test_an_input_model_that_fails_the_checker_is_still_optimized():
+    """The checker cannot judge passes on a graph it already rejects (IR 3: an initializer that is not an input):
+    every pass was rolled back as 'not a valid ONNX graph'."""
+    m = make_model([N("MatMul", ["x", "W"], ["h"]), N("Identity", ["h"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"],
+                   {"W": f32(4, 4)})
+    m.ir_version = 3
+    out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]))
+    assert s["rolled_back"] == [] and ops(out) == ["MatMul"]
