@@ -82,8 +82,9 @@ def hash_batches(batches: list[np.ndarray]) -> str:
     """Content hash of the calibration data (shapes, dtypes and bytes): part of the cache key."""
     h = hashlib.sha256()
     for b in batches:
+        b = np.ascontiguousarray(b)
         h.update(f"{b.shape}{b.dtype}".encode())
-        h.update(np.ascontiguousarray(b).tobytes())
+        h.update(memoryview(b).cast("B") if b.size else b"")  # the buffer itself: no copy of a large dataset
     return h.hexdigest()
 
 

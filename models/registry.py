@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from models.cnn import resnet18, small_cnn
@@ -80,5 +81,11 @@ def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
 
 
 def load_dataset(ref: str, params: dict[str, Any] | None = None) -> DatasetSplits:
-    return _call_factory(ref, DATASETS, "dataset", params, DatasetSplits,
+    data = _call_factory(ref, DATASETS, "dataset", params, DatasetSplits,
                          "return models.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")
+    for field in ("train_x", "train_y", "val_x", "val_y"):
+        value = getattr(data, field)
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"dataset '{ref}' gives {field} as {type(value).__name__}, not a torch.Tensor",
+                              hint="wrap arrays with torch.from_numpy(...) in the dataset function")
+    return data

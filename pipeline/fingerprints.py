@@ -27,7 +27,18 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     from stages.train.model_io import dataset_for
 
     d = dataset_for(config)
-    return hash_batches([np.asarray(t.numpy()) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
+    return hash_batches([_array(t) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
+
+
+def _array(t: object) -> np.ndarray:
+    """Any tensor or array as numpy, for hashing only: bytes are what count (bfloat16 has no numpy type, a CUDA
+    or grad-tracking tensor no direct view), and a wrong type is left to the stage's own clear check."""
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu()
+        return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    return np.asarray(t)
 
 
 def checkpoint_fingerprint(config: KilnConfig) -> str | None:

@@ -22,6 +22,14 @@ def load(path):
     d, k = digits(seed=0), float(np.load(path))
     return DatasetSplits(d.train_x * k, d.train_y, d.val_x * k, d.val_y, d.num_classes, "scaled digits")
 
+def as_numpy():
+    d = digits(seed=0)
+    return DatasetSplits(d.train_x.numpy(), d.train_y.numpy(), d.val_x.numpy(), d.val_y.numpy(), 10)
+
+def bf16():
+    d = digits(seed=0)
+    return DatasetSplits(d.train_x.bfloat16(), d.train_y, d.val_x.bfloat16(), d.val_y, 10)
+
 def calib(path):
     x = np.load(path)
     return [x[i:i + 16] for i in range(0, len(x), 16)]
@@ -121,3 +129,12 @@ def test_editing_a_helper_module_of_user_code_reruns(tmp_path: Path, monkeypatch
     finally:
         for m in ("kiln_fp_models", "kiln_fp_layers"):
             sys.modules.pop(m, None)
+
+
+def test_odd_user_datasets_fingerprint_or_fail_cleanly(user_module: Path) -> None:
+    """numpy arrays in DatasetSplits once crashed the fingerprint with a traceback; bfloat16 has no numpy type."""
+    from pipeline.errors import ConfigError
+
+    assert dataset_fingerprint(config_from_dict(tiny_config_dict(**{"data.name": "my_files:bf16"})))
+    with pytest.raises(ConfigError, match="not a torch.Tensor"):
+        dataset_fingerprint(config_from_dict(tiny_config_dict(**{"data.name": "my_files:as_numpy"})))
