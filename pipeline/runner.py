@@ -115,6 +115,21 @@ def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def what_changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Which parts of a stage's key differ, as dotted names (``config.train``, ``user_data.dataset``): a rerun
+    nobody expected (unseeded randomness in a user's data, say) then says why."""
+    out = []
+    for part in sorted(set(old) | set(new)):
+        a, b = old.get(part), new.get(part)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{part}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        else:
+            out.append(part)
+    return out
+
+
 class Runner:
     def __init__(self, config: KilnConfig, workdir: Path, stages: list[Stage], progress: Progress | None = None,
                  on_event: Any = None) -> None:
@@ -168,7 +183,8 @@ class Runner:
             # seconds: what this run spent on the stage (the check); the original run's time stays in the manifest
             return StageRecord(stage.name, "cached", time.perf_counter() - t_check, key, old.get("summary", {}),
                                original_seconds=old.get("seconds"))
-        log.info("%s: running", stage.name)
+        changed = what_changed(old.get("key_parts", {}), parts) if old and not forced else []
+        log.info("%s: running%s", stage.name, f" (changed since the last run: {', '.join(changed)})" if changed else "")
         t0 = time.perf_counter()
         with atomic_dir(final) as out:
             ctx = StageContext(stage.name, self.config, self.workdir, out,

@@ -156,3 +156,12 @@ def test_start_from_a_stage_reruns_it_and_everything_after(first_run) -> None:
     result, _ = run_pipeline(cfg, workdir, start="build")
     assert statuses(result) == {"train": "cached", "export": "cached", "optimize": "cached", "precision": "cached",
                                 "build": "ran", "validate": "ran", "package": "ran"}
+
+
+def test_a_rerun_says_what_changed() -> None:
+    from pipeline.runner import what_changed
+
+    old = {"code": "a", "config": {"train": 1, "data": 2}, "user_data": {"dataset": "x"}}
+    new = {"code": "a", "config": {"train": 1, "data": 3}, "user_data": {"dataset": "y"}, "user_code": {"m:f": "z"}}
+    assert what_changed(old, new) == ["config.data", "user_code", "user_data.dataset"]
+    assert what_changed(old, old) == []
