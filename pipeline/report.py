@@ -7,8 +7,9 @@ from typing import Any
 from pipeline.artifacts import write_json_atomic, write_text_atomic
 from pipeline.config import KilnConfig
 from pipeline.env import environment
-from pipeline.runner import RunResult, read_manifest
-from pipeline.stages import STAGE_NAMES
+from pipeline.errors import KilnError
+from pipeline.runner import RunResult, cache_key, read_manifest
+from pipeline.stages import STAGE_NAMES, stage_named
 
 
 def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = None) -> dict[str, Any]:
@@ -18,13 +19,17 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
                     **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
                     "summary": r.summary} for r in result.records}
     stages: dict[str, Any] = {}
+    memo: dict[str, Any] = {}
     for name in STAGE_NAMES:
         if name in ran:
             stages[name] = ran[name]
         elif workdir is not None and (m := read_manifest(workdir / name)) is not None:
-            stages[name] = {"status": "kept", "seconds": 0.0, "original_seconds": round(m.get("seconds", 0.0), 3),
+            status = "kept" if _current(name, m, config, workdir, memo) else "stale"
+            stages[name] = {"status": status, "seconds": 0.0, "original_seconds": round(m.get("seconds", 0.0), 3),
                             "summary": m.get("summary", {})}
     validation = stages.get("validate", {}).get("summary") or None
+    if stages.get("validate", {}).get("status") == "stale":
+        validation = None  # results of other settings or engines: not this configuration's verdict
     ok = result.ok and (validation or {}).get("passed") is not False
     report: dict[str, Any] = {"name": config.name, "ok": ok, "stages": stages, "environment": environment()}
     if result.error is not None:
@@ -32,6 +37,14 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     if validation:
         report["validation"] = {k: validation[k] for k in ("passed", "baseline", "engines", "failures")}
     return report
+
+
+def _current(name: str, manifest: dict[str, Any], config: KilnConfig, workdir: Path, memo: dict[str, Any]) -> bool:
+    """Would this configuration reuse the stage's results as they are (same cache key)?"""
+    try:
+        return cache_key(stage_named(name), config, workdir, memo)[0] == manifest.get("key")
+    except KilnError:  # e.g. a user module that no longer imports: certainly not current
+        return False
 
 
 def _fmt(v: Any, spec: str = ".4f") -> str:
@@ -46,6 +59,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [f"| {n} | {s['status']} | {s['seconds']:.2f} |" for n, s in report["stages"].items()]
     if any(s["status"] == "kept" for s in report["stages"].values()):
         lines += ["", "*kept*: not part of this command; its results are those already in the workdir."]
+    if any(s["status"] == "stale" for s in report["stages"].values()):
+        lines += ["", "*stale*: not part of this command, and made with other settings or inputs than this "
+                      "configuration's: `kiln run` redoes it."]
     v = report.get("validation")
     if v:
         b = v["baseline"]

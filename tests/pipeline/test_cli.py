@@ -382,3 +382,19 @@ def test_a_models_folder_in_the_working_directory_does_not_shadow_kiln(tmp_path:
                            "--until", "train"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_validation_of_other_settings_does_not_judge_this_run(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
+    """`kiln validate` with a gate set on the command line fails; a later `kiln run --until build` without it must
+    not be reported FAILED on that stale verdict: validate shows as 'stale'."""
+    import json
+
+    cfg, wd = write_yaml(tiny_config_dict()), tmp_path / "w"
+    assert cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q"]).exit_code == 0
+    bad = cli.invoke(main, ["validate", "-c", str(cfg), "-w", str(wd), "-q",
+                            "--set", "validate.gates.max_latency_p50_ms=1e-6"])
+    assert bad.exit_code == 3
+    assert cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q", "--until", "build"]).exit_code == 0
+    report = json.loads((wd / "report.json").read_text())
+    assert report["ok"] and report["stages"]["validate"]["status"] == "stale" and "validation" not in report
+    assert report["stages"]["train"]["status"] == "cached"
