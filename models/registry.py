@@ -38,6 +38,9 @@ DEFAULT_DATASET: dict[str, str] = {"cnn": "digits", "transformer": "digits", "ml
                                    "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens"}
 
 
+KILN_PACKAGES = ("calibration", "models", "pipeline", "stages")  # top-level names user code cannot reuse
+
+
 def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
     """A built-in name from ``table`` or an import path ``package.module:function``."""
     if ref in table:
@@ -49,9 +52,12 @@ def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) 
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"cannot import module '{module_name}' for {kind} '{ref}': {exc}",
-                          hint="run kiln from the folder holding the module, put it next to the config, or add "
-                               "its folder to PYTHONPATH") from None
+        top = module_name.partition(".")[0]
+        hint = (f"'{top}' is the name of one of Kiln's own packages ({', '.join(KILN_PACKAGES)}): rename your "
+                f"package, e.g. my_{top}" if top in KILN_PACKAGES else
+                "run kiln from the folder holding the module, put it next to the config, or add its folder to "
+                "PYTHONPATH")
+        raise ConfigError(f"cannot import module '{module_name}' for {kind} '{ref}': {exc}", hint=hint) from None
     except Exception as exc:  # the user's module itself fails (SyntaxError, an exception at import time)
         raise ConfigError(f"importing module '{module_name}' for {kind} '{ref}' failed: "
                           f"{type(exc).__name__}: {exc}", hint=f"fix the error in {module_name}") from None

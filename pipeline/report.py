@@ -7,8 +7,8 @@ from typing import Any
 from pipeline.artifacts import write_json_atomic, write_text_atomic
 from pipeline.config import KilnConfig
 from pipeline.env import environment
-from pipeline.errors import KilnError
-from pipeline.runner import RunResult, cache_key, read_manifest
+from pipeline.fingerprints import FINGERPRINTS
+from pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
 from pipeline.stages import STAGE_NAMES, stage_named
 
 
@@ -19,12 +19,11 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
                     **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
                     "summary": r.summary} for r in result.records}
     stages: dict[str, Any] = {}
-    memo: dict[str, Any] = {}
     for name in STAGE_NAMES:
         if name in ran:
             stages[name] = ran[name]
         elif workdir is not None and (m := read_manifest(workdir / name)) is not None:
-            status = "kept" if _current(name, m, config, workdir, memo) else "stale"
+            status = "kept" if _current(name, m, config, workdir) else "stale"
             stages[name] = {"status": status, "seconds": 0.0, "original_seconds": round(m.get("seconds", 0.0), 3),
                             "summary": m.get("summary", {})}
     validation = stages.get("validate", {}).get("summary") or None
@@ -39,12 +38,16 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     return report
 
 
-def _current(name: str, manifest: dict[str, Any], config: KilnConfig, workdir: Path, memo: dict[str, Any]) -> bool:
-    """Would this configuration reuse the stage's results as they are (same cache key)?"""
+def _current(name: str, manifest: dict[str, Any], config: KilnConfig, workdir: Path) -> bool:
+    """Would this configuration reuse the stage's results (same settings, code and inputs, files intact)? User
+    data is not re-read for this: a one-stage command must not load a dataset or run a reader it does not use."""
+    no_data = {fingerprint: None for fingerprint in FINGERPRINTS}
     try:
-        return cache_key(stage_named(name), config, workdir, memo)[0] == manifest.get("key")
-    except KilnError:  # e.g. a user module that no longer imports: certainly not current
+        _, parts = cache_key(stage_named(name), config, workdir, no_data)
+    except Exception:  # e.g. a user module that no longer imports: certainly not current
         return False
+    recorded = {k: v for k, v in manifest.get("key_parts", {}).items() if k != "user_data"}
+    return parts == recorded and outputs_intact(workdir / name, manifest)
 
 
 def _fmt(v: Any, spec: str = ".4f") -> str:

@@ -138,3 +138,24 @@ def test_odd_user_datasets_fingerprint_or_fail_cleanly(user_module: Path) -> Non
     assert dataset_fingerprint(config_from_dict(tiny_config_dict(**{"data.name": "my_files:bf16"})))
     with pytest.raises(ConfigError, match="not a torch.Tensor"):
         dataset_fingerprint(config_from_dict(tiny_config_dict(**{"data.name": "my_files:as_numpy"})))
+
+
+def test_the_report_does_not_reload_user_data(tmp_path: Path, user_module: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stages a command did not run are labelled kept/stale without calling the user's dataset or reader (a
+    one-stage command once loaded both, seconds each, and crashed when a reader's file had moved)."""
+    from pipeline import fingerprints
+    from pipeline.report import build_report
+    from pipeline.runner import RunResult
+
+    scale = tmp_path / "scale.npy"
+    np.save(scale, np.float32(1.0))
+    cfg = config_from_dict(tiny_config_dict(**{"data.name": "my_files:load", "data.params": {"path": str(scale)}}))
+    assert run_pipeline(cfg, tmp_path / "wd", stop="export")[0].ok
+
+    def no(config):
+        raise AssertionError("user data loaded by the report")
+    monkeypatch.setitem(fingerprints.FINGERPRINTS, "dataset", no)
+    monkeypatch.setitem(fingerprints.FINGERPRINTS, "calibration", no)
+    report = build_report(RunResult(tmp_path / "wd", []), cfg, tmp_path / "wd")
+    assert {n: s["status"] for n, s in report["stages"].items()} == {"train": "kept", "export": "kept"}

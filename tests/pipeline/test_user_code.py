@@ -54,8 +54,30 @@ def test_namespace_package_and_relative_imports(project) -> None:
     assert code_version(load("kuc_ns.model")) != first
 
 
-def test_installed_code_is_versioned_by_its_distribution() -> None:
+def test_installed_code_is_versioned_by_its_installed_files_record() -> None:
+    """Installed code is keyed by pip's RECORD (every file's sha256), not by scanning it (torch.nn reaches 1,700
+    files) nor by its version alone (a user's own package reinstalled at the same version)."""
+    import importlib.metadata
+
     import torch.nn
 
-    version = code_version(torch.nn)
-    assert version is not None and version == code_version(torch.nn)
+    from pipeline.artifacts import hash_json
+
+    record = importlib.metadata.distribution("torch").read_text("RECORD")
+    assert record and code_version(torch.nn) == hash_json({"installed": [record]})
+
+
+def test_package_inits_count_and_symlinked_modules_work(project) -> None:
+    """An __init__.py runs on import (it may patch what the model uses): editing it changes the key. A module
+    file that is a symlink to elsewhere once crashed the hashing with a traceback."""
+    root, load = project
+    pkg = root / "kuc_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("DTYPE = 'float32'\n")
+    shared = root.parent / f"{root.name}_shared.py"
+    shared.write_text("def build():\n    return 1\n")
+    (pkg / "model.py").symlink_to(shared)
+    first = code_version(load("kuc_pkg.model"))
+    assert first is not None
+    (pkg / "__init__.py").write_text("DTYPE = 'float64'\n")
+    assert code_version(load("kuc_pkg.model")) != first
