@@ -17,7 +17,7 @@ import onnx
 from pipeline.errors import BuildError
 from stages.build.config import OnnxRuntimeConfig
 from stages.build.ort_autotune import autotune, relevant_knobs
-from stages.build.tensorrt_weak import graph_carries_precision
+from stages.build.tensorrt_weak import model_carries_precision
 
 log = logging.getLogger("kiln.build")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -38,15 +38,16 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     skip = autotune_skip_reason(device, cfg, cuda_here)
     knobs = {} if skip else relevant_knobs(cfg.autotune.cuda_knobs if device == "cuda" else cfg.autotune.cpu_knobs,
                                            conv, applied)
+    to_fp16 = precision == "fp16" and not model_carries_precision(model)  # else the graph holds its precision
     keep_fused = None
-    if keep_fp32 and precision == "fp16" and not graph_carries_precision(onnx_path):
+    if keep_fp32 and to_fp16:
         keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32)
-    conversion = _write_engine(fused, onnx_path, out / "engine.onnx", device, precision, cfg, keep_fused, cuda_here)
+    conversion = _write_engine(fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fused)
     if conversion:
         notes["fp16_conversion"] = conversion
     files = {"model": "engine.onnx"}
     if applied and False in knobs.get("transformer_fusion", []):  # the unfused graph is a candidate too
-        _write_engine(model, onnx_path, out / "engine-unfused.onnx", device, precision, cfg, keep_fp32, cuda_here)
+        _write_engine(model, out / "engine-unfused.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fp32)
         files["model_unfused"] = "engine-unfused.onnx"
     session = {"providers": provider_list(device, cfg, conv, precision),
                "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
@@ -129,13 +130,14 @@ def _offline_level(device: str, cuda_here: bool) -> str:
     return "extended" if device == "cpu" or cuda_here else "basic"
 
 
-def _write_engine(model: onnx.ModelProto, onnx_path: Path, dst: Path, device: str, precision: str,
-                  cfg: OnnxRuntimeConfig, keep_fp32: list[str] | None, cuda_here: bool) -> str | None:
-    """FP16 conversion (if asked and the graph is FP32), then ORT's offline optimization saved to ``dst``."""
+def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
+                  cuda_here: bool, to_fp16: bool, keep_fp32: list[str] | None) -> str | None:
+    """FP16 conversion (``to_fp16``: asked for, and the graph is FP32), then ORT's offline optimization saved to
+    ``dst``."""
     import onnxruntime as ort
 
     note = None
-    if precision == "fp16" and not graph_carries_precision(onnx_path):
+    if to_fp16:
         from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
         # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
