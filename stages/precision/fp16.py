@@ -9,7 +9,7 @@ from onnx import helper
 
 from pipeline.errors import ModelError
 from pipeline.onnx_io import check_onnx, infer_shapes
-from stages.precision.casts import cast_chains, remove_cast_chains
+from stages.precision.casts import FLOAT_ONNX, cast_chains, remove_cast_chains
 from stages.precision.config import FP16Config
 
 log = logging.getLogger("kiln.precision")
@@ -102,13 +102,8 @@ def casts_from_non_float(model: onnx.ModelProto) -> set[str]:
     output FP16 but leaves ``to=FLOAT``, an invalid graph; blocked, they stay FP32 and it casts after them."""
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.input]}
     types |= {i.name: i.data_type for i in model.graph.initializer}
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
-    out = set()
-    for n in model.graph.node:
-        to = next((a.i for a in n.attribute if a.name == "to"), None)
-        if n.op_type == "Cast" and to == onnx.TensorProto.FLOAT and types.get(n.input[0], 0) not in floats:
-            out.add(n.name)
-    return out
+    return {n.name for n in model.graph.node
+            if _cast_to(n) == onnx.TensorProto.FLOAT and types.get(n.input[0], 0) not in FLOAT_ONNX}
 
 
 def rewire_output_readers(converted: onnx.ModelProto, fp32_nodes: set[str]) -> int:
@@ -120,10 +115,7 @@ def rewire_output_readers(converted: onnx.ModelProto, fp32_nodes: set[str]) -> i
     outputs = {o.name for o in converted.graph.output}
     fp32 = fp32_nodes | {n.name for n in converted.graph.node if n.op_type in float16.DEFAULT_OP_BLOCK_LIST}
     rewired = 0
-    for cast in [n for n in converted.graph.node if n.op_type == "Cast" and n.output[0] in outputs]:
-        to = next((a.i for a in cast.attribute if a.name == "to"), None)
-        if to != onnx.TensorProto.FLOAT:
-            continue
+    for cast in [n for n in converted.graph.node if _cast_to(n) == onnx.TensorProto.FLOAT and n.output[0] in outputs]:
         for n in converted.graph.node:
             if n is cast or n.name in fp32 or n.op_type == "Cast":
                 continue
@@ -132,6 +124,13 @@ def rewire_output_readers(converted: onnx.ModelProto, fp32_nodes: set[str]) -> i
                     n.input[i] = cast.input[0]
                     rewired += 1
     return rewired
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    """The target type of a Cast node, else None."""
+    if node.op_type != "Cast":
+        return None
+    return next((a.i for a in node.attribute if a.name == "to"), None)
 
 
 def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) -> tuple[onnx.ModelProto, dict]:
