@@ -1,10 +1,9 @@
 """Single stages applied straight to files, for users who bring their own model (no workdir, no cache)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
-
-import logging
 
 import numpy as np
 import torch

@@ -1,8 +1,9 @@
 """Content hashes of user-supplied data that neither the config nor the code pins down.
 
 A user's data module or calibration reader (``package.module:function``) may read files, and
-``model.checkpoint`` names one: the cache key covers the config (paths) and the code, not what the files hold. Stages that read such data name a
-fingerprint here (``Stage.data``) and the runner adds its value to their cache key, computed once per run.
+``model.checkpoint`` names one: the cache key covers the config (paths) and the code, not what the files hold.
+Stages that read such data name a fingerprint here (``Stage.data``) and the runner adds its value to their cache
+key, computed once per run.
 Built-in datasets are pinned by Kiln's code and config, so they need none (and cost nothing).
 """
 from __future__ import annotations

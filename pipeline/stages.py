@@ -13,11 +13,11 @@ import stages.optimize.stage as optimize_stage
 import stages.package as package_stage
 import stages.precision
 import stages.precision.stage as precision_stage
-import stages.train
-import stages.train.stage as train_stage
-import stages.train.model_io as model_io
-import stages.validate as validate_stage
 import pipeline.onnx_io as onnx_io
+import stages.train
+import stages.train.model_io as model_io
+import stages.train.stage as train_stage
+import stages.validate as validate_stage
 from pipeline.config import KilnConfig
 from pipeline.env import environment_subset
 from pipeline.stage import Stage

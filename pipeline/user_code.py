@@ -10,7 +10,8 @@ plus the ``__init__.py`` of every package on the way.
 folder (a top-level module's folder, or the folder holding its top-level package, namespace packages included);
 for code installed in site-packages, its distribution's RECORD instead: pip's list of every installed file with
 its sha256, so a user's own package reinstalled at the same version still changes the key, without scanning
-(torch.nn alone reaches 1,700 files, 17 s). Code loaded dynamically (``importlib`` plugins) is not seen.
+(a scan from torch.nn reached 1,714 files in 16.7 s on the 2-core dev machine). Code loaded dynamically
+(``importlib`` plugins) is not seen.
 """
 from __future__ import annotations
 

@@ -132,8 +132,8 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.Mo
                      seconds=round(time.perf_counter() - t0, 4))
         passes.append(entry)
         changed = entry["nodes_before"] != entry["nodes_after"] or entry["rolled_back"]
-        log.log(logging.INFO if changed else logging.DEBUG, "pass %-26s nodes %4d -> %4d%s", spec.name, entry["nodes_before"], entry["nodes_after"],
-                 "  ROLLED BACK" if entry["rolled_back"] else "")
+        log.log(logging.INFO if changed else logging.DEBUG, "pass %-26s nodes %4d -> %4d%s", spec.name,
+                entry["nodes_before"], entry["nodes_after"], "  ROLLED BACK" if entry["rolled_back"] else "")
     summary = {"nodes_before": len(model.graph.node), "nodes_after": len(current.graph.node),
                "ops_before": dict(histogram(model)), "ops_after": dict(histogram(current)),
                "verified": verifier is not None, "rolled_back": [p["name"] for p in passes if p["rolled_back"]],
