@@ -4,8 +4,8 @@ Rows per (model, batch): PyTorch eager FP32, eager FP16 (``.half()``), ``torch.c
 ``--compile-mode``, default max-autotune), ONNX Runtime CUDA FP16 with default settings, Kiln's engine with its
 fixed settings (``kiln_fixed``: ORT CUDA FP16 with transformer fusion, exhaustive cuDNN search, NHWC for
 convolutions, IO binding on device buffers, one CUDA graph per shape) and Kiln's engine autotuned at build time
-(``kiln``: ``stages.build.build_engine`` times candidate settings per batch size on this GPU and keeps the fastest
-that agrees with FP32; the choice per batch is printed and recorded, see ``stages/build/ort_autotune.py``).
+(``kiln``: ``kiln.stages.engines.build_engine`` times candidate settings per batch size on this GPU and keeps the fastest
+that agrees with FP32; the choice per batch is printed and recorded, see ``stages/engines/ort_autotune.py``).
 Latency: median (and p90) of ``--iterations``
 timed runs after warm-up, CUDA events, inputs already on the GPU, TF32 off. Agreement: top-1 agreement, cosine
 and max abs error vs eager FP32 on ``--eval-samples`` random inputs. Build: seconds to produce the runnable
@@ -32,12 +32,12 @@ import onnx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.registry import build_model  # noqa: E402
-from stages.build.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
-from stages.build.engines import load_engine  # noqa: E402
-from stages.build.onnxruntime_runner import time_calls  # noqa: E402
-from stages.build.stage import build_engine  # noqa: E402
-from stages.export import export_onnx  # noqa: E402
+from kiln.models.registry import build_model  # noqa: E402
+from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
+from kiln.stages.engines.engines import load_engine  # noqa: E402
+from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
+from kiln.stages.engines.stage import build_engine  # noqa: E402
+from kiln.stages.export import export_onnx  # noqa: E402
 
 ROWS = ["eager32", "eager16", "compile", "ort_default", "kiln_fixed", "kiln"]
 LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",

@@ -25,10 +25,10 @@ import onnx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.registry import build_model  # noqa: E402
-from stages.export import export_onnx  # noqa: E402
-from stages.optimize.api import optimize_model  # noqa: E402
-from stages.optimize.config import OptimizeConfig  # noqa: E402
+from kiln.models.registry import build_model  # noqa: E402
+from kiln.stages.export import export_onnx  # noqa: E402
+from kiln.stages.optimize.api import optimize_model  # noqa: E402
+from kiln.stages.optimize.config import OptimizeConfig  # noqa: E402
 
 log = logging.getLogger("bench")
 STANDARD = {"", "ai.onnx"}

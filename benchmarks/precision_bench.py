@@ -32,14 +32,14 @@ import onnx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from calibration.config import CalibrationConfig  # noqa: E402
-from models.registry import build_model  # noqa: E402
-from stages.export import export_onnx  # noqa: E402
-from stages.precision.compare import output_metrics  # noqa: E402
-from stages.precision.config import FallbackConfig, FP16Config  # noqa: E402
-from stages.precision.fp16 import convert_fp16  # noqa: E402
-from stages.precision.fp16_select import select_fp32_nodes  # noqa: E402
-from stages.precision.variants import Source, build_int8, build_ort_cpu_int8  # noqa: E402
+from kiln.calibration.config import CalibrationConfig  # noqa: E402
+from kiln.models.registry import build_model  # noqa: E402
+from kiln.stages.export import export_onnx  # noqa: E402
+from kiln.stages.precision.compare import output_metrics  # noqa: E402
+from kiln.stages.precision.config import FallbackConfig, FP16Config  # noqa: E402
+from kiln.stages.precision.fp16 import convert_fp16  # noqa: E402
+from kiln.stages.precision.fp16_select import select_fp32_nodes  # noqa: E402
+from kiln.stages.precision.variants import Source, build_int8, build_ort_cpu_int8  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -51,8 +51,8 @@ def say(msg: str) -> None:
 def optimized(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
     """Kiln's optimize stage (default passes); if it fails, constant folding only — and the row says so."""
     try:
-        from stages.optimize.config import OptimizeConfig
-        from stages.optimize.stage import optimize_model  # type: ignore[attr-defined]
+        from kiln.stages.optimize.config import OptimizeConfig
+        from kiln.stages.optimize.stage import optimize_model  # type: ignore[attr-defined]
 
         return optimize_model(model, OptimizeConfig())[0], "kiln optimize (default passes)"
     except Exception as exc:  # another stage's failure must not hide this benchmark's numbers
@@ -122,9 +122,9 @@ CPU_ROWS = {  # row -> (zoo model, params, epochs, lr); "wide" rows: INT8 arithm
 
 
 def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from models.datasets import digits
-    from stages.train.config import TrainConfig
-    from stages.train.loop import evaluate, train
+    from kiln.models.datasets import digits
+    from kiln.stages.train.config import TrainConfig
+    from kiln.stages.train.loop import evaluate, train
 
     name, params, epochs, lr = CPU_ROWS[row]
     data = digits()
@@ -135,7 +135,7 @@ def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict
     torch_acc = evaluate(model, data.val_x, data.val_y, torch.device("cpu"))
     say(f"{row}: trained {epochs} epochs, PyTorch val accuracy {torch_acc:.4f}")
     proto, how = optimized(export_onnx(model, data.val_x[:2], work / f"{row}.onnx"))
-    from calibration.data import calibration_batches
+    from kiln.calibration.data import calibration_batches
 
     # Kiln's INT8 variant as the pipeline builds it: the symmetric int8 Q/DQ graph (what TensorRT runs) plus the
     # graph ORT CPU engines load, quantized by calibration.ort_cpu_scheme=auto. The other ORT CPU scheme is

@@ -7,7 +7,7 @@ step: gather a shuffled batch from the device-resident data set (index_select), 
 two param groups), scaler update, zero_grad(set_to_none). TF32 off for both, cuDNN autotuning on for both.
 
 * bare: that step in a Python for-loop, nothing else (no NaN check, no schedule, no metrics).
-* kiln: ``stages.train.loop.train`` with ``loader.on_device``, one epoch of warm-up + timed steps; on top of
+* kiln: ``kiln.stages.train.loop.train`` with ``loader.on_device``, one epoch of warm-up + timed steps; on top of
   the bare step it does the lagged loss/NaN book-keeping, the LR schedule and its epoch metrics.
 
 Both are timed the same way: ``torch.cuda.synchronize`` after the warm-up steps, clock, timed steps,
@@ -56,10 +56,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models.datasets import DatasetSplits  # noqa: E402
-from models.registry import build_model  # noqa: E402
-from stages.train.config import TrainConfig  # noqa: E402
-from stages.train.loop import train  # noqa: E402
+from kiln.core.data import DatasetSplits  # noqa: E402
+from kiln.models.registry import build_model  # noqa: E402
+from kiln.stages.train.config import TrainConfig  # noqa: E402
+from kiln.stages.train.loop import train  # noqa: E402
 
 log = logging.getLogger("bench")
 PRECISIONS = ("fp32", "fp16", "bf16")

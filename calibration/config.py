@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.sections import Section
+from kiln.core.sections import Section
 
 
 # Compute ops plus the pooling and data-movement ops between them, so Q/DQ pairs line up with what TensorRT

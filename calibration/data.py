@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from calibration.config import CalibrationConfig
-from models.datasets import DatasetSplits
-from models.registry import resolve_callable
-from pipeline.errors import ConfigError
+from kiln.calibration.config import CalibrationConfig
+from kiln.core.data import DatasetSplits
+from kiln.models.registry import resolve_callable
+from kiln.core.errors import ConfigError
 
 log = logging.getLogger("kiln.calibration")
 

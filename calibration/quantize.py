@@ -10,8 +10,8 @@ from typing import Any
 
 import onnx
 
-from calibration.config import CalibrationConfig
-from calibration.ranges import Ranges, _ort_method
+from kiln.calibration.config import CalibrationConfig
+from kiln.calibration.ranges import Ranges, _ort_method
 
 log = logging.getLogger("kiln.calibration")
 

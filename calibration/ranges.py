@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from calibration.data import ArrayReader, hash_batches
-from pipeline.artifacts import hash_file, hash_json
+from kiln.calibration.data import ArrayReader, hash_batches
+from kiln.core.artifacts import hash_file, hash_json
 
 log = logging.getLogger("kiln.calibration")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from pipeline.artifacts import write_text_atomic
+from kiln.core.artifacts import write_text_atomic
 
 HEADER = "TRT-{version}-EntropyCalibration2"
 

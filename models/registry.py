@@ -10,11 +10,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from models.cnn import resnet18, small_cnn
-from models.datasets import DatasetSplits, digits, digits_ids, synthetic, synthetic_rgb, synthetic_tokens
-from models.mlp import mlp_embed
-from models.transformer import bert_base, transformer
-from pipeline.errors import ConfigError
+from kiln.models.cnn import resnet18, small_cnn
+from kiln.core.data import DatasetSplits
+from kiln.models.datasets import digits, digits_ids, synthetic, synthetic_rgb, synthetic_tokens
+from kiln.models.mlp import mlp_embed
+from kiln.models.transformer import bert_base, transformer
+from kiln.core.errors import ConfigError
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "cnn": small_cnn,
@@ -38,9 +39,6 @@ DEFAULT_DATASET: dict[str, str] = {"cnn": "digits", "transformer": "digits", "ml
                                    "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens"}
 
 
-KILN_PACKAGES = ("calibration", "models", "pipeline", "stages")  # top-level names user code cannot reuse
-
-
 def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
     """A built-in name from ``table`` or an import path ``package.module:function``."""
     if ref in table:
@@ -52,10 +50,7 @@ def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) 
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        top = module_name.partition(".")[0]
-        hint = (f"'{top}' is the name of one of Kiln's own packages ({', '.join(KILN_PACKAGES)}): rename your "
-                f"package, e.g. my_{top}" if top in KILN_PACKAGES else
-                "run kiln from the folder holding the module, put it next to the config, or add its folder to "
+        hint = ("run kiln from the folder holding the module, put it next to the config, or add its folder to "
                 "PYTHONPATH")
         raise ConfigError(f"cannot import module '{module_name}' for {kind} '{ref}': {exc}", hint=hint) from None
     except Exception as exc:  # the user's module itself fails (SyntaxError, an exception at import time)
@@ -88,7 +83,7 @@ def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
 
 def load_dataset(ref: str, params: dict[str, Any] | None = None) -> DatasetSplits:
     data = _call_factory(ref, DATASETS, "dataset", params, DatasetSplits,
-                         "return models.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")
+                         "return kiln.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")
     for field in ("train_x", "train_y", "val_x", "val_y"):
         value = getattr(data, field)
         if not isinstance(value, torch.Tensor):

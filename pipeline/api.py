@@ -4,13 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.config import KilnConfig
-from pipeline.errors import ConfigError
-from pipeline.progress import Progress
-from pipeline.report import write_report
-from pipeline.runner import Runner, RunResult, StageRecord
-from pipeline.stages import STAGES, STAGE_NAMES, stage_named
-from pipeline.workdir_lock import workdir_lock
+from kiln.config import KilnConfig
+from kiln.core.errors import ConfigError
+from kiln.core.progress import Progress
+from kiln.report import write_report
+from kiln.runner import Runner, RunResult, StageRecord
+from kiln.stage_list import STAGES, STAGE_NAMES, stage_named
+from kiln.workdir_lock import workdir_lock
 
 
 def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | None = None, start: str | None = None,

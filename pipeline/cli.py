@@ -1,4 +1,4 @@
-"""``kiln``: thin click commands over :mod:`pipeline.api`. No logic lives here beyond parsing and printing."""
+"""``kiln``: thin click commands over :mod:`kiln.api`. No logic lives here beyond parsing and printing."""
 from __future__ import annotations
 
 import logging
@@ -13,9 +13,9 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.config import KilnConfig, load_config
-from pipeline.errors import KilnError
-from pipeline.progress import RichProgress, SilentProgress
+from kiln.config import KilnConfig, load_config
+from kiln.core.errors import KilnError
+from kiln.core.progress import RichProgress, SilentProgress
 
 console = Console(stderr=True)
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
@@ -64,13 +64,8 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
 
 def _importable(*folders: Path) -> None:
     """User code named by import path (``model.name: mymodels:build``) resolves from the current folder and the
-    config's folder, as ``python -m`` would, before PYTHONPATH. Kiln's own packages are imported first, so a
-    user folder that happens to be called ``models/`` or ``stages/`` cannot stand in for them."""
-    import calibration  # noqa: F401
-    import models  # noqa: F401
-    import pipeline  # noqa: F401
-    import stages  # noqa: F401
-
+    config's folder, as ``python -m`` would, before PYTHONPATH. Kiln installs one package, ``kiln``, so a
+    project's own ``models/`` or ``pipeline/`` folder resolves as the user's."""
     for folder in folders:
         entry = str(folder.resolve())
         if entry not in sys.path:
@@ -137,7 +132,7 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
 
 
 def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
-    from pipeline.api import run_pipeline
+    from kiln.api import run_pipeline
 
     progress = SilentProgress() if quiet else RichProgress(console)
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
@@ -217,7 +212,7 @@ def export(config: str | None, workdir: str, sets: tuple[str, ...], checkpoint: 
     if checkpoint is None and output is None:
         _refuse_direct_options("-o/--output or --checkpoint", "model_name", "input_shape")
         return _stage_in_workdir("export", config, workdir, sets, quiet)
-    from pipeline.direct import export_direct
+    from kiln.direct import export_direct
 
     overrides = {"model.name": model_name} if model_name else {}
     cfg = _load(config, {**overrides, **_parse_sets(sets)})
@@ -241,7 +236,7 @@ def optimize(model: str | None, output: str | None, config: str | None, passes: 
     if model is None:
         _refuse_direct_options("the MODEL file", "output")
         return _stage_in_workdir("optimize", config, workdir, sets + extra, quiet)
-    from pipeline.direct import optimize_direct
+    from kiln.direct import optimize_direct
 
     cfg = _config(config, sets + extra)
     dst = Path(output or Path(model).with_suffix(".opt.onnx"))
@@ -278,7 +273,7 @@ def build(model: str | None, backend: str, device: str, precision_: str, output:
     if model is None:
         _refuse_direct_options("the MODEL file", "backend", "device", "precision_", "output")
         return _stage_in_workdir("build", config, workdir, sets, quiet)
-    from pipeline.direct import build_direct
+    from kiln.direct import build_direct
 
     cfg = _config(config, sets)
     meta = build_direct(Path(model), Path(output or "engine"), backend, device, precision_, cfg)
@@ -304,13 +299,13 @@ def validate(engine: str | None, reference: str | None, model_name: str | None, 
         return _stage_in_workdir("validate", config, workdir, sets, quiet)
     if reference is None:
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
-    from pipeline.direct import validate_direct
+    from kiln.direct import validate_direct
 
     cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
     result = validate_direct(Path(engine), Path(reference), Path(inputs) if inputs else None, cfg)
     console.print_json(data=result)
     if not result["passed"]:
-        from pipeline.errors import GateFailure
+        from kiln.core.errors import GateFailure
 
         raise GateFailure(f"engine {result['name']} failed its gates: {'; '.join(result['failures'])}",
                           hint="inspect the engine's precision, or relax validate.gates if acceptable")

@@ -13,13 +13,13 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import Field, PositiveInt, ValidationError, field_validator
 
-from calibration.config import CalibrationConfig
-from pipeline.errors import ConfigError, InputFileError
-from pipeline.sections import Section
-from stages.build.config import BuildConfig
-from stages.optimize.config import OptimizeConfig
-from stages.precision.config import Precision, PrecisionConfig
-from stages.train.config import TrainConfig
+from kiln.calibration.config import CalibrationConfig
+from kiln.core.errors import ConfigError, InputFileError
+from kiln.core.sections import Section
+from kiln.stages.engines.config import BuildConfig
+from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.precision.config import Precision, PrecisionConfig
+from kiln.stages.train.config import TrainConfig
 
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")

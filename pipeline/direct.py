@@ -8,17 +8,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.config import KilnConfig
-from pipeline.errors import ConfigError, InputFileError
-from pipeline.onnx_io import load_onnx, ort_session
+from kiln.config import KilnConfig
+from kiln.core.errors import ConfigError, InputFileError
+from kiln.core.onnx_io import load_onnx, ort_session
 
 log = logging.getLogger("kiln")
 
 
 def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
-    from models.registry import build_model
-    from stages.export import export_onnx, parity
-    from stages.train.model_io import dataset_for, load_weights, read_state_dict
+    from kiln.models.registry import build_model
+    from kiln.stages.export import export_onnx, parity
+    from kiln.models.model_io import dataset_for, load_weights, read_state_dict
 
     model = build_model(cfg.model.name, cfg.model.params)
     checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
@@ -58,7 +58,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def optimize_direct(src: Path, dst: Path, cfg: KilnConfig) -> dict[str, Any]:
-    from stages.optimize.api import optimize_file
+    from kiln.stages.optimize.api import optimize_file
 
     if not src.is_file():
         raise InputFileError(f"ONNX file not found: {src}", hint="check the path")
@@ -66,7 +66,7 @@ def optimize_direct(src: Path, dst: Path, cfg: KilnConfig) -> dict[str, Any]:
 
 
 def build_direct(src: Path, out: Path, backend: str, device: str, precision: str, cfg: KilnConfig) -> dict[str, Any]:
-    from stages.build.stage import build_engine
+    from kiln.stages.engines.stage import build_engine
 
     load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
     out.mkdir(parents=True, exist_ok=True)
@@ -77,8 +77,8 @@ def build_direct(src: Path, out: Path, backend: str, device: str, precision: str
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnConfig) -> np.ndarray:
     """First output of the reference: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of ``cfg.model``."""
     if reference.suffix != ".onnx":
-        from models.registry import build_model
-        from stages.train.model_io import load_weights, read_state_dict
+        from kiln.models.registry import build_model
+        from kiln.models.model_io import load_weights, read_state_dict
 
         model = load_weights(build_model(cfg.model.name, cfg.model.params), read_state_dict(reference), str(reference))
         if len(feed) != 1:
@@ -127,8 +127,8 @@ def _check_array(spec: dict[str, Any], array: np.ndarray) -> None:
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> dict[str, Any]:
-    from stages.build.engines import load_engine, random_feed, read_metadata
-    from stages.validate import check_gates, compare, gates_for, percentiles
+    from kiln.stages.engines.engines import load_engine, random_feed, read_metadata
+    from kiln.stages.validate import check_gates, compare, gates_for, percentiles
 
     meta = read_metadata(engine_dir)
     if inputs is not None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.config import KilnConfig
+from kiln.config import KilnConfig
 
 
 def _is_import_path(name: str | None) -> bool:
@@ -24,8 +24,8 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one."""
     if not _is_import_path(config.data.name):
         return None
-    from calibration.data import hash_batches
-    from stages.train.model_io import dataset_for
+    from kiln.calibration.data import hash_batches
+    from kiln.models.model_io import dataset_for
 
     d = dataset_for(config)
     return hash_batches([_array(t) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
@@ -46,8 +46,8 @@ def checkpoint_fingerprint(config: KilnConfig) -> str | None:
     """Hash of the ``model.checkpoint`` file the train stage starts from, if any."""
     if not config.model.checkpoint:
         return None
-    from pipeline.artifacts import hash_file
-    from pipeline.errors import InputFileError
+    from kiln.core.artifacts import hash_file
+    from kiln.core.errors import InputFileError
 
     path = Path(config.model.checkpoint)
     if not path.is_file():
@@ -62,7 +62,7 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
     needs_data = "int8" in pcfg.variants or ("fp16" in pcfg.variants and pcfg.fp16.range_check)
     if not (ccfg.reader and needs_data):
         return None
-    from calibration.data import hash_batches, read_reader
+    from kiln.calibration.data import hash_batches, read_reader
 
     return hash_batches(read_reader(ccfg))
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import write_json_atomic, write_text_atomic
-from pipeline.config import KilnConfig
-from pipeline.env import environment
-from pipeline.fingerprints import FINGERPRINTS
-from pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
-from pipeline.stages import STAGE_NAMES, stage_named
+from kiln.core.artifacts import write_json_atomic, write_text_atomic
+from kiln.config import KilnConfig
+from kiln.core.env import environment
+from kiln.fingerprints import FINGERPRINTS
+from kiln.runner import RunResult, cache_key, outputs_intact, read_manifest
+from kiln.stage_list import STAGE_NAMES, stage_named
 
 
 def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = None) -> dict[str, Any]:

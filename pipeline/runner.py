@@ -12,17 +12,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import atomic_dir, clean_stale_staging, hash_json, hash_source, hash_tree, write_json_atomic
-from pipeline.config import KilnConfig
-from pipeline.env import environment
-from pipeline.errors import GateFailure, KilnError
-from pipeline.fingerprints import FINGERPRINTS
-from pipeline.progress import Progress, SilentProgress
-from pipeline.stage import Stage, StageContext
-from pipeline.user_code import code_version
+from kiln.core.artifacts import atomic_dir, clean_stale_staging, hash_json, hash_source, hash_tree, write_json_atomic
+from kiln.config import KilnConfig
+from kiln.core.env import environment
+from kiln.core.errors import GateFailure, KilnError
+from kiln.fingerprints import FINGERPRINTS
+from kiln.core.progress import Progress, SilentProgress
+from kiln.core.stage import Stage, StageContext
+from kiln.models.model_io import dataset_for
+from kiln.user_code import code_version
 
 MANIFEST = "manifest.json"
 log = logging.getLogger("kiln")
@@ -101,7 +103,7 @@ def cache_key(stage: Stage, config: KilnConfig, workdir: Path,
 def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
     """Source hashes of the user's own model/data/calibration-reader code named by import path, for the stages
     whose config names them: editing that code must invalidate the cache just as editing Kiln's does."""
-    from models.registry import resolve_callable
+    from kiln.models.registry import resolve_callable
 
     refs = {"model": config.model.name, "data": config.data.name, "calibration": config.calibration.reader}
     heads = {s.split(".")[0] for s in sections}
@@ -188,7 +190,8 @@ class Runner:
         t0 = time.perf_counter()
         with atomic_dir(final) as out:
             ctx = StageContext(stage.name, self.config, self.workdir, out,
-                               {up: self.workdir / up for up in stage.inputs}, self.progress)
+                               {up: self.workdir / up for up in stage.inputs}, self.progress,
+                               load_dataset=partial(dataset_for, self.config) if "dataset" in stage.data else None)
             summary = stage.run(ctx)
             seconds = time.perf_counter() - t0
             status = summary.pop("status", "ran")

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from pipeline.artifacts import hash_file, hash_json
+from kiln.core.artifacts import hash_file, hash_json
 
 
 def code_version(module: ModuleType) -> str | None:

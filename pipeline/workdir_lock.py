@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
-from pipeline.errors import InputFileError, WorkdirBusy
+from kiln.core.errors import InputFileError, WorkdirBusy
 
 try:
     import fcntl

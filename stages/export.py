@@ -15,10 +15,10 @@ import onnx
 import torch
 from torch import nn
 
-from pipeline.errors import ConfigError, ModelError
-from pipeline.onnx_io import check_onnx, infer_shapes, input_feed, load_onnx, ort_run, ort_session, save_onnx
-from pipeline.stage import StageContext
-from stages.train.model_io import load_trained
+from kiln.core.errors import ConfigError, ModelError
+from kiln.core.onnx_io import check_onnx, infer_shapes, input_feed, load_onnx, ort_run, ort_session, save_onnx
+from kiln.core.stage import StageContext
+from kiln.models.model_io import load_trained
 
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
 log = logging.getLogger("kiln.export")

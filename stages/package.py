@@ -9,9 +9,9 @@ import re
 import shutil
 from typing import Any
 
-from pipeline.errors import GateFailure
-from pipeline.stage import StageContext
-from stages.build.engines import SIDECAR, read_metadata
+from kiln.core.errors import GateFailure
+from kiln.core.stage import StageContext
+from kiln.stages.engines.engines import SIDECAR, read_metadata
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
                 "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}

@@ -14,9 +14,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pipeline.stage import StageContext
-from stages.build.engines import SIDECAR, load_engine, read_metadata, runnable
-from stages.train.model_io import load_trained
+from kiln.core.stage import StageContext
+from kiln.stages.engines.engines import SIDECAR, load_engine, read_metadata, runnable
+from kiln.models.model_io import load_trained
 
 
 def percentiles(times_ms: list[float]) -> dict[str, float]:

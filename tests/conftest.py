@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.config import KilnConfig, config_from_dict
+from kiln.config import KilnConfig, config_from_dict
 
 HAS_TRT = any(importlib.util.find_spec(m) is not None for m in ("tensorrt", "tensorrt_rtx"))
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from models.registry import build_model
-from pipeline.cli import main
+from kiln.models.registry import build_model
+from kiln.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -10,11 +10,11 @@ from typing import Any
 import onnx
 import onnx_graphsurgeon as gs
 
-from pipeline.errors import ModelError
-from pipeline.onnx_io import check_onnx, load_onnx
-from stages.optimize.config import OptimizeConfig
-from stages.optimize.registry import resolve
-from stages.optimize.verify import Verifier
+from kiln.core.errors import ModelError
+from kiln.core.onnx_io import check_onnx, load_onnx
+from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.registry import resolve
+from kiln.stages.optimize.verify import Verifier
 
 log = logging.getLogger("kiln.optimize")
 _STRIP_BYTES = 4096  # initializers above this are handed to shape inference as dims only

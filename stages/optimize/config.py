@@ -5,7 +5,7 @@ from typing import Any, Union
 
 from pydantic import Field, field_validator
 
-from pipeline.sections import Section
+from kiln.core.sections import Section
 
 # Order matters: fold first so patterns see constants, fuse, then fold/clean again what fusions exposed.
 DEFAULT_PASSES: list[str] = [
@@ -32,7 +32,7 @@ DEFAULT_PASSES: list[str] = [
 class OptimizeConfig(Section):
     passes: list[Union[str, dict[str, Any]]] = Field(
         default_factory=lambda: list(DEFAULT_PASSES),
-        description="graph passes in order: names, or {name: ..., <params>} mappings (see stages.optimize.registry)")
+        description="graph passes in order: names, or {name: ..., <params>} mappings (see kiln.stages.optimize.registry)")
     verify: bool = Field(True, description="after each pass, compare before/after in ONNX Runtime; roll back a pass "
                                            "that changes outputs")
     rtol: float = Field(1e-4, gt=0, description="safety net: allowed error relative to the largest reference output")
@@ -45,7 +45,7 @@ class OptimizeConfig(Section):
     @classmethod
     def _known_passes(cls, v: list[Union[str, dict[str, Any]]]) -> list[Union[str, dict[str, Any]]]:
         # Raises ConfigError (listing the available passes) for unknown names or bad params, at config load.
-        from stages.optimize.registry import resolve
+        from kiln.stages.optimize.registry import resolve
 
         for entry in v:
             resolve(entry)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.errors import ConfigError
+from kiln.core.errors import ConfigError
 
 
 class NoParams(BaseModel):
@@ -47,7 +47,7 @@ def register(name: str, params: type[BaseModel] = NoParams) -> Callable[[PassFn]
 
 def _load() -> dict[str, PassSpec]:
     # Importing the families fills PASSES; done lazily so the config module stays light.
-    from stages.optimize.passes import eliminate, fold, fuse_linear, patterns, qkv  # noqa: F401
+    from kiln.stages.optimize.passes import eliminate, fold, fuse_linear, patterns, qkv  # noqa: F401
 
     return PASSES
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.onnx_io import check_onnx, load_onnx, save_onnx
-from pipeline.stage import StageContext
-from stages.optimize.api import optimize_model
+from kiln.core.onnx_io import check_onnx, load_onnx, save_onnx
+from kiln.core.stage import StageContext
+from kiln.stages.optimize.api import optimize_model
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from stages.optimize.config import OptimizeConfig
-from stages.optimize.passes.util import RANDOM_OPS
+from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.passes.util import RANDOM_OPS
 
 log = logging.getLogger("kiln.optimize")
 _INLINE_LIMIT = 1_800_000_000  # bytes: above this, hand ORT a file with external data (protobuf caps at 2 GB)

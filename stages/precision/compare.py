@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from pipeline.onnx_io import ort_session
+from kiln.core.onnx_io import ort_session
 
 Model = onnx.ModelProto | Path
 

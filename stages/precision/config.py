@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.sections import Section
+from kiln.core.sections import Section
 
 Precision = Literal["fp32", "fp16", "int8"]
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from stages.precision.compare import output_metrics, run_batched, tensor_errors
-from stages.precision.config import FallbackConfig
-from stages.precision.fp16_select import INDEX_OPS
+from kiln.stages.precision.compare import output_metrics, run_batched, tensor_errors
+from kiln.stages.precision.config import FallbackConfig
+from kiln.stages.precision.fp16_select import INDEX_OPS
 
 log = logging.getLogger("kiln.precision")
 BLAME_SAMPLES = 32  # per-tensor comparison holds every activation in memory: a few samples suffice

@@ -7,10 +7,10 @@ import logging
 import onnx
 from onnx import helper
 
-from pipeline.errors import ModelError
-from pipeline.onnx_io import check_onnx, infer_shapes
-from stages.precision.casts import FLOAT_ONNX, cast_chains, remove_cast_chains
-from stages.precision.config import FP16Config
+from kiln.core.errors import ModelError
+from kiln.core.onnx_io import check_onnx, infer_shapes
+from kiln.stages.precision.casts import FLOAT_ONNX, cast_chains, remove_cast_chains
+from kiln.stages.precision.config import FP16Config
 
 log = logging.getLogger("kiln.precision")
 

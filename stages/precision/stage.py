@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from calibration.data import calibration_batches
-from pipeline.onnx_io import load_onnx
-from pipeline.stage import StageContext
-from stages.precision.variants import Source, build_fp16, build_int8
+from kiln.calibration.data import calibration_batches
+from kiln.core.onnx_io import load_onnx
+from kiln.core.stage import StageContext
+from kiln.stages.precision.variants import Source, build_fp16, build_int8
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

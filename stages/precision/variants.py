@@ -11,17 +11,17 @@ from typing import Any
 import numpy as np
 import onnx
 
-from calibration.config import CalibrationConfig
-from calibration.quantize import (excluded_nodes, ort_cpu_scheme, quantizable_op_types, quantize_int8,
+from kiln.calibration.config import CalibrationConfig
+from kiln.calibration.quantize import (excluded_nodes, ort_cpu_scheme, quantizable_op_types, quantize_int8,
                                   quantize_int8_dynamic)
-from calibration.ranges import Ranges, calibrate
-from calibration.trt_table import write_trt_table
-from pipeline.onnx_io import infer_shapes, save_onnx
-from stages.precision.config import FallbackConfig, FP16Config
-from stages.precision.emulate import emulate_fp16
-from stages.precision.fallback import FallbackResult, run_fallback
-from stages.precision.fp16 import convert_fp16, name_nodes
-from stages.precision.fp16_select import INDEX_OPS, select_fp32_nodes
+from kiln.calibration.ranges import Ranges, calibrate
+from kiln.calibration.trt_table import write_trt_table
+from kiln.core.onnx_io import infer_shapes, save_onnx
+from kiln.stages.precision.config import FallbackConfig, FP16Config
+from kiln.stages.precision.emulate import emulate_fp16
+from kiln.stages.precision.fallback import FallbackResult, run_fallback
+from kiln.stages.precision.fp16 import convert_fp16, name_nodes
+from kiln.stages.precision.fp16_select import INDEX_OPS, select_fp32_nodes
 
 log = logging.getLogger("kiln.precision")
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.artifacts import hash_json, write_bytes_atomic, write_json_atomic
-from pipeline.errors import InputFileError
+from kiln.core.artifacts import hash_json, write_bytes_atomic, write_json_atomic
+from kiln.core.errors import InputFileError
 
 log = logging.getLogger("kiln.train")
 

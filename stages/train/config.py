@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.sections import Section
+from kiln.core.sections import Section
 
 
 class AmpConfig(Section):

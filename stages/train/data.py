@@ -15,9 +15,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from pipeline.errors import ConfigError
-from stages.train.config import LoaderConfig, TrainConfig
-from stages.train.dist import DistEnv
+from kiln.core.errors import ConfigError
+from kiln.stages.train.config import LoaderConfig, TrainConfig
+from kiln.stages.train.dist import DistEnv
 
 log = logging.getLogger("kiln.train")
 

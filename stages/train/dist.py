@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.errors import TrainingError
-from stages.train.config import DistributedConfig
+from kiln.core.errors import TrainingError
+from kiln.stages.train.config import DistributedConfig
 
 log = logging.getLogger("kiln.train")
 

@@ -1,7 +1,7 @@
 """Start a multi-process training job on this node with PyTorch's own launcher (``torch.distributed.run``).
 
 The stage does not fork workers itself: it runs ``python -m torch.distributed.run --standalone
---nproc_per_node N -m stages.train.worker``, streams its output into the log, and reads back what rank 0
+--nproc_per_node N -m kiln.stages.train.worker``, streams its output into the log, and reads back what rank 0
 wrote (weights, ``summary.json``, or ``error.json`` with a user-facing error).
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import write_json_atomic
-from pipeline.config import KilnConfig
-from pipeline.errors import TrainingError
+from kiln.core.artifacts import write_json_atomic
+from kiln.config import KilnConfig
+from kiln.core.errors import TrainingError
 
 SUMMARY = "summary.json"
 ERROR = "error.json"
@@ -24,7 +24,7 @@ ERROR = "error.json"
 
 def torchrun_command(nproc: int, config_path: Path, out: Path, ckpt_dir: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "stages.train.worker", "--config", str(config_path), "--out", str(out),
+            "-m", "kiln.stages.train.worker", "--config", str(config_path), "--out", str(out),
             "--checkpoint-dir", str(ckpt_dir)]
 
 

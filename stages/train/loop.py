@@ -8,7 +8,7 @@ gradients are all-reduced only on the last micro-step (``no_sync`` on the others
 micro-step would move the same bytes K times for the same result.
 
 Nothing in a step waits for the GPU: non-finite steps are skipped on the device, and the loss and
-gradient norm reach the host one step late (:mod:`stages.train.health`). The loop drains them before
+gradient norm reach the host one step late (:mod:`kiln.stages.train.health`). The loop drains them before
 a checkpoint or the epoch metrics, so a checkpoint is only written once every step before it is known.
 """
 from __future__ import annotations
@@ -24,18 +24,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from models.datasets import DatasetSplits
-from pipeline.errors import InputFileError, TrainingError
-from pipeline.progress import Progress, SilentProgress
-from stages.train import checkpoint as ckpt
-from stages.train.config import TrainConfig
-from stages.train.data import local_batch_size, make_loader, micro_batches
-from stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
-from stages.train.health import BufferGuard, LaggedStats, StepStats, skip_if_nonfinite, skips_on_device
-from stages.train.metrics import EpochMetrics, TrainResult, peak_memory_mb, reset_peak_memory
-from stages.train.optim import make_optimizer, make_schedule, replay_schedule, zero_momentum_buffers
-from stages.train.precision import autocast, fp32_norms, make_scaler, resolve_device, resolve_precision, update_scaler
-from stages.train.runtime import determinism, profiler
+from kiln.core.data import DatasetSplits
+from kiln.core.errors import InputFileError, TrainingError
+from kiln.core.progress import Progress, SilentProgress
+from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.config import TrainConfig
+from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
+from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
+from kiln.stages.train.health import BufferGuard, LaggedStats, StepStats, skip_if_nonfinite, skips_on_device
+from kiln.stages.train.metrics import EpochMetrics, TrainResult, peak_memory_mb, reset_peak_memory
+from kiln.stages.train.optim import make_optimizer, make_schedule, replay_schedule, zero_momentum_buffers
+from kiln.stages.train.precision import autocast, fp32_norms, make_scaler, resolve_device, resolve_precision, update_scaler
+from kiln.stages.train.runtime import determinism, profiler
 
 log = logging.getLogger("kiln.train")
 StepHook = Callable[[int], None]
@@ -93,7 +93,7 @@ def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0
         trainer.run(progress or SilentProgress(), prof)
     result = trainer.result
     if env.is_main and out_dir is not None and cfg.plot and result.history:
-        from stages.train.metrics import plot_loss
+        from kiln.stages.train.metrics import plot_loss
 
         plot_loss(result.history, out_dir / "loss.png", f"{type(model).__name__} ({precision})")
         result.files.append("loss.png")

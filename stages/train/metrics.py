@@ -44,7 +44,7 @@ class TrainResult:
     files: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        """JSON-able: goes into the stage manifest and report.json (``stages.train.summary``)."""
+        """JSON-able: goes into the stage manifest and report.json (``kiln.stages.train.summary``)."""
         last = self.history[-1] if self.history else None
         chosen = self.selected()
         return {

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
-from pipeline.errors import ConfigError
-from stages.train.config import TrainConfig
+from kiln.core.errors import ConfigError
+from kiln.stages.train.config import TrainConfig
 
 WARMUP_START = 0.01  # warm-up begins at lr/100
 

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from pipeline.errors import TrainingError
-from stages.train.config import AmpConfig, TrainConfig
+from kiln.core.errors import TrainingError
+from kiln.stages.train.config import AmpConfig, TrainConfig
 
 log = logging.getLogger("kiln.train")
 

@@ -11,17 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.datasets import DatasetSplits
-from models.registry import build_model
-from pipeline.config import KilnConfig
-from pipeline.errors import ModelError
-from pipeline.progress import Progress
-from pipeline.stage import StageContext
-from stages.train.checkpoint import run_key
-from stages.train.dist import env_from_torchrun, process_group
-from stages.train.loop import evaluate, train
-from stages.train.model_io import load_weights, read_state_dict, save_trained
-from stages.train.precision import resolve_device
+from kiln.core.data import DatasetSplits
+from kiln.models.registry import build_model
+from kiln.config import KilnConfig
+from kiln.core.errors import ModelError
+from kiln.core.progress import Progress
+from kiln.core.stage import StageContext
+from kiln.stages.train.checkpoint import run_key
+from kiln.stages.train.dist import env_from_torchrun, process_group
+from kiln.stages.train.loop import evaluate, train
+from kiln.models.model_io import load_weights, read_state_dict, save_trained
+from kiln.stages.train.precision import resolve_device
 
 
 def build_seeded(config: KilnConfig) -> nn.Module:
@@ -40,7 +40,7 @@ def train_to(out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path,
              progress: Progress | None = None) -> dict[str, Any]:
     """Train and (main process only) write ``model.safetensors`` + ``model.json`` + ``loss.png`` into ``out``.
 
-    Shared by the stage and by ``stages.train.worker`` (one call per torchrun process)."""
+    Shared by the stage and by ``kiln.stages.train.worker`` (one call per torchrun process)."""
     env = env_from_torchrun()
     device = resolve_device(config.train, env.local_rank if env.enabled else None)
     model = build_seeded(config)
@@ -77,7 +77,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
     if cfg.train.distributed.nproc_per_node > 1 and not env_from_torchrun().enabled:
-        from stages.train.launch import run_torchrun
+        from kiln.stages.train.launch import run_torchrun
 
         summary = run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log)
     else:

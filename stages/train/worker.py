@@ -1,4 +1,4 @@
-"""One training process of a torchrun job: ``python -m torch.distributed.run ... -m stages.train.worker``.
+"""One training process of a torchrun job: ``python -m torch.distributed.run ... -m kiln.stages.train.worker``.
 
 Every process trains its shard; rank 0 writes ``model.safetensors``, ``model.json``, ``loss.png`` and
 ``summary.json`` into ``--out`` (or ``error.json`` when a user-fixable error stops training).
@@ -10,17 +10,17 @@ import logging
 import sys
 from pathlib import Path
 
-from pipeline.artifacts import write_json_atomic
-from pipeline.config import load_config
-from pipeline.errors import KilnError
-from stages.train.dist import env_from_torchrun
-from stages.train.launch import ERROR, SUMMARY
-from stages.train.model_io import dataset_for
-from stages.train.stage import train_to
+from kiln.core.artifacts import write_json_atomic
+from kiln.config import load_config
+from kiln.core.errors import KilnError
+from kiln.stages.train.dist import env_from_torchrun
+from kiln.stages.train.launch import ERROR, SUMMARY
+from kiln.models.model_io import dataset_for
+from kiln.stages.train.stage import train_to
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stages.train.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kiln.stages.train.worker", description=__doc__)
     parser.add_argument("--config", required=True, help="Kiln config file (.yaml/.toml/.json)")
     parser.add_argument("--out", required=True, type=Path, help="folder for the trained weights (rank 0)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,

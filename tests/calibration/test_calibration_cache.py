@@ -7,9 +7,9 @@ import numpy as np
 import onnx
 
 from calib_graphs import batches, conv_model, saved
-from calibration.config import CalibrationConfig
-from calibration.quantize import quantize_int8
-from calibration.ranges import STATS, calibrate
+from kiln.calibration.config import CalibrationConfig
+from kiln.calibration.quantize import quantize_int8
+from kiln.calibration.ranges import STATS, calibrate
 
 
 def test_second_call_reuses_the_cache(tmp_path: Path) -> None:

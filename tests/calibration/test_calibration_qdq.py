@@ -9,10 +9,10 @@ import pytest
 from onnx import numpy_helper
 
 from calib_graphs import batches, saved
-from calibration.config import CalibrationConfig
-from calibration.quantize import quantize_int8
-from calibration.ranges import calibrate
-from stages.precision.compare import output_metrics, run_batched
+from kiln.calibration.config import CalibrationConfig
+from kiln.calibration.quantize import quantize_int8
+from kiln.calibration.ranges import calibrate
+from kiln.stages.precision.compare import output_metrics, run_batched
 
 
 def _quantize(tmp: Path, cfg: CalibrationConfig, method: str = "minmax") -> onnx.ModelProto:

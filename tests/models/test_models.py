@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
-from pipeline.errors import ConfigError
+from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
+from kiln.core.errors import ConfigError
 
 SMALL = {"resnet18": {"width": 8, "num_classes": 10}, "bert_base": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128,
                                                                     "in_features": 16, "seq_len": 8}}
@@ -33,7 +33,7 @@ def test_digits_is_deterministic_per_seed() -> None:
 
 
 def test_import_path_and_errors() -> None:
-    assert resolve_callable("models.cnn:small_cnn", MODELS, "model") is MODELS["cnn"]
+    assert resolve_callable("kiln.models.cnn:small_cnn", MODELS, "model") is MODELS["cnn"]
     with pytest.raises(ConfigError, match="(?s)unknown model 'nope'.*cnn"):
         resolve_callable("nope", MODELS, "model")
     with pytest.raises(ConfigError, match="cannot import module"):
@@ -61,8 +61,8 @@ def test_bad_transformer_params_are_config_errors(params, named) -> None:
 @pytest.mark.parametrize("data", ["synthetic", "digits", "synthetic_rgb"])
 def test_built_in_datasets_follow_the_run_seed(data: str) -> None:
     # Every built-in dataset is split by the run's seed, not only those some model defaults to.
-    from pipeline.config import config_from_dict
-    from stages.train.model_io import dataset_for
+    from kiln.config import config_from_dict
+    from kiln.models.model_io import dataset_for
 
     a, b = (dataset_for(config_from_dict({"seed": s, "data": {"name": data}})) for s in (1, 2))
     assert not torch.equal(a.val_y, b.val_y)

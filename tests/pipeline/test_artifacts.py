@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import atomic_dir, clean_stale_staging, hash_file, hash_tree, write_json_atomic
+from kiln.core.artifacts import atomic_dir, clean_stale_staging, hash_file, hash_tree, write_json_atomic
 
 
 def test_atomic_dir_replaces_on_success(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_atomic_writes_get_the_umask_permissions_not_mkstemps_0600(tmp_path: Pat
     import os
     import stat
 
-    from pipeline.artifacts import write_bytes_atomic
+    from kiln.core.artifacts import write_bytes_atomic
 
     old = os.umask(0o022)
     try:

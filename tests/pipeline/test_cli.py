@@ -7,7 +7,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from kiln.cli import main
 from tests.conftest import tiny_config_dict
 
 COMMANDS = ["run", "config", "train", "export", "optimize", "precision", "build", "validate", "package"]
@@ -103,7 +103,7 @@ def test_unsupported_op_in_model(cli: CliRunner, tmp_path: Path) -> None:
 def test_checkpoint_that_does_not_fit_the_model(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     import torch
 
-    from models.registry import build_model
+    from kiln.models.registry import build_model
 
     ckpt = tmp_path / "w.pt"
     torch.save(build_model("cnn", {"width": 4}).state_dict(), ckpt)
@@ -121,7 +121,7 @@ def test_corrupt_checkpoint(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
 
 
 def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import stages.build.tensorrt_backend as trt_backend
+    import kiln.stages.engines.tensorrt_backend as trt_backend
 
     # Simulate a machine without any TensorRT package (CI has tensorrt_rtx installed).
     monkeypatch.setattr(trt_backend, "import_tensorrt", lambda: None)
@@ -136,7 +136,7 @@ def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
     """The README's direct-file workflow: a user's checkpoint -> ONNX -> optimized -> engine -> validated."""
     import torch
 
-    from models.registry import build_model
+    from kiln.models.registry import build_model
 
     ckpt = tmp_path / "w.pt"
     torch.save(build_model("cnn").state_dict(), ckpt)
@@ -154,7 +154,7 @@ def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
 def test_direct_validate_against_wrong_model_fails_gate(cli: CliRunner, tmp_path: Path) -> None:
     import torch
 
-    from models.registry import build_model
+    from kiln.models.registry import build_model
 
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.manual_seed(0)
@@ -178,7 +178,7 @@ def test_direct_validate_with_bad_inputs_files(cli: CliRunner, tmp_path: Path) -
     import numpy as np
     import torch
 
-    from models.registry import build_model
+    from kiln.models.registry import build_model
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
     torch.save(build_model("cnn").state_dict(), ckpt)
@@ -217,7 +217,7 @@ def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path)
     staging = tmp_path / ".train.staging-other-run"
     staging.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from pipeline.workdir_lock import workdir_lock\n"
+        [sys.executable, "-c", "import sys; from pathlib import Path; from kiln.workdir_lock import workdir_lock\n"
                                f"with workdir_lock(Path({str(tmp_path)!r})):\n print('locked', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     try:
@@ -233,7 +233,7 @@ def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path)
 def _exported_engine(cli: CliRunner, tmp_path: Path) -> tuple[Path, Path, Path]:
     import torch
 
-    from models.registry import build_model
+    from kiln.models.registry import build_model
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
     torch.save(build_model("cnn").state_dict(), ckpt)
@@ -378,7 +378,7 @@ def test_a_models_folder_in_the_working_directory_does_not_shadow_kiln(tmp_path:
     (tmp_path / "models" / "weights.safetensors").write_bytes(b"")
     cfg = write_yaml(tiny_config_dict())
     # -P: like the `kiln` script, Python itself does not put the current folder first (as `-m` would)
-    proc = subprocess.run([sys.executable, "-P", "-m", "pipeline.cli", "run", str(cfg), "-w", str(tmp_path / "w"), "-q",
+    proc = subprocess.run([sys.executable, "-P", "-m", "kiln.cli", "run", str(cfg), "-w", str(tmp_path / "w"), "-q",
                            "--until", "train"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

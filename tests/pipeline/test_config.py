@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import KilnConfig, config_from_dict, load_config
-from pipeline.errors import ConfigError, InputFileError
+from kiln.config import KilnConfig, config_from_dict, load_config
+from kiln.core.errors import ConfigError, InputFileError
 
 
 def test_demo_defaults_are_valid() -> None:

@@ -8,15 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.api import run_pipeline
-from pipeline.config import config_from_dict
-from pipeline.fingerprints import calibration_fingerprint, dataset_fingerprint
+from kiln.api import run_pipeline
+from kiln.config import config_from_dict
+from kiln.fingerprints import calibration_fingerprint, dataset_fingerprint
 from tests.conftest import tiny_config_dict
 
 USER_CODE = '''
 import numpy as np
 import torch
-from models.datasets import DatasetSplits, digits
+from kiln.core.data import DatasetSplits
+from kiln.models.datasets import digits
 
 def load(path):
     d, k = digits(seed=0), float(np.load(path))
@@ -94,7 +95,7 @@ def test_changed_checkpoint_file_reruns_training(tmp_path: Path) -> None:
     """model.checkpoint names a file: new weights under the same path must not reuse the old export."""
     import torch
 
-    from models.registry import build_model
+    from kiln.models.registry import build_model
 
     params = {"width": 8, "depth": 2}
     ckpt = tmp_path / "w.pt"
@@ -133,7 +134,7 @@ def test_editing_a_helper_module_of_user_code_reruns(tmp_path: Path, monkeypatch
 
 def test_odd_user_datasets_fingerprint_or_fail_cleanly(user_module: Path) -> None:
     """numpy arrays in DatasetSplits once crashed the fingerprint with a traceback; bfloat16 has no numpy type."""
-    from pipeline.errors import ConfigError
+    from kiln.core.errors import ConfigError
 
     assert dataset_fingerprint(config_from_dict(tiny_config_dict(**{"data.name": "my_files:bf16"})))
     with pytest.raises(ConfigError, match="not a torch.Tensor"):
@@ -144,9 +145,9 @@ def test_the_report_does_not_reload_user_data(tmp_path: Path, user_module: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Stages a command did not run are labelled kept/stale without calling the user's dataset or reader (a
     one-stage command once loaded both, seconds each, and crashed when a reader's file had moved)."""
-    from pipeline import fingerprints
-    from pipeline.report import build_report
-    from pipeline.runner import RunResult
+    from kiln import fingerprints
+    from kiln.report import build_report
+    from kiln.runner import RunResult
 
     scale = tmp_path / "scale.npy"
     np.save(scale, np.float32(1.0))

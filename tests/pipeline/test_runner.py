@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.api import run_pipeline
-from pipeline.config import config_from_dict
-from pipeline.errors import BuildError
-from pipeline.runner import Runner, cache_key
-from pipeline.stages import STAGES
+from kiln.api import run_pipeline
+from kiln.config import config_from_dict
+from kiln.core.errors import BuildError
+from kiln.runner import Runner, cache_key
+from kiln.stage_list import STAGES
 from tests.conftest import tiny_config_dict
 
 
@@ -111,13 +111,13 @@ def test_cache_key_ignores_gates_for_build(tmp_path: Path) -> None:
 
 
 def test_code_versions_cover_what_stages_run() -> None:
-    # validate runs engines through stages.build's runners; train builds models from the zoo.
-    import models
-    import stages.build
-    from pipeline.stages import stage_named
+    # validate runs engines through kiln.stages.engines's runners; train builds models from the zoo.
+    import kiln.models
+    import kiln.stages.engines
+    from kiln.stage_list import stage_named
 
-    assert stages.build in stage_named("validate").code and models in stage_named("train").code
-    assert models in stage_named("export").code and models in stage_named("validate").code
+    assert kiln.stages.engines in stage_named("validate").code and kiln.models in stage_named("train").code
+    assert kiln.models in stage_named("export").code and kiln.models in stage_named("validate").code
 
 
 def test_cached_stages_report_this_runs_time(first_run) -> None:
@@ -137,7 +137,7 @@ def test_editing_user_model_code_reruns_training(tmp_path: Path, monkeypatch: py
     pkg = tmp_path / "src"
     pkg.mkdir()
     module = pkg / "my_models.py"
-    module.write_text("from models.cnn import SmallCNN\n\ndef build():\n    return SmallCNN(width=4, depth=2)\n")
+    module.write_text("from kiln.models.cnn import SmallCNN\n\ndef build():\n    return SmallCNN(width=4, depth=2)\n")
     monkeypatch.syspath_prepend(str(pkg))
     cfg = config_from_dict(tiny_config_dict(**{"model.name": "my_models:build", "model.params": {}, "data.name": "digits"}))
     first, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
@@ -159,7 +159,7 @@ def test_start_from_a_stage_reruns_it_and_everything_after(first_run) -> None:
 
 
 def test_a_rerun_says_what_changed() -> None:
-    from pipeline.runner import what_changed
+    from kiln.runner import what_changed
 
     old = {"code": "a", "config": {"train": 1, "data": 2}, "user_data": {"dataset": "x"}}
     new = {"code": "a", "config": {"train": 1, "data": 3}, "user_data": {"dataset": "y"}, "user_code": {"m:f": "z"}}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.user_code import code_version, local_sources
+from kiln.user_code import code_version, local_sources
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_installed_code_is_versioned_by_its_installed_files_record() -> None:
 
     import torch.nn
 
-    from pipeline.artifacts import hash_json
+    from kiln.core.artifacts import hash_json
 
     record = importlib.metadata.distribution("torch").read_text("RECORD")
     assert record and code_version(torch.nn) == hash_json({"installed": [record]})

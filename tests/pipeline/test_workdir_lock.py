@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import workdir_lock as wl
-from pipeline.errors import InputFileError, WorkdirBusy
+from kiln import workdir_lock as wl
+from kiln.core.errors import InputFileError, WorkdirBusy
 
 
 def test_a_second_holder_is_refused_and_the_lock_ends_with_the_first(tmp_path: Path) -> None:

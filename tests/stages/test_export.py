@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from models.registry import build_model
-from pipeline.errors import ModelError
-from stages.export import export_onnx, parity
+from kiln.models.registry import build_model
+from kiln.core.errors import ModelError
+from kiln.stages.export import export_onnx, parity
 
 
 @pytest.mark.parametrize("name,x", [("cnn", torch.rand(2, 1, 8, 8)), ("transformer", torch.rand(2, 1, 8, 8)),
@@ -36,9 +36,9 @@ def test_unexportable_model_gives_model_error(tmp_path: Path) -> None:
 
 def test_static_batch_in_the_pipeline_is_a_config_error(tmp_path: Path) -> None:
     # Before: parity fed 256 samples to a graph fixed at batch 2: an ONNX Runtime INVALID_ARGUMENT traceback.
-    from pipeline.api import run_pipeline
-    from pipeline.config import config_from_dict
-    from pipeline.errors import ConfigError
+    from kiln.api import run_pipeline
+    from kiln.config import config_from_dict
+    from kiln.core.errors import ConfigError
     from tests.conftest import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"export.dynamic_batch": False}))

@@ -1,6 +1,6 @@
 import json
 
-from stages.package import triton_config
+from kiln.stages.package import triton_config
 
 
 def test_triton_config_for_onnxruntime_cpu_engine() -> None:
@@ -22,7 +22,7 @@ def test_triton_config_for_tensorrt_plan_with_int64_input() -> None:
 
 
 def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
-    from pipeline.api import run_pipeline
+    from kiln.api import run_pipeline
 
     result, _ = run_pipeline(tiny_config, tmp_path)
     assert result.ok

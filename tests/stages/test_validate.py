@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from pipeline.config import ValidateConfig
-from stages.validate import check_gates, compare, gates_for, percentiles
+from kiln.config import ValidateConfig
+from kiln.stages.validate import check_gates, compare, gates_for, percentiles
 
 
 def test_compare_identical_and_perturbed() -> None:

@@ -9,8 +9,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel
 
-from stages.optimize.passes.util import RANDOM_OPS, const, drop, known_shape, producer, replace_uses
-from stages.optimize.registry import register
+from kiln.stages.optimize.passes.util import RANDOM_OPS, const, drop, known_shape, producer, replace_uses
+from kiln.stages.optimize.registry import register
 
 
 def _bypass(graph: gs.Graph, node: gs.Node, keep: gs.Tensor) -> int:

@@ -10,8 +10,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
-from stages.optimize.registry import register
+from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
+from kiln.stages.optimize.registry import register
 
 log = logging.getLogger("kiln.optimize")
 

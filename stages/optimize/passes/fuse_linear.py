@@ -8,9 +8,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.optimize.passes.util import (const, drop, new_const, only_consumer, producer, replace_uses,
+from kiln.stages.optimize.passes.util import (const, drop, new_const, only_consumer, producer, replace_uses,
                                          unique_name)
-from stages.optimize.registry import register
+from kiln.stages.optimize.registry import register
 
 
 def _shape(t: gs.Tensor) -> list | None:

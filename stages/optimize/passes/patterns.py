@@ -8,8 +8,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel
 
-from stages.optimize.passes.util import const, known_shape, new_const, node_name, only_consumer, producer, unique_name
-from stages.optimize.registry import register
+from kiln.stages.optimize.passes.util import const, known_shape, new_const, node_name, only_consumer, producer, unique_name
+from kiln.stages.optimize.registry import register
 
 
 def _scalar(t: gs.Tensor) -> float | None:

@@ -8,8 +8,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
-from stages.optimize.passes.util import const, new_const, node_name, only_consumer, unique_name
-from stages.optimize.registry import register
+from kiln.stages.optimize.passes.util import const, new_const, node_name, only_consumer, unique_name
+from kiln.stages.optimize.registry import register
 
 
 class QkvParams(BaseModel):

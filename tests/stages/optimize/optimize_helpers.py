@@ -9,9 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from stages.optimize.api import optimize_model
-from stages.optimize.config import OptimizeConfig
-from stages.optimize.verify import run_ort
+from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.verify import run_ort
 
 
 def make_model(nodes: list[onnx.NodeProto], inputs: Sequence[tuple[str, list[Any], int]],

@@ -42,8 +42,8 @@ def test_safety_net_rejects_moved_infinities() -> None:
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
-    from stages.optimize.config import OptimizeConfig
-    from stages.optimize.verify import Verifier
+    from kiln.stages.optimize.config import OptimizeConfig
+    from kiln.stages.optimize.verify import Verifier
 
     def divide_by(divisor: list[float]) -> onnx.ModelProto:
         graph = helper.make_graph(

@@ -257,8 +257,8 @@ def test_cse_merges_duplicates_not_random_ops():
     assert ops(out) == ["Relu", "Add", "Mul"]
     rnd = make_model([h.make_node("RandomNormalLike", ["x"], ["a"]), h.make_node("RandomNormalLike", ["x"], ["b"]),
                       h.make_node("Add", ["a", "b"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {})
-    from stages.optimize.api import optimize_model
-    from stages.optimize.config import OptimizeConfig
+    from kiln.stages.optimize.api import optimize_model
+    from kiln.stages.optimize.config import OptimizeConfig
     out, s = optimize_model(rnd, OptimizeConfig(passes=["cse"], verify=False))
     assert ops(out).count("RandomNormalLike") == 2
 

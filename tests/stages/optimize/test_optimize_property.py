@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from onnx import helper as h
 
 from optimize_helpers import FLOAT, f32, make_model, same_outputs
-from stages.optimize.api import optimize_model
-from stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import OptimizeConfig
 
 D = 8
 

@@ -5,11 +5,11 @@ import pytest
 from onnx import helper as h
 
 from optimize_helpers import FLOAT, make_model, ops
-from pipeline.config import config_from_dict
-from pipeline.errors import ConfigError
-from stages.optimize import registry
-from stages.optimize.api import optimize_model
-from stages.optimize.config import DEFAULT_PASSES, OptimizeConfig
+from kiln.config import config_from_dict
+from kiln.core.errors import ConfigError
+from kiln.stages.optimize import registry
+from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import DEFAULT_PASSES, OptimizeConfig
 from test_optimize_passes import TESTED
 
 

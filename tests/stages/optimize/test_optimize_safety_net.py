@@ -8,10 +8,10 @@ import pytest
 from onnx import helper as h
 
 from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
-from pipeline.errors import ModelError
-from stages.optimize.api import optimize_model
-from stages.optimize.config import OptimizeConfig
-from stages.optimize.verify import run_ort
+from kiln.core.errors import ModelError
+from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.verify import run_ort
 
 N = h.make_node
 
@@ -38,7 +38,7 @@ def test_fold_constants_does_not_freeze_random_ops():
 def test_random_model_is_checked_for_shapes_only_and_not_rolled_back():
     """Two runs of one graph agree (ONNX Runtime seeds every session alike), but a rewritten graph draws other
     numbers: comparing values rolled back every pass of such a model."""
-    from stages.optimize.verify import Verifier
+    from kiln.stages.optimize.verify import Verifier
 
     m = make_model([N("Identity", ["x"], ["i"]), N("Mul", ["i", "two"], ["d"]), N("RandomNormalLike", ["d"], ["r"]),
                     N("Add", ["d", "r"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {"two": np.array(2.0, np.float32)})
@@ -88,7 +88,7 @@ def test_static_reshape_constant_gets_a_free_name():
 
 
 def test_a_pass_whose_graph_fails_the_checker_is_rolled_back(monkeypatch):
-    from stages.optimize import registry
+    from kiln.stages.optimize import registry
 
     def bogus_attribute(graph, p):  # the ONNX checker rejects an attribute Relu does not have
         for node in graph.nodes:

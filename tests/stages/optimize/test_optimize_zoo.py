@@ -8,15 +8,15 @@ import onnx
 import pytest
 import torch
 
-from models.registry import build_model
+from kiln.models.registry import build_model
 from optimize_helpers import trt_build
-from pipeline.config import KilnConfig
-from pipeline.stage import StageContext
-from stages.export import export_onnx
-from stages.optimize import stage
-from stages.optimize.api import optimize_file, optimize_model
-from stages.optimize.config import OptimizeConfig
-from stages.optimize.verify import run_ort
+from kiln.config import KilnConfig
+from kiln.core.stage import StageContext
+from kiln.stages.export import export_onnx
+from kiln.stages.optimize import stage
+from kiln.stages.optimize.api import optimize_file, optimize_model
+from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.verify import run_ort
 
 EXAMPLES = {"cnn": lambda: torch.randn(2, 1, 8, 8), "transformer": lambda: torch.randn(2, 1, 8, 8),
             "mlp_embed": lambda: torch.randint(0, 17, (2, 64))}

@@ -7,11 +7,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from precision_graphs import rng_weights
-from pipeline.onnx_io import infer_shapes
-from stages.precision.casts import remove_cast_chains
-from stages.precision.compare import run_batched
-from stages.precision.config import FP16Config
-from stages.precision.fp16 import convert_fp16, name_nodes
+from kiln.core.onnx_io import infer_shapes
+from kiln.stages.precision.casts import remove_cast_chains
+from kiln.stages.precision.compare import run_batched
+from kiln.stages.precision.config import FP16Config
+from kiln.stages.precision.fp16 import convert_fp16, name_nodes
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 

@@ -9,9 +9,9 @@ import onnx
 import pytest
 import torch
 
-from models import build_model
-from pipeline.onnx_io import ort_session
-from stages.export import export_onnx
+from kiln.models import build_model
+from kiln.core.onnx_io import ort_session
+from kiln.stages.export import export_onnx
 from tests.stages.precision.test_precision_stage import TRANSFORMER, _run
 
 
@@ -51,9 +51,9 @@ def _cosine_to_fp32(root: Path, variants: dict, path: Path) -> float:
 def transformer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # What the precision stage gets: the optimize stage's graph (weights folded into constants, so dynamic
     # quantization sees constant MatMul weights, as it does in a run).
-    from pipeline.onnx_io import save_onnx
-    from stages.optimize.config import OptimizeConfig
-    from stages.optimize.stage import optimize_model
+    from kiln.core.onnx_io import save_onnx
+    from kiln.stages.optimize.config import OptimizeConfig
+    from kiln.stages.optimize.stage import optimize_model
 
     folder = tmp_path_factory.mktemp("optimize-transformer")
     torch.manual_seed(0)
@@ -128,8 +128,8 @@ def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer
 
 
 def test_dynamic_without_matmul_is_a_config_error() -> None:
-    from pipeline.config import config_from_dict
-    from pipeline.errors import ConfigError
+    from kiln.config import config_from_dict
+    from kiln.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="ort_cpu_scheme 'dynamic' quantizes MatMul"):
         config_from_dict({"calibration": {"ort_cpu_scheme": "dynamic", "exclude_op_types": ["MatMul"]}})

@@ -1,23 +1,25 @@
 """The precision stage's pipeline entry: variants.json, kept nodes, the calibration cache.
 
-Runs ``stages.precision.stage.run`` on an exported zoo graph directly (not through the runner), so these
+Runs ``kiln.stages.precision.stage.run`` on an exported zoo graph directly (not through the runner), so these
 tests do not depend on the other stages' state.
 """
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from calibration.ranges import STATS
+from kiln.calibration.ranges import STATS
 from tests.conftest import tiny_config_dict
-from models import build_model
-from pipeline.config import config_from_dict
-from pipeline.stage import StageContext
-from stages.export import export_onnx
-from stages.precision.stage import run
+from kiln.models import build_model
+from kiln.config import config_from_dict
+from kiln.core.stage import StageContext
+from kiln.models.model_io import dataset_for
+from kiln.stages.export import export_onnx
+from kiln.stages.precision.stage import run
 
 TRANSFORMER = {"model.name": "transformer", "model.params": {"dim": 16, "heads": 2, "layers": 1}}
 
@@ -34,7 +36,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(workdir: Path, optimize_dir: Path, out: str = "precision", **overrides) -> tuple[dict, dict]:
     cfg = config_from_dict(tiny_config_dict(**{**TRANSFORMER, "precision.variants": ["fp32", "fp16", "int8"],
                                                **overrides}))
-    ctx = StageContext("precision", cfg, workdir, workdir / out, {"optimize": optimize_dir})
+    ctx = StageContext("precision", cfg, workdir, workdir / out, {"optimize": optimize_dir},
+                       load_dataset=partial(dataset_for, cfg))
     ctx.out.mkdir(parents=True)
     summary = run(ctx)
     json.dumps(summary)  # the runner stores it as JSON

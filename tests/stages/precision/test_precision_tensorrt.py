@@ -10,11 +10,11 @@ import onnx_graphsurgeon as gs
 import pytest
 import torch
 
-from calibration.config import CalibrationConfig
-from models import build_model
-from stages.export import export_onnx
-from stages.precision.config import FallbackConfig, FP16Config
-from stages.precision.variants import Source, build_fp16, build_int8
+from kiln.calibration.config import CalibrationConfig
+from kiln.models import build_model
+from kiln.stages.export import export_onnx
+from kiln.stages.precision.config import FallbackConfig, FP16Config
+from kiln.stages.precision.variants import Source, build_fp16, build_int8
 
 
 def _trt() -> ModuleType | None:

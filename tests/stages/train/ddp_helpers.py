@@ -10,10 +10,10 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import KilnConfig
-from stages.train.launch import run_torchrun
-from stages.train.model_io import dataset_for
-from stages.train.stage import train_to
+from kiln.config import KilnConfig
+from kiln.stages.train.launch import run_torchrun
+from kiln.models.model_io import dataset_for
+from kiln.stages.train.stage import train_to
 
 LOG = logging.getLogger("test")
 

@@ -10,8 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from stages.train.dist import env_from_torchrun, process_group
-from stages.train.loop import train
+from kiln.stages.train.dist import env_from_torchrun, process_group
+from kiln.stages.train.loop import train
 from train_helpers import tiny_data, tiny_net, train_cfg
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.errors import InputFileError, TrainingError
-from stages.train import checkpoint as ckpt
-from stages.train.loop import evaluate, train
+from kiln.core.errors import InputFileError, TrainingError
+from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.loop import evaluate, train
 from train_helpers import TinyNet, bn_net, max_diff, nan_inside, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import config_from_dict
-from pipeline.errors import ConfigError
-from stages.train.config import TrainConfig
+from kiln.config import config_from_dict
+from kiln.core.errors import ConfigError
+from kiln.stages.train.config import TrainConfig
 
 
 @pytest.mark.parametrize("section, key", [("train", "epoch"), ("train.amp", "scale"), ("train.loader", "workers"),
@@ -49,7 +49,7 @@ def test_optimizer_values_out_of_range_are_config_errors(train: dict, message: s
 
 
 def test_warmup_longer_than_the_run_is_a_config_error() -> None:
-    from stages.train.loop import train
+    from kiln.stages.train.loop import train
     from train_helpers import tiny_data, tiny_net, train_cfg
 
     with pytest.raises(ConfigError, match=r"warmup_steps is 10 but the run has only 10 optimizer steps"):

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline.config import KilnConfig, config_from_dict
-from pipeline.errors import TrainingError
-from stages.train.launch import run_torchrun, torchrun_command
+from kiln.config import KilnConfig, config_from_dict
+from kiln.core.errors import TrainingError
+from kiln.stages.train.launch import run_torchrun, torchrun_command
 from tests.stages.train.ddp_helpers import LOG, train_one_and_two
 
 
@@ -66,13 +66,13 @@ def test_worker_error_reaches_the_user(tmp_path: Path) -> None:
 def test_torchrun_command_uses_torch_launcher(tmp_path: Path) -> None:
     cmd = torchrun_command(4, tmp_path / "c.json", tmp_path / "out", tmp_path / "ck")
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    assert "--nproc_per_node=4" in cmd and cmd[cmd.index("-m", 2) + 1] == "stages.train.worker"
+    assert "--nproc_per_node=4" in cmd and cmd[cmd.index("-m", 2) + 1] == "kiln.stages.train.worker"
 
 
 def test_sync_batchnorm_on_cpu_is_a_clear_error() -> None:
-    from models.registry import build_model
-    from stages.train.config import DistributedConfig
-    from stages.train.dist import DistEnv, wrap_ddp
+    from kiln.models.registry import build_model
+    from kiln.stages.train.config import DistributedConfig
+    from kiln.stages.train.dist import DistEnv, wrap_ddp
 
     with pytest.raises(TrainingError, match="SyncBatchNorm is GPU-only"):
         wrap_ddp(build_model("cnn"), DistEnv(0, 2, 0), DistributedConfig(sync_batchnorm=True), torch.device("cpu"))

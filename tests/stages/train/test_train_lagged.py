@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.errors import TrainingError
-from stages.train import checkpoint as ckpt
-from stages.train.data import DeviceBatches, make_loader
-from stages.train.dist import DistEnv
-from stages.train.health import LaggedStats, skip_if_nonfinite, skips_on_device
-from stages.train.loop import train
+from kiln.core.errors import TrainingError
+from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.data import DeviceBatches, make_loader
+from kiln.stages.train.dist import DistEnv
+from kiln.stages.train.health import LaggedStats, skip_if_nonfinite, skips_on_device
+from kiln.stages.train.loop import train
 from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")

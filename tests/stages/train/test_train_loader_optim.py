@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from stages.train.data import make_loader
-from stages.train.dist import DistEnv
-from stages.train.loop import train
-from stages.train.optim import make_optimizer, make_schedule, param_groups
+from kiln.stages.train.data import make_loader
+from kiln.stages.train.dist import DistEnv
+from kiln.stages.train.loop import train
+from kiln.stages.train.optim import make_optimizer, make_schedule, param_groups
 from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
 
 

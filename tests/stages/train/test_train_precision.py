@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from stages.train import checkpoint as ckpt
-from stages.train.config import AmpConfig
-from stages.train.loop import train
-from stages.train.precision import autocast_lowers, fp32_norms, make_scaler, norm_dtypes, update_scaler
+from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.config import AmpConfig
+from kiln.stages.train.loop import train
+from kiln.stages.train.precision import autocast_lowers, fp32_norms, make_scaler, norm_dtypes, update_scaler
 from train_helpers import tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")
@@ -155,7 +155,7 @@ class NanGradNet(nn.Module):
 def test_fp16_nan_gradients_on_finite_losses_still_abort(amp: dict) -> None:
     """Back-offs are forgiven only while the dynamic scale can still be the cause (>= 1): a static scale, or one
     halved below 1, means the gradients are NaN by themselves, and the run must stop (it once skipped forever)."""
-    from pipeline.errors import TrainingError
+    from kiln.core.errors import TrainingError
 
     cfg = train_cfg(precision="fp16", epochs=4, amp={**amp, "nonfinite_patience": 3})
     with pytest.raises(TrainingError, match="consecutive steps"):

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import config_from_dict
-from pipeline.runner import Runner
-from pipeline.stages import STAGES
-from stages.train.model_io import load_trained
+from kiln.config import config_from_dict
+from kiln.runner import Runner
+from kiln.stage_list import STAGES
+from kiln.models.model_io import load_trained
 from tests.conftest import tiny_config_dict
 
 
@@ -57,7 +57,7 @@ def test_profiler_trace_and_eval_every(tmp_path: Path) -> None:
 
 def test_profile_longer_than_the_run_says_how_many_steps_it_traced(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from stages.train.loop import train
+    from kiln.stages.train.loop import train
     from train_helpers import tiny_data, tiny_net, train_cfg
 
     monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
@@ -71,7 +71,7 @@ def test_profile_longer_than_the_run_says_how_many_steps_it_traced(tmp_path: Pat
 def test_skipped_training(tmp_path: Path, how: str) -> None:
     over: dict[str, object] = {"train.enabled": False}
     if how == "checkpoint":
-        from models.registry import build_model
+        from kiln.models.registry import build_model
         from safetensors.torch import save_file
 
         ck = tmp_path / "w.safetensors"
@@ -83,10 +83,10 @@ def test_skipped_training(tmp_path: Path, how: str) -> None:
 
 
 def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
-    from stages.train.checkpoint import run_key
-    from stages.train.loop import train
-    from stages.train.model_io import dataset_for
-    from stages.train.stage import build_seeded
+    from kiln.stages.train.checkpoint import run_key
+    from kiln.stages.train.loop import train
+    from kiln.models.model_io import dataset_for
+    from kiln.stages.train.stage import build_seeded
 
     over = {"train.precision": "fp32", "train.deterministic": True, "train.checkpoint.every_steps": 2,
             "train.batch_size": 64}

@@ -6,8 +6,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.datasets import DatasetSplits, synthetic
-from stages.train.config import TrainConfig
+from kiln.core.data import DatasetSplits
+from kiln.models.datasets import synthetic
+from kiln.stages.train.config import TrainConfig
 
 
 class TinyNet(nn.Module):

@@ -3,24 +3,24 @@ from __future__ import annotations
 
 from typing import Any
 
-import calibration
-import models
-import stages.build
-import stages.build.stage as build_stage
-import stages.export as export_stage
-import stages.optimize
-import stages.optimize.stage as optimize_stage
-import stages.package as package_stage
-import stages.precision
-import stages.precision.stage as precision_stage
-import pipeline.onnx_io as onnx_io
-import stages.train
-import stages.train.model_io as model_io
-import stages.train.stage as train_stage
-import stages.validate as validate_stage
-from pipeline.config import KilnConfig
-from pipeline.env import environment_subset
-from pipeline.stage import Stage
+import kiln.calibration
+import kiln.models
+import kiln.stages.engines
+import kiln.stages.engines.stage as build_stage
+import kiln.stages.export as export_stage
+import kiln.stages.optimize
+import kiln.stages.optimize.stage as optimize_stage
+import kiln.stages.package as package_stage
+import kiln.stages.precision
+import kiln.stages.precision.stage as precision_stage
+import kiln.core.onnx_io as onnx_io
+import kiln.stages.train
+import kiln.models.model_io as model_io
+import kiln.stages.train.stage as train_stage
+import kiln.stages.validate as validate_stage
+from kiln.config import KilnConfig
+from kiln.core.env import environment_subset
+from kiln.core.stage import Stage
 
 
 def _train_env(cfg: KilnConfig) -> dict[str, Any]:
@@ -45,27 +45,27 @@ def _validate_env(cfg: KilnConfig) -> dict[str, Any]:
 
 
 STAGES: list[Stage] = [
-    Stage("train", train_stage.run, (), ("seed", "model", "data", "train"), (stages.train, models), _train_env,
+    Stage("train", train_stage.run, (), ("seed", "model", "data", "train"), (kiln.stages.train, kiln.models), _train_env,
           "train the model (AMP, gradient accumulation) or load a checkpoint", data=("dataset", "checkpoint")),
     # ctx.dataset() reads seed, data and (for the default dataset) model.name: every stage calling it hashes them,
     # and the content of a user dataset (data=("dataset",)).
-    # Export builds the model from models/ (the zoo Transformer has an export-only attention path) and loads it
+    # Export builds the model from kiln.models (the zoo Transformer has an export-only attention path) and loads it
     # through model_io; validate builds the same PyTorch baseline.
     Stage("export", export_stage.run, ("train",), ("seed", "model", "data", "export"),
-          (export_stage, models, model_io, onnx_io), _torch_ort_env,
+          (export_stage, kiln.models, model_io, onnx_io), _torch_ort_env,
           "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity", data=("dataset",)),
-    Stage("optimize", optimize_stage.run, ("export",), ("optimize",), (stages.optimize,), _onnx_env,
+    Stage("optimize", optimize_stage.run, ("export",), ("optimize",), (kiln.stages.optimize,), _onnx_env,
           "graph passes with onnx-graphsurgeon"),
     Stage("precision", precision_stage.run, ("optimize", "train"),
           ("seed", "model.name", "data", "precision", "calibration"),
-          (stages.precision, calibration), _onnx_env,
+          (kiln.stages.precision, kiln.calibration), _onnx_env,
           "FP16 mixed precision and INT8 (Q/DQ) graphs", data=("dataset", "calibration")),
     # The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.
-    Stage("build", build_stage.run, ("precision",), ("build", "validate.batch_sizes"), (stages.build,), _build_env,
+    Stage("build", build_stage.run, ("precision",), ("build", "validate.batch_sizes"), (kiln.stages.engines,), _build_env,
           "ONNX Runtime and TensorRT engines"),
-    # Engines run through stages.build's runners, so their code is part of validate's result.
+    # Engines run through kiln.stages.engines's runners, so their code is part of validate's result.
     Stage("validate", validate_stage.run, ("train", "build"), ("seed", "model", "data", "validate"),
-          (validate_stage, stages.build, models, model_io), _validate_env,
+          (validate_stage, kiln.stages.engines, kiln.models, model_io), _validate_env,
           "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset",)),
     Stage("package", package_stage.run, ("train", "build", "validate"), ("name", "package"), (package_stage,),
           lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository"),
@@ -78,6 +78,6 @@ def stage_named(name: str) -> Stage:
     for s in STAGES:
         if s.name == name:
             return s
-    from pipeline.errors import ConfigError
+    from kiln.core.errors import ConfigError
 
     raise ConfigError(f"unknown stage '{name}'", hint=f"use one of {', '.join(STAGE_NAMES)}")

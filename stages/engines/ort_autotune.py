@@ -22,10 +22,10 @@ from typing import Any, Callable
 import numpy as np
 import onnx
 
-from pipeline.errors import ConfigError
-from stages.build.config import OrtAutotuneConfig
-from stages.build.engines import random_feed
-from stages.build.onnxruntime_runner import (KNOBS, cuda_slot, load_slot, open_session, plan_for, session_options,
+from kiln.core.errors import ConfigError
+from kiln.stages.engines.config import OrtAutotuneConfig
+from kiln.stages.engines.engines import random_feed
+from kiln.stages.engines.onnxruntime_runner import (KNOBS, cuda_slot, load_slot, open_session, plan_for, session_options,
                                              time_calls)
 
 log = logging.getLogger("kiln.build")

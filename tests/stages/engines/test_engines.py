@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError
-from stages.build.engines import random_feed
+from kiln.core.errors import ConfigError
+from kiln.stages.engines.engines import random_feed
 
 
 def test_random_feed_sets_only_a_dynamic_batch_axis() -> None:

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from stages.build.tensorrt_errors import gc_paused_for_tensorrt
+from kiln.stages.engines.tensorrt_errors import gc_paused_for_tensorrt
 
 
 class _Cycle:

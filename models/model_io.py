@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.datasets import DatasetSplits
-from models.registry import DATASETS, DEFAULT_DATASET, build_model, load_dataset
-from pipeline.artifacts import write_bytes_atomic
-from pipeline.config import KilnConfig
-from pipeline.errors import ConfigError, InputFileError
+from kiln.core.data import DatasetSplits
+from kiln.models.registry import DATASETS, DEFAULT_DATASET, build_model, load_dataset
+from kiln.core.artifacts import write_bytes_atomic
+from kiln.config import KilnConfig
+from kiln.core.errors import ConfigError, InputFileError
 
 WEIGHTS = "model.safetensors"
 SPEC = "model.json"

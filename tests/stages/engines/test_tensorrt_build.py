@@ -8,11 +8,11 @@ from pathlib import Path
 import onnx
 import pytest
 
-from pipeline.errors import BuildError, ConfigError
-from stages.build.config import BuildConfig, TensorRTConfig
-from stages.build.engines import load_engine, read_metadata, runnable
-from stages.build.stage import build_engine
-from stages.build.tensorrt_backend import features, import_tensorrt
+from kiln.core.errors import BuildError, ConfigError
+from kiln.stages.engines.config import BuildConfig, TensorRTConfig
+from kiln.stages.engines.engines import load_engine, read_metadata, runnable
+from kiln.stages.engines.stage import build_engine
+from kiln.stages.engines.tensorrt_backend import features, import_tensorrt
 
 pytestmark = pytest.mark.tensorrt
 ZOO = ["cnn", "transformer", "mlp_embed"]
@@ -125,7 +125,7 @@ def test_bad_profiles_are_config_errors(zoo, tmp_path: Path, profile: dict, matc
 
 
 def test_unordered_profile_rejected_by_config() -> None:
-    from pipeline.config import config_from_dict
+    from kiln.config import config_from_dict
 
     with pytest.raises(ConfigError, match="min <= opt <= max"):
         config_from_dict({"build": {"tensorrt": {"profiles": [
@@ -206,7 +206,7 @@ def test_int32_bias_dequantize_gets_quantize_bias_hint(zoo, tmp_path: Path) -> N
 
 
 def test_graph_carries_precision(zoo) -> None:
-    from stages.build.tensorrt_weak import graph_carries_precision
+    from kiln.stages.engines.tensorrt_weak import graph_carries_precision
 
     assert [graph_carries_precision(zoo("cnn", p)) for p in ("fp32", "fp16", "int8")] == [False, True, True]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import onnx
 
-from pipeline.errors import BuildError
-from stages.build.config import TensorRTConfig
+from kiln.core.errors import BuildError
+from kiln.stages.engines.config import TensorRTConfig
 
 log = logging.getLogger("kiln.build")
 QDQ = {"QuantizeLinear", "DequantizeLinear"}

@@ -9,9 +9,9 @@ import onnxruntime as ort
 import pytest
 
 from build_graphs import sample
-from stages.build.config import BuildConfig, OnnxRuntimeConfig
-from stages.build.engines import load_engine, read_metadata, runnable
-from stages.build.stage import build_engine
+from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
+from kiln.stages.engines.engines import load_engine, read_metadata, runnable
+from kiln.stages.engines.stage import build_engine
 
 ZOO = ["cnn", "transformer", "mlp_embed"]
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -88,7 +88,7 @@ def test_transformer_fusion_applied_and_exact(zoo, tmp_path: Path) -> None:
 
 def test_fusion_leaves_the_callers_graph_unfused(zoo) -> None:
     """ORT's optimize_model rewrites its input in place; the parity check needs the unfused graph intact."""
-    from stages.build.onnxruntime_backend import maybe_fuse
+    from kiln.stages.engines.onnxruntime_backend import maybe_fuse
 
     model = onnx.load(str(zoo("transformer")))
     before = [n.op_type for n in model.graph.node]
@@ -153,7 +153,7 @@ def test_cuda_engine_builds_anywhere_and_says_why_it_cannot_run(zoo, tmp_path: P
 def test_cuda_runner_matches_cpu(zoo, tmp_path: Path, cuda_graph: bool) -> None:
     if not HAS_CUDA_EP:
         pytest.skip("onnxruntime-gpu's CUDAExecutionProvider is not installed")
-    from stages.build.config import OrtAutotuneConfig, OrtCudaConfig
+    from kiln.stages.engines.config import OrtAutotuneConfig, OrtCudaConfig
 
     # Autotuning off: it may choose cuda_graph off for a batch; this test checks the configured path itself.
     cfg = ort_cfg(devices=["cuda"], cuda=OrtCudaConfig(cuda_graph=cuda_graph), autotune=OrtAutotuneConfig(cuda=False))

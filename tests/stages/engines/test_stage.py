@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import config_from_dict
-from pipeline.errors import ConfigError
-from pipeline.stage import StageContext
-from stages.build import stage
-from stages.build.engines import SIDECAR, read_metadata
+from kiln.config import config_from_dict
+from kiln.core.errors import ConfigError
+from kiln.core.stage import StageContext
+from kiln.stages.engines import stage
+from kiln.stages.engines.engines import SIDECAR, read_metadata
 
 HAS_TRT = stage.import_tensorrt() is not None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import BackendUnavailable, ConfigError, InputFileError
+from kiln.core.errors import BackendUnavailable, ConfigError, InputFileError
 
 SIDECAR = "kiln-engine.json"
 
@@ -112,9 +112,9 @@ class Runner:
 
 # (backend, device) -> "module:Class"; imported only when an engine of that kind is opened.
 RUNNERS: dict[tuple[str, str], str] = {
-    ("onnxruntime", "cpu"): "stages.build.onnxruntime_runner:OrtCpuRunner",
-    ("onnxruntime", "cuda"): "stages.build.onnxruntime_runner:OrtCudaRunner",
-    ("tensorrt", "cuda"): "stages.build.tensorrt_runtime:TensorRTRunner",
+    ("onnxruntime", "cpu"): "kiln.stages.engines.onnxruntime_runner:OrtCpuRunner",
+    ("onnxruntime", "cuda"): "kiln.stages.engines.onnxruntime_runner:OrtCudaRunner",
+    ("tensorrt", "cuda"): "kiln.stages.engines.tensorrt_runtime:TensorRTRunner",
 }
 
 
@@ -124,8 +124,8 @@ def runnable(meta: dict[str, Any]) -> tuple[bool, str]:
     if key not in RUNNERS:
         return False, f"no runner for backend '{key[0]}' on device '{key[1]}'"
     if key[0] == "tensorrt":
-        from stages.build.tensorrt_backend import import_tensorrt
-        from stages.build.tensorrt_runtime import can_execute
+        from kiln.stages.engines.tensorrt_backend import import_tensorrt
+        from kiln.stages.engines.tensorrt_runtime import can_execute
 
         return can_execute(import_tensorrt(meta.get("flavour")), meta)
     if key[1] == "cuda":

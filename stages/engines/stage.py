@@ -8,16 +8,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import atomic_dir, hash_file, hash_json
-from pipeline.errors import BackendUnavailable, BuildError, ConfigError
-from pipeline.onnx_io import load_onnx
-from pipeline.progress import Progress, SilentProgress
-from pipeline.stage import StageContext
-from stages.build.config import BuildConfig
-from stages.build.engines import SIDECAR
-from stages.build.onnxruntime_backend import build_ort_engine, io_spec
-from stages.build.profiles import Profile, check_profiles, default_profiles
-from stages.build.tensorrt_backend import build_trt_engine, import_tensorrt
+from kiln.core.artifacts import atomic_dir, hash_file, hash_json
+from kiln.core.errors import BackendUnavailable, BuildError, ConfigError
+from kiln.core.onnx_io import load_onnx
+from kiln.core.progress import Progress, SilentProgress
+from kiln.core.stage import StageContext
+from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.engines import SIDECAR
+from kiln.stages.engines.onnxruntime_backend import build_ort_engine, io_spec
+from kiln.stages.engines.profiles import Profile, check_profiles, default_profiles
+from kiln.stages.engines.tensorrt_backend import build_trt_engine, import_tensorrt
 
 log = logging.getLogger("kiln.build")
 BACKEND_DEVICES = {"onnxruntime": ("cpu", "cuda"), "tensorrt": ("cuda",)}

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from stages.build.engines import Runner
-from stages.build.profiles import profile_for
+from kiln.stages.engines.engines import Runner
+from kiln.stages.engines.profiles import profile_for
 
 log = logging.getLogger("kiln.build")
 
@@ -52,7 +52,7 @@ class TensorRTRunner(Runner):
     """Device buffers from torch; one CUDA graph per input shape when ``cuda_graph`` is on (TensorRT 10/11)."""
 
     def _activate(self) -> None:
-        from stages.build.tensorrt_errors import gc_paused_for_tensorrt
+        from kiln.stages.engines.tensorrt_errors import gc_paused_for_tensorrt
 
         with gc_paused_for_tensorrt():  # our Python logger runs inside TensorRT's locks
             self._load()
@@ -60,15 +60,15 @@ class TensorRTRunner(Runner):
     def _load(self) -> None:
         import torch
 
-        from stages.build import tensorrt_cache
-        from stages.build.tensorrt_backend import import_tensorrt
-        from stages.build.tensorrt_errors import KilnTrtLogger
+        from kiln.stages.engines import tensorrt_cache
+        from kiln.stages.engines.tensorrt_backend import import_tensorrt
+        from kiln.stages.engines.tensorrt_errors import KilnTrtLogger
 
         trt = self.trt = import_tensorrt(self.meta["flavour"])
         self.torch, self.logger = torch, KilnTrtLogger(trt)
         self.engine = trt.Runtime(self.logger).deserialize_cuda_engine((self.engine_dir / "engine.plan").read_bytes())
         if self.engine is None:
-            from pipeline.errors import BackendUnavailable
+            from kiln.core.errors import BackendUnavailable
 
             raise BackendUnavailable(f"cannot load engine {self.name}: {self.logger.last_errors()}")
         self.runtime_cache = None
@@ -120,7 +120,7 @@ class TensorRTRunner(Runner):
             if slot["graph"] is not None:
                 slot["graph"].replay()
             elif not self.context.execute_async_v3(self.stream.cuda_stream):
-                from pipeline.errors import BuildError
+                from kiln.core.errors import BuildError
 
                 raise BuildError(f"engine {self.name} failed to execute: {self.logger.last_errors()}")
 
@@ -158,7 +158,7 @@ class TensorRTRunner(Runner):
 
     def _deactivate(self) -> None:
         if self.runtime_cache is not None and self.cache_path:
-            from stages.build import tensorrt_cache
+            from kiln.stages.engines import tensorrt_cache
 
             tensorrt_cache.save_runtime_cache(self.runtime_cache, self.cache_path)
         self.slots.clear()

@@ -21,7 +21,7 @@ from typing import Any
 
 from filelock import FileLock
 
-from pipeline.artifacts import write_bytes_atomic
+from kiln.core.artifacts import write_bytes_atomic
 
 log = logging.getLogger("kiln.build")
 LOCK_TIMEOUT_S = 600

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.errors import BuildError
-from stages.build.config import OnnxRuntimeConfig
-from stages.build.ort_autotune import autotune, relevant_knobs
-from stages.build.tensorrt_weak import model_carries_precision
+from kiln.core.errors import BuildError
+from kiln.stages.engines.config import OnnxRuntimeConfig
+from kiln.stages.engines.ort_autotune import autotune, relevant_knobs
+from kiln.stages.engines.tensorrt_weak import model_carries_precision
 
 log = logging.getLogger("kiln.build")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
 
-from pipeline.errors import BuildError
+from kiln.core.errors import BuildError
 
 log = logging.getLogger("kiln.build.tensorrt")
 

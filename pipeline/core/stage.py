@@ -5,11 +5,14 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from models.datasets import DatasetSplits
-from pipeline.config import KilnConfig
-from pipeline.progress import Progress, SilentProgress
+from kiln.core.data import DatasetSplits
+from kiln.core.errors import KilnError
+from kiln.core.progress import Progress, SilentProgress
+
+if TYPE_CHECKING:  # the config assembles every stage's section, so it sits above the stages; types only
+    from kiln.config import KilnConfig
 
 
 @dataclass
@@ -17,12 +20,15 @@ class StageContext:
     """Everything a stage may use. A stage writes only into ``out`` (a staging folder made final atomically)."""
 
     name: str
-    config: KilnConfig
+    config: "KilnConfig"
     workdir: Path
     out: Path
     inputs: dict[str, Path]
     progress: Progress = field(default_factory=SilentProgress)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("kiln"))
+    # Set by the runner only for a stage that declares the dataset among its inputs (``Stage.data``), so the
+    # dataset's content is always in the key of a stage that reads it.
+    load_dataset: Callable[[], DatasetSplits] | None = None
     _data: DatasetSplits | None = None
 
     @property
@@ -33,10 +39,11 @@ class StageContext:
         return p
 
     def dataset(self) -> DatasetSplits:
+        if self.load_dataset is None:
+            raise KilnError(f"stage '{self.name}' reads the dataset without declaring it (Stage.data)",
+                            hint="this is a bug in Kiln's stage list; please report it")
         if self._data is None:
-            from stages.train.model_io import dataset_for
-
-            self._data = dataset_for(self.config)
+            self._data = self.load_dataset()
         return self._data
 
 
@@ -58,6 +65,6 @@ class Stage:
     inputs: tuple[str, ...]
     sections: tuple[str, ...]
     code: tuple[ModuleType, ...]
-    env: Callable[[KilnConfig], dict[str, Any]]
+    env: Callable[["KilnConfig"], dict[str, Any]]
     description: str = ""
-    data: tuple[str, ...] = ()  # user-data fingerprints in its key (``pipeline.fingerprints``)
+    data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.fingerprints``)

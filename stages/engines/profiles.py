@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from pipeline.errors import ConfigError
-from stages.build.config import ShapeRange
+from kiln.core.errors import ConfigError
+from kiln.stages.engines.config import ShapeRange
 
 Profile = dict[str, ShapeRange]
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from stages.build.engines import Runner
+from kiln.stages.engines.engines import Runner
 
 log = logging.getLogger("kiln.build")
 

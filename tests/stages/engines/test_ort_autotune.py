@@ -13,13 +13,13 @@ import onnxruntime as ort
 import pytest
 
 from build_graphs import sample
-from pipeline.errors import ConfigError
-from stages.build import ort_autotune
-from stages.build.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig
-from stages.build.engines import SIDECAR, load_engine, read_metadata
-from stages.build.onnxruntime_runner import chosen_knobs, plan_for
-from stages.build.ort_autotune import agreement, pick, relevant_knobs, search
-from stages.build.stage import build_engine
+from kiln.core.errors import ConfigError
+from kiln.stages.engines import ort_autotune
+from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig
+from kiln.stages.engines.engines import SIDECAR, load_engine, read_metadata
+from kiln.stages.engines.onnxruntime_runner import chosen_knobs, plan_for
+from kiln.stages.engines.ort_autotune import agreement, pick, relevant_knobs, search
+from kiln.stages.engines.stage import build_engine
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
 

@@ -1,11 +1,11 @@
-"""Settings of the build stage. Every knob is documented in ``stages/build/README.md``."""
+"""Settings of the build stage. Every knob is documented in ``stages/engines/README.md``."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.sections import Section
+from kiln.core.sections import Section
 
 
 class OrtCudaConfig(Section):

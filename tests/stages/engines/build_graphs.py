@@ -13,8 +13,8 @@ import onnx
 import onnx_graphsurgeon as gs
 import torch
 
-from models import build_model
-from stages.export import export_onnx
+from kiln.models import build_model
+from kiln.stages.export import export_onnx
 
 # Per model: factory params small enough for fast CPU builds, and one sample's shape / dtype.
 ZOO: dict[str, tuple[dict, tuple[int, ...], str]] = {

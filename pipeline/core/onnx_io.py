@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.errors import InputFileError, ModelError
+from kiln.core.errors import InputFileError, ModelError
 
 # ONNX's protobuf limit: larger models must keep their weights in external data files.
 PROTOBUF_LIMIT = 2**31 - 1

@@ -17,12 +17,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pipeline.errors import BackendUnavailable, BuildError
-from stages.build import tensorrt_cache
-from stages.build.config import TensorRTConfig
-from stages.build.profiles import Profile, as_json
-from stages.build.tensorrt_errors import KilnTrtLogger, gc_paused_for_tensorrt, parse_onnx
-from stages.build.tensorrt_weak import configure_weak_typing, graph_carries_precision
+from kiln.core.errors import BackendUnavailable, BuildError
+from kiln.stages.engines import tensorrt_cache
+from kiln.stages.engines.config import TensorRTConfig
+from kiln.stages.engines.profiles import Profile, as_json
+from kiln.stages.engines.tensorrt_errors import KilnTrtLogger, gc_paused_for_tensorrt, parse_onnx
+from kiln.stages.engines.tensorrt_weak import configure_weak_typing, graph_carries_precision
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")
 log = logging.getLogger("kiln.build")
@@ -146,7 +146,7 @@ def _configure(trt: ModuleType, builder: Any, config: Any, cfg: TensorRTConfig, 
 def _enum(trt: ModuleType, enum: str, name: str) -> Any:
     members = getattr(trt, enum).__members__
     if name not in members:
-        from pipeline.errors import ConfigError
+        from kiln.core.errors import ConfigError
 
         raise ConfigError(f"unknown {enum} '{name}' for {trt.__name__} {trt.__version__}",
                           hint=f"use one of {sorted(members)}")
@@ -199,7 +199,7 @@ def network_layers(network: Any) -> list[dict[str, Any]]:
 
 def _inspect(trt: ModuleType, plan: bytes, out: Path, logger: Any) -> dict[str, str]:
     """The engine inspector's per-layer JSON; it needs to deserialize the engine, so only where it can run."""
-    from stages.build.tensorrt_runtime import can_execute
+    from kiln.stages.engines.tensorrt_runtime import can_execute
 
     ok, why = can_execute(trt)
     if not ok:
