@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
-from kiln.stages.engines.engines import load_engine  # noqa: E402
+from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
@@ -218,7 +218,7 @@ class Bench:
                             max_batch=max(a.batches))
         say(f"{name} kiln: engine built in {meta['build_seconds']:.1f}s "
             f"(fusion: {meta['builder_settings'].get('transformer_fusion')})")
-        tuned = meta.get("autotune", {})
+        tuned = meta.autotune or {}
         for b, choice in (tuned.get("choice_by_batch") or {"all": tuned.get("choice")}).items():
             if choice:
                 say(f"{name} kiln autotune batch {b}: {choice['knobs']} {choice.get('median_ms')} ms "
@@ -227,7 +227,7 @@ class Bench:
             say(f"{name} kiln: autotune skipped: {tuned['skipped']}")
         runner = load_engine(folder).activate()
         in_name = runner.input_names[0]
-        out_name = runner.meta["outputs"][0]["name"]
+        out_name = runner.meta.outputs[0].name
         graphs: dict[int, bool] = {}  # batch -> whether the timed call replays a CUDA graph
 
         def factory(x: torch.Tensor) -> Callable[[], Any]:
@@ -238,10 +238,10 @@ class Bench:
             graphs[x.shape[0]] = graph
             return call
 
-        extra = {"engine": meta["name"], "precision": precision, "autotune": tuned,
-                 "fusion": meta["builder_settings"].get("transformer_fusion"),
-                 "engine_build_seconds": meta["build_seconds"], "cuda_graph_by_batch": graphs}
-        return factory, meta["size_bytes"], extra
+        extra = {"engine": meta.name, "precision": precision, "autotune": tuned,
+                 "fusion": meta.builder_settings.get("transformer_fusion"),
+                 "engine_build_seconds": meta.build_seconds, "cuda_graph_by_batch": graphs}
+        return factory, meta.size_bytes, extra
 
 
 def _num(v: float | None) -> str:

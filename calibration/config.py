@@ -3,10 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
-
 from kiln.core.sections import Section
-
+from pydantic import Field, model_validator
 
 # Compute ops plus the pooling and data-movement ops between them, so Q/DQ pairs line up with what TensorRT
 # and ONNX Runtime fuse into INT8 kernels. Normalisations, Softmax, GELU and bias/residual adds stay float.

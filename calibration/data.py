@@ -12,11 +12,10 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.data import DatasetSplits
-from kiln.models.registry import resolve_callable
 from kiln.core.errors import ConfigError
+from kiln.models.registry import resolve_callable
 
 log = logging.getLogger("kiln.calibration")
 

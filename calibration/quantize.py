@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method
 

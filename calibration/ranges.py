@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kiln.calibration.data import ArrayReader, hash_batches
 from kiln.core.artifacts import hash_file, hash_json
 
@@ -74,7 +73,10 @@ def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, meth
                      "settings": settings, "ort": onnxruntime.__version__})
     path = (cache_dir / "calibration" if cache_dir else Path(tempfile.mkdtemp(prefix="kiln-calib-"))) / f"{key}.json"
     try:
-        from onnxruntime.quantization.calibrate import load_tensors_data, save_tensors_data
+        from onnxruntime.quantization.calibrate import (
+            load_tensors_data,
+            save_tensors_data,
+        )
     except ImportError:  # ONNX Runtime < 1.32 has no cache format: ranges work, caching does not
         log.warning("onnxruntime %s cannot cache calibration ranges", onnxruntime.__version__)
         return Ranges(_run_calibrator(model_path, batches, input_name, method, symmetric, percentile), path, key,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from kiln.core.data import DatasetSplits
 
 

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from kiln.core.artifacts import write_bytes_atomic
+from kiln.core.data import DatasetSplits
+from kiln.core.errors import ConfigError, InputFileError
+from kiln.models.registry import DATASETS, DEFAULT_DATASET, build_model, load_dataset
 from torch import nn
 
-from kiln.core.data import DatasetSplits
-from kiln.models.registry import DATASETS, DEFAULT_DATASET, build_model, load_dataset
-from kiln.core.artifacts import write_bytes_atomic
-from kiln.config import KilnConfig
-from kiln.core.errors import ConfigError, InputFileError
+if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
+    from kiln.config import KilnConfig
 
 WEIGHTS = "model.safetensors"
 SPEC = "model.json"

@@ -8,14 +8,19 @@ import importlib
 from typing import Any, Callable
 
 import torch
-from torch import nn
-
-from kiln.models.cnn import resnet18, small_cnn
 from kiln.core.data import DatasetSplits
-from kiln.models.datasets import digits, digits_ids, synthetic, synthetic_rgb, synthetic_tokens
+from kiln.core.errors import ConfigError
+from kiln.models.cnn import resnet18, small_cnn
+from kiln.models.datasets import (
+    digits,
+    digits_ids,
+    synthetic,
+    synthetic_rgb,
+    synthetic_tokens,
+)
 from kiln.models.mlp import mlp_embed
 from kiln.models.transformer import bert_base, transformer
-from kiln.core.errors import ConfigError
+from torch import nn
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "cnn": small_cnn,

@@ -23,7 +23,7 @@ _EXPORTS = {
     "load_config": "kiln.config",
     "config_from_dict": "kiln.config",
     "run_pipeline": "kiln.api",
-    "load_engine": "kiln.stages.engines.engines",
+    "load_engine": "kiln.stages.engines.registry",
     "STAGE_NAMES": "kiln.stage_list",
 }
 
@@ -42,10 +42,10 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names load lazily above
+if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names load lazily above  # noqa: F401
     from kiln.api import run_pipeline
     from kiln.config import KilnConfig, config_from_dict, load_config
     from kiln.core.data import DatasetSplits
     from kiln.core.errors import GateFailure, KilnError
     from kiln.stage_list import STAGE_NAMES
-    from kiln.stages.engines.engines import load_engine
+    from kiln.stages.engines.registry import load_engine

@@ -9,7 +9,7 @@ from kiln.core.errors import ConfigError
 from kiln.core.progress import Progress
 from kiln.report import write_report
 from kiln.runner import Runner, RunResult, StageRecord
-from kiln.stage_list import STAGES, STAGE_NAMES, stage_named
+from kiln.stage_list import STAGE_NAMES, STAGES, stage_named
 from kiln.workdir_lock import workdir_lock
 
 

@@ -8,14 +8,20 @@ from typing import Any
 
 import click
 import yaml
+from kiln.api import run_pipeline
+from kiln.config import KilnConfig, load_config
+from kiln.core.errors import GateFailure, KilnError
+from kiln.core.progress import RichProgress, SilentProgress
+from kiln.report import fmt as _fmt
+from kiln.report import validation_of
+from kiln.stages.engines.stage import build_direct
+from kiln.stages.export import export_direct
+from kiln.stages.optimize.api import optimize_file
+from kiln.stages.validate.direct import validate_direct
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
-
-from kiln.config import KilnConfig, load_config
-from kiln.core.errors import KilnError
-from kiln.core.progress import RichProgress, SilentProgress
 
 console = Console(stderr=True)
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
@@ -108,32 +114,30 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         style = STATUS_STYLE.get(r.status, "")
         table.add_row(r.name, f"[{style}]{r.status}[/]", f"{r.seconds:.2f}")
     console.print(table)
-    v = report.get("validation")
+    v = validation_of(report)
     if v:
         et = Table(title="Engines vs PyTorch", show_edge=False)
         for col in ("engine", "passed", "cosine", "top-1 agree", "accuracy", "p50 ms (largest batch)", "speedup"):
-            et.add_column(col)
-        b = v["baseline"]
-        largest = list(b["latency_ms"])[-1]
-        et.add_row("pytorch (baseline)", "", "", "", f"{b['accuracy']:.4f}", f"{b['latency_ms'][largest]['p50']:.3f}", "1.00")
-        for e in v["engines"]:
-            if e.get("status") != "validated":
-                et.add_row(e["name"], "[yellow]not run here[/]", "", "", "", "", "")
+            et.add_column(col, overflow="fold")
+        b = v.baseline
+        largest = list(b.latency_ms)[-1]
+        et.add_row("pytorch (baseline)", "", "", "", _fmt(b.accuracy), f"{b.latency_ms[largest].p50:.3f}", "1.00")
+        for e in v.engines:
+            if e.status != "validated":
+                et.add_row(e.name, "[yellow]not run here[/]", "", "", "", "", "")
                 continue
-            et.add_row(e["name"], "[green]yes[/]" if e["passed"] else "[bold red]no[/]", f"{e['cosine']:.6f}",
-                       f"{e['top1_agreement']:.4f}", f"{e['accuracy']:.4f}", f"{e['latency_ms'][largest]['p50']:.3f}",
-                       f"{e['speedup_vs_baseline'][largest]:.2f}x")
+            et.add_row(e.name, "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
+                       _fmt(e.top1_agreement), _fmt(e.accuracy), f"{e.latency_ms[largest].p50:.3f}",
+                       f"{e.speedup_vs_baseline[largest]:.2f}x")
         console.print(et)
-    for e in (v or {}).get("engines", []):
-        if e.get("status") != "validated":
-            console.print(f"[yellow]{escape(e['name'])}[/]: built, not validated here: {escape(e.get('reason', ''))}",
-                          soft_wrap=True)
+        for e in v.engines:
+            if e.status != "validated":
+                console.print(f"[yellow]{escape(e.name)}[/]: built, not validated here: {escape(e.reason or '')}",
+                              soft_wrap=True)
     console.print(f"report: {workdir / 'report.md'}")
 
 
 def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
-    from kiln.api import run_pipeline
-
     progress = SilentProgress() if quiet else RichProgress(console)
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
     if not quiet:
@@ -212,8 +216,6 @@ def export(config: str | None, workdir: str, sets: tuple[str, ...], checkpoint: 
     if checkpoint is None and output is None:
         _refuse_direct_options("-o/--output or --checkpoint", "model_name", "input_shape")
         return _stage_in_workdir("export", config, workdir, sets, quiet)
-    from kiln.direct import export_direct
-
     overrides = {"model.name": model_name} if model_name else {}
     cfg = _load(config, {**overrides, **_parse_sets(sets)})
     summary = export_direct(cfg, checkpoint, input_shape, Path(output or "model.onnx"))
@@ -236,11 +238,9 @@ def optimize(model: str | None, output: str | None, config: str | None, passes: 
     if model is None:
         _refuse_direct_options("the MODEL file", "output")
         return _stage_in_workdir("optimize", config, workdir, sets + extra, quiet)
-    from kiln.direct import optimize_direct
-
     cfg = _config(config, sets + extra)
     dst = Path(output or Path(model).with_suffix(".opt.onnx"))
-    summary = optimize_direct(Path(model), dst, cfg)
+    summary = optimize_file(Path(model), dst, cfg.optimize)
     console.print(f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes")
 
 
@@ -273,11 +273,9 @@ def build(model: str | None, backend: str, device: str, precision_: str, output:
     if model is None:
         _refuse_direct_options("the MODEL file", "backend", "device", "precision_", "output")
         return _stage_in_workdir("build", config, workdir, sets, quiet)
-    from kiln.direct import build_direct
-
     cfg = _config(config, sets)
-    meta = build_direct(Path(model), Path(output or "engine"), backend, device, precision_, cfg)
-    console.print(f"built {meta['name']} into {output or 'engine'} in {meta.get('build_seconds', 0):.1f}s")
+    meta = build_direct(Path(model), Path(output or "engine"), backend, device, precision_, cfg.build)
+    console.print(f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s")
 
 
 @main.command()
@@ -299,15 +297,11 @@ def validate(engine: str | None, reference: str | None, model_name: str | None, 
         return _stage_in_workdir("validate", config, workdir, sets, quiet)
     if reference is None:
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
-    from kiln.direct import validate_direct
-
     cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
     result = validate_direct(Path(engine), Path(reference), Path(inputs) if inputs else None, cfg)
-    console.print_json(data=result)
-    if not result["passed"]:
-        from kiln.core.errors import GateFailure
-
-        raise GateFailure(f"engine {result['name']} failed its gates: {'; '.join(result['failures'])}",
+    console.print_json(result.model_dump_json(exclude_none=True))
+    if not result.passed:
+        raise GateFailure(f"engine {result.name} failed its gates: {'; '.join(result.failures)}",
                           hint="inspect the engine's precision, or relax validate.gates if acceptable")
 
 

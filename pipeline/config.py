@@ -6,88 +6,29 @@ wrong types and missing files become one :class:`ConfigError` naming the key and
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
+import tomllib
 import yaml
-from pydantic import Field, PositiveInt, ValidationError, field_validator
-
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.sections import Section
+from kiln.models.config import DataConfig, ModelConfig
 from kiln.stages.engines.config import BuildConfig
+from kiln.stages.export import ExportConfig
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.precision.config import Precision, PrecisionConfig
+from kiln.stages.package import PackageConfig
+from kiln.stages.precision.config import PRECISIONS, PrecisionConfig
 from kiln.stages.train.config import TrainConfig
-
+from kiln.stages.validate.config import GatesConfig, ValidateConfig
+from pydantic import Field, ValidationError
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
-PRECISIONS: tuple[str, ...] = get_args(Precision)
-
-
-class ModelConfig(Section):
-    name: str = Field("cnn", description="built-in model name or import path 'package.module:function'")
-    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
-    checkpoint: str | None = Field(None, description="state dict (.safetensors/.pt) to start from; skips training")
-
-
-class DataConfig(Section):
-    name: str | None = Field(None, description="built-in dataset or 'package.module:function'; default per model")
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-class ExportConfig(Section):
-    opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
-    dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
-    parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
-
-
-class GatesConfig(Section):
-    min_cosine: float = Field(0.9999, le=1.0, description="cosine similarity of outputs vs PyTorch")
-    max_abs_err: float | None = Field(None, description="max abs output error vs PyTorch; null = unchecked")
-    min_top1_agreement: float = Field(0.99, le=1.0, description="fraction of samples whose argmax matches PyTorch")
-    max_accuracy_drop: float = Field(0.01, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
-    max_latency_p50_ms: float | None = Field(None, description="latency budget at the largest batch size")
-    # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
-    per_precision: dict[str, dict[str, float]] = Field(
-        default_factory=lambda: {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
-                                                                          "max_accuracy_drop": 0.02}},
-        description="overrides of the gates above per precision")
-
-    @field_validator("per_precision")
-    @classmethod
-    def _known_overrides(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-        # A dict of dicts escapes the strict section check: a misspelt gate would be silently ignored.
-        gates = sorted(set(cls.model_fields) - {"per_precision"})
-        for precision, overrides in value.items():
-            if precision not in PRECISIONS:
-                raise ValueError(f"unknown precision '{precision}' (valid: {', '.join(PRECISIONS)})")
-            unknown = sorted(set(overrides) - set(gates))
-            if unknown:
-                raise ValueError(f"unknown gate {unknown} for {precision} (valid gates: {', '.join(gates)})")
-        return value
-
-
-class ValidateConfig(Section):
-    batch_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 32], min_length=1,
-                                           description="latency batch sizes; the largest also sizes engine profiles")
-    warmup: int = Field(5, ge=0)
-    iterations: int = Field(30, ge=1)
-    max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
-    gates: GatesConfig = Field(default_factory=GatesConfig)
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _sorted_unique(cls, value: list[int]) -> list[int]:
-        # Reports and the CLI read the last batch size as the largest one.
-        return sorted(set(value))
-
-
-class PackageConfig(Section):
-    enabled: bool = True
-    triton: bool = Field(True, description="write a Triton model repository")
-    max_batch_size: int = Field(32, ge=0)
+# The sections live with the stages that read them; importable from here too.
+__all__ = ["KilnConfig", "load_config", "config_from_dict", "DEMO_CONFIG", "PRECISIONS", "ModelConfig", "DataConfig",
+           "TrainConfig", "ExportConfig", "OptimizeConfig", "PrecisionConfig", "CalibrationConfig", "BuildConfig",
+           "ValidateConfig", "GatesConfig", "PackageConfig"]
 
 
 class KilnConfig(Section):

@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
+from kiln.calibration.data import hash_batches, read_reader
 from kiln.config import KilnConfig
+from kiln.core.artifacts import hash_file
+from kiln.core.errors import InputFileError
+from kiln.models.model_io import dataset_for
 
 
 def _is_import_path(name: str | None) -> bool:
@@ -24,9 +27,6 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one."""
     if not _is_import_path(config.data.name):
         return None
-    from kiln.calibration.data import hash_batches
-    from kiln.models.model_io import dataset_for
-
     d = dataset_for(config)
     return hash_batches([_array(t) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
 
@@ -46,9 +46,6 @@ def checkpoint_fingerprint(config: KilnConfig) -> str | None:
     """Hash of the ``model.checkpoint`` file the train stage starts from, if any."""
     if not config.model.checkpoint:
         return None
-    from kiln.core.artifacts import hash_file
-    from kiln.core.errors import InputFileError
-
     path = Path(config.model.checkpoint)
     if not path.is_file():
         raise InputFileError(f"model.checkpoint not found: {path}", hint="fix the path or remove model.checkpoint")
@@ -62,8 +59,6 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
     needs_data = "int8" in pcfg.variants or ("fp16" in pcfg.variants and pcfg.fp16.range_check)
     if not (ccfg.reader and needs_data):
         return None
-    from kiln.calibration.data import hash_batches, read_reader
-
     return hash_batches(read_reader(ccfg))
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.core.artifacts import write_json_atomic, write_text_atomic
 from kiln.config import KilnConfig
+from kiln.core.artifacts import write_json_atomic, write_text_atomic
 from kiln.core.env import environment
+from kiln.core.records import ValidationResult
+from kiln.core.text import fmt
 from kiln.fingerprints import FINGERPRINTS
 from kiln.runner import RunResult, cache_key, outputs_intact, read_manifest
-from kiln.stage_list import STAGE_NAMES, stage_named
+from kiln.stage_list import STAGE_NAMES, STAGES, stage_named
+from kiln.stages.validate.report import report_section as validate_section
+
+__all__ = ["build_report", "render_markdown", "write_report", "validation_of", "fmt"]
 
 
 def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = None) -> dict[str, Any]:
@@ -50,8 +55,10 @@ def _current(name: str, manifest: dict[str, Any], config: KilnConfig, workdir: P
     return parts == recorded and outputs_intact(workdir / name, manifest)
 
 
-def _fmt(v: Any, spec: str = ".4f") -> str:
-    return "-" if v is None else format(v, spec)
+def validation_of(report: dict[str, Any]) -> ValidationResult | None:
+    """The report's validation as the typed record (None when this configuration has no current validation)."""
+    v = report.get("validation")
+    return ValidationResult.parse(v, "report validation", hint="rerun `kiln run`") if v else None
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -65,71 +72,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     if any(s["status"] == "stale" for s in report["stages"].values()):
         lines += ["", "*stale*: not part of this command, and made with other settings or inputs than this "
                       "configuration's: `kiln run` redoes it."]
-    v = report.get("validation")
-    if v:
-        b = v["baseline"]
-        sizes = list(b["latency_ms"])
-        lines += ["", "## Validation against PyTorch", "",
-                  f"Baseline: PyTorch FP32 on CPU, accuracy {b['accuracy']:.4f} on {b['samples']} held-out samples.", "",
-                  "| engine | precision | passed | max abs err | cosine | top-1 agree | accuracy | "
-                  + " | ".join(f"p50 ms @{s}" for s in sizes) + f" | speedup @{sizes[-1]} |",
-                  "|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|"]
-        lines.append("| pytorch (baseline) | fp32 | | | | | " + f"{b['accuracy']:.4f} | "
-                     + " | ".join(f"{b['latency_ms'][s]['p50']:.3f}" for s in sizes) + " | 1.00 |")
-        for e in v["engines"]:
-            if e.get("status") != "validated":
-                lines.append(f"| {e['name']} | {e['precision']} | not run: {e.get('reason', '')} |" + " |" * (5 + len(sizes)))
-                continue
-            lat = " | ".join(f"{e['latency_ms'][s]['p50']:.3f}" for s in sizes)
-            lines.append(f"| {e['name']} | {e['precision']} | {'yes' if e['passed'] else '**no**'} | "
-                         f"{e['max_abs_err']:.2e} | {_fmt(e['cosine'], '.6f')} | {e['top1_agreement']:.4f} | "
-                         f"{e['accuracy']:.4f} | {lat} | {e['speedup_vs_baseline'][sizes[-1]]:.2f} |")
-        if v["failures"]:
-            lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v["failures"]]
-    lines += _stage_sections(report["stages"])
+    if report.get("validation"):  # the verdict first, then each stage's own section in pipeline order
+        lines += validate_section(report["validation"])
+    for stage in STAGES:
+        summary = report["stages"].get(stage.name, {}).get("summary")
+        if stage.report is not None and summary and stage.name != "validate":
+            lines += stage.report(summary)
     env = report["environment"]
     lines += ["", "## Environment", "", ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
               f"python {env['python']}, GPU: {env.get('gpu', 'none')}", ""]
     return "\n".join(lines)
-
-
-def _stage_sections(stages: dict[str, Any]) -> list[str]:
-    """Short per-stage facts for people: training result, graph size, precision choices, engines."""
-    out: list[str] = []
-    train = stages.get("train", {}).get("summary", {})
-    if train.get("val_accuracy") is not None:
-        out += ["", "## Training", "",
-                f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
-                f"{_fmt(train.get('final_loss'))}, validation accuracy {_fmt(train.get('val_accuracy'))}"
-                + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "") + "."]
-        if "loss.png" in train.get("files", []):
-            out += ["", "![loss curve](train/loss.png)"]
-    opt = stages.get("optimize", {}).get("summary", {})
-    if "nodes_before" in opt:
-        fired = [p["name"] for p in opt.get("passes", []) if p.get("nodes_before") != p.get("nodes_after")]
-        out += ["", "## Graph optimization", "",
-                f"{opt['nodes_before']} -> {opt['nodes_after']} nodes; passes that changed the graph: "
-                f"{', '.join(dict.fromkeys(fired)) or 'none'}; rolled back: {', '.join(opt.get('rolled_back', [])) or 'none'}."]
-    variants = stages.get("precision", {}).get("summary", {}).get("variants", {})
-    if variants:
-        out += ["", "## Precision variants", "", "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |", "|---|---|---|"]
-        out += [f"| {name} | {v.get('kept_fp32', 0)} | {_fmt(v.get('top1_agreement'))} |" for name, v in variants.items()]
-        for name, v in variants.items():
-            if "ort_cpu_scheme" in v:
-                out += ["", f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
-                            f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`)."]
-        kept = [(name, node, why) for name, v in variants.items() for node, why in v.get("kept_fp32_nodes", {}).items()]
-        if kept:
-            out += ["", "Nodes kept in FP32:", ""] + [f"- {name}: `{node}`: {why}" for name, node, why in kept[:40]]
-            out += [f"- ... and {len(kept) - 40} more (see precision/variants.json)"] if len(kept) > 40 else []
-    build = stages.get("build", {}).get("summary", {})
-    if build.get("engines"):
-        out += ["", "## Engines", "", "| engine | backend | device | precision | build s | size MB |", "|---|---|---|---|---|---|"]
-        out += [f"| {e['name']} | {e['backend']} | {e.get('device', '')} | {e['precision']} | "
-                f"{_fmt(e.get('build_seconds'), '.2f')} | {_fmt((e.get('size_bytes') or 0) / 1e6, '.2f')} |"
-                for e in build["engines"]]
-        out += [f"- not built: {s}" for s in build.get("skipped", [])]
-    return out
 
 
 def write_report(result: RunResult, config: KilnConfig, workdir: Path) -> dict[str, Any]:

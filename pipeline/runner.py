@@ -16,14 +16,22 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kiln.core.artifacts import atomic_dir, clean_stale_staging, hash_json, hash_source, hash_tree, write_json_atomic
 from kiln.config import KilnConfig
+from kiln.core.artifacts import (
+    atomic_dir,
+    clean_stale_staging,
+    hash_json,
+    hash_source,
+    hash_tree,
+    write_json_atomic,
+)
 from kiln.core.env import environment
 from kiln.core.errors import GateFailure, KilnError
-from kiln.fingerprints import FINGERPRINTS
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.stage import Stage, StageContext
+from kiln.fingerprints import FINGERPRINTS
 from kiln.models.model_io import dataset_for
+from kiln.models.registry import resolve_callable
 from kiln.user_code import code_version
 
 MANIFEST = "manifest.json"
@@ -103,8 +111,6 @@ def cache_key(stage: Stage, config: KilnConfig, workdir: Path,
 def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
     """Source hashes of the user's own model/data/calibration-reader code named by import path, for the stages
     whose config names them: editing that code must invalidate the cache just as editing Kiln's does."""
-    from kiln.models.registry import resolve_callable
-
     refs = {"model": config.model.name, "data": config.data.name, "calibration": config.calibration.reader}
     heads = {s.split(".")[0] for s in sections}
     out = {}

@@ -3,25 +3,54 @@ and proven to compute the same function (ONNX Runtime vs PyTorch on held-out dat
 from __future__ import annotations
 
 import io
-import re
 import logging
+import sys
 import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import kiln.core.onnx_io
+import kiln.models
+import kiln.models.model_io
 import numpy as np
 import onnx
 import torch
+from kiln.core.env import environment_subset
+from kiln.core.errors import ConfigError, ModelError
+from kiln.core.onnx_io import (
+    check_onnx,
+    infer_shapes,
+    input_feed,
+    load_onnx,
+    ort_run,
+    ort_session,
+    save_onnx,
+)
+from kiln.core.sections import Section
+from kiln.core.stage import Stage, StageContext
+from kiln.core.text import first_line, root_cause
+from kiln.models.model_io import (
+    dataset_for,
+    load_trained,
+    load_weights,
+    read_state_dict,
+)
+from kiln.models.registry import build_model
+from pydantic import Field
 from torch import nn
 
-from kiln.core.errors import ConfigError, ModelError
-from kiln.core.onnx_io import check_onnx, infer_shapes, input_feed, load_onnx, ort_run, ort_session, save_onnx
-from kiln.core.stage import StageContext
-from kiln.models.model_io import load_trained
+if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
+    from kiln.config import KilnConfig
 
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
 log = logging.getLogger("kiln.export")
+
+
+class ExportConfig(Section):
+    opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
+    dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
+    parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int = 18,
@@ -52,10 +81,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int 
 
 def _reason(exc: BaseException) -> str:
     """The most specific line of an exporter error (the dynamo exporter wraps the real cause)."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
-    return (text.splitlines() or [type(exc).__name__])[0][:300]
+    return first_line(root_cause(exc))
 
 
 def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dynamic_batch: bool,
@@ -93,6 +119,45 @@ def parity(model: nn.Module, onnx_path: Path, x: torch.Tensor) -> dict[str, floa
     return {"max_abs_err": err, "samples": int(len(x))}
 
 
+# ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
+def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
+    model = build_model(cfg.model.name, cfg.model.params)
+    checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
+    if checkpoint:
+        load_weights(model, read_state_dict(Path(checkpoint)), checkpoint)
+    else:
+        log.warning("exporting '%s' with its initial weights: no --checkpoint and no model.checkpoint given",
+                    cfg.model.name)
+    model.eval()
+    if input_shape:
+        example = torch.randn(2, *parse_shape(input_shape))
+        try:
+            with torch.no_grad():
+                model(example)
+        except Exception as exc:  # the model rejects this shape: say so, not "an op ONNX cannot express"
+            reason = first_line(exc)
+            raise ConfigError(f"the model rejects an input of shape [batch, {input_shape}]: {reason}",
+                              hint="give --input-shape the shape of one sample the model takes") from None
+    else:
+        example = dataset_for(cfg).val_x[:2]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch)
+    check = parity(model, output, example)
+    return {"path": str(output), "nodes": len(proto.graph.node), **check}
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape``: one sample's shape, positive integers separated by commas."""
+    try:
+        shape = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise ConfigError(f"--input-shape '{text}' is not comma-separated positive integers",
+                          hint="one sample's shape without the batch axis, e.g. 3,224,224")
+    return shape
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.export
     if not cfg.dynamic_batch:
@@ -114,3 +179,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
              proto.opset_import[0].version, check["max_abs_err"])
     return {"nodes": len(proto.graph.node), "opset": max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
             "parity": check}
+
+
+def _env(cfg: Any) -> dict[str, Any]:
+    return environment_subset("torch", "onnx", "onnxruntime")
+
+
+# Export builds the model from kiln.models (the zoo Transformer has an export-only attention path) and loads it
+# through model_io.
+STAGE = Stage("export", run, ("train",), ("seed", "model", "data", "export"),
+              (sys.modules[__name__], kiln.models, kiln.models.model_io, kiln.core.onnx_io), _env,
+              "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity", data=("dataset",))

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from kiln.config import KilnConfig, config_from_dict
 
 HAS_TRT = any(importlib.util.find_spec(m) is not None for m in ("tensorrt", "tensorrt_rtx"))

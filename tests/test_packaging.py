@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = {"kiln": "pipeline", "kiln.models": "models", "kiln.calibration": "calibration", "kiln.stages": "stages"}

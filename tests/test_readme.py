@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
-
-from kiln.models.registry import build_model
 from kiln.cli import main
+from kiln.models.registry import build_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

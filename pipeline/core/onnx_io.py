@@ -1,16 +1,22 @@
 """Reading, checking and running ONNX models, with user-facing errors instead of library tracebacks."""
 from __future__ import annotations
 
+import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-
-from kiln.core.errors import InputFileError, ModelError
+from kiln.core.errors import InputFileError, KilnError, ModelError
+from kiln.core.records import TensorSpec
+from kiln.core.text import first_line
 
 # ONNX's protobuf limit: larger models must keep their weights in external data files.
 PROTOBUF_LIMIT = 2**31 - 1
+_INLINE_LIMIT = 1_800_000_000  # bytes: above this, hand ORT a file with external data, not serialized bytes
+_STRIP_BYTES = 4096  # initializers above this are handed to shape inference as dims only
+log = logging.getLogger("kiln")
 
 
 def load_onnx(path: str | Path, load_external_data: bool = True) -> onnx.ModelProto:
@@ -20,7 +26,7 @@ def load_onnx(path: str | Path, load_external_data: bool = True) -> onnx.ModelPr
     try:
         return onnx.load(str(p), load_external_data=load_external_data)
     except Exception as exc:
-        raise InputFileError(f"{p} is not a readable ONNX model ({type(exc).__name__}: {str(exc)[:200]})",
+        raise InputFileError(f"{p} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})",
                              hint="re-export the model; the file may be truncated or not ONNX") from None
 
 
@@ -29,55 +35,129 @@ def check_onnx(model: onnx.ModelProto | str | Path, what: str = "model") -> None
     try:
         onnx.checker.check_model(str(model) if isinstance(model, Path) else model, full_check=True)
     except Exception as exc:
-        raise ModelError(f"{what} fails the ONNX checker: {str(exc).splitlines()[0][:300]}",
+        raise ModelError(f"{what} fails the ONNX checker: {first_line(exc)}",
                          hint="re-export with a supported opset, or report the model to Kiln") from None
 
 
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto:
+    """ONNX shape inference (types checked, data propagated) on a copy whose big initializers carry dims but no
+    data: fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` with its value_info
+    replaced (stale recorded shapes never survive). ``strict``: a failure is a :class:`ModelError`; else (graph
+    passes, for which shapes are a help, not a gate) a warning, and ``model`` comes back unchanged."""
+    light = _without_initializers(model)  # and without recorded value_info: stale shapes must not survive
+    for init in model.graph.initializer:
+        t = light.graph.initializer.add()
+        if init.ByteSize() <= _STRIP_BYTES:
+            t.CopyFrom(init)
+        else:  # dims and type only: inference reads nothing else from big tensors
+            t.name, t.data_type = init.name, init.data_type
+            t.dims.extend(init.dims)
+            t.data_location = onnx.TensorProto.EXTERNAL
+            t.external_data.add(key="location", value="__kiln_stripped__")
     try:
-        return onnx.shape_inference.infer_shapes(model, check_type=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(light, check_type=strict, data_prop=True)
     except Exception as exc:
-        raise ModelError(f"ONNX shape inference failed: {str(exc).splitlines()[0][:300]}",
-                         hint="the graph has a shape mismatch; check the model's input shapes") from None
+        if strict:
+            raise ModelError(f"ONNX shape inference failed: {first_line(exc)}",
+                             hint="the graph has a shape mismatch; check the model's input shapes") from None
+        log.warning("shape inference failed (%s); passes that need shapes will skip", first_line(exc))
+        return model
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
+    for out, found in zip(model.graph.output, inferred.graph.output):  # outputs declared without a type or shape
+        if not out.type.HasField("tensor_type") or not out.type.tensor_type.HasField("shape"):
+            out.type.CopyFrom(found.type)
+    return model
 
 
-def save_onnx(model: onnx.ModelProto, path: Path) -> None:
-    """Save, moving weights to an external data file when the model would exceed the protobuf limit."""
+def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without its initializers, built field by field so the weights are never copied."""
+    shell = onnx.ModelProto()
+    _copy_fields(model, shell, skip=("graph",))
+    _copy_fields(model.graph, shell.graph, skip=("initializer", "value_info"))
+    return shell
+
+
+def _copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> None:
+    for field, value in src.ListFields():
+        if field.name in skip:
+            continue
+        if hasattr(value, "extend"):  # repeated field
+            getattr(dst, field.name).extend(value)
+        elif hasattr(value, "ListFields"):  # sub-message
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+
+def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> None:
+    """Write ``model`` to ``path``; weights go to ``<path>.data`` when ``external`` or when the model would exceed the
+    protobuf limit. A stale data file is removed first: onnx appends to an existing one, and one left beside a
+    model that no longer references it is dead weight."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    large = model.ByteSize() > PROTOBUF_LIMIT if _has_no_external(model) else True
-    if large:
-        (path.parent / (path.name + ".data")).unlink(missing_ok=True)  # onnx appends to an existing data file
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    if external or _byte_size(model) > PROTOBUF_LIMIT:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
+                        location=data.name, size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
 
 
-def _has_no_external(model: onnx.ModelProto) -> bool:
+def _byte_size(model: onnx.ModelProto) -> int:
     try:
-        return model.ByteSize() >= 0
+        return model.ByteSize()
     except ValueError:  # protobuf refuses to size messages over 2 GB
-        return False
+        return PROTOBUF_LIMIT + 1
 
 
-def ort_session(model: onnx.ModelProto | str | Path, threads: int = 0, providers: list[str] | None = None,
-                optimization: str = "all") -> Any:
+OPTIMIZATION_LEVELS = ("none", "basic", "extended", "all")
+
+
+def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = False, optimization: str = "all",
+                    optimized_path: Path | None = None) -> Any:
+    """ONNX Runtime session options, the one place they are made. ``optimized_path``: ORT writes the model it
+    optimized there (offline optimization)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = inter_threads
+    opts.execution_mode = ort.ExecutionMode.ORT_PARALLEL if parallel else ort.ExecutionMode.ORT_SEQUENTIAL
     opts.log_severity_level = 3
     opts.graph_optimization_level = {
         "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     }[optimization]
-    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    if optimized_path is not None:
+        opts.optimized_model_filepath = str(optimized_path)
+    return opts
+
+
+def ort_session(model: onnx.ModelProto | str | Path, threads: int = 0, providers: list[Any] | None = None,
+                optimization: str = "all", options: Any = None,
+                error: type[KilnError] = ModelError) -> Any:
+    """An ONNX Runtime session: the one factory. ``options`` (from :func:`session_options`) wins over
+    ``threads``/``optimization``. A model over the protobuf limit goes to ORT as a file with external data.
+    A failure is ``error`` naming ORT's reason."""
+    import onnxruntime as ort
+
+    opts = options if options is not None else session_options(threads, optimization=optimization)
+    providers = providers or ["CPUExecutionProvider"]
     try:
-        return ort.InferenceSession(src, opts, providers=providers or ["CPUExecutionProvider"])
+        if isinstance(model, onnx.ModelProto) and _byte_size(model) > _INLINE_LIMIT:
+            with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
+                path = Path(tmp) / "model.onnx"
+                save_onnx(model, path, external=True)
+                return ort.InferenceSession(str(path), opts, providers=providers)
+        src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+        return ort.InferenceSession(src, opts, providers=providers)
     except Exception as exc:
-        raise ModelError(f"ONNX Runtime cannot load the model: {str(exc).splitlines()[0][:300]}",
-                         hint="an op or type may be unsupported by ONNX Runtime; try another opset") from None
+        raise error(f"ONNX Runtime cannot load the model: {first_line(exc)}",
+                    hint="an op or type may be unsupported by ONNX Runtime; try another opset") from None
 
 
 def ort_run(session: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -87,3 +167,16 @@ def ort_run(session: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
 def input_feed(session: Any, x: np.ndarray) -> dict[str, np.ndarray]:
     """Kiln models have a single input; name it from the session."""
     return {session.get_inputs()[0].name: x}
+
+
+def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The graph's real inputs (initializers listed as inputs left out) and its outputs."""
+    def spec(v: onnx.ValueInfoProto) -> TensorSpec:
+        if not v.type.HasField("tensor_type") or not v.type.tensor_type.elem_type:  # a sequence or map output
+            return TensorSpec(name=v.name, shape=[], dtype=v.type.WhichOneof("value") or "unknown")
+        t = v.type.tensor_type
+        shape: list[int | str] = [d.dim_param or d.dim_value for d in t.shape.dim]
+        return TensorSpec(name=v.name, shape=shape, dtype=onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name)
+
+    inits = {i.name for i in model.graph.initializer}
+    return [spec(v) for v in model.graph.input if v.name not in inits], [spec(v) for v in model.graph.output]

@@ -32,7 +32,13 @@ class RichProgress:
     """rich progress bars, one per task, removed when the task ends."""
 
     def __init__(self, console: object) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as _P, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        from rich.progress import Progress as _P
 
         self._progress = _P(TextColumn("  [progress.description]{task.description}"), BarColumn(),
                             MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[note]}"),

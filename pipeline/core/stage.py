@@ -57,7 +57,9 @@ class Stage:
     ``inputs``: upstream stages whose artifacts it reads. ``sections``: config it reads, as sections (``"data"``),
     top-level values (``"seed"``) or single keys (``"validate.batch_sizes"``); everything the result depends on.
     ``code``: modules whose source is hashed as the stage's code version. ``env``: the environment facts
-    (library versions, device) that belong in its cache key. ``data``: fingerprints of user-supplied data it reads.
+    (library versions, device) that belong in its cache key. ``data``: fingerprints of user-supplied data it reads;
+    only a stage that names ``"dataset"`` here can read the dataset (``StageContext.dataset``). ``report``: its
+    section of report.md.
     """
 
     name: str
@@ -68,3 +70,5 @@ class Stage:
     env: Callable[["KilnConfig"], dict[str, Any]]
     description: str = ""
     data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.fingerprints``)
+    # report.md section from the stage's summary (a list of Markdown lines; none when nothing to say)
+    report: Callable[[dict[str, Any]], list[str]] | None = None

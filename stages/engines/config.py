@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-
 from kiln.core.sections import Section
+from pydantic import Field, field_validator, model_validator
 
 
 class OrtCudaConfig(Section):

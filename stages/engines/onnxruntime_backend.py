@@ -11,11 +11,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
-
+from kiln.core.compare import within_tolerance
 from kiln.core.errors import BuildError
-from kiln.stages.engines.config import OnnxRuntimeConfig
+from kiln.core.inputs import random_inputs
+from kiln.core.onnx_io import io_specs, ort_session, session_options
+from kiln.core.records import EngineMetadata, PrecisionVariant
+from kiln.core.text import first_line
+from kiln.stages.engines.backend import Backend, BuildRequest, Plan, TritonModel
+from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
+from kiln.stages.engines.onnxruntime_runner import OrtCpuRunner, OrtCudaRunner
 from kiln.stages.engines.ort_autotune import autotune, relevant_knobs
 from kiln.stages.engines.tensorrt_weak import model_carries_precision
 
@@ -59,7 +64,7 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
         log.info("not autotuning %s: %s", out.name, skip)
         built["autotune"] = {"skipped": skip}
         return built
-    inputs, _ = io_spec(model)
+    inputs, _ = io_specs(model)
     batches = sorted(set(cfg.autotune.batch_sizes or [1, max_batch]))
     base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
     built["autotune"] = autotune(out, {**built, "name": out.name, "device": device, "inputs": inputs}, onnx_path,
@@ -134,11 +139,13 @@ def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str
                   cuda_here: bool, to_fp16: bool, keep_fp32: list[str] | None) -> str | None:
     """FP16 conversion (``to_fp16``: asked for, and the graph is FP32), then ORT's offline optimization saved to
     ``dst``."""
-    import onnxruntime as ort
 
     note = None
     if to_fp16:
-        from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+        from onnxruntime.transformers.float16 import (
+            DEFAULT_OP_BLOCK_LIST,
+            convert_float_to_float16,
+        )
 
         # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
         ops = {n.op_type for n in model.graph.node}
@@ -150,18 +157,11 @@ def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str
     src = dst.with_suffix(".source.onnx")
     onnx.save(model, str(src))
     offline = _offline_level(device, cuda_here)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                                     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}[offline]
-    opts.optimized_model_filepath = str(dst)
-    opts.log_severity_level = 3
     providers = provider_list(device, cfg, has_conv(model), precision) if device == "cuda" and cuda_here \
         else ["CPUExecutionProvider"]
-    try:
-        ort.InferenceSession(str(src), opts, providers=providers)  # writes the optimized model
-    except Exception as exc:
-        raise BuildError(f"ONNX Runtime cannot optimize the model: {str(exc).splitlines()[0][:300]}",
-                         hint="an op or type may be unsupported by ONNX Runtime; try another opset") from None
+    try:  # the session writes the optimized model
+        ort_session(src, providers=providers, options=session_options(optimization=offline, optimized_path=dst),
+                    error=BuildError)
     finally:
         src.unlink(missing_ok=True)
     return note
@@ -222,30 +222,45 @@ def graph_has_fp16(model: onnx.ModelProto) -> bool:
 
 def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2) -> str | None:
     """None when both graphs agree on random inputs; else a short description of the difference."""
-    import onnxruntime as ort
-
     try:
-        a, b = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (ref, new))
-    except Exception as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
-        return f"cannot run on CPU to check ({str(exc).splitlines()[0][:120]})"
-    rng = np.random.default_rng(0)
-    feed = {}
-    for i in a.get_inputs():
-        shape = [d if isinstance(d, int) else batch for d in i.shape]
-        feed[i.name] = (rng.integers(0, 2, shape) if "int" in i.type else rng.standard_normal(shape)).astype(
-            np.int64 if "int64" in i.type else np.int32 if "int" in i.type else np.float32)
-    for x, y in zip(a.run(None, feed), b.run(None, feed)):
-        tol = 1e-3 * max(1.0, float(np.abs(x).max()))
-        if x.shape != y.shape or float(np.abs(x.astype(np.float64) - y).max()) > tol:
-            return f"max abs diff {float(np.abs(x.astype(np.float64) - y).max()):.3g} > {tol:.3g}"
+        a, b = (ort_session(m) for m in (ref, new))
+    except BuildError as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
+        return f"cannot run on CPU to check ({first_line(exc, 120)})"
+    feed = random_inputs(io_specs(ref)[0], batch, dynamic=batch)
+    for name, x, y in zip([o.name for o in ref.graph.output], a.run(None, feed), b.run(None, feed)):
+        ok, err, why = within_tolerance(x, y, atol=1e-3, rtol=1e-3)
+        if not ok:
+            return f"output '{name}' {why}"
     return None
 
 
-def io_spec(model: onnx.ModelProto) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    def spec(v: onnx.ValueInfoProto) -> dict[str, Any]:
-        t = v.type.tensor_type
-        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
-        return {"name": v.name, "shape": shape, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name}
+# ------------------------------------------------------------------------------------------------ registration
+def _build(req: BuildRequest) -> dict[str, Any]:
+    return build_ort_engine(req.onnx_path, req.out, req.device, req.precision, req.config.onnxruntime,
+                            req.keep_fp32, req.max_batch)
 
-    inits = {i.name for i in model.graph.initializer}
-    return [spec(v) for v in model.graph.input if v.name not in inits], [spec(v) for v in model.graph.output]
+
+def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
+    import onnxruntime as ort
+
+    if meta.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False, "CUDAExecutionProvider not available (needs onnxruntime-gpu and a CUDA GPU)"
+    return True, ""
+
+
+def _source(backend: Backend, device: str, precision: str, variants: dict[str, PrecisionVariant],
+            cfg: BuildConfig) -> tuple[str, list[str] | None]:
+    """FP16 engines from the FP32 graph by default: ORT fuses first, then converts (see ``fp16_source``),
+    keeping what the precision stage kept FP32. Otherwise the variant's own graph, which carries its FP32 nodes."""
+    if precision == "fp16" and cfg.onnxruntime.fp16_source == "fp32_graph" and "fp32" in variants:
+        return variants["fp32"].path, variants["fp16"].kept_fp32
+    variant = variants[precision]
+    return variant.backend_paths.get(f"{backend.name}-{device}", variant.path), None
+
+
+BACKEND = Backend(
+    name="onnxruntime", devices=("cpu", "cuda"), settings=lambda cfg: cfg.onnxruntime,
+    plan=lambda cfg, precision: Plan(list(cfg.onnxruntime.devices)), build=_build,
+    runners={"cpu": OrtCpuRunner, "cuda": OrtCudaRunner}, can_run=_can_run,
+    triton=TritonModel("onnxruntime_onnx", "model.onnx"), source=_source,
+)

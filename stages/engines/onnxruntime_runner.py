@@ -16,28 +16,22 @@ from typing import Any
 
 import numpy as np
 import onnx
-
+from kiln.core.errors import BuildError
+from kiln.core.onnx_io import ort_session
+from kiln.core.onnx_io import session_options as make_options
+from kiln.core.records import EngineMetadata
+from kiln.core.text import first_line
 from kiln.stages.engines.engines import Runner
 
 log = logging.getLogger("kiln.build")
 
 
 def session_options(settings: dict[str, Any]) -> Any:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = settings.get("intra_op_threads", 0)
-    opts.inter_op_num_threads = settings.get("inter_op_threads", 0)
-    opts.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if settings.get("execution_mode") == "parallel"
-                           else ort.ExecutionMode.ORT_SEQUENTIAL)
-    opts.log_severity_level = 3
-    # Offline optimization already ran; "all" adds only the host-specific layout passes at load.
-    opts.graph_optimization_level = {"none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-                                     "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-                                     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-                                     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[
-        settings.get("load_optimization", "none")]
-    return opts
+    """Session options from an engine's recorded settings. Offline optimization already ran; "all" at load adds
+    only the host-specific layout passes."""
+    return make_options(threads=settings.get("intra_op_threads", 0), inter_threads=settings.get("inter_op_threads", 0),
+                        parallel=settings.get("execution_mode") == "parallel",
+                        optimization=settings.get("load_optimization", "none"))
 
 
 def providers_of(settings: dict[str, Any]) -> list[Any]:
@@ -57,25 +51,31 @@ OTHER_KNOBS = {"cuda_graph", "transformer_fusion"}
 KNOBS = set(CUDA_OPTION_KNOBS) | SESSION_KNOBS | OTHER_KNOBS
 
 
-def plan_for(meta: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
-    """How to open the engine with these knob values: ``{model, settings, providers, cuda_graph}``."""
-    settings = {**meta.get("session", {}), **{k: v for k, v in knobs.items() if k in SESSION_KNOBS}}
+def plan_for(files: dict[str, str], session: dict[str, Any] | None, cuda_graph: bool,
+             knobs: dict[str, Any]) -> dict[str, Any]:
+    """How to open the engine (its ``files``, built ``session`` settings and ``cuda_graph`` switch) with these knob
+    values: ``{model, settings, providers, cuda_graph}``."""
+    settings = {**(session or {}), **{k: v for k, v in knobs.items() if k in SESSION_KNOBS}}
     providers = providers_of(settings)
     if providers and isinstance(providers[0], tuple):
         name, opts = providers[0]
         opts = {**opts, **{CUDA_OPTION_KNOBS[k][0]: CUDA_OPTION_KNOBS[k][1](v)
                            for k, v in knobs.items() if k in CUDA_OPTION_KNOBS}}
         providers = [(name, opts)] + providers[1:]
-    files = meta["files"]
     model = files.get("model_unfused", files["model"]) if knobs.get("transformer_fusion") is False else files["model"]
     return {"model": model, "settings": settings, "providers": providers,
-            "cuda_graph": bool(knobs.get("cuda_graph", meta.get("cuda_graph", False)))}
+            "cuda_graph": bool(knobs.get("cuda_graph", cuda_graph))}
 
 
-def chosen_knobs(meta: dict[str, Any], batch: int | None) -> dict[str, Any]:
+def engine_plan(meta: EngineMetadata, batch: int | None) -> dict[str, Any]:
+    """The plan a built engine runs with at this batch size (``None``: any)."""
+    return plan_for(meta.files, meta.session, meta.cuda_graph, chosen_knobs(meta.autotune, batch))
+
+
+def chosen_knobs(autotune: dict[str, Any] | None, batch: int | None) -> dict[str, Any]:
     """The autotuned knobs for this batch size: its own choice, else the next larger tuned batch (kernels picked
     for more work degrade least), else the largest; ``{}`` (the built settings) when nothing was tuned."""
-    tuned = meta.get("autotune") or {}
+    tuned = autotune or {}
     by_batch = {int(b): c["knobs"] for b, c in (tuned.get("choice_by_batch") or {}).items()}
     if batch is None or not by_batch:
         return dict(tuned.get("choice", {}).get("knobs", {}))
@@ -88,7 +88,7 @@ def open_session(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], graph: 
     if graph:
         name, opts = providers[0]
         providers = [(name, {**opts, "enable_cuda_graph": "1"})] + providers[1:]
-    return ort.InferenceSession(model.SerializeToString(), session_options(plan["settings"]), providers=providers)
+    return ort_session(model, providers=providers, options=session_options(plan["settings"]), error=BuildError)
 
 
 def cuda_slot(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], feed: dict[str, np.ndarray],
@@ -104,7 +104,7 @@ def cuda_slot(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], feed: dict
             session = open_session(ort, fixed, plan, graph=True)
         except Exception as exc:
             log.warning("engine %s: no CUDA graph for shapes %s (%s); using IO binding without it", engine, shapes,
-                        str(exc).splitlines()[0][:200])
+                        first_line(exc, 200))
             static = False
     if not static:
         session = open_session(ort, fixed, plan)
@@ -141,11 +141,10 @@ class OrtCpuRunner(Runner):
     """One session with the autotuned (or built) settings: CPU sessions take any shape, so one choice serves all."""
 
     def _activate(self) -> None:
-        import onnxruntime as ort
 
-        plan = plan_for(self.meta, chosen_knobs(self.meta, None))
-        self.session = ort.InferenceSession(str(self.engine_dir / plan["model"]), session_options(plan["settings"]),
-                                            providers=plan["providers"])
+        plan = engine_plan(self.meta, None)
+        self.session = ort_session(self.engine_dir / plan["model"], providers=plan["providers"],
+                                   options=session_options(plan["settings"]), error=BuildError)
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -163,7 +162,7 @@ class OrtCudaRunner(Runner):
         import onnxruntime as ort
 
         self.ort, self.models = ort, {}
-        base = plan_for(self.meta, {})
+        base = plan_for(self.meta.files, self.meta.session, self.meta.cuda_graph, {})
         self.session = open_session(ort, self._model(base["model"]), base)  # any shape: gives output shapes
         first = base["providers"][0]
         self.device_id = int(first[1].get("device_id", 0)) if isinstance(first, tuple) else 0
@@ -179,7 +178,7 @@ class OrtCudaRunner(Runner):
         key = tuple((n, feed[n].shape, feed[n].dtype.str) for n in self.input_names)
         if key not in self.slots:
             feed = {n: feed[n] for n in self.input_names}
-            plan = plan_for(self.meta, chosen_knobs(self.meta, int(feed[self.input_names[0]].shape[0])))
+            plan = engine_plan(self.meta, int(feed[self.input_names[0]].shape[0]))
             outs = dict(zip(self.output_names, self.session.run(None, feed)))
             self.slots[key] = cuda_slot(self.ort, self._model(plan["model"]), plan, feed, outs, self.device_id,
                                         self.name)

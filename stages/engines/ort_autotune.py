@@ -21,12 +21,21 @@ from typing import Any, Callable
 
 import numpy as np
 import onnx
-
+from kiln.core.compare import compare_outputs, worst
 from kiln.core.errors import ConfigError
+from kiln.core.inputs import random_inputs
+from kiln.core.onnx_io import ort_session
+from kiln.core.text import first_line
 from kiln.stages.engines.config import OrtAutotuneConfig
-from kiln.stages.engines.engines import random_feed
-from kiln.stages.engines.onnxruntime_runner import (KNOBS, cuda_slot, load_slot, open_session, plan_for, session_options,
-                                             time_calls)
+from kiln.stages.engines.onnxruntime_runner import (
+    KNOBS,
+    cuda_slot,
+    load_slot,
+    open_session,
+    plan_for,
+    session_options,
+    time_calls,
+)
 
 log = logging.getLogger("kiln.build")
 Measure = Callable[[dict[str, Any]], dict[str, Any]]
@@ -92,20 +101,12 @@ def pick(trials: list[dict[str, Any]], min_gain: float = 0.0) -> dict[str, Any] 
 
 # ------------------------------------------------------------------------------------------------- agreement
 def agreement(ref: list[np.ndarray], got: list[np.ndarray], rel_tie: float = 1e-3) -> dict[str, float]:
-    """Worst cosine over the outputs, and top-1 agreement on the first one (last axis). A top-1 mismatch where the
-    reference's two logits are within ``rel_tie`` of its largest magnitude is a tie, not a disagreement: random
-    weights give near-ties that FP16 legitimately flips."""
-    cos = []
-    for r, g in zip(ref, got):
-        r64, g64 = r.astype(np.float64).ravel(), np.asarray(g, dtype=np.float64).ravel()
-        denom = np.linalg.norm(r64) * np.linalg.norm(g64)
-        cos.append(1.0 if denom == 0 and not r64.any() and not g64.any() else float(r64 @ g64 / max(denom, 1e-30)))
-    r, g = ref[0].astype(np.float64), np.asarray(got[0], dtype=np.float64)
-    r2, g2 = r.reshape(-1, r.shape[-1]), g.reshape(-1, r.shape[-1])
-    ri, gi = r2.argmax(-1), g2.argmax(-1)
-    rows = np.arange(len(r2))
-    tie = np.abs(r2[rows, ri] - r2[rows, gi]) <= rel_tie * max(float(np.abs(r2).max()), 1e-30)
-    return {"cosine": min(cos), "top1": float(np.mean((ri == gi) | tie))}
+    """The comparator's worst ``cosine`` over the outputs, and ``top1_agreement`` of the first one, with near-ties
+    (within ``rel_tie`` of the reference's largest magnitude) counted as agreement: random weights give near-ties
+    that FP16 legitimately flips."""
+    stats = compare_outputs(ref, [np.asarray(g) for g in got], rel_tie=rel_tie)
+    top1 = stats["0"].top1_agreement
+    return {"cosine": worst(stats, "cosine"), "top1": 1.0 if top1 is None else top1}
 
 
 # --------------------------------------------------------------------------------------------------- measuring
@@ -121,13 +122,13 @@ class Bench:
         self.cuda = meta["device"] == "cuda"
         self.models: dict[str, onnx.ModelProto] = {}
         # The FP32 reference runs on the CPU EP: independent of every knob tried here.
-        self.ref = ort.InferenceSession(str(reference), session_options({}), providers=["CPUExecutionProvider"])
+        self.ref = ort_session(reference, options=session_options({}))
         self.feeds: dict[int, dict[str, np.ndarray]] = {}
         self.refs: dict[int, list[np.ndarray]] = {}
 
     def feed(self, batch: int) -> dict[str, np.ndarray]:
         if batch not in self.feeds:
-            self.feeds[batch] = random_feed(self.meta["inputs"], batch, hint=AUTOTUNE_SHAPES_HINT)
+            self.feeds[batch] = random_inputs(self.meta["inputs"], batch, hint=AUTOTUNE_SHAPES_HINT)
             self.refs[batch] = self.ref.run(None, self.feeds[batch])
         return self.feeds[batch]
 
@@ -135,7 +136,7 @@ class Bench:
         trial: dict[str, Any] = {"knobs": knobs, "batch": batch, "agrees": False, "median_ms": None}
         t0 = time.perf_counter()
         try:
-            plan = plan_for(self.meta, knobs)
+            plan = plan_for(self.meta["files"], self.meta["session"], self.meta["cuda_graph"], knobs)
             call, fetch, graph = self._prepare(plan, batch)
             if plan["cuda_graph"] and not graph:  # timing it would mislabel a graph-less run; that one is its own trial
                 raise RuntimeError("ONNX Runtime cannot capture a CUDA graph for this model and shape")
@@ -144,7 +145,7 @@ class Bench:
             times = self.timer(call, self.cfg.iterations)
             quality = agreement(self.refs[batch], fetch())
         except Exception as exc:  # a candidate ORT rejects here (e.g. a knob this build lacks) is recorded, not fatal
-            trial["error"] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            trial["error"] = first_line(exc)
             log.info("autotune batch %d %s: failed (%s)", batch, knobs, trial["error"])
             return trial
         trial |= {"median_ms": round(float(np.median(times)), 4), "p90_ms": round(float(np.percentile(times, 90)), 4),

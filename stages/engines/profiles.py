@@ -9,27 +9,28 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
 from kiln.stages.engines.config import ShapeRange
 
 Profile = dict[str, ShapeRange]
 
 
-def default_profiles(inputs: list[dict[str, Any]], max_batch: int) -> list[Profile]:
+def default_profiles(inputs: list[TensorSpec], max_batch: int) -> list[Profile]:
     """One profile, batch 1..``max_batch`` (opt at ``max_batch``: throughput rows matter most for serving)."""
     profile: Profile = {}
     for spec in inputs:
-        rest = spec["shape"][1:]
+        rest = spec.shape[1:]
         unknown = [d for d in rest if not isinstance(d, int) or d < 1]
         if unknown:
-            raise ConfigError(f"input '{spec['name']}' has dynamic axes {spec['shape']} besides the batch axis",
+            raise ConfigError(f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis",
                               hint="give build.tensorrt.profiles with min/opt/max for this input")
-        profile[spec["name"]] = ShapeRange(min=[1, *rest], opt=[max_batch, *rest], max=[max_batch, *rest])
+        profile[spec.name] = ShapeRange(min=[1, *rest], opt=[max_batch, *rest], max=[max_batch, *rest])
     return [profile]
 
 
-def check_profiles(profiles: Sequence[Profile], inputs: list[dict[str, Any]]) -> None:
+def check_profiles(profiles: Sequence[Profile], inputs: list[TensorSpec]) -> None:
     """Every profile names exactly the model's inputs, with their rank and fixed dims: else a ConfigError."""
-    names = [s["name"] for s in inputs]
+    names = [s.name for s in inputs]
     if not profiles:
         raise ConfigError("no optimization profile to build with", hint="remove build.tensorrt.profiles: []")
     for i, profile in enumerate(profiles):
@@ -40,18 +41,18 @@ def check_profiles(profiles: Sequence[Profile], inputs: list[dict[str, Any]]) ->
                               + ", ".join(filter(None, [unknown and f"unknown {unknown}", missing and f"missing {missing}"])),
                               hint="name every model input once per profile (see `kiln inspect` or the ONNX file)")
         for spec in inputs:
-            _check_range(where, spec, profile[spec["name"]])
+            _check_range(where, spec, profile[spec.name])
 
 
-def _check_range(where: str, spec: dict[str, Any], rng: ShapeRange) -> None:
-    shape = spec["shape"]
+def _check_range(where: str, spec: TensorSpec, rng: ShapeRange) -> None:
+    shape = spec.shape
     if len(rng.min) != len(shape):
-        raise ConfigError(f"{where}.{spec['name']}: rank {len(rng.min)} but the model's input has shape {shape}",
+        raise ConfigError(f"{where}.{spec.name}: rank {len(rng.min)} but the model's input has shape {shape}",
                           hint=f"give {len(shape)} dims for min, opt and max")
     for axis, dim in enumerate(shape):
         fixed = isinstance(dim, int) and dim > 0
         if fixed and not (rng.min[axis] == rng.opt[axis] == rng.max[axis] == dim):
-            raise ConfigError(f"{where}.{spec['name']}: axis {axis} is fixed to {dim} in the model, the profile gives "
+            raise ConfigError(f"{where}.{spec.name}: axis {axis} is fixed to {dim} in the model, the profile gives "
                               f"min/opt/max {rng.min[axis]}/{rng.opt[axis]}/{rng.max[axis]}",
                               hint=f"use {dim} on axis {axis}, or export the model with that axis dynamic")
 

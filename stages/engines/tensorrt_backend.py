@@ -10,54 +10,41 @@ Imported lazily: Kiln works without TensorRT, and TensorRT-RTX builds engines ev
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kiln.core.errors import BackendUnavailable, BuildError
+from kiln.core.errors import BackendUnavailable, BuildError, ConfigError
+from kiln.core.records import EngineMetadata
 from kiln.stages.engines import tensorrt_cache
-from kiln.stages.engines.config import TensorRTConfig
-from kiln.stages.engines.profiles import Profile, as_json
-from kiln.stages.engines.tensorrt_errors import KilnTrtLogger, gc_paused_for_tensorrt, parse_onnx
-from kiln.stages.engines.tensorrt_weak import configure_weak_typing, graph_carries_precision
+from kiln.stages.engines.backend import Backend, BuildRequest, Plan, TritonModel
+from kiln.stages.engines.config import BuildConfig, TensorRTConfig
+from kiln.stages.engines.profiles import (
+    Profile,
+    as_json,
+    check_profiles,
+    default_profiles,
+)
+from kiln.stages.engines.tensorrt_errors import (
+    KilnTrtLogger,
+    gc_paused_for_tensorrt,
+    parse_onnx,
+)
+from kiln.stages.engines.tensorrt_lib import (
+    features,
+    import_tensorrt,
+    local_gpu,
+    require_tensorrt,
+)
+from kiln.stages.engines.tensorrt_runtime import TensorRTRunner, can_execute
+from kiln.stages.engines.tensorrt_weak import (
+    configure_weak_typing,
+    graph_carries_precision,
+)
 
-FLAVOURS = ("tensorrt", "tensorrt_rtx")
 log = logging.getLogger("kiln.build")
-
-
-def import_tensorrt(flavour: str | None = None) -> ModuleType | None:
-    for name in (flavour,) if flavour else FLAVOURS:
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return None
-
-
-def require_tensorrt() -> ModuleType:
-    trt = import_tensorrt()
-    if trt is None:
-        raise BackendUnavailable("no TensorRT package imports (tried tensorrt, tensorrt_rtx)",
-                                 hint="pip install 'kiln[rtx]' (TensorRT-RTX) or 'kiln[tensorrt]'")
-    return trt
-
-
-def features(trt: ModuleType) -> dict[str, bool]:
-    """What this TensorRT can do, detected from its API rather than its version number."""
-    flags, cfg = trt.BuilderFlag, trt.IBuilderConfig
-    return {
-        "strongly_typed": hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"),
-        "fp16_flag": hasattr(flags, "FP16"),
-        "int8_flag": hasattr(flags, "INT8"),
-        "int8_calibrator": hasattr(trt, "IInt8EntropyCalibrator2"),
-        "compute_capability_targets": hasattr(cfg, "set_compute_capability"),
-        "runtime_cache": hasattr(trt, "IRuntimeCache"),
-        # TensorRT-RTX keeps the timing-cache API but documents it as a no-op.
-        "timing_cache": trt.__name__ != "tensorrt_rtx",
-    }
 
 
 def build_trt_engine(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile],
@@ -146,8 +133,6 @@ def _configure(trt: ModuleType, builder: Any, config: Any, cfg: TensorRTConfig, 
 def _enum(trt: ModuleType, enum: str, name: str) -> Any:
     members = getattr(trt, enum).__members__
     if name not in members:
-        from kiln.core.errors import ConfigError
-
         raise ConfigError(f"unknown {enum} '{name}' for {trt.__name__} {trt.__version__}",
                           hint=f"use one of {sorted(members)}")
     return members[name]
@@ -177,15 +162,6 @@ def _target_meta(trt: ModuleType, cfg: TensorRTConfig, target: str) -> dict[str,
     return meta
 
 
-def local_gpu() -> dict[str, str] | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return {"name": torch.cuda.get_device_name(0),
-            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}
-
-
 def network_layers(network: Any) -> list[dict[str, Any]]:
     """The parsed network's layers (name, type, output dtypes): available on every machine, unlike the inspector."""
     layers = []
@@ -199,8 +175,6 @@ def network_layers(network: Any) -> list[dict[str, Any]]:
 
 def _inspect(trt: ModuleType, plan: bytes, out: Path, logger: Any) -> dict[str, str]:
     """The engine inspector's per-layer JSON; it needs to deserialize the engine, so only where it can run."""
-    from kiln.stages.engines.tensorrt_runtime import can_execute
-
     ok, why = can_execute(trt)
     if not ok:
         log.info("no engine inspector layer info: %s", why)
@@ -220,3 +194,34 @@ def _build_hint(errors: str) -> str:
     if "profile" in errors.lower() or "dimension" in errors.lower():
         return "check build.tensorrt.profiles against the model's input shapes"
     return "the layer named above is the one TensorRT could not implement; try optimize passes or another opset"
+
+
+# ------------------------------------------------------------------------------------------------ registration
+def _build_request(req: BuildRequest) -> dict[str, Any]:
+    profiles = list(req.config.tensorrt.profiles) or default_profiles(req.inputs, req.max_batch)
+    check_profiles(profiles, req.inputs)
+    return build_trt_engine(req.onnx_path, req.out, req.precision, req.config.tensorrt, profiles, req.cache_dir)
+
+
+def _plan(cfg: BuildConfig, precision: str) -> Plan:
+    """Build for CUDA unless switched off; with no TensorRT package, ``auto`` skips (reported), ``always`` fails."""
+    if cfg.tensorrt.enabled == "never":
+        return Plan([])
+    if import_tensorrt() is None:
+        if cfg.tensorrt.enabled == "always":
+            raise BackendUnavailable("build.tensorrt.enabled is 'always' but TensorRT does not import",
+                                     hint="pip install 'kiln[rtx]' or set build.tensorrt.enabled: auto")
+        return Plan([], [f"tensorrt-{precision}: no tensorrt/tensorrt_rtx package"])
+    return Plan(["cuda"])
+
+
+def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
+    return can_execute(import_tensorrt(meta.flavour), meta)
+
+
+BACKEND = Backend(
+    name="tensorrt", devices=("cuda",), settings=lambda cfg: cfg.tensorrt, plan=_plan, build=_build_request,
+    runners={"cuda": TensorRTRunner}, can_run=_can_run, triton=TritonModel("tensorrt_plan", "model.plan"),
+    # auto: the other engines are still useful when TensorRT cannot build this graph; the failure is reported
+    optional=lambda cfg: cfg.tensorrt.enabled != "always",
+)

@@ -13,17 +13,21 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-
+from kiln.core.errors import BackendUnavailable, BuildError
+from kiln.core.records import EngineMetadata
+from kiln.stages.engines import tensorrt_cache
 from kiln.stages.engines.engines import Runner
 from kiln.stages.engines.profiles import profile_for
+from kiln.stages.engines.tensorrt_errors import KilnTrtLogger, gc_paused_for_tensorrt
+from kiln.stages.engines.tensorrt_lib import import_tensorrt
 
 log = logging.getLogger("kiln.build")
 
 
-def can_execute(trt: ModuleType | None, meta: dict[str, Any] | None = None) -> tuple[bool, str]:
+def can_execute(trt: ModuleType | None, meta: EngineMetadata | None = None) -> tuple[bool, str]:
     """Whether ``trt`` can execute (this) engine on this machine, and why not."""
     if trt is None:
-        flavour = (meta or {}).get("flavour", "tensorrt")
+        flavour = meta.flavour if meta else "tensorrt"
         return False, f"{flavour} is not installed here, so its engine cannot run"
     import torch
 
@@ -35,14 +39,14 @@ def can_execute(trt: ModuleType | None, meta: dict[str, Any] | None = None) -> t
         return False, (f"TensorRT-RTX {trt.__version__} does not support this GPU's compute capability "
                        f"{cc[:-1]}.{cc[-1]} (it supports {', '.join(supported)})")
     if meta is not None:
-        built = meta.get("versions", {}).get(trt.__name__)
+        built = meta.versions.get(trt.__name__)
         if built and built != trt.__version__:
             return False, f"engine built with {trt.__name__} {built}, this machine has {trt.__version__}: rebuild it"
-        targets = meta.get("target", {}).get("compute_capabilities") or []
+        targets = (meta.target or {}).get("compute_capabilities") or []
         explicit = [t for t in targets if t.startswith("SM")]
         if explicit and f"SM{cc}" not in explicit:
             return False, f"engine built for {', '.join(explicit)}, this GPU is SM{cc}: rebuild for it"
-        local = (meta.get("target", {}).get("local_gpu") or {}).get("compute_capability")
+        local = ((meta.target or {}).get("local_gpu") or {}).get("compute_capability")
         if trt.__name__ == "tensorrt" and local and local.replace(".", "") != cc:
             return False, f"engine tuned for compute capability {local}, this GPU is {cc[:-1]}.{cc[-1]}: rebuild it"
     return True, ""
@@ -52,32 +56,24 @@ class TensorRTRunner(Runner):
     """Device buffers from torch; one CUDA graph per input shape when ``cuda_graph`` is on (TensorRT 10/11)."""
 
     def _activate(self) -> None:
-        from kiln.stages.engines.tensorrt_errors import gc_paused_for_tensorrt
-
         with gc_paused_for_tensorrt():  # our Python logger runs inside TensorRT's locks
             self._load()
 
     def _load(self) -> None:
         import torch
 
-        from kiln.stages.engines import tensorrt_cache
-        from kiln.stages.engines.tensorrt_backend import import_tensorrt
-        from kiln.stages.engines.tensorrt_errors import KilnTrtLogger
-
-        trt = self.trt = import_tensorrt(self.meta["flavour"])
+        trt = self.trt = import_tensorrt(self.meta.flavour)
         self.torch, self.logger = torch, KilnTrtLogger(trt)
         self.engine = trt.Runtime(self.logger).deserialize_cuda_engine((self.engine_dir / "engine.plan").read_bytes())
         if self.engine is None:
-            from kiln.core.errors import BackendUnavailable
-
             raise BackendUnavailable(f"cannot load engine {self.name}: {self.logger.last_errors()}")
         self.runtime_cache = None
         if hasattr(self.engine, "create_runtime_config"):  # TensorRT-RTX: JIT kernels cached across runs
             rc = self.engine.create_runtime_config()
-            self.cache_path = Path(self.meta["runtime_cache"]) if self.meta.get("runtime_cache") else None
+            self.cache_path = Path(self.meta.runtime_cache) if self.meta.runtime_cache else None
             if self.cache_path:
                 self.runtime_cache = tensorrt_cache.load_runtime_cache(rc, self.cache_path)
-            if self.meta.get("cuda_graph") and hasattr(trt, "CudaGraphStrategy"):
+            if self.meta.cuda_graph and hasattr(trt, "CudaGraphStrategy"):
                 rc.cuda_graph_strategy = trt.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE
             self.context = self.engine.create_execution_context(rc)
         else:
@@ -85,7 +81,7 @@ class TensorRTRunner(Runner):
         self.stream = torch.cuda.Stream()
         self.names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.outputs = [n for n in self.names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.use_graph = bool(self.meta.get("cuda_graph")) and self.runtime_cache is None
+        self.use_graph = bool(self.meta.cuda_graph) and self.runtime_cache is None
         self.slots: dict[tuple, dict[str, Any]] = {}  # input shapes -> static buffers (+ graph)
 
     def _slot(self, feed: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -94,7 +90,7 @@ class TensorRTRunner(Runner):
         key = tuple((n, feed[n].shape) for n in self.input_names)
         if key in self.slots:
             return self.slots[key]
-        idx = profile_for(self.meta.get("profiles", []), {n: feed[n].shape for n in self.input_names}) or 0
+        idx = profile_for(self.meta.profiles or [], {n: feed[n].shape for n in self.input_names}) or 0
         self.context.set_optimization_profile_async(idx, self.stream.cuda_stream)
         bufs: dict[str, Any] = {}
         for n in self.input_names:
@@ -120,8 +116,6 @@ class TensorRTRunner(Runner):
             if slot["graph"] is not None:
                 slot["graph"].replay()
             elif not self.context.execute_async_v3(self.stream.cuda_stream):
-                from kiln.core.errors import BuildError
-
                 raise BuildError(f"engine {self.name} failed to execute: {self.logger.last_errors()}")
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -158,8 +152,6 @@ class TensorRTRunner(Runner):
 
     def _deactivate(self) -> None:
         if self.runtime_cache is not None and self.cache_path:
-            from kiln.stages.engines import tensorrt_cache
-
             tensorrt_cache.save_runtime_cache(self.runtime_cache, self.cache_path)
         self.slots.clear()
         del self.context, self.engine

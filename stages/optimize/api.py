@@ -9,15 +9,14 @@ from typing import Any
 
 import onnx
 import onnx_graphsurgeon as gs
-
 from kiln.core.errors import ModelError
-from kiln.core.onnx_io import check_onnx, load_onnx
+from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, save_onnx
+from kiln.core.text import first_line
+from kiln.stages.optimize.catalog import resolve
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.optimize.registry import resolve
 from kiln.stages.optimize.verify import Verifier
 
 log = logging.getLogger("kiln.optimize")
-_STRIP_BYTES = 4096  # initializers above this are handed to shape inference as dims only
 
 
 def histogram(model: onnx.ModelProto) -> Counter[str]:
@@ -26,49 +25,6 @@ def histogram(model: onnx.ModelProto) -> Counter[str]:
 
 def _delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
     return {op: after[op] - before[op] for op in sorted(set(before) | set(after)) if after[op] != before[op]}
-
-
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """ONNX shape inference (with data propagation) on a copy whose big initializers carry dims but no data:
-    fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` with value_info filled."""
-    light = _without_initializers(model)  # and without recorded value_info: stale shapes must not survive
-    for init in model.graph.initializer:
-        t = light.graph.initializer.add()
-        if init.ByteSize() <= _STRIP_BYTES:
-            t.CopyFrom(init)
-        else:  # dims and type only: inference reads nothing else from big tensors
-            t.name, t.data_type = init.name, init.data_type
-            t.dims.extend(init.dims)
-            t.data_location = onnx.TensorProto.EXTERNAL
-            t.external_data.add(key="location", value="__kiln_stripped__")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(light, data_prop=True)
-    except Exception as exc:  # inference is a helper for the passes, not a gate: carry on without it
-        log.warning("shape inference failed (%s); passes that need shapes will skip", str(exc).splitlines()[0])
-        return model
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(inferred.graph.value_info)
-    return model
-
-
-def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` without its initializers, built field by field so the weights are never copied."""
-    shell = onnx.ModelProto()
-    _copy_fields(model, shell, skip=("graph",))
-    _copy_fields(model.graph, shell.graph, skip=("initializer", "value_info"))
-    return shell
-
-
-def _copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> None:
-    for field, value in src.ListFields():
-        if field.name in skip:
-            continue
-        if hasattr(value, "extend"):  # repeated field
-            getattr(dst, field.name).extend(value)
-        elif hasattr(value, "ListFields"):  # sub-message
-            getattr(dst, field.name).CopyFrom(value)
-        else:
-            setattr(dst, field.name, value)
 
 
 def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
@@ -87,7 +43,7 @@ def _apply(spec: Any, params: Any, model: onnx.ModelProto) -> tuple[onnx.ModelPr
     if not changes:
         return None, 0
     graph.cleanup().toposort()
-    return infer_shapes(_export(graph, model)), changes
+    return infer_shapes(_export(graph, model), strict=False), changes
 
 
 def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.ModelProto, dict[str, Any]]:
@@ -97,14 +53,14 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.Mo
     plan = [resolve(e) for e in cfg.passes]
     current = onnx.ModelProto()
     current.CopyFrom(model)  # shape inference refreshes value_info: leave the caller's model untouched
-    current = infer_shapes(current)
+    current = infer_shapes(current, strict=False)
     verifier = None
     if cfg.verify:
         try:
             verifier = Verifier(current, cfg)
         except Exception as exc:  # unverified rewrites must never ship silently: the user decides
             raise ModelError(f"the optimizer's safety net cannot run the input model on random inputs "
-                             f"({str(exc).splitlines()[0][:200]})",
+                             f"({first_line(exc, 200)})",
                              hint="set optimize.int_high below the smallest vocabulary / index range, or "
                                   "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
                                   "size); or optimize.verify: false to rewrite without checking") from None
@@ -141,24 +97,6 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.Mo
     return current, summary
 
 
-def save_model(model: onnx.ModelProto, dst: Path, external: bool) -> None:
-    """Write ``model`` to ``dst``; weights go to ``<dst>.data`` when ``external`` or when over 2 GB.
-    A stale data file is removed first: onnx appends to an existing one."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    data = dst.with_name(dst.name + ".data")
-    if data.exists():
-        data.unlink()
-    try:
-        big = model.ByteSize() > 2**31 - 1
-    except ValueError:
-        big = True
-    if external or big:
-        onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)
-    else:
-        onnx.save_model(model, str(dst))
-
-
 def _uses_external_data(path: Path) -> bool:
     shell = onnx.load(str(path), load_external_data=False)
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in shell.graph.initializer)
@@ -173,7 +111,7 @@ def optimize_file(src: Path, dst: Path, cfg: OptimizeConfig) -> dict[str, Any]:
     out, summary = optimize_model(model, cfg)
     if dst.resolve() == src.resolve():
         raise ModelError(f"refusing to overwrite the input model {src}", hint="choose another -o path")
-    save_model(out, dst, external)
+    save_onnx(out, dst, external=external)
     check_onnx(dst, "optimized model")
     summary.update(src=str(src), dst=str(dst), external_data=external or (dst.with_name(dst.name + ".data")).exists())
     return summary

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from pydantic import Field, field_validator
-
 from kiln.core.sections import Section
+from kiln.stages.optimize.catalog import resolve
+from pydantic import Field, field_validator
 
 # Order matters: fold first so patterns see constants, fuse, then fold/clean again what fusions exposed.
 DEFAULT_PASSES: list[str] = [
@@ -45,8 +45,6 @@ class OptimizeConfig(Section):
     @classmethod
     def _known_passes(cls, v: list[Union[str, dict[str, Any]]]) -> list[Union[str, dict[str, Any]]]:
         # Raises ConfigError (listing the available passes) for unknown names or bad params, at config load.
-        from kiln.stages.optimize.registry import resolve
-
         for entry in v:
             resolve(entry)
         return v

@@ -1,4 +1,5 @@
-"""The pass registry: name -> (function, typed params, one-sentence description).
+"""The pass registry: name -> (function, typed params, one-sentence description). Pass modules register
+into it; ``catalog`` imports them all and looks passes up.
 
 A plain dict so a reader sees every pass in one place. A pass is ``fn(graph, params) -> int``: it rewrites
 the onnx-graphsurgeon graph in place and returns how many rewrites it made (0 = nothing matched).
@@ -9,9 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import onnx_graphsurgeon as gs
-from pydantic import BaseModel, ConfigDict, ValidationError
-
-from kiln.core.errors import ConfigError
+from pydantic import BaseModel, ConfigDict
 
 
 class NoParams(BaseModel):
@@ -43,42 +42,3 @@ def register(name: str, params: type[BaseModel] = NoParams) -> Callable[[PassFn]
         return fn
 
     return wrap
-
-
-def _load() -> dict[str, PassSpec]:
-    # Importing the families fills PASSES; done lazily so the config module stays light.
-    from kiln.stages.optimize.passes import eliminate, fold, fuse_linear, patterns, qkv  # noqa: F401
-
-    return PASSES
-
-
-def available() -> list[str]:
-    return sorted(_load())
-
-
-def resolve(entry: str | dict[str, Any]) -> tuple[PassSpec, BaseModel]:
-    """A config entry (a name, or ``{name: ..., <params>}``) -> the pass and its validated params."""
-    passes = _load()
-    if isinstance(entry, str):
-        name, raw = entry, {}
-    elif isinstance(entry, dict) and isinstance(entry.get("name"), str):
-        raw = {k: v for k, v in entry.items() if k != "name"}
-        name = entry["name"]
-    else:
-        raise ConfigError(f"optimize.passes entry {entry!r} is neither a pass name nor a mapping with 'name'",
-                          hint="write e.g. `- fold_constants` or `- {name: merge_qkv, min_branches: 2}`")
-    if name not in passes:
-        raise ConfigError(f"unknown optimize pass '{name}'", hint=f"available passes: {', '.join(sorted(passes))}")
-    spec = passes[name]
-    try:
-        params = spec.params(**raw)
-    except ValidationError as exc:
-        fields = ", ".join(spec.params.model_fields) or "none"
-        raise ConfigError(f"bad params for optimize pass '{name}': {str(exc).splitlines()[1:3]}",
-                          hint=f"params of '{name}': {fields}") from None
-    return spec, params
-
-
-def describe() -> dict[str, str]:
-    """Pass name -> one-sentence description (for `kiln config` and the docs)."""
-    return {n: s.description for n, s in sorted(_load().items())}

@@ -11,19 +11,20 @@ only output shapes and types are compared.
 from __future__ import annotations
 
 import logging
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-
+from kiln.core.compare import within_tolerance
+from kiln.core.inputs import random_inputs as make_inputs
+from kiln.core.onnx_io import io_specs, ort_session, session_options
+from kiln.core.text import first_line
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.passes.util import RANDOM_OPS
 
 log = logging.getLogger("kiln.optimize")
-_INLINE_LIMIT = 1_800_000_000  # bytes: above this, hand ORT a file with external data (protobuf caps at 2 GB)
+_CHECK_LIMIT = 1_800_000_000  # bytes: the checker needs the model in memory, as one protobuf (capped at 2 GB)
 
 
 @dataclass
@@ -36,40 +37,15 @@ class Verdict:
 def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None = None) -> dict[str, np.ndarray]:
     """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``
     when given), integers lie in [0, int_high]."""
-    rng = np.random.default_rng(cfg.seed)
-    inits = {i.name for i in model.graph.initializer}
-    feed: dict[str, np.ndarray] = {}
-    for inp in model.graph.input:
-        if inp.name in inits:
-            continue
-        tt = inp.type.tensor_type
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-        shape = [d.dim_value if d.HasField("dim_value") else batch if i == 0 and batch else cfg.verify_batch
-                 for i, d in enumerate(tt.shape.dim)]
-        if dtype == np.bool_:
-            feed[inp.name] = rng.random(shape) < 0.5
-        elif np.issubdtype(dtype, np.integer):
-            feed[inp.name] = rng.integers(0, cfg.int_high + 1, size=shape).astype(dtype)
-        else:
-            feed[inp.name] = rng.standard_normal(shape).astype(dtype)
-    return feed
+    specs, _ = io_specs(model)
+    return make_inputs(specs, batch or cfg.verify_batch, dynamic=cfg.verify_batch, int_high=cfg.int_high,
+                       seed=cfg.seed)
 
 
 def run_ort(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    opts.log_severity_level = 3
-    names = [o.name for o in model.graph.output]
-    if _byte_size(model) < _INLINE_LIMIT:
-        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        return dict(zip(names, sess.run(None, feed)))
-    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
-        path = Path(tmp) / "model.onnx"
-        onnx.save_model(model, str(path), save_as_external_data=True, location="model.onnx.data")
-        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        return dict(zip(names, sess.run(None, feed)))
+    """The model as written (ORT's own graph optimizations off: they must not hide what a pass did)."""
+    sess = ort_session(model, options=session_options(optimization="none"))
+    return dict(zip([o.name for o in model.graph.output], sess.run(None, feed)))
 
 
 def _byte_size(model: onnx.ModelProto) -> int:
@@ -93,7 +69,7 @@ class Verifier:
                 self.feeds.append(one)
         except Exception as exc:
             log.info("safety net: the input model does not run at batch 1 (%s); checking at %d only",
-                     str(exc).splitlines()[0][:120], cfg.verify_batch)
+                     first_line(exc, 120), cfg.verify_batch)
         self.check_graph = _passes_checker(model)
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
@@ -103,18 +79,18 @@ class Verifier:
             log.warning("the model has random ops: the safety net can compare only output shapes and types")
 
     def check(self, candidate: onnx.ModelProto) -> Verdict:
-        if self.check_graph and _byte_size(candidate) < _INLINE_LIMIT:
+        if self.check_graph and _byte_size(candidate) < _CHECK_LIMIT:
             try:
                 onnx.checker.check_model(candidate)
             except onnx.checker.ValidationError as exc:
-                return Verdict(False, float("inf"), f"not a valid ONNX graph: {str(exc).splitlines()[0][:200]}")
+                return Verdict(False, float("inf"), f"not a valid ONNX graph: {first_line(exc, 400)}")
         atol, rtol = (float("inf"), float("inf")) if self.random else (self.cfg.atol, self.cfg.rtol)
         worst = 0.0
         for feed, reference in zip(self.feeds, self.references):
             try:
                 got = run_ort(candidate, feed)
             except Exception as exc:  # ORT rejects the graph: the pass broke it
-                return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {str(exc).splitlines()[0][:200]}")
+                return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {first_line(exc, 400)}")
             verdict = compare(reference, got, atol, rtol)
             if not verdict.ok:
                 return verdict
@@ -125,7 +101,7 @@ class Verifier:
 def _passes_checker(model: onnx.ModelProto) -> bool:
     """Whether the checker can judge the passes: not when the input already fails it (then every pass would be
     rolled back for what it inherited), nor for models too big to check in memory."""
-    if _byte_size(model) >= _INLINE_LIMIT:
+    if _byte_size(model) >= _CHECK_LIMIT:
         return False
     try:
         onnx.checker.check_model(model)
@@ -147,30 +123,21 @@ def _flat(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def compare(reference: dict[str, Any], got: dict[str, Any], atol: float, rtol: float) -> Verdict:
-    """Does ``got`` match ``reference`` within ``atol + rtol * max|reference|`` per output? Infinite tolerances
-    check shapes and types only (for random outputs)."""
+    """Does ``got`` match ``reference`` within ``atol + rtol * max|reference|`` per output (the comparator's
+    :func:`~kiln.core.compare.within_tolerance`)? Infinite tolerances check shapes and types only (random outputs)."""
     ref_flat, got_flat = _flat(reference), _flat(got)
     worst = 0.0
     for name, ref in ref_flat.items():
         out = got_flat.get(name)
-        if out is None or out.shape != ref.shape or out.dtype != ref.dtype:
-            what = "missing" if out is None else f"{out.dtype}{list(out.shape)} vs {ref.dtype}{list(ref.shape)}"
-            return Verdict(False, float("inf"), f"output '{name}' {what}")
+        if out is None:
+            return Verdict(False, float("inf"), f"output '{name}' missing")
         if np.isinf(atol):
+            if out.shape != ref.shape or out.dtype != ref.dtype:
+                return Verdict(False, float("inf"), f"output '{name}' {out.dtype}{list(out.shape)} vs "
+                                                    f"{ref.dtype}{list(ref.shape)}")
             continue
-        if not np.issubdtype(ref.dtype, np.inexact):
-            if not np.array_equal(out, ref):
-                return Verdict(False, float("inf"), f"output '{name}' (integer) differs")
-            continue
-        if not np.array_equal(np.isnan(out), np.isnan(ref)):
-            return Verdict(False, float("inf"), f"output '{name}' has NaNs in different places")
-        ref64, out64 = ref.astype(np.float64), out.astype(np.float64)
-        finite = np.isfinite(ref64)
-        if not np.array_equal(out64[~finite], ref64[~finite], equal_nan=True):  # an inf must stay the same inf
-            return Verdict(False, float("inf"), f"output '{name}' has infinities in different places")
-        err = float(np.max(np.abs(out64[finite] - ref64[finite]), initial=0.0))
-        scale = float(np.max(np.abs(ref64[finite]), initial=0.0))
+        ok, err, why = within_tolerance(ref, out, atol, rtol)
+        if not ok:
+            return Verdict(False, err, f"output '{name}' {why}")
         worst = max(worst, err)
-        if err > atol + rtol * scale:
-            return Verdict(False, err, f"output '{name}' max abs error {err:.3g} > {atol:g} + {rtol:g} * {scale:.3g}")
     return Verdict(True, worst)

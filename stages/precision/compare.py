@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-
+from kiln.core.compare import compare_arrays
 from kiln.core.onnx_io import ort_session
 
 Model = onnx.ModelProto | Path
@@ -41,25 +41,16 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def output_metrics(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
-    """Top-1 agreement, mean cosine similarity and max abs error of ``got`` against ``ref`` logits."""
-    ref2, got2 = ref.reshape(len(ref), -1), got.reshape(len(got), -1)
-    finite = bool(np.isfinite(got2).all())
-    with np.errstate(all="ignore"):  # non-finite outputs are reported as NaN/inf, not warned about
-        num = (ref2 * got2).sum(1)
-        den = np.linalg.norm(ref2, axis=1) * np.linalg.norm(got2, axis=1) + 1e-30
-    return {"top1_agreement": float(np.mean(ref2.argmax(1) == got2.argmax(1))),
-            "cosine": float(np.mean(num / den)) if finite else float("nan"),
-            "max_abs_err": float(np.max(np.abs(ref2 - got2))) if finite else float("inf"),
-            "samples": int(len(ref2))}
+def output_metrics(ref: np.ndarray, got: np.ndarray) -> dict[str, float | None]:
+    """The comparator's top-1 agreement, cosine and max abs error of ``got`` against ``ref``, with the sample count."""
+    stats = compare_arrays(ref, got)
+    return {"top1_agreement": stats.top1_agreement, "cosine": stats.cosine, "max_abs_err": stats.max_abs_err,
+            "samples": int(len(ref))}
 
 
 def rel_error(ref: np.ndarray, got: np.ndarray) -> float:
-    if ref.shape != got.shape:
-        return float("inf")
-    if not np.isfinite(got).all():
-        return float("inf")
-    return float(np.linalg.norm(ref - got) / (np.linalg.norm(ref) + 1e-12))
+    """The comparator's relative L2 error; inf when the shapes differ."""
+    return compare_arrays(ref, got).rel_err if ref.shape == got.shape else float("inf")
 
 
 def tensor_errors(ref_model: Model, model: Model, x: np.ndarray, tensors: list[str]) -> dict[str, float]:

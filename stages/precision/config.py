@@ -1,13 +1,13 @@
 """Settings of the precision stage (FP16 mixed precision, INT8 via calibration, accuracy-driven fallback)."""
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
+from typing import Literal, get_args
 
 from kiln.core.sections import Section
+from pydantic import Field
 
 Precision = Literal["fp32", "fp16", "int8"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # Ops whose FP16 result is unreliable: normalisation statistics, exponentials and powers overflow or lose
 # the small differences they work on. Softmax is kept because its exp/sum is what overflows first.
@@ -32,7 +32,7 @@ class FP16Config(Section):
 class FallbackConfig(Section):
     enabled: bool = Field(True, description="when a variant misses the target, keep offending nodes in FP32 and retry")
     min_top1_agreement: float = Field(0.99, ge=0, le=1.0, description="argmax agreement with the FP32 graph")
-    min_cosine: float | None = Field(None, ge=-1, le=1.0, description="mean cosine similarity of outputs vs FP32")
+    min_cosine: float | None = Field(None, ge=-1, le=1.0, description="cosine similarity (kiln.core.compare 'cosine', worst output) vs the FP32 graph")
     max_rounds: int = Field(4, ge=0, description="retries, each keeping more nodes in FP32")
     nodes_per_round: int = Field(2, ge=1, description="nodes moved to FP32 per round")
     samples: int = Field(512, ge=8, description="held-out samples compared against FP32")

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-
+from kiln.core.text import fmt
 from kiln.stages.precision.compare import output_metrics, run_batched, tensor_errors
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.fp16_select import INDEX_OPS
@@ -36,8 +36,10 @@ class FallbackResult:
         return {"passed": self.passed, "rounds": self.rounds, "kept": self.kept}
 
 
-def passes(metrics: dict[str, float], cfg: FallbackConfig) -> bool:
-    ok = metrics["top1_agreement"] >= cfg.min_top1_agreement
+def passes(metrics: dict[str, float | None], cfg: FallbackConfig) -> bool:
+    """Both targets on the comparator's statistics; an output without a class axis has no top-1 to check."""
+    top1 = metrics["top1_agreement"]
+    ok = top1 is None or top1 >= cfg.min_top1_agreement
     if cfg.min_cosine is not None:
         ok = ok and metrics["cosine"] >= cfg.min_cosine  # NaN (non-finite outputs) fails too
     return ok
@@ -55,8 +57,8 @@ def run_fallback(build: Callable[[set[str]], Path], fp32: onnx.ModelProto, x: np
         metrics = output_metrics(ref, got)
         result.rounds.append({"round": round_no, "kept": len(kept), **metrics})
         result.passed = passes(metrics, cfg)
-        log.info("%s round %d: top-1 agreement %.4f cosine %.5f (%d nodes kept FP32)", label, round_no,
-                 metrics["top1_agreement"], metrics["cosine"], len(kept))
+        log.info("%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)", label, round_no,
+                 fmt(metrics["top1_agreement"]), metrics["cosine"], len(kept))
         if result.passed or not cfg.enabled or round_no == cfg.max_rounds:
             break
         picks = blame(fp32, result.path, _informative(x, ref, got), candidates, set(kept), cfg.nodes_per_round)

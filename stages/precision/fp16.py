@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 
 import onnx
-from onnx import helper
-
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import check_onnx, infer_shapes
 from kiln.stages.precision.casts import FLOAT_ONNX, cast_chains, remove_cast_chains
 from kiln.stages.precision.config import FP16Config
+from onnx import helper
 
 log = logging.getLogger("kiln.precision")
 

@@ -10,10 +10,14 @@ from typing import Any
 
 import numpy as np
 import onnx
-
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.quantize import (excluded_nodes, ort_cpu_scheme, quantizable_op_types, quantize_int8,
-                                  quantize_int8_dynamic)
+from kiln.calibration.quantize import (
+    excluded_nodes,
+    ort_cpu_scheme,
+    quantizable_op_types,
+    quantize_int8,
+    quantize_int8_dynamic,
+)
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
 from kiln.core.onnx_io import infer_shapes, save_onnx

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from kiln.core.artifacts import hash_json, write_bytes_atomic, write_json_atomic
 from kiln.core.errors import InputFileError
+from torch import nn
 
 log = logging.getLogger("kiln.train")
 

@@ -13,10 +13,9 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from kiln.core.errors import TrainingError
 from kiln.stages.train.config import DistributedConfig
+from torch import nn
 
 log = logging.getLogger("kiln.train")
 

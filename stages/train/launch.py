@@ -12,11 +12,13 @@ import subprocess
 import sys
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.artifacts import write_json_atomic
-from kiln.config import KilnConfig
 from kiln.core.errors import TrainingError
+
+if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
+    from kiln.config import KilnConfig
 
 SUMMARY = "summary.json"
 ERROR = "error.json"

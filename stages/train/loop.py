@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
-
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
@@ -31,11 +29,36 @@ from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
 from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
-from kiln.stages.train.health import BufferGuard, LaggedStats, StepStats, skip_if_nonfinite, skips_on_device
-from kiln.stages.train.metrics import EpochMetrics, TrainResult, peak_memory_mb, reset_peak_memory
-from kiln.stages.train.optim import make_optimizer, make_schedule, replay_schedule, zero_momentum_buffers
-from kiln.stages.train.precision import autocast, fp32_norms, make_scaler, resolve_device, resolve_precision, update_scaler
+from kiln.stages.train.health import (
+    BufferGuard,
+    LaggedStats,
+    StepStats,
+    skip_if_nonfinite,
+    skips_on_device,
+)
+from kiln.stages.train.metrics import (
+    EpochMetrics,
+    TrainResult,
+    peak_memory_mb,
+    plot_loss,
+    reset_peak_memory,
+)
+from kiln.stages.train.optim import (
+    make_optimizer,
+    make_schedule,
+    replay_schedule,
+    zero_momentum_buffers,
+)
+from kiln.stages.train.precision import (
+    autocast,
+    fp32_norms,
+    make_scaler,
+    resolve_device,
+    resolve_precision,
+    update_scaler,
+)
 from kiln.stages.train.runtime import determinism, profiler
+from torch import nn
 
 log = logging.getLogger("kiln.train")
 StepHook = Callable[[int], None]
@@ -93,8 +116,6 @@ def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0
         trainer.run(progress or SilentProgress(), prof)
     result = trainer.result
     if env.is_main and out_dir is not None and cfg.plot and result.history:
-        from kiln.stages.train.metrics import plot_loss
-
         plot_loss(result.history, out_dir / "loss.png", f"{type(model).__name__} ({precision})")
         result.files.append("loss.png")
     if out_dir is not None and cfg.profile_steps and (out_dir / "trace.json").is_file():

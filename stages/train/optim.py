@@ -4,11 +4,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
-
 from kiln.core.errors import ConfigError
 from kiln.stages.train.config import TrainConfig
+from torch import nn
+from torch.optim.lr_scheduler import (
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    SequentialLR,
+)
 
 WARMUP_START = 0.01  # warm-up begins at lr/100
 

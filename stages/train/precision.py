@@ -14,10 +14,9 @@ from functools import lru_cache
 from typing import Any, Iterator
 
 import torch
-from torch import nn
-
 from kiln.core.errors import TrainingError
 from kiln.stages.train.config import AmpConfig, TrainConfig
+from torch import nn
 
 log = logging.getLogger("kiln.train")
 

@@ -6,22 +6,29 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import kiln.models
+import kiln.stages.train
 import torch
-from torch import nn
-
 from kiln.core.data import DatasetSplits
-from kiln.models.registry import build_model
-from kiln.config import KilnConfig
+from kiln.core.env import environment_subset
 from kiln.core.errors import ModelError
 from kiln.core.progress import Progress
-from kiln.core.stage import StageContext
+from kiln.core.stage import Stage, StageContext
+from kiln.core.text import first_line
+from kiln.models.model_io import load_weights, read_state_dict, save_trained
+from kiln.models.registry import build_model
 from kiln.stages.train.checkpoint import run_key
 from kiln.stages.train.dist import env_from_torchrun, process_group
+from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import evaluate, train
-from kiln.models.model_io import load_weights, read_state_dict, save_trained
 from kiln.stages.train.precision import resolve_device
+from kiln.stages.train.report import report_section
+from torch import nn
+
+if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
+    from kiln.config import KilnConfig
 
 
 def build_seeded(config: KilnConfig) -> nn.Module:
@@ -62,7 +69,7 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str)
             out = model.eval()(x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         raise ModelError(f"model '{model_ref}' cannot take the dataset's input {tuple(x.shape)} ({x.dtype}): "
-                         f"{str(exc).splitlines()[0][:200]}",
+                         f"{first_line(exc, 200)}",
                          hint="make data.name/data.params produce what the model expects, or change model.params") from None
     finally:
         model.train()
@@ -77,8 +84,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
     if cfg.train.distributed.nproc_per_node > 1 and not env_from_torchrun().enabled:
-        from kiln.stages.train.launch import run_torchrun
-
         summary = run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log)
     else:
         summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress)
@@ -100,3 +105,12 @@ def _skip(ctx: StageContext) -> dict[str, Any]:
     save_trained(ctx.out, model, cfg, {"source": source})
     ctx.log.info("training skipped (%s); val accuracy %.4f", cfg.model.checkpoint or "train.enabled: false", acc)
     return {"status": "skipped", "val_accuracy": acc, "source": source}
+
+
+def _env(cfg: Any) -> dict[str, Any]:
+    return environment_subset("torch", device=True)
+
+
+STAGE = Stage("train", run, (), ("seed", "model", "data", "train"), (kiln.stages.train, kiln.models), _env,
+              "train the model (AMP, gradient accumulation) or load a checkpoint", data=("dataset", "checkpoint"),
+              report=report_section)

@@ -1,8 +1,7 @@
 import pytest
 import torch
-
-from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
 from kiln.core.errors import ConfigError
+from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
 
 SMALL = {"resnet18": {"width": 8, "num_classes": 10}, "bert_base": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128,
                                                                     "in_features": 16, "seq_len": 8}}

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-
 from kiln.cli import main
+
 from tests.conftest import tiny_config_dict
 
 COMMANDS = ["run", "config", "train", "export", "optimize", "precision", "build", "validate", "package"]
@@ -102,7 +102,6 @@ def test_unsupported_op_in_model(cli: CliRunner, tmp_path: Path) -> None:
 
 def test_checkpoint_that_does_not_fit_the_model(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     import torch
-
     from kiln.models.registry import build_model
 
     ckpt = tmp_path / "w.pt"
@@ -135,7 +134,6 @@ def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: p
 def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
     """The README's direct-file workflow: a user's checkpoint -> ONNX -> optimized -> engine -> validated."""
     import torch
-
     from kiln.models.registry import build_model
 
     ckpt = tmp_path / "w.pt"
@@ -153,7 +151,6 @@ def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
 
 def test_direct_validate_against_wrong_model_fails_gate(cli: CliRunner, tmp_path: Path) -> None:
     import torch
-
     from kiln.models.registry import build_model
 
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
@@ -177,7 +174,6 @@ def test_direct_validate_with_bad_inputs_files(cli: CliRunner, tmp_path: Path) -
     # Before: a .npy, a non-numpy file or misnamed arrays gave numpy/ONNX Runtime tracebacks.
     import numpy as np
     import torch
-
     from kiln.models.registry import build_model
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
@@ -232,7 +228,6 @@ def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path)
 
 def _exported_engine(cli: CliRunner, tmp_path: Path) -> tuple[Path, Path, Path]:
     import torch
-
     from kiln.models.registry import build_model
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"

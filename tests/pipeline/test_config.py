@@ -1,7 +1,6 @@
 from pathlib import Path
 
 import pytest
-
 from kiln.config import KilnConfig, config_from_dict, load_config
 from kiln.core.errors import ConfigError, InputFileError
 

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kiln.api import run_pipeline
 from kiln.config import config_from_dict
 from kiln.core.errors import BuildError
 from kiln.runner import Runner, cache_key
 from kiln.stage_list import STAGES
+
 from tests.conftest import tiny_config_dict
 
 

@@ -3,7 +3,6 @@ import logging
 from pathlib import Path
 
 import pytest
-
 from kiln import workdir_lock as wl
 from kiln.core.errors import InputFileError, WorkdirBusy
 

@@ -3,11 +3,10 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-from torch import nn
-
-from kiln.models.registry import build_model
 from kiln.core.errors import ModelError
+from kiln.models.registry import build_model
 from kiln.stages.export import export_onnx, parity
+from torch import nn
 
 
 @pytest.mark.parametrize("name,x", [("cnn", torch.rand(2, 1, 8, 8)), ("transformer", torch.rand(2, 1, 8, 8)),
@@ -39,6 +38,7 @@ def test_static_batch_in_the_pipeline_is_a_config_error(tmp_path: Path) -> None:
     from kiln.api import run_pipeline
     from kiln.config import config_from_dict
     from kiln.core.errors import ConfigError
+
     from tests.conftest import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"export.dynamic_batch": False}))

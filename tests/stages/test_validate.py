@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
-
-from kiln.config import ValidateConfig
-from kiln.stages.validate import check_gates, compare, gates_for, percentiles
+from kiln.core.records import EngineValidation
+from kiln.stages.validate.config import ValidateConfig
+from kiln.stages.validate.stage import check_gates, compare, gates_for, percentiles
 
 
 def test_compare_identical_and_perturbed() -> None:
@@ -18,10 +18,11 @@ def test_compare_identical_and_perturbed() -> None:
     assert res["cosine"] < 0.9
 
 
-def entry(**kw):
+def entry(**kw) -> EngineValidation:
     base = {"cosine": 1.0, "max_abs_err": 0.0, "top1_agreement": 1.0, "accuracy": 0.95,
             "latency_ms": {"8": {"p50": 1.0, "p90": 1.1, "p99": 1.2}}}
-    return {**base, **kw}
+    return EngineValidation(name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated",
+                            **{**base, **kw})
 
 
 def test_gates_name_the_failing_values() -> None:
@@ -50,4 +51,4 @@ def test_latency_budget_gate() -> None:
 
 def test_percentiles_order() -> None:
     p = percentiles(list(np.arange(1, 101, dtype=float)))
-    assert p["p50"] < p["p90"] < p["p99"]
+    assert p.p50 < p.p90 < p.p99

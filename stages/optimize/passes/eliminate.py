@@ -7,10 +7,16 @@ import hashlib
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from pydantic import BaseModel
-
-from kiln.stages.optimize.passes.util import RANDOM_OPS, const, drop, known_shape, producer, replace_uses
+from kiln.stages.optimize.passes.util import (
+    RANDOM_OPS,
+    const,
+    drop,
+    known_shape,
+    producer,
+    replace_uses,
+)
 from kiln.stages.optimize.registry import register
+from pydantic import BaseModel
 
 
 def _bypass(graph: gs.Graph, node: gs.Node, keep: gs.Tensor) -> int:

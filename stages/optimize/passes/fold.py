@@ -8,10 +8,9 @@ from typing import Iterator, Optional
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from pydantic import BaseModel, ConfigDict, Field
-
 from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
 from kiln.stages.optimize.registry import register
+from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("kiln.optimize")
 

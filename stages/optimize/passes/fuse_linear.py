@@ -6,11 +6,17 @@ from typing import Iterator
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from pydantic import BaseModel, ConfigDict, Field
-
-from kiln.stages.optimize.passes.util import (const, drop, new_const, only_consumer, producer, replace_uses,
-                                         unique_name)
+from kiln.stages.optimize.passes.util import (
+    const,
+    drop,
+    new_const,
+    only_consumer,
+    producer,
+    replace_uses,
+    unique_name,
+)
 from kiln.stages.optimize.registry import register
+from pydantic import BaseModel, ConfigDict, Field
 
 
 def _shape(t: gs.Tensor) -> list | None:

@@ -6,10 +6,17 @@ import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from pydantic import BaseModel
-
-from kiln.stages.optimize.passes.util import const, known_shape, new_const, node_name, only_consumer, producer, unique_name
+from kiln.stages.optimize.passes.util import (
+    const,
+    known_shape,
+    new_const,
+    node_name,
+    only_consumer,
+    producer,
+    unique_name,
+)
 from kiln.stages.optimize.registry import register
+from pydantic import BaseModel
 
 
 def _scalar(t: gs.Tensor) -> float | None:

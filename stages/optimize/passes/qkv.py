@@ -6,10 +6,15 @@ from collections import defaultdict
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from pydantic import BaseModel, ConfigDict, Field
-
-from kiln.stages.optimize.passes.util import const, new_const, node_name, only_consumer, unique_name
+from kiln.stages.optimize.passes.util import (
+    const,
+    new_const,
+    node_name,
+    only_consumer,
+    unique_name,
+)
 from kiln.stages.optimize.registry import register
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class QkvParams(BaseModel):

@@ -6,7 +6,6 @@ from typing import Sequence
 import numpy as np
 import onnx_graphsurgeon as gs
 
-
 # Ops that draw new numbers on every run: never folded into constants, never merged as duplicates.
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
                         "Bernoulli", "Dropout"})

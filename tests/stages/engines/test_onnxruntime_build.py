@@ -7,10 +7,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
 from build_graphs import sample
+from kiln.core.records import TensorSpec
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
-from kiln.stages.engines.engines import load_engine, read_metadata, runnable
+from kiln.stages.engines.engines import read_metadata
+from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.engines.stage import build_engine
 
 ZOO = ["cnn", "transformer", "mlp_embed"]
@@ -53,13 +54,13 @@ def test_cpu_engine_builds_and_runs(zoo, tmp_path: Path, model: str, precision: 
 def test_cpu_metadata_and_session_settings(zoo, tmp_path: Path) -> None:
     cfg = ort_cfg(intra_op_threads=1, inter_op_threads=2, execution_mode="parallel")
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache")
-    assert meta["session"] == {"providers": ["CPUExecutionProvider"], "intra_op_threads": 1, "inter_op_threads": 2,
+    assert meta.session == {"providers": ["CPUExecutionProvider"], "intra_op_threads": 1, "inter_op_threads": 2,
                                "execution_mode": "parallel", "offline_optimization": "extended",
                                "load_optimization": "all"}
-    assert meta["versions"] == {"onnxruntime": ort.__version__} and meta["cuda_graph"] is False
-    assert meta["inputs"] == [{"name": "input", "shape": ["batch", 1, 8, 8], "dtype": "float32"}]
-    assert meta["outputs"] == [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]
-    assert meta["size_bytes"] >= (tmp_path / "e" / "engine.onnx").stat().st_size
+    assert meta.versions == {"onnxruntime": ort.__version__} and meta.cuda_graph is False
+    assert meta.inputs == [TensorSpec(name="input", shape=["batch", 1, 8, 8], dtype="float32")]
+    assert meta.outputs == [TensorSpec(name="logits", shape=["batch", 10], dtype="float32")]
+    assert meta.size_bytes >= (tmp_path / "e" / "engine.onnx").stat().st_size
     with load_engine(tmp_path / "e") as runner:
         opts = runner.session.get_session_options()
         assert opts.intra_op_num_threads == 1 and opts.execution_mode == ort.ExecutionMode.ORT_PARALLEL
@@ -77,7 +78,7 @@ def test_offline_optimization_is_saved(zoo, tmp_path: Path) -> None:
 def test_transformer_fusion_applied_and_exact(zoo, tmp_path: Path) -> None:
     meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", ort_cfg(),
                         tmp_path / "cache")
-    fusion = meta["builder_settings"]["transformer_fusion"]
+    fusion = meta.builder_settings["transformer_fusion"]
     assert fusion["applied"] and fusion["fused"].get("SkipLayerNormalization", 0) >= 1
     ops = {n.op_type for n in onnx.load(str(tmp_path / "e" / "engine.onnx")).graph.node}
     assert "SkipLayerNormalization" in ops
@@ -103,14 +104,14 @@ def test_fusion_leaves_the_callers_graph_unfused(zoo) -> None:
 def test_transformer_fusion_skipped(zoo, tmp_path: Path, setting: str, model: str, why: str) -> None:
     meta = build_engine(zoo(model), tmp_path / "e", "onnxruntime", "cpu", "fp32",
                         ort_cfg(transformer_fusion=setting), tmp_path / "cache")
-    assert meta["builder_settings"]["transformer_fusion"] == {"applied": False, "why": why}
+    assert meta.builder_settings["transformer_fusion"] == {"applied": False, "why": why}
 
 
 def test_fp16_engine_from_fp32_graph_fuses_then_converts(zoo, tmp_path: Path) -> None:
     meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(),
                         tmp_path / "cache")
-    assert meta["builder_settings"]["transformer_fusion"]["applied"]
-    assert "fp16_conversion" in meta["builder_settings"]
+    assert meta.builder_settings["transformer_fusion"]["applied"]
+    assert "fp16_conversion" in meta.builder_settings
     model = onnx.load(str(tmp_path / "e" / "engine.onnx"))
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
     x = sample("transformer", 4)
@@ -126,12 +127,12 @@ def test_fp16_engine_keeps_the_precision_stages_fp32_nodes_through_fusion(zoo, t
     assert lns
     meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(),
                         tmp_path / "cache", keep_fp32=lns)
-    record = meta["builder_settings"]["fp16_kept_fp32"]
+    record = meta.builder_settings["fp16_kept_fp32"]
     assert record["requested"] == len(lns) and record["lost"] == [] and record["renamed"]
-    assert meta["source"]["kept_fp32"] == sorted(lns)
+    assert meta.source["kept_fp32"] == sorted(lns)
     plain = build_engine(zoo("transformer"), tmp_path / "p", "onnxruntime", "cpu", "fp16", ort_cfg(),
                          tmp_path / "cache")
-    assert plain["settings_hash"] != meta["settings_hash"]  # the keep list is part of what was built
+    assert plain.settings_hash != meta.settings_hash  # the keep list is part of what was built
     model = onnx.load(str(tmp_path / "e" / "engine.onnx"))
     types = {i.name: i.data_type for i in model.graph.initializer}
     heirs = [n for n in model.graph.node if n.name in record["renamed"].values()]
@@ -141,9 +142,9 @@ def test_fp16_engine_keeps_the_precision_stages_fp32_nodes_through_fusion(zoo, t
 def test_cuda_engine_builds_anywhere_and_says_why_it_cannot_run(zoo, tmp_path: Path) -> None:
     meta = build_engine(zoo("cnn", "fp16"), tmp_path / "e", "onnxruntime", "cuda", "fp16", ort_cfg(),
                         tmp_path / "cache")
-    name, opts = meta["session"]["providers"][0]
+    name, opts = meta.session["providers"][0]
     assert name == "CUDAExecutionProvider" and opts["cudnn_conv_algo_search"] == "EXHAUSTIVE"
-    assert opts["prefer_nhwc"] == "1" and meta["cuda_graph"] is True  # Conv + fp16: NHWC on by default
+    assert opts["prefer_nhwc"] == "1" and meta.cuda_graph is True  # Conv + fp16: NHWC on by default
     ok, why = runnable(meta)
     assert ok == HAS_CUDA_EP and (ok or "CUDAExecutionProvider" in why)
 

@@ -11,14 +11,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
 from build_graphs import sample
 from kiln.core.errors import ConfigError
 from kiln.stages.engines import ort_autotune
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig
-from kiln.stages.engines.engines import SIDECAR, load_engine, read_metadata
+from kiln.stages.engines.engines import SIDECAR, read_metadata
 from kiln.stages.engines.onnxruntime_runner import chosen_knobs, plan_for
 from kiln.stages.engines.ort_autotune import agreement, pick, relevant_knobs, search
+from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -90,26 +90,28 @@ def test_runner_plan_follows_the_choice_for_each_batch() -> None:
                                              "32": {"knobs": {"prefer_nhwc": False, "conv_algo_search": "HEURISTIC",
                                                               "cuda_graph": False, "transformer_fusion": False}}},
                          "choice": {"knobs": {"cuda_graph": True}}}}
-    assert chosen_knobs(meta, 1) == {"cuda_graph": True} and chosen_knobs(meta, 8) == chosen_knobs(meta, 64)
-    plan = plan_for(meta, chosen_knobs(meta, 32))
+    tuned = meta["autotune"]
+    assert chosen_knobs(tuned, 1) == {"cuda_graph": True} and chosen_knobs(tuned, 8) == chosen_knobs(tuned, 64)
+    built = (meta["files"], meta["session"], meta["cuda_graph"])
+    plan = plan_for(*built, chosen_knobs(tuned, 32))
     assert plan["providers"][0] == ("CUDAExecutionProvider",
                                     {"prefer_nhwc": "0", "cudnn_conv_algo_search": "HEURISTIC"})
     assert plan["model"] == "engine-unfused.onnx" and plan["cuda_graph"] is False
-    assert chosen_knobs({**meta, "autotune": {"skipped": "no CUDA EP"}}, 32) == {}
-    assert plan_for(meta, {})["model"] == "engine.onnx" and plan_for(meta, {})["cuda_graph"] is True
+    assert chosen_knobs({"skipped": "no CUDA EP"}, 32) == {}
+    assert plan_for(*built, {})["model"] == "engine.onnx" and plan_for(*built, {})["cuda_graph"] is True
 
 
 # ---------------------------------------------------------------------------------------- real CPU sessions
 def test_cpu_engine_skips_autotune_by_default_and_says_why(zoo, tmp_path: Path) -> None:
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg_with(), tmp_path / "c")
-    assert meta["autotune"] == {"skipped": "build.onnxruntime.autotune.cpu is false"}
+    assert meta.autotune == {"skipped": "build.onnxruntime.autotune.cpu is false"}
 
 
 def test_cuda_engine_built_without_cuda_records_the_skip(zoo, tmp_path: Path) -> None:
     if HAS_CUDA_EP:
         pytest.skip("this machine has a CUDA EP: the skip path is for CPU-only build machines")
     meta = build_engine(zoo("cnn", "fp16"), tmp_path / "e", "onnxruntime", "cuda", "fp16", cfg_with(), tmp_path / "c")
-    assert "no CUDAExecutionProvider" in meta["autotune"]["skipped"] and meta["files"] == {"model": "engine.onnx"}
+    assert "no CUDAExecutionProvider" in meta.autotune["skipped"] and meta.files == {"model": "engine.onnx"}
 
 
 def test_cpu_autotune_records_every_trial_and_the_runner_uses_the_choice(zoo, tmp_path: Path, monkeypatch) -> None:
@@ -118,7 +120,7 @@ def test_cpu_autotune_records_every_trial_and_the_runner_uses_the_choice(zoo, tm
     cfg = cfg_with(cpu=True, batch_sizes=[1, 4], iterations=3, warmup=1)
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "c")
     tuned = json.loads((tmp_path / "e" / SIDECAR).read_text())["autotune"]
-    assert tuned == meta["autotune"] and tuned["batches"] == [1, 4]
+    assert tuned == meta.autotune and tuned["batches"] == [1, 4]
     assert [t["knobs"] for t in tuned["trials"]] == [
         {"intra_op_threads": 0, "execution_mode": "sequential"},
         {"intra_op_threads": 1, "execution_mode": "sequential"},
@@ -141,12 +143,12 @@ def test_real_timing_chooses_the_fastest_measured_candidate(zoo, tmp_path: Path)
     with the choice. (CI once saw 0.047 vs 0.046 ms: inside the margin, so sequential is right.)"""
     cfg = cfg_with(cpu=True, cpu_knobs={"execution_mode": ["sequential", "parallel"]}, batch_sizes=[2], iterations=10)
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "c")
-    ms = {t["knobs"]["execution_mode"]: t["median_ms"] for t in meta["autotune"]["trials"]}
+    ms = {t["knobs"]["execution_mode"]: t["median_ms"] for t in meta.autotune["trials"]}
     assert set(ms) == {"sequential", "parallel"} and all(v > 0 for v in ms.values())
-    min_gain = meta["autotune"]["criteria"]["min_gain"]
+    min_gain = meta.autotune["criteria"]["min_gain"]
     assert min_gain == 0.03  # the default
     expected = "parallel" if ms["parallel"] < ms["sequential"] * (1 - min_gain) else "sequential"
-    assert meta["autotune"]["choice"]["knobs"] == {"execution_mode": expected}
+    assert meta.autotune["choice"]["knobs"] == {"execution_mode": expected}
     with load_engine(tmp_path / "e") as runner:
         parallel = runner.session.get_session_options().execution_mode == ort.ExecutionMode.ORT_PARALLEL
         assert parallel == (expected == "parallel")
@@ -158,8 +160,8 @@ def test_fusion_candidate_keeps_the_unfused_graph_only_when_chosen(zoo, tmp_path
     monkeypatch.setattr(ort_autotune, "time_calls", scripted([2.0, 1.0] if unfused_wins else [1.0, 2.0]))
     cfg = cfg_with(cpu=True, cpu_knobs={"transformer_fusion": [True, False]}, batch_sizes=[2], iterations=3)
     meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "c")
-    assert meta["builder_settings"]["transformer_fusion"]["applied"]
-    assert [t["knobs"] for t in meta["autotune"]["trials"]] == [{"transformer_fusion": True},
+    assert meta.builder_settings["transformer_fusion"]["applied"]
+    assert [t["knobs"] for t in meta.autotune["trials"]] == [{"transformer_fusion": True},
                                                                 {"transformer_fusion": False}]
     assert (tmp_path / "e" / "engine-unfused.onnx").is_file() == unfused_wins
     assert ("model_unfused" in read_metadata(tmp_path / "e")["files"]) == unfused_wins
@@ -176,7 +178,7 @@ def test_no_candidate_agreeing_keeps_the_configured_settings(zoo, tmp_path: Path
     """An FP16 engine cannot reach cosine 1.0 against FP32: every trial is rejected, the base is kept, and said."""
     cfg = cfg_with(cpu=True, cpu_knobs={"intra_op_threads": [0, 1]}, batch_sizes=[2], iterations=3, min_cosine=1.0)
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp16", cfg, tmp_path / "c")
-    tuned = meta["autotune"]
+    tuned = meta.autotune
     assert len(tuned["trials"]) == 2 and not any(t["agrees"] for t in tuned["trials"])
     assert tuned["choice"] == {"knobs": {"intra_op_threads": 0}, "median_ms": None, "reason": "no candidate agreed"}
     assert any("no candidate agreed" in n for n in tuned["notes"])
@@ -190,7 +192,7 @@ def test_cuda_autotune_per_batch_and_runner_follows_it(zoo, tmp_path: Path) -> N
     cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(
         devices=["cuda"], autotune=OrtAutotuneConfig(batch_sizes=[1, 8], iterations=5, warmup=3)))
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cuda", "fp16", cfg, tmp_path / "c")
-    tuned = meta["autotune"]
+    tuned = meta.autotune
     assert set(tuned["choice_by_batch"]) == {"1", "8"} and not tuned["notes"]
     for knob in ("prefer_nhwc", "cuda_graph", "conv_max_workspace"):
         assert {t["knobs"][knob] for t in tuned["trials"]} == {True, False}, knob

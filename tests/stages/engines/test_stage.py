@@ -1,20 +1,20 @@
 """The build stage as the pipeline runs it: every (backend, device, precision) engine from variants.json."""
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
 
 import pytest
-
 from kiln.config import config_from_dict
 from kiln.core.errors import ConfigError
+from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import StageContext
 from kiln.stages.engines import stage
 from kiln.stages.engines.engines import SIDECAR, read_metadata
+from kiln.stages.engines.tensorrt_lib import import_tensorrt
 
-HAS_TRT = stage.import_tensorrt() is not None
+HAS_TRT = import_tensorrt() is not None
 
 
 def _ctx(tmp_path: Path, zoo, build: dict) -> StageContext:
@@ -23,8 +23,8 @@ def _ctx(tmp_path: Path, zoo, build: dict) -> StageContext:
     for p in ("fp32", "fp16", "int8"):
         (precision_dir / p).mkdir(parents=True)
         shutil.copy(zoo("cnn", p), precision_dir / p / "model.onnx")
-        variants[p] = {"path": f"{p}/model.onnx", "kept_fp32": []}
-    (precision_dir / "variants.json").write_text(json.dumps(variants))
+        variants[p] = PrecisionVariant(path=f"{p}/model.onnx")
+    Variants(variants=variants).write(precision_dir / "variants.json")
     cfg = config_from_dict({"build": build, "validate": {"batch_sizes": [1, 8]}})
     (tmp_path / "out").mkdir()
     return StageContext("build", cfg, tmp_path, tmp_path / "out", {"precision": precision_dir},
@@ -41,14 +41,14 @@ def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
     assert result["skipped"] == []
     for name in names:
         meta = read_metadata(ctx.out / name)
-        assert (ctx.out / name / SIDECAR).is_file() and meta["name"] == name
+        assert (ctx.out / name / SIDECAR).is_file() and meta.name == name
     # Profiles default to dynamic batch 1..max(validate.batch_sizes); the cache is shared under ctx.cache_dir.
     trt = read_metadata(ctx.out / "tensorrt-fp16")
-    assert trt["profiles"][0]["input"]["max"][0] == 8 and trt["source"]["file"] == "model.onnx"
-    assert Path(trt["timing_cache"]["path"]).parent == ctx.cache_dir / "tensorrt"
+    assert trt.profiles[0]["input"]["max"][0] == 8 and trt.source.file == "model.onnx"
+    assert Path(trt.timing_cache["path"]).parent == ctx.cache_dir / "tensorrt"
     # ORT's fp16 engine is made from the FP32 graph (fuse, then convert): see onnxruntime.fp16_source.
     ort16 = read_metadata(ctx.out / "onnxruntime-cpu-fp16")
-    assert ort16["source"]["sha256"] == read_metadata(ctx.out / "onnxruntime-cpu-fp32")["source"]["sha256"]
+    assert ort16.source.sha256 == read_metadata(ctx.out / "onnxruntime-cpu-fp32").source.sha256
 
 
 def test_run_onnxruntime_only(zoo, tmp_path: Path) -> None:
@@ -57,7 +57,7 @@ def test_run_onnxruntime_only(zoo, tmp_path: Path) -> None:
     assert [e["name"] for e in result["engines"]] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16",
                                                        "onnxruntime-cpu-int8"]
     ort16 = read_metadata(ctx.out / "onnxruntime-cpu-fp16")
-    assert "fp16_conversion" not in ort16["builder_settings"]  # the precision stage's graph, used as is
+    assert "fp16_conversion" not in ort16.builder_settings  # the precision stage's graph, used as is
 
 
 @pytest.mark.tensorrt

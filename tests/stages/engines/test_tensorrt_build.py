@@ -7,12 +7,12 @@ from pathlib import Path
 
 import onnx
 import pytest
-
 from kiln.core.errors import BuildError, ConfigError
 from kiln.stages.engines.config import BuildConfig, TensorRTConfig
-from kiln.stages.engines.engines import load_engine, read_metadata, runnable
+from kiln.stages.engines.engines import read_metadata
+from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.engines.stage import build_engine
-from kiln.stages.engines.tensorrt_backend import features, import_tensorrt
+from kiln.stages.engines.tensorrt_lib import features, import_tensorrt
 
 pytestmark = pytest.mark.tensorrt
 ZOO = ["cnn", "transformer", "mlp_embed"]
@@ -31,13 +31,13 @@ def test_zoo_builds_with_dynamic_batch(zoo, tmp_path: Path, model: str, precisio
                         tmp_path / "cache", max_batch=16)
     assert meta == read_metadata(tmp_path / "e")
     plan = tmp_path / "e" / "engine.plan"
-    assert plan.stat().st_size > 10_000 and meta["size_bytes"] > plan.stat().st_size
-    assert meta["flavour"] == import_tensorrt().__name__ and meta["strongly_typed"]
-    assert meta["precision"] == precision and meta["backend"] == "tensorrt"
-    name = meta["inputs"][0]["name"]
-    rest = meta["inputs"][0]["shape"][1:]
-    assert meta["profiles"] == [{name: {"min": [1, *rest], "opt": [16, *rest], "max": [16, *rest]}}]
-    layers = json.loads((tmp_path / "e" / meta["files"]["network_layers"]).read_text())
+    assert plan.stat().st_size > 10_000 and meta.size_bytes > plan.stat().st_size
+    assert meta.flavour == import_tensorrt().__name__ and meta.strongly_typed
+    assert meta.precision == precision and meta.backend == "tensorrt"
+    name = meta.inputs[0].name
+    rest = meta.inputs[0].shape[1:]
+    assert meta.profiles == [{name: {"min": [1, *rest], "opt": [16, *rest], "max": [16, *rest]}}]
+    layers = json.loads((tmp_path / "e" / meta.files["network_layers"]).read_text())
     dtypes = {o["dtype"] for layer in layers for o in layer["outputs"]}
     assert NETWORK_DTYPE[precision] in dtypes
     if precision == "fp32":
@@ -48,14 +48,14 @@ def test_metadata_records_settings_and_not_runnable_reason(zoo, tmp_path: Path) 
     cfg = trt_cfg(optimization_level=2, workspace_mb=256, avg_timing_iterations=2, max_aux_streams=0,
                   tactic_sources=["JIT_CONVOLUTIONS", "EDGE_MASK_CONVOLUTIONS"])
     meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", cfg, tmp_path / "cache")
-    assert meta["builder_settings"] == {"optimization_level": 2, "workspace_mb": 256, "avg_timing_iterations": 2,
+    assert meta.builder_settings == {"optimization_level": 2, "workspace_mb": 256, "avg_timing_iterations": 2,
                                         "max_aux_streams": 0,
                                         "tactic_sources": ["JIT_CONVOLUTIONS", "EDGE_MASK_CONVOLUTIONS"]}
-    assert meta["versions"] == {meta["flavour"]: import_tensorrt().__version__}
-    assert meta["features"] == features(import_tensorrt())
-    assert len(meta["settings_hash"]) == 64 and meta["build_seconds"] > 0
+    assert meta.versions == {meta.flavour: import_tensorrt().__version__}
+    assert meta.features == features(import_tensorrt())
+    assert len(meta.settings_hash) == 64 and meta.build_seconds > 0
     other = build_engine(zoo("cnn"), tmp_path / "e2", "tensorrt", "cuda", "fp32", trt_cfg(), tmp_path / "cache")
-    assert other["settings_hash"] != meta["settings_hash"]
+    assert other.settings_hash != meta.settings_hash
     ok, why = runnable(meta)
     if not ok:  # on this CPU machine, and on the H200 with TensorRT-RTX
         assert "GPU" in why or "compute capability" in why
@@ -66,12 +66,12 @@ def test_metadata_records_settings_and_not_runnable_reason(zoo, tmp_path: Path) 
 def test_timing_cache_written_and_reused(zoo, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     first = build_engine(zoo("cnn"), tmp_path / "a", "tensorrt", "cuda", "fp32", trt_cfg(), cache)
-    path = Path(first["timing_cache"]["path"])
+    path = Path(first.timing_cache["path"])
     assert path.is_file() and path.parent == cache / "tensorrt"
-    assert first["timing_cache"]["loaded_bytes"] == 0 and first["timing_cache"]["saved_bytes"] == path.stat().st_size
+    assert first.timing_cache["loaded_bytes"] == 0 and first.timing_cache["saved_bytes"] == path.stat().st_size
     second = build_engine(zoo("transformer"), tmp_path / "b", "tensorrt", "cuda", "fp32", trt_cfg(), cache)
-    assert second["timing_cache"]["path"] == str(path)
-    assert second["timing_cache"]["loaded_bytes"] == first["timing_cache"]["saved_bytes"] > 0
+    assert second.timing_cache["path"] == str(path)
+    assert second.timing_cache["loaded_bytes"] == first.timing_cache["saved_bytes"] > 0
 
 
 def test_parallel_builds_share_the_cache_safely(zoo, tmp_path: Path) -> None:
@@ -96,7 +96,7 @@ def test_parallel_builds_share_the_cache_safely(zoo, tmp_path: Path) -> None:
 def test_timing_cache_can_be_turned_off(zoo, tmp_path: Path) -> None:
     meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(timing_cache=False),
                         tmp_path / "cache")
-    assert meta["timing_cache"] is None and not list((tmp_path / "cache").rglob("timing-*"))
+    assert meta.timing_cache is None and not list((tmp_path / "cache").rglob("timing-*"))
 
 
 def test_compute_capability_targets(zoo, tmp_path: Path) -> None:
@@ -104,8 +104,8 @@ def test_compute_capability_targets(zoo, tmp_path: Path) -> None:
         pytest.skip("this TensorRT builds for the local GPU only (no compute-capability targets)")
     meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32",
                         trt_cfg(compute_capabilities=["sm89", "SM120"]), tmp_path / "cache")
-    assert meta["target"]["compute_capabilities"] == ["SM89", "SM120"] and meta["target"]["key"] == "SM89+SM120"
-    assert "sm89-sm120" in Path(meta["timing_cache"]["path"]).name
+    assert meta.target["compute_capabilities"] == ["SM89", "SM120"] and meta.target["key"] == "SM89+SM120"
+    assert "sm89-sm120" in Path(meta.timing_cache["path"]).name
     with pytest.raises(ConfigError, match="unknown ComputeCapability 'SM90'") as err:
         build_engine(zoo("cnn"), tmp_path / "f", "tensorrt", "cuda", "fp32", trt_cfg(compute_capabilities=["SM90"]),
                      tmp_path / "cache")
@@ -137,7 +137,7 @@ def test_several_profiles(zoo, tmp_path: Path) -> None:
     large = {"input": {"min": [8, 1, 8, 8], "opt": [32, 1, 8, 8], "max": [64, 1, 8, 8]}}
     meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(profiles=[small, large]),
                         tmp_path / "cache")
-    assert meta["profiles"] == [small, large]
+    assert meta.profiles == [small, large]
 
 
 def _custom_op_graph(path: Path) -> Path:
@@ -185,9 +185,8 @@ def test_unknown_tactic_source(zoo, tmp_path: Path) -> None:
 
 
 def test_int32_bias_dequantize_gets_quantize_bias_hint(zoo, tmp_path: Path) -> None:
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
-
     from build_graphs import sample
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     class Reader:
         def __init__(self) -> None:
@@ -216,7 +215,6 @@ def test_graph_carries_precision(zoo) -> None:
 def test_tensorrt_runner_matches_onnxruntime(zoo, tmp_path: Path, cuda_graph: bool) -> None:
     import numpy as np
     import onnxruntime as ort
-
     from build_graphs import sample
 
     meta = build_engine(zoo("transformer"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(cuda_graph=cuda_graph),

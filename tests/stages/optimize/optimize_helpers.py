@@ -7,11 +7,10 @@ from typing import Any, Sequence
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
-
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import run_ort
+from onnx import TensorProto, helper, numpy_helper
 
 
 def make_model(nodes: list[onnx.NodeProto], inputs: Sequence[tuple[str, list[Any], int]],

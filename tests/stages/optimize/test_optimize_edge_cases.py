@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import onnx
 from onnx import helper as h
-
 from optimize_helpers import FLOAT, f32, make_model, ops, run_pass
 
 
@@ -40,10 +39,9 @@ def test_conv_add_of_a_one_element_constant_that_adds_an_axis_is_not_a_bias():
 
 def test_safety_net_rejects_moved_infinities() -> None:
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
-
     from kiln.stages.optimize.config import OptimizeConfig
     from kiln.stages.optimize.verify import Verifier
+    from onnx import TensorProto, helper, numpy_helper
 
     def divide_by(divisor: list[float]) -> onnx.ModelProto:
         graph = helper.make_graph(

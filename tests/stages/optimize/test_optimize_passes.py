@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 from onnx import helper as h
-
 from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
 
 TESTED: set[str] = set()  # filled by the tests below; test_optimize_registry checks every pass is here

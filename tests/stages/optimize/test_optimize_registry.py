@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import pytest
-from onnx import helper as h
-
-from optimize_helpers import FLOAT, make_model, ops
 from kiln.config import config_from_dict
 from kiln.core.errors import ConfigError
-from kiln.stages.optimize import registry
+from kiln.stages.optimize import catalog, registry
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import DEFAULT_PASSES, OptimizeConfig
+from onnx import helper as h
+from optimize_helpers import FLOAT, make_model, ops
 from test_optimize_passes import TESTED
 
 
@@ -33,9 +32,9 @@ def test_pass_params_are_typed():
 
 
 def test_default_pipeline_is_registered_and_every_pass_is_tested_and_described():
-    assert set(DEFAULT_PASSES) <= set(registry.available())
-    assert set(registry.available()) == TESTED, "each registered pass needs its own test"
-    assert all(d and len(d) < 200 for d in registry.describe().values())
+    assert set(DEFAULT_PASSES) <= set(catalog.available())
+    assert set(catalog.available()) == TESTED, "each registered pass needs its own test"
+    assert all(d and len(d) < 200 for d in catalog.describe().values())
 
 
 def test_a_pass_that_changes_outputs_is_rolled_back_and_named(monkeypatch):

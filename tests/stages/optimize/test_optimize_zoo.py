@@ -2,21 +2,19 @@
 smaller, and accepted by TensorRT-RTX's parser and builder. Also the file API with external data."""
 from __future__ import annotations
 
-
 import numpy as np
 import onnx
 import pytest
 import torch
-
-from kiln.models.registry import build_model
-from optimize_helpers import trt_build
 from kiln.config import KilnConfig
 from kiln.core.stage import StageContext
+from kiln.models.registry import build_model
 from kiln.stages.export import export_onnx
 from kiln.stages.optimize import stage
 from kiln.stages.optimize.api import optimize_file, optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import run_ort
+from optimize_helpers import trt_build
 
 EXAMPLES = {"cnn": lambda: torch.randn(2, 1, 8, 8), "transformer": lambda: torch.randn(2, 1, 8, 8),
             "mlp_embed": lambda: torch.randint(0, 17, (2, 64))}

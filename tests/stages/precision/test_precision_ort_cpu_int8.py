@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
-
-from kiln.models import build_model
 from kiln.core.onnx_io import ort_session
+from kiln.models import build_model
 from kiln.stages.export import export_onnx
+
 from tests.stages.precision.test_precision_stage import TRANSFORMER, _run
 
 
@@ -34,16 +34,16 @@ def test_ort_cpu_graph_is_uint8_and_agrees(tmp_path: Path, cnn_dir: Path) -> Non
     overrides = {"model.name": "cnn", "model.params": {"width": 8, "depth": 2}, "precision.variants": ["fp32", "int8"]}
     variants, _ = _run(tmp_path, cnn_dir, **overrides)
     root = tmp_path / "precision"
-    ort_path = root / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
-    assert variants["int8"]["ort_cpu"]["scheme"] == "static"  # auto: the graph has convolutions
+    ort_path = root / variants["int8"].backend_paths["onnxruntime-cpu"]
+    assert variants["int8"].report["ort_cpu"]["scheme"] == "static"  # auto: the graph has convolutions
     assert _zero_point_types(ort_path) == {onnx.TensorProto.UINT8}
-    assert _zero_point_types(root / variants["int8"]["path"]) == {onnx.TensorProto.INT8}  # TensorRT's form
+    assert _zero_point_types(root / variants["int8"].path) == {onnx.TensorProto.INT8}  # TensorRT's form
     assert _cosine_to_fp32(root, variants, ort_path) > 0.99
 
 
 def _cosine_to_fp32(root: Path, variants: dict, path: Path) -> float:
     x = np.random.default_rng(0).random((64, 1, 8, 8), dtype=np.float32)
-    ref, got = (ort_session(p).run(None, {"input": x})[0] for p in (root / variants["fp32"]["path"], path))
+    ref, got = (ort_session(p).run(None, {"input": x})[0] for p in (root / variants["fp32"].path, path))
     return float((ref * got).sum() / np.linalg.norm(ref) / np.linalg.norm(got))
 
 
@@ -72,23 +72,23 @@ def test_transformer_ort_cpu_graph_is_dynamic_and_keeps_float_nodes(tmp_path: Pa
     variants, summary = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
                                                            "calibration.exclude_nodes": [keep]})
     root = tmp_path / "precision"
-    ort_path = root / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
-    assert variants["int8"]["ort_cpu"]["scheme"] == summary["variants"]["int8"]["ort_cpu_scheme"] == "dynamic"
-    assert variants["int8"]["ort_cpu"]["integer_matmuls"] > 0
+    ort_path = root / variants["int8"].backend_paths["onnxruntime-cpu"]
+    assert variants["int8"].report["ort_cpu"]["scheme"] == summary["variants"]["int8"]["ort_cpu_scheme"] == "dynamic"
+    assert variants["int8"].report["ort_cpu"]["integer_matmuls"] > 0
     ops = _ops(ort_path)
     # int8 weights, activation scales computed per batch: no calibrated QuantizeLinear on activations
     assert "DynamicQuantizeLinear" in ops and "MatMulInteger" in ops and "QuantizeLinear" not in ops
     kept = [n for n in onnx.load(str(ort_path)).graph.node if n.name == keep]
     assert [n.op_type for n in kept] == ["MatMul"]
-    assert "QuantizeLinear" in _ops(root / variants["int8"]["path"])  # TensorRT still gets the Q/DQ graph
+    assert "QuantizeLinear" in _ops(root / variants["int8"].path)  # TensorRT still gets the Q/DQ graph
     assert _cosine_to_fp32(root, variants, ort_path) > 0.99
 
 
 def test_transformer_ort_cpu_scheme_can_be_forced_static(tmp_path: Path, transformer_dir: Path) -> None:
     variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
                                                      "calibration.ort_cpu_scheme": "static"})
-    ort_path = tmp_path / "precision" / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
-    assert variants["int8"]["ort_cpu"]["scheme"] == "static" and "DynamicQuantizeLinear" not in _ops(ort_path)
+    ort_path = tmp_path / "precision" / variants["int8"].backend_paths["onnxruntime-cpu"]
+    assert variants["int8"].report["ort_cpu"]["scheme"] == "static" and "DynamicQuantizeLinear" not in _ops(ort_path)
     assert _zero_point_types(ort_path) == {onnx.TensorProto.UINT8}
 
 
@@ -96,7 +96,7 @@ def test_ort_cpu_graph_can_be_turned_off(tmp_path: Path, cnn_dir: Path) -> None:
     overrides = {"model.name": "cnn", "model.params": {"width": 8, "depth": 2}, "precision.variants": ["int8"],
                  "calibration.ort_cpu_graph": False}
     variants, _ = _run(tmp_path, cnn_dir, **overrides)
-    assert "backend_paths" not in variants["int8"]
+    assert not variants["int8"].backend_paths
 
 
 def test_no_cache_leaves_no_temporary_folders(tmp_path: Path, cnn_dir: Path) -> None:
@@ -116,7 +116,7 @@ def test_dynamic_graph_keeps_an_excluded_gemm_float(tmp_path: Path, transformer_
     (head,) = [n.name for n in onnx.load(str(transformer_dir / "model.onnx")).graph.node if n.op_type == "Gemm"]
     variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
                                                      "calibration.exclude_op_types": ["Gemm"]})
-    ort_path = tmp_path / "precision" / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+    ort_path = tmp_path / "precision" / variants["int8"].backend_paths["onnxruntime-cpu"]
     ops = {n.name: n.op_type for n in onnx.load(str(ort_path)).graph.node}
     assert ops[f"{head}_MatMul"] == "MatMul" and "MatMulInteger" in ops.values()
 
@@ -124,7 +124,7 @@ def test_dynamic_graph_keeps_an_excluded_gemm_float(tmp_path: Path, transformer_
 def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer_dir: Path) -> None:
     variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
                                                      "calibration.exclude_op_types": ["MatMul"]})
-    assert variants["int8"]["ort_cpu"]["scheme"] == "static"
+    assert variants["int8"].report["ort_cpu"]["scheme"] == "static"
 
 
 def test_dynamic_without_matmul_is_a_config_error() -> None:

@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kiln.calibration.ranges import STATS
-from tests.conftest import tiny_config_dict
-from kiln.models import build_model
 from kiln.config import config_from_dict
+from kiln.core.records import Variants
 from kiln.core.stage import StageContext
+from kiln.models import build_model
 from kiln.models.model_io import dataset_for
 from kiln.stages.export import export_onnx
 from kiln.stages.precision.stage import run
+
+from tests.conftest import tiny_config_dict
 
 TRANSFORMER = {"model.name": "transformer", "model.params": {"dim": 16, "heads": 2, "layers": 1}}
 
@@ -41,22 +42,22 @@ def _run(workdir: Path, optimize_dir: Path, out: str = "precision", **overrides)
     ctx.out.mkdir(parents=True)
     summary = run(ctx)
     json.dumps(summary)  # the runner stores it as JSON
-    return json.loads((ctx.out / "variants.json").read_text()), summary
+    return Variants.read(ctx.out / "variants.json", hint="").variants, summary
 
 
 def test_variants_and_report_fields(tmp_path: Path, exported: Path) -> None:
     variants, summary = _run(tmp_path, exported)
     assert set(variants) == set(summary["variants"]) == {"fp32", "fp16", "int8"}
     for v in variants.values():
-        assert (tmp_path / "precision" / v["path"]).is_file()
+        assert (tmp_path / "precision" / v.path).is_file()
     fp16 = variants["fp16"]
-    kept_ops = " ".join(fp16["reasons"].values())
+    kept_ops = " ".join(fp16.reasons.values())
     assert "LayerNormalization" in kept_ops and "Softmax" in kept_ops
-    assert set(fp16["kept_fp32"]) == set(fp16["reasons"])
-    assert fp16["vs_fp32"]["top1_agreement"] >= 0.99 and fp16["fallback"]["passed"]
+    assert set(fp16.kept_fp32) == set(fp16.reasons)
+    assert fp16.vs_fp32["top1_agreement"] >= 0.99 and fp16.fallback_passed
     int8 = variants["int8"]
-    assert int8["calibration"]["qdq_nodes"]["QuantizeLinear"] > 0
-    assert (tmp_path / "precision" / "int8" / int8["trt_calibration_table"]).is_file()
+    assert int8.report["calibration"]["qdq_nodes"]["QuantizeLinear"] > 0
+    assert (tmp_path / "precision" / "int8" / int8.report["trt_calibration_table"]).is_file()
 
 
 def test_second_run_reuses_calibration(tmp_path: Path, exported: Path) -> None:
@@ -64,7 +65,7 @@ def test_second_run_reuses_calibration(tmp_path: Path, exported: Path) -> None:
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))
     before = STATS["calibrations"]
     variants, _ = _run(tmp_path, exported, "p2", **{"precision.variants": ["int8"], "precision.fallback.samples": 64})
-    assert variants["int8"]["calibration"]["cache_hit"] is True
+    assert variants["int8"].report["calibration"]["cache_hit"] is True
     assert STATS["calibrations"] == before
 
 
@@ -74,4 +75,4 @@ def test_int64_input_model(tmp_path: Path) -> None:
     params = {"hidden": [16], "embed_dim": 4}
     export_onnx(build_model("mlp_embed", params), torch.randint(0, 17, (2, 64)), folder / "model.onnx")
     variants, _ = _run(tmp_path, folder, **{"model.name": "mlp_embed", "model.params": params})
-    assert variants["fp16"]["fallback"]["passed"] and variants["int8"]["calibration"]["batches"] > 0
+    assert variants["fp16"].report["fallback"]["passed"] and variants["int8"].report["calibration"]["batches"] > 0

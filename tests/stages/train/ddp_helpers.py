@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file
-
 from kiln.config import KilnConfig
-from kiln.stages.train.launch import run_torchrun
 from kiln.models.model_io import dataset_for
+from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.stage import train_to
+from safetensors.torch import load_file
 
 LOG = logging.getLogger("test")
 

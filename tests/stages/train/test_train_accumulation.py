@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kiln.stages.train.data import micro_batches
 from kiln.stages.train.loop import train
 from train_helpers import max_diff, tiny_data, tiny_net, train_cfg

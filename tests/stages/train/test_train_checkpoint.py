@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.loop import evaluate, train

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kiln.core.errors import TrainingError
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.data import DeviceBatches, make_loader

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from kiln.stages.train.data import make_loader
 from kiln.stages.train.dist import DistEnv
 from kiln.stages.train.loop import train

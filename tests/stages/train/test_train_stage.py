@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kiln.config import config_from_dict
+from kiln.models.model_io import load_trained
 from kiln.runner import Runner
 from kiln.stage_list import STAGES
-from kiln.models.model_io import load_trained
+
 from tests.conftest import tiny_config_dict
 
 
@@ -83,9 +83,9 @@ def test_skipped_training(tmp_path: Path, how: str) -> None:
 
 
 def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    from kiln.models.model_io import dataset_for
     from kiln.stages.train.checkpoint import run_key
     from kiln.stages.train.loop import train
-    from kiln.models.model_io import dataset_for
     from kiln.stages.train.stage import build_seeded
 
     over = {"train.precision": "fp32", "train.deterministic": True, "train.checkpoint.every_steps": 2,

@@ -1,0 +1,18 @@
+"""The ``model:`` and ``data:`` config sections: which model and dataset, built-in or the user's own."""
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.core.sections import Section
+from pydantic import Field
+
+
+class ModelConfig(Section):
+    name: str = Field("cnn", description="built-in model name or import path 'package.module:function'")
+    params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
+    checkpoint: str | None = Field(None, description="state dict (.safetensors/.pt) to start from; skips training")
+
+
+class DataConfig(Section):
+    name: str | None = Field(None, description="built-in dataset or 'package.module:function'; default per model")
+    params: dict[str, Any] = Field(default_factory=dict)

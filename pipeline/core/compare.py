@@ -1,0 +1,119 @@
+"""The comparator: a candidate's outputs against a reference's, as named statistics per output (like
+Polygraphy's ``Comparator``).
+
+Every place that judges outputs goes through here and names the statistic it uses: validation gates, the
+precision fallback and the ORT autotuner all gate ``cosine`` (and ``top1_agreement``), so ``min_cosine`` means one
+thing everywhere. The optimizer's safety net asks a different question, "equal within tolerance?", answered by
+:func:`within_tolerance`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+# statistic -> what it measures (for docs, reports and error messages)
+STATISTICS: dict[str, str] = {
+    "max_abs_err": "largest absolute difference (inf when the candidate has non-finite values)",
+    "rel_err": "relative L2 error ||got - ref|| / ||ref||",
+    "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros)",
+    "top1_agreement": "fraction of rows whose argmax over the last axis agrees (near-ties within rel_tie agree)",
+}
+HIGHER_IS_BETTER = {"cosine", "top1_agreement"}
+
+
+@dataclass(frozen=True)
+class OutputStats:
+    """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2)."""
+
+    max_abs_err: float
+    rel_err: float
+    cosine: float
+    top1_agreement: float | None
+
+    def as_dict(self) -> dict[str, float | None]:
+        return asdict(self)
+
+
+def compare_arrays(ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0) -> OutputStats:
+    """``got`` against ``ref`` (same shape). ``rel_tie``: a top-1 mismatch where the reference's two logits lie
+    within ``rel_tie`` of its largest magnitude is a tie, not a disagreement (random weights give near-ties that
+    FP16 legitimately flips)."""
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    if r.shape != g.shape:
+        raise ValueError(f"output shapes differ: reference {list(r.shape)}, candidate {list(g.shape)}")
+    return OutputStats(_max_abs_err(r, g), _rel_err(r, g), _cosine(r, g), _top1(r, g, rel_tie))
+
+
+def compare_outputs(ref: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+                    got: Mapping[str, np.ndarray] | Sequence[np.ndarray], rel_tie: float = 0.0) -> dict[str, OutputStats]:
+    """Per output: by name for mappings (the reference's names), by position (``"0"``, ``"1"``...) for sequences."""
+    if isinstance(ref, Mapping):
+        got_map = got if isinstance(got, Mapping) else dict(zip(ref, got))
+        return {name: compare_arrays(value, got_map[name], rel_tie) for name, value in ref.items()}
+    return {str(i): compare_arrays(r, g, rel_tie) for i, (r, g) in enumerate(zip(ref, got))}
+
+
+def worst(stats: Mapping[str, OutputStats], statistic: str) -> float:
+    """The worst value of ``statistic`` over the outputs that have it (NaN counts as worst)."""
+    values = [v for s in stats.values() if (v := getattr(s, statistic)) is not None]
+    if not values:
+        return float("nan")
+    if any(np.isnan(v) for v in values):
+        return float("nan")
+    return min(values) if statistic in HIGHER_IS_BETTER else max(values)
+
+
+def within_tolerance(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> tuple[bool, float, str]:
+    """Is ``got`` equal to ``ref`` within ``atol + rtol * max|ref|``? NaNs and infinities must sit in the same places;
+    integer outputs must be equal. Returns (ok, max abs error, reason when not ok)."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False, float("inf"), f"{got.dtype}{list(got.shape)} vs {ref.dtype}{list(ref.shape)}"
+    if not np.issubdtype(ref.dtype, np.inexact):
+        return (True, 0.0, "") if np.array_equal(got, ref) else (False, float("inf"), "(integer) differs")
+    if not np.array_equal(np.isnan(got), np.isnan(ref)):
+        return False, float("inf"), "has NaNs in different places"
+    ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
+    finite = np.isfinite(ref64)
+    if not np.array_equal(got64[~finite], ref64[~finite], equal_nan=True):  # an inf must stay the same inf
+        return False, float("inf"), "has infinities in different places"
+    err = float(np.max(np.abs(got64[finite] - ref64[finite]), initial=0.0))
+    scale = float(np.max(np.abs(ref64[finite]), initial=0.0))
+    if err > atol + rtol * scale:
+        return False, err, f"max abs error {err:.3g} > {atol:g} + {rtol:g} * {scale:.3g}"
+    return True, err, ""
+
+
+def _max_abs_err(r: np.ndarray, g: np.ndarray) -> float:
+    if r.size == 0:
+        return 0.0
+    if not np.isfinite(g).all():
+        return float("inf")
+    return float(np.max(np.abs(r - g)))
+
+
+def _rel_err(r: np.ndarray, g: np.ndarray) -> float:
+    if not np.isfinite(g).all():
+        return float("inf")
+    return float(np.linalg.norm(r - g) / (np.linalg.norm(r) + 1e-12))
+
+
+def _cosine(r: np.ndarray, g: np.ndarray) -> float:
+    if not np.isfinite(g).all():
+        return float("nan")
+    r1, g1 = r.ravel(), g.ravel()
+    denom = np.linalg.norm(r1) * np.linalg.norm(g1)
+    if denom == 0:
+        return 1.0 if not r1.any() and not g1.any() else float("nan")
+    return float(r1 @ g1 / denom)
+
+
+def _top1(r: np.ndarray, g: np.ndarray, rel_tie: float) -> float | None:
+    if r.ndim < 2 or r.shape[-1] < 2:
+        return None
+    r2, g2 = r.reshape(-1, r.shape[-1]), g.reshape(-1, r.shape[-1])
+    ri, gi = r2.argmax(-1), g2.argmax(-1)
+    rows = np.arange(len(r2))
+    tie = np.abs(r2[rows, ri] - r2[rows, gi]) <= rel_tie * max(float(np.abs(r2).max(initial=0.0)), 1e-30)
+    return float(np.mean((ri == gi) | tie)) if len(r2) else 1.0

@@ -1,0 +1,176 @@
+"""Typed records of what the stages hand each other through files: engine metadata (``kiln-engine.json``),
+precision variants (``variants.json``) and validation results (``validation.json``).
+
+Each file is written and read through its record only, so a renamed or mistyped key fails where it is written,
+not at some later read. A damaged, foreign or older file is refused with a clear message (``read``), never
+half-understood. ``SCHEMA_VERSION`` changes when a field changes meaning.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from kiln.core.artifacts import write_text_atomic
+from kiln.core.errors import InputFileError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+R = TypeVar("R", bound="Record")
+
+
+class Record(BaseModel):
+    """A JSON file Kiln writes and later reads back. Unknown keys are refused: they mean another writer."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = SCHEMA_VERSION
+
+    def write(self, path: Path) -> None:
+        write_text_atomic(path, self.model_dump_json(indent=2))
+
+    @classmethod
+    def read(cls: type[R], path: Path, hint: str) -> R:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise InputFileError(f"{path} is missing", hint=hint) from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputFileError(f"{path} is unreadable or not JSON ({exc})", hint=hint) from None
+        return cls.parse(data, str(path), hint)
+
+    @classmethod
+    def parse(cls: type[R], data: Any, where: str, hint: str) -> R:
+        if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+            raise InputFileError(f"{where} has schema version {data.get('schema_version')}; this Kiln reads "
+                                 f"{SCHEMA_VERSION}", hint=hint)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            raise InputFileError(f"{where} is not a valid {cls.__name__} ({key}: {first['msg']})", hint=hint) from None
+
+
+class Part(BaseModel):
+    """A nested part of a record (strict too)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----------------------------------------------------------------------------------------------- engine metadata
+class TensorSpec(Part):
+    """One engine input or output: a symbolic axis is a string (``"batch"``), a fixed one an int."""
+
+    name: str
+    shape: list[int | str]
+    dtype: str
+
+
+class EngineSource(Part):
+    file: str
+    sha256: str
+    kept_fp32: list[str] | None = None  # an FP16 engine converted from the FP32 graph: nodes kept FP32
+
+
+class EngineMetadata(Record):
+    """``kiln-engine.json``: what an engine is, what it takes, and how it was built.
+
+    The first block is common to every backend; the optional block is what a backend records about its own
+    build (its builder settings, autotuning, profiles) and reads back in its runner.
+    """
+
+    name: str
+    backend: str
+    device: str
+    precision: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    source: EngineSource
+    files: dict[str, str]  # role -> file in the engine folder; "model" is the engine itself
+    flavour: str
+    versions: dict[str, str]
+    build_seconds: float = 0.0
+    settings_hash: str = ""
+    size_bytes: int = 0
+    file_hashes: dict[str, str] = Field(default_factory=dict)  # file -> sha256, checked by load_engine
+    # backend-owned parts
+    cuda_graph: bool = False
+    session: dict[str, Any] | None = None  # ONNX Runtime: providers and session settings
+    autotune: dict[str, Any] | None = None  # ONNX Runtime: every trial and the choice
+    builder_settings: dict[str, Any] = Field(default_factory=dict)
+    profiles: list[dict[str, Any]] | None = None  # TensorRT optimization profiles
+    features: dict[str, bool] | None = None
+    strongly_typed: bool | None = None
+    target: dict[str, Any] | None = None
+    timing_cache: dict[str, Any] | None = None
+    runtime_cache: str | None = None
+
+    def max_batch(self) -> int | None:
+        """The largest batch the engine's optimization profiles accept (None: not bounded)."""
+        sizes = [shape["max"][0] for profile in self.profiles or [] for shape in profile.values()]
+        return max(sizes) if sizes else None
+
+
+# --------------------------------------------------------------------------------------------- precision variants
+class PrecisionVariant(Part):
+    """One graph of the precision stage. ``backend_paths``: a graph made for one engine kind
+    (``"<backend>-<device>"``) instead of ``path``; ``report``: the stage's own diagnostics (calibration, casts,
+    fallback rounds), for people."""
+
+    path: str
+    kept_fp32: list[str] = Field(default_factory=list)
+    reasons: dict[str, str] = Field(default_factory=dict)  # node -> why it stayed FP32
+    backend_paths: dict[str, str] = Field(default_factory=dict)
+    vs_fp32: dict[str, float] | None = None  # comparator statistics against the FP32 graph
+    fallback_passed: bool = True
+    report: dict[str, Any] = Field(default_factory=dict)
+
+
+class Variants(Record):
+    """``variants.json``: precision name -> its graph."""
+
+    variants: dict[str, PrecisionVariant]
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+class Percentiles(Part):
+    p50: float
+    p90: float
+    p99: float
+
+
+class Baseline(Part):
+    backend: str = "pytorch"
+    device: str = "cpu"
+    precision: str = "fp32"
+    accuracy: float | None
+    samples: int
+    latency_ms: dict[str, Percentiles]
+
+
+class EngineValidation(Part):
+    """One engine against the baseline. Statistics come from :mod:`kiln.core.compare`."""
+
+    name: str
+    backend: str
+    precision: str
+    device: str
+    status: Literal["validated", "not-runnable"]
+    passed: bool | None = None
+    reason: str | None = None
+    max_abs_err: float | None = None
+    cosine: float | None = None
+    top1_agreement: float | None = None
+    accuracy: float | None = None
+    latency_ms: dict[str, Percentiles] = Field(default_factory=dict)
+    speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)
+    failures: list[str] = Field(default_factory=list)
+
+
+class ValidationResult(Record):
+    """``validation.json``."""
+
+    passed: bool
+    baseline: Baseline
+    engines: list[EngineValidation]
+    failures: list[str]

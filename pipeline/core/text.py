@@ -1,0 +1,26 @@
+"""Small text helpers shared by error messages and reports."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message (colour codes stripped), cut at ``limit`` characters: library
+    errors are often pages long, and the first line names the problem."""
+    text = _ANSI.sub("", str(exc)).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:limit]
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost ``__cause__``: wrappers (the dynamo exporter, ORT's Python layer) hide the real error."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def fmt(value: Any, spec: str = ".4f") -> str:
+    """A number for a report table, ``-`` when absent."""
+    return "-" if value is None else format(value, spec)

@@ -1,0 +1,20 @@
+"""The training section of report.md."""
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.core.text import fmt
+
+
+def report_section(summary: dict[str, Any]) -> list[str]:
+    """Training's part of report.md: the result and the loss curve."""
+    out: list[str] = []
+    train = summary
+    if train.get("val_accuracy") is not None:
+        out += ["", "## Training", "",
+                f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
+                f"{fmt(train.get('final_loss'))}, validation accuracy {fmt(train.get('val_accuracy'))}"
+                + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "") + "."]
+        if "loss.png" in train.get("files", []):
+            out += ["", "![loss curve](train/loss.png)"]
+    return out

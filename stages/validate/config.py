@@ -1,0 +1,48 @@
+"""The ``validate:`` config section: batch sizes, timing, and the gates an engine must pass."""
+from __future__ import annotations
+
+from kiln.core.sections import Section
+from kiln.stages.precision.config import PRECISIONS
+from pydantic import Field, PositiveInt, field_validator
+
+
+class GatesConfig(Section):
+    min_cosine: float = Field(0.9999, le=1.0, description="cosine similarity of the logits output, flattened, vs "
+                                                               "PyTorch (kiln.core.compare 'cosine')")
+    max_abs_err: float | None = Field(None, description="max abs output error vs PyTorch; null = unchecked")
+    min_top1_agreement: float = Field(0.99, le=1.0, description="fraction of samples whose argmax matches PyTorch")
+    max_accuracy_drop: float = Field(0.01, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
+    max_latency_p50_ms: float | None = Field(None, description="latency budget at the largest batch size")
+    # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
+    per_precision: dict[str, dict[str, float]] = Field(
+        default_factory=lambda: {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
+                                                                          "max_accuracy_drop": 0.02}},
+        description="overrides of the gates above per precision")
+
+    @field_validator("per_precision")
+    @classmethod
+    def _known_overrides(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        # A dict of dicts escapes the strict section check: a misspelt gate would be silently ignored.
+        gates = sorted(set(cls.model_fields) - {"per_precision"})
+        for precision, overrides in value.items():
+            if precision not in PRECISIONS:
+                raise ValueError(f"unknown precision '{precision}' (valid: {', '.join(PRECISIONS)})")
+            unknown = sorted(set(overrides) - set(gates))
+            if unknown:
+                raise ValueError(f"unknown gate {unknown} for {precision} (valid gates: {', '.join(gates)})")
+        return value
+
+
+class ValidateConfig(Section):
+    batch_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 32], min_length=1,
+                                           description="latency batch sizes; the largest also sizes engine profiles")
+    warmup: int = Field(5, ge=0)
+    iterations: int = Field(30, ge=1)
+    max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
+    gates: GatesConfig = Field(default_factory=GatesConfig)
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _sorted_unique(cls, value: list[int]) -> list[int]:
+        # Reports and the CLI read the last batch size as the largest one.
+        return sorted(set(value))

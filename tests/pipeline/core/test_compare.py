@@ -1,0 +1,70 @@
+"""kiln.core.compare: the one comparator, named statistics per output."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kiln.core.compare import STATISTICS, compare_arrays, compare_outputs, within_tolerance, worst
+
+
+def test_identical_outputs_are_perfect() -> None:
+    x = np.random.default_rng(0).standard_normal((16, 10)).astype(np.float32)
+    s = compare_arrays(x, x.copy())
+    assert s.max_abs_err == 0 and s.rel_err == 0 and s.cosine == pytest.approx(1.0) and s.top1_agreement == 1.0
+    assert set(s.as_dict()) == set(STATISTICS)
+
+
+def test_statistics_name_what_changed() -> None:
+    ref = np.random.default_rng(1).standard_normal((100, 10))
+    got = ref.copy()
+    got[:10] = -got[:10]  # flips the argmax of those rows
+    s = compare_arrays(ref, got)
+    assert s.top1_agreement == pytest.approx(0.9) and s.cosine < 0.9 and s.max_abs_err > 0
+
+
+def test_non_finite_candidate_fails_every_statistic() -> None:
+    ref = np.ones((4, 3))
+    got = ref.copy()
+    got[0, 0] = np.nan
+    s = compare_arrays(ref, got)
+    assert np.isnan(s.cosine) and s.max_abs_err == float("inf") and s.rel_err == float("inf")
+
+
+def test_near_ties_agree_only_when_asked() -> None:
+    ref = np.array([[1.0, 1.0 + 1e-6, 0.0]])
+    got = np.array([[1.0 + 1e-6, 1.0, 0.0]])
+    assert compare_arrays(ref, got).top1_agreement == 0.0
+    assert compare_arrays(ref, got, rel_tie=1e-3).top1_agreement == 1.0
+
+
+def test_outputs_without_a_class_axis_have_no_top1() -> None:
+    assert compare_arrays(np.arange(4.0), np.arange(4.0)).top1_agreement is None
+
+
+def test_per_output_and_worst() -> None:
+    ref = {"hidden": np.ones((2, 3, 4)), "logits": np.eye(2)}
+    got = {"hidden": np.ones((2, 3, 4)), "logits": np.array([[0.0, 1.0], [0.0, 1.0]])}
+    stats = compare_outputs(ref, got)
+    assert set(stats) == {"hidden", "logits"} and stats["hidden"].cosine == pytest.approx(1.0)
+    assert worst(stats, "cosine") == stats["logits"].cosine and worst(stats, "max_abs_err") == 1.0
+    positional = compare_outputs([ref["logits"]], [got["logits"]])
+    assert set(positional) == {"0"}
+
+
+def test_shape_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="shapes differ"):
+        compare_arrays(np.ones((2, 3)), np.ones((3, 2)))
+
+
+@pytest.mark.parametrize("got, ok", [
+    (np.array([1.0, 2.0, np.nan]), True),
+    (np.array([1.0, 2.1, np.nan]), False),
+    (np.array([1.0, np.nan, 2.0]), False),
+    (np.array([1.0, 2.0, np.inf]), False),
+])
+def test_within_tolerance_keeps_nan_and_inf_in_place(got: np.ndarray, ok: bool) -> None:
+    assert within_tolerance(np.array([1.0, 2.0, np.nan]), got, atol=1e-6, rtol=1e-6)[0] is ok
+
+
+def test_within_tolerance_integers_must_be_equal() -> None:
+    assert within_tolerance(np.array([1, 2]), np.array([1, 2]), 0, 0)[0]
+    assert not within_tolerance(np.array([1, 2]), np.array([1, 3]), 10, 10)[0]

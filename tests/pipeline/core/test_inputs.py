@@ -1,0 +1,45 @@
+"""kiln.core.inputs: the one random-input maker."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kiln.core.errors import ConfigError
+from kiln.core.inputs import random_inputs
+from kiln.core.records import TensorSpec
+
+
+def test_batch_axis_dtypes_and_ranges() -> None:
+    specs = [TensorSpec(name="ids", shape=["batch", 8], dtype="int64"),
+             TensorSpec(name="mask", shape=["batch", 8], dtype="bool"),
+             TensorSpec(name="x", shape=[3, 4], dtype="float32")]
+    feed = random_inputs(specs, batch=5, int_high=3)
+    assert feed["ids"].shape == (5, 8) and feed["ids"].dtype == np.int64 and feed["ids"].max() <= 3
+    assert feed["mask"].dtype == np.bool_ and feed["x"].shape == (3, 4)  # a fixed first axis keeps its size
+    again = random_inputs(specs, batch=5, int_high=3)
+    assert all(np.array_equal(feed[k], again[k]) for k in feed)  # seeded
+
+
+def test_other_dynamic_axes_need_a_size() -> None:
+    spec = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64")]
+    with pytest.raises(ConfigError, match="besides the batch axis") as err:
+        random_inputs(spec, batch=2, hint="give shapes")
+    assert err.value.hint == "give shapes"
+    assert random_inputs(spec, batch=2, dynamic=7)["ids"].shape == (2, 7)
+
+
+def test_only_a_dynamic_batch_axis_is_set() -> None:
+    specs = [TensorSpec(name="x", shape=["batch", 3, 4], dtype="float32"),
+             TensorSpec(name="ids", shape=[0, 5], dtype="int64"),
+             TensorSpec(name="fixed", shape=[1, 3], dtype="float32")]
+    feed = random_inputs(specs, batch=7)
+    assert feed["x"].shape == (7, 3, 4) and feed["x"].dtype == np.float32
+    assert feed["ids"].shape == (7, 5) and set(np.unique(feed["ids"])) <= {0, 1}
+    assert feed["fixed"].shape == (1, 3)  # a model exported with batch 1 keeps it
+
+
+@pytest.mark.parametrize("shape", [["batch", "seq", 4], ["batch", 0, 4]])
+def test_unknown_axes_besides_the_batch_are_refused(shape) -> None:
+    # Before: `kiln validate` on files filled a 0-sized axis anywhere with the batch size.
+    with pytest.raises(ConfigError, match="dynamic axes") as err:
+        random_inputs([TensorSpec(name="x", shape=shape, dtype="float32")], batch=2, hint="pass arrays")
+    assert err.value.hint == "pass arrays"

@@ -1,0 +1,52 @@
+"""kiln.core.records: files written and read through typed records; damaged ones refused clearly."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kiln.core.errors import InputFileError
+from kiln.core.records import SCHEMA_VERSION, EngineMetadata, EngineSource, TensorSpec
+
+
+def _meta() -> EngineMetadata:
+    spec = TensorSpec(name="input", shape=["batch", 4], dtype="float32")
+    return EngineMetadata(name="e", backend="onnxruntime", device="cpu", precision="fp32", inputs=[spec],
+                          outputs=[spec], source=EngineSource(file="m.onnx", sha256="0" * 64),
+                          files={"model": "engine.onnx"}, flavour="onnxruntime", versions={"onnxruntime": "1"})
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "kiln-engine.json"
+    _meta().write(path)
+    assert EngineMetadata.read(path, hint="rebuild") == _meta()
+    assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda d: "{not json", "not JSON"),
+    (lambda d: json.dumps({**d, "backend": 7}), "backend"),
+    (lambda d: json.dumps({k: v for k, v in d.items() if k != "inputs"}), "inputs"),
+    (lambda d: json.dumps({**d, "surprise": 1}), "surprise"),
+    (lambda d: json.dumps({**d, "schema_version": SCHEMA_VERSION + 1}), "schema version"),
+    (lambda d: json.dumps([d]), "not a valid EngineMetadata"),
+])
+def test_damaged_files_are_refused_with_the_reason(tmp_path: Path, damage, needle: str) -> None:
+    path = tmp_path / "kiln-engine.json"
+    _meta().write(path)
+    path.write_text(damage(json.loads(path.read_text())))
+    with pytest.raises(InputFileError, match=needle) as err:
+        EngineMetadata.read(path, hint="rebuild the engine")
+    assert err.value.hint == "rebuild the engine"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(InputFileError, match="missing"):
+        EngineMetadata.read(tmp_path / "nope.json", hint="x")
+
+
+def test_max_batch_from_profiles() -> None:
+    meta = _meta()
+    assert meta.max_batch() is None
+    meta.profiles = [{"input": {"min": [1, 4], "opt": [8, 4], "max": [16, 4]}}]
+    assert meta.max_batch() == 16

@@ -1,0 +1,64 @@
+"""The backend registry: every backend is complete, and engines open only when their files are intact."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kiln.core.errors import ConfigError, InputFileError
+from kiln.stages.engines.backend import Backend
+from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
+from kiln.stages.engines.engines import SIDECAR, read_metadata
+from kiln.stages.engines.registry import BACKENDS, backend_named, load_engine
+from kiln.stages.engines.stage import build_engine
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_backend_is_complete(name: str) -> None:
+    backend = BACKENDS[name]
+    assert isinstance(backend, Backend) and backend.name == name
+    assert set(backend.runners) == set(backend.devices), "a runner for every device it builds for"
+    assert backend.settings(BuildConfig()) is not None
+    names = {backend.engine_name(d, p) for d in backend.devices for p in ("fp32", "fp16")}
+    assert len(names) == 2 * len(backend.devices) and all(n.startswith(name) for n in names)
+
+
+def test_unknown_backend_lists_the_registered_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        backend_named("openvino")
+    assert all(name in err.value.hint for name in BACKENDS)
+
+
+@pytest.fixture
+def engine(tmp_path: Path, zoo) -> Path:
+    cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(autotune={"cpu": False}))
+    build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache")
+    return tmp_path / "e"
+
+
+def test_an_intact_engine_opens_and_runs(engine: Path) -> None:
+    meta = read_metadata(engine)
+    assert set(meta.file_hashes) == {"engine.onnx"}
+    with load_engine(engine) as runner:
+        assert runner.infer({"input": np.zeros((2, 1, 8, 8), "float32")})["logits"].shape == (2, 10)
+
+
+def test_flipped_bytes_in_an_engine_are_refused(engine: Path) -> None:
+    model = engine / "engine.onnx"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    model.write_bytes(bytes(data))
+    with pytest.raises(InputFileError, match="does not match its recorded sha256"):
+        load_engine(engine)
+
+
+def test_a_missing_engine_file_is_refused(engine: Path) -> None:
+    (engine / "engine.onnx").unlink()
+    with pytest.raises(InputFileError, match="missing"):
+        load_engine(engine)
+
+
+def test_damaged_metadata_is_refused(engine: Path) -> None:
+    (engine / SIDECAR).write_text('{"name": 1}')
+    with pytest.raises(InputFileError, match="not a valid EngineMetadata"):
+        load_engine(engine)
