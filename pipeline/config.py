@@ -86,7 +86,9 @@ class ValidateConfig(Section):
 
 class PackageConfig(Section):
     enabled: bool = True
-    triton: bool = Field(True, description="write a Triton model repository")
+    triton: bool = Field(True, description="write a Triton model repository for the stock backends (triton/)")
+    triton_python: bool = Field(True, description="write a Triton Python-backend repository running the Kiln engines "
+                                                  "as validated (triton-python/; needs kiln in Triton's Python)")
     max_batch_size: int = Field(32, ge=0)
 
 

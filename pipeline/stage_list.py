@@ -13,6 +13,7 @@ import kiln.stages.optimize.stage as optimize_stage
 import kiln.stages.package as package_stage
 import kiln.stages.precision
 import kiln.stages.precision.stage as precision_stage
+import kiln.stages.triton_repo as triton_repo
 import kiln.core.onnx_io as onnx_io
 import kiln.stages.train
 import kiln.models.model_io as model_io
@@ -67,7 +68,7 @@ STAGES: list[Stage] = [
     Stage("validate", validate_stage.run, ("train", "build"), ("seed", "model", "data", "validate"),
           (validate_stage, kiln.stages.engines, kiln.models, model_io), _validate_env,
           "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset",)),
-    Stage("package", package_stage.run, ("train", "build", "validate"), ("name", "package"), (package_stage,),
+    Stage("package", package_stage.run, ("train", "build", "validate"), ("name", "package"), (package_stage, triton_repo),
           lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository"),
 ]
 

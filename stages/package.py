@@ -1,6 +1,8 @@
-"""Package stage: engines that passed validation, with metadata, laid out as a Triton model repository.
+"""Package stage: engines that passed validation, with metadata, laid out as Triton model repositories.
 
-Triton layout: ``triton/<model>/config.pbtxt`` and ``triton/<model>/1/model.{onnx,plan}``.
+``triton/<model>/``: the stock backend (``onnxruntime_onnx`` / ``tensorrt_plan``) for engines it can express;
+``triton-python/<model>/``: Triton's Python backend running the Kiln engine itself, for every engine (see
+:mod:`kiln.stages.triton_repo`). ``kiln serve`` serves ``engines/`` directly through PyTriton.
 """
 from __future__ import annotations
 
@@ -12,40 +14,14 @@ from typing import Any
 from kiln.core.errors import GateFailure
 from kiln.core.stage import StageContext
 from kiln.stages.engines.engines import SIDECAR, read_metadata
+from kiln.stages.triton_repo import PLATFORMS, engine_max_batch, triton_config, write_python_model, write_stock_model
 
-TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
-                "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}
-PLATFORMS = {"onnxruntime": ("onnxruntime_onnx", "model.onnx"), "tensorrt": ("tensorrt_plan", "model.plan")}
-
-
-def _tensor_block(kind: str, specs: list[dict[str, Any]], batched: bool) -> str:
-    items = []
-    for s in specs:
-        dims = [d if isinstance(d, int) and d > 0 else -1 for d in (s["shape"][1:] if batched else s["shape"])]
-        items.append(f'  {{\n    name: "{s["name"]}"\n    data_type: {TRITON_TYPES[s["dtype"]]}\n'
-                     f'    dims: [ {", ".join(map(str, dims))} ]\n  }}')
-    return f"{kind} [\n" + ",\n".join(items) + "\n]\n"
+__all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name"]
 
 
-def engine_max_batch(meta: dict[str, Any]) -> int | None:
-    """The largest batch a TensorRT engine's optimization profiles accept (None: not bounded, e.g. ONNX Runtime)."""
-    sizes = [shape["max"][0] for profile in meta.get("profiles") or [] for shape in profile.values()]
-    return max(sizes) if sizes else None
-
-
-def triton_config(model_name: str, meta: dict[str, Any], max_batch_size: int) -> str:
-    platform, _ = PLATFORMS[meta["backend"]]
-    limit = engine_max_batch(meta)
-    if limit is not None and max_batch_size > limit:
-        max_batch_size = limit  # Triton must not batch beyond what the engine's profiles were built for
-    gpu = meta.get("device") == "cuda"
-    batched = max_batch_size > 0
-    text = f'name: "{model_name}"\nplatform: "{platform}"\nmax_batch_size: {max_batch_size}\n'
-    text += _tensor_block("input", meta["inputs"], batched) + _tensor_block("output", meta["outputs"], batched)
-    text += f"instance_group [ {{ kind: {'KIND_GPU' if gpu else 'KIND_CPU'} count: 1 }} ]\n"
-    if batched:
-        text += "dynamic_batching { }\n"
-    return text
+def triton_model_name(config_name: str, engine_name: str) -> str:
+    """Triton model names: letters, digits and underscores (the repository folder's name)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", f"{config_name}_{engine_name}")
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -64,16 +40,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
         result = results.get(meta["name"], {})
         if result.get("passed") is not True:
             continue  # only engines proven against PyTorch are served
-        shutil.copytree(engine_dir, ctx.out / "engines" / meta["name"])
+        packaged_dir = ctx.out / "engines" / meta["name"]
+        shutil.copytree(engine_dir, packaged_dir)
         record = {"engine": meta["name"], "validation": {k: result.get(k) for k in
                   ("max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms")}}
-        if cfg.triton and meta["backend"] in PLATFORMS:
-            model_name = re.sub(r"[^A-Za-z0-9_]", "_", f"{ctx.config.name}_{meta['name']}")
-            target = ctx.out / "triton" / model_name
-            (target / "1").mkdir(parents=True)
-            shutil.copy2(engine_dir / meta["files"]["model"], target / "1" / PLATFORMS[meta["backend"]][1])
-            (target / "config.pbtxt").write_text(triton_config(model_name, meta, cfg.max_batch_size))
+        model_name = triton_model_name(ctx.config.name, meta["name"])
+        # Stock backends cannot run TensorRT-RTX engines (flavour "tensorrt_rtx") nor keep ORT's autotuned settings.
+        if cfg.triton and meta["backend"] in PLATFORMS and meta.get("flavour") != "tensorrt_rtx":
+            write_stock_model(ctx.out / "triton" / model_name, packaged_dir, meta, cfg.max_batch_size)
             record["triton_model"] = model_name
+        if cfg.triton_python:
+            write_python_model(ctx.out / "triton-python" / model_name, packaged_dir, meta, cfg.max_batch_size)
+            record["triton_python_model"] = model_name
         packaged.append(record)
     (ctx.out / "kiln-package.json").write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
     return {"models": packaged}
