@@ -115,7 +115,8 @@ def check_config(cfg: dict[str, Any], meta: dict[str, Any]) -> None:
         problems.append(f"instance_group {cfg['instance_group']} for a {meta.get('device')} engine (want {want_kind})")
     if problems:
         raise ModelError(f"Triton config for {cfg['name']} disagrees with engine {meta['name']}: {'; '.join(problems)}",
-                         hint="rebuild the engine (its kiln-engine.json may be stale), or change package.max_batch_size")
+                         hint="rebuild the engine (its kiln-engine.json may be stale), "
+                              "or change package.max_batch_size")
 
 
 def render_pbtxt(cfg: dict[str, Any]) -> str:
@@ -150,7 +151,7 @@ def write_stock_model(target: Path, engine_dir: Path, meta: dict[str, Any], max_
 # The Python backend's model: Triton hands it a list of requests (one per client call, each with its own batch
 # axis); it concatenates them, runs the engine once, and splits the outputs back. Written as a file because
 # Triton imports it by path; it needs `kiln` importable in the interpreter that runs Triton's Python stub.
-MODEL_PY = '''"""Triton Python-backend model written by Kiln: serves the Kiln engine in ./engine with kiln.load_engine."""
+MODEL_PY = '''"""Triton Python-backend model written by Kiln: serves the Kiln engine in ./engine (kiln.load_engine)."""
 import json
 from pathlib import Path
 
