@@ -81,12 +81,23 @@ def _client_module(protocol: str) -> Any:
 
 
 def engine_for(path: str | Path, model: str) -> ServedEngine:
+    """The engine behind ``model``: a name `kiln serve` gives, or one of the package's Triton repositories."""
     engines = find_engines(path)
+    aliases = _repository_names(Path(path))
     for e in engines:
-        if e.model_name == model:
+        if model == e.model_name or aliases.get(model) == e.meta["name"]:
             return e
     raise ConfigError(f"no engine served as '{model}' under {path}",
-                      hint=f"--model is one of {[e.model_name for e in engines]}")
+                      hint=f"--model is one of {sorted({e.model_name for e in engines} | set(aliases))}")
+
+
+def _repository_names(workdir: Path) -> dict[str, str]:
+    """Triton model name -> engine name, from the package stage's record (its repositories' names)."""
+    record = workdir / "package" / "kiln-package.json"
+    if not record.is_file():
+        return {}
+    models = json.loads(record.read_text()).get("models", [])
+    return {m[key]: m["engine"] for m in models for key in ("triton_model", "triton_python_model") if key in m}
 
 
 def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = POOL) -> tuple[list[dict], str]:
@@ -183,6 +194,11 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
     try:
         stats = client.get_inference_statistics(model, as_json=True) if protocol == "grpc" else \
             client.get_inference_statistics(model)
+    except Exception as exc:  # tritonclient raises its own exceptions and the transport's (connection refused)
+        raise KilnError(f"cannot read model '{model}' statistics from Triton at {address} "
+                        f"({type(exc).__name__}: {str(exc).strip()[:200]})",
+                        hint="start the server first (`kiln serve`), check the URL's port and protocol, and that "
+                             "--model is a model it serves") from None
     finally:
         client.close()
     entry = stats["model_stats"][0]

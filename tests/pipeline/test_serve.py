@@ -67,9 +67,14 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(workdir: Pa
         assert any("tritonserver" in p.name() for p in descendants)
         result = loadtest(f"http://127.0.0.1:{ports[0]}", MODEL, workdir, tmp_path / "lt", [8], duration_s=120,
                           max_requests=200, config=config)
+        cli = CliRunner().invoke(main, ["loadtest", f"grpc://127.0.0.1:{ports[1]}", "--model", MODEL, "-e",
+                                        str(workdir), "--concurrency", "1,2", "--duration", "1", "--requests", "20",
+                                        "-o", str(tmp_path / "cli")])
     except BaseException:
         proc.kill()
         raise
+    assert cli.exit_code == 0, cli.output
+    assert "| 2 | 20 |" in cli.output and (tmp_path / "cli" / "loadtest.png").is_file()
     level = result["levels"][0]
     assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0
     assert result["inputs"].startswith("validation data")
@@ -165,6 +170,12 @@ def test_missing_server_package_names_the_extra(workdir: Path, monkeypatch: pyte
     with pytest.raises(BackendUnavailable) as info:
         serve(workdir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     assert 'pip install "kiln[serve]"' in info.value.hint
+
+
+def test_loadtest_without_a_server_is_a_clear_error(workdir: Path) -> None:
+    result = CliRunner().invoke(main, ["loadtest", f"http://127.0.0.1:{free_port()}", "--model", MODEL, "-e",
+                                       str(workdir), "--duration", "1"])
+    assert result.exit_code == 2 and "error: cannot read model" in result.output and "fix:" in result.output
 
 
 @pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com:8000", "ftp://127.0.0.1:1"])
