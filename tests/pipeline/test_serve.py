@@ -183,3 +183,27 @@ def test_loadtest_targets_only_this_machine(url: str) -> None:
     with pytest.raises(ConfigError):
         parse_url(url)
     assert parse_url("grpc://127.0.0.1:8001") == ("grpc", "127.0.0.1:8001")
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_path: Path) -> None:
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_engine
+
+    engine_dir = tmp_path / "onnxruntime-cuda-fp16"
+    build_engine(workdir / "optimize" / "model.onnx", engine_dir, "onnxruntime", "cuda", "fp16",
+                 BuildConfig(backends=["onnxruntime"]), tmp_path / "cache", max_batch=32)
+    ports = [free_port() for _ in range(3)]
+    proc = _start_serve(engine_dir, ports, "--max-queue-delay-us", "2000")
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", ["onnxruntime_cuda_fp16"], READY_TIMEOUT_S, proc)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        result = loadtest(f"grpc://127.0.0.1:{ports[1]}", "onnxruntime_cuda_fp16", engine_dir, tmp_path / "lt", [8],
+                          duration_s=120, max_requests=200)
+    except BaseException:
+        proc.kill()
+        raise
+    level = result["levels"][0]
+    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0
+    assert result["server"]["execution_count"] < 200
+    _stop_and_check(proc, descendants, signal.SIGTERM)
