@@ -189,12 +189,13 @@ def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metric
     security = pytriton.triton.TritonSecurityConfig(
         restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"])
     previous = signal.signal(signal.SIGTERM, _raise_stop)
-    runners = []
+    runners: list[Any] = []
     try:
+        for s in served:  # before the server starts: an engine this machine cannot run fails fast
+            runners.append(load_engine(s.engine_dir).activate())
         with pytriton.triton.Triton(config=config, security_config=security) as triton:
-            for s in served:
-                runners.append(load_engine(s.engine_dir).activate())
-                _bind(triton, s, runners[-1], max_batch, max_queue_delay_us)
+            for s, runner in zip(served, runners):
+                _bind(triton, s, runner, max_batch, max_queue_delay_us)
             triton.run()  # returns once the server and every model are ready
             if on_ready is not None:
                 on_ready(served)
