@@ -247,11 +247,13 @@ def tritonserver_process(repository: Path, scratch: Path, http_port: int, grpc_p
     env = server_env()
     env["LD_LIBRARY_PATH"] += os.pathsep + str(get_libs_path())
     cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={repository}",
-           f"--backend-directory={root / 'backends'}", f"--http-address=127.0.0.1", f"--http-port={http_port}",
-           f"--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
+           f"--backend-directory={root / 'backends'}", "--http-address=127.0.0.1", f"--http-port={http_port}",
+           "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
            f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
-    out = open(log_file, "wb") if log_file else subprocess.DEVNULL
-    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    if log_file is None:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    with open(log_file, "wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_ready(url: str, models: list[str], timeout_s: float = 60.0,
@@ -260,20 +262,20 @@ def wait_ready(url: str, models: list[str], timeout_s: float = 60.0,
     import tritonclient.http as httpclient
 
     deadline = time.monotonic() + timeout_s
-    with_client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"))
     try:
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
                 raise KilnError(f"tritonserver exited with code {process.returncode} before it was ready",
                                 hint="see its log")
             try:
-                if with_client.is_server_ready() and all(with_client.is_model_ready(m) for m in models):
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
                     return
             except Exception:  # connection refused while it starts: keep polling until the deadline
                 pass
             time.sleep(0.2)
     finally:
-        with_client.close()
+        client.close()
     raise KilnError(f"Triton at {url} was not ready within {timeout_s:.0f} s", hint="see the server's log")
 
 
