@@ -48,6 +48,15 @@ def _start_serve(path: Path, ports: list[int], *extra: str) -> subprocess.Popen[
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _abort(proc: subprocess.Popen[bytes]) -> None:
+    """A failing test still stops the server cleanly (SIGKILL would leave PyTriton's workspace behind)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Process], sig: int) -> None:
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
@@ -71,7 +80,7 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(workdir: Pa
                                         str(workdir), "--concurrency", "1,2", "--duration", "1", "--requests", "20",
                                         "-o", str(tmp_path / "cli")])
     except BaseException:
-        proc.kill()
+        _abort(proc)
         raise
     assert cli.exit_code == 0, cli.output
     assert "| 2 | 20 |" in cli.output and (tmp_path / "cli" / "loadtest.png").is_file()
@@ -93,7 +102,7 @@ def test_sigint_stops_the_server_and_its_children(workdir: Path) -> None:
         wait_ready(f"http://127.0.0.1:{ports[0]}", [MODEL], READY_TIMEOUT_S, proc)
         descendants = psutil.Process(proc.pid).children(recursive=True)
     except BaseException:
-        proc.kill()
+        _abort(proc)
         raise
     _stop_and_check(proc, descendants, signal.SIGINT)
 
@@ -124,7 +133,7 @@ def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tm
                           max_requests=40)
         assert result["levels"][0]["requests"] == 40 and result["levels"][0]["mismatches"] == 0
     except BaseException:
-        proc.kill()
+        _abort(proc)
         print((tmp_path / "tritonserver.log").read_text()[-3000:])
         raise
     proc.terminate()
@@ -201,7 +210,7 @@ def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_pat
         result = loadtest(f"grpc://127.0.0.1:{ports[1]}", "onnxruntime_cuda_fp16", engine_dir, tmp_path / "lt", [8],
                           duration_s=120, max_requests=200)
     except BaseException:
-        proc.kill()
+        _abort(proc)
         raise
     level = result["levels"][0]
     assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0
