@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
 # /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
-# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, train, precision.
+# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, train, precision, serve.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
 mkdir -p "$OUT"
@@ -20,6 +20,8 @@ for phase in "$@"; do
     engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
     precision) python3 benchmarks/precision_bench.py --gpu --out "$OUT" ${PRECISION_ARGS:-} ;;
+    serve) python3 benchmarks/serve_bench.py --resnet18-fp16 --concurrency 1,2,4,8,16,32,64 --duration 10 \
+             --out "$OUT" ${SERVE_ARGS:-} ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

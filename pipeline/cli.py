@@ -12,8 +12,12 @@ from kiln.api import run_pipeline
 from kiln.config import KilnConfig, load_config
 from kiln.core.errors import GateFailure, KilnError
 from kiln.core.progress import RichProgress, SilentProgress
+from kiln.loadtest import loadtest as run_loadtest
+from kiln.loadtest import render_markdown
 from kiln.report import fmt as _fmt
 from kiln.report import validation_of
+from kiln.serve import iter_urls
+from kiln.serve import serve as serve_engines
 from kiln.stages.engines.stage import build_direct
 from kiln.stages.export import export_direct
 from kiln.stages.optimize.api import optimize_file
@@ -314,6 +318,64 @@ def package(config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool
     """Write serving artifacts (engines + metadata, Triton model repository) into WORKDIR/package."""
     _setup_logging(quiet, False)
     _stage_in_workdir("package", config, workdir, sets, quiet)
+
+
+@main.command()
+@click.argument("path", required=False, default="kiln-out", type=click.Path(exists=True, file_okay=False))
+@click.option("--http-port", default=8000, show_default=True, type=int)
+@click.option("--grpc-port", default=8001, show_default=True, type=int)
+@click.option("--metrics-port", default=8002, show_default=True, type=int)
+@click.option("--max-batch", default=32, show_default=True, type=click.IntRange(0),
+              help="largest batch Triton's dynamic batcher forms (capped by the engine; 0: no batching)")
+@click.option("--max-queue-delay-us", default=100, show_default=True, type=click.IntRange(0),
+              help="how long a request may wait for others to join its batch")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="interface to listen on (0.0.0.0 exposes the server to the network)")
+def serve(path: str, http_port: int, grpc_port: int, metrics_port: int, max_batch: int, max_queue_delay_us: int,
+          address: str) -> None:
+    """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM."""
+
+    _setup_logging(False, False)
+
+    def ready(served: list[Any]) -> None:
+        for line in iter_urls(address, http_port, grpc_port, served):
+            console.print(escape(line), highlight=False, soft_wrap=True)
+        console.print("ready (Ctrl-C or SIGTERM stops the server)")
+
+    serve_engines(Path(path), http_port, grpc_port, metrics_port, max_batch, max_queue_delay_us, address,
+                  on_ready=ready)
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"'{value}' is not a comma-separated list of integers") from None
+
+
+@main.command()
+@click.argument("url")
+@click.option("--model", required=True, help="served model name (printed by `kiln serve`)")
+@click.option("--engines", "-e", "engines", default="kiln-out", show_default=True, type=click.Path(exists=True),
+              help="the workdir or engine folder the server serves: expected answers come from its engine")
+@click.option("--concurrency", default="1,2,4,8,16,32", show_default=True, callback=_int_list)
+@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds per concurrency level")
+@click.option("--requests", "max_requests", default=100_000, show_default=True, type=click.IntRange(1),
+              help="at most this many requests per concurrency level")
+@click.option("--config", "-c", "config", type=click.Path(dir_okay=False),
+              help="the run's config: its validation data become the requests (default: the demo's)")
+@click.option("-o", "--output", default="loadtest", show_default=True, type=click.Path(file_okay=False),
+              help="folder for loadtest.json, loadtest.md and loadtest.png")
+def loadtest(url: str, model: str, engines: str, concurrency: list[int], duration: float, max_requests: int,
+             config: str | None, output: str) -> None:
+    """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
+
+    _setup_logging(False, False)
+    result = run_loadtest(url, model, engines, Path(output), concurrency, duration, max_requests,
+                          _config(config, ()))
+    click.echo(render_markdown(result), nl=False)
+    console.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,15 +1,15 @@
 """README examples run as tests: the config example and the serving snippet must stay true."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from click.testing import CliRunner
-from kiln.cli import main
-from kiln.models.registry import build_model
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -25,37 +25,73 @@ def test_readme_commands_are_the_ci_commands() -> None:
     assert "python -m pytest -q" in bash and "python -m pytest -q" in ci and "kiln run" in ci
 
 
+def user_files() -> dict[str, str]:
+    """The README's user-project snippets, by the file name on their first line (``# models/mine.py ...``)."""
+    files = {}
+    for block in code_blocks("python"):
+        first = block.splitlines()[0]
+        if first.startswith("# ") and first.split()[1].endswith(".py"):
+            files[first.split()[1]] = block
+    return files
+
+
 @pytest.fixture(scope="module")
-def readme_run(tmp_path_factory) -> Path:
+def readme_project(tmp_path_factory) -> Path:
+    """The README's config example as a user's project folder (its model and data modules from the README), run
+    with `kiln run` from that folder in a fresh process, as a user would."""
     tmp = tmp_path_factory.mktemp("readme")
+    for name, text in user_files().items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text(text)
+    (tmp / "models" / "__init__.py").touch()
     cfg = yaml.safe_load(code_blocks("yaml")[0])
-    model = build_model(cfg["model"]["name"], cfg["model"]["params"])
+    scope: dict = {}
+    exec(compile(user_files()["models/mine.py"], "README.md", "exec"), scope)
+    model = scope["build"](**cfg["model"]["params"])
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / cfg["model"]["checkpoint"]))
     # The README's gates assume a trained model; random weights are fine for agreement with PyTorch itself.
     cfg["validate"].update({"batch_sizes": [1, 8], "iterations": 3, "warmup": 1, "max_samples": 64})
     cfg["validate"]["gates"]["max_accuracy_drop"] = 1.0
-    (tmp / "kiln.yaml").write_text(yaml.safe_dump(cfg))
-    result = CliRunner().invoke(main, ["run", str(tmp / "kiln.yaml"), "-w", str(tmp / "out"), "--quiet",
-                                       "--set", "build.backends=[onnxruntime]"])
-    assert result.exit_code == 0, result.output
-    return tmp / "out"
+    cfg["build"] = {"backends": ["onnxruntime"]}
+    (tmp / "my.yaml").write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(Path(sys.executable).with_name("kiln")), "run", "my.yaml", "-w", "kiln-out", "--quiet"],
+                         cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return tmp
 
 
-def test_readme_config_example_runs(readme_run: Path) -> None:
+def test_readme_config_example_runs(readme_project: Path) -> None:
     import json
 
-    report = json.loads((readme_run / "report.json").read_text())
+    report = json.loads((readme_project / "kiln-out" / "report.json").read_text())
     assert report["stages"]["train"]["status"] == "skipped"  # a checkpoint was given
     assert report["validation"]["passed"]
 
 
-def test_readme_serving_snippet(readme_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    snippet = next(b for b in code_blocks("python") if "load_engine" in b)
-    monkeypatch.chdir(readme_run.parent)
-    (readme_run.parent / "kiln-out").symlink_to(readme_run)
-    batch = np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)
-    scope: dict = {"batch": batch}
+@pytest.fixture
+def in_project(readme_project: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process as if started in the project's folder: its modules first on sys.path, none cached."""
+    monkeypatch.chdir(readme_project)
+    monkeypatch.syspath_prepend(str(readme_project))
+    for name in [m for m in sys.modules if m in ("models", "mydata") or m.startswith("models.")]:
+        monkeypatch.delitem(sys.modules, name)
+    return readme_project
+
+
+def test_readme_python_api_example(in_project: Path) -> None:
+    snippet = next(b for b in code_blocks("python") if "run_pipeline(" in b)
+    scope: dict = {"batch": np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)}
     exec(compile(snippet, "README.md", "exec"), scope)
-    assert scope["logits"].shape == (4, 10) and np.isfinite(scope["logits"]).all()
+    assert scope["report"]["ok"] and scope["result"].error is None
+    assert {r.status for r in scope["result"].records} == {"cached"}  # the run above, reused
+    assert scope["scores"].shape == (4, 4) and np.isfinite(scope["scores"]).all()
+
+
+def test_readme_serving_snippet(in_project: Path) -> None:
+    snippet = next(b for b in code_blocks("python") if "load_engine" in b and "run_pipeline" not in b)
+    scope: dict = {"batch": np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    assert scope["logits"].shape == (4, 4) and np.isfinite(scope["logits"]).all()

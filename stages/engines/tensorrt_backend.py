@@ -18,7 +18,7 @@ from typing import Any
 
 from kiln.core.errors import BackendUnavailable, BuildError, ConfigError
 from kiln.core.records import EngineMetadata
-from kiln.stages.engines import tensorrt_cache
+from kiln.stages.engines import tensorrt_cache, tensorrt_lib
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan, TritonModel
 from kiln.stages.engines.config import BuildConfig, TensorRTConfig
 from kiln.stages.engines.profiles import (
@@ -34,9 +34,7 @@ from kiln.stages.engines.tensorrt_errors import (
 )
 from kiln.stages.engines.tensorrt_lib import (
     features,
-    import_tensorrt,
     local_gpu,
-    require_tensorrt,
 )
 from kiln.stages.engines.tensorrt_runtime import TensorRTRunner, can_execute
 from kiln.stages.engines.tensorrt_weak import (
@@ -56,7 +54,7 @@ def build_trt_engine(onnx_path: Path, out: Path, precision: str, cfg: TensorRTCo
 
 def _build(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile],
            cache_dir: Path) -> dict[str, Any]:
-    trt = require_tensorrt()
+    trt = tensorrt_lib.require_tensorrt()
     feats = features(trt)
     logger = KilnTrtLogger(trt)
     builder = trt.Builder(logger)
@@ -207,7 +205,7 @@ def _plan(cfg: BuildConfig, precision: str) -> Plan:
     """Build for CUDA unless switched off; with no TensorRT package, ``auto`` skips (reported), ``always`` fails."""
     if cfg.tensorrt.enabled == "never":
         return Plan([])
-    if import_tensorrt() is None:
+    if tensorrt_lib.import_tensorrt() is None:
         if cfg.tensorrt.enabled == "always":
             raise BackendUnavailable("build.tensorrt.enabled is 'always' but TensorRT does not import",
                                      hint="pip install 'kiln[rtx]' or set build.tensorrt.enabled: auto")
@@ -216,7 +214,7 @@ def _plan(cfg: BuildConfig, precision: str) -> Plan:
 
 
 def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
-    return can_execute(import_tensorrt(meta.flavour), meta)
+    return can_execute(tensorrt_lib.import_tensorrt(meta.flavour), meta)
 
 
 BACKEND = Backend(

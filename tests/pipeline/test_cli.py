@@ -120,10 +120,10 @@ def test_corrupt_checkpoint(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
 
 
 def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kiln.stages.engines.tensorrt_backend as trt_backend
+    import kiln.stages.engines.tensorrt_lib as tensorrt_lib
 
     # Simulate a machine without any TensorRT package (CI has tensorrt_rtx installed).
-    monkeypatch.setattr(trt_backend, "import_tensorrt", lambda: None)
+    monkeypatch.setattr(tensorrt_lib, "import_tensorrt", lambda flavour=None: None)
     model = tmp_path / "m.onnx"
     exported = cli.invoke(main, ["export", "--model", "cnn", "-o", str(model)])
     assert exported.exit_code == 0, exported.output

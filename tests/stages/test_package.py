@@ -36,6 +36,10 @@ def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
     model = pkg["models"][0]
     repo = tmp_path / "package" / "triton" / model["triton_model"]
     assert (repo / "config.pbtxt").is_file() and (repo / "1" / "model.onnx").is_file()
+    python_repo = tmp_path / "package" / "triton-python" / model["triton_python_model"]
+    assert 'backend: "python"' in (python_repo / "config.pbtxt").read_text()
+    assert (python_repo / "1" / "model.py").is_file() and (python_repo / "1" / "engine" / "kiln-engine.json").is_file()
+    # served by tests/pipeline/test_serve.py in the bundled tritonserver
     assert model["validation"]["cosine"] >= 0.9999
 
 

@@ -129,7 +129,7 @@ def test_fp16_engine_keeps_the_precision_stages_fp32_nodes_through_fusion(zoo, t
                         tmp_path / "cache", keep_fp32=lns)
     record = meta.builder_settings["fp16_kept_fp32"]
     assert record["requested"] == len(lns) and record["lost"] == [] and record["renamed"]
-    assert meta.source["kept_fp32"] == sorted(lns)
+    assert meta.source.kept_fp32 == sorted(lns)
     plain = build_engine(zoo("transformer"), tmp_path / "p", "onnxruntime", "cpu", "fp16", ort_cfg(),
                          tmp_path / "cache")
     assert plain.settings_hash != meta.settings_hash  # the keep list is part of what was built

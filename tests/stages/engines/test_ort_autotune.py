@@ -164,7 +164,7 @@ def test_fusion_candidate_keeps_the_unfused_graph_only_when_chosen(zoo, tmp_path
     assert [t["knobs"] for t in meta.autotune["trials"]] == [{"transformer_fusion": True},
                                                                 {"transformer_fusion": False}]
     assert (tmp_path / "e" / "engine-unfused.onnx").is_file() == unfused_wins
-    assert ("model_unfused" in read_metadata(tmp_path / "e")["files"]) == unfused_wins
+    assert ("model_unfused" in read_metadata(tmp_path / "e").files) == unfused_wins
     if unfused_wins:  # the candidate really is the graph before ORT's transformer fusion
         unfused = onnx.load(str(tmp_path / "e" / "engine-unfused.onnx"))
         assert not {"Attention", "BiasGelu"} & {n.op_type for n in unfused.graph.node}  # ORT-session fusions aside

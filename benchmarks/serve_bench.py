@@ -1,0 +1,192 @@
+"""Throughput and latency of a Kiln engine served by `kiln serve` (Triton + dynamic batcher) against concurrency,
+next to the same engine called in-process: the server's overhead.
+
+Served: `kiln serve` in a subprocess, `kiln.loadtest` sending single-sample requests from ``c`` client threads
+for ``--duration`` seconds per level (every answer checked against the engine's own output). In-process: the
+engine's runner called from this process with a batch of ``c`` samples (perfect batching, no transport: an
+upper bound on what serving ``c`` concurrent callers can reach), timed before the server starts so the two
+never share the device.
+
+    python benchmarks/serve_bench.py --demo --duration 3                            # CPU: the demo's FP32 engine
+    python benchmarks/serve_bench.py --workdir kiln-out --engine onnxruntime-cpu-fp32 # an existing run's engine
+    python benchmarks/serve_bench.py --resnet18-fp16 --concurrency 1,2,4,8,16,32,64 --duration 10  # GPU host
+
+``--resnet18-fp16`` builds a ResNet-18 (random weights, 3x224x224) ONNX Runtime CUDA FP16 engine for batches up
+to the largest concurrency. Results: ``benchmarks/results/serve_<label>.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kiln.config import KilnConfig, load_config  # noqa: E402
+from kiln.loadtest import loadtest  # noqa: E402
+from kiln.serve import find_engines, free_port, wait_ready  # noqa: E402
+from kiln.stages.engines.engines import load_engine, random_feed  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def demo_workdir(work: Path) -> tuple[Path, KilnConfig]:
+    from kiln.api import run_pipeline
+
+    config = load_config(None, {"build.backends": ["onnxruntime"]})
+    result, _ = run_pipeline(config, work / "demo")
+    if not result.ok:
+        raise SystemExit(f"demo run failed: {result.error}")
+    return work / "demo", config
+
+
+def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
+    import torch
+
+    from kiln.models.registry import build_model
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_engine
+    from kiln.stages.export import export_onnx
+
+    onnx32 = work / "resnet18.onnx"
+    export_onnx(build_model("resnet18", {}).eval(), torch.randn(2, 3, 224, 224), onnx32)
+    folder = work / "resnet18-onnxruntime-cuda-fp16"
+    meta = build_engine(onnx32, folder, "onnxruntime", "cuda", "fp16", BuildConfig(backends=["onnxruntime"]),
+                        work / "cache", max_batch=max_batch)
+    say(f"built {meta['name']} in {meta['build_seconds']:.1f}s")
+    return folder
+
+
+def in_process(engine_dir: Path, batches: list[int], warmup: int, iterations: int) -> list[dict[str, Any]]:
+    rows = []
+    with load_engine(engine_dir) as runner:
+        for b in batches:
+            times = runner.time_ms(random_feed(runner.meta["inputs"], b, seed=b), warmup, iterations)
+            p50, p99 = np.percentile(times, [50, 99])
+            rows.append({"batch": b, "p50_ms": float(p50), "p99_ms": float(p99), "samples_per_s": b / p50 * 1e3})
+            say(f"in-process batch {b}: p50 {p50:.3f} ms, {rows[-1]['samples_per_s']:.0f} samples/s")
+    return rows
+
+
+def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    ports = [free_port() for _ in range(3)]
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(path), "--http-port", str(ports[0]), "--grpc-port",
+           str(ports[1]), "--metrics-port", str(ports[2]), "--max-batch", str(max(args.concurrency)),
+           "--max-queue-delay-us", str(args.max_queue_delay_us)]
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", [model], 300, proc)
+        url = f"grpc://127.0.0.1:{ports[1]}" if args.protocol == "grpc" else f"http://127.0.0.1:{ports[0]}"
+        # One short level first: first-call costs (allocations, CUDA graph capture per shape) are not measured.
+        loadtest(url, model, path, out / "warmup", [max(args.concurrency)], min(args.duration, 3.0), config=config)
+        return loadtest(url, model, path, out, args.concurrency, args.duration, config=config)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s, env = report["served"], report["env"]
+    inproc = {r["batch"]: r for r in report["in_process"]}
+    lines = [f"# Serving {s['engine']} ({s['precision']}) with `kiln serve`", "",
+             f"{env['device']} (1-minute load average {env['load_avg_1m_at_start']:.1f} at start); "
+             f"`{env['command']}`", "",
+             f"Served: Triton (PyTriton {env.get('pytriton')}) + dynamic batcher (max queue delay "
+             f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
+             f"threads on the same machine, {s['duration_s']} s per level, inputs: {s['inputs']}; every answer "
+             "checked against the engine's direct output. In-process: the engine called with a batch of c samples "
+             "(no server, no transport).", "",
+             "| concurrency c | served req/s | p50 ms | p90 ms | p99 ms | wrong | in-process batch c samples/s | "
+             "in-process p50 ms | served / in-process |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in s["levels"]:
+        c, lat = lv["concurrency"], lv["latency_ms"]
+        ip = inproc.get(c, {})
+        ratio = lv["throughput_rps"] / ip["samples_per_s"] if ip else float("nan")
+        lines.append(f"| {c} | {lv['throughput_rps']:.0f} | {lat['p50']:.2f} | {lat['p90']:.2f} | {lat['p99']:.2f} | "
+                     f"{lv['mismatches']} | {ip.get('samples_per_s', float('nan')):.0f} | "
+                     f"{ip.get('p50_ms', float('nan')):.3f} | {ratio:.2f} |")
+    if s.get("mean_batch"):
+        lines += ["", f"Server statistics: {s['server']['inference_count']} requests in "
+                      f"{s['server']['execution_count']} engine calls (mean batch {s['mean_batch']:.2f})."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--demo", action="store_true", help="run the demo pipeline (CPU) and serve its FP32 engine")
+    src.add_argument("--workdir", type=Path, help="a `kiln run` workdir (serve its validated engine --engine)")
+    src.add_argument("--resnet18-fp16", action="store_true", help="build and serve ResNet-18 ORT CUDA FP16 (GPU)")
+    p.add_argument("--engine", default="onnxruntime-cpu-fp32", help="engine name in the workdir")
+    p.add_argument("--config", help="with --workdir: the run's config, whose validation data are the requests "
+                                    "(default: the demo's, as `kiln loadtest`)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per concurrency level")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--max-queue-delay-us", type=int, default=100)
+    p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
+    p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    load_at_start = os.getloadavg()[0]  # this script shares its machine: say how busy it was
+    config: KilnConfig | None = None
+    if args.demo:
+        path, config = demo_workdir(work)
+        label = "demo_cpu"
+    elif args.workdir:
+        path, label = args.workdir, args.engine.replace("-", "_")
+        config = load_config(args.config)
+    else:
+        path, label = resnet18_fp16_engine(work, max(args.concurrency)), "resnet18_fp16"
+    engine = next((e for e in find_engines(path) if args.resnet18_fp16 or e.meta["name"] == args.engine), None)
+    if engine is None:
+        raise SystemExit(f"no validated engine {args.engine} under {path}")
+    say(f"engine {engine.meta['name']} served as {engine.model_name}")
+    inproc = in_process(engine.engine_dir, args.concurrency, warmup=10, iterations=args.iterations)
+    result = served(path, engine.model_name, config, args, work / "loadtest")
+    from importlib.metadata import version
+
+    import onnxruntime
+
+    env = {"device": _device(engine.meta), "command": " ".join(["python", *sys.argv]),
+           "python": platform.python_version(), "pytriton": version("nvidia-pytriton"),
+           "onnxruntime": onnxruntime.__version__, "load_avg_1m_at_start": load_at_start}
+    report = {"env": env, "protocol": args.protocol, "max_queue_delay_us": args.max_queue_delay_us,
+              "served": result, "in_process": inproc}
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"serve_{args.label or label}"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(report))
+    print(markdown(report), flush=True)
+
+
+def _device(meta: dict[str, Any]) -> str:
+    if meta.get("device") == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+if __name__ == "__main__":
+    main()

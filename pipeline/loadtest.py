@@ -1,0 +1,295 @@
+"""``kiln loadtest``: concurrent requests to a Triton server through ``tritonclient``, every answer checked.
+
+Each concurrency level runs ``c`` threads, each with its own client (tritonclient's clients are not shared
+between threads), sending single-sample requests round-robin from a pool for ``duration`` seconds or until
+``max_requests`` answers, whichever comes first. The pool is real validation data when the run's dataset matches
+the engine's input, else random inputs of the engine's shapes; its expected outputs come from the engine run
+in-process, one sample at a time, so an answer that went wrong under load (mixed up between requests in a
+batch, truncated, of another model) is counted, reported and fails the command.
+
+Loopback only: this generates load, and is not meant to be pointed at someone else's server.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+from kiln.config import KilnConfig
+from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
+from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
+from kiln.core.inputs import random_inputs
+from kiln.models.model_io import dataset_for
+from kiln.serve import INSTALL_HINT, ServedEngine, find_engines
+from kiln.stages.engines.registry import load_engine
+
+log = logging.getLogger("kiln.loadtest")
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+POOL = 64
+# (atol, rtol; rtol is relative to the largest expected value) by engine precision: batching changes kernels'
+# reduction order, so a served answer may differ from the single-sample run by rounding. INT8 engines with
+# dynamic quantization (ORT CPU, Transformers) take activation scales per batch: a sample's output then depends
+# slightly on its batch mates, hence their wider band.
+TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 2e-2), "bf16": (1e-3, 3e-2), "int8": (1e-2, 1e-1)}
+REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its duration and request budget
+
+
+@dataclass
+class Level:
+    concurrency: int
+    latencies_ms: list[float] = field(default_factory=list)
+    mismatches: int = 0
+    errors: list[str] = field(default_factory=list)
+    max_abs_err: float = 0.0
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
+        p50, p90, p99 = np.percentile(lat, [50, 90, 99])
+        return {"concurrency": self.concurrency, "requests": len(self.latencies_ms), "seconds": self.seconds,
+                "throughput_rps": len(self.latencies_ms) / self.seconds if self.seconds else 0.0,
+                "latency_ms": {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(lat.mean())},
+                "mismatches": self.mismatches, "errors": len(self.errors), "error_examples": self.errors[:3],
+                "max_abs_err": self.max_abs_err}
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``http://127.0.0.1:8000`` or ``grpc://127.0.0.1:8001`` -> (protocol, "host:port"); loopback only."""
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if parsed.scheme not in ("http", "grpc") or not parsed.port:
+        raise ConfigError(f"'{url}' is not a Triton URL", hint="give http://127.0.0.1:PORT or grpc://127.0.0.1:PORT")
+    if parsed.hostname not in LOOPBACK:
+        raise ConfigError(f"'{parsed.hostname}' is not this machine: kiln loadtest only targets 127.0.0.1",
+                          hint="run the load test on the server's machine against 127.0.0.1")
+    return parsed.scheme, f"{parsed.hostname}:{parsed.port}"
+
+
+def _client_module(protocol: str) -> Any:
+    try:
+        if protocol == "grpc":
+            import tritonclient.grpc as module
+        else:
+            import tritonclient.http as module
+    except ImportError:
+        raise BackendUnavailable(f"kiln loadtest needs tritonclient[{protocol}], which is not installed",
+                                 hint=INSTALL_HINT) from None
+    return module
+
+
+def engine_for(path: str | Path, model: str) -> ServedEngine:
+    """The engine behind ``model``: a name `kiln serve` gives, or one of the package's Triton repositories."""
+    engines = find_engines(path)
+    aliases = _repository_names(Path(path))
+    for e in engines:
+        if model == e.model_name or aliases.get(model) == e.meta.name:
+            return e
+    raise ConfigError(f"no engine served as '{model}' under {path}",
+                      hint=f"--model is one of {sorted({e.model_name for e in engines} | set(aliases))}")
+
+
+def _repository_names(workdir: Path) -> dict[str, str]:
+    """Triton model name -> engine name, from the package stage's record (its repositories' names)."""
+    record = workdir / "package" / "kiln-package.json"
+    if not record.is_file():
+        return {}
+    models = json.loads(record.read_text()).get("models", [])
+    return {m[key]: m["engine"] for m in models for key in ("triton_model", "triton_python_model") if key in m}
+
+
+def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = POOL) -> tuple[list[dict], str]:
+    """Single-sample feeds: the run's validation data if it fits the engine's one input, else random."""
+    specs = engine.meta.inputs
+    if config is not None and len(specs) == 1:
+        try:
+            val_x = dataset_for(config).val_x[:size].numpy()
+        except KilnError as exc:
+            log.info("validation data unavailable (%s): random inputs", exc.message)
+        else:
+            spec = specs[0]
+            want = [d if isinstance(d, int) and d > 0 else None for d in spec.shape[1:]]
+            if len(want) == val_x.ndim - 1 and all(w in (None, g) for w, g in zip(want, val_x.shape[1:])):
+                x = val_x.astype(spec.dtype)
+                return [{spec.name: x[i:i + 1]} for i in range(len(x))], f"validation data ({len(x)} samples)"
+    return [random_inputs(specs, 1, seed=i) for i in range(size)], f"random ({size} samples)"
+
+
+def expected_outputs(engine: ServedEngine, pool: list[dict]) -> list[dict[str, np.ndarray]]:
+    with load_engine(engine.engine_dir) as runner:
+        return [{k: np.asarray(v) for k, v in runner.infer(feed).items()} for feed in pool]
+
+
+def _inputs(module: Any, feed: dict[str, np.ndarray]) -> list[Any]:
+    from tritonclient.utils import np_to_triton_dtype
+
+    out = []
+    for name, array in feed.items():
+        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
+
+
+def run_level(protocol: str, address: str, model: str, pool: list[dict], expected: list[dict],
+              tolerance: tuple[float, float], concurrency: int, duration_s: float, max_requests: int) -> Level:
+    module = _client_module(protocol)
+    level, lock = Level(concurrency), threading.Lock()
+    issued = iter(range(max_requests))  # next() under the lock: the shared request budget
+    atol, rtol = tolerance
+    prepared = [_inputs(module, feed) for feed in pool]
+    outputs = list(expected[0])
+    start = time.perf_counter()
+    deadline = start + duration_s
+
+    def worker() -> None:
+        if protocol == "grpc":
+            client, timeout = module.InferenceServerClient(address), {"client_timeout": REQUEST_TIMEOUT_S}
+        else:
+            client, timeout = module.InferenceServerClient(address, network_timeout=REQUEST_TIMEOUT_S), {}
+        try:
+            while time.perf_counter() < deadline:
+                with lock:
+                    i = next(issued, None)
+                if i is None:
+                    return
+                k = i % len(pool)
+                t0 = time.perf_counter()
+                try:
+                    result = client.infer(model, prepared[k], **timeout)
+                except Exception as exc:  # a failed request is a result of the test: count it and go on
+                    with lock:
+                        level.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                ms = (time.perf_counter() - t0) * 1e3
+                err, ok = 0.0, True
+                for name in outputs:
+                    got, want = result.as_numpy(name), expected[k][name]
+                    if got is None or got.shape != want.shape:
+                        ok = False
+                        continue
+                    diff = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) if got.size else 0.0
+                    err = max(err, diff)
+                    ok &= diff <= atol + rtol * float(np.max(np.abs(want))) if want.size else True
+                with lock:
+                    level.latencies_ms.append(ms)
+                    level.max_abs_err = max(level.max_abs_err, err)
+                    level.mismatches += not ok
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
+    level.seconds = time.perf_counter() - start
+    return level
+
+
+def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
+    """Triton's own count of requests (inference_count) and of model executions (execution_count): fewer
+    executions than requests means the dynamic batcher formed batches."""
+    module = _client_module(protocol)
+    client = module.InferenceServerClient(address)
+    try:
+        stats = client.get_inference_statistics(model, as_json=True) if protocol == "grpc" else \
+            client.get_inference_statistics(model)
+    except Exception as exc:  # tritonclient raises its own exceptions and the transport's (connection refused)
+        raise KilnError(f"cannot read model '{model}' statistics from Triton at {address} "
+                        f"({type(exc).__name__}: {str(exc).strip()[:200]})",
+                        hint="start the server first (`kiln serve`), check the URL's port and protocol, and that "
+                             "--model is a model it serves") from None
+    finally:
+        client.close()
+    entry = stats["model_stats"][0]
+    return {"inference_count": int(entry.get("inference_count", 0)),
+            "execution_count": int(entry.get("execution_count", 0))}
+
+
+def loadtest(url: str, model: str, engines: str | Path, out: Path, concurrency: list[int], duration_s: float,
+             max_requests: int = 100_000, config: KilnConfig | None = None) -> dict[str, Any]:
+    """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
+    Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
+    protocol, address = parse_url(url)
+    if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
+        raise ConfigError("concurrency levels must be >= 1, and duration and requests positive",
+                          hint="e.g. --concurrency 1,2,4,8 --duration 10")
+    engine = engine_for(engines, model)
+    pool, source = request_pool(engine, config)
+    expected = expected_outputs(engine, pool)
+    tolerance = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
+    before = server_batches(protocol, address, model)
+    levels = []
+    for c in concurrency:
+        level = run_level(protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
+        levels.append(level.summary())
+        log.info("concurrency %d: %.1f req/s, p50 %.2f ms, p99 %.2f ms, %d wrong, %d failed", c,
+                 levels[-1]["throughput_rps"], levels[-1]["latency_ms"]["p50"], levels[-1]["latency_ms"]["p99"],
+                 level.mismatches, len(level.errors))
+    after = server_batches(protocol, address, model)
+    batches = {k: after[k] - before[k] for k in after}
+    result = {"url": url, "model": model, "engine": engine.meta.name, "precision": engine.meta.precision,
+              "inputs": source, "tolerance": {"atol": tolerance[0], "rtol": tolerance[1]},
+              "duration_s": duration_s, "max_requests": max_requests, "levels": levels, "server": batches,
+              "mean_batch": batches["inference_count"] / batches["execution_count"]
+              if batches["execution_count"] else None}
+    write_report(result, out)
+    wrong = sum(lv["mismatches"] for lv in levels)
+    failed = sum(lv["errors"] for lv in levels)
+    if wrong or failed:
+        raise GateFailure(f"{wrong} answers differed from the engine's direct output and {failed} requests failed "
+                          f"under load (see {out / 'loadtest.json'})",
+                          hint="a served answer must match the engine: check the server's batching and the model")
+    return result
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Load test: {result['model']} ({result['engine']}, {result['precision']})", "",
+             f"{result['url']}, inputs: {result['inputs']}, up to {result['duration_s']} s or "
+             f"{result['max_requests']} requests per level, single-sample requests.", "",
+             "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | wrong | failed |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in result["levels"]:
+        lat = lv["latency_ms"]
+        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f} | {lat['p50']:.2f} | "
+                     f"{lat['p90']:.2f} | {lat['p99']:.2f} | {lv['mismatches']} | {lv['errors']} |")
+    if result.get("mean_batch"):
+        lines += ["", f"Server: {result['server']['inference_count']} inferences in "
+                      f"{result['server']['execution_count']} executions (mean batch {result['mean_batch']:.2f})."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any]) -> bytes:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    levels = result["levels"]
+    cs = [lv["concurrency"] for lv in levels]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(cs, [lv["throughput_rps"] for lv in levels], marker="o")
+    a.set(xscale="log", xlabel="concurrency", ylabel="requests / s", title="throughput")
+    for q in ("p50", "p90", "p99"):
+        b.plot(cs, [lv["latency_ms"][q] for lv in levels], marker="o", label=q)
+    b.set(xscale="log", xlabel="concurrency", ylabel="ms", title="latency")
+    b.legend()
+    fig.suptitle(f"{result['model']} ({result['engine']})")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_report(result: dict[str, Any], out: Path) -> None:
+    write_json_atomic(out / "loadtest.json", result, sort_keys=False)
+    write_text_atomic(out / "loadtest.md", render_markdown(result))
+    write_bytes_atomic(out / "loadtest.png", plot(result))

@@ -1,0 +1,288 @@
+"""``kiln serve``: the validated engines of a workdir (or one engine folder) behind a real Triton server.
+
+PyTriton starts the ``tritonserver`` bundled in its wheel and binds each engine's runner as a Python model with
+Triton's dynamic batcher: the server queues single requests for up to ``max_queue_delay_us`` and hands the
+runner one concatenated batch. Names, dtypes and shapes come from ``kiln-engine.json``. Health and readiness are
+Triton's own ``/v2/health/live`` and ``/v2/health/ready``. SIGINT and SIGTERM stop the server and its Python
+stubs (PyTriton's ``stop``), so nothing outlives ``kiln serve``.
+
+:func:`tritonserver_process` runs the same bundled binary on a plain repository (``package/triton-python``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+from kiln.core.errors import BackendUnavailable, GateFailure, InputFileError, KilnError
+from kiln.core.records import EngineMetadata, ValidationResult
+from kiln.stages.engines.engines import SIDECAR, read_metadata
+from kiln.stages.engines.registry import load_engine
+from kiln.stages.triton_repo import served_max_batch
+
+log = logging.getLogger("kiln.serve")
+INSTALL_HINT = 'pip install "kiln[serve]"'
+# Triton waits this long for in-flight requests at shutdown, then exits anyway (its default is 30 s).
+EXIT_TIMEOUT_S = 5
+
+
+class PortInUse(KilnError):
+    """A port the server must listen on is taken."""
+
+
+@dataclass
+class ServedEngine:
+    model_name: str
+    engine_dir: Path
+    meta: EngineMetadata
+
+
+def _validation_verdicts(workdir: Path) -> dict[str, Any] | None:
+    path = workdir / "validate" / "validation.json"
+    if not path.is_file():
+        return None
+    result = ValidationResult.read(path, hint="rerun `kiln run --force validate`")
+    return {e.name: e.passed for e in result.engines}
+
+
+def _refuse(name: str, verdict: Any) -> None:
+    if verdict is not True:
+        state = "failed validation" if verdict is False else "was not validated on a machine that can run it"
+        raise GateFailure(f"engine {name} {state}: Kiln serves only engines proven against PyTorch",
+                          hint="fix the engine and `kiln run` again (see report.md), or serve another engine")
+
+
+def find_engines(path: str | Path) -> list[ServedEngine]:
+    """The engines to serve under ``path``: one engine folder (refused if its workdir's validation failed it),
+    or a workdir's ``package/engines`` (all validated), else its ``build/*`` that ``validate`` passed."""
+    path = Path(path)
+    if (path / SIDECAR).is_file():
+        meta = read_metadata(path)
+        verdicts = _validation_verdicts(path.parent.parent) if path.parent.name == "build" else None
+        if verdicts is not None:
+            _refuse(meta.name, verdicts.get(meta.name))
+        return [ServedEngine(model_name(meta.name), path, meta)]
+    if not path.is_dir():
+        raise InputFileError(f"{path} is neither a Kiln workdir nor an engine folder",
+                             hint="pass the --workdir of a `kiln run`, or a folder holding kiln-engine.json")
+    packaged = sorted(p.parent for p in (path / "package" / "engines").glob(f"*/{SIDECAR}"))
+    if packaged:
+        return [ServedEngine(model_name(d.name), d, read_metadata(d)) for d in packaged]
+    built = sorted(p.parent for p in (path / "build").glob(f"*/{SIDECAR}"))
+    verdicts = _validation_verdicts(path)
+    if not built or verdicts is None:
+        raise InputFileError(f"{path} holds no validated engines (no package/engines, or build/ without "
+                             "validate/validation.json)", hint="`kiln run` first, or pass an engine folder")
+    served = []
+    for d in built:
+        meta = read_metadata(d)
+        if verdicts.get(meta.name) is True:
+            served.append(ServedEngine(model_name(meta.name), d, meta))
+    if not served:
+        _refuse(", ".join(d.name for d in built), False)
+    return served
+
+
+def model_name(engine_name: str) -> str:
+    """The name an engine is served under: its folder's name in Triton's alphabet (onnxruntime_cpu_fp32)."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", engine_name)
+
+
+def check_ports(address: str, *ports: int) -> None:
+    """Fail before starting anything if a port is taken (Triton would only log it and exit)."""
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((address, port))
+            except OSError as exc:
+                raise PortInUse(f"port {port} on {address} is in use ({exc.strerror})",
+                                hint="stop what listens there, or choose other ports with --http-port/--grpc-port/"
+                                     "--metrics-port") from None
+
+
+def free_port() -> int:
+    """An ephemeral port free right now on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a ``tritonserver`` process. Its Python backend stub loads the first ``libpython3.X``
+    the loader finds; with an interpreter not installed by the system (pyenv, conda) that is the system's, two
+    interpreters mix and the model fails to load ('_thread.RLock' object has no attribute '_recursion_count').
+    The running interpreter's LIBDIR goes first on LD_LIBRARY_PATH; its bin folder goes first on PATH so the
+    embedded interpreter finds this environment's site-packages (PyTriton does the same for PATH)."""
+    env = dict(os.environ if env is None else env)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    return env
+
+
+def _pytriton() -> Any:
+    try:
+        import pytriton.triton
+    except ImportError:
+        raise BackendUnavailable("kiln serve needs PyTriton (nvidia-pytriton), which is not installed",
+                                 hint=INSTALL_HINT) from None
+    return pytriton
+
+
+def _infer_func(runner: Any, outputs: dict[str, np.dtype]) -> Callable[..., dict[str, np.ndarray]]:
+    from pytriton.decorators import batch
+
+    @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
+    def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
+        result = runner.infer(inputs)
+        return {name: np.asarray(result[name], dtype=dtype) for name, dtype in outputs.items()}
+
+    return infer
+
+
+def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+
+    mbs = served_max_batch(served.meta, max_batch)
+    batched = mbs > 0
+
+    def tensors(specs: list[dict[str, Any]]) -> list[Any]:
+        return [Tensor(name=s.name, dtype=np.dtype(s.dtype),
+                       shape=tuple(d if isinstance(d, int) and d > 0 else -1
+                                   for d in (s.shape[1:] if batched else s.shape))) for s in specs]
+
+    outputs = {s.name: np.dtype(s.dtype) for s in served.meta.outputs}
+    config = ModelConfig(max_batch_size=mbs, batching=batched,
+                         batcher=DynamicBatcher(max_queue_delay_microseconds=queue_delay_us))
+    triton.bind(model_name=served.model_name, infer_func=_infer_func(runner, outputs),
+                inputs=tensors(served.meta.inputs), outputs=tensors(served.meta.outputs), config=config,
+                strict=True)
+
+
+class _Stop(Exception):
+    """Raised in the main thread by the SIGTERM handler."""
+
+
+def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+          max_batch: int = 32, max_queue_delay_us: int = 100, address: str = "127.0.0.1",
+          on_ready: Callable[[list[ServedEngine]], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers."""
+    served = find_engines(path)
+    pytriton = _pytriton()
+    check_ports(address, http_port, grpc_port, metrics_port)
+    os.environ.update(server_env())  # PyTriton starts tritonserver with a copy of os.environ
+    config = pytriton.triton.TritonConfig(
+        http_address=address, http_port=http_port, grpc_address=address, grpc_port=grpc_port,
+        metrics_port=metrics_port, exit_timeout_secs=EXIT_TIMEOUT_S, log_verbose=0)
+    # Statistics stay readable without PyTriton's token (they show batching at work; `kiln loadtest` reads them);
+    # model loading, shared memory, tracing and logging stay restricted.
+    security = pytriton.triton.TritonSecurityConfig(
+        restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"])
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    runners: list[Any] = []
+    try:
+        for s in served:  # before the server starts: an engine this machine cannot run fails fast
+            runners.append(load_engine(s.engine_dir).activate())
+        with pytriton.triton.Triton(config=config, security_config=security) as triton:
+            for s, runner in zip(served, runners):
+                _bind(triton, s, runner, max_batch, max_queue_delay_us)
+            triton.run()  # returns once the server and every model are ready
+            if on_ready is not None:
+                on_ready(served)
+            _wait(triton)
+    except (KeyboardInterrupt, _Stop):
+        log.info("stopping")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for r in runners:
+            r.deactivate()
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop
+
+
+def _wait(triton: Any) -> None:
+    # Triton.serve() only catches SIGINT's KeyboardInterrupt; this loop also ends on SIGTERM (_Stop) and when
+    # the server dies, and leaves stopping to the `with` block.
+    while triton.is_alive():
+        time.sleep(0.5)
+    raise KilnError("the Triton server exited unexpectedly", hint="see its log above")
+
+
+def prepared_tritonserver(scratch: Path) -> Path:
+    """A copy of PyTriton's bundled ``tritonserver`` tree whose Python backend has the stub built for this
+    interpreter (the wheel ships one per Python version; PyTriton prepares its workspace the same way).
+    Returns the tree's root (``bin/tritonserver``, ``backends/``)."""
+    _pytriton()
+    from pytriton.utils.distribution import get_root_module_path, get_stub_path
+
+    root = scratch / "tritonserver"
+    if not root.is_dir():
+        shutil.copytree(get_root_module_path() / "tritonserver", root,
+                        ignore=shutil.ignore_patterns("python_backend_stubs"))
+        version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        shutil.copy2(get_stub_path(version), root / "backends" / "python" / "triton_python_backend_stub")
+    return root
+
+
+def tritonserver_process(repository: Path, scratch: Path, http_port: int, grpc_port: int, metrics_port: int,
+                         log_file: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start the bundled ``tritonserver --model-repository REPOSITORY`` (loopback only). The caller stops it
+    (``terminate()`` = SIGTERM, which Triton handles by unloading its models and exiting)."""
+    from pytriton.utils.distribution import get_libs_path
+
+    root = prepared_tritonserver(scratch)
+    check_ports("127.0.0.1", http_port, grpc_port, metrics_port)
+    env = server_env()
+    env["LD_LIBRARY_PATH"] += os.pathsep + str(get_libs_path())
+    cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={repository}",
+           f"--backend-directory={root / 'backends'}", "--http-address=127.0.0.1", f"--http-port={http_port}",
+           "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
+           f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+    if log_file is None:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    with open(log_file, "wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_ready(url: str, models: list[str], timeout_s: float = 60.0,
+               process: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll Triton's readiness endpoints until the server and ``models`` are ready."""
+    import tritonclient.http as httpclient
+
+    deadline = time.monotonic() + timeout_s
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise KilnError(f"tritonserver exited with code {process.returncode} before it was ready",
+                                hint="see its log")
+            try:
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
+                    return
+            except Exception:  # connection refused while it starts: keep polling until the deadline
+                pass
+            time.sleep(0.2)
+    finally:
+        client.close()
+    raise KilnError(f"Triton at {url} was not ready within {timeout_s:.0f} s", hint="see the server's log")
+
+
+def iter_urls(address: str, http_port: int, grpc_port: int, served: list[ServedEngine]) -> Iterator[str]:
+    yield f"HTTP  http://{address}:{http_port}   gRPC  grpc://{address}:{grpc_port}"
+    yield f"health: http://{address}:{http_port}/v2/health/live   ready: http://{address}:{http_port}/v2/health/ready"
+    for s in served:
+        yield f"model {s.model_name}: POST http://{address}:{http_port}/v2/models/{s.model_name}/infer " \
+              f"({s.meta.backend} {s.meta.device} {s.meta.precision})"

@@ -1,0 +1,223 @@
+"""Triton model repositories for Kiln engines: the stock backends' configs, checked against the engine, and a
+Python-backend model that serves any engine :func:`load_engine` opens.
+
+Stock layout: ``<model>/config.pbtxt`` + ``<model>/1/model.{onnx,plan}`` (``onnxruntime_onnx`` / ``tensorrt_plan``).
+Those backends cannot express every Kiln engine: a TensorRT-RTX engine, or an ONNX Runtime engine whose settings
+Kiln autotuned (IO binding, CUDA graphs, per-batch settings). The Python-backend layout
+``<model>/config.pbtxt`` (``backend: "python"``) + ``<model>/1/model.py`` + ``<model>/1/engine/`` runs the engine
+exactly as Kiln validated it.
+
+A config is first built as a dict, checked against the engine's ``kiln-engine.json`` (batch, dims, dtypes,
+batcher, instance kind), then rendered: a config that disagrees with its engine fails when it is written, not
+when Triton loads it (or, worse, when a request of the wrong shape arrives).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kiln.core.artifacts import write_text_atomic
+from kiln.core.errors import ModelError
+from kiln.core.records import EngineMetadata, TensorSpec
+from kiln.stages.engines.backend import TritonModel
+from kiln.stages.engines.registry import BACKENDS
+
+TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
+                "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}
+ENGINE_SUBDIR = "engine"
+
+
+def _dynamic(dim: Any) -> bool:
+    return not (isinstance(dim, int) and dim > 0)
+
+
+def engine_max_batch(meta: EngineMetadata) -> int | None:
+    """The largest batch a TensorRT engine's optimization profiles accept (None: not bounded, e.g. ONNX Runtime)."""
+    return meta.max_batch()
+
+
+def batchable(meta: EngineMetadata) -> bool:
+    """Whether Triton may batch requests: every input and output has a dynamic first axis. A model exported with
+    a fixed batch (say 1) must be served with ``max_batch_size: 0`` and its full shape as dims."""
+    return all(_dynamic(s.shape[0]) for s in meta.inputs + meta.outputs if s.shape)
+
+
+def served_max_batch(meta: EngineMetadata, requested: int) -> int:
+    """``requested`` capped by what the engine accepts (0 = no batching)."""
+    if requested <= 0 or not batchable(meta):
+        return 0
+    limit = engine_max_batch(meta)
+    return min(requested, limit) if limit is not None else requested
+
+
+def _tensors(specs: list[TensorSpec], batched: bool) -> list[dict[str, Any]]:
+    out = []
+    for s in specs:
+        if s.dtype not in TRITON_TYPES:
+            raise ModelError(f"tensor '{s.name}' has dtype {s.dtype}, which Kiln cannot declare to Triton",
+                             hint=f"export the model with one of {sorted(TRITON_TYPES)} at its inputs and outputs")
+        shape = s.shape[1:] if batched else s.shape
+        out.append({"name": s.name, "data_type": TRITON_TYPES[s.dtype],
+                    "dims": [-1 if _dynamic(d) else d for d in shape]})
+    return out
+
+
+def stock_model(meta: EngineMetadata) -> TritonModel | None:
+    """How Triton's stock backend loads this engine, or None where it cannot: the backend registers none, or the
+    engine is a TensorRT-RTX one (no stock backend runs those)."""
+    triton = BACKENDS[meta.backend].triton if meta.backend in BACKENDS else None
+    return None if meta.flavour == "tensorrt_rtx" else triton
+
+
+def _stock(meta: EngineMetadata) -> TritonModel:
+    stock = stock_model(meta)
+    if stock is None:
+        raise ModelError(f"engine {meta.name} has no stock Triton backend", hint="serve it from triton-python/")
+    return stock
+
+
+def model_config(model_name: str, meta: EngineMetadata, max_batch_size: int, backend: str | None = None,
+                 queue_delay_us: int = 100) -> dict[str, Any]:
+    """The config as a dict. ``backend="python"`` for the Python-backend model, else the engine's stock platform."""
+    mbs = served_max_batch(meta, max_batch_size)
+    cfg: dict[str, Any] = {"name": model_name}
+    if backend is not None:
+        cfg["backend"] = backend
+    else:
+        cfg["platform"] = _stock(meta).platform
+    cfg["max_batch_size"] = mbs
+    cfg["input"] = _tensors(meta.inputs, mbs > 0)
+    cfg["output"] = _tensors(meta.outputs, mbs > 0)
+    cfg["instance_group"] = [{"kind": "KIND_GPU" if meta.device == "cuda" else "KIND_CPU", "count": 1}]
+    if mbs > 0:
+        cfg["dynamic_batching"] = {"max_queue_delay_microseconds": queue_delay_us}
+    check_config(cfg, meta)
+    return cfg
+
+
+def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
+    """Raise :class:`ModelError` where a config disagrees with the engine it serves."""
+    problems = []
+    mbs = cfg["max_batch_size"]
+    stock = BACKENDS[meta.backend].triton if meta.backend in BACKENDS else None
+    if "platform" in cfg and (stock is None or cfg["platform"] != stock.platform):
+        problems.append(f"platform {cfg['platform']} cannot run a {meta.backend} engine")
+    if mbs > 0 and not batchable(meta):
+        problems.append(f"max_batch_size {mbs} but the engine has a fixed batch axis")
+    limit = engine_max_batch(meta)
+    if mbs > 0 and limit is not None and mbs > limit:
+        problems.append(f"max_batch_size {mbs} exceeds the engine's profile maximum {limit}")
+    smallest = [shape["min"][0] for profile in meta.profiles or [] for shape in profile.values()]
+    if mbs > 0 and smallest and min(smallest) > 1:
+        problems.append(f"the engine's profiles start at batch {min(smallest)}: a single request would fail")
+    if (mbs > 0) != ("dynamic_batching" in cfg):
+        problems.append("dynamic_batching must be set exactly when max_batch_size > 0")
+    for kind in ("input", "output"):
+        specs = meta.inputs if kind == "input" else meta.outputs
+        if [t["name"] for t in cfg[kind]] != [s.name for s in specs]:
+            problems.append(f"{kind} names {[t['name'] for t in cfg[kind]]} != engine's {[s.name for s in specs]}")
+            continue
+        for t, s in zip(cfg[kind], specs):
+            if t["data_type"] != TRITON_TYPES.get(s.dtype):
+                problems.append(f"{kind} '{s.name}': {t['data_type']} but the engine takes {s.dtype}")
+            shape = s.shape[1:] if mbs > 0 else s.shape
+            if len(t["dims"]) != len(shape) or any(d != (-1 if _dynamic(e) else e) for d, e in zip(t["dims"], shape)):
+                problems.append(f"{kind} '{s.name}': dims {t['dims']} do not match the engine's {s.shape}"
+                                f"{' less its batch axis' if mbs > 0 else ''}")
+    want_kind = "KIND_GPU" if meta.device == "cuda" else "KIND_CPU"
+    if any(g["kind"] != want_kind or g["count"] < 1 for g in cfg["instance_group"]):
+        problems.append(f"instance_group {cfg['instance_group']} for a {meta.device} engine (want {want_kind})")
+    if problems:
+        raise ModelError(f"Triton config for {cfg['name']} disagrees with engine {meta.name}: {'; '.join(problems)}",
+                         hint="rebuild the engine (its kiln-engine.json may be stale), "
+                              "or change package.max_batch_size")
+
+
+def render_pbtxt(cfg: dict[str, Any]) -> str:
+    """Protobuf text format. Written by hand: the ModelConfig protobuf ships with tritonclient, an optional extra,
+    and packaging must work without it (the tests parse this text with that protobuf)."""
+    lines = [f'name: "{cfg["name"]}"']
+    lines += [f'{key}: "{cfg[key]}"' for key in ("platform", "backend") if key in cfg]
+    lines.append(f"max_batch_size: {cfg['max_batch_size']}")
+    for kind in ("input", "output"):
+        items = [f'  {{\n    name: "{t["name"]}"\n    data_type: {t["data_type"]}\n'
+                 f'    dims: [ {", ".join(map(str, t["dims"]))} ]\n  }}' for t in cfg[kind]]
+        lines.append(f"{kind} [\n" + ",\n".join(items) + "\n]")
+    groups = ", ".join(f"{{ kind: {g['kind']} count: {g['count']} }}" for g in cfg["instance_group"])
+    lines.append(f"instance_group [ {groups} ]")
+    if "dynamic_batching" in cfg:
+        lines.append(f"dynamic_batching {{ max_queue_delay_microseconds: "
+                     f"{cfg['dynamic_batching']['max_queue_delay_microseconds']} }}")
+    return "\n".join(lines) + "\n"
+
+
+def triton_config(model_name: str, meta: EngineMetadata, max_batch_size: int) -> str:
+    """The stock backend's ``config.pbtxt`` for an engine, checked against its metadata."""
+    return render_pbtxt(model_config(model_name, meta, max_batch_size))
+
+
+def write_stock_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_batch_size: int) -> None:
+    (target / "1").mkdir(parents=True)
+    _link_or_copy(engine_dir / meta.files["model"], target / "1" / _stock(meta).model_file)
+    write_text_atomic(target / "config.pbtxt", triton_config(target.name, meta, max_batch_size))
+
+
+# The Python backend's model: Triton hands it a list of requests (one per client call, each with its own batch
+# axis); it concatenates them, runs the engine once, and splits the outputs back. Written as a file because
+# Triton imports it by path; it needs `kiln` importable in the interpreter that runs Triton's Python stub.
+MODEL_PY = '''"""Triton Python-backend model written by Kiln: serves the Kiln engine in ./engine (kiln.load_engine)."""
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from kiln import load_engine
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        engine_dir = Path(args["model_repository"]) / args["model_version"] / "engine"
+        self.runner = load_engine(engine_dir).activate()
+        config = json.loads(args["model_config"])
+        self.batched = config["max_batch_size"] > 0
+        self.inputs = [t["name"] for t in config["input"]]
+        self.outputs = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
+
+    def execute(self, requests):
+        feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
+        if self.batched:
+            sizes = [len(f[self.inputs[0]]) for f in feeds]
+            out = self.runner.infer({n: np.concatenate([f[n] for f in feeds]) for n in self.inputs})
+            bounds = np.cumsum(sizes)[:-1]
+            parts = {n: np.split(np.asarray(out[n]), bounds) for n in self.outputs}
+            results = [{n: parts[n][i] for n in self.outputs} for i in range(len(requests))]
+        else:
+            results = [self.runner.infer(f) for f in feeds]
+        return [pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(n, np.ascontiguousarray(r[n], dtype=t)) for n, t in self.outputs.items()])
+            for r in results]
+
+    def finalize(self):
+        self.runner.deactivate()
+'''
+
+
+def write_python_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_batch_size: int) -> None:
+    version = target / "1"
+    version.mkdir(parents=True)
+    shutil.copytree(engine_dir, version / ENGINE_SUBDIR, copy_function=_link_or_copy)
+    write_text_atomic(version / "model.py", MODEL_PY)
+    write_text_atomic(target / "config.pbtxt",
+                      render_pbtxt(model_config(target.name, meta, max_batch_size, backend="python")))
+
+
+def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """A hard link where the file system allows it: the package holds each engine once on disk, not once per
+    repository layout."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

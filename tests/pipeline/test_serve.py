@@ -1,0 +1,219 @@
+"""`kiln serve` and `kiln loadtest` against a real Triton server (PyTriton's bundled tritonserver), on the FP32
+ONNX Runtime engine of a tiny pipeline run. Ports are ephemeral; readiness is polled with a timeout."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from click.testing import CliRunner
+from kiln.api import run_pipeline
+from kiln.cli import main
+from kiln.config import KilnConfig, config_from_dict
+from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure
+from kiln.core.inputs import random_inputs
+from kiln.loadtest import loadtest, parse_url
+from kiln.serve import PortInUse, find_engines, free_port, serve, tritonserver_process, wait_ready
+from kiln.stages.engines.engines import read_metadata
+from kiln.stages.engines.registry import load_engine
+
+from tests.conftest import tiny_config_dict
+
+ENGINE = "onnxruntime-cpu-fp32"
+MODEL = "onnxruntime_cpu_fp32"
+READY_TIMEOUT_S = 90  # a loaded 2-core CI machine: startup is ~3 s when idle
+
+
+@pytest.fixture(scope="module")
+def config() -> KilnConfig:
+    return config_from_dict(tiny_config_dict())
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory, config: KilnConfig) -> Path:
+    out = tmp_path_factory.mktemp("serve") / "run"
+    result, _ = run_pipeline(config, out)
+    assert result.ok
+    return out
+
+
+def _start_serve(path: Path, ports: list[int], *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(path), "--http-port", str(ports[0]), "--grpc-port",
+           str(ports[1]), "--metrics-port", str(ports[2]), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _abort(proc: subprocess.Popen[bytes]) -> None:
+    """A failing test still stops the server cleanly (SIGKILL would leave PyTriton's workspace behind)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Process], sig: int) -> None:
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    _, alive = psutil.wait_procs(descendants, timeout=15)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def test_served_answers_match_the_engine_under_load_and_batches_form(workdir: Path, config: KilnConfig,
+                                                                      tmp_path: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    # A 2 ms batching window: concurrent requests reliably meet in one batch even on a loaded machine.
+    proc = _start_serve(workdir, ports, "--max-queue-delay-us", "2000")
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", [MODEL], READY_TIMEOUT_S, proc)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert any("tritonserver" in p.name() for p in descendants)
+        result = loadtest(f"http://127.0.0.1:{ports[0]}", MODEL, workdir, tmp_path / "lt", [8], duration_s=120,
+                          max_requests=200, config=config)
+        cli = CliRunner().invoke(main, ["loadtest", f"grpc://127.0.0.1:{ports[1]}", "--model", MODEL, "-e",
+                                        str(workdir), "--concurrency", "1,2", "--duration", "1", "--requests", "20",
+                                        "-o", str(tmp_path / "cli")])
+    except BaseException:
+        _abort(proc)
+        raise
+    assert cli.exit_code == 0, cli.output
+    assert "| 2 | 20 |" in cli.output and (tmp_path / "cli" / "loadtest.png").is_file()
+    level = result["levels"][0]
+    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0
+    assert result["inputs"].startswith("validation data")
+    assert result["server"]["inference_count"] == 200
+    assert result["server"]["execution_count"] < 200  # Triton's own statistics: batches of several requests ran
+    for name in ("loadtest.json", "loadtest.md", "loadtest.png"):
+        assert (tmp_path / "lt" / name).stat().st_size > 0
+    assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
+    _stop_and_check(proc, descendants, signal.SIGTERM)
+
+
+def test_sigint_stops_the_server_and_its_children(workdir: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    proc = _start_serve(workdir / "package" / "engines" / ENGINE, ports)
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", [MODEL], READY_TIMEOUT_S, proc)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except BaseException:
+        _abort(proc)
+        raise
+    _stop_and_check(proc, descendants, signal.SIGINT)
+
+
+def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tmp_path: Path) -> None:
+    repo = workdir / "package" / "triton-python"
+    model = json.loads((workdir / "package" / "kiln-package.json").read_text())["models"][0]["triton_python_model"]
+    ports = [free_port() for _ in range(3)]
+    proc = tritonserver_process(repo, tmp_path / "scratch", *ports, log_file=tmp_path / "tritonserver.log")
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", [model], READY_TIMEOUT_S, proc)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        import tritonclient.http as httpclient
+
+        engine_dir = workdir / "package" / "engines" / ENGINE
+        feed = random_inputs(read_metadata(engine_dir).inputs, 5, seed=3)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
+        tensor = httpclient.InferInput("input", list(feed["input"].shape), "FP32")
+        tensor.set_data_from_numpy(feed["input"])
+        got = client.infer(model, [tensor]).as_numpy("logits")
+        client.close()
+        with load_engine(engine_dir) as runner:
+            want = runner.infer(feed)["logits"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # gRPC, concurrent requests through the model's own batching of Triton's request lists
+        result = loadtest(f"grpc://127.0.0.1:{ports[1]}", model, workdir, tmp_path / "lt", [4], duration_s=60,
+                          max_requests=40)
+        assert result["levels"][0]["requests"] == 40 and result["levels"][0]["mismatches"] == 0
+    except BaseException:
+        _abort(proc)
+        print((tmp_path / "tritonserver.log").read_text()[-3000:])
+        raise
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+    _, alive = psutil.wait_procs(descendants, timeout=15)
+    assert not alive
+
+
+def test_port_in_use_is_a_clear_error(workdir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PortInUse, match=f"port {port}"):
+            serve(workdir, http_port=port, grpc_port=free_port(), metrics_port=free_port())
+        result = CliRunner().invoke(main, ["serve", str(workdir), "--grpc-port", str(port)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[0].startswith("error:") and "in use" in lines[0] and lines[1].startswith("fix:")
+
+
+def test_an_engine_that_failed_validation_is_refused(workdir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    for stage in ("build", "validate"):
+        shutil.copytree(workdir / stage, copy / stage)
+    assert [e.model_name for e in find_engines(copy)] == [MODEL]  # build/ + a passing validation: served
+    path = copy / "validate" / "validation.json"
+    validation = json.loads(path.read_text())
+    for e in validation["engines"]:
+        e["passed"] = False
+    path.write_text(json.dumps(validation))
+    with pytest.raises(GateFailure, match="failed validation"):
+        find_engines(copy)
+    with pytest.raises(GateFailure, match="failed validation"):
+        find_engines(copy / "build" / ENGINE)
+    result = CliRunner().invoke(main, ["serve", str(copy / "build" / ENGINE)])
+    assert result.exit_code == 3 and "error:" in result.output and "fix:" in result.output
+
+
+def test_missing_server_package_names_the_extra(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pytriton", None)  # import pytriton now raises ImportError
+    monkeypatch.setitem(sys.modules, "pytriton.triton", None)
+    with pytest.raises(BackendUnavailable) as info:
+        serve(workdir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    assert 'pip install "kiln[serve]"' in info.value.hint
+
+
+def test_loadtest_without_a_server_is_a_clear_error(workdir: Path) -> None:
+    result = CliRunner().invoke(main, ["loadtest", f"http://127.0.0.1:{free_port()}", "--model", MODEL, "-e",
+                                       str(workdir), "--duration", "1"])
+    assert result.exit_code == 2 and "error: cannot read model" in result.output and "fix:" in result.output
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com:8000", "ftp://127.0.0.1:1"])
+def test_loadtest_targets_only_this_machine(url: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_url(url)
+    assert parse_url("grpc://127.0.0.1:8001") == ("grpc", "127.0.0.1:8001")
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_path: Path) -> None:
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_engine
+
+    engine_dir = tmp_path / "onnxruntime-cuda-fp16"
+    build_engine(workdir / "optimize" / "model.onnx", engine_dir, "onnxruntime", "cuda", "fp16",
+                 BuildConfig(backends=["onnxruntime"]), tmp_path / "cache", max_batch=32)
+    ports = [free_port() for _ in range(3)]
+    proc = _start_serve(engine_dir, ports, "--max-queue-delay-us", "2000")
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", ["onnxruntime_cuda_fp16"], READY_TIMEOUT_S, proc)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        result = loadtest(f"grpc://127.0.0.1:{ports[1]}", "onnxruntime_cuda_fp16", engine_dir, tmp_path / "lt", [8],
+                          duration_s=120, max_requests=200)
+    except BaseException:
+        _abort(proc)
+        raise
+    level = result["levels"][0]
+    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0
+    assert result["server"]["execution_count"] < 200
+    _stop_and_check(proc, descendants, signal.SIGTERM)

@@ -1,0 +1,81 @@
+"""Triton configs are checked against the engine they serve when written, and parse as Triton's ModelConfig."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from google.protobuf import text_format
+from kiln.core.errors import ModelError
+from kiln.core.records import EngineMetadata
+from kiln.stages.triton_repo import check_config, model_config, render_pbtxt, triton_config
+from tritonclient.grpc import model_config_pb2
+
+
+def record(fields: dict[str, Any]) -> EngineMetadata:
+    return EngineMetadata(precision="fp32", source={"file": "m.onnx", "sha256": "0"}, files={"model": "engine"},
+                          flavour=fields["backend"], versions={}, **fields)
+
+
+CPU_FIELDS = {"name": "e", "backend": "onnxruntime", "device": "cpu",
+       "inputs": [{"name": "input", "shape": ["batch", 1, 8, 8], "dtype": "float32"}],
+       "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]}
+TRT_FIELDS = {"name": "t", "backend": "tensorrt", "device": "cuda",
+       "profiles": [{"input": {"min": [1, 3, 8, 8], "opt": [8, 3, 8, 8], "max": [16, 3, 8, 8]}}],
+       "inputs": [{"name": "input", "shape": ["batch", 3, 8, 8], "dtype": "float16"}],
+       "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float16"}]}
+
+
+CPU, TRT = record(CPU_FIELDS), record(TRT_FIELDS)
+
+
+def parse(text: str) -> Any:
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+@pytest.mark.parametrize("backend", [None, "python"])
+def test_configs_parse_as_triton_model_config(backend: str | None) -> None:
+    cfg = parse(render_pbtxt(model_config("m", TRT, 32, backend=backend, queue_delay_us=250)))
+    assert cfg.max_batch_size == 16  # capped by the engine's profile
+    assert list(cfg.input[0].dims) == [3, 8, 8] and cfg.input[0].data_type == model_config_pb2.TYPE_FP16
+    assert cfg.dynamic_batching.max_queue_delay_microseconds == 250
+    assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+    assert (cfg.backend, cfg.platform) == (("python", "") if backend else ("", "tensorrt_plan"))
+
+
+def test_a_fixed_batch_model_is_served_unbatched_with_its_full_shape() -> None:
+    meta = CPU.model_copy(deep=True)
+    meta.inputs[0].shape[0] = 1
+    meta.outputs[0].shape[0] = 1
+    cfg = parse(triton_config("m", meta, 32))
+    assert cfg.max_batch_size == 0 and list(cfg.input[0].dims) == [1, 1, 8, 8]
+    assert not cfg.HasField("dynamic_batching")
+
+
+def test_profiles_that_cannot_take_one_request_are_refused() -> None:
+    meta = TRT.model_copy(deep=True)
+    meta.profiles[0]["input"]["min"][0] = 4
+    with pytest.raises(ModelError, match="start at batch 4"):
+        model_config("m", meta, 32)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(max_batch_size=64), "exceeds the engine's profile maximum 16"),
+    (lambda c: c["input"][0].update(dims=[3, 8, 9]), "dims"),
+    (lambda c: c["output"][0].update(data_type="TYPE_FP32"), "the engine takes float16"),
+    (lambda c: c.pop("dynamic_batching"), "dynamic_batching"),
+    (lambda c: c["instance_group"][0].update(kind="KIND_CPU"), "want KIND_GPU"),
+    (lambda c: c.update(platform="onnxruntime_onnx"), "cannot run a tensorrt engine"),
+    (lambda c: c["input"][0].update(name="x"), "input names"),
+])
+def test_a_config_that_disagrees_with_its_engine_is_caught(edit: Any, message: str) -> None:
+    cfg = model_config("m", TRT, 8)
+    edit(cfg)
+    with pytest.raises(ModelError, match=message):
+        check_config(cfg, TRT)
+
+
+def test_unsupported_dtype_is_a_clear_error() -> None:
+    meta = CPU.model_copy(deep=True)
+    meta.inputs[0].dtype = "bfloat16"
+    with pytest.raises(ModelError, match="bfloat16"):
+        model_config("m", meta, 8)
