@@ -6,6 +6,7 @@ variants.json: ``{variant: {"path": "<variant>/model.onnx", "kept_fp32": [...], 
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from kiln.calibration.data import calibration_batches
+from kiln.core.artifacts import write_text_atomic
+from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import load_onnx
 from kiln.core.stage import StageContext
 from kiln.stages.precision.variants import Source, build_fp16, build_int8
@@ -26,6 +29,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     batches = calibration_batches(data, ccfg, ctx.config.seed) if needs_data else []
     x_val = data.val_x[:cfg.fallback.samples].numpy()
     variants: dict[str, Any] = {}
+    failed: dict[str, str] = {}  # variant -> why it could not be built (listed in the report, not built)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
@@ -36,20 +40,29 @@ def run(ctx: StageContext) -> dict[str, Any]:
         with ctx.progress.task("precision variants", total=len(wanted)) as bar:
             for precision in wanted:
                 out = ctx.out / precision / "model.onnx"
-                if precision == "fp32":
-                    variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
-                elif precision == "fp16":
-                    variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
+                try:
+                    if precision == "fp32":
+                        variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
+                    elif precision == "fp16":
+                        variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
+                    else:
+                        variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+                except KilnError as exc:  # one variant's failure must not take the others with it
+                    failed[precision] = exc.message + (f" (fix: {exc.hint})" if exc.hint else "")
+                    ctx.log.error("precision variant %s failed, the others go on: %s", precision, failed[precision])
+                    shutil.rmtree(ctx.out / precision, ignore_errors=True)
                 else:
-                    variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+                    _log_variant(ctx, precision, variants[precision])
                 bar.advance(1, note=precision)
-                _log_variant(ctx, precision, variants[precision])
-    (ctx.out / "variants.json").write_text(json.dumps(variants, indent=2, default=_jsonable))
+    if not variants:
+        raise ModelError("no precision variant could be built: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
+                         hint="add fp32 to precision.variants, or fix the first error above")
+    write_text_atomic(ctx.out / "variants.json", json.dumps(variants, indent=2, default=_jsonable))
     summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"], **(e.get("vs_fp32") or {}),
                    "fallback_passed": e.get("fallback", {}).get("passed", True),
                    **({"ort_cpu_scheme": e["ort_cpu"]["scheme"]} if "ort_cpu" in e else {})}
                for v, e in variants.items()}
-    return {"variants": summary, "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+    return {"variants": summary, "failed": failed, "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
 
 
 def _log_variant(ctx: StageContext, precision: str, entry: dict[str, Any]) -> None:

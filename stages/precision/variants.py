@@ -58,19 +58,21 @@ def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig
     amax = src.ranges("minmax", ccfg).amax() if cfg.range_check and src.batches else {}
     base = select_fp32_nodes(src.model, cfg, amax)
     info: dict[str, Any] = {}
+    unconvertible: dict[str, str] = {}  # nodes the converter cannot make FP16: FP32 in every round after
 
     with tempfile.TemporaryDirectory(prefix="kiln-fp16-") as tmp:
         def build(extra: set[str]) -> Path:
-            model, stats = convert_fp16(src.model, set(base) | extra, cfg)
+            model, stats = convert_fp16(src.model, set(base) | set(unconvertible) | extra, cfg)
+            unconvertible.update(stats.pop("unconvertible", {}))
             info.update(stats)
             save_onnx(model, out)
             # Accuracy is judged on the FP16 emulation: ORT's CPU provider would hide FP16 rounding (emulate.py).
             emulated = Path(tmp) / "emulated.onnx"
-            save_onnx(emulate_fp16(src.model, set(base) | extra), emulated)
+            save_onnx(emulate_fp16(src.model, set(base) | set(unconvertible) | extra), emulated)
             return emulated
 
         res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16")
-    return _entry(out, base | res.kept, res, info)
+    return _entry(out, base | unconvertible | res.kept, res, {**info, "unconvertible": sorted(unconvertible)})
 
 
 def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig,

@@ -16,6 +16,7 @@ from kiln.calibration.ranges import STATS
 from tests.conftest import tiny_config_dict
 from kiln.models import build_model
 from kiln.config import config_from_dict
+from kiln.core.errors import ModelError
 from kiln.core.stage import StageContext
 from kiln.models.model_io import dataset_for
 from kiln.stages.export import export_onnx
@@ -75,3 +76,19 @@ def test_int64_input_model(tmp_path: Path) -> None:
     export_onnx(build_model("mlp_embed", params), torch.randint(0, 17, (2, 64)), folder / "model.onnx")
     variants, _ = _run(tmp_path, folder, **{"model.name": "mlp_embed", "model.params": params})
     assert variants["fp16"]["fallback"]["passed"] and variants["int8"]["calibration"]["batches"] > 0
+
+
+def test_a_failing_variant_does_not_take_the_others(tmp_path: Path, exported: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import kiln.stages.precision.stage as stage
+
+    def broken(*args, **kwargs):
+        raise ModelError("FP16 model fails the ONNX checker: planted", hint="planted hint")
+
+    monkeypatch.setattr(stage, "build_fp16", broken)
+    variants, summary = _run(tmp_path, exported)
+    assert set(variants) == {"fp32", "int8"}  # what the build stage reads: only variants that exist
+    assert "planted" in summary["failed"]["fp16"] and "planted hint" in summary["failed"]["fp16"]
+    assert not (tmp_path / "precision" / "fp16").exists()
+    with pytest.raises(ModelError, match="no precision variant"):  # nothing left: the stage fails, clearly
+        _run(tmp_path, exported, "p-only16", **{"precision.variants": ["fp16"]})
