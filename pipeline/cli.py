@@ -13,8 +13,8 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.config import KilnConfig, load_config
-from kiln.core.errors import KilnError
+from kiln.config import KilnConfig, load_config, set_value
+from kiln.core.errors import ConfigError, KilnError
 from kiln.core.progress import RichProgress, SilentProgress
 
 console = Console(stderr=True)
@@ -55,10 +55,9 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
         if not sep:
             raise click.BadParameter(f"'{item}' is not KEY=VALUE", param_hint="--set")
         try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise click.BadParameter(f"'{item}': the value is not valid YAML ({exc.problem})",
-                                     param_hint="--set") from None
+            out[key] = set_value(key, value)  # typed by the config schema, not by YAML's guesses
+        except ConfigError as exc:
+            raise click.BadParameter(f"'{item}': {exc.message.partition(': ')[2]}", param_hint="--set") from None
     return out
 
 

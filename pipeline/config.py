@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import Field, PositiveInt, ValidationError, field_validator
@@ -43,6 +44,11 @@ class ExportConfig(Section):
     parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
 
 
+def _default_per_precision() -> dict[str, dict[str, float]]:
+    return {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
+                                                      "max_accuracy_drop": 0.02}}
+
+
 class GatesConfig(Section):
     min_cosine: float = Field(0.9999, le=1.0, description="cosine similarity of outputs vs PyTorch")
     max_abs_err: float | None = Field(None, description="max abs output error vs PyTorch; null = unchecked")
@@ -51,9 +57,20 @@ class GatesConfig(Section):
     max_latency_p50_ms: float | None = Field(None, description="latency budget at the largest batch size")
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
     per_precision: dict[str, dict[str, float]] = Field(
-        default_factory=lambda: {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
-                                                                          "max_accuracy_drop": 0.02}},
-        description="overrides of the gates above per precision")
+        default_factory=lambda: _default_per_precision(),
+        description="overrides of the gates above per precision, merged into these defaults gate by gate")
+
+    @field_validator("per_precision", mode="before")
+    @classmethod
+    def _merge_with_defaults(cls, value: Any) -> Any:
+        # Relaxing one gate must not drop the other defaults (which would tighten them to the FP32 gates).
+        if not isinstance(value, dict):
+            return value  # pydantic reports the type error
+        merged: dict[str, Any] = _default_per_precision()
+        for precision, overrides in value.items():
+            both = isinstance(overrides, dict) and isinstance(merged.get(precision), dict)
+            merged[precision] = {**merged[precision], **overrides} if both else overrides
+        return merged
 
     @field_validator("per_precision")
     @classmethod
@@ -181,6 +198,53 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     config = config_from_dict(data, source)
     _check_files(config, Path(path).parent if path else Path.cwd())
     return config
+
+
+def set_value(dotted: str, text: str) -> Any:
+    """The value of ``--set dotted=text``, read as the schema's type for that key wants: a key that takes only
+    text (a str, or a Literal of strings such as on/off) gets ``text`` as written, since YAML would turn
+    ``off`` into False and ``1.10`` into 1.1; every other key (numbers, bools, lists, free-form params) gets
+    ``text`` parsed as YAML. ``null``/``~`` still mean None where the key accepts None."""
+    annotation = _annotation_at(dotted.split("."))
+    if annotation is not None and _takes_text_only(annotation):
+        return None if text in ("null", "~") and _accepts_none(annotation) else text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
+                          hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]") from None
+
+
+def _annotation_at(path: list[str]) -> Any:
+    """The declared type of a dotted key, through sections and dict values; None where the schema does not say."""
+    annotation: Any = KilnConfig
+    for part in path:
+        if isinstance(annotation, type) and issubclass(annotation, Section):
+            fields = {(f.alias or n): f for n, f in annotation.model_fields.items()} | annotation.model_fields
+            if part not in fields:
+                return None
+            annotation = fields[part].annotation
+        elif get_origin(annotation) is dict:
+            annotation = get_args(annotation)[1]
+        else:
+            return None
+    return annotation
+
+
+def _members(annotation: Any) -> list[Any]:
+    if get_origin(annotation) in (Union, UnionType):
+        return [m for a in get_args(annotation) for m in _members(a)]
+    return [annotation]
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return type(None) in _members(annotation)
+
+
+def _takes_text_only(annotation: Any) -> bool:
+    kinds = [m for m in _members(annotation) if m is not type(None)]
+    return bool(kinds) and all(m is str or (get_origin(m) is Literal and all(isinstance(v, str) for v in get_args(m)))
+                               for m in kinds)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
