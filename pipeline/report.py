@@ -110,18 +110,25 @@ def _stage_sections(stages: dict[str, Any]) -> list[str]:
         out += ["", "## Graph optimization", "",
                 f"{opt['nodes_before']} -> {opt['nodes_after']} nodes; passes that changed the graph: "
                 f"{', '.join(dict.fromkeys(fired)) or 'none'}; rolled back: {', '.join(opt.get('rolled_back', [])) or 'none'}."]
-    variants = stages.get("precision", {}).get("summary", {}).get("variants", {})
+    precision = stages.get("precision", {}).get("summary", {})
+    variants = precision.get("variants", {})
     if variants:
         out += ["", "## Precision variants", "", "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |", "|---|---|---|"]
         out += [f"| {name} | {v.get('kept_fp32', 0)} | {_fmt(v.get('top1_agreement'))} |" for name, v in variants.items()]
+        out += [f"| {name} | **failed, not built** | - |" for name in precision.get("failed", {})]
         for name, v in variants.items():
             if "ort_cpu_scheme" in v:
                 out += ["", f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
-                            f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`)."]
-        kept = [(name, node, why) for name, v in variants.items() for node, why in v.get("kept_fp32_nodes", {}).items()]
-        if kept:
-            out += ["", "Nodes kept in FP32:", ""] + [f"- {name}: `{node}`: {why}" for name, node, why in kept[:40]]
-            out += [f"- ... and {len(kept) - 40} more (see precision/variants.json)"] if len(kept) > 40 else []
+                            f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`), checked on its own: top-1 "
+                            f"agreement {_fmt(v.get('ort_cpu_top1_agreement'))} with {v.get('ort_cpu_kept_fp32', 0)} "
+                            "nodes kept in float."]
+        out += [f"- **{name} failed**: {why}" for name, why in precision.get("failed", {}).items()]
+        out += _kept_nodes_table(variants)
+        if precision.get("node_error_plot"):
+            out += ["", f"![per-node error vs FP32](precision/{precision['node_error_plot']})", ""]
+            out += [f"- {name}: first node over {precision['node_error_threshold']:g} relative error: "
+                    + (f"`{hit['node']}` ({hit.get('module') or 'module unknown'}), {hit['error']:.3g}" if hit
+                       else "none") for name, hit in precision.get("first_divergence", {}).items()]
     build = stages.get("build", {}).get("summary", {})
     if build.get("engines"):
         out += ["", "## Engines", "", "| engine | backend | device | precision | build s | size MB |", "|---|---|---|---|---|---|"]
@@ -130,6 +137,21 @@ def _stage_sections(stages: dict[str, Any]) -> list[str]:
                 for e in build["engines"]]
         out += [f"- not built: {s}" for s in build.get("skipped", [])]
     return out
+
+
+def _kept_nodes_table(variants: dict[str, Any], limit: int = 40) -> list[str]:
+    """Each node kept in FP32 (or float, for INT8), with the PyTorch module the exporter recorded for it."""
+    rows = []
+    for name, v in variants.items():
+        for label, nodes, modules in ((name, v.get("kept_fp32_nodes", {}), v.get("kept_fp32_modules", {})),
+                                      (f"{name} onnxruntime-cpu", v.get("ort_cpu_kept_fp32_nodes", {}),
+                                       v.get("ort_cpu_kept_fp32_modules", {}))):
+            rows += [f"| {label} | `{node}` | {modules.get(node, '-')} | {why} |" for node, why in nodes.items()]
+    if not rows:
+        return []
+    more = ["", f"... and {len(rows) - limit} more (see precision/variants.json)"] if len(rows) > limit else []
+    return ["", "Nodes kept in FP32:", "", "| variant | ONNX node | PyTorch module | why |", "|---|---|---|---|",
+            *rows[:limit], *more]
 
 
 def write_report(result: RunResult, config: KilnConfig, workdir: Path) -> dict[str, Any]:

@@ -43,3 +43,5 @@ class PrecisionConfig(Section):
                                       description="graph precisions to build")
     fp16: FP16Config = Field(default_factory=FP16Config)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+    node_errors: bool = Field(True, description="plot each variant's per-node error vs FP32 along the graph "
+                                                "(precision/node_errors.png) and name the first diverging node")

@@ -18,6 +18,10 @@ from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import load_onnx
 from kiln.core.stage import StageContext
+from kiln.stages.precision.emulate import emulate_fp16
+from kiln.stages.precision.node_errors import (DIVERGENCE, first_divergence, graph_order, node_error_curves,
+                                               plot_node_errors)
+from kiln.stages.precision.provenance import torch_modules
 from kiln.stages.precision.variants import Source, build_fp16, build_int8
 
 
@@ -54,21 +58,73 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 else:
                     _log_variant(ctx, precision, variants[precision])
                 bar.advance(1, note=precision)
+        modules = torch_modules(src.model, *_export_graph(ctx))
+        node_report = _node_error_report(ctx, src, variants, x_val, modules) \
+            if cfg.node_errors and set(variants) - {"fp32"} else {}
     if not variants:
         raise ModelError("no precision variant could be built: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
                          hint="add fp32 to precision.variants, or fix the first error above")
+    for e in variants.values():  # which PyTorch module each kept node came from, beside its ONNX name
+        e["kept_fp32_modules"] = _modules_of(e["kept_fp32"], modules)
+        if "ort_cpu" in e:
+            e["ort_cpu"]["kept_fp32_modules"] = _modules_of(e["ort_cpu"]["kept_fp32"], modules)
     write_text_atomic(ctx.out / "variants.json", json.dumps(variants, indent=2, default=_jsonable))
-    summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"], **(e.get("vs_fp32") or {}),
+    summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"],
+                   "kept_fp32_modules": e["kept_fp32_modules"], **(e.get("vs_fp32") or {}),
                    "fallback_passed": e.get("fallback", {}).get("passed", True),
                    **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {})}
                for v, e in variants.items()}
-    return {"variants": summary, "failed": failed, "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+    return {"variants": summary, "failed": failed, **node_report,
+            "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
 
 
 def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
     """The ORT CPU graph's own accuracy check: ORT CPU engines run it, not the Q/DQ graph."""
     return {"ort_cpu_scheme": ort["scheme"], "ort_cpu_top1_agreement": ort["vs_fp32"]["top1_agreement"],
-            "ort_cpu_kept_fp32": len(ort["kept_fp32"]), "ort_cpu_fallback_passed": ort["fallback"]["passed"]}
+            "ort_cpu_kept_fp32": len(ort["kept_fp32"]), "ort_cpu_fallback_passed": ort["fallback"]["passed"],
+            "ort_cpu_kept_fp32_nodes": ort["reasons"], "ort_cpu_kept_fp32_modules": ort["kept_fp32_modules"]}
+
+
+def _modules_of(nodes: list[str], modules: dict[str, str]) -> dict[str, str]:
+    return {n: modules[n] for n in nodes if n in modules}
+
+
+def _export_graph(ctx: StageContext) -> list[Any]:
+    """The exported graph, for node metadata only: graph passes (onnx-graphsurgeon) drop the metadata that
+    names each node's PyTorch module, while surviving nodes keep their names. Not an input of the stage: it
+    only labels nodes in the report, and the optimized graph it precedes is."""
+    path = ctx.workdir / "export" / "model.onnx"
+    return [load_onnx(path, load_external_data=False)] if path.is_file() else []
+
+
+def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any], x_val: np.ndarray,
+                       modules: dict[str, str]) -> dict[str, Any]:
+    """Per-node error of each reduced-precision graph vs FP32 along the graph: a plot and the first node where
+    each diverges. FP16 is judged on its emulation (ORT's CPU provider hides FP16 rounding, see emulate.py)."""
+    graphs: dict[str, Any] = {}
+    kept: dict[str, set[str]] = {}
+    if "fp16" in variants:
+        graphs["fp16"] = emulate_fp16(src.model, set(variants["fp16"]["kept_fp32"]))
+        kept["fp16"] = set(variants["fp16"]["kept_fp32"])
+    if "int8" in variants:
+        graphs["int8"], kept["int8"] = ctx.out / variants["int8"]["path"], set(variants["int8"]["kept_fp32"])
+        if "ort_cpu" in variants["int8"]:
+            label = "int8 onnxruntime-cpu"
+            graphs[label] = ctx.out / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+            kept[label] = set(variants["int8"]["ort_cpu"]["kept_fp32"])
+    try:
+        order = graph_order(src.model)
+        curves = node_error_curves(src.model, graphs, x_val)
+        plot_node_errors(order, curves, ctx.out / "node_errors.png", kept)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic plot must never cost the variants already built
+        ctx.log.warning("per-node error plot skipped: %s: %s", type(exc).__name__, exc)
+        return {"node_errors_skipped": f"{type(exc).__name__}: {exc}"}
+    first = {}
+    for label, curve in curves.items():
+        hit = first_divergence(order, curve)
+        first[label] = hit and {**hit, "module": modules.get(hit["node"])}
+    return {"node_error_plot": "node_errors.png", "first_divergence": first,
+            "node_error_threshold": DIVERGENCE}
 
 
 def _log_variant(ctx: StageContext, precision: str, entry: dict[str, Any]) -> None:
