@@ -35,6 +35,7 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
         report["error"] = str(result.error)
     if validation:
         report["validation"] = {k: validation[k] for k in ("passed", "baseline", "engines", "failures")}
+        report["validation"]["speed_vs_fp32"] = validation.get("speed_vs_fp32", [])
     return report
 
 
@@ -86,6 +87,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{e['accuracy']:.4f} | {lat} | {e['speedup_vs_baseline'][sizes[-1]]:.2f} |")
         if v["failures"]:
             lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v["failures"]]
+        lines += _speed_table(v.get("speed_vs_fp32", []), {e["name"]: e for e in v["engines"]})
     lines += _stage_sections(report["stages"])
     env = report["environment"]
     lines += ["", "## Environment", "", ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
@@ -136,6 +138,21 @@ def _stage_sections(stages: dict[str, Any]) -> list[str]:
                 f"{_fmt(e.get('build_seconds'), '.2f')} | {_fmt((e.get('size_bytes') or 0) / 1e6, '.2f')} |"
                 for e in build["engines"]]
         out += [f"- not built: {s}" for s in build.get("skipped", [])]
+    return out
+
+
+def _speed_table(rows: list[dict[str, Any]], engines: dict[str, Any]) -> list[str]:
+    """INT8/FP16 p50 speedup over the FP32 (and FP16) engine of the same backend and device, per batch size."""
+    if not rows:
+        return []
+    out = ["", "### Reduced precision vs FP32, same backend and device", "",
+           "| engine | vs FP32 (p50 speedup per batch) | INT8 vs FP16 | verdict |", "|---|---|---|---|"]
+    for r in rows:
+        ratios = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r["vs_fp32"].items())
+        fp16 = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r.get("vs_fp16", {}).items()) or "-"
+        dropped = engines.get(r["engine"], {}).get("dropped")
+        verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else "faster")
+        out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
     return out
 
 

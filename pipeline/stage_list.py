@@ -12,6 +12,7 @@ import kiln.stages.optimize
 import kiln.stages.optimize.stage as optimize_stage
 import kiln.stages.package as package_stage
 import kiln.stages.precision
+import kiln.stages.precision.speed as precision_speed
 import kiln.stages.precision.stage as precision_stage
 import kiln.core.onnx_io as onnx_io
 import kiln.stages.train
@@ -64,8 +65,9 @@ STAGES: list[Stage] = [
     Stage("build", build_stage.run, ("precision",), ("build", "validate.batch_sizes"), (kiln.stages.engines,), _build_env,
           "ONNX Runtime and TensorRT engines"),
     # Engines run through kiln.stages.engines's runners, so their code is part of validate's result.
-    Stage("validate", validate_stage.run, ("train", "build"), ("seed", "model", "data", "validate"),
-          (validate_stage, kiln.stages.engines, kiln.models, model_io), _validate_env,
+    Stage("validate", validate_stage.run, ("train", "build"), ("seed", "model", "data", "validate",
+                                                               "precision.require_speedup"),
+          (validate_stage, kiln.stages.engines, kiln.models, model_io, precision_speed), _validate_env,
           "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset",)),
     Stage("package", package_stage.run, ("train", "build", "validate"), ("name", "package"), (package_stage,),
           lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository"),

@@ -62,8 +62,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for engine_dir in sorted(p.parent for p in ctx.inputs["build"].glob(f"*/{SIDECAR}")):
         meta = read_metadata(engine_dir)
         result = results.get(meta["name"], {})
-        if result.get("passed") is not True:
-            continue  # only engines proven against PyTorch are served
+        if result.get("passed") is not True or result.get("dropped"):
+            continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         shutil.copytree(engine_dir, ctx.out / "engines" / meta["name"])
         record = {"engine": meta["name"], "validation": {k: result.get(k) for k in
                   ("max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms")}}

@@ -17,6 +17,7 @@ import torch
 from kiln.core.stage import StageContext
 from kiln.stages.engines.engines import SIDECAR, load_engine, read_metadata, runnable
 from kiln.models.model_io import load_trained
+from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 
 
 def percentiles(times_ms: list[float]) -> dict[str, float]:
@@ -128,7 +129,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     failures = [f"{e['name']}: {f}" for e in validated for f in e["failures"]]
     if not validated:
         failures.append("no engine could be validated on this machine")
-    result = {"passed": not failures, "baseline": baseline, "engines": engines, "failures": failures}
+    speed = speed_vs_fp32(engines)  # reduced precision that is not faster than FP32: flagged, or dropped
+    dropped = drop_slower(engines, speed) if ctx.config.precision.require_speedup else []
+    for row in speed:
+        if row["slower"]:
+            ctx.log.warning("%s is slower than FP32 at batch %s (%.2fx)%s", row["engine"], row["largest_batch"],
+                            row["vs_fp32"][row["largest_batch"]], ": dropped" if row["engine"] in dropped else "")
+    result = {"passed": not failures, "baseline": baseline, "engines": engines, "failures": failures,
+              "speed_vs_fp32": speed, "dropped": dropped}
     (ctx.out / "validation.json").write_text(json.dumps(result, indent=2))
     for e in engines:
         ctx.log.info("%s: %s", e["name"], e.get("status"))
