@@ -137,6 +137,7 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
 
 # Each round keeps one more node the converter broke in FP32; a graph needing more has a pattern to report.
 MAX_UNCONVERTIBLE = 32
+CHECKER_FAILS = "FP16 model fails the ONNX checker"
 _CHECKER_NODE = re.compile(r"node name: ([^)]+)\)")
 
 
@@ -173,13 +174,13 @@ def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) 
             converted, stats = _convert_once(model, fp32_nodes | set(unconvertible), cfg)
             return converted, {**stats, "unconvertible": unconvertible}
         except ModelError as exc:
-            found = _CHECKER_NODE.search(exc.message)
+            found = _CHECKER_NODE.search(exc.message) if exc.message.startswith(CHECKER_FAILS) else None
             node = found.group(1) if found else None
-            if node not in names or node in unconvertible or node in fp32_nodes \
-                    or len(unconvertible) >= MAX_UNCONVERTIBLE:
+            if node not in names or node in unconvertible or node in fp32_nodes:
+                raise  # not a node the checker names, or keeping it FP32 did not help: the user must decide
+            if len(unconvertible) >= MAX_UNCONVERTIBLE:
                 raise ModelError(f"{exc.message} (after keeping {len(unconvertible)} unconvertible nodes in FP32)",
-                                 hint="keep the node named above in FP32 (precision.fp16.fp32_nodes), or drop "
-                                      "fp16 from precision.variants; please report the model to Kiln") from None
+                                 hint=exc.hint) from None
             log.warning("fp16: node %s does not convert (%s); keeping it FP32", node, exc.message)
             unconvertible[node] = f"FP16 conversion makes an invalid graph here; kept FP32 ({exc.message})"
 
@@ -256,7 +257,12 @@ def _convert_once(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config)
         restore_output_types(converted, model)
     converted, removed = remove_cast_chains(converted)
     converted = infer_shapes(converted)
-    check_onnx(converted, "FP16 model")
+    try:
+        check_onnx(converted, "FP16 model")
+    except ModelError as exc:  # the export is fine (it passed the checker): re-exporting would not help
+        raise ModelError(exc.message, hint="keep the node it names in FP32 (precision.fp16.fp32_nodes) or drop fp16 "
+                                           "from precision.variants (the other variants are still built); please "
+                                           "report the model to Kiln") from None
     left = cast_chains(converted)
     if left:  # the pass above guarantees none; a survivor means a new converter pattern
         raise ModelError(f"FP16 graph still has Cast chains: {left[:3]}", hint="report the model to Kiln")

@@ -86,3 +86,17 @@ def test_embedding_bag_fp16_is_valid_and_keeps_control_flow_fp32(bag_onnx: Path)
     x = np.random.default_rng(0).integers(0, 17, (32, 64)).astype(np.int64)
     np.testing.assert_allclose(run_batched(converted, x)[0], run_batched(model, x)[0], atol=5e-2, rtol=5e-2)
     assert node_input_types(converted)["node_linear"] == F16  # the head still runs in FP16
+
+
+def test_a_node_that_stays_invalid_in_fp32_ends_in_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kiln.core.errors import ModelError
+
+    def always_refused(model, what):  # the checker keeps naming the same node, whatever its precision
+        onnx.checker.check_model(model)
+        raise ModelError(f"{what} fails the ONNX checker: (op_type:Add, node name: add_bias): planted",
+                         hint="re-export with a supported opset")
+
+    monkeypatch.setattr(fp16_module, "check_onnx", always_refused)
+    with pytest.raises(ModelError, match="node name: add_bias") as err:
+        convert_fp16(value_floats_graph(), set(), FP16Config())
+    assert "precision.fp16.fp32_nodes" in err.value.hint and "re-export" not in err.value.hint
