@@ -111,8 +111,18 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 keep = variant.get("kept_fp32")  # ... keeping what the precision stage kept FP32
             name = engine_name(backend, device, precision)
             try:
-                meta = build_engine(src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir,
-                                    ctx.progress, max_batch=max_batch, keep_fp32=keep)
+                try:
+                    meta = build_engine(src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir,
+                                        ctx.progress, max_batch=max_batch, keep_fp32=keep)
+                except BuildError as exc:
+                    if keep is None:
+                        raise
+                    # ORT's converter cannot convert some graphs (control flow, sequences: an nn.EmbeddingBag)
+                    # that the precision stage's FP16 graph handles, and that graph passed the ONNX checker.
+                    ctx.log.warning("%s: %s; building it from the precision stage's FP16 graph instead",
+                                    name, exc.message)
+                    meta = build_engine(root / variant["path"], ctx.out / name, backend, device, precision, cfg,
+                                        ctx.cache_dir, ctx.progress, max_batch=max_batch)
             except BuildError as exc:
                 if backend != "tensorrt" or cfg.tensorrt.enabled == "always":
                     raise
