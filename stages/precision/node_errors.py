@@ -16,6 +16,7 @@ from kiln.stages.precision.compare import Model, tensor_errors
 from kiln.stages.precision.fp16_select import INDEX_OPS
 
 SAMPLES = 16  # every node output is held in memory at once: a few samples show where error starts
+CHUNK = 256  # tensors compared per run: a large graph is run several times rather than holding them all
 DIVERGENCE = 1e-2  # a node output 1% off FP32 (relative L2) counts as diverged
 
 
@@ -35,7 +36,9 @@ def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: np.n
     tensors = [t for _, t in order if t != out_name]
     curves: dict[str, list[float]] = {}
     for label, model in variants.items():
-        err = tensor_errors(fp32, model, x[:SAMPLES], tensors)
+        err: dict[str, float] = {}
+        for i in range(0, max(len(tensors), 1), CHUNK):  # a bounded number of activations in memory at once
+            err |= tensor_errors(fp32, model, x[:SAMPLES], tensors[i:i + CHUNK])
         curves[label] = [err.get(t, float("nan")) for _, t in order]
     return curves
 
