@@ -203,13 +203,15 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
 def set_value(dotted: str, text: str) -> Any:
     """The value of ``--set dotted=text``, read as the schema's type for that key wants: a key that takes only
     text (a str, or a Literal of strings such as on/off) gets ``text`` as written, since YAML would turn
-    ``off`` into False and ``1.10`` into 1.1; every other key (numbers, bools, lists, free-form params) gets
-    ``text`` parsed as YAML. ``null``/``~`` still mean None where the key accepts None."""
+    ``off`` into False and ``1.10`` into 1.1; a list of such text is read as YAML with every item kept as
+    text (``[a, off]``); every other key (numbers, bools, free-form params) gets ``text`` parsed as YAML.
+    ``null``/``~`` still mean None where the key accepts None."""
     annotation = _annotation_at(dotted.split("."))
     if annotation is not None and _takes_text_only(annotation):
         return None if text in ("null", "~") and _accepts_none(annotation) else text
+    text_items = annotation is not None and get_origin(annotation) is list and _takes_text_only(get_args(annotation)[0])
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=yaml.BaseLoader) if text_items else yaml.safe_load(text)  # noqa: S506
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
                           hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]") from None

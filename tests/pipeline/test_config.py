@@ -129,6 +129,8 @@ def test_one_per_precision_override_keeps_the_other_defaults() -> None:
     ("validate.batch_sizes", "[1, 8]", [1, 8]),
     ("validate.gates.per_precision.int8.min_top1_agreement", "0.95", 0.95),
     ("model.params", "{dim: 16}", {"dim": 16}),
+    ("calibration.exclude_nodes", "[conv_1, off]", ["conv_1", "off"]),  # YAML: ["conv_1", False]
+    ("build.backends", "[onnxruntime]", ["onnxruntime"]),
 ])
 def test_set_values_are_read_by_the_schema_type(dotted: str, text: str, expected: object) -> None:
     assert set_value(dotted, text) == expected
