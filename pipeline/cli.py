@@ -127,6 +127,16 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         if e.get("status") != "validated":
             console.print(f"[yellow]{escape(e['name'])}[/]: built, not validated here: {escape(e.get('reason', ''))}",
                           soft_wrap=True)
+    precision = report.get("stages", {}).get("precision", {}).get("summary", {})
+    for name, why in precision.get("failed", {}).items():
+        console.print(f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
+                      soft_wrap=True)
+    dropped = {e["name"] for e in (v or {}).get("engines", []) if e.get("dropped")}
+    for r in (v or {}).get("speed_vs_fp32", []):
+        if r["slower"]:
+            x = r["vs_fp32"][r["largest_batch"]]
+            console.print(f"[yellow]{escape(r['engine'])}[/]: slower than FP32 at batch {r['largest_batch']} "
+                          f"({x:.2f}x){', not packaged (precision.require_speedup)' if r['engine'] in dropped else ''}")
     console.print(f"report: {workdir / 'report.md'}")
 
 
