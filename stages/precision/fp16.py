@@ -137,7 +137,7 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
 
 # Each round keeps one more node the converter broke in FP32; a graph needing more has a pattern to report.
 MAX_UNCONVERTIBLE = 32
-CHECKER_FAILS = "FP16 model fails the ONNX checker"
+CHECKER_FAILS = ("FP16 model fails the ONNX checker", "ONNX shape inference failed")  # messages naming a node
 _CHECKER_NODE = re.compile(r"node name: ([^)]+)\)")
 
 
@@ -245,19 +245,24 @@ def _convert_once(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config)
     kept_info = [v for v in src.graph.value_info if v.name not in io]  # a graph I/O also listed there would be
     del src.graph.value_info[:]                                          # retyped FP16 behind keep_io_types' back
     src.graph.value_info.extend(kept_info)
-    converted = float16.convert_float_to_float16(
-        src, keep_io_types=cfg.keep_io_types,
-        # Clamp only at FP16's real limits: the range check already kept nodes whose weights do not fit.
-        min_positive_val=2.0**-24, max_finite_val=65504.0,
-        op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST),
-        node_block_list=sorted(fp32_nodes | casts_from_non_float(src)))
+    try:
+        converted = float16.convert_float_to_float16(
+            src, keep_io_types=cfg.keep_io_types,
+            # Clamp only at FP16's real limits: the range check already kept nodes whose weights do not fit.
+            min_positive_val=2.0**-24, max_finite_val=65504.0,
+            op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST),
+            node_block_list=sorted(fp32_nodes | casts_from_non_float(src)))
+    except Exception as exc:  # the converter raises plain exceptions on graphs it cannot handle: a user's model
+        raise ModelError(f"onnxconverter-common cannot convert the graph to FP16 ({type(exc).__name__}: "
+                         f"{str(exc)[:300]})", hint="drop fp16 from precision.variants (the other variants are "
+                                                    "still built); please report the model to Kiln") from None
     cast_captured_to_fp32(converted, src, fp32_nodes)
     if cfg.keep_io_types:
         rewire_output_readers(converted, fp32_nodes)
         restore_output_types(converted, model)
     converted, removed = remove_cast_chains(converted)
-    converted = infer_shapes(converted)
     try:
+        converted = infer_shapes(converted)
         check_onnx(converted, "FP16 model")
     except ModelError as exc:  # the export is fine (it passed the checker): re-exporting would not help
         raise ModelError(exc.message, hint="keep the node it names in FP32 (precision.fp16.fp32_nodes) or drop fp16 "

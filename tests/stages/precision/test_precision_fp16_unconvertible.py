@@ -129,3 +129,16 @@ def test_control_flow_stays_fp32_and_reads_fp32_outer_tensors() -> None:
     assert types["mm"] == types["head"] == F16
     x = inputs(64)
     np.testing.assert_allclose(run_batched(converted, x)[0], run_batched(model, x)[0], atol=2e-2, rtol=2e-2)
+
+
+def test_a_graph_the_converter_refuses_is_a_model_error() -> None:
+    # An FP16 input makes onnxconverter-common raise a plain ValueError ("already converted"): the stage only
+    # isolates a failing variant when the failure is a KilnError, so it must become one.
+    from kiln.core.errors import ModelError
+
+    nodes = [helper.make_node("Cast", ["input"], ["x32"], to=F32, name="to32"),
+             helper.make_node("MatMul", ["x32", "w"], ["logits"], name="mm")]
+    model = make_model(nodes, {"w": rng_weights(16, 10)}, in_type=F16)
+    with pytest.raises(ModelError, match="already converted") as err:
+        convert_fp16(model, set(), FP16Config())
+    assert "other variants are still built" in err.value.hint
