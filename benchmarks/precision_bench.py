@@ -33,13 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.calibration.config import CalibrationConfig  # noqa: E402
+from kiln.calibration.quantize import quantizable_op_types  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 from kiln.stages.precision.compare import output_metrics  # noqa: E402
 from kiln.stages.precision.config import FallbackConfig, FP16Config  # noqa: E402
 from kiln.stages.precision.fp16 import convert_fp16  # noqa: E402
 from kiln.stages.precision.fp16_select import select_fp32_nodes  # noqa: E402
-from kiln.stages.precision.variants import Source, build_int8, build_ort_cpu_int8  # noqa: E402
+from kiln.stages.precision.variants import Source, build_int8, ort_cpu_with_fallback  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -147,8 +148,13 @@ def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict
     chosen = entry["ort_cpu"]["scheme"]
     paths = {"int8": work / row / "int8.onnx", f"ort_cpu_{chosen}": work / row / "model.ort_cpu.onnx"}
     other = "static" if chosen == "dynamic" else "dynamic"
-    build_ort_cpu_int8(src, work / row / f"ort_cpu_{other}.onnx", ccfg.model_copy(update={"ort_cpu_scheme": other}),
-                       set(entry["kept_fp32"]))
+    # The other scheme as Kiln would build it: from the Q/DQ graph's float nodes, through its own fallback.
+    ops = set(quantizable_op_types(ccfg))
+    other_entry = ort_cpu_with_fallback(src, work / row / f"ort_cpu_{other}.onnx",
+                                        ccfg.model_copy(update={"ort_cpu_scheme": other}),
+                                        FallbackConfig(min_top1_agreement=0.99), x_val, entry["reasons"],
+                                        {n.name for n in src.model.graph.node if n.op_type in ops})
+    built = {"int8": entry, f"ort_cpu_{chosen}": entry["ort_cpu"], f"ort_cpu_{other}": other_entry}
     paths[f"ort_cpu_{other}"] = work / row / f"ort_cpu_{other}.onnx"
     sessions = {"fp32": session(src.path, 2, ["CPUExecutionProvider"])}
     sessions |= {k: session(p, 2, ["CPUExecutionProvider"]) for k, p in paths.items()}
@@ -165,8 +171,8 @@ def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict
         delta = 100 * (acc[flavour] - acc["fp32"])
         res["variants"][flavour] = {
             "accuracy": acc[flavour], "accuracy_delta_points": delta, "top1_agreement": agree["top1_agreement"],
-            "cosine": agree["cosine"], "speedup": ratio, "kept_fp32": entry["kept_fp32"],
-            "fallback_rounds": len(entry["fallback"]["rounds"]) - 1, "kiln_ort_cpu_engine": flavour == res["kiln_ort_cpu"],
+            "cosine": agree["cosine"], "speedup": ratio, "kept_fp32": built[flavour]["kept_fp32"],
+            "fallback_rounds": len(built[flavour]["fallback"]["rounds"]) - 1, "kiln_ort_cpu_engine": flavour == res["kiln_ort_cpu"],
             "targets_met": {"speedup>=1.5": ratio >= 1.5, "agreement>=0.99": agree["top1_agreement"] >= 0.99,
                             "accuracy_within_1pt": abs(delta) <= 1.0}}
         say(f"{row} {flavour}: fp32 {lat['fp32']['p50_ms']:.3f} ms, {lat[flavour]['p50_ms']:.3f} ms ({ratio:.2f}x), "

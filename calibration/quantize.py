@@ -11,6 +11,7 @@ from typing import Any
 import onnx
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method
+from kiln.core.errors import ModelError
 
 log = logging.getLogger("kiln.calibration")
 
@@ -50,21 +51,26 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
         raise RuntimeError("onnxruntime >= 1.32 is needed to quantize from cached calibration ranges")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
-    quantize_static(
-        str(model_path), str(out_path), None,
-        quant_format=QuantFormat.QDQ,
-        op_types_to_quantize=quantizable_op_types(cfg),
-        per_channel=cfg.per_channel,
-        # TensorRT takes only symmetric signed INT8; ORT's x86 kernels are fastest with uint8 activations
-        activation_type=QuantType.QUInt8 if cfg.activation_type == "uint8" else QuantType.QInt8,
-        weight_type=QuantType.QInt8,
-        nodes_to_exclude=exclude,
-        calibrate_method=_ort_method(ranges.method),
-        use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
-        extra_options={"ActivationSymmetric": cfg.symmetric_activations, "WeightSymmetric": True,
-                       "QuantizeBias": cfg.quantize_bias},
-        **kw,
-    )
+    try:
+        quantize_static(
+            str(model_path), str(out_path), None,
+            quant_format=QuantFormat.QDQ,
+            op_types_to_quantize=quantizable_op_types(cfg),
+            per_channel=cfg.per_channel,
+            # TensorRT takes only symmetric signed INT8; ORT's x86 kernels are fastest with uint8 activations
+            activation_type=QuantType.QUInt8 if cfg.activation_type == "uint8" else QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            nodes_to_exclude=exclude,
+            calibrate_method=_ort_method(ranges.method),
+            use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+            extra_options={"ActivationSymmetric": cfg.symmetric_activations, "WeightSymmetric": True,
+                           "QuantizeBias": cfg.quantize_bias},
+            **kw,
+        )
+    except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
+        raise ModelError(f"onnxruntime.quantization.quantize_static failed ({type(exc).__name__}: {str(exc)[:300]})",
+                         hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
+                              "precision.variants (the other variants are still built)") from None
     q = onnx.load(str(out_path), load_external_data=False)
     counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
     log.info("int8: %d Q / %d DQ nodes, %d nodes kept in float", counts["QuantizeLinear"],
@@ -102,14 +108,19 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
     exclude |= {f"{g}_MatMul" for g in gemms if g in exclude or "Gemm" not in ops}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
-    quantize_dynamic(
-        str(model_path), str(out_path),
-        op_types_to_quantize=["MatMul"],  # never empty: ORT reads an empty list as "every op it can"
-        per_channel=cfg.per_channel,
-        weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
-        nodes_to_exclude=sorted(exclude),
-        use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
-    )
+    try:
+        quantize_dynamic(
+            str(model_path), str(out_path),
+            op_types_to_quantize=["MatMul"],  # never empty: ORT reads an empty list as "every op it can"
+            per_channel=cfg.per_channel,
+            weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
+            nodes_to_exclude=sorted(exclude),
+            use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+        )
+    except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
+        raise ModelError(f"onnxruntime.quantization.quantize_dynamic failed ({type(exc).__name__}: {str(exc)[:300]})",
+                         hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
+                              "precision.variants (the other variants are still built)") from None
     q = onnx.load(str(out_path), load_external_data=False)
     integer = sum(n.op_type == "MatMulInteger" for n in q.graph.node)
     if integer == 0:

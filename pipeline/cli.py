@@ -9,8 +9,8 @@ from typing import Any
 import click
 import yaml
 from kiln.api import run_pipeline
-from kiln.config import KilnConfig, load_config
-from kiln.core.errors import GateFailure, KilnError
+from kiln.config import KilnConfig, load_config, set_value
+from kiln.core.errors import ConfigError, GateFailure, KilnError
 from kiln.core.progress import RichProgress, SilentProgress
 from kiln.loadtest import loadtest as run_loadtest
 from kiln.loadtest import render_markdown
@@ -65,10 +65,9 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
         if not sep:
             raise click.BadParameter(f"'{item}' is not KEY=VALUE", param_hint="--set")
         try:
-            out[key] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            raise click.BadParameter(f"'{item}': the value is not valid YAML ({exc.problem})",
-                                     param_hint="--set") from None
+            out[key] = set_value(key, value)  # typed by the config schema, not by YAML's guesses
+        except ConfigError as exc:
+            raise click.BadParameter(f"'{item}': {exc.message.partition(': ')[2]}", param_hint="--set") from None
     return out
 
 
@@ -138,6 +137,16 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
             if e.status != "validated":
                 console.print(f"[yellow]{escape(e.name)}[/]: built, not validated here: {escape(e.reason or '')}",
                               soft_wrap=True)
+        dropped = {e.name for e in v.engines if e.dropped}
+        for r in v.speed_vs_fp32:
+            if r["slower"]:
+                x = r["vs_fp32"][r["largest_batch"]]
+                console.print(f"[yellow]{escape(r['engine'])}[/]: slower than FP32 at batch {r['largest_batch']} "
+                              f"({x:.2f}x){', not packaged (precision.require_speedup)' if r['engine'] in dropped else ''}")
+    precision = report.get("stages", {}).get("precision", {}).get("summary", {})
+    for name, why in precision.get("failed", {}).items():
+        console.print(f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
+                      soft_wrap=True)
     console.print(f"report: {workdir / 'report.md'}")
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import tomllib
 import yaml
@@ -26,7 +27,7 @@ from pydantic import Field, ValidationError
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 # The sections live with the stages that read them; importable from here too.
-__all__ = ["KilnConfig", "load_config", "config_from_dict", "DEMO_CONFIG", "PRECISIONS", "ModelConfig", "DataConfig",
+__all__ = ["KilnConfig", "load_config", "config_from_dict", "set_value", "DEMO_CONFIG", "PRECISIONS", "ModelConfig", "DataConfig",
            "TrainConfig", "ExportConfig", "OptimizeConfig", "PrecisionConfig", "CalibrationConfig", "BuildConfig",
            "ValidateConfig", "GatesConfig", "PackageConfig"]
 
@@ -136,6 +137,55 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             raise ConfigError(f"cannot set '{dotted}': '{prefix}' is a value ({node!r}), not a section",
                               hint=f"use --set {prefix}=VALUE, or see `kiln config` for the keys under each section")
     node[leaf] = value
+
+
+def set_value(dotted: str, text: str) -> Any:
+    """The value of ``--set dotted=text``, read as the schema's type for that key wants: a key that takes only
+    text (a str, or a Literal of strings such as on/off) gets ``text`` as written, since YAML would turn
+    ``off`` into False and ``1.10`` into 1.1; a list of such text is read as YAML with every item kept as
+    text (``[a, off]``); every other key (numbers, bools, free-form params) gets ``text`` parsed as YAML.
+    ``null``/``~`` still mean None where the key accepts None."""
+    annotation = _annotation_at(dotted.split("."))
+    if annotation is not None and _takes_text_only(annotation):
+        return None if text in ("null", "~") and _accepts_none(annotation) else text
+    text_items = annotation is not None and get_origin(annotation) is list and _takes_text_only(get_args(annotation)[0])
+    try:
+        return yaml.load(text, Loader=yaml.BaseLoader) if text_items else yaml.safe_load(text)  # noqa: S506
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
+                          hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]") from None
+
+
+def _annotation_at(path: list[str]) -> Any:
+    """The declared type of a dotted key, through sections and dict values; None where the schema does not say."""
+    annotation: Any = KilnConfig
+    for part in path:
+        if isinstance(annotation, type) and issubclass(annotation, Section):
+            fields = {(f.alias or n): f for n, f in annotation.model_fields.items()} | annotation.model_fields
+            if part not in fields:
+                return None
+            annotation = fields[part].annotation
+        elif get_origin(annotation) is dict:
+            annotation = get_args(annotation)[1]
+        else:
+            return None
+    return annotation
+
+
+def _members(annotation: Any) -> list[Any]:
+    if get_origin(annotation) in (Union, UnionType):
+        return [m for a in get_args(annotation) for m in _members(a)]
+    return [annotation]
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return type(None) in _members(annotation)
+
+
+def _takes_text_only(annotation: Any) -> bool:
+    kinds = [m for m in _members(annotation) if m is not type(None)]
+    return bool(kinds) and all(m is str or (get_origin(m) is Literal and all(isinstance(v, str) for v in get_args(m)))
+                               for m in kinds)
 
 
 def _check_files(config: KilnConfig, base: Path) -> None:

@@ -52,8 +52,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for engine_dir in engine_dirs(ctx.inputs["build"]):
         meta = read_metadata(engine_dir)
         result = results.get(meta.name)
-        if result is None or result.passed is not True:
-            continue  # only engines proven against PyTorch are served
+        if result is None or result.passed is not True or result.dropped:
+            continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
         record: dict[str, Any] = {"engine": meta.name, "validation": result.model_dump(

@@ -42,9 +42,10 @@ def check_onnx(model: onnx.ModelProto | str | Path, what: str = "model") -> None
 def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto:
     """ONNX shape inference (types checked, data propagated) on a copy whose big initializers carry dims but no
     data: fast, and it works for models over the 2 GB protobuf limit. Returns ``model`` with its value_info
-    replaced (stale recorded shapes never survive). ``strict``: a failure is a :class:`ModelError`; else (graph
-    passes, for which shapes are a help, not a gate) a warning, and ``model`` comes back unchanged."""
-    light = _without_initializers(model)  # and without recorded value_info: stale shapes must not survive
+    replaced. ``strict`` (a gate: export, precision): recorded shapes and types are checked against what inference
+    finds, and a failure is a :class:`ModelError`. Not strict (graph passes, for which shapes are a help): recorded
+    shapes are dropped first (a pass may have made them stale), and a failure is a warning with ``model`` unchanged."""
+    light = _without_initializers(model, keep_value_info=strict)
     for init in model.graph.initializer:
         t = light.graph.initializer.add()
         if init.ByteSize() <= _STRIP_BYTES:
@@ -70,11 +71,11 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
     return model
 
 
-def _without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+def _without_initializers(model: onnx.ModelProto, keep_value_info: bool) -> onnx.ModelProto:
     """A copy of ``model`` without its initializers, built field by field so the weights are never copied."""
     shell = onnx.ModelProto()
     _copy_fields(model, shell, skip=("graph",))
-    _copy_fields(model.graph, shell.graph, skip=("initializer", "value_info"))
+    _copy_fields(model.graph, shell.graph, skip=("initializer",) if keep_value_info else ("initializer", "value_info"))
     return shell
 
 

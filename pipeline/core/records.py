@@ -121,7 +121,7 @@ class PrecisionVariant(Part):
     kept_fp32: list[str] = Field(default_factory=list)
     reasons: dict[str, str] = Field(default_factory=dict)  # node -> why it stayed FP32
     backend_paths: dict[str, str] = Field(default_factory=dict)
-    vs_fp32: dict[str, float] | None = None  # comparator statistics against the FP32 graph
+    vs_fp32: dict[str, float | None] | None = None  # comparator statistics against the FP32 graph
     fallback_passed: bool = True
     report: dict[str, Any] = Field(default_factory=dict)
 
@@ -165,6 +165,7 @@ class EngineValidation(Part):
     latency_ms: dict[str, Percentiles] = Field(default_factory=dict)
     speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)
     failures: list[str] = Field(default_factory=list)
+    dropped: str | None = None  # why a validated engine is not packaged (precision.require_speedup)
 
 
 class ValidationResult(Record):
@@ -174,3 +175,5 @@ class ValidationResult(Record):
     baseline: Baseline
     engines: list[EngineValidation]
     failures: list[str]
+    speed_vs_fp32: list[dict[str, Any]] = Field(default_factory=list)  # kiln.stages.precision.speed's rows
+    dropped: list[str] = Field(default_factory=list)

@@ -87,8 +87,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 src, keep = backend.source_for(device, precision, variants, cfg)
                 name = backend.engine_name(device, precision)
                 try:
-                    meta = build_engine(root / src, ctx.out / name, backend.name, device, precision, cfg,
-                                        ctx.cache_dir, ctx.progress, max_batch=max_batch, keep_fp32=keep)
+                    meta = _build_with_fallback(root, src, keep, variants[precision].path, name, backend.name,
+                                                device, precision, ctx, max_batch)
                 except BuildError as exc:
                     if not backend.optional(cfg):
                         raise
@@ -98,6 +98,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 engines.append(meta.model_dump(include={"name", "backend", "device", "precision", "build_seconds",
                                                         "size_bytes"}))
     return {"engines": engines, "skipped": skipped}
+
+
+def _build_with_fallback(root: Path, src: str, keep: list[str] | None, own_graph: str, name: str, backend: str,
+                         device: str, precision: str, ctx: StageContext, max_batch: int) -> EngineMetadata:
+    """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
+    convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
+    converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
+    cfg = ctx.config.build
+    try:
+        return build_engine(root / src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir, ctx.progress,
+                            max_batch=max_batch, keep_fp32=keep)
+    except BuildError as exc:
+        if keep is None:
+            raise
+        ctx.log.warning("%s: %s; building it from the precision stage's %s graph instead", name, exc.message, precision)
+        return build_engine(root / own_graph, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir,
+                            ctx.progress, max_batch=max_batch)
 
 
 def build_direct(src: Path, out: Path, backend: str, device: str, precision: str, cfg: BuildConfig) -> EngineMetadata:

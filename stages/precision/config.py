@@ -43,3 +43,7 @@ class PrecisionConfig(Section):
                                       description="graph precisions to build")
     fp16: FP16Config = Field(default_factory=FP16Config)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+    require_speedup: bool = Field(False, description="drop (do not package) an INT8/FP16 engine slower than the "
+                                                     "FP32 engine of its backend at the largest batch; else flag it")
+    node_errors: bool = Field(True, description="plot each variant's per-node error vs FP32 along the graph "
+                                                "(precision/node_errors.png) and name the first diverging node")

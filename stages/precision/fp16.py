@@ -3,13 +3,15 @@ the fixes it lacks (shared initializers, kept output types, Cast chains), checke
 from __future__ import annotations
 
 import logging
+import re
 
+import numpy as np
 import onnx
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import check_onnx, infer_shapes
 from kiln.stages.precision.casts import FLOAT_ONNX, cast_chains, remove_cast_chains
 from kiln.stages.precision.config import FP16Config
-from onnx import helper
+from onnx import helper, numpy_helper
 
 log = logging.getLogger("kiln.precision")
 
@@ -132,29 +134,139 @@ def _cast_to(node: onnx.NodeProto) -> int | None:
     return next((a.i for a in node.attribute if a.name == "to"), None)
 
 
+# Each round keeps one more node the converter broke in FP32; a graph needing more has a pattern to report.
+MAX_UNCONVERTIBLE = 32
+CHECKER_FAILS = ("FP16 model fails the ONNX checker", "ONNX shape inference failed")  # messages naming a node
+_CHECKER_NODE = re.compile(r"node name: ([^)]+)\)")
+
+
+def constants_as_tensors(graph: onnx.GraphProto) -> int:
+    """Rewrite ``Constant(value_float=...)`` / ``Constant(value_floats=[...])`` as ``Constant(value=tensor)``,
+    in subgraphs too. onnxconverter-common converts tensor attributes but not these float lists, yet types
+    their output FP16: the checker then refuses the graph (the dynamo exporter writes such constants, e.g.
+    in ``nn.EmbeddingBag``). The same values as a tensor attribute convert like any other."""
+    changed = 0
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                changed += constants_as_tensors(sub)
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        for attr in list(node.attribute):
+            if attr.name in ("value_float", "value_floats"):
+                value = np.float32(attr.f) if attr.name == "value_float" else np.asarray(attr.floats, np.float32)
+                node.attribute.remove(attr)
+                node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.asarray(value))))
+                changed += 1
+    return changed
+
+
 def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) -> tuple[onnx.ModelProto, dict]:
-    """The FP16 graph with ``fp32_nodes`` (plus the converter's own block list) left in FP32."""
+    """The FP16 graph with ``fp32_nodes`` (plus the converter's own block list) left in FP32.
+
+    A node whose conversion the ONNX checker refuses (a converter pattern not fixed above) stays FP32 too,
+    one per round: ``stats["unconvertible"]`` says which, with the checker's reason."""
+    unconvertible: dict[str, str] = {}
+    names = {n.name for n in model.graph.node}
+    while True:
+        try:
+            converted, stats = _convert_once(model, fp32_nodes | set(unconvertible), cfg)
+            return converted, {**stats, "unconvertible": unconvertible}
+        except ModelError as exc:
+            found = _CHECKER_NODE.search(exc.message) if exc.message.startswith(CHECKER_FAILS) else None
+            node = found.group(1) if found else None
+            if node not in names or node in unconvertible or node in fp32_nodes:
+                raise  # not a node the checker names, or keeping it FP32 did not help: the user must decide
+            if len(unconvertible) >= MAX_UNCONVERTIBLE:
+                raise ModelError(f"{exc.message} (after keeping {len(unconvertible)} unconvertible nodes in FP32)",
+                                 hint=exc.hint) from None
+            log.warning("fp16: node %s does not convert (%s); keeping it FP32", node, exc.message)
+            unconvertible[node] = f"FP16 conversion makes an invalid graph here; kept FP32 ({exc.message})"
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+
+
+def _captured(graph: onnx.GraphProto) -> set[str]:
+    """Outer-scope tensors a subgraph (or its own subgraphs) reads by name, not through its inputs."""
+    known = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    need: set[str] = set()
+    for n in graph.node:
+        for sub in _subgraphs(n):
+            need |= _captured(sub) - known
+        need |= {i for i in n.input if i and i not in known}
+        known |= set(n.output)
+    return need
+
+
+def _rename_inputs(graph: onnx.GraphProto, old: str, new: str) -> None:
+    for n in graph.node:
+        for i, name in enumerate(n.input):
+            if name == old:
+                n.input[i] = new
+        for sub in _subgraphs(n):
+            if old not in {i.name for i in sub.input} | {o for m in sub.node for o in m.output}:
+                _rename_inputs(sub, old, new)
+
+
+def cast_captured_to_fp32(converted: onnx.ModelProto, original: onnx.ModelProto, fp32_nodes: set[str]) -> int:
+    """A Loop/If/Scan kept FP32 reads outer tensors by name inside its body, which the converter does not see:
+    it may make them FP16 while the FP32 body expects FP32. Give each such FP32-in-the-original tensor a Cast
+    to FP32 of its own and let the body read that (a Cast of an FP32 tensor is dropped by the cast clean-up).
+    Done by hand: onnxconverter-common only casts a blocked node's listed inputs."""
+    types = {v.name: v.type.tensor_type.elem_type for v in [*original.graph.value_info, *original.graph.input]}
+    types |= {i.name: i.data_type for i in original.graph.initializer}
+    added = 0
+    for pos, node in reversed(list(enumerate(converted.graph.node))):
+        if node.name not in fp32_nodes or not _subgraphs(node):
+            continue
+        for name in sorted(set().union(*(_captured(g) for g in _subgraphs(node)))):
+            if types.get(name) != onnx.TensorProto.FLOAT:
+                continue
+            copy = f"{name}__fp32_for_{node.name}"
+            for sub in _subgraphs(node):
+                _rename_inputs(sub, name, copy)
+            converted.graph.node.insert(pos, helper.make_node("Cast", [name], [copy], name=f"{copy}__cast",
+                                                              to=onnx.TensorProto.FLOAT))
+            added += 1
+    return added
+
+
+def _convert_once(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) -> tuple[onnx.ModelProto, dict]:
     from onnxconverter_common import float16
 
     src = onnx.ModelProto()
     src.CopyFrom(model)
+    constants_as_tensors(src.graph)
     shared = split_shared_initializers(src, fp32_nodes)
     io = {v.name for v in [*src.graph.input, *src.graph.output]}
     kept_info = [v for v in src.graph.value_info if v.name not in io]  # a graph I/O also listed there would be
     del src.graph.value_info[:]                                          # retyped FP16 behind keep_io_types' back
     src.graph.value_info.extend(kept_info)
-    converted = float16.convert_float_to_float16(
-        src, keep_io_types=cfg.keep_io_types,
-        # Clamp only at FP16's real limits: the range check already kept nodes whose weights do not fit.
-        min_positive_val=2.0**-24, max_finite_val=65504.0,
-        op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST),
-        node_block_list=sorted(fp32_nodes | casts_from_non_float(src)))
+    try:
+        converted = float16.convert_float_to_float16(
+            src, keep_io_types=cfg.keep_io_types,
+            # Clamp only at FP16's real limits: the range check already kept nodes whose weights do not fit.
+            min_positive_val=2.0**-24, max_finite_val=65504.0,
+            op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST),
+            node_block_list=sorted(fp32_nodes | casts_from_non_float(src)))
+    except Exception as exc:  # the converter raises plain exceptions on graphs it cannot handle: a user's model
+        raise ModelError(f"onnxconverter-common cannot convert the graph to FP16 ({type(exc).__name__}: "
+                         f"{str(exc)[:300]})", hint="drop fp16 from precision.variants (the other variants are "
+                                                    "still built); please report the model to Kiln") from None
+    cast_captured_to_fp32(converted, src, fp32_nodes)
     if cfg.keep_io_types:
         rewire_output_readers(converted, fp32_nodes)
         restore_output_types(converted, model)
     converted, removed = remove_cast_chains(converted)
-    converted = infer_shapes(converted)
-    check_onnx(converted, "FP16 model")
+    try:
+        converted = infer_shapes(converted)
+        check_onnx(converted, "FP16 model")
+    except ModelError as exc:  # the export is fine (it passed the checker): re-exporting would not help
+        raise ModelError(exc.message, hint="keep the node it names in FP32 (precision.fp16.fp32_nodes) or drop fp16 "
+                                           "from precision.variants (the other variants are still built); please "
+                                           "report the model to Kiln") from None
     left = cast_chains(converted)
     if left:  # the pass above guarantees none; a survivor means a new converter pattern
         raise ModelError(f"FP16 graph still has Cast chains: {left[:3]}", hint="report the model to Kiln")

@@ -30,6 +30,8 @@ def select_fp32_nodes(model: onnx.ModelProto, cfg: FP16Config,
             keep.setdefault(n.name, f"{n.op_type} is precision-sensitive (fp16.fp32_ops)")
         if n.name in cfg.fp32_nodes:
             keep.setdefault(n.name, "listed in fp16.fp32_nodes")
+    for name, reason in unconvertible_ops(model).items():
+        keep.setdefault(name, reason)
     if cfg.decomposed_layernorm:
         for name in decomposed_layernorm_nodes(model):
             keep.setdefault(name, "part of a LayerNorm written as elementwise ops")
@@ -41,6 +43,19 @@ def select_fp32_nodes(model: onnx.ModelProto, cfg: FP16Config,
         for name, reason in activation_range_violations(model, activation_amax or {}, cfg.range_limit).items():
             keep.setdefault(name, reason)
     return keep
+
+
+def unconvertible_ops(model: onnx.ModelProto) -> dict[str, str]:
+    """Control flow and sequences stay FP32: onnxconverter-common retypes tensors inside subgraphs without
+    their outer readers and writers, and never retypes sequence types or SequenceEmpty's dtype, so converting
+    them yields an invalid graph (an nn.EmbeddingBag export has a Loop over sequences)."""
+    out: dict[str, str] = {}
+    for n in model.graph.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            out[n.name] = f"{n.op_type} has subgraphs (control flow), which FP16 conversion does not support"
+        elif n.op_type.startswith("Sequence") or n.op_type in ("ConcatFromSequence", "SplitToSequence"):
+            out[n.name] = f"{n.op_type} works on sequences, which FP16 conversion does not support"
+    return out
 
 
 def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:

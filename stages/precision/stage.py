@@ -1,12 +1,13 @@
 """Pipeline entry of the precision stage: one graph per configured precision, listed in variants.json.
 
-variants.json is a :class:`kiln.core.records.Variants`: per precision its graph (``path``, or a graph made for one
-engine kind in ``backend_paths``), the nodes kept FP32 and why, its agreement with FP32, and the stage's own
-diagnostics (``report``).
+variants.json is a :class:`kiln.core.records.Variants` record; before typing, each entry reads
+``{variant: {"path": "<variant>/model.onnx", "kept_fp32": [...], "reasons": {node: why},
+"vs_fp32": {...}, "fallback": {...}, ...}}``; the build stage reads ``path``, the report the rest.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,20 @@ import kiln.stages.precision
 import numpy as np
 from kiln.calibration.data import calibration_batches
 from kiln.core.env import environment_subset
+from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import load_onnx
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import Stage, StageContext
-from kiln.core.text import fmt
+from kiln.stages.precision.emulate import emulate_fp16
+from kiln.stages.precision.node_errors import (
+    DIVERGENCE,
+    first_divergence,
+    graph_order,
+    node_error_curves,
+    plot_node_errors,
+)
+from kiln.stages.precision.provenance import torch_modules
+from kiln.stages.precision.report import report_section
 from kiln.stages.precision.variants import Source, build_fp16, build_int8
 
 
@@ -31,6 +42,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     batches = calibration_batches(data, ccfg, ctx.config.seed) if needs_data else []
     x_val = data.val_x[:cfg.fallback.samples].numpy()
     variants: dict[str, Any] = {}
+    failed: dict[str, str] = {}  # variant -> why it could not be built (listed in the report, not built)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
@@ -41,21 +53,87 @@ def run(ctx: StageContext) -> dict[str, Any]:
         with ctx.progress.task("precision variants", total=len(wanted)) as bar:
             for precision in wanted:
                 out = ctx.out / precision / "model.onnx"
-                if precision == "fp32":
-                    variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
-                elif precision == "fp16":
-                    variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
+                try:
+                    if precision == "fp32":
+                        variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
+                    elif precision == "fp16":
+                        variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
+                    else:
+                        variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+                except KilnError as exc:  # one variant's failure must not take the others with it
+                    failed[precision] = exc.message + (f" (fix: {exc.hint})" if exc.hint else "")
+                    ctx.log.error("precision variant %s failed, the others go on: %s", precision, failed[precision])
+                    shutil.rmtree(ctx.out / precision, ignore_errors=True)
                 else:
-                    variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+                    _log_variant(ctx, precision, variants[precision])
                 bar.advance(1, note=precision)
-                _log_variant(ctx, precision, variants[precision])
-    records = {name: _record(entry) for name, entry in variants.items()}
-    Variants(variants=records).write(ctx.out / "variants.json")
-    summary = {v: {"kept_fp32": len(e.kept_fp32), "kept_fp32_nodes": e.reasons, **(e.vs_fp32 or {}),
-                   "fallback_passed": e.fallback_passed,
-                   **({"ort_cpu_scheme": e.report["ort_cpu"]["scheme"]} if "ort_cpu" in e.report else {})}
-               for v, e in records.items()}
-    return {"variants": summary, "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+        modules = torch_modules(src.model, *_export_graph(ctx))
+        node_report = _node_error_report(ctx, src, variants, x_val, modules) \
+            if cfg.node_errors and set(variants) - {"fp32"} else {}
+    if not variants:
+        raise ModelError("no precision variant could be built: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
+                         hint="add fp32 to precision.variants, or fix the first error above")
+    for e in variants.values():  # which PyTorch module each kept node came from, beside its ONNX name
+        e["kept_fp32_modules"] = _modules_of(e["kept_fp32"], modules)
+        if "ort_cpu" in e:
+            e["ort_cpu"]["kept_fp32_modules"] = _modules_of(e["ort_cpu"]["kept_fp32"], modules)
+    Variants(variants={name: _record(entry) for name, entry in variants.items()}).write(ctx.out / "variants.json")
+    summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"],
+                   "kept_fp32_modules": e["kept_fp32_modules"], **(e.get("vs_fp32") or {}),
+                   "fallback_passed": e.get("fallback", {}).get("passed", True),
+                   **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {})}
+               for v, e in variants.items()}
+    return {"variants": summary, "failed": failed, **node_report,
+            "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+
+
+def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
+    """The ORT CPU graph's own accuracy check: ORT CPU engines run it, not the Q/DQ graph."""
+    return {"ort_cpu_scheme": ort["scheme"], "ort_cpu_top1_agreement": ort["vs_fp32"]["top1_agreement"],
+            "ort_cpu_kept_fp32": len(ort["kept_fp32"]), "ort_cpu_fallback_passed": ort["fallback"]["passed"],
+            "ort_cpu_kept_fp32_nodes": ort["reasons"], "ort_cpu_kept_fp32_modules": ort["kept_fp32_modules"]}
+
+
+def _modules_of(nodes: list[str], modules: dict[str, str]) -> dict[str, str]:
+    return {n: modules[n] for n in nodes if n in modules}
+
+
+def _export_graph(ctx: StageContext) -> list[Any]:
+    """The exported graph, for node metadata only: graph passes (onnx-graphsurgeon) drop the metadata that
+    names each node's PyTorch module, while surviving nodes keep their names. Not an input of the stage: it
+    only labels nodes in the report, and the optimized graph it precedes is."""
+    path = ctx.workdir / "export" / "model.onnx"
+    return [load_onnx(path, load_external_data=False)] if path.is_file() else []
+
+
+def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any], x_val: np.ndarray,
+                       modules: dict[str, str]) -> dict[str, Any]:
+    """Per-node error of each reduced-precision graph vs FP32 along the graph: a plot and the first node where
+    each diverges. FP16 is judged on its emulation (ORT's CPU provider hides FP16 rounding, see emulate.py)."""
+    graphs: dict[str, Any] = {}
+    kept: dict[str, set[str]] = {}
+    if "fp16" in variants:
+        graphs["fp16"] = emulate_fp16(src.model, set(variants["fp16"]["kept_fp32"]))
+        kept["fp16"] = set(variants["fp16"]["kept_fp32"])
+    if "int8" in variants:
+        graphs["int8"], kept["int8"] = ctx.out / variants["int8"]["path"], set(variants["int8"]["kept_fp32"])
+        if "ort_cpu" in variants["int8"]:
+            label = "int8 onnxruntime-cpu"
+            graphs[label] = ctx.out / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+            kept[label] = set(variants["int8"]["ort_cpu"]["kept_fp32"])
+    try:
+        order = graph_order(src.model)
+        curves = node_error_curves(src.model, graphs, x_val)
+        plot_node_errors(order, curves, ctx.out / "node_errors.png", kept)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic plot must never cost the variants already built
+        ctx.log.warning("per-node error plot skipped: %s: %s", type(exc).__name__, exc)
+        return {"node_errors_skipped": f"{type(exc).__name__}: {exc}"}
+    first = {}
+    for label, curve in curves.items():
+        hit = first_divergence(order, curve)
+        first[label] = hit and {**hit, "module": modules.get(hit["node"])}
+    return {"node_error_plot": "node_errors.png", "first_divergence": first,
+            "node_error_threshold": DIVERGENCE}
 
 
 def _log_variant(ctx: StageContext, precision: str, entry: dict[str, Any]) -> None:
@@ -63,9 +141,10 @@ def _log_variant(ctx: StageContext, precision: str, entry: dict[str, Any]) -> No
     if vs:
         ctx.log.info("%s: top-1 agreement vs FP32 %.4f, %d nodes kept FP32", precision, vs["top1_agreement"],
                      len(entry["kept_fp32"]))
-    if not entry.get("fallback", {}).get("passed", True):
-        ctx.log.warning("%s misses precision.fallback targets after %d rounds; validation gates decide",
-                        precision, len(entry["fallback"]["rounds"]) - 1)
+    for label, e in ((precision, entry), (f"{precision} (onnxruntime-cpu graph)", entry.get("ort_cpu") or {})):
+        if not e.get("fallback", {}).get("passed", True):
+            ctx.log.warning("%s misses precision.fallback targets after %d rounds; validation gates decide",
+                            label, len(e["fallback"]["rounds"]) - 1)
 
 
 def _record(entry: dict[str, Any]) -> PrecisionVariant:
@@ -80,24 +159,6 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return str(obj)
-
-
-def report_section(summary: dict[str, Any]) -> list[str]:
-    """The precision variants' part of report.md: nodes kept FP32 and agreement with the FP32 graph."""
-    out: list[str] = []
-    variants = summary.get("variants", {})
-    if variants:
-        out += ["", "## Precision variants", "", "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |", "|---|---|---|"]
-        out += [f"| {name} | {v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |" for name, v in variants.items()]
-        for name, v in variants.items():
-            if "ort_cpu_scheme" in v:
-                out += ["", f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
-                            f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`)."]
-        kept = [(name, node, why) for name, v in variants.items() for node, why in v.get("kept_fp32_nodes", {}).items()]
-        if kept:
-            out += ["", "Nodes kept in FP32:", ""] + [f"- {name}: `{node}`: {why}" for name, node, why in kept[:40]]
-            out += [f"- ... and {len(kept) - 40} more (see precision/variants.json)"] if len(kept) > 40 else []
-    return out
 
 
 def _env(cfg: Any) -> dict[str, Any]:

@@ -1,9 +1,16 @@
 """The ``validate:`` config section: batch sizes, timing, and the gates an engine must pass."""
 from __future__ import annotations
 
+from typing import Any
+
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
 from pydantic import Field, PositiveInt, field_validator
+
+
+def _default_per_precision() -> dict[str, dict[str, float]]:
+    return {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
+                                                      "max_accuracy_drop": 0.02}}
 
 
 class GatesConfig(Section):
@@ -15,9 +22,20 @@ class GatesConfig(Section):
     max_latency_p50_ms: float | None = Field(None, description="latency budget at the largest batch size")
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
     per_precision: dict[str, dict[str, float]] = Field(
-        default_factory=lambda: {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
-                                                                          "max_accuracy_drop": 0.02}},
-        description="overrides of the gates above per precision")
+        default_factory=lambda: _default_per_precision(),
+        description="overrides of the gates above per precision, merged into these defaults gate by gate")
+
+    @field_validator("per_precision", mode="before")
+    @classmethod
+    def _merge_with_defaults(cls, value: Any) -> Any:
+        # Relaxing one gate must not drop the other defaults (which would tighten them to the FP32 gates).
+        if not isinstance(value, dict):
+            return value  # pydantic reports the type error
+        merged: dict[str, Any] = _default_per_precision()
+        for precision, overrides in value.items():
+            both = isinstance(overrides, dict) and isinstance(merged.get(precision), dict)
+            merged[precision] = {**merged[precision], **overrides} if both else overrides
+        return merged
 
     @field_validator("per_precision")
     @classmethod

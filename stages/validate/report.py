@@ -31,4 +31,20 @@ def report_section(summary: dict[str, Any]) -> list[str]:
                      f"{fmt(e.accuracy)} | {lat} | {e.speedup_vs_baseline[sizes[-1]]:.2f} |")
     if v.failures:
         lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v.failures]
-    return lines
+    return lines + _speed_table(v)
+
+
+def _speed_table(v: ValidationResult) -> list[str]:
+    """INT8/FP16 p50 speedup over the FP32 (and FP16) engine of the same backend and device, per batch size."""
+    if not v.speed_vs_fp32:
+        return []
+    engines = {e.name: e for e in v.engines}
+    out = ["", "### Reduced precision vs FP32, same backend and device", "",
+           "| engine | vs FP32 (p50 speedup per batch) | INT8 vs FP16 | verdict |", "|---|---|---|---|"]
+    for r in v.speed_vs_fp32:
+        ratios = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r["vs_fp32"].items())
+        fp16 = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r.get("vs_fp16", {}).items()) or "-"
+        dropped = engines[r["engine"]].dropped if r["engine"] in engines else None
+        verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else "faster")
+        out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
+    return out

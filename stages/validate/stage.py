@@ -23,6 +23,8 @@ from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.engines import engine_dirs, read_metadata
 from kiln.stages.engines.registry import load_engine, runnable
+from kiln.stages.precision import speed as precision_speed
+from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.report import report_section
 
@@ -134,7 +136,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
     if not validated:
         failures.append("no engine could be validated on this machine")
-    result = ValidationResult(passed=not failures, baseline=baseline, engines=engines, failures=failures)
+    speed = speed_vs_fp32(engines)  # reduced precision that is not faster than FP32: flagged, or dropped
+    dropped = drop_slower(engines, speed) if ctx.config.precision.require_speedup else []
+    for row in speed:
+        if row["slower"]:
+            ctx.log.warning("%s is slower than FP32 at batch %s (%.2fx)%s", row["engine"], row["largest_batch"],
+                            row["vs_fp32"][row["largest_batch"]], ": dropped" if row["engine"] in dropped else "")
+    result = ValidationResult(passed=not failures, baseline=baseline, engines=engines, failures=failures,
+                              speed_vs_fp32=speed, dropped=dropped)
     result.write(ctx.out / "validation.json")
     for e in engines:
         ctx.log.info("%s: %s", e.name, e.status)
@@ -147,6 +156,6 @@ def _env(cfg: Any) -> dict[str, Any]:
 
 # Engines run through kiln.stages.engines' runners, and the baseline is built from kiln.models: their code is part
 # of the result.
-STAGE = Stage("validate", run, ("train", "build"), ("seed", "model", "data", "validate"),
-              (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io), _env,
+STAGE = Stage("validate", run, ("train", "build"), ("seed", "model", "data", "validate", "precision.require_speedup"),
+              (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io, precision_speed), _env,
               "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset",), report=report_section)

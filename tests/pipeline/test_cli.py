@@ -393,3 +393,10 @@ def test_a_validation_of_other_settings_does_not_judge_this_run(cli: CliRunner, 
     report = json.loads((wd / "report.json").read_text())
     assert report["ok"] and report["stages"]["validate"]["status"] == "stale" and "validation" not in report
     assert report["stages"]["train"]["status"] == "cached"
+
+
+def test_set_off_for_an_on_off_key(cli: CliRunner) -> None:
+    # Before: YAML read `off` as False and the config refused it.
+    result = cli.invoke(main, ["config", "--set", "build.onnxruntime.transformer_fusion=off"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.output)["build"]["onnxruntime"]["transformer_fusion"] == "off"

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from kiln.config import KilnConfig, config_from_dict, load_config
+from kiln.config import KilnConfig, config_from_dict, load_config, set_value
 from kiln.core.errors import ConfigError, InputFileError
 
 
@@ -107,3 +107,30 @@ def test_binary_config_file_is_config_error(tmp_path: Path) -> None:
     p.write_bytes(bytes(range(128, 256)))
     with pytest.raises(ConfigError, match="not a text file"):
         load_config(p)
+
+
+def test_one_per_precision_override_keeps_the_other_defaults() -> None:
+    # Before: the override replaced the whole mapping: fp16's min_cosine and int8's other gates were dropped.
+    cfg = load_config(None, {"validate.gates.per_precision.int8.min_top1_agreement": 0.95})
+    per = cfg.validate_.gates.per_precision
+    assert per["int8"] == {"min_cosine": 0.99, "min_top1_agreement": 0.95, "max_accuracy_drop": 0.02}
+    assert per["fp16"] == {"min_cosine": 0.999}
+    dumped = config_from_dict(cfg.dump())  # `kiln config` output reads back the same
+    assert dumped.validate_.gates.per_precision == per
+
+
+@pytest.mark.parametrize("dotted, text, expected", [
+    ("build.onnxruntime.transformer_fusion", "off", "off"),  # YAML: False
+    ("build.onnxruntime.cuda.prefer_nhwc", "on", "on"),      # YAML: True
+    ("name", "1.10", "1.10"),                                # YAML: 1.1
+    ("calibration.reader", "null", None),
+    ("train.epochs", "3", 3),
+    ("validate.batch_sizes", "[1, 8]", [1, 8]),
+    ("validate.gates.per_precision.int8.min_top1_agreement", "0.95", 0.95),
+    ("model.params", "{dim: 16}", {"dim": 16}),
+    ("calibration.exclude_nodes", "[conv_1, off]", ["conv_1", "off"]),  # YAML: ["conv_1", False]
+    ("build.backends", "[onnxruntime]", ["onnxruntime"]),
+])
+def test_set_values_are_read_by_the_schema_type(dotted: str, text: str, expected: object) -> None:
+    assert set_value(dotted, text) == expected
+    load_config(None, {dotted: set_value(dotted, text)})  # and the config takes it

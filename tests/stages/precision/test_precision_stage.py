@@ -13,6 +13,7 @@ import pytest
 import torch
 from kiln.calibration.ranges import STATS
 from kiln.config import config_from_dict
+from kiln.core.errors import ModelError
 from kiln.core.records import Variants
 from kiln.core.stage import StageContext
 from kiln.models import build_model
@@ -76,3 +77,55 @@ def test_int64_input_model(tmp_path: Path) -> None:
     export_onnx(build_model("mlp_embed", params), torch.randint(0, 17, (2, 64)), folder / "model.onnx")
     variants, _ = _run(tmp_path, folder, **{"model.name": "mlp_embed", "model.params": params})
     assert variants["fp16"].report["fallback"]["passed"] and variants["int8"].report["calibration"]["batches"] > 0
+
+
+def test_a_failing_variant_does_not_take_the_others(tmp_path: Path, exported: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import kiln.stages.precision.stage as stage
+
+    def broken(*args, **kwargs):
+        raise ModelError("FP16 model fails the ONNX checker: planted", hint="planted hint")
+
+    monkeypatch.setattr(stage, "build_fp16", broken)
+    variants, summary = _run(tmp_path, exported)
+    assert set(variants) == {"fp32", "int8"}  # what the build stage reads: only variants that exist
+    assert "planted" in summary["failed"]["fp16"] and "planted hint" in summary["failed"]["fp16"]
+    assert not (tmp_path / "precision" / "fp16").exists()
+    with pytest.raises(ModelError, match="no precision variant"):  # nothing left: the stage fails, clearly
+        _run(tmp_path, exported, "p-only16", **{"precision.variants": ["fp16"]})
+
+
+def test_kept_nodes_name_their_pytorch_module_and_errors_are_plotted(tmp_path: Path, exported: Path) -> None:
+    variants, summary = _run(tmp_path, exported)
+    fp16 = variants["fp16"]
+    modules = fp16.report["kept_fp32_modules"]
+    ln = [n for n, why in fp16.reasons.items() if "LayerNormalization" in why]
+    assert ln and all("LayerNorm" in modules[n] for n in ln)  # e.g. "layers.0.norm1 (LayerNorm)"
+    assert summary["variants"]["fp16"]["kept_fp32_modules"] == modules
+    plot = tmp_path / "precision" / summary["node_error_plot"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+    assert set(summary["first_divergence"]) == {"fp16", "int8", "int8 onnxruntime-cpu"}
+    hit = summary["first_divergence"]["int8"]  # INT8 diverges somewhere; the node exists and has a module
+    assert hit is None or (hit["node"] in {n["name"] for n in _nodes(tmp_path)} and hit["error"] > 0.01)
+
+
+def _nodes(workdir: Path) -> list[dict]:
+    import onnx
+
+    model = onnx.load(str(workdir / "precision" / "fp32" / "model.onnx"))
+    return [{"name": n.name} for n in model.graph.node]
+
+
+def test_modules_come_from_the_export_when_passes_dropped_the_metadata(tmp_path: Path, exported: Path) -> None:
+    import onnx
+
+    stripped = tmp_path / "optimize"  # what onnx-graphsurgeon passes leave: same node names, no metadata
+    stripped.mkdir()
+    model = onnx.load(str(exported / "model.onnx"))
+    for node in model.graph.node:
+        del node.metadata_props[:]
+    onnx.save(model, str(stripped / "model.onnx"))
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "model.onnx").write_bytes((exported / "model.onnx").read_bytes())
+    variants, _ = _run(tmp_path, stripped, **{"precision.variants": ["fp32", "fp16"]})
+    assert any("LayerNorm" in m for m in variants["fp16"].report["kept_fp32_modules"].values())

@@ -1,0 +1,50 @@
+"""An ORT FP16 engine whose graph ONNX Runtime's converter cannot convert (an nn.EmbeddingBag export: a Loop over
+sequences) is built from the precision stage's FP16 graph instead of failing the build stage."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from kiln.calibration.config import CalibrationConfig
+from kiln.config import config_from_dict
+from kiln.core.onnx_io import load_onnx
+from kiln.core.stage import StageContext
+from kiln.stages.engines import stage
+from kiln.stages.engines.engines import read_metadata
+from kiln.stages.export import export_onnx
+from kiln.stages.precision.config import FallbackConfig, FP16Config
+from kiln.stages.precision.variants import Source, build_fp16
+from torch import nn
+
+
+class Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(17, 8, mode="sum")
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bag(x))
+
+
+def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    export_onnx(Bag(), torch.randint(0, 17, (2, 64)), tmp_path / "export.onnx")
+    root = tmp_path / "precision"
+    x = np.random.default_rng(0).integers(0, 17, (64, 64)).astype(np.int64)
+    src = Source.prepare(load_onnx(tmp_path / "export.onnx"), root / "fp32" / "model.onnx", [x[:32]], None)
+    fp16 = build_fp16(src, root / "fp16" / "model.onnx", FP16Config(), FallbackConfig(samples=64), x,
+                      CalibrationConfig(cache=False))
+    variants = {"fp32": {"path": "fp32/model.onnx", "kept_fp32": []}, "fp16": fp16}
+    (root / "variants.json").write_text(json.dumps(variants))
+    cfg = config_from_dict({"build": {"backends": ["onnxruntime"]}, "validate": {"batch_sizes": [1, 8]}})
+    assert cfg.build.onnxruntime.fp16_source == "fp32_graph"  # the default: ORT converts the FP32 graph itself
+    (tmp_path / "out").mkdir()
+    ctx = StageContext("build", cfg, tmp_path, tmp_path / "out", {"precision": root}, log=logging.getLogger("t"))
+    result = stage.run(ctx)  # before: ORT's converter cast a sequence to FP16 and the stage failed
+    assert [e["name"] for e in result["engines"]] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16"]
+    meta16, meta32 = (read_metadata(ctx.out / n) for n in ("onnxruntime-cpu-fp16", "onnxruntime-cpu-fp32"))
+    assert meta16["source"]["sha256"] != meta32["source"]["sha256"]  # built from the precision stage's graph

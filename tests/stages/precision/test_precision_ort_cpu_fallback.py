@@ -1,0 +1,47 @@
+"""The INT8 graph ONNX Runtime CPU engines run (``model.ort_cpu.onnx``) goes through the accuracy fallback itself:
+passing on the symmetric Q/DQ graph says nothing about it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from kiln.calibration.config import CalibrationConfig
+from kiln.stages.precision.compare import output_metrics, run_batched
+from kiln.stages.precision.config import FallbackConfig
+from kiln.stages.precision.variants import Source, build_int8
+from onnx import helper
+from precision_graphs import inputs, make_model, rng_weights
+
+
+def mlp_graph():
+    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["logits"], name="head")]
+    return make_model(nodes, {"w1": rng_weights(16, 32), "w2": rng_weights(32, 10, seed=1)})
+
+
+def outlier_inputs(n: int = 256) -> np.ndarray:
+    """Ordinary samples plus one in 32 with a huge first feature. The Q/DQ graph's calibrated (static) scales
+    clip the outlier and hurt only it; ORT CPU's dynamic quantization measures each batch's range, so one
+    outlier coarsens every sample of its batch."""
+    x = inputs(n, seed=1)
+    x[::32, 0] = 300.0
+    return x
+
+
+def test_ort_cpu_graph_gets_its_own_fallback(tmp_path: Path) -> None:
+    cal = [inputs(32, seed=s) for s in range(4)]
+    src = Source.prepare(mlp_graph(), tmp_path / "fp32" / "model.onnx", cal, None)
+    x = outlier_inputs()
+    target = FallbackConfig(min_top1_agreement=0.9, samples=len(x))
+    entry = build_int8(src, tmp_path / "int8" / "model.onnx", CalibrationConfig(cache=False), target, x)
+    ort = entry["ort_cpu"]
+    assert ort["scheme"] == "dynamic"  # auto: MatMul layers and no convolutions
+    assert entry["fallback"]["rounds"][0]["top1_agreement"] >= 0.9  # the Q/DQ graph passes as it is ...
+    assert ort["fallback"]["rounds"][0]["top1_agreement"] < 0.9  # ... the graph ORT CPU runs does not
+    assert ort["fallback"]["passed"] and ort["fallback"]["nodes"]  # until its own fallback keeps nodes float
+    # What an ORT CPU engine loads agrees with FP32 at the target (before: nothing checked this graph).
+    ref = run_batched(src.model, x)[0]
+    got = run_batched(tmp_path / "int8" / "model.ort_cpu.onnx", x)[0]
+    assert output_metrics(ref, got)["top1_agreement"] >= 0.9
+    assert ort["vs_fp32"]["top1_agreement"] >= 0.9
