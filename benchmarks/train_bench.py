@@ -312,20 +312,20 @@ def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[
     for name, spec in specs(smoke, compile_table=True).items():
         if models is not None and name not in models:
             continue
-        if spec["model"] == "hf_bert" and not has_transformers():
-            notes.append(f"{name}: skipped, transformers does not import (pip install 'kiln[bench]')")
-            continue
+        if spec["model"] == "hf_bert":
+            if not has_transformers():
+                notes.append(f"{name}: skipped, transformers does not import (pip install 'kiln[bench]')")
+                continue
+            import transformers
+
+            attention = fresh_model(name, spec).bert.config._attn_implementation
+            notes.append(f"{name}: transformers {transformers.__version__}, attention implementation {attention}")
         data = make_data(spec, warmup + steps)
         for precision in precisions:
             log.info("%s %s (compile)", name, precision)
             row = measure(name, spec, data, precision, device, warmup, steps, rounds, COMPILE_LOOPS)
             row["dataset_mb"] = round((data.train_x.nbytes + data.train_y.nbytes) / 2**20, 1)
             rows.append(row)
-    if any(spec["model"] == "hf_bert" for name, spec in specs(smoke, True).items() if any(r["model"] == name for r in rows)):
-        import transformers
-
-        notes.append(f"transformers {transformers.__version__}, BERT attention: "
-                     f"{fresh_model('bert_base_hf', specs(smoke, True)['bert_base_hf']).bert.config._attn_implementation}")
     return {"device": device_name(device), "torch": torch.__version__, "smoke": smoke, "tf32": False,
             "timed_steps": steps, "warmup_steps": warmup, "rounds": rounds, "rows": rows, "notes": notes,
             "targets": compile_targets(rows)}
@@ -415,6 +415,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compile:
         models = args.models.split(",") if args.models else None
+        unknown = sorted(set(models or []) - set(specs(True, compile_table=True)))
+        if unknown:
+            ap.error(f"--models: unknown {', '.join(unknown)}; choose from bert_base, bert_base_hf, resnet18")
         res = run_compile(args.smoke, warmup, steps, rounds, models, tuple(args.precisions.split(",")))
         name = "train_compile" + ("_smoke" if args.smoke else "") + ("_" + "_".join(models) if models else "")
         (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
