@@ -54,11 +54,11 @@ def test_compiled_ddp_on_two_gpus_equals_one_compiled_gpu_process(tmp_path: Path
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-def test_compiled_fp16_cuda_graph_modes_train_on_two_gpus(tmp_path: Path, mode: str) -> None:
-    """CUDA-graph modes with fp16 + GradScaler, accumulation, BatchNorm (buffers mutated in the graph) and DDP."""
+def test_compiled_fp16_cuda_graphs_train_on_two_gpus(tmp_path: Path) -> None:
+    """mode reduce-overhead (CUDA graphs) with fp16 + GradScaler, accumulation, BatchNorm (buffers mutated in the
+    graph), evaluation and DDP. max-autotune takes the same path in Kiln (plus kernel autotuning, minutes)."""
     cfg = _config(2, "cnn", precision="fp16", optimizer="adamw", lr=3e-3, epochs=3, batch_size=64,
-                  compile={"mode": mode})
+                  compile={"mode": "reduce-overhead"})
     summary = run_torchrun(cfg, tmp_path, tmp_path / "ck", LOG)
     losses = [e["loss"] for e in summary["epochs"]]
     assert summary["compile"]["compiled"] and summary["compile"]["fallback"] is None, summary["compile"]
