@@ -240,3 +240,19 @@ def test_graph_break_is_counted_or_stops_training_with_fullgraph() -> None:
         train(ItemBranch(), data, train_cfg(epochs=1, compile={"fullgraph": True, "mode": "default"}))
     assert "test_train_compile.py" in err.value.message and "in forward: if h.abs().max().item()" in err.value.message
     assert "fullgraph: false" in err.value.hint
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_fp16_on_one_gpu_skips_a_nan_step(mode: str) -> None:
+    """CUDA: fp16 + GradScaler, fused AdamW, accumulation; reduce-overhead adds CUDA graphs. A NaN batch is
+    skipped on the device (no host sync) and training goes on."""
+    data = tiny_data(200)
+    data.train_x[5] = float("nan")
+    model = tiny_net()
+    r = train(model, data, train_cfg(device="cuda", precision="fp16", optimizer="adamw", lr=0.01, epochs=3,
+                                     grad_accum_steps=2, compile={"mode": mode}))
+    assert r.compile is not None and r.compile["compiled"] and r.compile["fallback"] is None, r.compile
+    assert sum(m.nonfinite_steps + m.skipped_steps for m in r.history) >= 3
+    assert r.history[-1].loss < r.history[0].loss
+    assert all(torch.isfinite(p).all() for p in model.parameters())
