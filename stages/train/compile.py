@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import nn
 
 from kiln.core.errors import TrainingError
@@ -37,8 +36,6 @@ from kiln.stages.train.config import CompileConfig
 
 log = logging.getLogger("kiln.train")
 
-# What a failed compilation raises (BackendCompilerFailed, InductorError, Unsupported with fullgraph, ...).
-COMPILE_ERRORS: tuple[type[BaseException], ...] = (torch._dynamo.exc.TorchDynamoException,)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
@@ -56,6 +53,8 @@ class CompileCounts:
 
     @classmethod
     def now(cls) -> "CompileCounts":
+        import torch._dynamo.utils  # imported only when compiling: a heavy import (it probes for TensorRT)
+
         utils: Any = torch._dynamo.utils
         counters = getattr(utils, "counters", {})
         metrics = getattr(utils, "get_compilation_metrics", lambda: [])()
@@ -79,7 +78,8 @@ class CompiledModel:
     """The callable the loop runs the model through: ``torch.compile``'d, or the eager module itself.
 
     A compile failure in a forward call is handled here (one warning, then eager for the rest of the run);
-    one in a backward pass surfaces in the loop, which calls :meth:`fall_back` and redoes the step.
+    one in a backward pass surfaces in the loop, which catches :attr:`errors`, calls :meth:`fall_back` and
+    redoes the step.
     """
 
     def __init__(self, module: nn.Module, options: CompileConfig | None) -> None:
@@ -87,9 +87,15 @@ class CompiledModel:
         self.fallback: str | None = None  # why the run went back to eager mode
         self.forward: Any = module
         self.mark_steps = False
-        self.before = CompileCounts.now()
+        # What a failed compilation raises (BackendCompilerFailed, InductorError, Unsupported with fullgraph, ...);
+        # nothing when not compiling (an empty tuple in an except clause catches nothing).
+        self.errors: tuple[type[BaseException], ...] = ()
         if options is None:
             return
+        import torch._dynamo  # only when compiling (see CompileCounts.now)
+
+        self.errors = (torch._dynamo.exc.TorchDynamoException,)
+        self.before = CompileCounts.now()
         if options.fullgraph and isinstance(module, nn.parallel.DistributedDataParallel):
             raise TrainingError(
                 "train.compile.fullgraph: true does not work with several processes: torch.compile of the "
@@ -116,7 +122,7 @@ class CompiledModel:
             torch.compiler.cudagraph_mark_step_begin()
         try:
             return self.forward(x)
-        except COMPILE_ERRORS as exc:
+        except self.errors as exc:
             self.fall_back(exc)
             return self.eager(x)
 

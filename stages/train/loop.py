@@ -27,7 +27,7 @@ from kiln.core.data import DatasetSplits
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
 from kiln.stages.train import checkpoint as ckpt
-from kiln.stages.train.compile import COMPILE_ERRORS, CompiledModel
+from kiln.stages.train.compile import CompiledModel
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
 from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
@@ -312,7 +312,7 @@ class _Trainer:
         self.guard.save()  # the forward passes update BatchNorm statistics even if the step is then skipped
         try:
             total = self._forward_backward(xb, yb)
-        except COMPILE_ERRORS as exc:  # a backward graph failed to compile (forward failures: CompiledModel)
+        except self.net.errors as exc:  # a backward graph failed to compile (forward failures: CompiledModel)
             if not self.net.compiled:
                 raise
             self.net.fall_back(exc)  # raises with fullgraph: true
