@@ -107,8 +107,9 @@ class CompiledModel:
                                          fullgraph=options.fullgraph)
         except Exception as exc:  # e.g. a Python version Dynamo does not support: raised by torch.compile itself
             self.fall_back(exc)
-        # CUDA graph trees must be told where a training iteration starts; without it a step's outputs can be
-        # taken for the previous iteration's still-pending ones (torch.compiler.cudagraph_mark_step_begin).
+        # CUDA graph trees reuse their output memory from one iteration to the next and guess where an iteration
+        # begins; with accumulation (K forward/backward pairs per step) and evaluation Kiln says so itself, before
+        # every call (torch.compiler.cudagraph_mark_step_begin): each call's outputs are used up before the next.
         self.mark_steps = options.mode in CUDA_GRAPH_MODES
 
     @property
