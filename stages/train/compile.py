@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from kiln.core.errors import TrainingError
+from kiln.core.text import first_line
 from kiln.stages.train.config import CompileConfig
 
 log = logging.getLogger("kiln.train")
@@ -130,7 +131,8 @@ class CompiledModel:
     def fall_back(self, exc: BaseException) -> None:
         """Continue in eager mode after a compile failure, or (``fullgraph: true``) stop with a clear error."""
         assert self.options is not None
-        reason = f"{type(exc).__name__}: {_first_line(_message(exc))}{_user_frame(_message(exc))}"
+        # BackendCompilerFailed/InductorError carry the compiler's own error as inner_exception
+        reason = f"{type(exc).__name__}: {first_line(getattr(exc, 'inner_exception', None) or exc)}{_user_frame(str(exc))}"
         if self.options.fullgraph:
             raise TrainingError(
                 f"torch.compile with train.compile.fullgraph: true could not compile the model as one graph: {reason}",
@@ -146,13 +148,6 @@ class CompiledModel:
             return None
         return {**self.options.model_dump(), "compiled": self.compiled, "fallback": self.fallback,
                 **CompileCounts.now().since(self.before)}
-
-
-def _message(exc: BaseException) -> str:
-    """The original error of a BackendCompilerFailed (``inner_exception``), else the exception's own text."""
-    inner = getattr(exc, "inner_exception", None)
-    text = str(inner if inner is not None else exc).strip()
-    return text.removeprefix("backend='inductor' raised:").strip() or type(exc).__name__
 
 
 def _user_frame(text: str) -> str:
