@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 from torch import nn
 
 from kiln.core.errors import TrainingError
@@ -124,10 +123,7 @@ class CompiledModel:
         if self.mark_steps:
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            out = self.forward(x)
-            # A CUDA-graph output lives in memory the next replay reuses: autograd (the loss saves the logits) and the
-            # lagged loss read-back may still need it then, so it leaves the graph as a copy (PyTorch's own advice).
-            return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out) if self.mark_steps else out
+            return self.forward(x)
         except self.errors as exc:
             self.fall_back(exc)
             return self.eager(x)
