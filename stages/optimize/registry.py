@@ -47,7 +47,7 @@ def register(name: str, params: type[BaseModel] = NoParams) -> Callable[[PassFn]
 
 def _load() -> dict[str, PassSpec]:
     # Importing the families fills PASSES; done lazily so the config module stays light.
-    from kiln.stages.optimize.passes import eliminate, fold, fuse_linear, patterns, qkv  # noqa: F401
+    from kiln.stages.optimize.passes import eliminate, fold, fuse_linear, patterns, qkv, shapes  # noqa: F401
 
     return PASSES
 

@@ -11,6 +11,7 @@ only output shapes and types are compared.
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,17 @@ from kiln.stages.optimize.passes.util import RANDOM_OPS
 
 log = logging.getLogger("kiln.optimize")
 _INLINE_LIMIT = 1_800_000_000  # bytes: above this, hand ORT a file with external data (protobuf caps at 2 GB)
+
+
+def short_reason(exc: BaseException | str, limit: int = 400) -> str:
+    """The part of an error worth a log line: ORT's "[ONNXRuntimeError] : 1 : FAIL :" prefix dropped, one line,
+    and when still too long its head and its tail (nested ORT errors put the actual type error last)."""
+    text = " ".join(str(exc).split())
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return f"{text[:head]} ... {text[-(limit - head - 5):]}"
 
 
 @dataclass
@@ -107,14 +119,14 @@ class Verifier:
             try:
                 onnx.checker.check_model(candidate)
             except onnx.checker.ValidationError as exc:
-                return Verdict(False, float("inf"), f"not a valid ONNX graph: {str(exc).splitlines()[0][:200]}")
+                return Verdict(False, float("inf"), f"not a valid ONNX graph: {short_reason(exc)}")
         atol, rtol = (float("inf"), float("inf")) if self.random else (self.cfg.atol, self.cfg.rtol)
         worst = 0.0
         for feed, reference in zip(self.feeds, self.references):
             try:
                 got = run_ort(candidate, feed)
             except Exception as exc:  # ORT rejects the graph: the pass broke it
-                return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {str(exc).splitlines()[0][:200]}")
+                return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {short_reason(exc)}")
             verdict = compare(reference, got, atol, rtol)
             if not verdict.ok:
                 return verdict

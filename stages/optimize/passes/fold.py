@@ -10,6 +10,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.stages.optimize.passes.shapes import fold_shapes
 from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
 from kiln.stages.optimize.registry import register
 
@@ -23,6 +24,8 @@ class FoldParams(BaseModel):
                                                                  "(keeps e.g. huge Expand results out of the file)")
     static_reshape: bool = Field(True, description="replace computed Reshape shapes by constants when at most "
                                                    "one axis (the batch) is dynamic")
+    static_shapes: bool = Field(True, description="fold Shape(start/end) and Shape -> Gather/Slice reads of static "
+                                                  "axes (the fold_shapes pass) in every round")
 
 
 @contextmanager
@@ -88,7 +91,8 @@ def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
     total = 0
     for _ in range(p.max_rounds):
         before = len(graph.nodes)
-        changed = resolve_castlike(graph) + (static_reshapes(graph) if p.static_reshape else 0)
+        changed = (resolve_castlike(graph) + (static_reshapes(graph) if p.static_reshape else 0)
+                   + (fold_shapes(graph, p) if p.static_shapes else 0))
         with _quiet_gs():
             # A random op has no variable inputs, so it looks foldable; folding would freeze one draw forever.
             graph.fold_constants(fold_shapes=True, size_threshold=p.size_threshold, error_ok=True,
