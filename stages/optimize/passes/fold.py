@@ -10,7 +10,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.stages.optimize.passes.shapes import fold_shapes
+from kiln.stages.optimize.passes.shapes import fold_shapes, static_reshape_target
 from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
 from kiln.stages.optimize.registry import register
 
@@ -70,7 +70,12 @@ def static_reshapes(graph: gs.Graph) -> int:
         if node.op != "Reshape" or const(node.inputs[1]) is not None:
             continue
         out, src = known_shape(node.outputs[0]), known_shape(node.inputs[0])
-        if out is None:
+        if out is None or sum(not isinstance(d, int) or d < 0 for d in out) > 1:
+            target = static_reshape_target(node)  # the shape's own entries may still say it (HF attention)
+            if target is not None:
+                node.inputs[1] = new_const(graph, node.outputs[0].name + "_shape", target)
+                node.attrs["allowzero"] = 0
+                n += 1
             continue
         dyn = [i for i, d in enumerate(out) if not isinstance(d, int) or d < 0]
         if len(dyn) > 1 or any(d == 0 for d in out if isinstance(d, int)):

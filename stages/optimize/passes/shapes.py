@@ -91,3 +91,50 @@ def fold_shapes(graph: gs.Graph, p: BaseModel) -> int:
             if value is not None:
                 n += _make_const(graph, reader.outputs[0], value)
     return n
+
+
+def shape_value(t: gs.Tensor, depth: int = 6) -> list[int | str] | None:
+    """The value of a 1-D shape tensor built from constants and Shape reads (Concat, Gather, Unsqueeze/Squeeze
+    of a Shape), entry by entry: ints, or the symbol of a dynamic axis. None when any entry is unknown."""
+    c = const(t)
+    if c is not None:
+        return [int(v) for v in c.ravel()] if c.ndim <= 1 and np.issubdtype(c.dtype, np.integer) else None
+    node = t.inputs[0] if len(t.inputs) == 1 and depth else None
+    if node is None:
+        return None
+    if node.op == "Shape":
+        dims = shape_dims(node)
+        return dims if dims is not None and all(isinstance(d, (int, str)) and d != "" for d in dims) else None
+    if node.op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
+        parts = [shape_value(i, depth - 1) for i in node.inputs]
+        return None if any(p is None for p in parts) else [d for p in parts for d in p]
+    if node.op in ("Unsqueeze", "Squeeze", "Identity", "Cast"):
+        return shape_value(node.inputs[0], depth - 1)
+    if node.op == "Gather" and int(node.attrs.get("axis", 0)) == 0:
+        src, idx = shape_value(node.inputs[0], depth - 1), const(node.inputs[1])
+        if src is None or idx is None or np.any((idx < -len(src)) | (idx >= len(src))):
+            return None
+        return [src[int(i)] for i in idx.ravel()]
+    return None
+
+
+def static_reshape_target(node: gs.Node) -> np.ndarray | None:
+    """A constant target for a Reshape whose computed shape spells out static sizes plus the input's own dynamic
+    axes at the same positions (-> 0, "copy"), with at most one other unknown (-> -1). Exact by construction."""
+    want, src = shape_value(node.inputs[1]), known_shape(node.inputs[0])
+    if want is None or src is None:
+        return None
+    allowzero = int(node.attrs.get("allowzero", 0))
+    out, infer = [], 0
+    for i, d in enumerate(want):
+        if isinstance(d, int):
+            if d == 0 and allowzero:
+                return None  # a literal zero-sized axis: the result's 0 would mean "copy" instead
+            infer += d == -1
+            out.append(d)
+        elif i < len(src) and src[i] == d:
+            out.append(0)
+        else:
+            infer += 1
+            out.append(-1)
+    return np.array(out, dtype=np.int64) if infer <= 1 else None

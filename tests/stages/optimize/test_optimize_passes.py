@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import helper as h
+from onnx import helper as h, numpy_helper
 
 from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
 
@@ -370,3 +370,17 @@ def test_passes_repeat_until_a_round_removes_nothing():
     fix, s3 = optimize_model(m, OptimizeConfig(passes=["eliminate_neutral", "fold_constants"], rounds=3))
     assert ops(fix) == ["Relu"] and s3["rounds"] == 3 and not s3["rolled_back"]
     assert [p["round"] for p in s3["passes"]] == [1, 1, 2, 2, 3, 3]
+
+
+@covers("fold_constants")
+def test_reshape_whose_shape_spells_batch_and_minus_one_gets_a_constant_target():
+    # HF attention: view(batch, seq, -1, head_dim) with allowzero=1; shape inference cannot size the -1 axis,
+    # so the output has two unknown axes and only the shape's own entries show it is static but for the batch.
+    nodes = [h.make_node("Shape", ["x"], ["b"], start=0, end=1),
+             h.make_node("Concat", ["b", "rest"], ["shp"], axis=0),
+             h.make_node("Reshape", ["x", "shp"], ["r"], allowzero=1), h.make_node("Relu", ["r"], ["y"])]
+    m = make_model(nodes, [("x", ["N", 6, 8], FLOAT)], ["y"], {"rest": np.array([6, -1, 4])})
+    out, _ = run_pass(m, "fold_constants")
+    assert ops(out) == ["Reshape", "Relu"]
+    target = next(i for i in out.graph.initializer if i.name.endswith("_shape"))
+    assert numpy_helper.to_array(target).tolist() == [0, 6, -1, 4]
