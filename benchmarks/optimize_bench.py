@@ -311,9 +311,10 @@ NOTES = """## Notes
   and the opset-18 GELU as the canonical Div/Erf/Add/Mul/Mul chain (ORT then fuses it into BiasGelu);
   with opset >= 20 it becomes one `Gelu` node.
 - Latency is ORT CPU with ORT_ENABLE_ALL at load for every variant, so ORT re-optimizes each file; the
-  ratio to raw is what a user of each tool would see. The machine is a shared 2-core VM that other jobs
-  loaded during the run (load average about 8), so absolute times are inflated and single ratios move by
-  several percent between runs; the paired ratio (same round) is the steadier figure.
+  ratio to raw is what a user of each tool would see. The machine is a shared 2-core VM whose load from
+  other jobs changed during the run, so absolute times are inflated and single ratios move by several
+  percent between runs; where the p50 ratio and the same-round ratio disagree (hf_bert batch 1), the
+  difference is within that noise.
 - Where ort_offline beats Kiln on a CNN at batch 8, it is ORT's NCHWc layout (com.microsoft.nchwc ops with
   weights already reordered in the file): a CPU-specific, non-standard rewrite Kiln does not emit.
 """

@@ -26,9 +26,11 @@ def eliminate_identity(graph: gs.Graph, p: BaseModel) -> int:
     """Remove Identity nodes and inference-mode Dropout (whose mask output nobody reads)."""
     n = 0
     for node in list(graph.nodes):
-        if node.op == "Identity" and node.outputs:
+        if not node.outputs or not node.inputs:
+            continue  # nothing to bypass (a malformed node is left for the checker to report)
+        if node.op == "Identity":
             n += _bypass(graph, node, node.inputs[0])
-        elif node.op == "Dropout" and node.outputs:
+        elif node.op == "Dropout":
             training = const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else np.array(False)
             mask_used = len(node.outputs) > 1 and (node.outputs[1].outputs or node.outputs[1] in graph.outputs)
             if training is not None and not bool(training) and not mask_used:
