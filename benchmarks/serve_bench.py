@@ -32,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.config import KilnConfig, load_config  # noqa: E402
+from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.loadtest import loadtest  # noqa: E402
 from kiln.serve import find_engines, free_port, wait_ready  # noqa: E402
-from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,7 +56,6 @@ def demo_workdir(work: Path) -> tuple[Path, KilnConfig]:
 
 def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
     import torch
-
     from kiln.models.registry import build_model
     from kiln.stages.engines.config import BuildConfig
     from kiln.stages.engines.stage import build_engine
