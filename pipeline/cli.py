@@ -10,7 +10,7 @@ import click
 import yaml
 from kiln.api import run_pipeline
 from kiln.config import KilnConfig, load_config, set_value
-from kiln.core.errors import ConfigError, GateFailure, KilnError
+from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
 from kiln.core.progress import RichProgress, SilentProgress
 from kiln.loadtest import loadtest as run_loadtest
 from kiln.loadtest import render_markdown
@@ -18,6 +18,7 @@ from kiln.report import fmt as _fmt
 from kiln.report import validation_of
 from kiln.serve import iter_urls
 from kiln.serve import serve as serve_engines
+from kiln.stages.engines.registry import runnable
 from kiln.stages.engines.stage import build_direct
 from kiln.stages.export import export_direct
 from kiln.stages.optimize.api import optimize_file
@@ -38,11 +39,22 @@ class KilnCommand(click.Command):
         try:
             return super().invoke(ctx)
         except KilnError as exc:
-            # escape: messages quote shapes like [batch, 3, 8, 8], which rich would take for markup and drop
-            console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
-            if exc.hint:
-                console.print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
-            ctx.exit(exc.exit_code)
+            _fail(ctx, exc)
+        except OSError as exc:  # a disk or folder problem anywhere (read-only -o, disk full): the same two lines
+            logging.getLogger("kiln").debug("OS error", exc_info=True)
+            _fail(ctx, storage_error(exc))
+        except MemoryError:
+            logging.getLogger("kiln").debug("out of memory", exc_info=True)
+            _fail(ctx, KilnError("out of memory", hint="use smaller batch sizes (validate.batch_sizes, "
+                                                         "train.batch_size) or a smaller model"))
+
+
+def _fail(ctx: click.Context, exc: KilnError) -> None:
+    # escape: messages quote shapes like [batch, 3, 8, 8], which rich would take for markup and drop
+    console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
+    if exc.hint:
+        console.print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
+    ctx.exit(exc.exit_code)
 
 
 class KilnGroup(click.Group):
@@ -271,7 +283,9 @@ def precision(config: str | None, workdir: str, sets: tuple[str, ...], quiet: bo
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
 @click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="device the engine targets [default: the backend's only device (tensorrt: cuda, which "
+                   "TensorRT-RTX builds for without a GPU here), else cpu]")
 @click.option("--precision", "precision_", default="fp32", show_default=True,
               help="label of the graph's precision (precision lives in the graph: see `kiln precision`)")
 @click.option("-o", "--output", type=click.Path(file_okay=False), help="engine folder (direct mode)")
@@ -279,7 +293,7 @@ def precision(config: str | None, workdir: str, sets: tuple[str, ...], quiet: bo
 @workdir_opt
 @set_opt
 @quiet_opt
-def build(model: str | None, backend: str, device: str, precision_: str, output: str | None, config: str | None,
+def build(model: str | None, backend: str, device: str | None, precision_: str, output: str | None, config: str | None,
           workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
     """Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision."""
     _setup_logging(quiet, False)
@@ -288,7 +302,12 @@ def build(model: str | None, backend: str, device: str, precision_: str, output:
         return _stage_in_workdir("build", config, workdir, sets, quiet)
     cfg = _config(config, sets)
     meta = build_direct(Path(model), Path(output or "engine"), backend, device, precision_, cfg.build)
-    console.print(f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s")
+    console.print(f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s "
+                  f"(targets {meta.device.upper()})", highlight=False)
+    ok, why = runnable(meta)
+    if not ok:
+        console.print(f"[yellow]not runnable on this machine[/]: {escape(why)}; run it on a machine with a "
+                      f"{meta.device.upper()} device", highlight=False, soft_wrap=True)
 
 
 @main.command()

@@ -26,7 +26,7 @@ from kiln.core.artifacts import (
     write_json_atomic,
 )
 from kiln.core.env import environment
-from kiln.core.errors import GateFailure, KilnError
+from kiln.core.errors import GateFailure, KilnError, storage_error
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.stage import Stage, StageContext
 from kiln.fingerprints import FINGERPRINTS
@@ -190,6 +190,15 @@ class Runner:
             except KilnError as exc:
                 record = StageRecord(stage.name, "failed", error=str(exc))
                 error = exc
+            except OSError as exc:  # disk full, read-only, permissions: a clear message, finished stages kept
+                log.debug("stage %s: OS error", stage.name, exc_info=True)
+                error = storage_error(exc, f"running stage '{stage.name}'")
+                record = StageRecord(stage.name, "failed", error=str(error))
+            except MemoryError:
+                log.debug("stage %s: out of memory", stage.name, exc_info=True)
+                error = KilnError(f"stage '{stage.name}' ran out of memory",
+                                  hint="lower validate.batch_sizes, train.batch_size or the model's size")
+                record = StageRecord(stage.name, "failed", error=str(error))
             records.append(record)
             self.on_event(record)
             if record.status != "failed" and record.summary.get("passed") is False and error is None:
