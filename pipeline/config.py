@@ -26,6 +26,7 @@ from kiln.stages.validate.config import GatesConfig, ValidateConfig
 from pydantic import Field, ValidationError
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 # The sections live with the stages that read them; importable from here too.
 __all__ = ["KilnConfig", "load_config", "config_from_dict", "set_value", "DEMO_CONFIG", "PRECISIONS", "ModelConfig", "DataConfig",
            "TrainConfig", "ExportConfig", "OptimizeConfig", "PrecisionConfig", "CalibrationConfig", "BuildConfig",

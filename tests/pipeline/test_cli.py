@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -400,3 +401,53 @@ def test_set_off_for_an_on_off_key(cli: CliRunner) -> None:
     result = cli.invoke(main, ["config", "--set", "build.onnxruntime.transformer_fusion=off"])
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.output)["build"]["onnxruntime"]["transformer_fusion"] == "off"
+
+
+def _all_commands():
+    return [(name, cmd) for name, cmd in main.commands.items()]
+
+
+@pytest.mark.parametrize("name", sorted(main.commands))
+def test_every_option_has_help_and_help_states_exit_codes(cli: CliRunner, name: str) -> None:
+    cmd = main.commands[name]
+    undocumented = [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help]
+    assert not undocumented, f"kiln {name}: options without help: {undocumented}"
+    out = cli.invoke(main, [name, "--help"]).output
+    assert "Exit codes: 0" in out and "2 a problem" in out and "3 a validation gate" in out
+
+
+def test_help_lists_passes_and_stages(cli: CliRunner) -> None:
+    from kiln.stages.optimize.registry import PASSES
+    from kiln.stage_list import STAGE_NAMES
+
+    opt = " ".join(cli.invoke(main, ["optimize", "--help"]).output.split())
+    assert all(p in opt for p in PASSES)
+    run = " ".join(cli.invoke(main, ["run", "--help"]).output.split())
+    assert run.count(" -> ".join(STAGE_NAMES)) == 3  # --force, --from, --until
+
+
+@pytest.mark.parametrize("name", ["run", "config", "train", "export", "optimize", "precision", "build", "validate",
+                                  "package"])
+@pytest.mark.parametrize("form", ["positional", "-c"])
+def test_config_accepted_as_positional_and_option_everywhere(cli: CliRunner, write_yaml, tmp_path: Path, name: str,
+                                                             form: str) -> None:
+    cfg = str(write_yaml({"train": {"epochz": 2}}))  # an unknown key: proves the command read this file
+    args = [name, cfg] if form == "positional" else [name, "-c", cfg]
+    result = cli.invoke(main, args + (["-w", str(tmp_path / "wd")] if name != "config" else []))
+    assert_clean_error(result, 2, "unknown key 'train.epochz'")
+
+
+def test_two_different_configs_are_refused(cli: CliRunner, write_yaml) -> None:
+    a, b = str(write_yaml({}, "a.yaml")), str(write_yaml({}, "b.yaml"))
+    result = cli.invoke(main, ["config", a, "-c", b])
+    assert result.exit_code == 2 and "two configs given" in result.output
+
+
+@pytest.mark.tensorrt
+def test_build_tensorrt_needs_no_device_flag(cli: CliRunner, tmp_path: Path) -> None:
+    from tests.pipeline.test_faults import tiny_onnx
+
+    model = tiny_onnx(tmp_path / "m.onnx")
+    result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "-o", str(tmp_path / "e")])
+    assert result.exit_code == 0, result.output
+    assert "targets CUDA" in result.output
