@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,13 +72,44 @@ class KilnGroup(click.Group):
     command_class = KilnCommand
 
 
+# Libraries' messages that say nothing a Kiln user can act on; shown with --verbose only. onnxconverter-common
+# warns once per constant it clips to the FP16 range (the precision stage reports what it keeps in FP32); ORT's
+# transformer optimizer expects its own exporters' producer name, not torch's.
+THIRD_PARTY_NOISE = ("will be truncated to", "Model producer not matched")
+THIRD_PARTY_LOGGERS = ("py.warnings", "onnxruntime", "onnxconverter_common", "onnx_graphsurgeon")
+
+
+class _ThirdParty(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "py.warnings":  # "file:line: Category: text\n  source line": keep "Category: text"
+            found = re.match(r"^.*?:\d+: (\w+): (.*?)\n", record.getMessage(), re.S)
+            if found:
+                record.msg, record.args = f"{found.group(1)}: {found.group(2)}", ()
+        if not record.name.startswith("kiln") and any(n in record.getMessage() for n in THIRD_PARTY_NOISE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return record.levelno >= self.level
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+
 def _setup_logging(quiet: bool, verbose: bool) -> None:
+    """Kiln's log lines, and the libraries' (warnings.warn and their loggers), through one handler: nothing
+    raw on stderr, and known noise demoted to debug."""
     level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
     handler = RichHandler(console=console, show_path=False, show_time=False, markup=False)
+    handler.addFilter(_ThirdParty(level))
     logger = logging.getLogger("kiln")
     logger.handlers[:] = [handler]
     logger.setLevel(level)
     logger.propagate = False
+    logging.captureWarnings(True)
+    for name in THIRD_PARTY_LOGGERS:
+        other = logging.getLogger(name)
+        other.handlers[:] = [handler]
+        other.setLevel(logging.DEBUG if verbose else logging.WARNING)
+        other.propagate = False
 
 
 def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:

@@ -451,3 +451,24 @@ def test_build_tensorrt_needs_no_device_flag(cli: CliRunner, tmp_path: Path) -> 
     result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "-o", str(tmp_path / "e")])
     assert result.exit_code == 0, result.output
     assert "targets CUDA" in result.output
+
+
+def test_third_party_warnings_go_through_kilns_logger(capsys) -> None:
+    import logging
+    import warnings
+
+    from kiln.cli import _setup_logging
+
+    _setup_logging(quiet=False, verbose=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("the float32 number 1e+09 will be truncated to 65504.0")
+            logging.getLogger("onnxruntime.transformers.optimizer").warning("Model producer not matched: x")
+            warnings.warn("something a user should see")
+        err = capsys.readouterr().err
+        assert "truncated" not in err and "producer" not in err  # known noise: --verbose only
+        assert "something a user should see" in err and "WARNING" in err  # through Kiln's handler
+        assert "test_cli.py:" not in err and "warnings.warn(" not in err  # not the raw warnings format
+    finally:
+        logging.captureWarnings(False)
