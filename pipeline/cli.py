@@ -16,7 +16,7 @@ from kiln.core.progress import RichProgress, SilentProgress
 from kiln.loadtest import loadtest as run_loadtest
 from kiln.loadtest import render_markdown
 from kiln.report import fmt as _fmt
-from kiln.report import validation_of
+from kiln.report import result_line, seconds_cell, validation_of
 from kiln.serve import iter_urls
 from kiln.serve import serve as serve_engines
 from kiln.stages.engines.registry import BACKENDS, runnable
@@ -187,21 +187,25 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     table = Table(title="Kiln run", show_edge=False)
     for col in ("stage", "status", "seconds"):
         table.add_column(col)
+    stages = report.get("stages", {})
     for r in result.records:
         style = STATUS_STYLE.get(r.status, "")
-        table.add_row(r.name, f"[{style}]{r.status}[/]", f"{r.seconds:.2f}")
+        seconds = seconds_cell(stages[r.name]) if r.name in stages else f"{r.seconds:.2f}"
+        table.add_row(r.name, f"[{style}]{r.status}[/]", seconds)
     console.print(table)
     v = validation_of(report)
     if v:
         et = Table(title="Engines vs PyTorch", show_edge=False)
-        for col in ("engine", "passed", "cosine", "top-1 agree", "accuracy", "p50 ms (largest batch)", "speedup"):
-            et.add_column(col, overflow="fold")
+        # engine names never wrap (three ONNX Runtime rows folded at 80 columns all read `onnxrunt...`)
+        et.add_column("engine", no_wrap=True, min_width=max([len("pytorch (baseline)")] + [len(e.name) for e in v.engines]))
+        for col in ("passed", "cosine", "top-1", "acc.", "p50 ms", "speedup"):  # fits 80 columns
+            et.add_column(col, no_wrap=True)
         b = v.baseline
         largest = list(b.latency_ms)[-1]
         et.add_row("pytorch (baseline)", "", "", "", _fmt(b.accuracy), f"{b.latency_ms[largest].p50:.3f}", "1.00")
         for e in v.engines:
             if e.status != "validated":
-                et.add_row(e.name, "[yellow]not run here[/]", "", "", "", "", "")
+                et.add_row(e.name, "[yellow]not run[/]", "", "", "", "", "")
                 continue
             et.add_row(e.name, "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
                        _fmt(e.top1_agreement), _fmt(e.accuracy), f"{e.latency_ms[largest].p50:.3f}",
@@ -209,8 +213,8 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         console.print(et)
         for e in v.engines:
             if e.status != "validated":
-                console.print(f"[yellow]{escape(e.name)}[/]: built, not validated here: {escape(e.reason or '')}",
-                              soft_wrap=True)
+                console.print(f"[yellow]{escape(e.name)}[/]: built for {escape(e.device.upper())}, not validated "
+                              f"here: {escape(e.reason or '')}", soft_wrap=True)
         dropped = {e.name for e in v.engines if e.dropped}
         for r in v.speed_vs_fp32:
             if r["slower"]:
@@ -221,6 +225,7 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     for name, why in precision.get("failed", {}).items():
         console.print(f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
                       soft_wrap=True)
+    console.print(f"result: {escape(result_line(report))}", highlight=False, soft_wrap=True)
     console.print(f"report: {workdir / 'report.md'}")
 
 

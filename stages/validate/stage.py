@@ -110,7 +110,8 @@ def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndar
                                                                       cfg.iterations))
                 bar.advance()
     entry.speedup_vs_baseline = {bs: baseline.latency_ms[bs].p50 / lat.p50 for bs, lat in entry.latency_ms.items()}
-    entry.failures = check_gates(entry, baseline.accuracy, gates_for(cfg, meta.precision), largest)
+    entry.gates = gates_for(cfg, meta.precision)
+    entry.failures = check_gates(entry, baseline.accuracy, entry.gates, largest)
     entry.passed = not entry.failures
     entry.status = "validated"
     return entry

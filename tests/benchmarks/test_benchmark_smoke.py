@@ -28,3 +28,10 @@ def test_precision_bench_marks_the_ort_cpu_graph_kiln_uses(tmp_path: Path) -> No
     for r in res["rows"]:
         assert {"int8", "ort_cpu_static", "ort_cpu_dynamic"} == set(r["variants"])
         assert sum(v["kiln_ort_cpu_engine"] for v in r["variants"].values()) == 1
+
+
+def test_cache_check_bench_times_both_checks(tmp_path: Path) -> None:
+    _run("cache_check_bench.py", "--mb", "4", "--repeats", "1", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "cache_check-4mb.json").read_text())
+    assert res["median_seconds"]["content"] > 0 and res["median_seconds"]["size_only"] > 0
+    assert res["workdir_mb"] >= 4 and "CPUs" in res["machine"]

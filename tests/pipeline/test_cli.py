@@ -461,8 +461,10 @@ def test_third_party_warnings_go_through_kilns_logger(capsys) -> None:
 
     _setup_logging(quiet=False, verbose=False)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # pytest records warnings itself: hand them to logging inside this block
             warnings.simplefilter("always")
+            logging.captureWarnings(False)
+            logging.captureWarnings(True)
             warnings.warn("the float32 number 1e+09 will be truncated to 65504.0")
             logging.getLogger("onnxruntime.transformers.optimizer").warning("Model producer not matched: x")
             warnings.warn("something a user should see")

@@ -240,3 +240,30 @@ def test_content_is_hashed_once_per_run(first_run, monkeypatch) -> None:
     result, _ = run_pipeline(cfg, workdir)
     assert set(statuses(result).values()) == {"cached"}
     assert len(seen) == len(set(seen)) == len(STAGES)
+
+
+def test_report_shows_gates_package_and_original_times(first_run) -> None:
+    from kiln.report import render_markdown
+
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict())
+    result, report = run_pipeline(cfg, workdir)
+    assert set(statuses(result).values()) == {"cached"}
+    md = render_markdown(report)
+    assert "(ran in " in md  # cached stages keep their original time
+    assert "(≥ 0.9999)" in md and "(≥ 0.99)" in md  # each gate beside its value
+    assert "## Package" in md and "package/triton/tiny_onnxruntime-cpu-fp32" not in md
+    assert "`package/engines/onnxruntime-cpu-fp32/`" in md and "`package/triton/tiny_onnxruntime_cpu_fp32/`" in md
+
+
+def test_result_line_names_engines_built_but_not_validated() -> None:
+    from kiln.report import result_line
+
+    report = {"ok": True, "validation": {"engines": [
+        {"name": "onnxruntime-cpu-fp32", "status": "validated", "device": "cpu"},
+        {"name": "tensorrt-fp16", "status": "not-runnable", "device": "cuda"},
+        {"name": "tensorrt-fp32", "status": "not-runnable", "device": "cuda"}]}}
+    line = result_line(report)
+    assert line.startswith("PASSED, 2 engines built but not validated: tensorrt-fp16, tensorrt-fp32")
+    assert "CUDA" in line
+    assert result_line({"ok": True, "validation": {"engines": []}}) == "PASSED"
