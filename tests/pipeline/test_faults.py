@@ -235,3 +235,11 @@ def test_damaged_engine_metadata_is_refused(tmp_path: Path) -> None:
     assert invoke("build", model, "-o", tmp_path / "e").exit_code == 0
     (tmp_path / "e" / "kiln-engine.json").write_text('{"name": 3')
     assert_clean(invoke("validate", tmp_path / "e", "--reference", model), 2)
+
+
+def test_a_folder_of_the_users_is_not_taken_as_workdir(tmp_path: Path, short_config) -> None:
+    mine = tmp_path / "project"
+    (mine / "train").mkdir(parents=True)
+    (mine / "train" / "data.csv").write_text("1,2\n")
+    assert_clean(invoke("run", short_config, "-w", mine, "--until", "train"), 2, "already holds files Kiln did not write")
+    assert (mine / "train" / "data.csv").read_text() == "1,2\n" and sorted(p.name for p in mine.iterdir()) == ["train"]
