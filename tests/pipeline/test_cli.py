@@ -75,6 +75,10 @@ def test_run_then_stage_commands(cli: CliRunner, tmp_path: Path, write_yaml) -> 
     assert (Path(wd) / "package" / "triton").is_dir()
     again = cli.invoke(main, ["validate", "-c", cfg, "-w", wd, "--quiet"])
     assert again.exit_code == 0, again.output
+    cached = cli.invoke(main, ["run", cfg, "-w", wd])  # CliRunner's terminal: 80 columns
+    assert cached.exit_code == 0, cached.output
+    assert "onnxruntime-cpu-fp32" in cached.output  # engine names readable, not folded to `onnxrunt...`
+    assert "(ran in " in cached.output and "result: PASSED" in cached.output
 
 
 def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
