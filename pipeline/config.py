@@ -118,9 +118,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if not isinstance(data, dict):
             raise ConfigError(f"config {p} must be a mapping of sections, got {type(data).__name__}",
                               hint="start the file with sections such as `model:` (see `kiln config`)")
-        _check_size(data, p)
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
+    _check_size(data, Path(source))  # file and --set values alike
     config = config_from_dict(data, source)
     _check_files(config, Path(path).parent if path else Path.cwd())
     return config
@@ -219,7 +219,7 @@ def set_value(dotted: str, text: str) -> Any:
         return None if text in ("null", "~") and _accepts_none(annotation) else text
     text_items = annotation is not None and get_origin(annotation) is list and _takes_text_only(get_args(annotation)[0])
     try:
-        return yaml.load(text, Loader=yaml.BaseLoader) if text_items else yaml.safe_load(text)  # noqa: S506
+        return yaml.load(text, Loader=yaml.BaseLoader if text_items else _StrictLoader)  # noqa: S506
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
                           hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]") from None

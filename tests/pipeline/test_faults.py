@@ -243,3 +243,10 @@ def test_a_folder_of_the_users_is_not_taken_as_workdir(tmp_path: Path, short_con
     (mine / "train" / "data.csv").write_text("1,2\n")
     assert_clean(invoke("run", short_config, "-w", mine, "--until", "train"), 2, "already holds files Kiln did not write")
     assert (mine / "train" / "data.csv").read_text() == "1,2\n" and sorted(p.name for p in mine.iterdir()) == ["train"]
+
+
+@pytest.mark.parametrize("value, needle", [(".nan", "finite number"), ("{a: 1, a: 2}", "duplicate key")])
+def test_hostile_set_values(value: str, needle: str) -> None:
+    key = "validate.gates.min_cosine" if value == ".nan" else "model.params"
+    result = invoke("config", "--set", f"{key}={value}")
+    assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output, result.output
