@@ -250,3 +250,24 @@ def test_hostile_set_values(value: str, needle: str) -> None:
     key = "validate.gates.min_cosine" if value == ".nan" else "model.params"
     result = invoke("config", "--set", f"{key}={value}")
     assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output, result.output
+
+
+def test_a_really_full_disk(tmp_path: Path, short_config) -> None:
+    """Not injected: a 120 kB tmpfs (root only) fills up somewhere in the pipeline."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and tmpfs to make a small filesystem")
+    try:
+        result = invoke("run", short_config, "-w", disk / "wd")
+        assert_clean(result, 2, "no space left on the device")
+        wd = disk / "wd"
+        report_written = (wd / "report.json").is_file()
+        assert report_written or "the report was not written either" in result.output
+        for manifest in wd.glob("*/manifest.json"):  # every finished stage is whole
+            data = json.loads(manifest.read_text())
+            assert all((manifest.parent / rel).stat().st_size == n for rel, n in data["sizes"].items())
+        assert not list(wd.glob(".*staging*"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
