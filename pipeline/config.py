@@ -16,6 +16,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.sections import Section
 from kiln.models.config import DataConfig, ModelConfig
+from kiln.models.registry import DATASETS, MODELS, resolve_callable
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.export import ExportConfig
 from kiln.stages.optimize.config import OptimizeConfig
@@ -123,7 +124,16 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     _check_size(data, Path(source))  # file and --set values alike
     config = config_from_dict(data, source)
     _check_files(config, Path(path).parent if path else Path.cwd())
+    _check_names(config)
     return config
+
+
+def _check_names(config: KilnConfig) -> None:
+    """A misspelt built-in model or dataset name, said before any stage runs (an import path is resolved by the
+    stage that uses it: importing user code is that stage's business)."""
+    for kind, name, table in (("model", config.model.name, MODELS), ("dataset", config.data.name, DATASETS)):
+        if name is not None and ":" not in name:
+            resolve_callable(name, table, kind)
 
 
 # Configuration is hostile input: bounded in bytes, in values after YAML alias expansion, and in nesting.
