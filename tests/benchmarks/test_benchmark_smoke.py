@@ -35,3 +35,12 @@ def test_cache_check_bench_times_both_checks(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "cache_check-4mb.json").read_text())
     assert res["median_seconds"]["content"] > 0 and res["median_seconds"]["size_only"] > 0
     assert res["workdir_mb"] >= 4 and "CPUs" in res["machine"]
+
+
+def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) -> None:
+    _run("optimize_bench.py", "--smoke", "--models", "lstm", "--runs", "2", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "optimize.json").read_text())["results"]["lstm"]
+    assert {"raw", "onnxsim", "onnxslim", "ort_offline", "kiln"} <= set(res["variants"])
+    assert res["variants"]["kiln"]["nodes"] <= min(res["variants"][p]["nodes"] for p in ("onnxsim", "onnxslim"))
+    assert res["kiln_vs_best_sim_slim_b8"]["peer"] in ("onnxsim", "onnxslim")
+    assert "## Targets" in (tmp_path / "optimize.md").read_text()
