@@ -94,4 +94,8 @@ def load_dataset(ref: str, params: dict[str, Any] | None = None) -> DatasetSplit
         if not isinstance(value, torch.Tensor):
             raise ConfigError(f"dataset '{ref}' gives {field} as {type(value).__name__}, not a torch.Tensor",
                               hint="wrap arrays with torch.from_numpy(...) in the dataset function")
+    problem = data.inconsistency()
+    if problem:
+        raise ConfigError(f"dataset '{ref}': {problem}", hint="fix the dataset function so that every x row has "
+                                                               "its label and all samples share one shape")
     return data

@@ -16,6 +16,7 @@ import kiln.models.model_io
 import numpy as np
 import onnx
 import torch
+from kiln.core.artifacts import ensure_writable
 from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.onnx_io import (
@@ -136,6 +137,7 @@ def parity(model: nn.Module, onnx_path: Path, x: torch.Tensor) -> dict[str, floa
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
 def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
+    ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
     model = build_model(cfg.model.name, cfg.model.params)
     checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
     if checkpoint:
@@ -155,7 +157,6 @@ def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | 
                               hint="give --input-shape the shape of one sample the model takes") from None
     else:
         example = dataset_for(cfg).val_x[:2]
-    output.parent.mkdir(parents=True, exist_ok=True)
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch)
     check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}

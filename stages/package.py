@@ -70,5 +70,22 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return {"models": packaged}
 
 
+def report_section(summary: dict[str, Any]) -> list[str]:
+    """What went into the serving repositories, and where (paths relative to the workdir)."""
+    models = summary.get("models")
+    if models is None:
+        return []
+    out = ["", "## Package", ""]
+    if not models:
+        return out + ["Nothing packaged: no engine passed validation here (only validated engines are served)."]
+    out += ["| engine | engine files | Triton (stock backend) | Triton (Python backend) |", "|---|---|---|---|"]
+    for m in models:
+        stock = f"`package/triton/{m['triton_model']}/`" if m.get("triton_model") else "- (no stock backend)"
+        python = f"`package/triton-python/{m['triton_python_model']}/`" if m.get("triton_python_model") else "-"
+        out.append(f"| {m['engine']} | `package/engines/{m['engine']}/` | {stock} | {python} |")
+    return out + ["", "Serve with `kiln serve <workdir>`, or point `tritonserver --model-repository` at "
+                      "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python)."]
+
+
 STAGE = Stage("package", run, ("train", "build", "validate"), ("name", "package"), (sys.modules[__name__], triton_repo),
-              lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository")
+              lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository", report=report_section)

@@ -23,11 +23,56 @@ def load_onnx(path: str | Path, load_external_data: bool = True) -> onnx.ModelPr
     p = Path(path)
     if not p.is_file():
         raise InputFileError(f"ONNX file not found: {p}", hint="check the path")
+    if p.stat().st_size == 0:
+        raise InputFileError(f"{p} is empty (0 bytes): not an ONNX model",
+                             hint="re-export the model; the write that made this file did not finish")
     try:
-        return onnx.load(str(p), load_external_data=load_external_data)
+        model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:
         raise InputFileError(f"{p} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})",
                              hint="re-export the model; the file may be truncated or not ONNX") from None
+    if not model.HasField("graph") or not model.graph.output:
+        # protobuf parses many non-ONNX files (and truncated ones) into an empty message without complaint
+        raise InputFileError(f"{p} is not a readable ONNX model (no graph in it: damaged, truncated or another "
+                             "kind of file)",
+                             hint="re-export the model; the file may be truncated or not ONNX")
+    _check_external_data(model, p)
+    if load_external_data:
+        try:
+            onnx.load_external_data_for_model(model, str(p.parent))
+        except Exception as exc:
+            raise InputFileError(f"cannot read the external weights of {p} ({first_line(exc)})",
+                                 hint="keep the model's .data file(s) beside it, complete, as exported") from None
+    return model
+
+
+def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Every external-data file the model names is there (a model copied without its ``.data`` file otherwise
+    fails deep inside a builder), and inside the model's folder."""
+    for tensor in _tensors(model.graph):
+        if not onnx.external_data_helper.uses_external_data(tensor):
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = path.parent / location
+        if not location or Path(location).is_absolute() or ".." in Path(location).parts:
+            raise InputFileError(f"{path}: tensor '{tensor.name}' points at external data '{location}' outside "
+                                 "the model's folder", hint="re-export the model with its weights beside it")
+        if not target.is_file():
+            raise InputFileError(f"{path}: the external-data file {target} holding tensor '{tensor.name}' is missing",
+                                 hint=f"copy {location} beside {path.name} (ONNX models over 2 GB keep their "
+                                      "weights in such files), or re-export the model")
+
+
+def _tensors(graph: onnx.GraphProto) -> Any:
+    """Every tensor stored in ``graph``: initializers and attribute tensors, subgraphs (If/Loop bodies) included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _tensors(sub)
 
 
 def check_onnx(model: onnx.ModelProto | str | Path, what: str = "model") -> None:

@@ -166,6 +166,7 @@ class EngineValidation(Part):
     speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)
     failures: list[str] = Field(default_factory=list)
     dropped: str | None = None  # why a validated engine is not packaged (precision.require_speedup)
+    gates: dict[str, float | None] = Field(default_factory=dict)  # the thresholds it was held to (report shows them)
 
 
 class ValidationResult(Record):

@@ -28,6 +28,7 @@ class BuildRequest:
     inputs: list[TensorSpec]
     max_batch: int = 32  # bounds default optimization profiles and the batch sizes autotuned
     keep_fp32: list[str] | None = None  # FP16 converted at build time: nodes the precision stage kept FP32
+    name: str = ""  # the engine's name, for messages (``out`` is a staging folder whose name means nothing to users)
 
 
 @dataclass(frozen=True)

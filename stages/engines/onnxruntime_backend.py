@@ -30,11 +30,12 @@ ATTENTION_OPS = {"Softmax", "MatMul"}
 
 
 def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                     keep_fp32: list[str] | None = None, max_batch: int = 32) -> dict[str, Any]:
+                     keep_fp32: list[str] | None = None, max_batch: int = 32, name: str = "") -> dict[str, Any]:
     """Write ``out/engine.onnx`` and, where it can, autotune its session settings on this machine (see
     ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned."""
     import onnxruntime as ort
 
+    name = name or out.name  # ``out`` may be a staging folder: callers name the engine
     model = onnx.load(str(onnx_path))
     notes: dict[str, Any] = {}
     fused, notes["transformer_fusion"] = maybe_fuse(model, device, cfg)
@@ -61,13 +62,13 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     built = {"files": files, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
              "versions": {"onnxruntime": ort.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
     if skip:
-        log.info("not autotuning %s: %s", out.name, skip)
+        log.info("not autotuning %s: %s", name, skip)
         built["autotune"] = {"skipped": skip}
         return built
     inputs, _ = io_specs(model)
     batches = sorted(set(cfg.autotune.batch_sizes or [1, max_batch]))
     base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
-    built["autotune"] = autotune(out, {**built, "name": out.name, "device": device, "inputs": inputs}, onnx_path,
+    built["autotune"] = autotune(out, {**built, "name": name, "device": device, "inputs": inputs}, onnx_path,
                                  cfg.autotune, base, knobs, batches, per_batch=device == "cuda")
     _drop_unused_unfused(out, built)
     return built
@@ -237,7 +238,7 @@ def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2) -> str |
 # ------------------------------------------------------------------------------------------------ registration
 def _build(req: BuildRequest) -> dict[str, Any]:
     return build_ort_engine(req.onnx_path, req.out, req.device, req.precision, req.config.onnxruntime,
-                            req.keep_fp32, req.max_batch)
+                            req.keep_fp32, req.max_batch, req.name)
 
 
 def _can_run(meta: EngineMetadata) -> tuple[bool, str]:

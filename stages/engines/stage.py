@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import kiln.stages.engines
-from kiln.core.artifacts import atomic_dir, hash_file, hash_json
+from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.env import environment_subset
-from kiln.core.errors import BuildError, ConfigError
+from kiln.core.errors import BuildError, ConfigError, KilnError
+from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, Variants
@@ -18,7 +19,7 @@ from kiln.core.stage import Stage, StageContext
 from kiln.core.text import fmt
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.config import BuildConfig
-from kiln.stages.engines.engines import SIDECAR
+from kiln.stages.engines.engines import SIDECAR, read_metadata
 from kiln.stages.engines.registry import BACKENDS, backend_named
 from kiln.stages.precision.config import PRECISIONS
 
@@ -39,11 +40,12 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
     chosen = _check_choice(backend, device, precision)
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
     inputs, outputs = io_specs(load_onnx(onnx_path, load_external_data=False))
+    check_batch_fits(inputs, max_batch)  # profiles and autotuning allocate batches this large
     name = name or chosen.engine_name(device, precision)
     t0 = time.perf_counter()
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         built = chosen.build(BuildRequest(onnx_path, out, device, precision, cfg, Path(cache_dir), inputs, max_batch,
-                                          keep_fp32))
+                                          keep_fp32, name))
         source = EngineSource(file=onnx_path.name, sha256=hash_file(onnx_path),
                               kept_fp32=sorted(keep_fp32) if keep_fp32 else None)
         meta = EngineMetadata(name=name, backend=backend, device=device, precision=precision, inputs=inputs,
@@ -117,11 +119,40 @@ def _build_with_fallback(root: Path, src: str, keep: list[str] | None, own_graph
                             ctx.progress, max_batch=max_batch)
 
 
-def build_direct(src: Path, out: Path, backend: str, device: str, precision: str, cfg: BuildConfig) -> EngineMetadata:
+def default_device(backend: str) -> str:
+    """The device ``kiln build --backend B`` builds for when none is given: the backend's only one (TensorRT:
+    cuda, which TensorRT-RTX builds for on a machine without a GPU), else the CPU."""
+    devices = backend_named(backend).devices
+    return devices[0] if len(devices) == 1 else "cpu"
+
+
+def build_direct(src: Path, out: Path, backend: str, device: str | None, precision: str,
+                 cfg: BuildConfig) -> EngineMetadata:
     """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``)."""
+    device = device or default_device(backend)
+    _check_choice(backend, device, precision)
     load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
-    out.mkdir(parents=True, exist_ok=True)
+    refuse_foreign_folder(out)
+    ensure_writable(out.parent, "the -o folder's parent")
     return build_engine(src, out, backend, device, precision, cfg, out.parent / ".kiln-cache")
+
+
+def refuse_foreign_folder(out: Path) -> None:
+    """The engine replaces ``out`` as a whole (atomically): allowed only where ``out`` is new, empty, or an engine
+    Kiln wrote (its sidecar lists every file). Anything else holds files Kiln did not create, never deleted."""
+    if out.is_file():
+        raise ConfigError(f"-o {out} is a file; an engine is a folder", hint="give a new or empty folder for -o")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        ours = set(read_metadata(out).file_hashes) | {SIDECAR}
+    except KilnError:
+        ours = set()
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"-o {out} already holds files Kiln did not write ({shown}); building there would "
+                          "replace them", hint="give a new or empty folder for -o (or one a previous `kiln build` wrote)")
 
 
 def report_section(summary: dict[str, Any]) -> list[str]:

@@ -5,7 +5,7 @@ from typing import Any
 
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, ValidationError, field_validator
 
 
 def _default_per_precision() -> dict[str, dict[str, float]]:
@@ -14,12 +14,12 @@ def _default_per_precision() -> dict[str, dict[str, float]]:
 
 
 class GatesConfig(Section):
-    min_cosine: float = Field(0.9999, le=1.0, description="cosine similarity of the logits output, flattened, vs "
+    min_cosine: float = Field(0.9999, ge=-1.0, le=1.0, description="cosine similarity of the logits output, flattened, vs "
                                                                "PyTorch (kiln.core.compare 'cosine')")
-    max_abs_err: float | None = Field(None, description="max abs output error vs PyTorch; null = unchecked")
-    min_top1_agreement: float = Field(0.99, le=1.0, description="fraction of samples whose argmax matches PyTorch")
-    max_accuracy_drop: float = Field(0.01, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
-    max_latency_p50_ms: float | None = Field(None, description="latency budget at the largest batch size")
+    max_abs_err: float | None = Field(None, ge=0, description="max abs output error vs PyTorch; null = unchecked")
+    min_top1_agreement: float = Field(0.99, ge=0, le=1.0, description="fraction of samples whose argmax matches PyTorch")
+    max_accuracy_drop: float = Field(0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
+    max_latency_p50_ms: float | None = Field(None, gt=0, description="latency budget at the largest batch size")
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
     per_precision: dict[str, dict[str, float]] = Field(
         default_factory=lambda: _default_per_precision(),
@@ -48,6 +48,11 @@ class GatesConfig(Section):
             unknown = sorted(set(overrides) - set(gates))
             if unknown:
                 raise ValueError(f"unknown gate {unknown} for {precision} (valid gates: {', '.join(gates)})")
+            for gate, limit in overrides.items():  # the same bounds as the gate itself (a plain dict escapes them)
+                try:
+                    cls.model_validate({gate: limit})
+                except ValidationError as exc:
+                    raise ValueError(f"{precision}.{gate}: {exc.errors()[0]['msg']} (got {limit!r})") from None
         return value
 
 

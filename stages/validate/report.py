@@ -23,15 +23,29 @@ def report_section(summary: dict[str, Any]) -> list[str]:
              + " | ".join(f"{b.latency_ms[s].p50:.3f}" for s in sizes) + " | 1.00 |"]
     for e in v.engines:
         if e.status != "validated":
-            lines.append(f"| {e.name} | {e.precision} | not run: {e.reason or ''} |" + " |" * (5 + len(sizes)))
+            lines.append(f"| {e.name} | {e.precision} | not run here (targets {e.device.upper()}): {e.reason or ''} |"
+                         + " |" * (5 + len(sizes)))
             continue
-        lat = " | ".join(f"{e.latency_ms[s].p50:.3f}" for s in sizes)
+        g = e.gates
+        lat = " | ".join(f"{e.latency_ms[s].p50:.3f}" for s in sizes[:-1])
+        last = _gated(f"{e.latency_ms[sizes[-1]].p50:.3f}", "≤", g.get("max_latency_p50_ms"))
+        drop = None if g.get("max_accuracy_drop") is None or b.accuracy is None else b.accuracy - g["max_accuracy_drop"]
         lines.append(f"| {e.name} | {e.precision} | {'yes' if e.passed else '**no**'} | "
-                     f"{fmt(e.max_abs_err, '.2e')} | {fmt(e.cosine, '.6f')} | {fmt(e.top1_agreement)} | "
-                     f"{fmt(e.accuracy)} | {lat} | {e.speedup_vs_baseline[sizes[-1]]:.2f} |")
+                     f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
+                     f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
+                     f"{_gated(fmt(e.top1_agreement), '≥', g.get('min_top1_agreement'))} | "
+                     f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
+                     f"{lat + ' | ' if lat else ''}{last} | {e.speedup_vs_baseline[sizes[-1]]:.2f} |")
+    if any(e.gates for e in v.engines):
+        lines += ["", "Each value is followed by its gate in parentheses (`validate.gates`, per precision); a value "
+                      "without one is not gated."]
     if v.failures:
         lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v.failures]
     return lines + _speed_table(v)
+
+
+def _gated(value: str, op: str, limit: float | None) -> str:
+    return value if limit is None else f"{value} ({op} {limit:g})"
 
 
 def _speed_table(v: ValidationResult) -> list[str]:

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from kiln.core.compare import compare_arrays
 from kiln.core.env import environment_subset
-from kiln.core.records import Baseline, EngineValidation, Percentiles, ValidationResult
+from kiln.core.inputs import check_batch_fits
+from kiln.core.records import Baseline, EngineValidation, Percentiles, TensorSpec, ValidationResult
 from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.engines import engine_dirs, read_metadata
@@ -109,7 +110,8 @@ def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndar
                                                                       cfg.iterations))
                 bar.advance()
     entry.speedup_vs_baseline = {bs: baseline.latency_ms[bs].p50 / lat.p50 for bs, lat in entry.latency_ms.items()}
-    entry.failures = check_gates(entry, baseline.accuracy, gates_for(cfg, meta.precision), largest)
+    entry.gates = gates_for(cfg, meta.precision)
+    entry.failures = check_gates(entry, baseline.accuracy, entry.gates, largest)
     entry.passed = not entry.failures
     entry.status = "validated"
     return entry
@@ -122,6 +124,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     n = len(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, len(data.val_x))
     xt, y = data.val_x[:n], data.val_y[:n].numpy()
     x = xt.numpy()
+    check_batch_fits([TensorSpec(name="input", shape=["batch", *x.shape[1:]], dtype=x.dtype.name)], max(cfg.batch_sizes))
     model = load_trained(ctx.inputs["train"], ctx.config)
     with torch.inference_mode():
         ref = batched(lambda b: model(torch.from_numpy(b)).numpy(), x, max(cfg.batch_sizes))

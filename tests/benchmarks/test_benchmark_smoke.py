@@ -30,6 +30,13 @@ def test_precision_bench_marks_the_ort_cpu_graph_kiln_uses(tmp_path: Path) -> No
         assert sum(v["kiln_ort_cpu_engine"] for v in r["variants"].values()) == 1
 
 
+def test_cache_check_bench_times_both_checks(tmp_path: Path) -> None:
+    _run("cache_check_bench.py", "--mb", "4", "--repeats", "1", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "cache_check-4mb.json").read_text())
+    assert res["median_seconds"]["content"] > 0 and res["median_seconds"]["size_only"] > 0
+    assert res["workdir_mb"] >= 4 and "CPUs" in res["machine"]
+
+
 def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) -> None:
     _run("optimize_bench.py", "--smoke", "--models", "lstm", "--runs", "2", "--out", str(tmp_path))
     res = json.loads((tmp_path / "optimize.json").read_text())["results"]["lstm"]
