@@ -20,6 +20,7 @@ from kiln.core.records import EngineMetadata, PrecisionVariant
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan, TritonModel
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
+from kiln.stages.engines.dynamic_axes import lost_in_model
 from kiln.stages.engines.onnxruntime_runner import OrtCpuRunner, OrtCudaRunner
 from kiln.stages.engines.ort_autotune import autotune, relevant_knobs
 from kiln.stages.engines.tensorrt_weak import model_carries_precision
@@ -47,16 +48,20 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     keep_fused = None
     if keep_fp32 and to_fp16:
         keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32)
-    conversion = _write_engine(fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fused)
+    conversion, offline = _write_engine(fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16,
+                                        keep_fused)
     if conversion:
         notes["fp16_conversion"] = conversion
     files = {"model": "engine.onnx"}
     if applied and False in knobs.get("transformer_fusion", []):  # the unfused graph is a candidate too
         _write_engine(model, out / "engine-unfused.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fp32)
         files["model_unfused"] = "engine-unfused.onnx"
+    if offline != _offline_level(device, cuda_here):
+        notes["offline_fallback"] = ("the CUDA EP's offline optimization fixed dynamic axes; optimized offline with "
+                                     "the CPU EP at 'basic' instead (the CUDA EP fuses at load)")
     session = {"providers": provider_list(device, cfg, conv, precision),
                "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
-               "execution_mode": cfg.execution_mode, "offline_optimization": _offline_level(device, cuda_here),
+               "execution_mode": cfg.execution_mode, "offline_optimization": offline,
                "load_optimization": "all"}
     built = {"files": files, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
              "versions": {"onnxruntime": ort.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
@@ -136,9 +141,14 @@ def _offline_level(device: str, cuda_here: bool) -> str:
 
 
 def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                  cuda_here: bool, to_fp16: bool, keep_fp32: list[str] | None) -> str | None:
+                  cuda_here: bool, to_fp16: bool, keep_fp32: list[str] | None) -> tuple[str | None, str]:
     """FP16 conversion (``to_fp16``: asked for, and the graph is FP32), then ORT's offline optimization saved to
-    ``dst``."""
+    ``dst``. Returns the conversion note and the offline level used.
+
+    An engine must take every shape its graph takes (issue 12: a BERT FP16 engine saved through the CUDA EP came
+    out with ``input_ids: [1, 128]``). If the CUDA EP's save fixed a dynamic axis, the model is saved again through
+    the CPU EP at the EP-independent 'basic' level, the remedy ORT's maintainers give for CUDA-EP-saved models
+    (microsoft/onnxruntime#2474); the CUDA EP then applies its own fusions at load time."""
 
     note = None
     if to_fp16:
@@ -157,14 +167,20 @@ def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str
     src = dst.with_suffix(".source.onnx")
     onnx.save(model, str(src))
     offline = _offline_level(device, cuda_here)
-    providers = provider_list(device, cfg, has_conv(model), precision) if device == "cuda" and cuda_here \
-        else ["CPUExecutionProvider"]
+    on_cuda = device == "cuda" and cuda_here
+    providers = provider_list(device, cfg, has_conv(model), precision) if on_cuda else ["CPUExecutionProvider"]
     try:  # the session writes the optimized model
         ort_session(src, providers=providers, options=session_options(optimization=offline, optimized_path=dst),
                     error=BuildError)
+        lost = lost_in_model(model, onnx.load(str(dst), load_external_data=False))
+        if lost and on_cuda:
+            log.warning("%s: the CUDA EP's offline optimization fixed %s; saving through the CPU EP instead",
+                        dst.name, "; ".join(lost[:3]))
+            offline = "basic"
+            ort_session(src, options=session_options(optimization=offline, optimized_path=dst), error=BuildError)
     finally:
         src.unlink(missing_ok=True)
-    return note
+    return note, offline
 
 
 def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> list[Any]:

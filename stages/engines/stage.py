@@ -18,6 +18,7 @@ from kiln.core.stage import Stage, StageContext
 from kiln.core.text import fmt
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.engines import SIDECAR
 from kiln.stages.engines.registry import BACKENDS, backend_named
 from kiln.stages.precision.config import PRECISIONS
@@ -44,6 +45,9 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         built = chosen.build(BuildRequest(onnx_path, out, device, precision, cfg, Path(cache_dir), inputs, max_batch,
                                           keep_fp32))
+        for file in built["files"].values():  # an ONNX engine must take every shape its source graph takes
+            if file.endswith(".onnx"):
+                check_engine_graph(onnx_path, out / file, name)
         source = EngineSource(file=onnx_path.name, sha256=hash_file(onnx_path),
                               kept_fp32=sorted(keep_fp32) if keep_fp32 else None)
         meta = EngineMetadata(name=name, backend=backend, device=device, precision=precision, inputs=inputs,
