@@ -122,16 +122,20 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         et = Table(title="Engines vs PyTorch", show_edge=False)
         for col in ("engine", "passed", "cosine", "top-1 agree", "accuracy", "p50 ms (largest batch)", "speedup"):
             et.add_column(col, overflow="fold")
-        b = v.baseline
-        largest = list(b.latency_ms)[-1]
-        et.add_row("pytorch (baseline)", "", "", "", _fmt(b.accuracy), f"{b.latency_ms[largest].p50:.3f}", "1.00")
+        largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
+        for b in v.baselines or [v.baseline]:
+            lat = b.latency_ms.get(largest)
+            et.add_row(f"pytorch {b.label} (baseline)", "", "", "", _fmt(b.accuracy),
+                       f"{lat.p50:.3f}" if lat else "-", "1.00")
         for e in v.engines:
             if e.status != "validated":
                 et.add_row(e.name, "[yellow]not run here[/]", "", "", "", "", "")
                 continue
-            et.add_row(e.name, "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
+            speed = e.speedup_vs_baseline.get(largest)
+            et.add_row(e.name + (" [bold](chosen)[/]" if v.chosen.get(largest) == e.name else ""),
+                       "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
                        _fmt(e.top1_agreement), _fmt(e.accuracy), f"{e.latency_ms[largest].p50:.3f}",
-                       f"{e.speedup_vs_baseline[largest]:.2f}x")
+                       f"{speed:.2f}x vs {e.device}" if speed else "-")
         console.print(et)
         for e in v.engines:
             if e.status != "validated":

@@ -61,6 +61,8 @@ class Backend:
     # Which graph of a precision variant this engine is built from, and the nodes to keep FP32 when converting.
     source: Callable[["Backend", str, str, dict[str, PrecisionVariant], BuildConfig],
                      tuple[str, list[str] | None]] | None = None
+    # Preference among engines within timing noise of each other (validate's per-batch choice): lower first.
+    rank: int = 100
 
     def engine_name(self, device: str, precision: str) -> str:
         return f"{self.name}-{device}-{precision}" if len(self.devices) > 1 else f"{self.name}-{precision}"

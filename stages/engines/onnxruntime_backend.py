@@ -278,5 +278,5 @@ BACKEND = Backend(
     name="onnxruntime", devices=("cpu", "cuda"), settings=lambda cfg: cfg.onnxruntime,
     plan=lambda cfg, precision: Plan(list(cfg.onnxruntime.devices)), build=_build,
     runners={"cpu": OrtCpuRunner, "cuda": OrtCudaRunner}, can_run=_can_run,
-    triton=TritonModel("onnxruntime_onnx", "model.onnx"), source=_source,
+    triton=TritonModel("onnxruntime_onnx", "model.onnx"), source=_source, rank=10,
 )

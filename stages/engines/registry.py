@@ -25,6 +25,11 @@ def backend_named(name: str) -> Backend:
     return BACKENDS[name]
 
 
+def preference_order() -> list[str]:
+    """Backend names, preferred first (``Backend.rank``; TensorRT first wherever it runs)."""
+    return sorted(BACKENDS, key=lambda name: BACKENDS[name].rank)
+
+
 def runnable(meta: EngineMetadata) -> tuple[bool, str]:
     """Whether this machine can execute the engine, and why not (a sentence for reports)."""
     backend = BACKENDS.get(meta.backend)
