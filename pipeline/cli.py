@@ -274,7 +274,7 @@ def precision(config: str | None, workdir: str, sets: tuple[str, ...], quiet: bo
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True)
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "torch"]), default="onnxruntime", show_default=True)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--precision", "precision_", default="fp32", show_default=True,
               help="label of the graph's precision (precision lives in the graph: see `kiln precision`)")

@@ -28,6 +28,9 @@ class BuildRequest:
     inputs: list[TensorSpec]
     max_batch: int = 32  # bounds default optimization profiles and the batch sizes autotuned
     keep_fp32: list[str] | None = None  # FP16 converted at build time: nodes the precision stage kept FP32
+    # The trained PyTorch model (FP32, eval, CPU), for backends that compile it rather than the ONNX graph; None
+    # where no PyTorch model exists (``kiln build model.onnx``). A loader, so other backends never load it.
+    torch_model: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
