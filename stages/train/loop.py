@@ -5,7 +5,8 @@ Parameters stay FP32 (master weights) and the loss is computed in FP32 on FP32 l
 is split into ``grad_accum_steps`` micro-batches whose losses are weighted by their share of the batch,
 so accumulation gives the same update as one big batch, the short last batch included. Under DDP,
 gradients are all-reduced only on the last micro-step (``no_sync`` on the others): syncing on every
-micro-step would move the same bytes K times for the same result.
+micro-step would move the same bytes K times for the same result. With ``train.compile`` the forward
+runs through ``torch.compile`` (:mod:`kiln.stages.train.compile`); everything around it stays eager.
 
 Nothing in a step waits for the GPU: non-finite steps are skipped on the device, and the loss and
 gradient norm reach the host one step late (:mod:`kiln.stages.train.health`). The loop drains them before
@@ -26,6 +27,7 @@ from kiln.core.data import DatasetSplits
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
 from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.compile import CompiledModel
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
 from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
@@ -69,14 +71,17 @@ SCHED_WARNING = r"Detected call of `lr_scheduler.step\(\)` before"
 
 @torch.no_grad()
 def evaluate_loss_acc(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-                      env: DistEnv = DistEnv(), batch: int = 256) -> tuple[float, float]:
-    """FP32 validation loss and accuracy; each process takes every W-th sample, then one all-reduce."""
+                      env: DistEnv = DistEnv(), batch: int = 256,
+                      forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, float]:
+    """FP32 validation loss and accuracy; each process takes every W-th sample, then one all-reduce.
+    ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
     was_training = model.training
     model.eval()
+    run = forward or model
     x, y = x[env.rank::env.world_size], y[env.rank::env.world_size]
     correct, loss_sum = 0.0, 0.0
     for i in range(0, len(x), batch):
-        logits = model(x[i:i + batch].to(device)).float()
+        logits = run(x[i:i + batch].to(device)).float()
         target = y[i:i + batch].to(device)
         loss_sum += nn.functional.cross_entropy(logits, target, reduction="sum").item()
         correct += (logits.argmax(-1) == target).sum().item()
@@ -124,6 +129,15 @@ def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0
     return result
 
 
+def _compile_note(c: dict[str, Any]) -> str:
+    """One log line: what torch.compile did in this run."""
+    state = f"fell back to eager ({c['fallback']})" if c["fallback"] else f"mode {c['mode']}"
+    note = (f"{state}; {c['graphs']} graphs, {c['recompiles']} recompiles, {c['graph_breaks']} graph breaks, "
+            f"{c['compile_s']:.1f} s compiling")
+    reasons = c["recompile_reasons"] + c["graph_break_reasons"]
+    return note + (" (" + "; ".join(reasons[:3]) + ")" if reasons else "")
+
+
 class _Trainer:
     """State of one run. A class only so the step and the epoch can be short methods sharing it."""
 
@@ -153,6 +167,9 @@ class _Trainer:
         self.acc: dict[str, float] = {}  # running sums of the current epoch (this process's share)
         self._maybe_resume()
         self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
+        # What the steps call: torch.compile of the DDP module (DDP first: see compile.py), or the module itself.
+        # self.model stays the plain module, so state dicts never carry torch.compile's "_orig_mod." prefix.
+        self.net = CompiledModel(self.ddp, cfg.compile_options)
         self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
 
     # -- resume / checkpoint ------------------------------------------------------------------------
@@ -178,7 +195,7 @@ class _Trainer:
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
-        self.model.load_state_dict(state["model"])
+        self.model.load_state_dict(ckpt.plain_keys(state["model"]))
         self.opt.load_state_dict(state["optimizer"])  # moments and step counts; its lr etc. are replaced below
         zero_momentum_buffers(self.opt)
         with warnings.catch_warnings():
@@ -254,6 +271,9 @@ class _Trainer:
                 bar.advance(1, note=note)
         self._save(complete=True)
         r = self.result
+        r.compile = self.net.summary()
+        if r.compile is not None:
+            log.info("torch.compile: %s", _compile_note(r.compile))
         r.selected_epoch = r.history[-1].epoch if r.history else None
         if self.cfg.checkpoint.select == "best" and r.best_epoch is not None and self.ckpt_dir:
             self._load_best()
@@ -289,25 +309,16 @@ class _Trainer:
         return m
 
     def _step(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
-        chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
-        total: torch.Tensor | None = None
         self.guard.save()  # the forward passes update BatchNorm statistics even if the step is then skipped
-        for i, (cx, cy) in enumerate(chunks):
-            last = i == len(chunks) - 1
-            sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
-            with sync:
-                cx = cx.to(self.device, non_blocking=True)
-                cy = cy.to(self.device, non_blocking=True)
-                with autocast(self.device, self.precision):
-                    logits = self.ddp(cx)
-                # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
-                # to the mean over the whole batch, also when the last micro-batch is smaller.
-                loss = self.loss_fn(logits.float(), cy)
-                if len(cx) != len(xb):  # one micro-batch: weight 1, no extra kernels
-                    loss = loss * (len(cx) / len(xb))
-                self.scaler.scale(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        assert total is not None
+        try:
+            total = self._forward_backward(xb, yb)
+        except self.net.errors as exc:  # a backward graph failed to compile (forward failures: CompiledModel)
+            if not self.net.compiled:
+                raise
+            self.net.fall_back(exc)  # raises with fullgraph: true
+            self.opt.zero_grad(set_to_none=True)  # the step again from scratch, eagerly
+            self.guard.restore()
+            total = self._forward_backward(xb, yb)
         self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
         norm = grad_norm(self.params, self.cfg.grad_clip)
         self.result.global_step += 1
@@ -334,6 +345,28 @@ class _Trainer:
         # With device-side skipping these are the previous step's values; this step's work is queued
         # behind them, so the GPU stays busy while the host looks.
         self._account(done if not self.device_skip else list(self.stats.ready()))
+
+    def _forward_backward(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """The micro-steps of one batch: forward, FP32 loss, scaled backward. Returns the batch's loss."""
+        chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
+        total: torch.Tensor | None = None
+        for i, (cx, cy) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
+            with sync:
+                cx = cx.to(self.device, non_blocking=True)
+                cy = cy.to(self.device, non_blocking=True)
+                with autocast(self.device, self.precision):
+                    logits = self.net(cx)
+                # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
+                # to the mean over the whole batch, also when the last micro-batch is smaller.
+                loss = self.loss_fn(logits.float(), cy)
+                if len(cx) != len(xb):  # one micro-batch: weight 1, no extra kernels
+                    loss = loss * (len(cx) / len(xb))
+                self.scaler.scale(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total
 
     def _drain(self) -> None:
         self._account(list(self.stats.drain()))
@@ -397,7 +430,7 @@ class _Trainer:
                          skipped_steps=int(skipped / self.env.world_size), nonfinite_steps=int(bad / self.env.world_size))
         if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
             m.val_loss, m.val_accuracy = evaluate_loss_acc(self.model, self.data.val_x, self.data.val_y,
-                                                           self.device, self.env)
+                                                           self.device, self.env, forward=self.net)
             r = self.result
             if r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy:
                 r.best_val_accuracy, r.best_epoch = m.val_accuracy, m.epoch
