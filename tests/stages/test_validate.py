@@ -137,3 +137,29 @@ def test_pipeline_times_engines_against_eager_and_compiled_pytorch(tmp_path: Pat
         assert name in {e["name"] for e in passing}
     report = (tmp_path / "report.md").read_text()
     assert "Chosen engine per batch size" in report and "### Memory" in report and "compile-cpu" in report
+
+
+@pytest.mark.gpu
+def test_cuda_engines_are_timed_against_pytorch_on_the_gpu(tmp_path: Path) -> None:
+    """Issue 12: a CPU baseline against a GPU engine reported 168x. Every engine's speedup is against PyTorch on
+    its own device; the CUDA baselines ran on the GPU (fast), the CPU ones on the CPU."""
+    from kiln.api import run_pipeline
+    from kiln.config import config_from_dict
+
+    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.devices": ["cpu", "cuda"],
+                                               "validate.baselines": ["eager", "compile"],
+                                               "validate.baseline_precisions": ["fp32", "fp16"]}))
+    result, _ = run_pipeline(cfg, tmp_path)
+    assert result.ok
+    v = json.loads((tmp_path / "validate" / "validation.json").read_text())
+    labels = {f"{b['kind']}-{b['device']}" + ("" if b["precision"] == "fp32" else "-fp16"): b for b in v["baselines"]}
+    assert set(labels) == {"eager-cpu", "compile-cpu", "eager-cuda", "compile-cuda", "eager-cuda-fp16",
+                           "compile-cuda-fp16"}, [(k, b["error"]) for k, b in labels.items()]
+    assert all(b["error"] is None for b in labels.values()), [(k, b["error"]) for k, b in labels.items()]
+    assert "mem_get_info" in labels["eager-cuda"]["memory"]["method"]
+    cuda = next(e for e in v["engines"] if e["device"] == "cuda")
+    assert set(cuda["speedups"]) == {"eager-cuda", "compile-cuda", "eager-cuda-fp16", "compile-cuda-fp16"}
+    assert cuda["speedup_vs_baseline"] == cuda["speedups"]["eager-cuda"]
+    assert cuda["memory"]["peak_mb"] is not None and "mem_get_info" in cuda["memory"]["method"]
+    print({k: {bs: p["p50"] for bs, p in b["latency_ms"].items()} for k, b in labels.items()},
+          {e["name"]: e["speedups"] for e in v["engines"]}, v["chosen"])

@@ -62,6 +62,9 @@ def _build_and_run(tmp_path: Path, device: str) -> None:
             assert got.shape == (batch, 2)
             cos = float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want))
             assert cos > 0.999, (batch, cos)
+    # Which step would have pinned (issue 12's root-cause check on the GPU host: the CUDA EP's offline save?)
+    print("offline_fallback:", meta.builder_settings.get("offline_fallback"),
+          "offline level:", (meta.session or {}).get("offline_optimization"))
     if device == "cuda":  # every trial that was timed ran its batch (the shape check), none failed on shape
         assert all("another shape" not in (t.get("error") or "") for t in meta.autotune["trials"])
         assert set(meta.autotune["choice_by_batch"]) == {"1", "32"}
