@@ -79,3 +79,20 @@ def test_two_input_transformer_fp16_cuda_engine_takes_batch_1_and_32(tmp_path: P
     if not HAS_CUDA_EP:
         pytest.skip("onnxruntime-gpu's CUDAExecutionProvider is not installed")
     _build_and_run(tmp_path, "cuda")
+
+
+def test_cuda_offline_save_that_pins_axes_falls_back_to_the_converted_graph(tmp_path: Path, monkeypatch) -> None:
+    """The fallback path, with the CUDA EP's pinning simulated (this machine has no CUDA EP): the engine file is the
+    converted FP16 graph itself (FP16 weights, dynamic batch), not a CPU-EP save, and no temporary file is left."""
+    from kiln.stages.engines import onnxruntime_backend as backend
+
+    src = onnx.load(str(export_two_input(tmp_path / "src.onnx")))
+    monkeypatch.setattr(backend, "lost_in_model", lambda a, b: ["input_ids[0]: 'batch' -> 1"])
+    dst = tmp_path / "engine.onnx"
+    note, offline = backend._write_engine(src, dst, "cuda", "fp16", OnnxRuntimeConfig(devices=["cuda"]),
+                                          cuda_here=True, to_fp16=True, keep_fp32=None)
+    assert offline == "none" and "float16" in note
+    engine = onnx.load(str(dst))
+    assert [d.dim_param for d in engine.graph.input[0].type.tensor_type.shape.dim] == ["batch", ""]
+    assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in engine.graph.initializer)
+    assert not (tmp_path / "engine.source.onnx").exists()
