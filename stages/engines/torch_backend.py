@@ -129,7 +129,7 @@ def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: floa
         torch.save(tuple(a.cpu() for a in args), sample)
         try:
             done = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(package), str(sample), device],
-                                  capture_output=True, text=True, timeout=timeout)
+                                  capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             raise BuildError(f"loading the AOTInductor package took over {timeout:.0f}s",
                              hint="raise build.torch.load_check_timeout_s") from None
@@ -203,8 +203,8 @@ def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
 
     built = meta.versions.get("torch")
     if built != torch.__version__:
-        return False, f"built with torch {built}, this is torch {torch.__version__} (AOTInductor packages are " \
-                      "tied to the torch that built them)"
+        return False, (f"built with torch {built}, this is torch {torch.__version__} (AOTInductor packages are "
+                       "tied to the torch that built them)")
     if meta.device == "cuda" and not torch.cuda.is_available():
         return False, "torch sees no CUDA GPU"
     return True, ""

@@ -1,8 +1,17 @@
+import json
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
-from kiln.core.records import EngineValidation
+import torch
+from kiln.core.records import Baseline, EngineValidation, Percentiles
+from kiln.stages.validate.baselines import measure, speedups
 from kiln.stages.validate.config import ValidateConfig
-from kiln.stages.validate.stage import check_gates, compare, gates_for, percentiles
+from kiln.stages.validate.memory import PeakMemory
+from kiln.stages.validate.stage import check_gates, choose, compare, gates_for, percentiles
+
+from tests.conftest import tiny_config_dict
 
 
 def test_compare_identical_and_perturbed() -> None:
@@ -55,16 +64,6 @@ def test_percentiles_order() -> None:
 
 
 # ---------------------------------------------------------------- baselines per device, memory, chosen engine
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from kiln.core.records import Baseline, Percentiles  # noqa: E402
-from kiln.stages.validate.baselines import measure, speedups  # noqa: E402
-from kiln.stages.validate.memory import PeakMemory  # noqa: E402
-from kiln.stages.validate.stage import choose  # noqa: E402
-
-from tests.conftest import tiny_config_dict  # noqa: E402
 
 
 def lat(**p50: float) -> dict[str, Percentiles]:
@@ -92,9 +91,8 @@ def test_choice_per_batch_is_the_fastest_passing_engine_tensorrt_kept_within_noi
 def test_peak_memory_sees_an_allocation_on_the_cpu() -> None:
     with PeakMemory("cpu") as mem:
         block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
-        time_to_sample = np.add.reduce(block)  # noqa: F841
-        import time
-        time.sleep(0.05)
+        assert np.add.reduce(block) == block.size
+        time.sleep(0.05)  # the sampler's turn
         del block
     assert 50 < mem.peak_mb < 200, mem.peak_mb
 
@@ -133,8 +131,7 @@ def test_pipeline_times_engines_against_eager_and_compiled_pytorch(tmp_path: Pat
             e["speedups"]["eager-cpu"]
         assert e["memory"]["size_bytes"] > 0 and e["memory"]["peak_mb"] is not None
     passing = [e for e in v["engines"] if e["passed"]]
-    for bs, name in v["chosen"].items():
-        assert name in {e["name"] for e in passing}
+    assert v["chosen"] and set(v["chosen"].values()) <= {e["name"] for e in passing}
     report = (tmp_path / "report.md").read_text()
     assert "Chosen engine per batch size" in report and "### Memory" in report and "compile-cpu" in report
 
