@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,3 +30,15 @@ def test_precision_bench_marks_the_ort_cpu_graph_kiln_uses(tmp_path: Path) -> No
     for r in res["rows"]:
         assert {"int8", "ort_cpu_static", "ort_cpu_dynamic"} == set(r["variants"])
         assert sum(v["kiln_ort_cpu_engine"] for v in r["variants"].values()) == 1
+
+
+@pytest.mark.slow
+def test_engine_bench_two_input_hf_bert_with_the_validate_compile_baseline(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    _run("engine_bench.py", "--smoke", "--models", "hf_bert", "--rows", "eager32,baseline_compile,kiln,kiln_torch",
+         "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "engine_bench.json").read_text())["results"]
+    assert {(r["row"], r["batch"]) for r in rows} == {(row, b) for row in ("eager32", "baseline_compile", "kiln",
+                                                                            "kiln_torch") for b in (1, 4)}, rows
+    assert all(r["median_ms"] > 0 and r["cosine"] > 0.9999 for r in rows)  # all FP32 on the CPU
+    assert "validate.baselines compile" in (tmp_path / "engine_bench.md").read_text()
