@@ -137,6 +137,7 @@ def test_pipeline_times_engines_against_eager_and_compiled_pytorch(tmp_path: Pat
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(1200)  # torch.compile max-autotune of 4 graphs per baseline precision
 def test_cuda_engines_are_timed_against_pytorch_on_the_gpu(tmp_path: Path) -> None:
     """Issue 12: a CPU baseline against a GPU engine reported 168x. Every engine's speedup is against PyTorch on
     its own device; the CUDA baselines ran on the GPU (fast), the CPU ones on the CPU."""

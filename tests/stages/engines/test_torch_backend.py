@@ -79,6 +79,7 @@ def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> Non
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(900)  # max-autotune benchmarks kernel choices per shape
 def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path) -> None:
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32,
