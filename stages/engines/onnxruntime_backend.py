@@ -20,7 +20,7 @@ from kiln.core.records import EngineMetadata, PrecisionVariant
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan, TritonModel
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
-from kiln.stages.engines.dynamic_axes import lost_in_model
+from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime_runner import OrtCpuRunner, OrtCudaRunner
 from kiln.stages.engines.ort_autotune import autotune, relevant_knobs
 from kiln.stages.engines.tensorrt_weak import model_carries_precision
@@ -65,6 +65,8 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
                "load_optimization": "all"}
     built = {"files": files, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
              "versions": {"onnxruntime": ort.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
+    for file in files.values():  # before autotuning: never time an engine that lost its source's dynamic axes
+        check_engine_graph(onnx_path, out / file, out.name)
     if skip:
         log.info("not autotuning %s: %s", out.name, skip)
         built["autotune"] = {"skipped": skip}
