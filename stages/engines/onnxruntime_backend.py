@@ -66,7 +66,7 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     built = {"files": files, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
              "versions": {"onnxruntime": ort.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
     for file in files.values():  # before autotuning: never time an engine that lost its source's dynamic axes
-        check_engine_graph(onnx_path, out / file, out.name)
+        check_engine_graph(onnx_path, out / file, file)
     if skip:
         log.info("not autotuning %s: %s", out.name, skip)
         built["autotune"] = {"skipped": skip}
