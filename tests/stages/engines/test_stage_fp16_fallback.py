@@ -40,7 +40,7 @@ def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     fp16 = build_fp16(src, root / "fp16" / "model.onnx", FP16Config(), FallbackConfig(samples=64), x,
                       CalibrationConfig(cache=False))
     Variants(variants={"fp32": PrecisionVariant(path="fp32/model.onnx"), "fp16": _record(fp16)}).write(
-        root / "variants.json")  # as the precision stage writes it
+        root / "variants.json")
     cfg = config_from_dict({"build": {"backends": ["onnxruntime"]}, "validate": {"batch_sizes": [1, 8]}})
     assert cfg.build.onnxruntime.fp16_source == "fp32_graph"  # the default: ORT converts the FP32 graph itself
     (tmp_path / "out").mkdir()
