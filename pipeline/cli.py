@@ -196,20 +196,25 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     v = validation_of(report)
     if v:
         et = Table(title="Engines vs PyTorch", show_edge=False)
+        largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
+        labels = [f"pytorch {b.label}" for b in v.baselines or [v.baseline]]
         # engine names never wrap (three ONNX Runtime rows folded at 80 columns all read `onnxrunt...`)
-        et.add_column("engine", no_wrap=True, min_width=max([len("pytorch (baseline)")] + [len(e.name) for e in v.engines]))
+        et.add_column("engine", no_wrap=True,
+                      min_width=max([len(x) for x in labels] + [len(e.name) + 9 for e in v.engines]))
         for col in ("passed", "cosine", "top-1", "acc.", "p50 ms", "speedup"):  # fits 80 columns
             et.add_column(col, no_wrap=True)
-        b = v.baseline
-        largest = list(b.latency_ms)[-1]
-        et.add_row("pytorch (baseline)", "", "", "", _fmt(b.accuracy), f"{b.latency_ms[largest].p50:.3f}", "1.00")
+        for label, b in zip(labels, v.baselines or [v.baseline]):
+            lat = b.latency_ms.get(largest)
+            et.add_row(label, "", "", "", _fmt(b.accuracy), f"{lat.p50:.3f}" if lat else "-", "1.00")
         for e in v.engines:
             if e.status != "validated":
                 et.add_row(e.name, "[yellow]not run[/]", "", "", "", "", "")
                 continue
-            et.add_row(e.name, "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
+            speed = e.speedup_vs_baseline.get(largest)
+            et.add_row(e.name + (" [bold](chosen)[/]" if v.chosen.get(largest) == e.name else ""),
+                       "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
                        _fmt(e.top1_agreement), _fmt(e.accuracy), f"{e.latency_ms[largest].p50:.3f}",
-                       f"{e.speedup_vs_baseline[largest]:.2f}x")
+                       f"{speed:.2f}x vs {e.device}" if speed else "-")
         console.print(et)
         for e in v.engines:
             if e.status != "validated":

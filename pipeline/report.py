@@ -39,8 +39,8 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     if result.error is not None:
         report["error"] = str(result.error)
     if validation:
-        report["validation"] = {k: validation[k] for k in ("passed", "baseline", "engines", "failures",
-                                                          "speed_vs_fp32", "dropped") if k in validation}
+        report["validation"] = {k: validation[k] for k in ("passed", "baseline", "baselines", "engines", "failures",
+                                                          "speed_vs_fp32", "dropped", "chosen") if k in validation}
     return report
 
 

@@ -57,7 +57,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
         record: dict[str, Any] = {"engine": meta.name, "validation": result.model_dump(
-            mode="json", include={"max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms"})}
+            mode="json", include={"max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms"}),
+            # the batch sizes at which validation found this engine the fastest that passes (a router's hint)
+            "chosen_for_batches": sorted((int(b) for b, n in validation.chosen.items() if n == meta.name))}
         model_name = triton_model_name(ctx.config.name, meta.name)
         if cfg.triton and stock_model(meta) is not None:
             write_stock_model(ctx.out / "triton" / model_name, packaged_dir, meta, cfg.max_batch_size)

@@ -159,6 +159,25 @@ def _byte_size(model: onnx.ModelProto) -> int:
 
 
 OPTIMIZATION_LEVELS = ("none", "basic", "extended", "all")
+# ONNX Runtime's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
+ORT_SEVERITY_FOR_DEBUG, ORT_SEVERITY_QUIET = 2, 4
+
+
+def ort_log_severity() -> int:
+    """ONNX Runtime's log severity under Kiln's logger, applied to every session and to ORT's default logger.
+
+    ORT's Python API has no log callback (only the C API's custom logger), so its lines cannot be re-emitted
+    through ``logging``; what can be routed is its threshold. Kiln at DEBUG (``-v``): ORT's warnings and errors
+    print. Otherwise only fatal lines: every ORT failure that matters reaches Kiln as an exception carrying ORT's
+    message (a KilnError, or a failed autotune trial's ``error``), while the ERROR lines ORT prints for work it
+    recovers from (cuDNN frontend's "No execution plans support the graph" while searching, a candidate that
+    cannot run a shape) would put red error lines on a successful build (issue 12)."""
+    import onnxruntime as ort
+
+    debug = logging.getLogger("kiln").getEffectiveLevel() <= logging.DEBUG
+    severity = ORT_SEVERITY_FOR_DEBUG if debug else ORT_SEVERITY_QUIET
+    ort.set_default_logger_severity(severity)  # the environment's logger (EP factories, cuDNN frontend)
+    return severity
 
 
 def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = False, optimization: str = "all",
@@ -171,7 +190,7 @@ def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = F
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = inter_threads
     opts.execution_mode = ort.ExecutionMode.ORT_PARALLEL if parallel else ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.log_severity_level = 3
+    opts.log_severity_level = ort_log_severity()
     opts.graph_optimization_level = {
         "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

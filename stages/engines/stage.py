@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import kiln.stages.engines
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
@@ -17,8 +17,10 @@ from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, Variants
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import fmt
+from kiln.models.model_io import load_trained
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.engines import SIDECAR, read_metadata
 from kiln.stages.engines.registry import BACKENDS, backend_named
 from kiln.stages.precision.config import PRECISIONS
@@ -32,7 +34,7 @@ def engine_name(backend: str, device: str, precision: str) -> str:
 
 def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, precision: str, cfg: BuildConfig,
                  cache_dir: Path, progress: Progress | None = None, *, max_batch: int = 32, name: str | None = None,
-                 keep_fp32: list[str] | None = None) -> EngineMetadata:
+                 keep_fp32: list[str] | None = None, torch_model: Callable[[], Any] | None = None) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
     ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes.
@@ -45,7 +47,10 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
     t0 = time.perf_counter()
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         built = chosen.build(BuildRequest(onnx_path, out, device, precision, cfg, Path(cache_dir), inputs, max_batch,
-                                          keep_fp32, name))
+                                          keep_fp32, name=name, torch_model=torch_model))
+        for file in built["files"].values():  # an ONNX engine must take every shape its source graph takes
+            if file.endswith(".onnx"):
+                check_engine_graph(onnx_path, out / file, name)
         source = EngineSource(file=onnx_path.name, sha256=hash_file(onnx_path),
                               kept_fp32=sorted(keep_fp32) if keep_fp32 else None)
         meta = EngineMetadata(name=name, backend=backend, device=device, precision=precision, inputs=inputs,
@@ -79,6 +84,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     root = ctx.inputs["precision"]
     variants = Variants.read(root / "variants.json", hint="run `kiln run --from precision`").variants
     max_batch = max(ctx.config.validate_.batch_sizes)
+    # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
+    torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config)) if "train" in ctx.inputs else None
     engines: list[dict[str, Any]] = []
     skipped: list[str] = []
     for precision in variants:
@@ -90,7 +97,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 name = backend.engine_name(device, precision)
                 try:
                     meta = _build_with_fallback(root, src, keep, variants[precision].path, name, backend.name,
-                                                device, precision, ctx, max_batch)
+                                                device, precision, ctx, max_batch, torch_model)
                 except BuildError as exc:
                     if not backend.optional(cfg):
                         raise
@@ -103,14 +110,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 
 def _build_with_fallback(root: Path, src: str, keep: list[str] | None, own_graph: str, name: str, backend: str,
-                         device: str, precision: str, ctx: StageContext, max_batch: int) -> EngineMetadata:
+                         device: str, precision: str, ctx: StageContext, max_batch: int,
+                         torch_model: Callable[[], Any] | None = None) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
     cfg = ctx.config.build
     try:
         return build_engine(root / src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir, ctx.progress,
-                            max_batch=max_batch, keep_fp32=keep)
+                            max_batch=max_batch, keep_fp32=keep, torch_model=torch_model)
     except BuildError as exc:
         if keep is None:
             raise
@@ -170,9 +178,12 @@ def report_section(summary: dict[str, Any]) -> list[str]:
 
 def _env(cfg: Any) -> dict[str, Any]:
     # Engines depend on the library that built them and on the GPU they were tuned for.
-    return environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", device=True)
+    return environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", "torch",
+                              device=True)
 
 
 # The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.
-STAGE = Stage("build", run, ("precision",), ("build", "validate.batch_sizes"), (kiln.stages.engines,), _env,
-              "ONNX Runtime and TensorRT engines", report=report_section)
+# The train stage's weights and the model section: the torch backend compiles the trained model itself.
+STAGE = Stage("build", run, ("train", "precision"), ("build", "validate.batch_sizes", "model"),
+              (kiln.stages.engines,), _env, "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",
+              report=report_section)

@@ -224,5 +224,5 @@ BACKEND = Backend(
     name="tensorrt", devices=("cuda",), settings=lambda cfg: cfg.tensorrt, plan=_plan, build=_build_request,
     runners={"cuda": TensorRTRunner}, can_run=_can_run, triton=TritonModel("tensorrt_plan", "model.plan"),
     # auto: the other engines are still useful when TensorRT cannot build this graph; the failure is reported
-    optional=lambda cfg: cfg.tensorrt.enabled != "always",
+    optional=lambda cfg: cfg.tensorrt.enabled != "always", rank=0,  # preferred where it runs and keeps up
 )

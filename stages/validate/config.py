@@ -1,7 +1,7 @@
 """The ``validate:`` config section: batch sizes, timing, and the gates an engine must pass."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
@@ -63,6 +63,17 @@ class ValidateConfig(Section):
     iterations: int = Field(30, ge=1)
     max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
     gates: GatesConfig = Field(default_factory=GatesConfig)
+    baselines: list[Literal["eager", "compile"]] = Field(
+        default_factory=lambda: ["eager"], min_length=1,
+        description="PyTorch baselines timed on each engine's device: eager, and/or compile (torch.compile;"
+                    " max-autotune on a GPU, default mode on the CPU)")
+    baseline_precisions: list[Literal["fp32", "fp16"]] = Field(
+        default_factory=lambda: ["fp32"], min_length=1,
+        description="precisions of the GPU baselines (fp16: model.half(); CPU baselines are always fp32)")
+    choice_margin: float = Field(
+        0.03, ge=0, lt=1, description="per batch, the chosen engine is the fastest that passes its gates; an engine"
+                                      " listed earlier (TensorRT first) keeps the choice unless a later one is"
+                                      " faster by more than this fraction (timing noise is no reason to switch)")
 
     @field_validator("batch_sizes")
     @classmethod

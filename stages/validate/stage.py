@@ -6,7 +6,6 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,20 +18,17 @@ import torch
 from kiln.core.compare import compare_arrays
 from kiln.core.env import environment_subset
 from kiln.core.inputs import check_batch_fits
-from kiln.core.records import Baseline, EngineValidation, Percentiles, TensorSpec, ValidationResult
+from kiln.core.records import Baseline, EngineValidation, Memory, TensorSpec, ValidationResult
 from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.engines import engine_dirs, read_metadata
-from kiln.stages.engines.registry import load_engine, runnable
+from kiln.stages.engines.registry import load_engine, preference_order, runnable
 from kiln.stages.precision import speed as precision_speed
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
+from kiln.stages.validate.baselines import measure, percentiles, speedups
 from kiln.stages.validate.config import ValidateConfig
+from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.report import report_section
-
-
-def percentiles(times_ms: list[float]) -> Percentiles:
-    p50, p90, p99 = np.percentile(np.asarray(times_ms), [50, 90, 99])
-    return Percentiles(p50=float(p50), p90=float(p90), p99=float(p99))
 
 
 def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict[str, float | None]:
@@ -45,17 +41,6 @@ def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict
 
 def batched(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, batch: int) -> np.ndarray:
     return np.concatenate([fn(x[i:i + batch]) for i in range(0, len(x), batch)])
-
-
-def time_torch(model: torch.nn.Module, x: torch.Tensor, warmup: int, iterations: int) -> list[float]:
-    times = []
-    with torch.inference_mode():
-        for i in range(warmup + iterations):
-            t0 = time.perf_counter()
-            model(x)
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def sample_batch(x: np.ndarray, batch: int) -> np.ndarray:
@@ -89,7 +74,7 @@ def check_gates(entry: EngineValidation, baseline_acc: float | None, gates: dict
     return fails
 
 
-def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndarray, baseline: Baseline,
+def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndarray, baselines: list[Baseline],
                     cfg: ValidateConfig, ctx: StageContext) -> EngineValidation:
     meta = read_metadata(engine_dir)
     entry = EngineValidation(name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device,
@@ -99,9 +84,14 @@ def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndar
         entry.reason = why
         return entry
     largest = max(cfg.batch_sizes)
-    with load_engine(engine_dir) as runner:
+    runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
+    try:
         name = runner.input_names[0]
-        got = batched(lambda b: next(iter(runner.infer({name: b}).values())), x, largest)
+        with PeakMemory(meta.device) as mem:  # loading + the accuracy pass at the largest batch
+            runner.activate()
+            got = batched(lambda b: next(iter(runner.infer({name: b}).values())), x, largest)
+            wait_a_sample()
+        entry.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=meta.size_bytes)
         for key, value in compare(ref, got, y).items():
             setattr(entry, key, value)
         with ctx.progress.task(f"timing {meta.name}", total=len(cfg.batch_sizes)) as bar:
@@ -109,12 +99,51 @@ def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndar
                 entry.latency_ms[str(bs)] = percentiles(runner.time_ms({name: sample_batch(x, bs)}, cfg.warmup,
                                                                       cfg.iterations))
                 bar.advance()
-    entry.speedup_vs_baseline = {bs: baseline.latency_ms[bs].p50 / lat.p50 for bs, lat in entry.latency_ms.items()}
+    finally:
+        runner.deactivate()
+    entry.speedups = speedups(meta.device, entry.latency_ms, baselines)
+    entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
     entry.gates = gates_for(cfg, meta.precision)
-    entry.failures = check_gates(entry, baseline.accuracy, entry.gates, largest)
+    entry.failures = check_gates(entry, baselines[0].accuracy if baselines else None, entry.gates, largest)
     entry.passed = not entry.failures
     entry.status = "validated"
     return entry
+
+
+def measure_baselines(model: torch.nn.Module, devices: list[str], x: np.ndarray, n: int, cfg: ValidateConfig,
+                      ctx: StageContext) -> list[Baseline]:
+    """Every configured baseline kind on every device an engine runs on (the CPU always: it is the accuracy
+    reference's device)."""
+    batches = {bs: sample_batch(x, bs) for bs in cfg.batch_sizes}
+    runs = [(kind, device, precision) for device in devices for kind in cfg.baselines
+            for precision in (cfg.baseline_precisions if device == "cuda" else ["fp32"])]
+    out = []
+    with ctx.progress.task("timing PyTorch baselines", total=len(runs)) as bar:
+        for kind, device, precision in runs:
+            b = measure(model, kind, device, precision, batches, cfg.warmup, cfg.iterations, n)
+            if b.error:
+                ctx.log.warning("PyTorch baseline %s not measured: %s", b.label, b.error)
+            out.append(b)
+            bar.advance()
+    return out
+
+
+def choose(engines: list[EngineValidation], order: list[str], margin: float) -> dict[str, str]:
+    """Per batch size, the fastest engine that passed its gates (and was not dropped). Engines are considered in
+    ``order`` (backend preference: TensorRT first); a later one takes the choice only when faster than the current
+    choice by more than ``margin``."""
+    rank = {b: i for i, b in enumerate(order)}
+    ok = sorted((e for e in engines if e.status == "validated" and e.passed and not e.dropped),
+                key=lambda e: (rank.get(e.backend, len(rank)), e.name))
+    chosen: dict[str, str] = {}
+    for bs in sorted({bs for e in ok for bs in e.latency_ms}, key=int):
+        best: EngineValidation | None = None
+        for e in (e for e in ok if bs in e.latency_ms):
+            if best is None or e.latency_ms[bs].p50 < best.latency_ms[bs].p50 * (1 - margin):
+                best = e
+        if best is not None:
+            chosen[bs] = best.name
+    return chosen
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -128,13 +157,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model = load_trained(ctx.inputs["train"], ctx.config)
     with torch.inference_mode():
         ref = batched(lambda b: model(torch.from_numpy(b)).numpy(), x, max(cfg.batch_sizes))
-    baseline = Baseline(accuracy=float(np.mean(ref.argmax(-1) == y)), samples=n, latency_ms={})
-    with ctx.progress.task("timing PyTorch baseline", total=len(cfg.batch_sizes)) as bar:
-        for bs in cfg.batch_sizes:
-            xb = torch.from_numpy(sample_batch(x, bs))
-            baseline.latency_ms[str(bs)] = percentiles(time_torch(model, xb, cfg.warmup, cfg.iterations))
-            bar.advance()
-    engines = [validate_engine(d, x, y, ref, baseline, cfg, ctx) for d in engine_dirs(ctx.inputs["build"])]
+    accuracy = float(np.mean(ref.argmax(-1) == y))
+    dirs = engine_dirs(ctx.inputs["build"])
+    metas = [read_metadata(d) for d in dirs]
+    devices = sorted({"cpu"} | {m.device for m in metas if runnable(m)[0]})
+    baselines = measure_baselines(model, devices, x, n, cfg, ctx)
+    for b in baselines:
+        b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
+    baseline = next(b for b in baselines if b.device == "cpu" and b.kind == cfg.baselines[0])
+    if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
+        baseline = Baseline(accuracy=accuracy, samples=n, latency_ms={}, error=baseline.error)
+    engines = [validate_engine(d, x, y, ref, baselines, cfg, ctx) for d in dirs]
     validated = [e for e in engines if e.status == "validated"]
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
     if not validated:
@@ -145,8 +178,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if row["slower"]:
             ctx.log.warning("%s is slower than FP32 at batch %s (%.2fx)%s", row["engine"], row["largest_batch"],
                             row["vs_fp32"][row["largest_batch"]], ": dropped" if row["engine"] in dropped else "")
-    result = ValidationResult(passed=not failures, baseline=baseline, engines=engines, failures=failures,
-                              speed_vs_fp32=speed, dropped=dropped)
+    chosen = choose(engines, preference_order(), cfg.choice_margin)
+    result = ValidationResult(passed=not failures, baseline=baseline, baselines=baselines, engines=engines,
+                              failures=failures, speed_vs_fp32=speed, dropped=dropped, chosen=chosen)
     result.write(ctx.out / "validation.json")
     for e in engines:
         ctx.log.info("%s: %s", e.name, e.status)

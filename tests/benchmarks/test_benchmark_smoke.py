@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,3 +46,15 @@ def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) 
     assert res["variants"]["kiln"]["nodes"] <= min(res["variants"][p]["nodes"] for p in ("onnxsim", "onnxslim"))
     assert res["kiln_vs_best_sim_slim_b8"]["peer"] in ("onnxsim", "onnxslim")
     assert "## Targets" in (tmp_path / "optimize.md").read_text()
+
+
+@pytest.mark.slow
+def test_engine_bench_two_input_hf_bert_with_the_validate_compile_baseline(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    _run("engine_bench.py", "--smoke", "--models", "hf_bert", "--rows", "eager32,baseline_compile,kiln,kiln_torch",
+         "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "engine_bench.json").read_text())["results"]
+    assert {(r["row"], r["batch"]) for r in rows} == {(row, b) for row in ("eager32", "baseline_compile", "kiln",
+                                                                            "kiln_torch") for b in (1, 4)}, rows
+    assert all(r["median_ms"] > 0 and r["cosine"] > 0.9999 for r in rows)  # all FP32 on the CPU
+    assert "validate.baselines compile" in (tmp_path / "engine_bench.md").read_text()

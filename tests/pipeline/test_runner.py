@@ -97,8 +97,9 @@ def _keys(tmp_path: Path, **overrides) -> dict[str, str]:
 @pytest.mark.parametrize("override, stages", [
     # build sizes engine profiles / autotuned shapes from the largest validate batch size
     ({"validate.batch_sizes": [1, 64]}, {"build", "validate"}),
-    # the default dataset (and so calibration data, parity data, held-out data) follows model.name
-    ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "validate"}),
+    # the default dataset (and so calibration data, parity data, held-out data) follows model.name; build reads
+    # the model section too (the torch backend compiles the trained model)
+    ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "build", "validate"}),
     # built-in datasets are split by seed
     ({"seed": 1}, {"train", "export", "precision", "validate"}),
 ])
