@@ -139,16 +139,34 @@ def _copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> None:
 
 def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> None:
     """Write ``model`` to ``path``; weights go to ``<path>.data`` when ``external`` or when the model would exceed the
-    protobuf limit. A stale data file is removed first: onnx appends to an existing one, and one left beside a
-    model that no longer references it is dead weight."""
+    protobuf limit. The data file of the model being replaced goes with it (onnx would append to it, and one left
+    beside a model that no longer references it is dead weight); a ``<path>.data`` that some other file owns is never
+    touched, and when this model needs that name the save is refused."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = path.with_name(path.name + ".data")
-    data.unlink(missing_ok=True)
-    if external or _byte_size(model) > PROTOBUF_LIMIT:
+    needs_data = external or _byte_size(model) > PROTOBUF_LIMIT
+    if data.exists():
+        if _references(path, data.name):
+            data.unlink()
+        elif needs_data:
+            raise InputFileError(f"{data} exists and is not the external data of {path.name}: Kiln does not overwrite "
+                                 "files it did not write", hint="move that file, or write the model elsewhere (-o)")
+    if needs_data:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data.name, size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
+
+
+def _references(path: Path, location: str) -> bool:
+    """Whether the ONNX file at ``path`` keeps tensors in the external file ``location`` (beside it)."""
+    try:
+        shell = onnx.load(str(path), load_external_data=False)
+    except Exception:  # missing, or not ONNX: it owns nothing
+        return False
+    return any(entry.key == "location" and entry.value == location
+               for init in shell.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
+               for entry in init.external_data)
 
 
 def _byte_size(model: onnx.ModelProto) -> int:

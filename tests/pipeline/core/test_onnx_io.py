@@ -1,0 +1,39 @@
+"""kiln.core.onnx_io.save_onnx: a model's own external data is replaced with it; anyone else's is never touched."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from kiln.core.errors import InputFileError
+from kiln.core.onnx_io import load_onnx, save_onnx
+
+
+def _model(value: float) -> onnx.ModelProto:
+    w = numpy_helper.from_array(np.full((64, 64), value, np.float32), "w")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])], [w])
+    return helper.make_model(graph)
+
+
+def test_a_models_own_data_file_is_replaced_with_it(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    save_onnx(_model(1.0), path, external=True)
+    save_onnx(_model(2.0), path, external=True)  # onnx would append to the old file; it is replaced instead
+    assert float(numpy_helper.to_array(load_onnx(path).graph.initializer[0]).max()) == 2.0
+    save_onnx(_model(3.0), path)  # now inline: the old data file is dead weight and goes
+    assert not (tmp_path / "m.onnx.data").exists()
+
+
+def test_a_data_file_someone_else_owns_is_never_touched(tmp_path: Path) -> None:
+    path, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
+    data.write_bytes(b"the user's own file")
+    save_onnx(_model(1.0), path)  # inline: no need for that name, so it stays as it was
+    assert data.read_bytes() == b"the user's own file"
+    with pytest.raises(InputFileError, match="does not overwrite files it did not write"):
+        save_onnx(_model(1.0), path, external=True)
+    assert data.read_bytes() == b"the user's own file"
