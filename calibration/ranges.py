@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 from kiln.calibration.data import ArrayReader, hash_batches
-from kiln.core.artifacts import hash_file, hash_json
+from kiln.core.artifacts import hash_file, hash_json, write_text_atomic
 
 log = logging.getLogger("kiln.calibration")
 
@@ -81,15 +81,19 @@ def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, meth
         log.warning("onnxruntime %s cannot cache calibration ranges", onnxruntime.__version__)
         return Ranges(_run_calibrator(model_path, batches, input_name, method, symmetric, percentile), path, key,
                       False, method)
+    checksum = path.with_suffix(".sha256")  # the file's content as written: damage that still parses is caught
     if path.is_file():
         try:
+            if not checksum.is_file() or checksum.read_text().strip() != hash_file(path):
+                raise ValueError("its content does not match the checksum written with it")
             tensors = load_tensors_data(path)
             log.info("calibration cache hit %s (%s)", path.name[:12], method)
             return Ranges(tensors, path, key, True, method)
-        except (ValueError, KeyError, TypeError) as exc:  # a torn or foreign file: recalibrate over it
-            log.warning("ignoring unreadable calibration cache %s: %s", path, exc)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # torn, foreign or damaged: recalibrate over it
+            log.warning("ignoring calibration cache %s: %s", path, exc)
     tensors = _run_calibrator(model_path, batches, input_name, method, symmetric, percentile)
     save_tensors_data(tensors, path)  # atomic (temp file + rename) in ORT
+    write_text_atomic(checksum, hash_file(path))
     return Ranges(tensors, path, key, False, method)
 
 

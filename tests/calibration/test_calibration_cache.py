@@ -59,6 +59,19 @@ def test_unreadable_cache_file_is_recomputed(tmp_path: Path) -> None:
     assert not again.cache_hit and again.amax() == first.amax()
 
 
+def test_a_cache_file_damaged_but_still_parsing_is_recomputed(tmp_path: Path) -> None:
+    """A changed range that still parses (one digit) would quantize with wrong scales: the checksum written with the
+    file catches it, and the ranges are computed again."""
+    path, cache = saved(tmp_path), tmp_path / "cache"
+    first = calibrate(path, batches(), "input", "minmax", cache_dir=cache)
+    text = first.path.read_text()
+    digit = next(i for i, c in enumerate(text) if c.isdigit() and c != "9")
+    first.path.write_text(text[:digit] + "9" + text[digit + 1:])
+    again = calibrate(path, batches(), "input", "minmax", cache_dir=cache)
+    assert not again.cache_hit and again.amax() == first.amax()
+    assert calibrate(path, batches(), "input", "minmax", cache_dir=cache).cache_hit  # rewritten whole
+
+
 def test_methods_give_their_own_ranges(tmp_path: Path) -> None:
     """Entropy clips long tails below the observed maximum, so its ranges differ from minmax's (with ONNX Runtime's
     default 128 bins it had a single candidate threshold and silently equalled minmax everywhere)."""
