@@ -30,7 +30,7 @@ def dataset_for(config: KilnConfig) -> DatasetSplits:
                           hint="set data.name to a built-in dataset or 'package.module:function'")
     params = dict(config.data.params)
     params.setdefault("seed", config.seed) if name in DATASETS else None  # built-ins split by the run seed
-    return load_dataset(name, params)
+    return load_dataset(name, params, config.export.dynamic_axes)
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-import torch
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, check_splits
 from kiln.core.errors import ConfigError
 from kiln.models.cnn import resnet18, small_cnn
 from kiln.models.datasets import (
@@ -86,12 +85,11 @@ def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
     return _call_factory(ref, MODELS, "model", params, nn.Module, "return a torch.nn.Module from the factory")
 
 
-def load_dataset(ref: str, params: dict[str, Any] | None = None) -> DatasetSplits:
+def load_dataset(ref: str, params: dict[str, Any] | None = None,
+                 dynamic: dict[str, dict[int, str]] | None = None) -> DatasetSplits:
+    """The data function's splits, checked against the dataset contract (:func:`kiln.core.data.check_splits`);
+    ``dynamic``: export.dynamic_axes, whose axes may differ in size between the splits."""
     data = _call_factory(ref, DATASETS, "dataset", params, DatasetSplits,
                          "return kiln.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")
-    for field in ("train_x", "train_y", "val_x", "val_y"):
-        value = getattr(data, field)
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError(f"dataset '{ref}' gives {field} as {type(value).__name__}, not a torch.Tensor",
-                              hint="wrap arrays with torch.from_numpy(...) in the dataset function")
+    check_splits(data, ref, dynamic)
     return data

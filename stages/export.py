@@ -51,6 +51,9 @@ class ExportConfig(Section):
     opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
     dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
     parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
+    dynamic_axes: dict[str, dict[int, str]] = Field(
+        default_factory=dict, description="axes besides batch that vary, per input: {input_ids: {1: seq}}; the "
+                                          "same name ties axes of several inputs together")
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int = 18,
