@@ -15,6 +15,7 @@ import numpy as np
 from kiln.calibration.data import hash_batches, read_reader
 from kiln.config import KilnConfig
 from kiln.core.artifacts import hash_file
+from kiln.core.data import tensors
 from kiln.core.errors import InputFileError
 from kiln.models.model_io import dataset_for
 
@@ -28,7 +29,8 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     if not _is_import_path(config.data.name):
         return None
     d = dataset_for(config)
-    return hash_batches([_array(t) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
+    parts = [d.train_x, d.train_y, d.val_x, d.val_y]
+    return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
 
 
 def _array(t: object) -> np.ndarray:

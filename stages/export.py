@@ -8,7 +8,7 @@ import sys
 import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import kiln.core.onnx_io
 import kiln.models
@@ -16,17 +16,18 @@ import kiln.models.model_io
 import numpy as np
 import onnx
 import torch
+from kiln.core.data import Inputs, as_feed, input_names, rows, take, tensors
 from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.onnx_io import (
     check_onnx,
     infer_shapes,
-    input_feed,
     load_onnx,
     ort_run,
     ort_session,
     save_onnx,
 )
+from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.sections import Section
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import first_line, root_cause
@@ -43,7 +44,6 @@ from torch import nn
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
     from kiln.config import KilnConfig
 
-INPUT_NAME, OUTPUT_NAME = "input", "logits"
 log = logging.getLogger("kiln.export")
 
 
@@ -56,15 +56,27 @@ class ExportConfig(Section):
                                           "same name ties axes of several inputs together")
 
 
-def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int = 18,
-                dynamic_batch: bool = True) -> onnx.ModelProto:
-    """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes."""
+def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, dynamic_batch: bool = True,
+                dynamic_axes: Mapping[str, Mapping[int, str]] | None = None) -> onnx.ModelProto:
+    """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes.
+
+    ``example``: a tensor, tuple or dict of inputs (the dataset contract); ONNX input names come from the dict keys
+    or the forward's parameters, output names from :func:`kiln.core.outputs.flatten_outputs`. ``dynamic_axes``:
+    axes besides the batch axis that vary, named (one name ties axes of several inputs together)."""
     model = model.eval()
+    names = input_names(model, example)
+    unknown = sorted(set(dynamic_axes or {}) - set(names))
+    if unknown:
+        raise ConfigError(f"export.dynamic_axes names {unknown}, which are not model inputs {names}",
+                          hint="key export.dynamic_axes by the model's input names")
+    with torch.no_grad():
+        outputs = list(named_outputs(model, example))
     errors = []
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
-            _export(model, example, path, opset, dynamic_batch, dynamo)
+            _export(FlatModel(model, example), tuple(tensors(example)), names, outputs, path, opset,
+                    _axes(names, dynamic_batch, dynamic_axes or {}), dynamo)
             break
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
@@ -82,23 +94,32 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int 
     return proto
 
 
+def _axes(names: list[str], dynamic_batch: bool, extra: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, str]]:
+    """Input name -> {axis: name} of every dynamic axis."""
+    return {n: ({0: "batch"} if dynamic_batch else {}) | {int(a): str(d) for a, d in extra.get(n, {}).items()}
+            for n in names}
+
+
 def _reason(exc: BaseException) -> str:
     """The most specific line of an exporter error (the dynamo exporter wraps the real cause)."""
     return first_line(root_cause(exc))
 
 
-def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dynamic_batch: bool,
-            dynamo: bool) -> None:
-    kw: dict[str, Any] = dict(input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=opset,
-                              dynamo=dynamo)
+def _export(model: nn.Module, args: tuple[torch.Tensor, ...], names: list[str], outputs: list[str], path: Path,
+            opset: int, axes: dict[str, dict[int, str]], dynamo: bool) -> None:
+    kw: dict[str, Any] = dict(input_names=names, output_names=outputs, opset_version=opset, dynamo=dynamo)
     if dynamo:
         # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
         kw["optimize"] = False
-    if dynamic_batch:
-        if dynamo:
-            kw["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=65536)},)
-        else:
-            kw["dynamic_axes"] = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}
+        dims: dict[str, Any] = {}  # one Dim per name: a shared name means equal sizes (input_ids/attention_mask)
+        for label in {d for a in axes.values() for d in a.values()}:
+            dims[label] = torch.export.Dim(label, min=1, max=65536) if label == "batch" else torch.export.Dim(label, min=1)
+        if any(axes.values()):
+            # FlatModel takes *xs: the exporter sees them as one (tuple) argument
+            kw["dynamic_shapes"] = (tuple({a: dims[d] for a, d in axes[n].items()} or None for n in names),)
+    elif any(axes.values()):
+        kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {o: {0: "batch"} for o in outputs
+                                                                  if any(0 in a for a in axes.values())}
     # The exporter prints progress chatter and warns about optional torchvision ops; keep the user's console clean.
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level
@@ -106,20 +127,22 @@ def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dyn
     try:
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            torch.onnx.export(model, (example,), str(path), **kw)
+            torch.onnx.export(model, args, str(path), **kw)
     finally:
         quiet.setLevel(level)
 
 
-def parity(model: nn.Module, onnx_path: Path, x: torch.Tensor) -> dict[str, float]:
+def parity(model: nn.Module, onnx_path: Path, x: Inputs) -> dict[str, Any]:
+    """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output."""
     with torch.no_grad():
-        ref = model(x).numpy()
+        ref = {k: v.numpy() for k, v in named_outputs(model, x).items()}
     sess = ort_session(onnx_path)
-    got = ort_run(sess, input_feed(sess, x.numpy()))[0]
-    if got.shape != ref.shape:
-        raise ModelError(f"exported model's output shape {got.shape} differs from PyTorch's {ref.shape}")
-    err = float(np.max(np.abs(got - ref)))
-    return {"max_abs_err": err, "samples": int(len(x))}
+    got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
+    for (name, r), g in zip(ref.items(), got):
+        if g.shape != r.shape:
+            raise ModelError(f"exported model's output '{name}' has shape {g.shape}, PyTorch's {r.shape}")
+    errs = {name: float(np.max(np.abs(g.astype(np.float64) - r), initial=0.0)) for (name, r), g in zip(ref.items(), got)}
+    return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
 
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
@@ -142,9 +165,9 @@ def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | 
             raise ConfigError(f"the model rejects an input of shape [batch, {input_shape}]: {reason}",
                               hint="give --input-shape the shape of one sample the model takes") from None
     else:
-        example = dataset_for(cfg).val_x[:2]
+        example = take(dataset_for(cfg).val_x, slice(0, 2))
     output.parent.mkdir(parents=True, exist_ok=True)
-    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch)
+    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.export.dynamic_axes)
     check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
@@ -172,8 +195,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model = load_trained(ctx.inputs["train"], ctx.config)
     data = ctx.dataset()
     path = ctx.out / "model.onnx"
-    proto = export_onnx(model, data.val_x[:2], path, cfg.opset, cfg.dynamic_batch)
-    check = parity(model, path, data.val_x[:256])
+    proto = export_onnx(model, take(data.val_x, slice(0, 2)), path, cfg.opset, cfg.dynamic_batch, cfg.dynamic_axes)
+    check = parity(model, path, take(data.val_x, slice(0, 256)))
     if check["max_abs_err"] > cfg.parity_atol:
         raise ModelError(f"ONNX export differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
                          f"export.parity_atol {cfg.parity_atol:g}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
-from kiln.core.data import call, rebuild
+from kiln.core.data import call, rebuild, tensors
 from kiln.core.errors import ConfigError, ModelError
 from torch import nn
 
@@ -61,7 +61,10 @@ class FlatModel(nn.Module):
 
     def __init__(self, model: nn.Module, like: Any) -> None:
         super().__init__()
-        self.model, self.like = model, like
+        # The structure only (the example's rows are not kept); the wrapper's mode is the model's, since an
+        # exporter restores the wrapper's mode (and so its children's) when it is done.
+        self.model, self.like = model, rebuild(like, [None] * len(tensors(like)))
+        self.train(model.training)
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(flatten_outputs(call(self.model, rebuild(self.like, list(xs)))).values())

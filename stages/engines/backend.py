@@ -28,6 +28,7 @@ class BuildRequest:
     inputs: list[TensorSpec]
     max_batch: int = 32  # bounds default optimization profiles and the batch sizes autotuned
     keep_fp32: list[str] | None = None  # FP16 converted at build time: nodes the precision stage kept FP32
+    axis_sizes: dict[str, list[int]] = field(default_factory=dict)  # dynamic axis besides batch -> [min, max]
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ class Bench:
 
     def feed(self, batch: int) -> dict[str, np.ndarray]:
         if batch not in self.feeds:
-            self.feeds[batch] = random_inputs(self.meta["inputs"], batch, hint=AUTOTUNE_SHAPES_HINT)
+            self.feeds[batch] = random_inputs(self.meta["inputs"], batch, dynamic=self.meta.get("dynamic"),
+                                              hint=AUTOTUNE_SHAPES_HINT)
             self.refs[batch] = self.ref.run(None, self.feeds[batch])
         return self.feeds[batch]
 

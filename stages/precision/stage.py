@@ -18,9 +18,13 @@ import numpy as np
 from kiln.calibration.data import calibration_batches
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
-from kiln.core.onnx_io import load_onnx
+from kiln.core.data import as_feed, take
+from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.outputs import logits_name
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import Stage, StageContext
+from kiln.core.text import fmt
+from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.node_errors import (
     DIVERGENCE,
@@ -38,17 +42,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
     wanted = list(dict.fromkeys(cfg.variants))
     data = ctx.dataset()
+    graph = load_onnx(ctx.inputs["optimize"] / "model.onnx")
+    inputs, outputs = io_specs(graph)
+    names = [i.name for i in inputs]  # the export's order: the data's inputs in call order
     needs_data = "int8" in wanted or ("fp16" in wanted and cfg.fp16.range_check)
-    batches = calibration_batches(data, ccfg, ctx.config.seed) if needs_data else []
-    x_val = data.val_x[:cfg.fallback.samples].numpy()
+    batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
+    x_val = as_feed(take(data.val_x, slice(0, cfg.fallback.samples)), names)
+    logits = logits_name([o.name for o in outputs], ctx.config.validate_.logits_output)
+    logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     variants: dict[str, Any] = {}
     failed: dict[str, str] = {}  # variant -> why it could not be built (listed in the report, not built)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
         fp32_path = ctx.out / "fp32" / "model.onnx" if "fp32" in wanted else Path(tmp) / "fp32.onnx"
-        src = Source.prepare(load_onnx(ctx.inputs["optimize"] / "model.onnx"), fp32_path, batches,
-                             ctx.cache_dir if ccfg.cache else Path(tmp))  # no cache: ranges live only this run
+        src = Source.prepare(graph, fp32_path, batches,
+                             ctx.cache_dir if ccfg.cache else Path(tmp),  # no cache: ranges live only this run
+                             logits_index)
         cache_dir = src.cache_dir if ccfg.cache else None
         with ctx.progress.task("precision variants", total=len(wanted)) as bar:
             for precision in wanted:
@@ -106,7 +116,7 @@ def _export_graph(ctx: StageContext) -> list[Any]:
     return [load_onnx(path, load_external_data=False)] if path.is_file() else []
 
 
-def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any], x_val: np.ndarray,
+def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any], x_val: Samples,
                        modules: dict[str, str]) -> dict[str, Any]:
     """Per-node error of each reduced-precision graph vs FP32 along the graph: a plot and the first node where
     each diverges. FP16 is judged on its emulation (ORT's CPU provider hides FP16 rounding, see emulate.py)."""
@@ -139,7 +149,8 @@ def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any],
 def _log_variant(ctx: StageContext, precision: str, entry: dict[str, Any]) -> None:
     vs = entry.get("vs_fp32") or {}
     if vs:
-        ctx.log.info("%s: top-1 agreement vs FP32 %.4f, %d nodes kept FP32", precision, vs["top1_agreement"],
+        ctx.log.info("%s: top-1 agreement vs FP32 %s, cosine %.6f, %d nodes kept FP32", precision,
+                     fmt(vs["top1_agreement"]), vs["cosine"],
                      len(entry["kept_fp32"]))
     for label, e in ((precision, entry), (f"{precision} (onnxruntime-cpu graph)", entry.get("ort_cpu") or {})):
         if not e.get("fallback", {}).get("passed", True):
@@ -165,6 +176,7 @@ def _env(cfg: Any) -> dict[str, Any]:
     return environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime")
 
 
-STAGE = Stage("precision", run, ("optimize", "train"), ("seed", "model.name", "data", "precision", "calibration"),
+STAGE = Stage("precision", run, ("optimize", "train"), ("seed", "model.name", "data", "precision", "calibration",
+                                                       "validate.logits_output", "export.dynamic_axes"),
               (kiln.stages.precision, kiln.calibration), _env, "FP16 mixed precision and INT8 (Q/DQ) graphs",
               data=("dataset", "calibration"), report=report_section)
