@@ -14,10 +14,13 @@ from kiln.models.datasets import (
     digits,
     digits_ids,
     synthetic,
+    synthetic_regression,
     synthetic_rgb,
+    synthetic_text,
     synthetic_tokens,
 )
 from kiln.models.mlp import mlp_embed
+from kiln.models.token_classifier import mlp_regressor, token_classifier
 from kiln.models.transformer import bert_base, transformer
 from torch import nn
 
@@ -27,6 +30,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "transformer": transformer,
     "bert_base": bert_base,
     "mlp_embed": mlp_embed,
+    "token_classifier": token_classifier,
+    "mlp_regressor": mlp_regressor,
 }
 
 DATASETS: dict[str, Callable[..., DatasetSplits]] = {
@@ -35,12 +40,15 @@ DATASETS: dict[str, Callable[..., DatasetSplits]] = {
     "synthetic": synthetic,
     "synthetic_rgb": synthetic_rgb,
     "synthetic_tokens": synthetic_tokens,
+    "synthetic_text": synthetic_text,
+    "synthetic_regression": synthetic_regression,
 }
 
 # Which built-in dataset a built-in model trains on when the config names none: it must fit the model's
 # default input (plain ``synthetic`` is 1x8x8, which neither ResNet-18 nor BERT-base takes).
 DEFAULT_DATASET: dict[str, str] = {"cnn": "digits", "transformer": "digits", "mlp_embed": "digits_ids",
-                                   "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens"}
+                                   "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens",
+                                   "token_classifier": "synthetic_text", "mlp_regressor": "synthetic_regression"}
 
 
 def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
