@@ -15,7 +15,7 @@ from kiln.core.data import DatasetSplits
 from kiln.core.env import environment_subset
 from kiln.core.data import call, check_forward_takes, rows, take, tensors
 from kiln.core.errors import ConfigError, ModelError
-from kiln.core.outputs import flatten_outputs
+from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import first_line, fmt
@@ -107,8 +107,12 @@ def _skip(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config
     model = build_seeded(cfg)
     data = ctx.dataset()
-    task = task_for(data, cfg.train.loss, cfg.validate_.logits_output) if data.val_y is not None else None
-    check_model_fits_data(model, data, cfg.model.name, task)
+    check_model_fits_data(model, data, cfg.model.name)
+    with torch.no_grad():
+        names = list(flatten_outputs(call(model.eval(), take(data.val_x, slice(0, 2)))))
+    # Untrained here: the val accuracy is information, so a model without a logits output just has none
+    scored = cfg.train.loss is not None or logits_name(names, cfg.validate_.logits_output) is not None
+    task = task_for(data, cfg.train.loss, cfg.validate_.logits_output) if data.val_y is not None and scored else None
     source = cfg.model.checkpoint or "random init"
     if cfg.model.checkpoint:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)
