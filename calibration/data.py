@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 from kiln.calibration.config import CalibrationConfig
-from kiln.core.data import DatasetSplits, as_feed, rows, take, tensors
+from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError
 from kiln.models.registry import resolve_callable
 
@@ -35,7 +35,7 @@ def dataset_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0,
         if len(idx) == 0:
             break  # fewer samples than asked for: use what there is
         part = take(x, idx)
-        batches.append(as_feed(part, names) if names is not None else tensors(part)[0].numpy())
+        batches.append(feed_for_graph(part, names) if names is not None else tensors(part)[0].numpy())
     return batches
 
 

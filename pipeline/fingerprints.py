@@ -54,6 +54,16 @@ def checkpoint_fingerprint(config: KilnConfig) -> str | None:
     return hash_file(path)
 
 
+def onnx_fingerprint(config: KilnConfig) -> str | None:
+    """Hash of the ``model.onnx`` file a run starts from, if any."""
+    if not config.model.onnx:
+        return None
+    path = Path(config.model.onnx)
+    if not path.is_file():
+        raise InputFileError(f"model.onnx not found: {path}", hint="fix the path or remove model.onnx")
+    return hash_file(path)
+
+
 def calibration_fingerprint(config: KilnConfig) -> str | None:
     """Hash of the batches a user calibration reader yields (what calibration would use), or None when there is
     no reader or the precision stage will not calibrate."""
@@ -67,5 +77,6 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
 FINGERPRINTS: dict[str, Callable[[KilnConfig], str | None]] = {
     "dataset": dataset_fingerprint,
     "checkpoint": checkpoint_fingerprint,
+    "onnx": onnx_fingerprint,
     "calibration": calibration_fingerprint,
 }

@@ -22,6 +22,7 @@ from kiln.core.errors import ConfigError, ModelError
 from kiln.core.onnx_io import (
     check_onnx,
     infer_shapes,
+    io_specs,
     load_onnx,
     ort_run,
     ort_session,
@@ -184,8 +185,22 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def take_onnx(src: Path, path: Path) -> dict[str, Any]:
+    """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one."""
+    proto = infer_shapes(load_onnx(src), strict=False)
+    check_onnx(proto, f"model.onnx {src.name}")
+    save_onnx(proto, path)
+    inputs, outputs = io_specs(proto)
+    log.info("took %s (%d nodes) instead of exporting", src, len(proto.graph.node))
+    return {"nodes": len(proto.graph.node), "source": str(src), "inputs": [i.name for i in inputs],
+            "outputs": [o.name for o in outputs],
+            "opset": max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0)}
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.export
+    if ctx.config.model.onnx:
+        return take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.
         raise ConfigError("export.dynamic_batch: false cannot run through the pipeline, which checks and times "
@@ -215,4 +230,5 @@ def _env(cfg: Any) -> dict[str, Any]:
 # through model_io.
 STAGE = Stage("export", run, ("train",), ("seed", "model", "data", "export"),
               (sys.modules[__name__], kiln.models, kiln.models.model_io, kiln.core.onnx_io), _env,
-              "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity", data=("dataset",))
+              "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
+              data=("dataset", "onnx"))

@@ -110,6 +110,19 @@ def as_feed(x: Inputs, names: list[str]) -> dict[str, np.ndarray]:
     return {n: t.detach().cpu().numpy() for n, t in zip(names, tensors(x))}
 
 
+def feed_for_graph(x: Inputs, names: list[str], where: str = "the ONNX model") -> dict[str, np.ndarray]:
+    """The inputs as a feed for a graph taking ``names``: a dict by key, a tuple or tensor by position."""
+    if isinstance(x, Mapping):
+        if sorted(x) != sorted(names):
+            raise DataContractError(f"the data's inputs {sorted(x)} are not those of {where}: {names}",
+                                    hint="key the data function's dict by the ONNX model's input names")
+        return {n: x[n].detach().cpu().numpy() for n in names}
+    if len(tensors(x)) != len(names):
+        raise DataContractError(f"the data gives {len(tensors(x))} inputs, {where} takes {len(names)}: {names}",
+                                hint="give one tensor per model input (a dict keyed by the input names is clearest)")
+    return as_feed(x, names)
+
+
 def from_feed(feed: Mapping[str, np.ndarray], like: Inputs) -> Any:
     """A feed back into the model's call structure (as ``like``), as torch tensors."""
     return rebuild(like, [torch.from_numpy(np.ascontiguousarray(a)) for a in feed.values()])

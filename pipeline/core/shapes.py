@@ -8,8 +8,15 @@ from typing import Mapping
 import numpy as np
 from kiln.core.data import Feed
 from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
 
 Axes = Mapping[str, Mapping[int, str]]
+
+
+def graph_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
+    """The dynamic axes besides batch an ONNX graph declares (symbolic dims), as ``export.dynamic_axes``."""
+    out = {s.name: {i: d for i, d in enumerate(s.shape) if i > 0 and isinstance(d, str) and d} for s in specs}
+    return {k: v for k, v in out.items() if v}
 
 
 def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]]) -> dict[str, list[int]]:

@@ -18,8 +18,9 @@ import numpy as np
 from kiln.calibration.data import calibration_batches
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
-from kiln.core.data import as_feed, take
+from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.shapes import axis_sizes, graph_axes
 from kiln.core.outputs import logits_name
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import Stage, StageContext
@@ -47,7 +48,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     names = [i.name for i in inputs]  # the export's order: the data's inputs in call order
     needs_data = "int8" in wanted or ("fp16" in wanted and cfg.fp16.range_check)
     batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
-    x_val = as_feed(take(data.val_x, slice(0, cfg.fallback.samples)), names)
+    x_val = feed_for_graph(take(data.val_x, slice(0, cfg.fallback.samples)), names)
     logits = logits_name([o.name for o in outputs], ctx.config.validate_.logits_output)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     variants: dict[str, Any] = {}
@@ -87,7 +88,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         e["kept_fp32_modules"] = _modules_of(e["kept_fp32"], modules)
         if "ort_cpu" in e:
             e["ort_cpu"]["kept_fp32_modules"] = _modules_of(e["ort_cpu"]["kept_fp32"], modules)
-    Variants(variants={name: _record(entry) for name, entry in variants.items()}).write(ctx.out / "variants.json")
+    Variants(variants={name: _record(entry) for name, entry in variants.items()},
+             axis_sizes=_axis_sizes(data, names, ctx)).write(ctx.out / "variants.json")
     summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"],
                    "kept_fp32_modules": e["kept_fp32_modules"], **(e.get("vs_fp32") or {}),
                    "fallback_passed": e.get("fallback", {}).get("passed", True),
@@ -95,6 +97,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
                for v, e in variants.items()}
     return {"variants": summary, "failed": failed, **node_report,
             "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+
+
+def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext) -> dict[str, list[int]]:
+    """The sizes of each dynamic axis besides batch the engines must take (build sizes its profiles by them)."""
+    axes = ctx.config.export.dynamic_axes or graph_axes(io_specs(load_onnx(ctx.inputs["optimize"] / "model.onnx",
+                                                                              load_external_data=False))[0])
+    if not axes:
+        return {}
+    feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]
+    return axis_sizes(feeds, axes, ctx.config.validate_.shapes)
 
 
 def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +189,6 @@ def _env(cfg: Any) -> dict[str, Any]:
 
 
 STAGE = Stage("precision", run, ("optimize", "train"), ("seed", "model.name", "data", "precision", "calibration",
-                                                       "validate.logits_output", "export.dynamic_axes"),
+                                                       "validate.logits_output", "validate.shapes", "export.dynamic_axes"),
               (kiln.stages.precision, kiln.calibration), _env, "FP16 mixed precision and INT8 (Q/DQ) graphs",
               data=("dataset", "calibration"), report=report_section)

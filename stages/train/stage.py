@@ -19,7 +19,7 @@ from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import first_line, fmt
-from kiln.models.model_io import load_weights, read_state_dict, save_trained
+from kiln.models.model_io import load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
 from kiln.stages.train.checkpoint import run_key
 from kiln.stages.train.dist import env_from_torchrun, process_group
@@ -90,6 +90,9 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config
+    if not torch_model_named(cfg):  # started from model.onnx alone: there is no PyTorch model to train
+        ctx.log.info("training skipped: the run starts from model.onnx %s", cfg.model.onnx)
+        return {"status": "skipped", "val_accuracy": None, "source": cfg.model.onnx}
     if cfg.model.checkpoint or not cfg.train.enabled:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)

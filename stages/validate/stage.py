@@ -19,20 +19,33 @@ import torch
 from dataclasses import replace
 
 from kiln.core.compare import OutputStats, compare_arrays, compare_outputs, worst
-from kiln.core.data import DatasetSplits, Feed, as_feed, call, feed_rows, feed_take, from_feed, input_names, rows, take
+from kiln.core.data import (
+    DatasetSplits,
+    Feed,
+    as_feed,
+    call,
+    feed_for_graph,
+    feed_rows,
+    feed_take,
+    from_feed,
+    input_names,
+    rows,
+    take,
+)
 from kiln.core.errors import ModelError
 from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.env import environment_subset
 from kiln.core.records import Baseline, EngineValidation, Percentiles, ValidationResult
 from kiln.core.stage import Stage, StageContext
-from kiln.models.model_io import load_trained
+from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.engines.engines import engine_dirs, read_metadata
 from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.precision import speed as precision_speed
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.report import report_section
-from kiln.core.shapes import axis_sizes, resize, shape_points
+from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
+from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 
 
 def percentiles(times_ms: list[float]) -> Percentiles:
@@ -214,15 +227,41 @@ def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig)
     return Reference(run, feeds, labels, logits, max(cfg.batch_sizes)), timed
 
 
+def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Callable[[Feed], Any]]:
+    """Started from ``model.onnx`` with no PyTorch model: the FP32 ONNX file in ONNX Runtime (CPU) is the reference."""
+    path = Path(ctx.config.model.onnx)
+    sess = ort_session(path)
+    inputs, outputs = io_specs(load_onnx(path, load_external_data=False))
+    names = [i.name for i in inputs]
+    n = rows(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, rows(data.val_x))
+    feed = feed_for_graph(take(data.val_x, slice(0, n)), names, f"model.onnx {path.name}")
+    axes = ctx.config.export.dynamic_axes or graph_axes(inputs)
+    train = [feed_for_graph(data.train_x, names)] if rows(data.train_x) else []
+    feeds = [(p, resize(feed, axes, p)) for p in shape_points(axis_sizes(train + [feed], axes, cfg.shapes))]
+    out_names = [o.name for o in outputs]
+
+    def run(f: Feed) -> dict[str, np.ndarray]:
+        return dict(zip(out_names, sess.run(None, f)))
+
+    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
+    return (Reference(run, feeds, labels, logits_name(out_names, cfg.logits_output), max(cfg.batch_sizes)),
+            lambda f: lambda: sess.run(None, f))
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.validate_
     torch.manual_seed(ctx.config.seed)
     data = ctx.dataset()
-    ref, timed = torch_reference(ctx, data, cfg)
+    if torch_model_named(ctx.config):
+        ref, timed = torch_reference(ctx, data, cfg)
+    else:
+        ref, timed = onnx_reference(ctx, data, cfg)
     accuracy = None
     if ref.logits is not None and ref.labels is not None:
         accuracy = float(np.mean(ref.outputs[-1][ref.logits].argmax(-1) == ref.labels))
-    baseline = Baseline(accuracy=accuracy, samples=feed_rows(ref.feed), latency_ms={}, logits_output=ref.logits,
+    backend = "pytorch" if torch_model_named(ctx.config) else "onnxruntime"
+    baseline = Baseline(backend=backend, accuracy=accuracy, samples=feed_rows(ref.feed), latency_ms={},
+                        logits_output=ref.logits,
                         compared=list(ref.outputs[-1]), shapes=[p for p, _ in ref.feeds if p])
     if ref.logits is None:
         ctx.log.info("no class-logit output among %s: engines compared by error and cosine per output, without "
@@ -264,4 +303,4 @@ def _env(cfg: Any) -> dict[str, Any]:
 STAGE = Stage("validate", run, ("train", "build"), ("seed", "model", "data", "validate", "precision.require_speedup",
                                                   "export.dynamic_axes"),
               (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io, precision_speed), _env,
-              "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset",), report=report_section)
+              "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset", "onnx"), report=report_section)
