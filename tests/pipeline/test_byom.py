@@ -128,3 +128,76 @@ def test_regression_model_trains_with_mse_and_validates_without_accuracy(tmp_pat
     v = report["validation"]
     assert v["passed"] is True and v["baseline"]["accuracy"] is None
     assert all(e["top1_agreement"] is None for e in v["engines"])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, Path]:
+    """An ONNX export of the zoo's (hidden, logits) token classifier, and an .npz of its named inputs."""
+    import numpy as np
+    from kiln.core.data import take
+    from kiln.models.datasets import synthetic_text
+    from kiln.models.registry import build_model
+    from kiln.stages.export import export_onnx
+
+    from kiln.stages.train.config import TrainConfig
+    from kiln.stages.train.loop import train
+    from kiln.stages.train.task import Task
+
+    root = tmp_path_factory.mktemp("onnx")
+    data = synthetic_text(size=256)
+    model = build_model("token_classifier", {"dim": 16, "layers": 1})
+    # Trained a little: random weights give near-tied logits whose top-1 any INT8 rounding flips
+    train(model, data, TrainConfig(epochs=4, batch_size=32, device="cpu", plot=False), task=Task("classification", 1))
+    export_onnx(model, take(data.val_x, slice(0, 2)), root / "x.onnx", dynamic_axes=SEQ_AXES)
+    np.savez(root / "d.npz", **{k: v.numpy() for k, v in data.val_x.items()})
+    return root / "x.onnx", root / "d.npz"
+
+
+def test_kiln_run_from_an_onnx_file(exported, tmp_path: Path) -> None:
+    onnx_path, _ = exported
+    cfg = tiny_config_dict(**{"model": {"onnx": str(onnx_path)}, "data.name": "synthetic_text",
+                              "precision.variants": ["fp32", "fp16", "int8"], "validate.batch_sizes": [1, 32],
+                              "validate.logits_output": "output_1"})
+    path = tmp_path / "kiln.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "wd" / "report.json").read_text())
+    assert report["stages"]["train"]["status"] == "skipped"
+    v = report["validation"]
+    assert v["passed"] is True and v["baseline"]["backend"] == "onnxruntime"  # the FP32 ONNX is the reference
+    assert v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["accuracy"] is not None
+    assert {e["precision"] for e in v["engines"]} == {"fp32", "fp16", "int8"}
+
+
+def test_direct_precision_then_build_and_validate(exported, tmp_path: Path) -> None:
+    onnx_path, npz = exported
+    cli = CliRunner()
+    out = tmp_path / "out"
+    r = cli.invoke(main, ["precision", str(onnx_path), "-o", str(out), "--variants", "fp16,int8",
+                          "--calibration", str(npz), "--quiet"])
+    assert r.exit_code == 0, r.output
+    variants = json.loads((out / "variants.json").read_text())
+    assert set(variants["variants"]) == {"fp32", "fp16", "int8"} and variants["axis_sizes"] == {"seq": [16]}
+    for precision in ("fp16", "int8"):
+        engine = tmp_path / f"engine-{precision}"
+        entry = variants["variants"][precision]  # INT8 for ONNX Runtime CPU: the graph made for it
+        graph = out / entry["backend_paths"].get("onnxruntime-cpu", entry["path"])
+        r = cli.invoke(main, ["build", str(graph), "--precision", precision, "-o", str(engine), "--quiet"])
+        assert r.exit_code == 0, r.output
+        r = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(npz),
+                              "--set", "validate.logits_output=output_1", "--quiet"])
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.output[r.output.index("{"):])
+        assert got["passed"] and set(got["outputs"]) == {"output_0", "output_1"}
+        assert got["outputs"]["output_1"]["top1_agreement"] is not None
+
+
+def test_direct_precision_without_data_says_random_and_needs_sizes(exported, tmp_path: Path, caplog) -> None:
+    onnx_path, _ = exported
+    r = CliRunner().invoke(main, ["precision", str(onnx_path), "-o", str(tmp_path / "o"), "--variants", "int8"])
+    assert r.exit_code == 2 and "error: input 'input_ids' has dynamic axes" in r.output and "--calibration" in r.output
+    r = CliRunner().invoke(main, ["precision", str(onnx_path), "-o", str(tmp_path / "o"), "--variants", "int8",
+                                  "--set", "validate.shapes={seq: [4, 12]}"])
+    assert r.exit_code == 0, r.output
+    assert "RANDOM inputs" in r.output + caplog.text
