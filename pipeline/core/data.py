@@ -187,7 +187,7 @@ def _check_x(x: Any, field: str, ref: str) -> None:
     if not items:
         raise DataContractError(f"dataset '{ref}' gives {field} as {type(x).__name__}"
                                 + (" with nothing in it" if items == [] else "")
-                                + ", not a tensor, a tuple of tensors or a dict of named tensors",
+                                + ", not a torch.Tensor, a tuple of tensors or a dict of named tensors",
                                 hint="wrap arrays with torch.from_numpy(...) in the dataset function")
     for key, t in zip(_keys(x) if items else [], items):
         if not isinstance(t, torch.Tensor):

@@ -77,8 +77,10 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
         with torch.no_grad():
             out = call(model.eval(), x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-        shapes = ", ".join(f"{n}{list(t.shape)} {t.dtype}" for n, t in zip(data.sample_shapes, tensors(x)))
-        raise ModelError(f"model '{model_ref}' cannot take the dataset's inputs ({shapes}): {first_line(exc, 200)}",
+        parts = tensors(x)
+        what = (f"input {tuple(parts[0].shape)} ({parts[0].dtype})" if len(parts) == 1 else "inputs (" + ", ".join(
+            f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(data.sample_shapes, parts)) + ")")
+        raise ModelError(f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}",
                          hint="make data.name/data.params produce what the model expects, or change model.params") from None
     finally:
         model.train()
