@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
 # /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
-# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, train, precision, serve.
+# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, train, train-compile, precision,
+# serve.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
 mkdir -p "$OUT"
@@ -19,6 +20,8 @@ for phase in "$@"; do
       grep -A12 "## Validation" /tmp/kiln-gpu/report.md ;;
     engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
+    # torch.compile table, one model per call keeps each under 10 minutes: TRAIN_COMPILE_ARGS="--models resnet18"
+    train-compile) python3 benchmarks/train_bench.py --compile --out "$OUT" ${TRAIN_COMPILE_ARGS:-} ;;
     precision) python3 benchmarks/precision_bench.py --gpu --out "$OUT" ${PRECISION_ARGS:-} ;;
     serve) python3 benchmarks/serve_bench.py --resnet18-fp16 --concurrency 1,2,4,8,16,32,64 --duration 10 \
              --out "$OUT" ${SERVE_ARGS:-} ;;

@@ -35,8 +35,20 @@ backward pass) the AMP step was bound by small kernels and reached only 2.35x (f
 
 Writes <out>/train.json and <out>/train.md.
 
+``--compile``: the torch.compile table instead (issue 16). Loops: Kiln eager AMP, Kiln with ``train.compile: true``
+and the bare loop above with ``torch.compile(model)``, fp16 and bf16, for ``bert_base`` (explicit attention:
+MatMul, Softmax, MatMul written out), ``bert_base_hf`` (``transformers``' BertForSequenceClassification, random
+weights, token ids; skipped with a note where ``transformers`` does not import; pip install 'kiln[bench]') and
+``resnet18``. Both compiled loops compile the model alone (mode default, inductor) with the same settings, so
+they share Dynamo's in-process cache: whichever runs first in a cell pays the compilation, in its untimed
+warm-up, and Kiln's run additionally compiles its evaluation graph, after its timed window. Target: Kiln
+compiled >= 0.97x the bare compiled loop in every cell. Writes <out>/train_compile[_<models>].json and .md.
+
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~4 minutes
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models bert_base,bert_base_hf --out $OUT
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models resnet18 --out $OUT
     python benchmarks/train_bench.py --smoke --out /tmp/train_bench          # tiny models on CPU, seconds
+    python benchmarks/train_bench.py --smoke --compile --models bert_base --precisions bf16 --out /tmp/tb
 """
 from __future__ import annotations
 
@@ -63,31 +75,75 @@ from kiln.stages.train.loop import train  # noqa: E402
 
 log = logging.getLogger("bench")
 PRECISIONS = ("fp32", "fp16", "bf16")
+COMPILE_PRECISIONS = ("fp16", "bf16")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+EAGER_LOOPS = ("bare", "kiln")
+COMPILE_LOOPS = ("kiln", "kiln_compiled", "bare_compiled")
+# Bare loop, eager -> compiled, median ms/step on the H200 (issue 16's anchor): the gain Kiln should match.
+ANCHOR_GAIN = {("bert_base", "fp16"): 1.54, ("bert_base", "bf16"): 1.17, ("bert_base_hf", "fp16"): 1.11,
+               ("bert_base_hf", "bf16"): 1.34, ("resnet18", "fp16"): 1.74, ("resnet18", "bf16"): 2.33}
 
 
-def specs(smoke: bool) -> dict[str, dict[str, Any]]:
-    """name -> model params, batch, sample shape, classes."""
+def specs(smoke: bool, compile_table: bool = False) -> dict[str, dict[str, Any]]:
+    """name -> model (registry name or "hf_bert"), params, batch, sample shape, classes (and token ids)."""
     if smoke:
-        return {"bert_base": {"params": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64,
-                                         "seq_len": 16}, "batch": 8, "shape": (16, 64), "classes": 2},
-                "resnet18": {"params": {"width": 8, "blocks": (1, 1), "num_classes": 10}, "batch": 8,
-                             "shape": (3, 32, 32), "classes": 10}}
-    return {"bert_base": {"params": {}, "batch": 64, "shape": (128, 768), "classes": 2},
-            "resnet18": {"params": {}, "batch": 128, "shape": (3, 224, 224), "classes": 1000}}
+        enc = {"model": "bert_base", "params": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64,
+                                                "seq_len": 16}, "batch": 8, "shape": (16, 64), "classes": 2}
+        out = {"bert_base": enc,
+               "resnet18": {"model": "resnet18", "params": {"width": 8, "blocks": (1, 1), "num_classes": 10},
+                            "batch": 8, "shape": (3, 32, 32), "classes": 10}}
+        hf = {"model": "hf_bert", "params": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                             "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 32},
+              "batch": 8, "shape": (16,), "classes": 2, "vocab": 1000}
+    else:
+        enc = {"model": "bert_base", "params": {}, "batch": 64, "shape": (128, 768), "classes": 2}
+        out = {"bert_base": enc,
+               "resnet18": {"model": "resnet18", "params": {}, "batch": 128, "shape": (3, 224, 224), "classes": 1000}}
+        hf = {"model": "hf_bert", "params": {}, "batch": 64, "shape": (128,), "classes": 2, "vocab": 30522}
+    if not compile_table:
+        return out
+    # The compile table: attention written out (what the compiler must fuse), and transformers' BERT.
+    return {"bert_base": {**enc, "params": {**enc["params"], "attention": "explicit"}}, "bert_base_hf": hf,
+            "resnet18": out["resnet18"]}
 
 
 def make_data(spec: dict[str, Any], batches: int, seed: int = 0) -> DatasetSplits:
     g = torch.Generator().manual_seed(seed)
     n = spec["batch"] * batches
-    x = torch.randn((n, *spec["shape"]), generator=g)
+    if "vocab" in spec:  # token ids
+        x = torch.randint(0, spec["vocab"], (n, *spec["shape"]), generator=g)
+    else:
+        x = torch.randn((n, *spec["shape"]), generator=g)
     y = torch.randint(0, spec["classes"], (n,), generator=g)
     return DatasetSplits(x, y, x[: spec["batch"]], y[: spec["batch"]], spec["classes"], "synthetic")
 
 
+class HFBert(nn.Module):
+    """transformers' BertForSequenceClassification returning logits (Kiln's loop takes a tensor in, logits out)."""
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        self.bert = BertForSequenceClassification(BertConfig(num_labels=2, **overrides))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=ids).logits
+
+
+def has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def fresh_model(name: str, spec: dict[str, Any]) -> nn.Module:
     torch.manual_seed(0)
-    return build_model(name, spec["params"])
+    if spec.get("model") == "hf_bert":
+        return HFBert(**spec["params"])
+    return build_model(spec.get("model", name), spec["params"])
 
 
 def sync(device: torch.device) -> None:
@@ -116,9 +172,10 @@ class Window:
 
 
 def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
-              warmup: int, steps: int) -> dict[str, float | None]:
-    """The minimal AMP step, nothing around it."""
+              warmup: int, steps: int, compile: bool = False) -> dict[str, float | None]:
+    """The minimal AMP step, nothing around it; ``compile``: through ``torch.compile(model)``."""
     model.to(device).train()
+    net = torch.compile(model) if compile else model
     x, y = data.train_x.to(device), data.train_y.to(device)
     perm = torch.randperm(len(x), device=device)  # shuffled batches, gathered on the device like Kiln's
     params = [p for p in model.parameters() if p.requires_grad]
@@ -132,7 +189,7 @@ def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
         idx = perm[i * batch:(i + 1) * batch]
         xb, yb = x.index_select(0, idx), y.index_select(0, idx)
         with ctx():
-            logits = model(xb)
+            logits = net(xb)
         loss = nn.functional.cross_entropy(logits.float(), yb)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -153,12 +210,13 @@ def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
 
 
 def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
-              warmup: int, steps: int) -> dict[str, Any]:
+              warmup: int, steps: int, compile: bool = False) -> dict[str, Any]:
     """Kiln's loop over one epoch of warmup + steps batches, timed through its on_step hook."""
     cfg = TrainConfig.model_validate({
         "epochs": 1, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
         "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant",
-        "eval_every": 10_000, "plot": False, "loader": {"on_device": True}, "checkpoint": {"resume": "never"}})
+        "eval_every": 10_000, "plot": False, "loader": {"on_device": True}, "checkpoint": {"resume": "never"},
+        "compile": compile})
     window = Window(device)
 
     def on_step(step: int) -> None:
@@ -170,40 +228,65 @@ def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
     result = train(model, data, cfg, on_step=on_step)
     m = result.history[-1]
     assert result.global_step == warmup + steps and window.secs > 0
-    return {"steps_per_s": steps / window.secs, "peak_mb": window.peak, "skipped_steps": m.skipped_steps,
-            "nonfinite_steps": m.nonfinite_steps, "final_loss": m.loss}
+    out = {"steps_per_s": steps / window.secs, "peak_mb": window.peak, "skipped_steps": m.skipped_steps,
+           "nonfinite_steps": m.nonfinite_steps, "final_loss": m.loss}
+    if result.compile is not None:  # a fallback to eager would make the compiled figure meaningless: record it
+        out["compile"] = result.compile
+    return out
+
+
+LOOP_FNS = {"bare": (bare_loop, False), "kiln": (kiln_loop, False), "bare_compiled": (bare_loop, True),
+            "kiln_compiled": (kiln_loop, True)}
 
 
 def measure(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
-            warmup: int, steps: int, rounds: int) -> dict[str, Any]:
-    """``rounds`` runs of each loop, alternating which goes first; medians plus every round."""
-    runs: dict[str, list[dict[str, Any]]] = {"bare": [], "kiln": []}
+            warmup: int, steps: int, rounds: int, loops: tuple[str, ...] = EAGER_LOOPS) -> dict[str, Any]:
+    """``rounds`` runs of each loop, rotating which goes first; medians plus every round."""
+    runs: dict[str, list[dict[str, Any]]] = {which: [] for which in loops}
     for r in range(rounds):
-        for which in (("bare", "kiln") if r % 2 == 0 else ("kiln", "bare")):
+        for which in loops[r % len(loops):] + loops[:r % len(loops)]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            fn = bare_loop if which == "bare" else kiln_loop
-            runs[which].append(fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, steps))
+            fn, compile = LOOP_FNS[which]
+            runs[which].append(fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, steps,
+                                  compile=compile))
     row: dict[str, Any] = {"model": name, "batch": spec["batch"], "precision": precision}
     for which, rs in runs.items():
         cell = dict(rs[-1])
         cell["steps_per_s"] = statistics.median(x["steps_per_s"] for x in rs)
         cell["peak_mb"] = max(x["peak_mb"] for x in rs) if device.type == "cuda" else None
         cell["rounds_steps_per_s"] = [round(x["steps_per_s"], 3) for x in rs]
-        if which == "kiln":
+        if which.startswith("kiln"):
             cell["skipped_steps"] = sum(x["skipped_steps"] for x in rs)
             cell["nonfinite_steps"] = sum(x["nonfinite_steps"] for x in rs)
+        if which == "kiln_compiled":
+            cell["fallbacks"] = [x["compile"]["fallback"] for x in rs if x["compile"]["fallback"]]
+            cell["compile"] = rs[0]["compile"]  # the first round compiles (or reuses the bare loop's graphs)
         row[which] = cell
-    row["kiln_vs_bare"] = row["kiln"]["steps_per_s"] / row["bare"]["steps_per_s"]
+    if "bare" in row:
+        row["kiln_vs_bare"] = row["kiln"]["steps_per_s"] / row["bare"]["steps_per_s"]
+    if "kiln_compiled" in row:
+        row["kiln_compiled_vs_bare_compiled"] = row["kiln_compiled"]["steps_per_s"] / row["bare_compiled"]["steps_per_s"]
+        row["compile_gain_kiln"] = row["kiln_compiled"]["steps_per_s"] / row["kiln"]["steps_per_s"]
+        row["compile_gain_anchor"] = ANCHOR_GAIN.get((name, precision))
     return row
 
 
-def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
+def bench_device(smoke: bool) -> torch.device:
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True  # Kiln turns it on too (non-deterministic mode)
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
+    device = bench_device(smoke)
     rows = []
     for name, spec in specs(smoke).items():
         data = make_data(spec, warmup + steps)  # one epoch: Kiln's timed window has no epoch boundary
@@ -216,9 +299,69 @@ def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
     for r in rows:
         base = next(b for b in rows if b["model"] == r["model"] and b["precision"] == "fp32")
         r["speedup_vs_fp32"] = {k: r[k]["steps_per_s"] / base[k]["steps_per_s"] for k in ("bare", "kiln")}
-    return {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+    return {"device": device_name(device),
             "torch": torch.__version__, "smoke": smoke, "tf32": False, "timed_steps": steps,
             "warmup_steps": warmup, "rounds": rounds, "rows": rows, "targets": targets(rows)}
+
+
+def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[str] | None,
+                precisions: tuple[str, ...]) -> dict[str, Any]:
+    """The torch.compile table: Kiln eager AMP, Kiln compiled, bare compiled, per model and precision."""
+    device = bench_device(smoke)
+    rows, notes = [], []
+    for name, spec in specs(smoke, compile_table=True).items():
+        if models is not None and name not in models:
+            continue
+        if spec["model"] == "hf_bert":
+            if not has_transformers():
+                notes.append(f"{name}: skipped, transformers does not import (pip install 'kiln[bench]')")
+                continue
+            import transformers
+
+            attention = fresh_model(name, spec).bert.config._attn_implementation
+            notes.append(f"{name}: transformers {transformers.__version__}, attention implementation {attention}")
+        data = make_data(spec, warmup + steps)
+        for precision in precisions:
+            log.info("%s %s (compile)", name, precision)
+            row = measure(name, spec, data, precision, device, warmup, steps, rounds, COMPILE_LOOPS)
+            row["dataset_mb"] = round((data.train_x.nbytes + data.train_y.nbytes) / 2**20, 1)
+            rows.append(row)
+    return {"device": device_name(device), "torch": torch.__version__, "smoke": smoke, "tf32": False,
+            "timed_steps": steps, "warmup_steps": warmup, "rounds": rounds, "rows": rows, "notes": notes,
+            "targets": compile_targets(rows)}
+
+
+def compile_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Kiln compiled >= 0.97x the bare compiled loop in every cell, and no run fell back to eager."""
+    ratios = [r["kiln_compiled_vs_bare_compiled"] for r in rows]
+    return {"kiln_compiled_at_least_0.97x_bare_compiled": bool(ratios) and all(v >= 0.97 for v in ratios),
+            "worst_kiln_compiled_vs_bare_compiled": round(min(ratios), 3) if ratios else None,
+            "fallbacks": sum(len(r["kiln_compiled"]["fallbacks"]) for r in rows)}
+
+
+def compile_markdown(res: dict[str, Any]) -> str:
+    mb = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
+    lines = [f"# Training throughput with torch.compile: Kiln vs bare loop ({res['device']}, torch {res['torch']})", "",
+             f"{res['warmup_steps']} warm-up (compilation included) + {res['timed_steps']} timed steps per run, "
+             f"median of {res['rounds']} runs per loop in rotating order; TF32 off; synthetic data on the device. "
+             "Compiled gain = Kiln compiled / Kiln eager AMP; anchor = the bare loop's gain measured for issue 16.", "",
+             "| model | batch | precision | Kiln eager steps/s | Kiln compiled steps/s | bare compiled steps/s "
+             "| Kiln compiled / bare compiled | compiled gain (Kiln) | anchor gain | graphs / recompiles / breaks "
+             "| peak MB Kiln eager | peak MB Kiln compiled |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        k, kc, bc = r["kiln"], r["kiln_compiled"], r["bare_compiled"]
+        c = kc["compile"]
+        anchor = f"{r['compile_gain_anchor']:.2f}x" if r.get("compile_gain_anchor") else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['precision']} | {k['steps_per_s']:.2f} | "
+                     f"{kc['steps_per_s']:.2f} | {bc['steps_per_s']:.2f} | {r['kiln_compiled_vs_bare_compiled']:.3f} | "
+                     f"{r['compile_gain_kiln']:.2f}x | {anchor} | {c['graphs']} / {c['recompiles']} / {c['graph_breaks']} | "
+                     f"{mb(k['peak_mb'])} | {mb(kc['peak_mb'])} |")
+    t = res["targets"]
+    lines += ["", f"- Kiln compiled vs bare compiled, worst cell: {t['worst_kiln_compiled_vs_bare_compiled']} "
+                  f"(target >= 0.97: {'met' if t['kiln_compiled_at_least_0.97x_bare_compiled'] else 'NOT met'})",
+              f"- runs that fell back to eager: {t['fallbacks']}"]
+    lines += [f"- {n}" for n in res.get("notes", [])]
+    return "\n".join(lines) + "\n"
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,12 +404,28 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 8; smoke 2)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 48; smoke 2)")
     ap.add_argument("--rounds", type=int, default=None, help="runs per loop and cell (default 5; smoke 2)")
+    ap.add_argument("--compile", action="store_true", help="the torch.compile table (Kiln eager/compiled, bare compiled)")
+    ap.add_argument("--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18")
+    ap.add_argument("--precisions", default=",".join(COMPILE_PRECISIONS), help="--compile: fp16,bf16 or one of them")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
-    res = run(args.smoke, args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 48),
-              args.rounds or (2 if args.smoke else 5))
+    warmup, steps = args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 48)
+    rounds = args.rounds or (2 if args.smoke else 5)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.compile:
+        models = args.models.split(",") if args.models else None
+        unknown = sorted(set(models or []) - set(specs(True, compile_table=True)))
+        if unknown:
+            ap.error(f"--models: unknown {', '.join(unknown)}; choose from bert_base, bert_base_hf, resnet18")
+        res = run_compile(args.smoke, warmup, steps, rounds, models, tuple(args.precisions.split(",")))
+        name = "train_compile" + ("_smoke" if args.smoke else "") + ("_" + "_".join(models) if models else "")
+        (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
+        md = compile_markdown(res)
+        (args.out / f"{name}.md").write_text(md)
+        print(md)
+        return
+    res = run(args.smoke, warmup, steps, rounds)
     name = "train_smoke" if args.smoke else "train"
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
     md = markdown(res)

@@ -5,6 +5,8 @@ exported graph shows the patterns Kiln's optimizer and ONNX Runtime's attention 
 LayerNorm, GELU). Outside ONNX export the same function runs through ``F.scaled_dot_product_attention``: on a
 GPU that is one flash/memory-efficient kernel instead of four ops and a [B, H, S, S] score tensor kept for the
 backward pass, which is most of the gap between FP32 and AMP training speed on an encoder.
+``attention="explicit"`` keeps the four ops in training too (what ``torch.compile`` has to fuse by itself;
+benchmarks/train_bench.py compares both).
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from torch import nn
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, explicit: bool = False) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} must be divisible by heads {heads}")
-        self.heads, self.head_dim = heads, dim // heads
+        self.heads, self.head_dim, self.explicit = heads, dim // heads, explicit
         self.q = nn.Linear(dim, dim)
         self.k = nn.Linear(dim, dim)
         self.v = nn.Linear(dim, dim)
@@ -33,7 +35,7 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
-        if torch.onnx.is_in_onnx_export():
+        if self.explicit or torch.onnx.is_in_onnx_export():
             ctx = explicit_attention(q, k, v)
         else:
             ctx = F.scaled_dot_product_attention(q, k, v)  # same function, fused kernel
@@ -47,9 +49,9 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, dim: int, heads: int, ffn: int) -> None:
+    def __init__(self, dim: int, heads: int, ffn: int, explicit: bool = False) -> None:
         super().__init__()
-        self.attn = SelfAttention(dim, heads)
+        self.attn = SelfAttention(dim, heads, explicit)
         self.norm1 = nn.LayerNorm(dim)
         self.ff1 = nn.Linear(dim, ffn)
         self.act = nn.GELU()
@@ -68,15 +70,19 @@ class TransformerClassifier(nn.Module):
     """
 
     def __init__(self, in_features: int = 8, seq_len: int = 8, num_classes: int = 10, dim: int = 64,
-                 heads: int = 4, layers: int = 2, ffn: int | None = None, input_kind: str = "image") -> None:
+                 heads: int = 4, layers: int = 2, ffn: int | None = None, input_kind: str = "image",
+                 attention: str = "sdpa") -> None:
         super().__init__()
         if input_kind not in ("image", "tokens"):
             raise ValueError(f"input_kind must be 'image' or 'tokens', got {input_kind!r}")
+        if attention not in ("sdpa", "explicit"):
+            raise ValueError(f"attention must be 'sdpa' or 'explicit', got {attention!r}")
         self.input_kind = input_kind
         self.embed = nn.Linear(in_features, dim)
         self.pos = nn.Parameter(torch.zeros(1, seq_len, dim))
         nn.init.normal_(self.pos, std=0.02)
-        self.layers = nn.ModuleList(EncoderLayer(dim, heads, ffn or 4 * dim) for _ in range(layers))
+        self.layers = nn.ModuleList(EncoderLayer(dim, heads, ffn or 4 * dim, attention == "explicit")
+                                    for _ in range(layers))
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from kiln.core.artifacts import hash_json, write_bytes_atomic, write_json_atomic
 from kiln.core.errors import InputFileError
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 log = logging.getLogger("kiln.train")
 
@@ -26,7 +27,11 @@ BEST = "best.safetensors"
 INFO = "last.json"
 # Settings that change how training runs but not what it computes: left out of the run key so that
 # e.g. more loader workers or a profiler trace can still resume an interrupted run.
-NOT_IN_KEY = ("enabled", "loader", "checkpoint", "profile_steps", "plot", "eval_every")
+# torch.compile is among them: a compiled run resumes uncompiled and the other way round (same weights
+# up to the float rounding of fused kernels).
+NOT_IN_KEY = ("enabled", "loader", "checkpoint", "profile_steps", "plot", "eval_every", "compile")
+# The prefix torch.compile's wrapper (OptimizedModule) puts before every key of its state_dict.
+COMPILED_PREFIX = "_orig_mod."
 
 
 def run_key(config_dump: dict[str, Any]) -> str:
@@ -67,6 +72,14 @@ def load_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
         raise InputFileError(f"{path} is not a Kiln training checkpoint (no model/optimizer state)",
                              hint="train.checkpoint.resume takes a last.pt; use model.checkpoint for plain weights")
+    return state
+
+
+def plain_keys(state: dict[str, Any]) -> dict[str, Any]:
+    """A model state dict without torch.compile's ``_orig_mod.`` prefix. Kiln saves the uncompiled module's
+    state (no prefix), but a last.pt written by a script that saved ``torch.compile(model).state_dict()``
+    has it on every key. In place (the state's ``_metadata`` stays with it)."""
+    consume_prefix_in_state_dict_if_present(state, COMPILED_PREFIX)  # torch's own helper (used for DDP's "module.")
     return state
 
 

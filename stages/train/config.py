@@ -52,6 +52,18 @@ class DistributedConfig(Section):
     find_unused_parameters: bool = False
 
 
+class CompileConfig(Section):
+    """torch.compile settings (https://pytorch.org/docs/stable/generated/torch.compile.html)."""
+
+    mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
+        "default", description="inductor mode; reduce-overhead and max-autotune add CUDA graphs on GPUs")
+    dynamic: bool | None = Field(
+        None, description="true: shapes symbolic from the start; false: one graph per shape; null: PyTorch's "
+                          "automatic choice (static first, dynamic once a shape changes)")
+    fullgraph: bool = Field(False, description="true: a graph break or compile failure stops training with an "
+                                               "error; false: graph breaks split the graph, a failure falls back to eager")
+
+
 class TrainConfig(Section):
     enabled: bool = Field(True, description="false skips training (use model.checkpoint or random init)")
     epochs: int = Field(8, ge=1)
@@ -76,10 +88,19 @@ class TrainConfig(Section):
     plot: bool = Field(True, description="write loss.png (train/val loss per epoch)")
     loss: str | None = Field(None, description="'package.module:function' taking (outputs, targets) -> scalar; null: "
                                                "cross-entropy for integer labels, mean squared error for float targets")
+    compile: bool | CompileConfig = Field(
+        False, description="torch.compile the model: true (default settings) or {mode, dynamic, fullgraph}")
     amp: AmpConfig = Field(default_factory=AmpConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @property
+    def compile_options(self) -> CompileConfig | None:
+        """The torch.compile settings, or None when the model runs eagerly."""
+        if isinstance(self.compile, CompileConfig):
+            return self.compile
+        return CompileConfig() if self.compile else None
 
     @field_validator("betas")
     @classmethod

@@ -5,7 +5,8 @@ Parameters stay FP32 (master weights) and the loss is computed in FP32 on FP32 l
 is split into ``grad_accum_steps`` micro-batches whose losses are weighted by their share of the batch,
 so accumulation gives the same update as one big batch, the short last batch included. Under DDP,
 gradients are all-reduced only on the last micro-step (``no_sync`` on the others): syncing on every
-micro-step would move the same bytes K times for the same result.
+micro-step would move the same bytes K times for the same result. With ``train.compile`` the forward
+runs through ``torch.compile`` (:mod:`kiln.stages.train.compile`); everything around it stays eager.
 
 Nothing in a step waits for the GPU: non-finite steps are skipped on the device, and the loss and
 gradient norm reach the host one step late (:mod:`kiln.stages.train.health`). The loop drains them before
@@ -26,6 +27,7 @@ from kiln.core.data import DatasetSplits, Inputs, call, rebuild, rows, take, ten
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
 from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.compile import CompiledModel
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
 from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
@@ -70,16 +72,18 @@ SCHED_WARNING = r"Detected call of `lr_scheduler.step\(\)` before"
 
 @torch.no_grad()
 def evaluate_loss_acc(model: nn.Module, x: Inputs, y: torch.Tensor, device: torch.device,
-                      env: DistEnv = DistEnv(), batch: int = 256, task: Task = CLASSIFY) -> tuple[float, float | None]:
+                      env: DistEnv = DistEnv(), batch: int = 256, task: Task = CLASSIFY,
+                      forward: Callable[..., Any] | None = None) -> tuple[float, float | None]:
     """FP32 validation loss and accuracy (None without class labels); each process takes every W-th sample,
-    then one all-reduce."""
+    then one all-reduce. ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
     was_training = model.training
     model.eval()
+    run = forward or model
     x, y = take(x, slice(env.rank, None, env.world_size)), y[env.rank::env.world_size]
     correct, loss_sum = 0.0, 0.0
     for i in range(0, len(y), batch):
         xb = take(x, slice(i, i + batch))
-        out = call(model, rebuild(xb, [t.to(device) for t in tensors(xb)]))
+        out = call(run, rebuild(xb, [t.to(device) for t in tensors(xb)]))
         target = y[i:i + batch].to(device)
         loss_sum += task.loss(out, target).item() * len(target)  # the mean loss, weighted by the rows
         hits = task.correct(out, target)
@@ -130,6 +134,15 @@ def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0
     return result
 
 
+def _compile_note(c: dict[str, Any]) -> str:
+    """One log line: what torch.compile did in this run."""
+    state = f"fell back to eager ({c['fallback']})" if c["fallback"] else f"mode {c['mode']}"
+    note = (f"{state}; {c['graphs']} graphs, {c['recompiles']} recompiles, {c['graph_breaks']} graph breaks, "
+            f"{c['compile_s']:.1f} s compiling")
+    reasons = c["recompile_reasons"] + c["graph_break_reasons"]
+    return note + (" (" + "; ".join(reasons[:3]) + ")" if reasons else "")
+
+
 class _Trainer:
     """State of one run. A class only so the step and the epoch can be short methods sharing it."""
 
@@ -159,6 +172,9 @@ class _Trainer:
         self.acc: dict[str, float] = {}  # running sums of the current epoch (this process's share)
         self._maybe_resume()
         self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
+        # What the steps call: torch.compile of the DDP module (DDP first: see compile.py), or the module itself.
+        # self.model stays the plain module, so state dicts never carry torch.compile's "_orig_mod." prefix.
+        self.net = CompiledModel(self.ddp, cfg.compile_options)
         self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
 
     # -- resume / checkpoint ------------------------------------------------------------------------
@@ -184,7 +200,7 @@ class _Trainer:
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
-        self.model.load_state_dict(state["model"])
+        self.model.load_state_dict(ckpt.plain_keys(state["model"]))
         self.opt.load_state_dict(state["optimizer"])  # moments and step counts; its lr etc. are replaced below
         zero_momentum_buffers(self.opt)
         with warnings.catch_warnings():
@@ -260,6 +276,9 @@ class _Trainer:
                 bar.advance(1, note=note)
         self._save(complete=True)
         r = self.result
+        r.compile = self.net.summary()
+        if r.compile is not None:
+            log.info("torch.compile: %s", _compile_note(r.compile))
         r.selected_epoch = r.history[-1].epoch if r.history else None
         if self.cfg.checkpoint.select == "best" and r.best_epoch is not None and self.ckpt_dir:
             self._load_best()
@@ -295,25 +314,16 @@ class _Trainer:
         return m
 
     def _step(self, xb: Inputs, yb: torch.Tensor) -> None:
-        chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
-        total: torch.Tensor | None = None
         self.guard.save()  # the forward passes update BatchNorm statistics even if the step is then skipped
-        for i, (cx, cy) in enumerate(chunks):
-            last = i == len(chunks) - 1
-            sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
-            with sync:
-                cx = rebuild(cx, [t.to(self.device, non_blocking=True) for t in tensors(cx)])
-                cy = cy.to(self.device, non_blocking=True)
-                with autocast(self.device, self.precision):
-                    out = call(self.ddp, cx)
-                # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
-                # to the mean over the whole batch, also when the last micro-batch is smaller.
-                loss = self.task.loss(out, cy)
-                if len(cy) != rows(xb):  # one micro-batch: weight 1, no extra kernels
-                    loss = loss * (len(cy) / rows(xb))
-                self.scaler.scale(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        assert total is not None
+        try:
+            total = self._forward_backward(xb, yb)
+        except self.net.errors as exc:  # a backward graph failed to compile (forward failures: CompiledModel)
+            if not self.net.compiled:
+                raise
+            self.net.fall_back(exc)  # raises with fullgraph: true
+            self.opt.zero_grad(set_to_none=True)  # the step again from scratch, eagerly
+            self.guard.restore()
+            total = self._forward_backward(xb, yb)
         self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
         norm = grad_norm(self.params, self.cfg.grad_clip)
         self.result.global_step += 1
@@ -340,6 +350,28 @@ class _Trainer:
         # With device-side skipping these are the previous step's values; this step's work is queued
         # behind them, so the GPU stays busy while the host looks.
         self._account(done if not self.device_skip else list(self.stats.ready()))
+
+    def _forward_backward(self, xb: Inputs, yb: torch.Tensor) -> torch.Tensor:
+        """The micro-steps of one batch: forward, FP32 loss, scaled backward. Returns the batch's loss."""
+        chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
+        total: torch.Tensor | None = None
+        for i, (cx, cy) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
+            with sync:
+                cx = rebuild(cx, [t.to(self.device, non_blocking=True) for t in tensors(cx)])
+                cy = cy.to(self.device, non_blocking=True)
+                with autocast(self.device, self.precision):
+                    out = call(self.net, cx)
+                # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
+                # to the mean over the whole batch, also when the last micro-batch is smaller.
+                loss = self.task.loss(out, cy)
+                if len(cy) != rows(xb):  # one micro-batch: weight 1, no extra kernels
+                    loss = loss * (len(cy) / rows(xb))
+                self.scaler.scale(loss).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total
 
     def _drain(self) -> None:
         self._account(list(self.stats.drain()))
@@ -403,7 +435,8 @@ class _Trainer:
                          skipped_steps=int(skipped / self.env.world_size), nonfinite_steps=int(bad / self.env.world_size))
         if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
             m.val_loss, m.val_accuracy = evaluate_loss_acc(self.model, self.data.val_x, self.data.val_y,
-                                                           self.device, self.env, task=self.task)
+                                                           self.device, self.env, task=self.task,
+                                                           forward=self.net)
             r = self.result
             if m.val_accuracy is None:  # no classes: nothing to rank epochs by ("best" keeps the last)
                 pass

@@ -41,6 +41,7 @@ class TrainResult:
     resumed_from: str | None = None
     checkpoint_dir: str | None = None
     fp32_norms: list[str] = field(default_factory=list)
+    compile: dict[str, Any] | None = None  # torch.compile settings and counts (compile.CompiledModel.summary)
     files: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -61,7 +62,7 @@ class TrainResult:
             "samples_per_s": last.samples_per_s if last else None,
             "peak_memory_mb": max((m.peak_memory_mb or 0.0) for m in self.history) if self.history else None,
             "resumed_from": self.resumed_from, "checkpoint_dir": self.checkpoint_dir,
-            "fp32_norm_layers": len(self.fp32_norms), "files": self.files,
+            "fp32_norm_layers": len(self.fp32_norms), "compile": self.compile, "files": self.files,
         }
 
     def selected(self) -> EpochMetrics | None:

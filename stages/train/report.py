@@ -16,7 +16,18 @@ def report_section(summary: dict[str, Any]) -> list[str]:
         out += ["", "## Training", "",
                 f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
                 f"{fmt(train.get('final_loss'))}, {score}"
-                + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "") + "."]
+                + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "")
+                + _compile_note(train.get("compile")) + "."]
         if "loss.png" in train.get("files", []):
             out += ["", "![loss curve](train/loss.png)"]
     return out
+
+
+def _compile_note(c: dict[str, Any] | None) -> str:
+    """train.compile's outcome in one clause (the summary has the reasons)."""
+    if not c:
+        return ""
+    if c.get("fallback"):
+        return f"; torch.compile failed, trained eagerly ({c['fallback']})"
+    return (f"; torch.compile ({c.get('mode')}): {c.get('graphs')} graphs, {c.get('recompiles')} recompiles, "
+            f"{c.get('graph_breaks')} graph breaks")

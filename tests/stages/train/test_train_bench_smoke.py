@@ -1,5 +1,6 @@
 """benchmarks/train_bench.py --smoke runs end to end on CPU and writes its JSON and Markdown; the AMP target
-is judged per mode (one mode beating 2.8x does not make the other pass)."""
+is judged per mode (one mode beating 2.8x does not make the other pass). The --compile table likewise, with
+one tiny model and one precision (compiling on CPU takes most of its time)."""
 from __future__ import annotations
 
 import importlib.util
@@ -51,3 +52,43 @@ def test_amp_target_is_judged_per_mode() -> None:
                          "rows": [dict(r, dataset_mb=1.0) for r in rows], "targets": t})
     assert "fp16 2.17x (NOT met), bf16 2.90x (met)" in md
     assert "(target >= 0.95: met)" in md
+
+
+@pytest.mark.timeout(300)
+def test_train_bench_compile_smoke(tmp_path: Path) -> None:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_bench.py"), "--smoke", "--compile", "--models",
+                    "bert_base", "--precisions", "bf16", "--rounds", "1", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True, env=env, timeout=290)
+    res = json.loads((tmp_path / "train_compile_smoke_bert_base.json").read_text())
+    (row,) = res["rows"]
+    assert (row["model"], row["precision"]) == ("bert_base", "bf16")
+    for loop in ("kiln", "kiln_compiled", "bare_compiled"):
+        assert row[loop]["steps_per_s"] > 0
+    c = row["kiln_compiled"]["compile"]
+    assert c["compiled"] and c["fallback"] is None and row["kiln_compiled"]["fallbacks"] == []
+    assert row["compile_gain_anchor"] == 1.17 and res["targets"]["fallbacks"] == 0
+    assert "| bert_base | 8 | bf16 |" in (tmp_path / "train_compile_smoke_bert_base.md").read_text()
+
+
+def test_compile_target_is_judged_per_cell_and_a_missing_transformers_is_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = _bench()
+
+    def row(model: str, kc: float, bc: float) -> dict:
+        cell = {"steps_per_s": kc, "peak_mb": None, "fallbacks": [],
+                "compile": {"graphs": 2, "recompiles": 1, "graph_breaks": 0}}
+        return {"model": model, "batch": 64, "precision": "fp16", "kiln": {"steps_per_s": 10.0, "peak_mb": None},
+                "kiln_compiled": cell, "bare_compiled": {"steps_per_s": bc, "peak_mb": None},
+                "kiln_compiled_vs_bare_compiled": kc / bc, "compile_gain_kiln": kc / 10.0, "compile_gain_anchor": 1.54}
+
+    rows = [row("bert_base", 15.0, 15.2), row("resnet18", 14.0, 15.0)]
+    t = bench.compile_targets(rows)
+    assert not t["kiln_compiled_at_least_0.97x_bare_compiled"] and t["worst_kiln_compiled_vs_bare_compiled"] == 0.933
+    assert bench.compile_targets(rows[:1])["kiln_compiled_at_least_0.97x_bare_compiled"]
+    md = bench.compile_markdown({"device": "x", "torch": "y", "warmup_steps": 8, "timed_steps": 48, "rounds": 5,
+                                 "rows": rows, "targets": t, "notes": []})
+    assert "(target >= 0.97: NOT met)" in md and "| 1.50x | 1.54x | 2 / 1 / 0 |" in md
+
+    monkeypatch.setattr(bench, "has_transformers", lambda: False)
+    res = bench.run_compile(True, 1, 1, 1, ["bert_base_hf"], ("bf16",))
+    assert res["rows"] == [] and "transformers does not import" in res["notes"][0]

@@ -76,3 +76,11 @@ def test_sync_batchnorm_on_cpu_is_a_clear_error() -> None:
 
     with pytest.raises(TrainingError, match="SyncBatchNorm is GPU-only"):
         wrap_ddp(build_model("cnn"), DistEnv(0, 2, 0), DistributedConfig(sync_batchnorm=True), torch.device("cpu"))
+
+
+@pytest.mark.timeout(120)
+def test_fullgraph_compile_is_refused_under_ddp(tmp_path: Path) -> None:
+    """torch.compile of the DDP module breaks the graph in DDP's own forward: a clear error, before compiling."""
+    with pytest.raises(TrainingError, match="fullgraph: true does not work with several processes") as err:
+        run_torchrun(_config(2, compile={"fullgraph": True}), tmp_path, tmp_path / "ck", LOG)
+    assert "fullgraph: false" in (err.value.hint or "")

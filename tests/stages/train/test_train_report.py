@@ -1,0 +1,19 @@
+"""The report's training section names what torch.compile did (train.compile), or that it fell back to eager."""
+from __future__ import annotations
+
+from kiln.stages.train.report import report_section
+
+
+def _train(compile_summary: dict | None) -> str:
+    summary = {"precision": "bf16", "device": "cpu", "steps": 23, "final_loss": 0.5, "val_accuracy": 0.9,
+               "files": [], "compile": compile_summary}
+    return "\n".join(report_section(summary))
+
+
+def test_training_section_reports_compile_counts_or_fallback() -> None:
+    assert "torch.compile" not in _train(None)
+    counts = {"mode": "default", "graphs": 3, "recompiles": 2, "graph_breaks": 0, "fallback": None}
+    assert "23 steps: final loss 0.5" in _train(counts)
+    assert "; torch.compile (default): 3 graphs, 2 recompiles, 0 graph breaks." in _train(counts)
+    failed = dict(counts, fallback="InductorError: no C++ compiler")
+    assert "torch.compile failed, trained eagerly (InductorError: no C++ compiler)." in _train(failed)
