@@ -16,16 +16,16 @@ from typing import Any
 import kiln.calibration
 import kiln.stages.precision
 import numpy as np
+from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
+from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
-from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.onnx_io import io_specs, load_onnx
-from kiln.core.shapes import axis_sizes, graph_axes
 from kiln.core.outputs import logits_name
-from kiln.core.records import PrecisionVariant, Variants
-from kiln.calibration.config import CalibrationConfig
 from kiln.core.progress import Progress
+from kiln.core.records import PrecisionVariant, Variants
+from kiln.core.shapes import axis_sizes, graph_axes
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import fmt
 from kiln.stages.precision.compare import Samples

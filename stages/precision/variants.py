@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import Batch
@@ -22,8 +21,8 @@ from kiln.calibration.quantize import (
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
 from kiln.core.onnx_io import infer_shapes, save_onnx
-from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.compare import Samples
+from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.fallback import FallbackResult, run_fallback
 from kiln.stages.precision.fp16 import convert_fp16, name_nodes

@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 import kiln.models
 import kiln.stages.train
 import torch
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, call, check_forward_takes, rows, take, tensors
 from kiln.core.env import environment_subset
-from kiln.core.data import call, check_forward_takes, rows, take, tensors
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress

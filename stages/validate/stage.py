@@ -7,6 +7,7 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,8 +17,6 @@ import kiln.stages.engines
 import kiln.stages.validate
 import numpy as np
 import torch
-from dataclasses import replace
-
 from kiln.core.compare import OutputStats, compare_arrays, compare_outputs, worst
 from kiln.core.data import (
     DatasetSplits,
@@ -32,10 +31,12 @@ from kiln.core.data import (
     rows,
     take,
 )
-from kiln.core.errors import ModelError
-from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.env import environment_subset
+from kiln.core.errors import ModelError
+from kiln.core.onnx_io import io_specs, load_onnx, ort_session
+from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import Baseline, EngineValidation, Percentiles, ValidationResult
+from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.engines.engines import engine_dirs, read_metadata
@@ -44,8 +45,6 @@ from kiln.stages.precision import speed as precision_speed
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.report import report_section
-from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
-from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 
 
 def percentiles(times_ms: list[float]) -> Percentiles:

@@ -9,7 +9,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from kiln.cli import main
-from kiln.core.data import DatasetSplits, DataContractError, check_splits, input_names
+from kiln.core.data import DataContractError, DatasetSplits, check_splits, input_names
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
 from torch import nn
