@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
-from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
+from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 

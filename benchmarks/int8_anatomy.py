@@ -31,9 +31,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.precision_bench import interleaved_latency, optimized, session  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
+
+from benchmarks.precision_bench import interleaved_latency, optimized, session  # noqa: E402
 
 ROWS, THREADS = 64, 2  # batch 8 x 8 tokens
 

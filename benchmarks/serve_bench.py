@@ -32,9 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.config import KilnConfig, load_config  # noqa: E402
+from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.loadtest import loadtest  # noqa: E402
 from kiln.serve import find_engines, free_port, wait_ready  # noqa: E402
-from kiln.stages.engines.engines import load_engine, random_feed  # noqa: E402
+from kiln.stages.engines.registry import load_engine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,7 +56,6 @@ def demo_workdir(work: Path) -> tuple[Path, KilnConfig]:
 
 def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
     import torch
-
     from kiln.models.registry import build_model
     from kiln.stages.engines.config import BuildConfig
     from kiln.stages.engines.stage import build_engine
@@ -66,7 +66,7 @@ def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
     folder = work / "resnet18-onnxruntime-cuda-fp16"
     meta = build_engine(onnx32, folder, "onnxruntime", "cuda", "fp16", BuildConfig(backends=["onnxruntime"]),
                         work / "cache", max_batch=max_batch)
-    say(f"built {meta['name']} in {meta['build_seconds']:.1f}s")
+    say(f"built {meta.name} in {meta.build_seconds:.1f}s")
     return folder
 
 
@@ -74,7 +74,7 @@ def in_process(engine_dir: Path, batches: list[int], warmup: int, iterations: in
     rows = []
     with load_engine(engine_dir) as runner:
         for b in batches:
-            times = runner.time_ms(random_feed(runner.meta["inputs"], b, seed=b), warmup, iterations)
+            times = runner.time_ms(random_inputs(runner.meta.inputs, b, seed=b), warmup, iterations)
             p50, p99 = np.percentile(times, [50, 99])
             rows.append({"batch": b, "p50_ms": float(p50), "p99_ms": float(p99), "samples_per_s": b / p50 * 1e3})
             say(f"in-process batch {b}: p50 {p50:.3f} ms, {rows[-1]['samples_per_s']:.0f} samples/s")
@@ -158,10 +158,10 @@ def main() -> None:
         config = load_config(args.config)
     else:
         path, label = resnet18_fp16_engine(work, max(args.concurrency)), "resnet18_fp16"
-    engine = next((e for e in find_engines(path) if args.resnet18_fp16 or e.meta["name"] == args.engine), None)
+    engine = next((e for e in find_engines(path) if args.resnet18_fp16 or e.meta.name == args.engine), None)
     if engine is None:
         raise SystemExit(f"no validated engine {args.engine} under {path}")
-    say(f"engine {engine.meta['name']} served as {engine.model_name}")
+    say(f"engine {engine.meta.name} served as {engine.model_name}")
     inproc = in_process(engine.engine_dir, args.concurrency, warmup=10, iterations=args.iterations)
     result = served(path, engine.model_name, config, args, work / "loadtest")
     from importlib.metadata import version
@@ -181,7 +181,7 @@ def main() -> None:
 
 
 def _device(meta: dict[str, Any]) -> str:
-    if meta.get("device") == "cuda":
+    if meta.device == "cuda":
         import torch
 
         return torch.cuda.get_device_name(0)

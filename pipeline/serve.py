@@ -124,9 +124,18 @@ def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
     interpreters mix and the model fails to load ('_thread.RLock' object has no attribute '_recursion_count').
     The running interpreter's LIBDIR goes first on LD_LIBRARY_PATH; its bin folder goes first on PATH so the
     embedded interpreter finds this environment's site-packages (PyTriton does the same for PATH)."""
+    from pytriton.utils.distribution import get_libs_path
+
     env = dict(os.environ if env is None else env)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    # PyTriton's bundled libraries (its CUDA runtime among them): tritonserver runs from a copy in a workspace,
+    # where its relative RPATH no longer reaches them (seen on the H200 host: libcudart-*.so not found).
+    import pytriton
+
+    # ... and the libraries auditwheel bundled beside the package (nvidia_pytriton.libs: libcudart and others).
+    wheel_libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
+    bundled = [str(get_libs_path())] + ([str(wheel_libs)] if wheel_libs.is_dir() else [])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, *bundled, env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     return env
 
@@ -241,12 +250,9 @@ def tritonserver_process(repository: Path, scratch: Path, http_port: int, grpc_p
                          log_file: Path | None = None) -> subprocess.Popen[bytes]:
     """Start the bundled ``tritonserver --model-repository REPOSITORY`` (loopback only). The caller stops it
     (``terminate()`` = SIGTERM, which Triton handles by unloading its models and exiting)."""
-    from pytriton.utils.distribution import get_libs_path
-
     root = prepared_tritonserver(scratch)
     check_ports("127.0.0.1", http_port, grpc_port, metrics_port)
     env = server_env()
-    env["LD_LIBRARY_PATH"] += os.pathsep + str(get_libs_path())
     cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={root / 'backends'}", "--http-address=127.0.0.1", f"--http-port={http_port}",
            "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",

@@ -92,6 +92,7 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
         log.warning("asked for opset %d, the exporter wrote opset %d", opset, got)
     check_onnx(proto, "exported model")
     save_onnx(proto, path)
+    _drop_unreferenced_data(path)
     return proto
 
 
@@ -99,6 +100,20 @@ def _axes(names: list[str], dynamic_batch: bool, extra: Mapping[str, Mapping[int
     """Input name -> {axis: name} of every dynamic axis."""
     return {n: ({0: "batch"} if dynamic_batch else {}) | {int(a): str(d) for a, d in extra.get(n, {}).items()}
             for n in names}
+
+
+def _drop_unreferenced_data(path: Path) -> None:
+    """The dynamo exporter writes its weights to ``<path>.data``; once ``save_onnx`` has written the model with
+    the weights inline, that file is a stale copy nothing reads (45 MB for a ResNet-18), and a later stage must
+    neither ship it nor depend on it."""
+    data = path.with_name(path.name + ".data")
+    if not data.exists():
+        return
+    shell = onnx.load(str(path), load_external_data=False)
+    used = {e.value for t in shell.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+            for e in t.external_data if e.key == "location"}
+    if data.name not in used:
+        data.unlink()
 
 
 def _reason(exc: BaseException) -> str:

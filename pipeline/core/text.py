@@ -14,6 +14,17 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return (text.splitlines() or [type(exc).__name__])[0][:limit]
 
 
+def short_reason(exc: BaseException | str, limit: int = 400) -> str:
+    """The part of an error worth a log line: ORT's "[ONNXRuntimeError] : 1 : FAIL :" prefix dropped, one line,
+    and when still too long its head and its tail (nested ORT errors put the actual type error last)."""
+    text = " ".join(str(exc).split())
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return f"{text[:head]} ... {text[-(limit - head - 5):]}"
+
+
 def root_cause(exc: BaseException) -> BaseException:
     """The innermost ``__cause__``: wrappers (the dynamo exporter, ORT's Python layer) hide the real error."""
     while exc.__cause__ is not None:

@@ -11,9 +11,10 @@ import onnx
 import onnx_graphsurgeon as gs
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, save_onnx
-from kiln.core.text import first_line
+from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
 from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.gs_io import EmptyAttrs, export_graph, import_graph
 from kiln.stages.optimize.verify import Verifier
 
 log = logging.getLogger("kiln.optimize")
@@ -27,8 +28,8 @@ def _delta(before: Counter[str], after: Counter[str]) -> dict[str, int]:
     return {op: after[op] - before[op] for op in sorted(set(before) | set(after)) if after[op] != before[op]}
 
 
-def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
-    out = gs.export_onnx(graph)
+def _export(graph: gs.Graph, like: onnx.ModelProto, empties: EmptyAttrs) -> onnx.ModelProto:
+    out = export_graph(graph, empties)
     out.ir_version = like.ir_version
     out.producer_name, out.producer_version = like.producer_name, like.producer_version
     del out.metadata_props[:]
@@ -38,12 +39,12 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
 
 def _apply(spec: Any, params: Any, model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, int]:
     """Run one pass on a fresh graph of ``model``. (None, 0) when it matched nothing."""
-    graph = gs.import_onnx(model)
+    graph, empties = import_graph(model)
     changes = spec.fn(graph, params)
     if not changes:
         return None, 0
     graph.cleanup().toposort()
-    return infer_shapes(_export(graph, model), strict=False), changes
+    return infer_shapes(_export(graph, model, empties), strict=False), changes
 
 
 def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.ModelProto, dict[str, Any]]:
@@ -60,41 +61,54 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig) -> tuple[onnx.Mo
             verifier = Verifier(current, cfg)
         except Exception as exc:  # unverified rewrites must never ship silently: the user decides
             raise ModelError(f"the optimizer's safety net cannot run the input model on random inputs "
-                             f"({first_line(exc, 200)})",
+                             f"({short_reason(exc)})",
                              hint="set optimize.int_high below the smallest vocabulary / index range, or "
                                   "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
                                   "size); or optimize.verify: false to rewrite without checking") from None
     passes: list[dict[str, Any]] = []
-    for spec, params in plan:
-        t0 = time.perf_counter()
-        hist = histogram(current)
-        entry: dict[str, Any] = {"name": spec.name, "params": params.model_dump(), "nodes_before": len(current.graph.node),
-                                 "changes": 0, "rolled_back": False}
-        try:
-            cand, entry["changes"] = _apply(spec, params, current)
-        except Exception as exc:  # a crashing pass is a Kiln bug; ship the graph without it, say so loudly
-            log.warning("optimize pass %s failed and was skipped: %s", spec.name, exc, exc_info=True)
-            cand, entry["rolled_back"], entry["reason"] = None, True, f"{type(exc).__name__}: {exc}"[:300]
-        if cand is not None and verifier is not None:
-            verdict = verifier.check(cand)
-            entry["max_abs_err"] = verdict.max_abs_err
-            if not verdict.ok:
-                log.warning("optimize pass %s changed the model's outputs and was rolled back: %s",
-                            spec.name, verdict.reason)
-                cand, entry["rolled_back"], entry["reason"] = None, True, verdict.reason
-        if cand is not None:
-            current = cand
-        entry.update(nodes_after=len(current.graph.node), ops_delta=_delta(hist, histogram(current)),
-                     seconds=round(time.perf_counter() - t0, 4))
-        passes.append(entry)
-        changed = entry["nodes_before"] != entry["nodes_after"] or entry["rolled_back"]
-        log.log(logging.INFO if changed else logging.DEBUG, "pass %-26s nodes %4d -> %4d%s", spec.name,
-                entry["nodes_before"], entry["nodes_after"], "  ROLLED BACK" if entry["rolled_back"] else "")
+    rounds = 0
+    for rounds in range(1, cfg.rounds + 1):  # to a fixpoint: a fusion can expose a fold an earlier pass missed
+        size = len(current.graph.node)
+        for spec, params in plan:
+            current, entry = _step(spec, params, current, verifier)
+            passes.append(entry | {"round": rounds})
+        if len(current.graph.node) >= size:
+            break
     summary = {"nodes_before": len(model.graph.node), "nodes_after": len(current.graph.node),
                "ops_before": dict(histogram(model)), "ops_after": dict(histogram(current)),
-               "verified": verifier is not None, "rolled_back": [p["name"] for p in passes if p["rolled_back"]],
+               "verified": verifier is not None, "rounds": rounds,
+               "rolled_back": list(dict.fromkeys(p["name"] for p in passes if p["rolled_back"])),
                "seconds": round(time.perf_counter() - t_start, 3), "passes": passes}
     return current, summary
+
+
+def _step(spec: Any, params: Any, current: onnx.ModelProto,
+          verifier: Verifier | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """One pass over ``current``, checked by the safety net: (the model to carry on with, its report entry)."""
+    t0 = time.perf_counter()
+    hist = histogram(current)
+    entry: dict[str, Any] = {"name": spec.name, "params": params.model_dump(), "nodes_before": len(current.graph.node),
+                             "changes": 0, "rolled_back": False}
+    try:
+        cand, entry["changes"] = _apply(spec, params, current)
+    except Exception as exc:  # a crashing pass is a Kiln bug; ship the graph without it, say so loudly
+        log.warning("optimize pass %s failed and was skipped: %s", spec.name, exc, exc_info=True)
+        cand, entry["rolled_back"], entry["reason"] = None, True, f"{type(exc).__name__}: {short_reason(exc)}"
+    if cand is not None and verifier is not None:
+        verdict = verifier.check(cand)
+        entry["max_abs_err"] = verdict.max_abs_err
+        if not verdict.ok:
+            log.warning("optimize pass %s changed the model's outputs and was rolled back: %s",
+                        spec.name, verdict.reason)
+            cand, entry["rolled_back"], entry["reason"] = None, True, verdict.reason
+    if cand is not None:
+        current = cand
+    entry.update(nodes_after=len(current.graph.node), ops_delta=_delta(hist, histogram(current)),
+                 seconds=round(time.perf_counter() - t0, 4))
+    changed = entry["nodes_before"] != entry["nodes_after"] or entry["rolled_back"]
+    log.log(logging.INFO if changed else logging.DEBUG, "pass %-26s nodes %4d -> %4d%s", spec.name,
+            entry["nodes_before"], entry["nodes_after"], "  ROLLED BACK" if entry["rolled_back"] else "")
+    return current, entry
 
 
 def _uses_external_data(path: Path) -> bool:

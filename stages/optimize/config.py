@@ -12,6 +12,8 @@ DEFAULT_PASSES: list[str] = [
     "fold_constants",
     "eliminate_identity",
     "eliminate_noop",
+    "eliminate_neutral",
+    "eliminate_zero_rnn_state",
     "fold_conv_bn",
     "fold_conv_add",
     "merge_transposes",
@@ -33,6 +35,8 @@ class OptimizeConfig(Section):
     passes: list[Union[str, dict[str, Any]]] = Field(
         default_factory=lambda: list(DEFAULT_PASSES),
         description="graph passes in order: names, or {name: ..., <params>} mappings (see kiln.stages.optimize.registry)")
+    rounds: int = Field(3, ge=1, description="repeat the pass list while a round still removes nodes, at most this "
+                                             "many times (a fixpoint: fusions expose new folds)")
     verify: bool = Field(True, description="after each pass, compare before/after in ONNX Runtime; roll back a pass "
                                            "that changes outputs")
     rtol: float = Field(1e-4, gt=0, description="safety net: allowed error relative to the largest reference output")

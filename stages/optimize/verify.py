@@ -19,7 +19,7 @@ import onnx
 from kiln.core.compare import within_tolerance
 from kiln.core.inputs import random_inputs as make_inputs
 from kiln.core.onnx_io import io_specs, ort_session, session_options
-from kiln.core.text import first_line
+from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.passes.util import RANDOM_OPS
 
@@ -72,7 +72,7 @@ class Verifier:
                 self.feeds.append(one)
         except Exception as exc:
             log.info("safety net: the input model does not run at batch 1 (%s); checking at %d only",
-                     first_line(exc, 120), cfg.verify_batch)
+                     short_reason(exc, 120), cfg.verify_batch)
         self.check_graph = _passes_checker(model)
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
@@ -86,14 +86,14 @@ class Verifier:
             try:
                 onnx.checker.check_model(candidate)
             except onnx.checker.ValidationError as exc:
-                return Verdict(False, float("inf"), f"not a valid ONNX graph: {first_line(exc, 400)}")
+                return Verdict(False, float("inf"), f"not a valid ONNX graph: {short_reason(exc)}")
         atol, rtol = (float("inf"), float("inf")) if self.random else (self.cfg.atol, self.cfg.rtol)
         worst = 0.0
         for feed, reference in zip(self.feeds, self.references):
             try:
                 got = run_ort(candidate, feed)
             except Exception as exc:  # ORT rejects the graph: the pass broke it
-                return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {first_line(exc, 400)}")
+                return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {short_reason(exc)}")
             verdict = compare(reference, got, atol, rtol)
             if not verdict.ok:
                 return verdict

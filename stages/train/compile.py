@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from kiln.core.errors import TrainingError
 from kiln.core.text import first_line
 from kiln.stages.train.config import CompileConfig
+from torch import nn
 
 log = logging.getLogger("kiln.train")
 

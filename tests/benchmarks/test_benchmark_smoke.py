@@ -28,3 +28,12 @@ def test_precision_bench_marks_the_ort_cpu_graph_kiln_uses(tmp_path: Path) -> No
     for r in res["rows"]:
         assert {"int8", "ort_cpu_static", "ort_cpu_dynamic"} == set(r["variants"])
         assert sum(v["kiln_ort_cpu_engine"] for v in r["variants"].values()) == 1
+
+
+def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) -> None:
+    _run("optimize_bench.py", "--smoke", "--models", "lstm", "--runs", "2", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "optimize.json").read_text())["results"]["lstm"]
+    assert {"raw", "onnxsim", "onnxslim", "ort_offline", "kiln"} <= set(res["variants"])
+    assert res["variants"]["kiln"]["nodes"] <= min(res["variants"][p]["nodes"] for p in ("onnxsim", "onnxslim"))
+    assert res["kiln_vs_best_sim_slim_b8"]["peer"] in ("onnxsim", "onnxslim")
+    assert "## Targets" in (tmp_path / "optimize.md").read_text()

@@ -87,7 +87,7 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(workdir: Pa
     assert cli.exit_code == 0, cli.output
     assert "| 2 | 20 |" in cli.output and (tmp_path / "cli" / "loadtest.png").is_file()
     level = result["levels"][0]
-    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0
+    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
     assert result["inputs"].startswith("validation data")
     assert result["server"]["inference_count"] == 200
     assert result["server"]["execution_count"] < 200  # Triton's own statistics: batches of several requests ran
@@ -214,6 +214,6 @@ def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_pat
         _abort(proc)
         raise
     level = result["levels"][0]
-    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0
+    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
     assert result["server"]["execution_count"] < 200
     _stop_and_check(proc, descendants, signal.SIGTERM)

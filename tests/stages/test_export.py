@@ -54,3 +54,15 @@ def test_the_asked_opset_is_the_one_written(tmp_path: Path, opset: int) -> None:
     proto = export_onnx(model, torch.randn(2, 1, 8, 8), tmp_path / "m.onnx", opset)
     assert max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) == opset
     assert parity(model, tmp_path / "m.onnx", torch.randn(3, 1, 8, 8))["max_abs_err"] < 1e-4  # batch 3: dynamic
+
+
+def test_export_leaves_no_unreferenced_external_data_and_optimize_runs_without_it(tmp_path: Path) -> None:
+    # Before: the dynamo exporter's model.onnx.data stayed next to a model that had its weights inline.
+    from kiln.stages.optimize.api import optimize_file
+    from kiln.stages.optimize.config import OptimizeConfig
+
+    path = tmp_path / "model.onnx"
+    export_onnx(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(2, 8), path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+    summary = optimize_file(path, tmp_path / "opt.onnx", OptimizeConfig())
+    assert summary["nodes_after"] <= summary["nodes_before"] and not summary["rolled_back"]

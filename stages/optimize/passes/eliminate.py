@@ -32,9 +32,11 @@ def eliminate_identity(graph: gs.Graph, p: BaseModel) -> int:
     """Remove Identity nodes and inference-mode Dropout (whose mask output nobody reads)."""
     n = 0
     for node in list(graph.nodes):
-        if node.op == "Identity" and node.outputs:
+        if not node.outputs or not node.inputs:
+            continue  # nothing to bypass (a malformed node is left for the checker to report)
+        if node.op == "Identity":
             n += _bypass(graph, node, node.inputs[0])
-        elif node.op == "Dropout" and node.outputs:
+        elif node.op == "Dropout":
             training = const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2].name else np.array(False)
             mask_used = len(node.outputs) > 1 and (node.outputs[1].outputs or node.outputs[1] in graph.outputs)
             if training is not None and not bool(training) and not mask_used:
@@ -216,3 +218,71 @@ def remove_unused_initializers(graph: gs.Graph, p: BaseModel) -> int:
     before = sum(1 for t in graph.tensors().values() if isinstance(t, gs.Constant))
     graph.cleanup(remove_unused_graph_inputs=False)
     return before - sum(1 for t in graph.tensors().values() if isinstance(t, gs.Constant))
+
+
+# op -> (neutral element, whether it may stand on the left): x+0, 0+x, x-0, x*1, 1*x, x/1
+_NEUTRAL: dict[str, tuple[int, bool]] = {"Add": (0, True), "Sub": (0, False), "Mul": (1, True), "Div": (1, False)}
+
+
+def _broadcast_keeps(x: gs.Tensor, c: np.ndarray) -> bool:
+    """Broadcasting ``c`` against ``x`` leaves x's shape as it is (c has no more axes, each 1 or x's static size)."""
+    shape = known_shape(x)
+    if shape is None or c.ndim > len(shape):
+        return False
+    return all(cd == 1 or (isinstance(xd, int) and xd == cd) for cd, xd in zip(c.shape[::-1], shape[::-1]))
+
+
+def _neutral_input(node: gs.Node) -> gs.Tensor | None:
+    """The variable input of ``node`` when its other input is the op's neutral element (else None)."""
+    if node.op not in _NEUTRAL or len(node.inputs) != 2 or len(node.outputs) != 1:
+        return None
+    unit, commutes = _NEUTRAL[node.op]
+    for x, c_t, ok in ((node.inputs[0], node.inputs[1], True), (node.inputs[1], node.inputs[0], commutes)):
+        c = const(c_t)
+        if ok and c is not None and const(x) is None and c.size and np.all(c == unit) \
+                and _dtype_name(x) is not None and _dtype_name(x) == np.dtype(c.dtype).name and _broadcast_keeps(x, c):
+            return x
+    return None
+
+
+@register("eliminate_neutral")
+def eliminate_neutral(graph: gs.Graph, p: BaseModel) -> int:
+    """Remove Add/Sub of zeros and Mul/Div by ones (e.g. zero biases) whose broadcast leaves the other input's shape."""
+    n = 0
+    for node in list(graph.nodes):
+        x = _neutral_input(node)
+        if x is not None:
+            n += _bypass(graph, node, x)
+    return n
+
+
+_ZERO_PRESERVING = ("Expand", "Slice", "Reshape", "Tile", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Flatten")
+_RNN_STATES = {"RNN": (5,), "GRU": (5,), "LSTM": (5, 6)}  # input slots of initial_h (and initial_c)
+
+
+def _is_zeros(t: gs.Tensor, depth: int = 8) -> bool:
+    """``t`` holds only zeros: a zero constant, ConstantOfShape(0), or one moved/sliced/broadcast from those."""
+    c = const(t)
+    if c is not None:
+        return c.size > 0 and not np.any(c)
+    node = producer(t) if depth else None
+    if node is None:
+        return False
+    if node.op == "ConstantOfShape":
+        value = node.attrs.get("value")
+        return value is None or not np.any(np.asarray(value.values if isinstance(value, gs.Constant) else value))
+    return node.op in _ZERO_PRESERVING and bool(node.inputs) and _is_zeros(node.inputs[0], depth - 1)
+
+
+@register("eliminate_zero_rnn_state")
+def eliminate_zero_rnn_state(graph: gs.Graph, p: BaseModel) -> int:
+    """Drop RNN/GRU/LSTM initial_h/initial_c inputs that are all zeros (the spec's default when absent)."""
+    n = 0
+    for node in graph.nodes:
+        for slot in _RNN_STATES.get(node.op, ()):
+            if slot < len(node.inputs) and node.inputs[slot].name and _is_zeros(node.inputs[slot]):
+                node.inputs[slot] = gs.Variable.empty()
+                n += 1
+        while n and node.op in _RNN_STATES and node.inputs and not node.inputs[-1].name:
+            node.inputs.pop()  # trailing absent optional inputs are simply left out
+    return n

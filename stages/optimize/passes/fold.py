@@ -8,6 +8,7 @@ from typing import Iterator, Optional
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from kiln.stages.optimize.passes.shapes import fold_shapes, static_reshape_target
 from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
 from kiln.stages.optimize.registry import register
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +23,8 @@ class FoldParams(BaseModel):
                                                                  "(keeps e.g. huge Expand results out of the file)")
     static_reshape: bool = Field(True, description="replace computed Reshape shapes by constants when at most "
                                                    "one axis (the batch) is dynamic")
+    static_shapes: bool = Field(True, description="fold Shape(start/end) and Shape -> Gather/Slice reads of static "
+                                                  "axes (the fold_shapes pass) in every round")
 
 
 @contextmanager
@@ -66,7 +69,12 @@ def static_reshapes(graph: gs.Graph) -> int:
         if node.op != "Reshape" or const(node.inputs[1]) is not None:
             continue
         out, src = known_shape(node.outputs[0]), known_shape(node.inputs[0])
-        if out is None:
+        if out is None or sum(not isinstance(d, int) or d < 0 for d in out) > 1:
+            target = static_reshape_target(node)  # the shape's own entries may still say it (HF attention)
+            if target is not None:
+                node.inputs[1] = new_const(graph, node.outputs[0].name + "_shape", target)
+                node.attrs["allowzero"] = 0
+                n += 1
             continue
         dyn = [i for i, d in enumerate(out) if not isinstance(d, int) or d < 0]
         if len(dyn) > 1 or any(d == 0 for d in out if isinstance(d, int)):
@@ -87,7 +95,8 @@ def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
     total = 0
     for _ in range(p.max_rounds):
         before = len(graph.nodes)
-        changed = resolve_castlike(graph) + (static_reshapes(graph) if p.static_reshape else 0)
+        changed = (resolve_castlike(graph) + (static_reshapes(graph) if p.static_reshape else 0)
+                   + (fold_shapes(graph, p) if p.static_shapes else 0))
         with _quiet_gs():
             # A random op has no variable inputs, so it looks foldable; folding would freeze one draw forever.
             graph.fold_constants(fold_shapes=True, size_threshold=p.size_threshold, error_ok=True,

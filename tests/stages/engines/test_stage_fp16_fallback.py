@@ -2,7 +2,6 @@
 sequences) is built from the precision stage's FP16 graph instead of failing the build stage."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -11,11 +10,13 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.config import config_from_dict
 from kiln.core.onnx_io import load_onnx
+from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import StageContext
 from kiln.stages.engines import stage
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.export import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
+from kiln.stages.precision.stage import _record
 from kiln.stages.precision.variants import Source, build_fp16
 from torch import nn
 
@@ -38,8 +39,8 @@ def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     src = Source.prepare(load_onnx(tmp_path / "export.onnx"), root / "fp32" / "model.onnx", [x[:32]], None)
     fp16 = build_fp16(src, root / "fp16" / "model.onnx", FP16Config(), FallbackConfig(samples=64), x,
                       CalibrationConfig(cache=False))
-    variants = {"fp32": {"path": "fp32/model.onnx", "kept_fp32": []}, "fp16": fp16}
-    (root / "variants.json").write_text(json.dumps(variants))
+    Variants(variants={"fp32": PrecisionVariant(path="fp32/model.onnx"), "fp16": _record(fp16)}).write(
+        root / "variants.json")
     cfg = config_from_dict({"build": {"backends": ["onnxruntime"]}, "validate": {"batch_sizes": [1, 8]}})
     assert cfg.build.onnxruntime.fp16_source == "fp32_graph"  # the default: ORT converts the FP32 graph itself
     (tmp_path / "out").mkdir()
@@ -47,4 +48,4 @@ def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     result = stage.run(ctx)  # before: ORT's converter cast a sequence to FP16 and the stage failed
     assert [e["name"] for e in result["engines"]] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16"]
     meta16, meta32 = (read_metadata(ctx.out / n) for n in ("onnxruntime-cpu-fp16", "onnxruntime-cpu-fp32"))
-    assert meta16["source"]["sha256"] != meta32["source"]["sha256"]  # built from the precision stage's graph
+    assert meta16.source.sha256 != meta32.source.sha256  # built from the precision stage's graph

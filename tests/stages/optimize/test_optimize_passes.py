@@ -3,9 +3,11 @@ rewriting would be wrong."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from onnx import helper as h
+from onnx import numpy_helper
 from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
 
 TESTED: set[str] = set()  # filled by the tests below; test_optimize_registry checks every pass is here
@@ -267,3 +269,119 @@ def test_int64_inputs_are_respected_by_the_safety_net():
                    [("ids", ["N", 3], INT64)], ["y"], {"table": f32(17, 4)})
     out, s = run_pass(m, "eliminate_identity")  # ids beyond 16 would make ORT fail: inputs must stay in range
     assert s["verified"] and ops(out) == ["Gather"]
+
+
+def _typed_constant(name: str, attr: str, value: list | float | int) -> Any:
+    import onnx
+
+    node = h.make_node("Constant", [], [name])
+    kind = {"value_floats": onnx.AttributeProto.FLOATS, "value_ints": onnx.AttributeProto.INTS}.get(attr)
+    node.attribute.append(h.make_attribute(attr, value, attr_type=kind) if kind else h.make_attribute(attr, value))
+    return node
+
+
+@covers("fold_constants")
+def test_fold_constants_keeps_value_floats_and_empty_value_ints_typed():
+    # Before: graphsurgeon lowered these with np.array(attr) -> float64 tensors; ORT refused the folded graph and
+    # the safety net rolled the whole pass back.
+    nodes = [_typed_constant("f", "value_floats", [1.0, 2.0, 3.0, 4.0]), _typed_constant("s", "value_float", 0.5),
+             _typed_constant("e", "value_ints", []), _typed_constant("dims", "value_ints", [-1, 4]),
+             h.make_node("Mul", ["f", "s"], ["fs"]), h.make_node("Add", ["x", "fs"], ["a"]),
+             h.make_node("Concat", ["e", "dims"], ["shp"], axis=0), h.make_node("Reshape", ["a", "shp"], ["y"])]
+    m = make_model(nodes, [("x", ["N", 4], FLOAT)], ["y"], {})
+    out, s = run_pass(m, "fold_constants")
+    assert ops(out) == ["Add", "Reshape"] and s["passes"][0]["max_abs_err"] == 0.0
+    init = {i.name: i.data_type for i in out.graph.initializer}
+    assert 11 not in init.values(), "no float64 tensor may come out of float32 constants"
+
+
+@covers("eliminate_identity")
+def test_identity_elimination_survives_empty_list_attributes():
+    # Before: the graph could not be written back (`Could not infer attribute value_ints type from empty iterator`),
+    # so the pass crashed and every Identity stayed.
+    nodes = [_typed_constant("e", "value_ints", []), h.make_node("Identity", ["x"], ["a"]),
+             h.make_node("Concat", ["a", "e"], ["c"], axis=0), h.make_node("Identity", ["c"], ["y"])]
+    m = make_model(nodes, [("x", ["N"], INT64)], ["y"], {})
+    out, _ = run_pass(m, "eliminate_identity")
+    assert "Identity" not in ops(out)
+    empty = [a for n in out.graph.node for a in n.attribute if n.op_type == "Constant"]
+    assert len(empty) == 1 and empty[0].name == "value" and empty[0].t.data_type == INT64
+
+
+@covers("fold_shapes")
+def test_shape_reads_of_static_axes_become_constants():
+    nodes = [h.make_node("Shape", ["x"], ["s_end"], start=1, end=3),  # static axes 1..2 of [N, 4, 5]
+             h.make_node("Shape", ["x"], ["s"]),
+             h.make_node("Gather", ["s", "i2"], ["d2"], axis=0),  # static axis 2
+             h.make_node("Slice", ["s", "st1", "big"], ["tail"]),  # axes 1.. -> static
+             h.make_node("Gather", ["s", "i0"], ["d0"], axis=0),  # the batch: must stay
+             h.make_node("Concat", ["s_end", "d2", "tail", "d0"], ["y"], axis=0)]
+    m = make_model(nodes, [("x", ["N", 4, 5], FLOAT)], ["y"],
+                   {"i2": np.array([2]), "st1": np.array([1]), "big": np.array([2**62]), "i0": np.array([0])})
+    out, s = run_pass(m, "fold_shapes")
+    assert sorted(ops(out)) == ["Concat", "Gather", "Shape"] and s["passes"][0]["changes"] == 3
+    dyn = make_model([h.make_node("Shape", ["x"], ["y"], start=0, end=1)], [("x", ["N", 4], FLOAT)], ["y"], {})
+    assert run_pass(dyn, "fold_shapes")[1]["passes"][0]["changes"] == 0
+
+
+@covers("eliminate_neutral")
+def test_adding_zeros_and_multiplying_by_ones_vanish_unless_they_broadcast():
+    nodes = [h.make_node("MatMul", ["x", "w"], ["m"]), h.make_node("Add", ["m", "zero_bias"], ["a"]),
+             h.make_node("Mul", ["ones", "a"], ["b"]), h.make_node("Div", ["b", "one"], ["c"]),
+             h.make_node("Sub", ["zero", "c"], ["d"]),  # 0 - c is -c: stays
+             h.make_node("Add", ["d", "zero_wide"], ["y"])]  # [N,4] + zeros[3,1,4] grows the shape: stays
+    m = make_model(nodes, [("x", ["N", 4], FLOAT)], ["y"],
+                   {"w": f32(4, 4), "zero_bias": np.zeros(4, np.float32), "ones": np.ones((1, 4), np.float32),
+                    "one": np.array(1.0, np.float32), "zero": np.array(0.0, np.float32),
+                    "zero_wide": np.zeros((3, 1, 4), np.float32)})
+    out, s = run_pass(m, "eliminate_neutral")
+    assert ops(out) == ["MatMul", "Sub", "Add"] and s["passes"][0]["max_abs_err"] == 0.0
+
+
+@covers("eliminate_zero_rnn_state")
+def test_zero_initial_rnn_states_are_dropped():
+    hidden = 3
+    nodes = [h.make_node("Shape", ["x"], ["s"], start=1, end=2),
+             h.make_node("Concat", ["one", "s", "hid"], ["hshape"], axis=0),
+             h.make_node("Expand", ["zero", "hshape"], ["h0"]), h.make_node("ConstantOfShape", ["hshape"], ["c0"]),
+             h.make_node("LSTM", ["x", "W", "R", "B", "", "h0", "c0"], ["Y"], hidden_size=hidden),
+             h.make_node("GRU", ["x", "Wg", "Rg", "", "", "h1"], ["Yg"], hidden_size=hidden)]
+    m = make_model(nodes, [("x", [5, "N", 2], FLOAT), ("h1", [1, "N", hidden], FLOAT)], ["Y", "Yg"],
+                   {"one": np.array([1]), "hid": np.array([hidden]), "zero": np.array(0.0, np.float32),
+                    "W": f32(1, 4 * hidden, 2), "R": f32(1, 4 * hidden, hidden), "B": f32(1, 8 * hidden),
+                    "Wg": f32(1, 3 * hidden, 2),
+                    "Rg": f32(1, 3 * hidden, hidden)})  # the GRU's state h1 is an input: it stays
+    out, s = run_pass(m, "eliminate_zero_rnn_state")
+    lstm, gru = (next(n for n in out.graph.node if n.op_type == t) for t in ("LSTM", "GRU"))
+    assert list(lstm.input) == ["x", "W", "R", "B"] and gru.input[5] == "h1" and s["passes"][0]["changes"] == 2
+    assert ops(out) == ["LSTM", "GRU"]
+
+
+def test_passes_repeat_until_a_round_removes_nothing():
+    # x * 0 folds to zeros only after eliminate_neutral has run: the second round removes the Add.
+    nodes = [h.make_node("Mul", ["c", "zero"], ["z"]), h.make_node("Add", ["x", "z"], ["y0"]),
+             h.make_node("Relu", ["y0"], ["y"])]
+    m = make_model(nodes, [("x", ["N", 4], FLOAT)], ["y"],
+                   {"c": f32(4), "zero": np.array(0.0, np.float32)})
+    from kiln.stages.optimize.api import optimize_model
+    from kiln.stages.optimize.config import OptimizeConfig
+
+    once, s1 = optimize_model(m, OptimizeConfig(passes=["eliminate_neutral", "fold_constants"], rounds=1))
+    assert ops(once) == ["Add", "Relu"] and s1["rounds"] == 1
+    fix, s3 = optimize_model(m, OptimizeConfig(passes=["eliminate_neutral", "fold_constants"], rounds=3))
+    assert ops(fix) == ["Relu"] and s3["rounds"] == 3 and not s3["rolled_back"]
+    assert [p["round"] for p in s3["passes"]] == [1, 1, 2, 2, 3, 3]
+
+
+@covers("fold_constants")
+def test_reshape_whose_shape_spells_batch_and_minus_one_gets_a_constant_target():
+    # HF attention: view(batch, seq, -1, head_dim) with allowzero=1; shape inference cannot size the -1 axis,
+    # so the output has two unknown axes and only the shape's own entries show it is static but for the batch.
+    nodes = [h.make_node("Shape", ["x"], ["b"], start=0, end=1),
+             h.make_node("Concat", ["b", "rest"], ["shp"], axis=0),
+             h.make_node("Reshape", ["x", "shp"], ["r"], allowzero=1), h.make_node("Relu", ["r"], ["y"])]
+    m = make_model(nodes, [("x", ["N", 6, 8], FLOAT)], ["y"], {"rest": np.array([6, -1, 4])})
+    out, _ = run_pass(m, "fold_constants")
+    assert ops(out) == ["Reshape", "Relu"]
+    target = next(i for i in out.graph.initializer if i.name.endswith("_shape"))
+    assert numpy_helper.to_array(target).tolist() == [0, 6, -1, 4]

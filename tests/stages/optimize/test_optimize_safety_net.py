@@ -146,3 +146,16 @@ def test_an_input_model_that_fails_the_checker_is_still_optimized():
     m.ir_version = 3
     out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]))
     assert s["rolled_back"] == [] and ops(out) == ["MatMul"]
+
+
+def test_rollback_reason_keeps_the_type_error_at_the_end_of_a_nested_message():
+    # Before: cut at 200 characters, which ended inside "Mismatched tensor element type: inferred=flo".
+    from kiln.core.text import short_reason
+
+    msg = ("[ONNXRuntimeError] : 1 : FAIL : Node (n19_16) Op (Loop) [TypeInferenceError] Graph attribute inferencing "
+           "failed: Node (n13_37) Op (If) [TypeInferenceError] " + "Graph attribute inferencing failed: " * 12 +
+           "Mismatched tensor element type: inferred=float64 declared=float32")
+    short = short_reason(RuntimeError(msg))
+    assert short.startswith("Node (n19_16) Op (Loop)") and short.endswith("inferred=float64 declared=float32")
+    assert len(short) <= 400 and " ... " in short
+    assert short_reason("one\nline") == "one line"

@@ -13,9 +13,6 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from torch import nn
-
 from kiln.config import load_config
 from kiln.core.errors import TrainingError
 from kiln.runner import Runner
@@ -24,6 +21,8 @@ from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.compile import CompileCounts
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
+from safetensors.torch import load_file
+from torch import nn
 from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
 
 

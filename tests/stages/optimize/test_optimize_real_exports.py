@@ -1,0 +1,100 @@
+"""Exports of models nobody here wrote (HF transformers BERT, an LSTM, an EmbeddingBag recommender, a model that
+adds ``torch.zeros([])``), tiny, through ``torch.onnx.export(dynamo=True)``: the default pipeline optimizes them
+with nothing rolled back, keeps the PyTorch function, and is never behind onnxsim or onnxslim in node count."""
+from __future__ import annotations
+
+import io
+import warnings
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.verify import run_ort
+from torch import nn
+
+
+class AddsZeros(nn.Module):
+    """The issue's repro: torch.zeros([]) exports as Constant(value_floats=...) / value_ints=[] pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + torch.zeros([])
+
+
+class TinyLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+class TinyRecommender(nn.Module):
+    def __init__(self, fields: int = 3) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(20, 4, mode="sum") for _ in range(fields))
+        self.mlp = nn.Sequential(nn.Linear(4 * fields, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [batch, fields, bag]
+        return self.mlp(torch.cat([bag(ids[:, i]) for i, bag in enumerate(self.bags)], dim=1))
+
+
+class TinyBert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=32, max_position_embeddings=16)
+        self.bert = transformers.BertModel(cfg).eval()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, ...]]]] = {
+    "adds_zeros": (AddsZeros, lambda b: (torch.randn(b, 8),)),
+    "lstm": (TinyLSTM, lambda b: (torch.randn(b, 5, 6),)),
+    "embedding_bag": (TinyRecommender, lambda b: (torch.randint(0, 20, (b, 3, 2)),)),
+    "hf_bert": (TinyBert, lambda b: (torch.randint(0, 50, (b, 8)), torch.ones(b, 8, dtype=torch.long))),
+}
+
+
+def export(model: nn.Module, args: tuple[torch.Tensor, ...], path: Path) -> onnx.ModelProto:
+    names = [f"in{i}" for i in range(len(args))]
+    batch = torch.export.Dim("batch", min=1, max=64)
+    with warnings.catch_warnings(), redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, str(path), input_names=names, output_names=["out"], dynamo=True,
+                          optimize=False, dynamic_shapes=tuple({0: batch} for _ in args), opset_version=18)
+    return onnx.load(str(path))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_real_export_optimizes_fully_and_is_never_behind_the_peers(name: str, tmp_path: Path) -> None:
+    onnxsim = pytest.importorskip("onnxsim")
+    onnxslim = pytest.importorskip("onnxslim")
+    make, inputs = CASES[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    raw = export(model, inputs(2), tmp_path / "raw.onnx")
+    out, summary = optimize_model(raw, OptimizeConfig(int_high=1))  # ids/masks in {0, 1} suit every input here
+    assert summary["rolled_back"] == [], summary["passes"]
+    assert not any(n.op_type == "Identity" for n in out.graph.node)
+    peers = [len(onnxsim.simplify(raw)[0].graph.node), len(onnxslim.slim(raw).graph.node)]
+    assert len(out.graph.node) <= min(peers), f"kiln {len(out.graph.node)} nodes vs onnxsim/onnxslim {peers}"
+    x = inputs(5)  # a batch the export never saw
+    with torch.no_grad():
+        ref = model(*x).numpy()
+    got = run_ort(out, {f"in{i}": t.numpy() for i, t in enumerate(x)})["out"]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
