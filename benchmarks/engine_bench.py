@@ -11,7 +11,15 @@ timed runs after warm-up, CUDA events, inputs already on the GPU, TF32 off. Agre
 and max abs error vs eager FP32 on ``--eval-samples`` random inputs. Build: seconds to produce the runnable
 thing (compile / session / engine build) and its size on disk.
 
+Models: ``resnet18`` and ``bert_base`` from Kiln's zoo (one input), and ``hf_bert``: Hugging Face
+``transformers.BertModel`` + ``Linear(768, 2)`` on ``pooler_output``, ``forward(input_ids, attention_mask)``, exported
+with ``torch.onnx.export(dynamo=True)`` and a dynamic batch on both inputs (issue 12's model; needs ``pip install
+transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the torch.compile baseline exactly as
+``validate.baselines: [compile]`` builds it (``kiln.stages.validate.baselines.prepare``); ``kiln_torch`` is Kiln's
+AOTInductor engine (``build.backends: [torch]``).
+
     PYTHONPATH=/tmp/site:$PWD python benchmarks/engine_bench.py --out $OUT                  # full (GPU host)
+    ... --models hf_bert --batches 1,32 --rows eager16,baseline_compile,kiln,kiln_torch     # issue 12's BERT
     ... --models resnet18 --batches 32 --rows compile,kiln --compile-mode max-autotune       # one slice
     python benchmarks/engine_bench.py --smoke --out /tmp/bench                             # tiny, CPU
 """
@@ -33,16 +41,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.models.registry import build_model  # noqa: E402
-from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
+from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig, TorchConfig  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
+from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402
 
-ROWS = ["eager32", "eager16", "compile", "ort_default", "kiln_fixed", "kiln"]
+ROWS = ["eager32", "eager16", "compile", "baseline_compile", "ort_default", "kiln_fixed", "kiln", "kiln_torch"]
 LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",
+         "baseline_compile": "validate.baselines compile (fp16 on GPU)",
          "ort_default": "ORT CUDA fp16 default", "kiln_fixed": "Kiln engine, fixed settings",
-         "kiln": "Kiln engine, autotuned"}
+         "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln AOTInductor engine (torch backend)"}
+Inputs = tuple[torch.Tensor, ...]
 T0 = time.perf_counter()
 
 
@@ -51,11 +62,54 @@ def say(msg: str) -> None:
 
 
 def model_specs(smoke: bool, bert_layers: int) -> dict[str, tuple[dict[str, Any], tuple[int, ...]]]:
+    """name -> (model params, one sample's shape; for hf_bert the token sequence length)."""
     if smoke:
         return {"resnet18": ({"width": 8, "blocks": (1, 1), "num_classes": 10}, (3, 32, 32)),
                 "bert_base": ({"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16},
-                              (16, 64))}
-    return {"resnet18": ({}, (3, 224, 224)), "bert_base": ({"layers": bert_layers}, (128, 768))}
+                              (16, 64)),
+                "hf_bert": ({"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
+                             "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 32}, (16,))}
+    return {"resnet18": ({}, (3, 224, 224)), "bert_base": ({"layers": bert_layers}, (128, 768)),
+            "hf_bert": ({"num_hidden_layers": bert_layers}, (128,))}
+
+
+class HFBertClassifier(torch.nn.Module):
+    """``transformers.BertModel`` + a 2-way head on ``pooler_output``: what an HF user fine-tunes and serves."""
+
+    def __init__(self, **config: Any) -> None:
+        from transformers import BertConfig, BertModel  # optional: only this model needs transformers
+
+        super().__init__()
+        self.bert = BertModel(BertConfig(**config), add_pooling_layer=True)
+        self.head = torch.nn.Linear(self.bert.config.hidden_size, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bert(input_ids=input_ids, attention_mask=attention_mask).pooler_output)
+
+
+def make_model(name: str, params: dict[str, Any]) -> torch.nn.Module:
+    return HFBertClassifier(**params) if name == "hf_bert" else build_model(name, params)
+
+
+def make_inputs(name: str, params: dict[str, Any], shape: tuple[int, ...], batch: int, seed: int) -> Inputs:
+    """One batch of the model's inputs (host tensors): token ids + attention mask (last quarter padded on odd
+    rows) for hf_bert, a standard normal tensor otherwise."""
+    gen = torch.Generator().manual_seed(seed)
+    if name != "hf_bert":
+        return (torch.randn((batch, *shape), generator=gen),)
+    seq = shape[0]
+    ids = torch.randint(0, params.get("vocab_size", 30522), (batch, seq), generator=gen)
+    mask = torch.ones((batch, seq), dtype=torch.int64)
+    mask[1::2, seq - seq // 4:] = 0
+    return ids, mask
+
+
+def cat_inputs(xs: list[Inputs]) -> Inputs:
+    return tuple(torch.cat(parts) for parts in zip(*xs))
+
+
+def slice_inputs(xs: Inputs, i: int, j: int) -> Inputs:
+    return tuple(x[i:j] for x in xs)
 
 
 def time_fn(fn: Callable[[], Any], warmup: int, iterations: int) -> list[float]:
@@ -87,11 +141,16 @@ class Bench:
     def run_model(self, name: str, params: dict[str, Any], shape: tuple[int, ...]) -> None:
         a = self.args
         torch.manual_seed(0)
-        model = build_model(name, params).eval().to(self.dev)
-        gen = torch.Generator().manual_seed(1)
-        evalx = torch.randn((a.eval_samples, *shape), generator=gen)
+        try:
+            model = make_model(name, params).eval().to(self.dev)
+        except ImportError as exc:  # hf_bert without transformers: said, not hidden
+            say(f"{name}: skipped ({exc}; pip install transformers)")
+            self.results.append({"model": name, "row": "all", "label": "skipped", "error": f"skipped: {exc}"})
+            return
+        self.params = params
+        evalx = make_inputs(name, params, shape, a.eval_samples, seed=1)
         with torch.inference_mode():
-            ref = self._batched(lambda x: model(x.to(self.dev)).float().cpu(), evalx).numpy()
+            ref = self._batched(lambda xs: model(*(x.to(self.dev) for x in xs)).float().cpu(), evalx).numpy()
         onnx32 = self._export(name, model, shape)
         say(f"{name}: exported FP32 ONNX ({onnx32.stat().st_size / 1e6:.0f} MB)")
         for row in a.rows:
@@ -101,15 +160,22 @@ class Bench:
                 say(f"{name} {row}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
                 self.results.append({"model": name, "row": row, "label": self.label(row), "error": str(exc)[:500]})
 
-    def _batched(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def _batched(self, fn: Callable[[Inputs], torch.Tensor], xs: Inputs) -> torch.Tensor:
         bs = max(self.args.batches)
-        return torch.cat([fn(x[i:i + bs]) for i in range(0, len(x), bs)])
+        return torch.cat([fn(slice_inputs(xs, i, i + bs)) for i in range(0, len(xs[0]), bs)])
 
     def _export(self, name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> Path:
         import onnx_graphsurgeon as gs
 
         raw = self.work / f"{name}-raw.onnx"
-        export_onnx(model.float().cpu(), torch.randn(2, *shape), raw)
+        if name == "hf_bert":  # as issue 12 exported it: dynamo, dynamic batch on both inputs
+            xs = make_inputs(name, self.params, shape, 2, seed=0)
+            batch = torch.export.Dim("batch", min=1, max=max(64, max(self.args.batches)))
+            torch.onnx.export(model.float().cpu(), xs, str(raw), dynamo=True,
+                              input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                              dynamic_shapes={"input_ids": {0: batch}, "attention_mask": {0: batch}})
+        else:
+            export_onnx(model.float().cpu(), torch.randn(2, *shape), raw)
         model.to(self.dev)
         graph = gs.import_onnx(onnx.load(str(raw)))
         # What Kiln's optimize stage always does first, and deliberately no more: its default passes include
@@ -127,7 +193,7 @@ class Bench:
         t0 = time.perf_counter()
         runner, size, extra = self._prepare(row, model, onnx32, name)
         for batch in self.args.batches:
-            x = torch.randn((batch, *shape), generator=torch.Generator().manual_seed(2))
+            x = make_inputs(name, self.params, shape, batch, seed=2)
             t1 = time.perf_counter()
             call = runner(x)  # first call compiles/captures for this shape: counted in build_seconds
             build = time.perf_counter() - t0 if batch == self.args.batches[0] else None
@@ -141,9 +207,9 @@ class Bench:
             say(f"{name} {row} batch {batch}: median {entry['median_ms']:.3f} ms, top1 "
                 f"{entry['top1_agreement']:.4f}, cos {entry['cosine']:.6f}")
 
-    def _eval(self, row: str, runner: Callable[[torch.Tensor], Callable[[], Any]], evalx: torch.Tensor) -> np.ndarray:
+    def _eval(self, row: str, runner: Callable[[Inputs], Callable[[], Any]], evalx: Inputs) -> np.ndarray:
         bs = max(self.args.batches)
-        outs = [self._out(row, runner(evalx[i:i + bs])) for i in range(0, len(evalx), bs)]
+        outs = [self._out(row, runner(slice_inputs(evalx, i, i + bs))) for i in range(0, len(evalx[0]), bs)]
         return np.concatenate(outs)
 
     @staticmethod
@@ -158,27 +224,33 @@ class Bench:
     def _prepare(self, row: str, model: torch.nn.Module, onnx32: Path, name: str) -> tuple[Any, int | None, dict]:
         """A factory ``x -> call`` where ``call()`` runs one inference on device-resident inputs and returns outputs."""
         dev = self.dev
-        if row in ("eager32", "eager16", "compile"):
-            half = row != "eager32"
+        if row in ("eager32", "eager16", "compile", "baseline_compile"):
+            half = row != "eager32" and (self.cuda or row != "baseline_compile")
             dtype = torch.float16 if half else torch.float32
-            m = build_model(name, model_specs(self.args.smoke, self.args.bert_layers)[name][0]).eval().to(dev)
+            m = make_model(name, self.params).eval().to(dev)
             m.load_state_dict(model.state_dict())
-            m = m.to(dtype)
             extra: dict[str, Any] = {}
+            if row == "baseline_compile":  # exactly what validate.baselines: [compile] times
+                m = prepare_baseline(m.float().cpu(), "compile", dev, "fp16" if half else "fp32")
+                extra["compile_mode"] = "max-autotune" if self.cuda else "default"
+            else:
+                m = m.to(dtype)
             if row == "compile":
                 m = torch.compile(m, mode=self.args.compile_mode, dynamic=False)
                 extra["compile_mode"] = self.args.compile_mode
 
-            def torch_factory(x: torch.Tensor) -> Callable[[], Any]:
-                xd = x.to(dev, dtype)
+            def torch_factory(xs: Inputs) -> Callable[[], Any]:
+                xd = tuple(x.to(dev, dtype) if x.is_floating_point() else x.to(dev) for x in xs)
 
                 def call() -> torch.Tensor:
                     with torch.inference_mode():
-                        return m(xd)
+                        return m(*xd)
                 return call
             return torch_factory, None, extra
         if row == "ort_default":
             return self._ort_default(onnx32, name)
+        if row == "kiln_torch":
+            return self._kiln_torch(onnx32, name, model)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str) -> tuple[Any, int, dict]:
@@ -189,14 +261,15 @@ class Bench:
         onnx.save(float16.convert_float_to_float16(onnx.load(str(onnx32)), keep_io_types=True), str(path))
         providers = ["CUDAExecutionProvider"] if self.cuda else ["CPUExecutionProvider"]
         sess = ort.InferenceSession(str(path), providers=providers)  # default options: what a user gets
-        in_name, out_names = sess.get_inputs()[0].name, [o.name for o in sess.get_outputs()]
+        in_names, out_names = [i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()]
 
-        def factory(x: torch.Tensor) -> Callable[[], Any]:
+        def factory(xs: Inputs) -> Callable[[], Any]:
+            feed = {n: x.numpy() for n, x in zip(in_names, xs)}
             if not self.cuda:
-                feed = {in_name: x.numpy()}
                 return lambda: sess.run(None, feed)[0]
             binding = sess.io_binding()  # device buffers, as for every other row: no host copies timed
-            binding.bind_ortvalue_input(in_name, ort.OrtValue.ortvalue_from_numpy(x.numpy(), "cuda", 0))
+            for n, a in feed.items():
+                binding.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0))
             for o in out_names:
                 binding.bind_output(o, "cuda", 0)
 
@@ -216,8 +289,8 @@ class Bench:
         folder = self.work / f"{name}-{'kiln' if autotuned else 'kiln-fixed'}"
         meta = build_engine(onnx32, folder, "onnxruntime", device, precision, cfg, self.work / "cache",
                             max_batch=max(a.batches))
-        say(f"{name} kiln: engine built in {meta['build_seconds']:.1f}s "
-            f"(fusion: {meta['builder_settings'].get('transformer_fusion')})")
+        say(f"{name} kiln: engine built in {meta.build_seconds:.1f}s "
+            f"(fusion: {meta.builder_settings.get('transformer_fusion')})")
         tuned = meta.autotune or {}
         for b, choice in (tuned.get("choice_by_batch") or {"all": tuned.get("choice")}).items():
             if choice:
@@ -226,22 +299,43 @@ class Bench:
         if tuned.get("skipped"):
             say(f"{name} kiln: autotune skipped: {tuned['skipped']}")
         runner = load_engine(folder).activate()
-        in_name = runner.input_names[0]
         out_name = runner.meta.outputs[0].name
         graphs: dict[int, bool] = {}  # batch -> whether the timed call replays a CUDA graph
 
-        def factory(x: torch.Tensor) -> Callable[[], Any]:
-            feed = {in_name: x.numpy()}
+        def factory(xs: Inputs) -> Callable[[], Any]:
+            feed = {n: x.numpy() for n, x in zip(runner.input_names, xs)}
             if device == "cpu":
                 return lambda: runner.infer(feed)[out_name]
             call, graph = runner.prepared(feed)  # the runner's own device buffers / CUDA graph for this shape
-            graphs[x.shape[0]] = graph
+            graphs[xs[0].shape[0]] = graph
             return call
 
         extra = {"engine": meta.name, "precision": precision, "autotune": tuned,
                  "fusion": meta.builder_settings.get("transformer_fusion"),
                  "engine_build_seconds": meta.build_seconds, "cuda_graph_by_batch": graphs}
         return factory, meta.size_bytes, extra
+
+
+    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module) -> tuple[Any, int, dict]:
+        """Kiln's AOTInductor engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU)."""
+        device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
+        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+
+        def load() -> torch.nn.Module:
+            m = make_model(name, self.params).eval()
+            m.load_state_dict(state)
+            return m
+        cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device]))
+        folder = self.work / f"{name}-kiln-torch"
+        meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
+                            max_batch=max(self.args.batches), torch_model=load)
+        say(f"{name} kiln_torch: built in {meta.build_seconds:.1f}s ({meta.builder_settings})")
+        runner = load_engine(folder).activate()
+
+        def factory(xs: Inputs) -> Callable[[], Any]:
+            return runner.prepared({n: x.numpy() for n, x in zip(runner.input_names, xs)})[0]
+        return factory, meta.size_bytes, {"engine": meta.name, "precision": precision,
+                                          "builder_settings": meta.builder_settings}
 
 
 def _num(v: float | None) -> str:
@@ -290,7 +384,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="tiny models, few iterations, CPU is fine")
-    p.add_argument("--models", default="resnet18,bert_base")
+    p.add_argument("--models", default="resnet18,bert_base,hf_bert")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--rows", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
     p.add_argument("--compile-mode", default="max-autotune")

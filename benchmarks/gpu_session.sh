@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
 # /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
-# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, train, train-compile, precision,
-# serve.
+# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), train,
+# train-compile, precision, serve.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
 mkdir -p "$OUT"
@@ -19,6 +19,16 @@ for phase in "$@"; do
       cp /tmp/kiln-gpu/report.md "$OUT/gpu_demo_report.md"; cp /tmp/kiln-gpu/report.json "$OUT/gpu_demo_report.json"
       grep -A12 "## Validation" /tmp/kiln-gpu/report.md ;;
     engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
+    # issue 12: every engine kind on the GPU, PyTorch eager/compile baselines on the GPU, memory, chosen engine
+    choice)
+      python3 -m kiln.cli run -w /tmp/kiln-gpu-choice --quiet \
+        --set 'build.backends=[onnxruntime,tensorrt,torch]' --set 'build.onnxruntime.devices=[cpu,cuda]' \
+        --set 'build.torch.devices=[cuda]' --set 'validate.batch_sizes=[1,32]' \
+        --set 'validate.baselines=[eager,compile]' --set 'validate.baseline_precisions=[fp32,fp16]'
+      echo "kiln run rc=$?"
+      cp /tmp/kiln-gpu-choice/report.md "$OUT/gpu_choice_report.md"
+      cp /tmp/kiln-gpu-choice/validate/validation.json "$OUT/gpu_choice_validation.json"
+      sed -n '/## Validation/,/## Training/p' /tmp/kiln-gpu-choice/report.md ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
     # torch.compile table, one model per call keeps each under 10 minutes: TRAIN_COMPILE_ARGS="--models resnet18"
     train-compile) python3 benchmarks/train_bench.py --compile --out "$OUT" ${TRAIN_COMPILE_ARGS:-} ;;

@@ -16,7 +16,7 @@ from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import io_specs, load_onnx
-from kiln.models.registry import DATASETS, DEFAULT_DATASET, build_model, load_dataset
+from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
 from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
@@ -37,6 +37,7 @@ def dataset_for(config: KilnConfig) -> DatasetSplits:
         return random_splits(Path(config.model.onnx), config)
     name = config.data.name or DEFAULT_DATASET.get(config.model.name)
     if name is None:
+        resolve_callable(config.model.name, MODELS, "model")  # a misspelt model name is the problem, say so
         raise ConfigError(f"no dataset configured for model '{config.model.name}'",
                           hint="set data.name to a built-in dataset or 'package.module:function'")
     params = dict(config.data.params)

@@ -5,12 +5,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.config import KilnConfig
-from kiln.core.errors import ConfigError
+from kiln.core.artifacts import ensure_writable
+from kiln.core.errors import ConfigError, KilnError, storage_error
 from kiln.core.progress import Progress
-from kiln.report import write_report
+from kiln.report import build_report, write_report
 from kiln.runner import Runner, RunResult, StageRecord
 from kiln.stage_list import STAGE_NAMES, STAGES, stage_named
-from kiln.workdir_lock import workdir_lock
+from kiln.workdir_lock import LOCK_NAME, workdir_lock
 
 
 def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | None = None, start: str | None = None,
@@ -25,10 +26,41 @@ def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | N
                           hint=f"stages run in the order {' -> '.join(STAGE_NAMES)}")
     stages = [s for s in STAGES if only is None or s.name in only]
     workdir = Path(workdir)
+    refuse_foreign_workdir(workdir)
+    ensure_writable(workdir, "--workdir")
     with workdir_lock(workdir):
         result = Runner(config, workdir, stages, progress, on_stage).run(force=force, start=start, stop=stop)
-        report = write_report(result, config, workdir)
+        try:
+            report = write_report(result, config, workdir)
+        except OSError as exc:  # e.g. the disk filled up: say so with the run's own outcome, never a traceback
+            report = build_report(result, config, workdir)
+            result.error = _not_written(result.error, storage_error(exc, "writing report.json / report.md"))
     return result, report
+
+
+def refuse_foreign_workdir(workdir: Path) -> None:
+    """A run replaces its stage folders and reports whole: only in a new or empty folder, or one a Kiln run made
+    (its lock, report or a stage manifest shows it). Anything else (`-w ~/project`) holds files Kiln did not
+    create, and a folder of the user's named `train` or `build` would be replaced."""
+    if workdir.is_file():
+        raise ConfigError(f"--workdir {workdir} is a file", hint="give a new or empty folder, or a Kiln workdir")
+    if not workdir.is_dir():
+        return
+    entries = [p.name for p in workdir.iterdir() if not p.name.startswith(".kiln-write-test-")]
+    ours = {LOCK_NAME, "report.json", "report.md"} & set(entries) or any(
+        (workdir / name / "manifest.json").is_file() for name in STAGE_NAMES)
+    if entries and not ours:
+        shown = ", ".join(sorted(entries)[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise ConfigError(f"--workdir {workdir} already holds files Kiln did not write ({shown})",
+                          hint="give a new or empty folder for --workdir (or one an earlier `kiln run` used)")
+
+
+def _not_written(error: KilnError | None, why: KilnError) -> KilnError:
+    """The run's own error (kept first, with its exit code) extended by why the report is missing."""
+    if error is None:
+        return why
+    merged = type(error)(f"{error.message}; the report was not written either: {why.message}", hint=error.hint)
+    return merged
 
 
 __all__ = ["run_pipeline", "STAGE_NAMES"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,15 +10,18 @@ from typing import Any
 import click
 import yaml
 from kiln.api import run_pipeline
-from kiln.config import PRECISIONS, KilnConfig, load_config, set_value
-from kiln.core.errors import ConfigError, GateFailure, KilnError
+from kiln.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
+from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
 from kiln.core.progress import RichProgress, SilentProgress
 from kiln.loadtest import loadtest as run_loadtest
 from kiln.loadtest import render_markdown
 from kiln.report import fmt as _fmt
-from kiln.report import validation_of
+from kiln.report import result_line, seconds_cell, validation_of
 from kiln.serve import iter_urls
 from kiln.serve import serve as serve_engines
+from kiln.stages.engines.registry import BACKENDS, runnable
+from kiln.stages.optimize.registry import PASSES
+from kiln.stage_list import STAGE_NAMES
 from kiln.stages.engines.stage import build_direct
 from kiln.stages.export import export_direct
 from kiln.stages.optimize.api import optimize_file
@@ -32,31 +36,81 @@ console = Console(stderr=True)
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
 
 
+EXIT_CODES = ("Exit codes: 0 success; 2 a problem you can fix (bad config, input or disk: one `error:` and one "
+              "`fix:` line); 3 a validation gate failed (the engine is not as accurate or fast as configured).")
+
+
 class KilnCommand(click.Command):
     """Turns :class:`KilnError` into a clean message and exit code instead of a traceback."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["epilog"] = kwargs.get("epilog") or EXIT_CODES
+        super().__init__(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except KilnError as exc:
-            # escape: messages quote shapes like [batch, 3, 8, 8], which rich would take for markup and drop
-            console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
-            if exc.hint:
-                console.print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
-            ctx.exit(exc.exit_code)
+            _fail(ctx, exc)
+        except OSError as exc:  # a disk or folder problem anywhere (read-only -o, disk full): the same two lines
+            logging.getLogger("kiln").debug("OS error", exc_info=True)
+            _fail(ctx, storage_error(exc))
+        except MemoryError:
+            logging.getLogger("kiln").debug("out of memory", exc_info=True)
+            _fail(ctx, KilnError("out of memory", hint="use smaller batch sizes (validate.batch_sizes, "
+                                                         "train.batch_size) or a smaller model"))
+
+
+def _fail(ctx: click.Context, exc: KilnError) -> None:
+    # escape: messages quote shapes like [batch, 3, 8, 8], which rich would take for markup and drop
+    console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
+    if exc.hint:
+        console.print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
+    ctx.exit(exc.exit_code)
 
 
 class KilnGroup(click.Group):
     command_class = KilnCommand
 
 
+# Libraries' messages that say nothing a Kiln user can act on; shown with --verbose only. onnxconverter-common
+# warns once per constant it clips to the FP16 range (the precision stage reports what it keeps in FP32); ORT's
+# transformer optimizer expects its own exporters' producer name, not torch's.
+THIRD_PARTY_NOISE = ("will be truncated to", "Model producer not matched")
+THIRD_PARTY_LOGGERS = ("py.warnings", "onnxruntime", "onnxconverter_common", "onnx_graphsurgeon")
+
+
+class _ThirdParty(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "py.warnings":  # "file:line: Category: text\n  source line": keep "Category: text"
+            found = re.match(r"^.*?:\d+: (\w+): (.*?)\n", record.getMessage(), re.S)
+            if found:
+                record.msg, record.args = f"{found.group(1)}: {found.group(2)}", ()
+        if not record.name.startswith("kiln") and any(n in record.getMessage() for n in THIRD_PARTY_NOISE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return record.levelno >= self.level
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+
 def _setup_logging(quiet: bool, verbose: bool) -> None:
+    """Kiln's log lines, and the libraries' (warnings.warn and their loggers), through one handler: nothing
+    raw on stderr, and known noise demoted to debug."""
     level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
     handler = RichHandler(console=console, show_path=False, show_time=False, markup=False)
+    handler.addFilter(_ThirdParty(level))
     logger = logging.getLogger("kiln")
     logger.handlers[:] = [handler]
     logger.setLevel(level)
     logger.propagate = False
+    logging.captureWarnings(True)
+    for name in THIRD_PARTY_LOGGERS:
+        other = logging.getLogger(name)
+        other.handlers[:] = [handler]
+        other.setLevel(logging.DEBUG if verbose else logging.WARNING)
+        other.propagate = False
 
 
 def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
@@ -91,7 +145,26 @@ def _config(path: str | None, sets: tuple[str, ...]) -> KilnConfig:
     return _load(path, _parse_sets(sets))
 
 
+STAGES_HELP = " -> ".join(STAGE_NAMES)
 config_arg = click.argument("config", required=False, type=click.Path(dir_okay=False))
+config_opt = click.option("--config", "-c", "config_option", type=click.Path(dir_okay=False),
+                          help="run config (YAML/TOML/JSON); the same as giving CONFIG (default: the built-in demo)")
+
+
+def _one_config(*given: str | None) -> str | None:
+    """CONFIG as a positional argument or as -c/--config, the same in every command."""
+    named = {g for g in given if g}
+    if len(named) > 1:
+        raise click.UsageError(f"two configs given ({', '.join(sorted(named))}): pass one, as CONFIG or -c")
+    return next(iter(named), None)
+
+
+def _model_or_config(path: str | None, config: str | None) -> tuple[str | None, str | None]:
+    """``kiln optimize kiln.yaml`` (or build/validate): a config file where the MODEL/ENGINE goes is the config,
+    and the command runs in the workdir, as `kiln run kiln.yaml` would."""
+    if path and Path(path).suffix.lower() in CONFIG_SUFFIXES:
+        return None, _one_config(path, config)
+    return path, config
 workdir_opt = click.option("--workdir", "-w", default="kiln-out", show_default=True, type=click.Path(file_okay=False),
                            help="folder holding every stage's artifacts, the cache and the report")
 set_opt = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
@@ -100,13 +173,14 @@ quiet_opt = click.option("--quiet", "-q", is_flag=True, help="only warnings and 
 verbose_opt = click.option("--verbose", "-v", is_flag=True, help="debug logging")
 
 
-@click.group(cls=KilnGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=KilnGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
 @click.version_option(package_name="kiln")
 def main() -> None:
     """Kiln: turn a PyTorch model into a validated, serving-ready inference engine.
 
     Stages: train -> export -> optimize -> precision -> build -> validate -> package.
     `kiln run` runs them all (cached, resumable); each stage also has its own command.
+    Every command takes its run config as CONFIG or -c/--config.
     """
 
 
@@ -114,30 +188,39 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     table = Table(title="Kiln run", show_edge=False)
     for col in ("stage", "status", "seconds"):
         table.add_column(col)
+    stages = report.get("stages", {})
     for r in result.records:
         style = STATUS_STYLE.get(r.status, "")
-        table.add_row(r.name, f"[{style}]{r.status}[/]", f"{r.seconds:.2f}")
+        seconds = seconds_cell(stages[r.name]) if r.name in stages else f"{r.seconds:.2f}"
+        table.add_row(r.name, f"[{style}]{r.status}[/]", seconds)
     console.print(table)
     v = validation_of(report)
     if v:
         et = Table(title="Engines vs PyTorch", show_edge=False)
-        for col in ("engine", "passed", "cosine", "top-1 agree", "accuracy", "p50 ms (largest batch)", "speedup"):
-            et.add_column(col, overflow="fold")
-        b = v.baseline
-        largest = list(b.latency_ms)[-1]
-        et.add_row("pytorch (baseline)", "", "", "", _fmt(b.accuracy), f"{b.latency_ms[largest].p50:.3f}", "1.00")
+        largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
+        labels = [f"pytorch {b.label}" for b in v.baselines or [v.baseline]]
+        # engine names never wrap (three ONNX Runtime rows folded at 80 columns all read `onnxrunt...`)
+        et.add_column("engine", no_wrap=True,
+                      min_width=max([len(x) for x in labels] + [len(e.name) + 9 for e in v.engines]))
+        for col in ("passed", "cosine", "top-1", "acc.", "p50 ms", "speedup"):  # fits 80 columns
+            et.add_column(col, no_wrap=True)
+        for label, b in zip(labels, v.baselines or [v.baseline]):
+            lat = b.latency_ms.get(largest)
+            et.add_row(label, "", "", "", _fmt(b.accuracy), f"{lat.p50:.3f}" if lat else "-", "1.00")
         for e in v.engines:
             if e.status != "validated":
-                et.add_row(e.name, "[yellow]not run here[/]", "", "", "", "", "")
+                et.add_row(e.name, "[yellow]not run[/]", "", "", "", "", "")
                 continue
-            et.add_row(e.name, "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
+            speed = e.speedup_vs_baseline.get(largest)
+            et.add_row(e.name + (" [bold](chosen)[/]" if v.chosen.get(largest) == e.name else ""),
+                       "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
                        _fmt(e.top1_agreement), _fmt(e.accuracy), f"{e.latency_ms[largest].p50:.3f}",
-                       f"{e.speedup_vs_baseline[largest]:.2f}x")
+                       f"{speed:.2f}x vs {e.device}" if speed else "-")
         console.print(et)
         for e in v.engines:
             if e.status != "validated":
-                console.print(f"[yellow]{escape(e.name)}[/]: built, not validated here: {escape(e.reason or '')}",
-                              soft_wrap=True)
+                console.print(f"[yellow]{escape(e.name)}[/]: built for {escape(e.device.upper())}, not validated "
+                              f"here: {escape(e.reason or '')}", soft_wrap=True)
         dropped = {e.name for e in v.engines if e.dropped}
         for r in v.speed_vs_fp32:
             if r["slower"]:
@@ -148,6 +231,7 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     for name, why in precision.get("failed", {}).items():
         console.print(f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
                       soft_wrap=True)
+    console.print(f"result: {escape(result_line(report))}", highlight=False, soft_wrap=True)
     console.print(f"report: {workdir / 'report.md'}")
 
 
@@ -166,26 +250,29 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
 
 @main.command()
 @config_arg
+@config_opt
 @workdir_opt
 @set_opt
-@click.option("--force", multiple=True, metavar="STAGE", help="rerun this stage even if cached (repeatable)")
-@click.option("--from", "start", metavar="STAGE", help="rerun from this stage on")
-@click.option("--until", "stop", metavar="STAGE", help="stop after this stage")
+@click.option("--force", multiple=True, metavar="STAGE",
+              help=f"rerun this stage even if cached (repeatable); stages: {STAGES_HELP}")
+@click.option("--from", "start", metavar="STAGE", help=f"rerun from this stage on; stages: {STAGES_HELP}")
+@click.option("--until", "stop", metavar="STAGE", help=f"stop after this stage; stages: {STAGES_HELP}")
 @quiet_opt
 @verbose_opt
-def run(config: str | None, workdir: str, sets: tuple[str, ...], force: tuple[str, ...], start: str | None,
-        stop: str | None, quiet: bool, verbose: bool) -> None:
+def run(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...], force: tuple[str, ...],
+        start: str | None, stop: str | None, quiet: bool, verbose: bool) -> None:
     """Run the whole pipeline. Without CONFIG: the built-in demo (a CNN on scikit-learn's digits)."""
     _setup_logging(quiet, verbose)
-    _run(_config(config, sets), workdir, quiet, force=set(force), start=start, stop=stop)
+    _run(_config(_one_config(config, config_option), sets), workdir, quiet, force=set(force), start=start, stop=stop)
 
 
 @main.command("config")
 @config_arg
+@config_opt
 @set_opt
-def show_config(config: str | None, sets: tuple[str, ...]) -> None:
+def show_config(config: str | None, config_option: str | None, sets: tuple[str, ...]) -> None:
     """Print the resolved config (defaults filled in) as YAML: a starting point for your own."""
-    click.echo(yaml.safe_dump(_config(config, sets).dump(), sort_keys=False), nl=False)
+    click.echo(yaml.safe_dump(_config(_one_config(config, config_option), sets).dump(), sort_keys=False), nl=False)
 
 
 def _refuse_direct_options(what: str, *names: str) -> None:
@@ -205,17 +292,19 @@ def _stage_in_workdir(stage: str, config: str | None, workdir: str, sets: tuple[
 
 @main.command()
 @config_arg
+@config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
-def train(config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+def train(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
     """Train the configured model into WORKDIR/train."""
     _setup_logging(quiet, False)
-    _stage_in_workdir("train", config, workdir, sets, quiet)
+    _stage_in_workdir("train", _one_config(config, config_option), workdir, sets, quiet)
 
 
 @main.command()
-@click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="run config (model, data, export)")
+@config_arg
+@config_opt
 @workdir_opt
 @set_opt
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="export this state dict directly (no workdir)")
@@ -223,10 +312,12 @@ def train(config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) 
 @click.option("--input-shape", help="one sample's shape without batch, e.g. 3,224,224 (default: the dataset's)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="ONNX file to write in direct mode")
 @quiet_opt
-def export(config: str | None, workdir: str, sets: tuple[str, ...], checkpoint: str | None, model_name: str | None,
-           input_shape: str | None, output: str | None, quiet: bool) -> None:
+def export(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...],
+           checkpoint: str | None, model_name: str | None, input_shape: str | None, output: str | None,
+           quiet: bool) -> None:
     """Export to ONNX: from WORKDIR/train, or directly with --checkpoint/--model and -o."""
     _setup_logging(quiet, False)
+    config = _one_config(config, config_option)
     if checkpoint is None and output is None:
         _refuse_direct_options("-o/--output or --checkpoint", "model_name", "input_shape")
         return _stage_in_workdir("export", config, workdir, sets, quiet)
@@ -239,15 +330,18 @@ def export(config: str | None, workdir: str, sets: tuple[str, ...], checkpoint: 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="optimized ONNX file (direct mode)")
-@click.option("--config", "-c", "config", type=click.Path(dir_okay=False))
-@click.option("--passes", help="comma-separated pass list (default: the config's)")
+@config_opt
+@click.option("--passes", metavar="P1,P2,...",
+              help=f"comma-separated pass list (default: the config's); passes: {', '.join(sorted(PASSES))}")
 @workdir_opt
 @set_opt
 @quiet_opt
-def optimize(model: str | None, output: str | None, config: str | None, passes: str | None, workdir: str,
+def optimize(model: str | None, output: str | None, config_option: str | None, passes: str | None, workdir: str,
              sets: tuple[str, ...], quiet: bool) -> None:
-    """Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without MODEL."""
+    """Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without MODEL
+    (MODEL may also be the run config: `kiln optimize kiln.yaml`)."""
     _setup_logging(quiet, False)
+    model, config = _model_or_config(model, config_option)
     extra = (f"optimize.passes={passes.split(',')!r}",) if passes else ()
     if model is None:
         _refuse_direct_options("the MODEL file", "output")
@@ -265,15 +359,16 @@ def optimize(model: str | None, output: str | None, config: str | None, passes: 
 @click.option("--calibration", type=click.Path(dir_okay=False),
               help=".npz with one array per model input (calibration and the accuracy fallback; default: random, "
                    "with a warning)")
-@click.option("--config", "-c", "config", type=click.Path(dir_okay=False))
+@config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
 def precision(model: str | None, output: str | None, variants: str | None, calibration: str | None,
-              config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+              config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
     """FP32/FP16/INT8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 --calibration d.npz`,
-    or of WORKDIR/optimize without MODEL."""
+    or of WORKDIR/optimize without MODEL (MODEL may also be the run config)."""
     _setup_logging(quiet, False)
+    model, config = _model_or_config(model, config_option)
     if model is None:
         _refuse_direct_options("the MODEL file", "output", "variants", "calibration")
         return _stage_in_workdir("precision", config, workdir, sets, quiet)
@@ -291,41 +386,54 @@ def precision(model: str | None, output: str | None, variants: str | None, calib
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="onnxruntime", show_default=True,
+              help="engine kind to build (direct mode)")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="device the engine targets [default: the backend's only device (tensorrt: cuda, which "
+                   "TensorRT-RTX builds for without a GPU here), else cpu]")
 @click.option("--precision", "precision_", default="fp32", show_default=True,
               help="label of the graph's precision (precision lives in the graph: see `kiln precision`)")
-@click.option("-o", "--output", type=click.Path(file_okay=False), help="engine folder (direct mode)")
-@click.option("--config", "-c", "config", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False),
+              help="engine folder (direct mode): new, empty, or one an earlier `kiln build` wrote")
+@config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
-def build(model: str | None, backend: str, device: str, precision_: str, output: str | None, config: str | None,
-          workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
-    """Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision."""
+def build(model: str | None, backend: str, device: str | None, precision_: str, output: str | None,
+          config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+    """Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision
+    (MODEL may also be the run config: `kiln build kiln.yaml`)."""
     _setup_logging(quiet, False)
+    model, config = _model_or_config(model, config_option)
     if model is None:
         _refuse_direct_options("the MODEL file", "backend", "device", "precision_", "output")
         return _stage_in_workdir("build", config, workdir, sets, quiet)
     cfg = _config(config, sets)
     meta = build_direct(Path(model), Path(output or "engine"), backend, device, precision_, cfg.build)
-    console.print(f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s")
+    console.print(f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s "
+                  f"(targets {meta.device.upper()})", highlight=False)
+    ok, why = runnable(meta)
+    if not ok:
+        console.print(f"[yellow]not runnable on this machine[/]: {escape(why)}; run it on a machine with a "
+                      f"{meta.device.upper()} device", highlight=False, soft_wrap=True)
 
 
 @main.command()
-@click.argument("engine", required=False, type=click.Path(file_okay=False))
+@click.argument("engine", required=False, type=click.Path())
 @click.option("--reference", type=click.Path(dir_okay=False),
               help="what the engine must match (direct mode): an ONNX model, or a PyTorch checkpoint of --model")
 @click.option("--model", "model_name", help="model name or import path for a checkpoint --reference")
 @click.option("--inputs", type=click.Path(dir_okay=False), help=".npz of inputs (default: random from the engine's spec)")
-@click.option("--config", "-c", "config", type=click.Path(dir_okay=False), help="gates and timing settings")
+@config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
 def validate(engine: str | None, reference: str | None, model_name: str | None, inputs: str | None,
-             config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
-    """Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference."""
+             config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+    """Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference
+    (ENGINE may also be the run config: `kiln validate kiln.yaml`)."""
     _setup_logging(quiet, False)
+    engine, config = _model_or_config(engine, config_option)
     if engine is None:
         _refuse_direct_options("the ENGINE folder", "reference", "model_name", "inputs")
         return _stage_in_workdir("validate", config, workdir, sets, quiet)
@@ -341,20 +449,21 @@ def validate(engine: str | None, reference: str | None, model_name: str | None, 
 
 @main.command()
 @config_arg
+@config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
-def package(config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+def package(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
     """Write serving artifacts (engines + metadata, Triton model repository) into WORKDIR/package."""
     _setup_logging(quiet, False)
-    _stage_in_workdir("package", config, workdir, sets, quiet)
+    _stage_in_workdir("package", _one_config(config, config_option), workdir, sets, quiet)
 
 
 @main.command()
 @click.argument("path", required=False, default="kiln-out", type=click.Path(exists=True, file_okay=False))
-@click.option("--http-port", default=8000, show_default=True, type=int)
-@click.option("--grpc-port", default=8001, show_default=True, type=int)
-@click.option("--metrics-port", default=8002, show_default=True, type=int)
+@click.option("--http-port", default=8000, show_default=True, type=int, help="Triton's HTTP port")
+@click.option("--grpc-port", default=8001, show_default=True, type=int, help="Triton's gRPC port")
+@click.option("--metrics-port", default=8002, show_default=True, type=int, help="Triton's Prometheus metrics port")
 @click.option("--max-batch", default=32, show_default=True, type=click.IntRange(0),
               help="largest batch Triton's dynamic batcher forms (capped by the engine; 0: no batching)")
 @click.option("--max-queue-delay-us", default=100, show_default=True, type=click.IntRange(0),
@@ -388,13 +497,14 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @click.option("--model", required=True, help="served model name (printed by `kiln serve`)")
 @click.option("--engines", "-e", "engines", default="kiln-out", show_default=True, type=click.Path(exists=True),
               help="the workdir or engine folder the server serves: expected answers come from its engine")
-@click.option("--concurrency", default="1,2,4,8,16,32", show_default=True, callback=_int_list)
+@click.option("--concurrency", default="1,2,4,8,16,32", show_default=True, callback=_int_list,
+              help="comma-separated numbers of requests in flight, one level after another")
 @click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="seconds per concurrency level")
 @click.option("--requests", "max_requests", default=100_000, show_default=True, type=click.IntRange(1),
               help="at most this many requests per concurrency level")
 @click.option("--config", "-c", "config", type=click.Path(dir_okay=False),
-              help="the run's config: its validation data become the requests (default: the demo's)")
+              help="the run's config (YAML/TOML/JSON): its validation data become the requests (default: the demo's)")
 @click.option("-o", "--output", default="loadtest", show_default=True, type=click.Path(file_okay=False),
               help="folder for loadtest.json, loadtest.md and loadtest.png")
 def loadtest(url: str, model: str, engines: str, concurrency: list[int], duration: float, max_requests: int,

@@ -16,6 +16,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.sections import Section
 from kiln.models.config import DataConfig, ModelConfig
+from kiln.models.registry import DATASETS, MODELS, resolve_callable
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.export import ExportConfig
 from kiln.stages.optimize.config import OptimizeConfig
@@ -26,6 +27,7 @@ from kiln.stages.validate.config import GatesConfig, ValidateConfig
 from pydantic import Field, ValidationError
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 # The sections live with the stages that read them; importable from here too.
 __all__ = ["KilnConfig", "load_config", "config_from_dict", "set_value", "DEMO_CONFIG", "PRECISIONS", "ModelConfig", "DataConfig",
            "TrainConfig", "ExportConfig", "OptimizeConfig", "PrecisionConfig", "CalibrationConfig", "BuildConfig",
@@ -103,26 +105,103 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         source = str(p)
         if not p.is_file():
             raise InputFileError(f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo")
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config {p} is {p.stat().st_size} bytes; a run config is at most {MAX_CONFIG_BYTES}",
+                              hint="pass the run config itself, not a data file")
         try:
             text = p.read_text()
         except UnicodeDecodeError:
             raise ConfigError(f"config {p} is not a text file", hint="pass a .yaml/.toml/.json run config") from None
-        try:
-            if p.suffix == ".toml":
-                data = tomllib.loads(text)
-            elif p.suffix == ".json":
-                data = json.loads(text)
-            else:
-                data = yaml.safe_load(text) or {}
-        except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot parse config {p}: {exc}", hint="fix the file's syntax") from None
+        if not text.strip() or (p.suffix not in (".toml", ".json") and _only_comments(text)):
+            raise ConfigError(f"config {p} is empty", hint="write at least the model: section (`kiln config` "
+                                                           "prints a full one), or pass no CONFIG to run the demo")
+        data = _parse(p, text)
         if not isinstance(data, dict):
-            raise ConfigError(f"config {p} must be a mapping of sections, got {type(data).__name__}")
+            raise ConfigError(f"config {p} must be a mapping of sections, got {type(data).__name__}",
+                              hint="start the file with sections such as `model:` (see `kiln config`)")
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
+    _check_size(data, Path(source))  # file and --set values alike
     config = config_from_dict(data, source)
     _check_files(config, Path(path).parent if path else Path.cwd())
+    _check_names(config)
     return config
+
+
+def _check_names(config: KilnConfig) -> None:
+    """A misspelt built-in model or dataset name, said before any stage runs (an import path is resolved by the
+    stage that uses it: importing user code is that stage's business)."""
+    for kind, name, table in (("model", config.model.name, MODELS), ("dataset", config.data.name, DATASETS)):
+        if name is not None and ":" not in name:
+            resolve_callable(name, table, kind)
+
+
+# Configuration is hostile input: bounded in bytes, in values after YAML alias expansion, and in nesting.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000
+MAX_CONFIG_DEPTH = 32
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing duplicate keys (YAML keeps the last silently: a gate set twice would be
+    decided by line order)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                dup = key in seen
+            except TypeError:  # an unhashable key: the base class reports it
+                dup = False
+            if dup:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key}'", key_node.start_mark)
+            if not isinstance(key, (list, dict)):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key '{key}'")
+        out[key] = value
+    return out
+
+
+def _parse(p: Path, text: str) -> Any:
+    try:
+        if p.suffix == ".toml":
+            return tomllib.loads(text)  # TOML itself forbids duplicate keys
+        if p.suffix == ".json":
+            return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"cannot parse config {p}: {' '.join(str(exc).split())[:400]}",
+                          hint="fix the file's syntax (each key once per section)") from None
+
+
+def _only_comments(text: str) -> bool:
+    return all(not line.strip() or line.lstrip().startswith("#") or line.strip() in ("---", "...")
+               for line in text.splitlines())
+
+
+def _check_size(data: Any, p: Path) -> None:
+    """Count values as they would be expanded (YAML aliases are shared references until something copies them:
+    a few lines of nested aliases expand to billions) and refuse deep or self-referencing structures."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES or depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"config {p} expands to more than {MAX_CONFIG_VALUES} values or {MAX_CONFIG_DEPTH} "
+                              "levels (YAML aliases?)", hint="write the config without nested aliases (&/*)")
+        if isinstance(node, dict):
+            stack += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1) for v in node]
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -150,7 +229,7 @@ def set_value(dotted: str, text: str) -> Any:
         return None if text in ("null", "~") and _accepts_none(annotation) else text
     text_items = annotation is not None and get_origin(annotation) is list and _takes_text_only(get_args(annotation)[0])
     try:
-        return yaml.load(text, Loader=yaml.BaseLoader) if text_items else yaml.safe_load(text)  # noqa: S506
+        return yaml.load(text, Loader=yaml.BaseLoader if text_items else _StrictLoader)  # noqa: S506
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
                           hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]") from None

@@ -14,7 +14,7 @@ from kiln.runner import RunResult, cache_key, outputs_intact, read_manifest
 from kiln.stage_list import STAGE_NAMES, STAGES, stage_named
 from kiln.stages.validate.report import report_section as validate_section
 
-__all__ = ["build_report", "render_markdown", "write_report", "validation_of", "fmt"]
+__all__ = ["build_report", "render_markdown", "write_report", "validation_of", "fmt", "result_line", "seconds_cell"]
 
 
 def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = None) -> dict[str, Any]:
@@ -39,8 +39,8 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     if result.error is not None:
         report["error"] = str(result.error)
     if validation:
-        report["validation"] = {k: validation[k] for k in ("passed", "baseline", "engines", "failures",
-                                                          "speed_vs_fp32", "dropped") if k in validation}
+        report["validation"] = {k: validation[k] for k in ("passed", "baseline", "baselines", "engines", "failures",
+                                                          "speed_vs_fp32", "dropped", "chosen") if k in validation}
     return report
 
 
@@ -62,12 +62,33 @@ def validation_of(report: dict[str, Any]) -> ValidationResult | None:
     return ValidationResult.parse(v, "report validation", hint="rerun `kiln run`") if v else None
 
 
+def result_line(report: dict[str, Any]) -> str:
+    """PASSED / FAILED, and which engines were built but could not be validated on this machine: a pass that
+    covers only some engines must say so where the verdict is read, not only in a table cell."""
+    verdict = "PASSED" if report["ok"] else "FAILED"
+    unchecked = [e for e in (report.get("validation") or {}).get("engines", []) if e.get("status") != "validated"]
+    if not unchecked:
+        return verdict
+    devices = sorted({e.get("device", "?").upper() for e in unchecked})
+    return (f"{verdict}, {len(unchecked)} engine{'s' if len(unchecked) > 1 else ''} built but not validated: "
+            f"{', '.join(e['name'] for e in unchecked)} (they target {' / '.join(devices)}, which this machine "
+            "does not have; validate them where they will run)")
+
+
+def seconds_cell(stage: dict[str, Any]) -> str:
+    """A cached stage's check time, with how long it took when it ran."""
+    original = stage.get("original_seconds")
+    if stage["status"] in ("cached", "kept", "stale") and original is not None:
+        return f"{stage['seconds']:.2f} (ran in {original:.2f})"
+    return f"{stage['seconds']:.2f}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# Kiln report: {report['name']}", "", f"**Result: {'PASSED' if report['ok'] else 'FAILED'}**", ""]
+    lines = [f"# Kiln report: {report['name']}", "", f"**Result: {result_line(report)}**", ""]
     if "error" in report:
         lines += [f"> {report['error']}", ""]
     lines += ["## Stages", "", "| stage | status | seconds |", "|---|---|---|"]
-    lines += [f"| {n} | {s['status']} | {s['seconds']:.2f} |" for n, s in report["stages"].items()]
+    lines += [f"| {n} | {s['status']} | {seconds_cell(s)} |" for n, s in report["stages"].items()]
     if any(s["status"] == "kept" for s in report["stages"].values()):
         lines += ["", "*kept*: not part of this command; its results are those already in the workdir."]
     if any(s["status"] == "stale" for s in report["stages"].values()):

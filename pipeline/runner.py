@@ -26,7 +26,7 @@ from kiln.core.artifacts import (
     write_json_atomic,
 )
 from kiln.core.env import environment
-from kiln.core.errors import GateFailure, KilnError
+from kiln.core.errors import GateFailure, KilnError, storage_error
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.stage import Stage, StageContext
 from kiln.fingerprints import FINGERPRINTS
@@ -61,16 +61,40 @@ class RunResult:
 
 
 def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    """The stage's manifest, or None when it is missing, unreadable or not the shape Kiln writes (a damaged
+    manifest means the stage is redone, never trusted)."""
     try:
-        return json.loads((stage_dir / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+        m = json.loads((stage_dir / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    ok = (isinstance(m, dict) and isinstance(m.get("key"), str) and isinstance(m.get("outputs"), dict)
+          and isinstance(m.get("sizes", {}), dict) and isinstance(m.get("key_parts", {}), dict)
+          and isinstance(m.get("summary", {}), dict)
+          and all(isinstance(k, str) and isinstance(v, str) for k, v in m["outputs"].items()))
+    return m if ok else None
 
 
-def outputs_intact(stage_dir: Path, manifest: dict[str, Any]) -> bool:
-    """Cheap integrity check: every recorded output exists with its recorded size."""
+def outputs_intact(stage_dir: Path, manifest: dict[str, Any], verified: dict[Path, str] | None = None) -> bool:
+    """Every recorded output exists with its recorded size and sha256, and nothing else was added: flipped bytes
+    in a model or engine are caught, not only truncation. Hashing is the cost (see the README's figure), so
+    ``verified`` (stage folder -> the manifest's output hash) memoizes one run's checks: each folder is read
+    once per run although the stage and every downstream stage ask."""
+    outputs = manifest.get("outputs")
+    if not isinstance(outputs, dict):
+        return False
+    stamp = hash_json(outputs)
+    if verified is not None and verified.get(stage_dir) == stamp:
+        return True
     sizes = manifest.get("sizes", {})
-    return all((stage_dir / rel).is_file() and (stage_dir / rel).stat().st_size == n for rel, n in sizes.items())
+    try:
+        if any(not (stage_dir / rel).is_file() or (stage_dir / rel).stat().st_size != n for rel, n in sizes.items()):
+            return False  # cheap first: a missing or truncated file needs no hashing
+        intact = hash_tree(stage_dir, exclude=(MANIFEST,)) == outputs
+    except OSError:
+        return False  # unreadable (permissions, a folder where a file was): not to be trusted
+    if intact and verified is not None:
+        verified[stage_dir] = stamp
+    return intact
 
 
 def config_value(config: KilnConfig, dotted: str) -> Any:
@@ -156,6 +180,7 @@ class Runner:
         records: list[StageRecord] = []
         error: KilnError | None = None
         self._fingerprints: dict[str, str | None] = {}  # user data is hashed once per run
+        self._verified: dict[Path, str] = {}  # stage outputs are hashed once per run (outputs_intact)
         for stage in self.stages:
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
@@ -165,6 +190,15 @@ class Runner:
             except KilnError as exc:
                 record = StageRecord(stage.name, "failed", error=str(exc))
                 error = exc
+            except OSError as exc:  # disk full, read-only, permissions: a clear message, finished stages kept
+                log.debug("stage %s: OS error", stage.name, exc_info=True)
+                error = storage_error(exc, f"running stage '{stage.name}'")
+                record = StageRecord(stage.name, "failed", error=str(error))
+            except MemoryError:
+                log.debug("stage %s: out of memory", stage.name, exc_info=True)
+                error = KilnError(f"stage '{stage.name}' ran out of memory",
+                                  hint="lower validate.batch_sizes, train.batch_size or the model's size")
+                record = StageRecord(stage.name, "failed", error=str(error))
             records.append(record)
             self.on_event(record)
             if record.status != "failed" and record.summary.get("passed") is False and error is None:
@@ -181,18 +215,22 @@ class Runner:
         t_check = time.perf_counter()
         key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints)
         missing = [up for up in stage.inputs if parts["inputs"][up] is None
-                   or not outputs_intact(self.workdir / up, read_manifest(self.workdir / up) or {})]
+                   or not outputs_intact(self.workdir / up, read_manifest(self.workdir / up) or {}, self._verified)]
         if missing:
             raise KilnError(f"stage '{stage.name}' needs the output of {missing}, which is missing or damaged "
                             f"(files deleted or changed since it ran)", hint=f"run `kiln run --from {missing[0]}`")
         old = read_manifest(final)
-        if not forced and old and old.get("key") == key and outputs_intact(final, old):
+        if not forced and old and old.get("key") == key and outputs_intact(final, old, self._verified):
             log.info("%s: cached (key %s)", stage.name, key[:12])
             # seconds: what this run spent on the stage (the check); the original run's time stays in the manifest
             return StageRecord(stage.name, "cached", time.perf_counter() - t_check, key, old.get("summary", {}),
                                original_seconds=old.get("seconds"))
         changed = what_changed(old.get("key_parts", {}), parts) if old and not forced else []
-        log.info("%s: running%s", stage.name, f" (changed since the last run: {', '.join(changed)})" if changed else "")
+        why = f" (changed since the last run: {', '.join(changed)})" if changed else ""
+        if old and not forced and old.get("key") == key:
+            why = " (its files were changed or damaged since it ran: rebuilding)"
+            log.warning("%s: cached outputs do not match their recorded sha256", stage.name)
+        log.info("%s: running%s", stage.name, why)
         t0 = time.perf_counter()
         with atomic_dir(final) as out:
             ctx = StageContext(stage.name, self.config, self.workdir, out,
@@ -208,4 +246,5 @@ class Runner:
                 "summary": summary, "seconds": seconds,
                 "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "environment": environment(),
             })
+            self._verified[final] = hash_json(outputs)  # just written and hashed: no need to read it again
         return StageRecord(stage.name, status, seconds, key, summary)

@@ -32,9 +32,13 @@ BUSY = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES}  # what flock(LOCK_NB) re
 
 @contextmanager
 def workdir_lock(workdir: Path) -> Iterator[None]:
+    lock = workdir / LOCK_NAME
+    if lock.exists() and not lock.is_file():  # something else stands where Kiln keeps its lock: never removed
+        raise InputFileError(f"{lock} is not a file (Kiln keeps its run lock there)",
+                             hint=f"move {lock} away, or choose another --workdir")
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        f = open(workdir / LOCK_NAME, "a+")
+        f = open(lock, "a+", errors="replace")  # a damaged lock file's text is only shown, never trusted
     except OSError as exc:
         raise InputFileError(f"cannot write in workdir {workdir}: {exc.strerror}",
                              hint="choose a writable --workdir") from None

@@ -16,6 +16,7 @@ import kiln.models.model_io
 import numpy as np
 import onnx
 import torch
+from kiln.core.artifacts import ensure_writable
 from kiln.core.data import Inputs, as_feed, input_names, rows, take, tensors
 from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError
@@ -163,6 +164,7 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
 def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
+    ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
     model = build_model(cfg.model.name, cfg.model.params)
     checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
     if checkpoint:
@@ -182,7 +184,6 @@ def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | 
                               hint="give --input-shape the shape of one sample the model takes") from None
     else:
         example = take(dataset_for(cfg).val_x, slice(0, 2))
-    output.parent.mkdir(parents=True, exist_ok=True)
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.export.dynamic_axes)
     check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}

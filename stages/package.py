@@ -57,7 +57,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
         record: dict[str, Any] = {"engine": meta.name, "validation": result.model_dump(
-            mode="json", include={"max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms"})}
+            mode="json", include={"max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms"}),
+            # the batch sizes at which validation found this engine the fastest that passes (a router's hint)
+            "chosen_for_batches": sorted((int(b) for b, n in validation.chosen.items() if n == meta.name))}
         model_name = triton_model_name(ctx.config.name, meta.name)
         if cfg.triton and stock_model(meta) is not None:
             write_stock_model(ctx.out / "triton" / model_name, packaged_dir, meta, cfg.max_batch_size)
@@ -70,5 +72,22 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return {"models": packaged}
 
 
+def report_section(summary: dict[str, Any]) -> list[str]:
+    """What went into the serving repositories, and where (paths relative to the workdir)."""
+    models = summary.get("models")
+    if models is None:
+        return []
+    out = ["", "## Package", ""]
+    if not models:
+        return out + ["Nothing packaged: no engine passed validation here (only validated engines are served)."]
+    out += ["| engine | engine files | Triton (stock backend) | Triton (Python backend) |", "|---|---|---|---|"]
+    for m in models:
+        stock = f"`package/triton/{m['triton_model']}/`" if m.get("triton_model") else "- (no stock backend)"
+        python = f"`package/triton-python/{m['triton_python_model']}/`" if m.get("triton_python_model") else "-"
+        out.append(f"| {m['engine']} | `package/engines/{m['engine']}/` | {stock} | {python} |")
+    return out + ["", "Serve with `kiln serve <workdir>`, or point `tritonserver --model-repository` at "
+                      "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python)."]
+
+
 STAGE = Stage("package", run, ("train", "build", "validate"), ("name", "package"), (sys.modules[__name__], triton_repo),
-              lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository")
+              lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository", report=report_section)

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from kiln.core.errors import storage_error
+
 CHUNK = 1 << 20
 
 
@@ -48,6 +50,20 @@ def hash_source(*modules: Any) -> str:
         f = Path(mod.__file__)
         files += sorted(f.parent.rglob("*.py")) if f.name == "__init__.py" else [f]
     return hash_json({p.name + str(i): hash_file(p) for i, p in enumerate(files)})
+
+
+def ensure_writable(folder: Path, what: str) -> None:
+    """Make ``folder`` (and its parents) and prove a file can be written there, before any work: a read-only
+    or full disk is then reported against the folder the user named (``what``: "-o", "--workdir"), not
+    minutes later against an internal temporary name."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".kiln-write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:  # named by the folder the user gave, not by the probe file
+        raise storage_error(OSError(exc.errno, exc.strerror), f"writing into {what} {folder}") from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -159,9 +159,13 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         if len(set(counts.values())) > 1:
             raise DataContractError(f"dataset '{ref}': the inputs of {split}_x have different row counts {counts}",
                                     hint="give every input one row per sample")
-        if y is not None and len(y) != rows(x):
-            raise DataContractError(f"dataset '{ref}': {split}_x has {rows(x)} rows but {split}_y has {len(y)}",
-                                    hint="give one label per sample")
+        if rows(x) == 0:
+            raise DataContractError(f"dataset '{ref}': {split}_x holds no samples", hint="give both splits samples")
+        if y is not None and (len(y) != rows(x) or y.ndim < 1):
+            raise DataContractError(f"dataset '{ref}': {split}_x has {rows(x)} rows but {split}_y has shape "
+                                    f"{list(y.shape)} (one label per row expected)", hint="give one label per sample")
+        if y is not None:
+            _check_labels(y, split, data.num_classes, ref)
     if (data.train_y is None) != (data.val_y is None):
         raise DataContractError(f"dataset '{ref}' gives labels for one split only",
                                 hint="give both train_y and val_y, or neither (None)")
@@ -174,11 +178,28 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         free = {int(axis) for axis in (dynamic or {}).get(name, {})}
         differ = [i + 1 for i, (p, q) in enumerate(zip(a.shape[1:], b.shape[1:])) if p != q and i + 1 not in free]
         if a.dim() != b.dim() or differ or a.dtype != b.dtype:
+            which = "" if isinstance(vx, torch.Tensor) else f"input '{name}': "
+            what = ((f"validation samples are {list(b.shape[1:])} but training samples are {list(a.shape[1:])}")
+                    if a.dtype == b.dtype else f"train_x is {a.dtype} but val_x is {b.dtype}")
             raise DataContractError(
-                f"dataset '{ref}': input '{name}' is {a.dtype}{list(a.shape[1:])} per sample in train_x but "
-                f"{b.dtype}{list(b.shape[1:])} in val_x",
+                f"dataset '{ref}': {which}{what}",
                 hint="give both splits the same per-sample shape and dtype, or declare the axis that varies in "
                      f"export.dynamic_axes (e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})")
+
+
+def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> None:
+    """Integer labels are classes 0..num_classes-1 (one per row); float targets may have any shape."""
+    if y.dtype.is_floating_point:
+        return
+    if y.dtype.is_complex or y.dtype == torch.bool or y.ndim != 1:
+        raise DataContractError(f"dataset '{ref}': {split}_y is {y.dtype}{list(y.shape)}, neither integer class labels "
+                                "(one per row) nor float targets", hint="give int64 labels of shape [N] or float targets")
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise DataContractError(f"dataset '{ref}': integer labels but num_classes is {num_classes!r}, not a positive "
+                                "integer", hint="pass num_classes=... to DatasetSplits (or float targets for regression)")
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DataContractError(f"dataset '{ref}': {split}_y has labels from {int(y.min())} to {int(y.max())}, outside "
+                                f"0..{num_classes - 1} (num_classes {num_classes})", hint="fix the labels or num_classes")
 
 
 def _check_x(x: Any, field: str, ref: str) -> None:

@@ -1,9 +1,43 @@
 """The one maker of random model inputs, from declared input specs (an engine's metadata or a graph's inputs)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec
+
+# A batch's inputs may take at most this share of the machine's memory: outputs, activations and a reference
+# copy come on top of them.
+MEMORY_SHARE = 0.25
+BATCH_HINT = "lower validate.batch_sizes (its largest value also sizes the engines' profiles and autotuning)"
+
+
+def memory_bytes() -> int:
+    """Physical memory of this machine (the bound for a batch; a GPU's is smaller still)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no bound known
+        return 1 << 62
+
+
+def check_batch_fits(specs: list[TensorSpec], batch: int, what: str = "validate.batch_sizes",
+                     hint: str = BATCH_HINT) -> None:
+    """Refuse a batch whose inputs alone could not fit in memory, before anything is allocated (a batch of a
+    billion samples would otherwise die inside numpy or the engine with a traceback, or swap the machine)."""
+    need = 0
+    for spec in specs:
+        n = batch
+        for axis, dim in enumerate(spec.shape):
+            n *= dim if axis and isinstance(dim, int) and dim >= 1 else 1
+        try:
+            need += n * np.dtype(spec.dtype).itemsize
+        except TypeError:  # a sequence or map input: not sized here
+            continue
+    limit = memory_bytes() * MEMORY_SHARE
+    if need > limit:
+        raise ConfigError(f"{what}: a batch of {batch} samples needs {need / 2**30:.1f} GiB for its inputs alone; "
+                          f"this machine has {memory_bytes() / 2**30:.1f} GiB of memory", hint=hint)
 
 
 def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | None = None, int_high: int = 1, seed: int = 0,
@@ -11,6 +45,7 @@ def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | None = Non
     """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis
     (``None``: such an axis is an error naming ``hint``); integers in [0, ``int_high``] (1 by default, so any
     embedding accepts them), booleans at random, floats standard normal. A fixed axis keeps its size."""
+    check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
     for spec in specs:

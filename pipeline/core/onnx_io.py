@@ -23,11 +23,56 @@ def load_onnx(path: str | Path, load_external_data: bool = True) -> onnx.ModelPr
     p = Path(path)
     if not p.is_file():
         raise InputFileError(f"ONNX file not found: {p}", hint="check the path")
+    if p.stat().st_size == 0:
+        raise InputFileError(f"{p} is empty (0 bytes): not an ONNX model",
+                             hint="re-export the model; the write that made this file did not finish")
     try:
-        return onnx.load(str(p), load_external_data=load_external_data)
+        model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:
         raise InputFileError(f"{p} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})",
                              hint="re-export the model; the file may be truncated or not ONNX") from None
+    if not model.HasField("graph") or not model.graph.output:
+        # protobuf parses many non-ONNX files (and truncated ones) into an empty message without complaint
+        raise InputFileError(f"{p} is not a readable ONNX model (no graph in it: damaged, truncated or another "
+                             "kind of file)",
+                             hint="re-export the model; the file may be truncated or not ONNX")
+    _check_external_data(model, p)
+    if load_external_data:
+        try:
+            onnx.load_external_data_for_model(model, str(p.parent))
+        except Exception as exc:
+            raise InputFileError(f"cannot read the external weights of {p} ({first_line(exc)})",
+                                 hint="keep the model's .data file(s) beside it, complete, as exported") from None
+    return model
+
+
+def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Every external-data file the model names is there (a model copied without its ``.data`` file otherwise
+    fails deep inside a builder), and inside the model's folder."""
+    for tensor in _tensors(model.graph):
+        if not onnx.external_data_helper.uses_external_data(tensor):
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = path.parent / location
+        if not location or Path(location).is_absolute() or ".." in Path(location).parts:
+            raise InputFileError(f"{path}: tensor '{tensor.name}' points at external data '{location}' outside "
+                                 "the model's folder", hint="re-export the model with its weights beside it")
+        if not target.is_file():
+            raise InputFileError(f"{path}: the external-data file {target} holding tensor '{tensor.name}' is missing",
+                                 hint=f"copy {location} beside {path.name} (ONNX models over 2 GB keep their "
+                                      "weights in such files), or re-export the model")
+
+
+def _tensors(graph: onnx.GraphProto) -> Any:
+    """Every tensor stored in ``graph``: initializers and attribute tensors, subgraphs (If/Loop bodies) included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _tensors(sub)
 
 
 def check_onnx(model: onnx.ModelProto | str | Path, what: str = "model") -> None:
@@ -114,6 +159,25 @@ def _byte_size(model: onnx.ModelProto) -> int:
 
 
 OPTIMIZATION_LEVELS = ("none", "basic", "extended", "all")
+# ONNX Runtime's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal.
+ORT_SEVERITY_FOR_DEBUG, ORT_SEVERITY_QUIET = 2, 4
+
+
+def ort_log_severity() -> int:
+    """ONNX Runtime's log severity under Kiln's logger, applied to every session and to ORT's default logger.
+
+    ORT's Python API has no log callback (only the C API's custom logger), so its lines cannot be re-emitted
+    through ``logging``; what can be routed is its threshold. Kiln at DEBUG (``-v``): ORT's warnings and errors
+    print. Otherwise only fatal lines: every ORT failure that matters reaches Kiln as an exception carrying ORT's
+    message (a KilnError, or a failed autotune trial's ``error``), while the ERROR lines ORT prints for work it
+    recovers from (cuDNN frontend's "No execution plans support the graph" while searching, a candidate that
+    cannot run a shape) would put red error lines on a successful build (issue 12)."""
+    import onnxruntime as ort
+
+    debug = logging.getLogger("kiln").getEffectiveLevel() <= logging.DEBUG
+    severity = ORT_SEVERITY_FOR_DEBUG if debug else ORT_SEVERITY_QUIET
+    ort.set_default_logger_severity(severity)  # the environment's logger (EP factories, cuDNN frontend)
+    return severity
 
 
 def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = False, optimization: str = "all",
@@ -126,7 +190,7 @@ def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = F
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = inter_threads
     opts.execution_mode = ort.ExecutionMode.ORT_PARALLEL if parallel else ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.log_severity_level = 3
+    opts.log_severity_level = ort_log_severity()
     opts.graph_optimization_level = {
         "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

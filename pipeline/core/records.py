@@ -140,8 +140,20 @@ class Percentiles(Part):
     p99: float
 
 
+class Memory(Part):
+    """Peak memory while loading and running at the largest batch, and the size on disk (``method`` says how the
+    peak was measured: it differs per device, see :mod:`kiln.stages.validate.memory`)."""
+
+    peak_mb: float | None = None
+    method: str = ""
+    size_bytes: int | None = None  # engine folder / model weights (parameters and buffers)
+
+
 class Baseline(Part):
+    """A PyTorch run of the trained model: ``kind`` eager or compile (torch.compile), on ``device``."""
+
     backend: str = "pytorch"
+    kind: str = "eager"
     device: str = "cpu"
     precision: str = "fp32"
     accuracy: float | None
@@ -150,6 +162,13 @@ class Baseline(Part):
     logits_output: str | None = None  # the class-logit output of top-1 and accuracy (None: not a classifier)
     compared: list[str] = Field(default_factory=list)  # the outputs every engine is compared on
     shapes: list[dict[str, int]] = Field(default_factory=list)  # dynamic axis sizes validated at (besides batch)
+    memory: Memory | None = None
+    error: str | None = None  # why this baseline has no numbers (e.g. torch.compile failed, no CUDA for torch)
+
+    @property
+    def label(self) -> str:
+        """``eager-cuda``, ``compile-cpu``, ``eager-cuda-fp16``: how reports and speedups name it."""
+        return f"{self.kind}-{self.device}" + ("" if self.precision == "fp32" else f"-{self.precision}")
 
 
 class EngineValidation(Part):
@@ -170,16 +189,21 @@ class EngineValidation(Part):
     outputs: dict[str, dict[str, float | None]] = Field(default_factory=dict)  # output -> OutputStats, worst over shapes
     shapes: list[dict[str, int]] = Field(default_factory=list)
     latency_ms: dict[str, Percentiles] = Field(default_factory=dict)
-    speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)
+    speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)  # vs eager PyTorch on the engine's device
+    speedups: dict[str, dict[str, float]] = Field(default_factory=dict)  # baseline label -> batch -> p50 ratio
+    memory: Memory | None = None
     failures: list[str] = Field(default_factory=list)
     dropped: str | None = None  # why a validated engine is not packaged (precision.require_speedup)
+    gates: dict[str, float | None] = Field(default_factory=dict)  # the thresholds it was held to (report shows them)
 
 
 class ValidationResult(Record):
     """``validation.json``."""
 
     passed: bool
-    baseline: Baseline
+    baseline: Baseline  # the accuracy reference: eager PyTorch FP32 on the CPU
+    baselines: list[Baseline] = Field(default_factory=list)  # what engines are timed against, per device and kind
+    chosen: dict[str, str] = Field(default_factory=dict)  # batch -> the fastest engine that passed its gates
     engines: list[EngineValidation]
     failures: list[str]
     speed_vs_fp32: list[dict[str, Any]] = Field(default_factory=list)  # kiln.stages.precision.speed's rows

@@ -29,6 +29,10 @@ class BuildRequest:
     max_batch: int = 32  # bounds default optimization profiles and the batch sizes autotuned
     keep_fp32: list[str] | None = None  # FP16 converted at build time: nodes the precision stage kept FP32
     axis_sizes: dict[str, list[int]] = field(default_factory=dict)  # dynamic axis besides batch -> [min, max]
+    name: str = ""  # the engine's name, for messages (``out`` is a staging folder whose name means nothing to users)
+    # The trained PyTorch model (FP32, eval, CPU), for backends that compile it rather than the ONNX graph; None
+    # where no PyTorch model exists (``kiln build model.onnx``). A loader, so other backends never load it.
+    torch_model: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class Backend:
     # Which graph of a precision variant this engine is built from, and the nodes to keep FP32 when converting.
     source: Callable[["Backend", str, str, dict[str, PrecisionVariant], BuildConfig],
                      tuple[str, list[str] | None]] | None = None
+    # Preference among engines within timing noise of each other (validate's per-batch choice): lower first.
+    rank: int = 100
 
     def engine_name(self, device: str, precision: str) -> str:
         return f"{self.name}-{device}-{precision}" if len(self.devices) > 1 else f"{self.name}-{precision}"

@@ -119,8 +119,24 @@ class TensorRTConfig(Section):
         return [c.upper() for c in v]
 
 
+class TorchConfig(Section):
+    """AOTInductor engines (``torch.export`` + ``torch._inductor.aoti_compile_and_package``) built from the trained
+    PyTorch model itself: opt-in, ``build.backends: [onnxruntime, tensorrt, torch]``."""
+
+    devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu"])
+    max_autotune: Literal["auto", "on", "off"] = Field(
+        "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only")
+    channels_last: Literal["auto", "on", "off"] = Field(
+        "auto", description="channels_last memory format for 4-D inputs and weights; auto = when the model has Conv2d")
+    load_check: bool = Field(True, description="load the built package once in a child process before accepting it"
+                                               " (a package that crashes its loader is skipped, not served)")
+    load_check_timeout_s: float = Field(300.0, gt=0)
+
+
 class BuildConfig(Section):
-    backends: list[Literal["onnxruntime", "tensorrt"]] = Field(default_factory=lambda: ["onnxruntime", "tensorrt"],
-                                                              min_length=1)
+    backends: list[Literal["onnxruntime", "tensorrt", "torch"]] = Field(
+        default_factory=lambda: ["onnxruntime", "tensorrt"], min_length=1,
+        description="engine kinds to build; torch (AOTInductor) is opt-in")
     onnxruntime: OnnxRuntimeConfig = Field(default_factory=OnnxRuntimeConfig)
     tensorrt: TensorRTConfig = Field(default_factory=TensorRTConfig)
+    torch: TorchConfig = Field(default_factory=TorchConfig)

@@ -20,6 +20,7 @@ from kiln.core.records import EngineMetadata, PrecisionVariant
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan, TritonModel
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
+from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime_runner import OrtCpuRunner, OrtCudaRunner
 from kiln.stages.engines.ort_autotune import autotune, relevant_knobs
 from kiln.stages.engines.tensorrt_weak import model_carries_precision
@@ -30,12 +31,13 @@ ATTENTION_OPS = {"Softmax", "MatMul"}
 
 
 def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                     keep_fp32: list[str] | None = None, max_batch: int = 32,
+                     keep_fp32: list[str] | None = None, max_batch: int = 32, name: str = "",
                      axis_sizes: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """Write ``out/engine.onnx`` and, where it can, autotune its session settings on this machine (see
     ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned."""
     import onnxruntime as ort
 
+    name = name or out.name  # ``out`` may be a staging folder: callers name the engine
     model = onnx.load(str(onnx_path))
     notes: dict[str, Any] = {}
     fused, notes["transformer_fusion"] = maybe_fuse(model, device, cfg)
@@ -48,21 +50,27 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     keep_fused = None
     if keep_fp32 and to_fp16:
         keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32)
-    conversion = _write_engine(fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fused)
+    conversion, offline = _write_engine(fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16,
+                                        keep_fused)
     if conversion:
         notes["fp16_conversion"] = conversion
     files = {"model": "engine.onnx"}
     if applied and False in knobs.get("transformer_fusion", []):  # the unfused graph is a candidate too
         _write_engine(model, out / "engine-unfused.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fp32)
         files["model_unfused"] = "engine-unfused.onnx"
+    if offline != _offline_level(device, cuda_here):
+        notes["offline_fallback"] = ("the CUDA EP's offline optimization fixed dynamic axes; the engine is the "
+                                     "converted graph, optimized by the CUDA EP at load")
     session = {"providers": provider_list(device, cfg, conv, precision),
                "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
-               "execution_mode": cfg.execution_mode, "offline_optimization": _offline_level(device, cuda_here),
+               "execution_mode": cfg.execution_mode, "offline_optimization": offline,
                "load_optimization": "all"}
     built = {"files": files, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
              "versions": {"onnxruntime": ort.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
+    for file in files.values():  # before autotuning: never time an engine that lost its source's dynamic axes
+        check_engine_graph(onnx_path, out / file, file)
     if skip:
-        log.info("not autotuning %s: %s", out.name, skip)
+        log.info("not autotuning %s: %s", name, skip)
         built["autotune"] = {"skipped": skip}
         return built
     inputs, _ = io_specs(model)
@@ -70,7 +78,7 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
     # Dynamic axes besides batch are tuned at their largest size (the serving worst case)
     dynamic = max((max(v) for v in (axis_sizes or {}).values()), default=None)
-    built["autotune"] = autotune(out, {**built, "name": out.name, "device": device, "inputs": inputs,
+    built["autotune"] = autotune(out, {**built, "name": name, "device": device, "inputs": inputs,
                                        "dynamic": dynamic}, onnx_path,
                                  cfg.autotune, base, knobs, batches, per_batch=device == "cuda")
     _drop_unused_unfused(out, built)
@@ -140,9 +148,16 @@ def _offline_level(device: str, cuda_here: bool) -> str:
 
 
 def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                  cuda_here: bool, to_fp16: bool, keep_fp32: list[str] | None) -> str | None:
+                  cuda_here: bool, to_fp16: bool, keep_fp32: list[str] | None) -> tuple[str | None, str]:
     """FP16 conversion (``to_fp16``: asked for, and the graph is FP32), then ORT's offline optimization saved to
-    ``dst``."""
+    ``dst``. Returns the conversion note and the offline level used.
+
+    An engine must take every shape its graph takes (issue 12: a BERT FP16 engine saved through the CUDA EP came
+    out with ``input_ids: [1, 128]``). If the CUDA EP's save fixed a dynamic axis, the engine is the graph as
+    converted, not optimized offline: the runner's session optimizes it at load ("all"), with the same result at
+    run time and a slower load. (Not a save through the CPU EP, as ORT's maintainers suggest for CUDA-EP-saved
+    models in microsoft/onnxruntime#2474: for an FP16 graph the CPU EP inserts Casts to FP32 around every op it has
+    no FP16 kernel for, and those would be saved into the CUDA engine.)"""
 
     note = None
     if to_fp16:
@@ -161,14 +176,20 @@ def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str
     src = dst.with_suffix(".source.onnx")
     onnx.save(model, str(src))
     offline = _offline_level(device, cuda_here)
-    providers = provider_list(device, cfg, has_conv(model), precision) if device == "cuda" and cuda_here \
-        else ["CPUExecutionProvider"]
+    on_cuda = device == "cuda" and cuda_here
+    providers = provider_list(device, cfg, has_conv(model), precision) if on_cuda else ["CPUExecutionProvider"]
     try:  # the session writes the optimized model
         ort_session(src, providers=providers, options=session_options(optimization=offline, optimized_path=dst),
                     error=BuildError)
+        lost = lost_in_model(model, onnx.load(str(dst), load_external_data=False))
+        if lost and on_cuda:
+            log.warning("%s: the CUDA EP's offline optimization fixed %s; keeping the graph unoptimized (the CUDA "
+                        "EP optimizes it at load)", dst.name, "; ".join(lost[:3]))
+            offline = "none"
+            src.replace(dst)
     finally:
         src.unlink(missing_ok=True)
-    return note
+    return note, offline
 
 
 def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> list[Any]:
@@ -241,7 +262,7 @@ def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2) -> str |
 # ------------------------------------------------------------------------------------------------ registration
 def _build(req: BuildRequest) -> dict[str, Any]:
     return build_ort_engine(req.onnx_path, req.out, req.device, req.precision, req.config.onnxruntime,
-                            req.keep_fp32, req.max_batch, req.axis_sizes)
+                            req.keep_fp32, req.max_batch, req.name, req.axis_sizes)
 
 
 def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
@@ -266,5 +287,5 @@ BACKEND = Backend(
     name="onnxruntime", devices=("cpu", "cuda"), settings=lambda cfg: cfg.onnxruntime,
     plan=lambda cfg, precision: Plan(list(cfg.onnxruntime.devices)), build=_build,
     runners={"cpu": OrtCpuRunner, "cuda": OrtCudaRunner}, can_run=_can_run,
-    triton=TritonModel("onnxruntime_onnx", "model.onnx"), source=_source,
+    triton=TritonModel("onnxruntime_onnx", "model.onnx"), source=_source, rank=10,
 )

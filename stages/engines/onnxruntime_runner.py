@@ -245,11 +245,24 @@ def time_calls(fn: Any, iterations: int) -> list[float]:
 
 
 def pin_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
-    """A copy of ``model`` whose inputs have these fixed shapes (ORT then folds the shape arithmetic)."""
+    """A copy of ``model`` whose inputs have these fixed shapes (ORT then folds the shape arithmetic).
+
+    Only symbolic axes are pinned: overwriting an axis the model fixed (an engine built for batch 1 asked for 32)
+    would make a graph that claims one shape and computes another, and the autotuner once timed exactly that
+    (issue 12). Such a request is a :class:`BuildError`, as ORT itself would refuse the input."""
     fixed = copy.deepcopy(model)
     for inp in fixed.graph.input:
-        if inp.name in shapes:
-            for dim, size in zip(inp.type.tensor_type.shape.dim, shapes[inp.name]):
-                dim.Clear()
-                dim.dim_value = int(size)
+        if inp.name not in shapes:
+            continue
+        dims, want = inp.type.tensor_type.shape.dim, shapes[inp.name]
+        if len(dims) != len(want):
+            raise BuildError(f"input '{inp.name}' has rank {len(dims)}, got an array of shape {list(want)}",
+                             hint="feed arrays of the engine's input rank (see its kiln-engine.json)")
+        for axis, (dim, size) in enumerate(zip(dims, want)):
+            if dim.HasField("dim_value") and dim.dim_value > 0 and dim.dim_value != size:
+                raise BuildError(f"input '{inp.name}' axis {axis} is fixed to {dim.dim_value} in the engine, got "
+                                 f"{size}", hint="feed the shape the engine was built for, or rebuild it with a "
+                                                 "dynamic axis")
+            dim.Clear()
+            dim.dim_value = int(size)
     return fixed

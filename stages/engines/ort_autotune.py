@@ -109,6 +109,23 @@ def agreement(ref: list[np.ndarray], got: list[np.ndarray], rel_tie: float = 1e-
     return {"cosine": worst(stats, "cosine"), "top1": 1.0 if top1 is None else top1}
 
 
+# ----------------------------------------------------------------------------------------------- shape check
+class ShapeNotRun(RuntimeError):
+    """A candidate's outputs are not those of the shape it was asked to run."""
+
+
+def shape_error(ref: list[np.ndarray], got: list[Any]) -> str | None:
+    """None when ``got`` has the reference's output count and shapes (the reference ran the requested batch and
+    sequence on the FP32 graph); else what differs."""
+    if len(got) != len(ref):
+        return f"{len(got)} outputs, the reference has {len(ref)}"
+    for i, (r, g) in enumerate(zip(ref, got)):
+        shape = tuple(np.shape(g))
+        if shape != tuple(r.shape):
+            return f"output {i} has shape {list(shape)}, the reference {list(r.shape)}"
+    return None
+
+
 # --------------------------------------------------------------------------------------------------- measuring
 class Bench:
     """Times candidates of one built engine on this machine. ``timer`` is injectable (tests); by default CUDA
@@ -128,8 +145,12 @@ class Bench:
 
     def feed(self, batch: int) -> dict[str, np.ndarray]:
         if batch not in self.feeds:
-            self.feeds[batch] = random_inputs(self.meta["inputs"], batch, dynamic=self.meta.get("dynamic"),
-                                              hint=AUTOTUNE_SHAPES_HINT)
+            feed = random_inputs(self.meta["inputs"], batch, dynamic=self.meta.get("dynamic"),
+                                 hint=AUTOTUNE_SHAPES_HINT)
+            fixed = {n: list(a.shape) for n, a in feed.items() if a.ndim == 0 or a.shape[0] != batch}
+            if fixed:  # an input fixed to another batch: random_inputs keeps its size, so this is not batch `batch`
+                raise ShapeNotRun(f"the engine cannot take batch {batch}: inputs fixed to {fixed}")
+            self.feeds[batch] = feed
             self.refs[batch] = self.ref.run(None, self.feeds[batch])
         return self.feeds[batch]
 
@@ -143,8 +164,12 @@ class Bench:
                 raise RuntimeError("ONNX Runtime cannot capture a CUDA graph for this model and shape")
             for _ in range(self.cfg.warmup):  # cuDNN search, CUDA-graph capture, arena growth
                 call()
+            got = fetch()
+            wrong = shape_error(self.refs[batch], got)
+            if wrong:  # a trial that did not run the shape it claims is never timed (issue 12)
+                raise ShapeNotRun(f"ran another shape than batch {batch}: {wrong}")
+            quality = agreement(self.refs[batch], got)
             times = self.timer(call, self.cfg.iterations)
-            quality = agreement(self.refs[batch], fetch())
         except Exception as exc:  # a candidate ORT rejects here (e.g. a knob this build lacks) is recorded, not fatal
             trial["error"] = first_line(exc)
             log.info("autotune batch %d %s: failed (%s)", batch, knobs, trial["error"])

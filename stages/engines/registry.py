@@ -12,17 +12,23 @@ from pathlib import Path
 
 from kiln.core.errors import BackendUnavailable, ConfigError
 from kiln.core.records import EngineMetadata
-from kiln.stages.engines import onnxruntime_backend, tensorrt_backend
+from kiln.stages.engines import onnxruntime_backend, tensorrt_backend, torch_backend
 from kiln.stages.engines.backend import Backend
 from kiln.stages.engines.engines import Runner, read_metadata, verify_files
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (onnxruntime_backend.BACKEND, tensorrt_backend.BACKEND)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (onnxruntime_backend.BACKEND, tensorrt_backend.BACKEND,
+                                                    torch_backend.BACKEND)}
 
 
 def backend_named(name: str) -> Backend:
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend '{name}'", hint=f"use one of {', '.join(sorted(BACKENDS))}")
     return BACKENDS[name]
+
+
+def preference_order() -> list[str]:
+    """Backend names, preferred first (``Backend.rank``; TensorRT first wherever it runs)."""
+    return sorted(BACKENDS, key=lambda name: BACKENDS[name].rank)
 
 
 def runnable(meta: EngineMetadata) -> tuple[bool, str]:

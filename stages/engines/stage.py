@@ -5,20 +5,23 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import kiln.stages.engines
-from kiln.core.artifacts import atomic_dir, hash_file, hash_json
+from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.env import environment_subset
-from kiln.core.errors import BuildError, ConfigError
+from kiln.core.errors import BuildError, ConfigError, KilnError
+from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, Variants
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import fmt
+from kiln.models.model_io import load_trained
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.config import BuildConfig
-from kiln.stages.engines.engines import SIDECAR
+from kiln.stages.engines.dynamic_axes import check_engine_graph
+from kiln.stages.engines.engines import SIDECAR, read_metadata
 from kiln.stages.engines.registry import BACKENDS, backend_named
 from kiln.stages.precision.config import PRECISIONS
 
@@ -31,7 +34,8 @@ def engine_name(backend: str, device: str, precision: str) -> str:
 
 def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, precision: str, cfg: BuildConfig,
                  cache_dir: Path, progress: Progress | None = None, *, max_batch: int = 32, name: str | None = None,
-                 keep_fp32: list[str] | None = None, axis_sizes: dict[str, list[int]] | None = None) -> EngineMetadata:
+                 keep_fp32: list[str] | None = None, torch_model: Callable[[], Any] | None = None,
+                 axis_sizes: dict[str, list[int]] | None = None) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
     ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes.
@@ -39,11 +43,15 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
     chosen = _check_choice(backend, device, precision)
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
     inputs, outputs = io_specs(load_onnx(onnx_path, load_external_data=False))
+    check_batch_fits(inputs, max_batch)  # profiles and autotuning allocate batches this large
     name = name or chosen.engine_name(device, precision)
     t0 = time.perf_counter()
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         built = chosen.build(BuildRequest(onnx_path, out, device, precision, cfg, Path(cache_dir), inputs, max_batch,
-                                          keep_fp32, dict(axis_sizes or {})))
+                                          keep_fp32, dict(axis_sizes or {}), name=name, torch_model=torch_model))
+        for file in built["files"].values():  # an ONNX engine must take every shape its source graph takes
+            if file.endswith(".onnx"):
+                check_engine_graph(onnx_path, out / file, name)
         source = EngineSource(file=onnx_path.name, sha256=hash_file(onnx_path),
                               kept_fp32=sorted(keep_fp32) if keep_fp32 else None)
         meta = EngineMetadata(name=name, backend=backend, device=device, precision=precision, inputs=inputs,
@@ -80,6 +88,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     max_batch = max(ctx.config.validate_.batch_sizes)
     # Dynamic axes besides batch: the sizes validate.shapes asks for, else those the precision stage saw in the data
     sizes = {k: [min(v), max(v)] for k, v in (record.axis_sizes | ctx.config.validate_.shapes).items() if v}
+    # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
+    torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config)) if "train" in ctx.inputs else None
     engines: list[dict[str, Any]] = []
     skipped: list[str] = []
     for precision in variants:
@@ -91,7 +101,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 name = backend.engine_name(device, precision)
                 try:
                     meta = _build_with_fallback(root, src, keep, variants[precision].path, name, backend.name,
-                                                device, precision, ctx, max_batch, sizes)
+                                                device, precision, ctx, max_batch, torch_model, sizes)
                 except BuildError as exc:
                     if not backend.optional(cfg):
                         raise
@@ -105,14 +115,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 def _build_with_fallback(root: Path, src: str, keep: list[str] | None, own_graph: str, name: str, backend: str,
                          device: str, precision: str, ctx: StageContext, max_batch: int,
-                         sizes: dict[str, list[int]]) -> EngineMetadata:
+                         torch_model: Callable[[], Any] | None = None,
+                         sizes: dict[str, list[int]] | None = None) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
     cfg = ctx.config.build
     try:
         return build_engine(root / src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir, ctx.progress,
-                            max_batch=max_batch, keep_fp32=keep, axis_sizes=sizes)
+                            max_batch=max_batch, keep_fp32=keep, torch_model=torch_model, axis_sizes=sizes)
     except BuildError as exc:
         if keep is None:
             raise
@@ -121,11 +132,40 @@ def _build_with_fallback(root: Path, src: str, keep: list[str] | None, own_graph
                             ctx.progress, max_batch=max_batch, axis_sizes=sizes)
 
 
-def build_direct(src: Path, out: Path, backend: str, device: str, precision: str, cfg: BuildConfig) -> EngineMetadata:
+def default_device(backend: str) -> str:
+    """The device ``kiln build --backend B`` builds for when none is given: the backend's only one (TensorRT:
+    cuda, which TensorRT-RTX builds for on a machine without a GPU), else the CPU."""
+    devices = backend_named(backend).devices
+    return devices[0] if len(devices) == 1 else "cpu"
+
+
+def build_direct(src: Path, out: Path, backend: str, device: str | None, precision: str,
+                 cfg: BuildConfig) -> EngineMetadata:
     """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``)."""
+    device = device or default_device(backend)
+    _check_choice(backend, device, precision)
     load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
-    out.mkdir(parents=True, exist_ok=True)
+    refuse_foreign_folder(out)
+    ensure_writable(out.parent, "the -o folder's parent")
     return build_engine(src, out, backend, device, precision, cfg, out.parent / ".kiln-cache")
+
+
+def refuse_foreign_folder(out: Path) -> None:
+    """The engine replaces ``out`` as a whole (atomically): allowed only where ``out`` is new, empty, or an engine
+    Kiln wrote (its sidecar lists every file). Anything else holds files Kiln did not create, never deleted."""
+    if out.is_file():
+        raise ConfigError(f"-o {out} is a file; an engine is a folder", hint="give a new or empty folder for -o")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        ours = set(read_metadata(out).file_hashes) | {SIDECAR}
+    except KilnError:
+        ours = set()
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"-o {out} already holds files Kiln did not write ({shown}); building there would "
+                          "replace them", hint="give a new or empty folder for -o (or one a previous `kiln build` wrote)")
 
 
 def report_section(summary: dict[str, Any]) -> list[str]:
@@ -143,9 +183,12 @@ def report_section(summary: dict[str, Any]) -> list[str]:
 
 def _env(cfg: Any) -> dict[str, Any]:
     # Engines depend on the library that built them and on the GPU they were tuned for.
-    return environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", device=True)
+    return environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", "torch",
+                              device=True)
 
 
 # The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.
-STAGE = Stage("build", run, ("precision",), ("build", "validate.batch_sizes", "validate.shapes"), (kiln.stages.engines,), _env,
-              "ONNX Runtime and TensorRT engines", report=report_section)
+# The train stage's weights and the model section: the torch backend compiles the trained model itself.
+STAGE = Stage("build", run, ("train", "precision"), ("build", "validate.batch_sizes", "validate.shapes", "model"),
+              (kiln.stages.engines,), _env, "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",
+              report=report_section)

@@ -72,7 +72,10 @@ def _build(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, prof
                          hint="run the precision stage to convert the graph; builder flags cannot do it here")
     target = _target(trt, cfg)
     cache_file = tensorrt_cache.timing_cache_path(cache_dir, trt, target)
-    timing = tensorrt_cache.attach_timing_cache(config, cache_file) if cfg.timing_cache else None
+    # TensorRT-RTX's timing-cache calls are no-ops that log "Failed to deserialize timing cache" / "will not be
+    # used" on every build: on a first run that reads as a failure. Not attaching one there says nothing wrong.
+    timing = (tensorrt_cache.attach_timing_cache(config, cache_file) if cfg.timing_cache and feats["timing_cache"]
+              else None)
     (out / "network_layers.json").write_text(json.dumps(network_layers(network), indent=1))
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -80,8 +83,8 @@ def _build(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, prof
                          + logger.last_errors(), hint=_build_hint(logger.last_errors()))
     if timing is not None:
         timing["saved_bytes"] = tensorrt_cache.save_timing_cache(config, cache_file)
-        if not feats["timing_cache"]:
-            timing["note"] = "no-op in TensorRT-RTX: kernels are compiled on the target GPU into the runtime cache"
+    elif cfg.timing_cache:
+        timing = {"note": "not used by TensorRT-RTX: kernels are compiled on the target GPU into the runtime cache"}
     (out / "engine.plan").write_bytes(bytes(plan))
     del parser
     return {"files": {"model": "engine.plan", "network_layers": "network_layers.json",
@@ -221,5 +224,5 @@ BACKEND = Backend(
     name="tensorrt", devices=("cuda",), settings=lambda cfg: cfg.tensorrt, plan=_plan, build=_build_request,
     runners={"cuda": TensorRTRunner}, can_run=_can_run, triton=TritonModel("tensorrt_plan", "model.plan"),
     # auto: the other engines are still useful when TensorRT cannot build this graph; the failure is reported
-    optional=lambda cfg: cfg.tensorrt.enabled != "always",
+    optional=lambda cfg: cfg.tensorrt.enabled != "always", rank=0,  # preferred where it runs and keeps up
 )

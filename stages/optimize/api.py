@@ -9,6 +9,7 @@ from typing import Any
 
 import onnx
 import onnx_graphsurgeon as gs
+from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, save_onnx
 from kiln.core.text import short_reason
@@ -121,6 +122,7 @@ def optimize_file(src: Path, dst: Path, cfg: OptimizeConfig) -> dict[str, Any]:
     (the result then keeps its weights in ``<dst>.data`` next to it)."""
     src, dst = Path(src), Path(dst)
     model = load_onnx(src)
+    ensure_writable(dst.parent, "the -o file's folder")
     external = _uses_external_data(src)
     out, summary = optimize_model(model, cfg)
     if dst.resolve() == src.resolve():

@@ -1,11 +1,11 @@
 """The ``validate:`` config section: batch sizes, timing, and the gates an engine must pass."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, ValidationError, field_validator
 
 
 def _default_per_precision() -> dict[str, dict[str, float]]:
@@ -14,12 +14,12 @@ def _default_per_precision() -> dict[str, dict[str, float]]:
 
 
 class GatesConfig(Section):
-    min_cosine: float = Field(0.9999, le=1.0, description="cosine similarity of the logits output, flattened, vs "
+    min_cosine: float = Field(0.9999, ge=-1.0, le=1.0, description="cosine similarity of the logits output, flattened, vs "
                                                                "PyTorch (kiln.core.compare 'cosine')")
-    max_abs_err: float | None = Field(None, description="max abs output error vs PyTorch; null = unchecked")
-    min_top1_agreement: float = Field(0.99, le=1.0, description="fraction of samples whose argmax matches PyTorch")
-    max_accuracy_drop: float = Field(0.01, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
-    max_latency_p50_ms: float | None = Field(None, description="latency budget at the largest batch size")
+    max_abs_err: float | None = Field(None, ge=0, description="max abs output error vs PyTorch; null = unchecked")
+    min_top1_agreement: float = Field(0.99, ge=0, le=1.0, description="fraction of samples whose argmax matches PyTorch")
+    max_accuracy_drop: float = Field(0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
+    max_latency_p50_ms: float | None = Field(None, gt=0, description="latency budget at the largest batch size")
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
     per_precision: dict[str, dict[str, float]] = Field(
         default_factory=lambda: _default_per_precision(),
@@ -48,6 +48,11 @@ class GatesConfig(Section):
             unknown = sorted(set(overrides) - set(gates))
             if unknown:
                 raise ValueError(f"unknown gate {unknown} for {precision} (valid gates: {', '.join(gates)})")
+            for gate, limit in overrides.items():  # the same bounds as the gate itself (a plain dict escapes them)
+                try:
+                    cls.model_validate({gate: limit})
+                except ValidationError as exc:
+                    raise ValueError(f"{precision}.{gate}: {exc.errors()[0]['msg']} (got {limit!r})") from None
         return value
 
 
@@ -64,6 +69,17 @@ class ValidateConfig(Section):
     shapes: dict[str, list[int]] = Field(
         default_factory=dict, description="sizes of each dynamic axis (export.dynamic_axes name -> sizes) to "
                                           "validate at; default: the smallest and largest in the data")
+    baselines: list[Literal["eager", "compile"]] = Field(
+        default_factory=lambda: ["eager"], min_length=1,
+        description="PyTorch baselines timed on each engine's device: eager, and/or compile (torch.compile;"
+                    " max-autotune on a GPU, default mode on the CPU)")
+    baseline_precisions: list[Literal["fp32", "fp16"]] = Field(
+        default_factory=lambda: ["fp32"], min_length=1,
+        description="precisions of the GPU baselines (fp16: model.half(); CPU baselines are always fp32)")
+    choice_margin: float = Field(
+        0.03, ge=0, lt=1, description="per batch, the chosen engine is the fastest that passes its gates; an engine"
+                                      " listed earlier (TensorRT first) keeps the choice unless a later one is"
+                                      " faster by more than this fraction (timing noise is no reason to switch)")
 
     @field_validator("batch_sizes")
     @classmethod

@@ -97,6 +97,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     summarize(entry, compare_all(ref, got, logits), logits)
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
-    entry.failures = check_gates(entry, None, gates_for(cfg.validate_, meta.precision), int(batch))
+    entry.gates = gates_for(cfg.validate_, meta.precision)
+    entry.failures = check_gates(entry, None, entry.gates, int(batch))
     entry.passed = not entry.failures
     return entry

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.core.records import ValidationResult
+from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
 
 
@@ -12,31 +12,104 @@ def report_section(summary: dict[str, Any]) -> list[str]:
         return []
     v = ValidationResult.parse(summary, "validate summary", hint="rerun `kiln run --force validate`")
     b = v.baseline
-    sizes = list(b.latency_ms)
+    sizes = _sizes(v)
     lines = ["", "## Validation against PyTorch", "",
-             f"Baseline: {_reference(b)} on {b.device.upper()}, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
-             "samples.", *_compared(b), "",
-             "| engine | precision | passed | max abs err | cosine | top-1 agree | accuracy | "
-             + " | ".join(f"p50 ms @{s}" for s in sizes) + f" | speedup @{sizes[-1]} |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|",
-             "| pytorch (baseline) | fp32 | | | | | " + f"{fmt(b.accuracy)} | "
-             + " | ".join(f"{b.latency_ms[s].p50:.3f}" for s in sizes) + " | 1.00 |"]
+             f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
+             "samples. Speedups are against PyTorch on the engine's own device (eager; other baselines below).",
+             *_compared(b), "",
+             "| engine | precision | device | passed | max abs err | cosine | top-1 agree | accuracy | "
+             + " | ".join(f"p50 ms @{s}" for s in sizes) + f" | speedup @{sizes[-1] if sizes else ''} |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|"]
+    eager = {x.device: x for x in v.baselines if x.kind == "eager" and x.precision == "fp32"}
+    for base in v.baselines or [b]:
+        lat = " | ".join(_p50(base.latency_ms, s) for s in sizes)
+        ref = eager.get(base.device, base).latency_ms.get(sizes[-1]) if sizes else None
+        own = base.latency_ms.get(sizes[-1]) if sizes else None
+        ratio = fmt(ref.p50 / own.p50, ".2f") if ref and own else "-"  # vs eager on its device
+        lines.append(f"| pytorch {base.kind} (baseline) | {base.precision} | {base.device} | | | | | "
+                     f"{fmt(base.accuracy)} | {lat} | {ratio} |")
     for e in v.engines:
         if e.status != "validated":
-            lines.append(f"| {e.name} | {e.precision} | not run: {e.reason or ''} |" + " |" * (5 + len(sizes)))
+            lines.append(f"| {e.name} | {e.precision} | {e.device} | not run here (targets {e.device.upper()}): "
+                         f"{e.reason or ''} |" + " |" * (5 + len(sizes)))
             continue
-        lat = " | ".join(f"{e.latency_ms[s].p50:.3f}" for s in sizes)
-        lines.append(f"| {e.name} | {e.precision} | {'yes' if e.passed else '**no**'} | "
-                     f"{fmt(e.max_abs_err, '.2e')} | {fmt(e.cosine, '.6f')} | {fmt(e.top1_agreement)} | "
-                     f"{fmt(e.accuracy)} | {lat} | {e.speedup_vs_baseline[sizes[-1]]:.2f} |")
+        g = e.gates
+        lat = " | ".join(_p50(e.latency_ms, s) for s in sizes[:-1])
+        last = _gated(_p50(e.latency_ms, sizes[-1]), "≤", g.get("max_latency_p50_ms")) if sizes else ""
+        drop = None if g.get("max_accuracy_drop") is None or b.accuracy is None else b.accuracy - g["max_accuracy_drop"]
+        speed = e.speedup_vs_baseline.get(sizes[-1]) if sizes else None
+        lines.append(f"| {e.name} | {e.precision} | {e.device} | {'yes' if e.passed else '**no**'} | "
+                     f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
+                     f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
+                     f"{_gated(fmt(e.top1_agreement), '≥', g.get('min_top1_agreement'))} | "
+                     f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
+                     f"{lat + ' | ' if lat else ''}{last} | {fmt(speed, '.2f')} |")
+    if any(e.gates for e in v.engines):
+        lines += ["", "Each value is followed by its gate in parentheses (`validate.gates`, per precision); a value "
+                      "without one is not gated."]
+    lines += [f"- baseline {x.label} not measured: {x.error}" for x in v.baselines if x.error]
     lines += _per_output(v)
     if v.failures:
         lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v.failures]
-    return lines + _speed_table(v)
+    return lines + _vs_baselines(v) + _memory(v) + _chosen(v, sizes) + _speed_table(v)
+
+
+def _sizes(v: ValidationResult) -> list[str]:
+    sizes: set[str] = {s for x in [v.baseline, *v.baselines] for s in x.latency_ms}
+    sizes |= {s for e in v.engines for s in e.latency_ms}
+    return sorted(sizes, key=int)
+
+
+def _p50(latency: dict[str, Any], size: str) -> str:
+    return f"{latency[size].p50:.3f}" if size in latency else "-"
+
+
+def _vs_baselines(v: ValidationResult) -> list[str]:
+    """Every engine's speedup against every baseline on its device, per batch size."""
+    rows = [e for e in v.engines if e.speedups]
+    if not rows or sum(1 for b in v.baselines if b.latency_ms) < 2:
+        return []
+    out = ["", "### Speedup against each PyTorch baseline (same device, p50)", "",
+           "| engine | " + " | ".join(sorted({k for e in rows for k in e.speedups})) + " |",
+           "|---|" + "---|" * len({k for e in rows for k in e.speedups})]
+    for e in rows:
+        cells = [", ".join(f"{x:.2f}x @{bs}" for bs, x in e.speedups.get(k, {}).items()) or "-"
+                 for k in sorted({k for r in rows for k in r.speedups})]
+        out.append(f"| {e.name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _memory(v: ValidationResult) -> list[str]:
+    entries: list[tuple[str, Memory]] = [(f"pytorch {b.label}", b.memory) for b in v.baselines if b.memory]
+    entries += [(e.name, e.memory) for e in v.engines if e.memory]
+    if not entries:
+        return []
+    out = ["", "### Memory", "", "| what | peak MB (load + largest batch) | size on disk MB | measured as |",
+           "|---|---|---|---|"]
+    for name, m in entries:
+        out.append(f"| {name} | {fmt(m.peak_mb, '.1f')} | {fmt((m.size_bytes or 0) / 1e6, '.2f')} | {m.method} |")
+    return out + ["", "PyTorch's size is its weights in memory (parameters + buffers); an engine's is its folder."]
+
+
+def _chosen(v: ValidationResult, sizes: list[str]) -> list[str]:
+    """Per batch size: every candidate's p50 and the one chosen (fastest passing its gates)."""
+    cands: list[EngineValidation] = [e for e in v.engines if e.status == "validated"]
+    if not cands:
+        return []
+    out = ["", "### Chosen engine per batch size", "", "| batch | chosen | candidates (p50 ms) |", "|---|---|---|"]
+    for s in sizes:
+        listed = ", ".join(f"{e.name} {_p50(e.latency_ms, s)}" + ("" if e.passed and not e.dropped else " (no)")
+                           for e in sorted(cands, key=lambda e: e.latency_ms[s].p50 if s in e.latency_ms else 1e30))
+        out.append(f"| {s} | {v.chosen.get(s, 'none passed')} | {listed} |")
+    return out
+
+
+def _gated(value: str, op: str, limit: float | None) -> str:
+    return value if limit is None else f"{value} ({op} {limit:g})"
 
 
 def _reference(b: Any) -> str:
-    return "ONNX Runtime FP32 (the input ONNX file)" if b.backend == "onnxruntime" else "PyTorch FP32"
+    return "ONNX Runtime FP32 (the input ONNX file)" if b.backend == "onnxruntime" else "PyTorch FP32 eager"
 
 
 def _compared(b: Any) -> list[str]:
@@ -78,3 +151,6 @@ def _speed_table(v: ValidationResult) -> list[str]:
         verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else "faster")
         out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
     return out
+
+
+

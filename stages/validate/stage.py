@@ -6,7 +6,6 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -22,7 +21,6 @@ from kiln.core.data import (
     DatasetSplits,
     Feed,
     as_feed,
-    call,
     feed_for_graph,
     feed_rows,
     feed_take,
@@ -33,27 +31,25 @@ from kiln.core.data import (
 )
 from kiln.core.env import environment_subset
 from kiln.core.errors import ModelError
+from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
-from kiln.core.records import Baseline, EngineValidation, Percentiles, ValidationResult
+from kiln.core.records import Baseline, EngineValidation, Memory, TensorSpec, ValidationResult
 from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.engines.engines import engine_dirs, read_metadata
-from kiln.stages.engines.registry import load_engine, runnable
+from kiln.stages.engines.registry import load_engine, preference_order, runnable
 from kiln.stages.precision import speed as precision_speed
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
+from kiln.stages.validate.baselines import measure, percentiles, speedups
 from kiln.stages.validate.config import ValidateConfig
+from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.report import report_section
 
 
-def percentiles(times_ms: list[float]) -> Percentiles:
-    p50, p90, p99 = np.percentile(np.asarray(times_ms), [50, 90, 99])
-    return Percentiles(p50=float(p50), p90=float(p90), p99=float(p99))
-
-
 def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict[str, float | None]:
-    """The comparator's statistics of one (logits) output, plus task accuracy where there are labels."""
+    """The comparator's statistics of the logits output, plus task accuracy where there are labels."""
     stats = compare_arrays(ref, got)
     accuracy = float(np.mean(got.argmax(-1) == labels)) if labels is not None else None
     return {"max_abs_err": stats.max_abs_err, "cosine": stats.cosine, "top1_agreement": stats.top1_agreement,
@@ -101,17 +97,6 @@ def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int)
     """``fn`` over ``feed`` in batches of rows, outputs concatenated by name."""
     parts = [fn(feed_take(feed, slice(i, i + batch))) for i in range(0, feed_rows(feed), batch)]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-
-def time_call(fn: Callable[[], Any], warmup: int, iterations: int) -> list[float]:
-    times = []
-    with torch.inference_mode():
-        for i in range(warmup + iterations):
-            t0 = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def sample_batch(x: Any, batch: int) -> Any:
@@ -168,7 +153,7 @@ class Reference:
         return self.feeds[-1][1]
 
 
-def validate_engine(engine_dir: Path, ref: Reference, baseline: Baseline, cfg: ValidateConfig,
+def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig,
                     ctx: StageContext) -> EngineValidation:
     meta = read_metadata(engine_dir)
     entry = EngineValidation(name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device,
@@ -178,15 +163,23 @@ def validate_engine(engine_dir: Path, ref: Reference, baseline: Baseline, cfg: V
         entry.reason = why
         return entry
     largest = max(cfg.batch_sizes)
-    with load_engine(engine_dir) as runner:
+    runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
+    try:
         stats: dict[str, OutputStats] = {}
-        for (point, feed), expected in zip(ref.feeds, ref.outputs):
-            got = batched(runner.infer, feed, largest)
+        for i, ((point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
+            if i == 0:
+                with PeakMemory(meta.device) as mem:  # loading + the accuracy pass at the largest batch
+                    runner.activate()
+                    got = batched(runner.infer, feed, largest)
+                    wait_a_sample()
+                entry.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=meta.size_bytes)
+            else:
+                got = batched(runner.infer, feed, largest)
             stats = merge_worst(stats, compare_all(expected, got, ref.logits))
             for bs in cfg.batch_sizes:  # every batch size at every shape: one batch each
-                rows_ = {k: sample_batch(v, bs) for k, v in expected.items()}
-                stats = merge_worst(stats, compare_all(rows_, runner.infer(sample_batch(feed, bs)), ref.logits))
-            if point is ref.feeds[-1][0] and ref.logits is not None and ref.labels is not None:
+                want = {k: sample_batch(v, bs) for k, v in expected.items()}
+                stats = merge_worst(stats, compare_all(want, runner.infer(sample_batch(feed, bs)), ref.logits))
+            if i == len(ref.feeds) - 1 and ref.logits is not None and ref.labels is not None:
                 entry.accuracy = float(np.mean(got[ref.logits].argmax(-1) == ref.labels))
         summarize(entry, stats, ref.logits)
         entry.shapes = [p for p, _ in ref.feeds if p]
@@ -195,15 +188,55 @@ def validate_engine(engine_dir: Path, ref: Reference, baseline: Baseline, cfg: V
                 entry.latency_ms[str(bs)] = percentiles(runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup,
                                                                       cfg.iterations))
                 bar.advance()
-    entry.speedup_vs_baseline = {bs: baseline.latency_ms[bs].p50 / lat.p50 for bs, lat in entry.latency_ms.items()}
-    entry.failures = check_gates(entry, baseline.accuracy, gates_for(cfg, meta.precision), largest)
+    finally:
+        runner.deactivate()
+    entry.speedups = speedups(meta.device, entry.latency_ms, baselines)
+    entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
+    entry.gates = gates_for(cfg, meta.precision)
+    entry.failures = check_gates(entry, baselines[0].accuracy if baselines else None, entry.gates, largest)
     entry.passed = not entry.failures
     entry.status = "validated"
     return entry
 
 
-def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Callable[[Feed], Any]]:
-    """The trained PyTorch model as the reference; also a timing call on a feed."""
+def measure_baselines(model: torch.nn.Module, devices: list[str], feed: Feed, like: Any, n: int,
+                      cfg: ValidateConfig, ctx: StageContext) -> list[Baseline]:
+    """Every configured baseline kind on every device an engine runs on (the CPU always: it is the accuracy
+    reference's device), on ``feed`` (named inputs, called in ``like``'s structure)."""
+    batches = {bs: sample_batch(feed, bs) for bs in cfg.batch_sizes}
+    runs = [(kind, device, precision) for device in devices for kind in cfg.baselines
+            for precision in (cfg.baseline_precisions if device == "cuda" else ["fp32"])]
+    out = []
+    with ctx.progress.task("timing PyTorch baselines", total=len(runs)) as bar:
+        for kind, device, precision in runs:
+            b = measure(model, kind, device, precision, batches, cfg.warmup, cfg.iterations, n, like)
+            if b.error:
+                ctx.log.warning("PyTorch baseline %s not measured: %s", b.label, b.error)
+            out.append(b)
+            bar.advance()
+    return out
+
+
+def choose(engines: list[EngineValidation], order: list[str], margin: float) -> dict[str, str]:
+    """Per batch size, the fastest engine that passed its gates (and was not dropped). Engines are considered in
+    ``order`` (backend preference: TensorRT first); a later one takes the choice only when faster than the current
+    choice by more than ``margin``."""
+    rank = {b: i for i, b in enumerate(order)}
+    ok = sorted((e for e in engines if e.status == "validated" and e.passed and not e.dropped),
+                key=lambda e: (rank.get(e.backend, len(rank)), e.name))
+    chosen: dict[str, str] = {}
+    for bs in sorted({bs for e in ok for bs in e.latency_ms}, key=int):
+        best: EngineValidation | None = None
+        for e in (e for e in ok if bs in e.latency_ms):
+            if best is None or e.latency_ms[bs].p50 < best.latency_ms[bs].p50 * (1 - margin):
+                best = e
+        if best is not None:
+            chosen[bs] = best.name
+    return chosen
+
+
+def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
+    """The trained PyTorch model (FP32, CPU) as the reference; also the model, for the baselines."""
     model = load_trained(ctx.inputs["train"], ctx.config)
     names = input_names(model, data.val_x)
     n = rows(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, rows(data.val_x))
@@ -216,17 +249,14 @@ def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig)
         with torch.inference_mode():
             return {k: v.float().numpy() for k, v in named_outputs(model, from_feed(f, data.val_x)).items()}
 
-    def timed(f: Feed) -> Any:
-        return lambda: call(model, from_feed(f, data.val_x))
-
     with torch.inference_mode():
         out_names = list(named_outputs(model, from_feed(feed_take(feed, slice(0, 2)), data.val_x)))
     logits = logits_name(out_names, cfg.logits_output)
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return Reference(run, feeds, labels, logits, max(cfg.batch_sizes)), timed
+    return Reference(run, feeds, labels, logits, max(cfg.batch_sizes)), model
 
 
-def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Callable[[Feed], Any]]:
+def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
     """Started from ``model.onnx`` with no PyTorch model: the FP32 ONNX file in ONNX Runtime (CPU) is the reference."""
     path = Path(ctx.config.model.onnx)
     sess = ort_session(path)
@@ -243,38 +273,39 @@ def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) 
         return dict(zip(out_names, sess.run(None, f)))
 
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return (Reference(run, feeds, labels, logits_name(out_names, cfg.logits_output), max(cfg.batch_sizes)),
-            lambda f: lambda: sess.run(None, f))
+    return Reference(run, feeds, labels, logits_name(out_names, cfg.logits_output), max(cfg.batch_sizes)), sess
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.validate_
     torch.manual_seed(ctx.config.seed)
     data = ctx.dataset()
-    if torch_model_named(ctx.config):
-        ref, timed = torch_reference(ctx, data, cfg)
-    else:
-        ref, timed = onnx_reference(ctx, data, cfg)
+    from_torch = torch_model_named(ctx.config)
+    ref, model = (torch_reference if from_torch else onnx_reference)(ctx, data, cfg)
+    check_batch_fits([TensorSpec(name=k, shape=["batch", *v.shape[1:]], dtype=v.dtype.name)
+                      for k, v in ref.feed.items()], max(cfg.batch_sizes))
     accuracy = None
     if ref.logits is not None and ref.labels is not None:
         accuracy = float(np.mean(ref.outputs[-1][ref.logits].argmax(-1) == ref.labels))
-    backend = "pytorch" if torch_model_named(ctx.config) else "onnxruntime"
-    baseline = Baseline(backend=backend, accuracy=accuracy, samples=feed_rows(ref.feed), latency_ms={},
-                        logits_output=ref.logits,
-                        compared=list(ref.outputs[-1]), shapes=[p for p, _ in ref.feeds if p])
+    n = feed_rows(ref.feed)
+    dirs = engine_dirs(ctx.inputs["build"])
+    metas = [read_metadata(d) for d in dirs]
+    devices = sorted({"cpu"} | {m.device for m in metas if runnable(m)[0]})
+    if from_torch:
+        baselines = measure_baselines(model, devices, ref.feed, data.val_x, n, cfg, ctx)
+    else:  # started from model.onnx: the FP32 graph in ONNX Runtime on the CPU is the baseline
+        baselines = [Baseline(backend="onnxruntime", accuracy=None, samples=n, latency_ms={
+            str(bs): percentiles(_time_session(model, sample_batch(ref.feed, bs), cfg)) for bs in cfg.batch_sizes})]
+    for b in baselines:
+        b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
+        b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
+    baseline = next(b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch))
+    if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
+        baseline = Baseline(accuracy=accuracy, samples=n, latency_ms={}, error=baseline.error)
     if ref.logits is None:
         ctx.log.info("no class-logit output among %s: engines compared by error and cosine per output, without "
                      "top-1 agreement or accuracy (set validate.logits_output to name one)", baseline.compared)
-    with ctx.progress.task("timing PyTorch baseline", total=len(cfg.batch_sizes)) as bar:
-        for bs in cfg.batch_sizes:
-            baseline.latency_ms[str(bs)] = percentiles(time_call(timed(sample_batch(ref.feed, bs)), cfg.warmup,
-                                                                 cfg.iterations))
-            bar.advance()
-    return finish(ctx, [validate_engine(d, ref, baseline, cfg, ctx) for d in engine_dirs(ctx.inputs["build"])],
-                  baseline)
-
-
-def finish(ctx: StageContext, engines: list[EngineValidation], baseline: Baseline) -> dict[str, Any]:
+    engines = [validate_engine(d, ref, baselines, cfg, ctx) for d in dirs]
     validated = [e for e in engines if e.status == "validated"]
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
     if not validated:
@@ -285,12 +316,26 @@ def finish(ctx: StageContext, engines: list[EngineValidation], baseline: Baselin
         if row["slower"]:
             ctx.log.warning("%s is slower than FP32 at batch %s (%.2fx)%s", row["engine"], row["largest_batch"],
                             row["vs_fp32"][row["largest_batch"]], ": dropped" if row["engine"] in dropped else "")
-    result = ValidationResult(passed=not failures, baseline=baseline, engines=engines, failures=failures,
-                              speed_vs_fp32=speed, dropped=dropped)
+    chosen = choose(engines, preference_order(), cfg.choice_margin)
+    result = ValidationResult(passed=not failures, baseline=baseline, baselines=baselines, engines=engines,
+                              failures=failures, speed_vs_fp32=speed, dropped=dropped, chosen=chosen)
     result.write(ctx.out / "validation.json")
     for e in engines:
         ctx.log.info("%s: %s", e.name, e.status)
     return result.model_dump(mode="json", exclude={"schema_version"})
+
+
+def _time_session(sess: Any, feed: Feed, cfg: ValidateConfig) -> list[float]:
+    """ms per ONNX Runtime call (the reference graph of a run started from model.onnx)."""
+    import time
+
+    times = []
+    for i in range(cfg.warmup + cfg.iterations):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        if i >= cfg.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def _env(cfg: Any) -> dict[str, Any]:
@@ -302,4 +347,5 @@ def _env(cfg: Any) -> dict[str, Any]:
 STAGE = Stage("validate", run, ("train", "build"), ("seed", "model", "data", "validate", "precision.require_speedup",
                                                   "export.dynamic_axes"),
               (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io, precision_speed), _env,
-              "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset", "onnx"), report=report_section)
+              "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset", "onnx"),
+              report=report_section)

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,6 +32,13 @@ def test_precision_bench_marks_the_ort_cpu_graph_kiln_uses(tmp_path: Path) -> No
         assert sum(v["kiln_ort_cpu_engine"] for v in r["variants"].values()) == 1
 
 
+def test_cache_check_bench_times_both_checks(tmp_path: Path) -> None:
+    _run("cache_check_bench.py", "--mb", "4", "--repeats", "1", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "cache_check-4mb.json").read_text())
+    assert res["median_seconds"]["content"] > 0 and res["median_seconds"]["size_only"] > 0
+    assert res["workdir_mb"] >= 4 and "CPUs" in res["machine"]
+
+
 def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) -> None:
     _run("optimize_bench.py", "--smoke", "--models", "lstm", "--runs", "2", "--out", str(tmp_path))
     res = json.loads((tmp_path / "optimize.json").read_text())["results"]["lstm"]
@@ -37,3 +46,15 @@ def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) 
     assert res["variants"]["kiln"]["nodes"] <= min(res["variants"][p]["nodes"] for p in ("onnxsim", "onnxslim"))
     assert res["kiln_vs_best_sim_slim_b8"]["peer"] in ("onnxsim", "onnxslim")
     assert "## Targets" in (tmp_path / "optimize.md").read_text()
+
+
+@pytest.mark.slow
+def test_engine_bench_two_input_hf_bert_with_the_validate_compile_baseline(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    _run("engine_bench.py", "--smoke", "--models", "hf_bert", "--rows", "eager32,baseline_compile,kiln,kiln_torch",
+         "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "engine_bench.json").read_text())["results"]
+    assert {(r["row"], r["batch"]) for r in rows} == {(row, b) for row in ("eager32", "baseline_compile", "kiln",
+                                                                            "kiln_torch") for b in (1, 4)}, rows
+    assert all(r["median_ms"] > 0 and r["cosine"] > 0.9999 for r in rows)  # all FP32 on the CPU
+    assert "validate.baselines compile" in (tmp_path / "engine_bench.md").read_text()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -53,7 +54,7 @@ def test_unknown_stage_name(cli: CliRunner, tmp_path: Path) -> None:
 
 def test_stage_without_upstream_says_what_to_run(cli: CliRunner, tmp_path: Path) -> None:
     result = cli.invoke(main, ["build", "-w", str(tmp_path / "empty")])
-    assert_clean_error(result, 2, "needs the output of ['precision']", "kiln run --from precision")
+    assert_clean_error(result, 2, "needs the output of ['train', 'precision']", "kiln run --from train")
 
 
 def test_corrupt_onnx(cli: CliRunner, tmp_path: Path) -> None:
@@ -74,6 +75,10 @@ def test_run_then_stage_commands(cli: CliRunner, tmp_path: Path, write_yaml) -> 
     assert (Path(wd) / "package" / "triton").is_dir()
     again = cli.invoke(main, ["validate", "-c", cfg, "-w", wd, "--quiet"])
     assert again.exit_code == 0, again.output
+    cached = cli.invoke(main, ["run", cfg, "-w", wd])  # CliRunner's terminal: 80 columns
+    assert cached.exit_code == 0, cached.output
+    assert "onnxruntime-cpu-fp32" in cached.output  # engine names readable, not folded to `onnxrunt...`
+    assert "(ran in " in cached.output and "result: PASSED" in cached.output
 
 
 def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
@@ -400,3 +405,76 @@ def test_set_off_for_an_on_off_key(cli: CliRunner) -> None:
     result = cli.invoke(main, ["config", "--set", "build.onnxruntime.transformer_fusion=off"])
     assert result.exit_code == 0, result.output
     assert yaml.safe_load(result.output)["build"]["onnxruntime"]["transformer_fusion"] == "off"
+
+
+def _all_commands():
+    return [(name, cmd) for name, cmd in main.commands.items()]
+
+
+@pytest.mark.parametrize("name", sorted(main.commands))
+def test_every_option_has_help_and_help_states_exit_codes(cli: CliRunner, name: str) -> None:
+    cmd = main.commands[name]
+    undocumented = [p.name for p in cmd.params if isinstance(p, click.Option) and not p.help]
+    assert not undocumented, f"kiln {name}: options without help: {undocumented}"
+    out = cli.invoke(main, [name, "--help"]).output
+    assert "Exit codes: 0" in out and "2 a problem" in out and "3 a validation gate" in out
+
+
+def test_help_lists_passes_and_stages(cli: CliRunner) -> None:
+    from kiln.stages.optimize.registry import PASSES
+    from kiln.stage_list import STAGE_NAMES
+
+    opt = " ".join(cli.invoke(main, ["optimize", "--help"]).output.split())
+    assert all(p in opt for p in PASSES)
+    run = " ".join(cli.invoke(main, ["run", "--help"]).output.split())
+    assert run.count(" -> ".join(STAGE_NAMES)) == 3  # --force, --from, --until
+
+
+@pytest.mark.parametrize("name", ["run", "config", "train", "export", "optimize", "precision", "build", "validate",
+                                  "package"])
+@pytest.mark.parametrize("form", ["positional", "-c"])
+def test_config_accepted_as_positional_and_option_everywhere(cli: CliRunner, write_yaml, tmp_path: Path, name: str,
+                                                             form: str) -> None:
+    cfg = str(write_yaml({"train": {"epochz": 2}}))  # an unknown key: proves the command read this file
+    args = [name, cfg] if form == "positional" else [name, "-c", cfg]
+    result = cli.invoke(main, args + (["-w", str(tmp_path / "wd")] if name != "config" else []))
+    assert_clean_error(result, 2, "unknown key 'train.epochz'")
+
+
+def test_two_different_configs_are_refused(cli: CliRunner, write_yaml) -> None:
+    a, b = str(write_yaml({}, "a.yaml")), str(write_yaml({}, "b.yaml"))
+    result = cli.invoke(main, ["config", a, "-c", b])
+    assert result.exit_code == 2 and "two configs given" in result.output
+
+
+@pytest.mark.tensorrt
+def test_build_tensorrt_needs_no_device_flag(cli: CliRunner, tmp_path: Path) -> None:
+    from tests.pipeline.test_faults import tiny_onnx
+
+    model = tiny_onnx(tmp_path / "m.onnx")
+    result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "-o", str(tmp_path / "e")])
+    assert result.exit_code == 0, result.output
+    assert "targets CUDA" in result.output
+
+
+def test_third_party_warnings_go_through_kilns_logger(capsys) -> None:
+    import logging
+    import warnings
+
+    from kiln.cli import _setup_logging
+
+    _setup_logging(quiet=False, verbose=False)
+    try:
+        with warnings.catch_warnings():  # pytest records warnings itself: hand them to logging inside this block
+            warnings.simplefilter("always")
+            logging.captureWarnings(False)
+            logging.captureWarnings(True)
+            warnings.warn("the float32 number 1e+09 will be truncated to 65504.0")
+            logging.getLogger("onnxruntime.transformers.optimizer").warning("Model producer not matched: x")
+            warnings.warn("something a user should see")
+        err = capsys.readouterr().err
+        assert "truncated" not in err and "producer" not in err  # known noise: --verbose only
+        assert "something a user should see" in err and "WARNING" in err  # through Kiln's handler
+        assert "test_cli.py:" not in err and "warnings.warn(" not in err  # not the raw warnings format
+    finally:
+        logging.captureWarnings(False)

@@ -9,7 +9,10 @@ import pytest
 from kiln.api import run_pipeline
 from kiln.config import config_from_dict
 from kiln.core.errors import BuildError
+from kiln import runner as runner_module
+from kiln.core.artifacts import hash_file
 from kiln.runner import Runner, cache_key
+from kiln.stages.engines.registry import load_engine
 from kiln.stage_list import STAGES
 
 from tests.conftest import tiny_config_dict
@@ -94,8 +97,9 @@ def _keys(tmp_path: Path, **overrides) -> dict[str, str]:
 @pytest.mark.parametrize("override, stages", [
     # build sizes engine profiles / autotuned shapes from the largest validate batch size
     ({"validate.batch_sizes": [1, 64]}, {"build", "validate"}),
-    # the default dataset (and so calibration data, parity data, held-out data) follows model.name
-    ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "validate"}),
+    # the default dataset (and so calibration data, parity data, held-out data) follows model.name; build reads
+    # the model section too (the torch backend compiles the trained model)
+    ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "build", "validate"}),
     # built-in datasets are split by seed
     ({"seed": 1}, {"train", "export", "precision", "validate"}),
 ])
@@ -165,3 +169,102 @@ def test_a_rerun_says_what_changed() -> None:
     new = {"code": "a", "config": {"train": 1, "data": 3}, "user_data": {"dataset": "y"}, "user_code": {"m:f": "z"}}
     assert what_changed(old, new) == ["config.data", "user_code", "user_data.dataset"]
     assert what_changed(old, old) == []
+
+
+def _flip(path: Path, n: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    mid = max(0, len(data) // 2 - n // 2)
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])  # same size: a size check cannot see it
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("stage", [s.name for s in STAGES])
+def test_flipped_bytes_in_a_cached_stage_are_detected_and_rebuilt(first_run, stage: str) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict())
+    run_pipeline(cfg, workdir)  # whatever earlier tests left: back to this configuration, all cached
+    manifest = json.loads((workdir / stage / "manifest.json").read_text())
+    victim = max(manifest["outputs"], key=lambda rel: manifest["sizes"][rel])  # the model / engine / checkpoint
+    _flip(workdir / stage / victim)
+    result, report = run_pipeline(cfg, workdir)
+    assert statuses(result)[stage] == "ran", f"{stage}/{victim} changed but the stage was reused"
+    assert result.ok and report["validation"]["passed"] is True
+    fresh = json.loads((workdir / stage / "manifest.json").read_text())
+    assert hash_file(workdir / stage / victim) == fresh["outputs"][victim]
+
+
+def test_flipped_engine_is_rebuilt_not_validated_stale(first_run) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict())
+    run_pipeline(cfg, workdir)
+    engine = next((workdir / "build").glob("*/engine.onnx"))
+    _flip(engine)
+    result, _ = run_pipeline(cfg, workdir)
+    assert statuses(result)["build"] == "ran" and result.ok
+    with load_engine(engine.parent):  # the rebuilt engine matches its metadata again
+        pass
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong-kind", "folder", "empty-outputs"])
+def test_a_damaged_manifest_means_the_stage_is_redone(first_run, damage: str) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict())
+    run_pipeline(cfg, workdir)
+    m = workdir / "optimize" / "manifest.json"
+    if damage == "garbage":
+        m.write_bytes(b"\x00\xff{not json")
+    elif damage == "wrong-kind":
+        m.write_text("[1, 2, 3]")
+    elif damage == "folder":
+        m.unlink()
+        m.mkdir()
+    else:
+        data = json.loads(m.read_text())
+        data["outputs"], data["sizes"] = {}, {}
+        m.write_text(json.dumps(data))
+    result, _ = run_pipeline(cfg, workdir)
+    assert statuses(result)["optimize"] == "ran" and result.ok
+
+
+def test_content_is_hashed_once_per_run(first_run, monkeypatch) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict())
+    run_pipeline(cfg, workdir)
+    seen: list[Path] = []
+    real = runner_module.hash_tree
+
+    def counting(root, exclude=()):
+        seen.append(Path(root))
+        return real(root, exclude)
+
+    monkeypatch.setattr(runner_module, "hash_tree", counting)
+    result, _ = run_pipeline(cfg, workdir)
+    assert set(statuses(result).values()) == {"cached"}
+    assert len(seen) == len(set(seen)) == len(STAGES)
+
+
+def test_report_shows_gates_package_and_original_times(first_run) -> None:
+    from kiln.report import render_markdown
+
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict())
+    result, report = run_pipeline(cfg, workdir)
+    assert set(statuses(result).values()) == {"cached"}
+    md = render_markdown(report)
+    assert "(ran in " in md  # cached stages keep their original time
+    assert "(≥ 0.9999)" in md and "(≥ 0.99)" in md  # each gate beside its value
+    assert "## Package" in md and "package/triton/tiny_onnxruntime-cpu-fp32" not in md
+    assert "`package/engines/onnxruntime-cpu-fp32/`" in md and "`package/triton/tiny_onnxruntime_cpu_fp32/`" in md
+
+
+def test_result_line_names_engines_built_but_not_validated() -> None:
+    from kiln.report import result_line
+
+    report = {"ok": True, "validation": {"engines": [
+        {"name": "onnxruntime-cpu-fp32", "status": "validated", "device": "cpu"},
+        {"name": "tensorrt-fp16", "status": "not-runnable", "device": "cuda"},
+        {"name": "tensorrt-fp32", "status": "not-runnable", "device": "cuda"}]}}
+    line = result_line(report)
+    assert line.startswith("PASSED, 2 engines built but not validated: tensorrt-fp16, tensorrt-fp32")
+    assert "CUDA" in line
+    assert result_line({"ok": True, "validation": {"engines": []}}) == "PASSED"

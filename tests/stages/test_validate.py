@@ -1,8 +1,17 @@
+import json
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
-from kiln.core.records import EngineValidation
+import torch
+from kiln.core.records import Baseline, EngineValidation, Percentiles
+from kiln.stages.validate.baselines import measure, speedups
 from kiln.stages.validate.config import ValidateConfig
-from kiln.stages.validate.stage import check_gates, compare, gates_for, percentiles
+from kiln.stages.validate.memory import PeakMemory
+from kiln.stages.validate.stage import check_gates, choose, compare, gates_for, percentiles
+
+from tests.conftest import tiny_config_dict
 
 
 def test_compare_identical_and_perturbed() -> None:
@@ -52,3 +61,103 @@ def test_latency_budget_gate() -> None:
 def test_percentiles_order() -> None:
     p = percentiles(list(np.arange(1, 101, dtype=float)))
     assert p.p50 < p.p90 < p.p99
+
+
+# ---------------------------------------------------------------- baselines per device, memory, chosen engine
+
+
+def lat(**p50: float) -> dict[str, Percentiles]:
+    return {bs.lstrip("b"): Percentiles(p50=v, p90=v, p99=v) for bs, v in p50.items()}
+
+
+def test_speedups_only_against_baselines_on_the_engine_device() -> None:
+    cpu = Baseline(kind="eager", device="cpu", accuracy=None, samples=1, latency_ms=lat(b1=10.0))
+    gpu = Baseline(kind="eager", device="cuda", accuracy=None, samples=1, latency_ms=lat(b1=2.0))
+    comp = Baseline(kind="compile", device="cuda", accuracy=None, samples=1, latency_ms=lat(b1=1.0))
+    assert speedups("cuda", lat(b1=0.5), [cpu, gpu, comp]) == {"eager-cuda": {"1": 4.0}, "compile-cuda": {"1": 2.0}}
+    assert speedups("cpu", lat(b1=5.0), [cpu, gpu]) == {"eager-cpu": {"1": 2.0}}
+
+
+def test_choice_per_batch_is_the_fastest_passing_engine_tensorrt_kept_within_noise() -> None:
+    def e(name: str, backend: str, passed: bool = True, **p50: float) -> EngineValidation:
+        return EngineValidation(name=name, backend=backend, precision="fp16", device="cuda", status="validated",
+                                passed=passed, latency_ms=lat(**p50))
+    engines = [e("ort", "onnxruntime", b1=0.99, b32=1.0), e("trt", "tensorrt", b1=1.0, b32=2.0),
+               e("fast-but-failed", "onnxruntime", passed=False, b1=0.1, b32=0.1)]
+    assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.03) == {"1": "trt", "32": "ort"}
+    assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.0) == {"1": "ort", "32": "ort"}
+
+
+def test_peak_memory_sees_an_allocation_on_the_cpu() -> None:
+    with PeakMemory("cpu") as mem:
+        block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+        assert np.add.reduce(block) == block.size
+        time.sleep(0.05)  # the sampler's turn
+        del block
+    assert 50 < mem.peak_mb < 200, mem.peak_mb
+
+
+def test_baseline_records_its_device_memory_and_size() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    b = measure(model, "eager", "cpu", "fp32", {1: x[:1], 8: x}, warmup=1, iterations=3, samples=8)
+    assert b.device == "cpu" and b.label == "eager-cpu" and set(b.latency_ms) == {"1", "8"} and b.error is None
+    assert b.memory.size_bytes == (16 * 32 + 32 + 32 * 4 + 4) * 4 and b.memory.peak_mb is not None
+
+
+@pytest.mark.gpu
+def test_cuda_baseline_runs_on_the_gpu_eager_and_compiled() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    for kind in ("eager", "compile"):
+        b = measure(model, kind, "cuda", "fp32", {1: x[:1], 32: x}, warmup=3, iterations=10, samples=32)
+        assert b.error is None and b.device == "cuda" and b.latency_ms["32"].p50 < 5.0, b  # a CPU run is ~ms
+        assert b.memory.peak_mb is not None and "mem_get_info" in b.memory.method
+
+
+@pytest.mark.slow
+def test_pipeline_times_engines_against_eager_and_compiled_pytorch(tmp_path: Path) -> None:
+    from kiln.api import run_pipeline
+    from kiln.config import config_from_dict
+
+    cfg = config_from_dict(tiny_config_dict(**{"validate.baselines": ["eager", "compile"]}))
+    result, _ = run_pipeline(cfg, tmp_path)
+    assert result.ok
+    v = json.loads((tmp_path / "validate" / "validation.json").read_text())
+    assert [(b["kind"], b["device"]) for b in v["baselines"]] == [("eager", "cpu"), ("compile", "cpu")]
+    assert all(b["error"] is None and b["memory"]["size_bytes"] > 0 for b in v["baselines"])
+    for e in v["engines"]:
+        assert set(e["speedups"]) == {"eager-cpu", "compile-cpu"} and e["speedup_vs_baseline"] == \
+            e["speedups"]["eager-cpu"]
+        assert e["memory"]["size_bytes"] > 0 and e["memory"]["peak_mb"] is not None
+    passing = [e for e in v["engines"] if e["passed"]]
+    assert v["chosen"] and set(v["chosen"].values()) <= {e["name"] for e in passing}
+    report = (tmp_path / "report.md").read_text()
+    assert "Chosen engine per batch size" in report and "### Memory" in report and "compile-cpu" in report
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(1200)  # torch.compile max-autotune of 4 graphs per baseline precision
+def test_cuda_engines_are_timed_against_pytorch_on_the_gpu(tmp_path: Path) -> None:
+    """Issue 12: a CPU baseline against a GPU engine reported 168x. Every engine's speedup is against PyTorch on
+    its own device; the CUDA baselines ran on the GPU (fast), the CPU ones on the CPU."""
+    from kiln.api import run_pipeline
+    from kiln.config import config_from_dict
+
+    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.devices": ["cpu", "cuda"],
+                                               "validate.baselines": ["eager", "compile"],
+                                               "validate.baseline_precisions": ["fp32", "fp16"]}))
+    result, _ = run_pipeline(cfg, tmp_path)
+    assert result.ok
+    v = json.loads((tmp_path / "validate" / "validation.json").read_text())
+    labels = {f"{b['kind']}-{b['device']}" + ("" if b["precision"] == "fp32" else "-fp16"): b for b in v["baselines"]}
+    assert set(labels) == {"eager-cpu", "compile-cpu", "eager-cuda", "compile-cuda", "eager-cuda-fp16",
+                           "compile-cuda-fp16"}, [(k, b["error"]) for k, b in labels.items()]
+    assert all(b["error"] is None for b in labels.values()), [(k, b["error"]) for k, b in labels.items()]
+    assert "mem_get_info" in labels["eager-cuda"]["memory"]["method"]
+    cuda = next(e for e in v["engines"] if e["device"] == "cuda")
+    assert set(cuda["speedups"]) == {"eager-cuda", "compile-cuda", "eager-cuda-fp16", "compile-cuda-fp16"}
+    assert cuda["speedup_vs_baseline"] == cuda["speedups"]["eager-cuda"]
+    assert cuda["memory"]["peak_mb"] is not None and "mem_get_info" in cuda["memory"]["method"]
+    print({k: {bs: p["p50"] for bs, p in b["latency_ms"].items()} for k, b in labels.items()},
+          {e["name"]: e["speedups"] for e in v["engines"]}, v["chosen"])

@@ -24,10 +24,13 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("splits, message", [
     (DatasetSplits(ids(8), None, tuple(ids(4).values()), None), "train_x is a dict with keys .* but val_x is a tuple"),
     (DatasetSplits(ids(8), torch.zeros(7, dtype=torch.long), ids(4), torch.zeros(4, dtype=torch.long)),
-     "train_x has 8 rows but train_y has 7"),
+     "train_x has 8 rows but train_y has shape \\[7\\]"),
     (DatasetSplits({"a": torch.zeros(8, 2), "b": torch.zeros(6, 2)}, None, {"a": torch.zeros(2, 2), "b": torch.zeros(2, 2)},
                    None), "different row counts"),
-    (DatasetSplits(ids(8, 6), None, ids(4, 5), None), "input 'input_ids' is torch.int64\\[6\\] per sample in train_x"),
+    (DatasetSplits(ids(8, 6), None, ids(4, 5), None),
+     "input 'input_ids': validation samples are \\[5\\] but training samples are \\[6\\]"),
+    (DatasetSplits(torch.zeros(8, 2), torch.arange(8), torch.zeros(2, 2), torch.arange(2), num_classes=4),
+     "train_y has labels from 0 to 7, outside 0..3"),
     (DatasetSplits(torch.zeros(8, 2), None, [1, 2], None), "val_x as list"),
     (DatasetSplits(torch.zeros(8, 2), torch.zeros(8), torch.zeros(2, 2), None), "labels for one split only"),
 ])

@@ -16,7 +16,7 @@ from kiln.core.errors import ConfigError
 from kiln.stages.engines import ort_autotune
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig
 from kiln.stages.engines.engines import SIDECAR, read_metadata
-from kiln.stages.engines.onnxruntime_runner import chosen_knobs, plan_for
+from kiln.stages.engines.onnxruntime_runner import chosen_knobs, pin_shapes, plan_for
 from kiln.stages.engines.ort_autotune import agreement, pick, relevant_knobs, search
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
@@ -216,3 +216,36 @@ def test_configured_settings_kept_unless_a_candidate_clearly_wins() -> None:
     assert pick(trials, min_gain=0.0)["knobs"] == {"k": 1}
     trials[1]["median_ms"] = 0.90
     assert pick(trials, min_gain=0.03)["knobs"] == {"k": 1}  # 10% is a real win
+
+
+# ------------------------------------------------------------------------------------- the trial's shape check
+def test_shape_error_names_the_output_that_ran_another_shape() -> None:
+    ref = [np.zeros((32, 2)), np.zeros((32, 16, 8))]
+    assert ort_autotune.shape_error(ref, [np.zeros((32, 2)), np.zeros((32, 16, 8))]) is None
+    assert ort_autotune.shape_error(ref, [np.zeros((1, 2)), np.zeros((32, 16, 8))]) == \
+        "output 0 has shape [1, 2], the reference [32, 2]"
+    assert "1 outputs" in ort_autotune.shape_error(ref, [np.zeros((32, 2))])
+
+
+def test_trial_of_a_shape_the_engine_cannot_take_fails_and_is_never_timed(zoo, tmp_path: Path, monkeypatch) -> None:
+    """An engine fixed to batch 1, tuned at batches 1 and 4: the batch-4 trials fail with ORT's reason, no time
+    is recorded for them, and no choice is made from them."""
+    timed: list[int] = []
+
+    def timer(call, iterations: int) -> list[float]:
+        timed.append(iterations)
+        return [1.0] * iterations
+    monkeypatch.setattr(ort_autotune, "time_calls", timer)
+    fixed = tmp_path / "fixed.onnx"
+    onnx.save(pin_shapes(onnx.load(str(zoo("cnn"))), {"input": (1, 1, 8, 8)}), str(fixed))
+    cfg = cfg_with(cpu=True, cpu_knobs={"intra_op_threads": [0, 1]}, batch_sizes=[1, 4], iterations=3)
+    meta = build_engine(fixed, tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "c")
+    trials = meta.autotune["trials"]
+    assert len(trials) == 2 and all(t["median_ms"] is None and not t["agrees"] for t in trials)
+    for t in trials:
+        ok, bad = t["by_batch"]
+        assert ok["batch"] == 1 and ok["median_ms"] == 3.0 / 3 and ok["agrees"]
+        assert bad["batch"] == 4 and bad["median_ms"] is None and "runs" not in bad
+        assert "cannot take batch 4" in bad["error"]  # the input is fixed to batch 1
+    assert len(timed) == 2  # batch 1 of each candidate only
+    assert meta.autotune["choice"]["reason"] == "no candidate agreed"

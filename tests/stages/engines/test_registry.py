@@ -62,3 +62,12 @@ def test_damaged_metadata_is_refused(engine: Path) -> None:
     (engine / SIDECAR).write_text('{"name": 1}')
     with pytest.raises(InputFileError, match="not a valid EngineMetadata"):
         load_engine(engine)
+
+
+def test_build_messages_name_the_engine_not_the_staging_folder(tmp_path: Path, zoo, caplog) -> None:
+    caplog.set_level("INFO")
+    cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(autotune={"cpu": False}))
+    build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache",
+                 name="onnxruntime-cpu-fp32")
+    assert "not autotuning onnxruntime-cpu-fp32" in caplog.text
+    assert "staging" not in caplog.text

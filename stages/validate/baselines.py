@@ -1,0 +1,109 @@
+"""PyTorch baselines: the trained model run the way a PyTorch user would run it, on the device each engine runs
+on (issue 12: a CPU baseline against a GPU engine reported a 168x "speedup").
+
+Kinds (``validate.baselines``): ``eager`` (the module as is) and ``compile`` (``torch.compile``; on a GPU with
+``mode="max-autotune"``, Inductor's Triton kernels and CUDA graphs: the strongest plain-PyTorch path; on the CPU its
+default mode, because max-autotune's benchmarking multiplies compile time for little gain there). ``dynamic=False``:
+one graph per batch size, as the engines have one CUDA graph / profile per shape. Baselines run FP32 unless
+``validate.baseline_precisions`` adds ``fp16`` (CUDA only: ``model.half()``, inputs cast).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from kiln.core.data import Inputs, call, rebuild, tensors
+from kiln.core.records import Baseline, Memory, Percentiles
+from kiln.core.text import first_line
+from kiln.stages.validate.memory import PeakMemory, wait_a_sample
+
+
+def percentiles(times_ms: list[float]) -> Percentiles:
+    p50, p90, p99 = np.percentile(np.asarray(times_ms), [50, 90, 99])
+    return Percentiles(p50=float(p50), p90=float(p90), p99=float(p99))
+
+
+def time_torch(model: Callable[..., Any], x: Inputs, warmup: int, iterations: int) -> list[float]:
+    """ms per call of ``model`` on ``x`` (a tensor, tuple or dict: kiln.core.data.call). CUDA: events around each
+    call on the current stream, then synchronize (the GPU's time, not the launch's); CPU: wall clock."""
+    cuda = tensors(x)[0].is_cuda
+    times = []
+    with torch.inference_mode():
+        for _ in range(warmup):
+            call(model, x)
+        if cuda:
+            torch.cuda.synchronize()
+        for _ in range(iterations):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call(model, x)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                call(model, x)
+                times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """What the model occupies as stored weights: parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def prepare(model: torch.nn.Module, kind: str, device: str, precision: str) -> torch.nn.Module:
+    """A copy of ``model`` on ``device`` in ``precision``, compiled for ``kind`` ``compile`` (compiling happens at
+    the first call, inside the warm-up)."""
+    m = copy.deepcopy(model).eval().to(device)
+    if precision == "fp16":
+        m = m.half()
+    if kind == "compile":
+        mode = "max-autotune" if device == "cuda" else None
+        m = torch.compile(m, mode=mode, dynamic=False)
+    return m
+
+
+def can_measure(device: str) -> str | None:
+    """None when torch can run on ``device`` here; else why not."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "torch sees no CUDA GPU here (a CPU build of torch?)"
+    return None
+
+
+def measure(model: torch.nn.Module, kind: str, device: str, precision: str, batches: dict[int, Any],
+            warmup: int, iterations: int, samples: int, like: Inputs | None = None) -> Baseline:
+    """Latency per batch size and peak memory (loading onto the device through the largest batch)."""
+    base = Baseline(kind=kind, device=device, precision=precision, accuracy=None, samples=samples, latency_ms={})
+    why = can_measure(device)
+    if why:
+        base.error = why
+        return base
+    dtype = torch.float16 if precision == "fp16" else None
+    try:
+        with PeakMemory(device) as mem:
+            m = prepare(model, kind, device, precision)
+            for bs, x in batches.items():  # an array, or a feed of named arrays in ``like``'s structure
+                parts = [torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                         for a in (x.values() if isinstance(x, dict) else [x])]
+                parts = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in parts]
+                xt = rebuild(like, parts) if like is not None else parts[0]
+                base.latency_ms[str(bs)] = percentiles(time_torch(m, xt, max(warmup, 1), iterations))
+            wait_a_sample()
+    except Exception as exc:  # e.g. torch.compile cannot compile this model here: reported, not fatal
+        base.error = f"{type(exc).__name__}: {first_line(exc, 200)}"
+        base.latency_ms = {}
+        return base
+    base.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=weights_bytes(m))
+    return base
+
+
+def speedups(engine_device: str, latency: dict[str, Percentiles],
+             baselines: list[Baseline]) -> dict[str, dict[str, float]]:
+    """p50 ratio per batch against every baseline measured on the engine's device."""
+    return {b.label: {bs: b.latency_ms[bs].p50 / lat.p50 for bs, lat in latency.items() if bs in b.latency_ms}
+            for b in baselines if b.device == engine_device and b.latency_ms}

@@ -1,0 +1,95 @@
+"""The torch backend: AOTInductor packages of the trained model, through the same registry, runner interface,
+validation and packaging as the ONNX engines."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from build_graphs import sample
+from kiln.core.errors import ConfigError
+from kiln.models import build_model
+from kiln.stages.engines.config import BuildConfig, TorchConfig
+from kiln.stages.engines.engines import read_metadata
+from kiln.stages.engines.registry import BACKENDS, load_engine, runnable
+from kiln.stages.engines.stage import build_engine
+from kiln.stages.engines.torch_backend import _can_run, _plan
+
+from tests.conftest import tiny_config_dict
+
+
+def test_registered_opt_in_and_planned_for_fp32_or_gpu_fp16() -> None:
+    assert "torch" in BACKENDS and "torch" not in BuildConfig().backends
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cpu", "cuda"]))
+    assert _plan(cfg, "fp32").devices == ["cpu", "cuda"]
+    fp16 = _plan(cfg, "fp16")
+    assert fp16.devices == ["cuda"] and "torch-cpu-fp16" in fp16.skipped[0]
+    assert _plan(cfg, "int8").devices == []
+
+
+def test_needs_the_pytorch_model(zoo, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs the PyTorch model"):
+        build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", BuildConfig(), tmp_path / "c")
+
+
+def _cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model("cnn", {}).eval()
+
+
+@pytest.mark.slow
+def test_cpu_package_matches_pytorch_at_any_batch_and_refuses_another_torch(zoo, tmp_path: Path) -> None:
+    model = _cnn()  # the weights zoo("cnn") was exported from
+    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", BuildConfig(), tmp_path / "c",
+                        max_batch=8, torch_model=_cnn)
+    assert meta.files == {"model": "model.pt2"} and meta.versions["torch"] == torch.__version__
+    assert meta.builder_settings["channels_last"] and not meta.builder_settings["max_autotune"]  # conv, CPU
+    assert runnable(meta) == (True, "")
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 3, 8):
+            x = sample("cnn", batch, seed=batch)
+            got = runner.infer({"input": x})["logits"]
+            with torch.inference_mode():
+                want = model(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+        assert len(runner.time_ms({"input": sample("cnn", 2)}, 1, 3)) == 3
+    other = read_metadata(tmp_path / "e").model_copy(update={"versions": {"torch": "0.0.1"}})
+    ok, why = _can_run(other)
+    assert not ok and "tied to the torch that built them" in why
+
+
+@pytest.mark.slow
+def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
+    from kiln.api import run_pipeline
+    from kiln.config import config_from_dict
+
+    cfg = config_from_dict(tiny_config_dict(**{"build.backends": ["onnxruntime", "torch"]}))
+    result, _ = run_pipeline(cfg, tmp_path)
+    assert result.ok
+    v = json.loads((tmp_path / "validate" / "validation.json").read_text())
+    torch_engine = next(e for e in v["engines"] if e["backend"] == "torch")
+    assert torch_engine["passed"] and torch_engine["cosine"] > 0.9999 and set(torch_engine["latency_ms"]) == {"1", "8"}
+    packaged = {m["engine"] for m in json.loads((tmp_path / "package" / "kiln-package.json").read_text())["models"]}
+    assert "torch-cpu-fp32" in packaged
+    assert (tmp_path / "package" / "triton-python").is_dir()
+    assert "torch-cpu-fp32" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)  # max-autotune benchmarks kernel choices per shape
+def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path) -> None:
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32,
+                        torch_model=_cnn)
+    assert meta.builder_settings["max_autotune"] and meta.builder_settings["dtype"] == "float16"
+    ref = ort.InferenceSession(str(zoo("cnn")), providers=["CPUExecutionProvider"])
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 32):
+            x = sample("cnn", batch, seed=batch)
+            got, want = runner.infer({"input": x})["logits"], ref.run(None, {"input": x})[0]
+            assert got.dtype == np.float32 and got.shape == want.shape
+            assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.999
+        assert np.median(runner.time_ms({"input": sample("cnn", 32)}, 3, 20)) > 0
