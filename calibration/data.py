@@ -13,23 +13,29 @@ from typing import Any
 import numpy as np
 import torch
 from kiln.calibration.config import CalibrationConfig
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError
 from kiln.models.registry import resolve_callable
 
 log = logging.getLogger("kiln.calibration")
 
 
-def dataset_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0) -> list[np.ndarray]:
-    """``num_batches`` x ``batch_size`` samples of the training split, in a seeded order (deterministic)."""
-    x = data.train_x if len(data.train_x) else data.val_x
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    batches = []
+Batch = np.ndarray | dict[str, np.ndarray]  # one input's rows, or a feed of named inputs
+
+
+def dataset_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0,
+                    names: list[str] | None = None) -> list[Batch]:
+    """``num_batches`` x ``batch_size`` samples of the training split, in a seeded order (deterministic), at the
+    data's real shapes. ``names``: the model's input names, to give feeds (required for several inputs)."""
+    x = data.train_x if rows(data.train_x) else data.val_x
+    perm = torch.randperm(rows(x), generator=torch.Generator().manual_seed(seed))
+    batches: list[Batch] = []
     for i in range(cfg.num_batches):
         idx = perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
         if len(idx) == 0:
             break  # fewer samples than asked for: use what there is
-        batches.append(x[idx].numpy())
+        part = take(x, idx)
+        batches.append(feed_for_graph(part, names) if names is not None else tensors(part)[0].numpy())
     return batches
 
 
@@ -71,16 +77,23 @@ def _as_arrays(source: Iterable[Any]) -> Iterator[np.ndarray]:
         yield item.numpy() if isinstance(item, torch.Tensor) else np.asarray(item)
 
 
-def calibration_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0) -> list[np.ndarray]:
+def calibration_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0,
+                        names: list[str] | None = None) -> list[Batch]:
     if cfg.reader:
-        return reader_batches(cfg, data.input_shape, data.val_x.numpy().dtype)
-    return dataset_batches(data, cfg, seed)
+        if len(tensors(data.val_x)) > 1:
+            raise ConfigError("calibration.reader feeds one input; this model takes several",
+                              hint="remove calibration.reader: calibration then uses the dataset's inputs")
+        return reader_batches(cfg, data.input_shape, tensors(data.val_x)[0].numpy().dtype)
+    return dataset_batches(data, cfg, seed, names)
 
 
-def hash_batches(batches: list[np.ndarray]) -> str:
-    """Content hash of the calibration data (shapes, dtypes and bytes): part of the cache key."""
+def hash_batches(batches: list[Batch]) -> str:
+    """Content hash of the calibration data (names, shapes, dtypes and bytes): part of the cache key."""
     h = hashlib.sha256()
-    for b in batches:
+    flat = [a for b in batches for a in (b.items() if isinstance(b, dict) else [(None, b)])]
+    for name, b in flat:
+        if name is not None:
+            h.update(name.encode())
         b = np.ascontiguousarray(b)
         h.update(f"{b.shape}{b.dtype}".encode())
         h.update(memoryview(b).cast("B") if b.size else b"")  # the buffer itself: no copy of a large dataset
@@ -90,7 +103,7 @@ def hash_batches(batches: list[np.ndarray]) -> str:
 class ArrayReader:
     """An ``onnxruntime.quantization.CalibrationDataReader`` over in-memory batches (re-iterable via ``rewind``)."""
 
-    def __init__(self, input_name: str, batches: list[np.ndarray]) -> None:
+    def __init__(self, input_name: str, batches: list[Batch]) -> None:
         self.input_name, self.batches, self._i = input_name, batches, 0
         self.reads = 0  # how many batches were consumed: lets tests prove a cache hit skipped calibration
 
@@ -99,7 +112,8 @@ class ArrayReader:
             return None
         self._i += 1
         self.reads += 1
-        return {self.input_name: self.batches[self._i - 1]}
+        batch = self.batches[self._i - 1]
+        return batch if isinstance(batch, dict) else {self.input_name: batch}
 
     def rewind(self) -> None:
         self._i = 0

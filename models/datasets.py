@@ -54,3 +54,32 @@ def synthetic_rgb(num_classes: int = 10, size: int = 512, seed: int = 0) -> Data
 def synthetic_tokens(num_classes: int = 2, size: int = 256, seed: int = 0) -> DatasetSplits:
     """``[N, 128, 768]`` token features, the BERT-base input; bert_base's default."""
     return synthetic(shape=(128, 768), num_classes=num_classes, size=size, seed=seed)
+
+
+def synthetic_text(vocab_size: int = 64, max_len: int = 16, num_classes: int = 4, size: int = 512,
+                   val_fraction: float = 0.25, seed: int = 0) -> DatasetSplits:
+    """Padded token sequences of varying length as ``{input_ids, attention_mask}`` (int64, ``[N, max_len]``, 0 is
+    padding): each class draws most tokens from its own slice of the vocabulary. ``token_classifier``'s default."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, num_classes, (size,), generator=g)
+    lengths = torch.randint(max(1, max_len // 4), max_len + 1, (size,), generator=g)
+    span = (vocab_size - 1) // num_classes
+    own = 1 + y[:, None] * span + torch.randint(0, span, (size, max_len), generator=g)
+    noise = torch.randint(1, vocab_size, (size, max_len), generator=g)
+    ids = torch.where(torch.rand((size, max_len), generator=g) < 0.7, own, noise)
+    mask = (torch.arange(max_len)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    tx, ty, vx, vy = _split(torch.stack([ids, mask], 1), y, val_fraction, seed)
+    return DatasetSplits({"input_ids": tx[:, 0], "attention_mask": tx[:, 1]}, ty,
+                         {"input_ids": vx[:, 0], "attention_mask": vx[:, 1]}, vy, num_classes=num_classes,
+                         name="synthetic_text")
+
+
+def synthetic_regression(in_features: int = 8, outputs: int = 1, size: int = 512, val_fraction: float = 0.25,
+                         seed: int = 0, noise: float = 0.05) -> DatasetSplits:
+    """Float targets ``[N, outputs]`` = a smooth function of ``[N, in_features]`` features, plus noise; no classes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((size, in_features), generator=g)
+    w = torch.randn((in_features, outputs), generator=g) / in_features ** 0.5
+    y = torch.sin(x @ w) + noise * torch.randn((size, outputs), generator=g)
+    return DatasetSplits(*_split(x, y, val_fraction, seed), num_classes=0, name="synthetic_regression")

@@ -6,6 +6,7 @@ Checkpoints are read with safetensors or ``torch.load(weights_only=True)``: neve
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,17 +14,27 @@ import torch
 from kiln.core.artifacts import write_bytes_atomic
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, InputFileError
+from kiln.core.inputs import random_inputs
+from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
 from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
     from kiln.config import KilnConfig
 
+log = logging.getLogger("kiln")
 WEIGHTS = "model.safetensors"
 SPEC = "model.json"
 
 
+def torch_model_named(config: KilnConfig) -> bool:
+    """Is there a PyTorch model? Always, unless the run starts from ``model.onnx`` without naming one too."""
+    return config.model.onnx is None or "name" in config.model.model_fields_set
+
+
 def dataset_for(config: KilnConfig) -> DatasetSplits:
+    if config.model.onnx and not config.data.name and not torch_model_named(config):
+        return random_splits(Path(config.model.onnx), config)
     name = config.data.name or DEFAULT_DATASET.get(config.model.name)
     if name is None:
         resolve_callable(config.model.name, MODELS, "model")  # a misspelt model name is the problem, say so
@@ -31,7 +42,24 @@ def dataset_for(config: KilnConfig) -> DatasetSplits:
                           hint="set data.name to a built-in dataset or 'package.module:function'")
     params = dict(config.data.params)
     params.setdefault("seed", config.seed) if name in DATASETS else None  # built-ins split by the run seed
-    return load_dataset(name, params)
+    return load_dataset(name, params, config.export.dynamic_axes)
+
+
+def random_splits(path: Path, config: KilnConfig, rows: int = 64) -> DatasetSplits:
+    """Random inputs of an ONNX file's declared shapes, without labels: a run from ``model.onnx`` with no data
+    (agreement with the FP32 graph only; calibration on random data is unrepresentative, so it says so loudly)."""
+    inputs, _ = io_specs(load_onnx(path, load_external_data=False))
+    sizes = {k: max(v) for k, v in config.validate_.shapes.items() if v}
+    named = {n for s in inputs for d in s.shape[1:] if isinstance(d, str) for n in [d]}
+    dynamic = max(sizes.values()) if sizes else None
+    if named and dynamic is None:
+        raise ConfigError(f"model.onnx {path.name} has dynamic axes {sorted(named)} besides batch, and no data to "
+                          "size them", hint="give data.name (a data function), or validate.shapes with their sizes")
+    log.warning("model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
+                "accuracy figures do not reflect real data (give data.name for real ones)")
+    make = lambda seed: {k: torch.from_numpy(v) for k, v in  # noqa: E731
+                         random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()}
+    return DatasetSplits(make(config.seed), None, make(config.seed + 1), None, name=f"random inputs of {path.name}")
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -7,18 +7,20 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
-import torch
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, check_splits
 from kiln.core.errors import ConfigError
 from kiln.models.cnn import resnet18, small_cnn
 from kiln.models.datasets import (
     digits,
     digits_ids,
     synthetic,
+    synthetic_regression,
     synthetic_rgb,
+    synthetic_text,
     synthetic_tokens,
 )
 from kiln.models.mlp import mlp_embed
+from kiln.models.token_classifier import mlp_regressor, token_classifier
 from kiln.models.transformer import bert_base, transformer
 from torch import nn
 
@@ -28,6 +30,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "transformer": transformer,
     "bert_base": bert_base,
     "mlp_embed": mlp_embed,
+    "token_classifier": token_classifier,
+    "mlp_regressor": mlp_regressor,
 }
 
 DATASETS: dict[str, Callable[..., DatasetSplits]] = {
@@ -36,12 +40,15 @@ DATASETS: dict[str, Callable[..., DatasetSplits]] = {
     "synthetic": synthetic,
     "synthetic_rgb": synthetic_rgb,
     "synthetic_tokens": synthetic_tokens,
+    "synthetic_text": synthetic_text,
+    "synthetic_regression": synthetic_regression,
 }
 
 # Which built-in dataset a built-in model trains on when the config names none: it must fit the model's
 # default input (plain ``synthetic`` is 1x8x8, which neither ResNet-18 nor BERT-base takes).
 DEFAULT_DATASET: dict[str, str] = {"cnn": "digits", "transformer": "digits", "mlp_embed": "digits_ids",
-                                   "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens"}
+                                   "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens",
+                                   "token_classifier": "synthetic_text", "mlp_regressor": "synthetic_regression"}
 
 
 def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
@@ -86,16 +93,11 @@ def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
     return _call_factory(ref, MODELS, "model", params, nn.Module, "return a torch.nn.Module from the factory")
 
 
-def load_dataset(ref: str, params: dict[str, Any] | None = None) -> DatasetSplits:
+def load_dataset(ref: str, params: dict[str, Any] | None = None,
+                 dynamic: dict[str, dict[int, str]] | None = None) -> DatasetSplits:
+    """The data function's splits, checked against the dataset contract (:func:`kiln.core.data.check_splits`);
+    ``dynamic``: export.dynamic_axes, whose axes may differ in size between the splits."""
     data = _call_factory(ref, DATASETS, "dataset", params, DatasetSplits,
                          "return kiln.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")
-    for field in ("train_x", "train_y", "val_x", "val_y"):
-        value = getattr(data, field)
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError(f"dataset '{ref}' gives {field} as {type(value).__name__}, not a torch.Tensor",
-                              hint="wrap arrays with torch.from_numpy(...) in the dataset function")
-    problem = data.inconsistency()
-    if problem:
-        raise ConfigError(f"dataset '{ref}': {problem}", hint="fix the dataset function so that every x row has "
-                                                               "its label and all samples share one shape")
+    check_splits(data, ref, dynamic)
     return data

@@ -10,7 +10,7 @@ from typing import Any
 import click
 import yaml
 from kiln.api import run_pipeline
-from kiln.config import CONFIG_SUFFIXES, KilnConfig, load_config, set_value
+from kiln.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
 from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
 from kiln.core.progress import RichProgress, SilentProgress
 from kiln.loadtest import loadtest as run_loadtest
@@ -25,6 +25,7 @@ from kiln.stage_list import STAGE_NAMES
 from kiln.stages.engines.stage import build_direct
 from kiln.stages.export import export_direct
 from kiln.stages.optimize.api import optimize_file
+from kiln.stages.precision.direct import precision_direct
 from kiln.stages.validate.direct import validate_direct
 from rich.console import Console
 from rich.logging import RichHandler
@@ -352,15 +353,35 @@ def optimize(model: str | None, output: str | None, config_option: str | None, p
 
 
 @main.command()
-@config_arg
+@click.argument("model", required=False, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(file_okay=False), help="folder of the variants (direct mode)")
+@click.option("--variants", help="comma-separated variants to make, e.g. fp16,int8 (default: the config's)")
+@click.option("--calibration", type=click.Path(dir_okay=False),
+              help=".npz with one array per model input (calibration and the accuracy fallback; default: random, "
+                   "with a warning)")
 @config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
-def precision(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
-    """Make the FP32/FP16/INT8 graph variants of WORKDIR/optimize."""
+def precision(model: str | None, output: str | None, variants: str | None, calibration: str | None,
+              config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+    """FP32/FP16/INT8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 --calibration d.npz`,
+    or of WORKDIR/optimize without MODEL (MODEL may also be the run config)."""
     _setup_logging(quiet, False)
-    _stage_in_workdir("precision", _one_config(config, config_option), workdir, sets, quiet)
+    model, config = _model_or_config(model, config_option)
+    if model is None:
+        _refuse_direct_options("the MODEL file", "output", "variants", "calibration")
+        return _stage_in_workdir("precision", config, workdir, sets, quiet)
+    cfg = _config(config, sets)
+    wanted = [v.strip() for v in variants.split(",") if v.strip()] if variants else list(cfg.precision.variants)
+    unknown = sorted(set(wanted) - set(PRECISIONS))
+    if unknown:
+        raise ConfigError(f"--variants names unknown precisions {unknown}", hint=f"use {', '.join(PRECISIONS)}")
+    out = Path(output or Path(model).with_suffix(""))
+    summary = precision_direct(Path(model), out, wanted, Path(calibration) if calibration else None, cfg)
+    for name, v in summary["variants"].items():
+        console.print(f"{name}: {v['path']} ({v['kept_fp32']} nodes kept FP32)")
+    console.print(f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}")
 
 
 @main.command()

@@ -274,6 +274,12 @@ def _check_files(config: KilnConfig, base: Path) -> None:
         if not p.is_file():
             raise InputFileError(f"model.checkpoint not found: {p}", hint="fix the path or remove model.checkpoint to train")
         config.model.checkpoint = str(p.resolve())
+    if config.model.onnx is not None:
+        p = Path(config.model.onnx) if Path(config.model.onnx).is_absolute() else base / config.model.onnx
+        if not p.is_file():
+            raise InputFileError(f"model.onnx not found: {p}", hint="fix the path, or remove model.onnx to start "
+                                                                 "from the PyTorch model")
+        config.model.onnx = str(p.resolve())
 
 
 StageName = Literal["train", "export", "optimize", "precision", "build", "validate", "package"]

@@ -15,6 +15,7 @@ import numpy as np
 from kiln.calibration.data import hash_batches, read_reader
 from kiln.config import KilnConfig
 from kiln.core.artifacts import hash_file
+from kiln.core.data import tensors
 from kiln.core.errors import InputFileError
 from kiln.models.model_io import dataset_for
 
@@ -28,7 +29,8 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     if not _is_import_path(config.data.name):
         return None
     d = dataset_for(config)
-    return hash_batches([_array(t) for t in (d.train_x, d.train_y, d.val_x, d.val_y)])
+    parts = [d.train_x, d.train_y, d.val_x, d.val_y]
+    return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
 
 
 def _array(t: object) -> np.ndarray:
@@ -52,6 +54,16 @@ def checkpoint_fingerprint(config: KilnConfig) -> str | None:
     return hash_file(path)
 
 
+def onnx_fingerprint(config: KilnConfig) -> str | None:
+    """Hash of the ``model.onnx`` file a run starts from, if any."""
+    if not config.model.onnx:
+        return None
+    path = Path(config.model.onnx)
+    if not path.is_file():
+        raise InputFileError(f"model.onnx not found: {path}", hint="fix the path or remove model.onnx")
+    return hash_file(path)
+
+
 def calibration_fingerprint(config: KilnConfig) -> str | None:
     """Hash of the batches a user calibration reader yields (what calibration would use), or None when there is
     no reader or the precision stage will not calibrate."""
@@ -65,5 +77,6 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
 FINGERPRINTS: dict[str, Callable[[KilnConfig], str | None]] = {
     "dataset": dataset_fingerprint,
     "checkpoint": checkpoint_fingerprint,
+    "onnx": onnx_fingerprint,
     "calibration": calibration_fingerprint,
 }

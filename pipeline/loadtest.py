@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import numpy as np
 from kiln.config import KilnConfig
 from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
+from kiln.core.data import tensors
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import random_inputs
 from kiln.models.model_io import dataset_for
@@ -107,7 +108,7 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
     specs = engine.meta.inputs
     if config is not None and len(specs) == 1:
         try:
-            val_x = dataset_for(config).val_x[:size].numpy()
+            val_x = tensors(dataset_for(config).val_x)[0][:size].numpy()
         except KilnError as exc:
             log.info("validation data unavailable (%s): random inputs", exc.message)
         else:

@@ -8,7 +8,7 @@ import sys
 import warnings
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import kiln.core.onnx_io
 import kiln.models
@@ -17,17 +17,19 @@ import numpy as np
 import onnx
 import torch
 from kiln.core.artifacts import ensure_writable
+from kiln.core.data import Inputs, as_feed, input_names, rows, take, tensors
 from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.onnx_io import (
     check_onnx,
     infer_shapes,
-    input_feed,
+    io_specs,
     load_onnx,
     ort_run,
     ort_session,
     save_onnx,
 )
+from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.sections import Section
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import first_line, root_cause
@@ -44,7 +46,6 @@ from torch import nn
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
     from kiln.config import KilnConfig
 
-INPUT_NAME, OUTPUT_NAME = "input", "logits"
 log = logging.getLogger("kiln.export")
 
 
@@ -52,17 +53,32 @@ class ExportConfig(Section):
     opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
     dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
     parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
+    dynamic_axes: dict[str, dict[int, str]] = Field(
+        default_factory=dict, description="axes besides batch that vary, per input: {input_ids: {1: seq}}; the "
+                                          "same name ties axes of several inputs together")
 
 
-def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int = 18,
-                dynamic_batch: bool = True) -> onnx.ModelProto:
-    """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes."""
+def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, dynamic_batch: bool = True,
+                dynamic_axes: Mapping[str, Mapping[int, str]] | None = None) -> onnx.ModelProto:
+    """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes.
+
+    ``example``: a tensor, tuple or dict of inputs (the dataset contract); ONNX input names come from the dict keys
+    or the forward's parameters, output names from :func:`kiln.core.outputs.flatten_outputs`. ``dynamic_axes``:
+    axes besides the batch axis that vary, named (one name ties axes of several inputs together)."""
     model = model.eval()
+    names = input_names(model, example)
+    unknown = sorted(set(dynamic_axes or {}) - set(names))
+    if unknown:
+        raise ConfigError(f"export.dynamic_axes names {unknown}, which are not model inputs {names}",
+                          hint="key export.dynamic_axes by the model's input names")
+    with torch.no_grad():
+        outputs = list(named_outputs(model, example))
     errors = []
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
-            _export(model, example, path, opset, dynamic_batch, dynamo)
+            _export(FlatModel(model, example), tuple(tensors(example)), names, outputs, path, opset,
+                    _axes(names, dynamic_batch, dynamic_axes or {}), dynamo)
             break
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
@@ -79,6 +95,12 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int 
     save_onnx(proto, path)
     _drop_unreferenced_data(path)
     return proto
+
+
+def _axes(names: list[str], dynamic_batch: bool, extra: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, str]]:
+    """Input name -> {axis: name} of every dynamic axis."""
+    return {n: ({0: "batch"} if dynamic_batch else {}) | {int(a): str(d) for a, d in extra.get(n, {}).items()}
+            for n in names}
 
 
 def _drop_unreferenced_data(path: Path) -> None:
@@ -100,18 +122,21 @@ def _reason(exc: BaseException) -> str:
     return first_line(root_cause(exc))
 
 
-def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dynamic_batch: bool,
-            dynamo: bool) -> None:
-    kw: dict[str, Any] = dict(input_names=[INPUT_NAME], output_names=[OUTPUT_NAME], opset_version=opset,
-                              dynamo=dynamo)
+def _export(model: nn.Module, args: tuple[torch.Tensor, ...], names: list[str], outputs: list[str], path: Path,
+            opset: int, axes: dict[str, dict[int, str]], dynamo: bool) -> None:
+    kw: dict[str, Any] = dict(input_names=names, output_names=outputs, opset_version=opset, dynamo=dynamo)
     if dynamo:
         # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
         kw["optimize"] = False
-    if dynamic_batch:
-        if dynamo:
-            kw["dynamic_shapes"] = ({0: torch.export.Dim("batch", min=1, max=65536)},)
-        else:
-            kw["dynamic_axes"] = {INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}
+        dims: dict[str, Any] = {}  # one Dim per name: a shared name means equal sizes (input_ids/attention_mask)
+        for label in {d for a in axes.values() for d in a.values()}:
+            dims[label] = torch.export.Dim(label, min=1, max=65536) if label == "batch" else torch.export.Dim(label, min=1)
+        if any(axes.values()):
+            # FlatModel takes *xs: the exporter sees them as one (tuple) argument
+            kw["dynamic_shapes"] = (tuple({a: dims[d] for a, d in axes[n].items()} or None for n in names),)
+    elif any(axes.values()):
+        kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {o: {0: "batch"} for o in outputs
+                                                                  if any(0 in a for a in axes.values())}
     # The exporter prints progress chatter and warns about optional torchvision ops; keep the user's console clean.
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level
@@ -119,20 +144,22 @@ def _export(model: nn.Module, example: torch.Tensor, path: Path, opset: int, dyn
     try:
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            torch.onnx.export(model, (example,), str(path), **kw)
+            torch.onnx.export(model, args, str(path), **kw)
     finally:
         quiet.setLevel(level)
 
 
-def parity(model: nn.Module, onnx_path: Path, x: torch.Tensor) -> dict[str, float]:
+def parity(model: nn.Module, onnx_path: Path, x: Inputs) -> dict[str, Any]:
+    """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output."""
     with torch.no_grad():
-        ref = model(x).numpy()
+        ref = {k: v.numpy() for k, v in named_outputs(model, x).items()}
     sess = ort_session(onnx_path)
-    got = ort_run(sess, input_feed(sess, x.numpy()))[0]
-    if got.shape != ref.shape:
-        raise ModelError(f"exported model's output shape {got.shape} differs from PyTorch's {ref.shape}")
-    err = float(np.max(np.abs(got - ref)))
-    return {"max_abs_err": err, "samples": int(len(x))}
+    got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
+    for (name, r), g in zip(ref.items(), got):
+        if g.shape != r.shape:
+            raise ModelError(f"exported model's output '{name}' has shape {g.shape}, PyTorch's {r.shape}")
+    errs = {name: float(np.max(np.abs(g.astype(np.float64) - r), initial=0.0)) for (name, r), g in zip(ref.items(), got)}
+    return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
 
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
@@ -156,8 +183,8 @@ def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | 
             raise ConfigError(f"the model rejects an input of shape [batch, {input_shape}]: {reason}",
                               hint="give --input-shape the shape of one sample the model takes") from None
     else:
-        example = dataset_for(cfg).val_x[:2]
-    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch)
+        example = take(dataset_for(cfg).val_x, slice(0, 2))
+    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.export.dynamic_axes)
     check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
@@ -174,8 +201,22 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def take_onnx(src: Path, path: Path) -> dict[str, Any]:
+    """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one."""
+    proto = infer_shapes(load_onnx(src), strict=False)
+    check_onnx(proto, f"model.onnx {src.name}")
+    save_onnx(proto, path)
+    inputs, outputs = io_specs(proto)
+    log.info("took %s (%d nodes) instead of exporting", src, len(proto.graph.node))
+    return {"nodes": len(proto.graph.node), "source": str(src), "inputs": [i.name for i in inputs],
+            "outputs": [o.name for o in outputs],
+            "opset": max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0)}
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.export
+    if ctx.config.model.onnx:
+        return take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.
         raise ConfigError("export.dynamic_batch: false cannot run through the pipeline, which checks and times "
@@ -185,8 +226,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model = load_trained(ctx.inputs["train"], ctx.config)
     data = ctx.dataset()
     path = ctx.out / "model.onnx"
-    proto = export_onnx(model, data.val_x[:2], path, cfg.opset, cfg.dynamic_batch)
-    check = parity(model, path, data.val_x[:256])
+    proto = export_onnx(model, take(data.val_x, slice(0, 2)), path, cfg.opset, cfg.dynamic_batch, cfg.dynamic_axes)
+    check = parity(model, path, take(data.val_x, slice(0, 256)))
     if check["max_abs_err"] > cfg.parity_atol:
         raise ModelError(f"ONNX export differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
                          f"export.parity_atol {cfg.parity_atol:g}",
@@ -205,4 +246,5 @@ def _env(cfg: Any) -> dict[str, Any]:
 # through model_io.
 STAGE = Stage("export", run, ("train",), ("seed", "model", "data", "export"),
               (sys.modules[__name__], kiln.models, kiln.models.model_io, kiln.core.onnx_io), _env,
-              "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity", data=("dataset",))
+              "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
+              data=("dataset", "onnx"))

@@ -95,3 +95,60 @@ def test_readme_serving_snippet(in_project: Path) -> None:
     scope: dict = {"batch": np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)}
     exec(compile(snippet, "README.md", "exec"), scope)
     assert scope["logits"].shape == (4, 4) and np.isfinite(scope["logits"]).all()
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"## {title}\n")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _blocks(section: str, lang: str) -> dict[str, str]:
+    """A section's code blocks of ``lang`` by the file name in their first-line comment."""
+    return {b.splitlines()[0].split()[1].rstrip(":"): b for b in re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)}
+
+
+def test_readme_bring_your_own_model_examples(tmp_path: Path) -> None:
+    """The two worked examples: the BERT module through `kiln run`, then its ONNX export through `kiln run` with
+    model.onnx and through the direct commands, each in a fresh process from the project folder."""
+    pytest.importorskip("transformers")
+    section = _section("Bring your own model")
+    (tmp_path / "textcls.py").write_text(_blocks(section, "python")["textcls.py"])
+    quick = {"warmup": 1, "iterations": 3, "max_samples": 64}
+    for name, text in _blocks(section, "yaml").items():
+        cfg = yaml.safe_load(text)
+        cfg["validate"].update(quick)
+        cfg["build"] = {"backends": ["onnxruntime"]}
+        (tmp_path / name).write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    kiln = str(Path(sys.executable).with_name("kiln"))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run([kiln, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, " ".join(args) + "\n" + out.stdout[-2000:] + out.stderr[-3000:]
+        return out
+
+    run("run", "textcls.yaml", "-w", "textcls-out", "--quiet")
+    import json
+
+    v = json.loads((tmp_path / "textcls-out" / "validate" / "validation.json").read_text())
+    assert v["passed"] and v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["compared"] == ["logits"]
+    # the direct commands' inputs: the run's ONNX export and the validation split as named arrays
+    import shutil
+
+    shutil.copy(tmp_path / "textcls-out" / "export" / "model.onnx", tmp_path / "x.onnx")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        val = __import__("textcls").load().val_x
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("textcls", None)
+    np.savez(tmp_path / "d.npz", **{k: t.numpy() for k, t in val.items()})
+    commands = [ln.split() for ln in next(iter(_blocks(section, "bash").values())).splitlines()
+                if ln.startswith("kiln ")]
+    assert [c[1] for c in commands] == ["run", "precision", "build", "validate"]
+    for command in commands:
+        run(*command[1:], *(["--quiet"] if command[1] != "validate" else []),
+            *(["--set", "validate.iterations=3", "--set", "validate.warmup=1"] if command[1] == "validate" else []))
+    v = json.loads((tmp_path / "fromonnx-out" / "validate" / "validation.json").read_text())
+    assert v["passed"] and v["baseline"]["backend"] == "onnxruntime"

@@ -1,47 +1,250 @@
-"""The dataset contract every stage reads: what a user's data function returns."""
+"""The dataset contract every stage reads: what a user's data function returns, and how a model takes it.
+
+``x`` is one tensor (``model(x)``), a tuple of tensors (``model(*x)``) or a dict of named tensors
+(``model(**x)``); integer and float inputs may be mixed. ``y`` is optional: integer class labels, float targets,
+or ``None`` (then a model can be compiled and validated by agreement with PyTorch, but not trained).
+Every stage reaches the inputs through the helpers here, so the three forms mean the same everywhere.
+"""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any, Mapping, Union
 
+import numpy as np
 import torch
+from kiln.core.errors import ConfigError
+
+Inputs = Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
+SINGLE_INPUT = "input"  # the ONNX name of a model's only input, when it is passed as a bare tensor
 
 
 @dataclass
 class DatasetSplits:
-    """Train and held-out tensors. ``x`` is the model's single input, ``y`` integer class labels."""
+    """Train and held-out splits. ``num_classes``: 0 for a task without classes (regression, embeddings)."""
 
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    val_x: torch.Tensor
-    val_y: torch.Tensor
-    num_classes: int
+    train_x: Inputs
+    train_y: torch.Tensor | None
+    val_x: Inputs
+    val_y: torch.Tensor | None
+    num_classes: int = 0
     name: str = "dataset"
-
-    def inconsistency(self) -> str | None:
-        """What makes these splits unusable, or None. Checked before any training: rows without labels, or
-        held-out samples of another shape than the training ones, would otherwise export a model of the wrong
-        shape and validate it on data it was never meant for."""
-        for split in ("train", "val"):
-            x, y = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")
-            if x.ndim < 1 or len(x) == 0:
-                return f"{split}_x holds no samples"
-            if y.ndim != 1 or len(y) != len(x):
-                return f"{split}_x has {len(x)} rows but {split}_y has shape {list(y.shape)} (one label per row expected)"
-            if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
-                return f"{split}_y holds {y.dtype}, not integer class labels"
-            if not isinstance(self.num_classes, int) or self.num_classes < 1:
-                return f"num_classes is {self.num_classes!r}, not a positive integer"
-            if int(y.min()) < 0 or int(y.max()) >= self.num_classes:
-                return (f"{split}_y has labels from {int(y.min())} to {int(y.max())}, outside 0..{self.num_classes - 1} "
-                        f"(num_classes {self.num_classes})")
-        if self.train_x.shape[1:] != self.val_x.shape[1:]:
-            return (f"validation samples are {list(self.val_x.shape[1:])} but training samples are "
-                    f"{list(self.train_x.shape[1:])}")
-        if self.train_x.dtype != self.val_x.dtype:
-            return f"train_x is {self.train_x.dtype} but val_x is {self.val_x.dtype}"
-        return None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        """Shape of one sample, without the batch axis."""
-        return tuple(self.val_x.shape[1:])
+        """Shape of one sample of the first input, without the batch axis."""
+        return tuple(tensors(self.val_x)[0].shape[1:])
+
+    @property
+    def sample_shapes(self) -> dict[str, list[int]]:
+        """Per input (by position or key), the shape of one sample."""
+        return {k: list(t.shape[1:]) for k, t in zip(_keys(self.val_x), tensors(self.val_x))}
+
+    @property
+    def classification(self) -> bool:
+        """Integer labels: a classification task (cross-entropy, accuracy)."""
+        y = self.train_y if self.train_y is not None else self.val_y
+        return y is not None and not torch.is_floating_point(y)
+
+
+# --------------------------------------------------------------------------------------------------- structure
+def tensors(x: Inputs) -> list[torch.Tensor]:
+    """The input tensors in call order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return list(x.values()) if isinstance(x, Mapping) else list(x)
+
+
+def _keys(x: Inputs) -> list[str]:
+    if isinstance(x, torch.Tensor):
+        return [SINGLE_INPUT]
+    return [str(k) for k in x] if isinstance(x, Mapping) else [str(i) for i in range(len(x))]
+
+
+def rebuild(like: Inputs, parts: list[Any]) -> Any:
+    """``parts`` (one per input, in call order) in the structure of ``like``."""
+    if isinstance(like, torch.Tensor):
+        return parts[0]
+    if isinstance(like, Mapping):
+        return dict(zip(like, parts))
+    return tuple(parts)
+
+
+def rows(x: Inputs) -> int:
+    return len(tensors(x)[0])
+
+
+def take(x: Inputs, index: Any) -> Any:
+    """The same rows (a slice or an index tensor) of every input."""
+    return rebuild(x, [t[index] for t in tensors(x)])
+
+
+def call(model: Any, x: Any) -> Any:
+    """``model(x)``, ``model(*x)`` or ``model(**x)``, by the structure of ``x``."""
+    if isinstance(x, Mapping):
+        return model(**x)
+    if isinstance(x, (tuple, list)):
+        return model(*x)
+    return model(x)
+
+
+def input_names(model: Any, x: Inputs) -> list[str]:
+    """ONNX input names: the dict keys, the forward's parameter names for a tuple, ``input`` for one tensor."""
+    if isinstance(x, torch.Tensor):
+        return [SINGLE_INPUT]
+    if isinstance(x, Mapping):
+        return [str(k) for k in x]
+    params = [p.name for p in _forward_params(model) if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [params[i] if i < len(params) else f"input_{i}" for i in range(len(x))]
+
+
+def _forward_params(model: Any) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C++ forward: no signature to read
+        return []
+
+
+def as_feed(x: Inputs, names: list[str]) -> dict[str, np.ndarray]:
+    """The inputs as named numpy arrays (an ONNX Runtime feed)."""
+    return {n: t.detach().cpu().numpy() for n, t in zip(names, tensors(x))}
+
+
+def feed_for_graph(x: Inputs, names: list[str], where: str = "the ONNX model") -> dict[str, np.ndarray]:
+    """The inputs as a feed for a graph taking ``names``: a dict by key, a tuple or tensor by position."""
+    if isinstance(x, Mapping):
+        if sorted(x) != sorted(names):
+            raise DataContractError(f"the data's inputs {sorted(x)} are not those of {where}: {names}",
+                                    hint="key the data function's dict by the ONNX model's input names")
+        return {n: x[n].detach().cpu().numpy() for n in names}
+    if len(tensors(x)) != len(names):
+        raise DataContractError(f"the data gives {len(tensors(x))} inputs, {where} takes {len(names)}: {names}",
+                                hint="give one tensor per model input (a dict keyed by the input names is clearest)")
+    return as_feed(x, names)
+
+
+def from_feed(feed: Mapping[str, np.ndarray], like: Inputs) -> Any:
+    """A feed back into the model's call structure (as ``like``), as torch tensors."""
+    return rebuild(like, [torch.from_numpy(np.ascontiguousarray(a)) for a in feed.values()])
+
+
+# ---------------------------------------------------------------------------------------------- feeds (numpy)
+Feed = dict[str, np.ndarray]
+
+
+def feed_rows(feed: Mapping[str, np.ndarray]) -> int:
+    return len(next(iter(feed.values())))
+
+
+def feed_take(feed: Mapping[str, np.ndarray], index: Any) -> Feed:
+    return {k: v[index] for k, v in feed.items()}
+
+
+# --------------------------------------------------------------------------------------------------- the checks
+class DataContractError(ConfigError):
+    """The data function's splits break the dataset contract."""
+
+
+def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[int, str]] | None = None) -> None:
+    """Every contract violation as one error naming the cause: types, structures that differ between train and
+    val, row counts that differ, sample shapes that differ (axes named in ``dynamic`` may differ)."""
+    for split in ("train", "val"):
+        x, y = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
+        _check_x(x, f"{split}_x", ref)
+        if y is not None and not isinstance(y, torch.Tensor):
+            raise DataContractError(f"dataset '{ref}' gives {split}_y as {type(y).__name__}, not a torch.Tensor or None",
+                                    hint="wrap arrays with torch.from_numpy(...), or give None for no labels")
+        counts = {k: len(t) for k, t in zip(_keys(x), tensors(x))}
+        if len(set(counts.values())) > 1:
+            raise DataContractError(f"dataset '{ref}': the inputs of {split}_x have different row counts {counts}",
+                                    hint="give every input one row per sample")
+        if rows(x) == 0:
+            raise DataContractError(f"dataset '{ref}': {split}_x holds no samples", hint="give both splits samples")
+        if y is not None and (len(y) != rows(x) or y.ndim < 1):
+            raise DataContractError(f"dataset '{ref}': {split}_x has {rows(x)} rows but {split}_y has shape "
+                                    f"{list(y.shape)} (one label per row expected)", hint="give one label per sample")
+        if y is not None:
+            _check_labels(y, split, data.num_classes, ref)
+    if (data.train_y is None) != (data.val_y is None):
+        raise DataContractError(f"dataset '{ref}' gives labels for one split only",
+                                hint="give both train_y and val_y, or neither (None)")
+    tx, vx = data.train_x, data.val_x
+    if _form(tx) != _form(vx) or _keys(tx) != _keys(vx):
+        raise DataContractError(f"dataset '{ref}': train_x is {_describe(tx)} but val_x is {_describe(vx)}",
+                                hint="structure train_x and val_x the same way (the same tensor, tuple or dict keys)")
+    names = _keys(vx)
+    for name, a, b in zip(names, tensors(tx), tensors(vx)):
+        free = {int(axis) for axis in (dynamic or {}).get(name, {})}
+        differ = [i + 1 for i, (p, q) in enumerate(zip(a.shape[1:], b.shape[1:])) if p != q and i + 1 not in free]
+        if a.dim() != b.dim() or differ or a.dtype != b.dtype:
+            which = "" if isinstance(vx, torch.Tensor) else f"input '{name}': "
+            what = ((f"validation samples are {list(b.shape[1:])} but training samples are {list(a.shape[1:])}")
+                    if a.dtype == b.dtype else f"train_x is {a.dtype} but val_x is {b.dtype}")
+            raise DataContractError(
+                f"dataset '{ref}': {which}{what}",
+                hint="give both splits the same per-sample shape and dtype, or declare the axis that varies in "
+                     f"export.dynamic_axes (e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})")
+
+
+def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> None:
+    """Integer labels are classes 0..num_classes-1 (one per row); float targets may have any shape."""
+    if y.dtype.is_floating_point:
+        return
+    if y.dtype.is_complex or y.dtype == torch.bool or y.ndim != 1:
+        raise DataContractError(f"dataset '{ref}': {split}_y is {y.dtype}{list(y.shape)}, neither integer class labels "
+                                "(one per row) nor float targets", hint="give int64 labels of shape [N] or float targets")
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise DataContractError(f"dataset '{ref}': integer labels but num_classes is {num_classes!r}, not a positive "
+                                "integer", hint="pass num_classes=... to DatasetSplits (or float targets for regression)")
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DataContractError(f"dataset '{ref}': {split}_y has labels from {int(y.min())} to {int(y.max())}, outside "
+                                f"0..{num_classes - 1} (num_classes {num_classes})", hint="fix the labels or num_classes")
+
+
+def _check_x(x: Any, field: str, ref: str) -> None:
+    items = ([x] if isinstance(x, torch.Tensor) else list(x.values()) if isinstance(x, Mapping)
+             else list(x) if isinstance(x, tuple) else None)
+    if not items:
+        raise DataContractError(f"dataset '{ref}' gives {field} as {type(x).__name__}"
+                                + (" with nothing in it" if items == [] else "")
+                                + ", not a torch.Tensor, a tuple of tensors or a dict of named tensors",
+                                hint="wrap arrays with torch.from_numpy(...) in the dataset function")
+    for key, t in zip(_keys(x) if items else [], items):
+        if not isinstance(t, torch.Tensor):
+            raise DataContractError(f"dataset '{ref}' gives {field}[{key!r}] as {type(t).__name__}, not a torch.Tensor",
+                                    hint="wrap arrays with torch.from_numpy(...) in the dataset function")
+        if t.dim() == 0:
+            raise DataContractError(f"dataset '{ref}' gives {field}[{key!r}] as a scalar; inputs need a batch axis",
+                                    hint="stack the samples along axis 0")
+
+
+def _form(x: Inputs) -> str:
+    return "tensor" if isinstance(x, torch.Tensor) else "dict" if isinstance(x, Mapping) else "tuple"
+
+
+def _describe(x: Inputs) -> str:
+    if isinstance(x, torch.Tensor):
+        return "a tensor"
+    if isinstance(x, Mapping):
+        return f"a dict with keys {list(x)}"
+    return f"a tuple of {len(x)} tensors"
+
+
+def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
+    """A dict key the forward does not take, or more tuple items than it takes: a clear error, not a TypeError."""
+    params = _forward_params(model)
+    if not params or any(p.kind == p.VAR_KEYWORD for p in params) and isinstance(x, Mapping):
+        return
+    if isinstance(x, Mapping):
+        known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = [k for k in x if k not in known]
+        if unknown:
+            raise DataContractError(f"model '{ref}' forward({', '.join(p.name for p in params)}) takes no "
+                                    f"argument {unknown[0]!r}, which the dataset's inputs name",
+                                    hint=f"name the data's dict keys after the forward's parameters {sorted(known)}")
+    elif isinstance(x, tuple) and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(x) > len(positional):
+            raise DataContractError(f"model '{ref}' forward takes {len(positional)} positional inputs, the dataset "
+                                    f"gives a tuple of {len(x)}",
+                                    hint="give x as a tuple with one tensor per forward parameter, or a dict")

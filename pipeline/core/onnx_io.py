@@ -247,11 +247,6 @@ def ort_run(session: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
     return session.run(None, feed)
 
 
-def input_feed(session: Any, x: np.ndarray) -> dict[str, np.ndarray]:
-    """Kiln models have a single input; name it from the session."""
-    return {session.get_inputs()[0].name: x}
-
-
 def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The graph's real inputs (initializers listed as inputs left out) and its outputs."""
     def spec(v: onnx.ValueInfoProto) -> TensorSpec:

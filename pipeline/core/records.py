@@ -130,6 +130,7 @@ class Variants(Record):
     """``variants.json``: precision name -> its graph."""
 
     variants: dict[str, PrecisionVariant]
+    axis_sizes: dict[str, list[int]] = Field(default_factory=dict)  # dynamic axis besides batch -> sizes in the data
 
 
 # ------------------------------------------------------------------------------------------------------ validation
@@ -158,6 +159,9 @@ class Baseline(Part):
     accuracy: float | None
     samples: int
     latency_ms: dict[str, Percentiles]
+    logits_output: str | None = None  # the class-logit output of top-1 and accuracy (None: not a classifier)
+    compared: list[str] = Field(default_factory=list)  # the outputs every engine is compared on
+    shapes: list[dict[str, int]] = Field(default_factory=list)  # dynamic axis sizes validated at (besides batch)
     memory: Memory | None = None
     error: str | None = None  # why this baseline has no numbers (e.g. torch.compile failed, no CUDA for torch)
 
@@ -177,10 +181,13 @@ class EngineValidation(Part):
     status: Literal["validated", "not-runnable"]
     passed: bool | None = None
     reason: str | None = None
-    max_abs_err: float | None = None
+    max_abs_err: float | None = None  # the worst output's (as cosine, rel_err)
+    rel_err: float | None = None
     cosine: float | None = None
-    top1_agreement: float | None = None
+    top1_agreement: float | None = None  # of the class-logit output
     accuracy: float | None = None
+    outputs: dict[str, dict[str, float | None]] = Field(default_factory=dict)  # output -> OutputStats, worst over shapes
+    shapes: list[dict[str, int]] = Field(default_factory=list)
     latency_ms: dict[str, Percentiles] = Field(default_factory=dict)
     speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)  # vs eager PyTorch on the engine's device
     speedups: dict[str, dict[str, float]] = Field(default_factory=dict)  # baseline label -> batch -> p50 ratio

@@ -28,6 +28,7 @@ class BuildRequest:
     inputs: list[TensorSpec]
     max_batch: int = 32  # bounds default optimization profiles and the batch sizes autotuned
     keep_fp32: list[str] | None = None  # FP16 converted at build time: nodes the precision stage kept FP32
+    axis_sizes: dict[str, list[int]] = field(default_factory=dict)  # dynamic axis besides batch -> [min, max]
     name: str = ""  # the engine's name, for messages (``out`` is a staging folder whose name means nothing to users)
     # The trained PyTorch model (FP32, eval, CPU), for backends that compile it rather than the ONNX graph; None
     # where no PyTorch model exists (``kiln build model.onnx``). A loader, so other backends never load it.

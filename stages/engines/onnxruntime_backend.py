@@ -31,7 +31,8 @@ ATTENTION_OPS = {"Softmax", "MatMul"}
 
 
 def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                     keep_fp32: list[str] | None = None, max_batch: int = 32, name: str = "") -> dict[str, Any]:
+                     keep_fp32: list[str] | None = None, max_batch: int = 32, name: str = "",
+                     axis_sizes: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """Write ``out/engine.onnx`` and, where it can, autotune its session settings on this machine (see
     ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned."""
     import onnxruntime as ort
@@ -75,7 +76,10 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     inputs, _ = io_specs(model)
     batches = sorted(set(cfg.autotune.batch_sizes or [1, max_batch]))
     base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
-    built["autotune"] = autotune(out, {**built, "name": name, "device": device, "inputs": inputs}, onnx_path,
+    # Dynamic axes besides batch are tuned at their largest size (the serving worst case)
+    dynamic = max((max(v) for v in (axis_sizes or {}).values()), default=None)
+    built["autotune"] = autotune(out, {**built, "name": name, "device": device, "inputs": inputs,
+                                       "dynamic": dynamic}, onnx_path,
                                  cfg.autotune, base, knobs, batches, per_batch=device == "cuda")
     _drop_unused_unfused(out, built)
     return built
@@ -258,7 +262,7 @@ def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2) -> str |
 # ------------------------------------------------------------------------------------------------ registration
 def _build(req: BuildRequest) -> dict[str, Any]:
     return build_ort_engine(req.onnx_path, req.out, req.device, req.precision, req.config.onnxruntime,
-                            req.keep_fp32, req.max_batch, req.name)
+                            req.keep_fp32, req.max_batch, req.name, req.axis_sizes)
 
 
 def _can_run(meta: EngineMetadata) -> tuple[bool, str]:

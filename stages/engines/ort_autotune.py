@@ -145,7 +145,8 @@ class Bench:
 
     def feed(self, batch: int) -> dict[str, np.ndarray]:
         if batch not in self.feeds:
-            feed = random_inputs(self.meta["inputs"], batch, hint=AUTOTUNE_SHAPES_HINT)
+            feed = random_inputs(self.meta["inputs"], batch, dynamic=self.meta.get("dynamic"),
+                                 hint=AUTOTUNE_SHAPES_HINT)
             fixed = {n: list(a.shape) for n, a in feed.items() if a.ndim == 0 or a.shape[0] != batch}
             if fixed:  # an input fixed to another batch: random_inputs keeps its size, so this is not batch `batch`
                 raise ShapeNotRun(f"the engine cannot take batch {batch}: inputs fixed to {fixed}")

@@ -15,16 +15,29 @@ from kiln.stages.engines.config import ShapeRange
 Profile = dict[str, ShapeRange]
 
 
-def default_profiles(inputs: list[TensorSpec], max_batch: int) -> list[Profile]:
-    """One profile, batch 1..``max_batch`` (opt at ``max_batch``: throughput rows matter most for serving)."""
+def default_profiles(inputs: list[TensorSpec], max_batch: int,
+                     axis_sizes: dict[str, list[int]] | None = None) -> list[Profile]:
+    """One profile, batch 1..``max_batch`` (opt at ``max_batch``: throughput rows matter most for serving); a
+    dynamic axis named in ``axis_sizes`` (``export.dynamic_axes`` name -> [smallest, largest]) spans its sizes,
+    opt at the largest."""
     profile: Profile = {}
+    sizes = axis_sizes or {}
     for spec in inputs:
-        rest = spec.shape[1:]
-        unknown = [d for d in rest if not isinstance(d, int) or d < 1]
-        if unknown:
-            raise ConfigError(f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis",
-                              hint="give build.tensorrt.profiles with min/opt/max for this input")
-        profile[spec.name] = ShapeRange(min=[1, *rest], opt=[max_batch, *rest], max=[max_batch, *rest])
+        lo: list[int] = [1]
+        hi: list[int] = [max_batch]
+        for d in spec.shape[1:]:
+            if isinstance(d, int) and d >= 1:
+                lo.append(d)
+                hi.append(d)
+            elif isinstance(d, str) and d in sizes:
+                lo.append(min(sizes[d]))
+                hi.append(max(sizes[d]))
+            else:
+                raise ConfigError(f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis, "
+                                  "with no sizes known for them",
+                                  hint="name them in export.dynamic_axes and give validate.shapes their sizes, or "
+                                       "give build.tensorrt.profiles with min/opt/max for this input")
+        profile[spec.name] = ShapeRange(min=lo, opt=hi, max=hi)
     return [profile]
 
 

@@ -34,7 +34,8 @@ def engine_name(backend: str, device: str, precision: str) -> str:
 
 def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, precision: str, cfg: BuildConfig,
                  cache_dir: Path, progress: Progress | None = None, *, max_batch: int = 32, name: str | None = None,
-                 keep_fp32: list[str] | None = None, torch_model: Callable[[], Any] | None = None) -> EngineMetadata:
+                 keep_fp32: list[str] | None = None, torch_model: Callable[[], Any] | None = None,
+                 axis_sizes: dict[str, list[int]] | None = None) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
     ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes.
@@ -47,7 +48,7 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
     t0 = time.perf_counter()
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         built = chosen.build(BuildRequest(onnx_path, out, device, precision, cfg, Path(cache_dir), inputs, max_batch,
-                                          keep_fp32, name=name, torch_model=torch_model))
+                                          keep_fp32, dict(axis_sizes or {}), name=name, torch_model=torch_model))
         for file in built["files"].values():  # an ONNX engine must take every shape its source graph takes
             if file.endswith(".onnx"):
                 check_engine_graph(onnx_path, out / file, name)
@@ -82,8 +83,11 @@ def _check_choice(backend: str, device: str, precision: str) -> Any:
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.build
     root = ctx.inputs["precision"]
-    variants = Variants.read(root / "variants.json", hint="run `kiln run --from precision`").variants
+    record = Variants.read(root / "variants.json", hint="run `kiln run --from precision`")
+    variants = record.variants
     max_batch = max(ctx.config.validate_.batch_sizes)
+    # Dynamic axes besides batch: the sizes validate.shapes asks for, else those the precision stage saw in the data
+    sizes = {k: [min(v), max(v)] for k, v in (record.axis_sizes | ctx.config.validate_.shapes).items() if v}
     # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
     torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config)) if "train" in ctx.inputs else None
     engines: list[dict[str, Any]] = []
@@ -97,7 +101,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 name = backend.engine_name(device, precision)
                 try:
                     meta = _build_with_fallback(root, src, keep, variants[precision].path, name, backend.name,
-                                                device, precision, ctx, max_batch, torch_model)
+                                                device, precision, ctx, max_batch, torch_model, sizes)
                 except BuildError as exc:
                     if not backend.optional(cfg):
                         raise
@@ -111,20 +115,21 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
 def _build_with_fallback(root: Path, src: str, keep: list[str] | None, own_graph: str, name: str, backend: str,
                          device: str, precision: str, ctx: StageContext, max_batch: int,
-                         torch_model: Callable[[], Any] | None = None) -> EngineMetadata:
+                         torch_model: Callable[[], Any] | None = None,
+                         sizes: dict[str, list[int]] | None = None) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
     cfg = ctx.config.build
     try:
         return build_engine(root / src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir, ctx.progress,
-                            max_batch=max_batch, keep_fp32=keep, torch_model=torch_model)
+                            max_batch=max_batch, keep_fp32=keep, torch_model=torch_model, axis_sizes=sizes)
     except BuildError as exc:
         if keep is None:
             raise
         ctx.log.warning("%s: %s; building it from the precision stage's %s graph instead", name, exc.message, precision)
         return build_engine(root / own_graph, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir,
-                            ctx.progress, max_batch=max_batch)
+                            ctx.progress, max_batch=max_batch, axis_sizes=sizes)
 
 
 def default_device(backend: str) -> str:
@@ -184,6 +189,6 @@ def _env(cfg: Any) -> dict[str, Any]:
 
 # The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.
 # The train stage's weights and the model section: the torch backend compiles the trained model itself.
-STAGE = Stage("build", run, ("train", "precision"), ("build", "validate.batch_sizes", "model"),
+STAGE = Stage("build", run, ("train", "precision"), ("build", "validate.batch_sizes", "validate.shapes", "model"),
               (kiln.stages.engines,), _env, "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",
               report=report_section)

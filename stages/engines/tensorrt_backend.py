@@ -199,7 +199,7 @@ def _build_hint(errors: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ registration
 def _build_request(req: BuildRequest) -> dict[str, Any]:
-    profiles = list(req.config.tensorrt.profiles) or default_profiles(req.inputs, req.max_batch)
+    profiles = list(req.config.tensorrt.profiles) or default_profiles(req.inputs, req.max_batch, req.axis_sizes)
     check_profiles(profiles, req.inputs)
     return build_trt_engine(req.onnx_path, req.out, req.precision, req.config.tensorrt, profiles, req.cache_dir)
 

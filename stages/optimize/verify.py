@@ -34,11 +34,12 @@ class Verdict:
     reason: str = ""
 
 
-def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None = None) -> dict[str, np.ndarray]:
-    """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``
-    when given), integers lie in [0, int_high]."""
+def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None = None,
+                  dynamic: int | None = None) -> dict[str, np.ndarray]:
+    """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``,
+    other symbolic axes ``dynamic``, when given), integers lie in [0, int_high]."""
     specs, _ = io_specs(model)
-    return make_inputs(specs, batch or cfg.verify_batch, dynamic=cfg.verify_batch, int_high=cfg.int_high,
+    return make_inputs(specs, batch or cfg.verify_batch, dynamic=dynamic or cfg.verify_batch, int_high=cfg.int_high,
                        seed=cfg.seed)
 
 
@@ -62,8 +63,10 @@ class Verifier:
         self.cfg = cfg
         self.feeds = [random_inputs(model, cfg)]
         self.references = [run_ort(model, self.feeds[0])]  # must run: else the caller reports why
-        try:  # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch)
-            one = random_inputs(model, cfg, batch=1)
+        # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
+        # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
+        try:
+            one = random_inputs(model, cfg, batch=1, dynamic=cfg.verify_batch + 1)
             if any(one[k].shape != v.shape for k, v in self.feeds[0].items()):  # else the same check twice
                 self.references.append(run_ort(model, one))
                 self.feeds.append(one)

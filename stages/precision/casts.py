@@ -82,8 +82,21 @@ def _one_pass(graph: gs.Graph) -> int:
 
 
 def cast_chains(model: onnx.ModelProto) -> list[tuple[str, str]]:
-    """(first, second) names of every Cast that feeds straight into another Cast."""
+    """(first, second) names of every Cast that feeds straight into another Cast, except those starting from an
+    integer or bool tensor: int -> FP16 -> FP32 is kept on purpose (its FP16 rounding is real, see ``_one_pass``;
+    an attention mask cast to float and then to FP16 makes one)."""
     producers = {o: n for n in model.graph.node for o in n.output}
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.value_info]}
+    types |= {t.name: t.data_type for t in model.graph.initializer}
+
+    def from_float(cast: onnx.NodeProto) -> bool:
+        return types.get(cast.input[0]) not in NON_FLOAT if cast.input else True
+
     return [(producers[n.input[0]].name, n.name) for n in model.graph.node
             if n.op_type == "Cast" and n.input and n.input[0] in producers
-            and producers[n.input[0]].op_type == "Cast"]
+            and producers[n.input[0]].op_type == "Cast" and from_float(producers[n.input[0]])]
+
+
+NON_FLOAT = {onnx.TensorProto.BOOL, onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
+             onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32,
+             onnx.TensorProto.UINT64}

@@ -3,25 +3,36 @@ the nodes that introduce the difference (like Polygraphy's ``--onnx-outputs mark
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
-from kiln.core.compare import compare_arrays
+from kiln.core.compare import compare_arrays, compare_outputs, worst
 from kiln.core.onnx_io import ort_session
 
 Model = onnx.ModelProto | Path
+Samples = np.ndarray | dict[str, np.ndarray]  # one input's rows, or a feed of named inputs (same rows)
 
 
-def run_batched(model: Model, x: np.ndarray, batch: int = 64, extra_outputs: list[str] | None = None,
+def n_rows(x: Samples) -> int:
+    return len(next(iter(x.values()))) if isinstance(x, dict) else len(x)
+
+
+def take_rows(x: Samples, index: Any) -> Samples:
+    return {k: v[index] for k, v in x.items()} if isinstance(x, dict) else x[index]
+
+
+def run_batched(model: Model, x: Samples, batch: int = 64, extra_outputs: list[str] | None = None,
                 threads: int = 0) -> list[np.ndarray]:
-    """All outputs (the graph's first, then ``extra_outputs``) over ``x`` in batches, as float64."""
+    """All outputs (the graph's outputs, then ``extra_outputs`` after its first when given) over ``x`` in
+    batches, as float64."""
     if extra_outputs:
         model = _with_outputs(model, extra_outputs)
     sess = ort_session(model, threads=threads)
-    name = sess.get_inputs()[0].name
+    feed = x if isinstance(x, dict) else {sess.get_inputs()[0].name: x}
     parts: list[list[np.ndarray]] = []
-    for i in range(0, len(x), batch):
-        parts.append(sess.run(None, {name: x[i:i + batch]}))
+    for i in range(0, n_rows(x), batch):
+        parts.append(sess.run(None, {k: v[i:i + batch] for k, v in feed.items()}))
     return [np.concatenate([p[k] for p in parts]).astype(np.float64) for k in range(len(parts[0]))]
 
 
@@ -41,11 +52,15 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def output_metrics(ref: np.ndarray, got: np.ndarray) -> dict[str, float | None]:
-    """The comparator's top-1 agreement, cosine and max abs error of ``got`` against ``ref``, with the sample count."""
-    stats = compare_arrays(ref, got)
-    return {"top1_agreement": stats.top1_agreement, "cosine": stats.cosine, "max_abs_err": stats.max_abs_err,
-            "samples": int(len(ref))}
+def output_metrics(ref: np.ndarray | list[np.ndarray], got: np.ndarray | list[np.ndarray],
+                   logits: int | None = 0) -> dict[str, float | None]:
+    """The comparator's top-1 agreement (of output ``logits``; None: no class logits), cosine and max abs error
+    (the worst output's) of ``got`` against ``ref``, with the sample count."""
+    refs, gots = (ref, got) if isinstance(ref, list) else ([ref], [got])
+    stats = compare_outputs(refs, gots)
+    top1 = stats[str(logits)].top1_agreement if logits is not None and str(logits) in stats else None
+    return {"top1_agreement": top1, "cosine": worst(stats, "cosine"), "max_abs_err": worst(stats, "max_abs_err"),
+            "samples": int(len(refs[0]))}
 
 
 def rel_error(ref: np.ndarray, got: np.ndarray) -> float:
@@ -53,7 +68,7 @@ def rel_error(ref: np.ndarray, got: np.ndarray) -> float:
     return compare_arrays(ref, got).rel_err if ref.shape == got.shape else float("inf")
 
 
-def tensor_errors(ref_model: Model, model: Model, x: np.ndarray, tensors: list[str]) -> dict[str, float]:
+def tensor_errors(ref_model: Model, model: Model, x: Samples, tensors: list[str]) -> dict[str, float]:
     """Relative L2 error of each named intermediate tensor of ``model`` vs ``ref_model`` on ``x``."""
     ref_m, m = (onnx.load(str(p)) if isinstance(p, Path) else p for p in (ref_model, model))
     common = _produced(ref_m) & _produced(m) - {ref_m.graph.output[0].name}

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 from kiln.core.text import fmt
-from kiln.stages.precision.compare import output_metrics, run_batched, tensor_errors
+from kiln.stages.precision.compare import Samples, output_metrics, run_batched, take_rows, tensor_errors
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.fp16_select import INDEX_OPS
 
@@ -45,23 +45,25 @@ def passes(metrics: dict[str, float | None], cfg: FallbackConfig) -> bool:
     return ok
 
 
-def run_fallback(build: Callable[[set[str]], Path], fp32: onnx.ModelProto, x: np.ndarray, cfg: FallbackConfig,
-                 candidates: set[str], label: str) -> FallbackResult:
-    """``build(extra_fp32_nodes) -> model path``. ``candidates``: nodes whose precision ``build`` can change."""
-    ref = run_batched(fp32, x)[0]
+def run_fallback(build: Callable[[set[str]], Path], fp32: onnx.ModelProto, x: Samples, cfg: FallbackConfig,
+                 candidates: set[str], label: str, logits: int | None = 0) -> FallbackResult:
+    """``build(extra_fp32_nodes) -> model path``. ``candidates``: nodes whose precision ``build`` can change.
+    Every graph output is compared (the worst must meet the targets); ``logits``: the index of the class-logit
+    output whose top-1 agreement is checked (None: none)."""
+    refs = run_batched(fp32, x)
     kept: dict[str, str] = {}
     result = FallbackResult(path=Path())
     for round_no in range(cfg.max_rounds + 1):
         result.path = build(set(kept))
-        got = run_batched(result.path, x)[0]
-        metrics = output_metrics(ref, got)
+        gots = run_batched(result.path, x)
+        metrics = output_metrics(refs, gots, logits)
         result.rounds.append({"round": round_no, "kept": len(kept), **metrics})
         result.passed = passes(metrics, cfg)
         log.info("%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)", label, round_no,
                  fmt(metrics["top1_agreement"]), metrics["cosine"], len(kept))
         if result.passed or not cfg.enabled or round_no == cfg.max_rounds:
             break
-        picks = blame(fp32, result.path, _informative(x, ref, got), candidates, set(kept), cfg.nodes_per_round)
+        picks = blame(fp32, result.path, _informative(x, refs[logits or 0], gots[logits or 0]), candidates, set(kept), cfg.nodes_per_round)
         if not picks:
             log.warning("%s: no node left to keep in FP32; accuracy target not reachable by fallback", label)
             break
@@ -71,14 +73,14 @@ def run_fallback(build: Callable[[set[str]], Path], fp32: onnx.ModelProto, x: np
     return result
 
 
-def _informative(x: np.ndarray, ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:
     """Samples whose prediction flipped first (they show the damage), topped up with the rest."""
     flipped = ref.reshape(len(ref), -1).argmax(1) != got.reshape(len(got), -1).argmax(1)
     order = np.concatenate([np.flatnonzero(flipped), np.flatnonzero(~flipped)])
-    return x[order[:BLAME_SAMPLES]]
+    return take_rows(x, order[:BLAME_SAMPLES])
 
 
-def blame(fp32: onnx.ModelProto, model: Path, x: np.ndarray, candidates: set[str], kept: set[str],
+def blame(fp32: onnx.ModelProto, model: Path, x: Samples, candidates: set[str], kept: set[str],
           count: int) -> dict[str, str]:
     """The ``count`` nodes whose output error most exceeds their inputs' error, with a reason each."""
     nodes = [n for n in fp32.graph.node if n.op_type not in INDEX_OPS and n.output]

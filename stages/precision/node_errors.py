@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import onnx
 from kiln.core.artifacts import write_bytes_atomic
-from kiln.stages.precision.compare import Model, tensor_errors
+from kiln.stages.precision.compare import Model, Samples, take_rows, tensor_errors
 from kiln.stages.precision.fp16_select import INDEX_OPS
 
 SAMPLES = 16  # every node output is held in memory at once: a few samples show where error starts
@@ -27,7 +27,7 @@ def graph_order(fp32: onnx.ModelProto) -> list[tuple[str, str]]:
             if n.op_type not in INDEX_OPS | {"Constant"} and any(o in floats for o in n.output)]
 
 
-def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: np.ndarray) -> dict[str, list[float]]:
+def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: Samples) -> dict[str, list[float]]:
     """For each variant, the error of each node of :func:`graph_order` (NaN where the variant has no such
     tensor, e.g. a node the INT8 rewrite replaced); the graph output's error is the variant's last entry."""
     order = graph_order(fp32)
@@ -37,7 +37,7 @@ def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: np.n
     for label, model in variants.items():
         err: dict[str, float] = {}
         for i in range(0, max(len(tensors), 1), CHUNK):  # a bounded number of activations in memory at once
-            err |= tensor_errors(fp32, model, x[:SAMPLES], tensors[i:i + CHUNK])
+            err |= tensor_errors(fp32, model, take_rows(x, slice(0, SAMPLES)), tensors[i:i + CHUNK])
         curves[label] = [err.get(t, float("nan")) for _, t in order]
     return curves
 

@@ -7,6 +7,7 @@ variants.json is a :class:`kiln.core.records.Variants` record; before typing, ea
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,12 +16,20 @@ from typing import Any
 import kiln.calibration
 import kiln.stages.precision
 import numpy as np
+from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
+from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
-from kiln.core.onnx_io import load_onnx
+from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.outputs import logits_name
+from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, Variants
+from kiln.core.shapes import axis_sizes, graph_axes
 from kiln.core.stage import Stage, StageContext
+from kiln.core.text import fmt
+from kiln.stages.precision.compare import Samples
+from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.node_errors import (
     DIVERGENCE,
@@ -38,35 +47,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
     wanted = list(dict.fromkeys(cfg.variants))
     data = ctx.dataset()
+    graph = load_onnx(ctx.inputs["optimize"] / "model.onnx")
+    inputs, outputs = io_specs(graph)
+    names = [i.name for i in inputs]  # the export's order: the data's inputs in call order
     needs_data = "int8" in wanted or ("fp16" in wanted and cfg.fp16.range_check)
-    batches = calibration_batches(data, ccfg, ctx.config.seed) if needs_data else []
-    x_val = data.val_x[:cfg.fallback.samples].numpy()
-    variants: dict[str, Any] = {}
-    failed: dict[str, str] = {}  # variant -> why it could not be built (listed in the report, not built)
+    batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
+    x_val = feed_for_graph(take(data.val_x, slice(0, cfg.fallback.samples)), names)
+    logits = logits_name([o.name for o in outputs], ctx.config.validate_.logits_output)
+    logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
         fp32_path = ctx.out / "fp32" / "model.onnx" if "fp32" in wanted else Path(tmp) / "fp32.onnx"
-        src = Source.prepare(load_onnx(ctx.inputs["optimize"] / "model.onnx"), fp32_path, batches,
-                             ctx.cache_dir if ccfg.cache else Path(tmp))  # no cache: ranges live only this run
+        src = Source.prepare(graph, fp32_path, batches,
+                             ctx.cache_dir if ccfg.cache else Path(tmp),  # no cache: ranges live only this run
+                             logits_index)
         cache_dir = src.cache_dir if ccfg.cache else None
-        with ctx.progress.task("precision variants", total=len(wanted)) as bar:
-            for precision in wanted:
-                out = ctx.out / precision / "model.onnx"
-                try:
-                    if precision == "fp32":
-                        variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
-                    elif precision == "fp16":
-                        variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
-                    else:
-                        variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
-                except KilnError as exc:  # one variant's failure must not take the others with it
-                    failed[precision] = exc.message + (f" (fix: {exc.hint})" if exc.hint else "")
-                    ctx.log.error("precision variant %s failed, the others go on: %s", precision, failed[precision])
-                    shutil.rmtree(ctx.out / precision, ignore_errors=True)
-                else:
-                    _log_variant(ctx, precision, variants[precision])
-                bar.advance(1, note=precision)
+        variants, failed = build_variants(src, ctx.out, wanted, cfg, ccfg, x_val, ctx.progress, ctx.log)
         modules = torch_modules(src.model, *_export_graph(ctx))
         node_report = _node_error_report(ctx, src, variants, x_val, modules) \
             if cfg.node_errors and set(variants) - {"fp32"} else {}
@@ -77,7 +74,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         e["kept_fp32_modules"] = _modules_of(e["kept_fp32"], modules)
         if "ort_cpu" in e:
             e["ort_cpu"]["kept_fp32_modules"] = _modules_of(e["ort_cpu"]["kept_fp32"], modules)
-    Variants(variants={name: _record(entry) for name, entry in variants.items()}).write(ctx.out / "variants.json")
+    Variants(variants={name: variant_record(entry) for name, entry in variants.items()},
+             axis_sizes=_axis_sizes(data, names, ctx)).write(ctx.out / "variants.json")
     summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"],
                    "kept_fp32_modules": e["kept_fp32_modules"], **(e.get("vs_fp32") or {}),
                    "fallback_passed": e.get("fallback", {}).get("passed", True),
@@ -85,6 +83,42 @@ def run(ctx: StageContext) -> dict[str, Any]:
                for v, e in variants.items()}
     return {"variants": summary, "failed": failed, **node_report,
             "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+
+
+def build_variants(src: Source, root: Path, wanted: list[str], cfg: PrecisionConfig, ccfg: CalibrationConfig,
+                   x_val: Samples, progress: Progress, log: logging.Logger) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there); a variant that
+    fails is listed with why (variant -> message) and the others go on."""
+    variants: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+    with progress.task("precision variants", total=len(wanted)) as bar:
+        for precision in wanted:
+            out = root / precision / "model.onnx"
+            try:
+                if precision == "fp32":
+                    variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
+                elif precision == "fp16":
+                    variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
+                else:
+                    variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+            except KilnError as exc:  # one variant's failure must not take the others with it
+                failed[precision] = exc.message + (f" (fix: {exc.hint})" if exc.hint else "")
+                log.error("precision variant %s failed, the others go on: %s", precision, failed[precision])
+                shutil.rmtree(root / precision, ignore_errors=True)
+            else:
+                _log_variant(log, precision, variants[precision])
+            bar.advance(1, note=precision)
+    return variants, failed
+
+
+def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext) -> dict[str, list[int]]:
+    """The sizes of each dynamic axis besides batch the engines must take (build sizes its profiles by them)."""
+    axes = ctx.config.export.dynamic_axes or graph_axes(io_specs(load_onnx(ctx.inputs["optimize"] / "model.onnx",
+                                                                              load_external_data=False))[0])
+    if not axes:
+        return {}
+    feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]
+    return axis_sizes(feeds, axes, ctx.config.validate_.shapes)
 
 
 def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +140,7 @@ def _export_graph(ctx: StageContext) -> list[Any]:
     return [load_onnx(path, load_external_data=False)] if path.is_file() else []
 
 
-def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any], x_val: np.ndarray,
+def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any], x_val: Samples,
                        modules: dict[str, str]) -> dict[str, Any]:
     """Per-node error of each reduced-precision graph vs FP32 along the graph: a plot and the first node where
     each diverges. FP16 is judged on its emulation (ORT's CPU provider hides FP16 rounding, see emulate.py)."""
@@ -136,18 +170,19 @@ def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any],
             "node_error_threshold": DIVERGENCE}
 
 
-def _log_variant(ctx: StageContext, precision: str, entry: dict[str, Any]) -> None:
+def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> None:
     vs = entry.get("vs_fp32") or {}
     if vs:
-        ctx.log.info("%s: top-1 agreement vs FP32 %.4f, %d nodes kept FP32", precision, vs["top1_agreement"],
+        log.info("%s: top-1 agreement vs FP32 %s, cosine %.6f, %d nodes kept FP32", precision,
+                     fmt(vs["top1_agreement"]), vs["cosine"],
                      len(entry["kept_fp32"]))
     for label, e in ((precision, entry), (f"{precision} (onnxruntime-cpu graph)", entry.get("ort_cpu") or {})):
         if not e.get("fallback", {}).get("passed", True):
-            ctx.log.warning("%s misses precision.fallback targets after %d rounds; validation gates decide",
+            log.warning("%s misses precision.fallback targets after %d rounds; validation gates decide",
                             label, len(e["fallback"]["rounds"]) - 1)
 
 
-def _record(entry: dict[str, Any]) -> PrecisionVariant:
+def variant_record(entry: dict[str, Any]) -> PrecisionVariant:
     """A variant's entry as the typed record; what only people read goes into ``report`` as plain JSON."""
     typed = {"path", "kept_fp32", "reasons", "backend_paths", "vs_fp32"}
     report = json.loads(json.dumps({k: v for k, v in entry.items() if k not in typed}, default=_jsonable))
@@ -165,6 +200,7 @@ def _env(cfg: Any) -> dict[str, Any]:
     return environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime")
 
 
-STAGE = Stage("precision", run, ("optimize", "train"), ("seed", "model.name", "data", "precision", "calibration"),
+STAGE = Stage("precision", run, ("optimize", "train"), ("seed", "model.name", "data", "precision", "calibration",
+                                                       "validate.logits_output", "validate.shapes", "export.dynamic_axes"),
               (kiln.stages.precision, kiln.calibration), _env, "FP16 mixed precision and INT8 (Q/DQ) graphs",
               data=("dataset", "calibration"), report=report_section)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 from kiln.calibration.config import CalibrationConfig
+from kiln.calibration.data import Batch
 from kiln.calibration.quantize import (
     excluded_nodes,
     ort_cpu_scheme,
@@ -21,6 +21,7 @@ from kiln.calibration.quantize import (
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
 from kiln.core.onnx_io import infer_shapes, save_onnx
+from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.fallback import FallbackResult, run_fallback
@@ -37,15 +38,16 @@ class Source:
     model: onnx.ModelProto
     path: Path
     input_name: str
-    batches: list[np.ndarray]
+    batches: list[Batch]
     cache_dir: Path | None
+    logits: int | None = 0  # index of the class-logit output (top-1 agreement); None: the model has none
 
     @classmethod
-    def prepare(cls, model: onnx.ModelProto, path: Path, batches: list[np.ndarray],
-                cache_dir: Path | None) -> "Source":
+    def prepare(cls, model: onnx.ModelProto, path: Path, batches: list[Batch],
+                cache_dir: Path | None, logits: int | None = 0) -> "Source":
         model = name_nodes(infer_shapes(model))
         save_onnx(model, path)
-        return cls(model, path, model.graph.input[0].name, batches, cache_dir)
+        return cls(model, path, model.graph.input[0].name, batches, cache_dir, logits)
 
     def ranges(self, method: str, ccfg: CalibrationConfig) -> Ranges:
         return calibrate(self.path, self.batches, self.input_name, method, cache_dir=self.cache_dir,
@@ -56,7 +58,7 @@ def _float_nodes(model: onnx.ModelProto) -> set[str]:
     return {n.name for n in model.graph.node if n.op_type not in INDEX_OPS}
 
 
-def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig, x_val: np.ndarray,
+def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig, x_val: Samples,
                ccfg: CalibrationConfig) -> dict[str, Any]:
     """FP16 graph at ``out``: sensitive and out-of-range nodes FP32, then fallback until the target holds."""
     amax = src.ranges("minmax", ccfg).amax() if cfg.range_check and src.batches else {}
@@ -75,12 +77,13 @@ def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig
             save_onnx(emulate_fp16(src.model, set(base) | set(unconvertible) | extra), emulated)
             return emulated
 
-        res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16")
+        res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16",
+                           src.logits)
     return _entry(out, base | unconvertible | res.kept, res, {**info, "unconvertible": sorted(unconvertible)})
 
 
 def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig,
-               x_val: np.ndarray) -> dict[str, Any]:
+               x_val: Samples) -> dict[str, Any]:
     """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table."""
     ranges = src.ranges(ccfg.method, ccfg)
     base = {n: _exclusion_reason(src.model, n, ccfg) for n in excluded_nodes(src.model, ccfg)}
@@ -92,7 +95,7 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
 
     ops = set(quantizable_op_types(ccfg))
     candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
-    res = run_fallback(build, src.model, x_val, fallback, candidates, "int8")
+    res = run_fallback(build, src.model, x_val, fallback, candidates, "int8", src.logits)
     entry = _entry(out, base | res.kept, res, {"calibration": {
         "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
         "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes")}})
@@ -107,7 +110,7 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
 
 
 def ort_cpu_with_fallback(src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig,
-                          x_val: np.ndarray, kept: dict[str, str], candidates: set[str]) -> dict[str, Any]:
+                          x_val: Samples, kept: dict[str, str], candidates: set[str]) -> dict[str, Any]:
     """The ONNX Runtime CPU graph through a fallback of its own: its scheme (uint8 static, or dynamic ranges
     measured per batch) loses accuracy where the symmetric Q/DQ graph does not, and it is what ORT CPU engines
     run, so passing on the Q/DQ graph says nothing about it. Starts from the nodes the Q/DQ graph kept."""
@@ -117,7 +120,8 @@ def ort_cpu_with_fallback(src: Source, out: Path, ccfg: CalibrationConfig, fallb
         info.update(build_ort_cpu_int8(src, out, ccfg, set(kept) | extra))
         return out
 
-    res = run_fallback(build, src.model, x_val, fallback, candidates - set(kept), "int8 onnxruntime-cpu")
+    res = run_fallback(build, src.model, x_val, fallback, candidates - set(kept), "int8 onnxruntime-cpu",
+                       src.logits)
     last = res.rounds[-1] if res.rounds else {}
     return {**info, "kept_fp32": sorted(kept | res.kept), "reasons": dict(sorted(res.kept.items())),
             "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},

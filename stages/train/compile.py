@@ -116,16 +116,17 @@ class CompiledModel:
     def compiled(self) -> bool:
         return self.forward is not self.eager
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Any call structure: model(x), model(*x), model(**x) (kiln.core.data.call), any output structure
         if not self.compiled:
-            return self.eager(x)
+            return self.eager(*args, **kwargs)
         if self.mark_steps:
             torch.compiler.cudagraph_mark_step_begin()
         try:
-            return self.forward(x)
+            return self.forward(*args, **kwargs)
         except self.errors as exc:
             self.fall_back(exc)
-            return self.eager(x)
+            return self.eager(*args, **kwargs)
 
     def fall_back(self, exc: BaseException) -> None:
         """Continue in eager mode after a compile failure, or (``fullgraph: true``) stop with a clear error."""

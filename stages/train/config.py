@@ -86,6 +86,8 @@ class TrainConfig(Section):
     eval_every: int = Field(1, ge=1, description="validate every N epochs (and always after the last)")
     profile_steps: int = Field(0, ge=0, description="> 0: write a torch.profiler trace of this many steps (trace.json)")
     plot: bool = Field(True, description="write loss.png (train/val loss per epoch)")
+    loss: str | None = Field(None, description="'package.module:function' taking (outputs, targets) -> scalar; null: "
+                                               "cross-entropy for integer labels, mean squared error for float targets")
     compile: bool | CompileConfig = Field(
         False, description="torch.compile the model: true (default settings) or {mode, dynamic, fullgraph}")
     amp: AmpConfig = Field(default_factory=AmpConfig)

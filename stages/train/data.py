@@ -12,6 +12,7 @@ import logging
 from typing import Iterable, Iterator
 
 import torch
+from kiln.core.data import Inputs, rebuild, rows, tensors
 from kiln.core.errors import ConfigError
 from kiln.stages.train.config import LoaderConfig, TrainConfig
 from kiln.stages.train.dist import DistEnv
@@ -56,31 +57,47 @@ class DeviceBatches:
     indices go to the device once, from pinned memory without blocking, and each batch is an index_select.
     """
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, sampler: ResumableSampler, batch: int) -> None:
+    def __init__(self, x: Inputs, y: torch.Tensor, sampler: ResumableSampler, batch: int) -> None:
         self.x, self.y, self.sampler, self.batch = x, y, sampler, batch
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Inputs, torch.Tensor]]:
         idx = torch.tensor(list(self.sampler), dtype=torch.long)
-        if self.x.is_cuda:
-            idx = idx.pin_memory().to(self.x.device, non_blocking=True)
+        if self.y.is_cuda:
+            idx = idx.pin_memory().to(self.y.device, non_blocking=True)
         for part in idx.split(self.batch):
-            yield self.x.index_select(0, part), self.y.index_select(0, part)
+            yield rebuild(self.x, [t.index_select(0, part) for t in tensors(self.x)]), self.y.index_select(0, part)
 
     def __len__(self) -> int:
         return -(-len(self.sampler) // self.batch)
 
 
-def make_loader(x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed: int,
-                device: torch.device) -> tuple[Iterable[tuple[torch.Tensor, torch.Tensor]], ResumableSampler]:
+class _Structured:
+    """The loader's flat ``(*inputs, y)`` tuples back in the data's input structure (tensor, tuple or dict)."""
+
+    def __init__(self, loader: DataLoader, like: Inputs) -> None:
+        self.loader, self.like = loader, like
+
+    def __iter__(self) -> Iterator[tuple[Inputs, torch.Tensor]]:
+        for *xs, y in self.loader:
+            yield rebuild(self.like, xs), y
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def make_loader(x: Inputs, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed: int,
+                device: torch.device) -> tuple[Iterable[tuple[Inputs, torch.Tensor]], ResumableSampler]:
     """Batches of this process's share of each global batch, in the order fixed by ``seed`` and the epoch."""
     lc: LoaderConfig = cfg.loader
-    if len(x) % env.world_size and env.enabled:
+    n = rows(x)
+    if n % env.world_size and env.enabled:
         log.warning("%d samples over %d processes: DistributedSampler repeats %d samples to even the shards",
-                    len(x), env.world_size, env.world_size - len(x) % env.world_size)
-    dataset = TensorDataset(x, y)
+                    n, env.world_size, env.world_size - n % env.world_size)
+    dataset = TensorDataset(*tensors(x), y)
     sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
     if lc.on_device:
-        return DeviceBatches(x.to(device), y.to(device), sampler, local_batch_size(cfg, env)), sampler
+        on_dev = rebuild(x, [t.to(device) for t in tensors(x)])
+        return DeviceBatches(on_dev, y.to(device), sampler, local_batch_size(cfg, env)), sampler
     # A BatchSampler as the sampler with batch_size=None: the dataset is indexed with the whole list of
     # indices at once (one gather per batch instead of one per sample plus a collate).
     batches = BatchSampler(sampler, local_batch_size(cfg, env), drop_last=False)
@@ -92,10 +109,11 @@ def make_loader(x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, env: DistEnv
                         prefetch_factor=lc.prefetch_factor if workers > 0 else None,
                         # Its own generator, so creating iterators never draws from the global RNG (dropout).
                         generator=torch.Generator().manual_seed(seed))
-    return loader, sampler
+    return _Structured(loader, x), sampler
 
 
-def micro_batches(xb: torch.Tensor, yb: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def micro_batches(xb: Inputs, yb: torch.Tensor, steps: int) -> list[tuple[Inputs, torch.Tensor]]:
     """Split one process's batch into at most ``steps`` micro-batches (fewer for a short last batch)."""
-    size = -(-len(xb) // steps)
-    return list(zip(xb.split(size), yb.split(size)))
+    size = -(-rows(xb) // steps)
+    parts = zip(*(t.split(size) for t in tensors(xb)))
+    return [(rebuild(xb, list(p)), y) for p, y in zip(parts, yb.split(size))]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, Inputs, call, rebuild, rows, take, tensors
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
 from kiln.stages.train import checkpoint as ckpt
@@ -60,6 +60,7 @@ from kiln.stages.train.precision import (
     update_scaler,
 )
 from kiln.stages.train.runtime import determinism, profiler
+from kiln.stages.train.task import CLASSIFY, Task
 from torch import nn
 
 log = logging.getLogger("kiln.train")
@@ -70,27 +71,30 @@ SCHED_WARNING = r"Detected call of `lr_scheduler.step\(\)` before"
 
 
 @torch.no_grad()
-def evaluate_loss_acc(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-                      env: DistEnv = DistEnv(), batch: int = 256,
-                      forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[float, float]:
-    """FP32 validation loss and accuracy; each process takes every W-th sample, then one all-reduce.
-    ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
+def evaluate_loss_acc(model: nn.Module, x: Inputs, y: torch.Tensor, device: torch.device,
+                      env: DistEnv = DistEnv(), batch: int = 256, task: Task = CLASSIFY,
+                      forward: Callable[..., Any] | None = None) -> tuple[float, float | None]:
+    """FP32 validation loss and accuracy (None without class labels); each process takes every W-th sample,
+    then one all-reduce. ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
     was_training = model.training
     model.eval()
     run = forward or model
-    x, y = x[env.rank::env.world_size], y[env.rank::env.world_size]
+    x, y = take(x, slice(env.rank, None, env.world_size)), y[env.rank::env.world_size]
     correct, loss_sum = 0.0, 0.0
-    for i in range(0, len(x), batch):
-        logits = run(x[i:i + batch].to(device)).float()
+    for i in range(0, len(y), batch):
+        xb = take(x, slice(i, i + batch))
+        out = call(run, rebuild(xb, [t.to(device) for t in tensors(xb)]))
         target = y[i:i + batch].to(device)
-        loss_sum += nn.functional.cross_entropy(logits, target, reduction="sum").item()
-        correct += (logits.argmax(-1) == target).sum().item()
-    correct, loss_sum, n = all_sum([correct, loss_sum, float(len(x))], device, env)
+        loss_sum += task.loss(out, target).item() * len(target)  # the mean loss, weighted by the rows
+        hits = task.correct(out, target)
+        correct = None if hits is None or correct is None else correct + hits
+    sums = all_sum([correct or 0.0, loss_sum, float(len(y))], device, env)
     model.train(was_training)
-    return loss_sum / max(1.0, n), correct / max(1.0, n)
+    n = max(1.0, sums[2])
+    return sums[1] / n, (None if correct is None else sums[0] / n)
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch: int = 256) -> float:
+def evaluate(model: nn.Module, x: Inputs, y: torch.Tensor, device: torch.device, batch: int = 256) -> float | None:
     return evaluate_loss_acc(model, x, y, device, batch=batch)[1]
 
 
@@ -104,7 +108,8 @@ def grad_norm(params: list[nn.Parameter], clip: float | None) -> torch.Tensor:
 
 def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0,
           progress: Progress | None = None, *, env: DistEnv | None = None, ckpt_dir: Path | None = None,
-          run_key: str = "", out_dir: Path | None = None, on_step: StepHook | None = None) -> TrainResult:
+          run_key: str = "", out_dir: Path | None = None, on_step: StepHook | None = None,
+          task: Task = CLASSIFY) -> TrainResult:
     """Train ``model`` in place (returned on CPU, eval mode). Only the main process writes files:
     checkpoints into ``ckpt_dir``, ``loss.png``/``trace.json`` into ``out_dir``."""
     env = env or env_from_torchrun()
@@ -115,7 +120,7 @@ def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0
         torch.manual_seed(seed)
         model.to(device).train()
         norms = stack.enter_context(fp32_norms(model, device, precision, cfg.amp.fp32_norms))
-        trainer = _Trainer(model, data, cfg, seed, env, device, precision, ckpt_dir, run_key, on_step)
+        trainer = _Trainer(model, data, cfg, seed, env, device, precision, ckpt_dir, run_key, on_step, task)
         trainer.result.fp32_norms = norms
         prof = stack.enter_context(profiler(cfg.profile_steps, device, out_dir if env.is_main else None))
         trainer.run(progress or SilentProgress(), prof)
@@ -143,7 +148,7 @@ class _Trainer:
 
     def __init__(self, model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int, env: DistEnv,
                  device: torch.device, precision: str, ckpt_dir: Path | None, run_key: str,
-                 on_step: StepHook | None) -> None:
+                 on_step: StepHook | None, task: Task = CLASSIFY) -> None:
         self.model, self.data, self.cfg, self.env, self.device = model, data, cfg, env, device
         self.precision, self.ckpt_dir, self.run_key, self.on_step = precision, ckpt_dir, run_key, on_step
         self.loader, self.sampler = make_loader(data.train_x, data.train_y, cfg, env, seed, device)
@@ -158,7 +163,7 @@ class _Trainer:
         # optimizers), so the host may look at a step's values late. Otherwise it decides at once.
         self.device_skip = self.scaler.is_enabled() or skips_on_device(self.opt)
         self.stats = LaggedStats(device, lag=1 if self.device_skip else 0)
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.task = task  # the loss: cross-entropy, MSE or the user's (kiln.stages.train.task)
         self.result = TrainResult(precision=precision, device=str(device), world_size=env.world_size,
                                   checkpoint_dir=str(ckpt_dir) if ckpt_dir else None)
         self.epoch, self.step_in_epoch, self.last_good = 0, 0, "none written yet"
@@ -308,7 +313,7 @@ class _Trainer:
             self._save()
         return m
 
-    def _step(self, xb: torch.Tensor, yb: torch.Tensor) -> None:
+    def _step(self, xb: Inputs, yb: torch.Tensor) -> None:
         self.guard.save()  # the forward passes update BatchNorm statistics even if the step is then skipped
         try:
             total = self._forward_backward(xb, yb)
@@ -322,7 +327,7 @@ class _Trainer:
         self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
         norm = grad_norm(self.params, self.cfg.grad_clip)
         self.result.global_step += 1
-        self.stats.push(self.result.global_step, self.epoch, len(xb), total, norm)
+        self.stats.push(self.result.global_step, self.epoch, rows(xb), total, norm)
         done: list[tuple[StepStats, float, float]] = []
         if self.scaler.is_enabled():
             self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
@@ -341,12 +346,12 @@ class _Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.step_in_epoch += 1
-        self.acc["samples"] += len(xb)
+        self.acc["samples"] += rows(xb)
         # With device-side skipping these are the previous step's values; this step's work is queued
         # behind them, so the GPU stays busy while the host looks.
         self._account(done if not self.device_skip else list(self.stats.ready()))
 
-    def _forward_backward(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, xb: Inputs, yb: torch.Tensor) -> torch.Tensor:
         """The micro-steps of one batch: forward, FP32 loss, scaled backward. Returns the batch's loss."""
         chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
         total: torch.Tensor | None = None
@@ -354,15 +359,15 @@ class _Trainer:
             last = i == len(chunks) - 1
             sync = self.ddp.no_sync() if self.env.enabled and not last else nullcontext()  # type: ignore[operator]
             with sync:
-                cx = cx.to(self.device, non_blocking=True)
+                cx = rebuild(cx, [t.to(self.device, non_blocking=True) for t in tensors(cx)])
                 cy = cy.to(self.device, non_blocking=True)
                 with autocast(self.device, self.precision):
-                    logits = self.net(cx)
+                    out = call(self.net, cx)
                 # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
                 # to the mean over the whole batch, also when the last micro-batch is smaller.
-                loss = self.loss_fn(logits.float(), cy)
-                if len(cx) != len(xb):  # one micro-batch: weight 1, no extra kernels
-                    loss = loss * (len(cx) / len(xb))
+                loss = self.task.loss(out, cy)
+                if len(cy) != rows(xb):  # one micro-batch: weight 1, no extra kernels
+                    loss = loss * (len(cy) / rows(xb))
                 self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
@@ -430,9 +435,12 @@ class _Trainer:
                          skipped_steps=int(skipped / self.env.world_size), nonfinite_steps=int(bad / self.env.world_size))
         if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
             m.val_loss, m.val_accuracy = evaluate_loss_acc(self.model, self.data.val_x, self.data.val_y,
-                                                           self.device, self.env, forward=self.net)
+                                                           self.device, self.env, task=self.task,
+                                                           forward=self.net)
             r = self.result
-            if r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy:
+            if m.val_accuracy is None:  # no classes: nothing to rank epochs by ("best" keeps the last)
+                pass
+            elif r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy:
                 r.best_val_accuracy, r.best_epoch = m.val_accuracy, m.epoch
                 if self.ckpt_dir is not None and self.env.is_main:
                     self.best_digest = ckpt.save_weights(self.ckpt_dir / ckpt.BEST, self.model)

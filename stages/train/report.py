@@ -10,10 +10,12 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     """Training's part of report.md: the result and the loss curve."""
     out: list[str] = []
     train = summary
-    if train.get("val_accuracy") is not None:
+    if train.get("val_accuracy") is not None or train.get("epochs"):  # a regression has a loss, no accuracy
+        score = (f"validation accuracy {fmt(train.get('val_accuracy'))}" if train.get("val_accuracy") is not None
+                 else f"validation loss {fmt(train.get('val_loss'))}")
         out += ["", "## Training", "",
                 f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
-                f"{fmt(train.get('final_loss'))}, validation accuracy {fmt(train.get('val_accuracy'))}"
+                f"{fmt(train.get('final_loss'))}, {score}"
                 + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "")
                 + _compile_note(train.get("compile")) + "."]
         if "loss.png" in train.get("files", []):

@@ -11,20 +11,22 @@ from typing import TYPE_CHECKING, Any
 import kiln.models
 import kiln.stages.train
 import torch
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, call, check_forward_takes, rows, take, tensors
 from kiln.core.env import environment_subset
-from kiln.core.errors import ModelError
+from kiln.core.errors import ConfigError, ModelError
+from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.stage import Stage, StageContext
-from kiln.core.text import first_line
-from kiln.models.model_io import load_weights, read_state_dict, save_trained
+from kiln.core.text import first_line, fmt
+from kiln.models.model_io import load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
 from kiln.stages.train.checkpoint import run_key
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.launch import run_torchrun
-from kiln.stages.train.loop import evaluate, train
+from kiln.stages.train.loop import evaluate_loss_acc, train
 from kiln.stages.train.precision import resolve_device
 from kiln.stages.train.report import report_section
+from kiln.stages.train.task import Task, check_task, task_for
 from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
@@ -51,35 +53,47 @@ def train_to(out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path,
     env = env_from_torchrun()
     device = resolve_device(config.train, env.local_rank if env.enabled else None)
     model = build_seeded(config)
-    check_model_fits_data(model, data, config.model.name)
+    if data.train_y is None:
+        raise ConfigError(f"dataset '{data.name}' has no labels (train_y is None): training needs them",
+                          hint="return train_y/val_y from the data function, set train.enabled: false, or give "
+                               "model.checkpoint")
+    task = task_for(data, config.train.loss, config.validate_.logits_output)
+    check_model_fits_data(model, data, config.model.name, task)
     with process_group(env, config.train.distributed, device):
         result = train(model, data, config.train, seed=config.seed, progress=progress, env=env,
-                       ckpt_dir=ckpt_dir, run_key=run_key(config.dump()), out_dir=out)
+                       ckpt_dir=ckpt_dir, run_key=run_key(config.dump()), out_dir=out, task=task)
     if env.is_main:
-        save_trained(out, model, config, {"dataset": data.name, "input_shape": list(data.input_shape)})
+        save_trained(out, model, config, {"dataset": data.name, "input_shapes": data.sample_shapes})
     return result.summary()
 
 
-def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str) -> None:
+def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str, task: Task | None = None) -> None:
     """One forward pass on two samples, so that data which does not fit the model fails with a clear message
     before training starts (and not as a traceback from deep inside the loop)."""
-    x = data.train_x[:2]
+    x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, 2))
+    check_forward_takes(model, x, model_ref)
     try:
         with torch.no_grad():
-            out = model.eval()(x)
+            out = call(model.eval(), x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-        raise ModelError(f"model '{model_ref}' cannot take the dataset's input {tuple(x.shape)} ({x.dtype}): "
-                         f"{first_line(exc, 200)}",
+        parts = tensors(x)
+        what = (f"input {tuple(parts[0].shape)} ({parts[0].dtype})" if len(parts) == 1 else "inputs (" + ", ".join(
+            f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(data.sample_shapes, parts)) + ")")
+        raise ModelError(f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}",
                          hint="make data.name/data.params produce what the model expects, or change model.params") from None
     finally:
         model.train()
-    if out.ndim != 2 or out.shape[1] < data.num_classes:
-        raise ModelError(f"model '{model_ref}' returns shape {tuple(out.shape)} for a batch of 2, but the dataset has "
-                         f"{data.num_classes} classes", hint="set the model's num_classes to the dataset's")
+    flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor
+    y = data.train_y if data.train_y is not None else data.val_y
+    if task is not None and y is not None:
+        check_task(task, out, y[:2], data.num_classes, model_ref)
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config
+    if not torch_model_named(cfg):  # started from model.onnx alone: there is no PyTorch model to train
+        ctx.log.info("training skipped: the run starts from model.onnx %s", cfg.model.onnx)
+        return {"status": "skipped", "val_accuracy": None, "source": cfg.model.onnx}
     if cfg.model.checkpoint or not cfg.train.enabled:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
@@ -87,9 +101,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         summary = run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log)
     else:
         summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress)
-    ctx.log.info("trained %d epochs (%s on %s x%d): val accuracy %.4f (weights of epoch %s, select: %s)",
+    ctx.log.info("trained %d epochs (%s on %s x%d): val accuracy %s (weights of epoch %s, select: %s)",
                  cfg.train.epochs, summary["precision"], summary["device"], summary["world_size"],
-                 summary["val_accuracy"] or 0.0, summary.get("selected_epoch"), cfg.train.checkpoint.select)
+                 fmt(summary["val_accuracy"]), summary.get("selected_epoch"), cfg.train.checkpoint.select)
     return summary
 
 
@@ -98,12 +112,19 @@ def _skip(ctx: StageContext) -> dict[str, Any]:
     model = build_seeded(cfg)
     data = ctx.dataset()
     check_model_fits_data(model, data, cfg.model.name)
+    with torch.no_grad():
+        names = list(flatten_outputs(call(model.eval(), take(data.val_x, slice(0, 2)))))
+    # Untrained here: the val accuracy is information, so a model without a logits output just has none
+    scored = cfg.train.loss is not None or logits_name(names, cfg.validate_.logits_output) is not None
+    task = task_for(data, cfg.train.loss, cfg.validate_.logits_output) if data.val_y is not None and scored else None
     source = cfg.model.checkpoint or "random init"
     if cfg.model.checkpoint:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)
-    acc = evaluate(model.eval(), data.val_x, data.val_y, torch.device("cpu"))
+    acc = None
+    if task is not None:
+        acc = evaluate_loss_acc(model.eval(), data.val_x, data.val_y, torch.device("cpu"), task=task)[1]
     save_trained(ctx.out, model, cfg, {"source": source})
-    ctx.log.info("training skipped (%s); val accuracy %.4f", cfg.model.checkpoint or "train.enabled: false", acc)
+    ctx.log.info("training skipped (%s); val accuracy %s", cfg.model.checkpoint or "train.enabled: false", fmt(acc))
     return {"status": "skipped", "val_accuracy": acc, "source": source}
 
 
@@ -111,6 +132,6 @@ def _env(cfg: Any) -> dict[str, Any]:
     return environment_subset("torch", device=True)
 
 
-STAGE = Stage("train", run, (), ("seed", "model", "data", "train"), (kiln.stages.train, kiln.models), _env,
+STAGE = Stage("train", run, (), ("seed", "model", "data", "train", "export.dynamic_axes", "validate.logits_output"), (kiln.stages.train, kiln.models), _env,
               "train the model (AMP, gradient accumulation) or load a checkpoint", data=("dataset", "checkpoint"),
               report=report_section)

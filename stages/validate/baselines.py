@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from kiln.core.data import Inputs, call, rebuild, tensors
 from kiln.core.records import Baseline, Memory, Percentiles
 from kiln.core.text import first_line
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
@@ -25,28 +26,27 @@ def percentiles(times_ms: list[float]) -> Percentiles:
     return Percentiles(p50=float(p50), p90=float(p90), p99=float(p99))
 
 
-def time_torch(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, warmup: int,
-               iterations: int) -> list[float]:
-    """ms per call. CUDA: events around each call on the current stream, then synchronize (the GPU's time, not
-    the launch's); CPU: wall clock."""
-    cuda = x.is_cuda
+def time_torch(model: Callable[..., Any], x: Inputs, warmup: int, iterations: int) -> list[float]:
+    """ms per call of ``model`` on ``x`` (a tensor, tuple or dict: kiln.core.data.call). CUDA: events around each
+    call on the current stream, then synchronize (the GPU's time, not the launch's); CPU: wall clock."""
+    cuda = tensors(x)[0].is_cuda
     times = []
     with torch.inference_mode():
         for _ in range(warmup):
-            model(x)
+            call(model, x)
         if cuda:
             torch.cuda.synchronize()
         for _ in range(iterations):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                model(x)
+                call(model, x)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             else:
                 t0 = time.perf_counter()
-                model(x)
+                call(model, x)
                 times.append((time.perf_counter() - t0) * 1e3)
     return times
 
@@ -75,8 +75,8 @@ def can_measure(device: str) -> str | None:
     return None
 
 
-def measure(model: torch.nn.Module, kind: str, device: str, precision: str, batches: dict[int, np.ndarray],
-            warmup: int, iterations: int, samples: int) -> Baseline:
+def measure(model: torch.nn.Module, kind: str, device: str, precision: str, batches: dict[int, Any],
+            warmup: int, iterations: int, samples: int, like: Inputs | None = None) -> Baseline:
     """Latency per batch size and peak memory (loading onto the device through the largest batch)."""
     base = Baseline(kind=kind, device=device, precision=precision, accuracy=None, samples=samples, latency_ms={})
     why = can_measure(device)
@@ -87,9 +87,11 @@ def measure(model: torch.nn.Module, kind: str, device: str, precision: str, batc
     try:
         with PeakMemory(device) as mem:
             m = prepare(model, kind, device, precision)
-            for bs, x in batches.items():
-                xt = torch.from_numpy(x).to(device)
-                xt = xt.to(dtype) if dtype is not None and xt.is_floating_point() else xt
+            for bs, x in batches.items():  # an array, or a feed of named arrays in ``like``'s structure
+                parts = [torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                         for a in (x.values() if isinstance(x, dict) else [x])]
+                parts = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in parts]
+                xt = rebuild(like, parts) if like is not None else parts[0]
                 base.latency_ms[str(bs)] = percentiles(time_torch(m, xt, max(warmup, 1), iterations))
             wait_a_sample()
     except Exception as exc:  # e.g. torch.compile cannot compile this model here: reported, not fatal

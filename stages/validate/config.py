@@ -63,6 +63,12 @@ class ValidateConfig(Section):
     iterations: int = Field(30, ge=1)
     max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
     gates: GatesConfig = Field(default_factory=GatesConfig)
+    logits_output: str | int | None = Field(
+        None, description="the class-logit output (name or index) for top-1 agreement and accuracy; null: the only "
+                          "output, else one named 'logits', else none (outputs compared by error and cosine only)")
+    shapes: dict[str, list[int]] = Field(
+        default_factory=dict, description="sizes of each dynamic axis (export.dynamic_axes name -> sizes) to "
+                                          "validate at; default: the smallest and largest in the data")
     baselines: list[Literal["eager", "compile"]] = Field(
         default_factory=lambda: ["eager"], min_length=1,
         description="PyTorch baselines timed on each engine's device: eager, and/or compile (torch.compile;"

@@ -10,32 +10,33 @@ import torch
 from kiln.core.errors import InputFileError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import load_onnx, ort_session
+from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import EngineValidation, TensorSpec
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.engines.registry import load_engine
-from kiln.stages.validate.stage import check_gates, compare, gates_for, percentiles
+from kiln.stages.validate.stage import check_gates, compare_all, gates_for, percentiles, summarize
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
     from kiln.config import KilnConfig
 
 
-def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: "KilnConfig") -> np.ndarray:
-    """First output of the reference: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of ``cfg.model``."""
+def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: "KilnConfig") -> dict[str, np.ndarray]:
+    """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of
+    ``cfg.model`` (called with the feed's arrays as keyword arguments when there are several)."""
     if reference.suffix != ".onnx":
         model = load_weights(build_model(cfg.model.name, cfg.model.params), read_state_dict(reference), str(reference))
-        if len(feed) != 1:
-            raise InputFileError("a PyTorch reference takes one input; this engine has several",
-                                 hint="validate against the ONNX model instead")
+        x = {k: torch.from_numpy(v) for k, v in feed.items()}
         with torch.inference_mode():
-            return model.float().eval()(torch.from_numpy(next(iter(feed.values())))).numpy()
+            outs = named_outputs(model.float().eval(), next(iter(x.values())) if len(x) == 1 else x)
+        return {k: v.float().numpy() for k, v in outs.items()}
     ref_sess = ort_session(load_onnx(reference))
     ref_names = [i.name for i in ref_sess.get_inputs()]
     if sorted(ref_names) != sorted(feed):
         raise InputFileError(f"reference inputs {ref_names} differ from the engine's/feed's {sorted(feed)}",
                              hint="validate an engine against the ONNX model it was built from")
-    return ref_sess.run(None, feed)[0]
+    return dict(zip([o.name for o in ref_sess.get_outputs()], ref_sess.run(None, feed)))
 
 
 def read_feed(path: Path, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
@@ -78,18 +79,22 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     if inputs is not None:
         feed = read_feed(inputs, meta.inputs)
     else:
-        feed = random_inputs(meta.inputs, batch=max(cfg.validate_.batch_sizes),
-                           hint="pass --inputs file.npz with concrete arrays")
+        sizes = [max(v) for v in cfg.validate_.shapes.values() if v]
+        feed = random_inputs(meta.inputs, batch=max(cfg.validate_.batch_sizes), dynamic=max(sizes) if sizes else None,
+                             hint="pass --inputs file.npz with concrete arrays")
     ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
-        got = next(iter(runner.infer(feed).values()))
+        got = runner.infer(feed)
         t = runner.time_ms(feed, cfg.validate_.warmup, cfg.validate_.iterations)
-    if got.shape != ref.shape:
-        raise InputFileError(f"engine output shape {got.shape} differs from the reference's {ref.shape}",
-                             hint="the engine was built from a different model")
-    # No labels: accuracy is agreement with the reference, already gated.
+    for name, r in ref.items():
+        if name in got and got[name].shape != r.shape:
+            raise InputFileError(f"engine output '{name}' has shape {got[name].shape}, the reference's {r.shape}",
+                                 hint="the engine was built from a different model")
+    # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
+    logits = logits_name(list(ref), cfg.validate_.logits_output)
     entry = EngineValidation(name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device,
-                             status="validated", **compare(ref, got, None))
+                             status="validated")
+    summarize(entry, compare_all(ref, got, logits), logits)
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate_, meta.precision)

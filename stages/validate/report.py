@@ -14,8 +14,9 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     b = v.baseline
     sizes = _sizes(v)
     lines = ["", "## Validation against PyTorch", "",
-             f"Accuracy reference: PyTorch FP32 eager on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
-             "samples. Speedups are against PyTorch on the engine's own device (eager; other baselines below).", "",
+             f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
+             "samples. Speedups are against PyTorch on the engine's own device (eager; other baselines below).",
+             *_compared(b), "",
              "| engine | precision | device | passed | max abs err | cosine | top-1 agree | accuracy | "
              + " | ".join(f"p50 ms @{s}" for s in sizes) + f" | speedup @{sizes[-1] if sizes else ''} |",
              "|---|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|"]
@@ -47,6 +48,7 @@ def report_section(summary: dict[str, Any]) -> list[str]:
         lines += ["", "Each value is followed by its gate in parentheses (`validate.gates`, per precision); a value "
                       "without one is not gated."]
     lines += [f"- baseline {x.label} not measured: {x.error}" for x in v.baselines if x.error]
+    lines += _per_output(v)
     if v.failures:
         lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v.failures]
     return lines + _vs_baselines(v) + _memory(v) + _chosen(v, sizes) + _speed_table(v)
@@ -104,6 +106,35 @@ def _chosen(v: ValidationResult, sizes: list[str]) -> list[str]:
 
 def _gated(value: str, op: str, limit: float | None) -> str:
     return value if limit is None else f"{value} ({op} {limit:g})"
+
+
+def _reference(b: Any) -> str:
+    return "ONNX Runtime FP32 (the input ONNX file)" if b.backend == "onnxruntime" else "PyTorch FP32 eager"
+
+
+def _compared(b: Any) -> list[str]:
+    """What the engines were compared on: every output, the logits one (if any) for top-1 and accuracy."""
+    if not b.compared:
+        return []
+    shapes = "; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in b.shapes)
+    logits = (f"top-1 agreement and accuracy on '{b.logits_output}'" if b.logits_output else
+              "no class-logit output (validate.logits_output unset): no top-1 agreement or accuracy")
+    return ["", f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
+            + (f" Dynamic axes validated at: {shapes}." if shapes else "")]
+
+
+def _per_output(v: ValidationResult) -> list[str]:
+    """Each output's worst statistics per engine, when the model has more than one output."""
+    rows = [(e, name, s) for e in v.engines if e.status == "validated" and len(e.outputs) > 1
+            for name, s in e.outputs.items()]
+    if not rows:
+        return []
+    out = ["", "### Per output (worst over shapes and batch sizes)", "",
+           "| engine | output | max abs err | rel err | cosine | top-1 agree |", "|---|---|---|---|---|---|"]
+    for e, name, s in rows:
+        out.append(f"| {e.name} | {name} | {fmt(s['max_abs_err'], '.2e')} | {fmt(s['rel_err'], '.2e')} | "
+                   f"{fmt(s['cosine'], '.6f')} | {fmt(s['top1_agreement'])} |")
+    return out
 
 
 def _speed_table(v: ValidationResult) -> list[str]:

@@ -6,6 +6,7 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,12 +16,28 @@ import kiln.stages.engines
 import kiln.stages.validate
 import numpy as np
 import torch
-from kiln.core.compare import compare_arrays
+from kiln.core.compare import OutputStats, compare_arrays, compare_outputs, worst
+from kiln.core.data import (
+    DatasetSplits,
+    Feed,
+    as_feed,
+    feed_for_graph,
+    feed_rows,
+    feed_take,
+    from_feed,
+    input_names,
+    rows,
+    take,
+)
 from kiln.core.env import environment_subset
+from kiln.core.errors import ModelError
 from kiln.core.inputs import check_batch_fits
+from kiln.core.onnx_io import io_specs, load_onnx, ort_session
+from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import Baseline, EngineValidation, Memory, TensorSpec, ValidationResult
+from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import Stage, StageContext
-from kiln.models.model_io import load_trained
+from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.engines.engines import engine_dirs, read_metadata
 from kiln.stages.engines.registry import load_engine, preference_order, runnable
 from kiln.stages.precision import speed as precision_speed
@@ -39,11 +56,53 @@ def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict
             "accuracy": accuracy}
 
 
-def batched(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, batch: int) -> np.ndarray:
-    return np.concatenate([fn(x[i:i + batch]) for i in range(0, len(x), batch)])
+def compare_all(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str | None) -> dict[str, OutputStats]:
+    """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
+    the class-logit output (on a hidden state it would be noise)."""
+    missing = sorted(set(ref) - set(got))
+    if missing:
+        raise ModelError(f"the engine has no output {missing} (it has {sorted(got)})",
+                         hint="rebuild the engines from this model's ONNX export (kiln run --force export)")
+    stats = compare_outputs(ref, got)
+    return {n: s if n == logits else replace(s, top1_agreement=None) for n, s in stats.items()}
 
 
-def sample_batch(x: np.ndarray, batch: int) -> np.ndarray:
+def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[str, OutputStats]:
+    """Per output, the worse value of each statistic (NaN is worst)."""
+    def pick(x: float | None, y: float | None, higher: bool) -> float | None:
+        if x is None or y is None:
+            return y if x is None else x
+        if np.isnan(x) or np.isnan(y):
+            return float("nan")
+        return min(x, y) if higher else max(x, y)
+    out = dict(a)
+    for name, s in b.items():
+        if name in out:
+            t = out[name]
+            s = OutputStats(pick(t.max_abs_err, s.max_abs_err, False), pick(t.rel_err, s.rel_err, False),
+                            pick(t.cosine, s.cosine, True), pick(t.top1_agreement, s.top1_agreement, True))
+        out[name] = s
+    return out
+
+
+def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: str | None) -> None:
+    """The per-output statistics into the entry: the worst output carries the headline values the gates read."""
+    entry.outputs = {n: s.as_dict() for n, s in stats.items()}
+    entry.max_abs_err, entry.rel_err = worst(stats, "max_abs_err"), worst(stats, "rel_err")
+    entry.cosine = worst(stats, "cosine")
+    entry.top1_agreement = stats[logits].top1_agreement if logits in stats else None
+
+
+def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:
+    """``fn`` over ``feed`` in batches of rows, outputs concatenated by name."""
+    parts = [fn(feed_take(feed, slice(i, i + batch))) for i in range(0, feed_rows(feed), batch)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def sample_batch(x: Any, batch: int) -> Any:
+    """``batch`` rows of ``x`` (an array or a feed), repeating its rows when it has fewer."""
+    if isinstance(x, dict):
+        return {k: sample_batch(v, batch) for k, v in x.items()}
     reps = -(-batch // len(x))
     return np.concatenate([x] * reps)[:batch]
 
@@ -57,10 +116,15 @@ def gates_for(cfg: ValidateConfig, precision: str) -> dict[str, Any]:
 def check_gates(entry: EngineValidation, baseline_acc: float | None, gates: dict[str, Any], largest: int) -> list[str]:
     """Each gate the engine misses, as a sentence naming the value and its threshold (NaN fails every gate)."""
     fails = []
-    if not entry.cosine >= gates["min_cosine"]:
-        fails.append(f"cosine {entry.cosine:.6f} < min_cosine {gates['min_cosine']}")
-    if gates["max_abs_err"] is not None and not entry.max_abs_err <= gates["max_abs_err"]:
-        fails.append(f"max_abs_err {entry.max_abs_err:.3g} > {gates['max_abs_err']}")
+    # Per output: the worst one must pass (named when the model has several)
+    per_output = entry.outputs if len(entry.outputs) > 1 else {"": {"cosine": entry.cosine,
+                                                                      "max_abs_err": entry.max_abs_err}}
+    for name, s in per_output.items():
+        where = f"output '{name}' " if name else ""
+        if not s["cosine"] >= gates["min_cosine"]:
+            fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
+        if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
+            fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
     if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"]:
         fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}")
     if baseline_acc is not None and entry.accuracy is not None:
@@ -74,8 +138,23 @@ def check_gates(entry: EngineValidation, baseline_acc: float | None, gates: dict
     return fails
 
 
-def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndarray, baselines: list[Baseline],
-                    cfg: ValidateConfig, ctx: StageContext) -> EngineValidation:
+class Reference:
+    """What the engines are compared with: the PyTorch model (or, started from an ONNX file, the FP32 ONNX in
+    ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any."""
+
+    def __init__(self, run: Callable[[Feed], dict[str, np.ndarray]], feeds: list[tuple[dict[str, int], Feed]],
+                 labels: np.ndarray | None, logits: str | None, batch: int) -> None:
+        self.run, self.feeds, self.labels, self.logits = run, feeds, labels, logits
+        self.outputs = [batched(run, feed, batch) for _, feed in feeds]  # the largest batch, every shape
+
+    @property
+    def feed(self) -> Feed:
+        """The inputs at the data's own shape (the last point: the largest sizes), for accuracy and latency."""
+        return self.feeds[-1][1]
+
+
+def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig,
+                    ctx: StageContext) -> EngineValidation:
     meta = read_metadata(engine_dir)
     entry = EngineValidation(name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device,
                              status="not-runnable")
@@ -86,17 +165,27 @@ def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndar
     largest = max(cfg.batch_sizes)
     runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
     try:
-        name = runner.input_names[0]
-        with PeakMemory(meta.device) as mem:  # loading + the accuracy pass at the largest batch
-            runner.activate()
-            got = batched(lambda b: next(iter(runner.infer({name: b}).values())), x, largest)
-            wait_a_sample()
-        entry.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=meta.size_bytes)
-        for key, value in compare(ref, got, y).items():
-            setattr(entry, key, value)
+        stats: dict[str, OutputStats] = {}
+        for i, ((point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
+            if i == 0:
+                with PeakMemory(meta.device) as mem:  # loading + the accuracy pass at the largest batch
+                    runner.activate()
+                    got = batched(runner.infer, feed, largest)
+                    wait_a_sample()
+                entry.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=meta.size_bytes)
+            else:
+                got = batched(runner.infer, feed, largest)
+            stats = merge_worst(stats, compare_all(expected, got, ref.logits))
+            for bs in cfg.batch_sizes:  # every batch size at every shape: one batch each
+                want = {k: sample_batch(v, bs) for k, v in expected.items()}
+                stats = merge_worst(stats, compare_all(want, runner.infer(sample_batch(feed, bs)), ref.logits))
+            if i == len(ref.feeds) - 1 and ref.logits is not None and ref.labels is not None:
+                entry.accuracy = float(np.mean(got[ref.logits].argmax(-1) == ref.labels))
+        summarize(entry, stats, ref.logits)
+        entry.shapes = [p for p, _ in ref.feeds if p]
         with ctx.progress.task(f"timing {meta.name}", total=len(cfg.batch_sizes)) as bar:
             for bs in cfg.batch_sizes:
-                entry.latency_ms[str(bs)] = percentiles(runner.time_ms({name: sample_batch(x, bs)}, cfg.warmup,
+                entry.latency_ms[str(bs)] = percentiles(runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup,
                                                                       cfg.iterations))
                 bar.advance()
     finally:
@@ -110,17 +199,17 @@ def validate_engine(engine_dir: Path, x: np.ndarray, y: np.ndarray, ref: np.ndar
     return entry
 
 
-def measure_baselines(model: torch.nn.Module, devices: list[str], x: np.ndarray, n: int, cfg: ValidateConfig,
-                      ctx: StageContext) -> list[Baseline]:
+def measure_baselines(model: torch.nn.Module, devices: list[str], feed: Feed, like: Any, n: int,
+                      cfg: ValidateConfig, ctx: StageContext) -> list[Baseline]:
     """Every configured baseline kind on every device an engine runs on (the CPU always: it is the accuracy
-    reference's device)."""
-    batches = {bs: sample_batch(x, bs) for bs in cfg.batch_sizes}
+    reference's device), on ``feed`` (named inputs, called in ``like``'s structure)."""
+    batches = {bs: sample_batch(feed, bs) for bs in cfg.batch_sizes}
     runs = [(kind, device, precision) for device in devices for kind in cfg.baselines
             for precision in (cfg.baseline_precisions if device == "cuda" else ["fp32"])]
     out = []
     with ctx.progress.task("timing PyTorch baselines", total=len(runs)) as bar:
         for kind, device, precision in runs:
-            b = measure(model, kind, device, precision, batches, cfg.warmup, cfg.iterations, n)
+            b = measure(model, kind, device, precision, batches, cfg.warmup, cfg.iterations, n, like)
             if b.error:
                 ctx.log.warning("PyTorch baseline %s not measured: %s", b.label, b.error)
             out.append(b)
@@ -146,28 +235,77 @@ def choose(engines: list[EngineValidation], order: list[str], margin: float) -> 
     return chosen
 
 
+def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
+    """The trained PyTorch model (FP32, CPU) as the reference; also the model, for the baselines."""
+    model = load_trained(ctx.inputs["train"], ctx.config)
+    names = input_names(model, data.val_x)
+    n = rows(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, rows(data.val_x))
+    feed = as_feed(take(data.val_x, slice(0, n)), names)
+    axes = ctx.config.export.dynamic_axes
+    sizes = axis_sizes([as_feed(data.train_x, names), feed] if rows(data.train_x) else [feed], axes, cfg.shapes)
+    feeds = [(p, resize(feed, axes, p)) for p in shape_points(sizes)]
+
+    def run(f: Feed) -> dict[str, np.ndarray]:
+        with torch.inference_mode():
+            return {k: v.float().numpy() for k, v in named_outputs(model, from_feed(f, data.val_x)).items()}
+
+    with torch.inference_mode():
+        out_names = list(named_outputs(model, from_feed(feed_take(feed, slice(0, 2)), data.val_x)))
+    logits = logits_name(out_names, cfg.logits_output)
+    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
+    return Reference(run, feeds, labels, logits, max(cfg.batch_sizes)), model
+
+
+def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
+    """Started from ``model.onnx`` with no PyTorch model: the FP32 ONNX file in ONNX Runtime (CPU) is the reference."""
+    path = Path(ctx.config.model.onnx)
+    sess = ort_session(path)
+    inputs, outputs = io_specs(load_onnx(path, load_external_data=False))
+    names = [i.name for i in inputs]
+    n = rows(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, rows(data.val_x))
+    feed = feed_for_graph(take(data.val_x, slice(0, n)), names, f"model.onnx {path.name}")
+    axes = ctx.config.export.dynamic_axes or graph_axes(inputs)
+    train = [feed_for_graph(data.train_x, names)] if rows(data.train_x) else []
+    feeds = [(p, resize(feed, axes, p)) for p in shape_points(axis_sizes(train + [feed], axes, cfg.shapes))]
+    out_names = [o.name for o in outputs]
+
+    def run(f: Feed) -> dict[str, np.ndarray]:
+        return dict(zip(out_names, sess.run(None, f)))
+
+    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
+    return Reference(run, feeds, labels, logits_name(out_names, cfg.logits_output), max(cfg.batch_sizes)), sess
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.validate_
     torch.manual_seed(ctx.config.seed)
     data = ctx.dataset()
-    n = len(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, len(data.val_x))
-    xt, y = data.val_x[:n], data.val_y[:n].numpy()
-    x = xt.numpy()
-    check_batch_fits([TensorSpec(name="input", shape=["batch", *x.shape[1:]], dtype=x.dtype.name)], max(cfg.batch_sizes))
-    model = load_trained(ctx.inputs["train"], ctx.config)
-    with torch.inference_mode():
-        ref = batched(lambda b: model(torch.from_numpy(b)).numpy(), x, max(cfg.batch_sizes))
-    accuracy = float(np.mean(ref.argmax(-1) == y))
+    from_torch = torch_model_named(ctx.config)
+    ref, model = (torch_reference if from_torch else onnx_reference)(ctx, data, cfg)
+    check_batch_fits([TensorSpec(name=k, shape=["batch", *v.shape[1:]], dtype=v.dtype.name)
+                      for k, v in ref.feed.items()], max(cfg.batch_sizes))
+    accuracy = None
+    if ref.logits is not None and ref.labels is not None:
+        accuracy = float(np.mean(ref.outputs[-1][ref.logits].argmax(-1) == ref.labels))
+    n = feed_rows(ref.feed)
     dirs = engine_dirs(ctx.inputs["build"])
     metas = [read_metadata(d) for d in dirs]
     devices = sorted({"cpu"} | {m.device for m in metas if runnable(m)[0]})
-    baselines = measure_baselines(model, devices, x, n, cfg, ctx)
+    if from_torch:
+        baselines = measure_baselines(model, devices, ref.feed, data.val_x, n, cfg, ctx)
+    else:  # started from model.onnx: the FP32 graph in ONNX Runtime on the CPU is the baseline
+        baselines = [Baseline(backend="onnxruntime", accuracy=None, samples=n, latency_ms={
+            str(bs): percentiles(_time_session(model, sample_batch(ref.feed, bs), cfg)) for bs in cfg.batch_sizes})]
     for b in baselines:
         b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
-    baseline = next(b for b in baselines if b.device == "cpu" and b.kind == cfg.baselines[0])
+        b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
+    baseline = next(b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch))
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(accuracy=accuracy, samples=n, latency_ms={}, error=baseline.error)
-    engines = [validate_engine(d, x, y, ref, baselines, cfg, ctx) for d in dirs]
+    if ref.logits is None:
+        ctx.log.info("no class-logit output among %s: engines compared by error and cosine per output, without "
+                     "top-1 agreement or accuracy (set validate.logits_output to name one)", baseline.compared)
+    engines = [validate_engine(d, ref, baselines, cfg, ctx) for d in dirs]
     validated = [e for e in engines if e.status == "validated"]
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
     if not validated:
@@ -187,12 +325,27 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return result.model_dump(mode="json", exclude={"schema_version"})
 
 
+def _time_session(sess: Any, feed: Feed, cfg: ValidateConfig) -> list[float]:
+    """ms per ONNX Runtime call (the reference graph of a run started from model.onnx)."""
+    import time
+
+    times = []
+    for i in range(cfg.warmup + cfg.iterations):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        if i >= cfg.warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def _env(cfg: Any) -> dict[str, Any]:
     return environment_subset("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", device=True)
 
 
 # Engines run through kiln.stages.engines' runners, and the baseline is built from kiln.models: their code is part
 # of the result.
-STAGE = Stage("validate", run, ("train", "build"), ("seed", "model", "data", "validate", "precision.require_speedup"),
+STAGE = Stage("validate", run, ("train", "build"), ("seed", "model", "data", "validate", "precision.require_speedup",
+                                                  "export.dynamic_axes"),
               (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io, precision_speed), _env,
-              "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset",), report=report_section)
+              "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset", "onnx"),
+              report=report_section)

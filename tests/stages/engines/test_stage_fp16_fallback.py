@@ -16,7 +16,7 @@ from kiln.stages.engines import stage
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.export import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
-from kiln.stages.precision.stage import _record
+from kiln.stages.precision.stage import variant_record
 from kiln.stages.precision.variants import Source, build_fp16
 from torch import nn
 
@@ -39,7 +39,7 @@ def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     src = Source.prepare(load_onnx(tmp_path / "export.onnx"), root / "fp32" / "model.onnx", [x[:32]], None)
     fp16 = build_fp16(src, root / "fp16" / "model.onnx", FP16Config(), FallbackConfig(samples=64), x,
                       CalibrationConfig(cache=False))
-    Variants(variants={"fp32": PrecisionVariant(path="fp32/model.onnx"), "fp16": _record(fp16)}).write(
+    Variants(variants={"fp32": PrecisionVariant(path="fp32/model.onnx"), "fp16": variant_record(fp16)}).write(
         root / "variants.json")
     cfg = config_from_dict({"build": {"backends": ["onnxruntime"]}, "validate": {"batch_sizes": [1, 8]}})
     assert cfg.build.onnxruntime.fp16_source == "fp32_graph"  # the default: ORT converts the FP32 graph itself

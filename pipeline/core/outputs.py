@@ -1,0 +1,74 @@
+"""A model's outputs as named tensors, and which of them holds the class logits.
+
+A model may return a tensor, a tuple, a dict or a HuggingFace ``ModelOutput`` (an ordered dict whose unset
+fields are ``None``). Every stage sees them flattened the same way, so an ONNX output, a PyTorch output and a
+validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for tuple items, the keys of a dict.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from kiln.core.data import call, rebuild, tensors
+from kiln.core.errors import ConfigError, ModelError
+from torch import nn
+
+SINGLE_OUTPUT = "logits"
+
+
+def flatten_outputs(out: Any, ref: str = "model") -> dict[str, torch.Tensor]:
+    """Named output tensors in the model's order; anything that is not a tensor is a :class:`ModelError`."""
+    if isinstance(out, torch.Tensor):
+        return {SINGLE_OUTPUT: out}
+    if isinstance(out, Mapping):  # dicts and ModelOutput (unset optional fields are None and left out)
+        items = [(str(k), v) for k, v in out.items() if v is not None]
+    elif isinstance(out, (tuple, list)):
+        items = [(f"output_{i}", v) for i, v in enumerate(out)]
+    else:
+        raise ModelError(f"{ref} returns {type(out).__name__}, not a tensor, tuple, dict or ModelOutput",
+                         hint="return the output tensors from forward()")
+    for name, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise ModelError(f"{ref}'s output '{name}' is {type(value).__name__}, not a tensor",
+                             hint="return only tensors from forward() (nested tuples/lists of tensors are not "
+                                  "supported; flatten them)")
+    if not items:
+        raise ModelError(f"{ref} returns no tensor", hint="return the output tensors from forward()")
+    return dict(items)
+
+
+def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
+    """``validate.logits_output``: the named or indexed output; default the only output, else ``logits``, else
+    None (no class logits: no accuracy, no top-1)."""
+    if setting is None:
+        if len(names) == 1:
+            return names[0]
+        return SINGLE_OUTPUT if SINGLE_OUTPUT in names else None
+    if isinstance(setting, int):
+        if not -len(names) <= setting < len(names):
+            raise ConfigError(f"validate.logits_output {setting} is out of range: the model has {len(names)} "
+                              f"outputs {list(names)}", hint="give an index below the number of outputs, or a name")
+        return names[setting]
+    if setting not in names:
+        raise ConfigError(f"validate.logits_output '{setting}' is not an output of the model: {list(names)}",
+                          hint="name one of the model's outputs, or give its index")
+    return setting
+
+
+class FlatModel(nn.Module):
+    """``model`` taking its inputs as positional tensors (in ``like``'s order) and returning a tuple of output
+    tensors (in :func:`flatten_outputs`'s order): the one form ``torch.onnx.export`` and the comparisons need."""
+
+    def __init__(self, model: nn.Module, like: Any) -> None:
+        super().__init__()
+        # The structure only (the example's rows are not kept); the wrapper's mode is the model's, since an
+        # exporter restores the wrapper's mode (and so its children's) when it is done.
+        self.model, self.like = model, rebuild(like, [None] * len(tensors(like)))
+        self.train(model.training)
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(flatten_outputs(call(self.model, rebuild(self.like, list(xs)))).values())
+
+
+def named_outputs(model: nn.Module, x: Any) -> dict[str, torch.Tensor]:
+    return flatten_outputs(call(model, x))

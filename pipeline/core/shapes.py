@@ -1,0 +1,65 @@
+"""The input shapes validation runs at: every dynamic axis besides batch (``export.dynamic_axes``) at its
+smallest and largest size (``validate.shapes``, or from the data), so an engine that is right at one
+sequence length and wrong at another cannot pass."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+from kiln.core.data import Feed
+from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
+
+Axes = Mapping[str, Mapping[int, str]]
+
+
+def graph_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
+    """The dynamic axes besides batch an ONNX graph declares (symbolic dims), as ``export.dynamic_axes``."""
+    out = {s.name: {i: d for i, d in enumerate(s.shape) if i > 0 and isinstance(d, str) and d} for s in specs}
+    return {k: v for k, v in out.items() if v}
+
+
+def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """Dynamic axis name -> sizes to validate at: ``configured`` where given, else the smallest and largest
+    size of the axis over ``feeds`` (the splits); a single size ``L`` in the data gives ``L // 2`` and ``L``."""
+    names = sorted({d for a in axes.values() for d in a.values()} - {"batch"})
+    unknown = sorted(set(configured) - set(names))
+    if unknown:
+        raise ConfigError(f"validate.shapes names axes {unknown}; export.dynamic_axes declares {names or 'none'}",
+                          hint="key validate.shapes by the axis names of export.dynamic_axes, e.g. {seq: [8, 32]}")
+    sizes: dict[str, list[int]] = {}
+    for name in names:
+        if name in configured:
+            sizes[name] = sorted(set(configured[name]))
+            continue
+        seen = {f[i].shape[int(ax)] for f in feeds for i, a in axes.items() if i in f for ax, d in a.items() if d == name}
+        lo, hi = min(seen), max(seen)
+        sizes[name] = sorted({max(1, hi // 2), hi} if lo == hi else {lo, hi})
+    return sizes
+
+
+def shape_points(sizes: dict[str, list[int]]) -> list[dict[str, int]]:
+    """The smallest sizes of every axis together, ..., the largest together (not every combination)."""
+    if not sizes:
+        return [{}]
+    count = max(len(v) for v in sizes.values())
+    return [{n: v[min(i, len(v) - 1)] for n, v in sizes.items()} for i in range(count)]
+
+
+def resize(feed: Feed, axes: Axes, point: Mapping[str, int]) -> Feed:
+    """``feed`` with each dynamic axis cut to, or zero-padded up to, its size in ``point`` (zero is the padding
+    token and the masked-out value of an attention mask)."""
+    out = {}
+    for name, array in feed.items():
+        for axis, label in (axes.get(name) or {}).items():
+            if label not in point:
+                continue
+            axis, size = int(axis), point[label]
+            if array.shape[axis] >= size:
+                array = np.take(array, np.arange(size), axis=axis)
+            else:
+                pad = [(0, 0)] * array.ndim
+                pad[axis] = (0, size - array.shape[axis])
+                array = np.pad(array, pad)
+        out[name] = np.ascontiguousarray(array)
+    return out

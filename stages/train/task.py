@@ -1,0 +1,90 @@
+"""What training optimizes and measures, by the task the labels imply.
+
+Integer labels: cross-entropy on the class-logit output (``validate.logits_output``), and accuracy. Float
+targets: mean squared error on the single (or named) output, no accuracy. ``train.loss``: the user's
+``(outputs, targets) -> scalar`` on the model's raw outputs. The loss is computed in FP32 on FP32 outputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from kiln.core.data import DatasetSplits
+from kiln.core.errors import ConfigError, ModelError
+from kiln.core.outputs import flatten_outputs, logits_name
+from kiln.models.registry import resolve_callable
+from torch import nn
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # "classification" | "regression" | "custom"
+    logits_output: str | int | None = None
+    user_loss: LossFn | None = None
+
+    def target(self, out: Any) -> torch.Tensor:
+        """The output the built-in loss (and accuracy) reads."""
+        outs = flatten_outputs(out)
+        name = logits_name(list(outs), self.logits_output)
+        if name is None:
+            what = "class-logit" if self.kind == "classification" else "target"
+            raise ConfigError(f"the model has outputs {list(outs)}; which is the {what} output of the loss?",
+                              hint="set validate.logits_output to its name or index, or set train.loss")
+        return outs[name]
+
+    def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
+        if self.user_loss is not None:
+            return self.user_loss(out, y)
+        if self.kind == "classification":
+            return nn.functional.cross_entropy(self.target(out).float(), y)
+        return nn.functional.mse_loss(self.target(out).float(), y.float())
+
+    def correct(self, out: Any, y: torch.Tensor) -> float | None:
+        """Correctly classified rows (None: no classes to count)."""
+        if y.is_floating_point():
+            return None
+        try:
+            logits = self.target(out)
+        except ConfigError:  # a user loss on a model without one logits output: no accuracy to report
+            return None
+        return float((logits.argmax(-1) == y).sum().item())
+
+
+CLASSIFY = Task("classification")
+
+
+def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | None) -> Task:
+    kind = "classification" if data.classification else "regression"
+    if loss is None:
+        return Task(kind, logits_output)
+    fn = resolve_callable(loss, {}, "train.loss")
+    return Task(kind, logits_output, fn)
+
+
+def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
+    """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
+    if task.user_loss is not None:
+        try:
+            value = task.user_loss(out, y)
+        except Exception as exc:  # the user's function: any error is theirs to see, in one line
+            raise ConfigError(f"train.loss failed on the model's outputs: {type(exc).__name__}: {exc}",
+                              hint="train.loss takes (outputs, targets) and returns a scalar tensor") from None
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise ConfigError(f"train.loss returned {type(value).__name__}, not a scalar tensor",
+                              hint="return e.g. torch.nn.functional.mse_loss(outputs[0], targets)")
+        return
+    target = task.target(out)
+    if task.kind == "classification":
+        if target.ndim != 2 or target.shape[1] < max(num_classes, 2):
+            raise ModelError(f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "
+                             f"of 2, but the dataset has {num_classes} classes",
+                             hint="set the model's num_classes to the dataset's, or name the logits output in "
+                                  "validate.logits_output")
+    elif tuple(target.shape) != tuple(y.shape):
+        raise ModelError(f"model '{model_ref}' gives {tuple(target.shape)} for float targets of shape "
+                         f"{tuple(y.shape)}: mean squared error needs the same shape",
+                         hint="make the targets match the output, name the output in validate.logits_output, "
+                              "or set train.loss")

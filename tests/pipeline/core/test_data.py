@@ -1,0 +1,127 @@
+"""The dataset contract: every violation is one error/fix pair naming the cause, through the CLI too."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from kiln.cli import main
+from kiln.core.data import DataContractError, DatasetSplits, check_splits, input_names
+from kiln.core.errors import ConfigError, ModelError
+from kiln.core.outputs import flatten_outputs, logits_name
+from torch import nn
+
+from tests.conftest import tiny_config_dict
+
+
+def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 9, (n, s)), "attention_mask": torch.ones(n, s, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("splits, message", [
+    (DatasetSplits(ids(8), None, tuple(ids(4).values()), None), "train_x is a dict with keys .* but val_x is a tuple"),
+    (DatasetSplits(ids(8), torch.zeros(7, dtype=torch.long), ids(4), torch.zeros(4, dtype=torch.long)),
+     "train_x has 8 rows but train_y has shape \\[7\\]"),
+    (DatasetSplits({"a": torch.zeros(8, 2), "b": torch.zeros(6, 2)}, None, {"a": torch.zeros(2, 2), "b": torch.zeros(2, 2)},
+                   None), "different row counts"),
+    (DatasetSplits(ids(8, 6), None, ids(4, 5), None),
+     "input 'input_ids': validation samples are \\[5\\] but training samples are \\[6\\]"),
+    (DatasetSplits(torch.zeros(8, 2), torch.arange(8), torch.zeros(2, 2), torch.arange(2), num_classes=4),
+     "train_y has labels from 0 to 7, outside 0..3"),
+    (DatasetSplits(torch.zeros(8, 2), None, [1, 2], None), "val_x as list"),
+    (DatasetSplits(torch.zeros(8, 2), torch.zeros(8), torch.zeros(2, 2), None), "labels for one split only"),
+])
+def test_contract_violations_name_the_cause(splits: DatasetSplits, message: str) -> None:
+    with pytest.raises(DataContractError, match=message) as info:
+        check_splits(splits, "mine:data")
+    assert info.value.hint
+
+
+def test_a_declared_dynamic_axis_may_differ_between_splits() -> None:
+    check_splits(DatasetSplits(ids(8, 6), None, ids(4, 5), None), "d", {"input_ids": {1: "seq"},
+                                                                       "attention_mask": {1: "seq"}})
+
+
+def test_input_names_come_from_keys_or_the_forward() -> None:
+    class Two(nn.Module):
+        def forward(self, dense, sparse):
+            return dense
+
+    assert input_names(Two(), (torch.zeros(1), torch.zeros(1))) == ["dense", "sparse"]
+    assert input_names(Two(), {"sparse": torch.zeros(1)}) == ["sparse"]
+    assert input_names(Two(), torch.zeros(1)) == ["input"]
+
+
+def test_outputs_flatten_and_the_logits_default() -> None:
+    t = torch.zeros(2, 3)
+    assert list(flatten_outputs((t, t))) == ["output_0", "output_1"]
+    assert list(flatten_outputs({"hidden": t, "logits": t, "attentions": None})) == ["hidden", "logits"]
+    with pytest.raises(ModelError, match="output 'output_1' is list, not a tensor"):
+        flatten_outputs((t, [t]))
+    assert logits_name(["x"], None) == "x" and logits_name(["hidden", "logits"], None) == "logits"
+    assert logits_name(["output_0", "output_1"], None) is None and logits_name(["output_0", "output_1"], -1) == "output_1"
+    with pytest.raises(ConfigError, match="not an output of the model"):
+        logits_name(["a"], "logits")
+
+
+USER = '''
+import torch
+from torch import nn
+from kiln import DatasetSplits
+
+
+class Two(nn.Module):
+    def __init__(self, returns="tensor"):
+        super().__init__()
+        self.lin, self.returns = nn.Linear(4, 3), returns
+
+    def forward(self, dense, mask):
+        out = self.lin(dense * mask)
+        return {"logits": out, "extra": "text"} if self.returns == "dict-with-text" else out
+
+
+def build(returns="tensor"):
+    return Two(returns)
+
+
+def data(key="mask", labels=True):
+    g = torch.Generator().manual_seed(0)
+    x = {"dense": torch.randn(64, 4, generator=g), key: torch.ones(64, 4)}
+    y = torch.randint(0, 3, (64,), generator=g) if labels else None
+    return DatasetSplits({k: v[:48] for k, v in x.items()}, None if y is None else y[:48],
+                         {k: v[48:] for k, v in x.items()}, None if y is None else y[48:], num_classes=3)
+'''
+
+
+@pytest.mark.parametrize("model_params, data_params, extra, message", [
+    ({}, {"key": "attention_mask"}, {}, "forward\\(dense, mask\\) takes no argument 'attention_mask'"),
+    ({"returns": "dict-with-text"}, {}, {}, "output 'extra' is str, not a tensor"),
+    ({}, {"labels": False}, {}, "has no labels \\(train_y is None\\): training needs them"),
+])
+def test_cli_errors_are_one_error_and_one_fix(tmp_path: Path, model_params, data_params, extra, message) -> None:
+    (tmp_path / "contract_user.py").write_text(textwrap.dedent(USER))
+    cfg = tiny_config_dict(**{"model.name": "contract_user:build", "model.params": model_params,
+                              "data.name": "contract_user:data", "data.params": data_params, **extra})
+    path = tmp_path / "kiln.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith(("error:", "fix:"))]
+    assert len(lines) == 2 and lines[0].startswith("error:") and lines[1].startswith("fix:"), result.output
+    assert __import__("re").search(message, lines[0]), lines[0]
+
+
+def test_no_labels_with_training_off_validates_by_agreement(tmp_path: Path) -> None:
+    (tmp_path / "contract_user.py").write_text(textwrap.dedent(USER))
+    cfg = tiny_config_dict(**{"model.name": "contract_user:build", "model.params": {}, "train.enabled": False,
+                              "data.name": "contract_user:data", "data.params": {"labels": False}})
+    path = tmp_path / "kiln.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    v = yaml.safe_load((tmp_path / "wd" / "validate" / "validation.json").read_text())
+    assert v["passed"] and v["baseline"]["accuracy"] is None
+    assert all(e["accuracy"] is None and e["top1_agreement"] == 1.0 for e in v["engines"])

@@ -1,0 +1,35 @@
+"""The shapes validation runs at: sizes of each dynamic axis, the points, and resizing real inputs to them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
+from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
+
+AXES = {"ids": {1: "seq"}, "mask": {1: "seq"}}
+
+
+def feed(seq: int) -> dict[str, np.ndarray]:
+    return {"ids": np.arange(2 * seq).reshape(2, seq) + 1, "mask": np.ones((2, seq), np.int64)}
+
+
+def test_sizes_from_the_data_or_the_config() -> None:
+    assert axis_sizes([feed(16)], AXES, {}) == {"seq": [8, 16]}  # one size in the data: half and all of it
+    assert axis_sizes([feed(12), feed(16)], AXES, {}) == {"seq": [12, 16]}
+    assert axis_sizes([feed(16)], AXES, {"seq": [32, 4]}) == {"seq": [4, 32]}
+    with pytest.raises(ConfigError, match="validate.shapes names axes \\['len'\\]"):
+        axis_sizes([feed(16)], AXES, {"len": [4]})
+    assert shape_points({"seq": [8, 16]}) == [{"seq": 8}, {"seq": 16}] and shape_points({}) == [{}]
+
+
+def test_resize_cuts_or_zero_pads_every_tied_axis() -> None:
+    short, long = resize(feed(16), AXES, {"seq": 4}), resize(feed(16), AXES, {"seq": 20})
+    assert short["ids"].shape == short["mask"].shape == (2, 4) and (short["ids"] == feed(16)["ids"][:, :4]).all()
+    assert long["mask"].shape == (2, 20) and not long["mask"][:, 16:].any() and long["mask"][:, :16].all()
+
+
+def test_graph_axes_are_the_symbolic_dims_after_batch() -> None:
+    specs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64"), TensorSpec(name="x", shape=["b", 3],
+                                                                                         dtype="float32")]
+    assert graph_axes(specs) == {"ids": {1: "seq"}}

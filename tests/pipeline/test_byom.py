@@ -1,0 +1,202 @@
+"""Bring your own model: multi-input, multi-output models from a user module through `kiln run` (CLI), every
+precision, validated at two batch sizes and two sequence lengths; a regression model; the contract's errors."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from kiln.api import run_pipeline
+from kiln.cli import main
+from kiln.config import config_from_dict
+
+from tests.conftest import tiny_config_dict
+
+SEQ_AXES = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+
+# A user module as a user would write it: a HuggingFace BERT classifier behind forward(input_ids, attention_mask)
+# returning logits, and a data function returning padded token ids + masks as dicts.
+USER_MODULE = '''
+import torch
+from torch import nn
+from kiln import DatasetSplits
+from kiln.models.datasets import synthetic_text
+from kiln.models.token_classifier import TokenClassifier
+
+
+class Bert(nn.Module):
+    def __init__(self, num_labels=4):
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+        cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64, num_labels=num_labels)
+        self.bert = BertForSequenceClassification(cfg)
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def bert():
+    return Bert()
+
+
+class HiddenAndLogits(TokenClassifier):
+    """(hidden, logits), called with a tuple: model(*x)."""
+
+
+def hidden_and_logits():
+    return HiddenAndLogits(dim=32, layers=1)
+
+
+def text(size=256, as_tuple=False, max_len=16):
+    d = synthetic_text(size=size, max_len=max_len)
+    if as_tuple:
+        d.train_x, d.val_x = tuple(d.train_x.values()), tuple(d.val_x.values())
+    return d
+'''
+
+
+def _user_run(tmp_path: Path, model: str, data_params: dict, **extra) -> dict:
+    (tmp_path / "byom_user.py").write_text(textwrap.dedent(USER_MODULE))
+    cfg = tiny_config_dict(**{"model.name": f"byom_user:{model}", "model.params": {},
+                              "data.name": "byom_user:text", "data.params": data_params,
+                              "train.epochs": 1, "train.batch_size": 32,
+                              "precision.variants": ["fp32", "fp16", "int8"],
+                              "export.dynamic_axes": SEQ_AXES, "validate.batch_sizes": [1, 32],
+                              "validate.max_samples": 64, **extra})
+    path = tmp_path / "kiln.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return json.loads((tmp_path / "wd" / "validate" / "validation.json").read_text())
+
+
+def _every_precision_at_every_shape(v: dict) -> None:
+    assert v["passed"] is True, v["failures"]
+    assert {e["precision"] for e in v["engines"] if e["status"] == "validated"} == {"fp32", "fp16", "int8"}
+    assert v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}]  # the data's length, and half of it
+    for e in v["engines"]:
+        assert e["shapes"] == [{"seq": 8}, {"seq": 16}] and set(e["latency_ms"]) == {"1", "32"}
+        assert set(e["outputs"]) == set(v["baseline"]["compared"])
+        assert all(s["cosine"] >= 0.99 for s in e["outputs"].values())
+
+
+def test_huggingface_bert_from_a_user_module(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    v = _user_run(tmp_path, "bert", {})
+    _every_precision_at_every_shape(v)
+    assert v["baseline"]["compared"] == ["logits"] and v["baseline"]["logits_output"] == "logits"
+    assert all(e["top1_agreement"] is not None and e["accuracy"] is not None for e in v["engines"])
+
+
+def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:
+    v = _user_run(tmp_path, "hidden_and_logits", {"as_tuple": True}, **{"validate.logits_output": 1})
+    _every_precision_at_every_shape(v)
+    assert v["baseline"]["compared"] == ["output_0", "output_1"] and v["baseline"]["logits_output"] == "output_1"
+    # The hidden state [B, S, H] is compared by error and cosine only: top-1 is the logits output's
+    assert all(e["outputs"]["output_0"]["top1_agreement"] is None for e in v["engines"])
+    graph = (tmp_path / "wd" / "export" / "model.onnx")
+    import onnx
+
+    names = [i.name for i in onnx.load(str(graph)).graph.input]
+    assert names == ["input_ids", "attention_mask"]  # the forward's parameter names
+
+
+def test_zoo_token_classifier_without_a_logits_output_validates_by_agreement(tmp_path: Path) -> None:
+    cfg = config_from_dict(tiny_config_dict(**{
+        "model.name": "token_classifier", "model.params": {"dim": 16, "layers": 1}, "train.enabled": False,
+        "export.dynamic_axes": SEQ_AXES, "validate.max_samples": 32}))
+    result, report = run_pipeline(cfg, tmp_path / "wd")
+    assert result.ok, result.error
+    v = report["validation"]
+    assert v["passed"] is True and v["baseline"]["logits_output"] is None and v["baseline"]["accuracy"] is None
+    assert all(e["top1_agreement"] is None and e["accuracy"] is None for e in v["engines"])
+    md = (tmp_path / "wd" / "report.md").read_text()
+    assert "output_0, output_1" in md  # the report says what was compared
+
+
+def test_regression_model_trains_with_mse_and_validates_without_accuracy(tmp_path: Path) -> None:
+    cfg = config_from_dict(tiny_config_dict(**{"model.name": "mlp_regressor", "model.params": {},
+                                                "train.epochs": 3, "precision.variants": ["fp32", "int8"]}))
+    result, report = run_pipeline(cfg, tmp_path / "wd")
+    assert result.ok, result.error
+    epochs = report["stages"]["train"]["summary"]["epochs"]
+    assert epochs[-1]["val_loss"] < epochs[0]["loss"] and epochs[-1]["val_accuracy"] is None
+    v = report["validation"]
+    assert v["passed"] is True and v["baseline"]["accuracy"] is None
+    assert all(e["top1_agreement"] is None for e in v["engines"])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[Path, Path]:
+    """An ONNX export of the zoo's (hidden, logits) token classifier, and an .npz of its named inputs."""
+    import numpy as np
+    from kiln.core.data import take
+    from kiln.models.datasets import synthetic_text
+    from kiln.models.registry import build_model
+    from kiln.stages.export import export_onnx
+    from kiln.stages.train.config import TrainConfig
+    from kiln.stages.train.loop import train
+    from kiln.stages.train.task import Task
+
+    root = tmp_path_factory.mktemp("onnx")
+    data = synthetic_text(size=256)
+    model = build_model("token_classifier", {"dim": 16, "layers": 1})
+    # Trained a little: random weights give near-tied logits whose top-1 any INT8 rounding flips
+    train(model, data, TrainConfig(epochs=4, batch_size=32, device="cpu", plot=False), task=Task("classification", 1))
+    export_onnx(model, take(data.val_x, slice(0, 2)), root / "x.onnx", dynamic_axes=SEQ_AXES)
+    np.savez(root / "d.npz", **{k: v.numpy() for k, v in data.val_x.items()})
+    return root / "x.onnx", root / "d.npz"
+
+
+def test_kiln_run_from_an_onnx_file(exported, tmp_path: Path) -> None:
+    onnx_path, _ = exported
+    cfg = tiny_config_dict(**{"model": {"onnx": str(onnx_path)}, "data.name": "synthetic_text",
+                              "precision.variants": ["fp32", "fp16", "int8"], "validate.batch_sizes": [1, 32],
+                              "validate.logits_output": "output_1"})
+    path = tmp_path / "kiln.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "wd" / "report.json").read_text())
+    assert report["stages"]["train"]["status"] == "skipped"
+    v = report["validation"]
+    assert v["passed"] is True and v["baseline"]["backend"] == "onnxruntime"  # the FP32 ONNX is the reference
+    assert v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["accuracy"] is not None
+    assert {e["precision"] for e in v["engines"]} == {"fp32", "fp16", "int8"}
+
+
+def test_direct_precision_then_build_and_validate(exported, tmp_path: Path) -> None:
+    onnx_path, npz = exported
+    cli = CliRunner()
+    out = tmp_path / "out"
+    r = cli.invoke(main, ["precision", str(onnx_path), "-o", str(out), "--variants", "fp16,int8",
+                          "--calibration", str(npz), "--quiet"])
+    assert r.exit_code == 0, r.output
+    variants = json.loads((out / "variants.json").read_text())
+    assert set(variants["variants"]) == {"fp32", "fp16", "int8"} and variants["axis_sizes"] == {"seq": [16]}
+    for precision in ("fp16", "int8"):
+        engine = tmp_path / f"engine-{precision}"
+        entry = variants["variants"][precision]  # INT8 for ONNX Runtime CPU: the graph made for it
+        graph = out / entry["backend_paths"].get("onnxruntime-cpu", entry["path"])
+        r = cli.invoke(main, ["build", str(graph), "--precision", precision, "-o", str(engine), "--quiet"])
+        assert r.exit_code == 0, r.output
+        r = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(npz),
+                              "--set", "validate.logits_output=output_1", "--quiet"])
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.output[r.output.index("{"):])
+        assert got["passed"] and set(got["outputs"]) == {"output_0", "output_1"}
+        assert got["outputs"]["output_1"]["top1_agreement"] is not None
+
+
+def test_direct_precision_without_data_says_random_and_needs_sizes(exported, tmp_path: Path, caplog) -> None:
+    onnx_path, _ = exported
+    r = CliRunner().invoke(main, ["precision", str(onnx_path), "-o", str(tmp_path / "o"), "--variants", "int8"])
+    assert r.exit_code == 2 and "error: input 'input_ids' has dynamic axes" in r.output and "--calibration" in r.output
+    r = CliRunner().invoke(main, ["precision", str(onnx_path), "-o", str(tmp_path / "o"), "--variants", "int8",
+                                  "--set", "validate.shapes={seq: [4, 12]}"])
+    assert r.exit_code == 0, r.output
+    assert "RANDOM inputs" in r.output + caplog.text
