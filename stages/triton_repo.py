@@ -65,10 +65,8 @@ def _tensors(specs: list[TensorSpec], batched: bool) -> list[dict[str, Any]]:
 
 
 def stock_model(meta: EngineMetadata) -> TritonModel | None:
-    """How Triton's stock backend loads this engine, or None where it cannot: the backend registers none, or the
-    engine is a TensorRT-RTX one (no stock backend runs those)."""
-    triton = BACKENDS[meta.backend].triton if meta.backend in BACKENDS else None
-    return None if meta.flavour == "tensorrt_rtx" else triton
+    """How Triton's stock backend loads this engine (the backend's registration says), or None where it cannot."""
+    return BACKENDS[meta.backend].stock_triton(meta) if meta.backend in BACKENDS else None
 
 
 def _stock(meta: EngineMetadata) -> TritonModel:
@@ -101,7 +99,7 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
     """Raise :class:`ModelError` where a config disagrees with the engine it serves."""
     problems = []
     mbs = cfg["max_batch_size"]
-    stock = BACKENDS[meta.backend].triton if meta.backend in BACKENDS else None
+    stock = stock_model(meta)
     if "platform" in cfg and (stock is None or cfg["platform"] != stock.platform):
         problems.append(f"platform {cfg['platform']} cannot run a {meta.backend} engine")
     if mbs > 0 and not batchable(meta):

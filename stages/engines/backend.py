@@ -61,6 +61,8 @@ class Backend:
     runners: dict[str, type[Runner]]  # device -> runner class
     can_run: Callable[[EngineMetadata], tuple[bool, str]]  # on this machine, and why not
     triton: TritonModel | None = None  # None: no stock Triton backend loads it
+    # Which of its engines that stock backend can load (e.g. not TensorRT-RTX engines, which Triton cannot run).
+    triton_loads: Callable[[EngineMetadata], bool] = lambda meta: True
     # A build failure under this config skips the engine (reported) instead of failing the stage.
     optional: Callable[[BuildConfig], bool] = lambda cfg: False
     # Which graph of a precision variant this engine is built from, and the nodes to keep FP32 when converting.
@@ -68,6 +70,10 @@ class Backend:
                      tuple[str, list[str] | None]] | None = None
     # Preference among engines within timing noise of each other (validate's per-batch choice): lower first.
     rank: int = 100
+
+    def stock_triton(self, meta: EngineMetadata) -> TritonModel | None:
+        """How Triton's stock backend loads this engine, or None where it cannot."""
+        return self.triton if self.triton is not None and self.triton_loads(meta) else None
 
     def engine_name(self, device: str, precision: str) -> str:
         return f"{self.name}-{device}-{precision}" if len(self.devices) > 1 else f"{self.name}-{precision}"

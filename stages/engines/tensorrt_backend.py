@@ -223,6 +223,7 @@ def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
 BACKEND = Backend(
     name="tensorrt", devices=("cuda",), settings=lambda cfg: cfg.tensorrt, plan=_plan, build=_build_request,
     runners={"cuda": TensorRTRunner}, can_run=_can_run, triton=TritonModel("tensorrt_plan", "model.plan"),
+    triton_loads=lambda meta: meta.flavour != "tensorrt_rtx",  # Triton's tensorrt_plan backend is full TensorRT
     # auto: the other engines are still useful when TensorRT cannot build this graph; the failure is reported
     optional=lambda cfg: cfg.tensorrt.enabled != "always", rank=0,  # preferred where it runs and keeps up
 )

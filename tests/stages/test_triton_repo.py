@@ -79,3 +79,13 @@ def test_unsupported_dtype_is_a_clear_error() -> None:
     meta.inputs[0].dtype = "bfloat16"
     with pytest.raises(ModelError, match="bfloat16"):
         model_config("m", meta, 8)
+
+
+def test_the_backend_registration_decides_which_engines_stock_triton_loads() -> None:
+    from kiln.stages.triton_repo import stock_model
+
+    rtx = TRT.model_copy(update={"flavour": "tensorrt_rtx"})
+    assert stock_model(TRT).platform == "tensorrt_plan" and stock_model(CPU).platform == "onnxruntime_onnx"
+    assert stock_model(rtx) is None  # Triton's tensorrt_plan backend is full TensorRT: no RTX engines
+    with pytest.raises(ModelError, match="platform tensorrt_plan cannot run"):
+        check_config(model_config("m", TRT, 8), rtx)

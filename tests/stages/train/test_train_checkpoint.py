@@ -10,18 +10,18 @@ import torch
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.loop import evaluate, train
-from train_helpers import TinyNet, bn_net, max_diff, nan_inside, nan_on_forward, tiny_data, tiny_net, train_cfg
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_at(step: int):
-    def hook(global_step: int) -> None:
-        if global_step == step:
-            raise Crash(f"simulated crash after step {step}")
-    return hook
+from train_helpers import (
+    Crash,
+    TinyNet,
+    bn_net,
+    crash_at,
+    max_diff,
+    nan_inside,
+    nan_on_forward,
+    tiny_data,
+    tiny_net,
+    train_cfg,
+)
 
 
 @pytest.mark.parametrize("precision, accum", [("fp32", 1), ("bf16", 2)])
@@ -34,7 +34,7 @@ def test_resume_mid_epoch_equals_uninterrupted_run(tmp_path: Path, precision: st
 
     crashed = tiny_net()
     with pytest.raises(Crash):
-        train(crashed, data, cfg, ckpt_dir=tmp_path / "run", run_key="k", on_step=_crash_at(8))  # mid epoch 2
+        train(crashed, data, cfg, ckpt_dir=tmp_path / "run", run_key="k", on_step=crash_at(8))  # mid epoch 2
     info = json.loads((tmp_path / "run" / ckpt.INFO).read_text())
     assert info == {"run_key": "k", "epoch": 1, "global_step": 6, "complete": False}
 

@@ -23,7 +23,7 @@ from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
 from safetensors.torch import load_file
 from torch import nn
-from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
+from train_helpers import Crash, crash_at, max_diff, tiny_data, tiny_net, train_cfg
 
 
 @pytest.fixture(autouse=True)
@@ -43,17 +43,6 @@ def no_disk_caches() -> Iterator[None]:
 def compiling(cfg: TrainConfig, setting: Any) -> TrainConfig:
     """``cfg`` with ``train.compile: setting``, validated (model_copy would keep a dict as a dict)."""
     return TrainConfig.model_validate({**cfg.model_dump(), "compile": setting})
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_at(step: int):
-    def hook(global_step: int) -> None:
-        if global_step == step:
-            raise Crash(f"simulated crash after step {step}")
-    return hook
 
 
 @pytest.mark.timeout(600)
@@ -121,7 +110,7 @@ def test_checkpoints_have_no_compile_prefix_and_resume_both_ways(tmp_path: Path)
         folder = tmp_path / f"compile-{first}-then-{then}"
         with pytest.raises(Crash):
             train(tiny_net(), data, compiling(cfg, first), ckpt_dir=folder, run_key="k",
-                  on_step=_crash_at(8))
+                  on_step=crash_at(8))
         state = ckpt.load_state(folder / ckpt.LAST)
         assert state["global_step"] == 6 and not any(k.startswith(ckpt.COMPILED_PREFIX) for k in state["model"])
         resumed = tiny_net(seed=99)

@@ -79,3 +79,15 @@ def train_cfg(**kw: Any) -> TrainConfig:
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+class Crash(Exception):
+    """A simulated crash inside the training loop (kill -9 stands-in for resume tests)."""
+
+
+def crash_at(step: int):
+    """An ``on_step`` hook that raises :class:`Crash` after global step ``step``."""
+    def hook(global_step: int) -> None:
+        if global_step == step:
+            raise Crash(f"simulated crash after step {step}")
+    return hook
