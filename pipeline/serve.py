@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from kiln.core.errors import BackendUnavailable, GateFailure, InputFileError, KilnError
 from kiln.core.records import EngineMetadata, ValidationResult
+from kiln.core.text import first_line
 from kiln.stages.engines.engines import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.triton_repo import served_max_batch
@@ -118,12 +120,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def server_env(stub_python: Path, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a ``tritonserver`` process. Its Python backend stub loads the first ``libpython3.X``
     the loader finds; with an interpreter not installed by the system (pyenv, conda) that is the system's, two
     interpreters mix and the model fails to load ('_thread.RLock' object has no attribute '_recursion_count').
-    The running interpreter's LIBDIR goes first on LD_LIBRARY_PATH; its bin folder goes first on PATH so the
-    embedded interpreter finds this environment's site-packages (PyTriton does the same for PATH)."""
+    The running interpreter's LIBDIR goes first on LD_LIBRARY_PATH. ``stub_python`` (:func:`stub_python_env`)
+    goes first on PATH: the stub's embedded interpreter takes its prefix from the ``python3`` it finds there."""
     from pytriton.utils.distribution import get_libs_path
 
     env = dict(os.environ if env is None else env)
@@ -136,8 +138,29 @@ def server_env(env: dict[str, str] | None = None) -> dict[str, str]:
     wheel_libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
     bundled = [str(get_libs_path())] + ([str(wheel_libs)] if wheel_libs.is_dir() else [])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, *bundled, env.get("LD_LIBRARY_PATH", "")) if p)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    env["PATH"] = os.pathsep.join((str(stub_python / "bin"), env.get("PATH", "")))
     return env
+
+
+def stub_python_env(scratch: Path) -> Path:
+    """A virtual environment (no packages of its own) whose ``.pth`` file lists this process's ``sys.path``.
+
+    The Python backend stub embeds an interpreter that ignores PYTHONPATH, so packages this process imports
+    from there (``pip install --target DIR`` + PYTHONPATH, as on the GPU host; Bazel-style layouts) were missing
+    in the stub: PyTriton's proxy model failed to load with ``No module named 'zmq'``. An interpreter started
+    from this environment's ``bin/python3`` reads ``pyvenv.cfg`` and the ``.pth`` and sees exactly what this
+    process sees. Hand-written because neither PyTriton nor Triton has a setting for it (Triton's
+    EXECUTION_ENV_PATH wants a packed environment per model)."""
+    import venv
+
+    root = scratch / "stub-python"
+    if not (root / "pyvenv.cfg").is_file():
+        venv.EnvBuilder(symlinks=True, with_pip=False, clear=True).create(root)
+    purelib = sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)})
+    paths = list(dict.fromkeys(str(Path(p).resolve()) for p in sys.path if p and Path(p).is_dir()))
+    # addsitedir, not plain lines: the .pth files in those folders (editable installs' finders) must run too
+    (Path(purelib) / "kiln-serve-paths.pth").write_text(f"import site; list(map(site.addsitedir, {paths!r}))\n")
+    return root
 
 
 def _pytriton() -> Any:
@@ -179,6 +202,22 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
                 strict=True)
 
 
+def _bind_or_explain(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
+    """Bind one model; Triton refusing to load it is one error/fix pair, not PyTriton's and tritonclient's
+    tracebacks (the server's own log above says why in full)."""
+    from pytriton.exceptions import PyTritonError
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        _bind(triton, served, runner, max_batch, queue_delay_us)
+    except (PyTritonError, InferenceServerException) as exc:
+        message = getattr(exc, "message", None)
+        reason = first_line((message() if callable(message) else message) or str(exc))
+        raise KilnError(f"Triton could not load model {served.model_name}: {reason}",
+                        hint="a 'No module named ...' comes from the Python backend stub, which imports what this "
+                             "process imports: install the module into this environment") from None
+
+
 class _Stop(Exception):
     """Raised in the main thread by the SIGTERM handler."""
 
@@ -190,7 +229,10 @@ def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metric
     served = find_engines(path)
     pytriton = _pytriton()
     check_ports(address, http_port, grpc_port, metrics_port)
-    os.environ.update(server_env())  # PyTriton starts tritonserver with a copy of os.environ
+    scratch = Path(tempfile.mkdtemp(prefix="kiln-serve-"))
+    stub_python = stub_python_env(scratch)
+    os.environ.update(server_env(stub_python))  # PyTriton starts tritonserver with a copy of os.environ
+    _use_stub_python(stub_python)
     config = pytriton.triton.TritonConfig(
         http_address=address, http_port=http_port, grpc_address=address, grpc_port=grpc_port,
         metrics_port=metrics_port, exit_timeout_secs=EXIT_TIMEOUT_S, log_verbose=0)
@@ -205,7 +247,7 @@ def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metric
             runners.append(load_engine(s.engine_dir).activate())
         with pytriton.triton.Triton(config=config, security_config=security) as triton:
             for s, runner in zip(served, runners):
-                _bind(triton, s, runner, max_batch, max_queue_delay_us)
+                _bind_or_explain(triton, s, runner, max_batch, max_queue_delay_us)
             triton.run()  # returns once the server and every model are ready
             if on_ready is not None:
                 on_ready(served)
@@ -216,6 +258,15 @@ def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metric
         signal.signal(signal.SIGTERM, previous)
         for r in runners:
             r.deactivate()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _use_stub_python(stub_python: Path) -> None:
+    """PyTriton puts ``sys.exec_prefix/bin`` first on the server's PATH (its way of choosing the stub's
+    interpreter), in front of ours; its module-level lookup is the one place to say which environment to use."""
+    from pytriton.server import triton_server
+
+    triton_server.get_triton_python_backend_python_env = lambda: stub_python
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
@@ -252,7 +303,7 @@ def tritonserver_process(repository: Path, scratch: Path, http_port: int, grpc_p
     (``terminate()`` = SIGTERM, which Triton handles by unloading its models and exiting)."""
     root = prepared_tritonserver(scratch)
     check_ports("127.0.0.1", http_port, grpc_port, metrics_port)
-    env = server_env()
+    env = server_env(stub_python_env(scratch))
     cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={root / 'backends'}", "--http-address=127.0.0.1", f"--http-port={http_port}",
            "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",

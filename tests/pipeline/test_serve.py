@@ -17,10 +17,18 @@ from click.testing import CliRunner
 from kiln.api import run_pipeline
 from kiln.cli import main
 from kiln.config import KilnConfig, config_from_dict
-from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure
+from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import random_inputs
 from kiln.loadtest import loadtest, parse_url
-from kiln.serve import PortInUse, find_engines, free_port, serve, tritonserver_process, wait_ready
+from kiln.serve import (
+    PortInUse,
+    find_engines,
+    free_port,
+    serve,
+    stub_python_env,
+    tritonserver_process,
+    wait_ready,
+)
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.engines.registry import load_engine
 
@@ -172,6 +180,40 @@ def test_an_engine_that_failed_validation_is_refused(workdir: Path, tmp_path: Pa
         find_engines(copy / "build" / ENGINE)
     result = CliRunner().invoke(main, ["serve", str(copy / "build" / ENGINE)])
     assert result.exit_code == 3 and "error:" in result.output and "fix:" in result.output
+
+
+def test_the_stub_interpreter_sees_packages_this_process_found_through_pythonpath(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python backend stub's interpreter ignores PYTHONPATH (like ``python -I``); the GPU host installs
+    packages with ``--target`` + PYTHONPATH, and PyTriton's proxy then failed with "No module named 'zmq'"."""
+    extra = tmp_path / "target-site"
+    extra.mkdir()
+    (extra / "kiln_probe_pkg.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(extra))
+    probe = ["-I", "-c", "import kiln_probe_pkg, kiln; print(kiln_probe_pkg.VALUE)"]
+    plain = subprocess.run([sys.executable, *probe], check=False, capture_output=True, text=True)
+    assert plain.returncode != 0 and "kiln_probe_pkg" in plain.stderr  # what the stub saw before
+    env = stub_python_env(tmp_path / "scratch")
+    seen = subprocess.run([str(env / "bin" / "python3"), *probe], check=False, capture_output=True, text=True)
+    assert seen.returncode == 0 and seen.stdout.strip() == "42", seen.stderr  # kiln: an editable install's finder
+
+
+def test_a_model_triton_cannot_load_is_one_error_and_no_server_left(workdir: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import venv
+
+    import kiln.serve
+
+    bare = tmp_path / "bare"  # an interpreter without numpy: the stub cannot import Triton's backend utilities
+    venv.EnvBuilder(symlinks=True, with_pip=False).create(bare)
+    monkeypatch.setattr(kiln.serve, "stub_python_env", lambda scratch: bare)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(KilnError, match="Triton could not load model .*No module named") as info:
+        serve(workdir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    assert "install the module" in info.value.hint
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(left, timeout=15)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
 def test_missing_server_package_names_the_extra(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
