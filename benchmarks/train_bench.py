@@ -39,9 +39,14 @@ Writes <out>/train.json and <out>/train.md.
 and the bare loop above with ``torch.compile(model)``, fp16 and bf16, for ``bert_base`` (explicit attention:
 MatMul, Softmax, MatMul written out), ``bert_base_hf`` (``transformers``' BertForSequenceClassification, random
 weights, token ids; skipped with a note where ``transformers`` does not import; pip install 'kiln[bench]') and
-``resnet18``. Both compiled loops compile the model alone (mode default, inductor) with the same settings, so
-they share Dynamo's in-process cache: whichever runs first in a cell pays the compilation, in its untimed
-warm-up, and Kiln's run additionally compiles its evaluation graph, after its timed window. Target: Kiln
+``resnet18``. Both compiled loops compile the model alone (mode default, inductor). Every compiled run starts
+from empty in-process Dynamo caches (``torch.compiler.reset()``) and compiles in its untimed warm-up (inductor's
+on-disk caches make that quick after the first time): sharing one process's cache let a run reuse, or be
+recompiled around, another run's graphs, e.g. a batch dimension that an earlier run's evaluation had made
+dynamic (this table's first H200 version compared graphs compiled under different conditions). Kiln's run
+compiles its evaluation graph after its timed window. ``--profile-steps N`` adds one profiled run per compiled
+loop and cell (torch.profiler over N steps after the warm-up): GPU kernel time and kernels per step, the
+synchronising CUDA calls per step and the busiest host ops, to show where a gap comes from. Target: Kiln
 compiled >= 0.97x the bare compiled loop in every cell. Writes <out>/train_compile[_<models>].json and .md.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~4 minutes
@@ -153,22 +158,63 @@ def sync(device: torch.device) -> None:
 
 class Window:
     """The timed window, identical for both loops: sync + clock + peak reset at the start, sync + clock +
-    peak at the end."""
+    peak at the end. ``profile``: torch.profiler records the window too (see :func:`profile_summary`)."""
+
+    profile = False
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.t0, self.secs, self.peak = device, 0.0, 0.0, None
+        self.prof: Any = None
 
     def start(self) -> None:
         sync(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        if self.profile:
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
         self.t0 = time.perf_counter()
 
     def stop(self) -> None:
         sync(self.device)
         self.secs = time.perf_counter() - self.t0
+        if self.prof is not None:
+            self.prof.stop()
         if self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+
+    def result(self, steps: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"steps_per_s": steps / self.secs, "peak_mb": self.peak}
+        if self.prof is not None:
+            out["profile"] = profile_summary(self.prof, steps, self.secs)
+        return out
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")
+
+
+def profile_summary(prof: Any, steps: int, secs: float) -> dict[str, Any]:
+    """Per step: wall time, GPU kernel time (busy share), kernel launches, synchronising calls, busiest host ops.
+    A loop whose kernel time matches the other's but whose wall time does not waits on the host or on syncs."""
+    kernel_us, kernels, host = 0.0, 0, []
+    calls: dict[str, int] = {}
+    for e in prof.key_averages():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernel_us += getattr(e, "self_device_time_total", 0.0)
+            kernels += e.count
+            continue
+        if e.key in SYNC_CALLS:
+            calls[e.key] = calls.get(e.key, 0) + e.count
+        host.append((e.self_cpu_time_total, e.key, e.count))
+    wall_ms = secs * 1e3 / steps
+    return {"wall_ms": round(wall_ms, 3), "gpu_kernel_ms": round(kernel_us / 1e3 / steps, 3),
+            "gpu_busy": round(kernel_us / 1e3 / steps / wall_ms, 3), "kernels": round(kernels / steps, 1),
+            "sync_calls": {k: round(v / steps, 2) for k, v in sorted(calls.items())},
+            "top_host_ms": [[k, round(t / 1e3 / steps, 3), round(n / steps, 1)]
+                            for t, k, n in sorted(host, reverse=True)[:12]]}
 
 
 def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
@@ -206,7 +252,7 @@ def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
         step(warmup + i)
     window.stop()
     model.to("cpu")
-    return {"steps_per_s": steps / window.secs, "peak_mb": window.peak}
+    return window.result(steps)
 
 
 def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
@@ -227,9 +273,9 @@ def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
 
     result = train(model, data, cfg, on_step=on_step)
     m = result.history[-1]
-    assert result.global_step == warmup + steps and window.secs > 0
-    out = {"steps_per_s": steps / window.secs, "peak_mb": window.peak, "skipped_steps": m.skipped_steps,
-           "nonfinite_steps": m.nonfinite_steps, "final_loss": m.loss}
+    assert result.global_step >= warmup + steps and window.secs > 0
+    out = {**window.result(steps), "skipped_steps": m.skipped_steps, "nonfinite_steps": m.nonfinite_steps,
+           "final_loss": m.loss}
     if result.compile is not None:  # a fallback to eager would make the compiled figure meaningless: record it
         out["compile"] = result.compile
     return out
@@ -240,7 +286,8 @@ LOOP_FNS = {"bare": (bare_loop, False), "kiln": (kiln_loop, False), "bare_compil
 
 
 def measure(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
-            warmup: int, steps: int, rounds: int, loops: tuple[str, ...] = EAGER_LOOPS) -> dict[str, Any]:
+            warmup: int, steps: int, rounds: int, loops: tuple[str, ...] = EAGER_LOOPS,
+            profile_steps: int = 0) -> dict[str, Any]:
     """``rounds`` runs of each loop, rotating which goes first; medians plus every round."""
     runs: dict[str, list[dict[str, Any]]] = {which: [] for which in loops}
     for r in range(rounds):
@@ -249,9 +296,22 @@ def measure(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             fn, compile = LOOP_FNS[which]
+            if compile:
+                torch.compiler.reset()  # this run compiles its own graphs (see the module docstring)
             runs[which].append(fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, steps,
                                   compile=compile))
     row: dict[str, Any] = {"model": name, "batch": spec["batch"], "precision": precision}
+    if profile_steps:  # one more run per compiled loop, profiled, not part of the medians
+        Window.profile = True
+        try:
+            for which in (w for w in loops if LOOP_FNS[w][1]):
+                torch.compiler.reset()
+                fn, _ = LOOP_FNS[which]
+                r = fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, profile_steps,
+                       compile=True)
+                row.setdefault("profile", {})[which] = r["profile"]
+        finally:
+            Window.profile = False
     for which, rs in runs.items():
         cell = dict(rs[-1])
         cell["steps_per_s"] = statistics.median(x["steps_per_s"] for x in rs)
@@ -305,7 +365,7 @@ def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[str] | None,
-                precisions: tuple[str, ...]) -> dict[str, Any]:
+                precisions: tuple[str, ...], profile_steps: int = 0) -> dict[str, Any]:
     """The torch.compile table: Kiln eager AMP, Kiln compiled, bare compiled, per model and precision."""
     device = bench_device(smoke)
     rows, notes = [], []
@@ -323,7 +383,7 @@ def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[
         data = make_data(spec, warmup + steps)
         for precision in precisions:
             log.info("%s %s (compile)", name, precision)
-            row = measure(name, spec, data, precision, device, warmup, steps, rounds, COMPILE_LOOPS)
+            row = measure(name, spec, data, precision, device, warmup, steps, rounds, COMPILE_LOOPS, profile_steps)
             row["dataset_mb"] = round((data.train_x.nbytes + data.train_y.nbytes) / 2**20, 1)
             rows.append(row)
     return {"device": device_name(device), "torch": torch.__version__, "smoke": smoke, "tf32": False,
@@ -361,6 +421,17 @@ def compile_markdown(res: dict[str, Any]) -> str:
                   f"(target >= 0.97: {'met' if t['kiln_compiled_at_least_0.97x_bare_compiled'] else 'NOT met'})",
               f"- runs that fell back to eager: {t['fallbacks']}"]
     lines += [f"- {n}" for n in res.get("notes", [])]
+    profiled = [r for r in res["rows"] if r.get("profile")]
+    if profiled:
+        lines += ["", "Profiled runs (torch.profiler, per step; not part of the medians):", "",
+                  "| model | precision | loop | wall ms | GPU kernel ms | GPU busy | kernels | sync calls | busiest host op |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            for loop, pr in r["profile"].items():
+                sync_calls = ", ".join(f"{k} {v}" for k, v in pr["sync_calls"].items()) or "-"
+                top = pr["top_host_ms"][0] if pr["top_host_ms"] else ["-", 0, 0]
+                lines.append(f"| {r['model']} | {r['precision']} | {loop} | {pr['wall_ms']:.2f} | {pr['gpu_kernel_ms']:.2f} "
+                             f"| {pr['gpu_busy']:.2f} | {pr['kernels']:.0f} | {sync_calls} | {top[0]} {top[1]:.2f} ms |")
     return "\n".join(lines) + "\n"
 
 
@@ -407,6 +478,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="the torch.compile table (Kiln eager/compiled, bare compiled)")
     ap.add_argument("--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18")
     ap.add_argument("--precisions", default=",".join(COMPILE_PRECISIONS), help="--compile: fp16,bf16 or one of them")
+    ap.add_argument("--profile-steps", type=int, default=0, help="--compile: one profiled run per compiled loop")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
@@ -418,7 +490,8 @@ def main() -> None:
         unknown = sorted(set(models or []) - set(specs(True, compile_table=True)))
         if unknown:
             ap.error(f"--models: unknown {', '.join(unknown)}; choose from bert_base, bert_base_hf, resnet18")
-        res = run_compile(args.smoke, warmup, steps, rounds, models, tuple(args.precisions.split(",")))
+        res = run_compile(args.smoke, warmup, steps, rounds, models, tuple(args.precisions.split(",")),
+                          args.profile_steps)
         name = "train_compile" + ("_smoke" if args.smoke else "") + ("_" + "_".join(models) if models else "")
         (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
         md = compile_markdown(res)

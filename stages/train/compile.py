@@ -15,6 +15,19 @@ optimizer step, the NaN/overflow skips and the buffer guard run eagerly around i
 compiling. The loop keeps the uncompiled module for ``state_dict``: checkpoints and weights never carry
 the ``_orig_mod.`` prefix of ``torch.compile``'s wrapper.
 
+Shapes: by default (``dynamic: null`` or ``false``) the graphs are static, compiled for the micro-batch shapes
+of a full batch. A call with any other shape (the epoch's shorter last batch, evaluation's remainder) runs the
+eager module instead of compiling again: PyTorch's automatic dynamic shapes would recompile that frame with a
+symbolic batch size, and Dynamo then tries that graph first for every later call, so all later full batches
+would run the slower dynamic-shape kernels. ``dynamic: true`` compiles one dynamic graph for every shape.
+
+CUDA graphs (``reduce-overhead``, ``max-autotune``) keep every step's outputs in a memory pool that the next
+replay overwrites. The backward graph's outputs are the gradients, and autograd installs a parameter's first
+gradient as ``.grad`` without copying: with accumulation the next micro-step overwrote it
+("accessing tensor output of CUDAGraphs that has been overwritten", pytorch/pytorch#169545; on other
+releases silently wrong gradients). With CUDA graphs the loop therefore keeps ``.grad`` allocated
+(:attr:`CompiledModel.keeps_grads`) and zeroes it in place, so autograd adds into it.
+
 Compilation is lazy: ``torch.compile`` returns at once and the work (and any failure) happens on the first
 call, or in the first backward (AOTAutograd compiles the backward graph when it first runs). A failure
 (``torch._dynamo.exc.TorchDynamoException``; inductor's errors derive from it) makes the loop continue in
@@ -24,11 +37,13 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from kiln.core.data import Inputs
 from kiln.core.errors import TrainingError
 from kiln.core.text import first_line
 from kiln.stages.train.config import CompileConfig
@@ -82,11 +97,16 @@ class CompiledModel:
     redoes the step.
     """
 
-    def __init__(self, module: nn.Module, options: CompileConfig | None) -> None:
-        self.eager, self.options = module, options
+    def __init__(self, module: nn.Module, options: CompileConfig | None,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.eager, self.options, self.device = module, options, device
         self.fallback: str | None = None  # why the run went back to eager mode
         self.forward: Any = module
         self.mark_steps = False
+        # Static graphs (see the module docstring): the input shapes they serve, and calls run eagerly instead
+        self.static = options is not None and not options.dynamic
+        self.shapes: set[Signature] = set()
+        self.eager_calls = 0
         # What a failed compilation raises (BackendCompilerFailed, InductorError, Unsupported with fullgraph, ...);
         # nothing when not compiling (an empty tuple in an except clause catches nothing).
         self.errors: tuple[type[BaseException], ...] = ()
@@ -103,7 +123,7 @@ class CompiledModel:
                 "forward", hint="set train.compile.fullgraph: false (graph breaks are counted in the training "
                                 "summary), or check fullgraph with one process (nproc_per_node: 1)")
         try:
-            self.forward = torch.compile(module, mode=options.mode, dynamic=options.dynamic,
+            self.forward = torch.compile(module, mode=options.mode, dynamic=bool(options.dynamic),
                                          fullgraph=options.fullgraph)
         except Exception as exc:  # e.g. a Python version Dynamo does not support: raised by torch.compile itself
             self.fall_back(exc)
@@ -116,9 +136,26 @@ class CompiledModel:
     def compiled(self) -> bool:
         return self.forward is not self.eager
 
+    @property
+    def keeps_grads(self) -> bool:
+        """Must ``.grad`` stay allocated (zeroed in place, never set to None)? With CUDA graphs: see the module
+        docstring."""
+        return self.compiled and self.mark_steps and self.device.type == "cuda"
+
+    def serve_shapes_of(self, inputs: list[Inputs]) -> None:
+        """Static graphs serve the shapes of these inputs (a full batch's micro-batches); others run eagerly."""
+        for x in inputs:
+            if isinstance(x, Mapping):
+                self.shapes.add(signature((), dict(x)))
+            else:
+                self.shapes.add(signature(tuple(x) if isinstance(x, (tuple, list)) else (x,), {}))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Any call structure: model(x), model(*x), model(**x) (kiln.core.data.call), any output structure
         if not self.compiled:
+            return self.eager(*args, **kwargs)
+        if self.static and signature(args, kwargs) not in self.shapes:
+            self.eager_calls += 1
             return self.eager(*args, **kwargs)
         if self.mark_steps:
             torch.compiler.cudagraph_mark_step_begin()
@@ -147,7 +184,16 @@ class CompiledModel:
         if self.options is None:
             return None
         return {**self.options.model_dump(), "compiled": self.compiled, "fallback": self.fallback,
-                **CompileCounts.now().since(self.before)}
+                "eager_calls": self.eager_calls, **CompileCounts.now().since(self.before)}
+
+
+Signature = tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+    """Shapes and dtypes of a call's tensors (None for other arguments), in call order."""
+    leaves = [*args, *(kwargs[k] for k in sorted(kwargs))]
+    return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None for v in leaves)
 
 
 def _user_frame(text: str) -> str:

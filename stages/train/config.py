@@ -58,8 +58,8 @@ class CompileConfig(Section):
     mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
         "default", description="inductor mode; reduce-overhead and max-autotune add CUDA graphs on GPUs")
     dynamic: bool | None = Field(
-        None, description="true: shapes symbolic from the start; false: one graph per shape; null: PyTorch's "
-                          "automatic choice (static first, dynamic once a shape changes)")
+        None, description="null/false: static graphs for a full batch's micro-batch shapes, calls of other shapes "
+                          "(a short last batch) run eagerly; true: one graph with symbolic shapes for every call")
     fullgraph: bool = Field(False, description="true: a graph break or compile failure stops training with an "
                                                "error; false: graph breaks split the graph, a failure falls back to eager")
 

@@ -174,7 +174,13 @@ class _Trainer:
         self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
         # What the steps call: torch.compile of the DDP module (DDP first: see compile.py), or the module itself.
         # self.model stays the plain module, so state dicts never carry torch.compile's "_orig_mod." prefix.
-        self.net = CompiledModel(self.ddp, cfg.compile_options)
+        self.net = CompiledModel(self.ddp, cfg.compile_options, device)
+        # Evaluation in batches of one micro-batch: with static graphs that is a shape the compiled module serves
+        micro = -(-self.local_batch // cfg.grad_accum_steps)
+        self.eval_batch = micro if self.net.static else 256
+        if self.net.keeps_grads:  # CUDA graphs: .grad stays allocated, autograd adds into it (see compile.py)
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
         self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
 
     # -- resume / checkpoint ------------------------------------------------------------------------
@@ -321,7 +327,7 @@ class _Trainer:
             if not self.net.compiled:
                 raise
             self.net.fall_back(exc)  # raises with fullgraph: true
-            self.opt.zero_grad(set_to_none=True)  # the step again from scratch, eagerly
+            self.opt.zero_grad(set_to_none=not self.net.keeps_grads)  # the step again from scratch, eagerly
             self.guard.restore()
             total = self._forward_backward(xb, yb)
         self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
@@ -343,7 +349,7 @@ class _Trainer:
                 self.opt.step()
             else:
                 self.guard.restore()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=not self.net.keeps_grads)
         self.sched.step()
         self.step_in_epoch += 1
         self.acc["samples"] += rows(xb)
@@ -354,6 +360,8 @@ class _Trainer:
     def _forward_backward(self, xb: Inputs, yb: torch.Tensor) -> torch.Tensor:
         """The micro-steps of one batch: forward, FP32 loss, scaled backward. Returns the batch's loss."""
         chunks = micro_batches(xb, yb, self.cfg.grad_accum_steps)
+        if self.net.static and not self.net.shapes and rows(xb) == self.local_batch:
+            self.net.serve_shapes_of([cx for cx, _ in chunks])  # a full batch: the shapes worth compiling
         total: torch.Tensor | None = None
         for i, (cx, cy) in enumerate(chunks):
             last = i == len(chunks) - 1
@@ -435,8 +443,8 @@ class _Trainer:
                          skipped_steps=int(skipped / self.env.world_size), nonfinite_steps=int(bad / self.env.world_size))
         if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
             m.val_loss, m.val_accuracy = evaluate_loss_acc(self.model, self.data.val_x, self.data.val_y,
-                                                           self.device, self.env, task=self.task,
-                                                           forward=self.net)
+                                                           self.device, self.env, batch=self.eval_batch,
+                                                           task=self.task, forward=self.net)
             r = self.result
             if m.val_accuracy is None:  # no classes: nothing to rank epochs by ("best" keeps the last)
                 pass

@@ -85,6 +85,22 @@ def test_compiled_equals_eager_with_accumulation_and_compiles_once(tmp_path: Pat
     assert max_diff(eager, compiled) < 1e-5
 
 
+def test_a_short_last_batch_runs_eagerly_and_full_batches_keep_the_static_graph() -> None:
+    """160 samples in batches of 48: three full batches and a last one of 16, each epoch. The static training
+    graph (48 rows) is the only training graph; the batch of 16 runs eagerly (no 'size mismatch' recompile,
+    which with automatic dynamic shapes would have replaced the graph used by the later full batches).
+    Evaluation runs in batches of 48: 40 validation rows, one call of another shape, eager too."""
+    data = tiny_data(200)
+    cfg = train_cfg(epochs=2, batch_size=48)
+    r = train(tiny_net(), data, compiling(cfg, True))
+    c = r.compile
+    assert c is not None and c["compiled"] and c["dynamic"] is None
+    assert c["graphs"] == 1 and c["recompiles"] == 0, c  # the training graph only: every other call was eager
+    assert c["eager_calls"] == 2 + 2  # the short batch in each epoch, the 40-row evaluation after each epoch
+    r = train(tiny_net(), data, compiling(cfg, {"dynamic": True}))
+    assert r.compile is not None and r.compile["eager_calls"] == 0  # one dynamic graph takes every shape
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_compiled_amp_trains_and_skips_a_nan_step(precision: str) -> None:
     """bf16 autocast (FP32 LayerNorm patch traced through), fp16 with a GradScaler; a NaN batch is skipped."""
@@ -244,3 +260,19 @@ def test_compiled_fp16_on_one_gpu_skips_a_nan_step(mode: str) -> None:
     assert sum(m.nonfinite_steps + m.skipped_steps for m in r.history) >= 3
     assert r.history[-1].loss < r.history[0].loss
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_accumulation_on_one_gpu_equals_eager(mode: str) -> None:
+    """fp32 on CUDA, 4 micro-batches per step. With CUDA graphs the first micro-step's gradients are outputs of
+    the backward graph; were they installed as .grad, the next replay would overwrite them (an error, or on some
+    releases wrong gradients). TF32 stays off, so only kernel rounding differs."""
+    data = tiny_data(200)
+    cfg = train_cfg(device="cuda", optimizer="adamw", lr=0.01, epochs=2, grad_accum_steps=4)
+    eager = tiny_net()
+    train(eager, data, cfg)
+    compiled = tiny_net()
+    r = train(compiled, data, compiling(cfg, {"mode": mode}))
+    assert r.compile is not None and r.compile["compiled"] and r.compile["fallback"] is None, r.compile
+    assert max_diff(eager, compiled) < 1e-4
