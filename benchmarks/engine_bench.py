@@ -48,8 +48,11 @@ from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402
 
-ROWS = ["eager32", "eager16", "compile", "baseline_compile", "ort_default", "kiln_fixed", "kiln", "kiln_torch"]
+ROWS = ["eager32", "eager16", "compile", "compile_cl", "baseline_compile", "ort_default", "ort_cuda_graph",
+        "kiln_fixed", "kiln", "kiln_torch"]
 LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",
+         "compile_cl": "torch.compile fp16, channels_last",
+         "ort_cuda_graph": "ORT CUDA fp16 + CUDA graph, by hand",
          "baseline_compile": "validate.baselines compile (fp16 on GPU)",
          "ort_default": "ORT CUDA fp16 default", "kiln_fixed": "Kiln engine, fixed settings",
          "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln AOTInductor engine (torch backend)"}
@@ -136,7 +139,7 @@ class Bench:
     def label(self, row: str) -> str:
         if self.cuda:
             return LABEL[row]
-        return LABEL[row].replace("CUDA", "CPU") + (" (fp32 on CPU)" if row.startswith("kiln") else "")
+        return LABEL[row].replace("ORT CUDA", "ORT CPU") + (" (fp32 on CPU)" if row.startswith("kiln") else "")
 
     def run_model(self, name: str, params: dict[str, Any], shape: tuple[int, ...]) -> None:
         a = self.args
@@ -224,7 +227,7 @@ class Bench:
     def _prepare(self, row: str, model: torch.nn.Module, onnx32: Path, name: str) -> tuple[Any, int | None, dict]:
         """A factory ``x -> call`` where ``call()`` runs one inference on device-resident inputs and returns outputs."""
         dev = self.dev
-        if row in ("eager32", "eager16", "compile", "baseline_compile"):
+        if row in ("eager32", "eager16", "compile", "compile_cl", "baseline_compile"):
             half = row != "eager32" and (self.cuda or row != "baseline_compile")
             dtype = torch.float16 if half else torch.float32
             m = make_model(name, self.params).eval().to(dev)
@@ -235,49 +238,60 @@ class Bench:
                 extra["compile_mode"] = "max-autotune" if self.cuda else "default"
             else:
                 m = m.to(dtype)
-            if row == "compile":
-                m = torch.compile(m, mode=self.args.compile_mode, dynamic=False)
+            layout = torch.channels_last if row == "compile_cl" else torch.contiguous_format
+            if row in ("compile", "compile_cl"):
+                m = torch.compile(m.to(memory_format=layout), mode=self.args.compile_mode, dynamic=False)
                 extra["compile_mode"] = self.args.compile_mode
 
             def torch_factory(xs: Inputs) -> Callable[[], Any]:
                 xd = tuple(x.to(dev, dtype) if x.is_floating_point() else x.to(dev) for x in xs)
+                xd = tuple(x.contiguous(memory_format=layout) if x.dim() == 4 else x for x in xd)
 
                 def call() -> torch.Tensor:
                     with torch.inference_mode():
                         return m(*xd)
                 return call
             return torch_factory, None, extra
-        if row == "ort_default":
-            return self._ort_default(onnx32, name)
+        if row in ("ort_default", "ort_cuda_graph"):
+            return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
         if row == "kiln_torch":
             return self._kiln_torch(onnx32, name, model)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
-    def _ort_default(self, onnx32: Path, name: str) -> tuple[Any, int, dict]:
+    def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
+        """ORT CUDA FP16 as a user sets it up by hand: onnxconverter-common's converter, default session options;
+        ``cuda_graph``: plus the CUDA EP's ``enable_cuda_graph`` (one session per shape: a graph is captured once)."""
         import onnxruntime as ort
         from onnxconverter_common import float16
 
         path = self.work / f"{name}-ort-fp16.onnx"
-        onnx.save(float16.convert_float_to_float16(onnx.load(str(onnx32)), keep_io_types=True), str(path))
-        providers = ["CUDAExecutionProvider"] if self.cuda else ["CPUExecutionProvider"]
-        sess = ort.InferenceSession(str(path), providers=providers)  # default options: what a user gets
-        in_names, out_names = [i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()]
+        if not path.is_file():
+            onnx.save(float16.convert_float_to_float16(onnx.load(str(onnx32)), keep_io_types=True), str(path))
+        providers: list[Any] = ["CUDAExecutionProvider"] if self.cuda else ["CPUExecutionProvider"]
+        if cuda_graph and self.cuda:
+            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"})]
 
         def factory(xs: Inputs) -> Callable[[], Any]:
-            feed = {n: x.numpy() for n, x in zip(in_names, xs)}
+            sess = ort.InferenceSession(str(path), providers=providers)  # default options: what a user gets
+            feed = {i.name: x.numpy() for i, x in zip(sess.get_inputs(), xs)}
             if not self.cuda:
                 return lambda: sess.run(None, feed)[0]
             binding = sess.io_binding()  # device buffers, as for every other row: no host copies timed
             for n, a in feed.items():
                 binding.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0))
-            for o in out_names:
-                binding.bind_output(o, "cuda", 0)
+            for o in sess.get_outputs():
+                if cuda_graph:  # a replayed graph writes to fixed addresses: outputs preallocated (float32 I/O)
+                    shape = [d if isinstance(d, int) else len(xs[0]) for d in o.shape]
+                    binding.bind_ortvalue_output(o.name, ort.OrtValue.ortvalue_from_shape_and_type(
+                        shape, np.float32, "cuda", 0))
+                else:
+                    binding.bind_output(o.name, "cuda", 0)
 
             def call() -> np.ndarray:
                 sess.run_with_iobinding(binding)
                 return binding.get_outputs()[0]
             return call
-        return factory, path.stat().st_size, {"providers": providers}
+        return factory, path.stat().st_size, {"providers": [str(p) for p in providers]}
 
     def _kiln(self, onnx32: Path, name: str, autotuned: bool) -> tuple[Any, int, dict]:
         device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
@@ -356,7 +370,48 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                      f"{(speed / r['median_ms']) if speed else float('nan'):.2f}x | {r['top1_agreement']:.4f} | "
                      f"{r['cosine']:.6f} | {_num(r['build_seconds'] if r['row'] not in ('eager32', 'eager16') else None)} | "
                      f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} |")
-    return "\n".join(lines + autotune_table(results)) + "\n"
+    return "\n".join(lines + target_table(results) + autotune_table(results)) + "\n"
+
+
+REFERENCE_ROWS = ("compile", "compile_cl", "ort_cuda_graph")  # the strongest paths a user builds without Kiln
+KILN_ROWS = ("kiln", "kiln_torch")  # Kiln's engines; the build keeps the fastest that passes the gates per batch
+# Issue 12's absolute targets on the H200 (ms, median)
+ABSOLUTE_MS = {("resnet18", 1): 0.25, ("resnet18", 32): 0.85, ("hf_bert", 32): 1.8}
+
+
+def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and batch: Kiln's fastest engine vs the fastest reference path, and the absolute targets."""
+    ok = [r for r in results if "median_ms" in r]
+    out = []
+    for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in ok):
+        cell = [r for r in ok if (r["model"], r["batch"]) == (model, batch)]
+        ref = min((r for r in cell if r["row"] in REFERENCE_ROWS), key=lambda r: r["median_ms"], default=None)
+        kiln = min((r for r in cell if r["row"] in KILN_ROWS), key=lambda r: r["median_ms"], default=None)
+        if ref is None or kiln is None:
+            continue
+        limit = ABSOLUTE_MS.get((model, batch))
+        out.append({"model": model, "batch": batch, "kiln_row": kiln["row"], "kiln_ms": kiln["median_ms"],
+                    "reference_row": ref["row"], "reference_ms": ref["median_ms"],
+                    "kiln_vs_reference": kiln["median_ms"] / ref["median_ms"],
+                    "at_or_below_reference": kiln["median_ms"] <= ref["median_ms"],
+                    "absolute_target_ms": limit, "absolute_met": None if limit is None else kiln["median_ms"] <= limit})
+    return out
+
+
+def target_table(results: list[dict[str, Any]]) -> list[str]:
+    rows = targets(results)
+    if not rows:
+        return []
+    lines = ["", "## Targets (issue 12): Kiln's fastest engine vs the fastest of torch.compile (NCHW, channels_last) "
+             "and ORT CUDA FP16 + CUDA graph by hand", "",
+             "| model | batch | Kiln engine | Kiln ms | fastest reference | reference ms | Kiln / reference | absolute target |",
+             "|---|---|---|---|---|---|---|---|"]
+    for t in rows:
+        absolute = "-" if t["absolute_target_ms"] is None else \
+            f"<= {t['absolute_target_ms']} ms: {'met' if t['absolute_met'] else 'NOT met'}"
+        lines.append(f"| {t['model']} | {t['batch']} | {t['kiln_row']} | {t['kiln_ms']:.3f} | {t['reference_row']} | "
+                     f"{t['reference_ms']:.3f} | {t['kiln_vs_reference']:.2f} | {absolute} |")
+    return lines
 
 
 def autotune_table(results: list[dict[str, Any]]) -> list[str]:
@@ -428,7 +483,8 @@ def main() -> None:
 
 def write_results(args: argparse.Namespace, env: dict[str, Any], results: list[dict[str, Any]]) -> None:
     (args.out / "engine_bench.json").write_text(json.dumps({"env": env, "args": vars(args) | {"out": str(args.out)},
-                                                             "results": results}, indent=2, default=str))
+                                                             "results": results, "targets": targets(results)},
+                                                            indent=2, default=str))
     (args.out / "engine_bench.md").write_text(markdown(results, env))
 
 
