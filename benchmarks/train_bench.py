@@ -365,7 +365,8 @@ def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
 
 
 def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[str] | None,
-                precisions: tuple[str, ...], profile_steps: int = 0) -> dict[str, Any]:
+                precisions: tuple[str, ...], profile_steps: int = 0,
+                partial: Path | None = None) -> dict[str, Any]:
     """The torch.compile table: Kiln eager AMP, Kiln compiled, bare compiled, per model and precision."""
     device = bench_device(smoke)
     rows, notes = [], []
@@ -386,6 +387,8 @@ def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[
             row = measure(name, spec, data, precision, device, warmup, steps, rounds, COMPILE_LOOPS, profile_steps)
             row["dataset_mb"] = round((data.train_x.nbytes + data.train_y.nbytes) / 2**20, 1)
             rows.append(row)
+            if partial is not None:  # a run cut short by a time limit keeps the cells it finished
+                partial.write_text(json.dumps(rows, indent=2) + "\n")
     return {"device": device_name(device), "torch": torch.__version__, "smoke": smoke, "tf32": False,
             "timed_steps": steps, "warmup_steps": warmup, "rounds": rounds, "rows": rows, "notes": notes,
             "targets": compile_targets(rows)}
@@ -490,9 +493,9 @@ def main() -> None:
         unknown = sorted(set(models or []) - set(specs(True, compile_table=True)))
         if unknown:
             ap.error(f"--models: unknown {', '.join(unknown)}; choose from bert_base, bert_base_hf, resnet18")
-        res = run_compile(args.smoke, warmup, steps, rounds, models, tuple(args.precisions.split(",")),
-                          args.profile_steps)
         name = "train_compile" + ("_smoke" if args.smoke else "") + ("_" + "_".join(models) if models else "")
+        res = run_compile(args.smoke, warmup, steps, rounds, models, tuple(args.precisions.split(",")),
+                          args.profile_steps, args.out / f"{name}.partial.json")
         (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
         md = compile_markdown(res)
         (args.out / f"{name}.md").write_text(md)
