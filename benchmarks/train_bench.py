@@ -165,6 +165,19 @@ class Window:
     def __init__(self, device: torch.device) -> None:
         self.device, self.t0, self.secs, self.peak = device, 0.0, 0.0, None
         self.prof: Any = None
+        self.marks: list[float] = []  # host clock after each timed step was queued
+        self.gc_ms: list[float] = []  # Python garbage collections inside the window
+        self._gc_t0 = 0.0
+
+    def _gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self.t0 and not self.secs:
+            self.gc_ms.append((time.perf_counter() - self._gc_t0) * 1e3)
+
+    def mark(self) -> None:
+        if self.t0 and not self.secs:
+            self.marks.append(time.perf_counter())
 
     def start(self) -> None:
         sync(self.device)
@@ -175,18 +188,24 @@ class Window:
                 [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.start()
+        gc.callbacks.append(self._gc)
         self.t0 = time.perf_counter()
 
     def stop(self) -> None:
         sync(self.device)
         self.secs = time.perf_counter() - self.t0
+        gc.callbacks.remove(self._gc)
         if self.prof is not None:
             self.prof.stop()
         if self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
 
     def result(self, steps: int) -> dict[str, Any]:
-        out: dict[str, Any] = {"steps_per_s": steps / self.secs, "peak_mb": self.peak}
+        out: dict[str, Any] = {"steps_per_s": steps / self.secs, "peak_mb": self.peak,
+                               "gc_collections": len(self.gc_ms), "gc_ms": round(sum(self.gc_ms), 2)}
+        gaps = [1e3 * (b - a) for a, b in zip([self.t0, *self.marks], self.marks)]
+        if gaps:  # host time per step (the host runs ahead of the GPU only as far as the queue allows)
+            out["step_ms"] = {"p50": round(statistics.median(gaps), 3), "max": round(max(gaps), 3)}
         if self.prof is not None:
             out["profile"] = profile_summary(self.prof, steps, self.secs)
         return out
@@ -250,6 +269,7 @@ def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
     window.start()
     for i in range(steps):
         step(warmup + i)
+        window.mark()
     window.stop()
     model.to("cpu")
     return window.result(steps)
@@ -268,7 +288,9 @@ def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
     def on_step(step: int) -> None:
         if step == warmup:
             window.start()
-        elif step == warmup + steps:
+            return
+        window.mark()
+        if step == warmup + steps:
             window.stop()
 
     result = train(model, data, cfg, on_step=on_step)

@@ -22,6 +22,7 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -169,7 +170,27 @@ def _pytriton() -> Any:
     except ImportError:
         raise BackendUnavailable("kiln serve needs PyTriton (nvidia-pytriton), which is not installed",
                                  hint=INSTALL_HINT) from None
+    check_stub_numpy(np.__version__, version("nvidia-pytriton"))
     return pytriton
+
+
+# The last PyTriton whose bundled tritonserver (2.51) has a Python backend stub built with pybind11 < 2.12
+LAST_PYTRITON_WITHOUT_NUMPY2 = (0, 7, 0)
+
+
+def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
+    """Refuse numpy 2 with a stub that cannot read it. The Python backend stub bundled up to PyTriton 0.7.0 was
+    built with pybind11 2.10, which predates numpy 2: with numpy 2 it sends every output empty (seen on the H200
+    host, numpy 2 there: "cannot reshape array of size 0 into shape (1,1000)" in the client; fixed in Triton's
+    python_backend#384, Triton 24.11). Serving would run and answer nothing usable, so it stops here."""
+    def parts(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+    if parts(numpy_version)[:1] >= (2,) and parts(pytriton_version) <= LAST_PYTRITON_WITHOUT_NUMPY2:
+        raise BackendUnavailable(
+            f"numpy {numpy_version} is installed, and the Triton Python backend bundled with PyTriton "
+            f"{pytriton_version} sends every answer empty with numpy 2 (its stub predates numpy 2)",
+            hint='pip install "numpy<2" (kiln[serve] pins it), or a PyTriton that bundles Triton 24.11 or newer')
 
 
 def _infer_func(runner: Any, outputs: dict[str, np.dtype]) -> Callable[..., dict[str, np.ndarray]]:

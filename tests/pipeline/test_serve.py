@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -24,6 +25,7 @@ from kiln.serve import (
     PortInUse,
     find_engines,
     free_port,
+    check_stub_numpy,
     serve,
     stub_python_env,
     tritonserver_process,
@@ -214,6 +216,40 @@ def test_a_model_triton_cannot_load_is_one_error_and_no_server_left(workdir: Pat
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     _, alive = psutil.wait_procs(left, timeout=15)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def test_numpy_2_with_a_stub_that_predates_it_is_refused() -> None:
+    """PyTriton 0.7.0's stub (Triton 2.51, pybind11 2.10) answers every request with empty outputs under numpy 2
+    (seen on the GPU host): refused before serving, with the fix."""
+    with pytest.raises(BackendUnavailable, match="numpy 2.1.3 is installed") as info:
+        check_stub_numpy("2.1.3", "0.7.0")
+    assert "numpy<2" in info.value.hint
+    check_stub_numpy("1.26.4", "0.7.0")
+    check_stub_numpy("2.1.3", "0.8.0")
+
+
+def test_an_unreadable_answer_is_counted_not_lost(workdir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the numpy-2 stub produced: answers whose outputs cannot take their shape. Each is a counted error and
+    a mismatch, not an exception that ends a client thread (the load test then reported 0 requests, 0 errors)."""
+    import tritonclient.grpc as grpcclient
+
+    def unreadable(self: Any, name: str) -> Any:
+        raise ValueError("cannot reshape array of size 0 into shape (1,10)")
+
+    ports = [free_port() for _ in range(3)]
+    proc = _start_serve(workdir, ports)
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", [MODEL], READY_TIMEOUT_S, proc)
+        monkeypatch.setattr(grpcclient.InferResult, "as_numpy", unreadable)
+        with pytest.raises(GateFailure, match="10 answers differed"):
+            loadtest(f"grpc://127.0.0.1:{ports[1]}", MODEL, workdir, tmp_path / "lt", [2], duration_s=60,
+                     max_requests=10)
+    finally:
+        _abort(proc)
+    level = json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]
+    assert level["requests"] == 10 and level["mismatches"] == 10 and level["errors"] == 10, level
+    assert "unreadable" in level["error_examples"][0]
 
 
 def test_missing_server_package_names_the_extra(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
