@@ -193,15 +193,43 @@ def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
             hint='pip install "numpy<2" (kiln[serve] pins it), or a PyTriton that bundles Triton 24.11 or newer')
 
 
-def _infer_func(runner: Any, outputs: dict[str, np.dtype]) -> Callable[..., dict[str, np.ndarray]]:
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_batch`` (included): the batch sizes a shape-specialised engine is run at."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return [*sizes, max_batch]
+
+
+def pad_rows(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """Each input grown to ``rows`` rows by repeating its last row (rows are independent at inference)."""
+    return {k: np.concatenate([v, np.repeat(v[-1:], rows - len(v), axis=0)]) if rows > len(v) else v
+            for k, v in inputs.items()}
+
+
+def _infer_func(runner: Any, outputs: dict[str, np.dtype],
+                buckets: list[int] | None) -> Callable[..., dict[str, np.ndarray]]:
+    """``buckets``: pad every batch to the next of these sizes (engines that build a session and capture a CUDA
+    graph per input shape: without it each new batch size the dynamic batcher forms costs a session build, which
+    on the H200 made concurrency 32 serve 41 requests/s with a p50 of 780 ms)."""
     from pytriton.decorators import batch
 
     @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
     def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
-        result = runner.infer(inputs)
-        return {name: np.asarray(result[name], dtype=dtype) for name, dtype in outputs.items()}
+        rows = len(next(iter(inputs.values())))
+        size = next((b for b in buckets if b >= rows), rows) if buckets else rows
+        result = runner.infer(pad_rows(inputs, size))
+        return {name: np.asarray(result[name][:rows], dtype=dtype) for name, dtype in outputs.items()}
 
     return infer
+
+
+def warm_buckets(runner: Any, meta: EngineMetadata, buckets: list[int]) -> bool:
+    """Build the engine's per-shape sessions for every bucket before the server says ready. Only for inputs whose
+    other dimensions are fixed (a dynamic sequence axis has no one size to warm)."""
+    if any(not all(isinstance(d, int) and d > 0 for d in s.shape[1:]) for s in meta.inputs):
+        return False
+    for size in buckets:
+        runner.infer({s.name: np.zeros((size, *s.shape[1:]), dtype=np.dtype(s.dtype)) for s in meta.inputs})
+    return True
 
 
 def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
@@ -216,9 +244,13 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
                                    for d in (s.shape[1:] if batched else s.shape))) for s in specs]
 
     outputs = {s.name: np.dtype(s.dtype) for s in served.meta.outputs}
+    buckets = batch_buckets(mbs) if batched and getattr(runner, "per_shape_sessions", False) else None
+    if buckets and warm_buckets(runner, served.meta, buckets):
+        log.info("%s: batches padded to %s rows, each size warmed", served.model_name, buckets)
     config = ModelConfig(max_batch_size=mbs, batching=batched,
-                         batcher=DynamicBatcher(max_queue_delay_microseconds=queue_delay_us))
-    triton.bind(model_name=served.model_name, infer_func=_infer_func(runner, outputs),
+                         batcher=DynamicBatcher(max_queue_delay_microseconds=queue_delay_us,
+                                                preferred_batch_size=buckets or []))
+    triton.bind(model_name=served.model_name, infer_func=_infer_func(runner, outputs, buckets),
                 inputs=tensors(served.meta.inputs), outputs=tensors(served.meta.outputs), config=config,
                 strict=True)
 

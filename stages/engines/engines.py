@@ -45,6 +45,8 @@ def verify_files(engine_dir: Path, meta: EngineMetadata) -> None:
 class Runner:
     """Base runner. Subclasses implement ``_activate``, ``_infer`` and ``_deactivate``."""
 
+    per_shape_sessions = False  # True: each new input shape costs a build (a session, a CUDA graph capture)
+
     def __init__(self, engine_dir: Path, meta: EngineMetadata) -> None:
         self.engine_dir, self.meta, self.active = Path(engine_dir), meta, False
         self.name = meta.name

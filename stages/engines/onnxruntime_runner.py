@@ -158,6 +158,8 @@ class OrtCudaRunner(Runner):
     """IO binding on device buffers; per input-shape set a fixed-shape session with the settings autotuned for that
     batch (``kiln-engine.json`` ``autotune``), replaying a CUDA graph when the choice uses one."""
 
+    per_shape_sessions = True  # a new input shape builds a session: servers pad batches to a few sizes
+
     def _activate(self) -> None:
         import onnxruntime as ort
 

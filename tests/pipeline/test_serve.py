@@ -23,9 +23,11 @@ from kiln.core.inputs import random_inputs
 from kiln.loadtest import loadtest, parse_url
 from kiln.serve import (
     PortInUse,
+    batch_buckets,
+    check_stub_numpy,
     find_engines,
     free_port,
-    check_stub_numpy,
+    pad_rows,
     serve,
     stub_python_env,
     tritonserver_process,
@@ -216,6 +218,20 @@ def test_a_model_triton_cannot_load_is_one_error_and_no_server_left(workdir: Pat
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     _, alive = psutil.wait_procs(left, timeout=15)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def test_padded_batches_give_the_rows_they_pad(workdir: Path) -> None:
+    """Engines that build a session per input shape (ORT CUDA) serve padded batches of a few sizes: padding by
+    repeating the last row, then cutting the answer, gives exactly the unpadded rows (here on the CPU engine)."""
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32] and batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert batch_buckets(1) == [1]
+    with load_engine(workdir / "build" / ENGINE) as runner:
+        x = random_inputs(runner.meta.inputs, 5, seed=0)
+        padded = pad_rows(x, 8)
+        assert all(len(v) == 8 for v in padded.values())
+        want, got = runner.infer(x), runner.infer(padded)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name][:5], value, rtol=1e-6, atol=1e-6)
 
 
 def test_numpy_2_with_a_stub_that_predates_it_is_refused() -> None:
