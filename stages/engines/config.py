@@ -128,6 +128,10 @@ class TorchConfig(Section):
         "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only")
     channels_last: Literal["auto", "on", "off"] = Field(
         "auto", description="channels_last memory format for 4-D inputs and weights; auto = when the model has Conv2d")
+    flavour: Literal["auto", "aotinductor", "compiled"] = Field(
+        "auto", description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
+                            "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
+                            "aotinductor, or compiled when the package fails to compile or to load")
     load_check: bool = Field(True, description="load the built package once in a child process before accepting it"
                                                " (a package that crashes its loader is skipped, not served)")
     load_check_timeout_s: float = Field(300.0, gt=0)

@@ -11,9 +11,18 @@ engines carry the calibrated INT8 graphs.
 Inputs and outputs keep the ONNX graph's signature and dtypes (the engine casts to FP16 inside), so validation,
 gates, serving and the Triton Python backend treat it like any other engine.
 
-A package is tied to the torch that built it (it links libtorch's ABI): the runner refuses another version. On one
-GPU host ``aoti_load_package`` segfaulted; the build therefore loads and runs the package once in a child process
-(``build.torch.load_check``), so such a package is reported and skipped instead of killing a serving process.
+A package is tied to the torch that built it (it links libtorch's ABI): the runner refuses another version. On the
+H200 host (torch 2.11.0+cu130) ``aoti_load_package`` segfaulted on every ResNet-18 package, also in a fresh process
+(issue 12, three sessions); the build therefore loads and runs the package once in a child process
+(``build.torch.load_check``), so such a package is reported instead of killing a serving process.
+
+Inductor's work then ships the other way (``build.torch.flavour: compiled``, and what ``auto`` falls back to): the
+exported program (``torch.export.save``) plus the caches of its compilation at the engine's batch sizes
+(``torch.compiler.save_cache_artifacts``). Loading the engine runs ``torch.compile`` on the loaded program with
+those caches in place (``torch.compiler.load_cache_artifacts``), so serving starts from the tuned kernels instead
+of autotuning again; no C++ package loader is involved. Graphs are static per batch size (as ``torch.compile``
+baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
+to a few sizes (``Runner.per_shape_sessions``).
 """
 from __future__ import annotations
 
@@ -38,6 +47,8 @@ from kiln.stages.engines.onnxruntime_runner import time_calls
 
 log = logging.getLogger("kiln.build")
 PACKAGE = "model.pt2"
+PROGRAM = "program.pt2"  # the compiled flavour: torch.export.save
+CACHE = "inductor-cache.bin"  # the compiled flavour: torch.compiler.save_cache_artifacts
 NO_MODEL_HINT = ("the torch backend compiles the trained PyTorch model: build it in a workdir (`kiln run`), or use "
                  "--backend onnxruntime for an ONNX file")
 # The child that loads a fresh package: a crash there (issue 12: a segfault in _load_aoti) must not be ours.
@@ -103,21 +114,87 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     # Batch 2 as the example: torch.export specializes sizes 0 and 1; the range still admits batch 1.
     batch = torch.export.Dim("batch", min=1, max=max(req.max_batch, 2))
     dynamic = tuple({0: batch} if s.shape and not isinstance(s.shape[0], int) else {} for s in req.inputs)
-    t0 = time.perf_counter()
     try:
         with torch.inference_mode():
             exported = torch.export.export(served, args, dynamic_shapes=(dynamic,))  # (*xs,): one varargs entry
+    except Exception as exc:  # torch.export failures: this model cannot become this engine kind
+        raise BuildError(f"torch.export could not capture the model: {type(exc).__name__}: {first_line(exc, 300)}",
+                         hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
+    common = {**settings, "dtype": "float16" if req.precision == "fp16" else "float32",
+              "dynamic_batch": [1, max(req.max_batch, 2)]}
+    flavour = req.config.torch.flavour
+    if flavour == "compiled":
+        return _build_compiled(req, exported, common, why=None)
+    try:
+        return _build_package(req, exported, args, common)
+    except BuildError as exc:
+        if flavour == "aotinductor":
+            raise
+        log.warning("engine %s: %s; building the compiled flavour instead (build.torch.flavour)", req.name,
+                    exc.message)
+        return _build_compiled(req, exported, common, why=exc.message)
+
+
+def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], common: dict[str, Any]) -> dict[str, Any]:
+    """One AOTInductor package, loaded once in a child process before it is accepted."""
+    import torch
+
+    t0 = time.perf_counter()
+    try:
         torch._inductor.aoti_compile_and_package(exported, package_path=str(req.out / PACKAGE),
-                                                 inductor_configs={"max_autotune": settings["max_autotune"]})
-    except Exception as exc:  # torch.export / Inductor failures: this model cannot become this engine kind
+                                                 inductor_configs={"max_autotune": common["max_autotune"]})
+    except Exception as exc:  # Inductor failures: this model cannot become this engine kind
         raise BuildError(f"AOTInductor could not compile the model: {type(exc).__name__}: {first_line(exc, 300)}",
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
     compile_s = round(time.perf_counter() - t0, 2)
     if req.config.torch.load_check:
         _load_check(req.out / PACKAGE, args, req.device, req.config.torch.load_check_timeout_s)
     return {"files": {"model": PACKAGE}, "flavour": "aotinductor", "versions": {"torch": torch.__version__},
-            "builder_settings": {**settings, "dtype": "float16" if req.precision == "fp16" else "float32",
-                                 "compile_seconds": compile_s, "dynamic_batch": [1, max(req.max_batch, 2)]}}
+            "builder_settings": {**common, "compile_seconds": compile_s}}
+
+
+def warm_batches(max_batch: int) -> list[int]:
+    """The batch sizes the compiled flavour compiles at build time: 1 and the largest (validation's usual pair)."""
+    return sorted({1, max(max_batch, 1)})
+
+
+def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], why: str | None) -> dict[str, Any]:
+    """The exported program, and the caches of compiling it (torch.compile) at :func:`warm_batches`."""
+    import torch
+
+    (req.out / PACKAGE).unlink(missing_ok=True)  # a package that failed its load check is not part of the engine
+    torch.export.save(exported, str(req.out / PROGRAM))
+    t0 = time.perf_counter()
+    try:
+        run = _compile_program(req.out / PROGRAM, common["max_autotune"])
+        with torch.inference_mode():
+            for batch in warm_batches(req.max_batch):
+                feed = random_inputs(req.inputs, batch=batch, hint="the torch backend takes only a dynamic batch")
+                run(*(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs))
+    except Exception as exc:  # Dynamo/Inductor failures
+        raise BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "
+                         f"{first_line(exc, 300)}", hint="the ONNX engines still build") from None
+    artifacts = torch.compiler.save_cache_artifacts()
+    files = {"program": PROGRAM}
+    if artifacts is not None:
+        (req.out / CACHE).write_bytes(artifacts[0])
+        files["cache"] = CACHE
+    settings = {**common, "compile_seconds": round(time.perf_counter() - t0, 2),
+                "compiled_batches": warm_batches(req.max_batch)}
+    if why is not None:
+        settings["aotinductor_failed"] = why
+    return {"files": files, "flavour": "compiled", "versions": {"torch": torch.__version__},
+            "builder_settings": settings}
+
+
+def _compile_program(path: Path, max_autotune: bool) -> Any:
+    """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
+    baseline is timed); max-autotune without CUDA graphs, whose replays would overwrite outputs a caller holds."""
+    import torch
+
+    module = torch.export.load(str(path)).module()
+    mode = "max-autotune-no-cudagraphs" if max_autotune else "default"
+    return torch.compile(module, mode=mode, dynamic=False)
 
 
 def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: float) -> None:
@@ -145,14 +222,25 @@ def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: floa
 class TorchRunner(Runner):
     """``aoti_load_package`` on the engine's device; numpy in and out, inputs in the engine's declared order."""
 
+    @property
+    def per_shape_sessions(self) -> bool:  # type: ignore[override]
+        return self.meta.flavour == "compiled"  # static graphs: a new batch size compiles
+
     def _activate(self) -> None:
         import torch
-        from torch._inductor import aoti_load_package
 
         self.torch = torch
         self.device = torch.device("cuda", 0) if self.meta.device == "cuda" else torch.device("cpu")
-        self.package = aoti_load_package(str(self.engine_dir / self.meta.files["model"]))
         self.output_names = [o.name for o in self.meta.outputs]
+        if self.meta.flavour == "compiled":
+            if "cache" in self.meta.files:  # before compiling: the build's kernels and autotuning are found
+                torch.compiler.load_cache_artifacts((self.engine_dir / self.meta.files["cache"]).read_bytes())
+            self.package = _compile_program(self.engine_dir / self.meta.files["program"],
+                                            bool(self.meta.builder_settings.get("max_autotune")))
+            return
+        from torch._inductor import aoti_load_package
+
+        self.package = aoti_load_package(str(self.engine_dir / self.meta.files["model"]))
 
     def _call(self, args: list[Any]) -> list[Any]:
         with self.torch.inference_mode():

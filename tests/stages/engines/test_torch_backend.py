@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from build_graphs import sample
-from kiln.core.errors import ConfigError
+from kiln.core.errors import BuildError, ConfigError
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.engines import read_metadata
@@ -62,6 +62,47 @@ def test_cpu_package_matches_pytorch_at_any_batch_and_refuses_another_torch(zoo,
 
 
 @pytest.mark.slow
+def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_path: Path) -> None:
+    """Inductor's work shipped without AOTInductor's loader: the exported program and the compile caches; the
+    runner compiles the loaded program (a batch not compiled at build time compiles on first use)."""
+    model = _cnn()
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
+    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=8,
+                        torch_model=_cnn)
+    assert meta.flavour == "compiled" and meta.files["program"] == "program.pt2"
+    assert meta.builder_settings["compiled_batches"] == [1, 8] and "aotinductor_failed" not in meta.builder_settings
+    assert not (tmp_path / "e" / "model.pt2").exists()
+    torch.compiler.reset()  # the runner compiles in a process that has not seen the model
+    with load_engine(tmp_path / "e") as runner:
+        assert runner.per_shape_sessions
+        for batch in (1, 3, 8):
+            x = sample("cnn", batch, seed=batch)
+            with torch.inference_mode():
+                want = model(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
+        zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the H200 host does (aoti_load_package: SIGSEGV in a fresh process), reproduced by making the child's
+    load check report it: auto builds the compiled flavour and records why; aotinductor alone stops."""
+    import kiln.stages.engines.torch_backend as tb
+
+    def crashed(*args: object, **kwargs: object) -> None:
+        raise BuildError("the AOTInductor package does not load in a fresh process (killed by SIGSEGV)")
+
+    monkeypatch.setattr(tb, "_load_check", crashed)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: None)  # the crash is the point
+    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", BuildConfig(backends=["torch"]),
+                        tmp_path / "c", max_batch=2, torch_model=_cnn)
+    assert meta.flavour == "compiled" and "SIGSEGV" in meta.builder_settings["aotinductor_failed"]
+    strict = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="aotinductor"))
+    with pytest.raises(BuildError, match="SIGSEGV"):
+        build_engine(zoo("cnn"), tmp_path / "f", "torch", "cpu", "fp32", strict, tmp_path / "c", max_batch=2,
+                     torch_model=_cnn)
+
+
+@pytest.mark.slow
 def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
     from kiln.api import run_pipeline
     from kiln.config import config_from_dict
@@ -80,8 +121,9 @@ def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> Non
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)  # max-autotune benchmarks kernel choices per shape
-def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path) -> None:
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+@pytest.mark.parametrize("flavour", ["auto", "compiled"])  # auto: the package, or compiled where it cannot load
+def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) -> None:
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], flavour=flavour))
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32,
                         torch_model=_cnn)
     assert meta.builder_settings["max_autotune"] and meta.builder_settings["dtype"] == "float16"
