@@ -211,8 +211,11 @@ class Window:
         return out
 
 
+# Calls that can make the host wait: synchronisations, copies, and allocations that reach the driver (the caching
+# allocator calls cudaMalloc/cudaFree only when its pool cannot serve a request)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")
+              "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense", "cudaMalloc", "cudaFree",
+              "cudaHostAlloc", "cudaFreeHost", "cudaEventCreate", "cudaEventCreateWithFlags")
 
 
 def profile_summary(prof: Any, steps: int, secs: float) -> dict[str, Any]:
