@@ -59,7 +59,7 @@ from kiln.stages.train.precision import (
     resolve_precision,
     update_scaler,
 )
-from kiln.stages.train.runtime import FrozenHeap, determinism, profiler
+from kiln.stages.train.runtime import determinism, profiler
 from kiln.stages.train.task import CLASSIFY, Task
 from torch import nn
 
@@ -182,7 +182,6 @@ class _Trainer:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
         self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
-        self.heap = FrozenHeap()
 
     # -- resume / checkpoint ------------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -277,13 +276,10 @@ class _Trainer:
         with warnings.catch_warnings(), progress.task("training", total=self.cfg.epochs) as bar:
             warnings.filterwarnings("ignore", message=SCHED_WARNING)
             bar.advance(self.epoch)
-            try:
-                while self.epoch < self.cfg.epochs:
-                    m = self._epoch(prof)
-                    note = f"loss {m.loss:.3f}" + (f" acc {m.val_accuracy:.3f}" if m.val_accuracy is not None else "")
-                    bar.advance(1, note=note)
-            finally:
-                self.heap.release()
+            while self.epoch < self.cfg.epochs:
+                m = self._epoch(prof)
+                note = f"loss {m.loss:.3f}" + (f" acc {m.val_accuracy:.3f}" if m.val_accuracy is not None else "")
+                bar.advance(1, note=note)
         self._save(complete=True)
         r = self.result
         r.compile = self.net.summary()
@@ -303,7 +299,6 @@ class _Trainer:
         t0 = time.perf_counter()
         for xb, yb in self.loader:
             self._step(xb, yb)
-            self.heap.after_step()  # the first step compiled (if at all): from here on the heap hardly grows
             prof.step()
             if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:
                 self._drain()  # the checkpoint waits until every step before it is known (and accounted)

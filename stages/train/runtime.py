@@ -1,7 +1,6 @@
-"""Process-wide switches the loop turns on for its duration: determinism, the profiler, a frozen GC heap."""
+"""Process-wide switches the loop turns on for its duration: determinism and the profiler."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from contextlib import contextmanager
@@ -66,29 +65,3 @@ def profiler(steps: int, device: torch.device, out_dir: Path | None) -> Iterator
                  on_trace_ready=write, record_shapes=True) as prof:
         yield prof
 
-
-class FrozenHeap:
-    """After the first step, everything alive (the model, torch.compile's graphs and guards, the dataset, the
-    imported libraries) goes into the garbage collector's permanent generation (``gc.freeze``), until the run
-    ends (``gc.unfreeze``).
-
-    Why: a compiled training step is bound by the host (the H200 finishes ResNet-18's compiled step in 7.4 ms of
-    kernels while Python takes longer to queue it), so a full collection that walks the few million objects of
-    torch, inductor and transformers stalls the GPU for its whole duration. Frozen objects are never traversed;
-    what the steps themselves allocate is collected as before. Nothing frozen is lost: it was alive, and
-    ``unfreeze`` hands it back to normal collection.
-    """
-
-    def __init__(self) -> None:
-        self.frozen = False
-
-    def after_step(self) -> None:
-        if not self.frozen:
-            gc.collect()
-            gc.freeze()
-            self.frozen = True
-
-    def release(self) -> None:
-        if self.frozen:
-            gc.unfreeze()
-            self.frozen = False
