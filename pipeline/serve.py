@@ -22,7 +22,7 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -170,7 +170,11 @@ def _pytriton() -> Any:
     except ImportError:
         raise BackendUnavailable("kiln serve needs PyTriton (nvidia-pytriton), which is not installed",
                                  hint=INSTALL_HINT) from None
-    check_stub_numpy(np.__version__, version("nvidia-pytriton"))
+    try:
+        pytriton_version = version("nvidia-pytriton")
+    except PackageNotFoundError:  # importable without its distribution's metadata (vendored): nothing to compare
+        return pytriton
+    check_stub_numpy(np.__version__, pytriton_version)
     return pytriton
 
 

@@ -138,7 +138,7 @@ def _compile_note(c: dict[str, Any]) -> str:
     """One log line: what torch.compile did in this run."""
     state = f"fell back to eager ({c['fallback']})" if c["fallback"] else f"mode {c['mode']}"
     note = (f"{state}; {c['graphs']} graphs, {c['recompiles']} recompiles, {c['graph_breaks']} graph breaks, "
-            f"{c['compile_s']:.1f} s compiling")
+            f"{c['compile_s']:.1f} s compiling, {c.get('eager_calls', 0)} calls of other shapes run eagerly")
     reasons = c["recompile_reasons"] + c["graph_break_reasons"]
     return note + (" (" + "; ".join(reasons[:3]) + ")" if reasons else "")
 

@@ -30,4 +30,4 @@ def _compile_note(c: dict[str, Any] | None) -> str:
     if c.get("fallback"):
         return f"; torch.compile failed, trained eagerly ({c['fallback']})"
     return (f"; torch.compile ({c.get('mode')}): {c.get('graphs')} graphs, {c.get('recompiles')} recompiles, "
-            f"{c.get('graph_breaks')} graph breaks")
+            f"{c.get('graph_breaks')} graph breaks, {c.get('eager_calls', 0)} calls of other shapes run eagerly")
