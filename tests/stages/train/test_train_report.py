@@ -14,6 +14,6 @@ def test_training_section_reports_compile_counts_or_fallback() -> None:
     assert "torch.compile" not in _train(None)
     counts = {"mode": "default", "graphs": 3, "recompiles": 2, "graph_breaks": 0, "fallback": None}
     assert "23 steps: final loss 0.5" in _train(counts)
-    assert "; torch.compile (default): 3 graphs, 2 recompiles, 0 graph breaks." in _train(counts)
+    assert "; torch.compile (default): 3 graphs, 2 recompiles, 0 graph breaks, 0 calls of other shapes run eagerly." in _train(counts)
     failed = dict(counts, fallback="InductorError: no C++ compiler")
     assert "torch.compile failed, trained eagerly (InductorError: no C++ compiler)." in _train(failed)
