@@ -27,6 +27,7 @@ to a few sizes (``Runner.per_shape_sessions``).
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +95,36 @@ def _served(model: Any, precision: str, channels_last: bool) -> Any:
     return Served()
 
 
+AXIS_HINT = "name every dynamic axis besides the batch in export.dynamic_axes (the torch backend exports with them)"
+
+
+def _example_size(req: BuildRequest) -> int | None:
+    """The size the export's example inputs take on every dynamic axis besides the batch: the largest seen (as
+    the ONNX Runtime build's); None without such axes."""
+    return max((max(v) for v in req.axis_sizes.values()), default=None)
+
+
+def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
+    """torch.export's ``dynamic_shapes`` for ``forward(*xs)``: the batch axis (1..max batch; the example is batch 2
+    because torch.export specializes sizes 0 and 1) and every named axis of ``export.dynamic_axes`` over the sizes
+    it takes (``req.axis_sizes``), one ``Dim`` per name, so inputs sharing an axis (ids and mask) stay equal."""
+    import torch
+
+    dims = {"batch": torch.export.Dim("batch", min=1, max=max(req.max_batch, 2))}
+    dims |= {name: torch.export.Dim(re.sub(r"\W", "_", name), min=lo, max=hi) for name, (lo, hi) in req.axis_sizes.items()}
+    per_input = []
+    for spec in req.inputs:
+        axes = {}
+        for i, d in enumerate(spec.shape):
+            if isinstance(d, int) and d > 0:
+                continue
+            if i > 0 and d not in dims:
+                raise BuildError(f"input '{spec.name}' has a dynamic axis {d!r} without known sizes", hint=AXIS_HINT)
+            axes[i] = dims["batch"] if i == 0 else dims[d]
+        per_input.append(axes)
+    return (tuple(per_input),)  # (*xs,): one varargs entry
+
+
 def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     import torch
 
@@ -109,14 +140,12 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     if settings["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
     served = _served(model, req.precision, settings["channels_last"]).eval()
-    feed = random_inputs(req.inputs, batch=2, hint="the torch backend exports with only the batch axis dynamic")
+    feed = random_inputs(req.inputs, batch=2, dynamic=_example_size(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
-    # Batch 2 as the example: torch.export specializes sizes 0 and 1; the range still admits batch 1.
-    batch = torch.export.Dim("batch", min=1, max=max(req.max_batch, 2))
-    dynamic = tuple({0: batch} if s.shape and not isinstance(s.shape[0], int) else {} for s in req.inputs)
+    dynamic = _dynamic_shapes(req)
     try:
         with torch.inference_mode():
-            exported = torch.export.export(served, args, dynamic_shapes=(dynamic,))  # (*xs,): one varargs entry
+            exported = torch.export.export(served, args, dynamic_shapes=dynamic)
     except Exception as exc:  # torch.export failures: this model cannot become this engine kind
         raise BuildError(f"torch.export could not capture the model: {type(exc).__name__}: {first_line(exc, 300)}",
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
@@ -169,7 +198,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
         run = _compile_program(req.out / PROGRAM, common["max_autotune"])
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
-                feed = random_inputs(req.inputs, batch=batch, hint="the torch backend takes only a dynamic batch")
+                feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
                 run(*(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs))
     except Exception as exc:  # Dynamo/Inductor failures
         raise BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "

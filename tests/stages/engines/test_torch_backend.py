@@ -103,6 +103,26 @@ def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["aotinductor", "compiled"])
+def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -> None:
+    """Token ids + mask sharing a `seq` axis (export.dynamic_axes): exported with that axis dynamic too, validated
+    at both sequence lengths (before, the build stopped the whole run: only the batch axis could be dynamic)."""
+    from kiln.api import run_pipeline
+    from kiln.config import config_from_dict
+
+    seq = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    cfg = config_from_dict(tiny_config_dict(**{
+        "model.name": "token_classifier", "model.params": {"dim": 16, "layers": 1}, "train.enabled": False,
+        "export.dynamic_axes": seq, "validate.max_samples": 32, "build.backends": ["onnxruntime", "torch"],
+        "build.torch": {"flavour": flavour}}))
+    result, report = run_pipeline(cfg, tmp_path / "wd")
+    assert result.ok, result.error
+    engine = next(e for e in report["validation"]["engines"] if e["backend"] == "torch")
+    assert engine["passed"] and len(engine["shapes"]) == 2 and engine["shapes"][0] != engine["shapes"][1], engine
+    assert read_metadata(tmp_path / "wd" / "build" / engine["name"]).flavour == flavour
+
+
+@pytest.mark.slow
 def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
     from kiln.api import run_pipeline
     from kiln.config import config_from_dict
