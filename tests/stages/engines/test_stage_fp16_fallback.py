@@ -18,22 +18,13 @@ from kiln.stages.export import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.stage import variant_record
 from kiln.stages.precision.variants import Source, build_fp16
-from torch import nn
 
-
-class Bag(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.bag = nn.EmbeddingBag(17, 8, mode="sum")
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.bag(x))
+from tests.user_models import BagModel
 
 
 def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    export_onnx(Bag(), torch.randint(0, 17, (2, 64)), tmp_path / "export.onnx")
+    export_onnx(BagModel(), torch.randint(0, 17, (2, 64)), tmp_path / "export.onnx")
     root = tmp_path / "precision"
     x = np.random.default_rng(0).integers(0, 17, (64, 64)).astype(np.int64)
     src = Source.prepare(load_onnx(tmp_path / "export.onnx"), root / "fp32" / "model.onnx", [x[:32]], None)

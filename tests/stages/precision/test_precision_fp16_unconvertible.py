@@ -17,7 +17,8 @@ from kiln.stages.precision.fp16 import convert_fp16, name_nodes
 from kiln.stages.precision.fp16_select import select_fp32_nodes
 from onnx import TensorProto, helper
 from precision_graphs import inputs, make_model, node_input_types, rng_weights
-from torch import nn
+
+from tests.user_models import BagModel
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 
@@ -52,18 +53,6 @@ def test_a_node_the_converter_breaks_stays_fp32_and_is_reported(monkeypatch: pyt
     assert "invalid graph" in info["unconvertible"]["bias_const"]
     types = node_input_types(converted)
     assert types["mm1"] == types["head"] == F16  # the rest of the graph still converts
-
-
-class BagModel(nn.Module):
-    """A recommender-style model: summed embedding bags of token ids, then a linear head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bag = nn.EmbeddingBag(17, 8, mode="sum")
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.bag(x))
 
 
 @pytest.fixture(scope="module")
