@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from kiln.core.data import Inputs
+from kiln.core.data import Inputs, call
 from kiln.core.errors import TrainingError
 from kiln.core.text import first_line
 from kiln.stages.train.config import CompileConfig
@@ -144,11 +143,8 @@ class CompiledModel:
 
     def serve_shapes_of(self, inputs: list[Inputs]) -> None:
         """Static graphs serve the shapes of these inputs (a full batch's micro-batches); others run eagerly."""
-        for x in inputs:
-            if isinstance(x, Mapping):
-                self.shapes.add(signature((), dict(x)))
-            else:
-                self.shapes.add(signature(tuple(x) if isinstance(x, (tuple, list)) else (x,), {}))
+        for x in inputs:  # call(): the structure the loop calls the model with (x, *x or **x)
+            call(lambda *args, **kwargs: self.shapes.add(signature(args, kwargs)), x)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Any call structure: model(x), model(*x), model(**x) (kiln.core.data.call), any output structure
