@@ -1,15 +1,19 @@
-"""Per-step loss and gradient norm, read back to the host one step late so the CPU never waits on the GPU.
+"""Per-step loss and gradient norm, read back to the host late so the CPU never waits on the GPU.
 
 Reading a CUDA value with ``.item()``/``.tolist()`` right after a step blocks the CPU until the GPU has
 finished that step. The GPU then sits idle while Python queues the next step's first kernels. Here each
 step's ``[loss, grad_norm]`` goes into pinned host memory with a non-blocking copy and a CUDA event. The
-loop looks at step t's values only after it has queued step t+1 (``lag=1``), by which time they have
-almost always arrived. Waiting on the event then costs nothing, and the GPU still has step t+1 queued.
+loop looks at step t's values once they have arrived (the event has completed, asked without waiting) and
+t+1 is queued (``lag=1``); it waits only when the host has run ``max_lag`` steps ahead of the values. A
+fixed wait on step t-1 at the end of step t would cap how far the host may run ahead of the GPU at about
+one step: with steps whose host time is close to their GPU time, every bit of host jitter (a slow launch, the
+OS) then idles the GPU, where a deeper queue absorbs it, as in a bare loop without any read-back.
 
 The update itself never depends on the host: a non-finite step is skipped on the device (GradScaler for
 fp16, :func:`skip_if_nonfinite` for fused optimizers). So the lag only delays book-keeping: skip counting,
-the loss sum and the abort. The loop drains everything (:meth:`LaggedStats.drain`) before anything that
-must know every step is good, i.e. checkpoints and epoch metrics.
+the loss sum and the abort (by at most ``max_lag`` steps). The loop drains everything
+(:meth:`LaggedStats.drain`) before anything that must know every step is good, i.e. checkpoints and epoch
+metrics.
 """
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ class StepStats:
 
 
 class LaggedStats:
-    """A queue of per-step stats; ``ready()`` yields the ones at least ``lag`` steps old, as floats."""
+    """A queue of per-step stats; ``ready()`` yields, in order, the ones at least ``lag`` steps old whose values
+    have arrived, and waits for the oldest only while more than ``max_lag`` steps are queued."""
 
-    def __init__(self, device: torch.device, lag: int) -> None:
-        self.device, self.lag = device, lag
+    def __init__(self, device: torch.device, lag: int, max_lag: int | None = None) -> None:
+        self.device, self.lag, self.max_lag = device, lag, max(lag, lag if max_lag is None else max_lag)
         self.queue: deque[StepStats] = deque()
 
     def push(self, step: int, epoch: int, samples: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
@@ -48,12 +53,16 @@ class LaggedStats:
         self.queue.append(StepStats(step, epoch, samples, values, event))
 
     def ready(self) -> Iterator[tuple[StepStats, float, float]]:
-        while len(self.queue) > self.lag:
+        while len(self.queue) > self.max_lag or (len(self.queue) > self.lag and self._arrived(self.queue[0])):
             yield self._pop()
 
     def drain(self) -> Iterator[tuple[StepStats, float, float]]:
         while self.queue:
             yield self._pop()
+
+    @staticmethod
+    def _arrived(s: StepStats) -> bool:
+        return s.event is None or s.event.query()  # cudaEventQuery: asks, never waits
 
     def _pop(self) -> tuple[StepStats, float, float]:
         s = self.queue.popleft()
@@ -70,12 +79,12 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
 
 
 @contextmanager
-def skip_if_nonfinite(opt: torch.optim.Optimizer, loss: torch.Tensor, norm: torch.Tensor) -> Iterator[None]:
-    """Within the block, ``opt.step()`` leaves weights, moments and step counts untouched when the loss
-    or the gradient norm is not finite. The same optimizer attributes ``torch.amp.GradScaler.step``
-    sets for fused optimizers (``grad_scale``, ``found_inf``); grad_scale None: nothing to unscale."""
-    found_inf = nonfinite(loss, norm).float()
-    opt.grad_scale, opt.found_inf = None, found_inf  # type: ignore[attr-defined]
+def skip_if_nonfinite(opt: torch.optim.Optimizer, skipped: torch.Tensor) -> Iterator[None]:
+    """Within the block, ``opt.step()`` leaves weights, moments and step counts untouched when ``skipped``
+    (:func:`nonfinite` of the step's loss and gradient norm) is true. The same optimizer attributes
+    ``torch.amp.GradScaler.step`` sets for fused optimizers (``grad_scale``, ``found_inf``); grad_scale None:
+    nothing to unscale."""
+    opt.grad_scale, opt.found_inf = None, skipped.float()  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -90,9 +99,10 @@ class BufferGuard:
     ``num_batches_tracked``), and the next good checkpoint would save them. Buffers are usually small
     (running statistics), so each step copies them before its first forward pass (:meth:`save`) and puts
     them back when the step is skipped, decided on the device (:meth:`restore_if_nonfinite`, no host
-    sync) or by the host (:meth:`restore`). The buffers of one dtype and device are handled as one flat
-    tensor: a few kernels per step instead of a few per buffer (ResNet-18 has 60 buffers). A model
-    without buffers costs nothing.
+    sync) or by the host (:meth:`restore`). The buffers of one dtype and device are copied with one
+    multi-tensor copy (``torch._foreach_copy_``, the kernel the fused optimizers use) into views of one flat
+    tensor made once here, so a step costs a few kernel launches and no Python work per buffer (ResNet-18 has
+    60 buffers). A model without buffers costs nothing.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -102,32 +112,31 @@ class BufferGuard:
             if b.numel():
                 groups.setdefault((b.dtype, b.device), []).append(b)
         self.groups = list(groups.values())
-        self.saved = [torch.empty(sum(b.numel() for b in g), dtype=g[0].dtype, device=g[0].device)
-                      for g in self.groups]
+        # Per group: the saved copy and a scratch copy, flat, and views of both shaped like the buffers
+        self.saved = [_flat_like(g) for g in self.groups]
+        self.scratch = [_flat_like(g) for g in self.groups]
 
     def save(self) -> None:
-        for group, flat in zip(self.groups, self.saved):
-            torch.cat([b.reshape(-1) for b in group], out=flat)
+        for group, (_, views) in zip(self.groups, self.saved):
+            torch._foreach_copy_(views, group)
 
-    def restore_if_nonfinite(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        """Decided on the device (no host sync): the step is skipped iff its loss or gradient norm is
-        NaN/Inf, the condition the optimizer/GradScaler skip on; otherwise the buffers keep their values."""
-        if not self.groups:
-            return
-        skipped = nonfinite(loss, norm)
-        for group, flat in zip(self.groups, self.saved):
-            now = torch.cat([b.reshape(-1) for b in group])
-            torch.where(skipped, flat, now, out=now)
-            _unflatten_into(group, now)
+    def restore_if_nonfinite(self, skipped: torch.Tensor) -> None:
+        """Decided on the device (no host sync): ``skipped`` (:func:`nonfinite` of the step's loss and gradient
+        norm, the condition the optimizer/GradScaler skip on) puts the saved values back; else buffers keep theirs."""
+        for group, (saved, _), (now, now_views) in zip(self.groups, self.saved, self.scratch):
+            torch._foreach_copy_(now_views, group)
+            torch.where(skipped, saved, now, out=now)
+            torch._foreach_copy_(group, now_views)
 
     def restore(self) -> None:
-        for group, flat in zip(self.groups, self.saved):
-            _unflatten_into(group, flat)
+        for group, (_, views) in zip(self.groups, self.saved):
+            torch._foreach_copy_(group, views)
 
 
-def _unflatten_into(group: list[torch.Tensor], flat: torch.Tensor) -> None:
-    parts = flat.split([b.numel() for b in group])
-    torch._foreach_copy_(group, [p.view(b.shape) for p, b in zip(parts, group)])
+def _flat_like(group: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One flat tensor as large as the group, and a view of it shaped like each of the group's tensors."""
+    flat = torch.empty(sum(b.numel() for b in group), dtype=group[0].dtype, device=group[0].device)
+    return flat, [part.view(b.shape) for part, b in zip(flat.split([b.numel() for b in group]), group)]
 
 
 def nonfinite(loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from kiln.stages.train.health import (
     BufferGuard,
     LaggedStats,
     StepStats,
+    nonfinite,
     skip_if_nonfinite,
     skips_on_device,
 )
@@ -65,6 +66,9 @@ from torch import nn
 
 log = logging.getLogger("kiln.train")
 StepHook = Callable[[int], None]
+# How many steps the host may queue ahead of the loss/norm values it has read (health.py): deep enough to absorb
+# host jitter, short enough that a NaN abort comes promptly. Each queued step holds 8 bytes of pinned memory.
+MAX_LAG = 8
 # The schedule counts batches, stepped or skipped (and a resume replays it without optimizer steps);
 # torch warns when a scheduler steps before the optimizer has.
 SCHED_WARNING = r"Detected call of `lr_scheduler.step\(\)` before"
@@ -162,7 +166,7 @@ class _Trainer:
         # The update skips non-finite steps on the device (GradScaler for fp16, found_inf for fused
         # optimizers), so the host may look at a step's values late. Otherwise it decides at once.
         self.device_skip = self.scaler.is_enabled() or skips_on_device(self.opt)
-        self.stats = LaggedStats(device, lag=1 if self.device_skip else 0)
+        self.stats = LaggedStats(device, lag=1, max_lag=MAX_LAG) if self.device_skip else LaggedStats(device, lag=0)
         self.task = task  # the loss: cross-entropy, MSE or the user's (kiln.stages.train.task)
         self.result = TrainResult(precision=precision, device=str(device), world_size=env.world_size,
                                   checkpoint_dir=str(ckpt_dir) if ckpt_dir else None)
@@ -338,11 +342,14 @@ class _Trainer:
         if self.scaler.is_enabled():
             self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
             update_scaler(self.scaler, self.cfg.amp)
-            self.guard.restore_if_nonfinite(total, norm)
+            if self.guard.groups:
+                self.guard.restore_if_nonfinite(nonfinite(total, norm))
         elif self.device_skip:
-            with skip_if_nonfinite(self.opt, total, norm):
+            skipped = nonfinite(total, norm)
+            with skip_if_nonfinite(self.opt, skipped):
                 self.opt.step()
-            self.guard.restore_if_nonfinite(total, norm)
+            if self.guard.groups:
+                self.guard.restore_if_nonfinite(skipped)
         else:  # a non-fused optimizer: the host decides (lag 0: this step's values are read now)
             done = list(self.stats.ready())
             if all(math.isfinite(v) for _, loss_v, norm_v in done for v in (loss_v, norm_v)):

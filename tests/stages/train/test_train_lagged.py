@@ -13,7 +13,7 @@ from kiln.core.errors import TrainingError
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.data import DeviceBatches, make_loader
 from kiln.stages.train.dist import DistEnv
-from kiln.stages.train.health import LaggedStats, skip_if_nonfinite, skips_on_device
+from kiln.stages.train.health import BufferGuard, LaggedStats, nonfinite, skip_if_nonfinite, skips_on_device
 from kiln.stages.train.loop import train
 from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
@@ -29,7 +29,7 @@ def test_fused_step_is_skipped_on_device_when_not_finite(optimizer: str) -> None
     for loss, norm, moves in ((float("nan"), 1.0, False), (1.0, float("inf"), False), (1.0, 1.0, True)):
         before = p.detach().clone()
         p.grad = torch.ones(3)
-        with skip_if_nonfinite(opt, torch.tensor(loss), torch.tensor(norm)):
+        with skip_if_nonfinite(opt, nonfinite(torch.tensor(loss), torch.tensor(norm))):
             opt.step()
         assert (not torch.equal(p.detach(), before)) == moves
         assert not hasattr(opt, "found_inf")  # the attributes GradScaler also uses are removed again
@@ -46,6 +46,51 @@ def test_lagged_stats_release_a_step_only_after_the_next_one() -> None:
     assert (s.step, loss, norm) == (1, 0.5, 2.0)
     (s, loss, _), = stats.drain()
     assert s.step == 2 and loss != loss  # NaN
+
+
+def test_lagged_stats_wait_only_when_the_host_is_max_lag_steps_ahead() -> None:
+    """Values that have not arrived are not waited for until ``max_lag`` steps are queued; then the oldest is."""
+    class Pending:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = True
+
+    stats = LaggedStats(CPU, lag=1, max_lag=3)
+    events = []
+    for step in range(1, 5):
+        stats.push(step, 0, 8, torch.tensor(float(step)), torch.tensor(1.0))
+        events.append(Pending())
+        stats.queue[-1].event = events[-1]  # as if on a GPU: the values arrive when the event completes
+        released = [s.step for s, _, _ in stats.ready()]
+        assert released == ([] if step < 4 else [1])  # step 4: four queued, more than max_lag
+    assert events[0].done and not events[1].done
+    events[1].done = True  # step 2's values arrived: released without waiting, step 3's not
+    assert [s.step for s, _, _ in stats.ready()] == [2]
+    assert [s.step for s, _, _ in stats.drain()] == [3, 4]
+    assert LaggedStats(CPU, lag=0).max_lag == 0  # the host decides at once: nothing may wait in the queue
+
+
+def test_buffer_guard_puts_every_buffer_back_only_when_the_step_is_skipped() -> None:
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+    guard = BufferGuard(model)
+    assert [len(g) for g in guard.groups] == [5, 2]  # float buffers (mean, var x2, mask) and the two counters
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for skipped in (True, False):
+        guard.save()
+        model(torch.randn(8, 4))  # updates running statistics and num_batches_tracked in place
+        guard.restore_if_nonfinite(torch.tensor(skipped))
+        same = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        assert same == skipped
+    moved = {k: v.clone() for k, v in model.state_dict().items()}
+    guard.save()
+    model(torch.randn(8, 4))
+    guard.restore()
+    assert all(torch.equal(v, moved[k]) for k, v in model.state_dict().items())
 
 
 def test_fused_training_equals_unfused_training() -> None:
