@@ -55,7 +55,7 @@ LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile"
          "ort_cuda_graph": "ORT CUDA fp16 + CUDA graph, by hand",
          "baseline_compile": "validate.baselines compile (fp16 on GPU)",
          "ort_default": "ORT CUDA fp16 default", "kiln_fixed": "Kiln engine, fixed settings",
-         "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln AOTInductor engine (torch backend)"}
+         "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln torch engine (build.backends torch)"}
 Inputs = tuple[torch.Tensor, ...]
 T0 = time.perf_counter()
 
@@ -339,7 +339,7 @@ class Bench:
             m = make_model(name, self.params).eval()
             m.load_state_dict(state)
             return m
-        cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device]))
+        cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour))
         folder = self.work / f"{name}-kiln-torch"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
                             max_batch=max(self.args.batches), torch_model=load)
@@ -349,7 +349,7 @@ class Bench:
         def factory(xs: Inputs) -> Callable[[], Any]:
             return runner.prepared({n: x.numpy() for n, x in zip(runner.input_names, xs)})[0]
         return factory, meta.size_bytes, {"engine": meta.name, "precision": precision,
-                                          "builder_settings": meta.builder_settings}
+                                          "flavour": meta.flavour, "builder_settings": meta.builder_settings}
 
 
 def _num(v: float | None) -> str:
@@ -447,6 +447,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-samples", type=int, default=256)
     p.add_argument("--bert-layers", type=int, default=12)
+    p.add_argument("--torch-flavour", default="auto", choices=["auto", "aotinductor", "compiled"],
+                   help="kiln_torch: build.torch.flavour (compiled skips the AOTInductor package)")
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")
     p.add_argument("--autotune-iterations", type=int, default=20, help="timed runs per autotune candidate")
     args = p.parse_args()

@@ -35,19 +35,19 @@ backward pass) the AMP step was bound by small kernels and reached only 2.35x (f
 
 Writes <out>/train.json and <out>/train.md.
 
-``--compile``: the torch.compile table instead (issue 16). Loops: Kiln eager AMP, Kiln with ``train.compile: true``
-and the bare loop above with ``torch.compile(model)``, fp16 and bf16, for ``bert_base`` (explicit attention:
-MatMul, Softmax, MatMul written out), ``bert_base_hf`` (``transformers``' BertForSequenceClassification, random
-weights, token ids; skipped with a note where ``transformers`` does not import; pip install 'kiln[bench]') and
-``resnet18``. Both compiled loops compile the model alone (mode default, inductor). Every compiled run starts
-from empty in-process Dynamo caches (``torch.compiler.reset()``) and compiles in its untimed warm-up (inductor's
-on-disk caches make that quick after the first time): sharing one process's cache let a run reuse, or be
-recompiled around, another run's graphs, e.g. a batch dimension that an earlier run's evaluation had made
-dynamic (this table's first H200 version compared graphs compiled under different conditions). Kiln's run
-compiles its evaluation graph after its timed window. ``--profile-steps N`` adds one profiled run per compiled
-loop and cell (torch.profiler over N steps after the warm-up): GPU kernel time and kernels per step, the
-synchronising CUDA calls per step and the busiest host ops, to show where a gap comes from. Target: Kiln
-compiled >= 0.97x the bare compiled loop in every cell. Writes <out>/train_compile[_<models>].json and .md.
+``--compile``: the torch.compile table instead (issue 16). Loops: Kiln and the bare loop above, eager AMP and with
+``train.compile: true`` / ``torch.compile(model)``, fp16 and bf16, for ``bert_base`` (explicit attention: MatMul,
+Softmax, MatMul written out), ``bert_base_hf`` (``transformers``' BertForSequenceClassification, random weights,
+token ids; skipped with a note where ``transformers`` does not import; pip install 'kiln[bench]') and ``resnet18``.
+Both compiled loops compile the model alone (mode default, inductor). Kiln and the bare loop run interleaved in one
+process (:func:`interleaved`): alternating timed windows of ``--steps`` steps, ``--windows`` pairs per cell and mode,
+each loop compiled once in its warm-up, after ``torch.compiler.reset()`` per cell and mode. Kiln / bare is the median
+of the pairs' ratios. Why: these compiled steps are close to host-bound, and runs of one loop minutes apart varied
+by up to 30% on the H200's shared host, more than the difference the target is about; the separate rounds this
+table used before (one process each, compiled each time) measured that drift as a difference between the loops.
+``--profile-steps N`` adds one profiled run per compiled loop and cell (torch.profiler over N steps after the
+warm-up): GPU kernel time and kernels per step, the synchronising CUDA calls per step and the busiest host ops.
+Target: Kiln compiled >= 0.97x the bare compiled loop in every cell. Writes <out>/train_compile[_<models>].json/.md.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~4 minutes
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models bert_base,bert_base_hf --out $OUT
@@ -75,6 +75,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.core.data import DatasetSplits  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
+from kiln.stages.train.compile import CompileCounts  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
 from kiln.stages.train.loop import train  # noqa: E402
 
@@ -83,7 +84,6 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 COMPILE_PRECISIONS = ("fp16", "bf16")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 EAGER_LOOPS = ("bare", "kiln")
-COMPILE_LOOPS = ("kiln", "kiln_compiled", "bare_compiled")
 # Bare loop, eager -> compiled, median ms/step on the H200 (issue 16's anchor): the gain Kiln should match.
 ANCHOR_GAIN = {("bert_base", "fp16"): 1.54, ("bert_base", "bf16"): 1.17, ("bert_base_hf", "fp16"): 1.11,
                ("bert_base_hf", "bf16"): 1.34, ("resnet18", "fp16"): 1.74, ("resnet18", "bf16"): 2.33}
@@ -163,7 +163,7 @@ class Window:
     profile = False
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.t0, self.secs, self.peak = device, 0.0, 0.0, None
+        self.device, self.t0, self.secs, self.peak, self.resident = device, 0.0, 0.0, None, 0.0
         self.prof: Any = None
         self.marks: list[float] = []  # host clock after each timed step was queued
         self.gc_ms: list[float] = []  # Python garbage collections inside the window
@@ -183,6 +183,7 @@ class Window:
         sync(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.resident = torch.cuda.memory_allocated(self.device) / 2**20
         if self.profile:
             activities = [torch.profiler.ProfilerActivity.CPU] + (
                 [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -201,7 +202,10 @@ class Window:
             self.peak = torch.cuda.max_memory_allocated(self.device) / 2**20
 
     def result(self, steps: int) -> dict[str, Any]:
+        # step_peak_mb: the peak above what was allocated when the window began (weights, optimizer state, data,
+        # and in interleaved runs the other loop's): what the steps themselves add (activations, gradients)
         out: dict[str, Any] = {"steps_per_s": steps / self.secs, "peak_mb": self.peak,
+                               "step_peak_mb": None if self.peak is None else round(self.peak - self.resident, 1),
                                "gc_collections": len(self.gc_ms), "gc_ms": round(sum(self.gc_ms), 2)}
         gaps = [1e3 * (b - a) for a, b in zip([self.t0, *self.marks], self.marks)]
         if gaps:  # host time per step (the host runs ahead of the GPU only as far as the queue allows)
@@ -239,53 +243,71 @@ def profile_summary(prof: Any, steps: int, secs: float) -> dict[str, Any]:
                             for t, k, n in sorted(host, reverse=True)[:12]]}
 
 
+class BareLoop:
+    """The minimal AMP step, nothing around it; ``compile``: through ``torch.compile(model)``. Set up once and
+    stepped on demand, so that windows of it can alternate with windows of Kiln's loop (:func:`interleaved`)."""
+
+    def __init__(self, model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
+                 compile: bool = False) -> None:
+        self.model, self.batch, self.i = model.to(device).train(), batch, 0
+        self.net = torch.compile(model) if compile else model
+        self.x, self.y = data.train_x.to(device), data.train_y.to(device)
+        self.perm = torch.randperm(len(self.x), device=device)  # shuffled batches, gathered on the device like Kiln's
+        self.batches = len(self.x) // batch
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": 0.01},
+                  {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=1e-4, fused=device.type == "cuda")
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.ctx = (lambda: torch.autocast(device.type, dtype=DTYPES[precision])) if precision != "fp32" else nullcontext
+
+    def step(self) -> None:
+        b = self.i % self.batches
+        self.i += 1
+        idx = self.perm[b * self.batch:(b + 1) * self.batch]
+        xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
+        with self.ctx():
+            logits = self.net(xb)
+        loss = nn.functional.cross_entropy(logits.float(), yb)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.opt)
+        nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+
+    def window(self, steps: int, device: torch.device) -> dict[str, Any]:
+        window = Window(device)
+        window.start()
+        for _ in range(steps):
+            self.step()
+            window.mark()
+        window.stop()
+        return window.result(steps)
+
+
 def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
               warmup: int, steps: int, compile: bool = False) -> dict[str, float | None]:
-    """The minimal AMP step, nothing around it; ``compile``: through ``torch.compile(model)``."""
-    model.to(device).train()
-    net = torch.compile(model) if compile else model
-    x, y = data.train_x.to(device), data.train_y.to(device)
-    perm = torch.randperm(len(x), device=device)  # shuffled batches, gathered on the device like Kiln's
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=1e-4, fused=device.type == "cuda")
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    ctx = (lambda: torch.autocast(device.type, dtype=DTYPES[precision])) if precision != "fp32" else nullcontext
-
-    def step(i: int) -> None:
-        idx = perm[i * batch:(i + 1) * batch]
-        xb, yb = x.index_select(0, idx), y.index_select(0, idx)
-        with ctx():
-            logits = net(xb)
-        loss = nn.functional.cross_entropy(logits.float(), yb)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        nn.utils.clip_grad_norm_(params, 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    window = Window(device)
-    for i in range(warmup):
-        step(i)
-    window.start()
-    for i in range(steps):
-        step(warmup + i)
-        window.mark()
-    window.stop()
+    """``warmup`` untimed steps of :class:`BareLoop`, then one timed window."""
+    loop = BareLoop(model, data, batch, precision, device, compile)
+    for _ in range(warmup):
+        loop.step()
+    out = loop.window(steps, device)
     model.to("cpu")
-    return window.result(steps)
+    return out
+
+
+def kiln_config(batch: int, precision: str, device: torch.device, compile: bool, epochs: int = 1) -> TrainConfig:
+    return TrainConfig.model_validate({
+        "epochs": epochs, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
+        "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant",
+        "eval_every": 10_000, "plot": False, "loader": {"on_device": True}, "checkpoint": {"resume": "never"},
+        "compile": compile})
 
 
 def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
               warmup: int, steps: int, compile: bool = False) -> dict[str, Any]:
     """Kiln's loop over one epoch of warmup + steps batches, timed through its on_step hook."""
-    cfg = TrainConfig.model_validate({
-        "epochs": 1, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
-        "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant",
-        "eval_every": 10_000, "plot": False, "loader": {"on_device": True}, "checkpoint": {"resume": "never"},
-        "compile": compile})
     window = Window(device)
 
     def on_step(step: int) -> None:
@@ -296,7 +318,7 @@ def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
         if step == warmup + steps:
             window.stop()
 
-    result = train(model, data, cfg, on_step=on_step)
+    result = train(model, data, kiln_config(batch, precision, device, compile), on_step=on_step)
     m = result.history[-1]
     assert result.global_step >= warmup + steps and window.secs > 0
     out = {**window.result(steps), "skipped_steps": m.skipped_steps, "nonfinite_steps": m.nonfinite_steps,
@@ -306,55 +328,88 @@ def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
     return out
 
 
+def interleaved(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
+                steps: int, windows: int, compile: bool) -> dict[str, Any]:
+    """Kiln's loop and the bare loop in alternating timed windows of ``steps`` steps, in one process.
+
+    Kiln trains ``windows + 1`` epochs of ``steps + 1`` batches (``data``); the first epoch is its warm-up
+    (compilation included). In every later epoch Kiln's window runs from its first step's ``on_step`` (after
+    the epoch boundary) to its last, and at the end of it the bare loop runs one
+    untimed step and a window of ``steps``; it is set up and warmed up (compiled) at the end of Kiln's first epoch,
+    after Kiln compiled, and what its compile adds to Dynamo's process-wide counters is taken off Kiln's. So the two alternate K, B, K, B, ... and a drift of the host's speed
+    (the steps are close to host-bound) reaches both alike, where separate runs minutes apart measured it as a
+    difference between the loops (single runs varied by up to 30% on the H200). Both compile once, in their
+    warm-up."""
+    batch = spec["batch"]
+    if compile:
+        torch.compiler.reset()  # graphs of this cell only (see the module docstring)
+    loops: dict[str, Any] = {}
+    kiln_w: list[dict[str, Any]] = []
+    bare_w: list[dict[str, Any]] = []
+    per_epoch = steps + 1
+    window = Window(device)
+
+    def on_step(step: int) -> None:
+        nonlocal window
+        epoch, k = divmod(step - 1, per_epoch)  # k: 0-based step within the epoch
+        if epoch == 0:
+            if k == per_epoch - 1:  # after Kiln's warm-up: Kiln compiled first, so its compile counts are its own
+                before = CompileCounts.now()
+                bare = loops["bare"] = BareLoop(fresh_model(name, spec), data, batch, precision, device, compile)
+                for _ in range(per_epoch):
+                    bare.step()
+                loops["bare_compile"] = CompileCounts.now().since(before)
+            return
+        if k == 0:
+            window = Window(device)
+            window.start()
+        elif k < per_epoch - 1:
+            window.mark()
+        else:
+            window.mark()
+            window.stop()
+            kiln_w.append(window.result(steps))
+            loops["bare"].step()
+            bare_w.append(loops["bare"].window(steps, device))
+
+    result = train(fresh_model(name, spec), data, kiln_config(batch, precision, device, compile, windows + 1),
+                   on_step=on_step)
+    loops["bare"].model.to("cpu")
+    m = result.history[-1]
+    c = result.compile
+    if c is not None:  # Dynamo's counters are process-wide: what the bare loop's compile added is not Kiln's
+        c = {**c, **{k: c[k] - loops["bare_compile"][k] for k in ("graphs", "recompiles", "graph_breaks")}}
+    return {"kiln": kiln_w, "bare": bare_w, "compile": c,
+            "skipped_steps": sum(h.skipped_steps for h in result.history),
+            "nonfinite_steps": sum(h.nonfinite_steps for h in result.history), "final_loss": m.loss}
+
+
 LOOP_FNS = {"bare": (bare_loop, False), "kiln": (kiln_loop, False), "bare_compiled": (bare_loop, True),
             "kiln_compiled": (kiln_loop, True)}
 
 
 def measure(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
-            warmup: int, steps: int, rounds: int, loops: tuple[str, ...] = EAGER_LOOPS,
-            profile_steps: int = 0) -> dict[str, Any]:
-    """``rounds`` runs of each loop, rotating which goes first; medians plus every round."""
-    runs: dict[str, list[dict[str, Any]]] = {which: [] for which in loops}
+            warmup: int, steps: int, rounds: int) -> dict[str, Any]:
+    """The eager table's cell: ``rounds`` runs of each loop, rotating which goes first; medians plus every round."""
+    runs: dict[str, list[dict[str, Any]]] = {which: [] for which in EAGER_LOOPS}
     for r in range(rounds):
-        for which in loops[r % len(loops):] + loops[:r % len(loops)]:
+        for which in EAGER_LOOPS[r % 2:] + EAGER_LOOPS[:r % 2]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            fn, compile = LOOP_FNS[which]
-            if compile:
-                torch.compiler.reset()  # this run compiles its own graphs (see the module docstring)
-            runs[which].append(fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, steps,
-                                  compile=compile))
+            fn, _ = LOOP_FNS[which]
+            runs[which].append(fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, steps))
     row: dict[str, Any] = {"model": name, "batch": spec["batch"], "precision": precision}
-    if profile_steps:  # one more run per compiled loop, profiled, not part of the medians
-        Window.profile = True
-        try:
-            for which in (w for w in loops if LOOP_FNS[w][1]):
-                torch.compiler.reset()
-                fn, _ = LOOP_FNS[which]
-                r = fn(fresh_model(name, spec), data, spec["batch"], precision, device, warmup, profile_steps,
-                       compile=True)
-                row.setdefault("profile", {})[which] = r["profile"]
-        finally:
-            Window.profile = False
     for which, rs in runs.items():
-        cell = dict(rs[-1])
-        cell["steps_per_s"] = statistics.median(x["steps_per_s"] for x in rs)
-        cell["peak_mb"] = max(x["peak_mb"] for x in rs) if device.type == "cuda" else None
-        cell["rounds_steps_per_s"] = [round(x["steps_per_s"], 3) for x in rs]
-        if which.startswith("kiln"):
-            cell["skipped_steps"] = sum(x["skipped_steps"] for x in rs)
-            cell["nonfinite_steps"] = sum(x["nonfinite_steps"] for x in rs)
-        if which == "kiln_compiled":
-            cell["fallbacks"] = [x["compile"]["fallback"] for x in rs if x["compile"]["fallback"]]
-            cell["compile"] = rs[0]["compile"]  # the first round compiles (or reuses the bare loop's graphs)
-        row[which] = cell
-    if "bare" in row:
-        row["kiln_vs_bare"] = row["kiln"]["steps_per_s"] / row["bare"]["steps_per_s"]
-    if "kiln_compiled" in row:
-        row["kiln_compiled_vs_bare_compiled"] = row["kiln_compiled"]["steps_per_s"] / row["bare_compiled"]["steps_per_s"]
-        row["compile_gain_kiln"] = row["kiln_compiled"]["steps_per_s"] / row["kiln"]["steps_per_s"]
-        row["compile_gain_anchor"] = ANCHOR_GAIN.get((name, precision))
+        c = dict(rs[-1])
+        c["steps_per_s"] = statistics.median(x["steps_per_s"] for x in rs)
+        c["peak_mb"] = max(x["peak_mb"] for x in rs) if device.type == "cuda" else None
+        c["rounds_steps_per_s"] = [round(x["steps_per_s"], 3) for x in rs]
+        if which == "kiln":
+            c["skipped_steps"] = sum(x["skipped_steps"] for x in rs)
+            c["nonfinite_steps"] = sum(x["nonfinite_steps"] for x in rs)
+        row[which] = c
+    row["kiln_vs_bare"] = row["kiln"]["steps_per_s"] / row["bare"]["steps_per_s"]
     return row
 
 
@@ -389,10 +444,60 @@ def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
             "warmup_steps": warmup, "rounds": rounds, "rows": rows, "targets": targets(rows)}
 
 
-def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[str] | None,
+def cell(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median steps/s and step peak over a loop's windows, and every window's figure."""
+    peaks = [w["step_peak_mb"] for w in windows if w["step_peak_mb"] is not None]
+    return {"steps_per_s": statistics.median(w["steps_per_s"] for w in windows),
+            "step_peak_mb": max(peaks) if peaks else None,
+            "windows_steps_per_s": [round(w["steps_per_s"], 3) for w in windows],
+            "host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in windows if "step_ms" in w)}
+
+
+def paired_ratio(kiln: list[dict[str, Any]], bare: list[dict[str, Any]]) -> float:
+    """Median over the window pairs of Kiln's steps/s over the bare loop's in the window right after it."""
+    return statistics.median(k["steps_per_s"] / b["steps_per_s"] for k, b in zip(kiln, bare))
+
+
+def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
+                    steps: int, windows: int, profile_steps: int = 0) -> dict[str, Any]:
+    """One cell of the compile table: eager Kiln vs eager bare, then compiled Kiln vs compiled bare, each pair
+    interleaved (:func:`interleaved`)."""
+    row: dict[str, Any] = {"model": name, "batch": spec["batch"], "precision": precision}
+    for compile in (False, True):
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        got = interleaved(name, spec, data, precision, device, steps, windows, compile)
+        suffix = "_compiled" if compile else ""
+        row["kiln" + suffix] = {**cell(got["kiln"]), "skipped_steps": got["skipped_steps"],
+                                "nonfinite_steps": got["nonfinite_steps"], "final_loss": got["final_loss"]}
+        row["bare" + suffix] = cell(got["bare"])
+        row[f"kiln{suffix}_vs_bare{suffix}"] = paired_ratio(got["kiln"], got["bare"])
+        if compile:
+            c = got["compile"]
+            row["kiln_compiled"]["compile"] = c
+            row["kiln_compiled"]["fallbacks"] = [c["fallback"]] if c and c["fallback"] else []
+    if profile_steps:  # one more run per compiled loop, profiled, apart from the interleaved windows
+        Window.profile = True
+        try:
+            for which in ("kiln_compiled", "bare_compiled"):
+                torch.compiler.reset()
+                fn, _ = LOOP_FNS[which]
+                r = fn(fresh_model(name, spec), data, spec["batch"], precision, device, steps + 1, profile_steps,
+                       compile=True)
+                row.setdefault("profile", {})[which] = r["profile"]
+        finally:
+            Window.profile = False
+    row["compile_gain_kiln"] = row["kiln_compiled"]["steps_per_s"] / row["kiln"]["steps_per_s"]
+    row["compile_gain_bare"] = row["bare_compiled"]["steps_per_s"] / row["bare"]["steps_per_s"]
+    row["compile_gain_anchor"] = ANCHOR_GAIN.get((name, precision))
+    return row
+
+
+def run_compile(smoke: bool, steps: int, windows: int, models: list[str] | None,
                 precisions: tuple[str, ...], profile_steps: int = 0,
                 partial: Path | None = None) -> dict[str, Any]:
-    """The torch.compile table: Kiln eager AMP, Kiln compiled, bare compiled, per model and precision."""
+    """The torch.compile table: Kiln and bare loops, eager and compiled, per model and precision."""
     device = bench_device(smoke)
     rows, notes = [], []
     for name, spec in specs(smoke, compile_table=True).items():
@@ -406,16 +511,16 @@ def run_compile(smoke: bool, warmup: int, steps: int, rounds: int, models: list[
 
             attention = fresh_model(name, spec).bert.config._attn_implementation
             notes.append(f"{name}: transformers {transformers.__version__}, attention implementation {attention}")
-        data = make_data(spec, warmup + steps)
+        data = make_data(spec, steps + 1)  # one epoch: an untimed first step and one timed window
         for precision in precisions:
             log.info("%s %s (compile)", name, precision)
-            row = measure(name, spec, data, precision, device, warmup, steps, rounds, COMPILE_LOOPS, profile_steps)
+            row = measure_compile(name, spec, data, precision, device, steps, windows, profile_steps)
             row["dataset_mb"] = round((data.train_x.nbytes + data.train_y.nbytes) / 2**20, 1)
             rows.append(row)
             if partial is not None:  # a run cut short by a time limit keeps the cells it finished
                 partial.write_text(json.dumps(rows, indent=2) + "\n")
     return {"device": device_name(device), "torch": torch.__version__, "smoke": smoke, "tf32": False,
-            "timed_steps": steps, "warmup_steps": warmup, "rounds": rounds, "rows": rows, "notes": notes,
+            "timed_steps": steps, "windows": windows, "rows": rows, "notes": notes,
             "targets": compile_targets(rows)}
 
 
@@ -430,20 +535,24 @@ def compile_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def compile_markdown(res: dict[str, Any]) -> str:
     mb = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
     lines = [f"# Training throughput with torch.compile: Kiln vs bare loop ({res['device']}, torch {res['torch']})", "",
-             f"{res['warmup_steps']} warm-up (compilation included) + {res['timed_steps']} timed steps per run, "
-             f"median of {res['rounds']} runs per loop in rotating order; TF32 off; synthetic data on the device. "
-             "Compiled gain = Kiln compiled / Kiln eager AMP; anchor = the bare loop's gain measured for issue 16.", "",
-             "| model | batch | precision | Kiln eager steps/s | Kiln compiled steps/s | bare compiled steps/s "
-             "| Kiln compiled / bare compiled | compiled gain (Kiln) | anchor gain | graphs / recompiles / breaks "
-             "| peak MB Kiln eager | peak MB Kiln compiled |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Per cell and mode (eager, compiled), Kiln's loop and the bare loop alternate in {res['windows']} pairs of "
+             f"timed windows of {res['timed_steps']} steps in one process, after one warm-up epoch each (compilation "
+             "included); steps/s are medians over the windows, Kiln / bare the median of the pairs' ratios. TF32 off; "
+             "synthetic data on the device. Compiled gain = compiled / eager steps/s; anchor = the bare loop's gain "
+             "measured for issue 16. Step peak = peak memory above what was allocated when the window began.", "",
+             "| model | batch | precision | Kiln eager | bare eager | Kiln compiled | bare compiled "
+             "| Kiln / bare, compiled | Kiln / bare, eager | compiled gain Kiln | compiled gain bare | anchor gain "
+             "| graphs / recompiles / breaks | step peak MB Kiln eager / compiled |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        k, kc, bc = r["kiln"], r["kiln_compiled"], r["bare_compiled"]
-        c = kc["compile"]
+        k, kc, b, bc = r["kiln"], r["kiln_compiled"], r["bare"], r["bare_compiled"]
+        c = kc.get("compile") or {"graphs": "-", "recompiles": "-", "graph_breaks": "-"}
         anchor = f"{r['compile_gain_anchor']:.2f}x" if r.get("compile_gain_anchor") else "-"
-        lines.append(f"| {r['model']} | {r['batch']} | {r['precision']} | {k['steps_per_s']:.2f} | "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['precision']} | {k['steps_per_s']:.2f} | {b['steps_per_s']:.2f} | "
                      f"{kc['steps_per_s']:.2f} | {bc['steps_per_s']:.2f} | {r['kiln_compiled_vs_bare_compiled']:.3f} | "
-                     f"{r['compile_gain_kiln']:.2f}x | {anchor} | {c['graphs']} / {c['recompiles']} / {c['graph_breaks']} | "
-                     f"{mb(k['peak_mb'])} | {mb(kc['peak_mb'])} |")
+                     f"{r['kiln_vs_bare']:.3f} | {r['compile_gain_kiln']:.2f}x | {r['compile_gain_bare']:.2f}x | {anchor} | "
+                     f"{c['graphs']} / {c['recompiles']} / {c['graph_breaks']} | "
+                     f"{mb(k['step_peak_mb'])} / {mb(kc['step_peak_mb'])} |")
     t = res["targets"]
     lines += ["", f"- Kiln compiled vs bare compiled, worst cell: {t['worst_kiln_compiled_vs_bare_compiled']} "
                   f"(target >= 0.97: {'met' if t['kiln_compiled_at_least_0.97x_bare_compiled'] else 'NOT met'})",
@@ -501,17 +610,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 8; smoke 2)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default 48; smoke 2)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per run (default 48; smoke 2); --compile: per window (default 24; smoke 2)")
     ap.add_argument("--rounds", type=int, default=None, help="runs per loop and cell (default 5; smoke 2)")
-    ap.add_argument("--compile", action="store_true", help="the torch.compile table (Kiln eager/compiled, bare compiled)")
+    ap.add_argument("--windows", type=int, default=None, help="--compile: window pairs per cell and mode (default 8; smoke 2)")
+    ap.add_argument("--compile", action="store_true", help="the torch.compile table (Kiln and bare, eager and compiled)")
     ap.add_argument("--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18")
     ap.add_argument("--precisions", default=",".join(COMPILE_PRECISIONS), help="--compile: fp16,bf16 or one of them")
     ap.add_argument("--profile-steps", type=int, default=0, help="--compile: one profiled run per compiled loop")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
-    warmup, steps = args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 48)
-    rounds = args.rounds or (2 if args.smoke else 5)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compile:
         models = args.models.split(",") if args.models else None
@@ -519,13 +628,16 @@ def main() -> None:
         if unknown:
             ap.error(f"--models: unknown {', '.join(unknown)}; choose from bert_base, bert_base_hf, resnet18")
         name = "train_compile" + ("_smoke" if args.smoke else "") + ("_" + "_".join(models) if models else "")
-        res = run_compile(args.smoke, warmup, steps, rounds, models, tuple(args.precisions.split(",")),
+        steps, windows = args.steps or (2 if args.smoke else 24), args.windows or (2 if args.smoke else 8)
+        res = run_compile(args.smoke, steps, windows, models, tuple(args.precisions.split(",")),
                           args.profile_steps, args.out / f"{name}.partial.json")
         (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
         md = compile_markdown(res)
         (args.out / f"{name}.md").write_text(md)
         print(md)
         return
+    warmup, steps = args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 48)
+    rounds = args.rounds or (2 if args.smoke else 5)
     res = run(args.smoke, warmup, steps, rounds)
     name = "train_smoke" if args.smoke else "train"
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -132,6 +132,10 @@ class TorchConfig(Section):
         "auto", description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
                             "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
                             "aotinductor, or compiled when the package fails to compile or to load")
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph "
+                            "(torch.compile's cudagraph trees; outputs copied out of the graph's memory): auto = on "
+                            "on the GPU")
     load_check: bool = Field(True, description="load the built package once in a child process before accepting it"
                                                " (a package that crashes its loader is skipped, not served)")
     load_check_timeout_s: float = Field(300.0, gt=0)

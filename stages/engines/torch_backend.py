@@ -20,7 +20,9 @@ Inductor's work then ships the other way (``build.torch.flavour: compiled``, and
 exported program (``torch.export.save``) plus the caches of its compilation at the engine's batch sizes
 (``torch.compiler.save_cache_artifacts``). Loading the engine runs ``torch.compile`` on the loaded program with
 those caches in place (``torch.compiler.load_cache_artifacts``), so serving starts from the tuned kernels instead
-of autotuning again; no C++ package loader is involved. Graphs are static per batch size (as ``torch.compile``
+of autotuning again; no C++ package loader is involved. On the GPU its calls replay CUDA graphs (``max-autotune``
+mode, ``build.torch.cuda_graphs``): at batch 1 a ResNet-18 is a few dozen small kernels whose launches, not their
+work, set the latency. Graphs are static per batch size (as ``torch.compile``
 baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
 to a few sizes (``Runner.per_shape_sessions``).
 """
@@ -68,7 +70,8 @@ print("ok", type(out).__name__)
 def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, bool]:
     def on(value: str, auto: bool) -> bool:
         return value == "on" or (value == "auto" and auto)
-    return {"max_autotune": on(cfg.max_autotune, device == "cuda"), "channels_last": on(cfg.channels_last, has_conv)}
+    return {"max_autotune": on(cfg.max_autotune, device == "cuda"), "channels_last": on(cfg.channels_last, has_conv),
+            "cuda_graphs": device == "cuda" and on(cfg.cuda_graphs, True)}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -178,8 +181,9 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
     compile_s = round(time.perf_counter() - t0, 2)
     if req.config.torch.load_check:
         _load_check(req.out / PACKAGE, args, req.device, req.config.torch.load_check_timeout_s)
+    settings = {k: v for k, v in common.items() if k != "cuda_graphs"}  # the compiled flavour's alone
     return {"files": {"model": PACKAGE}, "flavour": "aotinductor", "versions": {"torch": torch.__version__},
-            "builder_settings": {**common, "compile_seconds": compile_s}}
+            "builder_settings": {**settings, "compile_seconds": compile_s}}
 
 
 def warm_batches(max_batch: int) -> list[int]:
@@ -195,11 +199,12 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     torch.export.save(exported, str(req.out / PROGRAM))
     t0 = time.perf_counter()
     try:
-        run = _compile_program(req.out / PROGRAM, common["max_autotune"])
+        run = _compile_program(req.out / PROGRAM, common["max_autotune"], common["cuda_graphs"])
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
                 feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
-                run(*(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs))
+                _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs],
+                              common["cuda_graphs"])
     except Exception as exc:  # Dynamo/Inductor failures
         raise BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "
                          f"{first_line(exc, 300)}", hint="the ONNX engines still build") from None
@@ -216,14 +221,29 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
             "builder_settings": settings}
 
 
-def _compile_program(path: Path, max_autotune: bool) -> Any:
+def _compile_program(path: Path, max_autotune: bool, cuda_graphs: bool = False) -> Any:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
-    baseline is timed); max-autotune without CUDA graphs, whose replays would overwrite outputs a caller holds."""
+    baseline is timed); max-autotune, and on the GPU CUDA graphs (cudagraph trees), as torch.compile's own
+    ``max-autotune`` mode, the fastest PyTorch reference of issue 12."""
     import torch
 
     module = torch.export.load(str(path)).module()
-    mode = "max-autotune-no-cudagraphs" if max_autotune else "default"
-    return torch.compile(module, mode=mode, dynamic=False)
+    modes = {(True, True): "max-autotune", (True, False): "max-autotune-no-cudagraphs",
+             (False, True): "reduce-overhead", (False, False): "default"}
+    return torch.compile(module, mode=modes[max_autotune, cuda_graphs], dynamic=False)
+
+
+def _run_compiled(run: Any, args: list[Any], cuda_graphs: bool) -> list[Any]:
+    """One call of the compiled program. With CUDA graphs every call is a new iteration of cudagraph trees, whose
+    next replay overwrites this one's outputs in the graph's memory pool: the outputs are copied out (one small
+    copy per output) so a caller may keep them."""
+    import torch
+
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    out = run(*args)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    return [o.clone() for o in outs] if cuda_graphs else outs
 
 
 def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: float) -> None:
@@ -264,8 +284,10 @@ class TorchRunner(Runner):
         if self.meta.flavour == "compiled":
             if "cache" in self.meta.files:  # before compiling: the build's kernels and autotuning are found
                 torch.compiler.load_cache_artifacts((self.engine_dir / self.meta.files["cache"]).read_bytes())
+            settings = self.meta.builder_settings
+            self.cuda_graphs = bool(settings.get("cuda_graphs"))
             self.package = _compile_program(self.engine_dir / self.meta.files["program"],
-                                            bool(self.meta.builder_settings.get("max_autotune")))
+                                            bool(settings.get("max_autotune")), self.cuda_graphs)
             return
         from torch._inductor import aoti_load_package
 
@@ -273,6 +295,8 @@ class TorchRunner(Runner):
 
     def _call(self, args: list[Any]) -> list[Any]:
         with self.torch.inference_mode():
+            if self.meta.flavour == "compiled":
+                return _run_compiled(self.package, args, self.cuda_graphs)
             out = self.package(*args)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 

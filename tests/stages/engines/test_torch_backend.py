@@ -71,6 +71,7 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
                         torch_model=_cnn)
     assert meta.flavour == "compiled" and meta.files["program"] == "program.pt2"
     assert meta.builder_settings["compiled_batches"] == [1, 8] and "aotinductor_failed" not in meta.builder_settings
+    assert meta.builder_settings["cuda_graphs"] is False  # CUDA graphs: the GPU's (build.torch.cuda_graphs auto)
     assert not (tmp_path / "e" / "model.pt2").exists()
     torch.compiler.reset()  # the runner compiles in a process that has not seen the model
     with load_engine(tmp_path / "e") as runner:
@@ -155,3 +156,11 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
             assert got.dtype == np.float32 and got.shape == want.shape
             assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.999
         assert np.median(runner.time_ms({"input": sample("cnn", 32)}, 3, 20)) > 0
+        if meta.flavour == "compiled":  # CUDA graphs: a kept output survives the next replay (outputs are copied)
+            assert meta.builder_settings["cuda_graphs"]
+            first, _ = runner.prepared({"input": sample("cnn", 1, seed=1)})
+            kept = first()
+            again = kept.clone()
+            second, _ = runner.prepared({"input": sample("cnn", 1, seed=2)})
+            other = second()
+            assert torch.equal(kept, again) and not torch.equal(kept, other)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -58,13 +59,13 @@ def test_amp_target_is_judged_per_mode() -> None:
 def test_train_bench_compile_smoke(tmp_path: Path) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_bench.py"), "--smoke", "--compile", "--models",
-                    "bert_base", "--precisions", "bf16", "--rounds", "1", "--out", str(tmp_path)],
+                    "bert_base", "--precisions", "bf16", "--windows", "2", "--out", str(tmp_path)],
                    check=True, capture_output=True, text=True, env=env, timeout=290)
     res = json.loads((tmp_path / "train_compile_smoke_bert_base.json").read_text())
     (row,) = res["rows"]
     assert (row["model"], row["precision"]) == ("bert_base", "bf16")
-    for loop in ("kiln", "kiln_compiled", "bare_compiled"):
-        assert row[loop]["steps_per_s"] > 0
+    for loop in ("kiln", "bare", "kiln_compiled", "bare_compiled"):  # interleaved: one figure per window
+        assert row[loop]["steps_per_s"] > 0 and len(row[loop]["windows_steps_per_s"]) == 2
     c = row["kiln_compiled"]["compile"]
     assert c["compiled"] and c["fallback"] is None and row["kiln_compiled"]["fallbacks"] == []
     assert row["compile_gain_anchor"] == 1.17 and res["targets"]["fallbacks"] == 0
@@ -75,20 +76,43 @@ def test_compile_target_is_judged_per_cell_and_a_missing_transformers_is_a_note(
     bench = _bench()
 
     def row(model: str, kc: float, bc: float) -> dict:
-        cell = {"steps_per_s": kc, "peak_mb": None, "fallbacks": [],
+        cell = {"steps_per_s": kc, "step_peak_mb": None, "fallbacks": [],
                 "compile": {"graphs": 2, "recompiles": 1, "graph_breaks": 0}}
-        return {"model": model, "batch": 64, "precision": "fp16", "kiln": {"steps_per_s": 10.0, "peak_mb": None},
-                "kiln_compiled": cell, "bare_compiled": {"steps_per_s": bc, "peak_mb": None},
-                "kiln_compiled_vs_bare_compiled": kc / bc, "compile_gain_kiln": kc / 10.0, "compile_gain_anchor": 1.54}
+        return {"model": model, "batch": 64, "precision": "fp16", "kiln": {"steps_per_s": 10.0, "step_peak_mb": None},
+                "bare": {"steps_per_s": 10.0, "step_peak_mb": None}, "kiln_compiled": cell,
+                "bare_compiled": {"steps_per_s": bc, "step_peak_mb": None}, "kiln_vs_bare": 1.0,
+                "kiln_compiled_vs_bare_compiled": kc / bc, "compile_gain_kiln": kc / 10.0,
+                "compile_gain_bare": bc / 10.0, "compile_gain_anchor": 1.54}
 
     rows = [row("bert_base", 15.0, 15.2), row("resnet18", 14.0, 15.0)]
     t = bench.compile_targets(rows)
     assert not t["kiln_compiled_at_least_0.97x_bare_compiled"] and t["worst_kiln_compiled_vs_bare_compiled"] == 0.933
     assert bench.compile_targets(rows[:1])["kiln_compiled_at_least_0.97x_bare_compiled"]
-    md = bench.compile_markdown({"device": "x", "torch": "y", "warmup_steps": 8, "timed_steps": 48, "rounds": 5,
+    md = bench.compile_markdown({"device": "x", "torch": "y", "timed_steps": 24, "windows": 8,
                                  "rows": rows, "targets": t, "notes": []})
-    assert "(target >= 0.97: NOT met)" in md and "| 1.50x | 1.54x | 2 / 1 / 0 |" in md
+    assert "(target >= 0.97: NOT met)" in md and "| 1.50x | 1.52x | 1.54x | 2 / 1 / 0 |" in md
 
     monkeypatch.setattr(bench, "has_transformers", lambda: False)
-    res = bench.run_compile(True, 1, 1, 1, ["bert_base_hf"], ("bf16",))
+    res = bench.run_compile(True, 1, 1, ["bert_base_hf"], ("bf16",))
     assert res["rows"] == [] and "transformers does not import" in res["notes"][0]
+
+
+def test_interleaved_windows_alternate_and_time_the_same_steps() -> None:
+    """Kiln's window and the bare loop's alternate within one process, each over --steps steps, in pairs."""
+    bench = _bench()
+    spec = bench.specs(True)["resnet18"]
+    data = bench.make_data(spec, 4)
+    order: list[str] = []
+    window = bench.Window.stop
+
+    def stop(self) -> None:
+        window(self)
+        order.append(f"{len(self.marks)}")
+
+    bench.Window.stop = stop
+    try:
+        got = bench.interleaved("resnet18", spec, data, "fp32", torch.device("cpu"), 3, 2, compile=False)
+    finally:
+        bench.Window.stop = window
+    assert len(got["kiln"]) == len(got["bare"]) == 2 and order == ["3"] * 4
+    assert bench.paired_ratio([{"steps_per_s": 9.0}, {"steps_per_s": 4.0}], [{"steps_per_s": 10.0}, {"steps_per_s": 2.0}]) == 1.45
