@@ -483,8 +483,9 @@ def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precis
             for which in ("kiln_compiled", "bare_compiled"):
                 torch.compiler.reset()
                 fn, _ = LOOP_FNS[which]
-                r = fn(fresh_model(name, spec), data, spec["batch"], precision, device, steps + 1, profile_steps,
-                       compile=True)
+                warmup = 8  # compilation included
+                r = fn(fresh_model(name, spec), make_data(spec, warmup + profile_steps), spec["batch"], precision,
+                       device, warmup, profile_steps, compile=True)
                 row.setdefault("profile", {})[which] = r["profile"]
         finally:
             Window.profile = False

@@ -43,8 +43,8 @@ class LaggedStats:
         self.device, self.lag, self.max_lag = device, lag, max(lag, lag if max_lag is None else max_lag)
         self.queue: deque[StepStats] = deque()
 
-    def push(self, step: int, epoch: int, samples: int, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        values = torch.stack([loss.float(), norm.float()])
+    def push(self, step: int, epoch: int, samples: int, values: torch.Tensor) -> None:
+        """``values``: the step's ``[loss, grad_norm]`` (:func:`step_values`), on the device."""
         event = None
         if values.is_cuda:
             values = values.to("cpu", non_blocking=True)  # D2H non_blocking lands in pinned memory
@@ -72,6 +72,31 @@ class LaggedStats:
         return s, loss_v, norm_v
 
 
+def step_values(loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """``[loss, grad_norm]`` as one FP32 tensor: what is read back and what the non-finite check looks at."""
+    return torch.stack([loss.float(), norm.float()])
+
+
+class NonFiniteCheck:
+    """Is a step's loss or gradient norm NaN/Inf? Answered on the device, as a 0-dim FP32 flag (1.0: skip).
+
+    One kernel, the one GradScaler runs over the gradients (``torch._amp_foreach_non_finite_check_and_unscale_``,
+    here with scale 1 so the values are unchanged), after one that zeroes the flag, where ``~isfinite(loss) |
+    ~isfinite(norm)`` takes about ten: each small kernel costs the host a launch every step, and compiled steps are
+    close to host-bound. The flag is what fused optimizers read as ``found_inf``. It is one tensor reused every
+    step: everything that reads it (optimizer, :class:`BufferGuard`) is queued on the same stream before the next
+    step zeroes it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.found = torch.zeros((), device=device)
+        self.one = torch.ones((), device=device)
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        self.found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_([values], self.found, self.one)
+        return self.found
+
+
 def skips_on_device(opt: torch.optim.Optimizer) -> bool:
     """Fused AdamW/SGD take a ``found_inf`` tensor and skip the update in the kernel (the mechanism
     GradScaler uses), so the decision needs no host round trip."""
@@ -79,12 +104,11 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
 
 
 @contextmanager
-def skip_if_nonfinite(opt: torch.optim.Optimizer, skipped: torch.Tensor) -> Iterator[None]:
-    """Within the block, ``opt.step()`` leaves weights, moments and step counts untouched when ``skipped``
-    (:func:`nonfinite` of the step's loss and gradient norm) is true. The same optimizer attributes
-    ``torch.amp.GradScaler.step`` sets for fused optimizers (``grad_scale``, ``found_inf``); grad_scale None:
-    nothing to unscale."""
-    opt.grad_scale, opt.found_inf = None, skipped.float()  # type: ignore[attr-defined]
+def skip_if_nonfinite(opt: torch.optim.Optimizer, found: torch.Tensor) -> Iterator[None]:
+    """Within the block, ``opt.step()`` leaves weights, moments and step counts untouched when ``found`` (the FP32
+    flag of :class:`NonFiniteCheck`) is 1. The same optimizer attributes ``torch.amp.GradScaler.step`` sets for
+    fused optimizers (``grad_scale``, ``found_inf``); grad_scale None: nothing to unscale."""
+    opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
     try:
         yield
     finally:
@@ -120,9 +144,10 @@ class BufferGuard:
         for group, (_, views) in zip(self.groups, self.saved):
             torch._foreach_copy_(views, group)
 
-    def restore_if_nonfinite(self, skipped: torch.Tensor) -> None:
-        """Decided on the device (no host sync): ``skipped`` (:func:`nonfinite` of the step's loss and gradient
-        norm, the condition the optimizer/GradScaler skip on) puts the saved values back; else buffers keep theirs."""
+    def restore_if_nonfinite(self, found: torch.Tensor) -> None:
+        """Decided on the device (no host sync): ``found`` (the flag of :class:`NonFiniteCheck`, the condition the
+        optimizer/GradScaler skip on) puts the saved values back; else buffers keep theirs."""
+        skipped = found.bool()
         for group, (saved, _), (now, now_views) in zip(self.groups, self.saved, self.scratch):
             torch._foreach_copy_(now_views, group)
             torch.where(skipped, saved, now, out=now)
@@ -137,8 +162,3 @@ def _flat_like(group: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tens
     """One flat tensor as large as the group, and a view of it shaped like each of the group's tensors."""
     flat = torch.empty(sum(b.numel() for b in group), dtype=group[0].dtype, device=group[0].device)
     return flat, [part.view(b.shape) for part, b in zip(flat.split([b.numel() for b in group]), group)]
-
-
-def nonfinite(loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool on the device: is this step's loss or gradient norm NaN/Inf (the step is skipped)?"""
-    return ~torch.isfinite(loss) | ~torch.isfinite(norm)

@@ -34,10 +34,11 @@ from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
 from kiln.stages.train.health import (
     BufferGuard,
     LaggedStats,
+    NonFiniteCheck,
     StepStats,
-    nonfinite,
     skip_if_nonfinite,
     skips_on_device,
+    step_values,
 )
 from kiln.stages.train.metrics import (
     EpochMetrics,
@@ -186,6 +187,7 @@ class _Trainer:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
         self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
+        self.nonfinite = NonFiniteCheck(device)
 
     # -- resume / checkpoint ------------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -337,19 +339,20 @@ class _Trainer:
         self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
         norm = grad_norm(self.params, self.cfg.grad_clip)
         self.result.global_step += 1
-        self.stats.push(self.result.global_step, self.epoch, rows(xb), total, norm)
+        values = step_values(total, norm)
+        self.stats.push(self.result.global_step, self.epoch, rows(xb), values)
         done: list[tuple[StepStats, float, float]] = []
         if self.scaler.is_enabled():
             self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
             update_scaler(self.scaler, self.cfg.amp)
             if self.guard.groups:
-                self.guard.restore_if_nonfinite(nonfinite(total, norm))
+                self.guard.restore_if_nonfinite(self.nonfinite(values))
         elif self.device_skip:
-            skipped = nonfinite(total, norm)
-            with skip_if_nonfinite(self.opt, skipped):
+            found = self.nonfinite(values)
+            with skip_if_nonfinite(self.opt, found):
                 self.opt.step()
             if self.guard.groups:
-                self.guard.restore_if_nonfinite(skipped)
+                self.guard.restore_if_nonfinite(found)
         else:  # a non-fused optimizer: the host decides (lag 0: this step's values are read now)
             done = list(self.stats.ready())
             if all(math.isfinite(v) for _, loss_v, norm_v in done for v in (loss_v, norm_v)):

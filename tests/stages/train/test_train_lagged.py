@@ -13,7 +13,14 @@ from kiln.core.errors import TrainingError
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.data import DeviceBatches, make_loader
 from kiln.stages.train.dist import DistEnv
-from kiln.stages.train.health import BufferGuard, LaggedStats, nonfinite, skip_if_nonfinite, skips_on_device
+from kiln.stages.train.health import (
+    BufferGuard,
+    LaggedStats,
+    NonFiniteCheck,
+    skip_if_nonfinite,
+    skips_on_device,
+    step_values,
+)
 from kiln.stages.train.loop import train
 from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
@@ -29,7 +36,7 @@ def test_fused_step_is_skipped_on_device_when_not_finite(optimizer: str) -> None
     for loss, norm, moves in ((float("nan"), 1.0, False), (1.0, float("inf"), False), (1.0, 1.0, True)):
         before = p.detach().clone()
         p.grad = torch.ones(3)
-        with skip_if_nonfinite(opt, nonfinite(torch.tensor(loss), torch.tensor(norm))):
+        with skip_if_nonfinite(opt, NonFiniteCheck(CPU)(step_values(torch.tensor(loss), torch.tensor(norm)))):
             opt.step()
         assert (not torch.equal(p.detach(), before)) == moves
         assert not hasattr(opt, "found_inf")  # the attributes GradScaler also uses are removed again
@@ -39,13 +46,24 @@ def test_fused_step_is_skipped_on_device_when_not_finite(optimizer: str) -> None
 
 def test_lagged_stats_release_a_step_only_after_the_next_one() -> None:
     stats = LaggedStats(CPU, lag=1)
-    stats.push(1, 0, 8, torch.tensor(0.5), torch.tensor(2.0))
+    stats.push(1, 0, 8, step_values(torch.tensor(0.5), torch.tensor(2.0)))
     assert list(stats.ready()) == []
-    stats.push(2, 0, 8, torch.tensor(float("nan")), torch.tensor(3.0))
+    stats.push(2, 0, 8, step_values(torch.tensor(float("nan")), torch.tensor(3.0)))
     (s, loss, norm), = stats.ready()
     assert (s.step, loss, norm) == (1, 0.5, 2.0)
     (s, loss, _), = stats.drain()
     assert s.step == 2 and loss != loss  # NaN
+
+
+@pytest.mark.parametrize("loss, norm, skip", [(0.5, 2.0, 0.0), (float("nan"), 2.0, 1.0), (0.5, float("inf"), 1.0),
+                                              (float("-inf"), float("inf"), 1.0), (3e38, 3e38, 0.0)])
+def test_the_non_finite_check_flags_nan_or_inf_and_leaves_the_values(loss: float, norm: float, skip: float) -> None:
+    check = NonFiniteCheck(CPU)
+    values = step_values(torch.tensor(loss), torch.tensor(norm))
+    before = values.clone()
+    assert check(values).item() == skip
+    assert torch.equal(values.nan_to_num(), before.nan_to_num())  # checked with scale 1: values unchanged
+    assert check(step_values(torch.tensor(0.5), torch.tensor(1.0))).item() == 0.0  # the flag is reset every step
 
 
 def test_lagged_stats_wait_only_when_the_host_is_max_lag_steps_ahead() -> None:
@@ -62,7 +80,7 @@ def test_lagged_stats_wait_only_when_the_host_is_max_lag_steps_ahead() -> None:
     stats = LaggedStats(CPU, lag=1, max_lag=3)
     events = []
     for step in range(1, 5):
-        stats.push(step, 0, 8, torch.tensor(float(step)), torch.tensor(1.0))
+        stats.push(step, 0, 8, step_values(torch.tensor(float(step)), torch.tensor(1.0)))
         events.append(Pending())
         stats.queue[-1].event = events[-1]  # as if on a GPU: the values arrive when the event completes
         released = [s.step for s, _, _ in stats.ready()]
@@ -83,7 +101,7 @@ def test_buffer_guard_puts_every_buffer_back_only_when_the_step_is_skipped() -> 
     for skipped in (True, False):
         guard.save()
         model(torch.randn(8, 4))  # updates running statistics and num_batches_tracked in place
-        guard.restore_if_nonfinite(torch.tensor(skipped))
+        guard.restore_if_nonfinite(torch.tensor(float(skipped)))
         same = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         assert same == skipped
     moved = {k: v.clone() for k, v in model.state_dict().items()}
