@@ -332,56 +332,56 @@ def interleaved(name: str, spec: dict[str, Any], data: DatasetSplits, precision:
                 steps: int, windows: int, compile: bool) -> dict[str, Any]:
     """Kiln's loop and the bare loop in alternating timed windows of ``steps`` steps, in one process.
 
-    Kiln trains ``windows + 1`` epochs of ``steps + 1`` batches (``data``); the first epoch is its warm-up
-    (compilation included). In every later epoch Kiln's window runs from its first step's ``on_step`` (after
-    the epoch boundary) to its last, and at the end of it the bare loop runs one
-    untimed step and a window of ``steps``; it is set up and warmed up (compiled) at the end of Kiln's first epoch,
-    after Kiln compiled, and what its compile adds to Dynamo's process-wide counters is taken off Kiln's. So the two alternate K, B, K, B, ... and a drift of the host's speed
+    Kiln trains ``windows + 1`` epochs of ``steps + 1`` batches (``data``); the first is its warm-up (compilation
+    included). At the end of it the bare loop is set up and warmed up (compiled) too, after Kiln compiled, and what
+    its compilation adds to Dynamo's process-wide counters is taken off Kiln's. In every later epoch Kiln's window
+    runs from its first step's ``on_step`` (after the epoch boundary) to its last, and then the bare loop runs one
+    untimed step and a window of ``steps``. So the two alternate K, B, K, B, ... and a drift of the host's speed
     (the steps are close to host-bound) reaches both alike, where separate runs minutes apart measured it as a
-    difference between the loops (single runs varied by up to 30% on the H200). Both compile once, in their
-    warm-up."""
-    batch = spec["batch"]
+    difference between the loops (single runs varied by up to 30% on the H200)."""
+    batch, per_epoch = spec["batch"], steps + 1
     if compile:
         torch.compiler.reset()  # graphs of this cell only (see the module docstring)
-    loops: dict[str, Any] = {}
+    bare: BareLoop | None = None
+    bare_counts: dict[str, Any] = {}
+    window = Window(device)
     kiln_w: list[dict[str, Any]] = []
     bare_w: list[dict[str, Any]] = []
-    per_epoch = steps + 1
-    window = Window(device)
 
     def on_step(step: int) -> None:
-        nonlocal window
+        nonlocal bare, bare_counts, window
         epoch, k = divmod(step - 1, per_epoch)  # k: 0-based step within the epoch
+        last = k == per_epoch - 1
         if epoch == 0:
-            if k == per_epoch - 1:  # after Kiln's warm-up: Kiln compiled first, so its compile counts are its own
+            if last:
                 before = CompileCounts.now()
-                bare = loops["bare"] = BareLoop(fresh_model(name, spec), data, batch, precision, device, compile)
+                bare = BareLoop(fresh_model(name, spec), data, batch, precision, device, compile)
                 for _ in range(per_epoch):
                     bare.step()
-                loops["bare_compile"] = CompileCounts.now().since(before)
+                bare_counts = CompileCounts.now().since(before)
             return
         if k == 0:
             window = Window(device)
             window.start()
-        elif k < per_epoch - 1:
-            window.mark()
-        else:
-            window.mark()
+            return
+        window.mark()
+        if last:
             window.stop()
             kiln_w.append(window.result(steps))
-            loops["bare"].step()
-            bare_w.append(loops["bare"].window(steps, device))
+            assert bare is not None
+            bare.step()
+            bare_w.append(bare.window(steps, device))
 
     result = train(fresh_model(name, spec), data, kiln_config(batch, precision, device, compile, windows + 1),
                    on_step=on_step)
-    loops["bare"].model.to("cpu")
-    m = result.history[-1]
+    assert bare is not None
+    bare.model.to("cpu")
     c = result.compile
     if c is not None:  # Dynamo's counters are process-wide: what the bare loop's compile added is not Kiln's
-        c = {**c, **{k: c[k] - loops["bare_compile"][k] for k in ("graphs", "recompiles", "graph_breaks")}}
+        c = {**c, **{k: c[k] - bare_counts[k] for k in ("graphs", "recompiles", "graph_breaks")}}
     return {"kiln": kiln_w, "bare": bare_w, "compile": c,
             "skipped_steps": sum(h.skipped_steps for h in result.history),
-            "nonfinite_steps": sum(h.nonfinite_steps for h in result.history), "final_loss": m.loss}
+            "nonfinite_steps": sum(h.nonfinite_steps for h in result.history), "final_loss": result.history[-1].loss}
 
 
 LOOP_FNS = {"bare": (bare_loop, False), "kiln": (kiln_loop, False), "bare_compiled": (bare_loop, True),

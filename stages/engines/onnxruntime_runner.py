@@ -221,15 +221,19 @@ class OrtCudaRunner(Runner):
         del self.session
 
 
-def time_calls(fn: Any, iterations: int) -> list[float]:
-    """ms per call: CUDA events when torch sees a GPU (``fn`` synchronizes, so they bracket its work), else wall
-    clock (CPU sessions and ``run_with_iobinding`` return only when the work is done)."""
-    try:
-        import torch
+def time_calls(fn: Any, iterations: int, cuda: bool | None = None) -> list[float]:
+    """ms per call: CUDA events around each call when ``cuda`` (default: when torch sees a GPU; ``fn`` runs its
+    work on the current stream or synchronizes, so they bracket it), else wall clock (CPU sessions and
+    ``run_with_iobinding`` return only when the work is done)."""
+    if cuda is None:
+        try:
+            import torch
 
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
+            cuda = torch.cuda.is_available()
+        except ImportError:
+            cuda = False
+    if cuda:
+        import torch
     times = []
     for _ in range(iterations):
         if cuda:

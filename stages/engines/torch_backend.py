@@ -67,11 +67,13 @@ print("ok", type(out).__name__)
 
 
 # ------------------------------------------------------------------------------------------------------- build
+def _on(value: str, auto: bool) -> bool:
+    """An ``auto | on | off`` setting resolved: ``auto`` takes ``auto``."""
+    return value == "on" or (value == "auto" and auto)
+
+
 def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, bool]:
-    def on(value: str, auto: bool) -> bool:
-        return value == "on" or (value == "auto" and auto)
-    return {"max_autotune": on(cfg.max_autotune, device == "cuda"), "channels_last": on(cfg.channels_last, has_conv),
-            "cuda_graphs": device == "cuda" and on(cfg.cuda_graphs, True)}
+    return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv)}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -181,9 +183,8 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
     compile_s = round(time.perf_counter() - t0, 2)
     if req.config.torch.load_check:
         _load_check(req.out / PACKAGE, args, req.device, req.config.torch.load_check_timeout_s)
-    settings = {k: v for k, v in common.items() if k != "cuda_graphs"}  # the compiled flavour's alone
     return {"files": {"model": PACKAGE}, "flavour": "aotinductor", "versions": {"torch": torch.__version__},
-            "builder_settings": {**settings, "compile_seconds": compile_s}}
+            "builder_settings": {**common, "compile_seconds": compile_s}}
 
 
 def warm_batches(max_batch: int) -> list[int]:
@@ -197,14 +198,14 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
 
     (req.out / PACKAGE).unlink(missing_ok=True)  # a package that failed its load check is not part of the engine
     torch.export.save(exported, str(req.out / PROGRAM))
+    cuda_graphs = req.device == "cuda" and _on(req.config.torch.cuda_graphs, True)  # this flavour's alone
     t0 = time.perf_counter()
     try:
-        run = _compile_program(req.out / PROGRAM, common["max_autotune"], common["cuda_graphs"])
+        run = _compile_program(req.out / PROGRAM, common["max_autotune"], cuda_graphs)
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
                 feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
-                _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs],
-                              common["cuda_graphs"])
+                _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs], cuda_graphs)
     except Exception as exc:  # Dynamo/Inductor failures
         raise BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "
                          f"{first_line(exc, 300)}", hint="the ONNX engines still build") from None
@@ -213,7 +214,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     if artifacts is not None:
         (req.out / CACHE).write_bytes(artifacts[0])
         files["cache"] = CACHE
-    settings = {**common, "compile_seconds": round(time.perf_counter() - t0, 2),
+    settings = {**common, "cuda_graphs": cuda_graphs, "compile_seconds": round(time.perf_counter() - t0, 2),
                 "compiled_batches": warm_batches(req.max_batch)}
     if why is not None:
         settings["aotinductor_failed"] = why

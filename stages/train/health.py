@@ -39,8 +39,8 @@ class LaggedStats:
     """A queue of per-step stats; ``ready()`` yields, in order, the ones at least ``lag`` steps old whose values
     have arrived, and waits for the oldest only while more than ``max_lag`` steps are queued."""
 
-    def __init__(self, device: torch.device, lag: int, max_lag: int | None = None) -> None:
-        self.device, self.lag, self.max_lag = device, lag, max(lag, lag if max_lag is None else max_lag)
+    def __init__(self, device: torch.device, lag: int, max_lag: int = 0) -> None:
+        self.device, self.lag, self.max_lag = device, lag, max(lag, max_lag)
         self.queue: deque[StepStats] = deque()
 
     def push(self, step: int, epoch: int, samples: int, values: torch.Tensor) -> None:
@@ -82,8 +82,8 @@ class NonFiniteCheck:
 
     One kernel, the one GradScaler runs over the gradients (``torch._amp_foreach_non_finite_check_and_unscale_``,
     here with scale 1 so the values are unchanged), after one that zeroes the flag, where ``~isfinite(loss) |
-    ~isfinite(norm)`` takes about ten: each small kernel costs the host a launch every step, and compiled steps are
-    close to host-bound. The flag is what fused optimizers read as ``found_inf``. It is one tensor reused every
+    ~isfinite(norm)`` is a chain of element-wise kernels on each value: each small kernel costs the host a launch
+    every step, and compiled steps are close to host-bound. The flag is what fused optimizers read as ``found_inf``. It is one tensor reused every
     step: everything that reads it (optimizer, :class:`BufferGuard`) is queued on the same stream before the next
     step zeroes it."""
 

@@ -10,7 +10,6 @@ one graph per batch size, as the engines have one CUDA graph / profile per shape
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 from kiln.core.data import Inputs, call, rebuild, tensors
 from kiln.core.records import Baseline, Memory, Percentiles
 from kiln.core.text import first_line
+from kiln.stages.engines.onnxruntime_runner import time_calls
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 
 
@@ -27,28 +27,16 @@ def percentiles(times_ms: list[float]) -> Percentiles:
 
 
 def time_torch(model: Callable[..., Any], x: Inputs, warmup: int, iterations: int) -> list[float]:
-    """ms per call of ``model`` on ``x`` (a tensor, tuple or dict: kiln.core.data.call). CUDA: events around each
-    call on the current stream, then synchronize (the GPU's time, not the launch's); CPU: wall clock."""
+    """ms per call of ``model`` on ``x`` (a tensor, tuple or dict: kiln.core.data.call), timed like the engines
+    (:func:`time_calls`): CUDA events around each call when ``x`` is on the GPU (the GPU's time, not the launch's),
+    else wall clock."""
     cuda = tensors(x)[0].is_cuda
-    times = []
     with torch.inference_mode():
         for _ in range(warmup):
             call(model, x)
         if cuda:
             torch.cuda.synchronize()
-        for _ in range(iterations):
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                call(model, x)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                call(model, x)
-                times.append((time.perf_counter() - t0) * 1e3)
-    return times
+        return time_calls(lambda: call(model, x), iterations, cuda=cuda)
 
 
 def weights_bytes(model: torch.nn.Module) -> int:

@@ -97,22 +97,30 @@ def test_compile_target_is_judged_per_cell_and_a_missing_transformers_is_a_note(
     assert res["rows"] == [] and "transformers does not import" in res["notes"][0]
 
 
-def test_interleaved_windows_alternate_and_time_the_same_steps() -> None:
+def test_interleaved_windows_alternate_and_time_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Kiln's window and the bare loop's alternate within one process, each over --steps steps, in pairs."""
     bench = _bench()
     spec = bench.specs(True)["resnet18"]
     data = bench.make_data(spec, 4)
-    order: list[str] = []
-    window = bench.Window.stop
+    order: list[tuple[str, int]] = []
+    in_bare = False
+    stop, bare_window = bench.Window.stop, bench.BareLoop.window
 
-    def stop(self) -> None:
-        window(self)
-        order.append(f"{len(self.marks)}")
+    def recorded_stop(self) -> None:  # which loop's window ended, and how many steps it timed
+        stop(self)
+        order.append(("bare" if in_bare else "kiln", len(self.marks)))
 
-    bench.Window.stop = stop
-    try:
-        got = bench.interleaved("resnet18", spec, data, "fp32", torch.device("cpu"), 3, 2, compile=False)
-    finally:
-        bench.Window.stop = window
-    assert len(got["kiln"]) == len(got["bare"]) == 2 and order == ["3"] * 4
+    def recorded_bare_window(self, steps: int, device: torch.device) -> dict:
+        nonlocal in_bare
+        in_bare = True
+        try:
+            return bare_window(self, steps, device)
+        finally:
+            in_bare = False
+
+    monkeypatch.setattr(bench.Window, "stop", recorded_stop)
+    monkeypatch.setattr(bench.BareLoop, "window", recorded_bare_window)
+    got = bench.interleaved("resnet18", spec, data, "fp32", torch.device("cpu"), 3, 2, compile=False)
+    assert order == [("kiln", 3), ("bare", 3), ("kiln", 3), ("bare", 3)]
+    assert len(got["kiln"]) == len(got["bare"]) == 2
     assert bench.paired_ratio([{"steps_per_s": 9.0}, {"steps_per_s": 4.0}], [{"steps_per_s": 10.0}, {"steps_per_s": 2.0}]) == 1.45
