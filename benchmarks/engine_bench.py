@@ -122,6 +122,24 @@ def time_fn(fn: Callable[[], Any], warmup: int, iterations: int) -> list[float]:
     return time_calls(fn, iterations)
 
 
+def kernel_profile(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
+    """Per call: GPU kernel time, kernel count and the kernels taking most of it (torch.profiler over ``calls``
+    calls): what makes two rows that should run the same work differ."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    total = sum(e.self_device_time_total for e in kernels)
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    return {"calls": calls, "kernel_ms": round(total / 1e3 / calls, 4),
+            "kernels": round(sum(e.count for e in kernels) / calls, 1),
+            "top": [[e.key[:120], round(e.self_device_time_total / 1e3 / calls, 4), round(e.count / calls, 1)]
+                    for e in top]}
+
+
 def agreement(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
     r, g = ref.astype(np.float64), got.astype(np.float64)
     return {"top1_agreement": float(np.mean(r.argmax(-1) == g.argmax(-1))),
@@ -201,11 +219,14 @@ class Bench:
             call = runner(x)  # first call compiles/captures for this shape: counted in build_seconds
             build = time.perf_counter() - t0 if batch == self.args.batches[0] else None
             times = time_fn(call, self.args.warmup, self.args.iterations)
+            profile = kernel_profile(call, self.args.profile) if self.args.profile else None
             got = self._eval(row, runner, evalx)
             entry = {"model": name, "row": row, "label": self.label(row), "batch": batch,
                      "median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90)),
                      "iterations": len(times), "first_call_s": time.perf_counter() - t1,
                      "build_seconds": build, "size_bytes": size, **agreement(ref, got), **extra}
+            if profile is not None:
+                entry["profile"] = profile
             self.results.append(entry)
             say(f"{name} {row} batch {batch}: median {entry['median_ms']:.3f} ms, top1 "
                 f"{entry['top1_agreement']:.4f}, cos {entry['cosine']:.6f}")
@@ -449,6 +470,8 @@ def main() -> None:
     p.add_argument("--bert-layers", type=int, default=12)
     p.add_argument("--torch-flavour", default="auto", choices=["auto", "aotinductor", "compiled"],
                    help="kiln_torch: build.torch.flavour (compiled skips the AOTInductor package)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels")
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")
     p.add_argument("--autotune-iterations", type=int, default=20, help="timed runs per autotune candidate")
     args = p.parse_args()

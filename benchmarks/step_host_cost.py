@@ -1,0 +1,226 @@
+"""Host time of one training step, Kiln's loop vs the bare loop, part by part (issue 16).
+
+A compiled ResNet-18 step on the H200 is close to host-bound: the host needs about as long to queue a step's
+kernels as the GPU needs to run them, so every microsecond of Python or kernel launch the loop adds shows up in
+steps/s. ``train_bench.py --compile`` measures the outcome (Kiln / bare steps/s); this script measures where the
+host time goes, with the GPU kept out of the way (work per step far below the host's).
+
+* ``tail``: everything after the backward pass: the bare loop's unscale, clip, scaler step, scaler update and
+  zero_grad, against Kiln's ``_Trainer._step`` with its forward/backward replaced by setting the same gradients
+  (so both run exactly their own loop code around the same optimizer on the same parameters).
+* ``head``: the forward/backward pass at a small batch (8, host-bound), through the same compiled module: Kiln's
+  ``_forward_backward`` (micro-batching, the static-shape check, autocast, the task's loss, scaled backward)
+  against the bare loop's few lines.
+* ``parts``: each piece Kiln adds, alone: buffer guard save / restore, the [loss, norm] pair, the non-finite
+  flag, the lagged read-back, the LR schedule, the micro-batch split.
+
+Timing: ``--iters`` calls back to back, host clock around them (the host time to queue them; the GPU keeps up),
+then a synchronisation; ``--rounds`` rounds alternating bare and Kiln; medians. Writes step_host_cost.json/.md.
+
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/step_host_cost.py --out $OUT      # GPU host, ~1.5 minutes
+    python benchmarks/step_host_cost.py --smoke --out /tmp/shc                    # tiny model on CPU, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kiln.core.data import DatasetSplits  # noqa: E402
+from kiln.models.registry import build_model  # noqa: E402
+from kiln.stages.train.config import TrainConfig  # noqa: E402
+from kiln.stages.train.data import micro_batches  # noqa: E402
+from kiln.stages.train.dist import DistEnv  # noqa: E402
+from kiln.stages.train.health import step_values  # noqa: E402
+from kiln.stages.train.loop import SCHED_WARNING, _Trainer  # noqa: E402
+from kiln.stages.train.precision import autocast  # noqa: E402
+
+PRECISIONS = ("fp16", "bf16")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_us(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """Host microseconds per call to queue ``iters`` calls (then waits for the device, untimed)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    us = (time.perf_counter() - t0) / iters * 1e6
+    sync(device)
+    return us
+
+
+def compare(fns: dict[str, Callable[[], Any]], device: torch.device, iters: int, rounds: int) -> dict[str, Any]:
+    """Median host us per call of each function, the functions alternating within every round."""
+    got: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up: first calls allocate (caching allocator, pinned memory, lazy init)
+        for _ in range(3):
+            fn()
+    for r in range(rounds):
+        names = list(fns)[r % 2:] + list(fns)[:r % 2]  # alternate which goes first
+        for k in names:
+            got[k].append(host_us(fns[k], device, iters))
+    return {k: {"us": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v]} for k, v in got.items()}
+
+
+class Setup:
+    """A model on the device, Kiln's trainer for it (not run: its step is called directly) and a bare optimizer."""
+
+    def __init__(self, spec: dict[str, Any], precision: str, device: torch.device, compile: bool) -> None:
+        torch.manual_seed(0)
+        self.device = device
+        self.model = build_model(spec["model"], spec["params"]).to(device).train()
+        batch, shape = spec["batch"], spec["shape"]
+        x = torch.randn(batch * 2, *shape)
+        y = torch.randint(0, spec["classes"], (batch * 2,))
+        cfg = TrainConfig.model_validate({
+            "epochs": 1, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
+            "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant", "plot": False,
+            "loader": {"on_device": True}, "checkpoint": {"resume": "never"}, "compile": compile})
+        self.trainer = _Trainer(self.model, DatasetSplits(x, y, x, y, spec["classes"], "synthetic"), cfg, 0,
+                                DistEnv(), device, precision, None, "", None)
+        self.trainer.acc = dict.fromkeys(("loss", "seen", "samples", "secs", "skipped", "nonfinite"), 0.0)  # as _epoch
+        self.xb, self.yb = x[:batch].to(device), y[:batch].to(device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # The gradients each call starts from: unscale and clip scale them in place, and many calls in a row would
+        # shrink them into denormals (slow on CPUs); one multi-tensor copy restores them, the same in both loops
+        self.pristine = [torch.randn_like(p) * 1e-3 for p in self.params]
+        self.grads = [g.clone() for g in self.pristine]
+        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": 0.01},
+                  {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW(groups, lr=1e-4, fused=device.type == "cuda")
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.precision = precision
+        self.loss = torch.tensor(1.0, device=device)
+        for scaler in (self.scaler, self.trainer.scaler):  # the scale tensor is made lazily, by the first scale()
+            scaler.scale(self.loss)
+
+    def set_grads(self) -> None:
+        torch._foreach_copy_(self.grads, self.pristine)
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+
+    def bare_tail(self) -> None:
+        self.set_grads()
+        self.scaler.unscale_(self.opt)
+        nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+
+    def kiln_tail(self) -> None:
+        self.trainer._step(self.xb, self.yb)
+
+    def _kiln_fb(self, xb: Any, yb: torch.Tensor) -> torch.Tensor:
+        self.set_grads()
+        return self.loss
+
+    def bare_head(self) -> None:
+        with autocast(self.device, self.precision):
+            out = self.trainer.net.forward(self.xb)  # the compiled module itself, without Kiln's wrapper
+        loss = nn.functional.cross_entropy(out.float(), self.yb)
+        self.scaler.scale(loss).backward()
+        self.opt.zero_grad(set_to_none=True)
+
+    def kiln_head(self) -> None:
+        self.trainer._forward_backward(self.xb, self.yb)
+        self.opt.zero_grad(set_to_none=True)
+
+
+def parts(s: Setup) -> dict[str, Callable[[], Any]]:
+    t, loss, norm = s.trainer, s.loss, s.loss * 2
+    values = step_values(loss, norm)
+    found = t.nonfinite(values)
+    step = [0]
+
+    def stats() -> None:
+        step[0] += 1
+        t.stats.push(step[0], 0, 8, values)
+        list(t.stats.ready())
+    return {"guard.save": t.guard.save, "guard.restore_if_nonfinite": lambda: t.guard.restore_if_nonfinite(found),
+            "step_values": lambda: step_values(loss, norm), "nonfinite flag": lambda: t.nonfinite(values),
+            "lagged read-back": stats, "sched.step": t.sched.step,
+            "micro_batches": lambda: micro_batches(s.xb, s.yb, 1)}
+
+
+def specs(smoke: bool) -> dict[str, Any]:
+    if smoke:
+        return {"model": "resnet18", "params": {"width": 8, "blocks": (1, 1), "num_classes": 10}, "batch": 8,
+                "shape": (3, 32, 32), "classes": 10}
+    return {"model": "resnet18", "params": {}, "batch": 8, "shape": (3, 224, 224), "classes": 1000}
+
+
+def run(smoke: bool, iters: int, rounds: int, compile: bool) -> dict[str, Any]:
+    device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
+    spec = specs(smoke)
+    rows = []
+    for precision in PRECISIONS:
+        s = Setup(spec, precision, device, compile)
+        s.trainer._forward_backward = s._kiln_fb  # type: ignore[method-assign]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SCHED_WARNING)
+            tail = compare({"bare": s.bare_tail, "kiln": s.kiln_tail}, device, iters, rounds)
+            del s.trainer._forward_backward  # back to the class's method
+            head = compare({"bare": s.bare_head, "kiln": s.kiln_head}, device, iters, rounds)
+            kiln_parts = compare(parts(s), device, iters, rounds)
+        s.trainer.stats.drain()
+        rows.append({"precision": precision, "tail": tail, "head": head, "parts": kiln_parts,
+                     "kiln_extra_us": round(tail["kiln"]["us"] - tail["bare"]["us"]
+                                            + head["kiln"]["us"] - head["bare"]["us"], 1),
+                     "compile": s.trainer.net.summary()})
+        s.model.to("cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "torch": torch.__version__, "model": spec, "iters": iters, "rounds": rounds,
+            "compiled_head": compile, "rows": rows}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [f"# Host time per training step, Kiln vs bare ({res['device']}, torch {res['torch']})", "",
+             f"ResNet-18 ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; median host us "
+             f"per call over {res['rounds']} rounds of {res['iters']} calls; head compiled: {res['compiled_head']}.",
+             "", "| precision | tail bare | tail Kiln | head bare | head Kiln | Kiln extra per step |",
+             "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['precision']} | {r['tail']['bare']['us']} | {r['tail']['kiln']['us']} | "
+                     f"{r['head']['bare']['us']} | {r['head']['kiln']['us']} | {r['kiln_extra_us']} |")
+    lines += ["", "Kiln's parts alone (us per call):", "", "| part | " + " | ".join(r["precision"] for r in res["rows"]) + " |",
+              "|---|" + "---|" * len(res["rows"])]
+    for part in res["rows"][0]["parts"]:
+        lines.append(f"| {part} | " + " | ".join(str(r["parts"][part]["us"]) for r in res["rows"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    ap.add_argument("--iters", type=int, default=None, help="calls per timed round (default 50; smoke 5)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per comparison (default 9; smoke 3)")
+    ap.add_argument("--no-compile", action="store_true", help="the head through the eager model")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = run(args.smoke, args.iters or (5 if args.smoke else 50), args.rounds or (3 if args.smoke else 9),
+              not args.no_compile)
+    name = "step_host_cost" + ("_smoke" if args.smoke else "")
+    (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = markdown(res)
+    (args.out / f"{name}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
