@@ -11,8 +11,9 @@ host time goes, with the GPU kept out of the way (work per step far below the ho
 * ``head``: the forward/backward pass at a small batch (8, host-bound), through the same compiled module: Kiln's
   ``_forward_backward`` (micro-batching, the static-shape check, autocast, the task's loss, scaled backward)
   against the bare loop's few lines.
-* ``parts``: each piece Kiln adds, alone: buffer guard save / restore, the [loss, norm] pair, the non-finite
-  flag, the lagged read-back, the LR schedule, the micro-batch split.
+* ``parts``: each piece Kiln adds, alone: the step check ([loss, norm], the non-finite flag and the buffer guard),
+  its flag and guard op by op and as the CUDA graph the loop replays, the guard's save, the lagged read-back, the
+  LR schedule, the micro-batch split.
 
 Timing: ``--iters`` calls back to back, host clock around them (the host time to queue them; the GPU keeps up),
 then a synchronisation; ``--rounds`` rounds alternating bare and Kiln; medians. Writes step_host_cost.json/.md.
@@ -41,7 +42,6 @@ from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
 from kiln.stages.train.data import micro_batches  # noqa: E402
 from kiln.stages.train.dist import DistEnv  # noqa: E402
-from kiln.stages.train.health import step_values  # noqa: E402
 from kiln.stages.train.loop import SCHED_WARNING, _Trainer  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
 
@@ -143,17 +143,23 @@ class Setup:
 
 def parts(s: Setup) -> dict[str, Callable[[], Any]]:
     t, loss, norm = s.trainer, s.loss, s.loss * 2
-    values = step_values(loss, norm)
-    found = t.nonfinite(values)
+    check = t.check
+    values, _ = check(loss, norm)
     step = [0]
 
     def stats() -> None:
         step[0] += 1
         t.stats.push(step[0], 0, 8, values)
         list(t.stats.ready())
-    return {"guard.save": t.guard.save, "guard.restore_if_nonfinite": lambda: t.guard.restore_if_nonfinite(found),
-            "step_values": lambda: step_values(loss, norm), "nonfinite flag": lambda: t.nonfinite(values),
-            "lagged read-back": stats, "sched.step": t.sched.step,
+
+    def check_graph() -> None:
+        check.graph.replay()
+
+    out = {"step check (as the loop calls it)": lambda: check(loss, norm),
+           "flag + guard, op by op": check._flag_and_settle}
+    if check.graph is not None:
+        out["flag + guard, graph replay"] = check_graph
+    return {**out, "guard.save": t.guard.save, "lagged read-back": stats, "sched.step": t.sched.step,
             "micro_batches": lambda: micro_batches(s.xb, s.yb, 1)}
 
 

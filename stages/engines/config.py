@@ -133,8 +133,8 @@ class TorchConfig(Section):
                             "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
                             "aotinductor, or compiled when the package fails to compile or to load")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph "
-                            "(torch.compile's cudagraph trees; outputs copied out of the graph's memory): auto = on "
+        "auto", description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph, "
+                            "captured on the size's first call (outputs copied out of the graph's memory): auto = on "
                             "on the GPU")
     load_check: bool = Field(True, description="load the built package once in a child process before accepting it"
                                                " (a package that crashes its loader is skipped, not served)")

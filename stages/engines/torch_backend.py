@@ -20,9 +20,9 @@ Inductor's work then ships the other way (``build.torch.flavour: compiled``, and
 exported program (``torch.export.save``) plus the caches of its compilation at the engine's batch sizes
 (``torch.compiler.save_cache_artifacts``). Loading the engine runs ``torch.compile`` on the loaded program with
 those caches in place (``torch.compiler.load_cache_artifacts``), so serving starts from the tuned kernels instead
-of autotuning again; no C++ package loader is involved. On the GPU its calls replay CUDA graphs (``max-autotune``
-mode, ``build.torch.cuda_graphs``): at batch 1 a ResNet-18 is a few dozen small kernels whose launches, not their
-work, set the latency. Graphs are static per batch size (as ``torch.compile``
+of autotuning again; no C++ package loader is involved. On the GPU its calls replay CUDA graphs captured per batch
+size (:class:`GraphReplays`, ``build.torch.cuda_graphs``): at batch 1 a ResNet-18 is a few dozen small kernels whose
+launches, not their work, set the latency. Graphs are static per batch size (as ``torch.compile``
 baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
 to a few sizes (``Runner.per_shape_sessions``).
 """
@@ -205,7 +205,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
                 feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
-                _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs], cuda_graphs)
+                _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs])
     except Exception as exc:  # Dynamo/Inductor failures
         raise BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "
                          f"{first_line(exc, 300)}", hint="the ONNX engines still build") from None
@@ -224,27 +224,61 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
 
 def _compile_program(path: Path, max_autotune: bool, cuda_graphs: bool = False) -> Any:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
-    baseline is timed); max-autotune, and on the GPU CUDA graphs (cudagraph trees), as torch.compile's own
-    ``max-autotune`` mode, the fastest PyTorch reference of issue 12."""
+    baseline is timed), max-autotune (without torch.compile's own CUDA graphs), and on the GPU replayed as CUDA
+    graphs of Kiln's (:class:`GraphReplays`)."""
     import torch
 
     module = torch.export.load(str(path)).module()
-    modes = {(True, True): "max-autotune", (True, False): "max-autotune-no-cudagraphs",
-             (False, True): "reduce-overhead", (False, False): "default"}
-    return torch.compile(module, mode=modes[max_autotune, cuda_graphs], dynamic=False)
+    compiled = torch.compile(module, mode="max-autotune-no-cudagraphs" if max_autotune else "default", dynamic=False)
+    return GraphReplays(compiled) if cuda_graphs else compiled
 
 
-def _run_compiled(run: Any, args: list[Any], cuda_graphs: bool) -> list[Any]:
-    """One call of the compiled program. With CUDA graphs every call is a new iteration of cudagraph trees, whose
-    next replay overwrites this one's outputs in the graph's memory pool: the outputs are copied out (one small
-    copy per output) so a caller may keep them."""
-    import torch
+class GraphReplays:
+    """Calls of a compiled program as CUDA graphs, one per input shape, captured on the shape's first call.
 
-    if cuda_graphs:
-        torch.compiler.cudagraph_mark_step_begin()
+    Why not torch.compile's own CUDA graphs (cudagraph trees, mode ``max-autotune``): every call of those still
+    runs Dynamo's guards and the trees' Python book-keeping before the replay, and CUDA events around a call count
+    that host time as latency: on the H200 the engine's call took 0.11 ms longer than its kernels at ResNet-18
+    batch 32 (``benchmarks/engine_bench.py --profile``). Here a call copies its inputs into the graph's input
+    tensors (one multi-tensor copy), replays, and copies the outputs out of the graph's memory, which the next
+    replay overwrites, so a caller may keep them. The compiled program runs three times on a side stream before a
+    capture (compilation, autotuning and cuDNN's algorithm search happen outside it, as torch.cuda.graphs asks)."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self.graphs: dict[tuple[Any, ...], tuple[Any, list[Any], list[Any]]] = {}
+
+    def __call__(self, *args: Any) -> list[Any]:
+        import torch
+
+        key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(args)
+        graph, inputs, outputs = self.graphs[key]
+        torch._foreach_copy_(inputs, list(args))
+        graph.replay()
+        return [o.clone() for o in outputs]
+
+    def _capture(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[Any]]:
+        import torch
+
+        inputs = [a.clone() for a in args]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self.run(*inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.run(*inputs)
+        return graph, inputs, list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _run_compiled(run: Any, args: list[Any]) -> list[Any]:
+    """One call of the compiled program (:func:`_compile_program`); outputs as a list."""
     out = run(*args)
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    return [o.clone() for o in outs] if cuda_graphs else outs
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: float) -> None:
@@ -286,9 +320,8 @@ class TorchRunner(Runner):
             if "cache" in self.meta.files:  # before compiling: the build's kernels and autotuning are found
                 torch.compiler.load_cache_artifacts((self.engine_dir / self.meta.files["cache"]).read_bytes())
             settings = self.meta.builder_settings
-            self.cuda_graphs = bool(settings.get("cuda_graphs"))
             self.package = _compile_program(self.engine_dir / self.meta.files["program"],
-                                            bool(settings.get("max_autotune")), self.cuda_graphs)
+                                            bool(settings.get("max_autotune")), bool(settings.get("cuda_graphs")))
             return
         from torch._inductor import aoti_load_package
 
@@ -297,7 +330,7 @@ class TorchRunner(Runner):
     def _call(self, args: list[Any]) -> list[Any]:
         with self.torch.inference_mode():
             if self.meta.flavour == "compiled":
-                return _run_compiled(self.package, args, self.cuda_graphs)
+                return _run_compiled(self.package, args)
             out = self.package(*args)
         return list(out) if isinstance(out, (tuple, list)) else [out]
 
@@ -308,16 +341,15 @@ class TorchRunner(Runner):
         return {n: o.cpu().numpy() for n, o in zip(self.output_names, self._call(self._args(feed)))}
 
     def prepared(self, feed: dict[str, np.ndarray]) -> tuple[Any, bool]:
-        """``(call, graph)`` as the ORT CUDA runner's: ``call()`` runs once on device-resident copies of ``feed``,
-        waits for the device, and returns the first output on the device; no CUDA graph. For timing."""
+        """``(call, graph)`` as the ORT CUDA runner's: ``call()`` runs once on device-resident copies of ``feed`` and
+        returns the first output on the device. For timing: on the GPU the work is queued on torch's current stream,
+        which the CUDA events of :func:`time_calls` bracket, so the call does not wait for it (a wait inside would
+        add the host's wake-up to every timing); ``graph``: whether it replays a CUDA graph."""
         args = self._args(feed)
 
         def call() -> Any:
-            out = self._call(args)[0]
-            if self.meta.device == "cuda":
-                self.torch.cuda.current_stream().synchronize()
-            return out
-        return call, False
+            return self._call(args)[0]
+        return call, isinstance(self.package, GraphReplays)
 
     def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
         """Engine time on device-resident inputs, outputs left on the device (as the ORT CUDA runner times)."""

@@ -114,6 +114,8 @@ def make_loader(x: Inputs, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed
 
 def micro_batches(xb: Inputs, yb: torch.Tensor, steps: int) -> list[tuple[Inputs, torch.Tensor]]:
     """Split one process's batch into at most ``steps`` micro-batches (fewer for a short last batch)."""
+    if steps == 1:  # no accumulation: the batch itself, without the views and rebuilding of a split
+        return [(xb, yb)]
     size = -(-rows(xb) // steps)
     parts = zip(*(t.split(size) for t in tensors(xb)))
     return [(rebuild(xb, list(p)), y) for p, y in zip(parts, yb.split(size))]

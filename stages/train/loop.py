@@ -34,11 +34,10 @@ from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
 from kiln.stages.train.health import (
     BufferGuard,
     LaggedStats,
-    NonFiniteCheck,
+    StepCheck,
     StepStats,
     skip_if_nonfinite,
     skips_on_device,
-    step_values,
 )
 from kiln.stages.train.metrics import (
     EpochMetrics,
@@ -187,7 +186,7 @@ class _Trainer:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
         self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
-        self.nonfinite = NonFiniteCheck(device)
+        self.check = StepCheck(device, self.guard)
 
     # -- resume / checkpoint ------------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -302,6 +301,7 @@ class _Trainer:
         if not self.acc:
             self.acc = {"loss": 0.0, "seen": 0.0, "samples": 0.0, "secs": 0.0, "skipped": 0.0, "nonfinite": 0.0}
         reset_peak_memory(self.device)
+        self.guard.save()  # evaluation and checkpointing ran since the last step: what a skipped step goes back to
         t0 = time.perf_counter()
         for xb, yb in self.loader:
             self._step(xb, yb)
@@ -326,7 +326,6 @@ class _Trainer:
         return m
 
     def _step(self, xb: Inputs, yb: torch.Tensor) -> None:
-        self.guard.save()  # the forward passes update BatchNorm statistics even if the step is then skipped
         try:
             total = self._forward_backward(xb, yb)
         except self.net.errors as exc:  # a backward graph failed to compile (forward failures: CompiledModel)
@@ -334,31 +333,25 @@ class _Trainer:
                 raise
             self.net.fall_back(exc)  # raises with fullgraph: true
             self.opt.zero_grad(set_to_none=not self.net.keeps_grads)  # the step again from scratch, eagerly
-            self.guard.restore()
+            self.guard.restore()  # the forward passes updated BatchNorm statistics
             total = self._forward_backward(xb, yb)
         self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
         norm = grad_norm(self.params, self.cfg.grad_clip)
         self.result.global_step += 1
-        values = step_values(total, norm)
+        # [loss, norm], the non-finite flag, and the buffers put back if it is set (StepCheck; on the device)
+        values, found = self.check(total, norm)
         self.stats.push(self.result.global_step, self.epoch, rows(xb), values)
         done: list[tuple[StepStats, float, float]] = []
         if self.scaler.is_enabled():
             self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
             update_scaler(self.scaler, self.cfg.amp)
-            if self.guard.groups:
-                self.guard.restore_if_nonfinite(self.nonfinite(values))
         elif self.device_skip:
-            found = self.nonfinite(values)
             with skip_if_nonfinite(self.opt, found):
                 self.opt.step()
-            if self.guard.groups:
-                self.guard.restore_if_nonfinite(found)
         else:  # a non-fused optimizer: the host decides (lag 0: this step's values are read now)
             done = list(self.stats.ready())
             if all(math.isfinite(v) for _, loss_v, norm_v in done for v in (loss_v, norm_v)):
                 self.opt.step()
-            else:
-                self.guard.restore()
         self.opt.zero_grad(set_to_none=not self.net.keeps_grads)
         self.sched.step()
         self.step_in_epoch += 1

@@ -158,7 +158,8 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
         assert np.median(runner.time_ms({"input": sample("cnn", 32)}, 3, 20)) > 0
         if meta.flavour == "compiled":  # CUDA graphs: a kept output survives the next replay (outputs are copied)
             assert meta.builder_settings["cuda_graphs"]
-            first, _ = runner.prepared({"input": sample("cnn", 1, seed=1)})
+            first, graphed = runner.prepared({"input": sample("cnn", 1, seed=1)})
+            assert graphed  # Kiln's own per-shape CUDA graph (GraphReplays)
             kept = first()
             again = kept.clone()
             second, _ = runner.prepared({"input": sample("cnn", 1, seed=2)})

@@ -5,6 +5,7 @@ Fused AdamW/SGD run on CPU too, so these exercise on CPU the same code path CUDA
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,15 +17,23 @@ from kiln.stages.train.dist import DistEnv
 from kiln.stages.train.health import (
     BufferGuard,
     LaggedStats,
-    NonFiniteCheck,
+    StepCheck,
     skip_if_nonfinite,
     skips_on_device,
-    step_values,
 )
 from kiln.stages.train.loop import train
 from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")
+
+
+def no_buffers() -> BufferGuard:
+    return BufferGuard(torch.nn.Linear(2, 2))
+
+
+def step_values(loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """A step's [loss, norm] as StepCheck hands them to LaggedStats (its own tensor, rewritten every step)."""
+    return StepCheck(CPU, no_buffers())(loss, norm)[0]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -36,7 +45,7 @@ def test_fused_step_is_skipped_on_device_when_not_finite(optimizer: str) -> None
     for loss, norm, moves in ((float("nan"), 1.0, False), (1.0, float("inf"), False), (1.0, 1.0, True)):
         before = p.detach().clone()
         p.grad = torch.ones(3)
-        with skip_if_nonfinite(opt, NonFiniteCheck(CPU)(step_values(torch.tensor(loss), torch.tensor(norm)))):
+        with skip_if_nonfinite(opt, StepCheck(CPU, no_buffers())(torch.tensor(loss), torch.tensor(norm))[1]):
             opt.step()
         assert (not torch.equal(p.detach(), before)) == moves
         assert not hasattr(opt, "found_inf")  # the attributes GradScaler also uses are removed again
@@ -58,12 +67,11 @@ def test_lagged_stats_release_a_step_only_after_the_next_one() -> None:
 @pytest.mark.parametrize("loss, norm, skip", [(0.5, 2.0, 0.0), (float("nan"), 2.0, 1.0), (0.5, float("inf"), 1.0),
                                               (float("-inf"), float("inf"), 1.0), (3e38, 3e38, 0.0)])
 def test_the_non_finite_check_flags_nan_or_inf_and_leaves_the_values(loss: float, norm: float, skip: float) -> None:
-    check = NonFiniteCheck(CPU)
-    values = step_values(torch.tensor(loss), torch.tensor(norm))
-    before = values.clone()
-    assert check(values).item() == skip
-    assert torch.equal(values.nan_to_num(), before.nan_to_num())  # checked with scale 1: values unchanged
-    assert check(step_values(torch.tensor(0.5), torch.tensor(1.0))).item() == 0.0  # the flag is reset every step
+    check = StepCheck(CPU, no_buffers())
+    values, found = check(torch.tensor(loss), torch.tensor(norm))
+    assert found.item() == skip
+    assert torch.equal(values.nan_to_num(), torch.tensor([loss, norm]).nan_to_num())  # checked with scale 1
+    assert check(torch.tensor(0.5), torch.tensor(1.0))[1].item() == 0.0  # the flag is reset every step
 
 
 def test_lagged_stats_wait_only_when_the_host_is_max_lag_steps_ahead() -> None:
@@ -95,20 +103,36 @@ def test_lagged_stats_wait_only_when_the_host_is_max_lag_steps_ahead() -> None:
 def test_buffer_guard_puts_every_buffer_back_only_when_the_step_is_skipped() -> None:
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
     model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
-    guard = BufferGuard(model)
+    guard = BufferGuard(model)  # keeps the buffers as they are now
     assert [len(g) for g in guard.groups] == [5, 2]  # float buffers (mean, var x2, mask) and the two counters
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    for skipped in (True, False):
-        guard.save()
-        model(torch.randn(8, 4))  # updates running statistics and num_batches_tracked in place
-        guard.restore_if_nonfinite(torch.tensor(float(skipped)))
-        same = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-        assert same == skipped
-    moved = {k: v.clone() for k, v in model.state_dict().items()}
-    guard.save()
+    state = lambda: {k: v.clone() for k, v in model.state_dict().items()}  # noqa: E731
+    same = lambda a, b: all(torch.equal(v, b[k]) for k, v in a.items())  # noqa: E731
+    before = state()
+    model(torch.randn(8, 4))  # a step's forward: updates running statistics and num_batches_tracked in place
+    guard.settle(torch.tensor(1.0))  # skipped: everything back
+    assert same(state(), before)
     model(torch.randn(8, 4))
-    guard.restore()
-    assert all(torch.equal(v, moved[k]) for k, v in model.state_dict().items())
+    guard.settle(torch.tensor(0.0))  # kept: the new values stay, and become what a later skip goes back to
+    good = state()
+    assert not same(good, before)
+    model(torch.randn(8, 4))
+    guard.settle(torch.tensor(1.0))
+    assert same(state(), good)
+    model(torch.randn(8, 4))
+    guard.restore()  # decided by the host (a step redone after a compile failure)
+    assert same(state(), good)
+
+
+def test_the_step_check_settles_the_guard_on_its_own_flag() -> None:
+    model = torch.nn.BatchNorm1d(4)
+    check = StepCheck(CPU, BufferGuard(model))
+    before = model.running_mean.clone()
+    model(torch.randn(8, 4) * float("nan"))  # a NaN batch writes NaN into the running statistics
+    values, found = check(torch.tensor(float("nan")), torch.tensor(1.0))
+    assert found.item() == 1.0 and torch.equal(model.running_mean, before)
+    model(torch.randn(8, 4))
+    check(torch.tensor(0.5), torch.tensor(1.0))
+    assert not torch.equal(model.running_mean, before)
 
 
 def test_fused_training_equals_unfused_training() -> None:
@@ -243,3 +267,33 @@ def test_cuda_lagged_nan_abort(tmp_path: Path) -> None:
     with pytest.raises(TrainingError, match=r"3 consecutive steps, at step 7 \(epoch 2\)"):
         train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=poison)
     assert ckpt.load_state(tmp_path / ckpt.LAST)["global_step"] == 3
+
+
+@pytest.mark.gpu
+def test_cuda_step_check_replays_one_graph_that_flags_and_restores() -> None:
+    """On the GPU the flag and the buffer guard are a captured CUDA graph; every replay must see that step's loss
+    and norm (written into the same tensor) and the buffers as the forward pass left them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none is visible")
+    dev = torch.device("cuda")
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4)).to(dev)
+    check = StepCheck(dev, BufferGuard(model))
+    assert check.graph is not None
+    stats = LaggedStats(dev, lag=1, max_lag=2)
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    for step, (loss, nan_batch) in enumerate([(0.5, False), (float("nan"), True), (0.7, False), (0.9, False),
+                                              (float("inf"), False), (0.3, False)], start=1):
+        x = torch.randn(8, 4, device=dev) * (float("nan") if nan_batch else 1.0)
+        model(x)
+        values, found = check(torch.tensor(loss, device=dev), torch.tensor(float(step), device=dev))
+        stats.push(step, 0, 8, values)
+        skipped = not math.isfinite(loss)
+        assert found.item() == float(skipped)
+        now = {k: v.clone() for k, v in model.state_dict().items()}
+        assert all(torch.equal(v, kept[k]) for k, v in now.items()) == skipped
+        assert all(torch.isfinite(v).all() for v in now.values())
+        kept = now
+        seen += [(s.step, norm) for s, _, norm in stats.ready()]
+    seen += [(s.step, norm) for s, _, norm in stats.drain()]
+    assert seen == [(step, float(step)) for step in range(1, 7)]  # the pinned ring's rows: each step's own values
