@@ -11,8 +11,8 @@ graph-breaks in DDP's own forward, which it leaves to eager Python (3 breaks per
 2.13), so ``fullgraph: true`` cannot hold under DDP and is refused there with a clear error.
 
 Only the forward (and, through AOTAutograd, its backward) is compiled. The loss, GradScaler, clipping, the
-optimizer step, the NaN/overflow skips and the buffer guard run eagerly around it, exactly as without
-compiling. The loop keeps the uncompiled module for ``state_dict``: checkpoints and weights never carry
+optimizer step, the NaN/overflow skips and the buffer guard run around it, outside torch.compile, exactly as
+without compiling. The loop keeps the uncompiled module for ``state_dict``: checkpoints and weights never carry
 the ``_orig_mod.`` prefix of ``torch.compile``'s wrapper.
 
 Shapes: by default (``dynamic: null`` or ``false``) the graphs are static, compiled for the micro-batch shapes

@@ -58,3 +58,13 @@ def test_engine_bench_two_input_hf_bert_with_the_validate_compile_baseline(tmp_p
                                                                             "kiln_torch") for b in (1, 4)}, rows
     assert all(r["median_ms"] > 0 and r["cosine"] > 0.9999 for r in rows)  # all FP32 on the CPU
     assert "validate.baselines compile" in (tmp_path / "engine_bench.md").read_text()
+
+
+def test_step_host_cost_times_both_loops_and_kilns_parts(tmp_path: Path) -> None:
+    _run("step_host_cost.py", "--smoke", "--no-compile", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "step_host_cost_smoke.json").read_text())
+    assert [r["precision"] for r in res["rows"]] == ["fp16", "bf16"]
+    for r in res["rows"]:
+        assert all(r[k][loop]["us"] > 0 for k in ("tail", "head") for loop in ("bare", "kiln"))
+        assert {"step check (as the loop calls it)", "flag + guard, op by op", "lagged read-back"} <= set(r["parts"])
+        assert "flag + guard, graph replay" not in r["parts"]  # a CUDA graph only on the GPU
