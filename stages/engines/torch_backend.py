@@ -263,15 +263,16 @@ class GraphReplays:
         import torch
 
         inputs = [a.clone() for a in args]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self.run(*inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.run(*inputs)
+        with torch.cuda.device(inputs[0].device):  # the inputs' GPU, whichever is current
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    self.run(*inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.run(*inputs)
         return graph, inputs, list(out) if isinstance(out, (tuple, list)) else [out]
 
 

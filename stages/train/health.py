@@ -114,7 +114,7 @@ class StepCheck:
         self.values = torch.zeros(2, device=device)
         self.found = torch.zeros((), device=device)
         self.one = torch.ones((), device=device)
-        self.graph = _capture(self._flag_and_settle) if device.type == "cuda" else None
+        self.graph = _capture(self._flag_and_settle, device) if device.type == "cuda" else None
 
     def __call__(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.stack([loss.float(), norm.float()], out=self.values)
@@ -130,21 +130,23 @@ class StepCheck:
         self.guard.settle(self.found)
 
 
-def _capture(work: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
-    """``work`` as a CUDA graph: run once on a side stream (lazy initialisation happens outside the capture, as
-    torch.cuda.graphs' documentation asks), then captured. None where capturing fails: the work then runs eagerly."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        work()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+def _capture(work: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
+    """``work`` as a CUDA graph on ``device``: run once on a side stream (lazy initialisation happens outside the
+    capture, as torch.cuda.graphs' documentation asks), then captured. None where capturing fails: the work then
+    runs eagerly. The steps replay it on the device's current stream, the one their own kernels are queued on."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             work()
-    except RuntimeError as exc:  # e.g. a buffer on another device; correctness does not depend on the graph
-        log.info("the per-step check runs without a CUDA graph: %s", first_line(exc))
-        return None
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                work()
+        except RuntimeError as exc:  # e.g. a buffer on another device; correctness does not depend on the graph
+            log.info("the per-step check runs without a CUDA graph: %s", first_line(exc))
+            return None
     return graph
 
 
