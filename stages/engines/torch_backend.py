@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kiln.core.cuda_graphs import capture
 from kiln.core.errors import BuildError, ConfigError
 from kiln.core.inputs import random_inputs
 from kiln.core.records import EngineMetadata
@@ -246,7 +247,8 @@ class GraphReplays:
 
     def __init__(self, run: Any) -> None:
         self.run = run
-        self.graphs: dict[tuple[Any, ...], tuple[Any, list[Any], list[Any]]] = {}
+        # input signature -> (graph, its input tensors, its output tensors), or None: that shape runs without one
+        self.graphs: dict[tuple[Any, ...], tuple[Any, list[Any], list[Any]] | None] = {}
 
     def __call__(self, *args: Any) -> list[Any]:
         import torch
@@ -254,25 +256,25 @@ class GraphReplays:
         key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
-        graph, inputs, outputs = self.graphs[key]
+        entry = self.graphs[key]
+        if entry is None:
+            out = self.run(*args)
+            return list(out) if isinstance(out, (tuple, list)) else [out]
+        graph, inputs, outputs = entry
         torch._foreach_copy_(inputs, list(args))
         graph.replay()
         return [o.clone() for o in outputs]
 
-    def _capture(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[Any]]:
-        import torch
-
+    def _capture(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[Any]] | None:
+        """The shape's graph; None (with one warning) where the program cannot be captured, as torch.compile's own
+        CUDA graphs skip what they cannot capture: the shape then runs the compiled program directly."""
         inputs = [a.clone() for a in args]
-        with torch.cuda.device(inputs[0].device):  # the inputs' GPU, whichever is current
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    self.run(*inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.run(*inputs)
+        try:
+            graph, out = capture(lambda: self.run(*inputs), inputs[0].device, warmups=3)
+        except RuntimeError as exc:
+            log.warning("torch engine: shape %s runs without a CUDA graph (capture failed: %s)",
+                        [tuple(a.shape) for a in args], first_line(exc, 200))
+            return None
         return graph, inputs, list(out) if isinstance(out, (tuple, list)) else [out]
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+from kiln.core.cuda_graphs import capture
 from kiln.core.text import first_line
 from torch import nn
 
@@ -131,23 +132,13 @@ class StepCheck:
 
 
 def _capture(work: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
-    """``work`` as a CUDA graph on ``device``: run once on a side stream (lazy initialisation happens outside the
-    capture, as torch.cuda.graphs' documentation asks), then captured. None where capturing fails: the work then
-    runs eagerly. The steps replay it on the device's current stream, the one their own kernels are queued on."""
-    with torch.cuda.device(device):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            work()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                work()
-        except RuntimeError as exc:  # e.g. a buffer on another device; correctness does not depend on the graph
-            log.info("the per-step check runs without a CUDA graph: %s", first_line(exc))
-            return None
-    return graph
+    """``work`` as a CUDA graph on ``device`` (:func:`kiln.core.cuda_graphs.capture`), or None where capturing
+    fails: the work then runs op by op, which is slower but the same."""
+    try:
+        return capture(work, device)[0]
+    except RuntimeError as exc:  # e.g. a buffer on another device; correctness does not depend on the graph
+        log.info("the per-step check runs without a CUDA graph: %s", first_line(exc))
+        return None
 
 
 def skips_on_device(opt: torch.optim.Optimizer) -> bool:
