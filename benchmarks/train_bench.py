@@ -48,12 +48,15 @@ table used before (one process each, compiled each time) measured that drift as 
 ``--profile-steps N`` adds one profiled run per compiled loop and cell (torch.profiler over N steps after the
 warm-up): GPU kernel time and kernels per step, the synchronising CUDA calls per step and the busiest host ops.
 Target: Kiln compiled >= 0.97x the bare compiled loop in every cell. Writes <out>/train_compile[_<models>].json/.md.
+Each ratio carries a 95% bootstrap interval over its window pairs (:func:`ratio_interval`); ``--intervals JSON...``
+prints them for saved results.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~4 minutes
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models bert_base,bert_base_hf --out $OUT
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models resnet18 --out $OUT
     python benchmarks/train_bench.py --smoke --out /tmp/train_bench          # tiny models on CPU, seconds
     python benchmarks/train_bench.py --smoke --compile --models bert_base --precisions bf16 --out /tmp/tb
+    python benchmarks/train_bench.py --intervals benchmarks/results/train_compile_h200_s6_*.json
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ import gc
 import json
 import logging
 import platform
+import random
 import statistics
 import sys
 import time
@@ -458,6 +462,21 @@ def paired_ratio(kiln: list[dict[str, Any]], bare: list[dict[str, Any]]) -> floa
     return statistics.median(k["steps_per_s"] / b["steps_per_s"] for k, b in zip(kiln, bare))
 
 
+def ratio_interval(kiln_sps: list[float], bare_sps: list[float], resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of :func:`paired_ratio`'s median (window pairs resampled with replacement; a fixed
+    seed, so the same windows give the same interval). On a host whose per-window ratios spread by +-15%, a median
+    of 8-16 pairs moves by a few percent between runs; the interval says how far, next to a 3% target."""
+    ratios = [k / b for k, b in zip(kiln_sps, bare_sps)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def cell_interval(row: dict[str, Any], suffix: str) -> tuple[float, float]:
+    return ratio_interval(row["kiln" + suffix]["windows_steps_per_s"], row["bare" + suffix]["windows_steps_per_s"])
+
+
 def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
                     steps: int, windows: int, profile_steps: int = 0) -> dict[str, Any]:
     """One cell of the compile table: eager Kiln vs eager bare, then compiled Kiln vs compiled bare, each pair
@@ -473,6 +492,7 @@ def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precis
                                 "nonfinite_steps": got["nonfinite_steps"], "final_loss": got["final_loss"]}
         row["bare" + suffix] = cell(got["bare"])
         row[f"kiln{suffix}_vs_bare{suffix}"] = paired_ratio(got["kiln"], got["bare"])
+        row[f"kiln{suffix}_vs_bare{suffix}_ci95"] = cell_interval(row, suffix)
         if compile:
             c = got["compile"]
             row["kiln_compiled"]["compile"] = c
@@ -538,7 +558,8 @@ def compile_markdown(res: dict[str, Any]) -> str:
     lines = [f"# Training throughput with torch.compile: Kiln vs bare loop ({res['device']}, torch {res['torch']})", "",
              f"Per cell and mode (eager, compiled), Kiln's loop and the bare loop alternate in {res['windows']} pairs of "
              f"timed windows of {res['timed_steps']} steps in one process, after one warm-up epoch each (compilation "
-             "included); steps/s are medians over the windows, Kiln / bare the median of the pairs' ratios. TF32 off; "
+             "included); steps/s are medians over the windows, Kiln / bare the median of the pairs' ratios [its 95% bootstrap "
+             "interval over the pairs]. TF32 off; "
              "synthetic data on the device. Compiled gain = compiled / eager steps/s; anchor = the bare loop's gain "
              "measured for issue 16. Step peak = peak memory above what was allocated when the window began.", "",
              "| model | batch | precision | Kiln eager | bare eager | Kiln compiled | bare compiled "
@@ -549,8 +570,11 @@ def compile_markdown(res: dict[str, Any]) -> str:
         k, kc, b, bc = r["kiln"], r["kiln_compiled"], r["bare"], r["bare_compiled"]
         c = kc.get("compile") or {"graphs": "-", "recompiles": "-", "graph_breaks": "-"}
         anchor = f"{r['compile_gain_anchor']:.2f}x" if r.get("compile_gain_anchor") else "-"
+        ci = r.get("kiln_compiled_vs_bare_compiled_ci95")  # absent in results written before it was added
+        interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
         lines.append(f"| {r['model']} | {r['batch']} | {r['precision']} | {k['steps_per_s']:.2f} | {b['steps_per_s']:.2f} | "
-                     f"{kc['steps_per_s']:.2f} | {bc['steps_per_s']:.2f} | {r['kiln_compiled_vs_bare_compiled']:.3f} | "
+                     f"{kc['steps_per_s']:.2f} | {bc['steps_per_s']:.2f} | "
+                     f"{r['kiln_compiled_vs_bare_compiled']:.3f}{interval} | "
                      f"{r['kiln_vs_bare']:.3f} | {r['compile_gain_kiln']:.2f}x | {r['compile_gain_bare']:.2f}x | {anchor} | "
                      f"{c['graphs']} / {c['recompiles']} / {c['graph_breaks']} | "
                      f"{mb(k['step_peak_mb'])} / {mb(kc['step_peak_mb'])} |")
@@ -608,7 +632,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="folder for the results (required unless --intervals)")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 8; smoke 2)")
     ap.add_argument("--steps", type=int, default=None,
@@ -619,7 +643,19 @@ def main() -> None:
     ap.add_argument("--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18")
     ap.add_argument("--precisions", default=",".join(COMPILE_PRECISIONS), help="--compile: fp16,bf16 or one of them")
     ap.add_argument("--profile-steps", type=int, default=0, help="--compile: one profiled run per compiled loop")
+    ap.add_argument("--intervals", type=Path, nargs="+", metavar="JSON",
+                    help="print Kiln / bare with its 95%% interval for saved --compile results, and exit")
     args = ap.parse_args()
+    if args.intervals:
+        for path in args.intervals:
+            for r in json.loads(path.read_text())["rows"]:
+                for suffix in ("_compiled", ""):
+                    lo, hi = cell_interval(r, suffix)
+                    print(f"{path.name} {r['model']} {r['precision']} {suffix.strip('_') or 'eager'}: "
+                          f"{r[f'kiln{suffix}_vs_bare{suffix}']:.3f} [{lo:.3f}, {hi:.3f}]")
+        return
+    if args.out is None:
+        ap.error("--out is required")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)

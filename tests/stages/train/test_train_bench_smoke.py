@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,8 @@ def test_train_bench_compile_smoke(tmp_path: Path) -> None:
     c = row["kiln_compiled"]["compile"]
     assert c["compiled"] and c["fallback"] is None and row["kiln_compiled"]["fallbacks"] == []
     assert row["compile_gain_anchor"] == 1.17 and res["targets"]["fallbacks"] == 0
+    lo, hi = row["kiln_compiled_vs_bare_compiled_ci95"]
+    assert lo <= row["kiln_compiled_vs_bare_compiled"] <= hi
     assert "| bert_base | 8 | bf16 |" in (tmp_path / "train_compile_smoke_bert_base.md").read_text()
 
 
@@ -124,3 +127,13 @@ def test_interleaved_windows_alternate_and_time_the_same_steps(monkeypatch: pyte
     assert order == [("kiln", 3), ("bare", 3), ("kiln", 3), ("bare", 3)]
     assert len(got["kiln"]) == len(got["bare"]) == 2
     assert bench.paired_ratio([{"steps_per_s": 9.0}, {"steps_per_s": 4.0}], [{"steps_per_s": 10.0}, {"steps_per_s": 2.0}]) == 1.45
+
+
+def test_the_ratio_interval_brackets_the_median_and_narrows_with_agreeing_windows() -> None:
+    bench = _bench()
+    bare = [100.0] * 8
+    noisy = [90.0, 110.0, 95.0, 105.0, 88.0, 101.0, 97.0, 93.0]
+    lo, hi = bench.ratio_interval(noisy, bare)
+    assert lo <= statistics.median(k / b for k, b in zip(noisy, bare)) <= hi and hi - lo > 0.05
+    assert bench.ratio_interval(noisy, bare) == (lo, hi)  # a fixed seed: the same windows, the same interval
+    assert bench.ratio_interval([99.0] * 8, bare) == (0.99, 0.99)  # windows that agree leave nothing to resample
