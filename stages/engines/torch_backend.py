@@ -117,7 +117,8 @@ def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
     import torch
 
     dims = {"batch": torch.export.Dim("batch", min=1, max=max(req.max_batch, 2))}
-    dims |= {name: torch.export.Dim(re.sub(r"\W", "_", name), min=lo, max=hi) for name, (lo, hi) in req.axis_sizes.items()}
+    dims |= {name: torch.export.Dim(re.sub(r"\W", "_", name), min=lo, max=hi)
+             for name, (lo, hi) in req.axis_sizes.items()}
     per_input = []
     for spec in req.inputs:
         axes = {}
@@ -239,8 +240,9 @@ class GraphReplays:
 
     Why not torch.compile's own CUDA graphs (cudagraph trees, mode ``max-autotune``): every call of those still
     runs Dynamo's guards and the trees' Python book-keeping before the replay, and CUDA events around a call count
-    that host time as latency: on the H200 the engine's call took 0.11 ms longer than its kernels at ResNet-18
-    batch 32 (``benchmarks/engine_bench.py --profile``). Here a call copies its inputs into the graph's input
+    that host time as latency: on the H200 at ResNet-18 batch 32 the engine timed 0.867 ms against torch.compile
+    channels_last's 0.784 ms with the same kernels (0.637 vs 0.631 ms of kernel time; ``benchmarks/engine_bench.py
+    --profile``, ``engine_bench_h200_s6_profile_resnet18.md``). Here a call copies its inputs into the graph's input
     tensors (one multi-tensor copy), replays, and copies the outputs out of the graph's memory, which the next
     replay overwrites, so a caller may keep them. The compiled program runs three times on a side stream before a
     capture (compilation, autotuning and cuDNN's algorithm search happen outside it, as torch.cuda.graphs asks)."""
@@ -250,7 +252,7 @@ class GraphReplays:
         # input signature -> (graph, its input tensors, its output tensors), or None: that shape runs without one
         self.graphs: dict[tuple[Any, ...], tuple[Any, list[Any], list[Any]] | None] = {}
 
-    def __call__(self, *args: Any) -> list[Any]:
+    def __call__(self, *args: Any) -> Any:
         import torch
 
         key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
@@ -258,8 +260,7 @@ class GraphReplays:
             self.graphs[key] = self._capture(args)
         entry = self.graphs[key]
         if entry is None:
-            out = self.run(*args)
-            return list(out) if isinstance(out, (tuple, list)) else [out]
+            return self.run(*args)  # the caller (_run_compiled) makes it a list
         graph, inputs, outputs = entry
         torch._foreach_copy_(inputs, list(args))
         graph.replay()

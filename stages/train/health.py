@@ -103,11 +103,13 @@ class StepCheck:
     The flag is one kernel, the one GradScaler runs over the gradients (``torch._amp_foreach_non_finite_check_and_
     unscale_``, here with scale 1 so the values are unchanged), after one that zeroes it. Together with the guard
     that is about ten small kernels per step, and a compiled step is close to host-bound: ``benchmarks/
-    step_host_cost.py`` measured 0.19 ms of host time for them alone on the H200's host (ResNet-18's 60 buffers),
-    about 2% of a compiled ResNet-18 step there. On a GPU they are therefore captured once as a CUDA graph (``torch.cuda.graph``) and replayed: a step
-    pays one stack into ``values`` and one replay. Everything they touch is made once here and stays in place
-    (the buffers are the model's own tensors), which is what a replay needs. Both outputs are overwritten by the
-    next step; everything that reads them (optimizer, read-back copy) is queued on the same stream before it.
+    step_host_cost.py`` measured about 0.16 ms of host time for the flag, the guard's save and its restore on the
+    H200's host (ResNet-18's 60 buffers; ``step_host_cost_h200_s6_before.md``), about 2% of a compiled ResNet-18
+    step there. On a GPU they are therefore captured once as a CUDA graph (:func:`kiln.core.cuda_graphs.capture`)
+    and replayed (3-4 us there): a step pays one stack into ``values`` and one replay. Everything they touch is
+    made once here and stays in place (the buffers are the model's own tensors), which is what a replay needs. Both
+    outputs are overwritten by the next step; everything that reads them (optimizer, read-back copy) is queued on
+    the same stream before it.
     """
 
     def __init__(self, device: torch.device, guard: "BufferGuard") -> None:
@@ -150,7 +152,7 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
 @contextmanager
 def skip_if_nonfinite(opt: torch.optim.Optimizer, found: torch.Tensor) -> Iterator[None]:
     """Within the block, ``opt.step()`` leaves weights, moments and step counts untouched when ``found`` (the FP32
-    flag of :class:`NonFiniteCheck`) is 1. The same optimizer attributes ``torch.amp.GradScaler.step`` sets for
+    flag of :class:`StepCheck`) is 1. The same optimizer attributes ``torch.amp.GradScaler.step`` sets for
     fused optimizers (``grad_scale``, ``found_inf``); grad_scale None: nothing to unscale."""
     opt.grad_scale, opt.found_inf = None, found  # type: ignore[attr-defined]
     try:

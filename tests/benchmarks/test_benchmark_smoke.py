@@ -68,3 +68,4 @@ def test_step_host_cost_times_both_loops_and_kilns_parts(tmp_path: Path) -> None
         assert all(r[k][loop]["us"] > 0 for k in ("tail", "head") for loop in ("bare", "kiln"))
         assert {"step check (as the loop calls it)", "flag + guard, op by op", "lagged read-back"} <= set(r["parts"])
         assert "flag + guard, graph replay" not in r["parts"]  # a CUDA graph only on the GPU
+        assert r["tail_extra_us"] == round(r["tail"]["kiln"]["us"] - r["tail"]["bare"]["us"], 1)
