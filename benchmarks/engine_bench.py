@@ -16,7 +16,8 @@ Models: ``resnet18`` and ``bert_base`` from Kiln's zoo (one input), and ``hf_ber
 with ``torch.onnx.export(dynamo=True)`` and a dynamic batch on both inputs (issue 12's model; needs ``pip install
 transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the torch.compile baseline exactly as
 ``validate.baselines: [compile]`` builds it (``kiln.stages.validate.baselines.prepare``); ``kiln_torch`` is Kiln's
-AOTInductor engine (``build.backends: [torch]``).
+torch engine (``build.backends: [torch]``), ``kiln_torch_unfrozen`` the same with ``build.torch.freezing: off`` (what
+Inductor's freezing is worth, side by side).
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/engine_bench.py --out $OUT                  # full (GPU host)
     ... --models hf_bert --batches 1,32 --rows eager16,baseline_compile,kiln,kiln_torch     # issue 12's BERT
@@ -49,13 +50,14 @@ from kiln.stages.export import export_onnx  # noqa: E402
 from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402
 
 ROWS = ["eager32", "eager16", "compile", "compile_cl", "baseline_compile", "ort_default", "ort_cuda_graph",
-        "kiln_fixed", "kiln", "kiln_torch"]
+        "kiln_fixed", "kiln", "kiln_torch", "kiln_torch_unfrozen"]
 LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",
          "compile_cl": "torch.compile fp16, channels_last",
          "ort_cuda_graph": "ORT CUDA fp16 + CUDA graph, by hand",
          "baseline_compile": "validate.baselines compile (fp16 on GPU)",
          "ort_default": "ORT CUDA fp16 default", "kiln_fixed": "Kiln engine, fixed settings",
-         "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln torch engine (build.backends torch)"}
+         "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln torch engine (build.backends torch)",
+         "kiln_torch_unfrozen": "Kiln torch engine, build.torch.freezing off"}
 Inputs = tuple[torch.Tensor, ...]
 T0 = time.perf_counter()
 
@@ -122,6 +124,23 @@ def time_fn(fn: Callable[[], Any], warmup: int, iterations: int) -> list[float]:
     return time_calls(fn, iterations)
 
 
+# Kernel kinds by name, first match wins (cuDNN, cuBLAS/CUTLASS, Triton and ORT's own kernels): how a row's kernel time
+# splits into the work itself and what fusion or another layout would remove. A name-based reading: "other" is kept.
+KERNEL_KINDS = (
+    ("attention", ("fmha", "flash", "attention", "attn", "softmax")),
+    ("layout", ("transpose", "nchwtonhwc", "nhwctonchw", "addpadding", "nhwc2nchw", "nchw2nhwc", "permute")),
+    ("convolution", ("conv", "fprop", "dgrad", "implicit_gemm", "implicit_convolve", "xmma_fprop", "cudnn")),
+    ("matmul", ("gemm", "mm", "cutlass", "cublas", "matmul", "sm90_xmma", "nvjet")),
+    ("normalization", ("layer_norm", "layernorm", "batch_norm", "batchnorm", "rms")),
+    ("copy / cast", ("copy", "cast", "memcpy", "multi_tensor_apply", "fill", "clone")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
 def kernel_profile(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
     """Per call: GPU kernel time, kernel count and the kernels taking most of it (torch.profiler over ``calls``
     calls): what makes two rows that should run the same work differ."""
@@ -134,8 +153,14 @@ def kernel_profile(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
     kernels = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA")]
     total = sum(e.self_device_time_total for e in kernels)
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    kinds: dict[str, list[float]] = {}
+    for e in kernels:
+        ms_count = kinds.setdefault(kernel_kind(e.key), [0.0, 0.0])
+        ms_count[0] += e.self_device_time_total / 1e3 / calls
+        ms_count[1] += e.count / calls
     return {"calls": calls, "kernel_ms": round(total / 1e3 / calls, 4),
             "kernels": round(sum(e.count for e in kernels) / calls, 1),
+            "by_kind": {k: [round(ms, 4), round(n, 1)] for k, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
             "top": [[e.key[:120], round(e.self_device_time_total / 1e3 / calls, 4), round(e.count / calls, 1)]
                     for e in top]}
 
@@ -275,8 +300,8 @@ class Bench:
             return torch_factory, None, extra
         if row in ("ort_default", "ort_cuda_graph"):
             return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
-        if row == "kiln_torch":
-            return self._kiln_torch(onnx32, name, model)
+        if row in ("kiln_torch", "kiln_torch_unfrozen"):
+            return self._kiln_torch(onnx32, name, model, freezing="off" if row == "kiln_torch_unfrozen" else "auto")
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
@@ -351,8 +376,10 @@ class Bench:
         return factory, meta.size_bytes, extra
 
 
-    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module) -> tuple[Any, int, dict]:
-        """Kiln's AOTInductor engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU)."""
+    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module,
+                    freezing: str = "auto") -> tuple[Any, int, dict]:
+        """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``freezing``:
+        build.torch.freezing (the ablation row kiln_torch_unfrozen turns it off)."""
         device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
@@ -360,8 +387,9 @@ class Bench:
             m = make_model(name, self.params).eval()
             m.load_state_dict(state)
             return m
-        cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour))
-        folder = self.work / f"{name}-kiln-torch"
+        cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour,
+                                                                freezing=freezing))
+        folder = self.work / f"{name}-kiln-torch-{freezing}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
                             max_batch=max(self.args.batches), torch_model=load)
         say(f"{name} kiln_torch: built in {meta.build_seconds:.1f}s ({meta.builder_settings})")
@@ -391,7 +419,25 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                      f"{(speed / r['median_ms']) if speed else float('nan'):.2f}x | {r['top1_agreement']:.4f} | "
                      f"{r['cosine']:.6f} | {_num(r['build_seconds'] if r['row'] not in ('eager32', 'eager16') else None)} | "
                      f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} |")
-    return "\n".join(lines + target_table(results) + autotune_table(results)) + "\n"
+    return "\n".join(lines + target_table(results) + profile_table(results) + autotune_table(results)) + "\n"
+
+
+def profile_table(results: list[dict[str, Any]]) -> list[str]:
+    """``--profile``: per row and batch, kernel time per call against the timed latency (the rest is launch gaps and
+    host time inside the CUDA events), and the kernel time by kind (:data:`KERNEL_KINDS`)."""
+    rows = [r for r in results if r.get("profile")]
+    if not rows:
+        return []
+    lines = ["", "## Kernel profile (torch.profiler over --profile calls; ms per call, kernels per call)", "",
+             "| model | batch | row | median ms | kernel ms | kernels | by kind: ms (kernels) | top kernel |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["profile"]
+        kinds = ", ".join(f"{k} {ms:.3f} ({n:g})" for k, (ms, n) in p.get("by_kind", {}).items())
+        top = p["top"][0] if p["top"] else ["-", 0.0, 0]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['row']} | {r['median_ms']:.3f} | {p['kernel_ms']:.3f} | "
+                     f"{p['kernels']:g} | {kinds} | `{top[0][:60]}` {top[1]:.3f} |")
+    return lines
 
 
 REFERENCE_ROWS = ("compile", "compile_cl", "ort_cuda_graph")  # the strongest paths a user builds without Kiln

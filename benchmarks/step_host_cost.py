@@ -42,6 +42,7 @@ from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
 from kiln.stages.train.data import micro_batches  # noqa: E402
 from kiln.stages.train.dist import DistEnv  # noqa: E402
+from kiln.stages.train.health import skip_if_nonfinite, skips_on_device  # noqa: E402
 from kiln.stages.train.loop import SCHED_WARNING, _Trainer  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
 
@@ -155,10 +156,26 @@ def parts(s: Setup) -> dict[str, Callable[[], Any]]:
     def check_graph() -> None:
         check.graph.replay()
 
+    # Kiln's optimizer step as the loop takes it in bf16/fp32 (the skip on the device: fused AdamW's found_inf) and
+    # without the skip, each after the same gradient reset (set_grads alone is timed too, to subtract)
+    _, found = check(loss, norm)
+
+    def opt_step() -> None:
+        s.set_grads()
+        t.opt.step()
+
+    def opt_step_skippable() -> None:
+        s.set_grads()
+        with skip_if_nonfinite(t.opt, found):
+            t.opt.step()
+
     out = {"step check (as the loop calls it)": lambda: check(loss, norm),
            "flag + guard, op by op": check._flag_and_settle}
     if check.graph is not None:
         out["flag + guard, graph replay"] = check_graph
+    out |= {"set_grads": s.set_grads, "set_grads + opt.step": opt_step}
+    if skips_on_device(t.opt):  # a fused optimizer (on the GPU): it takes found_inf
+        out["set_grads + opt.step under skip_if_nonfinite"] = opt_step_skippable
     return {**out, "guard.save": t.guard.save, "lagged read-back": stats, "sched.step": t.sched.step,
             "micro_batches": lambda: micro_batches(s.xb, s.yb, 1)}
 

@@ -74,7 +74,8 @@ def _on(value: str, auto: bool) -> bool:
 
 
 def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, bool]:
-    return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv)}
+    return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
+            "freezing": _on(cfg.freezing, device == "cuda")}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -178,7 +179,7 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
     t0 = time.perf_counter()
     try:
         torch._inductor.aoti_compile_and_package(exported, package_path=str(req.out / PACKAGE),
-                                                 inductor_configs={"max_autotune": common["max_autotune"]})
+                                                 inductor_configs=_inductor_options(common))
     except Exception as exc:  # Inductor failures: this model cannot become this engine kind
         raise BuildError(f"AOTInductor could not compile the model: {type(exc).__name__}: {first_line(exc, 300)}",
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
@@ -203,7 +204,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     cuda_graphs = req.device == "cuda" and _on(req.config.torch.cuda_graphs, True)  # this flavour's alone
     t0 = time.perf_counter()
     try:
-        run = _compile_program(req.out / PROGRAM, common["max_autotune"], cuda_graphs)
+        run = _compile_program(req.out / PROGRAM, common, cuda_graphs)
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
                 feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
@@ -224,14 +225,26 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
             "builder_settings": settings}
 
 
-def _compile_program(path: Path, max_autotune: bool, cuda_graphs: bool = False) -> Any:
+def _inductor_options(settings: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's config for the engine's builder settings: max-autotune as torch.compile's mode
+    ``max-autotune-no-cudagraphs`` sets it (CUDA graphs are Kiln's own, :class:`GraphReplays`), and freezing.
+    Settings recorded by an older Kiln lack ``freezing``: off, as they were built."""
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs")) if settings.get("max_autotune") \
+        else {}
+    return {**options, "freezing": bool(settings.get("freezing"))}
+
+
+def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False) -> Any:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
-    baseline is timed), max-autotune (without torch.compile's own CUDA graphs), and on the GPU replayed as CUDA
-    graphs of Kiln's (:class:`GraphReplays`)."""
+    baseline is timed), the Inductor options of the build's settings (:func:`_inductor_options`), and on the GPU
+    replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call runs under
+    ``torch.inference_mode`` (Inductor freezes only graphs without autograd)."""
     import torch
 
     module = torch.export.load(str(path)).module()
-    compiled = torch.compile(module, mode="max-autotune-no-cudagraphs" if max_autotune else "default", dynamic=False)
+    compiled = torch.compile(module, options=_inductor_options(settings), dynamic=False)
     return GraphReplays(compiled) if cuda_graphs else compiled
 
 
@@ -324,8 +337,8 @@ class TorchRunner(Runner):
             if "cache" in self.meta.files:  # before compiling: the build's kernels and autotuning are found
                 torch.compiler.load_cache_artifacts((self.engine_dir / self.meta.files["cache"]).read_bytes())
             settings = self.meta.builder_settings
-            self.package = _compile_program(self.engine_dir / self.meta.files["program"],
-                                            bool(settings.get("max_autotune")), bool(settings.get("cuda_graphs")))
+            self.package = _compile_program(self.engine_dir / self.meta.files["program"], settings,
+                                            bool(settings.get("cuda_graphs")))
             return
         from torch._inductor import aoti_load_package
 

@@ -69,3 +69,28 @@ def test_step_host_cost_times_both_loops_and_kilns_parts(tmp_path: Path) -> None
         assert {"step check (as the loop calls it)", "flag + guard, op by op", "lagged read-back"} <= set(r["parts"])
         assert "flag + guard, graph replay" not in r["parts"]  # a CUDA graph only on the GPU
         assert r["tail_extra_us"] == round(r["tail"]["kiln"]["us"] - r["tail"]["bare"]["us"], 1)
+
+
+def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
+    """--profile's reading of kernel names: what a row's kernel time is spent on (the ONNX path's gap, issue 12)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("engine_bench", ROOT / "benchmarks" / "engine_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    kinds = {name: bench.kernel_kind(name) for name in (
+        "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc", "void cudnn::ops::nchwToNhwcKernel<__half>",
+        "triton_tem_fused_addmm_gelu_3", "fmha_cutlassF_f16_aligned_64x64_rf_sm80", "triton_per_fused_layer_norm_4",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>",
+        "triton_poi_fused__to_copy_0")}
+    assert kinds == {"sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc": "convolution",
+                     "void cudnn::ops::nchwToNhwcKernel<__half>": "layout", "triton_tem_fused_addmm_gelu_3": "matmul",
+                     "fmha_cutlassF_f16_aligned_64x64_rf_sm80": "attention",
+                     "triton_per_fused_layer_norm_4": "normalization",
+                     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>": "other",
+                     "triton_poi_fused__to_copy_0": "copy / cast"}, kinds
+    row = {"model": "m", "batch": 32, "row": "kiln_fixed", "median_ms": 1.9,
+           "profile": {"kernel_ms": 1.5, "kernels": 80.0, "by_kind": {"convolution": [1.2, 20.0], "layout": [0.3, 60.0]},
+                       "top": [["conv_kernel", 0.2, 1.0]]}}
+    table = "\n".join(bench.profile_table([row]))
+    assert "| m | 32 | kiln_fixed | 1.900 | 1.500 | 80 | convolution 1.200 (20), layout 0.300 (60) |" in table

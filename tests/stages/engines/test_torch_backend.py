@@ -62,14 +62,16 @@ def test_cpu_package_matches_pytorch_at_any_batch_and_refuses_another_torch(zoo,
 
 
 @pytest.mark.slow
-def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_path: Path) -> None:
+@pytest.mark.parametrize("freezing", ["auto", "on"])  # auto: off on the CPU; on: weights folded as constants
+def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_path: Path, freezing: str) -> None:
     """Inductor's work shipped without AOTInductor's loader: the exported program and the compile caches; the
     runner compiles the loaded program (a batch not compiled at build time compiles on first use)."""
     model = _cnn()
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled", freezing=freezing))
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=8,
                         torch_model=_cnn)
     assert meta.flavour == "compiled" and meta.files["program"] == "program.pt2"
+    assert meta.builder_settings["freezing"] is (freezing == "on")
     assert meta.builder_settings["compiled_batches"] == [1, 8] and "aotinductor_failed" not in meta.builder_settings
     assert meta.builder_settings["cuda_graphs"] is False  # CUDA graphs: the GPU's (build.torch.cuda_graphs auto)
     assert not (tmp_path / "e" / "model.pt2").exists()
@@ -148,6 +150,7 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32,
                         torch_model=_cnn)
     assert meta.builder_settings["max_autotune"] and meta.builder_settings["dtype"] == "float16"
+    assert meta.builder_settings["freezing"]  # auto: on the GPU
     ref = ort.InferenceSession(str(zoo("cnn")), providers=["CPUExecutionProvider"])
     with load_engine(tmp_path / "e") as runner:
         for batch in (1, 32):
