@@ -16,7 +16,7 @@ Models: ``resnet18`` and ``bert_base`` from Kiln's zoo (one input), and ``hf_ber
 with ``torch.onnx.export(dynamo=True)`` and a dynamic batch on both inputs (issue 12's model; needs ``pip install
 transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the torch.compile baseline exactly as
 ``validate.baselines: [compile]`` builds it (``kiln.stages.validate.baselines.prepare``); ``kiln_torch`` is Kiln's
-torch engine (``build.backends: [torch]``), ``kiln_torch_unfrozen`` the same with ``build.torch.freezing: off`` (what
+torch engine (``build.backends: [torch]``), ``kiln_torch_frozen`` the same with ``build.torch.freezing: true`` (what
 Inductor's freezing is worth, side by side).
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/engine_bench.py --out $OUT                  # full (GPU host)
@@ -50,14 +50,14 @@ from kiln.stages.export import export_onnx  # noqa: E402
 from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402
 
 ROWS = ["eager32", "eager16", "compile", "compile_cl", "baseline_compile", "ort_default", "ort_cuda_graph",
-        "kiln_fixed", "kiln", "kiln_torch", "kiln_torch_unfrozen"]
+        "kiln_fixed", "kiln", "kiln_torch", "kiln_torch_frozen"]
 LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",
          "compile_cl": "torch.compile fp16, channels_last",
          "ort_cuda_graph": "ORT CUDA fp16 + CUDA graph, by hand",
          "baseline_compile": "validate.baselines compile (fp16 on GPU)",
          "ort_default": "ORT CUDA fp16 default", "kiln_fixed": "Kiln engine, fixed settings",
          "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln torch engine (build.backends torch)",
-         "kiln_torch_unfrozen": "Kiln torch engine, build.torch.freezing off"}
+         "kiln_torch_frozen": "Kiln torch engine, build.torch.freezing on"}
 Inputs = tuple[torch.Tensor, ...]
 T0 = time.perf_counter()
 
@@ -300,8 +300,8 @@ class Bench:
             return torch_factory, None, extra
         if row in ("ort_default", "ort_cuda_graph"):
             return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
-        if row in ("kiln_torch", "kiln_torch_unfrozen"):
-            return self._kiln_torch(onnx32, name, model, freezing="off" if row == "kiln_torch_unfrozen" else "auto")
+        if row in ("kiln_torch", "kiln_torch_frozen"):
+            return self._kiln_torch(onnx32, name, model, freezing=row == "kiln_torch_frozen")
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
@@ -377,9 +377,9 @@ class Bench:
 
 
     def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module,
-                    freezing: str = "auto") -> tuple[Any, int, dict]:
+                    freezing: bool = False) -> tuple[Any, int, dict]:
         """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``freezing``:
-        build.torch.freezing (the ablation row kiln_torch_unfrozen turns it off)."""
+        build.torch.freezing (the row kiln_torch_frozen turns it on)."""
         device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
@@ -389,7 +389,7 @@ class Bench:
             return m
         cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour,
                                                                 freezing=freezing))
-        folder = self.work / f"{name}-kiln-torch-{freezing}"
+        folder = self.work / f"{name}-kiln-torch{'-frozen' if freezing else ''}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
                             max_batch=max(self.args.batches), torch_model=load)
         say(f"{name} kiln_torch: built in {meta.build_seconds:.1f}s ({meta.builder_settings})")

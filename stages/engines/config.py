@@ -136,10 +136,11 @@ class TorchConfig(Section):
         "auto", description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph, "
                             "captured on the size's first call (outputs copied out of the graph's memory): auto = on "
                             "on the GPU")
-    freezing: Literal["auto", "on", "off"] = Field(
-        "auto", description="Inductor freezing: the weights become constants Inductor may fold and rearrange (the "
-                            "Q, K and V projections as one matrix multiply, BatchNorm into convolutions); auto = on "
-                            "on the GPU")
+    freezing: bool = Field(
+        False, description="Inductor freezing: the weights become constants Inductor may fold and rearrange (the Q, K "
+                           "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
+                           "on the H200 it tripled a BERT-base build (155 s) and its gain is not yet measured side by "
+                           "side (benchmarks/engine_bench.py row kiln_torch_frozen)")
     load_check: bool = Field(True, description="load the built package once in a child process before accepting it"
                                                " (a package that crashes its loader is skipped, not served)")
     load_check_timeout_s: float = Field(300.0, gt=0)

@@ -75,7 +75,7 @@ def _on(value: str, auto: bool) -> bool:
 
 def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, bool]:
     return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
-            "freezing": _on(cfg.freezing, device == "cuda")}
+            "freezing": cfg.freezing}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -244,8 +244,26 @@ def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = F
     import torch
 
     module = torch.export.load(str(path)).module()
-    compiled = torch.compile(module, options=_inductor_options(settings), dynamic=False)
+    options = _inductor_options(settings)
+    freezing = options.pop("freezing")
+    compiled = torch.compile(module, options=options, dynamic=False)
+    if freezing:  # torch.compile's options do not reach freezing (checked before they apply): set while compiling
+        compiled = _Freezing(compiled)
     return GraphReplays(compiled) if cuda_graphs else compiled
+
+
+class _Freezing:
+    """Calls a lazily compiled program with Inductor's ``freezing`` config set, so that the compilation a call may
+    trigger (a new shape) freezes; after capture GraphReplays replays without calling it."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __call__(self, *args: Any) -> Any:
+        import torch._inductor.config
+
+        with torch._inductor.config.patch(freezing=True):
+            return self.run(*args)
 
 
 class GraphReplays:

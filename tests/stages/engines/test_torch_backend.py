@@ -62,8 +62,8 @@ def test_cpu_package_matches_pytorch_at_any_batch_and_refuses_another_torch(zoo,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("freezing", ["auto", "on"])  # auto: off on the CPU; on: weights folded as constants
-def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_path: Path, freezing: str) -> None:
+@pytest.mark.parametrize("freezing", [False, True])  # True: the weights folded as constants
+def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_path: Path, freezing: bool) -> None:
     """Inductor's work shipped without AOTInductor's loader: the exported program and the compile caches; the
     runner compiles the loaded program (a batch not compiled at build time compiles on first use)."""
     model = _cnn()
@@ -71,7 +71,7 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=8,
                         torch_model=_cnn)
     assert meta.flavour == "compiled" and meta.files["program"] == "program.pt2"
-    assert meta.builder_settings["freezing"] is (freezing == "on")
+    assert meta.builder_settings["freezing"] is freezing
     assert meta.builder_settings["compiled_batches"] == [1, 8] and "aotinductor_failed" not in meta.builder_settings
     assert meta.builder_settings["cuda_graphs"] is False  # CUDA graphs: the GPU's (build.torch.cuda_graphs auto)
     assert not (tmp_path / "e" / "model.pt2").exists()
@@ -83,6 +83,24 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
             with torch.inference_mode():
                 want = model(torch.from_numpy(x)).numpy()
             np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("freezing", [False, True])
+def test_freezing_reaches_inductor_when_the_program_compiles(tmp_path: Path, freezing: bool) -> None:
+    """torch.compile's ``options`` do not reach Inductor's freezing (an H200 run built "frozen" engines with the
+    kernels of unfrozen ones): the compiled program must compile with the weights as constants when asked."""
+    from torch._inductor.utils import run_and_get_code
+    from kiln.stages.engines.torch_backend import PROGRAM, _compile_program
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(3, 16)
+    torch.export.save(torch.export.export(model, (x,)), str(tmp_path / PROGRAM))
+    torch.compiler.reset()
+    run = _compile_program(tmp_path / PROGRAM, {"freezing": freezing})
+    with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
+        out, code = run_and_get_code(run, x)
+    assert ("_frozen_param" in "\n".join(code)) is freezing
+    torch.testing.assert_close(out, model(x).detach())
 
 
 def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
@@ -150,7 +168,7 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32,
                         torch_model=_cnn)
     assert meta.builder_settings["max_autotune"] and meta.builder_settings["dtype"] == "float16"
-    assert meta.builder_settings["freezing"]  # auto: on the GPU
+    assert meta.builder_settings["freezing"] is False  # the default
     ref = ort.InferenceSession(str(zoo("cnn")), providers=["CPUExecutionProvider"])
     with load_engine(tmp_path / "e") as runner:
         for batch in (1, 32):
