@@ -62,6 +62,17 @@ def _start_serve(path: Path, ports: list[int], *extra: str) -> subprocess.Popen[
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _ready(proc: subprocess.Popen[bytes], ports: list[int], models: list[str]) -> None:
+    """wait_ready, and when the server exits before it is ready, the failure shows what `kiln serve` printed."""
+    try:
+        wait_ready(f"http://127.0.0.1:{ports[0]}", models, READY_TIMEOUT_S, proc)
+    except KilnError as exc:
+        if proc.poll() is None:
+            raise
+        printed = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+        raise AssertionError(f"{exc.message}; kiln serve printed:\n{printed[-3000:]}") from None
+
+
 def _abort(proc: subprocess.Popen[bytes]) -> None:
     """A failing test still stops the server cleanly (SIGKILL would leave PyTriton's workspace behind)."""
     proc.terminate()
@@ -85,7 +96,7 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(workdir: Pa
     # A 2 ms batching window: concurrent requests reliably meet in one batch even on a loaded machine.
     proc = _start_serve(workdir, ports, "--max-queue-delay-us", "2000")
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", [MODEL], READY_TIMEOUT_S, proc)
+        _ready(proc, ports, [MODEL])
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert any("tritonserver" in p.name() for p in descendants)
         result = loadtest(f"http://127.0.0.1:{ports[0]}", MODEL, workdir, tmp_path / "lt", [8], duration_s=120,
@@ -113,7 +124,7 @@ def test_sigint_stops_the_server_and_its_children(workdir: Path) -> None:
     ports = [free_port() for _ in range(3)]
     proc = _start_serve(workdir / "package" / "engines" / ENGINE, ports)
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", [MODEL], READY_TIMEOUT_S, proc)
+        _ready(proc, ports, [MODEL])
         descendants = psutil.Process(proc.pid).children(recursive=True)
     except BaseException:
         _abort(proc)
@@ -127,7 +138,7 @@ def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tm
     ports = [free_port() for _ in range(3)]
     proc = tritonserver_process(repo, tmp_path / "scratch", *ports, log_file=tmp_path / "tritonserver.log")
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", [model], READY_TIMEOUT_S, proc)
+        _ready(proc, ports, [model])
         descendants = psutil.Process(proc.pid).children(recursive=True)
         import tritonclient.http as httpclient
 
@@ -256,7 +267,7 @@ def test_an_unreadable_answer_is_counted_not_lost(workdir: Path, tmp_path: Path,
     ports = [free_port() for _ in range(3)]
     proc = _start_serve(workdir, ports)
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", [MODEL], READY_TIMEOUT_S, proc)
+        _ready(proc, ports, [MODEL])
         monkeypatch.setattr(grpcclient.InferResult, "as_numpy", unreadable)
         with pytest.raises(GateFailure, match="10 answers differed"):
             loadtest(f"grpc://127.0.0.1:{ports[1]}", MODEL, workdir, tmp_path / "lt", [2], duration_s=60,
@@ -300,7 +311,7 @@ def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_pat
     ports = [free_port() for _ in range(3)]
     proc = _start_serve(engine_dir, ports, "--max-queue-delay-us", "2000")
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", ["onnxruntime_cuda_fp16"], READY_TIMEOUT_S, proc)
+        _ready(proc, ports, ["onnxruntime_cuda_fp16"])
         descendants = psutil.Process(proc.pid).children(recursive=True)
         result = loadtest(f"grpc://127.0.0.1:{ports[1]}", "onnxruntime_cuda_fp16", engine_dir, tmp_path / "lt", [8],
                           duration_s=120, max_requests=200)
