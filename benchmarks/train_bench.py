@@ -454,7 +454,10 @@ def cell(windows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"steps_per_s": statistics.median(w["steps_per_s"] for w in windows),
             "step_peak_mb": max(peaks) if peaks else None,
             "windows_steps_per_s": [round(w["steps_per_s"], 3) for w in windows],
-            "host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in windows if "step_ms" in w)}
+            "host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in windows if "step_ms" in w),
+            # Python's garbage collections inside the windows: host time neither loop's code accounts for
+            "gc_ms_per_window": [w.get("gc_ms", 0.0) for w in windows],
+            "gc_collections_per_window": [w.get("gc_collections", 0) for w in windows]}
 
 
 def paired_ratio(kiln: list[dict[str, Any]], bare: list[dict[str, Any]]) -> float:
