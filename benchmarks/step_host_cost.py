@@ -19,6 +19,7 @@ Timing: ``--iters`` calls back to back, host clock around them (the host time to
 then a synchronisation; ``--rounds`` rounds alternating bare and Kiln; medians. Writes step_host_cost.json/.md.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/step_host_cost.py --out $OUT      # GPU host, ~1.5 minutes
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/step_host_cost.py --model bert_base --out $OUT  # explicit attention
     python benchmarks/step_host_cost.py --smoke --out /tmp/shc                    # tiny model on CPU, seconds
 """
 from __future__ import annotations
@@ -180,16 +181,25 @@ def parts(s: Setup) -> dict[str, Callable[[], Any]]:
             "micro_batches": lambda: micro_batches(s.xb, s.yb, 1)}
 
 
-def specs(smoke: bool) -> dict[str, Any]:
+MODELS = ("resnet18", "bert_base")
+
+
+def specs(smoke: bool, model: str = "resnet18") -> dict[str, Any]:
+    """``bert_base``: the encoder with attention written out, the train_bench cell whose compiled step is the most
+    host-bound (about 1,090 kernels per step on the H200; issue 16's worst cell in session 7)."""
+    if model == "bert_base":
+        params = {"layers": 2, "dim": 32, "heads": 2, "ffn": 64, "in_features": 32, "seq_len": 8} if smoke else {}
+        return {"model": "bert_base", "params": {**params, "attention": "explicit"}, "batch": 8,
+                "shape": (8, 32) if smoke else (128, 768), "classes": 2}
     if smoke:
         return {"model": "resnet18", "params": {"width": 8, "blocks": (1, 1), "num_classes": 10}, "batch": 8,
                 "shape": (3, 32, 32), "classes": 10}
     return {"model": "resnet18", "params": {}, "batch": 8, "shape": (3, 224, 224), "classes": 1000}
 
 
-def run(smoke: bool, iters: int, rounds: int, compile: bool) -> dict[str, Any]:
+def run(smoke: bool, iters: int, rounds: int, compile: bool, model: str = "resnet18") -> dict[str, Any]:
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
-    spec = specs(smoke)
+    spec = specs(smoke, model)
     rows = []
     for precision in PRECISIONS:
         s = Setup(spec, precision, device, compile)
@@ -215,7 +225,7 @@ def run(smoke: bool, iters: int, rounds: int, compile: bool) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"# Host time per training step, Kiln vs bare ({res['device']}, torch {res['torch']})", "",
-             f"ResNet-18 ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; median host us "
+             f"{res['model']['model']} ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; median host us "
              f"per call over {res['rounds']} rounds of {res['iters']} calls; head compiled: {res['compiled_head']}.",
              "", "| precision | tail bare | tail Kiln | Kiln extra, tail | head bare | head Kiln | Kiln extra, head |",
              "|---|---|---|---|---|---|---|"]
@@ -238,11 +248,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None, help="calls per timed round (default 50; smoke 5)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per comparison (default 9; smoke 3)")
     ap.add_argument("--no-compile", action="store_true", help="the head through the eager model")
+    ap.add_argument("--model", choices=MODELS, default="resnet18")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     res = run(args.smoke, args.iters or (5 if args.smoke else 50), args.rounds or (3 if args.smoke else 9),
-              not args.no_compile)
-    name = "step_host_cost" + ("_smoke" if args.smoke else "")
+              not args.no_compile, args.model)
+    name = "step_host_cost" + ("" if args.model == "resnet18" else f"_{args.model}") + ("_smoke" if args.smoke else "")
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
     md = markdown(res)
     (args.out / f"{name}.md").write_text(md)

@@ -71,6 +71,15 @@ def test_step_host_cost_times_both_loops_and_kilns_parts(tmp_path: Path) -> None
         assert r["tail_extra_us"] == round(r["tail"]["kiln"]["us"] - r["tail"]["bare"]["us"], 1)
 
 
+def test_step_host_cost_on_the_explicit_attention_encoder(tmp_path: Path) -> None:
+    """--model bert_base: the same comparison on the encoder whose compiled step issue 16 found most host-bound."""
+    _run("step_host_cost.py", "--smoke", "--no-compile", "--model", "bert_base", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "step_host_cost_bert_base_smoke.json").read_text())
+    assert res["model"]["model"] == "bert_base" and res["model"]["params"]["attention"] == "explicit"
+    assert all(r["head"][loop]["us"] > 0 for r in res["rows"] for loop in ("bare", "kiln"))
+    assert "bert_base" in (tmp_path / "step_host_cost_bert_base_smoke.md").read_text()
+
+
 def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
     """--profile's reading of kernel names: what a row's kernel time is spent on (the ONNX path's gap, issue 12)."""
     import importlib.util

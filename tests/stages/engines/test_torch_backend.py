@@ -16,7 +16,7 @@ from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.engines.registry import BACKENDS, load_engine, runnable
 from kiln.stages.engines.stage import build_engine
-from kiln.stages.engines.torch_backend import _can_run, _plan
+from kiln.stages.engines.torch_backend import PROGRAM, _can_run, _compile_program, _plan
 
 from tests.conftest import tiny_config_dict
 
@@ -90,7 +90,6 @@ def test_freezing_reaches_inductor_when_the_program_compiles(tmp_path: Path, fre
     """torch.compile's ``options`` do not reach Inductor's freezing (an H200 run built "frozen" engines with the
     kernels of unfrozen ones): the compiled program must compile with the weights as constants when asked."""
     from torch._inductor.utils import run_and_get_code
-    from kiln.stages.engines.torch_backend import PROGRAM, _compile_program
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
     x = torch.randn(3, 16)
