@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -391,7 +392,7 @@ class Bench:
             m.load_state_dict(state)
             return m
         cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour,
-                                                                freezing=freezing))
+                                                                freezing=freezing, inductor=self.args.torch_inductor))
         folder = self.work / f"{name}-kiln-torch{'-frozen' if freezing else ''}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
                             max_batch=max(self.args.batches), torch_model=load)
@@ -505,6 +506,22 @@ def autotune_table(results: list[dict[str, Any]]) -> list[str]:
     return lines if len(lines) > 4 else []
 
 
+def inductor_entries(text: str) -> dict[str, Any]:
+    """``a=true,b.c=3,d=ATEN,TRITON``-style pairs; a value runs to the next ``,key=`` (so values may hold commas)."""
+    out: dict[str, Any] = {}
+    for key, raw in re.findall(r"([\w.]+)=((?:(?!,[\w.]+=).)*)", text):
+        low = raw.lower()
+        value: Any = low == "true" if low in ("true", "false") else raw
+        for kind in (int, float):
+            if isinstance(value, str):
+                try:
+                    value = kind(raw)
+                except ValueError:
+                    pass
+        out[key] = value
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -519,6 +536,8 @@ def main() -> None:
     p.add_argument("--bert-layers", type=int, default=12)
     p.add_argument("--torch-flavour", default="auto", choices=["auto", "aotinductor", "compiled"],
                    help="kiln_torch: build.torch.flavour (compiled skips the AOTInductor package)")
+    p.add_argument("--torch-inductor", type=inductor_entries, default={}, metavar="KEY=VALUE,...",
+                   help="kiln_torch rows: build.torch.inductor entries, e.g. triton.enable_persistent_tma_matmul=true")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels")
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")

@@ -1,7 +1,7 @@
 """Settings of the build stage. Every knob is documented in ``stages/engines/README.md``."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 from kiln.core.sections import Section
 from pydantic import Field, field_validator, model_validator
@@ -141,6 +141,10 @@ class TorchConfig(Section):
                            "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
                            "on the H200 it tripled a BERT-base build (155 s) and its gain is not yet measured side by "
                            "side (benchmarks/engine_bench.py row kiln_torch_frozen)")
+    inductor: dict[str, Union[bool, int, float, str]] = Field(
+        default_factory=dict, description="further torch._inductor.config entries set while the engine compiles "
+                                          "(build and load), e.g. {'triton.enable_persistent_tma_matmul': true, "
+                                          "'max_autotune_gemm_backends': 'ATEN,TRITON'}; names checked at build time")
     load_check: bool = Field(True, description="load the built package once in a child process before accepting it"
                                                " (a package that crashes its loader is skipped, not served)")
     load_check_timeout_s: float = Field(300.0, gt=0)

@@ -28,6 +28,7 @@ to a few sizes (``Runner.per_shape_sessions``).
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 import signal
@@ -75,7 +76,7 @@ def _on(value: str, auto: bool) -> bool:
 
 def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, bool]:
     return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
-            "freezing": cfg.freezing}
+            "freezing": cfg.freezing, "inductor": dict(cfg.inductor)}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -144,6 +145,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                          hint="build on the GPU host, or set build.torch.devices: [cpu]")
     model = req.torch_model().eval()
     settings = _settings(req.config.torch, req.device, any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
+    check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
     if settings["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
@@ -227,43 +229,66 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
 
 def _inductor_options(settings: dict[str, Any]) -> dict[str, Any]:
     """Inductor's config for the engine's builder settings: max-autotune as torch.compile's mode
-    ``max-autotune-no-cudagraphs`` sets it (CUDA graphs are Kiln's own, :class:`GraphReplays`), and freezing.
-    Settings recorded by an older Kiln lack ``freezing``: off, as they were built."""
+    ``max-autotune-no-cudagraphs`` sets it (CUDA graphs are Kiln's own, :class:`GraphReplays`), freezing, and the
+    user's ``build.torch.inductor`` entries last. Settings recorded by an older Kiln lack the last two: off and none,
+    as they were built."""
     import torch._inductor
 
     options = dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs")) if settings.get("max_autotune") \
         else {}
-    return {**options, "freezing": bool(settings.get("freezing"))}
+    return {**options, "freezing": bool(settings.get("freezing")), **settings.get("inductor", {})}
+
+
+def check_inductor_keys(entries: dict[str, Any]) -> None:
+    """``build.torch.inductor`` names real ``torch._inductor.config`` entries (dotted for nested ones), checked at
+    build time because importing Inductor to validate the config file would make every Kiln command slow."""
+    import torch._inductor.config
+
+    known = torch._inductor.config.get_config_copy()
+    unknown = sorted(k for k in entries if k not in known)
+    if unknown:
+        close = {k: difflib.get_close_matches(k, list(known), n=1) for k in unknown}
+        guesses = ", ".join(f"{k} (did you mean {c[0]}?)" if c else k for k, c in close.items())
+        raise ConfigError(f"build.torch.inductor: not a torch._inductor.config entry: {guesses}",
+                          hint="use the names of torch/_inductor/config.py, nested ones dotted (triton.cudagraphs)")
 
 
 def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False) -> Any:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
-    baseline is timed), the Inductor options of the build's settings (:func:`_inductor_options`), and on the GPU
-    replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call runs under
-    ``torch.inference_mode`` (Inductor freezes only graphs without autograd)."""
+    baseline is timed), compiled under the Inductor config of the build's settings (:func:`_inductor_options`), and
+    on the GPU replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call
+    runs under ``torch.inference_mode`` (Inductor freezes only graphs without autograd)."""
     import torch
 
     module = torch.export.load(str(path)).module()
     options = _inductor_options(settings)
-    freezing = options.pop("freezing")
-    compiled = torch.compile(module, options=options, dynamic=False)
-    if freezing:  # torch.compile's options do not reach freezing (checked before they apply): set while compiling
-        compiled = _Freezing(compiled)
+    compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
     return GraphReplays(compiled) if cuda_graphs else compiled
 
 
-class _Freezing:
-    """Calls a lazily compiled program with Inductor's ``freezing`` config set, so that the compilation a call may
-    trigger (a new shape) freezes; after capture GraphReplays replays without calling it."""
+class _Configured:
+    """A lazily compiled program whose compilations run under a given Inductor config.
 
-    def __init__(self, run: Any) -> None:
-        self.run = run
+    ``torch.compile(options=...)`` alone is not enough: those options never reached freezing (an H200 build with it
+    compiled no frozen constants; ``test_inductor_config_reaches_the_compilation``), so the config is also set around
+    the calls that compile: the first call of each input signature (shapes are static, so a new signature is what
+    compiles). Later calls skip the patch, which costs about 25 us per call on the CPU; a recompile they trigger
+    anyway (after ``torch.compiler.reset()``, say) still gets the settings ``options`` carries, not freezing."""
+
+    def __init__(self, run: Any, options: dict[str, Any]) -> None:
+        self.run, self.options = run, options
+        self.compiled: set[tuple[Any, ...]] = set()
 
     def __call__(self, *args: Any) -> Any:
         import torch._inductor.config
 
-        with torch._inductor.config.patch(freezing=True):
+        key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+        if key in self.compiled:
             return self.run(*args)
+        with torch._inductor.config.patch(self.options):
+            out = self.run(*args)
+        self.compiled.add(key)
+        return out
 
 
 class GraphReplays:

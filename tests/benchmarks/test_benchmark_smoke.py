@@ -101,5 +101,8 @@ def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
     row = {"model": "m", "batch": 32, "row": "kiln_fixed", "median_ms": 1.9,
            "profile": {"kernel_ms": 1.5, "kernels": 80.0, "by_kind": {"convolution": [1.2, 20.0], "layout": [0.3, 60.0]},
                        "top": [["conv_kernel", 0.2, 1.0]]}}
+    assert bench.inductor_entries("triton.enable_persistent_tma_matmul=true,max_autotune_gemm_backends=ATEN,TRITON,"
+                                  "x=3") == {"triton.enable_persistent_tma_matmul": True,
+                                             "max_autotune_gemm_backends": "ATEN,TRITON", "x": 3}
     table = "\n".join(bench.profile_table([row]))
     assert "| m | 32 | kiln_fixed | 1.900 | 1.500 | 80 | convolution 1.200 (20), layout 0.300 (60) |" in table

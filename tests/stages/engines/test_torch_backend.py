@@ -85,21 +85,35 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
             np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("freezing", [False, True])
-def test_freezing_reaches_inductor_when_the_program_compiles(tmp_path: Path, freezing: bool) -> None:
+@pytest.mark.parametrize("settings", [{"freezing": False}, {"freezing": True}, {"inductor": {"freezing": True}}],
+                         ids=["plain", "freezing", "inductor-entry"])
+def test_inductor_config_reaches_the_compilation(tmp_path: Path, settings: dict) -> None:
     """torch.compile's ``options`` do not reach Inductor's freezing (an H200 run built "frozen" engines with the
-    kernels of unfrozen ones): the compiled program must compile with the weights as constants when asked."""
+    kernels of unfrozen ones): the compiled program must compile with the weights as constants when asked, through
+    build.torch.freezing or a build.torch.inductor entry; a second call of the same shape does not compile again."""
+    from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
     x = torch.randn(3, 16)
     torch.export.save(torch.export.export(model, (x,)), str(tmp_path / PROGRAM))
     torch.compiler.reset()
-    run = _compile_program(tmp_path / PROGRAM, {"freezing": freezing})
+    run = _compile_program(tmp_path / PROGRAM, settings)
+    frozen = settings != {"freezing": False}
     with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
-        out, code = run_and_get_code(run, x)
-    assert ("_frozen_param" in "\n".join(code)) is freezing
+        out, code = run_and_get_code(run, x)  # (it resets Dynamo first: the call compiles)
+        graphs = counters["stats"]["unique_graphs"]
+        run(x)
+    assert ("_frozen_param" in "\n".join(code)) is frozen
+    assert counters["stats"]["unique_graphs"] == graphs  # the same shape again: no new compilation
     torch.testing.assert_close(out, model(x).detach())
+
+
+def test_an_unknown_inductor_entry_is_a_config_error(zoo, tmp_path: Path) -> None:
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(inductor={"max_autotune_gem_backends": "ATEN"}))
+    with pytest.raises(ConfigError, match="did you mean max_autotune_gemm_backends") as err:
+        build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", torch_model=_cnn)
+    assert "nested ones dotted" in err.value.hint
 
 
 def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
