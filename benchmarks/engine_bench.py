@@ -132,11 +132,15 @@ def time_fn(fn: Callable[[], Any], warmup: int, iterations: int) -> list[float]:
 KERNEL_KINDS = (
     ("attention", ("fmha", "flash", "attention", "attn", "softmax")),
     ("layout", ("transpose", "nchwtonhwc", "nhwctonchw", "addpadding", "nhwc2nchw", "nchw2nhwc", "permute")),
-    ("convolution", ("conv", "fprop", "dgrad", "implicit_gemm", "implicit_convolve", "xmma_fprop", "cudnn")),
-    ("matmul", ("gemm", "mm", "cutlass", "cublas", "matmul", "sm90_xmma", "nvjet")),
-    ("normalization", ("layer_norm", "layernorm", "batch_norm", "batchnorm", "rms")),
+    ("convolution", ("convolve", "convolution", "conv2d", "fprop", "dgrad", "implicit_gemm", "xmma_fprop")),
+    ("matmul", ("gemm", "addmm", "bmm", "_mm_", "triton_mm", "cutlass", "cublas", "matmul", "sm90_xmma", "nvjet")),
+    ("normalization", ("layer_norm", "layernorm", "batch_norm", "batchnorm", "bn_fw", "rms")),
+    ("pooling", ("pooling", "pool2d", "max_pool", "avg_pool")),
     ("copy / cast", ("copy", "cast", "memcpy", "multi_tensor_apply", "fill", "clone")),
 )
+"""Names checked on H200 profiles: cuDNN's BatchNorm (``cudnn::bn_fw_inf_...``) and pooling kernels are not
+convolutions, nor is ``op_generic_tensor_kernel`` (cuDNN's elementwise op, e.g. a bias add: "other"); Inductor's
+convolution templates with BatchNorm fused in (``triton_tem_fused__native_batch_norm_..._convolution_relu``) are."""
 
 
 def kernel_kind(name: str) -> str:
@@ -214,6 +218,8 @@ class Bench:
         return torch.cat([fn(slice_inputs(xs, i, i + bs)) for i in range(0, len(xs[0]), bs)])
 
     def _export(self, name: str, model: torch.nn.Module, shape: tuple[int, ...]) -> Path:
+        import onnx_graphsurgeon as gs
+
         raw = self.work / f"{name}-raw.onnx"
         if name == "hf_bert":  # as issue 12 exported it: dynamo, dynamic batch on both inputs
             xs = make_inputs(name, self.params, shape, 2, seed=0)
@@ -224,16 +230,24 @@ class Bench:
         else:
             export_onnx(model.float().cpu(), torch.randn(2, *shape), raw)
         model.to(self.dev)
-        # Kiln's own constant folding and Conv+BatchNorm folding (its optimize passes, verified against the
-        # original), and deliberately no more: the default passes also include merge_qkv (one MatMul for Q/K/V),
-        # matmul_add_to_gemm and fold_scalar_mul, which rewrite exactly the MatMul+Add / scaled-QK^T subgraphs
-        # ORT's transformer fusion matches to emit Attention/SkipLayerNorm, so they would cost the ORT engine its
-        # biggest win. BatchNorm is folded here because ORT does not do it on these graphs: the exporter gives
-        # bias-free convolutions a zero bias through CastLike/Expand of the input, which ORT's Conv+BN fusion does
-        # not take as a constant, and the FP16 engines then ran every BatchNorm as its own kernel between FP32 casts
-        # (H200, ResNet-18 batch 32: 0.26 ms of BatchNorm and 0.09 ms of casts, engine_bench_h200_s7_profile_resnet18).
+        # Constant folding, and Conv+BatchNorm folding where there is BatchNorm, and deliberately no more: Kiln's
+        # default optimize passes also include merge_qkv (one MatMul for Q/K/V), matmul_add_to_gemm and
+        # fold_scalar_mul, which rewrite exactly the MatMul+Add / scaled-QK^T subgraphs ORT's transformer fusion
+        # matches to emit Attention/SkipLayerNorm, so they would cost the ORT engine its biggest win. BatchNorm is
+        # folded (Kiln's fold_conv_bn, as its pipeline does) because ORT does not do it on these graphs: the exporter
+        # gives bias-free convolutions a zero bias through CastLike/Expand of the input, which ORT's Conv+BN fusion
+        # does not take as a constant, and the FP16 engines then ran every BatchNorm as its own kernel between FP32
+        # casts (H200, ResNet-18 batch 32: engine_bench_h200_s7_profile_resnet18). Only there: Kiln's optimize API
+        # re-infers shapes, which renames some of the exporter's symbolic dims, and ORT's SkipLayerNorm fusion then
+        # misses residual Adds whose inputs no longer have provably equal shapes (a BERT export).
         out = self.work / f"{name}-fp32.onnx"
-        folded, _ = optimize_model(onnx.load(str(raw)), OptimizeConfig(passes=["fold_constants", "fold_conv_bn"]))
+        exported = onnx.load(str(raw))
+        if any(n.op_type == "BatchNormalization" for n in exported.graph.node):
+            folded, _ = optimize_model(exported, OptimizeConfig(passes=["fold_constants", "fold_conv_bn"]))
+        else:
+            graph = gs.import_onnx(exported)
+            graph.fold_constants().cleanup().toposort()
+            folded = gs.export_onnx(graph)
         onnx.save(folded, str(out), save_as_external_data=False)
         return out
 
@@ -506,14 +520,21 @@ def autotune_table(results: list[dict[str, Any]]) -> list[str]:
     return lines if len(lines) > 4 else []
 
 
+PAIR = r"([A-Za-z_][\w.]*)=((?:(?!,[A-Za-z_][\w.]*=)[^=])+)"  # a value: no "=", up to the next ",key="
+ENTRIES = re.compile(f"{PAIR}(?:,{PAIR})*")
+
+
 def inductor_entries(text: str) -> dict[str, Any]:
-    """``a=true,b.c=3,d=ATEN,TRITON``-style pairs; a value runs to the next ``,key=`` (so values may hold commas)."""
+    """``a=true,b.c=3,d=ATEN,TRITON``-style pairs; a value runs to the next ``,key=`` (so values may hold commas).
+    Anything else is an argparse error, not a silently dropped or misread entry."""
+    if not ENTRIES.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"not KEY=VALUE[,KEY=VALUE...] with Inductor config names: {text!r}")
     out: dict[str, Any] = {}
-    for key, raw in re.findall(r"([\w.]+)=((?:(?!,[\w.]+=).)*)", text):
+    for key, raw in re.findall(PAIR, text):
         low = raw.lower()
         value: Any = low == "true" if low in ("true", "false") else raw
         for kind in (int, float):
-            if isinstance(value, str):
+            if isinstance(value, str) and re.fullmatch(r"-?\d+(\.\d*)?([eE]-?\d+)?", raw):
                 try:
                     value = kind(raw)
                 except ValueError:

@@ -175,7 +175,7 @@ def parts(s: Setup) -> dict[str, Callable[[], Any]]:
     if check.graph is not None:
         out["flag + guard, graph replay"] = check_graph
     out |= {"set_grads": s.set_grads, "set_grads + opt.step": opt_step}
-    if skips_on_device(t.opt):  # a fused optimizer (on the GPU): it takes found_inf
+    if skips_on_device(t.opt) and not t.scaler.is_enabled():  # Kiln's bf16/fp32 path (fp16 skips in scaler.step)
         out["set_grads + opt.step under skip_if_nonfinite"] = opt_step_skippable
     return {**out, "guard.save": t.guard.save, "lagged read-back": stats, "sched.step": t.sched.step,
             "micro_batches": lambda: micro_batches(s.xb, s.yb, 1)}

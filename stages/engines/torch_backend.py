@@ -74,7 +74,7 @@ def _on(value: str, auto: bool) -> bool:
     return value == "on" or (value == "auto" and auto)
 
 
-def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, bool]:
+def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, Any]:
     return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
             "freezing": cfg.freezing, "inductor": dict(cfg.inductor)}
 
@@ -180,8 +180,9 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
 
     t0 = time.perf_counter()
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(req.out / PACKAGE),
-                                                 inductor_configs=_inductor_options(common))
+        with torch.no_grad():  # Inductor freezes only graphs compiled without autograd (as torch._export.aot_compile)
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(req.out / PACKAGE),
+                                                     inductor_configs=_inductor_options(common))
     except Exception as exc:  # Inductor failures: this model cannot become this engine kind
         raise BuildError(f"AOTInductor could not compile the model: {type(exc).__name__}: {first_line(exc, 300)}",
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
@@ -239,11 +240,20 @@ def _inductor_options(settings: dict[str, Any]) -> dict[str, Any]:
     return {**options, "freezing": bool(settings.get("freezing")), **settings.get("inductor", {})}
 
 
+# Inductor entries Kiln sets from its own settings: the recorded settings must say what the engine was built with
+OWNED_KEYS = {"freezing": "use build.torch.freezing", "max_autotune": "use build.torch.max_autotune",
+              "triton.cudagraphs": "use build.torch.cuda_graphs (Kiln captures its own CUDA graphs)"}
+
+
 def check_inductor_keys(entries: dict[str, Any]) -> None:
     """``build.torch.inductor`` names real ``torch._inductor.config`` entries (dotted for nested ones), checked at
     build time because importing Inductor to validate the config file would make every Kiln command slow."""
     import torch._inductor.config
 
+    owned = sorted(k for k in entries if k in OWNED_KEYS)
+    if owned:
+        raise ConfigError(f"build.torch.inductor: {', '.join(owned)} is set by Kiln's own settings",
+                          hint=", ".join(OWNED_KEYS[k] for k in owned))
     known = torch._inductor.config.get_config_copy()
     unknown = sorted(k for k in entries if k not in known)
     if unknown:
@@ -251,6 +261,12 @@ def check_inductor_keys(entries: dict[str, Any]) -> None:
         guesses = ", ".join(f"{k} (did you mean {c[0]}?)" if c else k for k, c in close.items())
         raise ConfigError(f"build.torch.inductor: not a torch._inductor.config entry: {guesses}",
                           hint="use the names of torch/_inductor/config.py, nested ones dotted (triton.cudagraphs)")
+    for key, value in entries.items():  # a wrong type would only fail inside torch.compile, wrapped in a BuildError
+        default = known[key]
+        if default is not None and not isinstance(value, type(default)) and not (
+                isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)):
+            raise ConfigError(f"build.torch.inductor: {key} takes a {type(default).__name__} (its default is "
+                              f"{default!r}), not {value!r}", hint=f"set {key} to a {type(default).__name__}")
 
 
 def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False) -> Any:

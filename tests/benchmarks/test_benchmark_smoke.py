@@ -91,18 +91,30 @@ def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
         "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc", "void cudnn::ops::nchwToNhwcKernel<__half>",
         "triton_tem_fused_addmm_gelu_3", "fmha_cutlassF_f16_aligned_64x64_rf_sm80", "triton_per_fused_layer_norm_4",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>",
-        "triton_poi_fused__to_copy_0")}
+        "triton_poi_fused__to_copy_0", "void cudnn::bn_fw_inf_1C11_kernel_NHWC<__half, float, true, true>",
+        "void cudnn::pooling_fw_kernel_max_nhwc<__half>", "void op_generic_tensor_kernel<4, __half, float>",
+        "void implicit_convolve_sgemm<__half, __half, 128>", "triton_tem_fused_addmm_t_view_1",
+        "triton_tem_fused__native_batch_norm_legit_no_training_convolution_relu_19")}
     assert kinds == {"sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc": "convolution",
                      "void cudnn::ops::nchwToNhwcKernel<__half>": "layout", "triton_tem_fused_addmm_gelu_3": "matmul",
                      "fmha_cutlassF_f16_aligned_64x64_rf_sm80": "attention",
                      "triton_per_fused_layer_norm_4": "normalization",
                      "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>": "other",
-                     "triton_poi_fused__to_copy_0": "copy / cast"}, kinds
+                     "triton_poi_fused__to_copy_0": "copy / cast",
+                     "void cudnn::bn_fw_inf_1C11_kernel_NHWC<__half, float, true, true>": "normalization",
+                     "void cudnn::pooling_fw_kernel_max_nhwc<__half>": "pooling",
+                     "void op_generic_tensor_kernel<4, __half, float>": "other",
+                     "void implicit_convolve_sgemm<__half, __half, 128>": "convolution",
+                     "triton_tem_fused_addmm_t_view_1": "matmul",
+                     "triton_tem_fused__native_batch_norm_legit_no_training_convolution_relu_19": "convolution"}, kinds
     row = {"model": "m", "batch": 32, "row": "kiln_fixed", "median_ms": 1.9,
            "profile": {"kernel_ms": 1.5, "kernels": 80.0, "by_kind": {"convolution": [1.2, 20.0], "layout": [0.3, 60.0]},
                        "top": [["conv_kernel", 0.2, 1.0]]}}
     assert bench.inductor_entries("triton.enable_persistent_tma_matmul=true,max_autotune_gemm_backends=ATEN,TRITON,"
                                   "x=3") == {"triton.enable_persistent_tma_matmul": True,
                                              "max_autotune_gemm_backends": "ATEN,TRITON", "x": 3}
+    for bad in ("max-autotune=true", "freezing", "a=1;b=2"):
+        with pytest.raises(Exception, match="KEY=VALUE"):
+            bench.inductor_entries(bad)
     table = "\n".join(bench.profile_table([row]))
     assert "| m | 32 | kiln_fixed | 1.900 | 1.500 | 80 | convolution 1.200 (20), layout 0.300 (60) |" in table

@@ -69,7 +69,10 @@ def _ready(proc: subprocess.Popen[bytes], ports: list[int], models: list[str]) -
     except KilnError as exc:
         if proc.poll() is None:
             raise
-        printed = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+        try:  # communicate, not read: a server child still holding the pipe must not hang the test
+            printed = (proc.communicate(timeout=30)[0] or b"").decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            printed = "(no output: the pipe stayed open)"
         raise AssertionError(f"{exc.message}; kiln serve printed:\n{printed[-3000:]}") from None
 
 

@@ -85,12 +85,15 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
             np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("settings", [{"freezing": False}, {"freezing": True}, {"inductor": {"freezing": True}}],
+@pytest.mark.parametrize("settings, frozen, vectorized", [({"freezing": False}, False, True),
+                                                         ({"freezing": True}, True, True),
+                                                         ({"inductor": {"cpp.simdlen": 1}}, False, False)],
                          ids=["plain", "freezing", "inductor-entry"])
-def test_inductor_config_reaches_the_compilation(tmp_path: Path, settings: dict) -> None:
+def test_inductor_config_reaches_the_compilation(tmp_path: Path, settings: dict, frozen: bool,
+                                                 vectorized: bool) -> None:
     """torch.compile's ``options`` do not reach Inductor's freezing (an H200 run built "frozen" engines with the
-    kernels of unfrozen ones): the compiled program must compile with the weights as constants when asked, through
-    build.torch.freezing or a build.torch.inductor entry; a second call of the same shape does not compile again."""
+    kernels of unfrozen ones): the compiled program must compile with the weights as constants when asked, and with
+    a build.torch.inductor entry (here: scalar CPU code); a second call of the same shape does not compile again."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
@@ -99,21 +102,40 @@ def test_inductor_config_reaches_the_compilation(tmp_path: Path, settings: dict)
     torch.export.save(torch.export.export(model, (x,)), str(tmp_path / PROGRAM))
     torch.compiler.reset()
     run = _compile_program(tmp_path / PROGRAM, settings)
-    frozen = settings != {"freezing": False}
     with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
         out, code = run_and_get_code(run, x)  # (it resets Dynamo first: the call compiles)
         graphs = counters["stats"]["unique_graphs"]
         run(x)
     assert ("_frozen_param" in "\n".join(code)) is frozen
+    assert ("Vectorized" in "\n".join(code)) is vectorized
     assert counters["stats"]["unique_graphs"] == graphs  # the same shape again: no new compilation
     torch.testing.assert_close(out, model(x).detach())
 
 
-def test_an_unknown_inductor_entry_is_a_config_error(zoo, tmp_path: Path) -> None:
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(inductor={"max_autotune_gem_backends": "ATEN"}))
-    with pytest.raises(ConfigError, match="did you mean max_autotune_gemm_backends") as err:
+@pytest.mark.slow
+def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None:
+    """AOTInductor freezes only when compiled without autograd: the package holds frozen constants when asked."""
+    import zipfile
+
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="aotinductor", freezing=True, load_check=False))
+    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
+                        torch_model=_cnn)
+    assert meta.flavour == "aotinductor" and meta.builder_settings["freezing"] is True
+    with zipfile.ZipFile(tmp_path / "e" / "model.pt2") as package:
+        text = b"".join(package.read(n) for n in package.namelist() if n.endswith((".cpp", ".py", ".json", ".h")))
+    assert b"_frozen_param" in text
+
+
+@pytest.mark.parametrize("entries, message, hint", [
+    ({"max_autotune_gem_backends": "ATEN"}, "did you mean max_autotune_gemm_backends", "nested ones dotted"),
+    ({"freezing": True}, "freezing is set by Kiln's own settings", "build.torch.freezing"),
+    ({"epilogue_fusion": "yes"}, "epilogue_fusion takes a bool", "set epilogue_fusion to a bool")])
+def test_a_wrong_inductor_entry_is_a_config_error(zoo, tmp_path: Path, entries: dict, message: str,
+                                                  hint: str) -> None:
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(inductor=entries))
+    with pytest.raises(ConfigError, match=message) as err:
         build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", torch_model=_cnn)
-    assert "nested ones dotted" in err.value.hint
+    assert hint in err.value.hint
 
 
 def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
