@@ -197,9 +197,12 @@ def specs(smoke: bool, model: str = "resnet18") -> dict[str, Any]:
     return {"model": "resnet18", "params": {}, "batch": 8, "shape": (3, 224, 224), "classes": 1000}
 
 
-def run(smoke: bool, iters: int, rounds: int, compile: bool, model: str = "resnet18") -> dict[str, Any]:
+def run(smoke: bool, iters: int, rounds: int, compile: bool, model: str = "resnet18",
+        batch: int | None = None) -> dict[str, Any]:
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
     spec = specs(smoke, model)
+    if batch:  # e.g. train_bench's batch (64 for bert_base), where the head's GPU work may no longer hide
+        spec = {**spec, "batch": batch}
     rows = []
     for precision in PRECISIONS:
         s = Setup(spec, precision, device, compile)
@@ -249,10 +252,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per comparison (default 9; smoke 3)")
     ap.add_argument("--no-compile", action="store_true", help="the head through the eager model")
     ap.add_argument("--model", choices=MODELS, default="resnet18")
+    ap.add_argument("--batch", type=int, default=None, help="batch size (default 8: host-bound)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     res = run(args.smoke, args.iters or (5 if args.smoke else 50), args.rounds or (3 if args.smoke else 9),
-              not args.no_compile, args.model)
+              not args.no_compile, args.model, args.batch)
     name = "step_host_cost" + ("" if args.model == "resnet18" else f"_{args.model}") + ("_smoke" if args.smoke else "")
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
     md = markdown(res)

@@ -73,9 +73,10 @@ def test_step_host_cost_times_both_loops_and_kilns_parts(tmp_path: Path) -> None
 
 def test_step_host_cost_on_the_explicit_attention_encoder(tmp_path: Path) -> None:
     """--model bert_base: the same comparison on the encoder whose compiled step issue 16 found most host-bound."""
-    _run("step_host_cost.py", "--smoke", "--no-compile", "--model", "bert_base", "--out", str(tmp_path))
+    _run("step_host_cost.py", "--smoke", "--no-compile", "--model", "bert_base", "--batch", "4", "--out", str(tmp_path))
     res = json.loads((tmp_path / "step_host_cost_bert_base_smoke.json").read_text())
     assert res["model"]["model"] == "bert_base" and res["model"]["params"]["attention"] == "explicit"
+    assert res["model"]["batch"] == 4
     assert all(r["head"][loop]["us"] > 0 for r in res["rows"] for loop in ("bare", "kiln"))
     assert "bert_base" in (tmp_path / "step_host_cost_bert_base_smoke.md").read_text()
 
