@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from kiln.stages.train import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,3 +121,21 @@ def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
             bench.inductor_entries(bad)
     table = "\n".join(bench.profile_table([row]))
     assert "| m | 32 | kiln_fixed | 1.900 | 1.500 | 80 | convolution 1.200 (20), layout 0.300 (60) |" in table
+
+
+def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path) -> None:
+    """The bisection of issue 16's gap: each variant swaps parts of Kiln's loop for the bare loop's, then restores."""
+    import importlib.util
+
+    _run("train_loop_ab.py", "--smoke", "--variants", "kiln,step+batches+compile,bare", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "train_loop_ab_smoke.json").read_text())
+    assert list(res["variants"]) == ["kiln", "step+batches+compile", "bare"]
+    assert all(0.2 < r < 5 for v in res["variants"].values() for r in v["runs"])  # ratios of real windows
+    spec = importlib.util.spec_from_file_location("train_loop_ab", ROOT / "benchmarks" / "train_loop_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    step, fb, make, compile_fn = loop._Trainer._step, loop._Trainer._forward_backward, loop.make_loader, torch.compile
+    with ab.variant_patches("step+batches+compile"):
+        assert loop._Trainer._step is ab.bare_step and loop.make_loader is not make and torch.compile is not compile_fn
+    assert (loop._Trainer._step, loop._Trainer._forward_backward, loop.make_loader, torch.compile) == (
+        step, fb, make, compile_fn)

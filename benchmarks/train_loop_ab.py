@@ -1,0 +1,202 @@
+"""Which part of Kiln's training loop makes it slower than the bare loop? (issue 16, the explicit-attention cell)
+
+``train_bench.py --compile`` measures Kiln compiled against a bare compiled loop in interleaved windows
+(:func:`train_bench.interleaved`). This script runs that same comparison several times per *variant*, each variant
+swapping one part of Kiln's loop for the bare loop's own code, so a part that causes the gap shows as a variant
+whose ratio moves to ~1.0:
+
+* ``kiln``: Kiln's loop as it ships;
+* ``step``: ``_Trainer._step`` and ``_forward_backward`` replaced by the bare loop's step (forward through the compiled
+  module, FP32 cross-entropy, scaled backward, unscale, clip, scaler step/update, zero_grad) on Kiln's own model,
+  optimizer and scaler: no step check, lagged read-back, schedule or book-keeping;
+* ``step+batches``: as ``step``, and Kiln's device-resident batches (``DeviceBatches``) replaced by the bare loop's
+  batching (a random permutation sliced per step, ``index_select``);
+* ``step+batches+compile``: as ``step+batches``, and Kiln's ``torch.compile(module, mode=..., dynamic=False, ...)``
+  replaced by the bare loop's ``torch.compile(model)``;
+* ``bare``: the bare loop against a second bare loop on another instance of the model (the method's own spread).
+
+The swaps monkeypatch Kiln's classes for the duration of one run and are undone after it. Variants alternate run
+by run (a drift of the host's speed reaches all of them). Kiln / bare per run is the median of its window pairs'
+ratios; per variant the mean and spread over runs. Writes <out>/train_loop_ab[_smoke].json/.md.
+
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_loop_ab.py --precision bf16 --out $OUT    # GPU host
+    python benchmarks/train_loop_ab.py --smoke --out /tmp/ab                                   # tiny, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kiln.stages.train import compile as compile_module  # noqa: E402
+from kiln.stages.train import loop  # noqa: E402
+from kiln.stages.train.precision import autocast  # noqa: E402
+
+VARIANTS = ("kiln", "step", "step+batches", "step+batches+compile", "bare")
+
+
+def _train_bench() -> Any:
+    spec = importlib.util.spec_from_file_location("train_bench", Path(__file__).with_name("train_bench.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TB = _train_bench()
+
+
+def bare_forward_backward(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    """The bare loop's forward/backward (train_bench.BareLoop.step) on Kiln's trainer."""
+    with autocast(self.device, self.precision):
+        out = self.net.forward(xb)  # the compiled module itself, not Kiln's CompiledModel wrapper
+    loss = nn.functional.cross_entropy(out.float(), yb)
+    self.scaler.scale(loss).backward()
+    return loss.detach()
+
+
+def bare_step(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> None:
+    """The bare loop's step on Kiln's trainer: none of Kiln's checks, read-back, schedule or book-keeping."""
+    self._forward_backward(xb, yb)
+    self.scaler.unscale_(self.opt)
+    nn.utils.clip_grad_norm_(self.params, 1.0)
+    self.scaler.step(self.opt)
+    self.scaler.update()
+    self.opt.zero_grad(set_to_none=True)
+    self.result.global_step += 1
+    self.step_in_epoch += 1
+    self.acc["samples"] += len(yb)
+
+
+class BareBatches:
+    """The bare loop's batching in place of Kiln's ``DeviceBatches``: a permutation sliced per step."""
+
+    def __init__(self, batches: Any) -> None:
+        self.x, self.y, self.batch, self.n = batches.x, batches.y, batches.batch, len(batches)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        perm = torch.randperm(len(self.y), device=self.y.device)
+        for b in range(self.n):
+            idx = perm[b * self.batch:(b + 1) * self.batch]
+            yield self.x.index_select(0, idx), self.y.index_select(0, idx)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@contextmanager
+def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextmanager
+def variant_patches(variant: str) -> Iterator[None]:
+    """Kiln's loop with the parts named by ``variant`` swapped for the bare loop's (undone on exit)."""
+    with ExitStack() as stack:
+        if variant.startswith("step"):
+            stack.enter_context(patched(loop._Trainer, "_step", bare_step))
+            stack.enter_context(patched(loop._Trainer, "_forward_backward", bare_forward_backward))
+        if "batches" in variant:
+            make = loop.make_loader
+
+            def bare_loader(*args: Any, **kwargs: Any) -> Any:
+                batches, sampler = make(*args, **kwargs)
+                return BareBatches(batches), sampler
+            stack.enter_context(patched(loop, "make_loader", bare_loader))
+        if "compile" in variant:
+            real = torch.compile
+            stack.enter_context(patched(compile_module.torch, "compile", lambda module, **_: real(module)))
+        yield
+
+
+def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device, steps: int,
+                 windows: int) -> list[float]:
+    """Two bare compiled loops on two instances of the model, alternating windows: first / second per pair."""
+    torch.compiler.reset()
+    loops = [TB.BareLoop(TB.fresh_model(name, spec), data, spec["batch"], precision, device, True) for _ in range(2)]
+    for bare in loops:
+        for _ in range(steps + 1):
+            bare.step()
+    pairs = [[bare.window(steps, device)["steps_per_s"] for bare in loops] for _ in range(windows)]
+    for bare in loops:
+        bare.model.to("cpu")
+    return [a / b for a, b in pairs]
+
+
+def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device,
+            steps: int, windows: int) -> float:
+    if variant == "bare":
+        return statistics.median(bare_vs_bare(name, spec, data, precision, device, steps, windows))
+    with variant_patches(variant):
+        r = TB.interleaved(name, spec, data, precision, device, steps, windows, compile=True)
+    return TB.paired_ratio(r["kiln"], r["bare"])
+
+
+def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, variants: list[str]) -> dict[str, Any]:
+    device = TB.bench_device(smoke)
+    name = "bert_base"
+    spec = TB.specs(smoke, compile_table=True)[name]  # attention written out: the cell that misses 0.97
+    data = TB.make_data(spec, steps + 1)
+    ratios: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(runs):
+        for v in variants[i % len(variants):] + variants[:i % len(variants)]:  # rotate which variant goes first
+            ratios[v].append(round(one_run(v, name, spec, data, precision, device, steps, windows), 4))
+            print(f"run {i + 1}/{runs} {v}: {ratios[v][-1]:.3f}", flush=True)
+    summary = {v: {"mean": round(statistics.mean(r), 4), "sd": round(statistics.stdev(r), 4) if len(r) > 1 else None,
+                   "runs": r} for v, r in ratios.items()}
+    return {"device": TB.device_name(device), "host": platform.node(), "torch": torch.__version__, "model": spec,
+            "precision": precision, "steps": steps, "windows": windows, "variants": summary}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [f"# Which part of Kiln's loop costs steps/s ({res['device']}, torch {res['torch']})", "",
+             f"`bert_base` with attention written out ({res['model']['params'] or 'full size'}), batch "
+             f"{res['model']['batch']}, {res['precision']}, compiled; per run the median Kiln / bare ratio over "
+             f"{res['windows']} interleaved window pairs of {res['steps']} steps.", "",
+             "| variant | mean Kiln / bare | sd | runs |", "|---|---|---|---|"]
+    for v, s in res["variants"].items():
+        sd = "-" if s["sd"] is None else f"{s['sd']:.3f}"
+        lines.append(f"| {v} | {s['mean']:.3f} | {sd} | {', '.join(f'{r:.3f}' for r in s['runs'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--smoke", action="store_true", help="tiny encoder on CPU")
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--runs", type=int, default=None, help="runs per variant (default 4; smoke 1)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per window (default 24; smoke 4)")
+    ap.add_argument("--windows", type=int, default=None, help="window pairs per run (default 8; smoke 2)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    precision = "fp32" if args.smoke and args.precision == "fp16" else args.precision  # no fp16 autocast on CPU
+    res = run(args.smoke, precision, args.runs or (1 if args.smoke else 4), args.steps or (4 if args.smoke else 24),
+              args.windows or (2 if args.smoke else 8), variants)
+    stem = "train_loop_ab" + ("_smoke" if args.smoke else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(res))
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
