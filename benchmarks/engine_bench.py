@@ -410,7 +410,8 @@ class Bench:
         folder = self.work / f"{name}-kiln-torch{'-frozen' if freezing else ''}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
                             max_batch=max(self.args.batches), torch_model=load)
-        say(f"{name} kiln_torch: built in {meta.build_seconds:.1f}s ({meta.builder_settings})")
+        say(f"{name} kiln_torch{'_frozen' if freezing else ''}: built in {meta.build_seconds:.1f}s "
+            f"({meta.builder_settings})")
         runner = load_engine(folder).activate()
 
         def factory(xs: Inputs) -> Callable[[], Any]:

@@ -292,19 +292,24 @@ class _Configured:
     anyway (after ``torch.compiler.reset()``, say) still gets the settings ``options`` carries, not freezing."""
 
     def __init__(self, run: Any, options: dict[str, Any]) -> None:
-        self.run, self.options = run, options
+        import torch._inductor.config
+
+        self.run, self.options, self.config = run, options, torch._inductor.config
         self.compiled: set[tuple[Any, ...]] = set()
 
     def __call__(self, *args: Any) -> Any:
-        import torch._inductor.config
-
-        key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+        key = _signature(args)
         if key in self.compiled:
             return self.run(*args)
-        with torch._inductor.config.patch(self.options):
+        with self.config.patch(self.options):
             out = self.run(*args)
         self.compiled.add(key)
         return out
+
+
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a static-shape compiled program keys its graphs on: each input's shape, dtype and device."""
+    return tuple((tuple(a.shape), a.dtype, a.device) for a in args)
 
 
 class GraphReplays:
@@ -327,7 +332,7 @@ class GraphReplays:
     def __call__(self, *args: Any) -> Any:
         import torch
 
-        key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+        key = _signature(args)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
         entry = self.graphs[key]
