@@ -25,7 +25,6 @@ then a synchronisation; ``--rounds`` rounds alternating bare and Kiln; medians. 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -46,6 +45,8 @@ from kiln.stages.train.dist import DistEnv  # noqa: E402
 from kiln.stages.train.health import skip_if_nonfinite, skips_on_device  # noqa: E402
 from kiln.stages.train.loop import SCHED_WARNING, _Trainer  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
+
+from benchmarks.common import bare_update, write_report  # noqa: E402
 
 PRECISIONS = ("fp16", "bf16")
 
@@ -118,11 +119,7 @@ class Setup:
 
     def bare_tail(self) -> None:
         self.set_grads()
-        self.scaler.unscale_(self.opt)
-        nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.opt.zero_grad(set_to_none=True)
+        bare_update(self.scaler, self.opt, self.params)
 
     def kiln_tail(self) -> None:
         self.trainer._step(self.xb, self.yb)
@@ -258,10 +255,7 @@ def main() -> None:
     res = run(args.smoke, args.iters or (5 if args.smoke else 50), args.rounds or (3 if args.smoke else 9),
               not args.no_compile, args.model, args.batch)
     name = "step_host_cost" + ("" if args.model == "resnet18" else f"_{args.model}") + ("_smoke" if args.smoke else "")
-    (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = markdown(res)
-    (args.out / f"{name}.md").write_text(md)
-    print(md)
+    write_report(args.out, name, res, markdown(res))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,8 @@ from kiln.stages.train.compile import CompileCounts  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
 from kiln.stages.train.loop import train  # noqa: E402
 
+from benchmarks.common import bare_update, write_report  # noqa: E402
+
 log = logging.getLogger("bench")
 PRECISIONS = ("fp32", "fp16", "bf16")
 COMPILE_PRECISIONS = ("fp16", "bf16")
@@ -274,11 +276,7 @@ class BareLoop:
             logits = self.net(xb)
         loss = nn.functional.cross_entropy(logits.float(), yb)
         self.scaler.scale(loss).backward()
-        self.scaler.unscale_(self.opt)
-        nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.opt.zero_grad(set_to_none=True)
+        bare_update(self.scaler, self.opt, self.params)
 
     def window(self, steps: int, device: torch.device) -> dict[str, Any]:
         window = Window(device)
@@ -671,19 +669,12 @@ def main() -> None:
         steps, windows = args.steps or (2 if args.smoke else 24), args.windows or (2 if args.smoke else 8)
         res = run_compile(args.smoke, steps, windows, models, tuple(args.precisions.split(",")),
                           args.profile_steps, args.out / f"{name}.partial.json")
-        (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
-        md = compile_markdown(res)
-        (args.out / f"{name}.md").write_text(md)
-        print(md)
+        write_report(args.out, name, res, compile_markdown(res))
         return
     warmup, steps = args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 48)
     rounds = args.rounds or (2 if args.smoke else 5)
     res = run(args.smoke, warmup, steps, rounds)
-    name = "train_smoke" if args.smoke else "train"
-    (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = markdown(res)
-    (args.out / f"{name}.md").write_text(md)
-    print(md)
+    write_report(args.out, "train_smoke" if args.smoke else "train", res, markdown(res))
 
 
 if __name__ == "__main__":

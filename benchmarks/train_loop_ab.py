@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import platform
 import statistics
 import sys
@@ -41,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.stages.train import compile as compile_module  # noqa: E402
 from kiln.stages.train import loop  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
+
+from benchmarks.common import bare_update, write_report  # noqa: E402
 
 VARIANTS = ("kiln", "step", "step+batches", "step+batches+compile", "bare")
 
@@ -68,11 +69,7 @@ def bare_forward_backward(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> torc
 def bare_step(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> None:
     """The bare loop's step on Kiln's trainer: none of Kiln's checks, read-back, schedule or book-keeping."""
     self._forward_backward(xb, yb)
-    self.scaler.unscale_(self.opt)
-    nn.utils.clip_grad_norm_(self.params, 1.0)
-    self.scaler.step(self.opt)
-    self.scaler.update()
-    self.opt.zero_grad(set_to_none=True)
+    bare_update(self.scaler, self.opt, self.params)
     self.result.global_step += 1
     self.step_in_epoch += 1
     self.acc["samples"] += len(yb)
@@ -192,10 +189,7 @@ def main() -> None:
     precision = "fp32" if args.smoke and args.precision == "fp16" else args.precision  # no fp16 autocast on CPU
     res = run(args.smoke, precision, args.runs or (1 if args.smoke else 4), args.steps or (4 if args.smoke else 24),
               args.windows or (2 if args.smoke else 8), variants)
-    stem = "train_loop_ab" + ("_smoke" if args.smoke else "")
-    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(res))
-    print(markdown(res))
+    write_report(args.out, "train_loop_ab" + ("_smoke" if args.smoke else ""), res, markdown(res))
 
 
 if __name__ == "__main__":
