@@ -17,11 +17,15 @@ with ``torch.onnx.export(dynamo=True)`` and a dynamic batch on both inputs (issu
 transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the torch.compile baseline exactly as
 ``validate.baselines: [compile]`` builds it (``kiln.stages.validate.baselines.prepare``); ``kiln_torch`` is Kiln's
 torch engine (``build.backends: [torch]``), ``kiln_torch_frozen`` the same with ``build.torch.freezing: true`` (what
-Inductor's freezing is worth, side by side).
+Inductor's freezing is worth, side by side). ``--torch-variant NAME:KEY=VALUE,...`` (repeatable) adds a row
+``kiln_torch_NAME``: the torch engine built with those ``build.torch.inductor`` entries on top of ``--torch-inductor``
+(``freezing=true`` sets ``build.torch.freezing``), so Inductor settings are compared in one run. Variant rows are
+shown but not counted as Kiln's engine in the targets: they are not what a build ships by default.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/engine_bench.py --out $OUT                  # full (GPU host)
     ... --models hf_bert --batches 1,32 --rows eager16,baseline_compile,kiln,kiln_torch     # issue 12's BERT
     ... --models resnet18 --batches 32 --rows compile,kiln --compile-mode max-autotune       # one slice
+    ... --models hf_bert --batches 32 --rows kiln_torch --torch-variant aten:max_autotune_gemm_backends=ATEN
     python benchmarks/engine_bench.py --smoke --out /tmp/bench                             # tiny, CPU
 """
 from __future__ import annotations
@@ -187,9 +191,14 @@ class Bench:
         self.results: list[dict[str, Any]] = []
 
     def label(self, row: str) -> str:
+        if row in self.args.torch_variants:
+            entries = ",".join(f"{k}={v}" for k, v in self.args.torch_variants[row].items())
+            text = f"Kiln torch engine, {entries}"
+        else:
+            text = LABEL[row]
         if self.cuda:
-            return LABEL[row]
-        return LABEL[row].replace("ORT CUDA", "ORT CPU") + (" (fp32 on CPU)" if row.startswith("kiln") else "")
+            return text
+        return text.replace("ORT CUDA", "ORT CPU") + (" (fp32 on CPU)" if row.startswith("kiln") else "")
 
     def run_model(self, name: str, params: dict[str, Any], shape: tuple[int, ...]) -> None:
         a = self.args
@@ -319,7 +328,11 @@ class Bench:
         if row in ("ort_default", "ort_cuda_graph"):
             return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
         if row in ("kiln_torch", "kiln_torch_frozen"):
-            return self._kiln_torch(onnx32, name, model, freezing=row == "kiln_torch_frozen")
+            return self._kiln_torch(onnx32, name, model, row, freezing=row == "kiln_torch_frozen")
+        if row in self.args.torch_variants:
+            entries = dict(self.args.torch_variants[row])
+            return self._kiln_torch(onnx32, name, model, row, freezing=bool(entries.pop("freezing", False)),
+                                    inductor=entries)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
@@ -394,10 +407,11 @@ class Bench:
         return factory, meta.size_bytes, extra
 
 
-    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module,
-                    freezing: bool = False) -> tuple[Any, int, dict]:
+    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module, row: str, freezing: bool = False,
+                    inductor: dict[str, Any] | None = None) -> tuple[Any, int, dict]:
         """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``freezing``:
-        build.torch.freezing (the row kiln_torch_frozen turns it on)."""
+        build.torch.freezing (the row kiln_torch_frozen turns it on); ``inductor``: build.torch.inductor entries on
+        top of ``--torch-inductor`` (a ``--torch-variant`` row)."""
         device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
@@ -406,12 +420,12 @@ class Bench:
             m.load_state_dict(state)
             return m
         cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour,
-                                                                freezing=freezing, inductor=self.args.torch_inductor))
-        folder = self.work / f"{name}-kiln-torch{'-frozen' if freezing else ''}"
+                                                                freezing=freezing,
+                                                                inductor={**self.args.torch_inductor, **(inductor or {})}))
+        folder = self.work / f"{name}-{row}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
                             max_batch=max(self.args.batches), torch_model=load)
-        say(f"{name} kiln_torch{'_frozen' if freezing else ''}: built in {meta.build_seconds:.1f}s "
-            f"({meta.builder_settings})")
+        say(f"{name} {row}: built in {meta.build_seconds:.1f}s ({meta.builder_settings})")
         runner = load_engine(folder).activate()
 
         def factory(xs: Inputs) -> Callable[[], Any]:
@@ -518,7 +532,7 @@ def autotune_table(results: list[dict[str, Any]]) -> list[str]:
         n = sum(1 for t in tuned["trials"] if t.get("batch") in (None, r["batch"]))
         lines.append(f"| {r['model']} | {r['batch']} | `{json.dumps(choice['knobs'])}` | {choice.get('median_ms')} | "
                      f"{choice.get('base_ms')} | {n} | {tuned.get('seconds')} |")
-    return lines if len(lines) > 4 else []
+    return lines if len(lines) > 5 else []  # 5: the heading and the header rows
 
 
 PAIR = r"([A-Za-z_][\w.]*)=((?:(?!,[A-Za-z_][\w.]*=)[^=])+)"  # a value: no "=", up to the next ",key="
@@ -544,6 +558,14 @@ def inductor_entries(text: str) -> dict[str, Any]:
     return out
 
 
+def torch_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME:KEY=VALUE,...`` -> (row ``kiln_torch_NAME``, its entries) for ``--torch-variant``."""
+    name, sep, entries = text.partition(":")
+    if not sep or not re.fullmatch(r"[a-z0-9_]+", name):
+        raise argparse.ArgumentTypeError(f"not NAME:KEY=VALUE[,KEY=VALUE...] (NAME in a-z, 0-9, _): {text!r}")
+    return f"kiln_torch_{name}", inductor_entries(entries)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -560,6 +582,9 @@ def main() -> None:
                    help="kiln_torch: build.torch.flavour (compiled skips the AOTInductor package)")
     p.add_argument("--torch-inductor", type=inductor_entries, default={}, metavar="KEY=VALUE,...",
                    help="kiln_torch rows: build.torch.inductor entries, e.g. triton.enable_persistent_tma_matmul=true")
+    p.add_argument("--torch-variant", type=torch_variant, action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                   help="an extra row kiln_torch_NAME built with these build.torch.inductor entries (freezing=true: "
+                        "build.torch.freezing); repeatable")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels")
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")
@@ -567,11 +592,15 @@ def main() -> None:
     args = p.parse_args()
     args.models, args.rows = args.models.split(","), args.rows.split(",")
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.torch_variants = dict(args.torch_variant)
+    if len(args.torch_variants) < len(args.torch_variant) or set(args.torch_variants) & set(ROWS):
+        p.error("--torch-variant names must be unique and not name a built-in row")
+    args.rows += [r for r in args.torch_variants if r not in args.rows]
     if args.smoke:
         args.iterations, args.warmup, args.eval_samples = min(args.iterations, 5), min(args.warmup, 2), 16
         args.autotune_iterations = min(args.autotune_iterations, 5)
         args.batches = [b if b <= 4 else 4 for b in args.batches]
-    unknown = set(args.rows) - set(ROWS)
+    unknown = set(args.rows) - set(ROWS) - set(args.torch_variants)
     if unknown:
         p.error(f"unknown rows {sorted(unknown)}; choose from {ROWS}")
     logging.basicConfig(level=logging.WARNING)

@@ -6,6 +6,10 @@ swapping one part of Kiln's loop for the bare loop's own code, so a part that ca
 whose ratio moves to ~1.0:
 
 * ``kiln``: Kiln's loop as it ships;
+* ``nograph``: the per-step check (:class:`~kiln.stages.train.health.StepCheck`) runs its kernels one by one instead
+  of replaying its CUDA graph (what session 5's code did, when this cell measured 0.998 / 1.029);
+* ``nograph+oldstats``: as ``nograph``, and the read-back of ``[loss, norm]`` copies into a fresh pinned tensor with
+  a new CUDA event per step (session 5's ``LaggedStats.push``) instead of the ring made once;
 * ``step``: ``_Trainer._step`` and ``_forward_backward`` replaced by the bare loop's step (forward through the compiled
   module, FP32 cross-entropy, scaled backward, unscale, clip, scaler step/update, zero_grad) on Kiln's own model,
   optimizer and scaler: no step check, lagged read-back, schedule or book-keeping;
@@ -38,12 +42,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.stages.train import compile as compile_module  # noqa: E402
-from kiln.stages.train import loop  # noqa: E402
+from kiln.stages.train import health, loop  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
 
 from benchmarks.common import bare_update, write_report  # noqa: E402
 
-VARIANTS = ("kiln", "step", "step+batches", "step+batches+compile", "bare")
+VARIANTS = ("kiln", "nograph", "nograph+oldstats", "step", "step+batches", "step+batches+compile", "bare")
 
 
 def _train_bench() -> Any:
@@ -91,6 +95,18 @@ class BareBatches:
         return self.n
 
 
+def allocating_push(self: health.LaggedStats, step: int, epoch: int, samples: int, values: torch.Tensor) -> None:
+    """Session 5's read-back (3105eb1): a fresh pinned copy and a new CUDA event per step."""
+    event = None
+    if values.is_cuda:
+        values = values.to("cpu", non_blocking=True)  # D2H non_blocking lands in (newly taken) pinned memory
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        values = values.clone()
+    self.queue.append(health.StepStats(step, epoch, samples, values, event))
+
+
 @contextmanager
 def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
     old = getattr(obj, name)
@@ -105,6 +121,10 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 def variant_patches(variant: str) -> Iterator[None]:
     """Kiln's loop with the parts named by ``variant`` swapped for the bare loop's (undone on exit)."""
     with ExitStack() as stack:
+        if variant.startswith("nograph"):
+            stack.enter_context(patched(health, "_capture", lambda work, device: None))
+        if "oldstats" in variant:
+            stack.enter_context(patched(health.LaggedStats, "push", allocating_push))
         if variant.startswith("step"):
             stack.enter_context(patched(loop._Trainer, "_step", bare_step))
             stack.enter_context(patched(loop._Trainer, "_forward_backward", bare_forward_backward))
@@ -122,8 +142,8 @@ def variant_patches(variant: str) -> Iterator[None]:
 
 
 def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device, steps: int,
-                 windows: int) -> list[float]:
-    """Two bare compiled loops on two instances of the model, alternating windows: first / second per pair."""
+                 windows: int) -> list[list[float]]:
+    """Two bare compiled loops on two instances of the model, alternating windows: steps/s of both per pair."""
     torch.compiler.reset()
     loops = [TB.BareLoop(TB.fresh_model(name, spec), data, spec["batch"], precision, device, True) for _ in range(2)]
     for bare in loops:
@@ -132,16 +152,24 @@ def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, dev
     pairs = [[bare.window(steps, device)["steps_per_s"] for bare in loops] for _ in range(windows)]
     for bare in loops:
         bare.model.to("cpu")
-    return [a / b for a, b in pairs]
+    return pairs
 
 
 def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device,
-            steps: int, windows: int) -> float:
+            steps: int, windows: int) -> dict[str, float]:
+    """One run: the median Kiln / bare ratio over its window pairs, and each loop's median steps/s (a variant that
+    changes the ratio should change Kiln's steps/s, not the bare loop's)."""
     if variant == "bare":
-        return statistics.median(bare_vs_bare(name, spec, data, precision, device, steps, windows))
-    with variant_patches(variant):
-        r = TB.interleaved(name, spec, data, precision, device, steps, windows, compile=True)
-    return TB.paired_ratio(r["kiln"], r["bare"])
+        pairs = bare_vs_bare(name, spec, data, precision, device, steps, windows)
+        kiln_sps, bare_sps = [a for a, _ in pairs], [b for _, b in pairs]
+        ratio = statistics.median(a / b for a, b in pairs)
+    else:
+        with variant_patches(variant):
+            r = TB.interleaved(name, spec, data, precision, device, steps, windows, compile=True)
+        kiln_sps, bare_sps = [w["steps_per_s"] for w in r["kiln"]], [w["steps_per_s"] for w in r["bare"]]
+        ratio = TB.paired_ratio(r["kiln"], r["bare"])
+    return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
+            "bare_steps_per_s": round(statistics.median(bare_sps), 3)}
 
 
 def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, variants: list[str]) -> dict[str, Any]:
@@ -149,13 +177,17 @@ def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, varian
     name = "bert_base"
     spec = TB.specs(smoke, compile_table=True)[name]  # attention written out: the cell that misses 0.97
     data = TB.make_data(spec, steps + 1)
-    ratios: dict[str, list[float]] = {v: [] for v in variants}
+    got: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for i in range(runs):
         for v in variants[i % len(variants):] + variants[:i % len(variants)]:  # rotate which variant goes first
-            ratios[v].append(round(one_run(v, name, spec, data, precision, device, steps, windows), 4))
-            print(f"run {i + 1}/{runs} {v}: {ratios[v][-1]:.3f}", flush=True)
-    summary = {v: {"mean": round(statistics.mean(r), 4), "sd": round(statistics.stdev(r), 4) if len(r) > 1 else None,
-                   "runs": r} for v, r in ratios.items()}
+            got[v].append(one_run(v, name, spec, data, precision, device, steps, windows))
+            print(f"run {i + 1}/{runs} {v}: {got[v][-1]}", flush=True)
+    summary = {}
+    for v, rs in got.items():
+        r = [x["ratio"] for x in rs]
+        summary[v] = {"mean": round(statistics.mean(r), 4), "sd": round(statistics.stdev(r), 4) if len(r) > 1 else None,
+                      "runs": r, "kiln_steps_per_s": [x["kiln_steps_per_s"] for x in rs],
+                      "bare_steps_per_s": [x["bare_steps_per_s"] for x in rs]}
     return {"device": TB.device_name(device), "host": platform.node(), "torch": torch.__version__, "model": spec,
             "precision": precision, "steps": steps, "windows": windows, "variants": summary}
 
@@ -165,10 +197,13 @@ def markdown(res: dict[str, Any]) -> str:
              f"`bert_base` with attention written out ({res['model']['params'] or 'full size'}), batch "
              f"{res['model']['batch']}, {res['precision']}, compiled; per run the median Kiln / bare ratio over "
              f"{res['windows']} interleaved window pairs of {res['steps']} steps.", "",
-             "| variant | mean Kiln / bare | sd | runs |", "|---|---|---|---|"]
+             "| variant | mean Kiln / bare | sd | runs | Kiln steps/s per run | bare steps/s per run |",
+             "|---|---|---|---|---|---|"]
     for v, s in res["variants"].items():
         sd = "-" if s["sd"] is None else f"{s['sd']:.3f}"
-        lines.append(f"| {v} | {s['mean']:.3f} | {sd} | {', '.join(f'{r:.3f}' for r in s['runs'])} |")
+        per_run = [", ".join(f"{x:.2f}" for x in s[k]) for k in ("kiln_steps_per_s", "bare_steps_per_s")]
+        lines.append(f"| {v} | {s['mean']:.3f} | {sd} | {', '.join(f'{r:.3f}' for r in s['runs'])} | "
+                     f"{per_run[0]} | {per_run[1]} |")
     return "\n".join(lines) + "\n"
 
 

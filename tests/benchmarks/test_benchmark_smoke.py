@@ -121,16 +121,23 @@ def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
             bench.inductor_entries(bad)
     table = "\n".join(bench.profile_table([row]))
     assert "| m | 32 | kiln_fixed | 1.900 | 1.500 | 80 | convolution 1.200 (20), layout 0.300 (60) |" in table
+    assert bench.torch_variant("aten_frozen:freezing=true,max_autotune_gemm_backends=ATEN") == (
+        "kiln_torch_aten_frozen", {"freezing": True, "max_autotune_gemm_backends": "ATEN"})
+    for bad in ("aten", "Aten:x=1", "aten:x"):
+        with pytest.raises(Exception, match="NAME:KEY=VALUE|KEY=VALUE"):
+            bench.torch_variant(bad)
 
 
 def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path) -> None:
     """The bisection of issue 16's gap: each variant swaps parts of Kiln's loop for the bare loop's, then restores."""
     import importlib.util
 
-    _run("train_loop_ab.py", "--smoke", "--variants", "kiln,step+batches+compile,bare", "--out", str(tmp_path))
+    _run("train_loop_ab.py", "--smoke", "--variants", "kiln,nograph+oldstats,step+batches+compile,bare", "--out",
+         str(tmp_path))
     res = json.loads((tmp_path / "train_loop_ab_smoke.json").read_text())
-    assert list(res["variants"]) == ["kiln", "step+batches+compile", "bare"]
+    assert list(res["variants"]) == ["kiln", "nograph+oldstats", "step+batches+compile", "bare"]
     assert all(0.2 < r < 5 for v in res["variants"].values() for r in v["runs"])  # ratios of real windows
+    assert all(x > 0 for v in res["variants"].values() for x in v["kiln_steps_per_s"] + v["bare_steps_per_s"])
     spec = importlib.util.spec_from_file_location("train_loop_ab", ROOT / "benchmarks" / "train_loop_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
@@ -139,3 +146,12 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
         assert loop._Trainer._step is ab.bare_step and loop.make_loader is not make and torch.compile is not compile_fn
     assert (loop._Trainer._step, loop._Trainer._forward_backward, loop.make_loader, torch.compile) == (
         step, fb, make, compile_fn)
+    from kiln.stages.train import health
+
+    capture, push = health._capture, health.LaggedStats.push
+    with ab.variant_patches("nograph+oldstats"):
+        assert health._capture(lambda: None, torch.device("cpu")) is None and health.LaggedStats.push is ab.allocating_push
+        stats = health.LaggedStats(torch.device("cpu"), lag=0)
+        stats.push(1, 0, 8, torch.tensor([0.5, 2.0]))
+        assert [(s.step, loss_v, norm_v) for s, loss_v, norm_v in stats.drain()] == [(1, 0.5, 2.0)]
+    assert (health._capture, health.LaggedStats.push) == (capture, push)
