@@ -189,6 +189,10 @@ class Bench:
         self.dev = "cuda" if self.cuda else "cpu"
         self.work = Path(tempfile.mkdtemp(prefix="engine-bench-"))
         self.results: list[dict[str, Any]] = []
+        self.env: dict[str, Any] = {}
+
+    def save(self) -> None:
+        write_results(self.args, self.env, self.results)
 
     def label(self, row: str) -> str:
         if row in self.args.torch_variants:
@@ -221,6 +225,7 @@ class Bench:
             except Exception as exc:  # one broken row must not lose the others; it is reported, not hidden
                 say(f"{name} {row}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
                 self.results.append({"model": name, "row": row, "label": self.label(row), "error": str(exc)[:500]})
+            self.save()  # after each row: a run cut short by a time limit keeps the rows it finished
 
     def _batched(self, fn: Callable[[Inputs], torch.Tensor], xs: Inputs) -> torch.Tensor:
         bs = max(self.args.batches)
@@ -607,8 +612,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     bench = Bench(args)
-    env = {"device": torch.cuda.get_device_name(0) if bench.cuda else f"CPU ({platform.processor() or 'x86'})",
-           "command": " ".join(["python", *sys.argv]), "torch": torch.__version__, "python": platform.python_version()}
+    env = bench.env
+    env.update({"device": torch.cuda.get_device_name(0) if bench.cuda else f"CPU ({platform.processor() or 'x86'})",
+                "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
+                "python": platform.python_version()})
     try:
         import onnxruntime as ort
 
@@ -621,7 +628,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         bench.run_model(name, *specs[name])
-        write_results(args, env, bench.results)  # after each model: a run cut short by a time limit keeps its rows
+        bench.save()
     print(markdown(bench.results, env), flush=True)
 
 

@@ -172,7 +172,9 @@ def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision:
             "bare_steps_per_s": round(statistics.median(bare_sps), 3)}
 
 
-def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, variants: list[str]) -> dict[str, Any]:
+def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, variants: list[str],
+        out: Path | None = None) -> dict[str, Any]:
+    """Every variant ``runs`` times; after each run the results so far go to ``out`` (a run cut short keeps them)."""
     device = TB.bench_device(smoke)
     name = "bert_base"
     spec = TB.specs(smoke, compile_table=True)[name]  # attention written out: the cell that misses 0.97
@@ -182,8 +184,18 @@ def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, varian
         for v in variants[i % len(variants):] + variants[:i % len(variants)]:  # rotate which variant goes first
             got[v].append(one_run(v, name, spec, data, precision, device, steps, windows))
             print(f"run {i + 1}/{runs} {v}: {got[v][-1]}", flush=True)
+            if out is not None:
+                res = results(got, device, spec, precision, steps, windows)
+                write_report(out, "train_loop_ab" + ("_smoke" if smoke else ""), res, markdown(res))
+    return results(got, device, spec, precision, steps, windows)
+
+
+def results(got: dict[str, list[dict[str, float]]], device: torch.device, spec: dict[str, Any], precision: str,
+            steps: int, windows: int) -> dict[str, Any]:
     summary = {}
     for v, rs in got.items():
+        if not rs:
+            continue
         r = [x["ratio"] for x in rs]
         summary[v] = {"mean": round(statistics.mean(r), 4), "sd": round(statistics.stdev(r), 4) if len(r) > 1 else None,
                       "runs": r, "kiln_steps_per_s": [x["kiln_steps_per_s"] for x in rs],
@@ -222,9 +234,8 @@ def main() -> None:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     precision = "fp32" if args.smoke and args.precision == "fp16" else args.precision  # no fp16 autocast on CPU
-    res = run(args.smoke, precision, args.runs or (1 if args.smoke else 4), args.steps or (4 if args.smoke else 24),
-              args.windows or (2 if args.smoke else 8), variants)
-    write_report(args.out, "train_loop_ab" + ("_smoke" if args.smoke else ""), res, markdown(res))
+    run(args.smoke, precision, args.runs or (1 if args.smoke else 4), args.steps or (4 if args.smoke else 24),
+        args.windows or (2 if args.smoke else 8), variants, args.out)
 
 
 if __name__ == "__main__":
