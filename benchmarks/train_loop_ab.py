@@ -10,6 +10,11 @@ whose ratio moves to ~1.0:
   of replaying its CUDA graph (what session 5's code did, when this cell measured 0.998 / 1.029);
 * ``nograph+oldstats``: as ``nograph``, and the read-back of ``[loss, norm]`` copies into a fresh pinned tensor with
   a new CUDA event per step (session 5's ``LaggedStats.push``) instead of the ring made once;
+* ``fb``: only ``_Trainer._forward_backward`` replaced by the bare loop's forward/backward (below), Kiln's update kept;
+* ``update``: only what follows the backward pass replaced by the bare loop's update (unscale, clip, scaler
+  step/update, zero_grad), Kiln's ``_forward_backward`` kept;
+* ``direct``: Kiln's loop, but its model wrapper (``CompiledModel.__call__``: the static-shape check, the fallback
+  handler) calls the compiled module directly;
 * ``step``: ``_Trainer._step`` and ``_forward_backward`` replaced by the bare loop's step (forward through the compiled
   module, FP32 cross-entropy, scaled backward, unscale, clip, scaler step/update, zero_grad) on Kiln's own model,
   optimizer and scaler: no step check, lagged read-back, schedule or book-keeping;
@@ -47,7 +52,8 @@ from kiln.stages.train.precision import autocast  # noqa: E402
 
 from benchmarks.common import bare_update, write_report  # noqa: E402
 
-VARIANTS = ("kiln", "nograph", "nograph+oldstats", "step", "step+batches", "step+batches+compile", "bare")
+VARIANTS = ("kiln", "nograph", "nograph+oldstats", "fb", "update", "direct", "step", "step+batches",
+            "step+batches+compile", "bare")
 
 
 def _train_bench() -> Any:
@@ -95,6 +101,20 @@ class BareBatches:
         return self.n
 
 
+def kiln_fb_bare_update(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> None:
+    """Kiln's forward/backward, then the bare loop's update and nothing else (variant ``update``)."""
+    self._forward_backward(xb, yb)
+    bare_update(self.scaler, self.opt, self.params)
+    self.result.global_step += 1
+    self.step_in_epoch += 1
+    self.acc["samples"] += len(yb)
+
+
+def direct_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``CompiledModel.__call__`` without its checks: the compiled module itself (variant ``direct``)."""
+    return self.forward(*args, **kwargs)
+
+
 def allocating_push(self: health.LaggedStats, step: int, epoch: int, samples: int, values: torch.Tensor) -> None:
     """Session 5's read-back (3105eb1): a fresh pinned copy and a new CUDA event per step."""
     event = None
@@ -125,6 +145,12 @@ def variant_patches(variant: str) -> Iterator[None]:
             stack.enter_context(patched(health, "_capture", lambda work, device: None))
         if "oldstats" in variant:
             stack.enter_context(patched(health.LaggedStats, "push", allocating_push))
+        if variant == "fb":
+            stack.enter_context(patched(loop._Trainer, "_forward_backward", bare_forward_backward))
+        if variant == "update":
+            stack.enter_context(patched(loop._Trainer, "_step", kiln_fb_bare_update))
+        if variant == "direct":
+            stack.enter_context(patched(compile_module.CompiledModel, "__call__", direct_call))
         if variant.startswith("step"):
             stack.enter_context(patched(loop._Trainer, "_step", bare_step))
             stack.enter_context(patched(loop._Trainer, "_forward_backward", bare_forward_backward))
@@ -168,6 +194,10 @@ def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision:
             r = TB.interleaved(name, spec, data, precision, device, steps, windows, compile=True)
         kiln_sps, bare_sps = [w["steps_per_s"] for w in r["kiln"]], [w["steps_per_s"] for w in r["bare"]]
         ratio = TB.paired_ratio(r["kiln"], r["bare"])
+        gc = {f"{k}_gc_ms": round(sum(w["gc_ms"] for w in r[k]), 2) for k in ("kiln", "bare")}
+        host = {f"{k}_host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in r[k]) for k in ("kiln", "bare")}
+        return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
+                "bare_steps_per_s": round(statistics.median(bare_sps), 3), **gc, **host}
     return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
             "bare_steps_per_s": round(statistics.median(bare_sps), 3)}
 
@@ -199,7 +229,8 @@ def results(got: dict[str, list[dict[str, float]]], device: torch.device, spec: 
         r = [x["ratio"] for x in rs]
         summary[v] = {"mean": round(statistics.mean(r), 4), "sd": round(statistics.stdev(r), 4) if len(r) > 1 else None,
                       "runs": r, "kiln_steps_per_s": [x["kiln_steps_per_s"] for x in rs],
-                      "bare_steps_per_s": [x["bare_steps_per_s"] for x in rs]}
+                      "bare_steps_per_s": [x["bare_steps_per_s"] for x in rs],
+                      "details": rs}
     return {"device": TB.device_name(device), "host": platform.node(), "torch": torch.__version__, "model": spec,
             "precision": precision, "steps": steps, "windows": windows, "variants": summary}
 

@@ -132,10 +132,10 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
     """The bisection of issue 16's gap: each variant swaps parts of Kiln's loop for the bare loop's, then restores."""
     import importlib.util
 
-    _run("train_loop_ab.py", "--smoke", "--variants", "kiln,nograph+oldstats,step+batches+compile,bare", "--out",
+    _run("train_loop_ab.py", "--smoke", "--variants", "kiln,nograph+oldstats,fb,update,direct,step+batches+compile,bare", "--out",
          str(tmp_path))
     res = json.loads((tmp_path / "train_loop_ab_smoke.json").read_text())
-    assert list(res["variants"]) == ["kiln", "nograph+oldstats", "step+batches+compile", "bare"]
+    assert list(res["variants"]) == ["kiln", "nograph+oldstats", "fb", "update", "direct", "step+batches+compile", "bare"]
     assert all(0.2 < r < 5 for v in res["variants"].values() for r in v["runs"])  # ratios of real windows
     assert all(x > 0 for v in res["variants"].values() for x in v["kiln_steps_per_s"] + v["bare_steps_per_s"])
     spec = importlib.util.spec_from_file_location("train_loop_ab", ROOT / "benchmarks" / "train_loop_ab.py")
