@@ -22,7 +22,13 @@ whose ratio moves to ~1.0:
   batching (a random permutation sliced per step, ``index_select``);
 * ``step+batches+compile``: as ``step+batches``, and Kiln's ``torch.compile(module, mode=..., dynamic=False, ...)``
   replaced by the bare loop's ``torch.compile(model)``;
-* ``bare``: the bare loop against a second bare loop on another instance of the model (the method's own spread).
+* ``bare``: the bare loop against a second bare loop on another instance of the model (the method's own spread);
+* ``bare+spin`` / ``bare+touch``: as ``bare``, the first loop doing ``--pad-us`` microseconds of extra host work per
+  step: spinning on the clock, or reading Python objects scattered over ~64 MB (calibrated to the same time). Kiln's
+  own per-step extras cost about 0.1-0.2 ms of host time (``step_host_cost.py``) but its GPU steps lose 2-5 ms; if
+  a pad of that size costs far more than itself (expected ratio: ``1 / (1 + pad * steps/s)``), the host-bound GPU
+  step amplifies any extra host work (``touch``: through the caches), and the cure is fewer launches, not less
+  Python in Kiln's step.
 
 The swaps monkeypatch Kiln's classes for the duration of one run and are undone after it. Variants alternate run
 by run (a drift of the host's speed reaches all of them). Kiln / bare per run is the median of its window pairs'
@@ -36,11 +42,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import platform
+import random
 import statistics
 import sys
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -53,7 +61,7 @@ from kiln.stages.train.precision import autocast  # noqa: E402
 from benchmarks.common import bare_update, write_report  # noqa: E402
 
 VARIANTS = ("kiln", "nograph", "nograph+oldstats", "fb", "update", "direct", "step", "step+batches",
-            "step+batches+compile", "bare")
+            "step+batches+compile", "bare", "bare+spin", "bare+touch")
 
 
 def _train_bench() -> Any:
@@ -167,11 +175,56 @@ def variant_patches(variant: str) -> Iterator[None]:
         yield
 
 
+def spin(us: float) -> None:
+    """``us`` microseconds of host time, spent on the clock."""
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+class Toucher:
+    """Reads of Python objects scattered over ~64 MB (ints in a list of 2M, at random indices): host work whose cost
+    is cache misses. Each call reads the next ``n`` of 200k random indices (cyclically), so it keeps missing the
+    caches; ``n`` is calibrated so that a call takes ``us`` microseconds here."""
+
+    def __init__(self, us: float) -> None:
+        self.pool = [i * 7 + 1000 for i in range(2_000_000)]  # separate int objects (above the small-int cache)
+        rng = random.Random(0)
+        self.index = [rng.randrange(len(self.pool)) for _ in range(200_000)]
+        times = []
+        for _ in range(3):  # the median of three passes over all indices
+            t0 = time.perf_counter()
+            self.touch(len(self.index))
+            times.append((time.perf_counter() - t0) / len(self.index))
+        self.n = max(1, min(len(self.index), round(us / 1e6 / statistics.median(times))))
+        self.at = 0
+
+    def touch(self, n: int, at: int = 0) -> int:
+        pool = self.pool
+        return sum(pool[i] for i in self.index[at:at + n])
+
+    def __call__(self) -> None:
+        if self.at + self.n > len(self.index):
+            self.at = 0
+        self.touch(self.n, self.at)
+        self.at += self.n
+
+
+def padded(step: Callable[[], None], pad: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        step()
+        pad()
+    return run
+
+
 def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device, steps: int,
-                 windows: int) -> list[list[float]]:
-    """Two bare compiled loops on two instances of the model, alternating windows: steps/s of both per pair."""
+                 windows: int, pad: Callable[[], None] | None = None) -> list[list[float]]:
+    """Two bare compiled loops on two instances of the model, alternating windows: steps/s of both per pair.
+    ``pad``: extra host work after every step of the first loop."""
     torch.compiler.reset()
     loops = [TB.BareLoop(TB.fresh_model(name, spec), data, spec["batch"], precision, device, True) for _ in range(2)]
+    if pad is not None:
+        loops[0].step = padded(loops[0].step, pad)  # type: ignore[method-assign]  # window() calls self.step
     for bare in loops:
         for _ in range(steps + 1):
             bare.step()
@@ -182,13 +235,19 @@ def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, dev
 
 
 def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device,
-            steps: int, windows: int) -> dict[str, float]:
+            steps: int, windows: int, pad_us: float = 0.0) -> dict[str, float]:
     """One run: the median Kiln / bare ratio over its window pairs, and each loop's median steps/s (a variant that
     changes the ratio should change Kiln's steps/s, not the bare loop's)."""
-    if variant == "bare":
-        pairs = bare_vs_bare(name, spec, data, precision, device, steps, windows)
+    if variant.startswith("bare"):
+        pad = {"bare": None, "bare+spin": lambda: spin(pad_us), "bare+touch": Toucher(pad_us) if pad_us else None}
+        pairs = bare_vs_bare(name, spec, data, precision, device, steps, windows, pad[variant])
         kiln_sps, bare_sps = [a for a, _ in pairs], [b for _, b in pairs]
         ratio = statistics.median(a / b for a, b in pairs)
+        if variant != "bare":  # what the pad would cost if it cost only itself
+            expected = statistics.median(1 / (1 + pad_us / 1e6 * b) for b in bare_sps)
+            return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
+                    "bare_steps_per_s": round(statistics.median(bare_sps), 3), "pad_us": pad_us,
+                    "expected_ratio": round(expected, 4)}
     else:
         with variant_patches(variant):
             r = TB.interleaved(name, spec, data, precision, device, steps, windows, compile=True)
@@ -203,7 +262,7 @@ def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision:
 
 
 def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, variants: list[str],
-        out: Path | None = None) -> dict[str, Any]:
+        out: Path | None = None, pad_us: float = 300.0) -> dict[str, Any]:
     """Every variant ``runs`` times; after each run the results so far go to ``out`` (a run cut short keeps them)."""
     device = TB.bench_device(smoke)
     name = "bert_base"
@@ -212,7 +271,7 @@ def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, varian
     got: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for i in range(runs):
         for v in variants[i % len(variants):] + variants[:i % len(variants)]:  # rotate which variant goes first
-            got[v].append(one_run(v, name, spec, data, precision, device, steps, windows))
+            got[v].append(one_run(v, name, spec, data, precision, device, steps, windows, pad_us))
             print(f"run {i + 1}/{runs} {v}: {got[v][-1]}", flush=True)
             if out is not None:
                 res = results(got, device, spec, precision, steps, windows)
@@ -231,6 +290,8 @@ def results(got: dict[str, list[dict[str, float]]], device: torch.device, spec: 
                       "runs": r, "kiln_steps_per_s": [x["kiln_steps_per_s"] for x in rs],
                       "bare_steps_per_s": [x["bare_steps_per_s"] for x in rs],
                       "details": rs}
+        if "expected_ratio" in rs[0]:
+            summary[v]["expected"] = round(statistics.mean(x["expected_ratio"] for x in rs), 4)
     return {"device": TB.device_name(device), "host": platform.node(), "torch": torch.__version__, "model": spec,
             "precision": precision, "steps": steps, "windows": windows, "variants": summary}
 
@@ -240,13 +301,18 @@ def markdown(res: dict[str, Any]) -> str:
              f"`bert_base` with attention written out ({res['model']['params'] or 'full size'}), batch "
              f"{res['model']['batch']}, {res['precision']}, compiled; per run the median Kiln / bare ratio over "
              f"{res['windows']} interleaved window pairs of {res['steps']} steps.", "",
-             "| variant | mean Kiln / bare | sd | runs | Kiln steps/s per run | bare steps/s per run |",
-             "|---|---|---|---|---|---|"]
+             "| variant | mean Kiln / bare | sd | runs | Kiln steps/s per run | bare steps/s per run | "
+             "a pad costing only itself |", "|---|---|---|---|---|---|---|"]
     for v, s in res["variants"].items():
         sd = "-" if s["sd"] is None else f"{s['sd']:.3f}"
         per_run = [", ".join(f"{x:.2f}" for x in s[k]) for k in ("kiln_steps_per_s", "bare_steps_per_s")]
+        expected = f"{s['expected']:.3f}" if "expected" in s else "-"
         lines.append(f"| {v} | {s['mean']:.3f} | {sd} | {', '.join(f'{r:.3f}' for r in s['runs'])} | "
-                     f"{per_run[0]} | {per_run[1]} |")
+                     f"{per_run[0]} | {per_run[1]} | {expected} |")
+    if any("expected" in s for s in res["variants"].values()):
+        lines += ["", "bare+spin / bare+touch: the first bare loop does the pad's host work after every step (Kiln / "
+                  "bare reads first / second loop); the last column is the ratio the pad would give if it cost "
+                  "only its own time."]
     return "\n".join(lines) + "\n"
 
 
@@ -259,6 +325,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="steps per window (default 24; smoke 4)")
     ap.add_argument("--windows", type=int, default=None, help="window pairs per run (default 8; smoke 2)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    ap.add_argument("--pad-us", type=float, default=300.0, help="bare+spin / bare+touch: extra host work per step")
     args = ap.parse_args()
     variants = args.variants.split(",")
     if unknown := [v for v in variants if v not in VARIANTS]:
@@ -266,7 +333,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     precision = "fp32" if args.smoke and args.precision == "fp16" else args.precision  # no fp16 autocast on CPU
     run(args.smoke, precision, args.runs or (1 if args.smoke else 4), args.steps or (4 if args.smoke else 24),
-        args.windows or (2 if args.smoke else 8), variants, args.out)
+        args.windows or (2 if args.smoke else 8), variants, args.out, args.pad_us)
 
 
 if __name__ == "__main__":

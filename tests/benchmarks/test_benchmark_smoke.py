@@ -132,12 +132,13 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
     """The bisection of issue 16's gap: each variant swaps parts of Kiln's loop for the bare loop's, then restores."""
     import importlib.util
 
-    _run("train_loop_ab.py", "--smoke", "--variants", "kiln,nograph+oldstats,fb,update,direct,step+batches+compile,bare", "--out",
-         str(tmp_path))
+    variants = ["kiln", "nograph+oldstats", "fb", "update", "direct", "step+batches+compile", "bare", "bare+spin"]
+    _run("train_loop_ab.py", "--smoke", "--variants", ",".join(variants), "--pad-us", "100", "--out", str(tmp_path))
     res = json.loads((tmp_path / "train_loop_ab_smoke.json").read_text())
-    assert list(res["variants"]) == ["kiln", "nograph+oldstats", "fb", "update", "direct", "step+batches+compile", "bare"]
+    assert list(res["variants"]) == variants
     assert all(0.2 < r < 5 for v in res["variants"].values() for r in v["runs"])  # ratios of real windows
     assert all(x > 0 for v in res["variants"].values() for x in v["kiln_steps_per_s"] + v["bare_steps_per_s"])
+    assert 0.5 < res["variants"]["bare+spin"]["expected"] < 1  # 100 us on a step of a few ms
     spec = importlib.util.spec_from_file_location("train_loop_ab", ROOT / "benchmarks" / "train_loop_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
@@ -155,3 +156,7 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
         stats.push(1, 0, 8, torch.tensor([0.5, 2.0]))
         assert [(s.step, loss_v, norm_v) for s, loss_v, norm_v in stats.drain()] == [(1, 0.5, 2.0)]
     assert (health._capture, health.LaggedStats.push) == (capture, push)
+    toucher = ab.Toucher(50.0)  # the cache-missing pad: calibrated to its time, reads move on every call
+    assert 1 <= toucher.n <= len(toucher.index)
+    toucher()
+    assert toucher.at == toucher.n
