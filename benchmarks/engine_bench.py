@@ -19,7 +19,8 @@ transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the 
 torch engine (``build.backends: [torch]``), ``kiln_torch_frozen`` the same with ``build.torch.freezing: true`` (what
 Inductor's freezing is worth, side by side). ``--torch-variant NAME:KEY=VALUE,...`` (repeatable) adds a row
 ``kiln_torch_NAME``: the torch engine built with those ``build.torch.inductor`` entries on top of ``--torch-inductor``
-(``freezing=true`` sets ``build.torch.freezing``), so Inductor settings are compared in one run. Variant rows are
+(``freezing=true`` sets ``build.torch.freezing``, ``gemm_epilogues=bias|bias_gelu`` ``build.torch.gemm_epilogues``),
+so Inductor settings are compared in one run. Variant rows are
 shown but not counted as Kiln's engine in the targets: they are not what a build ships by default.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/engine_bench.py --out $OUT                  # full (GPU host)
@@ -337,7 +338,7 @@ class Bench:
         if row in self.args.torch_variants:
             entries = dict(self.args.torch_variants[row])
             return self._kiln_torch(onnx32, name, model, row, freezing=bool(entries.pop("freezing", False)),
-                                    inductor=entries)
+                                    gemm_epilogues=str(entries.pop("gemm_epilogues", "off")), inductor=entries)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
@@ -413,7 +414,7 @@ class Bench:
 
 
     def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module, row: str, freezing: bool = False,
-                    inductor: dict[str, Any] | None = None) -> tuple[Any, int, dict]:
+                    inductor: dict[str, Any] | None = None, gemm_epilogues: str = "off") -> tuple[Any, int, dict]:
         """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``freezing``:
         build.torch.freezing (the row kiln_torch_frozen turns it on); ``inductor``: build.torch.inductor entries on
         top of ``--torch-inductor`` (a ``--torch-variant`` row)."""
@@ -425,7 +426,7 @@ class Bench:
             m.load_state_dict(state)
             return m
         cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour,
-                                                                freezing=freezing,
+                                                                freezing=freezing, gemm_epilogues=gemm_epilogues,
                                                                 inductor={**self.args.torch_inductor, **(inductor or {})}))
         folder = self.work / f"{name}-{row}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
@@ -589,7 +590,7 @@ def main() -> None:
                    help="kiln_torch rows: build.torch.inductor entries, e.g. triton.enable_persistent_tma_matmul=true")
     p.add_argument("--torch-variant", type=torch_variant, action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an extra row kiln_torch_NAME built with these build.torch.inductor entries (freezing=true: "
-                        "build.torch.freezing); repeatable")
+                        "build.torch.freezing; gemm_epilogues=bias|bias_gelu: build.torch.gemm_epilogues); repeatable")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels")
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")

@@ -24,7 +24,8 @@ of autotuning again; no C++ package loader is involved. On the GPU its calls rep
 size (:class:`GraphReplays`, ``build.torch.cuda_graphs``): at batch 1 a ResNet-18 is a few dozen small kernels whose
 launches, not their work, set the latency. Graphs are static per batch size (as ``torch.compile``
 baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
-to a few sizes (``Runner.per_shape_sessions``).
+to a few sizes (``Runner.per_shape_sessions``). ``build.torch.gemm_epilogues`` rewrites the loaded program's linear
+layers into cuBLASLt GEMMs with fused bias / GELU epilogues before compiling (:mod:`kiln.stages.engines.gemm_epilogues`).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _on(value: str, auto: bool) -> bool:
 
 def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, Any]:
     return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
-            "freezing": cfg.freezing, "inductor": dict(cfg.inductor)}
+            "freezing": cfg.freezing, "inductor": dict(cfg.inductor), "gemm_epilogues": cfg.gemm_epilogues}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -143,6 +144,11 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     if req.device == "cuda" and not torch.cuda.is_available():
         raise BuildError("torch sees no CUDA GPU: an AOTInductor CUDA package is compiled and tuned on the GPU",
                          hint="build on the GPU host, or set build.torch.devices: [cpu]")
+    flavour = req.config.torch.flavour
+    if req.config.torch.gemm_epilogues != "off" and flavour == "aotinductor":
+        raise ConfigError("build.torch.gemm_epilogues needs the compiled flavour: its GEMMs are custom ops written in "
+                          "Python, which an AOTInductor package cannot hold",
+                          hint="set build.torch.flavour: compiled (or auto), or build.torch.gemm_epilogues: off")
     model = req.torch_model().eval()
     settings = _settings(req.config.torch, req.device, any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
     check_inductor_keys(settings["inductor"])
@@ -161,8 +167,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
     common = {**settings, "dtype": "float16" if req.precision == "fp16" else "float32",
               "dynamic_batch": [1, max(req.max_batch, 2)]}
-    flavour = req.config.torch.flavour
-    if flavour == "compiled":
+    if flavour == "compiled" or settings["gemm_epilogues"] != "off":  # the custom GEMM ops need the compiled flavour
         return _build_compiled(req, exported, common, why=None)
     try:
         return _build_package(req, exported, args, common)
@@ -207,7 +212,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     cuda_graphs = req.device == "cuda" and _on(req.config.torch.cuda_graphs, True)  # this flavour's alone
     t0 = time.perf_counter()
     try:
-        run = _compile_program(req.out / PROGRAM, common, cuda_graphs)
+        run, fused = _compile_program(req.out / PROGRAM, common, cuda_graphs)
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
                 feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
@@ -222,6 +227,8 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
         files["cache"] = CACHE
     settings = {**common, "cuda_graphs": cuda_graphs, "compile_seconds": round(time.perf_counter() - t0, 2),
                 "compiled_batches": warm_batches(req.max_batch)}
+    if fused:
+        settings["gemm_epilogue_layers"] = fused
     if why is not None:
         settings["aotinductor_failed"] = why
     return {"files": files, "flavour": "compiled", "versions": {"torch": torch.__version__},
@@ -269,17 +276,24 @@ def check_inductor_keys(entries: dict[str, Any]) -> None:
                               f"{default!r}), not {value!r}", hint=f"set {key} to a {type(default).__name__}")
 
 
-def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False) -> Any:
+def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False) -> tuple[Any, dict[str, int]]:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
     baseline is timed), compiled under the Inductor config of the build's settings (:func:`_inductor_options`), and
     on the GPU replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call
-    runs under ``torch.inference_mode`` (Inductor freezes only graphs without autograd)."""
+    runs under ``torch.inference_mode`` (Inductor freezes only graphs without autograd). With ``gemm_epilogues`` the
+    linear layers are rewritten first (:mod:`kiln.stages.engines.gemm_epilogues`); returns the runnable and how many
+    layers that rewrite took (empty without it)."""
     import torch
 
     module = torch.export.load(str(path)).module()
+    fused: dict[str, int] = {}
+    if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
+        from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
+
+        fused = fuse_linear_epilogues(module, settings["gemm_epilogues"])
     options = _inductor_options(settings)
     compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
-    return GraphReplays(compiled) if cuda_graphs else compiled
+    return (GraphReplays(compiled) if cuda_graphs else compiled), fused
 
 
 class _Configured:
@@ -401,8 +415,8 @@ class TorchRunner(Runner):
             if "cache" in self.meta.files:  # before compiling: the build's kernels and autotuning are found
                 torch.compiler.load_cache_artifacts((self.engine_dir / self.meta.files["cache"]).read_bytes())
             settings = self.meta.builder_settings
-            self.package = _compile_program(self.engine_dir / self.meta.files["program"], settings,
-                                            bool(settings.get("cuda_graphs")))
+            self.package, _ = _compile_program(self.engine_dir / self.meta.files["program"], settings,
+                                               bool(settings.get("cuda_graphs")))
             return
         from torch._inductor import aoti_load_package
 

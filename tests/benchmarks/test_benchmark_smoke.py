@@ -123,6 +123,7 @@ def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
     assert "| m | 32 | kiln_fixed | 1.900 | 1.500 | 80 | convolution 1.200 (20), layout 0.300 (60) |" in table
     assert bench.torch_variant("aten_frozen:freezing=true,max_autotune_gemm_backends=ATEN") == (
         "kiln_torch_aten_frozen", {"freezing": True, "max_autotune_gemm_backends": "ATEN"})
+    assert bench.torch_variant("epi:gemm_epilogues=bias_gelu") == ("kiln_torch_epi", {"gemm_epilogues": "bias_gelu"})
     for bad in ("aten", "Aten:x=1", "aten:x"):
         with pytest.raises(Exception, match="NAME:KEY=VALUE|KEY=VALUE"):
             bench.torch_variant(bad)

@@ -101,7 +101,7 @@ def test_inductor_config_reaches_the_compilation(tmp_path: Path, settings: dict,
     x = torch.randn(3, 16)
     torch.export.save(torch.export.export(model, (x,)), str(tmp_path / PROGRAM))
     torch.compiler.reset()
-    run = _compile_program(tmp_path / PROGRAM, settings)
+    run, _ = _compile_program(tmp_path / PROGRAM, settings)
     with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
         out, code = run_and_get_code(run, x)  # (it resets Dynamo first: the call compiles)
         graphs = counters["stats"]["unique_graphs"]

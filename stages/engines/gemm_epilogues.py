@@ -1,0 +1,87 @@
+"""Linear layers as cuBLASLt GEMMs with the bias (and GELU) in the GEMM's epilogue (``build.torch.gemm_epilogues``).
+
+Why: on the H200, BERT-base at batch 32 (``benchmarks/results/gpu_session8.md``), Inductor's Triton GEMMs took 1.29-1.58
+ms where cuBLAS's took 1.18 ms; but when Inductor is told to use cuBLAS (``max_autotune_gemm_backends=ATEN``) it copies
+the broadcast bias into every GEMM's output first (one copy kernel per GEMM, 0.61-0.64 ms in all) and runs the GEMM
+with beta = 1, and the GELU after the FFN's first GEMM stays a kernel of its own (0.21 ms). ATen's ``addmm`` with a
+1-D bias runs cuBLASLt with the bias added in the GEMM's epilogue, and ``torch._addmm_activation`` applies GELU there
+too; Inductor emits neither. This pass rewrites the exported program's ``aten.linear`` (and ``aten.linear`` whose only
+user is ``aten.gelu``) into two custom ops that call them. Inductor treats custom ops as opaque kernels: it compiles
+everything around them (layer norms, residual adds, attention) and leaves the GEMMs to cuBLASLt.
+
+Written here rather than taken from a library: neither Inductor nor torch.export has a setting for it (Inductor's
+``bias_addmm`` choice covers only some layouts, and never GELU).
+
+Numerics: on the GPU cuBLASLt's GELU epilogue is the tanh approximation (what ``torch._addmm_activation`` computes
+there), so ``bias_gelu`` turns an exact GELU into that approximation: at most about 5e-4 apart per activation, below
+FP16's resolution at the values where they differ most; validation's gates still judge the engine. On the CPU
+``torch._addmm_activation`` computes the exact GELU.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+log = logging.getLogger("kiln.build")
+MODES = ("off", "bias", "bias_gelu")
+
+
+@torch.library.custom_op("kiln::linear_bias", mutates_args=())
+def linear_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``linear(x, weight, bias)`` as one ``addmm`` with a 1-D bias (cuBLASLt's bias epilogue on the GPU)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return torch.addmm(bias, flat, weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("kiln::linear_bias_gelu", mutates_args=())
+def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu(linear(x, weight, bias))`` as one ``_addmm_activation`` (cuBLASLt's bias + GELU epilogue on the GPU)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@linear_bias.register_fake
+@linear_bias_gelu.register_fake
+def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def fuse_linear_epilogues(gm: fx.GraphModule, mode: str) -> dict[str, int]:
+    """Rewrite ``gm`` in place (``mode``: ``bias`` or ``bias_gelu``); returns how many layers each op took.
+
+    Only linears with a bias: without one there is nothing for the epilogue, and Inductor's own GEMM is kept."""
+    if mode not in MODES[1:]:
+        raise ValueError(f"gemm epilogue mode {mode!r} is not one of {MODES[1:]}")
+    counts = {"linear_bias": 0, "linear_bias_gelu": 0}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+            continue
+        if len(node.args) < 3 or node.args[2] is None:
+            continue
+        users = list(node.users)
+        gelu = users[0] if mode == "bias_gelu" and len(users) == 1 else None
+        if gelu is not None and gelu.target is torch.ops.aten.gelu.default:
+            _replace(graph, gelu, torch.ops.kiln.linear_bias_gelu.default, node.args[:3])
+            graph.erase_node(node)
+            counts["linear_bias_gelu"] += 1
+        else:
+            _replace(graph, node, torch.ops.kiln.linear_bias.default, node.args[:3])
+            counts["linear_bias"] += 1
+    graph.lint()
+    gm.recompile()
+    log.info("GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU", mode,
+             counts["linear_bias"], counts["linear_bias_gelu"])
+    return counts
+
+
+def _replace(graph: fx.Graph, old: fx.Node, op: object, args: tuple[object, ...]) -> None:
+    """``old`` replaced by a call of ``op`` on ``args`` (its shape metadata kept), then erased."""
+    with graph.inserting_before(old):
+        new = graph.call_function(op, tuple(args))
+    new.meta = dict(old.meta)
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)

@@ -1,0 +1,135 @@
+"""build.torch.gemm_epilogues: linear layers as cuBLASLt GEMMs with bias (and GELU) epilogues, through two custom
+ops the compiled flavour's program is rewritten to. The speed is the GPU's (benchmarks/engine_bench.py); here: the
+rewrite finds the right layers, computes the same function, and survives torch.compile and a build + reload."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from build_graphs import sample
+from kiln.core.errors import ConfigError
+from kiln.models import build_model
+from kiln.stages.engines.config import BuildConfig, TorchConfig
+from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
+from kiln.stages.engines.registry import load_engine
+from kiln.stages.engines.stage import build_engine
+from torch import nn
+
+
+class Block(nn.Module):
+    """An FFN with GELU, a projection, a bias-less head: what each rewrite does and does not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.proj = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(nn.functional.gelu(self.up(x)))
+        return self.head(torch.relu(self.proj(h + x)))
+
+
+def _ops(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _exported(model: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:
+    with torch.inference_mode():
+        return torch.export.export(model.eval(), args).module()
+
+
+@pytest.mark.parametrize("mode, counts", [("bias", {"linear_bias": 3, "linear_bias_gelu": 0}),
+                                          ("bias_gelu", {"linear_bias": 2, "linear_bias_gelu": 1})])
+def test_the_rewrite_takes_biased_linears_and_keeps_the_function(mode: str, counts: dict) -> None:
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(3, 5, 16)
+    gm = _exported(model, x)
+    assert fuse_linear_epilogues(gm, mode) == counts
+    ops = _ops(gm)
+    assert ops["aten.linear.default"] == 1  # the bias-less head: nothing for an epilogue, Inductor's GEMM stays
+    assert ops["kiln.linear_bias.default"] == counts["linear_bias"]
+    assert ops["kiln.linear_bias_gelu.default"] == counts["linear_bias_gelu"]
+    assert ops["aten.gelu.default"] == (1 if mode == "bias" else 0)
+    with torch.inference_mode():
+        want = model(x)
+        torch.testing.assert_close(gm(x), want, atol=1e-5, rtol=1e-5)  # CPU: _addmm_activation's GELU is exact
+        compiled = torch.compile(gm, dynamic=False)  # Inductor leaves the custom ops alone and compiles the rest
+        torch.testing.assert_close(compiled(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_transformers_bert_keeps_its_outputs() -> None:
+    """A model nobody here wrote: every biased projection of a `transformers` BERT (Q, K, V, attention output, FFN up
+    with its GELU, FFN down, pooler) is rewritten and the pooled output is unchanged."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)).eval()
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.bert(input_ids=ids, attention_mask=mask).pooler_output
+
+    ids, mask = torch.randint(0, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    gm = _exported(Pooled(), ids, mask)
+    assert fuse_linear_epilogues(gm, "bias_gelu") == {"linear_bias": 2 * 5 + 1, "linear_bias_gelu": 2}
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(ids, mask), Pooled()(ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def _transformer() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("transformer", {}).eval()
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers(zoo, tmp_path: Path) -> None:
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(gemm_epilogues="bias_gelu"))  # flavour auto
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c",
+                        max_batch=4, torch_model=_transformer)
+    assert meta.flavour == "compiled"  # auto goes straight to the flavour that can hold the custom ops
+    settings = meta.builder_settings
+    assert settings["gemm_epilogues"] == "bias_gelu" and settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
+    torch.compiler.reset()  # the runner rewrites and compiles again in a process that has not seen the model
+    model = _transformer()
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 4):
+            x = sample("transformer", batch, seed=batch)
+            with torch.inference_mode():
+                want = model(torch.from_numpy(x)).numpy()
+            got = runner.infer({runner.input_names[0]: x})
+            np.testing.assert_allclose(next(iter(got.values())), want, atol=1e-4, rtol=1e-4)
+
+
+def test_epilogues_refuse_the_aotinductor_flavour(zoo, tmp_path: Path) -> None:
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="aotinductor", gemm_epilogues="bias"))
+    with pytest.raises(ConfigError, match="needs the compiled flavour"):
+        build_engine(zoo("transformer"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c",
+                     torch_model=_transformer)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)  # max-autotune still tunes what is not a linear layer
+def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo, tmp_path: Path) -> None:
+    """On the GPU the ops run cuBLASLt's bias / bias + GELU (tanh) epilogues inside Kiln's CUDA graphs."""
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], gemm_epilogues="bias_gelu"))
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c",
+                        max_batch=32, torch_model=_transformer)
+    assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
+    model = _transformer()
+    with load_engine(tmp_path / "e") as runner:
+        name = runner.input_names[0]
+        for batch in (1, 32):
+            x = sample("transformer", batch, seed=batch)
+            with torch.inference_mode():
+                want = model(torch.from_numpy(x)).numpy()
+            got = next(iter(runner.infer({name: x}).values()))
+            assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.999
+        assert runner.prepared({name: sample("transformer", 32)})[1]  # a CUDA graph per batch size
