@@ -19,7 +19,7 @@ transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the 
 torch engine (``build.backends: [torch]``), ``kiln_torch_frozen`` the same with ``build.torch.freezing: true`` (what
 Inductor's freezing is worth, side by side). ``--torch-variant NAME:KEY=VALUE,...`` (repeatable) adds a row
 ``kiln_torch_NAME``: the torch engine built with those ``build.torch.inductor`` entries on top of ``--torch-inductor``
-(``freezing=true`` sets ``build.torch.freezing``, ``gemm_epilogues=bias|bias_gelu`` ``build.torch.gemm_epilogues``),
+(``freezing=true`` sets ``build.torch.freezing``, ``gemm_epilogues=MODE`` ``build.torch.gemm_epilogues``),
 so Inductor settings are compared in one run. Variant rows are
 shown but not counted as Kiln's engine in the targets: they are not what a build ships by default.
 
@@ -590,7 +590,7 @@ def main() -> None:
                    help="kiln_torch rows: build.torch.inductor entries, e.g. triton.enable_persistent_tma_matmul=true")
     p.add_argument("--torch-variant", type=torch_variant, action="append", default=[], metavar="NAME:KEY=VALUE,...",
                    help="an extra row kiln_torch_NAME built with these build.torch.inductor entries (freezing=true: "
-                        "build.torch.freezing; gemm_epilogues=bias|bias_gelu: build.torch.gemm_epilogues); repeatable")
+                        "build.torch.freezing; gemm_epilogues=MODE: build.torch.gemm_epilogues); repeatable")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels")
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")

@@ -26,9 +26,9 @@ whose ratio moves to ~1.0:
 * ``bare+spin`` / ``bare+touch``: as ``bare``, the first loop doing ``--pad-us`` microseconds of extra host work per
   step: spinning on the clock, or reading Python objects scattered over ~64 MB (calibrated to the same time). Kiln's
   own per-step extras cost about 0.1-0.2 ms of host time (``step_host_cost.py``) but its GPU steps lose 2-5 ms; if
-  a pad of that size costs far more than itself (expected ratio: ``1 / (1 + pad * steps/s)``), the host-bound GPU
-  step amplifies any extra host work (``touch``: through the caches), and the cure is fewer launches, not less
-  Python in Kiln's step.
+  a pad of that size costs far more than itself (expected ratio: ``1 / (1 + pad * steps/s)``, the pad as timed in
+  the run), the host-bound GPU step amplifies any extra host work (``touch``: through the caches), and the cure is
+  fewer launches, not less Python in Kiln's step.
 
 The swaps monkeypatch Kiln's classes for the duration of one run and are undone after it. Variants alternate run
 by run (a drift of the host's speed reaches all of them). Kiln / bare per run is the median of its window pairs'
@@ -109,15 +109,6 @@ class BareBatches:
         return self.n
 
 
-def kiln_fb_bare_update(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> None:
-    """Kiln's forward/backward, then the bare loop's update and nothing else (variant ``update``)."""
-    self._forward_backward(xb, yb)
-    bare_update(self.scaler, self.opt, self.params)
-    self.result.global_step += 1
-    self.step_in_epoch += 1
-    self.acc["samples"] += len(yb)
-
-
 def direct_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``CompiledModel.__call__`` without its checks: the compiled module itself (variant ``direct``)."""
     return self.forward(*args, **kwargs)
@@ -156,7 +147,7 @@ def variant_patches(variant: str) -> Iterator[None]:
         if variant == "fb":
             stack.enter_context(patched(loop._Trainer, "_forward_backward", bare_forward_backward))
         if variant == "update":
-            stack.enter_context(patched(loop._Trainer, "_step", kiln_fb_bare_update))
+            stack.enter_context(patched(loop._Trainer, "_step", bare_step))  # calls Kiln's own _forward_backward
         if variant == "direct":
             stack.enter_context(patched(compile_module.CompiledModel, "__call__", direct_call))
         if variant.startswith("step"):
@@ -210,21 +201,29 @@ class Toucher:
         self.at += self.n
 
 
-def padded(step: Callable[[], None], pad: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        step()
-        pad()
-    return run
+class Padded:
+    """A loop's step followed by ``pad``, timing every pad call (the expected ratio uses what the pads took in the
+    run, not the calibrated figure: after a training step the caches are colder than during calibration)."""
+
+    def __init__(self, step: Callable[[], None], pad: Callable[[], None]) -> None:
+        self.step, self.pad, self.secs = step, pad, []
+
+    def __call__(self) -> None:
+        self.step()
+        t0 = time.perf_counter()
+        self.pad()
+        self.secs.append(time.perf_counter() - t0)
 
 
 def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device, steps: int,
-                 windows: int, pad: Callable[[], None] | None = None) -> list[list[float]]:
+                 windows: int, pad: Padded | None = None) -> list[list[float]]:
     """Two bare compiled loops on two instances of the model, alternating windows: steps/s of both per pair.
-    ``pad``: extra host work after every step of the first loop."""
+    ``pad``: the first loop's step with extra host work after it (its ``step`` is set here)."""
     torch.compiler.reset()
     loops = [TB.BareLoop(TB.fresh_model(name, spec), data, spec["batch"], precision, device, True) for _ in range(2)]
     if pad is not None:
-        loops[0].step = padded(loops[0].step, pad)  # type: ignore[method-assign]  # window() calls self.step
+        pad.step = loops[0].step
+        loops[0].step = pad  # type: ignore[method-assign]  # window() calls self.step
     for bare in loops:
         for _ in range(steps + 1):
             bare.step()
@@ -238,16 +237,20 @@ def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision:
             steps: int, windows: int, pad_us: float = 0.0) -> dict[str, float]:
     """One run: the median Kiln / bare ratio over its window pairs, and each loop's median steps/s (a variant that
     changes the ratio should change Kiln's steps/s, not the bare loop's)."""
+    extra: dict[str, float] = {}
     if variant.startswith("bare"):
-        pad = {"bare": None, "bare+spin": lambda: spin(pad_us), "bare+touch": Toucher(pad_us) if pad_us else None}
-        pairs = bare_vs_bare(name, spec, data, precision, device, steps, windows, pad[variant])
+        pad = None
+        if variant == "bare+spin":
+            pad = Padded(lambda: None, lambda: spin(pad_us))
+        elif variant == "bare+touch":
+            pad = Padded(lambda: None, Toucher(pad_us))
+        pairs = bare_vs_bare(name, spec, data, precision, device, steps, windows, pad)
         kiln_sps, bare_sps = [a for a, _ in pairs], [b for _, b in pairs]
         ratio = statistics.median(a / b for a, b in pairs)
-        if variant != "bare":  # what the pad would cost if it cost only itself
-            expected = statistics.median(1 / (1 + pad_us / 1e6 * b) for b in bare_sps)
-            return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
-                    "bare_steps_per_s": round(statistics.median(bare_sps), 3), "pad_us": pad_us,
-                    "expected_ratio": round(expected, 4)}
+        if pad is not None:  # what the pad would cost if it cost only the time it took
+            took = statistics.median(pad.secs)
+            extra = {"pad_us": pad_us, "pad_us_measured": round(took * 1e6, 1),
+                     "expected_ratio": round(statistics.median(1 / (1 + took * b) for b in bare_sps), 4)}
     else:
         with variant_patches(variant):
             r = TB.interleaved(name, spec, data, precision, device, steps, windows, compile=True)
@@ -255,10 +258,9 @@ def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision:
         ratio = TB.paired_ratio(r["kiln"], r["bare"])
         gc = {f"{k}_gc_ms": round(sum(w["gc_ms"] for w in r[k]), 2) for k in ("kiln", "bare")}
         host = {f"{k}_host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in r[k]) for k in ("kiln", "bare")}
-        return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
-                "bare_steps_per_s": round(statistics.median(bare_sps), 3), **gc, **host}
+        extra = {**gc, **host}
     return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
-            "bare_steps_per_s": round(statistics.median(bare_sps), 3)}
+            "bare_steps_per_s": round(statistics.median(bare_sps), 3), **extra}
 
 
 def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, variants: list[str],
@@ -312,7 +314,7 @@ def markdown(res: dict[str, Any]) -> str:
     if any("expected" in s for s in res["variants"].values()):
         lines += ["", "bare+spin / bare+touch: the first bare loop does the pad's host work after every step (Kiln / "
                   "bare reads first / second loop); the last column is the ratio the pad would give if it cost "
-                  "only its own time."]
+                  "only the time its calls took in the run (median)."]
     return "\n".join(lines) + "\n"
 
 

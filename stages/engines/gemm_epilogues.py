@@ -12,10 +12,14 @@ everything around them (layer norms, residual adds, attention) and leaves the GE
 Written here rather than taken from a library: neither Inductor nor torch.export has a setting for it (Inductor's
 ``bias_addmm`` choice covers only some layouts, and never GELU).
 
-Numerics: on the GPU cuBLASLt's GELU epilogue is the tanh approximation (what ``torch._addmm_activation`` computes
-there), so ``bias_gelu`` turns an exact GELU into that approximation: at most about 5e-4 apart per activation, below
-FP16's resolution at the values where they differ most; validation's gates still judge the engine. On the CPU
-``torch._addmm_activation`` computes the exact GELU.
+Numerics: ``torch._addmm_activation``'s GELU is the tanh approximation on the GPU (cuBLASLt's GELU epilogue, and
+ATen's fallback where cuBLASLt is not used) and the exact GELU on the CPU. ``bias_gelu`` therefore fuses only the GELUs
+it computes as the model does (``approximate='tanh'`` on the GPU, the exact one on the CPU); ``bias_any_gelu`` fuses
+every GELU, so on the GPU an exact GELU (BERT's) becomes the tanh approximation: at most 4.7e-4 apart (absolute, near
+x = -2.7, where that is ~5% of the small negative output); validation's gates still judge the engine.
+
+ATen uses cuBLASLt's epilogue only for a contiguous 1-D bias and GEMMs with more than one row (and not under
+``DISABLE_ADDMM_CUDA_LT=1``); elsewhere (a batch-1 pooler) the same op is a GEMM plus the bias and GELU as kernels.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ import torch
 from torch import fx
 
 log = logging.getLogger("kiln.build")
-MODES = ("off", "bias", "bias_gelu")
+MODES = ("off", "bias", "bias_gelu", "bias_any_gelu")
+EPILOGUE_GELU = {"cuda": "tanh", "cpu": "none"}  # what torch._addmm_activation's GELU computes, per device
 
 
 @torch.library.custom_op("kiln::linear_bias", mutates_args=())
@@ -50,9 +55,10 @@ def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.T
 
 
 def fuse_linear_epilogues(gm: fx.GraphModule, mode: str) -> dict[str, int]:
-    """Rewrite ``gm`` in place (``mode``: ``bias`` or ``bias_gelu``); returns how many layers each op took.
+    """Rewrite ``gm`` in place (``mode``: one of :data:`MODES` but ``off``); returns how many layers each op took.
 
-    Only linears with a bias: without one there is nothing for the epilogue, and Inductor's own GEMM is kept."""
+    Only linears with a bias: without one there is nothing for the epilogue, and Inductor's own GEMM is kept. A GELU
+    is fused only when it is the linear's only user (and, with ``bias_gelu``, computed as the epilogue computes it)."""
     if mode not in MODES[1:]:
         raise ValueError(f"gemm epilogue mode {mode!r} is not one of {MODES[1:]}")
     counts = {"linear_bias": 0, "linear_bias_gelu": 0}
@@ -63,8 +69,8 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str) -> dict[str, int]:
         if len(node.args) < 3 or node.args[2] is None:
             continue
         users = list(node.users)
-        gelu = users[0] if mode == "bias_gelu" and len(users) == 1 else None
-        if gelu is not None and gelu.target is torch.ops.aten.gelu.default:
+        if len(users) == 1 and _fusable_gelu(users[0], mode):
+            gelu = users[0]
             _replace(graph, gelu, torch.ops.kiln.linear_bias_gelu.default, node.args[:3])
             graph.erase_node(node)
             counts["linear_bias_gelu"] += 1
@@ -73,9 +79,22 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str) -> dict[str, int]:
             counts["linear_bias"] += 1
     graph.lint()
     gm.recompile()
+    if not any(counts.values()):  # e.g. a model whose layers call torch.addmm themselves (GPT-2's Conv1D)
+        log.warning("build.torch.gemm_epilogues: %s: the program has no linear layer with a bias to rewrite", mode)
     log.info("GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU", mode,
              counts["linear_bias"], counts["linear_bias_gelu"])
     return counts
+
+
+def _fusable_gelu(node: fx.Node, mode: str) -> bool:
+    """Is ``node`` a GELU the epilogue may take in this mode (see the module docstring on numerics)?"""
+    if node.target is not torch.ops.aten.gelu.default or mode == "bias":
+        return False
+    if mode == "bias_any_gelu":
+        return True
+    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    val = node.meta.get("val")  # the output's fake tensor: its device says which GELU the epilogue computes
+    return val is not None and EPILOGUE_GELU.get(val.device.type) == approximate
 
 
 def _replace(graph: fx.Graph, old: fx.Node, op: object, args: tuple[object, ...]) -> None:

@@ -44,6 +44,8 @@ def _exported(model: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:
 @pytest.mark.parametrize("mode, counts", [("bias", {"linear_bias": 3, "linear_bias_gelu": 0}),
                                           ("bias_gelu", {"linear_bias": 2, "linear_bias_gelu": 1})])
 def test_the_rewrite_takes_biased_linears_and_keeps_the_function(mode: str, counts: dict) -> None:
+    from torch._inductor.utils import run_and_get_code
+
     torch.manual_seed(0)
     model, x = Block(), torch.randn(3, 5, 16)
     gm = _exported(model, x)
@@ -57,7 +59,42 @@ def test_the_rewrite_takes_biased_linears_and_keeps_the_function(mode: str, coun
         want = model(x)
         torch.testing.assert_close(gm(x), want, atol=1e-5, rtol=1e-5)  # CPU: _addmm_activation's GELU is exact
         compiled = torch.compile(gm, dynamic=False)  # Inductor leaves the custom ops alone and compiles the rest
-        torch.testing.assert_close(compiled(x), want, atol=1e-5, rtol=1e-5)
+        got, code = run_and_get_code(compiled, x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    calls = "\n".join(code)
+    assert calls.count("torch.ops.kiln.linear_bias.default(") == counts["linear_bias"]
+    assert calls.count("torch.ops.kiln.linear_bias_gelu.default(") == counts["linear_bias_gelu"]
+
+
+class Gelus(nn.Module):
+    """A tanh GELU, an exact GELU, and a linear read by a GELU and by the residual (not fusable: two users)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.a(x), approximate="tanh")
+        h = nn.functional.gelu(self.b(h))
+        y = self.c(h)
+        return nn.functional.gelu(y) + y
+
+
+@pytest.mark.parametrize("mode, fused", [("bias_gelu", 1), ("bias_any_gelu", 2)])
+def test_gelus_are_fused_only_where_the_epilogue_computes_them_as_the_model(mode: str, fused: int) -> None:
+    """On the CPU the epilogue's GELU is the exact one: bias_gelu leaves the tanh GELU as it is and the function
+    unchanged; bias_any_gelu takes it too (computing it exactly, 4.7e-4 at most from tanh). The linear with two users
+    only loses its bias to the GEMM."""
+    torch.manual_seed(0)
+    model, x = Gelus(), torch.randn(4, 8) * 3
+    gm = _exported(model, x)
+    assert fuse_linear_epilogues(gm, mode) == {"linear_bias": 3 - fused, "linear_bias_gelu": fused}
+    with torch.inference_mode():
+        diff = (gm(x) - model(x)).abs().max().item()
+    if mode == "bias_gelu":
+        assert diff < 1e-5
+    else:
+        assert 1e-6 < diff < 2e-3  # the tanh GELU computed exactly: a real, bounded difference
 
 
 def test_a_transformers_bert_keeps_its_outputs() -> None:
@@ -118,11 +155,13 @@ def test_epilogues_refuse_the_aotinductor_flavour(zoo, tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.timeout(900)  # max-autotune still tunes what is not a linear layer
 def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo, tmp_path: Path) -> None:
-    """On the GPU the ops run cuBLASLt's bias / bias + GELU (tanh) epilogues inside Kiln's CUDA graphs."""
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], gemm_epilogues="bias_gelu"))
+    """On the GPU the ops run cuBLASLt's bias / bias + GELU (tanh) epilogues inside Kiln's CUDA graphs; the zoo
+    model's exact GELU is taken too (bias_any_gelu), as the tanh approximation."""
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], gemm_epilogues="bias_any_gelu"))
     meta = build_engine(zoo("transformer"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c",
                         max_batch=32, torch_model=_transformer)
     assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
+    assert meta.builder_settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
     model = _transformer()
     with load_engine(tmp_path / "e") as runner:
         name = runner.input_names[0]
