@@ -24,34 +24,44 @@ ATen uses cuBLASLt's epilogue only for a contiguous 1-D bias and GEMMs with more
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import torch
-from torch import fx
+if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules load without it
+    import torch
+    from torch import fx
 
 log = logging.getLogger("kiln.build")
 MODES = ("off", "bias", "bias_gelu", "bias_any_gelu")
 EPILOGUE_GELU = {"cuda": "tanh", "cpu": "none"}  # what torch._addmm_activation's GELU computes, per device
 
 
-@torch.library.custom_op("kiln::linear_bias", mutates_args=())
-def linear_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``linear(x, weight, bias)`` as one ``addmm`` with a 1-D bias (cuBLASLt's bias epilogue on the GPU)."""
-    flat = x.reshape(-1, x.shape[-1])
-    return torch.addmm(bias, flat, weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+@lru_cache(maxsize=None)
+def register_ops() -> None:
+    """Define ``kiln::linear_bias`` and ``kiln::linear_bias_gelu`` (once per process; a loaded engine's process
+    defines them again when it rewrites its program)."""
+    import torch
 
+    # Schemas spelled out: with postponed annotations torch cannot read them off the signatures of local functions
+    schema = "(Tensor x, Tensor weight, Tensor bias) -> Tensor"
 
-@torch.library.custom_op("kiln::linear_bias_gelu", mutates_args=())
-def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``gelu(linear(x, weight, bias))`` as one ``_addmm_activation`` (cuBLASLt's bias + GELU epilogue on the GPU)."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    @torch.library.custom_op("kiln::linear_bias", mutates_args=(), schema=schema)
+    def linear_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``linear(x, weight, bias)`` as one ``addmm`` with a 1-D bias (cuBLASLt's bias epilogue on the GPU)."""
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.addmm(bias, flat, weight.t()).reshape(*x.shape[:-1], weight.shape[0])
 
+    @torch.library.custom_op("kiln::linear_bias_gelu", mutates_args=(), schema=schema)
+    def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``gelu(linear(x, weight, bias))`` as one ``_addmm_activation`` (bias + GELU epilogue on the GPU)."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
-@linear_bias.register_fake
-@linear_bias_gelu.register_fake
-def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    @linear_bias.register_fake
+    @linear_bias_gelu.register_fake
+    def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def fuse_linear_epilogues(gm: fx.GraphModule, mode: str) -> dict[str, int]:
@@ -59,8 +69,11 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str) -> dict[str, int]:
 
     Only linears with a bias: without one there is nothing for the epilogue, and Inductor's own GEMM is kept. A GELU
     is fused only when it is the linear's only user (and, with ``bias_gelu``, computed as the epilogue computes it)."""
+    import torch
+
     if mode not in MODES[1:]:
         raise ValueError(f"gemm epilogue mode {mode!r} is not one of {MODES[1:]}")
+    register_ops()
     counts = {"linear_bias": 0, "linear_bias_gelu": 0}
     graph = gm.graph
     for node in list(graph.nodes):
@@ -88,6 +101,8 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str) -> dict[str, int]:
 
 def _fusable_gelu(node: fx.Node, mode: str) -> bool:
     """Is ``node`` a GELU the epilogue may take in this mode (see the module docstring on numerics)?"""
+    import torch
+
     if node.target is not torch.ops.aten.gelu.default or mode == "bias":
         return False
     if mode == "bias_any_gelu":

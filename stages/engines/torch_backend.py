@@ -49,6 +49,7 @@ from kiln.core.text import first_line
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.engines import Runner
+from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
 from kiln.stages.engines.onnxruntime_runner import time_calls
 
 log = logging.getLogger("kiln.build")
@@ -288,8 +289,6 @@ def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = F
     module = torch.export.load(str(path)).module()
     fused: dict[str, int] = {}
     if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
-        from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
-
         fused = fuse_linear_epilogues(module, settings["gemm_epilogues"])
     options = _inductor_options(settings)
     compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
