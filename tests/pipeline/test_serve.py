@@ -41,6 +41,9 @@ from tests.conftest import tiny_config_dict
 ENGINE = "onnxruntime-cpu-fp32"
 MODEL = "onnxruntime_cpu_fp32"
 READY_TIMEOUT_S = 90  # a loaded 2-core CI machine: startup is ~3 s when idle
+# Stopping takes ~15 s on an idle 2-core machine (PyTriton stops its model proxies, then tritonserver); one CI run on
+# a loaded machine needed more than 60 s. The test is that it stops and leaves nothing behind, not how fast.
+STOP_TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,17 @@ def _abort(proc: subprocess.Popen[bytes]) -> None:
 
 def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Process], sig: int) -> None:
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for p in [*descendants, psutil.Process(proc.pid)]:  # nothing left running after a failed test
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        printed = (proc.communicate(timeout=30)[0] or b"").decode(errors="replace")
+        raise AssertionError(f"kiln serve did not stop within {STOP_TIMEOUT_S} s of signal {sig}; it printed:\n"
+                             f"{printed[-3000:]}") from None
     assert proc.returncode == 0, out.decode()[-3000:]
     _, alive = psutil.wait_procs(descendants, timeout=15)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
