@@ -155,6 +155,13 @@ class TorchConfig(Section):
                                                " (a package that crashes its loader is skipped, not served)")
     load_check_timeout_s: float = Field(300.0, gt=0)
 
+    @model_validator(mode="after")
+    def _epilogues_need_the_compiled_flavour(self) -> "TorchConfig":
+        if self.gemm_epilogues != "off" and self.flavour == "aotinductor":  # said before training, not after it
+            raise ValueError("gemm_epilogues needs flavour compiled or auto: its GEMMs are custom ops written in "
+                             "Python, which an AOTInductor package cannot hold")
+        return self
+
 
 class BuildConfig(Section):
     backends: list[Literal["onnxruntime", "tensorrt", "torch"]] = Field(

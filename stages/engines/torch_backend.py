@@ -145,11 +145,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     if req.device == "cuda" and not torch.cuda.is_available():
         raise BuildError("torch sees no CUDA GPU: an AOTInductor CUDA package is compiled and tuned on the GPU",
                          hint="build on the GPU host, or set build.torch.devices: [cpu]")
-    flavour = req.config.torch.flavour
-    if req.config.torch.gemm_epilogues != "off" and flavour == "aotinductor":
-        raise ConfigError("build.torch.gemm_epilogues needs the compiled flavour: its GEMMs are custom ops written in "
-                          "Python, which an AOTInductor package cannot hold",
-                          hint="set build.torch.flavour: compiled (or auto), or build.torch.gemm_epilogues: off")
+    flavour = req.config.torch.flavour  # gemm_epilogues with flavour aotinductor: refused by TorchConfig itself
     model = req.torch_model().eval()
     settings = _settings(req.config.torch, req.device, any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
     check_inductor_keys(settings["inductor"])

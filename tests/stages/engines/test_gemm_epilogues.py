@@ -9,14 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from build_graphs import sample
-from kiln.core.errors import ConfigError
+from click.testing import CliRunner
+from kiln.cli import main
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
+from pydantic import ValidationError
 from torch import nn
+
+from tests.conftest import tiny_config_dict
 
 
 class Block(nn.Module):
@@ -145,11 +150,18 @@ def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers
             np.testing.assert_allclose(next(iter(got.values())), want, atol=1e-4, rtol=1e-4)
 
 
-def test_epilogues_refuse_the_aotinductor_flavour(zoo, tmp_path: Path) -> None:
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="aotinductor", gemm_epilogues="bias"))
-    with pytest.raises(ConfigError, match="needs the compiled flavour"):
-        build_engine(zoo("transformer"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c",
-                     torch_model=_transformer)
+def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_path: Path) -> None:
+    """Said when the config is read (before training), as `kiln run` prints it: one error line, one fix line."""
+    with pytest.raises(ValidationError, match="needs flavour compiled or auto"):
+        TorchConfig(flavour="aotinductor", gemm_epilogues="bias")
+    config = tmp_path / "kiln.yaml"
+    config.write_text(yaml.safe_dump({**tiny_config_dict(), "build": {"backends": ["onnxruntime", "torch"], "torch": {
+        "flavour": "aotinductor", "gemm_epilogues": "bias"}}}))
+    result = CliRunner().invoke(main, ["run", str(config), "--workdir", str(tmp_path / "w"), "--quiet"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and not (tmp_path / "w" / "train").exists(), result.output
+    assert lines[-2].startswith("error: ") and "gemm_epilogues needs flavour compiled" in lines[-2]
+    assert lines[-1].startswith("fix: ")
 
 
 @pytest.mark.gpu
