@@ -425,9 +425,9 @@ class Bench:
             m = make_model(name, self.params).eval()
             m.load_state_dict(state)
             return m
-        cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=[device], flavour=self.args.torch_flavour,
-                                                                freezing=freezing, gemm_epilogues=gemm_epilogues,
-                                                                inductor={**self.args.torch_inductor, **(inductor or {})}))
+        torch_cfg = TorchConfig(devices=[device], flavour=self.args.torch_flavour, freezing=freezing,
+                                gemm_epilogues=gemm_epilogues, inductor={**self.args.torch_inductor, **(inductor or {})})
+        cfg = BuildConfig(backends=["torch"], torch=torch_cfg)
         folder = self.work / f"{name}-{row}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
                             max_batch=max(self.args.batches), torch_model=load)

@@ -139,14 +139,14 @@ class TorchConfig(Section):
     freezing: bool = Field(
         False, description="Inductor freezing: the weights become constants Inductor may fold and rearrange (the Q, K "
                            "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
-                           "on the H200 it took a BERT-base from 0.811 / 2.555 to 0.660 / 2.462 ms (batch 1 / 32, with cuBLAS "
-                           "GEMMs; gpu_session8.md) and one build took 155 s")
+                           "on the H200 it took a BERT-base from 0.811 / 2.555 to 0.660 / 2.462 ms (batch 1 / 32, "
+                           "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s")
     gemm_epilogues: Literal["off", "bias", "bias_gelu", "bias_any_gelu"] = Field(
         "off", description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
                            "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "
                            "bias_any_gelu: every GELU, on the GPU as the tanh approximation) in the GEMM's epilogue "
-                           "instead of Inductor's GEMMs (kiln.stages.engines.gemm_epilogues); needs flavour compiled or "
-                           "auto")
+                           "instead of Inductor's GEMMs (kiln.stages.engines.gemm_epilogues); needs flavour "
+                           "compiled or auto")
     inductor: dict[str, Union[bool, int, float, str]] = Field(
         default_factory=dict, description="further torch._inductor.config entries set while the engine compiles "
                                           "(build and load), e.g. {'triton.enable_persistent_tma_matmul': true, "

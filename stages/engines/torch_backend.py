@@ -25,7 +25,8 @@ size (:class:`GraphReplays`, ``build.torch.cuda_graphs``): at batch 1 a ResNet-1
 launches, not their work, set the latency. Graphs are static per batch size (as ``torch.compile``
 baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
 to a few sizes (``Runner.per_shape_sessions``). ``build.torch.gemm_epilogues`` rewrites the loaded program's linear
-layers into cuBLASLt GEMMs with fused bias / GELU epilogues before compiling (:mod:`kiln.stages.engines.gemm_epilogues`).
+layers into cuBLASLt GEMMs with fused bias / GELU epilogues before compiling
+(:mod:`kiln.stages.engines.gemm_epilogues`).
 """
 from __future__ import annotations
 

@@ -155,7 +155,8 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
 
     capture, push = health._capture, health.LaggedStats.push
     with ab.variant_patches("nograph+oldstats"):
-        assert health._capture(lambda: None, torch.device("cpu")) is None and health.LaggedStats.push is ab.allocating_push
+        assert health._capture(lambda: None, torch.device("cpu")) is None
+        assert health.LaggedStats.push is ab.allocating_push
         stats = health.LaggedStats(torch.device("cpu"), lag=0)
         stats.push(1, 0, 8, torch.tensor([0.5, 2.0]))
         assert [(s.step, loss_v, norm_v) for s, loss_v, norm_v in stats.drain()] == [(1, 0.5, 2.0)]
