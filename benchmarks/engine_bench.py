@@ -552,15 +552,14 @@ def inductor_entries(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"not KEY=VALUE[,KEY=VALUE...] with Inductor config names: {text!r}")
     out: dict[str, Any] = {}
     for key, raw in re.findall(PAIR, text):
-        low = raw.lower()
-        value: Any = low == "true" if low in ("true", "false") else raw
-        for kind in (int, float):
-            if isinstance(value, str) and re.fullmatch(r"-?\d+(\.\d*)?([eE]-?\d+)?", raw):
-                try:
-                    value = kind(raw)
-                except ValueError:
-                    pass
-        out[key] = value
+        if raw.lower() in ("true", "false"):
+            out[key] = raw.lower() == "true"
+        elif re.fullmatch(r"-?\d+", raw):
+            out[key] = int(raw)
+        elif re.fullmatch(r"-?\d+\.\d*([eE]-?\d+)?|-?\d+[eE]-?\d+", raw):
+            out[key] = float(raw)
+        else:
+            out[key] = raw
     return out
 
 

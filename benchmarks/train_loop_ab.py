@@ -40,7 +40,6 @@ ratios; per variant the mean and spread over runs. Writes <out>/train_loop_ab[_s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 import random
 import statistics
@@ -49,6 +48,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
 from torch import nn
@@ -58,21 +58,11 @@ from kiln.stages.train import compile as compile_module  # noqa: E402
 from kiln.stages.train import health, loop  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
 
+from benchmarks import train_bench as TB  # noqa: E402
 from benchmarks.common import bare_update, write_report  # noqa: E402
 
 VARIANTS = ("kiln", "nograph", "nograph+oldstats", "fb", "update", "direct", "step", "step+batches",
             "step+batches+compile", "bare", "bare+spin", "bare+touch")
-
-
-def _train_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("train_bench", Path(__file__).with_name("train_bench.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TB = _train_bench()
 
 
 def bare_forward_backward(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -127,42 +117,33 @@ def allocating_push(self: health.LaggedStats, step: int, epoch: int, samples: in
 
 
 @contextmanager
-def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
-@contextmanager
 def variant_patches(variant: str) -> Iterator[None]:
     """Kiln's loop with the parts named by ``variant`` swapped for the bare loop's (undone on exit)."""
     with ExitStack() as stack:
         if variant.startswith("nograph"):
-            stack.enter_context(patched(health, "_capture", lambda work, device: None))
+            stack.enter_context(mock.patch.object(health, "_capture", lambda work, device: None))
         if "oldstats" in variant:
-            stack.enter_context(patched(health.LaggedStats, "push", allocating_push))
+            stack.enter_context(mock.patch.object(health.LaggedStats, "push", allocating_push))
         if variant == "fb":
-            stack.enter_context(patched(loop._Trainer, "_forward_backward", bare_forward_backward))
+            stack.enter_context(mock.patch.object(loop._Trainer, "_forward_backward", bare_forward_backward))
         if variant == "update":
-            stack.enter_context(patched(loop._Trainer, "_step", bare_step))  # calls Kiln's own _forward_backward
+            # bare_step calls self._forward_backward: here Kiln's own
+            stack.enter_context(mock.patch.object(loop._Trainer, "_step", bare_step))
         if variant == "direct":
-            stack.enter_context(patched(compile_module.CompiledModel, "__call__", direct_call))
+            stack.enter_context(mock.patch.object(compile_module.CompiledModel, "__call__", direct_call))
         if variant.startswith("step"):
-            stack.enter_context(patched(loop._Trainer, "_step", bare_step))
-            stack.enter_context(patched(loop._Trainer, "_forward_backward", bare_forward_backward))
+            stack.enter_context(mock.patch.object(loop._Trainer, "_step", bare_step))
+            stack.enter_context(mock.patch.object(loop._Trainer, "_forward_backward", bare_forward_backward))
         if "batches" in variant:
             make = loop.make_loader
 
             def bare_loader(*args: Any, **kwargs: Any) -> Any:
                 batches, sampler = make(*args, **kwargs)
                 return BareBatches(batches), sampler
-            stack.enter_context(patched(loop, "make_loader", bare_loader))
+            stack.enter_context(mock.patch.object(loop, "make_loader", bare_loader))
         if "compile" in variant:
             real = torch.compile
-            stack.enter_context(patched(compile_module.torch, "compile", lambda module, **_: real(module)))
+            stack.enter_context(mock.patch.object(compile_module.torch, "compile", lambda module, **_: real(module)))
         yield
 
 

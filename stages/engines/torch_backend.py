@@ -146,7 +146,6 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     if req.device == "cuda" and not torch.cuda.is_available():
         raise BuildError("torch sees no CUDA GPU: an AOTInductor CUDA package is compiled and tuned on the GPU",
                          hint="build on the GPU host, or set build.torch.devices: [cpu]")
-    flavour = req.config.torch.flavour  # gemm_epilogues with flavour aotinductor: refused by TorchConfig itself
     model = req.torch_model().eval()
     settings = _settings(req.config.torch, req.device, any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
     check_inductor_keys(settings["inductor"])
@@ -165,6 +164,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
     common = {**settings, "dtype": "float16" if req.precision == "fp16" else "float32",
               "dynamic_batch": [1, max(req.max_batch, 2)]}
+    flavour = req.config.torch.flavour  # (gemm_epilogues with flavour aotinductor: refused by TorchConfig itself)
     if flavour == "compiled" or settings["gemm_epilogues"] != "off":  # the custom GEMM ops need the compiled flavour
         return _build_compiled(req, exported, common, why=None)
     try:
