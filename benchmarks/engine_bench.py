@@ -338,7 +338,7 @@ class Bench:
         if row in self.args.torch_variants:
             entries = dict(self.args.torch_variants[row])
             return self._kiln_torch(onnx32, name, model, row, freezing=bool(entries.pop("freezing", False)),
-                                    gemm_epilogues=str(entries.pop("gemm_epilogues", "off")), inductor=entries)
+                                    gemm_epilogues=str(entries.pop("gemm_epilogues", "auto")), inductor=entries)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
@@ -414,7 +414,7 @@ class Bench:
 
 
     def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module, row: str, freezing: bool = False,
-                    inductor: dict[str, Any] | None = None, gemm_epilogues: str = "off") -> tuple[Any, int, dict]:
+                    inductor: dict[str, Any] | None = None, gemm_epilogues: str = "auto") -> tuple[Any, int, dict]:
         """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``freezing``:
         build.torch.freezing (the row kiln_torch_frozen turns it on); ``inductor``: build.torch.inductor entries on
         top of ``--torch-inductor`` (a ``--torch-variant`` row)."""

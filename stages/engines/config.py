@@ -141,12 +141,13 @@ class TorchConfig(Section):
                            "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
                            "on the H200 it took a BERT-base from 0.811 / 2.555 to 0.660 / 2.462 ms (batch 1 / 32, "
                            "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s")
-    gemm_epilogues: Literal["off", "bias", "bias_gelu", "bias_any_gelu"] = Field(
-        "off", description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
-                           "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "
-                           "bias_any_gelu: every GELU, on the GPU as the tanh approximation) in the GEMM's epilogue "
-                           "instead of Inductor's GEMMs (kiln.stages.engines.gemm_epilogues); needs flavour "
-                           "compiled or auto")
+    gemm_epilogues: Literal["auto", "off", "bias", "bias_gelu", "bias_any_gelu"] = Field(
+        "auto", description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
+                            "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "
+                            "bias_any_gelu: every GELU, on the GPU as the tanh approximation) in the GEMM's epilogue "
+                            "instead of Inductor's GEMMs (kiln.stages.engines.gemm_epilogues); a linear followed by a "
+                            "GELU the mode does not fuse stays Inductor's. auto: bias_gelu for GPU engines (their "
+                            "flavour then is compiled), off on the CPU and with flavour aotinductor")
     inductor: dict[str, Union[bool, int, float, str]] = Field(
         default_factory=dict, description="further torch._inductor.config entries set while the engine compiles "
                                           "(build and load), e.g. {'triton.enable_persistent_tma_matmul': true, "
@@ -157,7 +158,7 @@ class TorchConfig(Section):
 
     @model_validator(mode="after")
     def _epilogues_need_the_compiled_flavour(self) -> "TorchConfig":
-        if self.gemm_epilogues != "off" and self.flavour == "aotinductor":  # said before training, not after it
+        if self.gemm_epilogues not in ("auto", "off") and self.flavour == "aotinductor":  # said before training
             raise ValueError("gemm_epilogues needs flavour compiled or auto: its GEMMs are custom ops written in "
                              "Python, which an AOTInductor package cannot hold")
         return self

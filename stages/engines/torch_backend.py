@@ -50,7 +50,7 @@ from kiln.core.text import first_line
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.engines import Runner
-from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
+from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues, resolve_mode
 from kiln.stages.engines.onnxruntime_runner import time_calls
 
 log = logging.getLogger("kiln.build")
@@ -79,7 +79,8 @@ def _on(value: str, auto: bool) -> bool:
 
 def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, Any]:
     return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
-            "freezing": cfg.freezing, "inductor": dict(cfg.inductor), "gemm_epilogues": cfg.gemm_epilogues}
+            "freezing": cfg.freezing, "inductor": dict(cfg.inductor),
+            "gemm_epilogues": resolve_mode(cfg.gemm_epilogues, device, cfg.flavour)}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -210,7 +211,8 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     cuda_graphs = req.device == "cuda" and _on(req.config.torch.cuda_graphs, True)  # this flavour's alone
     t0 = time.perf_counter()
     try:
-        run, fused = _compile_program(req.out / PROGRAM, common, cuda_graphs)
+        explicit = req.config.torch.gemm_epilogues != "auto"  # (auto: most models have nothing for it)
+        run, fused = _compile_program(req.out / PROGRAM, common, cuda_graphs, warn_if_nothing_fused=explicit)
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
                 feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
@@ -274,7 +276,8 @@ def check_inductor_keys(entries: dict[str, Any]) -> None:
                               f"{default!r}), not {value!r}", hint=f"set {key} to a {type(default).__name__}")
 
 
-def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False) -> tuple[Any, dict[str, int]]:
+def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False,
+                     warn_if_nothing_fused: bool = False) -> tuple[Any, dict[str, int]]:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
     baseline is timed), compiled under the Inductor config of the build's settings (:func:`_inductor_options`), and
     on the GPU replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call
@@ -286,7 +289,7 @@ def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = F
     module = torch.export.load(str(path)).module()
     fused: dict[str, int] = {}
     if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
-        fused = fuse_linear_epilogues(module, settings["gemm_epilogues"])
+        fused = fuse_linear_epilogues(module, settings["gemm_epilogues"], warn_if_none=warn_if_nothing_fused)
     options = _inductor_options(settings)
     compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
     return (GraphReplays(compiled) if cuda_graphs else compiled), fused
