@@ -131,6 +131,7 @@ class TorchConfig(Section):
     flavour: Literal["auto", "aotinductor", "compiled"] = Field(
         "auto", description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
                             "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
+                            "compiled where gemm_epilogues applies (FP16 GPU engines by default), otherwise "
                             "aotinductor, or compiled when the package fails to compile or to load")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph, "
@@ -145,9 +146,9 @@ class TorchConfig(Section):
         "auto", description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
                             "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "
                             "bias_any_gelu: every GELU, on the GPU as the tanh approximation) in the GEMM's epilogue "
-                            "instead of Inductor's GEMMs (kiln.stages.engines.gemm_epilogues); a linear followed by a "
-                            "GELU the mode does not fuse stays Inductor's. auto: bias_gelu for GPU engines (their "
-                            "flavour then is compiled), off on the CPU and with flavour aotinductor")
+                            "instead of Inductor's GEMMs (kiln.stages.engines.gemm_epilogues). auto: bias_any_gelu "
+                            "for FP16 GPU engines (their flavour then is compiled), off for the others and with "
+                            "flavour aotinductor")
     inductor: dict[str, Union[bool, int, float, str]] = Field(
         default_factory=dict, description="further torch._inductor.config entries set while the engine compiles "
                                           "(build and load), e.g. {'triton.enable_persistent_tma_matmul': true, "

@@ -18,16 +18,14 @@ it computes as the model does (``approximate='tanh'`` on the GPU, the exact one 
 every GELU, so on the GPU an exact GELU (BERT's) becomes the tanh approximation: at most 4.7e-4 apart (absolute, near
 x = -2.7, where that is ~5% of the small negative output); validation's gates still judge the engine.
 
-A linear whose only user is a GELU the mode does not fuse is left to Inductor: with max-autotune its own GEMM
-template computes the GELU, exact, in its epilogue (on the H200 at batch 32 that took 0.374 ms for BERT-base's 12 FFN
-GEMMs, where cuBLASLt's bias epilogue took 0.364 ms plus 0.205 ms for the GELU as a kernel of its own).
-
 ATen uses cuBLASLt's epilogue only for a contiguous 1-D bias and GEMMs with more than one row (and not under
 ``DISABLE_ADDMM_CUDA_LT=1``); elsewhere (a batch-1 pooler) the same op is a GEMM plus the bias and GELU as kernels.
 
-``auto`` (the default) is ``bias_gelu`` for GPU engines: on the H200 it made BERT-base's engine faster than every
-Inductor setting tried (``benchmarks/results/gpu_session9.md``). It is ``off`` on the CPU, where each custom op is a
-Python call and the engine was slower with it, and with the AOTInductor flavour, whose package cannot hold them.
+``auto`` (the default) is ``bias_any_gelu`` for FP16 GPU engines of the compiled flavour (Hugging Face Optimum's FP16
+GPU level for ONNX Runtime, O4, approximates GELU the same way): on the H200 it made BERT-base's engine the fastest
+measured (``benchmarks/results/gpu_session9.md``); validation's gates judge the engine as any other. It is ``off``
+elsewhere: on the CPU each custom op is a Python call and the engine was slower with it, FP32 GPU engines have not been
+measured with it, and an AOTInductor package cannot hold the ops.
 """
 from __future__ import annotations
 
@@ -41,16 +39,15 @@ if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules lo
 
 log = logging.getLogger("kiln.build")
 MODES = ("off", "bias", "bias_gelu", "bias_any_gelu")
-SETTINGS = ("auto", *MODES)  # build.torch.gemm_epilogues
 EPILOGUE_GELU = {"cuda": "tanh", "cpu": "none"}  # what torch._addmm_activation's GELU computes, per device
 
 
-def resolve_mode(setting: str, device: str, flavour: str) -> str:
-    """The mode a ``build.torch.gemm_epilogues`` setting means for an engine on ``device`` (see the module docstring
-    on ``auto``)."""
+def resolve_mode(setting: str, device: str, precision: str, flavour: str) -> str:
+    """The mode a ``build.torch.gemm_epilogues`` setting means for an engine on ``device`` at ``precision`` (see the
+    module docstring on ``auto``)."""
     if setting != "auto":
         return setting
-    return "bias_gelu" if device == "cuda" and flavour != "aotinductor" else "off"
+    return "bias_any_gelu" if (device, precision) == ("cuda", "fp16") and flavour != "aotinductor" else "off"
 
 
 @lru_cache(maxsize=None)
@@ -85,16 +82,15 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
     """Rewrite ``gm`` in place (``mode``: one of :data:`MODES` but ``off``); returns how many layers each op took.
 
     Only linears with a bias: without one there is nothing for the epilogue, and Inductor's own GEMM is kept. A GELU
-    is fused only when it is the linear's only user (and, with ``bias_gelu``, computed as the epilogue computes it); a
-    linear whose only user is a GELU the mode does not fuse stays Inductor's (``gelu_left_to_inductor``), which fuses
-    that GELU into its own GEMM. ``warn_if_none``: say so when the program has nothing to rewrite (an explicit
-    setting; ``auto`` applies to every model, most of which have nothing for it)."""
+    is fused only when it is the linear's only user (and, with ``bias_gelu``, computed as the epilogue computes it).
+    ``warn_if_none``: say so when the program has nothing to rewrite (an explicit setting; ``auto`` applies to every
+    model, many of which have nothing for it)."""
     import torch
 
     if mode not in MODES[1:]:
         raise ValueError(f"gemm epilogue mode {mode!r} is not one of {MODES[1:]}")
     register_ops()
-    counts = {"linear_bias": 0, "linear_bias_gelu": 0, "gelu_left_to_inductor": 0}
+    counts = {"linear_bias": 0, "linear_bias_gelu": 0}
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
@@ -102,29 +98,28 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
         if len(node.args) < 3 or node.args[2] is None:
             continue
         users = list(node.users)
-        only_gelu = len(users) == 1 and users[0].target is torch.ops.aten.gelu.default
-        if only_gelu and _fusable_gelu(users[0], mode):
-            _replace(graph, users[0], torch.ops.kiln.linear_bias_gelu.default, node.args[:3])
+        if len(users) == 1 and _fusable_gelu(users[0], mode):
+            gelu = users[0]
+            _replace(graph, gelu, torch.ops.kiln.linear_bias_gelu.default, node.args[:3])
             graph.erase_node(node)
             counts["linear_bias_gelu"] += 1
-        elif only_gelu:
-            counts["gelu_left_to_inductor"] += 1
         else:
             _replace(graph, node, torch.ops.kiln.linear_bias.default, node.args[:3])
             counts["linear_bias"] += 1
     graph.lint()
     gm.recompile()
-    rewritten = counts["linear_bias"] + counts["linear_bias_gelu"]
-    if not rewritten and warn_if_none:  # e.g. a model whose layers call torch.addmm themselves (GPT-2's Conv1D)
+    if not any(counts.values()) and warn_if_none:  # e.g. a model whose layers call torch.addmm (GPT-2's Conv1D)
         log.warning("build.torch.gemm_epilogues: %s: the program has no linear layer with a bias to rewrite", mode)
-    log.info("GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU, %d with a GELU left to "
-             "Inductor", mode, counts["linear_bias"], counts["linear_bias_gelu"], counts["gelu_left_to_inductor"])
+    log.info("GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU", mode,
+             counts["linear_bias"], counts["linear_bias_gelu"])
     return counts
 
 
 def _fusable_gelu(node: fx.Node, mode: str) -> bool:
-    """May the epilogue take the GELU ``node`` in this mode (see the module docstring on numerics)?"""
-    if mode == "bias":
+    """Is ``node`` a GELU the epilogue may take in this mode (see the module docstring on numerics)?"""
+    import torch
+
+    if node.target is not torch.ops.aten.gelu.default or mode == "bias":
         return False
     if mode == "bias_any_gelu":
         return True

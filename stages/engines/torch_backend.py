@@ -77,10 +77,10 @@ def _on(value: str, auto: bool) -> bool:
     return value == "on" or (value == "auto" and auto)
 
 
-def _settings(cfg: TorchConfig, device: str, has_conv: bool) -> dict[str, Any]:
+def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> dict[str, Any]:
     return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
             "freezing": cfg.freezing, "inductor": dict(cfg.inductor),
-            "gemm_epilogues": resolve_mode(cfg.gemm_epilogues, device, cfg.flavour)}
+            "gemm_epilogues": resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -148,7 +148,8 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         raise BuildError("torch sees no CUDA GPU: an AOTInductor CUDA package is compiled and tuned on the GPU",
                          hint="build on the GPU host, or set build.torch.devices: [cpu]")
     model = req.torch_model().eval()
-    settings = _settings(req.config.torch, req.device, any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
+    settings = _settings(req.config.torch, req.device, req.precision,
+                         any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
     check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
     if settings["channels_last"]:

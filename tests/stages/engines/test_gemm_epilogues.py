@@ -46,9 +46,8 @@ def _exported(model: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:
         return torch.export.export(model.eval(), args).module()
 
 
-@pytest.mark.parametrize("mode, counts", [
-    ("bias", {"linear_bias": 2, "linear_bias_gelu": 0, "gelu_left_to_inductor": 1}),
-    ("bias_gelu", {"linear_bias": 2, "linear_bias_gelu": 1, "gelu_left_to_inductor": 0})])
+@pytest.mark.parametrize("mode, counts", [("bias", {"linear_bias": 3, "linear_bias_gelu": 0}),
+                                          ("bias_gelu", {"linear_bias": 2, "linear_bias_gelu": 1})])
 def test_the_rewrite_takes_biased_linears_and_keeps_the_function(mode: str, counts: dict) -> None:
     from torch._inductor.utils import run_and_get_code
 
@@ -57,8 +56,7 @@ def test_the_rewrite_takes_biased_linears_and_keeps_the_function(mode: str, coun
     gm = _exported(model, x)
     assert fuse_linear_epilogues(gm, mode) == counts
     ops = _ops(gm)
-    # the bias-less head (nothing for an epilogue) and, with bias, the FFN's GELU layer: Inductor's GEMMs stay
-    assert ops["aten.linear.default"] == 1 + counts["gelu_left_to_inductor"]
+    assert ops["aten.linear.default"] == 1  # the bias-less head: nothing for an epilogue, Inductor's GEMM stays
     assert ops["kiln.linear_bias.default"] == counts["linear_bias"]
     assert ops["kiln.linear_bias_gelu.default"] == counts["linear_bias_gelu"]
     assert ops["aten.gelu.default"] == (1 if mode == "bias" else 0)
@@ -90,13 +88,12 @@ class Gelus(nn.Module):
 @pytest.mark.parametrize("mode, fused", [("bias_gelu", 1), ("bias_any_gelu", 2)])
 def test_gelus_are_fused_only_where_the_epilogue_computes_them_as_the_model(mode: str, fused: int) -> None:
     """On the CPU the epilogue's GELU is the exact one: bias_gelu leaves the tanh GELU as it is and the function
-    unchanged (its linear stays Inductor's, which fuses the GELU itself); bias_any_gelu takes it too (computing it
-    exactly, 4.7e-4 at most from tanh). The linear with two users only loses its bias to the GEMM."""
+    unchanged; bias_any_gelu takes it too (computing it exactly, 4.7e-4 at most from tanh). The linear with two users
+    only loses its bias to the GEMM."""
     torch.manual_seed(0)
     model, x = Gelus(), torch.randn(4, 8) * 3
     gm = _exported(model, x)
-    assert fuse_linear_epilogues(gm, mode) == {"linear_bias": 1, "linear_bias_gelu": fused,
-                                               "gelu_left_to_inductor": 2 - fused}
+    assert fuse_linear_epilogues(gm, mode) == {"linear_bias": 3 - fused, "linear_bias_gelu": fused}
     with torch.inference_mode():
         diff = (gm(x) - model(x)).abs().max().item()
     if mode == "bias_gelu":
@@ -124,8 +121,7 @@ def test_a_transformers_bert_keeps_its_outputs() -> None:
     ids, mask = torch.randint(0, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0
     gm = _exported(Pooled(), ids, mask)
-    assert fuse_linear_epilogues(gm, "bias_gelu") == {"linear_bias": 2 * 5 + 1, "linear_bias_gelu": 2,
-                                                      "gelu_left_to_inductor": 0}
+    assert fuse_linear_epilogues(gm, "bias_gelu") == {"linear_bias": 2 * 5 + 1, "linear_bias_gelu": 2}
     with torch.inference_mode():
         torch.testing.assert_close(gm(ids, mask), Pooled()(ids, mask), atol=1e-5, rtol=1e-5)
 
@@ -154,13 +150,17 @@ def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers
             np.testing.assert_allclose(next(iter(got.values())), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("device, flavour, mode", [("cuda", "auto", "bias_gelu"), ("cuda", "compiled", "bias_gelu"),
-                                                   ("cuda", "aotinductor", "off"), ("cpu", "auto", "off")])
-def test_auto_is_bias_gelu_for_gpu_engines_only(device: str, flavour: str, mode: str) -> None:
-    """The default: GPU engines get the epilogues (the H200 measurement), CPU engines and AOTInductor packages not."""
+@pytest.mark.parametrize("device, precision, flavour, mode", [
+    ("cuda", "fp16", "auto", "bias_any_gelu"), ("cuda", "fp16", "compiled", "bias_any_gelu"),
+    ("cuda", "fp16", "aotinductor", "off"), ("cuda", "fp32", "auto", "off"), ("cpu", "fp32", "auto", "off"),
+    ("cpu", "fp16", "compiled", "off")])
+def test_auto_means_the_epilogues_for_fp16_gpu_engines_only(device: str, precision: str, flavour: str,
+                                                            mode: str) -> None:
+    """The default: FP16 GPU engines get them (the H200 measurement), CPU engines, FP32 engines (not measured) and
+    AOTInductor packages (which cannot hold the ops) not; an explicit mode is kept."""
     assert TorchConfig().gemm_epilogues == "auto"
-    assert resolve_mode(TorchConfig(flavour=flavour).gemm_epilogues, device, flavour) == mode
-    assert resolve_mode("bias_any_gelu", device, flavour) == "bias_any_gelu"  # an explicit mode is kept
+    assert resolve_mode(TorchConfig(flavour=flavour).gemm_epilogues, device, precision, flavour) == mode
+    assert resolve_mode("bias", device, precision, flavour) == "bias"
 
 
 def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_path: Path) -> None:
@@ -181,19 +181,15 @@ def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)  # max-autotune still tunes what is not a linear layer
-@pytest.mark.parametrize("setting, gelu_layers", [("auto", "gelu_left_to_inductor"),
-                                                  ("bias_any_gelu", "linear_bias_gelu")])
-def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo, tmp_path: Path, setting: str,
-                                                                            gelu_layers: str) -> None:
+def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo, tmp_path: Path) -> None:
     """On the GPU the ops run cuBLASLt's bias / bias + GELU (tanh) epilogues inside Kiln's CUDA graphs. The default
-    (auto: bias_gelu) leaves the zoo model's exact GELU and its linear to Inductor; bias_any_gelu takes it, as the
-    tanh approximation."""
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], gemm_epilogues=setting))
+    (auto) is bias_any_gelu for an FP16 GPU engine: the zoo model's exact GELU is taken too, as the tanh one."""
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
     meta = build_engine(zoo("transformer"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c",
                         max_batch=32, torch_model=_transformer)
     assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
-    layers = meta.builder_settings["gemm_epilogue_layers"]
-    assert layers["linear_bias"] >= 1 and layers[gelu_layers] >= 1, layers
+    assert meta.builder_settings["gemm_epilogues"] == "bias_any_gelu"
+    assert meta.builder_settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
     model = _transformer()
     with load_engine(tmp_path / "e") as runner:
         name = runner.input_names[0]
