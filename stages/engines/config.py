@@ -120,8 +120,8 @@ class TensorRTConfig(Section):
 
 
 class TorchConfig(Section):
-    """AOTInductor engines (``torch.export`` + ``torch._inductor.aoti_compile_and_package``) built from the trained
-    PyTorch model itself: opt-in, ``build.backends: [onnxruntime, tensorrt, torch]``."""
+    """Inductor engines built from the trained PyTorch model itself (``torch.export``, then an AOTInductor package or
+    the compiled flavour): opt-in, ``build.backends: [onnxruntime, tensorrt, torch]``."""
 
     devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu"])
     max_autotune: Literal["auto", "on", "off"] = Field(
@@ -141,7 +141,8 @@ class TorchConfig(Section):
         False, description="Inductor freezing: the weights become constants Inductor may fold and rearrange (the Q, K "
                            "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
                            "on the H200 it took a BERT-base from 0.811 / 2.555 to 0.660 / 2.462 ms (batch 1 / 32, "
-                           "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s")
+                           "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s; on the CPU it sped up "
+                           "only the compiled flavour (engine_bench_cpu_resnet18_freezing_*.md)")
     gemm_epilogues: Literal["auto", "off", "bias", "bias_gelu", "bias_any_gelu"] = Field(
         "auto", description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
                             "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "
@@ -168,7 +169,7 @@ class TorchConfig(Section):
 class BuildConfig(Section):
     backends: list[Literal["onnxruntime", "tensorrt", "torch"]] = Field(
         default_factory=lambda: ["onnxruntime", "tensorrt"], min_length=1,
-        description="engine kinds to build; torch (AOTInductor) is opt-in")
+        description="engine kinds to build; torch (Inductor, from the trained model) is opt-in")
     onnxruntime: OnnxRuntimeConfig = Field(default_factory=OnnxRuntimeConfig)
     tensorrt: TensorRTConfig = Field(default_factory=TensorRTConfig)
     torch: TorchConfig = Field(default_factory=TorchConfig)

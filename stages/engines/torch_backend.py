@@ -1,5 +1,5 @@
-"""PyTorch engines: AOTInductor packages compiled from the trained model itself (opt-in: ``build.backends: [...,
-torch]``).
+"""PyTorch engines compiled by Inductor from the trained model itself (opt-in: ``build.backends: [..., torch]``):
+an AOTInductor package, or the exported program with Inductor's caches (the compiled flavour, below).
 
 ``torch.export`` captures the model with a dynamic batch axis, ``torch._inductor.aoti_compile_and_package``
 compiles it ahead of time into one ``model.pt2`` (Triton kernels on the GPU, C++ on the CPU), and the runner
@@ -16,7 +16,8 @@ H200 host (torch 2.11.0+cu130) ``aoti_load_package`` segfaulted on every ResNet-
 (issue 12, three sessions); the build therefore loads and runs the package once in a child process
 (``build.torch.load_check``), so such a package is reported instead of killing a serving process.
 
-Inductor's work then ships the other way (``build.torch.flavour: compiled``, and what ``auto`` falls back to): the
+Inductor's work then ships the other way (``build.torch.flavour: compiled``; what ``auto`` falls back to, and what it
+builds directly for FP16 GPU engines, whose default ``gemm_epilogues`` a package cannot hold): the
 exported program (``torch.export.save``) plus the caches of its compilation at the engine's batch sizes
 (``torch.compiler.save_cache_artifacts``). Loading the engine runs ``torch.compile`` on the loaded program with
 those caches in place (``torch.compiler.load_cache_artifacts``), so serving starts from the tuned kernels instead
@@ -152,7 +153,10 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                          any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
     check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
-    if settings["channels_last"]:
+    if settings["channels_last"] and not settings["freezing"]:
+        # With freezing the weights become constants whose layout Inductor chooses itself (its layout optimization
+        # makes convolution weights channels_last); channels_last weights frozen into an AOTInductor package gave
+        # wrong outputs on the CPU (torch 2.13: max error 0.02-0.03 on the zoo CNN; the compiled flavour was right).
         model = model.to(memory_format=torch.channels_last)
     served = _served(model, req.precision, settings["channels_last"]).eval()
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_size(req), hint=AXIS_HINT)

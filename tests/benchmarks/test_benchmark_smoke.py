@@ -137,7 +137,9 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
     _run("train_loop_ab.py", "--smoke", "--variants", ",".join(variants), "--pad-us", "100", "--out", str(tmp_path))
     res = json.loads((tmp_path / "train_loop_ab_smoke.json").read_text())
     assert list(res["variants"]) == variants
-    assert all(0.2 < r < 5 for v in res["variants"].values() for r in v["runs"])  # ratios of real windows
+    # ratios of real windows: positive and finite (loose bounds: a 4-step window on a busy 2-core machine can be
+    # slowed several-fold; a window that timed no work would give 0 or infinity)
+    assert all(0.05 < r < 20 for v in res["variants"].values() for r in v["runs"])
     assert all(x > 0 for v in res["variants"].values() for x in v["kiln_steps_per_s"] + v["bare_steps_per_s"])
     spin = res["variants"]["bare+spin"]["details"][0]
     assert spin["pad_us_measured"] >= 100  # a spin lasts at least what it was asked for

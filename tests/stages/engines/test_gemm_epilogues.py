@@ -3,6 +3,7 @@ ops the compiled flavour's program is rewritten to. The speed is the GPU's (benc
 rewrite finds the right layers, computes the same function, and survives torch.compile and a build + reload."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from collections import Counter
@@ -15,9 +16,10 @@ import yaml
 from build_graphs import sample
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
-from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues, resolve_mode
+from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
+from kiln.stages.engines.torch_backend import _settings
 from pydantic import ValidationError
 from torch import nn
 
@@ -152,15 +154,28 @@ def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers
 
 @pytest.mark.parametrize("device, precision, flavour, mode", [
     ("cuda", "fp16", "auto", "bias_any_gelu"), ("cuda", "fp16", "compiled", "bias_any_gelu"),
-    ("cuda", "fp16", "aotinductor", "off"), ("cuda", "fp32", "auto", "off"), ("cpu", "fp32", "auto", "off"),
-    ("cpu", "fp16", "compiled", "off")])
+    ("cuda", "fp16", "aotinductor", "off"), ("cuda", "fp32", "auto", "off"), ("cpu", "fp32", "auto", "off")])
 def test_auto_means_the_epilogues_for_fp16_gpu_engines_only(device: str, precision: str, flavour: str,
                                                             mode: str) -> None:
-    """The default: FP16 GPU engines get them (the H200 measurement), CPU engines, FP32 engines (not measured) and
-    AOTInductor packages (which cannot hold the ops) not; an explicit mode is kept."""
+    """The default, as the build records it: FP16 GPU engines get them (the H200 measurement); CPU engines, FP32
+    engines (not measured) and AOTInductor packages (which cannot hold the ops) not; an explicit mode is kept."""
     assert TorchConfig().gemm_epilogues == "auto"
-    assert resolve_mode(TorchConfig(flavour=flavour).gemm_epilogues, device, precision, flavour) == mode
-    assert resolve_mode("bias", device, precision, flavour) == "bias"
+    assert _settings(TorchConfig(flavour=flavour), device, precision, has_conv=False)["gemm_epilogues"] == mode
+    explicit = "off" if mode == "bias_any_gelu" else "bias_gelu"
+    if flavour != "aotinductor":  # (an explicit mode with aotinductor is refused: the test below)
+        assert _settings(TorchConfig(flavour=flavour, gemm_epilogues=explicit), device, precision,
+                         has_conv=False)["gemm_epilogues"] == explicit
+
+
+def test_only_an_explicit_setting_warns_when_there_is_nothing_to_rewrite(caplog: pytest.LogCaptureFixture) -> None:
+    """`auto` applies to every FP16 GPU engine, whatever its layers: silence for it, a warning for a user's mode."""
+    model, x = nn.Sequential(nn.Linear(4, 4, bias=False), nn.ReLU()), torch.randn(2, 4)
+    for warn in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kiln.build"):
+            assert fuse_linear_epilogues(_exported(model, x), "bias", warn_if_none=warn) == {
+                "linear_bias": 0, "linear_bias_gelu": 0}
+        assert ("no linear layer with a bias" in caplog.text) is warn
 
 
 def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_path: Path) -> None:

@@ -114,16 +114,26 @@ def test_inductor_config_reaches_the_compilation(tmp_path: Path, settings: dict,
 
 @pytest.mark.slow
 def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None:
-    """AOTInductor freezes only when compiled without autograd: the package holds frozen constants when asked."""
+    """AOTInductor freezes only when compiled without autograd: the package holds frozen constants when asked, and
+    computes the model (channels_last weights frozen into a package gave errors of 0.02-0.03 here: Kiln leaves the
+    frozen weights' layout to Inductor)."""
     import zipfile
 
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="aotinductor", freezing=True, load_check=False))
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
                         torch_model=_cnn)
     assert meta.flavour == "aotinductor" and meta.builder_settings["freezing"] is True
+    assert meta.builder_settings["channels_last"]  # (the inputs; the model has convolutions)
     with zipfile.ZipFile(tmp_path / "e" / "model.pt2") as package:
         text = b"".join(package.read(n) for n in package.namelist() if n.endswith((".cpp", ".py", ".json", ".h")))
     assert b"_frozen_param" in text
+    model = _cnn()
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 2):
+            x = sample("cnn", batch, seed=batch)
+            with torch.inference_mode():
+                want = model(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("entries, message, hint", [
@@ -197,11 +207,14 @@ def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> Non
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)  # max-autotune benchmarks kernel choices per shape
-@pytest.mark.parametrize("flavour", ["auto", "compiled"])  # auto: the package, or compiled where it cannot load
+# auto: an FP16 GPU engine is the compiled flavour (its default gemm_epilogues cannot go into a package). No GPU test
+# builds a CUDA AOTInductor package: on the H200 host (torch 2.11) the ResNet-18 packages crashed their loader.
+@pytest.mark.parametrize("flavour", ["auto", "compiled"])
 def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) -> None:
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], flavour=flavour))
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32,
                         torch_model=_cnn)
+    assert meta.flavour == "compiled" and "aotinductor_failed" not in meta.builder_settings
     assert meta.builder_settings["max_autotune"] and meta.builder_settings["dtype"] == "float16"
     assert meta.builder_settings["freezing"] is False  # the default
     ref = ort.InferenceSession(str(zoo("cnn")), providers=["CPUExecutionProvider"])
