@@ -32,6 +32,20 @@ def sample(name: str, batch: int, seed: int = 0) -> np.ndarray:
     return rng.standard_normal((batch, *shape)).astype(np.float32)
 
 
+def assert_engine_matches(engine_dir: Path, model: torch.nn.Module, name: str, batches: tuple[int, ...],
+                          tol: float = 1e-4) -> None:
+    """The engine in ``engine_dir`` computes ``model`` (the zoo model ``name``) on fresh samples at ``batches``."""
+    from kiln.stages.engines.registry import load_engine
+
+    with load_engine(engine_dir) as runner:
+        for batch in batches:
+            x = sample(name, batch, seed=batch)
+            with torch.inference_mode():
+                want = model(torch.from_numpy(x)).numpy()
+            got = next(iter(runner.infer({runner.input_names[0]: x}).values()))
+            np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
 def fp32_graph(name: str, folder: Path) -> Path:
     """Export, then fold constants (what the optimize stage does): TensorRT needs constant Reduce axes."""
     torch.manual_seed(0)

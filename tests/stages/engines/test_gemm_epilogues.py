@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from build_graphs import sample
+from build_graphs import assert_engine_matches, sample
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
@@ -142,14 +142,7 @@ def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers
     settings = meta.builder_settings
     assert settings["gemm_epilogues"] == "bias_gelu" and settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
     torch.compiler.reset()  # the runner rewrites and compiles again in a process that has not seen the model
-    model = _transformer()
-    with load_engine(tmp_path / "e") as runner:
-        for batch in (1, 4):
-            x = sample("transformer", batch, seed=batch)
-            with torch.inference_mode():
-                want = model(torch.from_numpy(x)).numpy()
-            got = runner.infer({runner.input_names[0]: x})
-            np.testing.assert_allclose(next(iter(got.values())), want, atol=1e-4, rtol=1e-4)
+    assert_engine_matches(tmp_path / "e", _transformer(), "transformer", (1, 4))
 
 
 @pytest.mark.parametrize("device, precision, flavour, mode", [

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from build_graphs import sample
+from build_graphs import assert_engine_matches, sample
 from kiln.core.errors import BuildError, ConfigError
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
@@ -127,13 +127,7 @@ def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None
     with zipfile.ZipFile(tmp_path / "e" / "model.pt2") as package:
         text = b"".join(package.read(n) for n in package.namelist() if n.endswith((".cpp", ".py", ".json", ".h")))
     assert b"_frozen_param" in text
-    model = _cnn()
-    with load_engine(tmp_path / "e") as runner:
-        for batch in (1, 2):
-            x = sample("cnn", batch, seed=batch)
-            with torch.inference_mode():
-                want = model(torch.from_numpy(x)).numpy()
-            np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-4, rtol=1e-4)
+    assert_engine_matches(tmp_path / "e", _cnn(), "cnn", (1, 2))
 
 
 @pytest.mark.parametrize("entries, message, hint", [
