@@ -21,12 +21,11 @@ x = -2.7, where that is ~5% of the small negative output); validation's gates st
 ATen uses cuBLASLt's epilogue only for a contiguous 1-D bias and GEMMs with more than one row (and not under
 ``DISABLE_ADDMM_CUDA_LT=1``); elsewhere (a batch-1 pooler) the same op is a GEMM plus the bias and GELU as kernels.
 
-``auto`` (the default) is ``bias_any_gelu`` for FP16 GPU engines (with ``flavour: auto`` they then are the compiled
-flavour; Hugging Face Optimum's FP16
-GPU level for ONNX Runtime, O4, approximates GELU the same way): on the H200 it made BERT-base's engine the fastest
-measured (``benchmarks/results/gpu_session9.md``); validation's gates judge the engine as any other. It is ``off``
-elsewhere: on the CPU each custom op is a Python call and the engine was slower with it, FP32 GPU engines have not been
-measured with it, and an AOTInductor package cannot hold the ops.
+``auto`` (the default) is ``bias_any_gelu`` for FP16 GPU engines, which with ``flavour: auto`` then are the compiled
+flavour (Hugging Face Optimum's FP16 GPU level for ONNX Runtime, O4, approximates GELU the same way): on the H200 it
+made BERT-base's engine the fastest measured (``benchmarks/results/gpu_session9.md``); validation's gates judge the
+engine as any other. It is ``off`` elsewhere: on the CPU each custom op is a Python call and the engine was slower with
+it, FP32 GPU engines have not been measured with it, and an AOTInductor package cannot hold the ops.
 """
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     cuda_graphs = req.device == "cuda" and _on(req.config.torch.cuda_graphs, True)  # this flavour's alone
     t0 = time.perf_counter()
     try:
-        explicit = req.config.torch.gemm_epilogues != "auto"  # (auto: most models have nothing for it)
+        explicit = req.config.torch.gemm_epilogues != "auto"  # (auto applies to every model, whatever its layers)
         run, fused = _compile_program(req.out / PROGRAM, common, cuda_graphs, warn_if_nothing_fused=explicit)
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
