@@ -50,6 +50,18 @@ def resolve_mode(setting: str, device: str, precision: str, flavour: str) -> str
     return "bias_any_gelu" if (device, precision) == ("cuda", "fp16") and flavour != "aotinductor" else "off"
 
 
+def accuracy_hint(builder_settings: dict[str, object], device: str) -> str | None:
+    """For an engine that missed an accuracy gate: the sentence that names the GELU approximation, if it has one (on
+    the GPU, where the epilogue's GELU is the tanh one)."""
+    layers = builder_settings.get("gemm_epilogue_layers") or {}
+    fused = layers.get("linear_bias_gelu", 0) if isinstance(layers, dict) else 0
+    if builder_settings.get("gemm_epilogues") != "bias_any_gelu" or not fused or EPILOGUE_GELU.get(device) != "tanh":
+        return None
+    return (f"this engine computes {fused} GELU layer(s) as the tanh approximation (build.torch.gemm_epilogues: "
+            "bias_any_gelu, the FP16 GPU default); set build.torch.gemm_epilogues: bias_gelu to keep the model's "
+            "own GELUs")
+
+
 @lru_cache(maxsize=None)
 def register_ops() -> None:
     """Define ``kiln::linear_bias`` and ``kiln::linear_bias_gelu`` (once per process; a loaded engine's process

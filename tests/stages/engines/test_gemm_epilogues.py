@@ -16,7 +16,7 @@ import yaml
 from build_graphs import assert_engine_matches, sample
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
-from kiln.stages.engines.gemm_epilogues import fuse_linear_epilogues
+from kiln.stages.engines.gemm_epilogues import accuracy_hint, fuse_linear_epilogues
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
 from kiln.stages.engines.torch_backend import _settings
@@ -169,6 +169,18 @@ def test_only_an_explicit_setting_warns_when_there_is_nothing_to_rewrite(caplog:
             assert fuse_linear_epilogues(_exported(model, x), "bias", warn_if_none=warn) == {
                 "linear_bias": 0, "linear_bias_gelu": 0}
         assert ("no linear layer with a bias" in caplog.text) is warn
+
+
+def test_a_missed_accuracy_gate_names_the_gelu_approximation_only_where_there_is_one() -> None:
+    approximated = {"gemm_epilogues": "bias_any_gelu",
+                    "gemm_epilogue_layers": {"linear_bias": 6, "linear_bias_gelu": 2}}
+    hint = accuracy_hint(approximated, "cuda")
+    assert hint is not None and "2 GELU layer(s)" in hint and "gemm_epilogues: bias_gelu" in hint
+    assert accuracy_hint(approximated, "cpu") is None  # the CPU's epilogue computes the exact GELU
+    for settings in ({"gemm_epilogues": "bias_gelu", "gemm_epilogue_layers": {"linear_bias_gelu": 2}},
+                     {"gemm_epilogues": "bias_any_gelu", "gemm_epilogue_layers": {"linear_bias_gelu": 0}},
+                     {"gemm_epilogues": "bias_any_gelu"}, {}):  # exact GELUs, none fused, an older engine
+        assert accuracy_hint(settings, "cuda") is None
 
 
 def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_path: Path) -> None:
