@@ -193,6 +193,7 @@ class EngineValidation(Part):
     speedups: dict[str, dict[str, float]] = Field(default_factory=dict)  # baseline label -> batch -> p50 ratio
     memory: Memory | None = None
     failures: list[str] = Field(default_factory=list)
+    hints: list[str] = Field(default_factory=list)  # what to try about the failures (not gates themselves)
     dropped: str | None = None  # why a validated engine is not packaged (precision.require_speedup)
     gates: dict[str, float | None] = Field(default_factory=dict)  # the thresholds it was held to (report shows them)
 

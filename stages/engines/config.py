@@ -127,7 +127,8 @@ class TorchConfig(Section):
     max_autotune: Literal["auto", "on", "off"] = Field(
         "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only")
     channels_last: Literal["auto", "on", "off"] = Field(
-        "auto", description="channels_last memory format for 4-D inputs and weights; auto = when the model has Conv2d")
+        "auto", description="channels_last memory format for 4-D inputs and weights (the inputs only for a frozen "
+                            "AOTInductor package: recorded as channels_last_weights); auto = when the model has Conv2d")
     flavour: Literal["auto", "aotinductor", "compiled"] = Field(
         "auto", description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
                             "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
@@ -141,8 +142,9 @@ class TorchConfig(Section):
         False, description="Inductor freezing: the weights become constants Inductor may fold and rearrange (the Q, K "
                            "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
                            "on the H200 it took a BERT-base from 0.811 / 2.555 to 0.660 / 2.462 ms (batch 1 / 32, "
-                           "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s; on the CPU it sped up "
-                           "only the compiled flavour (engine_bench_cpu_resnet18_freezing_*.md)")
+                           "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s; on the CPU it sped up the "
+                           "compiled flavour (ResNet-18 23.4 -> 17.6 ms at batch 1), not AOTInductor packages "
+                           "(engine_bench_cpu_resnet18_freezing_*.md)")
     gemm_epilogues: Literal["auto", "off", "bias", "bias_gelu", "bias_any_gelu"] = Field(
         "auto", description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
                             "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "

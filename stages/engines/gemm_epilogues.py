@@ -57,9 +57,9 @@ def accuracy_hint(builder_settings: dict[str, object], device: str) -> str | Non
     fused = layers.get("linear_bias_gelu", 0) if isinstance(layers, dict) else 0
     if builder_settings.get("gemm_epilogues") != "bias_any_gelu" or not fused or EPILOGUE_GELU.get(device) != "tanh":
         return None
-    return (f"this engine computes {fused} GELU layer(s) as the tanh approximation (build.torch.gemm_epilogues: "
-            "bias_any_gelu, the FP16 GPU default); set build.torch.gemm_epilogues: bias_gelu to keep the model's "
-            "own GELUs")
+    return (f"{fused} GELU layer(s) run in cuBLASLt's epilogue, which computes the tanh approximation "
+            "(build.torch.gemm_epilogues: bias_any_gelu, what auto means for FP16 GPU engines); with bias_gelu only "
+            "GELUs the model itself computes that way are fused")
 
 
 @lru_cache(maxsize=None)

@@ -153,10 +153,14 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                          any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
     check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
-    if settings["channels_last"] and not settings["freezing"]:
-        # With freezing the weights become constants whose layout Inductor chooses itself (its layout optimization
-        # makes convolution weights channels_last); channels_last weights frozen into an AOTInductor package gave
-        # wrong outputs on the CPU (torch 2.13: max error 0.02-0.03 on the zoo CNN; the compiled flavour was right).
+    # (gemm_epilogues with flavour aotinductor: refused by TorchConfig itself; its custom ops need the compiled one)
+    package_first = req.config.torch.flavour != "compiled" and settings["gemm_epilogues"] == "off"
+    # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13: errors of
+    # 0.02-0.03 on the zoo CNN, whose first convolution has one input channel and so degenerate channels_last
+    # strides; ResNet-18's were right): there the frozen weights keep their layout and Inductor picks the constants'
+    # own. The compiled flavour was right either way. The inputs are channels_last in every case.
+    settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
+    if settings["channels_last_weights"]:
         model = model.to(memory_format=torch.channels_last)
     served = _served(model, req.precision, settings["channels_last"]).eval()
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_size(req), hint=AXIS_HINT)
@@ -170,8 +174,8 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
     common = {**settings, "dtype": "float16" if req.precision == "fp16" else "float32",
               "dynamic_batch": [1, max(req.max_batch, 2)]}
-    flavour = req.config.torch.flavour  # (gemm_epilogues with flavour aotinductor: refused by TorchConfig itself)
-    if flavour == "compiled" or settings["gemm_epilogues"] != "off":  # the custom GEMM ops need the compiled flavour
+    flavour = req.config.torch.flavour
+    if not package_first:
         return _build_compiled(req, exported, common, why=None)
     try:
         return _build_package(req, exported, args, common)

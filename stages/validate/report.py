@@ -51,6 +51,7 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     lines += _per_output(v)
     if v.failures:
         lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v.failures]
+        lines += [f"- {e.name}, what to try: {h}" for e in v.engines for h in e.hints]
     return lines + _vs_baselines(v) + _memory(v) + _chosen(v, sizes) + _speed_table(v)
 
 

@@ -111,6 +111,14 @@ def sample_batch(x: Any, batch: int) -> Any:
 LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
 
 
+def engine_hints(builder_settings: dict[str, Any], device: str, failures: list[str]) -> list[str]:
+    """What to try when an engine missed an accuracy gate (one the way it was built may explain)."""
+    if not any(not f.startswith(LATENCY_GATE) for f in failures):
+        return []
+    hint = accuracy_hint(builder_settings, device)
+    return [hint] if hint else []
+
+
 def gates_for(cfg: ValidateConfig, precision: str) -> dict[str, Any]:
     gates = cfg.gates.model_dump()
     gates.update(gates.pop("per_precision").get(precision, {}))
@@ -199,9 +207,7 @@ def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline],
     entry.gates = gates_for(cfg, meta.precision)
     entry.failures = check_gates(entry, baselines[0].accuracy if baselines else None, entry.gates, largest)
     entry.passed = not entry.failures
-    hint = accuracy_hint(meta.builder_settings, meta.device)
-    if hint and any(not f.startswith(LATENCY_GATE) for f in entry.failures):  # an accuracy gate: say what to try
-        entry.failures.append(hint)
+    entry.hints = engine_hints(meta.builder_settings, meta.device, entry.failures)
     entry.status = "validated"
     return entry
 

@@ -10,7 +10,7 @@ from kiln.core.records import Baseline, EngineValidation, Percentiles
 from kiln.stages.validate.baselines import measure, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory
-from kiln.stages.validate.stage import check_gates, choose, compare, gates_for, percentiles
+from kiln.stages.validate.stage import check_gates, choose, compare, engine_hints, gates_for, percentiles
 
 from tests.conftest import tiny_config_dict
 
@@ -57,6 +57,18 @@ def test_per_precision_overrides() -> None:
 def test_latency_budget_gate() -> None:
     cfg = ValidateConfig(gates={"max_latency_p50_ms": 0.5})
     assert any("p50 latency" in f for f in check_gates(entry(), 0.95, gates_for(cfg, "fp32"), 8))
+
+
+def test_an_approximated_gelu_is_named_when_an_accuracy_gate_fails() -> None:
+    """A GPU torch engine with GELUs in cuBLASLt's (tanh) epilogue: named as what to try, not for a latency miss."""
+    built = {"gemm_epilogues": "bias_any_gelu", "gemm_epilogue_layers": {"linear_bias": 4, "linear_bias_gelu": 2}}
+    cfg = ValidateConfig(gates={"max_latency_p50_ms": 0.5})
+    accuracy_miss = check_gates(entry(cosine=0.99), 0.95, gates_for(cfg, "fp16"), 8)
+    latency_miss = check_gates(entry(), 0.95, gates_for(cfg, "fp16"), 8)
+    assert latency_miss and all(f.startswith("p50 latency") for f in latency_miss)
+    assert [h for h in engine_hints(built, "cuda", accuracy_miss) if "2 GELU layer(s)" in h]
+    assert engine_hints(built, "cuda", latency_miss) == [] and engine_hints(built, "cuda", []) == []
+    assert engine_hints({}, "cuda", accuracy_miss) == []  # built without the approximation: nothing to say
 
 
 def test_percentiles_order() -> None:

@@ -72,6 +72,7 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
                         torch_model=_cnn)
     assert meta.flavour == "compiled" and meta.files["program"] == "program.pt2"
     assert meta.builder_settings["freezing"] is freezing
+    assert meta.builder_settings["channels_last_weights"]  # frozen or not: right in this flavour (see the package's)
     assert meta.builder_settings["compiled_batches"] == [1, 8] and "aotinductor_failed" not in meta.builder_settings
     assert meta.builder_settings["cuda_graphs"] is False  # CUDA graphs: the GPU's (build.torch.cuda_graphs auto)
     assert not (tmp_path / "e" / "model.pt2").exists()
@@ -123,7 +124,7 @@ def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None
     meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
                         torch_model=_cnn)
     assert meta.flavour == "aotinductor" and meta.builder_settings["freezing"] is True
-    assert meta.builder_settings["channels_last"]  # (the inputs; the model has convolutions)
+    assert meta.builder_settings["channels_last"] and not meta.builder_settings["channels_last_weights"]
     with zipfile.ZipFile(tmp_path / "e" / "model.pt2") as package:
         text = b"".join(package.read(n) for n in package.namelist() if n.endswith((".cpp", ".py", ".json", ".h")))
     assert b"_frozen_param" in text
