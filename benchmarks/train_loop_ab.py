@@ -25,10 +25,10 @@ whose ratio moves to ~1.0:
 * ``bare``: the bare loop against a second bare loop on another instance of the model (the method's own spread);
 * ``bare+spin`` / ``bare+touch``: as ``bare``, the first loop doing ``--pad-us`` microseconds of extra host work per
   step: spinning on the clock, or reading Python objects scattered over ~64 MB (calibrated to the same time). Kiln's
-  own per-step extras cost about 0.1-0.2 ms of host time (``step_host_cost.py``) but its GPU steps lose 2-5 ms; if
-  a pad of that size costs far more than itself (expected ratio: ``1 / (1 + pad * steps/s)``, the pad as timed in
-  the run), the host-bound GPU step amplifies any extra host work (``touch``: through the caches), and the cure is
-  fewer launches, not less Python in Kiln's step.
+  own per-step extras cost about 0.1-0.2 ms of host time (``step_host_cost.py``) but its GPU steps lose 2-5 ms; a
+  pad costing far more than itself (expected ratio: ``1 / (1 + pad * steps/s)``, the pad as timed in the run) would
+  mean the host-bound GPU step amplifies any extra host work. On the H200 it did not: both pads cost exactly their
+  own time (``benchmarks/results/gpu_session9.md``).
 
 The swaps monkeypatch Kiln's classes for the duration of one run and are undone after it. Variants alternate run
 by run (a drift of the host's speed reaches all of them). Kiln / bare per run is the median of its window pairs'

@@ -72,11 +72,16 @@ def _ready(proc: subprocess.Popen[bytes], ports: list[int], models: list[str]) -
     except KilnError as exc:
         if proc.poll() is None:
             raise
-        try:  # communicate, not read: a server child still holding the pipe must not hang the test
-            printed = (proc.communicate(timeout=30)[0] or b"").decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            printed = "(no output: the pipe stayed open)"
-        raise AssertionError(f"{exc.message}; kiln serve printed:\n{printed[-3000:]}") from None
+        raise AssertionError(f"{exc.message}; kiln serve printed:\n{_printed(proc)}") from None
+
+
+def _printed(proc: subprocess.Popen[bytes]) -> str:
+    """What an ended (or killed) ``kiln serve`` printed, its last 3000 characters."""
+    try:  # communicate, not read: a server child still holding the pipe must not hang the test
+        printed = (proc.communicate(timeout=30)[0] or b"").decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        printed = "(no output: the pipe stayed open)"
+    return printed[-3000:]
 
 
 def _abort(proc: subprocess.Popen[bytes]) -> None:
@@ -98,9 +103,8 @@ def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Proc
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        printed = (proc.communicate(timeout=30)[0] or b"").decode(errors="replace")
         raise AssertionError(f"kiln serve did not stop within {STOP_TIMEOUT_S} s of signal {sig}; it printed:\n"
-                             f"{printed[-3000:]}") from None
+                             f"{_printed(proc)}") from None
     assert proc.returncode == 0, out.decode()[-3000:]
     _, alive = psutil.wait_procs(descendants, timeout=15)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
