@@ -19,7 +19,7 @@ transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the 
 torch engine (``build.backends: [torch]``), ``kiln_torch_frozen`` the same with ``build.torch.freezing: true`` (what
 Inductor's freezing is worth, side by side). ``--torch-variant NAME:KEY=VALUE,...`` (repeatable) adds a row
 ``kiln_torch_NAME``: the torch engine built with those ``build.torch.inductor`` entries on top of ``--torch-inductor``
-(``freezing=true`` sets ``build.torch.freezing``, ``gemm_epilogues=MODE`` ``build.torch.gemm_epilogues``),
+(a key naming a ``build.torch`` setting sets it: ``freezing=true``, ``gemm_epilogues=MODE``, ``merge_linears=false``),
 so Inductor settings are compared in one run. Variant rows are
 shown but not counted as Kiln's engine in the targets: they are not what a build ships by default.
 
@@ -334,11 +334,11 @@ class Bench:
         if row in ("ort_default", "ort_cuda_graph"):
             return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
         if row in ("kiln_torch", "kiln_torch_frozen"):
-            return self._kiln_torch(onnx32, name, model, row, freezing=row == "kiln_torch_frozen")
+            return self._kiln_torch(onnx32, name, model, row, settings={"freezing": row == "kiln_torch_frozen"})
         if row in self.args.torch_variants:
             entries = dict(self.args.torch_variants[row])
-            return self._kiln_torch(onnx32, name, model, row, freezing=bool(entries.pop("freezing", False)),
-                                    gemm_epilogues=str(entries.pop("gemm_epilogues", "auto")), inductor=entries)
+            own = {k: entries.pop(k) for k in list(entries) if k in TorchConfig.model_fields and k != "inductor"}
+            return self._kiln_torch(onnx32, name, model, row, settings=own, inductor=entries)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
@@ -413,10 +413,11 @@ class Bench:
         return factory, meta.size_bytes, extra
 
 
-    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module, row: str, freezing: bool = False,
-                    inductor: dict[str, Any] | None = None, gemm_epilogues: str = "auto") -> tuple[Any, int, dict]:
-        """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``freezing``:
-        build.torch.freezing (the row kiln_torch_frozen turns it on); ``inductor``: build.torch.inductor entries on
+    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module, row: str,
+                    settings: dict[str, Any] | None = None,
+                    inductor: dict[str, Any] | None = None) -> tuple[Any, int, dict]:
+        """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``settings``:
+        build.torch settings (the row kiln_torch_frozen sets freezing); ``inductor``: build.torch.inductor entries on
         top of ``--torch-inductor`` (a ``--torch-variant`` row)."""
         device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
@@ -425,8 +426,8 @@ class Bench:
             m = make_model(name, self.params).eval()
             m.load_state_dict(state)
             return m
-        torch_cfg = TorchConfig(devices=[device], flavour=self.args.torch_flavour, freezing=freezing,
-                                gemm_epilogues=gemm_epilogues, inductor={**self.args.torch_inductor, **(inductor or {})})
+        torch_cfg = TorchConfig(devices=[device], flavour=self.args.torch_flavour, **(settings or {}),
+                                inductor={**self.args.torch_inductor, **(inductor or {})})
         cfg = BuildConfig(backends=["torch"], torch=torch_cfg)
         folder = self.work / f"{name}-{row}"
         meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
@@ -588,8 +589,9 @@ def main() -> None:
     p.add_argument("--torch-inductor", type=inductor_entries, default={}, metavar="KEY=VALUE,...",
                    help="kiln_torch rows: build.torch.inductor entries, e.g. triton.enable_persistent_tma_matmul=true")
     p.add_argument("--torch-variant", type=torch_variant, action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                   help="an extra row kiln_torch_NAME built with these build.torch.inductor entries (freezing=true: "
-                        "build.torch.freezing; gemm_epilogues=MODE: build.torch.gemm_epilogues); repeatable")
+                   help="an extra row kiln_torch_NAME built with these build.torch.inductor entries (a key naming a "
+                        "build.torch setting sets it: freezing=true, gemm_epilogues=MODE, merge_linears=false); "
+                        "repeatable")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels")
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")

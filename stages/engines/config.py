@@ -152,6 +152,10 @@ class TorchConfig(Section):
                             "instead of Inductor's GEMMs (kiln.stages.engines.gemm_epilogues). auto: bias_any_gelu "
                             "for FP16 GPU engines (their flavour then is compiled), off for the others and with "
                             "flavour aotinductor")
+    merge_linears: bool = Field(
+        True, description="with gemm_epilogues: linear layers with a bias that read the same tensor (an attention "
+                          "layer's Q, K and V projections) run as one GEMM over their concatenated weights, its "
+                          "output split back (kiln.stages.engines.gemm_epilogues.merge_parallel_linears)")
     inductor: dict[str, Union[bool, int, float, str]] = Field(
         default_factory=dict, description="further torch._inductor.config entries set while the engine compiles "
                                           "(build and load), e.g. {'triton.enable_persistent_tma_matmul': true, "

@@ -21,6 +21,11 @@ x = -2.7, where that is ~5% of the small negative output); validation's gates st
 ATen uses cuBLASLt's epilogue only for a contiguous 1-D bias and GEMMs with more than one row (and not under
 ``DISABLE_ADDMM_CUDA_LT=1``); elsewhere (a batch-1 pooler) the same op is a GEMM plus the bias and GELU as kernels.
 
+Linears with a bias that read the same input (an attention layer's Q, K and V projections) are merged first
+(``build.torch.merge_linears``, :func:`merge_parallel_linears`): one GEMM over their concatenated weights, its output
+split back into views. Inductor's freezing does the same for its own GEMMs (``freezing_patterns.py``), but it matches
+``aten.mm`` / ``aten.addmm``, not these custom ops, and only on frozen weights.
+
 ``auto`` (the default) is ``bias_any_gelu`` for FP16 GPU engines, which with ``flavour: auto`` then are the compiled
 flavour (Hugging Face Optimum's FP16 GPU level for ONNX Runtime, O4, approximates GELU the same way): on the H200 it
 made BERT-base's engine the fastest measured (``benchmarks/results/gpu_session9.md``); validation's gates judge the
@@ -30,8 +35,9 @@ it, FP32 GPU engines have not been measured with it, and an AOTInductor package 
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
-from typing import TYPE_CHECKING
+import operator
+from functools import lru_cache, reduce
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules load without it
     import torch
@@ -90,19 +96,23 @@ def register_ops() -> None:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = True) -> dict[str, int]:
+def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = True,
+                          merge: bool = False) -> dict[str, int]:
     """Rewrite ``gm`` in place (``mode``: one of :data:`MODES` but ``off``); returns how many layers each op took.
 
     Only linears with a bias: without one there is nothing for the epilogue, and Inductor's own GEMM is kept. A GELU
     is fused only when it is the linear's only user (and, with ``bias_gelu``, computed as the epilogue computes it).
     ``warn_if_none``: say so when the program has nothing to rewrite (an explicit setting; ``auto`` applies to every
-    model, many of which have nothing for it)."""
+    model, many of which have nothing for it). ``merge``: merge linears that share their input first
+    (:func:`merge_parallel_linears`; counted as ``merged_linears``, the layers that went into merged ones)."""
     import torch
 
     if mode not in MODES[1:]:
         raise ValueError(f"gemm epilogue mode {mode!r} is not one of {MODES[1:]}")
     register_ops()
     counts = {"linear_bias": 0, "linear_bias_gelu": 0}
+    if merge:
+        counts["merged_linears"] = merge_parallel_linears(gm, mode)
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
@@ -122,9 +132,94 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
     gm.recompile()
     if not any(counts.values()) and warn_if_none:  # e.g. a model whose layers call torch.addmm (GPT-2's Conv1D)
         log.warning("build.torch.gemm_epilogues: %s: the program has no linear layer with a bias to rewrite", mode)
-    log.info("GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU", mode,
-             counts["linear_bias"], counts["linear_bias_gelu"])
+    log.info("GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU%s", mode,
+             counts["linear_bias"], counts["linear_bias_gelu"],
+             f" ({counts['merged_linears']} merged into wider GEMMs)" if counts.get("merged_linears") else "")
     return counts
+
+
+def merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
+    """Linears with a bias that read the same tensor become one linear over their weights and biases concatenated,
+    whose output is split back (``aten.split_with_sizes``: views, no copies). Returns how many linears were merged.
+
+    Why: BERT-base's Q, K and V projections at batch 32 are three 4096x768x768 GEMMs, each too small to fill the
+    H200; one 4096x768x2304 GEMM does the same work in one launch. Only linears whose weight and bias are the
+    program's own tensors (``get_attr``) of one dtype and device are merged, and not a linear the epilogue will fuse
+    with its GELU (``mode``), which keeps its own op. The merged tensors replace the originals (freed when nothing
+    else reads them), so the engine holds each weight once."""
+    graph = gm.graph
+    groups: dict[tuple[Any, ...], list[fx.Node]] = {}
+    for node in graph.nodes:
+        key = _merge_key(gm, node, mode)
+        if key is not None:
+            groups.setdefault(key, []).append(node)
+    merged, replaced = 0, set[str]()
+    for index, nodes in enumerate(g for g in groups.values() if len(g) > 1):
+        replaced |= {a.target for n in nodes for a in n.args[1:3]}
+        _merge(gm, nodes, f"_kiln_merged_linear_{index}")
+        merged += len(nodes)
+    if merged:
+        _drop_unused_attrs(gm, replaced)
+        graph.lint()
+        gm.recompile()
+    return merged
+
+
+def _merge_key(gm: fx.GraphModule, node: fx.Node, mode: str) -> tuple[Any, ...] | None:
+    """What a linear must share with another to be merged with it (its input, dtype, device); None: not mergeable."""
+    import torch
+
+    if node.op != "call_function" or node.target is not torch.ops.aten.linear.default or len(node.args) < 3:
+        return None
+    x, weight, bias = node.args[:3]
+    if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in (weight, bias)):
+        return None
+    users = list(node.users)
+    if len(users) == 1 and _fusable_gelu(users[0], mode):
+        return None
+    w, b = _attr(gm, weight.target), _attr(gm, bias.target)
+    if w.dim() != 2 or b.dim() != 1 or w.dtype != b.dtype or w.device != b.device:
+        return None
+    return x, w.dtype, w.device
+
+
+def _merge(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
+    """One linear over ``nodes``' concatenated weights, inserted before the first of them; each of them replaced by
+    its slice of the output."""
+    import torch
+
+    weights = [_attr(gm, n.args[1].target) for n in nodes]
+    biases = [_attr(gm, n.args[2].target) for n in nodes]
+    gm.register_buffer(f"{name}_weight", torch.cat(weights).detach())  # buffers: an inference engine trains nothing
+    gm.register_buffer(f"{name}_bias", torch.cat(biases).detach())
+    graph = gm.graph
+    with graph.inserting_before(nodes[0]):
+        weight, bias = graph.get_attr(f"{name}_weight"), graph.get_attr(f"{name}_bias")
+        linear = graph.call_function(torch.ops.aten.linear.default, (nodes[0].args[0], weight, bias))
+        parts = graph.call_function(torch.ops.aten.split_with_sizes.default,
+                                    (linear, [w.shape[0] for w in weights], -1))
+    for i, node in enumerate(nodes):
+        with graph.inserting_before(node):
+            part = graph.call_function(operator.getitem, (parts, i))
+        part.meta = dict(node.meta)
+        node.replace_all_uses_with(part)
+        graph.erase_node(node)
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    return reduce(getattr, target.split("."), gm)
+
+
+def _drop_unused_attrs(gm: fx.GraphModule, targets: set[str]) -> None:
+    """The merged layers' weights and biases (``targets``) deleted from ``gm`` where no node reads them any more (a
+    weight tied to another layer stays)."""
+    graph = gm.graph
+    for node in [n for n in graph.nodes if n.op == "get_attr" and n.target in targets and not n.users]:
+        graph.erase_node(node)
+    read = {n.target for n in graph.nodes if n.op == "get_attr"}
+    for target in targets - read:
+        owner, _, leaf = target.rpartition(".")
+        delattr(gm.get_submodule(owner) if owner else gm, leaf)
 
 
 def _fusable_gelu(node: fx.Node, mode: str) -> bool:

@@ -81,7 +81,8 @@ def _on(value: str, auto: bool) -> bool:
 def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> dict[str, Any]:
     return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
             "freezing": cfg.freezing, "inductor": dict(cfg.inductor),
-            "gemm_epilogues": resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)}
+            "gemm_epilogues": (mode := resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)),
+            "merge_linears": cfg.merge_linears and mode != "off"}
 
 
 def _served(model: Any, precision: str, channels_last: bool) -> Any:
@@ -298,7 +299,8 @@ def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = F
     module = torch.export.load(str(path)).module()
     fused: dict[str, int] = {}
     if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
-        fused = fuse_linear_epilogues(module, settings["gemm_epilogues"], warn_if_none=warn_if_nothing_fused)
+        fused = fuse_linear_epilogues(module, settings["gemm_epilogues"], warn_if_none=warn_if_nothing_fused,
+                                      merge=bool(settings.get("merge_linears")))  # older engines: not merged
     options = _inductor_options(settings)
     compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
     return (GraphReplays(compiled) if cuda_graphs else compiled), fused

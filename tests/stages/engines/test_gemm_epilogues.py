@@ -141,6 +141,7 @@ def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers
     assert meta.flavour == "compiled"  # auto goes straight to the flavour that can hold the custom ops
     settings = meta.builder_settings
     assert settings["gemm_epilogues"] == "bias_gelu" and settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
+    assert settings["merge_linears"] and settings["gemm_epilogue_layers"]["merged_linears"] == 6  # Q, K, V of 2
     torch.compiler.reset()  # the runner rewrites and compiles again in a process that has not seen the model
     assert_engine_matches(tmp_path / "e", _transformer(), "transformer", (1, 4))
 
@@ -210,6 +211,7 @@ def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo,
     assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
     assert meta.builder_settings["gemm_epilogues"] == "bias_any_gelu"
     assert meta.builder_settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
+    assert meta.builder_settings["gemm_epilogue_layers"]["merged_linears"] == 6  # each layer's Q, K, V: one GEMM
     model = _transformer()
     with load_engine(tmp_path / "e") as runner:
         name = runner.input_names[0]
