@@ -40,6 +40,10 @@ class CalibrationConfig(Section):
         description="op types to quantize; norms, Softmax and element-wise math stay float by default")
     quantize_bias: bool = Field(False, description="int32 bias Q/DQ: ONNX Runtime accepts it, TensorRT's parser "
                                                     "rejects it, so biases stay float by default")
+    reduce_range: Literal["auto", "on", "off"] = Field(
+        "auto", description="7-bit weights (ONNX Runtime's reduce_range): x86 CPUs without VNNI saturate int16 "
+                            "sums in their INT8 kernels (kiln.calibration.cpu_int8); auto = on where the machine "
+                            "that quantizes is such a CPU. Weights only: the calibration ranges are the same")
     exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
     exclude_op_types: list[str] = Field(default_factory=list, description="op types kept in float, e.g. [Softmax]")
     exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")

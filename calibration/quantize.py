@@ -10,6 +10,7 @@ from typing import Any
 
 import onnx
 from kiln.calibration.config import CalibrationConfig
+from kiln.calibration.cpu_int8 import reduce_range
 from kiln.calibration.ranges import Ranges, _ort_method
 from kiln.core.errors import ModelError
 
@@ -60,6 +61,7 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
             # TensorRT takes only symmetric signed INT8; ORT's x86 kernels are fastest with uint8 activations
             activation_type=QuantType.QUInt8 if cfg.activation_type == "uint8" else QuantType.QInt8,
             weight_type=QuantType.QInt8,
+            reduce_range=reduce_range(cfg.reduce_range),
             nodes_to_exclude=exclude,
             calibrate_method=_ort_method(ranges.method),
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
@@ -76,7 +78,7 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
     log.info("int8: %d Q / %d DQ nodes, %d nodes kept in float", counts["QuantizeLinear"],
              counts["DequantizeLinear"], len(exclude))
     return {"excluded": exclude, "qdq_nodes": counts, "calibration_cache": str(ranges.path),
-            "cache_hit": ranges.cache_hit, "method": ranges.method}
+            "cache_hit": ranges.cache_hit, "method": ranges.method, "reduce_range": reduce_range(cfg.reduce_range)}
 
 
 def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:
@@ -114,6 +116,7 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
             op_types_to_quantize=["MatMul"],  # never empty: ORT reads an empty list as "every op it can"
             per_channel=cfg.per_channel,
             weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
+            reduce_range=reduce_range(cfg.reduce_range),
             nodes_to_exclude=sorted(exclude),
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
@@ -126,7 +129,7 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
     if integer == 0:
         log.warning("int8 dynamic: no MatMul was quantized (all excluded?); the ONNX Runtime CPU INT8 graph is float")
     log.info("int8 dynamic: %d integer MatMuls, %d nodes kept in float", integer, len(exclude))
-    return {"integer_matmuls": integer, "excluded": sorted(exclude)}
+    return {"integer_matmuls": integer, "excluded": sorted(exclude), "reduce_range": reduce_range(cfg.reduce_range)}
 
 
 def _quiet_ort_preprocess_warning() -> None:

@@ -126,6 +126,11 @@ class TorchConfig(Section):
     devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu"])
     max_autotune: Literal["auto", "on", "off"] = Field(
         "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only")
+    coordinate_descent: Literal["auto", "on", "off"] = Field(
+        "auto", description="with max-autotune, Inductor's coordinate-descent tuning of each Triton kernel's block "
+                            "sizes (on in torch.compile's max-autotune modes): auto = only for models with Conv2d. "
+                            "On the H200 it left a BERT-base's LayerNorm kernels anywhere from 0.14 to 0.69 ms over "
+                            "five builds (0.21 ms without) and tripled the build time (gpu_session10.md)")
     channels_last: Literal["auto", "on", "off"] = Field(
         "auto", description="channels_last memory format for 4-D inputs and weights (the inputs only for a frozen "
                             "AOTInductor package: recorded as channels_last_weights); auto = when the model has Conv2d")

@@ -112,7 +112,7 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
     register_ops()
     counts = {"linear_bias": 0, "linear_bias_gelu": 0}
     if merge:
-        counts["merged_linears"] = merge_parallel_linears(gm, mode)
+        counts["merged_linears"] = _merge_parallel_linears(gm, mode)  # linted and recompiled below, once
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
@@ -147,6 +147,15 @@ def merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
     program's own tensors (``get_attr``) of one dtype and device are merged, and not a linear the epilogue will fuse
     with its GELU (``mode``), which keeps its own op. The merged tensors replace the originals (freed when nothing
     else reads them), so the engine holds each weight once."""
+    merged = _merge_parallel_linears(gm, mode)
+    if merged:
+        gm.graph.lint()
+        gm.recompile()
+    return merged
+
+
+def _merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
+    """:func:`merge_parallel_linears` without linting and recompiling ``gm``."""
     graph = gm.graph
     groups: dict[tuple[Any, ...], list[fx.Node]] = {}
     for node in graph.nodes:
@@ -160,8 +169,6 @@ def merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
         merged += len(nodes)
     if merged:
         _drop_unused_attrs(gm, replaced)
-        graph.lint()
-        gm.recompile()
     return merged
 
 

@@ -79,8 +79,9 @@ def _on(value: str, auto: bool) -> bool:
 
 
 def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> dict[str, Any]:
-    return {"max_autotune": _on(cfg.max_autotune, device == "cuda"), "channels_last": _on(cfg.channels_last, has_conv),
-            "freezing": cfg.freezing, "inductor": dict(cfg.inductor),
+    max_autotune = _on(cfg.max_autotune, device == "cuda")
+    return {"max_autotune": max_autotune, "coordinate_descent": max_autotune and _on(cfg.coordinate_descent, has_conv),
+            "channels_last": _on(cfg.channels_last, has_conv), "freezing": cfg.freezing, "inductor": dict(cfg.inductor),
             "gemm_epilogues": (mode := resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)),
             "merge_linears": cfg.merge_linears and mode != "off"}
 
@@ -247,18 +248,21 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
 
 def _inductor_options(settings: dict[str, Any]) -> dict[str, Any]:
     """Inductor's config for the engine's builder settings: max-autotune as torch.compile's mode
-    ``max-autotune-no-cudagraphs`` sets it (CUDA graphs are Kiln's own, :class:`GraphReplays`), freezing, and the
-    user's ``build.torch.inductor`` entries last. Settings recorded by an older Kiln lack the last two: off and none,
-    as they were built."""
+    ``max-autotune-no-cudagraphs`` sets it (CUDA graphs are Kiln's own, :class:`GraphReplays`), with or without
+    coordinate-descent tuning, freezing, and the user's ``build.torch.inductor`` entries last. Settings recorded by
+    an older Kiln lack the last three: the mode's coordinate descent, off and none, as they were built."""
     import torch._inductor
 
     options = dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs")) if settings.get("max_autotune") \
         else {}
+    if options and "coordinate_descent" in settings:
+        options["coordinate_descent_tuning"] = bool(settings["coordinate_descent"])
     return {**options, "freezing": bool(settings.get("freezing")), **settings.get("inductor", {})}
 
 
 # Inductor entries Kiln sets from its own settings: the recorded settings must say what the engine was built with
 OWNED_KEYS = {"freezing": "use build.torch.freezing", "max_autotune": "use build.torch.max_autotune",
+              "coordinate_descent_tuning": "use build.torch.coordinate_descent",
               "triton.cudagraphs": "use build.torch.cuda_graphs (Kiln captures its own CUDA graphs)"}
 
 

@@ -33,7 +33,8 @@ def run_batched(model: Model, x: Samples, batch: int = 64, extra_outputs: list[s
     parts: list[list[np.ndarray]] = []
     for i in range(0, n_rows(x), batch):
         parts.append(sess.run(None, {k: v[i:i + batch] for k, v in feed.items()}))
-    return [np.concatenate([p[k] for p in parts]).astype(np.float64) for k in range(len(parts[0]))]
+    # atleast_1d: an intermediate tensor may be a scalar (an attention scale); one value per batch then
+    return [np.concatenate([np.atleast_1d(p[k]) for p in parts]).astype(np.float64) for k in range(len(parts[0]))]
 
 
 def _with_outputs(model: Model, names: list[str]) -> onnx.ModelProto:

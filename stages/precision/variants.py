@@ -98,7 +98,7 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
     res = run_fallback(build, src.model, x_val, fallback, candidates, "int8", src.logits)
     entry = _entry(out, base | res.kept, res, {"calibration": {
         "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
-        "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes")}})
+        "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes"), "reduce_range": info.get("reduce_range")}})
     if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
         ort_out = out.with_name("model.ort_cpu.onnx")
         entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, x_val, base | res.kept, candidates)
@@ -135,10 +135,10 @@ def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_flo
     scheme = ort_cpu_scheme(src.model, ccfg)
     if scheme == "dynamic":
         info = quantize_int8_dynamic(src.path, out, ccfg, keep_float)
-        return {"scheme": scheme, "integer_matmuls": info["integer_matmuls"]}
+        return {"scheme": scheme, "integer_matmuls": info["integer_matmuls"], "reduce_range": info["reduce_range"]}
     ort_cfg = ccfg.model_copy(update={"activation_type": "uint8", "symmetric_activations": False})
     info = quantize_int8(src.path, out, src.ranges(ccfg.method, ort_cfg), ort_cfg, keep_float)
-    return {"scheme": scheme, "qdq_nodes": info["qdq_nodes"]}
+    return {"scheme": scheme, "qdq_nodes": info["qdq_nodes"], "reduce_range": info["reduce_range"]}
 
 
 def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig) -> str:

@@ -104,9 +104,13 @@ def test_gelus_are_fused_only_where_the_epilogue_computes_them_as_the_model(mode
         assert 1e-6 < diff < 2e-3  # the tanh GELU computed exactly: a real, bounded difference
 
 
-def test_a_transformers_bert_keeps_its_outputs() -> None:
+@pytest.mark.parametrize("merge, counts", [
+    (False, {"linear_bias": 2 * 5 + 1, "linear_bias_gelu": 2}),
+    (True, {"linear_bias": 2 * 3 + 1, "linear_bias_gelu": 2, "merged_linears": 2 * 3})], ids=["plain", "merged"])
+def test_a_transformers_bert_keeps_its_outputs(merge: bool, counts: dict) -> None:
     """A model nobody here wrote: every biased projection of a `transformers` BERT (Q, K, V, attention output, FFN up
-    with its GELU, FFN down, pooler) is rewritten and the pooled output is unchanged."""
+    with its GELU, FFN down, pooler) is rewritten and the pooled output is unchanged; merged, each layer's Q, K and
+    V are one GEMM, and the engine holds no more weights than the model."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     bert = transformers.BertModel(transformers.BertConfig(
@@ -123,9 +127,34 @@ def test_a_transformers_bert_keeps_its_outputs() -> None:
     ids, mask = torch.randint(0, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0
     gm = _exported(Pooled(), ids, mask)
-    assert fuse_linear_epilogues(gm, "bias_gelu") == {"linear_bias": 2 * 5 + 1, "linear_bias_gelu": 2}
+    held = sum(t.numel() for t in (*gm.parameters(), *gm.buffers()))
+    assert fuse_linear_epilogues(gm, "bias_gelu", merge=merge) == counts
+    assert sum(t.numel() for t in (*gm.parameters(), *gm.buffers())) == held
     with torch.inference_mode():
         torch.testing.assert_close(gm(ids, mask), Pooled()(ids, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_a_merged_weight_read_elsewhere_stays() -> None:
+    """Q and K read the same tensor and merge; Q's weight is also read by a matmul of its own (tied weights), so it
+    stays in the program beside the merged copy, and V, which reads another tensor, keeps its own GEMM."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) * self.k(x) + self.v(x.relu()) + x @ self.q.weight
+
+    torch.manual_seed(0)
+    model, x = Tied(), torch.randn(3, 8)
+    gm = _exported(model, x)
+    assert fuse_linear_epilogues(gm, "bias", merge=True) == {"linear_bias": 2, "linear_bias_gelu": 0,
+                                                             "merged_linears": 2}
+    names = {name for name, _ in (*gm.named_parameters(), *gm.named_buffers())}
+    assert "q.weight" in names and "k.weight" not in names and "v.weight" in names
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
 
 
 def _transformer() -> nn.Module:

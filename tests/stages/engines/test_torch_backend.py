@@ -16,7 +16,7 @@ from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.engines.registry import BACKENDS, load_engine, runnable
 from kiln.stages.engines.stage import build_engine
-from kiln.stages.engines.torch_backend import PROGRAM, _can_run, _compile_program, _plan
+from kiln.stages.engines.torch_backend import PROGRAM, _can_run, _compile_program, _inductor_options, _plan, _settings
 
 from tests.conftest import tiny_config_dict
 
@@ -131,9 +131,24 @@ def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None
     assert_engine_matches(tmp_path / "e", _cnn(), "cnn", (1, 2))
 
 
+@pytest.mark.parametrize("device, has_conv, setting, want", [
+    ("cuda", True, "auto", True), ("cuda", False, "auto", False), ("cuda", False, "on", True),
+    ("cuda", True, "off", False), ("cpu", True, "on", False)])  # no max-autotune on the CPU: nothing to tune
+def test_coordinate_descent_follows_the_setting_and_older_engines_keep_theirs(device: str, has_conv: bool,
+                                                                             setting: str, want: bool) -> None:
+    settings = _settings(TorchConfig(coordinate_descent=setting), device, "fp16", has_conv)
+    assert settings["coordinate_descent"] is want
+    options = _inductor_options(settings)
+    assert options.get("coordinate_descent_tuning", False) is want
+    assert options.get("max_autotune", False) is (device == "cuda")
+    older = {k: v for k, v in settings.items() if k != "coordinate_descent"}  # recorded before the setting existed
+    assert _inductor_options(older).get("coordinate_descent_tuning", False) is (device == "cuda")
+
+
 @pytest.mark.parametrize("entries, message, hint", [
     ({"max_autotune_gem_backends": "ATEN"}, "did you mean max_autotune_gemm_backends", "nested ones dotted"),
     ({"freezing": True}, "freezing is set by Kiln's own settings", "build.torch.freezing"),
+    ({"coordinate_descent_tuning": False}, "is set by Kiln's own settings", "build.torch.coordinate_descent"),
     ({"epilogue_fusion": "yes"}, "epilogue_fusion takes a bool", "set epilogue_fusion to a bool")])
 def test_a_wrong_inductor_entry_is_a_config_error(zoo, tmp_path: Path, entries: dict, message: str,
                                                   hint: str) -> None:
@@ -212,6 +227,7 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
     assert meta.flavour == "compiled" and "aotinductor_failed" not in meta.builder_settings
     assert meta.builder_settings["max_autotune"] and meta.builder_settings["dtype"] == "float16"
     assert meta.builder_settings["freezing"] is False  # the default
+    assert meta.builder_settings["coordinate_descent"] is True  # auto: the model has convolutions
     ref = ort.InferenceSession(str(zoo("cnn")), providers=["CPUExecutionProvider"])
     with load_engine(tmp_path / "e") as runner:
         for batch in (1, 32):
