@@ -80,7 +80,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"],
                    "kept_fp32_modules": e["kept_fp32_modules"], **(e.get("vs_fp32") or {}),
                    "fallback_passed": e.get("fallback", {}).get("passed", True),
-                   **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {})}
+                   **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {}),
+                   **({"reduce_range": True} if e.get("calibration", {}).get("reduce_range") else {})}
                for v, e in variants.items()}
     return {"variants": summary, "failed": failed, **node_report,
             "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}

@@ -42,3 +42,15 @@ def test_reduced_weights_fit_seven_bits(tmp_path: Path, setting: str, limit: int
     weights = [numpy_helper.to_array(i) for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8
                and len(i.dims) >= 2]
     assert weights and max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == limit
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_the_precision_stage_cache_key_holds_the_resolved_setting(setting: str) -> None:
+    """auto resolves per machine: a workdir quantized on a CPU with VNNI is not reused as it is on one without."""
+    from kiln.config import config_from_dict
+    from kiln.stages.precision.stage import STAGE
+
+    from tests.conftest import tiny_config_dict
+
+    cfg = config_from_dict(tiny_config_dict(**{"calibration.reduce_range": setting}))
+    assert STAGE.env(cfg)["int8_reduce_range"] is (setting == "on")

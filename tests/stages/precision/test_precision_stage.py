@@ -139,3 +139,14 @@ def test_a_fallback_through_a_graph_with_scalar_tensors(tmp_path: Path, exported
     int8 = variants["int8"]
     assert int8.kept_fp32 and not int8.fallback_passed  # rounds ran, kept nodes, and said it missed
     assert int8.vs_fp32["cosine"] < 0.99999
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_seven_bit_weights_are_reported(tmp_path: Path, exported: Path, setting: str) -> None:
+    from kiln.stages.precision.report import report_section
+
+    variants, summary = _run(tmp_path, exported, **{"precision.variants": ["fp32", "int8"],
+                                                    "calibration.reduce_range": setting})
+    assert variants["int8"].report["calibration"]["reduce_range"] is (setting == "on")
+    assert variants["int8"].report["ort_cpu"]["reduce_range"] is (setting == "on")
+    assert ("quantized to 7 bits" in "\n".join(report_section(summary))) is (setting == "on")
