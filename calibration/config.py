@@ -43,7 +43,8 @@ class CalibrationConfig(Section):
     reduce_range: Literal["auto", "on", "off"] = Field(
         "auto", description="7-bit weights (ONNX Runtime's reduce_range): x86 CPUs without VNNI saturate int16 "
                             "sums in their INT8 kernels (kiln.calibration.cpu_int8); auto = on where the machine "
-                            "that quantizes is such a CPU. Weights only: the calibration ranges are the same")
+                            "that quantizes is such a CPU. Every INT8 graph, TensorRT's Q/DQ one too (its accuracy "
+                            "is checked with ONNX Runtime on this CPU); weights only: calibration ranges are shared")
     exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
     exclude_op_types: list[str] = Field(default_factory=list, description="op types kept in float, e.g. [Softmax]")
     exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")
