@@ -92,6 +92,19 @@ def test_huggingface_bert_from_a_user_module(tmp_path: Path) -> None:
     assert all(e["top1_agreement"] is not None and e["accuracy"] is not None for e in v["engines"])
 
 
+def test_huggingface_bert_as_an_inductor_engine(tmp_path: Path) -> None:
+    """The torch backend on a model nobody here wrote: the user's BERT (ids + mask, dynamic sequence) exported and
+    compiled by Inductor, validated at both batch sizes and both lengths beside the ONNX Runtime engine."""
+    pytest.importorskip("transformers")
+    v = _user_run(tmp_path, "bert", {}, **{"precision.variants": ["fp32"], "build.backends": ["onnxruntime", "torch"]})
+    assert v["passed"] is True, v["failures"]
+    assert {e["name"]: e["status"] for e in v["engines"]} == {"onnxruntime-cpu-fp32": "validated",
+                                                               "torch-cpu-fp32": "validated"}
+    torch_engine = next(e for e in v["engines"] if e["backend"] == "torch")
+    assert torch_engine["shapes"] == [{"seq": 8}, {"seq": 16}] and set(torch_engine["latency_ms"]) == {"1", "32"}
+    assert torch_engine["outputs"]["logits"]["cosine"] > 0.9999
+
+
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:
     v = _user_run(tmp_path, "hidden_and_logits", {"as_tuple": True}, **{"validate.logits_output": 1})
     _every_precision_at_every_shape(v)
