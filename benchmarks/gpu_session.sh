@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
 # /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
-# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), train,
+# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), coordesc, train,
 # train-compile, precision, serve.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
@@ -29,6 +29,17 @@ for phase in "$@"; do
       cp /tmp/kiln-gpu-choice/report.md "$OUT/gpu_choice_report.md"
       cp /tmp/kiln-gpu-choice/validate/validation.json "$OUT/gpu_choice_validation.json"
       sed -n '/## Validation/,/## Training/p' /tmp/kiln-gpu-choice/report.md ;;
+    # build.torch.coordinate_descent (auto: off without convolutions): BERT-base with it off (default) and on, in
+    # two fresh Inductor caches so each build tunes anew; ResNet-18 (default: on) against off. ~9 minutes in all.
+    coordesc)
+      for i in 1 2; do
+        TORCHINDUCTOR_CACHE_DIR=/tmp/ind-bert-$i python3 benchmarks/engine_bench.py --models hf_bert --batches 1,32 \
+          --profile 20 --rows kiln_torch,kiln_torch_cd --torch-variant cd:coordinate_descent=on \
+          --out "$OUT/coordesc_hf_bert_$i"
+      done
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind-resnet python3 benchmarks/engine_bench.py --models resnet18 --batches 1,32 \
+        --profile 20 --rows kiln_torch,kiln_torch_nocd --torch-variant nocd:coordinate_descent=off \
+        --out "$OUT/coordesc_resnet18" ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
     # torch.compile table, one model per call keeps each under 10 minutes: TRAIN_COMPILE_ARGS="--models resnet18"
     train-compile) python3 benchmarks/train_bench.py --compile --out "$OUT" ${TRAIN_COMPILE_ARGS:-} ;;
