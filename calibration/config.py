@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from kiln.core.sections import Section
+from kiln.core.sections import AutoOnOff, Section
 from pydantic import Field, model_validator
 
 # Compute ops plus the pooling and data-movement ops between them, so Q/DQ pairs line up with what TensorRT
@@ -40,7 +40,7 @@ class CalibrationConfig(Section):
         description="op types to quantize; norms, Softmax and element-wise math stay float by default")
     quantize_bias: bool = Field(False, description="int32 bias Q/DQ: ONNX Runtime accepts it, TensorRT's parser "
                                                     "rejects it, so biases stay float by default")
-    reduce_range: Literal["auto", "on", "off"] = Field(
+    reduce_range: AutoOnOff = Field(
         "auto", description="7-bit weights (ONNX Runtime's reduce_range): x86 CPUs without VNNI saturate int16 "
                             "sums in their INT8 kernels (kiln.calibration.cpu_int8); auto = on where the machine "
                             "that quantizes is such a CPU. Every INT8 graph, TensorRT's Q/DQ one too (its accuracy "

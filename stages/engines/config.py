@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from kiln.core.sections import Section
+from kiln.core.sections import AutoOnOff, Section
 from pydantic import Field, field_validator, model_validator
 
 
@@ -12,7 +12,7 @@ class OrtCudaConfig(Section):
 
     conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
         "EXHAUSTIVE", description="cuDNN convolution algorithm search; EXHAUSTIVE benchmarks every algorithm once")
-    prefer_nhwc: Literal["auto", "on", "off"] = Field(
+    prefer_nhwc: AutoOnOff = Field(
         "auto", description="NHWC kernels for convolutions; auto = on when the graph has Conv and precision is fp16/int8")
     cuda_graph: bool = Field(True, description="capture one CUDA graph per fixed input shape (removes launch overhead)")
     tf32: bool = Field(False, description="allow TF32 math in FP32 engines (faster, ~1e-3 relative error)")
@@ -56,7 +56,7 @@ class OnnxRuntimeConfig(Section):
     intra_op_threads: int = Field(0, ge=0, description="0 = one per physical core")
     inter_op_threads: int = Field(0, ge=0, description="used only with execution_mode parallel; 0 = default")
     execution_mode: Literal["sequential", "parallel"] = "sequential"
-    transformer_fusion: Literal["auto", "on", "off"] = Field(
+    transformer_fusion: AutoOnOff = Field(
         "auto", description="onnxruntime.transformers fusions (Attention, SkipLayerNorm, BiasGelu); ORT engines only;"
                             " auto = when the graph has attention-like ops and the fused graph computes the same")
     fp16_source: Literal["fp32_graph", "precision_graph"] = Field(
@@ -124,15 +124,15 @@ class TorchConfig(Section):
     the compiled flavour): opt-in, ``build.backends: [onnxruntime, tensorrt, torch]``."""
 
     devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu"])
-    max_autotune: Literal["auto", "on", "off"] = Field(
+    max_autotune: AutoOnOff = Field(
         "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only")
-    coordinate_descent: Literal["auto", "on", "off"] = Field(
+    coordinate_descent: AutoOnOff = Field(
         "auto", description="with max-autotune, Inductor's coordinate-descent tuning of each Triton kernel's block "
                             "sizes (on in torch.compile's max-autotune modes): auto = only for models with Conv2d. "
                             "On the H200 it left a BERT-base's LayerNorm kernels anywhere from 0.14 to 0.69 ms over "
                             "five builds (0.21 ms without, one build), and the build took 40.8 s, not 15.7 "
                             "(gpu_session10.md)")
-    channels_last: Literal["auto", "on", "off"] = Field(
+    channels_last: AutoOnOff = Field(
         "auto", description="channels_last memory format for 4-D inputs and weights (the inputs only for a frozen "
                             "AOTInductor package: recorded as channels_last_weights); auto = when the model has Conv2d")
     flavour: Literal["auto", "aotinductor", "compiled"] = Field(
@@ -140,7 +140,7 @@ class TorchConfig(Section):
                             "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
                             "compiled where gemm_epilogues applies (FP16 GPU engines by default), otherwise "
                             "aotinductor, or compiled when the package fails to compile or to load")
-    cuda_graphs: Literal["auto", "on", "off"] = Field(
+    cuda_graphs: AutoOnOff = Field(
         "auto", description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph, "
                             "captured on the size's first call (outputs copied out of the graph's memory): auto = on "
                             "on the GPU")

@@ -134,3 +134,16 @@ def test_one_per_precision_override_keeps_the_other_defaults() -> None:
 def test_set_values_are_read_by_the_schema_type(dotted: str, text: str, expected: object) -> None:
     assert set_value(dotted, text) == expected
     load_config(None, {dotted: set_value(dotted, text)})  # and the config takes it
+
+
+def test_bare_on_and_off_in_a_yaml_file_are_the_words(write_yaml) -> None:
+    """PyYAML reads `on` / `off` as booleans (YAML 1.1): an auto | on | off key takes them as the words; a real
+    boolean key is untouched, and a word outside the choices is still an error."""
+    path = write_yaml({})
+    path.write_text("calibration:\n  reduce_range: on\nbuild:\n  torch:\n    coordinate_descent: off\n"
+                    "    merge_linears: off\n  onnxruntime:\n    transformer_fusion: auto\n")
+    cfg = load_config(path)
+    assert (cfg.calibration.reduce_range, cfg.build.torch.coordinate_descent) == ("on", "off")
+    assert cfg.build.torch.merge_linears is False and cfg.build.onnxruntime.transformer_fusion == "auto"
+    with pytest.raises(ConfigError, match="reduce_range"):
+        config_from_dict({"calibration": {"reduce_range": "maybe"}})
