@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.calibration.config import CalibrationConfig  # noqa: E402
 from kiln.calibration.quantize import quantizable_op_types  # noqa: E402
+from kiln.core.cpu_int8 import PRECISE_INT8, this_cpu_saturates  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 from kiln.stages.precision.compare import output_metrics  # noqa: E402
@@ -74,6 +75,8 @@ def session(model: Path | onnx.ModelProto, threads: int, providers: list[str]) -
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
+    if this_cpu_saturates():  # the exact INT8 kernels Kiln's own sessions use there (kiln.core.cpu_int8)
+        opts.add_session_config_entry(PRECISE_INT8, "1")
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(src, opts, providers=providers)
 

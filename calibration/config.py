@@ -41,10 +41,11 @@ class CalibrationConfig(Section):
     quantize_bias: bool = Field(False, description="int32 bias Q/DQ: ONNX Runtime accepts it, TensorRT's parser "
                                                     "rejects it, so biases stay float by default")
     reduce_range: AutoOnOff = Field(
-        "auto", description="7-bit weights (ONNX Runtime's reduce_range): x86 CPUs without VNNI saturate int16 "
-                            "sums in their INT8 kernels (kiln.calibration.cpu_int8); auto = on where the machine "
-                            "that quantizes is such a CPU. Every INT8 graph, TensorRT's Q/DQ one too (its accuracy "
-                            "is checked with ONNX Runtime on this CPU); weights only: calibration ranges are shared")
+        "off", description="7-bit weights (ONNX Runtime's reduce_range), for INT8 graphs served by a runtime that "
+                           "cannot be told to avoid saturation on x86 CPUs without VNNI (e.g. Triton's onnxruntime "
+                           "backend); Kiln's own ONNX Runtime sessions there use exact kernels instead "
+                           "(kiln.core.cpu_int8). auto = on where the machine that quantizes is such a CPU. Every "
+                           "INT8 graph, TensorRT's Q/DQ one too; weights only: calibration ranges are shared")
     exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
     exclude_op_types: list[str] = Field(default_factory=list, description="op types kept in float, e.g. [Softmax]")
     exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")

@@ -10,8 +10,8 @@ from typing import Any
 
 import onnx
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.cpu_int8 import reduce_range
 from kiln.calibration.ranges import Ranges, _ort_method
+from kiln.core.cpu_int8 import this_cpu_saturates
 from kiln.core.errors import ModelError
 
 log = logging.getLogger("kiln.calibration")
@@ -34,6 +34,11 @@ def excluded_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, extra: Iterab
     return sorted(names)
 
 
+def resolve_reduce_range(setting: str) -> bool:
+    """``calibration.reduce_range`` resolved: ``auto`` is on where this machine's INT8 kernels saturate."""
+    return setting == "on" or (setting == "auto" and this_cpu_saturates())
+
+
 def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
     return sorted(set(cfg.op_types) - set(cfg.exclude_op_types))
 
@@ -45,6 +50,7 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
 
     model = onnx.load(str(model_path), load_external_data=False)
     exclude = excluded_nodes(model, cfg, extra_exclude)
+    seven_bits = resolve_reduce_range(cfg.reduce_range)
     kw: dict[str, Any] = {}
     if "calibration_cache_path" in inspect.signature(quantize_static).parameters:
         kw["calibration_cache_path"] = str(ranges.path)
@@ -61,7 +67,7 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
             # TensorRT takes only symmetric signed INT8; ORT's x86 kernels are fastest with uint8 activations
             activation_type=QuantType.QUInt8 if cfg.activation_type == "uint8" else QuantType.QInt8,
             weight_type=QuantType.QInt8,
-            reduce_range=reduce_range(cfg.reduce_range),
+            reduce_range=seven_bits,
             nodes_to_exclude=exclude,
             calibrate_method=_ort_method(ranges.method),
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
@@ -78,7 +84,7 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
     log.info("int8: %d Q / %d DQ nodes, %d nodes kept in float", counts["QuantizeLinear"],
              counts["DequantizeLinear"], len(exclude))
     return {"excluded": exclude, "qdq_nodes": counts, "calibration_cache": str(ranges.path),
-            "cache_hit": ranges.cache_hit, "method": ranges.method, "reduce_range": reduce_range(cfg.reduce_range)}
+            "cache_hit": ranges.cache_hit, "method": ranges.method, "reduce_range": seven_bits}
 
 
 def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:
@@ -104,6 +110,7 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
     model = onnx.load(str(model_path), load_external_data=False)
     ops = quantizable_op_types(cfg)
     exclude = set(excluded_nodes(model, cfg, extra_exclude))
+    seven_bits = resolve_reduce_range(cfg.reduce_range)
     # quantize_dynamic first rewrites every Gemm into "<name>_MatMul" + "<name>_Add" and quantizes that MatMul,
     # so a Gemm kept in float (by name or because Gemm is not a quantized op type) is excluded under that name.
     gemms = [n.name for n in model.graph.node if n.op_type == "Gemm"]
@@ -116,7 +123,7 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
             op_types_to_quantize=["MatMul"],  # never empty: ORT reads an empty list as "every op it can"
             per_channel=cfg.per_channel,
             weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
-            reduce_range=reduce_range(cfg.reduce_range),
+            reduce_range=seven_bits,
             nodes_to_exclude=sorted(exclude),
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
@@ -129,7 +136,7 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
     if integer == 0:
         log.warning("int8 dynamic: no MatMul was quantized (all excluded?); the ONNX Runtime CPU INT8 graph is float")
     log.info("int8 dynamic: %d integer MatMuls, %d nodes kept in float", integer, len(exclude))
-    return {"integer_matmuls": integer, "excluded": sorted(exclude), "reduce_range": reduce_range(cfg.reduce_range)}
+    return {"integer_matmuls": integer, "excluded": sorted(exclude), "reduce_range": seven_bits}
 
 
 def _quiet_ort_preprocess_warning() -> None:

@@ -14,10 +14,15 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-def _switch(value: Any) -> Any:
-    """YAML 1.1 (PyYAML) reads a bare ``on`` / ``off`` as true / false: give such a key back the word it was."""
-    return ("on" if value else "off") if isinstance(value, bool) else value
+def bool_words(true: str | None, false: str) -> BeforeValidator:
+    """For a key that takes words: YAML 1.1 (PyYAML) reads a bare ``on`` / ``off`` / ``yes`` / ``no`` as a boolean,
+    which becomes the word the key means by it (``true`` None: a boolean true has no meaning there, an error)."""
+    def words(value: Any) -> Any:
+        if value is True and true is not None:
+            return true
+        return false if value is False else value
+    return BeforeValidator(words)
 
 
 # A setting that is on, off, or decided by Kiln: `key: on` in a YAML file means "on", not a type error
-AutoOnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch)]
+AutoOnOff = Annotated[Literal["auto", "on", "off"], bool_words("on", "off")]

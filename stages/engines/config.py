@@ -1,9 +1,9 @@
 """Settings of the build stage. Every knob is documented in ``stages/engines/README.md``."""
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from kiln.core.sections import AutoOnOff, Section
+from kiln.core.sections import AutoOnOff, Section, bool_words
 from pydantic import Field, field_validator, model_validator
 
 
@@ -86,7 +86,7 @@ class ShapeRange(Section):
 
 
 class TensorRTConfig(Section):
-    enabled: Literal["auto", "always", "never"] = Field(
+    enabled: Annotated[Literal["auto", "always", "never"], bool_words("always", "never")] = Field(
         "auto", description="auto builds when tensorrt or tensorrt_rtx imports; always fails if neither does")
     optimization_level: int = Field(3, ge=0, le=5, description="builder optimization level: higher tunes longer")
     workspace_mb: int = Field(1024, ge=16, description="WORKSPACE memory-pool limit")
@@ -117,6 +117,9 @@ class TensorRTConfig(Section):
     @classmethod
     def _upper(cls, v: list[str]) -> list[str]:
         return [c.upper() for c in v]
+
+
+EpilogueMode = Annotated[Literal["auto", "off", "bias", "bias_gelu", "bias_any_gelu"], bool_words(None, "off")]
 
 
 class TorchConfig(Section):
@@ -151,7 +154,7 @@ class TorchConfig(Section):
                            "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s; on the CPU it sped up the "
                            "compiled flavour (ResNet-18 23.4 -> 17.6 ms at batch 1), not AOTInductor packages "
                            "(engine_bench_cpu_resnet18_freezing_*.md)")
-    gemm_epilogues: Literal["auto", "off", "bias", "bias_gelu", "bias_any_gelu"] = Field(
+    gemm_epilogues: EpilogueMode = Field(
         "auto", description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
                             "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "
                             "bias_any_gelu: every GELU, on the GPU as the tanh approximation) in the GEMM's epilogue "
@@ -169,6 +172,13 @@ class TorchConfig(Section):
     load_check: bool = Field(True, description="load the built package once in a child process before accepting it"
                                                " (a package that crashes its loader is skipped, not served)")
     load_check_timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _coordinate_descent_needs_max_autotune(self) -> "TorchConfig":
+        if self.coordinate_descent == "on" and self.max_autotune == "off":
+            raise ValueError("coordinate_descent 'on' tunes kernels only under max-autotune, and max_autotune is "
+                             "'off'; set max_autotune to 'on' or 'auto' (the GPU), or leave coordinate_descent 'auto'")
+        return self
 
     @model_validator(mode="after")
     def _epilogues_need_the_compiled_flavour(self) -> "TorchConfig":

@@ -112,7 +112,7 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
     register_ops()
     counts = {"linear_bias": 0, "linear_bias_gelu": 0}
     if merge:
-        counts["merged_linears"] = _merge_parallel_linears(gm, mode)  # linted and recompiled below, once
+        counts["merged_linears"] = merge_parallel_linears(gm, mode)
     graph = gm.graph
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
@@ -140,22 +140,14 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
 
 def merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
     """Linears with a bias that read the same tensor become one linear over their weights and biases concatenated,
-    whose output is split back (``aten.split_with_sizes``: views, no copies). Returns how many linears were merged.
+    whose output is split back (``aten.split_with_sizes``: views, no copies). Returns how many linears were merged;
+    the caller lints and recompiles ``gm`` (:func:`fuse_linear_epilogues` does, once, after its own rewrite).
 
     Why: BERT-base's Q, K and V projections at batch 32 are three 4096x768x768 GEMMs, each too small to fill the
     H200; one 4096x768x2304 GEMM does the same work in one launch. Only linears whose weight and bias are the
     program's own tensors (``get_attr``) of one dtype and device are merged, and not a linear the epilogue will fuse
     with its GELU (``mode``), which keeps its own op. The merged tensors replace the originals (freed when nothing
     else reads them), so the engine holds each weight once."""
-    merged = _merge_parallel_linears(gm, mode)
-    if merged:
-        gm.graph.lint()
-        gm.recompile()
-    return merged
-
-
-def _merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
-    """:func:`merge_parallel_linears` without linting and recompiling ``gm``."""
     graph = gm.graph
     groups: dict[tuple[Any, ...], list[fx.Node]] = {}
     for node in graph.nodes:

@@ -22,9 +22,9 @@ def report_section(summary: dict[str, Any]) -> list[str]:
                             f"agreement {fmt(v.get('ort_cpu_top1_agreement'))} with {v.get('ort_cpu_kept_fp32', 0)} "
                             "nodes kept in float."]
             if v.get("reduce_range"):
-                out += ["", f"`{name}` weights are quantized to 7 bits (`calibration.reduce_range`; auto turns it "
-                            "on where the CPU that quantizes lacks VNNI: ONNX Runtime's INT8 kernels there saturate "
-                            "16-bit sums of 8-bit products)."]
+                out += ["", f"`{name}` weights are quantized to 7 bits (`calibration.reduce_range`): safe from the "
+                            "16-bit saturation of ONNX Runtime's fast INT8 kernels on x86 CPUs without VNNI, in any "
+                            "runtime."]
         out += [f"- **{name} failed**: {why}" for name, why in precision.get("failed", {}).items()]
         out += _kept_nodes_table(variants)
         if precision.get("node_error_plot"):

@@ -17,8 +17,8 @@ import kiln.calibration
 import kiln.stages.precision
 import numpy as np
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.cpu_int8 import reduce_range
 from kiln.calibration.data import calibration_batches
+from kiln.calibration.quantize import resolve_reduce_range
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
@@ -201,7 +201,7 @@ def _jsonable(obj: Any) -> Any:
 def _env(cfg: Any) -> dict[str, Any]:
     # reduce_range auto depends on the CPU: the same config quantizes differently on another machine
     return {**environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime"),
-            "int8_reduce_range": reduce_range(cfg.calibration.reduce_range)}
+            "int8_reduce_range": resolve_reduce_range(cfg.calibration.reduce_range)}
 
 
 STAGE = Stage("precision", run, ("optimize", "train"), ("seed", "model.name", "data", "precision", "calibration",

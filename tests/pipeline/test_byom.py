@@ -147,6 +147,7 @@ def test_regression_model_trains_with_mse_and_validates_without_accuracy(tmp_pat
 def exported(tmp_path_factory) -> tuple[Path, Path]:
     """An ONNX export of the zoo's (hidden, logits) token classifier, and an .npz of its named inputs."""
     import numpy as np
+    import torch
     from kiln.core.data import take
     from kiln.models.datasets import synthetic_text
     from kiln.models.registry import build_model
@@ -157,6 +158,7 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("onnx")
     data = synthetic_text(size=256)
+    torch.manual_seed(0)  # the same weights whichever tests ran before (INT8's top-1 margin depends on them)
     model = build_model("token_classifier", {"dim": 16, "layers": 1})
     # Trained a little: random weights give near-tied logits whose top-1 any INT8 rounding flips
     train(model, data, TrainConfig(epochs=4, batch_size=32, device="cpu", plot=False), task=Task("classification", 1))
@@ -169,7 +171,10 @@ def test_kiln_run_from_an_onnx_file(exported, tmp_path: Path) -> None:
     onnx_path, _ = exported
     cfg = tiny_config_dict(**{"model": {"onnx": str(onnx_path)}, "data.name": "synthetic_text",
                               "precision.variants": ["fp32", "fp16", "int8"], "validate.batch_sizes": [1, 32],
-                              "validate.logits_output": "output_1"})
+                              "validate.logits_output": "output_1",
+                              # this checks the ONNX-file path, not INT8's accuracy: on a tiny, briefly trained
+                              # model one flipped row of the 32 compared is 0.969 (kiln's default gate is 0.97)
+                              "validate.gates.per_precision": {"int8": {"min_top1_agreement": 0.9}}})
     path = tmp_path / "kiln.yaml"
     path.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])

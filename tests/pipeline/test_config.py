@@ -141,9 +141,13 @@ def test_bare_on_and_off_in_a_yaml_file_are_the_words(write_yaml) -> None:
     boolean key is untouched, and a word outside the choices is still an error."""
     path = write_yaml({})
     path.write_text("calibration:\n  reduce_range: on\nbuild:\n  torch:\n    coordinate_descent: off\n"
-                    "    merge_linears: off\n  onnxruntime:\n    transformer_fusion: auto\n")
+                    "    merge_linears: off\n    gemm_epilogues: off\n  onnxruntime:\n    transformer_fusion: auto\n"
+                    "  tensorrt:\n    enabled: no\n")
     cfg = load_config(path)
     assert (cfg.calibration.reduce_range, cfg.build.torch.coordinate_descent) == ("on", "off")
+    assert (cfg.build.torch.gemm_epilogues, cfg.build.tensorrt.enabled) == ("off", "never")
     assert cfg.build.torch.merge_linears is False and cfg.build.onnxruntime.transformer_fusion == "auto"
+    with pytest.raises(ConfigError, match="gemm_epilogues"):  # "on" names no mode there
+        config_from_dict({"build": {"torch": {"gemm_epilogues": True}}})
     with pytest.raises(ConfigError, match="reduce_range"):
         config_from_dict({"calibration": {"reduce_range": "maybe"}})

@@ -12,7 +12,6 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import torch
-from kiln.calibration.cpu_int8 import this_cpu_saturates
 from kiln.models import build_model
 from kiln.stages.export import export_onnx
 
@@ -81,7 +80,6 @@ def int8_graph(fp32: Path, out: Path, name: str) -> Path:
     quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                     op_types_to_quantize=["Conv", "MatMul", "Gemm"],
-                    reduce_range=this_cpu_saturates(),  # as Kiln's calibration.reduce_range auto (CI's CPUs vary)
                     extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
                                    "QuantizeBias": False})
     return out

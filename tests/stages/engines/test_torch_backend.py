@@ -145,6 +145,13 @@ def test_coordinate_descent_follows_the_setting_and_older_engines_keep_theirs(de
     assert _inductor_options(older).get("coordinate_descent_tuning", False) is (device == "cuda")
 
 
+def test_coordinate_descent_on_without_max_autotune_is_refused() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="tunes kernels only under max-autotune"):
+        TorchConfig(coordinate_descent="on", max_autotune="off")
+
+
 @pytest.mark.parametrize("entries, message, hint", [
     ({"max_autotune_gem_backends": "ATEN"}, "did you mean max_autotune_gemm_backends", "nested ones dotted"),
     ({"freezing": True}, "freezing is set by Kiln's own settings", "build.torch.freezing"),

@@ -1,4 +1,4 @@
-"""calibration.reduce_range: which CPUs saturate, and that 7-bit weights are what the graphs then hold."""
+"""calibration.reduce_range: 7-bit weights when asked (or, with auto, on a CPU whose INT8 kernels saturate)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,28 +8,16 @@ import onnx
 import pytest
 from calib_graphs import batches, saved
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.cpu_int8 import reduce_range, saturates, this_cpu_saturates
-from kiln.calibration.quantize import quantize_int8
+from kiln.calibration.quantize import quantize_int8, resolve_reduce_range
 from kiln.calibration.ranges import calibrate
+from kiln.core.cpu_int8 import this_cpu_saturates
 from onnx import numpy_helper
 
-SKYLAKE_SP = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512vl\n"
-ICE_LAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_vnni\n"
-ALDER_LAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx_vnni\n"
 
-
-@pytest.mark.parametrize("machine, cpuinfo, want", [
-    ("x86_64", SKYLAKE_SP, True), ("x86_64", ICE_LAKE, False), ("x86_64", ALDER_LAKE, False),
-    ("AMD64", None, True),  # Windows: no /proc/cpuinfo, the safe side
-    ("x86_64", "processor\t: 0\n", True), ("aarch64", None, False), ("arm64", SKYLAKE_SP, False)])
-def test_only_x86_cpus_without_vnni_saturate(machine: str, cpuinfo: str | None, want: bool) -> None:
-    assert saturates(machine, cpuinfo) is want
-
-
-def test_the_setting_resolves_against_this_cpu() -> None:
-    assert reduce_range("on") and not reduce_range("off")
-    assert reduce_range("auto") is this_cpu_saturates()
-    assert CalibrationConfig().reduce_range == "auto"
+def test_off_by_default_and_auto_follows_this_cpu() -> None:
+    assert CalibrationConfig().reduce_range == "off"  # Kiln's own sessions use exact kernels (kiln.core.cpu_int8)
+    assert resolve_reduce_range("on") and not resolve_reduce_range("off")
+    assert resolve_reduce_range("auto") is this_cpu_saturates()
 
 
 @pytest.mark.parametrize("setting, limit", [("on", 64), ("off", 127)])

@@ -1,0 +1,54 @@
+"""Whether this machine's CPU INT8 kernels saturate, and what Kiln does about it.
+
+ONNX Runtime's x86 integer GEMMs multiply uint8 activations by int8 weights. Without VNNI (SSE4.1, AVX2 and the first
+AVX-512 CPUs, e.g. Skylake-SP servers) they use VPMADDUBSW, which adds each pair of products into an int16 and
+saturates: two products of 255 x 127 overflow it. On such a CPU Kiln's INT8 graphs lost accuracy (CI: cosine
+0.95-0.97 against FP32 on small models that reach 0.99+ elsewhere). VNNI's VPDPBUSD accumulates in int32, and ARM's
+kernels do not saturate.
+
+Two remedies, both ONNX Runtime's own: every session Kiln makes on such a CPU sets ``session.x64quantprecision``
+(:data:`PRECISE_INT8`: ORT then multiplies uint8 by uint8, slower and exact), which keeps 8-bit weights and also
+covers INT8 graphs quantized on another machine; and ``calibration.reduce_range`` quantizes weights to 7 bits (a pair
+of products then fits an int16) for runtimes that cannot be given the option.
+
+Flags are read from ``/proc/cpuinfo`` (Linux), else from ``torch.cpu.get_capabilities()`` (torch >= 2.8; imported
+only then, since torch is slow to import); an x86 CPU whose flags cannot be read counts as saturating.
+"""
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
+X86 = ("x86_64", "amd64", "x86", "i386", "i686")
+PRECISE_INT8 = "session.x64quantprecision"  # ORT session config entry: "1" = U8U8 GEMMs on x64
+
+
+def saturates(machine: str, flags: list[str] | None) -> bool:
+    """True for an x86 CPU without VNNI; ``flags``: its feature flags, None where they cannot be read."""
+    if machine.lower() not in X86:
+        return False
+    return flags is None or not any(f in flags for f in VNNI_FLAGS)
+
+
+def cpuinfo_flags(text: str) -> list[str] | None:
+    """The ``flags`` line of /proc/cpuinfo's text (None without one)."""
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+
+
+def _flags() -> list[str] | None:
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        return cpuinfo_flags(info.read_text(errors="replace"))
+    try:
+        import torch
+
+        return [name for name, on in torch.cpu.get_capabilities().items() if on]
+    except (ImportError, AttributeError):  # torch < 2.8
+        return None
+
+
+@lru_cache(maxsize=1)
+def this_cpu_saturates() -> bool:
+    return saturates(platform.machine(), _flags())
