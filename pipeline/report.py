@@ -102,7 +102,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines += stage.report(summary)
     env = report["environment"]
     lines += ["", "## Environment", "", ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
-              f"python {env['python']}, GPU: {env.get('gpu', 'none')}", ""]
+              f"python {env['python']}, GPU: {env.get('gpu', 'none')}, ONNX Runtime CPU INT8 kernels: "
+              f"{env.get('cpu_int8_kernels', 'fast')}", ""]
     return "\n".join(lines)
 
 
