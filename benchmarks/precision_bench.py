@@ -241,7 +241,8 @@ def gpu_row(name: str, params: dict[str, Any], shape: tuple[int, ...], smoke: bo
 # ---------------------------------------------------------------- report
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Precision benchmark ({results['mode']})", "", f"Command: `{results['command']}`  ",
-             f"Host: {results['host']}, onnxruntime {results['onnxruntime']}, torch {results['torch']}", ""]
+             f"Host: {results['host']}, onnxruntime {results['onnxruntime']}, torch {results['torch']}, INT8 "
+             f"kernels {results.get('cpu_int8_kernels', 'not recorded')}", ""]
     if results["mode"].startswith("cpu"):
         lines += ["ORT CPU, 2 threads, batch 8, graph optimisation ALL; latency median (p90) over interleaved runs; "
                   "speedup = median over rounds of the per-round FP32/INT8 median ratio (the machine is shared).",
@@ -293,7 +294,9 @@ def main() -> None:
 
     mode = ("gpu" if args.gpu else "cpu") + ("-smoke" if args.smoke else "")
     results: dict[str, Any] = {"mode": mode, "command": " ".join(sys.argv), "host": platform.node(),
-                               "onnxruntime": ort.__version__, "torch": torch.__version__, "rows": []}
+                               "onnxruntime": ort.__version__, "torch": torch.__version__,
+                               "cpu_int8_kernels": "exact (x86 without VNNI)" if this_cpu_saturates() else "fast",
+                               "rows": []}
     with tempfile.TemporaryDirectory(prefix="kiln-pbench-") as tmp:
         work = Path(tmp)
         if args.gpu:

@@ -4,7 +4,8 @@ ONNX Runtime's x86 integer GEMMs multiply uint8 activations by int8 weights. Wit
 AVX-512 CPUs, e.g. Skylake-SP servers) they use VPMADDUBSW, which adds each pair of products into an int16 and
 saturates: two products of 255 x 127 overflow it. That is the likely cause of CI's INT8 failures (cosine 0.95-0.97
 against FP32 on small models that reach 0.99+ on a VNNI CPU; a numpy model of the instruction on one layer with
-uniform weights saturated 1.1% of the pair sums and took its cosine from 0.99995 to 0.9931). VNNI's VPDPBUSD
+uniform weights saturated 1.1% of the pair sums and took its cosine from 0.99995 to 0.9931:
+``benchmarks/int8_saturation.py``). VNNI's VPDPBUSD
 accumulates in int32, and ARM's kernels do not saturate.
 
 Two remedies, both ONNX Runtime's own: every session Kiln makes on such a CPU sets ``session.x64quantprecision``

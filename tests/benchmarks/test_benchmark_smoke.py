@@ -24,6 +24,14 @@ def test_int8_anatomy(tmp_path: Path) -> None:
     assert set(res["matmul_per_op"]) == {"64x64", "64x256"}
 
 
+def test_int8_saturation_model(tmp_path: Path) -> None:
+    """8-bit weights: some pair sums overflow int16 and cost accuracy; 7-bit weights: none do."""
+    _run("int8_saturation.py", "--out", str(tmp_path))
+    eight, seven = json.loads((tmp_path / "int8_saturation.json").read_text())["layers"]
+    assert eight["saturated_pair_share"] > 0 and eight["cosine_saturating"] < eight["cosine_exact"] - 1e-3
+    assert seven["saturated_pair_share"] == 0 and seven["cosine_saturating"] == seven["cosine_exact"]
+
+
 def test_precision_bench_marks_the_ort_cpu_graph_kiln_uses(tmp_path: Path) -> None:
     _run("precision_bench.py", "--smoke", "--out", str(tmp_path))
     res = json.loads((tmp_path / "precision_cpu-smoke.json").read_text())
