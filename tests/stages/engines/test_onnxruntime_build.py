@@ -51,6 +51,27 @@ def test_cpu_engine_builds_and_runs(zoo, tmp_path: Path, model: str, precision: 
         assert cosine(got, ref32) > 0.99
 
 
+@pytest.mark.parametrize("model", ["cnn", "transformer"])
+def test_an_int8_engine_built_where_int8_saturates_computes_the_same(zoo, tmp_path: Path, model: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an x86 CPU without VNNI Kiln's sessions set session.x64quantprecision, a graph pass that rewrites int8
+    weights to uint8 (kiln.core.cpu_int8): such a CPU is simulated here. The engine built there holds the rewritten
+    weights and computes what the engine built on a CPU with VNNI computes (both loaded on this machine's CPU, whose
+    sessions are exact either way)."""
+    x = sample(model, 5, seed=3)
+    outs = {}
+    for saturating in (False, True):
+        out = tmp_path / f"e-{saturating}"
+        with monkeypatch.context() as patch:
+            patch.setattr("kiln.core.onnx_io.this_cpu_saturates", lambda s=saturating: s)
+            build_engine(zoo(model, "int8"), out, "onnxruntime", "cpu", "int8", ort_cfg(), tmp_path / "cache")
+        weights = [i.name for i in onnx.load(str(out / "engine.onnx")).graph.initializer]
+        assert any(w.endswith("_s8_2_u8") for w in weights) is saturating
+        with load_engine(out) as runner:
+            outs[saturating] = runner.infer({"input": x})["logits"]
+    np.testing.assert_allclose(outs[True], outs[False], atol=1e-5)
+
+
 def test_cpu_metadata_and_session_settings(zoo, tmp_path: Path) -> None:
     cfg = ort_cfg(intra_op_threads=1, inter_op_threads=2, execution_mode="parallel")
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache")
