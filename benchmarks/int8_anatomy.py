@@ -31,7 +31,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kiln.core.cpu_int8 import PRECISE_INT8, this_cpu_saturates  # noqa: E402
+from kiln.core.cpu_int8 import ask_exact_int8  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 
@@ -46,8 +46,7 @@ def op_type_shares(model_path: Path, x: np.ndarray, runs: int) -> dict[str, Any]
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = THREADS, 1
-    if this_cpu_saturates():  # the exact INT8 kernels Kiln's own sessions use there (kiln.core.cpu_int8)
-        opts.add_session_config_entry(PRECISE_INT8, "1")
+    ask_exact_int8(opts)  # the INT8 kernels Kiln's own sessions use here (kiln.core.cpu_int8)
     opts.enable_profiling = True
     with tempfile.TemporaryDirectory() as tmp:
         opts.profile_file_prefix = str(Path(tmp) / "prof")

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.calibration.config import CalibrationConfig  # noqa: E402
 from kiln.calibration.quantize import quantizable_op_types  # noqa: E402
-from kiln.core.cpu_int8 import PRECISE_INT8, this_cpu_saturates  # noqa: E402
+from kiln.core.cpu_int8 import ask_exact_int8, int8_kernels  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 from kiln.stages.precision.compare import output_metrics  # noqa: E402
@@ -75,8 +75,7 @@ def session(model: Path | onnx.ModelProto, threads: int, providers: list[str]) -
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
-    if this_cpu_saturates():  # the exact INT8 kernels Kiln's own sessions use there (kiln.core.cpu_int8)
-        opts.add_session_config_entry(PRECISE_INT8, "1")
+    ask_exact_int8(opts)  # the INT8 kernels Kiln's own sessions use here (kiln.core.cpu_int8)
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(src, opts, providers=providers)
 
@@ -295,7 +294,7 @@ def main() -> None:
     mode = ("gpu" if args.gpu else "cpu") + ("-smoke" if args.smoke else "")
     results: dict[str, Any] = {"mode": mode, "command": " ".join(sys.argv), "host": platform.node(),
                                "onnxruntime": ort.__version__, "torch": torch.__version__,
-                               "cpu_int8_kernels": "exact (x86 without VNNI)" if this_cpu_saturates() else "fast",
+                               "cpu_int8_kernels": int8_kernels(),
                                "rows": []}
     with tempfile.TemporaryDirectory(prefix="kiln-pbench-") as tmp:
         work = Path(tmp)

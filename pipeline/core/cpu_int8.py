@@ -21,6 +21,7 @@ from __future__ import annotations
 import platform
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
 X86 = ("x86_64", "amd64", "x86", "i386", "i686")
@@ -54,3 +55,15 @@ def _flags() -> list[str] | None:
 @lru_cache(maxsize=1)
 def this_cpu_saturates() -> bool:
     return saturates(platform.machine(), _flags())
+
+
+def ask_exact_int8(opts: Any) -> Any:
+    """``opts`` (onnxruntime SessionOptions) with ORT's exact INT8 kernels where this CPU's fast ones saturate."""
+    if this_cpu_saturates():
+        opts.add_session_config_entry(PRECISE_INT8, "1")
+    return opts
+
+
+def int8_kernels() -> str:
+    """Which ONNX Runtime CPU INT8 kernels Kiln's sessions run here, for reports beside their latencies."""
+    return "exact (x86 without VNNI)" if this_cpu_saturates() else "fast"

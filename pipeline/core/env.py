@@ -6,7 +6,7 @@ import platform
 from functools import lru_cache
 from typing import Any
 
-from kiln.core.cpu_int8 import this_cpu_saturates
+from kiln.core.cpu_int8 import int8_kernels
 
 _DISTS = ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnx-graphsurgeon", "tensorrt", "tensorrt-rtx",
           "numpy")
@@ -30,7 +30,7 @@ def environment() -> dict[str, Any]:
         "versions": {d: v for d in _DISTS if (v := _version(d)) is not None},
         "cuda_available": torch.cuda.is_available(),
         # ONNX Runtime CPU INT8 latencies here are of its exact, slower kernels where the fast ones saturate
-        "cpu_int8_kernels": "exact (x86 without VNNI)" if this_cpu_saturates() else "fast",
+        "cpu_int8_kernels": int8_kernels(),
     }
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)

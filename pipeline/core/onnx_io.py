@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from kiln.core.cpu_int8 import PRECISE_INT8, this_cpu_saturates
+from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.records import TensorSpec
 from kiln.core.text import first_line
@@ -218,9 +218,7 @@ def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = F
     }[optimization]
     if optimized_path is not None:
         opts.optimized_model_filepath = str(optimized_path)
-    if this_cpu_saturates():  # exact INT8 GEMMs on an x86 CPU without VNNI (kiln.core.cpu_int8)
-        opts.add_session_config_entry(PRECISE_INT8, "1")
-    return opts
+    return ask_exact_int8(opts)  # exact INT8 GEMMs on an x86 CPU without VNNI (kiln.core.cpu_int8)
 
 
 def ort_session(model: onnx.ModelProto | str | Path, threads: int = 0, providers: list[Any] | None = None,

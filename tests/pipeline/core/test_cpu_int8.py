@@ -24,9 +24,9 @@ def test_flags_come_from_the_flags_line_only() -> None:
 
 
 def test_sessions_ask_for_exact_int8_kernels_only_where_they_saturate(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kiln.core.onnx_io.this_cpu_saturates", lambda: True)
+    monkeypatch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda: True)
     assert session_options().get_session_config_entry(PRECISE_INT8) == "1"
-    monkeypatch.setattr("kiln.core.onnx_io.this_cpu_saturates", lambda: False)
+    monkeypatch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda: False)
     with pytest.raises(RuntimeError):  # ORT: an entry never set
         session_options().get_session_config_entry(PRECISE_INT8)
 
@@ -44,6 +44,6 @@ def test_the_exact_kernels_run_an_int8_graph(monkeypatch: pytest.MonkeyPatch, tm
     ranges = calibrate(path, batches(), "input", "minmax", cache_dir=tmp_path / "cache")
     quantize_int8(path, tmp_path / "int8.onnx", ranges, CalibrationConfig())
     x = batches(1, seed=1)[0]
-    monkeypatch.setattr("kiln.core.onnx_io.this_cpu_saturates", lambda: True)
+    monkeypatch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda: True)
     ref, got = run_batched(path, x)[0], run_batched(tmp_path / "int8.onnx", x)[0]
     assert output_metrics(ref, got)["cosine"] > 0.98

@@ -63,7 +63,7 @@ def test_an_int8_engine_built_where_int8_saturates_computes_the_same(zoo, tmp_pa
     for saturating in (False, True):
         out = tmp_path / f"e-{saturating}"
         with monkeypatch.context() as patch:
-            patch.setattr("kiln.core.onnx_io.this_cpu_saturates", lambda s=saturating: s)
+            patch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda s=saturating: s)
             build_engine(zoo(model, "int8"), out, "onnxruntime", "cpu", "int8", ort_cfg(), tmp_path / "cache")
         weights = [i.name for i in onnx.load(str(out / "engine.onnx")).graph.initializer]
         assert any(w.endswith("_s8_2_u8") for w in weights) is saturating
