@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
 # /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
-# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), coordesc, train,
-# train-compile, precision, serve.
+# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), coordesc, replay,
+# train, train-compile, precision, serve.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
 mkdir -p "$OUT"
@@ -40,6 +40,8 @@ for phase in "$@"; do
       TORCHINDUCTOR_CACHE_DIR=/tmp/ind-resnet python3 benchmarks/engine_bench.py --models resnet18 --batches 1,32 \
         --profile 20 --rows kiln_torch,kiln_torch_nocd --torch-variant nocd:coordinate_descent=off \
         --out "$OUT/coordesc_resnet18" ;;
+    # what a torch engine's call costs around its CUDA graph (input copy, runner), ResNet-18: ~1 minute
+    replay) python3 benchmarks/replay_copy.py --models resnet18 --out "$OUT" ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
     # torch.compile table, one model per call keeps each under 10 minutes: TRAIN_COMPILE_ARGS="--models resnet18"
     train-compile) python3 benchmarks/train_bench.py --compile --out "$OUT" ${TRAIN_COMPILE_ARGS:-} ;;

@@ -348,7 +348,7 @@ class GraphReplays:
     that host time as latency: on the H200 at ResNet-18 batch 32 the engine timed 0.867 ms against torch.compile
     channels_last's 0.784 ms with the same kernels (0.637 vs 0.631 ms of kernel time; ``benchmarks/engine_bench.py
     --profile``, ``engine_bench_h200_s6_profile_resnet18.md``). Here a call copies its inputs into the graph's input
-    tensors (one multi-tensor copy), replays, and copies the outputs out of the graph's memory, which the next
+    tensors (:meth:`copy_inputs`), replays, and copies the outputs out of the graph's memory, which the next
     replay overwrites, so a caller may keep them. The compiled program runs three times on a side stream before a
     capture (compilation, autotuning and cuDNN's algorithm search happen outside it, as torch.cuda.graphs asks)."""
 
@@ -358,8 +358,6 @@ class GraphReplays:
         self.graphs: dict[tuple[Any, ...], tuple[Any, list[Any], list[Any]] | None] = {}
 
     def __call__(self, *args: Any) -> Any:
-        import torch
-
         key = _signature(args)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
@@ -367,9 +365,18 @@ class GraphReplays:
         if entry is None:
             return self.run(*args)  # the caller (_run_compiled) makes it a list
         graph, inputs, outputs = entry
-        torch._foreach_copy_(inputs, list(args))
+        self.copy_inputs(inputs, args)
         graph.replay()
         return [o.clone() for o in outputs]
+
+    @staticmethod
+    def copy_inputs(inputs: list[Any], args: tuple[Any, ...]) -> None:
+        """The call's inputs into the graph's input tensors: one ``Tensor.copy_`` each (a device-to-device memcpy
+        for same-dtype contiguous tensors). The GPU waits for this host work before the replay starts, so it is
+        on every call's latency; models have one or a few inputs, where single copies cost the host less than one
+        multi-tensor ``torch._foreach_copy_`` (``benchmarks/replay_copy.py``)."""
+        for dst, src in zip(inputs, args):
+            dst.copy_(src)
 
     def _capture(self, args: tuple[Any, ...]) -> tuple[Any, list[Any], list[Any]] | None:
         """The shape's graph; None (with one warning) where the program cannot be captured, as torch.compile's own

@@ -8,7 +8,10 @@ from google.protobuf import text_format
 from kiln.core.errors import ModelError
 from kiln.core.records import EngineMetadata
 from kiln.stages.triton_repo import check_config, model_config, render_pbtxt, triton_config
-from tritonclient.grpc import model_config_pb2
+
+# Triton's own ModelConfig message: from the serving extra (`pip install 'kiln[serve]'`, part of `.[dev]`)
+model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
+                                       reason="needs tritonclient (pip install 'kiln[serve]')")
 
 
 def record(fields: dict[str, Any]) -> EngineMetadata:
