@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import kiln.stages.engines
+from kiln.core import cpu_int8
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.env import environment_subset
 from kiln.core.errors import BuildError, ConfigError, KilnError
@@ -183,8 +184,14 @@ def report_section(summary: dict[str, Any]) -> list[str]:
 
 def _env(cfg: Any) -> dict[str, Any]:
     # Engines depend on the library that built them and on the GPU they were tuned for.
-    return environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", "torch",
-                              device=True)
+    env = environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", "torch",
+                             device=True)
+    # ORT CPU INT8 engines built where the fast INT8 kernels saturate hold ORT's uint8 weights for its exact kernels
+    # (kiln.core.cpu_int8): same outputs, slower kernels; a workdir moved to or from such a CPU rebuilds them. Only
+    # recorded there, so the key on every other machine stays what it was.
+    if cpu_int8.this_cpu_saturates():
+        env["cpu_int8_kernels"] = cpu_int8.int8_kernels()
+    return env
 
 
 # The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.

@@ -114,6 +114,16 @@ def test_cache_key_ignores_gates_for_build(tmp_path: Path) -> None:
     assert before["build"] == after["build"] and before["validate"] != after["validate"]
 
 
+def test_build_key_follows_the_cpu_int8_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORT CPU INT8 engines built where the fast INT8 kernels saturate hold uint8 weights (kiln.core.cpu_int8): a
+    workdir moved to or from such a CPU rebuilds its engines, and reuses every other stage."""
+    monkeypatch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda: False)
+    fast = _keys(tmp_path)
+    monkeypatch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda: True)
+    exact = _keys(tmp_path)
+    assert {name for name in fast if fast[name] != exact[name]} == {"build"}
+
+
 def test_code_versions_cover_what_stages_run() -> None:
     # validate runs engines through kiln.stages.engines's runners; train builds models from the zoo.
     import kiln.models
