@@ -27,7 +27,9 @@ from kiln.core.onnx_io import (
     load_onnx,
     ort_run,
     ort_session,
+    rename_values,
     save_onnx,
+    value_names,
 )
 from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.sections import Section
@@ -74,10 +76,11 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
     with torch.no_grad():
         outputs = list(named_outputs(model, example))
     errors = []
+    placeholders = [f"{PLACEHOLDER}{i}" for i in range(len(outputs))]  # the real names after export (name_outputs)
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
-            _export(FlatModel(model, example), tuple(tensors(example)), names, outputs, path, opset,
+            _export(FlatModel(model, example), tuple(tensors(example)), names, placeholders, path, opset,
                     _axes(names, dynamic_batch, dynamic_axes or {}), dynamo)
             break
         except Exception as exc:  # the exporter raises many types; keep the message for the user
@@ -87,7 +90,9 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
     else:
         raise ModelError("torch.onnx.export failed: " + " | ".join(errors),
                          hint="the model may use an op ONNX cannot express; see the message above")
-    proto = infer_shapes(load_onnx(path))
+    proto = load_onnx(path)
+    name_outputs(proto.graph, outputs)
+    proto = infer_shapes(proto)
     got = max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     if got != opset:
         log.warning("asked for opset %d, the exporter wrote opset %d", opset, got)
@@ -95,6 +100,29 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
     save_onnx(proto, path)
     _drop_unreferenced_data(path)
     return proto
+
+
+PLACEHOLDER = "kiln_export_output_"
+
+
+def name_outputs(graph: onnx.GraphProto, names: list[str]) -> None:
+    """Give the graph's outputs (exported as placeholders) their names. The exporters name internal values after
+    their ops (``embedding``, ``linear``, ``add_1``); asked for an output named like one of them (a model returning
+    ``{"embedding": ...}`` that has an ``nn.Embedding``) the dynamo exporter wrote that name twice, a graph the ONNX
+    checker rejects (not in SSA form). Such an internal value is renamed first (``embedding_1``, ...)."""
+    clash = sorted(set(names) & {i.name for i in graph.input})
+    if clash:
+        raise ModelError(f"the model's outputs {clash} are named like its inputs; an ONNX graph cannot have both",
+                         hint="rename those outputs (the keys of the dict forward() returns) or the inputs")
+    taken = value_names(graph)
+    mapping: dict[str, str] = {}
+    for name in names:
+        if name in taken:
+            fresh = next(f"{name}_{k}" for k in range(1, len(taken) + 2) if f"{name}_{k}" not in taken)
+            mapping[name] = fresh
+            taken.add(fresh)
+    mapping.update(zip((o.name for o in graph.output), names))
+    rename_values(graph, mapping)
 
 
 def _axes(names: list[str], dynamic_batch: bool, extra: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, str]]:

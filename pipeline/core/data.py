@@ -98,6 +98,18 @@ def input_names(model: Any, x: Inputs) -> list[str]:
     return [params[i] if i < len(params) else f"input_{i}" for i in range(len(x))]
 
 
+def by_keyword(model: Any, names: list[str]) -> bool:
+    """Whether a model whose ONNX inputs are ``names`` (:func:`input_names`) is called with them as keywords: a
+    dict's keys always are (``model(**x)``), and a tuple's names are the forward's own parameters, so the call is
+    the same. Only a bare tensor (``input``) or inputs beyond the forward's named parameters go by position."""
+    if names == [SINGLE_INPUT]:
+        return False
+    params = _forward_params(model)
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return True
+    return set(names) <= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def _forward_params(model: Any) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(model.forward).parameters.values())

@@ -76,6 +76,39 @@ def _tensors(graph: onnx.GraphProto) -> Any:
                 yield from _tensors(sub)
 
 
+def _graphs(graph: onnx.GraphProto) -> Any:
+    """``graph`` and every subgraph in it (If/Loop/Scan bodies), outermost first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _graphs(sub)
+
+
+def value_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name ``graph`` uses: inputs, outputs, initializers, node inputs and outputs, subgraphs included."""
+    names: set[str] = set()
+    for g in _graphs(graph):
+        names.update(v.name for v in (*g.input, *g.output, *g.value_info))
+        names.update(t.name for t in g.initializer)
+        for node in g.node:
+            names.update(node.input)
+            names.update(node.output)
+    return names
+
+
+def rename_values(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
+    """Rename values everywhere they appear, all at once (``{a: b, b: c}`` swaps nothing into a clash); subgraphs
+    read outer values by name, so they are renamed too. onnx has no such helper (``onnx.compose`` prefixes every
+    name), and onnx-graphsurgeon cannot import a graph whose names clash, which is what this repairs."""
+    for g in _graphs(graph):
+        for v in (*g.input, *g.output, *g.value_info, *g.initializer):
+            v.name = mapping.get(v.name, v.name)
+        for node in g.node:
+            node.input[:] = [mapping.get(n, n) for n in node.input]
+            node.output[:] = [mapping.get(n, n) for n in node.output]
+
+
 def check_onnx(model: onnx.ModelProto | str | Path, what: str = "model") -> None:
     """onnx.checker with full checks; paths are checked in place (works for > 2 GB models)."""
     try:

@@ -44,8 +44,10 @@ from typing import Any
 
 import numpy as np
 from kiln.core.cuda_graphs import capture
+from kiln.core.data import by_keyword
 from kiln.core.errors import BuildError, ConfigError
 from kiln.core.inputs import random_inputs
+from kiln.core.outputs import flatten_outputs
 from kiln.core.records import EngineMetadata
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan
@@ -86,26 +88,27 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
             "merge_linears": cfg.merge_linears and mode != "off"}
 
 
-def _served(model: Any, precision: str, channels_last: bool) -> Any:
-    """The model as the engine runs it: inputs as the ONNX graph declares them (FP32), cast to the engine's
-    precision and memory format inside, outputs back to FP32."""
+def _served(model: Any, names: list[str], precision: str, channels_last: bool) -> Any:
+    """The model as the engine runs it: inputs as the ONNX graph declares them (FP32, in its order), cast to the
+    engine's precision and memory format inside, and passed as the export passed them (by name for a dict's keys or
+    the forward's parameters); outputs flattened as the ONNX export flattened them (a tuple, dict or
+    ``ModelOutput`` to its tensors, :func:`kiln.core.outputs.flatten_outputs`), back in FP32."""
     import torch
 
     dtype = torch.float16 if precision == "fp16" else torch.float32
+    keywords = by_keyword(model, names)
 
     class Served(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.model = model
 
-        def forward(self, *xs: torch.Tensor) -> Any:
+        def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             xs = tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
             if channels_last:
                 xs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in xs)
-            out = self.model(*xs)
-            if isinstance(out, (tuple, list)):
-                return tuple(o.float() if o.is_floating_point() else o for o in out)
-            return out.float() if out.is_floating_point() else out
+            out = self.model(**dict(zip(names, xs))) if keywords else self.model(*xs)
+            return tuple(o.float() if o.is_floating_point() else o for o in flatten_outputs(out).values())
 
     return Served()
 
@@ -164,7 +167,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
     if settings["channels_last_weights"]:
         model = model.to(memory_format=torch.channels_last)
-    served = _served(model, req.precision, settings["channels_last"]).eval()
+    served = _served(model, [i.name for i in req.inputs], req.precision, settings["channels_last"]).eval()
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_size(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
     dynamic = _dynamic_shapes(req)

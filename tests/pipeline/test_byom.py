@@ -43,6 +43,32 @@ def bert():
     return Bert()
 
 
+class SentenceEmbedder(nn.Module):
+    """A transformers BertModel, mean-pooled: {"embedding", "last_hidden_state"}, no labels (an embedding model)."""
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+        cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)
+        self.bert = BertModel(cfg, add_pooling_layer=False)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask[..., None].to(h.dtype)
+        return {"embedding": (h * m).sum(1) / m.sum(1).clamp(min=1.0), "last_hidden_state": h}
+
+
+def embedder():
+    return SentenceEmbedder()
+
+
+def unlabelled_text(size=128, max_len=16):
+    d = synthetic_text(size=size, max_len=max_len)
+    d.train_y = d.val_y = None
+    d.num_classes = 0
+    return d
+
+
 class HiddenAndLogits(TokenClassifier):
     """(hidden, logits), called with a tuple: model(*x)."""
 
@@ -103,6 +129,22 @@ def test_huggingface_bert_as_an_inductor_engine(tmp_path: Path) -> None:
     torch_engine = next(e for e in v["engines"] if e["backend"] == "torch")
     assert torch_engine["shapes"] == [{"seq": 8}, {"seq": 16}] and set(torch_engine["latency_ms"]) == {"1", "32"}
     assert torch_engine["outputs"]["logits"]["cosine"] > 0.9999
+
+
+def test_embedding_model_with_dict_outputs_through_every_engine_kind(tmp_path: Path) -> None:
+    """A sentence embedder (ids + mask -> {"embedding", "last_hidden_state"}, untrained, no labels) as ONNX Runtime
+    engines and a torch engine. Before: the export failed (the dynamo exporter wrote `embedding` twice, the name
+    of its nn.Embedding's value too) and the torch engine failed on the dict."""
+    pytest.importorskip("transformers")
+    v = _user_run(tmp_path, "embedder", {}, **{"data.name": "byom_user:unlabelled_text", "train.enabled": False,
+                                               "precision.variants": ["fp32", "int8"], "validate.batch_sizes": [1, 8],
+                                               "build.backends": ["onnxruntime", "torch"]})
+    assert v["passed"] is True and v["baseline"]["compared"] == ["embedding", "last_hidden_state"]
+    assert {e["name"] for e in v["engines"] if e["status"] == "validated"} == {
+        "onnxruntime-cpu-fp32", "onnxruntime-cpu-int8", "torch-cpu-fp32"}
+    for e in v["engines"]:
+        assert e["shapes"] == [{"seq": 8}, {"seq": 16}] and e["top1_agreement"] is None
+        assert all(s["cosine"] >= 0.99 for s in e["outputs"].values())
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:

@@ -66,3 +66,37 @@ def test_export_leaves_no_unreferenced_external_data_and_optimize_runs_without_i
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
     summary = optimize_file(path, tmp_path / "opt.onnx", OptimizeConfig())
     assert summary["nodes_after"] <= summary["nodes_before"] and not summary["rolled_back"]
+
+
+class Embedder(nn.Module):
+    """An embedding model's outputs named like the exporter's own values (its nn.Embedding's op is `embedding`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.linear = nn.Embedding(20, 8), nn.Linear(8, 2)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embedding(input_ids).mean(1)
+        return {"embedding": h, "linear": self.linear(h)}
+
+
+@pytest.mark.parametrize("opset", [18, 17])  # the dynamo exporter, and TorchScript's
+def test_outputs_named_like_internal_values_export(tmp_path: Path, opset: int) -> None:
+    """Before: the dynamo exporter wrote 'embedding' twice (the Gather's result and the output): the checker's
+    'Graph must be in single static assignment (SSA) form' ended the export."""
+    model = Embedder().eval()
+    ids = torch.randint(0, 20, (2, 5))
+    proto = export_onnx(model, ids, tmp_path / "m.onnx", opset)
+    assert [o.name for o in proto.graph.output] == ["embedding", "linear"]
+    assert parity(model, tmp_path / "m.onnx", torch.randint(0, 20, (3, 5)))["max_abs_err"] < 1e-5
+    onnx.checker.check_model(str(tmp_path / "m.onnx"), full_check=True)
+
+
+class Echo(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input": x * 2}
+
+
+def test_an_output_named_like_an_input_is_a_model_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="named like its inputs"):
+        export_onnx(Echo(), torch.rand(2, 3), tmp_path / "m.onnx")

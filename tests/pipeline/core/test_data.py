@@ -9,7 +9,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from kiln.cli import main
-from kiln.core.data import DataContractError, DatasetSplits, check_splits, input_names
+from kiln.core.data import DataContractError, DatasetSplits, by_keyword, check_splits, input_names
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
 from torch import nn
@@ -53,6 +53,27 @@ def test_input_names_come_from_keys_or_the_forward() -> None:
     assert input_names(Two(), (torch.zeros(1), torch.zeros(1))) == ["dense", "sparse"]
     assert input_names(Two(), {"sparse": torch.zeros(1)}) == ["sparse"]
     assert input_names(Two(), torch.zeros(1)) == ["input"]
+
+
+def test_inputs_go_by_keyword_where_the_export_named_them() -> None:
+    """How a backend that calls the model itself (torch) passes the ONNX inputs: as the export's names say."""
+    class Two(nn.Module):
+        def forward(self, dense, sparse):
+            return dense
+
+    class Kwargs(nn.Module):
+        def forward(self, **batch):
+            return batch["a"]
+
+    class Varargs(nn.Module):
+        def forward(self, *xs):
+            return xs[0]
+
+    assert by_keyword(Two(), ["sparse", "dense"])  # a dict in another order than the forward's
+    assert by_keyword(Kwargs(), ["a", "b"])
+    assert not by_keyword(Two(), ["input"])  # a bare tensor
+    assert not by_keyword(Varargs(), ["input_0", "input_1"])
+    assert not by_keyword(Two(), ["dense", "sparse", "input_2"])
 
 
 def test_outputs_flatten_and_the_logits_default() -> None:

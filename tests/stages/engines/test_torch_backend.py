@@ -205,6 +205,44 @@ def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -
     assert read_metadata(tmp_path / "wd" / "build" / engine["name"]).flavour == flavour
 
 
+class DictScorer(torch.nn.Module):
+    """forward(ids, mask) returning a dict (as a ``transformers`` ModelOutput is one), fed by a dict whose keys come
+    in another order than the forward's parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        m = mask.to(torch.float32)[..., None]
+        h = (self.emb(ids) * m).sum(1) / m.sum(1).clamp(min=1.0)
+        return {"score": self.head(h).squeeze(-1), "embedding": h}
+
+
+@pytest.mark.slow
+def test_dict_inputs_and_outputs_keep_their_names(tmp_path: Path) -> None:
+    """The engine binds the ONNX inputs by name (by position, mask would have gone in as ids: both integer, no
+    error, wrong outputs) and flattens a dict output as the export did (before: the build failed on the dict)."""
+    from kiln.stages.export import export_onnx
+
+    model = DictScorer().eval()
+    rng = np.random.default_rng(0)
+    feed = {"mask": rng.integers(0, 2, size=(3, 6)), "ids": rng.integers(0, 20, size=(3, 6))}
+    export_onnx(model, {k: torch.from_numpy(v) for k, v in feed.items()}, tmp_path / "m.onnx")
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
+    build_engine(tmp_path / "m.onnx", tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=4,
+                 torch_model=DictScorer)
+    with load_engine(tmp_path / "e") as runner:
+        assert runner.input_names == ["mask", "ids"]
+        got = runner.infer(feed)
+    with torch.inference_mode():
+        want = model(ids=torch.from_numpy(feed["ids"]), mask=torch.from_numpy(feed["mask"]))
+    assert list(got) == ["score", "embedding"]
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value.numpy(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
     from kiln.api import run_pipeline
