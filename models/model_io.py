@@ -94,7 +94,56 @@ def _load_failure(exc: Exception) -> str:
     return (lines or [type(exc).__name__])[0][:300]
 
 
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Equal for two tensors that are the same view of one storage (tied weights); None for an empty tensor."""
+    if not t.numel():
+        return None
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """State-dict names that are another name's tensor (tied weights, as a language model's output projection is
+    its token embedding): alias -> the first name in the state dict."""
+    first: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = _storage_key(t)
+        if key is None:
+            continue
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def weights_bytes(model: nn.Module) -> bytes:
+    """The model's state dict as safetensors bytes, each tied tensor once: safetensors refuses tensors that share
+    memory (a transformers GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``); :func:`load_weights` ties them
+    again, as ``safetensors.torch.save_model``/``load_model`` do (those write and read files; Kiln writes its files
+    atomically with the permissions a server can read: :func:`kiln.core.artifacts.write_bytes_atomic`)."""
+    from safetensors.torch import save
+
+    aliases = tied_names(model)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in aliases}
+    seen: set[int] = set()
+    for k, v in state.items():  # distinct views of one storage (safetensors refuses overlapping ones): copied apart
+        ptr = v.untyped_storage().data_ptr()
+        if v.numel() and ptr in seen:
+            state[k] = v.clone()
+        seen.add(ptr)
+    return save(state)
+
+
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
+    """Load ``state`` strictly; a tied tensor saved once (by :func:`weights_bytes`, or Hugging Face's
+    ``save_pretrained``) fills its aliases, since the model ties them itself."""
+    state = dict(state)
+    for alias, name in tied_names(model).items():
+        if alias not in state and name in state:
+            state[alias] = state[name]
+        elif name not in state and alias in state:
+            state[name] = state[alias]
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
@@ -110,11 +159,8 @@ class ModelShapeError(InputFileError):
 
 
 def save_trained(out: Path, model: nn.Module, config: KilnConfig, extra: dict[str, Any] | None = None) -> None:
-    from safetensors.torch import save
-
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    # save() + our atomic write rather than save_file(): that one leaves a 0600 file a server cannot read
-    write_bytes_atomic(out / WEIGHTS, save(state))
+    # weights_bytes + our atomic write rather than save_file(): that one leaves a 0600 file a server cannot read
+    write_bytes_atomic(out / WEIGHTS, weights_bytes(model))
     spec = {"model": config.model.name, "params": config.model.params, **(extra or {})}
     (out / SPEC).write_text(json.dumps(spec, indent=2, sort_keys=True))
 

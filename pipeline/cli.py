@@ -76,7 +76,11 @@ class KilnGroup(click.Group):
 # Libraries' messages that say nothing a Kiln user can act on; shown with --verbose only. onnxconverter-common
 # warns once per constant it clips to the FP16 range (the precision stage reports what it keeps in FP32); ORT's
 # transformer optimizer expects its own exporters' producer name, not torch's.
-THIRD_PARTY_NOISE = ("will be truncated to", "Model producer not matched")
+# Known noise, shown with --verbose only: the FP16 converter's clamping note, ORT's transformer optimizer on graphs
+# not exported by its own tools (its symbolic shape inference gives up; the fusions that need it are skipped), and
+# quantize_static's advice to run ORT's pre-processing (Kiln infers shapes itself before quantizing).
+THIRD_PARTY_NOISE = ("will be truncated to", "Model producer not matched",
+                     "symbolic shape inference disabled or failed", "consider to run pre-processing")
 THIRD_PARTY_LOGGERS = ("py.warnings", "onnxruntime", "onnxconverter_common", "onnx_graphsurgeon")
 
 
@@ -111,6 +115,14 @@ def _setup_logging(quiet: bool, verbose: bool) -> None:
         other.handlers[:] = [handler]
         other.setLevel(logging.DEBUG if verbose else logging.WARNING)
         other.propagate = False
+    # Every other library's warnings reach the root logger. It gets the same handler (replacing one an earlier
+    # call added; a test runner's own handlers stay): without one, the first module-level logging.warning() (ONNX
+    # Runtime's quantize_static has one) runs logging.basicConfig, and from then on every library's warnings print
+    # raw as "WARNING:fusion_skiplayernorm:..." on stderr.
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not getattr(h, "kiln", False)]
+    handler.kiln = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
 
 
 def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:

@@ -29,9 +29,12 @@ def flatten_outputs(out: Any, ref: str = "model") -> dict[str, torch.Tensor]:
                          hint="return the output tensors from forward()")
     for name, value in items:
         if not isinstance(value, torch.Tensor):
-            raise ModelError(f"{ref}'s output '{name}' is {type(value).__name__}, not a tensor",
-                             hint="return only tensors from forward() (nested tuples/lists of tensors are not "
-                                  "supported; flatten them)")
+            kind = type(value).__name__
+            hint = ("a transformers model returns its key/value cache when its config has use_cache: build it with "
+                    "use_cache=False, or return the tensors you serve (e.g. outputs.logits)" if kind.endswith("Cache")
+                    else "return only tensors from forward() (nested tuples/lists of tensors are not supported; "
+                         "flatten them)")
+            raise ModelError(f"{ref} returns output '{name}' as {kind}, not a tensor", hint=hint)
     if not items:
         raise ModelError(f"{ref} returns no tensor", hint="return the output tensors from forward()")
     return dict(items)

@@ -7,7 +7,9 @@ fusions emit ORT-only contrib ops, so they are applied here, to ORT engines only
 """
 from __future__ import annotations
 
+import io
 import logging
+from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -226,8 +228,12 @@ def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig) -> t
     # different graphs and the caller's unfused graph (an autotune candidate) stays unfused.
     work = onnx.ModelProto()
     work.CopyFrom(model)
-    fused = optimize_model(work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0,
-                           use_gpu=device == "cuda")
+    printed = io.StringIO()  # its shape inference print()s its failures: kept for --verbose, not on the console
+    with redirect_stdout(printed):
+        fused = optimize_model(work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0,
+                               use_gpu=device == "cuda")
+    if printed.getvalue().strip():
+        log.debug("onnxruntime.transformers.optimizer printed: %s", printed.getvalue().strip())
     stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
     if not stats:
         return model, {"applied": False, "why": "no pattern matched"}

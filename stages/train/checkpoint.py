@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from kiln.core.artifacts import hash_json, write_bytes_atomic, write_json_atomic
 from kiln.core.errors import InputFileError
+from kiln.models.model_io import weights_bytes
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
@@ -85,10 +86,7 @@ def plain_keys(state: dict[str, Any]) -> dict[str, Any]:
 
 def save_weights(path: Path, model: nn.Module) -> str:
     """Write the model's weights as safetensors; returns the file's sha256 (recorded in last.pt)."""
-    from safetensors.torch import save
-
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    data = save(state)
+    data = weights_bytes(model)
     write_bytes_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
 

@@ -26,6 +26,7 @@ import torch
 from kiln.core.data import DatasetSplits, Inputs, call, rebuild, rows, take, tensors
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
+from kiln.models.model_io import load_weights
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.compile import CompiledModel
 from kiln.stages.train.config import TrainConfig
@@ -461,7 +462,8 @@ class _Trainer:
         from safetensors.torch import load_file
 
         if self.env.is_main:
-            self.model.load_state_dict(load_file(str(self.ckpt_dir / ckpt.BEST), device=str(self.device)))
+            best = self.ckpt_dir / ckpt.BEST
+            load_weights(self.model, load_file(str(best), device=str(self.device)), str(best))
             log.info("selected the best epoch's weights (epoch %s)", self.result.best_epoch)
 
     def _sync(self) -> None:

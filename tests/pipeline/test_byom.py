@@ -62,6 +62,13 @@ def embedder():
     return SentenceEmbedder()
 
 
+def gpt2():
+    """A causal LM whose output projection is its token embedding (tied), without its key/value cache."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False,
+                                      bos_token_id=0, eos_token_id=0))
+
+
 def unlabelled_text(size=128, max_len=16):
     d = synthetic_text(size=size, max_len=max_len)
     d.train_y = d.val_y = None
@@ -145,6 +152,23 @@ def test_embedding_model_with_dict_outputs_through_every_engine_kind(tmp_path: P
     for e in v["engines"]:
         assert e["shapes"] == [{"seq": 8}, {"seq": 16}] and e["top1_agreement"] is None
         assert all(s["cosine"] >= 0.99 for s in e["outputs"].values())
+
+
+def test_language_model_with_tied_weights(tmp_path: Path) -> None:
+    """A transformers GPT-2 (logits [batch, seq, vocab]; lm_head.weight is transformer.wte.weight). Before: writing
+    its weights ended `kiln run` with safetensors' "Some tensors share memory" traceback."""
+    pytest.importorskip("transformers")
+    v = _user_run(tmp_path, "gpt2", {}, **{"data.name": "byom_user:unlabelled_text", "train.enabled": False,
+                                           "precision.variants": ["fp32", "int8"], "validate.batch_sizes": [1, 8],
+                                           "build.backends": ["onnxruntime", "torch"]})
+    assert v["passed"] is True, v["failures"]
+    assert {e["name"] for e in v["engines"] if e["status"] == "validated"} == {
+        "onnxruntime-cpu-fp32", "onnxruntime-cpu-int8", "torch-cpu-fp32"}
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "wd" / "train" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names  # once, tied again when loaded
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:

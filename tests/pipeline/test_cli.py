@@ -473,9 +473,18 @@ def test_third_party_warnings_go_through_kilns_logger(capsys) -> None:
             warnings.warn("the float32 number 1e+09 will be truncated to 65504.0")
             logging.getLogger("onnxruntime.transformers.optimizer").warning("Model producer not matched: x")
             warnings.warn("something a user should see")
+            # module-level logging.warning (ORT's quantize_static) and a library's own logger (ORT's fusions)
+            logging.warning("Please consider to run pre-processing before quantization.")
+            logging.getLogger("fusion_skiplayernorm").warning("symbolic shape inference disabled or failed.")
+            logging.getLogger("some_library").warning("a library warning a user should see")
         err = capsys.readouterr().err
         assert "truncated" not in err and "producer" not in err  # known noise: --verbose only
+        assert "pre-processing" not in err and "symbolic shape" not in err
         assert "something a user should see" in err and "WARNING" in err  # through Kiln's handler
+        assert "a library warning a user should see" in err and "WARNING:some_library" not in err
         assert "test_cli.py:" not in err and "warnings.warn(" not in err  # not the raw warnings format
+        assert not any(type(h) is logging.StreamHandler for h in logging.getLogger().handlers)  # no basicConfig
     finally:
         logging.captureWarnings(False)
+        root = logging.getLogger()
+        root.handlers[:] = [h for h in root.handlers if not getattr(h, "kiln", False)]

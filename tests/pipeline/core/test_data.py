@@ -80,8 +80,15 @@ def test_outputs_flatten_and_the_logits_default() -> None:
     t = torch.zeros(2, 3)
     assert list(flatten_outputs((t, t))) == ["output_0", "output_1"]
     assert list(flatten_outputs({"hidden": t, "logits": t, "attentions": None})) == ["hidden", "logits"]
-    with pytest.raises(ModelError, match="output 'output_1' is list, not a tensor"):
+    with pytest.raises(ModelError, match="output 'output_1' as list, not a tensor"):
         flatten_outputs((t, [t]))
+
+    class DynamicCache:  # what a transformers causal LM returns beside its logits with use_cache on
+        pass
+
+    with pytest.raises(ModelError, match="as DynamicCache") as caught:
+        flatten_outputs({"logits": t, "past_key_values": DynamicCache()})
+    assert "use_cache=False" in caught.value.hint
     assert logits_name(["x"], None) == "x" and logits_name(["hidden", "logits"], None) == "logits"
     assert logits_name(["output_0", "output_1"], None) is None and logits_name(["output_0", "output_1"], -1) == "output_1"
     with pytest.raises(ConfigError, match="not an output of the model"):
@@ -119,7 +126,7 @@ def data(key="mask", labels=True):
 
 @pytest.mark.parametrize("model_params, data_params, extra, message", [
     ({}, {"key": "attention_mask"}, {}, "forward\\(dense, mask\\) takes no argument 'attention_mask'"),
-    ({"returns": "dict-with-text"}, {}, {}, "output 'extra' is str, not a tensor"),
+    ({"returns": "dict-with-text"}, {}, {}, "output 'extra' as str, not a tensor"),
     ({}, {"labels": False}, {}, "has no labels \\(train_y is None\\): training needs them"),
 ])
 def test_cli_errors_are_one_error_and_one_fix(tmp_path: Path, model_params, data_params, extra, message) -> None:

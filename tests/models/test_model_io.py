@@ -1,0 +1,58 @@
+"""Weights as the train stage writes and reads them: tied tensors (a language model's head is its embedding)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kiln.models.model_io import ModelShapeError, load_weights, tied_names, weights_bytes
+from safetensors.torch import load, save
+from torch import nn
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied, as GPT-2's lm_head and wte
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids)).mean(1)
+
+
+def test_tied_weights_are_written_once_and_tied_again() -> None:
+    """Before: safetensors refused the state dict ("Some tensors share memory"), a traceback out of `kiln run`."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    assert tied_names(model) == {"head.weight": "emb.weight"}
+    state = load(weights_bytes(model))
+    assert set(state) == {"emb.weight"}
+    fresh = load_weights(TiedLM(), state, "w.safetensors")
+    assert fresh.head.weight is fresh.emb.weight and torch.equal(fresh.emb.weight, model.emb.weight)
+
+
+def test_a_file_holding_only_the_alias_loads() -> None:
+    """A checkpoint that kept the other name of the pair (each library picks its own) fills the first."""
+    model = TiedLM()
+    fresh = load_weights(TiedLM(), {"head.weight": model.emb.weight.detach().clone()}, "hf.safetensors")
+    assert torch.equal(fresh.emb.weight, model.emb.weight) and fresh.head.weight is fresh.emb.weight
+
+
+def test_a_missing_weight_that_is_not_tied_is_still_an_error() -> None:
+    with pytest.raises(ModelShapeError, match="Missing key"):
+        load_weights(nn.Linear(2, 2), {"weight": torch.zeros(2, 2)}, "w.safetensors")
+
+
+class Views(nn.Module):
+    """Two buffers that are overlapping views of one storage: not aliases, but safetensors refuses them too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.arange(8.0)
+        self.register_buffer("low", base[:6])
+        self.register_buffer("high", base[2:])
+
+
+def test_views_of_one_storage_are_written_apart() -> None:
+    with pytest.raises(RuntimeError, match="share memory"):  # what a plain save does with them
+        save(Views().state_dict())
+    state = load(weights_bytes(Views()))
+    assert state["low"].tolist() == [0, 1, 2, 3, 4, 5] and state["high"].tolist() == [2, 3, 4, 5, 6, 7]
