@@ -13,6 +13,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method
 from kiln.core.cpu_int8 import this_cpu_saturates
 from kiln.core.errors import ModelError
+from kiln.core.onnx_io import value_names
 
 log = logging.getLogger("kiln.calibration")
 
@@ -58,9 +59,13 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
         raise RuntimeError("onnxruntime >= 1.32 is needed to quantize from cached calibration ranges")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
+    source: str | onnx.ModelProto = str(model_path)
+    if shared_biases(model):
+        source = onnx.load(str(model_path))  # with its weights: the copy is handed over whole
+        unshare_biases(source)
     try:
         quantize_static(
-            str(model_path), str(out_path), None,
+            source, str(out_path), None,
             quant_format=QuantFormat.QDQ,
             op_types_to_quantize=quantizable_op_types(cfg),
             per_channel=cfg.per_channel,
@@ -85,6 +90,46 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
              counts["DequantizeLinear"], len(exclude))
     return {"excluded": exclude, "qdq_nodes": counts, "calibration_cache": str(ranges.path),
             "cache_hit": ranges.cache_hit, "method": ranges.method, "reduce_range": seven_bits}
+
+
+BIAS_OPS = ("Conv", "ConvTranspose", "Gemm")  # ops whose third input is a bias ORT's quantizer quantizes
+
+
+def shared_biases(model: onnx.ModelProto) -> dict[str, int]:
+    """Bias initializers that more than one Conv/Gemm reads: name -> number of readers."""
+    inits = {i.name for i in model.graph.initializer}
+    uses: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.op_type in BIAS_OPS and len(node.input) > 2 and node.input[2] in inits:
+            uses[node.input[2]] = uses.get(node.input[2], 0) + 1
+    return {name: n for name, n in uses.items() if n > 1}
+
+
+def unshare_biases(model: onnx.ModelProto) -> None:
+    """Give every reader of a shared bias its own copy, under a name no value has.
+
+    ORT's QDQ quantizer copies a shared bias itself (each reader's bias scale differs) and names the copy by
+    appending a number to the name, checking only the initializers' names: the dynamo exporter's ``val_11`` became
+    ``val_114``, the name of a shape tensor elsewhere in a transformers Wav2Vec2, and ONNX Runtime then refused the
+    INT8 graph ("Type 'tensor(int64)' of input parameter (val_114) of operator (Conv) ... is invalid")."""
+    shared = shared_biases(model)
+    taken = value_names(model.graph)
+    tensors = {i.name: i for i in model.graph.initializer if i.name in shared}
+    for node in model.graph.node:
+        if node.op_type in BIAS_OPS and len(node.input) > 2 and node.input[2] in shared:
+            name = node.input[2]
+            fresh = next(f"{name}_{node.name or 'bias'}_{k}" for k in range(len(taken) + 1)
+                         if f"{name}_{node.name or 'bias'}_{k}" not in taken)
+            taken.add(fresh)
+            copy = onnx.TensorProto()
+            copy.CopyFrom(tensors[name])
+            copy.name = fresh
+            model.graph.initializer.append(copy)
+            node.input[2] = fresh
+    still_read = {n for node in model.graph.node for n in node.input} | {i.name for i in model.graph.input}
+    for name in shared:  # the original goes where nothing reads it now
+        if name not in still_read:
+            model.graph.initializer.remove(tensors[name])
 
 
 def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:

@@ -3,6 +3,7 @@ and proven to compute the same function (ONNX Runtime vs PyTorch on held-out dat
 from __future__ import annotations
 
 import io
+import json
 import logging
 import sys
 import warnings
@@ -17,7 +18,7 @@ import numpy as np
 import onnx
 import torch
 from kiln.core.artifacts import ensure_writable
-from kiln.core.data import Inputs, as_feed, input_names, rows, take, tensors
+from kiln.core.data import Inputs, as_feed, feed_for_graph, input_names, rows, take, tensors
 from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.onnx_io import (
@@ -262,8 +263,37 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          hint="raise export.parity_atol, or check the model for ops that export inexactly")
     log.info("exported %d nodes, opset %d, parity max abs err %.2e", len(proto.graph.node),
              proto.opset_import[0].version, check["max_abs_err"])
+    sizes = dynamic_sizes(data, [i.name for i in proto.graph.input], cfg.dynamic_axes)
+    if sizes:
+        (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
     return {"nodes": len(proto.graph.node), "opset": max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
-            "parity": check}
+            "parity": check, "dynamic_sizes": sizes}
+
+
+DYNAMIC_SIZES = "dynamic_sizes.json"
+
+
+def dynamic_sizes(data: Any, names: list[str],
+                  axes: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, list[int]]]:
+    """Input name -> axis -> [smallest, largest] size in the data, for each axis of ``export.dynamic_axes``: sizes the
+    model is known to take, for the optimizer's safety net (its random inputs)."""
+    sizes: dict[str, dict[int, list[int]]] = {}
+    for name, dims in axes.items():
+        for axis in dims:
+            seen = [feed_for_graph(take(x, slice(0, 1)), names)[name].shape[int(axis)]
+                    for x in (data.train_x, data.val_x) if rows(x)]
+            if seen:
+                sizes.setdefault(name, {})[int(axis)] = [min(seen), max(seen)]
+    return sizes
+
+
+def read_dynamic_sizes(export_dir: Path) -> dict[str, dict[int, list[int]]] | None:
+    """:data:`DYNAMIC_SIZES` of an export folder (None without one: no axes besides batch, or a model.onnx)."""
+    path = export_dir / DYNAMIC_SIZES
+    if not path.is_file():
+        return None
+    stored = json.loads(path.read_text())
+    return {name: {int(axis): sizes for axis, sizes in dims.items()} for name, dims in stored.items()}
 
 
 def _env(cfg: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import numpy as np
 from kiln.core.errors import ConfigError
@@ -40,11 +41,15 @@ def check_batch_fits(specs: list[TensorSpec], batch: int, what: str = "validate.
                           f"this machine has {memory_bytes() / 2**30:.1f} GiB of memory", hint=hint)
 
 
-def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | None = None, int_high: int = 1, seed: int = 0,
-                  hint: str = "pass concrete input arrays") -> dict[str, np.ndarray]:
-    """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis
-    (``None``: such an axis is an error naming ``hint``); integers in [0, ``int_high``] (1 by default, so any
-    embedding accepts them), booleans at random, floats standard normal. A fixed axis keeps its size."""
+AxisSizes = Mapping[str, Mapping[int, int]]  # input name -> axis -> size
+
+
+def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | AxisSizes | None = None, int_high: int = 1,
+                  seed: int = 0, hint: str = "pass concrete input arrays") -> dict[str, np.ndarray]:
+    """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis (one
+    size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in
+    [0, ``int_high``] (1 by default, so any embedding accepts them), booleans at random, floats standard normal. A
+    fixed axis keeps its size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -60,11 +65,14 @@ def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | None = Non
     return feed
 
 
-def _size(dim: int | str, axis: int, batch: int, dynamic: int | None, spec: TensorSpec, hint: str) -> int:
+def _size(dim: int | str, axis: int, batch: int, dynamic: int | AxisSizes | None, spec: TensorSpec,
+          hint: str) -> int:
     if isinstance(dim, int) and dim >= 1:
         return dim
     if axis == 0:
         return batch
+    if isinstance(dynamic, Mapping):
+        dynamic = dynamic.get(spec.name, {}).get(axis)
     if dynamic is None:
         raise ConfigError(f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis", hint=hint)
     return dynamic

@@ -42,7 +42,9 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     name = name or out.name  # ``out`` may be a staging folder: callers name the engine
     model = onnx.load(str(onnx_path))
     notes: dict[str, Any] = {}
-    fused, notes["transformer_fusion"] = maybe_fuse(model, device, cfg)
+    # Dynamic axes besides batch at their largest size in the data (fusion check and autotuning: the worst case)
+    dynamic = max((max(v) for v in (axis_sizes or {}).values()), default=None)
+    fused, notes["transformer_fusion"] = maybe_fuse(model, device, cfg, dynamic)
     cuda_here = "CUDAExecutionProvider" in ort.get_available_providers()
     conv, applied = has_conv(model), notes["transformer_fusion"]["applied"]
     skip = autotune_skip_reason(device, cfg, cuda_here)
@@ -78,8 +80,6 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     inputs, _ = io_specs(model)
     batches = sorted(set(cfg.autotune.batch_sizes or [1, max_batch]))
     base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
-    # Dynamic axes besides batch are tuned at their largest size (the serving worst case)
-    dynamic = max((max(v) for v in (axis_sizes or {}).values()), default=None)
     built["autotune"] = autotune(out, {**built, "name": name, "device": device, "inputs": inputs,
                                        "dynamic": dynamic}, onnx_path,
                                  cfg.autotune, base, knobs, batches, per_batch=device == "cuda")
@@ -213,8 +213,10 @@ def has_conv(model: onnx.ModelProto) -> bool:
     return any(n.op_type == "Conv" for n in model.graph.node)
 
 
-def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """ORT transformer fusions, kept only if the fused graph computes the same outputs (checked on CPU)."""
+def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig,
+               dynamic: int | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """ORT transformer fusions, kept only if the fused graph computes the same outputs (checked on CPU, with
+    dynamic axes besides batch at ``dynamic``: a size the model takes, e.g. the data's longest sequence)."""
     ops = {n.op_type for n in model.graph.node}
     if cfg.transformer_fusion == "off":
         return model, {"applied": False, "why": "off in config"}
@@ -240,7 +242,7 @@ def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig) -> t
     if not any(o.domain == "com.microsoft" for o in fused.model.opset_import):
         # The fused ops live in ORT's contrib domain; without its import the model is invalid to save/convert.
         fused.model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
-    err = _parity(model, fused.model)
+    err = _parity(model, fused.model, dynamic=dynamic)
     if err is not None:
         log.warning("ORT transformer fusion changed the outputs (%s); keeping the unfused graph", err)
         return model, {"applied": False, "why": f"fused graph differs: {err}"}
@@ -251,14 +253,18 @@ def graph_has_fp16(model: onnx.ModelProto) -> bool:
     return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
 
 
-def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2) -> str | None:
+def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2, dynamic: int | None = None) -> str | None:
     """None when both graphs agree on random inputs; else a short description of the difference."""
     try:
         a, b = (ort_session(m) for m in (ref, new))
     except BuildError as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
         return f"cannot run on CPU to check ({first_line(exc, 120)})"
-    feed = random_inputs(io_specs(ref)[0], batch, dynamic=batch)
-    for name, x, y in zip([o.name for o in ref.graph.output], a.run(None, feed), b.run(None, feed)):
+    feed = random_inputs(io_specs(ref)[0], batch, dynamic=dynamic or batch)
+    try:
+        outs = a.run(None, feed), b.run(None, feed)
+    except Exception as exc:  # ORT's own error type; a graph that cannot run these inputs cannot be checked
+        return f"cannot run random inputs to check ({first_line(exc, 160)})"
+    for name, x, y in zip([o.name for o in ref.graph.output], *outs):
         ok, err, why = within_tolerance(x, y, atol=1e-3, rtol=1e-3)
         if not ok:
             return f"output '{name}' {why}"

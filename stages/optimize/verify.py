@@ -11,12 +11,14 @@ only output shapes and types are compared.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 from kiln.core.compare import within_tolerance
+from kiln.core.inputs import AxisSizes
 from kiln.core.inputs import random_inputs as make_inputs
 from kiln.core.onnx_io import io_specs, ort_session, session_options
 from kiln.core.text import short_reason
@@ -34,13 +36,31 @@ class Verdict:
     reason: str = ""
 
 
+DataSizes = Mapping[str, Mapping[int, list[int]]]  # input name -> axis -> [smallest, largest] size in the data
+
+
 def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None = None,
-                  dynamic: int | None = None) -> dict[str, np.ndarray]:
+                  dynamic: int | AxisSizes | None = None) -> dict[str, np.ndarray]:
     """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``,
     other symbolic axes ``dynamic``, when given), integers lie in [0, int_high]."""
     specs, _ = io_specs(model)
     return make_inputs(specs, batch or cfg.verify_batch, dynamic=dynamic or cfg.verify_batch, int_high=cfg.int_high,
                        seed=cfg.seed)
+
+
+def axis_sizes(model: onnx.ModelProto, default: int, data: DataSizes | None,
+               largest: bool) -> dict[str, dict[int, int]]:
+    """A size for every dynamic axis besides batch of every input: the data's largest (or smallest) where the export
+    recorded it, else ``default``. The data's sizes are ones the model is known to take (a convolution over audio
+    needs more than ``verify_batch`` samples; a position table takes at most its length)."""
+    specs, _ = io_specs(model)
+    out: dict[str, dict[int, int]] = {}
+    for spec in specs:
+        for axis, dim in enumerate(spec.shape):
+            if axis and not (isinstance(dim, int) and dim >= 1):
+                seen = (data or {}).get(spec.name, {}).get(axis)
+                out.setdefault(spec.name, {})[axis] = (max(seen) if largest else min(seen)) if seen else default
+    return out
 
 
 def run_ort(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -59,14 +79,16 @@ def _byte_size(model: onnx.ModelProto) -> int:
 class Verifier:
     """Holds the original model's outputs on fixed random inputs; ``check`` compares a candidate to them."""
 
-    def __init__(self, model: onnx.ModelProto, cfg: OptimizeConfig) -> None:
+    def __init__(self, model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: DataSizes | None = None) -> None:
+        """``data_sizes``: the sizes the export saw on each dynamic axis besides batch (``dynamic_sizes.json``)."""
         self.cfg = cfg
-        self.feeds = [random_inputs(model, cfg)]
+        self.feeds = [random_inputs(model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True))]
         self.references = [run_ort(model, self.feeds[0])]  # must run: else the caller reports why
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
         # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
         try:
-            one = random_inputs(model, cfg, batch=1, dynamic=cfg.verify_batch + 1)
+            one = random_inputs(model, cfg, batch=1,
+                                dynamic=axis_sizes(model, cfg.verify_batch + 1, data_sizes, False))
             if any(one[k].shape != v.shape for k, v in self.feeds[0].items()):  # else the same check twice
                 self.references.append(run_ort(model, one))
                 self.feeds.append(one)

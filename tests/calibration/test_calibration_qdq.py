@@ -74,3 +74,36 @@ def test_methods_produce_accurate_runnable_graphs(tmp_path: Path, method: str) -
     ref, got = run_batched(saved(tmp_path), x)[0], run_batched(q, x)[0]
     m = output_metrics(ref, got)
     assert m["cosine"] > 0.98 and m["top1_agreement"] >= 0.85, m
+
+
+def shared_bias_model() -> onnx.ModelProto:
+    """Two convolutions reading one bias `b`, and a value named `b0`: the name ORT's quantizer gives its copy."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    w = lambda *s: numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32))  # noqa: E731
+    inits = [w(4, 1, 3, 3), w(4, 4, 3, 3), numpy_helper.from_array(np.zeros(4, np.float32))]
+    for t, name in zip(inits, ("w1", "w2", "b")):
+        t.name = name
+    nodes = [helper.make_node("Conv", ["input", "w1", "b"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["b0"], name="relu"),
+             helper.make_node("Conv", ["b0", "w2", "b"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 1, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def test_a_shared_bias_gets_a_copy_per_reader_before_ort_names_one(tmp_path: Path) -> None:
+    """Before: ORT's quantizer named its copy of `b` `b0`, the Relu's output, and the INT8 graph did not load."""
+    import onnxruntime as ort
+
+    onnx.save(shared_bias_model(), tmp_path / "m.onnx")
+    ranges = calibrate(tmp_path / "m.onnx", batches(), "input", "minmax", cache_dir=tmp_path / "cache")
+    quantize_int8(tmp_path / "m.onnx", tmp_path / "int8.onnx", ranges, CalibrationConfig(op_types=["Conv"]))
+    session = ort.InferenceSession(str(tmp_path / "int8.onnx"), providers=["CPUExecutionProvider"])
+    x = batches()[0]
+    ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"input": x})
+    got = session.run(None, {"input": x})
+    assert np.abs(got[0] - ref[0]).max() < 0.1 * np.abs(ref[0]).max()

@@ -42,3 +42,4 @@ def test_the_precision_stage_cache_key_holds_the_resolved_setting(setting: str) 
 
     cfg = config_from_dict(tiny_config_dict(**{"calibration.reduce_range": setting}))
     assert STAGE.env(cfg)["int8_reduce_range"] is (setting == "on")
+

@@ -69,6 +69,30 @@ def gpt2():
                                       bos_token_id=0, eos_token_id=0))
 
 
+class AudioConv(nn.Module):
+    """Raw audio [batch, time] through 1-D convolutions (kernel 10): no input shorter than 10 samples runs."""
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv1d(1, 8, 10, stride=5), nn.GELU(), nn.Conv1d(8, 8, 8, stride=4), nn.GELU())
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, audio):
+        return self.head(self.conv(audio[:, None]).mean(-1))
+
+
+def audio_conv():
+    return AudioConv()
+
+
+def audio(size=96, length=400):
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (size,), generator=g)
+    t = torch.arange(length) / 400
+    x = torch.sin(2 * torch.pi * (y[:, None] + 1) * 20 * t) + 0.3 * torch.randn(size, length, generator=g)
+    n = size * 3 // 4
+    return DatasetSplits(x[:n], y[:n], x[n:], y[n:], num_classes=3)
+
+
 def unlabelled_text(size=128, max_len=16):
     d = synthetic_text(size=size, max_len=max_len)
     d.train_y = d.val_y = None
@@ -169,6 +193,19 @@ def test_language_model_with_tied_weights(tmp_path: Path) -> None:
     with safe_open(str(tmp_path / "wd" / "train" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "transformer.wte.weight" in names and "lm_head.weight" not in names  # once, tied again when loaded
+
+
+def test_audio_with_a_dynamic_time_axis(tmp_path: Path) -> None:
+    """A 1-D convolution over raw audio, dynamic in time. Before: the optimizer's safety net ran it on random inputs
+    2 samples long and stopped the run ("cannot run the input model"); it now takes the lengths the export saw in
+    the data (export/dynamic_sizes.json)."""
+    v = _user_run(tmp_path, "audio_conv", {}, **{"data.name": "byom_user:audio", "precision.variants": ["fp32"],
+                                                 "export.dynamic_axes": {"input": {1: "time"}},
+                                                 "validate.batch_sizes": [1, 8]})
+    assert v["passed"] is True, v["failures"]
+    assert v["baseline"]["shapes"] == [{"time": 200}, {"time": 400}]
+    sizes = json.loads((tmp_path / "wd" / "export" / "dynamic_sizes.json").read_text())
+    assert sizes == {"input": {"1": [400, 400]}}  # a bare tensor is the input named `input`
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:

@@ -188,3 +188,19 @@ def test_cuda_runner_matches_cpu(zoo, tmp_path: Path, cuda_graph: bool) -> None:
         assert len(runner.slots) == 2 and all(s["static"] == cuda_graph for s in runner.slots.values())
         times = runner.time_ms({"input": sample("transformer", 4)}, warmup=2, iterations=5)
         assert len(times) == 5 and all(t > 0 for t in times)
+
+
+def test_the_fusion_check_runs_at_a_size_the_model_takes() -> None:
+    """A dynamic time axis under a kernel-10 convolution: at 2 samples ONNX Runtime raised out of the build (a
+    traceback through `kiln run`, seen on a transformers Wav2Vec2); now the check says it could not run, and at the
+    data's length it runs."""
+    from kiln.stages.engines.onnxruntime_backend import _parity
+
+    w = onnx.numpy_helper.from_array(np.ones((2, 1, 10), np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 1, "time"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [w])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    assert "cannot run random inputs" in _parity(model, model)
+    assert _parity(model, model, dynamic=64) is None

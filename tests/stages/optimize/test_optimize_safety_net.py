@@ -138,6 +138,17 @@ def test_dynamic_spatial_axes_are_not_forced_to_one():
     assert ops(out) == ["Conv"] and s["verified"]
 
 
+def test_dynamic_axes_take_the_sizes_the_data_has():
+    """A 1-D convolution over audio (kernel 10) cannot run at verify_batch samples: with the sizes the export saw
+    in the data (export/dynamic_sizes.json) the net runs the model at the largest of them, and the smallest."""
+    m = make_model([N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])], [("x", ["N", 1, "T"], FLOAT)],
+                   ["y"], {"w": f32(4, 1, 10)})
+    with pytest.raises(ModelError, match="safety net cannot run"):
+        optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]))
+    out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]), {"x": {2: [400, 800]}})
+    assert ops(out) == ["Conv"] and s["verified"]
+
+
 def test_an_input_model_that_fails_the_checker_is_still_optimized():
     """The checker cannot judge passes on a graph it already rejects (IR 3: an initializer that is not an input):
     every pass was rolled back as 'not a valid ONNX graph'."""
