@@ -98,9 +98,10 @@ def value_names(graph: onnx.GraphProto) -> set[str]:
 
 
 def rename_values(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
-    """Rename values everywhere they appear, all at once (``{a: b, b: c}`` swaps nothing into a clash); subgraphs
-    read outer values by name, so they are renamed too. onnx has no such helper (``onnx.compose`` prefixes every
-    name), and onnx-graphsurgeon cannot import a graph whose names clash, which is what this repairs."""
+    """Rename values everywhere they appear, all at once (with ``{a: b, b: c}`` the old ``a`` becomes ``b`` and the
+    old ``b`` becomes ``c``); subgraphs read outer values by name, so they are renamed too. onnx has no such helper
+    (``onnx.compose`` prefixes every name), and onnx-graphsurgeon cannot import a graph whose names clash, which is
+    what this repairs."""
     for g in _graphs(graph):
         for v in (*g.input, *g.output, *g.value_info, *g.initializer):
             v.name = mapping.get(v.name, v.name)

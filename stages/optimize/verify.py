@@ -50,16 +50,23 @@ def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None
 
 def axis_sizes(model: onnx.ModelProto, default: int, data: DataSizes | None,
                largest: bool) -> dict[str, dict[int, int]]:
-    """A size for every dynamic axis besides batch of every input: the data's largest (or smallest) where the export
-    recorded it, else ``default``. The data's sizes are ones the model is known to take (a convolution over audio
-    needs more than ``verify_batch`` samples; a position table takes at most its length)."""
+    """A size for every dynamic axis besides batch of every input: the data's largest (or smallest; half the
+    largest where the data has one size, as validation's default shapes) where the export recorded it, else
+    ``default``. The data's sizes are ones the model is known to take (a convolution over audio needs more than
+    ``verify_batch`` samples; a position table takes at most its length), and two sizes show a length baked in."""
     specs, _ = io_specs(model)
     out: dict[str, dict[int, int]] = {}
     for spec in specs:
         for axis, dim in enumerate(spec.shape):
             if axis and not (isinstance(dim, int) and dim >= 1):
                 seen = (data or {}).get(spec.name, {}).get(axis)
-                out.setdefault(spec.name, {})[axis] = (max(seen) if largest else min(seen)) if seen else default
+                if not seen:
+                    size = default
+                elif largest:
+                    size = max(seen)
+                else:
+                    size = min(seen) if min(seen) < max(seen) else max(1, max(seen) // 2)
+                out.setdefault(spec.name, {})[axis] = size
     return out
 
 

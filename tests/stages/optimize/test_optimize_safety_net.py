@@ -8,7 +8,7 @@ import pytest
 from kiln.core.errors import ModelError
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.optimize.verify import run_ort
+from kiln.stages.optimize.verify import Verifier, run_ort
 from onnx import helper as h
 from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
 
@@ -147,6 +147,8 @@ def test_dynamic_axes_take_the_sizes_the_data_has():
         optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]))
     out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]), {"x": {2: [400, 800]}})
     assert ops(out) == ["Conv"] and s["verified"]
+    one_length = Verifier(m, OptimizeConfig(), {"x": {2: [400, 400]}})  # one length L: L and L/2, as validation
+    assert [f["x"].shape for f in one_length.feeds] == [(2, 1, 400), (1, 1, 200)]
 
 
 def test_an_input_model_that_fails_the_checker_is_still_optimized():
