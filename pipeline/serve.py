@@ -275,8 +275,21 @@ def _bind_or_explain(triton: Any, served: ServedEngine, runner: Any, max_batch: 
                              "process imports: install the module into this environment") from None
 
 
-class _Stop(Exception):
-    """Raised in the main thread by the SIGTERM handler."""
+class _StopRequest:
+    """SIGINT/SIGTERM handler: the first signal asks the serving loop to stop (:func:`_wait` looks every 0.5 s),
+    a second one raises KeyboardInterrupt (a startup that hangs can still be interrupted).
+
+    Why not raise from the first signal (Python's SIGINT default): an exception raised by a signal lands in
+    whatever the main thread runs at that moment, and inside a finalizer (``__del__`` of a multiprocessing
+    connection, seen in CI) Python prints "Exception ignored" and drops it: the server then never stopped."""
+
+    def __init__(self) -> None:
+        self.requested = False  # a plain flag: a handler must not take a lock its own thread may hold
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
 
 
 def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -297,7 +310,8 @@ def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metric
     # model loading, shared memory, tracing and logging stay restricted.
     security = pytriton.triton.TritonSecurityConfig(
         restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"])
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    stop = _StopRequest()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     runners: list[Any] = []
     try:
         for s in served:  # before the server starts: an engine this machine cannot run fails fast
@@ -306,13 +320,15 @@ def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metric
             for s, runner in zip(served, runners):
                 _bind_or_explain(triton, s, runner, max_batch, max_queue_delay_us)
             triton.run()  # returns once the server and every model are ready
-            if on_ready is not None:
+            if on_ready is not None and not stop.requested:
                 on_ready(served)
-            _wait(triton)
-    except (KeyboardInterrupt, _Stop):
+            _wait(triton, stop)
+            log.info("stopping")
+    except KeyboardInterrupt:
         log.info("stopping")
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for r in runners:
             r.deactivate()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -326,16 +342,12 @@ def _use_stub_python(stub_python: Path) -> None:
     triton_server.get_triton_python_backend_python_env = lambda: stub_python
 
 
-def _raise_stop(signum: int, frame: Any) -> None:
-    raise _Stop
-
-
-def _wait(triton: Any) -> None:
-    # Triton.serve() only catches SIGINT's KeyboardInterrupt; this loop also ends on SIGTERM (_Stop) and when
-    # the server dies, and leaves stopping to the `with` block.
-    while triton.is_alive():
+def _wait(triton: Any, stop: _StopRequest) -> None:
+    """Until a signal asks to stop (returns; the `with` block stops the server) or the server dies (raises)."""
+    while not stop.requested:
+        if not triton.is_alive():
+            raise KilnError("the Triton server exited unexpectedly", hint="see its log above")
         time.sleep(0.5)
-    raise KilnError("the Triton server exited unexpectedly", hint="see its log above")
 
 
 def prepared_tritonserver(scratch: Path) -> Path:

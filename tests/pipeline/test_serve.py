@@ -344,3 +344,25 @@ def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_pat
     assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
     assert result["server"]["execution_count"] < 200
     _stop_and_check(proc, descendants, signal.SIGTERM)
+
+
+def test_a_stop_signal_is_a_flag_the_serving_loop_reads() -> None:
+    """The first SIGINT/SIGTERM only sets a flag (an exception raised by a signal inside a finalizer is dropped:
+    in CI a Ctrl-C landed in a multiprocessing connection's __del__ and the server never stopped); a second one
+    raises KeyboardInterrupt."""
+    from kiln.serve import _StopRequest, _wait
+
+    class Alive:
+        def __init__(self, alive: bool) -> None:
+            self.alive = alive
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+    stop = _StopRequest()
+    stop(signal.SIGTERM, None)
+    _wait(Alive(True), stop)  # returns at once: stop was asked
+    with pytest.raises(KeyboardInterrupt):
+        stop(signal.SIGINT, None)
+    with pytest.raises(KilnError, match="exited unexpectedly"):
+        _wait(Alive(False), _StopRequest())
