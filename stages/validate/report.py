@@ -13,9 +13,12 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     v = ValidationResult.parse(summary, "validate summary", hint="rerun `kiln run --force validate`")
     b = v.baseline
     sizes = _sizes(v)
-    lines = ["", "## Validation against PyTorch", "",
+    onnx_file = b.backend == "onnxruntime"  # `model.onnx`: the reference is that file, not a PyTorch model
+    against = "the input ONNX file" if onnx_file else "PyTorch"
+    lines = ["", f"## Validation against {against}", "",
              f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
-             "samples. Speedups are against PyTorch on the engine's own device (eager; other baselines below).",
+             f"samples. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
+             f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
              *_compared(b), "",
              "| engine | precision | device | passed | max abs err | cosine | top-1 agree | accuracy | "
              + " | ".join(f"p50 ms @{s}" for s in sizes) + f" | speedup @{sizes[-1] if sizes else ''} |",
@@ -26,7 +29,8 @@ def report_section(summary: dict[str, Any]) -> list[str]:
         ref = eager.get(base.device, base).latency_ms.get(sizes[-1]) if sizes else None
         own = base.latency_ms.get(sizes[-1]) if sizes else None
         ratio = fmt(ref.p50 / own.p50, ".2f") if ref and own else "-"  # vs eager on its device
-        lines.append(f"| pytorch {base.kind} (baseline) | {base.precision} | {base.device} | | | | | "
+        label = "input ONNX file, onnxruntime" if base.backend == "onnxruntime" else f"pytorch {base.kind}"
+        lines.append(f"| {label} (baseline) | {base.precision} | {base.device} | | | | | "
                      f"{fmt(base.accuracy)} | {lat} | {ratio} |")
     for e in v.engines:
         if e.status != "validated":

@@ -288,6 +288,8 @@ def test_kiln_run_from_an_onnx_file(exported, tmp_path: Path) -> None:
     assert v["passed"] is True and v["baseline"]["backend"] == "onnxruntime"  # the FP32 ONNX is the reference
     assert v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["accuracy"] is not None
     assert {e["precision"] for e in v["engines"]} == {"fp32", "fp16", "int8"}
+    md = (tmp_path / "wd" / "report.md").read_text()  # before: "against PyTorch", a "pytorch eager" baseline row
+    assert "## Validation against the input ONNX file" in md and "pytorch eager" not in md
 
 
 def test_direct_precision_then_build_and_validate(exported, tmp_path: Path) -> None:
