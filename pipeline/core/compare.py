@@ -18,7 +18,8 @@ STATISTICS: dict[str, str] = {
     "max_abs_err": "largest absolute difference (inf when the candidate has non-finite values)",
     "rel_err": "relative L2 error ||got - ref|| / ||ref||",
     "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros)",
-    "top1_agreement": "fraction of rows whose argmax over the last axis agrees (near-ties within rel_tie agree)",
+    "top1_agreement": "fraction of rows whose argmax over the class axis agrees (the last; axis 1 of [N, C, H, W] "
+                      "maps; near-ties within rel_tie agree)",
 }
 HIGHER_IS_BETTER = {"cosine", "top1_agreement"}
 
@@ -109,10 +110,17 @@ def _cosine(r: np.ndarray, g: np.ndarray) -> float:
     return float(r1 @ g1 / denom)
 
 
+def class_axis(ndim: int) -> int:
+    """The class axis of a logits output: the last ([N, C], a language model's [N, S, V]), or 1 from four axes on
+    ([N, C, H, W]: segmentation class maps, as torch's cross_entropy takes them)."""
+    return 1 if ndim >= 4 else -1
+
+
 def _top1(r: np.ndarray, g: np.ndarray, rel_tie: float) -> float | None:
-    if r.ndim < 2 or r.shape[-1] < 2:
+    axis = class_axis(r.ndim)
+    if r.ndim < 2 or r.shape[axis] < 2:
         return None
-    r2, g2 = r.reshape(-1, r.shape[-1]), g.reshape(-1, r.shape[-1])
+    r2, g2 = (np.moveaxis(a, axis, -1).reshape(-1, r.shape[axis]) for a in (r, g))
     ri, gi = r2.argmax(-1), g2.argmax(-1)
     rows = np.arange(len(r2))
     tie = np.abs(r2[rows, ri] - r2[rows, gi]) <= rel_tie * max(float(np.abs(r2).max(initial=0.0)), 1e-30)

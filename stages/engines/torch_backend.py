@@ -128,7 +128,9 @@ def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
     it takes (``req.axis_sizes``), one ``Dim`` per name, so inputs sharing an axis (ids and mask) stay equal."""
     import torch
 
-    dims = {"batch": torch.export.Dim("batch", min=1, max=max(req.max_batch, 2))}
+    # max 3 at least: with the example batch (2) at the range's top, torch suggests pinning the batch to 2 among
+    # the fixes for other axes (a U-Net's height; see _export)
+    dims = {"batch": torch.export.Dim("batch", min=1, max=max(req.max_batch, 3))}
     dims |= {name: torch.export.Dim(re.sub(r"\W", "_", name), min=lo, max=hi)
              for name, (lo, hi) in req.axis_sizes.items()}
     per_input = []
@@ -170,10 +172,10 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     served = _served(model, [i.name for i in req.inputs], req.precision, settings["channels_last"]).eval()
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_size(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
-    dynamic = _dynamic_shapes(req)
     try:
-        with torch.inference_mode():
-            exported = torch.export.export(served, args, dynamic_shapes=dynamic)
+        exported = _export(served, args, _dynamic_shapes(req))
+    except BuildError:
+        raise
     except Exception as exc:  # torch.export failures: this model cannot become this engine kind
         raise BuildError(f"torch.export could not capture the model: {type(exc).__name__}: {first_line(exc, 300)}",
                          hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
@@ -190,6 +192,31 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         log.warning("engine %s: %s; building the compiled flavour instead (build.torch.flavour)", req.name,
                     exc.message)
         return _build_compiled(req, exported, common, why=exc.message)
+
+
+def _export(served: Any, args: tuple[Any, ...], dynamic: Any) -> Any:
+    """``torch.export`` with the engine's dynamic axes. A model that takes only some sizes (a U-Net's height must be
+    a multiple of 4, for its pooling and upsampling to meet) fails with torch's suggested fixes; they are applied
+    once (``refine_dynamic_shapes_from_suggested_fixes``, torch's own helper), unless one fixes an axis to a single
+    size, which would make an engine that takes one shape only."""
+    import torch
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    with torch.inference_mode():
+        try:
+            return torch.export.export(served, args, dynamic_shapes=dynamic)
+        except torch._dynamo.exc.UserError as exc:
+            if "Suggested fixes" not in str(exc):
+                raise
+            refined = refine_dynamic_shapes_from_suggested_fixes(exc.msg, dynamic)
+            fixed = [f"input {i} axis {a}" for i, axes in enumerate(refined[0]) for a, d in (axes or {}).items()
+                     if isinstance(d, int)]  # refined[0]: the per-input axes of forward(*xs)
+            if fixed:
+                raise BuildError(f"torch.export: the model takes one size only on {', '.join(fixed)}",
+                                 hint="leave those axes out of export.dynamic_axes, or build ONNX engines only"
+                                 ) from None
+            log.info("torch.export: dynamic axes refined as torch suggests (%s)", first_line(exc, 200))
+            return torch.export.export(served, args, dynamic_shapes=refined)
 
 
 def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], common: dict[str, Any]) -> dict[str, Any]:

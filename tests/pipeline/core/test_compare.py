@@ -40,6 +40,16 @@ def test_outputs_without_a_class_axis_have_no_top1() -> None:
     assert compare_arrays(np.arange(4.0), np.arange(4.0)).top1_agreement is None
 
 
+def test_top1_of_class_maps_is_over_their_channel_axis() -> None:
+    """[N, C, H, W] segmentation logits: one pixel's class changes of two. Before, argmax ran over W (the last
+    axis), and an INT8 U-Net's 'top-1 agreement' of 0.56 measured nothing."""
+    ref = np.zeros((1, 3, 1, 2), np.float32)
+    ref[0, 0, 0, 0] = ref[0, 1, 0, 1] = 1.0  # pixel 0 is class 0, pixel 1 class 1
+    got = ref.copy()
+    got[0, 2, 0, 1] = 2.0  # pixel 1 now class 2 (along W, the old axis, every row still peaks alike: 1.0)
+    assert compare_arrays(ref, got).top1_agreement == 0.5
+
+
 def test_per_output_and_worst() -> None:
     ref = {"hidden": np.ones((2, 3, 4)), "logits": np.eye(2)}
     got = {"hidden": np.ones((2, 3, 4)), "logits": np.array([[0.0, 1.0], [0.0, 1.0]])}

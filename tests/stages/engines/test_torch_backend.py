@@ -243,6 +243,38 @@ def test_dict_inputs_and_outputs_keep_their_names(tmp_path: Path) -> None:
         np.testing.assert_allclose(got[name], value.numpy(), atol=1e-5, rtol=1e-5)
 
 
+class TinyUNet(torch.nn.Module):
+    """Pooling down and up and a skip connection: it takes heights and widths that are even, and no others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.down, self.up = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ConvTranspose2d(4, 4, 2, stride=2)
+        self.out = torch.nn.Conv2d(7, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.up(torch.nn.functional.max_pool2d(self.down(x), 2)), x], 1))
+
+
+@pytest.mark.slow
+def test_axes_the_model_constrains_are_refined_as_torch_suggests(tmp_path: Path) -> None:
+    """Dynamic height/width on a model that needs them even: torch.export refused the plain dims ("Constraints
+    violated (height, width)"), so the engine was skipped; with torch's suggested fixes it takes both sizes."""
+    from kiln.stages.export import export_onnx
+
+    model = TinyUNet().eval()
+    export_onnx(model, torch.randn(2, 3, 16, 16), tmp_path / "m.onnx", dynamic_axes={"input": {2: "h", 3: "w"}})
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
+    build_engine(tmp_path / "m.onnx", tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
+                 torch_model=TinyUNet, axis_sizes={"h": [8, 16], "w": [8, 16]})
+    with load_engine(tmp_path / "e") as runner:
+        for size in (8, 16):
+            x = np.random.default_rng(size).standard_normal((1, 3, size, size)).astype(np.float32)
+            with torch.inference_mode():
+                want = model(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
     from kiln.api import run_pipeline
