@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.core.errors import ConfigError
-from kiln.stages.optimize.passes import eliminate, fold, fuse_linear, patterns, qkv, shapes  # noqa: F401 (register)
+from kiln.stages.optimize.passes import (  # noqa: F401 (importing registers)
+    eliminate,
+    fold,
+    fuse_linear,
+    patterns,
+    qkv,
+    sequences,
+    shapes,
+)
 from kiln.stages.optimize.registry import PASSES, PassSpec
 from pydantic import BaseModel, ValidationError
 

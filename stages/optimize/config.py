@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 # Order matters: fold first so patterns see constants, fuse, then fold/clean again what fusions exposed.
 DEFAULT_PASSES: list[str] = [
     "fold_constants",
+    "split_to_sequence",
     "eliminate_identity",
     "eliminate_noop",
     "eliminate_neutral",

@@ -6,9 +6,10 @@ import math
 from typing import Any
 
 import numpy as np
+import pytest
 from onnx import helper as h
 from onnx import numpy_helper
-from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
+from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass, same_outputs
 
 TESTED: set[str] = set()  # filled by the tests below; test_optimize_registry checks every pass is here
 
@@ -385,3 +386,25 @@ def test_reshape_whose_shape_spells_batch_and_minus_one_gets_a_constant_target()
     assert ops(out) == ["Reshape", "Relu"]
     target = next(i for i in out.graph.initializer if i.name.endswith("_shape"))
     assert numpy_helper.to_array(target).tolist() == [0, 6, -1, 4]
+
+
+@covers("split_to_sequence")
+@pytest.mark.parametrize("split, keepdims, picks", [
+    (np.array(2, np.int64), 1, [0, -1]),  # torch.split(x, 2): pieces of 2 (the dynamo exporter's form)
+    (np.array([1, 2, 3], np.int64), 1, [2, 0]),  # explicit sizes
+    (None, 0, [1, 5]),  # one element per piece, squeezed
+])
+def test_split_to_sequence_becomes_split(split, keepdims, picks) -> None:
+    """TensorRT's parser has no sequence ops: a transformers GPT-2 built no TensorRT engine."""
+    inits = {"pos0": np.array(picks[0], np.int64), "pos1": np.array(picks[1], np.int64)}
+    inputs = ["x"]
+    if split is not None:
+        inits["split"] = split
+        inputs.append("split")
+    m = make_model([h.make_node("SplitToSequence", inputs, ["seq"], axis=1, keepdims=keepdims),
+                    h.make_node("SequenceAt", ["seq", "pos0"], ["a"]),
+                    h.make_node("SequenceAt", ["seq", "pos1"], ["b"]),
+                    h.make_node("Mul", ["a", "b"], ["y"])], [("x", ["N", 6], FLOAT)], ["y"], inits)
+    out, _ = run_pass(m, "split_to_sequence")
+    assert "Split" in ops(out) and not {"SplitToSequence", "SequenceAt"} & set(ops(out))
+    same_outputs(m, out, {"x": f32(3, 6)})
