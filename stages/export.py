@@ -277,14 +277,11 @@ def dynamic_sizes(data: Any, names: list[str],
                   axes: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, list[int]]]:
     """Input name -> axis -> [smallest, largest] size in the data, for each axis of ``export.dynamic_axes``: sizes the
     model is known to take, for the optimizer's safety net (its random inputs)."""
-    sizes: dict[str, dict[int, list[int]]] = {}
-    for name, dims in axes.items():
-        for axis in dims:
-            seen = [feed_for_graph(take(x, slice(0, 1)), names)[name].shape[int(axis)]
-                    for x in (data.train_x, data.val_x) if rows(x)]
-            if seen:
-                sizes.setdefault(name, {})[int(axis)] = [min(seen), max(seen)]
-    return sizes
+    feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]
+    if not feeds:
+        return {}
+    seen = {name: {int(a): [f[name].shape[int(a)] for f in feeds] for a in dims} for name, dims in axes.items()}
+    return {name: {a: [min(v), max(v)] for a, v in dims.items()} for name, dims in seen.items()}
 
 
 def read_dynamic_sizes(export_dir: Path) -> dict[str, dict[int, list[int]]] | None:
