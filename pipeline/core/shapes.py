@@ -33,9 +33,14 @@ def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]
             sizes[name] = sorted(set(configured[name]))
             continue
         seen = {f[i].shape[int(ax)] for f in feeds for i, a in axes.items() if i in f for ax, d in a.items() if d == name}
-        lo, hi = min(seen), max(seen)
-        sizes[name] = sorted({max(1, hi // 2), hi} if lo == hi else {lo, hi})
+        sizes[name] = two_sizes(min(seen), max(seen))
     return sizes
+
+
+def two_sizes(lo: int, hi: int) -> list[int]:
+    """The sizes to check an axis at, from the smallest and largest in the data: those two, or with one size ``L``
+    in the data ``L // 2`` and ``L`` (a length baked into a graph shows at one of them)."""
+    return sorted({max(1, hi // 2), hi} if lo == hi else {lo, hi})
 
 
 def shape_points(sizes: dict[str, list[int]]) -> list[dict[str, int]]:

@@ -21,6 +21,7 @@ from kiln.core.compare import within_tolerance
 from kiln.core.inputs import AxisSizes
 from kiln.core.inputs import random_inputs as make_inputs
 from kiln.core.onnx_io import io_specs, ort_session, session_options
+from kiln.core.shapes import two_sizes
 from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.passes.util import RANDOM_OPS
@@ -60,13 +61,8 @@ def axis_sizes(model: onnx.ModelProto, default: int, data: DataSizes | None,
         for axis, dim in enumerate(spec.shape):
             if axis and not (isinstance(dim, int) and dim >= 1):
                 seen = (data or {}).get(spec.name, {}).get(axis)
-                if not seen:
-                    size = default
-                elif largest:
-                    size = max(seen)
-                else:
-                    size = min(seen) if min(seen) < max(seen) else max(1, max(seen) // 2)
-                out.setdefault(spec.name, {})[axis] = size
+                sizes = two_sizes(min(seen), max(seen)) if seen else [default]
+                out.setdefault(spec.name, {})[axis] = sizes[-1] if largest else sizes[0]
     return out
 
 
