@@ -157,6 +157,76 @@ def fresh_model(name: str, spec: dict[str, Any]) -> nn.Module:
     return build_model(spec.get("model", name), spec["params"])
 
 
+class Phases:
+    """Host time of each part of a step, per loop, inside timed windows only (``--phases``): where Kiln's step spends
+    the host time the bare one does not. Parts: ``data`` (the batch), ``forward`` (the model's call, compiled or not),
+    ``loss_backward``, ``tail`` (everything after the backward pass) and ``between`` (from the end of one step to the
+    start of the next: the loader, hooks, the window's clock). On a host-bound GPU step these add up to the step time.
+    Kiln's parts are read by wrapping its methods (:func:`instrument_kiln`); each wrapper costs a clock read, as the
+    bare loop's own reads do."""
+
+    enabled = False
+    active: str | None = None  # "kiln" / "bare" while that loop's window runs
+    times: dict[str, dict[str, list[float]]] = {}
+    last_end: dict[str, float] = {}
+
+    @classmethod
+    def add(cls, loop: str, part: str, secs: float) -> None:
+        if cls.active == loop:
+            cls.times.setdefault(loop, {}).setdefault(part, []).append(secs * 1e3)
+
+    @classmethod
+    def step_bounds(cls, loop: str, start: float, end: float) -> None:
+        if cls.active == loop and loop in cls.last_end:
+            cls.add(loop, "between", start - cls.last_end[loop])
+        cls.last_end[loop] = end
+
+    @classmethod
+    def take(cls) -> dict[str, dict[str, float]]:
+        """Median ms per part and loop since the last take."""
+        out = {loop: {part: round(statistics.median(v), 3) for part, v in parts.items()}
+               for loop, parts in cls.times.items()}
+        cls.times, cls.last_end = {}, {}
+        return out
+
+
+def instrument_kiln() -> None:
+    """Wrap Kiln's step, its forward/backward and the compiled model's call with host clocks (:class:`Phases`)."""
+    from kiln.stages.train import compile as train_compile
+    from kiln.stages.train import loop as train_loop
+
+    trainer, model = train_loop._Trainer, train_compile.CompiledModel
+    if getattr(trainer, "_phases", False):
+        return
+    step, fb, call = trainer._step, trainer._forward_backward, model.__call__
+
+    def timed_step(self: Any, xb: Any, yb: Any) -> None:
+        t0 = time.perf_counter()
+        Phases.fb_secs = 0.0
+        step(self, xb, yb)
+        t1 = time.perf_counter()
+        Phases.add("kiln", "tail", t1 - t0 - Phases.fb_secs)
+        Phases.step_bounds("kiln", t0, t1)
+
+    def timed_fb(self: Any, xb: Any, yb: Any) -> Any:
+        t0 = time.perf_counter()
+        Phases.fwd_secs = 0.0
+        out = fb(self, xb, yb)
+        Phases.fb_secs = time.perf_counter() - t0
+        Phases.add("kiln", "loss_backward", Phases.fb_secs - Phases.fwd_secs)
+        return out
+
+    def timed_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = call(self, *args, **kwargs)
+        Phases.fwd_secs = time.perf_counter() - t0
+        Phases.add("kiln", "forward", Phases.fwd_secs)
+        return out
+
+    trainer._step, trainer._forward_backward, model.__call__ = timed_step, timed_fb, timed_call
+    trainer._phases = True
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -168,8 +238,9 @@ class Window:
 
     profile = False
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, loop: str = "") -> None:
         self.device, self.t0, self.secs, self.peak, self.resident = device, 0.0, 0.0, None, 0.0
+        self.loop = loop  # whose steps these are, for Phases
         self.prof: Any = None
         self.marks: list[float] = []  # host clock after each timed step was queued
         self.gc_ms: list[float] = []  # Python garbage collections inside the window
@@ -196,11 +267,13 @@ class Window:
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.start()
         gc.callbacks.append(self._gc)
+        Phases.active = self.loop or None
         self.t0 = time.perf_counter()
 
     def stop(self) -> None:
         sync(self.device)
         self.secs = time.perf_counter() - self.t0
+        Phases.active = None
         gc.callbacks.remove(self._gc)
         if self.prof is not None:
             self.prof.stop()
@@ -268,6 +341,8 @@ class BareLoop:
         self.ctx = (lambda: torch.autocast(device.type, dtype=DTYPES[precision])) if precision != "fp32" else nullcontext
 
     def step(self) -> None:
+        if Phases.enabled:
+            return self.timed_step()
         b = self.i % self.batches
         self.i += 1
         idx = self.perm[b * self.batch:(b + 1) * self.batch]
@@ -278,8 +353,28 @@ class BareLoop:
         self.scaler.scale(loss).backward()
         bare_update(self.scaler, self.opt, self.params)
 
+    def timed_step(self) -> None:
+        """:meth:`step` with a host clock between its parts (``--phases``)."""
+        t0 = time.perf_counter()
+        b = self.i % self.batches
+        self.i += 1
+        idx = self.perm[b * self.batch:(b + 1) * self.batch]
+        xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
+        t1 = time.perf_counter()
+        with self.ctx():
+            logits = self.net(xb)
+        t2 = time.perf_counter()
+        loss = nn.functional.cross_entropy(logits.float(), yb)
+        self.scaler.scale(loss).backward()
+        t3 = time.perf_counter()
+        bare_update(self.scaler, self.opt, self.params)
+        t4 = time.perf_counter()
+        for part, secs in (("data", t1 - t0), ("forward", t2 - t1), ("loss_backward", t3 - t2), ("tail", t4 - t3)):
+            Phases.add("bare", part, secs)
+        Phases.step_bounds("bare", t0, t4)
+
     def window(self, steps: int, device: torch.device) -> dict[str, Any]:
-        window = Window(device)
+        window = Window(device, "bare")
         window.start()
         for _ in range(steps):
             self.step()
@@ -363,7 +458,7 @@ def interleaved(name: str, spec: dict[str, Any], data: DatasetSplits, precision:
                 bare_counts = CompileCounts.now().since(before)
             return
         if k == 0:
-            window = Window(device)
+            window = Window(device, "kiln")
             window.start()
             return
         window.mark()
@@ -489,6 +584,8 @@ def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precis
             torch.cuda.empty_cache()
         got = interleaved(name, spec, data, precision, device, steps, windows, compile)
         suffix = "_compiled" if compile else ""
+        if Phases.enabled:
+            row["phases" + suffix] = Phases.take()
         row["kiln" + suffix] = {**cell(got["kiln"]), "skipped_steps": got["skipped_steps"],
                                 "nonfinite_steps": got["nonfinite_steps"], "final_loss": got["final_loss"]}
         row["bare" + suffix] = cell(got["bare"])
@@ -584,6 +681,18 @@ def compile_markdown(res: dict[str, Any]) -> str:
                   f"(target >= 0.97: {'met' if t['kiln_compiled_at_least_0.97x_bare_compiled'] else 'NOT met'})",
               f"- runs that fell back to eager: {t['fallbacks']}"]
     lines += [f"- {n}" for n in res.get("notes", [])]
+    phased = [r for r in res["rows"] if r.get("phases")]
+    if phased:
+        parts = ("data", "forward", "loss_backward", "tail", "between")
+        lines += ["", "Host ms per part of a step, median over the timed steps (`--phases`; Kiln's batch is taken in "
+                  "`between`):", "", "| model | precision | mode | loop | " + " | ".join(parts) + " | sum |",
+                  "|---|---|---|---|" + "---|" * (len(parts) + 1)]
+        for r in phased:
+            for mode in ("", "_compiled"):
+                for loop, got in r.get("phases" + mode, {}).items():
+                    cells = [f"{got[p]:.3f}" if p in got else "-" for p in parts]
+                    lines.append(f"| {r['model']} | {r['precision']} | {mode.strip('_') or 'eager'} | {loop} | "
+                                 + " | ".join(cells) + f" | {sum(got.values()):.3f} |")
     profiled = [r for r in res["rows"] if r.get("profile")]
     if profiled:
         lines += ["", "Profiled runs (torch.profiler, per step; not part of the medians):", "",
@@ -644,6 +753,8 @@ def main() -> None:
     ap.add_argument("--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18")
     ap.add_argument("--precisions", default=",".join(COMPILE_PRECISIONS), help="--compile: fp16,bf16 or one of them")
     ap.add_argument("--profile-steps", type=int, default=0, help="--compile: one profiled run per compiled loop")
+    ap.add_argument("--phases", action="store_true",
+                    help="--compile: host ms per part of the step (forward, loss+backward, tail, between), both loops")
     ap.add_argument("--intervals", type=Path, nargs="+", metavar="JSON",
                     help="print Kiln / bare with its 95%% interval for saved --compile results, and exit")
     args = ap.parse_args()
@@ -661,6 +772,9 @@ def main() -> None:
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compile:
+        if args.phases:
+            Phases.enabled = True
+            instrument_kiln()
         models = args.models.split(",") if args.models else None
         unknown = sorted(set(models or []) - set(specs(True, compile_table=True)))
         if unknown:
