@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import logging
 import operator
-from functools import lru_cache, reduce
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+
+from kiln.stages.engines.fx_graph import attr, drop_unused_attrs, replace_node
 
 if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules load without it
     import torch
@@ -122,11 +124,11 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
         users = list(node.users)
         if len(users) == 1 and _fusable_gelu(users[0], mode):
             gelu = users[0]
-            _replace(graph, gelu, torch.ops.kiln.linear_bias_gelu.default, node.args[:3])
+            replace_node(graph, gelu, torch.ops.kiln.linear_bias_gelu.default, node.args[:3])
             graph.erase_node(node)
             counts["linear_bias_gelu"] += 1
         else:
-            _replace(graph, node, torch.ops.kiln.linear_bias.default, node.args[:3])
+            replace_node(graph, node, torch.ops.kiln.linear_bias.default, node.args[:3])
             counts["linear_bias"] += 1
     graph.lint()
     gm.recompile()
@@ -160,7 +162,7 @@ def merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
         _merge(gm, nodes, f"_kiln_merged_linear_{index}")
         merged += len(nodes)
     if merged:
-        _drop_unused_attrs(gm, replaced)
+        drop_unused_attrs(gm, replaced)
     return merged
 
 
@@ -176,7 +178,7 @@ def _merge_key(gm: fx.GraphModule, node: fx.Node, mode: str) -> tuple[Any, ...] 
     users = list(node.users)
     if len(users) == 1 and _fusable_gelu(users[0], mode):
         return None
-    w, b = _attr(gm, weight.target), _attr(gm, bias.target)
+    w, b = attr(gm, weight.target), attr(gm, bias.target)
     if w.dim() != 2 or b.dim() != 1 or w.dtype != b.dtype or w.device != b.device:
         return None
     return x, w.dtype, w.device
@@ -187,8 +189,8 @@ def _merge(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
     its slice of the output."""
     import torch
 
-    weights = [_attr(gm, n.args[1].target) for n in nodes]
-    biases = [_attr(gm, n.args[2].target) for n in nodes]
+    weights = [attr(gm, n.args[1].target) for n in nodes]
+    biases = [attr(gm, n.args[2].target) for n in nodes]
     gm.register_buffer(f"{name}_weight", torch.cat(weights).detach())  # buffers: an inference engine trains nothing
     gm.register_buffer(f"{name}_bias", torch.cat(biases).detach())
     graph = gm.graph
@@ -205,22 +207,6 @@ def _merge(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
         graph.erase_node(node)
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    return reduce(getattr, target.split("."), gm)
-
-
-def _drop_unused_attrs(gm: fx.GraphModule, targets: set[str]) -> None:
-    """The merged layers' weights and biases (``targets``) deleted from ``gm`` where no node reads them any more (a
-    weight tied to another layer stays)."""
-    graph = gm.graph
-    for node in [n for n in graph.nodes if n.op == "get_attr" and n.target in targets and not n.users]:
-        graph.erase_node(node)
-    read = {n.target for n in graph.nodes if n.op == "get_attr"}
-    for target in targets - read:
-        owner, _, leaf = target.rpartition(".")
-        delattr(gm.get_submodule(owner) if owner else gm, leaf)
-
-
 def _fusable_gelu(node: fx.Node, mode: str) -> bool:
     """Is ``node`` a GELU the epilogue may take in this mode (see the module docstring on numerics)?"""
     import torch
@@ -232,12 +218,3 @@ def _fusable_gelu(node: fx.Node, mode: str) -> bool:
     approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
     val = node.meta.get("val")  # the output's fake tensor: its device says which GELU the epilogue computes
     return val is not None and EPILOGUE_GELU.get(val.device.type) == approximate
-
-
-def _replace(graph: fx.Graph, old: fx.Node, op: object, args: tuple[object, ...]) -> None:
-    """``old`` replaced by a call of ``op`` on ``args`` (its shape metadata kept), then erased."""
-    with graph.inserting_before(old):
-        new = graph.call_function(op, tuple(args))
-    new.meta = dict(old.meta)
-    old.replace_all_uses_with(new)
-    graph.erase_node(old)

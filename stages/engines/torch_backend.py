@@ -27,7 +27,8 @@ launches, not their work, set the latency. Graphs are static per batch size (as 
 baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
 to a few sizes (``Runner.per_shape_sessions``). ``build.torch.gemm_epilogues`` rewrites the loaded program's linear
 layers into cuBLASLt GEMMs with fused bias / GELU epilogues before compiling
-(:mod:`kiln.stages.engines.gemm_epilogues`).
+(:mod:`kiln.stages.engines.gemm_epilogues`), ``build.torch.conv_epilogues`` its convolutions into cuDNN calls with
+BatchNorm folded in and bias, residual add and ReLU fused (:mod:`kiln.stages.engines.conv_epilogues`).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from kiln.core.inputs import random_inputs
 from kiln.core.outputs import flatten_outputs
 from kiln.core.records import EngineMetadata
 from kiln.core.text import first_line
+from kiln.stages.engines import conv_epilogues
 from kiln.stages.engines.backend import Backend, BuildRequest, Plan
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.engines import Runner
@@ -85,7 +87,8 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
     return {"max_autotune": max_autotune, "coordinate_descent": max_autotune and _on(cfg.coordinate_descent, has_conv),
             "channels_last": _on(cfg.channels_last, has_conv), "freezing": cfg.freezing, "inductor": dict(cfg.inductor),
             "gemm_epilogues": (mode := resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)),
-            "merge_linears": cfg.merge_linears and mode != "off"}
+            "merge_linears": cfg.merge_linears and mode != "off",
+            "conv_epilogues": has_conv and conv_epilogues.resolve(cfg.conv_epilogues, device, precision, cfg.flavour)}
 
 
 def _served(model: Any, names: list[str], precision: str, channels_last: bool) -> Any:
@@ -160,8 +163,9 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                          any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
     check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
-    # (gemm_epilogues with flavour aotinductor: refused by TorchConfig itself; its custom ops need the compiled one)
-    package_first = req.config.torch.flavour != "compiled" and settings["gemm_epilogues"] == "off"
+    # (epilogues with flavour aotinductor: refused by TorchConfig itself; their custom ops need the compiled one)
+    package_first = req.config.torch.flavour != "compiled" and settings["gemm_epilogues"] == "off" \
+        and not settings["conv_epilogues"]
     # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13: errors of
     # 0.02-0.03 on the zoo CNN, whose first convolution has one input channel and so degenerate channels_last
     # strides; ResNet-18's were right): there the frozen weights keep their layout and Inductor picks the constants'
@@ -252,8 +256,9 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     cuda_graphs = req.device == "cuda" and _on(req.config.torch.cuda_graphs, True)  # this flavour's alone
     t0 = time.perf_counter()
     try:
-        explicit = req.config.torch.gemm_epilogues != "auto"  # (auto applies to every model, whatever its layers)
-        run, fused = _compile_program(req.out / PROGRAM, common, cuda_graphs, warn_if_nothing_fused=explicit)
+        torch_cfg = req.config.torch  # explicit settings warn when nothing is rewritten (auto applies to every model)
+        explicit = {"gemm": torch_cfg.gemm_epilogues != "auto", "conv": torch_cfg.conv_epilogues != "auto"}
+        run, rewrites = _compile_program(req.out / PROGRAM, common, cuda_graphs, warn_if_nothing_fused=explicit)
         with torch.inference_mode():
             for batch in warm_batches(req.max_batch):
                 feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
@@ -268,8 +273,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
         files["cache"] = CACHE
     settings = {**common, "cuda_graphs": cuda_graphs, "compile_seconds": round(time.perf_counter() - t0, 2),
                 "compiled_batches": warm_batches(req.max_batch)}
-    if fused:
-        settings["gemm_epilogue_layers"] = fused
+    settings.update(rewrites)
     if why is not None:
         settings["aotinductor_failed"] = why
     return {"files": files, "flavour": "compiled", "versions": {"torch": torch.__version__},
@@ -321,23 +325,29 @@ def check_inductor_keys(entries: dict[str, Any]) -> None:
 
 
 def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False,
-                     warn_if_nothing_fused: bool = False) -> tuple[Any, dict[str, int]]:
+                     warn_if_nothing_fused: dict[str, bool] | None = None) -> tuple[Any, dict[str, dict[str, int]]]:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
     baseline is timed), compiled under the Inductor config of the build's settings (:func:`_inductor_options`), and
     on the GPU replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call
     runs under ``torch.inference_mode`` (Inductor freezes only graphs without autograd). With ``gemm_epilogues`` the
-    linear layers are rewritten first (:mod:`kiln.stages.engines.gemm_epilogues`); returns the runnable and how many
-    layers that rewrite took (empty without it)."""
+    linear layers are rewritten first (:mod:`kiln.stages.engines.gemm_epilogues`), with ``conv_epilogues`` the
+    convolutions (:mod:`kiln.stages.engines.conv_epilogues`); returns the runnable and how many layers each rewrite
+    took (``gemm_epilogue_layers``, ``conv_epilogue_layers``; absent where it did not run). ``warn_if_nothing_fused``:
+    per rewrite (``gemm``, ``conv``), whether a program with nothing to rewrite is worth a warning."""
     import torch
 
+    warn = warn_if_nothing_fused or {}
     module = torch.export.load(str(path)).module()
-    fused: dict[str, int] = {}
+    rewrites: dict[str, dict[str, int]] = {}
     if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
-        fused = fuse_linear_epilogues(module, settings["gemm_epilogues"], warn_if_none=warn_if_nothing_fused,
-                                      merge=bool(settings.get("merge_linears")))  # older engines: not merged
+        rewrites["gemm_epilogue_layers"] = fuse_linear_epilogues(
+            module, settings["gemm_epilogues"], warn_if_none=warn.get("gemm", False),
+            merge=bool(settings.get("merge_linears")))  # older engines: not merged
+    if settings.get("conv_epilogues"):  # older engines: off
+        rewrites["conv_epilogue_layers"] = conv_epilogues.fuse_conv_epilogues(module, warn.get("conv", False))
     options = _inductor_options(settings)
     compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
-    return (GraphReplays(compiled) if cuda_graphs else compiled), fused
+    return (GraphReplays(compiled) if cuda_graphs else compiled), rewrites
 
 
 class _Configured:
