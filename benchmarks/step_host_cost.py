@@ -236,8 +236,9 @@ def markdown(res: dict[str, Any]) -> str:
     precisions = [r["precision"] for r in res["rows"]]
     lines += ["", "Kiln's parts alone (us per call):", "", "| part | " + " | ".join(precisions) + " |",
               "|---|" + "---|" * len(precisions)]
-    for part in res["rows"][0]["parts"]:
-        lines.append(f"| {part} | " + " | ".join(str(r["parts"][part]["us"]) for r in res["rows"]) + " |")
+    for part in dict.fromkeys(p for r in res["rows"] for p in r["parts"]):  # some parts exist in one precision only
+        lines.append(f"| {part} | " + " | ".join(str(r["parts"][part]["us"]) if part in r["parts"] else "-"
+                                                 for r in res["rows"]) + " |")
     return "\n".join(lines) + "\n"
 
 
