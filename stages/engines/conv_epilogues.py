@@ -118,7 +118,8 @@ def fuse_conv_epilogues(gm: fx.GraphModule, warn_if_none: bool = True) -> dict[s
     gm.recompile()
     fused = counts["conv_bias_relu"] + counts["conv_bias_add_relu"]
     if not fused and not counts["batch_norms_folded"] and warn_if_none:
-        log.warning("build.torch.conv_epilogues: on: the program has no 2-D convolution to fold or fuse")
+        log.warning("build.torch.conv_epilogues: on: the program has no 2-D convolution followed by a BatchNorm or "
+                    "a ReLU to fold or fuse")
     log.info("convolution epilogues: %d BatchNorms folded, %d convolutions with bias + ReLU, %d with bias + add + "
              "ReLU as one cuDNN call", counts["batch_norms_folded"], counts["conv_bias_relu"],
              counts["conv_bias_add_relu"])
@@ -135,7 +136,7 @@ def fold_batch_norms(gm: fx.GraphModule) -> int:
     graph, replaced, folded = gm.graph, set[str](), 0
     for bn in [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.batch_norm.default]:
         conv, weight, bias, mean, var, training, _, eps = (list(bn.args) + [None] * 8)[:8]
-        if training is not False or not _is_conv2d(conv) or len(conv.users) != 1:
+        if training is not False or not _is_conv2d(conv, any_padding=True) or len(conv.users) != 1:
             continue
         args = conv_arguments(conv)
         tensors = {"conv_w": args["weight"], "conv_b": args["bias"], "bn_w": weight, "bn_b": bias, "mean": mean,
@@ -155,9 +156,7 @@ def fold_batch_norms(gm: fx.GraphModule) -> int:
         gm.register_buffer(f"{name}_bias", b.detach().to(w0.dtype))  # buffers: an inference engine trains nothing
         with graph.inserting_before(conv):
             new_w, new_b = graph.get_attr(f"{name}_weight"), graph.get_attr(f"{name}_bias")
-        values = [args[k] for k in CONV_ARGS]
-        values[1:3] = [new_w, new_b]
-        conv.args, conv.kwargs = tuple(values), {}
+        _set_weight_and_bias(conv, new_w, new_b)
         conv.meta = dict(bn.meta)  # the folded convolution's output is the BatchNorm's
         bn.replace_all_uses_with(conv)
         graph.erase_node(bn)
@@ -176,10 +175,26 @@ def conv_arguments(node: fx.Node) -> dict[str, Any]:
     return values
 
 
-def _is_conv2d(node: Any) -> bool:
+def _is_conv2d(node: Any, any_padding: bool = False) -> bool:
+    """An ``aten.conv2d`` call; ``any_padding``: also the overload with a string padding (``'same'``, ``'valid'``:
+    EfficientNet's convolutions), which folding can take but the fused ops cannot."""
     import torch
 
-    return getattr(node, "op", None) == "call_function" and node.target is torch.ops.aten.conv2d.default
+    overloads = (torch.ops.aten.conv2d.default, torch.ops.aten.conv2d.padding)
+    return getattr(node, "op", None) == "call_function" and node.target in overloads[:2 if any_padding else 1]
+
+
+def _set_weight_and_bias(conv: fx.Node, weight: fx.Node, bias: fx.Node) -> None:
+    """The convolution's weight and bias arguments replaced, its other arguments left as the graph has them."""
+    args, kwargs = list(conv.args), dict(conv.kwargs)
+    args[1] = weight
+    if len(args) > 2:
+        args[2] = bias
+    elif "bias" in kwargs:
+        kwargs["bias"] = bias
+    else:  # bias and everything after it left at their defaults: bias is the third positional argument
+        args.append(bias)
+    conv.args, conv.kwargs = tuple(args), kwargs
 
 
 def _is_attr(node: Any) -> bool:

@@ -256,16 +256,19 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     cuda_graphs = req.device == "cuda" and _on(req.config.torch.cuda_graphs, True)  # this flavour's alone
     t0 = time.perf_counter()
     try:
-        torch_cfg = req.config.torch  # explicit settings warn when nothing is rewritten (auto applies to every model)
-        explicit = {"gemm": torch_cfg.gemm_epilogues != "auto", "conv": torch_cfg.conv_epilogues != "auto"}
-        run, rewrites = _compile_program(req.out / PROGRAM, common, cuda_graphs, warn_if_nothing_fused=explicit)
-        with torch.inference_mode():
-            for batch in warm_batches(req.max_batch):
-                feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
-                _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs])
-    except Exception as exc:  # Dynamo/Inductor failures
-        raise BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "
-                         f"{first_line(exc, 300)}", hint="the ONNX engines still build") from None
+        rewrites = _compile_and_warm(req, common, cuda_graphs)
+    except Exception as exc:  # Dynamo/Inductor failures, or a fused convolution cuDNN does not run
+        if not (common.get("conv_epilogues") and req.config.torch.conv_epilogues == "auto"):
+            raise _compile_failed(exc) from None
+        # auto turned them on for this engine kind, not for this model: the engine is still worth having without
+        why_not = f"{type(exc).__name__}: {first_line(exc, 300)}"
+        log.warning("engine %s: with build.torch.conv_epilogues the model did not compile or run (%s); building it "
+                    "without them", req.name, why_not)
+        common = {**common, "conv_epilogues": False, "conv_epilogues_failed": why_not}
+        try:
+            rewrites = _compile_and_warm(req, common, cuda_graphs)
+        except Exception as again:
+            raise _compile_failed(again) from None
     artifacts = torch.compiler.save_cache_artifacts()
     files = {"program": PROGRAM}
     if artifacts is not None:
@@ -278,6 +281,26 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
         settings["aotinductor_failed"] = why
     return {"files": files, "flavour": "compiled", "versions": {"torch": torch.__version__},
             "builder_settings": settings}
+
+
+def _compile_failed(exc: BaseException) -> BuildError:
+    return BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "
+                      f"{first_line(exc, 300)}", hint="the ONNX engines still build")
+
+
+def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: bool) -> dict[str, dict[str, int]]:
+    """Compile the saved program under ``settings`` and run it once at each of :func:`warm_batches` (what fills the
+    caches the engine ships); returns what its rewrites took (:func:`_compile_program`)."""
+    import torch
+
+    cfg = req.config.torch  # explicit settings warn when nothing is rewritten (auto applies to every model)
+    explicit = {"gemm": cfg.gemm_epilogues != "auto", "conv": cfg.conv_epilogues != "auto"}
+    run, rewrites = _compile_program(req.out / PROGRAM, settings, cuda_graphs, warn_if_nothing_fused=explicit)
+    with torch.inference_mode():
+        for batch in warm_batches(req.max_batch):
+            feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
+            _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs])
+    return rewrites
 
 
 def _inductor_options(settings: dict[str, Any]) -> dict[str, Any]:

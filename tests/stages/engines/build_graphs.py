@@ -32,6 +32,17 @@ def sample(name: str, batch: int, seed: int = 0) -> np.ndarray:
     return rng.standard_normal((batch, *shape)).astype(np.float32)
 
 
+def assert_runner_agrees(runner, model: torch.nn.Module, name: str, batches: tuple[int, ...],  # noqa: ANN001
+                         min_cosine: float = 0.999) -> None:
+    """An FP16 engine's ``runner`` agrees with the FP32 ``model`` (the zoo model ``name``) by cosine at ``batches``."""
+    for batch in batches:
+        x = sample(name, batch, seed=batch)
+        with torch.inference_mode():
+            want = model(torch.from_numpy(x)).numpy()
+        got = next(iter(runner.infer({runner.input_names[0]: x}).values()))
+        assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > min_cosine
+
+
 def assert_engine_matches(engine_dir: Path, model: torch.nn.Module, name: str, batches: tuple[int, ...],
                           tol: float = 1e-4) -> None:
     """The engine in ``engine_dir`` computes ``model`` (the zoo model ``name``) on fresh samples at ``batches``."""

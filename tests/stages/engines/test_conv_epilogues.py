@@ -8,10 +8,9 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from build_graphs import assert_engine_matches, sample
+from build_graphs import assert_engine_matches, assert_runner_agrees, sample
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.conv_epilogues import fuse_conv_epilogues, resolve
@@ -110,6 +109,20 @@ def test_a_convolution_with_its_own_bias_and_relu_is_fused_without_a_batch_norm(
         torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+def test_a_same_padded_convolution_is_folded_but_not_fused() -> None:
+    """``padding='same'`` (EfficientNet's convolutions, ``aten.conv2d.padding``): the BatchNorm folds into it, but the
+    fused ops take integer padding only, so its ReLU stays a kernel of its own."""
+    torch.manual_seed(0)
+    model = _trained_statistics(nn.Sequential(nn.Conv2d(3, 8, 3, padding="same", bias=False), nn.BatchNorm2d(8),
+                                              nn.ReLU()))
+    x = torch.randn(2, 3, 7, 7)
+    gm = _exported(model, x)
+    assert fuse_conv_epilogues(gm) == {"batch_norms_folded": 1, "conv_bias_relu": 0, "conv_bias_add_relu": 0}
+    assert _ops(gm)["aten.conv2d.padding"] == 1 and "aten.batch_norm.default" not in _ops(gm)
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_folding_keeps_the_weights_dtype_and_channels_last_layout() -> None:
     """The engine's weights are FP16 and channels_last on the GPU: the folded ones must be too (cuDNN would copy a
     weight of the other layout on every call). Folding is computed in FP32."""
@@ -153,7 +166,7 @@ def test_only_an_explicit_setting_warns_when_there_is_nothing_to_rewrite(caplog:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="kiln.build"):
             fuse_conv_epilogues(_exported(model, x), warn_if_none=warn)
-        assert ("no 2-D convolution" in caplog.text) is warn
+        assert ("no 2-D convolution followed by" in caplog.text) is warn
 
 
 def _cnn() -> nn.Module:
@@ -175,6 +188,31 @@ def test_a_compiled_engine_with_conv_epilogues_matches_pytorch_and_records_its_l
     assert_engine_matches(tmp_path / "e", _cnn(), "cnn", (1, 4))
 
 
+def test_a_model_whose_fused_convolutions_fail_gets_its_engine_without_them(zoo, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto turns the rewrite on for an engine kind, not for a model: where it breaks the build (cuDNN refusing a
+    fused call, say) the engine is built without it and says why; an explicit `on` fails as asked."""
+    from kiln.core.errors import BuildError
+    from kiln.stages.engines import conv_epilogues
+
+    def broken(gm: torch.fx.GraphModule, warn_if_none: bool = True) -> dict[str, int]:
+        raise RuntimeError("cuDNN Error: CUDNN_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(conv_epilogues, "fuse_conv_epilogues", broken)
+    monkeypatch.setattr(conv_epilogues, "resolve", lambda *args: True)  # auto applies, as for an FP16 GPU engine
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
+    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
+                        torch_model=_cnn)
+    settings = meta.builder_settings
+    assert settings["conv_epilogues"] is False and "CUDNN_STATUS_NOT_SUPPORTED" in settings["conv_epilogues_failed"]
+    assert "conv_epilogue_layers" not in settings
+    assert_engine_matches(tmp_path / "e", _cnn(), "cnn", (1, 2))
+    explicit = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled", conv_epilogues="on"))
+    with pytest.raises(BuildError, match="CUDNN_STATUS_NOT_SUPPORTED"):
+        build_engine(zoo("cnn"), tmp_path / "f", "torch", "cpu", "fp32", explicit, tmp_path / "c", max_batch=2,
+                     torch_model=_cnn)
+
+
 def _resnet() -> nn.Module:
     torch.manual_seed(0)
     return _trained_statistics(build_model("resnet18", {"width": 16, "blocks": (1, 1), "num_classes": 10,
@@ -193,13 +231,6 @@ def test_cuda_fp16_engine_with_cudnn_epilogues_agrees_and_replays_graphs(zoo, tm
     assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
     layers = meta.builder_settings["conv_epilogue_layers"]
     assert layers["conv_bias_relu"] >= 2 and layers["conv_bias_add_relu"] >= 1, layers
-    model = _resnet()
     with load_engine(tmp_path / "e") as runner:
-        name = runner.input_names[0]
-        for batch in (1, 32):
-            x = sample("cnn", batch, seed=batch)
-            with torch.inference_mode():
-                want = model(torch.from_numpy(x)).numpy()
-            got = next(iter(runner.infer({name: x}).values()))
-            assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.999
-        assert runner.prepared({name: sample("cnn", 32)})[1]  # a CUDA graph per batch size
+        assert_runner_agrees(runner, _resnet(), "cnn", (1, 32))
+        assert runner.prepared({runner.input_names[0]: sample("cnn", 32)})[1]  # a CUDA graph per batch size

@@ -9,11 +9,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
-from build_graphs import assert_engine_matches, sample
+from build_graphs import assert_engine_matches, assert_runner_agrees, sample
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.gemm_epilogues import accuracy_hint, fuse_linear_epilogues
@@ -241,13 +240,6 @@ def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo,
     assert meta.builder_settings["gemm_epilogues"] == "bias_any_gelu"
     assert meta.builder_settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
     assert meta.builder_settings["gemm_epilogue_layers"]["merged_linears"] == 6  # each layer's Q, K, V: one GEMM
-    model = _transformer()
     with load_engine(tmp_path / "e") as runner:
-        name = runner.input_names[0]
-        for batch in (1, 32):
-            x = sample("transformer", batch, seed=batch)
-            with torch.inference_mode():
-                want = model(torch.from_numpy(x)).numpy()
-            got = next(iter(runner.infer({name: x}).values()))
-            assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.999
-        assert runner.prepared({name: sample("transformer", 32)})[1]  # a CUDA graph per batch size
+        assert_runner_agrees(runner, _transformer(), "transformer", (1, 32))
+        assert runner.prepared({runner.input_names[0]: sample("transformer", 32)})[1]  # a CUDA graph per batch size
