@@ -47,6 +47,9 @@ by up to 30% on the H200's shared host, more than the difference the target is a
 table used before (one process each, compiled each time) measured that drift as a difference between the loops.
 ``--profile-steps N`` adds one profiled run per compiled loop and cell (torch.profiler over N steps after the
 warm-up): GPU kernel time and kernels per step, the synchronising CUDA calls per step and the busiest host ops.
+``--phases`` adds the host time of each part of the step (forward, loss + backward, everything after the backward
+pass, between steps), median over the timed steps of both loops and modes (:class:`Phases`): on a host-bound step
+the parts show whether a gap lies in Kiln's own code (after the backward pass) or in the same compiled graphs' calls.
 Target: Kiln compiled >= 0.97x the bare compiled loop in every cell. Writes <out>/train_compile[_<models>].json/.md.
 Each ratio carries a 95% bootstrap interval over its window pairs (:func:`ratio_interval`); ``--intervals JSON...``
 prints them for saved results.
@@ -54,6 +57,7 @@ prints them for saved results.
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~4 minutes
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models bert_base,bert_base_hf --out $OUT
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models resnet18 --out $OUT
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --phases --models bert_base --windows 6 --out $OUT
     python benchmarks/train_bench.py --smoke --out /tmp/train_bench          # tiny models on CPU, seconds
     python benchmarks/train_bench.py --smoke --compile --models bert_base --precisions bf16 --out /tmp/tb
     python benchmarks/train_bench.py --intervals benchmarks/results/train_compile_h200_s6_*.json
@@ -167,6 +171,7 @@ class Phases:
 
     enabled = False
     active: str | None = None  # "kiln" / "bare" while that loop's window runs
+    fwd_secs = fb_secs = 0.0  # Kiln's forward / forward+backward of the current step, for the parts around them
     times: dict[str, dict[str, list[float]]] = {}
     last_end: dict[str, float] = {}
 

@@ -142,8 +142,7 @@ class TorchConfig(Section):
         "auto", description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
                             "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
                             "compiled where gemm_epilogues or conv_epilogues applies (FP16 GPU engines by default), "
-                            "otherwise "
-                            "aotinductor, or compiled when the package fails to compile or to load")
+                            "otherwise aotinductor, or compiled when the package fails to compile or to load")
     cuda_graphs: AutoOnOff = Field(
         "auto", description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph, "
                             "captured on the size's first call (outputs copied out of the graph's memory): auto = on "

@@ -60,7 +60,7 @@ def test_amp_target_is_judged_per_mode() -> None:
 def test_train_bench_compile_smoke(tmp_path: Path) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_bench.py"), "--smoke", "--compile", "--models",
-                    "bert_base", "--precisions", "bf16", "--windows", "2", "--out", str(tmp_path)],
+                    "bert_base", "--precisions", "bf16", "--windows", "2", "--phases", "--out", str(tmp_path)],
                    check=True, capture_output=True, text=True, env=env, timeout=290)
     res = json.loads((tmp_path / "train_compile_smoke_bert_base.json").read_text())
     (row,) = res["rows"]
@@ -72,7 +72,14 @@ def test_train_bench_compile_smoke(tmp_path: Path) -> None:
     assert row["compile_gain_anchor"] == 1.17 and res["targets"]["fallbacks"] == 0
     lo, hi = row["kiln_compiled_vs_bare_compiled_ci95"]
     assert lo <= row["kiln_compiled_vs_bare_compiled"] <= hi
-    assert "| bert_base | 8 | bf16 |" in (tmp_path / "train_compile_smoke_bert_base.md").read_text()
+    md = (tmp_path / "train_compile_smoke_bert_base.md").read_text()
+    assert "| bert_base | 8 | bf16 |" in md
+    # --phases: host ms per part of the step, for both loops and both modes, inside the timed windows
+    for mode in ("phases", "phases_compiled"):
+        kiln, bare = row[mode]["kiln"], row[mode]["bare"]
+        assert set(kiln) == {"forward", "loss_backward", "tail", "between"} and "data" in bare
+        assert all(v > 0 for v in (*kiln.values(), *bare.values()))
+    assert "| bert_base | bf16 | compiled | kiln |" in md
 
 
 def test_compile_target_is_judged_per_cell_and_a_missing_transformers_is_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
