@@ -8,21 +8,24 @@ process, each call one CUDA graph replay): Inductor max-autotune 0.266 / 0.637 m
 BatchNorm folded first, the same 0.267 / 0.655; folded and each convolution + bias (+ add) + ReLU as one cuDNN call,
 compiled around by Inductor, 0.181 / 0.470 ms (28 / 34 kernels). Top-1 agreement 1.0 with the FP32 model in each.
 
-Written here: neither Inductor nor torch.export has a setting for it. Inductor's freezing folds BatchNorm but still
-runs the ReLU and the residual add as kernels of their own. The fused calls are ATen's own
-(``torch.cudnn_convolution_relu``, ``torch.cudnn_convolution_add_relu``: cuDNN's convolution with bias and
-activation); the folding is ``torch.nn.utils.fusion.fuse_conv_bn_weights``, computed in FP32. This module only
-finds the pattern in the exported program and wraps the two calls as custom ops (``kiln::conv_bias_relu``,
-``kiln::conv_bias_add_relu``) that Inductor leaves to cuDNN while it compiles everything around them.
+Written here: neither Inductor nor torch.export has a setting for it. Folding BatchNorm alone (which Inductor's
+freezing also does) left as many kernels in the probe: a bias + ReLU (+ add) kernel still follows each convolution.
+The fused calls are ATen's own (``torch.cudnn_convolution_relu``, ``torch.cudnn_convolution_add_relu``: cuDNN's
+convolution with bias and activation); the folding is ``torch.nn.utils.fusion.fuse_conv_bn_weights``, computed in
+FP32. This module only finds the pattern in the exported program and wraps the two calls as custom ops
+(``kiln::conv_bias_relu``, ``kiln::conv_bias_add_relu``) that Inductor leaves to cuDNN while it compiles everything
+around them.
 
 The pattern, on torch.export's ATen graph, each intermediate value read only by the next step::
 
     aten.conv2d(x, w, b?) [-> aten.batch_norm(training=False)] [-> aten.add(_)(., z)] -> aten.relu(_)
 
 Every convolution followed by an inference BatchNorm is folded, also one without a ReLU after it (a ResNet's
-downsampling branch). A residual ``z`` must have the convolution's shape (no broadcasting), and an in-place add must
-write into the convolution's output, not into ``z``. On the CPU the ops compute the same thing unfused (the rewrite
-is tested there; ``auto`` never applies it there).
+downsampling branch) and one with ``padding='same'`` (EfficientNet's), which the fused ops do not take. Under
+``auto`` a model that does not compile or run with the fused ops gets its engine without them
+(``conv_epilogues_failed``). A residual ``z`` must have the convolution's shape (no broadcasting), and an in-place
+add must write into the convolution's output, not into ``z``. On the CPU the ops compute the same thing unfused (the
+rewrite is tested there; ``auto`` never applies it there).
 """
 from __future__ import annotations
 
@@ -46,6 +49,17 @@ def resolve(setting: str, device: str, precision: str, flavour: str) -> bool:
     if setting != "auto":
         return setting == "on"
     return (device, precision) == ("cuda", "fp16") and flavour != "aotinductor"
+
+
+def accuracy_hint(builder_settings: dict[str, object]) -> str | None:
+    """For an engine that missed an accuracy gate: the sentence that names this rewrite, where it took layers."""
+    layers = builder_settings.get("conv_epilogue_layers") or {}
+    if not builder_settings.get("conv_epilogues") or not isinstance(layers, dict) or not any(layers.values()):
+        return None
+    fused = layers.get("conv_bias_relu", 0) + layers.get("conv_bias_add_relu", 0)
+    return (f"{layers.get('batch_norms_folded', 0)} BatchNorm(s) were folded into convolutions and {fused} "
+            "convolution(s) run as cuDNN's fused convolution + bias (+ add) + ReLU (build.torch.conv_epilogues, on by "
+            "default for FP16 GPU engines); conv_epilogues: off builds the engine without them")
 
 
 @lru_cache(maxsize=None)

@@ -38,6 +38,7 @@ from kiln.core.records import Baseline, EngineValidation, Memory, TensorSpec, Va
 from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained, torch_model_named
+from kiln.stages.engines import conv_epilogues
 from kiln.stages.engines.engines import engine_dirs, read_metadata
 from kiln.stages.engines.gemm_epilogues import accuracy_hint
 from kiln.stages.engines.registry import load_engine, preference_order, runnable
@@ -115,8 +116,8 @@ def engine_hints(builder_settings: dict[str, Any], device: str, failures: list[s
     """What to try when an engine missed an accuracy gate (one the way it was built may explain)."""
     if not any(not f.startswith(LATENCY_GATE) for f in failures):
         return []
-    hint = accuracy_hint(builder_settings, device)
-    return [hint] if hint else []
+    hints = (accuracy_hint(builder_settings, device), conv_epilogues.accuracy_hint(builder_settings))
+    return [h for h in hints if h]
 
 
 def gates_for(cfg: ValidateConfig, precision: str) -> dict[str, Any]:

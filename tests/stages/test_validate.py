@@ -71,6 +71,19 @@ def test_an_approximated_gelu_is_named_when_an_accuracy_gate_fails() -> None:
     assert engine_hints({}, "cuda", accuracy_miss) == []  # built without the approximation: nothing to say
 
 
+def test_folded_and_fused_convolutions_are_named_when_an_accuracy_gate_fails() -> None:
+    built = {"conv_epilogues": True,
+             "conv_epilogue_layers": {"batch_norms_folded": 20, "conv_bias_relu": 9, "conv_bias_add_relu": 8}}
+    cfg = ValidateConfig()
+    accuracy_miss = check_gates(entry(cosine=0.99), 0.95, gates_for(cfg, "fp16"), 8)
+    (hint,) = engine_hints(built, "cuda", accuracy_miss)
+    assert "20 BatchNorm(s)" in hint and "17 convolution(s)" in hint and "conv_epilogues: off" in hint
+    failed = {"conv_epilogues": False, "conv_epilogues_failed": "RuntimeError: x"}  # built without them after all
+    assert engine_hints(failed, "cuda", accuracy_miss) == []
+    assert engine_hints({**built, "conv_epilogue_layers": dict.fromkeys(built["conv_epilogue_layers"], 0)}, "cuda",
+                        accuracy_miss) == []  # nothing was rewritten: nothing to say
+
+
 def test_percentiles_order() -> None:
     p = percentiles(list(np.arange(1, 101, dtype=float)))
     assert p.p50 < p.p90 < p.p99
