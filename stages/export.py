@@ -72,17 +72,23 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
     names = input_names(model, example)
     unknown = sorted(set(dynamic_axes or {}) - set(names))
     if unknown:
+        single = isinstance(example, torch.Tensor)  # one tensor of data is the input "input", whatever forward calls it
         raise ConfigError(f"export.dynamic_axes names {unknown}, which are not model inputs {names}",
-                          hint="key export.dynamic_axes by the model's input names")
+                          hint=f"key export.dynamic_axes by the model's input names (data of one tensor is the input "
+                               f"'{names[0]}'; data as a dict {{name: tensor}} names it)" if single else
+                          "key export.dynamic_axes by the model's input names")
     with torch.no_grad():
         outputs = list(named_outputs(model, example))
     errors = []
-    placeholders = [f"{PLACEHOLDER}{i}" for i in range(len(outputs))]  # the real names after export (name_outputs)
+    # Inputs and outputs are exported under placeholder names and get their real names after (name_io)
+    ins = [f"{INPUT_PLACEHOLDER}{i}" for i in range(len(names))]
+    placeholders = [f"{PLACEHOLDER}{i}" for i in range(len(outputs))]
+    axes = _axes(names, dynamic_batch, dynamic_axes or {})
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
-            _export(FlatModel(model, example), tuple(tensors(example)), names, placeholders, path, opset,
-                    _axes(names, dynamic_batch, dynamic_axes or {}), dynamo)
+            _export(FlatModel(model, example), tuple(tensors(example)), ins, placeholders, path, opset,
+                    {p: axes[n] for p, n in zip(ins, names)}, dynamo)
             break
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
@@ -92,7 +98,7 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
         raise ModelError("torch.onnx.export failed: " + " | ".join(errors),
                          hint="the model may use an op ONNX cannot express; see the message above")
     proto = load_onnx(path)
-    name_outputs(proto.graph, outputs)
+    name_io(proto.graph, dict(zip(ins, names)), outputs)
     proto = infer_shapes(proto)
     got = max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     if got != opset:
@@ -104,25 +110,28 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
 
 
 PLACEHOLDER = "kiln_export_output_"
+INPUT_PLACEHOLDER = "kiln_export_input_"
 
 
-def name_outputs(graph: onnx.GraphProto, names: list[str]) -> None:
-    """Give the graph's outputs (exported as placeholders) their names. The exporters name internal values after
-    their ops (``embedding``, ``linear``, ``add_1``); asked for an output named like one of them (a model returning
-    ``{"embedding": ...}`` that has an ``nn.Embedding``) the dynamo exporter wrote that name twice, a graph the ONNX
-    checker rejects (not in SSA form). Such an internal value is renamed first (``embedding_1``, ...)."""
-    clash = sorted(set(names) & {i.name for i in graph.input})
+def name_io(graph: onnx.GraphProto, inputs: dict[str, str], outputs: list[str]) -> None:
+    """Give the graph's inputs (``inputs``: placeholder -> name) and outputs (exported as placeholders, in order) their
+    names. The exporters name internal values after their ops (``embedding``, ``cat``, ``linear``, ``add_1``); asked
+    for an input or output named like one of them (a model returning ``{"embedding": ...}`` that has an
+    ``nn.Embedding``, or taking ``{"cat": ...}`` and calling ``torch.cat``) the dynamo exporter wrote that name twice,
+    a graph the ONNX checker rejects (not in SSA form). Such an internal value is renamed first (``cat_1``, ...)."""
+    clash = sorted(set(outputs) & set(inputs.values()))
     if clash:
         raise ModelError(f"the model's outputs {clash} are named like its inputs; an ONNX graph cannot have both",
                          hint="rename those outputs (the keys of the dict forward() returns) or the inputs")
     taken = value_names(graph)
     mapping: dict[str, str] = {}
-    for name in names:
+    for name in [*inputs.values(), *outputs]:
         if name in taken:
             fresh = next(f"{name}_{k}" for k in range(1, len(taken) + 2) if f"{name}_{k}" not in taken)
             mapping[name] = fresh
             taken.add(fresh)
-    mapping.update(zip((o.name for o in graph.output), names))
+    mapping.update(inputs)
+    mapping.update(zip((o.name for o in graph.output), outputs))
     rename_values(graph, mapping)
 
 
@@ -263,11 +272,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
                          hint="raise export.parity_atol, or check the model for ops that export inexactly")
     log.info("exported %d nodes, opset %d, parity max abs err %.2e", len(proto.graph.node),
              proto.opset_import[0].version, check["max_abs_err"])
-    sizes = dynamic_sizes(data, [i.name for i in proto.graph.input], cfg.dynamic_axes)
+    names = [i.name for i in proto.graph.input]
+    sizes = dynamic_sizes(data, names, cfg.dynamic_axes)
     if sizes:
         (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
+    ranges = integer_ranges(data, names)
+    if ranges:
+        (ctx.out / INT_RANGES).write_text(json.dumps(ranges, indent=2, sort_keys=True) + "\n")
     return {"nodes": len(proto.graph.node), "opset": max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
-            "parity": check, "dynamic_sizes": sizes}
+            "parity": check, "dynamic_sizes": sizes, "int_ranges": ranges}
 
 
 DYNAMIC_SIZES = "dynamic_sizes.json"
@@ -282,6 +295,31 @@ def dynamic_sizes(data: Any, names: list[str],
         return {}
     seen = {name: {int(a): [f[name].shape[int(a)] for f in feeds] for a in dims} for name, dims in axes.items()}
     return {name: {a: [min(v), max(v)] for a, v in dims.items()} for name, dims in seen.items()}
+
+
+INT_RANGES = "int_ranges.json"
+
+
+def integer_ranges(data: Any, names: list[str]) -> dict[str, list[int]]:
+    """Input name -> [smallest, largest] value in the data, for each integer input: values the model's embeddings and
+    index lookups are known to take (a categorical feature with 10 levels fails at 10), for the optimizer's safety
+    net, whose random integers otherwise lie in [0, optimize.int_high]."""
+    out: dict[str, list[int]] = {}
+    for x in (data.train_x, data.val_x):
+        if not rows(x):
+            continue
+        for name, values in feed_for_graph(x, names).items():
+            if values.dtype.kind in "iu" and values.size:
+                low, high = int(values.min()), int(values.max())
+                old = out.get(name, [low, high])
+                out[name] = [min(low, old[0]), max(high, old[1])]
+    return out
+
+
+def read_int_ranges(export_dir: Path) -> dict[str, list[int]] | None:
+    """:data:`INT_RANGES` of an export folder (None without one: no integer inputs, or a model.onnx)."""
+    path = export_dir / INT_RANGES
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def read_dynamic_sizes(export_dir: Path) -> dict[str, dict[int, list[int]]] | None:

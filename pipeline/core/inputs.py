@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from kiln.core.errors import ConfigError
@@ -45,11 +45,13 @@ AxisSizes = Mapping[str, Mapping[int, int]]  # input name -> axis -> size
 
 
 def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | AxisSizes | None = None, int_high: int = 1,
-                  seed: int = 0, hint: str = "pass concrete input arrays") -> dict[str, np.ndarray]:
+                  seed: int = 0, hint: str = "pass concrete input arrays",
+                  int_ranges: Mapping[str, Sequence[int]] | None = None) -> dict[str, np.ndarray]:
     """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis (one
     size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in
-    [0, ``int_high``] (1 by default, so any embedding accepts them), booleans at random, floats standard normal. A
-    fixed axis keeps its size."""
+    [0, ``int_high``] (1 by default, so any embedding accepts them), or in an input's own ``[low, high]`` of
+    ``int_ranges`` (the values the data holds), booleans at random, floats standard normal. A fixed axis keeps its
+    size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -59,7 +61,8 @@ def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | AxisSizes 
         if dtype == np.bool_:
             feed[spec.name] = rng.random(shape) < 0.5
         elif dtype.kind in "iu":
-            feed[spec.name] = rng.integers(0, int_high + 1, size=shape).astype(dtype)
+            low, high = (int_ranges or {}).get(spec.name, (0, int_high))
+            feed[spec.name] = rng.integers(low, high + 1, size=shape).astype(dtype)
         else:
             feed[spec.name] = rng.standard_normal(shape).astype(dtype)
     return feed

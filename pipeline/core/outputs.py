@@ -6,6 +6,7 @@ validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for 
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -40,11 +41,17 @@ def flatten_outputs(out: Any, ref: str = "model") -> dict[str, torch.Tensor]:
     return dict(items)
 
 
+# Output names that say "features, not class scores" (Hugging Face's ModelOutput keys: last_hidden_state,
+# pooler_output, image_embeds, ...): the argmax of a hidden vector is no class, and its top-1 agreement would fail
+# INT8 and FP16 engines that agree with the model everywhere that matters (cosine, error).
+FEATURE_NAMES = re.compile(r"hidden_state|embed|pooler|feature", re.IGNORECASE)
+
+
 def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
-    """``validate.logits_output``: the named or indexed output; default the only output, else ``logits``, else
-    None (no class logits: no accuracy, no top-1)."""
+    """``validate.logits_output``: the named or indexed output; default the only output (unless its name says it
+    holds features: :data:`FEATURE_NAMES`), else ``logits``, else None (no class logits: no accuracy, no top-1)."""
     if setting is None:
-        if len(names) == 1:
+        if len(names) == 1 and not FEATURE_NAMES.search(names[0]):
             return names[0]
         return SINGLE_OUTPUT if SINGLE_OUTPUT in names else None
     if isinstance(setting, int):

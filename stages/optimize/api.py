@@ -16,7 +16,7 @@ from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.gs_io import EmptyAttrs, export_graph, import_graph
-from kiln.stages.optimize.verify import DataSizes, Verifier
+from kiln.stages.optimize.verify import DataSizes, IntRanges, Verifier
 
 log = logging.getLogger("kiln.optimize")
 
@@ -48,11 +48,11 @@ def _apply(spec: Any, params: Any, model: onnx.ModelProto) -> tuple[onnx.ModelPr
     return infer_shapes(_export(graph, model, empties), strict=False), changes
 
 
-def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig,
-                   data_sizes: DataSizes | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: DataSizes | None = None,
+                   int_ranges: IntRanges | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """Apply ``cfg.passes`` in order. With ``cfg.verify`` each changed graph is run in ONNX Runtime against the
-    original (on random inputs, dynamic axes at ``data_sizes`` where known); a pass that changes the outputs (or
-    crashes) is rolled back and reported by name."""
+    original (on random inputs, dynamic axes at ``data_sizes`` and integers within ``int_ranges`` where the data
+    gave them); a pass that changes the outputs (or crashes) is rolled back and reported by name."""
     t_start = time.perf_counter()
     plan = [resolve(e) for e in cfg.passes]
     current = onnx.ModelProto()
@@ -61,7 +61,7 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig,
     verifier = None
     if cfg.verify:
         try:
-            verifier = Verifier(current, cfg, data_sizes)
+            verifier = Verifier(current, cfg, data_sizes, int_ranges)
         except Exception as exc:  # unverified rewrites must never ship silently: the user decides
             raise ModelError(f"the optimizer's safety net cannot run the input model on random inputs "
                              f"({short_reason(exc)})",

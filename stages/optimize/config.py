@@ -43,7 +43,9 @@ class OptimizeConfig(Section):
     rtol: float = Field(1e-4, gt=0, description="safety net: allowed error relative to the largest reference output")
     atol: float = Field(1e-5, ge=0, description="safety net: allowed absolute error")
     verify_batch: int = Field(2, ge=1, description="safety net: size given to dynamic (symbolic) input axes")
-    int_high: int = Field(16, ge=0, description="safety net: integer inputs are drawn from [0, int_high]")
+    int_high: int = Field(16, ge=0, description="safety net: integer inputs are drawn from [0, int_high], or from "
+                                                "the range the data holds where the export recorded it "
+                                                "(export/int_ranges.json)")
     seed: int = Field(0, description="safety net: seed of the random inputs")
 
     @field_validator("passes")

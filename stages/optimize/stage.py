@@ -7,13 +7,14 @@ import kiln.stages.optimize
 from kiln.core.env import environment_subset
 from kiln.core.onnx_io import check_onnx, load_onnx, save_onnx
 from kiln.core.stage import Stage, StageContext
-from kiln.stages.export import read_dynamic_sizes
+from kiln.stages.export import read_dynamic_sizes, read_int_ranges
 from kiln.stages.optimize.api import optimize_model
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
     model = load_onnx(ctx.inputs["export"] / "model.onnx")
-    out, summary = optimize_model(model, ctx.config.optimize, read_dynamic_sizes(ctx.inputs["export"]))
+    out, summary = optimize_model(model, ctx.config.optimize, read_dynamic_sizes(ctx.inputs["export"]),
+                                  read_int_ranges(ctx.inputs["export"]))
     path = ctx.out / "model.onnx"
     save_onnx(out, path)
     check_onnx(path, "optimized model")

@@ -38,15 +38,17 @@ class Verdict:
 
 
 DataSizes = Mapping[str, Mapping[int, list[int]]]  # input name -> axis -> [smallest, largest] size in the data
+IntRanges = Mapping[str, list[int]]  # integer input name -> [smallest, largest] value in the data
 
 
 def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None = None,
-                  dynamic: int | AxisSizes | None = None) -> dict[str, np.ndarray]:
+                  dynamic: int | AxisSizes | None = None, int_ranges: IntRanges | None = None) -> dict[str, np.ndarray]:
     """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``,
-    other symbolic axes ``dynamic``, when given), integers lie in [0, int_high]."""
+    other symbolic axes ``dynamic``, when given), integers lie in the data's range of the input (``int_ranges``,
+    where the export recorded it) or else in [0, int_high]."""
     specs, _ = io_specs(model)
     return make_inputs(specs, batch or cfg.verify_batch, dynamic=dynamic or cfg.verify_batch, int_high=cfg.int_high,
-                       seed=cfg.seed)
+                       seed=cfg.seed, int_ranges=int_ranges)
 
 
 def axis_sizes(model: onnx.ModelProto, default: int, data: DataSizes | None,
@@ -82,16 +84,20 @@ def _byte_size(model: onnx.ModelProto) -> int:
 class Verifier:
     """Holds the original model's outputs on fixed random inputs; ``check`` compares a candidate to them."""
 
-    def __init__(self, model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: DataSizes | None = None) -> None:
-        """``data_sizes``: the sizes the export saw on each dynamic axis besides batch (``dynamic_sizes.json``)."""
+    def __init__(self, model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: DataSizes | None = None,
+                 int_ranges: IntRanges | None = None) -> None:
+        """``data_sizes``: the sizes the export saw on each dynamic axis besides batch (``dynamic_sizes.json``);
+        ``int_ranges``: the values it saw in each integer input (``int_ranges.json``)."""
         self.cfg = cfg
-        self.feeds = [random_inputs(model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True))]
+        self.feeds = [random_inputs(model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True),
+                                    int_ranges=int_ranges)]
         self.references = [run_ort(model, self.feeds[0])]  # must run: else the caller reports why
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
         # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
         try:
             one = random_inputs(model, cfg, batch=1,
-                                dynamic=axis_sizes(model, cfg.verify_batch + 1, data_sizes, False))
+                                dynamic=axis_sizes(model, cfg.verify_batch + 1, data_sizes, False),
+                                int_ranges=int_ranges)
             if any(one[k].shape != v.shape for k, v in self.feeds[0].items()):  # else the same check twice
                 self.references.append(run_ort(model, one))
                 self.feeds.append(one)

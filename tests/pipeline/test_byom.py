@@ -108,6 +108,34 @@ def hidden_and_logits():
     return HiddenAndLogits(dim=32, layers=1)
 
 
+class Tabular(nn.Module):
+    """Categorical codes (input `cat`, like the graph's torch.cat value) + numeric features -> {price, log_var}."""
+    def __init__(self):
+        super().__init__()
+        self.embs = nn.ModuleList(nn.Embedding(10, 4) for _ in range(3))
+        self.mlp = nn.Sequential(nn.Linear(3 * 4 + 5, 32), nn.ReLU(), nn.Linear(32, 2))
+
+    def forward(self, cat, num):
+        out = self.mlp(torch.cat([e(cat[:, i]) for i, e in enumerate(self.embs)] + [num], dim=1))
+        return {"price": out[:, 0], "log_var": out[:, 1]}
+
+
+def tabular():
+    return Tabular()
+
+
+def tabular_data(size=256):
+    g = torch.Generator().manual_seed(0)
+    cat, num = torch.randint(0, 10, (size, 3), generator=g), torch.randn(size, 5, generator=g)
+    y = num[:, 0] * 2 + cat[:, 0].float() * 0.1
+    n = size * 3 // 4
+    return DatasetSplits({"cat": cat[:n], "num": num[:n]}, y[:n], {"cat": cat[n:], "num": num[n:]}, y[n:])
+
+
+def gaussian_nll(out, y):
+    return (0.5 * out["log_var"] + 0.5 * (out["price"] - y) ** 2 / out["log_var"].exp()).mean()
+
+
 def text(size=256, as_tuple=False, max_len=16):
     d = synthetic_text(size=size, max_len=max_len)
     if as_tuple:
@@ -206,6 +234,23 @@ def test_audio_with_a_dynamic_time_axis(tmp_path: Path) -> None:
     assert v["baseline"]["shapes"] == [{"time": 200}, {"time": 400}]
     sizes = json.loads((tmp_path / "wd" / "export" / "dynamic_sizes.json").read_text())
     assert sizes == {"input": {"1": [400, 400]}}  # a bare tensor is the input named `input`
+
+
+def test_tabular_model_with_an_input_named_like_a_graph_value_and_categorical_codes(tmp_path: Path) -> None:
+    """A tabular model: categorical codes in `cat` (3 features, 10 levels each), numeric features, two regression
+    outputs and the user's loss. Before: the export failed the ONNX checker (the dynamo exporter named its
+    torch.cat value `cat` as well as the input), and then the optimizer's safety net stopped the run (its random
+    codes went up to optimize.int_high 16, past the 10 rows of each embedding)."""
+    v = _user_run(tmp_path, "tabular", {}, **{"data.name": "byom_user:tabular_data", "export.dynamic_axes": {},
+                                              "train.loss": "byom_user:gaussian_nll", "validate.batch_sizes": [1, 16],
+                                              "precision.variants": ["fp32", "int8"]})
+    assert v["passed"] is True, v["failures"]
+    assert v["baseline"]["compared"] == ["price", "log_var"]
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "wd" / "export" / "model.onnx")).graph
+    assert [i.name for i in graph.input] == ["cat", "num"] and [o.name for o in graph.output] == ["price", "log_var"]
+    assert json.loads((tmp_path / "wd" / "export" / "int_ranges.json").read_text()) == {"cat": [0, 9]}
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:

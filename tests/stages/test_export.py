@@ -100,3 +100,26 @@ class Echo(nn.Module):
 def test_an_output_named_like_an_input_is_a_model_error(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="named like its inputs"):
         export_onnx(Echo(), torch.rand(2, 3), tmp_path / "m.onnx")
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.emb(tokens).mean(1)
+
+
+def test_dynamic_axes_naming_no_input_says_what_the_inputs_are_called(tmp_path: Path) -> None:
+    """A user names the axis after forward's parameter, but data of one tensor is the input 'input': the error says
+    so and how to choose the name (a dict); with a dict of data the name is the user's."""
+    from kiln.core.errors import ConfigError
+
+    ids = torch.randint(0, 10, (2, 5))
+    with pytest.raises(ConfigError, match=r"names \['tokens'\], which are not model inputs \['input'\]") as info:
+        export_onnx(_Tokens(), ids, tmp_path / "a.onnx", dynamic_axes={"tokens": {1: "seq"}})
+    assert "data of one tensor is the input 'input'" in info.value.hint and "as a dict" in info.value.hint
+    model = export_onnx(_Tokens(), {"tokens": ids}, tmp_path / "b.onnx", dynamic_axes={"tokens": {1: "seq"}})
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    assert model.graph.input[0].name == "tokens" and dims[1].dim_param == "seq"

@@ -90,6 +90,9 @@ def test_outputs_flatten_and_the_logits_default() -> None:
         flatten_outputs({"logits": t, "past_key_values": DynamicCache()})
     assert "use_cache=False" in caught.value.hint
     assert logits_name(["x"], None) == "x" and logits_name(["hidden", "logits"], None) == "logits"
+    # one output whose name says it holds features (a T5 encoder, a sentence embedder): no class logits by default
+    for features in ("last_hidden_state", "pooler_output", "image_embeds", "embedding", "features"):
+        assert logits_name([features], None) is None and logits_name([features], 0) == features
     assert logits_name(["output_0", "output_1"], None) is None and logits_name(["output_0", "output_1"], -1) == "output_1"
     with pytest.raises(ConfigError, match="not an output of the model"):
         logits_name(["a"], "logits")
