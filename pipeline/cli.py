@@ -81,10 +81,11 @@ class KilnGroup(click.Group):
 # quantize_static's advice to run ORT's pre-processing (Kiln infers shapes itself before quantizing), and two of
 # torch's own: its program loader on any channels_last weight (a torch engine of a CNN; the loaded engine's
 # outputs are checked in validation and in the torch engine tests, on CPU and GPU) and a deprecation inside its
-# AOTInductor code.
+# AOTInductor code; and torch.export's note on nn.RNN/GRU/LSTM's own weight list (torch's module, not the user's).
 THIRD_PARTY_NOISE = ("will be truncated to", "Model producer not matched",
                      "symbolic shape inference disabled or failed", "consider to run pre-processing",
-                     "No complete tensor found in the group", "isinstance(treespec, LeafSpec)` is deprecated")
+                     "No complete tensor found in the group", "isinstance(treespec, LeafSpec)` is deprecated",
+                     "._flat_weights[")
 THIRD_PARTY_LOGGERS = ("py.warnings", "onnxruntime", "onnxconverter_common", "onnx_graphsurgeon")
 
 

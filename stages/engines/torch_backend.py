@@ -177,7 +177,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_size(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
     try:
-        exported = _export(served, args, _dynamic_shapes(req))
+        exported = _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
     except BuildError:
         raise
     except Exception as exc:  # torch.export failures: this model cannot become this engine kind
@@ -198,7 +198,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         return _build_compiled(req, exported, common, why=exc.message)
 
 
-def _export(served: Any, args: tuple[Any, ...], dynamic: Any) -> Any:
+def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) -> Any:
     """``torch.export`` with the engine's dynamic axes. A model that takes only some sizes (a U-Net's height must be
     a multiple of 4, for its pooling and upsampling to meet) fails with torch's suggested fixes; they are applied
     once (``refine_dynamic_shapes_from_suggested_fixes``, torch's own helper), unless one fixes an axis to a single
@@ -213,8 +213,8 @@ def _export(served: Any, args: tuple[Any, ...], dynamic: Any) -> Any:
             if "Suggested fixes" not in str(exc):
                 raise
             refined = refine_dynamic_shapes_from_suggested_fixes(exc.msg, dynamic)
-            fixed = [f"input {i} axis {a}" for i, axes in enumerate(refined[0]) for a, d in (axes or {}).items()
-                     if isinstance(d, int)]  # refined[0]: the per-input axes of forward(*xs)
+            fixed = [f"input '{names[i]}' axis {a}" for i, axes in enumerate(refined[0])
+                     for a, d in (axes or {}).items() if isinstance(d, int)]  # refined[0]: forward(*xs)'s per input
             if fixed:
                 raise BuildError(f"torch.export: the model takes one size only on {', '.join(fixed)}",
                                  hint="leave those axes out of export.dynamic_axes, or build ONNX engines only"
