@@ -1,8 +1,9 @@
 """A model's outputs as named tensors, and which of them holds the class logits.
 
 A model may return a tensor, a tuple, a dict or a HuggingFace ``ModelOutput`` (an ordered dict whose unset
-fields are ``None``). Every stage sees them flattened the same way, so an ONNX output, a PyTorch output and a
-validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for tuple items, the keys of a dict.
+fields are ``None``), nested or not. Every stage sees them flattened the same way, so an ONNX output, a PyTorch
+output and a validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for tuple items, the keys
+of a dict, and ``parent.child`` paths inside nested ones.
 """
 from __future__ import annotations
 
@@ -18,27 +19,41 @@ SINGLE_OUTPUT = "logits"
 
 
 def flatten_outputs(out: Any, ref: str = "model") -> dict[str, torch.Tensor]:
-    """Named output tensors in the model's order; anything that is not a tensor is a :class:`ModelError`."""
+    """Named output tensors in the model's order; anything that is not a tensor is a :class:`ModelError`. Nested
+    tuples, lists, dicts and ModelOutputs (CLIP's ``text_model_output``) are flattened too, their tensors named by
+    their path (``text_model_output.pooler_output``, ``output_1.0``)."""
     if isinstance(out, torch.Tensor):
         return {SINGLE_OUTPUT: out}
-    if isinstance(out, Mapping):  # dicts and ModelOutput (unset optional fields are None and left out)
-        items = [(str(k), v) for k, v in out.items() if v is not None]
-    elif isinstance(out, (tuple, list)):
-        items = [(f"output_{i}", v) for i, v in enumerate(out)]
-    else:
+    if not isinstance(out, (Mapping, tuple, list)):
         raise ModelError(f"{ref} returns {type(out).__name__}, not a tensor, tuple, dict or ModelOutput",
                          hint="return the output tensors from forward()")
-    for name, value in items:
-        if not isinstance(value, torch.Tensor):
-            kind = type(value).__name__
-            hint = ("a transformers model returns its key/value cache when its config has use_cache: build it with "
-                    "use_cache=False, or return the tensors you serve (e.g. outputs.logits)" if kind.endswith("Cache")
-                    else "return only tensors from forward() (nested tuples/lists of tensors are not supported; "
-                         "flatten them)")
-            raise ModelError(f"{ref} returns output '{name}' as {kind}, not a tensor", hint=hint)
+    items = dict(_leaves(out, "", ref))
     if not items:
         raise ModelError(f"{ref} returns no tensor", hint="return the output tensors from forward()")
-    return dict(items)
+    return items
+
+
+def _leaves(value: Any, path: str, ref: str) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of every tensor inside a container output; ``path`` is the container's own name ("" at
+    the top, where tuple items are ``output_<i>``)."""
+    if isinstance(value, Mapping):  # dicts and ModelOutput (unset optional fields are None and left out)
+        children = [(str(k), v) for k, v in value.items() if v is not None]
+    else:
+        children = [(f"output_{i}" if not path else str(i), v) for i, v in enumerate(value)]
+    leaves: list[tuple[str, torch.Tensor]] = []
+    for key, child in children:
+        name = f"{path}.{key}" if path else key
+        if isinstance(child, torch.Tensor):
+            leaves.append((name, child))
+        elif isinstance(child, (Mapping, tuple, list)):
+            leaves += _leaves(child, name, ref)
+        else:
+            kind = type(child).__name__
+            hint = ("a transformers model returns its key/value cache when its config has use_cache: build it with "
+                    "use_cache=False, or return the tensors you serve (e.g. outputs.logits)" if kind.endswith("Cache")
+                    else "return only tensors (in tuples, lists, dicts or ModelOutputs) from forward()")
+            raise ModelError(f"{ref} returns output '{name}' as {kind}, not a tensor", hint=hint)
+    return leaves
 
 
 # Output names that say "features, not class scores" (Hugging Face's ModelOutput keys: last_hidden_state,

@@ -6,6 +6,7 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +50,8 @@ from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.report import report_section
 
+log = logging.getLogger("kiln.validate")
+
 
 def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict[str, float | None]:
     """The comparator's statistics of the logits output, plus task accuracy where there are labels."""
@@ -65,7 +68,11 @@ def compare_all(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: 
     if missing:
         raise ModelError(f"the engine has no output {missing} (it has {sorted(got)})",
                          hint="rebuild the engines from this model's ONNX export (kiln run --force export)")
-    stats = compare_outputs(ref, got)
+    try:
+        stats = compare_outputs(ref, got)
+    except ValueError as exc:  # an output of another shape than the reference's at the same inputs
+        raise ModelError(f"the engine's outputs do not match the reference's: {exc}",
+                         hint="rebuild the engines from this model's ONNX export (kiln run --force export)") from None
     return {n: s if n == logits else replace(s, top1_agreement=None) for n, s in stats.items()}
 
 
@@ -93,6 +100,15 @@ def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: st
     entry.max_abs_err, entry.rel_err = worst(stats, "max_abs_err"), worst(stats, "rel_err")
     entry.cosine = worst(stats, "cosine")
     entry.top1_agreement = stats[logits].top1_agreement if logits in stats else None
+
+
+def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> list[str]:
+    """Outputs whose shape beyond the first axis follows the batch size (a contrastive model's ``[images, texts]``
+    logits): their rows depend on the whole batch, so they compare only between calls on the same batch."""
+    if feed_rows(feed) < 2:
+        return []
+    big, one = run(sample_batch(feed, max(batch, 2))), run(sample_batch(feed, 1))
+    return [k for k in big if k in one and big[k].shape[1:] != one[k].shape[1:]]
 
 
 def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:
@@ -158,7 +174,28 @@ class Reference:
     def __init__(self, run: Callable[[Feed], dict[str, np.ndarray]], feeds: list[tuple[dict[str, int], Feed]],
                  labels: np.ndarray | None, logits: str | None, batch: int) -> None:
         self.run, self.feeds, self.labels, self.logits = run, feeds, labels, logits
-        self.outputs = [batched(run, feed, batch) for _, feed in feeds]  # the largest batch, every shape
+        coupled = batch_coupled(run, feeds[0][1], batch)
+        if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
+            rows = feed_rows(feeds[0][1]) // batch * batch
+            if not rows:
+                raise ModelError(f"the outputs {coupled} follow the batch beyond their first axis (each row depends "
+                                 f"on the whole batch), and the data has fewer held-out rows than the largest "
+                                 f"validated batch ({batch})", hint="give the data more held-out rows, or validate "
+                                                                    "smaller validate.batch_sizes")
+            log.info("outputs %s depend on the whole batch: compared on %d held-out rows (whole batches of %d)",
+                     coupled, rows, batch)
+            self.feeds = [(point, feed_take(feed, slice(0, rows))) for point, feed in feeds]
+            self.labels = None if labels is None else labels[:rows]
+        self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
+        self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def at_batch(self, index: int, batch: int) -> dict[str, np.ndarray]:
+        """The reference on ``batch`` rows of feed ``index`` (:func:`sample_batch`): what an engine called at that
+        batch size is compared with. Run, not sliced from the largest batch's outputs: an output that mixes the
+        batch's rows (CLIP's image-text logits, ``[images, texts]``) is another at each batch size."""
+        if (index, batch) not in self._at:
+            self._at[(index, batch)] = self.run(sample_batch(self.feeds[index][1], batch))
+        return self._at[(index, batch)]
 
     @property
     def feed(self) -> Feed:
@@ -190,8 +227,8 @@ def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline],
                 got = batched(runner.infer, feed, largest)
             stats = merge_worst(stats, compare_all(expected, got, ref.logits))
             for bs in cfg.batch_sizes:  # every batch size at every shape: one batch each
-                want = {k: sample_batch(v, bs) for k, v in expected.items()}
-                stats = merge_worst(stats, compare_all(want, runner.infer(sample_batch(feed, bs)), ref.logits))
+                got_bs = runner.infer(sample_batch(feed, bs))
+                stats = merge_worst(stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits))
             if i == len(ref.feeds) - 1 and ref.logits is not None and ref.labels is not None:
                 entry.accuracy = float(np.mean(got[ref.logits].argmax(-1) == ref.labels))
         summarize(entry, stats, ref.logits)

@@ -136,6 +136,29 @@ def gaussian_nll(out, y):
     return (0.5 * out["log_var"] + 0.5 * (out["price"] - y) ** 2 / out["log_var"].exp()).mean()
 
 
+class Contrastive(nn.Module):
+    """Two towers and their similarity logits [images, texts] (CLIP's form): each row depends on the whole batch;
+    the towers' embeddings come back nested ({"towers": {"image", "text"}}, as CLIP's text_model_output)."""
+    def __init__(self):
+        super().__init__()
+        self.image, self.text = nn.Linear(8, 4), nn.Linear(6, 4)
+
+    def forward(self, image, text):
+        i, t = nn.functional.normalize(self.image(image), dim=-1), nn.functional.normalize(self.text(text), dim=-1)
+        return {"logits_per_image": 10 * i @ t.T, "towers": {"image": i, "text": t}}
+
+
+def contrastive():
+    return Contrastive()
+
+
+def pairs(size=74):  # 18 held-out rows: not a whole number of batches of 4
+    g = torch.Generator().manual_seed(0)
+    x = {"image": torch.randn(size, 8, generator=g), "text": torch.randn(size, 6, generator=g)}
+    n = size * 3 // 4
+    return DatasetSplits({k: v[:n] for k, v in x.items()}, None, {k: v[n:] for k, v in x.items()}, None)
+
+
 def text(size=256, as_tuple=False, max_len=16):
     d = synthetic_text(size=size, max_len=max_len)
     if as_tuple:
@@ -251,6 +274,20 @@ def test_tabular_model_with_an_input_named_like_a_graph_value_and_categorical_co
     graph = onnx.load(str(tmp_path / "wd" / "export" / "model.onnx")).graph
     assert [i.name for i in graph.input] == ["cat", "num"] and [o.name for o in graph.output] == ["price", "log_var"]
     assert json.loads((tmp_path / "wd" / "export" / "int_ranges.json").read_text()) == {"cat": [0, 9]}
+
+
+def test_contrastive_model_with_batch_coupled_and_nested_outputs(tmp_path: Path) -> None:
+    """CLIP's shape of model: image-text logits [images, texts] whose rows depend on the whole batch, and nested
+    outputs. Before: a nested output was refused ("nested tuples/lists of tensors are not supported"), and validation
+    ended in a traceback (it sliced the largest batch's reference rows for batch 1: [1, 4] against [1, 1])."""
+    v = _user_run(tmp_path, "contrastive", {}, **{"data.name": "byom_user:pairs", "train.enabled": False,
+                                                  "export.dynamic_axes": {}, "precision.variants": ["fp32", "int8"],
+                                                  "validate.batch_sizes": [1, 4]})
+    assert v["passed"] is True, v["failures"]
+    assert v["baseline"]["compared"] == ["logits_per_image", "towers.image", "towers.text"]
+    assert v["baseline"]["logits_output"] is None  # three outputs, none named logits
+    for e in (e for e in v["engines"] if e["status"] == "validated"):
+        assert e["outputs"]["logits_per_image"]["cosine"] > 0.99
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:

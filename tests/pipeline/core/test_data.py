@@ -80,8 +80,10 @@ def test_outputs_flatten_and_the_logits_default() -> None:
     t = torch.zeros(2, 3)
     assert list(flatten_outputs((t, t))) == ["output_0", "output_1"]
     assert list(flatten_outputs({"hidden": t, "logits": t, "attentions": None})) == ["hidden", "logits"]
-    with pytest.raises(ModelError, match="output 'output_1' as list, not a tensor"):
-        flatten_outputs((t, [t]))
+    nested = flatten_outputs((t, [t, {"a": t, "skip": None}], {"text": {"pooled": t}}))  # CLIP-like nesting
+    assert list(nested) == ["output_0", "output_1.0", "output_1.1.a", "output_2.text.pooled"]
+    with pytest.raises(ModelError, match="output 'output_1.0' as str, not a tensor"):
+        flatten_outputs((t, ["x"]))
 
     class DynamicCache:  # what a transformers causal LM returns beside its logits with use_cache on
         pass
