@@ -44,6 +44,23 @@ def check_batch_fits(specs: list[TensorSpec], batch: int, what: str = "validate.
 AxisSizes = Mapping[str, Mapping[int, int]]  # input name -> axis -> size
 
 
+def largest_sizes(specs: list[TensorSpec], axis_sizes: Mapping[str, Sequence[int]]) -> dict[str, dict[int, int]] | None:
+    """A size for every symbolic axis besides the batch, per input: the largest its named axis takes in the data
+    (``axis_sizes``: ``export.dynamic_axes`` name -> sizes), so each axis is at a size the model takes (a decoder's
+    target length need not reach the source's); an axis not named there gets the largest of all. None without
+    sizes (callers then pass one size of their own)."""
+    if not axis_sizes:
+        return None
+    default = max(max(v) for v in axis_sizes.values())
+    out: dict[str, dict[int, int]] = {}
+    for spec in specs:
+        for axis, dim in enumerate(spec.shape):
+            if axis and not (isinstance(dim, int) and dim >= 1):
+                sizes = axis_sizes.get(dim) if isinstance(dim, str) else None
+                out.setdefault(spec.name, {})[axis] = max(sizes) if sizes else default
+    return out
+
+
 def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | AxisSizes | None = None, int_high: int = 1,
                   seed: int = 0, hint: str = "pass concrete input arrays",
                   int_ranges: Mapping[str, Sequence[int]] | None = None) -> dict[str, np.ndarray]:

@@ -47,7 +47,7 @@ import numpy as np
 from kiln.core.cuda_graphs import capture
 from kiln.core.data import by_keyword
 from kiln.core.errors import BuildError, ConfigError
-from kiln.core.inputs import random_inputs
+from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.outputs import flatten_outputs
 from kiln.core.records import EngineMetadata
 from kiln.core.text import first_line
@@ -119,10 +119,10 @@ def _served(model: Any, names: list[str], precision: str, channels_last: bool) -
 AXIS_HINT = "name every dynamic axis besides the batch in export.dynamic_axes (the torch backend exports with them)"
 
 
-def _example_size(req: BuildRequest) -> int | None:
-    """The size the export's example inputs take on every dynamic axis besides the batch: the largest seen (as
-    the ONNX Runtime build's); None without such axes."""
-    return max((max(v) for v in req.axis_sizes.values()), default=None)
+def _example_size(req: BuildRequest) -> dict[str, dict[int, int]] | None:
+    """The sizes the export's example inputs take on the dynamic axes besides the batch: each axis its largest in the
+    data (:func:`kiln.core.inputs.largest_sizes`, as the ONNX Runtime build's); None without such axes."""
+    return largest_sizes(req.inputs, req.axis_sizes)
 
 
 def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:

@@ -159,6 +159,31 @@ def pairs(size=74):  # 18 held-out rows: not a whole number of batches of 4
     return DatasetSplits({k: v[:n] for k, v in x.items()}, None, {k: v[n:] for k, v in x.items()}, None)
 
 
+class SourceTarget(nn.Module):
+    """Source and target tokens with position tables of their own lengths (12 and 6): each dynamic axis takes
+    sizes up to its own length only, as an encoder-decoder's source and target do."""
+    def __init__(self):
+        super().__init__()
+        self.tok, self.src_pos, self.tgt_pos = nn.Embedding(32, 8), nn.Embedding(12, 8), nn.Embedding(6, 8)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, src, tgt):
+        s = self.tok(src) + self.src_pos(torch.arange(src.shape[1]))
+        t = self.tok(tgt) + self.tgt_pos(torch.arange(tgt.shape[1]))
+        return self.head(t + s.mean(1, keepdim=True))
+
+
+def source_target():
+    return SourceTarget()
+
+
+def src_tgt(size=64):
+    g = torch.Generator().manual_seed(0)
+    x = {"src": torch.randint(0, 32, (size, 12), generator=g), "tgt": torch.randint(0, 32, (size, 6), generator=g)}
+    n = size * 3 // 4
+    return DatasetSplits({k: v[:n] for k, v in x.items()}, None, {k: v[n:] for k, v in x.items()}, None)
+
+
 def text(size=256, as_tuple=False, max_len=16):
     d = synthetic_text(size=size, max_len=max_len)
     if as_tuple:
@@ -288,6 +313,19 @@ def test_contrastive_model_with_batch_coupled_and_nested_outputs(tmp_path: Path)
     assert v["baseline"]["logits_output"] is None  # three outputs, none named logits
     for e in (e for e in v["engines"] if e["status"] == "validated"):
         assert e["outputs"]["logits_per_image"]["cosine"] > 0.99
+
+
+def test_two_dynamic_axes_of_different_lengths_through_every_engine_kind(tmp_path: Path) -> None:
+    """A source axis up to 12 and a target axis up to 6 (an encoder-decoder's shape). Before: the torch engine was
+    skipped (torch.export's example put every dynamic axis at the largest size of any, 12, out of the target's
+    range), and the ORT fusion check ran the target at 12 too."""
+    v = _user_run(tmp_path, "source_target", {}, **{"data.name": "byom_user:src_tgt", "train.enabled": False,
+                                                    "export.dynamic_axes": {"src": {1: "src"}, "tgt": {1: "tgt"}},
+                                                    "precision.variants": ["fp32"], "validate.batch_sizes": [1, 4],
+                                                    "build.backends": ["onnxruntime", "torch"]})
+    assert v["passed"] is True, v["failures"]
+    assert {e["name"] for e in v["engines"] if e["status"] == "validated"} == {"onnxruntime-cpu-fp32", "torch-cpu-fp32"}
+    assert v["baseline"]["shapes"] == [{"src": 6, "tgt": 3}, {"src": 12, "tgt": 6}]
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:

@@ -43,3 +43,18 @@ def test_unknown_axes_besides_the_batch_are_refused(shape) -> None:
     with pytest.raises(ConfigError, match="dynamic axes") as err:
         random_inputs([TensorSpec(name="x", shape=shape, dtype="float32")], batch=2, hint="pass arrays")
     assert err.value.hint == "pass arrays"
+
+
+def test_largest_sizes_puts_each_axis_at_its_own_largest_size() -> None:
+    """An encoder-decoder's source and target axes take different lengths: each gets its own largest, an axis not
+    named in the sizes the largest of all; no sizes, no mapping (callers pass their own one size)."""
+    from kiln.core.inputs import largest_sizes
+
+    specs = [TensorSpec(name="src", shape=["batch", "src"], dtype="int64"),
+             TensorSpec(name="tgt", shape=["batch", "tgt"], dtype="int64"),
+             TensorSpec(name="extra", shape=["batch", "other", 4], dtype="float32")]
+    sizes = largest_sizes(specs, {"src": [6, 12], "tgt": [3, 6]})
+    assert sizes == {"src": {1: 12}, "tgt": {1: 6}, "extra": {1: 12}}
+    feed = random_inputs(specs, 2, dynamic=sizes)
+    assert feed["src"].shape == (2, 12) and feed["tgt"].shape == (2, 6) and feed["extra"].shape == (2, 12, 4)
+    assert largest_sizes(specs, {}) is None
