@@ -102,13 +102,20 @@ def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: st
     entry.top1_agreement = stats[logits].top1_agreement if logits in stats else None
 
 
-def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> list[str]:
+def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, smallest: int) -> list[str]:
     """Outputs whose shape beyond the first axis follows the batch size (a contrastive model's ``[images, texts]``
-    logits): their rows depend on the whole batch, so they compare only between calls on the same batch."""
-    if feed_rows(feed) < 2:
+    logits): their rows depend on the whole batch, so they compare only between calls on the same batch. Probed at
+    the largest validated batch against the smallest (or, with one size, the last, shorter batch of the held-out
+    rows), sizes the model is validated at anyway; a model that fails the probe is left to the comparisons to
+    report."""
+    other = smallest if smallest != batch else feed_rows(feed) % batch
+    if not other or feed_rows(feed) < 2:
         return []
-    big, one = run(sample_batch(feed, max(batch, 2))), run(sample_batch(feed, 1))
-    return [k for k in big if k in one and big[k].shape[1:] != one[k].shape[1:]]
+    try:
+        big, small = run(sample_batch(feed, batch)), run(sample_batch(feed, other))
+    except Exception:  # the reference's own error surfaces where the comparisons run it
+        return []
+    return [k for k in big if k in small and big[k].shape[1:] != small[k].shape[1:]]
 
 
 def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:
@@ -172,9 +179,9 @@ class Reference:
     ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any."""
 
     def __init__(self, run: Callable[[Feed], dict[str, np.ndarray]], feeds: list[tuple[dict[str, int], Feed]],
-                 labels: np.ndarray | None, logits: str | None, batch: int) -> None:
+                 labels: np.ndarray | None, logits: str | None, batch: int, smallest: int = 1) -> None:
         self.run, self.feeds, self.labels, self.logits = run, feeds, labels, logits
-        coupled = batch_coupled(run, feeds[0][1], batch)
+        coupled = batch_coupled(run, feeds[0][1], batch, smallest)
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
             rows = feed_rows(feeds[0][1]) // batch * batch
             if not rows:
@@ -304,7 +311,7 @@ def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig)
         out_names = list(named_outputs(model, from_feed(feed_take(feed, slice(0, 2)), data.val_x)))
     logits = logits_name(out_names, cfg.logits_output)
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return Reference(run, feeds, labels, logits, max(cfg.batch_sizes)), model
+    return Reference(run, feeds, labels, logits, max(cfg.batch_sizes), min(cfg.batch_sizes)), model
 
 
 def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
@@ -324,7 +331,8 @@ def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) 
         return dict(zip(out_names, sess.run(None, f)))
 
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return Reference(run, feeds, labels, logits_name(out_names, cfg.logits_output), max(cfg.batch_sizes)), sess
+    return Reference(run, feeds, labels, logits_name(out_names, cfg.logits_output), max(cfg.batch_sizes),
+                     min(cfg.batch_sizes)), sess
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

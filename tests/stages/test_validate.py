@@ -191,3 +191,27 @@ def test_cuda_engines_are_timed_against_pytorch_on_the_gpu(tmp_path: Path) -> No
     assert cuda["memory"]["peak_mb"] is not None and "mem_get_info" in cuda["memory"]["method"]
     print({k: {bs: p["p50"] for bs, p in b["latency_ms"].items()} for k, b in labels.items()},
           {e["name"]: e["speedups"] for e in v["engines"]}, v["chosen"])
+
+
+def test_batch_coupled_outputs_are_found_at_the_validated_sizes() -> None:
+    """An output [rows, rows] (a contrastive model's logits) follows the batch; a row-wise one does not. Probed at
+    the largest validated batch against the smallest, or with one batch size against the held-out rows' last, shorter
+    batch; a reference that cannot run the probe is left to the comparisons."""
+    from kiln.stages.validate.stage import batch_coupled
+
+    feed = {"x": np.random.default_rng(0).standard_normal((18, 3)).astype(np.float32)}
+
+    def run(f: dict) -> dict:
+        x = f["x"]
+        return {"sim": x @ x.T, "rows": x * 2}
+
+    assert batch_coupled(run, feed, 4, 1) == ["sim"]
+    assert batch_coupled(run, feed, 4, 4) == ["sim"]  # 18 rows: the last batch has 2
+    assert batch_coupled(run, {"x": feed["x"][:16]}, 4, 4) == []  # whole batches only: nothing to tell apart
+
+    def fails_small(f: dict) -> dict:
+        if len(f["x"]) < 4:
+            raise RuntimeError("needs 4 rows")
+        return run(f)
+
+    assert batch_coupled(fails_small, feed, 4, 1) == []
