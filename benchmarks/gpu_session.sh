@@ -2,7 +2,7 @@
 # Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
 # /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
 # Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), coordesc, replay,
-# train, train-compile, precision, serve.
+# convprobe, train, train-compile, train-phases, precision, serve.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
 mkdir -p "$OUT"
@@ -42,9 +42,16 @@ for phase in "$@"; do
         --out "$OUT/coordesc_resnet18" ;;
     # what a torch engine's call costs around its CUDA graph (input copy, runner), ResNet-18: ~1 minute
     replay) python3 benchmarks/replay_copy.py --models resnet18 --out "$OUT" ;;
+    # cuDNN's fused conv + bias (+ add) + ReLU against Inductor's kernels, torchvision's ResNet-18: ~5 minutes
+    convprobe) python3 benchmarks/conv_epilogue_probe.py --out "$OUT/convprobe" ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
     # torch.compile table, one model per call keeps each under 10 minutes: TRAIN_COMPILE_ARGS="--models resnet18"
     train-compile) python3 benchmarks/train_bench.py --compile --out "$OUT" ${TRAIN_COMPILE_ARGS:-} ;;
+    # the same with host ms per part of the step (issue 16), one model per call: ~1.5-2.5 minutes each
+    train-phases)
+      for m in bert_base resnet18 bert_base_hf; do
+        python3 benchmarks/train_bench.py --compile --phases --models $m --windows 6 --out "$OUT/phases_$m"
+      done ;;
     precision) python3 benchmarks/precision_bench.py --gpu --out "$OUT" ${PRECISION_ARGS:-} ;;
     serve) python3 benchmarks/serve_bench.py --resnet18-fp16 --concurrency 1,2,4,8,16,32,64 --duration 10 \
              --out "$OUT" ${SERVE_ARGS:-} ;;
