@@ -1,13 +1,14 @@
 """Would cuDNN's fused convolution epilogues make a batch-1 ResNet faster than Inductor's kernels? (issue 12)
 
-A probe, not an engine: it answers whether a ``build.torch`` pass is worth writing. On the H200 a Kiln torch engine
-of ResNet-18 at batch 1 runs about 40 kernels (20 convolutions, ~18 BatchNorm/ReLU/add kernels, pooling, the
-classifier) and takes 0.28-0.34 ms per call, 0.24-0.28 of it kernel time (``benchmarks/results/gpu_session11.md``).
-Folding each BatchNorm into its convolution (``torch.fx.experimental.optimization.fuse``) and running
-convolution + bias (+ residual) + ReLU as one cuDNN call (``torch.cudnn_convolution_relu`` /
-``torch.cudnn_convolution_add_relu``, ATen ops that take cuDNN's fused bias/activation path) would leave about
-one kernel per convolution. Whether cuDNN's kernels are as fast as the ones Inductor's autotuner picks is what this
-measures.
+The probe that led to ``build.torch.conv_epilogues``. Before it, on the H200 a Kiln torch engine of ResNet-18 at
+batch 1 ran about 40 kernels (20 convolutions, ~18 BatchNorm/ReLU/add kernels, pooling, the classifier) and took
+0.28-0.34 ms per call, 0.24-0.28 of it kernel time (``benchmarks/results/gpu_session11.md``). Folding each BatchNorm
+into its convolution and running convolution + bias (+ residual) + ReLU as one cuDNN call
+(``torch.cudnn_convolution_relu`` / ``torch.cudnn_convolution_add_relu``) leaves about one kernel per convolution;
+this measures whether cuDNN's kernels are as fast as the ones Inductor's autotuner picks, variant by variant. The
+folding and fusing are Kiln's own (:mod:`kiln.stages.engines.conv_epilogues`) on the torch.export graph. The results
+in ``conv_epilogue_probe_h200_s12.md`` came from this script's first version (commit 809bbb2), which folded with
+``torch.fx.experimental.optimization.fuse`` and fused with a copy of the same ATen calls of its own.
 
 Variants (FP16, ``channels_last``, each call one CUDA graph replay; torchvision's ``resnet18``, random weights):
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import operator
 import statistics
 import sys
 import time
@@ -40,95 +40,23 @@ import torch
 from torch import fx, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kiln.core.cuda_graphs import capture  # noqa: E402
+from kiln.stages.engines.conv_epilogues import fold_batch_norms, fuse_conv_epilogues  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
 
 from benchmarks.engine_bench import kernel_profile  # noqa: E402
 
 
-@torch.library.custom_op("probe::conv_bias_relu", mutates_args=())
-def conv_bias_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, stride: list[int], padding: list[int],
-                   dilation: list[int], groups: int) -> torch.Tensor:
-    if x.is_cuda:
-        return torch.cudnn_convolution_relu(x, w, b, stride, padding, dilation, groups)
-    return torch.relu(nn.functional.conv2d(x, w, b, stride, padding, dilation, groups))
-
-
-@conv_bias_relu.register_fake
-def _(x, w, b, stride, padding, dilation, groups):  # noqa: ANN001, ANN202
-    return torch.relu(nn.functional.conv2d(x, w, b, stride, padding, dilation, groups))
-
-
-@torch.library.custom_op("probe::conv_bias_add_relu", mutates_args=())
-def conv_bias_add_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, z: torch.Tensor, stride: list[int],
-                       padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
-    if x.is_cuda:
-        return torch.cudnn_convolution_add_relu(x, w, z, 1.0, b, stride, padding, dilation, groups)
-    return torch.relu(nn.functional.conv2d(x, w, b, stride, padding, dilation, groups) + z)
-
-
-@conv_bias_add_relu.register_fake
-def _(x, w, b, z, stride, padding, dilation, groups):  # noqa: ANN001, ANN202
-    return torch.relu(nn.functional.conv2d(x, w, b, stride, padding, dilation, groups) + z)
-
-
-def _is_relu(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op == "call_module":
-        return isinstance(gm.get_submodule(n.target), nn.ReLU)
-    return n.op == "call_function" and n.target in (torch.relu, nn.functional.relu)
-
-
-def fuse_conv_epilogues(gm: fx.GraphModule) -> dict[str, int]:
-    """Conv2d(bias) -> ReLU and Conv2d(bias) -> add -> ReLU, each value read once, as one fused op."""
-    counts = {"conv_bias_relu": 0, "conv_bias_add_relu": 0}
-    for conv in list(gm.graph.nodes):
-        if conv.op != "call_module" or not isinstance(gm.get_submodule(conv.target), nn.Conv2d):
-            continue
-        mod = gm.get_submodule(conv.target)
-        if mod.bias is None or mod.padding_mode != "zeros" or isinstance(mod.padding, str) or len(conv.users) != 1:
-            continue
-        user = next(iter(conv.users))
-        z, relu = None, user
-        if user.op == "call_function" and user.target in (operator.add, torch.add) and len(user.users) == 1:
-            others = [a for a in user.args if a is not conv]
-            if len(others) != 1 or not isinstance(others[0], fx.Node) or len(user.args) != 2:
-                continue
-            z, relu = others[0], next(iter(user.users))
-        if not _is_relu(gm, relu):
-            continue
-        with gm.graph.inserting_before(relu):
-            w = gm.graph.get_attr(f"{conv.target}.weight")
-            b = gm.graph.get_attr(f"{conv.target}.bias")
-            geo = (list(mod.stride), list(mod.padding), list(mod.dilation), mod.groups)
-            if z is None:
-                new = gm.graph.call_function(torch.ops.probe.conv_bias_relu, (conv.args[0], w, b, *geo))
-            else:
-                new = gm.graph.call_function(torch.ops.probe.conv_bias_add_relu, (conv.args[0], w, b, z, *geo))
-        relu.replace_all_uses_with(new)
-        for dead in (relu, user, conv) if z is not None else (relu, conv):
-            gm.graph.erase_node(dead)
-        counts["conv_bias_relu" if z is None else "conv_bias_add_relu"] += 1
-    gm.graph.lint()
-    gm.recompile()
-    return counts
-
-
-def folded(model: nn.Module) -> fx.GraphModule:
-    from torch.fx.experimental.optimization import fuse
-
-    return fuse(model, inplace=False)
+def exported(model: nn.Module, x: torch.Tensor) -> fx.GraphModule:
+    """The model as torch.export's ATen graph, batch dynamic: what Kiln's torch engine rewrites and compiles."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+    with torch.inference_mode():
+        return torch.export.export(model, (x,), dynamic_shapes=({0: batch},)).module()
 
 
 def graphed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """``fn(x)`` captured as one CUDA graph (after warm-up calls on a side stream, as torch's docs do)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(x)
+    """``fn(x)`` captured as one CUDA graph (:func:`kiln.core.cuda_graphs.capture`, as Kiln's torch engine does)."""
+    graph, out = capture(lambda: fn(x), x.device, warmups=3)
 
     def call() -> torch.Tensor:
         graph.replay()
@@ -136,18 +64,19 @@ def graphed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Call
     return call
 
 
-def variants(model32: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """The four variants of the module docstring, from the FP32 model (folded in FP32, then cast to FP16)."""
-    def half(m: nn.Module) -> nn.Module:
-        return copy.deepcopy(m).half().to(memory_format=torch.channels_last)
-
-    fold = folded(model32)
-    fused = folded(model32)
-    counts = fuse_conv_epilogues(fused)
-    print("fused:", counts, flush=True)
+def variants(model32: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The four variants of the module docstring, from the FP32 model cast to FP16 channels_last; the folding and
+    fusing are Kiln's own (:mod:`kiln.stages.engines.conv_epilogues`, which folds in FP32)."""
+    half = copy.deepcopy(model32).half().to(memory_format=torch.channels_last)
+    fold = exported(half, x)
+    fold_batch_norms(fold)
+    fold.graph.lint()
+    fold.recompile()
+    fused = exported(half, x)
+    print("fused:", fuse_conv_epilogues(fused), flush=True)
     opts = dict(mode="max-autotune-no-cudagraphs")
-    return {"compiled": torch.compile(half(model32), **opts), "folded_compiled": torch.compile(half(fold), **opts),
-            "cudnn_eager": half(fused), "cudnn_compiled": torch.compile(half(fused), **opts)}
+    return {"compiled": torch.compile(half, **opts), "folded_compiled": torch.compile(fold, **opts),
+            "cudnn_eager": fused, "cudnn_compiled": torch.compile(fused, **opts)}
 
 
 def resnet18() -> tuple[nn.Module, str]:
@@ -174,7 +103,7 @@ def main() -> None:
     ref32, source = resnet18()
     if args.smoke:
         x = torch.randn(2, 3, 64, 64)
-        fused = folded(ref32)
+        fused = exported(ref32, x)
         counts = fuse_conv_epilogues(fused)
         with torch.no_grad():
             diff = (fused(x) - ref32(x)).abs().max().item()
@@ -188,7 +117,8 @@ def main() -> None:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": source,
                               "cudnn": torch.backends.cudnn.version(), "rows": []}
     with torch.no_grad():
-        fns = variants(ref32)
+        example = torch.randn(2, 3, 224, 224, device=dev).half().contiguous(memory_format=torch.channels_last)
+        fns = variants(ref32, example)
         for batch in [int(b) for b in args.batches.split(",")]:
             x = torch.randn(batch, 3, 224, 224, device=dev).half().contiguous(memory_format=torch.channels_last)
             calls, row = {}, {"batch": batch}
