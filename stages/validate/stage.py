@@ -181,7 +181,7 @@ class Reference:
     def __init__(self, run: Callable[[Feed], dict[str, np.ndarray]], feeds: list[tuple[dict[str, int], Feed]],
                  labels: np.ndarray | None, logits: str | None, batch: int, smallest: int = 1) -> None:
         self.run, self.feeds, self.labels, self.logits = run, feeds, labels, logits
-        coupled = batch_coupled(run, feeds[0][1], batch, smallest)
+        self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest)
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
             rows = feed_rows(feeds[0][1]) // batch * batch
             if not rows:
@@ -198,8 +198,10 @@ class Reference:
 
     def at_batch(self, index: int, batch: int) -> dict[str, np.ndarray]:
         """The reference on ``batch`` rows of feed ``index`` (:func:`sample_batch`): what an engine called at that
-        batch size is compared with. Run, not sliced from the largest batch's outputs: an output that mixes the
-        batch's rows (CLIP's image-text logits, ``[images, texts]``) is another at each batch size."""
+        batch size is compared with. Rows of the largest batch's outputs; where an output mixes the batch's rows
+        (CLIP's image-text logits, ``[images, texts]``: :attr:`coupled`), the reference run at that batch size."""
+        if not self.coupled:
+            return {k: sample_batch(v, batch) for k, v in self.outputs[index].items()}
         if (index, batch) not in self._at:
             self._at[(index, batch)] = self.run(sample_batch(self.feeds[index][1], batch))
         return self._at[(index, batch)]
