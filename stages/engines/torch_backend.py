@@ -119,7 +119,7 @@ def _served(model: Any, names: list[str], precision: str, channels_last: bool) -
 AXIS_HINT = "name every dynamic axis besides the batch in export.dynamic_axes (the torch backend exports with them)"
 
 
-def _example_size(req: BuildRequest) -> dict[str, dict[int, int]] | None:
+def _example_sizes(req: BuildRequest) -> dict[str, dict[int, int]] | None:
     """The sizes the export's example inputs take on the dynamic axes besides the batch: each axis its largest in the
     data (:func:`kiln.core.inputs.largest_sizes`, as the ONNX Runtime build's); None without such axes."""
     return largest_sizes(req.inputs, req.axis_sizes)
@@ -174,7 +174,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     if settings["channels_last_weights"]:
         model = model.to(memory_format=torch.channels_last)
     served = _served(model, [i.name for i in req.inputs], req.precision, settings["channels_last"]).eval()
-    feed = random_inputs(req.inputs, batch=2, dynamic=_example_size(req), hint=AXIS_HINT)
+    feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
     try:
         exported = _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
@@ -296,9 +296,10 @@ def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: 
     cfg = req.config.torch  # explicit settings warn when nothing is rewritten (auto applies to every model)
     explicit = {"gemm": cfg.gemm_epilogues != "auto", "conv": cfg.conv_epilogues != "auto"}
     run, rewrites = _compile_program(req.out / PROGRAM, settings, cuda_graphs, warn_if_nothing_fused=explicit)
+    sizes = _example_sizes(req)
     with torch.inference_mode():
         for batch in warm_batches(req.max_batch):
-            feed = random_inputs(req.inputs, batch=batch, dynamic=_example_size(req), hint=AXIS_HINT)
+            feed = random_inputs(req.inputs, batch=batch, dynamic=sizes, hint=AXIS_HINT)
             _run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs])
     return rewrites
 
