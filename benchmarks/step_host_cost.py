@@ -45,6 +45,7 @@ from kiln.stages.train.dist import DistEnv  # noqa: E402
 from kiln.stages.train.health import skip_if_nonfinite, skips_on_device  # noqa: E402
 from kiln.stages.train.loop import SCHED_WARNING, _Trainer  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
+from kiln.stages.train.update_graph import GraphedUpdate  # noqa: E402
 
 from benchmarks.common import bare_update, write_report  # noqa: E402
 
@@ -83,7 +84,8 @@ def compare(fns: dict[str, Callable[[], Any]], device: torch.device, iters: int,
 class Setup:
     """A model on the device, Kiln's trainer for it (not run: its step is called directly) and a bare optimizer."""
 
-    def __init__(self, spec: dict[str, Any], precision: str, device: torch.device, compile: bool) -> None:
+    def __init__(self, spec: dict[str, Any], precision: str, device: torch.device, compile: bool,
+                 update_graph: str = "auto") -> None:
         torch.manual_seed(0)
         self.device = device
         self.model = build_model(spec["model"], spec["params"]).to(device).train()
@@ -93,7 +95,8 @@ class Setup:
         cfg = TrainConfig.model_validate({
             "epochs": 1, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
             "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant", "plot": False,
-            "loader": {"on_device": True}, "checkpoint": {"resume": "never"}, "compile": compile})
+            "loader": {"on_device": True}, "checkpoint": {"resume": "never"}, "compile": compile,
+            "update_graph": update_graph})
         self.trainer = _Trainer(self.model, DatasetSplits(x, y, x, y, spec["classes"], "synthetic"), cfg, 0,
                                 DistEnv(), device, precision, None, "", None)
         self.trainer.acc = dict.fromkeys(("loss", "seen", "samples", "secs", "skipped", "nonfinite"), 0.0)  # as _epoch
@@ -167,8 +170,10 @@ def parts(s: Setup) -> dict[str, Callable[[], Any]]:
         with skip_if_nonfinite(t.opt, found):
             t.opt.step()
 
-    out = {"step check (as the loop calls it)": lambda: check(loss, norm),
-           "flag + guard, op by op": check._flag_and_settle}
+    out: dict[str, Callable[[], Any]] = {"step check (as the loop calls it)": lambda: check(loss, norm),
+                                         "flag + guard, op by op": check._flag_and_settle}
+    if isinstance(t.update, GraphedUpdate):  # the whole update as the loop calls it (a replay, once captured)
+        out["set_grads + the update (graphed)"] = lambda: (s.set_grads(), t.update(loss))
     if check.graph is not None:
         out["flag + guard, graph replay"] = check_graph
     out |= {"set_grads": s.set_grads, "set_grads + opt.step": opt_step}
@@ -195,14 +200,14 @@ def specs(smoke: bool, model: str = "resnet18") -> dict[str, Any]:
 
 
 def run(smoke: bool, iters: int, rounds: int, compile: bool, model: str = "resnet18",
-        batch: int | None = None) -> dict[str, Any]:
+        batch: int | None = None, update_graph: str = "auto") -> dict[str, Any]:
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
     spec = specs(smoke, model)
     if batch:  # e.g. train_bench's batch (64 for bert_base), where the head's GPU work may no longer hide
         spec = {**spec, "batch": batch}
     rows = []
     for precision in PRECISIONS:
-        s = Setup(spec, precision, device, compile)
+        s = Setup(spec, precision, device, compile, update_graph)
         s.trainer._forward_backward = s._kiln_fb  # type: ignore[method-assign]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=SCHED_WARNING)
@@ -216,17 +221,20 @@ def run(smoke: bool, iters: int, rounds: int, compile: bool, model: str = "resne
                      # the compiled forward/backward's host time varies by +-1.5 ms between rounds on the H200's
                      # host: its difference is reported apart, not added to the tail's
                      "head_extra_us": round(head["kiln"]["us"] - head["bare"]["us"], 1),
-                     "compile": s.trainer.net.summary()})
+                     "compile": s.trainer.net.summary(), "update_graph": getattr(s.trainer.update, "summary", dict)()})
         s.model.to("cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {"device": name, "torch": torch.__version__, "model": spec, "iters": iters, "rounds": rounds,
-            "compiled_head": compile, "rows": rows}
+            "compiled_head": compile, "update_graph": update_graph, "rows": rows}
 
 
 def markdown(res: dict[str, Any]) -> str:
     lines = [f"# Host time per training step, Kiln vs bare ({res['device']}, torch {res['torch']})", "",
              f"{res['model']['model']} ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; median host us "
-             f"per call over {res['rounds']} rounds of {res['iters']} calls; head compiled: {res['compiled_head']}.",
+             f"per call over {res['rounds']} rounds of {res['iters']} calls; head compiled: {res['compiled_head']}; "
+             f"Kiln's train.update_graph: {res.get('update_graph', 'auto')} (captured: "
+             + ", ".join(f"{r['precision']} {bool((r.get('update_graph') or {}).get('captured'))}" for r in res["rows"])
+             + ").",
              "", "| precision | tail bare | tail Kiln | Kiln extra, tail | head bare | head Kiln | Kiln extra, head |",
              "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
@@ -251,11 +259,13 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="the head through the eager model")
     ap.add_argument("--model", choices=MODELS, default="resnet18")
     ap.add_argument("--batch", type=int, default=None, help="batch size (default 8: host-bound)")
+    ap.add_argument("--update-graph", choices=("auto", "off"), default="auto", help="Kiln's train.update_graph")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     res = run(args.smoke, args.iters or (5 if args.smoke else 50), args.rounds or (3 if args.smoke else 9),
-              not args.no_compile, args.model, args.batch)
-    name = "step_host_cost" + ("" if args.model == "resnet18" else f"_{args.model}") + ("_smoke" if args.smoke else "")
+              not args.no_compile, args.model, args.batch, args.update_graph)
+    name = ("step_host_cost" + ("" if args.model == "resnet18" else f"_{args.model}")
+            + ("" if args.update_graph == "auto" else f"_graph_{args.update_graph}") + ("_smoke" if args.smoke else ""))
     write_report(args.out, name, res, markdown(res))
 
 

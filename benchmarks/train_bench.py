@@ -399,12 +399,17 @@ def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
     return out
 
 
+# Kiln's train.update_graph in every Kiln run (--update-graph): auto (the default: the update after the backward pass
+# as one CUDA graph on a GPU) or off (the update op by op, as the bare loop runs it)
+UPDATE_GRAPH = {"setting": "auto"}
+
+
 def kiln_config(batch: int, precision: str, device: torch.device, compile: bool, epochs: int = 1) -> TrainConfig:
     return TrainConfig.model_validate({
         "epochs": epochs, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
         "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant",
         "eval_every": 10_000, "plot": False, "loader": {"on_device": True}, "checkpoint": {"resume": "never"},
-        "compile": compile})
+        "compile": compile, "update_graph": UPDATE_GRAPH["setting"]})
 
 
 def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
@@ -481,7 +486,7 @@ def interleaved(name: str, spec: dict[str, Any], data: DatasetSplits, precision:
     c = result.compile
     if c is not None:  # Dynamo's counters are process-wide: what the bare loop's compile added is not Kiln's
         c = {**c, **{k: c[k] - bare_counts[k] for k in ("graphs", "recompiles", "graph_breaks")}}
-    return {"kiln": kiln_w, "bare": bare_w, "compile": c,
+    return {"kiln": kiln_w, "bare": bare_w, "compile": c, "update_graph": result.update_graph,
             "skipped_steps": sum(h.skipped_steps for h in result.history),
             "nonfinite_steps": sum(h.nonfinite_steps for h in result.history), "final_loss": result.history[-1].loss}
 
@@ -592,7 +597,8 @@ def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precis
         if Phases.enabled:
             row["phases" + suffix] = Phases.take()
         row["kiln" + suffix] = {**cell(got["kiln"]), "skipped_steps": got["skipped_steps"],
-                                "nonfinite_steps": got["nonfinite_steps"], "final_loss": got["final_loss"]}
+                                "nonfinite_steps": got["nonfinite_steps"], "final_loss": got["final_loss"],
+                                "update_graph": got["update_graph"]}
         row["bare" + suffix] = cell(got["bare"])
         row[f"kiln{suffix}_vs_bare{suffix}"] = paired_ratio(got["kiln"], got["bare"])
         row[f"kiln{suffix}_vs_bare{suffix}_ci95"] = cell_interval(row, suffix)
@@ -644,7 +650,8 @@ def run_compile(smoke: bool, steps: int, windows: int, models: list[str] | None,
             if partial is not None:  # a run cut short by a time limit keeps the cells it finished
                 partial.write_text(json.dumps(rows, indent=2) + "\n")
     return {"device": device_name(device), "torch": torch.__version__, "smoke": smoke, "tf32": False,
-            "timed_steps": steps, "windows": windows, "rows": rows, "notes": notes,
+            "timed_steps": steps, "windows": windows, "update_graph": UPDATE_GRAPH["setting"], "rows": rows,
+            "notes": notes,
             "targets": compile_targets(rows)}
 
 
@@ -685,6 +692,12 @@ def compile_markdown(res: dict[str, Any]) -> str:
     lines += ["", f"- Kiln compiled vs bare compiled, worst cell: {t['worst_kiln_compiled_vs_bare_compiled']} "
                   f"(target >= 0.97: {'met' if t['kiln_compiled_at_least_0.97x_bare_compiled'] else 'NOT met'})",
               f"- runs that fell back to eager: {t['fallbacks']}"]
+    if "update_graph" in res:  # absent in results written before train.update_graph existed
+        graphed = [f"{r['model']} {r['precision']}{'' if mode == 'kiln' else ' compiled'}"
+                   for r in res["rows"] for mode in ("kiln", "kiln_compiled")
+                   if (r[mode].get("update_graph") or {}).get("captured")]
+        lines.append(f"- Kiln's train.update_graph: {res['update_graph']}; the update ran as one CUDA graph in "
+                     f"{len(graphed)} of {2 * len(res['rows'])} Kiln runs")
     lines += [f"- {n}" for n in res.get("notes", [])]
     phased = [r for r in res["rows"] if r.get("phases")]
     if phased:
@@ -758,6 +771,8 @@ def main() -> None:
     ap.add_argument("--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18")
     ap.add_argument("--precisions", default=",".join(COMPILE_PRECISIONS), help="--compile: fp16,bf16 or one of them")
     ap.add_argument("--profile-steps", type=int, default=0, help="--compile: one profiled run per compiled loop")
+    ap.add_argument("--update-graph", choices=("auto", "off"), default="auto",
+                    help="Kiln's train.update_graph in every Kiln run (auto: as configured by default)")
     ap.add_argument("--phases", action="store_true",
                     help="--compile: host ms per part of the step (forward, loss+backward, tail, between), both loops")
     ap.add_argument("--intervals", type=Path, nargs="+", metavar="JSON",
@@ -776,6 +791,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kiln.train").setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
+    UPDATE_GRAPH["setting"] = args.update_graph
     if args.compile:
         if args.phases:
             Phases.enabled = True

@@ -29,8 +29,8 @@ INFO = "last.json"
 # Settings that change how training runs but not what it computes: left out of the run key so that
 # e.g. more loader workers or a profiler trace can still resume an interrupted run.
 # torch.compile is among them: a compiled run resumes uncompiled and the other way round (same weights
-# up to the float rounding of fused kernels).
-NOT_IN_KEY = ("enabled", "loader", "checkpoint", "profile_steps", "plot", "eval_every", "compile")
+# up to the float rounding of fused kernels). So is the update's CUDA graph (the same kernels, replayed).
+NOT_IN_KEY = ("enabled", "loader", "checkpoint", "profile_steps", "plot", "eval_every", "compile", "update_graph")
 # The prefix torch.compile's wrapper (OptimizedModule) puts before every key of its state_dict.
 COMPILED_PREFIX = "_orig_mod."
 

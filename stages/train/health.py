@@ -112,12 +112,14 @@ class StepCheck:
     the same stream before it.
     """
 
-    def __init__(self, device: torch.device, guard: "BufferGuard") -> None:
+    def __init__(self, device: torch.device, guard: "BufferGuard", graph: bool = True) -> None:
+        """``graph``: capture the flag and guard as a graph of their own (false where they are captured as part of
+        the whole update, :mod:`kiln.stages.train.update_graph`)."""
         self.guard = guard
         self.values = torch.zeros(2, device=device)
         self.found = torch.zeros((), device=device)
         self.one = torch.ones((), device=device)
-        self.graph = _capture(self._flag_and_settle, device) if device.type == "cuda" else None
+        self.graph = _capture(self._flag_and_settle, device) if device.type == "cuda" and graph else None
 
     def __call__(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.stack([loss.float(), norm.float()], out=self.values)

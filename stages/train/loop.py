@@ -28,6 +28,7 @@ from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
 from kiln.models.model_io import load_weights
 from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train import update_graph
 from kiln.stages.train.compile import CompiledModel
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
@@ -183,11 +184,20 @@ class _Trainer:
         # Evaluation in batches of one micro-batch: with static graphs that is a shape the compiled module serves
         micro = -(-self.local_batch // cfg.grad_accum_steps)
         self.eval_batch = micro if self.net.static else 256
-        if self.net.keeps_grads:  # CUDA graphs: .grad stays allocated, autograd adds into it (see compile.py)
+        # The update after the backward pass as one CUDA graph (update_graph.py), where it never waits for the host
+        graphed = update_graph.wanted(cfg.update_graph, device, skips_on_device(self.opt), env.world_size)
+        # CUDA graphs (compiled or around the update) read .grad where they were captured: it stays allocated and is
+        # zeroed in place, autograd adds into it (see compile.py)
+        self.keep_grads = self.net.keeps_grads or graphed
+        if self.keep_grads:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
         self.guard = BufferGuard(model)  # after wrap_ddp: SyncBatchNorm takes over the same buffer tensors
-        self.check = StepCheck(device, self.guard)
+        self.check = StepCheck(device, self.guard, graph=not graphed)  # not a graph of its own inside the update's
+        self.update: Callable[[torch.Tensor], torch.Tensor] = self._update_on_device
+        if graphed:
+            self.update = update_graph.GraphedUpdate(self._update_on_device, self.opt, self._grads, device,
+                                                     on_failure=self._reset_scaler_state)
 
     # -- resume / checkpoint ------------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -291,6 +301,8 @@ class _Trainer:
         r.compile = self.net.summary()
         if r.compile is not None:
             log.info("torch.compile: %s", _compile_note(r.compile))
+        if isinstance(self.update, update_graph.GraphedUpdate):
+            r.update_graph = self.update.summary()
         r.selected_epoch = r.history[-1].epoch if r.history else None
         if self.cfg.checkpoint.select == "best" and r.best_epoch is not None and self.ckpt_dir:
             self._load_best()
@@ -333,33 +345,53 @@ class _Trainer:
             if not self.net.compiled:
                 raise
             self.net.fall_back(exc)  # raises with fullgraph: true
-            self.opt.zero_grad(set_to_none=not self.net.keeps_grads)  # the step again from scratch, eagerly
+            self.opt.zero_grad(set_to_none=not self.keep_grads)  # the step again from scratch, eagerly
             self.guard.restore()  # the forward passes updated BatchNorm statistics
             total = self._forward_backward(xb, yb)
-        self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
-        norm = grad_norm(self.params, self.cfg.grad_clip)
         self.result.global_step += 1
-        # [loss, norm], the non-finite flag, and the buffers put back if it is set (StepCheck; on the device)
-        values, found = self.check(total, norm)
-        self.stats.push(self.result.global_step, self.epoch, rows(xb), values)
         done: list[tuple[StepStats, float, float]] = []
-        if self.scaler.is_enabled():
-            self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
-            update_scaler(self.scaler, self.cfg.amp)
-        elif self.device_skip:
-            with skip_if_nonfinite(self.opt, found):
-                self.opt.step()
-        else:  # a non-fused optimizer: the host decides (lag 0: this step's values are read now)
+        if self.device_skip:
+            values = self.update(total)
+            self.stats.push(self.result.global_step, self.epoch, rows(xb), values)
+        else:  # a non-fused optimizer without a scaler: the host decides (lag 0: this step's values are read now)
+            values, _ = self.check(total, grad_norm(self.params, self.cfg.grad_clip))
+            self.stats.push(self.result.global_step, self.epoch, rows(xb), values)
             done = list(self.stats.ready())
             if all(math.isfinite(v) for _, loss_v, norm_v in done for v in (loss_v, norm_v)):
                 self.opt.step()
-        self.opt.zero_grad(set_to_none=not self.net.keeps_grads)
+            self.opt.zero_grad(set_to_none=not self.keep_grads)
         self.sched.step()
         self.step_in_epoch += 1
         self.acc["samples"] += rows(xb)
         # With device-side skipping these are the previous step's values; this step's work is queued
         # behind them, so the GPU stays busy while the host looks.
         self._account(done if not self.device_skip else list(self.stats.ready()))
+
+    def _update_on_device(self, total: torch.Tensor) -> torch.Tensor:
+        """Everything after the backward pass, decided on the device (what :class:`GraphedUpdate` captures): unscale,
+        clip, the step check, the step (skipped when non-finite), the scale update, zeroed gradients. Returns the
+        step's ``[loss, norm]`` (StepCheck's tensor, rewritten by the next step)."""
+        self.scaler.unscale_(self.opt)  # clip the true gradients, not the scaled ones
+        norm = grad_norm(self.params, self.cfg.grad_clip)
+        # [loss, norm], the non-finite flag, and the buffers put back if it is set (StepCheck; on the device)
+        values, found = self.check(total, norm)
+        if self.scaler.is_enabled():
+            self.scaler.step(self.opt)  # skips the update itself when gradients are inf/NaN
+            update_scaler(self.scaler, self.cfg.amp)
+        else:
+            with skip_if_nonfinite(self.opt, found):
+                self.opt.step()
+        self.opt.zero_grad(set_to_none=not self.keep_grads)
+        return values
+
+    def _grads(self) -> list[torch.Tensor | None]:
+        return [p.grad for p in self.params]
+
+    def _reset_scaler_state(self) -> None:
+        """After a failed capture: GradScaler's per-optimizer stage as ``update()`` leaves it (the capture stopped
+        between its unscale and its update; nothing it recorded ran), so the step can run eagerly."""
+        if self.scaler.is_enabled():
+            self.scaler._per_optimizer_states.clear()  # a defaultdict: the next access starts a fresh state
 
     def _forward_backward(self, xb: Inputs, yb: torch.Tensor) -> torch.Tensor:
         """The micro-steps of one batch: forward, FP32 loss, scaled backward. Returns the batch's loss."""

@@ -42,6 +42,7 @@ class TrainResult:
     checkpoint_dir: str | None = None
     fp32_norms: list[str] = field(default_factory=list)
     compile: dict[str, Any] | None = None  # torch.compile settings and counts (compile.CompiledModel.summary)
+    update_graph: dict[str, Any] | None = None  # the update's CUDA graph (update_graph.GraphedUpdate.summary)
     files: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -62,7 +63,8 @@ class TrainResult:
             "samples_per_s": last.samples_per_s if last else None,
             "peak_memory_mb": max((m.peak_memory_mb or 0.0) for m in self.history) if self.history else None,
             "resumed_from": self.resumed_from, "checkpoint_dir": self.checkpoint_dir,
-            "fp32_norm_layers": len(self.fp32_norms), "compile": self.compile, "files": self.files,
+            "fp32_norm_layers": len(self.fp32_norms), "compile": self.compile,
+            "update_graph": self.update_graph, "files": self.files,
         }
 
     def selected(self) -> EpochMetrics | None:

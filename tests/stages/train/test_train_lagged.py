@@ -22,6 +22,7 @@ from kiln.stages.train.health import (
     skips_on_device,
 )
 from kiln.stages.train.loop import train
+from kiln.stages.train.update_graph import WARMUP_STEPS
 from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")
@@ -232,23 +233,29 @@ def test_device_batches_follow_the_sampler_order() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, on_device", [("fp32", True), ("fp16", True), ("bf16", True), ("fp16", False)])
-def test_cuda_steps_never_sync(precision: str, on_device: bool) -> None:
-    """Between step 2 and the last step of the epoch, any synchronising CUDA call (.item(), a list index
-    copied from pageable memory, ...) raises under torch's sync debug mode."""
+@pytest.mark.parametrize("precision, on_device, update_graph", [
+    ("fp32", True, "off"), ("fp16", True, "off"), ("bf16", True, "off"), ("fp16", False, "off"),
+    ("fp16", True, "on"), ("bf16", False, "on")])
+def test_cuda_steps_never_sync(precision: str, on_device: bool, update_graph: str) -> None:
+    """Between step 2 (with the update's CUDA graph: after the step that captures it, which synchronises once) and
+    the last step of the epoch, any synchronising CUDA call (.item(), a list index copied from pageable memory, ...)
+    raises under torch's sync debug mode."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; none is visible")
     data = tiny_data(400)  # 320 train samples, batch 32: 10 steps in the epoch
+    first = 2 if update_graph == "off" else WARMUP_STEPS + 1
 
     def hook(step: int) -> None:
-        torch.cuda.set_sync_debug_mode("error" if 2 <= step < 10 else "default")
+        torch.cuda.set_sync_debug_mode("error" if first <= step < 10 else "default")
 
     try:
         r = train(tiny_net(), data, train_cfg(epochs=1, optimizer="adamw", lr=0.01, precision=precision,
-                                              device="cuda", loader={"on_device": on_device}), on_step=hook)
+                                              device="cuda", loader={"on_device": on_device},
+                                              update_graph=update_graph), on_step=hook)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert r.global_step == 10 and r.history[0].nonfinite_steps == 0
+    assert (r.update_graph is not None) == (update_graph == "on")
 
 
 @pytest.mark.gpu

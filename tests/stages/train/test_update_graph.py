@@ -1,0 +1,134 @@
+"""train.update_graph: the update after the backward pass captured once as a CUDA graph and replayed.
+
+On CPU (CI): when it applies and the error for ``on`` where it cannot. On the GPU: a graphed run equals the eager
+update step for step (fp16 with its scaler, bf16, fp32; AdamW and SGD; accumulation; clipping), skips a NaN step
+and puts BatchNorm's statistics back, resumes from a checkpoint, works under torch.compile and never synchronises
+once captured.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kiln.core.errors import TrainingError
+from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.config import TrainConfig
+from kiln.stages.train.loop import train
+from kiln.stages.train.update_graph import WARMUP_STEPS, wanted
+from train_helpers import Crash, bn_net, crash_at, max_diff, nan_inside, nan_on_forward, tiny_data, tiny_net, train_cfg
+
+CUDA = torch.device("cuda")
+
+
+def with_graph(cfg: TrainConfig, setting: str) -> TrainConfig:
+    return TrainConfig.model_validate({**cfg.model_dump(), "update_graph": setting})
+
+
+def test_auto_captures_one_process_on_cuda_with_a_fused_optimizer_only() -> None:
+    assert wanted("auto", CUDA, skips_on_device=True)
+    assert not wanted("auto", CUDA, skips_on_device=True, processes=2)  # DDP: only when asked for (see the module)
+    assert wanted("on", CUDA, skips_on_device=True, processes=2)
+    assert not wanted("auto", CUDA, skips_on_device=False)
+    assert not wanted("auto", torch.device("cpu"), skips_on_device=True)
+    assert not wanted("off", CUDA, skips_on_device=True)
+
+
+@pytest.mark.parametrize("device, fused, needs", [("cpu", True, "a CUDA device"), ("cuda", False, "a fused optimizer")])
+def test_on_where_it_cannot_work_is_an_error_with_a_fix(device: str, fused: bool, needs: str) -> None:
+    with pytest.raises(TrainingError, match=f"train.update_graph: on needs {needs}") as err:
+        wanted("on", torch.device(device), skips_on_device=fused)
+    assert "update_graph: auto" in err.value.hint
+
+
+def test_on_cpu_auto_runs_the_eager_update_and_on_is_refused() -> None:
+    r = train(tiny_net(), tiny_data(), train_cfg(epochs=1, optimizer="adamw", fused=True))
+    assert r.update_graph is None and r.summary()["update_graph"] is None
+    with pytest.raises(TrainingError, match="needs a CUDA device"):
+        train(tiny_net(), tiny_data(), train_cfg(epochs=1, optimizer="adamw", update_graph="on"))
+
+
+def test_update_graph_is_not_part_of_the_run_key() -> None:
+    dump: dict[str, Any] = {"seed": 0, "model": {"name": "m"}, "data": {"name": "d"},
+                            "train": train_cfg().model_dump()}
+    other = {**dump, "train": {**dump["train"], "update_graph": "off"}}
+    assert ckpt.run_key(dump) == ckpt.run_key(other)
+
+
+# -- on the GPU --------------------------------------------------------------------------------------------------
+def gpu_cfg(**kw: Any) -> TrainConfig:
+    base: dict[str, Any] = {"device": "cuda", "optimizer": "adamw", "lr": 0.01, "epochs": 2, "warmup_steps": 3}
+    return train_cfg(**{**base, **kw})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, optimizer, accum, clip", [("fp16", "adamw", 2, 1.0), ("bf16", "adamw", 1, None),
+                                                               ("fp32", "sgd", 1, 0.5), ("fp16", "sgd", 1, 1.0)])
+def test_graphed_update_equals_the_eager_one(precision: str, optimizer: str, accum: int, clip: float | None) -> None:
+    """Two epochs of 10 steps with a warm-up and a cosine schedule (the LR changes every step, so a learning rate
+    baked into the graph would show), a NaN batch at step 6 (captured by then): same weights, losses, skips and
+    loss scales as the eager update."""
+    data = tiny_data(400)
+    cfg = gpu_cfg(precision=precision, optimizer=optimizer, grad_accum_steps=accum, grad_clip=clip)
+    runs = {}
+    for setting in ("off", "on"):
+        model = tiny_net()
+        nan_on_forward(model, call=5 * accum + 1)  # the first forward of step 6
+        runs[setting] = (model, train(model, data, with_graph(cfg, setting)))
+    (eager, a), (graphed, b) = runs["off"], runs["on"]
+    assert a.update_graph is None
+    assert b.update_graph == {"captured": True, "from_step": WARMUP_STEPS + 1, "captures": 1, "failure": None}
+    assert max_diff(eager, graphed) < 1e-5
+    assert [m.nonfinite_steps for m in b.history] == [m.nonfinite_steps for m in a.history] == [1, 0]
+    assert [m.loss_scale for m in b.history] == [m.loss_scale for m in a.history]
+    assert [m.lr for m in b.history] == [m.lr for m in a.history]
+    assert [m.loss for m in b.history] == pytest.approx([m.loss for m in a.history], rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_graphed_skip_puts_batchnorm_statistics_back(tmp_path: Path) -> None:
+    model = bn_net()
+    nan_inside(model[1], {6})  # step 6's batch blows up before the BatchNorm (captured since step 4)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def snapshot(step: int) -> None:
+        if step in (5, 6):
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    r = train(model, tiny_data(400), gpu_cfg(update_graph="on"), on_step=snapshot)
+    assert r.update_graph is not None and r.update_graph["captured"]
+    assert sum(m.nonfinite_steps for m in r.history) == 1
+    assert all(torch.equal(states[5][k], states[6][k]) for k in states[5])
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values() if v.is_floating_point())
+
+
+@pytest.mark.gpu
+def test_graphed_run_resumes_and_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    data = tiny_data(400)
+    cfg = gpu_cfg(epochs=3, precision="fp16", checkpoint={"every_steps": 7, "resume": "auto"})
+    ref = tiny_net()
+    want = train(ref, data, cfg, ckpt_dir=tmp_path / "ref", run_key="k")
+    with pytest.raises(Crash):
+        train(tiny_net(), data, cfg, ckpt_dir=tmp_path / "run", run_key="k", on_step=crash_at(12))
+    resumed = tiny_net(seed=99)
+    got = train(resumed, data, cfg, ckpt_dir=tmp_path / "run", run_key="k")  # from step 10: eager 11-13, graph 14-
+    assert got.resumed_from and got.update_graph is not None and got.update_graph["captured"]
+    assert max_diff(ref, resumed) < 1e-5
+    assert [m.loss_scale for m in got.history] == [m.loss_scale for m in want.history]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_graphed_update_under_torch_compile_equals_the_eager_update(mode: str) -> None:
+    torch.compiler.reset()
+    data = tiny_data(400)
+    cfg = TrainConfig.model_validate({**gpu_cfg(precision="fp16", grad_accum_steps=2).model_dump(),
+                                      "compile": {"mode": mode}})
+    eager, graphed = tiny_net(), tiny_net()
+    train(eager, data, with_graph(cfg, "off"))
+    torch.compiler.reset()
+    r = train(graphed, data, with_graph(cfg, "on"))
+    assert r.compile is not None and r.compile["fallback"] is None, r.compile
+    assert r.update_graph is not None and r.update_graph["captured"], r.update_graph
+    assert max_diff(eager, graphed) < 1e-4
