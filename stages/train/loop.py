@@ -186,9 +186,8 @@ class _Trainer:
         self.eval_batch = micro if self.net.static else 256
         # The update after the backward pass as one CUDA graph (update_graph.py), where it never waits for the host
         graphed = update_graph.wanted(cfg.update_graph, device, skips_on_device(self.opt), env.world_size)
-        # CUDA graphs (compiled or around the update) read .grad where they were captured: it stays allocated and is
-        # zeroed in place, autograd adds into it (see compile.py)
-        self.keep_grads = self.net.keeps_grads or graphed
+        # torch.compile's CUDA graphs: .grad stays allocated and is zeroed in place, autograd adds into it (compile.py)
+        self.keep_grads = self.net.keeps_grads
         if self.keep_grads:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
@@ -196,8 +195,8 @@ class _Trainer:
         self.check = StepCheck(device, self.guard, graph=not graphed)  # not a graph of its own inside the update's
         self.update: Callable[[torch.Tensor], torch.Tensor] = self._update_on_device
         if graphed:
-            self.update = update_graph.GraphedUpdate(self._update_on_device, self.opt, self._grads, device,
-                                                     on_failure=self._reset_scaler_state)
+            self.update = update_graph.GraphedUpdate(self._update_on_device, self.opt, self.params, device,
+                                                     self.keep_grads, on_failure=self._reset_scaler_state)
 
     # -- resume / checkpoint ------------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -383,9 +382,6 @@ class _Trainer:
                 self.opt.step()
         self.opt.zero_grad(set_to_none=not self.keep_grads)
         return values
-
-    def _grads(self) -> list[torch.Tensor | None]:
-        return [p.grad for p in self.params]
 
     def _reset_scaler_state(self) -> None:
         """After a failed capture: GradScaler's per-optimizer stage as ``update()`` leaves it (the capture stopped

@@ -12,11 +12,12 @@ whole update, GradScaler included (fused optimizers take its ``found_inf`` in th
 
 What a replay needs, and how it is kept:
 
-* The same tensors every step. Gradients stay allocated and are zeroed in place (autograd then adds into them), the
-  loss is copied into a buffer, and the optimizer state, GradScaler's scale and the buffer guard's copies are
-  updated in place by their own code. The first steps run eagerly (``WARMUP_STEPS``): the optimizer creates its
-  state and DDP rebuilds its gradient buckets (which re-points ``.grad``) in them. Should ``.grad`` ever be a
-  different tensor at a later step (something set it to None), the update is captured again.
+* The same tensors every step. Each step's gradients and loss are copied into buffers the graph reads (with
+  torch.compile's CUDA graphs, which keep ``.grad`` allocated, it reads ``.grad`` itself), and the optimizer state,
+  GradScaler's scale and the buffer guard's copies are updated in place by their own code. The first steps run
+  eagerly (``WARMUP_STEPS``): the optimizer creates its state and DDP rebuilds its gradient buckets in them. A step
+  whose gradients do not fit the graph (a parameter the forward pass did not use has no gradient, and the eager
+  update leaves it alone) runs eagerly; when that lasts, the update is captured again.
 * The learning rate as a tensor: a Python float would be baked into the graph. The schedule keeps setting floats in
   the param groups; before each replay they are written into one device tensor per group (a fill kernel, no sync),
   which the captured optimizer reads (fused AdamW/SGD take a tensor ``lr``). ``capturable`` is set only while
@@ -39,7 +40,9 @@ from kiln.core.text import first_line
 log = logging.getLogger("kiln.train")
 # Eager steps before the capture: the optimizer creates its state in the first, DDP rebuilds its buckets in the second
 WARMUP_STEPS = 3
-# Captures after which a run whose gradients keep changing identity stays eager
+# Steps in a row whose gradients do not fit the graph (another set of parameters got gradients) before it is captured
+# anew, and captures after which the update stays eager
+MISSES_BEFORE_RECAPTURE = 3
 MAX_CAPTURES = 3
 
 
@@ -60,50 +63,81 @@ class GraphedUpdate:
     """Runs ``update(loss) -> values`` eagerly for the first steps, then as a replayed CUDA graph.
 
     ``update`` must do everything on the device and return a tensor that the same code rewrites in place each step
-    (the step check's ``[loss, norm]``); ``grads`` is what gives the current gradient tensors."""
+    (the step check's ``[loss, norm]``). ``kept_grads``: the loop keeps ``.grad`` allocated and zeroes it in place
+    (torch.compile with CUDA graphs does), so the graph reads the gradients where they are. Otherwise the gradients
+    are new tensors every step (``zero_grad(set_to_none=True)``, autograd hands its result over without a copy) and
+    are copied into buffers the graph reads: one multi-tensor copy per step (its host cost is one call; keeping
+    ``.grad`` allocated instead makes autograd add each parameter's gradient into it, one kernel launch per
+    parameter, which cost BERT-base's backward pass 2-3 ms of host time on the H200's host,
+    ``benchmarks/results/gpu_session13.md``)."""
 
     def __init__(self, update: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer,
-                 grads: Callable[[], list[torch.Tensor | None]], device: torch.device,
+                 params: list[torch.nn.Parameter], device: torch.device, kept_grads: bool,
                  on_failure: Callable[[], None]) -> None:
-        self.update, self.opt, self.grads, self.device = update, opt, grads, device
+        self.update, self.opt, self.params, self.device, self.kept = update, opt, params, device, kept_grads
         self.on_failure = on_failure  # puts back host state a failed capture left half-way (GradScaler's)
         self.steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.values: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
         self.lrs: list[torch.Tensor] = []
-        self.captured_grads: list[torch.Tensor | None] = []
+        self.captured: list[torch.Tensor | None] = []  # the .grad tensors the graph reads, None where none was
+        self.inputs: list[torch.Tensor] = []  # of those, the ones copied into (not kept_grads)
+        self.misses = 0  # steps in a row whose gradients did not fit the graph
         self.captures = 0
         self.captured_at: int | None = None
+        self.eager_steps = 0  # steps after the capture that ran eagerly (gradients that did not fit)
         self.failure: str | None = None
 
     def __call__(self, loss: torch.Tensor) -> torch.Tensor:
         self.steps += 1
-        if self.graph is not None and not self._same_grads():
-            log.info("the gradient tensors changed at step %d: capturing the update again", self.steps)
-            self.graph = None
-        if self.graph is None:
-            if self.steps <= WARMUP_STEPS or self.failure is not None or not self._capture(loss):
+        grads = [p.grad for p in self.params]
+        if self.graph is not None and not self._fits(grads):
+            self.misses += 1
+            if self.misses < MISSES_BEFORE_RECAPTURE:
+                self.eager_steps += 1
                 return self.update(loss)
+            log.info("the gradients no longer fit the update's CUDA graph (step %d): capturing it again", self.steps)
+            self.graph = None
+        self.misses = 0
+        if self.graph is None and (self.steps <= WARMUP_STEPS or self.failure is not None
+                                   or not self._capture(loss, grads)):
+            return self.update(loss)
         assert self.graph is not None and self.loss is not None and self.values is not None
         self.loss.copy_(loss)
+        if not self.kept:
+            torch._foreach_copy_(self.inputs, [g for g in grads if g is not None])
         for lr, group in zip(self.lrs, self.opt.param_groups):
             lr.fill_(group["lr"])
         self.graph.replay()
+        if not self.kept:
+            for p in self.params:  # what zero_grad(set_to_none=True) does, without its bookkeeping
+                p.grad = None
         return self.values
 
     def summary(self) -> dict[str, Any]:
         """For the training summary: whether the update ran as a graph, from which step, or why not."""
         return {"captured": self.captured_at is not None and self.failure is None, "from_step": self.captured_at,
-                "captures": self.captures, "failure": self.failure}
+                "captures": self.captures, "eager_steps_after_capture": self.eager_steps, "failure": self.failure}
 
-    def _same_grads(self) -> bool:
-        return all(a is b for a, b in zip(self.grads(), self.captured_grads, strict=True))
+    def _fits(self, grads: list[torch.Tensor | None]) -> bool:
+        """Kept gradients: the very tensors captured. Otherwise: gradients for the same parameters (a parameter the
+        forward pass did not use this step has none, and the eager update leaves it alone)."""
+        if self.kept:
+            return all(a is b for a, b in zip(grads, self.captured, strict=True))
+        return [g is None for g in grads] == [g is None for g in self.captured]
 
-    def _capture(self, loss: torch.Tensor) -> bool:
+    def _capture(self, loss: torch.Tensor, grads: list[torch.Tensor | None]) -> bool:
         """Record the update (nothing runs); this step's update is the first replay. False if that failed."""
         if self.captures >= MAX_CAPTURES:
-            return self._give_up(f"the gradient tensors changed after {self.captures} captures")
+            return self._give_up(f"the gradients did not fit the captured update {self.captures} times")
+        own = grads
+        if not self.kept:  # the graph's own gradient buffers, filled with this step's before the first replay
+            self.inputs = [torch.empty_like(g) for g in grads if g is not None]
+            buffers = iter(self.inputs)
+            grads = [None if g is None else next(buffers) for g in grads]
+            for p, g in zip(self.params, grads):
+                p.grad = g
         self.loss = torch.empty_like(loss)
         self.lrs = [torch.tensor(float(g["lr"]), device=self.device) for g in self.opt.param_groups]  # FP32
         kept = [(g["lr"], g.get("capturable")) for g in self.opt.param_groups]
@@ -115,6 +149,8 @@ class GraphedUpdate:
             self.graph, self.values = capture(lambda: self.update(self.loss), self.device, warmups=0)
         except RuntimeError as exc:  # e.g. an op that synchronises with the host
             self.on_failure()
+            for p, g in zip(self.params, own):  # this step's own gradients back, for its eager update
+                p.grad = g
             return self._give_up(first_line(exc))
         finally:
             for group, (lr, capturable) in zip(self.opt.param_groups, kept):
@@ -122,7 +158,7 @@ class GraphedUpdate:
                 if capturable is not None:
                     group["capturable"] = capturable
         self.captures += 1
-        self.captured_grads = list(self.grads())
+        self.captured = grads
         self.captured_at = self.captured_at or self.steps
         return True
 

@@ -78,7 +78,8 @@ def test_graphed_update_equals_the_eager_one(precision: str, optimizer: str, acc
         runs[setting] = (model, train(model, data, with_graph(cfg, setting)))
     (eager, a), (graphed, b) = runs["off"], runs["on"]
     assert a.update_graph is None
-    assert b.update_graph == {"captured": True, "from_step": WARMUP_STEPS + 1, "captures": 1, "failure": None}
+    assert b.update_graph == {"captured": True, "from_step": WARMUP_STEPS + 1, "captures": 1,
+                              "eager_steps_after_capture": 0, "failure": None}
     assert max_diff(eager, graphed) < 1e-5
     assert [m.nonfinite_steps for m in b.history] == [m.nonfinite_steps for m in a.history] == [1, 0]
     assert [m.loss_scale for m in b.history] == [m.loss_scale for m in a.history]
@@ -132,3 +133,38 @@ def test_graphed_update_under_torch_compile_equals_the_eager_update(mode: str) -
     assert r.compile is not None and r.compile["fallback"] is None, r.compile
     assert r.update_graph is not None and r.update_graph["captured"], r.update_graph
     assert max_diff(eager, graphed) < 1e-4
+
+
+class Branchy(torch.nn.Module):
+    """TinyNet's layers plus a head used only from the ``from_call``-th training forward on (never by default), and
+    one never used: parameters without gradients, which the eager update leaves alone."""
+
+    def __init__(self, from_call: int = 10**9) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.late, self.unused = tiny_net(), torch.nn.Linear(10, 10), torch.nn.Linear(10, 10)
+        self.from_call, self.calls = from_call, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        if self.training:
+            self.calls += 1
+        return out + self.late(out) if self.calls >= self.from_call else out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("from_call, captures", [(10**9, 1), (8, 2)])
+def test_parameters_without_gradients_are_left_alone_and_a_new_set_is_captured_again(from_call: int,
+                                                                                    captures: int) -> None:
+    """A never-used layer keeps its weights (and AdamW's weight decay does not touch it) as in the eager update; a
+    layer that starts to get gradients at step 8 runs the update eagerly for two steps, then it is captured anew."""
+    data = tiny_data(400)
+    cfg = gpu_cfg(precision="bf16")
+    eager, graphed = Branchy(from_call), Branchy(from_call)
+    before = graphed.unused.weight.detach().clone()
+    train(eager, data, with_graph(cfg, "off"))
+    r = train(graphed, data, with_graph(cfg, "on"))
+    assert r.update_graph is not None and r.update_graph["captures"] == captures, r.update_graph
+    assert r.update_graph["eager_steps_after_capture"] == (0 if captures == 1 else 2)
+    assert torch.equal(graphed.unused.weight.detach(), before)
+    assert max_diff(eager, graphed) < 1e-5
