@@ -13,7 +13,8 @@ host time goes, with the GPU kept out of the way (work per step far below the ho
   against the bare loop's few lines.
 * ``parts``: each piece Kiln adds, alone: the step check ([loss, norm], the non-finite flag and the buffer guard),
   its flag and guard op by op and as the CUDA graph the loop replays, the guard's save, the lagged read-back, the
-  LR schedule, the micro-batch split.
+  LR schedule, the micro-batch split, and (``train.update_graph``, the default on a GPU) the whole update as the loop
+  runs it: the gradient copy and one graph replay. ``--update-graph off``: Kiln's update op by op.
 
 Timing: ``--iters`` calls back to back, host clock around them (the host time to queue them; the GPU keeps up),
 then a synchronisation; ``--rounds`` rounds alternating bare and Kiln; medians. Writes step_host_cost.json/.md.

@@ -92,7 +92,8 @@ class TrainConfig(Section):
         False, description="torch.compile the model: true (default settings) or {mode, dynamic, fullgraph}")
     update_graph: Literal["auto", "on", "off"] = Field(
         "auto", description="run the update after the backward pass (unscale, clip, checks, optimizer step, loss "
-                            "scale) as one CUDA graph: less host time per step; auto: on CUDA with a fused optimizer")
+                            "scale) as one CUDA graph: less host time per step; auto: one process on CUDA with a "
+                            "fused optimizer")
     amp: AmpConfig = Field(default_factory=AmpConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

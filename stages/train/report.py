@@ -17,7 +17,7 @@ def report_section(summary: dict[str, Any]) -> list[str]:
                 f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
                 f"{fmt(train.get('final_loss'))}, {score}"
                 + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "")
-                + _compile_note(train.get("compile")) + "."]
+                + _compile_note(train.get("compile")) + _graph_note(train.get("update_graph")) + "."]
         if "loss.png" in train.get("files", []):
             out += ["", "![loss curve](train/loss.png)"]
     return out
@@ -31,3 +31,12 @@ def _compile_note(c: dict[str, Any] | None) -> str:
         return f"; torch.compile failed, trained eagerly ({c['fallback']})"
     return (f"; torch.compile ({c.get('mode')}): {c.get('graphs')} graphs, {c.get('recompiles')} recompiles, "
             f"{c.get('graph_breaks')} graph breaks, {c.get('eager_calls', 0)} calls of other shapes run eagerly")
+
+
+def _graph_note(g: dict[str, Any] | None) -> str:
+    """train.update_graph's outcome in one clause."""
+    if not g:
+        return ""
+    if not g.get("captured"):
+        return f"; the update ran without a CUDA graph ({g.get('failure')})"
+    return f"; the update after the backward pass ran as one CUDA graph from step {g.get('from_step')}"

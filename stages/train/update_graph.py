@@ -68,7 +68,7 @@ class GraphedUpdate:
     are new tensors every step (``zero_grad(set_to_none=True)``, autograd hands its result over without a copy) and
     are copied into buffers the graph reads: one multi-tensor copy per step (its host cost is one call; keeping
     ``.grad`` allocated instead makes autograd add each parameter's gradient into it, one kernel launch per
-    parameter, which cost BERT-base's backward pass 2-3 ms of host time on the H200's host,
+    parameter, which cost the BERT-base backward passes 2-5 ms of host time on the H200's host,
     ``benchmarks/results/gpu_session13.md``)."""
 
     def __init__(self, update: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer,

@@ -7,6 +7,7 @@ once captured.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 from kiln.core.errors import TrainingError
 from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train import loop as loop_module
+from kiln.stages.train import update_graph
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
 from kiln.stages.train.update_graph import WARMUP_STEPS, wanted
@@ -168,3 +171,37 @@ def test_parameters_without_gradients_are_left_alone_and_a_new_set_is_captured_a
     assert r.update_graph["eager_steps_after_capture"] == (0 if captures == 1 else 2)
     assert torch.equal(graphed.unused.weight.detach(), before)
     assert max_diff(eager, graphed) < 1e-5
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_failed_capture_leaves_the_update_eager_with_one_warning(precision: str, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Where capturing fails (e.g. an op that synchronises), the run goes on with the eager update and the same result.
+    Simulated on CPU: the capture fails the way a real one does, having run the update's Python (GradScaler marks the
+    optimizer unscaled) and no kernel; the step that tried it then runs eagerly from where it stood."""
+    from torch.amp.grad_scaler import OptState
+
+    def failing_capture(work: Any, device: torch.device, warmups: int = 1) -> Any:
+        if scalers[-1].is_enabled():  # fp16: what GradScaler.unscale_ records before any kernel
+            scalers[-1]._per_optimizer_states[id(optimizers[-1])]["stage"] = OptState.UNSCALED
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    scalers: list[torch.amp.GradScaler] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    real_make_scaler, real_make_optimizer = loop_module.make_scaler, loop_module.make_optimizer
+    monkeypatch.setattr(loop_module, "make_scaler", lambda *a: scalers.append(real_make_scaler(*a)) or scalers[-1])
+    monkeypatch.setattr(loop_module, "make_optimizer",
+                        lambda *a: optimizers.append(real_make_optimizer(*a)) or optimizers[-1])
+    monkeypatch.setattr(update_graph, "capture", failing_capture)
+    cfg = train_cfg(epochs=2, optimizer="adamw", fused=True, precision=precision)
+    eager = tiny_net()
+    train(eager, tiny_data(), with_graph(cfg, "off"))
+    monkeypatch.setattr(update_graph, "wanted", lambda *args: True)  # as on a GPU
+    graphed = tiny_net()
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        r = train(graphed, tiny_data(), with_graph(cfg, "on"))
+    assert r.update_graph == {"captured": False, "from_step": None, "captures": 0, "eager_steps_after_capture": 0,
+                              "failure": "CUDA error: operation not permitted when stream is capturing"}
+    assert [m.message.split(":")[0] for m in caplog.records if "CUDA graph" in m.message] == [
+        "the update after the backward pass runs without a CUDA graph (slower on the host, same result)"]
+    assert max_diff(eager, graphed) == 0.0
