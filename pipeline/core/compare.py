@@ -37,14 +37,16 @@ class OutputStats:
         return asdict(self)
 
 
-def compare_arrays(ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0) -> OutputStats:
+def compare_arrays(ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0,
+                   where: np.ndarray | None = None) -> OutputStats:
     """``got`` against ``ref`` (same shape). ``rel_tie``: a top-1 mismatch where the reference's two logits lie
     within ``rel_tie`` of its largest magnitude is a tie, not a disagreement (random weights give near-ties that
-    FP16 legitimately flips)."""
+    FP16 legitimately flips). ``where``: top-1 agreement over these rows/positions only (a boolean array shaped like
+    the logits without their class axis: the labelled tokens of a token classifier, not its padding)."""
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
         raise ValueError(f"output shapes differ: reference {list(r.shape)}, candidate {list(g.shape)}")
-    return OutputStats(_max_abs_err(r, g), _rel_err(r, g), _cosine(r, g), _top1(r, g, rel_tie))
+    return OutputStats(_max_abs_err(r, g), _rel_err(r, g), _cosine(r, g), _top1(r, g, rel_tie, where))
 
 
 def compare_outputs(ref: Mapping[str, np.ndarray] | Sequence[np.ndarray],
@@ -116,11 +118,13 @@ def class_axis(ndim: int) -> int:
     return 1 if ndim >= 4 else -1
 
 
-def _top1(r: np.ndarray, g: np.ndarray, rel_tie: float) -> float | None:
+def _top1(r: np.ndarray, g: np.ndarray, rel_tie: float, where: np.ndarray | None = None) -> float | None:
     axis = class_axis(r.ndim)
     if r.ndim < 2 or r.shape[axis] < 2:
         return None
     r2, g2 = (np.moveaxis(a, axis, -1).reshape(-1, r.shape[axis]) for a in (r, g))
+    if where is not None and where.size == len(r2):
+        r2, g2 = r2[where.reshape(-1)], g2[where.reshape(-1)]
     ri, gi = r2.argmax(-1), g2.argmax(-1)
     rows = np.arange(len(r2))
     tie = np.abs(r2[rows, ri] - r2[rows, gi]) <= rel_tie * max(float(np.abs(r2).max(initial=0.0)), 1e-30)

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Union
 import numpy as np
 import torch
 from kiln.core.errors import ConfigError
+from kiln.core.labels import IGNORE_LABEL
 
 Inputs = Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
 SINGLE_INPUT = "input"  # the ONNX name of a model's only input, when it is passed as a bare tensor
@@ -199,18 +200,25 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
 
 
 def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> None:
-    """Integer labels are classes 0..num_classes-1 (one per row); float targets may have any shape."""
+    """Integer labels are classes 0..num_classes-1, one per row ([N]) or one per position ([N, S] token labels,
+    [N, H, W] pixel labels; ``IGNORE_LABEL`` marks a position without one: kiln.core.labels); float targets may
+    have any shape."""
     if y.dtype.is_floating_point:
         return
-    if y.dtype.is_complex or y.dtype == torch.bool or y.ndim != 1:
+    if y.dtype.is_complex or y.dtype == torch.bool:
         raise DataContractError(f"dataset '{ref}': {split}_y is {y.dtype}{list(y.shape)}, neither integer class labels "
-                                "(one per row) nor float targets", hint="give int64 labels of shape [N] or float targets")
+                                "nor float targets", hint="give int64 labels ([N], or [N, ...] one per position) or "
+                                                          "float targets")
     if not isinstance(num_classes, int) or num_classes < 1:
         raise DataContractError(f"dataset '{ref}': integer labels but num_classes is {num_classes!r}, not a positive "
                                 "integer", hint="pass num_classes=... to DatasetSplits (or float targets for regression)")
-    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
-        raise DataContractError(f"dataset '{ref}': {split}_y has labels from {int(y.min())} to {int(y.max())}, outside "
-                                f"0..{num_classes - 1} (num_classes {num_classes})", hint="fix the labels or num_classes")
+    dense = y.ndim > 1
+    given = y[y != IGNORE_LABEL] if dense else y
+    if given.numel() and (int(given.min()) < 0 or int(given.max()) >= num_classes):
+        raise DataContractError(f"dataset '{ref}': {split}_y has labels from {int(given.min())} to {int(given.max())}, "
+                                f"outside 0..{num_classes - 1} (num_classes {num_classes})"
+                                + (f"; {IGNORE_LABEL} marks a position without a label" if dense else ""),
+                                hint="fix the labels or num_classes")
 
 
 def _check_x(x: Any, field: str, ref: str) -> None:

@@ -51,9 +51,9 @@ def shape_points(sizes: dict[str, list[int]]) -> list[dict[str, int]]:
     return [{n: v[min(i, len(v) - 1)] for n, v in sizes.items()} for i in range(count)]
 
 
-def resize(feed: Feed, axes: Axes, point: Mapping[str, int]) -> Feed:
-    """``feed`` with each dynamic axis cut to, or zero-padded up to, its size in ``point`` (zero is the padding
-    token and the masked-out value of an attention mask)."""
+def resize(feed: Feed, axes: Axes, point: Mapping[str, int], fill: int = 0) -> Feed:
+    """``feed`` with each dynamic axis cut to, or padded with ``fill`` up to, its size in ``point`` (zero is the
+    padding token and the masked-out value of an attention mask)."""
     out = {}
     for name, array in feed.items():
         for axis, label in (axes.get(name) or {}).items():
@@ -65,6 +65,6 @@ def resize(feed: Feed, axes: Axes, point: Mapping[str, int]) -> Feed:
             else:
                 pad = [(0, 0)] * array.ndim
                 pad[axis] = (0, size - array.shape[axis])
-                array = np.pad(array, pad)
+                array = np.pad(array, pad, constant_values=fill)
         out[name] = np.ascontiguousarray(array)
     return out

@@ -86,15 +86,17 @@ def evaluate_loss_acc(model: nn.Module, x: Inputs, y: torch.Tensor, device: torc
     model.eval()
     run = forward or model
     x, y = take(x, slice(env.rank, None, env.world_size)), y[env.rank::env.world_size]
-    correct, loss_sum = 0.0, 0.0
+    correct, loss_sum, units = 0.0, 0.0, 0.0
     for i in range(0, len(y), batch):
         xb = take(x, slice(i, i + batch))
         out = call(run, rebuild(xb, [t.to(device) for t in tensors(xb)]))
         target = y[i:i + batch].to(device)
-        loss_sum += task.loss(out, target).item() * len(target)  # the mean loss, weighted by the rows
+        n = float(task.units(target))  # rows, or labelled positions
+        loss_sum += task.loss(out, target).item() * n  # the mean loss, weighted by what it averages over
+        units += n
         hits = task.correct(out, target)
         correct = None if hits is None or correct is None else correct + hits
-    sums = all_sum([correct or 0.0, loss_sum, float(len(y))], device, env)
+    sums = all_sum([correct or 0.0, loss_sum, units], device, env)
     model.train(was_training)
     n = max(1.0, sums[2])
     return sums[1] / n, (None if correct is None else sums[0] / n)
@@ -403,11 +405,12 @@ class _Trainer:
                 cy = cy.to(self.device, non_blocking=True)
                 with autocast(self.device, self.precision):
                     out = call(self.net, cx)
-                # FP32 loss, weighted by the micro-batch's share of the batch: the K weighted means add up
-                # to the mean over the whole batch, also when the last micro-batch is smaller.
+                # FP32 loss, weighted by the micro-batch's share of the batch (of its rows, or of its labelled
+                # positions): the K weighted means add up to the mean over the whole batch, also when the last
+                # micro-batch is smaller.
                 loss = self.task.loss(out, cy)
                 if len(cy) != rows(xb):  # one micro-batch: weight 1, no extra kernels
-                    loss = loss * (len(cy) / rows(xb))
+                    loss = loss * self.task.share(cy, yb)
                 self.scaler.scale(loss).backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None

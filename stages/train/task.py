@@ -1,8 +1,10 @@
 """What training optimizes and measures, by the task the labels imply.
 
-Integer labels: cross-entropy on the class-logit output (``validate.logits_output``), and accuracy. Float
-targets: mean squared error on the single (or named) output, no accuracy. ``train.loss``: the user's
-``(outputs, targets) -> scalar`` on the model's raw outputs. The loss is computed in FP32 on FP32 outputs.
+Integer labels: cross-entropy on the class-logit output (``validate.logits_output``), and accuracy; with a label
+per position (token tagging ``[N, S]``, segmentation ``[N, H, W]``: :mod:`kiln.core.labels`) both average over the
+labelled positions. Float targets: mean squared error on the single (or named) output, no accuracy.
+``train.loss``: the user's ``(outputs, targets) -> scalar`` on the model's raw outputs. The loss is computed in
+FP32 on FP32 outputs.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from kiln.core import labels
+from kiln.core.compare import class_axis
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
@@ -36,21 +40,36 @@ class Task:
         return outs[name]
 
     def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss over ``y``'s rows, or over its labelled positions (per-position labels)."""
         if self.user_loss is not None:
             return self.user_loss(out, y)
         if self.kind == "classification":
+            if labels.per_position(y):
+                return labels.dense_cross_entropy(self.target(out).float(), y)
             return nn.functional.cross_entropy(self.target(out).float(), y)
         return nn.functional.mse_loss(self.target(out).float(), y.float())
 
+    def units(self, y: torch.Tensor) -> float | torch.Tensor:
+        """What :meth:`loss` averages over: rows, or labelled positions (a tensor on ``y``'s device)."""
+        if self.user_loss is None and self.kind == "classification" and labels.per_position(y):
+            return labels.labelled(y)
+        return float(len(y))
+
+    def share(self, part: torch.Tensor, whole: torch.Tensor) -> float | torch.Tensor:
+        """``part``'s weight in the mean over ``whole`` (a micro-batch in its batch), so that the weighted means of
+        the parts add up to the mean over the whole: its share of the rows, or of the labelled positions."""
+        units = self.units(whole)
+        return self.units(part) / (units.clamp(min=1) if isinstance(units, torch.Tensor) else units)
+
     def correct(self, out: Any, y: torch.Tensor) -> float | None:
-        """Correctly classified rows (None: no classes to count)."""
+        """Correctly classified rows or labelled positions (None: no classes to count)."""
         if y.is_floating_point():
             return None
         try:
             logits = self.target(out)
         except ConfigError:  # a user loss on a model without one logits output: no accuracy to report
             return None
-        return float((logits.argmax(-1) == y).sum().item())
+        return float(labels.hits(logits, y).item())
 
 
 CLASSIFY = Task("classification")
@@ -77,7 +96,16 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
                               hint="return e.g. torch.nn.functional.mse_loss(outputs[0], targets)")
         return
     target = task.target(out)
-    if task.kind == "classification":
+    if task.kind == "classification" and labels.per_position(y):
+        axis = class_axis(target.ndim)
+        positions = tuple(s for i, s in enumerate(target.shape) if i != axis % target.ndim)
+        if positions != tuple(y.shape) or target.shape[axis] < max(num_classes, 2):
+            raise ModelError(f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of "
+                             f"shape {tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped "
+                             "like the labels plus a class axis (last, or axis 1 from four axes on)",
+                             hint="make the model return one row of class logits per labelled position, set its "
+                                  "num_classes to the dataset's, or name the logits output in validate.logits_output")
+    elif task.kind == "classification":
         if target.ndim != 2 or target.shape[1] < max(num_classes, 2):
             raise ModelError(f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "
                              f"of 2, but the dataset has {num_classes} classes",

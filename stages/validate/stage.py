@@ -33,10 +33,12 @@ from kiln.core.data import (
 from kiln.core.env import environment_subset
 from kiln.core.errors import ModelError
 from kiln.core.inputs import check_batch_fits
+from kiln.core.labels import IGNORE_LABEL, per_position
+from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import Baseline, EngineValidation, Memory, TensorSpec, ValidationResult
-from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
+from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.engines import conv_epilogues
@@ -56,14 +58,16 @@ log = logging.getLogger("kiln.validate")
 def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict[str, float | None]:
     """The comparator's statistics of the logits output, plus task accuracy where there are labels."""
     stats = compare_arrays(ref, got)
-    accuracy = float(np.mean(got.argmax(-1) == labels)) if labels is not None else None
+    accuracy = label_accuracy(got, labels) if labels is not None else None
     return {"max_abs_err": stats.max_abs_err, "cosine": stats.cosine, "top1_agreement": stats.top1_agreement,
             "accuracy": accuracy}
 
 
-def compare_all(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str | None) -> dict[str, OutputStats]:
+def compare_all(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str | None,
+                where: np.ndarray | None = None) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
-    the class-logit output (on a hidden state it would be noise)."""
+    the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
+    labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads)."""
     missing = sorted(set(ref) - set(got))
     if missing:
         raise ModelError(f"the engine has no output {missing} (it has {sorted(got)})",
@@ -73,6 +77,8 @@ def compare_all(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: 
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
         raise ModelError(f"the engine's outputs do not match the reference's: {exc}",
                          hint="rebuild the engines from this model's ONNX export (kiln run --force export)") from None
+    if where is not None and logits in stats:
+        stats[logits] = compare_arrays(ref[logits], got[logits], where=where)
     return {n: s if n == logits else replace(s, top1_agreement=None) for n, s in stats.items()}
 
 
@@ -174,13 +180,31 @@ def check_gates(entry: EngineValidation, baseline_acc: float | None, gates: dict
     return fails
 
 
+def labels_at_points(labels: np.ndarray | None, feed: Feed, feeds: list[tuple[dict[str, int], Feed]],
+                     axes: Axes) -> list[np.ndarray | None]:
+    """The held-out labels at each validated shape: labels per row as they are; labels per position follow the input
+    they are shaped like (a token classifier's ``[N, seq]`` tags follow ``input_ids``: cut, or padded with
+    ``IGNORE_LABEL`` where the input is padded with zeros). None at a shape they cannot follow."""
+    if labels is None or not per_position(labels):
+        return [labels] * len(feeds)
+    like = next((k for k, v in feed.items() if v.shape == labels.shape), None)
+    out: list[np.ndarray | None] = []
+    for point, resized in feeds:
+        if like is not None:
+            out.append(resize({like: labels}, {like: axes.get(like) or {}}, point, fill=IGNORE_LABEL)[like])
+        else:  # e.g. pixel labels [N, H, W] of images [N, 3, H, W]: only at the data's own shape
+            out.append(labels if all(resized[k].shape == v.shape for k, v in feed.items()) else None)
+    return out
+
+
 class Reference:
     """What the engines are compared with: the PyTorch model (or, started from an ONNX file, the FP32 ONNX in
-    ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any."""
+    ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any (one array
+    per shape: :func:`labels_at_points`)."""
 
     def __init__(self, run: Callable[[Feed], dict[str, np.ndarray]], feeds: list[tuple[dict[str, int], Feed]],
-                 labels: np.ndarray | None, logits: str | None, batch: int, smallest: int = 1) -> None:
-        self.run, self.feeds, self.labels, self.logits = run, feeds, labels, logits
+                 labels: list[np.ndarray | None], logits: str | None, batch: int, smallest: int = 1) -> None:
+        self.run, self.feeds, self.point_labels, self.logits = run, feeds, labels, logits
         self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest)
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
             rows = feed_rows(feeds[0][1]) // batch * batch
@@ -192,7 +216,7 @@ class Reference:
             log.info("outputs %s depend on the whole batch: compared on %d held-out rows (whole batches of %d)",
                      coupled, rows, batch)
             self.feeds = [(point, feed_take(feed, slice(0, rows))) for point, feed in feeds]
-            self.labels = None if labels is None else labels[:rows]
+            self.point_labels = [None if y is None else y[:rows] for y in labels]
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
@@ -210,6 +234,19 @@ class Reference:
     def feed(self) -> Feed:
         """The inputs at the data's own shape (the last point: the largest sizes), for accuracy and latency."""
         return self.feeds[-1][1]
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        """The labels of :attr:`feed`, for accuracy."""
+        return self.point_labels[-1]
+
+    def labelled(self, index: int, batch: int | None = None) -> np.ndarray | None:
+        """Where feed ``index`` (``batch`` rows of it: :func:`sample_batch`) has per-position labels, the labelled
+        positions, over which top-1 agreement is counted; None: every row and position counts."""
+        y = self.point_labels[index]
+        if y is None or not per_position(y):
+            return None
+        return (y if batch is None else sample_batch(y, batch)) != IGNORE_LABEL
 
 
 def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig,
@@ -234,12 +271,12 @@ def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline],
                 entry.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=meta.size_bytes)
             else:
                 got = batched(runner.infer, feed, largest)
-            stats = merge_worst(stats, compare_all(expected, got, ref.logits))
+            stats = merge_worst(stats, compare_all(expected, got, ref.logits, ref.labelled(i)))
             for bs in cfg.batch_sizes:  # every batch size at every shape: one batch each
                 got_bs = runner.infer(sample_batch(feed, bs))
-                stats = merge_worst(stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits))
+                stats = merge_worst(stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs)))
             if i == len(ref.feeds) - 1 and ref.logits is not None and ref.labels is not None:
-                entry.accuracy = float(np.mean(got[ref.logits].argmax(-1) == ref.labels))
+                entry.accuracy = label_accuracy(got[ref.logits], ref.labels)
         summarize(entry, stats, ref.logits)
         entry.shapes = [p for p, _ in ref.feeds if p]
         with ctx.progress.task(f"timing {meta.name}", total=len(cfg.batch_sizes)) as bar:
@@ -313,7 +350,8 @@ def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig)
         out_names = list(named_outputs(model, from_feed(feed_take(feed, slice(0, 2)), data.val_x)))
     logits = logits_name(out_names, cfg.logits_output)
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return Reference(run, feeds, labels, logits, max(cfg.batch_sizes), min(cfg.batch_sizes)), model
+    return Reference(run, feeds, labels_at_points(labels, feed, feeds, axes), logits, max(cfg.batch_sizes),
+                     min(cfg.batch_sizes)), model
 
 
 def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
@@ -333,8 +371,8 @@ def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) 
         return dict(zip(out_names, sess.run(None, f)))
 
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return Reference(run, feeds, labels, logits_name(out_names, cfg.logits_output), max(cfg.batch_sizes),
-                     min(cfg.batch_sizes)), sess
+    return Reference(run, feeds, labels_at_points(labels, feed, feeds, axes), logits_name(out_names, cfg.logits_output),
+                     max(cfg.batch_sizes), min(cfg.batch_sizes)), sess
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -347,7 +385,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                       for k, v in ref.feed.items()], max(cfg.batch_sizes))
     accuracy = None
     if ref.logits is not None and ref.labels is not None:
-        accuracy = float(np.mean(ref.outputs[-1][ref.logits].argmax(-1) == ref.labels))
+        accuracy = label_accuracy(ref.outputs[-1][ref.logits], ref.labels)
     n = feed_rows(ref.feed)
     dirs = engine_dirs(ctx.inputs["build"])
     metas = [read_metadata(d) for d in dirs]

@@ -43,6 +43,23 @@ def bert():
     return Bert()
 
 
+def bert_tagger():
+    """transformers' BertForTokenClassification (a named-entity tagger's model): logits [batch, seq, labels]."""
+    from transformers import BertConfig, BertForTokenClassification
+    return BertForTokenClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=2, intermediate_size=64,
+                                                 max_position_embeddings=64, num_labels=5))
+
+
+def tagged_text(size=256, max_len=16):
+    """A tag per token ([N, seq], int64): the token's id mod 5, learnable from the token alone; padding is -100, as
+    Hugging Face's token-classification data collator pads labels."""
+    d = synthetic_text(size=size, max_len=max_len)
+    tags = lambda x: torch.where(x["attention_mask"].bool(), x["input_ids"] % 5, -100)  # noqa: E731
+    d.train_y, d.val_y, d.num_classes = tags(d.train_x), tags(d.val_x), 5
+    return d
+
+
 class SentenceEmbedder(nn.Module):
     """A transformers BertModel, mean-pooled: {"embedding", "last_hidden_state"}, no labels (an embedding model)."""
     def __init__(self):
@@ -223,6 +240,21 @@ def test_huggingface_bert_from_a_user_module(tmp_path: Path) -> None:
     _every_precision_at_every_shape(v)
     assert v["baseline"]["compared"] == ["logits"] and v["baseline"]["logits_output"] == "logits"
     assert all(e["top1_agreement"] is not None and e["accuracy"] is not None for e in v["engines"])
+
+
+def test_huggingface_token_classifier_trains_on_token_labels_and_validates_token_accuracy(tmp_path: Path) -> None:
+    """A label per token ([N, seq], -100 on padding): BertForTokenClassification trains with the cross-entropy over
+    labelled tokens, and every engine's accuracy counts labelled tokens only. Before: the labels were refused when
+    the data loaded ("neither integer class labels (one per row) nor float targets")."""
+    pytest.importorskip("transformers")
+    v = _user_run(tmp_path, "bert_tagger", {}, **{"data.name": "byom_user:tagged_text", "train.epochs": 4,
+                                                  "train.lr": 0.01, "precision.variants": ["fp32", "int8"]})
+    assert v["passed"] is True, v["failures"]
+    assert v["baseline"]["logits_output"] == "logits" and v["baseline"]["accuracy"] > 0.9
+    for e in v["engines"]:
+        assert e["shapes"] == [{"seq": 8}, {"seq": 16}] and e["accuracy"] > 0.9 and e["top1_agreement"] > 0.99
+    train = json.loads((tmp_path / "wd" / "report.json").read_text())["stages"]["train"]["summary"]
+    assert train["val_accuracy"] > 0.9 and train["val_accuracy"] == pytest.approx(v["baseline"]["accuracy"], abs=0.02)
 
 
 def test_huggingface_bert_as_an_inductor_engine(tmp_path: Path) -> None:

@@ -6,11 +6,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import Baseline, EngineValidation, Percentiles
+from kiln.core.shapes import resize
 from kiln.stages.validate.baselines import measure, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory
-from kiln.stages.validate.stage import check_gates, choose, compare, engine_hints, gates_for, percentiles
+from kiln.stages.validate.stage import (
+    check_gates,
+    choose,
+    compare,
+    engine_hints,
+    gates_for,
+    labels_at_points,
+    percentiles,
+)
 
 from tests.conftest import tiny_config_dict
 
@@ -26,6 +36,24 @@ def test_compare_identical_and_perturbed() -> None:
     res = compare(ref, flipped, labels)
     assert res["top1_agreement"] == pytest.approx(0.9) and res["accuracy"] == pytest.approx(0.9)
     assert res["cosine"] < 0.9
+
+
+def test_token_labels_follow_their_input_through_each_validated_length() -> None:
+    """Tags [N, seq] shaped like input_ids are cut or padded with -100 as the ids are cut or padded with zeros, so
+    top-1 agreement and accuracy count the labelled tokens at every validated length; row labels stay as they are."""
+    ids = np.arange(12).reshape(2, 6)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    feeds = [({"seq": n}, resize(feed, axes, {"seq": n})) for n in (4, 8)]
+    tags = ids % 3
+    short, long = labels_at_points(tags, feed, feeds, axes)
+    assert np.array_equal(short, tags[:, :4])
+    assert np.array_equal(long[:, :6], tags) and (long[:, 6:] == IGNORE_LABEL).all()
+    rows = np.array([0, 1])
+    assert all(r is rows for r in labels_at_points(rows, feed, feeds, axes))
+    pixels = np.zeros((2, 5, 5), dtype=np.int64)  # shaped like no input: only at the data's own shape
+    assert labels_at_points(pixels, feed, feeds, axes) == [None, None]
+    assert labels_at_points(pixels, feed, [({}, feed)], axes)[0] is pixels
 
 
 def entry(**kw) -> EngineValidation:

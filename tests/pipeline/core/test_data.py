@@ -32,12 +32,25 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
     (DatasetSplits(torch.zeros(8, 2), torch.arange(8), torch.zeros(2, 2), torch.arange(2), num_classes=4),
      "train_y has labels from 0 to 7, outside 0..3"),
     (DatasetSplits(torch.zeros(8, 2), None, [1, 2], None), "val_x as list"),
+    (DatasetSplits(ids(8), torch.full((8, 6), 5), ids(4), torch.zeros(4, 6, dtype=torch.long), num_classes=4),
+     "train_y has labels from 5 to 5, outside 0..3 \\(num_classes 4\\); -100 marks a position without a label"),
+    (DatasetSplits(torch.zeros(8, 2), torch.full((8,), -100), torch.zeros(2, 2), torch.zeros(2, dtype=torch.long),
+                   num_classes=4), "train_y has labels from -100 to -100, outside 0..3 \\(num_classes 4\\)\n"),
+    (DatasetSplits(torch.zeros(8, 2), torch.zeros(8, dtype=torch.bool), torch.zeros(2, 2), None),
+     "neither integer class labels nor float targets"),
     (DatasetSplits(torch.zeros(8, 2), torch.zeros(8), torch.zeros(2, 2), None), "labels for one split only"),
 ])
 def test_contract_violations_name_the_cause(splits: DatasetSplits, message: str) -> None:
     with pytest.raises(DataContractError, match=message) as info:
         check_splits(splits, "mine:data")
     assert info.value.hint
+
+
+def test_labels_per_token_are_classes_or_the_ignore_label() -> None:
+    """[N, seq] tags, -100 where a token has none (padding; Hugging Face's token-classification collator)."""
+    tags = torch.randint(0, 4, (8, 6))
+    tags[:, 4:] = -100
+    check_splits(DatasetSplits(ids(8), tags, ids(4), tags[:4], num_classes=4), "d")
 
 
 def test_a_declared_dynamic_axis_may_differ_between_splits() -> None:

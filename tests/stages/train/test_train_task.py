@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
 from kiln.models.datasets import synthetic_regression, synthetic_text
 from kiln.models.registry import build_model
@@ -38,3 +39,51 @@ def test_task_mismatches_are_clear_errors() -> None:
         check_task(Task("classification"), (out, out), torch.zeros(2, dtype=torch.long), 3, "m")
     with pytest.raises(ConfigError, match="train.loss failed on the model's outputs"):
         check_task(Task("custom", user_loss=lambda o, t: o.missing), out, y, 0, "m")
+
+
+class Tagger(torch.nn.Module):
+    """A tag per token: [N, S] ids -> [N, S, classes] logits."""
+
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def tagged(size: int = 96, length: int = 6) -> DatasetSplits:
+    """Tags = token id mod 3; each row's tail of random length is padding, tagged -100."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 16, (size, length), generator=g)
+    pad = torch.arange(length)[None, :] >= torch.randint(1, length + 1, (size, 1), generator=g)
+    y = torch.where(pad, -100, x % 3)
+    n = size * 3 // 4
+    return DatasetSplits(x[:n], y[:n], x[n:], y[n:], num_classes=3)
+
+
+def test_token_labels_train_with_accumulation_equal_to_one_batch_and_score_labelled_tokens() -> None:
+    """The loss is the mean over a batch's labelled tokens: two micro-batches (holding different numbers of labelled
+    tokens) weighted by their share of them give the one-batch update exactly; accuracy counts labelled tokens."""
+    data = tagged()
+    task = task_for(data, None, None)
+    one = TrainConfig(epochs=3, batch_size=24, device="cpu", plot=False, lr=0.05, optimizer="sgd", precision="fp32")
+    a, b = Tagger(), Tagger()
+    ra = train(a, data, one, task=task)
+    rb = train(b, data, one.model_copy(update={"grad_accum_steps": 2}), task=task)
+    assert max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters())) < 1e-6
+    assert ra.history[-1].loss < ra.history[0].loss
+    logits = a(data.val_x)
+    keep = data.val_y != -100
+    want = (logits.argmax(-1)[keep] == data.val_y[keep]).float().mean().item()
+    assert ra.history[-1].val_accuracy == pytest.approx(want) and rb.history[-1].val_accuracy == pytest.approx(want)
+
+
+def test_token_logits_of_the_wrong_shape_are_a_clear_error() -> None:
+    y = torch.zeros(2, 6, dtype=torch.long)
+    check_task(Task("classification"), torch.zeros(2, 6, 3), y, 3, "m")  # fits
+    with pytest.raises(ModelError, match=r"class logits of shape \(2, 3\) for labels of shape \(2, 6\)"):
+        check_task(Task("classification"), torch.zeros(2, 3), y, 3, "m")
+    with pytest.raises(ModelError, match="needs logits shaped like the labels plus a class axis"):
+        check_task(Task("classification"), torch.zeros(2, 6, 2), y, 3, "m")

@@ -1,0 +1,48 @@
+"""Integer labels: one per row (classification) or one per position (a label per token for named-entity tagging,
+per pixel for segmentation), where ``IGNORE_LABEL`` marks a position that carries none (padding, sub-word pieces).
+
+Per-position labels have the logits' shape without the class axis (:func:`kiln.core.compare.class_axis`: the last
+for ``[N, S, C]``, axis 1 for ``[N, C, H, W]``). Losses and accuracies average over the labelled positions only,
+as Hugging Face's token-classification models and torch's ``cross_entropy(ignore_index=-100)`` do.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from kiln.core.compare import class_axis
+
+IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugging Face pads token labels with
+
+
+def per_position(y: Any) -> bool:
+    """Integer labels with more than one axis: one per position of each row."""
+    return y.ndim > 1 and not (y.dtype.is_floating_point if hasattr(y.dtype, "is_floating_point")
+                               else np.issubdtype(y.dtype, np.floating))
+
+
+def labelled(y: Any) -> Any:
+    """How many labels ``y`` holds (positions marked ``IGNORE_LABEL`` do not count); a tensor for a tensor, on its
+    device, so counting does not wait for the GPU."""
+    return (y != IGNORE_LABEL).sum()
+
+
+def dense_cross_entropy(logits: Any, y: Any) -> Any:
+    """Mean cross-entropy over the labelled positions of ``y``; 0 (not NaN) where none is labelled."""
+    import torch
+
+    axis = class_axis(logits.ndim)
+    flat = torch.movedim(logits, axis, -1).reshape(-1, logits.shape[axis])
+    total = torch.nn.functional.cross_entropy(flat, y.reshape(-1), ignore_index=IGNORE_LABEL, reduction="sum")
+    return total / labelled(y).clamp(min=1)
+
+
+def hits(logits: Any, y: Any) -> Any:
+    """Labelled rows or positions whose argmax over the class axis is their label (a tensor, like ``labelled``)."""
+    return ((logits.argmax(class_axis(logits.ndim)) == y) & (y != IGNORE_LABEL)).sum()
+
+
+def accuracy(logits: np.ndarray, labels: np.ndarray) -> float | None:
+    """Fraction of labelled rows or positions whose argmax over the class axis is their label (None: none is)."""
+    count = int(labelled(labels))
+    return float(hits(logits, labels)) / count if count else None

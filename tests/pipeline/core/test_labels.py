@@ -1,0 +1,45 @@
+"""Labels per row or per position (kiln.core.labels): the loss, hits and accuracy over labelled positions only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kiln.core.compare import compare_arrays
+from kiln.core.labels import IGNORE_LABEL, accuracy, dense_cross_entropy, hits, labelled, per_position
+
+
+def test_per_position_means_integer_labels_with_more_than_one_axis() -> None:
+    assert per_position(torch.zeros(4, 6, dtype=torch.long)) and per_position(np.zeros((4, 6, 6), dtype=np.int64))
+    assert not per_position(torch.zeros(4, dtype=torch.long)) and not per_position(torch.zeros(4, 6))
+    assert not per_position(np.zeros((4, 2), dtype=np.float32))
+
+
+def test_dense_cross_entropy_is_torchs_mean_over_labelled_tokens_and_zero_without_any() -> None:
+    logits = torch.randn(3, 5, 4)
+    y = torch.randint(0, 4, (3, 5))
+    y[0, 3:] = y[2, :] = IGNORE_LABEL
+    want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y)  # torch's [N, C, S] form, ignore_index -100
+    assert dense_cross_entropy(logits, y) == pytest.approx(want.item(), rel=1e-6)
+    assert dense_cross_entropy(logits, torch.full((3, 5), IGNORE_LABEL)).item() == 0.0
+    segmentation = torch.randn(2, 4, 3, 3)  # [N, C, H, W]: classes on axis 1
+    pixels = torch.randint(0, 4, (2, 3, 3))
+    assert dense_cross_entropy(segmentation, pixels) == pytest.approx(
+        torch.nn.functional.cross_entropy(segmentation, pixels).item(), rel=1e-6)
+
+
+def test_accuracy_counts_labelled_rows_and_positions() -> None:
+    logits = np.zeros((2, 3, 4))
+    logits[..., 1] = 1.0  # predicts class 1 everywhere
+    y = np.array([[1, 2, IGNORE_LABEL], [1, IGNORE_LABEL, IGNORE_LABEL]])
+    assert int(labelled(y)) == 3 and int(hits(logits, y)) == 2 and accuracy(logits, y) == pytest.approx(2 / 3)
+    assert accuracy(logits, np.full((2, 3), IGNORE_LABEL)) is None
+    assert accuracy(np.eye(3), np.array([0, 1, 1])) == pytest.approx(2 / 3)  # one label per row, as before
+
+
+def test_top1_agreement_over_the_labelled_positions_only() -> None:
+    ref = np.zeros((1, 4, 3))
+    ref[..., 0] = 1.0
+    got = ref.copy()
+    got[0, 3] = [0.0, 2.0, 0.0]  # the last (padding) token flips
+    assert compare_arrays(ref, got).top1_agreement == 0.75
+    assert compare_arrays(ref, got, where=np.array([[True, True, True, False]])).top1_agreement == 1.0
