@@ -46,17 +46,18 @@ def passes(metrics: dict[str, float | None], cfg: FallbackConfig) -> bool:
 
 
 def run_fallback(build: Callable[[set[str]], Path], fp32: onnx.ModelProto, x: Samples, cfg: FallbackConfig,
-                 candidates: set[str], label: str, logits: int | None = 0) -> FallbackResult:
+                 candidates: set[str], label: str, logits: int | None = 0,
+                 where: np.ndarray | None = None) -> FallbackResult:
     """``build(extra_fp32_nodes) -> model path``. ``candidates``: nodes whose precision ``build`` can change.
     Every graph output is compared (the worst must meet the targets); ``logits``: the index of the class-logit
-    output whose top-1 agreement is checked (None: none)."""
+    output whose top-1 agreement is checked (None: none), over the positions ``where`` marks (None: all)."""
     refs = run_batched(fp32, x)
     kept: dict[str, str] = {}
     result = FallbackResult(path=Path())
     for round_no in range(cfg.max_rounds + 1):
         result.path = build(set(kept))
         gots = run_batched(result.path, x)
-        metrics = output_metrics(refs, gots, logits)
+        metrics = output_metrics(refs, gots, logits, where)
         result.rounds.append({"round": round_no, "kept": len(kept), **metrics})
         result.passed = passes(metrics, cfg)
         log.info("%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)", label, round_no,

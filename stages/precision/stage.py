@@ -22,6 +22,7 @@ from kiln.calibration.quantize import resolve_reduce_range
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
+from kiln.core.labels import IGNORE_LABEL, per_position
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.outputs import logits_name
 from kiln.core.progress import Progress
@@ -56,13 +57,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     x_val = feed_for_graph(take(data.val_x, slice(0, cfg.fallback.samples)), names)
     logits = logits_name([o.name for o in outputs], ctx.config.validate_.logits_output)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
+    y_val = data.val_y[:cfg.fallback.samples] if data.val_y is not None else None
+    labelled = (y_val != IGNORE_LABEL).numpy() if y_val is not None and per_position(y_val) else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
         fp32_path = ctx.out / "fp32" / "model.onnx" if "fp32" in wanted else Path(tmp) / "fp32.onnx"
         src = Source.prepare(graph, fp32_path, batches,
                              ctx.cache_dir if ccfg.cache else Path(tmp),  # no cache: ranges live only this run
-                             logits_index)
+                             logits_index, labelled)
         cache_dir = src.cache_dir if ccfg.cache else None
         variants, failed = build_variants(src, ctx.out, wanted, cfg, ccfg, x_val, ctx.progress, ctx.log)
         modules = torch_modules(src.model, *_export_graph(ctx))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import Batch
@@ -41,13 +42,16 @@ class Source:
     batches: list[Batch]
     cache_dir: Path | None
     logits: int | None = 0  # index of the class-logit output (top-1 agreement); None: the model has none
+    # Where top-1 agreement counts on the held-out samples the fallback compares: their labelled positions, for
+    # labels per position (kiln.core.labels; a tagger's padding has none); None: every row and position
+    labelled: np.ndarray | None = None
 
     @classmethod
-    def prepare(cls, model: onnx.ModelProto, path: Path, batches: list[Batch],
-                cache_dir: Path | None, logits: int | None = 0) -> "Source":
+    def prepare(cls, model: onnx.ModelProto, path: Path, batches: list[Batch], cache_dir: Path | None,
+                logits: int | None = 0, labelled: np.ndarray | None = None) -> "Source":
         model = name_nodes(infer_shapes(model))
         save_onnx(model, path)
-        return cls(model, path, model.graph.input[0].name, batches, cache_dir, logits)
+        return cls(model, path, model.graph.input[0].name, batches, cache_dir, logits, labelled)
 
     def ranges(self, method: str, ccfg: CalibrationConfig) -> Ranges:
         return calibrate(self.path, self.batches, self.input_name, method, cache_dir=self.cache_dir,
@@ -78,7 +82,7 @@ def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig
             return emulated
 
         res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16",
-                           src.logits)
+                           src.logits, src.labelled)
     return _entry(out, base | unconvertible | res.kept, res, {**info, "unconvertible": sorted(unconvertible)})
 
 
@@ -95,7 +99,7 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
 
     ops = set(quantizable_op_types(ccfg))
     candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
-    res = run_fallback(build, src.model, x_val, fallback, candidates, "int8", src.logits)
+    res = run_fallback(build, src.model, x_val, fallback, candidates, "int8", src.logits, src.labelled)
     entry = _entry(out, base | res.kept, res, {"calibration": {
         "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
         "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes"), "reduce_range": info.get("reduce_range")}})
@@ -121,7 +125,7 @@ def ort_cpu_with_fallback(src: Source, out: Path, ccfg: CalibrationConfig, fallb
         return out
 
     res = run_fallback(build, src.model, x_val, fallback, candidates - set(kept), "int8 onnxruntime-cpu",
-                       src.logits)
+                       src.logits, src.labelled)
     last = res.rounds[-1] if res.rounds else {}
     return {**info, "kept_fp32": sorted(kept | res.kept), "reasons": dict(sorted(res.kept.items())),
             "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},

@@ -81,3 +81,16 @@ def test_int8_fallback_finds_planted_node(tmp_path: Path) -> None:
     assert entry["fallback"]["rounds"][0]["top1_agreement"] < 0.9
     assert entry["fallback"]["passed"] and "planted" in entry["kept_fp32"]
     assert "fallback round" in entry["reasons"]["planted"]
+
+
+def test_top1_agreement_counts_the_labelled_positions_given() -> None:
+    """A token tagger's padding has no label (-100): a flip there is no disagreement the fallback should chase."""
+    from kiln.stages.precision.compare import output_metrics
+
+    ref = np.zeros((2, 4, 3))
+    ref[..., 0] = 1.0
+    got = ref.copy()
+    got[:, 3] = [0.0, 2.0, 0.0]  # the last position of each row (padding) flips
+    assert output_metrics([ref], [got], 0)["top1_agreement"] == 0.75
+    labelled = np.array([[True, True, True, False]] * 2)
+    assert output_metrics([ref], [got], 0, labelled)["top1_agreement"] == 1.0
