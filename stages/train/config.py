@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from kiln.core.sections import Section
+from kiln.core.sections import AutoOnOff, Section
 from pydantic import Field, field_validator, model_validator
 
 
@@ -90,7 +90,7 @@ class TrainConfig(Section):
                                                "cross-entropy for integer labels, mean squared error for float targets")
     compile: bool | CompileConfig = Field(
         False, description="torch.compile the model: true (default settings) or {mode, dynamic, fullgraph}")
-    update_graph: Literal["auto", "on", "off"] = Field(
+    update_graph: AutoOnOff = Field(
         "auto", description="run the update after the backward pass (unscale, clip, checks, optimizer step, loss "
                             "scale) as one CUDA graph: less host time per step; auto: one process on CUDA with a "
                             "fused optimizer")

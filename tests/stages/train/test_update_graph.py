@@ -205,3 +205,12 @@ def test_a_failed_capture_leaves_the_update_eager_with_one_warning(precision: st
     assert [m.message.split(":")[0] for m in caplog.records if "CUDA graph" in m.message] == [
         "the update after the backward pass runs without a CUDA graph (slower on the host, same result)"]
     assert max_diff(eager, graphed) == 0.0
+
+
+def test_yaml_on_and_off_are_the_settings_not_booleans() -> None:
+    """YAML reads a bare `on` / `off` as true / false; the setting takes them as the words."""
+    import yaml
+
+    for text, want in (("on", "on"), ("off", "off"), ("auto", "auto"), ("true", "on")):
+        cfg = TrainConfig.model_validate(yaml.safe_load(f"update_graph: {text}"))
+        assert cfg.update_graph == want
