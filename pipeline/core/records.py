@@ -160,6 +160,9 @@ class Baseline(Part):
     samples: int
     latency_ms: dict[str, Percentiles]
     logits_output: str | None = None  # the class-logit output of top-1 and accuracy (None: not a classifier)
+    # Labels per position (kiln.core.labels): how many of the held-out positions carry one, which accuracy and top-1
+    # count (None: labels per row, or none)
+    labelled_positions: int | None = None
     compared: list[str] = Field(default_factory=list)  # the outputs every engine is compared on
     shapes: list[dict[str, int]] = Field(default_factory=list)  # dynamic axis sizes validated at (besides batch)
     memory: Memory | None = None

@@ -124,6 +124,9 @@ def _compared(b: Any) -> list[str]:
     shapes = "; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in b.shapes)
     logits = (f"top-1 agreement and accuracy on '{b.logits_output}'" if b.logits_output else
               "no class-logit output (validate.logits_output unset): no top-1 agreement or accuracy")
+    if b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
+        logits += (f", counted over the {b.labelled_positions:,} labelled positions of the held-out samples (labels "
+                   "per position; -100 marks one without)")
     return ["", f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
             + (f" Dynamic axes validated at: {shapes}." if shapes else "")]
 

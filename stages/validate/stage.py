@@ -395,12 +395,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
     else:  # started from model.onnx: the FP32 graph in ONNX Runtime on the CPU is the baseline
         baselines = [Baseline(backend="onnxruntime", accuracy=None, samples=n, latency_ms={
             str(bs): percentiles(_time_session(model, sample_batch(ref.feed, bs), cfg)) for bs in cfg.batch_sizes})]
+    labelled = ref.labelled(len(ref.feeds) - 1)
     for b in baselines:
         b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
         b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
+        b.labelled_positions = None if labelled is None else int(labelled.sum())
     baseline = next(b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch))
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
-        baseline = Baseline(accuracy=accuracy, samples=n, latency_ms={}, error=baseline.error)
+        baseline = Baseline(accuracy=accuracy, samples=n, latency_ms={}, error=baseline.error,
+                            labelled_positions=baseline.labelled_positions)
     if ref.logits is None:
         ctx.log.info("no class-logit output among %s: engines compared by error and cosine per output, without "
                      "top-1 agreement or accuracy (set validate.logits_output to name one)", baseline.compared)

@@ -255,6 +255,9 @@ def test_huggingface_token_classifier_trains_on_token_labels_and_validates_token
         assert e["shapes"] == [{"seq": 8}, {"seq": 16}] and e["accuracy"] > 0.9 and e["top1_agreement"] > 0.99
     train = json.loads((tmp_path / "wd" / "report.json").read_text())["stages"]["train"]["summary"]
     assert train["val_accuracy"] > 0.9 and train["val_accuracy"] == pytest.approx(v["baseline"]["accuracy"], abs=0.02)
+    labelled = v["baseline"]["labelled_positions"]
+    assert 0 < labelled < 64 * 16  # the held-out rows' real tokens, not their padding
+    assert f"counted over the {labelled:,} labelled positions" in (tmp_path / "wd" / "report.md").read_text()
 
 
 def test_huggingface_bert_as_an_inductor_engine(tmp_path: Path) -> None:
