@@ -51,6 +51,16 @@ def bert_tagger():
                                                  max_position_embeddings=64, num_labels=5))
 
 
+def next_tokens(size=256, length=16):
+    """Next-token labels for a causal LM (Hugging Face's labels, shifted): counting sequences mod 64 from a random
+    start, each position labelled with the token after it, the last with -100."""
+    g = torch.Generator().manual_seed(0)
+    ids = (torch.randint(1, 64, (size, 1), generator=g) + torch.arange(length)) % 64
+    y = torch.cat([ids[:, 1:], torch.full((size, 1), -100)], 1)
+    n = size * 3 // 4
+    return DatasetSplits({"input_ids": ids[:n]}, y[:n], {"input_ids": ids[n:]}, y[n:], num_classes=64)
+
+
 def tagged_text(size=256, max_len=16):
     """A tag per token ([N, seq], int64): the token's id mod 5, learnable from the token alone; padding is -100, as
     Hugging Face's token-classification data collator pads labels."""
@@ -258,6 +268,18 @@ def test_huggingface_token_classifier_trains_on_token_labels_and_validates_token
     labelled = v["baseline"]["labelled_positions"]
     assert 0 < labelled < 64 * 16  # the held-out rows' real tokens, not their padding
     assert f"counted over the {labelled:,} labelled positions" in (tmp_path / "wd" / "report.md").read_text()
+
+
+def test_causal_language_model_trains_on_next_token_labels(tmp_path: Path) -> None:
+    """transformers' GPT-2 ([N, seq, vocab] logits) fine-tuned on next-token labels (-100 on each last position):
+    the loss, accuracy and top-1 agreement count the 15 labelled positions of each held-out row."""
+    pytest.importorskip("transformers")
+    v = _user_run(tmp_path, "gpt2", {}, **{"data.name": "byom_user:next_tokens", "train.epochs": 6,
+                                           "export.dynamic_axes": {"input_ids": {1: "seq"}},
+                                           "precision.variants": ["fp32", "int8"], "validate.batch_sizes": [1, 8]})
+    assert v["passed"] is True, v["failures"]
+    assert v["baseline"]["labelled_positions"] == 64 * 15 and v["baseline"]["accuracy"] > 0.8
+    assert all(e["accuracy"] > 0.8 and e["top1_agreement"] > 0.99 for e in v["engines"])
 
 
 def test_huggingface_bert_as_an_inductor_engine(tmp_path: Path) -> None:
