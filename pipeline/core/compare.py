@@ -50,12 +50,15 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0,
 
 
 def compare_outputs(ref: Mapping[str, np.ndarray] | Sequence[np.ndarray],
-                    got: Mapping[str, np.ndarray] | Sequence[np.ndarray], rel_tie: float = 0.0) -> dict[str, OutputStats]:
-    """Per output: by name for mappings (the reference's names), by position (``"0"``, ``"1"``...) for sequences."""
+                    got: Mapping[str, np.ndarray] | Sequence[np.ndarray], rel_tie: float = 0.0,
+                    where: Mapping[str, np.ndarray] | None = None) -> dict[str, OutputStats]:
+    """Per output: by name for mappings (the reference's names), by position (``"0"``, ``"1"``...) for sequences.
+    ``where``: per output (by those names), the rows/positions its top-1 agreement counts (:func:`compare_arrays`)."""
+    where = where or {}
     if isinstance(ref, Mapping):
         got_map = got if isinstance(got, Mapping) else dict(zip(ref, got))
-        return {name: compare_arrays(value, got_map[name], rel_tie) for name, value in ref.items()}
-    return {str(i): compare_arrays(r, g, rel_tie) for i, (r, g) in enumerate(zip(ref, got))}
+        return {name: compare_arrays(value, got_map[name], rel_tie, where.get(name)) for name, value in ref.items()}
+    return {str(i): compare_arrays(r, g, rel_tie, where.get(str(i))) for i, (r, g) in enumerate(zip(ref, got))}
 
 
 def worst(stats: Mapping[str, OutputStats], statistic: str) -> float:

@@ -58,9 +58,8 @@ def output_metrics(ref: np.ndarray | list[np.ndarray], got: np.ndarray | list[np
     """The comparator's top-1 agreement (of output ``logits``, over the positions ``where`` marks; None: no class
     logits), cosine and max abs error (the worst output's) of ``got`` against ``ref``, with the sample count."""
     refs, gots = (ref, got) if isinstance(ref, list) else ([ref], [got])
-    stats = compare_outputs(refs, gots)
-    if logits is not None and where is not None and str(logits) in stats:
-        stats[str(logits)] = compare_arrays(refs[logits], gots[logits], where=where)
+    masks = {str(logits): where} if logits is not None and where is not None else None
+    stats = compare_outputs(refs, gots, where=masks)
     top1 = stats[str(logits)].top1_agreement if logits is not None and str(logits) in stats else None
     return {"top1_agreement": top1, "cosine": worst(stats, "cosine"), "max_abs_err": worst(stats, "max_abs_err"),
             "samples": int(len(refs[0]))}

@@ -73,12 +73,10 @@ def compare_all(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: 
         raise ModelError(f"the engine has no output {missing} (it has {sorted(got)})",
                          hint="rebuild the engines from this model's ONNX export (kiln run --force export)")
     try:
-        stats = compare_outputs(ref, got)
+        stats = compare_outputs(ref, got, where={logits: where} if logits is not None and where is not None else None)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
         raise ModelError(f"the engine's outputs do not match the reference's: {exc}",
                          hint="rebuild the engines from this model's ONNX export (kiln run --force export)") from None
-    if where is not None and logits in stats:
-        stats[logits] = compare_arrays(ref[logits], got[logits], where=where)
     return {n: s if n == logits else replace(s, top1_agreement=None) for n, s in stats.items()}
 
 
