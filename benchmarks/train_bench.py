@@ -40,12 +40,12 @@ Writes <out>/train.json and <out>/train.md.
 Softmax, MatMul written out), ``bert_base_hf`` (``transformers``' BertForSequenceClassification, random weights,
 token ids; skipped with a note where ``transformers`` does not import; pip install 'kiln[bench]') and ``resnet18``.
 Both compiled loops compile the model alone (mode default, inductor). Kiln runs with its default ``train.update_graph``
-(auto: on a GPU the update after the backward pass is one CUDA graph, the same kernels as the bare loop's plus a copy
-of the gradients into the graph's buffers); ``--update-graph off`` runs it op by op, as the bare loop does. Kiln
-and the bare loop run interleaved in one process (:func:`interleaved`): alternating timed windows of ``--steps`` steps, ``--windows`` pairs per cell and mode,
-each loop compiled once in its warm-up, after ``torch.compiler.reset()`` per cell and mode. Kiln / bare is the median
-of the pairs' ratios. Why: these compiled steps are close to host-bound, and runs of one loop minutes apart varied
-by up to 30% on the H200's shared host, more than the difference the target is about; the separate rounds this
+(auto: on a GPU the update after the backward pass is one CUDA graph: the bare loop's kernels, Kiln's step check and
+a copy of the gradients into the graph's buffers); ``--update-graph off`` runs it op by op, as the bare loop does.
+Kiln and the bare loop run interleaved in one process (:func:`interleaved`): alternating timed windows of
+``--steps`` steps, ``--windows`` pairs per cell and mode, each loop compiled once in its warm-up, after
+``torch.compiler.reset()`` per cell and mode. Kiln / bare is the median of the pairs' ratios. Why: these compiled
+steps are close to host-bound, and runs of one loop minutes apart varied by up to 30% on the H200's shared host, more than the difference the target is about; the separate rounds this
 table used before (one process each, compiled each time) measured that drift as a difference between the loops.
 ``--profile-steps N`` adds one profiled run per compiled loop and cell (torch.profiler over N steps after the
 warm-up): GPU kernel time and kernels per step, the synchronising CUDA calls per step and the busiest host ops.

@@ -82,6 +82,7 @@ class GraphedUpdate:
         self.loss: torch.Tensor | None = None
         self.lrs: list[torch.Tensor] = []
         self.captured: list[torch.Tensor | None] = []  # the .grad tensors the graph reads, None where none was
+        self.without: list[bool] = []  # which parameters had no gradient then (what _fits compares each step)
         self.inputs: list[torch.Tensor] = []  # of those, the ones copied into (not kept_grads)
         self.misses = 0  # steps in a row whose gradients did not fit the graph
         self.captures = 0
@@ -125,7 +126,7 @@ class GraphedUpdate:
         forward pass did not use this step has none, and the eager update leaves it alone)."""
         if self.kept:
             return all(a is b for a, b in zip(grads, self.captured, strict=True))
-        return [g is None for g in grads] == [g is None for g in self.captured]
+        return [g is None for g in grads] == self.without
 
     def _capture(self, loss: torch.Tensor, grads: list[torch.Tensor | None]) -> bool:
         """Record the update (nothing runs); this step's update is the first replay. False if that failed."""
@@ -158,7 +159,7 @@ class GraphedUpdate:
                 if capturable is not None:
                     group["capturable"] = capturable
         self.captures += 1
-        self.captured = grads
+        self.captured, self.without = grads, [g is None for g in grads]
         self.captured_at = self.captured_at or self.steps
         return True
 
