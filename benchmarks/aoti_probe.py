@@ -46,8 +46,7 @@ def small_cnn() -> torch.nn.Module:
 
 def build(model_name: str, folder: Path) -> tuple[Path, tuple[int, ...]]:
     if model_name == "resnet18":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from kiln.models.registry import build_model
+                from kiln.models.registry import build_model
 
         model, shape = build_model("resnet18", {}), (2, 3, 224, 224)
     else:

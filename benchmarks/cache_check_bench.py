@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kiln import runner as runner_module  # noqa: E402
-from kiln.api import run_pipeline  # noqa: E402
-from kiln.config import config_from_dict  # noqa: E402
+from kiln.pipeline import runner as runner_module  # noqa: E402
+from kiln.pipeline.api import run_pipeline  # noqa: E402
+from kiln.pipeline.config import config_from_dict  # noqa: E402
 from kiln.core.artifacts import hash_file  # noqa: E402
 from tests.conftest import tiny_config_dict  # noqa: E402
 

@@ -39,7 +39,6 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.core.cuda_graphs import capture  # noqa: E402
 from kiln.stages.engines.conv_epilogues import fold_batch_norms, fuse_conv_epilogues  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402

@@ -46,7 +46,6 @@ import numpy as np
 import onnx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig, TorchConfig  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402

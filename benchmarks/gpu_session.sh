@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (see ../shared/device/README.md), from the repo root, after the wheels are installed into
-# /tmp/site:  PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
+# /tmp/site:  PYTHONPATH=/tmp/site bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
+# `python3 -P` and pytest's append import mode keep the checkout's own kiln/ folder (the package root without its
+# subpackages, which live beside it) from shadowing the installed wheel.
 # Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), coordesc, replay,
 # convprobe, train, train-compile, train-phases, precision, serve.
 set -uo pipefail
@@ -13,15 +15,15 @@ for phase in "$@"; do
     check)
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
       python3 -c "import sys, torch, onnxruntime as ort; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'ort', ort.__version__, ort.get_available_providers())"
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
-      python3 -m kiln.cli run -w /tmp/kiln-gpu --quiet --set 'build.onnxruntime.devices=[cpu,cuda]' \
+      python3 -P -m pytest -q -m gpu -p no:cacheprovider --import-mode=append tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+      python3 -P -m kiln.cli run -w /tmp/kiln-gpu --quiet --set 'build.onnxruntime.devices=[cpu,cuda]' \
         --set 'validate.batch_sizes=[1,32]'; echo "kiln run rc=$?"
       cp /tmp/kiln-gpu/report.md "$OUT/gpu_demo_report.md"; cp /tmp/kiln-gpu/report.json "$OUT/gpu_demo_report.json"
       grep -A12 "## Validation" /tmp/kiln-gpu/report.md ;;
     engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     # issue 12: every engine kind on the GPU, PyTorch eager/compile baselines on the GPU, memory, chosen engine
     choice)
-      python3 -m kiln.cli run -w /tmp/kiln-gpu-choice --quiet \
+      python3 -P -m kiln.cli run -w /tmp/kiln-gpu-choice --quiet \
         --set 'build.backends=[onnxruntime,tensorrt,torch]' --set 'build.onnxruntime.devices=[cpu,cuda]' \
         --set 'build.torch.devices=[cuda]' --set 'validate.batch_sizes=[1,32]' \
         --set 'validate.baselines=[eager,compile]' --set 'validate.baseline_precisions=[fp32,fp16]'

@@ -30,7 +30,6 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.core.cpu_int8 import ask_exact_int8  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import write_report  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import write_report  # noqa: E402
 
 INT16 = (-32768, 32767)
 

@@ -34,7 +34,6 @@ import onnx
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.core.text import short_reason  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.optimize.api import optimize_model  # noqa: E402

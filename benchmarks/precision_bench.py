@@ -31,7 +31,6 @@ import numpy as np
 import onnx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kiln.calibration.config import CalibrationConfig  # noqa: E402
 from kiln.calibration.quantize import quantizable_op_types  # noqa: E402
 from kiln.core.cpu_int8 import ask_exact_int8, int8_kernels  # noqa: E402

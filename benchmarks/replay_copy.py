@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from kiln.stages.engines.config import BuildConfig, TorchConfig  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
@@ -34,7 +34,7 @@ from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.engines.torch_backend import GraphReplays, _signature  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 
-from benchmarks.common import write_report  # noqa: E402
+from common import write_report  # noqa: E402
 from benchmarks.engine_bench import make_inputs, make_model, model_specs  # noqa: E402
 
 MODES = ("engine", "copy_", "foreach", "no_copy")

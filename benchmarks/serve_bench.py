@@ -1,7 +1,7 @@
 """Throughput and latency of a Kiln engine served by `kiln serve` (Triton + dynamic batcher) against concurrency,
 next to the same engine called in-process: the server's overhead.
 
-Served: `kiln serve` in a subprocess, `kiln.loadtest` sending single-sample requests from ``c`` client threads
+Served: `kiln serve` in a subprocess, `kiln.serve.loadtest` sending single-sample requests from ``c`` client threads
 for ``--duration`` seconds per level (every answer checked against the engine's own output). In-process: the
 engine's runner called from this process with a batch of ``c`` samples (perfect batching, no transport: an
 upper bound on what serving ``c`` concurrent callers can reach), timed before the server starts so the two
@@ -30,11 +30,10 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kiln.config import KilnConfig, load_config  # noqa: E402
+from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
 from kiln.core.inputs import random_inputs  # noqa: E402
-from kiln.loadtest import loadtest  # noqa: E402
-from kiln.serve import find_engines, free_port, wait_ready  # noqa: E402
+from kiln.serve.loadtest import loadtest  # noqa: E402
+from kiln.serve.server import find_engines, free_port, wait_ready  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -45,7 +44,7 @@ def say(msg: str) -> None:
 
 
 def demo_workdir(work: Path) -> tuple[Path, KilnConfig]:
-    from kiln.api import run_pipeline
+    from kiln.pipeline.api import run_pipeline
 
     config = load_config(None, {"build.backends": ["onnxruntime"]})
     result, _ = run_pipeline(config, work / "demo")

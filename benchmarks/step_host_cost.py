@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from kiln.core.data import DatasetSplits  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
@@ -48,7 +48,7 @@ from kiln.stages.train.loop import SCHED_WARNING, _Trainer  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
 from kiln.stages.train.update_graph import GraphedUpdate  # noqa: E402
 
-from benchmarks.common import bare_update, write_report  # noqa: E402
+from common import bare_update, write_report  # noqa: E402
 
 PRECISIONS = ("fp16", "bf16")
 

@@ -82,14 +82,14 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from kiln.core.data import DatasetSplits  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.train.compile import CompileCounts  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
 from kiln.stages.train.loop import train  # noqa: E402
 
-from benchmarks.common import bare_update, write_report  # noqa: E402
+from common import bare_update, write_report  # noqa: E402
 
 log = logging.getLogger("bench")
 PRECISIONS = ("fp32", "fp16", "bf16")

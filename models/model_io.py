@@ -20,7 +20,7 @@ from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model,
 from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.config import KilnConfig
+    from kiln.pipeline.config import KilnConfig
 
 log = logging.getLogger("kiln")
 WEIGHTS = "model.safetensors"

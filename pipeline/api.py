@@ -4,14 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.config import KilnConfig
+from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ConfigError, KilnError, storage_error
 from kiln.core.progress import Progress
-from kiln.report import build_report, write_report
-from kiln.runner import Runner, RunResult, StageRecord
-from kiln.stage_list import STAGE_NAMES, STAGES, stage_named
-from kiln.workdir_lock import LOCK_NAME, workdir_lock
+from kiln.pipeline.report import build_report, write_report
+from kiln.pipeline.runner import Runner, RunResult, StageRecord
+from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
+from kiln.pipeline.workdir_lock import LOCK_NAME, workdir_lock
 
 
 def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | None = None, start: str | None = None,

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 from kiln.calibration.data import hash_batches, read_reader
-from kiln.config import KilnConfig
+from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import hash_file
 from kiln.core.data import tensors
 from kiln.core.errors import InputFileError

@@ -4,14 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.config import KilnConfig
+from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import write_json_atomic, write_text_atomic
 from kiln.core.env import environment
 from kiln.core.records import ValidationResult
 from kiln.core.text import fmt
-from kiln.fingerprints import FINGERPRINTS
-from kiln.runner import RunResult, cache_key, outputs_intact, read_manifest
-from kiln.stage_list import STAGE_NAMES, STAGES, stage_named
+from kiln.pipeline.fingerprints import FINGERPRINTS
+from kiln.pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
+from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
 from kiln.stages.validate.report import report_section as validate_section
 
 __all__ = ["build_report", "render_markdown", "write_report", "validation_of", "fmt", "result_line", "seconds_cell"]

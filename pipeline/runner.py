@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kiln.config import KilnConfig
+from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import (
     atomic_dir,
     clean_stale_staging,
@@ -29,10 +29,10 @@ from kiln.core.env import environment
 from kiln.core.errors import GateFailure, KilnError, storage_error
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.stage import Stage, StageContext
-from kiln.fingerprints import FINGERPRINTS
+from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.models.model_io import dataset_for
 from kiln.models.registry import resolve_callable
-from kiln.user_code import code_version
+from kiln.pipeline.user_code import code_version
 
 MANIFEST = "manifest.json"
 log = logging.getLogger("kiln")

@@ -47,7 +47,7 @@ from pydantic import Field
 from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.config import KilnConfig
+    from kiln.pipeline.config import KilnConfig
 
 log = logging.getLogger("kiln.export")
 

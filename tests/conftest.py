@@ -12,7 +12,7 @@ import torch
 # onnxruntime.transformers appends its own folder to sys.path when first imported (its optimizer then imports
 # `fusion_options` as a top-level module). Imported here, before any test snapshots and restores sys.path
 # (monkeypatch.syspath_prepend), so the entry survives and the tests do not depend on their order.
-from kiln.config import KilnConfig, config_from_dict
+from kiln.pipeline.config import KilnConfig, config_from_dict
 
 HAS_TRT = any(importlib.util.find_spec(m) is not None for m in ("tensorrt", "tensorrt_rtx"))
 

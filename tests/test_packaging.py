@@ -14,7 +14,7 @@ import pytest
 import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = {"kiln": "pipeline", "kiln.models": "models", "kiln.calibration": "calibration", "kiln.stages": "stages"}
+SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
 def _clean_env() -> dict[str, str]:
@@ -26,9 +26,9 @@ def _clean_env() -> dict[str, str]:
 
 def test_every_source_folder_is_a_listed_package() -> None:
     """A new subpackage not listed in pyproject.toml would be missing from the wheel (editable installs hide it)."""
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(SETUPTOOLS["packages"])
     found = set()
-    for package, folder in SOURCE_ROOTS.items():
+    for package, folder in SETUPTOOLS["package-dir"].items():
         for init in (REPO / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(REPO / folder).parts
             found.add(".".join((package, *rel)))
@@ -71,7 +71,7 @@ def test_the_wheel_holds_only_kiln(tmp_path: Path) -> None:
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"kiln"}, tops
     names = zipfile.ZipFile(wheel).namelist()
-    assert "kiln/demo.yaml" in names and "kiln/stages/engines/stage.py" in names
+    assert "kiln/pipeline/demo.yaml" in names and "kiln/stages/engines/stage.py" in names and "kiln/cli.py" in names
 
 
 USER_PACKAGES = {

@@ -24,7 +24,7 @@ from kiln.stages.precision.variants import Source
 from kiln.stages.validate.direct import read_feed
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.config import KilnConfig
+    from kiln.pipeline.config import KilnConfig
 
 log = logging.getLogger("kiln.precision")
 

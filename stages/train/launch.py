@@ -18,7 +18,7 @@ from kiln.core.artifacts import write_json_atomic
 from kiln.core.errors import TrainingError
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.config import KilnConfig
+    from kiln.pipeline.config import KilnConfig
 
 SUMMARY = "summary.json"
 ERROR = "error.json"

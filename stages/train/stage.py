@@ -30,7 +30,7 @@ from kiln.stages.train.task import Task, check_task, task_for
 from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.config import KilnConfig
+    from kiln.pipeline.config import KilnConfig
 
 
 def build_seeded(config: KilnConfig) -> nn.Module:

@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kiln.config import load_config
+from kiln.pipeline.config import load_config
 from kiln.core.artifacts import write_json_atomic
 from kiln.core.errors import KilnError
 from kiln.models.model_io import dataset_for

@@ -19,7 +19,7 @@ from kiln.stages.engines.registry import load_engine
 from kiln.stages.validate.stage import check_gates, compare_all, gates_for, percentiles, summarize
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.config import KilnConfig
+    from kiln.pipeline.config import KilnConfig
 
 
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: "KilnConfig") -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches, hash_batches
 from kiln.calibration.ranges import calibrate
 from kiln.calibration.trt_table import read_trt_table, write_trt_table
-from kiln.config import config_from_dict
+from kiln.pipeline.config import config_from_dict
 from kiln.core.errors import ConfigError
 from kiln.models.datasets import synthetic
 

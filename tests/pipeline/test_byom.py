@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from kiln.api import run_pipeline
+from kiln.pipeline.api import run_pipeline
 from kiln.cli import main
-from kiln.config import config_from_dict
+from kiln.pipeline.config import config_from_dict
 
 from tests.conftest import tiny_config_dict
 

@@ -218,7 +218,7 @@ def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path)
     staging = tmp_path / ".train.staging-other-run"
     staging.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from kiln.workdir_lock import workdir_lock\n"
+        [sys.executable, "-c", "import sys; from pathlib import Path; from kiln.pipeline.workdir_lock import workdir_lock\n"
                                f"with workdir_lock(Path({str(tmp_path)!r})):\n print('locked', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     try:
@@ -422,7 +422,7 @@ def test_every_option_has_help_and_help_states_exit_codes(cli: CliRunner, name: 
 
 def test_help_lists_passes_and_stages(cli: CliRunner) -> None:
     from kiln.stages.optimize.registry import PASSES
-    from kiln.stage_list import STAGE_NAMES
+    from kiln.pipeline.stage_list import STAGE_NAMES
 
     opt = " ".join(cli.invoke(main, ["optimize", "--help"]).output.split())
     assert all(p in opt for p in PASSES)

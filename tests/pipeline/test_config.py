@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from kiln.config import KilnConfig, config_from_dict, load_config, set_value
+from kiln.pipeline.config import KilnConfig, config_from_dict, load_config, set_value
 from kiln.core.errors import ConfigError, InputFileError
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kiln.api import run_pipeline
-from kiln.config import config_from_dict
-from kiln.fingerprints import calibration_fingerprint, dataset_fingerprint
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
+from kiln.pipeline.fingerprints import calibration_fingerprint, dataset_fingerprint
 
 from tests.conftest import tiny_config_dict
 
@@ -144,9 +144,9 @@ def test_the_report_does_not_reload_user_data(tmp_path: Path, user_module: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Stages a command did not run are labelled kept/stale without calling the user's dataset or reader (a
     one-stage command once loaded both, seconds each, and crashed when a reader's file had moved)."""
-    from kiln import fingerprints
-    from kiln.report import build_report
-    from kiln.runner import RunResult
+    from kiln.pipeline import fingerprints
+    from kiln.pipeline.report import build_report
+    from kiln.pipeline.runner import RunResult
 
     scale = tmp_path / "scale.npy"
     np.save(scale, np.float32(1.0))

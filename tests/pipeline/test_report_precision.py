@@ -1,7 +1,7 @@
 """report.md's precision section: kept nodes with their PyTorch modules, the per-node error plot, failed variants."""
 from __future__ import annotations
 
-from kiln.report import render_markdown
+from kiln.pipeline.report import render_markdown
 
 
 def _report(precision_summary: dict) -> dict:

@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from kiln.api import run_pipeline
-from kiln.config import config_from_dict
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
 from kiln.core.errors import BuildError
-from kiln import runner as runner_module
+from kiln.pipeline import runner as runner_module
 from kiln.core.artifacts import hash_file
-from kiln.runner import Runner, cache_key
+from kiln.pipeline.runner import Runner, cache_key
 from kiln.stages.engines.registry import load_engine
-from kiln.stage_list import STAGES
+from kiln.pipeline.stage_list import STAGES
 
 from tests.conftest import tiny_config_dict
 
@@ -128,7 +128,7 @@ def test_code_versions_cover_what_stages_run() -> None:
     # validate runs engines through kiln.stages.engines's runners; train builds models from the zoo.
     import kiln.models
     import kiln.stages.engines
-    from kiln.stage_list import stage_named
+    from kiln.pipeline.stage_list import stage_named
 
     assert kiln.stages.engines in stage_named("validate").code and kiln.models in stage_named("train").code
     assert kiln.models in stage_named("export").code and kiln.models in stage_named("validate").code
@@ -173,7 +173,7 @@ def test_start_from_a_stage_reruns_it_and_everything_after(first_run) -> None:
 
 
 def test_a_rerun_says_what_changed() -> None:
-    from kiln.runner import what_changed
+    from kiln.pipeline.runner import what_changed
 
     old = {"code": "a", "config": {"train": 1, "data": 2}, "user_data": {"dataset": "x"}}
     new = {"code": "a", "config": {"train": 1, "data": 3}, "user_data": {"dataset": "y"}, "user_code": {"m:f": "z"}}
@@ -255,7 +255,7 @@ def test_content_is_hashed_once_per_run(first_run, monkeypatch) -> None:
 
 def test_report_shows_gates_package_and_original_times(first_run) -> None:
     from kiln.core.cpu_int8 import int8_kernels
-    from kiln.report import render_markdown
+    from kiln.pipeline.report import render_markdown
 
     workdir, _, _ = first_run
     cfg = config_from_dict(tiny_config_dict())
@@ -270,7 +270,7 @@ def test_report_shows_gates_package_and_original_times(first_run) -> None:
 
 
 def test_result_line_names_engines_built_but_not_validated() -> None:
-    from kiln.report import result_line
+    from kiln.pipeline.report import result_line
 
     report = {"ok": True, "validation": {"engines": [
         {"name": "onnxruntime-cpu-fp32", "status": "validated", "device": "cpu"},

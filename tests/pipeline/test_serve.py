@@ -15,13 +15,13 @@ import numpy as np
 import psutil
 import pytest
 from click.testing import CliRunner
-from kiln.api import run_pipeline
+from kiln.pipeline.api import run_pipeline
 from kiln.cli import main
-from kiln.config import KilnConfig, config_from_dict
+from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import random_inputs
-from kiln.loadtest import loadtest, parse_url
-from kiln.serve import (
+from kiln.serve.loadtest import loadtest, parse_url
+from kiln.serve.server import (
     PortInUse,
     batch_buckets,
     check_stub_numpy,
@@ -237,11 +237,11 @@ def test_a_model_triton_cannot_load_is_one_error_and_no_server_left(workdir: Pat
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import venv
 
-    import kiln.serve
+    import kiln.serve.server
 
     bare = tmp_path / "bare"  # an interpreter without numpy: the stub cannot import Triton's backend utilities
     venv.EnvBuilder(symlinks=True, with_pip=False).create(bare)
-    monkeypatch.setattr(kiln.serve, "stub_python_env", lambda scratch: bare)
+    monkeypatch.setattr(kiln.serve.server, "stub_python_env", lambda scratch: bare)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(KilnError, match="Triton could not load model .*No module named") as info:
         serve(workdir, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
@@ -350,7 +350,7 @@ def test_a_stop_signal_is_a_flag_the_serving_loop_reads() -> None:
     """The first SIGINT/SIGTERM only sets a flag (an exception raised by a signal inside a finalizer is dropped:
     in CI a Ctrl-C landed in a multiprocessing connection's __del__ and the server never stopped); a second one
     raises KeyboardInterrupt."""
-    from kiln.serve import _StopRequest, _wait
+    from kiln.serve.server import _StopRequest, _wait
 
     class Alive:
         def __init__(self, alive: bool) -> None:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kiln.user_code import code_version, local_sources
+from kiln.pipeline.user_code import code_version, local_sources
 
 
 @pytest.fixture

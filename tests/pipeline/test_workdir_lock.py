@@ -3,7 +3,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from kiln import workdir_lock as wl
+from kiln.pipeline import workdir_lock as wl
 from kiln.core.errors import InputFileError, WorkdirBusy
 
 

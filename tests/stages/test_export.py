@@ -35,8 +35,8 @@ def test_unexportable_model_gives_model_error(tmp_path: Path) -> None:
 
 def test_static_batch_in_the_pipeline_is_a_config_error(tmp_path: Path) -> None:
     # Before: parity fed 256 samples to a graph fixed at batch 2: an ONNX Runtime INVALID_ARGUMENT traceback.
-    from kiln.api import run_pipeline
-    from kiln.config import config_from_dict
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import config_from_dict
     from kiln.core.errors import ConfigError
 
     from tests.conftest import tiny_config_dict

@@ -28,7 +28,7 @@ def test_triton_config_for_tensorrt_plan_with_int64_input() -> None:
 
 
 def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
-    from kiln.api import run_pipeline
+    from kiln.pipeline.api import run_pipeline
 
     result, _ = run_pipeline(tiny_config, tmp_path)
     assert result.ok

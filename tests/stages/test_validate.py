@@ -175,8 +175,8 @@ def test_cuda_baseline_runs_on_the_gpu_eager_and_compiled() -> None:
 
 @pytest.mark.slow
 def test_pipeline_times_engines_against_eager_and_compiled_pytorch(tmp_path: Path) -> None:
-    from kiln.api import run_pipeline
-    from kiln.config import config_from_dict
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import config_from_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"validate.baselines": ["eager", "compile"]}))
     result, _ = run_pipeline(cfg, tmp_path)
@@ -199,8 +199,8 @@ def test_pipeline_times_engines_against_eager_and_compiled_pytorch(tmp_path: Pat
 def test_cuda_engines_are_timed_against_pytorch_on_the_gpu(tmp_path: Path) -> None:
     """Issue 12: a CPU baseline against a GPU engine reported 168x. Every engine's speedup is against PyTorch on
     its own device; the CUDA baselines ran on the GPU (fast), the CPU ones on the CPU."""
-    from kiln.api import run_pipeline
-    from kiln.config import config_from_dict
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import config_from_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.devices": ["cpu", "cuda"],
                                                "validate.baselines": ["eager", "compile"],

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kiln.config import config_from_dict
+from kiln.pipeline.config import config_from_dict
 from kiln.core.errors import ConfigError
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import StageContext

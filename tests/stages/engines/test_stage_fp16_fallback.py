@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from kiln.calibration.config import CalibrationConfig
-from kiln.config import config_from_dict
+from kiln.pipeline.config import config_from_dict
 from kiln.core.onnx_io import load_onnx
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import StageContext

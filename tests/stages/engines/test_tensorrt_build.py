@@ -140,7 +140,7 @@ def test_bad_profiles_are_config_errors(zoo, tmp_path: Path, profile: dict, matc
 
 
 def test_unordered_profile_rejected_by_config() -> None:
-    from kiln.config import config_from_dict
+    from kiln.pipeline.config import config_from_dict
 
     with pytest.raises(ConfigError, match="min <= opt <= max"):
         config_from_dict({"build": {"tensorrt": {"profiles": [

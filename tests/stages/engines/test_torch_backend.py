@@ -190,8 +190,8 @@ def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
 def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -> None:
     """Token ids + mask sharing a `seq` axis (export.dynamic_axes): exported with that axis dynamic too, validated
     at both sequence lengths (before, the build stopped the whole run: only the batch axis could be dynamic)."""
-    from kiln.api import run_pipeline
-    from kiln.config import config_from_dict
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import config_from_dict
 
     seq = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
     cfg = config_from_dict(tiny_config_dict(**{
@@ -277,8 +277,8 @@ def test_axes_the_model_constrains_are_refined_as_torch_suggests(tmp_path: Path)
 
 @pytest.mark.slow
 def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
-    from kiln.api import run_pipeline
-    from kiln.config import config_from_dict
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import config_from_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"build.backends": ["onnxruntime", "torch"]}))
     result, _ = run_pipeline(cfg, tmp_path)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from kiln.config import config_from_dict
+from kiln.pipeline.config import config_from_dict
 from kiln.core.errors import ConfigError
 from kiln.stages.optimize import catalog, registry
 from kiln.stages.optimize.api import optimize_model

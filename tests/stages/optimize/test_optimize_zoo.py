@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from kiln.config import KilnConfig
+from kiln.pipeline.config import KilnConfig
 from kiln.core.stage import StageContext
 from kiln.models.registry import build_model
 from kiln.stages.export import export_onnx

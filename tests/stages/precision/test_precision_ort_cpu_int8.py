@@ -128,7 +128,7 @@ def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer
 
 
 def test_dynamic_without_matmul_is_a_config_error() -> None:
-    from kiln.config import config_from_dict
+    from kiln.pipeline.config import config_from_dict
     from kiln.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="ort_cpu_scheme 'dynamic' quantizes MatMul"):

@@ -29,8 +29,8 @@ def test_int8_compared_with_fp32_and_fp16_of_its_own_backend() -> None:
 
 
 def test_require_speedup_drops_exactly_the_slower_engines_from_the_package(tmp_path: Path) -> None:
-    from kiln.api import run_pipeline
-    from kiln.config import config_from_dict
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import config_from_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"precision.variants": ["fp32", "int8"],
                                                "precision.require_speedup": True}))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from kiln.calibration.ranges import STATS
-from kiln.config import config_from_dict
+from kiln.pipeline.config import config_from_dict
 from kiln.core.errors import ModelError
 from kiln.core.records import Variants
 from kiln.core.stage import StageContext

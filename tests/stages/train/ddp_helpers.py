@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from kiln.config import KilnConfig
+from kiln.pipeline.config import KilnConfig
 from kiln.models.model_io import dataset_for
 from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.stage import train_to

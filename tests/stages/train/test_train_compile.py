@@ -13,10 +13,10 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from kiln.config import load_config
+from kiln.pipeline.config import load_config
 from kiln.core.errors import TrainingError
-from kiln.runner import Runner
-from kiln.stage_list import STAGES
+from kiln.pipeline.runner import Runner
+from kiln.pipeline.stage_list import STAGES
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.compile import CompileCounts
 from kiln.stages.train.config import TrainConfig

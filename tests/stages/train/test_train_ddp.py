@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from kiln.config import KilnConfig, config_from_dict
+from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.core.errors import TrainingError
 from kiln.stages.train.launch import run_torchrun, torchrun_command
 

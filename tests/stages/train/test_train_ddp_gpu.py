@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from kiln.config import KilnConfig, config_from_dict
+from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.stages.train.launch import run_torchrun
 
 from tests.stages.train.ddp_helpers import LOG, train_one_and_two

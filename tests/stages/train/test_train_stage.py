@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln.config import config_from_dict
+from kiln.pipeline.config import config_from_dict
 from kiln.models.model_io import load_trained
-from kiln.runner import Runner
-from kiln.stage_list import STAGES
+from kiln.pipeline.runner import Runner
+from kiln.pipeline.stage_list import STAGES
 
 from tests.conftest import tiny_config_dict
 

@@ -12,7 +12,7 @@ from kiln.core.errors import KilnError
 from kiln.core.progress import Progress, SilentProgress
 
 if TYPE_CHECKING:  # the config assembles every stage's section, so it sits above the stages; types only
-    from kiln.config import KilnConfig
+    from kiln.pipeline.config import KilnConfig
 
 
 @dataclass
@@ -69,6 +69,6 @@ class Stage:
     code: tuple[ModuleType, ...]
     env: Callable[["KilnConfig"], dict[str, Any]]
     description: str = ""
-    data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.fingerprints``)
+    data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.pipeline.fingerprints``)
     # report.md section from the stage's summary (a list of Markdown lines; none when nothing to say)
     report: Callable[[dict[str, Any]], list[str]] | None = None

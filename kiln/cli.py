@@ -1,4 +1,4 @@
-"""``kiln``: thin click commands over :mod:`kiln.api`. No logic lives here beyond parsing and printing."""
+"""``kiln``: thin click commands over :mod:`kiln.pipeline.api`. No logic lives here beyond parsing and printing."""
 from __future__ import annotations
 
 import logging
@@ -9,19 +9,19 @@ from typing import Any
 
 import click
 import yaml
-from kiln.api import run_pipeline
-from kiln.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
 from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
 from kiln.core.progress import RichProgress, SilentProgress
-from kiln.loadtest import loadtest as run_loadtest
-from kiln.loadtest import render_markdown
-from kiln.report import fmt as _fmt
-from kiln.report import result_line, seconds_cell, validation_of
-from kiln.serve import iter_urls
-from kiln.serve import serve as serve_engines
+from kiln.serve.loadtest import loadtest as run_loadtest
+from kiln.serve.loadtest import render_markdown
+from kiln.pipeline.report import fmt as _fmt
+from kiln.pipeline.report import result_line, seconds_cell, validation_of
+from kiln.serve.server import iter_urls
+from kiln.serve.server import serve as serve_engines
 from kiln.stages.engines.registry import BACKENDS, runnable
 from kiln.stages.optimize.registry import PASSES
-from kiln.stage_list import STAGE_NAMES
+from kiln.pipeline.stage_list import STAGE_NAMES
 from kiln.stages.engines.stage import build_direct
 from kiln.stages.export import export_direct
 from kiln.stages.optimize.api import optimize_file

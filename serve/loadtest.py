@@ -21,16 +21,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
-from kiln.config import KilnConfig
+from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
 from kiln.core.data import tensors
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import random_inputs
 from kiln.models.model_io import dataset_for
-from kiln.serve import INSTALL_HINT, ServedEngine, find_engines
+from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
 
-log = logging.getLogger("kiln.loadtest")
+log = logging.getLogger("kiln.serve.loadtest")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 POOL = 64
 # (atol, rtol; rtol is relative to the largest expected value) by engine precision: batching changes kernels'

@@ -34,7 +34,7 @@ from kiln.stages.engines.engines import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.triton_repo import served_max_batch
 
-log = logging.getLogger("kiln.serve")
+log = logging.getLogger("kiln.serve.server")
 INSTALL_HINT = 'pip install "kiln[serve]"'
 # Triton waits this long for in-flight requests at shutdown, then exits anyway (its default is 30 s).
 EXIT_TIMEOUT_S = 5
