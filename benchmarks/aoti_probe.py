@@ -11,6 +11,7 @@ once; its exit code (a negative number is the signal that killed it) and the tai
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/aoti_probe.py --out $OUT [--model resnet18]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,13 +41,18 @@ print("ok", tuple(out[0].shape if isinstance(out, (list, tuple)) else out.shape)
 
 
 def small_cnn() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-                               torch.nn.Flatten(), torch.nn.Linear(16, 10))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 10),
+    )
 
 
 def build(model_name: str, folder: Path) -> tuple[Path, tuple[int, ...]]:
     if model_name == "resnet18":
-                from kiln.models.registry import build_model
+        from kiln.models.registry import build_model
 
         model, shape = build_model("resnet18", {}), (2, 3, 224, 224)
     else:
@@ -74,10 +80,16 @@ def child(name: str, package: Path, shape: tuple[int, ...], folder: Path) -> dic
         package = Path(shutil.copy2(package, fresh / package.name))
     code = CHILD.format(pre=pre, shape=shape)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code, str(package)], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    return {"child": name, "returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1),
-            "stdout": proc.stdout.strip()[-300:], "stderr_tail": proc.stderr.strip()[-1500:]}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(package)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    return {
+        "child": name,
+        "returncode": proc.returncode,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "stdout": proc.stdout.strip()[-300:],
+        "stderr_tail": proc.stderr.strip()[-1500:],
+    }
 
 
 def main() -> None:
@@ -93,8 +105,14 @@ def main() -> None:
     results = [child(n, package, shape, folder) for n in ("plain", "no_pythonpath", "after_onnxruntime", "copied")]
     for r in results:
         print(f"{r['child']}: rc {r['returncode']} {r['stdout']} {r['stderr_tail'][-200:]}", flush=True)
-    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "model": args.model,
-              "package_bytes": package.stat().st_size, "pythonpath": os.environ.get("PYTHONPATH"), "children": results}
+    report = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0),
+        "model": args.model,
+        "package_bytes": package.stat().st_size,
+        "pythonpath": os.environ.get("PYTHONPATH"),
+        "children": results,
+    }
     (args.out / f"aoti_probe_{args.model}.json").write_text(json.dumps(report, indent=2) + "\n")
 
 

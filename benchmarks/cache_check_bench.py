@@ -9,6 +9,7 @@ in the recorded hashes for the computed ones (what `outputs_intact` did before i
     python benchmarks/cache_check_bench.py --out benchmarks/results            # 418 MB, 3 reruns each
     python benchmarks/cache_check_bench.py --mb 8 --repeats 1 --out /tmp/b     # smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,18 @@ def main() -> None:
             for mode in times:
                 times[mode].append(cached_run_seconds(cfg, workdir, mode == "content"))
     med = {mode: statistics.median(t) for mode, t in times.items()}
-    res = {"artifact_mb": args.mb, "workdir_mb": round(total / 2**20, 1), "repeats": args.repeats,
-           "seconds": times, "median_seconds": med, "content_check_cost_s": med["content"] - med["size_only"],
-           "hash_mb_per_s": round(total / 2**20 / max(med["content"] - med["size_only"], 1e-9), 1),
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (load avg "
-                      f"{os.getloadavg()[0]:.1f} at the end)", "python": platform.python_version()}
+    res = {
+        "artifact_mb": args.mb,
+        "workdir_mb": round(total / 2**20, 1),
+        "repeats": args.repeats,
+        "seconds": times,
+        "median_seconds": med,
+        "content_check_cost_s": med["content"] - med["size_only"],
+        "hash_mb_per_s": round(total / 2**20 / max(med["content"] - med["size_only"], 1e-9), 1),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (load avg "
+        f"{os.getloadavg()[0]:.1f} at the end)",
+        "python": platform.python_version(),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     name = "cache_check" if args.mb >= 400 else f"cache_check-{args.mb}mb"
     (args.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -88,7 +96,8 @@ def main() -> None:
         "| check | cached rerun s |\n|---|---|\n"
         f"| size only (before) | {med['size_only']:.2f} |\n| sha256 of every output, once per run | "
         f"{med['content']:.2f} |\n\nContent checking costs {res['content_check_cost_s']:.2f} s "
-        f"(~{res['hash_mb_per_s']} MB/s of hashing).\n")
+        f"(~{res['hash_mb_per_s']} MB/s of hashing).\n"
+    )
     print(json.dumps(res, indent=2))
 
 

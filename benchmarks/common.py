@@ -3,6 +3,7 @@
 One definition of the bare loop's update, so that every benchmark comparing Kiln's loop with "the bare loop"
 (``train_bench.py``, ``step_host_cost.py``, ``train_loop_ab.py``) compares it with the same code.
 """
+
 from __future__ import annotations
 
 import json

@@ -25,6 +25,7 @@ Accuracy: against the FP32 model on the same inputs (max |diff| of the logits, t
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/conv_epilogue_probe.py --out $OUT          # GPU host
     python benchmarks/conv_epilogue_probe.py --smoke --out /tmp/cep                          # CPU: the rewrite only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,7 @@ def graphed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Call
     def call() -> torch.Tensor:
         graph.replay()
         return out
+
     return call
 
 
@@ -74,8 +76,12 @@ def variants(model32: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.T
     fused = exported(half, x)
     print("fused:", fuse_conv_epilogues(fused), flush=True)
     opts = dict(mode="max-autotune-no-cudagraphs")
-    return {"compiled": torch.compile(half, **opts), "folded_compiled": torch.compile(fold, **opts),
-            "cudnn_eager": fused, "cudnn_compiled": torch.compile(fused, **opts)}
+    return {
+        "compiled": torch.compile(half, **opts),
+        "folded_compiled": torch.compile(fold, **opts),
+        "cudnn_eager": fused,
+        "cudnn_compiled": torch.compile(fused, **opts),
+    }
 
 
 def resnet18() -> tuple[nn.Module, str]:
@@ -113,8 +119,13 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
     ref32 = ref32.to(dev)
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": source,
-                              "cudnn": torch.backends.cudnn.version(), "rows": []}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": source,
+        "cudnn": torch.backends.cudnn.version(),
+        "rows": [],
+    }
     with torch.no_grad():
         example = torch.randn(2, 3, 224, 224, device=dev).half().contiguous(memory_format=torch.channels_last)
         fns = variants(ref32, example)
@@ -130,18 +141,18 @@ def main() -> None:
                     continue
                 row[name] = {"setup_s": round(time.perf_counter() - t0, 1)}
             evalx = torch.randn(64, 3, 224, 224, device=dev)
-            want = torch.cat([ref32(evalx[i:i + batch]) for i in range(0, 64, batch)])
+            want = torch.cat([ref32(evalx[i : i + batch]) for i in range(0, 64, batch)])
             for name, call in calls.items():
                 got = []
                 for i in range(0, 64, batch):
-                    x.copy_(evalx[i:i + batch].half())
+                    x.copy_(evalx[i : i + batch].half())
                     got.append(call().float().clone())
                 got_t = torch.cat(got)
                 row[name]["max_abs_diff"] = round((got_t - want).abs().max().item(), 4)
                 row[name]["top1"] = (got_t.argmax(1) == want.argmax(1)).float().mean().item()
             rounds: dict[str, list[float]] = {n: [] for n in calls}
             for r in range(args.rounds):
-                order = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
+                order = list(calls)[r % len(calls) :] + list(calls)[: r % len(calls)]
                 for name in order:
                     for _ in range(20):
                         calls[name]()
@@ -151,14 +162,27 @@ def main() -> None:
                 row[name]["round_ms"] = [round(v, 4) for v in rounds[name]]
                 row[name]["kernels"] = kernel_profile(call, 20)
             result["rows"].append(row)
-            print(json.dumps({k: (v if not isinstance(v, dict) else {kk: vv for kk, vv in v.items()
-                                                                        if kk not in ("kernels", "round_ms")})
-                              for k, v in row.items()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: (
+                            v
+                            if not isinstance(v, dict)
+                            else {kk: vv for kk, vv in v.items() if kk not in ("kernels", "round_ms")}
+                        )
+                        for k, v in row.items()
+                    }
+                ),
+                flush=True,
+            )
     (args.out / "conv_epilogue_probe.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# cuDNN fused convolution epilogues vs Inductor, ResNet-18 FP16 ({result['device']}, torch "
-             f"{result['torch']}, cuDNN {result['cudnn']})", "",
-             "| batch | variant | ms (median of round medians) | kernel ms | kernels | max abs diff vs FP32 | top-1 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# cuDNN fused convolution epilogues vs Inductor, ResNet-18 FP16 ({result['device']}, torch "
+        f"{result['torch']}, cuDNN {result['cudnn']})",
+        "",
+        "| batch | variant | ms (median of round medians) | kernel ms | kernels | max abs diff vs FP32 | top-1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         for name, v in row.items():
             if name == "batch":
@@ -167,8 +191,10 @@ def main() -> None:
                 lines.append(f"| {row['batch']} | {name} | failed: {v['error']} | | | | |")
                 continue
             k = v["kernels"]
-            lines.append(f"| {row['batch']} | {name} | {v['ms']:.4f} | {k['kernel_ms']:.4f} | {k['kernels']:.0f} | "
-                         f"{v['max_abs_diff']} | {v['top1']:.3f} |")
+            lines.append(
+                f"| {row['batch']} | {name} | {v['ms']:.4f} | {k['kernel_ms']:.4f} | {k['kernels']:.0f} | "
+                f"{v['max_abs_diff']} | {v['top1']:.3f} |"
+            )
     (args.out / "conv_epilogue_probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -29,6 +29,7 @@ shown but not counted as Kiln's engine in the targets: they are not what a build
     ... --models hf_bert --batches 32 --rows kiln_torch --torch-variant aten:max_autotune_gemm_backends=ATEN
     python benchmarks/engine_bench.py --smoke --out /tmp/bench                             # tiny, CPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,15 +57,32 @@ from kiln.stages.optimize.api import optimize_model  # noqa: E402
 from kiln.stages.optimize.config import OptimizeConfig  # noqa: E402
 from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402
 
-ROWS = ["eager32", "eager16", "compile", "compile_cl", "baseline_compile", "ort_default", "ort_cuda_graph",
-        "kiln_fixed", "kiln", "kiln_torch", "kiln_torch_frozen"]
-LABEL = {"eager32": "torch eager fp32", "eager16": "torch eager fp16", "compile": "torch.compile fp16",
-         "compile_cl": "torch.compile fp16, channels_last",
-         "ort_cuda_graph": "ORT CUDA fp16 + CUDA graph, by hand",
-         "baseline_compile": "validate.baselines compile (fp16 on GPU)",
-         "ort_default": "ORT CUDA fp16 default", "kiln_fixed": "Kiln engine, fixed settings",
-         "kiln": "Kiln engine, autotuned", "kiln_torch": "Kiln torch engine (build.backends torch)",
-         "kiln_torch_frozen": "Kiln torch engine, build.torch.freezing on"}
+ROWS = [
+    "eager32",
+    "eager16",
+    "compile",
+    "compile_cl",
+    "baseline_compile",
+    "ort_default",
+    "ort_cuda_graph",
+    "kiln_fixed",
+    "kiln",
+    "kiln_torch",
+    "kiln_torch_frozen",
+]
+LABEL = {
+    "eager32": "torch eager fp32",
+    "eager16": "torch eager fp16",
+    "compile": "torch.compile fp16",
+    "compile_cl": "torch.compile fp16, channels_last",
+    "ort_cuda_graph": "ORT CUDA fp16 + CUDA graph, by hand",
+    "baseline_compile": "validate.baselines compile (fp16 on GPU)",
+    "ort_default": "ORT CUDA fp16 default",
+    "kiln_fixed": "Kiln engine, fixed settings",
+    "kiln": "Kiln engine, autotuned",
+    "kiln_torch": "Kiln torch engine (build.backends torch)",
+    "kiln_torch_frozen": "Kiln torch engine, build.torch.freezing on",
+}
 Inputs = tuple[torch.Tensor, ...]
 T0 = time.perf_counter()
 
@@ -76,13 +94,27 @@ def say(msg: str) -> None:
 def model_specs(smoke: bool, bert_layers: int) -> dict[str, tuple[dict[str, Any], tuple[int, ...]]]:
     """name -> (model params, one sample's shape; for hf_bert the token sequence length)."""
     if smoke:
-        return {"resnet18": ({"width": 8, "blocks": (1, 1), "num_classes": 10}, (3, 32, 32)),
-                "bert_base": ({"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16},
-                              (16, 64)),
-                "hf_bert": ({"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4,
-                             "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 32}, (16,))}
-    return {"resnet18": ({}, (3, 224, 224)), "bert_base": ({"layers": bert_layers}, (128, 768)),
-            "hf_bert": ({"num_hidden_layers": bert_layers}, (128,)), "tv_resnet18": ({}, (3, 224, 224))}
+        return {
+            "resnet18": ({"width": 8, "blocks": (1, 1), "num_classes": 10}, (3, 32, 32)),
+            "bert_base": ({"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16}, (16, 64)),
+            "hf_bert": (
+                {
+                    "num_hidden_layers": 1,
+                    "hidden_size": 64,
+                    "num_attention_heads": 4,
+                    "intermediate_size": 128,
+                    "vocab_size": 100,
+                    "max_position_embeddings": 32,
+                },
+                (16,),
+            ),
+        }
+    return {
+        "resnet18": ({}, (3, 224, 224)),
+        "bert_base": ({"layers": bert_layers}, (128, 768)),
+        "hf_bert": ({"num_hidden_layers": bert_layers}, (128,)),
+        "tv_resnet18": ({}, (3, 224, 224)),
+    }
 
 
 class HFBertClassifier(torch.nn.Module):
@@ -116,7 +148,7 @@ def make_inputs(name: str, params: dict[str, Any], shape: tuple[int, ...], batch
     seq = shape[0]
     ids = torch.randint(0, params.get("vocab_size", 30522), (batch, seq), generator=gen)
     mask = torch.ones((batch, seq), dtype=torch.int64)
-    mask[1::2, seq - seq // 4:] = 0
+    mask[1::2, seq - seq // 4 :] = 0
     return ids, mask
 
 
@@ -159,7 +191,9 @@ def kernel_kind(name: str) -> str:
 def kernel_profile(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
     """Per call: GPU kernel time, kernel count and the kernels taking most of it (torch.profiler over ``calls``
     calls): what makes two rows that should run the same work differ."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(calls):
             fn()
@@ -173,18 +207,24 @@ def kernel_profile(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
         ms_count = kinds.setdefault(kernel_kind(e.key), [0.0, 0.0])
         ms_count[0] += e.self_device_time_total / 1e3 / calls
         ms_count[1] += e.count / calls
-    return {"calls": calls, "kernel_ms": round(total / 1e3 / calls, 4),
-            "kernels": round(sum(e.count for e in kernels) / calls, 1),
-            "by_kind": {k: [round(ms, 4), round(n, 1)] for k, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
-            "top": [[e.key[:120], round(e.self_device_time_total / 1e3 / calls, 4), round(e.count / calls, 1)]
-                    for e in top]}
+    return {
+        "calls": calls,
+        "kernel_ms": round(total / 1e3 / calls, 4),
+        "kernels": round(sum(e.count for e in kernels) / calls, 1),
+        "by_kind": {k: [round(ms, 4), round(n, 1)] for k, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])},
+        "top": [
+            [e.key[:120], round(e.self_device_time_total / 1e3 / calls, 4), round(e.count / calls, 1)] for e in top
+        ],
+    }
 
 
 def agreement(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
     r, g = ref.astype(np.float64), got.astype(np.float64)
-    return {"top1_agreement": float(np.mean(r.argmax(-1) == g.argmax(-1))),
-            "cosine": float((r.ravel() @ g.ravel()) / (np.linalg.norm(r) * np.linalg.norm(g))),
-            "max_abs_err": float(np.abs(r - g).max())}
+    return {
+        "top1_agreement": float(np.mean(r.argmax(-1) == g.argmax(-1))),
+        "cosine": float((r.ravel() @ g.ravel()) / (np.linalg.norm(r) * np.linalg.norm(g))),
+        "max_abs_err": float(np.abs(r - g).max()),
+    }
 
 
 class Bench:
@@ -242,9 +282,15 @@ class Bench:
         if name == "hf_bert":  # as issue 12 exported it: dynamo, dynamic batch on both inputs
             xs = make_inputs(name, self.params, shape, 2, seed=0)
             batch = torch.export.Dim("batch", min=1, max=max(64, max(self.args.batches)))
-            torch.onnx.export(model.float().cpu(), xs, str(raw), dynamo=True,
-                              input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                              dynamic_shapes={"input_ids": {0: batch}, "attention_mask": {0: batch}})
+            torch.onnx.export(
+                model.float().cpu(),
+                xs,
+                str(raw),
+                dynamo=True,
+                input_names=["input_ids", "attention_mask"],
+                output_names=["logits"],
+                dynamic_shapes={"input_ids": {0: batch}, "attention_mask": {0: batch}},
+            )
         else:
             export_onnx(model.float().cpu(), torch.randn(2, *shape), raw)
         model.to(self.dev)
@@ -269,8 +315,16 @@ class Bench:
         onnx.save(folded, str(out), save_as_external_data=False)
         return out
 
-    def _row(self, row: str, name: str, model: torch.nn.Module, shape: tuple[int, ...], evalx: torch.Tensor,
-             ref: np.ndarray, onnx32: Path) -> None:
+    def _row(
+        self,
+        row: str,
+        name: str,
+        model: torch.nn.Module,
+        shape: tuple[int, ...],
+        evalx: torch.Tensor,
+        ref: np.ndarray,
+        onnx32: Path,
+    ) -> None:
         say(f"{name} {row}: preparing")
         t0 = time.perf_counter()
         runner, size, extra = self._prepare(row, model, onnx32, name)
@@ -282,15 +336,27 @@ class Bench:
             times = time_fn(call, self.args.warmup, self.args.iterations)
             profile = kernel_profile(call, self.args.profile) if self.args.profile else None
             got = self._eval(row, runner, evalx)
-            entry = {"model": name, "row": row, "label": self.label(row), "batch": batch,
-                     "median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90)),
-                     "iterations": len(times), "first_call_s": time.perf_counter() - t1,
-                     "build_seconds": build, "size_bytes": size, **agreement(ref, got), **extra}
+            entry = {
+                "model": name,
+                "row": row,
+                "label": self.label(row),
+                "batch": batch,
+                "median_ms": float(np.median(times)),
+                "p90_ms": float(np.percentile(times, 90)),
+                "iterations": len(times),
+                "first_call_s": time.perf_counter() - t1,
+                "build_seconds": build,
+                "size_bytes": size,
+                **agreement(ref, got),
+                **extra,
+            }
             if profile is not None:
                 entry["profile"] = profile
             self.results.append(entry)
-            say(f"{name} {row} batch {batch}: median {entry['median_ms']:.3f} ms, top1 "
-                f"{entry['top1_agreement']:.4f}, cos {entry['cosine']:.6f}")
+            say(
+                f"{name} {row} batch {batch}: median {entry['median_ms']:.3f} ms, top1 "
+                f"{entry['top1_agreement']:.4f}, cos {entry['cosine']:.6f}"
+            )
 
     def _eval(self, row: str, runner: Callable[[Inputs], Callable[[], Any]], evalx: Inputs) -> np.ndarray:
         bs = max(self.args.batches)
@@ -332,7 +398,9 @@ class Bench:
                 def call() -> torch.Tensor:
                     with torch.inference_mode():
                         return m(*xd)
+
                 return call
+
             return torch_factory, None, extra
         if row in ("ort_default", "ort_cuda_graph"):
             return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
@@ -368,34 +436,47 @@ class Bench:
             for o in sess.get_outputs():
                 if cuda_graph:  # a replayed graph writes to fixed addresses: outputs preallocated (float32 I/O)
                     shape = [d if isinstance(d, int) else len(xs[0]) for d in o.shape]
-                    binding.bind_ortvalue_output(o.name, ort.OrtValue.ortvalue_from_shape_and_type(
-                        shape, np.float32, "cuda", 0))
+                    binding.bind_ortvalue_output(
+                        o.name, ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cuda", 0)
+                    )
                 else:
                     binding.bind_output(o.name, "cuda", 0)
 
             def call() -> np.ndarray:
                 sess.run_with_iobinding(binding)
                 return binding.get_outputs()[0]
+
             return call
+
         return factory, path.stat().st_size, {"providers": [str(p) for p in providers]}
 
     def _kiln(self, onnx32: Path, name: str, autotuned: bool) -> tuple[Any, int, dict]:
         device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
         a = self.args
         # Tuned at the benchmark's batch sizes; on CPU (--smoke) the CPU knobs are tuned so the path runs here too.
-        tune = OrtAutotuneConfig(cuda=autotuned, cpu=autotuned, batch_sizes=a.batches, iterations=a.autotune_iterations,
-                                 time_budget_s=a.autotune_budget)
+        tune = OrtAutotuneConfig(
+            cuda=autotuned,
+            cpu=autotuned,
+            batch_sizes=a.batches,
+            iterations=a.autotune_iterations,
+            time_budget_s=a.autotune_budget,
+        )
         cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(autotune=tune))
         folder = self.work / f"{name}-{'kiln' if autotuned else 'kiln-fixed'}"
-        meta = build_engine(onnx32, folder, "onnxruntime", device, precision, cfg, self.work / "cache",
-                            max_batch=max(a.batches))
-        say(f"{name} kiln: engine built in {meta.build_seconds:.1f}s "
-            f"(fusion: {meta.builder_settings.get('transformer_fusion')})")
+        meta = build_engine(
+            onnx32, folder, "onnxruntime", device, precision, cfg, self.work / "cache", max_batch=max(a.batches)
+        )
+        say(
+            f"{name} kiln: engine built in {meta.build_seconds:.1f}s "
+            f"(fusion: {meta.builder_settings.get('transformer_fusion')})"
+        )
         tuned = meta.autotune or {}
         for b, choice in (tuned.get("choice_by_batch") or {"all": tuned.get("choice")}).items():
             if choice:
-                say(f"{name} kiln autotune batch {b}: {choice['knobs']} {choice.get('median_ms')} ms "
-                    f"(configured settings {choice.get('base_ms')} ms)")
+                say(
+                    f"{name} kiln autotune batch {b}: {choice['knobs']} {choice.get('median_ms')} ms "
+                    f"(configured settings {choice.get('base_ms')} ms)"
+                )
         if tuned.get("skipped"):
             say(f"{name} kiln: autotune skipped: {tuned['skipped']}")
         runner = load_engine(folder).activate()
@@ -410,15 +491,25 @@ class Bench:
             graphs[xs[0].shape[0]] = graph
             return call
 
-        extra = {"engine": meta.name, "precision": precision, "autotune": tuned,
-                 "fusion": meta.builder_settings.get("transformer_fusion"),
-                 "engine_build_seconds": meta.build_seconds, "cuda_graph_by_batch": graphs}
+        extra = {
+            "engine": meta.name,
+            "precision": precision,
+            "autotune": tuned,
+            "fusion": meta.builder_settings.get("transformer_fusion"),
+            "engine_build_seconds": meta.build_seconds,
+            "cuda_graph_by_batch": graphs,
+        }
         return factory, meta.size_bytes, extra
 
-
-    def _kiln_torch(self, onnx32: Path, name: str, model: torch.nn.Module, row: str,
-                    settings: dict[str, Any] | None = None,
-                    inductor: dict[str, Any] | None = None) -> tuple[Any, int, dict]:
+    def _kiln_torch(
+        self,
+        onnx32: Path,
+        name: str,
+        model: torch.nn.Module,
+        row: str,
+        settings: dict[str, Any] | None = None,
+        inductor: dict[str, Any] | None = None,
+    ) -> tuple[Any, int, dict]:
         """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``settings``:
         build.torch settings (the row kiln_torch_frozen sets freezing); ``inductor``: build.torch.inductor entries on
         top of ``--torch-inductor`` (a ``--torch-variant`` row)."""
@@ -429,19 +520,42 @@ class Bench:
             m = make_model(name, self.params).eval()
             m.load_state_dict(state)
             return m
-        torch_cfg = TorchConfig(devices=[device], flavour=self.args.torch_flavour, **(settings or {}),
-                                inductor={**self.args.torch_inductor, **(inductor or {})})
+
+        torch_cfg = TorchConfig(
+            devices=[device],
+            flavour=self.args.torch_flavour,
+            **(settings or {}),
+            inductor={**self.args.torch_inductor, **(inductor or {})},
+        )
         cfg = BuildConfig(backends=["torch"], torch=torch_cfg)
         folder = self.work / f"{name}-{row}"
-        meta = build_engine(onnx32, folder, "torch", device, precision, cfg, self.work / "cache",
-                            max_batch=max(self.args.batches), torch_model=load)
+        meta = build_engine(
+            onnx32,
+            folder,
+            "torch",
+            device,
+            precision,
+            cfg,
+            self.work / "cache",
+            max_batch=max(self.args.batches),
+            torch_model=load,
+        )
         say(f"{name} {row}: built in {meta.build_seconds:.1f}s ({meta.builder_settings})")
         runner = load_engine(folder).activate()
 
         def factory(xs: Inputs) -> Callable[[], Any]:
             return runner.prepared({n: x.numpy() for n, x in zip(runner.input_names, xs)})[0]
-        return factory, meta.size_bytes, {"engine": meta.name, "precision": precision,
-                                          "flavour": meta.flavour, "builder_settings": meta.builder_settings}
+
+        return (
+            factory,
+            meta.size_bytes,
+            {
+                "engine": meta.name,
+                "precision": precision,
+                "flavour": meta.flavour,
+                "builder_settings": meta.builder_settings,
+            },
+        )
 
 
 def _num(v: float | None) -> str:
@@ -449,19 +563,26 @@ def _num(v: float | None) -> str:
 
 
 def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
-    lines = [f"# Engine benchmark ({env['device']})", "", f"Command: `{env['command']}`", "",
-             "| model | batch | row | median ms | p90 ms | vs eager fp32 | top-1 agree | cosine | build s | size MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Engine benchmark ({env['device']})",
+        "",
+        f"Command: `{env['command']}`",
+        "",
+        "| model | batch | row | median ms | p90 ms | vs eager fp32 | top-1 agree | cosine | build s | size MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     base = {(r["model"], r["batch"]): r["median_ms"] for r in results if r["row"] == "eager32" and "median_ms" in r}
     for r in results:
         if "error" in r:
             lines.append(f"| {r['model']} | - | {r['label']} | failed: {r['error'][:80]} | | | | | | |")
             continue
         speed = base.get((r["model"], r["batch"]))
-        lines.append(f"| {r['model']} | {r['batch']} | {r['label']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | "
-                     f"{(speed / r['median_ms']) if speed else float('nan'):.2f}x | {r['top1_agreement']:.4f} | "
-                     f"{r['cosine']:.6f} | {_num(r['build_seconds'] if r['row'] not in ('eager32', 'eager16') else None)} | "
-                     f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['label']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | "
+            f"{(speed / r['median_ms']) if speed else float('nan'):.2f}x | {r['top1_agreement']:.4f} | "
+            f"{r['cosine']:.6f} | {_num(r['build_seconds'] if r['row'] not in ('eager32', 'eager16') else None)} | "
+            f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} |"
+        )
     return "\n".join(lines + target_table(results) + profile_table(results) + autotune_table(results)) + "\n"
 
 
@@ -471,23 +592,34 @@ def profile_table(results: list[dict[str, Any]]) -> list[str]:
     rows = [r for r in results if r.get("profile")]
     if not rows:
         return []
-    lines = ["", "## Kernel profile (torch.profiler over --profile calls; ms per call, kernels per call)", "",
-             "| model | batch | row | median ms | kernel ms | kernels | by kind: ms (kernels) | top kernel |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Kernel profile (torch.profiler over --profile calls; ms per call, kernels per call)",
+        "",
+        "| model | batch | row | median ms | kernel ms | kernels | by kind: ms (kernels) | top kernel |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p = r["profile"]
         kinds = ", ".join(f"{k} {ms:.3f} ({n:g})" for k, (ms, n) in p.get("by_kind", {}).items())
         top = p["top"][0] if p["top"] else ["-", 0.0, 0]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['row']} | {r['median_ms']:.3f} | {p['kernel_ms']:.3f} | "
-                     f"{p['kernels']:g} | {kinds} | `{top[0][:60]}` {top[1]:.3f} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['row']} | {r['median_ms']:.3f} | {p['kernel_ms']:.3f} | "
+            f"{p['kernels']:g} | {kinds} | `{top[0][:60]}` {top[1]:.3f} |"
+        )
     return lines
 
 
 REFERENCE_ROWS = ("compile", "compile_cl", "ort_cuda_graph")  # the strongest paths a user builds without Kiln
 KILN_ROWS = ("kiln", "kiln_torch")  # Kiln's engines; the build keeps the fastest that passes the gates per batch
 # Issue 12's absolute targets on the H200 (ms, median)
-ABSOLUTE_MS = {("resnet18", 1): 0.25, ("resnet18", 32): 0.85, ("tv_resnet18", 1): 0.25, ("tv_resnet18", 32): 0.85,
-               ("hf_bert", 32): 1.8}
+ABSOLUTE_MS = {
+    ("resnet18", 1): 0.25,
+    ("resnet18", 32): 0.85,
+    ("tv_resnet18", 1): 0.25,
+    ("tv_resnet18", 32): 0.85,
+    ("hf_bert", 32): 1.8,
+}
 
 
 def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -501,11 +633,20 @@ def targets(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ref is None or kiln is None:
             continue
         limit = ABSOLUTE_MS.get((model, batch))
-        out.append({"model": model, "batch": batch, "kiln_row": kiln["row"], "kiln_ms": kiln["median_ms"],
-                    "reference_row": ref["row"], "reference_ms": ref["median_ms"],
-                    "kiln_vs_reference": kiln["median_ms"] / ref["median_ms"],
-                    "at_or_below_reference": kiln["median_ms"] <= ref["median_ms"],
-                    "absolute_target_ms": limit, "absolute_met": None if limit is None else kiln["median_ms"] <= limit})
+        out.append(
+            {
+                "model": model,
+                "batch": batch,
+                "kiln_row": kiln["row"],
+                "kiln_ms": kiln["median_ms"],
+                "reference_row": ref["row"],
+                "reference_ms": ref["median_ms"],
+                "kiln_vs_reference": kiln["median_ms"] / ref["median_ms"],
+                "at_or_below_reference": kiln["median_ms"] <= ref["median_ms"],
+                "absolute_target_ms": limit,
+                "absolute_met": None if limit is None else kiln["median_ms"] <= limit,
+            }
+        )
     return out
 
 
@@ -513,23 +654,36 @@ def target_table(results: list[dict[str, Any]]) -> list[str]:
     rows = targets(results)
     if not rows:
         return []
-    lines = ["", "## Targets (issue 12): Kiln's fastest engine vs the fastest of torch.compile (NCHW, channels_last) "
-             "and ORT CUDA FP16 + CUDA graph by hand", "",
-             "| model | batch | Kiln engine | Kiln ms | fastest reference | reference ms | Kiln / reference | absolute target |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Targets (issue 12): Kiln's fastest engine vs the fastest of torch.compile (NCHW, channels_last) "
+        "and ORT CUDA FP16 + CUDA graph by hand",
+        "",
+        "| model | batch | Kiln engine | Kiln ms | fastest reference | reference ms | Kiln / reference | absolute target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for t in rows:
-        absolute = "-" if t["absolute_target_ms"] is None else \
-            f"<= {t['absolute_target_ms']} ms: {'met' if t['absolute_met'] else 'NOT met'}"
-        lines.append(f"| {t['model']} | {t['batch']} | {t['kiln_row']} | {t['kiln_ms']:.3f} | {t['reference_row']} | "
-                     f"{t['reference_ms']:.3f} | {t['kiln_vs_reference']:.2f} | {absolute} |")
+        absolute = (
+            "-"
+            if t["absolute_target_ms"] is None
+            else f"<= {t['absolute_target_ms']} ms: {'met' if t['absolute_met'] else 'NOT met'}"
+        )
+        lines.append(
+            f"| {t['model']} | {t['batch']} | {t['kiln_row']} | {t['kiln_ms']:.3f} | {t['reference_row']} | "
+            f"{t['reference_ms']:.3f} | {t['kiln_vs_reference']:.2f} | {absolute} |"
+        )
     return lines
 
 
 def autotune_table(results: list[dict[str, Any]]) -> list[str]:
     """What the autotuned Kiln engine chose per batch, vs its configured settings, and how many candidates it timed."""
-    lines = ["", "## Kiln autotune choices", "",
-             "| model | batch | chosen settings | chosen ms | configured ms | candidates | tune s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Kiln autotune choices",
+        "",
+        "| model | batch | chosen settings | chosen ms | configured ms | candidates | tune s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     seen = set()
     for r in results:
         tuned = r.get("autotune") or {}
@@ -541,8 +695,10 @@ def autotune_table(results: list[dict[str, Any]]) -> list[str]:
             continue
         choice = (tuned.get("choice_by_batch") or {}).get(str(r["batch"]), tuned["choice"])
         n = sum(1 for t in tuned["trials"] if t.get("batch") in (None, r["batch"]))
-        lines.append(f"| {r['model']} | {r['batch']} | `{json.dumps(choice['knobs'])}` | {choice.get('median_ms')} | "
-                     f"{choice.get('base_ms')} | {n} | {tuned.get('seconds')} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | `{json.dumps(choice['knobs'])}` | {choice.get('median_ms')} | "
+            f"{choice.get('base_ms')} | {n} | {tuned.get('seconds')} |"
+        )
     return lines if len(lines) > 5 else []  # 5: the heading and the header rows
 
 
@@ -588,16 +744,36 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--eval-samples", type=int, default=256)
     p.add_argument("--bert-layers", type=int, default=12)
-    p.add_argument("--torch-flavour", default="auto", choices=["auto", "aotinductor", "compiled"],
-                   help="kiln_torch: build.torch.flavour (compiled skips the AOTInductor package)")
-    p.add_argument("--torch-inductor", type=inductor_entries, default={}, metavar="KEY=VALUE,...",
-                   help="kiln_torch rows: build.torch.inductor entries, e.g. triton.enable_persistent_tma_matmul=true")
-    p.add_argument("--torch-variant", type=torch_variant, action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                   help="an extra row kiln_torch_NAME built with these build.torch.inductor entries (a key naming a "
-                        "build.torch setting sets it: freezing=true, gemm_epilogues=MODE, merge_linears=false); "
-                        "repeatable")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels")
+    p.add_argument(
+        "--torch-flavour",
+        default="auto",
+        choices=["auto", "aotinductor", "compiled"],
+        help="kiln_torch: build.torch.flavour (compiled skips the AOTInductor package)",
+    )
+    p.add_argument(
+        "--torch-inductor",
+        type=inductor_entries,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="kiln_torch rows: build.torch.inductor entries, e.g. triton.enable_persistent_tma_matmul=true",
+    )
+    p.add_argument(
+        "--torch-variant",
+        type=torch_variant,
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="an extra row kiln_torch_NAME built with these build.torch.inductor entries (a key naming a "
+        "build.torch setting sets it: freezing=true, gemm_epilogues=MODE, merge_linears=false); "
+        "repeatable",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing each row and batch, N calls under torch.profiler: kernel time, count, top kernels",
+    )
     p.add_argument("--autotune-budget", type=float, default=90.0, help="seconds of candidate timing per kiln engine")
     p.add_argument("--autotune-iterations", type=int, default=20, help="timed runs per autotune candidate")
     args = p.parse_args()
@@ -619,9 +795,14 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = False
     bench = Bench(args)
     env = bench.env
-    env.update({"device": torch.cuda.get_device_name(0) if bench.cuda else f"CPU ({platform.processor() or 'x86'})",
-                "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
-                "python": platform.python_version()})
+    env.update(
+        {
+            "device": torch.cuda.get_device_name(0) if bench.cuda else f"CPU ({platform.processor() or 'x86'})",
+            "command": " ".join(["python", *sys.argv]),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        }
+    )
     try:
         import onnxruntime as ort
 
@@ -639,9 +820,13 @@ def main() -> None:
 
 
 def write_results(args: argparse.Namespace, env: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    (args.out / "engine_bench.json").write_text(json.dumps({"env": env, "args": vars(args) | {"out": str(args.out)},
-                                                             "results": results, "targets": targets(results)},
-                                                            indent=2, default=str))
+    (args.out / "engine_bench.json").write_text(
+        json.dumps(
+            {"env": env, "args": vars(args) | {"out": str(args.out)}, "results": results, "targets": targets(results)},
+            indent=2,
+            default=str,
+        )
+    )
     (args.out / "engine_bench.md").write_text(markdown(results, env))
 
 

@@ -13,6 +13,7 @@ faster an INT8 MatMul is at its shapes. One run, side by side (2 threads, batch 
 
     python benchmarks/int8_anatomy.py --out benchmarks/results      # ~1 minute on 2 cores
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,13 @@ def matmul_chain(k: int, width_in: int, width_out: int, rng: np.random.Generator
         out = "y" if i == k - 1 else f"t{i}"
         nodes.append(helper.make_node("MatMul", [cur, f"w{i}"], [out], name=f"mm{i}"))
         cur = out
-    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, width_in])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, width_in])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -94,10 +100,15 @@ def matmul_speed(work: Path, rounds: int) -> dict[str, Any]:
     lat = interleaved_latency(sessions, x, rounds=rounds, per_round=50, warmup=30)
     out = {}
     for shape in shapes:
-        per = {p: (lat[f"{shape} {p} x10"]["p50_ms"] - lat[f"{shape} {p} x2"]["p50_ms"]) / 8 * 1e3
-               for p in ("fp32", "int8")}
-        out[shape] = {"fp32_us": round(per["fp32"], 2), "int8_us": round(per["int8"], 2),
-                      "int8_speedup": round(per["fp32"] / per["int8"], 2)}
+        per = {
+            p: (lat[f"{shape} {p} x10"]["p50_ms"] - lat[f"{shape} {p} x2"]["p50_ms"]) / 8 * 1e3
+            for p in ("fp32", "int8")
+        }
+        out[shape] = {
+            "fp32_us": round(per["fp32"], 2),
+            "int8_us": round(per["int8"], 2),
+            "int8_speedup": round(per["fp32"] / per["int8"], 2),
+        }
     return out
 
 
@@ -122,23 +133,41 @@ def main() -> None:
     matmul_share = sum(v for op, v in shares.items() if "MatMul" in op or op in ("Gemm", "FusedGemm", "FusedMatMul"))
     r = max(v["int8_speedup"] for v in speed.values())  # optimistic: every MatMul gets the best shape's gain
     ceiling = 1 / ((1 - matmul_share) + matmul_share / r)
-    res = {"command": " ".join(sys.argv), "host": platform.node(), "onnxruntime": ort.__version__,
-           "graph": how, "op_type_share_of_kernel_time": shares, "matmul_share": round(matmul_share, 3),
-           "matmul_per_op": speed, "amdahl_estimate": round(ceiling, 2),
-           "ceiling_if_matmuls_were_free": round(1 / (1 - matmul_share), 2)}
+    res = {
+        "command": " ".join(sys.argv),
+        "host": platform.node(),
+        "onnxruntime": ort.__version__,
+        "graph": how,
+        "op_type_share_of_kernel_time": shares,
+        "matmul_share": round(matmul_share, 3),
+        "matmul_per_op": speed,
+        "amdahl_estimate": round(ceiling, 2),
+        "ceiling_if_matmuls_were_free": round(1 / (1 - matmul_share), 2),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "int8_anatomy.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = [f"# Where the zoo Transformer's FP32 time goes, and what INT8 can win (ORT CPU, {THREADS} threads)", "",
-          f"Command: `{res['command']}`  ", f"Host: {res['host']}, onnxruntime {res['onnxruntime']}; graph: {how}", "",
-          "| op type (after ORT fusion) | share of kernel time |", "|---|---|"]
+    md = [
+        f"# Where the zoo Transformer's FP32 time goes, and what INT8 can win (ORT CPU, {THREADS} threads)",
+        "",
+        f"Command: `{res['command']}`  ",
+        f"Host: {res['host']}, onnxruntime {res['onnxruntime']}; graph: {how}",
+        "",
+        "| op type (after ORT fusion) | share of kernel time |",
+        "|---|---|",
+    ]
     md += [f"| {op} | {share:.1%} |" for op, share in shares.items()]
     md += ["", "| MatMul, 64 rows, widths | FP32 us | INT8 (dynamic) us | INT8 speedup |", "|---|---|---|---|"]
-    md += [f"| {s.replace('x', ' <-> ')} | {v['fp32_us']} | {v['int8_us']} | {v['int8_speedup']}x |"
-           for s, v in speed.items()]
-    md += ["", f"- MatMul share of FP32 kernel time: {matmul_share:.1%} (includes q k^T and attention x v, which "
-               "dynamic quantization leaves float)",
-           f"- Amdahl estimate with every MatMul {r}x faster (the better shape's gain, optimistic): "
-           f"**{ceiling:.2f}x**; with MatMuls taking no time at all: {res['ceiling_if_matmuls_were_free']}x"]
+    md += [
+        f"| {s.replace('x', ' <-> ')} | {v['fp32_us']} | {v['int8_us']} | {v['int8_speedup']}x |"
+        for s, v in speed.items()
+    ]
+    md += [
+        "",
+        f"- MatMul share of FP32 kernel time: {matmul_share:.1%} (includes q k^T and attention x v, which "
+        "dynamic quantization leaves float)",
+        f"- Amdahl estimate with every MatMul {r}x faster (the better shape's gain, optimistic): "
+        f"**{ceiling:.2f}x**; with MatMuls taking no time at all: {res['ceiling_if_matmuls_were_free']}x",
+    ]
     (args.out / "int8_anatomy.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

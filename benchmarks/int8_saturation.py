@@ -10,6 +10,7 @@ ONNX Runtime kernel: this machine's CPU may have VNNI; it shows the size of the 
 
     python benchmarks/int8_saturation.py --out benchmarks/results
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,18 +44,28 @@ def one_layer(bits: int, rows: int, k: int, n: int, seed: int) -> dict[str, Any]
     exact = pairs.sum(1) - zero_point * b.sum(0)
     saturated = np.clip(pairs, *INT16).sum(1) - zero_point * b.sum(0)
     ref = x @ w
-    return {"weight_bits": bits, "cosine_exact": round(cosine(exact * x_scale * w_scale, ref), 5),
-            "cosine_saturating": round(cosine(saturated * x_scale * w_scale, ref), 5),
-            "saturated_pair_share": round(float((pairs != np.clip(pairs, *INT16)).mean()), 5)}
+    return {
+        "weight_bits": bits,
+        "cosine_exact": round(cosine(exact * x_scale * w_scale, ref), 5),
+        "cosine_saturating": round(cosine(saturated * x_scale * w_scale, ref), 5),
+        "saturated_pair_share": round(float((pairs != np.clip(pairs, *INT16)).mean()), 5),
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = ["# One INT8 linear layer with and without 16-bit saturation (numpy model)", "",
-             f"{res['rows']} x {res['k']} by {res['k']} x {res['n']}, seed {res['seed']}; cosine against the float "
-             "product.", "", "| weight bits | exact int32 sums | saturating int16 pairs | pair sums saturated |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['weight_bits']} | {r['cosine_exact']} | {r['cosine_saturating']} | "
-              f"{100 * r['saturated_pair_share']:.2f}% |" for r in res["layers"]]
+    lines = [
+        "# One INT8 linear layer with and without 16-bit saturation (numpy model)",
+        "",
+        f"{res['rows']} x {res['k']} by {res['k']} x {res['n']}, seed {res['seed']}; cosine against the float product.",
+        "",
+        "| weight bits | exact int32 sums | saturating int16 pairs | pair sums saturated |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['weight_bits']} | {r['cosine_exact']} | {r['cosine_saturating']} | "
+        f"{100 * r['saturated_pair_share']:.2f}% |"
+        for r in res["layers"]
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -67,8 +78,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    res = {"rows": args.rows, "k": args.k, "n": args.n, "seed": args.seed,
-           "layers": [one_layer(bits, args.rows, args.k, args.n, args.seed) for bits in (8, 7)]}
+    res = {
+        "rows": args.rows,
+        "k": args.k,
+        "n": args.n,
+        "seed": args.seed,
+        "layers": [one_layer(bits, args.rows, args.k, args.n, args.seed) for bits in (8, 7)],
+    }
     write_report(args.out, "int8_saturation", res, markdown(res))
 
 

@@ -14,6 +14,7 @@ vs PyTorch. Writes <out>/optimize.json and <out>/optimize.md.
 Node counts are also given for torch's default export (``optimize=True``), where torch's own optimizer ran
 first: Kiln vs onnxsim vs onnxslim on that file (no timing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,14 @@ class HFBert(nn.Module):
         super().__init__()
         from transformers import BertConfig, BertModel
 
-        cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                         intermediate_size=4 * hidden, max_position_embeddings=512)
+        cfg = BertConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=512,
+        )
         self.bert = BertModel(cfg).eval()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -85,8 +92,9 @@ class HFBert(nn.Module):
 def _bert_inputs(seq: int, vocab: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
     def make(b: int) -> tuple[torch.Tensor, ...]:
         mask = torch.ones(b, seq, dtype=torch.long)
-        mask[:, seq - seq // 4:] = 0  # padded tail, as real batches have
+        mask[:, seq - seq // 4 :] = 0  # padded tail, as real batches have
         return torch.randint(0, vocab, (b, seq)), mask
+
     return make
 
 
@@ -95,7 +103,7 @@ Spec = tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, ...]],
 
 def specs(smoke: bool, bert_layers: int) -> dict[str, Spec]:
     """name -> (model builder, inputs at a batch size, timed runs per batch size)."""
-    zoo = lambda name, **kw: (lambda: build_model(name, kw))  # noqa: E731
+    zoo = lambda name, **kw: lambda: build_model(name, kw)  # noqa: E731
     s: dict[str, Spec] = {
         "cnn": (zoo("cnn"), lambda b: (torch.randn(b, 1, 8, 8),), {1: 200, 8: 200}),
         "transformer": (zoo("transformer"), lambda b: (torch.randn(b, 1, 8, 8),), {1: 200, 8: 200}),
@@ -106,8 +114,11 @@ def specs(smoke: bool, bert_layers: int) -> dict[str, Spec]:
         s["hf_bert"] = (lambda: HFBert(layers=1, hidden=32, vocab=50), _bert_inputs(16, 50), {})
         s["lstm"] = (lambda: LSTMClassifier(8, 16), lambda b: (torch.randn(b, 6, 8),), {})
         s["embedding_bag"] = (lambda: Recommender(3, 50, 4, 16), lambda b: (torch.randint(0, 50, (b, 3, 4)),), {})
-        s["bert_base"] = (zoo("bert_base", layers=1, dim=64, heads=4, ffn=128, in_features=64, seq_len=16),
-                          lambda b: (torch.randn(b, 16, 64),), {})
+        s["bert_base"] = (
+            zoo("bert_base", layers=1, dim=64, heads=4, ffn=128, in_features=64, seq_len=16),
+            lambda b: (torch.randn(b, 16, 64),),
+            {},
+        )
     else:
         s["resnet18"] = (zoo("resnet18"), lambda b: (torch.randn(b, 3, 224, 224),), {1: 30, 8: 10})
         s["hf_bert"] = (HFBert, _bert_inputs(128, 1000), {1: 40, 8: 15})
@@ -126,8 +137,17 @@ def export(model: nn.Module, args: tuple[torch.Tensor, ...], path: Path, optimiz
     batch = torch.export.Dim("batch", min=1, max=1024)
     with warnings.catch_warnings(), redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, args, str(path), input_names=names, output_names=["logits"], dynamo=True,
-                          optimize=optimize, opset_version=18, dynamic_shapes=tuple({0: batch} for _ in args))
+        torch.onnx.export(
+            model,
+            args,
+            str(path),
+            input_names=names,
+            output_names=["logits"],
+            dynamo=True,
+            optimize=optimize,
+            opset_version=18,
+            dynamic_shapes=tuple({0: batch} for _ in args),
+        )
     return names
 
 
@@ -160,8 +180,9 @@ def peers(raw: Path, work: Path) -> dict[str, tuple[Path | None, str]]:
     out["ort_offline"] = (work / "ort.onnx", "")
     t0 = time.perf_counter()
     kiln, summary = optimize_model(model, OptimizeConfig())
-    note = f"optimize {time.perf_counter() - t0:.1f}s" + (f", rolled back {summary['rolled_back']}"
-                                                            if summary["rolled_back"] else "")
+    note = f"optimize {time.perf_counter() - t0:.1f}s" + (
+        f", rolled back {summary['rolled_back']}" if summary["rolled_back"] else ""
+    )
     out["kiln"] = (_save(kiln, work / "kiln.onnx"), note)
     return out
 
@@ -211,8 +232,12 @@ def default_export_nodes(model: nn.Module, args: tuple[torch.Tensor, ...], work:
     export(model, args, path, optimize=True)
     m = onnx.load(str(path))
     kiln, _ = optimize_model(m, OptimizeConfig())
-    return {"raw": len(m.graph.node), "kiln": len(kiln.graph.node),
-            "onnxsim": len(onnxsim.simplify(m)[0].graph.node), "onnxslim": len(onnxslim.slim(m).graph.node)}
+    return {
+        "raw": len(m.graph.node),
+        "kiln": len(kiln.graph.node),
+        "onnxsim": len(onnxsim.simplify(m)[0].graph.node),
+        "onnxslim": len(onnxslim.slim(m).graph.node),
+    }
 
 
 def bench_model(name: str, spec: Spec, runs: dict[int, int], root: Path) -> dict[str, Any]:
@@ -255,27 +280,37 @@ def bench_model(name: str, spec: Spec, runs: dict[int, int], root: Path) -> dict
         sims = [v for v in ("onnxsim", "onnxslim") if v in times]
         if "kiln" in times and sims:
             best = min(sims, key=p50.get)
-            res[f"kiln_vs_best_sim_slim_b{batch}"] = {"peer": best, "p50_ratio": round(p50["kiln"] / p50[best], 3),
-                                                      "paired_ratio": round(paired_ratio(times["kiln"], times[best]), 3)}
+            res[f"kiln_vs_best_sim_slim_b{batch}"] = {
+                "peer": best,
+                "p50_ratio": round(p50["kiln"] / p50[best], 3),
+                "paired_ratio": round(paired_ratio(times["kiln"], times[best]), 3),
+            }
     res["torch_optimized_export_nodes"] = default_export_nodes(model, make(2), work)
     log.info("%s done", name)
     return res
 
 
 def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = ["# Optimize benchmark: Kiln vs onnxsim, onnxslim, ONNX Runtime offline", "",
-             f"{meta['when']} · {meta['machine']} · ORT {meta['onnxruntime']} · 2 threads · p50 of "
-             f"{meta['runs']} round-robin runs · ratio = p50 / raw p50 in the same run", "", f"Repetitions: {meta['repetitions']}",
-             "",
-             "| model | variant | nodes | non-standard ops | p50 b1 ms (ratio) | p50 b8 ms (ratio) | max abs err vs torch |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Optimize benchmark: Kiln vs onnxsim, onnxslim, ONNX Runtime offline",
+        "",
+        f"{meta['when']} · {meta['machine']} · ORT {meta['onnxruntime']} · 2 threads · p50 of "
+        f"{meta['runs']} round-robin runs · ratio = p50 / raw p50 in the same run",
+        "",
+        f"Repetitions: {meta['repetitions']}",
+        "",
+        "| model | variant | nodes | non-standard ops | p50 b1 ms (ratio) | p50 b8 ms (ratio) | max abs err vs torch |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for model, r in results.items():
         for v, e in r["variants"].items():
             if "nodes" not in e or e.get("broken"):
                 lines.append(f"| {model} | {v} | {e.get('nodes', '-')} | - | - | - | {e['note']} |")
                 continue
-            lines.append(f"| {model} | {v} | {e['nodes']} | {', '.join(e['nonstandard_ops']) or '-'} | "
-                         f"{_ms(e, 1)} | {_ms(e, 8)} | {e['max_abs_err']:.2e} |")
+            lines.append(
+                f"| {model} | {v} | {e['nodes']} | {', '.join(e['nonstandard_ops']) or '-'} | "
+                f"{_ms(e, 1)} | {_ms(e, 8)} | {e['max_abs_err']:.2e} |"
+            )
     return "\n".join(lines + [""] + verdicts(results) + [""] + torch_optimized(results) + ["", NOTES]) + "\n"
 
 
@@ -284,8 +319,12 @@ def _ms(e: dict[str, Any], batch: int) -> str:
 
 
 def torch_optimized(results: dict[str, Any]) -> list[str]:
-    out = ["## Node counts on torch's default export (`optimize=True`)", "",
-           "| model | raw | kiln | onnxsim | onnxslim |", "|---|---|---|---|---|"]
+    out = [
+        "## Node counts on torch's default export (`optimize=True`)",
+        "",
+        "| model | raw | kiln | onnxsim | onnxslim |",
+        "|---|---|---|---|---|",
+    ]
     for model, r in results.items():
         c = r.get("torch_optimized_export_nodes")
         if c:
@@ -322,11 +361,16 @@ NOTES = """## Notes
 def verdicts(results: dict[str, Any]) -> list[str]:
     """Per model: Kiln vs onnxsim/onnxslim (the target: never behind the better of the two) on nodes and
     latency, and vs every peer including ORT's offline (non-portable) graph."""
-    out = ["## Targets", "", "Latency ratios: Kiln's p50 / the p50 of the faster of onnxsim and onnxslim, and in brackets "
-           "the median over rounds of Kiln's time / that peer's time in the same round (drift cancels).", "",
-           "| model | kiln nodes | onnxsim | onnxslim | kiln b1 / best of sim,slim | "
-           "kiln b8 / best of sim,slim | best peer nodes (any) | kiln b1 / b8 vs best of all (p50) | kiln rel err |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "## Targets",
+        "",
+        "Latency ratios: Kiln's p50 / the p50 of the faster of onnxsim and onnxslim, and in brackets "
+        "the median over rounds of Kiln's time / that peer's time in the same round (drift cancels).",
+        "",
+        "| model | kiln nodes | onnxsim | onnxslim | kiln b1 / best of sim,slim | "
+        "kiln b8 / best of sim,slim | best peer nodes (any) | kiln b1 / b8 vs best of all (p50) | kiln rel err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for model, r in results.items():
         v = r["variants"]
         if "nodes" not in v.get("kiln", {}):
@@ -344,10 +388,12 @@ def verdicts(results: dict[str, Any]) -> list[str]:
                 return "-"
             return f"{v['kiln'][key] / min(e[key] for e in group.values()):.2f}"
 
-        out.append(f"| {model} | {v['kiln']['nodes']} | {v.get('onnxsim', {}).get('nodes', '-')} | "
-                   f"{v.get('onnxslim', {}).get('nodes', '-')} | {paired(1)} | {paired(8)} | "
-                   f"{best_any[1]['nodes']} ({best_any[0]}) | {ratio(peers, 1)} / {ratio(peers, 8)} | "
-                   f"{v['kiln']['rel_err']:.1e} |")
+        out.append(
+            f"| {model} | {v['kiln']['nodes']} | {v.get('onnxsim', {}).get('nodes', '-')} | "
+            f"{v.get('onnxslim', {}).get('nodes', '-')} | {paired(1)} | {paired(8)} | "
+            f"{best_any[1]['nodes']} ({best_any[0]}) | {ratio(peers, 1)} / {ratio(peers, 8)} | "
+            f"{v['kiln']['rel_err']:.1e} |"
+        )
     return out
 
 
@@ -355,8 +401,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny models, few runs")
-    ap.add_argument("--models", nargs="*", help=f"subset of models (default {' '.join(DEFAULT_MODELS)}; "
-                                                "bert_base on request)")
+    ap.add_argument(
+        "--models", nargs="*", help=f"subset of models (default {' '.join(DEFAULT_MODELS)}; bert_base on request)"
+    )
     ap.add_argument("--bert-layers", type=int, default=12, help="layers of the zoo bert_base")
     ap.add_argument("--render", action="store_true", help="only rewrite <out>/optimize.md from its json")
     ap.add_argument("--runs", type=int, default=0, help="runs per batch size (default: by model size)")
@@ -375,11 +422,18 @@ def main() -> None:
         for name in args.models or DEFAULT_MODELS:
             runs = {b: (args.runs or (5 if args.smoke else all_specs[name][2][b])) for b in (1, 8)}
             results[name] = bench_model(name, all_specs[name], runs, Path(tmp))
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()} CPU, {platform.python_version()}",
-            "onnxruntime": ort.__version__, "torch": torch.__version__, "smoke": args.smoke,
-            "bert_layers": args.bert_layers, "runs": "per model (see json)",
-            "repetitions": "one benchmark run; per model and batch size the timed runs listed here: " + ", ".join(
-                f"{k} {r['runs'][1]}/{r['runs'][8]}" for k, r in results.items()) + " (batch 1 / batch 8)"}
+    meta = {
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.machine()} CPU, {platform.python_version()}",
+        "onnxruntime": ort.__version__,
+        "torch": torch.__version__,
+        "smoke": args.smoke,
+        "bert_layers": args.bert_layers,
+        "runs": "per model (see json)",
+        "repetitions": "one benchmark run; per model and batch size the timed runs listed here: "
+        + ", ".join(f"{k} {r['runs'][1]}/{r['runs'][8]}" for k, r in results.items())
+        + " (batch 1 / batch 8)",
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "optimize.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = markdown(results, meta)

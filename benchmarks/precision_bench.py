@@ -15,6 +15,7 @@ top-1 agreement >= 99.5%. Latency of ORT CUDA FP32 / FP16 (session.run with host
     PYTHONPATH=/tmp/site:$PWD python benchmarks/precision_bench.py --gpu --out $OUT   # GPU host
     python benchmarks/precision_bench.py --smoke [--gpu] --out /tmp/pb               # tiny, CPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,11 +82,12 @@ def session(model: Path | onnx.ModelProto, threads: int, providers: list[str]) -
 
 def predict(sess: Any, x: np.ndarray, batch: int = 64) -> np.ndarray:
     name = sess.get_inputs()[0].name
-    return np.concatenate([sess.run(None, {name: x[i:i + batch]})[0] for i in range(0, len(x), batch)])
+    return np.concatenate([sess.run(None, {name: x[i : i + batch]})[0] for i in range(0, len(x), batch)])
 
 
-def interleaved_latency(sessions: dict[str, Any], x: np.ndarray, rounds: int, per_round: int,
-                        warmup: int) -> dict[str, dict[str, Any]]:
+def interleaved_latency(
+    sessions: dict[str, Any], x: np.ndarray, rounds: int, per_round: int, warmup: int
+) -> dict[str, dict[str, Any]]:
     """ms per batch; the variants take turns in rounds so drift (turbo, other processes on a shared machine)
     hits all alike. ``round_p50_ms``: each round's median, so speedups can be taken round by round."""
     times: dict[str, list[list[float]]] = {k: [] for k in sessions}
@@ -104,8 +106,12 @@ def interleaved_latency(sessions: dict[str, Any], x: np.ndarray, rounds: int, pe
     out = {}
     for k, per in times.items():
         flat = [t for r in per for t in r]
-        out[k] = {"p50_ms": float(np.median(flat)), "p90_ms": float(np.percentile(flat, 90)), "runs": len(flat),
-                  "round_p50_ms": [float(np.median(r)) for r in per]}
+        out[k] = {
+            "p50_ms": float(np.median(flat)),
+            "p90_ms": float(np.percentile(flat, 90)),
+            "runs": len(flat),
+            "round_p50_ms": [float(np.median(r)) for r in per],
+        }
     return out
 
 
@@ -151,47 +157,78 @@ def cpu_row(row: str, smoke: bool, work: Path, args: argparse.Namespace) -> dict
     other = "static" if chosen == "dynamic" else "dynamic"
     # The other scheme as Kiln would build it: from the Q/DQ graph's float nodes, through its own fallback.
     ops = set(quantizable_op_types(ccfg))
-    other_entry = ort_cpu_with_fallback(src, work / row / f"ort_cpu_{other}.onnx",
-                                        ccfg.model_copy(update={"ort_cpu_scheme": other}),
-                                        FallbackConfig(min_top1_agreement=0.99), x_val, entry["reasons"],
-                                        {n.name for n in src.model.graph.node if n.op_type in ops})
+    other_entry = ort_cpu_with_fallback(
+        src,
+        work / row / f"ort_cpu_{other}.onnx",
+        ccfg.model_copy(update={"ort_cpu_scheme": other}),
+        FallbackConfig(min_top1_agreement=0.99),
+        x_val,
+        entry["reasons"],
+        {n.name for n in src.model.graph.node if n.op_type in ops},
+    )
     built = {"int8": entry, f"ort_cpu_{chosen}": entry["ort_cpu"], f"ort_cpu_{other}": other_entry}
     paths[f"ort_cpu_{other}"] = work / row / f"ort_cpu_{other}.onnx"
     sessions = {"fp32": session(src.path, 2, ["CPUExecutionProvider"])}
     sessions |= {k: session(p, 2, ["CPUExecutionProvider"]) for k, p in paths.items()}
     logits = {k: predict(s, x_val) for k, s in sessions.items()}
     acc = {k: float(np.mean(v.argmax(1) == y_val)) for k, v in logits.items()}
-    lat = interleaved_latency(sessions, x_val[:8], rounds=3 if smoke else 20, per_round=10 if smoke else 50,
-                              warmup=5 if smoke else 30)
-    res = {"row": row, "model": name, "params": params, "graph": how, "epochs": epochs, "torch_accuracy": torch_acc,
-           "accuracy_fp32": acc["fp32"], "latency": lat, "calibration": args.method, "batch": 8, "threads": 2,
-           "variants": {}, "kiln_ort_cpu": f"ort_cpu_{chosen}"}
+    lat = interleaved_latency(
+        sessions, x_val[:8], rounds=3 if smoke else 20, per_round=10 if smoke else 50, warmup=5 if smoke else 30
+    )
+    res = {
+        "row": row,
+        "model": name,
+        "params": params,
+        "graph": how,
+        "epochs": epochs,
+        "torch_accuracy": torch_acc,
+        "accuracy_fp32": acc["fp32"],
+        "latency": lat,
+        "calibration": args.method,
+        "batch": 8,
+        "threads": 2,
+        "variants": {},
+        "kiln_ort_cpu": f"ort_cpu_{chosen}",
+    }
     for flavour in paths:
         agree = output_metrics(logits["fp32"], logits[flavour])
         ratio = speedup(lat, "fp32", flavour)
         delta = 100 * (acc[flavour] - acc["fp32"])
         res["variants"][flavour] = {
-            "accuracy": acc[flavour], "accuracy_delta_points": delta, "top1_agreement": agree["top1_agreement"],
-            "cosine": agree["cosine"], "speedup": ratio, "kept_fp32": built[flavour]["kept_fp32"],
-            "fallback_rounds": len(built[flavour]["fallback"]["rounds"]) - 1, "kiln_ort_cpu_engine": flavour == res["kiln_ort_cpu"],
-            "targets_met": {"speedup>=1.5": ratio >= 1.5, "agreement>=0.99": agree["top1_agreement"] >= 0.99,
-                            "accuracy_within_1pt": abs(delta) <= 1.0}}
-        say(f"{row} {flavour}: fp32 {lat['fp32']['p50_ms']:.3f} ms, {lat[flavour]['p50_ms']:.3f} ms ({ratio:.2f}x), "
-            f"agreement {agree['top1_agreement']:.4f}, acc {acc['fp32']:.4f} -> {acc[flavour]:.4f}")
+            "accuracy": acc[flavour],
+            "accuracy_delta_points": delta,
+            "top1_agreement": agree["top1_agreement"],
+            "cosine": agree["cosine"],
+            "speedup": ratio,
+            "kept_fp32": built[flavour]["kept_fp32"],
+            "fallback_rounds": len(built[flavour]["fallback"]["rounds"]) - 1,
+            "kiln_ort_cpu_engine": flavour == res["kiln_ort_cpu"],
+            "targets_met": {
+                "speedup>=1.5": ratio >= 1.5,
+                "agreement>=0.99": agree["top1_agreement"] >= 0.99,
+                "accuracy_within_1pt": abs(delta) <= 1.0,
+            },
+        }
+        say(
+            f"{row} {flavour}: fp32 {lat['fp32']['p50_ms']:.3f} ms, {lat[flavour]['p50_ms']:.3f} ms ({ratio:.2f}x), "
+            f"agreement {agree['top1_agreement']:.4f}, acc {acc['fp32']:.4f} -> {acc[flavour]:.4f}"
+        )
     return res
 
 
 # ---------------------------------------------------------------- GPU: FP16 vs PyTorch FP32
 def gpu_specs(smoke: bool) -> dict[str, tuple[dict[str, Any], tuple[int, ...]]]:
     if smoke:
-        return {"resnet18": ({"width": 8, "blocks": (1, 1), "num_classes": 10}, (3, 32, 32)),
-                "bert_base": ({"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16},
-                              (16, 64))}
+        return {
+            "resnet18": ({"width": 8, "blocks": (1, 1), "num_classes": 10}, (3, 32, 32)),
+            "bert_base": ({"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16}, (16, 64)),
+        }
     return {"resnet18": ({}, (3, 224, 224)), "bert_base": ({}, (128, 768))}
 
 
-def gpu_row(name: str, params: dict[str, Any], shape: tuple[int, ...], smoke: bool, work: Path,
-            args: argparse.Namespace) -> dict[str, Any]:
+def gpu_row(
+    name: str, params: dict[str, Any], shape: tuple[int, ...], smoke: bool, work: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     import onnxruntime as ort
 
     cuda = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
@@ -207,7 +244,7 @@ def gpu_row(name: str, params: dict[str, Any], shape: tuple[int, ...], smoke: bo
     x = torch.randn((n, *shape), generator=gen)
     say(f"{name}: exporting")
     proto, how = optimized(export_onnx(model, x[:2], work / f"{name}.onnx"))
-    src = Source.prepare(proto, work / f"{name}_fp32.onnx", [x[i:i + 8].numpy() for i in (0, 8)], work / "cache")
+    src = Source.prepare(proto, work / f"{name}_fp32.onnx", [x[i : i + 8].numpy() for i in (0, 8)], work / "cache")
     cfg = FP16Config()
     amax = src.ranges("minmax", CalibrationConfig()).amax()
     keep = select_fp32_nodes(src.model, cfg, amax)
@@ -217,18 +254,27 @@ def gpu_row(name: str, params: dict[str, Any], shape: tuple[int, ...], smoke: bo
     say(f"{name}: fp16 graph with {len(keep)} nodes kept FP32, {info['casts']} casts")
     with torch.no_grad():
         model.to(dev)
-        ref = np.concatenate([model(x[i:i + 32].to(dev)).float().cpu().numpy() for i in range(0, n, 32)])
+        ref = np.concatenate([model(x[i : i + 32].to(dev)).float().cpu().numpy() for i in range(0, n, 32)])
     providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
     sessions = {"ort_fp32": session(src.path, 0, providers), "ort_fp16": session(fp16_path, 0, providers)}
-    out = {"model": name, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
-           "input_shape": list(shape), "graph": how, "samples": n, "device": "cuda" if cuda else "cpu (smoke)",
-           "kept_fp32": len(keep), "kept_ops": sorted({r.split(" ")[0] for r in keep.values()}), "casts": info["casts"]}
+    out = {
+        "model": name,
+        "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
+        "input_shape": list(shape),
+        "graph": how,
+        "samples": n,
+        "device": "cuda" if cuda else "cpu (smoke)",
+        "kept_fp32": len(keep),
+        "kept_ops": sorted({r.split(" ")[0] for r in keep.values()}),
+        "casts": info["casts"],
+    }
     for k, s in sessions.items():
         out[f"{k}_vs_torch_fp32"] = output_metrics(ref, predict(s, x.numpy(), batch=32))
     for b in (1, 32):
         xb = x[:b].numpy()
-        out[f"latency_b{b}"] = interleaved_latency(sessions, xb, rounds=2 if smoke else 5, per_round=5 if smoke else 20,
-                                                   warmup=3 if smoke else 10)
+        out[f"latency_b{b}"] = interleaved_latency(
+            sessions, xb, rounds=2 if smoke else 5, per_round=5 if smoke else 20, warmup=3 if smoke else 10
+        )
         out[f"speedup_fp16_b{b}"] = speedup(out[f"latency_b{b}"], "ort_fp32", "ort_fp16")
     agree = out["ort_fp16_vs_torch_fp32"]["top1_agreement"]
     out["targets_met"] = {"fp16_agreement>=0.995": agree >= 0.995}
@@ -238,41 +284,57 @@ def gpu_row(name: str, params: dict[str, Any], shape: tuple[int, ...], smoke: bo
 
 # ---------------------------------------------------------------- report
 def markdown(results: dict[str, Any]) -> str:
-    lines = [f"# Precision benchmark ({results['mode']})", "", f"Command: `{results['command']}`  ",
-             f"Host: {results['host']}, onnxruntime {results['onnxruntime']}, torch {results['torch']}, INT8 "
-             f"kernels {results.get('cpu_int8_kernels', 'not recorded')}", ""]
+    lines = [
+        f"# Precision benchmark ({results['mode']})",
+        "",
+        f"Command: `{results['command']}`  ",
+        f"Host: {results['host']}, onnxruntime {results['onnxruntime']}, torch {results['torch']}, INT8 "
+        f"kernels {results.get('cpu_int8_kernels', 'not recorded')}",
+        "",
+    ]
     if results["mode"].startswith("cpu"):
-        lines += ["ORT CPU, 2 threads, batch 8, graph optimisation ALL; latency median (p90) over interleaved runs; "
-                  "speedup = median over rounds of the per-round FP32/INT8 median ratio (the machine is shared).",
-                  "int8 = the symmetric int8 Q/DQ graph (what TensorRT runs); ort_cpu_static = calibrated uint8 "
-                  "activations, ort_cpu_dynamic = int8 MatMul/Gemm weights with activation scales computed per batch "
-                  "(ONNX Runtime CPU graphs); **bold** = the one Kiln's ORT CPU engine loads "
-                  "(calibration.ort_cpu_scheme=auto). Accuracy on the digits held-out split.", "",
-                  "| row | params | variant | FP32 ms | INT8 ms | speedup | top-1 agree | acc FP32 | acc INT8 | Δ pts | "
-                  "kept FP32 | targets |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "ORT CPU, 2 threads, batch 8, graph optimisation ALL; latency median (p90) over interleaved runs; "
+            "speedup = median over rounds of the per-round FP32/INT8 median ratio (the machine is shared).",
+            "int8 = the symmetric int8 Q/DQ graph (what TensorRT runs); ort_cpu_static = calibrated uint8 "
+            "activations, ort_cpu_dynamic = int8 MatMul/Gemm weights with activation scales computed per batch "
+            "(ONNX Runtime CPU graphs); **bold** = the one Kiln's ORT CPU engine loads "
+            "(calibration.ort_cpu_scheme=auto). Accuracy on the digits held-out split.",
+            "",
+            "| row | params | variant | FP32 ms | INT8 ms | speedup | top-1 agree | acc FP32 | acc INT8 | Δ pts | "
+            "kept FP32 | targets |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in results["rows"]:
             lat = r["latency"]
             for flavour, v in r["variants"].items():
                 ok = ", ".join(f"{k}: {'yes' if t else 'NO'}" for k, t in v["targets_met"].items())
                 shown = f"**{flavour}**" if v.get("kiln_ort_cpu_engine") else flavour
-                lines.append(f"| {r['row']} | {r['params'] or 'zoo default'} | {shown} | {lat['fp32']['p50_ms']:.3f} "
-                             f"({lat['fp32']['p90_ms']:.3f}) | {lat[flavour]['p50_ms']:.3f} ({lat[flavour]['p90_ms']:.3f}) |"
-                             f" {v['speedup']:.2f}x | {v['top1_agreement']:.4f} | {r['accuracy_fp32']:.4f} | "
-                             f"{v['accuracy']:.4f} | {v['accuracy_delta_points']:+.2f} | {len(v['kept_fp32'])} | {ok} |")
+                lines.append(
+                    f"| {r['row']} | {r['params'] or 'zoo default'} | {shown} | {lat['fp32']['p50_ms']:.3f} "
+                    f"({lat['fp32']['p90_ms']:.3f}) | {lat[flavour]['p50_ms']:.3f} ({lat[flavour]['p90_ms']:.3f}) |"
+                    f" {v['speedup']:.2f}x | {v['top1_agreement']:.4f} | {r['accuracy_fp32']:.4f} | "
+                    f"{v['accuracy']:.4f} | {v['accuracy_delta_points']:+.2f} | {len(v['kept_fp32'])} | {ok} |"
+                )
     else:
-        lines += ["ORT CUDA (session.run with host arrays: copies included) vs PyTorch FP32, TF32 off.", "",
-                  "| model | samples | FP16 agree vs torch | FP16 cosine | FP32 agree | b1 FP32 / FP16 ms | "
-                  "b32 FP32 / FP16 ms | FP16 speedup b1 / b32 | kept FP32 | target |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "ORT CUDA (session.run with host arrays: copies included) vs PyTorch FP32, TF32 off.",
+            "",
+            "| model | samples | FP16 agree vs torch | FP16 cosine | FP32 agree | b1 FP32 / FP16 ms | "
+            "b32 FP32 / FP16 ms | FP16 speedup b1 / b32 | kept FP32 | target |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in results["rows"]:
             f16, f32 = r["ort_fp16_vs_torch_fp32"], r["ort_fp32_vs_torch_fp32"]
             b1, b32 = r["latency_b1"], r["latency_b32"]
-            lines.append(f"| {r['model']} | {r['samples']} | {f16['top1_agreement']:.4f} | {f16['cosine']:.6f} | "
-                         f"{f32['top1_agreement']:.4f} | {b1['ort_fp32']['p50_ms']:.2f} / {b1['ort_fp16']['p50_ms']:.2f}"
-                         f" | {b32['ort_fp32']['p50_ms']:.2f} / {b32['ort_fp16']['p50_ms']:.2f} | "
-                         f"{r['speedup_fp16_b1']:.2f}x / {r['speedup_fp16_b32']:.2f}x | {r['kept_fp32']} | "
-                         f"{'met' if all(r['targets_met'].values()) else 'NOT met'} |")
-    lines += ["", "Graphs: " + "; ".join(sorted({r['graph'] for r in results['rows']}))]
+            lines.append(
+                f"| {r['model']} | {r['samples']} | {f16['top1_agreement']:.4f} | {f16['cosine']:.6f} | "
+                f"{f32['top1_agreement']:.4f} | {b1['ort_fp32']['p50_ms']:.2f} / {b1['ort_fp16']['p50_ms']:.2f}"
+                f" | {b32['ort_fp32']['p50_ms']:.2f} / {b32['ort_fp16']['p50_ms']:.2f} | "
+                f"{r['speedup_fp16_b1']:.2f}x / {r['speedup_fp16_b32']:.2f}x | {r['kept_fp32']} | "
+                f"{'met' if all(r['targets_met'].values()) else 'NOT met'} |"
+            )
+    lines += ["", "Graphs: " + "; ".join(sorted({r["graph"] for r in results["rows"]}))]
     return "\n".join(lines) + "\n"
 
 
@@ -291,10 +353,15 @@ def main() -> None:
     import onnxruntime as ort
 
     mode = ("gpu" if args.gpu else "cpu") + ("-smoke" if args.smoke else "")
-    results: dict[str, Any] = {"mode": mode, "command": " ".join(sys.argv), "host": platform.node(),
-                               "onnxruntime": ort.__version__, "torch": torch.__version__,
-                               "cpu_int8_kernels": int8_kernels(),
-                               "rows": []}
+    results: dict[str, Any] = {
+        "mode": mode,
+        "command": " ".join(sys.argv),
+        "host": platform.node(),
+        "onnxruntime": ort.__version__,
+        "torch": torch.__version__,
+        "cpu_int8_kernels": int8_kernels(),
+        "rows": [],
+    }
     with tempfile.TemporaryDirectory(prefix="kiln-pbench-") as tmp:
         work = Path(tmp)
         if args.gpu:

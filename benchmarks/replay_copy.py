@@ -14,6 +14,7 @@ Kernel time (what no host change removes) is in ``engine_bench.py --profile``. W
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/replay_copy.py --out $OUT        # GPU host
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ def build_runner(name: str, work: Path, batch: int) -> Any:
         fresh = make_model(name, params).eval()
         fresh.load_state_dict(state)
         return fresh
+
     build_engine(onnx32, folder, "torch", "cuda", "fp16", cfg, work / "cache", max_batch=batch, torch_model=load)
     return load_engine(folder).activate()
 
@@ -73,11 +75,15 @@ def calls(runner: Any, xs: tuple[torch.Tensor, ...]) -> dict[str, Callable[[], A
             copy()
             graph.replay()
             return [o.clone() for o in outputs]
+
         return call
-    return {"engine": engine,
-            "copy_": replay(lambda: GraphReplays.copy_inputs(inputs, tuple(args))),
-            "foreach": replay(lambda: torch._foreach_copy_(inputs, args)),
-            "no_copy": replay(lambda: None)}
+
+    return {
+        "engine": engine,
+        "copy_": replay(lambda: GraphReplays.copy_inputs(inputs, tuple(args))),
+        "foreach": replay(lambda: torch._foreach_copy_(inputs, args)),
+        "no_copy": replay(lambda: None),
+    }
 
 
 def measure(fns: dict[str, Callable[[], Any]], rounds: int, iterations: int) -> dict[str, list[float]]:
@@ -93,15 +99,22 @@ def measure(fns: dict[str, Callable[[], Any]], rounds: int, iterations: int) -> 
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = [f"# Torch engine call around its CUDA graph ({res['device']})", "",
-             f"torch {res['torch']}; median ms of {res['iterations']} calls per round, {res['rounds']} rounds, modes "
-             "alternating; each call from an idle GPU (CUDA events, synchronized).", "",
-             "| model | batch | " + " | ".join(MODES) + " | foreach - copy_ | copy_ - no_copy |",
-             "|---|---|" + "---|" * (len(MODES) + 2)]
+    lines = [
+        f"# Torch engine call around its CUDA graph ({res['device']})",
+        "",
+        f"torch {res['torch']}; median ms of {res['iterations']} calls per round, {res['rounds']} rounds, modes "
+        "alternating; each call from an idle GPU (CUDA events, synchronized).",
+        "",
+        "| model | batch | " + " | ".join(MODES) + " | foreach - copy_ | copy_ - no_copy |",
+        "|---|---|" + "---|" * (len(MODES) + 2),
+    ]
     for r in res["rows"]:
         med = {m: statistics.median(r["rounds"][m]) for m in MODES}
-        lines.append(f"| {r['model']} | {r['batch']} | " + " | ".join(f"{med[m]:.4f}" for m in MODES)
-                     + f" | {med['foreach'] - med['copy_']:+.4f} | {med['copy_'] - med['no_copy']:+.4f} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | "
+            + " | ".join(f"{med[m]:.4f}" for m in MODES)
+            + f" | {med['foreach'] - med['copy_']:+.4f} | {med['copy_'] - med['no_copy']:+.4f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -125,10 +138,17 @@ def main() -> None:
             _, shape = model_specs(False, 12)[name]
             for batch in batches:
                 xs = make_inputs(name, {}, shape, batch, seed=0)
-                rows.append({"model": name, "batch": batch,
-                             "rounds": measure(calls(runner, xs), args.rounds, args.iterations)})
-    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "host": platform.node(),
-           "rounds": args.rounds, "iterations": args.iterations, "rows": rows}
+                rows.append(
+                    {"model": name, "batch": batch, "rounds": measure(calls(runner, xs), args.rounds, args.iterations)}
+                )
+    res = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "rounds": args.rounds,
+        "iterations": args.iterations,
+        "rows": rows,
+    }
     write_report(args.out, "replay_copy", res, markdown(res))
 
 

@@ -14,6 +14,7 @@ never share the device.
 ``--resnet18-fp16`` builds a ResNet-18 (random weights, 3x224x224) ONNX Runtime CUDA FP16 engine for batches up
 to the largest concurrency. Results: ``benchmarks/results/serve_<label>.{json,md}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,16 @@ def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
     onnx32 = work / "resnet18.onnx"
     export_onnx(build_model("resnet18", {}).eval(), torch.randn(2, 3, 224, 224), onnx32)
     folder = work / "resnet18-onnxruntime-cuda-fp16"
-    meta = build_engine(onnx32, folder, "onnxruntime", "cuda", "fp16", BuildConfig(backends=["onnxruntime"]),
-                        work / "cache", max_batch=max_batch)
+    meta = build_engine(
+        onnx32,
+        folder,
+        "onnxruntime",
+        "cuda",
+        "fp16",
+        BuildConfig(backends=["onnxruntime"]),
+        work / "cache",
+        max_batch=max_batch,
+    )
     say(f"built {meta.name} in {meta.build_seconds:.1f}s")
     return folder
 
@@ -82,9 +91,23 @@ def in_process(engine_dir: Path, batches: list[int], warmup: int, iterations: in
 
 def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     ports = [free_port() for _ in range(3)]
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(path), "--http-port", str(ports[0]), "--grpc-port",
-           str(ports[1]), "--metrics-port", str(ports[2]), "--max-batch", str(max(args.concurrency)),
-           "--max-queue-delay-us", str(args.max_queue_delay_us)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.cli",
+        "serve",
+        str(path),
+        "--http-port",
+        str(ports[0]),
+        "--grpc-port",
+        str(ports[1]),
+        "--metrics-port",
+        str(ports[2]),
+        "--max-batch",
+        str(max(args.concurrency)),
+        "--max-queue-delay-us",
+        str(args.max_queue_delay_us),
+    ]
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
     try:
@@ -104,27 +127,36 @@ def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Nam
 def markdown(report: dict[str, Any]) -> str:
     s, env = report["served"], report["env"]
     inproc = {r["batch"]: r for r in report["in_process"]}
-    lines = [f"# Serving {s['engine']} ({s['precision']}) with `kiln serve`", "",
-             f"{env['device']} (1-minute load average {env['load_avg_1m_at_start']:.1f} at start); "
-             f"`{env['command']}`", "",
-             f"Served: Triton (PyTriton {env.get('pytriton')}) + dynamic batcher (max queue delay "
-             f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
-             f"threads on the same machine, {s['duration_s']} s per level, inputs: {s['inputs']}; every answer "
-             "checked against the engine's direct output. In-process: the engine called with a batch of c samples "
-             "(no server, no transport).", "",
-             "| concurrency c | served req/s | p50 ms | p90 ms | p99 ms | wrong | in-process batch c samples/s | "
-             "in-process p50 ms | served / in-process |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Serving {s['engine']} ({s['precision']}) with `kiln serve`",
+        "",
+        f"{env['device']} (1-minute load average {env['load_avg_1m_at_start']:.1f} at start); `{env['command']}`",
+        "",
+        f"Served: Triton (PyTriton {env.get('pytriton')}) + dynamic batcher (max queue delay "
+        f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
+        f"threads on the same machine, {s['duration_s']} s per level, inputs: {s['inputs']}; every answer "
+        "checked against the engine's direct output. In-process: the engine called with a batch of c samples "
+        "(no server, no transport).",
+        "",
+        "| concurrency c | served req/s | p50 ms | p90 ms | p99 ms | wrong | in-process batch c samples/s | "
+        "in-process p50 ms | served / in-process |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for lv in s["levels"]:
         c, lat = lv["concurrency"], lv["latency_ms"]
         ip = inproc.get(c, {})
         ratio = lv["throughput_rps"] / ip["samples_per_s"] if ip else float("nan")
-        lines.append(f"| {c} | {lv['throughput_rps']:.0f} | {lat['p50']:.2f} | {lat['p90']:.2f} | {lat['p99']:.2f} | "
-                     f"{lv['mismatches']} | {ip.get('samples_per_s', float('nan')):.0f} | "
-                     f"{ip.get('p50_ms', float('nan')):.3f} | {ratio:.2f} |")
+        lines.append(
+            f"| {c} | {lv['throughput_rps']:.0f} | {lat['p50']:.2f} | {lat['p90']:.2f} | {lat['p99']:.2f} | "
+            f"{lv['mismatches']} | {ip.get('samples_per_s', float('nan')):.0f} | "
+            f"{ip.get('p50_ms', float('nan')):.3f} | {ratio:.2f} |"
+        )
     if s.get("mean_batch"):
-        lines += ["", f"Server statistics: {s['server']['inference_count']} requests in "
-                      f"{s['server']['execution_count']} engine calls (mean batch {s['mean_batch']:.2f})."]
+        lines += [
+            "",
+            f"Server statistics: {s['server']['inference_count']} requests in "
+            f"{s['server']['execution_count']} engine calls (mean batch {s['mean_batch']:.2f}).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -135,8 +167,11 @@ def main() -> None:
     src.add_argument("--workdir", type=Path, help="a `kiln run` workdir (serve its validated engine --engine)")
     src.add_argument("--resnet18-fp16", action="store_true", help="build and serve ResNet-18 ORT CUDA FP16 (GPU)")
     p.add_argument("--engine", default="onnxruntime-cpu-fp32", help="engine name in the workdir")
-    p.add_argument("--config", help="with --workdir: the run's config, whose validation data are the requests "
-                                    "(default: the demo's, as `kiln loadtest`)")
+    p.add_argument(
+        "--config",
+        help="with --workdir: the run's config, whose validation data are the requests "
+        "(default: the demo's, as `kiln loadtest`)",
+    )
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per concurrency level")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
@@ -167,11 +202,21 @@ def main() -> None:
 
     import onnxruntime
 
-    env = {"device": _device(engine.meta), "command": " ".join(["python", *sys.argv]),
-           "python": platform.python_version(), "pytriton": version("nvidia-pytriton"),
-           "onnxruntime": onnxruntime.__version__, "load_avg_1m_at_start": load_at_start}
-    report = {"env": env, "protocol": args.protocol, "max_queue_delay_us": args.max_queue_delay_us,
-              "served": result, "in_process": inproc}
+    env = {
+        "device": _device(engine.meta),
+        "command": " ".join(["python", *sys.argv]),
+        "python": platform.python_version(),
+        "pytriton": version("nvidia-pytriton"),
+        "onnxruntime": onnxruntime.__version__,
+        "load_avg_1m_at_start": load_at_start,
+    }
+    report = {
+        "env": env,
+        "protocol": args.protocol,
+        "max_queue_delay_us": args.max_queue_delay_us,
+        "served": result,
+        "in_process": inproc,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"serve_{args.label or label}"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -23,6 +23,7 @@ then a synchronisation; ``--rounds`` rounds alternating bare and Kiln; medians. 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/step_host_cost.py --model bert_base --out $OUT  # explicit attention
     python benchmarks/step_host_cost.py --smoke --out /tmp/shc                    # tiny model on CPU, seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,7 @@ def compare(fns: dict[str, Callable[[], Any]], device: torch.device, iters: int,
         for _ in range(3):
             fn()
     for r in range(rounds):
-        names = list(fns)[r % 2:] + list(fns)[:r % 2]  # alternate which goes first
+        names = list(fns)[r % 2 :] + list(fns)[: r % 2]  # alternate which goes first
         for k in names:
             got[k].append(host_us(fns[k], device, iters))
     return {k: {"us": round(statistics.median(v), 1), "rounds": [round(x, 1) for x in v]} for k, v in got.items()}
@@ -85,21 +86,45 @@ def compare(fns: dict[str, Callable[[], Any]], device: torch.device, iters: int,
 class Setup:
     """A model on the device, Kiln's trainer for it (not run: its step is called directly) and a bare optimizer."""
 
-    def __init__(self, spec: dict[str, Any], precision: str, device: torch.device, compile: bool,
-                 update_graph: str = "auto") -> None:
+    def __init__(
+        self, spec: dict[str, Any], precision: str, device: torch.device, compile: bool, update_graph: str = "auto"
+    ) -> None:
         torch.manual_seed(0)
         self.device = device
         self.model = build_model(spec["model"], spec["params"]).to(device).train()
         batch, shape = spec["batch"], spec["shape"]
         x = torch.randn(batch * 2, *shape)
         y = torch.randint(0, spec["classes"], (batch * 2,))
-        cfg = TrainConfig.model_validate({
-            "epochs": 1, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
-            "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant", "plot": False,
-            "loader": {"on_device": True}, "checkpoint": {"resume": "never"}, "compile": compile,
-            "update_graph": update_graph})
-        self.trainer = _Trainer(self.model, DatasetSplits(x, y, x, y, spec["classes"], "synthetic"), cfg, 0,
-                                DistEnv(), device, precision, None, "", None)
+        cfg = TrainConfig.model_validate(
+            {
+                "epochs": 1,
+                "batch_size": batch,
+                "precision": precision,
+                "device": device.type,
+                "lr": 1e-4,
+                "weight_decay": 0.01,
+                "grad_clip": 1.0,
+                "optimizer": "adamw",
+                "schedule": "constant",
+                "plot": False,
+                "loader": {"on_device": True},
+                "checkpoint": {"resume": "never"},
+                "compile": compile,
+                "update_graph": update_graph,
+            }
+        )
+        self.trainer = _Trainer(
+            self.model,
+            DatasetSplits(x, y, x, y, spec["classes"], "synthetic"),
+            cfg,
+            0,
+            DistEnv(),
+            device,
+            precision,
+            None,
+            "",
+            None,
+        )
         self.trainer.acc = dict.fromkeys(("loss", "seen", "samples", "secs", "skipped", "nonfinite"), 0.0)  # as _epoch
         self.xb, self.yb = x[:batch].to(device), y[:batch].to(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -107,8 +132,10 @@ class Setup:
         # shrink them into denormals (slow on CPUs); one multi-tensor copy restores them, the same in both loops
         self.pristine = [torch.randn_like(p) * 1e-3 for p in self.params]
         self.grads = [g.clone() for g in self.pristine]
-        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": 0.01},
-                  {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         self.opt = torch.optim.AdamW(groups, lr=1e-4, fused=device.type == "cuda")
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.precision = precision
@@ -171,8 +198,10 @@ def parts(s: Setup) -> dict[str, Callable[[], Any]]:
         with skip_if_nonfinite(t.opt, found):
             t.opt.step()
 
-    out: dict[str, Callable[[], Any]] = {"step check (as the loop calls it)": lambda: check(loss, norm),
-                                         "flag + guard, op by op": check._flag_and_settle}
+    out: dict[str, Callable[[], Any]] = {
+        "step check (as the loop calls it)": lambda: check(loss, norm),
+        "flag + guard, op by op": check._flag_and_settle,
+    }
     if isinstance(t.update, GraphedUpdate):  # the whole update as the loop calls it (a replay, once captured)
         out["set_grads + the update (graphed)"] = lambda: (s.set_grads(), t.update(loss))
     if check.graph is not None:
@@ -180,8 +209,13 @@ def parts(s: Setup) -> dict[str, Callable[[], Any]]:
     out |= {"set_grads": s.set_grads, "set_grads + opt.step": opt_step}
     if skips_on_device(t.opt) and not t.scaler.is_enabled():  # Kiln's bf16/fp32 path (fp16 skips in scaler.step)
         out["set_grads + opt.step under skip_if_nonfinite"] = opt_step_skippable
-    return {**out, "guard.save": t.guard.save, "lagged read-back": stats, "sched.step": t.sched.step,
-            "micro_batches": lambda: micro_batches(s.xb, s.yb, 1)}
+    return {
+        **out,
+        "guard.save": t.guard.save,
+        "lagged read-back": stats,
+        "sched.step": t.sched.step,
+        "micro_batches": lambda: micro_batches(s.xb, s.yb, 1),
+    }
 
 
 MODELS = ("resnet18", "bert_base")
@@ -192,16 +226,33 @@ def specs(smoke: bool, model: str = "resnet18") -> dict[str, Any]:
     host-bound (about 1,090 kernels per step on the H200; issue 16's worst cell in session 7)."""
     if model == "bert_base":
         params = {"layers": 2, "dim": 32, "heads": 2, "ffn": 64, "in_features": 32, "seq_len": 8} if smoke else {}
-        return {"model": "bert_base", "params": {**params, "attention": "explicit"}, "batch": 8,
-                "shape": (8, 32) if smoke else (128, 768), "classes": 2}
+        return {
+            "model": "bert_base",
+            "params": {**params, "attention": "explicit"},
+            "batch": 8,
+            "shape": (8, 32) if smoke else (128, 768),
+            "classes": 2,
+        }
     if smoke:
-        return {"model": "resnet18", "params": {"width": 8, "blocks": (1, 1), "num_classes": 10}, "batch": 8,
-                "shape": (3, 32, 32), "classes": 10}
+        return {
+            "model": "resnet18",
+            "params": {"width": 8, "blocks": (1, 1), "num_classes": 10},
+            "batch": 8,
+            "shape": (3, 32, 32),
+            "classes": 10,
+        }
     return {"model": "resnet18", "params": {}, "batch": 8, "shape": (3, 224, 224), "classes": 1000}
 
 
-def run(smoke: bool, iters: int, rounds: int, compile: bool, model: str = "resnet18",
-        batch: int | None = None, update_graph: str = "auto") -> dict[str, Any]:
+def run(
+    smoke: bool,
+    iters: int,
+    rounds: int,
+    compile: bool,
+    model: str = "resnet18",
+    batch: int | None = None,
+    update_graph: str = "auto",
+) -> dict[str, Any]:
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
     spec = specs(smoke, model)
     if batch:  # e.g. train_bench's batch (64 for bert_base), where the head's GPU work may no longer hide
@@ -217,37 +268,67 @@ def run(smoke: bool, iters: int, rounds: int, compile: bool, model: str = "resne
             head = compare({"bare": s.bare_head, "kiln": s.kiln_head}, device, iters, rounds)
             kiln_parts = compare(parts(s), device, iters, rounds)
         s.trainer.stats.drain()
-        rows.append({"precision": precision, "tail": tail, "head": head, "parts": kiln_parts,
-                     "tail_extra_us": round(tail["kiln"]["us"] - tail["bare"]["us"], 1),
-                     # the compiled forward/backward's host time varies by +-1.5 ms between rounds on the H200's
-                     # host: its difference is reported apart, not added to the tail's
-                     "head_extra_us": round(head["kiln"]["us"] - head["bare"]["us"], 1),
-                     "compile": s.trainer.net.summary(), "update_graph": getattr(s.trainer.update, "summary", dict)()})
+        rows.append(
+            {
+                "precision": precision,
+                "tail": tail,
+                "head": head,
+                "parts": kiln_parts,
+                "tail_extra_us": round(tail["kiln"]["us"] - tail["bare"]["us"], 1),
+                # the compiled forward/backward's host time varies by +-1.5 ms between rounds on the H200's
+                # host: its difference is reported apart, not added to the tail's
+                "head_extra_us": round(head["kiln"]["us"] - head["bare"]["us"], 1),
+                "compile": s.trainer.net.summary(),
+                "update_graph": getattr(s.trainer.update, "summary", dict)(),
+            }
+        )
         s.model.to("cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    return {"device": name, "torch": torch.__version__, "model": spec, "iters": iters, "rounds": rounds,
-            "compiled_head": compile, "update_graph": update_graph, "rows": rows}
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "model": spec,
+        "iters": iters,
+        "rounds": rounds,
+        "compiled_head": compile,
+        "update_graph": update_graph,
+        "rows": rows,
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = [f"# Host time per training step, Kiln vs bare ({res['device']}, torch {res['torch']})", "",
-             f"{res['model']['model']} ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; median host us "
-             f"per call over {res['rounds']} rounds of {res['iters']} calls; head compiled: {res['compiled_head']}; "
-             f"Kiln's train.update_graph: {res.get('update_graph', 'auto')} (captured: "
-             + ", ".join(f"{r['precision']} {bool((r.get('update_graph') or {}).get('captured'))}" for r in res["rows"])
-             + ").",
-             "", "| precision | tail bare | tail Kiln | Kiln extra, tail | head bare | head Kiln | Kiln extra, head |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Host time per training step, Kiln vs bare ({res['device']}, torch {res['torch']})",
+        "",
+        f"{res['model']['model']} ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; median host us "
+        f"per call over {res['rounds']} rounds of {res['iters']} calls; head compiled: {res['compiled_head']}; "
+        f"Kiln's train.update_graph: {res.get('update_graph', 'auto')} (captured: "
+        + ", ".join(f"{r['precision']} {bool((r.get('update_graph') or {}).get('captured'))}" for r in res["rows"])
+        + ").",
+        "",
+        "| precision | tail bare | tail Kiln | Kiln extra, tail | head bare | head Kiln | Kiln extra, head |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
-        lines.append(f"| {r['precision']} | {r['tail']['bare']['us']} | {r['tail']['kiln']['us']} | "
-                     f"{r['tail_extra_us']} | {r['head']['bare']['us']} | {r['head']['kiln']['us']} | "
-                     f"{r['head_extra_us']} |")
+        lines.append(
+            f"| {r['precision']} | {r['tail']['bare']['us']} | {r['tail']['kiln']['us']} | "
+            f"{r['tail_extra_us']} | {r['head']['bare']['us']} | {r['head']['kiln']['us']} | "
+            f"{r['head_extra_us']} |"
+        )
     precisions = [r["precision"] for r in res["rows"]]
-    lines += ["", "Kiln's parts alone (us per call):", "", "| part | " + " | ".join(precisions) + " |",
-              "|---|" + "---|" * len(precisions)]
+    lines += [
+        "",
+        "Kiln's parts alone (us per call):",
+        "",
+        "| part | " + " | ".join(precisions) + " |",
+        "|---|" + "---|" * len(precisions),
+    ]
     for part in dict.fromkeys(p for r in res["rows"] for p in r["parts"]):  # some parts exist in one precision only
-        lines.append(f"| {part} | " + " | ".join(str(r["parts"][part]["us"]) if part in r["parts"] else "-"
-                                                 for r in res["rows"]) + " |")
+        lines.append(
+            f"| {part} | "
+            + " | ".join(str(r["parts"][part]["us"]) if part in r["parts"] else "-" for r in res["rows"])
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -263,10 +344,21 @@ def main() -> None:
     ap.add_argument("--update-graph", choices=("auto", "off"), default="auto", help="Kiln's train.update_graph")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    res = run(args.smoke, args.iters or (5 if args.smoke else 50), args.rounds or (3 if args.smoke else 9),
-              not args.no_compile, args.model, args.batch, args.update_graph)
-    name = ("step_host_cost" + ("" if args.model == "resnet18" else f"_{args.model}")
-            + ("" if args.update_graph == "auto" else f"_graph_{args.update_graph}") + ("_smoke" if args.smoke else ""))
+    res = run(
+        args.smoke,
+        args.iters or (5 if args.smoke else 50),
+        args.rounds or (3 if args.smoke else 9),
+        not args.no_compile,
+        args.model,
+        args.batch,
+        args.update_graph,
+    )
+    name = (
+        "step_host_cost"
+        + ("" if args.model == "resnet18" else f"_{args.model}")
+        + ("" if args.update_graph == "auto" else f"_graph_{args.update_graph}")
+        + ("_smoke" if args.smoke else "")
+    )
     write_report(args.out, name, res, markdown(res))
 
 

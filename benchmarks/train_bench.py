@@ -64,6 +64,7 @@ prints them for saved results.
     python benchmarks/train_bench.py --smoke --compile --models bert_base --precisions bf16 --out /tmp/tb
     python benchmarks/train_bench.py --intervals benchmarks/results/train_compile_h200_s6_*.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,31 +98,66 @@ COMPILE_PRECISIONS = ("fp16", "bf16")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 EAGER_LOOPS = ("bare", "kiln")
 # Bare loop, eager -> compiled, median ms/step on the H200 (issue 16's anchor): the gain Kiln should match.
-ANCHOR_GAIN = {("bert_base", "fp16"): 1.54, ("bert_base", "bf16"): 1.17, ("bert_base_hf", "fp16"): 1.11,
-               ("bert_base_hf", "bf16"): 1.34, ("resnet18", "fp16"): 1.74, ("resnet18", "bf16"): 2.33}
+ANCHOR_GAIN = {
+    ("bert_base", "fp16"): 1.54,
+    ("bert_base", "bf16"): 1.17,
+    ("bert_base_hf", "fp16"): 1.11,
+    ("bert_base_hf", "bf16"): 1.34,
+    ("resnet18", "fp16"): 1.74,
+    ("resnet18", "bf16"): 2.33,
+}
 
 
 def specs(smoke: bool, compile_table: bool = False) -> dict[str, dict[str, Any]]:
     """name -> model (registry name or "hf_bert"), params, batch, sample shape, classes (and token ids)."""
     if smoke:
-        enc = {"model": "bert_base", "params": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64,
-                                                "seq_len": 16}, "batch": 8, "shape": (16, 64), "classes": 2}
-        out = {"bert_base": enc,
-               "resnet18": {"model": "resnet18", "params": {"width": 8, "blocks": (1, 1), "num_classes": 10},
-                            "batch": 8, "shape": (3, 32, 32), "classes": 10}}
-        hf = {"model": "hf_bert", "params": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-                                             "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 32},
-              "batch": 8, "shape": (16,), "classes": 2, "vocab": 1000}
+        enc = {
+            "model": "bert_base",
+            "params": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 64, "seq_len": 16},
+            "batch": 8,
+            "shape": (16, 64),
+            "classes": 2,
+        }
+        out = {
+            "bert_base": enc,
+            "resnet18": {
+                "model": "resnet18",
+                "params": {"width": 8, "blocks": (1, 1), "num_classes": 10},
+                "batch": 8,
+                "shape": (3, 32, 32),
+                "classes": 10,
+            },
+        }
+        hf = {
+            "model": "hf_bert",
+            "params": {
+                "hidden_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "intermediate_size": 128,
+                "vocab_size": 1000,
+                "max_position_embeddings": 32,
+            },
+            "batch": 8,
+            "shape": (16,),
+            "classes": 2,
+            "vocab": 1000,
+        }
     else:
         enc = {"model": "bert_base", "params": {}, "batch": 64, "shape": (128, 768), "classes": 2}
-        out = {"bert_base": enc,
-               "resnet18": {"model": "resnet18", "params": {}, "batch": 128, "shape": (3, 224, 224), "classes": 1000}}
+        out = {
+            "bert_base": enc,
+            "resnet18": {"model": "resnet18", "params": {}, "batch": 128, "shape": (3, 224, 224), "classes": 1000},
+        }
         hf = {"model": "hf_bert", "params": {}, "batch": 64, "shape": (128,), "classes": 2, "vocab": 30522}
     if not compile_table:
         return out
     # The compile table: attention written out (what the compiler must fuse), and transformers' BERT.
-    return {"bert_base": {**enc, "params": {**enc["params"], "attention": "explicit"}}, "bert_base_hf": hf,
-            "resnet18": out["resnet18"]}
+    return {
+        "bert_base": {**enc, "params": {**enc["params"], "attention": "explicit"}},
+        "bert_base_hf": hf,
+        "resnet18": out["resnet18"],
+    }
 
 
 def make_data(spec: dict[str, Any], batches: int, seed: int = 0) -> DatasetSplits:
@@ -191,8 +227,10 @@ class Phases:
     @classmethod
     def take(cls) -> dict[str, dict[str, float]]:
         """Median ms per part and loop since the last take."""
-        out = {loop: {part: round(statistics.median(v), 3) for part, v in parts.items()}
-               for loop, parts in cls.times.items()}
+        out = {
+            loop: {part: round(statistics.median(v), 3) for part, v in parts.items()}
+            for loop, parts in cls.times.items()
+        }
         cls.times, cls.last_end = {}, {}
         return out
 
@@ -270,7 +308,8 @@ class Window:
             self.resident = torch.cuda.memory_allocated(self.device) / 2**20
         if self.profile:
             activities = [torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+                [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            )
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.start()
         gc.callbacks.append(self._gc)
@@ -290,9 +329,13 @@ class Window:
     def result(self, steps: int) -> dict[str, Any]:
         # step_peak_mb: the peak above what was allocated when the window began (weights, optimizer state, data,
         # and in interleaved runs the other loop's): what the steps themselves add (activations, gradients)
-        out: dict[str, Any] = {"steps_per_s": steps / self.secs, "peak_mb": self.peak,
-                               "step_peak_mb": None if self.peak is None else round(self.peak - self.resident, 1),
-                               "gc_collections": len(self.gc_ms), "gc_ms": round(sum(self.gc_ms), 2)}
+        out: dict[str, Any] = {
+            "steps_per_s": steps / self.secs,
+            "peak_mb": self.peak,
+            "step_peak_mb": None if self.peak is None else round(self.peak - self.resident, 1),
+            "gc_collections": len(self.gc_ms),
+            "gc_ms": round(sum(self.gc_ms), 2),
+        }
         gaps = [1e3 * (b - a) for a, b in zip([self.t0, *self.marks], self.marks)]
         if gaps:  # host time per step (the host runs ahead of the GPU only as far as the queue allows)
             out["step_ms"] = {"p50": round(statistics.median(gaps), 3), "max": round(max(gaps), 3)}
@@ -303,9 +346,21 @@ class Window:
 
 # Calls that can make the host wait: synchronisations, copies, and allocations that reach the driver (the caching
 # allocator calls cudaMalloc/cudaFree only when its pool cannot serve a request)
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense", "cudaMalloc", "cudaFree",
-              "cudaHostAlloc", "cudaFreeHost", "cudaEventCreate", "cudaEventCreateWithFlags")
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaMemcpyAsync",
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "cudaMalloc",
+    "cudaFree",
+    "cudaHostAlloc",
+    "cudaFreeHost",
+    "cudaEventCreate",
+    "cudaEventCreateWithFlags",
+)
 
 
 def profile_summary(prof: Any, steps: int, secs: float) -> dict[str, Any]:
@@ -322,37 +377,53 @@ def profile_summary(prof: Any, steps: int, secs: float) -> dict[str, Any]:
             calls[e.key] = calls.get(e.key, 0) + e.count
         host.append((e.self_cpu_time_total, e.key, e.count))
     wall_ms = secs * 1e3 / steps
-    return {"wall_ms": round(wall_ms, 3), "gpu_kernel_ms": round(kernel_us / 1e3 / steps, 3),
-            "gpu_busy": round(kernel_us / 1e3 / steps / wall_ms, 3), "kernels": round(kernels / steps, 1),
-            "sync_calls": {k: round(v / steps, 2) for k, v in sorted(calls.items())},
-            "top_host_ms": [[k, round(t / 1e3 / steps, 3), round(n / steps, 1)]
-                            for t, k, n in sorted(host, reverse=True)[:12]]}
+    return {
+        "wall_ms": round(wall_ms, 3),
+        "gpu_kernel_ms": round(kernel_us / 1e3 / steps, 3),
+        "gpu_busy": round(kernel_us / 1e3 / steps / wall_ms, 3),
+        "kernels": round(kernels / steps, 1),
+        "sync_calls": {k: round(v / steps, 2) for k, v in sorted(calls.items())},
+        "top_host_ms": [
+            [k, round(t / 1e3 / steps, 3), round(n / steps, 1)] for t, k, n in sorted(host, reverse=True)[:12]
+        ],
+    }
 
 
 class BareLoop:
     """The minimal AMP step, nothing around it; ``compile``: through ``torch.compile(model)``. Set up once and
     stepped on demand, so that windows of it can alternate with windows of Kiln's loop (:func:`interleaved`)."""
 
-    def __init__(self, model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
-                 compile: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        data: DatasetSplits,
+        batch: int,
+        precision: str,
+        device: torch.device,
+        compile: bool = False,
+    ) -> None:
         self.model, self.batch, self.i = model.to(device).train(), batch, 0
         self.net = torch.compile(model) if compile else model
         self.x, self.y = data.train_x.to(device), data.train_y.to(device)
         self.perm = torch.randperm(len(self.x), device=device)  # shuffled batches, gathered on the device like Kiln's
         self.batches = len(self.x) // batch
         self.params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": 0.01},
-                  {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in self.params if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         self.opt = torch.optim.AdamW(groups, lr=1e-4, fused=device.type == "cuda")
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        self.ctx = (lambda: torch.autocast(device.type, dtype=DTYPES[precision])) if precision != "fp32" else nullcontext
+        self.ctx = (
+            (lambda: torch.autocast(device.type, dtype=DTYPES[precision])) if precision != "fp32" else nullcontext
+        )
 
     def step(self) -> None:
         if Phases.enabled:
             return self.timed_step()
         b = self.i % self.batches
         self.i += 1
-        idx = self.perm[b * self.batch:(b + 1) * self.batch]
+        idx = self.perm[b * self.batch : (b + 1) * self.batch]
         xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
         with self.ctx():
             logits = self.net(xb)
@@ -365,7 +436,7 @@ class BareLoop:
         t0 = time.perf_counter()
         b = self.i % self.batches
         self.i += 1
-        idx = self.perm[b * self.batch:(b + 1) * self.batch]
+        idx = self.perm[b * self.batch : (b + 1) * self.batch]
         xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
         t1 = time.perf_counter()
         with self.ctx():
@@ -390,8 +461,16 @@ class BareLoop:
         return window.result(steps)
 
 
-def bare_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
-              warmup: int, steps: int, compile: bool = False) -> dict[str, float | None]:
+def bare_loop(
+    model: nn.Module,
+    data: DatasetSplits,
+    batch: int,
+    precision: str,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    compile: bool = False,
+) -> dict[str, float | None]:
     """``warmup`` untimed steps of :class:`BareLoop`, then one timed window."""
     loop = BareLoop(model, data, batch, precision, device, compile)
     for _ in range(warmup):
@@ -407,15 +486,37 @@ UPDATE_GRAPH = {"setting": "auto"}
 
 
 def kiln_config(batch: int, precision: str, device: torch.device, compile: bool, epochs: int = 1) -> TrainConfig:
-    return TrainConfig.model_validate({
-        "epochs": epochs, "batch_size": batch, "precision": precision, "device": device.type, "lr": 1e-4,
-        "weight_decay": 0.01, "grad_clip": 1.0, "optimizer": "adamw", "schedule": "constant",
-        "eval_every": 10_000, "plot": False, "loader": {"on_device": True}, "checkpoint": {"resume": "never"},
-        "compile": compile, "update_graph": UPDATE_GRAPH["setting"]})
+    return TrainConfig.model_validate(
+        {
+            "epochs": epochs,
+            "batch_size": batch,
+            "precision": precision,
+            "device": device.type,
+            "lr": 1e-4,
+            "weight_decay": 0.01,
+            "grad_clip": 1.0,
+            "optimizer": "adamw",
+            "schedule": "constant",
+            "eval_every": 10_000,
+            "plot": False,
+            "loader": {"on_device": True},
+            "checkpoint": {"resume": "never"},
+            "compile": compile,
+            "update_graph": UPDATE_GRAPH["setting"],
+        }
+    )
 
 
-def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str, device: torch.device,
-              warmup: int, steps: int, compile: bool = False) -> dict[str, Any]:
+def kiln_loop(
+    model: nn.Module,
+    data: DatasetSplits,
+    batch: int,
+    precision: str,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    compile: bool = False,
+) -> dict[str, Any]:
     """Kiln's loop over one epoch of warmup + steps batches, timed through its on_step hook."""
     window = Window(device)
 
@@ -430,15 +531,27 @@ def kiln_loop(model: nn.Module, data: DatasetSplits, batch: int, precision: str,
     result = train(model, data, kiln_config(batch, precision, device, compile), on_step=on_step)
     m = result.history[-1]
     assert result.global_step >= warmup + steps and window.secs > 0
-    out = {**window.result(steps), "skipped_steps": m.skipped_steps, "nonfinite_steps": m.nonfinite_steps,
-           "final_loss": m.loss}
+    out = {
+        **window.result(steps),
+        "skipped_steps": m.skipped_steps,
+        "nonfinite_steps": m.nonfinite_steps,
+        "final_loss": m.loss,
+    }
     if result.compile is not None:  # a fallback to eager would make the compiled figure meaningless: record it
         out["compile"] = result.compile
     return out
 
 
-def interleaved(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
-                steps: int, windows: int, compile: bool) -> dict[str, Any]:
+def interleaved(
+    name: str,
+    spec: dict[str, Any],
+    data: DatasetSplits,
+    precision: str,
+    device: torch.device,
+    steps: int,
+    windows: int,
+    compile: bool,
+) -> dict[str, Any]:
     """Kiln's loop and the bare loop in alternating timed windows of ``steps`` steps, in one process.
 
     Kiln trains ``windows + 1`` epochs of ``steps + 1`` batches (``data``); the first is its warm-up (compilation
@@ -481,28 +594,47 @@ def interleaved(name: str, spec: dict[str, Any], data: DatasetSplits, precision:
             bare.step()
             bare_w.append(bare.window(steps, device))
 
-    result = train(fresh_model(name, spec), data, kiln_config(batch, precision, device, compile, windows + 1),
-                   on_step=on_step)
+    result = train(
+        fresh_model(name, spec), data, kiln_config(batch, precision, device, compile, windows + 1), on_step=on_step
+    )
     assert bare is not None
     bare.model.to("cpu")
     c = result.compile
     if c is not None:  # Dynamo's counters are process-wide: what the bare loop's compile added is not Kiln's
         c = {**c, **{k: c[k] - bare_counts[k] for k in ("graphs", "recompiles", "graph_breaks")}}
-    return {"kiln": kiln_w, "bare": bare_w, "compile": c, "update_graph": result.update_graph,
-            "skipped_steps": sum(h.skipped_steps for h in result.history),
-            "nonfinite_steps": sum(h.nonfinite_steps for h in result.history), "final_loss": result.history[-1].loss}
+    return {
+        "kiln": kiln_w,
+        "bare": bare_w,
+        "compile": c,
+        "update_graph": result.update_graph,
+        "skipped_steps": sum(h.skipped_steps for h in result.history),
+        "nonfinite_steps": sum(h.nonfinite_steps for h in result.history),
+        "final_loss": result.history[-1].loss,
+    }
 
 
-LOOP_FNS = {"bare": (bare_loop, False), "kiln": (kiln_loop, False), "bare_compiled": (bare_loop, True),
-            "kiln_compiled": (kiln_loop, True)}
+LOOP_FNS = {
+    "bare": (bare_loop, False),
+    "kiln": (kiln_loop, False),
+    "bare_compiled": (bare_loop, True),
+    "kiln_compiled": (kiln_loop, True),
+}
 
 
-def measure(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
-            warmup: int, steps: int, rounds: int) -> dict[str, Any]:
+def measure(
+    name: str,
+    spec: dict[str, Any],
+    data: DatasetSplits,
+    precision: str,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    rounds: int,
+) -> dict[str, Any]:
     """The eager table's cell: ``rounds`` runs of each loop, rotating which goes first; medians plus every round."""
     runs: dict[str, list[dict[str, Any]]] = {which: [] for which in EAGER_LOOPS}
     for r in range(rounds):
-        for which in EAGER_LOOPS[r % 2:] + EAGER_LOOPS[:r % 2]:
+        for which in EAGER_LOOPS[r % 2 :] + EAGER_LOOPS[: r % 2]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -548,21 +680,31 @@ def run(smoke: bool, warmup: int, steps: int, rounds: int) -> dict[str, Any]:
     for r in rows:
         base = next(b for b in rows if b["model"] == r["model"] and b["precision"] == "fp32")
         r["speedup_vs_fp32"] = {k: r[k]["steps_per_s"] / base[k]["steps_per_s"] for k in ("bare", "kiln")}
-    return {"device": device_name(device),
-            "torch": torch.__version__, "smoke": smoke, "tf32": False, "timed_steps": steps,
-            "warmup_steps": warmup, "rounds": rounds, "rows": rows, "targets": targets(rows)}
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "smoke": smoke,
+        "tf32": False,
+        "timed_steps": steps,
+        "warmup_steps": warmup,
+        "rounds": rounds,
+        "rows": rows,
+        "targets": targets(rows),
+    }
 
 
 def cell(windows: list[dict[str, Any]]) -> dict[str, Any]:
     """Median steps/s and step peak over a loop's windows, and every window's figure."""
     peaks = [w["step_peak_mb"] for w in windows if w["step_peak_mb"] is not None]
-    return {"steps_per_s": statistics.median(w["steps_per_s"] for w in windows),
-            "step_peak_mb": max(peaks) if peaks else None,
-            "windows_steps_per_s": [round(w["steps_per_s"], 3) for w in windows],
-            "host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in windows if "step_ms" in w),
-            # Python's garbage collections inside the windows: host time neither loop's code accounts for
-            "gc_ms_per_window": [w.get("gc_ms", 0.0) for w in windows],
-            "gc_collections_per_window": [w.get("gc_collections", 0) for w in windows]}
+    return {
+        "steps_per_s": statistics.median(w["steps_per_s"] for w in windows),
+        "step_peak_mb": max(peaks) if peaks else None,
+        "windows_steps_per_s": [round(w["steps_per_s"], 3) for w in windows],
+        "host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in windows if "step_ms" in w),
+        # Python's garbage collections inside the windows: host time neither loop's code accounts for
+        "gc_ms_per_window": [w.get("gc_ms", 0.0) for w in windows],
+        "gc_collections_per_window": [w.get("gc_collections", 0) for w in windows],
+    }
 
 
 def paired_ratio(kiln: list[dict[str, Any]], bare: list[dict[str, Any]]) -> float:
@@ -570,8 +712,9 @@ def paired_ratio(kiln: list[dict[str, Any]], bare: list[dict[str, Any]]) -> floa
     return statistics.median(k["steps_per_s"] / b["steps_per_s"] for k, b in zip(kiln, bare))
 
 
-def ratio_interval(kiln_sps: list[float], bare_sps: list[float], resamples: int = 2000,
-                   seed: int = 0) -> tuple[float, float]:
+def ratio_interval(
+    kiln_sps: list[float], bare_sps: list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """95% bootstrap interval of :func:`paired_ratio`'s median (window pairs resampled with replacement; a fixed
     seed, so the same windows give the same interval). On a host whose per-window ratios spread by +-15%, a median
     of 8-16 pairs moves by a few percent between runs; the interval says how far, next to a 3% target."""
@@ -585,8 +728,16 @@ def cell_interval(row: dict[str, Any], suffix: str) -> tuple[float, float]:
     return ratio_interval(row["kiln" + suffix]["windows_steps_per_s"], row["bare" + suffix]["windows_steps_per_s"])
 
 
-def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precision: str, device: torch.device,
-                    steps: int, windows: int, profile_steps: int = 0) -> dict[str, Any]:
+def measure_compile(
+    name: str,
+    spec: dict[str, Any],
+    data: DatasetSplits,
+    precision: str,
+    device: torch.device,
+    steps: int,
+    windows: int,
+    profile_steps: int = 0,
+) -> dict[str, Any]:
     """One cell of the compile table: eager Kiln vs eager bare, then compiled Kiln vs compiled bare, each pair
     interleaved (:func:`interleaved`)."""
     row: dict[str, Any] = {"model": name, "batch": spec["batch"], "precision": precision}
@@ -598,9 +749,13 @@ def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precis
         suffix = "_compiled" if compile else ""
         if Phases.enabled:
             row["phases" + suffix] = Phases.take()
-        row["kiln" + suffix] = {**cell(got["kiln"]), "skipped_steps": got["skipped_steps"],
-                                "nonfinite_steps": got["nonfinite_steps"], "final_loss": got["final_loss"],
-                                "update_graph": got["update_graph"]}
+        row["kiln" + suffix] = {
+            **cell(got["kiln"]),
+            "skipped_steps": got["skipped_steps"],
+            "nonfinite_steps": got["nonfinite_steps"],
+            "final_loss": got["final_loss"],
+            "update_graph": got["update_graph"],
+        }
         row["bare" + suffix] = cell(got["bare"])
         row[f"kiln{suffix}_vs_bare{suffix}"] = paired_ratio(got["kiln"], got["bare"])
         row[f"kiln{suffix}_vs_bare{suffix}_ci95"] = cell_interval(row, suffix)
@@ -615,8 +770,16 @@ def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precis
                 torch.compiler.reset()
                 fn, _ = LOOP_FNS[which]
                 warmup = 8  # compilation included
-                r = fn(fresh_model(name, spec), make_data(spec, warmup + profile_steps), spec["batch"], precision,
-                       device, warmup, profile_steps, compile=True)
+                r = fn(
+                    fresh_model(name, spec),
+                    make_data(spec, warmup + profile_steps),
+                    spec["batch"],
+                    precision,
+                    device,
+                    warmup,
+                    profile_steps,
+                    compile=True,
+                )
                 row.setdefault("profile", {})[which] = r["profile"]
         finally:
             Window.profile = False
@@ -626,9 +789,15 @@ def measure_compile(name: str, spec: dict[str, Any], data: DatasetSplits, precis
     return row
 
 
-def run_compile(smoke: bool, steps: int, windows: int, models: list[str] | None,
-                precisions: tuple[str, ...], profile_steps: int = 0,
-                partial: Path | None = None) -> dict[str, Any]:
+def run_compile(
+    smoke: bool,
+    steps: int,
+    windows: int,
+    models: list[str] | None,
+    precisions: tuple[str, ...],
+    profile_steps: int = 0,
+    partial: Path | None = None,
+) -> dict[str, Any]:
     """The torch.compile table: Kiln and bare loops, eager and compiled, per model and precision."""
     device = bench_device(smoke)
     rows, notes = [], []
@@ -651,79 +820,116 @@ def run_compile(smoke: bool, steps: int, windows: int, models: list[str] | None,
             rows.append(row)
             if partial is not None:  # a run cut short by a time limit keeps the cells it finished
                 partial.write_text(json.dumps(rows, indent=2) + "\n")
-    return {"device": device_name(device), "torch": torch.__version__, "smoke": smoke, "tf32": False,
-            "timed_steps": steps, "windows": windows, "update_graph": UPDATE_GRAPH["setting"], "rows": rows,
-            "notes": notes,
-            "targets": compile_targets(rows)}
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "smoke": smoke,
+        "tf32": False,
+        "timed_steps": steps,
+        "windows": windows,
+        "update_graph": UPDATE_GRAPH["setting"],
+        "rows": rows,
+        "notes": notes,
+        "targets": compile_targets(rows),
+    }
 
 
 def compile_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Kiln compiled >= 0.97x the bare compiled loop in every cell, and no run fell back to eager."""
     ratios = [r["kiln_compiled_vs_bare_compiled"] for r in rows]
-    return {"kiln_compiled_at_least_0.97x_bare_compiled": bool(ratios) and all(v >= 0.97 for v in ratios),
-            "worst_kiln_compiled_vs_bare_compiled": round(min(ratios), 3) if ratios else None,
-            "fallbacks": sum(len(r["kiln_compiled"]["fallbacks"]) for r in rows)}
+    return {
+        "kiln_compiled_at_least_0.97x_bare_compiled": bool(ratios) and all(v >= 0.97 for v in ratios),
+        "worst_kiln_compiled_vs_bare_compiled": round(min(ratios), 3) if ratios else None,
+        "fallbacks": sum(len(r["kiln_compiled"]["fallbacks"]) for r in rows),
+    }
 
 
 def compile_markdown(res: dict[str, Any]) -> str:
     mb = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
-    lines = [f"# Training throughput with torch.compile: Kiln vs bare loop ({res['device']}, torch {res['torch']})", "",
-             f"Per cell and mode (eager, compiled), Kiln's loop and the bare loop alternate in {res['windows']} pairs of "
-             f"timed windows of {res['timed_steps']} steps in one process, after one warm-up epoch each (compilation "
-             "included); steps/s are medians over the windows, Kiln / bare the median of the pairs' ratios [its 95% bootstrap "
-             "interval over the pairs]. TF32 off; "
-             "synthetic data on the device. Compiled gain = compiled / eager steps/s; anchor = the bare loop's gain "
-             "measured for issue 16. Step peak = peak memory above what was allocated when the window began.", "",
-             "| model | batch | precision | Kiln eager | bare eager | Kiln compiled | bare compiled "
-             "| Kiln / bare, compiled | Kiln / bare, eager | compiled gain Kiln | compiled gain bare | anchor gain "
-             "| graphs / recompiles / breaks | step peak MB Kiln eager / compiled |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Training throughput with torch.compile: Kiln vs bare loop ({res['device']}, torch {res['torch']})",
+        "",
+        f"Per cell and mode (eager, compiled), Kiln's loop and the bare loop alternate in {res['windows']} pairs of "
+        f"timed windows of {res['timed_steps']} steps in one process, after one warm-up epoch each (compilation "
+        "included); steps/s are medians over the windows, Kiln / bare the median of the pairs' ratios [its 95% bootstrap "
+        "interval over the pairs]. TF32 off; "
+        "synthetic data on the device. Compiled gain = compiled / eager steps/s; anchor = the bare loop's gain "
+        "measured for issue 16. Step peak = peak memory above what was allocated when the window began.",
+        "",
+        "| model | batch | precision | Kiln eager | bare eager | Kiln compiled | bare compiled "
+        "| Kiln / bare, compiled | Kiln / bare, eager | compiled gain Kiln | compiled gain bare | anchor gain "
+        "| graphs / recompiles / breaks | step peak MB Kiln eager / compiled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
         k, kc, b, bc = r["kiln"], r["kiln_compiled"], r["bare"], r["bare_compiled"]
         c = kc.get("compile") or {"graphs": "-", "recompiles": "-", "graph_breaks": "-"}
         anchor = f"{r['compile_gain_anchor']:.2f}x" if r.get("compile_gain_anchor") else "-"
         ci = r.get("kiln_compiled_vs_bare_compiled_ci95")  # absent in results written before it was added
         interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
-        lines.append(f"| {r['model']} | {r['batch']} | {r['precision']} | {k['steps_per_s']:.2f} | {b['steps_per_s']:.2f} | "
-                     f"{kc['steps_per_s']:.2f} | {bc['steps_per_s']:.2f} | "
-                     f"{r['kiln_compiled_vs_bare_compiled']:.3f}{interval} | "
-                     f"{r['kiln_vs_bare']:.3f} | {r['compile_gain_kiln']:.2f}x | {r['compile_gain_bare']:.2f}x | {anchor} | "
-                     f"{c['graphs']} / {c['recompiles']} / {c['graph_breaks']} | "
-                     f"{mb(k['step_peak_mb'])} / {mb(kc['step_peak_mb'])} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['precision']} | {k['steps_per_s']:.2f} | {b['steps_per_s']:.2f} | "
+            f"{kc['steps_per_s']:.2f} | {bc['steps_per_s']:.2f} | "
+            f"{r['kiln_compiled_vs_bare_compiled']:.3f}{interval} | "
+            f"{r['kiln_vs_bare']:.3f} | {r['compile_gain_kiln']:.2f}x | {r['compile_gain_bare']:.2f}x | {anchor} | "
+            f"{c['graphs']} / {c['recompiles']} / {c['graph_breaks']} | "
+            f"{mb(k['step_peak_mb'])} / {mb(kc['step_peak_mb'])} |"
+        )
     t = res["targets"]
-    lines += ["", f"- Kiln compiled vs bare compiled, worst cell: {t['worst_kiln_compiled_vs_bare_compiled']} "
-                  f"(target >= 0.97: {'met' if t['kiln_compiled_at_least_0.97x_bare_compiled'] else 'NOT met'})",
-              f"- runs that fell back to eager: {t['fallbacks']}"]
+    lines += [
+        "",
+        f"- Kiln compiled vs bare compiled, worst cell: {t['worst_kiln_compiled_vs_bare_compiled']} "
+        f"(target >= 0.97: {'met' if t['kiln_compiled_at_least_0.97x_bare_compiled'] else 'NOT met'})",
+        f"- runs that fell back to eager: {t['fallbacks']}",
+    ]
     if "update_graph" in res:  # absent in results written before train.update_graph existed
-        graphed = [f"{r['model']} {r['precision']}{'' if mode == 'kiln' else ' compiled'}"
-                   for r in res["rows"] for mode in ("kiln", "kiln_compiled")
-                   if (r[mode].get("update_graph") or {}).get("captured")]
-        lines.append(f"- Kiln's train.update_graph: {res['update_graph']}; the update ran as one CUDA graph in "
-                     f"{len(graphed)} of {2 * len(res['rows'])} Kiln runs")
+        graphed = [
+            f"{r['model']} {r['precision']}{'' if mode == 'kiln' else ' compiled'}"
+            for r in res["rows"]
+            for mode in ("kiln", "kiln_compiled")
+            if (r[mode].get("update_graph") or {}).get("captured")
+        ]
+        lines.append(
+            f"- Kiln's train.update_graph: {res['update_graph']}; the update ran as one CUDA graph in "
+            f"{len(graphed)} of {2 * len(res['rows'])} Kiln runs"
+        )
     lines += [f"- {n}" for n in res.get("notes", [])]
     phased = [r for r in res["rows"] if r.get("phases")]
     if phased:
         parts = ("data", "forward", "loss_backward", "tail", "between")
-        lines += ["", "Host ms per part of a step, median over the timed steps (`--phases`; Kiln's batch is taken in "
-                  "`between`):", "", "| model | precision | mode | loop | " + " | ".join(parts) + " | sum |",
-                  "|---|---|---|---|" + "---|" * (len(parts) + 1)]
+        lines += [
+            "",
+            "Host ms per part of a step, median over the timed steps (`--phases`; Kiln's batch is taken in `between`):",
+            "",
+            "| model | precision | mode | loop | " + " | ".join(parts) + " | sum |",
+            "|---|---|---|---|" + "---|" * (len(parts) + 1),
+        ]
         for r in phased:
             for mode in ("", "_compiled"):
                 for loop, got in r.get("phases" + mode, {}).items():
                     cells = [f"{got[p]:.3f}" if p in got else "-" for p in parts]
-                    lines.append(f"| {r['model']} | {r['precision']} | {mode.strip('_') or 'eager'} | {loop} | "
-                                 + " | ".join(cells) + f" | {sum(got.values()):.3f} |")
+                    lines.append(
+                        f"| {r['model']} | {r['precision']} | {mode.strip('_') or 'eager'} | {loop} | "
+                        + " | ".join(cells)
+                        + f" | {sum(got.values()):.3f} |"
+                    )
     profiled = [r for r in res["rows"] if r.get("profile")]
     if profiled:
-        lines += ["", "Profiled runs (torch.profiler, per step; not part of the medians):", "",
-                  "| model | precision | loop | wall ms | GPU kernel ms | GPU busy | kernels | sync calls | busiest host op |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Profiled runs (torch.profiler, per step; not part of the medians):",
+            "",
+            "| model | precision | loop | wall ms | GPU kernel ms | GPU busy | kernels | sync calls | busiest host op |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in profiled:
             for loop, pr in r["profile"].items():
                 sync_calls = ", ".join(f"{k} {v}" for k, v in pr["sync_calls"].items()) or "-"
                 top = pr["top_host_ms"][0] if pr["top_host_ms"] else ["-", 0, 0]
-                lines.append(f"| {r['model']} | {r['precision']} | {loop} | {pr['wall_ms']:.2f} | {pr['gpu_kernel_ms']:.2f} "
-                             f"| {pr['gpu_busy']:.2f} | {pr['kernels']:.0f} | {sync_calls} | {top[0]} {top[1]:.2f} ms |")
+                lines.append(
+                    f"| {r['model']} | {r['precision']} | {loop} | {pr['wall_ms']:.2f} | {pr['gpu_kernel_ms']:.2f} "
+                    f"| {pr['gpu_busy']:.2f} | {pr['kernels']:.0f} | {sync_calls} | {top[0]} {top[1]:.2f} ms |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -731,32 +937,47 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each AMP mode judged on its own: the issue's 2.8x is not met by one mode beating it."""
     amp = [r for r in rows if r["model"] == "bert_base" and r["precision"] != "fp32"]
     speed = {r["precision"]: round(r["speedup_vs_fp32"]["kiln"], 2) for r in amp}
-    return {"encoder_amp_speedup_kiln": speed,
-            "encoder_amp_at_least_2.8x": {p: v >= 2.8 for p, v in speed.items()},
-            "kiln_within_5pct_of_bare": all(r["kiln_vs_bare"] >= 0.95 for r in rows),
-            "worst_kiln_vs_bare": round(min(r["kiln_vs_bare"] for r in rows), 3)}
+    return {
+        "encoder_amp_speedup_kiln": speed,
+        "encoder_amp_at_least_2.8x": {p: v >= 2.8 for p, v in speed.items()},
+        "kiln_within_5pct_of_bare": all(r["kiln_vs_bare"] >= 0.95 for r in rows),
+        "worst_kiln_vs_bare": round(min(r["kiln_vs_bare"] for r in rows), 3),
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
     mb = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
-    lines = [f"# Training throughput: Kiln loop vs bare loop ({res['device']}, torch {res['torch']})", "",
-             f"{res['warmup_steps']} warm-up + {res['timed_steps']} timed steps per run, median of "
-             f"{res['rounds']} runs per loop in alternating order; TF32 off; synthetic data on the device "
-             "(in both peaks: " + ", ".join(dict.fromkeys(f"{r['model']} {r['dataset_mb']:,.0f} MB" for r in res["rows"]))
-             + ").", "",
-             "| model | batch | precision | bare steps/s | Kiln steps/s | Kiln / bare | AMP speedup (bare) "
-             "| AMP speedup (Kiln) | peak MB bare | peak MB Kiln |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Training throughput: Kiln loop vs bare loop ({res['device']}, torch {res['torch']})",
+        "",
+        f"{res['warmup_steps']} warm-up + {res['timed_steps']} timed steps per run, median of "
+        f"{res['rounds']} runs per loop in alternating order; TF32 off; synthetic data on the device "
+        "(in both peaks: "
+        + ", ".join(dict.fromkeys(f"{r['model']} {r['dataset_mb']:,.0f} MB" for r in res["rows"]))
+        + ").",
+        "",
+        "| model | batch | precision | bare steps/s | Kiln steps/s | Kiln / bare | AMP speedup (bare) "
+        "| AMP speedup (Kiln) | peak MB bare | peak MB Kiln |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
-        lines.append(f"| {r['model']} | {r['batch']} | {r['precision']} | {r['bare']['steps_per_s']:.2f} | "
-                     f"{r['kiln']['steps_per_s']:.2f} | {r['kiln_vs_bare']:.3f} | "
-                     f"{r['speedup_vs_fp32']['bare']:.2f}x | {r['speedup_vs_fp32']['kiln']:.2f}x | "
-                     f"{mb(r['bare']['peak_mb'])} | {mb(r['kiln']['peak_mb'])} |")
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['precision']} | {r['bare']['steps_per_s']:.2f} | "
+            f"{r['kiln']['steps_per_s']:.2f} | {r['kiln_vs_bare']:.3f} | "
+            f"{r['speedup_vs_fp32']['bare']:.2f}x | {r['speedup_vs_fp32']['kiln']:.2f}x | "
+            f"{mb(r['bare']['peak_mb'])} | {mb(r['kiln']['peak_mb'])} |"
+        )
     t = res["targets"]
-    amp = ", ".join(f"{p} {v:.2f}x ({'met' if t['encoder_amp_at_least_2.8x'][p] else 'NOT met'})"
-                    for p, v in t["encoder_amp_speedup_kiln"].items())
-    lines += ["", f"- encoder AMP speedup over FP32 through Kiln, target >= 2.8x each: {amp}",
-              f"- Kiln vs bare loop, worst cell: {t['worst_kiln_vs_bare']} "
-              f"(target >= 0.95: {'met' if t['kiln_within_5pct_of_bare'] else 'NOT met'})"]
+    amp = ", ".join(
+        f"{p} {v:.2f}x ({'met' if t['encoder_amp_at_least_2.8x'][p] else 'NOT met'})"
+        for p, v in t["encoder_amp_speedup_kiln"].items()
+    )
+    lines += [
+        "",
+        f"- encoder AMP speedup over FP32 through Kiln, target >= 2.8x each: {amp}",
+        f"- Kiln vs bare loop, worst cell: {t['worst_kiln_vs_bare']} "
+        f"(target >= 0.95: {'met' if t['kiln_within_5pct_of_bare'] else 'NOT met'})",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -765,28 +986,52 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="folder for the results (required unless --intervals)")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 8; smoke 2)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="timed steps per run (default 48; smoke 2); --compile: per window (default 24; smoke 2)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per run (default 48; smoke 2); --compile: per window (default 24; smoke 2)",
+    )
     ap.add_argument("--rounds", type=int, default=None, help="runs per loop and cell (default 5; smoke 2)")
-    ap.add_argument("--windows", type=int, default=None, help="--compile: window pairs per cell and mode (default 8; smoke 2)")
-    ap.add_argument("--compile", action="store_true", help="the torch.compile table (Kiln and bare, eager and compiled)")
-    ap.add_argument("--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18")
+    ap.add_argument(
+        "--windows", type=int, default=None, help="--compile: window pairs per cell and mode (default 8; smoke 2)"
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="the torch.compile table (Kiln and bare, eager and compiled)"
+    )
+    ap.add_argument(
+        "--models", default=None, help="--compile: comma-separated subset of bert_base,bert_base_hf,resnet18"
+    )
     ap.add_argument("--precisions", default=",".join(COMPILE_PRECISIONS), help="--compile: fp16,bf16 or one of them")
     ap.add_argument("--profile-steps", type=int, default=0, help="--compile: one profiled run per compiled loop")
-    ap.add_argument("--update-graph", choices=("auto", "off"), default="auto",
-                    help="Kiln's train.update_graph in every Kiln run (auto: as configured by default)")
-    ap.add_argument("--phases", action="store_true",
-                    help="--compile: host ms per part of the step (forward, loss+backward, tail, between), both loops")
-    ap.add_argument("--intervals", type=Path, nargs="+", metavar="JSON",
-                    help="print Kiln / bare with its 95%% interval for saved --compile results, and exit")
+    ap.add_argument(
+        "--update-graph",
+        choices=("auto", "off"),
+        default="auto",
+        help="Kiln's train.update_graph in every Kiln run (auto: as configured by default)",
+    )
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="--compile: host ms per part of the step (forward, loss+backward, tail, between), both loops",
+    )
+    ap.add_argument(
+        "--intervals",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="print Kiln / bare with its 95%% interval for saved --compile results, and exit",
+    )
     args = ap.parse_args()
     if args.intervals:
         for path in args.intervals:
             for r in json.loads(path.read_text())["rows"]:
                 for suffix in ("_compiled", ""):
                     lo, hi = cell_interval(r, suffix)
-                    print(f"{path.name} {r['model']} {r['precision']} {suffix.strip('_') or 'eager'}: "
-                          f"{r[f'kiln{suffix}_vs_bare{suffix}']:.3f} [{lo:.3f}, {hi:.3f}]")
+                    print(
+                        f"{path.name} {r['model']} {r['precision']} {suffix.strip('_') or 'eager'}: "
+                        f"{r[f'kiln{suffix}_vs_bare{suffix}']:.3f} [{lo:.3f}, {hi:.3f}]"
+                    )
         return
     if args.out is None:
         ap.error("--out is required")
@@ -804,8 +1049,15 @@ def main() -> None:
             ap.error(f"--models: unknown {', '.join(unknown)}; choose from bert_base, bert_base_hf, resnet18")
         name = "train_compile" + ("_smoke" if args.smoke else "") + ("_" + "_".join(models) if models else "")
         steps, windows = args.steps or (2 if args.smoke else 24), args.windows or (2 if args.smoke else 8)
-        res = run_compile(args.smoke, steps, windows, models, tuple(args.precisions.split(",")),
-                          args.profile_steps, args.out / f"{name}.partial.json")
+        res = run_compile(
+            args.smoke,
+            steps,
+            windows,
+            models,
+            tuple(args.precisions.split(",")),
+            args.profile_steps,
+            args.out / f"{name}.partial.json",
+        )
         write_report(args.out, name, res, compile_markdown(res))
         return
     warmup, steps = args.warmup or (2 if args.smoke else 8), args.steps or (2 if args.smoke else 48)

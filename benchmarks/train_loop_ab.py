@@ -37,6 +37,7 @@ ratios; per variant the mean and spread over runs. Writes <out>/train_loop_ab[_s
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_loop_ab.py --precision bf16 --out $OUT    # GPU host
     python benchmarks/train_loop_ab.py --smoke --out /tmp/ab                                   # tiny, CPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,20 @@ from kiln.stages.train.precision import autocast  # noqa: E402
 from benchmarks import train_bench as TB  # noqa: E402
 from common import bare_update, write_report  # noqa: E402
 
-VARIANTS = ("kiln", "nograph", "nograph+oldstats", "fb", "update", "direct", "step", "step+batches",
-            "step+batches+compile", "bare", "bare+spin", "bare+touch")
+VARIANTS = (
+    "kiln",
+    "nograph",
+    "nograph+oldstats",
+    "fb",
+    "update",
+    "direct",
+    "step",
+    "step+batches",
+    "step+batches+compile",
+    "bare",
+    "bare+spin",
+    "bare+touch",
+)
 
 
 def bare_forward_backward(self: Any, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -92,7 +105,7 @@ class BareBatches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         perm = torch.randperm(len(self.y), device=self.y.device)
         for b in range(self.n):
-            idx = perm[b * self.batch:(b + 1) * self.batch]
+            idx = perm[b * self.batch : (b + 1) * self.batch]
             yield self.x.index_select(0, idx), self.y.index_select(0, idx)
 
     def __len__(self) -> int:
@@ -140,6 +153,7 @@ def variant_patches(variant: str) -> Iterator[None]:
             def bare_loader(*args: Any, **kwargs: Any) -> Any:
                 batches, sampler = make(*args, **kwargs)
                 return BareBatches(batches), sampler
+
             stack.enter_context(mock.patch.object(loop, "make_loader", bare_loader))
         if "compile" in variant:
             real = torch.compile
@@ -173,7 +187,7 @@ class Toucher:
 
     def touch(self, n: int, at: int = 0) -> int:
         pool = self.pool
-        return sum(pool[i] for i in self.index[at:at + n])
+        return sum(pool[i] for i in self.index[at : at + n])
 
     def __call__(self) -> None:
         if self.at + self.n > len(self.index):
@@ -196,8 +210,16 @@ class Padded:
         self.secs.append(time.perf_counter() - t0)
 
 
-def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device, steps: int,
-                 windows: int, pad: Padded | None = None) -> list[list[float]]:
+def bare_vs_bare(
+    name: str,
+    spec: dict[str, Any],
+    data: Any,
+    precision: str,
+    device: torch.device,
+    steps: int,
+    windows: int,
+    pad: Padded | None = None,
+) -> list[list[float]]:
     """Two bare compiled loops on two instances of the model, alternating windows: steps/s of both per pair.
     ``pad``: the first loop's step with extra host work after it (its ``step`` is set here)."""
     torch.compiler.reset()
@@ -214,8 +236,17 @@ def bare_vs_bare(name: str, spec: dict[str, Any], data: Any, precision: str, dev
     return pairs
 
 
-def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision: str, device: torch.device,
-            steps: int, windows: int, pad_us: float = 0.0) -> dict[str, float]:
+def one_run(
+    variant: str,
+    name: str,
+    spec: dict[str, Any],
+    data: Any,
+    precision: str,
+    device: torch.device,
+    steps: int,
+    windows: int,
+    pad_us: float = 0.0,
+) -> dict[str, float]:
     """One run: the median Kiln / bare ratio over its window pairs, and each loop's median steps/s (a variant that
     changes the ratio should change Kiln's steps/s, not the bare loop's)."""
     extra: dict[str, float] = {}
@@ -230,8 +261,11 @@ def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision:
         ratio = statistics.median(a / b for a, b in pairs)
         if pad is not None:  # what the pad would cost if it cost only the time it took
             took = statistics.median(pad.secs)
-            extra = {"pad_us": pad_us, "pad_us_measured": round(took * 1e6, 1),
-                     "expected_ratio": round(statistics.median(1 / (1 + took * b) for b in bare_sps), 4)}
+            extra = {
+                "pad_us": pad_us,
+                "pad_us_measured": round(took * 1e6, 1),
+                "expected_ratio": round(statistics.median(1 / (1 + took * b) for b in bare_sps), 4),
+            }
     else:
         with variant_patches(variant):
             r = TB.interleaved(name, spec, data, precision, device, steps, windows, compile=True)
@@ -240,12 +274,24 @@ def one_run(variant: str, name: str, spec: dict[str, Any], data: Any, precision:
         gc = {f"{k}_gc_ms": round(sum(w["gc_ms"] for w in r[k]), 2) for k in ("kiln", "bare")}
         host = {f"{k}_host_step_ms_p50": statistics.median(w["step_ms"]["p50"] for w in r[k]) for k in ("kiln", "bare")}
         extra = {**gc, **host}
-    return {"ratio": round(ratio, 4), "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
-            "bare_steps_per_s": round(statistics.median(bare_sps), 3), **extra}
+    return {
+        "ratio": round(ratio, 4),
+        "kiln_steps_per_s": round(statistics.median(kiln_sps), 3),
+        "bare_steps_per_s": round(statistics.median(bare_sps), 3),
+        **extra,
+    }
 
 
-def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, variants: list[str],
-        out: Path | None = None, pad_us: float = 300.0) -> dict[str, Any]:
+def run(
+    smoke: bool,
+    precision: str,
+    runs: int,
+    steps: int,
+    windows: int,
+    variants: list[str],
+    out: Path | None = None,
+    pad_us: float = 300.0,
+) -> dict[str, Any]:
     """Every variant ``runs`` times; after each run the results so far go to ``out`` (a run cut short keeps them)."""
     device = TB.bench_device(smoke)
     name = "bert_base"
@@ -253,7 +299,7 @@ def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, varian
     data = TB.make_data(spec, steps + 1)
     got: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for i in range(runs):
-        for v in variants[i % len(variants):] + variants[:i % len(variants)]:  # rotate which variant goes first
+        for v in variants[i % len(variants) :] + variants[: i % len(variants)]:  # rotate which variant goes first
             got[v].append(one_run(v, name, spec, data, precision, device, steps, windows, pad_us))
             print(f"run {i + 1}/{runs} {v}: {got[v][-1]}", flush=True)
             if out is not None:
@@ -262,40 +308,68 @@ def run(smoke: bool, precision: str, runs: int, steps: int, windows: int, varian
     return results(got, device, spec, precision, steps, windows)
 
 
-def results(got: dict[str, list[dict[str, float]]], device: torch.device, spec: dict[str, Any], precision: str,
-            steps: int, windows: int) -> dict[str, Any]:
+def results(
+    got: dict[str, list[dict[str, float]]],
+    device: torch.device,
+    spec: dict[str, Any],
+    precision: str,
+    steps: int,
+    windows: int,
+) -> dict[str, Any]:
     summary = {}
     for v, rs in got.items():
         if not rs:
             continue
         r = [x["ratio"] for x in rs]
-        summary[v] = {"mean": round(statistics.mean(r), 4), "sd": round(statistics.stdev(r), 4) if len(r) > 1 else None,
-                      "runs": r, "kiln_steps_per_s": [x["kiln_steps_per_s"] for x in rs],
-                      "bare_steps_per_s": [x["bare_steps_per_s"] for x in rs],
-                      "details": rs}
+        summary[v] = {
+            "mean": round(statistics.mean(r), 4),
+            "sd": round(statistics.stdev(r), 4) if len(r) > 1 else None,
+            "runs": r,
+            "kiln_steps_per_s": [x["kiln_steps_per_s"] for x in rs],
+            "bare_steps_per_s": [x["bare_steps_per_s"] for x in rs],
+            "details": rs,
+        }
         if "expected_ratio" in rs[0]:
             summary[v]["expected"] = round(statistics.mean(x["expected_ratio"] for x in rs), 4)
-    return {"device": TB.device_name(device), "host": platform.node(), "torch": torch.__version__, "model": spec,
-            "precision": precision, "steps": steps, "windows": windows, "variants": summary}
+    return {
+        "device": TB.device_name(device),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "model": spec,
+        "precision": precision,
+        "steps": steps,
+        "windows": windows,
+        "variants": summary,
+    }
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = [f"# Which part of Kiln's loop costs steps/s ({res['device']}, torch {res['torch']})", "",
-             f"`bert_base` with attention written out ({res['model']['params'] or 'full size'}), batch "
-             f"{res['model']['batch']}, {res['precision']}, compiled; per run the median Kiln / bare ratio over "
-             f"{res['windows']} interleaved window pairs of {res['steps']} steps.", "",
-             "| variant | mean Kiln / bare | sd | runs | Kiln steps/s per run | bare steps/s per run | "
-             "a pad costing only itself |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Which part of Kiln's loop costs steps/s ({res['device']}, torch {res['torch']})",
+        "",
+        f"`bert_base` with attention written out ({res['model']['params'] or 'full size'}), batch "
+        f"{res['model']['batch']}, {res['precision']}, compiled; per run the median Kiln / bare ratio over "
+        f"{res['windows']} interleaved window pairs of {res['steps']} steps.",
+        "",
+        "| variant | mean Kiln / bare | sd | runs | Kiln steps/s per run | bare steps/s per run | "
+        "a pad costing only itself |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for v, s in res["variants"].items():
         sd = "-" if s["sd"] is None else f"{s['sd']:.3f}"
         per_run = [", ".join(f"{x:.2f}" for x in s[k]) for k in ("kiln_steps_per_s", "bare_steps_per_s")]
         expected = f"{s['expected']:.3f}" if "expected" in s else "-"
-        lines.append(f"| {v} | {s['mean']:.3f} | {sd} | {', '.join(f'{r:.3f}' for r in s['runs'])} | "
-                     f"{per_run[0]} | {per_run[1]} | {expected} |")
+        lines.append(
+            f"| {v} | {s['mean']:.3f} | {sd} | {', '.join(f'{r:.3f}' for r in s['runs'])} | "
+            f"{per_run[0]} | {per_run[1]} | {expected} |"
+        )
     if any("expected" in s for s in res["variants"].values()):
-        lines += ["", "bare+spin / bare+touch: the first bare loop does the pad's host work after every step (Kiln / "
-                  "bare reads first / second loop); the last column is the ratio the pad would give if it cost "
-                  "only the time its calls took in the run (median)."]
+        lines += [
+            "",
+            "bare+spin / bare+touch: the first bare loop does the pad's host work after every step (Kiln / "
+            "bare reads first / second loop); the last column is the ratio the pad would give if it cost "
+            "only the time its calls took in the run (median).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -315,8 +389,16 @@ def main() -> None:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     precision = "fp32" if args.smoke and args.precision == "fp16" else args.precision  # no fp16 autocast on CPU
-    run(args.smoke, precision, args.runs or (1 if args.smoke else 4), args.steps or (4 if args.smoke else 24),
-        args.windows or (2 if args.smoke else 8), variants, args.out, args.pad_us)
+    run(
+        args.smoke,
+        precision,
+        args.runs or (1 if args.smoke else 4),
+        args.steps or (4 if args.smoke else 24),
+        args.windows or (2 if args.smoke else 8),
+        variants,
+        args.out,
+        args.pad_us,
+    )
 
 
 if __name__ == "__main__":

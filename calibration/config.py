@@ -1,4 +1,5 @@
 """Settings of INT8 calibration (Q/DQ graphs for ONNX Runtime and TensorRT)."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -8,44 +9,72 @@ from pydantic import Field, model_validator
 
 # Compute ops plus the pooling and data-movement ops between them, so Q/DQ pairs line up with what TensorRT
 # and ONNX Runtime fuse into INT8 kernels. Normalisations, Softmax, GELU and bias/residual adds stay float.
-DEFAULT_OP_TYPES = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Relu", "MaxPool", "AveragePool", "GlobalAveragePool",
-                    "Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
+DEFAULT_OP_TYPES = (
+    "Conv",
+    "ConvTranspose",
+    "MatMul",
+    "Gemm",
+    "Relu",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+    "Concat",
+    "Reshape",
+    "Transpose",
+    "Flatten",
+    "Squeeze",
+    "Unsqueeze",
+)
 
 
 class CalibrationConfig(Section):
     method: Literal["minmax", "entropy", "percentile"] = Field(
-        "minmax", description="how activation ranges are chosen from the calibration data")
+        "minmax", description="how activation ranges are chosen from the calibration data"
+    )
     num_batches: int = Field(8, ge=1, description="calibration batches (a fixed number: the cache key depends on it)")
     batch_size: int = Field(32, ge=1)
     reader: str | None = Field(
-        None, description="user data reader 'package.module:function' returning an iterable of input batches; "
-                          "default: the run's training split, preprocessed like validation data")
+        None,
+        description="user data reader 'package.module:function' returning an iterable of input batches; "
+        "default: the run's training split, preprocessed like validation data",
+    )
     reader_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the reader")
     percentile: float = Field(99.999, gt=90, le=100, description="percentile method only")
     per_channel: bool = Field(True, description="per-output-channel weight scales")
     activation_type: Literal["int8", "uint8"] = Field(
-        "int8", description="int8 (symmetric): what TensorRT executes; uint8: ONNX Runtime's faster x86 CPU kernels")
+        "int8", description="int8 (symmetric): what TensorRT executes; uint8: ONNX Runtime's faster x86 CPU kernels"
+    )
     symmetric_activations: bool = Field(True, description="zero-point 0 for activations (what TensorRT requires)")
     ort_cpu_graph: bool = Field(
-        True, description="also write an INT8 graph made for ONNX Runtime CPU engines (see ort_cpu_scheme); "
-                          "TensorRT engines keep the symmetric int8 Q/DQ graph")
+        True,
+        description="also write an INT8 graph made for ONNX Runtime CPU engines (see ort_cpu_scheme); "
+        "TensorRT engines keep the symmetric int8 Q/DQ graph",
+    )
     ort_cpu_scheme: Literal["auto", "static", "dynamic"] = Field(
-        "auto", description="how that ONNX Runtime CPU graph is quantized. static: calibrated, asymmetric uint8 "
-                            "activations (ORT's fastest x86 kernels for convolutions); dynamic: MatMul layers only, "
-                            "activation ranges measured per batch at run time, so a sample's output depends "
-                            "slightly on its batch mates (ONNX Runtime's advice for Transformers); auto: dynamic "
-                            "when the graph has MatMul or Gemm layers and no convolutions, else static")
+        "auto",
+        description="how that ONNX Runtime CPU graph is quantized. static: calibrated, asymmetric uint8 "
+        "activations (ORT's fastest x86 kernels for convolutions); dynamic: MatMul layers only, "
+        "activation ranges measured per batch at run time, so a sample's output depends "
+        "slightly on its batch mates (ONNX Runtime's advice for Transformers); auto: dynamic "
+        "when the graph has MatMul or Gemm layers and no convolutions, else static",
+    )
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
-        description="op types to quantize; norms, Softmax and element-wise math stay float by default")
-    quantize_bias: bool = Field(False, description="int32 bias Q/DQ: ONNX Runtime accepts it, TensorRT's parser "
-                                                    "rejects it, so biases stay float by default")
+        description="op types to quantize; norms, Softmax and element-wise math stay float by default",
+    )
+    quantize_bias: bool = Field(
+        False,
+        description="int32 bias Q/DQ: ONNX Runtime accepts it, TensorRT's parser "
+        "rejects it, so biases stay float by default",
+    )
     reduce_range: AutoOnOff = Field(
-        "off", description="7-bit weights (ONNX Runtime's reduce_range), for INT8 graphs served by a runtime that "
-                           "cannot be told to avoid saturation on x86 CPUs without VNNI (e.g. Triton's onnxruntime "
-                           "backend); Kiln's own ONNX Runtime sessions there use exact kernels instead "
-                           "(kiln.core.cpu_int8). auto = on where the machine that quantizes is such a CPU. Every "
-                           "INT8 graph, TensorRT's Q/DQ one too; weights only: calibration ranges are shared")
+        "off",
+        description="7-bit weights (ONNX Runtime's reduce_range), for INT8 graphs served by a runtime that "
+        "cannot be told to avoid saturation on x86 CPUs without VNNI (e.g. Triton's onnxruntime "
+        "backend); Kiln's own ONNX Runtime sessions there use exact kernels instead "
+        "(kiln.core.cpu_int8). auto = on where the machine that quantizes is such a CPU. Every "
+        "INT8 graph, TensorRT's Q/DQ one too; weights only: calibration ranges are shared",
+    )
     exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
     exclude_op_types: list[str] = Field(default_factory=list, description="op types kept in float, e.g. [Softmax]")
     exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")
@@ -55,6 +84,8 @@ class CalibrationConfig(Section):
     @model_validator(mode="after")
     def _dynamic_needs_matmul(self) -> "CalibrationConfig":
         if self.ort_cpu_scheme == "dynamic" and ("MatMul" not in self.op_types or "MatMul" in self.exclude_op_types):
-            raise ValueError("ort_cpu_scheme 'dynamic' quantizes MatMul layers only, and MatMul is not among the "
-                             "quantized op types (op_types / exclude_op_types); use 'static' or 'auto'")
+            raise ValueError(
+                "ort_cpu_scheme 'dynamic' quantizes MatMul layers only, and MatMul is not among the "
+                "quantized op types (op_types / exclude_op_types); use 'static' or 'auto'"
+            )
         return self

@@ -3,6 +3,7 @@
 The dataset's tensors are already preprocessed exactly as the validation split is (one function makes both),
 so calibration sees the same distribution the accuracy gates are measured on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,15 +24,16 @@ log = logging.getLogger("kiln.calibration")
 Batch = np.ndarray | dict[str, np.ndarray]  # one input's rows, or a feed of named inputs
 
 
-def dataset_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0,
-                    names: list[str] | None = None) -> list[Batch]:
+def dataset_batches(
+    data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0, names: list[str] | None = None
+) -> list[Batch]:
     """``num_batches`` x ``batch_size`` samples of the training split, in a seeded order (deterministic), at the
     data's real shapes. ``names``: the model's input names, to give feeds (required for several inputs)."""
     x = data.train_x if rows(data.train_x) else data.val_x
     perm = torch.randperm(rows(x), generator=torch.Generator().manual_seed(seed))
     batches: list[Batch] = []
     for i in range(cfg.num_batches):
-        idx = perm[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+        idx = perm[i * cfg.batch_size : (i + 1) * cfg.batch_size]
         if len(idx) == 0:
             break  # fewer samples than asked for: use what there is
         part = take(x, idx)
@@ -46,11 +48,14 @@ def read_reader(cfg: CalibrationConfig) -> list[np.ndarray]:
     try:
         source = fn(**cfg.reader_params)
     except TypeError as exc:
-        raise ConfigError(f"calibration.reader '{cfg.reader}' rejected its params: {exc}",
-                          hint="fix calibration.reader_params") from exc
+        raise ConfigError(
+            f"calibration.reader '{cfg.reader}' rejected its params: {exc}", hint="fix calibration.reader_params"
+        ) from exc
     if not isinstance(source, Iterable):
-        raise ConfigError(f"calibration.reader '{cfg.reader}' returned {type(source).__name__}, not an iterable",
-                          hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape]")
+        raise ConfigError(
+            f"calibration.reader '{cfg.reader}' returned {type(source).__name__}, not an iterable",
+            hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape]",
+        )
     batches = [item for _, item in zip(range(cfg.num_batches), _as_arrays(source))]
     if not batches:
         raise ConfigError(f"calibration.reader '{cfg.reader}' yielded no batches", hint="yield at least one batch")
@@ -62,9 +67,11 @@ def reader_batches(cfg: CalibrationConfig, sample_shape: tuple[int, ...], dtype:
     batches = read_reader(cfg)
     for i, item in enumerate(batches):
         if tuple(item.shape[1:]) != tuple(sample_shape):
-            raise ConfigError(f"calibration batch {i} has shape {tuple(item.shape)}, the model takes "
-                              f"[batch, {', '.join(map(str, sample_shape))}]",
-                              hint="preprocess calibration data exactly like validation data")
+            raise ConfigError(
+                f"calibration batch {i} has shape {tuple(item.shape)}, the model takes "
+                f"[batch, {', '.join(map(str, sample_shape))}]",
+                hint="preprocess calibration data exactly like validation data",
+            )
     return [item.astype(dtype, copy=False) for item in batches]
 
 
@@ -77,12 +84,15 @@ def _as_arrays(source: Iterable[Any]) -> Iterator[np.ndarray]:
         yield item.numpy() if isinstance(item, torch.Tensor) else np.asarray(item)
 
 
-def calibration_batches(data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0,
-                        names: list[str] | None = None) -> list[Batch]:
+def calibration_batches(
+    data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0, names: list[str] | None = None
+) -> list[Batch]:
     if cfg.reader:
         if len(tensors(data.val_x)) > 1:
-            raise ConfigError("calibration.reader feeds one input; this model takes several",
-                              hint="remove calibration.reader: calibration then uses the dataset's inputs")
+            raise ConfigError(
+                "calibration.reader feeds one input; this model takes several",
+                hint="remove calibration.reader: calibration then uses the dataset's inputs",
+            )
         return reader_batches(cfg, data.input_shape, tensors(data.val_x)[0].numpy().dtype)
     return dataset_batches(data, cfg, seed, names)
 

@@ -1,5 +1,6 @@
 """INT8 Q/DQ graphs with ``onnxruntime.quantization.quantize_static``: per-channel symmetric weights,
 symmetric activations, QuantizeLinear/DequantizeLinear pairs (the form TensorRT 10/11 and ORT both run)."""
+
 from __future__ import annotations
 
 import inspect
@@ -44,8 +45,9 @@ def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
     return sorted(set(cfg.op_types) - set(cfg.exclude_op_types))
 
 
-def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: CalibrationConfig,
-                  extra_exclude: Iterable[str] = ()) -> dict[str, Any]:
+def quantize_int8(
+    model_path: Path, out_path: Path, ranges: Ranges, cfg: CalibrationConfig, extra_exclude: Iterable[str] = ()
+) -> dict[str, Any]:
     """Write the Q/DQ model to ``out_path`` from cached ``ranges`` (no calibration pass happens here)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
@@ -65,7 +67,9 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
         unshare_biases(source)
     try:
         quantize_static(
-            source, str(out_path), None,
+            source,
+            str(out_path),
+            None,
             quant_format=QuantFormat.QDQ,
             op_types_to_quantize=quantizable_op_types(cfg),
             per_channel=cfg.per_channel,
@@ -76,20 +80,35 @@ def quantize_int8(model_path: Path, out_path: Path, ranges: Ranges, cfg: Calibra
             nodes_to_exclude=exclude,
             calibrate_method=_ort_method(ranges.method),
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
-            extra_options={"ActivationSymmetric": cfg.symmetric_activations, "WeightSymmetric": True,
-                           "QuantizeBias": cfg.quantize_bias},
+            extra_options={
+                "ActivationSymmetric": cfg.symmetric_activations,
+                "WeightSymmetric": True,
+                "QuantizeBias": cfg.quantize_bias,
+            },
             **kw,
         )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
-        raise ModelError(f"onnxruntime.quantization.quantize_static failed ({type(exc).__name__}: {str(exc)[:300]})",
-                         hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
-                              "precision.variants (the other variants are still built)") from None
+        raise ModelError(
+            f"onnxruntime.quantization.quantize_static failed ({type(exc).__name__}: {str(exc)[:300]})",
+            hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
+            "precision.variants (the other variants are still built)",
+        ) from None
     q = onnx.load(str(out_path), load_external_data=False)
     counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
-    log.info("int8: %d Q / %d DQ nodes, %d nodes kept in float", counts["QuantizeLinear"],
-             counts["DequantizeLinear"], len(exclude))
-    return {"excluded": exclude, "qdq_nodes": counts, "calibration_cache": str(ranges.path),
-            "cache_hit": ranges.cache_hit, "method": ranges.method, "reduce_range": seven_bits}
+    log.info(
+        "int8: %d Q / %d DQ nodes, %d nodes kept in float",
+        counts["QuantizeLinear"],
+        counts["DequantizeLinear"],
+        len(exclude),
+    )
+    return {
+        "excluded": exclude,
+        "qdq_nodes": counts,
+        "calibration_cache": str(ranges.path),
+        "cache_hit": ranges.cache_hit,
+        "method": ranges.method,
+        "reduce_range": seven_bits,
+    }
 
 
 BIAS_OPS = ("Conv", "ConvTranspose", "Gemm")  # ops whose third input is a bias ORT's quantizer quantizes
@@ -118,8 +137,11 @@ def unshare_biases(model: onnx.ModelProto) -> None:
     for node in model.graph.node:
         if node.op_type in BIAS_OPS and len(node.input) > 2 and node.input[2] in shared:
             name = node.input[2]
-            fresh = next(f"{name}_{node.name or 'bias'}_{k}" for k in range(len(taken) + 1)
-                         if f"{name}_{node.name or 'bias'}_{k}" not in taken)
+            fresh = next(
+                f"{name}_{node.name or 'bias'}_{k}"
+                for k in range(len(taken) + 1)
+                if f"{name}_{node.name or 'bias'}_{k}" not in taken
+            )
             taken.add(fresh)
             copy = onnx.TensorProto()
             copy.CopyFrom(tensors[name])
@@ -145,8 +167,9 @@ def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:
     return "dynamic" if transformer_like and "MatMul" in quantizable_op_types(cfg) else "static"
 
 
-def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConfig,
-                          extra_exclude: Iterable[str] = ()) -> dict[str, Any]:
+def quantize_int8_dynamic(
+    model_path: Path, out_path: Path, cfg: CalibrationConfig, extra_exclude: Iterable[str] = ()
+) -> dict[str, Any]:
     """ONNX Runtime CPU graph with int8 weights and run-time (per batch) uint8 activation scales: needs no
     calibration ranges. Float-kept nodes as in the Q/DQ graph; unlike it, MatMuls of two activations (q k^T,
     attention x v) stay float too (ORT's MatMulConstBOnly default for dynamic quantization)."""
@@ -164,7 +187,8 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
     _quiet_ort_preprocess_warning()
     try:
         quantize_dynamic(
-            str(model_path), str(out_path),
+            str(model_path),
+            str(out_path),
             op_types_to_quantize=["MatMul"],  # never empty: ORT reads an empty list as "every op it can"
             per_channel=cfg.per_channel,
             weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
@@ -173,9 +197,11 @@ def quantize_int8_dynamic(model_path: Path, out_path: Path, cfg: CalibrationConf
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
-        raise ModelError(f"onnxruntime.quantization.quantize_dynamic failed ({type(exc).__name__}: {str(exc)[:300]})",
-                         hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
-                              "precision.variants (the other variants are still built)") from None
+        raise ModelError(
+            f"onnxruntime.quantization.quantize_dynamic failed ({type(exc).__name__}: {str(exc)[:300]})",
+            hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
+            "precision.variants (the other variants are still built)",
+        ) from None
     q = onnx.load(str(out_path), load_external_data=False)
     integer = sum(n.op_type == "MatMulInteger" for n in q.graph.node)
     if integer == 0:

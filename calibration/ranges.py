@@ -5,6 +5,7 @@ model or data set never reuses stale ranges, while a rebuild, a later run or ano
 The file format is ONNX Runtime's own calibration cache (``save_tensors_data``), which ``quantize_static``
 reads back through its ``calibration_cache_path`` argument.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,19 +59,40 @@ def model_hash(model_path: Path) -> str:
 def _ort_method(method: str) -> Any:
     from onnxruntime.quantization import CalibrationMethod
 
-    return {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-            "percentile": CalibrationMethod.Percentile}[method]
+    return {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[method]
 
 
-def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, method: str, *,
-              cache_dir: Path | None, symmetric: bool = True, percentile: float = 99.999) -> Ranges:
+def calibrate(
+    model_path: Path,
+    batches: list[np.ndarray],
+    input_name: str,
+    method: str,
+    *,
+    cache_dir: Path | None,
+    symmetric: bool = True,
+    percentile: float = 99.999,
+) -> Ranges:
     """Ranges of every float tensor of the model (not only the quantized ops', so FP16 can use them too)."""
     import onnxruntime
 
-    settings = {"symmetric": symmetric, "percentile": percentile if method == "percentile" else None,
-                "bins": ENTROPY_BINS if method == "entropy" else None}
-    key = hash_json({"model": model_hash(model_path), "data": hash_batches(batches), "method": method,
-                     "settings": settings, "ort": onnxruntime.__version__})
+    settings = {
+        "symmetric": symmetric,
+        "percentile": percentile if method == "percentile" else None,
+        "bins": ENTROPY_BINS if method == "entropy" else None,
+    }
+    key = hash_json(
+        {
+            "model": model_hash(model_path),
+            "data": hash_batches(batches),
+            "method": method,
+            "settings": settings,
+            "ort": onnxruntime.__version__,
+        }
+    )
     path = (cache_dir / "calibration" if cache_dir else Path(tempfile.mkdtemp(prefix="kiln-calib-"))) / f"{key}.json"
     try:
         from onnxruntime.quantization.calibrate import (
@@ -79,8 +101,9 @@ def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, meth
         )
     except ImportError:  # ONNX Runtime < 1.32 has no cache format: ranges work, caching does not
         log.warning("onnxruntime %s cannot cache calibration ranges", onnxruntime.__version__)
-        return Ranges(_run_calibrator(model_path, batches, input_name, method, symmetric, percentile), path, key,
-                      False, method)
+        return Ranges(
+            _run_calibrator(model_path, batches, input_name, method, symmetric, percentile), path, key, False, method
+        )
     checksum = path.with_suffix(".sha256")  # the file's content as written: damage that still parses is caught
     if path.is_file():
         try:
@@ -97,8 +120,9 @@ def calibrate(model_path: Path, batches: list[np.ndarray], input_name: str, meth
     return Ranges(tensors, path, key, False, method)
 
 
-def _run_calibrator(model_path: Path, batches: list[np.ndarray], input_name: str, method: str, symmetric: bool,
-                    percentile: float) -> Any:
+def _run_calibrator(
+    model_path: Path, batches: list[np.ndarray], input_name: str, method: str, symmetric: bool, percentile: float
+) -> Any:
     from onnxruntime.quantization import create_calibrator
 
     extra: dict[str, Any] = {"symmetric": symmetric}
@@ -107,9 +131,14 @@ def _run_calibrator(model_path: Path, batches: list[np.ndarray], input_name: str
     if method == "entropy":
         extra |= ENTROPY_BINS
     with tempfile.TemporaryDirectory(prefix="kiln-calib-") as tmp:
-        calibrator = create_calibrator(model_path, None, augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                                       calibrate_method=_ort_method(method), extra_options=extra,
-                                       use_external_data_format=model_path.with_name(model_path.name + ".data").is_file())
+        calibrator = create_calibrator(
+            model_path,
+            None,
+            augmented_model_path=str(Path(tmp) / "augmented.onnx"),
+            calibrate_method=_ort_method(method),
+            extra_options=extra,
+            use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+        )
         calibrator.collect_data(ArrayReader(input_name, batches))
         tensors = calibrator.compute_data()
     STATS["calibrations"] += 1

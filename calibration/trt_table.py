@@ -5,6 +5,7 @@ No library writes this text format without a GPU and TensorRT's own calibrator (
 computed ranges: a header line naming the calibrator, then ``tensor: <float32 scale as big-endian hex>``
 per tensor, scale = amax / 127 (symmetric INT8).
 """
+
 from __future__ import annotations
 
 import struct

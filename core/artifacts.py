@@ -2,6 +2,7 @@
 
 Hashes are of content, never of paths or names (two models at one path must not share a cache entry).
 """
+
 from __future__ import annotations
 
 import hashlib

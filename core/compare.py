@@ -6,6 +6,7 @@ precision fallback and the ORT autotuner all gate ``cosine`` (and ``top1_agreeme
 thing everywhere. The optimizer's safety net asks a different question, "equal within tolerance?", answered by
 :func:`within_tolerance`.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -19,7 +20,7 @@ STATISTICS: dict[str, str] = {
     "rel_err": "relative L2 error ||got - ref|| / ||ref||",
     "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros)",
     "top1_agreement": "fraction of rows whose argmax over the class axis agrees (the last; axis 1 of [N, C, H, W] "
-                      "maps; near-ties within rel_tie agree)",
+    "maps; near-ties within rel_tie agree)",
 }
 HIGHER_IS_BETTER = {"cosine", "top1_agreement"}
 
@@ -37,8 +38,9 @@ class OutputStats:
         return asdict(self)
 
 
-def compare_arrays(ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0,
-                   where: np.ndarray | None = None) -> OutputStats:
+def compare_arrays(
+    ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0, where: np.ndarray | None = None
+) -> OutputStats:
     """``got`` against ``ref`` (same shape). ``rel_tie``: a top-1 mismatch where the reference's two logits lie
     within ``rel_tie`` of its largest magnitude is a tie, not a disagreement (random weights give near-ties that
     FP16 legitimately flips). ``where``: top-1 agreement over these rows/positions only (a boolean array shaped like
@@ -49,9 +51,12 @@ def compare_arrays(ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0,
     return OutputStats(_max_abs_err(r, g), _rel_err(r, g), _cosine(r, g), _top1(r, g, rel_tie, where))
 
 
-def compare_outputs(ref: Mapping[str, np.ndarray] | Sequence[np.ndarray],
-                    got: Mapping[str, np.ndarray] | Sequence[np.ndarray], rel_tie: float = 0.0,
-                    where: Mapping[str, np.ndarray] | None = None) -> dict[str, OutputStats]:
+def compare_outputs(
+    ref: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    got: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    rel_tie: float = 0.0,
+    where: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, OutputStats]:
     """Per output: by name for mappings (the reference's names), by position (``"0"``, ``"1"``...) for sequences.
     ``where``: per output (by those names), the rows/positions its top-1 agreement counts (:func:`compare_arrays`)."""
     where = where or {}

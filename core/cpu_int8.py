@@ -16,6 +16,7 @@ of products then fits an int16) for runtimes that cannot be given the option.
 Flags are read from ``/proc/cpuinfo`` (Linux), else from ``torch.cpu.get_capabilities()`` (torch >= 2.8; imported
 only then, since torch is slow to import); an x86 CPU whose flags cannot be read counts as saturating.
 """
+
 from __future__ import annotations
 
 import platform

@@ -7,6 +7,7 @@ the tensors' own GPU (``torch.cuda.graph`` otherwise uses one process-wide strea
 at the first capture) in ``thread_local`` mode, so another thread's CUDA calls (Kiln's peak-memory sampler polls
 ``cudaMemGetInfo`` during validation) cannot invalidate it.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable

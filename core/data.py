@@ -5,6 +5,7 @@
 or ``None`` (then a model can be compiled and validated by agreement with PyTorch, but not trained).
 Every stage reaches the inputs through the helpers here, so the three forms mean the same everywhere.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -127,12 +128,16 @@ def feed_for_graph(x: Inputs, names: list[str], where: str = "the ONNX model") -
     """The inputs as a feed for a graph taking ``names``: a dict by key, a tuple or tensor by position."""
     if isinstance(x, Mapping):
         if sorted(x) != sorted(names):
-            raise DataContractError(f"the data's inputs {sorted(x)} are not those of {where}: {names}",
-                                    hint="key the data function's dict by the ONNX model's input names")
+            raise DataContractError(
+                f"the data's inputs {sorted(x)} are not those of {where}: {names}",
+                hint="key the data function's dict by the ONNX model's input names",
+            )
         return {n: x[n].detach().cpu().numpy() for n in names}
     if len(tensors(x)) != len(names):
-        raise DataContractError(f"the data gives {len(tensors(x))} inputs, {where} takes {len(names)}: {names}",
-                                hint="give one tensor per model input (a dict keyed by the input names is clearest)")
+        raise DataContractError(
+            f"the data gives {len(tensors(x))} inputs, {where} takes {len(names)}: {names}",
+            hint="give one tensor per model input (a dict keyed by the input names is clearest)",
+        )
     return as_feed(x, names)
 
 
@@ -165,38 +170,52 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         x, y = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
         _check_x(x, f"{split}_x", ref)
         if y is not None and not isinstance(y, torch.Tensor):
-            raise DataContractError(f"dataset '{ref}' gives {split}_y as {type(y).__name__}, not a torch.Tensor or None",
-                                    hint="wrap arrays with torch.from_numpy(...), or give None for no labels")
+            raise DataContractError(
+                f"dataset '{ref}' gives {split}_y as {type(y).__name__}, not a torch.Tensor or None",
+                hint="wrap arrays with torch.from_numpy(...), or give None for no labels",
+            )
         counts = {k: len(t) for k, t in zip(_keys(x), tensors(x))}
         if len(set(counts.values())) > 1:
-            raise DataContractError(f"dataset '{ref}': the inputs of {split}_x have different row counts {counts}",
-                                    hint="give every input one row per sample")
+            raise DataContractError(
+                f"dataset '{ref}': the inputs of {split}_x have different row counts {counts}",
+                hint="give every input one row per sample",
+            )
         if rows(x) == 0:
             raise DataContractError(f"dataset '{ref}': {split}_x holds no samples", hint="give both splits samples")
         if y is not None and (len(y) != rows(x) or y.ndim < 1):
-            raise DataContractError(f"dataset '{ref}': {split}_x has {rows(x)} rows but {split}_y has shape "
-                                    f"{list(y.shape)} (one label per row expected)", hint="give one label per sample")
+            raise DataContractError(
+                f"dataset '{ref}': {split}_x has {rows(x)} rows but {split}_y has shape "
+                f"{list(y.shape)} (one label per row expected)",
+                hint="give one label per sample",
+            )
         if y is not None:
             _check_labels(y, split, data.num_classes, ref)
     if (data.train_y is None) != (data.val_y is None):
-        raise DataContractError(f"dataset '{ref}' gives labels for one split only",
-                                hint="give both train_y and val_y, or neither (None)")
+        raise DataContractError(
+            f"dataset '{ref}' gives labels for one split only", hint="give both train_y and val_y, or neither (None)"
+        )
     tx, vx = data.train_x, data.val_x
     if _form(tx) != _form(vx) or _keys(tx) != _keys(vx):
-        raise DataContractError(f"dataset '{ref}': train_x is {_describe(tx)} but val_x is {_describe(vx)}",
-                                hint="structure train_x and val_x the same way (the same tensor, tuple or dict keys)")
+        raise DataContractError(
+            f"dataset '{ref}': train_x is {_describe(tx)} but val_x is {_describe(vx)}",
+            hint="structure train_x and val_x the same way (the same tensor, tuple or dict keys)",
+        )
     names = _keys(vx)
     for name, a, b in zip(names, tensors(tx), tensors(vx)):
         free = {int(axis) for axis in (dynamic or {}).get(name, {})}
         differ = [i + 1 for i, (p, q) in enumerate(zip(a.shape[1:], b.shape[1:])) if p != q and i + 1 not in free]
         if a.dim() != b.dim() or differ or a.dtype != b.dtype:
             which = "" if isinstance(vx, torch.Tensor) else f"input '{name}': "
-            what = ((f"validation samples are {list(b.shape[1:])} but training samples are {list(a.shape[1:])}")
-                    if a.dtype == b.dtype else f"train_x is {a.dtype} but val_x is {b.dtype}")
+            what = (
+                (f"validation samples are {list(b.shape[1:])} but training samples are {list(a.shape[1:])}")
+                if a.dtype == b.dtype
+                else f"train_x is {a.dtype} but val_x is {b.dtype}"
+            )
             raise DataContractError(
                 f"dataset '{ref}': {which}{what}",
                 hint="give both splits the same per-sample shape and dtype, or declare the axis that varies in "
-                     f"export.dynamic_axes (e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})")
+                f"export.dynamic_axes (e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})",
+            )
 
 
 def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> None:
@@ -206,36 +225,54 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
     if y.dtype.is_floating_point:
         return
     if y.dtype.is_complex or y.dtype == torch.bool:
-        raise DataContractError(f"dataset '{ref}': {split}_y is {y.dtype}{list(y.shape)}, neither integer class labels "
-                                "nor float targets", hint="give int64 labels ([N], or [N, ...] one per position) or "
-                                                          "float targets")
+        raise DataContractError(
+            f"dataset '{ref}': {split}_y is {y.dtype}{list(y.shape)}, neither integer class labels nor float targets",
+            hint="give int64 labels ([N], or [N, ...] one per position) or float targets",
+        )
     if not isinstance(num_classes, int) or num_classes < 1:
-        raise DataContractError(f"dataset '{ref}': integer labels but num_classes is {num_classes!r}, not a positive "
-                                "integer", hint="pass num_classes=... to DatasetSplits (or float targets for regression)")
+        raise DataContractError(
+            f"dataset '{ref}': integer labels but num_classes is {num_classes!r}, not a positive integer",
+            hint="pass num_classes=... to DatasetSplits (or float targets for regression)",
+        )
     dense = y.ndim > 1
     given = y[y != IGNORE_LABEL] if dense else y
     if given.numel() and (int(given.min()) < 0 or int(given.max()) >= num_classes):
-        raise DataContractError(f"dataset '{ref}': {split}_y has labels from {int(given.min())} to {int(given.max())}, "
-                                f"outside 0..{num_classes - 1} (num_classes {num_classes})"
-                                + (f"; {IGNORE_LABEL} marks a position without a label" if dense else ""),
-                                hint="fix the labels or num_classes")
+        raise DataContractError(
+            f"dataset '{ref}': {split}_y has labels from {int(given.min())} to {int(given.max())}, "
+            f"outside 0..{num_classes - 1} (num_classes {num_classes})"
+            + (f"; {IGNORE_LABEL} marks a position without a label" if dense else ""),
+            hint="fix the labels or num_classes",
+        )
 
 
 def _check_x(x: Any, field: str, ref: str) -> None:
-    items = ([x] if isinstance(x, torch.Tensor) else list(x.values()) if isinstance(x, Mapping)
-             else list(x) if isinstance(x, tuple) else None)
+    items = (
+        [x]
+        if isinstance(x, torch.Tensor)
+        else list(x.values())
+        if isinstance(x, Mapping)
+        else list(x)
+        if isinstance(x, tuple)
+        else None
+    )
     if not items:
-        raise DataContractError(f"dataset '{ref}' gives {field} as {type(x).__name__}"
-                                + (" with nothing in it" if items == [] else "")
-                                + ", not a torch.Tensor, a tuple of tensors or a dict of named tensors",
-                                hint="wrap arrays with torch.from_numpy(...) in the dataset function")
+        raise DataContractError(
+            f"dataset '{ref}' gives {field} as {type(x).__name__}"
+            + (" with nothing in it" if items == [] else "")
+            + ", not a torch.Tensor, a tuple of tensors or a dict of named tensors",
+            hint="wrap arrays with torch.from_numpy(...) in the dataset function",
+        )
     for key, t in zip(_keys(x) if items else [], items):
         if not isinstance(t, torch.Tensor):
-            raise DataContractError(f"dataset '{ref}' gives {field}[{key!r}] as {type(t).__name__}, not a torch.Tensor",
-                                    hint="wrap arrays with torch.from_numpy(...) in the dataset function")
+            raise DataContractError(
+                f"dataset '{ref}' gives {field}[{key!r}] as {type(t).__name__}, not a torch.Tensor",
+                hint="wrap arrays with torch.from_numpy(...) in the dataset function",
+            )
         if t.dim() == 0:
-            raise DataContractError(f"dataset '{ref}' gives {field}[{key!r}] as a scalar; inputs need a batch axis",
-                                    hint="stack the samples along axis 0")
+            raise DataContractError(
+                f"dataset '{ref}' gives {field}[{key!r}] as a scalar; inputs need a batch axis",
+                hint="stack the samples along axis 0",
+            )
 
 
 def _form(x: Inputs) -> str:
@@ -259,12 +296,16 @@ def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
         known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         unknown = [k for k in x if k not in known]
         if unknown:
-            raise DataContractError(f"model '{ref}' forward({', '.join(p.name for p in params)}) takes no "
-                                    f"argument {unknown[0]!r}, which the dataset's inputs name",
-                                    hint=f"name the data's dict keys after the forward's parameters {sorted(known)}")
+            raise DataContractError(
+                f"model '{ref}' forward({', '.join(p.name for p in params)}) takes no "
+                f"argument {unknown[0]!r}, which the dataset's inputs name",
+                hint=f"name the data's dict keys after the forward's parameters {sorted(known)}",
+            )
     elif isinstance(x, tuple) and not any(p.kind == p.VAR_POSITIONAL for p in params):
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(x) > len(positional):
-            raise DataContractError(f"model '{ref}' forward takes {len(positional)} positional inputs, the dataset "
-                                    f"gives a tuple of {len(x)}",
-                                    hint="give x as a tuple with one tensor per forward parameter, or a dict")
+            raise DataContractError(
+                f"model '{ref}' forward takes {len(positional)} positional inputs, the dataset "
+                f"gives a tuple of {len(x)}",
+                hint="give x as a tuple with one tensor per forward parameter, or a dict",
+            )

@@ -1,4 +1,5 @@
 """The environment a stage's result depends on: library versions and the device."""
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -8,8 +9,7 @@ from typing import Any
 
 from kiln.core.cpu_int8 import int8_kernels
 
-_DISTS = ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnx-graphsurgeon", "tensorrt", "tensorrt-rtx",
-          "numpy")
+_DISTS = ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnx-graphsurgeon", "tensorrt", "tensorrt-rtx", "numpy")
 
 
 def _version(dist: str) -> str | None:

@@ -3,6 +3,7 @@
 The CLI catches :class:`KilnError` and prints ``message`` plus ``hint`` with a non-zero exit code and no
 traceback. Anything else escaping is a bug in Kiln and keeps its traceback.
 """
+
 from __future__ import annotations
 
 import errno
@@ -65,18 +66,25 @@ def storage_error(exc: OSError, doing: str = "") -> StorageError:
     ``doing``: what Kiln was at (``"writing the report"``), when the error's own path does not say it."""
     what = (f" while {doing}" if doing else "") + (f": {exc.filename}" if exc.filename else "")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return StorageError(f"no space left on the device{what}",
-                            hint="free disk space (or point --workdir / -o at a larger disk) and run again; "
-                                 "finished stages are kept and the run resumes")
+        return StorageError(
+            f"no space left on the device{what}",
+            hint="free disk space (or point --workdir / -o at a larger disk) and run again; "
+            "finished stages are kept and the run resumes",
+        )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         kind = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
-        return StorageError(f"{kind}{what}", hint="choose a folder you can write to (--workdir / -o), "
-                                                            "or fix its permissions")
+        return StorageError(
+            f"{kind}{what}", hint="choose a folder you can write to (--workdir / -o), or fix its permissions"
+        )
     if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
-        return StorageError(f"{exc.strerror}{what}",
-                            hint="a file stands where a folder is expected (or the reverse): move it or pick another path")
+        return StorageError(
+            f"{exc.strerror}{what}",
+            hint="a file stands where a folder is expected (or the reverse): move it or pick another path",
+        )
     if exc.errno == errno.ENOENT:
-        return StorageError(f"no such file or folder{what}", hint="check the path; it may have been removed "
-                                                                          "while Kiln ran")
-    return StorageError(f"{exc.strerror or type(exc).__name__}{what}",
-                        hint="check the disk and the path, then run again")
+        return StorageError(
+            f"no such file or folder{what}", hint="check the path; it may have been removed while Kiln ran"
+        )
+    return StorageError(
+        f"{exc.strerror or type(exc).__name__}{what}", hint="check the disk and the path, then run again"
+    )

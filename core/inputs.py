@@ -1,4 +1,5 @@
 """The one maker of random model inputs, from declared input specs (an engine's metadata or a graph's inputs)."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ def memory_bytes() -> int:
         return 1 << 62
 
 
-def check_batch_fits(specs: list[TensorSpec], batch: int, what: str = "validate.batch_sizes",
-                     hint: str = BATCH_HINT) -> None:
+def check_batch_fits(
+    specs: list[TensorSpec], batch: int, what: str = "validate.batch_sizes", hint: str = BATCH_HINT
+) -> None:
     """Refuse a batch whose inputs alone could not fit in memory, before anything is allocated (a batch of a
     billion samples would otherwise die inside numpy or the engine with a traceback, or swap the machine)."""
     need = 0
@@ -37,8 +39,11 @@ def check_batch_fits(specs: list[TensorSpec], batch: int, what: str = "validate.
             continue
     limit = memory_bytes() * MEMORY_SHARE
     if need > limit:
-        raise ConfigError(f"{what}: a batch of {batch} samples needs {need / 2**30:.1f} GiB for its inputs alone; "
-                          f"this machine has {memory_bytes() / 2**30:.1f} GiB of memory", hint=hint)
+        raise ConfigError(
+            f"{what}: a batch of {batch} samples needs {need / 2**30:.1f} GiB for its inputs alone; "
+            f"this machine has {memory_bytes() / 2**30:.1f} GiB of memory",
+            hint=hint,
+        )
 
 
 AxisSizes = Mapping[str, Mapping[int, int]]  # input name -> axis -> size
@@ -61,9 +66,15 @@ def largest_sizes(specs: list[TensorSpec], axis_sizes: Mapping[str, Sequence[int
     return out
 
 
-def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | AxisSizes | None = None, int_high: int = 1,
-                  seed: int = 0, hint: str = "pass concrete input arrays",
-                  int_ranges: Mapping[str, Sequence[int]] | None = None) -> dict[str, np.ndarray]:
+def random_inputs(
+    specs: list[TensorSpec],
+    batch: int,
+    dynamic: int | AxisSizes | None = None,
+    int_high: int = 1,
+    seed: int = 0,
+    hint: str = "pass concrete input arrays",
+    int_ranges: Mapping[str, Sequence[int]] | None = None,
+) -> dict[str, np.ndarray]:
     """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis (one
     size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in
     [0, ``int_high``] (1 by default, so any embedding accepts them), or in an input's own ``[low, high]`` of
@@ -85,8 +96,7 @@ def random_inputs(specs: list[TensorSpec], batch: int, dynamic: int | AxisSizes 
     return feed
 
 
-def _size(dim: int | str, axis: int, batch: int, dynamic: int | AxisSizes | None, spec: TensorSpec,
-          hint: str) -> int:
+def _size(dim: int | str, axis: int, batch: int, dynamic: int | AxisSizes | None, spec: TensorSpec, hint: str) -> int:
     if isinstance(dim, int) and dim >= 1:
         return dim
     if axis == 0:

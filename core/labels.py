@@ -5,6 +5,7 @@ Per-position labels have the logits' shape without the class axis (:func:`kiln.c
 for ``[N, S, C]``, axis 1 for ``[N, C, H, W]``). Losses and accuracies average over the labelled positions only,
 as Hugging Face's token-classification models and torch's ``cross_entropy(ignore_index=-100)`` do.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,8 +18,9 @@ IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugg
 
 def per_position(y: Any) -> bool:
     """Integer labels with more than one axis: one per position of each row."""
-    return y.ndim > 1 and not (y.dtype.is_floating_point if hasattr(y.dtype, "is_floating_point")
-                               else np.issubdtype(y.dtype, np.floating))
+    return y.ndim > 1 and not (
+        y.dtype.is_floating_point if hasattr(y.dtype, "is_floating_point") else np.issubdtype(y.dtype, np.floating)
+    )
 
 
 def labelled(y: Any) -> Any:

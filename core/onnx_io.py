@@ -1,4 +1,5 @@
 """Reading, checking and running ONNX models, with user-facing errors instead of library tracebacks."""
+
 from __future__ import annotations
 
 import logging
@@ -25,25 +26,32 @@ def load_onnx(path: str | Path, load_external_data: bool = True) -> onnx.ModelPr
     if not p.is_file():
         raise InputFileError(f"ONNX file not found: {p}", hint="check the path")
     if p.stat().st_size == 0:
-        raise InputFileError(f"{p} is empty (0 bytes): not an ONNX model",
-                             hint="re-export the model; the write that made this file did not finish")
+        raise InputFileError(
+            f"{p} is empty (0 bytes): not an ONNX model",
+            hint="re-export the model; the write that made this file did not finish",
+        )
     try:
         model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:
-        raise InputFileError(f"{p} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})",
-                             hint="re-export the model; the file may be truncated or not ONNX") from None
+        raise InputFileError(
+            f"{p} is not a readable ONNX model ({type(exc).__name__}: {first_line(exc)})",
+            hint="re-export the model; the file may be truncated or not ONNX",
+        ) from None
     if not model.HasField("graph") or not model.graph.output:
         # protobuf parses many non-ONNX files (and truncated ones) into an empty message without complaint
-        raise InputFileError(f"{p} is not a readable ONNX model (no graph in it: damaged, truncated or another "
-                             "kind of file)",
-                             hint="re-export the model; the file may be truncated or not ONNX")
+        raise InputFileError(
+            f"{p} is not a readable ONNX model (no graph in it: damaged, truncated or another kind of file)",
+            hint="re-export the model; the file may be truncated or not ONNX",
+        )
     _check_external_data(model, p)
     if load_external_data:
         try:
             onnx.load_external_data_for_model(model, str(p.parent))
         except Exception as exc:
-            raise InputFileError(f"cannot read the external weights of {p} ({first_line(exc)})",
-                                 hint="keep the model's .data file(s) beside it, complete, as exported") from None
+            raise InputFileError(
+                f"cannot read the external weights of {p} ({first_line(exc)})",
+                hint="keep the model's .data file(s) beside it, complete, as exported",
+            ) from None
     return model
 
 
@@ -56,12 +64,16 @@ def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
         location = next((e.value for e in tensor.external_data if e.key == "location"), "")
         target = path.parent / location
         if not location or Path(location).is_absolute() or ".." in Path(location).parts:
-            raise InputFileError(f"{path}: tensor '{tensor.name}' points at external data '{location}' outside "
-                                 "the model's folder", hint="re-export the model with its weights beside it")
+            raise InputFileError(
+                f"{path}: tensor '{tensor.name}' points at external data '{location}' outside the model's folder",
+                hint="re-export the model with its weights beside it",
+            )
         if not target.is_file():
-            raise InputFileError(f"{path}: the external-data file {target} holding tensor '{tensor.name}' is missing",
-                                 hint=f"copy {location} beside {path.name} (ONNX models over 2 GB keep their "
-                                      "weights in such files), or re-export the model")
+            raise InputFileError(
+                f"{path}: the external-data file {target} holding tensor '{tensor.name}' is missing",
+                hint=f"copy {location} beside {path.name} (ONNX models over 2 GB keep their "
+                "weights in such files), or re-export the model",
+            )
 
 
 def _tensors(graph: onnx.GraphProto) -> Any:
@@ -115,8 +127,10 @@ def check_onnx(model: onnx.ModelProto | str | Path, what: str = "model") -> None
     try:
         onnx.checker.check_model(str(model) if isinstance(model, Path) else model, full_check=True)
     except Exception as exc:
-        raise ModelError(f"{what} fails the ONNX checker: {first_line(exc)}",
-                         hint="re-export with a supported opset, or report the model to Kiln") from None
+        raise ModelError(
+            f"{what} fails the ONNX checker: {first_line(exc)}",
+            hint="re-export with a supported opset, or report the model to Kiln",
+        ) from None
 
 
 def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto:
@@ -139,8 +153,10 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
         inferred = onnx.shape_inference.infer_shapes(light, check_type=strict, data_prop=True)
     except Exception as exc:
         if strict:
-            raise ModelError(f"ONNX shape inference failed: {first_line(exc)}",
-                             hint="the graph has a shape mismatch; check the model's input shapes") from None
+            raise ModelError(
+                f"ONNX shape inference failed: {first_line(exc)}",
+                hint="the graph has a shape mismatch; check the model's input shapes",
+            ) from None
         log.warning("shape inference failed (%s); passes that need shapes will skip", first_line(exc))
         return model
     del model.graph.value_info[:]
@@ -171,7 +187,6 @@ def _copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> None:
             setattr(dst, field.name, value)
 
 
-
 def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> None:
     """Write ``model`` to ``path``; weights go to ``<path>.data`` when ``external`` or when the model would exceed the
     protobuf limit. The data file of the model being replaced goes with it (onnx would append to it, and one left
@@ -184,11 +199,20 @@ def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> Non
         if _references(path, data.name):
             data.unlink()
         elif needs_data:
-            raise InputFileError(f"{data} exists and is not the external data of {path.name}: Kiln does not overwrite "
-                                 "files it did not write", hint="move that file, or write the model elsewhere (-o)")
+            raise InputFileError(
+                f"{data} exists and is not the external data of {path.name}: Kiln does not overwrite "
+                "files it did not write",
+                hint="move that file, or write the model elsewhere (-o)",
+            )
     if needs_data:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data.name,
+            size_threshold=1024,
+        )
     else:
         onnx.save_model(model, str(path))
 
@@ -199,9 +223,12 @@ def _references(path: Path, location: str) -> bool:
         shell = onnx.load(str(path), load_external_data=False)
     except Exception:  # missing, or not ONNX: it owns nothing
         return False
-    return any(entry.key == "location" and entry.value == location
-               for init in shell.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
-               for entry in init.external_data)
+    return any(
+        entry.key == "location" and entry.value == location
+        for init in shell.graph.initializer
+        if init.data_location == onnx.TensorProto.EXTERNAL
+        for entry in init.external_data
+    )
 
 
 def _byte_size(model: onnx.ModelProto) -> int:
@@ -233,8 +260,13 @@ def ort_log_severity() -> int:
     return severity
 
 
-def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = False, optimization: str = "all",
-                    optimized_path: Path | None = None) -> Any:
+def session_options(
+    threads: int = 0,
+    inter_threads: int = 0,
+    parallel: bool = False,
+    optimization: str = "all",
+    optimized_path: Path | None = None,
+) -> Any:
     """ONNX Runtime session options, the one place they are made. ``optimized_path``: ORT writes the model it
     optimized there (offline optimization)."""
     import onnxruntime as ort
@@ -255,9 +287,14 @@ def session_options(threads: int = 0, inter_threads: int = 0, parallel: bool = F
     return ask_exact_int8(opts)  # exact INT8 GEMMs on an x86 CPU without VNNI (kiln.core.cpu_int8)
 
 
-def ort_session(model: onnx.ModelProto | str | Path, threads: int = 0, providers: list[Any] | None = None,
-                optimization: str = "all", options: Any = None,
-                error: type[KilnError] = ModelError) -> Any:
+def ort_session(
+    model: onnx.ModelProto | str | Path,
+    threads: int = 0,
+    providers: list[Any] | None = None,
+    optimization: str = "all",
+    options: Any = None,
+    error: type[KilnError] = ModelError,
+) -> Any:
     """An ONNX Runtime session: the one factory. ``options`` (from :func:`session_options`) wins over
     ``threads``/``optimization``. A model over the protobuf limit goes to ORT as a file with external data.
     A failure is ``error`` naming ORT's reason."""
@@ -274,8 +311,10 @@ def ort_session(model: onnx.ModelProto | str | Path, threads: int = 0, providers
         src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
         return ort.InferenceSession(src, opts, providers=providers)
     except Exception as exc:
-        raise error(f"ONNX Runtime cannot load the model: {first_line(exc)}",
-                    hint="an op or type may be unsupported by ONNX Runtime; try another opset") from None
+        raise error(
+            f"ONNX Runtime cannot load the model: {first_line(exc)}",
+            hint="an op or type may be unsupported by ONNX Runtime; try another opset",
+        ) from None
 
 
 def ort_run(session: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -284,6 +323,7 @@ def ort_run(session: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
 
 def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The graph's real inputs (initializers listed as inputs left out) and its outputs."""
+
     def spec(v: onnx.ValueInfoProto) -> TensorSpec:
         if not v.type.HasField("tensor_type") or not v.type.tensor_type.elem_type:  # a sequence or map output
             return TensorSpec(name=v.name, shape=[], dtype=v.type.WhichOneof("value") or "unknown")

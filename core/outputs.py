@@ -5,6 +5,7 @@ fields are ``None``), nested or not. Every stage sees them flattened the same wa
 output and a validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for tuple items, the keys
 of a dict, and ``parent.child`` paths inside nested ones.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,10 @@ def flatten_outputs(out: Any, ref: str = "model") -> dict[str, torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return {SINGLE_OUTPUT: out}
     if not isinstance(out, (Mapping, tuple, list)):
-        raise ModelError(f"{ref} returns {type(out).__name__}, not a tensor, tuple, dict or ModelOutput",
-                         hint="return the output tensors from forward()")
+        raise ModelError(
+            f"{ref} returns {type(out).__name__}, not a tensor, tuple, dict or ModelOutput",
+            hint="return the output tensors from forward()",
+        )
     items = dict(_leaves(out, "", ref))
     if not items:
         raise ModelError(f"{ref} returns no tensor", hint="return the output tensors from forward()")
@@ -49,9 +52,12 @@ def _leaves(value: Any, path: str, ref: str) -> list[tuple[str, torch.Tensor]]:
             leaves += _leaves(child, name, ref)
         else:
             kind = type(child).__name__
-            hint = ("a transformers model returns its key/value cache when its config has use_cache: build it with "
-                    "use_cache=False, or return the tensors you serve (e.g. outputs.logits)" if kind.endswith("Cache")
-                    else "return only tensors (in tuples, lists, dicts or ModelOutputs) from forward()")
+            hint = (
+                "a transformers model returns its key/value cache when its config has use_cache: build it with "
+                "use_cache=False, or return the tensors you serve (e.g. outputs.logits)"
+                if kind.endswith("Cache")
+                else "return only tensors (in tuples, lists, dicts or ModelOutputs) from forward()"
+            )
             raise ModelError(f"{ref} returns output '{name}' as {kind}, not a tensor", hint=hint)
     return leaves
 
@@ -71,12 +77,16 @@ def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
         return SINGLE_OUTPUT if SINGLE_OUTPUT in names else None
     if isinstance(setting, int):
         if not -len(names) <= setting < len(names):
-            raise ConfigError(f"validate.logits_output {setting} is out of range: the model has {len(names)} "
-                              f"outputs {list(names)}", hint="give an index below the number of outputs, or a name")
+            raise ConfigError(
+                f"validate.logits_output {setting} is out of range: the model has {len(names)} outputs {list(names)}",
+                hint="give an index below the number of outputs, or a name",
+            )
         return names[setting]
     if setting not in names:
-        raise ConfigError(f"validate.logits_output '{setting}' is not an output of the model: {list(names)}",
-                          hint="name one of the model's outputs, or give its index")
+        raise ConfigError(
+            f"validate.logits_output '{setting}' is not an output of the model: {list(names)}",
+            hint="name one of the model's outputs, or give its index",
+        )
     return setting
 
 

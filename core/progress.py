@@ -3,6 +3,7 @@
 Stages call ``ctx.progress.task("training", total=epochs)`` and ``advance()``; the CLI plugs in rich bars,
 tests and ``--quiet`` get the silent default.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -40,9 +41,15 @@ class RichProgress:
         )
         from rich.progress import Progress as _P
 
-        self._progress = _P(TextColumn("  [progress.description]{task.description}"), BarColumn(),
-                            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[note]}"),
-                            console=console, transient=True)
+        self._progress = _P(
+            TextColumn("  [progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[note]}"),
+            console=console,
+            transient=True,
+        )
 
     @contextmanager
     def task(self, description: str, total: float | None = None) -> Iterator[Task]:

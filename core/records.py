@@ -5,6 +5,7 @@ Each file is written and read through its record only, so a renamed or mistyped 
 not at some later read. A damaged, foreign or older file is refused with a clear message (``read``), never
 half-understood. ``SCHEMA_VERSION`` changes when a field changes meaning.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ class Record(BaseModel):
     @classmethod
     def parse(cls: type[R], data: Any, where: str, hint: str) -> R:
         if isinstance(data, dict) and data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
-            raise InputFileError(f"{where} has schema version {data.get('schema_version')}; this Kiln reads "
-                                 f"{SCHEMA_VERSION}", hint=hint)
+            raise InputFileError(
+                f"{where} has schema version {data.get('schema_version')}; this Kiln reads {SCHEMA_VERSION}", hint=hint
+            )
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -189,7 +191,9 @@ class EngineValidation(Part):
     cosine: float | None = None
     top1_agreement: float | None = None  # of the class-logit output
     accuracy: float | None = None
-    outputs: dict[str, dict[str, float | None]] = Field(default_factory=dict)  # output -> OutputStats, worst over shapes
+    outputs: dict[str, dict[str, float | None]] = Field(
+        default_factory=dict
+    )  # output -> OutputStats, worst over shapes
     shapes: list[dict[str, int]] = Field(default_factory=list)
     latency_ms: dict[str, Percentiles] = Field(default_factory=dict)
     speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)  # vs eager PyTorch on the engine's device

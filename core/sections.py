@@ -1,4 +1,5 @@
 """Base class for config sections: strict (unknown keys are errors), typed, documented fields."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -17,10 +18,12 @@ class Section(BaseModel):
 def bool_words(true: str | None, false: str) -> BeforeValidator:
     """For a key that takes words: YAML 1.1 (PyYAML) reads a bare ``on`` / ``off`` / ``yes`` / ``no`` as a boolean,
     which becomes the word the key means by it (``true`` None: a boolean true has no meaning there, an error)."""
+
     def words(value: Any) -> Any:
         if value is True and true is not None:
             return true
         return false if value is False else value
+
     return BeforeValidator(words)
 
 

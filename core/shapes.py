@@ -1,6 +1,7 @@
 """The input shapes validation runs at: every dynamic axis besides batch (``export.dynamic_axes``) at its
 smallest and largest size (``validate.shapes``, or from the data), so an engine that is right at one
 sequence length and wrong at another cannot pass."""
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -25,14 +26,18 @@ def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]
     names = sorted({d for a in axes.values() for d in a.values()} - {"batch"})
     unknown = sorted(set(configured) - set(names))
     if unknown:
-        raise ConfigError(f"validate.shapes names axes {unknown}; export.dynamic_axes declares {names or 'none'}",
-                          hint="key validate.shapes by the axis names of export.dynamic_axes, e.g. {seq: [8, 32]}")
+        raise ConfigError(
+            f"validate.shapes names axes {unknown}; export.dynamic_axes declares {names or 'none'}",
+            hint="key validate.shapes by the axis names of export.dynamic_axes, e.g. {seq: [8, 32]}",
+        )
     sizes: dict[str, list[int]] = {}
     for name in names:
         if name in configured:
             sizes[name] = sorted(set(configured[name]))
             continue
-        seen = {f[i].shape[int(ax)] for f in feeds for i, a in axes.items() if i in f for ax, d in a.items() if d == name}
+        seen = {
+            f[i].shape[int(ax)] for f in feeds for i, a in axes.items() if i in f for ax, d in a.items() if d == name
+        }
         sizes[name] = two_sizes(min(seen), max(seen))
     return sizes
 

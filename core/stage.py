@@ -1,4 +1,5 @@
 """What a stage is (a function of its config and upstream artifacts) and what it is handed when it runs."""
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,10 @@ class StageContext:
 
     def dataset(self) -> DatasetSplits:
         if self.load_dataset is None:
-            raise KilnError(f"stage '{self.name}' reads the dataset without declaring it (Stage.data)",
-                            hint="this is a bug in Kiln's stage list; please report it")
+            raise KilnError(
+                f"stage '{self.name}' reads the dataset without declaring it (Stage.data)",
+                hint="this is a bug in Kiln's stage list; please report it",
+            )
         if self._data is None:
             self._data = self.load_dataset()
         return self._data

@@ -1,4 +1,5 @@
 """Small text helpers shared by error messages and reports."""
+
 from __future__ import annotations
 
 import re
@@ -22,7 +23,7 @@ def short_reason(exc: BaseException | str, limit: int = 400) -> str:
     if len(text) <= limit:
         return text
     head = limit // 3
-    return f"{text[:head]} ... {text[-(limit - head - 5):]}"
+    return f"{text[:head]} ... {text[-(limit - head - 5) :]}"
 
 
 def root_cause(exc: BaseException) -> BaseException:

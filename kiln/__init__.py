@@ -9,6 +9,7 @@ The user-facing API is importable from here; each name loads its module on first
     with load_engine("kiln-out/package/engines/onnxruntime-cpu-fp32") as runner:
         outputs = runner.infer({"input": batch})
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """``kiln``: thin click commands over :mod:`kiln.pipeline.api`. No logic lives here beyond parsing and printing."""
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,10 @@ console = Console(stderr=True)
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
 
 
-EXIT_CODES = ("Exit codes: 0 success; 2 a problem you can fix (bad config, input or disk: one `error:` and one "
-              "`fix:` line); 3 a validation gate failed (the engine is not as accurate or fast as configured).")
+EXIT_CODES = (
+    "Exit codes: 0 success; 2 a problem you can fix (bad config, input or disk: one `error:` and one "
+    "`fix:` line); 3 a validation gate failed (the engine is not as accurate or fast as configured)."
+)
 
 
 class KilnCommand(click.Command):
@@ -57,8 +60,13 @@ class KilnCommand(click.Command):
             _fail(ctx, storage_error(exc))
         except MemoryError:
             logging.getLogger("kiln").debug("out of memory", exc_info=True)
-            _fail(ctx, KilnError("out of memory", hint="use smaller batch sizes (validate.batch_sizes, "
-                                                         "train.batch_size) or a smaller model"))
+            _fail(
+                ctx,
+                KilnError(
+                    "out of memory",
+                    hint="use smaller batch sizes (validate.batch_sizes, train.batch_size) or a smaller model",
+                ),
+            )
 
 
 def _fail(ctx: click.Context, exc: KilnError) -> None:
@@ -82,10 +90,15 @@ class KilnGroup(click.Group):
 # torch's own: its program loader on any channels_last weight (a torch engine of a CNN; the loaded engine's
 # outputs are checked in validation and in the torch engine tests, on CPU and GPU) and a deprecation inside its
 # AOTInductor code; and torch.export's note on nn.RNN/GRU/LSTM's own weight list (torch's module, not the user's).
-THIRD_PARTY_NOISE = ("will be truncated to", "Model producer not matched",
-                     "symbolic shape inference disabled or failed", "consider to run pre-processing",
-                     "No complete tensor found in the group", "isinstance(treespec, LeafSpec)` is deprecated",
-                     "._flat_weights[")
+THIRD_PARTY_NOISE = (
+    "will be truncated to",
+    "Model producer not matched",
+    "symbolic shape inference disabled or failed",
+    "consider to run pre-processing",
+    "No complete tensor found in the group",
+    "isinstance(treespec, LeafSpec)` is deprecated",
+    "._flat_weights[",
+)
 THIRD_PARTY_LOGGERS = ("py.warnings", "onnxruntime", "onnxconverter_common", "onnx_graphsurgeon")
 
 
@@ -164,8 +177,13 @@ def _config(path: str | None, sets: tuple[str, ...]) -> KilnConfig:
 
 STAGES_HELP = " -> ".join(STAGE_NAMES)
 config_arg = click.argument("config", required=False, type=click.Path(dir_okay=False))
-config_opt = click.option("--config", "-c", "config_option", type=click.Path(dir_okay=False),
-                          help="run config (YAML/TOML/JSON); the same as giving CONFIG (default: the built-in demo)")
+config_opt = click.option(
+    "--config",
+    "-c",
+    "config_option",
+    type=click.Path(dir_okay=False),
+    help="run config (YAML/TOML/JSON); the same as giving CONFIG (default: the built-in demo)",
+)
 
 
 def _one_config(*given: str | None) -> str | None:
@@ -182,10 +200,23 @@ def _model_or_config(path: str | None, config: str | None) -> tuple[str | None, 
     if path and Path(path).suffix.lower() in CONFIG_SUFFIXES:
         return None, _one_config(path, config)
     return path, config
-workdir_opt = click.option("--workdir", "-w", default="kiln-out", show_default=True, type=click.Path(file_okay=False),
-                           help="folder holding every stage's artifacts, the cache and the report")
-set_opt = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set train.epochs=2 (repeatable)")
+
+
+workdir_opt = click.option(
+    "--workdir",
+    "-w",
+    default="kiln-out",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="folder holding every stage's artifacts, the cache and the report",
+)
+set_opt = click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="override a config value, e.g. --set train.epochs=2 (repeatable)",
+)
 quiet_opt = click.option("--quiet", "-q", is_flag=True, help="only warnings and errors")
 verbose_opt = click.option("--verbose", "-v", is_flag=True, help="debug logging")
 
@@ -217,8 +248,9 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
         labels = [f"pytorch {b.label}" for b in v.baselines or [v.baseline]]
         # engine names never wrap (three ONNX Runtime rows folded at 80 columns all read `onnxrunt...`)
-        et.add_column("engine", no_wrap=True,
-                      min_width=max([len(x) for x in labels] + [len(e.name) + 9 for e in v.engines]))
+        et.add_column(
+            "engine", no_wrap=True, min_width=max([len(x) for x in labels] + [len(e.name) + 9 for e in v.engines])
+        )
         for col in ("passed", "cosine", "top-1", "acc.", "p50 ms", "speedup"):  # fits 80 columns
             et.add_column(col, no_wrap=True)
         for label, b in zip(labels, v.baselines or [v.baseline]):
@@ -229,25 +261,37 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
                 et.add_row(e.name, "[yellow]not run[/]", "", "", "", "", "")
                 continue
             speed = e.speedup_vs_baseline.get(largest)
-            et.add_row(e.name + (" [bold](chosen)[/]" if v.chosen.get(largest) == e.name else ""),
-                       "[green]yes[/]" if e.passed else "[bold red]no[/]", _fmt(e.cosine, ".6f"),
-                       _fmt(e.top1_agreement), _fmt(e.accuracy), f"{e.latency_ms[largest].p50:.3f}",
-                       f"{speed:.2f}x vs {e.device}" if speed else "-")
+            et.add_row(
+                e.name + (" [bold](chosen)[/]" if v.chosen.get(largest) == e.name else ""),
+                "[green]yes[/]" if e.passed else "[bold red]no[/]",
+                _fmt(e.cosine, ".6f"),
+                _fmt(e.top1_agreement),
+                _fmt(e.accuracy),
+                f"{e.latency_ms[largest].p50:.3f}",
+                f"{speed:.2f}x vs {e.device}" if speed else "-",
+            )
         console.print(et)
         for e in v.engines:
             if e.status != "validated":
-                console.print(f"[yellow]{escape(e.name)}[/]: built for {escape(e.device.upper())}, not validated "
-                              f"here: {escape(e.reason or '')}", soft_wrap=True)
+                console.print(
+                    f"[yellow]{escape(e.name)}[/]: built for {escape(e.device.upper())}, not validated "
+                    f"here: {escape(e.reason or '')}",
+                    soft_wrap=True,
+                )
         dropped = {e.name for e in v.engines if e.dropped}
         for r in v.speed_vs_fp32:
             if r["slower"]:
                 x = r["vs_fp32"][r["largest_batch"]]
-                console.print(f"[yellow]{escape(r['engine'])}[/]: slower than FP32 at batch {r['largest_batch']} "
-                              f"({x:.2f}x){', not packaged (precision.require_speedup)' if r['engine'] in dropped else ''}")
+                console.print(
+                    f"[yellow]{escape(r['engine'])}[/]: slower than FP32 at batch {r['largest_batch']} "
+                    f"({x:.2f}x){', not packaged (precision.require_speedup)' if r['engine'] in dropped else ''}"
+                )
     precision = report.get("stages", {}).get("precision", {}).get("summary", {})
     for name, why in precision.get("failed", {}).items():
-        console.print(f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
-                      soft_wrap=True)
+        console.print(
+            f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
+            soft_wrap=True,
+        )
     console.print(f"result: {escape(result_line(report))}", highlight=False, soft_wrap=True)
     console.print(f"report: {workdir / 'report.md'}")
 
@@ -270,14 +314,27 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
 @config_opt
 @workdir_opt
 @set_opt
-@click.option("--force", multiple=True, metavar="STAGE",
-              help=f"rerun this stage even if cached (repeatable); stages: {STAGES_HELP}")
+@click.option(
+    "--force",
+    multiple=True,
+    metavar="STAGE",
+    help=f"rerun this stage even if cached (repeatable); stages: {STAGES_HELP}",
+)
 @click.option("--from", "start", metavar="STAGE", help=f"rerun from this stage on; stages: {STAGES_HELP}")
 @click.option("--until", "stop", metavar="STAGE", help=f"stop after this stage; stages: {STAGES_HELP}")
 @quiet_opt
 @verbose_opt
-def run(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...], force: tuple[str, ...],
-        start: str | None, stop: str | None, quiet: bool, verbose: bool) -> None:
+def run(
+    config: str | None,
+    config_option: str | None,
+    workdir: str,
+    sets: tuple[str, ...],
+    force: tuple[str, ...],
+    start: str | None,
+    stop: str | None,
+    quiet: bool,
+    verbose: bool,
+) -> None:
     """Run the whole pipeline. Without CONFIG: the built-in demo (a CNN on scikit-learn's digits)."""
     _setup_logging(quiet, verbose)
     _run(_config(_one_config(config, config_option), sets), workdir, quiet, force=set(force), start=start, stop=stop)
@@ -295,11 +352,16 @@ def show_config(config: str | None, config_option: str | None, sets: tuple[str, 
 def _refuse_direct_options(what: str, *names: str) -> None:
     """Direct-mode options given without the file they apply to would be silently ignored: refuse instead."""
     ctx = click.get_current_context()
-    given = [f"--{n.replace('_', '-').rstrip('-')}" for n in names
-             if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    given = [
+        f"--{n.replace('_', '-').rstrip('-')}"
+        for n in names
+        if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE
+    ]
     if given:
-        raise click.UsageError(f"{', '.join(given)}: direct-mode option{'s' if len(given) > 1 else ''}, give {what} "
-                               f"too (without it, `kiln {ctx.info_name}` runs the stage inside --workdir)")
+        raise click.UsageError(
+            f"{', '.join(given)}: direct-mode option{'s' if len(given) > 1 else ''}, give {what} "
+            f"too (without it, `kiln {ctx.info_name}` runs the stage inside --workdir)"
+        )
 
 
 def _stage_in_workdir(stage: str, config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
@@ -329,9 +391,17 @@ def train(config: str | None, config_option: str | None, workdir: str, sets: tup
 @click.option("--input-shape", help="one sample's shape without batch, e.g. 3,224,224 (default: the dataset's)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="ONNX file to write in direct mode")
 @quiet_opt
-def export(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...],
-           checkpoint: str | None, model_name: str | None, input_shape: str | None, output: str | None,
-           quiet: bool) -> None:
+def export(
+    config: str | None,
+    config_option: str | None,
+    workdir: str,
+    sets: tuple[str, ...],
+    checkpoint: str | None,
+    model_name: str | None,
+    input_shape: str | None,
+    output: str | None,
+    quiet: bool,
+) -> None:
     """Export to ONNX: from WORKDIR/train, or directly with --checkpoint/--model and -o."""
     _setup_logging(quiet, False)
     config = _one_config(config, config_option)
@@ -341,20 +411,32 @@ def export(config: str | None, config_option: str | None, workdir: str, sets: tu
     overrides = {"model.name": model_name} if model_name else {}
     cfg = _load(config, {**overrides, **_parse_sets(sets)})
     summary = export_direct(cfg, checkpoint, input_shape, Path(output or "model.onnx"))
-    console.print(f"wrote {summary['path']} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})")
+    console.print(
+        f"wrote {summary['path']} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})"
+    )
 
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="optimized ONNX file (direct mode)")
 @config_opt
-@click.option("--passes", metavar="P1,P2,...",
-              help=f"comma-separated pass list (default: the config's); passes: {', '.join(sorted(PASSES))}")
+@click.option(
+    "--passes",
+    metavar="P1,P2,...",
+    help=f"comma-separated pass list (default: the config's); passes: {', '.join(sorted(PASSES))}",
+)
 @workdir_opt
 @set_opt
 @quiet_opt
-def optimize(model: str | None, output: str | None, config_option: str | None, passes: str | None, workdir: str,
-             sets: tuple[str, ...], quiet: bool) -> None:
+def optimize(
+    model: str | None,
+    output: str | None,
+    config_option: str | None,
+    passes: str | None,
+    workdir: str,
+    sets: tuple[str, ...],
+    quiet: bool,
+) -> None:
     """Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without MODEL
     (MODEL may also be the run config: `kiln optimize kiln.yaml`)."""
     _setup_logging(quiet, False)
@@ -373,15 +455,25 @@ def optimize(model: str | None, output: str | None, config_option: str | None, p
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(file_okay=False), help="folder of the variants (direct mode)")
 @click.option("--variants", help="comma-separated variants to make, e.g. fp16,int8 (default: the config's)")
-@click.option("--calibration", type=click.Path(dir_okay=False),
-              help=".npz with one array per model input (calibration and the accuracy fallback; default: random, "
-                   "with a warning)")
+@click.option(
+    "--calibration",
+    type=click.Path(dir_okay=False),
+    help=".npz with one array per model input (calibration and the accuracy fallback; default: random, with a warning)",
+)
 @config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
-def precision(model: str | None, output: str | None, variants: str | None, calibration: str | None,
-              config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+def precision(
+    model: str | None,
+    output: str | None,
+    variants: str | None,
+    calibration: str | None,
+    config_option: str | None,
+    workdir: str,
+    sets: tuple[str, ...],
+    quiet: bool,
+) -> None:
     """FP32/FP16/INT8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 --calibration d.npz`,
     or of WORKDIR/optimize without MODEL (MODEL may also be the run config)."""
     _setup_logging(quiet, False)
@@ -403,21 +495,48 @@ def precision(model: str | None, output: str | None, variants: str | None, calib
 
 @main.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False))
-@click.option("--backend", type=click.Choice(sorted(BACKENDS)), default="onnxruntime", show_default=True,
-              help="engine kind to build (direct mode)")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="device the engine targets [default: the backend's only device (tensorrt: cuda, which "
-                   "TensorRT-RTX builds for without a GPU here), else cpu]")
-@click.option("--precision", "precision_", default="fp32", show_default=True,
-              help="label of the graph's precision (precision lives in the graph: see `kiln precision`)")
-@click.option("-o", "--output", type=click.Path(file_okay=False),
-              help="engine folder (direct mode): new, empty, or one an earlier `kiln build` wrote")
+@click.option(
+    "--backend",
+    type=click.Choice(sorted(BACKENDS)),
+    default="onnxruntime",
+    show_default=True,
+    help="engine kind to build (direct mode)",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default=None,
+    help="device the engine targets [default: the backend's only device (tensorrt: cuda, which "
+    "TensorRT-RTX builds for without a GPU here), else cpu]",
+)
+@click.option(
+    "--precision",
+    "precision_",
+    default="fp32",
+    show_default=True,
+    help="label of the graph's precision (precision lives in the graph: see `kiln precision`)",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False),
+    help="engine folder (direct mode): new, empty, or one an earlier `kiln build` wrote",
+)
 @config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
-def build(model: str | None, backend: str, device: str | None, precision_: str, output: str | None,
-          config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+def build(
+    model: str | None,
+    backend: str,
+    device: str | None,
+    precision_: str,
+    output: str | None,
+    config_option: str | None,
+    workdir: str,
+    sets: tuple[str, ...],
+    quiet: bool,
+) -> None:
     """Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision
     (MODEL may also be the run config: `kiln build kiln.yaml`)."""
     _setup_logging(quiet, False)
@@ -427,26 +546,45 @@ def build(model: str | None, backend: str, device: str | None, precision_: str, 
         return _stage_in_workdir("build", config, workdir, sets, quiet)
     cfg = _config(config, sets)
     meta = build_direct(Path(model), Path(output or "engine"), backend, device, precision_, cfg.build)
-    console.print(f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s "
-                  f"(targets {meta.device.upper()})", highlight=False)
+    console.print(
+        f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s (targets {meta.device.upper()})",
+        highlight=False,
+    )
     ok, why = runnable(meta)
     if not ok:
-        console.print(f"[yellow]not runnable on this machine[/]: {escape(why)}; run it on a machine with a "
-                      f"{meta.device.upper()} device", highlight=False, soft_wrap=True)
+        console.print(
+            f"[yellow]not runnable on this machine[/]: {escape(why)}; run it on a machine with a "
+            f"{meta.device.upper()} device",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @main.command()
 @click.argument("engine", required=False, type=click.Path())
-@click.option("--reference", type=click.Path(dir_okay=False),
-              help="what the engine must match (direct mode): an ONNX model, or a PyTorch checkpoint of --model")
+@click.option(
+    "--reference",
+    type=click.Path(dir_okay=False),
+    help="what the engine must match (direct mode): an ONNX model, or a PyTorch checkpoint of --model",
+)
 @click.option("--model", "model_name", help="model name or import path for a checkpoint --reference")
-@click.option("--inputs", type=click.Path(dir_okay=False), help=".npz of inputs (default: random from the engine's spec)")
+@click.option(
+    "--inputs", type=click.Path(dir_okay=False), help=".npz of inputs (default: random from the engine's spec)"
+)
 @config_opt
 @workdir_opt
 @set_opt
 @quiet_opt
-def validate(engine: str | None, reference: str | None, model_name: str | None, inputs: str | None,
-             config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
+def validate(
+    engine: str | None,
+    reference: str | None,
+    model_name: str | None,
+    inputs: str | None,
+    config_option: str | None,
+    workdir: str,
+    sets: tuple[str, ...],
+    quiet: bool,
+) -> None:
     """Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference
     (ENGINE may also be the run config: `kiln validate kiln.yaml`)."""
     _setup_logging(quiet, False)
@@ -460,8 +598,10 @@ def validate(engine: str | None, reference: str | None, model_name: str | None, 
     result = validate_direct(Path(engine), Path(reference), Path(inputs) if inputs else None, cfg)
     console.print_json(result.model_dump_json(exclude_none=True))
     if not result.passed:
-        raise GateFailure(f"engine {result.name} failed its gates: {'; '.join(result.failures)}",
-                          hint="inspect the engine's precision, or relax validate.gates if acceptable")
+        raise GateFailure(
+            f"engine {result.name} failed its gates: {'; '.join(result.failures)}",
+            hint="inspect the engine's precision, or relax validate.gates if acceptable",
+        )
 
 
 @main.command()
@@ -481,14 +621,29 @@ def package(config: str | None, config_option: str | None, workdir: str, sets: t
 @click.option("--http-port", default=8000, show_default=True, type=int, help="Triton's HTTP port")
 @click.option("--grpc-port", default=8001, show_default=True, type=int, help="Triton's gRPC port")
 @click.option("--metrics-port", default=8002, show_default=True, type=int, help="Triton's Prometheus metrics port")
-@click.option("--max-batch", default=32, show_default=True, type=click.IntRange(0),
-              help="largest batch Triton's dynamic batcher forms (capped by the engine; 0: no batching)")
-@click.option("--max-queue-delay-us", default=100, show_default=True, type=click.IntRange(0),
-              help="how long a request may wait for others to join its batch")
-@click.option("--address", default="127.0.0.1", show_default=True,
-              help="interface to listen on (0.0.0.0 exposes the server to the network)")
-def serve(path: str, http_port: int, grpc_port: int, metrics_port: int, max_batch: int, max_queue_delay_us: int,
-          address: str) -> None:
+@click.option(
+    "--max-batch",
+    default=32,
+    show_default=True,
+    type=click.IntRange(0),
+    help="largest batch Triton's dynamic batcher forms (capped by the engine; 0: no batching)",
+)
+@click.option(
+    "--max-queue-delay-us",
+    default=100,
+    show_default=True,
+    type=click.IntRange(0),
+    help="how long a request may wait for others to join its batch",
+)
+@click.option(
+    "--address",
+    default="127.0.0.1",
+    show_default=True,
+    help="interface to listen on (0.0.0.0 exposes the server to the network)",
+)
+def serve(
+    path: str, http_port: int, grpc_port: int, metrics_port: int, max_batch: int, max_queue_delay_us: int, address: str
+) -> None:
     """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM."""
 
     _setup_logging(False, False)
@@ -498,8 +653,9 @@ def serve(path: str, http_port: int, grpc_port: int, metrics_port: int, max_batc
             console.print(escape(line), highlight=False, soft_wrap=True)
         console.print("ready (Ctrl-C or SIGTERM stops the server)")
 
-    serve_engines(Path(path), http_port, grpc_port, metrics_port, max_batch, max_queue_delay_us, address,
-                  on_ready=ready)
+    serve_engines(
+        Path(path), http_port, grpc_port, metrics_port, max_batch, max_queue_delay_us, address, on_ready=ready
+    )
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -512,25 +668,66 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @main.command()
 @click.argument("url")
 @click.option("--model", required=True, help="served model name (printed by `kiln serve`)")
-@click.option("--engines", "-e", "engines", default="kiln-out", show_default=True, type=click.Path(exists=True),
-              help="the workdir or engine folder the server serves: expected answers come from its engine")
-@click.option("--concurrency", default="1,2,4,8,16,32", show_default=True, callback=_int_list,
-              help="comma-separated numbers of requests in flight, one level after another")
-@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="seconds per concurrency level")
-@click.option("--requests", "max_requests", default=100_000, show_default=True, type=click.IntRange(1),
-              help="at most this many requests per concurrency level")
-@click.option("--config", "-c", "config", type=click.Path(dir_okay=False),
-              help="the run's config (YAML/TOML/JSON): its validation data become the requests (default: the demo's)")
-@click.option("-o", "--output", default="loadtest", show_default=True, type=click.Path(file_okay=False),
-              help="folder for loadtest.json, loadtest.md and loadtest.png")
-def loadtest(url: str, model: str, engines: str, concurrency: list[int], duration: float, max_requests: int,
-             config: str | None, output: str) -> None:
+@click.option(
+    "--engines",
+    "-e",
+    "engines",
+    default="kiln-out",
+    show_default=True,
+    type=click.Path(exists=True),
+    help="the workdir or engine folder the server serves: expected answers come from its engine",
+)
+@click.option(
+    "--concurrency",
+    default="1,2,4,8,16,32",
+    show_default=True,
+    callback=_int_list,
+    help="comma-separated numbers of requests in flight, one level after another",
+)
+@click.option(
+    "--duration",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="seconds per concurrency level",
+)
+@click.option(
+    "--requests",
+    "max_requests",
+    default=100_000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="at most this many requests per concurrency level",
+)
+@click.option(
+    "--config",
+    "-c",
+    "config",
+    type=click.Path(dir_okay=False),
+    help="the run's config (YAML/TOML/JSON): its validation data become the requests (default: the demo's)",
+)
+@click.option(
+    "-o",
+    "--output",
+    default="loadtest",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="folder for loadtest.json, loadtest.md and loadtest.png",
+)
+def loadtest(
+    url: str,
+    model: str,
+    engines: str,
+    concurrency: list[int],
+    duration: float,
+    max_requests: int,
+    config: str | None,
+    output: str,
+) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
 
     _setup_logging(False, False)
-    result = run_loadtest(url, model, engines, Path(output), concurrency, duration, max_requests,
-                          _config(config, ()))
+    result = run_loadtest(url, model, engines, Path(output), concurrency, duration, max_requests, _config(config, ()))
     click.echo(render_markdown(result), nl=False)
     console.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png")
 

@@ -4,6 +4,7 @@ Models: ``cnn`` (Conv+BN+ReLU blocks, also ResNet-18 shaped via ``resnet18``), `
 (encoder classifier with explicit Q/K/V, LayerNorm, GELU; ``bert_base`` for the BERT-base shape),
 ``mlp_embed`` (recommender-style field embeddings + MLP).
 """
+
 from kiln.models.registry import (
     DATASETS,
     MODELS,

@@ -3,6 +3,7 @@
 Written here rather than taken from torchvision, which is not a dependency (and whose PyPI wheel does not
 import beside CPU builds of torch).
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,11 +58,14 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     """ResNet-18 layout (2-2-2-2 basic blocks). Input ``[B, 3, 224, 224]`` by default."""
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 1000, blocks: tuple[int, ...] = (2, 2, 2, 2),
-                 width: int = 64) -> None:
+    def __init__(
+        self, in_channels: int = 3, num_classes: int = 1000, blocks: tuple[int, ...] = (2, 2, 2, 2), width: int = 64
+    ) -> None:
         super().__init__()
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(in_channels, width, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, 2, 1),
         )
         stages: list[nn.Module] = []

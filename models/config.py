@@ -1,4 +1,5 @@
 """The ``model:`` and ``data:`` config sections: which model and dataset, built-in or the user's own."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,8 +12,11 @@ class ModelConfig(Section):
     name: str = Field("cnn", description="built-in model name or import path 'package.module:function'")
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
     checkpoint: str | None = Field(None, description="state dict (.safetensors/.pt) to start from; skips training")
-    onnx: str | None = Field(None, description="start from this ONNX file: optimize through package, no train/export; "
-                                               "the reference is this file in ONNX Runtime unless model.name is set")
+    onnx: str | None = Field(
+        None,
+        description="start from this ONNX file: optimize through package, no train/export; "
+        "the reference is this file in ONNX Runtime unless model.name is set",
+    )
 
 
 class DataConfig(Section):

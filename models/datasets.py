@@ -3,6 +3,7 @@
 ``digits`` is scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes): a small real task.
 ``synthetic`` makes a learnable classification problem of any input shape, for tests and benchmarks.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,14 @@ def digits_ids(val_fraction: float = 0.2, seed: int = 0) -> DatasetSplits:
     return digits(val_fraction=val_fraction, seed=seed, as_ids=True)
 
 
-def synthetic(shape: tuple[int, ...] | list[int] = (1, 8, 8), num_classes: int = 10, size: int = 512,
-              val_fraction: float = 0.25, seed: int = 0, noise: float = 0.5) -> DatasetSplits:
+def synthetic(
+    shape: tuple[int, ...] | list[int] = (1, 8, 8),
+    num_classes: int = 10,
+    size: int = 512,
+    val_fraction: float = 0.25,
+    seed: int = 0,
+    noise: float = 0.5,
+) -> DatasetSplits:
     """Gaussian clusters around one random prototype per class: learnable, deterministic for a seed."""
     g = torch.Generator().manual_seed(seed)
     shape = tuple(int(s) for s in shape)
@@ -56,8 +63,14 @@ def synthetic_tokens(num_classes: int = 2, size: int = 256, seed: int = 0) -> Da
     return synthetic(shape=(128, 768), num_classes=num_classes, size=size, seed=seed)
 
 
-def synthetic_text(vocab_size: int = 64, max_len: int = 16, num_classes: int = 4, size: int = 512,
-                   val_fraction: float = 0.25, seed: int = 0) -> DatasetSplits:
+def synthetic_text(
+    vocab_size: int = 64,
+    max_len: int = 16,
+    num_classes: int = 4,
+    size: int = 512,
+    val_fraction: float = 0.25,
+    seed: int = 0,
+) -> DatasetSplits:
     """Padded token sequences of varying length as ``{input_ids, attention_mask}`` (int64, ``[N, max_len]``, 0 is
     padding): each class draws most tokens from its own slice of the vocabulary. ``token_classifier``'s default."""
     g = torch.Generator().manual_seed(seed)
@@ -70,16 +83,27 @@ def synthetic_text(vocab_size: int = 64, max_len: int = 16, num_classes: int = 4
     mask = (torch.arange(max_len)[None, :] < lengths[:, None]).long()
     ids = ids * mask
     tx, ty, vx, vy = _split(torch.stack([ids, mask], 1), y, val_fraction, seed)
-    return DatasetSplits({"input_ids": tx[:, 0], "attention_mask": tx[:, 1]}, ty,
-                         {"input_ids": vx[:, 0], "attention_mask": vx[:, 1]}, vy, num_classes=num_classes,
-                         name="synthetic_text")
+    return DatasetSplits(
+        {"input_ids": tx[:, 0], "attention_mask": tx[:, 1]},
+        ty,
+        {"input_ids": vx[:, 0], "attention_mask": vx[:, 1]},
+        vy,
+        num_classes=num_classes,
+        name="synthetic_text",
+    )
 
 
-def synthetic_regression(in_features: int = 8, outputs: int = 1, size: int = 512, val_fraction: float = 0.25,
-                         seed: int = 0, noise: float = 0.05) -> DatasetSplits:
+def synthetic_regression(
+    in_features: int = 8,
+    outputs: int = 1,
+    size: int = 512,
+    val_fraction: float = 0.25,
+    seed: int = 0,
+    noise: float = 0.05,
+) -> DatasetSplits:
     """Float targets ``[N, outputs]`` = a smooth function of ``[N, in_features]`` features, plus noise; no classes."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn((size, in_features), generator=g)
-    w = torch.randn((in_features, outputs), generator=g) / in_features ** 0.5
+    w = torch.randn((in_features, outputs), generator=g) / in_features**0.5
     y = torch.sin(x @ w) + noise * torch.randn((size, outputs), generator=g)
     return DatasetSplits(*_split(x, y, val_fraction, seed), num_classes=0, name="synthetic_regression")

@@ -3,6 +3,7 @@
 On the digits data each of the 64 pixels is a field and its intensity (0..16) the category, so the model
 learns a real task while having the shape of a CTR model (int64 ids -> Gather -> MLP).
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,14 @@ from torch import nn
 class EmbeddingMLP(nn.Module):
     """Input ``[B, num_fields]`` int64 category ids, each in ``[0, cardinality)``."""
 
-    def __init__(self, num_fields: int = 64, cardinality: int = 17, embed_dim: int = 8,
-                 hidden: tuple[int, ...] = (128, 64), num_classes: int = 10) -> None:
+    def __init__(
+        self,
+        num_fields: int = 64,
+        cardinality: int = 17,
+        embed_dim: int = 8,
+        hidden: tuple[int, ...] = (128, 64),
+        num_classes: int = 10,
+    ) -> None:
         super().__init__()
         self.cardinality = cardinality
         # One shared table with a per-field offset: the usual trick for many small fields.

@@ -3,6 +3,7 @@
 The train stage writes ``model.safetensors`` (state dict) and ``model.json`` (how to rebuild the module).
 Checkpoints are read with safetensors or ``torch.load(weights_only=True)``: never arbitrary pickles.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,10 @@ def dataset_for(config: KilnConfig) -> DatasetSplits:
     name = config.data.name or DEFAULT_DATASET.get(config.model.name)
     if name is None:
         resolve_callable(config.model.name, MODELS, "model")  # a misspelt model name is the problem, say so
-        raise ConfigError(f"no dataset configured for model '{config.model.name}'",
-                          hint="set data.name to a built-in dataset or 'package.module:function'")
+        raise ConfigError(
+            f"no dataset configured for model '{config.model.name}'",
+            hint="set data.name to a built-in dataset or 'package.module:function'",
+        )
     params = dict(config.data.params)
     params.setdefault("seed", config.seed) if name in DATASETS else None  # built-ins split by the run seed
     return load_dataset(name, params, config.export.dynamic_axes)
@@ -53,12 +56,18 @@ def random_splits(path: Path, config: KilnConfig, rows: int = 64) -> DatasetSpli
     named = {n for s in inputs for d in s.shape[1:] if isinstance(d, str) for n in [d]}
     dynamic = max(sizes.values()) if sizes else None
     if named and dynamic is None:
-        raise ConfigError(f"model.onnx {path.name} has dynamic axes {sorted(named)} besides batch, and no data to "
-                          "size them", hint="give data.name (a data function), or validate.shapes with their sizes")
-    log.warning("model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
-                "accuracy figures do not reflect real data (give data.name for real ones)")
-    make = lambda seed: {k: torch.from_numpy(v) for k, v in  # noqa: E731
-                         random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()}
+        raise ConfigError(
+            f"model.onnx {path.name} has dynamic axes {sorted(named)} besides batch, and no data to size them",
+            hint="give data.name (a data function), or validate.shapes with their sizes",
+        )
+    log.warning(
+        "model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
+        "accuracy figures do not reflect real data (give data.name for real ones)"
+    )
+    make = lambda seed: {
+        k: torch.from_numpy(v)
+        for k, v in random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()  # noqa: E731
+    }
     return DatasetSplits(make(config.seed), None, make(config.seed + 1), None, name=f"random inputs of {path.name}")
 
 
@@ -73,13 +82,16 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt or not a checkpoint: a user problem, not a Kiln bug
         reason = _load_failure(exc)
-        raise InputFileError(f"cannot read checkpoint {path}: {reason}",
-                             hint="give a safetensors file or a torch.save'd state_dict") from None
+        raise InputFileError(
+            f"cannot read checkpoint {path}: {reason}", hint="give a safetensors file or a torch.save'd state_dict"
+        ) from None
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]
     if not isinstance(state, dict):
-        raise InputFileError(f"checkpoint {path} holds {type(state).__name__}, not a state dict",
-                             hint="save with torch.save(model.state_dict(), path)")
+        raise InputFileError(
+            f"checkpoint {path} holds {type(state).__name__}, not a state dict",
+            hint="save with torch.save(model.state_dict(), path)",
+        )
     return state
 
 
@@ -88,8 +100,7 @@ def _load_failure(exc: Exception) -> str:
     ``weights_only=False`` (which would run code from the file): Kiln never does, so give what it unpickled."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     if lines and lines[0].startswith("Weights only load failed"):
-        detail = next((ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the documentation"))),
-                      "")
+        detail = next((ln for ln in lines[1:] if not ln.startswith(("Please file", "Check the documentation"))), "")
         return f"not a plain state dict (torch.load with weights_only=True: {detail or 'refused'})"
     return (lines or [type(exc).__name__])[0][:300]
 

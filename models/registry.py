@@ -2,6 +2,7 @@
 
 Plain dicts on purpose: a reader (or a type checker) sees every built-in in one place.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,9 +47,15 @@ DATASETS: dict[str, Callable[..., DatasetSplits]] = {
 
 # Which built-in dataset a built-in model trains on when the config names none: it must fit the model's
 # default input (plain ``synthetic`` is 1x8x8, which neither ResNet-18 nor BERT-base takes).
-DEFAULT_DATASET: dict[str, str] = {"cnn": "digits", "transformer": "digits", "mlp_embed": "digits_ids",
-                                   "resnet18": "synthetic_rgb", "bert_base": "synthetic_tokens",
-                                   "token_classifier": "synthetic_text", "mlp_regressor": "synthetic_regression"}
+DEFAULT_DATASET: dict[str, str] = {
+    "cnn": "digits",
+    "transformer": "digits",
+    "mlp_embed": "digits_ids",
+    "resnet18": "synthetic_rgb",
+    "bert_base": "synthetic_tokens",
+    "token_classifier": "synthetic_text",
+    "mlp_regressor": "synthetic_regression",
+}
 
 
 def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
@@ -56,36 +63,45 @@ def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) 
     if ref in table:
         return table[ref]
     if ":" not in ref:
-        raise ConfigError(f"unknown {kind} '{ref}'",
-                          hint=f"use one of {sorted(table)} or an import path like 'mypkg.models:build'")
+        raise ConfigError(
+            f"unknown {kind} '{ref}'", hint=f"use one of {sorted(table)} or an import path like 'mypkg.models:build'"
+        )
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = ("run kiln from the folder holding the module, put it next to the config, or add its folder to "
-                "PYTHONPATH")
+        hint = "run kiln from the folder holding the module, put it next to the config, or add its folder to PYTHONPATH"
         raise ConfigError(f"cannot import module '{module_name}' for {kind} '{ref}': {exc}", hint=hint) from None
     except Exception as exc:  # the user's module itself fails (SyntaxError, an exception at import time)
-        raise ConfigError(f"importing module '{module_name}' for {kind} '{ref}' failed: "
-                          f"{type(exc).__name__}: {exc}", hint=f"fix the error in {module_name}") from None
+        raise ConfigError(
+            f"importing module '{module_name}' for {kind} '{ref}' failed: {type(exc).__name__}: {exc}",
+            hint=f"fix the error in {module_name}",
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"'{attr}' in module '{module_name}' is not a callable {kind} factory",
-                          hint=f"point {kind} at a function, e.g. '{module_name}:build'")
+        raise ConfigError(
+            f"'{attr}' in module '{module_name}' is not a callable {kind} factory",
+            hint=f"point {kind} at a function, e.g. '{module_name}:build'",
+        )
     return fn
 
 
-def _call_factory(ref: str, table: dict[str, Callable[..., Any]], kind: str, params: dict[str, Any] | None,
-                  expected: type, hint: str) -> Any:
+def _call_factory(
+    ref: str, table: dict[str, Callable[..., Any]], kind: str, params: dict[str, Any] | None, expected: type, hint: str
+) -> Any:
     factory = resolve_callable(ref, table, kind)
     try:
         obj = factory(**(params or {}))
     except (TypeError, ValueError) as exc:  # unknown keyword / invalid value: both are config mistakes
-        raise ConfigError(f"{kind} '{ref}' rejected its params {params}: {exc}",
-                          hint=f"fix {'model' if kind == 'model' else 'data'}.params in the config") from exc
+        raise ConfigError(
+            f"{kind} '{ref}' rejected its params {params}: {exc}",
+            hint=f"fix {'model' if kind == 'model' else 'data'}.params in the config",
+        ) from exc
     if not isinstance(obj, expected):
-        raise ConfigError(f"{kind} factory '{ref}' returned {type(obj).__name__}, not {expected.__module__}.{expected.__name__}",
-                          hint=hint)
+        raise ConfigError(
+            f"{kind} factory '{ref}' returned {type(obj).__name__}, not {expected.__module__}.{expected.__name__}",
+            hint=hint,
+        )
     return obj
 
 
@@ -93,11 +109,18 @@ def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
     return _call_factory(ref, MODELS, "model", params, nn.Module, "return a torch.nn.Module from the factory")
 
 
-def load_dataset(ref: str, params: dict[str, Any] | None = None,
-                 dynamic: dict[str, dict[int, str]] | None = None) -> DatasetSplits:
+def load_dataset(
+    ref: str, params: dict[str, Any] | None = None, dynamic: dict[str, dict[int, str]] | None = None
+) -> DatasetSplits:
     """The data function's splits, checked against the dataset contract (:func:`kiln.core.data.check_splits`);
     ``dynamic``: export.dynamic_axes, whose axes may differ in size between the splits."""
-    data = _call_factory(ref, DATASETS, "dataset", params, DatasetSplits,
-                         "return kiln.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)")
+    data = _call_factory(
+        ref,
+        DATASETS,
+        "dataset",
+        params,
+        DatasetSplits,
+        "return kiln.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)",
+    )
     check_splits(data, ref, dynamic)
     return data

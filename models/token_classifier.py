@@ -4,6 +4,7 @@ The zoo's two-input, two-output model (the shape of a HuggingFace encoder): inte
 a variable sequence length, and a hidden-state output besides the class logits. Attention is written out
 with the mask added to the scores (no fused kernel), so training and the exported graph compute alike.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,16 @@ class MaskedEncoderLayer(nn.Module):
 
 
 class TokenClassifier(nn.Module):
-    def __init__(self, vocab_size: int = 64, max_len: int = 64, num_classes: int = 4, dim: int = 32, heads: int = 2,
-                 layers: int = 2, ffn: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 64,
+        max_len: int = 64,
+        num_classes: int = 4,
+        dim: int = 32,
+        heads: int = 2,
+        layers: int = 2,
+        ffn: int | None = None,
+    ) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} must be divisible by heads {heads}")
@@ -63,8 +72,9 @@ class MLPRegressor(nn.Module):
 
     def __init__(self, in_features: int = 8, hidden: int = 32, outputs: int = 1) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(in_features, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-                                 nn.Linear(hidden, outputs))
+        self.net = nn.Sequential(
+            nn.Linear(in_features, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, outputs)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

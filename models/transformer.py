@@ -8,6 +8,7 @@ backward pass, which is most of the gap between FP32 and AMP training speed on a
 ``attention="explicit"`` keeps the four ops in training too (what ``torch.compile`` has to fuse by itself;
 benchmarks/train_bench.py compares both).
 """
+
 from __future__ import annotations
 
 import math
@@ -69,9 +70,18 @@ class TransformerClassifier(nn.Module):
     ``input_kind="image"`` accepts ``[B, 1, H, W]`` and treats the H rows as tokens of W features.
     """
 
-    def __init__(self, in_features: int = 8, seq_len: int = 8, num_classes: int = 10, dim: int = 64,
-                 heads: int = 4, layers: int = 2, ffn: int | None = None, input_kind: str = "image",
-                 attention: str = "sdpa") -> None:
+    def __init__(
+        self,
+        in_features: int = 8,
+        seq_len: int = 8,
+        num_classes: int = 10,
+        dim: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        ffn: int | None = None,
+        input_kind: str = "image",
+        attention: str = "sdpa",
+    ) -> None:
         super().__init__()
         if input_kind not in ("image", "tokens"):
             raise ValueError(f"input_kind must be 'image' or 'tokens', got {input_kind!r}")
@@ -81,8 +91,9 @@ class TransformerClassifier(nn.Module):
         self.embed = nn.Linear(in_features, dim)
         self.pos = nn.Parameter(torch.zeros(1, seq_len, dim))
         nn.init.normal_(self.pos, std=0.02)
-        self.layers = nn.ModuleList(EncoderLayer(dim, heads, ffn or 4 * dim, attention == "explicit")
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(
+            EncoderLayer(dim, heads, ffn or 4 * dim, attention == "explicit") for _ in range(layers)
+        )
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +111,8 @@ def transformer(**kw: object) -> TransformerClassifier:
 
 def bert_base(**kw: object) -> TransformerClassifier:
     """BERT-base shape: 12 layers, hidden 768, 12 heads, FFN 3072, sequence 128 of 768 features."""
-    defaults: dict[str, object] = dict(in_features=768, seq_len=128, num_classes=2, dim=768, heads=12, layers=12,
-                                       ffn=3072, input_kind="tokens")
+    defaults: dict[str, object] = dict(
+        in_features=768, seq_len=128, num_classes=2, dim=768, heads=12, layers=12, ffn=3072, input_kind="tokens"
+    )
     defaults.update(kw)
     return TransformerClassifier(**defaults)  # type: ignore[arg-type]

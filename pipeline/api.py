@@ -1,4 +1,5 @@
 """The Python API behind the CLI: run the pipeline (or some stages of it) and write the report."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,16 +15,26 @@ from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
 from kiln.pipeline.workdir_lock import LOCK_NAME, workdir_lock
 
 
-def run_pipeline(config: KilnConfig, workdir: str | Path, *, force: set[str] | None = None, start: str | None = None,
-                 stop: str | None = None, only: list[str] | None = None, progress: Progress | None = None,
-                 on_stage: Callable[[StageRecord], Any] | None = None) -> tuple[RunResult, dict[str, Any]]:
+def run_pipeline(
+    config: KilnConfig,
+    workdir: str | Path,
+    *,
+    force: set[str] | None = None,
+    start: str | None = None,
+    stop: str | None = None,
+    only: list[str] | None = None,
+    progress: Progress | None = None,
+    on_stage: Callable[[StageRecord], Any] | None = None,
+) -> tuple[RunResult, dict[str, Any]]:
     """Run stages in order with caching; ``only`` restricts to those stages (their inputs must exist)."""
     for name in [*(force or ()), start, stop, *(only or ())]:
         if name is not None:
             stage_named(name)  # raises ConfigError listing valid stage names
     if start is not None and stop is not None and STAGE_NAMES.index(start) > STAGE_NAMES.index(stop):
-        raise ConfigError(f"--from {start} comes after --until {stop}: nothing would run",
-                          hint=f"stages run in the order {' -> '.join(STAGE_NAMES)}")
+        raise ConfigError(
+            f"--from {start} comes after --until {stop}: nothing would run",
+            hint=f"stages run in the order {' -> '.join(STAGE_NAMES)}",
+        )
     stages = [s for s in STAGES if only is None or s.name in only]
     workdir = Path(workdir)
     refuse_foreign_workdir(workdir)
@@ -48,11 +59,14 @@ def refuse_foreign_workdir(workdir: Path) -> None:
         return
     entries = [p.name for p in workdir.iterdir() if not p.name.startswith(".kiln-write-test-")]
     ours = {LOCK_NAME, "report.json", "report.md"} & set(entries) or any(
-        (workdir / name / "manifest.json").is_file() for name in STAGE_NAMES)
+        (workdir / name / "manifest.json").is_file() for name in STAGE_NAMES
+    )
     if entries and not ours:
         shown = ", ".join(sorted(entries)[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-        raise ConfigError(f"--workdir {workdir} already holds files Kiln did not write ({shown})",
-                          hint="give a new or empty folder for --workdir (or one an earlier `kiln run` used)")
+        raise ConfigError(
+            f"--workdir {workdir} already holds files Kiln did not write ({shown})",
+            hint="give a new or empty folder for --workdir (or one an earlier `kiln run` used)",
+        )
 
 
 def _not_written(error: KilnError | None, why: KilnError) -> KilnError:

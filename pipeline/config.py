@@ -3,6 +3,7 @@
 Each stage owns its section's model (``stages/<stage>/config.py``); this module assembles them. Unknown keys,
 wrong types and missing files become one :class:`ConfigError` naming the key and the valid choices.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,25 @@ from pydantic import Field, ValidationError
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 # The sections live with the stages that read them; importable from here too.
-__all__ = ["KilnConfig", "load_config", "config_from_dict", "set_value", "DEMO_CONFIG", "PRECISIONS", "ModelConfig", "DataConfig",
-           "TrainConfig", "ExportConfig", "OptimizeConfig", "PrecisionConfig", "CalibrationConfig", "BuildConfig",
-           "ValidateConfig", "GatesConfig", "PackageConfig"]
+__all__ = [
+    "KilnConfig",
+    "load_config",
+    "config_from_dict",
+    "set_value",
+    "DEMO_CONFIG",
+    "PRECISIONS",
+    "ModelConfig",
+    "DataConfig",
+    "TrainConfig",
+    "ExportConfig",
+    "OptimizeConfig",
+    "PrecisionConfig",
+    "CalibrationConfig",
+    "BuildConfig",
+    "ValidateConfig",
+    "GatesConfig",
+    "PackageConfig",
+]
 
 
 class KilnConfig(Section):
@@ -91,7 +108,9 @@ def config_from_dict(data: dict[str, Any], source: str = "") -> KilnConfig:
     try:
         return KilnConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source), hint="see `kiln config` for every key and its default") from None
+        raise ConfigError(
+            _format_validation_error(err, source), hint="see `kiln config` for every key and its default"
+        ) from None
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> KilnConfig:
@@ -104,21 +123,30 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         p = Path(path)
         source = str(p)
         if not p.is_file():
-            raise InputFileError(f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo")
+            raise InputFileError(
+                f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo"
+            )
         if p.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config {p} is {p.stat().st_size} bytes; a run config is at most {MAX_CONFIG_BYTES}",
-                              hint="pass the run config itself, not a data file")
+            raise ConfigError(
+                f"config {p} is {p.stat().st_size} bytes; a run config is at most {MAX_CONFIG_BYTES}",
+                hint="pass the run config itself, not a data file",
+            )
         try:
             text = p.read_text()
         except UnicodeDecodeError:
             raise ConfigError(f"config {p} is not a text file", hint="pass a .yaml/.toml/.json run config") from None
         if not text.strip() or (p.suffix not in (".toml", ".json") and _only_comments(text)):
-            raise ConfigError(f"config {p} is empty", hint="write at least the model: section (`kiln config` "
-                                                           "prints a full one), or pass no CONFIG to run the demo")
+            raise ConfigError(
+                f"config {p} is empty",
+                hint="write at least the model: section (`kiln config` "
+                "prints a full one), or pass no CONFIG to run the demo",
+            )
         data = _parse(p, text)
         if not isinstance(data, dict):
-            raise ConfigError(f"config {p} must be a mapping of sections, got {type(data).__name__}",
-                              hint="start the file with sections such as `model:` (see `kiln config`)")
+            raise ConfigError(
+                f"config {p} must be a mapping of sections, got {type(data).__name__}",
+                hint="start the file with sections such as `model:` (see `kiln config`)",
+            )
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
     _check_size(data, Path(source))  # file and --set values alike
@@ -178,13 +206,17 @@ def _parse(p: Path, text: str) -> Any:
             return json.loads(text, object_pairs_hook=_no_duplicate_keys)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"cannot parse config {p}: {' '.join(str(exc).split())[:400]}",
-                          hint="fix the file's syntax (each key once per section)") from None
+        raise ConfigError(
+            f"cannot parse config {p}: {' '.join(str(exc).split())[:400]}",
+            hint="fix the file's syntax (each key once per section)",
+        ) from None
 
 
 def _only_comments(text: str) -> bool:
-    return all(not line.strip() or line.lstrip().startswith("#") or line.strip() in ("---", "...")
-               for line in text.splitlines())
+    return all(
+        not line.strip() or line.lstrip().startswith("#") or line.strip() in ("---", "...")
+        for line in text.splitlines()
+    )
 
 
 def _check_size(data: Any, p: Path) -> None:
@@ -196,8 +228,11 @@ def _check_size(data: Any, p: Path) -> None:
         node, depth = stack.pop()
         count += 1
         if count > MAX_CONFIG_VALUES or depth > MAX_CONFIG_DEPTH:
-            raise ConfigError(f"config {p} expands to more than {MAX_CONFIG_VALUES} values or {MAX_CONFIG_DEPTH} "
-                              "levels (YAML aliases?)", hint="write the config without nested aliases (&/*)")
+            raise ConfigError(
+                f"config {p} expands to more than {MAX_CONFIG_VALUES} values or {MAX_CONFIG_DEPTH} "
+                "levels (YAML aliases?)",
+                hint="write the config without nested aliases (&/*)",
+            )
         if isinstance(node, dict):
             stack += [(v, depth + 1) for v in node.values()]
         elif isinstance(node, list):
@@ -212,9 +247,11 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             node[part] = {}
         node = node[part]
         if not isinstance(node, dict):
-            prefix = ".".join(parents[:i + 1])
-            raise ConfigError(f"cannot set '{dotted}': '{prefix}' is a value ({node!r}), not a section",
-                              hint=f"use --set {prefix}=VALUE, or see `kiln config` for the keys under each section")
+            prefix = ".".join(parents[: i + 1])
+            raise ConfigError(
+                f"cannot set '{dotted}': '{prefix}' is a value ({node!r}), not a section",
+                hint=f"use --set {prefix}=VALUE, or see `kiln config` for the keys under each section",
+            )
     node[leaf] = value
 
 
@@ -231,8 +268,10 @@ def set_value(dotted: str, text: str) -> Any:
     try:
         return yaml.load(text, Loader=yaml.BaseLoader if text_items else _StrictLoader)  # noqa: S506
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
-                          hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]") from None
+        raise ConfigError(
+            f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
+            hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]",
+        ) from None
 
 
 def _annotation_at(path: list[str]) -> Any:
@@ -263,8 +302,9 @@ def _accepts_none(annotation: Any) -> bool:
 
 def _takes_text_only(annotation: Any) -> bool:
     kinds = [m for m in _members(annotation) if m is not type(None)]
-    return bool(kinds) and all(m is str or (get_origin(m) is Literal and all(isinstance(v, str) for v in get_args(m)))
-                               for m in kinds)
+    return bool(kinds) and all(
+        m is str or (get_origin(m) is Literal and all(isinstance(v, str) for v in get_args(m))) for m in kinds
+    )
 
 
 def _check_files(config: KilnConfig, base: Path) -> None:
@@ -272,13 +312,16 @@ def _check_files(config: KilnConfig, base: Path) -> None:
     if ckpt is not None:
         p = Path(ckpt) if Path(ckpt).is_absolute() else base / ckpt
         if not p.is_file():
-            raise InputFileError(f"model.checkpoint not found: {p}", hint="fix the path or remove model.checkpoint to train")
+            raise InputFileError(
+                f"model.checkpoint not found: {p}", hint="fix the path or remove model.checkpoint to train"
+            )
         config.model.checkpoint = str(p.resolve())
     if config.model.onnx is not None:
         p = Path(config.model.onnx) if Path(config.model.onnx).is_absolute() else base / config.model.onnx
         if not p.is_file():
-            raise InputFileError(f"model.onnx not found: {p}", hint="fix the path, or remove model.onnx to start "
-                                                                 "from the PyTorch model")
+            raise InputFileError(
+                f"model.onnx not found: {p}", hint="fix the path, or remove model.onnx to start from the PyTorch model"
+            )
         config.model.onnx = str(p.resolve())
 
 

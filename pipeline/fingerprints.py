@@ -6,6 +6,7 @@ Stages that read such data name a fingerprint here (``Stage.data``) and the runn
 key, computed once per run.
 Built-in datasets are pinned by Kiln's code and config, so they need none (and cost nothing).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

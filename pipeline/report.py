@@ -1,4 +1,5 @@
 """report.json (machine-readable) and report.md (for people), written into the workdir after every run."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,17 +21,28 @@ __all__ = ["build_report", "render_markdown", "write_report", "validation_of", "
 def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = None) -> dict[str, Any]:
     """This run's stages, plus (with ``workdir``) the stages it did not touch as their manifests left them, so a
     one-stage command (`kiln package`) does not shrink the report to that stage."""
-    ran = {r.name: {"status": r.status, "seconds": round(r.seconds, 3), **({"error": r.error} if r.error else {}),
-                    **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
-                    "summary": r.summary} for r in result.records}
+    ran = {
+        r.name: {
+            "status": r.status,
+            "seconds": round(r.seconds, 3),
+            **({"error": r.error} if r.error else {}),
+            **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
+            "summary": r.summary,
+        }
+        for r in result.records
+    }
     stages: dict[str, Any] = {}
     for name in STAGE_NAMES:
         if name in ran:
             stages[name] = ran[name]
         elif workdir is not None and (m := read_manifest(workdir / name)) is not None:
             status = "kept" if _current(name, m, config, workdir) else "stale"
-            stages[name] = {"status": status, "seconds": 0.0, "original_seconds": round(m.get("seconds", 0.0), 3),
-                            "summary": m.get("summary", {})}
+            stages[name] = {
+                "status": status,
+                "seconds": 0.0,
+                "original_seconds": round(m.get("seconds", 0.0), 3),
+                "summary": m.get("summary", {}),
+            }
     validation = stages.get("validate", {}).get("summary") or None
     if stages.get("validate", {}).get("status") == "stale":
         validation = None  # results of other settings or engines: not this configuration's verdict
@@ -39,8 +51,11 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     if result.error is not None:
         report["error"] = str(result.error)
     if validation:
-        report["validation"] = {k: validation[k] for k in ("passed", "baseline", "baselines", "engines", "failures",
-                                                          "speed_vs_fp32", "dropped", "chosen") if k in validation}
+        report["validation"] = {
+            k: validation[k]
+            for k in ("passed", "baseline", "baselines", "engines", "failures", "speed_vs_fp32", "dropped", "chosen")
+            if k in validation
+        }
     return report
 
 
@@ -70,9 +85,11 @@ def result_line(report: dict[str, Any]) -> str:
     if not unchecked:
         return verdict
     devices = sorted({e.get("device", "?").upper() for e in unchecked})
-    return (f"{verdict}, {len(unchecked)} engine{'s' if len(unchecked) > 1 else ''} built but not validated: "
-            f"{', '.join(e['name'] for e in unchecked)} (they target {' / '.join(devices)}, which this machine "
-            "does not have; validate them where they will run)")
+    return (
+        f"{verdict}, {len(unchecked)} engine{'s' if len(unchecked) > 1 else ''} built but not validated: "
+        f"{', '.join(e['name'] for e in unchecked)} (they target {' / '.join(devices)}, which this machine "
+        "does not have; validate them where they will run)"
+    )
 
 
 def seconds_cell(stage: dict[str, Any]) -> str:
@@ -92,8 +109,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     if any(s["status"] == "kept" for s in report["stages"].values()):
         lines += ["", "*kept*: not part of this command; its results are those already in the workdir."]
     if any(s["status"] == "stale" for s in report["stages"].values()):
-        lines += ["", "*stale*: not part of this command, and made with other settings or inputs than this "
-                      "configuration's: `kiln run` redoes it."]
+        lines += [
+            "",
+            "*stale*: not part of this command, and made with other settings or inputs than this "
+            "configuration's: `kiln run` redoes it.",
+        ]
     if report.get("validation"):  # the verdict first, then each stage's own section in pipeline order
         lines += validate_section(report["validation"])
     for stage in STAGES:
@@ -101,9 +121,15 @@ def render_markdown(report: dict[str, Any]) -> str:
         if stage.report is not None and summary and stage.name != "validate":
             lines += stage.report(summary)
     env = report["environment"]
-    lines += ["", "## Environment", "", ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
-              f"python {env['python']}, GPU: {env.get('gpu', 'none')}, ONNX Runtime CPU INT8 kernels: "
-              f"{env.get('cpu_int8_kernels', 'fast')}", ""]
+    lines += [
+        "",
+        "## Environment",
+        "",
+        ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+        f"python {env['python']}, GPU: {env.get('gpu', 'none')}, ONNX Runtime CPU INT8 kernels: "
+        f"{env.get('cpu_int8_kernels', 'fast')}",
+        "",
+    ]
     return "\n".join(lines)
 
 

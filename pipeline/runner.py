@@ -4,6 +4,7 @@ A stage's key hashes its code, its config sections, its inputs' content hashes a
 depends on. Outputs go to ``<workdir>/<stage>/`` through a staging folder renamed into place, with a
 ``manifest.json``; an interrupted run leaves finished stages intact, so the next run resumes after them.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,10 +68,15 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
         m = json.loads((stage_dir / MANIFEST).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    ok = (isinstance(m, dict) and isinstance(m.get("key"), str) and isinstance(m.get("outputs"), dict)
-          and isinstance(m.get("sizes", {}), dict) and isinstance(m.get("key_parts", {}), dict)
-          and isinstance(m.get("summary", {}), dict)
-          and all(isinstance(k, str) and isinstance(v, str) for k, v in m["outputs"].items()))
+    ok = (
+        isinstance(m, dict)
+        and isinstance(m.get("key"), str)
+        and isinstance(m.get("outputs"), dict)
+        and isinstance(m.get("sizes", {}), dict)
+        and isinstance(m.get("key_parts", {}), dict)
+        and isinstance(m.get("summary", {}), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in m["outputs"].items())
+    )
     return m if ok else None
 
 
@@ -106,8 +112,9 @@ def config_value(config: KilnConfig, dotted: str) -> Any:
     return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
 
 
-def cache_key(stage: Stage, config: KilnConfig, workdir: Path,
-              fingerprints: dict[str, str | None] | None = None) -> tuple[str, dict[str, Any]]:
+def cache_key(
+    stage: Stage, config: KilnConfig, workdir: Path, fingerprints: dict[str, str | None] | None = None
+) -> tuple[str, dict[str, Any]]:
     """The stage's key and what went into it. ``fingerprints`` memoizes user-data hashes across one run's stages."""
     inputs = {}
     for up in stage.inputs:
@@ -163,8 +170,14 @@ def what_changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 class Runner:
-    def __init__(self, config: KilnConfig, workdir: Path, stages: list[Stage], progress: Progress | None = None,
-                 on_event: Any = None) -> None:
+    def __init__(
+        self,
+        config: KilnConfig,
+        workdir: Path,
+        stages: list[Stage],
+        progress: Progress | None = None,
+        on_event: Any = None,
+    ) -> None:
         self.config, self.workdir, self.stages = config, Path(workdir), stages
         self.progress = progress or SilentProgress()
         self.on_event = on_event or (lambda record: None)
@@ -176,7 +189,7 @@ class Runner:
         names = [s.name for s in self.stages]
         force = set(force or ())
         if start is not None:
-            force |= set(names[names.index(start):])
+            force |= set(names[names.index(start) :])
         records: list[StageRecord] = []
         error: KilnError | None = None
         self._fingerprints: dict[str, str | None] = {}  # user data is hashed once per run
@@ -196,16 +209,23 @@ class Runner:
                 record = StageRecord(stage.name, "failed", error=str(error))
             except MemoryError:
                 log.debug("stage %s: out of memory", stage.name, exc_info=True)
-                error = KilnError(f"stage '{stage.name}' ran out of memory",
-                                  hint="lower validate.batch_sizes, train.batch_size or the model's size")
+                error = KilnError(
+                    f"stage '{stage.name}' ran out of memory",
+                    hint="lower validate.batch_sizes, train.batch_size or the model's size",
+                )
                 record = StageRecord(stage.name, "failed", error=str(error))
             records.append(record)
             self.on_event(record)
             if record.status != "failed" and record.summary.get("passed") is False and error is None:
-                error = GateFailure(f"validation gates failed: {'; '.join(record.summary.get('failures', [])) or 'see report'}",
-                                    hint="see report.md; relax validate.gates only if the numbers are acceptable"
-                                         + (" (latency from an earlier run: `--force validate` measures again)"
-                                            if record.status == "cached" else ""))
+                error = GateFailure(
+                    f"validation gates failed: {'; '.join(record.summary.get('failures', [])) or 'see report'}",
+                    hint="see report.md; relax validate.gates only if the numbers are acceptable"
+                    + (
+                        " (latency from an earlier run: `--force validate` measures again)"
+                        if record.status == "cached"
+                        else ""
+                    ),
+                )
             if stop is not None and stage.name == stop:
                 break
         return RunResult(self.workdir, records, error)
@@ -214,17 +234,30 @@ class Runner:
         final = self.workdir / stage.name
         t_check = time.perf_counter()
         key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints)
-        missing = [up for up in stage.inputs if parts["inputs"][up] is None
-                   or not outputs_intact(self.workdir / up, read_manifest(self.workdir / up) or {}, self._verified)]
+        missing = [
+            up
+            for up in stage.inputs
+            if parts["inputs"][up] is None
+            or not outputs_intact(self.workdir / up, read_manifest(self.workdir / up) or {}, self._verified)
+        ]
         if missing:
-            raise KilnError(f"stage '{stage.name}' needs the output of {missing}, which is missing or damaged "
-                            f"(files deleted or changed since it ran)", hint=f"run `kiln run --from {missing[0]}`")
+            raise KilnError(
+                f"stage '{stage.name}' needs the output of {missing}, which is missing or damaged "
+                f"(files deleted or changed since it ran)",
+                hint=f"run `kiln run --from {missing[0]}`",
+            )
         old = read_manifest(final)
         if not forced and old and old.get("key") == key and outputs_intact(final, old, self._verified):
             log.info("%s: cached (key %s)", stage.name, key[:12])
             # seconds: what this run spent on the stage (the check); the original run's time stays in the manifest
-            return StageRecord(stage.name, "cached", time.perf_counter() - t_check, key, old.get("summary", {}),
-                               original_seconds=old.get("seconds"))
+            return StageRecord(
+                stage.name,
+                "cached",
+                time.perf_counter() - t_check,
+                key,
+                old.get("summary", {}),
+                original_seconds=old.get("seconds"),
+            )
         changed = what_changed(old.get("key_parts", {}), parts) if old and not forced else []
         why = f" (changed since the last run: {', '.join(changed)})" if changed else ""
         if old and not forced and old.get("key") == key:
@@ -233,18 +266,33 @@ class Runner:
         log.info("%s: running%s", stage.name, why)
         t0 = time.perf_counter()
         with atomic_dir(final) as out:
-            ctx = StageContext(stage.name, self.config, self.workdir, out,
-                               {up: self.workdir / up for up in stage.inputs}, self.progress,
-                               load_dataset=partial(dataset_for, self.config) if "dataset" in stage.data else None)
+            ctx = StageContext(
+                stage.name,
+                self.config,
+                self.workdir,
+                out,
+                {up: self.workdir / up for up in stage.inputs},
+                self.progress,
+                load_dataset=partial(dataset_for, self.config) if "dataset" in stage.data else None,
+            )
             summary = stage.run(ctx)
             seconds = time.perf_counter() - t0
             status = summary.pop("status", "ran")
             outputs = hash_tree(out, exclude=(MANIFEST,))
-            write_json_atomic(out / MANIFEST, {
-                "stage": stage.name, "key": key, "key_parts": parts, "status": status,
-                "outputs": outputs, "sizes": {rel: (out / rel).stat().st_size for rel in outputs},
-                "summary": summary, "seconds": seconds,
-                "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"), "environment": environment(),
-            })
+            write_json_atomic(
+                out / MANIFEST,
+                {
+                    "stage": stage.name,
+                    "key": key,
+                    "key_parts": parts,
+                    "status": status,
+                    "outputs": outputs,
+                    "sizes": {rel: (out / rel).stat().st_size for rel in outputs},
+                    "summary": summary,
+                    "seconds": seconds,
+                    "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "environment": environment(),
+                },
+            )
             self._verified[final] = hash_json(outputs)  # just written and hashed: no need to read it again
         return StageRecord(stage.name, status, seconds, key, summary)

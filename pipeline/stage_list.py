@@ -1,5 +1,6 @@
 """The ordered list of pipeline stages. Each stage module defines its own :class:`~kiln.core.stage.Stage` (what it
 reads, which config it depends on, its code, its report section); this is only their order."""
+
 from __future__ import annotations
 
 from kiln.core.errors import ConfigError
@@ -11,8 +12,15 @@ from kiln.stages.precision import stage as precision
 from kiln.stages.train import stage as train
 from kiln.stages.validate import stage as validate
 
-STAGES: list[Stage] = [train.STAGE, export.STAGE, optimize.STAGE, precision.STAGE, build.STAGE, validate.STAGE,
-                       package.STAGE]
+STAGES: list[Stage] = [
+    train.STAGE,
+    export.STAGE,
+    optimize.STAGE,
+    precision.STAGE,
+    build.STAGE,
+    validate.STAGE,
+    package.STAGE,
+]
 STAGE_NAMES = [s.name for s in STAGES]
 
 

@@ -13,6 +13,7 @@ its sha256, so a user's own package reinstalled at the same version still change
 (a scan from torch.nn reached 1,714 files in 16.7 s on the 2-core dev machine). Code loaded dynamically
 (``importlib`` plugins) is not seen.
 """
+
 from __future__ import annotations
 
 import ast
@@ -86,7 +87,9 @@ def _find(name: str | Path, roots: list[Path]) -> Path | None:
         parts = name.split(".")
         # a project root holds top-level names; an installed package's root is that package's own folder
         bases = dict.fromkeys(b for r in roots for b in (r, r.parent))
-        candidates = [c for b in bases for c in (b.joinpath(*parts).with_suffix(".py"), b.joinpath(*parts, "__init__.py"))]
+        candidates = [
+            c for b in bases for c in (b.joinpath(*parts).with_suffix(".py"), b.joinpath(*parts, "__init__.py"))
+        ]
     return next((c for c in candidates if c.is_file() and _root_of(c, roots) is not None), None)
 
 

@@ -6,6 +6,7 @@ interrupted one before it starts) and race on the same stage outputs. An advisor
 ends, so a crash never leaves a stale lock behind. Where ``fcntl`` does not exist (Windows) or the
 filesystem cannot lock, runs are not locked.
 """
+
 from __future__ import annotations
 
 import errno
@@ -34,20 +35,25 @@ BUSY = {errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES}  # what flock(LOCK_NB) re
 def workdir_lock(workdir: Path) -> Iterator[None]:
     lock = workdir / LOCK_NAME
     if lock.exists() and not lock.is_file():  # something else stands where Kiln keeps its lock: never removed
-        raise InputFileError(f"{lock} is not a file (Kiln keeps its run lock there)",
-                             hint=f"move {lock} away, or choose another --workdir")
+        raise InputFileError(
+            f"{lock} is not a file (Kiln keeps its run lock there)",
+            hint=f"move {lock} away, or choose another --workdir",
+        )
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         f = open(lock, "a+", errors="replace")  # a damaged lock file's text is only shown, never trusted
     except OSError as exc:
-        raise InputFileError(f"cannot write in workdir {workdir}: {exc.strerror}",
-                             hint="choose a writable --workdir") from None
+        raise InputFileError(
+            f"cannot write in workdir {workdir}: {exc.strerror}", hint="choose a writable --workdir"
+        ) from None
     with f:
         if not _try_lock(f, workdir):
             f.seek(0)
             holder = f.read().strip() or "another process"
-            raise WorkdirBusy(f"workdir {workdir} is in use by another kiln run ({holder})",
-                              hint="wait for that run to finish, or give this one its own --workdir")
+            raise WorkdirBusy(
+                f"workdir {workdir} is in use by another kiln run ({holder})",
+                hint="wait for that run to finish, or give this one its own --workdir",
+            )
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -9,6 +9,7 @@ batch, truncated, of another model) is counted, reported and fails the command.
 
 Loopback only: this generates load, and is not meant to be pointed at someone else's server.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,11 +54,17 @@ class Level:
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
         p50, p90, p99 = np.percentile(lat, [50, 90, 99])
-        return {"concurrency": self.concurrency, "requests": len(self.latencies_ms), "seconds": self.seconds,
-                "throughput_rps": len(self.latencies_ms) / self.seconds if self.seconds else 0.0,
-                "latency_ms": {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(lat.mean())},
-                "mismatches": self.mismatches, "errors": len(self.errors), "error_examples": self.errors[:3],
-                "max_abs_err": self.max_abs_err}
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(self.latencies_ms),
+            "seconds": self.seconds,
+            "throughput_rps": len(self.latencies_ms) / self.seconds if self.seconds else 0.0,
+            "latency_ms": {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(lat.mean())},
+            "mismatches": self.mismatches,
+            "errors": len(self.errors),
+            "error_examples": self.errors[:3],
+            "max_abs_err": self.max_abs_err,
+        }
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -66,8 +73,10 @@ def parse_url(url: str) -> tuple[str, str]:
     if parsed.scheme not in ("http", "grpc") or not parsed.port:
         raise ConfigError(f"'{url}' is not a Triton URL", hint="give http://127.0.0.1:PORT or grpc://127.0.0.1:PORT")
     if parsed.hostname not in LOOPBACK:
-        raise ConfigError(f"'{parsed.hostname}' is not this machine: kiln loadtest only targets 127.0.0.1",
-                          hint="run the load test on the server's machine against 127.0.0.1")
+        raise ConfigError(
+            f"'{parsed.hostname}' is not this machine: kiln loadtest only targets 127.0.0.1",
+            hint="run the load test on the server's machine against 127.0.0.1",
+        )
     return parsed.scheme, f"{parsed.hostname}:{parsed.port}"
 
 
@@ -78,8 +87,9 @@ def _client_module(protocol: str) -> Any:
         else:
             import tritonclient.http as module
     except ImportError:
-        raise BackendUnavailable(f"kiln loadtest needs tritonclient[{protocol}], which is not installed",
-                                 hint=INSTALL_HINT) from None
+        raise BackendUnavailable(
+            f"kiln loadtest needs tritonclient[{protocol}], which is not installed", hint=INSTALL_HINT
+        ) from None
     return module
 
 
@@ -90,8 +100,10 @@ def engine_for(path: str | Path, model: str) -> ServedEngine:
     for e in engines:
         if model == e.model_name or aliases.get(model) == e.meta.name:
             return e
-    raise ConfigError(f"no engine served as '{model}' under {path}",
-                      hint=f"--model is one of {sorted({e.model_name for e in engines} | set(aliases))}")
+    raise ConfigError(
+        f"no engine served as '{model}' under {path}",
+        hint=f"--model is one of {sorted({e.model_name for e in engines} | set(aliases))}",
+    )
 
 
 def _repository_names(workdir: Path) -> dict[str, str]:
@@ -116,7 +128,7 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
             want = [d if isinstance(d, int) and d > 0 else None for d in spec.shape[1:]]
             if len(want) == val_x.ndim - 1 and all(w in (None, g) for w, g in zip(want, val_x.shape[1:])):
                 x = val_x.astype(spec.dtype)
-                return [{spec.name: x[i:i + 1]} for i in range(len(x))], f"validation data ({len(x)} samples)"
+                return [{spec.name: x[i : i + 1]} for i in range(len(x))], f"validation data ({len(x)} samples)"
     return [random_inputs(specs, 1, seed=i) for i in range(size)], f"random ({size} samples)"
 
 
@@ -136,8 +148,17 @@ def _inputs(module: Any, feed: dict[str, np.ndarray]) -> list[Any]:
     return out
 
 
-def run_level(protocol: str, address: str, model: str, pool: list[dict], expected: list[dict],
-              tolerance: tuple[float, float], concurrency: int, duration_s: float, max_requests: int) -> Level:
+def run_level(
+    protocol: str,
+    address: str,
+    model: str,
+    pool: list[dict],
+    expected: list[dict],
+    tolerance: tuple[float, float],
+    concurrency: int,
+    duration_s: float,
+    max_requests: int,
+) -> Level:
     module = _client_module(protocol)
     level, lock = Level(concurrency), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
@@ -204,28 +225,45 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
     module = _client_module(protocol)
     client = module.InferenceServerClient(address)
     try:
-        stats = client.get_inference_statistics(model, as_json=True) if protocol == "grpc" else \
-            client.get_inference_statistics(model)
+        stats = (
+            client.get_inference_statistics(model, as_json=True)
+            if protocol == "grpc"
+            else client.get_inference_statistics(model)
+        )
     except Exception as exc:  # tritonclient raises its own exceptions and the transport's (connection refused)
-        raise KilnError(f"cannot read model '{model}' statistics from Triton at {address} "
-                        f"({type(exc).__name__}: {str(exc).strip()[:200]})",
-                        hint="start the server first (`kiln serve`), check the URL's port and protocol, and that "
-                             "--model is a model it serves") from None
+        raise KilnError(
+            f"cannot read model '{model}' statistics from Triton at {address} "
+            f"({type(exc).__name__}: {str(exc).strip()[:200]})",
+            hint="start the server first (`kiln serve`), check the URL's port and protocol, and that "
+            "--model is a model it serves",
+        ) from None
     finally:
         client.close()
     entry = stats["model_stats"][0]
-    return {"inference_count": int(entry.get("inference_count", 0)),
-            "execution_count": int(entry.get("execution_count", 0))}
+    return {
+        "inference_count": int(entry.get("inference_count", 0)),
+        "execution_count": int(entry.get("execution_count", 0)),
+    }
 
 
-def loadtest(url: str, model: str, engines: str | Path, out: Path, concurrency: list[int], duration_s: float,
-             max_requests: int = 100_000, config: KilnConfig | None = None) -> dict[str, Any]:
+def loadtest(
+    url: str,
+    model: str,
+    engines: str | Path,
+    out: Path,
+    concurrency: list[int],
+    duration_s: float,
+    max_requests: int = 100_000,
+    config: KilnConfig | None = None,
+) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
     Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
-        raise ConfigError("concurrency levels must be >= 1, and duration and requests positive",
-                          hint="e.g. --concurrency 1,2,4,8 --duration 10")
+        raise ConfigError(
+            "concurrency levels must be >= 1, and duration and requests positive",
+            hint="e.g. --concurrency 1,2,4,8 --duration 10",
+        )
     engine = engine_for(engines, model)
     pool, source = request_pool(engine, config)
     expected = expected_outputs(engine, pool)
@@ -235,39 +273,64 @@ def loadtest(url: str, model: str, engines: str | Path, out: Path, concurrency: 
     for c in concurrency:
         level = run_level(protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
         levels.append(level.summary())
-        log.info("concurrency %d: %.1f req/s, p50 %.2f ms, p99 %.2f ms, %d wrong, %d failed", c,
-                 levels[-1]["throughput_rps"], levels[-1]["latency_ms"]["p50"], levels[-1]["latency_ms"]["p99"],
-                 level.mismatches, len(level.errors))
+        log.info(
+            "concurrency %d: %.1f req/s, p50 %.2f ms, p99 %.2f ms, %d wrong, %d failed",
+            c,
+            levels[-1]["throughput_rps"],
+            levels[-1]["latency_ms"]["p50"],
+            levels[-1]["latency_ms"]["p99"],
+            level.mismatches,
+            len(level.errors),
+        )
     after = server_batches(protocol, address, model)
     batches = {k: after[k] - before[k] for k in after}
-    result = {"url": url, "model": model, "engine": engine.meta.name, "precision": engine.meta.precision,
-              "inputs": source, "tolerance": {"atol": tolerance[0], "rtol": tolerance[1]},
-              "duration_s": duration_s, "max_requests": max_requests, "levels": levels, "server": batches,
-              "mean_batch": batches["inference_count"] / batches["execution_count"]
-              if batches["execution_count"] else None}
+    result = {
+        "url": url,
+        "model": model,
+        "engine": engine.meta.name,
+        "precision": engine.meta.precision,
+        "inputs": source,
+        "tolerance": {"atol": tolerance[0], "rtol": tolerance[1]},
+        "duration_s": duration_s,
+        "max_requests": max_requests,
+        "levels": levels,
+        "server": batches,
+        "mean_batch": batches["inference_count"] / batches["execution_count"] if batches["execution_count"] else None,
+    }
     write_report(result, out)
     wrong = sum(lv["mismatches"] for lv in levels)
     failed = sum(lv["errors"] for lv in levels)
     if wrong or failed:
-        raise GateFailure(f"{wrong} answers differed from the engine's direct output and {failed} requests failed "
-                          f"under load (see {out / 'loadtest.json'})",
-                          hint="a served answer must match the engine: check the server's batching and the model")
+        raise GateFailure(
+            f"{wrong} answers differed from the engine's direct output and {failed} requests failed "
+            f"under load (see {out / 'loadtest.json'})",
+            hint="a served answer must match the engine: check the server's batching and the model",
+        )
     return result
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    lines = [f"# Load test: {result['model']} ({result['engine']}, {result['precision']})", "",
-             f"{result['url']}, inputs: {result['inputs']}, up to {result['duration_s']} s or "
-             f"{result['max_requests']} requests per level, single-sample requests.", "",
-             "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | wrong | failed |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Load test: {result['model']} ({result['engine']}, {result['precision']})",
+        "",
+        f"{result['url']}, inputs: {result['inputs']}, up to {result['duration_s']} s or "
+        f"{result['max_requests']} requests per level, single-sample requests.",
+        "",
+        "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | wrong | failed |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for lv in result["levels"]:
         lat = lv["latency_ms"]
-        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f} | {lat['p50']:.2f} | "
-                     f"{lat['p90']:.2f} | {lat['p99']:.2f} | {lv['mismatches']} | {lv['errors']} |")
+        lines.append(
+            f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f} | {lat['p50']:.2f} | "
+            f"{lat['p90']:.2f} | {lat['p99']:.2f} | {lv['mismatches']} | {lv['errors']} |"
+        )
     if result.get("mean_batch"):
-        lines += ["", f"Server: {result['server']['inference_count']} inferences in "
-                      f"{result['server']['execution_count']} executions (mean batch {result['mean_batch']:.2f})."]
+        lines += [
+            "",
+            f"Server: {result['server']['inference_count']} inferences in "
+            f"{result['server']['execution_count']} executions (mean batch {result['mean_batch']:.2f}).",
+        ]
     return "\n".join(lines) + "\n"
 
 

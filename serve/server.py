@@ -8,6 +8,7 @@ stubs (PyTriton's ``stop``), so nothing outlives ``kiln serve``.
 
 :func:`tritonserver_process` runs the same bundled binary on a plain repository (``package/triton-python``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,8 +63,10 @@ def _validation_verdicts(workdir: Path) -> dict[str, Any] | None:
 def _refuse(name: str, verdict: Any) -> None:
     if verdict is not True:
         state = "failed validation" if verdict is False else "was not validated on a machine that can run it"
-        raise GateFailure(f"engine {name} {state}: Kiln serves only engines proven against PyTorch",
-                          hint="fix the engine and `kiln run` again (see report.md), or serve another engine")
+        raise GateFailure(
+            f"engine {name} {state}: Kiln serves only engines proven against PyTorch",
+            hint="fix the engine and `kiln run` again (see report.md), or serve another engine",
+        )
 
 
 def find_engines(path: str | Path) -> list[ServedEngine]:
@@ -77,16 +80,20 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
             _refuse(meta.name, verdicts.get(meta.name))
         return [ServedEngine(model_name(meta.name), path, meta)]
     if not path.is_dir():
-        raise InputFileError(f"{path} is neither a Kiln workdir nor an engine folder",
-                             hint="pass the --workdir of a `kiln run`, or a folder holding kiln-engine.json")
+        raise InputFileError(
+            f"{path} is neither a Kiln workdir nor an engine folder",
+            hint="pass the --workdir of a `kiln run`, or a folder holding kiln-engine.json",
+        )
     packaged = sorted(p.parent for p in (path / "package" / "engines").glob(f"*/{SIDECAR}"))
     if packaged:
         return [ServedEngine(model_name(d.name), d, read_metadata(d)) for d in packaged]
     built = sorted(p.parent for p in (path / "build").glob(f"*/{SIDECAR}"))
     verdicts = _validation_verdicts(path)
     if not built or verdicts is None:
-        raise InputFileError(f"{path} holds no validated engines (no package/engines, or build/ without "
-                             "validate/validation.json)", hint="`kiln run` first, or pass an engine folder")
+        raise InputFileError(
+            f"{path} holds no validated engines (no package/engines, or build/ without validate/validation.json)",
+            hint="`kiln run` first, or pass an engine folder",
+        )
     served = []
     for d in built:
         meta = read_metadata(d)
@@ -109,9 +116,10 @@ def check_ports(address: str, *ports: int) -> None:
             try:
                 s.bind((address, port))
             except OSError as exc:
-                raise PortInUse(f"port {port} on {address} is in use ({exc.strerror})",
-                                hint="stop what listens there, or choose other ports with --http-port/--grpc-port/"
-                                     "--metrics-port") from None
+                raise PortInUse(
+                    f"port {port} on {address} is in use ({exc.strerror})",
+                    hint="stop what listens there, or choose other ports with --http-port/--grpc-port/--metrics-port",
+                ) from None
 
 
 def free_port() -> int:
@@ -168,8 +176,9 @@ def _pytriton() -> Any:
     try:
         import pytriton.triton
     except ImportError:
-        raise BackendUnavailable("kiln serve needs PyTriton (nvidia-pytriton), which is not installed",
-                                 hint=INSTALL_HINT) from None
+        raise BackendUnavailable(
+            "kiln serve needs PyTriton (nvidia-pytriton), which is not installed", hint=INSTALL_HINT
+        ) from None
     try:
         pytriton_version = version("nvidia-pytriton")
     except PackageNotFoundError:  # importable without its distribution's metadata (vendored): nothing to compare
@@ -187,6 +196,7 @@ def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
     built with pybind11 2.10, which predates numpy 2: with numpy 2 it sends every output empty (seen on the H200
     host, numpy 2 there: "cannot reshape array of size 0 into shape (1,1000)" in the client; fixed in Triton's
     python_backend#384, Triton 24.11). Serving would run and answer nothing usable, so it stops here."""
+
     def parts(v: str) -> tuple[int, ...]:
         return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
 
@@ -194,7 +204,8 @@ def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
         raise BackendUnavailable(
             f"numpy {numpy_version} is installed, and the Triton Python backend bundled with PyTriton "
             f"{pytriton_version} sends every answer empty with numpy 2 (its stub predates numpy 2)",
-            hint='pip install "numpy<2" (kiln[serve] pins it), or a PyTriton that bundles Triton 24.11 or newer')
+            hint='pip install "numpy<2" (kiln[serve] pins it), or a PyTriton that bundles Triton 24.11 or newer',
+        )
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -205,12 +216,15 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 def pad_rows(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     """Each input grown to ``rows`` rows by repeating its last row (rows are independent at inference)."""
-    return {k: np.concatenate([v, np.repeat(v[-1:], rows - len(v), axis=0)]) if rows > len(v) else v
-            for k, v in inputs.items()}
+    return {
+        k: np.concatenate([v, np.repeat(v[-1:], rows - len(v), axis=0)]) if rows > len(v) else v
+        for k, v in inputs.items()
+    }
 
 
-def _infer_func(runner: Any, outputs: dict[str, np.dtype],
-                buckets: list[int] | None) -> Callable[..., dict[str, np.ndarray]]:
+def _infer_func(
+    runner: Any, outputs: dict[str, np.dtype], buckets: list[int] | None
+) -> Callable[..., dict[str, np.ndarray]]:
     """``buckets``: pad every batch to the next of these sizes (engines that build a session and capture a CUDA
     graph per input shape: without it each new batch size the dynamic batcher forms costs a session build, which
     on the H200 made concurrency 32 serve 41 requests/s with a p50 of 780 ms)."""
@@ -243,20 +257,32 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
     batched = mbs > 0
 
     def tensors(specs: list[dict[str, Any]]) -> list[Any]:
-        return [Tensor(name=s.name, dtype=np.dtype(s.dtype),
-                       shape=tuple(d if isinstance(d, int) and d > 0 else -1
-                                   for d in (s.shape[1:] if batched else s.shape))) for s in specs]
+        return [
+            Tensor(
+                name=s.name,
+                dtype=np.dtype(s.dtype),
+                shape=tuple(d if isinstance(d, int) and d > 0 else -1 for d in (s.shape[1:] if batched else s.shape)),
+            )
+            for s in specs
+        ]
 
     outputs = {s.name: np.dtype(s.dtype) for s in served.meta.outputs}
     buckets = batch_buckets(mbs) if batched and getattr(runner, "per_shape_sessions", False) else None
     if buckets and warm_buckets(runner, served.meta, buckets):
         log.info("%s: batches padded to %s rows, each size warmed", served.model_name, buckets)
-    config = ModelConfig(max_batch_size=mbs, batching=batched,
-                         batcher=DynamicBatcher(max_queue_delay_microseconds=queue_delay_us,
-                                                preferred_batch_size=buckets or []))
-    triton.bind(model_name=served.model_name, infer_func=_infer_func(runner, outputs, buckets),
-                inputs=tensors(served.meta.inputs), outputs=tensors(served.meta.outputs), config=config,
-                strict=True)
+    config = ModelConfig(
+        max_batch_size=mbs,
+        batching=batched,
+        batcher=DynamicBatcher(max_queue_delay_microseconds=queue_delay_us, preferred_batch_size=buckets or []),
+    )
+    triton.bind(
+        model_name=served.model_name,
+        infer_func=_infer_func(runner, outputs, buckets),
+        inputs=tensors(served.meta.inputs),
+        outputs=tensors(served.meta.outputs),
+        config=config,
+        strict=True,
+    )
 
 
 def _bind_or_explain(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
@@ -270,9 +296,11 @@ def _bind_or_explain(triton: Any, served: ServedEngine, runner: Any, max_batch: 
     except (PyTritonError, InferenceServerException) as exc:
         message = getattr(exc, "message", None)
         reason = first_line((message() if callable(message) else message) or str(exc))
-        raise KilnError(f"Triton could not load model {served.model_name}: {reason}",
-                        hint="a 'No module named ...' comes from the Python backend stub, which imports what this "
-                             "process imports: install the module into this environment") from None
+        raise KilnError(
+            f"Triton could not load model {served.model_name}: {reason}",
+            hint="a 'No module named ...' comes from the Python backend stub, which imports what this "
+            "process imports: install the module into this environment",
+        ) from None
 
 
 class _StopRequest:
@@ -292,9 +320,16 @@ class _StopRequest:
         self.requested = True
 
 
-def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
-          max_batch: int = 32, max_queue_delay_us: int = 100, address: str = "127.0.0.1",
-          on_ready: Callable[[list[ServedEngine]], None] | None = None) -> None:
+def serve(
+    path: str | Path,
+    http_port: int = 8000,
+    grpc_port: int = 8001,
+    metrics_port: int = 8002,
+    max_batch: int = 32,
+    max_queue_delay_us: int = 100,
+    address: str = "127.0.0.1",
+    on_ready: Callable[[list[ServedEngine]], None] | None = None,
+) -> None:
     """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers."""
     served = find_engines(path)
     pytriton = _pytriton()
@@ -304,12 +339,19 @@ def serve(path: str | Path, http_port: int = 8000, grpc_port: int = 8001, metric
     os.environ.update(server_env(stub_python))  # PyTriton starts tritonserver with a copy of os.environ
     _use_stub_python(stub_python)
     config = pytriton.triton.TritonConfig(
-        http_address=address, http_port=http_port, grpc_address=address, grpc_port=grpc_port,
-        metrics_port=metrics_port, exit_timeout_secs=EXIT_TIMEOUT_S, log_verbose=0)
+        http_address=address,
+        http_port=http_port,
+        grpc_address=address,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        exit_timeout_secs=EXIT_TIMEOUT_S,
+        log_verbose=0,
+    )
     # Statistics stay readable without PyTriton's token (they show batching at work; `kiln loadtest` reads them);
     # model loading, shared memory, tracing and logging stay restricted.
     security = pytriton.triton.TritonSecurityConfig(
-        restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"])
+        restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"]
+    )
     stop = _StopRequest()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     runners: list[Any] = []
@@ -359,32 +401,42 @@ def prepared_tritonserver(scratch: Path) -> Path:
 
     root = scratch / "tritonserver"
     if not root.is_dir():
-        shutil.copytree(get_root_module_path() / "tritonserver", root,
-                        ignore=shutil.ignore_patterns("python_backend_stubs"))
+        shutil.copytree(
+            get_root_module_path() / "tritonserver", root, ignore=shutil.ignore_patterns("python_backend_stubs")
+        )
         version = f"{sys.version_info[0]}.{sys.version_info[1]}"
         shutil.copy2(get_stub_path(version), root / "backends" / "python" / "triton_python_backend_stub")
     return root
 
 
-def tritonserver_process(repository: Path, scratch: Path, http_port: int, grpc_port: int, metrics_port: int,
-                         log_file: Path | None = None) -> subprocess.Popen[bytes]:
+def tritonserver_process(
+    repository: Path, scratch: Path, http_port: int, grpc_port: int, metrics_port: int, log_file: Path | None = None
+) -> subprocess.Popen[bytes]:
     """Start the bundled ``tritonserver --model-repository REPOSITORY`` (loopback only). The caller stops it
     (``terminate()`` = SIGTERM, which Triton handles by unloading its models and exiting)."""
     root = prepared_tritonserver(scratch)
     check_ports("127.0.0.1", http_port, grpc_port, metrics_port)
     env = server_env(stub_python_env(scratch))
-    cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={repository}",
-           f"--backend-directory={root / 'backends'}", "--http-address=127.0.0.1", f"--http-port={http_port}",
-           "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
-           f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+    cmd = [
+        str(root / "bin" / "tritonserver"),
+        f"--model-repository={repository}",
+        f"--backend-directory={root / 'backends'}",
+        "--http-address=127.0.0.1",
+        f"--http-port={http_port}",
+        "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+    ]
     if log_file is None:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     with open(log_file, "wb") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def wait_ready(url: str, models: list[str], timeout_s: float = 60.0,
-               process: subprocess.Popen[bytes] | None = None) -> None:
+def wait_ready(
+    url: str, models: list[str], timeout_s: float = 60.0, process: subprocess.Popen[bytes] | None = None
+) -> None:
     """Poll Triton's readiness endpoints until the server and ``models`` are ready."""
     import tritonclient.http as httpclient
 
@@ -393,8 +445,9 @@ def wait_ready(url: str, models: list[str], timeout_s: float = 60.0,
     try:
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
-                raise KilnError(f"tritonserver exited with code {process.returncode} before it was ready",
-                                hint="see its log")
+                raise KilnError(
+                    f"tritonserver exited with code {process.returncode} before it was ready", hint="see its log"
+                )
             try:
                 if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
                     return
@@ -410,5 +463,7 @@ def iter_urls(address: str, http_port: int, grpc_port: int, served: list[ServedE
     yield f"HTTP  http://{address}:{http_port}   gRPC  grpc://{address}:{grpc_port}"
     yield f"health: http://{address}:{http_port}/v2/health/live   ready: http://{address}:{http_port}/v2/health/ready"
     for s in served:
-        yield f"model {s.model_name}: POST http://{address}:{http_port}/v2/models/{s.model_name}/infer " \
-              f"({s.meta.backend} {s.meta.device} {s.meta.precision})"
+        yield (
+            f"model {s.model_name}: POST http://{address}:{http_port}/v2/models/{s.model_name}/infer "
+            f"({s.meta.backend} {s.meta.device} {s.meta.precision})"
+        )

@@ -1,5 +1,6 @@
 """Export stage: the trained PyTorch model to ONNX with a dynamic batch axis, checked and shape-inferred,
 and proven to compute the same function (ONNX Runtime vs PyTorch on held-out data)."""
+
 from __future__ import annotations
 
 import io
@@ -57,12 +58,20 @@ class ExportConfig(Section):
     dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
     parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
     dynamic_axes: dict[str, dict[int, str]] = Field(
-        default_factory=dict, description="axes besides batch that vary, per input: {input_ids: {1: seq}}; the "
-                                          "same name ties axes of several inputs together")
+        default_factory=dict,
+        description="axes besides batch that vary, per input: {input_ids: {1: seq}}; the "
+        "same name ties axes of several inputs together",
+    )
 
 
-def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, dynamic_batch: bool = True,
-                dynamic_axes: Mapping[str, Mapping[int, str]] | None = None) -> onnx.ModelProto:
+def export_onnx(
+    model: nn.Module,
+    example: Inputs,
+    path: Path,
+    opset: int = 18,
+    dynamic_batch: bool = True,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+) -> onnx.ModelProto:
     """``torch.onnx.export`` (the dynamo exporter; the TorchScript one as a fallback), then check + infer shapes.
 
     ``example``: a tensor, tuple or dict of inputs (the dataset contract); ONNX input names come from the dict keys
@@ -73,10 +82,13 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
     unknown = sorted(set(dynamic_axes or {}) - set(names))
     if unknown:
         single = isinstance(example, torch.Tensor)  # one tensor of data is the input "input", whatever forward calls it
-        raise ConfigError(f"export.dynamic_axes names {unknown}, which are not model inputs {names}",
-                          hint=f"key export.dynamic_axes by the model's input names (data of one tensor is the input "
-                               f"'{names[0]}'; data as a dict {{name: tensor}} names it)" if single else
-                          "key export.dynamic_axes by the model's input names")
+        raise ConfigError(
+            f"export.dynamic_axes names {unknown}, which are not model inputs {names}",
+            hint=f"key export.dynamic_axes by the model's input names (data of one tensor is the input "
+            f"'{names[0]}'; data as a dict {{name: tensor}} names it)"
+            if single
+            else "key export.dynamic_axes by the model's input names",
+        )
     with torch.no_grad():
         outputs = list(named_outputs(model, example))
     errors = []
@@ -87,16 +99,26 @@ def export_onnx(model: nn.Module, example: Inputs, path: Path, opset: int = 18, 
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
-            _export(FlatModel(model, example), tuple(tensors(example)), ins, placeholders, path, opset,
-                    {p: axes[n] for p, n in zip(ins, names)}, dynamo)
+            _export(
+                FlatModel(model, example),
+                tuple(tensors(example)),
+                ins,
+                placeholders,
+                path,
+                opset,
+                {p: axes[n] for p, n in zip(ins, names)},
+                dynamo,
+            )
             break
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
             if dynamo:
                 log.warning("dynamo exporter failed (%s); trying the TorchScript exporter", _reason(exc))
     else:
-        raise ModelError("torch.onnx.export failed: " + " | ".join(errors),
-                         hint="the model may use an op ONNX cannot express; see the message above")
+        raise ModelError(
+            "torch.onnx.export failed: " + " | ".join(errors),
+            hint="the model may use an op ONNX cannot express; see the message above",
+        )
     proto = load_onnx(path)
     name_io(proto.graph, dict(zip(ins, names)), outputs)
     proto = infer_shapes(proto)
@@ -121,8 +143,10 @@ def name_io(graph: onnx.GraphProto, inputs: dict[str, str], outputs: list[str]) 
     a graph the ONNX checker rejects (not in SSA form). Such an internal value is renamed first (``cat_1``, ...)."""
     clash = sorted(set(outputs) & set(inputs.values()))
     if clash:
-        raise ModelError(f"the model's outputs {clash} are named like its inputs; an ONNX graph cannot have both",
-                         hint="rename those outputs (the keys of the dict forward() returns) or the inputs")
+        raise ModelError(
+            f"the model's outputs {clash} are named like its inputs; an ONNX graph cannot have both",
+            hint="rename those outputs (the keys of the dict forward() returns) or the inputs",
+        )
     taken = value_names(graph)
     mapping: dict[str, str] = {}
     for name in [*inputs.values(), *outputs]:
@@ -137,8 +161,10 @@ def name_io(graph: onnx.GraphProto, inputs: dict[str, str], outputs: list[str]) 
 
 def _axes(names: list[str], dynamic_batch: bool, extra: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, str]]:
     """Input name -> {axis: name} of every dynamic axis."""
-    return {n: ({0: "batch"} if dynamic_batch else {}) | {int(a): str(d) for a, d in extra.get(n, {}).items()}
-            for n in names}
+    return {
+        n: ({0: "batch"} if dynamic_batch else {}) | {int(a): str(d) for a, d in extra.get(n, {}).items()}
+        for n in names
+    }
 
 
 def _drop_unreferenced_data(path: Path) -> None:
@@ -149,8 +175,13 @@ def _drop_unreferenced_data(path: Path) -> None:
     if not data.exists():
         return
     shell = onnx.load(str(path), load_external_data=False)
-    used = {e.value for t in shell.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
-            for e in t.external_data if e.key == "location"}
+    used = {
+        e.value
+        for t in shell.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for e in t.external_data
+        if e.key == "location"
+    }
     if data.name not in used:
         data.unlink()
 
@@ -160,21 +191,32 @@ def _reason(exc: BaseException) -> str:
     return first_line(root_cause(exc))
 
 
-def _export(model: nn.Module, args: tuple[torch.Tensor, ...], names: list[str], outputs: list[str], path: Path,
-            opset: int, axes: dict[str, dict[int, str]], dynamo: bool) -> None:
+def _export(
+    model: nn.Module,
+    args: tuple[torch.Tensor, ...],
+    names: list[str],
+    outputs: list[str],
+    path: Path,
+    opset: int,
+    axes: dict[str, dict[int, str]],
+    dynamo: bool,
+) -> None:
     kw: dict[str, Any] = dict(input_names=names, output_names=outputs, opset_version=opset, dynamo=dynamo)
     if dynamo:
         # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
         kw["optimize"] = False
         dims: dict[str, Any] = {}  # one Dim per name: a shared name means equal sizes (input_ids/attention_mask)
         for label in {d for a in axes.values() for d in a.values()}:
-            dims[label] = torch.export.Dim(label, min=1, max=65536) if label == "batch" else torch.export.Dim(label, min=1)
+            dims[label] = (
+                torch.export.Dim(label, min=1, max=65536) if label == "batch" else torch.export.Dim(label, min=1)
+            )
         if any(axes.values()):
             # FlatModel takes *xs: the exporter sees them as one (tuple) argument
             kw["dynamic_shapes"] = (tuple({a: dims[d] for a, d in axes[n].items()} or None for n in names),)
     elif any(axes.values()):
-        kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {o: {0: "batch"} for o in outputs
-                                                                  if any(0 in a for a in axes.values())}
+        kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {
+            o: {0: "batch"} for o in outputs if any(0 in a for a in axes.values())
+        }
     # The exporter prints progress chatter and warns about optional torchvision ops; keep the user's console clean.
     quiet = logging.getLogger("torch.onnx")
     level = quiet.level
@@ -196,7 +238,9 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs) -> dict[str, Any]:
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
             raise ModelError(f"exported model's output '{name}' has shape {g.shape}, PyTorch's {r.shape}")
-    errs = {name: float(np.max(np.abs(g.astype(np.float64) - r), initial=0.0)) for (name, r), g in zip(ref.items(), got)}
+    errs = {
+        name: float(np.max(np.abs(g.astype(np.float64) - r), initial=0.0)) for (name, r), g in zip(ref.items(), got)
+    }
     return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
 
 
@@ -208,8 +252,9 @@ def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | 
     if checkpoint:
         load_weights(model, read_state_dict(Path(checkpoint)), checkpoint)
     else:
-        log.warning("exporting '%s' with its initial weights: no --checkpoint and no model.checkpoint given",
-                    cfg.model.name)
+        log.warning(
+            "exporting '%s' with its initial weights: no --checkpoint and no model.checkpoint given", cfg.model.name
+        )
     model.eval()
     if input_shape:
         example = torch.randn(2, *parse_shape(input_shape))
@@ -218,8 +263,10 @@ def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | 
                 model(example)
         except Exception as exc:  # the model rejects this shape: say so, not "an op ONNX cannot express"
             reason = first_line(exc)
-            raise ConfigError(f"the model rejects an input of shape [batch, {input_shape}]: {reason}",
-                              hint="give --input-shape the shape of one sample the model takes") from None
+            raise ConfigError(
+                f"the model rejects an input of shape [batch, {input_shape}]: {reason}",
+                hint="give --input-shape the shape of one sample the model takes",
+            ) from None
     else:
         example = take(dataset_for(cfg).val_x, slice(0, 2))
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.export.dynamic_axes)
@@ -234,8 +281,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or any(d < 1 for d in shape):
-        raise ConfigError(f"--input-shape '{text}' is not comma-separated positive integers",
-                          hint="one sample's shape without the batch axis, e.g. 3,224,224")
+        raise ConfigError(
+            f"--input-shape '{text}' is not comma-separated positive integers",
+            hint="one sample's shape without the batch axis, e.g. 3,224,224",
+        )
     return shape
 
 
@@ -246,9 +295,13 @@ def take_onnx(src: Path, path: Path) -> dict[str, Any]:
     save_onnx(proto, path)
     inputs, outputs = io_specs(proto)
     log.info("took %s (%d nodes) instead of exporting", src, len(proto.graph.node))
-    return {"nodes": len(proto.graph.node), "source": str(src), "inputs": [i.name for i in inputs],
-            "outputs": [o.name for o in outputs],
-            "opset": max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0)}
+    return {
+        "nodes": len(proto.graph.node),
+        "source": str(src),
+        "inputs": [i.name for i in inputs],
+        "outputs": [o.name for o in outputs],
+        "opset": max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0),
+    }
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -257,21 +310,29 @@ def run(ctx: StageContext) -> dict[str, Any]:
         return take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.
-        raise ConfigError("export.dynamic_batch: false cannot run through the pipeline, which checks and times "
-                          "the engines at every size in validate.batch_sizes",
-                          hint="keep export.dynamic_batch: true; for a fixed-batch file use `kiln export "
-                               "--checkpoint W.safetensors -o model.onnx --set export.dynamic_batch=false`")
+        raise ConfigError(
+            "export.dynamic_batch: false cannot run through the pipeline, which checks and times "
+            "the engines at every size in validate.batch_sizes",
+            hint="keep export.dynamic_batch: true; for a fixed-batch file use `kiln export "
+            "--checkpoint W.safetensors -o model.onnx --set export.dynamic_batch=false`",
+        )
     model = load_trained(ctx.inputs["train"], ctx.config)
     data = ctx.dataset()
     path = ctx.out / "model.onnx"
     proto = export_onnx(model, take(data.val_x, slice(0, 2)), path, cfg.opset, cfg.dynamic_batch, cfg.dynamic_axes)
     check = parity(model, path, take(data.val_x, slice(0, 256)))
     if check["max_abs_err"] > cfg.parity_atol:
-        raise ModelError(f"ONNX export differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
-                         f"export.parity_atol {cfg.parity_atol:g}",
-                         hint="raise export.parity_atol, or check the model for ops that export inexactly")
-    log.info("exported %d nodes, opset %d, parity max abs err %.2e", len(proto.graph.node),
-             proto.opset_import[0].version, check["max_abs_err"])
+        raise ModelError(
+            f"ONNX export differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
+            f"export.parity_atol {cfg.parity_atol:g}",
+            hint="raise export.parity_atol, or check the model for ops that export inexactly",
+        )
+    log.info(
+        "exported %d nodes, opset %d, parity max abs err %.2e",
+        len(proto.graph.node),
+        proto.opset_import[0].version,
+        check["max_abs_err"],
+    )
     names = [i.name for i in proto.graph.input]
     sizes = dynamic_sizes(data, names, cfg.dynamic_axes)
     if sizes:
@@ -279,15 +340,21 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ranges = integer_ranges(data, names)
     if ranges:
         (ctx.out / INT_RANGES).write_text(json.dumps(ranges, indent=2, sort_keys=True) + "\n")
-    return {"nodes": len(proto.graph.node), "opset": max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
-            "parity": check, "dynamic_sizes": sizes, "int_ranges": ranges}
+    return {
+        "nodes": len(proto.graph.node),
+        "opset": max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
+        "parity": check,
+        "dynamic_sizes": sizes,
+        "int_ranges": ranges,
+    }
 
 
 DYNAMIC_SIZES = "dynamic_sizes.json"
 
 
-def dynamic_sizes(data: Any, names: list[str],
-                  axes: Mapping[str, Mapping[int, str]]) -> dict[str, dict[int, list[int]]]:
+def dynamic_sizes(
+    data: Any, names: list[str], axes: Mapping[str, Mapping[int, str]]
+) -> dict[str, dict[int, list[int]]]:
     """Input name -> axis -> [smallest, largest] size in the data, for each axis of ``export.dynamic_axes``: sizes the
     model is known to take, for the optimizer's safety net (its random inputs)."""
     feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]
@@ -337,7 +404,13 @@ def _env(cfg: Any) -> dict[str, Any]:
 
 # Export builds the model from kiln.models (the zoo Transformer has an export-only attention path) and loads it
 # through model_io.
-STAGE = Stage("export", run, ("train",), ("seed", "model", "data", "export"),
-              (sys.modules[__name__], kiln.models, kiln.models.model_io, kiln.core.onnx_io), _env,
-              "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
-              data=("dataset", "onnx"))
+STAGE = Stage(
+    "export",
+    run,
+    ("train",),
+    ("seed", "model", "data", "export"),
+    (sys.modules[__name__], kiln.models, kiln.models.model_io, kiln.core.onnx_io),
+    _env,
+    "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
+    data=("dataset", "onnx"),
+)

@@ -4,6 +4,7 @@
 ``triton-python/<model>/``: Triton's Python backend running the Kiln engine itself, for every engine (see
 :mod:`kiln.stages.triton_repo`). ``kiln serve`` serves ``engines/`` directly through PyTriton.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,11 @@ from pydantic import Field
 class PackageConfig(Section):
     enabled: bool = True
     triton: bool = Field(True, description="write a Triton model repository for the stock backends (triton/)")
-    triton_python: bool = Field(True, description="write a Triton Python-backend repository running the Kiln engines "
-                                                  "as validated (triton-python/; needs kiln in Triton's Python)")
+    triton_python: bool = Field(
+        True,
+        description="write a Triton Python-backend repository running the Kiln engines "
+        "as validated (triton-python/; needs kiln in Triton's Python)",
+    )
     max_batch_size: int = Field(32, ge=0)
 
 
@@ -41,12 +45,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.config.package
     if not cfg.enabled:
         return {"status": "skipped", "models": []}
-    validation = ValidationResult.read(ctx.inputs["validate"] / "validation.json",
-                                       hint="run `kiln run --from validate`")
+    validation = ValidationResult.read(
+        ctx.inputs["validate"] / "validation.json", hint="run `kiln run --from validate`"
+    )
     if not validation.passed:  # `kiln package` after a failed gate: keep the last good package
-        raise GateFailure(f"validation failed ({'; '.join(validation.failures) or 'see report.md'}): "
-                          "nothing is packaged", hint="fix the engines, or relax validate.gates if the numbers are "
-                                                      "acceptable, then `kiln run` again")
+        raise GateFailure(
+            f"validation failed ({'; '.join(validation.failures) or 'see report.md'}): nothing is packaged",
+            hint="fix the engines, or relax validate.gates if the numbers are acceptable, then `kiln run` again",
+        )
     results = {e.name: e for e in validation.engines}
     packaged = []
     for engine_dir in engine_dirs(ctx.inputs["build"]):
@@ -56,10 +62,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
             continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
-        record: dict[str, Any] = {"engine": meta.name, "validation": result.model_dump(
-            mode="json", include={"max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms"}),
+        record: dict[str, Any] = {
+            "engine": meta.name,
+            "validation": result.model_dump(
+                mode="json", include={"max_abs_err", "cosine", "top1_agreement", "accuracy", "latency_ms"}
+            ),
             # the batch sizes at which validation found this engine the fastest that passes (a router's hint)
-            "chosen_for_batches": sorted((int(b) for b, n in validation.chosen.items() if n == meta.name))}
+            "chosen_for_batches": sorted((int(b) for b, n in validation.chosen.items() if n == meta.name)),
+        }
         model_name = triton_model_name(ctx.config.name, meta.name)
         if cfg.triton and stock_model(meta) is not None:
             write_stock_model(ctx.out / "triton" / model_name, packaged_dir, meta, cfg.max_batch_size)
@@ -85,9 +95,20 @@ def report_section(summary: dict[str, Any]) -> list[str]:
         stock = f"`package/triton/{m['triton_model']}/`" if m.get("triton_model") else "- (no stock backend)"
         python = f"`package/triton-python/{m['triton_python_model']}/`" if m.get("triton_python_model") else "-"
         out.append(f"| {m['engine']} | `package/engines/{m['engine']}/` | {stock} | {python} |")
-    return out + ["", "Serve with `kiln serve <workdir>`, or point `tritonserver --model-repository` at "
-                      "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python)."]
+    return out + [
+        "",
+        "Serve with `kiln serve <workdir>`, or point `tritonserver --model-repository` at "
+        "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python).",
+    ]
 
 
-STAGE = Stage("package", run, ("train", "build", "validate"), ("name", "package"), (sys.modules[__name__], triton_repo),
-              lambda cfg: {}, "serving artifacts: engines + metadata, Triton model repository", report=report_section)
+STAGE = Stage(
+    "package",
+    run,
+    ("train", "build", "validate"),
+    ("name", "package"),
+    (sys.modules[__name__], triton_repo),
+    lambda cfg: {},
+    "serving artifacts: engines + metadata, Triton model repository",
+    report=report_section,
+)

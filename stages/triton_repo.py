@@ -11,6 +11,7 @@ A config is first built as a dict, checked against the engine's ``kiln-engine.js
 batcher, instance kind), then rendered: a config that disagrees with its engine fails when it is written, not
 when Triton loads it (or, worse, when a request of the wrong shape arrives).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,16 @@ from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.stages.engines.backend import TritonModel
 from kiln.stages.engines.registry import BACKENDS
 
-TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
-                "int8": "TYPE_INT8", "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL", "float64": "TYPE_FP64"}
+TRITON_TYPES = {
+    "float32": "TYPE_FP32",
+    "float16": "TYPE_FP16",
+    "int64": "TYPE_INT64",
+    "int32": "TYPE_INT32",
+    "int8": "TYPE_INT8",
+    "uint8": "TYPE_UINT8",
+    "bool": "TYPE_BOOL",
+    "float64": "TYPE_FP64",
+}
 ENGINE_SUBDIR = "engine"
 
 
@@ -56,11 +65,14 @@ def _tensors(specs: list[TensorSpec], batched: bool) -> list[dict[str, Any]]:
     out = []
     for s in specs:
         if s.dtype not in TRITON_TYPES:
-            raise ModelError(f"tensor '{s.name}' has dtype {s.dtype}, which Kiln cannot declare to Triton",
-                             hint=f"export the model with one of {sorted(TRITON_TYPES)} at its inputs and outputs")
+            raise ModelError(
+                f"tensor '{s.name}' has dtype {s.dtype}, which Kiln cannot declare to Triton",
+                hint=f"export the model with one of {sorted(TRITON_TYPES)} at its inputs and outputs",
+            )
         shape = s.shape[1:] if batched else s.shape
-        out.append({"name": s.name, "data_type": TRITON_TYPES[s.dtype],
-                    "dims": [-1 if _dynamic(d) else d for d in shape]})
+        out.append(
+            {"name": s.name, "data_type": TRITON_TYPES[s.dtype], "dims": [-1 if _dynamic(d) else d for d in shape]}
+        )
     return out
 
 
@@ -76,8 +88,9 @@ def _stock(meta: EngineMetadata) -> TritonModel:
     return stock
 
 
-def model_config(model_name: str, meta: EngineMetadata, max_batch_size: int, backend: str | None = None,
-                 queue_delay_us: int = 100) -> dict[str, Any]:
+def model_config(
+    model_name: str, meta: EngineMetadata, max_batch_size: int, backend: str | None = None, queue_delay_us: int = 100
+) -> dict[str, Any]:
     """The config as a dict. ``backend="python"`` for the Python-backend model, else the engine's stock platform."""
     mbs = served_max_batch(meta, max_batch_size)
     cfg: dict[str, Any] = {"name": model_name}
@@ -122,15 +135,18 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
                 problems.append(f"{kind} '{s.name}': {t['data_type']} but the engine takes {s.dtype}")
             shape = s.shape[1:] if mbs > 0 else s.shape
             if len(t["dims"]) != len(shape) or any(d != (-1 if _dynamic(e) else e) for d, e in zip(t["dims"], shape)):
-                problems.append(f"{kind} '{s.name}': dims {t['dims']} do not match the engine's {s.shape}"
-                                f"{' less its batch axis' if mbs > 0 else ''}")
+                problems.append(
+                    f"{kind} '{s.name}': dims {t['dims']} do not match the engine's {s.shape}"
+                    f"{' less its batch axis' if mbs > 0 else ''}"
+                )
     want_kind = "KIND_GPU" if meta.device == "cuda" else "KIND_CPU"
     if any(g["kind"] != want_kind or g["count"] < 1 for g in cfg["instance_group"]):
         problems.append(f"instance_group {cfg['instance_group']} for a {meta.device} engine (want {want_kind})")
     if problems:
-        raise ModelError(f"Triton config for {cfg['name']} disagrees with engine {meta.name}: {'; '.join(problems)}",
-                         hint="rebuild the engine (its kiln-engine.json may be stale), "
-                              "or change package.max_batch_size")
+        raise ModelError(
+            f"Triton config for {cfg['name']} disagrees with engine {meta.name}: {'; '.join(problems)}",
+            hint="rebuild the engine (its kiln-engine.json may be stale), or change package.max_batch_size",
+        )
 
 
 def render_pbtxt(cfg: dict[str, Any]) -> str:
@@ -140,14 +156,19 @@ def render_pbtxt(cfg: dict[str, Any]) -> str:
     lines += [f'{key}: "{cfg[key]}"' for key in ("platform", "backend") if key in cfg]
     lines.append(f"max_batch_size: {cfg['max_batch_size']}")
     for kind in ("input", "output"):
-        items = [f'  {{\n    name: "{t["name"]}"\n    data_type: {t["data_type"]}\n'
-                 f'    dims: [ {", ".join(map(str, t["dims"]))} ]\n  }}' for t in cfg[kind]]
+        items = [
+            f'  {{\n    name: "{t["name"]}"\n    data_type: {t["data_type"]}\n'
+            f"    dims: [ {', '.join(map(str, t['dims']))} ]\n  }}"
+            for t in cfg[kind]
+        ]
         lines.append(f"{kind} [\n" + ",\n".join(items) + "\n]")
     groups = ", ".join(f"{{ kind: {g['kind']} count: {g['count']} }}" for g in cfg["instance_group"])
     lines.append(f"instance_group [ {groups} ]")
     if "dynamic_batching" in cfg:
-        lines.append(f"dynamic_batching {{ max_queue_delay_microseconds: "
-                     f"{cfg['dynamic_batching']['max_queue_delay_microseconds']} }}")
+        lines.append(
+            f"dynamic_batching {{ max_queue_delay_microseconds: "
+            f"{cfg['dynamic_batching']['max_queue_delay_microseconds']} }}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -208,8 +229,9 @@ def write_python_model(target: Path, engine_dir: Path, meta: EngineMetadata, max
     version.mkdir(parents=True)
     shutil.copytree(engine_dir, version / ENGINE_SUBDIR, copy_function=_link_or_copy)
     write_text_atomic(version / "model.py", MODEL_PY)
-    write_text_atomic(target / "config.pbtxt",
-                      render_pbtxt(model_config(target.name, meta, max_batch_size, backend="python")))
+    write_text_atomic(
+        target / "config.pbtxt", render_pbtxt(model_config(target.name, meta, max_batch_size, backend="python"))
+    )
 
 
 def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:

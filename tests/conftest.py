@@ -1,4 +1,5 @@
 """Shared fixtures: tiny configs that run the real pipeline in seconds."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -57,8 +57,10 @@ def imports(module: str) -> list[tuple[str, bool]]:
                     anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
                     base = ".".join([*anchor, *([base] if base else [])])
                 if base.split(".")[0] == "kiln":  # `from kiln.x import y` may import the submodule kiln.x.y
-                    found.extend((f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base, in_function)
-                                 for a in child.names)
+                    found.extend(
+                        (f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base, in_function)
+                        for a in child.names
+                    )
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
     visit(ast.parse(path.read_text()), False)
@@ -72,8 +74,12 @@ def test_every_folder_is_a_layer() -> None:
 
 @pytest.mark.xfail(strict=True, reason="stages still type their config as the whole KilnConfig: the next commit")
 def test_imports_point_down_only() -> None:
-    up = [f"{m} ({LAYERS[min(layer(m), len(LAYERS) - 1)]}) imports {i}"
-          for m in MODULES for i, _ in imports(m) if layer(i) > layer(m)]
+    up = [
+        f"{m} ({LAYERS[min(layer(m), len(LAYERS) - 1)]}) imports {i}"
+        for m in MODULES
+        for i, _ in imports(m)
+        if layer(i) > layer(m)
+    ]
     assert not up, "\n".join(up)
 
 
@@ -95,19 +101,24 @@ def _stage_of(module: str) -> int | None:
 @pytest.mark.xfail(strict=True, reason="precision's direct mode reads .npz feeds through validate: the next commit")
 def test_stages_import_earlier_stages_only() -> None:
     """A stage may use what an earlier stage made (validate runs the build stage's engines), never a later one."""
-    later = [f"{m} ({STAGES[_stage_of(m)].name}) imports {i} ({STAGES[_stage_of(i)].name})"
-             for m in MODULES if _stage_of(m) is not None and m not in ENTRY_POINTS
-             for i, _ in imports(m) if (_stage_of(i) or -1) > _stage_of(m)]
+    later = [
+        f"{m} ({STAGES[_stage_of(m)].name}) imports {i} ({STAGES[_stage_of(i)].name})"
+        for m in MODULES
+        if _stage_of(m) is not None and m not in ENTRY_POINTS
+        for i, _ in imports(m)
+        if (_stage_of(i) or -1) > _stage_of(m)
+    ]
     assert not later, "\n".join(later)
 
 
 def test_the_rules_see_relative_and_type_checking_imports(tmp_path: Path) -> None:
     """The scan itself: a relative import and one under TYPE_CHECKING are both found."""
     MODULES["kiln.stages.fake"] = tmp_path / "fake.py"
-    (tmp_path / "fake.py").write_text("from typing import TYPE_CHECKING\nfrom .engines import registry\n"
-                                      "if TYPE_CHECKING:\n    from kiln.pipeline.config import KilnConfig\n")
+    (tmp_path / "fake.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom .engines import registry\n"
+        "if TYPE_CHECKING:\n    from kiln.pipeline.config import KilnConfig\n"
+    )
     try:
-        assert imports("kiln.stages.fake") == [("kiln.stages.engines.registry", False),
-                                               ("kiln.pipeline.config", False)]
+        assert imports("kiln.stages.fake") == [("kiln.stages.engines.registry", False), ("kiln.pipeline.config", False)]
     finally:
         del MODULES["kiln.stages.fake"]

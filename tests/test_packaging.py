@@ -1,5 +1,6 @@
 """Kiln installs one import package, ``kiln``: a user's project may have its own ``models/``, ``pipeline/``,
 ``stages/`` and ``calibration/`` packages, and ``import kiln`` needs neither TensorRT nor onnxruntime-gpu."""
+
 from __future__ import annotations
 
 import json
@@ -56,16 +57,33 @@ def test_kiln_imports_without_tensorrt_or_onnxruntime_gpu(tmp_path: Path) -> Non
 
 def test_no_generic_top_level_names_are_installed(tmp_path: Path) -> None:
     """From a folder without them, `models`, `pipeline`, `stages` and `calibration` do not import."""
-    code = ("import importlib.util as u; "
-            "print([n for n in ('models', 'pipeline', 'stages', 'calibration') if u.find_spec(n)])")
+    code = (
+        "import importlib.util as u; "
+        "print([n for n in ('models', 'pipeline', 'stages', 'calibration') if u.find_spec(n)])"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_clean_env(), capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 @pytest.mark.slow
 def test_the_wheel_holds_only_kiln(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, env=_clean_env())
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = tmp_path.glob("kiln-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
@@ -115,7 +133,8 @@ def test_a_project_with_its_own_models_pipeline_stages_calibration_packages_runs
     for rel, text in USER_PACKAGES.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(textwrap.dedent(text))
-    (tmp_path / "kiln.yaml").write_text(textwrap.dedent("""
+    (tmp_path / "kiln.yaml").write_text(
+        textwrap.dedent("""
         name: user-project
         model: {name: "models.mine:build", params: {hidden: 16}}
         data: {name: "pipeline.data:load"}
@@ -123,10 +142,17 @@ def test_a_project_with_its_own_models_pipeline_stages_calibration_packages_runs
         precision: {variants: [fp32]}
         build: {backends: [onnxruntime]}
         validate: {batch_sizes: [1, 8], warmup: 1, iterations: 3}
-    """))
+    """)
+    )
     kiln = Path(sys.executable).with_name("kiln")
-    out = subprocess.run([str(kiln), "run", "kiln.yaml", "-w", "out", "--quiet"], cwd=tmp_path, env=_clean_env(),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [str(kiln), "run", "kiln.yaml", "-w", "out", "--quiet"],
+        cwd=tmp_path,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -1,4 +1,5 @@
 """README examples run as tests: the config example and the serving snippet must stay true."""
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,14 @@ def readme_project(tmp_path_factory) -> Path:
     cfg["build"] = {"backends": ["onnxruntime"]}
     (tmp / "my.yaml").write_text(yaml.safe_dump(cfg))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([str(Path(sys.executable).with_name("kiln")), "run", "my.yaml", "-w", "kiln-out", "--quiet"],
-                         cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("kiln")), "run", "my.yaml", "-w", "kiln-out", "--quiet"],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return tmp
 
@@ -100,12 +107,14 @@ def test_readme_serving_snippet(in_project: Path) -> None:
 def _section(title: str) -> str:
     text = README.read_text()
     start = text.index(f"## {title}\n")
-    return text[start:text.index("\n## ", start + 1)]
+    return text[start : text.index("\n## ", start + 1)]
 
 
 def _blocks(section: str, lang: str) -> dict[str, str]:
     """A section's code blocks of ``lang`` by the file name in their first-line comment."""
-    return {b.splitlines()[0].split()[1].rstrip(":"): b for b in re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)}
+    return {
+        b.splitlines()[0].split()[1].rstrip(":"): b for b in re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
+    }
 
 
 def test_readme_bring_your_own_model_examples(tmp_path: Path) -> None:
@@ -132,7 +141,9 @@ def test_readme_bring_your_own_model_examples(tmp_path: Path) -> None:
     import json
 
     v = json.loads((tmp_path / "textcls-out" / "validate" / "validation.json").read_text())
-    assert v["passed"] and v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["compared"] == ["logits"]
+    assert (
+        v["passed"] and v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["compared"] == ["logits"]
+    )
     # the direct commands' inputs: the run's ONNX export and the validation split as named arrays
     import shutil
 
@@ -144,11 +155,15 @@ def test_readme_bring_your_own_model_examples(tmp_path: Path) -> None:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("textcls", None)
     np.savez(tmp_path / "d.npz", **{k: t.numpy() for k, t in val.items()})
-    commands = [ln.split() for ln in next(iter(_blocks(section, "bash").values())).splitlines()
-                if ln.startswith("kiln ")]
+    commands = [
+        ln.split() for ln in next(iter(_blocks(section, "bash").values())).splitlines() if ln.startswith("kiln ")
+    ]
     assert [c[1] for c in commands] == ["run", "precision", "build", "validate"]
     for command in commands:
-        run(*command[1:], *(["--quiet"] if command[1] != "validate" else []),
-            *(["--set", "validate.iterations=3", "--set", "validate.warmup=1"] if command[1] == "validate" else []))
+        run(
+            *command[1:],
+            *(["--quiet"] if command[1] != "validate" else []),
+            *(["--set", "validate.iterations=3", "--set", "validate.warmup=1"] if command[1] == "validate" else []),
+        )
     v = json.loads((tmp_path / "fromonnx-out" / "validate" / "validation.json").read_text())
     assert v["passed"] and v["baseline"]["backend"] == "onnxruntime"

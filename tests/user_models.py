@@ -1,4 +1,5 @@
 """Small models of the kinds users bring, shared by tests in several folders."""
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 Adding a backend is one module defining a :class:`Backend` plus one line in :mod:`.registry`; the build stage,
 validation, packaging and ``kiln build`` go through this interface and never test a backend's name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,8 +67,9 @@ class Backend:
     # A build failure under this config skips the engine (reported) instead of failing the stage.
     optional: Callable[[BuildConfig], bool] = lambda cfg: False
     # Which graph of a precision variant this engine is built from, and the nodes to keep FP32 when converting.
-    source: Callable[["Backend", str, str, dict[str, PrecisionVariant], BuildConfig],
-                     tuple[str, list[str] | None]] | None = None
+    source: (
+        Callable[["Backend", str, str, dict[str, PrecisionVariant], BuildConfig], tuple[str, list[str] | None]] | None
+    ) = None
     # Preference among engines within timing noise of each other (validate's per-batch choice): lower first.
     rank: int = 100
 
@@ -78,8 +80,9 @@ class Backend:
     def engine_name(self, device: str, precision: str) -> str:
         return f"{self.name}-{device}-{precision}" if len(self.devices) > 1 else f"{self.name}-{precision}"
 
-    def source_for(self, device: str, precision: str, variants: dict[str, PrecisionVariant],
-                   cfg: BuildConfig) -> tuple[str, list[str] | None]:
+    def source_for(
+        self, device: str, precision: str, variants: dict[str, PrecisionVariant], cfg: BuildConfig
+    ) -> tuple[str, list[str] | None]:
         """The variant's graph made for this engine kind if it has one, else its graph; no nodes to keep."""
         if self.source is not None:
             return self.source(self, device, precision, variants, cfg)

@@ -27,6 +27,7 @@ downsampling branch) and one with ``padding='same'`` (EfficientNet's), which the
 add must write into the convolution's output, not into ``z``. On the CPU the ops compute the same thing unfused (the
 rewrite is tested there; ``auto`` never applies it there).
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,9 +58,11 @@ def accuracy_hint(builder_settings: dict[str, object]) -> str | None:
     if not builder_settings.get("conv_epilogues") or not isinstance(layers, dict) or not any(layers.values()):
         return None
     fused = layers.get("conv_bias_relu", 0) + layers.get("conv_bias_add_relu", 0)
-    return (f"{layers.get('batch_norms_folded', 0)} BatchNorm(s) were folded into convolutions and {fused} "
-            "convolution(s) run as cuDNN's fused convolution + bias (+ add) + ReLU (build.torch.conv_epilogues, on by "
-            "default for FP16 GPU engines); conv_epilogues: off builds the engine without them")
+    return (
+        f"{layers.get('batch_norms_folded', 0)} BatchNorm(s) were folded into convolutions and {fused} "
+        "convolution(s) run as cuDNN's fused convolution + bias (+ add) + ReLU (build.torch.conv_epilogues, on by "
+        "default for FP16 GPU engines); conv_epilogues: off builds the engine without them"
+    )
 
 
 @lru_cache(maxsize=None)
@@ -71,19 +74,38 @@ def register_ops() -> None:
 
     geometry = "int[] stride, int[] padding, int[] dilation, int groups"
 
-    @torch.library.custom_op("kiln::conv_bias_relu", mutates_args=(),
-                             schema=f"(Tensor x, Tensor weight, Tensor bias, {geometry}) -> Tensor")
-    def conv_bias_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: list[int],
-                       padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    @torch.library.custom_op(
+        "kiln::conv_bias_relu", mutates_args=(), schema=f"(Tensor x, Tensor weight, Tensor bias, {geometry}) -> Tensor"
+    )
+    def conv_bias_relu(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        groups: int,
+    ) -> torch.Tensor:
         """``relu(conv2d(x, weight, bias))``: one cuDNN call on the GPU."""
         if x.is_cuda:
             return torch.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
         return torch.relu(functional.conv2d(x, weight, bias, stride, padding, dilation, groups))
 
-    @torch.library.custom_op("kiln::conv_bias_add_relu", mutates_args=(),
-                             schema=f"(Tensor x, Tensor weight, Tensor bias, Tensor z, {geometry}) -> Tensor")
-    def conv_bias_add_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor,
-                           stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    @torch.library.custom_op(
+        "kiln::conv_bias_add_relu",
+        mutates_args=(),
+        schema=f"(Tensor x, Tensor weight, Tensor bias, Tensor z, {geometry}) -> Tensor",
+    )
+    def conv_bias_add_relu(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        z: torch.Tensor,
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        groups: int,
+    ) -> torch.Tensor:
         """``relu(conv2d(x, weight, bias) + z)``: one cuDNN call on the GPU."""
         if x.is_cuda:
             return torch.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
@@ -92,13 +114,28 @@ def register_ops() -> None:
     # The fake kernels run the unfused ops on fake tensors: the output's shape and memory format (channels_last for
     # a channels_last input, as cuDNN's) are the ones Inductor plans the surrounding kernels for.
     @conv_bias_relu.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: list[int], padding: list[int],
-          dilation: list[int], groups: int) -> torch.Tensor:
+    def _(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        groups: int,
+    ) -> torch.Tensor:
         return torch.relu(functional.conv2d(x, weight, bias, stride, padding, dilation, groups))
 
     @conv_bias_add_relu.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, z: torch.Tensor, stride: list[int],
-          padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    def _(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        z: torch.Tensor,
+        stride: list[int],
+        padding: list[int],
+        dilation: list[int],
+        groups: int,
+    ) -> torch.Tensor:
         return torch.relu(functional.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
 
 
@@ -132,11 +169,17 @@ def fuse_conv_epilogues(gm: fx.GraphModule, warn_if_none: bool = True) -> dict[s
     gm.recompile()
     fused = counts["conv_bias_relu"] + counts["conv_bias_add_relu"]
     if not fused and not counts["batch_norms_folded"] and warn_if_none:
-        log.warning("build.torch.conv_epilogues: on: the program has no 2-D convolution followed by a BatchNorm or "
-                    "a ReLU to fold or fuse")
-    log.info("convolution epilogues: %d BatchNorms folded, %d convolutions with bias + ReLU, %d with bias + add + "
-             "ReLU as one cuDNN call", counts["batch_norms_folded"], counts["conv_bias_relu"],
-             counts["conv_bias_add_relu"])
+        log.warning(
+            "build.torch.conv_epilogues: on: the program has no 2-D convolution followed by a BatchNorm or "
+            "a ReLU to fold or fuse"
+        )
+    log.info(
+        "convolution epilogues: %d BatchNorms folded, %d convolutions with bias + ReLU, %d with bias + add + "
+        "ReLU as one cuDNN call",
+        counts["batch_norms_folded"],
+        counts["conv_bias_relu"],
+        counts["conv_bias_add_relu"],
+    )
     return counts
 
 
@@ -153,18 +196,29 @@ def fold_batch_norms(gm: fx.GraphModule) -> int:
         if training is not False or not _is_conv2d(conv, any_padding=True) or len(conv.users) != 1:
             continue
         args = conv_arguments(conv)
-        tensors = {"conv_w": args["weight"], "conv_b": args["bias"], "bn_w": weight, "bn_b": bias, "mean": mean,
-                   "var": var}
+        tensors = {
+            "conv_w": args["weight"],
+            "conv_b": args["bias"],
+            "bn_w": weight,
+            "bn_b": bias,
+            "mean": mean,
+            "var": var,
+        }
         if any(v is not None and not _is_attr(v) for v in tensors.values()) or not all(
-                _is_attr(tensors[k]) for k in ("conv_w", "mean", "var")):
+            _is_attr(tensors[k]) for k in ("conv_w", "mean", "var")
+        ):
             continue
         got = {k: None if v is None else attr(gm, v.target) for k, v in tensors.items()}
         w0 = got["conv_w"]
         fp32 = {k: None if v is None else v.detach().float() for k, v in got.items()}
-        w, b = fuse_conv_bn_weights(fp32["conv_w"], fp32["conv_b"], fp32["mean"], fp32["var"], float(eps),
-                                    fp32["bn_w"], fp32["bn_b"])
-        layout = torch.channels_last if w0.is_contiguous(memory_format=torch.channels_last) and w0.dim() == 4 \
+        w, b = fuse_conv_bn_weights(
+            fp32["conv_w"], fp32["conv_b"], fp32["mean"], fp32["var"], float(eps), fp32["bn_w"], fp32["bn_b"]
+        )
+        layout = (
+            torch.channels_last
+            if w0.is_contiguous(memory_format=torch.channels_last) and w0.dim() == 4
             else torch.contiguous_format
+        )
         name = f"_kiln_folded_conv_{folded}"
         gm.register_buffer(f"{name}_weight", w.detach().to(w0.dtype).contiguous(memory_format=layout))
         gm.register_buffer(f"{name}_bias", b.detach().to(w0.dtype))  # buffers: an inference engine trains nothing
@@ -195,7 +249,7 @@ def _is_conv2d(node: Any, any_padding: bool = False) -> bool:
     import torch
 
     overloads = (torch.ops.aten.conv2d.default, torch.ops.aten.conv2d.padding)
-    return getattr(node, "op", None) == "call_function" and node.target in overloads[:2 if any_padding else 1]
+    return getattr(node, "op", None) == "call_function" and node.target in overloads[: 2 if any_padding else 1]
 
 
 def _set_weight_and_bias(conv: fx.Node, weight: fx.Node, bias: fx.Node) -> None:
@@ -217,8 +271,10 @@ def _is_attr(node: Any) -> bool:
 
 def _plain_geometry(args: dict[str, Any]) -> bool:
     """Integer (lists of) stride, padding and dilation: what the fused ops take (not ``padding='same'``)."""
-    return all(isinstance(v, int) or (isinstance(v, (list, tuple)) and all(isinstance(i, int) for i in v))
-               for v in (args["stride"], args["padding"], args["dilation"])) and isinstance(args["groups"], int)
+    return all(
+        isinstance(v, int) or (isinstance(v, (list, tuple)) and all(isinstance(i, int) for i in v))
+        for v in (args["stride"], args["padding"], args["dilation"])
+    ) and isinstance(args["groups"], int)
 
 
 def _pair(v: int | list[int] | tuple[int, ...]) -> list[int]:

@@ -5,6 +5,7 @@ symbolic axis of the source's inputs and outputs symbolic: an engine that silent
 validates at batch 1 and then fails at batch 32 in serving (issue 12). ``onnx`` itself has no such comparison, hence
 this module; it compares declared graph signatures only (no shape inference), which is what ORT enforces at run time.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,10 @@ from kiln.core.errors import BuildError
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.records import TensorSpec
 
-HINT = ("the engine's optimizer fixed a dynamic axis; report it with the model, or build with "
-        "build.onnxruntime.autotune.cuda: false and transformer_fusion: off to find the step that pins it")
+HINT = (
+    "the engine's optimizer fixed a dynamic axis; report it with the model, or build with "
+    "build.onnxruntime.autotune.cuda: false and transformer_fusion: off to find the step that pins it"
+)
 
 
 def lost_axes(source: list[TensorSpec], engine: list[TensorSpec]) -> list[str]:
@@ -49,8 +52,12 @@ def lost_in_model(source: onnx.ModelProto, engine: onnx.ModelProto) -> list[str]
     (stale, or data-dependent) may legitimately become fixed once shapes are inferred from fixed inputs."""
     (src_in, src_out), (eng_in, eng_out) = io_specs(source), io_specs(engine)
     symbols = {d for s in src_in for d in s.shape if isinstance(d, str)}
-    outputs = [TensorSpec(name=s.name, dtype=s.dtype, shape=[d if not isinstance(d, str) or d in symbols else -1
-                                                             for d in s.shape]) for s in src_out]
+    outputs = [
+        TensorSpec(
+            name=s.name, dtype=s.dtype, shape=[d if not isinstance(d, str) or d in symbols else -1 for d in s.shape]
+        )
+        for s in src_out
+    ]
     return lost_axes(src_in, eng_in) + lost_axes(outputs, eng_out)
 
 

@@ -5,6 +5,7 @@ Runners follow Polygraphy's shape: ``activate`` (load; heavy work happens here, 
 import their library only in ``activate``, so this package imports without onnxruntime-gpu or TensorRT. Open an
 engine with :func:`kiln.stages.engines.registry.load_engine` (also ``kiln.load_engine``).
 """
+
 from __future__ import annotations
 
 import time
@@ -22,7 +23,9 @@ REBUILD = "rebuild the engine: `kiln build` (or `kiln run --force build` in a wo
 def read_metadata(engine_dir: Path) -> EngineMetadata:
     p = Path(engine_dir) / SIDECAR
     if not p.is_file():
-        raise InputFileError(f"{engine_dir} is not a Kiln engine (no {SIDECAR})", hint="point at a folder `kiln build` wrote")
+        raise InputFileError(
+            f"{engine_dir} is not a Kiln engine (no {SIDECAR})", hint="point at a folder `kiln build` wrote"
+        )
     return EngineMetadata.read(p, hint=REBUILD)
 
 
@@ -38,8 +41,10 @@ def verify_files(engine_dir: Path, meta: EngineMetadata) -> None:
         if not path.is_file():
             raise InputFileError(f"engine {meta.name}: {name} is missing from {engine_dir}", hint=REBUILD)
         if hash_file(path) != digest:
-            raise InputFileError(f"engine {meta.name}: {name} does not match its recorded sha256 (the file changed "
-                                 f"after the build)", hint=REBUILD)
+            raise InputFileError(
+                f"engine {meta.name}: {name} does not match its recorded sha256 (the file changed after the build)",
+                hint=REBUILD,
+            )
 
 
 class Runner:

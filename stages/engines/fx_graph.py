@@ -1,5 +1,6 @@
 """Small edits of a ``torch.fx`` graph module shared by the torch engine's rewrites (GEMM and convolution epilogues):
 read a tensor attribute by its dotted name, replace a node by a call, drop attributes nothing reads any more."""
+
 from __future__ import annotations
 
 from functools import reduce

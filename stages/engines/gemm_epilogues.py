@@ -32,6 +32,7 @@ made BERT-base's engine the fastest measured (``benchmarks/results/gpu_session9.
 engine as any other. It is ``off`` elsewhere: on the CPU each custom op is a Python call and the engine was slower with
 it, FP32 GPU engines have not been measured with it, and an AOTInductor package cannot hold the ops.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,9 +66,11 @@ def accuracy_hint(builder_settings: dict[str, object], device: str) -> str | Non
     fused = layers.get("linear_bias_gelu", 0) if isinstance(layers, dict) else 0
     if builder_settings.get("gemm_epilogues") != "bias_any_gelu" or not fused or EPILOGUE_GELU.get(device) != "tanh":
         return None
-    return (f"{fused} GELU layer(s) run in cuBLASLt's epilogue, which computes the tanh approximation "
-            "(build.torch.gemm_epilogues: bias_any_gelu, what auto means for FP16 GPU engines); with bias_gelu only "
-            "GELUs the model itself computes that way are fused")
+    return (
+        f"{fused} GELU layer(s) run in cuBLASLt's epilogue, which computes the tanh approximation "
+        "(build.torch.gemm_epilogues: bias_any_gelu, what auto means for FP16 GPU engines); with bias_gelu only "
+        "GELUs the model itself computes that way are fused"
+    )
 
 
 @lru_cache(maxsize=None)
@@ -98,8 +101,9 @@ def register_ops() -> None:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = True,
-                          merge: bool = False) -> dict[str, int]:
+def fuse_linear_epilogues(
+    gm: fx.GraphModule, mode: str, warn_if_none: bool = True, merge: bool = False
+) -> dict[str, int]:
     """Rewrite ``gm`` in place (``mode``: one of :data:`MODES` but ``off``); returns how many layers each op took.
 
     Only linears with a bias: without one there is nothing for the epilogue, and Inductor's own GEMM is kept. A GELU
@@ -134,9 +138,13 @@ def fuse_linear_epilogues(gm: fx.GraphModule, mode: str, warn_if_none: bool = Tr
     gm.recompile()
     if not any(counts.values()) and warn_if_none:  # e.g. a model whose layers call torch.addmm (GPT-2's Conv1D)
         log.warning("build.torch.gemm_epilogues: %s: the program has no linear layer with a bias to rewrite", mode)
-    log.info("GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU%s", mode,
-             counts["linear_bias"], counts["linear_bias_gelu"],
-             f" ({counts['merged_linears']} merged into wider GEMMs)" if counts.get("merged_linears") else "")
+    log.info(
+        "GEMM epilogues (%s): %d linear layers with their bias, %d with bias and GELU%s",
+        mode,
+        counts["linear_bias"],
+        counts["linear_bias_gelu"],
+        f" ({counts['merged_linears']} merged into wider GEMMs)" if counts.get("merged_linears") else "",
+    )
     return counts
 
 
@@ -197,8 +205,9 @@ def _merge(gm: fx.GraphModule, nodes: list[fx.Node], name: str) -> None:
     with graph.inserting_before(nodes[0]):
         weight, bias = graph.get_attr(f"{name}_weight"), graph.get_attr(f"{name}_bias")
         linear = graph.call_function(torch.ops.aten.linear.default, (nodes[0].args[0], weight, bias))
-        parts = graph.call_function(torch.ops.aten.split_with_sizes.default,
-                                    (linear, [w.shape[0] for w in weights], -1))
+        parts = graph.call_function(
+            torch.ops.aten.split_with_sizes.default, (linear, [w.shape[0] for w in weights], -1)
+        )
     for i, node in enumerate(nodes):
         with graph.inserting_before(node):
             part = graph.call_function(operator.getitem, (parts, i))

@@ -5,6 +5,7 @@ at load), thread counts and execution mode stored for the runner. CUDA: cuDNN ex
 NHWC where it helps, IO binding and CUDA graphs (applied by the runner), and ORT's transformer fusions. Those
 fusions emit ORT-only contrib ops, so they are applied here, to ORT engines only, never to TensorRT's graphs.
 """
+
 from __future__ import annotations
 
 import io
@@ -32,9 +33,17 @@ PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", 
 ATTENTION_OPS = {"Softmax", "MatMul"}
 
 
-def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                     keep_fp32: list[str] | None = None, max_batch: int = 32, name: str = "",
-                     axis_sizes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+def build_ort_engine(
+    onnx_path: Path,
+    out: Path,
+    device: str,
+    precision: str,
+    cfg: OnnxRuntimeConfig,
+    keep_fp32: list[str] | None = None,
+    max_batch: int = 32,
+    name: str = "",
+    axis_sizes: dict[str, list[int]] | None = None,
+) -> dict[str, Any]:
     """Write ``out/engine.onnx`` and, where it can, autotune its session settings on this machine (see
     ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned."""
     import onnxruntime as ort
@@ -48,14 +57,18 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     cuda_here = "CUDAExecutionProvider" in ort.get_available_providers()
     conv, applied = has_conv(model), notes["transformer_fusion"]["applied"]
     skip = autotune_skip_reason(device, cfg, cuda_here)
-    knobs = {} if skip else relevant_knobs(cfg.autotune.cuda_knobs if device == "cuda" else cfg.autotune.cpu_knobs,
-                                           conv, applied)
+    knobs = (
+        {}
+        if skip
+        else relevant_knobs(cfg.autotune.cuda_knobs if device == "cuda" else cfg.autotune.cpu_knobs, conv, applied)
+    )
     to_fp16 = precision == "fp16" and not model_carries_precision(model)  # else the graph holds its precision
     keep_fused = None
     if keep_fp32 and to_fp16:
         keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32)
-    conversion, offline = _write_engine(fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16,
-                                        keep_fused)
+    conversion, offline = _write_engine(
+        fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fused
+    )
     if conversion:
         notes["fp16_conversion"] = conversion
     files = {"model": "engine.onnx"}
@@ -63,14 +76,26 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
         _write_engine(model, out / "engine-unfused.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fp32)
         files["model_unfused"] = "engine-unfused.onnx"
     if offline != _offline_level(device, cuda_here):
-        notes["offline_fallback"] = ("the CUDA EP's offline optimization fixed dynamic axes; the engine is the "
-                                     "converted graph, optimized by the CUDA EP at load")
-    session = {"providers": provider_list(device, cfg, conv, precision),
-               "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
-               "execution_mode": cfg.execution_mode, "offline_optimization": offline,
-               "load_optimization": "all"}
-    built = {"files": files, "session": session, "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
-             "versions": {"onnxruntime": ort.__version__}, "flavour": "onnxruntime", "builder_settings": notes}
+        notes["offline_fallback"] = (
+            "the CUDA EP's offline optimization fixed dynamic axes; the engine is the "
+            "converted graph, optimized by the CUDA EP at load"
+        )
+    session = {
+        "providers": provider_list(device, cfg, conv, precision),
+        "intra_op_threads": cfg.intra_op_threads,
+        "inter_op_threads": cfg.inter_op_threads,
+        "execution_mode": cfg.execution_mode,
+        "offline_optimization": offline,
+        "load_optimization": "all",
+    }
+    built = {
+        "files": files,
+        "session": session,
+        "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
+        "versions": {"onnxruntime": ort.__version__},
+        "flavour": "onnxruntime",
+        "builder_settings": notes,
+    }
     for file in files.values():  # before autotuning: never time an engine that lost its source's dynamic axes
         check_engine_graph(onnx_path, out / file, file)
     if skip:
@@ -80,15 +105,23 @@ def build_ort_engine(onnx_path: Path, out: Path, device: str, precision: str, cf
     inputs, _ = io_specs(model)
     batches = sorted(set(cfg.autotune.batch_sizes or [1, max_batch]))
     base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
-    built["autotune"] = autotune(out, {**built, "name": name, "device": device, "inputs": inputs,
-                                       "dynamic": dynamic}, onnx_path,
-                                 cfg.autotune, base, knobs, batches, per_batch=device == "cuda")
+    built["autotune"] = autotune(
+        out,
+        {**built, "name": name, "device": device, "inputs": inputs, "dynamic": dynamic},
+        onnx_path,
+        cfg.autotune,
+        base,
+        knobs,
+        batches,
+        per_batch=device == "cuda",
+    )
     _drop_unused_unfused(out, built)
     return built
 
 
-def keep_list_after_fusion(source: onnx.ModelProto, fused: onnx.ModelProto,
-                           keep: list[str]) -> tuple[list[str], dict[str, Any]]:
+def keep_list_after_fusion(
+    source: onnx.ModelProto, fused: onnx.ModelProto, keep: list[str]
+) -> tuple[list[str], dict[str, Any]]:
     """The precision stage's FP32 nodes under the names they have after ORT's transformer fusion.
 
     Fusion replaces nodes (LayerNormalization + Add -> SkipLayerNormalization...) and their names with them, so
@@ -109,8 +142,12 @@ def keep_list_after_fusion(source: onnx.ModelProto, fused: onnx.ModelProto,
         else:
             mapped[name] = heir
     if lost:
-        log.warning("%d nodes the precision stage kept FP32 were fused away by ONNX Runtime and run in the fused "
-                    "kernels' precision: %s", len(lost), ", ".join(lost[:10]))
+        log.warning(
+            "%d nodes the precision stage kept FP32 were fused away by ONNX Runtime and run in the fused "
+            "kernels' precision: %s",
+            len(lost),
+            ", ".join(lost[:10]),
+        )
     record = {"requested": len(keep), "renamed": {k: v for k, v in mapped.items() if k != v}, "lost": lost}
     return sorted(set(mapped.values())), record
 
@@ -120,8 +157,10 @@ def autotune_skip_reason(device: str, cfg: OnnxRuntimeConfig, cuda_here: bool) -
     if device == "cuda" and not cfg.autotune.cuda:
         return "build.onnxruntime.autotune.cuda is false"
     if device == "cuda" and not cuda_here:
-        return ("no CUDAExecutionProvider on the build machine (needs onnxruntime-gpu and a GPU): the configured"
-                " settings are used as built")
+        return (
+            "no CUDAExecutionProvider on the build machine (needs onnxruntime-gpu and a GPU): the configured"
+            " settings are used as built"
+        )
     if device == "cpu" and not cfg.autotune.cpu:
         return "build.onnxruntime.autotune.cpu is false"
     return None
@@ -130,10 +169,16 @@ def autotune_skip_reason(device: str, cfg: OnnxRuntimeConfig, cuda_here: bool) -
 def configured_knobs(cfg: OnnxRuntimeConfig, conv: bool, precision: str, fused: bool) -> dict[str, Any]:
     """The knob values the configuration alone gives: autotuning's starting point (and its baseline)."""
     c = cfg.cuda
-    return {"prefer_nhwc": _nhwc(cfg, conv, precision), "conv_algo_search": c.conv_algo_search,
-            "conv_max_workspace": True, "cuda_graph": c.cuda_graph, "transformer_fusion": fused,
-            "intra_op_threads": cfg.intra_op_threads, "inter_op_threads": cfg.inter_op_threads,
-            "execution_mode": cfg.execution_mode}
+    return {
+        "prefer_nhwc": _nhwc(cfg, conv, precision),
+        "conv_algo_search": c.conv_algo_search,
+        "conv_max_workspace": True,
+        "cuda_graph": c.cuda_graph,
+        "transformer_fusion": fused,
+        "intra_op_threads": cfg.intra_op_threads,
+        "inter_op_threads": cfg.inter_op_threads,
+        "execution_mode": cfg.execution_mode,
+    }
 
 
 def _drop_unused_unfused(out: Path, built: dict[str, Any]) -> None:
@@ -149,8 +194,16 @@ def _offline_level(device: str, cuda_here: bool) -> str:
     return "extended" if device == "cpu" or cuda_here else "basic"
 
 
-def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str, cfg: OnnxRuntimeConfig,
-                  cuda_here: bool, to_fp16: bool, keep_fp32: list[str] | None) -> tuple[str | None, str]:
+def _write_engine(
+    model: onnx.ModelProto,
+    dst: Path,
+    device: str,
+    precision: str,
+    cfg: OnnxRuntimeConfig,
+    cuda_here: bool,
+    to_fp16: bool,
+    keep_fp32: list[str] | None,
+) -> tuple[str | None, str]:
     """FP16 conversion (``to_fp16``: asked for, and the graph is FP32), then ORT's offline optimization saved to
     ``dst``. Returns the conversion note and the offline level used.
 
@@ -171,9 +224,12 @@ def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str
         # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
         ops = {n.op_type for n in model.graph.node}
         keep = list(keep_fp32 or [])
-        model = convert_float_to_float16(model, keep_io_types=True,
-                                         op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
-                                         node_block_list=[k for k in keep if k not in ops])
+        model = convert_float_to_float16(
+            model,
+            keep_io_types=True,
+            op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
+            node_block_list=[k for k in keep if k not in ops],
+        )
         note = "onnxruntime.transformers.float16 after fusion, io kept fp32"
     src = dst.with_suffix(".source.onnx")
     onnx.save(model, str(src))
@@ -181,12 +237,20 @@ def _write_engine(model: onnx.ModelProto, dst: Path, device: str, precision: str
     on_cuda = device == "cuda" and cuda_here
     providers = provider_list(device, cfg, has_conv(model), precision) if on_cuda else ["CPUExecutionProvider"]
     try:  # the session writes the optimized model
-        ort_session(src, providers=providers, options=session_options(optimization=offline, optimized_path=dst),
-                    error=BuildError)
+        ort_session(
+            src,
+            providers=providers,
+            options=session_options(optimization=offline, optimized_path=dst),
+            error=BuildError,
+        )
         lost = lost_in_model(model, onnx.load(str(dst), load_external_data=False))
         if lost and on_cuda:
-            log.warning("%s: the CUDA EP's offline optimization fixed %s; keeping the graph unoptimized (the CUDA "
-                        "EP optimizes it at load)", dst.name, "; ".join(lost[:3]))
+            log.warning(
+                "%s: the CUDA EP's offline optimization fixed %s; keeping the graph unoptimized (the CUDA "
+                "EP optimizes it at load)",
+                dst.name,
+                "; ".join(lost[:3]),
+            )
             offline = "none"
             src.replace(dst)
     finally:
@@ -198,9 +262,13 @@ def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: st
     if device == "cpu":
         return ["CPUExecutionProvider"]
     c, nhwc = cfg.cuda, _nhwc(cfg, conv, precision)
-    opts = {"device_id": str(c.device_id), "cudnn_conv_algo_search": c.conv_algo_search,
-            "cudnn_conv_use_max_workspace": "1", "prefer_nhwc": "1" if nhwc else "0",
-            "use_tf32": "1" if c.tf32 else "0"}
+    opts = {
+        "device_id": str(c.device_id),
+        "cudnn_conv_algo_search": c.conv_algo_search,
+        "cudnn_conv_use_max_workspace": "1",
+        "prefer_nhwc": "1" if nhwc else "0",
+        "use_tf32": "1" if c.tf32 else "0",
+    }
     return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
 
 
@@ -213,8 +281,9 @@ def has_conv(model: onnx.ModelProto) -> bool:
     return any(n.op_type == "Conv" for n in model.graph.node)
 
 
-def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig,
-               dynamic: int | AxisSizes | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+def maybe_fuse(
+    model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig, dynamic: int | AxisSizes | None = None
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """ORT transformer fusions, kept only if the fused graph computes the same outputs (checked on CPU, with
     dynamic axes besides batch at ``dynamic``: a size the model takes, e.g. the data's longest sequence)."""
     ops = {n.op_type for n in model.graph.node}
@@ -232,8 +301,9 @@ def maybe_fuse(model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig,
     work.CopyFrom(model)
     printed = io.StringIO()  # its shape inference print()s its failures: kept for --verbose, not on the console
     with redirect_stdout(printed):
-        fused = optimize_model(work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0,
-                               use_gpu=device == "cuda")
+        fused = optimize_model(
+            work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0, use_gpu=device == "cuda"
+        )
     if printed.getvalue().strip():
         log.debug("onnxruntime.transformers.optimizer printed: %s", printed.getvalue().strip())
     stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
@@ -253,8 +323,9 @@ def graph_has_fp16(model: onnx.ModelProto) -> bool:
     return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
 
 
-def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2,
-            dynamic: int | AxisSizes | None = None) -> str | None:
+def _parity(
+    ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2, dynamic: int | AxisSizes | None = None
+) -> str | None:
     """None when both graphs agree on random inputs; else a short description of the difference."""
     try:
         a, b = (ort_session(m) for m in (ref, new))
@@ -278,8 +349,17 @@ def _parity(ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2,
 
 # ------------------------------------------------------------------------------------------------ registration
 def _build(req: BuildRequest) -> dict[str, Any]:
-    return build_ort_engine(req.onnx_path, req.out, req.device, req.precision, req.config.onnxruntime,
-                            req.keep_fp32, req.max_batch, req.name, req.axis_sizes)
+    return build_ort_engine(
+        req.onnx_path,
+        req.out,
+        req.device,
+        req.precision,
+        req.config.onnxruntime,
+        req.keep_fp32,
+        req.max_batch,
+        req.name,
+        req.axis_sizes,
+    )
 
 
 def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
@@ -290,8 +370,9 @@ def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
     return True, ""
 
 
-def _source(backend: Backend, device: str, precision: str, variants: dict[str, PrecisionVariant],
-            cfg: BuildConfig) -> tuple[str, list[str] | None]:
+def _source(
+    backend: Backend, device: str, precision: str, variants: dict[str, PrecisionVariant], cfg: BuildConfig
+) -> tuple[str, list[str] | None]:
     """FP16 engines from the FP32 graph by default: ORT fuses first, then converts (see ``fp16_source``),
     keeping what the precision stage kept FP32. Otherwise the variant's own graph, which carries its FP32 nodes."""
     if precision == "fp16" and cfg.onnxruntime.fp16_source == "fp32_graph" and "fp32" in variants:
@@ -301,8 +382,14 @@ def _source(backend: Backend, device: str, precision: str, variants: dict[str, P
 
 
 BACKEND = Backend(
-    name="onnxruntime", devices=("cpu", "cuda"), settings=lambda cfg: cfg.onnxruntime,
-    plan=lambda cfg, precision: Plan(list(cfg.onnxruntime.devices)), build=_build,
-    runners={"cpu": OrtCpuRunner, "cuda": OrtCudaRunner}, can_run=_can_run,
-    triton=TritonModel("onnxruntime_onnx", "model.onnx"), source=_source, rank=10,
+    name="onnxruntime",
+    devices=("cpu", "cuda"),
+    settings=lambda cfg: cfg.onnxruntime,
+    plan=lambda cfg, precision: Plan(list(cfg.onnxruntime.devices)),
+    build=_build,
+    runners={"cpu": OrtCpuRunner, "cuda": OrtCudaRunner},
+    can_run=_can_run,
+    triton=TritonModel("onnxruntime_onnx", "model.onnx"),
+    source=_source,
+    rank=10,
 )

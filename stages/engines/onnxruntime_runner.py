@@ -7,6 +7,7 @@ sit on the GPU), binds static device buffers, and lets ORT capture the graph; la
 copy the inputs into those buffers and replay. If ORT cannot capture (some node stays on the CPU) the runner
 says so in the log and uses IO binding without a graph for that shape.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,9 +30,12 @@ log = logging.getLogger("kiln.build")
 def session_options(settings: dict[str, Any]) -> Any:
     """Session options from an engine's recorded settings. Offline optimization already ran; "all" at load adds
     only the host-specific layout passes."""
-    return make_options(threads=settings.get("intra_op_threads", 0), inter_threads=settings.get("inter_op_threads", 0),
-                        parallel=settings.get("execution_mode") == "parallel",
-                        optimization=settings.get("load_optimization", "none"))
+    return make_options(
+        threads=settings.get("intra_op_threads", 0),
+        inter_threads=settings.get("inter_op_threads", 0),
+        parallel=settings.get("execution_mode") == "parallel",
+        optimization=settings.get("load_optimization", "none"),
+    )
 
 
 def providers_of(settings: dict[str, Any]) -> list[Any]:
@@ -51,20 +55,27 @@ OTHER_KNOBS = {"cuda_graph", "transformer_fusion"}
 KNOBS = set(CUDA_OPTION_KNOBS) | SESSION_KNOBS | OTHER_KNOBS
 
 
-def plan_for(files: dict[str, str], session: dict[str, Any] | None, cuda_graph: bool,
-             knobs: dict[str, Any]) -> dict[str, Any]:
+def plan_for(
+    files: dict[str, str], session: dict[str, Any] | None, cuda_graph: bool, knobs: dict[str, Any]
+) -> dict[str, Any]:
     """How to open the engine (its ``files``, built ``session`` settings and ``cuda_graph`` switch) with these knob
     values: ``{model, settings, providers, cuda_graph}``."""
     settings = {**(session or {}), **{k: v for k, v in knobs.items() if k in SESSION_KNOBS}}
     providers = providers_of(settings)
     if providers and isinstance(providers[0], tuple):
         name, opts = providers[0]
-        opts = {**opts, **{CUDA_OPTION_KNOBS[k][0]: CUDA_OPTION_KNOBS[k][1](v)
-                           for k, v in knobs.items() if k in CUDA_OPTION_KNOBS}}
+        opts = {
+            **opts,
+            **{CUDA_OPTION_KNOBS[k][0]: CUDA_OPTION_KNOBS[k][1](v) for k, v in knobs.items() if k in CUDA_OPTION_KNOBS},
+        }
         providers = [(name, opts)] + providers[1:]
     model = files.get("model_unfused", files["model"]) if knobs.get("transformer_fusion") is False else files["model"]
-    return {"model": model, "settings": settings, "providers": providers,
-            "cuda_graph": bool(knobs.get("cuda_graph", cuda_graph))}
+    return {
+        "model": model,
+        "settings": settings,
+        "providers": providers,
+        "cuda_graph": bool(knobs.get("cuda_graph", cuda_graph)),
+    }
 
 
 def engine_plan(meta: EngineMetadata, batch: int | None) -> dict[str, Any]:
@@ -91,8 +102,15 @@ def open_session(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], graph: 
     return ort_session(model, providers=providers, options=session_options(plan["settings"]), error=BuildError)
 
 
-def cuda_slot(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], feed: dict[str, np.ndarray],
-              out_like: dict[str, np.ndarray], device_id: int, engine: str = "") -> dict[str, Any]:
+def cuda_slot(
+    ort: Any,
+    model: onnx.ModelProto,
+    plan: dict[str, Any],
+    feed: dict[str, np.ndarray],
+    out_like: dict[str, np.ndarray],
+    device_id: int,
+    engine: str = "",
+) -> dict[str, Any]:
     """A session for these fixed input shapes with IO binding, ready to run: static device buffers and a CUDA graph
     when ``plan`` asks for one (falling back to plain IO binding with a warning if ORT cannot capture)."""
     ov = ort.OrtValue
@@ -103,8 +121,12 @@ def cuda_slot(ort: Any, model: onnx.ModelProto, plan: dict[str, Any], feed: dict
         try:
             session = open_session(ort, fixed, plan, graph=True)
         except Exception as exc:
-            log.warning("engine %s: no CUDA graph for shapes %s (%s); using IO binding without it", engine, shapes,
-                        first_line(exc, 200))
+            log.warning(
+                "engine %s: no CUDA graph for shapes %s (%s); using IO binding without it",
+                engine,
+                shapes,
+                first_line(exc, 200),
+            )
             static = False
     if not static:
         session = open_session(ort, fixed, plan)
@@ -143,8 +165,12 @@ class OrtCpuRunner(Runner):
     def _activate(self) -> None:
 
         plan = engine_plan(self.meta, None)
-        self.session = ort_session(self.engine_dir / plan["model"], providers=plan["providers"],
-                                   options=session_options(plan["settings"]), error=BuildError)
+        self.session = ort_session(
+            self.engine_dir / plan["model"],
+            providers=plan["providers"],
+            options=session_options(plan["settings"]),
+            error=BuildError,
+        )
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -182,8 +208,9 @@ class OrtCudaRunner(Runner):
             feed = {n: feed[n] for n in self.input_names}
             plan = engine_plan(self.meta, int(feed[self.input_names[0]].shape[0]))
             outs = dict(zip(self.output_names, self.session.run(None, feed)))
-            self.slots[key] = cuda_slot(self.ort, self._model(plan["model"]), plan, feed, outs, self.device_id,
-                                        self.name)
+            self.slots[key] = cuda_slot(
+                self.ort, self._model(plan["model"]), plan, feed, outs, self.device_id, self.name
+            )
         return self.slots[key]
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -202,6 +229,7 @@ class OrtCudaRunner(Runner):
         def call() -> Any:
             slot["session"].run_with_iobinding(binding)
             return binding.get_outputs()[0]
+
         return call, slot["static"]
 
     def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
@@ -262,13 +290,16 @@ def pin_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> on
             continue
         dims, want = inp.type.tensor_type.shape.dim, shapes[inp.name]
         if len(dims) != len(want):
-            raise BuildError(f"input '{inp.name}' has rank {len(dims)}, got an array of shape {list(want)}",
-                             hint="feed arrays of the engine's input rank (see its kiln-engine.json)")
+            raise BuildError(
+                f"input '{inp.name}' has rank {len(dims)}, got an array of shape {list(want)}",
+                hint="feed arrays of the engine's input rank (see its kiln-engine.json)",
+            )
         for axis, (dim, size) in enumerate(zip(dims, want)):
             if dim.HasField("dim_value") and dim.dim_value > 0 and dim.dim_value != size:
-                raise BuildError(f"input '{inp.name}' axis {axis} is fixed to {dim.dim_value} in the engine, got "
-                                 f"{size}", hint="feed the shape the engine was built for, or rebuild it with a "
-                                                 "dynamic axis")
+                raise BuildError(
+                    f"input '{inp.name}' axis {axis} is fixed to {dim.dim_value} in the engine, got {size}",
+                    hint="feed the shape the engine was built for, or rebuild it with a dynamic axis",
+                )
             dim.Clear()
             dim.dim_value = int(size)
     return fixed

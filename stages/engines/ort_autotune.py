@@ -11,6 +11,7 @@ Search: ``greedy`` starts from the configured settings and varies one knob at a 
 (ORT's knobs interact little, and this keeps the candidate count at 1 + sum(values - 1)); ``grid`` tries every
 combination. A time budget bounds the whole search; what it cut is recorded.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,8 +43,10 @@ Measure = Callable[[dict[str, Any]], dict[str, Any]]
 Timer = Callable[[Callable[[], Any], int], list[float]]
 
 
-AUTOTUNE_SHAPES_HINT = ("autotuning times fixed shapes: export with only the batch axis dynamic, or set "
-                        "build.onnxruntime.autotune.cuda/cpu: false")
+AUTOTUNE_SHAPES_HINT = (
+    "autotuning times fixed shapes: export with only the batch axis dynamic, or set "
+    "build.onnxruntime.autotune.cuda/cpu: false"
+)
 
 
 # ----------------------------------------------------------------------------------------------- search / choice
@@ -58,8 +61,13 @@ def better(trial: dict[str, Any], best: dict[str, Any] | None) -> bool:
     return trial["median_ms"] < best["median_ms"]
 
 
-def search(knobs: dict[str, list[Any]], base: dict[str, Any], measure: Measure, strategy: str = "greedy",
-           deadline: float = float("inf")) -> tuple[list[dict[str, Any]], list[str]]:
+def search(
+    knobs: dict[str, list[Any]],
+    base: dict[str, Any],
+    measure: Measure,
+    strategy: str = "greedy",
+    deadline: float = float("inf"),
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Trials (``measure(candidate)`` each, base first) and notes on what the deadline cut."""
     trials: list[dict[str, Any]] = [measure(dict(base))]
     best, notes = trials[0], []
@@ -75,8 +83,9 @@ def search(knobs: dict[str, list[Any]], base: dict[str, Any], measure: Measure, 
     return trials, notes
 
 
-def _candidates(knobs: dict[str, list[Any]], base: dict[str, Any], strategy: str,
-                best: Callable[[], dict[str, Any]]) -> Any:
+def _candidates(
+    knobs: dict[str, list[Any]], base: dict[str, Any], strategy: str, best: Callable[[], dict[str, Any]]
+) -> Any:
     if strategy == "grid":
         for combo in itertools.product(*knobs.values()):
             yield {**base, **dict(zip(knobs, combo))}
@@ -131,8 +140,14 @@ class Bench:
     """Times candidates of one built engine on this machine. ``timer`` is injectable (tests); by default CUDA
     events / wall clock around a synchronizing call (``time_calls``)."""
 
-    def __init__(self, engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAutotuneConfig,
-                 timer: Timer | None = None) -> None:
+    def __init__(
+        self,
+        engine_dir: Path,
+        meta: dict[str, Any],
+        reference: Path,
+        cfg: OrtAutotuneConfig,
+        timer: Timer | None = None,
+    ) -> None:
         import onnxruntime as ort
 
         self.ort, self.dir, self.meta, self.cfg, self.timer = ort, Path(engine_dir), meta, cfg, timer or time_calls
@@ -145,8 +160,9 @@ class Bench:
 
     def feed(self, batch: int) -> dict[str, np.ndarray]:
         if batch not in self.feeds:
-            feed = random_inputs(self.meta["inputs"], batch, dynamic=self.meta.get("dynamic"),
-                                 hint=AUTOTUNE_SHAPES_HINT)
+            feed = random_inputs(
+                self.meta["inputs"], batch, dynamic=self.meta.get("dynamic"), hint=AUTOTUNE_SHAPES_HINT
+            )
             fixed = {n: list(a.shape) for n, a in feed.items() if a.ndim == 0 or a.shape[0] != batch}
             if fixed:  # an input fixed to another batch: random_inputs keeps its size, so this is not batch `batch`
                 raise ShapeNotRun(f"the engine cannot take batch {batch}: inputs fixed to {fixed}")
@@ -174,12 +190,22 @@ class Bench:
             trial["error"] = first_line(exc)
             log.info("autotune batch %d %s: failed (%s)", batch, knobs, trial["error"])
             return trial
-        trial |= {"median_ms": round(float(np.median(times)), 4), "p90_ms": round(float(np.percentile(times, 90)), 4),
-                  "runs": len(times), **{k: round(v, 8) for k, v in quality.items()},
-                  "agrees": quality["cosine"] >= self.cfg.min_cosine and quality["top1"] >= self.cfg.min_top1,
-                  "seconds": round(time.perf_counter() - t0, 2)}
-        log.info("autotune batch %d %s: %.3f ms, cos %.6f%s", batch, knobs, trial["median_ms"], trial["cosine"],
-                 "" if trial["agrees"] else " (disagrees)")
+        trial |= {
+            "median_ms": round(float(np.median(times)), 4),
+            "p90_ms": round(float(np.percentile(times, 90)), 4),
+            "runs": len(times),
+            **{k: round(v, 8) for k, v in quality.items()},
+            "agrees": quality["cosine"] >= self.cfg.min_cosine and quality["top1"] >= self.cfg.min_top1,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        log.info(
+            "autotune batch %d %s: %.3f ms, cos %.6f%s",
+            batch,
+            knobs,
+            trial["median_ms"],
+            trial["cosine"],
+            "" if trial["agrees"] else " (disagrees)",
+        )
         return trial
 
     def _model(self, file: str) -> onnx.ModelProto:
@@ -197,6 +223,7 @@ class Bench:
 
             def run_cpu() -> None:
                 last[:] = session.run(None, feed)
+
             return run_cpu, lambda: last, False
         # Static output buffers: the reference's shapes, the engine graph's declared dtypes.
         to_np = onnx.helper.tensor_dtype_to_np_dtype
@@ -220,9 +247,17 @@ def relevant_knobs(knobs: dict[str, list[Any]], conv: bool, fused: bool) -> dict
     return {k: list(v) for k, v in knobs.items() if k not in moot and v}
 
 
-def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAutotuneConfig, base: dict[str, Any],
-             knobs: dict[str, list[Any]], batches: list[int], per_batch: bool,
-             timer: Timer | None = None) -> dict[str, Any]:
+def autotune(
+    engine_dir: Path,
+    meta: dict[str, Any],
+    reference: Path,
+    cfg: OrtAutotuneConfig,
+    base: dict[str, Any],
+    knobs: dict[str, list[Any]],
+    batches: list[int],
+    per_batch: bool,
+    timer: Timer | None = None,
+) -> dict[str, Any]:
     """Search ``knobs`` from ``base`` and return the sidecar's ``autotune`` record.
 
     ``per_batch``: one search and one choice per batch size (CUDA: the runner keeps a session per shape); else one
@@ -230,10 +265,15 @@ def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAu
     """
     bench = Bench(engine_dir, meta, reference, cfg, timer)
     t0, notes = time.monotonic(), []
-    record: dict[str, Any] = {"strategy": cfg.strategy, "base": base, "knobs": knobs, "batches": batches,
-                              "iterations": cfg.iterations, "warmup": cfg.warmup,
-                              "criteria": {"min_cosine": cfg.min_cosine, "min_top1": cfg.min_top1,
-                                           "min_gain": cfg.min_gain}}
+    record: dict[str, Any] = {
+        "strategy": cfg.strategy,
+        "base": base,
+        "knobs": knobs,
+        "batches": batches,
+        "iterations": cfg.iterations,
+        "warmup": cfg.warmup,
+        "criteria": {"min_cosine": cfg.min_cosine, "min_top1": cfg.min_top1, "min_gain": cfg.min_gain},
+    }
     if per_batch:
         trials, choices = [], {}
         for i, b in enumerate(batches):  # an even share of what is left of the budget per batch size
@@ -244,12 +284,17 @@ def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAu
             choices[str(b)] = _choice(got, base, notes, f"batch {b}", cfg.min_gain)
         record |= {"trials": trials, "choice_by_batch": choices, "choice": choices[str(max(batches))]}
     else:
+
         def total(k: dict[str, Any]) -> dict[str, Any]:
             parts = [bench.measure(k, b) for b in batches]
             ok = all(p["median_ms"] is not None for p in parts)
-            return {"knobs": k, "by_batch": [{x: v for x, v in p.items() if x != "knobs"} for p in parts],
-                    "agrees": all(p["agrees"] for p in parts),
-                    "median_ms": round(sum(p["median_ms"] for p in parts), 4) if ok else None}
+            return {
+                "knobs": k,
+                "by_batch": [{x: v for x, v in p.items() if x != "knobs"} for p in parts],
+                "agrees": all(p["agrees"] for p in parts),
+                "median_ms": round(sum(p["median_ms"] for p in parts), 4) if ok else None,
+            }
+
         trials, cut = search(knobs, base, total, cfg.strategy, t0 + cfg.time_budget_s)
         notes += cut
         record |= {"trials": trials, "choice": _choice(trials, base, notes, "all batches", cfg.min_gain)}
@@ -257,13 +302,18 @@ def autotune(engine_dir: Path, meta: dict[str, Any], reference: Path, cfg: OrtAu
     return record
 
 
-def _choice(trials: list[dict[str, Any]], base: dict[str, Any], notes: list[str], what: str,
-            min_gain: float) -> dict[str, Any]:
+def _choice(
+    trials: list[dict[str, Any]], base: dict[str, Any], notes: list[str], what: str, min_gain: float
+) -> dict[str, Any]:
     best = pick(trials, min_gain)
     if best is None:
         notes.append(f"{what}: no candidate agreed with the reference; keeping the configured settings")
         log.warning("autotune %s: no candidate agreed with the FP32 reference; keeping the configured settings", what)
         return {"knobs": dict(base), "median_ms": None, "reason": "no candidate agreed"}
     base_ms = next((t["median_ms"] for t in trials if t["knobs"] == base and t["median_ms"] is not None), None)
-    return {"knobs": best["knobs"], "median_ms": best["median_ms"], "base_ms": base_ms,
-            "speedup_vs_base": round(base_ms / best["median_ms"], 3) if base_ms and best["median_ms"] else None}
+    return {
+        "knobs": best["knobs"],
+        "median_ms": best["median_ms"],
+        "base_ms": base_ms,
+        "speedup_vs_base": round(base_ms / best["median_ms"], 3) if base_ms and best["median_ms"] else None,
+    }

@@ -6,6 +6,7 @@ Serving code opens an engine with :func:`load_engine`::
     with load_engine("out/onnxruntime-cuda-fp16") as runner:
         outputs = runner.infer({"input": batch})
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,9 @@ from kiln.stages.engines import onnxruntime_backend, tensorrt_backend, torch_bac
 from kiln.stages.engines.backend import Backend
 from kiln.stages.engines.engines import Runner, read_metadata, verify_files
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (onnxruntime_backend.BACKEND, tensorrt_backend.BACKEND,
-                                                    torch_backend.BACKEND)}
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (onnxruntime_backend.BACKEND, tensorrt_backend.BACKEND, torch_backend.BACKEND)
+}
 
 
 def backend_named(name: str) -> Backend:
@@ -46,6 +48,8 @@ def load_engine(engine_dir: str | Path) -> Runner:
     verify_files(Path(engine_dir), meta)
     ok, why = runnable(meta)
     if not ok:
-        raise BackendUnavailable(f"cannot run engine {meta.name}: {why}",
-                                 hint="run it on a machine that can (see the engine's kiln-engine.json)")
+        raise BackendUnavailable(
+            f"cannot run engine {meta.name}: {why}",
+            hint="run it on a machine that can (see the engine's kiln-engine.json)",
+        )
     return BACKENDS[meta.backend].runners[meta.device](Path(engine_dir), meta)

@@ -1,5 +1,6 @@
 """The build stage: :func:`build_engine` makes one engine folder; :func:`run` builds every (backend, device,
 precision) engine the config asks for. ``kiln build model.onnx ...`` calls :func:`build_engine` directly."""
+
 from __future__ import annotations
 
 import logging
@@ -33,10 +34,22 @@ def engine_name(backend: str, device: str, precision: str) -> str:
     return backend_named(backend).engine_name(device, precision)
 
 
-def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, precision: str, cfg: BuildConfig,
-                 cache_dir: Path, progress: Progress | None = None, *, max_batch: int = 32, name: str | None = None,
-                 keep_fp32: list[str] | None = None, torch_model: Callable[[], Any] | None = None,
-                 axis_sizes: dict[str, list[int]] | None = None) -> EngineMetadata:
+def build_engine(
+    onnx_path: Path,
+    out_dir: Path,
+    backend: str,
+    device: str,
+    precision: str,
+    cfg: BuildConfig,
+    cache_dir: Path,
+    progress: Progress | None = None,
+    *,
+    max_batch: int = 32,
+    name: str | None = None,
+    keep_fp32: list[str] | None = None,
+    torch_model: Callable[[], Any] | None = None,
+    axis_sizes: dict[str, list[int]] | None = None,
+) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
     ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes.
@@ -48,20 +61,51 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
     name = name or chosen.engine_name(device, precision)
     t0 = time.perf_counter()
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
-        built = chosen.build(BuildRequest(onnx_path, out, device, precision, cfg, Path(cache_dir), inputs, max_batch,
-                                          keep_fp32, dict(axis_sizes or {}), name=name, torch_model=torch_model))
+        built = chosen.build(
+            BuildRequest(
+                onnx_path,
+                out,
+                device,
+                precision,
+                cfg,
+                Path(cache_dir),
+                inputs,
+                max_batch,
+                keep_fp32,
+                dict(axis_sizes or {}),
+                name=name,
+                torch_model=torch_model,
+            )
+        )
         for file in built["files"].values():  # an ONNX engine must take every shape its source graph takes
             if file.endswith(".onnx"):
                 check_engine_graph(onnx_path, out / file, name)
-        source = EngineSource(file=onnx_path.name, sha256=hash_file(onnx_path),
-                              kept_fp32=sorted(keep_fp32) if keep_fp32 else None)
-        meta = EngineMetadata(name=name, backend=backend, device=device, precision=precision, inputs=inputs,
-                              outputs=outputs, source=source, **built,
-                              build_seconds=round(time.perf_counter() - t0, 3))
-        meta.settings_hash = hash_json({"backend": backend, "device": device, "precision": precision,
-                                        "settings": chosen.settings(cfg).model_dump(mode="json"),
-                                        "profiles": meta.profiles, "source": source.sha256,
-                                        "kept_fp32": sorted(keep_fp32 or []), "versions": meta.versions})
+        source = EngineSource(
+            file=onnx_path.name, sha256=hash_file(onnx_path), kept_fp32=sorted(keep_fp32) if keep_fp32 else None
+        )
+        meta = EngineMetadata(
+            name=name,
+            backend=backend,
+            device=device,
+            precision=precision,
+            inputs=inputs,
+            outputs=outputs,
+            source=source,
+            **built,
+            build_seconds=round(time.perf_counter() - t0, 3),
+        )
+        meta.settings_hash = hash_json(
+            {
+                "backend": backend,
+                "device": device,
+                "precision": precision,
+                "settings": chosen.settings(cfg).model_dump(mode="json"),
+                "profiles": meta.profiles,
+                "source": source.sha256,
+                "kept_fp32": sorted(keep_fp32 or []),
+                "versions": meta.versions,
+            }
+        )
         files = sorted(f for f in out.iterdir() if f.is_file())
         meta.file_hashes = {f.name: hash_file(f) for f in files}
         meta.size_bytes = sum(f.stat().st_size for f in files)
@@ -74,8 +118,10 @@ def build_engine(onnx_path: Path, out_dir: Path, backend: str, device: str, prec
 def _check_choice(backend: str, device: str, precision: str) -> Any:
     chosen = backend_named(backend)
     if device not in chosen.devices:
-        raise ConfigError(f"backend '{backend}' cannot build for device '{device}'",
-                          hint=f"use --device {' or '.join(chosen.devices)}")
+        raise ConfigError(
+            f"backend '{backend}' cannot build for device '{device}'",
+            hint=f"use --device {' or '.join(chosen.devices)}",
+        )
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision '{precision}'", hint=f"use one of {', '.join(PRECISIONS)}")
     return chosen
@@ -101,36 +147,81 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 src, keep = backend.source_for(device, precision, variants, cfg)
                 name = backend.engine_name(device, precision)
                 try:
-                    meta = _build_with_fallback(root, src, keep, variants[precision].path, name, backend.name,
-                                                device, precision, ctx, max_batch, torch_model, sizes)
+                    meta = _build_with_fallback(
+                        root,
+                        src,
+                        keep,
+                        variants[precision].path,
+                        name,
+                        backend.name,
+                        device,
+                        precision,
+                        ctx,
+                        max_batch,
+                        torch_model,
+                        sizes,
+                    )
                 except BuildError as exc:
                     if not backend.optional(cfg):
                         raise
                     ctx.log.warning("skipping %s: %s", name, exc)
                     skipped.append(f"{name}: {exc.message} (fix: {exc.hint})")
                     continue
-                engines.append(meta.model_dump(include={"name", "backend", "device", "precision", "build_seconds",
-                                                        "size_bytes"}))
+                engines.append(
+                    meta.model_dump(include={"name", "backend", "device", "precision", "build_seconds", "size_bytes"})
+                )
     return {"engines": engines, "skipped": skipped}
 
 
-def _build_with_fallback(root: Path, src: str, keep: list[str] | None, own_graph: str, name: str, backend: str,
-                         device: str, precision: str, ctx: StageContext, max_batch: int,
-                         torch_model: Callable[[], Any] | None = None,
-                         sizes: dict[str, list[int]] | None = None) -> EngineMetadata:
+def _build_with_fallback(
+    root: Path,
+    src: str,
+    keep: list[str] | None,
+    own_graph: str,
+    name: str,
+    backend: str,
+    device: str,
+    precision: str,
+    ctx: StageContext,
+    max_batch: int,
+    torch_model: Callable[[], Any] | None = None,
+    sizes: dict[str, list[int]] | None = None,
+) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
     cfg = ctx.config.build
     try:
-        return build_engine(root / src, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir, ctx.progress,
-                            max_batch=max_batch, keep_fp32=keep, torch_model=torch_model, axis_sizes=sizes)
+        return build_engine(
+            root / src,
+            ctx.out / name,
+            backend,
+            device,
+            precision,
+            cfg,
+            ctx.cache_dir,
+            ctx.progress,
+            max_batch=max_batch,
+            keep_fp32=keep,
+            torch_model=torch_model,
+            axis_sizes=sizes,
+        )
     except BuildError as exc:
         if keep is None:
             raise
         ctx.log.warning("%s: %s; building it from the precision stage's %s graph instead", name, exc.message, precision)
-        return build_engine(root / own_graph, ctx.out / name, backend, device, precision, cfg, ctx.cache_dir,
-                            ctx.progress, max_batch=max_batch, axis_sizes=sizes)
+        return build_engine(
+            root / own_graph,
+            ctx.out / name,
+            backend,
+            device,
+            precision,
+            cfg,
+            ctx.cache_dir,
+            ctx.progress,
+            max_batch=max_batch,
+            axis_sizes=sizes,
+        )
 
 
 def default_device(backend: str) -> str:
@@ -140,8 +231,9 @@ def default_device(backend: str) -> str:
     return devices[0] if len(devices) == 1 else "cpu"
 
 
-def build_direct(src: Path, out: Path, backend: str, device: str | None, precision: str,
-                 cfg: BuildConfig) -> EngineMetadata:
+def build_direct(
+    src: Path, out: Path, backend: str, device: str | None, precision: str, cfg: BuildConfig
+) -> EngineMetadata:
     """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``)."""
     device = device or default_device(backend)
     _check_choice(backend, device, precision)
@@ -165,8 +257,10 @@ def refuse_foreign_folder(out: Path) -> None:
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ConfigError(f"-o {out} already holds files Kiln did not write ({shown}); building there would "
-                          "replace them", hint="give a new or empty folder for -o (or one a previous `kiln build` wrote)")
+        raise ConfigError(
+            f"-o {out} already holds files Kiln did not write ({shown}); building there would replace them",
+            hint="give a new or empty folder for -o (or one a previous `kiln build` wrote)",
+        )
 
 
 def report_section(summary: dict[str, Any]) -> list[str]:
@@ -174,18 +268,25 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     out: list[str] = []
     build = summary
     if build.get("engines"):
-        out += ["", "## Engines", "", "| engine | backend | device | precision | build s | size MB |", "|---|---|---|---|---|---|"]
-        out += [f"| {e['name']} | {e['backend']} | {e.get('device', '')} | {e['precision']} | "
-                f"{fmt(e.get('build_seconds'), '.2f')} | {fmt((e.get('size_bytes') or 0) / 1e6, '.2f')} |"
-                for e in build["engines"]]
+        out += [
+            "",
+            "## Engines",
+            "",
+            "| engine | backend | device | precision | build s | size MB |",
+            "|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {e['name']} | {e['backend']} | {e.get('device', '')} | {e['precision']} | "
+            f"{fmt(e.get('build_seconds'), '.2f')} | {fmt((e.get('size_bytes') or 0) / 1e6, '.2f')} |"
+            for e in build["engines"]
+        ]
         out += [f"- not built: {s}" for s in build.get("skipped", [])]
     return out
 
 
 def _env(cfg: Any) -> dict[str, Any]:
     # Engines depend on the library that built them and on the GPU they were tuned for.
-    env = environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", "torch",
-                             device=True)
+    env = environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", "torch", device=True)
     # ORT CPU INT8 engines built where the fast INT8 kernels saturate hold ORT's uint8 weights for its exact kernels
     # (kiln.core.cpu_int8): same outputs, slower kernels; a workdir moved to or from such a CPU rebuilds them. Only
     # recorded there, so the key on every other machine stays what it was.
@@ -196,6 +297,13 @@ def _env(cfg: Any) -> dict[str, Any]:
 
 # The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.
 # The train stage's weights and the model section: the torch backend compiles the trained model itself.
-STAGE = Stage("build", run, ("train", "precision"), ("build", "validate.batch_sizes", "validate.shapes", "model"),
-              (kiln.stages.engines,), _env, "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",
-              report=report_section)
+STAGE = Stage(
+    "build",
+    run,
+    ("train", "precision"),
+    ("build", "validate.batch_sizes", "validate.shapes", "model"),
+    (kiln.stages.engines,),
+    _env,
+    "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",
+    report=report_section,
+)

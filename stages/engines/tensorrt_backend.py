@@ -8,6 +8,7 @@ One code path chosen by feature detection, not version numbers (see :func:`featu
 
 Imported lazily: Kiln works without TensorRT, and TensorRT-RTX builds engines even on a CPU-only machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,21 +46,24 @@ from kiln.stages.engines.tensorrt_weak import (
 log = logging.getLogger("kiln.build")
 
 
-def build_trt_engine(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile],
-                     cache_dir: Path) -> dict[str, Any]:
+def build_trt_engine(
+    onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile], cache_dir: Path
+) -> dict[str, Any]:
     """Parse, configure, build and serialize; returns the backend's part of the metadata."""
     with gc_paused_for_tensorrt():  # our Python logger runs inside TensorRT's locks
         return _build(onnx_path, out, precision, cfg, profiles, cache_dir)
 
 
-def _build(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile],
-           cache_dir: Path) -> dict[str, Any]:
+def _build(
+    onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, profiles: list[Profile], cache_dir: Path
+) -> dict[str, Any]:
     trt = tensorrt_lib.require_tensorrt()
     feats = features(trt)
     logger = KilnTrtLogger(trt)
     builder = trt.Builder(logger)
-    strong = feats["strongly_typed"] and (not (feats["fp16_flag"] or feats["int8_flag"])
-                                          or precision == "fp32" or graph_carries_precision(onnx_path))
+    strong = feats["strongly_typed"] and (
+        not (feats["fp16_flag"] or feats["int8_flag"]) or precision == "fp32" or graph_carries_precision(onnx_path)
+    )
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strong else 0)
     parser = parse_onnx(trt, network, logger, onnx_path)
     config = builder.create_builder_config()
@@ -67,37 +71,55 @@ def _build(onnx_path: Path, out: Path, precision: str, cfg: TensorRTConfig, prof
     if not strong:
         settings["weak_typing"] = configure_weak_typing(trt, network, config, precision, cfg)
     elif precision != "fp32" and not graph_carries_precision(onnx_path):
-        raise BuildError(f"the {precision} graph for TensorRT holds no FP16 tensors or Q/DQ nodes, and "
-                         f"{trt.__name__} {trt.__version__} is strongly typed (precision comes from the graph)",
-                         hint="run the precision stage to convert the graph; builder flags cannot do it here")
+        raise BuildError(
+            f"the {precision} graph for TensorRT holds no FP16 tensors or Q/DQ nodes, and "
+            f"{trt.__name__} {trt.__version__} is strongly typed (precision comes from the graph)",
+            hint="run the precision stage to convert the graph; builder flags cannot do it here",
+        )
     target = _target(trt, cfg)
     cache_file = tensorrt_cache.timing_cache_path(cache_dir, trt, target)
     # TensorRT-RTX's timing-cache calls are no-ops that log "Failed to deserialize timing cache" / "will not be
     # used" on every build: on a first run that reads as a failure. Not attaching one there says nothing wrong.
-    timing = (tensorrt_cache.attach_timing_cache(config, cache_file) if cfg.timing_cache and feats["timing_cache"]
-              else None)
+    timing = (
+        tensorrt_cache.attach_timing_cache(config, cache_file) if cfg.timing_cache and feats["timing_cache"] else None
+    )
     (out / "network_layers.json").write_text(json.dumps(network_layers(network), indent=1))
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise BuildError(f"TensorRT ({trt.__name__} {trt.__version__}) failed to build the engine: "
-                         + logger.last_errors(), hint=_build_hint(logger.last_errors()))
+        raise BuildError(
+            f"TensorRT ({trt.__name__} {trt.__version__}) failed to build the engine: " + logger.last_errors(),
+            hint=_build_hint(logger.last_errors()),
+        )
     if timing is not None:
         timing["saved_bytes"] = tensorrt_cache.save_timing_cache(config, cache_file)
     elif cfg.timing_cache:
         timing = {"note": "not used by TensorRT-RTX: kernels are compiled on the target GPU into the runtime cache"}
     (out / "engine.plan").write_bytes(bytes(plan))
     del parser
-    return {"files": {"model": "engine.plan", "network_layers": "network_layers.json",
-                      **_inspect(trt, bytes(plan), out, logger)},
-            "flavour": trt.__name__, "versions": {trt.__name__: trt.__version__}, "features": feats,
-            "strongly_typed": strong, "target": _target_meta(trt, cfg, target), "profiles": as_json(profiles),
-            "builder_settings": settings, "timing_cache": timing, "cuda_graph": cfg.cuda_graph,
-            "runtime_cache": str(tensorrt_cache.runtime_cache_path(cache_dir, trt, target))
-            if feats["runtime_cache"] else None}
+    return {
+        "files": {
+            "model": "engine.plan",
+            "network_layers": "network_layers.json",
+            **_inspect(trt, bytes(plan), out, logger),
+        },
+        "flavour": trt.__name__,
+        "versions": {trt.__name__: trt.__version__},
+        "features": feats,
+        "strongly_typed": strong,
+        "target": _target_meta(trt, cfg, target),
+        "profiles": as_json(profiles),
+        "builder_settings": settings,
+        "timing_cache": timing,
+        "cuda_graph": cfg.cuda_graph,
+        "runtime_cache": str(tensorrt_cache.runtime_cache_path(cache_dir, trt, target))
+        if feats["runtime_cache"]
+        else None,
+    }
 
 
-def _configure(trt: ModuleType, builder: Any, config: Any, cfg: TensorRTConfig, profiles: list[Profile],
-               feats: dict[str, bool]) -> dict[str, Any]:
+def _configure(
+    trt: ModuleType, builder: Any, config: Any, cfg: TensorRTConfig, profiles: list[Profile], feats: dict[str, bool]
+) -> dict[str, Any]:
     config.builder_optimization_level = cfg.optimization_level
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, cfg.workspace_mb << 20)
     settings: dict[str, Any] = {"optimization_level": cfg.optimization_level, "workspace_mb": cfg.workspace_mb}
@@ -117,8 +139,10 @@ def _configure(trt: ModuleType, builder: Any, config: Any, cfg: TensorRTConfig, 
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     if cfg.compute_capabilities:
         if not feats["compute_capability_targets"]:
-            raise BuildError(f"build.tensorrt.compute_capabilities needs TensorRT-RTX; {trt.__name__} builds for the "
-                             "local GPU only", hint="remove compute_capabilities, or install tensorrt-rtx")
+            raise BuildError(
+                f"build.tensorrt.compute_capabilities needs TensorRT-RTX; {trt.__name__} builds for the local GPU only",
+                hint="remove compute_capabilities, or install tensorrt-rtx",
+            )
         config.num_compute_capabilities = len(cfg.compute_capabilities)
         for i, cc in enumerate(cfg.compute_capabilities):
             config.set_compute_capability(_enum(trt, "ComputeCapability", cc), i)
@@ -134,8 +158,9 @@ def _configure(trt: ModuleType, builder: Any, config: Any, cfg: TensorRTConfig, 
 def _enum(trt: ModuleType, enum: str, name: str) -> Any:
     members = getattr(trt, enum).__members__
     if name not in members:
-        raise ConfigError(f"unknown {enum} '{name}' for {trt.__name__} {trt.__version__}",
-                          hint=f"use one of {sorted(members)}")
+        raise ConfigError(
+            f"unknown {enum} '{name}' for {trt.__name__} {trt.__version__}", hint=f"use one of {sorted(members)}"
+        )
     return members[name]
 
 
@@ -169,8 +194,13 @@ def network_layers(network: Any) -> list[dict[str, Any]]:
     for i in range(network.num_layers):
         layer = network.get_layer(i)
         outs = [layer.get_output(j) for j in range(layer.num_outputs)]
-        layers.append({"name": layer.name, "type": str(layer.type).split(".")[-1],
-                       "outputs": [{"name": t.name, "dtype": str(t.dtype).split(".")[-1]} for t in outs if t]})
+        layers.append(
+            {
+                "name": layer.name,
+                "type": str(layer.type).split(".")[-1],
+                "outputs": [{"name": t.name, "dtype": str(t.dtype).split(".")[-1]} for t in outs if t],
+            }
+        )
     return layers
 
 
@@ -210,8 +240,10 @@ def _plan(cfg: BuildConfig, precision: str) -> Plan:
         return Plan([])
     if tensorrt_lib.import_tensorrt() is None:
         if cfg.tensorrt.enabled == "always":
-            raise BackendUnavailable("build.tensorrt.enabled is 'always' but TensorRT does not import",
-                                     hint="pip install 'kiln[rtx]' or set build.tensorrt.enabled: auto")
+            raise BackendUnavailable(
+                "build.tensorrt.enabled is 'always' but TensorRT does not import",
+                hint="pip install 'kiln[rtx]' or set build.tensorrt.enabled: auto",
+            )
         return Plan([], [f"tensorrt-{precision}: no tensorrt/tensorrt_rtx package"])
     return Plan(["cuda"])
 
@@ -221,9 +253,16 @@ def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
 
 
 BACKEND = Backend(
-    name="tensorrt", devices=("cuda",), settings=lambda cfg: cfg.tensorrt, plan=_plan, build=_build_request,
-    runners={"cuda": TensorRTRunner}, can_run=_can_run, triton=TritonModel("tensorrt_plan", "model.plan"),
+    name="tensorrt",
+    devices=("cuda",),
+    settings=lambda cfg: cfg.tensorrt,
+    plan=_plan,
+    build=_build_request,
+    runners={"cuda": TensorRTRunner},
+    can_run=_can_run,
+    triton=TritonModel("tensorrt_plan", "model.plan"),
     triton_loads=lambda meta: meta.flavour != "tensorrt_rtx",  # Triton's tensorrt_plan backend is full TensorRT
     # auto: the other engines are still useful when TensorRT cannot build this graph; the failure is reported
-    optional=lambda cfg: cfg.tensorrt.enabled != "always", rank=0,  # preferred where it runs and keeps up
+    optional=lambda cfg: cfg.tensorrt.enabled != "always",
+    rank=0,  # preferred where it runs and keeps up
 )

@@ -9,6 +9,7 @@ TensorRT-RTX accepts these calls but treats them as no-ops (its kernels are JIT-
 its persistent cache is the *runtime cache* (``IRuntimeCache``) that the runner loads and saves, see
 :func:`runtime_cache_path`.
 """
+
 from __future__ import annotations
 
 import logging

@@ -3,6 +3,7 @@
 The parser reports which ONNX node failed (name, op, description); we add a hint for the failures users hit
 most. Nothing falls back silently: a node TensorRT cannot import fails the build with that node named.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,11 +22,17 @@ log = logging.getLogger("kiln.build.tensorrt")
 # (substring of the op or message, hint); the first match wins.
 PARSER_HINTS: list[tuple[str, str]] = [
     ("build-time constant", "run the optimize stage (fold_constants) so shape/axes inputs become constants"),
-    ("DequantizeLinear", "TensorRT takes INT8/FP8 Q/DQ on activations and weights only; keep biases FP32 "
-                         "(onnxruntime quantize_static extra_options QuantizeBias=False) and use symmetric scales"),
+    (
+        "DequantizeLinear",
+        "TensorRT takes INT8/FP8 Q/DQ on activations and weights only; keep biases FP32 "
+        "(onnxruntime quantize_static extra_options QuantizeBias=False) and use symmetric scales",
+    ),
     ("QuantizeLinear", "TensorRT needs symmetric quantization (zero point 0): ActivationSymmetric/WeightSymmetric"),
-    ("No importer registered", "TensorRT has no importer for this op: rewrite it in the optimize stage, export "
-                               "with another opset, or use the onnxruntime backend for this model"),
+    (
+        "No importer registered",
+        "TensorRT has no importer for this op: rewrite it in the optimize stage, export "
+        "with another opset, or use the onnxruntime backend for this model",
+    ),
     ("opset", "export with another opset (export.opset: 17 or 18)"),
 ]
 DEFAULT_HINT = "try the optimize stage's passes or another export.opset; the onnxruntime backend still builds"
@@ -111,8 +118,9 @@ def parser_error(errors: list[Any], onnx_path: Path) -> BuildError:
     text = f"{op} {desc}"
     hint = next((h for key, h in PARSER_HINTS if key in text), DEFAULT_HINT)
     more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return BuildError(f"TensorRT's ONNX parser failed at {where} in {onnx_path.name}: {desc.strip()[:300]}{more}",
-                      hint=hint)
+    return BuildError(
+        f"TensorRT's ONNX parser failed at {where} in {onnx_path.name}: {desc.strip()[:300]}{more}", hint=hint
+    )
 
 
 def _call(obj: Any, name: str) -> str:

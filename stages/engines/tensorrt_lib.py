@@ -1,5 +1,6 @@
 """Finding TensorRT: which flavour imports here (TensorRT 10/11 or TensorRT-RTX), what it can do, and this machine's
 GPU. Imported lazily: Kiln works without any TensorRT installed."""
+
 from __future__ import annotations
 
 import importlib
@@ -22,8 +23,10 @@ def import_tensorrt(flavour: str | None = None) -> ModuleType | None:
 def require_tensorrt() -> ModuleType:
     trt = import_tensorrt()
     if trt is None:
-        raise BackendUnavailable("no TensorRT package imports (tried tensorrt, tensorrt_rtx)",
-                                 hint="pip install 'kiln[rtx]' (TensorRT-RTX) or 'kiln[tensorrt]'")
+        raise BackendUnavailable(
+            "no TensorRT package imports (tried tensorrt, tensorrt_rtx)",
+            hint="pip install 'kiln[rtx]' (TensorRT-RTX) or 'kiln[tensorrt]'",
+        )
     return trt
 
 
@@ -47,5 +50,7 @@ def local_gpu() -> dict[str, str] | None:
 
     if not torch.cuda.is_available():
         return None
-    return {"name": torch.cuda.get_device_name(0),
-            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}
+    return {
+        "name": torch.cuda.get_device_name(0),
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+    }

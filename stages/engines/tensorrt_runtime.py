@@ -5,6 +5,7 @@ Written against TensorRT's documented Python API. It cannot execute on the machi
 nor on the project's H200 with TensorRT-RTX (compute capability 9.0 is not among its targets); there
 :func:`can_execute` says so and validate reports the engine as not runnable instead of failing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,10 @@ def can_execute(trt: ModuleType | None, meta: EngineMetadata | None = None) -> t
     cc = "".join(map(str, torch.cuda.get_device_capability(0)))
     if trt.__name__ == "tensorrt_rtx" and f"SM{cc}" not in trt.ComputeCapability.__members__:
         supported = sorted(m for m in trt.ComputeCapability.__members__ if m.startswith("SM"))
-        return False, (f"TensorRT-RTX {trt.__version__} does not support this GPU's compute capability "
-                       f"{cc[:-1]}.{cc[-1]} (it supports {', '.join(supported)})")
+        return False, (
+            f"TensorRT-RTX {trt.__version__} does not support this GPU's compute capability "
+            f"{cc[:-1]}.{cc[-1]} (it supports {', '.join(supported)})"
+        )
     if meta is not None:
         built = meta.versions.get(trt.__name__)
         if built and built != trt.__version__:

@@ -4,6 +4,7 @@ Used only when the library still has the FP16/INT8 flags and the graph itself is
 TensorRT-RTX removed this (strongly typed only); there the precision stage's graph decides.
 Written against TensorRT 10's documented Python API; not runnable here (no TensorRT 10 wheel on this machine).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,9 @@ def model_carries_precision(model: onnx.ModelProto) -> bool:
     return any(v.type.tensor_type.elem_type in low for v in model.graph.value_info)
 
 
-def configure_weak_typing(trt: ModuleType, network: Any, config: Any, precision: str,
-                          cfg: TensorRTConfig) -> dict[str, Any]:
+def configure_weak_typing(
+    trt: ModuleType, network: Any, config: Any, precision: str, cfg: TensorRTConfig
+) -> dict[str, Any]:
     if precision == "fp32":
         return {"flags": []}
     flags = ["FP16"] if precision == "fp16" else ["FP16", "INT8"]
@@ -59,8 +61,9 @@ def _pin_fp32(trt: ModuleType, network: Any, config: Any, patterns: list[str]) -
             for j in range(layer.num_outputs):
                 layer.set_output_type(j, trt.float32)
             pinned.append(layer.name)
-    flag = next((f for f in ("OBEY_PRECISION_CONSTRAINTS", "PREFER_PRECISION_CONSTRAINTS")
-                 if hasattr(trt.BuilderFlag, f)), None)
+    flag = next(
+        (f for f in ("OBEY_PRECISION_CONSTRAINTS", "PREFER_PRECISION_CONSTRAINTS") if hasattr(trt.BuilderFlag, f)), None
+    )
     if flag and pinned:
         config.set_flag(getattr(trt.BuilderFlag, flag))
     return pinned
@@ -68,9 +71,11 @@ def _pin_fp32(trt: ModuleType, network: Any, config: Any, patterns: list[str]) -
 
 def _attach_calibrator(trt: ModuleType, config: Any, cfg: TensorRTConfig) -> str:
     if not cfg.calibration_cache or not Path(cfg.calibration_cache).is_file():
-        raise BuildError("INT8 from an FP32 graph with TensorRT 10 needs a calibration cache "
-                         f"(build.tensorrt.calibration_cache = {cfg.calibration_cache!r})",
-                         hint="run calibration to write one, or hand TensorRT the precision stage's Q/DQ graph")
+        raise BuildError(
+            "INT8 from an FP32 graph with TensorRT 10 needs a calibration cache "
+            f"(build.tensorrt.calibration_cache = {cfg.calibration_cache!r})",
+            hint="run calibration to write one, or hand TensorRT the precision stage's Q/DQ graph",
+        )
     config.int8_calibrator = cache_calibrator(trt, Path(cfg.calibration_cache))
     return cfg.calibration_cache
 

@@ -30,6 +30,7 @@ layers into cuBLASLt GEMMs with fused bias / GELU epilogues before compiling
 (:mod:`kiln.stages.engines.gemm_epilogues`), ``build.torch.conv_epilogues`` its convolutions into cuDNN calls with
 BatchNorm folded in and bias, residual add and ReLU fused (:mod:`kiln.stages.engines.conv_epilogues`).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -62,8 +63,10 @@ log = logging.getLogger("kiln.build")
 PACKAGE = "model.pt2"
 PROGRAM = "program.pt2"  # the compiled flavour: torch.export.save
 CACHE = "inductor-cache.bin"  # the compiled flavour: torch.compiler.save_cache_artifacts
-NO_MODEL_HINT = ("the torch backend compiles the trained PyTorch model: build it in a workdir (`kiln run`), or use "
-                 "--backend onnxruntime for an ONNX file")
+NO_MODEL_HINT = (
+    "the torch backend compiles the trained PyTorch model: build it in a workdir (`kiln run`), or use "
+    "--backend onnxruntime for an ONNX file"
+)
 # The child that loads a fresh package: a crash there (issue 12: a segfault in _load_aoti) must not be ours.
 _LOAD_CHECK = """
 import sys, torch
@@ -84,11 +87,16 @@ def _on(value: str, auto: bool) -> bool:
 
 def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> dict[str, Any]:
     max_autotune = _on(cfg.max_autotune, device == "cuda")
-    return {"max_autotune": max_autotune, "coordinate_descent": max_autotune and _on(cfg.coordinate_descent, has_conv),
-            "channels_last": _on(cfg.channels_last, has_conv), "freezing": cfg.freezing, "inductor": dict(cfg.inductor),
-            "gemm_epilogues": (mode := resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)),
-            "merge_linears": cfg.merge_linears and mode != "off",
-            "conv_epilogues": has_conv and conv_epilogues.resolve(cfg.conv_epilogues, device, precision, cfg.flavour)}
+    return {
+        "max_autotune": max_autotune,
+        "coordinate_descent": max_autotune and _on(cfg.coordinate_descent, has_conv),
+        "channels_last": _on(cfg.channels_last, has_conv),
+        "freezing": cfg.freezing,
+        "inductor": dict(cfg.inductor),
+        "gemm_epilogues": (mode := resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)),
+        "merge_linears": cfg.merge_linears and mode != "off",
+        "conv_epilogues": has_conv and conv_epilogues.resolve(cfg.conv_epilogues, device, precision, cfg.flavour),
+    }
 
 
 def _served(model: Any, names: list[str], precision: str, channels_last: bool) -> Any:
@@ -134,8 +142,9 @@ def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
     # max 3 at least: with the example batch (2) at the range's top, torch suggests pinning the batch to 2 among
     # the fixes for other axes (a U-Net's height; see _export)
     dims = {"batch": torch.export.Dim("batch", min=1, max=max(req.max_batch, 3))}
-    dims |= {name: torch.export.Dim(re.sub(r"\W", "_", name), min=lo, max=hi)
-             for name, (lo, hi) in req.axis_sizes.items()}
+    dims |= {
+        name: torch.export.Dim(re.sub(r"\W", "_", name), min=lo, max=hi) for name, (lo, hi) in req.axis_sizes.items()
+    }
     per_input = []
     for spec in req.inputs:
         axes = {}
@@ -153,19 +162,26 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     import torch
 
     if req.torch_model is None:
-        raise ConfigError("the torch backend needs the PyTorch model, and this build has only an ONNX file",
-                          hint=NO_MODEL_HINT)
+        raise ConfigError(
+            "the torch backend needs the PyTorch model, and this build has only an ONNX file", hint=NO_MODEL_HINT
+        )
     if req.device == "cuda" and not torch.cuda.is_available():
-        raise BuildError("torch sees no CUDA GPU: an AOTInductor CUDA package is compiled and tuned on the GPU",
-                         hint="build on the GPU host, or set build.torch.devices: [cpu]")
+        raise BuildError(
+            "torch sees no CUDA GPU: an AOTInductor CUDA package is compiled and tuned on the GPU",
+            hint="build on the GPU host, or set build.torch.devices: [cpu]",
+        )
     model = req.torch_model().eval()
-    settings = _settings(req.config.torch, req.device, req.precision,
-                         any(isinstance(m, torch.nn.Conv2d) for m in model.modules()))
+    settings = _settings(
+        req.config.torch, req.device, req.precision, any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    )
     check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
     # (epilogues with flavour aotinductor: refused by TorchConfig itself; their custom ops need the compiled one)
-    package_first = req.config.torch.flavour != "compiled" and settings["gemm_epilogues"] == "off" \
+    package_first = (
+        req.config.torch.flavour != "compiled"
+        and settings["gemm_epilogues"] == "off"
         and not settings["conv_epilogues"]
+    )
     # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13: errors of
     # 0.02-0.03 on the zoo CNN, whose first convolution has one input channel and so degenerate channels_last
     # strides; ResNet-18's were right): there the frozen weights keep their layout and Inductor picks the constants'
@@ -181,10 +197,15 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     except BuildError:
         raise
     except Exception as exc:  # torch.export failures: this model cannot become this engine kind
-        raise BuildError(f"torch.export could not capture the model: {type(exc).__name__}: {first_line(exc, 300)}",
-                         hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
-    common = {**settings, "dtype": "float16" if req.precision == "fp16" else "float32",
-              "dynamic_batch": [1, max(req.max_batch, 2)]}
+        raise BuildError(
+            f"torch.export could not capture the model: {type(exc).__name__}: {first_line(exc, 300)}",
+            hint="the ONNX engines still build; see torch.export's docs for unsupported code",
+        ) from None
+    common = {
+        **settings,
+        "dtype": "float16" if req.precision == "fp16" else "float32",
+        "dynamic_batch": [1, max(req.max_batch, 2)],
+    }
     flavour = req.config.torch.flavour
     if not package_first:
         return _build_compiled(req, exported, common, why=None)
@@ -193,8 +214,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     except BuildError as exc:
         if flavour == "aotinductor":
             raise
-        log.warning("engine %s: %s; building the compiled flavour instead (build.torch.flavour)", req.name,
-                    exc.message)
+        log.warning("engine %s: %s; building the compiled flavour instead (build.torch.flavour)", req.name, exc.message)
         return _build_compiled(req, exported, common, why=exc.message)
 
 
@@ -213,12 +233,17 @@ def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) 
             if "Suggested fixes" not in str(exc):
                 raise
             refined = refine_dynamic_shapes_from_suggested_fixes(exc.msg, dynamic)
-            fixed = [f"input '{names[i]}' axis {a}" for i, axes in enumerate(refined[0])
-                     for a, d in (axes or {}).items() if isinstance(d, int)]  # refined[0]: forward(*xs)'s per input
+            fixed = [
+                f"input '{names[i]}' axis {a}"
+                for i, axes in enumerate(refined[0])
+                for a, d in (axes or {}).items()
+                if isinstance(d, int)
+            ]  # refined[0]: forward(*xs)'s per input
             if fixed:
-                raise BuildError(f"torch.export: the model takes one size only on {', '.join(fixed)}",
-                                 hint="leave those axes out of export.dynamic_axes, or build ONNX engines only"
-                                 ) from None
+                raise BuildError(
+                    f"torch.export: the model takes one size only on {', '.join(fixed)}",
+                    hint="leave those axes out of export.dynamic_axes, or build ONNX engines only",
+                ) from None
             log.info("torch.export: dynamic axes refined as torch suggests (%s)", first_line(exc, 200))
             return torch.export.export(served, args, dynamic_shapes=refined)
 
@@ -230,16 +255,23 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
     t0 = time.perf_counter()
     try:
         with torch.no_grad():  # Inductor freezes only graphs compiled without autograd (as torch._export.aot_compile)
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(req.out / PACKAGE),
-                                                     inductor_configs=_inductor_options(common))
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(req.out / PACKAGE), inductor_configs=_inductor_options(common)
+            )
     except Exception as exc:  # Inductor failures: this model cannot become this engine kind
-        raise BuildError(f"AOTInductor could not compile the model: {type(exc).__name__}: {first_line(exc, 300)}",
-                         hint="the ONNX engines still build; see torch.export's docs for unsupported code") from None
+        raise BuildError(
+            f"AOTInductor could not compile the model: {type(exc).__name__}: {first_line(exc, 300)}",
+            hint="the ONNX engines still build; see torch.export's docs for unsupported code",
+        ) from None
     compile_s = round(time.perf_counter() - t0, 2)
     if req.config.torch.load_check:
         _load_check(req.out / PACKAGE, args, req.device, req.config.torch.load_check_timeout_s)
-    return {"files": {"model": PACKAGE}, "flavour": "aotinductor", "versions": {"torch": torch.__version__},
-            "builder_settings": {**common, "compile_seconds": compile_s}}
+    return {
+        "files": {"model": PACKAGE},
+        "flavour": "aotinductor",
+        "versions": {"torch": torch.__version__},
+        "builder_settings": {**common, "compile_seconds": compile_s},
+    }
 
 
 def warm_batches(max_batch: int) -> list[int]:
@@ -262,8 +294,12 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
             raise _compile_failed(exc) from None
         # auto turned them on for this engine kind, not for this model: the engine is still worth having without
         why_not = f"{type(exc).__name__}: {first_line(exc, 300)}"
-        log.warning("engine %s: with build.torch.conv_epilogues the model did not compile or run (%s); building it "
-                    "without them", req.name, why_not)
+        log.warning(
+            "engine %s: with build.torch.conv_epilogues the model did not compile or run (%s); building it "
+            "without them",
+            req.name,
+            why_not,
+        )
         common = {**common, "conv_epilogues": False, "conv_epilogues_failed": why_not}
         try:
             rewrites = _compile_and_warm(req, common, cuda_graphs)
@@ -274,18 +310,28 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     if artifacts is not None:
         (req.out / CACHE).write_bytes(artifacts[0])
         files["cache"] = CACHE
-    settings = {**common, "cuda_graphs": cuda_graphs, "compile_seconds": round(time.perf_counter() - t0, 2),
-                "compiled_batches": warm_batches(req.max_batch)}
+    settings = {
+        **common,
+        "cuda_graphs": cuda_graphs,
+        "compile_seconds": round(time.perf_counter() - t0, 2),
+        "compiled_batches": warm_batches(req.max_batch),
+    }
     settings.update(rewrites)
     if why is not None:
         settings["aotinductor_failed"] = why
-    return {"files": files, "flavour": "compiled", "versions": {"torch": torch.__version__},
-            "builder_settings": settings}
+    return {
+        "files": files,
+        "flavour": "compiled",
+        "versions": {"torch": torch.__version__},
+        "builder_settings": settings,
+    }
 
 
 def _compile_failed(exc: BaseException) -> BuildError:
-    return BuildError(f"torch.compile could not compile the exported model: {type(exc).__name__}: "
-                      f"{first_line(exc, 300)}", hint="the ONNX engines still build")
+    return BuildError(
+        f"torch.compile could not compile the exported model: {type(exc).__name__}: {first_line(exc, 300)}",
+        hint="the ONNX engines still build",
+    )
 
 
 def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: bool) -> dict[str, dict[str, int]]:
@@ -311,17 +357,21 @@ def _inductor_options(settings: dict[str, Any]) -> dict[str, Any]:
     an older Kiln lack the last three: the mode's coordinate descent, off and none, as they were built."""
     import torch._inductor
 
-    options = dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs")) if settings.get("max_autotune") \
-        else {}
+    options = (
+        dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs")) if settings.get("max_autotune") else {}
+    )
     if options and "coordinate_descent" in settings:
         options["coordinate_descent_tuning"] = bool(settings["coordinate_descent"])
     return {**options, "freezing": bool(settings.get("freezing")), **settings.get("inductor", {})}
 
 
 # Inductor entries Kiln sets from its own settings: the recorded settings must say what the engine was built with
-OWNED_KEYS = {"freezing": "use build.torch.freezing", "max_autotune": "use build.torch.max_autotune",
-              "coordinate_descent_tuning": "use build.torch.coordinate_descent",
-              "triton.cudagraphs": "use build.torch.cuda_graphs (Kiln captures its own CUDA graphs)"}
+OWNED_KEYS = {
+    "freezing": "use build.torch.freezing",
+    "max_autotune": "use build.torch.max_autotune",
+    "coordinate_descent_tuning": "use build.torch.coordinate_descent",
+    "triton.cudagraphs": "use build.torch.cuda_graphs (Kiln captures its own CUDA graphs)",
+}
 
 
 def check_inductor_keys(entries: dict[str, Any]) -> None:
@@ -331,25 +381,39 @@ def check_inductor_keys(entries: dict[str, Any]) -> None:
 
     owned = sorted(k for k in entries if k in OWNED_KEYS)
     if owned:
-        raise ConfigError(f"build.torch.inductor: {', '.join(owned)} is set by Kiln's own settings",
-                          hint=", ".join(OWNED_KEYS[k] for k in owned))
+        raise ConfigError(
+            f"build.torch.inductor: {', '.join(owned)} is set by Kiln's own settings",
+            hint=", ".join(OWNED_KEYS[k] for k in owned),
+        )
     known = torch._inductor.config.get_config_copy()
     unknown = sorted(k for k in entries if k not in known)
     if unknown:
         close = {k: difflib.get_close_matches(k, list(known), n=1) for k in unknown}
         guesses = ", ".join(f"{k} (did you mean {c[0]}?)" if c else k for k, c in close.items())
-        raise ConfigError(f"build.torch.inductor: not a torch._inductor.config entry: {guesses}",
-                          hint="use the names of torch/_inductor/config.py, nested ones dotted (triton.cudagraphs)")
+        raise ConfigError(
+            f"build.torch.inductor: not a torch._inductor.config entry: {guesses}",
+            hint="use the names of torch/_inductor/config.py, nested ones dotted (triton.cudagraphs)",
+        )
     for key, value in entries.items():  # a wrong type would only fail inside torch.compile, wrapped in a BuildError
         default = known[key]
-        if default is not None and not isinstance(value, type(default)) and not (
-                isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)):
-            raise ConfigError(f"build.torch.inductor: {key} takes a {type(default).__name__} (its default is "
-                              f"{default!r}), not {value!r}", hint=f"set {key} to a {type(default).__name__}")
+        if (
+            default is not None
+            and not isinstance(value, type(default))
+            and not (isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool))
+        ):
+            raise ConfigError(
+                f"build.torch.inductor: {key} takes a {type(default).__name__} (its default is "
+                f"{default!r}), not {value!r}",
+                hint=f"set {key} to a {type(default).__name__}",
+            )
 
 
-def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = False,
-                     warn_if_nothing_fused: dict[str, bool] | None = None) -> tuple[Any, dict[str, dict[str, int]]]:
+def _compile_program(
+    path: Path,
+    settings: dict[str, Any],
+    cuda_graphs: bool = False,
+    warn_if_nothing_fused: dict[str, bool] | None = None,
+) -> tuple[Any, dict[str, dict[str, int]]]:
     """``torch.compile`` of a saved exported program: static shapes (one graph per batch size, as a torch.compile
     baseline is timed), compiled under the Inductor config of the build's settings (:func:`_inductor_options`), and
     on the GPU replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call
@@ -365,8 +429,11 @@ def _compile_program(path: Path, settings: dict[str, Any], cuda_graphs: bool = F
     rewrites: dict[str, dict[str, int]] = {}
     if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
         rewrites["gemm_epilogue_layers"] = fuse_linear_epilogues(
-            module, settings["gemm_epilogues"], warn_if_none=warn.get("gemm", False),
-            merge=bool(settings.get("merge_linears")))  # older engines: not merged
+            module,
+            settings["gemm_epilogues"],
+            warn_if_none=warn.get("gemm", False),
+            merge=bool(settings.get("merge_linears")),
+        )  # older engines: not merged
     if settings.get("conv_epilogues"):  # older engines: off
         rewrites["conv_epilogue_layers"] = conv_epilogues.fuse_conv_epilogues(module, warn.get("conv", False))
     options = _inductor_options(settings)
@@ -449,8 +516,11 @@ class GraphReplays:
         try:
             graph, out = capture(lambda: self.run(*inputs), inputs[0].device, warmups=3)
         except RuntimeError as exc:
-            log.warning("torch engine: shape %s runs without a CUDA graph (capture failed: %s)",
-                        [tuple(a.shape) for a in args], first_line(exc, 200))
+            log.warning(
+                "torch engine: shape %s runs without a CUDA graph (capture failed: %s)",
+                [tuple(a.shape) for a in args],
+                first_line(exc, 200),
+            )
             return None
         return graph, inputs, list(out) if isinstance(out, (tuple, list)) else [out]
 
@@ -469,17 +539,29 @@ def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: floa
         sample = Path(tmp) / "args.pt"
         torch.save(tuple(a.cpu() for a in args), sample)
         try:
-            done = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(package), str(sample), device],
-                                  capture_output=True, text=True, timeout=timeout, check=False)
+            done = subprocess.run(
+                [sys.executable, "-c", _LOAD_CHECK, str(package), str(sample), device],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
-            raise BuildError(f"loading the AOTInductor package took over {timeout:.0f}s",
-                             hint="raise build.torch.load_check_timeout_s") from None
+            raise BuildError(
+                f"loading the AOTInductor package took over {timeout:.0f}s",
+                hint="raise build.torch.load_check_timeout_s",
+            ) from None
     if done.returncode != 0:
-        why = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
-               else (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1][:300])
-        raise BuildError(f"the AOTInductor package does not load in a fresh process ({why})",
-                         hint="check that the torch that built it is the one importable here (one torch, not a "
-                              "second one staged on PYTHONPATH), and that libstdc++/CUDA libraries match")
+        why = (
+            f"killed by {signal.Signals(-done.returncode).name}"
+            if done.returncode < 0
+            else (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1][:300]
+        )
+        raise BuildError(
+            f"the AOTInductor package does not load in a fresh process ({why})",
+            hint="check that the torch that built it is the one importable here (one torch, not a "
+            "second one staged on PYTHONPATH), and that libstdc++/CUDA libraries match",
+        )
 
 
 # ------------------------------------------------------------------------------------------------------ runner
@@ -500,8 +582,9 @@ class TorchRunner(Runner):
             if "cache" in self.meta.files:  # before compiling: the build's kernels and autotuning are found
                 torch.compiler.load_cache_artifacts((self.engine_dir / self.meta.files["cache"]).read_bytes())
             settings = self.meta.builder_settings
-            self.package, _ = _compile_program(self.engine_dir / self.meta.files["program"], settings,
-                                               bool(settings.get("cuda_graphs")))
+            self.package, _ = _compile_program(
+                self.engine_dir / self.meta.files["program"], settings, bool(settings.get("cuda_graphs"))
+            )
             return
         from torch._inductor import aoti_load_package
 
@@ -529,6 +612,7 @@ class TorchRunner(Runner):
 
         def call() -> Any:
             return self._call(args)[0]
+
         return call, isinstance(self.package, GraphReplays)
 
     def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
@@ -547,8 +631,11 @@ class TorchRunner(Runner):
 # ------------------------------------------------------------------------------------------------ registration
 def _plan(cfg: BuildConfig, precision: str) -> Plan:
     devices = [d for d in cfg.torch.devices if precision == "fp32" or (precision == "fp16" and d == "cuda")]
-    skipped = [f"torch-{d}-{precision}: AOTInductor engines are FP32, or FP16 on the GPU"
-               for d in cfg.torch.devices if d not in devices]
+    skipped = [
+        f"torch-{d}-{precision}: AOTInductor engines are FP32, or FP16 on the GPU"
+        for d in cfg.torch.devices
+        if d not in devices
+    ]
     return Plan(devices, skipped)
 
 
@@ -557,16 +644,25 @@ def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
 
     built = meta.versions.get("torch")
     if built != torch.__version__:
-        return False, (f"built with torch {built}, this is torch {torch.__version__} (AOTInductor packages are "
-                       "tied to the torch that built them)")
+        return False, (
+            f"built with torch {built}, this is torch {torch.__version__} (AOTInductor packages are "
+            "tied to the torch that built them)"
+        )
     if meta.device == "cuda" and not torch.cuda.is_available():
         return False, "torch sees no CUDA GPU"
     return True, ""
 
 
 BACKEND = Backend(
-    name="torch", devices=("cpu", "cuda"), settings=lambda cfg: cfg.torch, plan=_plan, build=build_torch_engine,
-    runners={"cpu": TorchRunner, "cuda": TorchRunner}, can_run=_can_run, triton=None,
+    name="torch",
+    devices=("cpu", "cuda"),
+    settings=lambda cfg: cfg.torch,
+    plan=_plan,
+    build=build_torch_engine,
+    runners={"cpu": TorchRunner, "cuda": TorchRunner},
+    can_run=_can_run,
+    triton=None,
     # opt-in and model-dependent (torch.export cannot capture every model): a failure skips it, reported
-    optional=lambda cfg: True, rank=20,
+    optional=lambda cfg: True,
+    rank=20,
 )

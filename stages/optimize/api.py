@@ -1,4 +1,5 @@
 """Run a configured list of passes over an ONNX model, with the safety net and a per-pass report."""
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,12 @@ def _apply(spec: Any, params: Any, model: onnx.ModelProto) -> tuple[onnx.ModelPr
     return infer_shapes(_export(graph, model, empties), strict=False), changes
 
 
-def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: DataSizes | None = None,
-                   int_ranges: IntRanges | None = None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+def optimize_model(
+    model: onnx.ModelProto,
+    cfg: OptimizeConfig,
+    data_sizes: DataSizes | None = None,
+    int_ranges: IntRanges | None = None,
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """Apply ``cfg.passes`` in order. With ``cfg.verify`` each changed graph is run in ONNX Runtime against the
     original (on random inputs, dynamic axes at ``data_sizes`` and integers within ``int_ranges`` where the data
     gave them); a pass that changes the outputs (or crashes) is rolled back and reported by name."""
@@ -63,11 +68,12 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: Data
         try:
             verifier = Verifier(current, cfg, data_sizes, int_ranges)
         except Exception as exc:  # unverified rewrites must never ship silently: the user decides
-            raise ModelError(f"the optimizer's safety net cannot run the input model on random inputs "
-                             f"({short_reason(exc)})",
-                             hint="set optimize.int_high below the smallest vocabulary / index range, or "
-                                  "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
-                                  "size); or optimize.verify: false to rewrite without checking") from None
+            raise ModelError(
+                f"the optimizer's safety net cannot run the input model on random inputs ({short_reason(exc)})",
+                hint="set optimize.int_high below the smallest vocabulary / index range, or "
+                "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
+                "size); or optimize.verify: false to rewrite without checking",
+            ) from None
     passes: list[dict[str, Any]] = []
     rounds = 0
     for rounds in range(1, cfg.rounds + 1):  # to a fixpoint: a fusion can expose a fold an earlier pass missed
@@ -77,21 +83,33 @@ def optimize_model(model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: Data
             passes.append(entry | {"round": rounds})
         if len(current.graph.node) >= size:
             break
-    summary = {"nodes_before": len(model.graph.node), "nodes_after": len(current.graph.node),
-               "ops_before": dict(histogram(model)), "ops_after": dict(histogram(current)),
-               "verified": verifier is not None, "rounds": rounds,
-               "rolled_back": list(dict.fromkeys(p["name"] for p in passes if p["rolled_back"])),
-               "seconds": round(time.perf_counter() - t_start, 3), "passes": passes}
+    summary = {
+        "nodes_before": len(model.graph.node),
+        "nodes_after": len(current.graph.node),
+        "ops_before": dict(histogram(model)),
+        "ops_after": dict(histogram(current)),
+        "verified": verifier is not None,
+        "rounds": rounds,
+        "rolled_back": list(dict.fromkeys(p["name"] for p in passes if p["rolled_back"])),
+        "seconds": round(time.perf_counter() - t_start, 3),
+        "passes": passes,
+    }
     return current, summary
 
 
-def _step(spec: Any, params: Any, current: onnx.ModelProto,
-          verifier: Verifier | None) -> tuple[onnx.ModelProto, dict[str, Any]]:
+def _step(
+    spec: Any, params: Any, current: onnx.ModelProto, verifier: Verifier | None
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """One pass over ``current``, checked by the safety net: (the model to carry on with, its report entry)."""
     t0 = time.perf_counter()
     hist = histogram(current)
-    entry: dict[str, Any] = {"name": spec.name, "params": params.model_dump(), "nodes_before": len(current.graph.node),
-                             "changes": 0, "rolled_back": False}
+    entry: dict[str, Any] = {
+        "name": spec.name,
+        "params": params.model_dump(),
+        "nodes_before": len(current.graph.node),
+        "changes": 0,
+        "rolled_back": False,
+    }
     try:
         cand, entry["changes"] = _apply(spec, params, current)
     except Exception as exc:  # a crashing pass is a Kiln bug; ship the graph without it, say so loudly
@@ -101,16 +119,26 @@ def _step(spec: Any, params: Any, current: onnx.ModelProto,
         verdict = verifier.check(cand)
         entry["max_abs_err"] = verdict.max_abs_err
         if not verdict.ok:
-            log.warning("optimize pass %s changed the model's outputs and was rolled back: %s",
-                        spec.name, verdict.reason)
+            log.warning(
+                "optimize pass %s changed the model's outputs and was rolled back: %s", spec.name, verdict.reason
+            )
             cand, entry["rolled_back"], entry["reason"] = None, True, verdict.reason
     if cand is not None:
         current = cand
-    entry.update(nodes_after=len(current.graph.node), ops_delta=_delta(hist, histogram(current)),
-                 seconds=round(time.perf_counter() - t0, 4))
+    entry.update(
+        nodes_after=len(current.graph.node),
+        ops_delta=_delta(hist, histogram(current)),
+        seconds=round(time.perf_counter() - t0, 4),
+    )
     changed = entry["nodes_before"] != entry["nodes_after"] or entry["rolled_back"]
-    log.log(logging.INFO if changed else logging.DEBUG, "pass %-26s nodes %4d -> %4d%s", spec.name,
-            entry["nodes_before"], entry["nodes_after"], "  ROLLED BACK" if entry["rolled_back"] else "")
+    log.log(
+        logging.INFO if changed else logging.DEBUG,
+        "pass %-26s nodes %4d -> %4d%s",
+        spec.name,
+        entry["nodes_before"],
+        entry["nodes_after"],
+        "  ROLLED BACK" if entry["rolled_back"] else "",
+    )
     return current, entry
 
 

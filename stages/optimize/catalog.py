@@ -1,5 +1,6 @@
 """Every registered pass, and the look-ups config and the optimizer make: ``resolve`` a config entry,
 ``available`` names, ``describe`` them. Importing this module imports every pass family."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,8 +32,10 @@ def resolve(entry: str | dict[str, Any]) -> tuple[PassSpec, BaseModel]:
         raw = {k: v for k, v in entry.items() if k != "name"}
         name = entry["name"]
     else:
-        raise ConfigError(f"optimize.passes entry {entry!r} is neither a pass name nor a mapping with 'name'",
-                          hint="write e.g. `- fold_constants` or `- {name: merge_qkv, min_branches: 2}`")
+        raise ConfigError(
+            f"optimize.passes entry {entry!r} is neither a pass name nor a mapping with 'name'",
+            hint="write e.g. `- fold_constants` or `- {name: merge_qkv, min_branches: 2}`",
+        )
     if name not in passes:
         raise ConfigError(f"unknown optimize pass '{name}'", hint=f"available passes: {', '.join(sorted(passes))}")
     spec = passes[name]
@@ -40,8 +43,9 @@ def resolve(entry: str | dict[str, Any]) -> tuple[PassSpec, BaseModel]:
         params = spec.params(**raw)
     except ValidationError as exc:
         fields = ", ".join(spec.params.model_fields) or "none"
-        raise ConfigError(f"bad params for optimize pass '{name}': {str(exc).splitlines()[1:3]}",
-                          hint=f"params of '{name}': {fields}") from None
+        raise ConfigError(
+            f"bad params for optimize pass '{name}': {str(exc).splitlines()[1:3]}", hint=f"params of '{name}': {fields}"
+        ) from None
     return spec, params
 
 

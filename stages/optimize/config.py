@@ -1,4 +1,5 @@
 """Settings of the optimize stage."""
+
 from __future__ import annotations
 
 from typing import Any, Union
@@ -35,17 +36,27 @@ DEFAULT_PASSES: list[str] = [
 class OptimizeConfig(Section):
     passes: list[Union[str, dict[str, Any]]] = Field(
         default_factory=lambda: list(DEFAULT_PASSES),
-        description="graph passes in order: names, or {name: ..., <params>} mappings (see kiln.stages.optimize.registry)")
-    rounds: int = Field(3, ge=1, description="repeat the pass list while a round still removes nodes, at most this "
-                                             "many times (a fixpoint: fusions expose new folds)")
-    verify: bool = Field(True, description="after each pass, compare before/after in ONNX Runtime; roll back a pass "
-                                           "that changes outputs")
+        description="graph passes in order: names, or {name: ..., <params>} mappings (see kiln.stages.optimize.registry)",
+    )
+    rounds: int = Field(
+        3,
+        ge=1,
+        description="repeat the pass list while a round still removes nodes, at most this "
+        "many times (a fixpoint: fusions expose new folds)",
+    )
+    verify: bool = Field(
+        True, description="after each pass, compare before/after in ONNX Runtime; roll back a pass that changes outputs"
+    )
     rtol: float = Field(1e-4, gt=0, description="safety net: allowed error relative to the largest reference output")
     atol: float = Field(1e-5, ge=0, description="safety net: allowed absolute error")
     verify_batch: int = Field(2, ge=1, description="safety net: size given to dynamic (symbolic) input axes")
-    int_high: int = Field(16, ge=0, description="safety net: integer inputs are drawn from [0, int_high], or from "
-                                                "the range the data holds where the export recorded it "
-                                                "(export/int_ranges.json)")
+    int_high: int = Field(
+        16,
+        ge=0,
+        description="safety net: integer inputs are drawn from [0, int_high], or from "
+        "the range the data holds where the export recorded it "
+        "(export/int_ranges.json)",
+    )
     seed: int = Field(0, description="safety net: seed of the random inputs")
 
     @field_validator("passes")

@@ -9,6 +9,7 @@ the passes are written against):
   (``Could not infer attribute value_ints type from empty iterator``). So empty list attributes are taken off
   before export and put back with the type they were read with.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -19,10 +20,23 @@ import onnx_graphsurgeon as gs
 from onnx import AttributeProto, helper, numpy_helper
 
 # Constant's value_* attribute -> numpy dtype of the tensor it stands for (ONNX spec of Constant).
-_CONST_ATTRS: dict[str, object] = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
-                                   "value_ints": np.int64, "value_string": np.object_, "value_strings": np.object_}
-_LISTS = {AttributeProto.FLOATS, AttributeProto.INTS, AttributeProto.STRINGS, AttributeProto.TENSORS,
-          AttributeProto.GRAPHS, AttributeProto.SPARSE_TENSORS, AttributeProto.TYPE_PROTOS}
+_CONST_ATTRS: dict[str, object] = {
+    "value_float": np.float32,
+    "value_floats": np.float32,
+    "value_int": np.int64,
+    "value_ints": np.int64,
+    "value_string": np.object_,
+    "value_strings": np.object_,
+}
+_LISTS = {
+    AttributeProto.FLOATS,
+    AttributeProto.INTS,
+    AttributeProto.STRINGS,
+    AttributeProto.TENSORS,
+    AttributeProto.GRAPHS,
+    AttributeProto.SPARSE_TENSORS,
+    AttributeProto.TYPE_PROTOS,
+}
 EmptyAttrs = dict[int, dict[str, int]]  # id(gs node) -> {attribute name: AttributeProto type}
 
 
@@ -97,8 +111,11 @@ def export_graph(graph: gs.Graph, empties: EmptyAttrs) -> onnx.ModelProto:
 
 def _take_empty(graph: gs.Graph, empties: EmptyAttrs, taken: list) -> None:
     for i, node in enumerate(graph.nodes):
-        gone = {k: empties.get(id(node), {}).get(k, AttributeProto.INTS) for k, v in node.attrs.items()
-                if isinstance(v, (list, tuple)) and len(v) == 0}
+        gone = {
+            k: empties.get(id(node), {}).get(k, AttributeProto.INTS)
+            for k, v in node.attrs.items()
+            if isinstance(v, (list, tuple)) and len(v) == 0
+        }
         for k in gone:
             del node.attrs[k]
         if gone:

@@ -4,6 +4,7 @@ into it; ``catalog`` imports them all and looks passes up.
 A plain dict so a reader sees every pass in one place. A pass is ``fn(graph, params) -> int``: it rewrites
 the onnx-graphsurgeon graph in place and returns how many rewrites it made (0 = nothing matched).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

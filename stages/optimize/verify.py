@@ -8,6 +8,7 @@ errors from accumulating. A model with random ops (RandomNormal...) gives other 
 graph (ONNX Runtime seeds each session alike, so two runs of the same graph agree and prove nothing): then
 only output shapes and types are compared.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,18 +42,30 @@ DataSizes = Mapping[str, Mapping[int, list[int]]]  # input name -> axis -> [smal
 IntRanges = Mapping[str, list[int]]  # integer input name -> [smallest, largest] value in the data
 
 
-def random_inputs(model: onnx.ModelProto, cfg: OptimizeConfig, batch: int | None = None,
-                  dynamic: int | AxisSizes | None = None, int_ranges: IntRanges | None = None) -> dict[str, np.ndarray]:
+def random_inputs(
+    model: onnx.ModelProto,
+    cfg: OptimizeConfig,
+    batch: int | None = None,
+    dynamic: int | AxisSizes | None = None,
+    int_ranges: IntRanges | None = None,
+) -> dict[str, np.ndarray]:
     """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``,
     other symbolic axes ``dynamic``, when given), integers lie in the data's range of the input (``int_ranges``,
     where the export recorded it) or else in [0, int_high]."""
     specs, _ = io_specs(model)
-    return make_inputs(specs, batch or cfg.verify_batch, dynamic=dynamic or cfg.verify_batch, int_high=cfg.int_high,
-                       seed=cfg.seed, int_ranges=int_ranges)
+    return make_inputs(
+        specs,
+        batch or cfg.verify_batch,
+        dynamic=dynamic or cfg.verify_batch,
+        int_high=cfg.int_high,
+        seed=cfg.seed,
+        int_ranges=int_ranges,
+    )
 
 
-def axis_sizes(model: onnx.ModelProto, default: int, data: DataSizes | None,
-               largest: bool) -> dict[str, dict[int, int]]:
+def axis_sizes(
+    model: onnx.ModelProto, default: int, data: DataSizes | None, largest: bool
+) -> dict[str, dict[int, int]]:
     """A size for every dynamic axis besides batch of every input: the data's largest (or smallest; half the
     largest where the data has one size, as validation's default shapes) where the export recorded it, else
     ``default``. The data's sizes are ones the model is known to take (a convolution over audio needs more than
@@ -84,26 +97,41 @@ def _byte_size(model: onnx.ModelProto) -> int:
 class Verifier:
     """Holds the original model's outputs on fixed random inputs; ``check`` compares a candidate to them."""
 
-    def __init__(self, model: onnx.ModelProto, cfg: OptimizeConfig, data_sizes: DataSizes | None = None,
-                 int_ranges: IntRanges | None = None) -> None:
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        cfg: OptimizeConfig,
+        data_sizes: DataSizes | None = None,
+        int_ranges: IntRanges | None = None,
+    ) -> None:
         """``data_sizes``: the sizes the export saw on each dynamic axis besides batch (``dynamic_sizes.json``);
         ``int_ranges``: the values it saw in each integer input (``int_ranges.json``)."""
         self.cfg = cfg
-        self.feeds = [random_inputs(model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True),
-                                    int_ranges=int_ranges)]
+        self.feeds = [
+            random_inputs(
+                model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True), int_ranges=int_ranges
+            )
+        ]
         self.references = [run_ort(model, self.feeds[0])]  # must run: else the caller reports why
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
         # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
         try:
-            one = random_inputs(model, cfg, batch=1,
-                                dynamic=axis_sizes(model, cfg.verify_batch + 1, data_sizes, False),
-                                int_ranges=int_ranges)
+            one = random_inputs(
+                model,
+                cfg,
+                batch=1,
+                dynamic=axis_sizes(model, cfg.verify_batch + 1, data_sizes, False),
+                int_ranges=int_ranges,
+            )
             if any(one[k].shape != v.shape for k, v in self.feeds[0].items()):  # else the same check twice
                 self.references.append(run_ort(model, one))
                 self.feeds.append(one)
         except Exception as exc:
-            log.info("safety net: the input model does not run at batch 1 (%s); checking at %d only",
-                     short_reason(exc, 120), cfg.verify_batch)
+            log.info(
+                "safety net: the input model does not run at batch 1 (%s); checking at %d only",
+                short_reason(exc, 120),
+                cfg.verify_batch,
+            )
         self.check_graph = _passes_checker(model)
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
@@ -167,8 +195,9 @@ def compare(reference: dict[str, Any], got: dict[str, Any], atol: float, rtol: f
             return Verdict(False, float("inf"), f"output '{name}' missing")
         if np.isinf(atol):
             if out.shape != ref.shape or out.dtype != ref.dtype:
-                return Verdict(False, float("inf"), f"output '{name}' {out.dtype}{list(out.shape)} vs "
-                                                    f"{ref.dtype}{list(ref.shape)}")
+                return Verdict(
+                    False, float("inf"), f"output '{name}' {out.dtype}{list(out.shape)} vs {ref.dtype}{list(ref.shape)}"
+                )
             continue
         ok, err, why = within_tolerance(ref, out, atol, rtol)
         if not ok:

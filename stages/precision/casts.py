@@ -4,6 +4,7 @@ onnxconverter-common inserts a Cast at every boundary it creates, and with kept 
 FP32 islands that yields Cast->Cast pairs and no-op casts. Neither ONNX Runtime's session-time
 CastElimination nor onnx-graphsurgeon rewrites the saved graph TensorRT reads, so this small pass does.
 """
+
 from __future__ import annotations
 
 import onnx
@@ -62,8 +63,10 @@ def _one_pass(graph: gs.Graph) -> int:
             origin = prev.inputs[0]
             # From an int/bool origin only int -> FP32 -> FP16 collapses exactly (FP32 holds every int below
             # 2**24 exactly, and above FP16's range both give inf); int -> FP16 -> FP32 keeps its rounding.
-            widening = int(prev.attrs["to"]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) \
+            widening = (
+                int(prev.attrs["to"]) in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
                 and to == onnx.TensorProto.FLOAT16
+            )
             if _onnx_type(origin) in FLOAT_ONNX or (_onnx_type(origin) is not None and widening):
                 node.inputs[0] = origin  # one cast from the origin; the first cast dies if nobody else reads it
                 src, changed = origin, changed + 1
@@ -92,11 +95,25 @@ def cast_chains(model: onnx.ModelProto) -> list[tuple[str, str]]:
     def from_float(cast: onnx.NodeProto) -> bool:
         return types.get(cast.input[0]) not in NON_FLOAT if cast.input else True
 
-    return [(producers[n.input[0]].name, n.name) for n in model.graph.node
-            if n.op_type == "Cast" and n.input and n.input[0] in producers
-            and producers[n.input[0]].op_type == "Cast" and from_float(producers[n.input[0]])]
+    return [
+        (producers[n.input[0]].name, n.name)
+        for n in model.graph.node
+        if n.op_type == "Cast"
+        and n.input
+        and n.input[0] in producers
+        and producers[n.input[0]].op_type == "Cast"
+        and from_float(producers[n.input[0]])
+    ]
 
 
-NON_FLOAT = {onnx.TensorProto.BOOL, onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
-             onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32,
-             onnx.TensorProto.UINT64}
+NON_FLOAT = {
+    onnx.TensorProto.BOOL,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.INT64,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.UINT32,
+    onnx.TensorProto.UINT64,
+}

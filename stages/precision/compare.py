@@ -1,5 +1,6 @@
 """Comparing a reduced-precision graph with the FP32 one: output agreement, and per-tensor errors to find
 the nodes that introduce the difference (like Polygraphy's ``--onnx-outputs mark all`` comparison)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,9 @@ def take_rows(x: Samples, index: Any) -> Samples:
     return {k: v[index] for k, v in x.items()} if isinstance(x, dict) else x[index]
 
 
-def run_batched(model: Model, x: Samples, batch: int = 64, extra_outputs: list[str] | None = None,
-                threads: int = 0) -> list[np.ndarray]:
+def run_batched(
+    model: Model, x: Samples, batch: int = 64, extra_outputs: list[str] | None = None, threads: int = 0
+) -> list[np.ndarray]:
     """All outputs (the graph's outputs, then ``extra_outputs`` after its first when given) over ``x`` in
     batches, as float64."""
     if extra_outputs:
@@ -32,7 +34,7 @@ def run_batched(model: Model, x: Samples, batch: int = 64, extra_outputs: list[s
     feed = x if isinstance(x, dict) else {sess.get_inputs()[0].name: x}
     parts: list[list[np.ndarray]] = []
     for i in range(0, n_rows(x), batch):
-        parts.append(sess.run(None, {k: v[i:i + batch] for k, v in feed.items()}))
+        parts.append(sess.run(None, {k: v[i : i + batch] for k, v in feed.items()}))
     # atleast_1d: an intermediate tensor may be a scalar (an attention scale); one value per batch then
     return [np.concatenate([np.atleast_1d(p[k]) for p in parts]).astype(np.float64) for k in range(len(parts[0]))]
 
@@ -53,16 +55,24 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def output_metrics(ref: np.ndarray | list[np.ndarray], got: np.ndarray | list[np.ndarray],
-                   logits: int | None = 0, where: np.ndarray | None = None) -> dict[str, float | None]:
+def output_metrics(
+    ref: np.ndarray | list[np.ndarray],
+    got: np.ndarray | list[np.ndarray],
+    logits: int | None = 0,
+    where: np.ndarray | None = None,
+) -> dict[str, float | None]:
     """The comparator's top-1 agreement (of output ``logits``, over the positions ``where`` marks; None: no class
     logits), cosine and max abs error (the worst output's) of ``got`` against ``ref``, with the sample count."""
     refs, gots = (ref, got) if isinstance(ref, list) else ([ref], [got])
     masks = {str(logits): where} if logits is not None and where is not None else None
     stats = compare_outputs(refs, gots, where=masks)
     top1 = stats[str(logits)].top1_agreement if logits is not None and str(logits) in stats else None
-    return {"top1_agreement": top1, "cosine": worst(stats, "cosine"), "max_abs_err": worst(stats, "max_abs_err"),
-            "samples": int(len(refs[0]))}
+    return {
+        "top1_agreement": top1,
+        "cosine": worst(stats, "cosine"),
+        "max_abs_err": worst(stats, "max_abs_err"),
+        "samples": int(len(refs[0])),
+    }
 
 
 def rel_error(ref: np.ndarray, got: np.ndarray) -> float:

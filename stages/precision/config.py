@@ -1,4 +1,5 @@
 """Settings of the precision stage (FP16 mixed precision, INT8 via calibration, accuracy-driven fallback)."""
+
 from __future__ import annotations
 
 from typing import Literal, get_args
@@ -11,39 +12,75 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # Ops whose FP16 result is unreliable: normalisation statistics, exponentials and powers overflow or lose
 # the small differences they work on. Softmax is kept because its exp/sum is what overflows first.
-DEFAULT_FP32_OPS = ("LayerNormalization", "GroupNormalization", "InstanceNormalization", "Softmax", "LogSoftmax",
-                    "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "ReduceLogSumExp", "ReduceSumSquare", "ReduceL2",
-                    "ReduceLogSum", "ReduceProd", "CumSum")
+DEFAULT_FP32_OPS = (
+    "LayerNormalization",
+    "GroupNormalization",
+    "InstanceNormalization",
+    "Softmax",
+    "LogSoftmax",
+    "Exp",
+    "Log",
+    "Pow",
+    "Sqrt",
+    "Reciprocal",
+    "ReduceLogSumExp",
+    "ReduceSumSquare",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceProd",
+    "CumSum",
+)
 
 
 class FP16Config(Section):
     keep_io_types: bool = Field(True, description="graph inputs/outputs keep FP32 (casts inside the graph)")
-    fp32_ops: list[str] = Field(default_factory=lambda: list(DEFAULT_FP32_OPS),
-                                description="op types always kept in FP32")
+    fp32_ops: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_FP32_OPS), description="op types always kept in FP32"
+    )
     fp32_nodes: list[str] = Field(default_factory=list, description="node names always kept in FP32")
     decomposed_layernorm: bool = Field(True, description="keep LayerNorm written as ReduceMean/Sub/Pow/Sqrt in FP32")
-    long_reduction: int = Field(1024, ge=1, description="reductions over at least this many elements stay FP32 "
-                                                         "(unknown/dynamic reduced axes count as long)")
+    long_reduction: int = Field(
+        1024,
+        ge=1,
+        description="reductions over at least this many elements stay FP32 "
+        "(unknown/dynamic reduced axes count as long)",
+    )
     range_check: bool = Field(True, description="keep ops whose weights or calibrated activations exceed FP16")
-    range_limit: float = Field(32768.0, gt=0, le=65504.0,
-                               description="magnitude above which a tensor is out of FP16 range (headroom below 65504)")
+    range_limit: float = Field(
+        32768.0,
+        gt=0,
+        le=65504.0,
+        description="magnitude above which a tensor is out of FP16 range (headroom below 65504)",
+    )
 
 
 class FallbackConfig(Section):
     enabled: bool = Field(True, description="when a variant misses the target, keep offending nodes in FP32 and retry")
     min_top1_agreement: float = Field(0.99, ge=0, le=1.0, description="argmax agreement with the FP32 graph")
-    min_cosine: float | None = Field(None, ge=-1, le=1.0, description="cosine similarity (kiln.core.compare 'cosine', worst output) vs the FP32 graph")
+    min_cosine: float | None = Field(
+        None,
+        ge=-1,
+        le=1.0,
+        description="cosine similarity (kiln.core.compare 'cosine', worst output) vs the FP32 graph",
+    )
     max_rounds: int = Field(4, ge=0, description="retries, each keeping more nodes in FP32")
     nodes_per_round: int = Field(2, ge=1, description="nodes moved to FP32 per round")
     samples: int = Field(512, ge=8, description="held-out samples compared against FP32")
 
 
 class PrecisionConfig(Section):
-    variants: list[Precision] = Field(default_factory=lambda: ["fp32"], min_length=1,
-                                      description="graph precisions to build")
+    variants: list[Precision] = Field(
+        default_factory=lambda: ["fp32"], min_length=1, description="graph precisions to build"
+    )
     fp16: FP16Config = Field(default_factory=FP16Config)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
-    require_speedup: bool = Field(False, description="drop (do not package) an INT8/FP16 engine slower than the "
-                                                     "FP32 engine of its backend at the largest batch; else flag it")
-    node_errors: bool = Field(True, description="plot each variant's per-node error vs FP32 along the graph "
-                                                "(precision/node_errors.png) and name the first diverging node")
+    require_speedup: bool = Field(
+        False,
+        description="drop (do not package) an INT8/FP16 engine slower than the "
+        "FP32 engine of its backend at the largest batch; else flag it",
+    )
+    node_errors: bool = Field(
+        True,
+        description="plot each variant's per-node error vs FP32 along the graph "
+        "(precision/node_errors.png) and name the first diverging node",
+    )

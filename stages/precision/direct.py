@@ -4,6 +4,7 @@ Calibration and the fallback's accuracy check read ``--calibration data.npz`` (o
 along axis 0). Without it, both would run on random inputs: calibration then warns loudly, and the
 accuracy-driven fallback is switched off, because random data must never decide what passes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ if TYPE_CHECKING:  # the config assembles every stage's section and sits above t
 log = logging.getLogger("kiln.precision")
 
 
-def precision_direct(src: Path, out: Path, variants: list[str], calibration: Path | None,
-                     cfg: "KilnConfig") -> dict[str, Any]:
+def precision_direct(
+    src: Path, out: Path, variants: list[str], calibration: Path | None, cfg: "KilnConfig"
+) -> dict[str, Any]:
     """Write ``out/<precision>/model.onnx`` for each variant and ``out/variants.json``; returns a summary."""
     graph = load_onnx(src)
     inputs, outputs = io_specs(graph)
@@ -42,30 +44,49 @@ def precision_direct(src: Path, out: Path, variants: list[str], calibration: Pat
         data = _random(inputs, cfg)
         pcfg.fallback.enabled = False
         source = "RANDOM inputs"
-        log.warning("no --calibration: calibrating on RANDOM inputs; INT8 ranges will not match real data and the "
-                    "accuracy-driven fallback is off. Give --calibration data.npz (one array per input: %s)",
-                    ", ".join(i.name for i in inputs))
+        log.warning(
+            "no --calibration: calibrating on RANDOM inputs; INT8 ranges will not match real data and the "
+            "accuracy-driven fallback is off. Give --calibration data.npz (one array per input: %s)",
+            ", ".join(i.name for i in inputs),
+        )
     rows = len(next(iter(data.values())))
-    batches = [{k: v[i:i + ccfg.batch_size] for k, v in data.items()}
-               for i in range(0, min(rows, ccfg.batch_size * ccfg.num_batches), ccfg.batch_size)]
-    x_val = {k: v[:pcfg.fallback.samples] for k, v in data.items()}
+    batches = [
+        {k: v[i : i + ccfg.batch_size] for k, v in data.items()}
+        for i in range(0, min(rows, ccfg.batch_size * ccfg.num_batches), ccfg.batch_size)
+    ]
+    x_val = {k: v[: pcfg.fallback.samples] for k, v in data.items()}
     names = [o.name for o in outputs]
     logits = logits_name(names, cfg.validate_.logits_output)
     wanted = list(dict.fromkeys(["fp32", *variants]))  # the FP32 graph is what calibration and the gates measure
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
-        source_graph = Source.prepare(graph, out / "fp32" / "model.onnx", batches,
-                                      out.parent / ".kiln-cache" if ccfg.cache else Path(tmp),
-                                      names.index(logits) if logits is not None else None)
+        source_graph = Source.prepare(
+            graph,
+            out / "fp32" / "model.onnx",
+            batches,
+            out.parent / ".kiln-cache" if ccfg.cache else Path(tmp),
+            names.index(logits) if logits is not None else None,
+        )
         built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log)
     if set(variants) - set(built):
-        raise ModelError("precision variants failed: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
-                         hint="drop the variant from --variants, or fix the error it names")
-    sizes = {d: [int(a.shape[i])] for s in inputs for i, d in (graph_axes([s]).get(s.name) or {}).items()
-             for a in [data[s.name]]}
+        raise ModelError(
+            "precision variants failed: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
+            hint="drop the variant from --variants, or fix the error it names",
+        )
+    sizes = {
+        d: [int(a.shape[i])]
+        for s in inputs
+        for i, d in (graph_axes([s]).get(s.name) or {}).items()
+        for a in [data[s.name]]
+    }
     Variants(variants={k: variant_record(v) for k, v in built.items()}, axis_sizes=sizes).write(out / "variants.json")
-    return {"calibration": source, "variants": {k: {"path": str(out / v["path"]), "kept_fp32": len(v["kept_fp32"]),
-                                                    **(v.get("vs_fp32") or {})} for k, v in built.items()}}
+    return {
+        "calibration": source,
+        "variants": {
+            k: {"path": str(out / v["path"]), "kept_fp32": len(v["kept_fp32"]), **(v.get("vs_fp32") or {})}
+            for k, v in built.items()
+        },
+    }
 
 
 def _random(inputs: list[TensorSpec], cfg: "KilnConfig") -> dict[str, np.ndarray]:

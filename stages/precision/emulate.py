@@ -7,6 +7,7 @@ with explicit FP32->FP16->FP32 Cast pairs (which ORT keeps: they are not no-ops)
 engine stores in FP16: weights, activations and inputs of the FP16 nodes. It models FP16 storage with FP32
 accumulation, which is what TensorRT and cuBLAS do with FP16 tensor cores.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,9 @@ def emulate_fp16(model: onnx.ModelProto, fp32_nodes: set[str]) -> onnx.ModelProt
 
     fp32_nodes = fp32_nodes | {n.name for n in model.graph.node if n.op_type in float16.DEFAULT_OP_BLOCK_LIST}
     src = model.graph
-    floats = {v.name for v in [*src.value_info, *src.input, *src.output]
-              if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    floats = {
+        v.name for v in [*src.value_info, *src.input, *src.output] if v.type.tensor_type.elem_type == TensorProto.FLOAT
+    }
     inits = {i.name: i for i in src.initializer}
     floats |= {n for n, i in inits.items() if i.data_type == TensorProto.FLOAT}
     out = onnx.ModelProto()
@@ -33,7 +35,8 @@ def emulate_fp16(model: onnx.ModelProto, fp32_nodes: set[str]) -> onnx.ModelProt
         if name not in rounded:
             if name in inits:  # weights: round once, offline
                 r = numpy_helper.from_array(
-                    numpy_helper.to_array(inits[name]).astype(np.float16).astype(np.float32), f"{name}__r16")
+                    numpy_helper.to_array(inits[name]).astype(np.float16).astype(np.float32), f"{name}__r16"
+                )
                 out.graph.initializer.append(r)
             else:
                 out.graph.node.extend(_round_nodes(name, f"{name}__r16"))
@@ -62,5 +65,7 @@ def emulate_fp16(model: onnx.ModelProto, fp32_nodes: set[str]) -> onnx.ModelProt
 
 def _round_nodes(src: str, dst: str) -> list[onnx.NodeProto]:
     mid = f"{dst}__h"
-    return [helper.make_node("Cast", [src], [mid], to=TensorProto.FLOAT16, name=f"{dst}__to16"),
-            helper.make_node("Cast", [mid], [dst], to=TensorProto.FLOAT, name=f"{dst}__to32")]
+    return [
+        helper.make_node("Cast", [src], [mid], to=TensorProto.FLOAT16, name=f"{dst}__to16"),
+        helper.make_node("Cast", [mid], [dst], to=TensorProto.FLOAT, name=f"{dst}__to32"),
+    ]

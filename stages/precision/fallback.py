@@ -6,6 +6,7 @@ to the FP32 graph on the same samples): error a node merely passes on is not its
 kept in FP32 still tops the list, the damage arrives through its inputs' rounding (e.g. ``(x + 4096) - 4096``),
 so its producers are kept next.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,9 +46,16 @@ def passes(metrics: dict[str, float | None], cfg: FallbackConfig) -> bool:
     return ok
 
 
-def run_fallback(build: Callable[[set[str]], Path], fp32: onnx.ModelProto, x: Samples, cfg: FallbackConfig,
-                 candidates: set[str], label: str, logits: int | None = 0,
-                 where: np.ndarray | None = None) -> FallbackResult:
+def run_fallback(
+    build: Callable[[set[str]], Path],
+    fp32: onnx.ModelProto,
+    x: Samples,
+    cfg: FallbackConfig,
+    candidates: set[str],
+    label: str,
+    logits: int | None = 0,
+    where: np.ndarray | None = None,
+) -> FallbackResult:
     """``build(extra_fp32_nodes) -> model path``. ``candidates``: nodes whose precision ``build`` can change.
     Every graph output is compared (the worst must meet the targets); ``logits``: the index of the class-logit
     output whose top-1 agreement is checked (None: none), over the positions ``where`` marks (None: all)."""
@@ -60,11 +68,24 @@ def run_fallback(build: Callable[[set[str]], Path], fp32: onnx.ModelProto, x: Sa
         metrics = output_metrics(refs, gots, logits, where)
         result.rounds.append({"round": round_no, "kept": len(kept), **metrics})
         result.passed = passes(metrics, cfg)
-        log.info("%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)", label, round_no,
-                 fmt(metrics["top1_agreement"]), metrics["cosine"], len(kept))
+        log.info(
+            "%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)",
+            label,
+            round_no,
+            fmt(metrics["top1_agreement"]),
+            metrics["cosine"],
+            len(kept),
+        )
         if result.passed or not cfg.enabled or round_no == cfg.max_rounds:
             break
-        picks = blame(fp32, result.path, _informative(x, refs[logits or 0], gots[logits or 0]), candidates, set(kept), cfg.nodes_per_round)
+        picks = blame(
+            fp32,
+            result.path,
+            _informative(x, refs[logits or 0], gots[logits or 0]),
+            candidates,
+            set(kept),
+            cfg.nodes_per_round,
+        )
         if not picks:
             log.warning("%s: no node left to keep in FP32; accuracy target not reachable by fallback", label)
             break
@@ -81,8 +102,9 @@ def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:
     return take_rows(x, order[:BLAME_SAMPLES])
 
 
-def blame(fp32: onnx.ModelProto, model: Path, x: Samples, candidates: set[str], kept: set[str],
-          count: int) -> dict[str, str]:
+def blame(
+    fp32: onnx.ModelProto, model: Path, x: Samples, candidates: set[str], kept: set[str], count: int
+) -> dict[str, str]:
     """The ``count`` nodes whose output error most exceeds their inputs' error, with a reason each."""
     nodes = [n for n in fp32.graph.node if n.op_type not in INDEX_OPS and n.output]
     float_tensors = _float_tensors(fp32)
@@ -100,8 +122,11 @@ def blame(fp32: onnx.ModelProto, model: Path, x: Samples, candidates: set[str], 
     for jump, n, out_err in scored:
         if len(picks) >= count or not jump > 1e-6:
             break
-        why = (f"output error {out_err:.3g} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32)" if np.isfinite(jump)
-               else "first node whose output is not finite (FP16 overflow)")
+        why = (
+            f"output error {out_err:.3g} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32)"
+            if np.isfinite(jump)
+            else "first node whose output is not finite (FP16 overflow)"
+        )
         if n.name in kept:  # the error comes in through its inputs: keep the nodes that produce them
             for i in n.input:
                 p = producers.get(i)

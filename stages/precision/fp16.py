@@ -1,5 +1,6 @@
 """FP16 mixed precision: onnxconverter-common's ``convert_float_to_float16`` with Kiln's node selection, plus
 the fixes it lacks (shared initializers, kept output types, Cast chains), checked by the ONNX checker."""
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,10 @@ def restore_output_types(converted: onnx.ModelProto, original: onnx.ModelProto) 
         if node is not None and node.op_type == "Cast":
             _retype_output_cast(converted, node, t)
         else:
-            raise ModelError(f"FP16 conversion changed the type of output '{out.name}'",
-                             hint="set precision.fp16.keep_io_types: false, or report the model to Kiln")
+            raise ModelError(
+                f"FP16 conversion changed the type of output '{out.name}'",
+                hint="set precision.fp16.keep_io_types: false, or report the model to Kiln",
+            )
 
 
 def _retype_output_cast(model: onnx.ModelProto, cast: onnx.NodeProto, to: int) -> None:
@@ -92,7 +95,9 @@ def _retype_output_cast(model: onnx.ModelProto, cast: onnx.NodeProto, to: int) -
                 if name == out:
                     n.input[k] = inner
         pos = list(model.graph.node).index(cast) + 1
-        model.graph.node.insert(pos, helper.make_node("Cast", [cast.input[0]], [out], name=f"{cast.name}_output", to=to))
+        model.graph.node.insert(
+            pos, helper.make_node("Cast", [cast.input[0]], [out], name=f"{cast.name}_output", to=to)
+        )
         return
     del cast.attribute[:]
     cast.attribute.append(helper.make_attribute("to", to))
@@ -103,8 +108,11 @@ def casts_from_non_float(model: onnx.ModelProto) -> set[str]:
     output FP16 but leaves ``to=FLOAT``, an invalid graph; blocked, they stay FP32 and it casts after them."""
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.input]}
     types |= {i.name: i.data_type for i in model.graph.initializer}
-    return {n.name for n in model.graph.node
-            if _cast_to(n) == onnx.TensorProto.FLOAT and types.get(n.input[0], 0) not in FLOAT_ONNX}
+    return {
+        n.name
+        for n in model.graph.node
+        if _cast_to(n) == onnx.TensorProto.FLOAT and types.get(n.input[0], 0) not in FLOAT_ONNX
+    }
 
 
 def rewire_output_readers(converted: onnx.ModelProto, fp32_nodes: set[str]) -> int:
@@ -178,8 +186,9 @@ def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) 
             if node not in names or node in unconvertible or node in fp32_nodes:
                 raise  # not a node the checker names, or keeping it FP32 did not help: the user must decide
             if len(unconvertible) >= MAX_UNCONVERTIBLE:
-                raise ModelError(f"{exc.message} (after keeping {len(unconvertible)} unconvertible nodes in FP32)",
-                                 hint=exc.hint) from None
+                raise ModelError(
+                    f"{exc.message} (after keeping {len(unconvertible)} unconvertible nodes in FP32)", hint=exc.hint
+                ) from None
             log.warning("fp16: node %s does not convert (%s); keeping it FP32", node, exc.message)
             unconvertible[node] = f"FP16 conversion makes an invalid graph here; kept FP32 ({exc.message})"
 
@@ -227,8 +236,9 @@ def cast_captured_to_fp32(converted: onnx.ModelProto, original: onnx.ModelProto,
             copy = f"{name}__fp32_for_{node.name}"
             for sub in _subgraphs(node):
                 _rename_inputs(sub, name, copy)
-            converted.graph.node.insert(pos, helper.make_node("Cast", [name], [copy], name=f"{copy}__cast",
-                                                              to=onnx.TensorProto.FLOAT))
+            converted.graph.node.insert(
+                pos, helper.make_node("Cast", [name], [copy], name=f"{copy}__cast", to=onnx.TensorProto.FLOAT)
+            )
             added += 1
     return added
 
@@ -242,19 +252,24 @@ def _convert_once(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config)
     shared = split_shared_initializers(src, fp32_nodes)
     io = {v.name for v in [*src.graph.input, *src.graph.output]}
     kept_info = [v for v in src.graph.value_info if v.name not in io]  # a graph I/O also listed there would be
-    del src.graph.value_info[:]                                          # retyped FP16 behind keep_io_types' back
+    del src.graph.value_info[:]  # retyped FP16 behind keep_io_types' back
     src.graph.value_info.extend(kept_info)
     try:
         converted = float16.convert_float_to_float16(
-            src, keep_io_types=cfg.keep_io_types,
+            src,
+            keep_io_types=cfg.keep_io_types,
             # Clamp only at FP16's real limits: the range check already kept nodes whose weights do not fit.
-            min_positive_val=2.0**-24, max_finite_val=65504.0,
+            min_positive_val=2.0**-24,
+            max_finite_val=65504.0,
             op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST),
-            node_block_list=sorted(fp32_nodes | casts_from_non_float(src)))
+            node_block_list=sorted(fp32_nodes | casts_from_non_float(src)),
+        )
     except Exception as exc:  # the converter raises plain exceptions on graphs it cannot handle: a user's model
-        raise ModelError(f"onnxconverter-common cannot convert the graph to FP16 ({type(exc).__name__}: "
-                         f"{str(exc)[:300]})", hint="drop fp16 from precision.variants (the other variants are "
-                                                    "still built); please report the model to Kiln") from None
+        raise ModelError(
+            f"onnxconverter-common cannot convert the graph to FP16 ({type(exc).__name__}: {str(exc)[:300]})",
+            hint="drop fp16 from precision.variants (the other variants are "
+            "still built); please report the model to Kiln",
+        ) from None
     cast_captured_to_fp32(converted, src, fp32_nodes)
     if cfg.keep_io_types:
         rewire_output_readers(converted, fp32_nodes)
@@ -264,9 +279,12 @@ def _convert_once(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config)
         converted = infer_shapes(converted)
         check_onnx(converted, "FP16 model")
     except ModelError as exc:  # the export is fine (it passed the checker): re-exporting would not help
-        raise ModelError(exc.message, hint="keep the node it names in FP32 (precision.fp16.fp32_nodes) or drop fp16 "
-                                           "from precision.variants (the other variants are still built); please "
-                                           "report the model to Kiln") from None
+        raise ModelError(
+            exc.message,
+            hint="keep the node it names in FP32 (precision.fp16.fp32_nodes) or drop fp16 "
+            "from precision.variants (the other variants are still built); please "
+            "report the model to Kiln",
+        ) from None
     left = cast_chains(converted)
     if left:  # the pass above guarantees none; a survivor means a new converter pattern
         raise ModelError(f"FP16 graph still has Cast chains: {left[:3]}", hint="report the model to Kiln")

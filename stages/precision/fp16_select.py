@@ -3,6 +3,7 @@
 onnxconverter-common only blocks op types and node names it is given; deciding *which* (sensitive ops,
 LayerNorm written out as elementwise ops, long reductions, tensors out of FP16 range) is done here.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,9 @@ REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
 INDEX_OPS = {"Shape", "Size", "ConstantOfShape", "Range"}
 
 
-def select_fp32_nodes(model: onnx.ModelProto, cfg: FP16Config,
-                      activation_amax: dict[str, float] | None = None) -> dict[str, str]:
+def select_fp32_nodes(
+    model: onnx.ModelProto, cfg: FP16Config, activation_amax: dict[str, float] | None = None
+) -> dict[str, str]:
     """``{node name: reason}`` for every node to keep in FP32. ``model`` must be shape-inferred and named."""
     keep: dict[str, str] = {}
     for n in model.graph.node:
@@ -78,13 +80,20 @@ def decomposed_layernorm_nodes(model: onnx.ModelProto) -> list[str]:
     found: list[str] = []
     for r1 in (n for n in model.graph.node if n.op_type == "ReduceMean"):
         x = r1.input[0]
-        sub = next((c for c in cons.get(r1.output[0], []) if c.op_type == "Sub" and list(c.input) == [x, r1.output[0]]),
-                   None)
+        sub = next(
+            (c for c in cons.get(r1.output[0], []) if c.op_type == "Sub" and list(c.input) == [x, r1.output[0]]), None
+        )
         if sub is None:
             continue
         centered = sub.output[0]
-        sq = next((c for c in cons.get(centered, []) if c.op_type == "Pow"
-                   or (c.op_type == "Mul" and list(c.input) == [centered, centered])), None)
+        sq = next(
+            (
+                c
+                for c in cons.get(centered, [])
+                if c.op_type == "Pow" or (c.op_type == "Mul" and list(c.input) == [centered, centered])
+            ),
+            None,
+        )
         r2 = _only(cons.get(sq.output[0], []), "ReduceMean") if sq else None
         add = _only(cons.get(r2.output[0], []), "Add") if r2 else None
         sqrt = _only(cons.get(add.output[0], []), "Sqrt") if add else None

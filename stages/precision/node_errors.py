@@ -2,6 +2,7 @@
 graph on the same samples), a plot of it, and the first node where each variant diverges: where to look first
 when a variant misses its accuracy target (what Polygraphy's ``--onnx-outputs mark all`` prints, as a picture).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,10 +22,16 @@ DIVERGENCE = 1e-2  # a node output 1% off FP32 (relative L2) counts as diverged
 
 def graph_order(fp32: onnx.ModelProto) -> list[tuple[str, str]]:
     """``(node name, its first float output)`` along the graph, index ops (shapes, sizes) left out."""
-    floats = {v.name for v in [*fp32.graph.value_info, *fp32.graph.output]
-              if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
-    return [(n.name, next(o for o in n.output if o in floats)) for n in fp32.graph.node
-            if n.op_type not in INDEX_OPS | {"Constant"} and any(o in floats for o in n.output)]
+    floats = {
+        v.name
+        for v in [*fp32.graph.value_info, *fp32.graph.output]
+        if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    }
+    return [
+        (n.name, next(o for o in n.output if o in floats))
+        for n in fp32.graph.node
+        if n.op_type not in INDEX_OPS | {"Constant"} and any(o in floats for o in n.output)
+    ]
 
 
 def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: Samples) -> dict[str, list[float]]:
@@ -37,21 +44,23 @@ def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: Samp
     for label, model in variants.items():
         err: dict[str, float] = {}
         for i in range(0, max(len(tensors), 1), CHUNK):  # a bounded number of activations in memory at once
-            err |= tensor_errors(fp32, model, take_rows(x, slice(0, SAMPLES)), tensors[i:i + CHUNK])
+            err |= tensor_errors(fp32, model, take_rows(x, slice(0, SAMPLES)), tensors[i : i + CHUNK])
         curves[label] = [err.get(t, float("nan")) for _, t in order]
     return curves
 
 
-def first_divergence(order: list[tuple[str, str]], curve: list[float],
-                     threshold: float = DIVERGENCE) -> dict[str, Any] | None:
+def first_divergence(
+    order: list[tuple[str, str]], curve: list[float], threshold: float = DIVERGENCE
+) -> dict[str, Any] | None:
     for (node, _), err in zip(order, curve):
         if not math.isnan(err) and err > threshold:
             return {"node": node, "error": err}
     return None
 
 
-def plot_node_errors(order: list[tuple[str, str]], curves: dict[str, list[float]], path: Path,
-                     kept: dict[str, set[str]] | None = None) -> Path:
+def plot_node_errors(
+    order: list[tuple[str, str]], curves: dict[str, list[float]], path: Path, kept: dict[str, set[str]] | None = None
+) -> Path:
     """A log-scale line per variant along the graph, FP32-kept nodes marked, the divergence threshold drawn."""
     import io
 
@@ -65,7 +74,7 @@ def plot_node_errors(order: list[tuple[str, str]], curves: dict[str, list[float]
     floor = 1e-8  # exact nodes (error 0) still show, at the bottom
     for label, curve in curves.items():
         ys = np.array([max(e, floor) if np.isfinite(e) else np.nan for e in curve])
-        line, = ax.plot(xs, ys, marker=".", lw=1, label=label)
+        (line,) = ax.plot(xs, ys, marker=".", lw=1, label=label)
         marks = [i for i, (node, _) in enumerate(order) if node in (kept or {}).get(label, set())]
         if marks:
             ax.scatter(marks, ys[marks], marker="s", facecolors="none", edgecolors=line.get_color(), s=36)

@@ -4,6 +4,7 @@ node (``pkg.torch.onnx.name_scopes`` / ``pkg.torch.onnx.class_hierarchy``, or th
 No library maps an ONNX node back to its module (onnxscript writes the metadata, nothing reads it), so this
 small parser does. Nodes without metadata (TorchScript exports, nodes a pass created) get no module.
 """
+
 from __future__ import annotations
 
 import ast

@@ -1,5 +1,6 @@
 """The precision variants' section of report.md: nodes kept FP32 (with the PyTorch module each came from), each
 variant's agreement with the FP32 graph, failed variants, and the per-node error plot."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,26 +13,42 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     precision = summary
     variants = precision.get("variants", {})
     if variants:
-        out += ["", "## Precision variants", "", "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |", "|---|---|---|"]
-        out += [f"| {name} | {v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |" for name, v in variants.items()]
+        out += [
+            "",
+            "## Precision variants",
+            "",
+            "| variant | nodes kept in FP32 | top-1 agreement vs FP32 graph |",
+            "|---|---|---|",
+        ]
+        out += [
+            f"| {name} | {v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |" for name, v in variants.items()
+        ]
         out += [f"| {name} | **failed, not built** | - |" for name in precision.get("failed", {})]
         for name, v in variants.items():
             if "ort_cpu_scheme" in v:
-                out += ["", f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
-                            f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`), checked on its own: top-1 "
-                            f"agreement {fmt(v.get('ort_cpu_top1_agreement'))} with {v.get('ort_cpu_kept_fp32', 0)} "
-                            "nodes kept in float."]
+                out += [
+                    "",
+                    f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
+                    f"**{v['ort_cpu_scheme']}** (`calibration.ort_cpu_scheme`), checked on its own: top-1 "
+                    f"agreement {fmt(v.get('ort_cpu_top1_agreement'))} with {v.get('ort_cpu_kept_fp32', 0)} "
+                    "nodes kept in float.",
+                ]
             if v.get("reduce_range"):
-                out += ["", f"`{name}` weights are quantized to 7 bits (`calibration.reduce_range`): safe from the "
-                            "16-bit saturation of ONNX Runtime's fast INT8 kernels on x86 CPUs without VNNI, in any "
-                            "runtime."]
+                out += [
+                    "",
+                    f"`{name}` weights are quantized to 7 bits (`calibration.reduce_range`): safe from the "
+                    "16-bit saturation of ONNX Runtime's fast INT8 kernels on x86 CPUs without VNNI, in any "
+                    "runtime.",
+                ]
         out += [f"- **{name} failed**: {why}" for name, why in precision.get("failed", {}).items()]
         out += _kept_nodes_table(variants)
         if precision.get("node_error_plot"):
             out += ["", f"![per-node error vs FP32](precision/{precision['node_error_plot']})", ""]
-            out += [f"- {name}: first node over {precision['node_error_threshold']:g} relative error: "
-                    + (f"`{hit['node']}` ({hit.get('module') or 'module unknown'}), {hit['error']:.3g}" if hit
-                       else "none") for name, hit in precision.get("first_divergence", {}).items()]
+            out += [
+                f"- {name}: first node over {precision['node_error_threshold']:g} relative error: "
+                + (f"`{hit['node']}` ({hit.get('module') or 'module unknown'}), {hit['error']:.3g}" if hit else "none")
+                for name, hit in precision.get("first_divergence", {}).items()
+            ]
     return out
 
 
@@ -39,12 +56,20 @@ def _kept_nodes_table(variants: dict[str, Any], limit: int = 40) -> list[str]:
     """Each node kept in FP32 (or float, for INT8), with the PyTorch module the exporter recorded for it."""
     rows = []
     for name, v in variants.items():
-        for label, nodes, modules in ((name, v.get("kept_fp32_nodes", {}), v.get("kept_fp32_modules", {})),
-                                      (f"{name} onnxruntime-cpu", v.get("ort_cpu_kept_fp32_nodes", {}),
-                                       v.get("ort_cpu_kept_fp32_modules", {}))):
+        for label, nodes, modules in (
+            (name, v.get("kept_fp32_nodes", {}), v.get("kept_fp32_modules", {})),
+            (f"{name} onnxruntime-cpu", v.get("ort_cpu_kept_fp32_nodes", {}), v.get("ort_cpu_kept_fp32_modules", {})),
+        ):
             rows += [f"| {label} | `{node}` | {modules.get(node, '-')} | {why} |" for node, why in nodes.items()]
     if not rows:
         return []
     more = ["", f"... and {len(rows) - limit} more (see precision/variants.json)"] if len(rows) > limit else []
-    return ["", "Nodes kept in FP32:", "", "| variant | ONNX node | PyTorch module | why |", "|---|---|---|---|",
-            *rows[:limit], *more]
+    return [
+        "",
+        "Nodes kept in FP32:",
+        "",
+        "| variant | ONNX node | PyTorch module | why |",
+        "|---|---|---|---|",
+        *rows[:limit],
+        *more,
+    ]

@@ -4,6 +4,7 @@ is flagged, and with ``precision.require_speedup`` dropped (validated, but not p
 
 Reads the latency the validate stage measured (p50 per batch size); it times nothing itself.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -24,8 +25,12 @@ def speed_vs_fp32(engines: list[EngineValidation]) -> list[dict[str, Any]]:
         if precision not in REDUCED or fp32 is None:
             continue
         sizes = sorted(e.latency_ms, key=int)
-        row: dict[str, Any] = {"engine": e.name, "precision": precision, "largest_batch": sizes[-1],
-                               "vs_fp32": _ratios(fp32, e, sizes)}
+        row: dict[str, Any] = {
+            "engine": e.name,
+            "precision": precision,
+            "largest_batch": sizes[-1],
+            "vs_fp32": _ratios(fp32, e, sizes),
+        }
         fp16 = timed.get((backend, device, "fp16"))
         if precision == "int8" and fp16 is not None:
             row["vs_fp16"] = _ratios(fp16, e, sizes)
@@ -44,6 +49,8 @@ def drop_slower(engines: list[EngineValidation], rows: list[dict[str, Any]]) -> 
     for e in engines:
         r = slower.get(e.name)
         if r is not None:
-            e.dropped = (f"slower than FP32 at batch {r['largest_batch']} "
-                            f"({r['vs_fp32'][r['largest_batch']]:.2f}x; precision.require_speedup)")
+            e.dropped = (
+                f"slower than FP32 at batch {r['largest_batch']} "
+                f"({r['vs_fp32'][r['largest_batch']]:.2f}x; precision.require_speedup)"
+            )
     return sorted(slower)

@@ -4,6 +4,7 @@ variants.json is a :class:`kiln.core.records.Variants` record; before typing, ea
 ``{variant: {"path": "<variant>/model.onnx", "kept_fp32": [...], "reasons": {node: why},
 "vs_fp32": {...}, "fallback": {...}, ...}}``; the build stage reads ``path``, the report the rest.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,41 +58,71 @@ def run(ctx: StageContext) -> dict[str, Any]:
     x_val = feed_for_graph(take(data.val_x, slice(0, cfg.fallback.samples)), names)
     logits = logits_name([o.name for o in outputs], ctx.config.validate_.logits_output)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
-    y_val = data.val_y[:cfg.fallback.samples] if data.val_y is not None else None
+    y_val = data.val_y[: cfg.fallback.samples] if data.val_y is not None else None
     labelled = (y_val != IGNORE_LABEL).numpy() if y_val is not None and per_position(y_val) else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
         fp32_path = ctx.out / "fp32" / "model.onnx" if "fp32" in wanted else Path(tmp) / "fp32.onnx"
-        src = Source.prepare(graph, fp32_path, batches,
-                             ctx.cache_dir if ccfg.cache else Path(tmp),  # no cache: ranges live only this run
-                             logits_index, labelled)
+        src = Source.prepare(
+            graph,
+            fp32_path,
+            batches,
+            ctx.cache_dir if ccfg.cache else Path(tmp),  # no cache: ranges live only this run
+            logits_index,
+            labelled,
+        )
         cache_dir = src.cache_dir if ccfg.cache else None
         variants, failed = build_variants(src, ctx.out, wanted, cfg, ccfg, x_val, ctx.progress, ctx.log)
         modules = torch_modules(src.model, *_export_graph(ctx))
-        node_report = _node_error_report(ctx, src, variants, x_val, modules) \
-            if cfg.node_errors and set(variants) - {"fp32"} else {}
+        node_report = (
+            _node_error_report(ctx, src, variants, x_val, modules)
+            if cfg.node_errors and set(variants) - {"fp32"}
+            else {}
+        )
     if not variants:
-        raise ModelError("no precision variant could be built: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
-                         hint="add fp32 to precision.variants, or fix the first error above")
+        raise ModelError(
+            "no precision variant could be built: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
+            hint="add fp32 to precision.variants, or fix the first error above",
+        )
     for e in variants.values():  # which PyTorch module each kept node came from, beside its ONNX name
         e["kept_fp32_modules"] = _modules_of(e["kept_fp32"], modules)
         if "ort_cpu" in e:
             e["ort_cpu"]["kept_fp32_modules"] = _modules_of(e["ort_cpu"]["kept_fp32"], modules)
-    Variants(variants={name: variant_record(entry) for name, entry in variants.items()},
-             axis_sizes=_axis_sizes(data, names, ctx)).write(ctx.out / "variants.json")
-    summary = {v: {"kept_fp32": len(e["kept_fp32"]), "kept_fp32_nodes": e["reasons"],
-                   "kept_fp32_modules": e["kept_fp32_modules"], **(e.get("vs_fp32") or {}),
-                   "fallback_passed": e.get("fallback", {}).get("passed", True),
-                   **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {}),
-                   **({"reduce_range": True} if e.get("calibration", {}).get("reduce_range") else {})}
-               for v, e in variants.items()}
-    return {"variants": summary, "failed": failed, **node_report,
-            "calibration_cache": str(cache_dir / "calibration") if cache_dir else None}
+    Variants(
+        variants={name: variant_record(entry) for name, entry in variants.items()},
+        axis_sizes=_axis_sizes(data, names, ctx),
+    ).write(ctx.out / "variants.json")
+    summary = {
+        v: {
+            "kept_fp32": len(e["kept_fp32"]),
+            "kept_fp32_nodes": e["reasons"],
+            "kept_fp32_modules": e["kept_fp32_modules"],
+            **(e.get("vs_fp32") or {}),
+            "fallback_passed": e.get("fallback", {}).get("passed", True),
+            **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {}),
+            **({"reduce_range": True} if e.get("calibration", {}).get("reduce_range") else {}),
+        }
+        for v, e in variants.items()
+    }
+    return {
+        "variants": summary,
+        "failed": failed,
+        **node_report,
+        "calibration_cache": str(cache_dir / "calibration") if cache_dir else None,
+    }
 
 
-def build_variants(src: Source, root: Path, wanted: list[str], cfg: PrecisionConfig, ccfg: CalibrationConfig,
-                   x_val: Samples, progress: Progress, log: logging.Logger) -> tuple[dict[str, Any], dict[str, str]]:
+def build_variants(
+    src: Source,
+    root: Path,
+    wanted: list[str],
+    cfg: PrecisionConfig,
+    ccfg: CalibrationConfig,
+    x_val: Samples,
+    progress: Progress,
+    log: logging.Logger,
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there); a variant that
     fails is listed with why (variant -> message) and the others go on."""
     variants: dict[str, Any] = {}
@@ -118,8 +149,9 @@ def build_variants(src: Source, root: Path, wanted: list[str], cfg: PrecisionCon
 
 def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext) -> dict[str, list[int]]:
     """The sizes of each dynamic axis besides batch the engines must take (build sizes its profiles by them)."""
-    axes = ctx.config.export.dynamic_axes or graph_axes(io_specs(load_onnx(ctx.inputs["optimize"] / "model.onnx",
-                                                                              load_external_data=False))[0])
+    axes = ctx.config.export.dynamic_axes or graph_axes(
+        io_specs(load_onnx(ctx.inputs["optimize"] / "model.onnx", load_external_data=False))[0]
+    )
     if not axes:
         return {}
     feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]
@@ -128,9 +160,14 @@ def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext) -> dic
 
 def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
     """The ORT CPU graph's own accuracy check: ORT CPU engines run it, not the Q/DQ graph."""
-    return {"ort_cpu_scheme": ort["scheme"], "ort_cpu_top1_agreement": ort["vs_fp32"]["top1_agreement"],
-            "ort_cpu_kept_fp32": len(ort["kept_fp32"]), "ort_cpu_fallback_passed": ort["fallback"]["passed"],
-            "ort_cpu_kept_fp32_nodes": ort["reasons"], "ort_cpu_kept_fp32_modules": ort["kept_fp32_modules"]}
+    return {
+        "ort_cpu_scheme": ort["scheme"],
+        "ort_cpu_top1_agreement": ort["vs_fp32"]["top1_agreement"],
+        "ort_cpu_kept_fp32": len(ort["kept_fp32"]),
+        "ort_cpu_fallback_passed": ort["fallback"]["passed"],
+        "ort_cpu_kept_fp32_nodes": ort["reasons"],
+        "ort_cpu_kept_fp32_modules": ort["kept_fp32_modules"],
+    }
 
 
 def _modules_of(nodes: list[str], modules: dict[str, str]) -> dict[str, str]:
@@ -145,8 +182,9 @@ def _export_graph(ctx: StageContext) -> list[Any]:
     return [load_onnx(path, load_external_data=False)] if path.is_file() else []
 
 
-def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any], x_val: Samples,
-                       modules: dict[str, str]) -> dict[str, Any]:
+def _node_error_report(
+    ctx: StageContext, src: Source, variants: dict[str, Any], x_val: Samples, modules: dict[str, str]
+) -> dict[str, Any]:
     """Per-node error of each reduced-precision graph vs FP32 along the graph: a plot and the first node where
     each diverges. FP16 is judged on its emulation (ORT's CPU provider hides FP16 rounding, see emulate.py)."""
     graphs: dict[str, Any] = {}
@@ -171,28 +209,37 @@ def _node_error_report(ctx: StageContext, src: Source, variants: dict[str, Any],
     for label, curve in curves.items():
         hit = first_divergence(order, curve)
         first[label] = hit and {**hit, "module": modules.get(hit["node"])}
-    return {"node_error_plot": "node_errors.png", "first_divergence": first,
-            "node_error_threshold": DIVERGENCE}
+    return {"node_error_plot": "node_errors.png", "first_divergence": first, "node_error_threshold": DIVERGENCE}
 
 
 def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> None:
     vs = entry.get("vs_fp32") or {}
     if vs:
-        log.info("%s: top-1 agreement vs FP32 %s, cosine %.6f, %d nodes kept FP32", precision,
-                     fmt(vs["top1_agreement"]), vs["cosine"],
-                     len(entry["kept_fp32"]))
+        log.info(
+            "%s: top-1 agreement vs FP32 %s, cosine %.6f, %d nodes kept FP32",
+            precision,
+            fmt(vs["top1_agreement"]),
+            vs["cosine"],
+            len(entry["kept_fp32"]),
+        )
     for label, e in ((precision, entry), (f"{precision} (onnxruntime-cpu graph)", entry.get("ort_cpu") or {})):
         if not e.get("fallback", {}).get("passed", True):
-            log.warning("%s misses precision.fallback targets after %d rounds; validation gates decide",
-                            label, len(e["fallback"]["rounds"]) - 1)
+            log.warning(
+                "%s misses precision.fallback targets after %d rounds; validation gates decide",
+                label,
+                len(e["fallback"]["rounds"]) - 1,
+            )
 
 
 def variant_record(entry: dict[str, Any]) -> PrecisionVariant:
     """A variant's entry as the typed record; what only people read goes into ``report`` as plain JSON."""
     typed = {"path", "kept_fp32", "reasons", "backend_paths", "vs_fp32"}
     report = json.loads(json.dumps({k: v for k, v in entry.items() if k not in typed}, default=_jsonable))
-    return PrecisionVariant(**{k: v for k, v in entry.items() if k in typed},
-                            fallback_passed=entry.get("fallback", {}).get("passed", True), report=report)
+    return PrecisionVariant(
+        **{k: v for k, v in entry.items() if k in typed},
+        fallback_passed=entry.get("fallback", {}).get("passed", True),
+        report=report,
+    )
 
 
 def _jsonable(obj: Any) -> Any:
@@ -203,11 +250,29 @@ def _jsonable(obj: Any) -> Any:
 
 def _env(cfg: Any) -> dict[str, Any]:
     # reduce_range auto depends on the CPU: the same config quantizes differently on another machine
-    return {**environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime"),
-            "int8_reduce_range": resolve_reduce_range(cfg.calibration.reduce_range)}
+    return {
+        **environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime"),
+        "int8_reduce_range": resolve_reduce_range(cfg.calibration.reduce_range),
+    }
 
 
-STAGE = Stage("precision", run, ("optimize", "train"), ("seed", "model.name", "data", "precision", "calibration",
-                                                       "validate.logits_output", "validate.shapes", "export.dynamic_axes"),
-              (kiln.stages.precision, kiln.calibration), _env, "FP16 mixed precision and INT8 (Q/DQ) graphs",
-              data=("dataset", "calibration"), report=report_section)
+STAGE = Stage(
+    "precision",
+    run,
+    ("optimize", "train"),
+    (
+        "seed",
+        "model.name",
+        "data",
+        "precision",
+        "calibration",
+        "validate.logits_output",
+        "validate.shapes",
+        "export.dynamic_axes",
+    ),
+    (kiln.stages.precision, kiln.calibration),
+    _env,
+    "FP16 mixed precision and INT8 (Q/DQ) graphs",
+    data=("dataset", "calibration"),
+    report=report_section,
+)

@@ -1,5 +1,6 @@
 """Building each precision variant of an FP32 graph: FP16 mixed precision and INT8 Q/DQ, each through the
 accuracy-driven fallback. Callable without the pipeline (the benchmark and tests use it directly)."""
+
 from __future__ import annotations
 
 import logging
@@ -47,23 +48,38 @@ class Source:
     labelled: np.ndarray | None = None
 
     @classmethod
-    def prepare(cls, model: onnx.ModelProto, path: Path, batches: list[Batch], cache_dir: Path | None,
-                logits: int | None = 0, labelled: np.ndarray | None = None) -> "Source":
+    def prepare(
+        cls,
+        model: onnx.ModelProto,
+        path: Path,
+        batches: list[Batch],
+        cache_dir: Path | None,
+        logits: int | None = 0,
+        labelled: np.ndarray | None = None,
+    ) -> "Source":
         model = name_nodes(infer_shapes(model))
         save_onnx(model, path)
         return cls(model, path, model.graph.input[0].name, batches, cache_dir, logits, labelled)
 
     def ranges(self, method: str, ccfg: CalibrationConfig) -> Ranges:
-        return calibrate(self.path, self.batches, self.input_name, method, cache_dir=self.cache_dir,
-                         symmetric=ccfg.symmetric_activations, percentile=ccfg.percentile)
+        return calibrate(
+            self.path,
+            self.batches,
+            self.input_name,
+            method,
+            cache_dir=self.cache_dir,
+            symmetric=ccfg.symmetric_activations,
+            percentile=ccfg.percentile,
+        )
 
 
 def _float_nodes(model: onnx.ModelProto) -> set[str]:
     return {n.name for n in model.graph.node if n.op_type not in INDEX_OPS}
 
 
-def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig, x_val: Samples,
-               ccfg: CalibrationConfig) -> dict[str, Any]:
+def build_fp16(
+    src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig, x_val: Samples, ccfg: CalibrationConfig
+) -> dict[str, Any]:
     """FP16 graph at ``out``: sensitive and out-of-range nodes FP32, then fallback until the target holds."""
     amax = src.ranges("minmax", ccfg).amax() if cfg.range_check and src.batches else {}
     base = select_fp32_nodes(src.model, cfg, amax)
@@ -71,6 +87,7 @@ def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig
     unconvertible: dict[str, str] = {}  # nodes the converter cannot make FP16: FP32 in every round after
 
     with tempfile.TemporaryDirectory(prefix="kiln-fp16-") as tmp:
+
         def build(extra: set[str]) -> Path:
             model, stats = convert_fp16(src.model, set(base) | set(unconvertible) | extra, cfg)
             unconvertible.update(stats.pop("unconvertible", {}))
@@ -81,13 +98,15 @@ def build_fp16(src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig
             save_onnx(emulate_fp16(src.model, set(base) | set(unconvertible) | extra), emulated)
             return emulated
 
-        res = run_fallback(build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16",
-                           src.logits, src.labelled)
+        res = run_fallback(
+            build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16", src.logits, src.labelled
+        )
     return _entry(out, base | unconvertible | res.kept, res, {**info, "unconvertible": sorted(unconvertible)})
 
 
-def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig,
-               x_val: Samples) -> dict[str, Any]:
+def build_int8(
+    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples
+) -> dict[str, Any]:
     """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table."""
     ranges = src.ranges(ccfg.method, ccfg)
     base = {n: _exclusion_reason(src.model, n, ccfg) for n in excluded_nodes(src.model, ccfg)}
@@ -100,9 +119,21 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
     ops = set(quantizable_op_types(ccfg))
     candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
     res = run_fallback(build, src.model, x_val, fallback, candidates, "int8", src.logits, src.labelled)
-    entry = _entry(out, base | res.kept, res, {"calibration": {
-        "method": ranges.method, "cache_key": ranges.key, "cache_hit": ranges.cache_hit,
-        "batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes"), "reduce_range": info.get("reduce_range")}})
+    entry = _entry(
+        out,
+        base | res.kept,
+        res,
+        {
+            "calibration": {
+                "method": ranges.method,
+                "cache_key": ranges.key,
+                "cache_hit": ranges.cache_hit,
+                "batches": len(src.batches),
+                "qdq_nodes": info.get("qdq_nodes"),
+                "reduce_range": info.get("reduce_range"),
+            }
+        },
+    )
     if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
         ort_out = out.with_name("model.ort_cpu.onnx")
         entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, x_val, base | res.kept, candidates)
@@ -113,8 +144,15 @@ def build_int8(src: Source, out: Path, ccfg: CalibrationConfig, fallback: Fallba
     return entry
 
 
-def ort_cpu_with_fallback(src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig,
-                          x_val: Samples, kept: dict[str, str], candidates: set[str]) -> dict[str, Any]:
+def ort_cpu_with_fallback(
+    src: Source,
+    out: Path,
+    ccfg: CalibrationConfig,
+    fallback: FallbackConfig,
+    x_val: Samples,
+    kept: dict[str, str],
+    candidates: set[str],
+) -> dict[str, Any]:
     """The ONNX Runtime CPU graph through a fallback of its own: its scheme (uint8 static, or dynamic ranges
     measured per batch) loses accuracy where the symmetric Q/DQ graph does not, and it is what ORT CPU engines
     run, so passing on the Q/DQ graph says nothing about it. Starts from the nodes the Q/DQ graph kept."""
@@ -124,12 +162,17 @@ def ort_cpu_with_fallback(src: Source, out: Path, ccfg: CalibrationConfig, fallb
         info.update(build_ort_cpu_int8(src, out, ccfg, set(kept) | extra))
         return out
 
-    res = run_fallback(build, src.model, x_val, fallback, candidates - set(kept), "int8 onnxruntime-cpu",
-                       src.logits, src.labelled)
+    res = run_fallback(
+        build, src.model, x_val, fallback, candidates - set(kept), "int8 onnxruntime-cpu", src.logits, src.labelled
+    )
     last = res.rounds[-1] if res.rounds else {}
-    return {**info, "kept_fp32": sorted(kept | res.kept), "reasons": dict(sorted(res.kept.items())),
-            "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},
-            "fallback": {"passed": res.passed, "rounds": res.rounds, "nodes": sorted(res.kept)}}
+    return {
+        **info,
+        "kept_fp32": sorted(kept | res.kept),
+        "reasons": dict(sorted(res.kept.items())),
+        "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},
+        "fallback": {"passed": res.passed, "rounds": res.rounds, "nodes": sorted(res.kept)},
+    }
 
 
 def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_float: set[str]) -> dict[str, Any]:
@@ -156,7 +199,11 @@ def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig
 
 def _entry(out: Path, kept: dict[str, str], res: FallbackResult, extra: dict[str, Any]) -> dict[str, Any]:
     last = res.rounds[-1] if res.rounds else {}
-    return {"path": f"{out.parent.name}/{out.name}", "kept_fp32": sorted(kept), "reasons": dict(sorted(kept.items())),
-            "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},
-            "fallback": {"passed": res.passed, "rounds": res.rounds,
-                         "nodes": sorted(res.kept)}, **extra}
+    return {
+        "path": f"{out.parent.name}/{out.name}",
+        "kept_fp32": sorted(kept),
+        "reasons": dict(sorted(kept.items())),
+        "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},
+        "fallback": {"passed": res.passed, "rounds": res.rounds, "nodes": sorted(res.kept)},
+        **extra,
+    }

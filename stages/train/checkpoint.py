@@ -4,6 +4,7 @@ Both are written atomically (temp file + fsync + rename), so a crash mid-write l
 checkpoint intact. ``last.pt`` holds only tensors and plain containers and is read back with
 ``torch.load(weights_only=True)``: never an arbitrary pickle.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,9 @@ def run_key(config_dump: dict[str, Any]) -> str:
     """Identity of a training run: seed, model, data and the train settings that affect the weights."""
     train = {k: v for k, v in config_dump["train"].items() if k not in NOT_IN_KEY}
     train["distributed"] = {k: v for k, v in train["distributed"].items() if k not in ("nproc_per_node", "backend")}
-    return hash_json({"seed": config_dump["seed"], "model": config_dump["model"], "data": config_dump["data"],
-                      "train": train})[:16]
+    return hash_json(
+        {"seed": config_dump["seed"], "model": config_dump["model"], "data": config_dump["data"], "train": train}
+    )[:16]
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,11 +70,15 @@ def load_state(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated/corrupt/not ours: the user pointed at the wrong file
-        raise InputFileError(f"cannot read training checkpoint {path}: {exc}",
-                             hint="point train.checkpoint.resume at a last.pt written by Kiln, or use 'never'") from None
+        raise InputFileError(
+            f"cannot read training checkpoint {path}: {exc}",
+            hint="point train.checkpoint.resume at a last.pt written by Kiln, or use 'never'",
+        ) from None
     if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:
-        raise InputFileError(f"{path} is not a Kiln training checkpoint (no model/optimizer state)",
-                             hint="train.checkpoint.resume takes a last.pt; use model.checkpoint for plain weights")
+        raise InputFileError(
+            f"{path} is not a Kiln training checkpoint (no model/optimizer state)",
+            hint="train.checkpoint.resume takes a last.pt; use model.checkpoint for plain weights",
+        )
     return state
 
 
@@ -138,7 +144,9 @@ def find_resume(setting: str, ckpt_dir: Path, key: str) -> Path | None:
     if setting != "auto":
         path = Path(setting)
         if not path.is_file():
-            raise InputFileError(f"train.checkpoint.resume: {path} not found", hint="give a last.pt path, 'auto' or 'never'")
+            raise InputFileError(
+                f"train.checkpoint.resume: {path} not found", hint="give a last.pt path, 'auto' or 'never'"
+            )
         return path
     last, info = ckpt_dir / LAST, _read_info(ckpt_dir)
     if not last.is_file() or info.get("run_key") != key or info.get("complete"):

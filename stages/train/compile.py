@@ -33,6 +33,7 @@ call, or in the first backward (AOTAutograd compiles the backward graph when it 
 (``torch._dynamo.exc.TorchDynamoException``; inductor's errors derive from it) makes the loop continue in
 eager mode with one warning, or stops training with a :class:`TrainingError` when ``fullgraph: true``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,20 +73,31 @@ class CompileCounts:
         utils: Any = torch._dynamo.utils
         counters = getattr(utils, "counters", {})
         metrics = getattr(utils, "get_compilation_metrics", lambda: [])()
-        return cls(int(counters.get("stats", {}).get("unique_graphs", 0)),
-                   dict(counters.get("graph_break", {})), {id(m) for m in metrics})
+        return cls(
+            int(counters.get("stats", {}).get("unique_graphs", 0)),
+            dict(counters.get("graph_break", {})),
+            {id(m) for m in metrics},
+        )
 
     def since(self, before: "CompileCounts") -> dict[str, Any]:
         """Graphs compiled, recompiles (with Dynamo's reasons), graph breaks (with reasons) and compile time."""
-        new = [m for m in getattr(torch._dynamo.utils, "get_compilation_metrics", lambda: [])()
-               if id(m) not in before.compiles]
+        new = [
+            m
+            for m in getattr(torch._dynamo.utils, "get_compilation_metrics", lambda: [])()
+            if id(m) not in before.compiles
+        ]
         recompiles = [_first_line(m.recompile_reason) for m in new if getattr(m, "recompile_reason", None)]
-        breaks = {_first_line(k): n - before.breaks.get(k, 0) for k, n in self.breaks.items()
-                  if n > before.breaks.get(k, 0)}
-        return {"graphs": self.graphs - before.graphs, "recompiles": len(recompiles),
-                "recompile_reasons": list(dict.fromkeys(recompiles))[:5],
-                "graph_breaks": sum(breaks.values()), "graph_break_reasons": list(breaks)[:5],
-                "compile_s": round(sum((getattr(m, "duration_us", 0) or 0) for m in new) / 1e6, 2)}
+        breaks = {
+            _first_line(k): n - before.breaks.get(k, 0) for k, n in self.breaks.items() if n > before.breaks.get(k, 0)
+        }
+        return {
+            "graphs": self.graphs - before.graphs,
+            "recompiles": len(recompiles),
+            "recompile_reasons": list(dict.fromkeys(recompiles))[:5],
+            "graph_breaks": sum(breaks.values()),
+            "graph_break_reasons": list(breaks)[:5],
+            "compile_s": round(sum((getattr(m, "duration_us", 0) or 0) for m in new) / 1e6, 2),
+        }
 
 
 class CompiledModel:
@@ -96,8 +108,9 @@ class CompiledModel:
     redoes the step.
     """
 
-    def __init__(self, module: nn.Module, options: CompileConfig | None,
-                 device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self, module: nn.Module, options: CompileConfig | None, device: torch.device = torch.device("cpu")
+    ) -> None:
         self.eager, self.options, self.device = module, options, device
         self.fallback: str | None = None  # why the run went back to eager mode
         self.forward: Any = module
@@ -119,11 +132,14 @@ class CompiledModel:
             raise TrainingError(
                 "train.compile.fullgraph: true does not work with several processes: torch.compile of the "
                 "DistributedDataParallel module (the order PyTorch recommends) always breaks the graph in DDP's own "
-                "forward", hint="set train.compile.fullgraph: false (graph breaks are counted in the training "
-                                "summary), or check fullgraph with one process (nproc_per_node: 1)")
+                "forward",
+                hint="set train.compile.fullgraph: false (graph breaks are counted in the training "
+                "summary), or check fullgraph with one process (nproc_per_node: 1)",
+            )
         try:
-            self.forward = torch.compile(module, mode=options.mode, dynamic=bool(options.dynamic),
-                                         fullgraph=options.fullgraph)
+            self.forward = torch.compile(
+                module, mode=options.mode, dynamic=bool(options.dynamic), fullgraph=options.fullgraph
+            )
         except Exception as exc:  # e.g. a Python version Dynamo does not support: raised by torch.compile itself
             self.fall_back(exc)
         # CUDA graph trees reuse their output memory from one iteration to the next and guess where an iteration
@@ -165,22 +181,33 @@ class CompiledModel:
         """Continue in eager mode after a compile failure, or (``fullgraph: true``) stop with a clear error."""
         assert self.options is not None
         # BackendCompilerFailed/InductorError carry the compiler's own error as inner_exception
-        reason = f"{type(exc).__name__}: {first_line(getattr(exc, 'inner_exception', None) or exc)}{_user_frame(str(exc))}"
+        reason = (
+            f"{type(exc).__name__}: {first_line(getattr(exc, 'inner_exception', None) or exc)}{_user_frame(str(exc))}"
+        )
         if self.options.fullgraph:
             raise TrainingError(
                 f"torch.compile with train.compile.fullgraph: true could not compile the model as one graph: {reason}",
                 hint="remove the graph break it names (e.g. .item(), print or data-dependent Python control flow in "
-                     "forward), or set train.compile.fullgraph: false to let torch.compile split the graph") from None
-        log.warning("torch.compile failed, training continues in eager mode (train.compile.fullgraph: true makes "
-                    "this an error): %s", reason)
+                "forward), or set train.compile.fullgraph: false to let torch.compile split the graph",
+            ) from None
+        log.warning(
+            "torch.compile failed, training continues in eager mode (train.compile.fullgraph: true makes "
+            "this an error): %s",
+            reason,
+        )
         self.fallback, self.forward = reason, self.eager
 
     def summary(self) -> dict[str, Any] | None:
         """For the training summary: settings, outcome, and what Dynamo compiled during the run."""
         if self.options is None:
             return None
-        return {**self.options.model_dump(), "compiled": self.compiled, "fallback": self.fallback,
-                "eager_calls": self.eager_calls, **CompileCounts.now().since(self.before)}
+        return {
+            **self.options.model_dump(),
+            "compiled": self.compiled,
+            "fallback": self.fallback,
+            "eager_calls": self.eager_calls,
+            **CompileCounts.now().since(self.before),
+        }
 
 
 Signature = tuple[tuple[tuple[int, ...], torch.dtype] | None, ...]
@@ -193,7 +220,7 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
 
 
 def _user_frame(text: str) -> str:
-    """" (at file:line in fn: code)" from the "from user code:" part of a Dynamo error, where it has one."""
+    """ " (at file:line in fn: code)" from the "from user code:" part of a Dynamo error, where it has one."""
     match = re.search(r'from user code:\s*File "([^"]+)", line (\d+), in (\w+)\s*\n\s*(.+)', text)
     if match is None:
         return ""

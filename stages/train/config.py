@@ -1,4 +1,5 @@
 """Settings of the train stage: one strict section with small nested groups (unknown keys are errors)."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -11,11 +12,13 @@ class AmpConfig(Section):
     """Loss scaling for fp16 (bf16 and fp32 need none)."""
 
     loss_scale: Literal["dynamic"] | float = Field(
-        "dynamic", description="'dynamic' (GradScaler grows/backs off the scale) or a fixed scale, e.g. 1024")
+        "dynamic", description="'dynamic' (GradScaler grows/backs off the scale) or a fixed scale, e.g. 1024"
+    )
     init_scale: float = Field(2.0**16, gt=0, description="first scale of dynamic loss scaling")
     growth_interval: int = Field(2000, ge=1, description="overflow-free steps before the dynamic scale doubles")
     nonfinite_patience: int = Field(
-        25, ge=0, description="consecutive steps with a NaN/Inf loss tolerated (skipped) before training aborts")
+        25, ge=0, description="consecutive steps with a NaN/Inf loss tolerated (skipped) before training aborts"
+    )
     fp32_norms: bool = Field(True, description="run LayerNorm/GroupNorm/RMSNorm in FP32 where autocast would not")
 
     @model_validator(mode="after")
@@ -39,7 +42,8 @@ class CheckpointConfig(Section):
     dir: str | None = Field(None, description="checkpoint folder; null: <workdir>/cache/train/<run key>")
     every_steps: int | None = Field(None, ge=1, description="also save the training state every N optimizer steps")
     resume: Literal["auto", "never"] | str = Field(
-        "auto", description="'auto': continue an interrupted run of this config; 'never'; or a path to last.pt")
+        "auto", description="'auto': continue an interrupted run of this config; 'never'; or a path to last.pt"
+    )
     select: Literal["last", "best"] = Field("last", description="weights written as model.safetensors")
 
 
@@ -56,12 +60,18 @@ class CompileConfig(Section):
     """torch.compile settings (https://pytorch.org/docs/stable/generated/torch.compile.html)."""
 
     mode: Literal["default", "reduce-overhead", "max-autotune"] = Field(
-        "default", description="inductor mode; reduce-overhead and max-autotune add CUDA graphs on GPUs")
+        "default", description="inductor mode; reduce-overhead and max-autotune add CUDA graphs on GPUs"
+    )
     dynamic: bool | None = Field(
-        None, description="null/false: static graphs for a full batch's micro-batch shapes, calls of other shapes "
-                          "(a short last batch) run eagerly; true: one graph with symbolic shapes for every call")
-    fullgraph: bool = Field(False, description="true: a graph break or compile failure stops training with an "
-                                               "error; false: graph breaks split the graph, a failure falls back to eager")
+        None,
+        description="null/false: static graphs for a full batch's micro-batch shapes, calls of other shapes "
+        "(a short last batch) run eagerly; true: one graph with symbolic shapes for every call",
+    )
+    fullgraph: bool = Field(
+        False,
+        description="true: a graph break or compile failure stops training with an "
+        "error; false: graph breaks split the graph, a failure falls back to eager",
+    )
 
 
 class TrainConfig(Section):
@@ -79,21 +89,28 @@ class TrainConfig(Section):
     fused: bool | None = Field(None, description="fused optimizer kernels; null: on CUDA")
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
-        "auto", description="auto: fp16+GradScaler on CUDA, bf16 autocast on CPU")
+        "auto", description="auto: fp16+GradScaler on CUDA, bf16 autocast on CPU"
+    )
     grad_clip: float | None = Field(1.0, gt=0, description="clip global grad norm (after unscale); null disables")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deterministic: bool = Field(False, description="torch.use_deterministic_algorithms + no cuDNN autotuning")
     eval_every: int = Field(1, ge=1, description="validate every N epochs (and always after the last)")
     profile_steps: int = Field(0, ge=0, description="> 0: write a torch.profiler trace of this many steps (trace.json)")
     plot: bool = Field(True, description="write loss.png (train/val loss per epoch)")
-    loss: str | None = Field(None, description="'package.module:function' taking (outputs, targets) -> scalar; null: "
-                                               "cross-entropy for integer labels, mean squared error for float targets")
+    loss: str | None = Field(
+        None,
+        description="'package.module:function' taking (outputs, targets) -> scalar; null: "
+        "cross-entropy for integer labels, mean squared error for float targets",
+    )
     compile: bool | CompileConfig = Field(
-        False, description="torch.compile the model: true (default settings) or {mode, dynamic, fullgraph}")
+        False, description="torch.compile the model: true (default settings) or {mode, dynamic, fullgraph}"
+    )
     update_graph: AutoOnOff = Field(
-        "auto", description="run the update after the backward pass (unscale, clip, checks, optimizer step, loss "
-                            "scale) as one CUDA graph: less host time per step; auto: one process on CUDA with a "
-                            "fused optimizer")
+        "auto",
+        description="run the update after the backward pass (unscale, clip, checks, optimizer step, loss "
+        "scale) as one CUDA graph: less host time per step; auto: one process on CUDA with a "
+        "fused optimizer",
+    )
     amp: AmpConfig = Field(default_factory=AmpConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -118,6 +135,8 @@ class TrainConfig(Section):
     def _min_lr_below_lr(self) -> "TrainConfig":
         # A floor above the peak would make the cosine/linear "decay" raise the LR
         if self.schedule != "constant" and self.min_lr > self.lr:
-            raise ValueError(f"train.min_lr ({self.min_lr}) is above train.lr ({self.lr}): the {self.schedule} "
-                             "schedule decays from lr down to min_lr, so min_lr must not exceed lr")
+            raise ValueError(
+                f"train.min_lr ({self.min_lr}) is above train.lr ({self.lr}): the {self.schedule} "
+                "schedule decays from lr down to min_lr, so min_lr must not exceed lr"
+            )
         return self

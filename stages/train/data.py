@@ -5,6 +5,7 @@ batches a multi-process run sees: rank r's j-th local batch is elements ``r::W``
 The loader yields one process's share of a *global* batch; the loop splits it into accumulation
 micro-batches, so the last, smaller batch of an epoch is weighted exactly like a full one.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,10 @@ class ResumableSampler(DistributedSampler):
 
 def local_batch_size(cfg: TrainConfig, env: DistEnv) -> int:
     if cfg.batch_size % env.world_size:
-        raise ConfigError(f"train.batch_size {cfg.batch_size} is not divisible by {env.world_size} processes",
-                          hint="make the global batch a multiple of the number of processes")
+        raise ConfigError(
+            f"train.batch_size {cfg.batch_size} is not divisible by {env.world_size} processes",
+            hint="make the global batch a multiple of the number of processes",
+        )
     return cfg.batch_size // env.world_size
 
 
@@ -85,14 +88,19 @@ class _Structured:
         return len(self.loader)
 
 
-def make_loader(x: Inputs, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed: int,
-                device: torch.device) -> tuple[Iterable[tuple[Inputs, torch.Tensor]], ResumableSampler]:
+def make_loader(
+    x: Inputs, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed: int, device: torch.device
+) -> tuple[Iterable[tuple[Inputs, torch.Tensor]], ResumableSampler]:
     """Batches of this process's share of each global batch, in the order fixed by ``seed`` and the epoch."""
     lc: LoaderConfig = cfg.loader
     n = rows(x)
     if n % env.world_size and env.enabled:
-        log.warning("%d samples over %d processes: DistributedSampler repeats %d samples to even the shards",
-                    n, env.world_size, env.world_size - n % env.world_size)
+        log.warning(
+            "%d samples over %d processes: DistributedSampler repeats %d samples to even the shards",
+            n,
+            env.world_size,
+            env.world_size - n % env.world_size,
+        )
     dataset = TensorDataset(*tensors(x), y)
     sampler = ResumableSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed)
     if lc.on_device:
@@ -103,12 +111,17 @@ def make_loader(x: Inputs, y: torch.Tensor, cfg: TrainConfig, env: DistEnv, seed
     batches = BatchSampler(sampler, local_batch_size(cfg, env), drop_last=False)
     workers = lc.num_workers
     pin = device.type == "cuda" if lc.pin_memory is None else lc.pin_memory
-    loader = DataLoader(dataset, sampler=batches, batch_size=None, num_workers=workers,
-                        pin_memory=pin and torch.cuda.is_available(),
-                        persistent_workers=lc.persistent_workers and workers > 0,
-                        prefetch_factor=lc.prefetch_factor if workers > 0 else None,
-                        # Its own generator, so creating iterators never draws from the global RNG (dropout).
-                        generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(
+        dataset,
+        sampler=batches,
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=pin and torch.cuda.is_available(),
+        persistent_workers=lc.persistent_workers and workers > 0,
+        prefetch_factor=lc.prefetch_factor if workers > 0 else None,
+        # Its own generator, so creating iterators never draws from the global RNG (dropout).
+        generator=torch.Generator().manual_seed(seed),
+    )
     return _Structured(loader, x), sampler
 
 

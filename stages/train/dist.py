@@ -3,6 +3,7 @@
 Kiln never launches processes itself beyond calling ``torch.distributed.run`` (see ``launch.py``);
 everything here reads what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,13 +78,18 @@ def wrap_ddp(model: nn.Module, env: DistEnv, cfg: DistributedConfig, device: tor
         return model
     if cfg.sync_batchnorm:
         if device.type != "cuda":
-            raise TrainingError("train.distributed.sync_batchnorm needs CUDA (PyTorch's SyncBatchNorm is GPU-only)",
-                                hint="set sync_batchnorm: false for CPU runs")
+            raise TrainingError(
+                "train.distributed.sync_batchnorm needs CUDA (PyTorch's SyncBatchNorm is GPU-only)",
+                hint="set sync_batchnorm: false for CPU runs",
+            )
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb, gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        find_unused_parameters=cfg.find_unused_parameters)
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        find_unused_parameters=cfg.find_unused_parameters,
+    )
 
 
 def all_sum(values: list[float], device: torch.device, env: DistEnv) -> list[float]:

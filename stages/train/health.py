@@ -15,6 +15,7 @@ the loss sum and the abort (by at most ``max_lag`` steps). The loop drains every
 (:meth:`LaggedStats.drain`) before anything that must know every step is good, i.e. checkpoints and epoch
 metrics.
 """
+
 from __future__ import annotations
 
 import logging

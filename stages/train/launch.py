@@ -4,6 +4,7 @@ The stage does not fork workers itself: it runs ``python -m torch.distributed.ru
 --nproc_per_node N -m kiln.stages.train.worker``, streams its output into the log, and reads back what rank 0
 wrote (weights, ``summary.json``, or ``error.json`` with a user-facing error).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,21 @@ ERROR = "error.json"
 
 
 def torchrun_command(nproc: int, config_path: Path, out: Path, ckpt_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "kiln.stages.train.worker", "--config", str(config_path), "--out", str(out),
-            "--checkpoint-dir", str(ckpt_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "kiln.stages.train.worker",
+        "--config",
+        str(config_path),
+        "--out",
+        str(out),
+        "--checkpoint-dir",
+        str(ckpt_dir),
+    ]
 
 
 def _check_gpus(config: KilnConfig, nproc: int) -> None:
@@ -35,8 +48,10 @@ def _check_gpus(config: KilnConfig, nproc: int) -> None:
 
     wants_cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
     if wants_cuda and nproc > torch.cuda.device_count():
-        raise TrainingError(f"train.distributed.nproc_per_node is {nproc} but {torch.cuda.device_count()} GPUs are "
-                            "visible", hint="one process per GPU: lower nproc_per_node (or train.device: cpu)")
+        raise TrainingError(
+            f"train.distributed.nproc_per_node is {nproc} but {torch.cuda.device_count()} GPUs are visible",
+            hint="one process per GPU: lower nproc_per_node (or train.device: cpu)",
+        )
 
 
 def run_torchrun(config: KilnConfig, out: Path, ckpt_dir: Path, log: logging.Logger) -> dict[str, Any]:
@@ -56,8 +71,10 @@ def run_torchrun(config: KilnConfig, out: Path, ckpt_dir: Path, log: logging.Log
         err = json.loads((out / ERROR).read_text())
         raise TrainingError(err["message"], hint=err.get("hint"))
     if proc.returncode != 0 or not (out / SUMMARY).is_file():
-        raise TrainingError(f"torchrun ({nproc} processes) exited with code {proc.returncode}:\n" + "".join(tail),
-                            hint="see the log above; run the worker by hand: " + " ".join(cmd))
+        raise TrainingError(
+            f"torchrun ({nproc} processes) exited with code {proc.returncode}:\n" + "".join(tail),
+            hint="see the log above; run the worker by hand: " + " ".join(cmd),
+        )
     summary = json.loads((out / SUMMARY).read_text())
     (out / SUMMARY).unlink()  # the manifest holds it; keep the folder the same as a one-process run's
     return summary

@@ -12,6 +12,7 @@ Nothing in a step waits for the GPU: non-finite steps are skipped on the device,
 gradient norm reach the host one step late (:mod:`kiln.stages.train.health`). The loop drains them before
 a checkpoint or the epoch metrics, so a checkpoint is only written once every step before it is known.
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,20 +78,27 @@ SCHED_WARNING = r"Detected call of `lr_scheduler.step\(\)` before"
 
 
 @torch.no_grad()
-def evaluate_loss_acc(model: nn.Module, x: Inputs, y: torch.Tensor, device: torch.device,
-                      env: DistEnv = DistEnv(), batch: int = 256, task: Task = CLASSIFY,
-                      forward: Callable[..., Any] | None = None) -> tuple[float, float | None]:
+def evaluate_loss_acc(
+    model: nn.Module,
+    x: Inputs,
+    y: torch.Tensor,
+    device: torch.device,
+    env: DistEnv = DistEnv(),
+    batch: int = 256,
+    task: Task = CLASSIFY,
+    forward: Callable[..., Any] | None = None,
+) -> tuple[float, float | None]:
     """FP32 validation loss and accuracy (None without class labels); each process takes every W-th sample,
     then one all-reduce. ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
     was_training = model.training
     model.eval()
     run = forward or model
-    x, y = take(x, slice(env.rank, None, env.world_size)), y[env.rank::env.world_size]
+    x, y = take(x, slice(env.rank, None, env.world_size)), y[env.rank :: env.world_size]
     correct, loss_sum, units = 0.0, 0.0, 0.0
     for i in range(0, len(y), batch):
         xb = take(x, slice(i, i + batch))
         out = call(run, rebuild(xb, [t.to(device) for t in tensors(xb)]))
-        target = y[i:i + batch].to(device)
+        target = y[i : i + batch].to(device)
         n = float(task.units(target))  # rows, or labelled positions
         loss_sum += task.loss(out, target).item() * n  # the mean loss, weighted by what it averages over
         units += n
@@ -114,10 +122,20 @@ def grad_norm(params: list[nn.Parameter], clip: float | None) -> torch.Tensor:
     return nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
-def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0,
-          progress: Progress | None = None, *, env: DistEnv | None = None, ckpt_dir: Path | None = None,
-          run_key: str = "", out_dir: Path | None = None, on_step: StepHook | None = None,
-          task: Task = CLASSIFY) -> TrainResult:
+def train(
+    model: nn.Module,
+    data: DatasetSplits,
+    cfg: TrainConfig,
+    seed: int = 0,
+    progress: Progress | None = None,
+    *,
+    env: DistEnv | None = None,
+    ckpt_dir: Path | None = None,
+    run_key: str = "",
+    out_dir: Path | None = None,
+    on_step: StepHook | None = None,
+    task: Task = CLASSIFY,
+) -> TrainResult:
     """Train ``model`` in place (returned on CPU, eval mode). Only the main process writes files:
     checkpoints into ``ckpt_dir``, ``loss.png``/``trace.json`` into ``out_dir``."""
     env = env or env_from_torchrun()
@@ -145,8 +163,10 @@ def train(model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int = 0
 def _compile_note(c: dict[str, Any]) -> str:
     """One log line: what torch.compile did in this run."""
     state = f"fell back to eager ({c['fallback']})" if c["fallback"] else f"mode {c['mode']}"
-    note = (f"{state}; {c['graphs']} graphs, {c['recompiles']} recompiles, {c['graph_breaks']} graph breaks, "
-            f"{c['compile_s']:.1f} s compiling, {c.get('eager_calls', 0)} calls of other shapes run eagerly")
+    note = (
+        f"{state}; {c['graphs']} graphs, {c['recompiles']} recompiles, {c['graph_breaks']} graph breaks, "
+        f"{c['compile_s']:.1f} s compiling, {c.get('eager_calls', 0)} calls of other shapes run eagerly"
+    )
     reasons = c["recompile_reasons"] + c["graph_break_reasons"]
     return note + (" (" + "; ".join(reasons[:3]) + ")" if reasons else "")
 
@@ -154,9 +174,20 @@ def _compile_note(c: dict[str, Any]) -> str:
 class _Trainer:
     """State of one run. A class only so the step and the epoch can be short methods sharing it."""
 
-    def __init__(self, model: nn.Module, data: DatasetSplits, cfg: TrainConfig, seed: int, env: DistEnv,
-                 device: torch.device, precision: str, ckpt_dir: Path | None, run_key: str,
-                 on_step: StepHook | None, task: Task = CLASSIFY) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        data: DatasetSplits,
+        cfg: TrainConfig,
+        seed: int,
+        env: DistEnv,
+        device: torch.device,
+        precision: str,
+        ckpt_dir: Path | None,
+        run_key: str,
+        on_step: StepHook | None,
+        task: Task = CLASSIFY,
+    ) -> None:
         self.model, self.data, self.cfg, self.env, self.device = model, data, cfg, env, device
         self.precision, self.ckpt_dir, self.run_key, self.on_step = precision, ckpt_dir, run_key, on_step
         self.loader, self.sampler = make_loader(data.train_x, data.train_y, cfg, env, seed, device)
@@ -172,8 +203,12 @@ class _Trainer:
         self.device_skip = self.scaler.is_enabled() or skips_on_device(self.opt)
         self.stats = LaggedStats(device, lag=1, max_lag=MAX_LAG) if self.device_skip else LaggedStats(device, lag=0)
         self.task = task  # the loss: cross-entropy, MSE or the user's (kiln.stages.train.task)
-        self.result = TrainResult(precision=precision, device=str(device), world_size=env.world_size,
-                                  checkpoint_dir=str(ckpt_dir) if ckpt_dir else None)
+        self.result = TrainResult(
+            precision=precision,
+            device=str(device),
+            world_size=env.world_size,
+            checkpoint_dir=str(ckpt_dir) if ckpt_dir else None,
+        )
         self.epoch, self.step_in_epoch, self.last_good = 0, 0, "none written yet"
         self.bad_streak = 0  # consecutive steps with a NaN/Inf loss (fp16 scale back-offs do not count)
         self.best_digest: str | None = None  # sha256 of best.safetensors, kept in last.pt to find it on resume
@@ -197,8 +232,14 @@ class _Trainer:
         self.check = StepCheck(device, self.guard, graph=not graphed)  # not a graph of its own inside the update's
         self.update: Callable[[torch.Tensor], torch.Tensor] = self._update_on_device
         if graphed:
-            self.update = update_graph.GraphedUpdate(self._update_on_device, self.opt, self.params, device,
-                                                     self.keep_grads, on_failure=self._reset_scaler_state)
+            self.update = update_graph.GraphedUpdate(
+                self._update_on_device,
+                self.opt,
+                self.params,
+                device,
+                self.keep_grads,
+                on_failure=self._reset_scaler_state,
+            )
 
     # -- resume / checkpoint ------------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -209,8 +250,12 @@ class _Trainer:
             return
         state = ckpt.load_state(path)
         if state.get("run_key") != self.run_key:
-            log.warning("resuming from %s, written by another training configuration (run key %s, now %s)",
-                        path, state.get("run_key"), self.run_key)
+            log.warning(
+                "resuming from %s, written by another training configuration (run key %s, now %s)",
+                path,
+                state.get("run_key"),
+                self.run_key,
+            )
         try:
             self._restore(state, path)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another model, optimizer or format
@@ -218,7 +263,8 @@ class _Trainer:
                 f"cannot resume from {path}: it does not fit this run ({type(exc).__name__}: "
                 f"{' '.join(str(exc).split())[:300]})",
                 hint="resume only with the model and train.optimizer that wrote it, or set "
-                     "train.checkpoint.resume: never") from None
+                "train.checkpoint.resume: never",
+            ) from None
         self.result.resumed_from, self.last_good = str(path), f"{path} (step {state['global_step']})"
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
 
@@ -253,8 +299,12 @@ class _Trainer:
             if self.ckpt_dir is not None and self.env.is_main and found != self.ckpt_dir / ckpt.BEST:
                 ckpt.copy_file(found, self.ckpt_dir / ckpt.BEST)
             return
-        log.warning("the best weights of the resumed run (epoch %s) are not in %s; select: best now chooses "
-                    "among the epochs trained from here on", self.result.best_epoch, path.parent / ckpt.BEST)
+        log.warning(
+            "the best weights of the resumed run (epoch %s) are not in %s; select: best now chooses "
+            "among the epochs trained from here on",
+            self.result.best_epoch,
+            path.parent / ckpt.BEST,
+        )
         self.result.best_epoch = self.result.best_val_accuracy = self.best_digest = None
 
     def _save(self, complete: bool = False) -> None:
@@ -268,18 +318,33 @@ class _Trainer:
         # Parameters and optimizer state only: buffers may hold inf on purpose (a -inf causal mask), and the
         # buffer guard already undoes what a skipped step wrote into them.
         if not ckpt.all_finite(dict(self.model.named_parameters()), self.opt.state_dict()["state"]):
-            log.warning("no checkpoint at step %d: the weights or optimizer state hold NaN/Inf", self.result.global_step)
+            log.warning(
+                "no checkpoint at step %d: the weights or optimizer state hold NaN/Inf", self.result.global_step
+            )
             return
         r = self.result
-        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                 "scheduler": self.sched.state_dict(), "scaler": self.scaler.state_dict(), "rng": ckpt.rng_state(),
-                 "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": r.global_step,
-                 "acc": acc, "history": [vars(m) for m in r.history], "best_epoch": r.best_epoch,
-                 "best_val_accuracy": r.best_val_accuracy, "best_sha256": self.best_digest,
-                 "run_key": self.run_key, "complete": complete}
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": r.global_step,
+            "acc": acc,
+            "history": [vars(m) for m in r.history],
+            "best_epoch": r.best_epoch,
+            "best_val_accuracy": r.best_val_accuracy,
+            "best_sha256": self.best_digest,
+            "run_key": self.run_key,
+            "complete": complete,
+        }
         ckpt.save_state(self.ckpt_dir / ckpt.LAST, state)
-        ckpt.write_info(self.ckpt_dir, {"run_key": self.run_key, "epoch": self.epoch, "complete": complete,
-                                        "global_step": r.global_step})
+        ckpt.write_info(
+            self.ckpt_dir,
+            {"run_key": self.run_key, "epoch": self.epoch, "complete": complete, "global_step": r.global_step},
+        )
         self.last_good = f"{self.ckpt_dir / ckpt.LAST} (step {r.global_step})"
 
     def _global_acc(self) -> dict[str, float]:
@@ -428,8 +493,7 @@ class _Trainer:
             if math.isfinite(norm_v) and math.isfinite(loss_v):
                 self.bad_streak = 0
                 continue
-            if self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v) \
-                    and self._scale_can_back_off():
+            if self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v) and self._scale_can_back_off():
                 # fp16 gradient overflow on a finite loss: the scaler skipped the step and backs off. That
                 # is how dynamic loss scaling finds its scale, not a NaN/Inf loss: it ends a NaN streak
                 # rather than extending it (a large init_scale takes dozens of back-offs).
@@ -438,15 +502,21 @@ class _Trainer:
                 log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", s.step)
                 continue
             self.acc["nonfinite"] += 1
-            log.warning("step %d skipped: loss %s, grad norm %s%s", s.step, loss_v, norm_v,
-                        " (the gradients themselves, not an fp16 overflow)" if math.isfinite(loss_v) else "")
+            log.warning(
+                "step %d skipped: loss %s, grad norm %s%s",
+                s.step,
+                loss_v,
+                norm_v,
+                " (the gradients themselves, not an fp16 overflow)" if math.isfinite(loss_v) else "",
+            )
             self.bad_streak += 1
             if self.bad_streak > self.cfg.amp.nonfinite_patience:
                 raise TrainingError(
                     f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
                     f"{s.step} (epoch {s.epoch + 1}); last good checkpoint: {self.last_good}",
                     hint="lower train.lr, use train.precision: bf16 or fp32, or raise train.amp.nonfinite_patience; "
-                         "train.checkpoint.resume: <last.pt> continues from the checkpoint")
+                    "train.checkpoint.resume: <last.pt> continues from the checkpoint",
+                )
 
     def _scale_can_back_off(self) -> bool:
         """Can an overflow on a finite loss still be the loss scale's fault? Not with a static scale, nor once
@@ -468,18 +538,32 @@ class _Trainer:
     def _epoch_metrics(self) -> EpochMetrics:
         a, cfg = self.acc, self.cfg
         loss, seen, samples, secs, skipped, bad = all_sum(
-            [a["loss"], a["seen"], a["samples"], a["secs"], a["skipped"], a["nonfinite"]], self.device, self.env)
+            [a["loss"], a["seen"], a["samples"], a["secs"], a["skipped"], a["nonfinite"]], self.device, self.env
+        )
         # NaN when every step of the epoch was non-finite: there is no mean loss to report (0.0 would look good)
         mean_loss = loss / seen if seen else math.nan
-        m = EpochMetrics(self.epoch + 1, mean_loss, samples / max(secs / self.env.world_size, 1e-9),
-                         self.steps_per_epoch, self.opt.param_groups[0]["lr"],
-                         peak_memory_mb=round(peak_memory_mb(self.device), 1),
-                         loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
-                         skipped_steps=int(skipped / self.env.world_size), nonfinite_steps=int(bad / self.env.world_size))
+        m = EpochMetrics(
+            self.epoch + 1,
+            mean_loss,
+            samples / max(secs / self.env.world_size, 1e-9),
+            self.steps_per_epoch,
+            self.opt.param_groups[0]["lr"],
+            peak_memory_mb=round(peak_memory_mb(self.device), 1),
+            loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
+            skipped_steps=int(skipped / self.env.world_size),
+            nonfinite_steps=int(bad / self.env.world_size),
+        )
         if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
-            m.val_loss, m.val_accuracy = evaluate_loss_acc(self.model, self.data.val_x, self.data.val_y,
-                                                           self.device, self.env, batch=self.eval_batch,
-                                                           task=self.task, forward=self.net)
+            m.val_loss, m.val_accuracy = evaluate_loss_acc(
+                self.model,
+                self.data.val_x,
+                self.data.val_y,
+                self.device,
+                self.env,
+                batch=self.eval_batch,
+                task=self.task,
+                forward=self.net,
+            )
             r = self.result
             if m.val_accuracy is None:  # no classes: nothing to rank epochs by ("best" keeps the last)
                 pass

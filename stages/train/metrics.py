@@ -1,4 +1,5 @@
 """What the loop measures per epoch, the JSON summary the stage returns, and the loss-curve plot."""
+
 from __future__ import annotations
 
 import logging
@@ -50,21 +51,29 @@ class TrainResult:
         last = self.history[-1] if self.history else None
         chosen = self.selected()
         return {
-            "precision": self.precision, "device": self.device, "world_size": self.world_size,
-            "steps": self.global_step, "epochs": [asdict(m) for m in self.history],
+            "precision": self.precision,
+            "device": self.device,
+            "world_size": self.world_size,
+            "steps": self.global_step,
+            "epochs": [asdict(m) for m in self.history],
             "final_loss": last.loss if last else None,
             # of the weights actually returned (and saved as model.safetensors): with select: best, the
             # best epoch's, not the last epoch's
             "val_accuracy": chosen.val_accuracy if chosen else None,
-            "val_loss": chosen.val_loss if chosen else None, "selected_epoch": chosen.epoch if chosen else None,
-            "best_val_accuracy": self.best_val_accuracy, "best_epoch": self.best_epoch,
+            "val_loss": chosen.val_loss if chosen else None,
+            "selected_epoch": chosen.epoch if chosen else None,
+            "best_val_accuracy": self.best_val_accuracy,
+            "best_epoch": self.best_epoch,
             "skipped_steps": sum(m.skipped_steps for m in self.history),
             "nonfinite_steps": sum(m.nonfinite_steps for m in self.history),
             "samples_per_s": last.samples_per_s if last else None,
             "peak_memory_mb": max((m.peak_memory_mb or 0.0) for m in self.history) if self.history else None,
-            "resumed_from": self.resumed_from, "checkpoint_dir": self.checkpoint_dir,
-            "fp32_norm_layers": len(self.fp32_norms), "compile": self.compile,
-            "update_graph": self.update_graph, "files": self.files,
+            "resumed_from": self.resumed_from,
+            "checkpoint_dir": self.checkpoint_dir,
+            "fp32_norm_layers": len(self.fp32_norms),
+            "compile": self.compile,
+            "update_graph": self.update_graph,
+            "files": self.files,
         }
 
     def selected(self) -> EpochMetrics | None:

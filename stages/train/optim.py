@@ -1,4 +1,5 @@
 """Optimizer and learning-rate schedule from the config, built from torch.optim's own classes."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,8 +22,10 @@ WARMUP_START = 0.01  # warm-up begins at lr/100
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
     """Weight decay on matrices and conv kernels only; biases and norm scales are not decayed."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def hyperparameters(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
@@ -91,7 +94,8 @@ def check_warmup(cfg: TrainConfig, total_steps: int) -> None:
         raise ConfigError(
             f"train.warmup_steps is {cfg.warmup_steps} but the run has only {total_steps} optimizer steps "
             f"({cfg.epochs} epochs x {total_steps // cfg.epochs} steps): the LR would never reach train.lr",
-            hint=f"set train.warmup_steps below {total_steps} (e.g. {max(0, total_steps // 10)}), or raise train.epochs")
+            hint=f"set train.warmup_steps below {total_steps} (e.g. {max(0, total_steps // 10)}), or raise train.epochs",
+        )
 
 
 def replay_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, step: int) -> LRScheduler:

@@ -6,6 +6,7 @@ CPU autocast does not (it runs them in bf16/fp16), so :func:`fp32_norms` patches
 FP32 when a probe shows autocast would lower them. BatchNorm is left to PyTorch: its weights and running
 statistics are FP32 and its kernels accumulate statistics in FP32 for half/bf16 inputs on CPU and cuDNN.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,9 @@ def autocast(device: torch.device, precision: str) -> AbstractContextManager[Any
 def make_scaler(amp: AmpConfig, device: torch.device, precision: str) -> torch.amp.GradScaler:
     """Enabled only for fp16. A static scale starts there and is pinned by :func:`update_scaler`."""
     init = amp.init_scale if amp.loss_scale == "dynamic" else float(amp.loss_scale)
-    return torch.amp.GradScaler(device.type, init_scale=init, growth_interval=amp.growth_interval,
-                                enabled=precision == "fp16")
+    return torch.amp.GradScaler(
+        device.type, init_scale=init, growth_interval=amp.growth_interval, enabled=precision == "fp16"
+    )
 
 
 def update_scaler(scaler: torch.amp.GradScaler, amp: AmpConfig) -> None:
@@ -70,8 +72,11 @@ def autocast_lowers(norm: type[nn.Module], device_type: str, precision: str) -> 
     # No random numbers: the probe runs once per process (cached), between torch.manual_seed and the first
     # step, so drawing from the global RNG would make a run depend on what ran before it in the process.
     # The norms initialise their weights with ones/zeros; the input only needs some spread.
-    probe = {nn.LayerNorm: lambda: nn.LayerNorm(8), nn.GroupNorm: lambda: nn.GroupNorm(2, 8),
-             nn.RMSNorm: lambda: nn.RMSNorm(8)}[norm]().to(device_type)
+    probe = {
+        nn.LayerNorm: lambda: nn.LayerNorm(8),
+        nn.GroupNorm: lambda: nn.GroupNorm(2, 8),
+        nn.RMSNorm: lambda: nn.RMSNorm(8),
+    }[norm]().to(device_type)
     x = torch.linspace(-1.0, 1.0, 64, device=device_type)
     x = x.reshape(2, 8, 4) if norm is nn.GroupNorm else x[:16].reshape(2, 8)
     with torch.no_grad(), torch.autocast(device_type, dtype=DTYPES[precision]):
@@ -82,6 +87,7 @@ def _fp32_forward(forward: Any) -> Any:
     def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
             return forward(x.float(), *args, **kwargs)
+
     return run
 
 
@@ -105,16 +111,22 @@ def fp32_norms(model: nn.Module, device: torch.device, precision: str, enabled: 
             del mod.forward
 
 
-def norm_dtypes(model: nn.Module, sample: torch.Tensor, device: torch.device, precision: str) -> dict[str, dict[str, str]]:
+def norm_dtypes(
+    model: nn.Module, sample: torch.Tensor, device: torch.device, precision: str
+) -> dict[str, dict[str, str]]:
     """Output and parameter dtypes of every norm layer in one autocast forward: the check that the
     FP32-norm promise holds for a given model and device."""
     seen: dict[str, dict[str, str]] = {}
     hooks = []
     for name, mod in model.named_modules():
         if isinstance(mod, (*FP32_NORMS, nn.modules.batchnorm._BatchNorm)):
+
             def hook(m: nn.Module, args: Any, out: torch.Tensor, name: str = name) -> None:
-                seen[name] = {"output": str(out.dtype).removeprefix("torch."),
-                              "params": sorted({str(p.dtype).removeprefix("torch.") for p in m.parameters()})[0]}
+                seen[name] = {
+                    "output": str(out.dtype).removeprefix("torch."),
+                    "params": sorted({str(p.dtype).removeprefix("torch.") for p in m.parameters()})[0],
+                }
+
             hooks.append(mod.register_forward_hook(hook))
     try:
         with torch.no_grad(), autocast(device, precision):

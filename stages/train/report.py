@@ -1,4 +1,5 @@
 """The training section of report.md."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,13 +12,22 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     out: list[str] = []
     train = summary
     if train.get("val_accuracy") is not None or train.get("epochs"):  # a regression has a loss, no accuracy
-        score = (f"validation accuracy {fmt(train.get('val_accuracy'))}" if train.get("val_accuracy") is not None
-                 else f"validation loss {fmt(train.get('val_loss'))}")
-        out += ["", "## Training", "",
-                f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
-                f"{fmt(train.get('final_loss'))}, {score}"
-                + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "")
-                + _compile_note(train.get("compile")) + _graph_note(train.get("update_graph")) + "."]
+        score = (
+            f"validation accuracy {fmt(train.get('val_accuracy'))}"
+            if train.get("val_accuracy") is not None
+            else f"validation loss {fmt(train.get('val_loss'))}"
+        )
+        out += [
+            "",
+            "## Training",
+            "",
+            f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
+            f"{fmt(train.get('final_loss'))}, {score}"
+            + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "")
+            + _compile_note(train.get("compile"))
+            + _graph_note(train.get("update_graph"))
+            + ".",
+        ]
         if "loss.png" in train.get("files", []):
             out += ["", "![loss curve](train/loss.png)"]
     return out
@@ -29,8 +39,10 @@ def _compile_note(c: dict[str, Any] | None) -> str:
         return ""
     if c.get("fallback"):
         return f"; torch.compile failed, trained eagerly ({c['fallback']})"
-    return (f"; torch.compile ({c.get('mode')}): {c.get('graphs')} graphs, {c.get('recompiles')} recompiles, "
-            f"{c.get('graph_breaks')} graph breaks, {c.get('eager_calls', 0)} calls of other shapes run eagerly")
+    return (
+        f"; torch.compile ({c.get('mode')}): {c.get('graphs')} graphs, {c.get('recompiles')} recompiles, "
+        f"{c.get('graph_breaks')} graph breaks, {c.get('eager_calls', 0)} calls of other shapes run eagerly"
+    )
 
 
 def _graph_note(g: dict[str, Any] | None) -> str:

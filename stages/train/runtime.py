@@ -1,4 +1,5 @@
 """Process-wide switches the loop turns on for its duration: determinism and the profiler."""
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,11 @@ def determinism(deterministic: bool, device: torch.device) -> Iterator[None]:
     """deterministic: torch's deterministic algorithms and no cuDNN autotuning (bit-identical reruns on one
     machine, some speed lost). Otherwise cuDNN autotunes convolutions. Global flags are restored on exit,
     since later stages run in the same process."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark,
-             torch.backends.cudnn.deterministic)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
     if deterministic:
         # cuBLAS needs this to be deterministic; it only takes effect if set before cuBLAS initialises.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -56,12 +60,21 @@ def profiler(steps: int, device: torch.device, out_dir: Path | None) -> Iterator
         # A run shorter than the schedule ends the trace early: say how many steps it really holds.
         got = max(0, min(steps, prof.step_num - SKIPPED))
         if got < steps:
-            log.warning("profiler trace of %d steps, not %d: the run has only %d steps (the first %d are not "
-                        "recorded): %s", got, steps, prof.step_num, SKIPPED, trace)
+            log.warning(
+                "profiler trace of %d steps, not %d: the run has only %d steps (the first %d are not recorded): %s",
+                got,
+                steps,
+                prof.step_num,
+                SKIPPED,
+                trace,
+            )
         else:
             log.info("profiler trace of %d steps: %s", got, trace)
 
-    with profile(activities=activities, schedule=schedule(wait=1, warmup=SKIPPED - 1, active=steps, repeat=1),
-                 on_trace_ready=write, record_shapes=True) as prof:
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=1, warmup=SKIPPED - 1, active=steps, repeat=1),
+        on_trace_ready=write,
+        record_shapes=True,
+    ) as prof:
         yield prof
-

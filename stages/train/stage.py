@@ -3,6 +3,7 @@
 With ``train.distributed.nproc_per_node`` > 1 the stage runs ``torchrun`` (``launch.py``) whose rank 0
 writes the weights into the stage's folder; otherwise it trains in this process.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,8 +46,9 @@ def checkpoint_dir(config: KilnConfig, cache_dir: Path) -> Path:
     return cache_dir / "train" / run_key(config.dump())
 
 
-def train_to(out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path,
-             progress: Progress | None = None) -> dict[str, Any]:
+def train_to(
+    out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path, progress: Progress | None = None
+) -> dict[str, Any]:
     """Train and (main process only) write ``model.safetensors`` + ``model.json`` + ``loss.png`` into ``out``.
 
     Shared by the stage and by ``kiln.stages.train.worker`` (one call per torchrun process)."""
@@ -54,14 +56,25 @@ def train_to(out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path,
     device = resolve_device(config.train, env.local_rank if env.enabled else None)
     model = build_seeded(config)
     if data.train_y is None:
-        raise ConfigError(f"dataset '{data.name}' has no labels (train_y is None): training needs them",
-                          hint="return train_y/val_y from the data function, set train.enabled: false, or give "
-                               "model.checkpoint")
+        raise ConfigError(
+            f"dataset '{data.name}' has no labels (train_y is None): training needs them",
+            hint="return train_y/val_y from the data function, set train.enabled: false, or give model.checkpoint",
+        )
     task = task_for(data, config.train.loss, config.validate_.logits_output)
     check_model_fits_data(model, data, config.model.name, task)
     with process_group(env, config.train.distributed, device):
-        result = train(model, data, config.train, seed=config.seed, progress=progress, env=env,
-                       ckpt_dir=ckpt_dir, run_key=run_key(config.dump()), out_dir=out, task=task)
+        result = train(
+            model,
+            data,
+            config.train,
+            seed=config.seed,
+            progress=progress,
+            env=env,
+            ckpt_dir=ckpt_dir,
+            run_key=run_key(config.dump()),
+            out_dir=out,
+            task=task,
+        )
     if env.is_main:
         save_trained(out, model, config, {"dataset": data.name, "input_shapes": data.sample_shapes})
     return result.summary()
@@ -77,10 +90,17 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
             out = call(model.eval(), x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         parts = tensors(x)
-        what = (f"input {tuple(parts[0].shape)} ({parts[0].dtype})" if len(parts) == 1 else "inputs (" + ", ".join(
-            f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(data.sample_shapes, parts)) + ")")
-        raise ModelError(f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}",
-                         hint="make data.name/data.params produce what the model expects, or change model.params") from None
+        what = (
+            f"input {tuple(parts[0].shape)} ({parts[0].dtype})"
+            if len(parts) == 1
+            else "inputs ("
+            + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(data.sample_shapes, parts))
+            + ")"
+        )
+        raise ModelError(
+            f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}",
+            hint="make data.name/data.params produce what the model expects, or change model.params",
+        ) from None
     finally:
         model.train()
     flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor
@@ -101,9 +121,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
         summary = run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log)
     else:
         summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress)
-    ctx.log.info("trained %d epochs (%s on %s x%d): val accuracy %s (weights of epoch %s, select: %s)",
-                 cfg.train.epochs, summary["precision"], summary["device"], summary["world_size"],
-                 fmt(summary["val_accuracy"]), summary.get("selected_epoch"), cfg.train.checkpoint.select)
+    ctx.log.info(
+        "trained %d epochs (%s on %s x%d): val accuracy %s (weights of epoch %s, select: %s)",
+        cfg.train.epochs,
+        summary["precision"],
+        summary["device"],
+        summary["world_size"],
+        fmt(summary["val_accuracy"]),
+        summary.get("selected_epoch"),
+        cfg.train.checkpoint.select,
+    )
     return summary
 
 
@@ -132,6 +159,14 @@ def _env(cfg: Any) -> dict[str, Any]:
     return environment_subset("torch", device=True)
 
 
-STAGE = Stage("train", run, (), ("seed", "model", "data", "train", "export.dynamic_axes", "validate.logits_output"), (kiln.stages.train, kiln.models), _env,
-              "train the model (AMP, gradient accumulation) or load a checkpoint", data=("dataset", "checkpoint"),
-              report=report_section)
+STAGE = Stage(
+    "train",
+    run,
+    (),
+    ("seed", "model", "data", "train", "export.dynamic_axes", "validate.logits_output"),
+    (kiln.stages.train, kiln.models),
+    _env,
+    "train the model (AMP, gradient accumulation) or load a checkpoint",
+    data=("dataset", "checkpoint"),
+    report=report_section,
+)

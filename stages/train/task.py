@@ -6,6 +6,7 @@ labelled positions. Float targets: mean squared error on the single (or named) o
 ``train.loss``: the user's ``(outputs, targets) -> scalar`` on the model's raw outputs. The loss is computed in
 FP32 on FP32 outputs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ class Task:
         name = logits_name(list(outs), self.logits_output)
         if name is None:
             what = "class-logit" if self.kind == "classification" else "target"
-            raise ConfigError(f"the model has outputs {list(outs)}; which is the {what} output of the loss?",
-                              hint="set validate.logits_output to its name or index, or set train.loss")
+            raise ConfigError(
+                f"the model has outputs {list(outs)}; which is the {what} output of the loss?",
+                hint="set validate.logits_output to its name or index, or set train.loss",
+            )
         return outs[name]
 
     def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
@@ -89,30 +92,39 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
         try:
             value = task.user_loss(out, y)
         except Exception as exc:  # the user's function: any error is theirs to see, in one line
-            raise ConfigError(f"train.loss failed on the model's outputs: {type(exc).__name__}: {exc}",
-                              hint="train.loss takes (outputs, targets) and returns a scalar tensor") from None
+            raise ConfigError(
+                f"train.loss failed on the model's outputs: {type(exc).__name__}: {exc}",
+                hint="train.loss takes (outputs, targets) and returns a scalar tensor",
+            ) from None
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            raise ConfigError(f"train.loss returned {type(value).__name__}, not a scalar tensor",
-                              hint="return e.g. torch.nn.functional.mse_loss(outputs[0], targets)")
+            raise ConfigError(
+                f"train.loss returned {type(value).__name__}, not a scalar tensor",
+                hint="return e.g. torch.nn.functional.mse_loss(outputs[0], targets)",
+            )
         return
     target = task.target(out)
     if task.kind == "classification" and labels.per_position(y):
         axis = class_axis(target.ndim)
         positions = tuple(s for i, s in enumerate(target.shape) if i != axis % target.ndim)
         if positions != tuple(y.shape) or target.shape[axis] < max(num_classes, 2):
-            raise ModelError(f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of "
-                             f"shape {tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped "
-                             "like the labels plus a class axis (last, or axis 1 from four axes on)",
-                             hint="make the model return one row of class logits per labelled position, set its "
-                                  "num_classes to the dataset's, or name the logits output in validate.logits_output")
+            raise ModelError(
+                f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of "
+                f"shape {tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped "
+                "like the labels plus a class axis (last, or axis 1 from four axes on)",
+                hint="make the model return one row of class logits per labelled position, set its "
+                "num_classes to the dataset's, or name the logits output in validate.logits_output",
+            )
     elif task.kind == "classification":
         if target.ndim != 2 or target.shape[1] < max(num_classes, 2):
-            raise ModelError(f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "
-                             f"of 2, but the dataset has {num_classes} classes",
-                             hint="set the model's num_classes to the dataset's, or name the logits output in "
-                                  "validate.logits_output")
+            raise ModelError(
+                f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "
+                f"of 2, but the dataset has {num_classes} classes",
+                hint="set the model's num_classes to the dataset's, or name the logits output in "
+                "validate.logits_output",
+            )
     elif tuple(target.shape) != tuple(y.shape):
-        raise ModelError(f"model '{model_ref}' gives {tuple(target.shape)} for float targets of shape "
-                         f"{tuple(y.shape)}: mean squared error needs the same shape",
-                         hint="make the targets match the output, name the output in validate.logits_output, "
-                              "or set train.loss")
+        raise ModelError(
+            f"model '{model_ref}' gives {tuple(target.shape)} for float targets of shape "
+            f"{tuple(y.shape)}: mean squared error needs the same shape",
+            hint="make the targets match the output, name the output in validate.logits_output, or set train.loss",
+        )

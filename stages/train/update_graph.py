@@ -27,6 +27,7 @@ What a replay needs, and how it is kept:
 A capture that fails leaves the update eager for the rest of the run, with one warning (``result.update_graph``
 says so): capturing only records kernels, so the failed step is then run eagerly from where it stood.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,9 +54,11 @@ def wanted(setting: str, device: torch.device, skips_on_device: bool, processes:
     possible = device.type == "cuda" and skips_on_device
     if setting == "on" and not possible:
         why = "a CUDA device" if device.type != "cuda" else "a fused optimizer (train.fused: true or null)"
-        raise TrainingError(f"train.update_graph: on needs {why}: the update is captured as a CUDA graph, and a "
-                            "non-fused optimizer decides on the host whether to step",
-                            hint="set train.update_graph: auto (captured where possible) or off")
+        raise TrainingError(
+            f"train.update_graph: on needs {why}: the update is captured as a CUDA graph, and a "
+            "non-fused optimizer decides on the host whether to step",
+            hint="set train.update_graph: auto (captured where possible) or off",
+        )
     return possible and (setting == "on" or (setting == "auto" and processes == 1))
 
 
@@ -71,9 +74,15 @@ class GraphedUpdate:
     parameter, which cost the BERT-base backward passes 2-5 ms of host time on the H200's host,
     ``benchmarks/results/gpu_session13.md``)."""
 
-    def __init__(self, update: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer,
-                 params: list[torch.nn.Parameter], device: torch.device, kept_grads: bool,
-                 on_failure: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        update: Callable[[torch.Tensor], torch.Tensor],
+        opt: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        device: torch.device,
+        kept_grads: bool,
+        on_failure: Callable[[], None],
+    ) -> None:
         self.update, self.opt, self.params, self.device, self.kept = update, opt, params, device, kept_grads
         self.on_failure = on_failure  # puts back host state a failed capture left half-way (GradScaler's)
         self.steps = 0
@@ -101,8 +110,9 @@ class GraphedUpdate:
             log.info("the gradients no longer fit the update's CUDA graph (step %d): capturing it again", self.steps)
             self.graph = None
         self.misses = 0
-        if self.graph is None and (self.steps <= WARMUP_STEPS or self.failure is not None
-                                   or not self._capture(loss, grads)):
+        if self.graph is None and (
+            self.steps <= WARMUP_STEPS or self.failure is not None or not self._capture(loss, grads)
+        ):
             return self.update(loss)
         assert self.graph is not None and self.loss is not None and self.values is not None
         self.loss.copy_(loss)
@@ -118,8 +128,13 @@ class GraphedUpdate:
 
     def summary(self) -> dict[str, Any]:
         """For the training summary: whether the update ran as a graph, from which step, or why not."""
-        return {"captured": self.captured_at is not None and self.failure is None, "from_step": self.captured_at,
-                "captures": self.captures, "eager_steps_after_capture": self.eager_steps, "failure": self.failure}
+        return {
+            "captured": self.captured_at is not None and self.failure is None,
+            "from_step": self.captured_at,
+            "captures": self.captures,
+            "eager_steps_after_capture": self.eager_steps,
+            "failure": self.failure,
+        }
 
     def _fits(self, grads: list[torch.Tensor | None]) -> bool:
         """Kept gradients: the very tensors captured. Otherwise: gradients for the same parameters (a parameter the
@@ -165,6 +180,7 @@ class GraphedUpdate:
 
     def _give_up(self, reason: str) -> bool:
         self.graph, self.failure = None, reason
-        log.warning("the update after the backward pass runs without a CUDA graph (slower on the host, same "
-                    "result): %s", reason)
+        log.warning(
+            "the update after the backward pass runs without a CUDA graph (slower on the host, same result): %s", reason
+        )
         return False

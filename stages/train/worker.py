@@ -3,6 +3,7 @@
 Every process trains its shard; rank 0 writes ``model.safetensors``, ``model.json``, ``loss.png`` and
 ``summary.json`` into ``--out`` (or ``error.json`` when a user-fixable error stops training).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kiln.stages.train.worker", description=__doc__)
     parser.add_argument("--config", required=True, help="Kiln config file (.yaml/.toml/.json)")
     parser.add_argument("--out", required=True, type=Path, help="folder for the trained weights (rank 0)")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None,
-                        help="folder for last.pt/best.safetensors (shared by all nodes); default <out>/checkpoints")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="folder for last.pt/best.safetensors (shared by all nodes); default <out>/checkpoints",
+    )
     args = parser.parse_args(argv)
     env = env_from_torchrun()
-    logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
-                        format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if env.is_main else logging.WARNING,
+        format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s",
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         config = load_config(args.config)

@@ -7,6 +7,7 @@ default mode, because max-autotune's benchmarking multiplies compile time for li
 one graph per batch size, as the engines have one CUDA graph / profile per shape. Baselines run FP32 unless
 ``validate.baseline_precisions`` adds ``fp16`` (CUDA only: ``model.half()``, inputs cast).
 """
+
 from __future__ import annotations
 
 import copy
@@ -63,8 +64,17 @@ def can_measure(device: str) -> str | None:
     return None
 
 
-def measure(model: torch.nn.Module, kind: str, device: str, precision: str, batches: dict[int, Any],
-            warmup: int, iterations: int, samples: int, like: Inputs | None = None) -> Baseline:
+def measure(
+    model: torch.nn.Module,
+    kind: str,
+    device: str,
+    precision: str,
+    batches: dict[int, Any],
+    warmup: int,
+    iterations: int,
+    samples: int,
+    like: Inputs | None = None,
+) -> Baseline:
     """Latency per batch size and peak memory (loading onto the device through the largest batch)."""
     base = Baseline(kind=kind, device=device, precision=precision, accuracy=None, samples=samples, latency_ms={})
     why = can_measure(device)
@@ -76,8 +86,10 @@ def measure(model: torch.nn.Module, kind: str, device: str, precision: str, batc
         with PeakMemory(device) as mem:
             m = prepare(model, kind, device, precision)
             for bs, x in batches.items():  # an array, or a feed of named arrays in ``like``'s structure
-                parts = [torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                         for a in (x.values() if isinstance(x, dict) else [x])]
+                parts = [
+                    torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                    for a in (x.values() if isinstance(x, dict) else [x])
+                ]
                 parts = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in parts]
                 xt = rebuild(like, parts) if like is not None else parts[0]
                 base.latency_ms[str(bs)] = percentiles(time_torch(m, xt, max(warmup, 1), iterations))
@@ -90,8 +102,12 @@ def measure(model: torch.nn.Module, kind: str, device: str, precision: str, batc
     return base
 
 
-def speedups(engine_device: str, latency: dict[str, Percentiles],
-             baselines: list[Baseline]) -> dict[str, dict[str, float]]:
+def speedups(
+    engine_device: str, latency: dict[str, Percentiles], baselines: list[Baseline]
+) -> dict[str, dict[str, float]]:
     """p50 ratio per batch against every baseline measured on the engine's device."""
-    return {b.label: {bs: b.latency_ms[bs].p50 / lat.p50 for bs, lat in latency.items() if bs in b.latency_ms}
-            for b in baselines if b.device == engine_device and b.latency_ms}
+    return {
+        b.label: {bs: b.latency_ms[bs].p50 / lat.p50 for bs, lat in latency.items() if bs in b.latency_ms}
+        for b in baselines
+        if b.device == engine_device and b.latency_ms
+    }

@@ -1,4 +1,5 @@
 """The ``validate:`` config section: batch sizes, timing, and the gates an engine must pass."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -9,21 +10,32 @@ from pydantic import Field, PositiveInt, ValidationError, field_validator
 
 
 def _default_per_precision() -> dict[str, dict[str, float]]:
-    return {"fp16": {"min_cosine": 0.999}, "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97,
-                                                      "max_accuracy_drop": 0.02}}
+    return {
+        "fp16": {"min_cosine": 0.999},
+        "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97, "max_accuracy_drop": 0.02},
+    }
 
 
 class GatesConfig(Section):
-    min_cosine: float = Field(0.9999, ge=-1.0, le=1.0, description="cosine similarity of the logits output, flattened, vs "
-                                                               "PyTorch (kiln.core.compare 'cosine')")
+    min_cosine: float = Field(
+        0.9999,
+        ge=-1.0,
+        le=1.0,
+        description="cosine similarity of the logits output, flattened, vs PyTorch (kiln.core.compare 'cosine')",
+    )
     max_abs_err: float | None = Field(None, ge=0, description="max abs output error vs PyTorch; null = unchecked")
-    min_top1_agreement: float = Field(0.99, ge=0, le=1.0, description="fraction of samples whose argmax matches PyTorch")
-    max_accuracy_drop: float = Field(0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)")
+    min_top1_agreement: float = Field(
+        0.99, ge=0, le=1.0, description="fraction of samples whose argmax matches PyTorch"
+    )
+    max_accuracy_drop: float = Field(
+        0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)"
+    )
     max_latency_p50_ms: float | None = Field(None, gt=0, description="latency budget at the largest batch size")
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
     per_precision: dict[str, dict[str, float]] = Field(
         default_factory=lambda: _default_per_precision(),
-        description="overrides of the gates above per precision, merged into these defaults gate by gate")
+        description="overrides of the gates above per precision, merged into these defaults gate by gate",
+    )
 
     @field_validator("per_precision", mode="before")
     @classmethod
@@ -57,29 +69,44 @@ class GatesConfig(Section):
 
 
 class ValidateConfig(Section):
-    batch_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 32], min_length=1,
-                                           description="latency batch sizes; the largest also sizes engine profiles")
+    batch_sizes: list[PositiveInt] = Field(
+        default_factory=lambda: [1, 32],
+        min_length=1,
+        description="latency batch sizes; the largest also sizes engine profiles",
+    )
     warmup: int = Field(5, ge=0)
     iterations: int = Field(30, ge=1)
     max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
     gates: GatesConfig = Field(default_factory=GatesConfig)
     logits_output: str | int | None = Field(
-        None, description="the class-logit output (name or index) for top-1 agreement and accuracy; null: the only "
-                          "output, else one named 'logits', else none (outputs compared by error and cosine only)")
+        None,
+        description="the class-logit output (name or index) for top-1 agreement and accuracy; null: the only "
+        "output, else one named 'logits', else none (outputs compared by error and cosine only)",
+    )
     shapes: dict[str, list[int]] = Field(
-        default_factory=dict, description="sizes of each dynamic axis (export.dynamic_axes name -> sizes) to "
-                                          "validate at; default: the smallest and largest in the data")
+        default_factory=dict,
+        description="sizes of each dynamic axis (export.dynamic_axes name -> sizes) to "
+        "validate at; default: the smallest and largest in the data",
+    )
     baselines: list[Literal["eager", "compile"]] = Field(
-        default_factory=lambda: ["eager"], min_length=1,
+        default_factory=lambda: ["eager"],
+        min_length=1,
         description="PyTorch baselines timed on each engine's device: eager, and/or compile (torch.compile;"
-                    " max-autotune on a GPU, default mode on the CPU)")
+        " max-autotune on a GPU, default mode on the CPU)",
+    )
     baseline_precisions: list[Literal["fp32", "fp16"]] = Field(
-        default_factory=lambda: ["fp32"], min_length=1,
-        description="precisions of the GPU baselines (fp16: model.half(); CPU baselines are always fp32)")
+        default_factory=lambda: ["fp32"],
+        min_length=1,
+        description="precisions of the GPU baselines (fp16: model.half(); CPU baselines are always fp32)",
+    )
     choice_margin: float = Field(
-        0.03, ge=0, lt=1, description="per batch, the chosen engine is the fastest that passes its gates; an engine"
-                                      " listed earlier (TensorRT first) keeps the choice unless a later one is"
-                                      " faster by more than this fraction (timing noise is no reason to switch)")
+        0.03,
+        ge=0,
+        lt=1,
+        description="per batch, the chosen engine is the fastest that passes its gates; an engine"
+        " listed earlier (TensorRT first) keeps the choice unless a later one is"
+        " faster by more than this fraction (timing noise is no reason to switch)",
+    )
 
     @field_validator("batch_sizes")
     @classmethod

@@ -1,5 +1,6 @@
 """``kiln validate ENGINE --reference ...``: one engine folder against an ONNX model or a PyTorch checkpoint,
 on the user's inputs (``--inputs x.npz``) or random ones of the engine's declared shapes. No workdir, no cache."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,10 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: "KilnCo
     ref_sess = ort_session(load_onnx(reference))
     ref_names = [i.name for i in ref_sess.get_inputs()]
     if sorted(ref_names) != sorted(feed):
-        raise InputFileError(f"reference inputs {ref_names} differ from the engine's/feed's {sorted(feed)}",
-                             hint="validate an engine against the ONNX model it was built from")
+        raise InputFileError(
+            f"reference inputs {ref_names} differ from the engine's/feed's {sorted(feed)}",
+            hint="validate an engine against the ONNX model it was built from",
+        )
     return dict(zip([o.name for o in ref_sess.get_outputs()], ref_sess.run(None, feed)))
 
 
@@ -69,9 +72,10 @@ def _check_array(spec: TensorSpec, array: np.ndarray) -> None:
     shape_ok = array.ndim == len(want) and all(w is None or w == d for w, d in zip(want, array.shape))
     if array.dtype != np.dtype(spec.dtype) or not shape_ok:
         dims = ", ".join("batch" if w is None else str(w) for w in want)
-        raise InputFileError(f"input '{spec.name}' is {array.dtype}{list(array.shape)}; the engine takes "
-                             f"{spec.dtype}[{dims}]",
-                             hint=f"save it as {spec.dtype} with that shape, e.g. x.astype('{spec.dtype}')")
+        raise InputFileError(
+            f"input '{spec.name}' is {array.dtype}{list(array.shape)}; the engine takes {spec.dtype}[{dims}]",
+            hint=f"save it as {spec.dtype} with that shape, e.g. x.astype('{spec.dtype}')",
+        )
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: "KilnConfig") -> EngineValidation:
@@ -80,20 +84,27 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
         feed = read_feed(inputs, meta.inputs)
     else:
         sizes = [max(v) for v in cfg.validate_.shapes.values() if v]
-        feed = random_inputs(meta.inputs, batch=max(cfg.validate_.batch_sizes), dynamic=max(sizes) if sizes else None,
-                             hint="pass --inputs file.npz with concrete arrays")
+        feed = random_inputs(
+            meta.inputs,
+            batch=max(cfg.validate_.batch_sizes),
+            dynamic=max(sizes) if sizes else None,
+            hint="pass --inputs file.npz with concrete arrays",
+        )
     ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
         got = runner.infer(feed)
         t = runner.time_ms(feed, cfg.validate_.warmup, cfg.validate_.iterations)
     for name, r in ref.items():
         if name in got and got[name].shape != r.shape:
-            raise InputFileError(f"engine output '{name}' has shape {got[name].shape}, the reference's {r.shape}",
-                                 hint="the engine was built from a different model")
+            raise InputFileError(
+                f"engine output '{name}' has shape {got[name].shape}, the reference's {r.shape}",
+                hint="the engine was built from a different model",
+            )
     # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
     logits = logits_name(list(ref), cfg.validate_.logits_output)
-    entry = EngineValidation(name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device,
-                             status="validated")
+    entry = EngineValidation(
+        name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="validated"
+    )
     summarize(entry, compare_all(ref, got, logits), logits)
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}

@@ -10,6 +10,7 @@ them. What is measured instead, by sampling in a thread while the work runs:
 
 Sampling every ``interval`` seconds misses allocations that live shorter than that; reported as ``method``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,13 +29,16 @@ def _used(device: str) -> Callable[[], int]:
         def cuda_used() -> int:
             free, total = torch.cuda.mem_get_info()
             return total - free
+
         return cuda_used
     proc = psutil.Process()
     return lambda: proc.memory_info().rss
 
 
-METHODS = {"cpu": "process RSS peak - before (psutil, sampled every 2 ms)",
-           "cuda": "device memory in use peak - before (torch.cuda.mem_get_info, sampled every 2 ms, device-wide)"}
+METHODS = {
+    "cpu": "process RSS peak - before (psutil, sampled every 2 ms)",
+    "cuda": "device memory in use peak - before (torch.cuda.mem_get_info, sampled every 2 ms, device-wide)",
+}
 
 
 class PeakMemory:

@@ -1,4 +1,5 @@
 """The validation section of report.md."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,14 +16,20 @@ def report_section(summary: dict[str, Any]) -> list[str]:
     sizes = _sizes(v)
     onnx_file = b.backend == "onnxruntime"  # `model.onnx`: the reference is that file, not a PyTorch model
     against = "the input ONNX file" if onnx_file else "PyTorch"
-    lines = ["", f"## Validation against {against}", "",
-             f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
-             f"samples. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
-             f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
-             *_compared(b), "",
-             "| engine | precision | device | passed | max abs err | cosine | top-1 agree | accuracy | "
-             + " | ".join(f"p50 ms @{s}" for s in sizes) + f" | speedup @{sizes[-1] if sizes else ''} |",
-             "|---|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|"]
+    lines = [
+        "",
+        f"## Validation against {against}",
+        "",
+        f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
+        f"samples. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
+        f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
+        *_compared(b),
+        "",
+        "| engine | precision | device | passed | max abs err | cosine | top-1 agree | accuracy | "
+        + " | ".join(f"p50 ms @{s}" for s in sizes)
+        + f" | speedup @{sizes[-1] if sizes else ''} |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|",
+    ]
     eager = {x.device: x for x in v.baselines if x.kind == "eager" and x.precision == "fp32"}
     for base in v.baselines or [b]:
         lat = " | ".join(_p50(base.latency_ms, s) for s in sizes)
@@ -30,27 +37,36 @@ def report_section(summary: dict[str, Any]) -> list[str]:
         own = base.latency_ms.get(sizes[-1]) if sizes else None
         ratio = fmt(ref.p50 / own.p50, ".2f") if ref and own else "-"  # vs eager on its device
         label = "input ONNX file, onnxruntime" if base.backend == "onnxruntime" else f"pytorch {base.kind}"
-        lines.append(f"| {label} (baseline) | {base.precision} | {base.device} | | | | | "
-                     f"{fmt(base.accuracy)} | {lat} | {ratio} |")
+        lines.append(
+            f"| {label} (baseline) | {base.precision} | {base.device} | | | | | "
+            f"{fmt(base.accuracy)} | {lat} | {ratio} |"
+        )
     for e in v.engines:
         if e.status != "validated":
-            lines.append(f"| {e.name} | {e.precision} | {e.device} | not run here (targets {e.device.upper()}): "
-                         f"{e.reason or ''} |" + " |" * (5 + len(sizes)))
+            lines.append(
+                f"| {e.name} | {e.precision} | {e.device} | not run here (targets {e.device.upper()}): "
+                f"{e.reason or ''} |" + " |" * (5 + len(sizes))
+            )
             continue
         g = e.gates
         lat = " | ".join(_p50(e.latency_ms, s) for s in sizes[:-1])
         last = _gated(_p50(e.latency_ms, sizes[-1]), "≤", g.get("max_latency_p50_ms")) if sizes else ""
         drop = None if g.get("max_accuracy_drop") is None or b.accuracy is None else b.accuracy - g["max_accuracy_drop"]
         speed = e.speedup_vs_baseline.get(sizes[-1]) if sizes else None
-        lines.append(f"| {e.name} | {e.precision} | {e.device} | {'yes' if e.passed else '**no**'} | "
-                     f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
-                     f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
-                     f"{_gated(fmt(e.top1_agreement), '≥', g.get('min_top1_agreement'))} | "
-                     f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
-                     f"{lat + ' | ' if lat else ''}{last} | {fmt(speed, '.2f')} |")
+        lines.append(
+            f"| {e.name} | {e.precision} | {e.device} | {'yes' if e.passed else '**no**'} | "
+            f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
+            f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
+            f"{_gated(fmt(e.top1_agreement), '≥', g.get('min_top1_agreement'))} | "
+            f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
+            f"{lat + ' | ' if lat else ''}{last} | {fmt(speed, '.2f')} |"
+        )
     if any(e.gates for e in v.engines):
-        lines += ["", "Each value is followed by its gate in parentheses (`validate.gates`, per precision); a value "
-                      "without one is not gated."]
+        lines += [
+            "",
+            "Each value is followed by its gate in parentheses (`validate.gates`, per precision); a value "
+            "without one is not gated.",
+        ]
     lines += [f"- baseline {x.label} not measured: {x.error}" for x in v.baselines if x.error]
     lines += _per_output(v)
     if v.failures:
@@ -74,12 +90,18 @@ def _vs_baselines(v: ValidationResult) -> list[str]:
     rows = [e for e in v.engines if e.speedups]
     if not rows or sum(1 for b in v.baselines if b.latency_ms) < 2:
         return []
-    out = ["", "### Speedup against each PyTorch baseline (same device, p50)", "",
-           "| engine | " + " | ".join(sorted({k for e in rows for k in e.speedups})) + " |",
-           "|---|" + "---|" * len({k for e in rows for k in e.speedups})]
+    out = [
+        "",
+        "### Speedup against each PyTorch baseline (same device, p50)",
+        "",
+        "| engine | " + " | ".join(sorted({k for e in rows for k in e.speedups})) + " |",
+        "|---|" + "---|" * len({k for e in rows for k in e.speedups}),
+    ]
     for e in rows:
-        cells = [", ".join(f"{x:.2f}x @{bs}" for bs, x in e.speedups.get(k, {}).items()) or "-"
-                 for k in sorted({k for r in rows for k in r.speedups})]
+        cells = [
+            ", ".join(f"{x:.2f}x @{bs}" for bs, x in e.speedups.get(k, {}).items()) or "-"
+            for k in sorted({k for r in rows for k in r.speedups})
+        ]
         out.append(f"| {e.name} | " + " | ".join(cells) + " |")
     return out
 
@@ -89,8 +111,13 @@ def _memory(v: ValidationResult) -> list[str]:
     entries += [(e.name, e.memory) for e in v.engines if e.memory]
     if not entries:
         return []
-    out = ["", "### Memory", "", "| what | peak MB (load + largest batch) | size on disk MB | measured as |",
-           "|---|---|---|---|"]
+    out = [
+        "",
+        "### Memory",
+        "",
+        "| what | peak MB (load + largest batch) | size on disk MB | measured as |",
+        "|---|---|---|---|",
+    ]
     for name, m in entries:
         out.append(f"| {name} | {fmt(m.peak_mb, '.1f')} | {fmt((m.size_bytes or 0) / 1e6, '.2f')} | {m.method} |")
     return out + ["", "PyTorch's size is its weights in memory (parameters + buffers); an engine's is its folder."]
@@ -103,8 +130,10 @@ def _chosen(v: ValidationResult, sizes: list[str]) -> list[str]:
         return []
     out = ["", "### Chosen engine per batch size", "", "| batch | chosen | candidates (p50 ms) |", "|---|---|---|"]
     for s in sizes:
-        listed = ", ".join(f"{e.name} {_p50(e.latency_ms, s)}" + ("" if e.passed and not e.dropped else " (no)")
-                           for e in sorted(cands, key=lambda e: e.latency_ms[s].p50 if s in e.latency_ms else 1e30))
+        listed = ", ".join(
+            f"{e.name} {_p50(e.latency_ms, s)}" + ("" if e.passed and not e.dropped else " (no)")
+            for e in sorted(cands, key=lambda e: e.latency_ms[s].p50 if s in e.latency_ms else 1e30)
+        )
         out.append(f"| {s} | {v.chosen.get(s, 'none passed')} | {listed} |")
     return out
 
@@ -122,26 +151,45 @@ def _compared(b: Any) -> list[str]:
     if not b.compared:
         return []
     shapes = "; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in b.shapes)
-    logits = (f"top-1 agreement and accuracy on '{b.logits_output}'" if b.logits_output else
-              "no class-logit output (validate.logits_output unset): no top-1 agreement or accuracy")
+    logits = (
+        f"top-1 agreement and accuracy on '{b.logits_output}'"
+        if b.logits_output
+        else "no class-logit output (validate.logits_output unset): no top-1 agreement or accuracy"
+    )
     if b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
-        logits += (f", counted over the {b.labelled_positions:,} labelled positions of the held-out samples (labels "
-                   "per position; -100 marks one without)")
-    return ["", f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
-            + (f" Dynamic axes validated at: {shapes}." if shapes else "")]
+        logits += (
+            f", counted over the {b.labelled_positions:,} labelled positions of the held-out samples (labels "
+            "per position; -100 marks one without)"
+        )
+    return [
+        "",
+        f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
+        + (f" Dynamic axes validated at: {shapes}." if shapes else ""),
+    ]
 
 
 def _per_output(v: ValidationResult) -> list[str]:
     """Each output's worst statistics per engine, when the model has more than one output."""
-    rows = [(e, name, s) for e in v.engines if e.status == "validated" and len(e.outputs) > 1
-            for name, s in e.outputs.items()]
+    rows = [
+        (e, name, s)
+        for e in v.engines
+        if e.status == "validated" and len(e.outputs) > 1
+        for name, s in e.outputs.items()
+    ]
     if not rows:
         return []
-    out = ["", "### Per output (worst over shapes and batch sizes)", "",
-           "| engine | output | max abs err | rel err | cosine | top-1 agree |", "|---|---|---|---|---|---|"]
+    out = [
+        "",
+        "### Per output (worst over shapes and batch sizes)",
+        "",
+        "| engine | output | max abs err | rel err | cosine | top-1 agree |",
+        "|---|---|---|---|---|---|",
+    ]
     for e, name, s in rows:
-        out.append(f"| {e.name} | {name} | {fmt(s['max_abs_err'], '.2e')} | {fmt(s['rel_err'], '.2e')} | "
-                   f"{fmt(s['cosine'], '.6f')} | {fmt(s['top1_agreement'])} |")
+        out.append(
+            f"| {e.name} | {name} | {fmt(s['max_abs_err'], '.2e')} | {fmt(s['rel_err'], '.2e')} | "
+            f"{fmt(s['cosine'], '.6f')} | {fmt(s['top1_agreement'])} |"
+        )
     return out
 
 
@@ -150,8 +198,13 @@ def _speed_table(v: ValidationResult) -> list[str]:
     if not v.speed_vs_fp32:
         return []
     engines = {e.name: e for e in v.engines}
-    out = ["", "### Reduced precision vs FP32, same backend and device", "",
-           "| engine | vs FP32 (p50 speedup per batch) | INT8 vs FP16 | verdict |", "|---|---|---|---|"]
+    out = [
+        "",
+        "### Reduced precision vs FP32, same backend and device",
+        "",
+        "| engine | vs FP32 (p50 speedup per batch) | INT8 vs FP16 | verdict |",
+        "|---|---|---|---|",
+    ]
     for r in v.speed_vs_fp32:
         ratios = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r["vs_fp32"].items())
         fp16 = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r.get("vs_fp16", {}).items()) or "-"
@@ -159,6 +212,3 @@ def _speed_table(v: ValidationResult) -> list[str]:
         verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else "faster")
         out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
     return out
-
-
-

@@ -4,6 +4,7 @@ Accuracy: max abs error, cosine similarity, top-1 agreement, task accuracy. Late
 warm-up at each configured batch size, with the PyTorch baseline measured in the same run. Gates decide
 ``passed``; the runner turns a failed gate into a non-zero exit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,41 +60,56 @@ def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict
     """The comparator's statistics of the logits output, plus task accuracy where there are labels."""
     stats = compare_arrays(ref, got)
     accuracy = label_accuracy(got, labels) if labels is not None else None
-    return {"max_abs_err": stats.max_abs_err, "cosine": stats.cosine, "top1_agreement": stats.top1_agreement,
-            "accuracy": accuracy}
+    return {
+        "max_abs_err": stats.max_abs_err,
+        "cosine": stats.cosine,
+        "top1_agreement": stats.top1_agreement,
+        "accuracy": accuracy,
+    }
 
 
-def compare_all(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str | None,
-                where: np.ndarray | None = None) -> dict[str, OutputStats]:
+def compare_all(
+    ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str | None, where: np.ndarray | None = None
+) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
     the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
     labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads)."""
     missing = sorted(set(ref) - set(got))
     if missing:
-        raise ModelError(f"the engine has no output {missing} (it has {sorted(got)})",
-                         hint="rebuild the engines from this model's ONNX export (kiln run --force export)")
+        raise ModelError(
+            f"the engine has no output {missing} (it has {sorted(got)})",
+            hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
+        )
     try:
         stats = compare_outputs(ref, got, where={logits: where} if logits is not None and where is not None else None)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
-        raise ModelError(f"the engine's outputs do not match the reference's: {exc}",
-                         hint="rebuild the engines from this model's ONNX export (kiln run --force export)") from None
+        raise ModelError(
+            f"the engine's outputs do not match the reference's: {exc}",
+            hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
+        ) from None
     return {n: s if n == logits else replace(s, top1_agreement=None) for n, s in stats.items()}
 
 
 def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[str, OutputStats]:
     """Per output, the worse value of each statistic (NaN is worst)."""
+
     def pick(x: float | None, y: float | None, higher: bool) -> float | None:
         if x is None or y is None:
             return y if x is None else x
         if np.isnan(x) or np.isnan(y):
             return float("nan")
         return min(x, y) if higher else max(x, y)
+
     out = dict(a)
     for name, s in b.items():
         if name in out:
             t = out[name]
-            s = OutputStats(pick(t.max_abs_err, s.max_abs_err, False), pick(t.rel_err, s.rel_err, False),
-                            pick(t.cosine, s.cosine, True), pick(t.top1_agreement, s.top1_agreement, True))
+            s = OutputStats(
+                pick(t.max_abs_err, s.max_abs_err, False),
+                pick(t.rel_err, s.rel_err, False),
+                pick(t.cosine, s.cosine, True),
+                pick(t.top1_agreement, s.top1_agreement, True),
+            )
         out[name] = s
     return out
 
@@ -157,8 +173,9 @@ def check_gates(entry: EngineValidation, baseline_acc: float | None, gates: dict
     """Each gate the engine misses, as a sentence naming the value and its threshold (NaN fails every gate)."""
     fails = []
     # Per output: the worst one must pass (named when the model has several)
-    per_output = entry.outputs if len(entry.outputs) > 1 else {"": {"cosine": entry.cosine,
-                                                                      "max_abs_err": entry.max_abs_err}}
+    per_output = (
+        entry.outputs if len(entry.outputs) > 1 else {"": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err}}
+    )
     for name, s in per_output.items():
         where = f"output '{name}' " if name else ""
         if not s["cosine"] >= gates["min_cosine"]:
@@ -178,8 +195,9 @@ def check_gates(entry: EngineValidation, baseline_acc: float | None, gates: dict
     return fails
 
 
-def labels_at_points(labels: np.ndarray | None, feed: Feed, feeds: list[tuple[dict[str, int], Feed]],
-                     axes: Axes) -> list[np.ndarray | None]:
+def labels_at_points(
+    labels: np.ndarray | None, feed: Feed, feeds: list[tuple[dict[str, int], Feed]], axes: Axes
+) -> list[np.ndarray | None]:
     """The held-out labels at each validated shape: labels per row as they are; labels per position follow the input
     they are shaped like (a token classifier's ``[N, seq]`` tags follow ``input_ids``: cut, or padded with
     ``IGNORE_LABEL`` where the input is padded with zeros). None at a shape they cannot follow."""
@@ -200,19 +218,32 @@ class Reference:
     ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any (one array
     per shape: :func:`labels_at_points`)."""
 
-    def __init__(self, run: Callable[[Feed], dict[str, np.ndarray]], feeds: list[tuple[dict[str, int], Feed]],
-                 labels: list[np.ndarray | None], logits: str | None, batch: int, smallest: int = 1) -> None:
+    def __init__(
+        self,
+        run: Callable[[Feed], dict[str, np.ndarray]],
+        feeds: list[tuple[dict[str, int], Feed]],
+        labels: list[np.ndarray | None],
+        logits: str | None,
+        batch: int,
+        smallest: int = 1,
+    ) -> None:
         self.run, self.feeds, self.point_labels, self.logits = run, feeds, labels, logits
         self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest)
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
             rows = feed_rows(feeds[0][1]) // batch * batch
             if not rows:
-                raise ModelError(f"the outputs {coupled} follow the batch beyond their first axis (each row depends "
-                                 f"on the whole batch), and the data has fewer held-out rows than the largest "
-                                 f"validated batch ({batch})", hint="give the data more held-out rows, or validate "
-                                                                    "smaller validate.batch_sizes")
-            log.info("outputs %s depend on the whole batch: compared on %d held-out rows (whole batches of %d)",
-                     coupled, rows, batch)
+                raise ModelError(
+                    f"the outputs {coupled} follow the batch beyond their first axis (each row depends "
+                    f"on the whole batch), and the data has fewer held-out rows than the largest "
+                    f"validated batch ({batch})",
+                    hint="give the data more held-out rows, or validate smaller validate.batch_sizes",
+                )
+            log.info(
+                "outputs %s depend on the whole batch: compared on %d held-out rows (whole batches of %d)",
+                coupled,
+                rows,
+                batch,
+            )
             self.feeds = [(point, feed_take(feed, slice(0, rows))) for point, feed in feeds]
             self.point_labels = [None if y is None else y[:rows] for y in labels]
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
@@ -247,11 +278,13 @@ class Reference:
         return (y if batch is None else sample_batch(y, batch)) != IGNORE_LABEL
 
 
-def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig,
-                    ctx: StageContext) -> EngineValidation:
+def validate_engine(
+    engine_dir: Path, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig, ctx: StageContext
+) -> EngineValidation:
     meta = read_metadata(engine_dir)
-    entry = EngineValidation(name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device,
-                             status="not-runnable")
+    entry = EngineValidation(
+        name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="not-runnable"
+    )
     ok, why = runnable(meta)
     if not ok:
         entry.reason = why
@@ -279,8 +312,9 @@ def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline],
         entry.shapes = [p for p, _ in ref.feeds if p]
         with ctx.progress.task(f"timing {meta.name}", total=len(cfg.batch_sizes)) as bar:
             for bs in cfg.batch_sizes:
-                entry.latency_ms[str(bs)] = percentiles(runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup,
-                                                                      cfg.iterations))
+                entry.latency_ms[str(bs)] = percentiles(
+                    runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup, cfg.iterations)
+                )
                 bar.advance()
     finally:
         runner.deactivate()
@@ -294,13 +328,18 @@ def validate_engine(engine_dir: Path, ref: Reference, baselines: list[Baseline],
     return entry
 
 
-def measure_baselines(model: torch.nn.Module, devices: list[str], feed: Feed, like: Any, n: int,
-                      cfg: ValidateConfig, ctx: StageContext) -> list[Baseline]:
+def measure_baselines(
+    model: torch.nn.Module, devices: list[str], feed: Feed, like: Any, n: int, cfg: ValidateConfig, ctx: StageContext
+) -> list[Baseline]:
     """Every configured baseline kind on every device an engine runs on (the CPU always: it is the accuracy
     reference's device), on ``feed`` (named inputs, called in ``like``'s structure)."""
     batches = {bs: sample_batch(feed, bs) for bs in cfg.batch_sizes}
-    runs = [(kind, device, precision) for device in devices for kind in cfg.baselines
-            for precision in (cfg.baseline_precisions if device == "cuda" else ["fp32"])]
+    runs = [
+        (kind, device, precision)
+        for device in devices
+        for kind in cfg.baselines
+        for precision in (cfg.baseline_precisions if device == "cuda" else ["fp32"])
+    ]
     out = []
     with ctx.progress.task("timing PyTorch baselines", total=len(runs)) as bar:
         for kind, device, precision in runs:
@@ -317,8 +356,10 @@ def choose(engines: list[EngineValidation], order: list[str], margin: float) -> 
     ``order`` (backend preference: TensorRT first); a later one takes the choice only when faster than the current
     choice by more than ``margin``."""
     rank = {b: i for i, b in enumerate(order)}
-    ok = sorted((e for e in engines if e.status == "validated" and e.passed and not e.dropped),
-                key=lambda e: (rank.get(e.backend, len(rank)), e.name))
+    ok = sorted(
+        (e for e in engines if e.status == "validated" and e.passed and not e.dropped),
+        key=lambda e: (rank.get(e.backend, len(rank)), e.name),
+    )
     chosen: dict[str, str] = {}
     for bs in sorted({bs for e in ok for bs in e.latency_ms}, key=int):
         best: EngineValidation | None = None
@@ -348,8 +389,9 @@ def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig)
         out_names = list(named_outputs(model, from_feed(feed_take(feed, slice(0, 2)), data.val_x)))
     logits = logits_name(out_names, cfg.logits_output)
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return Reference(run, feeds, labels_at_points(labels, feed, feeds, axes), logits, max(cfg.batch_sizes),
-                     min(cfg.batch_sizes)), model
+    return Reference(
+        run, feeds, labels_at_points(labels, feed, feeds, axes), logits, max(cfg.batch_sizes), min(cfg.batch_sizes)
+    ), model
 
 
 def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
@@ -369,8 +411,14 @@ def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) 
         return dict(zip(out_names, sess.run(None, f)))
 
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    return Reference(run, feeds, labels_at_points(labels, feed, feeds, axes), logits_name(out_names, cfg.logits_output),
-                     max(cfg.batch_sizes), min(cfg.batch_sizes)), sess
+    return Reference(
+        run,
+        feeds,
+        labels_at_points(labels, feed, feeds, axes),
+        logits_name(out_names, cfg.logits_output),
+        max(cfg.batch_sizes),
+        min(cfg.batch_sizes),
+    ), sess
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -379,8 +427,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     data = ctx.dataset()
     from_torch = torch_model_named(ctx.config)
     ref, model = (torch_reference if from_torch else onnx_reference)(ctx, data, cfg)
-    check_batch_fits([TensorSpec(name=k, shape=["batch", *v.shape[1:]], dtype=v.dtype.name)
-                      for k, v in ref.feed.items()], max(cfg.batch_sizes))
+    check_batch_fits(
+        [TensorSpec(name=k, shape=["batch", *v.shape[1:]], dtype=v.dtype.name) for k, v in ref.feed.items()],
+        max(cfg.batch_sizes),
+    )
     accuracy = None
     if ref.logits is not None and ref.labels is not None:
         accuracy = label_accuracy(ref.outputs[-1][ref.logits], ref.labels)
@@ -391,8 +441,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if from_torch:
         baselines = measure_baselines(model, devices, ref.feed, data.val_x, n, cfg, ctx)
     else:  # started from model.onnx: the FP32 graph in ONNX Runtime on the CPU is the baseline
-        baselines = [Baseline(backend="onnxruntime", accuracy=None, samples=n, latency_ms={
-            str(bs): percentiles(_time_session(model, sample_batch(ref.feed, bs), cfg)) for bs in cfg.batch_sizes})]
+        baselines = [
+            Baseline(
+                backend="onnxruntime",
+                accuracy=None,
+                samples=n,
+                latency_ms={
+                    str(bs): percentiles(_time_session(model, sample_batch(ref.feed, bs), cfg))
+                    for bs in cfg.batch_sizes
+                },
+            )
+        ]
     labelled = ref.labelled(len(ref.feeds) - 1)
     for b in baselines:
         b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
@@ -400,11 +459,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
         b.labelled_positions = None if labelled is None else int(labelled.sum())
     baseline = next(b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch))
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
-        baseline = Baseline(accuracy=accuracy, samples=n, latency_ms={}, error=baseline.error,
-                            labelled_positions=baseline.labelled_positions)
+        baseline = Baseline(
+            accuracy=accuracy,
+            samples=n,
+            latency_ms={},
+            error=baseline.error,
+            labelled_positions=baseline.labelled_positions,
+        )
     if ref.logits is None:
-        ctx.log.info("no class-logit output among %s: engines compared by error and cosine per output, without "
-                     "top-1 agreement or accuracy (set validate.logits_output to name one)", baseline.compared)
+        ctx.log.info(
+            "no class-logit output among %s: engines compared by error and cosine per output, without "
+            "top-1 agreement or accuracy (set validate.logits_output to name one)",
+            baseline.compared,
+        )
     engines = [validate_engine(d, ref, baselines, cfg, ctx) for d in dirs]
     validated = [e for e in engines if e.status == "validated"]
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
@@ -414,11 +481,24 @@ def run(ctx: StageContext) -> dict[str, Any]:
     dropped = drop_slower(engines, speed) if ctx.config.precision.require_speedup else []
     for row in speed:
         if row["slower"]:
-            ctx.log.warning("%s is slower than FP32 at batch %s (%.2fx)%s", row["engine"], row["largest_batch"],
-                            row["vs_fp32"][row["largest_batch"]], ": dropped" if row["engine"] in dropped else "")
+            ctx.log.warning(
+                "%s is slower than FP32 at batch %s (%.2fx)%s",
+                row["engine"],
+                row["largest_batch"],
+                row["vs_fp32"][row["largest_batch"]],
+                ": dropped" if row["engine"] in dropped else "",
+            )
     chosen = choose(engines, preference_order(), cfg.choice_margin)
-    result = ValidationResult(passed=not failures, baseline=baseline, baselines=baselines, engines=engines,
-                              failures=failures, speed_vs_fp32=speed, dropped=dropped, chosen=chosen)
+    result = ValidationResult(
+        passed=not failures,
+        baseline=baseline,
+        baselines=baselines,
+        engines=engines,
+        failures=failures,
+        speed_vs_fp32=speed,
+        dropped=dropped,
+        chosen=chosen,
+    )
     result.write(ctx.out / "validation.json")
     for e in engines:
         ctx.log.info("%s: %s", e.name, e.status)
@@ -444,8 +524,14 @@ def _env(cfg: Any) -> dict[str, Any]:
 
 # Engines run through kiln.stages.engines' runners, and the baseline is built from kiln.models: their code is part
 # of the result.
-STAGE = Stage("validate", run, ("train", "build"), ("seed", "model", "data", "validate", "precision.require_speedup",
-                                                  "export.dynamic_axes"),
-              (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io, precision_speed), _env,
-              "accuracy and latency of every engine vs PyTorch, with gates", data=("dataset", "onnx"),
-              report=report_section)
+STAGE = Stage(
+    "validate",
+    run,
+    ("train", "build"),
+    ("seed", "model", "data", "validate", "precision.require_speedup", "export.dynamic_axes"),
+    (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io, precision_speed),
+    _env,
+    "accuracy and latency of every engine vs PyTorch, with gates",
+    data=("dataset", "onnx"),
+    report=report_section,
+)

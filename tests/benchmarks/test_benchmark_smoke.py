@@ -1,4 +1,5 @@
 """The CPU benchmarks run end to end on tiny settings and write results whose fields the README quotes."""
+
 import json
 import subprocess
 import sys
@@ -12,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, *args: str) -> None:
-    subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, check=True, capture_output=True,
-                   timeout=240)
+    subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, check=True, capture_output=True, timeout=240
+    )
 
 
 def test_int8_anatomy(tmp_path: Path) -> None:
@@ -61,11 +63,20 @@ def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) 
 @pytest.mark.slow
 def test_engine_bench_two_input_hf_bert_with_the_validate_compile_baseline(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    _run("engine_bench.py", "--smoke", "--models", "hf_bert", "--rows", "eager32,baseline_compile,kiln,kiln_torch",
-         "--out", str(tmp_path))
+    _run(
+        "engine_bench.py",
+        "--smoke",
+        "--models",
+        "hf_bert",
+        "--rows",
+        "eager32,baseline_compile,kiln,kiln_torch",
+        "--out",
+        str(tmp_path),
+    )
     rows = json.loads((tmp_path / "engine_bench.json").read_text())["results"]
-    assert {(r["row"], r["batch"]) for r in rows} == {(row, b) for row in ("eager32", "baseline_compile", "kiln",
-                                                                            "kiln_torch") for b in (1, 4)}, rows
+    assert {(r["row"], r["batch"]) for r in rows} == {
+        (row, b) for row in ("eager32", "baseline_compile", "kiln", "kiln_torch") for b in (1, 4)
+    }, rows
     assert all(r["median_ms"] > 0 and r["cosine"] > 0.9999 for r in rows)  # all FP32 on the CPU
     assert "validate.baselines compile" in (tmp_path / "engine_bench.md").read_text()
 
@@ -98,39 +109,63 @@ def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
     spec = importlib.util.spec_from_file_location("engine_bench", ROOT / "benchmarks" / "engine_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    kinds = {name: bench.kernel_kind(name) for name in (
-        "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc", "void cudnn::ops::nchwToNhwcKernel<__half>",
-        "triton_tem_fused_addmm_gelu_3", "fmha_cutlassF_f16_aligned_64x64_rf_sm80", "triton_per_fused_layer_norm_4",
-        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>",
-        "triton_poi_fused__to_copy_0", "void cudnn::bn_fw_inf_1C11_kernel_NHWC<__half, float, true, true>",
-        "void cudnn::pooling_fw_kernel_max_nhwc<__half>", "void op_generic_tensor_kernel<4, __half, float>",
-        "void implicit_convolve_sgemm<__half, __half, 128>", "triton_tem_fused_addmm_t_view_1",
-        "triton_tem_fused__native_batch_norm_legit_no_training_convolution_relu_19")}
-    assert kinds == {"sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc": "convolution",
-                     "void cudnn::ops::nchwToNhwcKernel<__half>": "layout", "triton_tem_fused_addmm_gelu_3": "matmul",
-                     "fmha_cutlassF_f16_aligned_64x64_rf_sm80": "attention",
-                     "triton_per_fused_layer_norm_4": "normalization",
-                     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>": "other",
-                     "triton_poi_fused__to_copy_0": "copy / cast",
-                     "void cudnn::bn_fw_inf_1C11_kernel_NHWC<__half, float, true, true>": "normalization",
-                     "void cudnn::pooling_fw_kernel_max_nhwc<__half>": "pooling",
-                     "void op_generic_tensor_kernel<4, __half, float>": "other",
-                     "void implicit_convolve_sgemm<__half, __half, 128>": "convolution",
-                     "triton_tem_fused_addmm_t_view_1": "matmul",
-                     "triton_tem_fused__native_batch_norm_legit_no_training_convolution_relu_19": "convolution"}, kinds
-    row = {"model": "m", "batch": 32, "row": "kiln_fixed", "median_ms": 1.9,
-           "profile": {"kernel_ms": 1.5, "kernels": 80.0, "by_kind": {"convolution": [1.2, 20.0], "layout": [0.3, 60.0]},
-                       "top": [["conv_kernel", 0.2, 1.0]]}}
-    assert bench.inductor_entries("triton.enable_persistent_tma_matmul=true,max_autotune_gemm_backends=ATEN,TRITON,"
-                                  "x=3") == {"triton.enable_persistent_tma_matmul": True,
-                                             "max_autotune_gemm_backends": "ATEN,TRITON", "x": 3}
+    kinds = {
+        name: bench.kernel_kind(name)
+        for name in (
+            "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc",
+            "void cudnn::ops::nchwToNhwcKernel<__half>",
+            "triton_tem_fused_addmm_gelu_3",
+            "fmha_cutlassF_f16_aligned_64x64_rf_sm80",
+            "triton_per_fused_layer_norm_4",
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>",
+            "triton_poi_fused__to_copy_0",
+            "void cudnn::bn_fw_inf_1C11_kernel_NHWC<__half, float, true, true>",
+            "void cudnn::pooling_fw_kernel_max_nhwc<__half>",
+            "void op_generic_tensor_kernel<4, __half, float>",
+            "void implicit_convolve_sgemm<__half, __half, 128>",
+            "triton_tem_fused_addmm_t_view_1",
+            "triton_tem_fused__native_batch_norm_legit_no_training_convolution_relu_19",
+        )
+    }
+    assert kinds == {
+        "sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_nhwckrsc": "convolution",
+        "void cudnn::ops::nchwToNhwcKernel<__half>": "layout",
+        "triton_tem_fused_addmm_gelu_3": "matmul",
+        "fmha_cutlassF_f16_aligned_64x64_rf_sm80": "attention",
+        "triton_per_fused_layer_norm_4": "normalization",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>": "other",
+        "triton_poi_fused__to_copy_0": "copy / cast",
+        "void cudnn::bn_fw_inf_1C11_kernel_NHWC<__half, float, true, true>": "normalization",
+        "void cudnn::pooling_fw_kernel_max_nhwc<__half>": "pooling",
+        "void op_generic_tensor_kernel<4, __half, float>": "other",
+        "void implicit_convolve_sgemm<__half, __half, 128>": "convolution",
+        "triton_tem_fused_addmm_t_view_1": "matmul",
+        "triton_tem_fused__native_batch_norm_legit_no_training_convolution_relu_19": "convolution",
+    }, kinds
+    row = {
+        "model": "m",
+        "batch": 32,
+        "row": "kiln_fixed",
+        "median_ms": 1.9,
+        "profile": {
+            "kernel_ms": 1.5,
+            "kernels": 80.0,
+            "by_kind": {"convolution": [1.2, 20.0], "layout": [0.3, 60.0]},
+            "top": [["conv_kernel", 0.2, 1.0]],
+        },
+    }
+    assert bench.inductor_entries(
+        "triton.enable_persistent_tma_matmul=true,max_autotune_gemm_backends=ATEN,TRITON,x=3"
+    ) == {"triton.enable_persistent_tma_matmul": True, "max_autotune_gemm_backends": "ATEN,TRITON", "x": 3}
     for bad in ("max-autotune=true", "freezing", "a=1;b=2"):
         with pytest.raises(Exception, match="KEY=VALUE"):
             bench.inductor_entries(bad)
     table = "\n".join(bench.profile_table([row]))
     assert "| m | 32 | kiln_fixed | 1.900 | 1.500 | 80 | convolution 1.200 (20), layout 0.300 (60) |" in table
     assert bench.torch_variant("aten_frozen:freezing=true,max_autotune_gemm_backends=ATEN") == (
-        "kiln_torch_aten_frozen", {"freezing": True, "max_autotune_gemm_backends": "ATEN"})
+        "kiln_torch_aten_frozen",
+        {"freezing": True, "max_autotune_gemm_backends": "ATEN"},
+    )
     assert bench.torch_variant("epi:gemm_epilogues=bias_gelu") == ("kiln_torch_epi", {"gemm_epilogues": "bias_gelu"})
     for bad in ("aten", "Aten:x=1", "aten:x"):
         with pytest.raises(Exception, match="NAME:KEY=VALUE|KEY=VALUE"):
@@ -151,8 +186,9 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
     assert all(x > 0 for v in res["variants"].values() for x in v["kiln_steps_per_s"] + v["bare_steps_per_s"])
     spin = res["variants"]["bare+spin"]["details"][0]
     assert spin["pad_us_measured"] >= 100  # a spin lasts at least what it was asked for
-    assert spin["expected_ratio"] == pytest.approx(1 / (1 + spin["pad_us_measured"] / 1e6 * spin["bare_steps_per_s"]),
-                                                   rel=0.02)
+    assert spin["expected_ratio"] == pytest.approx(
+        1 / (1 + spin["pad_us_measured"] / 1e6 * spin["bare_steps_per_s"]), rel=0.02
+    )
     spec = importlib.util.spec_from_file_location("train_loop_ab", ROOT / "benchmarks" / "train_loop_ab.py")
     ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab)
@@ -160,7 +196,11 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
     with ab.variant_patches("step+batches+compile"):
         assert loop._Trainer._step is ab.bare_step and loop.make_loader is not make and torch.compile is not compile_fn
     assert (loop._Trainer._step, loop._Trainer._forward_backward, loop.make_loader, torch.compile) == (
-        step, fb, make, compile_fn)
+        step,
+        fb,
+        make,
+        compile_fn,
+    )
     from kiln.stages.train import health
 
     capture, push = health._capture, health.LaggedStats.push

@@ -1,4 +1,5 @@
 """A tiny Conv -> Relu -> pool -> MatMul -> Gemm classifier built in code for the calibration tests."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,10 +21,15 @@ def conv_model() -> onnx.ModelProto:
         helper.make_node("Gemm", ["m", "gw", "gb"], ["logits"], name="head", transB=1),
     ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 8, 8])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])],
-        [numpy_helper.from_array(v, k) for k, v in
-         {"cw": w(8, 1, 3, 3), "mw": w(8, 16), "gw": w(10, 16), "gb": w(10)}.items()])
+        [
+            numpy_helper.from_array(v, k)
+            for k, v in {"cw": w(8, 1, 3, 3), "mw": w(8, 16), "gw": w(10, 16), "gb": w(10)}.items()
+        ],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 9
     return onnx.shape_inference.infer_shapes(model)

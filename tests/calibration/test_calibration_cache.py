@@ -1,4 +1,5 @@
 """Calibration ranges are cached on (model content, data, method, settings) and reused without recalibrating."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_a_cache_file_damaged_but_still_parsing_is_recomputed(tmp_path: Path) ->
     first = calibrate(path, batches(), "input", "minmax", cache_dir=cache)
     text = first.path.read_text()
     digit = next(i for i, c in enumerate(text) if c.isdigit() and c != "9")
-    first.path.write_text(text[:digit] + "9" + text[digit + 1:])
+    first.path.write_text(text[:digit] + "9" + text[digit + 1 :])
     again = calibrate(path, batches(), "input", "minmax", cache_dir=cache)
     assert not again.cache_hit and again.amax() == first.amax()
     assert calibrate(path, batches(), "input", "minmax", cache_dir=cache).cache_hit  # rewritten whole
@@ -76,8 +77,10 @@ def test_methods_give_their_own_ranges(tmp_path: Path) -> None:
     """Entropy clips long tails below the observed maximum, so its ranges differ from minmax's (with ONNX Runtime's
     default 128 bins it had a single candidate threshold and silently equalled minmax everywhere)."""
     path = saved(tmp_path)
-    data = [b * np.where(np.random.default_rng(i).random(b.shape) < 0.01, 20.0, 1.0).astype(np.float32)
-            for i, b in enumerate(batches(n=8))]  # a few outliers: a long tail
+    data = [
+        b * np.where(np.random.default_rng(i).random(b.shape) < 0.01, 20.0, 1.0).astype(np.float32)
+        for i, b in enumerate(batches(n=8))
+    ]  # a few outliers: a long tail
     amax = {m: calibrate(path, data, "input", m, cache_dir=None).amax() for m in ("minmax", "entropy", "percentile")}
     assert amax["minmax"].keys() == amax["entropy"].keys()
     assert all(amax["entropy"][t] <= amax["minmax"][t] * (1 + 1e-6) for t in amax["minmax"])

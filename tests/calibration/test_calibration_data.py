@@ -1,4 +1,5 @@
 """Calibration data from the run's dataset or a user reader; config validation; the TensorRT table."""
+
 from __future__ import annotations
 
 import struct
@@ -28,7 +29,8 @@ def test_dataset_batches_fixed_count_deterministic_and_like_validation() -> None
 
 
 def test_user_reader_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "my_calib.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_calib.py").write_text(
+        textwrap.dedent("""
         import numpy as np
         def reader(scale=1.0):
             rng = np.random.default_rng(0)
@@ -36,11 +38,13 @@ def test_user_reader_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
                 yield {"input": (rng.random((4, 1, 8, 8)) * scale)}
         def wrong_shape():
             return [np.zeros((4, 3, 8, 8), np.float32)]
-        """))
+        """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     data = synthetic(shape=(1, 8, 8), size=64)
-    got = calibration_batches(data, CalibrationConfig(reader="my_calib:reader", reader_params={"scale": 2.0},
-                                                      num_batches=5))
+    got = calibration_batches(
+        data, CalibrationConfig(reader="my_calib:reader", reader_params={"scale": 2.0}, num_batches=5)
+    )
     assert len(got) == 5 and got[0].dtype == np.float32 and got[0].max() > 1.0
     with pytest.raises(ConfigError, match="model takes"):
         calibration_batches(data, CalibrationConfig(reader="my_calib:wrong_shape"))

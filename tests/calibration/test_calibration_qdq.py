@@ -1,4 +1,5 @@
 """INT8 Q/DQ graphs: where Q/DQ pairs go, per-channel symmetric weights, symmetric activations, exclusions."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -85,11 +86,18 @@ def shared_bias_model() -> onnx.ModelProto:
     inits = [w(4, 1, 3, 3), w(4, 4, 3, 3), numpy_helper.from_array(np.zeros(4, np.float32))]
     for t, name in zip(inits, ("w1", "w2", "b")):
         t.name = name
-    nodes = [helper.make_node("Conv", ["input", "w1", "b"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
-             helper.make_node("Relu", ["c"], ["b0"], name="relu"),
-             helper.make_node("Conv", ["b0", "w2", "b"], ["y"], name="conv2", pads=[1, 1, 1, 1])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 1, 8, 8])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 8, 8])], inits)
+    nodes = [
+        helper.make_node("Conv", ["input", "w1", "b"], ["c"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["b0"], name="relu"),
+        helper.make_node("Conv", ["b0", "w2", "b"], ["y"], name="conv2", pads=[1, 1, 1, 1]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["n", 1, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4, 8, 8])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 9
     return model

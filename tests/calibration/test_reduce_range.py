@@ -1,4 +1,5 @@
 """calibration.reduce_range: 7-bit weights when asked (or, with auto, on a CPU whose INT8 kernels saturate)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +28,11 @@ def test_reduced_weights_fit_seven_bits(tmp_path: Path, setting: str, limit: int
     info = quantize_int8(path, tmp_path / "int8.onnx", ranges, CalibrationConfig(reduce_range=setting))
     assert info["reduce_range"] is (setting == "on")
     model = onnx.load(str(tmp_path / "int8.onnx"))
-    weights = [numpy_helper.to_array(i) for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8
-               and len(i.dims) >= 2]
+    weights = [
+        numpy_helper.to_array(i)
+        for i in model.graph.initializer
+        if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2
+    ]
     assert weights and max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == limit
 
 
@@ -42,4 +46,3 @@ def test_the_precision_stage_cache_key_holds_the_resolved_setting(setting: str) 
 
     cfg = config_from_dict(tiny_config_dict(**{"calibration.reduce_range": setting}))
     assert STAGE.env(cfg)["int8_reduce_range"] is (setting == "on")
-

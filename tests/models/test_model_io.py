@@ -1,4 +1,5 @@
 """Weights as the train stage writes and reads them: tied tensors (a language model's head is its embedding)."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,8 +5,10 @@ from kiln.core.errors import ConfigError
 from kiln.core.outputs import flatten_outputs
 from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
 
-SMALL = {"resnet18": {"width": 8, "num_classes": 10}, "bert_base": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128,
-                                                                    "in_features": 16, "seq_len": 8}}
+SMALL = {
+    "resnet18": {"width": 8, "num_classes": 10},
+    "bert_base": {"layers": 1, "dim": 64, "heads": 4, "ffn": 128, "in_features": 16, "seq_len": 8},
+}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -30,7 +32,11 @@ def test_datasets_split_and_label(name: str) -> None:
 
 
 def test_digits_is_deterministic_per_seed() -> None:
-    a, b, c = load_dataset("digits", {"seed": 1}), load_dataset("digits", {"seed": 1}), load_dataset("digits", {"seed": 2})
+    a, b, c = (
+        load_dataset("digits", {"seed": 1}),
+        load_dataset("digits", {"seed": 1}),
+        load_dataset("digits", {"seed": 2}),
+    )
     assert torch.equal(a.val_y, b.val_y) and not torch.equal(a.val_y, c.val_y)
 
 
@@ -53,7 +59,9 @@ def test_default_dataset_fits_the_default_model(name: str) -> None:
     assert all(out.shape[0] == 2 and torch.isfinite(out).all() for out in outs.values())
 
 
-@pytest.mark.parametrize("params, named", [({"dim": 64, "heads": 5}, "divisible"), ({"input_kind": "img"}, "input_kind")])
+@pytest.mark.parametrize(
+    "params, named", [({"dim": 64, "heads": 5}, "divisible"), ({"input_kind": "img"}, "input_kind")]
+)
 def test_bad_transformer_params_are_config_errors(params, named) -> None:
     # Before: an AssertionError traceback (heads) or a silently wrong model (input_kind).
     with pytest.raises(ConfigError, match=named):

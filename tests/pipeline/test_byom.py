@@ -1,5 +1,6 @@
 """Bring your own model: multi-input, multi-output models from a user module through `kiln run` (CLI), every
 precision, validated at two batch sizes and two sequence lengths; a regression model; the contract's errors."""
+
 from __future__ import annotations
 
 import json
@@ -221,12 +222,21 @@ def text(size=256, as_tuple=False, max_len=16):
 
 def _user_run(tmp_path: Path, model: str, data_params: dict, **extra) -> dict:
     (tmp_path / "byom_user.py").write_text(textwrap.dedent(USER_MODULE))
-    cfg = tiny_config_dict(**{"model.name": f"byom_user:{model}", "model.params": {},
-                              "data.name": "byom_user:text", "data.params": data_params,
-                              "train.epochs": 1, "train.batch_size": 32,
-                              "precision.variants": ["fp32", "fp16", "int8"],
-                              "export.dynamic_axes": SEQ_AXES, "validate.batch_sizes": [1, 32],
-                              "validate.max_samples": 64, **extra})
+    cfg = tiny_config_dict(
+        **{
+            "model.name": f"byom_user:{model}",
+            "model.params": {},
+            "data.name": "byom_user:text",
+            "data.params": data_params,
+            "train.epochs": 1,
+            "train.batch_size": 32,
+            "precision.variants": ["fp32", "fp16", "int8"],
+            "export.dynamic_axes": SEQ_AXES,
+            "validate.batch_sizes": [1, 32],
+            "validate.max_samples": 64,
+            **extra,
+        }
+    )
     path = tmp_path / "kiln.yaml"
     path.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
@@ -257,8 +267,17 @@ def test_huggingface_token_classifier_trains_on_token_labels_and_validates_token
     labelled tokens, and every engine's accuracy counts labelled tokens only. Before: the labels were refused when
     the data loaded ("neither integer class labels (one per row) nor float targets")."""
     pytest.importorskip("transformers")
-    v = _user_run(tmp_path, "bert_tagger", {}, **{"data.name": "byom_user:tagged_text", "train.epochs": 4,
-                                                  "train.lr": 0.01, "precision.variants": ["fp32", "int8"]})
+    v = _user_run(
+        tmp_path,
+        "bert_tagger",
+        {},
+        **{
+            "data.name": "byom_user:tagged_text",
+            "train.epochs": 4,
+            "train.lr": 0.01,
+            "precision.variants": ["fp32", "int8"],
+        },
+    )
     assert v["passed"] is True, v["failures"]
     assert v["baseline"]["logits_output"] == "logits" and v["baseline"]["accuracy"] > 0.9
     for e in v["engines"]:
@@ -274,9 +293,18 @@ def test_causal_language_model_trains_on_next_token_labels(tmp_path: Path) -> No
     """transformers' GPT-2 ([N, seq, vocab] logits) fine-tuned on next-token labels (-100 on each last position):
     the loss, accuracy and top-1 agreement count the 15 labelled positions of each held-out row."""
     pytest.importorskip("transformers")
-    v = _user_run(tmp_path, "gpt2", {}, **{"data.name": "byom_user:next_tokens", "train.epochs": 6,
-                                           "export.dynamic_axes": {"input_ids": {1: "seq"}},
-                                           "precision.variants": ["fp32", "int8"], "validate.batch_sizes": [1, 8]})
+    v = _user_run(
+        tmp_path,
+        "gpt2",
+        {},
+        **{
+            "data.name": "byom_user:next_tokens",
+            "train.epochs": 6,
+            "export.dynamic_axes": {"input_ids": {1: "seq"}},
+            "precision.variants": ["fp32", "int8"],
+            "validate.batch_sizes": [1, 8],
+        },
+    )
     assert v["passed"] is True, v["failures"]
     assert v["baseline"]["labelled_positions"] == 64 * 15 and v["baseline"]["accuracy"] > 0.8
     assert all(e["accuracy"] > 0.8 and e["top1_agreement"] > 0.99 for e in v["engines"])
@@ -288,8 +316,10 @@ def test_huggingface_bert_as_an_inductor_engine(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     v = _user_run(tmp_path, "bert", {}, **{"precision.variants": ["fp32"], "build.backends": ["onnxruntime", "torch"]})
     assert v["passed"] is True, v["failures"]
-    assert {e["name"]: e["status"] for e in v["engines"]} == {"onnxruntime-cpu-fp32": "validated",
-                                                               "torch-cpu-fp32": "validated"}
+    assert {e["name"]: e["status"] for e in v["engines"]} == {
+        "onnxruntime-cpu-fp32": "validated",
+        "torch-cpu-fp32": "validated",
+    }
     torch_engine = next(e for e in v["engines"] if e["backend"] == "torch")
     assert torch_engine["shapes"] == [{"seq": 8}, {"seq": 16}] and set(torch_engine["latency_ms"]) == {"1", "32"}
     assert torch_engine["outputs"]["logits"]["cosine"] > 0.9999
@@ -300,12 +330,24 @@ def test_embedding_model_with_dict_outputs_through_every_engine_kind(tmp_path: P
     engines and a torch engine. Before: the export failed (the dynamo exporter wrote `embedding` twice, the name
     of its nn.Embedding's value too) and the torch engine failed on the dict."""
     pytest.importorskip("transformers")
-    v = _user_run(tmp_path, "embedder", {}, **{"data.name": "byom_user:unlabelled_text", "train.enabled": False,
-                                               "precision.variants": ["fp32", "int8"], "validate.batch_sizes": [1, 8],
-                                               "build.backends": ["onnxruntime", "torch"]})
+    v = _user_run(
+        tmp_path,
+        "embedder",
+        {},
+        **{
+            "data.name": "byom_user:unlabelled_text",
+            "train.enabled": False,
+            "precision.variants": ["fp32", "int8"],
+            "validate.batch_sizes": [1, 8],
+            "build.backends": ["onnxruntime", "torch"],
+        },
+    )
     assert v["passed"] is True and v["baseline"]["compared"] == ["embedding", "last_hidden_state"]
     assert {e["name"] for e in v["engines"] if e["status"] == "validated"} == {
-        "onnxruntime-cpu-fp32", "onnxruntime-cpu-int8", "torch-cpu-fp32"}
+        "onnxruntime-cpu-fp32",
+        "onnxruntime-cpu-int8",
+        "torch-cpu-fp32",
+    }
     for e in v["engines"]:
         assert e["shapes"] == [{"seq": 8}, {"seq": 16}] and e["top1_agreement"] is None
         assert all(s["cosine"] >= 0.99 for s in e["outputs"].values())
@@ -315,12 +357,24 @@ def test_language_model_with_tied_weights(tmp_path: Path) -> None:
     """A transformers GPT-2 (logits [batch, seq, vocab]; lm_head.weight is transformer.wte.weight). Before: writing
     its weights ended `kiln run` with safetensors' "Some tensors share memory" traceback."""
     pytest.importorskip("transformers")
-    v = _user_run(tmp_path, "gpt2", {}, **{"data.name": "byom_user:unlabelled_text", "train.enabled": False,
-                                           "precision.variants": ["fp32", "int8"], "validate.batch_sizes": [1, 8],
-                                           "build.backends": ["onnxruntime", "torch"]})
+    v = _user_run(
+        tmp_path,
+        "gpt2",
+        {},
+        **{
+            "data.name": "byom_user:unlabelled_text",
+            "train.enabled": False,
+            "precision.variants": ["fp32", "int8"],
+            "validate.batch_sizes": [1, 8],
+            "build.backends": ["onnxruntime", "torch"],
+        },
+    )
     assert v["passed"] is True, v["failures"]
     assert {e["name"] for e in v["engines"] if e["status"] == "validated"} == {
-        "onnxruntime-cpu-fp32", "onnxruntime-cpu-int8", "torch-cpu-fp32"}
+        "onnxruntime-cpu-fp32",
+        "onnxruntime-cpu-int8",
+        "torch-cpu-fp32",
+    }
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "wd" / "train" / "model.safetensors"), "pt") as f:
@@ -332,9 +386,17 @@ def test_audio_with_a_dynamic_time_axis(tmp_path: Path) -> None:
     """A 1-D convolution over raw audio, dynamic in time. Before: the optimizer's safety net ran it on random inputs
     2 samples long and stopped the run ("cannot run the input model"); it now takes the lengths the export saw in
     the data (export/dynamic_sizes.json)."""
-    v = _user_run(tmp_path, "audio_conv", {}, **{"data.name": "byom_user:audio", "precision.variants": ["fp32"],
-                                                 "export.dynamic_axes": {"input": {1: "time"}},
-                                                 "validate.batch_sizes": [1, 8]})
+    v = _user_run(
+        tmp_path,
+        "audio_conv",
+        {},
+        **{
+            "data.name": "byom_user:audio",
+            "precision.variants": ["fp32"],
+            "export.dynamic_axes": {"input": {1: "time"}},
+            "validate.batch_sizes": [1, 8],
+        },
+    )
     assert v["passed"] is True, v["failures"]
     assert v["baseline"]["shapes"] == [{"time": 200}, {"time": 400}]
     sizes = json.loads((tmp_path / "wd" / "export" / "dynamic_sizes.json").read_text())
@@ -346,9 +408,18 @@ def test_tabular_model_with_an_input_named_like_a_graph_value_and_categorical_co
     outputs and the user's loss. Before: the export failed the ONNX checker (the dynamo exporter named its
     torch.cat value `cat` as well as the input), and then the optimizer's safety net stopped the run (its random
     codes went up to optimize.int_high 16, past the 10 rows of each embedding)."""
-    v = _user_run(tmp_path, "tabular", {}, **{"data.name": "byom_user:tabular_data", "export.dynamic_axes": {},
-                                              "train.loss": "byom_user:gaussian_nll", "validate.batch_sizes": [1, 16],
-                                              "precision.variants": ["fp32", "int8"]})
+    v = _user_run(
+        tmp_path,
+        "tabular",
+        {},
+        **{
+            "data.name": "byom_user:tabular_data",
+            "export.dynamic_axes": {},
+            "train.loss": "byom_user:gaussian_nll",
+            "validate.batch_sizes": [1, 16],
+            "precision.variants": ["fp32", "int8"],
+        },
+    )
     assert v["passed"] is True, v["failures"]
     assert v["baseline"]["compared"] == ["price", "log_var"]
     import onnx
@@ -362,9 +433,18 @@ def test_contrastive_model_with_batch_coupled_and_nested_outputs(tmp_path: Path)
     """CLIP's shape of model: image-text logits [images, texts] whose rows depend on the whole batch, and nested
     outputs. Before: a nested output was refused ("nested tuples/lists of tensors are not supported"), and validation
     ended in a traceback (it sliced the largest batch's reference rows for batch 1: [1, 4] against [1, 1])."""
-    v = _user_run(tmp_path, "contrastive", {}, **{"data.name": "byom_user:pairs", "train.enabled": False,
-                                                  "export.dynamic_axes": {}, "precision.variants": ["fp32", "int8"],
-                                                  "validate.batch_sizes": [1, 4]})
+    v = _user_run(
+        tmp_path,
+        "contrastive",
+        {},
+        **{
+            "data.name": "byom_user:pairs",
+            "train.enabled": False,
+            "export.dynamic_axes": {},
+            "precision.variants": ["fp32", "int8"],
+            "validate.batch_sizes": [1, 4],
+        },
+    )
     assert v["passed"] is True, v["failures"]
     assert v["baseline"]["compared"] == ["logits_per_image", "towers.image", "towers.text"]
     assert v["baseline"]["logits_output"] is None  # three outputs, none named logits
@@ -376,10 +456,19 @@ def test_two_dynamic_axes_of_different_lengths_through_every_engine_kind(tmp_pat
     """A source axis up to 12 and a target axis up to 6 (an encoder-decoder's shape). Before: the torch engine was
     skipped (torch.export's example put every dynamic axis at the largest size of any, 12, out of the target's
     range), and the ORT fusion check ran the target at 12 too."""
-    v = _user_run(tmp_path, "source_target", {}, **{"data.name": "byom_user:src_tgt", "train.enabled": False,
-                                                    "export.dynamic_axes": {"src": {1: "src"}, "tgt": {1: "tgt"}},
-                                                    "precision.variants": ["fp32"], "validate.batch_sizes": [1, 4],
-                                                    "build.backends": ["onnxruntime", "torch"]})
+    v = _user_run(
+        tmp_path,
+        "source_target",
+        {},
+        **{
+            "data.name": "byom_user:src_tgt",
+            "train.enabled": False,
+            "export.dynamic_axes": {"src": {1: "src"}, "tgt": {1: "tgt"}},
+            "precision.variants": ["fp32"],
+            "validate.batch_sizes": [1, 4],
+            "build.backends": ["onnxruntime", "torch"],
+        },
+    )
     assert v["passed"] is True, v["failures"]
     assert {e["name"] for e in v["engines"] if e["status"] == "validated"} == {"onnxruntime-cpu-fp32", "torch-cpu-fp32"}
     assert v["baseline"]["shapes"] == [{"src": 6, "tgt": 3}, {"src": 12, "tgt": 6}]
@@ -391,7 +480,7 @@ def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:
     assert v["baseline"]["compared"] == ["output_0", "output_1"] and v["baseline"]["logits_output"] == "output_1"
     # The hidden state [B, S, H] is compared by error and cosine only: top-1 is the logits output's
     assert all(e["outputs"]["output_0"]["top1_agreement"] is None for e in v["engines"])
-    graph = (tmp_path / "wd" / "export" / "model.onnx")
+    graph = tmp_path / "wd" / "export" / "model.onnx"
     import onnx
 
     names = [i.name for i in onnx.load(str(graph)).graph.input]
@@ -399,9 +488,17 @@ def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:
 
 
 def test_zoo_token_classifier_without_a_logits_output_validates_by_agreement(tmp_path: Path) -> None:
-    cfg = config_from_dict(tiny_config_dict(**{
-        "model.name": "token_classifier", "model.params": {"dim": 16, "layers": 1}, "train.enabled": False,
-        "export.dynamic_axes": SEQ_AXES, "validate.max_samples": 32}))
+    cfg = config_from_dict(
+        tiny_config_dict(
+            **{
+                "model.name": "token_classifier",
+                "model.params": {"dim": 16, "layers": 1},
+                "train.enabled": False,
+                "export.dynamic_axes": SEQ_AXES,
+                "validate.max_samples": 32,
+            }
+        )
+    )
     result, report = run_pipeline(cfg, tmp_path / "wd")
     assert result.ok, result.error
     v = report["validation"]
@@ -412,8 +509,16 @@ def test_zoo_token_classifier_without_a_logits_output_validates_by_agreement(tmp
 
 
 def test_regression_model_trains_with_mse_and_validates_without_accuracy(tmp_path: Path) -> None:
-    cfg = config_from_dict(tiny_config_dict(**{"model.name": "mlp_regressor", "model.params": {},
-                                                "train.epochs": 3, "precision.variants": ["fp32", "int8"]}))
+    cfg = config_from_dict(
+        tiny_config_dict(
+            **{
+                "model.name": "mlp_regressor",
+                "model.params": {},
+                "train.epochs": 3,
+                "precision.variants": ["fp32", "int8"],
+            }
+        )
+    )
     result, report = run_pipeline(cfg, tmp_path / "wd")
     assert result.ok, result.error
     epochs = report["stages"]["train"]["summary"]["epochs"]
@@ -449,12 +554,18 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_kiln_run_from_an_onnx_file(exported, tmp_path: Path) -> None:
     onnx_path, _ = exported
-    cfg = tiny_config_dict(**{"model": {"onnx": str(onnx_path)}, "data.name": "synthetic_text",
-                              "precision.variants": ["fp32", "fp16", "int8"], "validate.batch_sizes": [1, 32],
-                              "validate.logits_output": "output_1",
-                              # this checks the ONNX-file path, not INT8's accuracy: on a tiny, briefly trained
-                              # model one flipped row of the 32 compared is 0.969 (kiln's default gate is 0.97)
-                              "validate.gates.per_precision": {"int8": {"min_top1_agreement": 0.9}}})
+    cfg = tiny_config_dict(
+        **{
+            "model": {"onnx": str(onnx_path)},
+            "data.name": "synthetic_text",
+            "precision.variants": ["fp32", "fp16", "int8"],
+            "validate.batch_sizes": [1, 32],
+            "validate.logits_output": "output_1",
+            # this checks the ONNX-file path, not INT8's accuracy: on a tiny, briefly trained
+            # model one flipped row of the 32 compared is 0.969 (kiln's default gate is 0.97)
+            "validate.gates.per_precision": {"int8": {"min_top1_agreement": 0.9}},
+        }
+    )
     path = tmp_path / "kiln.yaml"
     path.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
@@ -473,8 +584,10 @@ def test_direct_precision_then_build_and_validate(exported, tmp_path: Path) -> N
     onnx_path, npz = exported
     cli = CliRunner()
     out = tmp_path / "out"
-    r = cli.invoke(main, ["precision", str(onnx_path), "-o", str(out), "--variants", "fp16,int8",
-                          "--calibration", str(npz), "--quiet"])
+    r = cli.invoke(
+        main,
+        ["precision", str(onnx_path), "-o", str(out), "--variants", "fp16,int8", "--calibration", str(npz), "--quiet"],
+    )
     assert r.exit_code == 0, r.output
     variants = json.loads((out / "variants.json").read_text())
     assert set(variants["variants"]) == {"fp32", "fp16", "int8"} and variants["axis_sizes"] == {"seq": [16]}
@@ -484,10 +597,22 @@ def test_direct_precision_then_build_and_validate(exported, tmp_path: Path) -> N
         graph = out / entry["backend_paths"].get("onnxruntime-cpu", entry["path"])
         r = cli.invoke(main, ["build", str(graph), "--precision", precision, "-o", str(engine), "--quiet"])
         assert r.exit_code == 0, r.output
-        r = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(npz),
-                              "--set", "validate.logits_output=output_1", "--quiet"])
+        r = cli.invoke(
+            main,
+            [
+                "validate",
+                str(engine),
+                "--reference",
+                str(onnx_path),
+                "--inputs",
+                str(npz),
+                "--set",
+                "validate.logits_output=output_1",
+                "--quiet",
+            ],
+        )
         assert r.exit_code == 0, r.output
-        got = json.loads(r.output[r.output.index("{"):])
+        got = json.loads(r.output[r.output.index("{") :])
         assert got["passed"] and set(got["outputs"]) == {"output_0", "output_1"}
         assert got["outputs"]["output_1"]["top1_agreement"] is not None
 
@@ -496,7 +621,18 @@ def test_direct_precision_without_data_says_random_and_needs_sizes(exported, tmp
     onnx_path, _ = exported
     r = CliRunner().invoke(main, ["precision", str(onnx_path), "-o", str(tmp_path / "o"), "--variants", "int8"])
     assert r.exit_code == 2 and "error: input 'input_ids' has dynamic axes" in r.output and "--calibration" in r.output
-    r = CliRunner().invoke(main, ["precision", str(onnx_path), "-o", str(tmp_path / "o"), "--variants", "int8",
-                                  "--set", "validate.shapes={seq: [4, 12]}"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "precision",
+            str(onnx_path),
+            "-o",
+            str(tmp_path / "o"),
+            "--variants",
+            "int8",
+            "--set",
+            "validate.shapes={seq: [4, 12]}",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "RANDOM inputs" in r.output + caplog.text

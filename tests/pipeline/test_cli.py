@@ -1,4 +1,5 @@
 """The CLI through click's CliRunner: help everywhere, exit codes, clean errors (no tracebacks)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -101,7 +102,18 @@ def eig_model() -> EigModel:
 
 
 def test_unsupported_op_in_model(cli: CliRunner, tmp_path: Path) -> None:
-    result = cli.invoke(main, ["export", "--model", "tests.pipeline.test_cli:eig_model", "--input-shape", "1,8,8", "-o", str(tmp_path / "m.onnx")])
+    result = cli.invoke(
+        main,
+        [
+            "export",
+            "--model",
+            "tests.pipeline.test_cli:eig_model",
+            "--input-shape",
+            "1,8,8",
+            "-o",
+            str(tmp_path / "m.onnx"),
+        ],
+    )
     assert_clean_error(result, 2, "torch.onnx.export failed", "eigvals")
 
 
@@ -132,7 +144,9 @@ def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: p
     model = tmp_path / "m.onnx"
     exported = cli.invoke(main, ["export", "--model", "cnn", "-o", str(model)])
     assert exported.exit_code == 0, exported.output
-    result = cli.invoke(main, ["build", str(model), "--backend", "tensorrt", "--device", "cuda", "-o", str(tmp_path / "e")])
+    result = cli.invoke(
+        main, ["build", str(model), "--backend", "tensorrt", "--device", "cuda", "-o", str(tmp_path / "e")]
+    )
     assert_clean_error(result, 2, "TensorRT", "pip install")
 
 
@@ -144,11 +158,13 @@ def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
     ckpt = tmp_path / "w.pt"
     torch.save(build_model("cnn").state_dict(), ckpt)
     onnx_path, opt, engine = tmp_path / "m.onnx", tmp_path / "m.opt.onnx", tmp_path / "engine"
-    for args in (["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)],
-                 ["optimize", str(onnx_path), "-o", str(opt)],
-                 ["build", str(opt), "--backend", "onnxruntime", "-o", str(engine)],
-                 ["validate", str(engine), "--reference", str(onnx_path)],
-                 ["validate", str(engine), "--reference", str(ckpt), "--model", "cnn"]):
+    for args in (
+        ["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)],
+        ["optimize", str(onnx_path), "-o", str(opt)],
+        ["build", str(opt), "--backend", "onnxruntime", "-o", str(engine)],
+        ["validate", str(engine), "--reference", str(onnx_path)],
+        ["validate", str(engine), "--reference", str(ckpt), "--model", "cnn"],
+    ):
         result = cli.invoke(main, args)
         assert result.exit_code == 0, (args, result.output)
     assert '"passed": true' in result.output
@@ -163,7 +179,10 @@ def test_direct_validate_against_wrong_model_fails_gate(cli: CliRunner, tmp_path
     torch.save(build_model("cnn").state_dict(), a)
     torch.manual_seed(1)
     torch.save(build_model("cnn").state_dict(), b)
-    assert cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(a), "-o", str(tmp_path / "a.onnx")]).exit_code == 0
+    assert (
+        cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(a), "-o", str(tmp_path / "a.onnx")]).exit_code
+        == 0
+    )
     assert cli.invoke(main, ["build", str(tmp_path / "a.onnx"), "-o", str(tmp_path / "e")]).exit_code == 0
     result = cli.invoke(main, ["validate", str(tmp_path / "e"), "--reference", str(b), "--model", "cnn"])
     assert_clean_error(result, 3, "failed its gates", "cosine")
@@ -183,18 +202,27 @@ def test_direct_validate_with_bad_inputs_files(cli: CliRunner, tmp_path: Path) -
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
     torch.save(build_model("cnn").state_dict(), ckpt)
-    assert cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)]).exit_code == 0
+    assert (
+        cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)]).exit_code == 0
+    )
     assert cli.invoke(main, ["build", str(onnx_path), "-o", str(engine)]).exit_code == 0
     x = np.zeros((2, 1, 8, 8), np.float32)
     np.save(tmp_path / "x.npy", x)
     np.savez(tmp_path / "wrong.npz", pixels=x)
     np.savez(tmp_path / "good.npz", input=x)
     (tmp_path / "junk.npz").write_text("not numpy")
-    for name, needle in (("x.npy", "bare array"), ("wrong.npz", "the engine takes ['input']"),
-                         ("junk.npz", "cannot read inputs")):
-        result = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / name)])
+    for name, needle in (
+        ("x.npy", "bare array"),
+        ("wrong.npz", "the engine takes ['input']"),
+        ("junk.npz", "cannot read inputs"),
+    ):
+        result = cli.invoke(
+            main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / name)]
+        )
         assert_clean_error(result, 2, needle, "np.savez")
-    result = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / "good.npz")])
+    result = cli.invoke(
+        main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / "good.npz")]
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -218,9 +246,17 @@ def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path)
     staging = tmp_path / ".train.staging-other-run"
     staging.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from kiln.pipeline.workdir_lock import workdir_lock\n"
-                               f"with workdir_lock(Path({str(tmp_path)!r})):\n print('locked', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from kiln.pipeline.workdir_lock import workdir_lock\n"
+            f"with workdir_lock(Path({str(tmp_path)!r})):\n print('locked', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         result = cli.invoke(main, ["run", "-w", str(tmp_path)])
@@ -237,7 +273,9 @@ def _exported_engine(cli: CliRunner, tmp_path: Path) -> tuple[Path, Path, Path]:
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
     torch.save(build_model("cnn").state_dict(), ckpt)
-    assert cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)]).exit_code == 0
+    assert (
+        cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(ckpt), "-o", str(onnx_path)]).exit_code == 0
+    )
     assert cli.invoke(main, ["build", str(onnx_path), "-o", str(engine)]).exit_code == 0
     return ckpt, onnx_path, engine
 
@@ -250,8 +288,9 @@ def test_direct_validate_inputs_of_the_wrong_shape_or_dtype(cli: CliRunner, tmp_
     np.savez(tmp_path / "shape.npz", input=np.zeros((4, 3, 8, 8), np.float32))
     np.savez(tmp_path / "dtype.npz", input=np.zeros((4, 1, 8, 8), np.float64))
     for name in ("shape.npz", "dtype.npz"):
-        result = cli.invoke(main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs",
-                                   str(tmp_path / name)])
+        result = cli.invoke(
+            main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / name)]
+        )
         assert_clean_error(result, 2, "input 'input' is", "the engine takes float32[batch, 1, 8, 8]")
 
 
@@ -269,9 +308,16 @@ def test_direct_export_takes_the_configs_checkpoint(cli: CliRunner, tmp_path: Pa
     np.testing.assert_allclose(run(tmp_path / "from_config.onnx"), run(explicit), atol=1e-6)
 
 
-@pytest.mark.parametrize("args", [["build", "--backend", "tensorrt"], ["build", "-o", "out"],
-                                  ["validate", "--reference", "m.onnx"], ["optimize", "-o", "x.onnx"],
-                                  ["export", "--input-shape", "1,8,8"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["build", "--backend", "tensorrt"],
+        ["build", "-o", "out"],
+        ["validate", "--reference", "m.onnx"],
+        ["optimize", "-o", "x.onnx"],
+        ["export", "--input-shape", "1,8,8"],
+    ],
+)
 def test_direct_mode_options_without_their_file_are_refused(cli: CliRunner, tmp_path: Path, args) -> None:
     """They used to be ignored silently: the stage ran inside the workdir instead, exit 0."""
     result = cli.invoke(main, [*args, "-w", str(tmp_path / "w")])
@@ -284,8 +330,9 @@ def test_bad_input_shape_is_a_clean_error(cli: CliRunner, tmp_path: Path) -> Non
     assert_clean_error(result, 2, "positive integers")
 
 
-def test_user_model_module_next_to_the_config(cli: CliRunner, tmp_path: Path, write_yaml,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_user_model_module_next_to_the_config(
+    cli: CliRunner, tmp_path: Path, write_yaml, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`model.name: mymodels:build` with mymodels.py beside the config imports without PYTHONPATH; a typo or a
     broken module is a clean error (both were tracebacks)."""
     import sys
@@ -293,27 +340,34 @@ def test_user_model_module_next_to_the_config(cli: CliRunner, tmp_path: Path, wr
     folder = tmp_path / "project"
     folder.mkdir()
     (folder / "kiln_t_models.py").write_text(
-        "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n")
+        "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n"
+    )
     (folder / "kiln_t_broken.py").write_text("def build(:\n")
     cfg = folder / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"model": {"name": "kiln_t_models:build"}, "data": {"name": "digits"},
-                                   "train": {"epochs": 1}}))
+    cfg.write_text(
+        yaml.safe_dump({"model": {"name": "kiln_t_models:build"}, "data": {"name": "digits"}, "train": {"epochs": 1}})
+    )
     monkeypatch.setattr(sys, "path", list(sys.path))
     try:
         ok = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "w"), "--until", "train", "-q"])
         assert ok.exit_code == 0, ok.output
-        for name, needle in (("nosuch.mod:fn", "cannot import module 'nosuch.mod'"),
-                             ("kiln_t_broken:build", "SyntaxError")):
-            bad = cli.invoke(main, ["run", str(cfg), "--set", f"model.name={name}", "-w", str(tmp_path / "w"),
-                                    "--until", "train", "-q"])
+        for name, needle in (
+            ("nosuch.mod:fn", "cannot import module 'nosuch.mod'"),
+            ("kiln_t_broken:build", "SyntaxError"),
+        ):
+            bad = cli.invoke(
+                main,
+                ["run", str(cfg), "--set", f"model.name={name}", "-w", str(tmp_path / "w"), "--until", "train", "-q"],
+            )
             assert_clean_error(bad, 2, needle)
     finally:
         for m in ("kiln_t_models", "kiln_t_broken"):
             sys.modules.pop(m, None)
 
 
-def test_package_after_a_failed_gate_keeps_the_good_package_and_the_full_report(cli: CliRunner, tmp_path: Path,
-                                                                                 write_yaml) -> None:
+def test_package_after_a_failed_gate_keeps_the_good_package_and_the_full_report(
+    cli: CliRunner, tmp_path: Path, write_yaml
+) -> None:
     """`kiln package` after a failed gate used to exit 0, replace the package by an empty one and cut report.md
     down to the package stage, saying PASSED."""
     import json
@@ -331,8 +385,9 @@ def test_package_after_a_failed_gate_keeps_the_good_package_and_the_full_report(
     # a failed gate, then `kiln package`: refused, the earlier package stays
     failed = cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q", "--set", "validate.gates.max_latency_p50_ms=1e-6"])
     assert failed.exit_code == 3
-    result = cli.invoke(main, ["package", str(cfg), "-w", str(wd), "-q",
-                               "--set", "validate.gates.max_latency_p50_ms=1e-6"])
+    result = cli.invoke(
+        main, ["package", str(cfg), "-w", str(wd), "-q", "--set", "validate.gates.max_latency_p50_ms=1e-6"]
+    )
     assert_clean_error(result, 3, "nothing is packaged")
     assert json.loads((wd / "package" / "kiln-package.json").read_text()) == good
     assert "**Result: FAILED**" in (wd / "report.md").read_text()
@@ -340,8 +395,9 @@ def test_package_after_a_failed_gate_keeps_the_good_package_and_the_full_report(
 
 def test_from_after_until_and_empty_lists_are_config_errors(cli: CliRunner, tmp_path: Path) -> None:
     wd = str(tmp_path / "w")
-    assert_clean_error(cli.invoke(main, ["run", "--from", "validate", "--until", "export", "-w", wd]), 2,
-                       "comes after --until export")
+    assert_clean_error(
+        cli.invoke(main, ["run", "--from", "validate", "--until", "export", "-w", wd]), 2, "comes after --until export"
+    )
     for key in ("build.backends=[]", "precision.variants=[]"):
         assert_clean_error(cli.invoke(main, ["run", "--set", key, "-w", wd]), 2, "at least 1 item")
 
@@ -361,7 +417,9 @@ def test_garbage_pt_checkpoint_and_wrong_input_shape_say_what_is_wrong(cli: CliR
     wrong --input-shape used to blame 'an op ONNX cannot express'."""
     garbage = tmp_path / "w.pt"
     garbage.write_bytes(b"garbage")
-    result = cli.invoke(main, ["export", "--model", "cnn", "--checkpoint", str(garbage), "-o", str(tmp_path / "m.onnx")])
+    result = cli.invoke(
+        main, ["export", "--model", "cnn", "--checkpoint", str(garbage), "-o", str(tmp_path / "m.onnx")]
+    )
     assert_clean_error(result, 2, "cannot read checkpoint", "not a plain state dict")
     assert "weights_only` set to `False`" not in result.output
     result = cli.invoke(main, ["export", "--model", "cnn", "--input-shape", "3,32,32", "-o", str(tmp_path / "m.onnx")])
@@ -378,8 +436,13 @@ def test_a_models_folder_in_the_working_directory_does_not_shadow_kiln(tmp_path:
     (tmp_path / "models" / "weights.safetensors").write_bytes(b"")
     cfg = write_yaml(tiny_config_dict())
     # -P: like the `kiln` script, Python itself does not put the current folder first (as `-m` would)
-    proc = subprocess.run([sys.executable, "-P", "-m", "kiln.cli", "run", str(cfg), "-w", str(tmp_path / "w"), "-q",
-                           "--until", "train"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "kiln.cli", "run", str(cfg), "-w", str(tmp_path / "w"), "-q", "--until", "train"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
@@ -391,8 +454,9 @@ def test_a_validation_of_other_settings_does_not_judge_this_run(cli: CliRunner, 
 
     cfg, wd = write_yaml(tiny_config_dict()), tmp_path / "w"
     assert cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q"]).exit_code == 0
-    bad = cli.invoke(main, ["validate", "-c", str(cfg), "-w", str(wd), "-q",
-                            "--set", "validate.gates.max_latency_p50_ms=1e-6"])
+    bad = cli.invoke(
+        main, ["validate", "-c", str(cfg), "-w", str(wd), "-q", "--set", "validate.gates.max_latency_p50_ms=1e-6"]
+    )
     assert bad.exit_code == 3
     assert cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q", "--until", "build"]).exit_code == 0
     report = json.loads((wd / "report.json").read_text())
@@ -430,11 +494,13 @@ def test_help_lists_passes_and_stages(cli: CliRunner) -> None:
     assert run.count(" -> ".join(STAGE_NAMES)) == 3  # --force, --from, --until
 
 
-@pytest.mark.parametrize("name", ["run", "config", "train", "export", "optimize", "precision", "build", "validate",
-                                  "package"])
+@pytest.mark.parametrize(
+    "name", ["run", "config", "train", "export", "optimize", "precision", "build", "validate", "package"]
+)
 @pytest.mark.parametrize("form", ["positional", "-c"])
-def test_config_accepted_as_positional_and_option_everywhere(cli: CliRunner, write_yaml, tmp_path: Path, name: str,
-                                                             form: str) -> None:
+def test_config_accepted_as_positional_and_option_everywhere(
+    cli: CliRunner, write_yaml, tmp_path: Path, name: str, form: str
+) -> None:
     cfg = str(write_yaml({"train": {"epochz": 2}}))  # an unknown key: proves the command read this file
     args = [name, cfg] if form == "positional" else [name, "-c", cfg]
     result = cli.invoke(main, args + (["-w", str(tmp_path / "wd")] if name != "config" else []))

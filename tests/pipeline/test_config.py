@@ -74,8 +74,9 @@ def test_zero_max_samples_is_config_error() -> None:
         config_from_dict({"validate": {"max_samples": 0}})
 
 
-@pytest.mark.parametrize("override, named", [({"fp16": {"min_cosin": 0.9}}, "min_cosin"),
-                                             ({"fp8": {"min_cosine": 0.9}}, "fp8")])
+@pytest.mark.parametrize(
+    "override, named", [({"fp16": {"min_cosin": 0.9}}, "min_cosin"), ({"fp8": {"min_cosine": 0.9}}, "fp8")]
+)
 def test_per_precision_gate_typos_are_errors(override, named) -> None:
     # Before: a misspelt gate or precision under per_precision was accepted and silently ignored.
     with pytest.raises(ConfigError, match=named) as e:
@@ -119,18 +120,21 @@ def test_one_per_precision_override_keeps_the_other_defaults() -> None:
     assert dumped.validate_.gates.per_precision == per
 
 
-@pytest.mark.parametrize("dotted, text, expected", [
-    ("build.onnxruntime.transformer_fusion", "off", "off"),  # YAML: False
-    ("build.onnxruntime.cuda.prefer_nhwc", "on", "on"),      # YAML: True
-    ("name", "1.10", "1.10"),                                # YAML: 1.1
-    ("calibration.reader", "null", None),
-    ("train.epochs", "3", 3),
-    ("validate.batch_sizes", "[1, 8]", [1, 8]),
-    ("validate.gates.per_precision.int8.min_top1_agreement", "0.95", 0.95),
-    ("model.params", "{dim: 16}", {"dim": 16}),
-    ("calibration.exclude_nodes", "[conv_1, off]", ["conv_1", "off"]),  # YAML: ["conv_1", False]
-    ("build.backends", "[onnxruntime]", ["onnxruntime"]),
-])
+@pytest.mark.parametrize(
+    "dotted, text, expected",
+    [
+        ("build.onnxruntime.transformer_fusion", "off", "off"),  # YAML: False
+        ("build.onnxruntime.cuda.prefer_nhwc", "on", "on"),  # YAML: True
+        ("name", "1.10", "1.10"),  # YAML: 1.1
+        ("calibration.reader", "null", None),
+        ("train.epochs", "3", 3),
+        ("validate.batch_sizes", "[1, 8]", [1, 8]),
+        ("validate.gates.per_precision.int8.min_top1_agreement", "0.95", 0.95),
+        ("model.params", "{dim: 16}", {"dim": 16}),
+        ("calibration.exclude_nodes", "[conv_1, off]", ["conv_1", "off"]),  # YAML: ["conv_1", False]
+        ("build.backends", "[onnxruntime]", ["onnxruntime"]),
+    ],
+)
 def test_set_values_are_read_by_the_schema_type(dotted: str, text: str, expected: object) -> None:
     assert set_value(dotted, text) == expected
     load_config(None, {dotted: set_value(dotted, text)})  # and the config takes it
@@ -140,9 +144,11 @@ def test_bare_on_and_off_in_a_yaml_file_are_the_words(write_yaml) -> None:
     """PyYAML reads `on` / `off` as booleans (YAML 1.1): an auto | on | off key takes them as the words; a real
     boolean key is untouched, and a word outside the choices is still an error."""
     path = write_yaml({})
-    path.write_text("calibration:\n  reduce_range: on\nbuild:\n  torch:\n    coordinate_descent: off\n"
-                    "    merge_linears: off\n    gemm_epilogues: off\n  onnxruntime:\n    transformer_fusion: auto\n"
-                    "  tensorrt:\n    enabled: no\n")
+    path.write_text(
+        "calibration:\n  reduce_range: on\nbuild:\n  torch:\n    coordinate_descent: off\n"
+        "    merge_linears: off\n    gemm_epilogues: off\n  onnxruntime:\n    transformer_fusion: auto\n"
+        "  tensorrt:\n    enabled: no\n"
+    )
     cfg = load_config(path)
     assert (cfg.calibration.reduce_range, cfg.build.torch.coordinate_descent) == ("on", "off")
     assert (cfg.build.torch.gemm_epilogues, cfg.build.tensorrt.enabled) == ("off", "never")

@@ -1,5 +1,6 @@
 """Faults and bad inputs through the CLI: each one is one `error:` line and one `fix:` line with its exit code,
 never a traceback, and nothing good is lost (issue 14's cases, one test per class of fault)."""
+
 from __future__ import annotations
 
 import errno
@@ -37,9 +38,13 @@ def assert_clean(result, code: int, *needles: str) -> None:
 def tiny_onnx(path: Path, external: bool = False) -> Path:
     """input [batch, 4] float -> MatMul -> logits [batch, 3]."""
     w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["input", "w"], ["logits"])], "tiny",
-                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])], [w])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["input", "w"], ["logits"])],
+        "tiny",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])],
+        [w],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     if external:
         onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
@@ -83,8 +88,10 @@ def test_disk_full_in_a_stage_keeps_finished_stages_and_writes_the_report(monkey
 
 def test_disk_full_for_the_report_too_says_so(monkeypatch, tmp_path, short_config):
     wd = tmp_path / "wd"
-    _fail_writes(monkeypatch, lambda p: (p.name == "manifest.json" and ".export.staging" in p.parent.name)
-                 or p.name.startswith("report."))
+    _fail_writes(
+        monkeypatch,
+        lambda p: (p.name == "manifest.json" and ".export.staging" in p.parent.name) or p.name.startswith("report."),
+    )
     result = invoke("run", short_config, "-w", wd, "--until", "export")
     assert_clean(result, 2, "no space left on the device", "the report was not written either")
     assert (wd / "train" / "manifest.json").is_file() and not (wd / "report.md").exists()
@@ -100,8 +107,12 @@ def readonly(tmp_path: Path):
         yield folder
         folder.chmod(0o755)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("root, and no read-only mount possible here")
     yield folder
     subprocess.run(["umount", str(folder)], check=False)
@@ -110,12 +121,13 @@ def readonly(tmp_path: Path):
 @pytest.mark.parametrize("command", ["build", "optimize", "export", "run"])
 def test_read_only_output(readonly: Path, tmp_path: Path, command: str) -> None:
     model = tiny_onnx(tmp_path / "m.onnx")
-    args = {"build": ["build", model, "-o", readonly / "engine"],
-            "optimize": ["optimize", model, "-o", readonly / "m.opt.onnx"],
-            "export": ["export", "--checkpoint", model, "-o", readonly / "m.onnx"],
-            "run": ["run", "-w", readonly / "wd"]}[command]
-    assert_clean(invoke(*args), 2, "read-only file system" if os.geteuid() == 0 else "permission denied",
-                 str(readonly))
+    args = {
+        "build": ["build", model, "-o", readonly / "engine"],
+        "optimize": ["optimize", model, "-o", readonly / "m.opt.onnx"],
+        "export": ["export", "--checkpoint", model, "-o", readonly / "m.onnx"],
+        "run": ["run", "-w", readonly / "wd"],
+    }[command]
+    assert_clean(invoke(*args), 2, "read-only file system" if os.geteuid() == 0 else "permission denied", str(readonly))
 
 
 def test_build_refuses_an_output_folder_holding_other_files(tmp_path: Path) -> None:
@@ -165,7 +177,7 @@ def test_pickled_npz_inputs_are_refused(tmp_path: Path) -> None:
     assert_clean(result, 2, "pickled objects")
 
 
-DATA = '''
+DATA = """
 import torch
 from kiln import DatasetSplits
 
@@ -178,12 +190,16 @@ def make(case="ok"):
     if case == "shape":
         vx = torch.randn(16, 1, 4, 4, generator=g)
     return DatasetSplits(x, y, vx, vy, num_classes=4)
-'''
+"""
 
 
-@pytest.mark.parametrize("case, needle", [("rows", "train_x has 64 rows but train_y has shape [50]"),
-                                          ("shape", "validation samples are [1, 4, 4] but training samples are "
-                                                    "[1, 8, 8]")])
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("rows", "train_x has 64 rows but train_y has shape [50]"),
+        ("shape", "validation samples are [1, 4, 4] but training samples are [1, 8, 8]"),
+    ],
+)
 def test_inconsistent_user_data(tmp_path: Path, write_yaml, case: str, needle: str) -> None:
     (tmp_path / "userdata_faults.py").write_text(DATA)
     cfg = write_yaml({**tiny_config_dict(), "data": {"name": "userdata_faults:make", "params": {"case": case}}})
@@ -191,18 +207,25 @@ def test_inconsistent_user_data(tmp_path: Path, write_yaml, case: str, needle: s
 
 
 # ------------------------------------------------------------------------------------------------ hostile config
-@pytest.mark.parametrize("text, needle", [
-    ("", "is empty"), ("# nothing but a comment\n", "is empty"),
-    ("model:\n  name: cnn\nmodel:\n  name: mlp\n", "duplicate key 'model'"),
-    ("validate:\n  gates:\n    min_cosine: .nan\n", "finite number"),
-    ("validate:\n  gates:\n    max_accuracy_drop: .inf\n", "finite number"),
-    ("validate:\n  gates:\n    min_cosine: 5\n", "less than or equal to 1"),
-    ("validate:\n  gates:\n    per_precision: {int8: {min_top1_agreement: -3}}\n", "greater than or equal to 0"),
-    ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
-     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
-     "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n", "aliases"),
-    ("model: {name: cnnn}\n", "unknown model 'cnnn'"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("", "is empty"),
+        ("# nothing but a comment\n", "is empty"),
+        ("model:\n  name: cnn\nmodel:\n  name: mlp\n", "duplicate key 'model'"),
+        ("validate:\n  gates:\n    min_cosine: .nan\n", "finite number"),
+        ("validate:\n  gates:\n    max_accuracy_drop: .inf\n", "finite number"),
+        ("validate:\n  gates:\n    min_cosine: 5\n", "less than or equal to 1"),
+        ("validate:\n  gates:\n    per_precision: {int8: {min_top1_agreement: -3}}\n", "greater than or equal to 0"),
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+            "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+            "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]\n",
+            "aliases",
+        ),
+        ("model: {name: cnnn}\n", "unknown model 'cnnn'"),
+    ],
+)
 def test_hostile_or_wrong_config(tmp_path: Path, text: str, needle: str) -> None:
     cfg = tmp_path / "kiln.yaml"
     cfg.write_text(text)
@@ -240,7 +263,9 @@ def test_a_folder_of_the_users_is_not_taken_as_workdir(tmp_path: Path, short_con
     mine = tmp_path / "project"
     (mine / "train").mkdir(parents=True)
     (mine / "train" / "data.csv").write_text("1,2\n")
-    assert_clean(invoke("run", short_config, "-w", mine, "--until", "train"), 2, "already holds files Kiln did not write")
+    assert_clean(
+        invoke("run", short_config, "-w", mine, "--until", "train"), 2, "already holds files Kiln did not write"
+    )
     assert (mine / "train" / "data.csv").read_text() == "1,2\n" and sorted(p.name for p in mine.iterdir()) == ["train"]
 
 
@@ -255,8 +280,13 @@ def test_a_really_full_disk(tmp_path: Path, short_config) -> None:
     """Not injected: a 120 kB tmpfs (root only) fills up somewhere in the pipeline."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("needs root and tmpfs to make a small filesystem")
     try:
         result = invoke("run", short_config, "-w", disk / "wd")

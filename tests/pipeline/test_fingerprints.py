@@ -1,5 +1,6 @@
 """User data read from files (a data module, a calibration reader) is part of the cache key by content: changing
 the file reruns the stages that read it, even though the config and the user's code did not change."""
+
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,7 @@ from kiln.pipeline.fingerprints import calibration_fingerprint, dataset_fingerpr
 
 from tests.conftest import tiny_config_dict
 
-USER_CODE = '''
+USER_CODE = """
 import numpy as np
 import torch
 from kiln.core.data import DatasetSplits
@@ -34,7 +35,7 @@ def bf16():
 def calib(path):
     x = np.load(path)
     return [x[i:i + 16] for i in range(0, len(x), 16)]
-'''
+"""
 
 
 @pytest.fixture
@@ -55,9 +56,15 @@ def test_changed_calibration_file_reruns_precision(tmp_path: Path, user_module: 
     calib = tmp_path / "calib.npy"
     x = np.random.default_rng(0).random((64, 1, 8, 8), dtype=np.float32)
     np.save(calib, x)
-    cfg = config_from_dict(tiny_config_dict(**{"precision.variants": ["fp32", "int8"],
-                                               "calibration.reader": "my_files:calib",
-                                               "calibration.reader_params": {"path": str(calib)}}))
+    cfg = config_from_dict(
+        tiny_config_dict(
+            **{
+                "precision.variants": ["fp32", "int8"],
+                "calibration.reader": "my_files:calib",
+                "calibration.reader_params": {"path": str(calib)},
+            }
+        )
+    )
     first, _ = run_pipeline(cfg, tmp_path / "wd", stop="precision")
     assert first.ok and set(statuses(first).values()) == {"ran"}
     same, _ = run_pipeline(cfg, tmp_path / "wd", stop="precision")
@@ -85,9 +92,15 @@ def test_built_in_data_and_no_reader_need_no_fingerprint() -> None:
 
 
 def test_reader_is_not_called_when_nothing_calibrates(tmp_path: Path, user_module: Path) -> None:
-    cfg = config_from_dict(tiny_config_dict(**{"precision.variants": ["fp32"],
-                                               "calibration.reader": "my_files:calib",
-                                               "calibration.reader_params": {"path": str(tmp_path / "absent.npy")}}))
+    cfg = config_from_dict(
+        tiny_config_dict(
+            **{
+                "precision.variants": ["fp32"],
+                "calibration.reader": "my_files:calib",
+                "calibration.reader_params": {"path": str(tmp_path / "absent.npy")},
+            }
+        )
+    )
     assert calibration_fingerprint(cfg) is None  # the file does not exist: calling the reader would fail
 
 
@@ -118,11 +131,13 @@ def test_editing_a_helper_module_of_user_code_reruns(tmp_path: Path, monkeypatch
     (src / "kiln_fp_models.py").write_text(
         "import torch\nfrom kiln_fp_layers import ACT\n\n"
         "def build():\n    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 16), ACT(), "
-        "torch.nn.Linear(16, 10))\n")
+        "torch.nn.Linear(16, 10))\n"
+    )
     monkeypatch.syspath_prepend(str(src))
     try:
-        cfg = config_from_dict(tiny_config_dict(**{"model.name": "kiln_fp_models:build", "model.params": {},
-                                                   "data.name": "digits"}))
+        cfg = config_from_dict(
+            tiny_config_dict(**{"model.name": "kiln_fp_models:build", "model.params": {}, "data.name": "digits"})
+        )
         assert set(statuses(run_pipeline(cfg, tmp_path / "wd", stop="train")[0]).values()) == {"ran"}
         (src / "kiln_fp_layers.py").write_text("import torch\nACT = torch.nn.Tanh\n")
         assert statuses(run_pipeline(cfg, tmp_path / "wd", stop="train")[0]) == {"train": "ran"}
@@ -140,8 +155,9 @@ def test_odd_user_datasets_fingerprint_or_fail_cleanly(user_module: Path) -> Non
         dataset_fingerprint(config_from_dict(tiny_config_dict(**{"data.name": "my_files:as_numpy"})))
 
 
-def test_the_report_does_not_reload_user_data(tmp_path: Path, user_module: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_report_does_not_reload_user_data(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Stages a command did not run are labelled kept/stale without calling the user's dataset or reader (a
     one-stage command once loaded both, seconds each, and crashed when a reader's file had moved)."""
     from kiln.pipeline import fingerprints
@@ -155,6 +171,7 @@ def test_the_report_does_not_reload_user_data(tmp_path: Path, user_module: Path,
 
     def no(config):
         raise AssertionError("user data loaded by the report")
+
     monkeypatch.setitem(fingerprints.FINGERPRINTS, "dataset", no)
     monkeypatch.setitem(fingerprints.FINGERPRINTS, "calibration", no)
     report = build_report(RunResult(tmp_path / "wd", []), cfg, tmp_path / "wd")

@@ -1,31 +1,50 @@
 """report.md's precision section: kept nodes with their PyTorch modules, the per-node error plot, failed variants."""
+
 from __future__ import annotations
 
 from kiln.pipeline.report import render_markdown
 
 
 def _report(precision_summary: dict) -> dict:
-    return {"name": "t", "ok": True, "stages": {"precision": {"status": "ran", "seconds": 1.0,
-                                                             "summary": precision_summary}},
-            "environment": {"versions": {}, "python": "3.11"}}
+    return {
+        "name": "t",
+        "ok": True,
+        "stages": {"precision": {"status": "ran", "seconds": 1.0, "summary": precision_summary}},
+        "environment": {"versions": {}, "python": "3.11"},
+    }
 
 
 def test_precision_section_names_modules_plot_and_failures() -> None:
     summary = {
-        "variants": {"fp32": {"kept_fp32": 0, "kept_fp32_nodes": {}},
-                     "int8": {"kept_fp32": 1, "top1_agreement": 0.99, "kept_fp32_nodes": {"mm1": "fallback round 1"},
-                              "kept_fp32_modules": {"mm1": "encoder.q (Linear)"}, "ort_cpu_scheme": "dynamic",
-                              "ort_cpu_top1_agreement": 0.985, "ort_cpu_kept_fp32": 2,
-                              "ort_cpu_kept_fp32_nodes": {"mm2": "fallback round 1"}, "ort_cpu_kept_fp32_modules": {}}},
+        "variants": {
+            "fp32": {"kept_fp32": 0, "kept_fp32_nodes": {}},
+            "int8": {
+                "kept_fp32": 1,
+                "top1_agreement": 0.99,
+                "kept_fp32_nodes": {"mm1": "fallback round 1"},
+                "kept_fp32_modules": {"mm1": "encoder.q (Linear)"},
+                "ort_cpu_scheme": "dynamic",
+                "ort_cpu_top1_agreement": 0.985,
+                "ort_cpu_kept_fp32": 2,
+                "ort_cpu_kept_fp32_nodes": {"mm2": "fallback round 1"},
+                "ort_cpu_kept_fp32_modules": {},
+            },
+        },
         "failed": {"fp16": "FP16 model fails the ONNX checker: x (fix: y)"},
-        "node_error_plot": "node_errors.png", "node_error_threshold": 0.01,
-        "first_divergence": {"int8": {"node": "mm1", "error": 0.05, "module": "encoder.q (Linear)"},
-                             "int8 onnxruntime-cpu": None},
+        "node_error_plot": "node_errors.png",
+        "node_error_threshold": 0.01,
+        "first_divergence": {
+            "int8": {"node": "mm1", "error": 0.05, "module": "encoder.q (Linear)"},
+            "int8 onnxruntime-cpu": None,
+        },
     }
     md = render_markdown(_report(summary))
     assert "| int8 | `mm1` | encoder.q (Linear) | fallback round 1 |" in md
     assert "| int8 onnxruntime-cpu | `mm2` | - | fallback round 1 |" in md
     assert "![per-node error vs FP32](precision/node_errors.png)" in md
-    assert "`mm1` (encoder.q (Linear)), 0.05" in md and "int8 onnxruntime-cpu: first node over 0.01 relative error: none" in md
+    assert (
+        "`mm1` (encoder.q (Linear)), 0.05" in md
+        and "int8 onnxruntime-cpu: first node over 0.01 relative error: none" in md
+    )
     assert "| fp16 | **failed, not built** | - |" in md and "**fp16 failed**: FP16 model fails the ONNX checker" in md
     assert "top-1 agreement 0.9850 with 2 nodes kept in float" in md

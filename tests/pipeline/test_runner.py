@@ -1,4 +1,5 @@
 """The cache and resume behaviour of the stage runner, on the real pipeline with a tiny model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,15 @@ def test_changing_one_setting_reruns_only_downstream(first_run) -> None:
     workdir, _, _ = first_run
     cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
     result, _ = run_pipeline(cfg, workdir)
-    assert statuses(result) == {"train": "cached", "export": "cached", "optimize": "cached", "precision": "cached",
-                                "build": "ran", "validate": "ran", "package": "ran"}
+    assert statuses(result) == {
+        "train": "cached",
+        "export": "cached",
+        "optimize": "cached",
+        "precision": "cached",
+        "build": "ran",
+        "validate": "ran",
+        "package": "ran",
+    }
 
 
 def test_force_and_stop(first_run) -> None:
@@ -74,8 +82,15 @@ def test_failed_stage_keeps_earlier_work_and_rerun_resumes(tmp_path: Path) -> No
     stages = [dataclasses.replace(s, run=broken_build) if s.name == "build" else s for s in STAGES]
     result = Runner(cfg, tmp_path, stages).run()
     assert isinstance(result.error, BuildError)
-    assert statuses(result) == {"train": "ran", "export": "ran", "optimize": "ran", "precision": "ran",
-                                "build": "failed", "validate": "not-run", "package": "not-run"}
+    assert statuses(result) == {
+        "train": "ran",
+        "export": "ran",
+        "optimize": "ran",
+        "precision": "ran",
+        "build": "failed",
+        "validate": "not-run",
+        "package": "not-run",
+    }
     assert not (tmp_path / "build").exists()  # nothing half-written left as if it were finished
     resumed, _ = run_pipeline(cfg, tmp_path)
     assert statuses(resumed)["train"] == "cached" and statuses(resumed)["build"] == "ran" and resumed.ok
@@ -94,15 +109,18 @@ def _keys(tmp_path: Path, **overrides) -> dict[str, str]:
     return {s.name: cache_key(s, cfg, tmp_path)[0] for s in STAGES}
 
 
-@pytest.mark.parametrize("override, stages", [
-    # build sizes engine profiles / autotuned shapes from the largest validate batch size
-    ({"validate.batch_sizes": [1, 64]}, {"build", "validate"}),
-    # the default dataset (and so calibration data, parity data, held-out data) follows model.name; build reads
-    # the model section too (the torch backend compiles the trained model)
-    ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "build", "validate"}),
-    # built-in datasets are split by seed
-    ({"seed": 1}, {"train", "export", "precision", "validate"}),
-])
+@pytest.mark.parametrize(
+    "override, stages",
+    [
+        # build sizes engine profiles / autotuned shapes from the largest validate batch size
+        ({"validate.batch_sizes": [1, 64]}, {"build", "validate"}),
+        # the default dataset (and so calibration data, parity data, held-out data) follows model.name; build reads
+        # the model section too (the torch backend compiles the trained model)
+        ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "build", "validate"}),
+        # built-in datasets are split by seed
+        ({"seed": 1}, {"train", "export", "precision", "validate"}),
+    ],
+)
 def test_cache_key_covers_config_the_stage_reads(tmp_path: Path, override, stages) -> None:
     # Before: build ignored validate.batch_sizes, precision model.name, export seed, validate model.
     before, after = _keys(tmp_path), _keys(tmp_path, **override)
@@ -136,8 +154,9 @@ def test_code_versions_cover_what_stages_run() -> None:
 
 def test_cached_stages_report_this_runs_time(first_run) -> None:
     workdir, _, _ = first_run
-    result, report = run_pipeline(config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1})),
-                                  workdir)
+    result, report = run_pipeline(
+        config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1})), workdir
+    )
     train = report["stages"]["train"]
     # A cache hit takes milliseconds, training seconds: the stage reports this run's time, not the cached one's
     # (no absolute threshold: a loaded CI machine can stall any step).
@@ -153,7 +172,9 @@ def test_editing_user_model_code_reruns_training(tmp_path: Path, monkeypatch: py
     module = pkg / "my_models.py"
     module.write_text("from kiln.models.cnn import SmallCNN\n\ndef build():\n    return SmallCNN(width=4, depth=2)\n")
     monkeypatch.syspath_prepend(str(pkg))
-    cfg = config_from_dict(tiny_config_dict(**{"model.name": "my_models:build", "model.params": {}, "data.name": "digits"}))
+    cfg = config_from_dict(
+        tiny_config_dict(**{"model.name": "my_models:build", "model.params": {}, "data.name": "digits"})
+    )
     first, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
     assert statuses(first) == {"train": "ran", "export": "ran"}
     module.write_text(module.read_text().replace("width=4", "width=6"))
@@ -168,8 +189,15 @@ def test_start_from_a_stage_reruns_it_and_everything_after(first_run) -> None:
     cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
     run_pipeline(cfg, workdir)  # settle the cache for this config first
     result, _ = run_pipeline(cfg, workdir, start="build")
-    assert statuses(result) == {"train": "cached", "export": "cached", "optimize": "cached", "precision": "cached",
-                                "build": "ran", "validate": "ran", "package": "ran"}
+    assert statuses(result) == {
+        "train": "cached",
+        "export": "cached",
+        "optimize": "cached",
+        "precision": "cached",
+        "build": "ran",
+        "validate": "ran",
+        "package": "ran",
+    }
 
 
 def test_a_rerun_says_what_changed() -> None:
@@ -184,7 +212,7 @@ def test_a_rerun_says_what_changed() -> None:
 def _flip(path: Path, n: int = 64) -> None:
     data = bytearray(path.read_bytes())
     mid = max(0, len(data) // 2 - n // 2)
-    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])  # same size: a size check cannot see it
+    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])  # same size: a size check cannot see it
     path.write_bytes(bytes(data))
 
 
@@ -272,10 +300,16 @@ def test_report_shows_gates_package_and_original_times(first_run) -> None:
 def test_result_line_names_engines_built_but_not_validated() -> None:
     from kiln.pipeline.report import result_line
 
-    report = {"ok": True, "validation": {"engines": [
-        {"name": "onnxruntime-cpu-fp32", "status": "validated", "device": "cpu"},
-        {"name": "tensorrt-fp16", "status": "not-runnable", "device": "cuda"},
-        {"name": "tensorrt-fp32", "status": "not-runnable", "device": "cuda"}]}}
+    report = {
+        "ok": True,
+        "validation": {
+            "engines": [
+                {"name": "onnxruntime-cpu-fp32", "status": "validated", "device": "cpu"},
+                {"name": "tensorrt-fp16", "status": "not-runnable", "device": "cuda"},
+                {"name": "tensorrt-fp32", "status": "not-runnable", "device": "cuda"},
+            ]
+        },
+    }
     line = result_line(report)
     assert line.startswith("PASSED, 2 engines built but not validated: tensorrt-fp16, tensorrt-fp32")
     assert "CUDA" in line

@@ -1,5 +1,6 @@
 """`kiln serve` and `kiln loadtest` against a real Triton server (PyTriton's bundled tritonserver), on the FP32
 ONNX Runtime engine of a tiny pipeline run. Ports are ephemeral; readiness is polled with a timeout."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,20 @@ def workdir(tmp_path_factory: pytest.TempPathFactory, config: KilnConfig) -> Pat
 
 
 def _start_serve(path: Path, ports: list[int], *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(path), "--http-port", str(ports[0]), "--grpc-port",
-           str(ports[1]), "--metrics-port", str(ports[2]), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.cli",
+        "serve",
+        str(path),
+        "--http-port",
+        str(ports[0]),
+        "--grpc-port",
+        str(ports[1]),
+        "--metrics-port",
+        str(ports[2]),
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -103,15 +116,17 @@ def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Proc
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        raise AssertionError(f"kiln serve did not stop within {STOP_TIMEOUT_S} s of signal {sig}; it printed:\n"
-                             f"{_printed(proc)}") from None
+        raise AssertionError(
+            f"kiln serve did not stop within {STOP_TIMEOUT_S} s of signal {sig}; it printed:\n{_printed(proc)}"
+        ) from None
     assert proc.returncode == 0, out.decode()[-3000:]
     _, alive = psutil.wait_procs(descendants, timeout=15)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
-def test_served_answers_match_the_engine_under_load_and_batches_form(workdir: Path, config: KilnConfig,
-                                                                      tmp_path: Path) -> None:
+def test_served_answers_match_the_engine_under_load_and_batches_form(
+    workdir: Path, config: KilnConfig, tmp_path: Path
+) -> None:
     ports = [free_port() for _ in range(3)]
     # A 2 ms batching window: concurrent requests reliably meet in one batch even on a loaded machine.
     proc = _start_serve(workdir, ports, "--max-queue-delay-us", "2000")
@@ -119,11 +134,35 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(workdir: Pa
         _ready(proc, ports, [MODEL])
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert any("tritonserver" in p.name() for p in descendants)
-        result = loadtest(f"http://127.0.0.1:{ports[0]}", MODEL, workdir, tmp_path / "lt", [8], duration_s=120,
-                          max_requests=200, config=config)
-        cli = CliRunner().invoke(main, ["loadtest", f"grpc://127.0.0.1:{ports[1]}", "--model", MODEL, "-e",
-                                        str(workdir), "--concurrency", "1,2", "--duration", "1", "--requests", "20",
-                                        "-o", str(tmp_path / "cli")])
+        result = loadtest(
+            f"http://127.0.0.1:{ports[0]}",
+            MODEL,
+            workdir,
+            tmp_path / "lt",
+            [8],
+            duration_s=120,
+            max_requests=200,
+            config=config,
+        )
+        cli = CliRunner().invoke(
+            main,
+            [
+                "loadtest",
+                f"grpc://127.0.0.1:{ports[1]}",
+                "--model",
+                MODEL,
+                "-e",
+                str(workdir),
+                "--concurrency",
+                "1,2",
+                "--duration",
+                "1",
+                "--requests",
+                "20",
+                "-o",
+                str(tmp_path / "cli"),
+            ],
+        )
     except BaseException:
         _abort(proc)
         raise
@@ -173,8 +212,9 @@ def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tm
             want = runner.infer(feed)["logits"]
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         # gRPC, concurrent requests through the model's own batching of Triton's request lists
-        result = loadtest(f"grpc://127.0.0.1:{ports[1]}", model, workdir, tmp_path / "lt", [4], duration_s=60,
-                          max_requests=40)
+        result = loadtest(
+            f"grpc://127.0.0.1:{ports[1]}", model, workdir, tmp_path / "lt", [4], duration_s=60, max_requests=40
+        )
         assert result["levels"][0]["requests"] == 40 and result["levels"][0]["mismatches"] == 0
     except BaseException:
         _abort(proc)
@@ -218,7 +258,8 @@ def test_an_engine_that_failed_validation_is_refused(workdir: Path, tmp_path: Pa
 
 
 def test_the_stub_interpreter_sees_packages_this_process_found_through_pythonpath(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Python backend stub's interpreter ignores PYTHONPATH (like ``python -I``); the GPU host installs
     packages with ``--target`` + PYTHONPATH, and PyTriton's proxy then failed with "No module named 'zmq'"."""
     extra = tmp_path / "target-site"
@@ -233,8 +274,9 @@ def test_the_stub_interpreter_sees_packages_this_process_found_through_pythonpat
     assert seen.returncode == 0 and seen.stdout.strip() == "42", seen.stderr  # kiln: an editable install's finder
 
 
-def test_a_model_triton_cannot_load_is_one_error_and_no_server_left(workdir: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_triton_cannot_load_is_one_error_and_no_server_left(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import venv
 
     import kiln.serve.server
@@ -275,8 +317,9 @@ def test_numpy_2_with_a_stub_that_predates_it_is_refused() -> None:
     check_stub_numpy("2.1.3", "0.8.0")
 
 
-def test_an_unreadable_answer_is_counted_not_lost(workdir: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unreadable_answer_is_counted_not_lost(
+    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the numpy-2 stub produced: answers whose outputs cannot take their shape. Each is a counted error and
     a mismatch, not an exception that ends a client thread (the load test then reported 0 requests, 0 errors)."""
     import tritonclient.grpc as grpcclient
@@ -290,8 +333,9 @@ def test_an_unreadable_answer_is_counted_not_lost(workdir: Path, tmp_path: Path,
         _ready(proc, ports, [MODEL])
         monkeypatch.setattr(grpcclient.InferResult, "as_numpy", unreadable)
         with pytest.raises(GateFailure, match="10 answers differed"):
-            loadtest(f"grpc://127.0.0.1:{ports[1]}", MODEL, workdir, tmp_path / "lt", [2], duration_s=60,
-                     max_requests=10)
+            loadtest(
+                f"grpc://127.0.0.1:{ports[1]}", MODEL, workdir, tmp_path / "lt", [2], duration_s=60, max_requests=10
+            )
     finally:
         _abort(proc)
     level = json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]
@@ -308,8 +352,9 @@ def test_missing_server_package_names_the_extra(workdir: Path, monkeypatch: pyte
 
 
 def test_loadtest_without_a_server_is_a_clear_error(workdir: Path) -> None:
-    result = CliRunner().invoke(main, ["loadtest", f"http://127.0.0.1:{free_port()}", "--model", MODEL, "-e",
-                                       str(workdir), "--duration", "1"])
+    result = CliRunner().invoke(
+        main, ["loadtest", f"http://127.0.0.1:{free_port()}", "--model", MODEL, "-e", str(workdir), "--duration", "1"]
+    )
     assert result.exit_code == 2 and "error: cannot read model" in result.output and "fix:" in result.output
 
 
@@ -328,15 +373,30 @@ def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_pat
     from kiln.stages.engines.stage import build_engine
 
     engine_dir = tmp_path / "onnxruntime-cuda-fp16"
-    build_engine(workdir / "optimize" / "model.onnx", engine_dir, "onnxruntime", "cuda", "fp16",
-                 BuildConfig(backends=["onnxruntime"]), tmp_path / "cache", max_batch=32)
+    build_engine(
+        workdir / "optimize" / "model.onnx",
+        engine_dir,
+        "onnxruntime",
+        "cuda",
+        "fp16",
+        BuildConfig(backends=["onnxruntime"]),
+        tmp_path / "cache",
+        max_batch=32,
+    )
     ports = [free_port() for _ in range(3)]
     proc = _start_serve(engine_dir, ports, "--max-queue-delay-us", "2000")
     try:
         _ready(proc, ports, ["onnxruntime_cuda_fp16"])
         descendants = psutil.Process(proc.pid).children(recursive=True)
-        result = loadtest(f"grpc://127.0.0.1:{ports[1]}", "onnxruntime_cuda_fp16", engine_dir, tmp_path / "lt", [8],
-                          duration_s=120, max_requests=200)
+        result = loadtest(
+            f"grpc://127.0.0.1:{ports[1]}",
+            "onnxruntime_cuda_fp16",
+            engine_dir,
+            tmp_path / "lt",
+            [8],
+            duration_s=120,
+            max_requests=200,
+        )
     except BaseException:
         _abort(proc)
         raise

@@ -1,4 +1,5 @@
 """The version of user code in cache keys: the module and the local modules it imports, nothing else."""
+
 from __future__ import annotations
 
 import importlib
@@ -20,6 +21,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             sys.modules.pop(m)
         names.append(name)
         return importlib.import_module(name)
+
     yield tmp_path, load
     for name in names:
         for m in [m for m in sys.modules if m.partition(".")[0] == name.partition(".")[0]]:

@@ -9,8 +9,14 @@ from kiln.stages.export import export_onnx, parity
 from torch import nn
 
 
-@pytest.mark.parametrize("name,x", [("cnn", torch.rand(2, 1, 8, 8)), ("transformer", torch.rand(2, 1, 8, 8)),
-                                    ("mlp_embed", torch.randint(0, 17, (2, 64)))])
+@pytest.mark.parametrize(
+    "name,x",
+    [
+        ("cnn", torch.rand(2, 1, 8, 8)),
+        ("transformer", torch.rand(2, 1, 8, 8)),
+        ("mlp_embed", torch.randint(0, 17, (2, 64))),
+    ],
+)
 def test_export_has_dynamic_batch_and_matches(tmp_path: Path, name: str, x: torch.Tensor) -> None:
     model = build_model(name).eval()
     path = tmp_path / "m.onnx"

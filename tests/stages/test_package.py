@@ -5,23 +5,40 @@ from kiln.stages.package import triton_config
 
 
 def engine_meta(**fields) -> EngineMetadata:
-    return EngineMetadata(name="e", precision="fp32", source={"file": "m.onnx", "sha256": "0"},
-                          files={"model": "engine"}, flavour=fields["backend"], versions={}, **fields)
+    return EngineMetadata(
+        name="e",
+        precision="fp32",
+        source={"file": "m.onnx", "sha256": "0"},
+        files={"model": "engine"},
+        flavour=fields["backend"],
+        versions={},
+        **fields,
+    )
 
 
 def test_triton_config_for_onnxruntime_cpu_engine() -> None:
-    meta = engine_meta(**{"backend": "onnxruntime", "device": "cpu",
+    meta = engine_meta(
+        **{
+            "backend": "onnxruntime",
+            "device": "cpu",
             "inputs": [{"name": "input", "shape": ["batch", 1, 8, 8], "dtype": "float32"}],
-            "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]})
+            "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}],
+        }
+    )
     text = triton_config("demo_cnn", meta, 32)
     assert 'platform: "onnxruntime_onnx"' in text and "max_batch_size: 32" in text
     assert "dims: [ 1, 8, 8 ]" in text and "dims: [ 10 ]" in text and "KIND_CPU" in text and "dynamic_batching" in text
 
 
 def test_triton_config_for_tensorrt_plan_with_int64_input() -> None:
-    meta = engine_meta(**{"backend": "tensorrt", "device": "cuda",
+    meta = engine_meta(
+        **{
+            "backend": "tensorrt",
+            "device": "cuda",
             "inputs": [{"name": "ids", "shape": ["batch", 64], "dtype": "int64"}],
-            "outputs": [{"name": "logits", "shape": ["batch", "n"], "dtype": "float16"}]})
+            "outputs": [{"name": "logits", "shape": ["batch", "n"], "dtype": "float16"}],
+        }
+    )
     text = triton_config("m", meta, 0)
     assert 'platform: "tensorrt_plan"' in text and "TYPE_INT64" in text and "dims: [ batch, 64 ]" not in text
     assert "dims: [ -1, 64 ]" in text and "dims: [ -1, -1 ]" in text and "KIND_GPU" in text
@@ -44,9 +61,14 @@ def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
 
 
 def test_triton_batch_is_capped_by_the_engine_profile() -> None:
-    meta = engine_meta(**{"backend": "tensorrt", "device": "cuda",
+    meta = engine_meta(
+        **{
+            "backend": "tensorrt",
+            "device": "cuda",
             "profiles": [{"input": {"min": [1, 3, 8, 8], "opt": [8, 3, 8, 8], "max": [16, 3, 8, 8]}}],
             "inputs": [{"name": "input", "shape": ["batch", 3, 8, 8], "dtype": "float32"}],
-            "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]})
+            "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}],
+        }
+    )
     assert "max_batch_size: 16" in triton_config("m", meta, 32)
     assert "max_batch_size: 8" in triton_config("m", meta, 8)

@@ -1,4 +1,5 @@
 """Triton configs are checked against the engine they serve when written, and parse as Triton's ModelConfig."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,22 +11,37 @@ from kiln.core.records import EngineMetadata
 from kiln.stages.triton_repo import check_config, model_config, render_pbtxt, triton_config
 
 # Triton's own ModelConfig message: from the serving extra (`pip install 'kiln[serve]'`, part of `.[dev]`)
-model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
-                                       reason="needs tritonclient (pip install 'kiln[serve]')")
+model_config_pb2 = pytest.importorskip(
+    "tritonclient.grpc.model_config_pb2", reason="needs tritonclient (pip install 'kiln[serve]')"
+)
 
 
 def record(fields: dict[str, Any]) -> EngineMetadata:
-    return EngineMetadata(precision="fp32", source={"file": "m.onnx", "sha256": "0"}, files={"model": "engine"},
-                          flavour=fields["backend"], versions={}, **fields)
+    return EngineMetadata(
+        precision="fp32",
+        source={"file": "m.onnx", "sha256": "0"},
+        files={"model": "engine"},
+        flavour=fields["backend"],
+        versions={},
+        **fields,
+    )
 
 
-CPU_FIELDS = {"name": "e", "backend": "onnxruntime", "device": "cpu",
-       "inputs": [{"name": "input", "shape": ["batch", 1, 8, 8], "dtype": "float32"}],
-       "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}]}
-TRT_FIELDS = {"name": "t", "backend": "tensorrt", "device": "cuda",
-       "profiles": [{"input": {"min": [1, 3, 8, 8], "opt": [8, 3, 8, 8], "max": [16, 3, 8, 8]}}],
-       "inputs": [{"name": "input", "shape": ["batch", 3, 8, 8], "dtype": "float16"}],
-       "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float16"}]}
+CPU_FIELDS = {
+    "name": "e",
+    "backend": "onnxruntime",
+    "device": "cpu",
+    "inputs": [{"name": "input", "shape": ["batch", 1, 8, 8], "dtype": "float32"}],
+    "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}],
+}
+TRT_FIELDS = {
+    "name": "t",
+    "backend": "tensorrt",
+    "device": "cuda",
+    "profiles": [{"input": {"min": [1, 3, 8, 8], "opt": [8, 3, 8, 8], "max": [16, 3, 8, 8]}}],
+    "inputs": [{"name": "input", "shape": ["batch", 3, 8, 8], "dtype": "float16"}],
+    "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float16"}],
+}
 
 
 CPU, TRT = record(CPU_FIELDS), record(TRT_FIELDS)
@@ -61,15 +77,18 @@ def test_profiles_that_cannot_take_one_request_are_refused() -> None:
         model_config("m", meta, 32)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda c: c.update(max_batch_size=64), "exceeds the engine's profile maximum 16"),
-    (lambda c: c["input"][0].update(dims=[3, 8, 9]), "dims"),
-    (lambda c: c["output"][0].update(data_type="TYPE_FP32"), "the engine takes float16"),
-    (lambda c: c.pop("dynamic_batching"), "dynamic_batching"),
-    (lambda c: c["instance_group"][0].update(kind="KIND_CPU"), "want KIND_GPU"),
-    (lambda c: c.update(platform="onnxruntime_onnx"), "cannot run a tensorrt engine"),
-    (lambda c: c["input"][0].update(name="x"), "input names"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(max_batch_size=64), "exceeds the engine's profile maximum 16"),
+        (lambda c: c["input"][0].update(dims=[3, 8, 9]), "dims"),
+        (lambda c: c["output"][0].update(data_type="TYPE_FP32"), "the engine takes float16"),
+        (lambda c: c.pop("dynamic_batching"), "dynamic_batching"),
+        (lambda c: c["instance_group"][0].update(kind="KIND_CPU"), "want KIND_GPU"),
+        (lambda c: c.update(platform="onnxruntime_onnx"), "cannot run a tensorrt engine"),
+        (lambda c: c["input"][0].update(name="x"), "input names"),
+    ],
+)
 def test_a_config_that_disagrees_with_its_engine_is_caught(edit: Any, message: str) -> None:
     cfg = model_config("m", TRT, 8)
     edit(cfg)

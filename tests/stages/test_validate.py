@@ -57,10 +57,16 @@ def test_token_labels_follow_their_input_through_each_validated_length() -> None
 
 
 def entry(**kw) -> EngineValidation:
-    base = {"cosine": 1.0, "max_abs_err": 0.0, "top1_agreement": 1.0, "accuracy": 0.95,
-            "latency_ms": {"8": {"p50": 1.0, "p90": 1.1, "p99": 1.2}}}
-    return EngineValidation(name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated",
-                            **{**base, **kw})
+    base = {
+        "cosine": 1.0,
+        "max_abs_err": 0.0,
+        "top1_agreement": 1.0,
+        "accuracy": 0.95,
+        "latency_ms": {"8": {"p50": 1.0, "p90": 1.1, "p99": 1.2}},
+    }
+    return EngineValidation(
+        name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated", **{**base, **kw}
+    )
 
 
 def test_gates_name_the_failing_values() -> None:
@@ -100,16 +106,22 @@ def test_an_approximated_gelu_is_named_when_an_accuracy_gate_fails() -> None:
 
 
 def test_folded_and_fused_convolutions_are_named_when_an_accuracy_gate_fails() -> None:
-    built = {"conv_epilogues": True,
-             "conv_epilogue_layers": {"batch_norms_folded": 20, "conv_bias_relu": 9, "conv_bias_add_relu": 8}}
+    built = {
+        "conv_epilogues": True,
+        "conv_epilogue_layers": {"batch_norms_folded": 20, "conv_bias_relu": 9, "conv_bias_add_relu": 8},
+    }
     cfg = ValidateConfig()
     accuracy_miss = check_gates(entry(cosine=0.99), 0.95, gates_for(cfg, "fp16"), 8)
     (hint,) = engine_hints(built, "cuda", accuracy_miss)
     assert "20 BatchNorm(s)" in hint and "17 convolution(s)" in hint and "conv_epilogues: off" in hint
     failed = {"conv_epilogues": False, "conv_epilogues_failed": "RuntimeError: x"}  # built without them after all
     assert engine_hints(failed, "cuda", accuracy_miss) == []
-    assert engine_hints({**built, "conv_epilogue_layers": dict.fromkeys(built["conv_epilogue_layers"], 0)}, "cuda",
-                        accuracy_miss) == []  # nothing was rewritten: nothing to say
+    assert (
+        engine_hints(
+            {**built, "conv_epilogue_layers": dict.fromkeys(built["conv_epilogue_layers"], 0)}, "cuda", accuracy_miss
+        )
+        == []
+    )  # nothing was rewritten: nothing to say
 
 
 def test_percentiles_order() -> None:
@@ -134,10 +146,21 @@ def test_speedups_only_against_baselines_on_the_engine_device() -> None:
 
 def test_choice_per_batch_is_the_fastest_passing_engine_tensorrt_kept_within_noise() -> None:
     def e(name: str, backend: str, passed: bool = True, **p50: float) -> EngineValidation:
-        return EngineValidation(name=name, backend=backend, precision="fp16", device="cuda", status="validated",
-                                passed=passed, latency_ms=lat(**p50))
-    engines = [e("ort", "onnxruntime", b1=0.99, b32=1.0), e("trt", "tensorrt", b1=1.0, b32=2.0),
-               e("fast-but-failed", "onnxruntime", passed=False, b1=0.1, b32=0.1)]
+        return EngineValidation(
+            name=name,
+            backend=backend,
+            precision="fp16",
+            device="cuda",
+            status="validated",
+            passed=passed,
+            latency_ms=lat(**p50),
+        )
+
+    engines = [
+        e("ort", "onnxruntime", b1=0.99, b32=1.0),
+        e("trt", "tensorrt", b1=1.0, b32=2.0),
+        e("fast-but-failed", "onnxruntime", passed=False, b1=0.1, b32=0.1),
+    ]
     assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.03) == {"1": "trt", "32": "ort"}
     assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.0) == {"1": "ort", "32": "ort"}
 
@@ -185,8 +208,10 @@ def test_pipeline_times_engines_against_eager_and_compiled_pytorch(tmp_path: Pat
     assert [(b["kind"], b["device"]) for b in v["baselines"]] == [("eager", "cpu"), ("compile", "cpu")]
     assert all(b["error"] is None and b["memory"]["size_bytes"] > 0 for b in v["baselines"])
     for e in v["engines"]:
-        assert set(e["speedups"]) == {"eager-cpu", "compile-cpu"} and e["speedup_vs_baseline"] == \
-            e["speedups"]["eager-cpu"]
+        assert (
+            set(e["speedups"]) == {"eager-cpu", "compile-cpu"}
+            and e["speedup_vs_baseline"] == e["speedups"]["eager-cpu"]
+        )
         assert e["memory"]["size_bytes"] > 0 and e["memory"]["peak_mb"] is not None
     passing = [e for e in v["engines"] if e["passed"]]
     assert v["chosen"] and set(v["chosen"].values()) <= {e["name"] for e in passing}
@@ -202,23 +227,38 @@ def test_cuda_engines_are_timed_against_pytorch_on_the_gpu(tmp_path: Path) -> No
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict
 
-    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.devices": ["cpu", "cuda"],
-                                               "validate.baselines": ["eager", "compile"],
-                                               "validate.baseline_precisions": ["fp32", "fp16"]}))
+    cfg = config_from_dict(
+        tiny_config_dict(
+            **{
+                "build.onnxruntime.devices": ["cpu", "cuda"],
+                "validate.baselines": ["eager", "compile"],
+                "validate.baseline_precisions": ["fp32", "fp16"],
+            }
+        )
+    )
     result, _ = run_pipeline(cfg, tmp_path)
     assert result.ok
     v = json.loads((tmp_path / "validate" / "validation.json").read_text())
     labels = {f"{b['kind']}-{b['device']}" + ("" if b["precision"] == "fp32" else "-fp16"): b for b in v["baselines"]}
-    assert set(labels) == {"eager-cpu", "compile-cpu", "eager-cuda", "compile-cuda", "eager-cuda-fp16",
-                           "compile-cuda-fp16"}, [(k, b["error"]) for k, b in labels.items()]
+    assert set(labels) == {
+        "eager-cpu",
+        "compile-cpu",
+        "eager-cuda",
+        "compile-cuda",
+        "eager-cuda-fp16",
+        "compile-cuda-fp16",
+    }, [(k, b["error"]) for k, b in labels.items()]
     assert all(b["error"] is None for b in labels.values()), [(k, b["error"]) for k, b in labels.items()]
     assert "mem_get_info" in labels["eager-cuda"]["memory"]["method"]
     cuda = next(e for e in v["engines"] if e["device"] == "cuda")
     assert set(cuda["speedups"]) == {"eager-cuda", "compile-cuda", "eager-cuda-fp16", "compile-cuda-fp16"}
     assert cuda["speedup_vs_baseline"] == cuda["speedups"]["eager-cuda"]
     assert cuda["memory"]["peak_mb"] is not None and "mem_get_info" in cuda["memory"]["method"]
-    print({k: {bs: p["p50"] for bs, p in b["latency_ms"].items()} for k, b in labels.items()},
-          {e["name"]: e["speedups"] for e in v["engines"]}, v["chosen"])
+    print(
+        {k: {bs: p["p50"] for bs, p in b["latency_ms"].items()} for k, b in labels.items()},
+        {e["name"]: e["speedups"] for e in v["engines"]},
+        v["chosen"],
+    )
 
 
 def test_batch_coupled_outputs_are_found_at_the_validated_sizes() -> None:

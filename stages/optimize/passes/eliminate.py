@@ -1,5 +1,6 @@
 """Elimination: nodes that compute nothing (Identity, Dropout, no-op Cast/Reshape/Transpose/Expand/Slice),
 redundant Cast chains, duplicate subgraphs (CSE) and unused initializers."""
+
 from __future__ import annotations
 
 import hashlib
@@ -46,11 +47,13 @@ def eliminate_identity(graph: gs.Graph, p: BaseModel) -> int:
 
 # dtype -> dtypes that hold every one of its values exactly (so a round trip through them is lossless)
 _WIDER: dict[str, set[str]] = {
-    "float16": {"float32", "float64"}, "float32": {"float64"}, "bool": {"int8", "int16", "int32", "int64",
-                                                                      "uint8", "float16", "float32", "float64"},
-    "int8": {"int16", "int32", "int64", "float32", "float64"}, "uint8": {"int16", "int32", "int64", "float32",
-                                                                       "float64", "uint16", "uint32", "uint64"},
-    "int16": {"int32", "int64", "float32", "float64"}, "int32": {"int64", "float64"},
+    "float16": {"float32", "float64"},
+    "float32": {"float64"},
+    "bool": {"int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"},
+    "int8": {"int16", "int32", "int64", "float32", "float64"},
+    "uint8": {"int16", "int32", "int64", "float32", "float64", "uint16", "uint32", "uint64"},
+    "int16": {"int32", "int64", "float32", "float64"},
+    "int32": {"int64", "float64"},
 }
 
 
@@ -70,8 +73,12 @@ def _cast_target(node: gs.Node) -> str | None:
 
 def _same_shape(a: gs.Tensor, b: gs.Tensor) -> bool:
     sa, sb = known_shape(a), known_shape(b)
-    return sa is not None and sb is not None and len(sa) == len(sb) and all(
-        x == y and (isinstance(x, int) or (isinstance(x, str) and x)) for x, y in zip(sa, sb))
+    return (
+        sa is not None
+        and sb is not None
+        and len(sa) == len(sb)
+        and all(x == y and (isinstance(x, int) or (isinstance(x, str) and x)) for x, y in zip(sa, sb))
+    )
 
 
 def _opt_const(node: gs.Node, i: int) -> tuple[bool, np.ndarray | None]:
@@ -239,8 +246,16 @@ def _neutral_input(node: gs.Node) -> gs.Tensor | None:
     unit, commutes = _NEUTRAL[node.op]
     for x, c_t, ok in ((node.inputs[0], node.inputs[1], True), (node.inputs[1], node.inputs[0], commutes)):
         c = const(c_t)
-        if ok and c is not None and const(x) is None and c.size and np.all(c == unit) \
-                and _dtype_name(x) is not None and _dtype_name(x) == np.dtype(c.dtype).name and _broadcast_keeps(x, c):
+        if (
+            ok
+            and c is not None
+            and const(x) is None
+            and c.size
+            and np.all(c == unit)
+            and _dtype_name(x) is not None
+            and _dtype_name(x) == np.dtype(c.dtype).name
+            and _broadcast_keeps(x, c)
+        ):
             return x
     return None
 

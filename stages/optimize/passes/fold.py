@@ -1,4 +1,5 @@
 """Constant folding to a fixpoint (shape subgraphs included), cleanup and topological sort."""
+
 from __future__ import annotations
 
 import logging
@@ -19,12 +20,18 @@ log = logging.getLogger("kiln.optimize")
 class FoldParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_rounds: int = Field(8, ge=1, description="fold/clean rounds before giving up on a fixpoint")
-    size_threshold: Optional[int] = Field(64 << 20, description="bytes: do not fold tensors larger than this "
-                                                                 "(keeps e.g. huge Expand results out of the file)")
-    static_reshape: bool = Field(True, description="replace computed Reshape shapes by constants when at most "
-                                                   "one axis (the batch) is dynamic")
-    static_shapes: bool = Field(True, description="fold Shape(start/end) and Shape -> Gather/Slice reads of static "
-                                                  "axes (the fold_shapes pass) in every round")
+    size_threshold: Optional[int] = Field(
+        64 << 20,
+        description="bytes: do not fold tensors larger than this (keeps e.g. huge Expand results out of the file)",
+    )
+    static_reshape: bool = Field(
+        True, description="replace computed Reshape shapes by constants when at most one axis (the batch) is dynamic"
+    )
+    static_shapes: bool = Field(
+        True,
+        description="fold Shape(start/end) and Shape -> Gather/Slice reads of static "
+        "axes (the fold_shapes pass) in every round",
+    )
 
 
 @contextmanager
@@ -95,12 +102,19 @@ def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
     total = 0
     for _ in range(p.max_rounds):
         before = len(graph.nodes)
-        changed = (resolve_castlike(graph) + (static_reshapes(graph) if p.static_reshape else 0)
-                   + (fold_shapes(graph, p) if p.static_shapes else 0))
+        changed = (
+            resolve_castlike(graph)
+            + (static_reshapes(graph) if p.static_reshape else 0)
+            + (fold_shapes(graph, p) if p.static_shapes else 0)
+        )
         with _quiet_gs():
             # A random op has no variable inputs, so it looks foldable; folding would freeze one draw forever.
-            graph.fold_constants(fold_shapes=True, size_threshold=p.size_threshold, error_ok=True,
-                                 should_exclude_node=lambda node: node.op in RANDOM_OPS)
+            graph.fold_constants(
+                fold_shapes=True,
+                size_threshold=p.size_threshold,
+                error_ok=True,
+                should_exclude_node=lambda node: node.op in RANDOM_OPS,
+            )
         graph.cleanup()
         removed = before - len(graph.nodes)
         total += changed + max(removed, 0)

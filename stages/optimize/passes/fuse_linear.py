@@ -1,5 +1,6 @@
 """Vertical fusion into linear ops: Conv+BN, Conv+Add(bias), MatMul+Add -> Gemm, Transpose/Reshape chains,
 and scalar Mul/Div folded into the weights of the linear op that produced the tensor."""
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -26,7 +27,9 @@ def _shape(t: gs.Tensor) -> list | None:
 def _fold_into_output(graph: gs.Graph, node: gs.Node, follower: gs.Node) -> bool:
     """``follower`` was absorbed into ``node``: ``node`` now writes follower's output."""
     out = follower.outputs[0]
-    follower.outputs = [gs.Variable(unique_name(graph, out.name + "_dead"))]  # free the name first: a tensor has one writer
+    follower.outputs = [
+        gs.Variable(unique_name(graph, out.name + "_dead"))
+    ]  # free the name first: a tensor has one writer
     node.outputs = [out]
     return True
 
@@ -40,8 +43,11 @@ def _conv_weight_bias(graph: gs.Graph, conv: gs.Node) -> tuple[np.ndarray, np.nd
 
 
 def _set_conv_weights(graph: gs.Graph, conv: gs.Node, w: np.ndarray, b: np.ndarray) -> None:
-    conv.inputs = [conv.inputs[0], new_const(graph, conv.inputs[1].name + "_fused", w),
-                   new_const(graph, (conv.name or "conv") + "_bias_fused", b)]
+    conv.inputs = [
+        conv.inputs[0],
+        new_const(graph, conv.inputs[1].name + "_fused", w),
+        new_const(graph, (conv.name or "conv") + "_bias_fused", b),
+    ]
 
 
 @register("fold_conv_bn")
@@ -122,8 +128,12 @@ def matmul_add_to_gemm(graph: gs.Graph, p: BaseModel) -> int:
         a_shape, w = _shape(mm.inputs[0]), const(mm.inputs[1])
         if a_shape is None or len(a_shape) != 2 or w is None or w.ndim != 2:
             continue
-        if bias.ndim > 2 or (bias.ndim >= 1 and bias.shape[-1] not in (1, w.shape[1])) or (
-                bias.ndim == 2 and bias.shape[0] != 1) or bias.dtype != w.dtype:
+        if (
+            bias.ndim > 2
+            or (bias.ndim >= 1 and bias.shape[-1] not in (1, w.shape[1]))
+            or (bias.ndim == 2 and bias.shape[0] != 1)
+            or bias.dtype != w.dtype
+        ):
             continue  # Gemm's C must broadcast to [M, N] without depending on M
         add.op, add.attrs = "Gemm", {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}
         add.inputs = [mm.inputs[0], mm.inputs[1], add.inputs[bias_side]]
@@ -169,8 +179,11 @@ def merge_reshapes(graph: gs.Graph, p: BaseModel) -> int:
 
 class ScaleParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    exact_only: bool = Field(True, description="fold only powers of two (bit-exact); otherwise any scalar "
-                                               "(within rounding, checked by the safety net)")
+    exact_only: bool = Field(
+        True,
+        description="fold only powers of two (bit-exact); otherwise any scalar "
+        "(within rounding, checked by the safety net)",
+    )
 
 
 def _scalar(v: np.ndarray | None, div: bool, exact_only: bool) -> float | None:
@@ -230,7 +243,13 @@ def fold_scalar_mul(graph: gs.Graph, p: ScaleParams) -> int:
     for node in list(graph.nodes):
         if node.op not in ("Mul", "Div"):
             continue
-        k = 1 if const(node.inputs[1]) is not None else 0 if node.op == "Mul" and const(node.inputs[0]) is not None else None
+        k = (
+            1
+            if const(node.inputs[1]) is not None
+            else 0
+            if node.op == "Mul" and const(node.inputs[0]) is not None
+            else None
+        )
         s = _scalar(const(node.inputs[k]), node.op == "Div", p.exact_only) if k is not None else None
         if s is None:
             continue

@@ -1,5 +1,6 @@
 """Pattern fusion to standard ONNX ops: decomposed LayerNorm -> LayerNormalization (opset >= 17), erf/tanh
 GELU -> Gelu (opset >= 20) or else one canonical erf form, and the attention Softmax in TensorRT's form."""
+
 from __future__ import annotations
 
 import math
@@ -108,11 +109,24 @@ def _match_layernorm(graph: gs.Graph, dv: gs.Node) -> dict | None:
     if axis is None or shape is None or not all(isinstance(v, int) for v in shape[axis:]):
         return None
     if any(r not in (sq, dv) for r in d.outputs) or not all(
-            _private(graph, t, r) for t, r in ((sub.inputs[1], sub), (rm2.outputs[0], add_eps),
-                                               (add_eps.outputs[0], sqrt), (std, dv), (rm2.inputs[0], rm2))):
+        _private(graph, t, r)
+        for t, r in (
+            (sub.inputs[1], sub),
+            (rm2.outputs[0], add_eps),
+            (add_eps.outputs[0], sqrt),
+            (std, dv),
+            (rm2.inputs[0], rm2),
+        )
+    ):
         return None
-    return {"x": x, "axis": axis, "eps": eps, "norm_shape": [int(v) for v in shape[axis:]], "rank": len(shape),
-            "last": dv}
+    return {
+        "x": x,
+        "axis": axis,
+        "eps": eps,
+        "norm_shape": [int(v) for v in shape[axis:]],
+        "rank": len(shape),
+        "last": dv,
+    }
 
 
 def _absorb_affine(graph: gs.Graph, m: dict, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -145,9 +159,12 @@ def fuse_layernorm(graph: gs.Graph, p: BaseModel) -> int:
             continue
         dtype = np.dtype(m["x"].dtype)
         gamma, beta = _absorb_affine(graph, m, dtype)
-        ln = gs.Node("LayerNormalization", node_name(graph, "layernorm"),
-                     attrs={"axis": m["axis"], "epsilon": float(m["eps"])},
-                     inputs=[m["x"], new_const(graph, "ln_gamma", gamma), new_const(graph, "ln_beta", beta)])
+        ln = gs.Node(
+            "LayerNormalization",
+            node_name(graph, "layernorm"),
+            attrs={"axis": m["axis"], "epsilon": float(m["eps"])},
+            inputs=[m["x"], new_const(graph, "ln_gamma", gamma), new_const(graph, "ln_beta", beta)],
+        )
         _rewire(graph, m["last"], ln)
         n += 1
     return n
@@ -220,16 +237,27 @@ def _canonical_erf_gelu(graph: gs.Graph, x: gs.Tensor, last: gs.Node) -> None:
     names = [unique_name(graph, f"gelu_{s}") for s in ("div", "erf", "add", "mul")]
     ts = [gs.Variable(nm, dtype=x.dtype) for nm in names]
     nodes = [
-        gs.Node("Div", node_name(graph, names[0]), inputs=[x, new_const(graph, "gelu_sqrt2", np.array(math.sqrt(2), dt))],
-                outputs=[ts[0]]),
+        gs.Node(
+            "Div",
+            node_name(graph, names[0]),
+            inputs=[x, new_const(graph, "gelu_sqrt2", np.array(math.sqrt(2), dt))],
+            outputs=[ts[0]],
+        ),
         gs.Node("Erf", node_name(graph, names[1]), inputs=[ts[0]], outputs=[ts[1]]),
-        gs.Node("Add", node_name(graph, names[2]), inputs=[ts[1], new_const(graph, "gelu_one", np.array(1, dt))],
-                outputs=[ts[2]]),
+        gs.Node(
+            "Add",
+            node_name(graph, names[2]),
+            inputs=[ts[1], new_const(graph, "gelu_one", np.array(1, dt))],
+            outputs=[ts[2]],
+        ),
         gs.Node("Mul", node_name(graph, names[3]), inputs=[x, ts[2]], outputs=[ts[3]]),
     ]
     graph.nodes.extend(nodes)
-    _rewire(graph, last, gs.Node("Mul", node_name(graph, "gelu_half"),
-                                 inputs=[ts[3], new_const(graph, "gelu_half", np.array(0.5, dt))]))
+    _rewire(
+        graph,
+        last,
+        gs.Node("Mul", node_name(graph, "gelu_half"), inputs=[ts[3], new_const(graph, "gelu_half", np.array(0.5, dt))]),
+    )
 
 
 @register("fuse_gelu")
@@ -244,14 +272,18 @@ def fuse_gelu(graph: gs.Graph, p: BaseModel) -> int:
             if x.dtype is None:
                 continue
             if graph.opset >= 20:
-                _rewire(graph, last, gs.Node("Gelu", node_name(graph, "gelu"), attrs={"approximate": "none"}, inputs=[x]))
+                _rewire(
+                    graph, last, gs.Node("Gelu", node_name(graph, "gelu"), attrs={"approximate": "none"}, inputs=[x])
+                )
             elif form != "Div_x_then_half":
                 _canonical_erf_gelu(graph, x, last)
             else:
                 continue  # already canonical
             n += 1
         elif node.op == "Tanh" and graph.opset >= 20 and (t := _match_tanh_gelu(graph, node)) is not None:
-            _rewire(graph, t[1], gs.Node("Gelu", node_name(graph, "gelu"), attrs={"approximate": "tanh"}, inputs=[t[0]]))
+            _rewire(
+                graph, t[1], gs.Node("Gelu", node_name(graph, "gelu"), attrs={"approximate": "tanh"}, inputs=[t[0]])
+            )
             n += 1
     return n
 

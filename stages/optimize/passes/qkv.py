@@ -1,5 +1,6 @@
 """Horizontal fusion: MatMuls that read the same input with constant weights (attention's Q, K and V
 projections) -> one MatMul over the concatenated weights (+ one bias Add) and a Split."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -20,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class QkvParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     min_branches: int = Field(2, ge=2, description="merge when at least this many MatMuls share one input")
-    max_branches: int = Field(8, ge=2, description="do not merge more branches than this (very wide merges "
-                                                   "only add a large Split)")
+    max_branches: int = Field(
+        8, ge=2, description="do not merge more branches than this (very wide merges only add a large Split)"
+    )
 
 
 def _branch(graph: gs.Graph, mm: gs.Node) -> tuple[np.ndarray, np.ndarray | None, gs.Tensor] | None:
@@ -68,19 +70,31 @@ def _merge(graph: gs.Graph, branches: list) -> None:
         writer = t.inputs[0]
         writer.outputs[writer.outputs.index(t)] = gs.Variable(unique_name(graph, t.name + "_dead"))
     y = gs.Variable(unique_name(graph, "qkv_matmul_out"), dtype=x.dtype)
-    graph.nodes.append(gs.Node("MatMul", node_name(graph, "qkv_matmul"),
-                               inputs=[x, new_const(graph, "qkv_weight", w)], outputs=[y]))
+    graph.nodes.append(
+        gs.Node("MatMul", node_name(graph, "qkv_matmul"), inputs=[x, new_const(graph, "qkv_weight", w)], outputs=[y])
+    )
     if with_bias:
         b = np.concatenate([b[1] for _, b in branches])
         yb = gs.Variable(unique_name(graph, "qkv_add_out"), dtype=x.dtype)
-        graph.nodes.append(gs.Node("Add", node_name(graph, "qkv_add"), inputs=[y, new_const(graph, "qkv_bias", b)],
-                                   outputs=[yb]))
+        graph.nodes.append(
+            gs.Node("Add", node_name(graph, "qkv_add"), inputs=[y, new_const(graph, "qkv_bias", b)], outputs=[yb])
+        )
         y = yb
     sizes = np.array([b[0].shape[1] for _, b in branches], dtype=np.int64)
     if graph.opset >= 13:
-        split = gs.Node("Split", node_name(graph, "qkv_split"), attrs={"axis": -1},
-                        inputs=[y, new_const(graph, "qkv_split_sizes", sizes)], outputs=outs)
+        split = gs.Node(
+            "Split",
+            node_name(graph, "qkv_split"),
+            attrs={"axis": -1},
+            inputs=[y, new_const(graph, "qkv_split_sizes", sizes)],
+            outputs=outs,
+        )
     else:  # before opset 13 the sizes are an attribute
-        split = gs.Node("Split", node_name(graph, "qkv_split"), attrs={"axis": -1, "split": sizes.tolist()},
-                        inputs=[y], outputs=outs)
+        split = gs.Node(
+            "Split",
+            node_name(graph, "qkv_split"),
+            attrs={"axis": -1, "split": sizes.tolist()},
+            inputs=[y],
+            outputs=outs,
+        )
     graph.nodes.append(split)

@@ -4,6 +4,7 @@ The dynamo exporter writes ``torch.split`` / ``Tensor.split`` (a `transformers` 
 ``SplitToSequence`` followed by ``SequenceAt`` per piece. TensorRT's ONNX parser has no sequence ops, so such a model
 built no TensorRT engine at all; ``Split`` computes the same pieces as plain tensors.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,16 +55,29 @@ def split_to_sequence(graph: gs.Graph, p: BaseModel) -> int:
             continue  # out of range: ONNX Runtime's error to give, not ours to hide
         x = node.inputs[0]
         pieces = [gs.Variable(unique_name(graph, f"{x.name}_piece_{i}"), dtype=x.dtype) for i in range(len(sizes))]
-        graph.nodes.append(gs.Node("Split", node_name(graph, f"{node.name}_split"), {"axis": axis},
-                                   [x, new_const(graph, f"{node.name}_sizes", np.array(sizes, np.int64))], pieces))
+        graph.nodes.append(
+            gs.Node(
+                "Split",
+                node_name(graph, f"{node.name}_split"),
+                {"axis": axis},
+                [x, new_const(graph, f"{node.name}_sizes", np.array(sizes, np.int64))],
+                pieces,
+            )
+        )
         replaced = 0
         for reader, i in zip(readers, picks):
             piece = pieces[i]
             if squeeze:
                 piece = gs.Variable(unique_name(graph, f"{pieces[i].name}_squeezed"), dtype=x.dtype)
-                graph.nodes.append(gs.Node("Squeeze", node_name(graph, f"{node.name}_squeeze"), {},
-                                           [pieces[i], new_const(graph, f"{node.name}_axis", np.array([axis]))],
-                                           [piece]))
+                graph.nodes.append(
+                    gs.Node(
+                        "Squeeze",
+                        node_name(graph, f"{node.name}_squeeze"),
+                        {},
+                        [pieces[i], new_const(graph, f"{node.name}_axis", np.array([axis]))],
+                        [piece],
+                    )
+                )
             if replace_uses(graph, reader.outputs[0], piece, via=reader):
                 drop(reader)
                 replaced += 1

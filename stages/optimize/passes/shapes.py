@@ -5,6 +5,7 @@ onnx-graphsurgeon folds a Shape only when its input's whole shape is static, and
 attributes; exporters (the dynamo exporter's LSTM, HF attention) read one static axis of a batch-dynamic
 tensor all the time, and each such read keeps a whole shape subgraph alive. Written by hand for that reason.
 """
+
 from __future__ import annotations
 
 import numpy as np

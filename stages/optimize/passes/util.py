@@ -1,4 +1,5 @@
 """Small graph helpers shared by the passes: constant lookup, consumers, safe rewiring."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,8 +8,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 # Ops that draw new numbers on every run: never folded into constants, never merged as duplicates.
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-                        "Bernoulli", "Dropout"})
+RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+)
 
 
 def const(t: gs.Tensor | None) -> np.ndarray | None:

@@ -1,4 +1,5 @@
 """kiln.core.compare: the one comparator, named statistics per output."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -65,12 +66,15 @@ def test_shape_mismatch_is_an_error() -> None:
         compare_arrays(np.ones((2, 3)), np.ones((3, 2)))
 
 
-@pytest.mark.parametrize("got, ok", [
-    (np.array([1.0, 2.0, np.nan]), True),
-    (np.array([1.0, 2.1, np.nan]), False),
-    (np.array([1.0, np.nan, 2.0]), False),
-    (np.array([1.0, 2.0, np.inf]), False),
-])
+@pytest.mark.parametrize(
+    "got, ok",
+    [
+        (np.array([1.0, 2.0, np.nan]), True),
+        (np.array([1.0, 2.1, np.nan]), False),
+        (np.array([1.0, np.nan, 2.0]), False),
+        (np.array([1.0, 2.0, np.inf]), False),
+    ],
+)
 def test_within_tolerance_keeps_nan_and_inf_in_place(got: np.ndarray, ok: bool) -> None:
     assert within_tolerance(np.array([1.0, 2.0, np.nan]), got, atol=1e-6, rtol=1e-6)[0] is ok
 

@@ -1,4 +1,5 @@
 """Which CPUs saturate ONNX Runtime's INT8 sums, and the exact kernels Kiln's sessions ask for on them."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,17 @@ ICE_LAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_vnni\n"
 ALDER_LAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx_vnni\n"
 
 
-@pytest.mark.parametrize("machine, cpuinfo, want", [
-    ("x86_64", SKYLAKE_SP, True), ("x86_64", ICE_LAKE, False), ("x86_64", ALDER_LAKE, False),
-    ("x86_64", "processor\t: 0\n", True),  # no flags line: the safe side
-    ("aarch64", "processor\t: 0\n", False), ("arm64", SKYLAKE_SP, False)])
+@pytest.mark.parametrize(
+    "machine, cpuinfo, want",
+    [
+        ("x86_64", SKYLAKE_SP, True),
+        ("x86_64", ICE_LAKE, False),
+        ("x86_64", ALDER_LAKE, False),
+        ("x86_64", "processor\t: 0\n", True),  # no flags line: the safe side
+        ("aarch64", "processor\t: 0\n", False),
+        ("arm64", SKYLAKE_SP, False),
+    ],
+)
 def test_only_x86_cpus_without_vnni_saturate(machine: str, cpuinfo: str, want: bool) -> None:
     assert saturates(machine, cpuinfo_flags(cpuinfo)) is want
 

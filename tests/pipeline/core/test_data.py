@@ -1,4 +1,5 @@
 """The dataset contract: every violation is one error/fix pair naming the cause, through the CLI too."""
+
 from __future__ import annotations
 
 import textwrap
@@ -21,25 +22,56 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 9, (n, s)), "attention_mask": torch.ones(n, s, dtype=torch.long)}
 
 
-@pytest.mark.parametrize("splits, message", [
-    (DatasetSplits(ids(8), None, tuple(ids(4).values()), None), "train_x is a dict with keys .* but val_x is a tuple"),
-    (DatasetSplits(ids(8), torch.zeros(7, dtype=torch.long), ids(4), torch.zeros(4, dtype=torch.long)),
-     "train_x has 8 rows but train_y has shape \\[7\\]"),
-    (DatasetSplits({"a": torch.zeros(8, 2), "b": torch.zeros(6, 2)}, None, {"a": torch.zeros(2, 2), "b": torch.zeros(2, 2)},
-                   None), "different row counts"),
-    (DatasetSplits(ids(8, 6), None, ids(4, 5), None),
-     "input 'input_ids': validation samples are \\[5\\] but training samples are \\[6\\]"),
-    (DatasetSplits(torch.zeros(8, 2), torch.arange(8), torch.zeros(2, 2), torch.arange(2), num_classes=4),
-     "train_y has labels from 0 to 7, outside 0..3"),
-    (DatasetSplits(torch.zeros(8, 2), None, [1, 2], None), "val_x as list"),
-    (DatasetSplits(ids(8), torch.full((8, 6), 5), ids(4), torch.zeros(4, 6, dtype=torch.long), num_classes=4),
-     "train_y has labels from 5 to 5, outside 0..3 \\(num_classes 4\\); -100 marks a position without a label"),
-    (DatasetSplits(torch.zeros(8, 2), torch.full((8,), -100), torch.zeros(2, 2), torch.zeros(2, dtype=torch.long),
-                   num_classes=4), "train_y has labels from -100 to -100, outside 0..3 \\(num_classes 4\\)\n"),
-    (DatasetSplits(torch.zeros(8, 2), torch.zeros(8, dtype=torch.bool), torch.zeros(2, 2), None),
-     "neither integer class labels nor float targets"),
-    (DatasetSplits(torch.zeros(8, 2), torch.zeros(8), torch.zeros(2, 2), None), "labels for one split only"),
-])
+@pytest.mark.parametrize(
+    "splits, message",
+    [
+        (
+            DatasetSplits(ids(8), None, tuple(ids(4).values()), None),
+            "train_x is a dict with keys .* but val_x is a tuple",
+        ),
+        (
+            DatasetSplits(ids(8), torch.zeros(7, dtype=torch.long), ids(4), torch.zeros(4, dtype=torch.long)),
+            "train_x has 8 rows but train_y has shape \\[7\\]",
+        ),
+        (
+            DatasetSplits(
+                {"a": torch.zeros(8, 2), "b": torch.zeros(6, 2)},
+                None,
+                {"a": torch.zeros(2, 2), "b": torch.zeros(2, 2)},
+                None,
+            ),
+            "different row counts",
+        ),
+        (
+            DatasetSplits(ids(8, 6), None, ids(4, 5), None),
+            "input 'input_ids': validation samples are \\[5\\] but training samples are \\[6\\]",
+        ),
+        (
+            DatasetSplits(torch.zeros(8, 2), torch.arange(8), torch.zeros(2, 2), torch.arange(2), num_classes=4),
+            "train_y has labels from 0 to 7, outside 0..3",
+        ),
+        (DatasetSplits(torch.zeros(8, 2), None, [1, 2], None), "val_x as list"),
+        (
+            DatasetSplits(ids(8), torch.full((8, 6), 5), ids(4), torch.zeros(4, 6, dtype=torch.long), num_classes=4),
+            "train_y has labels from 5 to 5, outside 0..3 \\(num_classes 4\\); -100 marks a position without a label",
+        ),
+        (
+            DatasetSplits(
+                torch.zeros(8, 2),
+                torch.full((8,), -100),
+                torch.zeros(2, 2),
+                torch.zeros(2, dtype=torch.long),
+                num_classes=4,
+            ),
+            "train_y has labels from -100 to -100, outside 0..3 \\(num_classes 4\\)\n",
+        ),
+        (
+            DatasetSplits(torch.zeros(8, 2), torch.zeros(8, dtype=torch.bool), torch.zeros(2, 2), None),
+            "neither integer class labels nor float targets",
+        ),
+        (DatasetSplits(torch.zeros(8, 2), torch.zeros(8), torch.zeros(2, 2), None), "labels for one split only"),
+    ],
+)
 def test_contract_violations_name_the_cause(splits: DatasetSplits, message: str) -> None:
     with pytest.raises(DataContractError, match=message) as info:
         check_splits(splits, "mine:data")
@@ -54,8 +86,9 @@ def test_labels_per_token_are_classes_or_the_ignore_label() -> None:
 
 
 def test_a_declared_dynamic_axis_may_differ_between_splits() -> None:
-    check_splits(DatasetSplits(ids(8, 6), None, ids(4, 5), None), "d", {"input_ids": {1: "seq"},
-                                                                       "attention_mask": {1: "seq"}})
+    check_splits(
+        DatasetSplits(ids(8, 6), None, ids(4, 5), None), "d", {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    )
 
 
 def test_input_names_come_from_keys_or_the_forward() -> None:
@@ -70,6 +103,7 @@ def test_input_names_come_from_keys_or_the_forward() -> None:
 
 def test_inputs_go_by_keyword_where_the_export_named_them() -> None:
     """How a backend that calls the model itself (torch) passes the ONNX inputs: as the export's names say."""
+
     class Two(nn.Module):
         def forward(self, dense, sparse):
             return dense
@@ -108,12 +142,14 @@ def test_outputs_flatten_and_the_logits_default() -> None:
     # one output whose name says it holds features (a T5 encoder, a sentence embedder): no class logits by default
     for features in ("last_hidden_state", "pooler_output", "image_embeds", "embedding", "features"):
         assert logits_name([features], None) is None and logits_name([features], 0) == features
-    assert logits_name(["output_0", "output_1"], None) is None and logits_name(["output_0", "output_1"], -1) == "output_1"
+    assert (
+        logits_name(["output_0", "output_1"], None) is None and logits_name(["output_0", "output_1"], -1) == "output_1"
+    )
     with pytest.raises(ConfigError, match="not an output of the model"):
         logits_name(["a"], "logits")
 
 
-USER = '''
+USER = """
 import torch
 from torch import nn
 from kiln import DatasetSplits
@@ -139,18 +175,28 @@ def data(key="mask", labels=True):
     y = torch.randint(0, 3, (64,), generator=g) if labels else None
     return DatasetSplits({k: v[:48] for k, v in x.items()}, None if y is None else y[:48],
                          {k: v[48:] for k, v in x.items()}, None if y is None else y[48:], num_classes=3)
-'''
+"""
 
 
-@pytest.mark.parametrize("model_params, data_params, extra, message", [
-    ({}, {"key": "attention_mask"}, {}, "forward\\(dense, mask\\) takes no argument 'attention_mask'"),
-    ({"returns": "dict-with-text"}, {}, {}, "output 'extra' as str, not a tensor"),
-    ({}, {"labels": False}, {}, "has no labels \\(train_y is None\\): training needs them"),
-])
+@pytest.mark.parametrize(
+    "model_params, data_params, extra, message",
+    [
+        ({}, {"key": "attention_mask"}, {}, "forward\\(dense, mask\\) takes no argument 'attention_mask'"),
+        ({"returns": "dict-with-text"}, {}, {}, "output 'extra' as str, not a tensor"),
+        ({}, {"labels": False}, {}, "has no labels \\(train_y is None\\): training needs them"),
+    ],
+)
 def test_cli_errors_are_one_error_and_one_fix(tmp_path: Path, model_params, data_params, extra, message) -> None:
     (tmp_path / "contract_user.py").write_text(textwrap.dedent(USER))
-    cfg = tiny_config_dict(**{"model.name": "contract_user:build", "model.params": model_params,
-                              "data.name": "contract_user:data", "data.params": data_params, **extra})
+    cfg = tiny_config_dict(
+        **{
+            "model.name": "contract_user:build",
+            "model.params": model_params,
+            "data.name": "contract_user:data",
+            "data.params": data_params,
+            **extra,
+        }
+    )
     path = tmp_path / "kiln.yaml"
     path.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
@@ -162,8 +208,15 @@ def test_cli_errors_are_one_error_and_one_fix(tmp_path: Path, model_params, data
 
 def test_no_labels_with_training_off_validates_by_agreement(tmp_path: Path) -> None:
     (tmp_path / "contract_user.py").write_text(textwrap.dedent(USER))
-    cfg = tiny_config_dict(**{"model.name": "contract_user:build", "model.params": {}, "train.enabled": False,
-                              "data.name": "contract_user:data", "data.params": {"labels": False}})
+    cfg = tiny_config_dict(
+        **{
+            "model.name": "contract_user:build",
+            "model.params": {},
+            "train.enabled": False,
+            "data.name": "contract_user:data",
+            "data.params": {"labels": False},
+        }
+    )
     path = tmp_path / "kiln.yaml"
     path.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])

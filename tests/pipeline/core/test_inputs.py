@@ -1,4 +1,5 @@
 """kiln.core.inputs: the one random-input maker."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +10,11 @@ from kiln.core.records import TensorSpec
 
 
 def test_batch_axis_dtypes_and_ranges() -> None:
-    specs = [TensorSpec(name="ids", shape=["batch", 8], dtype="int64"),
-             TensorSpec(name="mask", shape=["batch", 8], dtype="bool"),
-             TensorSpec(name="x", shape=[3, 4], dtype="float32")]
+    specs = [
+        TensorSpec(name="ids", shape=["batch", 8], dtype="int64"),
+        TensorSpec(name="mask", shape=["batch", 8], dtype="bool"),
+        TensorSpec(name="x", shape=[3, 4], dtype="float32"),
+    ]
     feed = random_inputs(specs, batch=5, int_high=3)
     assert feed["ids"].shape == (5, 8) and feed["ids"].dtype == np.int64 and feed["ids"].max() <= 3
     assert feed["mask"].dtype == np.bool_ and feed["x"].shape == (3, 4)  # a fixed first axis keeps its size
@@ -28,9 +31,11 @@ def test_other_dynamic_axes_need_a_size() -> None:
 
 
 def test_only_a_dynamic_batch_axis_is_set() -> None:
-    specs = [TensorSpec(name="x", shape=["batch", 3, 4], dtype="float32"),
-             TensorSpec(name="ids", shape=[0, 5], dtype="int64"),
-             TensorSpec(name="fixed", shape=[1, 3], dtype="float32")]
+    specs = [
+        TensorSpec(name="x", shape=["batch", 3, 4], dtype="float32"),
+        TensorSpec(name="ids", shape=[0, 5], dtype="int64"),
+        TensorSpec(name="fixed", shape=[1, 3], dtype="float32"),
+    ]
     feed = random_inputs(specs, batch=7)
     assert feed["x"].shape == (7, 3, 4) and feed["x"].dtype == np.float32
     assert feed["ids"].shape == (7, 5) and set(np.unique(feed["ids"])) <= {0, 1}
@@ -50,9 +55,11 @@ def test_largest_sizes_puts_each_axis_at_its_own_largest_size() -> None:
     named in the sizes the largest of all; no sizes, no mapping (callers pass their own one size)."""
     from kiln.core.inputs import largest_sizes
 
-    specs = [TensorSpec(name="src", shape=["batch", "src"], dtype="int64"),
-             TensorSpec(name="tgt", shape=["batch", "tgt"], dtype="int64"),
-             TensorSpec(name="extra", shape=["batch", "other", 4], dtype="float32")]
+    specs = [
+        TensorSpec(name="src", shape=["batch", "src"], dtype="int64"),
+        TensorSpec(name="tgt", shape=["batch", "tgt"], dtype="int64"),
+        TensorSpec(name="extra", shape=["batch", "other", 4], dtype="float32"),
+    ]
     sizes = largest_sizes(specs, {"src": [6, 12], "tgt": [3, 6]})
     assert sizes == {"src": {1: 12}, "tgt": {1: 6}, "extra": {1: 12}}
     feed = random_inputs(specs, 2, dynamic=sizes)

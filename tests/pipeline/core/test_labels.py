@@ -1,4 +1,5 @@
 """Labels per row or per position (kiln.core.labels): the loss, hits and accuracy over labelled positions only."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,7 +25,8 @@ def test_dense_cross_entropy_is_torchs_mean_over_labelled_tokens_and_zero_withou
     segmentation = torch.randn(2, 4, 3, 3)  # [N, C, H, W]: classes on axis 1
     pixels = torch.randint(0, 4, (2, 3, 3))
     assert dense_cross_entropy(segmentation, pixels) == pytest.approx(
-        torch.nn.functional.cross_entropy(segmentation, pixels).item(), rel=1e-6)
+        torch.nn.functional.cross_entropy(segmentation, pixels).item(), rel=1e-6
+    )
 
 
 def test_accuracy_counts_labelled_rows_and_positions() -> None:

@@ -1,4 +1,5 @@
 """kiln.core.onnx_io.save_onnx: a model's own external data is replaced with it; anyone else's is never touched."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,13 @@ from kiln.core.onnx_io import load_onnx, save_onnx
 def _model(value: float) -> onnx.ModelProto:
     w = numpy_helper.from_array(np.full((64, 64), value, np.float32), "w")
     node = helper.make_node("MatMul", ["x", "w"], ["y"])
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])], [w])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+        [w],
+    )
     return helper.make_model(graph)
 
 

@@ -1,4 +1,5 @@
 """kiln.core.records: files written and read through typed records; damaged ones refused clearly."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,18 @@ from kiln.core.records import SCHEMA_VERSION, EngineMetadata, EngineSource, Tens
 
 def _meta() -> EngineMetadata:
     spec = TensorSpec(name="input", shape=["batch", 4], dtype="float32")
-    return EngineMetadata(name="e", backend="onnxruntime", device="cpu", precision="fp32", inputs=[spec],
-                          outputs=[spec], source=EngineSource(file="m.onnx", sha256="0" * 64),
-                          files={"model": "engine.onnx"}, flavour="onnxruntime", versions={"onnxruntime": "1"})
+    return EngineMetadata(
+        name="e",
+        backend="onnxruntime",
+        device="cpu",
+        precision="fp32",
+        inputs=[spec],
+        outputs=[spec],
+        source=EngineSource(file="m.onnx", sha256="0" * 64),
+        files={"model": "engine.onnx"},
+        flavour="onnxruntime",
+        versions={"onnxruntime": "1"},
+    )
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -23,14 +33,17 @@ def test_round_trip(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["schema_version"] == SCHEMA_VERSION
 
 
-@pytest.mark.parametrize("damage, needle", [
-    (lambda d: "{not json", "not JSON"),
-    (lambda d: json.dumps({**d, "backend": 7}), "backend"),
-    (lambda d: json.dumps({k: v for k, v in d.items() if k != "inputs"}), "inputs"),
-    (lambda d: json.dumps({**d, "surprise": 1}), "surprise"),
-    (lambda d: json.dumps({**d, "schema_version": SCHEMA_VERSION + 1}), "schema version"),
-    (lambda d: json.dumps([d]), "not a valid EngineMetadata"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda d: "{not json", "not JSON"),
+        (lambda d: json.dumps({**d, "backend": 7}), "backend"),
+        (lambda d: json.dumps({k: v for k, v in d.items() if k != "inputs"}), "inputs"),
+        (lambda d: json.dumps({**d, "surprise": 1}), "surprise"),
+        (lambda d: json.dumps({**d, "schema_version": SCHEMA_VERSION + 1}), "schema version"),
+        (lambda d: json.dumps([d]), "not a valid EngineMetadata"),
+    ],
+)
 def test_damaged_files_are_refused_with_the_reason(tmp_path: Path, damage, needle: str) -> None:
     path = tmp_path / "kiln-engine.json"
     _meta().write(path)

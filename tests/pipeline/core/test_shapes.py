@@ -1,4 +1,5 @@
 """The shapes validation runs at: sizes of each dynamic axis, the points, and resizing real inputs to them."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,6 +31,8 @@ def test_resize_cuts_or_zero_pads_every_tied_axis() -> None:
 
 
 def test_graph_axes_are_the_symbolic_dims_after_batch() -> None:
-    specs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64"), TensorSpec(name="x", shape=["b", 3],
-                                                                                         dtype="float32")]
+    specs = [
+        TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="x", shape=["b", 3], dtype="float32"),
+    ]
     assert graph_axes(specs) == {"ids": {1: "seq"}}

@@ -4,6 +4,7 @@ FP16: onnxconverter-common's converter keeping LayerNormalization/Softmax/reduct
 TensorRT-RTX expect: precision lives in the graph). INT8: onnxruntime.quantization.quantize_static in QDQ format,
 symmetric per-channel weights, as TensorRT requires.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,13 @@ def sample(name: str, batch: int, seed: int = 0) -> np.ndarray:
     return rng.standard_normal((batch, *shape)).astype(np.float32)
 
 
-def assert_runner_agrees(runner, model: torch.nn.Module, name: str, batches: tuple[int, ...],  # noqa: ANN001
-                         min_cosine: float = 0.999) -> None:
+def assert_runner_agrees(
+    runner,
+    model: torch.nn.Module,
+    name: str,
+    batches: tuple[int, ...],  # noqa: ANN001
+    min_cosine: float = 0.999,
+) -> None:
     """An FP16 engine's ``runner`` agrees with the FP32 ``model`` (the zoo model ``name``) by cosine at ``batches``."""
     for batch in batches:
         x = sample(name, batch, seed=batch)
@@ -43,8 +49,9 @@ def assert_runner_agrees(runner, model: torch.nn.Module, name: str, batches: tup
         assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > min_cosine
 
 
-def assert_engine_matches(engine_dir: Path, model: torch.nn.Module, name: str, batches: tuple[int, ...],
-                          tol: float = 1e-4) -> None:
+def assert_engine_matches(
+    engine_dir: Path, model: torch.nn.Module, name: str, batches: tuple[int, ...], tol: float = 1e-4
+) -> None:
     """The engine in ``engine_dir`` computes ``model`` (the zoo model ``name``) on fresh samples at ``batches``."""
     from kiln.stages.engines.registry import load_engine
 
@@ -88,11 +95,17 @@ def int8_graph(fp32: Path, out: Path, name: str) -> Path:
         def get_next(self):  # type: ignore[override]
             return next(self.batches, None)
 
-    quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    op_types_to_quantize=["Conv", "MatMul", "Gemm"],
-                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                                   "QuantizeBias": False})
+    quantize_static(
+        str(fp32),
+        str(out),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        op_types_to_quantize=["Conv", "MatMul", "Gemm"],
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+    )
     return out
 
 

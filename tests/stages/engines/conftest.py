@@ -1,4 +1,5 @@
 """Fixtures of the build-stage tests: zoo graphs in every precision, made once per session."""
+
 from __future__ import annotations
 
 import sys

@@ -2,6 +2,7 @@
 one cuDNN call, through two custom ops the compiled flavour's program is rewritten to. The speed is the GPU's
 (benchmarks/conv_epilogue_probe.py); here: the rewrite finds the right layers, leaves the wrong ones, computes the
 same function (the ops compute it unfused on the CPU), and survives torch.compile and a build + reload."""
+
 from __future__ import annotations
 
 import logging
@@ -113,8 +114,9 @@ def test_a_same_padded_convolution_is_folded_but_not_fused() -> None:
     """``padding='same'`` (EfficientNet's convolutions, ``aten.conv2d.padding``): the BatchNorm folds into it, but the
     fused ops take integer padding only, so its ReLU stays a kernel of its own."""
     torch.manual_seed(0)
-    model = _trained_statistics(nn.Sequential(nn.Conv2d(3, 8, 3, padding="same", bias=False), nn.BatchNorm2d(8),
-                                              nn.ReLU()))
+    model = _trained_statistics(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding="same", bias=False), nn.BatchNorm2d(8), nn.ReLU())
+    )
     x = torch.randn(2, 3, 7, 7)
     gm = _exported(model, x)
     assert fuse_conv_epilogues(gm) == {"batch_norms_folded": 1, "conv_bias_relu": 0, "conv_bias_add_relu": 0}
@@ -138,16 +140,27 @@ def test_folding_keeps_the_weights_dtype_and_channels_last_layout() -> None:
     fuse_conv_epilogues(gm16)
     want, _ = torch.nn.utils.fusion.fuse_conv_bn_weights(
         *(t.float() for t in (half[0].weight, torch.zeros(8), half[1].running_mean, half[1].running_var)),
-        half[1].eps, half[1].weight.float(), half[1].bias.float())
+        half[1].eps,
+        half[1].weight.float(),
+        half[1].bias.float(),
+    )
     assert gm16._kiln_folded_conv_0_weight.dtype == torch.float16
     torch.testing.assert_close(gm16._kiln_folded_conv_0_weight.float(), want.half().float(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device, precision, flavour, applies", [
-    ("cuda", "fp16", "auto", True), ("cuda", "fp16", "compiled", True), ("cuda", "fp16", "aotinductor", False),
-    ("cuda", "fp32", "auto", False), ("cpu", "fp32", "auto", False)])
-def test_auto_means_fp16_gpu_engines_of_models_with_convolutions(device: str, precision: str, flavour: str,
-                                                                 applies: bool) -> None:
+@pytest.mark.parametrize(
+    "device, precision, flavour, applies",
+    [
+        ("cuda", "fp16", "auto", True),
+        ("cuda", "fp16", "compiled", True),
+        ("cuda", "fp16", "aotinductor", False),
+        ("cuda", "fp32", "auto", False),
+        ("cpu", "fp32", "auto", False),
+    ],
+)
+def test_auto_means_fp16_gpu_engines_of_models_with_convolutions(
+    device: str, precision: str, flavour: str, applies: bool
+) -> None:
     assert TorchConfig().conv_epilogues == "auto"
     assert resolve("auto", device, precision, flavour) is applies
     assert _settings(TorchConfig(flavour=flavour), device, precision, has_conv=True)["conv_epilogues"] is applies
@@ -176,20 +189,25 @@ def _cnn() -> nn.Module:
 
 def test_a_compiled_engine_with_conv_epilogues_matches_pytorch_and_records_its_layers(zoo, tmp_path: Path) -> None:
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(conv_epilogues="on"))  # flavour auto
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c",
-                        max_batch=4, torch_model=_cnn)
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=4, torch_model=_cnn
+    )
     assert meta.flavour == "compiled"  # auto goes straight to the flavour that can hold the custom ops
     settings = meta.builder_settings
     depth = sum(isinstance(m, nn.Conv2d) for m in _cnn().modules())
     assert settings["conv_epilogues"] is True
-    assert settings["conv_epilogue_layers"] == {"batch_norms_folded": depth, "conv_bias_relu": depth,
-                                                "conv_bias_add_relu": 0}
+    assert settings["conv_epilogue_layers"] == {
+        "batch_norms_folded": depth,
+        "conv_bias_relu": depth,
+        "conv_bias_add_relu": 0,
+    }
     torch.compiler.reset()  # the runner rewrites and compiles again in a process that has not seen the model
     assert_engine_matches(tmp_path / "e", _cnn(), "cnn", (1, 4))
 
 
-def test_a_model_whose_fused_convolutions_fail_gets_its_engine_without_them(zoo, tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_whose_fused_convolutions_fail_gets_its_engine_without_them(
+    zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """auto turns the rewrite on for an engine kind, not for a model: where it breaks the build (cuDNN refusing a
     fused call, say) the engine is built without it and says why; an explicit `on` fails as asked."""
     from kiln.core.errors import BuildError
@@ -201,22 +219,25 @@ def test_a_model_whose_fused_convolutions_fail_gets_its_engine_without_them(zoo,
     monkeypatch.setattr(conv_epilogues, "fuse_conv_epilogues", broken)
     monkeypatch.setattr(conv_epilogues, "resolve", lambda *args: True)  # auto applies, as for an FP16 GPU engine
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
-                        torch_model=_cnn)
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2, torch_model=_cnn
+    )
     settings = meta.builder_settings
     assert settings["conv_epilogues"] is False and "CUDNN_STATUS_NOT_SUPPORTED" in settings["conv_epilogues_failed"]
     assert "conv_epilogue_layers" not in settings
     assert_engine_matches(tmp_path / "e", _cnn(), "cnn", (1, 2))
     explicit = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled", conv_epilogues="on"))
     with pytest.raises(BuildError, match="CUDNN_STATUS_NOT_SUPPORTED"):
-        build_engine(zoo("cnn"), tmp_path / "f", "torch", "cpu", "fp32", explicit, tmp_path / "c", max_batch=2,
-                     torch_model=_cnn)
+        build_engine(
+            zoo("cnn"), tmp_path / "f", "torch", "cpu", "fp32", explicit, tmp_path / "c", max_batch=2, torch_model=_cnn
+        )
 
 
 def _resnet() -> nn.Module:
     torch.manual_seed(0)
-    return _trained_statistics(build_model("resnet18", {"width": 16, "blocks": (1, 1), "num_classes": 10,
-                                                        "in_channels": 1}))
+    return _trained_statistics(
+        build_model("resnet18", {"width": 16, "blocks": (1, 1), "num_classes": 10, "in_channels": 1})
+    )
 
 
 @pytest.mark.gpu
@@ -226,8 +247,9 @@ def test_cuda_fp16_engine_with_cudnn_epilogues_agrees_and_replays_graphs(zoo, tm
     graphs; the engine agrees with the FP32 model at batch 1 and 32. The model: a small ResNet (residual adds) with
     the zoo CNN's signature ([B, 1, 8, 8] -> [B, 10]), built against the zoo CNN's graph for its inputs and outputs."""
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c",
-                        max_batch=32, torch_model=_resnet)
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32, torch_model=_resnet
+    )
     assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
     layers = meta.builder_settings["conv_epilogue_layers"]
     assert layers["conv_bias_relu"] >= 2 and layers["conv_bias_add_relu"] >= 1, layers

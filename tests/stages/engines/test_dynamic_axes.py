@@ -1,4 +1,5 @@
 """Engines keep every dynamic axis of their source graph (issue 12, defect 1)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,16 +42,21 @@ def test_check_refuses_an_engine_graph_with_a_pinned_batch(tmp_path: Path) -> No
 
 def test_pin_shapes_refuses_to_overwrite_a_fixed_axis(tmp_path: Path) -> None:
     """The autotuner once timed an engine fixed to batch 1 as batch 32 by pinning over the fixed axis."""
-    model = pin_shapes(onnx.load(str(export_two_input(tmp_path / "src.onnx"))), {"input_ids": (1, 16),
-                                                                                 "attention_mask": (1, 16)})
+    model = pin_shapes(
+        onnx.load(str(export_two_input(tmp_path / "src.onnx"))), {"input_ids": (1, 16), "attention_mask": (1, 16)}
+    )
     with pytest.raises(BuildError, match="axis 0 is fixed to 1 in the engine, got 32"):
         pin_shapes(model, {"input_ids": (32, 16)})
 
 
 def _build_and_run(tmp_path: Path, device: str) -> None:
     src = export_two_input(tmp_path / "src.onnx")
-    cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(
-        devices=[device], autotune=OrtAutotuneConfig(batch_sizes=[1, 32], iterations=3, warmup=1)))
+    cfg = BuildConfig(
+        backends=["onnxruntime"],
+        onnxruntime=OnnxRuntimeConfig(
+            devices=[device], autotune=OrtAutotuneConfig(batch_sizes=[1, 32], iterations=3, warmup=1)
+        ),
+    )
     meta = build_engine(src, tmp_path / "e", "onnxruntime", device, "fp16", cfg, tmp_path / "c", max_batch=32)
     engine = onnx.load(str(tmp_path / "e" / "engine.onnx"))
     assert [d.dim_param for i in engine.graph.input for d in i.type.tensor_type.shape.dim][::2] == ["batch"] * 2
@@ -63,8 +69,12 @@ def _build_and_run(tmp_path: Path, device: str) -> None:
             cos = float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want))
             assert cos > 0.999, (batch, cos)
     # Which step would have pinned (issue 12's root-cause check on the GPU host: the CUDA EP's offline save?)
-    print("offline_fallback:", meta.builder_settings.get("offline_fallback"),
-          "offline level:", (meta.session or {}).get("offline_optimization"))
+    print(
+        "offline_fallback:",
+        meta.builder_settings.get("offline_fallback"),
+        "offline level:",
+        (meta.session or {}).get("offline_optimization"),
+    )
     if device == "cuda":  # every trial that was timed ran its batch (the shape check), none failed on shape
         assert all("another shape" not in (t.get("error") or "") for t in meta.autotune["trials"])
         assert set(meta.autotune["choice_by_batch"]) == {"1", "32"}
@@ -89,8 +99,9 @@ def test_cuda_offline_save_that_pins_axes_falls_back_to_the_converted_graph(tmp_
     src = onnx.load(str(export_two_input(tmp_path / "src.onnx")))
     monkeypatch.setattr(backend, "lost_in_model", lambda a, b: ["input_ids[0]: 'batch' -> 1"])
     dst = tmp_path / "engine.onnx"
-    note, offline = backend._write_engine(src, dst, "cuda", "fp16", OnnxRuntimeConfig(devices=["cuda"]),
-                                          cuda_here=True, to_fp16=True, keep_fp32=None)
+    note, offline = backend._write_engine(
+        src, dst, "cuda", "fp16", OnnxRuntimeConfig(devices=["cuda"]), cuda_here=True, to_fp16=True, keep_fp32=None
+    )
     assert offline == "none" and "float16" in note
     engine = onnx.load(str(dst))
     assert [d.dim_param for d in engine.graph.input[0].type.tensor_type.shape.dim] == ["batch", ""]

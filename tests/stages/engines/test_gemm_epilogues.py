@@ -1,6 +1,7 @@
 """build.torch.gemm_epilogues: linear layers as cuBLASLt GEMMs with bias (and GELU) epilogues, through two custom
 ops the compiled flavour's program is rewritten to. The speed is the GPU's (benchmarks/engine_bench.py); here: the
 rewrite finds the right layers, computes the same function, and survives torch.compile and a build + reload."""
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,10 @@ def _exported(model: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:
         return torch.export.export(model.eval(), args).module()
 
 
-@pytest.mark.parametrize("mode, counts", [("bias", {"linear_bias": 3, "linear_bias_gelu": 0}),
-                                          ("bias_gelu", {"linear_bias": 2, "linear_bias_gelu": 1})])
+@pytest.mark.parametrize(
+    "mode, counts",
+    [("bias", {"linear_bias": 3, "linear_bias_gelu": 0}), ("bias_gelu", {"linear_bias": 2, "linear_bias_gelu": 1})],
+)
 def test_the_rewrite_takes_biased_linears_and_keeps_the_function(mode: str, counts: dict) -> None:
     from torch._inductor.utils import run_and_get_code
 
@@ -103,17 +106,25 @@ def test_gelus_are_fused_only_where_the_epilogue_computes_them_as_the_model(mode
         assert 1e-6 < diff < 2e-3  # the tanh GELU computed exactly: a real, bounded difference
 
 
-@pytest.mark.parametrize("merge, counts", [
-    (False, {"linear_bias": 2 * 5 + 1, "linear_bias_gelu": 2}),
-    (True, {"linear_bias": 2 * 3 + 1, "linear_bias_gelu": 2, "merged_linears": 2 * 3})], ids=["plain", "merged"])
+@pytest.mark.parametrize(
+    "merge, counts",
+    [
+        (False, {"linear_bias": 2 * 5 + 1, "linear_bias_gelu": 2}),
+        (True, {"linear_bias": 2 * 3 + 1, "linear_bias_gelu": 2, "merged_linears": 2 * 3}),
+    ],
+    ids=["plain", "merged"],
+)
 def test_a_transformers_bert_keeps_its_outputs(merge: bool, counts: dict) -> None:
     """A model nobody here wrote: every biased projection of a `transformers` BERT (Q, K, V, attention output, FFN up
     with its GELU, FFN down, pooler) is rewritten and the pooled output is unchanged; merged, each layer's Q, K and
     V are one GEMM, and the engine holds no more weights than the model."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    bert = transformers.BertModel(transformers.BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)).eval()
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+        )
+    ).eval()
 
     class Pooled(nn.Module):
         def __init__(self) -> None:
@@ -148,8 +159,11 @@ def test_a_merged_weight_read_elsewhere_stays() -> None:
     torch.manual_seed(0)
     model, x = Tied(), torch.randn(3, 8)
     gm = _exported(model, x)
-    assert fuse_linear_epilogues(gm, "bias", merge=True) == {"linear_bias": 2, "linear_bias_gelu": 0,
-                                                             "merged_linears": 2}
+    assert fuse_linear_epilogues(gm, "bias", merge=True) == {
+        "linear_bias": 2,
+        "linear_bias_gelu": 0,
+        "merged_linears": 2,
+    }
     names = {name for name, _ in (*gm.named_parameters(), *gm.named_buffers())}
     assert "q.weight" in names and "k.weight" not in names and "v.weight" in names
     with torch.inference_mode():
@@ -164,8 +178,17 @@ def _transformer() -> nn.Module:
 @pytest.mark.slow
 def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers(zoo, tmp_path: Path) -> None:
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(gemm_epilogues="bias_gelu"))  # flavour auto
-    meta = build_engine(zoo("transformer"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c",
-                        max_batch=4, torch_model=_transformer)
+    meta = build_engine(
+        zoo("transformer"),
+        tmp_path / "e",
+        "torch",
+        "cpu",
+        "fp32",
+        cfg,
+        tmp_path / "c",
+        max_batch=4,
+        torch_model=_transformer,
+    )
     assert meta.flavour == "compiled"  # auto goes straight to the flavour that can hold the custom ops
     settings = meta.builder_settings
     assert settings["gemm_epilogues"] == "bias_gelu" and settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
@@ -174,19 +197,31 @@ def test_a_compiled_engine_with_epilogues_matches_pytorch_and_records_its_layers
     assert_engine_matches(tmp_path / "e", _transformer(), "transformer", (1, 4))
 
 
-@pytest.mark.parametrize("device, precision, flavour, mode", [
-    ("cuda", "fp16", "auto", "bias_any_gelu"), ("cuda", "fp16", "compiled", "bias_any_gelu"),
-    ("cuda", "fp16", "aotinductor", "off"), ("cuda", "fp32", "auto", "off"), ("cpu", "fp32", "auto", "off")])
-def test_auto_means_the_epilogues_for_fp16_gpu_engines_only(device: str, precision: str, flavour: str,
-                                                            mode: str) -> None:
+@pytest.mark.parametrize(
+    "device, precision, flavour, mode",
+    [
+        ("cuda", "fp16", "auto", "bias_any_gelu"),
+        ("cuda", "fp16", "compiled", "bias_any_gelu"),
+        ("cuda", "fp16", "aotinductor", "off"),
+        ("cuda", "fp32", "auto", "off"),
+        ("cpu", "fp32", "auto", "off"),
+    ],
+)
+def test_auto_means_the_epilogues_for_fp16_gpu_engines_only(
+    device: str, precision: str, flavour: str, mode: str
+) -> None:
     """The default, as the build records it: FP16 GPU engines get them (the H200 measurement); CPU engines, FP32
     engines (not measured) and AOTInductor packages (which cannot hold the ops) not; an explicit mode is kept."""
     assert TorchConfig().gemm_epilogues == "auto"
     assert _settings(TorchConfig(flavour=flavour), device, precision, has_conv=False)["gemm_epilogues"] == mode
     explicit = "off" if mode == "bias_any_gelu" else "bias_gelu"
     if flavour != "aotinductor":  # (an explicit mode with aotinductor is refused: the test below)
-        assert _settings(TorchConfig(flavour=flavour, gemm_epilogues=explicit), device, precision,
-                         has_conv=False)["gemm_epilogues"] == explicit
+        assert (
+            _settings(TorchConfig(flavour=flavour, gemm_epilogues=explicit), device, precision, has_conv=False)[
+                "gemm_epilogues"
+            ]
+            == explicit
+        )
 
 
 def test_only_an_explicit_setting_warns_when_there_is_nothing_to_rewrite(caplog: pytest.LogCaptureFixture) -> None:
@@ -196,19 +231,26 @@ def test_only_an_explicit_setting_warns_when_there_is_nothing_to_rewrite(caplog:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="kiln.build"):
             assert fuse_linear_epilogues(_exported(model, x), "bias", warn_if_none=warn) == {
-                "linear_bias": 0, "linear_bias_gelu": 0}
+                "linear_bias": 0,
+                "linear_bias_gelu": 0,
+            }
         assert ("no linear layer with a bias" in caplog.text) is warn
 
 
 def test_a_missed_accuracy_gate_names_the_gelu_approximation_only_where_there_is_one() -> None:
-    approximated = {"gemm_epilogues": "bias_any_gelu",
-                    "gemm_epilogue_layers": {"linear_bias": 6, "linear_bias_gelu": 2}}
+    approximated = {
+        "gemm_epilogues": "bias_any_gelu",
+        "gemm_epilogue_layers": {"linear_bias": 6, "linear_bias_gelu": 2},
+    }
     hint = accuracy_hint(approximated, "cuda")
     assert hint is not None and "2 GELU layer(s)" in hint and "with bias_gelu" in hint
     assert accuracy_hint(approximated, "cpu") is None  # the CPU's epilogue computes the exact GELU
-    for settings in ({"gemm_epilogues": "bias_gelu", "gemm_epilogue_layers": {"linear_bias_gelu": 2}},
-                     {"gemm_epilogues": "bias_any_gelu", "gemm_epilogue_layers": {"linear_bias_gelu": 0}},
-                     {"gemm_epilogues": "bias_any_gelu"}, {}):  # exact GELUs, none fused, an older engine
+    for settings in (
+        {"gemm_epilogues": "bias_gelu", "gemm_epilogue_layers": {"linear_bias_gelu": 2}},
+        {"gemm_epilogues": "bias_any_gelu", "gemm_epilogue_layers": {"linear_bias_gelu": 0}},
+        {"gemm_epilogues": "bias_any_gelu"},
+        {},
+    ):  # exact GELUs, none fused, an older engine
         assert accuracy_hint(settings, "cuda") is None
 
 
@@ -217,11 +259,24 @@ def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_pa
     with pytest.raises(ValidationError, match="needs flavour compiled or auto"):
         TorchConfig(flavour="aotinductor", gemm_epilogues="bias")
     config = tmp_path / "kiln.yaml"
-    config.write_text(yaml.safe_dump({**tiny_config_dict(), "build": {"backends": ["onnxruntime", "torch"], "torch": {
-        "flavour": "aotinductor", "gemm_epilogues": "bias"}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **tiny_config_dict(),
+                "build": {
+                    "backends": ["onnxruntime", "torch"],
+                    "torch": {"flavour": "aotinductor", "gemm_epilogues": "bias"},
+                },
+            }
+        )
+    )
     # A process of its own: the CLI sets up logging for the whole process, which later tests' log capture would see
-    result = subprocess.run([sys.executable, "-m", "kiln.cli", "run", str(config), "--workdir", str(tmp_path / "w"),
-                             "--quiet"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "run", str(config), "--workdir", str(tmp_path / "w"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and not (tmp_path / "w" / "train").exists(), result.stdout + result.stderr
     assert lines[-2].startswith("error: ") and "gemm_epilogues needs flavour compiled" in lines[-2]
@@ -234,8 +289,17 @@ def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo,
     """On the GPU the ops run cuBLASLt's bias / bias + GELU (tanh) epilogues inside Kiln's CUDA graphs. The default
     (auto) is bias_any_gelu for an FP16 GPU engine: the zoo model's exact GELU is taken too, as the tanh one."""
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
-    meta = build_engine(zoo("transformer"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c",
-                        max_batch=32, torch_model=_transformer)
+    meta = build_engine(
+        zoo("transformer"),
+        tmp_path / "e",
+        "torch",
+        "cuda",
+        "fp16",
+        cfg,
+        tmp_path / "c",
+        max_batch=32,
+        torch_model=_transformer,
+    )
     assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
     assert meta.builder_settings["gemm_epilogues"] == "bias_any_gelu"
     assert meta.builder_settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1

@@ -1,4 +1,5 @@
 """ONNX Runtime engines: built for real and run with ONNX Runtime (CPU here; CUDA tests need onnxruntime-gpu)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +36,9 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("model", ZOO)
 def test_cpu_engine_builds_and_runs(zoo, tmp_path: Path, model: str, precision: str) -> None:
-    meta = build_engine(zoo(model, precision), tmp_path / "e", "onnxruntime", "cpu", precision, ort_cfg(),
-                        tmp_path / "cache")
+    meta = build_engine(
+        zoo(model, precision), tmp_path / "e", "onnxruntime", "cpu", precision, ort_cfg(), tmp_path / "cache"
+    )
     assert (tmp_path / "e" / "engine.onnx").is_file() and meta == read_metadata(tmp_path / "e")
     assert runnable(meta) == (True, "")
     x = sample(model, 5, seed=3)
@@ -52,8 +54,9 @@ def test_cpu_engine_builds_and_runs(zoo, tmp_path: Path, model: str, precision: 
 
 
 @pytest.mark.parametrize("model", ["cnn", "transformer"])
-def test_an_int8_engine_built_where_int8_saturates_computes_the_same(zoo, tmp_path: Path, model: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_int8_engine_built_where_int8_saturates_computes_the_same(
+    zoo, tmp_path: Path, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On an x86 CPU without VNNI Kiln's sessions set session.x64quantprecision, a graph pass that rewrites int8
     weights to uint8 (kiln.core.cpu_int8): such a CPU is simulated here. The engine built there holds the rewritten
     weights and computes what the engine built on a CPU with VNNI computes (both loaded on this machine's CPU, whose
@@ -75,9 +78,14 @@ def test_an_int8_engine_built_where_int8_saturates_computes_the_same(zoo, tmp_pa
 def test_cpu_metadata_and_session_settings(zoo, tmp_path: Path) -> None:
     cfg = ort_cfg(intra_op_threads=1, inter_op_threads=2, execution_mode="parallel")
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache")
-    assert meta.session == {"providers": ["CPUExecutionProvider"], "intra_op_threads": 1, "inter_op_threads": 2,
-                               "execution_mode": "parallel", "offline_optimization": "extended",
-                               "load_optimization": "all"}
+    assert meta.session == {
+        "providers": ["CPUExecutionProvider"],
+        "intra_op_threads": 1,
+        "inter_op_threads": 2,
+        "execution_mode": "parallel",
+        "offline_optimization": "extended",
+        "load_optimization": "all",
+    }
     assert meta.versions == {"onnxruntime": ort.__version__} and meta.cuda_graph is False
     assert meta.inputs == [TensorSpec(name="input", shape=["batch", 1, 8, 8], dtype="float32")]
     assert meta.outputs == [TensorSpec(name="logits", shape=["batch", 10], dtype="float32")]
@@ -90,15 +98,21 @@ def test_cpu_metadata_and_session_settings(zoo, tmp_path: Path) -> None:
 def test_offline_optimization_is_saved(zoo, tmp_path: Path) -> None:
     """ORT's extended fusions ran at build time (Transpose+MatMul became FusedMatMul), not at each load."""
     assert "FusedMatMul" not in {n.op_type for n in onnx.load(str(zoo("transformer"))).graph.node}
-    build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", ort_cfg(transformer_fusion="off"),
-                 tmp_path / "cache")
+    build_engine(
+        zoo("transformer"),
+        tmp_path / "e",
+        "onnxruntime",
+        "cpu",
+        "fp32",
+        ort_cfg(transformer_fusion="off"),
+        tmp_path / "cache",
+    )
     ops = {n.op_type for n in onnx.load(str(tmp_path / "e" / "engine.onnx")).graph.node}
     assert "FusedMatMul" in ops
 
 
 def test_transformer_fusion_applied_and_exact(zoo, tmp_path: Path) -> None:
-    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", ort_cfg(),
-                        tmp_path / "cache")
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", ort_cfg(), tmp_path / "cache")
     fusion = meta.builder_settings["transformer_fusion"]
     assert fusion["applied"] and fusion["fused"].get("SkipLayerNormalization", 0) >= 1
     ops = {n.op_type for n in onnx.load(str(tmp_path / "e" / "engine.onnx")).graph.node}
@@ -120,17 +134,24 @@ def test_fusion_leaves_the_callers_graph_unfused(zoo) -> None:
     assert "SkipLayerNormalization" in {n.op_type for n in fused.graph.node}
 
 
-@pytest.mark.parametrize("setting, model, why", [("off", "transformer", "off in config"),
-                                                  ("auto", "cnn", "no attention-like ops")])
+@pytest.mark.parametrize(
+    "setting, model, why", [("off", "transformer", "off in config"), ("auto", "cnn", "no attention-like ops")]
+)
 def test_transformer_fusion_skipped(zoo, tmp_path: Path, setting: str, model: str, why: str) -> None:
-    meta = build_engine(zoo(model), tmp_path / "e", "onnxruntime", "cpu", "fp32",
-                        ort_cfg(transformer_fusion=setting), tmp_path / "cache")
+    meta = build_engine(
+        zoo(model),
+        tmp_path / "e",
+        "onnxruntime",
+        "cpu",
+        "fp32",
+        ort_cfg(transformer_fusion=setting),
+        tmp_path / "cache",
+    )
     assert meta.builder_settings["transformer_fusion"] == {"applied": False, "why": why}
 
 
 def test_fp16_engine_from_fp32_graph_fuses_then_converts(zoo, tmp_path: Path) -> None:
-    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(),
-                        tmp_path / "cache")
+    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(), tmp_path / "cache")
     assert meta.builder_settings["transformer_fusion"]["applied"]
     assert "fp16_conversion" in meta.builder_settings
     model = onnx.load(str(tmp_path / "e" / "engine.onnx"))
@@ -146,13 +167,15 @@ def test_fp16_engine_keeps_the_precision_stages_fp32_nodes_through_fusion(zoo, t
     src = onnx.load(str(zoo("transformer")))
     lns = [n.name for n in src.graph.node if n.op_type == "LayerNormalization"]
     assert lns
-    meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(),
-                        tmp_path / "cache", keep_fp32=lns)
+    meta = build_engine(
+        zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(), tmp_path / "cache", keep_fp32=lns
+    )
     record = meta.builder_settings["fp16_kept_fp32"]
     assert record["requested"] == len(lns) and record["lost"] == [] and record["renamed"]
     assert meta.source.kept_fp32 == sorted(lns)
-    plain = build_engine(zoo("transformer"), tmp_path / "p", "onnxruntime", "cpu", "fp16", ort_cfg(),
-                         tmp_path / "cache")
+    plain = build_engine(
+        zoo("transformer"), tmp_path / "p", "onnxruntime", "cpu", "fp16", ort_cfg(), tmp_path / "cache"
+    )
     assert plain.settings_hash != meta.settings_hash  # the keep list is part of what was built
     model = onnx.load(str(tmp_path / "e" / "engine.onnx"))
     types = {i.name: i.data_type for i in model.graph.initializer}
@@ -161,8 +184,9 @@ def test_fp16_engine_keeps_the_precision_stages_fp32_nodes_through_fusion(zoo, t
 
 
 def test_cuda_engine_builds_anywhere_and_says_why_it_cannot_run(zoo, tmp_path: Path) -> None:
-    meta = build_engine(zoo("cnn", "fp16"), tmp_path / "e", "onnxruntime", "cuda", "fp16", ort_cfg(),
-                        tmp_path / "cache")
+    meta = build_engine(
+        zoo("cnn", "fp16"), tmp_path / "e", "onnxruntime", "cuda", "fp16", ort_cfg(), tmp_path / "cache"
+    )
     name, opts = meta.session["providers"][0]
     assert name == "CUDAExecutionProvider" and opts["cudnn_conv_algo_search"] == "EXHAUSTIVE"
     assert opts["prefer_nhwc"] == "1" and meta.cuda_graph is True  # Conv + fp16: NHWC on by default
@@ -183,8 +207,9 @@ def test_cuda_runner_matches_cpu(zoo, tmp_path: Path, cuda_graph: bool) -> None:
     with load_engine(tmp_path / "e") as runner:
         for batch in (1, 4, 1):  # shapes alternate: each has its own buffers / graph
             x = sample("transformer", batch, seed=batch)
-            np.testing.assert_allclose(runner.infer({"input": x})["logits"], reference(zoo("transformer"), x),
-                                       atol=1e-3)
+            np.testing.assert_allclose(
+                runner.infer({"input": x})["logits"], reference(zoo("transformer"), x), atol=1e-3
+            )
         assert len(runner.slots) == 2 and all(s["static"] == cuda_graph for s in runner.slots.values())
         times = runner.time_ms({"input": sample("transformer", 4)}, warmup=2, iterations=5)
         assert len(times) == 5 and all(t > 0 for t in times)
@@ -198,9 +223,12 @@ def test_the_fusion_check_runs_at_a_size_the_model_takes() -> None:
 
     w = onnx.numpy_helper.from_array(np.ones((2, 1, 10), np.float32), "w")
     graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("Conv", ["x", "w"], ["y"])], "g",
+        [onnx.helper.make_node("Conv", ["x", "w"], ["y"])],
+        "g",
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 1, "time"])],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [w])
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [w],
+    )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     assert "cannot run random inputs" in _parity(model, model)
     assert _parity(model, model, dynamic=64) is None

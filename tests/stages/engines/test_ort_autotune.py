@@ -2,6 +2,7 @@
 only) the CUDA knobs. Timings on a shared 2-core machine are noisy, so tests that assert *which* candidate wins
 script the timer (``ort_autotune.time_calls``, our own function) while every session, output and agreement check
 is real ONNX Runtime."""
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def scripted(ms: list[float]):
         for _ in range(iterations):
             call()
         return [queue.pop(0)] * iterations
+
     return timer
 
 
@@ -47,6 +49,7 @@ def test_greedy_varies_one_knob_at_a_time_from_the_best_so_far() -> None:
     def measure(k):
         seen.append(dict(k))
         return {"knobs": k, "median_ms": cost[(k["x"], k["y"])], "agrees": True}
+
     trials, notes = search({"x": ["a", "b"], "y": [0, 1]}, {"x": "a", "y": 0}, measure)
     assert seen == [{"x": "a", "y": 0}, {"x": "b", "y": 0}, {"x": "b", "y": 1}] and not notes
     assert pick(trials)["knobs"] == {"x": "b", "y": 0}
@@ -55,15 +58,18 @@ def test_greedy_varies_one_knob_at_a_time_from_the_best_so_far() -> None:
 
 
 def test_faster_but_disagreeing_or_failed_candidates_are_not_chosen() -> None:
-    trials = [{"knobs": {"k": 0}, "median_ms": 2.0, "agrees": True},
-              {"knobs": {"k": 1}, "median_ms": 1.0, "agrees": False},
-              {"knobs": {"k": 2}, "median_ms": None, "agrees": False, "error": "boom"}]
+    trials = [
+        {"knobs": {"k": 0}, "median_ms": 2.0, "agrees": True},
+        {"knobs": {"k": 1}, "median_ms": 1.0, "agrees": False},
+        {"knobs": {"k": 2}, "median_ms": None, "agrees": False, "error": "boom"},
+    ]
     assert pick(trials)["knobs"] == {"k": 0} and pick(trials[1:]) is None
 
 
 def test_deadline_stops_the_search_and_says_so() -> None:
-    trials, notes = search({"x": [1, 2, 3]}, {"x": 1}, lambda k: {"knobs": k, "median_ms": 1.0, "agrees": True},
-                           deadline=0.0)
+    trials, notes = search(
+        {"x": [1, 2, 3]}, {"x": 1}, lambda k: {"knobs": k, "median_ms": 1.0, "agrees": True}, deadline=0.0
+    )
     assert len(trials) == 1 and notes == ["time budget spent after 1 candidates"]
 
 
@@ -83,19 +89,38 @@ def test_knobs_are_checked_and_moot_ones_dropped() -> None:
 
 
 def test_runner_plan_follows_the_choice_for_each_batch() -> None:
-    meta = {"files": {"model": "engine.onnx", "model_unfused": "engine-unfused.onnx"}, "cuda_graph": True,
-            "session": {"providers": [["CUDAExecutionProvider", {"prefer_nhwc": "1", "cudnn_conv_algo_search":
-                                                                 "EXHAUSTIVE"}], "CPUExecutionProvider"]},
-            "autotune": {"choice_by_batch": {"1": {"knobs": {"cuda_graph": True}},
-                                             "32": {"knobs": {"prefer_nhwc": False, "conv_algo_search": "HEURISTIC",
-                                                              "cuda_graph": False, "transformer_fusion": False}}},
-                         "choice": {"knobs": {"cuda_graph": True}}}}
+    meta = {
+        "files": {"model": "engine.onnx", "model_unfused": "engine-unfused.onnx"},
+        "cuda_graph": True,
+        "session": {
+            "providers": [
+                ["CUDAExecutionProvider", {"prefer_nhwc": "1", "cudnn_conv_algo_search": "EXHAUSTIVE"}],
+                "CPUExecutionProvider",
+            ]
+        },
+        "autotune": {
+            "choice_by_batch": {
+                "1": {"knobs": {"cuda_graph": True}},
+                "32": {
+                    "knobs": {
+                        "prefer_nhwc": False,
+                        "conv_algo_search": "HEURISTIC",
+                        "cuda_graph": False,
+                        "transformer_fusion": False,
+                    }
+                },
+            },
+            "choice": {"knobs": {"cuda_graph": True}},
+        },
+    }
     tuned = meta["autotune"]
     assert chosen_knobs(tuned, 1) == {"cuda_graph": True} and chosen_knobs(tuned, 8) == chosen_knobs(tuned, 64)
     built = (meta["files"], meta["session"], meta["cuda_graph"])
     plan = plan_for(*built, chosen_knobs(tuned, 32))
-    assert plan["providers"][0] == ("CUDAExecutionProvider",
-                                    {"prefer_nhwc": "0", "cudnn_conv_algo_search": "HEURISTIC"})
+    assert plan["providers"][0] == (
+        "CUDAExecutionProvider",
+        {"prefer_nhwc": "0", "cudnn_conv_algo_search": "HEURISTIC"},
+    )
     assert plan["model"] == "engine-unfused.onnx" and plan["cuda_graph"] is False
     assert chosen_knobs({"skipped": "no CUDA EP"}, 32) == {}
     assert plan_for(*built, {})["model"] == "engine.onnx" and plan_for(*built, {})["cuda_graph"] is True
@@ -124,10 +149,10 @@ def test_cpu_autotune_records_every_trial_and_the_runner_uses_the_choice(zoo, tm
     assert [t["knobs"] for t in tuned["trials"]] == [
         {"intra_op_threads": 0, "execution_mode": "sequential"},
         {"intra_op_threads": 1, "execution_mode": "sequential"},
-        {"intra_op_threads": 1, "execution_mode": "parallel"}]
+        {"intra_op_threads": 1, "execution_mode": "parallel"},
+    ]
     assert [t["median_ms"] for t in tuned["trials"]] == [3.0, 1.0, 5.0]
-    assert all(p["agrees"] and p["cosine"] > 0.99999 and p["runs"] == 3
-               for t in tuned["trials"] for p in t["by_batch"])
+    assert all(p["agrees"] and p["cosine"] > 0.99999 and p["runs"] == 3 for t in tuned["trials"] for p in t["by_batch"])
     assert tuned["choice"]["knobs"] == {"intra_op_threads": 1, "execution_mode": "sequential"}
     assert tuned["choice"]["speedup_vs_base"] == 3.0
     with load_engine(tmp_path / "e") as runner:
@@ -155,14 +180,17 @@ def test_real_timing_chooses_the_fastest_measured_candidate(zoo, tmp_path: Path)
 
 
 @pytest.mark.parametrize("unfused_wins", [True, False])
-def test_fusion_candidate_keeps_the_unfused_graph_only_when_chosen(zoo, tmp_path: Path, monkeypatch,
-                                                                    unfused_wins: bool) -> None:
+def test_fusion_candidate_keeps_the_unfused_graph_only_when_chosen(
+    zoo, tmp_path: Path, monkeypatch, unfused_wins: bool
+) -> None:
     monkeypatch.setattr(ort_autotune, "time_calls", scripted([2.0, 1.0] if unfused_wins else [1.0, 2.0]))
     cfg = cfg_with(cpu=True, cpu_knobs={"transformer_fusion": [True, False]}, batch_sizes=[2], iterations=3)
     meta = build_engine(zoo("transformer"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "c")
     assert meta.builder_settings["transformer_fusion"]["applied"]
-    assert [t["knobs"] for t in meta.autotune["trials"]] == [{"transformer_fusion": True},
-                                                                {"transformer_fusion": False}]
+    assert [t["knobs"] for t in meta.autotune["trials"]] == [
+        {"transformer_fusion": True},
+        {"transformer_fusion": False},
+    ]
     assert (tmp_path / "e" / "engine-unfused.onnx").is_file() == unfused_wins
     assert ("model_unfused" in read_metadata(tmp_path / "e").files) == unfused_wins
     if unfused_wins:  # the candidate really is the graph before ORT's transformer fusion
@@ -189,8 +217,12 @@ def test_no_candidate_agreeing_keeps_the_configured_settings(zoo, tmp_path: Path
 def test_cuda_autotune_per_batch_and_runner_follows_it(zoo, tmp_path: Path) -> None:
     if not HAS_CUDA_EP:
         pytest.skip("onnxruntime-gpu's CUDAExecutionProvider is not installed")
-    cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(
-        devices=["cuda"], autotune=OrtAutotuneConfig(batch_sizes=[1, 8], iterations=5, warmup=3)))
+    cfg = BuildConfig(
+        backends=["onnxruntime"],
+        onnxruntime=OnnxRuntimeConfig(
+            devices=["cuda"], autotune=OrtAutotuneConfig(batch_sizes=[1, 8], iterations=5, warmup=3)
+        ),
+    )
     meta = build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cuda", "fp16", cfg, tmp_path / "c")
     tuned = meta.autotune
     assert set(tuned["choice_by_batch"]) == {"1", "8"} and not tuned["notes"]
@@ -210,8 +242,10 @@ def test_cuda_autotune_per_batch_and_runner_follows_it(zoo, tmp_path: Path) -> N
 
 
 def test_configured_settings_kept_unless_a_candidate_clearly_wins() -> None:
-    trials = [{"knobs": {"k": 0}, "median_ms": 1.000, "agrees": True},
-              {"knobs": {"k": 1}, "median_ms": 0.990, "agrees": True}]
+    trials = [
+        {"knobs": {"k": 0}, "median_ms": 1.000, "agrees": True},
+        {"knobs": {"k": 1}, "median_ms": 0.990, "agrees": True},
+    ]
     assert pick(trials, min_gain=0.03)["knobs"] == {"k": 0}  # 1% is noise
     assert pick(trials, min_gain=0.0)["knobs"] == {"k": 1}
     trials[1]["median_ms"] = 0.90
@@ -222,8 +256,10 @@ def test_configured_settings_kept_unless_a_candidate_clearly_wins() -> None:
 def test_shape_error_names_the_output_that_ran_another_shape() -> None:
     ref = [np.zeros((32, 2)), np.zeros((32, 16, 8))]
     assert ort_autotune.shape_error(ref, [np.zeros((32, 2)), np.zeros((32, 16, 8))]) is None
-    assert ort_autotune.shape_error(ref, [np.zeros((1, 2)), np.zeros((32, 16, 8))]) == \
-        "output 0 has shape [1, 2], the reference [32, 2]"
+    assert (
+        ort_autotune.shape_error(ref, [np.zeros((1, 2)), np.zeros((32, 16, 8))])
+        == "output 0 has shape [1, 2], the reference [32, 2]"
+    )
     assert "1 outputs" in ort_autotune.shape_error(ref, [np.zeros((32, 2))])
 
 
@@ -235,6 +271,7 @@ def test_trial_of_a_shape_the_engine_cannot_take_fails_and_is_never_timed(zoo, t
     def timer(call, iterations: int) -> list[float]:
         timed.append(iterations)
         return [1.0] * iterations
+
     monkeypatch.setattr(ort_autotune, "time_calls", timer)
     fixed = tmp_path / "fixed.onnx"
     onnx.save(pin_shapes(onnx.load(str(zoo("cnn"))), {"input": (1, 1, 8, 8)}), str(fixed))

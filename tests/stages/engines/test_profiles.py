@@ -1,4 +1,5 @@
 """Optimization profiles for dynamic axes beyond batch (a sequence axis): min/opt/max per axis, built and run."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,10 @@ SEQ_AXES = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
 
 
 def test_a_named_axis_spans_its_sizes() -> None:
-    specs = [TensorSpec(name="input_ids", shape=["batch", "seq"], dtype="int64"),
-             TensorSpec(name="feat", shape=["batch", 4], dtype="float32")]
+    specs = [
+        TensorSpec(name="input_ids", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="feat", shape=["batch", 4], dtype="float32"),
+    ]
     (profile,) = default_profiles(specs, 32, {"seq": [8, 128]})
     assert profile["input_ids"].model_dump() == {"min": [1, 8], "opt": [32, 128], "max": [32, 128]}
     assert profile["feat"].model_dump() == {"min": [1, 4], "opt": [32, 4], "max": [32, 4]}
@@ -40,8 +43,17 @@ def token_onnx(tmp_path_factory) -> Path:
 def test_tensorrt_profile_covers_the_sequence_axis(token_onnx: Path, tmp_path: Path) -> None:
     from kiln.stages.engines.stage import build_engine
 
-    meta = build_engine(token_onnx, tmp_path / "e", "tensorrt", "cuda", "fp32", BuildConfig(backends=["tensorrt"]),
-                        tmp_path / "cache", max_batch=32, axis_sizes={"seq": [8, 16]})
+    meta = build_engine(
+        token_onnx,
+        tmp_path / "e",
+        "tensorrt",
+        "cuda",
+        "fp32",
+        BuildConfig(backends=["tensorrt"]),
+        tmp_path / "cache",
+        max_batch=32,
+        axis_sizes={"seq": [8, 16]},
+    )
     assert meta.profiles == [{n: {"min": [1, 8], "opt": [32, 16], "max": [32, 16]} for n in SEQ_AXES}]
 
 
@@ -55,8 +67,17 @@ def test_engine_runs_at_both_lengths_and_batches(token_onnx: Path, tmp_path: Pat
     from kiln.stages.engines.registry import load_engine
     from kiln.stages.engines.stage import build_engine
 
-    build_engine(token_onnx, tmp_path / "e", backend, "cuda", "fp32", BuildConfig(backends=[backend]),
-                 tmp_path / "cache", max_batch=32, axis_sizes={"seq": [8, 16]})
+    build_engine(
+        token_onnx,
+        tmp_path / "e",
+        backend,
+        "cuda",
+        "fp32",
+        BuildConfig(backends=[backend]),
+        tmp_path / "cache",
+        max_batch=32,
+        axis_sizes={"seq": [8, 16]},
+    )
     ref = ort_session(token_onnx)
     rng = np.random.default_rng(0)
     with load_engine(tmp_path / "e") as engine:

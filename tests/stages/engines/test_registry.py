@@ -1,4 +1,5 @@
 """The backend registry: every backend is complete, and engines open only when their files are intact."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,7 +47,7 @@ def test_an_intact_engine_opens_and_runs(engine: Path) -> None:
 def test_flipped_bytes_in_an_engine_are_refused(engine: Path) -> None:
     model = engine / "engine.onnx"
     data = bytearray(model.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
     model.write_bytes(bytes(data))
     with pytest.raises(InputFileError, match="does not match its recorded sha256"):
         load_engine(engine)
@@ -67,7 +68,8 @@ def test_damaged_metadata_is_refused(engine: Path) -> None:
 def test_build_messages_name_the_engine_not_the_staging_folder(tmp_path: Path, zoo, caplog) -> None:
     caplog.set_level("INFO")
     cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(autotune={"cpu": False}))
-    build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache",
-                 name="onnxruntime-cpu-fp32")
+    build_engine(
+        zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache", name="onnxruntime-cpu-fp32"
+    )
     assert "not autotuning onnxruntime-cpu-fp32" in caplog.text
     assert "staging" not in caplog.text

@@ -1,4 +1,5 @@
 """The build stage as the pipeline runs it: every (backend, device, precision) engine from variants.json."""
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ def _ctx(tmp_path: Path, zoo, build: dict) -> StageContext:
     Variants(variants=variants).write(precision_dir / "variants.json")
     cfg = config_from_dict({"build": build, "validate": {"batch_sizes": [1, 8]}})
     (tmp_path / "out").mkdir()
-    return StageContext("build", cfg, tmp_path, tmp_path / "out", {"precision": precision_dir},
-                        log=logging.getLogger("test"))
+    return StageContext(
+        "build", cfg, tmp_path, tmp_path / "out", {"precision": precision_dir}, log=logging.getLogger("test")
+    )
 
 
 @pytest.mark.tensorrt
@@ -36,8 +38,9 @@ def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, zoo, {"backends": ["onnxruntime", "tensorrt"]})
     result = stage.run(ctx)
     names = sorted(e["name"] for e in result["engines"])
-    assert names == sorted([f"onnxruntime-cpu-{p}" for p in ("fp32", "fp16", "int8")]
-                           + [f"tensorrt-{p}" for p in ("fp32", "fp16", "int8")])
+    assert names == sorted(
+        [f"onnxruntime-cpu-{p}" for p in ("fp32", "fp16", "int8")] + [f"tensorrt-{p}" for p in ("fp32", "fp16", "int8")]
+    )
     assert result["skipped"] == []
     for name in names:
         meta = read_metadata(ctx.out / name)
@@ -57,16 +60,25 @@ def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
 def test_run_onnxruntime_only(zoo, tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, zoo, {"backends": ["onnxruntime"], "onnxruntime": {"fp16_source": "precision_graph"}})
     result = stage.run(ctx)
-    assert [e["name"] for e in result["engines"]] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16",
-                                                       "onnxruntime-cpu-int8"]
+    assert [e["name"] for e in result["engines"]] == [
+        "onnxruntime-cpu-fp32",
+        "onnxruntime-cpu-fp16",
+        "onnxruntime-cpu-int8",
+    ]
     ort16 = read_metadata(ctx.out / "onnxruntime-cpu-fp16")
     assert "fp16_conversion" not in ort16.builder_settings  # the precision stage's graph, used as is
 
 
 @pytest.mark.tensorrt
 def test_bad_profile_fails_the_stage(zoo, tmp_path: Path) -> None:
-    ctx = _ctx(tmp_path, zoo, {"backends": ["tensorrt"], "tensorrt": {"profiles": [
-        {"x": {"min": [1, 1, 8, 8], "opt": [1, 1, 8, 8], "max": [1, 1, 8, 8]}}]}})
+    ctx = _ctx(
+        tmp_path,
+        zoo,
+        {
+            "backends": ["tensorrt"],
+            "tensorrt": {"profiles": [{"x": {"min": [1, 1, 8, 8], "opt": [1, 1, 8, 8], "max": [1, 1, 8, 8]}}]},
+        },
+    )
     with pytest.raises(ConfigError, match="does not match the model's inputs"):
         stage.run(ctx)
 

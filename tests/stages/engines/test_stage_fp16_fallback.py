@@ -1,5 +1,6 @@
 """An ORT FP16 engine whose graph ONNX Runtime's converter cannot convert (an nn.EmbeddingBag export: a Loop over
 sequences) is built from the precision stage's FP16 graph instead of failing the build stage."""
+
 from __future__ import annotations
 
 import logging
@@ -28,10 +29,12 @@ def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     root = tmp_path / "precision"
     x = np.random.default_rng(0).integers(0, 17, (64, 64)).astype(np.int64)
     src = Source.prepare(load_onnx(tmp_path / "export.onnx"), root / "fp32" / "model.onnx", [x[:32]], None)
-    fp16 = build_fp16(src, root / "fp16" / "model.onnx", FP16Config(), FallbackConfig(samples=64), x,
-                      CalibrationConfig(cache=False))
+    fp16 = build_fp16(
+        src, root / "fp16" / "model.onnx", FP16Config(), FallbackConfig(samples=64), x, CalibrationConfig(cache=False)
+    )
     Variants(variants={"fp32": PrecisionVariant(path="fp32/model.onnx"), "fp16": variant_record(fp16)}).write(
-        root / "variants.json")
+        root / "variants.json"
+    )
     cfg = config_from_dict({"build": {"backends": ["onnxruntime"]}, "validate": {"batch_sizes": [1, 8]}})
     assert cfg.build.onnxruntime.fp16_source == "fp32_graph"  # the default: ORT converts the FP32 graph itself
     (tmp_path / "out").mkdir()

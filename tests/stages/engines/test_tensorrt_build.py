@@ -1,4 +1,5 @@
 """TensorRT builds with the TensorRT-RTX that is installed here: real parse + build + serialize, on CPU."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ def trt_cfg(**kw) -> BuildConfig:
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("model", ZOO)
 def test_zoo_builds_with_dynamic_batch(zoo, tmp_path: Path, model: str, precision: str) -> None:
-    meta = build_engine(zoo(model, precision), tmp_path / "e", "tensorrt", "cuda", precision, trt_cfg(),
-                        tmp_path / "cache", max_batch=16)
+    meta = build_engine(
+        zoo(model, precision),
+        tmp_path / "e",
+        "tensorrt",
+        "cuda",
+        precision,
+        trt_cfg(),
+        tmp_path / "cache",
+        max_batch=16,
+    )
     assert meta == read_metadata(tmp_path / "e")
     plan = tmp_path / "e" / "engine.plan"
     assert plan.stat().st_size > 10_000 and meta.size_bytes > plan.stat().st_size
@@ -45,12 +54,21 @@ def test_zoo_builds_with_dynamic_batch(zoo, tmp_path: Path, model: str, precisio
 
 
 def test_metadata_records_settings_and_not_runnable_reason(zoo, tmp_path: Path) -> None:
-    cfg = trt_cfg(optimization_level=2, workspace_mb=256, avg_timing_iterations=2, max_aux_streams=0,
-                  tactic_sources=["JIT_CONVOLUTIONS", "EDGE_MASK_CONVOLUTIONS"])
+    cfg = trt_cfg(
+        optimization_level=2,
+        workspace_mb=256,
+        avg_timing_iterations=2,
+        max_aux_streams=0,
+        tactic_sources=["JIT_CONVOLUTIONS", "EDGE_MASK_CONVOLUTIONS"],
+    )
     meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", cfg, tmp_path / "cache")
-    assert meta.builder_settings == {"optimization_level": 2, "workspace_mb": 256, "avg_timing_iterations": 2,
-                                        "max_aux_streams": 0,
-                                        "tactic_sources": ["JIT_CONVOLUTIONS", "EDGE_MASK_CONVOLUTIONS"]}
+    assert meta.builder_settings == {
+        "optimization_level": 2,
+        "workspace_mb": 256,
+        "avg_timing_iterations": 2,
+        "max_aux_streams": 0,
+        "tactic_sources": ["JIT_CONVOLUTIONS", "EDGE_MASK_CONVOLUTIONS"],
+    }
     assert meta.versions == {meta.flavour: import_tensorrt().__version__}
     assert meta.features == features(import_tensorrt())
     assert len(meta.settings_hash) == 64 and meta.build_seconds > 0
@@ -108,50 +126,83 @@ def test_parallel_builds_share_the_cache_safely(zoo, tmp_path: Path) -> None:
 
 
 def test_timing_cache_can_be_turned_off(zoo, tmp_path: Path) -> None:
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(timing_cache=False),
-                        tmp_path / "cache")
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(timing_cache=False), tmp_path / "cache"
+    )
     assert meta.timing_cache is None and not list((tmp_path / "cache").rglob("timing-*"))
 
 
 def test_compute_capability_targets(zoo, tmp_path: Path) -> None:
     if not features(import_tensorrt())["compute_capability_targets"]:
         pytest.skip("this TensorRT builds for the local GPU only (no compute-capability targets)")
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32",
-                        trt_cfg(compute_capabilities=["sm89", "SM120"]), tmp_path / "cache")
+    meta = build_engine(
+        zoo("cnn"),
+        tmp_path / "e",
+        "tensorrt",
+        "cuda",
+        "fp32",
+        trt_cfg(compute_capabilities=["sm89", "SM120"]),
+        tmp_path / "cache",
+    )
     assert meta.target["compute_capabilities"] == ["SM89", "SM120"] and meta.target["key"] == "SM89+SM120"
     if features(import_tensorrt())["timing_cache"]:  # the cache file is per target (TensorRT-RTX keeps none)
         assert "sm89-sm120" in Path(meta.timing_cache["path"]).name
     with pytest.raises(ConfigError, match="unknown ComputeCapability 'SM90'") as err:
-        build_engine(zoo("cnn"), tmp_path / "f", "tensorrt", "cuda", "fp32", trt_cfg(compute_capabilities=["SM90"]),
-                     tmp_path / "cache")
+        build_engine(
+            zoo("cnn"),
+            tmp_path / "f",
+            "tensorrt",
+            "cuda",
+            "fp32",
+            trt_cfg(compute_capabilities=["SM90"]),
+            tmp_path / "cache",
+        )
     assert "SM89" in err.value.hint
     assert not (tmp_path / "f").exists()  # a failed build leaves nothing behind
 
 
-@pytest.mark.parametrize("profile, match", [
-    ({"nope": {"min": [1, 1, 8, 8], "opt": [4, 1, 8, 8], "max": [8, 1, 8, 8]}}, r"unknown \['nope'\].*missing \['input'\]"),
-    ({"input": {"min": [1, 8, 8], "opt": [4, 8, 8], "max": [8, 8, 8]}}, "rank 3 but the model's input has shape"),
-    ({"input": {"min": [1, 3, 8, 8], "opt": [4, 3, 8, 8], "max": [8, 3, 8, 8]}}, "axis 1 is fixed to 1 in the model"),
-])
+@pytest.mark.parametrize(
+    "profile, match",
+    [
+        (
+            {"nope": {"min": [1, 1, 8, 8], "opt": [4, 1, 8, 8], "max": [8, 1, 8, 8]}},
+            r"unknown \['nope'\].*missing \['input'\]",
+        ),
+        ({"input": {"min": [1, 8, 8], "opt": [4, 8, 8], "max": [8, 8, 8]}}, "rank 3 but the model's input has shape"),
+        (
+            {"input": {"min": [1, 3, 8, 8], "opt": [4, 3, 8, 8], "max": [8, 3, 8, 8]}},
+            "axis 1 is fixed to 1 in the model",
+        ),
+    ],
+)
 def test_bad_profiles_are_config_errors(zoo, tmp_path: Path, profile: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(profiles=[profile]),
-                     tmp_path / "cache")
+        build_engine(
+            zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(profiles=[profile]), tmp_path / "cache"
+        )
 
 
 def test_unordered_profile_rejected_by_config() -> None:
     from kiln.pipeline.config import config_from_dict
 
     with pytest.raises(ConfigError, match="min <= opt <= max"):
-        config_from_dict({"build": {"tensorrt": {"profiles": [
-            {"input": {"min": [8, 1, 8, 8], "opt": [4, 1, 8, 8], "max": [8, 1, 8, 8]}}]}}})
+        config_from_dict(
+            {
+                "build": {
+                    "tensorrt": {
+                        "profiles": [{"input": {"min": [8, 1, 8, 8], "opt": [4, 1, 8, 8], "max": [8, 1, 8, 8]}}]
+                    }
+                }
+            }
+        )
 
 
 def test_several_profiles(zoo, tmp_path: Path) -> None:
     small = {"input": {"min": [1, 1, 8, 8], "opt": [1, 1, 8, 8], "max": [4, 1, 8, 8]}}
     large = {"input": {"min": [8, 1, 8, 8], "opt": [32, 1, 8, 8], "max": [64, 1, 8, 8]}}
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(profiles=[small, large]),
-                        tmp_path / "cache")
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(profiles=[small, large]), tmp_path / "cache"
+    )
     assert meta.profiles == [small, large]
 
 
@@ -159,17 +210,30 @@ def _custom_op_graph(path: Path) -> Path:
     from onnx import TensorProto, helper
 
     node = helper.make_node("Frobnicate", ["x"], ["y"], name="my_frob", domain="com.example")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)]),
-              str(path))
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)]),
+        str(path),
+    )
     return path
 
 
 def test_unsupported_op_names_node_and_op(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match=r"node 'my_frob' \(op Frobnicate\)") as err:
-        build_engine(_custom_op_graph(tmp_path / "bad.onnx"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(),
-                     tmp_path / "cache")
+        build_engine(
+            _custom_op_graph(tmp_path / "bad.onnx"),
+            tmp_path / "e",
+            "tensorrt",
+            "cuda",
+            "fp32",
+            trt_cfg(),
+            tmp_path / "cache",
+        )
     assert "onnxruntime backend" in err.value.hint
 
 
@@ -195,8 +259,15 @@ def test_tensorrt_needs_cuda_device(zoo, tmp_path: Path) -> None:
 
 def test_unknown_tactic_source(zoo, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown TacticSource 'MAGIC'"):
-        build_engine(zoo("cnn"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(tactic_sources=["magic"]),
-                     tmp_path / "cache")
+        build_engine(
+            zoo("cnn"),
+            tmp_path / "e",
+            "tensorrt",
+            "cuda",
+            "fp32",
+            trt_cfg(tactic_sources=["magic"]),
+            tmp_path / "cache",
+        )
 
 
 def test_int32_bias_dequantize_gets_quantize_bias_hint(zoo, tmp_path: Path) -> None:
@@ -211,9 +282,15 @@ def test_int32_bias_dequantize_gets_quantize_bias_hint(zoo, tmp_path: Path) -> N
             return next(self.batches, None)
 
     bad = tmp_path / "int32-bias.onnx"  # ORT's default quantizes biases to int32, which TensorRT rejects
-    quantize_static(str(zoo("cnn")), str(bad), Reader(), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    quantize_static(
+        str(zoo("cnn")),
+        str(bad),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+    )
     with pytest.raises(BuildError, match=r"\(op DequantizeLinear\)") as err:
         build_engine(bad, tmp_path / "e", "tensorrt", "cuda", "int8", trt_cfg(), tmp_path / "cache")
     assert "QuantizeBias=False" in err.value.hint
@@ -232,8 +309,15 @@ def test_tensorrt_runner_matches_onnxruntime(zoo, tmp_path: Path, cuda_graph: bo
     import onnxruntime as ort
     from build_graphs import sample
 
-    meta = build_engine(zoo("transformer"), tmp_path / "e", "tensorrt", "cuda", "fp32", trt_cfg(cuda_graph=cuda_graph),
-                        tmp_path / "cache")
+    meta = build_engine(
+        zoo("transformer"),
+        tmp_path / "e",
+        "tensorrt",
+        "cuda",
+        "fp32",
+        trt_cfg(cuda_graph=cuda_graph),
+        tmp_path / "cache",
+    )
     ok, why = runnable(meta)
     if not ok:
         pytest.skip(f"no TensorRT runtime that can execute here: {why}")
@@ -241,7 +325,8 @@ def test_tensorrt_runner_matches_onnxruntime(zoo, tmp_path: Path, cuda_graph: bo
     with load_engine(tmp_path / "e") as runner:
         for batch in (1, 7, 1):
             x = sample("transformer", batch, seed=batch)
-            np.testing.assert_allclose(runner.infer({"input": x})["logits"], sess.run(None, {"input": x})[0],
-                                       atol=2e-3, rtol=2e-3)
+            np.testing.assert_allclose(
+                runner.infer({"input": x})["logits"], sess.run(None, {"input": x})[0], atol=2e-3, rtol=2e-3
+            )
         times = runner.time_ms({"input": sample("transformer", 4)}, warmup=2, iterations=5)
     assert len(times) == 5 and all(t > 0 for t in times)

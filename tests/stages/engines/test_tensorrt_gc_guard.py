@@ -1,5 +1,6 @@
 """The collector stays out of TensorRT's logger callbacks (a collection there deadlocked a test run:
 a builder kept in a reference cycle was freed inside TensorRT-RTX's createInferBuilder, under its mutex)."""
+
 import gc
 import threading
 

@@ -1,5 +1,6 @@
 """The torch backend: AOTInductor packages of the trained model, through the same registry, runner interface,
 validation and packaging as the ONNX engines."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def _cnn() -> torch.nn.Module:
 @pytest.mark.slow
 def test_cpu_package_matches_pytorch_at_any_batch_and_refuses_another_torch(zoo, tmp_path: Path) -> None:
     model = _cnn()  # the weights zoo("cnn") was exported from
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", BuildConfig(), tmp_path / "c",
-                        max_batch=8, torch_model=_cnn)
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", BuildConfig(), tmp_path / "c", max_batch=8, torch_model=_cnn
+    )
     assert meta.files == {"model": "model.pt2"} and meta.versions["torch"] == torch.__version__
     assert meta.builder_settings["channels_last"] and not meta.builder_settings["max_autotune"]  # conv, CPU
     assert runnable(meta) == (True, "")
@@ -68,8 +70,9 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
     runner compiles the loaded program (a batch not compiled at build time compiles on first use)."""
     model = _cnn()
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled", freezing=freezing))
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=8,
-                        torch_model=_cnn)
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=8, torch_model=_cnn
+    )
     assert meta.flavour == "compiled" and meta.files["program"] == "program.pt2"
     assert meta.builder_settings["freezing"] is freezing
     assert meta.builder_settings["channels_last_weights"]  # frozen or not: right in this flavour (see the package's)
@@ -86,12 +89,18 @@ def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_pa
             np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("settings, frozen, vectorized", [({"freezing": False}, False, True),
-                                                         ({"freezing": True}, True, True),
-                                                         ({"inductor": {"cpp.simdlen": 1}}, False, False)],
-                         ids=["plain", "freezing", "inductor-entry"])
-def test_inductor_config_reaches_the_compilation(tmp_path: Path, settings: dict, frozen: bool,
-                                                 vectorized: bool) -> None:
+@pytest.mark.parametrize(
+    "settings, frozen, vectorized",
+    [
+        ({"freezing": False}, False, True),
+        ({"freezing": True}, True, True),
+        ({"inductor": {"cpp.simdlen": 1}}, False, False),
+    ],
+    ids=["plain", "freezing", "inductor-entry"],
+)
+def test_inductor_config_reaches_the_compilation(
+    tmp_path: Path, settings: dict, frozen: bool, vectorized: bool
+) -> None:
     """torch.compile's ``options`` do not reach Inductor's freezing (an H200 run built "frozen" engines with the
     kernels of unfrozen ones): the compiled program must compile with the weights as constants when asked, and with
     a build.torch.inductor entry (here: scalar CPU code); a second call of the same shape does not compile again."""
@@ -121,8 +130,9 @@ def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None
     import zipfile
 
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="aotinductor", freezing=True, load_check=False))
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
-                        torch_model=_cnn)
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2, torch_model=_cnn
+    )
     assert meta.flavour == "aotinductor" and meta.builder_settings["freezing"] is True
     assert meta.builder_settings["channels_last"] and not meta.builder_settings["channels_last_weights"]
     with zipfile.ZipFile(tmp_path / "e" / "model.pt2") as package:
@@ -131,11 +141,19 @@ def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None
     assert_engine_matches(tmp_path / "e", _cnn(), "cnn", (1, 2))
 
 
-@pytest.mark.parametrize("device, has_conv, setting, want", [
-    ("cuda", True, "auto", True), ("cuda", False, "auto", False), ("cuda", False, "on", True),
-    ("cuda", True, "off", False), ("cpu", True, "on", False)])  # no max-autotune on the CPU: nothing to tune
-def test_coordinate_descent_follows_the_setting_and_older_engines_keep_theirs(device: str, has_conv: bool,
-                                                                             setting: str, want: bool) -> None:
+@pytest.mark.parametrize(
+    "device, has_conv, setting, want",
+    [
+        ("cuda", True, "auto", True),
+        ("cuda", False, "auto", False),
+        ("cuda", False, "on", True),
+        ("cuda", True, "off", False),
+        ("cpu", True, "on", False),
+    ],
+)  # no max-autotune on the CPU: nothing to tune
+def test_coordinate_descent_follows_the_setting_and_older_engines_keep_theirs(
+    device: str, has_conv: bool, setting: str, want: bool
+) -> None:
     settings = _settings(TorchConfig(coordinate_descent=setting), device, "fp16", has_conv)
     assert settings["coordinate_descent"] is want
     options = _inductor_options(settings)
@@ -152,13 +170,16 @@ def test_coordinate_descent_on_without_max_autotune_is_refused() -> None:
         TorchConfig(coordinate_descent="on", max_autotune="off")
 
 
-@pytest.mark.parametrize("entries, message, hint", [
-    ({"max_autotune_gem_backends": "ATEN"}, "did you mean max_autotune_gemm_backends", "nested ones dotted"),
-    ({"freezing": True}, "freezing is set by Kiln's own settings", "build.torch.freezing"),
-    ({"coordinate_descent_tuning": False}, "is set by Kiln's own settings", "build.torch.coordinate_descent"),
-    ({"epilogue_fusion": "yes"}, "epilogue_fusion takes a bool", "set epilogue_fusion to a bool")])
-def test_a_wrong_inductor_entry_is_a_config_error(zoo, tmp_path: Path, entries: dict, message: str,
-                                                  hint: str) -> None:
+@pytest.mark.parametrize(
+    "entries, message, hint",
+    [
+        ({"max_autotune_gem_backends": "ATEN"}, "did you mean max_autotune_gemm_backends", "nested ones dotted"),
+        ({"freezing": True}, "freezing is set by Kiln's own settings", "build.torch.freezing"),
+        ({"coordinate_descent_tuning": False}, "is set by Kiln's own settings", "build.torch.coordinate_descent"),
+        ({"epilogue_fusion": "yes"}, "epilogue_fusion takes a bool", "set epilogue_fusion to a bool"),
+    ],
+)
+def test_a_wrong_inductor_entry_is_a_config_error(zoo, tmp_path: Path, entries: dict, message: str, hint: str) -> None:
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(inductor=entries))
     with pytest.raises(ConfigError, match=message) as err:
         build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", torch_model=_cnn)
@@ -166,7 +187,8 @@ def test_a_wrong_inductor_entry_is_a_config_error(zoo, tmp_path: Path, entries: 
 
 
 def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
-        zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the H200 host does (aoti_load_package: SIGSEGV in a fresh process), reproduced by making the child's
     load check report it: auto builds the compiled flavour and records why; aotinductor alone stops."""
     import kiln.stages.engines.torch_backend as tb
@@ -176,13 +198,23 @@ def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
 
     monkeypatch.setattr(tb, "_load_check", crashed)
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: None)  # the crash is the point
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cpu", "fp32", BuildConfig(backends=["torch"]),
-                        tmp_path / "c", max_batch=2, torch_model=_cnn)
+    meta = build_engine(
+        zoo("cnn"),
+        tmp_path / "e",
+        "torch",
+        "cpu",
+        "fp32",
+        BuildConfig(backends=["torch"]),
+        tmp_path / "c",
+        max_batch=2,
+        torch_model=_cnn,
+    )
     assert meta.flavour == "compiled" and "SIGSEGV" in meta.builder_settings["aotinductor_failed"]
     strict = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="aotinductor"))
     with pytest.raises(BuildError, match="SIGSEGV"):
-        build_engine(zoo("cnn"), tmp_path / "f", "torch", "cpu", "fp32", strict, tmp_path / "c", max_batch=2,
-                     torch_model=_cnn)
+        build_engine(
+            zoo("cnn"), tmp_path / "f", "torch", "cpu", "fp32", strict, tmp_path / "c", max_batch=2, torch_model=_cnn
+        )
 
 
 @pytest.mark.slow
@@ -194,10 +226,19 @@ def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -
     from kiln.pipeline.config import config_from_dict
 
     seq = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
-    cfg = config_from_dict(tiny_config_dict(**{
-        "model.name": "token_classifier", "model.params": {"dim": 16, "layers": 1}, "train.enabled": False,
-        "export.dynamic_axes": seq, "validate.max_samples": 32, "build.backends": ["onnxruntime", "torch"],
-        "build.torch": {"flavour": flavour}}))
+    cfg = config_from_dict(
+        tiny_config_dict(
+            **{
+                "model.name": "token_classifier",
+                "model.params": {"dim": 16, "layers": 1},
+                "train.enabled": False,
+                "export.dynamic_axes": seq,
+                "validate.max_samples": 32,
+                "build.backends": ["onnxruntime", "torch"],
+                "build.torch": {"flavour": flavour},
+            }
+        )
+    )
     result, report = run_pipeline(cfg, tmp_path / "wd")
     assert result.ok, result.error
     engine = next(e for e in report["validation"]["engines"] if e["backend"] == "torch")
@@ -231,8 +272,17 @@ def test_dict_inputs_and_outputs_keep_their_names(tmp_path: Path) -> None:
     feed = {"mask": rng.integers(0, 2, size=(3, 6)), "ids": rng.integers(0, 20, size=(3, 6))}
     export_onnx(model, {k: torch.from_numpy(v) for k, v in feed.items()}, tmp_path / "m.onnx")
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
-    build_engine(tmp_path / "m.onnx", tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=4,
-                 torch_model=DictScorer)
+    build_engine(
+        tmp_path / "m.onnx",
+        tmp_path / "e",
+        "torch",
+        "cpu",
+        "fp32",
+        cfg,
+        tmp_path / "c",
+        max_batch=4,
+        torch_model=DictScorer,
+    )
     with load_engine(tmp_path / "e") as runner:
         assert runner.input_names == ["mask", "ids"]
         got = runner.infer(feed)
@@ -265,8 +315,18 @@ def test_axes_the_model_constrains_are_refined_as_torch_suggests(tmp_path: Path)
     model = TinyUNet().eval()
     export_onnx(model, torch.randn(2, 3, 16, 16), tmp_path / "m.onnx", dynamic_axes={"input": {2: "h", 3: "w"}})
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(flavour="compiled"))
-    build_engine(tmp_path / "m.onnx", tmp_path / "e", "torch", "cpu", "fp32", cfg, tmp_path / "c", max_batch=2,
-                 torch_model=TinyUNet, axis_sizes={"h": [8, 16], "w": [8, 16]})
+    build_engine(
+        tmp_path / "m.onnx",
+        tmp_path / "e",
+        "torch",
+        "cpu",
+        "fp32",
+        cfg,
+        tmp_path / "c",
+        max_batch=2,
+        torch_model=TinyUNet,
+        axis_sizes={"h": [8, 16], "w": [8, 16]},
+    )
     with load_engine(tmp_path / "e") as runner:
         for size in (8, 16):
             x = np.random.default_rng(size).standard_normal((1, 3, size, size)).astype(np.float32)
@@ -299,8 +359,9 @@ def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> Non
 @pytest.mark.parametrize("flavour", ["auto", "compiled"])
 def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) -> None:
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], flavour=flavour))
-    meta = build_engine(zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32,
-                        torch_model=_cnn)
+    meta = build_engine(
+        zoo("cnn"), tmp_path / "e", "torch", "cuda", "fp16", cfg, tmp_path / "c", max_batch=32, torch_model=_cnn
+    )
     assert meta.flavour == "compiled" and "aotinductor_failed" not in meta.builder_settings
     assert meta.builder_settings["max_autotune"] and meta.builder_settings["dtype"] == "float16"
     assert meta.builder_settings["freezing"] is False  # the default

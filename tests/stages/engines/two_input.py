@@ -1,5 +1,6 @@
 """A tiny BERT-like model with two inputs (token ids and attention mask), exported the way HF users do
 (``torch.onnx.export(..., dynamo=True)`` with a dynamic batch on both inputs): the shape of issue 12's BERT-base."""
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,7 @@ class TinyBert(nn.Module):
 def feeds(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     mask = np.ones((batch, SEQ), np.int64)
-    mask[:, SEQ // 2:] = rng.integers(0, 2, size=(batch, SEQ - SEQ // 2))
+    mask[:, SEQ // 2 :] = rng.integers(0, 2, size=(batch, SEQ - SEQ // 2))
     return {"input_ids": rng.integers(0, VOCAB, size=(batch, SEQ), dtype=np.int64), "attention_mask": mask}
 
 
@@ -45,7 +46,13 @@ def export_two_input(path: Path) -> Path:
     model = TinyBert().eval()
     x = {k: torch.from_numpy(v) for k, v in feeds(2).items()}
     batch = torch.export.Dim("batch", min=1, max=64)
-    torch.onnx.export(model, (x["input_ids"], x["attention_mask"]), str(path), dynamo=True,
-                      input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                      dynamic_shapes={"input_ids": {0: batch}, "attention_mask": {0: batch}})
+    torch.onnx.export(
+        model,
+        (x["input_ids"], x["attention_mask"]),
+        str(path),
+        dynamo=True,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["logits"],
+        dynamic_shapes={"input_ids": {0: batch}, "attention_mask": {0: batch}},
+    )
     return path

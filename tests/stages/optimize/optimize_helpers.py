@@ -1,4 +1,5 @@
 """Tiny ONNX graphs for the optimize tests, and a TensorRT-RTX parse+build check."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,13 +14,21 @@ from kiln.stages.optimize.verify import run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 
-def make_model(nodes: list[onnx.NodeProto], inputs: Sequence[tuple[str, list[Any], int]],
-               outputs: Sequence[str], inits: dict[str, np.ndarray], opset: int = 18) -> onnx.ModelProto:
+def make_model(
+    nodes: list[onnx.NodeProto],
+    inputs: Sequence[tuple[str, list[Any], int]],
+    outputs: Sequence[str],
+    inits: dict[str, np.ndarray],
+    opset: int = 18,
+) -> onnx.ModelProto:
     """A checked model; ``inputs`` are (name, shape, elem type); output types are left to shape inference."""
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info(n, t, s) for n, s, t in inputs],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, t, s) for n, s, t in inputs],
         [helper.make_empty_tensor_value_info(o) for o in outputs],
-        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 9
     model = onnx.shape_inference.infer_shapes(model)
@@ -69,8 +78,11 @@ def trt_build(path: Path, max_batch: int = 8) -> int:
     for i in range(network.num_inputs):
         t = network.get_input(i)
         dims = list(t.shape)
-        lo, opt, hi = ([1 if d < 0 else d for d in dims], [min(2, max_batch) if d < 0 else d for d in dims],
-                       [max_batch if d < 0 else d for d in dims])
+        lo, opt, hi = (
+            [1 if d < 0 else d for d in dims],
+            [min(2, max_batch) if d < 0 else d for d in dims],
+            [max_batch if d < 0 else d for d in dims],
+        )
         profile.set_shape(t.name, lo, opt, hi)
     config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)

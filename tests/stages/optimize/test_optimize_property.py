@@ -1,5 +1,6 @@
 """Property: random small graphs stitched from the patterns the passes target, optimized by the default
 pipeline with the safety net OFF, still compute the same function (checked here, independently)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -69,9 +70,17 @@ def noops(b: Builder, x: str) -> str:
     return b.op("Reshape", [y, b.const(np.array([-1, 3, D]))])
 
 
-BLOCKS = {"linear": lambda b, x: linear(b, x, None), "linear_div4": lambda b, x: linear(b, x, 4.0),
-          "linear_div3": lambda b, x: linear(b, x, 3.0), "gelu": gelu, "layernorm": layernorm, "qkv": qkv_sum,
-          "transposes": transposes, "noops": noops, "relu": lambda b, x: b.op("Relu", [x])}
+BLOCKS = {
+    "linear": lambda b, x: linear(b, x, None),
+    "linear_div4": lambda b, x: linear(b, x, 4.0),
+    "linear_div3": lambda b, x: linear(b, x, 3.0),
+    "gelu": gelu,
+    "layernorm": layernorm,
+    "qkv": qkv_sum,
+    "transposes": transposes,
+    "noops": noops,
+    "relu": lambda b, x: b.op("Relu", [x]),
+}
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -106,8 +115,10 @@ def test_random_conv_graphs_keep_their_function(blocks, seed):
         if name == "conv_add":
             x = b.op("Add", [c, b.const(f32(1, 4, 1, 1, seed=seed))])
             continue
-        stats = [b.const(v.astype(np.float32)) for v in (rng.random(4) + 0.5, rng.standard_normal(4),
-                                                          rng.standard_normal(4), rng.random(4) + 0.5)]
+        stats = [
+            b.const(v.astype(np.float32))
+            for v in (rng.random(4) + 0.5, rng.standard_normal(4), rng.standard_normal(4), rng.random(4) + 0.5)
+        ]
         x = b.op("BatchNormalization", [c] + stats)
         if name == "conv_bn_shared":
             extra.append(b.op("Relu", [c]))  # the conv output has another reader: BN must not be folded

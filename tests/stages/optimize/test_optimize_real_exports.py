@@ -1,6 +1,7 @@
 """Exports of models nobody here wrote (HF transformers BERT, an LSTM, an EmbeddingBag recommender, a model that
 adds ``torch.zeros([])``), tiny, through ``torch.onnx.export(dynamo=True)``: the default pipeline optimizes them
 with nothing rolled back, keeps the PyTorch function, and is never behind onnxsim or onnxslim in node count."""
+
 from __future__ import annotations
 
 import io
@@ -54,8 +55,14 @@ class TinyBert(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         transformers = pytest.importorskip("transformers")
-        cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=32, max_position_embeddings=16)
+        cfg = transformers.BertConfig(
+            vocab_size=50,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+        )
         self.bert = transformers.BertModel(cfg).eval()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -75,8 +82,17 @@ def export(model: nn.Module, args: tuple[torch.Tensor, ...], path: Path) -> onnx
     batch = torch.export.Dim("batch", min=1, max=64)
     with warnings.catch_warnings(), redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, args, str(path), input_names=names, output_names=["out"], dynamo=True,
-                          optimize=False, dynamic_shapes=tuple({0: batch} for _ in args), opset_version=18)
+        torch.onnx.export(
+            model,
+            args,
+            str(path),
+            input_names=names,
+            output_names=["out"],
+            dynamo=True,
+            optimize=False,
+            dynamic_shapes=tuple({0: batch} for _ in args),
+            opset_version=18,
+        )
     return onnx.load(str(path))
 
 

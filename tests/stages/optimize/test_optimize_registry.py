@@ -1,4 +1,5 @@
 """Config of the optimize stage: pass names and params are checked at load, with the choices listed."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,7 +46,9 @@ def test_a_pass_that_changes_outputs_is_rolled_back_and_named(monkeypatch):
                 node.op, n = "Identity", n + 1
         return n
 
-    monkeypatch.setitem(registry.PASSES, "wrong", registry.PassSpec("wrong", relu_to_identity, registry.NoParams, "bad"))
+    monkeypatch.setitem(
+        registry.PASSES, "wrong", registry.PassSpec("wrong", relu_to_identity, registry.NoParams, "bad")
+    )
     m = make_model([h.make_node("Relu", ["x"], ["y"])], [("x", ["N", 8], FLOAT)], ["y"], {})
     out, s = optimize_model(m, OptimizeConfig(passes=["wrong"]))
     assert s["rolled_back"] == ["wrong"] and ops(out) == ["Relu"] and "max abs error" in s["passes"][0]["reason"]

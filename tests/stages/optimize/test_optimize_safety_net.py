@@ -1,5 +1,6 @@
 """The safety net and the passes on graphs that once fooled them: tensor attributes, random ops, stale recorded
 shapes, NaN and sequence outputs, name clashes, rank-raising 'scalars', empty reduce axes."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -17,9 +18,18 @@ N = h.make_node
 
 def test_cse_keeps_constant_of_shape_nodes_with_different_values():
     fill = lambda v: h.make_tensor("value", onnx.TensorProto.FLOAT, [1], [v])  # noqa: E731
-    m = make_model([N("Shape", ["x"], ["s"]), N("ConstantOfShape", ["s"], ["zeros"], value=fill(0.0)),
-                    N("ConstantOfShape", ["s"], ["ones"], value=fill(1.0)), N("Add", ["zeros", "ones"], ["a"]),
-                    N("Add", ["x", "a"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {})
+    m = make_model(
+        [
+            N("Shape", ["x"], ["s"]),
+            N("ConstantOfShape", ["s"], ["zeros"], value=fill(0.0)),
+            N("ConstantOfShape", ["s"], ["ones"], value=fill(1.0)),
+            N("Add", ["zeros", "ones"], ["a"]),
+            N("Add", ["x", "a"], ["y"]),
+        ],
+        [("x", ["N", 4], FLOAT)],
+        ["y"],
+        {},
+    )
     out, s = optimize_model(m, OptimizeConfig(passes=["cse"], verify=False))  # the net is off: the pass alone
     assert ops(out).count("ConstantOfShape") == 2
     x = f32(3, 4)
@@ -28,8 +38,9 @@ def test_cse_keeps_constant_of_shape_nodes_with_different_values():
 
 def test_fold_constants_does_not_freeze_random_ops():
     """An unseeded RandomUniform has no variable inputs, so it looks constant; folding would freeze one draw."""
-    m = make_model([N("RandomUniform", [], ["r"], shape=[1, 4]), N("Add", ["x", "r"], ["y"])],
-                   [("x", ["N", 4], FLOAT)], ["y"], {})
+    m = make_model(
+        [N("RandomUniform", [], ["r"], shape=[1, 4]), N("Add", ["x", "r"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {}
+    )
     out, s = optimize_model(m, OptimizeConfig(passes=["fold_constants"]))
     assert "RandomUniform" in ops(out)
 
@@ -39,8 +50,17 @@ def test_random_model_is_checked_for_shapes_only_and_not_rolled_back():
     numbers: comparing values rolled back every pass of such a model."""
     from kiln.stages.optimize.verify import Verifier
 
-    m = make_model([N("Identity", ["x"], ["i"]), N("Mul", ["i", "two"], ["d"]), N("RandomNormalLike", ["d"], ["r"]),
-                    N("Add", ["d", "r"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {"two": np.array(2.0, np.float32)})
+    m = make_model(
+        [
+            N("Identity", ["x"], ["i"]),
+            N("Mul", ["i", "two"], ["d"]),
+            N("RandomNormalLike", ["d"], ["r"]),
+            N("Add", ["d", "r"], ["y"]),
+        ],
+        [("x", ["N", 4], FLOAT)],
+        ["y"],
+        {"two": np.array(2.0, np.float32)},
+    )
     assert Verifier(m, OptimizeConfig()).random
     out, s = run_pass(m, "eliminate_identity")
     assert "Identity" not in ops(out) and s["verified"]
@@ -48,10 +68,19 @@ def test_random_model_is_checked_for_shapes_only_and_not_rolled_back():
 
 def test_a_recorded_batch_in_value_info_is_not_baked_into_reshapes():
     """The file says 'r' is [2, 12] (the export batch) while the input is dynamic: folding must not trust it."""
-    m = make_model([N("Relu", ["x"], ["r"]), N("Shape", ["r"], ["s"]), N("Gather", ["s", "i0"], ["b"], axis=0),
-                    N("Unsqueeze", ["b", "ax"], ["bu"]), N("Concat", ["bu", "tail"], ["shp"], axis=0),
-                    N("Reshape", ["r", "shp"], ["y"])], [("x", ["N", 12], FLOAT)], ["y"],
-                   {"i0": np.array(0), "ax": np.array([0]), "tail": np.array([3, 4])})
+    m = make_model(
+        [
+            N("Relu", ["x"], ["r"]),
+            N("Shape", ["r"], ["s"]),
+            N("Gather", ["s", "i0"], ["b"], axis=0),
+            N("Unsqueeze", ["b", "ax"], ["bu"]),
+            N("Concat", ["bu", "tail"], ["shp"], axis=0),
+            N("Reshape", ["r", "shp"], ["y"]),
+        ],
+        [("x", ["N", 12], FLOAT)],
+        ["y"],
+        {"i0": np.array(0), "ax": np.array([0]), "tail": np.array([3, 4])},
+    )
     del m.graph.value_info[:]
     m.graph.value_info.append(h.make_tensor_value_info("r", FLOAT, [2, 12]))
     out, _ = optimize_model(m, OptimizeConfig(verify=False))
@@ -66,10 +95,16 @@ def test_nan_in_the_reference_does_not_roll_everything_back():
 
 
 def test_sequence_outputs_are_compared():
-    graph = h.make_graph([N("Relu", ["x"], ["r"]), N("Identity", ["r"], ["i"]),
-                          N("SplitToSequence", ["i"], ["seq"], axis=0, keepdims=1)], "g",
-                         [h.make_tensor_value_info("x", FLOAT, ["N", 4])],
-                         [h.make_tensor_sequence_value_info("seq", FLOAT, None)])
+    graph = h.make_graph(
+        [
+            N("Relu", ["x"], ["r"]),
+            N("Identity", ["r"], ["i"]),
+            N("SplitToSequence", ["i"], ["seq"], axis=0, keepdims=1),
+        ],
+        "g",
+        [h.make_tensor_value_info("x", FLOAT, ["N", 4])],
+        [h.make_tensor_sequence_value_info("seq", FLOAT, None)],
+    )
     m = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
     m.ir_version = 9
     out, s = run_pass(m, "eliminate_identity")
@@ -77,11 +112,20 @@ def test_sequence_outputs_are_compared():
 
 
 def test_static_reshape_constant_gets_a_free_name():
-    m = make_model([N("Shape", ["x"], ["s"]), N("Gather", ["s", "i0"], ["b"], axis=0),
-                    N("Unsqueeze", ["b", "ax"], ["bu"]), N("Concat", ["bu", "tail"], ["y_shape"], axis=0),
-                    N("Reshape", ["x", "y_shape"], ["y"]), N("Relu", ["y"], ["out"]),
-                    N("Cast", ["y_shape"], ["z"], to=FLOAT)], [("x", ["N", 12], FLOAT)], ["out", "z"],
-                   {"i0": np.array(0), "ax": np.array([0]), "tail": np.array([3, 4])})
+    m = make_model(
+        [
+            N("Shape", ["x"], ["s"]),
+            N("Gather", ["s", "i0"], ["b"], axis=0),
+            N("Unsqueeze", ["b", "ax"], ["bu"]),
+            N("Concat", ["bu", "tail"], ["y_shape"], axis=0),
+            N("Reshape", ["x", "y_shape"], ["y"]),
+            N("Relu", ["y"], ["out"]),
+            N("Cast", ["y_shape"], ["z"], to=FLOAT),
+        ],
+        [("x", ["N", 12], FLOAT)],
+        ["out", "z"],
+        {"i0": np.array(0), "ax": np.array([0]), "tail": np.array([3, 4])},
+    )
     out, s = run_pass(m, "fold_constants")
     onnx.checker.check_model(out, full_check=True)
 
@@ -93,6 +137,7 @@ def test_a_pass_whose_graph_fails_the_checker_is_rolled_back(monkeypatch):
         for node in graph.nodes:
             node.attrs["bogus"] = 1
         return 1
+
     monkeypatch.setitem(registry.PASSES, "bogus", registry.PassSpec("bogus", bogus_attribute, registry.NoParams, "x"))
     m = make_model([N("Relu", ["x"], ["r"]), N("Sigmoid", ["r"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {})
     out, s = optimize_model(m, OptimizeConfig(passes=["bogus"]))
@@ -100,22 +145,40 @@ def test_a_pass_whose_graph_fails_the_checker_is_rolled_back(monkeypatch):
 
 
 def test_one_element_constant_of_higher_rank_is_not_a_scalar():
-    m = make_model([N("MatMul", ["x", "w"], ["mm"]), N("Mul", ["mm", "s"], ["y"])], [("x", ["N", 16], FLOAT)],
-                   ["y"], {"w": f32(16, 8), "s": np.full((1, 1, 1), 0.5, np.float32)})
+    m = make_model(
+        [N("MatMul", ["x", "w"], ["mm"]), N("Mul", ["mm", "s"], ["y"])],
+        [("x", ["N", 16], FLOAT)],
+        ["y"],
+        {"w": f32(16, 8), "s": np.full((1, 1, 1), 0.5, np.float32)},
+    )
     out, s = optimize_model(m, OptimizeConfig(passes=["fold_scalar_mul"], verify=False))
     assert run_ort(out, {"x": f32(2, 16)})["y"].shape == (1, 2, 8)
 
 
 def test_layernorm_fusion_skips_empty_axes_and_still_fuses_the_real_one():
     def ln(x: str, tag: str, axes: str) -> list[onnx.NodeProto]:
-        return [N("ReduceMean", [x, axes], [f"{tag}m"]), N("Sub", [x, f"{tag}m"], [f"{tag}d"]),
-                N("Pow", [f"{tag}d", "two"], [f"{tag}p"]), N("ReduceMean", [f"{tag}p", axes], [f"{tag}v"]),
-                N("Add", [f"{tag}v", "eps"], [f"{tag}e"]), N("Sqrt", [f"{tag}e"], [f"{tag}s"]),
-                N("Div", [f"{tag}d", f"{tag}s"], [f"{tag}o"])]
+        return [
+            N("ReduceMean", [x, axes], [f"{tag}m"]),
+            N("Sub", [x, f"{tag}m"], [f"{tag}d"]),
+            N("Pow", [f"{tag}d", "two"], [f"{tag}p"]),
+            N("ReduceMean", [f"{tag}p", axes], [f"{tag}v"]),
+            N("Add", [f"{tag}v", "eps"], [f"{tag}e"]),
+            N("Sqrt", [f"{tag}e"], [f"{tag}s"]),
+            N("Div", [f"{tag}d", f"{tag}s"], [f"{tag}o"]),
+        ]
+
     nodes = ln("x", "a", "last") + ln("x", "b", "none") + [N("Add", ["ao", "bo"], ["y"])]
-    m = make_model(nodes, [("x", [2, 8], FLOAT)], ["y"],
-                   {"last": np.array([-1]), "none": np.array([], np.int64), "two": np.array(2.0, np.float32),
-                    "eps": np.array(1e-5, np.float32)})
+    m = make_model(
+        nodes,
+        [("x", [2, 8], FLOAT)],
+        ["y"],
+        {
+            "last": np.array([-1]),
+            "none": np.array([], np.int64),
+            "two": np.array(2.0, np.float32),
+            "eps": np.array(1e-5, np.float32),
+        },
+    )
     out, s = run_pass(m, "fuse_layernorm")
     assert ops(out).count("LayerNormalization") == 1
 
@@ -132,8 +195,12 @@ def test_net_that_cannot_run_the_model_is_a_clear_error():
 def test_dynamic_spatial_axes_are_not_forced_to_one():
     """Batch 1 is checked on the batch axis only: a dynamic H/W that cannot be 1 keeps verify_batch (it once made
     the net refuse such models outright)."""
-    m = make_model([N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])], [("x", ["N", 3, "H", "W"], FLOAT)],
-                   ["y"], {"w": f32(4, 3, 2, 2)})
+    m = make_model(
+        [N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])],
+        [("x", ["N", 3, "H", "W"], FLOAT)],
+        ["y"],
+        {"w": f32(4, 3, 2, 2)},
+    )
     out, s = run_pass(m, "eliminate_identity")  # 2x2 Conv without padding: H = W = 1 would be refused
     assert ops(out) == ["Conv"] and s["verified"]
 
@@ -141,8 +208,12 @@ def test_dynamic_spatial_axes_are_not_forced_to_one():
 def test_dynamic_axes_take_the_sizes_the_data_has():
     """A 1-D convolution over audio (kernel 10) cannot run at verify_batch samples: with the sizes the export saw
     in the data (export/dynamic_sizes.json) the net runs the model at the largest of them, and the smallest."""
-    m = make_model([N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])], [("x", ["N", 1, "T"], FLOAT)],
-                   ["y"], {"w": f32(4, 1, 10)})
+    m = make_model(
+        [N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])],
+        [("x", ["N", 1, "T"], FLOAT)],
+        ["y"],
+        {"w": f32(4, 1, 10)},
+    )
     with pytest.raises(ModelError, match="safety net cannot run"):
         optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]))
     out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]), {"x": {2: [400, 800]}})
@@ -154,8 +225,9 @@ def test_dynamic_axes_take_the_sizes_the_data_has():
 def test_an_input_model_that_fails_the_checker_is_still_optimized():
     """The checker cannot judge passes on a graph it already rejects (IR 3: an initializer that is not an input):
     every pass was rolled back as 'not a valid ONNX graph'."""
-    m = make_model([N("MatMul", ["x", "W"], ["h"]), N("Identity", ["h"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"],
-                   {"W": f32(4, 4)})
+    m = make_model(
+        [N("MatMul", ["x", "W"], ["h"]), N("Identity", ["h"], ["y"])], [("x", ["N", 4], FLOAT)], ["y"], {"W": f32(4, 4)}
+    )
     m.ir_version = 3
     out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity"]))
     assert s["rolled_back"] == [] and ops(out) == ["MatMul"]
@@ -165,9 +237,12 @@ def test_rollback_reason_keeps_the_type_error_at_the_end_of_a_nested_message():
     # Before: cut at 200 characters, which ended inside "Mismatched tensor element type: inferred=flo".
     from kiln.core.text import short_reason
 
-    msg = ("[ONNXRuntimeError] : 1 : FAIL : Node (n19_16) Op (Loop) [TypeInferenceError] Graph attribute inferencing "
-           "failed: Node (n13_37) Op (If) [TypeInferenceError] " + "Graph attribute inferencing failed: " * 12 +
-           "Mismatched tensor element type: inferred=float64 declared=float32")
+    msg = (
+        "[ONNXRuntimeError] : 1 : FAIL : Node (n19_16) Op (Loop) [TypeInferenceError] Graph attribute inferencing "
+        "failed: Node (n13_37) Op (If) [TypeInferenceError] "
+        + "Graph attribute inferencing failed: " * 12
+        + "Mismatched tensor element type: inferred=float64 declared=float32"
+    )
     short = short_reason(RuntimeError(msg))
     assert short.startswith("Node (n19_16) Op (Loop)") and short.endswith("inferred=float64 declared=float32")
     assert len(short) <= 400 and " ... " in short

@@ -1,5 +1,6 @@
 """The zoo's exported graphs: optimized with the default pipeline (safety net on), still the PyTorch function,
 smaller, and accepted by TensorRT-RTX's parser and builder. Also the file API with external data."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,11 @@ from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import run_ort
 from optimize_helpers import trt_build
 
-EXAMPLES = {"cnn": lambda: torch.randn(2, 1, 8, 8), "transformer": lambda: torch.randn(2, 1, 8, 8),
-            "mlp_embed": lambda: torch.randint(0, 17, (2, 64))}
+EXAMPLES = {
+    "cnn": lambda: torch.randn(2, 1, 8, 8),
+    "transformer": lambda: torch.randn(2, 1, 8, 8),
+    "mlp_embed": lambda: torch.randint(0, 17, (2, 64)),
+}
 
 
 @pytest.fixture(scope="module")

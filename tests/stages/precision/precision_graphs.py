@@ -1,4 +1,5 @@
 """Tiny ONNX graphs built in code for the precision tests (input "input" [batch, F] float, output "logits")."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,13 +9,20 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 18
 
 
-def make_model(nodes: list[onnx.NodeProto], inits: dict[str, np.ndarray], features: int = 16,
-               out_dim: int = 10, in_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+def make_model(
+    nodes: list[onnx.NodeProto],
+    inits: dict[str, np.ndarray],
+    features: int = 16,
+    out_dim: int = 10,
+    in_type: int = TensorProto.FLOAT,
+) -> onnx.ModelProto:
     graph = helper.make_graph(
-        nodes, "g",
+        nodes,
+        "g",
         [helper.make_tensor_value_info("input", in_type, ["batch", features])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", out_dim])],
-        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = 9
     onnx.checker.check_model(model)
@@ -35,8 +43,16 @@ def sensitive_graph() -> onnx.ModelProto:
         helper.make_node("Exp", ["sm"], ["ex"], name="exp"),
         helper.make_node("MatMul", ["ex", "w3"], ["logits"], name="mm3"),
     ]
-    return make_model(n, {"w1": rng_weights(16, 32), "g": np.ones(32, np.float32), "b": np.zeros(32, np.float32),
-                          "w2": rng_weights(32, 32, seed=1), "w3": rng_weights(32, 10, seed=2)})
+    return make_model(
+        n,
+        {
+            "w1": rng_weights(16, 32),
+            "g": np.ones(32, np.float32),
+            "b": np.zeros(32, np.float32),
+            "w2": rng_weights(32, 32, seed=1),
+            "w3": rng_weights(32, 10, seed=2),
+        },
+    )
 
 
 def decomposed_layernorm_graph() -> onnx.ModelProto:
@@ -55,9 +71,18 @@ def decomposed_layernorm_graph() -> onnx.ModelProto:
         helper.make_node("Add", ["sc", "beta"], ["ln"], name="ln_beta"),
         helper.make_node("MatMul", ["ln", "w2"], ["logits"], name="mm2"),
     ]
-    return make_model(n, {"w1": rng_weights(16, 32), "axes": axes, "two": np.array(2.0, np.float32),
-                          "eps": np.array(1e-5, np.float32), "gamma": np.ones(32, np.float32),
-                          "beta": np.zeros(32, np.float32), "w2": rng_weights(32, 10, seed=1)})
+    return make_model(
+        n,
+        {
+            "w1": rng_weights(16, 32),
+            "axes": axes,
+            "two": np.array(2.0, np.float32),
+            "eps": np.array(1e-5, np.float32),
+            "gamma": np.ones(32, np.float32),
+            "beta": np.zeros(32, np.float32),
+            "w2": rng_weights(32, 10, seed=1),
+        },
+    )
 
 
 def reduction_graph(length: int) -> onnx.ModelProto:
@@ -67,8 +92,9 @@ def reduction_graph(length: int) -> onnx.ModelProto:
         helper.make_node("ReduceSum", ["h", "axes"], ["s"], name="reduce", keepdims=1),
         helper.make_node("Mul", ["s", "w2"], ["logits"], name="head"),
     ]
-    return make_model(n, {"w1": rng_weights(16, length), "axes": np.array([1], np.int64),
-                          "w2": rng_weights(1, 10, seed=1)})
+    return make_model(
+        n, {"w1": rng_weights(16, length), "axes": np.array([1], np.int64), "w2": rng_weights(1, 10, seed=1)}
+    )
 
 
 def chain_graph(scale: float = 1.0, big_weight: float | None = None) -> onnx.ModelProto:
@@ -96,18 +122,28 @@ def reshape_in_range_graph(scale: float) -> onnx.ModelProto:
         helper.make_node("Div", ["r", "scale"], ["rd"], name="scale_down"),
         helper.make_node("MatMul", ["rd", "w2"], ["logits"], name="head"),
     ]
-    return make_model(n, {"w1": rng_weights(16, 32), "scale": np.array(scale, np.float32),
-                          "shape": np.array([-1, 32], np.int64), "w2": rng_weights(32, 10, seed=1)})
+    return make_model(
+        n,
+        {
+            "w1": rng_weights(16, 32),
+            "scale": np.array(scale, np.float32),
+            "shape": np.array([-1, 32], np.int64),
+            "w2": rng_weights(32, 10, seed=1),
+        },
+    )
 
 
 def plus_minus_big_graph() -> onnx.ModelProto:
     """(h + 4096) - 4096 between two MatMuls: FP16 rounding at the Add loses h's fraction, the Sub shows it."""
-    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-             helper.make_node("Add", ["h", "big"], ["hb"], name="add_big"),
-             helper.make_node("Sub", ["hb", "big"], ["hs"], name="sub_big"),
-             helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="head")]
-    return make_model(nodes, {"w1": rng_weights(16, 32), "big": np.array(4096.0, np.float32),
-                              "w2": rng_weights(32, 10, seed=1)})
+    nodes = [
+        helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+        helper.make_node("Add", ["h", "big"], ["hb"], name="add_big"),
+        helper.make_node("Sub", ["hb", "big"], ["hs"], name="sub_big"),
+        helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="head"),
+    ]
+    return make_model(
+        nodes, {"w1": rng_weights(16, 32), "big": np.array(4096.0, np.float32), "w2": rng_weights(32, 10, seed=1)}
+    )
 
 
 def inputs(n: int = 256, features: int = 16, seed: int = 0, scale: float = 1.0) -> np.ndarray:

@@ -1,4 +1,5 @@
 """Accuracy-driven fallback finds planted bad nodes, keeps them FP32, and records why."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,14 @@ def _source(model: onnx.ModelProto, tmp: Path, batches: list[np.ndarray] | None 
 def test_fallback_finds_planted_overflow(tmp_path: Path) -> None:
     """scale_up overflows FP16 (the range check is off): fallback keeps it and its reader in FP32."""
     src = _source(chain_graph(scale=3e4), tmp_path)
-    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK, FallbackConfig(nodes_per_round=1),
-                       inputs(256), CalibrationConfig())
+    entry = build_fp16(
+        src,
+        tmp_path / "fp16" / "model.onnx",
+        NO_RANGE_CHECK,
+        FallbackConfig(nodes_per_round=1),
+        inputs(256),
+        CalibrationConfig(),
+    )
     assert entry["fallback"]["passed"]
     assert entry["fallback"]["rounds"][0]["top1_agreement"] < 0.9  # it really was broken
     assert "scale_up" in entry["kept_fp32"]
@@ -35,8 +42,14 @@ def test_fallback_can_keep_a_reshape_that_overflows(tmp_path: Path) -> None:
     """Without the range check, the ~1e5 values overflow in the FP16 Reshape between FP32 nodes: the fallback
     must be able to pick the Reshape (it once could not, and stopped with 'no node left' and NaN outputs)."""
     src = _source(reshape_in_range_graph(scale=3e4), tmp_path)
-    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK,
-                       FallbackConfig(nodes_per_round=1, max_rounds=6), inputs(256), CalibrationConfig())
+    entry = build_fp16(
+        src,
+        tmp_path / "fp16" / "model.onnx",
+        NO_RANGE_CHECK,
+        FallbackConfig(nodes_per_round=1, max_rounds=6),
+        inputs(256),
+        CalibrationConfig(),
+    )
     assert entry["fallback"]["passed"], entry["fallback"]["rounds"]
     assert not np.isfinite(entry["fallback"]["rounds"][0]["cosine"])  # it really overflowed at first
     assert "reshape" in entry["kept_fp32"]
@@ -47,8 +60,14 @@ def test_fallback_follows_error_to_its_producer(tmp_path: Path) -> None:
     """(h + 4096) - 4096: the damage shows at the Sub but is done by the Add's FP16 rounding."""
     model = plus_minus_big_graph()
     src = _source(model, tmp_path)
-    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK,
-                       FallbackConfig(nodes_per_round=1, max_rounds=4), inputs(256), CalibrationConfig())
+    entry = build_fp16(
+        src,
+        tmp_path / "fp16" / "model.onnx",
+        NO_RANGE_CHECK,
+        FallbackConfig(nodes_per_round=1, max_rounds=4),
+        inputs(256),
+        CalibrationConfig(),
+    )
     assert entry["fallback"]["passed"], entry["fallback"]["rounds"]
     assert {"add_big", "sub_big"} <= set(entry["kept_fp32"])
     assert "feeds sub_big" in entry["reasons"]["add_big"]
@@ -56,8 +75,14 @@ def test_fallback_follows_error_to_its_producer(tmp_path: Path) -> None:
 
 def test_fallback_disabled_reports_failure(tmp_path: Path) -> None:
     src = _source(chain_graph(scale=3e4), tmp_path)
-    entry = build_fp16(src, tmp_path / "fp16" / "model.onnx", NO_RANGE_CHECK, FallbackConfig(enabled=False),
-                       inputs(128), CalibrationConfig())
+    entry = build_fp16(
+        src,
+        tmp_path / "fp16" / "model.onnx",
+        NO_RANGE_CHECK,
+        FallbackConfig(enabled=False),
+        inputs(128),
+        CalibrationConfig(),
+    )
     assert not entry["fallback"]["passed"] and entry["kept_fp32"] == []
 
 
@@ -66,9 +91,11 @@ def test_int8_fallback_finds_planted_node(tmp_path: Path) -> None:
     out the small channels, so that node (and only a few) must go back to float."""
     rng = np.random.default_rng(0)
     w1 = rng_weights(16, 32)
-    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-             helper.make_node("Mul", ["h", "spread"], ["hs"], name="spread"),
-             helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="planted")]
+    nodes = [
+        helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+        helper.make_node("Mul", ["h", "spread"], ["hs"], name="spread"),
+        helper.make_node("MatMul", ["hs", "w2"], ["logits"], name="planted"),
+    ]
     spread = np.ones(32, np.float32)
     spread[0] = 2000.0  # one channel a thousand times larger than the rest
     w2 = rng_weights(32, 10, seed=1)
@@ -76,8 +103,7 @@ def test_int8_fallback_finds_planted_node(tmp_path: Path) -> None:
     model = make_model(nodes, {"w1": w1, "spread": spread, "w2": w2})
     x = inputs(256)
     src = _source(model, tmp_path, [x[:64], x[64:128]])
-    entry = build_int8(src, tmp_path / "int8" / "model.onnx", CalibrationConfig(), FallbackConfig(nodes_per_round=1),
-                       x)
+    entry = build_int8(src, tmp_path / "int8" / "model.onnx", CalibrationConfig(), FallbackConfig(nodes_per_round=1), x)
     assert entry["fallback"]["rounds"][0]["top1_agreement"] < 0.9
     assert entry["fallback"]["passed"] and "planted" in entry["kept_fp32"]
     assert "fallback round" in entry["reasons"]["planted"]

@@ -1,4 +1,5 @@
 """FP16 mixed precision: which nodes stay FP32, that the graph stays valid, and that casts never chain."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -143,7 +144,7 @@ def test_shared_initializer_between_fp32_and_fp16_nodes() -> None:
 def test_remove_cast_chains_collapses_pairs_and_noops() -> None:
     nodes = [
         helper.make_node("Cast", ["input"], ["a"], to=F16, name="c1"),
-        helper.make_node("Cast", ["a"], ["b"], to=F32, name="c2"),      # round trip: drop both
+        helper.make_node("Cast", ["a"], ["b"], to=F32, name="c2"),  # round trip: drop both
         helper.make_node("MatMul", ["b", "w"], ["m"], name="mm"),
         helper.make_node("Cast", ["m"], ["m32"], to=F32, name="noop"),  # cast to its own type
         helper.make_node("Cast", ["m32"], ["h"], to=F16, name="c3"),
@@ -160,10 +161,11 @@ def test_remove_cast_chains_collapses_pairs_and_noops() -> None:
 
 
 def test_int_inputs_keep_their_type() -> None:
-    nodes = [helper.make_node("Gather", ["emb", "input"], ["e"], name="gather", axis=0),
-             helper.make_node("ReduceMean", ["e", "axes"], ["logits"], name="pool", keepdims=0)]
-    model = make_model(nodes, {"emb": rng_weights(17, 10), "axes": np.array([1], np.int64)},
-                       in_type=TensorProto.INT64)
+    nodes = [
+        helper.make_node("Gather", ["emb", "input"], ["e"], name="gather", axis=0),
+        helper.make_node("ReduceMean", ["e", "axes"], ["logits"], name="pool", keepdims=0),
+    ]
+    model = make_model(nodes, {"emb": rng_weights(17, 10), "axes": np.array([1], np.int64)}, in_type=TensorProto.INT64)
     _, converted, _ = _convert(model)
     assert converted.graph.input[0].type.tensor_type.elem_type == TensorProto.INT64
     ids = np.random.default_rng(0).integers(0, 17, (8, 16))
@@ -184,12 +186,15 @@ def test_emulation_rounds_what_fp16_stores() -> None:
 
 def test_emulation_and_conversion_of_multi_output_nodes() -> None:
     """A Split (as the QKV merge pass makes) has several float outputs: each is rounded, the node kept once."""
-    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-             helper.make_node("Split", ["h", "sizes"], ["a", "b"], name="split", axis=1),
-             helper.make_node("Add", ["a", "b"], ["s"], name="add"),
-             helper.make_node("MatMul", ["s", "w2"], ["logits"], name="head")]
-    model = make_model(nodes, {"w1": rng_weights(16, 32), "sizes": np.array([16, 16], np.int64),
-                               "w2": rng_weights(16, 10, seed=1)})
+    nodes = [
+        helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+        helper.make_node("Split", ["h", "sizes"], ["a", "b"], name="split", axis=1),
+        helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+        helper.make_node("MatMul", ["s", "w2"], ["logits"], name="head"),
+    ]
+    model = make_model(
+        nodes, {"w1": rng_weights(16, 32), "sizes": np.array([16, 16], np.int64), "w2": rng_weights(16, 10, seed=1)}
+    )
     emulated = emulate_fp16(model, set())
     onnx.checker.check_model(emulated, full_check=True)
     assert sum(n.name == "split" for n in emulated.graph.node) == 1

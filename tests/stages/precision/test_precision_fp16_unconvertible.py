@@ -1,5 +1,6 @@
 """FP16 on graphs onnxconverter-common mishandles: float-list Constants, control flow and sequences (an
 ``nn.EmbeddingBag`` export has all three). The graph must stay valid; what cannot convert stays FP32, reported."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,10 +27,12 @@ F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 def value_floats_graph() -> onnx.ModelProto:
     """MatMul -> Add(Constant(value_floats=[...])) -> MatMul: the bias is a float-list Constant attribute."""
     bias = [float(v) for v in np.linspace(-1, 1, 32)]
-    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-             helper.make_node("Constant", [], ["bias"], name="bias_const", value_floats=bias),
-             helper.make_node("Add", ["h", "bias"], ["hb"], name="add_bias"),
-             helper.make_node("MatMul", ["hb", "w2"], ["logits"], name="head")]
+    nodes = [
+        helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+        helper.make_node("Constant", [], ["bias"], name="bias_const", value_floats=bias),
+        helper.make_node("Add", ["h", "bias"], ["hb"], name="add_bias"),
+        helper.make_node("MatMul", ["hb", "w2"], ["logits"], name="head"),
+    ]
     return make_model(nodes, {"w1": rng_weights(16, 32), "w2": rng_weights(32, 10, seed=1)})
 
 
@@ -81,8 +84,10 @@ def test_a_node_that_stays_invalid_in_fp32_ends_in_a_clear_error(monkeypatch: py
 
     def always_refused(model, what):  # the checker keeps naming the same node, whatever its precision
         onnx.checker.check_model(model)
-        raise ModelError(f"{what} fails the ONNX checker: (op_type:Add, node name: add_bias): planted",
-                         hint="re-export with a supported opset")
+        raise ModelError(
+            f"{what} fails the ONNX checker: (op_type:Add, node name: add_bias): planted",
+            hint="re-export with a supported opset",
+        )
 
     monkeypatch.setattr(fp16_module, "check_onnx", always_refused)
     with pytest.raises(ModelError, match="node name: add_bias") as err:
@@ -93,18 +98,27 @@ def test_a_node_that_stays_invalid_in_fp32_ends_in_a_clear_error(monkeypatch: py
 def if_graph() -> onnx.ModelProto:
     """h = input @ w; If(sum(input) > 0) then h + input else h - input: both branches read h and the graph
     input from the outer scope by name, not through the If's inputs."""
-    def branch(op: str, name: str) -> onnx.GraphProto:
-        return helper.make_graph([helper.make_node(op, ["h", "input"], [f"{name}_out"], name=f"{name}_op")], name,
-                                 [], [helper.make_tensor_value_info(f"{name}_out", F32, None)])
 
-    nodes = [helper.make_node("MatMul", ["input", "w"], ["h"], name="mm"),
-             helper.make_node("ReduceSum", ["input"], ["s"], name="sum", keepdims=0),
-             helper.make_node("Greater", ["s", "zero"], ["cond"], name="gt"),
-             helper.make_node("If", ["cond"], ["y"], name="branch", then_branch=branch("Add", "then"),
-                              else_branch=branch("Sub", "else")),
-             helper.make_node("MatMul", ["y", "w2"], ["logits"], name="head")]
-    return make_model(nodes, {"w": rng_weights(16, 16), "zero": np.array(0, np.float32),
-                              "w2": rng_weights(16, 10, seed=1)})
+    def branch(op: str, name: str) -> onnx.GraphProto:
+        return helper.make_graph(
+            [helper.make_node(op, ["h", "input"], [f"{name}_out"], name=f"{name}_op")],
+            name,
+            [],
+            [helper.make_tensor_value_info(f"{name}_out", F32, None)],
+        )
+
+    nodes = [
+        helper.make_node("MatMul", ["input", "w"], ["h"], name="mm"),
+        helper.make_node("ReduceSum", ["input"], ["s"], name="sum", keepdims=0),
+        helper.make_node("Greater", ["s", "zero"], ["cond"], name="gt"),
+        helper.make_node(
+            "If", ["cond"], ["y"], name="branch", then_branch=branch("Add", "then"), else_branch=branch("Sub", "else")
+        ),
+        helper.make_node("MatMul", ["y", "w2"], ["logits"], name="head"),
+    ]
+    return make_model(
+        nodes, {"w": rng_weights(16, 16), "zero": np.array(0, np.float32), "w2": rng_weights(16, 10, seed=1)}
+    )
 
 
 def test_control_flow_stays_fp32_and_reads_fp32_outer_tensors() -> None:
@@ -124,8 +138,10 @@ def test_a_graph_the_converter_refuses_is_a_model_error() -> None:
     # isolates a failing variant when the failure is a KilnError, so it must become one.
     from kiln.core.errors import ModelError
 
-    nodes = [helper.make_node("Cast", ["input"], ["x32"], to=F32, name="to32"),
-             helper.make_node("MatMul", ["x32", "w"], ["logits"], name="mm")]
+    nodes = [
+        helper.make_node("Cast", ["input"], ["x32"], to=F32, name="to32"),
+        helper.make_node("MatMul", ["x32", "w"], ["logits"], name="mm"),
+    ]
     model = make_model(nodes, {"w": rng_weights(16, 10)}, in_type=F16)
     with pytest.raises(ModelError, match="already converted") as err:
         convert_fp16(model, set(), FP16Config())

@@ -1,5 +1,6 @@
 """The INT8 graph ONNX Runtime CPU engines run (``model.ort_cpu.onnx``) goes through the accuracy fallback itself:
 passing on the symmetric Q/DQ graph says nothing about it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,9 +15,11 @@ from precision_graphs import inputs, make_model, rng_weights
 
 
 def mlp_graph():
-    nodes = [helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-             helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("MatMul", ["r", "w2"], ["logits"], name="head")]
+    nodes = [
+        helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["logits"], name="head"),
+    ]
     return make_model(nodes, {"w1": rng_weights(16, 32), "w2": rng_weights(32, 10, seed=1)})
 
 

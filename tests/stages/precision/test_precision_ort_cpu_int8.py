@@ -1,5 +1,6 @@
 """The extra INT8 graph for ONNX Runtime CPU: static uint8 activations for CNNs, dynamic quantization for
 Transformers (``calibration.ort_cpu_scheme``), same function as the FP32 graph."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,8 +27,11 @@ def cnn_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _zero_point_types(path: Path) -> set[int]:
     model = onnx.load(str(path))
     inits = {i.name: i for i in model.graph.initializer}
-    return {inits[n.input[2]].data_type for n in model.graph.node
-            if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in inits}
+    return {
+        inits[n.input[2]].data_type
+        for n in model.graph.node
+        if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in inits
+    }
 
 
 def test_ort_cpu_graph_is_uint8_and_agrees(tmp_path: Path, cnn_dir: Path) -> None:
@@ -57,8 +61,9 @@ def transformer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     folder = tmp_path_factory.mktemp("optimize-transformer")
     torch.manual_seed(0)
-    exported = export_onnx(build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8),
-                           folder / "exported.onnx")
+    exported = export_onnx(
+        build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8), folder / "exported.onnx"
+    )
     save_onnx(optimize_model(exported, OptimizeConfig())[0], folder / "model.onnx")
     return folder
 
@@ -69,8 +74,9 @@ def _ops(path: Path) -> list[str]:
 
 def test_transformer_ort_cpu_graph_is_dynamic_and_keeps_float_nodes(tmp_path: Path, transformer_dir: Path) -> None:
     keep = next(n.name for n in onnx.load(str(transformer_dir / "model.onnx")).graph.node if n.op_type == "MatMul")
-    variants, summary = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
-                                                           "calibration.exclude_nodes": [keep]})
+    variants, summary = _run(
+        tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"], "calibration.exclude_nodes": [keep]}
+    )
     root = tmp_path / "precision"
     ort_path = root / variants["int8"].backend_paths["onnxruntime-cpu"]
     assert variants["int8"].report["ort_cpu"]["scheme"] == summary["variants"]["int8"]["ort_cpu_scheme"] == "dynamic"
@@ -85,16 +91,21 @@ def test_transformer_ort_cpu_graph_is_dynamic_and_keeps_float_nodes(tmp_path: Pa
 
 
 def test_transformer_ort_cpu_scheme_can_be_forced_static(tmp_path: Path, transformer_dir: Path) -> None:
-    variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
-                                                     "calibration.ort_cpu_scheme": "static"})
+    variants, _ = _run(
+        tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"], "calibration.ort_cpu_scheme": "static"}
+    )
     ort_path = tmp_path / "precision" / variants["int8"].backend_paths["onnxruntime-cpu"]
     assert variants["int8"].report["ort_cpu"]["scheme"] == "static" and "DynamicQuantizeLinear" not in _ops(ort_path)
     assert _zero_point_types(ort_path) == {onnx.TensorProto.UINT8}
 
 
 def test_ort_cpu_graph_can_be_turned_off(tmp_path: Path, cnn_dir: Path) -> None:
-    overrides = {"model.name": "cnn", "model.params": {"width": 8, "depth": 2}, "precision.variants": ["int8"],
-                 "calibration.ort_cpu_graph": False}
+    overrides = {
+        "model.name": "cnn",
+        "model.params": {"width": 8, "depth": 2},
+        "precision.variants": ["int8"],
+        "calibration.ort_cpu_graph": False,
+    }
     variants, _ = _run(tmp_path, cnn_dir, **overrides)
     assert not variants["int8"].backend_paths
 
@@ -103,8 +114,12 @@ def test_no_cache_leaves_no_temporary_folders(tmp_path: Path, cnn_dir: Path) -> 
     import glob
 
     before = set(glob.glob("/tmp/kiln-calib-*"))
-    overrides = {"model.name": "cnn", "model.params": {"width": 8, "depth": 2}, "precision.variants": ["int8"],
-                 "calibration.cache": False}
+    overrides = {
+        "model.name": "cnn",
+        "model.params": {"width": 8, "depth": 2},
+        "precision.variants": ["int8"],
+        "calibration.cache": False,
+    }
     variants, summary = _run(tmp_path, cnn_dir, **overrides)
     assert summary["calibration_cache"] is None and "int8" in variants
     assert set(glob.glob("/tmp/kiln-calib-*")) == before
@@ -114,16 +129,20 @@ def test_dynamic_graph_keeps_an_excluded_gemm_float(tmp_path: Path, transformer_
     # quantize_dynamic rewrites Gemm into "<name>_MatMul" + "<name>_Add" before quantizing, so excluding the
     # Gemm by name or op type only works under the new name.
     (head,) = [n.name for n in onnx.load(str(transformer_dir / "model.onnx")).graph.node if n.op_type == "Gemm"]
-    variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
-                                                     "calibration.exclude_op_types": ["Gemm"]})
+    variants, _ = _run(
+        tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"], "calibration.exclude_op_types": ["Gemm"]}
+    )
     ort_path = tmp_path / "precision" / variants["int8"].backend_paths["onnxruntime-cpu"]
     ops = {n.name: n.op_type for n in onnx.load(str(ort_path)).graph.node}
     assert ops[f"{head}_MatMul"] == "MatMul" and "MatMulInteger" in ops.values()
 
 
 def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer_dir: Path) -> None:
-    variants, _ = _run(tmp_path, transformer_dir, **{"precision.variants": ["fp32", "int8"],
-                                                     "calibration.exclude_op_types": ["MatMul"]})
+    variants, _ = _run(
+        tmp_path,
+        transformer_dir,
+        **{"precision.variants": ["fp32", "int8"], "calibration.exclude_op_types": ["MatMul"]},
+    )
     assert variants["int8"].report["ort_cpu"]["scheme"] == "static"
 
 

@@ -1,4 +1,5 @@
 """Reading the PyTorch module of an ONNX node from the metadata torch.onnx.export(dynamo=True) writes."""
+
 from __future__ import annotations
 
 import onnx
@@ -15,10 +16,12 @@ def node(**meta: str) -> onnx.NodeProto:
 
 
 def test_module_from_name_scopes_and_class_hierarchy() -> None:
-    n = node(pkg__torch__onnx__name_scopes="['', 'features', 'features.1', 'features.1.0', 'conv2d_1']",
-             pkg__torch__onnx__class_hierarchy="['m.SmallCNN', 'torch.nn.modules.container.Sequential', "
-                                               "'torch.nn.modules.container.Sequential', "
-                                               "'torch.nn.modules.conv.Conv2d', 'aten.conv2d.default']")
+    n = node(
+        pkg__torch__onnx__name_scopes="['', 'features', 'features.1', 'features.1.0', 'conv2d_1']",
+        pkg__torch__onnx__class_hierarchy="['m.SmallCNN', 'torch.nn.modules.container.Sequential', "
+        "'torch.nn.modules.container.Sequential', "
+        "'torch.nn.modules.conv.Conv2d', 'aten.conv2d.default']",
+    )
     assert node_module(n) == "features.1.0 (Conv2d)"
 
 
@@ -30,6 +33,8 @@ def test_module_from_the_namespace_string() -> None:
 
 def test_no_module_without_metadata_or_for_fx_added_nodes() -> None:
     assert node_module(node()) is None
-    added = node(pkg__torch__onnx__name_scopes="['_empty_nn_module_stack_from_metadata_hook', 'sym_size_int_3']",
-                 pkg__torch__onnx__class_hierarchy="['_empty_nn_module_stack_from_metadata_hook', 'aten.sym_size.int']")
+    added = node(
+        pkg__torch__onnx__name_scopes="['_empty_nn_module_stack_from_metadata_hook', 'sym_size_int_3']",
+        pkg__torch__onnx__class_hierarchy="['_empty_nn_module_stack_from_metadata_hook', 'aten.sym_size.int']",
+    )
     assert node_module(added) is None

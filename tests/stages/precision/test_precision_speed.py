@@ -1,4 +1,5 @@
 """Reduced precision that is not faster than FP32: flagged per engine, dropped with precision.require_speedup."""
+
 from __future__ import annotations
 
 import json
@@ -10,16 +11,26 @@ from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from tests.conftest import tiny_config_dict
 
 
-def engine(name: str, precision: str, p50: dict[str, float], backend: str = "onnxruntime",
-           device: str = "cpu") -> EngineValidation:
-    return EngineValidation(name=name, backend=backend, device=device, precision=precision, status="validated",
-                            latency_ms={bs: {"p50": v, "p90": v, "p99": v} for bs, v in p50.items()})
+def engine(
+    name: str, precision: str, p50: dict[str, float], backend: str = "onnxruntime", device: str = "cpu"
+) -> EngineValidation:
+    return EngineValidation(
+        name=name,
+        backend=backend,
+        device=device,
+        precision=precision,
+        status="validated",
+        latency_ms={bs: {"p50": v, "p90": v, "p99": v} for bs, v in p50.items()},
+    )
 
 
 def test_int8_compared_with_fp32_and_fp16_of_its_own_backend() -> None:
-    engines = [engine("ort-fp32", "fp32", {"1": 1.0, "32": 10.0}), engine("ort-fp16", "fp16", {"1": 2.0, "32": 20.0}),
-               engine("ort-int8", "int8", {"1": 0.5, "32": 12.5}),
-               engine("trt-int8", "int8", {"1": 0.1, "32": 1.0}, backend="tensorrt", device="cuda")]
+    engines = [
+        engine("ort-fp32", "fp32", {"1": 1.0, "32": 10.0}),
+        engine("ort-fp16", "fp16", {"1": 2.0, "32": 20.0}),
+        engine("ort-int8", "int8", {"1": 0.5, "32": 12.5}),
+        engine("trt-int8", "int8", {"1": 0.1, "32": 1.0}, backend="tensorrt", device="cuda"),
+    ]
     rows = {r["engine"]: r for r in speed_vs_fp32(engines)}
     assert set(rows) == {"ort-fp16", "ort-int8"}  # no FP32 TensorRT engine: nothing to compare it with
     assert rows["ort-int8"]["vs_fp32"] == {"1": 2.0, "32": 0.8} and rows["ort-int8"]["vs_fp16"] == {"1": 4.0, "32": 1.6}
@@ -32,8 +43,9 @@ def test_require_speedup_drops_exactly_the_slower_engines_from_the_package(tmp_p
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict
 
-    cfg = config_from_dict(tiny_config_dict(**{"precision.variants": ["fp32", "int8"],
-                                               "precision.require_speedup": True}))
+    cfg = config_from_dict(
+        tiny_config_dict(**{"precision.variants": ["fp32", "int8"], "precision.require_speedup": True})
+    )
     result, _ = run_pipeline(cfg, tmp_path)
     assert result.ok
     validation = json.loads((tmp_path / "validate" / "validation.json").read_text())

@@ -3,6 +3,7 @@
 Runs ``kiln.stages.precision.stage.run`` on an exported zoo graph directly (not through the runner), so these
 tests do not depend on the other stages' state.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,16 +31,17 @@ TRANSFORMER = {"model.name": "transformer", "model.params": {"dim": 16, "heads":
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("optimize")
     torch.manual_seed(0)
-    export_onnx(build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8),
-                folder / "model.onnx")
+    export_onnx(build_model("transformer", TRANSFORMER["model.params"]), torch.rand(2, 1, 8, 8), folder / "model.onnx")
     return folder
 
 
 def _run(workdir: Path, optimize_dir: Path, out: str = "precision", **overrides) -> tuple[dict, dict]:
-    cfg = config_from_dict(tiny_config_dict(**{**TRANSFORMER, "precision.variants": ["fp32", "fp16", "int8"],
-                                               **overrides}))
-    ctx = StageContext("precision", cfg, workdir, workdir / out, {"optimize": optimize_dir},
-                       load_dataset=partial(dataset_for, cfg))
+    cfg = config_from_dict(
+        tiny_config_dict(**{**TRANSFORMER, "precision.variants": ["fp32", "fp16", "int8"], **overrides})
+    )
+    ctx = StageContext(
+        "precision", cfg, workdir, workdir / out, {"optimize": optimize_dir}, load_dataset=partial(dataset_for, cfg)
+    )
     ctx.out.mkdir(parents=True)
     summary = run(ctx)
     json.dumps(summary)  # the runner stores it as JSON
@@ -79,8 +81,9 @@ def test_int64_input_model(tmp_path: Path) -> None:
     assert variants["fp16"].report["fallback"]["passed"] and variants["int8"].report["calibration"]["batches"] > 0
 
 
-def test_a_failing_variant_does_not_take_the_others(tmp_path: Path, exported: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_variant_does_not_take_the_others(
+    tmp_path: Path, exported: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import kiln.stages.precision.stage as stage
 
     def broken(*args, **kwargs):
@@ -134,8 +137,9 @@ def test_modules_come_from_the_export_when_passes_dropped_the_metadata(tmp_path:
 def test_a_fallback_through_a_graph_with_scalar_tensors(tmp_path: Path, exported: Path) -> None:
     """A gate INT8 cannot meet makes the fallback compare every intermediate tensor, the attention's scalar scale
     among them (a 0-d tensor per batch; CI's CPU, whose INT8 kernels saturate, reached this path)."""
-    variants, _ = _run(tmp_path, exported, **{"precision.variants": ["fp32", "int8"],
-                                              "precision.fallback.min_cosine": 0.99999})
+    variants, _ = _run(
+        tmp_path, exported, **{"precision.variants": ["fp32", "int8"], "precision.fallback.min_cosine": 0.99999}
+    )
     int8 = variants["int8"]
     assert int8.kept_fp32 and not int8.fallback_passed  # rounds ran, kept nodes, and said it missed
     assert int8.vs_fp32["cosine"] < 0.99999
@@ -145,8 +149,9 @@ def test_a_fallback_through_a_graph_with_scalar_tensors(tmp_path: Path, exported
 def test_seven_bit_weights_are_reported(tmp_path: Path, exported: Path, setting: str) -> None:
     from kiln.stages.precision.report import report_section
 
-    variants, summary = _run(tmp_path, exported, **{"precision.variants": ["fp32", "int8"],
-                                                    "calibration.reduce_range": setting})
+    variants, summary = _run(
+        tmp_path, exported, **{"precision.variants": ["fp32", "int8"], "calibration.reduce_range": setting}
+    )
     assert variants["int8"].report["calibration"]["reduce_range"] is (setting == "on")
     assert variants["int8"].report["ort_cpu"]["reduce_range"] is (setting == "on")
     assert ("quantized to 7 bits" in "\n".join(report_section(summary))) is (setting == "on")

@@ -1,4 +1,5 @@
 """FP16 and INT8 graphs of the zoo parse and build with TensorRT-RTX (strongly typed: precision is the graph's)."""
+
 from __future__ import annotations
 
 import importlib
@@ -25,8 +26,10 @@ def _trt() -> ModuleType | None:
     return None
 
 
-pytestmark = [pytest.mark.tensorrt,
-              pytest.mark.skipif(_trt() is None, reason="neither tensorrt nor tensorrt_rtx imports")]
+pytestmark = [
+    pytest.mark.tensorrt,
+    pytest.mark.skipif(_trt() is None, reason="neither tensorrt nor tensorrt_rtx imports"),
+]
 
 ZOO = {  # small widths keep the builds quick; the graph structure is the zoo's
     "cnn": ({"width": 8}, lambda n: torch.rand(n, 1, 8, 8)),
@@ -66,8 +69,11 @@ def _build(path: Path, sample_shape: tuple[int, ...]) -> tuple[bytes, set[str]]:
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     assert parser.parse_from_file(str(path)), [str(parser.get_error(i)) for i in range(parser.num_errors)]
-    dtypes = {str(network.get_layer(i).get_output(0).dtype) for i in range(network.num_layers)
-              if network.get_layer(i).num_outputs}
+    dtypes = {
+        str(network.get_layer(i).get_output(0).dtype)
+        for i in range(network.num_layers)
+        if network.get_layer(i).num_outputs
+    }
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, 256 << 20)
     profile = builder.create_optimization_profile()

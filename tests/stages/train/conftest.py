@@ -1,4 +1,5 @@
 """Train-stage test setup: one intra-op thread (the models are tiny; two threads only contend)."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """One process against two torchrun processes with the same global batch: what the gloo (CPU) and NCCL (GPU)
 equality tests share."""
+
 from __future__ import annotations
 
 import logging
@@ -37,5 +38,6 @@ def train_one_and_two(tmp_path: Path, config: Callable[[int], KilnConfig]) -> On
     two.mkdir()
     single = train_to(one, config(1), dataset_for(config(1)), tmp_path / "ck1")
     multi = run_torchrun(config(2), two, tmp_path / "ck2", LOG)
-    return OneVsTwo(single, multi, one, two, load_file(str(one / "model.safetensors")),
-                    load_file(str(two / "model.safetensors")))
+    return OneVsTwo(
+        single, multi, one, two, load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    )

@@ -1,5 +1,6 @@
 """Run by torchrun (2 gloo processes) for test_train_ddp: an uninterrupted run, then a run that crashes mid
 epoch 2, then its resume, all in one process group. Rank 0 writes the epoch losses of the first and last."""
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,15 @@ def main(out: Path) -> None:
             pass
         resumed = train(tiny_net(), data, cfg, env=env, ckpt_dir=out / "run", run_key="k")
     if env.is_main:
-        (out / "losses.json").write_text(json.dumps({"ref": [m.loss for m in ref.history],
-                                                     "resumed": [m.loss for m in resumed.history],
-                                                     "resumed_from": resumed.resumed_from}))
+        (out / "losses.json").write_text(
+            json.dumps(
+                {
+                    "ref": [m.loss for m in ref.history],
+                    "resumed": [m.loss for m in resumed.history],
+                    "resumed_from": resumed.resumed_from,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

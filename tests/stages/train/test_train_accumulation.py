@@ -1,4 +1,5 @@
 """Gradient accumulation: K micro-batches give the update of one batch of K*B (FP32, same data order)."""
+
 from __future__ import annotations
 
 import pytest

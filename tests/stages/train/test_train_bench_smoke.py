@@ -1,6 +1,7 @@
 """benchmarks/train_bench.py --smoke runs end to end on CPU and writes its JSON and Markdown; the AMP target
 is judged per mode (one mode beating 2.8x does not make the other pass). The --compile table likewise, with
 one tiny model and one precision (compiling on CPU takes most of its time)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,14 @@ def _bench():
 @pytest.mark.timeout(180)
 def test_train_bench_smoke(tmp_path: Path) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_bench.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True, env=env, timeout=170)
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "train_bench.py"), "--smoke", "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=170,
+    )
     res = json.loads((tmp_path / "train_smoke.json").read_text())
     cells = {(r["model"], r["precision"]) for r in res["rows"]}
     assert cells == {(m, p) for m in ("bert_base", "resnet18") for p in ("fp32", "fp16", "bf16")}
@@ -43,15 +50,30 @@ def test_amp_target_is_judged_per_mode() -> None:
     bench = _bench()
 
     def row(precision: str, bare: float, kiln: float) -> dict:
-        return {"model": "bert_base", "batch": 64, "precision": precision, "kiln_vs_bare": kiln / bare,
-                "bare": {"steps_per_s": bare, "peak_mb": None}, "kiln": {"steps_per_s": kiln, "peak_mb": None},
-                "speedup_vs_fp32": {"bare": bare / 10.0, "kiln": kiln / 10.0}}
+        return {
+            "model": "bert_base",
+            "batch": 64,
+            "precision": precision,
+            "kiln_vs_bare": kiln / bare,
+            "bare": {"steps_per_s": bare, "peak_mb": None},
+            "kiln": {"steps_per_s": kiln, "peak_mb": None},
+            "speedup_vs_fp32": {"bare": bare / 10.0, "kiln": kiln / 10.0},
+        }
 
     rows = [row("fp32", 10.0, 10.0), row("fp16", 22.0, 21.7), row("bf16", 30.0, 29.0)]
     t = bench.targets(rows)
     assert t["encoder_amp_at_least_2.8x"] == {"fp16": False, "bf16": True}
-    md = bench.markdown({"device": "x", "torch": "y", "warmup_steps": 8, "timed_steps": 32, "rounds": 3,
-                         "rows": [dict(r, dataset_mb=1.0) for r in rows], "targets": t})
+    md = bench.markdown(
+        {
+            "device": "x",
+            "torch": "y",
+            "warmup_steps": 8,
+            "timed_steps": 32,
+            "rounds": 3,
+            "rows": [dict(r, dataset_mb=1.0) for r in rows],
+            "targets": t,
+        }
+    )
     assert "fp16 2.17x (NOT met), bf16 2.90x (met)" in md
     assert "(target >= 0.95: met)" in md
 
@@ -59,9 +81,28 @@ def test_amp_target_is_judged_per_mode() -> None:
 @pytest.mark.timeout(300)
 def test_train_bench_compile_smoke(tmp_path: Path) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_bench.py"), "--smoke", "--compile", "--models",
-                    "bert_base", "--precisions", "bf16", "--windows", "2", "--phases", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True, env=env, timeout=290)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "train_bench.py"),
+            "--smoke",
+            "--compile",
+            "--models",
+            "bert_base",
+            "--precisions",
+            "bf16",
+            "--windows",
+            "2",
+            "--phases",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=290,
+    )
     res = json.loads((tmp_path / "train_compile_smoke_bert_base.json").read_text())
     (row,) = res["rows"]
     assert (row["model"], row["precision"]) == ("bert_base", "bf16")
@@ -82,24 +123,40 @@ def test_train_bench_compile_smoke(tmp_path: Path) -> None:
     assert "| bert_base | bf16 | compiled | kiln |" in md
 
 
-def test_compile_target_is_judged_per_cell_and_a_missing_transformers_is_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compile_target_is_judged_per_cell_and_a_missing_transformers_is_a_note(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     bench = _bench()
 
     def row(model: str, kc: float, bc: float) -> dict:
-        cell = {"steps_per_s": kc, "step_peak_mb": None, "fallbacks": [],
-                "compile": {"graphs": 2, "recompiles": 1, "graph_breaks": 0}}
-        return {"model": model, "batch": 64, "precision": "fp16", "kiln": {"steps_per_s": 10.0, "step_peak_mb": None},
-                "bare": {"steps_per_s": 10.0, "step_peak_mb": None}, "kiln_compiled": cell,
-                "bare_compiled": {"steps_per_s": bc, "step_peak_mb": None}, "kiln_vs_bare": 1.0,
-                "kiln_compiled_vs_bare_compiled": kc / bc, "compile_gain_kiln": kc / 10.0,
-                "compile_gain_bare": bc / 10.0, "compile_gain_anchor": 1.54}
+        cell = {
+            "steps_per_s": kc,
+            "step_peak_mb": None,
+            "fallbacks": [],
+            "compile": {"graphs": 2, "recompiles": 1, "graph_breaks": 0},
+        }
+        return {
+            "model": model,
+            "batch": 64,
+            "precision": "fp16",
+            "kiln": {"steps_per_s": 10.0, "step_peak_mb": None},
+            "bare": {"steps_per_s": 10.0, "step_peak_mb": None},
+            "kiln_compiled": cell,
+            "bare_compiled": {"steps_per_s": bc, "step_peak_mb": None},
+            "kiln_vs_bare": 1.0,
+            "kiln_compiled_vs_bare_compiled": kc / bc,
+            "compile_gain_kiln": kc / 10.0,
+            "compile_gain_bare": bc / 10.0,
+            "compile_gain_anchor": 1.54,
+        }
 
     rows = [row("bert_base", 15.0, 15.2), row("resnet18", 14.0, 15.0)]
     t = bench.compile_targets(rows)
     assert not t["kiln_compiled_at_least_0.97x_bare_compiled"] and t["worst_kiln_compiled_vs_bare_compiled"] == 0.933
     assert bench.compile_targets(rows[:1])["kiln_compiled_at_least_0.97x_bare_compiled"]
-    md = bench.compile_markdown({"device": "x", "torch": "y", "timed_steps": 24, "windows": 8,
-                                 "rows": rows, "targets": t, "notes": []})
+    md = bench.compile_markdown(
+        {"device": "x", "torch": "y", "timed_steps": 24, "windows": 8, "rows": rows, "targets": t, "notes": []}
+    )
     assert "(target >= 0.97: NOT met)" in md and "| 1.50x | 1.52x | 1.54x | 2 / 1 / 0 |" in md
 
     monkeypatch.setattr(bench, "has_transformers", lambda: False)
@@ -133,7 +190,10 @@ def test_interleaved_windows_alternate_and_time_the_same_steps(monkeypatch: pyte
     got = bench.interleaved("resnet18", spec, data, "fp32", torch.device("cpu"), 3, 2, compile=False)
     assert order == [("kiln", 3), ("bare", 3), ("kiln", 3), ("bare", 3)]
     assert len(got["kiln"]) == len(got["bare"]) == 2
-    assert bench.paired_ratio([{"steps_per_s": 9.0}, {"steps_per_s": 4.0}], [{"steps_per_s": 10.0}, {"steps_per_s": 2.0}]) == 1.45
+    assert (
+        bench.paired_ratio([{"steps_per_s": 9.0}, {"steps_per_s": 4.0}], [{"steps_per_s": 10.0}, {"steps_per_s": 2.0}])
+        == 1.45
+    )
 
 
 def test_the_ratio_interval_brackets_the_median_and_narrows_with_agreeing_windows() -> None:

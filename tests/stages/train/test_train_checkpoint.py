@@ -1,4 +1,5 @@
 """Checkpoints: resume mid-run equals an uninterrupted run; a persistent NaN aborts naming the last good one."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ from train_helpers import (
 @pytest.mark.parametrize("precision, accum", [("fp32", 1), ("bf16", 2)])
 def test_resume_mid_epoch_equals_uninterrupted_run(tmp_path: Path, precision: str, accum: int) -> None:
     data = tiny_data(200)  # 160 train samples, batch 32: 5 steps per epoch, 15 in all
-    cfg = train_cfg(epochs=3, optimizer="adamw", lr=0.01, precision=precision, grad_accum_steps=accum,
-                    warmup_steps=3, checkpoint={"every_steps": 3, "resume": "auto"})
+    cfg = train_cfg(
+        epochs=3,
+        optimizer="adamw",
+        lr=0.01,
+        precision=precision,
+        grad_accum_steps=accum,
+        warmup_steps=3,
+        checkpoint={"every_steps": 3, "resume": "auto"},
+    )
     ref = tiny_net()
     want = train(ref, data, cfg, ckpt_dir=tmp_path / "ref", run_key="k")
 
@@ -114,10 +122,12 @@ def test_short_nan_burst_within_patience_is_skipped(tmp_path: Path) -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("optimizer, fused, precision", [("sgd", False, "fp32"), ("adamw", True, "fp32"),
-                                                         ("sgd", False, "fp16")])
-def test_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path: Path, optimizer: str, fused: bool,
-                                                              precision: str) -> None:
+@pytest.mark.parametrize(
+    "optimizer, fused, precision", [("sgd", False, "fp32"), ("adamw", True, "fp32"), ("sgd", False, "fp16")]
+)
+def test_skipped_step_leaves_batchnorm_statistics_as_they_were(
+    tmp_path: Path, optimizer: str, fused: bool, precision: str
+) -> None:
     """A NaN inside the network reaches BatchNorm's running statistics in the forward pass. The skipped step
     (host-decided, on the device for fused optimizers, by the GradScaler for fp16) must put them back."""
     model = bn_net()
@@ -128,8 +138,9 @@ def test_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path: Path, o
         if step in (2, 3):
             states[step] = {k: v.clone() for k, v in model.state_dict().items()}
 
-    cfg = train_cfg(epochs=2, optimizer=optimizer, fused=fused, precision=precision,
-                    checkpoint={"every_steps": 3, "resume": "auto"})
+    cfg = train_cfg(
+        epochs=2, optimizer=optimizer, fused=fused, precision=precision, checkpoint={"every_steps": 3, "resume": "auto"}
+    )
     r = train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=snapshot)
     assert sum(m.nonfinite_steps for m in r.history) == 1
     assert all(torch.equal(states[2][k], states[3][k]) for k in states[2])  # step 3 changed nothing
@@ -143,12 +154,17 @@ def test_resume_follows_the_configured_lr_and_schedule_length(tmp_path: Path) ->
     epochs must continue the longer run's cosine, not the old one's."""
     data = tiny_data(200)  # 5 steps per epoch
     train(tiny_net(), data, train_cfg(epochs=1, lr=0.05, schedule="constant"), ckpt_dir=tmp_path / "a", run_key="a")
-    lowered = train(tiny_net(), data, train_cfg(epochs=3, lr=0.0005, schedule="constant",
-                                                checkpoint={"resume": str(tmp_path / "a" / ckpt.LAST)}))
+    lowered = train(
+        tiny_net(),
+        data,
+        train_cfg(epochs=3, lr=0.0005, schedule="constant", checkpoint={"resume": str(tmp_path / "a" / ckpt.LAST)}),
+    )
     assert [m.lr for m in lowered.history] == [0.05, 0.0005, 0.0005]
 
     train(tiny_net(), data, train_cfg(epochs=2, lr=0.05), ckpt_dir=tmp_path / "b", run_key="b")
-    longer = train(tiny_net(), data, train_cfg(epochs=4, lr=0.05, checkpoint={"resume": str(tmp_path / "b" / ckpt.LAST)}))
+    longer = train(
+        tiny_net(), data, train_cfg(epochs=4, lr=0.05, checkpoint={"resume": str(tmp_path / "b" / ckpt.LAST)})
+    )
     fresh = train(tiny_net(), data, train_cfg(epochs=4, lr=0.05))
     assert [m.lr for m in longer.history[2:]] == [m.lr for m in fresh.history[2:]]  # bit-identical: replayed
 
@@ -156,8 +172,13 @@ def test_resume_follows_the_configured_lr_and_schedule_length(tmp_path: Path) ->
 def _best_run(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    train(tiny_net(), tiny_data(), train_cfg(epochs=2, checkpoint={"select": "best"}), ckpt_dir=tmp_path / "a",
-          run_key="a")
+    train(
+        tiny_net(),
+        tiny_data(),
+        train_cfg(epochs=2, checkpoint={"select": "best"}),
+        ckpt_dir=tmp_path / "a",
+        run_key="a",
+    )
     return tmp_path / "a" / ckpt.LAST, load_file(str(tmp_path / "a" / ckpt.BEST))
 
 
@@ -187,8 +208,13 @@ def test_missing_best_of_the_resumed_run_is_not_replaced_by_a_stale_one(tmp_path
     stale = tiny_net(seed=7)
     save_file(stale.state_dict(), str(tmp_path / "b" / ckpt.BEST))
     model = tiny_net(seed=99)
-    r = train(model, tiny_data(), train_cfg(epochs=2, checkpoint={"select": "best", "resume": str(last)}),
-              ckpt_dir=tmp_path / "b", run_key="new")
+    r = train(
+        model,
+        tiny_data(),
+        train_cfg(epochs=2, checkpoint={"select": "best", "resume": str(last)}),
+        ckpt_dir=tmp_path / "b",
+        run_key="new",
+    )
     assert max_diff(model, stale) > 0 and r.best_epoch is None and r.selected_epoch == 2  # the last weights
 
 
@@ -201,8 +227,9 @@ def test_select_best_reports_the_selected_epochs_metrics(tmp_path: Path) -> None
                 model.net[4].weight.zero_()
                 model.net[4].bias.zero_()
 
-    r = train(model, data, train_cfg(epochs=3, checkpoint={"select": "best"}), ckpt_dir=tmp_path, run_key="k",
-              on_step=spoil)
+    r = train(
+        model, data, train_cfg(epochs=3, checkpoint={"select": "best"}), ckpt_dir=tmp_path, run_key="k", on_step=spoil
+    )
     assert r.best_epoch == 1 and r.history[-1].val_accuracy < r.history[0].val_accuracy
     s = r.summary()
     assert s["selected_epoch"] == 1 and len(s["epochs"]) == 3  # the history stays complete

@@ -4,6 +4,7 @@ evaluation and the fallback to eager. The compiled DDP test is in test_train_ddp
 Each test starts from empty in-process Dynamo caches (torch.compiler.reset): a forward compiled by an earlier
 test would otherwise be reused, and its counts and settings (fullgraph) would not be this test's.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,9 @@ def test_compiled_equals_eager_with_accumulation_and_compiles_once(tmp_path: Pat
     graphs: list[int] = []  # graphs compiled so far in this run, after each step (the counters are process-wide)
     before = CompileCounts.now().graphs
     compiled = tiny_net()
-    r = train(compiled, data, compiling(cfg, True),
-              on_step=lambda step: graphs.append(CompileCounts.now().graphs - before))
+    r = train(
+        compiled, data, compiling(cfg, True), on_step=lambda step: graphs.append(CompileCounts.now().graphs - before)
+    )
     assert len(graphs) == r.global_step == 10
     # Nothing compiled after step 1 but the evaluation graph, at the end of epoch 1 (after step 5).
     assert graphs == [1] * 5 + [2] * 5, graphs
@@ -125,8 +127,7 @@ def test_checkpoints_have_no_compile_prefix_and_resume_both_ways(tmp_path: Path)
     for first, then in ((True, False), (False, True)):
         folder = tmp_path / f"compile-{first}-then-{then}"
         with pytest.raises(Crash):
-            train(tiny_net(), data, compiling(cfg, first), ckpt_dir=folder, run_key="k",
-                  on_step=crash_at(8))
+            train(tiny_net(), data, compiling(cfg, first), ckpt_dir=folder, run_key="k", on_step=crash_at(8))
         state = ckpt.load_state(folder / ckpt.LAST)
         assert state["global_step"] == 6 and not any(k.startswith(ckpt.COMPILED_PREFIX) for k in state["model"])
         resumed = tiny_net(seed=99)
@@ -159,11 +160,14 @@ def test_compile_is_not_part_of_the_run_key(tiny_config: Any) -> None:
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "torch.compile" in r.getMessage()]
+    return [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "torch.compile" in r.getMessage()
+    ]
 
 
-def test_torch_compile_raising_falls_back_to_eager_with_one_warning(monkeypatch: pytest.MonkeyPatch,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_torch_compile_raising_falls_back_to_eager_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("Dynamo is not supported on this Python")
 
@@ -185,9 +189,9 @@ def test_torch_compile_raising_falls_back_to_eager_with_one_warning(monkeypatch:
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_backend_failure_falls_back_to_eager_with_one_warning(where: str, monkeypatch: pytest.MonkeyPatch,
-                                                                caplog: pytest.LogCaptureFixture,
-                                                                no_disk_caches: None) -> None:
+def test_a_backend_failure_falls_back_to_eager_with_one_warning(
+    where: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, no_disk_caches: None
+) -> None:
     """inductor fails compiling the forward graph (first call) or the backward graph (AOTAutograd compiles
     it lazily, in the first backward): the step is redone eagerly and training goes on without compiling."""
     import torch._inductor.compile_fx as cfx
@@ -254,8 +258,19 @@ def test_compiled_fp16_on_one_gpu_skips_a_nan_step(mode: str) -> None:
     data = tiny_data(200)
     data.train_x[5] = float("nan")
     model = tiny_net()
-    r = train(model, data, train_cfg(device="cuda", precision="fp16", optimizer="adamw", lr=0.01, epochs=3,
-                                     grad_accum_steps=2, compile={"mode": mode}))
+    r = train(
+        model,
+        data,
+        train_cfg(
+            device="cuda",
+            precision="fp16",
+            optimizer="adamw",
+            lr=0.01,
+            epochs=3,
+            grad_accum_steps=2,
+            compile={"mode": mode},
+        ),
+    )
     assert r.compile is not None and r.compile["compiled"] and r.compile["fallback"] is None, r.compile
     assert sum(m.nonfinite_steps + m.skipped_steps for m in r.history) >= 3
     assert r.history[-1].loss < r.history[0].loss

@@ -1,4 +1,5 @@
 """The train section stays strict: unknown keys (also nested ones) are errors naming the valid keys."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,16 @@ from kiln.core.errors import ConfigError
 from kiln.stages.train.config import TrainConfig
 
 
-@pytest.mark.parametrize("section, key", [("train", "epoch"), ("train.amp", "scale"), ("train.loader", "workers"),
-                                          ("train.distributed", "nprocs"), ("train.checkpoint", "every")])
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ("train", "epoch"),
+        ("train.amp", "scale"),
+        ("train.loader", "workers"),
+        ("train.distributed", "nprocs"),
+        ("train.checkpoint", "every"),
+    ],
+)
 def test_unknown_keys_are_errors(section: str, key: str) -> None:
     data: dict = {}
     node = data
@@ -20,8 +29,15 @@ def test_unknown_keys_are_errors(section: str, key: str) -> None:
 
 
 def test_defaults_and_nested_values() -> None:
-    cfg = config_from_dict({"train": {"amp": {"loss_scale": 1024}, "loader": {"num_workers": 2},
-                                      "distributed": {"nproc_per_node": 2, "bucket_cap_mb": 50}}}).train
+    cfg = config_from_dict(
+        {
+            "train": {
+                "amp": {"loss_scale": 1024},
+                "loader": {"num_workers": 2},
+                "distributed": {"nproc_per_node": 2, "bucket_cap_mb": 50},
+            }
+        }
+    ).train
     assert cfg.amp.loss_scale == 1024.0 and cfg.amp.init_scale == 2.0**16
     assert cfg.loader.num_workers == 2 and cfg.distributed.bucket_cap_mb == 50
     assert TrainConfig().epochs == 8 and TrainConfig().batch_size == 64  # the demo's defaults
@@ -34,12 +50,15 @@ def test_bad_values_are_errors() -> None:
         config_from_dict({"train": {"grad_accum_steps": 0}})
 
 
-@pytest.mark.parametrize("train, message", [
-    ({"betas": [1.5, 0.999]}, r"'train.betas': .*each AdamW beta must be in \[0, 1\)"),
-    ({"betas": [0.9, -0.1]}, r"'train.betas'"),
-    ({"momentum": 1.5}, r"'train.momentum': Input should be less than 1"),
-    ({"lr": 0.01, "min_lr": 0.1}, r"train.min_lr \(0.1\) is above train.lr \(0.01\)"),
-])
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        ({"betas": [1.5, 0.999]}, r"'train.betas': .*each AdamW beta must be in \[0, 1\)"),
+        ({"betas": [0.9, -0.1]}, r"'train.betas'"),
+        ({"momentum": 1.5}, r"'train.momentum': Input should be less than 1"),
+        ({"lr": 0.01, "min_lr": 0.1}, r"train.min_lr \(0.1\) is above train.lr \(0.01\)"),
+    ],
+)
 def test_optimizer_values_out_of_range_are_config_errors(train: dict, message: str) -> None:
     """Checked when the config loads, not as a torch traceback at the first step or a rising 'decay'."""
     with pytest.raises(ConfigError, match=message):

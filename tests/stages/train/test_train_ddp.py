@@ -1,4 +1,5 @@
 """DDP on CPU: 2 gloo processes started by torchrun give the result of one process with the same global batch."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,13 +15,24 @@ from tests.stages.train.ddp_helpers import LOG, train_one_and_two
 
 
 def _config(nproc: int, **train: Any) -> KilnConfig:
-    return config_from_dict({
-        "seed": 1,
-        "model": {"name": "transformer", "params": {"dim": 16, "heads": 2, "layers": 1}},  # LayerNorm, no BN
-        "data": {"name": "synthetic", "params": {"size": 256}},  # 192 train samples: divisible by 2
-        "train": {"epochs": 2, "batch_size": 32, "grad_accum_steps": 2, "precision": "fp32", "optimizer": "sgd",
-                  "lr": 0.05, "device": "cpu", "distributed": {"nproc_per_node": nproc}, **train},
-    })
+    return config_from_dict(
+        {
+            "seed": 1,
+            "model": {"name": "transformer", "params": {"dim": 16, "heads": 2, "layers": 1}},  # LayerNorm, no BN
+            "data": {"name": "synthetic", "params": {"size": 256}},  # 192 train samples: divisible by 2
+            "train": {
+                "epochs": 2,
+                "batch_size": 32,
+                "grad_accum_steps": 2,
+                "precision": "fp32",
+                "optimizer": "sgd",
+                "lr": 0.05,
+                "device": "cpu",
+                "distributed": {"nproc_per_node": nproc},
+                **train,
+            },
+        }
+    )
 
 
 @pytest.mark.timeout(180)
@@ -48,8 +60,15 @@ def test_two_process_resume_mid_epoch_reports_the_epochs_loss(tmp_path: Path) ->
     import sys
 
     worker = Path(__file__).parent / "ddp_resume_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(worker),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads((tmp_path / "losses.json").read_text())

@@ -2,6 +2,7 @@
 
 Needs 2 CUDA GPUs; skipped otherwise (the gloo version of this test runs in CI on CPU).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,13 +20,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 
 def _config(nproc: int, model: str = "transformer", **train: Any) -> KilnConfig:
     params = {"dim": 32, "heads": 2, "layers": 1} if model == "transformer" else {"width": 8, "depth": 2}
-    return config_from_dict({
-        "seed": 1,
-        "model": {"name": model, "params": params},
-        "data": {"name": "digits"} if model == "cnn" else {"name": "synthetic", "params": {"size": 256}},
-        "train": {"epochs": 2, "batch_size": 32, "grad_accum_steps": 2, "precision": "fp32", "optimizer": "sgd",
-                  "lr": 0.05, "device": "cuda", "distributed": {"nproc_per_node": nproc}, **train},
-    })
+    return config_from_dict(
+        {
+            "seed": 1,
+            "model": {"name": model, "params": params},
+            "data": {"name": "digits"} if model == "cnn" else {"name": "synthetic", "params": {"size": 256}},
+            "train": {
+                "epochs": 2,
+                "batch_size": 32,
+                "grad_accum_steps": 2,
+                "precision": "fp32",
+                "optimizer": "sgd",
+                "lr": 0.05,
+                "device": "cuda",
+                "distributed": {"nproc_per_node": nproc},
+                **train,
+            },
+        }
+    )
 
 
 @pytest.mark.timeout(300)
@@ -57,8 +69,16 @@ def test_compiled_ddp_on_two_gpus_equals_one_compiled_gpu_process(tmp_path: Path
 def test_compiled_fp16_cuda_graphs_train_on_two_gpus(tmp_path: Path) -> None:
     """mode reduce-overhead (CUDA graphs) with fp16 + GradScaler, accumulation, BatchNorm (buffers mutated in the
     graph), evaluation and DDP. max-autotune takes the same path in Kiln (plus kernel autotuning, minutes)."""
-    cfg = _config(2, "cnn", precision="fp16", optimizer="adamw", lr=3e-3, epochs=3, batch_size=64,
-                  compile={"mode": "reduce-overhead"})
+    cfg = _config(
+        2,
+        "cnn",
+        precision="fp16",
+        optimizer="adamw",
+        lr=3e-3,
+        epochs=3,
+        batch_size=64,
+        compile={"mode": "reduce-overhead"},
+    )
     summary = run_torchrun(cfg, tmp_path, tmp_path / "ck", LOG)
     losses = [e["loss"] for e in summary["epochs"]]
     assert summary["compile"]["compiled"] and summary["compile"]["fallback"] is None, summary["compile"]
@@ -67,8 +87,17 @@ def test_compiled_fp16_cuda_graphs_train_on_two_gpus(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_fp16_sync_batchnorm_trains_on_two_gpus(tmp_path: Path) -> None:
-    cfg = _config(2, "cnn", precision="fp16", optimizer="adamw", lr=3e-3, epochs=8, batch_size=64, grad_accum_steps=1,
-                  distributed={"nproc_per_node": 2, "sync_batchnorm": True})
+    cfg = _config(
+        2,
+        "cnn",
+        precision="fp16",
+        optimizer="adamw",
+        lr=3e-3,
+        epochs=8,
+        batch_size=64,
+        grad_accum_steps=1,
+        distributed={"nproc_per_node": 2, "sync_batchnorm": True},
+    )
     summary = run_torchrun(cfg, tmp_path, tmp_path / "ck", LOG)
     # This tiny CNN learns slowly (one CPU process reaches ~0.69 after 8 epochs; on 2 H200s with fp16 and
     # SyncBatchNorm it reached 0.58 after 3 epochs): the test asserts it trains, not how well.

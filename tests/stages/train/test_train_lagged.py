@@ -2,6 +2,7 @@
 late, checkpoints only after every earlier step is known good, and device-resident batches in sampler order.
 
 Fused AdamW/SGD run on CPU too, so these exercise on CPU the same code path CUDA takes by default."""
+
 from __future__ import annotations
 
 import json
@@ -59,14 +60,22 @@ def test_lagged_stats_release_a_step_only_after_the_next_one() -> None:
     stats.push(1, 0, 8, step_values(torch.tensor(0.5), torch.tensor(2.0)))
     assert list(stats.ready()) == []
     stats.push(2, 0, 8, step_values(torch.tensor(float("nan")), torch.tensor(3.0)))
-    (s, loss, norm), = stats.ready()
+    ((s, loss, norm),) = stats.ready()
     assert (s.step, loss, norm) == (1, 0.5, 2.0)
-    (s, loss, _), = stats.drain()
+    ((s, loss, _),) = stats.drain()
     assert s.step == 2 and loss != loss  # NaN
 
 
-@pytest.mark.parametrize("loss, norm, skip", [(0.5, 2.0, 0.0), (float("nan"), 2.0, 1.0), (0.5, float("inf"), 1.0),
-                                              (float("-inf"), float("inf"), 1.0), (3e38, 3e38, 0.0)])
+@pytest.mark.parametrize(
+    "loss, norm, skip",
+    [
+        (0.5, 2.0, 0.0),
+        (float("nan"), 2.0, 1.0),
+        (0.5, float("inf"), 1.0),
+        (float("-inf"), float("inf"), 1.0),
+        (3e38, 3e38, 0.0),
+    ],
+)
 def test_the_non_finite_check_flags_nan_or_inf_and_leaves_the_values(loss: float, norm: float, skip: float) -> None:
     check = StepCheck(CPU, no_buffers())
     values, found = check(torch.tensor(loss), torch.tensor(norm))
@@ -77,6 +86,7 @@ def test_the_non_finite_check_flags_nan_or_inf_and_leaves_the_values(loss: float
 
 def test_lagged_stats_wait_only_when_the_host_is_max_lag_steps_ahead() -> None:
     """Values that have not arrived are not waited for until ``max_lag`` steps are queued; then the oldest is."""
+
     class Pending:
         done = False
 
@@ -164,8 +174,9 @@ def test_fused_sgd_survives_a_skipped_first_step(precision: str, amp: dict) -> N
 
 
 @pytest.mark.parametrize("every, poison_at", [(3, 4), (2, 3)])
-def test_lagged_nan_abort_names_the_step_and_keeps_the_good_checkpoint(tmp_path: Path, every: int,
-                                                                      poison_at: int) -> None:
+def test_lagged_nan_abort_names_the_step_and_keeps_the_good_checkpoint(
+    tmp_path: Path, every: int, poison_at: int
+) -> None:
     """The first NaN step is itself a checkpoint step (5: end of epoch 1; 4: every 2 steps), whose values
     the lag has not read yet when the checkpoint is due: the checkpoint must wait for them, then be refused."""
     model = tiny_net()
@@ -175,8 +186,9 @@ def test_lagged_nan_abort_names_the_step_and_keeps_the_good_checkpoint(tmp_path:
             with torch.no_grad():
                 model.net[1].weight.fill_(float("nan"))
 
-    cfg = train_cfg(epochs=3, optimizer="adamw", fused=True, checkpoint={"every_steps": every},
-                    amp={"nonfinite_patience": 2})
+    cfg = train_cfg(
+        epochs=3, optimizer="adamw", fused=True, checkpoint={"every_steps": every}, amp={"nonfinite_patience": 2}
+    )
     with pytest.raises(TrainingError) as err:
         train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=poison)
     msg = str(err.value)
@@ -196,8 +208,14 @@ def test_lagged_nan_burst_is_skipped_and_counted() -> None:
 
 def test_lagged_resume_mid_epoch_is_bit_exact(tmp_path: Path) -> None:
     data = tiny_data(200)
-    cfg = train_cfg(epochs=3, optimizer="adamw", lr=0.01, fused=True, warmup_steps=3,
-                    checkpoint={"every_steps": 3, "resume": "auto"})
+    cfg = train_cfg(
+        epochs=3,
+        optimizer="adamw",
+        lr=0.01,
+        fused=True,
+        warmup_steps=3,
+        checkpoint={"every_steps": 3, "resume": "auto"},
+    )
     ref = tiny_net()
     want = train(ref, data, cfg, ckpt_dir=tmp_path / "ref", run_key="k")
 
@@ -233,9 +251,17 @@ def test_device_batches_follow_the_sampler_order() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, on_device, update_graph", [
-    ("fp32", True, "off"), ("fp16", True, "off"), ("bf16", True, "off"), ("fp16", False, "off"),
-    ("fp16", True, "on"), ("bf16", False, "on")])
+@pytest.mark.parametrize(
+    "precision, on_device, update_graph",
+    [
+        ("fp32", True, "off"),
+        ("fp16", True, "off"),
+        ("bf16", True, "off"),
+        ("fp16", False, "off"),
+        ("fp16", True, "on"),
+        ("bf16", False, "on"),
+    ],
+)
 def test_cuda_steps_never_sync(precision: str, on_device: bool, update_graph: str) -> None:
     """Between step 2 (with the update's CUDA graph: after the step that captures it, which synchronises once) and
     the last step of the epoch, any synchronising CUDA call (.item(), a list index copied from pageable memory, ...)
@@ -249,9 +275,20 @@ def test_cuda_steps_never_sync(precision: str, on_device: bool, update_graph: st
         torch.cuda.set_sync_debug_mode("error" if first <= step < 10 else "default")
 
     try:
-        r = train(tiny_net(), data, train_cfg(epochs=1, optimizer="adamw", lr=0.01, precision=precision,
-                                              device="cuda", loader={"on_device": on_device},
-                                              update_graph=update_graph), on_step=hook)
+        r = train(
+            tiny_net(),
+            data,
+            train_cfg(
+                epochs=1,
+                optimizer="adamw",
+                lr=0.01,
+                precision=precision,
+                device="cuda",
+                loader={"on_device": on_device},
+                update_graph=update_graph,
+            ),
+            on_step=hook,
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert r.global_step == 10 and r.history[0].nonfinite_steps == 0
@@ -269,8 +306,9 @@ def test_cuda_lagged_nan_abort(tmp_path: Path) -> None:
             with torch.no_grad():
                 model.net[1].weight.fill_(float("nan"))
 
-    cfg = train_cfg(epochs=3, optimizer="adamw", device="cuda", checkpoint={"every_steps": 3},
-                    amp={"nonfinite_patience": 2})
+    cfg = train_cfg(
+        epochs=3, optimizer="adamw", device="cuda", checkpoint={"every_steps": 3}, amp={"nonfinite_patience": 2}
+    )
     with pytest.raises(TrainingError, match=r"3 consecutive steps, at step 7 \(epoch 2\)"):
         train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=poison)
     assert ckpt.load_state(tmp_path / ckpt.LAST)["global_step"] == 3
@@ -289,8 +327,9 @@ def test_cuda_step_check_replays_one_graph_that_flags_and_restores() -> None:
     stats = LaggedStats(dev, lag=1, max_lag=2)
     kept = {k: v.clone() for k, v in model.state_dict().items()}
     seen = []
-    for step, (loss, nan_batch) in enumerate([(0.5, False), (float("nan"), True), (0.7, False), (0.9, False),
-                                              (float("inf"), False), (0.3, False)], start=1):
+    for step, (loss, nan_batch) in enumerate(
+        [(0.5, False), (float("nan"), True), (0.7, False), (0.9, False), (float("inf"), False), (0.3, False)], start=1
+    ):
         x = torch.randn(8, 4, device=dev) * (float("nan") if nan_batch else 1.0)
         model(x)
         values, found = check(torch.tensor(loss, device=dev), torch.tensor(float(step), device=dev))

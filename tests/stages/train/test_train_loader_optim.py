@@ -1,4 +1,5 @@
 """DataLoader knobs change how batches are loaded, never which; the LR schedule follows the config."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,11 @@ def test_worker_processes_give_the_same_training() -> None:
     data = tiny_data()
     a, b = tiny_net(), tiny_net()
     train(a, data, train_cfg())
-    train(b, data, train_cfg(loader={"num_workers": 1, "persistent_workers": True, "prefetch_factor": 2,
-                                     "pin_memory": False}))
+    train(
+        b,
+        data,
+        train_cfg(loader={"num_workers": 1, "persistent_workers": True, "prefetch_factor": 2, "pin_memory": False}),
+    )
     assert max_diff(a, b) == 0.0
 
 

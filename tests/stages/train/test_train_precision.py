@@ -1,4 +1,5 @@
 """Mixed precision: FP32 master weights and norms, loss scaling (dynamic and static), overflow counting."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,16 @@ CPU = torch.device("cpu")
 
 
 def test_norms_run_in_fp32_under_bf16_autocast() -> None:
-    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.LayerNorm(16), nn.Linear(16, 8),
-                          nn.Unflatten(1, (8, 1)), nn.GroupNorm(2, 8), nn.Flatten(), nn.Linear(8, 4))
+    model = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(64, 16),
+        nn.LayerNorm(16),
+        nn.Linear(16, 8),
+        nn.Unflatten(1, (8, 1)),
+        nn.GroupNorm(2, 8),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
     sample = torch.randn(4, 1, 8, 8)
     before = norm_dtypes(model, sample, CPU, "bf16")
     with fp32_norms(model, CPU, "bf16") as patched:
@@ -97,8 +106,9 @@ def test_fp16_back_offs_on_finite_losses_neither_abort_nor_block_checkpoints(tmp
         if step == 5:  # one back-off after the checkpoint of step 4, all steps so far backed off
             seen.append(json.loads((tmp_path / ckpt.INFO).read_text())["global_step"])
 
-    cfg = train_cfg(precision="fp16", epochs=2, amp={"init_scale": 2.0**60, "nonfinite_patience": 2},
-                    checkpoint={"every_steps": 2})
+    cfg = train_cfg(
+        precision="fp16", epochs=2, amp={"init_scale": 2.0**60, "nonfinite_patience": 2}, checkpoint={"every_steps": 2}
+    )
     r = train(tiny_net(), tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=watch)
     assert sum(m.skipped_steps for m in r.history) == 10 and sum(m.nonfinite_steps for m in r.history) == 0
     assert seen == [4]

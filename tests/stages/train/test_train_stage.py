@@ -1,4 +1,5 @@
 """The train stage in the pipeline: artifacts, JSON summary in the manifest, skip paths, plot and trace."""
+
 from __future__ import annotations
 
 import json
@@ -47,16 +48,16 @@ def test_same_seed_same_weights(tmp_path: Path) -> None:
 
 
 def test_profiler_trace_and_eval_every(tmp_path: Path) -> None:
-    manifest, out = _run(tmp_path, **{"train.profile_steps": 2, "train.eval_every": 2,
-                                      "train.plot": False})
+    manifest, out = _run(tmp_path, **{"train.profile_steps": 2, "train.eval_every": 2, "train.plot": False})
     trace = json.loads((out / "trace.json").read_text())
     assert trace["traceEvents"] and "trace.json" in manifest["summary"]["files"]
     assert not (out / "loss.png").exists()
     assert [m["val_accuracy"] is not None for m in manifest["summary"]["epochs"]] == [False, True]
 
 
-def test_profile_longer_than_the_run_says_how_many_steps_it_traced(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profile_longer_than_the_run_says_how_many_steps_it_traced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kiln.stages.train.loop import train
     from train_helpers import tiny_data, tiny_net, train_cfg
 
@@ -88,8 +89,12 @@ def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: 
     from kiln.stages.train.loop import train
     from kiln.stages.train.stage import build_seeded
 
-    over = {"train.precision": "fp32", "train.deterministic": True, "train.checkpoint.every_steps": 2,
-            "train.batch_size": 64}
+    over = {
+        "train.precision": "fp32",
+        "train.deterministic": True,
+        "train.checkpoint.every_steps": 2,
+        "train.batch_size": 64,
+    }
     cfg = config_from_dict(tiny_config_dict(**over))
     key = run_key(cfg.dump())
     ck = tmp_path / "crashed" / "cache" / "train" / key

@@ -1,4 +1,5 @@
 """Training any task: cross-entropy on the named logits output, MSE for float targets, or the user's loss."""
+
 from __future__ import annotations
 
 import pytest

@@ -5,6 +5,7 @@ update step for step (fp16 with its scaler, bf16, fp32; AdamW and SGD; accumulat
 and puts BatchNorm's statistics back, resumes from a checkpoint, works under torch.compile and never synchronises
 once captured.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,7 @@ def test_on_cpu_auto_runs_the_eager_update_and_on_is_refused() -> None:
 
 
 def test_update_graph_is_not_part_of_the_run_key() -> None:
-    dump: dict[str, Any] = {"seed": 0, "model": {"name": "m"}, "data": {"name": "d"},
-                            "train": train_cfg().model_dump()}
+    dump: dict[str, Any] = {"seed": 0, "model": {"name": "m"}, "data": {"name": "d"}, "train": train_cfg().model_dump()}
     other = {**dump, "train": {**dump["train"], "update_graph": "off"}}
     assert ckpt.run_key(dump) == ckpt.run_key(other)
 
@@ -66,8 +66,10 @@ def gpu_cfg(**kw: Any) -> TrainConfig:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, optimizer, accum, clip", [("fp16", "adamw", 2, 1.0), ("bf16", "adamw", 1, None),
-                                                               ("fp32", "sgd", 1, 0.5), ("fp16", "sgd", 1, 1.0)])
+@pytest.mark.parametrize(
+    "precision, optimizer, accum, clip",
+    [("fp16", "adamw", 2, 1.0), ("bf16", "adamw", 1, None), ("fp32", "sgd", 1, 0.5), ("fp16", "sgd", 1, 1.0)],
+)
 def test_graphed_update_equals_the_eager_one(precision: str, optimizer: str, accum: int, clip: float | None) -> None:
     """Two epochs of 10 steps with a warm-up and a cosine schedule (the LR changes every step, so a learning rate
     baked into the graph would show), a NaN batch at step 6 (captured by then): same weights, losses, skips and
@@ -81,8 +83,13 @@ def test_graphed_update_equals_the_eager_one(precision: str, optimizer: str, acc
         runs[setting] = (model, train(model, data, with_graph(cfg, setting)))
     (eager, a), (graphed, b) = runs["off"], runs["on"]
     assert a.update_graph is None
-    assert b.update_graph == {"captured": True, "from_step": WARMUP_STEPS + 1, "captures": 1,
-                              "eager_steps_after_capture": 0, "failure": None}
+    assert b.update_graph == {
+        "captured": True,
+        "from_step": WARMUP_STEPS + 1,
+        "captures": 1,
+        "eager_steps_after_capture": 0,
+        "failure": None,
+    }
     assert max_diff(eager, graphed) < 1e-5
     assert [m.nonfinite_steps for m in b.history] == [m.nonfinite_steps for m in a.history] == [1, 0]
     assert [m.loss_scale for m in b.history] == [m.loss_scale for m in a.history]
@@ -127,8 +134,9 @@ def test_graphed_run_resumes_and_matches_the_uninterrupted_run(tmp_path: Path) -
 def test_graphed_update_under_torch_compile_equals_the_eager_update(mode: str) -> None:
     torch.compiler.reset()
     data = tiny_data(400)
-    cfg = TrainConfig.model_validate({**gpu_cfg(precision="fp16", grad_accum_steps=2).model_dump(),
-                                      "compile": {"mode": mode}})
+    cfg = TrainConfig.model_validate(
+        {**gpu_cfg(precision="fp16", grad_accum_steps=2).model_dump(), "compile": {"mode": mode}}
+    )
     eager, graphed = tiny_net(), tiny_net()
     train(eager, data, with_graph(cfg, "off"))
     torch.compiler.reset()
@@ -157,8 +165,9 @@ class Branchy(torch.nn.Module):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("from_call, captures", [(10**9, 1), (8, 2)])
-def test_parameters_without_gradients_are_left_alone_and_a_new_set_is_captured_again(from_call: int,
-                                                                                    captures: int) -> None:
+def test_parameters_without_gradients_are_left_alone_and_a_new_set_is_captured_again(
+    from_call: int, captures: int
+) -> None:
     """A never-used layer keeps its weights (and AdamW's weight decay does not touch it) as in the eager update; a
     layer that starts to get gradients at step 8 runs the update eagerly for two steps, then it is captured anew."""
     data = tiny_data(400)
@@ -174,8 +183,9 @@ def test_parameters_without_gradients_are_left_alone_and_a_new_set_is_captured_a
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_a_failed_capture_leaves_the_update_eager_with_one_warning(precision: str, monkeypatch: pytest.MonkeyPatch,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_capture_leaves_the_update_eager_with_one_warning(
+    precision: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Where capturing fails (e.g. an op that synchronises), the run goes on with the eager update and the same result.
     Simulated on CPU: the capture fails the way a real one does, having run the update's Python (GradScaler marks the
     optimizer unscaled) and no kernel; the step that tried it then runs eagerly from where it stood."""
@@ -190,8 +200,9 @@ def test_a_failed_capture_leaves_the_update_eager_with_one_warning(precision: st
     optimizers: list[torch.optim.Optimizer] = []
     real_make_scaler, real_make_optimizer = loop_module.make_scaler, loop_module.make_optimizer
     monkeypatch.setattr(loop_module, "make_scaler", lambda *a: scalers.append(real_make_scaler(*a)) or scalers[-1])
-    monkeypatch.setattr(loop_module, "make_optimizer",
-                        lambda *a: optimizers.append(real_make_optimizer(*a)) or optimizers[-1])
+    monkeypatch.setattr(
+        loop_module, "make_optimizer", lambda *a: optimizers.append(real_make_optimizer(*a)) or optimizers[-1]
+    )
     monkeypatch.setattr(update_graph, "capture", failing_capture)
     cfg = train_cfg(epochs=2, optimizer="adamw", fused=True, precision=precision)
     eager = tiny_net()
@@ -200,10 +211,16 @@ def test_a_failed_capture_leaves_the_update_eager_with_one_warning(precision: st
     graphed = tiny_net()
     with caplog.at_level(logging.WARNING, logger="kiln.train"):
         r = train(graphed, tiny_data(), with_graph(cfg, "on"))
-    assert r.update_graph == {"captured": False, "from_step": None, "captures": 0, "eager_steps_after_capture": 0,
-                              "failure": "CUDA error: operation not permitted when stream is capturing"}
+    assert r.update_graph == {
+        "captured": False,
+        "from_step": None,
+        "captures": 0,
+        "eager_steps_after_capture": 0,
+        "failure": "CUDA error: operation not permitted when stream is capturing",
+    }
     assert [m.message.split(":")[0] for m in caplog.records if "CUDA graph" in m.message] == [
-        "the update after the backward pass runs without a CUDA graph (slower on the host, same result)"]
+        "the update after the backward pass runs without a CUDA graph (slower on the host, same result)"
+    ]
     assert max_diff(eager, graphed) == 0.0
 
 

@@ -1,4 +1,5 @@
 """Tiny models and data for the train-stage tests: a few hundred parameters, a few hundred samples."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,8 +17,9 @@ class TinyNet(nn.Module):
 
     def __init__(self, hidden: int = 16, classes: int = 10) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.LayerNorm(hidden), nn.GELU(),
-                                 nn.Linear(hidden, classes))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(64, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -66,8 +68,16 @@ def tiny_data(size: int = 200) -> DatasetSplits:
 
 
 def train_cfg(**kw: Any) -> TrainConfig:
-    base: dict[str, Any] = {"epochs": 2, "batch_size": 32, "precision": "fp32", "device": "cpu", "plot": False,
-                            "lr": 0.05, "optimizer": "sgd", "checkpoint": {"resume": "never"}}
+    base: dict[str, Any] = {
+        "epochs": 2,
+        "batch_size": 32,
+        "precision": "fp32",
+        "device": "cpu",
+        "plot": False,
+        "lr": 0.05,
+        "optimizer": "sgd",
+        "checkpoint": {"resume": "never"},
+    }
     for key, value in kw.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             base[key] = {**base[key], **value}
@@ -87,7 +97,9 @@ class Crash(Exception):
 
 def crash_at(step: int):
     """An ``on_step`` hook that raises :class:`Crash` after global step ``step``."""
+
     def hook(global_step: int) -> None:
         if global_step == step:
             raise Crash(f"simulated crash after step {step}")
+
     return hook
