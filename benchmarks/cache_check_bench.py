@@ -17,15 +17,14 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from kiln.core.artifacts import hash_file  # noqa: E402
 from kiln.pipeline import runner as runner_module  # noqa: E402
 from kiln.pipeline.api import run_pipeline  # noqa: E402
 from kiln.pipeline.config import config_from_dict  # noqa: E402
-from kiln.core.artifacts import hash_file  # noqa: E402
 from tests.conftest import tiny_config_dict  # noqa: E402
 
 

@@ -32,19 +32,18 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
 
+from benchmarks.engine_bench import kernel_profile  # noqa: E402
 from kiln.core.cuda_graphs import capture  # noqa: E402
 from kiln.stages.engines.conv_epilogues import fold_batch_norms, fuse_conv_epilogues  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
-
-from benchmarks.engine_bench import kernel_profile  # noqa: E402
 
 
 def exported(model: nn.Module, x: torch.Tensor) -> fx.GraphModule:

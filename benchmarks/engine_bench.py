@@ -4,8 +4,8 @@ Rows per (model, batch): PyTorch eager FP32, eager FP16 (``.half()``), ``torch.c
 ``--compile-mode``, default max-autotune), ONNX Runtime CUDA FP16 with default settings, Kiln's engine with its
 fixed settings (``kiln_fixed``: ORT CUDA FP16 with transformer fusion, exhaustive cuDNN search, NHWC for
 convolutions, IO binding on device buffers, one CUDA graph per shape) and Kiln's engine autotuned at build time
-(``kiln``: ``kiln.stages.engines.build_engine`` times candidate settings per batch size on this GPU and keeps the fastest
-that agrees with FP32; the choice per batch is printed and recorded, see ``stages/engines/ort_autotune.py``).
+(``kiln``: ``kiln.stages.engines.build_engine`` times candidate settings per batch size on this GPU and keeps the
+fastest that agrees with FP32; the choice per batch is printed and recorded, see ``stages/engines/ort_autotune.py``).
 Latency: median (and p90) of ``--iterations``
 timed runs after warm-up, CUDA events, inputs already on the GPU, TF32 off. Agreement: top-1 agreement, cosine
 and max abs error vs eager FP32 on ``--eval-samples`` random inputs. Build: seconds to produce the runnable
@@ -40,8 +40,9 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -659,7 +660,8 @@ def target_table(results: list[dict[str, Any]]) -> list[str]:
         "## Targets (issue 12): Kiln's fastest engine vs the fastest of torch.compile (NCHW, channels_last) "
         "and ORT CUDA FP16 + CUDA graph by hand",
         "",
-        "| model | batch | Kiln engine | Kiln ms | fastest reference | reference ms | Kiln / reference | absolute target |",
+        "| model | batch | Kiln engine | Kiln ms | fastest reference | reference ms | Kiln / reference "
+        "| absolute target |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for t in rows:

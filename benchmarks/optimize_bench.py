@@ -22,13 +22,13 @@ import io
 import json
 import logging
 import platform
-import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -378,11 +378,11 @@ def verdicts(results: dict[str, Any]) -> list[str]:
         peers = {k: e for k, e in v.items() if k not in ("raw", "kiln") and "nodes" in e and not e.get("broken")}
         best_any = min(peers.items(), key=lambda kv: kv[1]["nodes"])
 
-        def paired(b: int) -> str:
+        def paired(b: int, r: dict[str, Any] = r) -> str:
             k = r.get(f"kiln_vs_best_sim_slim_b{b}")
             return f"{k['p50_ratio']:.2f} ({k['paired_ratio']:.2f}, {k['peer']})" if k else "-"
 
-        def ratio(group: dict[str, Any], b: int) -> str:
+        def ratio(group: dict[str, Any], b: int, v: dict[str, Any] = v) -> str:
             key = f"p50_ms_b{b}"
             if key not in v["kiln"] or not group:
                 return "-"

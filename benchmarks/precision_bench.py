@@ -3,7 +3,8 @@
 CPU mode (default): ONNX Runtime CPU, 2 threads, batch 8. For the zoo ``cnn`` and ``transformer`` (trained
 briefly on digits) and wider variants of both: Kiln's FP32 engine vs its INT8 graphs (session graph
 optimisation ALL, so ORT fuses DQ->op->Q into QLinear / integer kernels): the symmetric Q/DQ graph TensorRT
-takes, and both ONNX Runtime CPU schemes (static uint8, dynamic), marking the one ``auto`` picks. Latency: median and p90 of timed runs,
+takes, and both ONNX Runtime CPU schemes (static uint8, dynamic), marking the one ``auto`` picks. Latency: median
+and p90 of timed runs,
 FP32 and INT8 interleaved in rounds so both see the same machine state. Accuracy on the digits held-out split,
 top-1 agreement of INT8 with FP32. Targets: INT8 >= 1.5x faster, agreement >= 99%, accuracy within 1 point.
 

@@ -22,21 +22,22 @@ import platform
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import write_report  # noqa: E402
+
+from benchmarks.engine_bench import make_inputs, make_model, model_specs  # noqa: E402
 from kiln.stages.engines.config import BuildConfig, TorchConfig  # noqa: E402
 from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
 from kiln.stages.engines.torch_backend import GraphReplays, _signature  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
-
-from common import write_report  # noqa: E402
-from benchmarks.engine_bench import make_inputs, make_model, model_specs  # noqa: E402
 
 MODES = ("engine", "copy_", "foreach", "no_copy")
 

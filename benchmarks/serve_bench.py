@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
 from kiln.core.inputs import random_inputs  # noqa: E402
+from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
 from kiln.serve.loadtest import loadtest  # noqa: E402
 from kiln.serve.server import find_engines, free_port, wait_ready  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
@@ -56,6 +56,7 @@ def demo_workdir(work: Path) -> tuple[Path, KilnConfig]:
 
 def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
     import torch
+
     from kiln.models.registry import build_model
     from kiln.stages.engines.config import BuildConfig
     from kiln.stages.engines.stage import build_engine

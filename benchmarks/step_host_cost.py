@@ -32,13 +32,16 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import bare_update, write_report  # noqa: E402
+
 from kiln.core.data import DatasetSplits  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
@@ -48,8 +51,6 @@ from kiln.stages.train.health import skip_if_nonfinite, skips_on_device  # noqa:
 from kiln.stages.train.loop import SCHED_WARNING, _Trainer  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402
 from kiln.stages.train.update_graph import GraphedUpdate  # noqa: E402
-
-from common import bare_update, write_report  # noqa: E402
 
 PRECISIONS = ("fp16", "bf16")
 
@@ -300,7 +301,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [
         f"# Host time per training step, Kiln vs bare ({res['device']}, torch {res['torch']})",
         "",
-        f"{res['model']['model']} ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; median host us "
+        f"{res['model']['model']} ({res['model']['params'] or 'full size'}), batch {res['model']['batch']}; "
+        "median host us "
         f"per call over {res['rounds']} rounds of {res['iters']} calls; head compiled: {res['compiled_head']}; "
         f"Kiln's train.update_graph: {res.get('update_graph', 'auto')} (captured: "
         + ", ".join(f"{r['precision']} {bool((r.get('update_graph') or {}).get('captured'))}" for r in res["rows"])

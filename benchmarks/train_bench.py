@@ -45,7 +45,8 @@ a copy of the gradients into the graph's buffers); ``--update-graph off`` runs i
 Kiln and the bare loop run interleaved in one process (:func:`interleaved`): alternating timed windows of
 ``--steps`` steps, ``--windows`` pairs per cell and mode, each loop compiled once in its warm-up, after
 ``torch.compiler.reset()`` per cell and mode. Kiln / bare is the median of the pairs' ratios. Why: these compiled
-steps are close to host-bound, and runs of one loop minutes apart varied by up to 30% on the H200's shared host, more than the difference the target is about; the separate rounds this
+steps are close to host-bound, and runs of one loop minutes apart varied by up to 30% on the H200's shared host,
+more than the difference the target is about; the separate rounds this
 table used before (one process each, compiled each time) measured that drift as a difference between the loops.
 ``--profile-steps N`` adds one profiled run per compiled loop and cell (torch.profiler over N steps after the
 warm-up): GPU kernel time and kernels per step, the synchronising CUDA calls per step and the busiest host ops.
@@ -59,7 +60,8 @@ prints them for saved results.
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --out $OUT     # GPU host, ~4 minutes
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models bert_base,bert_base_hf --out $OUT
     PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --models resnet18 --out $OUT
-    PYTHONPATH=/tmp/site:$PWD python benchmarks/train_bench.py --compile --phases --models bert_base --windows 6 --out $OUT
+    PYTHONPATH=/tmp/site python benchmarks/train_bench.py --compile --phases --models bert_base --windows 6 \
+        --out $OUT
     python benchmarks/train_bench.py --smoke --out /tmp/train_bench          # tiny models on CPU, seconds
     python benchmarks/train_bench.py --smoke --compile --models bert_base --precisions bf16 --out /tmp/tb
     python benchmarks/train_bench.py --intervals benchmarks/results/train_compile_h200_s6_*.json
@@ -84,13 +86,13 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import bare_update, write_report  # noqa: E402
+
 from kiln.core.data import DatasetSplits  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.train.compile import CompileCounts  # noqa: E402
 from kiln.stages.train.config import TrainConfig  # noqa: E402
 from kiln.stages.train.loop import train  # noqa: E402
-
-from common import bare_update, write_report  # noqa: E402
 
 log = logging.getLogger("bench")
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -851,7 +853,8 @@ def compile_markdown(res: dict[str, Any]) -> str:
         "",
         f"Per cell and mode (eager, compiled), Kiln's loop and the bare loop alternate in {res['windows']} pairs of "
         f"timed windows of {res['timed_steps']} steps in one process, after one warm-up epoch each (compilation "
-        "included); steps/s are medians over the windows, Kiln / bare the median of the pairs' ratios [its 95% bootstrap "
+        "included); steps/s are medians over the windows, Kiln / bare the median of the pairs' ratios "
+        "[its 95% bootstrap "
         "interval over the pairs]. TF32 off; "
         "synthetic data on the device. Compiled gain = compiled / eager steps/s; anchor = the bare loop's gain "
         "measured for issue 16. Step peak = peak memory above what was allocated when the window began.",
@@ -919,7 +922,8 @@ def compile_markdown(res: dict[str, Any]) -> str:
             "",
             "Profiled runs (torch.profiler, per step; not part of the medians):",
             "",
-            "| model | precision | loop | wall ms | GPU kernel ms | GPU busy | kernels | sync calls | busiest host op |",
+            "| model | precision | loop | wall ms | GPU kernel ms | GPU busy | kernels | sync calls "
+            "| busiest host op |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in profiled:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from kiln.core.sections import AutoOnOff, Section
 from pydantic import Field, model_validator
+
+from kiln.core.sections import AutoOnOff, Section
 
 # Compute ops plus the pooling and data-movement ops between them, so Q/DQ pairs line up with what TensorRT
 # and ONNX Runtime fuse into INT8 kernels. Normalisations, Softmax, GELU and bias/residual adds stay float.
@@ -82,7 +83,7 @@ class CalibrationConfig(Section):
     trt_table: bool = Field(True, description="also write a TensorRT 10 IInt8Calibrator calibration table")
 
     @model_validator(mode="after")
-    def _dynamic_needs_matmul(self) -> "CalibrationConfig":
+    def _dynamic_needs_matmul(self) -> CalibrationConfig:
         if self.ort_cpu_scheme == "dynamic" and ("MatMul" not in self.op_types or "MatMul" in self.exclude_op_types):
             raise ValueError(
                 "ort_cpu_scheme 'dynamic' quantizes MatMul layers only, and MatMul is not among the "

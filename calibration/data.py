@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError

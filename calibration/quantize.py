@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method
 from kiln.core.cpu_int8 import this_cpu_saturates

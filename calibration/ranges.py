@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kiln.calibration.data import ArrayReader, hash_batches
 from kiln.core.artifacts import hash_file, hash_json, write_text_atomic
 

@@ -9,8 +9,8 @@ thing everywhere. The optimizer's safety net asks a different question, "equal w
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 

@@ -10,13 +10,14 @@ at the first capture) in ``thread_local`` mode, so another thread's CUDA calls (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 
-def capture(work: Callable[[], Any], device: "torch.device", warmups: int = 1) -> tuple["torch.cuda.CUDAGraph", Any]:
+def capture(work: Callable[[], Any], device: torch.device, warmups: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``(graph, output)``: ``work`` run ``warmups`` times, then captured; replaying the graph redoes it on the same
     tensors and rewrites ``output`` in place. Raises what the capture raises (e.g. work that synchronises)."""
     import torch  # lazily: the engines' modules import this one without needing torch

@@ -9,15 +9,17 @@ Every stage reaches the inputs through the helpers here, so the three forms mean
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any
 
 import numpy as np
 import torch
+
 from kiln.core.errors import ConfigError
 from kiln.core.labels import IGNORE_LABEL
 
-Inputs = Union[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
+Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 SINGLE_INPUT = "input"  # the ONNX name of a model's only input, when it is passed as a bare tensor
 
 

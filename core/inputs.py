@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec
 

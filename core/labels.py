@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from kiln.core.compare import class_axis
 
 IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugging Face pads token labels with

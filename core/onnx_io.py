@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.records import TensorSpec

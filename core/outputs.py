@@ -9,12 +9,14 @@ of a dict, and ``parent.child`` paths inside nested ones.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+from torch import nn
+
 from kiln.core.data import call, rebuild, tensors
 from kiln.core.errors import ConfigError, ModelError
-from torch import nn
 
 SINGLE_OUTPUT = "logits"
 

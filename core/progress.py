@@ -6,8 +6,9 @@ tests and ``--quiet`` get the silent default.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Protocol
 
 
 class Task(Protocol):
@@ -15,7 +16,7 @@ class Task(Protocol):
 
 
 class Progress(Protocol):
-    def task(self, description: str, total: float | None = None) -> "contextmanager[Task]": ...  # type: ignore[valid-type]
+    def task(self, description: str, total: float | None = None) -> contextmanager[Task]: ...  # type: ignore[valid-type]
 
 
 class _SilentTask:

@@ -12,9 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import InputFileError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 SCHEMA_VERSION = 1
 R = TypeVar("R", bound="Record")

@@ -4,9 +4,10 @@ sequence length and wrong at another cannot pass."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
+
 from kiln.core.data import Feed
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec

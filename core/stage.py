@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import KilnError
@@ -21,7 +22,7 @@ class StageContext:
     """Everything a stage may use. A stage writes only into ``out`` (a staging folder made final atomically)."""
 
     name: str
-    config: "KilnConfig"
+    config: KilnConfig
     workdir: Path
     out: Path
     inputs: dict[str, Path]
@@ -70,7 +71,7 @@ class Stage:
     inputs: tuple[str, ...]
     sections: tuple[str, ...]
     code: tuple[ModuleType, ...]
-    env: Callable[["KilnConfig"], dict[str, Any]]
+    env: Callable[[KilnConfig], dict[str, Any]]
     description: str = ""
     data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.pipeline.fingerprints``)
     # report.md section from the stage's summary (a list of Markdown lines; none when nothing to say)

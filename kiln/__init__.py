@@ -44,9 +44,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time the names load lazily above  # noqa: F401
-    from kiln.pipeline.api import run_pipeline
-    from kiln.pipeline.config import KilnConfig, config_from_dict, load_config
     from kiln.core.data import DatasetSplits
     from kiln.core.errors import GateFailure, KilnError
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import KilnConfig, config_from_dict, load_config
     from kiln.pipeline.stage_list import STAGE_NAMES
     from kiln.stages.engines.registry import load_engine

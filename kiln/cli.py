@@ -10,28 +10,29 @@ from typing import Any
 
 import click
 import yaml
-from kiln.pipeline.api import run_pipeline
-from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
-from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
-from kiln.core.progress import RichProgress, SilentProgress
-from kiln.serve.loadtest import loadtest as run_loadtest
-from kiln.serve.loadtest import render_markdown
-from kiln.pipeline.report import fmt as _fmt
-from kiln.pipeline.report import result_line, seconds_cell, validation_of
-from kiln.serve.server import iter_urls
-from kiln.serve.server import serve as serve_engines
-from kiln.stages.engines.registry import BACKENDS, runnable
-from kiln.stages.optimize.registry import PASSES
-from kiln.pipeline.stage_list import STAGE_NAMES
-from kiln.stages.engines.stage import build_direct
-from kiln.stages.export import export_direct
-from kiln.stages.optimize.api import optimize_file
-from kiln.stages.precision.direct import precision_direct
-from kiln.stages.validate.direct import validate_direct
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
+
+from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
+from kiln.core.progress import RichProgress, SilentProgress
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
+from kiln.pipeline.report import fmt as _fmt
+from kiln.pipeline.report import result_line, seconds_cell, validation_of
+from kiln.pipeline.stage_list import STAGE_NAMES
+from kiln.serve.loadtest import loadtest as run_loadtest
+from kiln.serve.loadtest import render_markdown
+from kiln.serve.server import iter_urls
+from kiln.serve.server import serve as serve_engines
+from kiln.stages.engines.registry import BACKENDS, runnable
+from kiln.stages.engines.stage import build_direct
+from kiln.stages.export import export_direct
+from kiln.stages.optimize.api import optimize_file
+from kiln.stages.optimize.registry import PASSES
+from kiln.stages.precision.direct import precision_direct
+from kiln.stages.validate.direct import validate_direct
 
 console = Console(stderr=True)
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.core.sections import Section
 from pydantic import Field
+
+from kiln.core.sections import Section
 
 
 class ModelConfig(Section):

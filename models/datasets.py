@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from kiln.core.data import DatasetSplits
 
 

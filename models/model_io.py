@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
 from kiln.core.artifacts import write_bytes_atomic
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
-from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
     from kiln.pipeline.config import KilnConfig
@@ -64,10 +65,10 @@ def random_splits(path: Path, config: KilnConfig, rows: int = 64) -> DatasetSpli
         "model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
         "accuracy figures do not reflect real data (give data.name for real ones)"
     )
-    make = lambda seed: {
-        k: torch.from_numpy(v)
-        for k, v in random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()  # noqa: E731
-    }
+
+    def make(seed: int) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(v) for k, v in random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()}
+
     return DatasetSplits(make(config.seed), None, make(config.seed + 1), None, name=f"random inputs of {path.name}")
 
 

@@ -6,7 +6,10 @@ Plain dicts on purpose: a reader (or a type checker) sees every built-in in one 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
 
 from kiln.core.data import DatasetSplits, check_splits
 from kiln.core.errors import ConfigError
@@ -23,7 +26,6 @@ from kiln.models.datasets import (
 from kiln.models.mlp import mlp_embed
 from kiln.models.token_classifier import mlp_regressor, token_classifier
 from kiln.models.transformer import bert_base, transformer
-from torch import nn
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "cnn": small_cnn,

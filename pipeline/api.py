@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ConfigError, KilnError, storage_error
 from kiln.core.progress import Progress
+from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.report import build_report, write_report
 from kiln.pipeline.runner import Runner, RunResult, StageRecord
 from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named

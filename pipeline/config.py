@@ -13,6 +13,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import tomllib
 import yaml
+from pydantic import Field, ValidationError
+
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.sections import Section
@@ -25,7 +27,6 @@ from kiln.stages.package import PackageConfig
 from kiln.stages.precision.config import PRECISIONS, PrecisionConfig
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.validate.config import GatesConfig, ValidateConfig
-from pydantic import Field, ValidationError
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")

@@ -9,16 +9,17 @@ Built-in datasets are pinned by Kiln's code and config, so they need none (and c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
+
 from kiln.calibration.data import hash_batches, read_reader
-from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import hash_file
 from kiln.core.data import tensors
 from kiln.core.errors import InputFileError
 from kiln.models.model_io import dataset_for
+from kiln.pipeline.config import KilnConfig
 
 
 def _is_import_path(name: str | None) -> bool:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import write_json_atomic, write_text_atomic
 from kiln.core.env import environment
 from kiln.core.records import ValidationResult
 from kiln.core.text import fmt
+from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
 from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named

@@ -17,7 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kiln.pipeline.config import KilnConfig
 from kiln.core.artifacts import (
     atomic_dir,
     clean_stale_staging,
@@ -30,9 +29,10 @@ from kiln.core.env import environment
 from kiln.core.errors import GateFailure, KilnError, storage_error
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.stage import Stage, StageContext
-from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.models.model_io import dataset_for
 from kiln.models.registry import resolve_callable
+from kiln.pipeline.config import KilnConfig
+from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.pipeline.user_code import code_version
 
 MANIFEST = "manifest.json"

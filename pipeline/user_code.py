@@ -129,7 +129,7 @@ def _label(path: Path, roots: list[Path]) -> str:
     return str(path.relative_to(root.parent if root == path else root)) if root is not None else str(path)
 
 
-@functools.lru_cache(maxsize=None)  # mapping modules to distributions reads every installed package's metadata
+@functools.cache  # mapping modules to distributions reads every installed package's metadata
 def _distribution_records(top_name: str) -> tuple[str, ...]:
     out = []
     for dist in sorted(set(importlib.metadata.packages_distributions().get(top_name, []))):

@@ -13,9 +13,10 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 from kiln.core.errors import InputFileError, WorkdirBusy
 

@@ -22,12 +22,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 import numpy as np
-from kiln.pipeline.config import KilnConfig
+
 from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
 from kiln.core.data import tensors
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import random_inputs
 from kiln.models.model_io import dataset_for
+from kiln.pipeline.config import KilnConfig
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
 

@@ -22,12 +22,14 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
+
 from kiln.core.errors import BackendUnavailable, GateFailure, InputFileError, KilnError
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line

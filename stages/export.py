@@ -8,16 +8,20 @@ import json
 import logging
 import sys
 import warnings
+from collections.abc import Mapping
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+import torch
+from pydantic import Field
+from torch import nn
 
 import kiln.core.onnx_io
 import kiln.models
 import kiln.models.model_io
-import numpy as np
-import onnx
-import torch
 from kiln.core.artifacts import ensure_writable
 from kiln.core.data import Inputs, as_feed, feed_for_graph, input_names, rows, take, tensors
 from kiln.core.env import environment_subset
@@ -44,8 +48,6 @@ from kiln.models.model_io import (
     read_state_dict,
 )
 from kiln.models.registry import build_model
-from pydantic import Field
-from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
     from kiln.pipeline.config import KilnConfig
@@ -245,7 +247,7 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
-def export_direct(cfg: "KilnConfig", checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
+def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
     ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
     model = build_model(cfg.model.name, cfg.model.params)
     checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint

@@ -19,10 +19,11 @@ from kiln.core.sections import Section
 from kiln.core.stage import Stage, StageContext
 
 __all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "PackageConfig", "STAGE"]
+from pydantic import Field
+
 from kiln.stages import triton_repo
 from kiln.stages.engines.engines import engine_dirs, read_metadata
 from kiln.stages.triton_repo import engine_max_batch, stock_model, triton_config, write_python_model, write_stock_model
-from pydantic import Field
 
 
 class PackageConfig(Section):

@@ -6,9 +6,10 @@ validation, packaging and ``kiln build`` go through this interface and never tes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kiln.core.records import EngineMetadata, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
@@ -68,7 +69,7 @@ class Backend:
     optional: Callable[[BuildConfig], bool] = lambda cfg: False
     # Which graph of a precision variant this engine is built from, and the nodes to keep FP32 when converting.
     source: (
-        Callable[["Backend", str, str, dict[str, PrecisionVariant], BuildConfig], tuple[str, list[str] | None]] | None
+        Callable[[Backend, str, str, dict[str, PrecisionVariant], BuildConfig], tuple[str, list[str] | None]] | None
     ) = None
     # Preference among engines within timing noise of each other (validate's per-batch choice): lower first.
     rank: int = 100

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from kiln.core.sections import AutoOnOff, Section, bool_words
-from pydantic import Field, field_validator, model_validator
 
 
 class OrtCudaConfig(Section):
@@ -98,7 +99,7 @@ class ShapeRange(Section):
     max: list[int]
 
     @model_validator(mode="after")
-    def _ordered(self) -> "ShapeRange":
+    def _ordered(self) -> ShapeRange:
         if not (len(self.min) == len(self.opt) == len(self.max)):
             raise ValueError(f"min/opt/max must have the same rank, got {self.min}, {self.opt}, {self.max}")
         if any(not (a <= b <= c) for a, b, c in zip(self.min, self.opt, self.max)):
@@ -224,7 +225,7 @@ class TorchConfig(Section):
         "layer's Q, K and V projections) run as one GEMM over their concatenated weights, its "
         "output split back (kiln.stages.engines.gemm_epilogues.merge_parallel_linears)",
     )
-    inductor: dict[str, Union[bool, int, float, str]] = Field(
+    inductor: dict[str, bool | int | float | str] = Field(
         default_factory=dict,
         description="further torch._inductor.config entries set while the engine compiles "
         "(build and load), e.g. {'triton.enable_persistent_tma_matmul': true, "
@@ -238,7 +239,7 @@ class TorchConfig(Section):
     load_check_timeout_s: float = Field(300.0, gt=0)
 
     @model_validator(mode="after")
-    def _coordinate_descent_needs_max_autotune(self) -> "TorchConfig":
+    def _coordinate_descent_needs_max_autotune(self) -> TorchConfig:
         if self.coordinate_descent == "on" and self.max_autotune == "off":
             raise ValueError(
                 "coordinate_descent 'on' tunes kernels only under max-autotune, and max_autotune is "
@@ -247,7 +248,7 @@ class TorchConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _epilogues_need_the_compiled_flavour(self) -> "TorchConfig":
+    def _epilogues_need_the_compiled_flavour(self) -> TorchConfig:
         if self.gemm_epilogues not in ("auto", "off") and self.flavour == "aotinductor":  # said before training
             raise ValueError(
                 "gemm_epilogues needs flavour compiled or auto: its GEMMs are custom ops written in "

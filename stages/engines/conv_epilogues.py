@@ -31,7 +31,7 @@ rewrite is tested there; ``auto`` never applies it there).
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kiln.stages.engines.fx_graph import attr, drop_unused_attrs, replace_node
@@ -65,7 +65,7 @@ def accuracy_hint(builder_settings: dict[str, object]) -> str | None:
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def register_ops() -> None:
     """Define ``kiln::conv_bias_relu`` and ``kiln::conv_bias_add_relu`` (once per process; a loaded engine's process
     defines them again when it rewrites its program)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+
 from kiln.core.errors import BuildError
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.records import TensorSpec

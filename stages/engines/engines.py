@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from kiln.core.artifacts import hash_file
 from kiln.core.errors import InputFileError
 from kiln.core.records import EngineMetadata
@@ -60,7 +61,7 @@ class Runner:
     def input_names(self) -> list[str]:
         return [i.name for i in self.meta.inputs]
 
-    def activate(self) -> "Runner":
+    def activate(self) -> Runner:
         if not self.active:
             self._activate()
             self.active = True
@@ -71,7 +72,7 @@ class Runner:
             self._deactivate()
             self.active = False
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self.activate()
 
     def __exit__(self, *exc: object) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kiln.stages.engines.fx_graph import attr, drop_unused_attrs, replace_node
@@ -73,7 +73,7 @@ def accuracy_hint(builder_settings: dict[str, object], device: str) -> str | Non
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def register_ops() -> None:
     """Define ``kiln::linear_bias`` and ``kiln::linear_bias_gelu`` (once per process; a loaded engine's process
     defines them again when it rewrites its program)."""

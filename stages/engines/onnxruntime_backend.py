@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+
 from kiln.core.compare import within_tolerance
 from kiln.core.errors import BuildError
 from kiln.core.inputs import AxisSizes, largest_sizes, random_inputs

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.core.errors import BuildError
 from kiln.core.onnx_io import ort_session
 from kiln.core.onnx_io import session_options as make_options

@@ -17,11 +17,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.core.compare import compare_outputs, worst
 from kiln.core.errors import ConfigError
 from kiln.core.inputs import random_inputs
@@ -71,7 +73,7 @@ def search(
     """Trials (``measure(candidate)`` each, base first) and notes on what the deadline cut."""
     trials: list[dict[str, Any]] = [measure(dict(base))]
     best, notes = trials[0], []
-    for cand in _candidates(knobs, base, strategy, lambda: best["knobs"]):
+    for cand in _candidates(knobs, base, strategy, lambda: best["knobs"]):  # noqa: B023 - read as it changes
         if any(t["knobs"] == cand for t in trials):
             continue
         if time.monotonic() > deadline:
@@ -278,7 +280,7 @@ def autotune(
         trials, choices = [], {}
         for i, b in enumerate(batches):  # an even share of what is left of the budget per batch size
             deadline = time.monotonic() + (cfg.time_budget_s - (time.monotonic() - t0)) / (len(batches) - i)
-            got, cut = search(knobs, base, lambda k: bench.measure(k, b), cfg.strategy, deadline)
+            got, cut = search(knobs, base, lambda k, b=b: bench.measure(k, b), cfg.strategy, deadline)
             trials += got
             notes += [f"batch {b}: {n}" for n in cut]
             choices[str(b)] = _choice(got, base, notes, f"batch {b}", cfg.min_gain)

@@ -7,7 +7,8 @@ ONNX input's shape.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec

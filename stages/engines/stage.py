@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import kiln.stages.engines
 from kiln.core import cpu_int8

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from filelock import FileLock
+
 from kiln.core.artifacts import write_bytes_atomic
 
 log = logging.getLogger("kiln.build")

@@ -10,10 +10,11 @@ import functools
 import gc
 import logging
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 from kiln.core.errors import BuildError
 
@@ -43,7 +44,7 @@ def KilnTrtLogger(trt: ModuleType) -> Any:  # noqa: N802 - a factory standing in
     return _logger_class(trt)()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _logger_class(trt: ModuleType) -> type:
     """One class per TensorRT module (tensorrt, tensorrt_rtx), not one per logger: a class is cyclic garbage."""
 

@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+
 from kiln.core.errors import BackendUnavailable, BuildError
 from kiln.core.records import EngineMetadata
 from kiln.stages.engines import tensorrt_cache

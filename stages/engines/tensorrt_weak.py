@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import onnx
+
 from kiln.core.errors import BuildError
 from kiln.stages.engines.config import TensorRTConfig
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kiln.core.cuda_graphs import capture
 from kiln.core.data import by_keyword
 from kiln.core.errors import BuildError, ConfigError

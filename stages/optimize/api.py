@@ -10,6 +10,7 @@ from typing import Any
 
 import onnx
 import onnx_graphsurgeon as gs
+
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, save_onnx

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from kiln.core.errors import ConfigError
 from kiln.stages.optimize.passes import (  # noqa: F401 (importing registers)
     eliminate,
@@ -16,7 +18,6 @@ from kiln.stages.optimize.passes import (  # noqa: F401 (importing registers)
     shapes,
 )
 from kiln.stages.optimize.registry import PASSES, PassSpec
-from pydantic import BaseModel, ValidationError
 
 
 def available() -> list[str]:

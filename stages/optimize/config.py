@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
+
+from pydantic import Field, field_validator
 
 from kiln.core.sections import Section
 from kiln.stages.optimize.catalog import resolve
-from pydantic import Field, field_validator
 
 # Order matters: fold first so patterns see constants, fuse, then fold/clean again what fusions exposed.
 DEFAULT_PASSES: list[str] = [
@@ -34,9 +35,10 @@ DEFAULT_PASSES: list[str] = [
 
 
 class OptimizeConfig(Section):
-    passes: list[Union[str, dict[str, Any]]] = Field(
+    passes: list[str | dict[str, Any]] = Field(
         default_factory=lambda: list(DEFAULT_PASSES),
-        description="graph passes in order: names, or {name: ..., <params>} mappings (see kiln.stages.optimize.registry)",
+        description="graph passes in order: names, or {name: ..., <params>} mappings "
+        "(see kiln.stages.optimize.registry)",
     )
     rounds: int = Field(
         3,
@@ -61,7 +63,7 @@ class OptimizeConfig(Section):
 
     @field_validator("passes")
     @classmethod
-    def _known_passes(cls, v: list[Union[str, dict[str, Any]]]) -> list[Union[str, dict[str, Any]]]:
+    def _known_passes(cls, v: list[str | dict[str, Any]]) -> list[str | dict[str, Any]]:
         # Raises ConfigError (listing the available passes) for unknown names or bad params, at config load.
         for entry in v:
             resolve(entry)

@@ -12,7 +12,7 @@ the passes are written against):
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx

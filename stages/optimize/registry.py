@@ -7,8 +7,9 @@ the onnx-graphsurgeon graph in place and returns how many rewrites it made (0 = 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict

@@ -39,7 +39,8 @@ def report_section(summary: dict[str, Any]) -> list[str]:
             "## Graph optimization",
             "",
             f"{opt['nodes_before']} -> {opt['nodes_after']} nodes; passes that changed the graph: "
-            f"{', '.join(dict.fromkeys(fired)) or 'none'}; rolled back: {', '.join(opt.get('rolled_back', [])) or 'none'}.",
+            f"{', '.join(dict.fromkeys(fired)) or 'none'}; "
+            f"rolled back: {', '.join(opt.get('rolled_back', [])) or 'none'}.",
         ]
     return out
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.core.compare import within_tolerance
 from kiln.core.inputs import AxisSizes
 from kiln.core.inputs import random_inputs as make_inputs

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.core.compare import compare_arrays, compare_outputs, worst
 from kiln.core.onnx_io import ort_session
 

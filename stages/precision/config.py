@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from kiln.core.sections import Section
 from pydantic import Field
+
+from kiln.core.sections import Section
 
 Precision = Literal["fp32", "fp16", "int8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from kiln.core.errors import ModelError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import io_specs, load_onnx
@@ -31,7 +32,7 @@ log = logging.getLogger("kiln.precision")
 
 
 def precision_direct(
-    src: Path, out: Path, variants: list[str], calibration: Path | None, cfg: "KilnConfig"
+    src: Path, out: Path, variants: list[str], calibration: Path | None, cfg: KilnConfig
 ) -> dict[str, Any]:
     """Write ``out/<precision>/model.onnx`` for each variant and ``out/variants.json``; returns a summary."""
     graph = load_onnx(src)
@@ -89,7 +90,7 @@ def precision_direct(
     }
 
 
-def _random(inputs: list[TensorSpec], cfg: "KilnConfig") -> dict[str, np.ndarray]:
+def _random(inputs: list[TensorSpec], cfg: KilnConfig) -> dict[str, np.ndarray]:
     sizes = [max(v) for v in cfg.validate_.shapes.values() if v]
     hint = "give --calibration data.npz, or --set validate.shapes='{seq: [8, 128]}' to size dynamic axes"
     rows = min(cfg.calibration.batch_size * cfg.calibration.num_batches, 256)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.core.text import fmt
 from kiln.stages.precision.compare import Samples, output_metrics, run_batched, take_rows, tensor_errors
 from kiln.stages.precision.config import FallbackConfig

@@ -8,11 +8,12 @@ import re
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
+
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import check_onnx, infer_shapes
 from kiln.stages.precision.casts import FLOAT_ONNX, cast_chains, remove_cast_chains
 from kiln.stages.precision.config import FP16Config
-from onnx import helper, numpy_helper
 
 log = logging.getLogger("kiln.precision")
 

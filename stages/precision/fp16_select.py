@@ -10,8 +10,9 @@ import math
 
 import numpy as np
 import onnx
-from kiln.stages.precision.config import FP16Config
 from onnx import numpy_helper
+
+from kiln.stages.precision.config import FP16Config
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
 REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.core.artifacts import write_bytes_atomic
 from kiln.stages.precision.compare import Model, Samples, take_rows, tensor_errors
 from kiln.stages.precision.fp16_select import INDEX_OPS

@@ -14,9 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import kiln.calibration
 import kiln.stages.precision
-import numpy as np
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
 from kiln.calibration.quantize import resolve_reduce_range

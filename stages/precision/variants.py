@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import Batch
 from kiln.calibration.quantize import (
@@ -56,7 +57,7 @@ class Source:
         cache_dir: Path | None,
         logits: int | None = 0,
         labelled: np.ndarray | None = None,
-    ) -> "Source":
+    ) -> Source:
         model = name_nodes(infer_shapes(model))
         save_onnx(model, path)
         return cls(model, path, model.graph.input[0].name, batches, cache_dir, logits, labelled)

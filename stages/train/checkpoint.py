@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
 from kiln.core.artifacts import hash_json, write_bytes_atomic, write_json_atomic
 from kiln.core.errors import InputFileError
 from kiln.models.model_io import weights_bytes
-from torch import nn
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 log = logging.getLogger("kiln.train")
 

@@ -43,11 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from kiln.core.data import Inputs, call
 from kiln.core.errors import TrainingError
 from kiln.core.text import first_line
 from kiln.stages.train.config import CompileConfig
-from torch import nn
 
 log = logging.getLogger("kiln.train")
 
@@ -67,7 +68,7 @@ class CompileCounts:
     compiles: set[int] = field(default_factory=set)  # ids of the CompilationMetrics records seen
 
     @classmethod
-    def now(cls) -> "CompileCounts":
+    def now(cls) -> CompileCounts:
         import torch._dynamo.utils  # imported only when compiling: a heavy import (it probes for TensorRT)
 
         utils: Any = torch._dynamo.utils
@@ -79,7 +80,7 @@ class CompileCounts:
             {id(m) for m in metrics},
         )
 
-    def since(self, before: "CompileCounts") -> dict[str, Any]:
+    def since(self, before: CompileCounts) -> dict[str, Any]:
         """Graphs compiled, recompiles (with Dynamo's reasons), graph breaks (with reasons) and compile time."""
         new = [
             m

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from kiln.core.sections import AutoOnOff, Section
 from pydantic import Field, field_validator, model_validator
+
+from kiln.core.sections import AutoOnOff, Section
 
 
 class AmpConfig(Section):
@@ -22,7 +23,7 @@ class AmpConfig(Section):
     fp32_norms: bool = Field(True, description="run LayerNorm/GroupNorm/RMSNorm in FP32 where autocast would not")
 
     @model_validator(mode="after")
-    def _static_positive(self) -> "AmpConfig":
+    def _static_positive(self) -> AmpConfig:
         if not isinstance(self.loss_scale, str) and self.loss_scale <= 0:
             raise ValueError("amp.loss_scale must be 'dynamic' or a positive number")
         return self
@@ -132,7 +133,7 @@ class TrainConfig(Section):
         return betas
 
     @model_validator(mode="after")
-    def _min_lr_below_lr(self) -> "TrainConfig":
+    def _min_lr_below_lr(self) -> TrainConfig:
         # A floor above the peak would make the cosine/linear "decay" raise the LR
         if self.schedule != "constant" and self.min_lr > self.lr:
             raise ValueError(

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
+from torch.utils.data import BatchSampler, DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
 from kiln.core.data import Inputs, rebuild, rows, tensors
 from kiln.core.errors import ConfigError
 from kiln.stages.train.config import LoaderConfig, TrainConfig
 from kiln.stages.train.dist import DistEnv
-from torch.utils.data import BatchSampler, DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
 log = logging.getLogger("kiln.train")
 

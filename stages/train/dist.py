@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from kiln.core.errors import TrainingError
 from kiln.stages.train.config import DistributedConfig
-from torch import nn
 
 log = logging.getLogger("kiln.train")
 

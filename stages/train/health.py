@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
+from torch import nn
+
 from kiln.core.cuda_graphs import capture
 from kiln.core.text import first_line
-from torch import nn
 
 log = logging.getLogger("kiln.train")
 
@@ -113,7 +114,7 @@ class StepCheck:
     the same stream before it.
     """
 
-    def __init__(self, device: torch.device, guard: "BufferGuard", graph: bool = True) -> None:
+    def __init__(self, device: torch.device, guard: BufferGuard, graph: bool = True) -> None:
         """``graph``: capture the flag and guard as a graph of their own (false where they are captured as part of
         the whole update, :mod:`kiln.stages.train.update_graph`)."""
         self.guard = guard

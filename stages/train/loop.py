@@ -19,11 +19,14 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from torch import nn
+
 from kiln.core.data import DatasetSplits, Inputs, call, rebuild, rows, take, tensors
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
@@ -65,7 +68,6 @@ from kiln.stages.train.precision import (
 )
 from kiln.stages.train.runtime import determinism, profiler
 from kiln.stages.train.task import CLASSIFY, Task
-from torch import nn
 
 log = logging.getLogger("kiln.train")
 StepHook = Callable[[int], None]

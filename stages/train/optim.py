@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from kiln.core.errors import ConfigError
-from kiln.stages.train.config import TrainConfig
 from torch import nn
 from torch.optim.lr_scheduler import (
     ConstantLR,
@@ -15,6 +13,9 @@ from torch.optim.lr_scheduler import (
     LRScheduler,
     SequentialLR,
 )
+
+from kiln.core.errors import ConfigError
+from kiln.stages.train.config import TrainConfig
 
 WARMUP_START = 0.01  # warm-up begins at lr/100
 
@@ -94,7 +95,8 @@ def check_warmup(cfg: TrainConfig, total_steps: int) -> None:
         raise ConfigError(
             f"train.warmup_steps is {cfg.warmup_steps} but the run has only {total_steps} optimizer steps "
             f"({cfg.epochs} epochs x {total_steps // cfg.epochs} steps): the LR would never reach train.lr",
-            hint=f"set train.warmup_steps below {total_steps} (e.g. {max(0, total_steps // 10)}), or raise train.epochs",
+            hint=f"set train.warmup_steps below {total_steps} (e.g. {max(0, total_steps // 10)}), "
+            "or raise train.epochs",
         )
 
 

@@ -10,14 +10,16 @@ statistics are FP32 and its kernels accumulate statistics in FP32 for half/bf16 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from functools import lru_cache
-from typing import Any, Iterator
+from functools import cache
+from typing import Any
 
 import torch
+from torch import nn
+
 from kiln.core.errors import TrainingError
 from kiln.stages.train.config import AmpConfig, TrainConfig
-from torch import nn
 
 log = logging.getLogger("kiln.train")
 
@@ -63,7 +65,7 @@ def update_scaler(scaler: torch.amp.GradScaler, amp: AmpConfig) -> None:
     scaler.update(None if amp.loss_scale == "dynamic" else float(amp.loss_scale))
 
 
-@lru_cache(maxsize=None)
+@cache
 def autocast_lowers(norm: type[nn.Module], device_type: str, precision: str) -> bool:
     """Does autocast run this norm type below FP32 on this device? Probed, not assumed: the op lists
     differ per device and per PyTorch release."""

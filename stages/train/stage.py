@@ -9,9 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+
 import kiln.models
 import kiln.stages.train
-import torch
 from kiln.core.data import DatasetSplits, call, check_forward_takes, rows, take, tensors
 from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError
@@ -28,7 +30,6 @@ from kiln.stages.train.loop import evaluate_loss_acc, train
 from kiln.stages.train.precision import resolve_device
 from kiln.stages.train.report import report_section
 from kiln.stages.train.task import Task, check_task, task_for
-from torch import nn
 
 if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
     from kiln.pipeline.config import KilnConfig

@@ -9,17 +9,19 @@ FP32 on FP32 outputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from torch import nn
+
 from kiln.core import labels
 from kiln.core.compare import class_axis
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.models.registry import resolve_callable
-from torch import nn
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 

@@ -31,9 +31,11 @@ says so): capturing only records kernels, so the failed step is then run eagerly
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
 from kiln.core.cuda_graphs import capture
 from kiln.core.errors import TrainingError
 from kiln.core.text import first_line

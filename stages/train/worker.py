@@ -11,10 +11,10 @@ import logging
 import sys
 from pathlib import Path
 
-from kiln.pipeline.config import load_config
 from kiln.core.artifacts import write_json_atomic
 from kiln.core.errors import KilnError
 from kiln.models.model_io import dataset_for
+from kiln.pipeline.config import load_config
 from kiln.stages.train.dist import env_from_torchrun
 from kiln.stages.train.launch import ERROR, SUMMARY
 from kiln.stages.train.stage import train_to

@@ -11,10 +11,12 @@ one graph per batch size, as the engines have one CUDA graph / profile per shape
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+
 from kiln.core.data import Inputs, call, rebuild, tensors
 from kiln.core.records import Baseline, Memory, Percentiles
 from kiln.core.text import first_line

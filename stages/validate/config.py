@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field, PositiveInt, ValidationError, field_validator
+
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
-from pydantic import Field, PositiveInt, ValidationError, field_validator
 
 
 def _default_per_precision() -> dict[str, dict[str, float]]:

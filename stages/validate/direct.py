@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
 from kiln.core.errors import InputFileError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import load_onnx, ort_session
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # the config assembles every stage's section and sits above t
     from kiln.pipeline.config import KilnConfig
 
 
-def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: "KilnConfig") -> dict[str, np.ndarray]:
+def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnConfig) -> dict[str, np.ndarray]:
     """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of
     ``cfg.model`` (called with the feed's arrays as keyword arguments when there are several)."""
     if reference.suffix != ".onnx":
@@ -78,7 +79,7 @@ def _check_array(spec: TensorSpec, array: np.ndarray) -> None:
         )
 
 
-def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: "KilnConfig") -> EngineValidation:
+def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> EngineValidation:
     meta = read_metadata(engine_dir)
     if inputs is not None:
         feed = read_feed(inputs, meta.inputs)

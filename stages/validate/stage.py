@@ -8,16 +8,18 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import numpy as np
+import torch
 
 import kiln.models
 import kiln.models.model_io as model_io
 import kiln.stages.engines
 import kiln.stages.validate
-import numpy as np
-import torch
 from kiln.core.compare import OutputStats, compare_arrays, compare_outputs, worst
 from kiln.core.data import (
     DatasetSplits,
@@ -293,7 +295,7 @@ def validate_engine(
     runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
     try:
         stats: dict[str, OutputStats] = {}
-        for i, ((point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
+        for i, ((_point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
             if i == 0:
                 with PeakMemory(meta.device) as mem:  # loading + the accuracy pass at the largest batch
                     runner.activate()

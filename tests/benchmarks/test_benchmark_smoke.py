@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.stages.train import loop
 
 ROOT = Path(__file__).resolve().parents[2]

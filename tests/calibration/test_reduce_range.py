@@ -8,11 +8,12 @@ import numpy as np
 import onnx
 import pytest
 from calib_graphs import batches, saved
+from onnx import numpy_helper
+
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.quantize import quantize_int8, resolve_reduce_range
 from kiln.calibration.ranges import calibrate
 from kiln.core.cpu_int8 import this_cpu_saturates
-from onnx import numpy_helper
 
 
 def test_off_by_default_and_auto_follows_this_cpu() -> None:
@@ -41,7 +42,6 @@ def test_the_precision_stage_cache_key_holds_the_resolved_setting(setting: str) 
     """auto resolves per machine: a workdir quantized on a CPU with VNNI is not reused as it is on one without."""
     from kiln.pipeline.config import config_from_dict
     from kiln.stages.precision.stage import STAGE
-
     from tests.conftest import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"calibration.reduce_range": setting}))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kiln.models.model_io import ModelShapeError, load_weights, tied_names, weights_bytes
 from safetensors.torch import load, save
 from torch import nn
+
+from kiln.models.model_io import ModelShapeError, load_weights, tied_names, weights_bytes
 
 
 class TiedLM(nn.Module):

@@ -1,4 +1,5 @@
 import torch
+
 from kiln.models.transformer import TransformerClassifier, explicit_attention
 from kiln.stages.export import export_onnx
 

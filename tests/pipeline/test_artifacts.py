@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+
 from kiln.core.artifacts import atomic_dir, clean_stale_staging, hash_file, hash_tree, write_json_atomic
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from kiln.pipeline.api import run_pipeline
-from kiln.cli import main
-from kiln.pipeline.config import config_from_dict
 
+from kiln.cli import main
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
 from tests.conftest import tiny_config_dict
 
 SEQ_AXES = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
@@ -533,6 +533,7 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
     """An ONNX export of the zoo's (hidden, logits) token classifier, and an .npz of its named inputs."""
     import numpy as np
     import torch
+
     from kiln.core.data import take
     from kiln.models.datasets import synthetic_text
     from kiln.models.registry import build_model

@@ -8,8 +8,8 @@ import click
 import pytest
 import yaml
 from click.testing import CliRunner
-from kiln.cli import main
 
+from kiln.cli import main
 from tests.conftest import tiny_config_dict
 
 COMMANDS = ["run", "config", "train", "export", "optimize", "precision", "build", "validate", "package"]
@@ -119,6 +119,7 @@ def test_unsupported_op_in_model(cli: CliRunner, tmp_path: Path) -> None:
 
 def test_checkpoint_that_does_not_fit_the_model(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     import torch
+
     from kiln.models.registry import build_model
 
     ckpt = tmp_path / "w.pt"
@@ -153,6 +154,7 @@ def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: p
 def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
     """The README's direct-file workflow: a user's checkpoint -> ONNX -> optimized -> engine -> validated."""
     import torch
+
     from kiln.models.registry import build_model
 
     ckpt = tmp_path / "w.pt"
@@ -172,6 +174,7 @@ def test_direct_export_build_validate(cli: CliRunner, tmp_path: Path) -> None:
 
 def test_direct_validate_against_wrong_model_fails_gate(cli: CliRunner, tmp_path: Path) -> None:
     import torch
+
     from kiln.models.registry import build_model
 
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
@@ -198,6 +201,7 @@ def test_direct_validate_with_bad_inputs_files(cli: CliRunner, tmp_path: Path) -
     # Before: a .npy, a non-numpy file or misnamed arrays gave numpy/ONNX Runtime tracebacks.
     import numpy as np
     import torch
+
     from kiln.models.registry import build_model
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
@@ -269,6 +273,7 @@ def test_second_run_on_a_busy_workdir_is_refused(cli: CliRunner, tmp_path: Path)
 
 def _exported_engine(cli: CliRunner, tmp_path: Path) -> tuple[Path, Path, Path]:
     import torch
+
     from kiln.models.registry import build_model
 
     ckpt, onnx_path, engine = tmp_path / "w.pt", tmp_path / "m.onnx", tmp_path / "e"
@@ -485,8 +490,8 @@ def test_every_option_has_help_and_help_states_exit_codes(cli: CliRunner, name: 
 
 
 def test_help_lists_passes_and_stages(cli: CliRunner) -> None:
-    from kiln.stages.optimize.registry import PASSES
     from kiln.pipeline.stage_list import STAGE_NAMES
+    from kiln.stages.optimize.registry import PASSES
 
     opt = " ".join(cli.invoke(main, ["optimize", "--help"]).output.split())
     assert all(p in opt for p in PASSES)
@@ -536,14 +541,14 @@ def test_third_party_warnings_go_through_kilns_logger(capsys) -> None:
             warnings.simplefilter("always")
             logging.captureWarnings(False)
             logging.captureWarnings(True)
-            warnings.warn("the float32 number 1e+09 will be truncated to 65504.0")
+            warnings.warn("the float32 number 1e+09 will be truncated to 65504.0", stacklevel=2)
             logging.getLogger("onnxruntime.transformers.optimizer").warning("Model producer not matched: x")
-            warnings.warn("something a user should see")
+            warnings.warn("something a user should see", stacklevel=2)
             # module-level logging.warning (ORT's quantize_static) and a library's own logger (ORT's fusions)
             logging.warning("Please consider to run pre-processing before quantization.")
             logging.getLogger("fusion_skiplayernorm").warning("symbolic shape inference disabled or failed.")
             logging.getLogger("some_library").warning("a library warning a user should see")
-            warnings.warn("No complete tensor found in the group! Returning the first one.", UserWarning)
+            warnings.warn("No complete tensor found in the group! Returning the first one.", UserWarning, stacklevel=2)
         err = capsys.readouterr().err
         assert "truncated" not in err and "producer" not in err  # known noise: --verbose only
         assert "pre-processing" not in err and "symbolic shape" not in err and "complete tensor" not in err

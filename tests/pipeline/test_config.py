@@ -1,8 +1,9 @@
 from pathlib import Path
 
 import pytest
-from kiln.pipeline.config import KilnConfig, config_from_dict, load_config, set_value
+
 from kiln.core.errors import ConfigError, InputFileError
+from kiln.pipeline.config import KilnConfig, config_from_dict, load_config, set_value
 
 
 def test_demo_defaults_are_valid() -> None:

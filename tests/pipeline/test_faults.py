@@ -13,10 +13,10 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from kiln.cli import main
-from kiln.core import artifacts
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.cli import main
+from kiln.core import artifacts
 from tests.conftest import tiny_config_dict
 
 

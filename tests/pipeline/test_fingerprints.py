@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kiln.pipeline.api import run_pipeline
 from kiln.pipeline.config import config_from_dict
 from kiln.pipeline.fingerprints import calibration_fingerprint, dataset_fingerprint
-
 from tests.conftest import tiny_config_dict
 
 USER_CODE = """
@@ -107,6 +107,7 @@ def test_reader_is_not_called_when_nothing_calibrates(tmp_path: Path, user_modul
 def test_changed_checkpoint_file_reruns_training(tmp_path: Path) -> None:
     """model.checkpoint names a file: new weights under the same path must not reuse the old export."""
     import torch
+
     from kiln.models.registry import build_model
 
     params = {"width": 8, "depth": 2}

@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from kiln.pipeline.api import run_pipeline
-from kiln.pipeline.config import config_from_dict
+
+from kiln.core.artifacts import hash_file
 from kiln.core.errors import BuildError
 from kiln.pipeline import runner as runner_module
-from kiln.core.artifacts import hash_file
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
 from kiln.pipeline.runner import Runner, cache_key
-from kiln.stages.engines.registry import load_engine
 from kiln.pipeline.stage_list import STAGES
-
+from kiln.stages.engines.registry import load_engine
 from tests.conftest import tiny_config_dict
 
 

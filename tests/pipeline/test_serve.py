@@ -16,11 +16,12 @@ import numpy as np
 import psutil
 import pytest
 from click.testing import CliRunner
-from kiln.pipeline.api import run_pipeline
+
 from kiln.cli import main
-from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import random_inputs
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.serve.loadtest import loadtest, parse_url
 from kiln.serve.server import (
     PortInUse,
@@ -36,7 +37,6 @@ from kiln.serve.server import (
 )
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.engines.registry import load_engine
-
 from tests.conftest import tiny_config_dict
 
 ENGINE = "onnxruntime-cpu-fp32"

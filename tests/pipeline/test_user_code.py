@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kiln.pipeline.user_code import code_version, local_sources
 
 
@@ -61,6 +62,7 @@ def test_installed_code_is_versioned_by_its_installed_files_record() -> None:
     import importlib.metadata
 
     import torch.nn
+
     from kiln.core.artifacts import hash_json
 
     record = importlib.metadata.distribution("torch").read_text("RECORD")

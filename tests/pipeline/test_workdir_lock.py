@@ -3,8 +3,9 @@ import logging
 from pathlib import Path
 
 import pytest
-from kiln.pipeline import workdir_lock as wl
+
 from kiln.core.errors import InputFileError, WorkdirBusy
+from kiln.pipeline import workdir_lock as wl
 
 
 def test_a_second_holder_is_refused_and_the_lock_ends_with_the_first(tmp_path: Path) -> None:

@@ -3,10 +3,11 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from torch import nn
+
 from kiln.core.errors import ModelError
 from kiln.models.registry import build_model
 from kiln.stages.export import export_onnx, parity
-from torch import nn
 
 
 @pytest.mark.parametrize(
@@ -41,10 +42,9 @@ def test_unexportable_model_gives_model_error(tmp_path: Path) -> None:
 
 def test_static_batch_in_the_pipeline_is_a_config_error(tmp_path: Path) -> None:
     # Before: parity fed 256 samples to a graph fixed at batch 2: an ONNX Runtime INVALID_ARGUMENT traceback.
+    from kiln.core.errors import ConfigError
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict
-    from kiln.core.errors import ConfigError
-
     from tests.conftest import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"export.dynamic_batch": False}))

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from google.protobuf import text_format
+
 from kiln.core.errors import ModelError
 from kiln.core.records import EngineMetadata
 from kiln.stages.triton_repo import check_config, model_config, render_pbtxt, triton_config

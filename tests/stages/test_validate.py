@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import Baseline, EngineValidation, Percentiles
 from kiln.core.shapes import resize
@@ -21,7 +22,6 @@ from kiln.stages.validate.stage import (
     labels_at_points,
     percentiles,
 )
-
 from tests.conftest import tiny_config_dict
 
 

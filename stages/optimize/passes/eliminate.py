@@ -8,6 +8,8 @@ import hashlib
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from pydantic import BaseModel
+
 from kiln.stages.optimize.passes.util import (
     RANDOM_OPS,
     const,
@@ -17,7 +19,6 @@ from kiln.stages.optimize.passes.util import (
     replace_uses,
 )
 from kiln.stages.optimize.registry import register
-from pydantic import BaseModel
 
 
 def _bypass(graph: gs.Graph, node: gs.Node, keep: gs.Tensor) -> int:
@@ -137,7 +138,7 @@ def _is_noop(node: gs.Node) -> bool:
 
 @register("eliminate_noop")
 def eliminate_noop(graph: gs.Graph, p: BaseModel) -> int:
-    """Remove Cast/Reshape/Transpose/Expand/Slice that return their input unchanged, and shorten lossless Cast chains."""
+    """Remove Cast/Reshape/Transpose/Expand/Slice that return their input unchanged; shorten lossless Cast chains."""
     n = 0
     for node in list(graph.nodes):
         if not node.outputs or not node.inputs:

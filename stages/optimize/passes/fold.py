@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Optional
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from pydantic import BaseModel, ConfigDict, Field
+
 from kiln.stages.optimize.passes.shapes import fold_shapes, static_reshape_target
 from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
 from kiln.stages.optimize.registry import register
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("kiln.optimize")
 
@@ -20,7 +21,7 @@ log = logging.getLogger("kiln.optimize")
 class FoldParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_rounds: int = Field(8, ge=1, description="fold/clean rounds before giving up on a fixpoint")
-    size_threshold: Optional[int] = Field(
+    size_threshold: int | None = Field(
         64 << 20,
         description="bytes: do not fold tensors larger than this (keeps e.g. huge Expand results out of the file)",
     )

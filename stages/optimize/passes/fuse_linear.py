@@ -3,10 +3,12 @@ and scalar Mul/Div folded into the weights of the linear op that produced the te
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from pydantic import BaseModel, ConfigDict, Field
+
 from kiln.stages.optimize.passes.util import (
     const,
     drop,
@@ -17,7 +19,6 @@ from kiln.stages.optimize.passes.util import (
     unique_name,
 )
 from kiln.stages.optimize.registry import register
-from pydantic import BaseModel, ConfigDict, Field
 
 
 def _shape(t: gs.Tensor) -> list | None:

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from pydantic import BaseModel
+
 from kiln.stages.optimize.passes.util import (
     const,
     known_shape,
@@ -17,7 +19,6 @@ from kiln.stages.optimize.passes.util import (
     unique_name,
 )
 from kiln.stages.optimize.registry import register
-from pydantic import BaseModel
 
 
 def _scalar(t: gs.Tensor) -> float | None:
@@ -262,7 +263,7 @@ def _canonical_erf_gelu(graph: gs.Graph, x: gs.Tensor, last: gs.Node) -> None:
 
 @register("fuse_gelu")
 def fuse_gelu(graph: gs.Graph, p: BaseModel) -> int:
-    """erf or tanh GELU subgraphs -> Gelu (opset >= 20); below opset 20, erf GELU -> one canonical Div/Erf/Add/Mul/Mul."""
+    """erf or tanh GELU subgraphs -> Gelu (opset >= 20); below 20, erf GELU -> one canonical Div/Erf/Add/Mul/Mul."""
     n = 0
     for node in list(graph.nodes):
         if not node.outputs:

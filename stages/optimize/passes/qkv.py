@@ -7,6 +7,8 @@ from collections import defaultdict
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from pydantic import BaseModel, ConfigDict, Field
+
 from kiln.stages.optimize.passes.util import (
     const,
     new_const,
@@ -15,7 +17,6 @@ from kiln.stages.optimize.passes.util import (
     unique_name,
 )
 from kiln.stages.optimize.registry import register
-from pydantic import BaseModel, ConfigDict, Field
 
 
 class QkvParams(BaseModel):

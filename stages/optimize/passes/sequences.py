@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from pydantic import BaseModel
+
 from kiln.stages.optimize.passes.util import const, drop, known_shape, new_const, node_name, replace_uses, unique_name
 from kiln.stages.optimize.registry import register
-from pydantic import BaseModel
 
 
 def _sizes(node: gs.Node, dim: int | str) -> tuple[list[int], bool] | None:

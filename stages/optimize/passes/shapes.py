@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from pydantic import BaseModel
+
 from kiln.stages.optimize.passes.util import const, known_shape
 from kiln.stages.optimize.registry import register
-from pydantic import BaseModel
 
 
 def _clamp(i: int, rank: int) -> int:

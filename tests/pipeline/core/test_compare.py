@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kiln.core.compare import STATISTICS, compare_arrays, compare_outputs, within_tolerance, worst
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kiln.core.cpu_int8 import PRECISE_INT8, cpuinfo_flags, saturates
 from kiln.core.onnx_io import session_options
 
@@ -45,7 +46,6 @@ def test_the_exact_kernels_run_an_int8_graph(monkeypatch: pytest.MonkeyPatch, tm
     from kiln.calibration.quantize import quantize_int8
     from kiln.calibration.ranges import calibrate
     from kiln.stages.precision.compare import output_metrics, run_batched
-
     from tests.calibration.calib_graphs import batches, saved
 
     path = saved(tmp_path)

@@ -9,12 +9,12 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from torch import nn
+
 from kiln.cli import main
 from kiln.core.data import DataContractError, DatasetSplits, by_keyword, check_splits, input_names
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
-from torch import nn
-
 from tests.conftest import tiny_config_dict
 
 

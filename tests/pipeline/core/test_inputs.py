@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kiln.core.errors import ConfigError
 from kiln.core.inputs import random_inputs
 from kiln.core.records import TensorSpec

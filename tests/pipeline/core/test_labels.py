@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from kiln.core.compare import compare_arrays
 from kiln.core.labels import IGNORE_LABEL, accuracy, dense_cross_entropy, hits, labelled, per_position
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kiln.core.errors import InputFileError
 from kiln.core.records import SCHEMA_VERSION, EngineMetadata, EngineSource, TensorSpec
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec
 from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points

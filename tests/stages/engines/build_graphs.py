@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import torch
+
 from kiln.models import build_model
 from kiln.stages.export import export_onnx
 

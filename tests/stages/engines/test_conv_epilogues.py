@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from build_graphs import assert_engine_matches, assert_runner_agrees, sample
+from pydantic import ValidationError
+from torch import nn
+
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.conv_epilogues import fuse_conv_epilogues, resolve
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
 from kiln.stages.engines.torch_backend import _settings
-from pydantic import ValidationError
-from torch import nn
 
 FUSED = ("kiln.conv_bias_relu.default", "kiln.conv_bias_add_relu.default")
 

@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from two_input import export_two_input, feeds
+
 from kiln.core.errors import BuildError
 from kiln.core.records import TensorSpec
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig
@@ -15,7 +17,6 @@ from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_axes
 from kiln.stages.engines.onnxruntime_runner import pin_shapes
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
-from two_input import export_two_input, feeds
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
 

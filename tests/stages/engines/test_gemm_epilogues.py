@@ -14,15 +14,15 @@ import pytest
 import torch
 import yaml
 from build_graphs import assert_engine_matches, assert_runner_agrees, sample
+from pydantic import ValidationError
+from torch import nn
+
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
 from kiln.stages.engines.gemm_epilogues import accuracy_hint, fuse_linear_epilogues
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
 from kiln.stages.engines.torch_backend import _settings
-from pydantic import ValidationError
-from torch import nn
-
 from tests.conftest import tiny_config_dict
 
 

@@ -9,6 +9,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from build_graphs import sample
+
 from kiln.core.records import TensorSpec
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
 from kiln.stages.engines.engines import read_metadata

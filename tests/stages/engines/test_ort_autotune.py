@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from build_graphs import sample
+
 from kiln.core.errors import ConfigError
 from kiln.stages.engines import ort_autotune
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig

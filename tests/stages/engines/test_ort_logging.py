@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnx.helper as h
 import pytest
+
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig
 from kiln.stages.engines.stage import build_engine
 

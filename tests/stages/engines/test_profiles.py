@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kiln.core.data import take
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec

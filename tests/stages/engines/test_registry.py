@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.stages.engines.backend import Backend
 from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig

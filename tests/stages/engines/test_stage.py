@@ -7,10 +7,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kiln.pipeline.config import config_from_dict
+
 from kiln.core.errors import ConfigError
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import StageContext
+from kiln.pipeline.config import config_from_dict
 from kiln.stages.engines import stage
 from kiln.stages.engines.engines import SIDECAR, read_metadata
 from kiln.stages.engines.tensorrt_lib import import_tensorrt

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from kiln.calibration.config import CalibrationConfig
-from kiln.pipeline.config import config_from_dict
 from kiln.core.onnx_io import load_onnx
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import StageContext
+from kiln.pipeline.config import config_from_dict
 from kiln.stages.engines import stage
 from kiln.stages.engines.engines import read_metadata
 from kiln.stages.export import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.stage import variant_record
 from kiln.stages.precision.variants import Source, build_fp16
-
 from tests.user_models import BagModel
 
 

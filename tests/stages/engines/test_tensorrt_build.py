@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+
 from kiln.core.errors import BuildError, ConfigError
 from kiln.stages.engines.config import BuildConfig, TensorRTConfig
 from kiln.stages.engines.engines import read_metadata

@@ -5,6 +5,7 @@ import gc
 import threading
 
 import pytest
+
 from kiln.stages.engines.tensorrt_errors import gc_paused_for_tensorrt
 
 

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from build_graphs import assert_engine_matches, sample
+
 from kiln.core.errors import BuildError, ConfigError
 from kiln.models import build_model
 from kiln.stages.engines.config import BuildConfig, TorchConfig
@@ -18,7 +19,6 @@ from kiln.stages.engines.engines import read_metadata
 from kiln.stages.engines.registry import BACKENDS, load_engine, runnable
 from kiln.stages.engines.stage import build_engine
 from kiln.stages.engines.torch_backend import PROGRAM, _can_run, _compile_program, _inductor_options, _plan, _settings
-
 from tests.conftest import tiny_config_dict
 
 
@@ -388,8 +388,9 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
 def test_an_axis_torch_export_pins_is_named_by_its_input() -> None:
     """torch.export specializes an nn.GRU's sequence length: the torch engine is skipped with the input's name (the
     ONNX engines take the axis as dynamic), not "input 0"."""
-    from kiln.stages.engines.torch_backend import _export
     from torch import nn
+
+    from kiln.stages.engines.torch_backend import _export
 
     class GRUModel(nn.Module):
         def __init__(self) -> None:

@@ -59,9 +59,10 @@ def test_conv_add_of_a_one_element_constant_that_adds_an_axis_is_not_a_bias():
 
 def test_safety_net_rejects_moved_infinities() -> None:
     import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
     from kiln.stages.optimize.config import OptimizeConfig
     from kiln.stages.optimize.verify import Verifier
-    from onnx import TensorProto, helper, numpy_helper
 
     def divide_by(divisor: list[float]) -> onnx.ModelProto:
         graph = helper.make_graph(

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from torch import nn
+
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import run_ort
-from torch import nn
 
 
 class AddsZeros(nn.Module):

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from kiln.pipeline.config import config_from_dict
-from kiln.core.errors import ConfigError
-from kiln.stages.optimize import catalog, registry
-from kiln.stages.optimize.api import optimize_model
-from kiln.stages.optimize.config import DEFAULT_PASSES, OptimizeConfig
 from onnx import helper as h
 from optimize_helpers import FLOAT, make_model, ops
 from test_optimize_passes import TESTED
+
+from kiln.core.errors import ConfigError
+from kiln.pipeline.config import config_from_dict
+from kiln.stages.optimize import catalog, registry
+from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import DEFAULT_PASSES, OptimizeConfig
 
 
 def test_unknown_pass_lists_the_available_ones():

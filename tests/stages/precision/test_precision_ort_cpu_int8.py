@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
+
 from kiln.core.onnx_io import ort_session
 from kiln.models import build_model
 from kiln.stages.export import export_onnx
-
 from tests.stages.precision.test_precision_stage import TRANSFORMER, _run
 
 
@@ -147,8 +147,8 @@ def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer
 
 
 def test_dynamic_without_matmul_is_a_config_error() -> None:
-    from kiln.pipeline.config import config_from_dict
     from kiln.core.errors import ConfigError
+    from kiln.pipeline.config import config_from_dict
 
     with pytest.raises(ConfigError, match="ort_cpu_scheme 'dynamic' quantizes MatMul"):
         config_from_dict({"calibration": {"ort_cpu_scheme": "dynamic", "exclude_op_types": ["MatMul"]}})

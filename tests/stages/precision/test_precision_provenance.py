@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import onnx
-from kiln.stages.precision.provenance import node_module
 from onnx import helper
+
+from kiln.stages.precision.provenance import node_module
 
 
 def node(**meta: str) -> onnx.NodeProto:

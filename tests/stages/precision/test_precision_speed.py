@@ -7,7 +7,6 @@ from pathlib import Path
 
 from kiln.core.records import EngineValidation
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
-
 from tests.conftest import tiny_config_dict
 
 

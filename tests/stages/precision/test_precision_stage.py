@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kiln.calibration.ranges import STATS
-from kiln.pipeline.config import config_from_dict
 from kiln.core.errors import ModelError
 from kiln.core.records import Variants
 from kiln.core.stage import StageContext
 from kiln.models import build_model
 from kiln.models.model_io import dataset_for
+from kiln.pipeline.config import config_from_dict
 from kiln.stages.export import export_onnx
 from kiln.stages.precision.stage import run
-
 from tests.conftest import tiny_config_dict
 
 TRANSFORMER = {"model.name": "transformer", "model.params": {"dim": 16, "heads": 2, "layers": 1}}

@@ -10,6 +10,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import pytest
 import torch
+
 from kiln.calibration.config import CalibrationConfig
 from kiln.models import build_model
 from kiln.stages.export import export_onnx

@@ -4,16 +4,18 @@ equality tests share."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from kiln.pipeline.config import KilnConfig
+from safetensors.torch import load_file
+
 from kiln.models.model_io import dataset_for
+from kiln.pipeline.config import KilnConfig
 from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.stage import train_to
-from safetensors.torch import load_file
 
 LOG = logging.getLogger("test")
 

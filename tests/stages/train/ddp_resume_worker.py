@@ -11,9 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from train_helpers import tiny_data, tiny_net, train_cfg
+
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.loop import train
-from train_helpers import tiny_data, tiny_net, train_cfg
 
 
 class Crash(Exception):

@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln.core.errors import InputFileError, TrainingError
-from kiln.stages.train import checkpoint as ckpt
-from kiln.stages.train.loop import evaluate, train
 from train_helpers import (
     Crash,
     TinyNet,
@@ -23,6 +20,10 @@ from train_helpers import (
     tiny_net,
     train_cfg,
 )
+
+from kiln.core.errors import InputFileError, TrainingError
+from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.loop import evaluate, train
 
 
 @pytest.mark.parametrize("precision, accum", [("fp32", 1), ("bf16", 2)])

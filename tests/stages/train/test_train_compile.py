@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-from kiln.pipeline.config import load_config
+from safetensors.torch import load_file
+from torch import nn
+from train_helpers import Crash, crash_at, max_diff, tiny_data, tiny_net, train_cfg
+
 from kiln.core.errors import TrainingError
+from kiln.pipeline.config import load_config
 from kiln.pipeline.runner import Runner
 from kiln.pipeline.stage_list import STAGES
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.compile import CompileCounts
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
-from safetensors.torch import load_file
-from torch import nn
-from train_helpers import Crash, crash_at, max_diff, tiny_data, tiny_net, train_cfg
 
 
 @pytest.fixture(autouse=True)

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from kiln.pipeline.config import KilnConfig, config_from_dict
-from kiln.core.errors import TrainingError
-from kiln.stages.train.launch import run_torchrun, torchrun_command
 
+from kiln.core.errors import TrainingError
+from kiln.pipeline.config import KilnConfig, config_from_dict
+from kiln.stages.train.launch import run_torchrun, torchrun_command
 from tests.stages.train.ddp_helpers import LOG, train_one_and_two
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.stages.train.launch import run_torchrun
-
 from tests.stages.train.ddp_helpers import LOG, train_one_and_two
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]

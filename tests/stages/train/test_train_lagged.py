@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
+
 from kiln.core.errors import TrainingError
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.data import DeviceBatches, make_loader
@@ -24,7 +26,6 @@ from kiln.stages.train.health import (
 )
 from kiln.stages.train.loop import train
 from kiln.stages.train.update_graph import WARMUP_STEPS
-from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")
 

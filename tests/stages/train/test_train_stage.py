@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln.pipeline.config import config_from_dict
+
 from kiln.models.model_io import load_trained
+from kiln.pipeline.config import config_from_dict
 from kiln.pipeline.runner import Runner
 from kiln.pipeline.stage_list import STAGES
-
 from tests.conftest import tiny_config_dict
 
 
@@ -58,8 +58,9 @@ def test_profiler_trace_and_eval_every(tmp_path: Path) -> None:
 def test_profile_longer_than_the_run_says_how_many_steps_it_traced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kiln.stages.train.loop import train
     from train_helpers import tiny_data, tiny_net, train_cfg
+
+    from kiln.stages.train.loop import train
 
     monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
     caplog.set_level(logging.INFO, logger="kiln.train")
@@ -72,8 +73,9 @@ def test_profile_longer_than_the_run_says_how_many_steps_it_traced(
 def test_skipped_training(tmp_path: Path, how: str) -> None:
     over: dict[str, object] = {"train.enabled": False}
     if how == "checkpoint":
-        from kiln.models.registry import build_model
         from safetensors.torch import save_file
+
+        from kiln.models.registry import build_model
 
         ck = tmp_path / "w.safetensors"
         save_file(build_model("cnn", {"width": 8, "depth": 2}).state_dict(), str(ck))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
 from kiln.models.datasets import synthetic_regression, synthetic_text

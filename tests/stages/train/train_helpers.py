@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
+
 from kiln.core.data import DatasetSplits
 from kiln.models.datasets import synthetic
 from kiln.stages.train.config import TrainConfig
-from torch import nn
 
 
 class TinyNet(nn.Module):
