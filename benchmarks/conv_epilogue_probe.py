@@ -6,7 +6,8 @@ batch 1 ran about 40 kernels (20 convolutions, ~18 BatchNorm/ReLU/add kernels, p
 into its convolution and running convolution + bias (+ residual) + ReLU as one cuDNN call
 (``torch.cudnn_convolution_relu`` / ``torch.cudnn_convolution_add_relu``) leaves about one kernel per convolution;
 this measures whether cuDNN's kernels are as fast as the ones Inductor's autotuner picks, variant by variant. The
-folding and fusing are Kiln's own (:mod:`kiln.stages.engines.conv_epilogues`) on the torch.export graph. The results
+folding and fusing are Kiln's own (:mod:`kiln.stages.engines.torch.conv_epilogues`) on the torch.export graph. The
+results
 in ``conv_epilogue_probe_h200_s12.md`` came from this script's first version (commit 809bbb2), which folded with
 ``torch.fx.experimental.optimization.fuse`` and fused with a copy of the same ATen calls of its own.
 
@@ -42,8 +43,8 @@ from torch import fx, nn
 
 from benchmarks.engine_bench import kernel_profile  # noqa: E402
 from kiln.core.cuda_graphs import capture  # noqa: E402
-from kiln.stages.engines.conv_epilogues import fold_batch_norms, fuse_conv_epilogues  # noqa: E402
-from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
+from kiln.core.timing import time_calls  # noqa: E402
+from kiln.stages.engines.torch.conv_epilogues import fold_batch_norms, fuse_conv_epilogues  # noqa: E402
 
 
 def exported(model: nn.Module, x: torch.Tensor) -> fx.GraphModule:
@@ -66,7 +67,7 @@ def graphed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Call
 
 def variants(model32: nn.Module, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """The four variants of the module docstring, from the FP32 model cast to FP16 channels_last; the folding and
-    fusing are Kiln's own (:mod:`kiln.stages.engines.conv_epilogues`, which folds in FP32)."""
+    fusing are Kiln's own (:mod:`kiln.stages.engines.torch.conv_epilogues`, which folds in FP32)."""
     half = copy.deepcopy(model32).half().to(memory_format=torch.channels_last)
     fold = exported(half, x)
     fold_batch_norms(fold)

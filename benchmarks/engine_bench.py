@@ -48,11 +48,13 @@ import numpy as np
 import onnx
 import torch
 
+from kiln.core.timing import time_calls  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
-from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig, TorchConfig  # noqa: E402
-from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
+from kiln.stages.engines.config import BuildConfig  # noqa: E402
+from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig, OrtAutotuneConfig  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
+from kiln.stages.engines.torch.config import TorchConfig  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 from kiln.stages.optimize.api import optimize_model  # noqa: E402
 from kiln.stages.optimize.config import OptimizeConfig  # noqa: E402
@@ -471,7 +473,7 @@ class Bench:
             f"{name} kiln: engine built in {meta.build_seconds:.1f}s "
             f"(fusion: {meta.builder_settings.get('transformer_fusion')})"
         )
-        tuned = meta.autotune or {}
+        tuned = meta.backend_info.get("autotune") or {}
         for b, choice in (tuned.get("choice_by_batch") or {"all": tuned.get("choice")}).items():
             if choice:
                 say(

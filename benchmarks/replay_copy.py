@@ -1,6 +1,6 @@
 """What a Kiln torch engine's call costs around its CUDA graph (issue 12: ResNet-18 batch 1 at most 0.25 ms).
 
-A call of the torch engine on the GPU (:class:`kiln.stages.engines.torch_backend.GraphReplays`) copies its inputs into
+A call of the torch engine on the GPU (:class:`kiln.stages.engines.torch.build.GraphReplays`) copies its inputs into
 the graph's input tensors, replays the graph and clones the outputs. Each call is timed from an idle GPU (CUDA
 events, synchronized after the call, as ``engine_bench.py`` times), so the host work before the replay is on the
 clock. This script builds the engine once and times, alternating in rounds on the same graph:
@@ -32,11 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import write_report  # noqa: E402
 
 from benchmarks.engine_bench import make_inputs, make_model, model_specs  # noqa: E402
-from kiln.stages.engines.config import BuildConfig, TorchConfig  # noqa: E402
-from kiln.stages.engines.onnxruntime_runner import time_calls  # noqa: E402
+from kiln.core.timing import time_calls  # noqa: E402
+from kiln.stages.engines.config import BuildConfig  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 from kiln.stages.engines.stage import build_engine  # noqa: E402
-from kiln.stages.engines.torch_backend import GraphReplays, _signature  # noqa: E402
+from kiln.stages.engines.torch.config import TorchConfig  # noqa: E402
+from kiln.stages.engines.torch.program import GraphReplays, _signature  # noqa: E402
 from kiln.stages.export import export_onnx  # noqa: E402
 
 MODES = ("engine", "copy_", "foreach", "no_copy")

@@ -4,30 +4,31 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import platform
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from kiln.core.cpu_int8 import int8_kernels
 
-_DISTS = ("torch", "onnx", "onnxruntime", "onnxruntime-gpu", "onnx-graphsurgeon", "tensorrt", "tensorrt-rtx", "numpy")
+BASE_DISTS = ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon", "numpy")  # what every run uses
 
 
-def _version(dist: str) -> str | None:
+@cache
+def version(dist: str) -> str | None:
+    """The installed version of a distribution, or None."""
     try:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
 
 
-@lru_cache(maxsize=1)
-def environment() -> dict[str, Any]:
-    """Versions of the libraries that shape results, plus CPU/GPU identity."""
+@cache
+def device_facts() -> dict[str, Any]:
+    """Python, machine, CUDA and GPU identity, and the CPU's INT8 kernels."""
     import torch
 
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "versions": {d: v for d in _DISTS if (v := _version(d)) is not None},
         "cuda_available": torch.cuda.is_available(),
         # ONNX Runtime CPU INT8 latencies here are of its exact, slower kernels where the fast ones saturate
         "cpu_int8_kernels": int8_kernels(),
@@ -38,10 +39,17 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def environment(*dists: str) -> dict[str, Any]:
+    """Versions of the libraries that shape results (:data:`BASE_DISTS` and ``dists``, those installed), plus
+    CPU/GPU identity."""
+    versions = {d: v for d in dict.fromkeys((*BASE_DISTS, *dists)) if (v := version(d)) is not None}
+    return {**device_facts(), "versions": versions}
+
+
 def environment_subset(*dists: str, device: bool = False) -> dict[str, Any]:
     """Only the parts of :func:`environment` a given stage depends on (keeps its cache key stable)."""
-    env = environment()
-    out: dict[str, Any] = {"versions": {d: env["versions"].get(d) for d in dists}}
+    out: dict[str, Any] = {"versions": {d: version(d) for d in dists}}
     if device:
-        out.update({k: env.get(k) for k in ("cuda_available", "gpu", "compute_capability", "machine")})
+        facts = device_facts()
+        out.update({k: facts.get(k) for k in ("cuda_available", "gpu", "compute_capability", "machine")})
     return out

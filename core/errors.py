@@ -31,6 +31,10 @@ class InputFileError(KilnError):
     """A file the user named is missing, unreadable or corrupt."""
 
 
+class InputError(KilnError):
+    """Arrays handed to an engine are not what it takes (names, dtypes, ranks, fixed sizes)."""
+
+
 class ModelError(KilnError):
     """The model cannot be built, exported or handled (unsupported op, shape mismatch...)."""
 

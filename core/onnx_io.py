@@ -334,3 +334,21 @@ def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]
 
     inits = {i.name for i in model.graph.initializer}
     return [spec(v) for v in model.graph.input if v.name not in inits], [spec(v) for v in model.graph.output]
+
+
+QDQ = {"QuantizeLinear", "DequantizeLinear"}
+
+
+def graph_carries_precision(onnx_path: Path) -> bool:
+    """True when the graph already has FP16/BF16/FP8 tensors or Q/DQ nodes (precision lives in the graph)."""
+    return model_carries_precision(onnx.load(str(onnx_path), load_external_data=False))
+
+
+def model_carries_precision(model: onnx.ModelProto) -> bool:
+    """:func:`graph_carries_precision` of a model already in memory."""
+    low = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT8E4M3FN}
+    if any(n.op_type in QDQ for n in model.graph.node):
+        return True
+    if any(i.data_type in low for i in model.graph.initializer):
+        return True
+    return any(v.type.tensor_type.elem_type in low for v in model.graph.value_info)

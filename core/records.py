@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import InputFileError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 R = TypeVar("R", bound="Record")
 
 
@@ -78,8 +78,9 @@ class EngineSource(Part):
 class EngineMetadata(Record):
     """``kiln-engine.json``: what an engine is, what it takes, and how it was built.
 
-    The first block is common to every backend; the optional block is what a backend records about its own
-    build (its builder settings, autotuning, profiles) and reads back in its runner.
+    Every field but ``backend_info`` means the same for every backend (``builder_settings`` holds what each
+    backend's builder was told and decided, free-form); ``backend_info`` is what the engine's backend records for
+    its runner (session settings, autotuning, profiles), in that backend's record type (``Backend.record``).
     """
 
     name: str
@@ -92,26 +93,20 @@ class EngineMetadata(Record):
     files: dict[str, str]  # role -> file in the engine folder; "model" is the engine itself
     flavour: str
     versions: dict[str, str]
+    batch_range: tuple[int, int] | None = None  # smallest and largest batch the engine takes; None: any
     build_seconds: float = 0.0
     settings_hash: str = ""
     size_bytes: int = 0
     file_hashes: dict[str, str] = Field(default_factory=dict)  # file -> sha256, checked by load_engine
-    # backend-owned parts
-    cuda_graph: bool = False
-    session: dict[str, Any] | None = None  # ONNX Runtime: providers and session settings
-    autotune: dict[str, Any] | None = None  # ONNX Runtime: every trial and the choice
-    builder_settings: dict[str, Any] = Field(default_factory=dict)
-    profiles: list[dict[str, Any]] | None = None  # TensorRT optimization profiles
-    features: dict[str, bool] | None = None
-    strongly_typed: bool | None = None
-    target: dict[str, Any] | None = None
-    timing_cache: dict[str, Any] | None = None
-    runtime_cache: str | None = None
+    builder_settings: dict[str, Any] = Field(default_factory=dict)  # what the builder was told and decided
+    backend_info: dict[str, Any] = Field(default_factory=dict)
+
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.inputs]
 
     def max_batch(self) -> int | None:
-        """The largest batch the engine's optimization profiles accept (None: not bounded)."""
-        sizes = [shape["max"][0] for profile in self.profiles or [] for shape in profile.values()]
-        return max(sizes) if sizes else None
+        """The largest batch the engine accepts (None: not bounded)."""
+        return self.batch_range[1] if self.batch_range else None
 
 
 # --------------------------------------------------------------------------------------------- precision variants

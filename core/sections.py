@@ -14,6 +14,11 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
+    @classmethod
+    def subsections(cls) -> dict[str, type[Section]]:
+        """Sections held beyond the declared fields, by key (a registry's: ``build.<backend>``)."""
+        return {}
+
 
 def bool_words(true: str | None, false: str) -> BeforeValidator:
     """For a key that takes words: YAML 1.1 (PyYAML) reads a bare ``on`` / ``off`` / ``yes`` / ``no`` as a boolean,

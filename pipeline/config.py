@@ -91,17 +91,22 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def _field_names(model: type[Section]) -> list[str]:
-    return [f.alias or n for n, f in model.model_fields.items()]
+    return [f.alias or n for n, f in model.model_fields.items()] + list(model.subsections())
+
+
+def _types(model: type[Section]) -> dict[str, Any]:
+    """Each key of a section (by its alias) -> its declared type, sections held beyond the fields included."""
+    declared = {(f.alias or n): f.annotation for n, f in model.model_fields.items()}
+    return declared | {n: f.annotation for n, f in model.model_fields.items()} | model.subsections()
 
 
 def _model_at(loc: tuple[Any, ...]) -> type[Section] | None:
     model: Any = KilnConfig
     for part in loc:
-        fields = {(f.alias or n): f for n, f in model.model_fields.items()} | model.model_fields
-        field = fields.get(part)
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, Section)):
+        annotation = _types(model).get(part)
+        if not (isinstance(annotation, type) and issubclass(annotation, Section)):
             return None
-        model = field.annotation
+        model = annotation
     return model
 
 
@@ -280,10 +285,10 @@ def _annotation_at(path: list[str]) -> Any:
     annotation: Any = KilnConfig
     for part in path:
         if isinstance(annotation, type) and issubclass(annotation, Section):
-            fields = {(f.alias or n): f for n, f in annotation.model_fields.items()} | annotation.model_fields
-            if part not in fields:
+            types = _types(annotation)
+            if part not in types:
                 return None
-            annotation = fields[part].annotation
+            annotation = types[part]
         elif get_origin(annotation) is dict:
             annotation = get_args(annotation)[1]
         else:

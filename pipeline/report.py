@@ -13,6 +13,7 @@ from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
 from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
+from kiln.stages.engines.registry import backend_libraries
 from kiln.stages.validate.report import report_section as validate_section
 
 __all__ = ["build_report", "render_markdown", "write_report", "validation_of", "fmt", "result_line", "seconds_cell"]
@@ -47,7 +48,12 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     if stages.get("validate", {}).get("status") == "stale":
         validation = None  # results of other settings or engines: not this configuration's verdict
     ok = result.ok and (validation or {}).get("passed") is not False
-    report: dict[str, Any] = {"name": config.name, "ok": ok, "stages": stages, "environment": environment()}
+    report: dict[str, Any] = {
+        "name": config.name,
+        "ok": ok,
+        "stages": stages,
+        "environment": environment(*backend_libraries()),
+    }
     if result.error is not None:
         report["error"] = str(result.error)
     if validation:

@@ -34,6 +34,7 @@ from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.pipeline.user_code import code_version
+from kiln.stages.engines.registry import backend_libraries
 
 MANIFEST = "manifest.json"
 log = logging.getLogger("kiln")
@@ -291,7 +292,7 @@ class Runner:
                     "summary": summary,
                     "seconds": seconds,
                     "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "environment": environment(),
+                    "environment": environment(*backend_libraries()),
                 },
             )
             self._verified[final] = hash_json(outputs)  # just written and hashed: no need to read it again

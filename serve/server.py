@@ -33,7 +33,7 @@ import numpy as np
 from kiln.core.errors import BackendUnavailable, GateFailure, InputFileError, KilnError
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line
-from kiln.stages.engines.engines import SIDECAR, read_metadata
+from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.triton_repo import served_max_batch
 

@@ -22,7 +22,7 @@ __all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "Pac
 from pydantic import Field
 
 from kiln.stages import triton_repo
-from kiln.stages.engines.engines import engine_dirs, read_metadata
+from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.triton_repo import engine_max_batch, stock_model, triton_config, write_python_model, write_stock_model
 
 

@@ -43,7 +43,7 @@ def _dynamic(dim: Any) -> bool:
 
 
 def engine_max_batch(meta: EngineMetadata) -> int | None:
-    """The largest batch a TensorRT engine's optimization profiles accept (None: not bounded, e.g. ONNX Runtime)."""
+    """The largest batch the engine accepts (a TensorRT engine's profiles bound it; None: not bounded)."""
     return meta.max_batch()
 
 
@@ -120,9 +120,8 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
     limit = engine_max_batch(meta)
     if mbs > 0 and limit is not None and mbs > limit:
         problems.append(f"max_batch_size {mbs} exceeds the engine's profile maximum {limit}")
-    smallest = [shape["min"][0] for profile in meta.profiles or [] for shape in profile.values()]
-    if mbs > 0 and smallest and min(smallest) > 1:
-        problems.append(f"the engine's profiles start at batch {min(smallest)}: a single request would fail")
+    if mbs > 0 and meta.batch_range and meta.batch_range[0] > 1:
+        problems.append(f"the engine takes batches from {meta.batch_range[0]}: a single request would fail")
     if (mbs > 0) != ("dynamic_batching" in cfg):
         problems.append("dynamic_batching must be set exactly when max_batch_size > 0")
     for kind in ("input", "output"):

@@ -111,6 +111,15 @@ def test_stages_import_earlier_stages_only() -> None:
     assert not later, "\n".join(later)
 
 
+def test_a_backend_folder_imports_no_other_backend() -> None:
+    """A backend is one folder (``stages/engines/<name>/``): it uses Kiln's shared engine code, never another
+    backend's, so one can be added or removed alone."""
+    folders = {p.parent.name for p in (REPO / "stages" / "engines").glob("*/__init__.py")}
+    owner = {m: m.split(".")[3] for m in MODULES if m.startswith("kiln.stages.engines.") and m.split(".")[3] in folders}
+    crossing = [f"{m} imports {i}" for m, b in owner.items() for i, _ in imports(m) if owner.get(i, b) != b]
+    assert folders >= {"onnxruntime", "tensorrt", "torch"} and not crossing, "\n".join(crossing)
+
+
 def test_the_rules_see_relative_and_type_checking_imports(tmp_path: Path) -> None:
     """The scan itself: a relative import and one under TYPE_CHECKING are both found."""
     MODULES["kiln.stages.fake"] = tmp_path / "fake.py"

@@ -1,4 +1,4 @@
 """Engine builders (ONNX Runtime, TensorRT) and runners that load a built engine directory.
 
-Serving code loads an engine with :func:`kiln.stages.engines.engines.load_engine`.
+Serving code loads an engine with :func:`kiln.stages.engines.backend.load_engine`.
 """

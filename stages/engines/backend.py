@@ -1,31 +1,45 @@
-"""What a backend is: one module that registers how to build its engines, run them, and serve them.
+"""What a backend is, and what every engine folder holds.
 
-Adding a backend is one module defining a :class:`Backend` plus one line in :mod:`.registry`; the build stage,
-validation, packaging and ``kiln build`` go through this interface and never test a backend's name.
+A backend is one folder under ``stages/engines/`` (``onnxruntime/``, ``tensorrt/``, ``torch/``) that defines a
+:class:`Backend`: its config section (``build.<name>``), how it builds an engine, the record it keeps about the
+build in ``kiln-engine.json``, its runners, the libraries its engines depend on and the hints it gives when one
+misses an accuracy gate. :mod:`.registry` lists them; the build stage, validation, packaging and ``kiln build`` go
+through this interface and never test a backend's name.
+
+An engine is a folder: a model file plus ``kiln-engine.json`` (:class:`~kiln.core.records.EngineMetadata`). Runners
+follow Polygraphy's shape: ``activate`` (load; heavy work happens here, not in ``__init__``), ``infer`` (dict of
+numpy arrays in, dict out), ``deactivate``; they are context managers and import their library in ``activate``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from pydantic import BaseModel
+
+from kiln.core.artifacts import hash_file
+from kiln.core.errors import InputError, InputFileError
 from kiln.core.records import EngineMetadata, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
-from kiln.stages.engines.config import BuildConfig
-from kiln.stages.engines.engines import Runner
+
+SIDECAR = "kiln-engine.json"
+REBUILD = "rebuild the engine: `kiln build` (or `kiln run --force build` in a workdir)"
 
 
 @dataclass(frozen=True)
 class BuildRequest:
-    """One engine to build: ``onnx_path`` into the (staging) folder ``out``."""
+    """One engine to build: ``onnx_path`` into the (staging) folder ``out``, with the backend's own settings."""
 
     onnx_path: Path
     out: Path
     device: str
     precision: str
-    config: BuildConfig
+    settings: Any  # the backend's config section (``build.<backend>``), of type ``Backend.config``
     cache_dir: Path
     inputs: list[TensorSpec]
     max_batch: int = 32  # bounds default optimization profiles and the batch sizes autotuned
@@ -38,6 +52,19 @@ class BuildRequest:
 
 
 @dataclass(frozen=True)
+class Built:
+    """What a backend's build returns: its files (role -> file; ``model`` is the engine itself), the library that
+    runs it (``flavour``) and versions, its own record (``Backend.record``) and the batch sizes it accepts."""
+
+    files: dict[str, str]
+    flavour: str
+    versions: dict[str, str]
+    info: BaseModel
+    builder_settings: dict[str, Any] = field(default_factory=dict)
+    batch_range: tuple[int, int] | None = None  # (smallest, largest) batch; None: any
+
+
+@dataclass(frozen=True)
 class TritonModel:
     """How Triton's stock backend loads this engine kind: ``platform`` and the model file's name."""
 
@@ -47,32 +74,52 @@ class TritonModel:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the build stage makes of one backend under a config: the devices to build for, and why not others."""
+    """What the build stage makes of one backend under its settings: the devices to build for, and why not others."""
 
     devices: list[str]
     skipped: list[str] = field(default_factory=list)
 
 
+def _any_device(meta: EngineMetadata) -> tuple[bool, str]:
+    return True, ""
+
+
+def _no_hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class Backend:
+    """One engine kind. Everything Kiln needs to know about it, so that adding one is its folder plus one line in
+    :mod:`.registry` (``tests/stages/engines/test_registry.py`` registers a toy one from a test module)."""
+
     name: str
     devices: tuple[str, ...]  # devices it can build for
-    settings: Callable[[BuildConfig], Section]  # its config section (part of each engine's settings hash)
-    plan: Callable[[BuildConfig, str], Plan]  # which devices to build this precision for, under this config
-    build: Callable[[BuildRequest], dict[str, Any]]  # writes the engine files; returns its part of the metadata
+    config: type[Section]  # its section of the build config, ``build.<name>``; part of each engine's settings hash
+    record: type[BaseModel]  # what it records about a build (``kiln-engine.json`` "backend_info")
+    build: Callable[[BuildRequest], Built]  # writes the engine files into ``request.out``
     runners: dict[str, type[Runner]]  # device -> runner class
-    can_run: Callable[[EngineMetadata], tuple[bool, str]]  # on this machine, and why not
+    plan: Callable[[Any, str], Plan] = lambda settings, precision: Plan(list(settings.devices))
+    can_run: Callable[[EngineMetadata], tuple[bool, str]] = _any_device  # on this machine, and why not
+    libraries: tuple[str, ...] = ()  # distributions whose versions belong in its engines' cache keys
+    hints: Callable[[EngineMetadata, list[str]], list[str]] = _no_hints  # what to try when gates fail
     triton: TritonModel | None = None  # None: no stock Triton backend loads it
     # Which of its engines that stock backend can load (e.g. not TensorRT-RTX engines, which Triton cannot run).
     triton_loads: Callable[[EngineMetadata], bool] = lambda meta: True
-    # A build failure under this config skips the engine (reported) instead of failing the stage.
-    optional: Callable[[BuildConfig], bool] = lambda cfg: False
+    # A build failure under these settings skips the engine (reported) instead of failing the stage.
+    optional: Callable[[Any], bool] = lambda settings: False
     # Which graph of a precision variant this engine is built from, and the nodes to keep FP32 when converting.
-    source: (
-        Callable[[Backend, str, str, dict[str, PrecisionVariant], BuildConfig], tuple[str, list[str] | None]] | None
-    ) = None
+    source: Callable[[Backend, str, str, dict[str, PrecisionVariant], Any], tuple[str, list[str] | None]] | None = None
     # Preference among engines within timing noise of each other (validate's per-batch choice): lower first.
     rank: int = 100
+
+    def settings(self, build_config: Section) -> Any:
+        """This backend's section of a build config (``build.<name>``)."""
+        return getattr(build_config, self.name)
+
+    def info(self, meta: EngineMetadata) -> Any:
+        """The engine's ``backend_info`` as this backend's typed record."""
+        return self.record.model_validate(meta.backend_info)
 
     def stock_triton(self, meta: EngineMetadata) -> TritonModel | None:
         """How Triton's stock backend loads this engine, or None where it cannot."""
@@ -82,10 +129,124 @@ class Backend:
         return f"{self.name}-{device}-{precision}" if len(self.devices) > 1 else f"{self.name}-{precision}"
 
     def source_for(
-        self, device: str, precision: str, variants: dict[str, PrecisionVariant], cfg: BuildConfig
+        self, device: str, precision: str, variants: dict[str, PrecisionVariant], settings: Any
     ) -> tuple[str, list[str] | None]:
         """The variant's graph made for this engine kind if it has one, else its graph; no nodes to keep."""
         if self.source is not None:
-            return self.source(self, device, precision, variants, cfg)
+            return self.source(self, device, precision, variants, settings)
         variant = variants[precision]
         return variant.backend_paths.get(f"{self.name}-{device}", variant.path), None
+
+
+# ------------------------------------------------------------------------------------------------ engine folders
+def read_metadata(engine_dir: Path) -> EngineMetadata:
+    p = Path(engine_dir) / SIDECAR
+    if not p.is_file():
+        raise InputFileError(
+            f"{engine_dir} is not a Kiln engine (no {SIDECAR})", hint="point at a folder `kiln build` wrote"
+        )
+    return EngineMetadata.read(p, hint=REBUILD)
+
+
+def engine_dirs(folder: Path) -> list[Path]:
+    """The engine folders directly under ``folder`` (a build stage's output), in name order."""
+    return sorted(p.parent for p in Path(folder).glob(f"*/{SIDECAR}"))
+
+
+def verify_files(engine_dir: Path, meta: EngineMetadata) -> None:
+    """Every file the metadata lists is there with its recorded content: a damaged engine is refused, not run."""
+    for name, digest in meta.file_hashes.items():
+        path = Path(engine_dir) / name
+        if not path.is_file():
+            raise InputFileError(f"engine {meta.name}: {name} is missing from {engine_dir}", hint=REBUILD)
+        if hash_file(path) != digest:
+            raise InputFileError(
+                f"engine {meta.name}: {name} does not match its recorded sha256 (the file changed after the build)",
+                hint=REBUILD,
+            )
+
+
+# ------------------------------------------------------------------------------------------------------ runners
+class Runner:
+    """Base runner. Subclasses implement ``_activate``, ``_infer`` and ``_deactivate``; ``info`` is the engine's
+    ``backend_info`` as its backend's record."""
+
+    per_shape_sessions = False  # True: each new input shape costs a build (a session, a CUDA graph capture)
+
+    def __init__(self, engine_dir: Path, meta: EngineMetadata, info: Any = None) -> None:
+        self.engine_dir, self.meta, self.info, self.active = Path(engine_dir), meta, info, False
+        self.name = meta.name
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.meta.inputs]
+
+    def activate(self) -> Runner:
+        if not self.active:
+            self._activate()
+            self.active = True
+        return self
+
+    def deactivate(self) -> None:
+        if self.active:
+            self._deactivate()
+            self.active = False
+
+    def __enter__(self) -> Runner:
+        return self.activate()
+
+    def __exit__(self, *exc: object) -> None:
+        self.deactivate()
+
+    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Outputs by name for ``feed`` (one array per input, as ``kiln-engine.json`` declares them)."""
+        if not self.active:
+            raise RuntimeError(f"runner {self.name} used before activate()")
+        check_feed(self.meta, feed)
+        return self._infer(feed)
+
+    def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
+        """Latency of one call in ms, host arrays in and out (what a caller of the engine sees)."""
+        self.infer(feed)  # checks the feed once; the timed calls below skip the check
+        for _ in range(warmup):
+            self._infer(feed)
+        times = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            self._infer(feed)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+
+    def _activate(self) -> None:
+        raise NotImplementedError
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _deactivate(self) -> None:
+        pass
+
+
+def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
+    """Every input the engine declares, as a numpy array of its dtype, rank and fixed sizes; nothing else. One
+    :class:`InputError` naming the first input that differs, before any backend sees it."""
+    missing, extra = sorted(set(meta.input_names()) - set(feed)), sorted(set(feed) - set(meta.input_names()))
+    if missing or extra:
+        problem = f"needs inputs {sorted(meta.input_names())}, got {sorted(feed)}"
+        raise InputError(f"engine {meta.name} {problem}", hint="pass one array per input, named as the engine names it")
+    for spec in meta.inputs:
+        array = feed[spec.name]
+        if not isinstance(array, np.ndarray):
+            raise InputError(
+                f"engine {meta.name}: input '{spec.name}' is a {type(array).__name__}, not a numpy array",
+                hint="pass numpy arrays (np.asarray(x), or tensor.numpy())",
+            )
+        fixed = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
+        shape_ok = array.ndim == len(fixed) and all(f is None or f == n for f, n in zip(fixed, array.shape))
+        if array.dtype != np.dtype(spec.dtype) or not shape_ok:
+            dims = ", ".join(str(d) for d in spec.shape)
+            raise InputError(
+                f"engine {meta.name}: input '{spec.name}' is {array.dtype}{list(array.shape)}, the engine takes "
+                f"{spec.dtype}[{dims}]",
+                hint=f"pass '{spec.name}' as {spec.dtype} with that shape (named axes take any size)",
+            )

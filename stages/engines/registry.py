@@ -1,6 +1,7 @@
 """The backends Kiln builds engines with, by name, and opening a built engine with the right runner.
 
-A plain dict, like the optimize pass registry: a reader (and a type checker) sees every backend in one place.
+A plain dict, like the optimize pass registry: a reader (and a type checker) sees every backend in one place. A
+backend is one folder beside this file; registering it is one line below (or :func:`register` from anywhere).
 Serving code opens an engine with :func:`load_engine`::
 
     with load_engine("out/onnxruntime-cuda-fp16") as runner:
@@ -13,13 +14,26 @@ from pathlib import Path
 
 from kiln.core.errors import BackendUnavailable, ConfigError
 from kiln.core.records import EngineMetadata
-from kiln.stages.engines import onnxruntime_backend, tensorrt_backend, torch_backend
-from kiln.stages.engines.backend import Backend
-from kiln.stages.engines.engines import Runner, read_metadata, verify_files
+from kiln.stages.engines import onnxruntime, tensorrt, torch
+from kiln.stages.engines.backend import Backend, Runner, read_metadata, verify_files
 
-BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (onnxruntime_backend.BACKEND, tensorrt_backend.BACKEND, torch_backend.BACKEND)
-}
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Make ``backend`` buildable (``build.backends``), configurable (``build.<name>``) and loadable by name."""
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+register(onnxruntime.BACKEND)
+register(tensorrt.BACKEND)
+register(torch.BACKEND)
+
+
+def backend_libraries(*names: str) -> list[str]:
+    """The distributions engines of these backends (default: every registered one) depend on."""
+    return list(dict.fromkeys(lib for name in names or BACKENDS for lib in BACKENDS[name].libraries))
 
 
 def backend_named(name: str) -> Backend:
@@ -52,4 +66,5 @@ def load_engine(engine_dir: str | Path) -> Runner:
             f"cannot run engine {meta.name}: {why}",
             hint="run it on a machine that can (see the engine's kiln-engine.json)",
         )
-    return BACKENDS[meta.backend].runners[meta.device](Path(engine_dir), meta)
+    backend = BACKENDS[meta.backend]
+    return backend.runners[meta.device](Path(engine_dir), meta, backend.info(meta))

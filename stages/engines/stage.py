@@ -21,11 +21,10 @@ from kiln.core.records import EngineMetadata, EngineSource, Variants
 from kiln.core.stage import Stage, StageContext
 from kiln.core.text import fmt
 from kiln.models.model_io import load_trained
-from kiln.stages.engines.backend import BuildRequest
+from kiln.stages.engines.backend import SIDECAR, BuildRequest, read_metadata
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.dynamic_axes import check_engine_graph
-from kiln.stages.engines.engines import SIDECAR, read_metadata
-from kiln.stages.engines.registry import BACKENDS, backend_named
+from kiln.stages.engines.registry import BACKENDS, backend_libraries, backend_named
 from kiln.stages.precision.config import PRECISIONS
 
 log = logging.getLogger("kiln.build")
@@ -60,6 +59,7 @@ def build_engine(
     inputs, outputs = io_specs(load_onnx(onnx_path, load_external_data=False))
     check_batch_fits(inputs, max_batch)  # profiles and autotuning allocate batches this large
     name = name or chosen.engine_name(device, precision)
+    settings = chosen.settings(cfg)
     t0 = time.perf_counter()
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         built = chosen.build(
@@ -68,7 +68,7 @@ def build_engine(
                 out,
                 device,
                 precision,
-                cfg,
+                settings,
                 Path(cache_dir),
                 inputs,
                 max_batch,
@@ -78,7 +78,7 @@ def build_engine(
                 torch_model=torch_model,
             )
         )
-        for file in built["files"].values():  # an ONNX engine must take every shape its source graph takes
+        for file in built.files.values():  # an ONNX engine must take every shape its source graph takes
             if file.endswith(".onnx"):
                 check_engine_graph(onnx_path, out / file, name)
         source = EngineSource(
@@ -92,7 +92,12 @@ def build_engine(
             inputs=inputs,
             outputs=outputs,
             source=source,
-            **built,
+            files=built.files,
+            flavour=built.flavour,
+            versions=built.versions,
+            batch_range=built.batch_range,
+            builder_settings=built.builder_settings,
+            backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),
         )
         meta.settings_hash = hash_json(
@@ -100,8 +105,8 @@ def build_engine(
                 "backend": backend,
                 "device": device,
                 "precision": precision,
-                "settings": chosen.settings(cfg).model_dump(mode="json"),
-                "profiles": meta.profiles,
+                "settings": settings.model_dump(mode="json"),
+                "shapes": {"max_batch": max_batch, "axis_sizes": axis_sizes or {}},
                 "source": source.sha256,
                 "kept_fp32": sorted(keep_fp32 or []),
                 "versions": meta.versions,
@@ -142,10 +147,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     skipped: list[str] = []
     for precision in variants:
         for backend in (BACKENDS[name] for name in cfg.backends):
-            plan = backend.plan(cfg, precision)
+            settings = backend.settings(cfg)
+            plan = backend.plan(settings, precision)
             skipped += plan.skipped
             for device in plan.devices:
-                src, keep = backend.source_for(device, precision, variants, cfg)
+                src, keep = backend.source_for(device, precision, variants, settings)
                 name = backend.engine_name(device, precision)
                 try:
                     meta = _build_with_fallback(
@@ -163,7 +169,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                         sizes,
                     )
                 except BuildError as exc:
-                    if not backend.optional(cfg):
+                    if not backend.optional(settings):
                         raise
                     ctx.log.warning("skipping %s: %s", name, exc)
                     skipped.append(f"{name}: {exc.message} (fix: {exc.hint})")
@@ -287,7 +293,7 @@ def report_section(summary: dict[str, Any]) -> list[str]:
 
 def _env(cfg: Any) -> dict[str, Any]:
     # Engines depend on the library that built them and on the GPU they were tuned for.
-    env = environment_subset("onnx", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", "torch", device=True)
+    env = environment_subset("onnx", *backend_libraries(*cfg.build.backends), device=True)
     # ORT CPU INT8 engines built where the fast INT8 kernels saturate hold ORT's uint8 weights for its exact kernels
     # (kiln.core.cpu_int8): same outputs, slower kernels; a workdir moved to or from such a CPU rebuilds them. Only
     # recorded there, so the key on every other machine stays what it was.

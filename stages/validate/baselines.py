@@ -20,7 +20,7 @@ import torch
 from kiln.core.data import Inputs, call, rebuild, tensors
 from kiln.core.records import Baseline, Memory, Percentiles
 from kiln.core.text import first_line
-from kiln.stages.engines.onnxruntime_runner import time_calls
+from kiln.core.timing import time_calls
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 
 

@@ -16,7 +16,7 @@ from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import EngineValidation, TensorSpec
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
-from kiln.stages.engines.engines import read_metadata
+from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.validate.stage import check_gates, compare_all, gates_for, percentiles, summarize
 

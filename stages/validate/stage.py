@@ -40,14 +40,12 @@ from kiln.core.labels import IGNORE_LABEL, per_position
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
-from kiln.core.records import Baseline, EngineValidation, Memory, TensorSpec, ValidationResult
+from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Memory, TensorSpec, ValidationResult
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import Stage, StageContext
 from kiln.models.model_io import load_trained, torch_model_named
-from kiln.stages.engines import conv_epilogues
-from kiln.stages.engines.engines import engine_dirs, read_metadata
-from kiln.stages.engines.gemm_epilogues import accuracy_hint
-from kiln.stages.engines.registry import load_engine, preference_order, runnable
+from kiln.stages.engines.backend import engine_dirs, read_metadata
+from kiln.stages.engines.registry import backend_libraries, backend_named, load_engine, preference_order, runnable
 from kiln.stages.precision import speed as precision_speed
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.baselines import measure, percentiles, speedups
@@ -157,12 +155,10 @@ def sample_batch(x: Any, batch: int) -> Any:
 LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
 
 
-def engine_hints(builder_settings: dict[str, Any], device: str, failures: list[str]) -> list[str]:
-    """What to try when an engine missed an accuracy gate (one the way it was built may explain)."""
-    if not any(not f.startswith(LATENCY_GATE) for f in failures):
-        return []
-    hints = (accuracy_hint(builder_settings, device), conv_epilogues.accuracy_hint(builder_settings))
-    return [h for h in hints if h]
+def engine_hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
+    """What to try when an engine missed accuracy gates: its backend's hints (the way it was built may explain)."""
+    accuracy = [f for f in failures if not f.startswith(LATENCY_GATE)]
+    return backend_named(meta.backend).hints(meta, accuracy) if accuracy else []
 
 
 def gates_for(cfg: ValidateConfig, precision: str) -> dict[str, Any]:
@@ -325,7 +321,7 @@ def validate_engine(
     entry.gates = gates_for(cfg, meta.precision)
     entry.failures = check_gates(entry, baselines[0].accuracy if baselines else None, entry.gates, largest)
     entry.passed = not entry.failures
-    entry.hints = engine_hints(meta.builder_settings, meta.device, entry.failures)
+    entry.hints = engine_hints(meta, entry.failures)
     entry.status = "validated"
     return entry
 
@@ -521,7 +517,7 @@ def _time_session(sess: Any, feed: Feed, cfg: ValidateConfig) -> list[float]:
 
 
 def _env(cfg: Any) -> dict[str, Any]:
-    return environment_subset("torch", "onnxruntime", "onnxruntime-gpu", "tensorrt", "tensorrt-rtx", device=True)
+    return environment_subset("torch", "onnxruntime", *backend_libraries(), device=True)
 
 
 # Engines run through kiln.stages.engines' runners, and the baseline is built from kiln.models: their code is part

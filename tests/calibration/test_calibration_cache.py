@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from calib_graphs import batches, conv_model, saved
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.quantize import quantize_int8
 from kiln.calibration.ranges import STATS, calibrate
+from tests.calibration.calib_graphs import batches, conv_model, saved
 
 
 def test_second_call_reuses_the_cache(tmp_path: Path) -> None:

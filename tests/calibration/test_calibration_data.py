@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from calib_graphs import batches, saved
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches, hash_batches
@@ -17,6 +16,7 @@ from kiln.calibration.trt_table import read_trt_table, write_trt_table
 from kiln.core.errors import ConfigError
 from kiln.models.datasets import synthetic
 from kiln.pipeline.config import config_from_dict
+from tests.calibration.calib_graphs import batches, saved
 
 
 def test_dataset_batches_fixed_count_deterministic_and_like_validation() -> None:

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from calib_graphs import batches, saved
 from onnx import numpy_helper
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.quantize import quantize_int8
 from kiln.calibration.ranges import calibrate
 from kiln.stages.precision.compare import output_metrics, run_batched
+from tests.calibration.calib_graphs import batches, saved
 
 
 def _quantize(tmp: Path, cfg: CalibrationConfig, method: str = "minmax") -> onnx.ModelProto:

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from calib_graphs import batches, saved
 from onnx import numpy_helper
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.quantize import quantize_int8, resolve_reduce_range
 from kiln.calibration.ranges import calibrate
 from kiln.core.cpu_int8 import this_cpu_saturates
+from tests.calibration.calib_graphs import batches, saved
 
 
 def test_off_by_default_and_auto_follows_this_cpu() -> None:

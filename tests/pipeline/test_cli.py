@@ -138,7 +138,7 @@ def test_corrupt_checkpoint(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
 
 
 def test_missing_tensorrt_backend(cli: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kiln.stages.engines.tensorrt_lib as tensorrt_lib
+    import kiln.stages.engines.tensorrt.lib as tensorrt_lib
 
     # Simulate a machine without any TensorRT package (CI has tensorrt_rtx installed).
     monkeypatch.setattr(tensorrt_lib, "import_tensorrt", lambda flavour=None: None)

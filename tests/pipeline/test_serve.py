@@ -35,7 +35,7 @@ from kiln.serve.server import (
     tritonserver_process,
     wait_ready,
 )
-from kiln.stages.engines.engines import read_metadata
+from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from tests.conftest import tiny_config_dict
 

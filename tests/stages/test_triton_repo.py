@@ -39,7 +39,7 @@ TRT_FIELDS = {
     "name": "t",
     "backend": "tensorrt",
     "device": "cuda",
-    "profiles": [{"input": {"min": [1, 3, 8, 8], "opt": [8, 3, 8, 8], "max": [16, 3, 8, 8]}}],
+    "batch_range": (1, 16),
     "inputs": [{"name": "input", "shape": ["batch", 3, 8, 8], "dtype": "float16"}],
     "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float16"}],
 }
@@ -71,10 +71,10 @@ def test_a_fixed_batch_model_is_served_unbatched_with_its_full_shape() -> None:
     assert not cfg.HasField("dynamic_batching")
 
 
-def test_profiles_that_cannot_take_one_request_are_refused() -> None:
+def test_engines_that_cannot_take_one_request_are_refused() -> None:
     meta = TRT.model_copy(deep=True)
-    meta.profiles[0]["input"]["min"][0] = 4
-    with pytest.raises(ModelError, match="start at batch 4"):
+    meta.batch_range = (4, 16)
+    with pytest.raises(ModelError, match="takes batches from 4"):
         model_config("m", meta, 32)
 
 

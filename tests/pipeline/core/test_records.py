@@ -59,8 +59,8 @@ def test_missing_file(tmp_path: Path) -> None:
         EngineMetadata.read(tmp_path / "nope.json", hint="x")
 
 
-def test_max_batch_from_profiles() -> None:
+def test_max_batch_from_the_batch_range() -> None:
     meta = _meta()
     assert meta.max_batch() is None
-    meta.profiles = [{"input": {"min": [1, 4], "opt": [8, 4], "max": [16, 4]}}]
+    meta.batch_range = (1, 16)
     assert meta.max_batch() == 16

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from build_graphs import zoo_graph  # noqa: E402
+from tests.stages.engines.build_graphs import zoo_graph
 
 
 @pytest.fixture(scope="session")

@@ -8,15 +8,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from two_input import export_two_input, feeds
 
 from kiln.core.errors import BuildError
 from kiln.core.records import TensorSpec
-from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig, OrtAutotuneConfig
+from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_axes
-from kiln.stages.engines.onnxruntime_runner import pin_shapes
+from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig, OrtAutotuneConfig
+from kiln.stages.engines.onnxruntime.runner import pin_shapes
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
+from tests.stages.engines.two_input import export_two_input, feeds
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -74,11 +75,11 @@ def _build_and_run(tmp_path: Path, device: str) -> None:
         "offline_fallback:",
         meta.builder_settings.get("offline_fallback"),
         "offline level:",
-        (meta.session or {}).get("offline_optimization"),
+        (meta.backend_info["session"] or {}).get("offline_optimization"),
     )
     if device == "cuda":  # every trial that was timed ran its batch (the shape check), none failed on shape
-        assert all("another shape" not in (t.get("error") or "") for t in meta.autotune["trials"])
-        assert set(meta.autotune["choice_by_batch"]) == {"1", "32"}
+        assert all("another shape" not in (t.get("error") or "") for t in meta.backend_info["autotune"]["trials"])
+        assert set(meta.backend_info["autotune"]["choice_by_batch"]) == {"1", "32"}
 
 
 def test_two_input_transformer_fp16_cpu_engine_takes_batch_1_and_32(tmp_path: Path) -> None:
@@ -95,7 +96,7 @@ def test_two_input_transformer_fp16_cuda_engine_takes_batch_1_and_32(tmp_path: P
 def test_cuda_offline_save_that_pins_axes_falls_back_to_the_converted_graph(tmp_path: Path, monkeypatch) -> None:
     """The fallback path, with the CUDA EP's pinning simulated (this machine has no CUDA EP): the engine file is the
     converted FP16 graph itself (FP16 weights, dynamic batch), not a CPU-EP save, and no temporary file is left."""
-    from kiln.stages.engines import onnxruntime_backend as backend
+    from kiln.stages.engines.onnxruntime import build as backend
 
     src = onnx.load(str(export_two_input(tmp_path / "src.onnx")))
     monkeypatch.setattr(backend, "lost_in_model", lambda a, b: ["input_ids[0]: 'batch' -> 1"])

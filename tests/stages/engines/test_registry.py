@@ -8,11 +8,15 @@ import numpy as np
 import pytest
 
 from kiln.core.errors import ConfigError, InputFileError
-from kiln.stages.engines.backend import Backend
-from kiln.stages.engines.config import BuildConfig, OnnxRuntimeConfig
-from kiln.stages.engines.engines import SIDECAR, read_metadata
-from kiln.stages.engines.registry import BACKENDS, backend_named, load_engine
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
+from kiln.stages.engines.backend import SIDECAR, Backend, read_metadata
+from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
+from kiln.stages.engines.registry import BACKENDS, backend_named, load_engine, register
 from kiln.stages.engines.stage import build_engine
+from tests.conftest import tiny_config_dict
+from tests.stages.engines.toy_backend import TOY
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))
@@ -74,3 +78,25 @@ def test_build_messages_name_the_engine_not_the_staging_folder(tmp_path: Path, z
     )
     assert "not autotuning onnxruntime-cpu-fp32" in caplog.text
     assert "staging" not in caplog.text
+
+
+def test_a_backend_defined_outside_kiln_is_one_registration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/stages/engines/toy_backend.py (ONNX's reference evaluator as an engine) plus ``register(TOY)``: its
+    config section is taken, the build stage builds it, validation runs it against PyTorch, packaging ships it."""
+    monkeypatch.setitem(BACKENDS, TOY.name, TOY)  # undone after the test; register() below is what a user writes
+    register(TOY)
+    overrides = {"build.backends": ["toy"], "build.toy": {"optimized": True}, "precision.variants": ["fp32"]}
+    result, report = run_pipeline(config_from_dict(tiny_config_dict(**overrides)), tmp_path / "wd")
+    assert result.error is None and report["ok"], report.get("error")
+    meta = read_metadata(tmp_path / "wd" / "build" / "toy-fp32")
+    assert meta.flavour == "onnx-reference" and meta.backend_info == {
+        "evaluator": "onnx.reference.ReferenceEvaluator",
+        "optimized": True,
+    }
+    (engine,) = report["validation"]["engines"]
+    assert engine["name"] == "toy-fp32" and engine["passed"] and engine["cosine"] > 0.9999
+    assert (tmp_path / "wd" / "package" / "engines" / "toy-fp32" / SIDECAR).is_file()
+    with load_engine(tmp_path / "wd" / "build" / "toy-fp32") as runner:
+        assert runner.infer({"input": np.zeros((2, 1, 8, 8), "float32")})["logits"].shape == (2, 10)
+    with pytest.raises(ConfigError, match="build.toy.optimized"):
+        config_from_dict({"build": {"backends": ["toy"], "toy": {"optimized": "very"}}})

@@ -13,8 +13,8 @@ from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.stage import StageContext
 from kiln.pipeline.config import config_from_dict
 from kiln.stages.engines import stage
-from kiln.stages.engines.engines import SIDECAR, read_metadata
-from kiln.stages.engines.tensorrt_lib import import_tensorrt
+from kiln.stages.engines.backend import SIDECAR, read_metadata
+from kiln.stages.engines.tensorrt.lib import import_tensorrt
 
 HAS_TRT = import_tensorrt() is not None
 
@@ -48,11 +48,11 @@ def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
         assert (ctx.out / name / SIDECAR).is_file() and meta.name == name
     # Profiles default to dynamic batch 1..max(validate.batch_sizes); the cache is shared under ctx.cache_dir.
     trt = read_metadata(ctx.out / "tensorrt-fp16")
-    assert trt.profiles[0]["input"]["max"][0] == 8 and trt.source.file == "model.onnx"
-    if "path" in trt.timing_cache:  # full TensorRT; TensorRT-RTX keeps no timing cache (a note says so)
-        assert Path(trt.timing_cache["path"]).parent == ctx.cache_dir / "tensorrt"
+    assert trt.backend_info["profiles"][0]["input"]["max"][0] == 8 and trt.source.file == "model.onnx"
+    if "path" in trt.backend_info["timing_cache"]:  # full TensorRT; TensorRT-RTX keeps no timing cache (a note says so)
+        assert Path(trt.backend_info["timing_cache"]["path"]).parent == ctx.cache_dir / "tensorrt"
     else:
-        assert "not used by TensorRT-RTX" in trt.timing_cache["note"]
+        assert "not used by TensorRT-RTX" in trt.backend_info["timing_cache"]["note"]
     # ORT's fp16 engine is made from the FP32 graph (fuse, then convert): see onnxruntime.fp16_source.
     ort16 = read_metadata(ctx.out / "onnxruntime-cpu-fp16")
     assert ort16.source.sha256 == read_metadata(ctx.out / "onnxruntime-cpu-fp32").source.sha256

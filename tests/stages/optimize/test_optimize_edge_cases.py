@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import onnx
 from onnx import helper as h
-from optimize_helpers import FLOAT, f32, make_model, ops, run_pass
+
+from tests.stages.optimize.optimize_helpers import FLOAT, f32, make_model, ops, run_pass
 
 
 def _valid(model: onnx.ModelProto) -> None:

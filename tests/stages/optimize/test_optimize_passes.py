@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from onnx import helper as h
 from onnx import numpy_helper
-from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass, same_outputs
+
+from tests.stages.optimize.optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass, same_outputs
 
 TESTED: set[str] = set()  # filled by the tests below; test_optimize_registry checks every pass is here
 

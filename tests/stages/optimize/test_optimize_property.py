@@ -7,10 +7,10 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper as h
-from optimize_helpers import FLOAT, f32, make_model, same_outputs
 
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
+from tests.stages.optimize.optimize_helpers import FLOAT, f32, make_model, same_outputs
 
 D = 8
 

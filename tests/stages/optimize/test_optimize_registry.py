@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 from onnx import helper as h
-from optimize_helpers import FLOAT, make_model, ops
-from test_optimize_passes import TESTED
 
 from kiln.core.errors import ConfigError
 from kiln.pipeline.config import config_from_dict
 from kiln.stages.optimize import catalog, registry
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import DEFAULT_PASSES, OptimizeConfig
+from tests.stages.optimize.optimize_helpers import FLOAT, make_model, ops
+from tests.stages.optimize.test_optimize_passes import TESTED
 
 
 def test_unknown_pass_lists_the_available_ones():

@@ -7,12 +7,12 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper as h
-from optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
 
 from kiln.core.errors import ModelError
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import Verifier, run_ort
+from tests.stages.optimize.optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
 
 N = h.make_node
 

@@ -7,7 +7,6 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from optimize_helpers import trt_build
 
 from kiln.core.stage import StageContext
 from kiln.models.registry import build_model
@@ -17,6 +16,7 @@ from kiln.stages.optimize import stage
 from kiln.stages.optimize.api import optimize_file, optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import run_ort
+from tests.stages.optimize.optimize_helpers import trt_build
 
 EXAMPLES = {
     "cnn": lambda: torch.randn(2, 1, 8, 8),

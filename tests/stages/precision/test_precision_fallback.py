@@ -7,11 +7,18 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper
-from precision_graphs import chain_graph, inputs, make_model, plus_minus_big_graph, reshape_in_range_graph, rng_weights
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.variants import Source, build_fp16, build_int8
+from tests.stages.precision.precision_graphs import (
+    chain_graph,
+    inputs,
+    make_model,
+    plus_minus_big_graph,
+    reshape_in_range_graph,
+    rng_weights,
+)
 
 NO_RANGE_CHECK = FP16Config(range_check=False)  # so only the fallback can catch the planted node
 

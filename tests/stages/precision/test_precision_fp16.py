@@ -8,7 +8,15 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from precision_graphs import (
+
+from kiln.calibration.ranges import calibrate
+from kiln.stages.precision.casts import cast_chains, remove_cast_chains
+from kiln.stages.precision.compare import run_batched
+from kiln.stages.precision.config import FP16Config
+from kiln.stages.precision.emulate import emulate_fp16
+from kiln.stages.precision.fp16 import convert_fp16
+from kiln.stages.precision.fp16_select import decomposed_layernorm_nodes, select_fp32_nodes
+from tests.stages.precision.precision_graphs import (
     chain_graph,
     decomposed_layernorm_graph,
     inputs,
@@ -20,14 +28,6 @@ from precision_graphs import (
     rng_weights,
     sensitive_graph,
 )
-
-from kiln.calibration.ranges import calibrate
-from kiln.stages.precision.casts import cast_chains, remove_cast_chains
-from kiln.stages.precision.compare import run_batched
-from kiln.stages.precision.config import FP16Config
-from kiln.stages.precision.emulate import emulate_fp16
-from kiln.stages.precision.fp16 import convert_fp16
-from kiln.stages.precision.fp16_select import decomposed_layernorm_nodes, select_fp32_nodes
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 

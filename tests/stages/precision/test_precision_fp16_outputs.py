@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from precision_graphs import rng_weights
 
 from kiln.core.onnx_io import infer_shapes
 from kiln.stages.precision.casts import remove_cast_chains
 from kiln.stages.precision.compare import run_batched
 from kiln.stages.precision.config import FP16Config
 from kiln.stages.precision.fp16 import convert_fp16, name_nodes
+from tests.stages.precision.precision_graphs import rng_weights
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
 

@@ -10,7 +10,6 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper
-from precision_graphs import inputs, make_model, node_input_types, rng_weights
 
 from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx
 from kiln.stages.export import export_onnx
@@ -19,6 +18,7 @@ from kiln.stages.precision.compare import run_batched
 from kiln.stages.precision.config import FP16Config
 from kiln.stages.precision.fp16 import convert_fp16, name_nodes
 from kiln.stages.precision.fp16_select import select_fp32_nodes
+from tests.stages.precision.precision_graphs import inputs, make_model, node_input_types, rng_weights
 from tests.user_models import BagModel
 
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 from onnx import helper
-from precision_graphs import inputs, make_model, rng_weights
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.stages.precision.compare import output_metrics, run_batched
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.variants import Source, build_int8
+from tests.stages.precision.precision_graphs import inputs, make_model, rng_weights
 
 
 def mlp_graph():

@@ -8,10 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from train_helpers import tiny_data, tiny_net, train_cfg
+from train_helpers import tiny_data, tiny_net, train_cfg  # beside this script, which torchrun runs by its path
 
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.loop import train

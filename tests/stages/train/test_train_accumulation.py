@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
 
 from kiln.stages.train.data import micro_batches
 from kiln.stages.train.loop import train
+from tests.stages.train.train_helpers import max_diff, tiny_data, tiny_net, train_cfg
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import (
+
+from kiln.core.errors import InputFileError, TrainingError
+from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.loop import evaluate, train
+from tests.stages.train.train_helpers import (
     Crash,
     TinyNet,
     bn_net,
@@ -20,10 +24,6 @@ from train_helpers import (
     tiny_net,
     train_cfg,
 )
-
-from kiln.core.errors import InputFileError, TrainingError
-from kiln.stages.train import checkpoint as ckpt
-from kiln.stages.train.loop import evaluate, train
 
 
 @pytest.mark.parametrize("precision, accum", [("fp32", 1), ("bf16", 2)])

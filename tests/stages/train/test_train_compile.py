@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from train_helpers import Crash, crash_at, max_diff, tiny_data, tiny_net, train_cfg
 
 from kiln.core.errors import TrainingError
 from kiln.pipeline.config import load_config
@@ -27,6 +26,7 @@ from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.compile import CompileCounts
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
+from tests.stages.train.train_helpers import Crash, crash_at, max_diff, tiny_data, tiny_net, train_cfg
 
 
 @pytest.fixture(autouse=True)

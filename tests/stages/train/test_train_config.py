@@ -68,9 +68,8 @@ def test_optimizer_values_out_of_range_are_config_errors(train: dict, message: s
 
 
 def test_warmup_longer_than_the_run_is_a_config_error() -> None:
-    from train_helpers import tiny_data, tiny_net, train_cfg
-
     from kiln.stages.train.loop import train
+    from tests.stages.train.train_helpers import tiny_data, tiny_net, train_cfg
 
     with pytest.raises(ConfigError, match=r"warmup_steps is 10 but the run has only 10 optimizer steps"):
         train(tiny_net(), tiny_data(), train_cfg(epochs=2, warmup_steps=10))  # 5 steps per epoch

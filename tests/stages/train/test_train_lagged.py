@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 from kiln.core.errors import TrainingError
 from kiln.stages.train import checkpoint as ckpt
@@ -26,6 +25,7 @@ from kiln.stages.train.health import (
 )
 from kiln.stages.train.loop import train
 from kiln.stages.train.update_graph import WARMUP_STEPS
+from tests.stages.train.train_helpers import max_diff, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from train_helpers import max_diff, tiny_data, tiny_net, train_cfg
 
 from kiln.stages.train.data import make_loader
 from kiln.stages.train.dist import DistEnv
 from kiln.stages.train.loop import train
 from kiln.stages.train.optim import make_optimizer, make_schedule, param_groups
+from tests.stages.train.train_helpers import max_diff, tiny_data, tiny_net, train_cfg
 
 
 def test_worker_processes_give_the_same_training() -> None:

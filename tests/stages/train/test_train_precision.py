@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from train_helpers import tiny_data, tiny_net, train_cfg
 
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train.config import AmpConfig
 from kiln.stages.train.loop import train
 from kiln.stages.train.precision import autocast_lowers, fp32_norms, make_scaler, norm_dtypes, update_scaler
+from tests.stages.train.train_helpers import tiny_data, tiny_net, train_cfg
 
 CPU = torch.device("cpu")
 

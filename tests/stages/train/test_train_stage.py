@@ -58,9 +58,8 @@ def test_profiler_trace_and_eval_every(tmp_path: Path) -> None:
 def test_profile_longer_than_the_run_says_how_many_steps_it_traced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from train_helpers import tiny_data, tiny_net, train_cfg
-
     from kiln.stages.train.loop import train
+    from tests.stages.train.train_helpers import tiny_data, tiny_net, train_cfg
 
     monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
     caplog.set_level(logging.INFO, logger="kiln.train")

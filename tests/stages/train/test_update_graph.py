@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from train_helpers import Crash, bn_net, crash_at, max_diff, nan_inside, nan_on_forward, tiny_data, tiny_net, train_cfg
 
 from kiln.core.errors import TrainingError
 from kiln.stages.train import checkpoint as ckpt
@@ -23,6 +22,17 @@ from kiln.stages.train import update_graph
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
 from kiln.stages.train.update_graph import WARMUP_STEPS, wanted
+from tests.stages.train.train_helpers import (
+    Crash,
+    bn_net,
+    crash_at,
+    max_diff,
+    nan_inside,
+    nan_on_forward,
+    tiny_data,
+    tiny_net,
+    train_cfg,
+)
 
 CUDA = torch.device("cuda")
 

@@ -1,0 +1,81 @@
+"""The model's signature as a run declares it: which input axes vary, the sizes engines are built and validated
+for, and which output holds class logits.
+
+Several stages read it (export names the axes, precision calibrates at those sizes, build sizes its profiles,
+validate runs at them), so it is one record of the lowest layer, handed to each stage that declares it, rather
+than keys of one stage's section that other stages reach into. In a config file it is the ``signature:`` section;
+its keys are also taken where earlier versions of Kiln read them (``export.dynamic_axes``,
+``validate.batch_sizes``, ``validate.shapes``, ``validate.logits_output``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, PositiveInt, field_validator
+
+from kiln.core.sections import Section
+
+# key -> the section that held it before it became part of the signature
+FORMER_PLACES = {
+    "dynamic_axes": "export",
+    "batch_sizes": "validate",
+    "shapes": "validate",
+    "logits_output": "validate",
+}
+
+
+class Signature(Section):
+    """``signature:``: the model's inputs and outputs beyond what its code says."""
+
+    dynamic_axes: dict[str, dict[int, str]] = Field(
+        default_factory=dict,
+        description="axes besides batch that vary, per input: {input_ids: {1: seq}}; the same name ties axes of "
+        "several inputs together",
+    )
+    batch_sizes: list[PositiveInt] = Field(
+        default_factory=lambda: [1, 32],
+        min_length=1,
+        description="batch sizes engines are validated and timed at; the largest also sizes engine profiles",
+    )
+    shapes: dict[str, list[int]] = Field(
+        default_factory=dict,
+        description="sizes of each dynamic axis (a dynamic_axes name -> sizes) to validate at; default: the "
+        "smallest and largest in the data",
+    )
+    logits_output: str | int | None = Field(
+        None,
+        description="the class-logit output (name or index) for top-1 agreement and accuracy; null: the only "
+        "output, else one named 'logits', else none (outputs compared by error and cosine only)",
+    )
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _sorted_unique(cls, value: list[int]) -> list[int]:
+        # Reports and the CLI read the last batch size as the largest one.
+        return sorted(set(value))
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    def axis_ranges(self, seen: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+        """Each dynamic axis besides batch -> [smallest, largest]: the sizes ``shapes`` asks for, else ``seen``
+        (the sizes the data holds)."""
+        return {k: [min(v), max(v)] for k, v in ((seen or {}) | self.shapes).items() if v}
+
+
+def gather(data: dict[str, Any]) -> dict[str, Any]:
+    """A raw config with the signature's keys moved from their former places into ``signature:`` (a key given in
+    both places is an error, not a silent choice)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    signature = dict(out.get("signature") or {})
+    for key, section in FORMER_PLACES.items():
+        held = out.get(section)
+        if isinstance(held, dict) and key in held:
+            if key in signature:
+                raise ValueError(f"{section}.{key} and signature.{key} are both given: keep one (signature.{key})")
+            signature[key] = held.pop(key)
+    if signature or "signature" in out:
+        out["signature"] = signature
+    return out

@@ -1,0 +1,35 @@
+"""Timing calls: CUDA events around each call on a GPU, the wall clock elsewhere."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def time_calls(fn: Any, iterations: int, cuda: bool | None = None) -> list[float]:
+    """ms per call: CUDA events around each call when ``cuda`` (default: when torch sees a GPU; ``fn`` runs its
+    work on the current stream or synchronizes, so they bracket it), else wall clock (CPU sessions and
+    ``run_with_iobinding`` return only when the work is done)."""
+    if cuda is None:
+        try:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        except ImportError:
+            cuda = False
+    if cuda:
+        import torch
+    times = []
+    for _ in range(iterations):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times

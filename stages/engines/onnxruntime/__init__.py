@@ -1,0 +1,61 @@
+"""ONNX Runtime engines (CPU and CUDA): the graph optimized offline by ONNX Runtime beside its session settings,
+autotuned on the build machine. ``build.py`` builds, ``runner.py`` runs, ``autotune.py`` times settings."""
+
+from __future__ import annotations
+
+from kiln.core.records import EngineMetadata, PrecisionVariant
+from kiln.stages.engines.backend import Backend, BuildRequest, Built, TritonModel
+from kiln.stages.engines.onnxruntime.build import build_ort_engine
+from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
+from kiln.stages.engines.onnxruntime.record import OrtRecord
+from kiln.stages.engines.onnxruntime.runner import OrtCpuRunner, OrtCudaRunner
+
+
+def _build(req: BuildRequest) -> Built:
+    built = build_ort_engine(
+        req.onnx_path,
+        req.out,
+        req.device,
+        req.precision,
+        req.settings,
+        req.keep_fp32,
+        req.max_batch,
+        req.name,
+        req.axis_sizes,
+    )
+    info = OrtRecord(session=built["session"], cuda_graph=built["cuda_graph"], autotune=built.get("autotune"))
+    return Built(built["files"], built["flavour"], built["versions"], info, built["builder_settings"])
+
+
+def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
+    import onnxruntime as ort
+
+    if meta.device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False, "CUDAExecutionProvider not available (needs onnxruntime-gpu and a CUDA GPU)"
+    return True, ""
+
+
+def _source(
+    backend: Backend, device: str, precision: str, variants: dict[str, PrecisionVariant], cfg: OnnxRuntimeConfig
+) -> tuple[str, list[str] | None]:
+    """FP16 engines from the FP32 graph by default: ORT fuses first, then converts (see ``fp16_source``),
+    keeping what the precision stage kept FP32. Otherwise the variant's own graph, which carries its FP32 nodes."""
+    if precision == "fp16" and cfg.fp16_source == "fp32_graph" and "fp32" in variants:
+        return variants["fp32"].path, variants["fp16"].kept_fp32
+    variant = variants[precision]
+    return variant.backend_paths.get(f"{backend.name}-{device}", variant.path), None
+
+
+BACKEND = Backend(
+    name="onnxruntime",
+    devices=("cpu", "cuda"),
+    config=OnnxRuntimeConfig,
+    record=OrtRecord,
+    build=_build,
+    runners={"cpu": OrtCpuRunner, "cuda": OrtCudaRunner},
+    can_run=_can_run,
+    libraries=("onnxruntime", "onnxruntime-gpu"),
+    triton=TritonModel("onnxruntime_onnx", "model.onnx"),
+    source=_source,
+    rank=10,
+)

@@ -1,0 +1,344 @@
+"""ONNX Runtime engines: the model optimized offline by ONNX Runtime, saved beside its session settings.
+
+CPU: extended-level fusions done offline (portable across x86 hosts; the host-specific NCHWc layout pass runs
+at load), thread counts and execution mode stored for the runner. CUDA: cuDNN exhaustive convolution search,
+NHWC where it helps, IO binding and CUDA graphs (applied by the runner), and ORT's transformer fusions. Those
+fusions emit ORT-only contrib ops, so they are applied here, to ORT engines only, never to TensorRT's graphs.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from kiln.core.compare import within_tolerance
+from kiln.core.errors import BuildError
+from kiln.core.inputs import AxisSizes, largest_sizes, random_inputs
+from kiln.core.onnx_io import io_specs, model_carries_precision, ort_session, session_options
+from kiln.core.text import first_line
+from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
+from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
+from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
+
+log = logging.getLogger("kiln.build")
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+ATTENTION_OPS = {"Softmax", "MatMul"}
+
+
+def build_ort_engine(
+    onnx_path: Path,
+    out: Path,
+    device: str,
+    precision: str,
+    cfg: OnnxRuntimeConfig,
+    keep_fp32: list[str] | None = None,
+    max_batch: int = 32,
+    name: str = "",
+    axis_sizes: dict[str, list[int]] | None = None,
+) -> dict[str, Any]:
+    """Write ``out/engine.onnx`` and, where it can, autotune its session settings on this machine (see
+    ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned."""
+    import onnxruntime as ort
+
+    name = name or out.name  # ``out`` may be a staging folder: callers name the engine
+    model = onnx.load(str(onnx_path))
+    notes: dict[str, Any] = {}
+    # Dynamic axes besides batch at their largest size in the data (fusion check and autotuning: the worst case)
+    dynamic = largest_sizes(io_specs(model)[0], axis_sizes or {})
+    fused, notes["transformer_fusion"] = maybe_fuse(model, device, cfg, dynamic)
+    cuda_here = "CUDAExecutionProvider" in ort.get_available_providers()
+    conv, applied = has_conv(model), notes["transformer_fusion"]["applied"]
+    skip = autotune_skip_reason(device, cfg, cuda_here)
+    knobs = (
+        {}
+        if skip
+        else relevant_knobs(cfg.autotune.cuda_knobs if device == "cuda" else cfg.autotune.cpu_knobs, conv, applied)
+    )
+    to_fp16 = precision == "fp16" and not model_carries_precision(model)  # else the graph holds its precision
+    keep_fused = None
+    if keep_fp32 and to_fp16:
+        keep_fused, notes["fp16_kept_fp32"] = keep_list_after_fusion(model, fused, keep_fp32)
+    conversion, offline = _write_engine(
+        fused, out / "engine.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fused
+    )
+    if conversion:
+        notes["fp16_conversion"] = conversion
+    files = {"model": "engine.onnx"}
+    if applied and False in knobs.get("transformer_fusion", []):  # the unfused graph is a candidate too
+        _write_engine(model, out / "engine-unfused.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fp32)
+        files["model_unfused"] = "engine-unfused.onnx"
+    if offline != _offline_level(device, cuda_here):
+        notes["offline_fallback"] = (
+            "the CUDA EP's offline optimization fixed dynamic axes; the engine is the "
+            "converted graph, optimized by the CUDA EP at load"
+        )
+    session = {
+        "providers": provider_list(device, cfg, conv, precision),
+        "intra_op_threads": cfg.intra_op_threads,
+        "inter_op_threads": cfg.inter_op_threads,
+        "execution_mode": cfg.execution_mode,
+        "offline_optimization": offline,
+        "load_optimization": "all",
+    }
+    built = {
+        "files": files,
+        "session": session,
+        "cuda_graph": device == "cuda" and cfg.cuda.cuda_graph,
+        "versions": {"onnxruntime": ort.__version__},
+        "flavour": "onnxruntime",
+        "builder_settings": notes,
+    }
+    for file in files.values():  # before autotuning: never time an engine that lost its source's dynamic axes
+        check_engine_graph(onnx_path, out / file, file)
+    if skip:
+        log.info("not autotuning %s: %s", name, skip)
+        built["autotune"] = {"skipped": skip}
+        return built
+    inputs, _ = io_specs(model)
+    batches = sorted(set(cfg.autotune.batch_sizes or [1, max_batch]))
+    base = {k: v for k, v in configured_knobs(cfg, conv, precision, applied).items() if k in knobs}
+    built["autotune"] = autotune(
+        out,
+        {**built, "name": name, "device": device, "inputs": inputs, "dynamic": dynamic},
+        onnx_path,
+        cfg.autotune,
+        base,
+        knobs,
+        batches,
+        per_batch=device == "cuda",
+    )
+    _drop_unused_unfused(out, built)
+    return built
+
+
+def keep_list_after_fusion(
+    source: onnx.ModelProto, fused: onnx.ModelProto, keep: list[str]
+) -> tuple[list[str], dict[str, Any]]:
+    """The precision stage's FP32 nodes under the names they have after ORT's transformer fusion.
+
+    Fusion replaces nodes (LayerNormalization + Add -> SkipLayerNormalization...) and their names with them, so
+    a kept name may be gone: then the fused node that now writes one of the kept node's outputs is kept FP32
+    instead. Kept nodes that vanished inside a fusion without a trace are reported, not silently dropped."""
+    names = {n.name for n in fused.graph.node}
+    writer = {o: n.name for n in fused.graph.node for o in n.output}
+    outputs = {n.name: list(n.output) for n in source.graph.node}
+    mapped: dict[str, str] = {}
+    lost: list[str] = []
+    for name in keep:
+        if name in names:
+            mapped[name] = name
+            continue
+        heir = next((writer[o] for o in outputs.get(name, []) if o in writer), None)
+        if heir is None:
+            lost.append(name)
+        else:
+            mapped[name] = heir
+    if lost:
+        log.warning(
+            "%d nodes the precision stage kept FP32 were fused away by ONNX Runtime and run in the fused "
+            "kernels' precision: %s",
+            len(lost),
+            ", ".join(lost[:10]),
+        )
+    record = {"requested": len(keep), "renamed": {k: v for k, v in mapped.items() if k != v}, "lost": lost}
+    return sorted(set(mapped.values())), record
+
+
+def autotune_skip_reason(device: str, cfg: OnnxRuntimeConfig, cuda_here: bool) -> str | None:
+    """None when this build autotunes; else why not (logged and recorded in the sidecar)."""
+    if device == "cuda" and not cfg.autotune.cuda:
+        return "build.onnxruntime.autotune.cuda is false"
+    if device == "cuda" and not cuda_here:
+        return (
+            "no CUDAExecutionProvider on the build machine (needs onnxruntime-gpu and a GPU): the configured"
+            " settings are used as built"
+        )
+    if device == "cpu" and not cfg.autotune.cpu:
+        return "build.onnxruntime.autotune.cpu is false"
+    return None
+
+
+def configured_knobs(cfg: OnnxRuntimeConfig, conv: bool, precision: str, fused: bool) -> dict[str, Any]:
+    """The knob values the configuration alone gives: autotuning's starting point (and its baseline)."""
+    c = cfg.cuda
+    return {
+        "prefer_nhwc": _nhwc(cfg, conv, precision),
+        "conv_algo_search": c.conv_algo_search,
+        "conv_max_workspace": True,
+        "cuda_graph": c.cuda_graph,
+        "transformer_fusion": fused,
+        "intra_op_threads": cfg.intra_op_threads,
+        "inter_op_threads": cfg.inter_op_threads,
+        "execution_mode": cfg.execution_mode,
+    }
+
+
+def _drop_unused_unfused(out: Path, built: dict[str, Any]) -> None:
+    """The unfused graph stays in the engine only if some batch size chose it."""
+    record = built["autotune"]
+    choices = list((record.get("choice_by_batch") or {}).values()) + [record["choice"]]
+    if "model_unfused" in built["files"] and all(c["knobs"].get("transformer_fusion", True) for c in choices):
+        (out / built["files"].pop("model_unfused")).unlink()
+
+
+def _offline_level(device: str, cuda_here: bool) -> str:
+    # Fusions are assigned per execution provider, so fuse offline only for the EP the engine will run on.
+    return "extended" if device == "cpu" or cuda_here else "basic"
+
+
+def _write_engine(
+    model: onnx.ModelProto,
+    dst: Path,
+    device: str,
+    precision: str,
+    cfg: OnnxRuntimeConfig,
+    cuda_here: bool,
+    to_fp16: bool,
+    keep_fp32: list[str] | None,
+) -> tuple[str | None, str]:
+    """FP16 conversion (``to_fp16``: asked for, and the graph is FP32), then ORT's offline optimization saved to
+    ``dst``. Returns the conversion note and the offline level used.
+
+    An engine must take every shape its graph takes (issue 12: a BERT FP16 engine saved through the CUDA EP came
+    out with ``input_ids: [1, 128]``). If the CUDA EP's save fixed a dynamic axis, the engine is the graph as
+    converted, not optimized offline: the runner's session optimizes it at load ("all"), with the same result at
+    run time and a slower load. (Not a save through the CPU EP, as ORT's maintainers suggest for CUDA-EP-saved
+    models in microsoft/onnxruntime#2474: for an FP16 graph the CPU EP inserts Casts to FP32 around every op it has
+    no FP16 kernel for, and those would be saved into the CUDA engine.)"""
+
+    note = None
+    if to_fp16:
+        from onnxruntime.transformers.float16 import (
+            DEFAULT_OP_BLOCK_LIST,
+            convert_float_to_float16,
+        )
+
+        # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
+        ops = {n.op_type for n in model.graph.node}
+        keep = list(keep_fp32 or [])
+        model = convert_float_to_float16(
+            model,
+            keep_io_types=True,
+            op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
+            node_block_list=[k for k in keep if k not in ops],
+        )
+        note = "onnxruntime.transformers.float16 after fusion, io kept fp32"
+    src = dst.with_suffix(".source.onnx")
+    onnx.save(model, str(src))
+    offline = _offline_level(device, cuda_here)
+    on_cuda = device == "cuda" and cuda_here
+    providers = provider_list(device, cfg, has_conv(model), precision) if on_cuda else ["CPUExecutionProvider"]
+    try:  # the session writes the optimized model
+        ort_session(
+            src,
+            providers=providers,
+            options=session_options(optimization=offline, optimized_path=dst),
+            error=BuildError,
+        )
+        lost = lost_in_model(model, onnx.load(str(dst), load_external_data=False))
+        if lost and on_cuda:
+            log.warning(
+                "%s: the CUDA EP's offline optimization fixed %s; keeping the graph unoptimized (the CUDA "
+                "EP optimizes it at load)",
+                dst.name,
+                "; ".join(lost[:3]),
+            )
+            offline = "none"
+            src.replace(dst)
+    finally:
+        src.unlink(missing_ok=True)
+    return note, offline
+
+
+def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> list[Any]:
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    c, nhwc = cfg.cuda, _nhwc(cfg, conv, precision)
+    opts = {
+        "device_id": str(c.device_id),
+        "cudnn_conv_algo_search": c.conv_algo_search,
+        "cudnn_conv_use_max_workspace": "1",
+        "prefer_nhwc": "1" if nhwc else "0",
+        "use_tf32": "1" if c.tf32 else "0",
+    }
+    return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+
+def _nhwc(cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> bool:
+    p = cfg.cuda.prefer_nhwc
+    return p == "on" or (p == "auto" and conv and precision != "fp32")
+
+
+def has_conv(model: onnx.ModelProto) -> bool:
+    return any(n.op_type == "Conv" for n in model.graph.node)
+
+
+def maybe_fuse(
+    model: onnx.ModelProto, device: str, cfg: OnnxRuntimeConfig, dynamic: int | AxisSizes | None = None
+) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """ORT transformer fusions, kept only if the fused graph computes the same outputs (checked on CPU, with
+    dynamic axes besides batch at ``dynamic``: a size the model takes, e.g. the data's longest sequence)."""
+    ops = {n.op_type for n in model.graph.node}
+    if cfg.transformer_fusion == "off":
+        return model, {"applied": False, "why": "off in config"}
+    if cfg.transformer_fusion == "auto" and not ATTENTION_OPS <= ops:
+        return model, {"applied": False, "why": "no attention-like ops"}
+    if cfg.transformer_fusion == "auto" and graph_has_fp16(model):
+        return model, {"applied": False, "why": "graph already FP16: ORT fuses best from the FP32 graph"}
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    # optimize_model rewrites a ModelProto in place: fuse a copy, so the parity check below compares two
+    # different graphs and the caller's unfused graph (an autotune candidate) stays unfused.
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    printed = io.StringIO()  # its shape inference print()s its failures: kept for --verbose, not on the console
+    with redirect_stdout(printed):
+        fused = optimize_model(
+            work, model_type=cfg.fusion_model_type, num_heads=0, hidden_size=0, opt_level=0, use_gpu=device == "cuda"
+        )
+    if printed.getvalue().strip():
+        log.debug("onnxruntime.transformers.optimizer printed: %s", printed.getvalue().strip())
+    stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
+    if not stats:
+        return model, {"applied": False, "why": "no pattern matched"}
+    if not any(o.domain == "com.microsoft" for o in fused.model.opset_import):
+        # The fused ops live in ORT's contrib domain; without its import the model is invalid to save/convert.
+        fused.model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    err = _parity(model, fused.model, dynamic=dynamic)
+    if err is not None:
+        log.warning("ORT transformer fusion not applied: %s; keeping the unfused graph", err)
+        return model, {"applied": False, "why": f"fused graph rejected: {err}"}
+    return fused.model, {"applied": True, "fused": stats}
+
+
+def graph_has_fp16(model: onnx.ModelProto) -> bool:
+    return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
+
+
+def _parity(
+    ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2, dynamic: int | AxisSizes | None = None
+) -> str | None:
+    """None when both graphs agree on random inputs; else a short description of the difference."""
+    try:
+        a, b = (ort_session(m) for m in (ref, new))
+    except BuildError as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
+        return f"cannot run on CPU to check ({first_line(exc, 120)})"
+    feed = random_inputs(io_specs(ref)[0], batch, dynamic=dynamic or batch)
+    try:
+        want = a.run(None, feed)
+    except Exception as exc:  # ORT's own error type; a graph that cannot run these inputs cannot be checked
+        return f"cannot run random inputs to check ({first_line(exc, 160)})"
+    try:
+        got = b.run(None, feed)
+    except Exception as exc:  # the unfused graph runs them: the fusion broke it (e.g. ORT's fusions on a T5)
+        return f"the fused graph does not run inputs the unfused one runs ({first_line(exc, 160)})"
+    for name, x, y in zip([o.name for o in ref.graph.output], want, got):
+        ok, err, why = within_tolerance(x, y, atol=1e-3, rtol=1e-3)
+        if not ok:
+            return f"output '{name}' {why}"
+    return None

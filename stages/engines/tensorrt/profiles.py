@@ -1,0 +1,98 @@
+"""Optimization profiles (min/opt/max shape per input) for dynamic shapes, checked against the model's inputs.
+
+Shapes are written in full (batch axis included), the way TensorRT's ``IOptimizationProfile.set_shape`` takes
+them. The default profile makes the leading axis dynamic over 1..max batch and fixes every other axis to the
+ONNX input's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
+from kiln.stages.engines.tensorrt.config import ShapeRange
+
+Profile = dict[str, ShapeRange]
+
+
+def default_profiles(
+    inputs: list[TensorSpec], max_batch: int, axis_sizes: dict[str, list[int]] | None = None
+) -> list[Profile]:
+    """One profile, batch 1..``max_batch`` (opt at ``max_batch``: throughput rows matter most for serving); a
+    dynamic axis named in ``axis_sizes`` (``export.dynamic_axes`` name -> [smallest, largest]) spans its sizes,
+    opt at the largest."""
+    profile: Profile = {}
+    sizes = axis_sizes or {}
+    for spec in inputs:
+        lo: list[int] = [1]
+        hi: list[int] = [max_batch]
+        for d in spec.shape[1:]:
+            if isinstance(d, int) and d >= 1:
+                lo.append(d)
+                hi.append(d)
+            elif isinstance(d, str) and d in sizes:
+                lo.append(min(sizes[d]))
+                hi.append(max(sizes[d]))
+            else:
+                raise ConfigError(
+                    f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis, "
+                    "with no sizes known for them",
+                    hint="name them in export.dynamic_axes and give validate.shapes their sizes, or "
+                    "give build.tensorrt.profiles with min/opt/max for this input",
+                )
+        profile[spec.name] = ShapeRange(min=lo, opt=hi, max=hi)
+    return [profile]
+
+
+def check_profiles(profiles: Sequence[Profile], inputs: list[TensorSpec]) -> None:
+    """Every profile names exactly the model's inputs, with their rank and fixed dims: else a ConfigError."""
+    names = [s.name for s in inputs]
+    if not profiles:
+        raise ConfigError("no optimization profile to build with", hint="remove build.tensorrt.profiles: []")
+    for i, profile in enumerate(profiles):
+        where = f"build.tensorrt.profiles[{i}]"
+        unknown, missing = sorted(set(profile) - set(names)), sorted(set(names) - set(profile))
+        if unknown or missing:
+            raise ConfigError(
+                f"{where} does not match the model's inputs {names}: "
+                + ", ".join(filter(None, [unknown and f"unknown {unknown}", missing and f"missing {missing}"])),
+                hint="name every model input once per profile (see `kiln inspect` or the ONNX file)",
+            )
+        for spec in inputs:
+            _check_range(where, spec, profile[spec.name])
+
+
+def _check_range(where: str, spec: TensorSpec, rng: ShapeRange) -> None:
+    shape = spec.shape
+    if len(rng.min) != len(shape):
+        raise ConfigError(
+            f"{where}.{spec.name}: rank {len(rng.min)} but the model's input has shape {shape}",
+            hint=f"give {len(shape)} dims for min, opt and max",
+        )
+    for axis, dim in enumerate(shape):
+        fixed = isinstance(dim, int) and dim > 0
+        if fixed and not (rng.min[axis] == rng.opt[axis] == rng.max[axis] == dim):
+            raise ConfigError(
+                f"{where}.{spec.name}: axis {axis} is fixed to {dim} in the model, the profile gives "
+                f"min/opt/max {rng.min[axis]}/{rng.opt[axis]}/{rng.max[axis]}",
+                hint=f"use {dim} on axis {axis}, or export the model with that axis dynamic",
+            )
+
+
+def profile_for(profiles: Sequence[dict[str, Any]], shapes: dict[str, tuple[int, ...]]) -> int | None:
+    """Index of the first profile (as stored in metadata) whose ranges contain ``shapes``."""
+    for i, profile in enumerate(profiles):
+        if all(
+            all(lo <= d <= hi for lo, d, hi in zip(profile[n]["min"], s, profile[n]["max"]))
+            and len(s) == len(profile[n]["min"])
+            for n, s in shapes.items()
+            if n in profile
+        ):
+            return i
+    return None
+
+
+def as_json(profiles: Sequence[Profile]) -> list[dict[str, Any]]:
+    return [{name: rng.model_dump() for name, rng in p.items()} for p in profiles]

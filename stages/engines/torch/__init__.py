@@ -1,0 +1,71 @@
+"""PyTorch engines compiled by Inductor from the trained model itself (opt-in: ``build.backends: [..., torch]``):
+an AOTInductor package, or the exported program with Inductor's caches. ``build.py`` exports and compiles,
+``program.py`` is the compiled flavour at run time, ``runner.py`` runs, ``gemm_epilogues.py`` and
+``conv_epilogues.py`` rewrite linear layers and convolutions into fused library calls."""
+
+from __future__ import annotations
+
+from kiln.core.records import EngineMetadata
+from kiln.stages.engines.backend import Backend, BuildRequest, Built, Plan
+from kiln.stages.engines.torch import conv_epilogues, gemm_epilogues
+from kiln.stages.engines.torch.build import build_torch_engine
+from kiln.stages.engines.torch.config import TorchConfig
+from kiln.stages.engines.torch.record import TorchRecord
+from kiln.stages.engines.torch.runner import TorchRunner
+
+
+def _build(req: BuildRequest) -> Built:
+    built = build_torch_engine(req)
+    return Built(built["files"], built["flavour"], built["versions"], TorchRecord(), built["builder_settings"])
+
+
+def _plan(cfg: TorchConfig, precision: str) -> Plan:
+    devices = [d for d in cfg.devices if precision == "fp32" or (precision == "fp16" and d == "cuda")]
+    skipped = [
+        f"torch-{d}-{precision}: AOTInductor engines are FP32, or FP16 on the GPU"
+        for d in cfg.devices
+        if d not in devices
+    ]
+    return Plan(devices, skipped)
+
+
+def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
+    import torch
+
+    built = meta.versions.get("torch")
+    if built != torch.__version__:
+        return False, (
+            f"built with torch {built}, this is torch {torch.__version__} (AOTInductor packages are "
+            "tied to the torch that built them)"
+        )
+    if meta.device == "cuda" and not torch.cuda.is_available():
+        return False, "torch sees no CUDA GPU"
+    return True, ""
+
+
+def _hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
+    """An engine that misses accuracy gates: the fused GEMM or convolution rewrites it used, as what to try."""
+    if not failures:
+        return []
+    hints = (
+        gemm_epilogues.accuracy_hint(meta.builder_settings, meta.device),
+        conv_epilogues.accuracy_hint(meta.builder_settings),
+    )
+    return [h for h in hints if h]
+
+
+BACKEND = Backend(
+    name="torch",
+    devices=("cpu", "cuda"),
+    config=TorchConfig,
+    record=TorchRecord,
+    build=_build,
+    runners={"cpu": TorchRunner, "cuda": TorchRunner},
+    plan=_plan,
+    can_run=_can_run,
+    libraries=("torch",),
+    hints=_hints,
+    # opt-in and model-dependent (torch.export cannot capture every model): a failure skips it, reported
+    optional=lambda cfg: True,
+    rank=20,
+)

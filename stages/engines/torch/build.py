@@ -1,0 +1,376 @@
+"""PyTorch engines compiled by Inductor from the trained model itself (opt-in: ``build.backends: [..., torch]``):
+an AOTInductor package, or the exported program with Inductor's caches (the compiled flavour, below).
+
+``torch.export`` captures the model with a dynamic batch axis, ``torch._inductor.aoti_compile_and_package``
+compiles it ahead of time into one ``model.pt2`` (Triton kernels on the GPU, C++ on the CPU), and the runner
+loads it with ``aoti_load_package``: no Python model code at serving time. On the GPU: FP16 weights, Inductor's
+max-autotune (it benchmarks Triton, cuBLAS and convolution choices per shape) and ``channels_last`` for
+convolutions, the settings under which Inductor beat cuDNN on ResNet-18 at batch 32 (issue 12). No INT8: the ONNX
+engines carry the calibrated INT8 graphs.
+
+Inputs and outputs keep the ONNX graph's signature and dtypes (the engine casts to FP16 inside), so validation,
+gates, serving and the Triton Python backend treat it like any other engine.
+
+A package is tied to the torch that built it (it links libtorch's ABI): the runner refuses another version. On the
+H200 host (torch 2.11.0+cu130) ``aoti_load_package`` segfaulted on every ResNet-18 package, also in a fresh process
+(issue 12, three sessions); the build therefore loads and runs the package once in a child process
+(``build.torch.load_check``), so such a package is reported instead of killing a serving process.
+
+Inductor's work then ships the other way (``build.torch.flavour: compiled``; what ``auto`` falls back to, and what it
+builds directly for FP16 GPU engines, whose default ``gemm_epilogues`` a package cannot hold): the
+exported program (``torch.export.save``) plus the caches of its compilation at the engine's batch sizes
+(``torch.compiler.save_cache_artifacts``). Loading the engine runs ``torch.compile`` on the loaded program with
+those caches in place (``torch.compiler.load_cache_artifacts``), so serving starts from the tuned kernels instead
+of autotuning again; no C++ package loader is involved. On the GPU its calls replay CUDA graphs captured per batch
+size (:class:`GraphReplays`, ``build.torch.cuda_graphs``): at batch 1 a ResNet-18 is a few dozen small kernels whose
+launches, not their work, set the latency. Graphs are static per batch size (as ``torch.compile``
+baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
+to a few sizes (``Runner.per_shape_sessions``). ``build.torch.gemm_epilogues`` rewrites the loaded program's linear
+layers into cuBLASLt GEMMs with fused bias / GELU epilogues before compiling
+(:mod:`kiln.stages.engines.torch.gemm_epilogues`), ``build.torch.conv_epilogues`` its convolutions into cuDNN calls with
+BatchNorm folded in and bias, residual add and ReLU fused (:mod:`kiln.stages.engines.torch.conv_epilogues`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.core.data import by_keyword
+from kiln.core.errors import BuildError, ConfigError
+from kiln.core.inputs import largest_sizes, random_inputs
+from kiln.core.outputs import flatten_outputs
+from kiln.core.text import first_line
+from kiln.stages.engines.backend import BuildRequest
+from kiln.stages.engines.torch import conv_epilogues
+from kiln.stages.engines.torch.config import TorchConfig
+from kiln.stages.engines.torch.gemm_epilogues import resolve_mode
+from kiln.stages.engines.torch.program import check_inductor_keys, compile_program, inductor_options, run_compiled
+
+log = logging.getLogger("kiln.build")
+PACKAGE = "model.pt2"
+PROGRAM = "program.pt2"  # the compiled flavour: torch.export.save
+CACHE = "inductor-cache.bin"  # the compiled flavour: torch.compiler.save_cache_artifacts
+NO_MODEL_HINT = (
+    "the torch backend compiles the trained PyTorch model: build it in a workdir (`kiln run`), or use "
+    "--backend onnxruntime for an ONNX file"
+)
+# The child that loads a fresh package: a crash there (issue 12: a segfault in _load_aoti) must not be ours.
+_LOAD_CHECK = """
+import sys, torch
+from torch._inductor import aoti_load_package
+runner = aoti_load_package(sys.argv[1])
+args = torch.load(sys.argv[2])
+with torch.inference_mode():
+    out = runner(*[a.to(sys.argv[3]) for a in args])
+print("ok", type(out).__name__)
+"""
+
+
+# ------------------------------------------------------------------------------------------------------- build
+def _on(value: str, auto: bool) -> bool:
+    """An ``auto | on | off`` setting resolved: ``auto`` takes ``auto``."""
+    return value == "on" or (value == "auto" and auto)
+
+
+def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> dict[str, Any]:
+    max_autotune = _on(cfg.max_autotune, device == "cuda")
+    return {
+        "max_autotune": max_autotune,
+        "coordinate_descent": max_autotune and _on(cfg.coordinate_descent, has_conv),
+        "channels_last": _on(cfg.channels_last, has_conv),
+        "freezing": cfg.freezing,
+        "inductor": dict(cfg.inductor),
+        "gemm_epilogues": (mode := resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)),
+        "merge_linears": cfg.merge_linears and mode != "off",
+        "conv_epilogues": has_conv and conv_epilogues.resolve(cfg.conv_epilogues, device, precision, cfg.flavour),
+    }
+
+
+def _served(model: Any, names: list[str], precision: str, channels_last: bool) -> Any:
+    """The model as the engine runs it: inputs as the ONNX graph declares them (FP32, in its order), cast to the
+    engine's precision and memory format inside, and passed as the export passed them (by name for a dict's keys or
+    the forward's parameters); outputs flattened as the ONNX export flattened them (a tuple, dict or
+    ``ModelOutput`` to its tensors, :func:`kiln.core.outputs.flatten_outputs`), back in FP32."""
+    import torch
+
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    keywords = by_keyword(model, names)
+
+    class Served(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            xs = tuple(x.to(dtype) if x.is_floating_point() else x for x in xs)
+            if channels_last:
+                xs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in xs)
+            out = self.model(**dict(zip(names, xs))) if keywords else self.model(*xs)
+            return tuple(o.float() if o.is_floating_point() else o for o in flatten_outputs(out).values())
+
+    return Served()
+
+
+AXIS_HINT = "name every dynamic axis besides the batch in export.dynamic_axes (the torch backend exports with them)"
+
+
+def _example_sizes(req: BuildRequest) -> dict[str, dict[int, int]] | None:
+    """The sizes the export's example inputs take on the dynamic axes besides the batch: each axis its largest in the
+    data (:func:`kiln.core.inputs.largest_sizes`, as the ONNX Runtime build's); None without such axes."""
+    return largest_sizes(req.inputs, req.axis_sizes)
+
+
+def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
+    """torch.export's ``dynamic_shapes`` for ``forward(*xs)``: the batch axis (1..max batch; the example is batch 2
+    because torch.export specializes sizes 0 and 1) and every named axis of ``export.dynamic_axes`` over the sizes
+    it takes (``req.axis_sizes``), one ``Dim`` per name, so inputs sharing an axis (ids and mask) stay equal."""
+    import torch
+
+    # max 3 at least: with the example batch (2) at the range's top, torch suggests pinning the batch to 2 among
+    # the fixes for other axes (a U-Net's height; see _export)
+    dims = {"batch": torch.export.Dim("batch", min=1, max=max(req.max_batch, 3))}
+    dims |= {
+        name: torch.export.Dim(re.sub(r"\W", "_", name), min=lo, max=hi) for name, (lo, hi) in req.axis_sizes.items()
+    }
+    per_input = []
+    for spec in req.inputs:
+        axes = {}
+        for i, d in enumerate(spec.shape):
+            if isinstance(d, int) and d > 0:
+                continue
+            if i > 0 and d not in dims:
+                raise BuildError(f"input '{spec.name}' has a dynamic axis {d!r} without known sizes", hint=AXIS_HINT)
+            axes[i] = dims["batch"] if i == 0 else dims[d]
+        per_input.append(axes)
+    return (tuple(per_input),)  # (*xs,): one varargs entry
+
+
+def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
+    import torch
+
+    if req.torch_model is None:
+        raise ConfigError(
+            "the torch backend needs the PyTorch model, and this build has only an ONNX file", hint=NO_MODEL_HINT
+        )
+    if req.device == "cuda" and not torch.cuda.is_available():
+        raise BuildError(
+            "torch sees no CUDA GPU: an AOTInductor CUDA package is compiled and tuned on the GPU",
+            hint="build on the GPU host, or set build.torch.devices: [cpu]",
+        )
+    model = req.torch_model().eval()
+    settings = _settings(
+        req.settings, req.device, req.precision, any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    )
+    check_inductor_keys(settings["inductor"])
+    model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
+    # (epilogues with flavour aotinductor: refused by TorchConfig itself; their custom ops need the compiled one)
+    package_first = (
+        req.settings.flavour != "compiled" and settings["gemm_epilogues"] == "off" and not settings["conv_epilogues"]
+    )
+    # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13: errors of
+    # 0.02-0.03 on the zoo CNN, whose first convolution has one input channel and so degenerate channels_last
+    # strides; ResNet-18's were right): there the frozen weights keep their layout and Inductor picks the constants'
+    # own. The compiled flavour was right either way. The inputs are channels_last in every case.
+    settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
+    if settings["channels_last_weights"]:
+        model = model.to(memory_format=torch.channels_last)
+    served = _served(model, [i.name for i in req.inputs], req.precision, settings["channels_last"]).eval()
+    feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
+    args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
+    try:
+        exported = _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
+    except BuildError:
+        raise
+    except Exception as exc:  # torch.export failures: this model cannot become this engine kind
+        raise BuildError(
+            f"torch.export could not capture the model: {type(exc).__name__}: {first_line(exc, 300)}",
+            hint="the ONNX engines still build; see torch.export's docs for unsupported code",
+        ) from None
+    common = {
+        **settings,
+        "dtype": "float16" if req.precision == "fp16" else "float32",
+        "dynamic_batch": [1, max(req.max_batch, 2)],
+    }
+    flavour = req.settings.flavour
+    if not package_first:
+        return _build_compiled(req, exported, common, why=None)
+    try:
+        return _build_package(req, exported, args, common)
+    except BuildError as exc:
+        if flavour == "aotinductor":
+            raise
+        log.warning("engine %s: %s; building the compiled flavour instead (build.torch.flavour)", req.name, exc.message)
+        return _build_compiled(req, exported, common, why=exc.message)
+
+
+def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) -> Any:
+    """``torch.export`` with the engine's dynamic axes. A model that takes only some sizes (a U-Net's height must be
+    a multiple of 4, for its pooling and upsampling to meet) fails with torch's suggested fixes; they are applied
+    once (``refine_dynamic_shapes_from_suggested_fixes``, torch's own helper), unless one fixes an axis to a single
+    size, which would make an engine that takes one shape only."""
+    import torch
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    with torch.inference_mode():
+        try:
+            return torch.export.export(served, args, dynamic_shapes=dynamic)
+        except torch._dynamo.exc.UserError as exc:
+            if "Suggested fixes" not in str(exc):
+                raise
+            refined = refine_dynamic_shapes_from_suggested_fixes(exc.msg, dynamic)
+            fixed = [
+                f"input '{names[i]}' axis {a}"
+                for i, axes in enumerate(refined[0])
+                for a, d in (axes or {}).items()
+                if isinstance(d, int)
+            ]  # refined[0]: forward(*xs)'s per input
+            if fixed:
+                raise BuildError(
+                    f"torch.export: the model takes one size only on {', '.join(fixed)}",
+                    hint="leave those axes out of export.dynamic_axes, or build ONNX engines only",
+                ) from None
+            log.info("torch.export: dynamic axes refined as torch suggests (%s)", first_line(exc, 200))
+            return torch.export.export(served, args, dynamic_shapes=refined)
+
+
+def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], common: dict[str, Any]) -> dict[str, Any]:
+    """One AOTInductor package, loaded once in a child process before it is accepted."""
+    import torch
+
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():  # Inductor freezes only graphs compiled without autograd (as torch._export.aot_compile)
+            torch._inductor.aoti_compile_and_package(
+                exported, package_path=str(req.out / PACKAGE), inductor_configs=inductor_options(common)
+            )
+    except Exception as exc:  # Inductor failures: this model cannot become this engine kind
+        raise BuildError(
+            f"AOTInductor could not compile the model: {type(exc).__name__}: {first_line(exc, 300)}",
+            hint="the ONNX engines still build; see torch.export's docs for unsupported code",
+        ) from None
+    compile_s = round(time.perf_counter() - t0, 2)
+    if req.settings.load_check:
+        _load_check(req.out / PACKAGE, args, req.device, req.settings.load_check_timeout_s)
+    return {
+        "files": {"model": PACKAGE},
+        "flavour": "aotinductor",
+        "versions": {"torch": torch.__version__},
+        "builder_settings": {**common, "compile_seconds": compile_s},
+    }
+
+
+def warm_batches(max_batch: int) -> list[int]:
+    """The batch sizes the compiled flavour compiles at build time: 1 and the largest (validation's usual pair)."""
+    return sorted({1, max(max_batch, 1)})
+
+
+def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], why: str | None) -> dict[str, Any]:
+    """The exported program, and the caches of compiling it (torch.compile) at :func:`warm_batches`."""
+    import torch
+
+    (req.out / PACKAGE).unlink(missing_ok=True)  # a package that failed its load check is not part of the engine
+    torch.export.save(exported, str(req.out / PROGRAM))
+    cuda_graphs = req.device == "cuda" and _on(req.settings.cuda_graphs, True)  # this flavour's alone
+    t0 = time.perf_counter()
+    try:
+        rewrites = _compile_and_warm(req, common, cuda_graphs)
+    except Exception as exc:  # Dynamo/Inductor failures, or a fused convolution cuDNN does not run
+        if not (common.get("conv_epilogues") and req.settings.conv_epilogues == "auto"):
+            raise _compile_failed(exc) from None
+        # auto turned them on for this engine kind, not for this model: the engine is still worth having without
+        why_not = f"{type(exc).__name__}: {first_line(exc, 300)}"
+        log.warning(
+            "engine %s: with build.torch.conv_epilogues the model did not compile or run (%s); building it "
+            "without them",
+            req.name,
+            why_not,
+        )
+        common = {**common, "conv_epilogues": False, "conv_epilogues_failed": why_not}
+        try:
+            rewrites = _compile_and_warm(req, common, cuda_graphs)
+        except Exception as again:
+            raise _compile_failed(again) from None
+    artifacts = torch.compiler.save_cache_artifacts()
+    files = {"program": PROGRAM}
+    if artifacts is not None:
+        (req.out / CACHE).write_bytes(artifacts[0])
+        files["cache"] = CACHE
+    settings = {
+        **common,
+        "cuda_graphs": cuda_graphs,
+        "compile_seconds": round(time.perf_counter() - t0, 2),
+        "compiled_batches": warm_batches(req.max_batch),
+    }
+    settings.update(rewrites)
+    if why is not None:
+        settings["aotinductor_failed"] = why
+    return {
+        "files": files,
+        "flavour": "compiled",
+        "versions": {"torch": torch.__version__},
+        "builder_settings": settings,
+    }
+
+
+def _compile_failed(exc: BaseException) -> BuildError:
+    return BuildError(
+        f"torch.compile could not compile the exported model: {type(exc).__name__}: {first_line(exc, 300)}",
+        hint="the ONNX engines still build",
+    )
+
+
+def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: bool) -> dict[str, dict[str, int]]:
+    """Compile the saved program under ``settings`` and run it once at each of :func:`warm_batches` (what fills the
+    caches the engine ships); returns what its rewrites took (:func:`compile_program`)."""
+    import torch
+
+    cfg = req.settings  # explicit settings warn when nothing is rewritten (auto applies to every model)
+    explicit = {"gemm": cfg.gemm_epilogues != "auto", "conv": cfg.conv_epilogues != "auto"}
+    run, rewrites = compile_program(req.out / PROGRAM, settings, cuda_graphs, warn_if_nothing_fused=explicit)
+    sizes = _example_sizes(req)
+    with torch.inference_mode():
+        for batch in warm_batches(req.max_batch):
+            feed = random_inputs(req.inputs, batch=batch, dynamic=sizes, hint=AXIS_HINT)
+            run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs])
+    return rewrites
+
+
+def _load_check(package: Path, args: tuple[Any, ...], device: str, timeout: float) -> None:
+    """Load and run the package once in a child process; a crash or error there is a :class:`BuildError`."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="kiln-aoti-") as tmp:
+        sample = Path(tmp) / "args.pt"
+        torch.save(tuple(a.cpu() for a in args), sample)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", _LOAD_CHECK, str(package), str(sample), device],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise BuildError(
+                f"loading the AOTInductor package took over {timeout:.0f}s",
+                hint="raise build.torch.load_check_timeout_s",
+            ) from None
+    if done.returncode != 0:
+        why = (
+            f"killed by {signal.Signals(-done.returncode).name}"
+            if done.returncode < 0
+            else (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1][:300]
+        )
+        raise BuildError(
+            f"the AOTInductor package does not load in a fresh process ({why})",
+            hint="check that the torch that built it is the one importable here (one torch, not a "
+            "second one staged on PYTHONPATH), and that libstdc++/CUDA libraries match",
+        )

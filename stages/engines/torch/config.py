@@ -1,0 +1,114 @@
+"""``build.torch``: Inductor engines compiled from the trained PyTorch model."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from kiln.core.sections import AutoOnOff, Section, bool_words
+
+EpilogueMode = Annotated[Literal["auto", "off", "bias", "bias_gelu", "bias_any_gelu"], bool_words(None, "off")]
+
+
+class TorchConfig(Section):
+    """Inductor engines built from the trained PyTorch model itself (``torch.export``, then an AOTInductor package or
+    the compiled flavour): opt-in, ``build.backends: [onnxruntime, tensorrt, torch]``."""
+
+    devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu"])
+    max_autotune: AutoOnOff = Field(
+        "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only"
+    )
+    coordinate_descent: AutoOnOff = Field(
+        "auto",
+        description="with max-autotune, Inductor's coordinate-descent tuning of each Triton kernel's block "
+        "sizes (on in torch.compile's max-autotune modes): auto = only for models with Conv2d. "
+        "On the H200 it left a BERT-base's LayerNorm kernels anywhere from 0.14 to 0.69 ms over "
+        "five builds (0.21 ms without, one build), and the build took 40.8 s, not 15.7 "
+        "(gpu_session10.md)",
+    )
+    channels_last: AutoOnOff = Field(
+        "auto",
+        description="channels_last memory format for 4-D inputs and weights (the inputs only for a frozen "
+        "AOTInductor package: recorded as channels_last_weights); auto = when the model has Conv2d",
+    )
+    flavour: Literal["auto", "aotinductor", "compiled"] = Field(
+        "auto",
+        description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
+        "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
+        "compiled where gemm_epilogues or conv_epilogues applies (FP16 GPU engines by default), "
+        "otherwise aotinductor, or compiled when the package fails to compile or to load",
+    )
+    cuda_graphs: AutoOnOff = Field(
+        "auto",
+        description="the compiled flavour on the GPU replays each batch size's kernels as one CUDA graph, "
+        "captured on the size's first call (outputs copied out of the graph's memory): auto = on "
+        "on the GPU",
+    )
+    freezing: bool = Field(
+        False,
+        description="Inductor freezing: the weights become constants Inductor may fold and rearrange (the Q, K "
+        "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
+        "on the H200 it took a BERT-base from 0.811 / 2.555 to 0.660 / 2.462 ms (batch 1 / 32, "
+        "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s; on the CPU it sped up the "
+        "compiled flavour (ResNet-18 23.4 -> 17.6 ms at batch 1), not AOTInductor packages "
+        "(engine_bench_cpu_resnet18_freezing_*.md)",
+    )
+    gemm_epilogues: EpilogueMode = Field(
+        "auto",
+        description="the compiled flavour's linear layers as cuBLASLt GEMMs with the bias (bias), or bias and "
+        "GELU (bias_gelu: GELUs the epilogue computes as the model does, the tanh one on the GPU; "
+        "bias_any_gelu: every GELU, on the GPU as the tanh approximation) in the GEMM's epilogue "
+        "instead of Inductor's GEMMs (kiln.stages.engines.torch.gemm_epilogues). auto: bias_any_gelu "
+        "for FP16 GPU engines (their flavour then is compiled), off for the others and with "
+        "flavour aotinductor",
+    )
+    conv_epilogues: AutoOnOff = Field(
+        "auto",
+        description="the compiled flavour's 2-D convolutions with BatchNorm folded in and the bias, a residual "
+        "add and the ReLU after them as one cuDNN call each (kiln.stages.engines.torch.conv_epilogues). "
+        "auto: on for FP16 GPU engines (their flavour then is compiled), off for the others and "
+        "with flavour aotinductor. On the H200, ResNet-18 FP16 batch 1 / 32: 0.266 / 0.637 ms with "
+        "Inductor's kernels, 0.181 / 0.470 with these (conv_epilogue_probe_h200_s12.md)",
+    )
+    merge_linears: bool = Field(
+        True,
+        description="with gemm_epilogues: linear layers with a bias that read the same tensor (an attention "
+        "layer's Q, K and V projections) run as one GEMM over their concatenated weights, its "
+        "output split back (kiln.stages.engines.torch.gemm_epilogues.merge_parallel_linears)",
+    )
+    inductor: dict[str, bool | int | float | str] = Field(
+        default_factory=dict,
+        description="further torch._inductor.config entries set while the engine compiles "
+        "(build and load), e.g. {'triton.enable_persistent_tma_matmul': true, "
+        "'max_autotune_gemm_backends': 'ATEN,TRITON'}; names checked at build time",
+    )
+    load_check: bool = Field(
+        True,
+        description="load the built package once in a child process before accepting it"
+        " (a package that crashes its loader is skipped, not served)",
+    )
+    load_check_timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _coordinate_descent_needs_max_autotune(self) -> TorchConfig:
+        if self.coordinate_descent == "on" and self.max_autotune == "off":
+            raise ValueError(
+                "coordinate_descent 'on' tunes kernels only under max-autotune, and max_autotune is "
+                "'off'; set max_autotune to 'on' or 'auto' (the GPU), or leave coordinate_descent 'auto'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _epilogues_need_the_compiled_flavour(self) -> TorchConfig:
+        if self.gemm_epilogues not in ("auto", "off") and self.flavour == "aotinductor":  # said before training
+            raise ValueError(
+                "gemm_epilogues needs flavour compiled or auto: its GEMMs are custom ops written in "
+                "Python, which an AOTInductor package cannot hold"
+            )
+        if self.conv_epilogues == "on" and self.flavour == "aotinductor":
+            raise ValueError(
+                "conv_epilogues needs flavour compiled or auto: its fused convolutions are custom ops "
+                "written in Python, which an AOTInductor package cannot hold"
+            )
+        return self

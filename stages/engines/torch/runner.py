@@ -1,0 +1,75 @@
+"""Running a torch engine: an AOTInductor package loaded with ``aoti_load_package``, or the compiled flavour's
+program compiled from the build's caches (:mod:`.program`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kiln.core.timing import time_calls
+from kiln.stages.engines.backend import Runner
+from kiln.stages.engines.torch.program import GraphReplays, compile_program, run_compiled
+
+
+class TorchRunner(Runner):
+    """``aoti_load_package`` on the engine's device; numpy in and out, inputs in the engine's declared order."""
+
+    @property
+    def per_shape_sessions(self) -> bool:  # type: ignore[override]
+        return self.meta.flavour == "compiled"  # static graphs: a new batch size compiles
+
+    def _activate(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", 0) if self.meta.device == "cuda" else torch.device("cpu")
+        self.output_names = [o.name for o in self.meta.outputs]
+        if self.meta.flavour == "compiled":
+            if "cache" in self.meta.files:  # before compiling: the build's kernels and autotuning are found
+                torch.compiler.load_cache_artifacts((self.engine_dir / self.meta.files["cache"]).read_bytes())
+            settings = self.meta.builder_settings
+            self.package, _ = compile_program(
+                self.engine_dir / self.meta.files["program"], settings, bool(settings.get("cuda_graphs"))
+            )
+            return
+        from torch._inductor import aoti_load_package
+
+        self.package = aoti_load_package(str(self.engine_dir / self.meta.files["model"]))
+
+    def _call(self, args: list[Any]) -> list[Any]:
+        with self.torch.inference_mode():
+            if self.meta.flavour == "compiled":
+                return run_compiled(self.package, args)
+            out = self.package(*args)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    def _args(self, feed: dict[str, np.ndarray]) -> list[Any]:
+        return [self.torch.from_numpy(np.ascontiguousarray(feed[n])).to(self.device) for n in self.input_names]
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: o.cpu().numpy() for n, o in zip(self.output_names, self._call(self._args(feed)))}
+
+    def prepared(self, feed: dict[str, np.ndarray]) -> tuple[Any, bool]:
+        """``(call, graph)`` as the ORT CUDA runner's: ``call()`` runs once on device-resident copies of ``feed`` and
+        returns the first output on the device. For timing: on the GPU the work is queued on torch's current stream,
+        which the CUDA events of :func:`time_calls` bracket, so the call does not wait for it (a wait inside would
+        add the host's wake-up to every timing); ``graph``: whether it replays a CUDA graph."""
+        args = self._args(feed)
+
+        def call() -> Any:
+            return self._call(args)[0]
+
+        return call, isinstance(self.package, GraphReplays)
+
+    def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
+        """Engine time on device-resident inputs, outputs left on the device (as the ORT CUDA runner times)."""
+        if self.meta.device != "cuda":
+            return super().time_ms(feed, warmup, iterations)
+        call, _ = self.prepared(feed)
+        for _ in range(max(warmup, 3)):
+            call()
+        return time_calls(call, iterations)
+
+    def _deactivate(self) -> None:
+        del self.package

@@ -1,0 +1,56 @@
+"""The runner's input check: every engine refuses a feed its metadata does not describe, naming the input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.core.errors import InputError
+from kiln.core.records import EngineMetadata
+from kiln.stages.engines.backend import check_feed
+
+META = EngineMetadata(
+    name="e",
+    backend="onnxruntime",
+    device="cpu",
+    precision="fp32",
+    inputs=[
+        {"name": "input_ids", "shape": ["batch", "seq"], "dtype": "int64"},
+        {"name": "pixels", "shape": ["batch", 3, 8, 8], "dtype": "float32"},
+    ],
+    outputs=[{"name": "logits", "shape": ["batch", 4], "dtype": "float32"}],
+    source={"file": "m.onnx", "sha256": "0"},
+    files={"model": "engine.onnx"},
+    flavour="onnxruntime",
+    versions={},
+)
+GOOD = {"input_ids": np.zeros((2, 5), np.int64), "pixels": np.zeros((2, 3, 8, 8), np.float32)}
+
+
+def test_a_feed_as_declared_passes() -> None:
+    check_feed(META, GOOD)
+    check_feed(META, {"input_ids": np.zeros((7, 11), np.int64), "pixels": np.zeros((7, 3, 8, 8), np.float32)})
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (
+            {"input_ids": np.zeros((2, 5), np.int32)},
+            "input 'input_ids' is int32[2, 5], the engine takes int64[batch, seq]",
+        ),
+        ({"pixels": np.zeros((2, 3, 8), np.float32)}, "input 'pixels' is float32[2, 3, 8]"),
+        ({"pixels": np.zeros((2, 1, 8, 8), np.float32)}, "takes float32[batch, 3, 8, 8]"),
+        ({"pixels": [[0.0]]}, "input 'pixels' is a list, not a numpy array"),
+        ({"extra": np.zeros(1)}, "needs inputs ['input_ids', 'pixels'], got ['extra', 'input_ids', 'pixels']"),
+    ],
+)
+def test_a_feed_the_engine_does_not_take_is_one_error_naming_the_input(change: dict, needle: str) -> None:
+    with pytest.raises(InputError) as err:
+        check_feed(META, {**GOOD, **change})
+    assert needle in err.value.message and err.value.hint
+
+
+def test_a_missing_input_is_named() -> None:
+    with pytest.raises(InputError, match=r"needs inputs \['input_ids', 'pixels'\], got \['pixels'\]"):
+        check_feed(META, {"pixels": GOOD["pixels"]})
