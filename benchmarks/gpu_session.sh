@@ -17,7 +17,7 @@ for phase in "$@"; do
       python3 -c "import sys, torch, onnxruntime as ort; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'ort', ort.__version__, ort.get_available_providers())"
       python3 -P -m pytest -q -m gpu -p no:cacheprovider --import-mode=append tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
       python3 -P -m kiln.cli run -w /tmp/kiln-gpu --quiet --set 'build.onnxruntime.devices=[cpu,cuda]' \
-        --set 'validate.batch_sizes=[1,32]'; echo "kiln run rc=$?"
+        --set 'signature.batch_sizes=[1,32]'; echo "kiln run rc=$?"
       cp /tmp/kiln-gpu/report.md "$OUT/gpu_demo_report.md"; cp /tmp/kiln-gpu/report.json "$OUT/gpu_demo_report.json"
       grep -A12 "## Validation" /tmp/kiln-gpu/report.md ;;
     engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
@@ -25,7 +25,7 @@ for phase in "$@"; do
     choice)
       python3 -P -m kiln.cli run -w /tmp/kiln-gpu-choice --quiet \
         --set 'build.backends=[onnxruntime,tensorrt,torch]' --set 'build.onnxruntime.devices=[cpu,cuda]' \
-        --set 'build.torch.devices=[cuda]' --set 'validate.batch_sizes=[1,32]' \
+        --set 'build.torch.devices=[cuda]' --set 'signature.batch_sizes=[1,32]' \
         --set 'validate.baselines=[eager,compile]' --set 'validate.baseline_precisions=[fp32,fp16]'
       echo "kiln run rc=$?"
       cp /tmp/kiln-gpu-choice/report.md "$OUT/gpu_choice_report.md"

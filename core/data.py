@@ -216,7 +216,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
             raise DataContractError(
                 f"dataset '{ref}': {which}{what}",
                 hint="give both splits the same per-sample shape and dtype, or declare the axis that varies in "
-                f"export.dynamic_axes (e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})",
+                f"signature.dynamic_axes (e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})",
             )
 
 

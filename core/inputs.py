@@ -13,7 +13,7 @@ from kiln.core.records import TensorSpec
 # A batch's inputs may take at most this share of the machine's memory: outputs, activations and a reference
 # copy come on top of them.
 MEMORY_SHARE = 0.25
-BATCH_HINT = "lower validate.batch_sizes (its largest value also sizes the engines' profiles and autotuning)"
+BATCH_HINT = "lower signature.batch_sizes (its largest value also sizes the engines' profiles and autotuning)"
 
 
 def memory_bytes() -> int:
@@ -25,7 +25,7 @@ def memory_bytes() -> int:
 
 
 def check_batch_fits(
-    specs: list[TensorSpec], batch: int, what: str = "validate.batch_sizes", hint: str = BATCH_HINT
+    specs: list[TensorSpec], batch: int, what: str = "signature.batch_sizes", hint: str = BATCH_HINT
 ) -> None:
     """Refuse a batch whose inputs alone could not fit in memory, before anything is allocated (a batch of a
     billion samples would otherwise die inside numpy or the engine with a traceback, or swap the machine)."""
@@ -52,7 +52,7 @@ AxisSizes = Mapping[str, Mapping[int, int]]  # input name -> axis -> size
 
 def largest_sizes(specs: list[TensorSpec], axis_sizes: Mapping[str, Sequence[int]]) -> dict[str, dict[int, int]] | None:
     """A size for every symbolic axis besides the batch, per input: the largest its named axis takes in the data
-    (``axis_sizes``: ``export.dynamic_axes`` name -> sizes), so each axis is at a size the model takes (a decoder's
+    (``axis_sizes``: ``signature.dynamic_axes`` name -> sizes), so each axis is at a size the model takes (a decoder's
     target length need not reach the source's); an axis not named there gets the largest of all. None without
     sizes (callers then pass one size of their own)."""
     if not axis_sizes:

@@ -71,7 +71,7 @@ FEATURE_NAMES = re.compile(r"hidden_state|embed|pooler|feature", re.IGNORECASE)
 
 
 def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
-    """``validate.logits_output``: the named or indexed output; default the only output (unless its name says it
+    """``signature.logits_output``: the named or indexed output; default the only output (unless its name says it
     holds features: :data:`FEATURE_NAMES`), else ``logits``, else None (no class logits: no accuracy, no top-1)."""
     if setting is None:
         if len(names) == 1 and not FEATURE_NAMES.search(names[0]):
@@ -80,13 +80,13 @@ def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
     if isinstance(setting, int):
         if not -len(names) <= setting < len(names):
             raise ConfigError(
-                f"validate.logits_output {setting} is out of range: the model has {len(names)} outputs {list(names)}",
+                f"signature.logits_output {setting} is out of range: the model has {len(names)} outputs {list(names)}",
                 hint="give an index below the number of outputs, or a name",
             )
         return names[setting]
     if setting not in names:
         raise ConfigError(
-            f"validate.logits_output '{setting}' is not an output of the model: {list(names)}",
+            f"signature.logits_output '{setting}' is not an output of the model: {list(names)}",
             hint="name one of the model's outputs, or give its index",
         )
     return setting

@@ -54,6 +54,19 @@ class Record(BaseModel):
             raise InputFileError(f"{where} is not a valid {cls.__name__} ({key}: {first['msg']})", hint=hint) from None
 
 
+class Summary(BaseModel):
+    """What a stage says about its run: kept in its manifest and report.json, read back typed (a cached stage's
+    too). ``status`` is ``skipped`` when the stage had nothing to do (training with a checkpoint given)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["ran", "skipped"] = "ran"
+
+    def gate_failures(self) -> list[str] | None:
+        """None where the stage has no gates; else the gates it failed (empty: passed)."""
+        return None
+
+
 class Part(BaseModel):
     """A nested part of a record (strict too)."""
 
@@ -201,8 +214,8 @@ class EngineValidation(Part):
     gates: dict[str, float | None] = Field(default_factory=dict)  # the thresholds it was held to (report shows them)
 
 
-class ValidationResult(Record):
-    """``validation.json``."""
+class ValidationResult(Record, Summary):
+    """``validation.json``, and the validate stage's summary."""
 
     passed: bool
     baseline: Baseline  # the accuracy reference: eager PyTorch FP32 on the CPU
@@ -212,3 +225,6 @@ class ValidationResult(Record):
     failures: list[str]
     speed_vs_fp32: list[dict[str, Any]] = Field(default_factory=list)  # kiln.stages.precision.speed's rows
     dropped: list[str] = Field(default_factory=list)
+
+    def gate_failures(self) -> list[str]:
+        return [] if self.passed else self.failures or ["see report.md"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
@@ -13,6 +13,14 @@ class Section(BaseModel):
     switch a gate off without a word."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    def only(self, *keys: str) -> Self:
+        """A copy exposing only ``keys``; reading another of its fields is an AttributeError. A stage that reads
+        part of a shared section gets this view, so its cache key covers everything it can read."""
+        view = self.model_copy()
+        for name in set(type(self).model_fields) - set(keys):
+            view.__dict__.pop(name, None)
+        return view
 
     @classmethod
     def subsections(cls) -> dict[str, type[Section]]:

@@ -1,5 +1,5 @@
-"""The input shapes validation runs at: every dynamic axis besides batch (``export.dynamic_axes``) at its
-smallest and largest size (``validate.shapes``, or from the data), so an engine that is right at one
+"""The input shapes validation runs at: every dynamic axis besides batch (``signature.dynamic_axes``) at its
+smallest and largest size (``signature.shapes``, or from the data), so an engine that is right at one
 sequence length and wrong at another cannot pass."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ Axes = Mapping[str, Mapping[int, str]]
 
 
 def graph_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
-    """The dynamic axes besides batch an ONNX graph declares (symbolic dims), as ``export.dynamic_axes``."""
+    """The dynamic axes besides batch an ONNX graph declares (symbolic dims), as ``signature.dynamic_axes``."""
     out = {s.name: {i: d for i, d in enumerate(s.shape) if i > 0 and isinstance(d, str) and d} for s in specs}
     return {k: v for k, v in out.items() if v}
 
@@ -28,8 +28,8 @@ def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]
     unknown = sorted(set(configured) - set(names))
     if unknown:
         raise ConfigError(
-            f"validate.shapes names axes {unknown}; export.dynamic_axes declares {names or 'none'}",
-            hint="key validate.shapes by the axis names of export.dynamic_axes, e.g. {seq: [8, 32]}",
+            f"signature.shapes names axes {unknown}; signature.dynamic_axes declares {names or 'none'}",
+            hint="key signature.shapes by the axis names of signature.dynamic_axes, e.g. {seq: [8, 32]}",
         )
     sizes: dict[str, list[int]] = {}
     for name in names:

@@ -1,28 +1,82 @@
-"""What a stage is (a function of its config and upstream artifacts) and what it is handed when it runs."""
+"""What a stage is (a function of the settings it declares and its upstream artifacts, returning a typed summary)
+and what it is handed when it runs.
+
+A stage declares the part of the run config it reads as a :class:`StageSettings` dataclass: one field per config
+section (``train``), top-level value (``seed``) or single key (``require_speedup``, read from
+``precision.require_speedup``). The runner fills it from the run config; the stage sees nothing else, and what it
+sees is exactly what its cache key covers.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel
 
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import KilnError
 from kiln.core.progress import Progress, SilentProgress
+from kiln.core.records import Summary
 
-if TYPE_CHECKING:  # the config assembles every stage's section, so it sits above the stages; types only
-    from kiln.pipeline.config import KilnConfig
+# what a stage that reads the dataset must declare: the dataset is made from them
+DATASET_SOURCES = ("seed", "model", "data", "signature.dynamic_axes", "signature.shapes")
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """Base of each stage's declared settings. Fields are filled from the run config key of the same name, or
+    from what ``SOURCES`` gives for it: a dotted key (``"precision.require_speedup"``), or several keys of one
+    section, which the field then holds alone (``("signature.batch_sizes", "signature.shapes")``: a view of the
+    signature without its other keys, see :meth:`kiln.core.sections.Section.only`)."""
+
+    SOURCES: ClassVar[dict[str, str | tuple[str, ...]]] = {}
+
+    @classmethod
+    def sources(cls) -> dict[str, tuple[str, ...]]:
+        """Field -> the run config keys it is read from (``("model",)``, ``("precision.require_speedup",)``)."""
+        out = {}
+        for f in fields(cls):
+            src = cls.SOURCES.get(f.name, f.name)
+            out[f.name] = (src,) if isinstance(src, str) else tuple(src)
+        return out
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """Every run config key the stage reads."""
+        return [key for keys in cls.sources().values() for key in keys]
+
+    def dump(self) -> dict[str, Any]:
+        """The settings as a run config of the keys they come from (JSON; another process loads it as a config)."""
+        out: dict[str, Any] = {}
+        for name, keys in self.sources().items():
+            value = getattr(self, name)
+            for key in keys:
+                *parents, leaf = key.split(".")
+                node = out
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = _json(value if len(keys) == 1 else getattr(value, leaf))
+        return out
+
+
+def _json(value: Any) -> Any:
+    return value.model_dump(mode="json", by_alias=True) if isinstance(value, BaseModel) else value
+
+
+S = TypeVar("S", bound=StageSettings)
 
 
 @dataclass
-class StageContext:
+class StageContext(Generic[S]):
     """Everything a stage may use. A stage writes only into ``out`` (a staging folder made final atomically)."""
 
     name: str
-    config: KilnConfig
+    config: S
     workdir: Path
     out: Path
     inputs: dict[str, Path]
@@ -51,28 +105,31 @@ class StageContext:
         return self._data
 
 
-StageFn = Callable[[StageContext], dict[str, Any]]
-
-
 @dataclass(frozen=True)
 class Stage:
     """A pipeline step.
 
-    ``inputs``: upstream stages whose artifacts it reads. ``sections``: config it reads, as sections (``"data"``),
-    top-level values (``"seed"``) or single keys (``"validate.batch_sizes"``); everything the result depends on.
-    ``code``: modules whose source is hashed as the stage's code version. ``env``: the environment facts
-    (library versions, device) that belong in its cache key. ``data``: fingerprints of user-supplied data it reads;
-    only a stage that names ``"dataset"`` here can read the dataset (``StageContext.dataset``). ``report``: its
-    section of report.md.
+    ``inputs``: upstream stages whose artifacts it reads. ``settings``: the part of the run config it reads.
+    ``summary``: the type of what ``run`` returns. ``code``: modules whose source is hashed as the stage's code
+    version. ``env``: the environment facts (library versions, device) that belong in its cache key.
+    ``data``: fingerprints of user-supplied data it reads; only a stage that names ``"dataset"`` here can read the
+    dataset (``StageContext.dataset``). ``report``: its section of report.md.
     """
 
     name: str
-    run: StageFn
+    run: Callable[[StageContext[Any]], Summary]
     inputs: tuple[str, ...]
-    sections: tuple[str, ...]
+    settings: type[StageSettings]
+    summary: type[Summary]
     code: tuple[ModuleType, ...]
-    env: Callable[[KilnConfig], dict[str, Any]]
+    env: Callable[[Any], dict[str, Any]]
     description: str = ""
     data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.pipeline.fingerprints``)
     # report.md section from the stage's summary (a list of Markdown lines; none when nothing to say)
-    report: Callable[[dict[str, Any]], list[str]] | None = None
+    report: Callable[[Any], list[str]] | None = None
+
+    def __post_init__(self) -> None:
+        declared = self.settings.keys()
+        covered = [k for k in DATASET_SOURCES if any(k == d or k.startswith(d + ".") for d in declared)]
+        if "dataset" in self.data and len(covered) < len(DATASET_SOURCES):
+            raise TypeError(f"stage {self.name} reads the dataset: its settings must declare {DATASET_SOURCES}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from kiln.pipeline.api import run_pipeline
 from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
 from kiln.pipeline.report import fmt as _fmt
 from kiln.pipeline.report import result_line, seconds_cell, validation_of
-from kiln.pipeline.stage_list import STAGE_NAMES
+from kiln.pipeline.runner import settings_for
+from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
 from kiln.serve.loadtest import loadtest as run_loadtest
 from kiln.serve.loadtest import render_markdown
 from kiln.serve.server import iter_urls
@@ -65,7 +68,7 @@ class KilnCommand(click.Command):
                 ctx,
                 KilnError(
                     "out of memory",
-                    hint="use smaller batch sizes (validate.batch_sizes, train.batch_size) or a smaller model",
+                    hint="use smaller batch sizes (signature.batch_sizes, train.batch_size) or a smaller model",
                 ),
             )
 
@@ -177,14 +180,40 @@ def _config(path: str | None, sets: tuple[str, ...]) -> KilnConfig:
 
 
 STAGES_HELP = " -> ".join(STAGE_NAMES)
-config_arg = click.argument("config", required=False, type=click.Path(dir_okay=False))
-config_opt = click.option(
-    "--config",
-    "-c",
-    "config_option",
-    type=click.Path(dir_okay=False),
-    help="run config (YAML/TOML/JSON); the same as giving CONFIG (default: the built-in demo)",
+# The options every stage command takes: (declarations, attributes), made into parameters or decorators below
+CONFIG = (
+    ("--config", "-c", "config_option"),
+    {
+        "type": click.Path(dir_okay=False),
+        "help": "run config (YAML/TOML/JSON); the same as giving CONFIG (default: the built-in demo)",
+    },
 )
+WORKDIR = (
+    ("--workdir", "-w"),
+    {
+        "default": "kiln-out",
+        "show_default": True,
+        "type": click.Path(file_okay=False),
+        "help": "folder holding every stage's artifacts, the cache and the report",
+    },
+)
+SET = (
+    ("--set", "sets"),
+    {
+        "multiple": True,
+        "metavar": "KEY=VALUE",
+        "help": "override a config value, e.g. --set train.epochs=2 (repeatable)",
+    },
+)
+QUIET = (("--quiet", "-q"), {"is_flag": True, "help": "only warnings and errors"})
+
+
+def _option(spec: tuple[tuple[str, ...], dict[str, Any]]) -> click.Option:
+    return click.Option(list(spec[0]), **spec[1])
+
+
+config_arg = click.argument("config", required=False, type=click.Path(dir_okay=False))
+config_opt = click.option(*CONFIG[0], **CONFIG[1])
 
 
 def _one_config(*given: str | None) -> str | None:
@@ -203,22 +232,9 @@ def _model_or_config(path: str | None, config: str | None) -> tuple[str | None, 
     return path, config
 
 
-workdir_opt = click.option(
-    "--workdir",
-    "-w",
-    default="kiln-out",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="folder holding every stage's artifacts, the cache and the report",
-)
-set_opt = click.option(
-    "--set",
-    "sets",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="override a config value, e.g. --set train.epochs=2 (repeatable)",
-)
-quiet_opt = click.option("--quiet", "-q", is_flag=True, help="only warnings and errors")
+workdir_opt = click.option(*WORKDIR[0], **WORKDIR[1])
+set_opt = click.option(*SET[0], **SET[1])
+quiet_opt = click.option(*QUIET[0], **QUIET[1])
 verbose_opt = click.option("--verbose", "-v", is_flag=True, help="debug logging")
 
 
@@ -370,183 +386,108 @@ def _stage_in_workdir(stage: str, config: str | None, workdir: str, sets: tuple[
     _run(_config(config, sets), workdir, quiet, only=[stage], force={stage})
 
 
-@main.command()
-@config_arg
-@config_opt
-@workdir_opt
-@set_opt
-@quiet_opt
-def train(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
-    """Train the configured model into WORKDIR/train."""
-    _setup_logging(quiet, False)
-    _stage_in_workdir("train", _one_config(config, config_option), workdir, sets, quiet)
+# ------------------------------------------------------------------------------------------------ stage commands
+@dataclass(frozen=True)
+class Direct:
+    """A stage command's direct mode (``kiln build model.onnx -o out/``): its parameters beyond the common ones,
+    what selects it (the ``file`` argument, or one of the ``switches`` options), and what it runs with the
+    values. Without them the command runs the stage inside the workdir."""
+
+    params: tuple[click.Parameter, ...]
+    run: Callable[..., None]  # (file, config path, --set values, **the params' values)
+    needs: str  # what the user gives for direct mode (the refusal of its options without it names it)
+    file: str | None = None  # a FILE argument: a config file given there is the config instead
+    switches: tuple[str, ...] = ()  # with no FILE argument: options that select direct mode
+    both: tuple[str, ...] = ()  # options of both modes
+    workdir_sets: Callable[[dict[str, Any]], tuple[str, ...]] = lambda values: ()  # what they set in the workdir
 
 
-@main.command()
-@config_arg
-@config_opt
-@workdir_opt
-@set_opt
-@click.option("--checkpoint", type=click.Path(dir_okay=False), help="export this state dict directly (no workdir)")
-@click.option("--model", "model_name", help="model name or import path for --checkpoint (default: config's)")
-@click.option("--input-shape", help="one sample's shape without batch, e.g. 3,224,224 (default: the dataset's)")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="ONNX file to write in direct mode")
-@quiet_opt
-def export(
+def stage_command(name: str, help: str, direct: Direct | None = None) -> click.Command:
+    """The command of one stage: CONFIG / -c, --workdir, --set and --quiet, plus its direct mode's parameters."""
+    head = list(direct.params) if direct else []
+    if direct is None or direct.file is None:
+        head.insert(0, click.Argument(["config"], required=False, type=click.Path(dir_okay=False)))
+    params = [*head, *map(_option, (CONFIG, WORKDIR, SET, QUIET))]
+
+    def callback(workdir: str, sets: tuple[str, ...], quiet: bool, config_option: str | None, **values: Any) -> None:
+        _setup_logging(quiet, False)
+        if direct is not None and direct.file is not None:
+            file, config = _model_or_config(values.pop(direct.file), config_option)
+        else:
+            file, config = None, _one_config(values.pop("config"), config_option)
+        if direct is None or (file is None and all(values.get(s) is None for s in direct.switches)):
+            if direct is not None:
+                _refuse_direct_options(direct.needs, *(k for k in values if k not in direct.both))
+            extra = direct.workdir_sets(values) if direct else ()
+            return _stage_in_workdir(name, config, workdir, sets + extra, quiet)
+        direct.run(file, config, sets, **values)
+
+    return KilnCommand(name, params=params, callback=callback, help=help)
+
+
+def _export_direct(
+    file: None,
     config: str | None,
-    config_option: str | None,
-    workdir: str,
     sets: tuple[str, ...],
     checkpoint: str | None,
     model_name: str | None,
     input_shape: str | None,
     output: str | None,
-    quiet: bool,
 ) -> None:
-    """Export to ONNX: from WORKDIR/train, or directly with --checkpoint/--model and -o."""
-    _setup_logging(quiet, False)
-    config = _one_config(config, config_option)
-    if checkpoint is None and output is None:
-        _refuse_direct_options("-o/--output or --checkpoint", "model_name", "input_shape")
-        return _stage_in_workdir("export", config, workdir, sets, quiet)
-    overrides = {"model.name": model_name} if model_name else {}
-    cfg = _load(config, {**overrides, **_parse_sets(sets)})
-    summary = export_direct(cfg, checkpoint, input_shape, Path(output or "model.onnx"))
+    cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
+    summary = export_direct(
+        settings_for(stage_named("export"), cfg), checkpoint, input_shape, Path(output or "model.onnx")
+    )
     console.print(
         f"wrote {summary['path']} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})"
     )
 
 
-@main.command()
-@click.argument("model", required=False, type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="optimized ONNX file (direct mode)")
-@config_opt
-@click.option(
-    "--passes",
-    metavar="P1,P2,...",
-    help=f"comma-separated pass list (default: the config's); passes: {', '.join(sorted(PASSES))}",
-)
-@workdir_opt
-@set_opt
-@quiet_opt
-def optimize(
-    model: str | None,
-    output: str | None,
-    config_option: str | None,
-    passes: str | None,
-    workdir: str,
-    sets: tuple[str, ...],
-    quiet: bool,
+def _optimize_direct(
+    file: str, config: str | None, sets: tuple[str, ...], output: str | None, passes: str | None
 ) -> None:
-    """Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without MODEL
-    (MODEL may also be the run config: `kiln optimize kiln.yaml`)."""
-    _setup_logging(quiet, False)
-    model, config = _model_or_config(model, config_option)
-    extra = (f"optimize.passes={passes.split(',')!r}",) if passes else ()
-    if model is None:
-        _refuse_direct_options("the MODEL file", "output")
-        return _stage_in_workdir("optimize", config, workdir, sets + extra, quiet)
-    cfg = _config(config, sets + extra)
-    dst = Path(output or Path(model).with_suffix(".opt.onnx"))
-    summary = optimize_file(Path(model), dst, cfg.optimize)
+    cfg = _config(config, sets + _passes(passes))
+    dst = Path(output or Path(file).with_suffix(".opt.onnx"))
+    summary = optimize_file(Path(file), dst, cfg.optimize)
     console.print(f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes")
 
 
-@main.command()
-@click.argument("model", required=False, type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(file_okay=False), help="folder of the variants (direct mode)")
-@click.option("--variants", help="comma-separated variants to make, e.g. fp16,int8 (default: the config's)")
-@click.option(
-    "--calibration",
-    type=click.Path(dir_okay=False),
-    help=".npz with one array per model input (calibration and the accuracy fallback; default: random, with a warning)",
-)
-@config_opt
-@workdir_opt
-@set_opt
-@quiet_opt
-def precision(
-    model: str | None,
+def _passes(passes: str | None) -> tuple[str, ...]:
+    return (f"optimize.passes={passes.split(',')!r}",) if passes else ()
+
+
+def _precision_direct(
+    file: str,
+    config: str | None,
+    sets: tuple[str, ...],
     output: str | None,
     variants: str | None,
     calibration: str | None,
-    config_option: str | None,
-    workdir: str,
-    sets: tuple[str, ...],
-    quiet: bool,
 ) -> None:
-    """FP32/FP16/INT8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 --calibration d.npz`,
-    or of WORKDIR/optimize without MODEL (MODEL may also be the run config)."""
-    _setup_logging(quiet, False)
-    model, config = _model_or_config(model, config_option)
-    if model is None:
-        _refuse_direct_options("the MODEL file", "output", "variants", "calibration")
-        return _stage_in_workdir("precision", config, workdir, sets, quiet)
     cfg = _config(config, sets)
     wanted = [v.strip() for v in variants.split(",") if v.strip()] if variants else list(cfg.precision.variants)
     unknown = sorted(set(wanted) - set(PRECISIONS))
     if unknown:
         raise ConfigError(f"--variants names unknown precisions {unknown}", hint=f"use {', '.join(PRECISIONS)}")
-    out = Path(output or Path(model).with_suffix(""))
-    summary = precision_direct(Path(model), out, wanted, Path(calibration) if calibration else None, cfg)
+    out = Path(output or Path(file).with_suffix(""))
+    settings = settings_for(stage_named("precision"), cfg)
+    summary = precision_direct(Path(file), out, wanted, Path(calibration) if calibration else None, settings)
     for name, v in summary["variants"].items():
         console.print(f"{name}: {v['path']} ({v['kept_fp32']} nodes kept FP32)")
     console.print(f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}")
 
 
-@main.command()
-@click.argument("model", required=False, type=click.Path(dir_okay=False))
-@click.option(
-    "--backend",
-    type=click.Choice(sorted(BACKENDS)),
-    default="onnxruntime",
-    show_default=True,
-    help="engine kind to build (direct mode)",
-)
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda"]),
-    default=None,
-    help="device the engine targets [default: the backend's only device (tensorrt: cuda, which "
-    "TensorRT-RTX builds for without a GPU here), else cpu]",
-)
-@click.option(
-    "--precision",
-    "precision_",
-    default="fp32",
-    show_default=True,
-    help="label of the graph's precision (precision lives in the graph: see `kiln precision`)",
-)
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(file_okay=False),
-    help="engine folder (direct mode): new, empty, or one an earlier `kiln build` wrote",
-)
-@config_opt
-@workdir_opt
-@set_opt
-@quiet_opt
-def build(
-    model: str | None,
+def _build_direct(
+    file: str,
+    config: str | None,
+    sets: tuple[str, ...],
     backend: str,
     device: str | None,
     precision_: str,
     output: str | None,
-    config_option: str | None,
-    workdir: str,
-    sets: tuple[str, ...],
-    quiet: bool,
 ) -> None:
-    """Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision
-    (MODEL may also be the run config: `kiln build kiln.yaml`)."""
-    _setup_logging(quiet, False)
-    model, config = _model_or_config(model, config_option)
-    if model is None:
-        _refuse_direct_options("the MODEL file", "backend", "device", "precision_", "output")
-        return _stage_in_workdir("build", config, workdir, sets, quiet)
     cfg = _config(config, sets)
-    meta = build_direct(Path(model), Path(output or "engine"), backend, device, precision_, cfg.build)
+    meta = build_direct(Path(file), Path(output or "engine"), backend, device, precision_, cfg.build)
     console.print(
         f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s (targets {meta.device.upper()})",
         highlight=False,
@@ -561,42 +502,19 @@ def build(
         )
 
 
-@main.command()
-@click.argument("engine", required=False, type=click.Path())
-@click.option(
-    "--reference",
-    type=click.Path(dir_okay=False),
-    help="what the engine must match (direct mode): an ONNX model, or a PyTorch checkpoint of --model",
-)
-@click.option("--model", "model_name", help="model name or import path for a checkpoint --reference")
-@click.option(
-    "--inputs", type=click.Path(dir_okay=False), help=".npz of inputs (default: random from the engine's spec)"
-)
-@config_opt
-@workdir_opt
-@set_opt
-@quiet_opt
-def validate(
-    engine: str | None,
+def _validate_direct(
+    file: str,
+    config: str | None,
+    sets: tuple[str, ...],
     reference: str | None,
     model_name: str | None,
     inputs: str | None,
-    config_option: str | None,
-    workdir: str,
-    sets: tuple[str, ...],
-    quiet: bool,
 ) -> None:
-    """Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference
-    (ENGINE may also be the run config: `kiln validate kiln.yaml`)."""
-    _setup_logging(quiet, False)
-    engine, config = _model_or_config(engine, config_option)
-    if engine is None:
-        _refuse_direct_options("the ENGINE folder", "reference", "model_name", "inputs")
-        return _stage_in_workdir("validate", config, workdir, sets, quiet)
     if reference is None:
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
     cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
-    result = validate_direct(Path(engine), Path(reference), Path(inputs) if inputs else None, cfg)
+    settings = settings_for(stage_named("validate"), cfg)
+    result = validate_direct(Path(file), Path(reference), Path(inputs) if inputs else None, settings)
     console.print_json(result.model_dump_json(exclude_none=True))
     if not result.passed:
         raise GateFailure(
@@ -605,16 +523,137 @@ def validate(
         )
 
 
-@main.command()
-@config_arg
-@config_opt
-@workdir_opt
-@set_opt
-@quiet_opt
-def package(config: str | None, config_option: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
-    """Write serving artifacts (engines + metadata, Triton model repository) into WORKDIR/package."""
-    _setup_logging(quiet, False)
-    _stage_in_workdir("package", _one_config(config, config_option), workdir, sets, quiet)
+def _file(name: str, folder: bool = False) -> click.Argument:
+    kind = click.Path() if folder else click.Path(dir_okay=False)
+    return click.Argument([name], required=False, type=kind)
+
+
+def _model_name() -> click.Option:
+    return click.Option(["--model", "model_name"], help="model name or import path (default: the config's)")
+
+
+STAGE_HELP = {
+    "train": "Train the configured model into WORKDIR/train.",
+    "package": "Write serving artifacts (engines + metadata, Triton model repository) into WORKDIR/package.",
+}
+DIRECT = {
+    "export": Direct(
+        (
+            click.Option(
+                ["--checkpoint"], type=click.Path(dir_okay=False), help="export this state dict directly (no workdir)"
+            ),
+            _model_name(),
+            click.Option(
+                ["--input-shape"], help="one sample's shape without batch, e.g. 3,224,224 (default: the dataset's)"
+            ),
+            click.Option(["-o", "--output"], type=click.Path(dir_okay=False), help="ONNX file to write in direct mode"),
+        ),
+        _export_direct,
+        needs="-o/--output or --checkpoint",
+        switches=("checkpoint", "output"),
+    ),
+    "optimize": Direct(
+        (
+            _file("model"),
+            click.Option(["-o", "--output"], type=click.Path(dir_okay=False), help="optimized ONNX file (direct mode)"),
+            click.Option(
+                ["--passes"],
+                metavar="P1,P2,...",
+                help=f"comma-separated pass list (default: the config's); passes: {', '.join(sorted(PASSES))}",
+            ),
+        ),
+        _optimize_direct,
+        needs="the MODEL file",
+        file="model",
+        both=("passes",),
+        workdir_sets=lambda values: _passes(values.get("passes")),
+    ),
+    "precision": Direct(
+        (
+            _file("model"),
+            click.Option(
+                ["-o", "--output"], type=click.Path(file_okay=False), help="folder of the variants (direct mode)"
+            ),
+            click.Option(
+                ["--variants"], help="comma-separated variants to make, e.g. fp16,int8 (default: the config's)"
+            ),
+            click.Option(
+                ["--calibration"],
+                type=click.Path(dir_okay=False),
+                help=".npz with one array per model input (calibration and the accuracy fallback; default: random, "
+                "with a warning)",
+            ),
+        ),
+        _precision_direct,
+        needs="the MODEL file",
+        file="model",
+    ),
+    "build": Direct(
+        (
+            _file("model"),
+            click.Option(
+                ["--backend"],
+                type=click.Choice(sorted(BACKENDS)),
+                default="onnxruntime",
+                show_default=True,
+                help="engine kind to build (direct mode)",
+            ),
+            click.Option(
+                ["--device"],
+                type=click.Choice(["cpu", "cuda"]),
+                default=None,
+                help="device the engine targets [default: the backend's only device (tensorrt: cuda, which "
+                "TensorRT-RTX builds for without a GPU here), else cpu]",
+            ),
+            click.Option(
+                ["--precision", "precision_"],
+                default="fp32",
+                show_default=True,
+                help="label of the graph's precision (precision lives in the graph: see `kiln precision`)",
+            ),
+            click.Option(
+                ["-o", "--output"],
+                type=click.Path(file_okay=False),
+                help="engine folder (direct mode): new, empty, or one an earlier `kiln build` wrote",
+            ),
+        ),
+        _build_direct,
+        needs="the MODEL file",
+        file="model",
+    ),
+    "validate": Direct(
+        (
+            _file("engine", folder=True),
+            click.Option(
+                ["--reference"],
+                type=click.Path(dir_okay=False),
+                help="what the engine must match (direct mode): an ONNX model, or a PyTorch checkpoint of --model",
+            ),
+            click.Option(["--model", "model_name"], help="model name or import path for a checkpoint --reference"),
+            click.Option(
+                ["--inputs"],
+                type=click.Path(dir_okay=False),
+                help=".npz of inputs (default: random from the engine's spec)",
+            ),
+        ),
+        _validate_direct,
+        needs="the ENGINE folder",
+        file="engine",
+    ),
+}
+DIRECT_HELP = {
+    "export": "Export to ONNX: from WORKDIR/train, or directly with --checkpoint/--model and -o.",
+    "optimize": "Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without "
+    "MODEL (MODEL may also be the run config: `kiln optimize kiln.yaml`).",
+    "precision": "FP32/FP16/INT8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 "
+    "--calibration d.npz`, or of WORKDIR/optimize without MODEL (MODEL may also be the run config).",
+    "build": "Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision (MODEL "
+    "may also be the run config: `kiln build kiln.yaml`).",
+    "validate": "Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference (ENGINE may "
+    "also be the run config: `kiln validate kiln.yaml`).",
+}
+for _stage in STAGES:
+    main.add_command(stage_command(_stage.name, {**STAGE_HELP, **DIRECT_HELP}[_stage.name], DIRECT.get(_stage.name)))
 
 
 @main.command()

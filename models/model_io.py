@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,47 +19,48 @@ from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.signature import Signature
+from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
-
-if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.pipeline.config import KilnConfig
 
 log = logging.getLogger("kiln")
 WEIGHTS = "model.safetensors"
 SPEC = "model.json"
 
 
-def torch_model_named(config: KilnConfig) -> bool:
+def torch_model_named(model: ModelConfig) -> bool:
     """Is there a PyTorch model? Always, unless the run starts from ``model.onnx`` without naming one too."""
-    return config.model.onnx is None or "name" in config.model.model_fields_set
+    return model.onnx is None or "name" in model.model_fields_set
 
 
-def dataset_for(config: KilnConfig) -> DatasetSplits:
-    if config.model.onnx and not config.data.name and not torch_model_named(config):
-        return random_splits(Path(config.model.onnx), config)
-    name = config.data.name or DEFAULT_DATASET.get(config.model.name)
+def dataset_for(model: ModelConfig, data: DataConfig, signature: Signature, seed: int) -> DatasetSplits:
+    """The run's dataset: ``data.name`` (a built-in, split by ``seed``, or the user's function), the model's
+    default dataset, or random inputs of ``model.onnx`` when a run starts from an ONNX file without data."""
+    if model.onnx and not data.name and not torch_model_named(model):
+        return random_splits(Path(model.onnx), signature, seed)
+    name = data.name or DEFAULT_DATASET.get(model.name)
     if name is None:
-        resolve_callable(config.model.name, MODELS, "model")  # a misspelt model name is the problem, say so
+        resolve_callable(model.name, MODELS, "model")  # a misspelt model name is the problem, say so
         raise ConfigError(
-            f"no dataset configured for model '{config.model.name}'",
+            f"no dataset configured for model '{model.name}'",
             hint="set data.name to a built-in dataset or 'package.module:function'",
         )
-    params = dict(config.data.params)
-    params.setdefault("seed", config.seed) if name in DATASETS else None  # built-ins split by the run seed
-    return load_dataset(name, params, config.export.dynamic_axes)
+    params = dict(data.params)
+    params.setdefault("seed", seed) if name in DATASETS else None  # built-ins split by the run seed
+    return load_dataset(name, params, signature.dynamic_axes)
 
 
-def random_splits(path: Path, config: KilnConfig, rows: int = 64) -> DatasetSplits:
+def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -> DatasetSplits:
     """Random inputs of an ONNX file's declared shapes, without labels: a run from ``model.onnx`` with no data
     (agreement with the FP32 graph only; calibration on random data is unrepresentative, so it says so loudly)."""
     inputs, _ = io_specs(load_onnx(path, load_external_data=False))
-    sizes = {k: max(v) for k, v in config.validate_.shapes.items() if v}
+    sizes = {k: max(v) for k, v in signature.shapes.items() if v}
     named = {n for s in inputs for d in s.shape[1:] if isinstance(d, str) for n in [d]}
     dynamic = max(sizes.values()) if sizes else None
     if named and dynamic is None:
         raise ConfigError(
             f"model.onnx {path.name} has dynamic axes {sorted(named)} besides batch, and no data to size them",
-            hint="give data.name (a data function), or validate.shapes with their sizes",
+            hint="give data.name (a data function), or signature.shapes with their sizes",
         )
     log.warning(
         "model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
@@ -69,7 +70,7 @@ def random_splits(path: Path, config: KilnConfig, rows: int = 64) -> DatasetSpli
     def make(seed: int) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(v) for k, v in random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()}
 
-    return DatasetSplits(make(config.seed), None, make(config.seed + 1), None, name=f"random inputs of {path.name}")
+    return DatasetSplits(make(seed), None, make(seed + 1), None, name=f"random inputs of {path.name}")
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -170,15 +171,15 @@ class ModelShapeError(InputFileError):
         super().__init__(message, hint="check model.name/model.params match the checkpoint's architecture")
 
 
-def save_trained(out: Path, model: nn.Module, config: KilnConfig, extra: dict[str, Any] | None = None) -> None:
+def save_trained(out: Path, model: nn.Module, config: ModelConfig, extra: dict[str, Any] | None = None) -> None:
     # weights_bytes + our atomic write rather than save_file(): that one leaves a 0600 file a server cannot read
     write_bytes_atomic(out / WEIGHTS, weights_bytes(model))
-    spec = {"model": config.model.name, "params": config.model.params, **(extra or {})}
+    spec = {"model": config.name, "params": config.params, **(extra or {})}
     (out / SPEC).write_text(json.dumps(spec, indent=2, sort_keys=True))
 
 
-def load_trained(train_dir: Path, config: KilnConfig) -> nn.Module:
+def load_trained(train_dir: Path, config: ModelConfig) -> nn.Module:
     """Rebuild the model from the config and load the train stage's weights; eval mode, FP32, CPU."""
-    model = build_model(config.model.name, config.model.params)
+    model = build_model(config.name, config.params)
     load_weights(model, read_state_dict(train_dir / WEIGHTS), str(train_dir / WEIGHTS))
     return model.float().eval()

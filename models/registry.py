@@ -115,7 +115,7 @@ def load_dataset(
     ref: str, params: dict[str, Any] | None = None, dynamic: dict[str, dict[int, str]] | None = None
 ) -> DatasetSplits:
     """The data function's splits, checked against the dataset contract (:func:`kiln.core.data.check_splits`);
-    ``dynamic``: export.dynamic_axes, whose axes may differ in size between the splits."""
+    ``dynamic``: signature.dynamic_axes, whose axes may differ in size between the splits."""
     data = _call_factory(
         ref,
         DATASETS,

@@ -13,17 +13,18 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import tomllib
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.sections import Section
+from kiln.core.signature import Signature, gather
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.registry import DATASETS, MODELS, resolve_callable
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.export import ExportConfig
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.package import PackageConfig
+from kiln.stages.package.stage import PackageConfig
 from kiln.stages.precision.config import PRECISIONS, PrecisionConfig
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.validate.config import GatesConfig, ValidateConfig
@@ -33,6 +34,7 @@ CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
 # The sections live with the stages that read them; importable from here too.
 __all__ = [
     "KilnConfig",
+    "Signature",
     "load_config",
     "config_from_dict",
     "set_value",
@@ -53,10 +55,14 @@ __all__ = [
 
 
 class KilnConfig(Section):
+    """The run config: one section per stage (each defined beside its stage), the data and model, and the
+    model's signature, which several stages read."""
+
     name: str = "kiln"
     seed: int = 0
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    signature: Signature = Field(default_factory=Signature)
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     optimize: OptimizeConfig = Field(default_factory=OptimizeConfig)
@@ -67,6 +73,12 @@ class KilnConfig(Section):
     package: PackageConfig = Field(default_factory=PackageConfig)
 
     model_config = Section.model_config | {"populate_by_name": True}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _signature_keys(cls, data: Any) -> Any:
+        """The signature's keys are also taken where earlier versions read them (``signature.batch_sizes``...)."""
+        return gather(data) if isinstance(data, dict) else data
 
     def section(self, name: str) -> Section:
         return getattr(self, "validate_" if name == "validate" else name)

@@ -30,7 +30,7 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one."""
     if not _is_import_path(config.data.name):
         return None
-    d = dataset_for(config)
+    d = dataset_for(config.model, config.data, config.signature, config.seed)
     parts = [d.train_x, d.train_y, d.val_x, d.val_y]
     return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
 

@@ -8,6 +8,7 @@ from typing import Any
 from kiln.core.artifacts import write_json_atomic, write_text_atomic
 from kiln.core.env import environment
 from kiln.core.records import ValidationResult
+from kiln.core.stage import Stage, Summary
 from kiln.core.text import fmt
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
@@ -28,7 +29,7 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
             "seconds": round(r.seconds, 3),
             **({"error": r.error} if r.error else {}),
             **({"original_seconds": round(r.original_seconds, 3)} if r.original_seconds is not None else {}),
-            "summary": r.summary,
+            "summary": r.summary.model_dump(mode="json") if r.summary is not None else {},
         }
         for r in result.records
     }
@@ -77,6 +78,16 @@ def _current(name: str, manifest: dict[str, Any], config: KilnConfig, workdir: P
     return parts == recorded and outputs_intact(workdir / name, manifest)
 
 
+def _typed(stage: Stage, summary: dict[str, Any] | None) -> Summary | None:
+    """A summary from report.json as the stage's record; None where there is none, or one of another version."""
+    if not summary:
+        return None
+    try:
+        return stage.summary.model_validate(summary)
+    except ValueError:
+        return None
+
+
 def validation_of(report: dict[str, Any]) -> ValidationResult | None:
     """The report's validation as the typed record (None when this configuration has no current validation)."""
     v = report.get("validation")
@@ -120,11 +131,12 @@ def render_markdown(report: dict[str, Any]) -> str:
             "*stale*: not part of this command, and made with other settings or inputs than this "
             "configuration's: `kiln run` redoes it.",
         ]
-    if report.get("validation"):  # the verdict first, then each stage's own section in pipeline order
-        lines += validate_section(report["validation"])
+    validation = validation_of(report)
+    if validation is not None:  # the verdict first, then each stage's own section in pipeline order
+        lines += validate_section(validation)
     for stage in STAGES:
-        summary = report["stages"].get(stage.name, {}).get("summary")
-        if stage.report is not None and summary and stage.name != "validate":
+        summary = _typed(stage, report["stages"].get(stage.name, {}).get("summary"))
+        if stage.report is not None and summary is not None and stage.name != "validate":
             lines += stage.report(summary)
     env = report["environment"]
     lines += [

@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -28,7 +28,7 @@ from kiln.core.artifacts import (
 from kiln.core.env import environment
 from kiln.core.errors import GateFailure, KilnError, storage_error
 from kiln.core.progress import Progress, SilentProgress
-from kiln.core.stage import Stage, StageContext
+from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.models.model_io import dataset_for
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
@@ -46,7 +46,7 @@ class StageRecord:
     status: str  # ran | cached | skipped | failed | not-run
     seconds: float = 0.0
     key: str | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary | None = None  # the stage's typed summary (a cached stage's, read back)
     error: str | None = None
     original_seconds: float | None = None  # for a cached stage: how long it took when it ran
 
@@ -104,13 +104,35 @@ def outputs_intact(stage_dir: Path, manifest: dict[str, Any], verified: dict[Pat
     return intact
 
 
-def config_value(config: KilnConfig, dotted: str) -> Any:
-    """A config section (``"build"``), top-level value (``"seed"``) or one key (``"validate.batch_sizes"``) as JSON."""
+def config_at(config: KilnConfig, dotted: str) -> Any:
+    """A config section (``"build"``), top-level value (``"seed"``) or one key (``"precision.require_speedup"``)."""
     head, *rest = dotted.split(".")
     value: Any = config.section(head)
     for part in rest:
         value = getattr(value, part)
+    return value
+
+
+def config_value(config: KilnConfig, dotted: str) -> Any:
+    """:func:`config_at` as JSON."""
+    value = config_at(config, dotted)
     return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+
+
+def settings_for(stage: Stage, config: KilnConfig) -> StageSettings:
+    """The part of ``config`` the stage declares (``Stage.settings``): all the stage may read."""
+    values = {}
+    for name, keys in stage.settings.sources().items():
+        if len(keys) == 1:
+            values[name] = config_at(config, keys[0])
+        else:  # several keys of one section: a view of it holding those keys only
+            values[name] = config_at(config, keys[0].rpartition(".")[0]).only(*(k.rpartition(".")[2] for k in keys))
+    return stage.settings(**values)
+
+
+def load_dataset(config: KilnConfig) -> Any:
+    """The run's dataset, as every stage that reads it loads it."""
+    return dataset_for(config.model, config.data, config.signature, config.seed)
 
 
 def cache_key(
@@ -121,13 +143,14 @@ def cache_key(
     for up in stage.inputs:
         m = read_manifest(workdir / up)
         inputs[up] = hash_json(m["outputs"]) if m else None
+    sources = tuple(stage.settings.keys())
     parts = {
         "code": hash_source(*stage.code),
-        "config": {s: config_value(config, s) for s in stage.sections},
+        "config": {s: config_value(config, s) for s in sources},
         "inputs": inputs,
-        "env": stage.env(config),
+        "env": stage.env(settings_for(stage, config)),
     }
-    user = user_code(config, stage.sections)
+    user = user_code(config, sources)
     if user:
         parts["user_code"] = user
     memo = {} if fingerprints is None else fingerprints
@@ -212,14 +235,15 @@ class Runner:
                 log.debug("stage %s: out of memory", stage.name, exc_info=True)
                 error = KilnError(
                     f"stage '{stage.name}' ran out of memory",
-                    hint="lower validate.batch_sizes, train.batch_size or the model's size",
+                    hint="lower signature.batch_sizes, train.batch_size or the model's size",
                 )
                 record = StageRecord(stage.name, "failed", error=str(error))
             records.append(record)
             self.on_event(record)
-            if record.status != "failed" and record.summary.get("passed") is False and error is None:
+            failures = record.summary.gate_failures() if record.summary is not None else None
+            if record.status != "failed" and failures and error is None:
                 error = GateFailure(
-                    f"validation gates failed: {'; '.join(record.summary.get('failures', [])) or 'see report'}",
+                    f"validation gates failed: {'; '.join(failures)}",
                     hint="see report.md; relax validate.gates only if the numbers are acceptable"
                     + (
                         " (latency from an earlier run: `--force validate` measures again)"
@@ -248,7 +272,8 @@ class Runner:
                 hint=f"run `kiln run --from {missing[0]}`",
             )
         old = read_manifest(final)
-        if not forced and old and old.get("key") == key and outputs_intact(final, old, self._verified):
+        cached = _summary(stage, old)
+        if not forced and cached and old and old.get("key") == key and outputs_intact(final, old, self._verified):
             log.info("%s: cached (key %s)", stage.name, key[:12])
             # seconds: what this run spent on the stage (the check); the original run's time stays in the manifest
             return StageRecord(
@@ -256,7 +281,7 @@ class Runner:
                 "cached",
                 time.perf_counter() - t_check,
                 key,
-                old.get("summary", {}),
+                cached,
                 original_seconds=old.get("seconds"),
             )
         changed = what_changed(old.get("key_parts", {}), parts) if old and not forced else []
@@ -269,16 +294,16 @@ class Runner:
         with atomic_dir(final) as out:
             ctx = StageContext(
                 stage.name,
-                self.config,
+                settings_for(stage, self.config),
                 self.workdir,
                 out,
                 {up: self.workdir / up for up in stage.inputs},
                 self.progress,
-                load_dataset=partial(dataset_for, self.config) if "dataset" in stage.data else None,
+                load_dataset=partial(load_dataset, self.config) if "dataset" in stage.data else None,
             )
             summary = stage.run(ctx)
             seconds = time.perf_counter() - t0
-            status = summary.pop("status", "ran")
+            status = summary.status
             outputs = hash_tree(out, exclude=(MANIFEST,))
             write_json_atomic(
                 out / MANIFEST,
@@ -289,7 +314,7 @@ class Runner:
                     "status": status,
                     "outputs": outputs,
                     "sizes": {rel: (out / rel).stat().st_size for rel in outputs},
-                    "summary": summary,
+                    "summary": summary.model_dump(mode="json"),
                     "seconds": seconds,
                     "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "environment": environment(*backend_libraries()),
@@ -297,3 +322,14 @@ class Runner:
             )
             self._verified[final] = hash_json(outputs)  # just written and hashed: no need to read it again
         return StageRecord(stage.name, status, seconds, key, summary)
+
+
+def _summary(stage: Stage, manifest: dict[str, Any] | None) -> Summary | None:
+    """A manifest's summary as the stage's typed record; None when it is missing or not that record (a manifest
+    of another Kiln version: the stage is redone, not half understood)."""
+    if not manifest or not isinstance(manifest.get("summary"), dict):
+        return None
+    try:
+        return stage.summary.model_validate(manifest["summary"])
+    except ValueError:
+        return None

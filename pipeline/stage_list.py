@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from kiln.core.errors import ConfigError
 from kiln.core.stage import Stage
-from kiln.stages import export, package
+from kiln.stages import export
 from kiln.stages.engines import stage as build
 from kiln.stages.optimize import stage as optimize
+from kiln.stages.package import stage as package
 from kiln.stages.precision import stage as precision
 from kiln.stages.train import stage as train
 from kiln.stages.validate import stage as validate

@@ -121,7 +121,9 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
     specs = engine.meta.inputs
     if config is not None and len(specs) == 1:
         try:
-            val_x = tensors(dataset_for(config).val_x)[0][:size].numpy()
+            val_x = tensors(dataset_for(config.model, config.data, config.signature, config.seed).val_x)[0][
+                :size
+            ].numpy()
         except KilnError as exc:
             log.info("validation data unavailable (%s): random inputs", exc.message)
         else:

@@ -35,7 +35,7 @@ from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
-from kiln.stages.triton_repo import served_max_batch
+from kiln.stages.package.triton import served_max_batch
 
 log = logging.getLogger("kiln.serve.server")
 INSTALL_HINT = 'pip install "kiln[serve]"'

@@ -10,8 +10,9 @@ import sys
 import warnings
 from collections.abc import Mapping
 from contextlib import redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx
@@ -39,8 +40,10 @@ from kiln.core.onnx_io import (
 )
 from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.sections import Section
-from kiln.core.stage import Stage, StageContext
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, root_cause
+from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import (
     dataset_for,
     load_trained,
@@ -49,9 +52,6 @@ from kiln.models.model_io import (
 )
 from kiln.models.registry import build_model
 
-if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.pipeline.config import KilnConfig
-
 log = logging.getLogger("kiln.export")
 
 
@@ -59,11 +59,33 @@ class ExportConfig(Section):
     opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
     dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
     parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
-    dynamic_axes: dict[str, dict[int, str]] = Field(
-        default_factory=dict,
-        description="axes besides batch that vary, per input: {input_ids: {1: seq}}; the "
-        "same name ties axes of several inputs together",
-    )
+
+
+@dataclass(frozen=True)
+class ExportSettings(StageSettings):
+    """What the export stage reads: the model (or the ONNX file that replaces it), its data for the example and
+    the parity check, the exporter's settings and the signature's dynamic axes."""
+
+    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes")}
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    export: ExportConfig
+    signature: Signature
+
+
+class ExportSummary(Summary):
+    """The exported (or taken) graph: its size and opset, its parity with PyTorch, the sizes the data gave each
+    dynamic axis and integer input; for ``model.onnx``, the file taken and its inputs and outputs."""
+
+    nodes: int
+    opset: int
+    parity: dict[str, Any] | None = None
+    dynamic_sizes: dict[str, dict[int, list[int]]] = Field(default_factory=dict)
+    int_ranges: dict[str, list[int]] = Field(default_factory=dict)
+    source: str | None = None
+    inputs: list[str] = Field(default_factory=list)
+    outputs: list[str] = Field(default_factory=list)
 
 
 def export_onnx(
@@ -85,11 +107,11 @@ def export_onnx(
     if unknown:
         single = isinstance(example, torch.Tensor)  # one tensor of data is the input "input", whatever forward calls it
         raise ConfigError(
-            f"export.dynamic_axes names {unknown}, which are not model inputs {names}",
-            hint=f"key export.dynamic_axes by the model's input names (data of one tensor is the input "
+            f"signature.dynamic_axes names {unknown}, which are not model inputs {names}",
+            hint=f"key signature.dynamic_axes by the model's input names (data of one tensor is the input "
             f"'{names[0]}'; data as a dict {{name: tensor}} names it)"
             if single
-            else "key export.dynamic_axes by the model's input names",
+            else "key signature.dynamic_axes by the model's input names",
         )
     with torch.no_grad():
         outputs = list(named_outputs(model, example))
@@ -247,7 +269,7 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
-def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
+def export_direct(cfg: ExportSettings, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
     ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
     model = build_model(cfg.model.name, cfg.model.params)
     checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
@@ -270,8 +292,8 @@ def export_direct(cfg: KilnConfig, checkpoint: str | None, input_shape: str | No
                 hint="give --input-shape the shape of one sample the model takes",
             ) from None
     else:
-        example = take(dataset_for(cfg).val_x, slice(0, 2))
-    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.export.dynamic_axes)
+        example = take(dataset_for(cfg.model, cfg.data, cfg.signature, cfg.seed).val_x, slice(0, 2))
+    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
     check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
@@ -290,23 +312,23 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def take_onnx(src: Path, path: Path) -> dict[str, Any]:
+def take_onnx(src: Path, path: Path) -> ExportSummary:
     """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one."""
     proto = infer_shapes(load_onnx(src), strict=False)
     check_onnx(proto, f"model.onnx {src.name}")
     save_onnx(proto, path)
     inputs, outputs = io_specs(proto)
     log.info("took %s (%d nodes) instead of exporting", src, len(proto.graph.node))
-    return {
-        "nodes": len(proto.graph.node),
-        "source": str(src),
-        "inputs": [i.name for i in inputs],
-        "outputs": [o.name for o in outputs],
-        "opset": max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0),
-    }
+    return ExportSummary(
+        nodes=len(proto.graph.node),
+        source=str(src),
+        inputs=[i.name for i in inputs],
+        outputs=[o.name for o in outputs],
+        opset=max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0),
+    )
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     cfg = ctx.config.export
     if ctx.config.model.onnx:
         return take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
@@ -314,14 +336,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.
         raise ConfigError(
             "export.dynamic_batch: false cannot run through the pipeline, which checks and times "
-            "the engines at every size in validate.batch_sizes",
+            "the engines at every size in signature.batch_sizes",
             hint="keep export.dynamic_batch: true; for a fixed-batch file use `kiln export "
             "--checkpoint W.safetensors -o model.onnx --set export.dynamic_batch=false`",
         )
-    model = load_trained(ctx.inputs["train"], ctx.config)
+    model = load_trained(ctx.inputs["train"], ctx.config.model)
     data = ctx.dataset()
     path = ctx.out / "model.onnx"
-    proto = export_onnx(model, take(data.val_x, slice(0, 2)), path, cfg.opset, cfg.dynamic_batch, cfg.dynamic_axes)
+    axes = ctx.config.signature.dynamic_axes
+    proto = export_onnx(model, take(data.val_x, slice(0, 2)), path, cfg.opset, cfg.dynamic_batch, axes)
     check = parity(model, path, take(data.val_x, slice(0, 256)))
     if check["max_abs_err"] > cfg.parity_atol:
         raise ModelError(
@@ -336,19 +359,19 @@ def run(ctx: StageContext) -> dict[str, Any]:
         check["max_abs_err"],
     )
     names = [i.name for i in proto.graph.input]
-    sizes = dynamic_sizes(data, names, cfg.dynamic_axes)
+    sizes = dynamic_sizes(data, names, axes)
     if sizes:
         (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
     ranges = integer_ranges(data, names)
     if ranges:
         (ctx.out / INT_RANGES).write_text(json.dumps(ranges, indent=2, sort_keys=True) + "\n")
-    return {
-        "nodes": len(proto.graph.node),
-        "opset": max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
-        "parity": check,
-        "dynamic_sizes": sizes,
-        "int_ranges": ranges,
-    }
+    return ExportSummary(
+        nodes=len(proto.graph.node),
+        opset=max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
+        parity=check,
+        dynamic_sizes=sizes,
+        int_ranges=ranges,
+    )
 
 
 DYNAMIC_SIZES = "dynamic_sizes.json"
@@ -357,8 +380,8 @@ DYNAMIC_SIZES = "dynamic_sizes.json"
 def dynamic_sizes(
     data: Any, names: list[str], axes: Mapping[str, Mapping[int, str]]
 ) -> dict[str, dict[int, list[int]]]:
-    """Input name -> axis -> [smallest, largest] size in the data, for each axis of ``export.dynamic_axes``: sizes the
-    model is known to take, for the optimizer's safety net (its random inputs)."""
+    """Input name -> axis -> [smallest, largest] size in the data, for each axis of ``signature.dynamic_axes``:
+    sizes the model is known to take, for the optimizer's safety net (its random inputs)."""
     feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]
     if not feeds:
         return {}
@@ -400,7 +423,7 @@ def read_dynamic_sizes(export_dir: Path) -> dict[str, dict[int, list[int]]] | No
     return {name: {int(axis): sizes for axis, sizes in dims.items()} for name, dims in stored.items()}
 
 
-def _env(cfg: Any) -> dict[str, Any]:
+def _env(cfg: ExportSettings) -> dict[str, Any]:
     return environment_subset("torch", "onnx", "onnxruntime")
 
 
@@ -410,7 +433,8 @@ STAGE = Stage(
     "export",
     run,
     ("train",),
-    ("seed", "model", "data", "export"),
+    ExportSettings,
+    ExportSummary,
     (sys.modules[__name__], kiln.models, kiln.models.model_io, kiln.core.onnx_io),
     _env,
     "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",

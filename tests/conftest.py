@@ -23,7 +23,8 @@ def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
         "name": "tiny",
         "model": {"name": "cnn", "params": {"width": 8, "depth": 2}},
         "train": {"epochs": 2, "batch_size": 128},
-        "validate": {"batch_sizes": [1, 8], "warmup": 1, "iterations": 3, "max_samples": 128},
+        "signature": {"batch_sizes": [1, 8]},
+        "validate": {"warmup": 1, "iterations": 3, "max_samples": 128},
         "build": {"backends": ["onnxruntime"]},
     }
     for dotted, value in overrides.items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 import tomllib
 
 from kiln.pipeline.stage_list import STAGES
@@ -72,7 +71,6 @@ def test_every_folder_is_a_layer() -> None:
     assert {layer(m) for m in MODULES} >= set(range(len(LAYERS))), "a layer has no module"
 
 
-@pytest.mark.xfail(strict=True, reason="stages still type their config as the whole KilnConfig: the next commit")
 def test_imports_point_down_only() -> None:
     up = [
         f"{m} ({LAYERS[min(layer(m), len(LAYERS) - 1)]}) imports {i}"
@@ -98,7 +96,6 @@ def _stage_of(module: str) -> int | None:
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="precision's direct mode reads .npz feeds through validate: the next commit")
 def test_stages_import_earlier_stages_only() -> None:
     """A stage may use what an earlier stage made (validate runs the build stage's engines), never a later one."""
     later = [

@@ -6,8 +6,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, Field
 
 import kiln.stages.engines
 from kiln.core import cpu_int8
@@ -18,8 +21,9 @@ from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, Variants
-from kiln.core.stage import Stage, StageContext
-from kiln.core.text import fmt
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageContext, StageSettings, Summary
+from kiln.models.config import ModelConfig
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.backend import SIDECAR, BuildRequest, read_metadata
 from kiln.stages.engines.config import BuildConfig
@@ -133,17 +137,47 @@ def _check_choice(backend: str, device: str, precision: str) -> Any:
     return chosen
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BuildSettings(StageSettings):
+    """What the build stage reads: its section (backends and each one's settings), the model (the torch backend
+    compiles the trained model itself) and the signature (the largest batch and the dynamic axes' sizes size the
+    engines' profiles and autotuned shapes)."""
+
+    SOURCES = {"signature": ("signature.batch_sizes", "signature.shapes")}
+    build: BuildConfig
+    model: ModelConfig
+    signature: Signature
+
+
+class EngineEntry(BaseModel):
+    """One engine built: the summary's row of it (``kiln-engine.json`` in its folder has everything)."""
+
+    name: str
+    backend: str
+    device: str
+    precision: str
+    build_seconds: float
+    size_bytes: int
+
+
+class BuildSummary(Summary):
+    """The engines built, and the ones planned but not built, each with why."""
+
+    engines: list[EngineEntry] = Field(default_factory=list)
+    skipped: list[str] = Field(default_factory=list)
+
+
+def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
     cfg = ctx.config.build
     root = ctx.inputs["precision"]
     record = Variants.read(root / "variants.json", hint="run `kiln run --from precision`")
     variants = record.variants
-    max_batch = max(ctx.config.validate_.batch_sizes)
-    # Dynamic axes besides batch: the sizes validate.shapes asks for, else those the precision stage saw in the data
-    sizes = {k: [min(v), max(v)] for k, v in (record.axis_sizes | ctx.config.validate_.shapes).items() if v}
+    max_batch = ctx.config.signature.max_batch
+    # Dynamic axes besides batch: the sizes signature.shapes asks for, else those the precision stage saw in the data
+    sizes = ctx.config.signature.axis_ranges(record.axis_sizes)
     # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
-    torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config)) if "train" in ctx.inputs else None
-    engines: list[dict[str, Any]] = []
+    torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config.model)) if "train" in ctx.inputs else None
+    engines: list[EngineEntry] = []
     skipped: list[str] = []
     for precision in variants:
         for backend in (BACKENDS[name] for name in cfg.backends):
@@ -174,10 +208,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                     ctx.log.warning("skipping %s: %s", name, exc)
                     skipped.append(f"{name}: {exc.message} (fix: {exc.hint})")
                     continue
-                engines.append(
-                    meta.model_dump(include={"name", "backend", "device", "precision", "build_seconds", "size_bytes"})
-                )
-    return {"engines": engines, "skipped": skipped}
+                fields = {"name", "backend", "device", "precision", "build_seconds", "size_bytes"}
+                engines.append(EngineEntry.model_validate(meta.model_dump(include=fields)))
+    return BuildSummary(engines=engines, skipped=skipped)
 
 
 def _build_with_fallback(
@@ -189,7 +222,7 @@ def _build_with_fallback(
     backend: str,
     device: str,
     precision: str,
-    ctx: StageContext,
+    ctx: StageContext[BuildSettings],
     max_batch: int,
     torch_model: Callable[[], Any] | None = None,
     sizes: dict[str, list[int]] | None = None,
@@ -270,28 +303,25 @@ def refuse_foreign_folder(out: Path) -> None:
         )
 
 
-def report_section(summary: dict[str, Any]) -> list[str]:
+def report_section(build: BuildSummary) -> list[str]:
     """The engines' part of report.md: what was built (or not, and why), how long it took, how large."""
-    out: list[str] = []
-    build = summary
-    if build.get("engines"):
-        out += [
-            "",
-            "## Engines",
-            "",
-            "| engine | backend | device | precision | build s | size MB |",
-            "|---|---|---|---|---|---|",
-        ]
-        out += [
-            f"| {e['name']} | {e['backend']} | {e.get('device', '')} | {e['precision']} | "
-            f"{fmt(e.get('build_seconds'), '.2f')} | {fmt((e.get('size_bytes') or 0) / 1e6, '.2f')} |"
-            for e in build["engines"]
-        ]
-        out += [f"- not built: {s}" for s in build.get("skipped", [])]
-    return out
+    if not build.engines:
+        return []
+    out = [
+        "",
+        "## Engines",
+        "",
+        "| engine | backend | device | precision | build s | size MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {e.name} | {e.backend} | {e.device} | {e.precision} | {e.build_seconds:.2f} | {e.size_bytes / 1e6:.2f} |"
+        for e in build.engines
+    ]
+    return out + [f"- not built: {s}" for s in build.skipped]
 
 
-def _env(cfg: Any) -> dict[str, Any]:
+def _env(cfg: BuildSettings) -> dict[str, Any]:
     # Engines depend on the library that built them and on the GPU they were tuned for.
     env = environment_subset("onnx", *backend_libraries(*cfg.build.backends), device=True)
     # ORT CPU INT8 engines built where the fast INT8 kernels saturate hold ORT's uint8 weights for its exact kernels
@@ -308,7 +338,8 @@ STAGE = Stage(
     "build",
     run,
     ("train", "precision"),
-    ("build", "validate.batch_sizes", "validate.shapes", "model"),
+    BuildSettings,
+    BuildSummary,
     (kiln.stages.engines,),
     _env,
     "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",

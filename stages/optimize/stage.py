@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import Field
 
 import kiln.stages.optimize
 from kiln.core.env import environment_subset
 from kiln.core.onnx_io import check_onnx, load_onnx, save_onnx
-from kiln.core.stage import Stage, StageContext
+from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.stages.export import read_dynamic_sizes, read_int_ranges
 from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import OptimizeConfig
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class OptimizeSettings(StageSettings):
+    """The optimize stage reads its own section only: the graph and the data's sizes come from the export stage."""
+
+    optimize: OptimizeConfig
+
+
+class OptimizeSummary(Summary):
+    """Node counts and op histograms before and after, whether the safety net checked the passes, and each pass's
+    entry per round (``rolled_back``: the passes that changed the outputs and were undone)."""
+
+    nodes_before: int
+    nodes_after: int
+    ops_before: dict[str, int] = Field(default_factory=dict)
+    ops_after: dict[str, int] = Field(default_factory=dict)
+    verified: bool = False
+    rounds: int = 0
+    rolled_back: list[str] = Field(default_factory=list)
+    seconds: float = 0.0
+    passes: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def run(ctx: StageContext[OptimizeSettings]) -> OptimizeSummary:
     model = load_onnx(ctx.inputs["export"] / "model.onnx")
     out, summary = optimize_model(
         model, ctx.config.optimize, read_dynamic_sizes(ctx.inputs["export"]), read_int_ranges(ctx.inputs["export"])
@@ -25,27 +51,22 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ctx.log.info(
         "optimize: %d -> %d nodes in %.2fs", summary["nodes_before"], summary["nodes_after"], summary["seconds"]
     )
-    return summary
+    return OptimizeSummary.model_validate(summary)
 
 
-def report_section(summary: dict[str, Any]) -> list[str]:
+def report_section(opt: OptimizeSummary) -> list[str]:
     """Graph optimization's part of report.md: node counts and the passes that fired or were rolled back."""
-    out: list[str] = []
-    opt = summary
-    if "nodes_before" in opt:
-        fired = [p["name"] for p in opt.get("passes", []) if p.get("nodes_before") != p.get("nodes_after")]
-        out += [
-            "",
-            "## Graph optimization",
-            "",
-            f"{opt['nodes_before']} -> {opt['nodes_after']} nodes; passes that changed the graph: "
-            f"{', '.join(dict.fromkeys(fired)) or 'none'}; "
-            f"rolled back: {', '.join(opt.get('rolled_back', [])) or 'none'}.",
-        ]
-    return out
+    fired = [p["name"] for p in opt.passes if p.get("nodes_before") != p.get("nodes_after")]
+    return [
+        "",
+        "## Graph optimization",
+        "",
+        f"{opt.nodes_before} -> {opt.nodes_after} nodes; passes that changed the graph: "
+        f"{', '.join(dict.fromkeys(fired)) or 'none'}; rolled back: {', '.join(opt.rolled_back) or 'none'}.",
+    ]
 
 
-def _env(cfg: Any) -> dict[str, Any]:
+def _env(cfg: OptimizeSettings) -> dict[str, Any]:
     return environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime")
 
 
@@ -53,7 +74,8 @@ STAGE = Stage(
     "optimize",
     run,
     ("export",),
-    ("optimize",),
+    OptimizeSettings,
+    OptimizeSummary,
     (kiln.stages.optimize,),
     _env,
     "graph passes with onnx-graphsurgeon",

@@ -10,29 +10,26 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kiln.core.errors import ModelError
+from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.outputs import logits_name
 from kiln.core.progress import SilentProgress
 from kiln.core.records import TensorSpec, Variants
 from kiln.core.shapes import graph_axes
-from kiln.stages.precision.stage import build_variants, variant_record
+from kiln.stages.precision.stage import PrecisionSettings, build_variants, variant_record
 from kiln.stages.precision.variants import Source
-from kiln.stages.validate.direct import read_feed
-
-if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.pipeline.config import KilnConfig
 
 log = logging.getLogger("kiln.precision")
 
 
 def precision_direct(
-    src: Path, out: Path, variants: list[str], calibration: Path | None, cfg: KilnConfig
+    src: Path, out: Path, variants: list[str], calibration: Path | None, cfg: PrecisionSettings
 ) -> dict[str, Any]:
     """Write ``out/<precision>/model.onnx`` for each variant and ``out/variants.json``; returns a summary."""
     graph = load_onnx(src)
@@ -57,7 +54,7 @@ def precision_direct(
     ]
     x_val = {k: v[: pcfg.fallback.samples] for k, v in data.items()}
     names = [o.name for o in outputs]
-    logits = logits_name(names, cfg.validate_.logits_output)
+    logits = logits_name(names, cfg.signature.logits_output)
     wanted = list(dict.fromkeys(["fp32", *variants]))  # the FP32 graph is what calibration and the gates measure
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
@@ -90,8 +87,8 @@ def precision_direct(
     }
 
 
-def _random(inputs: list[TensorSpec], cfg: KilnConfig) -> dict[str, np.ndarray]:
-    sizes = [max(v) for v in cfg.validate_.shapes.values() if v]
-    hint = "give --calibration data.npz, or --set validate.shapes='{seq: [8, 128]}' to size dynamic axes"
+def _random(inputs: list[TensorSpec], cfg: PrecisionSettings) -> dict[str, np.ndarray]:
+    sizes = [max(v) for v in cfg.signature.shapes.values() if v]
+    hint = "give --calibration data.npz, or --set signature.shapes='{seq: [8, 128]}' to size dynamic axes"
     rows = min(cfg.calibration.batch_size * cfg.calibration.num_batches, 256)
     return random_inputs(inputs, batch=rows, dynamic=max(sizes) if sizes else None, hint=hint)

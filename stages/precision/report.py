@@ -8,10 +8,10 @@ from typing import Any
 from kiln.core.text import fmt
 
 
-def report_section(summary: dict[str, Any]) -> list[str]:
+def report_section(precision: Any) -> list[str]:
+    """``precision``: the stage's ``PrecisionSummary``."""
     out: list[str] = []
-    precision = summary
-    variants = precision.get("variants", {})
+    variants = precision.variants
     if variants:
         out += [
             "",
@@ -23,7 +23,7 @@ def report_section(summary: dict[str, Any]) -> list[str]:
         out += [
             f"| {name} | {v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |" for name, v in variants.items()
         ]
-        out += [f"| {name} | **failed, not built** | - |" for name in precision.get("failed", {})]
+        out += [f"| {name} | **failed, not built** | - |" for name in precision.failed]
         for name, v in variants.items():
             if "ort_cpu_scheme" in v:
                 out += [
@@ -40,14 +40,14 @@ def report_section(summary: dict[str, Any]) -> list[str]:
                     "16-bit saturation of ONNX Runtime's fast INT8 kernels on x86 CPUs without VNNI, in any "
                     "runtime.",
                 ]
-        out += [f"- **{name} failed**: {why}" for name, why in precision.get("failed", {}).items()]
+        out += [f"- **{name} failed**: {why}" for name, why in precision.failed.items()]
         out += _kept_nodes_table(variants)
-        if precision.get("node_error_plot"):
-            out += ["", f"![per-node error vs FP32](precision/{precision['node_error_plot']})", ""]
+        if precision.node_error_plot:
+            out += ["", f"![per-node error vs FP32](precision/{precision.node_error_plot})", ""]
             out += [
-                f"- {name}: first node over {precision['node_error_threshold']:g} relative error: "
+                f"- {name}: first node over {precision.node_error_threshold:g} relative error: "
                 + (f"`{hit['node']}` ({hit.get('module') or 'module unknown'}), {hit['error']:.3g}" if hit else "none")
-                for name, hit in precision.get("first_divergence", {}).items()
+                for name, hit in (precision.first_divergence or {}).items()
             ]
     return out
 

@@ -11,10 +11,12 @@ import json
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 import kiln.calibration
 import kiln.stages.precision
@@ -30,8 +32,10 @@ from kiln.core.outputs import logits_name
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.core.shapes import axis_sizes, graph_axes
-from kiln.core.stage import Stage, StageContext
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import fmt
+from kiln.models.config import DataConfig, ModelConfig
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.emulate import emulate_fp16
@@ -47,7 +51,34 @@ from kiln.stages.precision.report import report_section
 from kiln.stages.precision.variants import Source, build_fp16, build_int8
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PrecisionSettings(StageSettings):
+    """What the precision stage reads: its section and calibration's, the data it calibrates and checks
+    variants on (with the model and seed that make it), and the signature (logits output, dynamic axes)."""
+
+    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output")}
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    precision: PrecisionConfig
+    calibration: CalibrationConfig
+    signature: Signature
+
+
+class PrecisionSummary(Summary):
+    """Per variant made, what it kept in FP32 (and the PyTorch modules those nodes came from) and how it compares
+    with FP32; the variants that failed and why; the per-node error plot and each variant's first divergence."""
+
+    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    failed: dict[str, str] = Field(default_factory=dict)
+    node_error_plot: str | None = None
+    first_divergence: dict[str, Any] | None = None
+    node_error_threshold: float | None = None
+    node_errors_skipped: str | None = None
+    calibration_cache: str | None = None
+
+
+def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
     wanted = list(dict.fromkeys(cfg.variants))
     data = ctx.dataset()
@@ -57,7 +88,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     needs_data = "int8" in wanted or ("fp16" in wanted and cfg.fp16.range_check)
     batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
     x_val = feed_for_graph(take(data.val_x, slice(0, cfg.fallback.samples)), names)
-    logits = logits_name([o.name for o in outputs], ctx.config.validate_.logits_output)
+    logits = logits_name([o.name for o in outputs], ctx.config.signature.logits_output)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     y_val = data.val_y[: cfg.fallback.samples] if data.val_y is not None else None
     labelled = (y_val != IGNORE_LABEL).numpy() if y_val is not None and per_position(y_val) else None
@@ -106,12 +137,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         }
         for v, e in variants.items()
     }
-    return {
-        "variants": summary,
-        "failed": failed,
+    return PrecisionSummary(
+        variants=summary,
+        failed=failed,
         **node_report,
-        "calibration_cache": str(cache_dir / "calibration") if cache_dir else None,
-    }
+        calibration_cache=str(cache_dir / "calibration") if cache_dir else None,
+    )
 
 
 def build_variants(
@@ -148,15 +179,15 @@ def build_variants(
     return variants, failed
 
 
-def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext) -> dict[str, list[int]]:
+def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext[PrecisionSettings]) -> dict[str, list[int]]:
     """The sizes of each dynamic axis besides batch the engines must take (build sizes its profiles by them)."""
-    axes = ctx.config.export.dynamic_axes or graph_axes(
+    axes = ctx.config.signature.dynamic_axes or graph_axes(
         io_specs(load_onnx(ctx.inputs["optimize"] / "model.onnx", load_external_data=False))[0]
     )
     if not axes:
         return {}
     feeds = [feed_for_graph(take(x, slice(0, 1)), names) for x in (data.train_x, data.val_x) if rows(x)]
-    return axis_sizes(feeds, axes, ctx.config.validate_.shapes)
+    return axis_sizes(feeds, axes, ctx.config.signature.shapes)
 
 
 def _ort_cpu_summary(ort: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +206,7 @@ def _modules_of(nodes: list[str], modules: dict[str, str]) -> dict[str, str]:
     return {n: modules[n] for n in nodes if n in modules}
 
 
-def _export_graph(ctx: StageContext) -> list[Any]:
+def _export_graph(ctx: StageContext[PrecisionSettings]) -> list[Any]:
     """The exported graph, for node metadata only: graph passes (onnx-graphsurgeon) drop the metadata that
     names each node's PyTorch module, while surviving nodes keep their names. Not an input of the stage: it
     only labels nodes in the report, and the optimized graph it precedes is."""
@@ -184,7 +215,11 @@ def _export_graph(ctx: StageContext) -> list[Any]:
 
 
 def _node_error_report(
-    ctx: StageContext, src: Source, variants: dict[str, Any], x_val: Samples, modules: dict[str, str]
+    ctx: StageContext[PrecisionSettings],
+    src: Source,
+    variants: dict[str, Any],
+    x_val: Samples,
+    modules: dict[str, str],
 ) -> dict[str, Any]:
     """Per-node error of each reduced-precision graph vs FP32 along the graph: a plot and the first node where
     each diverges. FP16 is judged on its emulation (ORT's CPU provider hides FP16 rounding, see emulate.py)."""
@@ -249,7 +284,7 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def _env(cfg: Any) -> dict[str, Any]:
+def _env(cfg: PrecisionSettings) -> dict[str, Any]:
     # reduce_range auto depends on the CPU: the same config quantizes differently on another machine
     return {
         **environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime"),
@@ -261,16 +296,8 @@ STAGE = Stage(
     "precision",
     run,
     ("optimize", "train"),
-    (
-        "seed",
-        "model.name",
-        "data",
-        "precision",
-        "calibration",
-        "validate.logits_output",
-        "validate.shapes",
-        "export.dynamic_axes",
-    ),
+    PrecisionSettings,
+    PrecisionSummary,
     (kiln.stages.precision, kiln.calibration),
     _env,
     "FP16 mixed precision and INT8 (Q/DQ) graphs",

@@ -13,13 +13,11 @@ import subprocess
 import sys
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kiln.core.artifacts import write_json_atomic
 from kiln.core.errors import TrainingError
-
-if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.pipeline.config import KilnConfig
+from kiln.stages.train.config import TrainConfig
 
 SUMMARY = "summary.json"
 ERROR = "error.json"
@@ -43,10 +41,10 @@ def torchrun_command(nproc: int, config_path: Path, out: Path, ckpt_dir: Path) -
     ]
 
 
-def _check_gpus(config: KilnConfig, nproc: int) -> None:
+def _check_gpus(train: TrainConfig, nproc: int) -> None:
     import torch
 
-    wants_cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+    wants_cuda = train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
     if wants_cuda and nproc > torch.cuda.device_count():
         raise TrainingError(
             f"train.distributed.nproc_per_node is {nproc} but {torch.cuda.device_count()} GPUs are visible",
@@ -54,9 +52,11 @@ def _check_gpus(config: KilnConfig, nproc: int) -> None:
         )
 
 
-def run_torchrun(config: KilnConfig, out: Path, ckpt_dir: Path, log: logging.Logger) -> dict[str, Any]:
+def run_torchrun(config: Any, out: Path, ckpt_dir: Path, log: logging.Logger) -> dict[str, Any]:
+    """Train with torchrun; ``config``: the stage's settings, handed to the workers as a run config of those
+    sections (a JSON file they load like any config)."""
     nproc = config.train.distributed.nproc_per_node
-    _check_gpus(config, nproc)
+    _check_gpus(config.train, nproc)
     config_path = ckpt_dir / "worker_config.json"
     write_json_atomic(config_path, config.dump())
     cmd = torchrun_command(nproc, config_path, out, ckpt_dir)

@@ -7,29 +7,30 @@ from typing import Any
 from kiln.core.text import fmt
 
 
-def report_section(summary: dict[str, Any]) -> list[str]:
-    """Training's part of report.md: the result and the loss curve."""
-    out: list[str] = []
-    train = summary
-    if train.get("val_accuracy") is not None or train.get("epochs"):  # a regression has a loss, no accuracy
-        score = (
-            f"validation accuracy {fmt(train.get('val_accuracy'))}"
-            if train.get("val_accuracy") is not None
-            else f"validation loss {fmt(train.get('val_loss'))}"
-        )
-        out += [
-            "",
-            "## Training",
-            "",
-            f"{train.get('precision')} on {train.get('device')}, {train.get('steps', '?')} steps: final loss "
-            f"{fmt(train.get('final_loss'))}, {score}"
-            + (f", {train['skipped_steps']} overflow-skipped steps" if train.get("skipped_steps") else "")
-            + _compile_note(train.get("compile"))
-            + _graph_note(train.get("update_graph"))
-            + ".",
-        ]
-        if "loss.png" in train.get("files", []):
-            out += ["", "![loss curve](train/loss.png)"]
+def report_section(train: Any) -> list[str]:
+    """Training's part of report.md (``train``: the stage's ``TrainSummary``): the result and the loss curve."""
+    if train.status == "skipped":
+        score = f"; validation accuracy {fmt(train.val_accuracy)}" if train.val_accuracy is not None else ""
+        return ["", "## Training", "", f"Training off: the weights are {train.source}{score}."]
+    if train.val_accuracy is None and not train.epochs:
+        return []
+    score = (
+        f"validation accuracy {fmt(train.val_accuracy)}"
+        if train.val_accuracy is not None  # a regression has a loss, no accuracy
+        else f"validation loss {fmt(train.val_loss)}"
+    )
+    out = [
+        "",
+        "## Training",
+        "",
+        f"{train.precision} on {train.device}, {train.steps} steps: final loss {fmt(train.final_loss)}, {score}"
+        + (f", {train.skipped_steps} overflow-skipped steps" if train.skipped_steps else "")
+        + _compile_note(train.compile)
+        + _graph_note(train.update_graph)
+        + ".",
+    ]
+    if "loss.png" in train.files:
+        out += ["", "![loss curve](train/loss.png)"]
     return out
 
 

@@ -6,10 +6,12 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from pydantic import Field
 from torch import nn
 
 import kiln.models
@@ -19,11 +21,14 @@ from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
-from kiln.core.stage import Stage, StageContext
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, fmt
+from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
 from kiln.stages.train.checkpoint import run_key
+from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import evaluate_loss_acc, train
@@ -31,25 +36,63 @@ from kiln.stages.train.precision import resolve_device
 from kiln.stages.train.report import report_section
 from kiln.stages.train.task import Task, check_task, task_for
 
-if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.pipeline.config import KilnConfig
+
+@dataclass(frozen=True)
+class TrainSettings(StageSettings):
+    """What the train stage reads: the model and its data, the training settings and the signature (the
+    logits output the loss and accuracy use, the dynamic axes the data may vary in)."""
+
+    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output")}
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    signature: Signature
 
 
-def build_seeded(config: KilnConfig) -> nn.Module:
+class TrainSummary(Summary):
+    """The training run (:meth:`kiln.stages.train.metrics.TrainResult.summary`), or why there was none
+    (``status: skipped``, ``source``: the checkpoint, the initial weights or the ONNX file taken instead)."""
+
+    precision: str | None = None
+    device: str | None = None
+    world_size: int | None = None
+    steps: int | None = None
+    epochs: list[dict[str, Any]] = Field(default_factory=list)
+    final_loss: float | None = None
+    val_accuracy: float | None = None
+    val_loss: float | None = None
+    selected_epoch: int | None = None
+    best_val_accuracy: float | None = None
+    best_epoch: int | None = None
+    skipped_steps: int = 0
+    nonfinite_steps: int = 0
+    samples_per_s: float | None = None
+    peak_memory_mb: float | None = None
+    resumed_from: str | None = None
+    checkpoint_dir: str | None = None
+    fp32_norm_layers: int = 0
+    compile: dict[str, Any] | None = None
+    update_graph: dict[str, Any] | None = None
+    files: list[str] = Field(default_factory=list)
+    source: str | None = None
+
+
+def build_seeded(config: TrainSettings) -> nn.Module:
     """Build the model right after seeding, so its initial weights depend on ``seed`` alone."""
     torch.manual_seed(config.seed)
     return build_model(config.model.name, config.model.params)
 
 
-def checkpoint_dir(config: KilnConfig, cache_dir: Path) -> Path:
+def checkpoint_dir(config: TrainSettings, cache_dir: Path) -> Path:
     if config.train.checkpoint.dir:
         return Path(config.train.checkpoint.dir)
     return cache_dir / "train" / run_key(config.dump())
 
 
 def train_to(
-    out: Path, config: KilnConfig, data: DatasetSplits, ckpt_dir: Path, progress: Progress | None = None
-) -> dict[str, Any]:
+    out: Path, config: TrainSettings, data: DatasetSplits, ckpt_dir: Path, progress: Progress | None = None
+) -> TrainSummary:
     """Train and (main process only) write ``model.safetensors`` + ``model.json`` + ``loss.png`` into ``out``.
 
     Shared by the stage and by ``kiln.stages.train.worker`` (one call per torchrun process)."""
@@ -61,7 +104,7 @@ def train_to(
             f"dataset '{data.name}' has no labels (train_y is None): training needs them",
             hint="return train_y/val_y from the data function, set train.enabled: false, or give model.checkpoint",
         )
-    task = task_for(data, config.train.loss, config.validate_.logits_output)
+    task = task_for(data, config.train.loss, config.signature.logits_output)
     check_model_fits_data(model, data, config.model.name, task)
     with process_group(env, config.train.distributed, device):
         result = train(
@@ -77,8 +120,8 @@ def train_to(
             task=task,
         )
     if env.is_main:
-        save_trained(out, model, config, {"dataset": data.name, "input_shapes": data.sample_shapes})
-    return result.summary()
+        save_trained(out, model, config.model, {"dataset": data.name, "input_shapes": data.sample_shapes})
+    return TrainSummary.model_validate(result.summary())
 
 
 def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str, task: Task | None = None) -> None:
@@ -110,32 +153,32 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
         check_task(task, out, y[:2], data.num_classes, model_ref)
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+def run(ctx: StageContext[TrainSettings]) -> TrainSummary:
     cfg = ctx.config
-    if not torch_model_named(cfg):  # started from model.onnx alone: there is no PyTorch model to train
+    if not torch_model_named(cfg.model):  # started from model.onnx alone: there is no PyTorch model to train
         ctx.log.info("training skipped: the run starts from model.onnx %s", cfg.model.onnx)
-        return {"status": "skipped", "val_accuracy": None, "source": cfg.model.onnx}
+        return TrainSummary(status="skipped", source=cfg.model.onnx)
     if cfg.model.checkpoint or not cfg.train.enabled:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
     if cfg.train.distributed.nproc_per_node > 1 and not env_from_torchrun().enabled:
-        summary = run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log)
+        summary = TrainSummary.model_validate(run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log))
     else:
         summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress)
     ctx.log.info(
         "trained %d epochs (%s on %s x%d): val accuracy %s (weights of epoch %s, select: %s)",
         cfg.train.epochs,
-        summary["precision"],
-        summary["device"],
-        summary["world_size"],
-        fmt(summary["val_accuracy"]),
-        summary.get("selected_epoch"),
+        summary.precision,
+        summary.device,
+        summary.world_size,
+        fmt(summary.val_accuracy),
+        summary.selected_epoch,
         cfg.train.checkpoint.select,
     )
     return summary
 
 
-def _skip(ctx: StageContext) -> dict[str, Any]:
+def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     cfg = ctx.config
     model = build_seeded(cfg)
     data = ctx.dataset()
@@ -143,20 +186,20 @@ def _skip(ctx: StageContext) -> dict[str, Any]:
     with torch.no_grad():
         names = list(flatten_outputs(call(model.eval(), take(data.val_x, slice(0, 2)))))
     # Untrained here: the val accuracy is information, so a model without a logits output just has none
-    scored = cfg.train.loss is not None or logits_name(names, cfg.validate_.logits_output) is not None
-    task = task_for(data, cfg.train.loss, cfg.validate_.logits_output) if data.val_y is not None and scored else None
+    scored = cfg.train.loss is not None or logits_name(names, cfg.signature.logits_output) is not None
+    task = task_for(data, cfg.train.loss, cfg.signature.logits_output) if data.val_y is not None and scored else None
     source = cfg.model.checkpoint or "random init"
     if cfg.model.checkpoint:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)
     acc = None
     if task is not None:
         acc = evaluate_loss_acc(model.eval(), data.val_x, data.val_y, torch.device("cpu"), task=task)[1]
-    save_trained(ctx.out, model, cfg, {"source": source})
+    save_trained(ctx.out, model, cfg.model, {"source": source})
     ctx.log.info("training skipped (%s); val accuracy %s", cfg.model.checkpoint or "train.enabled: false", fmt(acc))
-    return {"status": "skipped", "val_accuracy": acc, "source": source}
+    return TrainSummary(status="skipped", val_accuracy=acc, source=source)
 
 
-def _env(cfg: Any) -> dict[str, Any]:
+def _env(cfg: TrainSettings) -> dict[str, Any]:
     return environment_subset("torch", device=True)
 
 
@@ -164,7 +207,8 @@ STAGE = Stage(
     "train",
     run,
     (),
-    ("seed", "model", "data", "train", "export.dynamic_axes", "validate.logits_output"),
+    TrainSettings,
+    TrainSummary,
     (kiln.stages.train, kiln.models),
     _env,
     "train the model (AMP, gradient accumulation) or load a checkpoint",

@@ -1,6 +1,6 @@
 """What training optimizes and measures, by the task the labels imply.
 
-Integer labels: cross-entropy on the class-logit output (``validate.logits_output``), and accuracy; with a label
+Integer labels: cross-entropy on the class-logit output (``signature.logits_output``), and accuracy; with a label
 per position (token tagging ``[N, S]``, segmentation ``[N, H, W]``: :mod:`kiln.core.labels`) both average over the
 labelled positions. Float targets: mean squared error on the single (or named) output, no accuracy.
 ``train.loss``: the user's ``(outputs, targets) -> scalar`` on the model's raw outputs. The loss is computed in
@@ -40,7 +40,7 @@ class Task:
             what = "class-logit" if self.kind == "classification" else "target"
             raise ConfigError(
                 f"the model has outputs {list(outs)}; which is the {what} output of the loss?",
-                hint="set validate.logits_output to its name or index, or set train.loss",
+                hint="set signature.logits_output to its name or index, or set train.loss",
             )
         return outs[name]
 
@@ -114,7 +114,7 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
                 f"shape {tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped "
                 "like the labels plus a class axis (last, or axis 1 from four axes on)",
                 hint="make the model return one row of class logits per labelled position, set its "
-                "num_classes to the dataset's, or name the logits output in validate.logits_output",
+                "num_classes to the dataset's, or name the logits output in signature.logits_output",
             )
     elif task.kind == "classification":
         if target.ndim != 2 or target.shape[1] < max(num_classes, 2):
@@ -122,11 +122,11 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
                 f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "
                 f"of 2, but the dataset has {num_classes} classes",
                 hint="set the model's num_classes to the dataset's, or name the logits output in "
-                "validate.logits_output",
+                "signature.logits_output",
             )
     elif tuple(target.shape) != tuple(y.shape):
         raise ModelError(
             f"model '{model_ref}' gives {tuple(target.shape)} for float targets of shape "
             f"{tuple(y.shape)}: mean squared error needs the same shape",
-            hint="make the targets match the output, name the output in validate.logits_output, or set train.loss",
+            hint="make the targets match the output, name the output in signature.logits_output, or set train.loss",
         )

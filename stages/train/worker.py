@@ -13,11 +13,11 @@ from pathlib import Path
 
 from kiln.core.artifacts import write_json_atomic
 from kiln.core.errors import KilnError
-from kiln.models.model_io import dataset_for
 from kiln.pipeline.config import load_config
+from kiln.pipeline.runner import load_dataset, settings_for
 from kiln.stages.train.dist import env_from_torchrun
 from kiln.stages.train.launch import ERROR, SUMMARY
-from kiln.stages.train.stage import train_to
+from kiln.stages.train.stage import STAGE, train_to
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,14 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         config = load_config(args.config)
-        summary = train_to(args.out, config, dataset_for(config), args.checkpoint_dir or args.out / "checkpoints")
+        settings = settings_for(STAGE, config)
+        summary = train_to(args.out, settings, load_dataset(config), args.checkpoint_dir or args.out / "checkpoints")
     except KilnError as exc:
         if env.is_main:
             write_json_atomic(args.out / ERROR, {"message": exc.message, "hint": exc.hint})
         logging.getLogger("kiln").error("%s", exc)
         return exc.exit_code
     if env.is_main:
-        write_json_atomic(args.out / SUMMARY, summary)
+        write_json_atomic(args.out / SUMMARY, summary.model_dump(mode="json"))
     return 0
 
 

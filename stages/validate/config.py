@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
@@ -70,25 +70,10 @@ class GatesConfig(Section):
 
 
 class ValidateConfig(Section):
-    batch_sizes: list[PositiveInt] = Field(
-        default_factory=lambda: [1, 32],
-        min_length=1,
-        description="latency batch sizes; the largest also sizes engine profiles",
-    )
     warmup: int = Field(5, ge=0)
     iterations: int = Field(30, ge=1)
     max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
     gates: GatesConfig = Field(default_factory=GatesConfig)
-    logits_output: str | int | None = Field(
-        None,
-        description="the class-logit output (name or index) for top-1 agreement and accuracy; null: the only "
-        "output, else one named 'logits', else none (outputs compared by error and cosine only)",
-    )
-    shapes: dict[str, list[int]] = Field(
-        default_factory=dict,
-        description="sizes of each dynamic axis (export.dynamic_axes name -> sizes) to "
-        "validate at; default: the smallest and largest in the data",
-    )
     baselines: list[Literal["eager", "compile"]] = Field(
         default_factory=lambda: ["eager"],
         min_length=1,
@@ -108,9 +93,3 @@ class ValidateConfig(Section):
         " listed earlier (TensorRT first) keeps the choice unless a later one is"
         " faster by more than this fraction (timing noise is no reason to switch)",
     )
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _sorted_unique(cls, value: list[int]) -> list[int]:
-        # Reports and the CLI read the last batch size as the largest one.
-        return sorted(set(value))

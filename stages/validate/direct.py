@@ -4,27 +4,24 @@ on the user's inputs (``--inputs x.npz``) or random ones of the engine's declare
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kiln.core.errors import InputFileError
+from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
-from kiln.core.records import EngineValidation, TensorSpec
+from kiln.core.records import EngineValidation
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
-from kiln.stages.validate.stage import check_gates, compare_all, gates_for, percentiles, summarize
-
-if TYPE_CHECKING:  # the config assembles every stage's section and sits above them; types only
-    from kiln.pipeline.config import KilnConfig
+from kiln.stages.validate.stage import ValidateSettings, check_gates, compare_all, gates_for, percentiles, summarize
 
 
-def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnConfig) -> dict[str, np.ndarray]:
+def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings) -> dict[str, np.ndarray]:
     """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of
     ``cfg.model`` (called with the feed's arrays as keyword arguments when there are several)."""
     if reference.suffix != ".onnx":
@@ -43,58 +40,22 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: KilnCon
     return dict(zip([o.name for o in ref_sess.get_outputs()], ref_sess.run(None, feed)))
 
 
-def read_feed(path: Path, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` keyed by the engine's input names, checked against their declared dtypes and
-    shapes (``kiln-engine.json`` "inputs")."""
-    names = [s.name for s in specs]
-    hint = f"give an .npz with one array per input: np.savez(path, {', '.join(f'{n}=...' for n in names)})"
-    if not path.is_file():
-        raise InputFileError(f"inputs file not found: {path}", hint=hint)
-    try:
-        loaded = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise InputFileError(f"cannot read inputs {path}: {exc}", hint=hint) from None
-    if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise InputFileError(f"{path} holds one bare array, not named arrays", hint=hint)
-    with loaded:
-        try:
-            feed = dict(loaded)
-        except ValueError as exc:  # an array of Python objects needs pickle, which is never enabled
-            raise InputFileError(f"inputs {path} holds pickled objects ({exc})", hint=hint) from None
-    if sorted(feed) != sorted(names):
-        raise InputFileError(f"inputs {path} has arrays {sorted(feed)}; the engine takes {sorted(names)}", hint=hint)
-    for spec in specs:
-        _check_array(spec, feed[spec.name])
-    return feed
-
-
-def _check_array(spec: TensorSpec, array: np.ndarray) -> None:
-    want = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
-    shape_ok = array.ndim == len(want) and all(w is None or w == d for w, d in zip(want, array.shape))
-    if array.dtype != np.dtype(spec.dtype) or not shape_ok:
-        dims = ", ".join("batch" if w is None else str(w) for w in want)
-        raise InputFileError(
-            f"input '{spec.name}' is {array.dtype}{list(array.shape)}; the engine takes {spec.dtype}[{dims}]",
-            hint=f"save it as {spec.dtype} with that shape, e.g. x.astype('{spec.dtype}')",
-        )
-
-
-def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: KilnConfig) -> EngineValidation:
+def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
     meta = read_metadata(engine_dir)
     if inputs is not None:
         feed = read_feed(inputs, meta.inputs)
     else:
-        sizes = [max(v) for v in cfg.validate_.shapes.values() if v]
+        sizes = [max(v) for v in cfg.signature.shapes.values() if v]
         feed = random_inputs(
             meta.inputs,
-            batch=max(cfg.validate_.batch_sizes),
+            batch=max(cfg.signature.batch_sizes),
             dynamic=max(sizes) if sizes else None,
             hint="pass --inputs file.npz with concrete arrays",
         )
     ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
         got = runner.infer(feed)
-        t = runner.time_ms(feed, cfg.validate_.warmup, cfg.validate_.iterations)
+        t = runner.time_ms(feed, cfg.validate.warmup, cfg.validate.iterations)
     for name, r in ref.items():
         if name in got and got[name].shape != r.shape:
             raise InputFileError(
@@ -102,14 +63,14 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
                 hint="the engine was built from a different model",
             )
     # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
-    logits = logits_name(list(ref), cfg.validate_.logits_output)
+    logits = logits_name(list(ref), cfg.signature.logits_output)
     entry = EngineValidation(
         name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="validated"
     )
     summarize(entry, compare_all(ref, got, logits), logits)
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
-    entry.gates = gates_for(cfg.validate_, meta.precision)
+    entry.gates = gates_for(cfg.validate, meta.precision)
     entry.failures = check_gates(entry, None, entry.gates, int(batch))
     entry.passed = not entry.failures
     return entry

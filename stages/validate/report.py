@@ -8,10 +8,8 @@ from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
 
 
-def report_section(summary: dict[str, Any]) -> list[str]:
-    if not summary.get("engines") and "baseline" not in summary:
-        return []
-    v = ValidationResult.parse(summary, "validate summary", hint="rerun `kiln run --force validate`")
+def report_section(v: ValidationResult) -> list[str]:
+    """Validation's part of report.md: the reference, each engine against it, and what failed."""
     b = v.baseline
     sizes = _sizes(v)
     onnx_file = b.backend == "onnxruntime"  # `model.onnx`: the reference is that file, not a PyTorch model
@@ -154,7 +152,7 @@ def _compared(b: Any) -> list[str]:
     logits = (
         f"top-1 agreement and accuracy on '{b.logits_output}'"
         if b.logits_output
-        else "no class-logit output (validate.logits_output unset): no top-1 agreement or accuracy"
+        else "no class-logit output (signature.logits_output unset): no top-1 agreement or accuracy"
     )
     if b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
         logits += (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,9 @@ from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Memory, TensorSpec, ValidationResult
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
-from kiln.core.stage import Stage, StageContext
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageContext, StageSettings
+from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.engines.registry import backend_libraries, backend_named, load_engine, preference_order, runnable
@@ -234,7 +236,7 @@ class Reference:
                     f"the outputs {coupled} follow the batch beyond their first axis (each row depends "
                     f"on the whole batch), and the data has fewer held-out rows than the largest "
                     f"validated batch ({batch})",
-                    hint="give the data more held-out rows, or validate smaller validate.batch_sizes",
+                    hint="give the data more held-out rows, or validate smaller signature.batch_sizes",
                 )
             log.info(
                 "outputs %s depend on the whole batch: compared on %d held-out rows (whole batches of %d)",
@@ -277,7 +279,11 @@ class Reference:
 
 
 def validate_engine(
-    engine_dir: Path, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig, ctx: StageContext
+    engine_dir: Path,
+    ref: Reference,
+    baselines: list[Baseline],
+    cfg: ValidateConfig,
+    ctx: StageContext[ValidateSettings],
 ) -> EngineValidation:
     meta = read_metadata(engine_dir)
     entry = EngineValidation(
@@ -287,7 +293,7 @@ def validate_engine(
     if not ok:
         entry.reason = why
         return entry
-    largest = max(cfg.batch_sizes)
+    largest = max(ctx.config.signature.batch_sizes)
     runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
     try:
         stats: dict[str, OutputStats] = {}
@@ -301,15 +307,15 @@ def validate_engine(
             else:
                 got = batched(runner.infer, feed, largest)
             stats = merge_worst(stats, compare_all(expected, got, ref.logits, ref.labelled(i)))
-            for bs in cfg.batch_sizes:  # every batch size at every shape: one batch each
+            for bs in ctx.config.signature.batch_sizes:  # every batch size at every shape: one batch each
                 got_bs = runner.infer(sample_batch(feed, bs))
                 stats = merge_worst(stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs)))
             if i == len(ref.feeds) - 1 and ref.logits is not None and ref.labels is not None:
                 entry.accuracy = label_accuracy(got[ref.logits], ref.labels)
         summarize(entry, stats, ref.logits)
         entry.shapes = [p for p, _ in ref.feeds if p]
-        with ctx.progress.task(f"timing {meta.name}", total=len(cfg.batch_sizes)) as bar:
-            for bs in cfg.batch_sizes:
+        with ctx.progress.task(f"timing {meta.name}", total=len(ctx.config.signature.batch_sizes)) as bar:
+            for bs in ctx.config.signature.batch_sizes:
                 entry.latency_ms[str(bs)] = percentiles(
                     runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup, cfg.iterations)
                 )
@@ -327,11 +333,17 @@ def validate_engine(
 
 
 def measure_baselines(
-    model: torch.nn.Module, devices: list[str], feed: Feed, like: Any, n: int, cfg: ValidateConfig, ctx: StageContext
+    model: torch.nn.Module,
+    devices: list[str],
+    feed: Feed,
+    like: Any,
+    n: int,
+    cfg: ValidateConfig,
+    ctx: StageContext[ValidateSettings],
 ) -> list[Baseline]:
     """Every configured baseline kind on every device an engine runs on (the CPU always: it is the accuracy
     reference's device), on ``feed`` (named inputs, called in ``like``'s structure)."""
-    batches = {bs: sample_batch(feed, bs) for bs in cfg.batch_sizes}
+    batches = {bs: sample_batch(feed, bs) for bs in ctx.config.signature.batch_sizes}
     runs = [
         (kind, device, precision)
         for device in devices
@@ -369,14 +381,18 @@ def choose(engines: list[EngineValidation], order: list[str], margin: float) -> 
     return chosen
 
 
-def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
+def torch_reference(
+    ctx: StageContext[ValidateSettings], data: DatasetSplits, cfg: ValidateConfig
+) -> tuple[Reference, Any]:
     """The trained PyTorch model (FP32, CPU) as the reference; also the model, for the baselines."""
-    model = load_trained(ctx.inputs["train"], ctx.config)
+    model = load_trained(ctx.inputs["train"], ctx.config.model)
     names = input_names(model, data.val_x)
     n = rows(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, rows(data.val_x))
     feed = as_feed(take(data.val_x, slice(0, n)), names)
-    axes = ctx.config.export.dynamic_axes
-    sizes = axis_sizes([as_feed(data.train_x, names), feed] if rows(data.train_x) else [feed], axes, cfg.shapes)
+    axes = ctx.config.signature.dynamic_axes
+    sizes = axis_sizes(
+        [as_feed(data.train_x, names), feed] if rows(data.train_x) else [feed], axes, ctx.config.signature.shapes
+    )
     feeds = [(p, resize(feed, axes, p)) for p in shape_points(sizes)]
 
     def run(f: Feed) -> dict[str, np.ndarray]:
@@ -385,14 +401,21 @@ def torch_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig)
 
     with torch.inference_mode():
         out_names = list(named_outputs(model, from_feed(feed_take(feed, slice(0, 2)), data.val_x)))
-    logits = logits_name(out_names, cfg.logits_output)
+    logits = logits_name(out_names, ctx.config.signature.logits_output)
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
     return Reference(
-        run, feeds, labels_at_points(labels, feed, feeds, axes), logits, max(cfg.batch_sizes), min(cfg.batch_sizes)
+        run,
+        feeds,
+        labels_at_points(labels, feed, feeds, axes),
+        logits,
+        max(ctx.config.signature.batch_sizes),
+        min(ctx.config.signature.batch_sizes),
     ), model
 
 
-def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) -> tuple[Reference, Any]:
+def onnx_reference(
+    ctx: StageContext[ValidateSettings], data: DatasetSplits, cfg: ValidateConfig
+) -> tuple[Reference, Any]:
     """Started from ``model.onnx`` with no PyTorch model: the FP32 ONNX file in ONNX Runtime (CPU) is the reference."""
     path = Path(ctx.config.model.onnx)
     sess = ort_session(path)
@@ -400,9 +423,11 @@ def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) 
     names = [i.name for i in inputs]
     n = rows(data.val_x) if cfg.max_samples is None else min(cfg.max_samples, rows(data.val_x))
     feed = feed_for_graph(take(data.val_x, slice(0, n)), names, f"model.onnx {path.name}")
-    axes = ctx.config.export.dynamic_axes or graph_axes(inputs)
+    axes = ctx.config.signature.dynamic_axes or graph_axes(inputs)
     train = [feed_for_graph(data.train_x, names)] if rows(data.train_x) else []
-    feeds = [(p, resize(feed, axes, p)) for p in shape_points(axis_sizes(train + [feed], axes, cfg.shapes))]
+    feeds = [
+        (p, resize(feed, axes, p)) for p in shape_points(axis_sizes(train + [feed], axes, ctx.config.signature.shapes))
+    ]
     out_names = [o.name for o in outputs]
 
     def run(f: Feed) -> dict[str, np.ndarray]:
@@ -413,21 +438,35 @@ def onnx_reference(ctx: StageContext, data: DatasetSplits, cfg: ValidateConfig) 
         run,
         feeds,
         labels_at_points(labels, feed, feeds, axes),
-        logits_name(out_names, cfg.logits_output),
-        max(cfg.batch_sizes),
-        min(cfg.batch_sizes),
+        logits_name(out_names, ctx.config.signature.logits_output),
+        max(ctx.config.signature.batch_sizes),
+        min(ctx.config.signature.batch_sizes),
     ), sess
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
-    cfg = ctx.config.validate_
+@dataclass(frozen=True)
+class ValidateSettings(StageSettings):
+    """What validation reads: its section (timing, gates, baselines), the model and data the reference comes from,
+    the signature (batch sizes, shapes, logits output) and whether slower reduced precision is dropped."""
+
+    SOURCES = {"require_speedup": "precision.require_speedup"}
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    validate: ValidateConfig
+    signature: Signature
+    require_speedup: bool
+
+
+def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
+    cfg = ctx.config.validate
     torch.manual_seed(ctx.config.seed)
     data = ctx.dataset()
-    from_torch = torch_model_named(ctx.config)
+    from_torch = torch_model_named(ctx.config.model)
     ref, model = (torch_reference if from_torch else onnx_reference)(ctx, data, cfg)
     check_batch_fits(
         [TensorSpec(name=k, shape=["batch", *v.shape[1:]], dtype=v.dtype.name) for k, v in ref.feed.items()],
-        max(cfg.batch_sizes),
+        max(ctx.config.signature.batch_sizes),
     )
     accuracy = None
     if ref.logits is not None and ref.labels is not None:
@@ -446,7 +485,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 samples=n,
                 latency_ms={
                     str(bs): percentiles(_time_session(model, sample_batch(ref.feed, bs), cfg))
-                    for bs in cfg.batch_sizes
+                    for bs in ctx.config.signature.batch_sizes
                 },
             )
         ]
@@ -467,7 +506,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if ref.logits is None:
         ctx.log.info(
             "no class-logit output among %s: engines compared by error and cosine per output, without "
-            "top-1 agreement or accuracy (set validate.logits_output to name one)",
+            "top-1 agreement or accuracy (set signature.logits_output to name one)",
             baseline.compared,
         )
     engines = [validate_engine(d, ref, baselines, cfg, ctx) for d in dirs]
@@ -476,7 +515,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if not validated:
         failures.append("no engine could be validated on this machine")
     speed = speed_vs_fp32(engines)  # reduced precision that is not faster than FP32: flagged, or dropped
-    dropped = drop_slower(engines, speed) if ctx.config.precision.require_speedup else []
+    dropped = drop_slower(engines, speed) if ctx.config.require_speedup else []
     for row in speed:
         if row["slower"]:
             ctx.log.warning(
@@ -500,7 +539,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     result.write(ctx.out / "validation.json")
     for e in engines:
         ctx.log.info("%s: %s", e.name, e.status)
-    return result.model_dump(mode="json", exclude={"schema_version"})
+    return result
 
 
 def _time_session(sess: Any, feed: Feed, cfg: ValidateConfig) -> list[float]:
@@ -516,7 +555,7 @@ def _time_session(sess: Any, feed: Feed, cfg: ValidateConfig) -> list[float]:
     return times
 
 
-def _env(cfg: Any) -> dict[str, Any]:
+def _env(cfg: ValidateSettings) -> dict[str, Any]:
     return environment_subset("torch", "onnxruntime", *backend_libraries(), device=True)
 
 
@@ -526,7 +565,8 @@ STAGE = Stage(
     "validate",
     run,
     ("train", "build"),
-    ("seed", "model", "data", "validate", "precision.require_speedup", "export.dynamic_axes"),
+    ValidateSettings,
+    ValidationResult,
     (kiln.stages.validate, kiln.stages.engines, kiln.models, model_io, precision_speed),
     _env,
     "accuracy and latency of every engine vs PyTorch, with gates",

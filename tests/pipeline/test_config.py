@@ -49,7 +49,7 @@ def test_yaml_syntax_error(tmp_path: Path) -> None:
 def test_toml_and_overrides(tmp_path: Path) -> None:
     p = tmp_path / "k.toml"
     p.write_text('name = "t"\n[train]\nepochs = 3\n')
-    cfg = load_config(p, {"train.lr": 0.5, "validate.batch_sizes": [2]})
+    cfg = load_config(p, {"train.lr": 0.5, "signature.batch_sizes": [2]})
     assert (cfg.name, cfg.train.epochs, cfg.train.lr, cfg.validate_.batch_sizes) == ("t", 3, 0.5, [2])
 
 
@@ -61,7 +61,7 @@ def test_dump_round_trips() -> None:
 @pytest.mark.parametrize("batch_sizes", [[], [0], [-1, 8]])
 def test_bad_batch_sizes_are_config_errors(batch_sizes) -> None:
     # Before: an empty list reached max() in the build stage and a 0 reached range(): tracebacks.
-    with pytest.raises(ConfigError, match="validate.batch_sizes"):
+    with pytest.raises(ConfigError, match="signature.batch_sizes"):
         config_from_dict({"validate": {"batch_sizes": batch_sizes}})
 
 
@@ -129,7 +129,7 @@ def test_one_per_precision_override_keeps_the_other_defaults() -> None:
         ("name", "1.10", "1.10"),  # YAML: 1.1
         ("calibration.reader", "null", None),
         ("train.epochs", "3", 3),
-        ("validate.batch_sizes", "[1, 8]", [1, 8]),
+        ("signature.batch_sizes", "[1, 8]", [1, 8]),
         ("validate.gates.per_precision.int8.min_top1_agreement", "0.95", 0.95),
         ("model.params", "{dim: 16}", {"dim": 16}),
         ("calibration.exclude_nodes", "[conv_1, off]", ["conv_1", "off"]),  # YAML: ["conv_1", False]

@@ -146,11 +146,11 @@ def test_build_refuses_an_output_folder_holding_other_files(tmp_path: Path) -> N
 def test_impossible_batch_is_refused_before_allocating(tmp_path: Path, short_config) -> None:
     model = tiny_onnx(tmp_path / "m.onnx")
     assert invoke("build", model, "-o", tmp_path / "e").exit_code == 0
-    huge = ["--set", "validate.batch_sizes=[1, 1000000000]"]
+    huge = ["--set", "signature.batch_sizes=[1, 1000000000]"]
     result = invoke("validate", tmp_path / "e", "--reference", model, *huge)
-    assert_clean(result, 2, "validate.batch_sizes: a batch of 1000000000 samples needs", "GiB", "lower")
+    assert_clean(result, 2, "signature.batch_sizes: a batch of 1000000000 samples needs", "GiB", "lower")
     result = invoke("run", short_config, "-w", tmp_path / "wd", "--until", "build", *huge)  # profiles, autotuning
-    assert_clean(result, 2, "a batch of 1000000000 samples needs", "lower validate.batch_sizes")
+    assert_clean(result, 2, "a batch of 1000000000 samples needs", "lower signature.batch_sizes")
 
 
 def test_missing_external_data(tmp_path: Path) -> None:

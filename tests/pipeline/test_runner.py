@@ -1,110 +1,211 @@
-"""The cache and resume behaviour of the stage runner, on the real pipeline with a tiny model."""
+"""The stage runner's rules (cache, reruns, resume, gates, damage), on small fake stages; the real pipeline's
+cache keys, computed without running it. End-to-end runs of the real stages are in tests/e2e/."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kiln.core.artifacts import hash_file
-from kiln.core.errors import BuildError
+from kiln.core.errors import BuildError, GateFailure
+from kiln.core.stage import Stage, StageSettings
 from kiln.pipeline import runner as runner_module
-from kiln.pipeline.api import run_pipeline
-from kiln.pipeline.config import config_from_dict
-from kiln.pipeline.runner import Runner, cache_key
-from kiln.pipeline.stage_list import STAGES
-from kiln.stages.engines.registry import load_engine
+from kiln.pipeline.config import KilnConfig, config_from_dict
+from kiln.pipeline.runner import Runner, cache_key, settings_for, what_changed
+from kiln.pipeline.stage_list import STAGES, stage_named
 from tests.conftest import tiny_config_dict
+from tests.pipeline.fake_stages import RAN, GatedSummary, ModelSettings, ValueSummary, fake_stages, modelled
 
 
-def statuses(result) -> dict[str, str]:
+def run(workdir: Path, stages: list[Stage] | None = None, **config: Any) -> Any:
+    """The fake pipeline under ``config`` (dotted keys), with what each stage did."""
+    RAN.clear()
+    cfg = config_from_dict(tiny_config_dict(**{"seed": 1, "train.epochs": 2, "optimize.rounds": 1, **config}))
+    return Runner(cfg, workdir, stages or fake_stages()).run()
+
+
+def statuses(result: Any) -> dict[str, str]:
     return {r.name: r.status for r in result.records}
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("run")
-    cfg = config_from_dict(tiny_config_dict())
-    result, report = run_pipeline(cfg, workdir)
-    return workdir, result, report
+def test_a_first_run_runs_every_stage_and_a_rerun_none(tmp_path: Path) -> None:
+    first = run(tmp_path)
+    assert statuses(first) == {"first": "ran", "second": "ran", "third": "ran"} and first.ok
+    assert [r.summary for r in first.records] == [
+        ValueSummary(value=3),
+        ValueSummary(value=4),
+        GatedSummary(value=4, failures=[]),
+    ]
+    again = run(tmp_path)
+    assert set(statuses(again).values()) == {"cached"} and not RAN
+    assert again.records[2].summary == GatedSummary(value=4, failures=[])  # read back typed
+    assert all(r.original_seconds is not None and r.seconds >= 0 for r in again.records)
 
 
-def test_first_run_runs_everything_and_passes(first_run) -> None:
-    workdir, result, report = first_run
-    assert result.ok, result.error
-    assert set(statuses(result).values()) == {"ran"}
-    assert report["validation"]["passed"] is True
-    ort = [e for e in report["validation"]["engines"] if e["backend"] == "onnxruntime"]
-    assert ort and ort[0]["cosine"] >= 0.9999 and ort[0]["top1_agreement"] == 1.0
-    assert {"p50", "p90", "p99"} <= set(ort[0]["latency_ms"]["8"])
-    on_disk = json.loads((workdir / "report.json").read_text())
-    assert on_disk["stages"]["train"]["status"] == "ran" and (workdir / "report.md").read_text().startswith("# Kiln")
+def test_a_setting_reruns_the_stages_that_declare_it_and_those_after(tmp_path: Path) -> None:
+    run(tmp_path)
+    assert statuses(run(tmp_path, **{"optimize.rounds": 3})) == {"first": "cached", "second": "ran", "third": "ran"}
+    # train.epochs is declared by first and third: second reruns only because its input changed
+    assert statuses(run(tmp_path, **{"optimize.rounds": 3, "train.epochs": 4})) == dict.fromkeys(
+        ("first", "second", "third"), "ran"
+    )
+    # a section none of them declares changes nothing
+    assert set(
+        statuses(run(tmp_path, **{"optimize.rounds": 3, "train.epochs": 4, "package.enabled": False})).values()
+    ) == {"cached"}
 
 
-def test_rerun_is_fully_cached(first_run) -> None:
-    workdir, _, _ = first_run
-    result, report = run_pipeline(config_from_dict(tiny_config_dict()), workdir)
-    assert set(statuses(result).values()) == {"cached"}
-    assert report["validation"]["passed"] is True
+def test_an_output_that_comes_out_the_same_does_not_rerun_what_follows(tmp_path: Path) -> None:
+    run(tmp_path)
+    result = run(tmp_path, **{"seed": 0, "train.epochs": 3})  # first's value is 3 again
+    assert statuses(result) == {"first": "ran", "second": "cached", "third": "ran"}
 
 
-def test_changing_one_setting_reruns_only_downstream(first_run) -> None:
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
-    result, _ = run_pipeline(cfg, workdir)
-    assert statuses(result) == {
-        "train": "cached",
-        "export": "cached",
-        "optimize": "cached",
-        "precision": "cached",
-        "build": "ran",
-        "validate": "ran",
-        "package": "ran",
-    }
+def test_force_start_and_stop(tmp_path: Path) -> None:
+    run(tmp_path)
+    cfg = config_from_dict(tiny_config_dict(**{"seed": 1, "train.epochs": 2, "optimize.rounds": 1}))
+    result = Runner(cfg, tmp_path, fake_stages()).run(force={"first"}, stop="second")
+    assert statuses(result) == {"first": "ran", "second": "cached"}
+    result = Runner(cfg, tmp_path, fake_stages()).run(start="second")
+    assert statuses(result) == {"first": "cached", "second": "ran", "third": "ran"}
 
 
-def test_force_and_stop(first_run) -> None:
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
-    result, _ = run_pipeline(cfg, workdir, force={"optimize"}, stop="optimize")
-    assert statuses(result) == {"train": "cached", "export": "cached", "optimize": "ran"}
+def test_a_failed_stage_keeps_earlier_work_and_a_rerun_resumes_after_it(tmp_path: Path) -> None:
+    def broken(ctx: Any) -> ValueSummary:
+        (ctx.out / "half-written.bin").write_bytes(b"x")
+        raise BuildError("simulated failure")
 
-
-def test_failed_stage_keeps_earlier_work_and_rerun_resumes(tmp_path: Path) -> None:
-    cfg = config_from_dict(tiny_config_dict())
-
-    def broken_build(ctx):
-        (ctx.out / "half-written.plan").write_bytes(b"x")
-        raise BuildError("simulated builder failure")
-
-    stages = [dataclasses.replace(s, run=broken_build) if s.name == "build" else s for s in STAGES]
-    result = Runner(cfg, tmp_path, stages).run()
+    stages = [dataclasses.replace(s, run=broken) if s.name == "second" else s for s in fake_stages()]
+    result = run(tmp_path, stages)
     assert isinstance(result.error, BuildError)
-    assert statuses(result) == {
-        "train": "ran",
-        "export": "ran",
-        "optimize": "ran",
-        "precision": "ran",
-        "build": "failed",
-        "validate": "not-run",
-        "package": "not-run",
-    }
-    assert not (tmp_path / "build").exists()  # nothing half-written left as if it were finished
-    resumed, _ = run_pipeline(cfg, tmp_path)
-    assert statuses(resumed)["train"] == "cached" and statuses(resumed)["build"] == "ran" and resumed.ok
+    assert statuses(result) == {"first": "ran", "second": "failed", "third": "not-run"}
+    assert not (tmp_path / "second").exists()  # nothing half-written left as if it were finished
+    assert statuses(run(tmp_path)) == {"first": "cached", "second": "ran", "third": "ran"}
 
 
-def test_gate_failure_fails_the_run_with_values(tmp_path: Path) -> None:
-    cfg = config_from_dict(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9}))
-    result, report = run_pipeline(cfg, tmp_path)
-    assert not result.ok and "max_latency" not in str(result.error)
-    assert "p50 latency" in str(result.error) and report["validation"]["passed"] is False
-    assert statuses(result)["package"] == "not-run"
+def test_a_failed_gate_stops_the_run_with_the_failures_cached_or_not(tmp_path: Path) -> None:
+    result = run(tmp_path, **{"train.epochs": 3})  # 1 + 3 + 1: odd
+    assert isinstance(result.error, GateFailure) and "value 5 is odd" in result.error.message
+    again = run(tmp_path, **{"train.epochs": 3})
+    assert statuses(again)["third"] == "cached" and isinstance(again.error, GateFailure)
+    assert "--force validate" in again.error.hint  # an earlier run's verdict: how to measure again
 
 
-def _keys(tmp_path: Path, **overrides) -> dict[str, str]:
+def _flip(path: Path, n: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    data[:n] = bytes(b ^ 0xFF for b in data[:n])  # same size: a size check cannot see it
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_a_cached_stage_rerun_it(tmp_path: Path) -> None:
+    run(tmp_path)
+    _flip(tmp_path / "second" / "value.txt", 1)
+    result = run(tmp_path)
+    assert statuses(result) == {"first": "cached", "second": "ran", "third": "cached"}
+    manifest = json.loads((tmp_path / "second" / "manifest.json").read_text())
+    assert hash_file(tmp_path / "second" / "value.txt") == manifest["outputs"]["value.txt"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong-kind", "folder", "empty-outputs", "other-summary"])
+def test_a_damaged_manifest_means_the_stage_is_redone(tmp_path: Path, damage: str) -> None:
+    run(tmp_path)
+    m = tmp_path / "second" / "manifest.json"
+    if damage == "garbage":
+        m.write_bytes(b"\x00\xff{not json")
+    elif damage == "wrong-kind":
+        m.write_text("[1, 2, 3]")
+    elif damage == "folder":
+        m.unlink()
+        m.mkdir()
+    else:
+        data = json.loads(m.read_text())
+        if damage == "empty-outputs":
+            data["outputs"], data["sizes"] = {}, {}
+        else:  # a summary this version's record does not describe (another Kiln wrote it)
+            data["summary"] = {"value": "four", "extra": 1}
+        m.write_text(json.dumps(data))
+    assert statuses(run(tmp_path))["second"] == "ran"
+
+
+def test_a_missing_upstream_is_named(tmp_path: Path) -> None:
+    run(tmp_path)
+    (tmp_path / "first" / "value.txt").unlink()
+    cfg = config_from_dict(tiny_config_dict(**{"seed": 1, "train.epochs": 2, "optimize.rounds": 1}))
+    result = Runner(cfg, tmp_path, fake_stages()[1:]).run()
+    assert "needs the output of ['first']" in result.error.message and "--from first" in result.error.hint
+
+
+def test_content_is_hashed_once_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run(tmp_path)
+    seen: list[Path] = []
+    real = runner_module.hash_tree
+
+    def counting(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+        seen.append(Path(root))
+        return real(root, exclude)
+
+    monkeypatch.setattr(runner_module, "hash_tree", counting)
+    assert set(statuses(run(tmp_path)).values()) == {"cached"}
+    assert len(seen) == len(set(seen)) == 3
+
+
+def test_editing_user_model_code_reruns_the_stages_that_declare_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+    import sys
+
+    (tmp_path / "src").mkdir()
+    module = tmp_path / "src" / "my_models.py"
+    module.write_text("def build():\n    return 4\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    stages = [*fake_stages(), Stage("model", modelled, (), ModelSettings, ValueSummary, (), lambda s: {})]
+    options = {"model.name": "my_models:build", "model.params": {}}
+    run(tmp_path / "wd", stages, **options)
+    module.write_text("def build():\n    return 6\n")
+    sys.modules.pop("my_models", None)
+    importlib.invalidate_caches()
+    result = run(tmp_path / "wd", stages, **options)
+    assert statuses(result) == {"first": "cached", "second": "cached", "third": "cached", "model": "ran"}
+
+
+def test_a_rerun_says_what_changed() -> None:
+    old = {"code": "a", "config": {"train": 1, "data": 2}, "user_data": {"dataset": "x"}}
+    new = {"code": "a", "config": {"train": 1, "data": 3}, "user_data": {"dataset": "y"}, "user_code": {"m:f": "z"}}
+    assert what_changed(old, new) == ["config.data", "user_code", "user_data.dataset"]
+    assert what_changed(old, old) == []
+
+
+# ---------------------------------------------------------------------------------- the real stages' settings
+SECTIONS = [(f.alias or name) for name, f in KilnConfig.model_fields.items()]
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.name)
+def test_a_stage_sees_the_settings_it_declares_and_nothing_else(stage: Stage) -> None:
+    settings = settings_for(stage, config_from_dict({}))
+    assert isinstance(settings, StageSettings)
+    signature = getattr(settings, "signature", None)
+    if signature is not None:  # a view of the shared record: the keys it declared, no others
+        keys = [k.split(".")[1] for k in stage.settings.keys() if k.startswith("signature.")]
+        for key in set(type(signature).model_fields) - set(keys or type(signature).model_fields):
+            with pytest.raises(AttributeError):
+                getattr(signature, key)
+    declared = {key.split(".")[0] for key in stage.settings.keys()}
+    for section in set(SECTIONS) - declared:
+        with pytest.raises(AttributeError):
+            getattr(settings, section)
+
+
+def test_a_stage_that_reads_the_dataset_must_declare_what_makes_it() -> None:
+    with pytest.raises(TypeError, match="reads the dataset"):
+        Stage("x", modelled, (), ModelSettings, ValueSummary, (), lambda s: {}, data=("dataset",))
+
+
+def _keys(tmp_path: Path, **overrides: Any) -> dict[str, str]:
     cfg = config_from_dict(tiny_config_dict(**overrides))
     return {s.name: cache_key(s, cfg, tmp_path)[0] for s in STAGES}
 
@@ -112,27 +213,23 @@ def _keys(tmp_path: Path, **overrides) -> dict[str, str]:
 @pytest.mark.parametrize(
     "override, stages",
     [
-        # build sizes engine profiles / autotuned shapes from the largest validate batch size
-        ({"validate.batch_sizes": [1, 64]}, {"build", "validate"}),
+        # build sizes engine profiles / autotuned shapes from the largest batch size
+        ({"signature.batch_sizes": [1, 64]}, {"build", "validate"}),
         # the default dataset (and so calibration data, parity data, held-out data) follows model.name; build reads
         # the model section too (the torch backend compiles the trained model)
         ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "build", "validate"}),
         # built-in datasets are split by seed
         ({"seed": 1}, {"train", "export", "precision", "validate"}),
+        ({"validate.gates.min_cosine": 0.5}, {"validate"}),
+        ({"package.max_batch_size": 8}, {"package"}),
     ],
 )
-def test_cache_key_covers_config_the_stage_reads(tmp_path: Path, override, stages) -> None:
-    # Before: build ignored validate.batch_sizes, precision model.name, export seed, validate model.
+def test_the_real_stages_keys_cover_what_each_reads(tmp_path: Path, override: dict, stages: set[str]) -> None:
     before, after = _keys(tmp_path), _keys(tmp_path, **override)
     assert {name for name in before if before[name] != after[name]} == stages
 
 
-def test_cache_key_ignores_gates_for_build(tmp_path: Path) -> None:
-    before, after = _keys(tmp_path), _keys(tmp_path, **{"validate.gates.min_cosine": 0.5})
-    assert before["build"] == after["build"] and before["validate"] != after["validate"]
-
-
-def test_build_key_follows_the_cpu_int8_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_build_key_follows_the_cpu_int8_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ORT CPU INT8 engines built where the fast INT8 kernels saturate hold uint8 weights (kiln.core.cpu_int8): a
     workdir moved to or from such a CPU rebuilds its engines, and reuses every other stage."""
     monkeypatch.setattr("kiln.core.cpu_int8.this_cpu_saturates", lambda: False)
@@ -146,171 +243,6 @@ def test_code_versions_cover_what_stages_run() -> None:
     # validate runs engines through kiln.stages.engines's runners; train builds models from the zoo.
     import kiln.models
     import kiln.stages.engines
-    from kiln.pipeline.stage_list import stage_named
 
     assert kiln.stages.engines in stage_named("validate").code and kiln.models in stage_named("train").code
     assert kiln.models in stage_named("export").code and kiln.models in stage_named("validate").code
-
-
-def test_cached_stages_report_this_runs_time(first_run) -> None:
-    workdir, _, _ = first_run
-    result, report = run_pipeline(
-        config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1})), workdir
-    )
-    train = report["stages"]["train"]
-    # A cache hit takes milliseconds, training seconds: the stage reports this run's time, not the cached one's
-    # (no absolute threshold: a loaded CI machine can stall any step).
-    assert train["status"] == "cached" and 0 <= train["seconds"] < train["original_seconds"]
-
-
-def test_editing_user_model_code_reruns_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib
-    import sys
-
-    pkg = tmp_path / "src"
-    pkg.mkdir()
-    module = pkg / "my_models.py"
-    module.write_text("from kiln.models.cnn import SmallCNN\n\ndef build():\n    return SmallCNN(width=4, depth=2)\n")
-    monkeypatch.syspath_prepend(str(pkg))
-    cfg = config_from_dict(
-        tiny_config_dict(**{"model.name": "my_models:build", "model.params": {}, "data.name": "digits"})
-    )
-    first, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
-    assert statuses(first) == {"train": "ran", "export": "ran"}
-    module.write_text(module.read_text().replace("width=4", "width=6"))
-    sys.modules.pop("my_models", None)
-    importlib.invalidate_caches()
-    second, _ = run_pipeline(cfg, tmp_path / "wd", stop="export")
-    assert statuses(second) == {"train": "ran", "export": "ran"}
-
-
-def test_start_from_a_stage_reruns_it_and_everything_after(first_run) -> None:
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
-    run_pipeline(cfg, workdir)  # settle the cache for this config first
-    result, _ = run_pipeline(cfg, workdir, start="build")
-    assert statuses(result) == {
-        "train": "cached",
-        "export": "cached",
-        "optimize": "cached",
-        "precision": "cached",
-        "build": "ran",
-        "validate": "ran",
-        "package": "ran",
-    }
-
-
-def test_a_rerun_says_what_changed() -> None:
-    from kiln.pipeline.runner import what_changed
-
-    old = {"code": "a", "config": {"train": 1, "data": 2}, "user_data": {"dataset": "x"}}
-    new = {"code": "a", "config": {"train": 1, "data": 3}, "user_data": {"dataset": "y"}, "user_code": {"m:f": "z"}}
-    assert what_changed(old, new) == ["config.data", "user_code", "user_data.dataset"]
-    assert what_changed(old, old) == []
-
-
-def _flip(path: Path, n: int = 64) -> None:
-    data = bytearray(path.read_bytes())
-    mid = max(0, len(data) // 2 - n // 2)
-    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])  # same size: a size check cannot see it
-    path.write_bytes(bytes(data))
-
-
-@pytest.mark.parametrize("stage", [s.name for s in STAGES])
-def test_flipped_bytes_in_a_cached_stage_are_detected_and_rebuilt(first_run, stage: str) -> None:
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict())
-    run_pipeline(cfg, workdir)  # whatever earlier tests left: back to this configuration, all cached
-    manifest = json.loads((workdir / stage / "manifest.json").read_text())
-    victim = max(manifest["outputs"], key=lambda rel: manifest["sizes"][rel])  # the model / engine / checkpoint
-    _flip(workdir / stage / victim)
-    result, report = run_pipeline(cfg, workdir)
-    assert statuses(result)[stage] == "ran", f"{stage}/{victim} changed but the stage was reused"
-    assert result.ok and report["validation"]["passed"] is True
-    fresh = json.loads((workdir / stage / "manifest.json").read_text())
-    assert hash_file(workdir / stage / victim) == fresh["outputs"][victim]
-
-
-def test_flipped_engine_is_rebuilt_not_validated_stale(first_run) -> None:
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict())
-    run_pipeline(cfg, workdir)
-    engine = next((workdir / "build").glob("*/engine.onnx"))
-    _flip(engine)
-    result, _ = run_pipeline(cfg, workdir)
-    assert statuses(result)["build"] == "ran" and result.ok
-    with load_engine(engine.parent):  # the rebuilt engine matches its metadata again
-        pass
-
-
-@pytest.mark.parametrize("damage", ["garbage", "wrong-kind", "folder", "empty-outputs"])
-def test_a_damaged_manifest_means_the_stage_is_redone(first_run, damage: str) -> None:
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict())
-    run_pipeline(cfg, workdir)
-    m = workdir / "optimize" / "manifest.json"
-    if damage == "garbage":
-        m.write_bytes(b"\x00\xff{not json")
-    elif damage == "wrong-kind":
-        m.write_text("[1, 2, 3]")
-    elif damage == "folder":
-        m.unlink()
-        m.mkdir()
-    else:
-        data = json.loads(m.read_text())
-        data["outputs"], data["sizes"] = {}, {}
-        m.write_text(json.dumps(data))
-    result, _ = run_pipeline(cfg, workdir)
-    assert statuses(result)["optimize"] == "ran" and result.ok
-
-
-def test_content_is_hashed_once_per_run(first_run, monkeypatch) -> None:
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict())
-    run_pipeline(cfg, workdir)
-    seen: list[Path] = []
-    real = runner_module.hash_tree
-
-    def counting(root, exclude=()):
-        seen.append(Path(root))
-        return real(root, exclude)
-
-    monkeypatch.setattr(runner_module, "hash_tree", counting)
-    result, _ = run_pipeline(cfg, workdir)
-    assert set(statuses(result).values()) == {"cached"}
-    assert len(seen) == len(set(seen)) == len(STAGES)
-
-
-def test_report_shows_gates_package_and_original_times(first_run) -> None:
-    from kiln.core.cpu_int8 import int8_kernels
-    from kiln.pipeline.report import render_markdown
-
-    workdir, _, _ = first_run
-    cfg = config_from_dict(tiny_config_dict())
-    result, report = run_pipeline(cfg, workdir)
-    assert set(statuses(result).values()) == {"cached"}
-    md = render_markdown(report)
-    assert "(ran in " in md  # cached stages keep their original time
-    assert "(≥ 0.9999)" in md and "(≥ 0.99)" in md  # each gate beside its value
-    assert "## Package" in md and "package/triton/tiny_onnxruntime-cpu-fp32" not in md
-    assert "`package/engines/onnxruntime-cpu-fp32/`" in md and "`package/triton/tiny_onnxruntime_cpu_fp32/`" in md
-    assert f"ONNX Runtime CPU INT8 kernels: {int8_kernels()}" in md  # what the CPU INT8 latencies ran
-
-
-def test_result_line_names_engines_built_but_not_validated() -> None:
-    from kiln.pipeline.report import result_line
-
-    report = {
-        "ok": True,
-        "validation": {
-            "engines": [
-                {"name": "onnxruntime-cpu-fp32", "status": "validated", "device": "cpu"},
-                {"name": "tensorrt-fp16", "status": "not-runnable", "device": "cuda"},
-                {"name": "tensorrt-fp32", "status": "not-runnable", "device": "cuda"},
-            ]
-        },
-    }
-    line = result_line(report)
-    assert line.startswith("PASSED, 2 engines built but not validated: tensorrt-fp16, tensorrt-fp32")
-    assert "CUDA" in line
-    assert result_line({"ok": True, "validation": {"engines": []}}) == "PASSED"

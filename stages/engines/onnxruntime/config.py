@@ -53,7 +53,7 @@ class OrtAutotuneConfig(Section):
     )
     batch_sizes: list[int] = Field(
         default_factory=list,
-        description="batch sizes tuned; empty = 1 and the build's max batch (max of validate.batch_sizes)",
+        description="batch sizes tuned; empty = 1 and the build's max batch (max of signature.batch_sizes)",
     )
     warmup: int = Field(5, ge=1, description="untimed runs per candidate (CUDA-graph capture, cuDNN search)")
     iterations: int = Field(20, ge=3, description="timed runs per candidate; the median counts")

@@ -57,7 +57,7 @@ class TensorRTConfig(Section):
     profiles: list[dict[str, ShapeRange]] = Field(
         default_factory=list,
         description="optimization profiles: input name -> {min, opt, max}; empty = one profile"
-        " with dynamic batch 1..max(validate.batch_sizes)",
+        " with dynamic batch 1..max(signature.batch_sizes)",
     )
     calibration_cache: str | None = Field(
         None, description="TensorRT 10 INT8 only: calibration cache file read by the entropy calibrator"

@@ -21,7 +21,7 @@ def default_profiles(
     inputs: list[TensorSpec], max_batch: int, axis_sizes: dict[str, list[int]] | None = None
 ) -> list[Profile]:
     """One profile, batch 1..``max_batch`` (opt at ``max_batch``: throughput rows matter most for serving); a
-    dynamic axis named in ``axis_sizes`` (``export.dynamic_axes`` name -> [smallest, largest]) spans its sizes,
+    dynamic axis named in ``axis_sizes`` (``signature.dynamic_axes`` name -> [smallest, largest]) spans its sizes,
     opt at the largest."""
     profile: Profile = {}
     sizes = axis_sizes or {}
@@ -39,7 +39,7 @@ def default_profiles(
                 raise ConfigError(
                     f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis, "
                     "with no sizes known for them",
-                    hint="name them in export.dynamic_axes and give validate.shapes their sizes, or "
+                    hint="name them in signature.dynamic_axes and give signature.shapes their sizes, or "
                     "give build.tensorrt.profiles with min/opt/max for this input",
                 )
         profile[spec.name] = ShapeRange(min=lo, opt=hi, max=hi)

@@ -119,7 +119,7 @@ def _served(model: Any, names: list[str], precision: str, channels_last: bool) -
     return Served()
 
 
-AXIS_HINT = "name every dynamic axis besides the batch in export.dynamic_axes (the torch backend exports with them)"
+AXIS_HINT = "name every dynamic axis besides the batch in signature.dynamic_axes (the torch backend exports with them)"
 
 
 def _example_sizes(req: BuildRequest) -> dict[str, dict[int, int]] | None:
@@ -130,7 +130,7 @@ def _example_sizes(req: BuildRequest) -> dict[str, dict[int, int]] | None:
 
 def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
     """torch.export's ``dynamic_shapes`` for ``forward(*xs)``: the batch axis (1..max batch; the example is batch 2
-    because torch.export specializes sizes 0 and 1) and every named axis of ``export.dynamic_axes`` over the sizes
+    because torch.export specializes sizes 0 and 1) and every named axis of ``signature.dynamic_axes`` over the sizes
     it takes (``req.axis_sizes``), one ``Dim`` per name, so inputs sharing an axis (ids and mask) stay equal."""
     import torch
 
@@ -235,7 +235,7 @@ def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) 
             if fixed:
                 raise BuildError(
                     f"torch.export: the model takes one size only on {', '.join(fixed)}",
-                    hint="leave those axes out of export.dynamic_axes, or build ONNX engines only",
+                    hint="leave those axes out of signature.dynamic_axes, or build ONNX engines only",
                 ) from None
             log.info("torch.export: dynamic axes refined as torch suggests (%s)", first_line(exc, 200))
             return torch.export.export(served, args, dynamic_shapes=refined)

@@ -46,7 +46,7 @@ def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
     for name in names:
         meta = read_metadata(ctx.out / name)
         assert (ctx.out / name / SIDECAR).is_file() and meta.name == name
-    # Profiles default to dynamic batch 1..max(validate.batch_sizes); the cache is shared under ctx.cache_dir.
+    # Profiles default to dynamic batch 1..max(signature.batch_sizes); the cache is shared under ctx.cache_dir.
     trt = read_metadata(ctx.out / "tensorrt-fp16")
     assert trt.backend_info["profiles"][0]["input"]["max"][0] == 8 and trt.source.file == "model.onnx"
     if "path" in trt.backend_info["timing_cache"]:  # full TensorRT; TensorRT-RTX keeps no timing cache (a note says so)

@@ -223,7 +223,7 @@ def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["aotinductor", "compiled"])
 def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -> None:
-    """Token ids + mask sharing a `seq` axis (export.dynamic_axes): exported with that axis dynamic too, validated
+    """Token ids + mask sharing a `seq` axis (signature.dynamic_axes): exported with that axis dynamic too, validated
     at both sequence lengths (before, the build stopped the whole run: only the batch axis could be dynamic)."""
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict
@@ -235,7 +235,7 @@ def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -
                 "model.name": "token_classifier",
                 "model.params": {"dim": 16, "layers": 1},
                 "train.enabled": False,
-                "export.dynamic_axes": seq,
+                "signature.dynamic_axes": seq,
                 "validate.max_samples": 32,
                 "build.backends": ["onnxruntime", "torch"],
                 "build.torch": {"flavour": flavour},

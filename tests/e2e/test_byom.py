@@ -231,8 +231,8 @@ def _user_run(tmp_path: Path, model: str, data_params: dict, **extra) -> dict:
             "train.epochs": 1,
             "train.batch_size": 32,
             "precision.variants": ["fp32", "fp16", "int8"],
-            "export.dynamic_axes": SEQ_AXES,
-            "validate.batch_sizes": [1, 32],
+            "signature.dynamic_axes": SEQ_AXES,
+            "signature.batch_sizes": [1, 32],
             "validate.max_samples": 64,
             **extra,
         }
@@ -300,9 +300,9 @@ def test_causal_language_model_trains_on_next_token_labels(tmp_path: Path) -> No
         **{
             "data.name": "byom_user:next_tokens",
             "train.epochs": 6,
-            "export.dynamic_axes": {"input_ids": {1: "seq"}},
+            "signature.dynamic_axes": {"input_ids": {1: "seq"}},
             "precision.variants": ["fp32", "int8"],
-            "validate.batch_sizes": [1, 8],
+            "signature.batch_sizes": [1, 8],
         },
     )
     assert v["passed"] is True, v["failures"]
@@ -338,7 +338,7 @@ def test_embedding_model_with_dict_outputs_through_every_engine_kind(tmp_path: P
             "data.name": "byom_user:unlabelled_text",
             "train.enabled": False,
             "precision.variants": ["fp32", "int8"],
-            "validate.batch_sizes": [1, 8],
+            "signature.batch_sizes": [1, 8],
             "build.backends": ["onnxruntime", "torch"],
         },
     )
@@ -365,7 +365,7 @@ def test_language_model_with_tied_weights(tmp_path: Path) -> None:
             "data.name": "byom_user:unlabelled_text",
             "train.enabled": False,
             "precision.variants": ["fp32", "int8"],
-            "validate.batch_sizes": [1, 8],
+            "signature.batch_sizes": [1, 8],
             "build.backends": ["onnxruntime", "torch"],
         },
     )
@@ -393,8 +393,8 @@ def test_audio_with_a_dynamic_time_axis(tmp_path: Path) -> None:
         **{
             "data.name": "byom_user:audio",
             "precision.variants": ["fp32"],
-            "export.dynamic_axes": {"input": {1: "time"}},
-            "validate.batch_sizes": [1, 8],
+            "signature.dynamic_axes": {"input": {1: "time"}},
+            "signature.batch_sizes": [1, 8],
         },
     )
     assert v["passed"] is True, v["failures"]
@@ -414,9 +414,9 @@ def test_tabular_model_with_an_input_named_like_a_graph_value_and_categorical_co
         {},
         **{
             "data.name": "byom_user:tabular_data",
-            "export.dynamic_axes": {},
+            "signature.dynamic_axes": {},
             "train.loss": "byom_user:gaussian_nll",
-            "validate.batch_sizes": [1, 16],
+            "signature.batch_sizes": [1, 16],
             "precision.variants": ["fp32", "int8"],
         },
     )
@@ -440,9 +440,9 @@ def test_contrastive_model_with_batch_coupled_and_nested_outputs(tmp_path: Path)
         **{
             "data.name": "byom_user:pairs",
             "train.enabled": False,
-            "export.dynamic_axes": {},
+            "signature.dynamic_axes": {},
             "precision.variants": ["fp32", "int8"],
-            "validate.batch_sizes": [1, 4],
+            "signature.batch_sizes": [1, 4],
         },
     )
     assert v["passed"] is True, v["failures"]
@@ -463,9 +463,9 @@ def test_two_dynamic_axes_of_different_lengths_through_every_engine_kind(tmp_pat
         **{
             "data.name": "byom_user:src_tgt",
             "train.enabled": False,
-            "export.dynamic_axes": {"src": {1: "src"}, "tgt": {1: "tgt"}},
+            "signature.dynamic_axes": {"src": {1: "src"}, "tgt": {1: "tgt"}},
             "precision.variants": ["fp32"],
-            "validate.batch_sizes": [1, 4],
+            "signature.batch_sizes": [1, 4],
             "build.backends": ["onnxruntime", "torch"],
         },
     )
@@ -475,7 +475,7 @@ def test_two_dynamic_axes_of_different_lengths_through_every_engine_kind(tmp_pat
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:
-    v = _user_run(tmp_path, "hidden_and_logits", {"as_tuple": True}, **{"validate.logits_output": 1})
+    v = _user_run(tmp_path, "hidden_and_logits", {"as_tuple": True}, **{"signature.logits_output": 1})
     _every_precision_at_every_shape(v)
     assert v["baseline"]["compared"] == ["output_0", "output_1"] and v["baseline"]["logits_output"] == "output_1"
     # The hidden state [B, S, H] is compared by error and cosine only: top-1 is the logits output's
@@ -494,7 +494,7 @@ def test_zoo_token_classifier_without_a_logits_output_validates_by_agreement(tmp
                 "model.name": "token_classifier",
                 "model.params": {"dim": 16, "layers": 1},
                 "train.enabled": False,
-                "export.dynamic_axes": SEQ_AXES,
+                "signature.dynamic_axes": SEQ_AXES,
                 "validate.max_samples": 32,
             }
         )
@@ -560,8 +560,8 @@ def test_kiln_run_from_an_onnx_file(exported, tmp_path: Path) -> None:
             "model": {"onnx": str(onnx_path)},
             "data.name": "synthetic_text",
             "precision.variants": ["fp32", "fp16", "int8"],
-            "validate.batch_sizes": [1, 32],
-            "validate.logits_output": "output_1",
+            "signature.batch_sizes": [1, 32],
+            "signature.logits_output": "output_1",
             # this checks the ONNX-file path, not INT8's accuracy: on a tiny, briefly trained
             # model one flipped row of the 32 compared is 0.969 (kiln's default gate is 0.97)
             "validate.gates.per_precision": {"int8": {"min_top1_agreement": 0.9}},
@@ -608,7 +608,7 @@ def test_direct_precision_then_build_and_validate(exported, tmp_path: Path) -> N
                 "--inputs",
                 str(npz),
                 "--set",
-                "validate.logits_output=output_1",
+                "signature.logits_output=output_1",
                 "--quiet",
             ],
         )
@@ -632,7 +632,7 @@ def test_direct_precision_without_data_says_random_and_needs_sizes(exported, tmp
             "--variants",
             "int8",
             "--set",
-            "validate.shapes={seq: [4, 12]}",
+            "signature.shapes={seq: [4, 12]}",
         ],
     )
     assert r.exit_code == 0, r.output

@@ -2,7 +2,7 @@
 
 ``triton/<model>/``: the stock backend (``onnxruntime_onnx`` / ``tensorrt_plan``) for engines it can express;
 ``triton-python/<model>/``: Triton's Python backend running the Kiln engine itself, for every engine (see
-:mod:`kiln.stages.triton_repo`). ``kiln serve`` serves ``engines/`` directly through PyTriton.
+:mod:`kiln.stages.package.triton`). ``kiln serve`` serves ``engines/`` directly through PyTriton.
 """
 
 from __future__ import annotations
@@ -11,19 +11,26 @@ import json
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from kiln.core.errors import GateFailure
 from kiln.core.records import ValidationResult
 from kiln.core.sections import Section
-from kiln.core.stage import Stage, StageContext
+from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 
 __all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "PackageConfig", "STAGE"]
 from pydantic import Field
 
-from kiln.stages import triton_repo
 from kiln.stages.engines.backend import engine_dirs, read_metadata
-from kiln.stages.triton_repo import engine_max_batch, stock_model, triton_config, write_python_model, write_stock_model
+from kiln.stages.package import triton
+from kiln.stages.package.triton import (
+    engine_max_batch,
+    stock_model,
+    triton_config,
+    write_python_model,
+    write_stock_model,
+)
 
 
 class PackageConfig(Section):
@@ -42,10 +49,24 @@ def triton_model_name(config_name: str, engine_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", f"{config_name}_{engine_name}")
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PackageSettings(StageSettings):
+    """What packaging reads: its section, and the run's name (Triton model names start with it)."""
+
+    name: str
+    package: PackageConfig
+
+
+class PackageSummary(Summary):
+    """Each engine packaged: its validation figures, the batch sizes it was chosen for, its Triton models."""
+
+    models: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     cfg = ctx.config.package
     if not cfg.enabled:
-        return {"status": "skipped", "models": []}
+        return PackageSummary(status="skipped")
     validation = ValidationResult.read(
         ctx.inputs["validate"] / "validation.json", hint="run `kiln run --from validate`"
     )
@@ -80,14 +101,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
             record["triton_python_model"] = model_name
         packaged.append(record)
     (ctx.out / "kiln-package.json").write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
-    return {"models": packaged}
+    return PackageSummary(models=packaged)
 
 
-def report_section(summary: dict[str, Any]) -> list[str]:
+def report_section(summary: PackageSummary) -> list[str]:
     """What went into the serving repositories, and where (paths relative to the workdir)."""
-    models = summary.get("models")
-    if models is None:
-        return []
+    models = summary.models
     out = ["", "## Package", ""]
     if not models:
         return out + ["Nothing packaged: no engine passed validation here (only validated engines are served)."]
@@ -107,8 +126,9 @@ STAGE = Stage(
     "package",
     run,
     ("train", "build", "validate"),
-    ("name", "package"),
-    (sys.modules[__name__], triton_repo),
+    PackageSettings,
+    PackageSummary,
+    (sys.modules[__name__], triton),
     lambda cfg: {},
     "serving artifacts: engines + metadata, Triton model repository",
     report=report_section,

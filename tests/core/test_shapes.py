@@ -20,7 +20,7 @@ def test_sizes_from_the_data_or_the_config() -> None:
     assert axis_sizes([feed(16)], AXES, {}) == {"seq": [8, 16]}  # one size in the data: half and all of it
     assert axis_sizes([feed(12), feed(16)], AXES, {}) == {"seq": [12, 16]}
     assert axis_sizes([feed(16)], AXES, {"seq": [32, 4]}) == {"seq": [4, 32]}
-    with pytest.raises(ConfigError, match="validate.shapes names axes \\['len'\\]"):
+    with pytest.raises(ConfigError, match="signature.shapes names axes \\['len'\\]"):
         axis_sizes([feed(16)], AXES, {"len": [4]})
     assert shape_points({"seq": [8, 16]}) == [{"seq": 8}, {"seq": 16}] and shape_points({}) == [{}]
 

@@ -193,7 +193,7 @@ def test_direct_validate_against_wrong_model_fails_gate(cli: CliRunner, tmp_path
 
 def test_set_with_invalid_yaml_value(cli: CliRunner) -> None:
     # Before: a yaml ParserError traceback.
-    result = cli.invoke(main, ["config", "--set", "validate.batch_sizes=[1,"])
+    result = cli.invoke(main, ["config", "--set", "signature.batch_sizes=[1,"])
     assert result.exit_code == 2 and "not valid YAML" in result.output and "Traceback" not in result.output
 
 

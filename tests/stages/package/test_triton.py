@@ -9,7 +9,7 @@ from google.protobuf import text_format
 
 from kiln.core.errors import ModelError
 from kiln.core.records import EngineMetadata
-from kiln.stages.triton_repo import check_config, model_config, render_pbtxt, triton_config
+from kiln.stages.package.triton import check_config, model_config, render_pbtxt, triton_config
 
 # Triton's own ModelConfig message: from the serving extra (`pip install 'kiln[serve]'`, part of `.[dev]`)
 model_config_pb2 = pytest.importorskip(
@@ -105,7 +105,7 @@ def test_unsupported_dtype_is_a_clear_error() -> None:
 
 
 def test_the_backend_registration_decides_which_engines_stock_triton_loads() -> None:
-    from kiln.stages.triton_repo import stock_model
+    from kiln.stages.package.triton import stock_model
 
     rtx = TRT.model_copy(update={"flavour": "tensorrt_rtx"})
     assert stock_model(TRT).platform == "tensorrt_plan" and stock_model(CPU).platform == "onnxruntime_onnx"

@@ -1,7 +1,7 @@
 import json
 
 from kiln.core.records import EngineMetadata
-from kiln.stages.package import triton_config
+from kiln.stages.package.triton import triton_config
 
 
 def engine_meta(**fields) -> EngineMetadata:
@@ -60,12 +60,12 @@ def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
     assert model["validation"]["cosine"] >= 0.9999
 
 
-def test_triton_batch_is_capped_by_the_engine_profile() -> None:
+def test_triton_batch_is_capped_by_the_engines_batch_range() -> None:
     meta = engine_meta(
         **{
             "backend": "tensorrt",
             "device": "cuda",
-            "profiles": [{"input": {"min": [1, 3, 8, 8], "opt": [8, 3, 8, 8], "max": [16, 3, 8, 8]}}],
+            "batch_range": (1, 16),
             "inputs": [{"name": "input", "shape": ["batch", 3, 8, 8], "dtype": "float32"}],
             "outputs": [{"name": "logits", "shape": ["batch", 10], "dtype": "float32"}],
         }

@@ -1,0 +1,76 @@
+"""The real pipeline end to end on a tiny model: a first run that passes, a rerun from cache, the report, a
+setting that reruns only the stages after it, a damaged engine rebuilt, a failed gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln.core.cpu_int8 import int8_kernels
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
+from kiln.pipeline.report import render_markdown
+from kiln.stages.engines.registry import load_engine
+from tests.conftest import tiny_config_dict
+
+
+def statuses(result: Any) -> dict[str, str]:
+    return {r.name: r.status for r in result.records}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, dict[str, Any]]:
+    workdir = tmp_path_factory.mktemp("run")
+    result, report = run_pipeline(config_from_dict(tiny_config_dict()), workdir)
+    return workdir, result, report
+
+
+def test_a_first_run_passes_and_a_rerun_is_cached(first_run: tuple[Path, Any, dict[str, Any]]) -> None:
+    workdir, result, report = first_run
+    assert result.ok, result.error
+    assert set(statuses(result).values()) == {"ran"} and report["validation"]["passed"] is True
+    ort = [e for e in report["validation"]["engines"] if e["backend"] == "onnxruntime"]
+    assert ort and ort[0]["cosine"] >= 0.9999 and ort[0]["top1_agreement"] == 1.0
+    assert {"p50", "p90", "p99"} <= set(ort[0]["latency_ms"]["8"])
+    on_disk = json.loads((workdir / "report.json").read_text())
+    assert on_disk["stages"]["train"]["status"] == "ran" and (workdir / "report.md").read_text().startswith("# Kiln")
+    again, report = run_pipeline(config_from_dict(tiny_config_dict()), workdir)
+    assert set(statuses(again).values()) == {"cached"} and report["validation"]["passed"] is True
+    md = render_markdown(report)
+    assert "(ran in " in md  # cached stages keep their original time
+    assert "(≥ 0.9999)" in md and "(≥ 0.99)" in md  # each gate beside its value
+    assert "`package/engines/onnxruntime-cpu-fp32/`" in md and "`package/triton/tiny_onnxruntime_cpu_fp32/`" in md
+    assert f"ONNX Runtime CPU INT8 kernels: {int8_kernels()}" in md  # what the CPU INT8 latencies ran
+
+
+def test_a_build_setting_reruns_build_and_what_follows(first_run: tuple[Path, Any, dict[str, Any]]) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict(**{"build.onnxruntime.intra_op_threads": 1}))
+    result, _ = run_pipeline(cfg, workdir)
+    before = dict.fromkeys(("train", "export", "optimize", "precision"), "cached")
+    assert statuses(result) == {**before, "build": "ran", "validate": "ran", "package": "ran"} and result.ok
+
+
+def test_a_damaged_engine_is_rebuilt_not_validated_stale(first_run: tuple[Path, Any, dict[str, Any]]) -> None:
+    workdir, _, _ = first_run
+    cfg = config_from_dict(tiny_config_dict())
+    run_pipeline(cfg, workdir)
+    engine = next((workdir / "build").glob("*/engine.onnx"))
+    data = bytearray(engine.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    engine.write_bytes(bytes(data))
+    result, _ = run_pipeline(cfg, workdir)
+    assert statuses(result)["build"] == "ran" and result.ok
+    with load_engine(engine.parent):  # the rebuilt engine matches its metadata again
+        pass
+
+
+def test_a_failed_gate_fails_the_run_with_its_values(tmp_path: Path) -> None:
+    cfg = config_from_dict(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9}))
+    result, report = run_pipeline(cfg, tmp_path)
+    assert not result.ok and "max_latency" not in str(result.error)
+    assert "p50 latency" in str(result.error) and report["validation"]["passed"] is False
+    assert statuses(result)["package"] == "not-run"
