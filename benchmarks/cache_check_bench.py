@@ -25,7 +25,6 @@ from kiln.core.artifacts import hash_file  # noqa: E402
 from kiln.pipeline import runner as runner_module  # noqa: E402
 from kiln.pipeline.api import run_pipeline  # noqa: E402
 from kiln.pipeline.config import config_from_dict  # noqa: E402
-from tests.conftest import tiny_config_dict  # noqa: E402
 
 
 def add_artifact(workdir: Path, mb: int) -> Path:
@@ -62,7 +61,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="cached reruns timed per mode (median reported)")
     ap.add_argument("--out", type=Path, required=True, help="folder for cache_check.json / .md")
     args = ap.parse_args()
-    cfg = config_from_dict(tiny_config_dict(**{"train.epochs": 1}))
+    cfg = config_from_dict(
+        {
+            "name": "tiny",
+            "model": {"name": "cnn", "params": {"width": 8, "depth": 2}},
+            "train": {"epochs": 1, "batch_size": 128},
+            "signature": {"batch_sizes": [1, 8]},
+            "validate": {"warmup": 1, "iterations": 3, "max_samples": 128},
+            "build": {"backends": ["onnxruntime"]},
+        }
+    )
     with tempfile.TemporaryDirectory(prefix="kiln-cache-bench-") as tmp:
         workdir = Path(tmp)
         run_pipeline(cfg, workdir)

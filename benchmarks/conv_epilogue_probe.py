@@ -33,6 +33,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +42,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from benchmarks.engine_bench import kernel_profile  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling benchmark scripts
+from engine_bench import kernel_profile  # noqa: E402
+
 from kiln.core.cuda_graphs import capture  # noqa: E402
 from kiln.core.timing import time_calls  # noqa: E402
 from kiln.stages.engines.torch.conv_epilogues import fold_batch_norms, fuse_conv_epilogues  # noqa: E402

@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import write_report  # noqa: E402
+from engine_bench import make_inputs, make_model, model_specs  # noqa: E402
 
-from benchmarks.engine_bench import make_inputs, make_model, model_specs  # noqa: E402
 from kiln.core.timing import time_calls  # noqa: E402
 from kiln.stages.engines.config import BuildConfig  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402

@@ -56,9 +56,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+import train_bench as TB  # noqa: E402
 from common import bare_update, write_report  # noqa: E402
 
-from benchmarks import train_bench as TB  # noqa: E402
 from kiln.stages.train import compile as compile_module  # noqa: E402
 from kiln.stages.train import health, loop  # noqa: E402
 from kiln.stages.train.precision import autocast  # noqa: E402

@@ -1,20 +1,16 @@
 """Whether this machine's CPU INT8 kernels saturate, and what Kiln does about it.
 
 ONNX Runtime's x86 integer GEMMs multiply uint8 activations by int8 weights. Without VNNI (SSE4.1, AVX2 and the first
-AVX-512 CPUs, e.g. Skylake-SP servers) they use VPMADDUBSW, which adds each pair of products into an int16 and
-saturates: two products of 255 x 127 overflow it. That is the likely cause of CI's INT8 failures (cosine 0.95-0.97
-against FP32 on small models that reach 0.99+ on a VNNI CPU; a numpy model of the instruction on one layer with
-uniform weights saturated 1.1% of the pair sums and took its cosine from 0.99995 to 0.9931:
-``benchmarks/int8_saturation.py``). VNNI's VPDPBUSD
-accumulates in int32, and ARM's kernels do not saturate.
+AVX-512 CPUs) they use VPMADDUBSW, which adds each pair of products into an int16 and saturates: two products of
+255 x 127 overflow it. VNNI's VPDPBUSD accumulates in int32, and ARM's kernels do not saturate.
 
 Two remedies, both ONNX Runtime's own: every session Kiln makes on such a CPU sets ``session.x64quantprecision``
-(:data:`PRECISE_INT8`: ORT then multiplies uint8 by uint8, slower and exact), which keeps 8-bit weights and also
-covers INT8 graphs quantized on another machine; and ``calibration.reduce_range`` quantizes weights to 7 bits (a pair
-of products then fits an int16) for runtimes that cannot be given the option.
+(:data:`PRECISE_INT8`: ORT then multiplies uint8 by uint8, slower and exact), which also covers INT8 graphs
+quantized on another machine; and ``calibration.reduce_range`` quantizes weights to 7 bits (a pair of products then
+fits an int16) for runtimes that cannot be given the option.
 
-Flags are read from ``/proc/cpuinfo`` (Linux), else from ``torch.cpu.get_capabilities()`` (torch >= 2.8; imported
-only then, since torch is slow to import); an x86 CPU whose flags cannot be read counts as saturating.
+Flags are read from ``/proc/cpuinfo`` (Linux), else from ``torch.cpu.get_capabilities()`` (imported only then, since
+torch is slow to import); an x86 CPU whose flags cannot be read counts as saturating.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ def ort_log_severity() -> int:
     print. Otherwise only fatal lines: every ORT failure that matters reaches Kiln as an exception carrying ORT's
     message (a KilnError, or a failed autotune trial's ``error``), while the ERROR lines ORT prints for work it
     recovers from (cuDNN frontend's "No execution plans support the graph" while searching, a candidate that
-    cannot run a shape) would put red error lines on a successful build (issue 12)."""
+    cannot run a shape) would put red error lines on a successful build."""
     import onnxruntime as ort
 
     debug = logging.getLogger("kiln").getEffectiveLevel() <= logging.DEBUG

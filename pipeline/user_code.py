@@ -1,17 +1,14 @@
 """The version of a user's own code (``model.name: mymodels:build``), for cache keys.
 
-Editing the model must rerun training just as editing Kiln does, and so must editing a helper the model imports
-(``from mylayers import Act``) or a package ``__init__`` that runs on import; editing an unrelated script in the
-same folder must not. So the version is a hash of the module's file plus the local modules it imports, found by
-reading import statements (``ast``) rather than by looking at ``sys.modules`` (which depends on what ran before),
-plus the ``__init__.py`` of every package on the way.
+Editing the model must rerun training just as editing Kiln does, and so must editing a helper the model imports or a
+package ``__init__`` that runs on import; editing an unrelated script in the same folder must not. So the version is
+a hash of the module's file plus the local modules it imports, found by reading import statements (``ast``) rather
+than ``sys.modules`` (which depends on what ran before), plus the ``__init__.py`` of every package on the way.
 
-"Local" is where the module's absolute imports resolve among its own code: for code in a project folder, that
-folder (a top-level module's folder, or the folder holding its top-level package, namespace packages included);
-for code installed in site-packages, its distribution's RECORD instead: pip's list of every installed file with
-its sha256, so a user's own package reinstalled at the same version still changes the key, without scanning
-(a scan from torch.nn reached 1,714 files in 16.7 s on the 2-core dev machine). Code loaded dynamically
-(``importlib`` plugins) is not seen.
+"Local" is where the module's absolute imports resolve among its own code: for a project folder, that folder; for
+code installed in site-packages, its distribution's RECORD (pip's list of every installed file with its sha256), so
+a package reinstalled at the same version still changes the key without a scan of everything it imports. Code
+loaded dynamically (``importlib`` plugins) is not seen.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def server_env(stub_python: Path, env: dict[str, str] | None = None) -> dict[str
     env = dict(os.environ if env is None else env)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     # PyTriton's bundled libraries (its CUDA runtime among them): tritonserver runs from a copy in a workspace,
-    # where its relative RPATH no longer reaches them (seen on the H200 host: libcudart-*.so not found).
+    # where its relative RPATH no longer reaches them (libcudart-*.so not found).
     import pytriton
 
     # ... and the libraries auditwheel bundled beside the package (nvidia_pytriton.libs: libcudart and others).
@@ -195,8 +195,7 @@ LAST_PYTRITON_WITHOUT_NUMPY2 = (0, 7, 0)
 
 def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
     """Refuse numpy 2 with a stub that cannot read it. The Python backend stub bundled up to PyTriton 0.7.0 was
-    built with pybind11 2.10, which predates numpy 2: with numpy 2 it sends every output empty (seen on the H200
-    host, numpy 2 there: "cannot reshape array of size 0 into shape (1,1000)" in the client; fixed in Triton's
+    built with pybind11 2.10, which predates numpy 2: with numpy 2 it sends every output empty (fixed in Triton's
     python_backend#384, Triton 24.11). Serving would run and answer nothing usable, so it stops here."""
 
     def parts(v: str) -> tuple[int, ...]:
@@ -228,8 +227,7 @@ def _infer_func(
     runner: Any, outputs: dict[str, np.dtype], buckets: list[int] | None
 ) -> Callable[..., dict[str, np.ndarray]]:
     """``buckets``: pad every batch to the next of these sizes (engines that build a session and capture a CUDA
-    graph per input shape: without it each new batch size the dynamic batcher forms costs a session build, which
-    on the H200 made concurrency 32 serve 41 requests/s with a p50 of 780 ms)."""
+    graph per input shape: without it each new batch size the dynamic batcher forms costs a session build)."""
     from pytriton.decorators import batch
 
     @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays

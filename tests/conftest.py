@@ -36,6 +36,15 @@ def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def stage_context(name: str, config: KilnConfig, workdir: Path, out: Path, inputs: dict[str, Path], **kw: Any) -> Any:
+    """The context the runner hands stage ``name``: its declared settings of ``config``, not the whole config."""
+    from kiln.core.stage import StageContext
+    from kiln.pipeline.runner import settings_for
+    from kiln.pipeline.stage_list import stage_named
+
+    return StageContext(name, settings_for(stage_named(name), config), workdir, out, inputs, **kw)
+
+
 @pytest.fixture
 def tiny_config() -> KilnConfig:
     return config_from_dict(tiny_config_dict())

@@ -2,7 +2,7 @@
 
 An engine written by an optimizer (ONNX Runtime's offline optimization, a converter, a fusion pass) must keep each
 symbolic axis of the source's inputs and outputs symbolic: an engine that silently fixed ``batch`` to 1 builds,
-validates at batch 1 and then fails at batch 32 in serving (issue 12). ``onnx`` itself has no such comparison, hence
+validates at batch 1 and then fails at batch 32 in serving. ``onnx`` itself has no such comparison, hence
 this module; it compares declared graph signatures only (no shape inference), which is what ORT enforces at run time.
 """
 

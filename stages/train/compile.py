@@ -1,37 +1,26 @@
-"""torch.compile in the training loop: compile the module the loop calls, fall back to eager, count graphs.
+"""torch.compile in the training loop (``train.compile``): compile the module the loop calls, fall back to eager,
+count graphs.
 
-What is compiled is the module the loop calls: the model, or under DDP the ``DistributedDataParallel`` wrapper.
-That is the order PyTorch recommends (wrap in DDP, then ``torch.compile`` the DDP module): Dynamo's
-DDPOptimizer (``torch._dynamo.backends.distributed``, on by default through
-``torch._dynamo.config.optimize_ddp``) then splits the graph at DDP's bucket boundaries, so each bucket's
-all-reduce still starts while the backward pass of the layers before it runs. (In torch 2.13 the split
-happens when the wrapped module's forward is compiled while DDP's ``_inside_ddp_forward`` marks it active:
-checked on 2 gloo processes, the DDPOptimizer split the graph into the same buckets either way.) Dynamo
-graph-breaks in DDP's own forward, which it leaves to eager Python (3 breaks per compiled graph in torch
-2.13), so ``fullgraph: true`` cannot hold under DDP and is refused there with a clear error.
+Under DDP the compiled module is the ``DistributedDataParallel`` wrapper, as PyTorch recommends: Dynamo's
+DDPOptimizer then splits the graph at DDP's bucket boundaries, so each bucket's all-reduce overlaps the backward
+pass of the layers before it. Dynamo breaks the graph in DDP's own forward, so ``fullgraph: true`` cannot hold
+under DDP and is refused there.
 
-Only the forward (and, through AOTAutograd, its backward) is compiled. The loss, GradScaler, clipping, the
-optimizer step, the NaN/overflow skips and the buffer guard run around it, outside torch.compile, exactly as
-without compiling. The loop keeps the uncompiled module for ``state_dict``: checkpoints and weights never carry
-the ``_orig_mod.`` prefix of ``torch.compile``'s wrapper.
+Only the forward (and, through AOTAutograd, its backward) is compiled; the loss, GradScaler, clipping, the optimizer
+step and the step checks run around it as they do without compiling. The loop keeps the uncompiled module for
+``state_dict``, so checkpoints never carry the ``_orig_mod.`` prefix.
 
-Shapes: by default (``dynamic: null`` or ``false``) the graphs are static, compiled for the micro-batch shapes
-of a full batch. A call with any other shape (the epoch's shorter last batch, evaluation's remainder) runs the
-eager module instead of compiling again: PyTorch's automatic dynamic shapes would recompile that frame with a
-symbolic batch size, and Dynamo then tries that graph first for every later call, so all later full batches
-would run the slower dynamic-shape kernels. ``dynamic: true`` compiles one dynamic graph for every shape.
+Shapes: by default the graphs are static, compiled for a full batch's micro-batch shapes, and a call with any other
+shape (an epoch's shorter last batch) runs the eager module: automatic dynamic shapes would recompile the frame with a
+symbolic batch, and every later full batch would then run the slower dynamic-shape kernels. ``dynamic: true``
+compiles one dynamic graph for every shape.
 
-CUDA graphs (``reduce-overhead``, ``max-autotune``) keep every step's outputs in a memory pool that the next
-replay overwrites. The backward graph's outputs are the gradients, and autograd installs a parameter's first
-gradient as ``.grad`` without copying: with accumulation the next micro-step overwrote it
-("accessing tensor output of CUDAGraphs that has been overwritten", pytorch/pytorch#169545; on other
-releases silently wrong gradients). With CUDA graphs the loop therefore keeps ``.grad`` allocated
-(:attr:`CompiledModel.keeps_grads`) and zeroes it in place, so autograd adds into it.
+CUDA graphs (``reduce-overhead``, ``max-autotune``) keep each replay's outputs in a pool the next replay overwrites,
+and a parameter's first gradient is installed as ``.grad`` without a copy; with accumulation the loop therefore keeps
+``.grad`` allocated (:attr:`CompiledModel.keeps_grads`) and zeroes it in place, so autograd adds into it.
 
-Compilation is lazy: ``torch.compile`` returns at once and the work (and any failure) happens on the first
-call, or in the first backward (AOTAutograd compiles the backward graph when it first runs). A failure
-(``torch._dynamo.exc.TorchDynamoException``; inductor's errors derive from it) makes the loop continue in
-eager mode with one warning, or stops training with a :class:`TrainingError` when ``fullgraph: true``.
+Compilation is lazy (on the first call, and the first backward); a failure makes the loop go on eagerly with one
+warning, or stops training with a :class:`TrainingError` under ``fullgraph: true``.
 """
 
 from __future__ import annotations

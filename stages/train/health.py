@@ -104,11 +104,10 @@ class StepCheck:
 
     The flag is one kernel, the one GradScaler runs over the gradients (``torch._amp_foreach_non_finite_check_and_
     unscale_``, here with scale 1 so the values are unchanged), after one that zeroes it. Together with the guard
-    that is about ten small kernels per step, and a compiled step is close to host-bound: ``benchmarks/
-    step_host_cost.py`` measured about 0.16 ms of host time for the flag, the guard's save and its restore on the
-    H200's host (ResNet-18's 60 buffers; ``step_host_cost_h200_s6_before.md``), about 2% of a compiled ResNet-18
-    step there. On a GPU they are therefore captured once as a CUDA graph (:func:`kiln.core.cuda_graphs.capture`)
-    and replayed (3-4 us there): a step pays one stack into ``values`` and one replay. Everything they touch is
+    that is about ten small kernels per step, and a compiled step is close to host-bound
+    (``benchmarks/step_host_cost.py`` measures their host time). On a GPU they are therefore captured once as a CUDA
+    graph (:func:`kiln.core.cuda_graphs.capture`) and replayed: a step pays one stack into ``values`` and one
+    replay. Everything they touch is
     made once here and stays in place (the buffers are the model's own tensors), which is what a replay needs. Both
     outputs are overwritten by the next step; everything that reads them (optimizer, read-back copy) is queued on
     the same stream before it.

@@ -1,31 +1,25 @@
 """The update after the backward pass as one CUDA graph (``train.update_graph``).
 
-After the backward pass a step unscales the gradients (fp16), takes their norm and clips them, checks the loss and
-norm (:class:`kiln.stages.train.health.StepCheck`), runs the fused optimizer (which skips a non-finite step on the
-device), updates the loss scale and zeroes the gradients: about a dozen multi-tensor kernels, but several
-milliseconds of Python and launch time on the host for a model with a few hundred parameter tensors (BERT-base: 3.5-4.2
-ms in a bare loop on the H200's host, ``benchmarks/results/step_host_cost_h200_s12_bert_base.md``). A compiled
-training step is close to host-bound, so that time is step time. Nothing in the update needs the host (the skip
-decisions are on the device), so it can be captured once with ``torch.cuda.graph`` and replayed: the pattern of
-PyTorch's CUDA-graphs notes for the optimizer step ("partial-network capture", ``capturable=True``), here around the
-whole update, GradScaler included (fused optimizers take its ``found_inf`` in the kernel, so its step never syncs).
+After the backward pass a step unscales the gradients (fp16), clips them, checks the loss and norm
+(:class:`kiln.stages.train.health.StepCheck`), runs the fused optimizer (which skips a non-finite step on the
+device), updates the loss scale and zeroes the gradients: a dozen multi-tensor kernels, but milliseconds of Python
+and launch time on the host for a model with hundreds of parameter tensors, and a compiled training step is close to
+host-bound. Nothing in the update needs the host, so it is captured once with ``torch.cuda.graph`` and replayed:
+PyTorch's "partial-network capture" of the optimizer step, here around the whole update, GradScaler included.
 
 What a replay needs, and how it is kept:
 
 * The same tensors every step. Each step's gradients and loss are copied into buffers the graph reads (with
-  torch.compile's CUDA graphs, which keep ``.grad`` allocated, it reads ``.grad`` itself), and the optimizer state,
-  GradScaler's scale and the buffer guard's copies are updated in place by their own code. The first steps run
-  eagerly (``WARMUP_STEPS``): the optimizer creates its state and DDP rebuilds its gradient buckets in them. A step
-  whose gradients do not fit the graph (a parameter the forward pass did not use has no gradient, and the eager
-  update leaves it alone) runs eagerly; when that lasts, the update is captured again.
-* The learning rate as a tensor: a Python float would be baked into the graph. The schedule keeps setting floats in
-  the param groups; before each replay they are written into one device tensor per group (a fill kernel, no sync),
-  which the captured optimizer reads (fused AdamW/SGD take a tensor ``lr``). ``capturable`` is set only while
-  capturing: the fused kernels ignore it, and torch warns about it in eager steps.
+  torch.compile's CUDA graphs, which keep ``.grad`` allocated, it reads ``.grad`` itself); the optimizer state, the
+  loss scale and the buffer guard's copies are updated in place by their own code. The first steps run eagerly
+  (``WARMUP_STEPS``): the optimizer creates its state and DDP rebuilds its buckets in them. A step whose gradients do
+  not fit the graph (a parameter the forward pass did not use) runs eagerly; when that lasts, the update is captured
+  again.
+* The learning rate as a tensor: a Python float would be baked into the graph. Before each replay the schedule's
+  floats are written into one device tensor per parameter group, which the fused optimizer reads.
 * Nothing that waits for the host: non-fused optimizers decide skips on the host, so they keep the eager update.
 
-A capture that fails leaves the update eager for the rest of the run, with one warning (``result.update_graph``
-says so): capturing only records kernels, so the failed step is then run eagerly from where it stood.
+A capture that fails leaves the update eager for the rest of the run, with one warning (the summary says so).
 """
 
 from __future__ import annotations
@@ -73,8 +67,7 @@ class GraphedUpdate:
     are new tensors every step (``zero_grad(set_to_none=True)``, autograd hands its result over without a copy) and
     are copied into buffers the graph reads: one multi-tensor copy per step (its host cost is one call; keeping
     ``.grad`` allocated instead makes autograd add each parameter's gradient into it, one kernel launch per
-    parameter, which cost the BERT-base backward passes 2-5 ms of host time on the H200's host,
-    ``benchmarks/results/gpu_session13.md``)."""
+    parameter, milliseconds of host time in a large model's backward pass)."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
 """PyTorch baselines: the trained model run the way a PyTorch user would run it, on the device each engine runs
-on (issue 12: a CPU baseline against a GPU engine reported a 168x "speedup").
+on (a CPU baseline against a GPU engine would report the GPU's speedup as the engine's).
 
 Kinds (``validate.baselines``): ``eager`` (the module as is) and ``compile`` (``torch.compile``; on a GPU with
 ``mode="max-autotune"``, Inductor's Triton kernels and CUDA graphs: the strongest plain-PyTorch path; on the CPU its

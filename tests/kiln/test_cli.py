@@ -107,7 +107,7 @@ def test_unsupported_op_in_model(cli: CliRunner, tmp_path: Path) -> None:
         [
             "export",
             "--model",
-            "tests.pipeline.test_cli:eig_model",
+            "tests.kiln.test_cli:eig_model",
             "--input-shape",
             "1,8,8",
             "-o",

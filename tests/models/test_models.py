@@ -72,8 +72,8 @@ def test_bad_transformer_params_are_config_errors(params, named) -> None:
 @pytest.mark.parametrize("data", ["synthetic", "digits", "synthetic_rgb"])
 def test_built_in_datasets_follow_the_run_seed(data: str) -> None:
     # Every built-in dataset is split by the run's seed, not only those some model defaults to.
-    from kiln.models.model_io import dataset_for
     from kiln.pipeline.config import config_from_dict
+    from kiln.pipeline.runner import load_dataset
 
-    a, b = (dataset_for(config_from_dict({"seed": s, "data": {"name": data}})) for s in (1, 2))
+    a, b = (load_dataset(config_from_dict({"seed": s, "data": {"name": data}})) for s in (1, 2))
     assert not torch.equal(a.val_y, b.val_y)

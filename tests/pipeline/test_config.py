@@ -50,7 +50,7 @@ def test_toml_and_overrides(tmp_path: Path) -> None:
     p = tmp_path / "k.toml"
     p.write_text('name = "t"\n[train]\nepochs = 3\n')
     cfg = load_config(p, {"train.lr": 0.5, "signature.batch_sizes": [2]})
-    assert (cfg.name, cfg.train.epochs, cfg.train.lr, cfg.validate_.batch_sizes) == ("t", 3, 0.5, [2])
+    assert (cfg.name, cfg.train.epochs, cfg.train.lr, cfg.signature.batch_sizes) == ("t", 3, 0.5, [2])
 
 
 def test_dump_round_trips() -> None:
@@ -67,7 +67,8 @@ def test_bad_batch_sizes_are_config_errors(batch_sizes) -> None:
 
 def test_batch_sizes_sorted_and_unique() -> None:
     # The report and CLI read the last batch size as the largest one.
-    assert config_from_dict({"validate": {"batch_sizes": [32, 1, 32]}}).validate_.batch_sizes == [1, 32]
+    assert config_from_dict({"validate": {"batch_sizes": [32, 1, 32]}}).signature.batch_sizes == [1, 32]
+    assert config_from_dict({"signature": {"batch_sizes": [8, 1]}}).signature.batch_sizes == [1, 8]
 
 
 def test_zero_max_samples_is_config_error() -> None:

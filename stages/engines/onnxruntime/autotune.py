@@ -184,7 +184,7 @@ class Bench:
                 call()
             got = fetch()
             wrong = shape_error(self.refs[batch], got)
-            if wrong:  # a trial that did not run the shape it claims is never timed (issue 12)
+            if wrong:  # a trial that did not run the shape it claims is never timed
                 raise ShapeNotRun(f"ran another shape than batch {batch}: {wrong}")
             quality = agreement(self.refs[batch], got)
             times = self.timer(call, self.cfg.iterations)

@@ -204,8 +204,8 @@ def _write_engine(
     """FP16 conversion (``to_fp16``: asked for, and the graph is FP32), then ORT's offline optimization saved to
     ``dst``. Returns the conversion note and the offline level used.
 
-    An engine must take every shape its graph takes (issue 12: a BERT FP16 engine saved through the CUDA EP came
-    out with ``input_ids: [1, 128]``). If the CUDA EP's save fixed a dynamic axis, the engine is the graph as
+    An engine must take every shape its graph takes, and ORT's save through the CUDA EP can fix a dynamic axis.
+    If it did, the engine is the graph as
     converted, not optimized offline: the runner's session optimizes it at load ("all"), with the same result at
     run time and a slower load. (Not a save through the CPU EP, as ORT's maintainers suggest for CUDA-EP-saved
     models in microsoft/onnxruntime#2474: for an FP16 graph the CPU EP inserts Casts to FP32 around every op it has

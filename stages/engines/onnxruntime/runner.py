@@ -254,8 +254,8 @@ def pin_shapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> on
     """A copy of ``model`` whose inputs have these fixed shapes (ORT then folds the shape arithmetic).
 
     Only symbolic axes are pinned: overwriting an axis the model fixed (an engine built for batch 1 asked for 32)
-    would make a graph that claims one shape and computes another, and the autotuner once timed exactly that
-    (issue 12). Such a request is a :class:`BuildError`, as ORT itself would refuse the input."""
+    would make a graph that claims one shape and computes another, which a timing would then mislabel. Such a
+    request is a :class:`BuildError`, as ORT itself would refuse the input."""
     fixed = copy.deepcopy(model)
     for inp in fixed.graph.input:
         if inp.name not in shapes:

@@ -1,9 +1,9 @@
 """Running a TensorRT engine: where it can run, and a runner (``execute_async_v3``, torch device buffers,
 optional CUDA graph per input shape).
 
-Written against TensorRT's documented Python API. It cannot execute on the machine this was written on (no GPU),
-nor on the project's H200 with TensorRT-RTX (compute capability 9.0 is not among its targets); there
-:func:`can_execute` says so and validate reports the engine as not runnable instead of failing.
+Written against TensorRT's documented Python API. Where an engine cannot run (no GPU, TensorRT-RTX on a compute
+capability it does not support, another TensorRT version), :func:`can_execute` says why and validation reports the
+engine as not runnable instead of failing.
 """
 
 from __future__ import annotations

@@ -1,34 +1,20 @@
-"""PyTorch engines compiled by Inductor from the trained model itself (opt-in: ``build.backends: [..., torch]``):
-an AOTInductor package, or the exported program with Inductor's caches (the compiled flavour, below).
+"""Building torch engines: the trained model captured by ``torch.export``, then an AOTInductor package or the
+exported program with Inductor's caches (the compiled flavour).
 
-``torch.export`` captures the model with a dynamic batch axis, ``torch._inductor.aoti_compile_and_package``
-compiles it ahead of time into one ``model.pt2`` (Triton kernels on the GPU, C++ on the CPU), and the runner
-loads it with ``aoti_load_package``: no Python model code at serving time. On the GPU: FP16 weights, Inductor's
-max-autotune (it benchmarks Triton, cuBLAS and convolution choices per shape) and ``channels_last`` for
-convolutions, the settings under which Inductor beat cuDNN on ResNet-18 at batch 32 (issue 12). No INT8: the ONNX
-engines carry the calibrated INT8 graphs.
+The package (``torch._inductor.aoti_compile_and_package``) is one ``model.pt2`` the runner loads with
+``aoti_load_package``: no Python model code at serving time. It is tied to the torch that built it, and a loader
+that crashes would take a serving process with it, so the build loads and runs each package once in a child process
+(``build.torch.load_check``) before accepting it.
 
-Inputs and outputs keep the ONNX graph's signature and dtypes (the engine casts to FP16 inside), so validation,
-gates, serving and the Triton Python backend treat it like any other engine.
+The compiled flavour ships the exported program (``torch.export.save``) with the caches of compiling it at the
+engine's batch sizes (``torch.compiler.save_cache_artifacts``); loading the engine compiles it again from those
+caches (:mod:`.program`), so serving starts from the tuned kernels. It is what ``auto`` builds for FP16 GPU engines
+(whose linear-layer and convolution rewrites, :mod:`.gemm_epilogues` and :mod:`.conv_epilogues`, a package cannot
+hold) and where a package fails to compile or to load.
 
-A package is tied to the torch that built it (it links libtorch's ABI): the runner refuses another version. On the
-H200 host (torch 2.11.0+cu130) ``aoti_load_package`` segfaulted on every ResNet-18 package, also in a fresh process
-(issue 12, three sessions); the build therefore loads and runs the package once in a child process
-(``build.torch.load_check``), so such a package is reported instead of killing a serving process.
-
-Inductor's work then ships the other way (``build.torch.flavour: compiled``; what ``auto`` falls back to, and what it
-builds directly for FP16 GPU engines, whose default ``gemm_epilogues`` a package cannot hold): the
-exported program (``torch.export.save``) plus the caches of its compilation at the engine's batch sizes
-(``torch.compiler.save_cache_artifacts``). Loading the engine runs ``torch.compile`` on the loaded program with
-those caches in place (``torch.compiler.load_cache_artifacts``), so serving starts from the tuned kernels instead
-of autotuning again; no C++ package loader is involved. On the GPU its calls replay CUDA graphs captured per batch
-size (:class:`GraphReplays`, ``build.torch.cuda_graphs``): at batch 1 a ResNet-18 is a few dozen small kernels whose
-launches, not their work, set the latency. Graphs are static per batch size (as ``torch.compile``
-baselines are timed); a batch size not compiled at build time compiles on its first call, and servers pad batches
-to a few sizes (``Runner.per_shape_sessions``). ``build.torch.gemm_epilogues`` rewrites the loaded program's linear
-layers into cuBLASLt GEMMs with fused bias / GELU epilogues before compiling
-(:mod:`kiln.stages.engines.torch.gemm_epilogues`), ``build.torch.conv_epilogues`` its convolutions into cuDNN calls with
-BatchNorm folded in and bias, residual add and ReLU fused (:mod:`kiln.stages.engines.torch.conv_epilogues`).
+Inputs and outputs keep the ONNX graph's names, order and dtypes (the engine casts to FP16 inside), so validation,
+serving and Triton's Python backend treat it like any other engine. No INT8: the ONNX engines carry the calibrated
+INT8 graphs.
 """
 
 from __future__ import annotations
@@ -62,7 +48,7 @@ NO_MODEL_HINT = (
     "the torch backend compiles the trained PyTorch model: build it in a workdir (`kiln run`), or use "
     "--backend onnxruntime for an ONNX file"
 )
-# The child that loads a fresh package: a crash there (issue 12: a segfault in _load_aoti) must not be ours.
+# The child that loads a fresh package: a crash there (a segfault in the loader) must not be ours.
 _LOAD_CHECK = """
 import sys, torch
 from torch._inductor import aoti_load_package
@@ -175,10 +161,9 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     package_first = (
         req.settings.flavour != "compiled" and settings["gemm_epilogues"] == "off" and not settings["conv_epilogues"]
     )
-    # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13: errors of
-    # 0.02-0.03 on the zoo CNN, whose first convolution has one input channel and so degenerate channels_last
-    # strides; ResNet-18's were right): there the frozen weights keep their layout and Inductor picks the constants'
-    # own. The compiled flavour was right either way. The inputs are channels_last in every case.
+    # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13, a first
+    # convolution with one input channel): there the frozen weights keep their layout. The inputs are channels_last
+    # in every case.
     settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
     if settings["channels_last_weights"]:
         model = model.to(memory_format=torch.channels_last)

@@ -22,10 +22,8 @@ class TorchConfig(Section):
     coordinate_descent: AutoOnOff = Field(
         "auto",
         description="with max-autotune, Inductor's coordinate-descent tuning of each Triton kernel's block "
-        "sizes (on in torch.compile's max-autotune modes): auto = only for models with Conv2d. "
-        "On the H200 it left a BERT-base's LayerNorm kernels anywhere from 0.14 to 0.69 ms over "
-        "five builds (0.21 ms without, one build), and the build took 40.8 s, not 15.7 "
-        "(gpu_session10.md)",
+        "sizes (on in torch.compile's max-autotune modes): auto = only for models with Conv2d (on "
+        "transformers its choices varied from build to build and the build took longer)",
     )
     channels_last: AutoOnOff = Field(
         "auto",
@@ -48,11 +46,8 @@ class TorchConfig(Section):
     freezing: bool = Field(
         False,
         description="Inductor freezing: the weights become constants Inductor may fold and rearrange (the Q, K "
-        "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: "
-        "on the H200 it took a BERT-base from 0.811 / 2.555 to 0.660 / 2.462 ms (batch 1 / 32, "
-        "with cuBLAS GEMMs; gpu_session8.md) and one build took 155 s; on the CPU it sped up the "
-        "compiled flavour (ResNet-18 23.4 -> 17.6 ms at batch 1), not AOTInductor packages "
-        "(engine_bench_cpu_resnet18_freezing_*.md)",
+        "and V projections as one matrix multiply, BatchNorm into convolutions); off by default: its "
+        "gains depend on the model and it lengthens builds (benchmarks/README.md)",
     )
     gemm_epilogues: EpilogueMode = Field(
         "auto",
@@ -68,8 +63,7 @@ class TorchConfig(Section):
         description="the compiled flavour's 2-D convolutions with BatchNorm folded in and the bias, a residual "
         "add and the ReLU after them as one cuDNN call each (kiln.stages.engines.torch.conv_epilogues). "
         "auto: on for FP16 GPU engines (their flavour then is compiled), off for the others and "
-        "with flavour aotinductor. On the H200, ResNet-18 FP16 batch 1 / 32: 0.266 / 0.637 ms with "
-        "Inductor's kernels, 0.181 / 0.470 with these (conv_epilogue_probe_h200_s12.md)",
+        "with flavour aotinductor",
     )
     merge_linears: bool = Field(
         True,

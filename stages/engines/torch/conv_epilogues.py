@@ -1,31 +1,22 @@
 """Convolutions as one cuDNN call each: BatchNorm folded into the convolution before it, and the bias, a residual add
 and the ReLU after it done in cuDNN's fused epilogue (``build.torch.conv_epilogues``).
 
-Why: at batch 1 a ResNet is a few dozen small kernels, and Inductor runs each convolution (a cuDNN call or a Triton
-template) with its BatchNorm + ReLU (+ residual add) as a second, pointwise kernel. On the H200, torchvision's
-ResNet-18 in FP16 (``benchmarks/conv_epilogue_probe.py``, ``benchmarks/results/conv_epilogue_probe_h200_s12.md``, one
-process, each call one CUDA graph replay): Inductor max-autotune 0.266 / 0.637 ms at batch 1 / 32 (39 / 43 kernels);
-BatchNorm folded first, the same 0.267 / 0.655; folded and each convolution + bias (+ add) + ReLU as one cuDNN call,
-compiled around by Inductor, 0.181 / 0.470 ms (28 / 34 kernels). Top-1 agreement 1.0 with the FP32 model in each.
-
-Written here: neither Inductor nor torch.export has a setting for it. Folding BatchNorm alone (which Inductor's
-freezing also does) left as many kernels in the probe: a bias + ReLU (+ add) kernel still follows each convolution.
-The fused calls are ATen's own (``torch.cudnn_convolution_relu``, ``torch.cudnn_convolution_add_relu``: cuDNN's
-convolution with bias and activation); the folding is ``torch.nn.utils.fusion.fuse_conv_bn_weights``, computed in
-FP32. This module only finds the pattern in the exported program and wraps the two calls as custom ops
-(``kiln::conv_bias_relu``, ``kiln::conv_bias_add_relu``) that Inductor leaves to cuDNN while it compiles everything
-around them.
+At batch 1 a ResNet is a few dozen small kernels, and Inductor runs each convolution with its BatchNorm and ReLU (and
+residual add) as a second, pointwise kernel; folding BatchNorm alone (as Inductor's freezing does) leaves a bias +
+ReLU kernel after each convolution. Neither Inductor nor torch.export has a setting for the fused form, so it is
+written here: the fused calls are ATen's own (``torch.cudnn_convolution_relu``, ``torch.cudnn_convolution_add_relu``),
+the folding is ``torch.nn.utils.fusion.fuse_conv_bn_weights`` in FP32, and this module finds the pattern in the
+exported program and wraps the calls as custom ops (``kiln::conv_bias_relu``, ``kiln::conv_bias_add_relu``) that
+Inductor leaves to cuDNN while it compiles everything around them.
 
 The pattern, on torch.export's ATen graph, each intermediate value read only by the next step::
 
     aten.conv2d(x, w, b?) [-> aten.batch_norm(training=False)] [-> aten.add(_)(., z)] -> aten.relu(_)
 
 Every convolution followed by an inference BatchNorm is folded, also one without a ReLU after it (a ResNet's
-downsampling branch) and one with ``padding='same'`` (EfficientNet's), which the fused ops do not take. Under
-``auto`` a model that does not compile or run with the fused ops gets its engine without them
-(``conv_epilogues_failed``). A residual ``z`` must have the convolution's shape (no broadcasting), and an in-place
-add must write into the convolution's output, not into ``z``. On the CPU the ops compute the same thing unfused (the
-rewrite is tested there; ``auto`` never applies it there).
+downsampling branch) and one with ``padding='same'``, which the fused ops do not take. A residual ``z`` must have the
+convolution's shape, and an in-place add must write into the convolution's output. On the CPU the ops compute the
+same thing unfused (the rewrite is tested there; ``auto`` never applies it there).
 """
 
 from __future__ import annotations

@@ -1,36 +1,23 @@
 """Linear layers as cuBLASLt GEMMs with the bias (and GELU) in the GEMM's epilogue (``build.torch.gemm_epilogues``).
 
-Why: on the H200, BERT-base at batch 32 (``benchmarks/results/gpu_session8.md``), Inductor's Triton GEMMs took 1.29-1.58
-ms where cuBLAS's took 1.18 ms; but when Inductor is told to use cuBLAS (``max_autotune_gemm_backends=ATEN``) it copies
-the broadcast bias into every GEMM's output first (one copy kernel per GEMM, 0.61-0.64 ms in all) and runs the GEMM
-with beta = 1, and the GELU after the FFN's first GEMM stays a kernel of its own (0.21 ms). ATen's ``addmm`` with a
-1-D bias runs cuBLASLt with the bias added in the GEMM's epilogue, and ``torch._addmm_activation`` applies GELU there
-too; Inductor emits neither. This pass rewrites the exported program's ``aten.linear`` (and ``aten.linear`` whose only
-user is ``aten.gelu``) into two custom ops that call them. Inductor treats custom ops as opaque kernels: it compiles
-everything around them (layer norms, residual adds, attention) and leaves the GEMMs to cuBLASLt.
+Inductor neither puts a linear layer's bias nor a following GELU into the GEMM's epilogue: its own GEMMs add them
+as separate kernels, and on its cuBLAS path it first copies the broadcast bias into the output. ATen's ``addmm``
+with a 1-D bias runs cuBLASLt with the bias in the epilogue, and ``torch._addmm_activation`` applies GELU there
+too. This pass rewrites the exported program's ``aten.linear`` (and a linear whose only user is ``aten.gelu``) into
+custom ops that call them; Inductor compiles everything around those opaque ops. Written here because neither
+Inductor nor torch.export has a setting for it.
 
-Written here rather than taken from a library: neither Inductor nor torch.export has a setting for it (Inductor's
-``bias_addmm`` choice covers only some layouts, and never GELU).
+Numerics: ``torch._addmm_activation``'s GELU is the tanh approximation on the GPU and the exact GELU on the CPU.
+``bias_gelu`` fuses only the GELUs it computes as the model does; ``bias_any_gelu`` fuses every GELU, so on the GPU
+an exact GELU (BERT's) becomes the tanh one, at most 4.7e-4 apart; validation's gates judge the engine.
+cuBLASLt's epilogue applies to a contiguous 1-D bias and GEMMs of more than one row; elsewhere the same op is a
+GEMM plus the bias and GELU as kernels.
 
-Numerics: ``torch._addmm_activation``'s GELU is the tanh approximation on the GPU (cuBLASLt's GELU epilogue, and
-ATen's fallback where cuBLASLt is not used) and the exact GELU on the CPU. ``bias_gelu`` therefore fuses only the GELUs
-it computes as the model does (``approximate='tanh'`` on the GPU, the exact one on the CPU); ``bias_any_gelu`` fuses
-every GELU, so on the GPU an exact GELU (BERT's) becomes the tanh approximation: at most 4.7e-4 apart (absolute, near
-x = -2.7, where that is ~5% of the small negative output); validation's gates still judge the engine.
+Linears that read the same input (an attention layer's Q, K and V) are merged first (``merge_linears``,
+:func:`merge_parallel_linears`): one GEMM over their concatenated weights, its output split back into views.
 
-ATen uses cuBLASLt's epilogue only for a contiguous 1-D bias and GEMMs with more than one row (and not under
-``DISABLE_ADDMM_CUDA_LT=1``); elsewhere (a batch-1 pooler) the same op is a GEMM plus the bias and GELU as kernels.
-
-Linears with a bias that read the same input (an attention layer's Q, K and V projections) are merged first
-(``build.torch.merge_linears``, :func:`merge_parallel_linears`): one GEMM over their concatenated weights, its output
-split back into views. Inductor's freezing does the same for its own GEMMs (``freezing_patterns.py``), but it matches
-``aten.mm`` / ``aten.addmm``, not these custom ops, and only on frozen weights.
-
-``auto`` (the default) is ``bias_any_gelu`` for FP16 GPU engines, which with ``flavour: auto`` then are the compiled
-flavour (Hugging Face Optimum's FP16 GPU level for ONNX Runtime, O4, approximates GELU the same way): on the H200 it
-made BERT-base's engine the fastest measured (``benchmarks/results/gpu_session9.md``); validation's gates judge the
-engine as any other. It is ``off`` elsewhere: on the CPU each custom op is a Python call and the engine was slower with
-it, FP32 GPU engines have not been measured with it, and an AOTInductor package cannot hold the ops.
+``auto`` is ``bias_any_gelu`` for FP16 GPU engines (the compiled flavour, which can hold the custom ops) and ``off``
+elsewhere: on the CPU each custom op is a Python call. What it buys is measured in ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -153,8 +140,8 @@ def merge_parallel_linears(gm: fx.GraphModule, mode: str) -> int:
     whose output is split back (``aten.split_with_sizes``: views, no copies). Returns how many linears were merged;
     the caller lints and recompiles ``gm`` (:func:`fuse_linear_epilogues` does, once, after its own rewrite).
 
-    Why: BERT-base's Q, K and V projections at batch 32 are three 4096x768x768 GEMMs, each too small to fill the
-    H200; one 4096x768x2304 GEMM does the same work in one launch. Only linears whose weight and bias are the
+    Why: BERT-base's Q, K and V projections at batch 32 are three 4096x768x768 GEMMs, each too small to fill a large
+    GPU; one 4096x768x2304 GEMM does the same work in one launch. Only linears whose weight and bias are the
     program's own tensors (``get_attr``) of one dtype and device are merged, and not a linear the epilogue will fuse
     with its GELU (``mode``), which keeps its own op. The merged tensors replace the originals (freed when nothing
     else reads them), so the engine holds each weight once."""

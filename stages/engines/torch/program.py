@@ -112,11 +112,11 @@ def compile_program(
 class _Configured:
     """A lazily compiled program whose compilations run under a given Inductor config.
 
-    ``torch.compile(options=...)`` alone is not enough: those options never reached freezing (an H200 build with it
-    compiled no frozen constants; ``test_inductor_config_reaches_the_compilation``), so the config is also set around
-    the calls that compile: the first call of each input signature (shapes are static, so a new signature is what
-    compiles). Later calls skip the patch, which costs about 25 us per call on the CPU; a recompile they trigger
-    anyway (after ``torch.compiler.reset()``, say) still gets the settings ``options`` carries, not freezing."""
+    ``torch.compile(options=...)`` alone does not reach freezing (``test_inductor_config_reaches_the_compilation``),
+    so the config is also set around the calls that compile: the first call of each input signature (shapes are
+    static, so a new signature is what compiles). Later calls skip the patch, which costs host time per call; a
+    recompile they trigger anyway (after ``torch.compiler.reset()``, say) still gets the settings ``options``
+    carries, not freezing."""
 
     def __init__(self, run: Any, options: dict[str, Any]) -> None:
         import torch._inductor.config
@@ -143,10 +143,8 @@ class GraphReplays:
     """Calls of a compiled program as CUDA graphs, one per input shape, captured on the shape's first call.
 
     Why not torch.compile's own CUDA graphs (cudagraph trees, mode ``max-autotune``): every call of those still
-    runs Dynamo's guards and the trees' Python book-keeping before the replay, and CUDA events around a call count
-    that host time as latency: on the H200 at ResNet-18 batch 32 the engine timed 0.867 ms against torch.compile
-    channels_last's 0.784 ms with the same kernels (0.637 vs 0.631 ms of kernel time; ``benchmarks/engine_bench.py
-    --profile``, ``engine_bench_h200_s6_profile_resnet18.md``). Here a call copies its inputs into the graph's input
+    runs Dynamo's guards and the trees' Python book-keeping before the replay, host time a caller waits for with
+    the same kernels. Here a call copies its inputs into the graph's input
     tensors (:meth:`copy_inputs`), replays, and copies the outputs out of the graph's memory, which the next
     replay overwrites, so a caller may keep them. The compiled program runs three times on a side stream before a
     capture (compilation, autotuning and cuDNN's algorithm search happen outside it, as torch.cuda.graphs asks)."""

@@ -5,21 +5,22 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kiln.core.errors import ConfigError
 from kiln.core.records import PrecisionVariant, Variants
-from kiln.core.stage import StageContext
 from kiln.pipeline.config import config_from_dict
 from kiln.stages.engines import stage
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.tensorrt.lib import import_tensorrt
+from tests.conftest import stage_context
 
 HAS_TRT = import_tensorrt() is not None
 
 
-def _ctx(tmp_path: Path, zoo, build: dict) -> StageContext:
+def _ctx(tmp_path: Path, zoo, build: dict) -> Any:
     precision_dir = tmp_path / "precision"
     variants = {}
     for p in ("fp32", "fp16", "int8"):
@@ -29,7 +30,7 @@ def _ctx(tmp_path: Path, zoo, build: dict) -> StageContext:
     Variants(variants=variants).write(precision_dir / "variants.json")
     cfg = config_from_dict({"build": build, "validate": {"batch_sizes": [1, 8]}})
     (tmp_path / "out").mkdir()
-    return StageContext(
+    return stage_context(
         "build", cfg, tmp_path, tmp_path / "out", {"precision": precision_dir}, log=logging.getLogger("test")
     )
 
@@ -38,11 +39,11 @@ def _ctx(tmp_path: Path, zoo, build: dict) -> StageContext:
 def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, zoo, {"backends": ["onnxruntime", "tensorrt"]})
     result = stage.run(ctx)
-    names = sorted(e["name"] for e in result["engines"])
+    names = sorted(e.name for e in result.engines)
     assert names == sorted(
         [f"onnxruntime-cpu-{p}" for p in ("fp32", "fp16", "int8")] + [f"tensorrt-{p}" for p in ("fp32", "fp16", "int8")]
     )
-    assert result["skipped"] == []
+    assert result.skipped == []
     for name in names:
         meta = read_metadata(ctx.out / name)
         assert (ctx.out / name / SIDECAR).is_file() and meta.name == name
@@ -61,7 +62,7 @@ def test_run_builds_every_engine(zoo, tmp_path: Path) -> None:
 def test_run_onnxruntime_only(zoo, tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, zoo, {"backends": ["onnxruntime"], "onnxruntime": {"fp16_source": "precision_graph"}})
     result = stage.run(ctx)
-    assert [e["name"] for e in result["engines"]] == [
+    assert [e.name for e in result.engines] == [
         "onnxruntime-cpu-fp32",
         "onnxruntime-cpu-fp16",
         "onnxruntime-cpu-int8",

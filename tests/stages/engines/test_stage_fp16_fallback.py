@@ -12,7 +12,6 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.onnx_io import load_onnx
 from kiln.core.records import PrecisionVariant, Variants
-from kiln.core.stage import StageContext
 from kiln.pipeline.config import config_from_dict
 from kiln.stages.engines import stage
 from kiln.stages.engines.backend import read_metadata
@@ -20,6 +19,7 @@ from kiln.stages.export import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.stage import variant_record
 from kiln.stages.precision.variants import Source, build_fp16
+from tests.conftest import stage_context
 from tests.user_models import BagModel
 
 
@@ -38,8 +38,8 @@ def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     cfg = config_from_dict({"build": {"backends": ["onnxruntime"]}, "validate": {"batch_sizes": [1, 8]}})
     assert cfg.build.onnxruntime.fp16_source == "fp32_graph"  # the default: ORT converts the FP32 graph itself
     (tmp_path / "out").mkdir()
-    ctx = StageContext("build", cfg, tmp_path, tmp_path / "out", {"precision": root}, log=logging.getLogger("t"))
+    ctx = stage_context("build", cfg, tmp_path, tmp_path / "out", {"precision": root}, log=logging.getLogger("t"))
     result = stage.run(ctx)  # before: ORT's converter cast a sequence to FP16 and the stage failed
-    assert [e["name"] for e in result["engines"]] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16"]
+    assert [e.name for e in result.engines] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16"]
     meta16, meta32 = (read_metadata(ctx.out / n) for n in ("onnxruntime-cpu-fp16", "onnxruntime-cpu-fp32"))
     assert meta16.source.sha256 != meta32.source.sha256  # built from the precision stage's graph

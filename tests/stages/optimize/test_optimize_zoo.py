@@ -8,7 +8,6 @@ import onnx
 import pytest
 import torch
 
-from kiln.core.stage import StageContext
 from kiln.models.registry import build_model
 from kiln.pipeline.config import KilnConfig
 from kiln.stages.export import export_onnx
@@ -16,6 +15,7 @@ from kiln.stages.optimize import stage
 from kiln.stages.optimize.api import optimize_file, optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import run_ort
+from tests.conftest import stage_context
 from tests.stages.optimize.optimize_helpers import trt_build
 
 EXAMPLES = {
@@ -93,10 +93,10 @@ def test_stage_run_reads_export_and_writes_model(zoo, tmp_path):
     onnx.save(onnx.load(str(zoo["cnn"][1])), str(exp / "model.onnx"))
     out = tmp_path / "optimize"
     out.mkdir()
-    ctx = StageContext("optimize", KilnConfig(), tmp_path, out, {"export": exp})
+    ctx = stage_context("optimize", KilnConfig(), tmp_path, out, {"export": exp})
     summary = stage.run(ctx)
-    assert (out / "model.onnx").is_file() and summary["nodes_after"] < summary["nodes_before"]
-    assert {"name", "nodes_before", "nodes_after", "ops_delta", "seconds", "rolled_back"} <= set(summary["passes"][0])
+    assert (out / "model.onnx").is_file() and summary.nodes_after < summary.nodes_before
+    assert {"name", "nodes_before", "nodes_after", "ops_delta", "seconds", "rolled_back"} <= set(summary.passes[0])
     import json
 
-    json.dumps(summary)
+    json.dumps(summary.model_dump(mode="json"))  # what the manifest holds

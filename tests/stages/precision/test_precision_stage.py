@@ -6,7 +6,6 @@ tests do not depend on the other stages' state.
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -16,13 +15,12 @@ import torch
 from kiln.calibration.ranges import STATS
 from kiln.core.errors import ModelError
 from kiln.core.records import Variants
-from kiln.core.stage import StageContext
 from kiln.models import build_model
-from kiln.models.model_io import dataset_for
 from kiln.pipeline.config import config_from_dict
+from kiln.pipeline.runner import load_dataset
 from kiln.stages.export import export_onnx
 from kiln.stages.precision.stage import run
-from tests.conftest import tiny_config_dict
+from tests.conftest import stage_context, tiny_config_dict
 
 TRANSFORMER = {"model.name": "transformer", "model.params": {"dim": 16, "heads": 2, "layers": 1}}
 
@@ -39,12 +37,11 @@ def _run(workdir: Path, optimize_dir: Path, out: str = "precision", **overrides)
     cfg = config_from_dict(
         tiny_config_dict(**{**TRANSFORMER, "precision.variants": ["fp32", "fp16", "int8"], **overrides})
     )
-    ctx = StageContext(
-        "precision", cfg, workdir, workdir / out, {"optimize": optimize_dir}, load_dataset=partial(dataset_for, cfg)
+    ctx = stage_context(
+        "precision", cfg, workdir, workdir / out, {"optimize": optimize_dir}, load_dataset=partial(load_dataset, cfg)
     )
     ctx.out.mkdir(parents=True)
-    summary = run(ctx)
-    json.dumps(summary)  # the runner stores it as JSON
+    summary = run(ctx).model_dump(mode="json")  # what the runner stores
     return Variants.read(ctx.out / "variants.json", hint="").variants, summary
 
 
@@ -148,10 +145,12 @@ def test_a_fallback_through_a_graph_with_scalar_tensors(tmp_path: Path, exported
 @pytest.mark.parametrize("setting", ["on", "off"])
 def test_seven_bit_weights_are_reported(tmp_path: Path, exported: Path, setting: str) -> None:
     from kiln.stages.precision.report import report_section
+    from kiln.stages.precision.stage import PrecisionSummary
 
     variants, summary = _run(
         tmp_path, exported, **{"precision.variants": ["fp32", "int8"], "calibration.reduce_range": setting}
     )
     assert variants["int8"].report["calibration"]["reduce_range"] is (setting == "on")
     assert variants["int8"].report["ort_cpu"]["reduce_range"] is (setting == "on")
-    assert ("quantized to 7 bits" in "\n".join(report_section(summary))) is (setting == "on")
+    section = "\n".join(report_section(PrecisionSummary.model_validate(summary)))
+    assert ("quantized to 7 bits" in section) is (setting == "on")

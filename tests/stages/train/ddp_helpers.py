@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from kiln.models.model_io import dataset_for
 from kiln.pipeline.config import KilnConfig
+from kiln.pipeline.runner import load_dataset, settings_for
+from kiln.pipeline.stage_list import stage_named
 from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.stage import train_to
 
@@ -38,8 +39,14 @@ def train_one_and_two(tmp_path: Path, config: Callable[[int], KilnConfig]) -> On
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    single = train_to(one, config(1), dataset_for(config(1)), tmp_path / "ck1")
-    multi = run_torchrun(config(2), two, tmp_path / "ck2", LOG)
+    train = stage_named("train")
+    single = train_to(one, settings_for(train, config(1)), load_dataset(config(1)), tmp_path / "ck1")
+    multi = run_torchrun(settings_for(train, config(2)), two, tmp_path / "ck2", LOG)
     return OneVsTwo(
-        single, multi, one, two, load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+        single.model_dump(),
+        multi,
+        one,
+        two,
+        load_file(str(one / "model.safetensors")),
+        load_file(str(two / "model.safetensors")),
     )

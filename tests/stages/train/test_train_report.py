@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kiln.stages.train.report import report_section
+from kiln.stages.train.stage import TrainSummary
 
 
 def _train(compile_summary: dict | None) -> str:
@@ -15,7 +16,7 @@ def _train(compile_summary: dict | None) -> str:
         "files": [],
         "compile": compile_summary,
     }
-    return "\n".join(report_section(summary))
+    return "\n".join(report_section(TrainSummary.model_validate(summary)))
 
 
 def test_training_section_reports_compile_counts_or_fallback() -> None:
@@ -32,12 +33,22 @@ def test_training_section_reports_compile_counts_or_fallback() -> None:
 
 def test_training_section_says_whether_the_update_ran_as_a_cuda_graph() -> None:
     summary = {"precision": "fp16", "device": "cuda", "steps": 23, "final_loss": 0.5, "val_accuracy": 0.9, "files": []}
-    assert "CUDA graph" not in "\n".join(report_section({**summary, "update_graph": None}))
+    assert "CUDA graph" not in "\n".join(report_section(TrainSummary.model_validate({**summary, "update_graph": None})))
     graphed = {"captured": True, "from_step": 4, "captures": 1, "eager_steps_after_capture": 0, "failure": None}
     assert "; the update after the backward pass ran as one CUDA graph from step 4." in "\n".join(
-        report_section({**summary, "update_graph": graphed})
+        report_section(TrainSummary.model_validate({**summary, "update_graph": graphed}))
     )
     failed = {**graphed, "captured": False, "failure": "operation not permitted when stream is capturing"}
     assert "; the update ran without a CUDA graph (operation not permitted when stream is capturing)." in "\n".join(
-        report_section({**summary, "update_graph": failed})
+        report_section(TrainSummary.model_validate({**summary, "update_graph": failed}))
     )
+
+
+def test_training_off_says_so_and_where_the_weights_came_from() -> None:
+    skipped = TrainSummary(status="skipped", source="weights.safetensors", val_accuracy=0.75)
+    assert report_section(skipped) == [
+        "",
+        "## Training",
+        "",
+        "Training off: the weights are weights.safetensors; validation accuracy 0.7500.",
+    ]

@@ -34,7 +34,7 @@ def test_stage_writes_weights_plot_and_per_epoch_metrics(tmp_path: Path) -> None
         assert m["loss_scale"] is None  # bf16 needs no scaler
     assert s["val_accuracy"] == s["epochs"][-1]["val_accuracy"]
     json.dumps(s)  # JSON-able (it also went through the manifest)
-    model = load_trained(out, config_from_dict(tiny_config_dict()))
+    model = load_trained(out, config_from_dict(tiny_config_dict()).model)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert Path(s["checkpoint_dir"], "last.pt").is_file()
 
@@ -81,11 +81,12 @@ def test_skipped_training(tmp_path: Path, how: str) -> None:
         over = {"model.checkpoint": str(ck)}
     cfg = config_from_dict(tiny_config_dict(**over))
     rec = Runner(cfg, tmp_path / "wd", STAGES).run(stop="train").records[0]
-    assert rec.status == "skipped" and 0.0 <= rec.summary["val_accuracy"] <= 1.0
+    assert rec.status == "skipped" and 0.0 <= rec.summary.val_accuracy <= 1.0
 
 
 def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
-    from kiln.models.model_io import dataset_for
+    from kiln.pipeline.runner import load_dataset, settings_for
+    from kiln.pipeline.stage_list import stage_named
     from kiln.stages.train.checkpoint import run_key
     from kiln.stages.train.loop import train
     from kiln.stages.train.stage import build_seeded
@@ -97,7 +98,8 @@ def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: 
         "train.batch_size": 64,
     }
     cfg = config_from_dict(tiny_config_dict(**over))
-    key = run_key(cfg.dump())
+    settings = settings_for(stage_named("train"), cfg)
+    key = run_key(settings.dump())
     ck = tmp_path / "crashed" / "cache" / "train" / key
 
     def crash(step: int) -> None:
@@ -105,7 +107,8 @@ def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: 
             raise KeyboardInterrupt  # what Ctrl-C mid-epoch looks like to the loop
 
     with pytest.raises(KeyboardInterrupt):
-        train(build_seeded(cfg), dataset_for(cfg), cfg.train, seed=cfg.seed, ckpt_dir=ck, run_key=key, on_step=crash)
+        model, data = build_seeded(settings), load_dataset(cfg)
+        train(model, data, cfg.train, seed=cfg.seed, ckpt_dir=ck, run_key=key, on_step=crash)
     resumed, out = _run(tmp_path / "crashed", **over)
     fresh, ref = _run(tmp_path / "fresh", **over)
     assert resumed["summary"]["resumed_from"] == str(ck / "last.pt")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.core.labels import IGNORE_LABEL
-from kiln.core.records import Baseline, EngineValidation, Percentiles
+from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
 from kiln.stages.validate.baselines import measure, speedups
 from kiln.stages.validate.config import ValidateConfig
@@ -93,6 +93,23 @@ def test_latency_budget_gate() -> None:
     assert any("p50 latency" in f for f in check_gates(entry(), 0.95, gates_for(cfg, "fp32"), 8))
 
 
+def torch_engine(builder_settings: dict) -> EngineMetadata:
+    """A GPU torch engine built with these settings: the torch backend's hints read them."""
+    return EngineMetadata(
+        name="torch-cuda-fp16",
+        backend="torch",
+        device="cuda",
+        precision="fp16",
+        inputs=[],
+        outputs=[],
+        source={"file": "m.onnx", "sha256": "0"},
+        files={"program": "program.pt2"},
+        flavour="compiled",
+        versions={},
+        builder_settings=builder_settings,
+    )
+
+
 def test_an_approximated_gelu_is_named_when_an_accuracy_gate_fails() -> None:
     """A GPU torch engine with GELUs in cuBLASLt's (tanh) epilogue: named as what to try, not for a latency miss."""
     built = {"gemm_epilogues": "bias_any_gelu", "gemm_epilogue_layers": {"linear_bias": 4, "linear_bias_gelu": 2}}
@@ -100,9 +117,9 @@ def test_an_approximated_gelu_is_named_when_an_accuracy_gate_fails() -> None:
     accuracy_miss = check_gates(entry(cosine=0.99), 0.95, gates_for(cfg, "fp16"), 8)
     latency_miss = check_gates(entry(), 0.95, gates_for(cfg, "fp16"), 8)
     assert latency_miss and all(f.startswith("p50 latency") for f in latency_miss)
-    assert [h for h in engine_hints(built, "cuda", accuracy_miss) if "2 GELU layer(s)" in h]
-    assert engine_hints(built, "cuda", latency_miss) == [] and engine_hints(built, "cuda", []) == []
-    assert engine_hints({}, "cuda", accuracy_miss) == []  # built without the approximation: nothing to say
+    assert [h for h in engine_hints(torch_engine(built), accuracy_miss) if "2 GELU layer(s)" in h]
+    assert engine_hints(torch_engine(built), latency_miss) == [] and engine_hints(torch_engine(built), []) == []
+    assert engine_hints(torch_engine({}), accuracy_miss) == []  # built without the approximation: nothing to say
 
 
 def test_folded_and_fused_convolutions_are_named_when_an_accuracy_gate_fails() -> None:
@@ -112,13 +129,14 @@ def test_folded_and_fused_convolutions_are_named_when_an_accuracy_gate_fails() -
     }
     cfg = ValidateConfig()
     accuracy_miss = check_gates(entry(cosine=0.99), 0.95, gates_for(cfg, "fp16"), 8)
-    (hint,) = engine_hints(built, "cuda", accuracy_miss)
+    (hint,) = engine_hints(torch_engine(built), accuracy_miss)
     assert "20 BatchNorm(s)" in hint and "17 convolution(s)" in hint and "conv_epilogues: off" in hint
     failed = {"conv_epilogues": False, "conv_epilogues_failed": "RuntimeError: x"}  # built without them after all
-    assert engine_hints(failed, "cuda", accuracy_miss) == []
+    assert engine_hints(torch_engine(failed), accuracy_miss) == []
     assert (
         engine_hints(
-            {**built, "conv_epilogue_layers": dict.fromkeys(built["conv_epilogue_layers"], 0)}, "cuda", accuracy_miss
+            torch_engine({**built, "conv_epilogue_layers": dict.fromkeys(built["conv_epilogue_layers"], 0)}),
+            accuracy_miss,
         )
         == []
     )  # nothing was rewritten: nothing to say
