@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+MIN_TIMED = 3  # calls timed whatever the budget: a median needs a few
 
-def time_calls(fn: Any, iterations: int, cuda: bool | None = None) -> list[float]:
+
+def time_calls(fn: Any, iterations: int, cuda: bool | None = None, budget_s: float | None = None) -> list[float]:
     """ms per call: CUDA events around each call when ``cuda`` (default: when torch sees a GPU; ``fn`` runs its
     work on the current stream or synchronizes, so they bracket it), else wall clock (CPU sessions and
-    ``run_with_iobinding`` return only when the work is done)."""
+    ``run_with_iobinding`` return only when the work is done). ``budget_s``: stop after that many seconds once
+    :data:`MIN_TIMED` calls are timed (a large batch on a slow device times fewer calls, not for minutes)."""
     if cuda is None:
         try:
             import torch
@@ -19,8 +22,11 @@ def time_calls(fn: Any, iterations: int, cuda: bool | None = None) -> list[float
             cuda = False
     if cuda:
         import torch
-    times = []
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s if budget_s is not None else float("inf")
     for _ in range(iterations):
+        if len(times) >= MIN_TIMED and time.perf_counter() > deadline:
+            break
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -1,4 +1,7 @@
-"""``kiln``: thin click commands over :mod:`kiln.pipeline.api`. No logic lives here beyond parsing and printing."""
+"""``kiln``: thin click commands over :mod:`kiln.pipeline.api`. No logic lives here beyond parsing and printing.
+
+A command imports what it runs when it runs (the pipeline, a stage's direct mode, the server): ``kiln --help``,
+``kiln config`` and a config's error load neither torch nor ONNX (``tests/kiln/test_cli_imports.py``)."""
 
 from __future__ import annotations
 
@@ -18,26 +21,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
-from kiln.core.progress import RichProgress, SilentProgress
-from kiln.pipeline.api import run_pipeline
 from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
-from kiln.pipeline.report import fmt as _fmt
-from kiln.pipeline.report import result_line, seconds_cell, validation_of
-from kiln.pipeline.runner import settings_for
-from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
-from kiln.serve.loadtest import loadtest as run_loadtest
-from kiln.serve.loadtest import render_markdown
-from kiln.serve.server import iter_urls
-from kiln.serve.server import serve as serve_engines
-from kiln.stages.engines.registry import BACKENDS, runnable
-from kiln.stages.engines.stage import build_direct
-from kiln.stages.export import export_direct
-from kiln.stages.optimize.api import optimize_file
-from kiln.stages.optimize.registry import PASSES
-from kiln.stages.precision.direct import precision_direct
-from kiln.stages.validate.direct import validate_direct
+from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
+from kiln.stages.engines.registry import BACKENDS
+from kiln.stages.optimize.catalog import available as available_passes
 
-console = Console(stderr=True)
+console = Console(stderr=True)  # logs, progress, errors
+results = Console()  # what a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it)
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
 
 
@@ -121,10 +111,11 @@ class _ThirdParty(logging.Filter):
         self.level = level
 
 
-def _setup_logging(quiet: bool, verbose: bool) -> None:
+def _setup_logging(quiet: bool, verbose: int) -> None:
     """Kiln's log lines, and the libraries' (warnings.warn and their loggers), through one handler: nothing
-    raw on stderr, and known noise demoted to debug."""
-    level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
+    raw on stderr, and known noise demoted to debug. Warnings and errors by default (the progress bars and the
+    answer say the rest); ``-v`` each stage's log lines, ``-vv`` debug logging, the libraries' included."""
+    level = logging.WARNING if quiet or not verbose else (logging.INFO if verbose == 1 else logging.DEBUG)
     handler = RichHandler(console=console, show_path=False, show_time=False, markup=False)
     handler.addFilter(_ThirdParty(level))
     logger = logging.getLogger("kiln")
@@ -135,7 +126,7 @@ def _setup_logging(quiet: bool, verbose: bool) -> None:
     for name in THIRD_PARTY_LOGGERS:
         other = logging.getLogger(name)
         other.handlers[:] = [handler]
-        other.setLevel(logging.DEBUG if verbose else logging.WARNING)
+        other.setLevel(logging.DEBUG if verbose > 1 else logging.WARNING)
         other.propagate = False
     # Every other library's warnings reach the root logger. It gets the same handler (replacing one an earlier
     # call added; a test runner's own handlers stay): without one, the first module-level logging.warning() (ONNX
@@ -205,7 +196,11 @@ SET = (
         "help": "override a config value, e.g. --set train.epochs=2 (repeatable)",
     },
 )
-QUIET = (("--quiet", "-q"), {"is_flag": True, "help": "only warnings and errors"})
+QUIET = (("--quiet", "-q"), {"is_flag": True, "help": "only warnings and errors: no progress, no summary"})
+VERBOSE = (
+    ("--verbose", "-v"),
+    {"count": True, "help": "more output: -v each stage's log lines, -vv debug logging (the libraries' too)"},
+)
 
 
 def _option(spec: tuple[tuple[str, ...], dict[str, Any]]) -> click.Option:
@@ -235,7 +230,7 @@ def _model_or_config(path: str | None, config: str | None) -> tuple[str | None, 
 workdir_opt = click.option(*WORKDIR[0], **WORKDIR[1])
 set_opt = click.option(*SET[0], **SET[1])
 quiet_opt = click.option(*QUIET[0], **QUIET[1])
-verbose_opt = click.option("--verbose", "-v", is_flag=True, help="debug logging")
+verbose_opt = click.option(*VERBOSE[0], **VERBOSE[1])
 
 
 @click.group(cls=KilnGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES)
@@ -250,44 +245,24 @@ def main() -> None:
 
 
 def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
+    """The run's answer on stdout, within 80 columns: each stage's status and time, each engine's accuracy against
+    the reference, then its latency at the largest batch size."""
+    from kiln.pipeline.report import fmt as _fmt
+    from kiln.pipeline.report import result_line, seconds_cell, validation_of
+
     table = Table(title="Kiln run", show_edge=False)
     for col in ("stage", "status", "seconds"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     stages = report.get("stages", {})
     for r in result.records:
         style = STATUS_STYLE.get(r.status, "")
         seconds = seconds_cell(stages[r.name]) if r.name in stages else f"{r.seconds:.2f}"
         table.add_row(r.name, f"[{style}]{r.status}[/]", seconds)
-    console.print(table)
+    results.print(table)
     v = validation_of(report)
     if v:
-        et = Table(title="Engines vs PyTorch", show_edge=False)
-        largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
-        labels = [f"pytorch {b.label}" for b in v.baselines or [v.baseline]]
-        # engine names never wrap (three ONNX Runtime rows folded at 80 columns all read `onnxrunt...`)
-        et.add_column(
-            "engine", no_wrap=True, min_width=max([len(x) for x in labels] + [len(e.name) + 9 for e in v.engines])
-        )
-        for col in ("passed", "cosine", "top-1", "acc.", "p50 ms", "speedup"):  # fits 80 columns
-            et.add_column(col, no_wrap=True)
-        for label, b in zip(labels, v.baselines or [v.baseline]):
-            lat = b.latency_ms.get(largest)
-            et.add_row(label, "", "", "", _fmt(b.accuracy), f"{lat.p50:.3f}" if lat else "-", "1.00")
-        for e in v.engines:
-            if e.status != "validated":
-                et.add_row(e.name, "[yellow]not run[/]", "", "", "", "", "")
-                continue
-            speed = e.speedup_vs_baseline.get(largest)
-            et.add_row(
-                e.name + (" [bold](chosen)[/]" if v.chosen.get(largest) == e.name else ""),
-                "[green]yes[/]" if e.passed else "[bold red]no[/]",
-                _fmt(e.cosine, ".6f"),
-                _fmt(e.top1_agreement),
-                _fmt(e.accuracy),
-                f"{e.latency_ms[largest].p50:.3f}",
-                f"{speed:.2f}x vs {e.device}" if speed else "-",
-            )
-        console.print(et)
+        results.print(_accuracy_table(v, _fmt))
+        results.print(_latency_table(v))
         for e in v.engines:
             if e.status != "validated":
                 console.print(
@@ -309,11 +284,45 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
             f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
             soft_wrap=True,
         )
-    console.print(f"result: {escape(result_line(report))}", highlight=False, soft_wrap=True)
-    console.print(f"report: {workdir / 'report.md'}")
+    results.print(f"result: {escape(result_line(report))}", highlight=False, soft_wrap=True)
+    results.print(f"report: {workdir / 'report.md'}", highlight=False, soft_wrap=True)
+
+
+def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:
+    table = Table(title="Accuracy against the reference", show_edge=False)
+    for col in ("engine", "passed", "cosine", "top-1", "accuracy"):
+        table.add_column(col, no_wrap=True)
+    table.add_row("reference", "", "", "", fmt(v.baseline.accuracy))
+    for e in v.engines:
+        if e.status != "validated":
+            table.add_row(e.name, "[yellow]not run[/]", "", "", "")
+            continue
+        passed = "[green]yes[/]" if e.passed else "[bold red]no[/]"
+        table.add_row(e.name, passed, fmt(e.cosine, ".6f"), fmt(e.top1_agreement), fmt(e.accuracy))
+    return table
+
+
+def _latency_table(v: Any) -> Table:
+    largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
+    table = Table(title=f"Latency at batch {largest}", show_edge=False)
+    for col in ("engine", "p50 ms", "speedup", ""):
+        table.add_column(col, no_wrap=True)
+    for b in v.baselines or [v.baseline]:
+        lat = b.latency_ms.get(largest)
+        table.add_row(f"pytorch {b.label}", f"{lat.p50:.3f}" if lat else "-", "1.00", "")
+    for e in v.engines:
+        if e.status == "validated" and largest in e.latency_ms:
+            speed = e.speedup_vs_baseline.get(largest)
+            chosen = "[bold]chosen[/]" if v.chosen.get(largest) == e.name else ""
+            speedup = f"{speed:.2f}x vs {e.device}" if speed else "-"
+            table.add_row(e.name, f"{e.latency_ms[largest].p50:.3f}", speedup, chosen)
+    return table
 
 
 def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
+    from kiln.core.progress import RichProgress, SilentProgress
+    from kiln.pipeline.api import run_pipeline
+
     progress = SilentProgress() if quiet else RichProgress(console)
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
     if not quiet:
@@ -350,7 +359,7 @@ def run(
     start: str | None,
     stop: str | None,
     quiet: bool,
-    verbose: bool,
+    verbose: int,
 ) -> None:
     """Run the whole pipeline. Without CONFIG: the built-in demo (a CNN on scikit-learn's digits)."""
     _setup_logging(quiet, verbose)
@@ -407,10 +416,12 @@ def stage_command(name: str, help: str, direct: Direct | None = None) -> click.C
     head = list(direct.params) if direct else []
     if direct is None or direct.file is None:
         head.insert(0, click.Argument(["config"], required=False, type=click.Path(dir_okay=False)))
-    params = [*head, *map(_option, (CONFIG, WORKDIR, SET, QUIET))]
+    params = [*head, *map(_option, (CONFIG, WORKDIR, SET, QUIET, VERBOSE))]
 
-    def callback(workdir: str, sets: tuple[str, ...], quiet: bool, config_option: str | None, **values: Any) -> None:
-        _setup_logging(quiet, False)
+    def callback(
+        workdir: str, sets: tuple[str, ...], quiet: bool, verbose: int, config_option: str | None, **values: Any
+    ) -> None:
+        _setup_logging(quiet, verbose)
         if direct is not None and direct.file is not None:
             file, config = _model_or_config(values.pop(direct.file), config_option)
         else:
@@ -434,22 +445,28 @@ def _export_direct(
     input_shape: str | None,
     output: str | None,
 ) -> None:
+    from kiln.pipeline.runner import settings_for
+    from kiln.stages.export.stage import export_direct
+
     cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
     summary = export_direct(
         settings_for(stage_named("export"), cfg), checkpoint, input_shape, Path(output or "model.onnx")
     )
-    console.print(
-        f"wrote {summary['path']} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})"
+    results.print(
+        f"wrote {summary['path']} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})",
+        highlight=False,
     )
 
 
 def _optimize_direct(
     file: str, config: str | None, sets: tuple[str, ...], output: str | None, passes: str | None
 ) -> None:
+    from kiln.stages.optimize.api import optimize_file
+
     cfg = _config(config, sets + _passes(passes))
     dst = Path(output or Path(file).with_suffix(".opt.onnx"))
     summary = optimize_file(Path(file), dst, cfg.optimize)
-    console.print(f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes")
+    results.print(f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes", highlight=False)
 
 
 def _passes(passes: str | None) -> tuple[str, ...]:
@@ -469,12 +486,15 @@ def _precision_direct(
     unknown = sorted(set(wanted) - set(PRECISIONS))
     if unknown:
         raise ConfigError(f"--variants names unknown precisions {unknown}", hint=f"use {', '.join(PRECISIONS)}")
+    from kiln.pipeline.runner import settings_for
+    from kiln.stages.precision.direct import precision_direct
+
     out = Path(output or Path(file).with_suffix(""))
     settings = settings_for(stage_named("precision"), cfg)
     summary = precision_direct(Path(file), out, wanted, Path(calibration) if calibration else None, settings)
     for name, v in summary["variants"].items():
-        console.print(f"{name}: {v['path']} ({v['kept_fp32']} nodes kept FP32)")
-    console.print(f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}")
+        results.print(f"{name}: {v['path']} ({v['kept_fp32']} nodes kept FP32)", highlight=False)
+    results.print(f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False)
 
 
 def _build_direct(
@@ -483,9 +503,12 @@ def _build_direct(
     sets: tuple[str, ...],
     backend: str,
     device: str | None,
-    precision_: str,
+    precision_: str | None,
     output: str | None,
 ) -> None:
+    from kiln.stages.engines.registry import runnable
+    from kiln.stages.engines.stage import build_direct
+
     cfg = _config(config, sets)
     meta = build_direct(Path(file), Path(output or "engine"), backend, device, precision_, cfg.build)
     console.print(
@@ -512,10 +535,13 @@ def _validate_direct(
 ) -> None:
     if reference is None:
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
+    from kiln.pipeline.runner import settings_for
+    from kiln.stages.validate.direct import validate_direct
+
     cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
     settings = settings_for(stage_named("validate"), cfg)
     result = validate_direct(Path(file), Path(reference), Path(inputs) if inputs else None, settings)
-    console.print_json(result.model_dump_json(exclude_none=True))
+    click.echo(result.model_dump_json(exclude_none=True, indent=2))  # plain JSON on stdout: `> v.json` keeps it
     if not result.passed:
         raise GateFailure(
             f"engine {result.name} failed its gates: {'; '.join(result.failures)}",
@@ -559,7 +585,7 @@ DIRECT = {
             click.Option(
                 ["--passes"],
                 metavar="P1,P2,...",
-                help=f"comma-separated pass list (default: the config's); passes: {', '.join(sorted(PASSES))}",
+                help=f"comma-separated pass list (default: the config's); passes: {', '.join(available_passes())}",
             ),
         ),
         _optimize_direct,
@@ -590,7 +616,7 @@ DIRECT = {
     ),
     "build": Direct(
         (
-            _file("model"),
+            _file("model", folder=True),
             click.Option(
                 ["--backend"],
                 type=click.Choice(sorted(BACKENDS)),
@@ -607,9 +633,9 @@ DIRECT = {
             ),
             click.Option(
                 ["--precision", "precision_"],
-                default="fp32",
-                show_default=True,
-                help="label of the graph's precision (precision lives in the graph: see `kiln precision`)",
+                default=None,
+                help="label of the graph's precision (precision lives in the graph: see `kiln precision`) "
+                "[default: the variant's, for a folder or graph of `kiln precision`; else fp32]",
             ),
             click.Option(
                 ["-o", "--output"],
@@ -652,8 +678,8 @@ DIRECT_HELP = {
     "validate": "Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference (ENGINE may "
     "also be the run config: `kiln validate kiln.yaml`).",
 }
-for _stage in STAGES:
-    main.add_command(stage_command(_stage.name, {**STAGE_HELP, **DIRECT_HELP}[_stage.name], DIRECT.get(_stage.name)))
+for _name in STAGE_NAMES:
+    main.add_command(stage_command(_name, {**STAGE_HELP, **DIRECT_HELP}[_name], DIRECT.get(_name)))
 
 
 @main.command()
@@ -685,12 +711,14 @@ def serve(
     path: str, http_port: int, grpc_port: int, metrics_port: int, max_batch: int, max_queue_delay_us: int, address: str
 ) -> None:
     """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM."""
+    from kiln.serve.server import iter_urls
+    from kiln.serve.server import serve as serve_engines
 
-    _setup_logging(False, False)
+    _setup_logging(False, 0)
 
     def ready(served: list[Any]) -> None:
         for line in iter_urls(address, http_port, grpc_port, served):
-            console.print(escape(line), highlight=False, soft_wrap=True)
+            results.print(escape(line), highlight=False, soft_wrap=True)
         console.print("ready (Ctrl-C or SIGTERM stops the server)")
 
     serve_engines(
@@ -765,11 +793,13 @@ def loadtest(
     output: str,
 ) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
+    from kiln.serve.loadtest import loadtest as run_loadtest
+    from kiln.serve.loadtest import render_markdown
 
-    _setup_logging(False, False)
+    _setup_logging(False, 0)
     result = run_loadtest(url, model, engines, Path(output), concurrency, duration, max_requests, _config(config, ()))
     click.echo(render_markdown(result), nl=False)
-    console.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png")
+    results.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,50 +1,41 @@
 """Name -> factory tables for models and datasets, and ``package.module:function`` resolution.
 
-Plain dicts on purpose: a reader (or a type checker) sees every built-in in one place.
+Plain dicts on purpose: a reader sees every built-in in one place. Each built-in is its import path, resolved like
+a user's own (``mymodels:build``) when it is first built: the tables themselves import no model code, so reading and
+checking a config needs no torch.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from kiln.core.data import DatasetSplits, check_splits
 from kiln.core.errors import ConfigError
-from kiln.models.cnn import resnet18, small_cnn
-from kiln.models.datasets import (
-    digits,
-    digits_ids,
-    synthetic,
-    synthetic_regression,
-    synthetic_rgb,
-    synthetic_text,
-    synthetic_tokens,
-)
-from kiln.models.mlp import mlp_embed
-from kiln.models.token_classifier import mlp_regressor, token_classifier
-from kiln.models.transformer import bert_base, transformer
 
-MODELS: dict[str, Callable[..., nn.Module]] = {
-    "cnn": small_cnn,
-    "resnet18": resnet18,
-    "transformer": transformer,
-    "bert_base": bert_base,
-    "mlp_embed": mlp_embed,
-    "token_classifier": token_classifier,
-    "mlp_regressor": mlp_regressor,
+if TYPE_CHECKING:
+    from torch import nn
+
+    from kiln.core.data import DatasetSplits
+
+MODELS: dict[str, str] = {
+    "cnn": "kiln.models.cnn:small_cnn",
+    "resnet18": "kiln.models.cnn:resnet18",
+    "transformer": "kiln.models.transformer:transformer",
+    "bert_base": "kiln.models.transformer:bert_base",
+    "mlp_embed": "kiln.models.mlp:mlp_embed",
+    "token_classifier": "kiln.models.token_classifier:token_classifier",
+    "mlp_regressor": "kiln.models.token_classifier:mlp_regressor",
 }
 
-DATASETS: dict[str, Callable[..., DatasetSplits]] = {
-    "digits": digits,
-    "digits_ids": digits_ids,
-    "synthetic": synthetic,
-    "synthetic_rgb": synthetic_rgb,
-    "synthetic_tokens": synthetic_tokens,
-    "synthetic_text": synthetic_text,
-    "synthetic_regression": synthetic_regression,
+DATASETS: dict[str, str] = {
+    "digits": "kiln.models.datasets:digits",
+    "digits_ids": "kiln.models.datasets:digits_ids",
+    "synthetic": "kiln.models.datasets:synthetic",
+    "synthetic_rgb": "kiln.models.datasets:synthetic_rgb",
+    "synthetic_tokens": "kiln.models.datasets:synthetic_tokens",
+    "synthetic_text": "kiln.models.datasets:synthetic_text",
+    "synthetic_regression": "kiln.models.datasets:synthetic_regression",
 }
 
 # Which built-in dataset a built-in model trains on when the config names none: it must fit the model's
@@ -60,14 +51,19 @@ DEFAULT_DATASET: dict[str, str] = {
 }
 
 
-def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) -> Callable[..., Any]:
-    """A built-in name from ``table`` or an import path ``package.module:function``."""
-    if ref in table:
-        return table[ref]
-    if ":" not in ref:
+def check_name(ref: str, table: dict[str, str], kind: str) -> None:
+    """A name that is neither a built-in of ``table`` nor an import path is a ConfigError listing the built-ins;
+    nothing is imported."""
+    if ref not in table and ":" not in ref:
         raise ConfigError(
             f"unknown {kind} '{ref}'", hint=f"use one of {sorted(table)} or an import path like 'mypkg.models:build'"
         )
+
+
+def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[..., Any]:
+    """A built-in name from ``table`` or an import path ``package.module:function``."""
+    check_name(ref, table, kind)
+    ref = table.get(ref, ref)
     module_name, _, attr = ref.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -89,7 +85,7 @@ def resolve_callable(ref: str, table: dict[str, Callable[..., Any]], kind: str) 
 
 
 def _call_factory(
-    ref: str, table: dict[str, Callable[..., Any]], kind: str, params: dict[str, Any] | None, expected: type, hint: str
+    ref: str, table: dict[str, str], kind: str, params: dict[str, Any] | None, expected: type, hint: str
 ) -> Any:
     factory = resolve_callable(ref, table, kind)
     try:
@@ -108,6 +104,8 @@ def _call_factory(
 
 
 def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:
+    from torch import nn
+
     return _call_factory(ref, MODELS, "model", params, nn.Module, "return a torch.nn.Module from the factory")
 
 
@@ -116,6 +114,8 @@ def load_dataset(
 ) -> DatasetSplits:
     """The data function's splits, checked against the dataset contract (:func:`kiln.core.data.check_splits`);
     ``dynamic``: signature.dynamic_axes, whose axes may differ in size between the splits."""
+    from kiln.core.data import DatasetSplits, check_splits
+
     data = _call_factory(
         ref,
         DATASETS,

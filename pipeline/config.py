@@ -20,11 +20,11 @@ from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.sections import Section
 from kiln.core.signature import Signature, gather
 from kiln.models.config import DataConfig, ModelConfig
-from kiln.models.registry import DATASETS, MODELS, resolve_callable
+from kiln.models.registry import DATASETS, MODELS, check_name
 from kiln.stages.engines.config import BuildConfig
-from kiln.stages.export import ExportConfig
+from kiln.stages.export.config import ExportConfig
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.package.stage import PackageConfig
+from kiln.stages.package.config import PackageConfig
 from kiln.stages.precision.config import PRECISIONS, PrecisionConfig
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.validate.config import GatesConfig, ValidateConfig
@@ -178,8 +178,8 @@ def _check_names(config: KilnConfig) -> None:
     """A misspelt built-in model or dataset name, said before any stage runs (an import path is resolved by the
     stage that uses it: importing user code is that stage's business)."""
     for kind, name, table in (("model", config.model.name, MODELS), ("dataset", config.data.name, DATASETS)):
-        if name is not None and ":" not in name:
-            resolve_callable(name, table, kind)
+        if name is not None:
+            check_name(name, table, kind)
 
 
 # Configuration is hostile input: bounded in bytes, in values after YAML alias expansion, and in nesting.

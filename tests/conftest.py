@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
         "signature": {"batch_sizes": [1, 8]},
         "validate": {"warmup": 1, "iterations": 3, "max_samples": 128},
         "build": {"backends": ["onnxruntime"]},
+        "precision": {"variants": ["fp32"]},
     }
     for dotted, value in overrides.items():
         node = cfg
@@ -53,6 +56,17 @@ def tiny_config() -> KilnConfig:
 @pytest.fixture(autouse=True)
 def _few_threads() -> None:
     torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _kiln_logger() -> Iterator[None]:
+    """A CLI call in-process sets Kiln's logger (level, handler, no propagation); the next test gets it back as
+    it was, so ``caplog`` sees Kiln's records whatever ran before."""
+    logger = logging.getLogger("kiln")
+    saved = (logger.level, list(logger.handlers), logger.propagate)
+    yield
+    logger.setLevel(saved[0])
+    logger.handlers[:], logger.propagate = saved[1], saved[2]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

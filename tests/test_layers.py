@@ -81,9 +81,27 @@ def test_imports_point_down_only() -> None:
     assert not up, "\n".join(up)
 
 
-def test_no_kiln_import_hides_inside_a_function() -> None:
-    """An import inside a function is how cycles get dodged; heavy third-party libraries may still load lazily."""
-    hidden = [f"{m} imports {i} inside a function" for m in MODULES for i, inside in imports(m) if inside]
+# Where a Kiln import may wait inside a function: the command line, and the registries whose entries load the code
+# that needs torch, ONNX or ONNX Runtime only when they are used (so `kiln --help` and reading a config load neither).
+LAZY_BOUNDARIES = {
+    "kiln.cli",
+    "kiln.models.registry",
+    "kiln.stages.engines.onnxruntime",
+    "kiln.stages.engines.tensorrt",
+    "kiln.stages.engines.torch",
+}
+
+
+def test_kiln_imports_wait_inside_functions_only_at_the_lazy_boundaries() -> None:
+    """An import inside a function is how cycles get dodged: it is allowed where a module loads code on first use,
+    and still points down (``test_imports_point_down_only`` reads it too)."""
+    hidden = [
+        f"{m} imports {i} inside a function"
+        for m in MODULES
+        if m not in LAZY_BOUNDARIES
+        for i, inside in imports(m)
+        if inside
+    ]
     assert not hidden, "\n".join(hidden)
 
 

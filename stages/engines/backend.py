@@ -13,7 +13,6 @@ numpy arrays in, dict out), ``deactivate``; they are context managers and import
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from kiln.core.artifacts import hash_file
 from kiln.core.errors import InputError, InputFileError
 from kiln.core.records import EngineMetadata, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
+from kiln.core.timing import time_calls
 
 SIDECAR = "kiln-engine.json"
 REBUILD = "rebuild the engine: `kiln build` (or `kiln run --force build` in a workdir)"
@@ -98,7 +98,7 @@ class Backend:
     config: type[Section]  # its section of the build config, ``build.<name>``; part of each engine's settings hash
     record: type[BaseModel]  # what it records about a build (``kiln-engine.json`` "backend_info")
     build: Callable[[BuildRequest], Built]  # writes the engine files into ``request.out``
-    runners: dict[str, type[Runner]]  # device -> runner class
+    runners: dict[str, Callable[[Path, EngineMetadata, Any], Runner]]  # device -> runner class (or a factory)
     plan: Callable[[Any, str], Plan] = lambda settings, precision: Plan(list(settings.devices))
     can_run: Callable[[EngineMetadata], tuple[bool, str]] = _any_device  # on this machine, and why not
     libraries: tuple[str, ...] = ()  # distributions whose versions belong in its engines' cache keys
@@ -205,17 +205,15 @@ class Runner:
         check_feed(self.meta, feed)
         return self._infer(feed)
 
-    def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
-        """Latency of one call in ms, host arrays in and out (what a caller of the engine sees)."""
+    def time_ms(
+        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
+    ) -> list[float]:
+        """Latency of one call in ms, host arrays in and out (what a caller of the engine sees); at most
+        ``iterations`` calls, fewer once ``budget_s`` seconds are spent (:func:`kiln.core.timing.time_calls`)."""
         self.infer(feed)  # checks the feed once; the timed calls below skip the check
         for _ in range(warmup):
             self._infer(feed)
-        times = []
-        for _ in range(iterations):
-            t0 = time.perf_counter()
-            self._infer(feed)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
+        return time_calls(lambda: self._infer(feed), iterations, cuda=False, budget_s=budget_s)
 
     def _activate(self) -> None:
         raise NotImplementedError

@@ -272,15 +272,55 @@ def default_device(backend: str) -> str:
 
 
 def build_direct(
-    src: Path, out: Path, backend: str, device: str | None, precision: str, cfg: BuildConfig
+    src: Path, out: Path, backend: str, device: str | None, precision: str | None, cfg: BuildConfig
 ) -> EngineMetadata:
-    """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``)."""
+    """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``). ``src``
+    may be a variant folder of ``kiln precision`` (``variants/int8``): the graph made for this engine kind is built,
+    labelled with the variant's precision unless ``precision`` says otherwise."""
     device = device or default_device(backend)
+    src, made_as = variant_source(Path(src), backend, device)
+    precision = precision or made_as or "fp32"
     _check_choice(backend, device, precision)
     load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
     refuse_foreign_folder(out)
     ensure_writable(out.parent, "the -o folder's parent")
     return build_engine(src, out, backend, device, precision, cfg, out.parent / ".kiln-cache")
+
+
+def variant_source(src: Path, backend: str, device: str) -> tuple[Path, str | None]:
+    """The graph to build for this backend and device, and the precision it was made for, where ``src`` is a variant
+    of ``kiln precision`` (its folder, or one of its graphs, beside ``variants.json``); else ``src`` as it is. A
+    variant may hold a graph made for one engine kind (ONNX Runtime CPU's INT8): given the folder, that graph is
+    built; given another of its graphs for that engine kind, a warning names the one made for it."""
+    folder = src if src.is_dir() else src.parent
+    listing = folder.parent / "variants.json"
+    if not listing.is_file():
+        if src.is_dir():
+            return src / "model.onnx", None
+        return src, None
+    try:
+        variants = Variants.read(listing, hint="rerun `kiln precision`").variants
+    except KilnError:
+        return (src / "model.onnx" if src.is_dir() else src), None
+    for name, variant in variants.items():
+        if Path(variant.path).parent.name != folder.name:
+            continue
+        own = variant.backend_paths.get(f"{backend}-{device}")
+        if src.is_dir():
+            return folder.parent / (own or variant.path), name
+        if own and src.resolve() != (folder.parent / own).resolve():
+            log.warning(
+                "%s is the %s graph for other engine kinds; for %s-%s the precision stage made %s (build it, or the "
+                "folder %s, for the kernels it was made for)",
+                src,
+                name,
+                backend,
+                device,
+                folder.parent / own,
+                folder,
+            )
+        return src, name
+    return (src / "model.onnx" if src.is_dir() else src), None
 
 
 def refuse_foreign_folder(out: Path) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    import onnx_graphsurgeon as gs
 
 
 class NoParams(BaseModel):
@@ -21,7 +23,7 @@ class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-PassFn = Callable[[gs.Graph, Any], int]
+PassFn = Callable[["gs.Graph", Any], int]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import kiln.stages.optimize
 from kiln.core.env import environment_subset
 from kiln.core.onnx_io import check_onnx, load_onnx, save_onnx
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
-from kiln.stages.export import read_dynamic_sizes, read_int_ranges
+from kiln.stages.export.stage import read_dynamic_sizes, read_int_ranges
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from kiln.core.errors import GateFailure
 from kiln.core.records import ValidationResult
-from kiln.core.sections import Section
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 
 __all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "PackageConfig", "STAGE"]
@@ -24,6 +23,7 @@ from pydantic import Field
 
 from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.package import triton
+from kiln.stages.package.config import PackageConfig
 from kiln.stages.package.triton import (
     engine_max_batch,
     stock_model,
@@ -31,17 +31,6 @@ from kiln.stages.package.triton import (
     write_python_model,
     write_stock_model,
 )
-
-
-class PackageConfig(Section):
-    enabled: bool = True
-    triton: bool = Field(True, description="write a Triton model repository for the stock backends (triton/)")
-    triton_python: bool = Field(
-        True,
-        description="write a Triton Python-backend repository running the Kiln engines "
-        "as validated (triton-python/; needs kiln in Triton's Python)",
-    )
-    max_batch_size: int = Field(32, ge=0)
 
 
 def triton_model_name(config_name: str, engine_name: str) -> str:

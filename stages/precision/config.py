@@ -71,7 +71,9 @@ class FallbackConfig(Section):
 
 class PrecisionConfig(Section):
     variants: list[Precision] = Field(
-        default_factory=lambda: ["fp32"], min_length=1, description="graph precisions to build"
+        default_factory=lambda: ["fp32", "fp16", "int8"],
+        min_length=1,
+        description="graph precisions to make; each backend builds the ones it has (validation gates each engine)",
     )
     fp16: FP16Config = Field(default_factory=FP16Config)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)

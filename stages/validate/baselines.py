@@ -29,7 +29,9 @@ def percentiles(times_ms: list[float]) -> Percentiles:
     return Percentiles(p50=float(p50), p90=float(p90), p99=float(p99))
 
 
-def time_torch(model: Callable[..., Any], x: Inputs, warmup: int, iterations: int) -> list[float]:
+def time_torch(
+    model: Callable[..., Any], x: Inputs, warmup: int, iterations: int, budget_s: float | None = None
+) -> list[float]:
     """ms per call of ``model`` on ``x`` (a tensor, tuple or dict: kiln.core.data.call), timed like the engines
     (:func:`time_calls`): CUDA events around each call when ``x`` is on the GPU (the GPU's time, not the launch's),
     else wall clock."""
@@ -39,7 +41,7 @@ def time_torch(model: Callable[..., Any], x: Inputs, warmup: int, iterations: in
             call(model, x)
         if cuda:
             torch.cuda.synchronize()
-        return time_calls(lambda: call(model, x), iterations, cuda=cuda)
+        return time_calls(lambda: call(model, x), iterations, cuda=cuda, budget_s=budget_s)
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
@@ -76,6 +78,7 @@ def measure(
     iterations: int,
     samples: int,
     like: Inputs | None = None,
+    budget_s: float | None = None,
 ) -> Baseline:
     """Latency per batch size and peak memory (loading onto the device through the largest batch)."""
     base = Baseline(kind=kind, device=device, precision=precision, accuracy=None, samples=samples, latency_ms={})
@@ -94,7 +97,7 @@ def measure(
                 ]
                 parts = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in parts]
                 xt = rebuild(like, parts) if like is not None else parts[0]
-                base.latency_ms[str(bs)] = percentiles(time_torch(m, xt, max(warmup, 1), iterations))
+                base.latency_ms[str(bs)] = percentiles(time_torch(m, xt, max(warmup, 1), iterations, budget_s))
             wait_a_sample()
     except Exception as exc:  # e.g. torch.compile cannot compile this model here: reported, not fatal
         base.error = f"{type(exc).__name__}: {first_line(exc, 200)}"

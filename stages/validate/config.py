@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from kiln.core.sections import Section
+from kiln.core.sections import AutoOnOff, Section
 from kiln.stages.precision.config import PRECISIONS
 
 
@@ -71,7 +71,18 @@ class GatesConfig(Section):
 
 class ValidateConfig(Section):
     warmup: int = Field(5, ge=0)
-    iterations: int = Field(30, ge=1)
+    iterations: int = Field(30, ge=1, description="timed calls per engine and batch size, at most")
+    time_budget_s: float = Field(
+        5.0,
+        gt=0,
+        description="seconds of timed calls per engine (or baseline) and batch size: fewer calls than iterations "
+        "once spent (at least 3), so a large batch on a slow device does not time for minutes",
+    )
+    cpu_baseline: AutoOnOff = Field(
+        "auto",
+        description="time PyTorch on the CPU as a baseline: auto = when an engine runs on the CPU (GPU engines are "
+        "timed against PyTorch on their GPU; the accuracy reference is computed on the CPU either way)",
+    )
     max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
     gates: GatesConfig = Field(default_factory=GatesConfig)
     baselines: list[Literal["eager", "compile"]] = Field(

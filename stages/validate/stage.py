@@ -44,6 +44,7 @@ from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Memory
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings
+from kiln.core.timing import time_calls
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.engines.backend import engine_dirs, read_metadata
@@ -317,7 +318,7 @@ def validate_engine(
         with ctx.progress.task(f"timing {meta.name}", total=len(ctx.config.signature.batch_sizes)) as bar:
             for bs in ctx.config.signature.batch_sizes:
                 entry.latency_ms[str(bs)] = percentiles(
-                    runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup, cfg.iterations)
+                    runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup, cfg.iterations, cfg.time_budget_s)
                 )
                 bar.advance()
     finally:
@@ -332,6 +333,13 @@ def validate_engine(
     return entry
 
 
+def baseline_devices(engine_devices: set[str], cpu: str) -> list[str]:
+    """Where PyTorch is timed: each device an engine runs on, and the CPU where ``validate.cpu_baseline`` asks for it
+    (auto: when an engine runs there, or none runs anywhere)."""
+    wants_cpu = cpu == "on" or (cpu == "auto" and ("cpu" in engine_devices or not engine_devices))
+    return sorted((engine_devices - {"cpu"}) | ({"cpu"} if wants_cpu else set()))
+
+
 def measure_baselines(
     model: torch.nn.Module,
     devices: list[str],
@@ -341,8 +349,8 @@ def measure_baselines(
     cfg: ValidateConfig,
     ctx: StageContext[ValidateSettings],
 ) -> list[Baseline]:
-    """Every configured baseline kind on every device an engine runs on (the CPU always: it is the accuracy
-    reference's device), on ``feed`` (named inputs, called in ``like``'s structure)."""
+    """Every configured baseline kind on every device in ``devices``, on ``feed`` (named inputs, called in ``like``'s
+    structure)."""
     batches = {bs: sample_batch(feed, bs) for bs in ctx.config.signature.batch_sizes}
     runs = [
         (kind, device, precision)
@@ -353,7 +361,7 @@ def measure_baselines(
     out = []
     with ctx.progress.task("timing PyTorch baselines", total=len(runs)) as bar:
         for kind, device, precision in runs:
-            b = measure(model, kind, device, precision, batches, cfg.warmup, cfg.iterations, n, like)
+            b = measure(model, kind, device, precision, batches, cfg.warmup, cfg.iterations, n, like, cfg.time_budget_s)
             if b.error:
                 ctx.log.warning("PyTorch baseline %s not measured: %s", b.label, b.error)
             out.append(b)
@@ -474,7 +482,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     n = feed_rows(ref.feed)
     dirs = engine_dirs(ctx.inputs["build"])
     metas = [read_metadata(d) for d in dirs]
-    devices = sorted({"cpu"} | {m.device for m in metas if runnable(m)[0]})
+    devices = baseline_devices({m.device for m in metas if runnable(m)[0]}, cfg.cpu_baseline)
     if from_torch:
         baselines = measure_baselines(model, devices, ref.feed, data.val_x, n, cfg, ctx)
     else:  # started from model.onnx: the FP32 graph in ONNX Runtime on the CPU is the baseline
@@ -490,11 +498,12 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
             )
         ]
     labelled = ref.labelled(len(ref.feeds) - 1)
-    for b in baselines:
+    cpu = [b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch)]
+    baseline = cpu[0] if cpu else Baseline(accuracy=None, samples=n, latency_ms={})  # computed, not timed, here
+    for b in {id(b): b for b in [*baselines, baseline]}.values():
         b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
         b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
         b.labelled_positions = None if labelled is None else int(labelled.sum())
-    baseline = next(b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch))
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(
             accuracy=accuracy,
@@ -544,15 +553,9 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
 
 def _time_session(sess: Any, feed: Feed, cfg: ValidateConfig) -> list[float]:
     """ms per ONNX Runtime call (the reference graph of a run started from model.onnx)."""
-    import time
-
-    times = []
-    for i in range(cfg.warmup + cfg.iterations):
-        t0 = time.perf_counter()
+    for _ in range(cfg.warmup):
         sess.run(None, feed)
-        if i >= cfg.warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return time_calls(lambda: sess.run(None, feed), cfg.iterations, cuda=False, budget_s=cfg.time_budget_s)
 
 
 def _env(cfg: ValidateSettings) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def test_digits_is_deterministic_per_seed() -> None:
 
 
 def test_import_path_and_errors() -> None:
-    assert resolve_callable("kiln.models.cnn:small_cnn", MODELS, "model") is MODELS["cnn"]
+    assert resolve_callable("kiln.models.cnn:small_cnn", MODELS, "model") is resolve_callable("cnn", MODELS, "model")
     with pytest.raises(ConfigError, match="(?s)unknown model 'nope'.*cnn"):
         resolve_callable("nope", MODELS, "model")
     with pytest.raises(ConfigError, match="cannot import module"):

@@ -1,17 +1,23 @@
 """ONNX Runtime engines (CPU and CUDA): the graph optimized offline by ONNX Runtime beside its session settings,
-autotuned on the build machine. ``build.py`` builds, ``runner.py`` runs, ``autotune.py`` times settings."""
+autotuned on the build machine. ``build.py`` builds, ``runner.py`` runs, ``autotune.py`` times settings.
+
+This module registers the backend and imports only its config and record: the modules that need ONNX and ONNX
+Runtime load when an engine is built or opened, so reading a config stays fast."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from kiln.core.records import EngineMetadata, PrecisionVariant
-from kiln.stages.engines.backend import Backend, BuildRequest, Built, TritonModel
-from kiln.stages.engines.onnxruntime.build import build_ort_engine
+from kiln.stages.engines.backend import Backend, BuildRequest, Built, Runner, TritonModel
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.onnxruntime.record import OrtRecord
-from kiln.stages.engines.onnxruntime.runner import OrtCpuRunner, OrtCudaRunner
 
 
 def _build(req: BuildRequest) -> Built:
+    from kiln.stages.engines.onnxruntime.build import build_ort_engine
+
     built = build_ort_engine(
         req.onnx_path,
         req.out,
@@ -25,6 +31,18 @@ def _build(req: BuildRequest) -> Built:
     )
     info = OrtRecord(session=built["session"], cuda_graph=built["cuda_graph"], autotune=built.get("autotune"))
     return Built(built["files"], built["flavour"], built["versions"], info, built["builder_settings"])
+
+
+def _cpu_runner(engine_dir: Path, meta: EngineMetadata, info: Any) -> Runner:
+    from kiln.stages.engines.onnxruntime.runner import OrtCpuRunner
+
+    return OrtCpuRunner(engine_dir, meta, info)
+
+
+def _cuda_runner(engine_dir: Path, meta: EngineMetadata, info: Any) -> Runner:
+    from kiln.stages.engines.onnxruntime.runner import OrtCudaRunner
+
+    return OrtCudaRunner(engine_dir, meta, info)
 
 
 def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
@@ -52,7 +70,7 @@ BACKEND = Backend(
     config=OnnxRuntimeConfig,
     record=OrtRecord,
     build=_build,
-    runners={"cpu": OrtCpuRunner, "cuda": OrtCudaRunner},
+    runners={"cpu": _cpu_runner, "cuda": _cuda_runner},
     can_run=_can_run,
     libraries=("onnxruntime", "onnxruntime-gpu"),
     triton=TritonModel("onnxruntime_onnx", "model.onnx"),

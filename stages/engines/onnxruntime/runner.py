@@ -233,7 +233,9 @@ class OrtCudaRunner(Runner):
 
         return call, slot["static"]
 
-    def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
+    def time_ms(
+        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
+    ) -> list[float]:
         """Engine time on device buffers (inputs uploaded once, outputs left on the GPU).
 
         ``run_with_iobinding`` returns after ORT synchronizes its stream, so CUDA events recorded around it on
@@ -242,7 +244,7 @@ class OrtCudaRunner(Runner):
         call, _ = self.prepared(feed)
         for _ in range(max(warmup, 3)):  # ORT captures the CUDA graph during its first runs
             call()
-        return time_calls(call, iterations)
+        return time_calls(call, iterations, budget_s=budget_s)
 
     def _deactivate(self) -> None:
         self.slots.clear()

@@ -1,20 +1,24 @@
 """TensorRT engines over TensorRT 10/11 or TensorRT-RTX, whichever imports. ``build.py`` parses and builds,
-``runtime.py`` runs, ``weak.py`` is TensorRT 10's flag-based precision, ``profiles.py`` the optimization profiles."""
+``runtime.py`` runs, ``weak.py`` is TensorRT 10's flag-based precision, ``profiles.py`` the optimization profiles.
+The modules that need TensorRT (or torch, for device buffers) load when an engine is built or opened."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from kiln.core.errors import BackendUnavailable
 from kiln.core.records import EngineMetadata
-from kiln.stages.engines.backend import Backend, BuildRequest, Built, Plan, TritonModel
+from kiln.stages.engines.backend import Backend, BuildRequest, Built, Plan, Runner, TritonModel
 from kiln.stages.engines.tensorrt import lib as tensorrt_lib
-from kiln.stages.engines.tensorrt.build import build_trt_engine
 from kiln.stages.engines.tensorrt.config import TensorRTConfig
-from kiln.stages.engines.tensorrt.profiles import check_profiles, default_profiles
 from kiln.stages.engines.tensorrt.record import TensorRTRecord
-from kiln.stages.engines.tensorrt.runtime import TensorRTRunner, can_execute
 
 
 def _build(req: BuildRequest) -> Built:
+    from kiln.stages.engines.tensorrt.build import build_trt_engine
+    from kiln.stages.engines.tensorrt.profiles import check_profiles, default_profiles
+
     profiles = list(req.settings.profiles) or default_profiles(req.inputs, req.max_batch, req.axis_sizes)
     check_profiles(profiles, req.inputs)
     built = build_trt_engine(req.onnx_path, req.out, req.precision, req.settings, profiles, req.cache_dir)
@@ -41,7 +45,15 @@ def _plan(cfg: TensorRTConfig, precision: str) -> Plan:
 
 
 def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
+    from kiln.stages.engines.tensorrt.runtime import can_execute
+
     return can_execute(tensorrt_lib.import_tensorrt(meta.flavour), meta)
+
+
+def _runner(engine_dir: Path, meta: EngineMetadata, info: Any) -> Runner:
+    from kiln.stages.engines.tensorrt.runtime import TensorRTRunner
+
+    return TensorRTRunner(engine_dir, meta, info)
 
 
 BACKEND = Backend(
@@ -50,7 +62,7 @@ BACKEND = Backend(
     config=TensorRTConfig,
     record=TensorRTRecord,
     build=_build,
-    runners={"cuda": TensorRTRunner},
+    runners={"cuda": _runner},
     plan=_plan,
     can_run=_can_run,
     libraries=("tensorrt", "tensorrt-rtx"),

@@ -9,6 +9,7 @@ engine as not runnable instead of failing.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from kiln.core.errors import BackendUnavailable, BuildError
 from kiln.core.records import EngineMetadata
+from kiln.core.timing import MIN_TIMED
 from kiln.stages.engines.backend import Runner
 from kiln.stages.engines.tensorrt import cache as tensorrt_cache
 from kiln.stages.engines.tensorrt.errors import KilnTrtLogger, gc_paused_for_tensorrt
@@ -140,15 +142,20 @@ class TensorRTRunner(Runner):
         for n, t in slot["bufs"].items():
             self.context.set_tensor_address(n, t.data_ptr())
 
-    def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
+    def time_ms(
+        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
+    ) -> list[float]:
         """GPU time of the engine on device buffers (inputs copied once), measured with CUDA events."""
         self.infer(feed)
         slot = self._slot(feed)
         self._bind(slot, feed)
-        times = []
+        times: list[float] = []
+        deadline = time.perf_counter() + budget_s if budget_s is not None else float("inf")
         for i in range(warmup + iterations):
+            if len(times) >= MIN_TIMED and time.perf_counter() > deadline:
+                break
             start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
+            start.record(self.stream)  # on the engine's stream, which the events must bracket
             self._launch(slot)
             end.record(self.stream)
             end.synchronize()

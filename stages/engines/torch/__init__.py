@@ -1,20 +1,23 @@
 """PyTorch engines compiled by Inductor from the trained model itself (opt-in: ``build.backends: [..., torch]``):
 an AOTInductor package, or the exported program with Inductor's caches. ``build.py`` exports and compiles,
 ``program.py`` is the compiled flavour at run time, ``runner.py`` runs, ``gemm_epilogues.py`` and
-``conv_epilogues.py`` rewrite linear layers and convolutions into fused library calls."""
+``conv_epilogues.py`` rewrite linear layers and convolutions into fused library calls. Those modules need torch and
+load when an engine is built or opened."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from kiln.core.records import EngineMetadata
-from kiln.stages.engines.backend import Backend, BuildRequest, Built, Plan
-from kiln.stages.engines.torch import conv_epilogues, gemm_epilogues
-from kiln.stages.engines.torch.build import build_torch_engine
+from kiln.stages.engines.backend import Backend, BuildRequest, Built, Plan, Runner
 from kiln.stages.engines.torch.config import TorchConfig
 from kiln.stages.engines.torch.record import TorchRecord
-from kiln.stages.engines.torch.runner import TorchRunner
 
 
 def _build(req: BuildRequest) -> Built:
+    from kiln.stages.engines.torch.build import build_torch_engine
+
     built = build_torch_engine(req)
     return Built(built["files"], built["flavour"], built["versions"], TorchRecord(), built["builder_settings"])
 
@@ -43,8 +46,16 @@ def _can_run(meta: EngineMetadata) -> tuple[bool, str]:
     return True, ""
 
 
+def _runner(engine_dir: Path, meta: EngineMetadata, info: Any) -> Runner:
+    from kiln.stages.engines.torch.runner import TorchRunner
+
+    return TorchRunner(engine_dir, meta, info)
+
+
 def _hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
     """An engine that misses accuracy gates: the fused GEMM or convolution rewrites it used, as what to try."""
+    from kiln.stages.engines.torch import conv_epilogues, gemm_epilogues
+
     if not failures:
         return []
     hints = (
@@ -60,7 +71,7 @@ BACKEND = Backend(
     config=TorchConfig,
     record=TorchRecord,
     build=_build,
-    runners={"cpu": TorchRunner, "cuda": TorchRunner},
+    runners={"cpu": _runner, "cuda": _runner},
     plan=_plan,
     can_run=_can_run,
     libraries=("torch",),

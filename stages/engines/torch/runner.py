@@ -62,14 +62,16 @@ class TorchRunner(Runner):
 
         return call, isinstance(self.package, GraphReplays)
 
-    def time_ms(self, feed: dict[str, np.ndarray], warmup: int, iterations: int) -> list[float]:
+    def time_ms(
+        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
+    ) -> list[float]:
         """Engine time on device-resident inputs, outputs left on the device (as the ORT CUDA runner times)."""
         if self.meta.device != "cuda":
-            return super().time_ms(feed, warmup, iterations)
+            return super().time_ms(feed, warmup, iterations, budget_s)
         call, _ = self.prepared(feed)
         for _ in range(max(warmup, 3)):
             call()
-        return time_calls(call, iterations)
+        return time_calls(call, iterations, budget_s=budget_s)
 
     def _deactivate(self) -> None:
         del self.package

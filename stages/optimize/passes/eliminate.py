@@ -6,10 +6,9 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-import onnx
-import onnx_graphsurgeon as gs
 from pydantic import BaseModel
 
+from kiln.core.lazy import lazy_import
 from kiln.stages.optimize.passes.util import (
     RANDOM_OPS,
     const,
@@ -19,6 +18,9 @@ from kiln.stages.optimize.passes.util import (
     replace_uses,
 )
 from kiln.stages.optimize.registry import register
+
+onnx = lazy_import("onnx")
+gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
 
 
 def _bypass(graph: gs.Graph, node: gs.Node, keep: gs.Tensor) -> int:

@@ -7,13 +7,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
-import onnx
-import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.core.lazy import lazy_import
 from kiln.stages.optimize.passes.shapes import fold_shapes, static_reshape_target
 from kiln.stages.optimize.passes.util import RANDOM_OPS, const, known_shape, new_const
 from kiln.stages.optimize.registry import register
+
+onnx = lazy_import("onnx")
+gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
+
 
 log = logging.getLogger("kiln.optimize")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-import onnx_graphsurgeon as gs
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.core.lazy import lazy_import
 from kiln.stages.optimize.passes.util import (
     const,
     drop,
@@ -19,6 +19,8 @@ from kiln.stages.optimize.passes.util import (
     unique_name,
 )
 from kiln.stages.optimize.registry import register
+
+gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
 
 
 def _shape(t: gs.Tensor) -> list | None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import onnx_graphsurgeon as gs
 from pydantic import BaseModel
 
+from kiln.core.lazy import lazy_import
 from kiln.stages.optimize.passes.util import (
     const,
     known_shape,
@@ -19,6 +19,8 @@ from kiln.stages.optimize.passes.util import (
     unique_name,
 )
 from kiln.stages.optimize.registry import register
+
+gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
 
 
 def _scalar(t: gs.Tensor) -> float | None:

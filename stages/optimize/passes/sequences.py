@@ -8,11 +8,13 @@ built no TensorRT engine at all; ``Split`` computes the same pieces as plain ten
 from __future__ import annotations
 
 import numpy as np
-import onnx_graphsurgeon as gs
 from pydantic import BaseModel
 
+from kiln.core.lazy import lazy_import
 from kiln.stages.optimize.passes.util import const, drop, known_shape, new_const, node_name, replace_uses, unique_name
 from kiln.stages.optimize.registry import register
+
+gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
 
 
 def _sizes(node: gs.Node, dim: int | str) -> tuple[list[int], bool] | None:

@@ -9,11 +9,13 @@ tensor all the time, and each such read keeps a whole shape subgraph alive. Writ
 from __future__ import annotations
 
 import numpy as np
-import onnx_graphsurgeon as gs
 from pydantic import BaseModel
 
+from kiln.core.lazy import lazy_import
 from kiln.stages.optimize.passes.util import const, known_shape
 from kiln.stages.optimize.registry import register
+
+gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
 
 
 def _clamp(i: int, rank: int) -> int:

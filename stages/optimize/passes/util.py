@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import onnx_graphsurgeon as gs
+
+from kiln.core.lazy import lazy_import
+
+gs = lazy_import("onnx_graphsurgeon")  # loaded when a pass first runs, not when the config is read
+
 
 # Ops that draw new numbers on every run: never folded into constants, never merged as duplicates.
 RANDOM_OPS = frozenset(

@@ -14,8 +14,8 @@ import onnx
 import onnx_graphsurgeon as gs
 import torch
 
-from kiln.models import build_model
-from kiln.stages.export import export_onnx
+from kiln.models.registry import build_model
+from kiln.stages.export.stage import export_onnx
 
 # Per model: factory params small enough for fast CPU builds, and one sample's shape / dtype.
 ZOO: dict[str, tuple[dict, tuple[int, ...], str]] = {

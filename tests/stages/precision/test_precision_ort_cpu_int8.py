@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kiln.core.onnx_io import ort_session
-from kiln.models import build_model
-from kiln.stages.export import export_onnx
+from kiln.models.registry import build_model
+from kiln.stages.export.stage import export_onnx
 from tests.stages.precision.test_precision_stage import TRANSFORMER, _run
 
 

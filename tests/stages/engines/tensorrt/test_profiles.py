@@ -32,7 +32,7 @@ def test_a_named_axis_spans_its_sizes() -> None:
 
 @pytest.fixture(scope="module")
 def token_onnx(tmp_path_factory) -> Path:
-    from kiln.stages.export import export_onnx
+    from kiln.stages.export.stage import export_onnx
 
     path = tmp_path_factory.mktemp("tok") / "model.onnx"
     model = build_model("token_classifier", {"dim": 16, "layers": 1}).eval()

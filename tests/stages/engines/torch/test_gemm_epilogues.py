@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 from torch import nn
 
-from kiln.models import build_model
+from kiln.models.registry import build_model
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine

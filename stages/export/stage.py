@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import sys
 import warnings
 from collections.abc import Mapping
 from contextlib import redirect_stdout
@@ -23,6 +22,7 @@ from torch import nn
 import kiln.core.onnx_io
 import kiln.models
 import kiln.models.model_io
+import kiln.stages.export
 from kiln.core.artifacts import ensure_writable
 from kiln.core.data import Inputs, as_feed, feed_for_graph, input_names, rows, take, tensors
 from kiln.core.env import environment_subset
@@ -39,7 +39,6 @@ from kiln.core.onnx_io import (
     value_names,
 )
 from kiln.core.outputs import FlatModel, named_outputs
-from kiln.core.sections import Section
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, root_cause
@@ -51,14 +50,9 @@ from kiln.models.model_io import (
     read_state_dict,
 )
 from kiln.models.registry import build_model
+from kiln.stages.export.config import ExportConfig
 
 log = logging.getLogger("kiln.export")
-
-
-class ExportConfig(Section):
-    opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
-    dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
-    parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
 
 
 @dataclass(frozen=True)
@@ -435,7 +429,7 @@ STAGE = Stage(
     ("train",),
     ExportSettings,
     ExportSummary,
-    (sys.modules[__name__], kiln.models, kiln.models.model_io, kiln.core.onnx_io),
+    (kiln.stages.export, kiln.models, kiln.models.model_io, kiln.core.onnx_io),
     _env,
     "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
     data=("dataset", "onnx"),

@@ -7,7 +7,7 @@ from torch import nn
 
 from kiln.core.errors import ModelError
 from kiln.models.registry import build_model
-from kiln.stages.export import export_onnx, parity
+from kiln.stages.export.stage import export_onnx, parity
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,121 @@
+"""Seconds from a shell to Kiln's first answer: `kiln --help`, a command's `--help`, `kiln config`, and the error of a
+mistyped config key or a missing file, each a fresh process (the installed `kiln` script, as a user runs it).
+
+The commands are timed in interleaved rounds (every command once per round), so a machine busy with other work slows
+them all alike; the table gives each command's median, its spread and a 95% interval of the median (bootstrap over
+the rounds), and the machine's load average before and after. Target: every median <= 1.5 s on the 2-core machine
+when idle.
+
+    python benchmarks/time_to_answer.py --rounds 15 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_report  # noqa: E402
+
+TARGET_S = 1.5
+
+
+def commands(folder: Path) -> dict[str, list[str]]:
+    (folder / "typo.yaml").write_text("train: {epochz: 3}\n")
+    return {
+        "kiln --help": ["--help"],
+        "kiln build --help": ["build", "--help"],
+        "kiln run --help": ["run", "--help"],
+        "kiln config": ["config"],
+        "kiln run typo.yaml (bad key)": ["run", "typo.yaml"],
+        "kiln run missing.yaml (no file)": ["run", "missing.yaml"],
+    }
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def interval(xs: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(median([rng.choice(xs) for _ in xs]) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (each runs every command once)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for time_to_answer.json and .md")
+    args = parser.parse_args(argv)
+    kiln = str(Path(sys.executable).with_name("kiln"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        cmds = commands(Path(tmp))
+        times: dict[str, list[float]] = {name: [] for name in cmds}
+        codes: dict[str, int] = {}
+        for _ in range(args.rounds):
+            for name, cmd in cmds.items():
+                t0 = time.perf_counter()
+                done = subprocess.run([kiln, *cmd], cwd=tmp, env=env, capture_output=True, text=True)
+                times[name].append(time.perf_counter() - t0)
+                codes[name] = done.returncode
+    rows = []
+    for name, xs in times.items():
+        lo, hi = interval(xs)
+        rows.append(
+            {
+                "command": name,
+                "exit_code": codes[name],
+                "median_s": round(median(xs), 3),
+                "min_s": round(min(xs), 3),
+                "max_s": round(max(xs), 3),
+                "median_95ci_s": [round(lo, 3), round(hi, 3)],
+                "meets_target": median(xs) <= TARGET_S,
+            }
+        )
+    result = {
+        "benchmark": "time_to_answer",
+        "command": "python benchmarks/time_to_answer.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "rounds": args.rounds,
+        "target_s": TARGET_S,
+        "rows": rows,
+    }
+    lines = [
+        "# Time to an answer",
+        "",
+        f"`{result['command']}`: {args.rounds} interleaved rounds, each command a fresh process; "
+        f"{result['machine']['cpus']} CPUs, load average {result['load_average_before'][0]} before and "
+        f"{result['load_average_after'][0]} after. Target: median <= {TARGET_S} s.",
+        "",
+        "| command | exit | median s | 95% CI of median | min s | max s |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    lines += [
+        f"| `{r['command']}` | {r['exit_code']} | {r['median_s']:.3f} | {r['median_95ci_s'][0]:.3f}-"
+        f"{r['median_95ci_s'][1]:.3f} | {r['min_s']:.3f} | {r['max_s']:.3f} |"
+        for r in rows
+    ]
+    if args.out:
+        write_report(args.out, "time_to_answer", result, "\n".join(lines) + "\n")
+    else:
+        print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()

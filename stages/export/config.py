@@ -1,0 +1,13 @@
+"""The ``export:`` config section: the exporter's settings (the axes that vary are the signature's)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kiln.core.sections import Section
+
+
+class ExportConfig(Section):
+    opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
+    dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
+    parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
