@@ -270,14 +270,6 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
                     f"here: {escape(e.reason or '')}",
                     soft_wrap=True,
                 )
-        dropped = {e.name for e in v.engines if e.dropped}
-        for r in v.speed_vs_fp32:
-            if r["slower"]:
-                x = r["vs_fp32"][r["largest_batch"]]
-                console.print(
-                    f"[yellow]{escape(r['engine'])}[/]: slower than FP32 at batch {r['largest_batch']} "
-                    f"({x:.2f}x){', not packaged (precision.require_speedup)' if r['engine'] in dropped else ''}"
-                )
     precision = report.get("stages", {}).get("precision", {}).get("summary", {})
     for name, why in precision.get("failed", {}).items():
         console.print(
@@ -323,7 +315,8 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
     from kiln.core.progress import RichProgress, SilentProgress
     from kiln.pipeline.api import run_pipeline
 
-    progress = SilentProgress() if quiet else RichProgress(console)
+    # Bars only on a terminal: piped or logged, a transient bar leaves a blank line behind per task.
+    progress = RichProgress(console) if console.is_terminal and not quiet else SilentProgress()
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
     if not quiet:
         _print_summary(result, report, Path(workdir))
@@ -707,14 +700,23 @@ for _name in STAGE_NAMES:
     show_default=True,
     help="interface to listen on (0.0.0.0 exposes the server to the network)",
 )
+@verbose_opt
 def serve(
-    path: str, http_port: int, grpc_port: int, metrics_port: int, max_batch: int, max_queue_delay_us: int, address: str
+    path: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    max_batch: int,
+    max_queue_delay_us: int,
+    address: str,
+    verbose: int,
 ) -> None:
-    """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM."""
+    """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM.
+    The URLs go to stdout; Triton's own log is shown with --verbose."""
     from kiln.serve.server import iter_urls
     from kiln.serve.server import serve as serve_engines
 
-    _setup_logging(False, 0)
+    _setup_logging(False, verbose)
 
     def ready(served: list[Any]) -> None:
         for line in iter_urls(address, http_port, grpc_port, served):
@@ -722,7 +724,15 @@ def serve(
         console.print("ready (Ctrl-C or SIGTERM stops the server)")
 
     serve_engines(
-        Path(path), http_port, grpc_port, metrics_port, max_batch, max_queue_delay_us, address, on_ready=ready
+        Path(path),
+        http_port,
+        grpc_port,
+        metrics_port,
+        max_batch,
+        max_queue_delay_us,
+        address,
+        on_ready=ready,
+        verbose=verbose > 0,
     )
 
 

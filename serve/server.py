@@ -287,7 +287,7 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
 
 def _bind_or_explain(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
     """Bind one model; Triton refusing to load it is one error/fix pair, not PyTriton's and tritonclient's
-    tracebacks (the server's own log above says why in full)."""
+    tracebacks (the server's own log says why in full)."""
     from pytriton.exceptions import PyTritonError
     from tritonclient.utils import InferenceServerException
 
@@ -329,10 +329,13 @@ def serve(
     max_queue_delay_us: int = 100,
     address: str = "127.0.0.1",
     on_ready: Callable[[list[ServedEngine]], None] | None = None,
+    verbose: bool = False,
 ) -> None:
-    """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers."""
+    """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers. The server's own log
+    is printed with ``verbose`` only; otherwise it is kept, and its path named, when the server fails."""
     served = find_engines(path)
     pytriton = _pytriton()
+    _server_log_on_stdout(verbose)
     check_ports(address, http_port, grpc_port, metrics_port)
     scratch = Path(tempfile.mkdtemp(prefix="kiln-serve-"))
     stub_python = stub_python_env(scratch)
@@ -355,6 +358,7 @@ def serve(
     stop = _StopRequest()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     runners: list[Any] = []
+    triton: Any = None
     try:
         for s in served:  # before the server starts: an engine this machine cannot run fails fast
             runners.append(load_engine(s.engine_dir).activate())
@@ -368,12 +372,41 @@ def serve(
             log.info("stopping")
     except KeyboardInterrupt:
         log.info("stopping")
+    except KilnError as exc:
+        kept = None if verbose or triton is None else _keep_server_log(triton)
+        if kept is not None:
+            exc.hint = f"{exc.hint}; the server's log: {kept}" if exc.hint else f"the server's log: {kept}"
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for r in runners:
             r.deactivate()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _server_log_on_stdout(verbose: bool) -> None:
+    """PyTriton echoes every line tritonserver writes (its startup tables, CUDA and NVML probes that fail on a
+    CPU machine, shutdown notes) to stdout, where `kiln serve` prints the URLs; its server class takes a
+    ``verbose`` flag that PyTriton never sets, and its module-level name is the one place to set it."""
+    import functools
+
+    import pytriton.triton
+    from pytriton.server.triton_server import TritonServer
+
+    pytriton.triton.TritonServer = functools.partial(TritonServer, verbose=verbose)
+
+
+def _keep_server_log(triton: Any) -> Path | None:
+    """Write the server's captured log to a file of its own (outside the scratch folder, which is removed)."""
+    server = getattr(triton, "_triton_server", None)
+    text = server.logs() if server is not None else ""
+    if not text:
+        return None
+    fd, name = tempfile.mkstemp(prefix="kiln-serve-", suffix=".log")
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    return Path(name)
 
 
 def _use_stub_python(stub_python: Path) -> None:
@@ -388,7 +421,7 @@ def _wait(triton: Any, stop: _StopRequest) -> None:
     """Until a signal asks to stop (returns; the `with` block stops the server) or the server dies (raises)."""
     while not stop.requested:
         if not triton.is_alive():
-            raise KilnError("the Triton server exited unexpectedly", hint="see its log above")
+            raise KilnError("the Triton server exited unexpectedly", hint="rerun with --verbose to see why")
         time.sleep(0.5)
 
 

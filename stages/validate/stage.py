@@ -532,7 +532,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
                 row["engine"],
                 row["largest_batch"],
                 row["vs_fp32"][row["largest_batch"]],
-                ": dropped" if row["engine"] in dropped else "",
+                ": not packaged (precision.require_speedup)" if row["engine"] in dropped else "",
             )
     chosen = choose(engines, preference_order(), cfg.choice_margin)
     result = ValidationResult(

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,8 @@ def _abort(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
 
 
-def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Process], sig: int) -> None:
+def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Process], sig: int) -> str:
+    """Stop ``kiln serve`` with ``sig``; nothing of it is left running. Returns what it printed."""
     proc.send_signal(sig)
     try:
         out, _ = proc.communicate(timeout=STOP_TIMEOUT_S)
@@ -122,6 +124,7 @@ def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Proc
     assert proc.returncode == 0, out.decode()[-3000:]
     _, alive = psutil.wait_procs(descendants, timeout=15)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
+    return out.decode()
 
 
 def test_served_answers_match_the_engine_under_load_and_batches_form(
@@ -179,7 +182,7 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     _stop_and_check(proc, descendants, signal.SIGTERM)
 
 
-def test_sigint_stops_the_server_and_its_children(workdir: Path) -> None:
+def test_sigint_stops_the_server_and_its_children(workdir: Path, tmp_path: Path) -> None:
     ports = [free_port() for _ in range(3)]
     proc = _start_serve(workdir / "package" / "engines" / ENGINE, ports)
     try:
@@ -189,6 +192,25 @@ def test_sigint_stops_the_server_and_its_children(workdir: Path) -> None:
         _abort(proc)
         raise
     _stop_and_check(proc, descendants, signal.SIGINT)
+
+
+def test_serve_is_quiet_unless_verbose(workdir: Path, tmp_path: Path) -> None:
+    """The URLs on stdout and one line on stderr; Triton's own log (startup tables, NVML probes) only with -v."""
+    ports = [free_port() for _ in range(3)]
+    out, err = tmp_path / "out", tmp_path / "err"
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(workdir), "--http-port", str(ports[0])]
+    cmd += ["--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e)
+    try:
+        _ready(proc, ports, [MODEL])
+        while "ready (Ctrl-C" not in err.read_text() and proc.poll() is None:  # printed just after readiness
+            time.sleep(0.2)
+    finally:
+        _abort(proc)
+    printed = out.read_text()
+    assert f"model {MODEL}: POST" in printed and len(printed.splitlines()) == 3, printed
+    assert err.read_text().strip() == "ready (Ctrl-C or SIGTERM stops the server)", err.read_text()
 
 
 def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tmp_path: Path) -> None:
