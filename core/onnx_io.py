@@ -143,7 +143,7 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
     light = _without_initializers(model, keep_value_info=strict)
     for init in model.graph.initializer:
         t = light.graph.initializer.add()
-        if init.ByteSize() <= _STRIP_BYTES:
+        if tensor_bytes(init) <= _STRIP_BYTES:
             t.CopyFrom(init)
         else:  # dims and type only: inference reads nothing else from big tensors
             t.name, t.data_type = init.name, init.data_type
@@ -195,7 +195,7 @@ def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> Non
     touched, and when this model needs that name the save is refused."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = path.with_name(path.name + ".data")
-    needs_data = external or _byte_size(model) > PROTOBUF_LIMIT
+    needs_data = external or model_bytes(model) > PROTOBUF_LIMIT
     if data.exists():
         if _references(path, data.name):
             data.unlink()
@@ -232,11 +232,28 @@ def _references(path: Path, location: str) -> bool:
     )
 
 
-def _byte_size(model: onnx.ModelProto) -> int:
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """The bytes a tensor's data takes in the protobuf, from its dims and type: protobuf's own ``ByteSize()``
+    encodes the message to count it (a second as long as serializing a BERT-base), this reads two fields."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return 0
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return sum(len(s) for s in tensor.string_data)
+    numel = int(np.prod(tensor.dims, dtype=np.int64))
+    bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(tensor.data_type)
+    if bits is not None:
+        return (numel * bits + 7) // 8
     try:
-        return model.ByteSize()
-    except ValueError:  # protobuf refuses to size messages over 2 GB
-        return PROTOBUF_LIMIT + 1
+        return numel * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    except (KeyError, TypeError, ValueError):  # a type numpy has no dtype for: count the bytes it holds
+        return len(tensor.raw_data)
+
+
+def model_bytes(model: onnx.ModelProto) -> int:
+    """About what ``model`` takes serialized: its tensors' data (:func:`tensor_bytes`, subgraphs included) and a
+    generous allowance per node. Cheap; used to decide between bytes in memory and a file with external data."""
+    nodes = sum(len(g.node) for g in _graphs(model.graph))
+    return sum(tensor_bytes(t) for t in _tensors(model.graph)) + 1024 * nodes + (1 << 20)
 
 
 OPTIMIZATION_LEVELS = ("none", "basic", "extended", "all")
@@ -289,7 +306,7 @@ def session_options(
 
 
 def ort_session(
-    model: onnx.ModelProto | str | Path,
+    model: onnx.ModelProto | bytes | str | Path,
     threads: int = 0,
     providers: list[Any] | None = None,
     optimization: str = "all",
@@ -297,19 +314,23 @@ def ort_session(
     error: type[KilnError] = ModelError,
 ) -> Any:
     """An ONNX Runtime session: the one factory. ``options`` (from :func:`session_options`) wins over
-    ``threads``/``optimization``. A model over the protobuf limit goes to ORT as a file with external data.
+    ``threads``/``optimization``. ``model`` may be serialized already (bytes). A model near the protobuf limit
+    goes to ORT as a file with external data.
     A failure is ``error`` naming ORT's reason."""
     import onnxruntime as ort
 
     opts = options if options is not None else session_options(threads, optimization=optimization)
     providers = providers or ["CPUExecutionProvider"]
     try:
-        if isinstance(model, onnx.ModelProto) and _byte_size(model) > _INLINE_LIMIT:
+        if isinstance(model, onnx.ModelProto) and model_bytes(model) > _INLINE_LIMIT:
             with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
                 path = Path(tmp) / "model.onnx"
                 save_onnx(model, path, external=True)
                 return ort.InferenceSession(str(path), opts, providers=providers)
-        src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+        if isinstance(model, onnx.ModelProto):
+            src: bytes | str = model.SerializeToString()
+        else:
+            src = model if isinstance(model, bytes) else str(model)
         return ort.InferenceSession(src, opts, providers=providers)
     except Exception as exc:
         raise error(

@@ -5,12 +5,15 @@ sequence length and wrong at another cannot pass."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kiln.core.data import Feed
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec
+
+if TYPE_CHECKING:  # kiln.core.data imports torch; the graph stages need none of it
+    from kiln.core.data import Feed
 
 Axes = Mapping[str, Mapping[int, str]]
 

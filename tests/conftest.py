@@ -69,7 +69,16 @@ def _kiln_logger() -> Iterator[None]:
     logger.handlers[:], logger.propagate = saved[1], saved[2]
 
 
+# Folders whose every test is slow: whole runs of `kiln` and the benchmark scripts (run by .ci/run's second step).
+SLOW_FOLDERS = ("e2e", "benchmarks")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if item.path.relative_to(tests).parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
     skip_trt = pytest.mark.skip(reason="needs the tensorrt or tensorrt_rtx Python package (pip install 'kiln[rtx]')")
     for item in items:

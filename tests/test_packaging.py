@@ -151,7 +151,6 @@ def test_a_project_with_its_own_models_pipeline_stages_calibration_packages_runs
         env=_clean_env(),
         capture_output=True,
         text=True,
-        timeout=600,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr

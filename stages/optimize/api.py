@@ -17,7 +17,7 @@ from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, save_onnx
 from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.optimize.gs_io import EmptyAttrs, export_graph, import_graph
+from kiln.stages.optimize.gs_io import EmptyAttrs, export_graph, import_graph, refresh_shapes
 from kiln.stages.optimize.verify import DataSizes, IntRanges, Verifier
 
 log = logging.getLogger("kiln.optimize")
@@ -56,9 +56,10 @@ def optimize_model(
     data_sizes: DataSizes | None = None,
     int_ranges: IntRanges | None = None,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """Apply ``cfg.passes`` in order. With ``cfg.verify`` each changed graph is run in ONNX Runtime against the
-    original (on random inputs, dynamic axes at ``data_sizes`` and integers within ``int_ranges`` where the data
-    gave them); a pass that changes the outputs (or crashes) is rolled back and reported by name."""
+    """Apply ``cfg.passes`` in order, in rounds to a fixpoint. With ``cfg.verify`` the result is run in ONNX Runtime
+    against the original (on random inputs, dynamic axes at ``data_sizes`` and integers within ``int_ranges`` where
+    the data gave them); when it differs, each pass is checked on its own, and a pass that changes the outputs (or
+    crashes) is rolled back and reported by name."""
     t_start = time.perf_counter()
     plan = [resolve(e) for e in cfg.passes]
     current = onnx.ModelProto()
@@ -75,15 +76,12 @@ def optimize_model(
                 "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
                 "size); or optimize.verify: false to rewrite without checking",
             ) from None
-    passes: list[dict[str, Any]] = []
-    rounds = 0
-    for rounds in range(1, cfg.rounds + 1):  # to a fixpoint: a fusion can expose a fold an earlier pass missed
-        size = len(current.graph.node)
-        for spec, params in plan:
-            current, entry = _step(spec, params, current, verifier)
-            passes.append(entry | {"round": rounds})
-        if len(current.graph.node) >= size:
-            break
+    fast, spent = _fast(plan, current, cfg.rounds, verifier)
+    if fast is not None:
+        current, passes, rounds, checks = fast
+    else:  # a pass crashed or changed the outputs: every pass again, each checked, to name it and keep the others
+        current, passes, rounds, checks = _careful(plan, current, cfg.rounds, verifier)
+        checks += spent
     summary = {
         "nodes_before": len(model.graph.node),
         "nodes_after": len(current.graph.node),
@@ -91,6 +89,7 @@ def optimize_model(
         "ops_after": dict(histogram(current)),
         "verified": verifier is not None,
         "rounds": rounds,
+        "checks": checks,
         "rolled_back": list(dict.fromkeys(p["name"] for p in passes if p["rolled_back"])),
         "seconds": round(time.perf_counter() - t_start, 3),
         "passes": passes,
@@ -98,10 +97,86 @@ def optimize_model(
     return current, summary
 
 
+Plan = list[tuple[Any, Any]]
+Rounds = tuple[onnx.ModelProto, list[dict[str, Any]], int, int]  # model, pass entries, rounds, checks
+
+
+def _fast(plan: Plan, start: onnx.ModelProto, max_rounds: int, verifier: Verifier | None) -> tuple[Rounds | None, int]:
+    """Every round unchecked (:func:`_chained`), then the safety net once on the result: every check compares with
+    the original model, so a result that matches it needs no other. (None, checks run) when a pass crashed or the
+    result does not match: then :func:`_careful` finds the pass at fault."""
+    current, passes, rounds = start, [], 0
+    for rounds in range(1, max_rounds + 1):  # to a fixpoint: a fusion can expose a fold an earlier pass missed
+        size = len(current.graph.node)
+        chained = _chained(plan, current)
+        if chained is None:
+            log.info("optimize: a pass crashed; running the passes one by one")
+            return None, 0
+        current, entries = chained
+        passes += [entry | {"round": rounds} for entry in entries]
+        if len(current.graph.node) >= size:
+            break
+    changed = [e for e in passes if e["changes"]]
+    if verifier is None or not changed:
+        return (current, passes, rounds, 0), 0
+    verdict = verifier.check(current)
+    if not verdict.ok:
+        log.info("optimize: the passes changed the outputs (%s); checking them one by one", verdict.reason)
+        return None, 1
+    for entry in changed:
+        entry["max_abs_err"] = verdict.max_abs_err  # against the original model, after all the passes
+    return (current, passes, rounds, 1), 1
+
+
+def _careful(plan: Plan, start: onnx.ModelProto, max_rounds: int, verifier: Verifier | None) -> Rounds:
+    """Every pass checked on its own (one export and one check per pass that changed the graph); a pass that
+    crashes or changes the outputs is rolled back by name and not tried again in later rounds."""
+    current, passes, rounds = start, [], 0
+    for rounds in range(1, max_rounds + 1):
+        size = len(current.graph.node)
+        entries = []
+        for spec, params in plan:
+            current, entry = _step(spec, params, current, verifier)
+            entries.append(entry)
+        passes += [entry | {"round": rounds} for entry in entries]
+        plan = [step for step, entry in zip(plan, entries) if not entry["rolled_back"]]
+        if len(current.graph.node) >= size:
+            break
+    return current, passes, rounds, sum(1 for e in passes if "max_abs_err" in e)
+
+
+def _chained(plan: Plan, start: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict[str, Any]]] | None:
+    """Every pass of ``plan`` on one graph of ``start``, unchecked, exported once at the end: (the model, each
+    pass's report entry), or None when a pass crashed. After a pass that changed the graph, its shapes are inferred
+    again (:func:`refresh_shapes`): the next pass matches on them, as if the graph had been exported and re-read."""
+    graph, empties = import_graph(start)
+    entries = []
+    for spec, params in plan:
+        t0 = time.perf_counter()
+        before = Counter(n.op for n in graph.nodes)
+        try:
+            changes = spec.fn(graph, params)
+            if changes:
+                graph.cleanup().toposort()
+                refresh_shapes(graph, empties)
+        except Exception:
+            log.debug("optimize pass %s crashed", spec.name, exc_info=True)
+            return None
+        after = Counter(n.op for n in graph.nodes) if changes else before
+        entry = {"name": spec.name, "params": params.model_dump(), "nodes_before": before.total(), "changes": changes}
+        entry |= {"rolled_back": False, "nodes_after": after.total(), "ops_delta": _delta(before, after)}
+        entries.append(entry | {"seconds": round(time.perf_counter() - t0, 4)})
+        _log_pass(entries[-1])
+    if not any(e["changes"] for e in entries):
+        return start, entries
+    return infer_shapes(_export(graph, start, empties), strict=False), entries
+
+
 def _step(
     spec: Any, params: Any, current: onnx.ModelProto, verifier: Verifier | None
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """One pass over ``current``, checked by the safety net: (the model to carry on with, its report entry)."""
+    """One pass over ``current``, checked by the safety net when one is given: (the model to carry on with, its
+    report entry)."""
     t0 = time.perf_counter()
     hist = histogram(current)
     entry: dict[str, Any] = {
@@ -131,16 +206,20 @@ def _step(
         ops_delta=_delta(hist, histogram(current)),
         seconds=round(time.perf_counter() - t0, 4),
     )
+    _log_pass(entry)
+    return current, entry
+
+
+def _log_pass(entry: dict[str, Any]) -> None:
     changed = entry["nodes_before"] != entry["nodes_after"] or entry["rolled_back"]
     log.log(
         logging.INFO if changed else logging.DEBUG,
         "pass %-26s nodes %4d -> %4d%s",
-        spec.name,
+        entry["name"],
         entry["nodes_before"],
         entry["nodes_after"],
         "  ROLLED BACK" if entry["rolled_back"] else "",
     )
-    return current, entry
 
 
 def _uses_external_data(path: Path) -> bool:

@@ -18,6 +18,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import AttributeProto, helper, numpy_helper
+from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from kiln.core.onnx_io import infer_shapes
 
 # Constant's value_* attribute -> numpy dtype of the tensor it stands for (ONNX spec of Constant).
 _CONST_ATTRS: dict[str, object] = {
@@ -72,7 +76,8 @@ def normalize_constants(model: onnx.ModelProto) -> int:
 
 
 def import_graph(model: onnx.ModelProto) -> tuple[gs.Graph, EmptyAttrs]:
-    """A graphsurgeon graph of ``model`` (constants normalized on a copy) and the types of its empty list attributes."""
+    """A graphsurgeon graph of ``model`` (constants normalized on a copy: the graph's constants are views of the
+    copy's tensors, and exporting renames them in place) and the types of its empty list attributes."""
     typed = onnx.ModelProto()
     typed.CopyFrom(model)
     normalize_constants(typed)
@@ -80,6 +85,43 @@ def import_graph(model: onnx.ModelProto) -> tuple[gs.Graph, EmptyAttrs]:
     empties: EmptyAttrs = {}
     _record_empty(typed.graph, graph, empties)
     return graph, empties
+
+
+_STUB_BYTES = 4096  # constants bigger than this go to shape inference as dims and type only
+
+
+def refresh_shapes(graph: gs.Graph, empties: EmptyAttrs) -> None:
+    """Give ``graph``'s variables the shapes and types ONNX infers for the graph as it is now: what an export,
+    shape inference and a new import would give a pass, without copying the weights (big constants are exported
+    as stubs with their dims and type). Variables inference finds nothing for lose a shape a rewrite made stale."""
+    stubbed: list[tuple[gs.Constant, object]] = []
+    for t in graph.tensors().values():
+        if isinstance(t, gs.Constant) and _nbytes(t) > _STUB_BYTES:
+            stubbed.append((t, t._values))  # the exporter reads this attribute too; .values would load the data
+            t.values = LazyValues(_stub(t))
+    try:
+        light = export_graph(graph, empties)
+    finally:
+        for t, values in stubbed:
+            t.values = values
+    inferred = gs.import_onnx(infer_shapes(light, strict=False)).tensors()
+    inputs = {id(t) for t in graph.inputs}
+    for name, t in graph.tensors().items():
+        if isinstance(t, gs.Variable) and id(t) not in inputs:
+            found = inferred.get(name)
+            t.dtype, t.shape = (found.dtype, found.shape) if isinstance(found, gs.Variable) else (None, None)
+
+
+def _nbytes(t: gs.Constant) -> int:
+    return int(t._values.nbytes)  # LazyValues and numpy arrays both know their size without loading
+
+
+def _stub(t: gs.Constant) -> onnx.TensorProto:
+    """A tensor with ``t``'s name, type and dims and no data (marked external, as shape inference expects)."""
+    stub = onnx.TensorProto(name=t.name, data_type=dtype_to_onnx(t.export_dtype), dims=list(t.shape))
+    stub.data_location = onnx.TensorProto.EXTERNAL
+    stub.external_data.add(key="location", value="__kiln_stripped__")
+    return stub
 
 
 def _record_empty(proto: onnx.GraphProto, graph: gs.Graph, empties: EmptyAttrs) -> None:

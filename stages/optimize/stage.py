@@ -24,8 +24,9 @@ class OptimizeSettings(StageSettings):
 
 
 class OptimizeSummary(Summary):
-    """Node counts and op histograms before and after, whether the safety net checked the passes, and each pass's
-    entry per round (``rolled_back``: the passes that changed the outputs and were undone)."""
+    """Node counts and op histograms before and after, whether the safety net checked the passes (``checks``: how
+    many times it ran the graph), and each pass's entry per round (``rolled_back``: the passes that changed the
+    outputs and were undone)."""
 
     nodes_before: int
     nodes_after: int
@@ -33,6 +34,7 @@ class OptimizeSummary(Summary):
     ops_after: dict[str, int] = Field(default_factory=dict)
     verified: bool = False
     rounds: int = 0
+    checks: int = 0
     rolled_back: list[str] = Field(default_factory=list)
     seconds: float = 0.0
     passes: list[dict[str, Any]] = Field(default_factory=list)

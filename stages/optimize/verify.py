@@ -22,7 +22,7 @@ import onnx
 from kiln.core.compare import within_tolerance
 from kiln.core.inputs import AxisSizes
 from kiln.core.inputs import random_inputs as make_inputs
-from kiln.core.onnx_io import io_specs, ort_session, session_options
+from kiln.core.onnx_io import io_specs, model_bytes, ort_session, session_options
 from kiln.core.shapes import two_sizes
 from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
@@ -82,17 +82,23 @@ def axis_sizes(
     return out
 
 
-def run_ort(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The model as written (ORT's own graph optimizations off: they must not hide what a pass did)."""
-    sess = ort_session(model, options=session_options(optimization="none"))
-    return dict(zip([o.name for o in model.graph.output], sess.run(None, feed)))
+def _serialized(model: onnx.ModelProto) -> onnx.ModelProto | bytes:
+    """``model`` as bytes, serialized once for the checker and ONNX Runtime; too big for that, the model itself."""
+    return model.SerializeToString() if model_bytes(model) < _CHECK_LIMIT else model
 
 
-def _byte_size(model: onnx.ModelProto) -> int:
-    try:
-        return model.ByteSize()
-    except ValueError:
-        return 1 << 62
+def _session(model: onnx.ModelProto | bytes) -> Any:
+    """ONNX Runtime with its own graph optimizations off: they must not hide what a pass did."""
+    return ort_session(model, options=session_options(optimization="none"))
+
+
+def _run(sess: Any, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
+
+
+def run_ort(model: onnx.ModelProto | bytes, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The model as written, on one feed."""
+    return _run(_session(model), feed)
 
 
 class Verifier:
@@ -113,7 +119,9 @@ class Verifier:
                 model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True), int_ranges=int_ranges
             )
         ]
-        self.references = [run_ort(model, self.feeds[0])]  # must run: else the caller reports why
+        data = _serialized(model)
+        sess = _session(data)  # one session for both references
+        self.references = [_run(sess, self.feeds[0])]  # must run: else the caller reports why
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
         # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
         try:
@@ -125,7 +133,7 @@ class Verifier:
                 int_ranges=int_ranges,
             )
             if any(one[k].shape != v.shape for k, v in self.feeds[0].items()):  # else the same check twice
-                self.references.append(run_ort(model, one))
+                self.references.append(_run(sess, one))
                 self.feeds.append(one)
         except Exception as exc:
             log.info(
@@ -133,7 +141,7 @@ class Verifier:
                 short_reason(exc, 120),
                 cfg.verify_batch,
             )
-        self.check_graph = _passes_checker(model)
+        self.check_graph = _passes_checker(data)
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
         # Dropout is deterministic at inference (and eliminate_noop removes it); the others draw on every run.
@@ -142,18 +150,22 @@ class Verifier:
             log.warning("the model has random ops: the safety net can compare only output shapes and types")
 
     def check(self, candidate: onnx.ModelProto) -> Verdict:
-        if self.check_graph and _byte_size(candidate) < _CHECK_LIMIT:
+        """Whether ``candidate`` passes the checker and matches the original model on every feed. The candidate is
+        serialized once, for the checker and for one ONNX Runtime session that runs all the feeds."""
+        data = _serialized(candidate)
+        if self.check_graph and isinstance(data, bytes):
             try:
-                onnx.checker.check_model(candidate)
+                onnx.checker.check_model(data)
             except onnx.checker.ValidationError as exc:
                 return Verdict(False, float("inf"), f"not a valid ONNX graph: {short_reason(exc)}")
         atol, rtol = (float("inf"), float("inf")) if self.random else (self.cfg.atol, self.cfg.rtol)
+        try:
+            sess = _session(data)
+            outputs = [_run(sess, feed) for feed in self.feeds]
+        except Exception as exc:  # ORT rejects the graph: the pass broke it
+            return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {short_reason(exc)}")
         worst = 0.0
-        for feed, reference in zip(self.feeds, self.references):
-            try:
-                got = run_ort(candidate, feed)
-            except Exception as exc:  # ORT rejects the graph: the pass broke it
-                return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {short_reason(exc)}")
+        for reference, got in zip(self.references, outputs):
             verdict = compare(reference, got, atol, rtol)
             if not verdict.ok:
                 return verdict
@@ -161,13 +173,13 @@ class Verifier:
         return Verdict(True, worst)
 
 
-def _passes_checker(model: onnx.ModelProto) -> bool:
+def _passes_checker(data: onnx.ModelProto | bytes) -> bool:
     """Whether the checker can judge the passes: not when the input already fails it (then every pass would be
-    rolled back for what it inherited), nor for models too big to check in memory."""
-    if _byte_size(model) >= _CHECK_LIMIT:
+    rolled back for what it inherited), nor for models too big to check in memory (``data`` not serialized)."""
+    if not isinstance(data, bytes):
         return False
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(data)
         return True
     except onnx.checker.ValidationError:
         return False

@@ -128,8 +128,10 @@ def test_commands_of_hardware_and_server_docs_take_their_options(
 def test_the_readme_commands_are_the_ci_commands() -> None:
     bash = "\n".join(text for lang, text in blocks(README) if lang == "bash")
     ci = (REPO / ".ci" / "run").read_text()
-    assert 'pip install "torch==2.13.0" -e ".[dev]" && kiln run' in bash
-    assert "python -m pytest -q" in bash and "python -m pytest -q" in ci and "kiln run" in ci
+    setup = 'pip install --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" -e ".[dev]"'
+    assert f"{setup} && kiln run" in bash
+    assert setup.replace("pip install", "pip install -q") in ci and "kiln run" in ci
+    assert "python -m pytest -q" in bash and "python -m pytest -q" in ci and "-m slow" in ci
 
 
 @pytest.fixture(scope="module")

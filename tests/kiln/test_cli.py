@@ -299,6 +299,7 @@ def test_direct_validate_inputs_of_the_wrong_shape_or_dtype(cli: CliRunner, tmp_
         assert_clean_error(result, 2, "input 'input' is", "the engine takes float32[batch, 1, 8, 8]")
 
 
+@pytest.mark.slow
 def test_direct_export_takes_the_configs_checkpoint(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     """model.checkpoint in the config is the weights to export (it once exported random weights, exit 0)."""
     import numpy as np
@@ -431,6 +432,7 @@ def test_garbage_pt_checkpoint_and_wrong_input_shape_say_what_is_wrong(cli: CliR
     assert_clean_error(result, 2, "the model rejects an input of shape [batch, 3,32,32]", "--input-shape")
 
 
+@pytest.mark.slow
 def test_a_models_folder_in_the_working_directory_does_not_shadow_kiln(tmp_path: Path, write_yaml) -> None:
     """kiln puts the current folder on sys.path for user modules; a project folder named models/ (weights, say)
     must not replace Kiln's own package. A fresh process: in this one Kiln's packages are imported already."""
@@ -446,7 +448,6 @@ def test_a_models_folder_in_the_working_directory_does_not_shadow_kiln(tmp_path:
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

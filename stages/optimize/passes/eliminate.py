@@ -188,18 +188,38 @@ def _node_key(node: gs.Node) -> tuple | None:
     return (node.op, node.domain, tuple(id(t) for t in node.inputs), attrs, len(node.outputs))
 
 
+def _duplicate_constants(graph: gs.Graph) -> dict[int, gs.Constant]:
+    """id of each constant input that repeats an earlier one -> that earlier one. Only constants that share a
+    dtype and shape are read and hashed: a model's big weights mostly have a shape of their own, and reading
+    one turns graphsurgeon's lazy view of the ONNX tensor into a copy that the exporter converts back."""
+    groups: dict[tuple, dict[int, gs.Constant]] = {}
+    for node in graph.nodes:
+        for t in node.inputs:
+            if isinstance(t, gs.Constant):
+                groups.setdefault((str(t.dtype), tuple(t.shape)), {})[id(t)] = t
+    same: dict[int, gs.Constant] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        first: dict[tuple, gs.Constant] = {}
+        for t in members.values():
+            keep = first.setdefault(_const_key(t), t)
+            if keep is not t:
+                same[id(t)] = keep
+    return same
+
+
 @register("cse")
 def cse(graph: gs.Graph, p: BaseModel) -> int:
     """Merge identical constants and nodes that compute the same op on the same inputs (common subexpressions)."""
     n = 0
-    seen_const: dict[tuple, gs.Constant] = {}
+    same = _duplicate_constants(graph)
     for node in graph.nodes:  # identical constants first, so duplicate nodes over them become identical too
         for i, t in enumerate(node.inputs):
-            if isinstance(t, gs.Constant):
-                keep = seen_const.setdefault(_const_key(t), t)
-                if keep is not t:
-                    node.inputs[i] = keep
-                    n += 1
+            keep = same.get(id(t))
+            if keep is not None:
+                node.inputs[i] = keep
+                n += 1
     changed = True
     while changed:
         changed = False

@@ -43,10 +43,12 @@ def f32(*shape: int, seed: int = 0) -> np.ndarray:
 
 
 def run_pass(model: onnx.ModelProto, name: str, **params: Any) -> tuple[onnx.ModelProto, dict[str, Any]]:
-    """One pass with the safety net on; fails the test if the net had to roll it back."""
+    """One pass with the safety net on; fails the test if the net had to roll it back, or had to check the pass
+    on its own (the pass crashed, or its result differed from the original model's)."""
     entry: Any = {"name": name, **params} if params else name
     out, summary = optimize_model(model, OptimizeConfig(passes=[entry, "toposort"]))
     assert not summary["rolled_back"], summary["passes"]
+    assert summary["checks"] <= 1, summary["passes"]  # one check of the whole result, no pass checked again
     return out, summary
 
 

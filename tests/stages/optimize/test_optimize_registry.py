@@ -65,3 +65,27 @@ def test_a_crashing_pass_is_rolled_back(monkeypatch):
     m = make_model([h.make_node("Relu", ["x"], ["y"])], [("x", ["N", 8], FLOAT)], ["y"], {})
     out, s = optimize_model(m, OptimizeConfig(passes=["boom", "toposort"]))
     assert s["rolled_back"] == ["boom"] and "RuntimeError" in s["passes"][0]["reason"]
+
+
+def test_a_round_is_checked_once_and_a_bad_pass_in_it_is_found_by_name(monkeypatch):
+    """The safety net runs the graph once per clean round; when the round's result differs, it replays the round
+    pass by pass and rolls back only the pass at fault."""
+
+    def relu_to_identity(graph, p):  # wrong
+        n = 0
+        for node in graph.nodes:
+            if node.op == "Relu":
+                node.op, n = "Identity", n + 1
+        return n
+
+    monkeypatch.setitem(
+        registry.PASSES, "wrong", registry.PassSpec("wrong", relu_to_identity, registry.NoParams, "bad")
+    )
+    nodes = [h.make_node("Identity", ["x"], ["a"]), h.make_node("Relu", ["a"], ["y"])]
+    m = make_model(nodes, [("x", ["N", 8], FLOAT)], ["y"], {})
+    out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity", "toposort"]))
+    assert ops(out) == ["Relu"] and s["checks"] == 1 and not s["rolled_back"]  # one change, one check
+    out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity", "wrong", "toposort"]))
+    assert ops(out) == ["Relu"] and s["rolled_back"] == ["wrong"]  # the good pass kept, the bad one named
+    assert s["checks"] == 3  # the round, then each of its two changing passes
+    assert [p["name"] for p in s["passes"] if p["rolled_back"]] == ["wrong"]

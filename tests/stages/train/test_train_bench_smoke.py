@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the training benchmark script, in its own process
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -34,7 +36,6 @@ def test_train_bench_smoke(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         env=env,
-        timeout=170,
     )
     res = json.loads((tmp_path / "train_smoke.json").read_text())
     cells = {(r["model"], r["precision"]) for r in res["rows"]}
@@ -101,7 +102,6 @@ def test_train_bench_compile_smoke(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         env=env,
-        timeout=290,
     )
     res = json.loads((tmp_path / "train_compile_smoke_bert_base.json").read_text())
     (row,) = res["rows"]

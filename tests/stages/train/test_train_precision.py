@@ -44,6 +44,7 @@ def test_norms_run_in_fp32_under_bf16_autocast() -> None:
     assert "forward" not in vars(model[2])  # the patch is gone after the block
 
 
+@pytest.mark.slow
 def test_bf16_training_keeps_fp32_master_weights_and_reports_norms() -> None:
     model = tiny_net()
     result = train(model, tiny_data(), train_cfg(precision="bf16", epochs=1))

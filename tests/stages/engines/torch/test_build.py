@@ -24,6 +24,8 @@ from kiln.stages.engines.torch.program import compile_program, inductor_options
 from tests.conftest import tiny_config_dict
 from tests.stages.engines.build_graphs import assert_engine_matches, sample
 
+pytestmark = pytest.mark.slow  # AOTInductor and Inductor builds: a minute of C++ compiling each
+
 
 def test_registered_opt_in_and_planned_for_fp32_or_gpu_fp16() -> None:
     assert "torch" in BACKENDS and "torch" not in BuildConfig().backends
@@ -44,7 +46,6 @@ def _cnn() -> torch.nn.Module:
     return build_model("cnn", {}).eval()
 
 
-@pytest.mark.slow
 def test_cpu_package_matches_pytorch_at_any_batch_and_refuses_another_torch(zoo, tmp_path: Path) -> None:
     model = _cnn()  # the weights zoo("cnn") was exported from
     meta = build_engine(
@@ -66,7 +67,6 @@ def test_cpu_package_matches_pytorch_at_any_batch_and_refuses_another_torch(zoo,
     assert not ok and "tied to the torch that built them" in why
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("freezing", [False, True])  # True: the weights folded as constants
 def test_compiled_flavour_matches_pytorch_and_reloads_from_its_files(zoo, tmp_path: Path, freezing: bool) -> None:
     """Inductor's work shipped without AOTInductor's loader: the exported program and the compile caches; the
@@ -125,7 +125,6 @@ def test_inductor_config_reaches_the_compilation(
     torch.testing.assert_close(out, model(x).detach())
 
 
-@pytest.mark.slow
 def test_an_aotinductor_package_freezes_its_weights(zoo, tmp_path: Path) -> None:
     """AOTInductor freezes only when compiled without autograd: the package holds frozen constants when asked, and
     computes the model (channels_last weights frozen into a package gave errors of 0.02-0.03 here: Kiln leaves the
@@ -220,7 +219,6 @@ def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
         )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["aotinductor", "compiled"])
 def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -> None:
     """Token ids + mask sharing a `seq` axis (signature.dynamic_axes): exported with that axis dynamic too, validated
@@ -264,7 +262,6 @@ class DictScorer(torch.nn.Module):
         return {"score": self.head(h).squeeze(-1), "embedding": h}
 
 
-@pytest.mark.slow
 def test_dict_inputs_and_outputs_keep_their_names(tmp_path: Path) -> None:
     """The engine binds the ONNX inputs by name (by position, mask would have gone in as ids: both integer, no
     error, wrong outputs) and flattens a dict output as the export did (before: the build failed on the dict)."""
@@ -309,7 +306,6 @@ class TinyUNet(torch.nn.Module):
         return self.out(torch.cat([self.up(torch.nn.functional.max_pool2d(self.down(x), 2)), x], 1))
 
 
-@pytest.mark.slow
 def test_axes_the_model_constrains_are_refined_as_torch_suggests(tmp_path: Path) -> None:
     """Dynamic height/width on a model that needs them even: torch.export refused the plain dims ("Constraints
     violated (height, width)"), so the engine was skipped; with torch's suggested fixes it takes both sizes."""
@@ -338,7 +334,6 @@ def test_axes_the_model_constrains_are_refined_as_torch_suggests(tmp_path: Path)
             np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow
 def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict

@@ -276,7 +276,6 @@ def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_pa
         [sys.executable, "-m", "kiln.cli", "run", str(config), "--workdir", str(tmp_path / "w"), "--quiet"],
         capture_output=True,
         text=True,
-        timeout=120,
     )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and not (tmp_path / "w" / "train").exists(), result.stdout + result.stderr
