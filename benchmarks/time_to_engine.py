@@ -144,13 +144,13 @@ def onnxsim_seconds(src: Path, dst: Path) -> float | None:
 
 
 def run_model(name: str, config: dict[str, Any], folder: Path, gpu: bool) -> dict[str, Any]:
-    kiln = str(Path(sys.executable).with_name("kiln"))
+    kiln = [sys.executable, "-m", "kiln.cli"]  # also where Kiln is installed with `pip --target` (no script)
     env = {k: v for k, v in os.environ.items()}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
     if gpu:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(folder / f"inductor-{name}")  # cold: no kernels from earlier runs
     (folder / f"{name}.json").write_text(json.dumps(config))
-    wall, done = timed([kiln, "run", f"{name}.json", "-w", f"wd-{name}", "--quiet"], folder, env)
+    wall, done = timed([*kiln, "run", f"{name}.json", "-w", f"wd-{name}", "--quiet"], folder, env)
     row: dict[str, Any] = {"model": name, "kiln_run_s": round(wall, 2), "exit_code": done.returncode}
     if done.returncode != 0:
         row["error"] = done.stderr[-1500:]
@@ -159,7 +159,7 @@ def run_model(name: str, config: dict[str, Any], folder: Path, gpu: bool) -> dic
     row["stages_s"] = {stage: s["seconds"] for stage, s in report["stages"].items()}
     row["validation_passed"] = report["validation"]["passed"]
     raw = folder / f"wd-{name}" / "export" / "model.onnx"
-    opt_wall, opt = timed([kiln, "optimize", str(raw), "-o", str(folder / f"{name}.opt.onnx"), "--quiet"], folder, env)
+    opt_wall, opt = timed([*kiln, "optimize", str(raw), "-o", str(folder / f"{name}.opt.onnx"), "--quiet"], folder, env)
     row["kiln_optimize_s"] = round(opt_wall, 2) if opt.returncode == 0 else None
     sim = onnxsim_seconds(raw, folder / f"{name}.sim.onnx")
     row["onnxsim_s"] = round(sim, 2) if sim is not None else None

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
@@ -140,16 +141,7 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
     replaced. ``strict`` (a gate: export, precision): recorded shapes and types are checked against what inference
     finds, and a failure is a :class:`ModelError`. Not strict (graph passes, for which shapes are a help): recorded
     shapes are dropped first (a pass may have made them stale), and a failure is a warning with ``model`` unchanged."""
-    light = _without_initializers(model, keep_value_info=strict)
-    for init in model.graph.initializer:
-        t = light.graph.initializer.add()
-        if tensor_bytes(init) <= _STRIP_BYTES:
-            t.CopyFrom(init)
-        else:  # dims and type only: inference reads nothing else from big tensors
-            t.name, t.data_type = init.name, init.data_type
-            t.dims.extend(init.dims)
-            t.data_location = onnx.TensorProto.EXTERNAL
-            t.external_data.add(key="location", value="__kiln_stripped__")
+    light, _ = light_model(model, keep_value_info=strict)
     try:
         inferred = onnx.shape_inference.infer_shapes(light, check_type=strict, data_prop=True)
     except Exception as exc:
@@ -166,6 +158,48 @@ def infer_shapes(model: onnx.ModelProto, strict: bool = True) -> onnx.ModelProto
         if not out.type.HasField("tensor_type") or not out.type.tensor_type.HasField("shape"):
             out.type.CopyFrom(found.type)
     return model
+
+
+# Tensor types ONNX Runtime takes from numpy arrays as external initializers.
+_SHAREABLE = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.DOUBLE,
+    onnx.TensorProto.INT8,
+    onnx.TensorProto.UINT8,
+    onnx.TensorProto.INT16,
+    onnx.TensorProto.UINT16,
+    onnx.TensorProto.INT32,
+    onnx.TensorProto.UINT32,
+    onnx.TensorProto.INT64,
+    onnx.TensorProto.UINT64,
+    onnx.TensorProto.BOOL,
+}
+STUB_LOCATION = "__kiln_stub__"  # the external-data location of a stubbed initializer: names no file
+
+
+def light_model(
+    model: onnx.ModelProto, keep_value_info: bool = True, with_data: bool = False
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of ``model`` whose big initializers (over 4 KB, held in memory) are stubs: name, type and dims, marked
+    external under a location that names no file. Shape inference and the checker read nothing else; serializing
+    the copy costs kilobytes where the model costs its weights. ``with_data``: the stubs' data too, as arrays for
+    ONNX Runtime's external initializers (tensors of types it cannot take from numpy then stay in the copy)."""
+    light = _without_initializers(model, keep_value_info)
+    weights: dict[str, np.ndarray] = {}
+    for init in model.graph.initializer:
+        t = light.graph.initializer.add()
+        big = tensor_bytes(init) > _STRIP_BYTES and init.data_location != onnx.TensorProto.EXTERNAL
+        if not big or (with_data and init.data_type not in _SHAREABLE):
+            t.CopyFrom(init)
+            continue
+        t.name, t.data_type = init.name, init.data_type
+        t.dims.extend(init.dims)
+        t.data_location = onnx.TensorProto.EXTERNAL
+        t.external_data.add(key="location", value=STUB_LOCATION)
+        if with_data:
+            weights[init.name] = np.ascontiguousarray(numpy_helper.to_array(init))
+    return light, weights
 
 
 def _without_initializers(model: onnx.ModelProto, keep_value_info: bool) -> onnx.ModelProto:
@@ -321,22 +355,34 @@ def ort_session(
 
     opts = options if options is not None else session_options(threads, optimization=optimization)
     providers = providers or ["CPUExecutionProvider"]
+    weights: dict[str, np.ndarray] = {}
+    if isinstance(model, onnx.ModelProto) and not opts.optimized_model_filepath:
+        # The weights go to ORT as arrays and the graph as a few kilobytes: no serialized copy of the weights
+        model, weights = light_model(model, with_data=True)
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
+    if weights:
+        opts.add_external_initializers(list(weights), values)
     try:
-        if isinstance(model, onnx.ModelProto) and model_bytes(model) > _INLINE_LIMIT:
-            with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
-                path = Path(tmp) / "model.onnx"
-                save_onnx(model, path, external=True)
-                return ort.InferenceSession(str(path), opts, providers=providers)
-        if isinstance(model, onnx.ModelProto):
-            src: bytes | str = model.SerializeToString()
-        else:
-            src = model if isinstance(model, bytes) else str(model)
-        return ort.InferenceSession(src, opts, providers=providers)
+        sess = _ort_session(model, opts, providers)
+        sess.kiln_weights = values  # ORT may read the weights from these buffers while the session lives
+        return sess
     except Exception as exc:
         raise error(
             f"ONNX Runtime cannot load the model: {first_line(exc)}",
             hint="an op or type may be unsupported by ONNX Runtime; try another opset",
         ) from None
+
+
+def _ort_session(model: onnx.ModelProto | bytes | str | Path, opts: Any, providers: list[Any]) -> Any:
+    import onnxruntime as ort
+
+    if isinstance(model, onnx.ModelProto) and model_bytes(model) > _INLINE_LIMIT:  # weights ORT cannot take as arrays
+        with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            save_onnx(model, path, external=True)
+            return ort.InferenceSession(str(path), opts, providers=providers)
+    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+    return ort.InferenceSession(src if isinstance(src, bytes) else str(src), opts, providers=providers)
 
 
 def ort_run(session: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -112,6 +112,9 @@ class Backend:
     source: Callable[[Backend, str, str, dict[str, PrecisionVariant], Any], tuple[str, list[str] | None]] | None = None
     # Preference among engines within timing noise of each other (validate's per-batch choice): lower first.
     rank: int = 100
+    # Builds from the precision stage's graph of each variant. False: from the PyTorch model itself, reading the
+    # graph for its inputs and outputs only (the precision stage then converts no graph for it).
+    reads_graph: bool = True
 
     def settings(self, build_config: Section) -> Any:
         """This backend's section of a build config (``build.<name>``)."""

@@ -27,6 +27,12 @@ class BuildConfig(Section):
         description="engine kinds to build; torch (Inductor, from the trained model) is opt-in",
     )
 
+    @property
+    def graph_readers(self) -> list[str]:
+        """The listed backends that build from the precision stage's ONNX graphs (not from the PyTorch model):
+        the precision stage converts a variant's graph only for them. Read as ``build.graph_readers``."""
+        return [b for b in self.backends if BACKENDS[b].reads_graph]
+
     @classmethod
     def subsections(cls) -> dict[str, type[Section]]:
         return {name: backend.config for name, backend in BACKENDS.items()}

@@ -102,22 +102,25 @@ Rounds = tuple[onnx.ModelProto, list[dict[str, Any]], int, int]  # model, pass e
 
 
 def _fast(plan: Plan, start: onnx.ModelProto, max_rounds: int, verifier: Verifier | None) -> tuple[Rounds | None, int]:
-    """Every round unchecked (:func:`_chained`), then the safety net once on the result: every check compares with
-    the original model, so a result that matches it needs no other. (None, checks run) when a pass crashed or the
-    result does not match: then :func:`_careful` finds the pass at fault."""
-    current, passes, rounds = start, [], 0
+    """Every round unchecked on one graph (:func:`_chained`), exported once, then the safety net once on the
+    result: every check compares with the original model, so a result that matches it needs no other. (None,
+    checks run) when a pass crashed or the result does not match: then :func:`_careful` finds the pass at fault."""
+    graph, empties = import_graph(start)
+    passes, rounds = [], 0
     for rounds in range(1, max_rounds + 1):  # to a fixpoint: a fusion can expose a fold an earlier pass missed
-        size = len(current.graph.node)
-        chained = _chained(plan, current)
-        if chained is None:
+        size = len(graph.nodes)
+        entries = _chained(plan, graph, empties)
+        if entries is None:
             log.info("optimize: a pass crashed; running the passes one by one")
             return None, 0
-        current, entries = chained
         passes += [entry | {"round": rounds} for entry in entries]
-        if len(current.graph.node) >= size:
+        if len(graph.nodes) >= size:
             break
     changed = [e for e in passes if e["changes"]]
-    if verifier is None or not changed:
+    if not changed:
+        return (start, passes, rounds, 0), 0
+    current = infer_shapes(_export(graph, start, empties), strict=False)
+    if verifier is None:
         return (current, passes, rounds, 0), 0
     verdict = verifier.check(current)
     if not verdict.ok:
@@ -145,11 +148,10 @@ def _careful(plan: Plan, start: onnx.ModelProto, max_rounds: int, verifier: Veri
     return current, passes, rounds, sum(1 for e in passes if "max_abs_err" in e)
 
 
-def _chained(plan: Plan, start: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict[str, Any]]] | None:
-    """Every pass of ``plan`` on one graph of ``start``, unchecked, exported once at the end: (the model, each
-    pass's report entry), or None when a pass crashed. After a pass that changed the graph, its shapes are inferred
-    again (:func:`refresh_shapes`): the next pass matches on them, as if the graph had been exported and re-read."""
-    graph, empties = import_graph(start)
+def _chained(plan: Plan, graph: gs.Graph, empties: EmptyAttrs) -> list[dict[str, Any]] | None:
+    """Every pass of ``plan`` on ``graph`` in place, unchecked: each pass's report entry, or None when a pass
+    crashed. After a pass that changed the graph, its shapes are inferred again (:func:`refresh_shapes`): the next
+    pass matches on them, as if the graph had been exported and re-read."""
     entries = []
     for spec, params in plan:
         t0 = time.perf_counter()
@@ -167,9 +169,7 @@ def _chained(plan: Plan, start: onnx.ModelProto) -> tuple[onnx.ModelProto, list[
         entry |= {"rolled_back": False, "nodes_after": after.total(), "ops_delta": _delta(before, after)}
         entries.append(entry | {"seconds": round(time.perf_counter() - t0, 4)})
         _log_pass(entries[-1])
-    if not any(e["changes"] for e in entries):
-        return start, entries
-    return infer_shapes(_export(graph, start, empties), strict=False), entries
+    return entries
 
 
 def _step(

@@ -22,7 +22,7 @@ import onnx
 from kiln.core.compare import within_tolerance
 from kiln.core.inputs import AxisSizes
 from kiln.core.inputs import random_inputs as make_inputs
-from kiln.core.onnx_io import io_specs, model_bytes, ort_session, session_options
+from kiln.core.onnx_io import STUB_LOCATION, io_specs, light_model, model_bytes, ort_session, session_options
 from kiln.core.shapes import two_sizes
 from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
@@ -82,12 +82,25 @@ def axis_sizes(
     return out
 
 
-def _serialized(model: onnx.ModelProto) -> onnx.ModelProto | bytes:
-    """``model`` as bytes, serialized once for the checker and ONNX Runtime; too big for that, the model itself."""
-    return model.SerializeToString() if model_bytes(model) < _CHECK_LIMIT else model
+def _checkable(model: onnx.ModelProto) -> bytes | None:
+    """``model`` as the checker reads it, serialized: its big initializers declared as graph inputs of their type
+    and shape (the checker judges the graph, not the weights; ONNX Runtime runs those). None for a model whose
+    graph alone is still too big to check in memory."""
+    light, _ = light_model(model)
+    stubs = [t for t in light.graph.initializer if _is_stub(t)]
+    if stubs:
+        kept = [t for t in light.graph.initializer if not _is_stub(t)]
+        del light.graph.initializer[:]
+        light.graph.initializer.extend(kept)
+        light.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in stubs)
+    return light.SerializeToString() if model_bytes(light) < _CHECK_LIMIT else None
 
 
-def _session(model: onnx.ModelProto | bytes) -> Any:
+def _is_stub(tensor: onnx.TensorProto) -> bool:
+    return any(e.key == "location" and e.value == STUB_LOCATION for e in tensor.external_data)
+
+
+def _session(model: onnx.ModelProto) -> Any:
     """ONNX Runtime with its own graph optimizations off: they must not hide what a pass did."""
     return ort_session(model, options=session_options(optimization="none"))
 
@@ -96,7 +109,7 @@ def _run(sess: Any, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feed)))
 
 
-def run_ort(model: onnx.ModelProto | bytes, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_ort(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The model as written, on one feed."""
     return _run(_session(model), feed)
 
@@ -119,8 +132,7 @@ class Verifier:
                 model, cfg, dynamic=axis_sizes(model, cfg.verify_batch, data_sizes, True), int_ranges=int_ranges
             )
         ]
-        data = _serialized(model)
-        sess = _session(data)  # one session for both references
+        sess = _session(model)  # one session for both references
         self.references = [_run(sess, self.feeds[0])]  # must run: else the caller reports why
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
         # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
@@ -141,7 +153,7 @@ class Verifier:
                 short_reason(exc, 120),
                 cfg.verify_batch,
             )
-        self.check_graph = _passes_checker(data)
+        self.check_graph = _passes_checker(_checkable(model))
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
         # Dropout is deterministic at inference (and eliminate_noop removes it); the others draw on every run.
@@ -150,17 +162,17 @@ class Verifier:
             log.warning("the model has random ops: the safety net can compare only output shapes and types")
 
     def check(self, candidate: onnx.ModelProto) -> Verdict:
-        """Whether ``candidate`` passes the checker and matches the original model on every feed. The candidate is
-        serialized once, for the checker and for one ONNX Runtime session that runs all the feeds."""
-        data = _serialized(candidate)
-        if self.check_graph and isinstance(data, bytes):
+        """Whether ``candidate`` passes the checker and matches the original model on every feed (one ONNX
+        Runtime session runs all the feeds; neither the checker nor ORT gets a serialized copy of the weights)."""
+        data = _checkable(candidate) if self.check_graph else None
+        if data is not None:
             try:
                 onnx.checker.check_model(data)
             except onnx.checker.ValidationError as exc:
                 return Verdict(False, float("inf"), f"not a valid ONNX graph: {short_reason(exc)}")
         atol, rtol = (float("inf"), float("inf")) if self.random else (self.cfg.atol, self.cfg.rtol)
         try:
-            sess = _session(data)
+            sess = _session(candidate)
             outputs = [_run(sess, feed) for feed in self.feeds]
         except Exception as exc:  # ORT rejects the graph: the pass broke it
             return Verdict(False, float("inf"), f"ONNX Runtime cannot run it: {short_reason(exc)}")
@@ -173,10 +185,10 @@ class Verifier:
         return Verdict(True, worst)
 
 
-def _passes_checker(data: onnx.ModelProto | bytes) -> bool:
+def _passes_checker(data: bytes | None) -> bool:
     """Whether the checker can judge the passes: not when the input already fails it (then every pass would be
-    rolled back for what it inherited), nor for models too big to check in memory (``data`` not serialized)."""
-    if not isinstance(data, bytes):
+    rolled back for what it inherited), nor for graphs too big to check in memory (``data`` None)."""
+    if data is None:
         return False
     try:
         onnx.checker.check_model(data)

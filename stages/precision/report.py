@@ -25,6 +25,8 @@ def report_section(precision: Any) -> list[str]:
         ]
         out += [f"| {name} | **failed, not built** | - |" for name in precision.failed]
         for name, v in variants.items():
+            if v.get("graph"):
+                out += ["", f"`{name}`: {v['graph']}."]
             if "ort_cpu_scheme" in v:
                 out += [
                     "",

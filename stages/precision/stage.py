@@ -56,13 +56,17 @@ class PrecisionSettings(StageSettings):
     """What the precision stage reads: its section and calibration's, the data it calibrates and checks
     variants on (with the model and seed that make it), and the signature (logits output, dynamic axes)."""
 
-    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output")}
+    SOURCES = {
+        "signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output"),
+        "graph_readers": "build.graph_readers",
+    }
     seed: int
     model: ModelConfig
     data: DataConfig
     precision: PrecisionConfig
     calibration: CalibrationConfig
     signature: Signature
+    graph_readers: list[str]  # the configured backends that build from ONNX graphs: none, no graph is converted
 
 
 class PrecisionSummary(Summary):
@@ -81,11 +85,12 @@ class PrecisionSummary(Summary):
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
     wanted = list(dict.fromkeys(cfg.variants))
+    converted = wanted if ctx.config.graph_readers else [p for p in wanted if p == "fp32"]
     data = ctx.dataset()
     graph = load_onnx(ctx.inputs["optimize"] / "model.onnx")
     inputs, outputs = io_specs(graph)
     names = [i.name for i in inputs]  # the export's order: the data's inputs in call order
-    needs_data = "int8" in wanted or ("fp16" in wanted and cfg.fp16.range_check)
+    needs_data = "int8" in converted or ("fp16" in converted and cfg.fp16.range_check)
     batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
     x_val = feed_for_graph(take(data.val_x, slice(0, cfg.fallback.samples)), names)
     logits = logits_name([o.name for o in outputs], ctx.config.signature.logits_output)
@@ -95,7 +100,8 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
-        fp32_path = ctx.out / "fp32" / "model.onnx" if "fp32" in wanted else Path(tmp) / "fp32.onnx"
+        kept = "fp32" in wanted or converted != wanted  # unconverted variants point at the FP32 graph
+        fp32_path = ctx.out / "fp32" / "model.onnx" if kept else Path(tmp) / "fp32.onnx"
         src = Source.prepare(
             graph,
             fp32_path,
@@ -105,13 +111,17 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             labelled,
         )
         cache_dir = src.cache_dir if ccfg.cache else None
-        variants, failed = build_variants(src, ctx.out, wanted, cfg, ccfg, x_val, ctx.progress, ctx.log)
+        variants, failed = build_variants(src, ctx.out, converted, cfg, ccfg, x_val, ctx.progress, ctx.log)
         modules = torch_modules(src.model, *_export_graph(ctx))
         node_report = (
             _node_error_report(ctx, src, variants, x_val, modules)
             if cfg.node_errors and set(variants) - {"fp32"}
             else {}
         )
+    for precision in wanted:
+        if precision not in converted:
+            variants[precision] = _unconverted(precision, ctx.log)
+    variants = {p: variants[p] for p in wanted if p in variants}
     if not variants:
         raise ModelError(
             "no precision variant could be built: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
@@ -134,6 +144,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             "fallback_passed": e.get("fallback", {}).get("passed", True),
             **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {}),
             **({"reduce_range": True} if e.get("calibration", {}).get("reduce_range") else {}),
+            **({"graph": e["graph"]} if "graph" in e else {}),
         }
         for v, e in variants.items()
     }
@@ -177,6 +188,17 @@ def build_variants(
                 _log_variant(log, precision, variants[precision])
             bar.advance(1, note=precision)
     return variants, failed
+
+
+def _unconverted(precision: str, log: logging.Logger) -> dict[str, Any]:
+    """A variant whose engines are all compiled from the PyTorch model: no graph of its own, the FP32 one stands
+    in (the engines read their inputs and outputs from it)."""
+    why = (
+        f"not converted: the backends in build.backends build {precision} from the PyTorch model, not from an "
+        "ONNX graph (add onnxruntime or tensorrt to build.backends for a converted graph)"
+    )
+    log.info("%s: %s", precision, why)
+    return {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}, "graph": why}
 
 
 def _axis_sizes(data: DatasetSplits, names: list[str], ctx: StageContext[PrecisionSettings]) -> dict[str, list[int]]:

@@ -78,5 +78,6 @@ BACKEND = Backend(
     hints=_hints,
     # opt-in and model-dependent (torch.export cannot capture every model): a failure skips it, reported
     optional=lambda cfg: True,
+    reads_graph=False,  # casts the PyTorch model to the engine's precision itself
     rank=20,
 )

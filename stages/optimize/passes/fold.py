@@ -71,6 +71,24 @@ def resolve_castlike(graph: gs.Graph) -> int:
     return n
 
 
+def fold_transposes(graph: gs.Graph, size_threshold: int | None) -> int:
+    """Transpose of a constant (a weight the exporter laid out for MatMul) -> the transposed constant, in numpy.
+    graphsurgeon's folder computes the same in ONNX Runtime, for which it serializes every weight it touches."""
+    outputs = set(map(id, graph.outputs))
+    n = 0
+    for node in graph.nodes:
+        if node.op != "Transpose" or len(node.outputs) != 1 or id(node.outputs[0]) in outputs:
+            continue
+        values = const(node.inputs[0])
+        if values is None or (size_threshold is not None and values.nbytes > size_threshold):
+            continue
+        out = node.outputs[0]
+        node.outputs.clear()  # the node is dead now; cleanup drops it
+        out.to_constant(np.ascontiguousarray(np.transpose(values, node.attrs.get("perm"))))
+        n += 1
+    return n
+
+
 def static_reshapes(graph: gs.Graph) -> int:
     """Reshape whose shape is computed (e.g. from Shape(input)) but whose output shape is known except one
     axis -> constant shape, using 0 ("copy this axis") or -1 for that axis. Exact: shape inference already
@@ -110,6 +128,7 @@ def fold_constants(graph: gs.Graph, p: FoldParams) -> int:
             resolve_castlike(graph)
             + (static_reshapes(graph) if p.static_reshape else 0)
             + (fold_shapes(graph, p) if p.static_shapes else 0)
+            + fold_transposes(graph, p.size_threshold)
         )
         with _quiet_gs():
             # A random op has no variable inputs, so it looks foldable; folding would freeze one draw forever.

@@ -60,6 +60,19 @@ def test_variants_and_report_fields(tmp_path: Path, exported: Path) -> None:
     assert (tmp_path / "precision" / "int8" / int8.report["trt_calibration_table"]).is_file()
 
 
+def test_variants_only_pytorch_engines_build_are_not_converted(tmp_path: Path, exported: Path) -> None:
+    before = STATS["calibrations"]
+    variants, summary = _run(tmp_path, exported, **{"precision.variants": ["fp16"], "build.backends": ["torch"]})
+    assert variants["fp16"].path == "fp32/model.onnx" and not variants["fp16"].kept_fp32
+    assert (tmp_path / "precision" / "fp32" / "model.onnx").is_file()
+    assert not (tmp_path / "precision" / "fp16").exists() and STATS["calibrations"] == before
+    assert "from the PyTorch model" in summary["variants"]["fp16"]["graph"]
+    with_ort, _ = _run(
+        tmp_path, exported, "p2", **{"precision.variants": ["fp16"], "build.backends": ["torch", "onnxruntime"]}
+    )
+    assert with_ort["fp16"].path == "fp16/model.onnx" and with_ort["fp16"].kept_fp32
+
+
 def test_second_run_reuses_calibration(tmp_path: Path, exported: Path) -> None:
     _run(tmp_path, exported, "p1", **{"precision.variants": ["int8"]})
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))
