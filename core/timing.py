@@ -8,6 +8,16 @@ from typing import Any
 MIN_TIMED = 3  # calls timed whatever the budget: a median needs a few
 
 
+def warm_up(fn: Any, calls: int, budget_s: float | None = None) -> None:
+    """Up to ``calls`` untimed calls; with ``budget_s``, none after a quarter of it is spent (one call at least: a
+    call that slow is past its first-call costs after one)."""
+    t0 = time.perf_counter()
+    for i in range(calls):
+        if i and budget_s is not None and time.perf_counter() - t0 > budget_s / 4:
+            break
+        fn()
+
+
 def time_calls(fn: Any, iterations: int, cuda: bool | None = None, budget_s: float | None = None) -> list[float]:
     """ms per call: CUDA events around each call when ``cuda`` (default: when torch sees a GPU; ``fn`` runs its
     work on the current stream or synchronizes, so they bracket it), else wall clock (CPU sessions and

@@ -25,7 +25,7 @@ from kiln.core.artifacts import hash_file
 from kiln.core.errors import InputError, InputFileError
 from kiln.core.records import EngineMetadata, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
-from kiln.core.timing import time_calls
+from kiln.core.timing import time_calls, warm_up
 
 SIDECAR = "kiln-engine.json"
 REBUILD = "rebuild the engine: `kiln build` (or `kiln run --force build` in a workdir)"
@@ -212,10 +212,10 @@ class Runner:
         self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
     ) -> list[float]:
         """Latency of one call in ms, host arrays in and out (what a caller of the engine sees); at most
-        ``iterations`` calls, fewer once ``budget_s`` seconds are spent (:func:`kiln.core.timing.time_calls`)."""
-        self.infer(feed)  # checks the feed once; the timed calls below skip the check
-        for _ in range(warmup):
-            self._infer(feed)
+        ``iterations`` calls, fewer once ``budget_s`` seconds are spent (:func:`kiln.core.timing.time_calls`), after
+        a warm-up that takes a quarter of the budget at most."""
+        self.infer(feed)  # checks the feed once; the calls below skip the check
+        warm_up(lambda: self._infer(feed), warmup, budget_s)
         return time_calls(lambda: self._infer(feed), iterations, cuda=False, budget_s=budget_s)
 
     def _activate(self) -> None:

@@ -20,7 +20,7 @@ import torch
 from kiln.core.data import Inputs, call, rebuild, tensors
 from kiln.core.records import Baseline, Memory, Percentiles
 from kiln.core.text import first_line
-from kiln.core.timing import time_calls
+from kiln.core.timing import time_calls, warm_up
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 
 
@@ -37,8 +37,8 @@ def time_torch(
     else wall clock."""
     cuda = tensors(x)[0].is_cuda
     with torch.inference_mode():
-        for _ in range(warmup):
-            call(model, x)
+        # On the GPU every warm-up call runs (compiling and CUDA-graph capture need them; each is quick after)
+        warm_up(lambda: call(model, x), warmup, None if cuda else budget_s)
         if cuda:
             torch.cuda.synchronize()
         return time_calls(lambda: call(model, x), iterations, cuda=cuda, budget_s=budget_s)

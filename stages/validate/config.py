@@ -73,10 +73,11 @@ class ValidateConfig(Section):
     warmup: int = Field(5, ge=0)
     iterations: int = Field(30, ge=1, description="timed calls per engine and batch size, at most")
     time_budget_s: float = Field(
-        5.0,
+        3.0,
         gt=0,
         description="seconds of timed calls per engine (or baseline) and batch size: fewer calls than iterations "
-        "once spent (at least 3), so a large batch on a slow device does not time for minutes",
+        "once spent (at least 3), and a CPU warm-up of a quarter of it at most, so a large batch on a slow device "
+        "does not time for minutes",
     )
     cpu_baseline: AutoOnOff = Field(
         "auto",

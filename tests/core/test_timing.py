@@ -1,0 +1,44 @@
+"""The timing helpers' budgets, on a fake clock (each call of the timed function takes one second of it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.core import timing
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    return now
+
+
+def test_a_budget_cuts_timed_calls_but_keeps_three(clock: list[float]) -> None:
+    calls = []
+
+    def one_second() -> None:
+        calls.append(1)
+        clock[0] += 1.0
+
+    assert timing.time_calls(one_second, 30, cuda=False, budget_s=5.0) == [1000.0] * 6
+    calls.clear()
+    assert len(timing.time_calls(one_second, 30, cuda=False, budget_s=0.5)) == timing.MIN_TIMED
+    assert len(timing.time_calls(one_second, 30, cuda=False)) == 30
+
+
+def test_warm_up_stops_after_a_quarter_of_the_budget_but_runs_once(clock: list[float]) -> None:
+    calls = []
+
+    def one_second() -> None:
+        calls.append(1)
+        clock[0] += 1.0
+
+    timing.warm_up(one_second, 10, budget_s=8.0)  # 2 s is a quarter: calls at t=0, 1, 2 start, t=3 does not
+    assert len(calls) == 3
+    calls.clear()
+    timing.warm_up(one_second, 10, budget_s=0.1)
+    assert len(calls) == 1
+    calls.clear()
+    timing.warm_up(one_second, 10)
+    assert len(calls) == 10
