@@ -78,6 +78,7 @@ class Plan:
 
     devices: list[str]
     skipped: list[str] = field(default_factory=list)
+    by_default: bool = False  # the devices are the backend's default choice, not ones the user listed
 
 
 def _any_device(meta: EngineMetadata) -> tuple[bool, str]:
@@ -115,6 +116,9 @@ class Backend:
     # Builds from the precision stage's graph of each variant. False: from the PyTorch model itself, reading the
     # graph for its inputs and outputs only (the precision stage then converts no graph for it).
     reads_graph: bool = True
+    # device -> (rival backend, why): on that device, engines chosen by default are not built where the rival
+    # builds engines of the same precision in the run (measured to lose to them); listing the device forces them.
+    yields: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def settings(self, build_config: Section) -> Any:
         """This backend's section of a build config (``build.<name>``)."""

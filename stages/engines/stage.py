@@ -25,7 +25,7 @@ from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.models.config import ModelConfig
 from kiln.models.model_io import load_trained
-from kiln.stages.engines.backend import SIDECAR, BuildRequest, read_metadata
+from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, read_metadata
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_libraries, backend_named
@@ -185,8 +185,12 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
             plan = backend.plan(settings, precision)
             skipped += plan.skipped
             for device in plan.devices:
-                src, keep = backend.source_for(device, precision, variants, settings)
                 name = backend.engine_name(device, precision)
+                if plan.by_default and (why := _yields(backend, device, precision, cfg)):
+                    ctx.log.info("not building %s: %s", name, why)
+                    skipped.append(f"{name}: not built by default: {why}")
+                    continue
+                src, keep = backend.source_for(device, precision, variants, settings)
                 try:
                     meta = _build_with_fallback(
                         root,
@@ -211,6 +215,17 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                 fields = {"name", "backend", "device", "precision", "build_seconds", "size_bytes"}
                 engines.append(EngineEntry.model_validate(meta.model_dump(include=fields)))
     return BuildSummary(engines=engines, skipped=skipped)
+
+
+def _yields(backend: Backend, device: str, precision: str, cfg: Any) -> str | None:
+    """Why ``backend`` leaves ``device`` to a rival that builds there in this run (``Backend.yields``), or None."""
+    rival_name, why = backend.yields.get(device, (None, ""))
+    if rival_name is None or rival_name not in cfg.backends:
+        return None
+    rival = BACKENDS[rival_name]
+    if device not in rival.plan(rival.settings(cfg), precision).devices:
+        return None
+    return f"{why} (build it anyway: build.{backend.name}.devices: [{device}])"
 
 
 def _build_with_fallback(

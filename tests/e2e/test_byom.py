@@ -314,7 +314,12 @@ def test_huggingface_bert_as_an_inductor_engine(tmp_path: Path) -> None:
     """The torch backend on a model nobody here wrote: the user's BERT (ids + mask, dynamic sequence) exported and
     compiled by Inductor, validated at both batch sizes and both lengths beside the ONNX Runtime engine."""
     pytest.importorskip("transformers")
-    v = _user_run(tmp_path, "bert", {}, **{"precision.variants": ["fp32"], "build.backends": ["onnxruntime", "torch"]})
+    overrides = {
+        "precision.variants": ["fp32"],
+        "build.backends": ["onnxruntime", "torch"],
+        "build.torch.devices": ["cpu"],
+    }
+    v = _user_run(tmp_path, "bert", {}, **overrides)
     assert v["passed"] is True, v["failures"]
     assert {e["name"]: e["status"] for e in v["engines"]} == {
         "onnxruntime-cpu-fp32": "validated",
@@ -340,6 +345,7 @@ def test_embedding_model_with_dict_outputs_through_every_engine_kind(tmp_path: P
             "precision.variants": ["fp32", "int8"],
             "signature.batch_sizes": [1, 8],
             "build.backends": ["onnxruntime", "torch"],
+            "build.torch.devices": ["cpu"],  # beside ONNX Runtime CPU engines, listed to be built
         },
     )
     assert v["passed"] is True and v["baseline"]["compared"] == ["embedding", "last_hidden_state"]
@@ -367,6 +373,7 @@ def test_language_model_with_tied_weights(tmp_path: Path) -> None:
             "precision.variants": ["fp32", "int8"],
             "signature.batch_sizes": [1, 8],
             "build.backends": ["onnxruntime", "torch"],
+            "build.torch.devices": ["cpu"],  # beside ONNX Runtime CPU engines, listed to be built
         },
     )
     assert v["passed"] is True, v["failures"]
@@ -467,6 +474,7 @@ def test_two_dynamic_axes_of_different_lengths_through_every_engine_kind(tmp_pat
             "precision.variants": ["fp32"],
             "signature.batch_sizes": [1, 4],
             "build.backends": ["onnxruntime", "torch"],
+            "build.torch.devices": ["cpu"],  # beside ONNX Runtime CPU engines, listed to be built
         },
     )
     assert v["passed"] is True, v["failures"]

@@ -15,7 +15,11 @@ class TorchConfig(Section):
     """Inductor engines built from the trained PyTorch model itself (``torch.export``, then an AOTInductor package or
     the compiled flavour): opt-in, ``build.backends: [onnxruntime, tensorrt, torch]``."""
 
-    devices: list[Literal["cpu", "cuda"]] = Field(default_factory=lambda: ["cpu"])
+    devices: list[Literal["cpu", "cuda"]] | Literal["auto"] = Field(
+        "auto",
+        description="auto: the GPU where torch sees one, else the CPU unless ONNX Runtime builds CPU engines in the "
+        "same run (Inductor's CPU engines lost to them where measured); a list builds exactly those",
+    )
     max_autotune: AutoOnOff = Field(
         "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only"
     )

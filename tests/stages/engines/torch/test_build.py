@@ -338,8 +338,12 @@ def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> Non
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict
 
-    cfg = config_from_dict(tiny_config_dict(**{"build.backends": ["onnxruntime", "torch"]}))
-    result, _ = run_pipeline(cfg, tmp_path)
+    by_default = config_from_dict(tiny_config_dict(**{"build.backends": ["onnxruntime", "torch"]}))
+    result, _ = run_pipeline(by_default, tmp_path)  # no GPU: the CPU is left to ONNX Runtime's engines
+    build = json.loads((tmp_path / "build" / "manifest.json").read_text())["summary"]
+    assert result.ok and any("torch-cpu-fp32: not built by default" in s for s in build["skipped"]), build
+    overrides = {"build.backends": ["onnxruntime", "torch"], "build.torch.devices": ["cpu"]}
+    result, _ = run_pipeline(config_from_dict(tiny_config_dict(**overrides)), tmp_path)
     assert result.ok
     v = json.loads((tmp_path / "validate" / "validation.json").read_text())
     torch_engine = next(e for e in v["engines"] if e["backend"] == "torch")
