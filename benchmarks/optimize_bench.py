@@ -2,7 +2,7 @@
 
 Models: Kiln's zoo (cnn, transformer, mlp_embed, resnet18; bert_base on request) and models nobody here wrote:
 an HF transformers BERT (BertConfig: 4 layers, hidden 256, ``forward(input_ids, attention_mask)``), a 2-layer
-LSTM classifier and an EmbeddingBag recommender. For each model: export raw (dynamo, optimize=False, as
+LSTM classifier, an EmbeddingBag recommender and a two-level UNet as its popular port writes it (F.pad in the up path). For each model: export raw (dynamo, optimize=False, as
 ``kiln run`` does), produce each peer's graph, then measure node count,
 ONNX Runtime CPU latency (2 threads, ORT_ENABLE_ALL at load as a user would run it, batch 1 and 8, p50,
 ratio to raw in the same run, variants interleaved round-robin so drift hits all alike) and max abs error
@@ -89,6 +89,38 @@ class HFBert(nn.Module):
         return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
+class UNet(nn.Module):
+    """A two-level UNet as the paper's popular PyTorch port writes it: the up path pads the upsampled map to the
+    skip's size with F.pad, zero pads where the sizes match (constant-mode Pad nodes in the export)."""
+
+    def __init__(self, c: int = 32, classes: int = 3) -> None:
+        super().__init__()
+
+        def double(cin: int, cout: int) -> nn.Module:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            )  # fmt: skip
+
+        self.inc, self.down1, self.down2 = double(3, c), double(c, 2 * c), double(2 * c, 4 * c)
+        self.up1, self.conv1 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2), double(4 * c, 2 * c)
+        self.up2, self.conv2 = nn.ConvTranspose2d(2 * c, c, 2, stride=2), double(2 * c, c)
+        self.outc = nn.Conv2d(c, classes, 1)
+
+    @staticmethod
+    def _join(skip: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        dy, dx = skip.size(2) - up.size(2), skip.size(3) - up.size(3)
+        up = nn.functional.pad(up, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+        return torch.cat([skip, up], dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = self.inc(x)
+        x2 = self.down1(nn.functional.max_pool2d(x1, 2))
+        x3 = self.down2(nn.functional.max_pool2d(x2, 2))
+        y = self.conv1(self._join(x2, self.up1(x3)))
+        return self.outc(self.conv2(self._join(x1, self.up2(y))))
+
+
 def _bert_inputs(seq: int, vocab: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
     def make(b: int) -> tuple[torch.Tensor, ...]:
         mask = torch.ones(b, seq, dtype=torch.long)
@@ -113,6 +145,7 @@ def specs(smoke: bool, bert_layers: int) -> dict[str, Spec]:
         s["resnet18"] = (zoo("resnet18", width=8, blocks=(1, 1)), lambda b: (torch.randn(b, 3, 32, 32),), {})
         s["hf_bert"] = (lambda: HFBert(layers=1, hidden=32, vocab=50), _bert_inputs(16, 50), {})
         s["lstm"] = (lambda: LSTMClassifier(8, 16), lambda b: (torch.randn(b, 6, 8),), {})
+        s["unet"] = (lambda: UNet(4), lambda b: (torch.randn(b, 3, 16, 16),), {})
         s["embedding_bag"] = (lambda: Recommender(3, 50, 4, 16), lambda b: (torch.randint(0, 50, (b, 3, 4)),), {})
         s["bert_base"] = (
             zoo("bert_base", layers=1, dim=64, heads=4, ffn=128, in_features=64, seq_len=16),
@@ -123,12 +156,13 @@ def specs(smoke: bool, bert_layers: int) -> dict[str, Spec]:
         s["resnet18"] = (zoo("resnet18"), lambda b: (torch.randn(b, 3, 224, 224),), {1: 30, 8: 10})
         s["hf_bert"] = (HFBert, _bert_inputs(128, 1000), {1: 40, 8: 15})
         s["lstm"] = (LSTMClassifier, lambda b: (torch.randn(b, 32, 32),), {1: 300, 8: 200})
+        s["unet"] = (UNet, lambda b: (torch.randn(b, 3, 64, 64),), {1: 100, 8: 30})
         s["embedding_bag"] = (Recommender, lambda b: (torch.randint(0, 1000, (b, 8, 4)),), {1: 300, 8: 300})
         s["bert_base"] = (zoo("bert_base", layers=bert_layers), lambda b: (torch.randn(b, 128, 768),), {1: 15, 8: 5})
     return s
 
 
-DEFAULT_MODELS = ["cnn", "transformer", "mlp_embed", "resnet18", "hf_bert", "lstm", "embedding_bag"]
+DEFAULT_MODELS = ["cnn", "transformer", "mlp_embed", "resnet18", "hf_bert", "lstm", "embedding_bag", "unet"]
 
 
 def export(model: nn.Module, args: tuple[torch.Tensor, ...], path: Path, optimize: bool = False) -> list[str]:

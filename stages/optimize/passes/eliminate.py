@@ -135,12 +135,19 @@ def _is_noop(node: gs.Node) -> bool:
         return _same_shape(node.inputs[0], node.outputs[0])
     if node.op == "Slice":
         return _noop_slice(node)
+    if node.op == "Pad":  # any mode: with no padding the output is the input
+        pads = const(node.inputs[1]) if len(node.inputs) > 1 else np.asarray(node.attrs.get("pads", [1]))
+        return pads is not None and pads.size > 0 and not pads.any()
+    if node.op == "Tile":
+        repeats = const(node.inputs[1])
+        return repeats is not None and bool((repeats == 1).all())
     return False
 
 
 @register("eliminate_noop")
 def eliminate_noop(graph: gs.Graph, p: BaseModel) -> int:
-    """Remove Cast/Reshape/Transpose/Expand/Slice that return their input unchanged; shorten lossless Cast chains."""
+    """Remove Cast/Reshape/Transpose/Expand/Slice/Pad/Tile that return their input unchanged; shorten lossless Cast
+    chains."""
     n = 0
     for node in list(graph.nodes):
         if not node.outputs or not node.inputs:

@@ -385,6 +385,33 @@ def test_noop_and_cast_chains():
 TensorProto_FLOAT16 = 10
 
 
+@covers("eliminate_noop")
+def test_zero_pads_ones_tiles_full_slices_and_same_shape_expands_go_but_real_ones_stay():
+    def chain(pads: list[int], repeats: list[int], end: int, expand: list[int]) -> Any:
+        nodes = [
+            h.make_node("Pad", ["x", "pads"], ["a"], mode="constant"),
+            h.make_node("Tile", ["a", "reps"], ["b"]),
+            h.make_node("Slice", ["b", "st", "en", "ax"], ["c"]),
+            h.make_node("Expand", ["c", "shape"], ["d"]),
+            h.make_node("Relu", ["d"], ["y"]),
+        ]
+        inits = {
+            "pads": np.array(pads, np.int64),
+            "reps": np.array(repeats, np.int64),
+            "st": np.array([0]),
+            "en": np.array([end]),
+            "ax": np.array([2]),
+            "shape": np.array(expand, np.int64),
+        }
+        return make_model(nodes, [("x", ["N", 3, 8, 8], FLOAT)], ["y"], inits)
+
+    out, s = run_pass(chain([0] * 8, [1, 1, 1, 1], 8, [1, 3, 8, 8]), "eliminate_noop")
+    assert ops(out) == ["Relu"] and sum(e["changes"] for e in s["passes"]) == 4  # over its rounds
+    real = chain([0, 0, 1, 1, 0, 0, 1, 1], [1, 1, 2, 1], 4, [2, 3, 1, 1])
+    out, _ = run_pass(real, "eliminate_noop")
+    assert ops(out) == ["Pad", "Tile", "Slice", "Expand", "Relu"]
+
+
 @covers("cse")
 def test_cse_merges_duplicates_not_random_ops():
     nodes = [

@@ -1,5 +1,5 @@
 """Exports of models nobody here wrote (HF transformers BERT, an LSTM, an EmbeddingBag recommender, a model that
-adds ``torch.zeros([])``), tiny, through ``torch.onnx.export(dynamo=True)``: the default pipeline optimizes them
+adds ``torch.zeros([])``, a UNet), tiny, through ``torch.onnx.export(dynamo=True)``: the default pipeline optimizes them
 with nothing rolled back, keeps the PyTorch function, and is never behind onnxsim or onnxslim in node count."""
 
 from __future__ import annotations
@@ -70,11 +70,32 @@ class TinyBert(nn.Module):
         return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
 
+class TinyUNet(nn.Module):
+    """A UNet as its paper's popular PyTorch port writes it: the up path pads the upsampled map to the skip's size
+    with F.pad (zero pads where the sizes already match, which the export keeps as constant-mode Pad nodes)."""
+
+    def __init__(self, c: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.inc = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.down = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU())
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.conv = nn.Sequential(nn.Conv2d(2 * c, c, 3, padding=1), nn.ReLU())
+        self.outc = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1 = self.inc(x)
+        x2 = self.up(self.down(x1))
+        dy, dx = x1.size(2) - x2.size(2), x1.size(3) - x2.size(3)
+        x2 = nn.functional.pad(x2, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+        return self.outc(self.conv(torch.cat([x1, x2], dim=1)))
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[int], tuple[torch.Tensor, ...]]]] = {
     "adds_zeros": (AddsZeros, lambda b: (torch.randn(b, 8),)),
     "lstm": (TinyLSTM, lambda b: (torch.randn(b, 5, 6),)),
     "embedding_bag": (TinyRecommender, lambda b: (torch.randint(0, 20, (b, 3, 2)),)),
     "hf_bert": (TinyBert, lambda b: (torch.randint(0, 50, (b, 8)), torch.ones(b, 8, dtype=torch.long))),
+    "unet": (TinyUNet, lambda b: (torch.randn(b, 3, 16, 16),)),
 }
 
 
