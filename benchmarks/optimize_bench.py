@@ -2,7 +2,8 @@
 
 Models: Kiln's zoo (cnn, transformer, mlp_embed, resnet18; bert_base on request) and models nobody here wrote:
 an HF transformers BERT (BertConfig: 4 layers, hidden 256, ``forward(input_ids, attention_mask)``), a 2-layer
-LSTM classifier, an EmbeddingBag recommender and a two-level UNet as its popular port writes it (F.pad in the up path). For each model: export raw (dynamo, optimize=False, as
+LSTM classifier, an EmbeddingBag recommender and a two-level UNet as its popular port writes it (F.pad in
+the up path). For each model: export raw (dynamo, optimize=False, as
 ``kiln run`` does), produce each peer's graph, then measure node count,
 ONNX Runtime CPU latency (2 threads, ORT_ENABLE_ALL at load as a user would run it, batch 1 and 8, p50,
 ratio to raw in the same run, variants interleaved round-robin so drift hits all alike) and max abs error

@@ -28,14 +28,21 @@ class Section(BaseModel):
         return {}
 
 
+_TRUE, _FALSE = {"true", "yes", "on"}, {"false", "no", "off"}
+
+
 def bool_words(true: str | None, false: str) -> BeforeValidator:
-    """For a key that takes words: YAML 1.1 (PyYAML) reads a bare ``on`` / ``off`` / ``yes`` / ``no`` as a boolean,
-    which becomes the word the key means by it (``true`` None: a boolean true has no meaning there, an error)."""
+    """For a key that takes words: a boolean, as YAML reads ``true`` / ``on`` / ``yes`` (and JSON and TOML
+    ``true``), or one of those words as text (``--set key=false``, any case), becomes the word the key means by
+    it (``true`` None: a true value has no meaning there, and stays an error)."""
 
     def words(value: Any) -> Any:
-        if value is True and true is not None:
+        word = value.strip().lower() if isinstance(value, str) else value
+        if (value is True or word in _TRUE) and true is not None:
             return true
-        return false if value is False else value
+        if value is False or word in _FALSE:
+            return false
+        return word if isinstance(value, str) and word in (true, false) else value
 
     return BeforeValidator(words)
 
