@@ -107,6 +107,8 @@ class EngineMetadata(Record):
     flavour: str
     versions: dict[str, str]
     batch_range: tuple[int, int] | None = None  # smallest and largest batch the engine takes; None: any
+    # dynamic axis besides batch -> [smallest, largest]: the sizes the engine was built and validated for
+    axis_ranges: dict[str, list[int]] = Field(default_factory=dict)
     build_seconds: float = 0.0
     settings_hash: str = ""
     size_bytes: int = 0
@@ -120,6 +122,22 @@ class EngineMetadata(Record):
     def max_batch(self) -> int | None:
         """The largest batch the engine accepts (None: not bounded)."""
         return self.batch_range[1] if self.batch_range else None
+
+    def outside_range(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """Why inputs of these shapes lie outside the sizes the engine was validated for (a sentence naming the
+        input, the axis and the range), or None."""
+        for spec in self.inputs:
+            for axis, dim in enumerate(spec.shape):
+                shape = shapes.get(spec.name, ())
+                if not isinstance(dim, str) or dim not in self.axis_ranges or axis >= len(shape):
+                    continue
+                low, high = self.axis_ranges[dim]
+                if not low <= shape[axis] <= high:
+                    return (
+                        f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was validated "
+                        f"for {dim} from {low} to {high}"
+                    )
+        return None
 
 
 # --------------------------------------------------------------------------------------------- precision variants

@@ -224,14 +224,18 @@ def pad_rows(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
 
 
 def _infer_func(
-    runner: Any, outputs: dict[str, np.dtype], buckets: list[int] | None
+    runner: Any, outputs: dict[str, np.dtype], buckets: list[int] | None, meta: EngineMetadata | None = None
 ) -> Callable[..., dict[str, np.ndarray]]:
     """``buckets``: pad every batch to the next of these sizes (engines that build a session and capture a CUDA
-    graph per input shape: without it each new batch size the dynamic batcher forms costs a session build)."""
+    graph per input shape: without it each new batch size the dynamic batcher forms costs a session build).
+    ``meta``: inputs outside the sizes the engine was validated for are answered with an error naming them."""
     from pytriton.decorators import batch
 
     @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
     def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
+        outside = meta.outside_range({k: v.shape for k, v in inputs.items()}) if meta is not None else None
+        if outside is not None:
+            raise ValueError(outside)
         rows = len(next(iter(inputs.values())))
         size = next((b for b in buckets if b >= rows), rows) if buckets else rows
         result = runner.infer(pad_rows(inputs, size))
@@ -277,7 +281,7 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
     )
     triton.bind(
         model_name=served.model_name,
-        infer_func=_infer_func(runner, outputs, buckets),
+        infer_func=_infer_func(runner, outputs, buckets, served.meta),
         inputs=tensors(served.meta.inputs),
         outputs=tensors(served.meta.outputs),
         config=config,

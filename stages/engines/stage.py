@@ -100,6 +100,7 @@ def build_engine(
             flavour=built.flavour,
             versions=built.versions,
             batch_range=built.batch_range,
+            axis_ranges=dict(axis_sizes or {}),
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),

@@ -51,6 +51,7 @@ from kiln.models.model_io import (
 )
 from kiln.models.registry import build_model
 from kiln.stages.export.config import ExportConfig
+from kiln.stages.export.output_axes import name_output_axes
 
 log = logging.getLogger("kiln.export")
 
@@ -77,6 +78,8 @@ class ExportSummary(Summary):
     parity: dict[str, Any] | None = None
     dynamic_sizes: dict[str, dict[int, list[int]]] = Field(default_factory=dict)
     int_ranges: dict[str, list[int]] = Field(default_factory=dict)
+    # output -> {axis: name}: axes the export fixed although they follow a dynamic input axis, declared dynamic
+    output_axes: dict[str, dict[int, str]] = Field(default_factory=dict)
     source: str | None = None
     inputs: list[str] = Field(default_factory=list)
     outputs: list[str] = Field(default_factory=list)
@@ -356,6 +359,8 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         check["max_abs_err"],
     )
     names = [i.name for i in proto.graph.input]
+    feed = feed_for_graph(take(data.val_x, slice(0, 2)), names)
+    followed = name_output_axes(path, feed, _axes(names, cfg.dynamic_batch, axes or {}))
     sizes = dynamic_sizes(data, names, axes)
     if sizes:
         (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
@@ -368,6 +373,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         parity=check,
         dynamic_sizes=sizes,
         int_ranges=ranges,
+        output_axes=followed,
     )
 
 

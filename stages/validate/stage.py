@@ -296,6 +296,7 @@ def validate_engine(
         return entry
     largest = max(ctx.config.signature.batch_sizes)
     runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
+    shape_problems: list[str] = []
     try:
         stats: dict[str, OutputStats] = {}
         for i, ((_point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
@@ -308,6 +309,7 @@ def validate_engine(
             else:
                 got = batched(runner.infer, feed, largest)
             stats = merge_worst(stats, compare_all(expected, got, ref.logits, ref.labelled(i)))
+            shape_problems += [p for p in declared_shape_problems(meta, feed, got) if p not in shape_problems]
             for bs in ctx.config.signature.batch_sizes:  # every batch size at every shape: one batch each
                 got_bs = runner.infer(sample_batch(feed, bs))
                 stats = merge_worst(stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs)))
@@ -327,10 +329,33 @@ def validate_engine(
     entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
     entry.gates = gates_for(cfg, meta.precision)
     entry.failures = check_gates(entry, baselines[0].accuracy if baselines else None, entry.gates, largest)
+    entry.failures += shape_problems
     entry.passed = not entry.failures
     entry.hints = engine_hints(meta, entry.failures)
     entry.status = "validated"
     return entry
+
+
+def declared_shape_problems(meta: EngineMetadata, feed: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> list[str]:
+    """Where an output's array disagrees with the shape the engine declares (what serving and Triton hold it to):
+    a fixed axis of another size, or a named axis whose size is not the inputs' axis of that name."""
+    sizes: dict[str, int] = {}
+    for spec in meta.inputs:
+        for axis, dim in enumerate(spec.shape):
+            if isinstance(dim, str) and spec.name in feed and axis < feed[spec.name].ndim:
+                sizes.setdefault(dim, feed[spec.name].shape[axis])
+    problems = []
+    for spec in meta.outputs:
+        if spec.name not in got or not spec.shape:
+            continue
+        shape = np.shape(got[spec.name])
+        ok = len(shape) == len(spec.shape) and all(
+            have == want if isinstance(want, int) and want > 0 else sizes.get(str(want), have) == have  # 0: unknown
+            for have, want in zip(shape, spec.shape)
+        )
+        if not ok:
+            problems.append(f"output '{spec.name}' is declared {list(spec.shape)}, the engine returned {list(shape)}")
+    return problems
 
 
 def baseline_devices(engine_devices: set[str], cpu: str) -> list[str]:

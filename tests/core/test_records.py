@@ -64,3 +64,15 @@ def test_max_batch_from_the_batch_range() -> None:
     assert meta.max_batch() is None
     meta.batch_range = (1, 16)
     assert meta.max_batch() == 16
+
+
+def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64")]
+    assert meta.outside_range({"ids": (2, 100)}) is None  # no range recorded: nothing to hold it to
+    meta.axis_ranges = {"seq": [8, 16]}
+    assert meta.outside_range({"ids": (2, 8)}) is None and meta.outside_range({"ids": (64, 16)}) is None
+    assert (
+        meta.outside_range({"ids": (2, 17)})
+        == "input 'ids' axis 1 (seq) is 17: engine e was validated for seq from 8 to 16"
+    )

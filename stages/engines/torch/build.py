@@ -165,20 +165,35 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     # convolution with one input channel): there the frozen weights keep their layout. The inputs are channels_last
     # in every case.
     settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
-    if settings["channels_last_weights"]:
-        model = model.to(memory_format=torch.channels_last)
-    served = _served(model, [i.name for i in req.inputs], req.precision, settings["channels_last"]).eval()
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
     try:
-        exported = _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
+        exported = _capture(model, req, args, settings)
     except BuildError:
         raise
-    except Exception as exc:  # torch.export failures: this model cannot become this engine kind
-        raise BuildError(
-            f"torch.export could not capture the model: {type(exc).__name__}: {first_line(exc, 300)}",
-            hint="the ONNX engines still build; see torch.export's docs for unsupported code",
-        ) from None
+    except Exception as exc:  # torch.export failures: this model cannot become this engine kind (in this layout?)
+        reason = f"{type(exc).__name__}: {first_line(exc, 300)}"
+        if not (settings["channels_last"] and req.settings.channels_last == "auto"):
+            hint = "the ONNX engines still build; see torch.export's docs for unsupported code"
+            if settings["channels_last"]:
+                hint = "try build.torch.channels_last: off (it changes the memory layout only); " + hint
+            raise BuildError(f"torch.export could not capture the model: {reason}", hint=hint) from None
+        # channels_last (chosen by auto for a model with convolutions) can break torch.export on dynamic heights and
+        # widths: the model is captured again in its own layout, and the engine records why
+        log.info(
+            "engine %s: torch.export failed with channels_last (%s); capturing in the model's layout", req.name, reason
+        )
+        settings.update(channels_last=False, channels_last_weights=False, channels_last_dropped=reason)
+        model = model.to(memory_format=torch.contiguous_format)
+        try:
+            exported = _capture(model, req, args, settings)
+        except BuildError:
+            raise
+        except Exception as again:
+            raise BuildError(
+                f"torch.export could not capture the model: {type(again).__name__}: {first_line(again, 300)}",
+                hint="the ONNX engines still build; see torch.export's docs for unsupported code",
+            ) from None
     common = {
         **settings,
         "dtype": "float16" if req.precision == "fp16" else "float32",
@@ -194,6 +209,16 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
             raise
         log.warning("engine %s: %s; building the compiled flavour instead (build.torch.flavour)", req.name, exc.message)
         return _build_compiled(req, exported, common, why=exc.message)
+
+
+def _capture(model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dict[str, Any]) -> Any:
+    """The served model (in channels_last where the settings say so) through :func:`_export`."""
+    import torch
+
+    if settings["channels_last_weights"]:
+        model = model.to(memory_format=torch.channels_last)
+    served = _served(model, [i.name for i in req.inputs], req.precision, settings["channels_last"]).eval()
+    return _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
 
 
 def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) -> Any:
@@ -219,8 +244,10 @@ def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) 
             ]  # refined[0]: forward(*xs)'s per input
             if fixed:
                 raise BuildError(
-                    f"torch.export: the model takes one size only on {', '.join(fixed)}",
-                    hint="leave those axes out of signature.dynamic_axes, or build ONNX engines only",
+                    f"torch.export: the model takes one size only on {', '.join(fixed)} (torch.export specialises "
+                    "some ops to the example's size, e.g. recurrent layers' lengths; the ONNX engines keep the axis)",
+                    hint="leave torch out of build.backends for this model; leaving those axes out of "
+                    "signature.dynamic_axes would fix them to one size in every engine, the ONNX ones too",
                 ) from None
             log.info("torch.export: dynamic axes refined as torch suggests (%s)", first_line(exc, 200))
             return torch.export.export(served, args, dynamic_shapes=refined)

@@ -1,0 +1,79 @@
+"""Which output axes follow a dynamic input axis, found by running the exported graph, and named in it.
+
+torch.export traces one example: an output whose length follows a dynamic input axis through an op it does not
+see through (an RNN's steps, a loop) is declared with the example's size (``[batch, 48, 192]``) although the graph
+computes any size. Everything after the export reads the declared shapes (engine metadata, the Triton config, the
+server), so a fixed size there breaks serving at every other length. Running the graph at two sizes of each named
+axis shows which output axes follow it; they get the axis's name (or a name of their own when they change with it
+but not equal to it). No library answers this: shape inference reads the same declarations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from kiln.core.onnx_io import infer_shapes, load_onnx, ort_run, ort_session, save_onnx
+
+log = logging.getLogger("kiln.export")
+
+Axes = Mapping[str, Mapping[int, str]]  # input name -> {axis: name}
+
+
+def resized(feed: dict[str, np.ndarray], axes: Axes, name: str, size: int) -> dict[str, np.ndarray]:
+    """``feed`` with every input axis called ``name`` at ``size``: rows repeated or cut (real values stay real)."""
+    out = dict(feed)
+    for inp, dims in axes.items():
+        for axis, label in dims.items():
+            if label == name and inp in out:
+                have = out[inp].shape[int(axis)]
+                out[inp] = np.take(out[inp], np.arange(size) % have, axis=int(axis))
+    return out
+
+
+def probe(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dict[str, dict[int, str]]:
+    """Output -> {axis: name} for each output axis whose size changes with a named input axis: the name where it
+    equals that axis's size at both sizes, else ``<output>_<axis>`` (it varies, by a rule of its own)."""
+    sess = ort_session(path)
+    names = [o.name for o in sess.get_outputs()]
+    base = [o.shape for o in ort_run(sess, feed)]
+    found: dict[str, dict[int, str]] = {}
+    for name in sorted({label for dims in axes.values() for label in dims.values()}):
+        size = next(feed[i].shape[int(a)] for i, d in axes.items() for a, lbl in d.items() if lbl == name and i in feed)
+        other = size // 2 if size >= 2 else 2
+        try:
+            shapes = [o.shape for o in ort_run(sess, resized(feed, axes, name, other))]
+        except Exception as exc:  # noqa: BLE001 - a size the model refuses says nothing about its outputs
+            log.info("output axes: the graph does not run with %s=%d (%s); not probed", name, other, exc)
+            continue
+        for out, a, b in zip(names, base, shapes):
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x != y and i not in found.get(out, {}):
+                    found.setdefault(out, {})[i] = name if (x, y) == (size, other) else f"{out}_{i}"
+    return found
+
+
+def name_output_axes(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dict[str, dict[int, str]]:
+    """Declare, in the graph at ``path``, the output axes that follow a dynamic input axis but were exported with a
+    fixed size: output -> {axis: name} of those renamed (the graph is rewritten only if there are any)."""
+    found = probe(path, feed, axes)
+    model = load_onnx(path)
+    fixed: dict[str, dict[int, str]] = {}
+    for out in model.graph.output:
+        dims = out.type.tensor_type.shape.dim if out.type.HasField("tensor_type") else []
+        for i, name in found.get(out.name, {}).items():
+            if i < len(dims) and not dims[i].dim_param:
+                dims[i].Clear()
+                dims[i].dim_param = name
+                fixed.setdefault(out.name, {})[i] = name
+    if fixed:
+        # Intermediate shapes recorded from the traced example hold the old sizes: inferred again from the inputs
+        save_onnx(infer_shapes(model, strict=False), path)
+        log.info(
+            "the export fixed output axes that follow a dynamic input axis; declared dynamic: %s",
+            "; ".join(f"{o} axis {i} = {n}" for o, d in fixed.items() for i, n in d.items()),
+        )
+    return fixed
