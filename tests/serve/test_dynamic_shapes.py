@@ -129,7 +129,8 @@ def _serve_and_ask(workdir: Path, feeds: list[dict[str, np.ndarray]], outside: d
 
 
 def test_a_sequence_model_is_served_at_both_validated_lengths(tmp_path: Path) -> None:
-    wd = _run(tmp_path, "tagger", "sequences", {"x": {1: "seq"}, "mask": {1: "seq"}}, **{"train.epochs": 1})
+    axes = {"x": {1: "seq"}, "mask": {1: "seq"}}
+    wd = _run(tmp_path, "tagger", "sequences", axes, **{"train.epochs": 1, "signature.logits_output": "output_1"})
     rng = np.random.default_rng(0)
 
     def feed(seq: int) -> dict[str, np.ndarray]:
