@@ -62,6 +62,8 @@ class Built:
     info: BaseModel
     builder_settings: dict[str, Any] = field(default_factory=dict)
     batch_range: tuple[int, int] | None = None  # (smallest, largest) batch; None: any
+    # The inputs as the engine takes them, where they differ from the graph's (an axis it takes at one size only)
+    inputs: list[TensorSpec] | None = None
 
 
 @dataclass(frozen=True)

@@ -88,19 +88,21 @@ def build_engine(
         source = EngineSource(
             file=onnx_path.name, sha256=hash_file(onnx_path), kept_fp32=sorted(keep_fp32) if keep_fp32 else None
         )
+        taken = built.inputs or inputs
+        named = {d for spec in taken for d in spec.shape if isinstance(d, str)}
         meta = EngineMetadata(
             name=name,
             backend=backend,
             device=device,
             precision=precision,
-            inputs=inputs,
+            inputs=taken,
             outputs=outputs,
             source=source,
             files=built.files,
             flavour=built.flavour,
             versions=built.versions,
             batch_range=built.batch_range,
-            axis_ranges=dict(axis_sizes or {}),
+            axis_ranges={k: v for k, v in (axis_sizes or {}).items() if k in named},
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),

@@ -297,10 +297,14 @@ def validate_engine(
     largest = max(ctx.config.signature.batch_sizes)
     runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
     shape_problems: list[str] = []
+    untaken: list[dict[str, int]] = []
     try:
         stats: dict[str, OutputStats] = {}
-        for i, ((_point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
-            if i == 0:
+        for i, ((point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
+            if not takes_shape(meta, feed):  # an axis the engine takes at one size only (recorded at its build)
+                untaken.append(point)
+                continue
+            if not runner.active:
                 with PeakMemory(meta.device) as mem:  # loading + the accuracy pass at the largest batch
                     runner.activate()
                     got = batched(runner.infer, feed, largest)
@@ -315,14 +319,17 @@ def validate_engine(
                 stats = merge_worst(stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs)))
             if i == len(ref.feeds) - 1 and ref.logits is not None and ref.labels is not None:
                 entry.accuracy = label_accuracy(got[ref.logits], ref.labels)
-        summarize(entry, stats, ref.logits)
-        entry.shapes = [p for p, _ in ref.feeds if p]
-        with ctx.progress.task(f"timing {meta.name}", total=len(ctx.config.signature.batch_sizes)) as bar:
-            for bs in ctx.config.signature.batch_sizes:
-                entry.latency_ms[str(bs)] = percentiles(
-                    runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup, cfg.iterations, cfg.time_budget_s)
-                )
-                bar.advance()
+        if not runner.active:
+            shape_problems.append(f"takes none of the validated shapes {[p for p, _ in ref.feeds]}")
+        else:
+            summarize(entry, stats, ref.logits)
+            entry.shapes = [p for p, _ in ref.feeds if p and p not in untaken]
+            with ctx.progress.task(f"timing {meta.name}", total=len(ctx.config.signature.batch_sizes)) as bar:
+                for bs in ctx.config.signature.batch_sizes:
+                    entry.latency_ms[str(bs)] = percentiles(
+                        runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup, cfg.iterations, cfg.time_budget_s)
+                    )
+                    bar.advance()
     finally:
         runner.deactivate()
     entry.speedups = speedups(meta.device, entry.latency_ms, baselines)
@@ -332,8 +339,21 @@ def validate_engine(
     entry.failures += shape_problems
     entry.passed = not entry.failures
     entry.hints = engine_hints(meta, entry.failures)
+    if untaken:
+        fixed = [f"{s.name} {list(s.shape)}" for s in meta.inputs]
+        entry.hints.append(f"takes one size on some axes ({', '.join(fixed)}): not validated at {untaken}")
     entry.status = "validated"
     return entry
+
+
+def takes_shape(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> bool:
+    """Whether the engine's declared inputs take ``feed``'s shapes beyond the batch axis."""
+    for spec in meta.inputs:
+        shape = np.shape(feed.get(spec.name))
+        for axis, dim in enumerate(spec.shape):
+            if axis and isinstance(dim, int) and dim > 0 and axis < len(shape) and shape[axis] != dim:
+                return False
+    return True
 
 
 def declared_shape_problems(meta: EngineMetadata, feed: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> list[str]:

@@ -19,7 +19,14 @@ def _build(req: BuildRequest) -> Built:
     from kiln.stages.engines.torch.build import build_torch_engine
 
     built = build_torch_engine(req)
-    return Built(built["files"], built["flavour"], built["versions"], TorchRecord(), built["builder_settings"])
+    return Built(
+        built["files"],
+        built["flavour"],
+        built["versions"],
+        TorchRecord(),
+        built["builder_settings"],
+        inputs=built.get("inputs"),
+    )
 
 
 def _plan(cfg: TorchConfig, precision: str) -> Plan:

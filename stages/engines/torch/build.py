@@ -19,6 +19,7 @@ INT8 graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import signal
@@ -168,7 +169,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
     try:
-        exported = _capture(model, req, args, settings)
+        exported, one_size = _capture(model, req, args, settings)
     except BuildError:
         raise
     except Exception as exc:  # torch.export failures: this model cannot become this engine kind (in this layout?)
@@ -186,7 +187,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         settings.update(channels_last=False, channels_last_weights=False, channels_last_dropped=reason)
         model = model.to(memory_format=torch.contiguous_format)
         try:
-            exported = _capture(model, req, args, settings)
+            exported, one_size = _capture(model, req, args, settings)
         except BuildError:
             raise
         except Exception as again:
@@ -194,24 +195,49 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
                 f"torch.export could not capture the model: {type(again).__name__}: {first_line(again, 300)}",
                 hint="the ONNX engines still build; see torch.export's docs for unsupported code",
             ) from None
+    if one_size:  # the engine takes these axes at one size: its inputs say so, and the build warms that size only
+        req = with_one_size(req, one_size)
+        settings["one_size_axes"] = one_size
     common = {
         **settings,
         "dtype": "float16" if req.precision == "fp16" else "float32",
         "dynamic_batch": [1, max(req.max_batch, 2)],
     }
-    flavour = req.settings.flavour
+    built = _build_flavour(req, exported, args, common, package_first)
+    return {**built, "inputs": req.inputs} if one_size else built
+
+
+def _build_flavour(
+    req: BuildRequest, exported: Any, args: tuple[Any, ...], common: dict[str, Any], package_first: bool
+) -> dict[str, Any]:
+    """The AOTInductor package, or the compiled flavour where it applies or the package fails."""
     if not package_first:
         return _build_compiled(req, exported, common, why=None)
     try:
         return _build_package(req, exported, args, common)
     except BuildError as exc:
-        if flavour == "aotinductor":
+        if req.settings.flavour == "aotinductor":
             raise
         log.warning("engine %s: %s; building the compiled flavour instead (build.torch.flavour)", req.name, exc.message)
         return _build_compiled(req, exported, common, why=exc.message)
 
 
-def _capture(model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dict[str, Any]) -> Any:
+def with_one_size(req: BuildRequest, one_size: dict[str, dict[int, int]]) -> BuildRequest:
+    """``req`` with the axes torch.export took at one size fixed to it in the inputs' shapes and axis sizes."""
+    inputs, labels = [], {}
+    for spec in req.inputs:
+        shape = list(spec.shape)
+        for axis, size in one_size.get(spec.name, {}).items():
+            labels[str(shape[axis])] = size
+            shape[axis] = size
+        inputs.append(spec.model_copy(update={"shape": shape}))
+    sizes = {k: v for k, v in req.axis_sizes.items() if k not in labels}
+    return dataclasses.replace(req, inputs=inputs, axis_sizes=sizes)
+
+
+def _capture(
+    model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dict[str, Any]
+) -> tuple[Any, dict[str, dict[int, int]]]:
     """The served model (in channels_last where the settings say so) through :func:`_export`."""
     import torch
 
@@ -221,36 +247,39 @@ def _capture(model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dic
     return _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
 
 
-def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) -> Any:
-    """``torch.export`` with the engine's dynamic axes. A model that takes only some sizes (a U-Net's height must be
-    a multiple of 4, for its pooling and upsampling to meet) fails with torch's suggested fixes; they are applied
-    once (``refine_dynamic_shapes_from_suggested_fixes``, torch's own helper), unless one fixes an axis to a single
-    size, which would make an engine that takes one shape only."""
+def _export(
+    served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]
+) -> tuple[Any, dict[str, dict[int, int]]]:
+    """``torch.export`` with the engine's dynamic axes: (the program, input -> {axis: size} it takes one size of).
+    A model that takes only some sizes (a U-Net's height must be a multiple of 4, for its pooling and upsampling to
+    meet) fails with torch's suggested fixes; they are applied once (``refine_dynamic_shapes_from_suggested_fixes``,
+    torch's own helper). A fix may pin an axis to the example's size: torch.export specialises some ops to it (a
+    recurrent layer's length), and the engine then takes that size only on that axis."""
     import torch
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
     with torch.inference_mode():
         try:
-            return torch.export.export(served, args, dynamic_shapes=dynamic)
+            return torch.export.export(served, args, dynamic_shapes=dynamic), {}
         except torch._dynamo.exc.UserError as exc:
             if "Suggested fixes" not in str(exc):
                 raise
             refined = refine_dynamic_shapes_from_suggested_fixes(exc.msg, dynamic)
             fixed = [
-                f"input '{names[i]}' axis {a}"
+                f"input '{names[i]}' axis {a} ({d})"
                 for i, axes in enumerate(refined[0])
                 for a, d in (axes or {}).items()
                 if isinstance(d, int)
             ]  # refined[0]: forward(*xs)'s per input
             if fixed:
-                raise BuildError(
-                    f"torch.export: the model takes one size only on {', '.join(fixed)} (torch.export specialises "
-                    "some ops to the example's size, e.g. recurrent layers' lengths; the ONNX engines keep the axis)",
-                    hint="leave torch out of build.backends for this model; leaving those axes out of "
-                    "signature.dynamic_axes would fix them to one size in every engine, the ONNX ones too",
-                ) from None
-            log.info("torch.export: dynamic axes refined as torch suggests (%s)", first_line(exc, 200))
-            return torch.export.export(served, args, dynamic_shapes=refined)
+                log.info("torch.export takes one size only on %s (%s)", ", ".join(fixed), first_line(exc, 200))
+            else:
+                log.info("torch.export: dynamic axes refined as torch suggests (%s)", first_line(exc, 200))
+            one_size = {
+                names[i]: {a: d for a, d in (axes or {}).items() if isinstance(d, int)}
+                for i, axes in enumerate(refined[0])
+            }
+            return torch.export.export(served, args, dynamic_shapes=refined), {k: v for k, v in one_size.items() if v}
 
 
 def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], common: dict[str, Any]) -> dict[str, Any]:

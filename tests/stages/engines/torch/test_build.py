@@ -385,24 +385,3 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
             second, _ = runner.prepared({"input": sample("cnn", 1, seed=2)})
             other = second()
             assert torch.equal(kept, again) and not torch.equal(kept, other)
-
-
-def test_an_axis_torch_export_pins_is_named_by_its_input() -> None:
-    """torch.export specializes an nn.GRU's sequence length: the torch engine is skipped with the input's name (the
-    ONNX engines take the axis as dynamic), not "input 0"."""
-    from torch import nn
-
-    from kiln.stages.engines.torch.build import _export
-
-    class GRUModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb, self.rnn, self.head = nn.Embedding(20, 8), nn.GRU(8, 8, batch_first=True), nn.Linear(8, 3)
-
-        def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor]:
-            out, _ = self.rnn(self.emb(xs[0]))
-            return (self.head(out.mean(1)),)
-
-    dims = {0: torch.export.Dim("batch", min=1, max=8), 1: torch.export.Dim("seq", min=2, max=16)}
-    with pytest.raises(BuildError, match=r"one size only on input 'tokens' axis 1"):
-        _export(GRUModel().eval(), (torch.randint(0, 20, (2, 12)),), ((dims,),), ["tokens"])

@@ -37,11 +37,11 @@ def _request(tmp_path: Path, channels_last: str) -> BuildRequest:
 def export_refusing_channels_last(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     layouts: list[bool] = []
 
-    def capture(model: Any, req: BuildRequest, args: Any, settings: dict[str, Any]) -> str:
+    def capture(model: Any, req: BuildRequest, args: Any, settings: dict[str, Any]) -> tuple[str, dict]:
         layouts.append(settings["channels_last"])
         if settings["channels_last"]:
             raise RuntimeError("Constraints violated (width)!")
-        return "exported"
+        return "exported", {}
 
     monkeypatch.setattr(build, "_capture", capture)
     monkeypatch.setattr(build, "_build_package", lambda req, exported, args, common: {"common": common})

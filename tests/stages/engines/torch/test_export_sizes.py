@@ -1,0 +1,50 @@
+"""An axis torch.export takes at one size only (an nn.GRU's length): the torch engine is built for that size and says
+so in its inputs, while the ONNX engines keep the axis dynamic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kiln.core.records import TensorSpec
+from kiln.stages.engines.backend import BuildRequest
+from kiln.stages.engines.torch.build import _export, with_one_size
+from kiln.stages.engines.torch.config import TorchConfig
+
+
+class GRUModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(20, 8), nn.GRU(8, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor]:
+        out, _ = self.rnn(self.emb(xs[0]))
+        return (self.head(out.mean(1)),)
+
+
+def test_the_axis_torch_export_pins_is_reported_by_input_and_size() -> None:
+    dims = {0: torch.export.Dim("batch", min=1, max=8), 1: torch.export.Dim("seq", min=2, max=16)}
+    program, one_size = _export(GRUModel().eval(), (torch.randint(0, 20, (2, 12)),), ((dims,),), ["tokens"])
+    assert one_size == {"tokens": {1: 12}}
+    x = torch.randint(0, 20, (5, 12))  # the batch stays dynamic
+    assert program.module()(x)[0].shape == (5, 3)
+
+
+def test_the_request_takes_the_pinned_size_in_its_inputs_and_drops_the_axis_range(tmp_path: Path) -> None:
+    req = BuildRequest(
+        tmp_path / "m.onnx",
+        tmp_path / "out",
+        "cpu",
+        "fp32",
+        TorchConfig(),
+        tmp_path,
+        [
+            TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64"),
+            TensorSpec(name="mask", shape=["batch", "seq"], dtype="int64"),
+        ],
+        axis_sizes={"seq": [8, 12]},
+    )
+    pinned = with_one_size(req, {"ids": {1: 12}, "mask": {1: 12}})
+    assert [s.shape for s in pinned.inputs] == [["batch", 12], ["batch", 12]] and pinned.axis_sizes == {}
