@@ -34,13 +34,17 @@ def resized(feed: dict[str, np.ndarray], axes: Axes, name: str, size: int) -> di
     return out
 
 
-def probe(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dict[str, dict[int, str]]:
-    """Output -> {axis: name} for each output axis whose size changes with a named input axis: the name where it
-    equals that axis's size at both sizes, else ``<output>_<axis>`` (it varies, by a rule of its own)."""
+def probe(
+    path: Path, feed: dict[str, np.ndarray], axes: Axes
+) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, set[str]]]]:
+    """(output -> {axis: name} for each output axis whose size changes with a named input axis: the name where it
+    equals that axis's size at both sizes, else ``<output>_<axis>``; output -> {axis: the names whose change left
+    it as it was})."""
     sess = ort_session(path)
     names = [o.name for o in sess.get_outputs()]
     base = [o.shape for o in ort_run(sess, feed)]
     found: dict[str, dict[int, str]] = {}
+    stays: dict[str, dict[int, set[str]]] = {}
     for name in sorted({label for dims in axes.values() for label in dims.values()}):
         size = next(feed[i].shape[int(a)] for i, d in axes.items() for a, lbl in d.items() if lbl == name and i in feed)
         other = size // 2 if size >= 2 else 2
@@ -51,24 +55,34 @@ def probe(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dict[str, dict
             continue
         for out, a, b in zip(names, base, shapes):
             for i, (x, y) in enumerate(zip(a, b)):
-                if x != y and i not in found.get(out, {}):
+                if x == y:
+                    stays.setdefault(out, {}).setdefault(i, set()).add(name)
+                elif i not in found.get(out, {}):
                     found.setdefault(out, {})[i] = name if (x, y) == (size, other) else f"{out}_{i}"
-    return found
+    return found, stays
 
 
 def name_output_axes(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dict[str, dict[int, str]]:
     """Declare, in the graph at ``path``, the output axes that follow a dynamic input axis but were exported with a
-    fixed size: output -> {axis: name} of those renamed (the graph is rewritten only if there are any)."""
-    found = probe(path, feed, axes)
+    fixed size or a symbol of the exporter's own: output -> {axis: name} of those declared (the graph is rewritten
+    only if there are any)."""
+    found, stays = probe(path, feed, axes)
     model = load_onnx(path)
+    known = {label for dims in axes.values() for label in dims.values()}
     fixed: dict[str, dict[int, str]] = {}
     for out in model.graph.output:
         dims = out.type.tensor_type.shape.dim if out.type.HasField("tensor_type") else []
-        for i, name in found.get(out.name, {}).items():
-            if i < len(dims) and not dims[i].dim_param:
-                dims[i].Clear()
-                dims[i].dim_param = name
-                fixed.setdefault(out.name, {})[i] = name
+        for i, dim in enumerate(dims):
+            name = found.get(out.name, {}).get(i)
+            if name is not None and dim.dim_param != name and dim.dim_param not in known:
+                pass  # a fixed size, or a symbol of the exporter's own (s0, unk__3), on an axis that follows one
+            elif name is None and dim.dim_param in stays.get(out.name, {}).get(i, set()):
+                name = f"{out.name}_{i}"  # declared as following an axis it does not follow (a CLIP's texts)
+            else:
+                continue
+            dim.Clear()
+            dim.dim_param = name
+            fixed.setdefault(out.name, {})[i] = name
     if fixed:
         # Intermediate shapes recorded from the traced example hold the old sizes: inferred again from the inputs
         save_onnx(infer_shapes(model, strict=False), path)

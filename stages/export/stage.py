@@ -26,7 +26,7 @@ import kiln.stages.export
 from kiln.core.artifacts import ensure_writable
 from kiln.core.data import Inputs, as_feed, feed_for_graph, input_names, rows, take, tensors
 from kiln.core.env import environment_subset
-from kiln.core.errors import ConfigError, ModelError
+from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.onnx_io import (
     check_onnx,
     infer_shapes,
@@ -39,6 +39,7 @@ from kiln.core.onnx_io import (
     value_names,
 )
 from kiln.core.outputs import FlatModel, named_outputs
+from kiln.core.shapes import graph_axes
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, root_cause
@@ -130,7 +131,11 @@ def export_onnx(
                 {p: axes[n] for p, n in zip(ins, names)},
                 dynamo,
             )
-            break
+            lost = _lost_axes(path, dict(zip(ins, names)), axes)
+            if not lost:
+                break
+            # torch.export may specialise an axis it was told is dynamic (an nn.GRU's length), without an error
+            raise ValueError(f"it fixed {', '.join(lost)}, which signature.dynamic_axes makes dynamic")
         except Exception as exc:  # the exporter raises many types; keep the message for the user
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
             if dynamo:
@@ -208,6 +213,19 @@ def _drop_unreferenced_data(path: Path) -> None:
     }
     if data.name not in used:
         data.unlink()
+
+
+def _lost_axes(path: Path, names: dict[str, str], axes: dict[str, dict[int, str]]) -> list[str]:
+    """The dynamic input axes (``axes``: input -> {axis: name}) the file at ``path`` declares with a fixed size;
+    ``names``: the file's input name -> the model's."""
+    shell = onnx.load(str(path), load_external_data=False)
+    lost = []
+    for inp in shell.graph.input:
+        dims = inp.type.tensor_type.shape.dim
+        for axis, label in axes.get(names.get(inp.name, inp.name), {}).items():
+            if axis < len(dims) and dims[axis].HasField("dim_value"):
+                lost.append(f"input '{names.get(inp.name, inp.name)}' axis {axis} ({label})")
+    return lost
 
 
 def _reason(exc: BaseException) -> str:
@@ -328,10 +346,28 @@ def take_onnx(src: Path, path: Path) -> ExportSummary:
     )
 
 
+def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]:
+    """:func:`name_output_axes` on a taken ``model.onnx``, with the data's first held-out rows, over the axes the file
+    declares dynamic; nothing where the data does not fit the file (the stages that run it say why)."""
+    path = ctx.out / "model.onnx"
+    inputs, _ = io_specs(load_onnx(path, load_external_data=False))
+    names = [i.name for i in inputs]
+    try:
+        feed = feed_for_graph(take(ctx.dataset().val_x, slice(0, 2)), names)
+    except KilnError as exc:
+        log.info("output axes of %s not probed: %s", path.name, exc.message)
+        return {}
+    axes = {s.name: {0: "batch"} for s in inputs if s.shape and isinstance(s.shape[0], str)}
+    for name, dims in graph_axes(inputs).items():
+        axes.setdefault(name, {}).update(dims)
+    return name_output_axes(path, feed, axes)
+
+
 def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     cfg = ctx.config.export
     if ctx.config.model.onnx:
-        return take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
+        summary = take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
+        return summary.model_copy(update={"output_axes": _probe_taken(ctx)})
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.
         raise ConfigError(

@@ -313,9 +313,11 @@ def validate_engine(
             else:
                 got = batched(runner.infer, feed, largest)
             stats = merge_worst(stats, compare_all(expected, got, ref.logits, ref.labelled(i)))
-            shape_problems += [p for p in declared_shape_problems(meta, feed, got) if p not in shape_problems]
             for bs in ctx.config.signature.batch_sizes:  # every batch size at every shape: one batch each
-                got_bs = runner.infer(sample_batch(feed, bs))
+                feed_bs = sample_batch(feed, bs)
+                got_bs = runner.infer(feed_bs)
+                problems = declared_shape_problems(meta, feed_bs, got_bs)  # one call's arrays, as a server gets them
+                shape_problems += [p for p in problems if p not in shape_problems]
                 stats = merge_worst(stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs)))
             if i == len(ref.feeds) - 1 and ref.logits is not None and ref.labels is not None:
                 entry.accuracy = label_accuracy(got[ref.logits], ref.labels)
@@ -359,11 +361,13 @@ def takes_shape(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> bool:
 def declared_shape_problems(meta: EngineMetadata, feed: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> list[str]:
     """Where an output's array disagrees with the shape the engine declares (what serving and Triton hold it to):
     a fixed axis of another size, or a named axis whose size is not the inputs' axis of that name."""
-    sizes: dict[str, int] = {}
+    seen: dict[str, set[int]] = {}
     for spec in meta.inputs:
         for axis, dim in enumerate(spec.shape):
             if isinstance(dim, str) and spec.name in feed and axis < feed[spec.name].ndim:
-                sizes.setdefault(dim, feed[spec.name].shape[axis])
+                seen.setdefault(dim, set()).add(feed[spec.name].shape[axis])
+    # a name the inputs give one size (inputs that disagree, as a CLIP's images and texts, hold it to nothing)
+    sizes = {dim: next(iter(v)) for dim, v in seen.items() if len(v) == 1}
     problems = []
     for spec in meta.outputs:
         if spec.name not in got or not spec.shape:

@@ -26,3 +26,15 @@ def test_validation_holds_outputs_to_their_declared_shapes() -> None:
     meta.outputs[0].shape[1] = "seq"
     assert declared_shape_problems(meta, feed, got) == []
     assert declared_shape_problems(meta, feed, {**got, "logits": np.zeros((3, 3))})  # batch is the inputs' batch
+
+
+def test_a_name_the_inputs_give_two_sizes_holds_the_output_to_nothing() -> None:
+    meta = SimpleNamespace(
+        inputs=[
+            TensorSpec(name="images", shape=["batch", 3], dtype="float32"),
+            TensorSpec(name="texts", shape=["batch", 5], dtype="int64"),
+        ],
+        outputs=[TensorSpec(name="logits_per_image", shape=["batch", "batch"], dtype="float32")],
+    )
+    feed = {"images": np.zeros((16, 3)), "texts": np.zeros((4, 5))}
+    assert declared_shape_problems(meta, feed, {"logits_per_image": np.zeros((16, 4))}) == []

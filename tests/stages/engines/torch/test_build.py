@@ -236,7 +236,7 @@ def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -
                 "signature.dynamic_axes": seq,
                 "validate.max_samples": 32,
                 "build.backends": ["onnxruntime", "torch"],
-                "build.torch": {"flavour": flavour},
+                "build.torch": {"flavour": flavour, "devices": ["cpu"]},
             }
         )
     )
