@@ -37,17 +37,40 @@ def graph_order(fp32: onnx.ModelProto) -> list[tuple[str, str]]:
 
 def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: Samples) -> dict[str, list[float]]:
     """For each variant, the error of each node of :func:`graph_order` (NaN where the variant has no such
-    tensor, e.g. a node the INT8 rewrite replaced); the graph output's error is the variant's last entry."""
+    tensor, or one another op computes: a node the INT8 rewrite replaced or fused); the graph output's error is the
+    variant's last entry."""
     order = graph_order(fp32)
     out_name = fp32.graph.output[0].name
     tensors = [t for _, t in order if t != out_name]
+    ours = producers(fp32)
     curves: dict[str, list[float]] = {}
     for label, model in variants.items():
+        theirs = producers(
+            model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+        )
+        same = [t for t in tensors if theirs.get(t) == ours.get(t)]  # a name alone may mean another value
         err: dict[str, float] = {}
-        for i in range(0, max(len(tensors), 1), CHUNK):  # a bounded number of activations in memory at once
-            err |= tensor_errors(fp32, model, take_rows(x, slice(0, SAMPLES)), tensors[i : i + CHUNK])
+        for i in range(0, max(len(same), 1), CHUNK):  # a bounded number of activations in memory at once
+            err |= tensor_errors(fp32, model, take_rows(x, slice(0, SAMPLES)), same[i : i + CHUNK])
         curves[label] = [err.get(t, float("nan")) for _, t in order]
     return curves
+
+
+PASS_THROUGH = {"Cast", "QuantizeLinear", "DequantizeLinear"}  # store a value in another precision, same meaning
+
+
+def producers(model: onnx.ModelProto) -> dict[str, str]:
+    """Tensor -> the op that computes it, looking through Casts and Q/DQ pairs: an FP16 emulation's rounded tensor
+    is its node's, an INT8 graph's dequantized one too, while a tensor a quantizer renamed (ONNX Runtime fuses a
+    Relu into the Conv before it and gives the Conv the Relu's output name) has another op than FP32's."""
+    by_output = {o: n for n in model.graph.node for o in n.output}
+    out: dict[str, str] = {}
+    for tensor, node in by_output.items():
+        seen = 0
+        while node.op_type in PASS_THROUGH and node.input and node.input[0] in by_output and seen < 8:
+            node, seen = by_output[node.input[0]], seen + 1
+        out[tensor] = node.op_type
+    return out
 
 
 def first_divergence(
