@@ -20,8 +20,18 @@ STATISTICS: dict[str, str] = {
     "rel_err": "relative L2 error ||got - ref|| / ||ref||",
     "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros)",
     "top1_agreement": "fraction of rows whose argmax over the class axis agrees (the last; axis 1 of [N, C, H, W] "
-    "maps; near-ties within rel_tie agree)",
+    "maps), a flip on a tie counting as agreement",
+    "top1_ties": "fraction of rows whose argmax flipped on a tie: the reference's margin between the two classes "
+    "within the candidate's own, small error on that row (TIE_SIGMAS robust deviations of its error on the other "
+    "classes, at most TIE_MAX_NOISE of the row's spread)",
 }
+# A flip is a tie when the reference's margin between its class and the candidate's is at most this many robust
+# standard deviations (1.4826 x the median absolute error) of the candidate's error on the row's other classes.
+TIE_SIGMAS = 3.0
+TIE_MIN_CLASSES = 4  # the noise is measured on the classes a flip does not involve: at least two of them
+# ...and only where that error is small beside the row's own spread of logits (its standard deviation): an engine
+# whose every logit is off (an overflow, a broken kernel) has no ties, only flips.
+TIE_MAX_NOISE = 0.01
 HIGHER_IS_BETTER = {"cosine", "top1_agreement"}
 
 
@@ -33,6 +43,7 @@ class OutputStats:
     rel_err: float
     cosine: float
     top1_agreement: float | None
+    top1_ties: float | None = None  # of the rows, those that flipped on a tie (counted as agreeing above)
 
     def as_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -48,7 +59,8 @@ def compare_arrays(
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
         raise ValueError(f"output shapes differ: reference {list(r.shape)}, candidate {list(g.shape)}")
-    return OutputStats(_max_abs_err(r, g), _rel_err(r, g), _cosine(r, g), _top1(r, g, rel_tie, where))
+    agreement, ties = _top1(r, g, rel_tie, where)
+    return OutputStats(_max_abs_err(r, g), _rel_err(r, g), _cosine(r, g), agreement, ties)
 
 
 def compare_outputs(
@@ -126,14 +138,30 @@ def class_axis(ndim: int) -> int:
     return 1 if ndim >= 4 else -1
 
 
-def _top1(r: np.ndarray, g: np.ndarray, rel_tie: float, where: np.ndarray | None = None) -> float | None:
+def _top1(
+    r: np.ndarray, g: np.ndarray, rel_tie: float, where: np.ndarray | None = None
+) -> tuple[float | None, float | None]:
+    """(top-1 agreement, the fraction of rows that flipped on a tie). A flip is a tie where the reference's margin
+    between its class and the candidate's lies within ``rel_tie`` of its largest magnitude, or within the
+    candidate's own error on that row: :data:`TIE_SIGMAS` robust deviations of its error on the row's other
+    classes (so the flip's own error does not excuse it), where that error is small (:data:`TIE_MAX_NOISE` of the
+    row's spread). Rows with fewer than :data:`TIE_MIN_CLASSES` classes have no such measure."""
     axis = class_axis(r.ndim)
     if r.ndim < 2 or r.shape[axis] < 2:
-        return None
+        return None, None
     r2, g2 = (np.moveaxis(a, axis, -1).reshape(-1, r.shape[axis]) for a in (r, g))
     if where is not None and where.size == len(r2):
         r2, g2 = r2[where.reshape(-1)], g2[where.reshape(-1)]
+    if not len(r2):
+        return 1.0, 0.0
     ri, gi = r2.argmax(-1), g2.argmax(-1)
     rows = np.arange(len(r2))
-    tie = np.abs(r2[rows, ri] - r2[rows, gi]) <= rel_tie * max(float(np.abs(r2).max(initial=0.0)), 1e-30)
-    return float(np.mean((ri == gi) | tie)) if len(r2) else 1.0
+    margin = np.abs(r2[rows, ri] - r2[rows, gi])
+    tie = margin <= rel_tie * max(float(np.abs(r2).max(initial=0.0)), 1e-30)
+    if r2.shape[1] >= TIE_MIN_CLASSES:
+        err = np.abs(g2 - r2)
+        err[rows, ri] = err[rows, gi] = np.nan  # the two classes of a flip: their error is the flip itself
+        noise = 1.4826 * np.nanmedian(err, axis=1)
+        tie |= (margin <= TIE_SIGMAS * noise) & (noise <= TIE_MAX_NOISE * r2.std(axis=1))
+    flips = ri != gi
+    return float(np.mean(~flips | tie)), float(np.mean(flips & tie))

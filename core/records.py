@@ -217,6 +217,7 @@ class EngineValidation(Part):
     rel_err: float | None = None
     cosine: float | None = None
     top1_agreement: float | None = None  # of the class-logit output
+    top1_ties: float | None = None  # of its rows, those that flipped on a tie (kiln.core.compare), in the agreement
     accuracy: float | None = None
     outputs: dict[str, dict[str, float | None]] = Field(
         default_factory=dict

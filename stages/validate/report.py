@@ -65,6 +65,15 @@ def report_section(v: ValidationResult) -> list[str]:
             "Each value is followed by its gate in parentheses (`validate.gates`, per precision); a value "
             "without one is not gated.",
         ]
+    tied = [e for e in v.engines if e.top1_ties]
+    if tied:
+        lines += [
+            "",
+            "Top-1 flips on ties, counted as agreeing (the reference's margin between the two classes within the "
+            "engine's own error on that sample, `kiln.core.compare.TIE_SIGMAS`): "
+            + ", ".join(f"{e.name} {e.top1_ties:.2%} of samples" for e in tied)
+            + ".",
+        ]
     lines += [f"- baseline {x.label} not measured: {x.error}" for x in v.baselines if x.error]
     lines += _per_output(v)
     if v.failures:

@@ -90,7 +90,7 @@ def compare_all(
             f"the engine's outputs do not match the reference's: {exc}",
             hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
         ) from None
-    return {n: s if n == logits else replace(s, top1_agreement=None) for n, s in stats.items()}
+    return {n: s if n == logits else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
 
 
 def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[str, OutputStats]:
@@ -112,6 +112,7 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 pick(t.rel_err, s.rel_err, False),
                 pick(t.cosine, s.cosine, True),
                 pick(t.top1_agreement, s.top1_agreement, True),
+                pick(t.top1_ties, s.top1_ties, False),
             )
         out[name] = s
     return out
@@ -123,6 +124,7 @@ def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: st
     entry.max_abs_err, entry.rel_err = worst(stats, "max_abs_err"), worst(stats, "rel_err")
     entry.cosine = worst(stats, "cosine")
     entry.top1_agreement = stats[logits].top1_agreement if logits in stats else None
+    entry.top1_ties = stats[logits].top1_ties if logits in stats else None
 
 
 def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, smallest: int) -> list[str]:

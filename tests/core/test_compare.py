@@ -83,3 +83,29 @@ def test_within_tolerance_keeps_nan_and_inf_in_place(got: np.ndarray, ok: bool) 
 def test_within_tolerance_integers_must_be_equal() -> None:
     assert within_tolerance(np.array([1, 2]), np.array([1, 2]), 0, 0)[0]
     assert not within_tolerance(np.array([1, 2]), np.array([1, 3]), 10, 10)[0]
+
+
+def test_flips_on_planted_ties_are_ties_and_a_real_flip_is_not() -> None:
+    """1,000 classes (a ResNet's head); a candidate off by FP16-like noise (1e-3 of a logit spread of 1). Rows whose
+    two best classes were planted 1e-4 apart flip on that noise: ties, counted as agreeing. A row whose winner the
+    candidate moves by 0.5 (the rest of the row as exact as elsewhere) is a real flip."""
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((64, 1000))
+    top = ref.argmax(1)
+    second = np.argsort(ref, axis=1)[:, -2]
+    rows = np.arange(64)
+    ref[rows[:8], second[:8]] = ref[rows[:8], top[:8]] - 1e-4  # planted ties in rows 0..7
+    got = ref + rng.standard_normal(ref.shape) * 1e-3
+    got[rows[:8], second[:8]] = ref[rows[:8], top[:8]] + 1e-3  # each tie flips, within the noise
+    got[20, second[20]] = ref[20, top[20]] + 0.5  # a real flip: far beyond the row's noise
+    s = compare_arrays(ref, got)
+    assert s.top1_ties == pytest.approx(8 / 64) and s.top1_agreement == pytest.approx(63 / 64)
+    broken = ref + rng.standard_normal(ref.shape)  # every logit off by the logits' own spread: no ties, only flips
+    assert compare_arrays(ref, broken).top1_ties == 0.0
+
+
+def test_few_classes_have_no_measured_ties() -> None:
+    ref = np.array([[1.0, 1.0 - 1e-6, 0.0]])
+    got = np.array([[1.0, 1.0 + 1e-6, 0.0]])
+    s = compare_arrays(ref, got)
+    assert s.top1_agreement == 0.0 and s.top1_ties == 0.0
