@@ -1,5 +1,7 @@
 """Accuracy-driven fallback: build a variant, compare it with FP32, and while it misses the target keep the
-nodes that introduce the most error in FP32 and rebuild — up to ``max_rounds`` times.
+nodes that introduce the most error in FP32 and rebuild — up to ``max_rounds`` times, and only while the rounds
+measurably improve on the best before them: the variant is the best round's graph, and the nodes later rounds
+kept without a measured gain are dropped (a node kept in float costs speed).
 
 A node's blame is how much larger the error of its output is than the error of its inputs (both relative
 to the FP32 graph on the same samples): error a node merely passes on is not its fault. When a node already
@@ -47,6 +49,26 @@ def passes(metrics: dict[str, float | None], cfg: FallbackConfig) -> bool:
     return ok
 
 
+# A round improves on the best before it by MIN_TOP1_GAIN top-1 agreement, or at the same top-1 by MIN_COSINE_GAIN
+# cosine; after PATIENCE rounds without (a consumer kept first, its producer next: two rounds) the search stops.
+PATIENCE = 2
+MIN_TOP1_GAIN = 1e-3  # a round improves by this much top-1 agreement...
+MIN_COSINE_GAIN = 1e-5  # ...or, at the same top-1, by this much cosine
+
+
+def improves(metrics: dict[str, float | None], than: dict[str, float | None]) -> bool:
+    """Whether a round's comparison is measurably better than an earlier one's (NaN is worst)."""
+    top1, before = metrics["top1_agreement"], than["top1_agreement"]
+    cos, cos_before = _finite(metrics["cosine"]), _finite(than["cosine"])
+    if top1 is not None and before is not None and abs(top1 - before) >= MIN_TOP1_GAIN:
+        return top1 > before
+    return cos - cos_before >= MIN_COSINE_GAIN
+
+
+def _finite(x: float | None) -> float:
+    return float(x) if x is not None and np.isfinite(x) else -2.0
+
+
 def run_fallback(
     build: Callable[[set[str]], Path],
     fp32: onnx.ModelProto,
@@ -63,6 +85,7 @@ def run_fallback(
     refs = run_batched(fp32, x)
     kept: dict[str, str] = {}
     result = FallbackResult(path=Path())
+    best: tuple[dict[str, float | None], int, dict[str, str]] | None = None  # metrics, round, nodes kept
     for round_no in range(cfg.max_rounds + 1):
         result.path = build(set(kept))
         gots = run_batched(result.path, x)
@@ -77,6 +100,10 @@ def run_fallback(
             metrics["cosine"],
             len(kept),
         )
+        if best is None or improves(metrics, best[0]):
+            best = (metrics, round_no, dict(kept))
+        elif _finite(best[0]["cosine"]) > -2.0 and round_no - best[1] >= PATIENCE:
+            break  # these rounds' nodes bought nothing measurable (while outputs overflow, the search goes on)
         if result.passed or not cfg.enabled or round_no == cfg.max_rounds:
             break
         picks = blame(
@@ -92,6 +119,13 @@ def run_fallback(
             break
         for name, why in picks.items():
             kept[name] = f"fallback round {round_no + 1}: {why}"
+    if best is not None and best[1] != len(result.rounds) - 1:  # a later round was no better: the best one's graph
+        log.info("%s: rounds after %d did not improve on it; the variant is round %d's", label, best[1], best[1])
+        kept = best[2]
+        result.path = build(set(kept))
+        result.passed = passes(best[0], cfg)
+        for entry in result.rounds[best[1] + 1 :]:
+            entry["discarded"] = True
     result.kept = kept
     return result
 

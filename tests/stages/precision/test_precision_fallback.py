@@ -128,3 +128,27 @@ def test_top1_agreement_counts_the_labelled_positions_given() -> None:
     assert output_metrics([ref], [got], 0)["top1_agreement"] == 0.75
     labelled = np.array([[True, True, True, False]] * 2)
     assert output_metrics([ref], [got], 0, labelled)["top1_agreement"] == 1.0
+
+
+def test_rounds_that_buy_nothing_are_dropped_and_the_search_stops(tmp_path: Path) -> None:
+    """A variant whose error no node choice changes (its weights are off, whatever is kept in float): the rounds
+    after round 0 gain nothing, the search stops (here when no node is left to blame, at most after PATIENCE
+    rounds), and the variant is round 0's graph with no node kept."""
+    from kiln.stages.precision.fallback import PATIENCE, run_fallback
+
+    w = rng_weights(16, 10)
+    fp32 = make_model([helper.make_node("MatMul", ["input", "w"], ["logits"], name="mm")], {"w": w})
+    off = make_model(
+        [helper.make_node("MatMul", ["input", "w"], ["logits"], name="mm")], {"w": w + rng_weights(16, 10, seed=1)}
+    )
+    built: list[set[str]] = []
+
+    def build(extra: set[str]) -> Path:
+        built.append(set(extra))
+        path = tmp_path / "variant.onnx"
+        onnx.save(off, str(path))
+        return path
+
+    result = run_fallback(build, fp32, inputs(256), FallbackConfig(nodes_per_round=1), {"mm"}, "test")
+    assert not result.passed and result.kept == {} and built[-1] == set()
+    assert 1 < len(result.rounds) <= PATIENCE + 1 and all(r.get("discarded") for r in result.rounds[1:])
