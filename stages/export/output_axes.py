@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from kiln.core.onnx_io import infer_shapes, load_onnx, ort_run, ort_session, save_onnx
 
@@ -66,6 +67,9 @@ def name_output_axes(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dic
     """Declare, in the graph at ``path``, the output axes that follow a dynamic input axis but were exported with a
     fixed size or a symbol of the exporter's own: output -> {axis: name} of those declared (the graph is rewritten
     only if there are any)."""
+    model = load_onnx(path, load_external_data=False)
+    if _batch_only(model, axes):
+        return {}
     found, stays = probe(path, feed, axes)
     model = load_onnx(path)
     known = {label for dims in axes.values() for label in dims.values()}
@@ -91,3 +95,12 @@ def name_output_axes(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dic
             "; ".join(f"{o} axis {i} = {n}" for o, d in fixed.items() for i, n in d.items()),
         )
     return fixed
+
+
+def _batch_only(model: onnx.ModelProto, axes: Axes) -> bool:
+    """Nothing to probe: the batch is the only dynamic axis, and every output declares its first axis dynamic (the
+    exporters name the batch on their own; a probe of a big model costs an ONNX Runtime session and two runs)."""
+    if {label for dims in axes.values() for label in dims.values()} - {"batch"}:
+        return False
+    dims = [o.type.tensor_type.shape.dim for o in model.graph.output if o.type.HasField("tensor_type")]
+    return all(d and d[0].dim_param for d in dims)
