@@ -19,7 +19,7 @@ from kiln.core.text import first_line
 # ONNX's protobuf limit: larger models must keep their weights in external data files.
 PROTOBUF_LIMIT = 2**31 - 1
 _INLINE_LIMIT = 1_800_000_000  # bytes: above this, hand ORT a file with external data, not serialized bytes
-_STRIP_BYTES = 4096  # initializers above this are handed to shape inference as dims only
+STRIP_BYTES = 4096  # initializers above this are handed to shape inference and ONNX Runtime as stubs
 log = logging.getLogger("kiln")
 
 
@@ -189,17 +189,23 @@ def light_model(
     weights: dict[str, np.ndarray] = {}
     for init in model.graph.initializer:
         t = light.graph.initializer.add()
-        big = tensor_bytes(init) > _STRIP_BYTES and init.data_location != onnx.TensorProto.EXTERNAL
+        big = tensor_bytes(init) > STRIP_BYTES and init.data_location != onnx.TensorProto.EXTERNAL
         if not big or (with_data and init.data_type not in _SHAREABLE):
             t.CopyFrom(init)
             continue
-        t.name, t.data_type = init.name, init.data_type
-        t.dims.extend(init.dims)
-        t.data_location = onnx.TensorProto.EXTERNAL
-        t.external_data.add(key="location", value=STUB_LOCATION)
+        t.CopyFrom(stub_tensor(init.name, init.data_type, init.dims))
         if with_data:
             weights[init.name] = np.ascontiguousarray(numpy_helper.to_array(init))
     return light, weights
+
+
+def stub_tensor(name: str, data_type: int, dims: Any) -> onnx.TensorProto:
+    """A tensor with a name, type and dims and no data, marked external under :data:`STUB_LOCATION`: what shape
+    inference reads of a weight, and what ONNX Runtime fills from an external initializer of that name."""
+    stub = onnx.TensorProto(name=name, data_type=data_type, dims=list(dims))
+    stub.data_location = onnx.TensorProto.EXTERNAL
+    stub.external_data.add(key="location", value=STUB_LOCATION)
+    return stub
 
 
 def _without_initializers(model: onnx.ModelProto, keep_value_info: bool) -> onnx.ModelProto:
@@ -340,7 +346,7 @@ def session_options(
 
 
 def ort_session(
-    model: onnx.ModelProto | bytes | str | Path,
+    model: onnx.ModelProto | str | Path,
     threads: int = 0,
     providers: list[Any] | None = None,
     optimization: str = "all",
@@ -348,8 +354,8 @@ def ort_session(
     error: type[KilnError] = ModelError,
 ) -> Any:
     """An ONNX Runtime session: the one factory. ``options`` (from :func:`session_options`) wins over
-    ``threads``/``optimization``. ``model`` may be serialized already (bytes). A model near the protobuf limit
-    goes to ORT as a file with external data.
+    ``threads``/``optimization``. A ModelProto goes to ORT as its graph with the big weights handed over as arrays
+    (no serialized copy of them); one still near the protobuf limit, as a file with external data.
     A failure is ``error`` naming ORT's reason."""
     import onnxruntime as ort
 
@@ -359,10 +365,10 @@ def ort_session(
     if isinstance(model, onnx.ModelProto) and not opts.optimized_model_filepath:
         # The weights go to ORT as arrays and the graph as a few kilobytes: no serialized copy of the weights
         model, weights = light_model(model, with_data=True)
-    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
-    if weights:
-        opts.add_external_initializers(list(weights), values)
     try:
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
+        if weights:
+            opts.add_external_initializers(list(weights), values)
         sess = _ort_session(model, opts, providers)
         sess.kiln_weights = values  # ORT may read the weights from these buffers while the session lives
         return sess
@@ -373,16 +379,17 @@ def ort_session(
         ) from None
 
 
-def _ort_session(model: onnx.ModelProto | bytes | str | Path, opts: Any, providers: list[Any]) -> Any:
+def _ort_session(model: onnx.ModelProto | str | Path, opts: Any, providers: list[Any]) -> Any:
     import onnxruntime as ort
 
-    if isinstance(model, onnx.ModelProto) and model_bytes(model) > _INLINE_LIMIT:  # weights ORT cannot take as arrays
+    if not isinstance(model, onnx.ModelProto):
+        return ort.InferenceSession(str(model), opts, providers=providers)
+    if model_bytes(model) > _INLINE_LIMIT:  # weights ORT cannot take as arrays
         with tempfile.TemporaryDirectory(prefix="kiln-ort-") as tmp:
             path = Path(tmp) / "model.onnx"
             save_onnx(model, path, external=True)
             return ort.InferenceSession(str(path), opts, providers=providers)
-    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
-    return ort.InferenceSession(src if isinstance(src, bytes) else str(src), opts, providers=providers)
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
 
 
 def ort_run(session: Any, feed: dict[str, np.ndarray]) -> list[np.ndarray]:

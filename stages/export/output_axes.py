@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -36,12 +37,12 @@ def resized(feed: dict[str, np.ndarray], axes: Axes, name: str, size: int) -> di
 
 
 def probe(
-    path: Path, feed: dict[str, np.ndarray], axes: Axes
+    path: Path, feed: dict[str, np.ndarray], axes: Axes, session: Any = None
 ) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, set[str]]]]:
     """(output -> {axis: name} for each output axis whose size changes with a named input axis: the name where it
     equals that axis's size at both sizes, else ``<output>_<axis>``; output -> {axis: the names whose change left
     it as it was})."""
-    sess = ort_session(path)
+    sess = session if session is not None else ort_session(path)
     names = [o.name for o in sess.get_outputs()]
     base = [o.shape for o in ort_run(sess, feed)]
     found: dict[str, dict[int, str]] = {}
@@ -63,14 +64,16 @@ def probe(
     return found, stays
 
 
-def name_output_axes(path: Path, feed: dict[str, np.ndarray], axes: Axes) -> dict[str, dict[int, str]]:
+def name_output_axes(
+    path: Path, feed: dict[str, np.ndarray], axes: Axes, session: Any = None
+) -> dict[str, dict[int, str]]:
     """Declare, in the graph at ``path``, the output axes that follow a dynamic input axis but were exported with a
     fixed size or a symbol of the exporter's own: output -> {axis: name} of those declared (the graph is rewritten
-    only if there are any)."""
+    only if there are any). ``session``: one already open on ``path`` (the export's parity check has one)."""
     model = load_onnx(path, load_external_data=False)
     if _batch_only(model, axes):
         return {}
-    found, stays = probe(path, feed, axes)
+    found, stays = probe(path, feed, axes, session)
     model = load_onnx(path)
     known = {label for dims in axes.values() for label in dims.values()}
     fixed: dict[str, dict[int, str]] = {}

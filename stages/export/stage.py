@@ -271,11 +271,12 @@ def _export(
         quiet.setLevel(level)
 
 
-def parity(model: nn.Module, onnx_path: Path, x: Inputs) -> dict[str, Any]:
-    """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output."""
+def parity(model: nn.Module, onnx_path: Path, x: Inputs, session: Any = None) -> dict[str, Any]:
+    """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output.
+    ``session``: one already open on ``onnx_path``."""
     with torch.no_grad():
         ref = {k: v.numpy() for k, v in named_outputs(model, x).items()}
-    sess = ort_session(onnx_path)
+    sess = session if session is not None else ort_session(onnx_path)
     got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
@@ -381,7 +382,8 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     path = ctx.out / "model.onnx"
     axes = ctx.config.signature.dynamic_axes
     proto = export_onnx(model, take(data.val_x, slice(0, 2)), path, cfg.opset, cfg.dynamic_batch, axes)
-    check = parity(model, path, take(data.val_x, slice(0, PARITY_ROWS)))
+    session = ort_session(path)  # for the parity check and the output-axis probe
+    check = parity(model, path, take(data.val_x, slice(0, PARITY_ROWS)), session)
     if check["max_abs_err"] > cfg.parity_atol:
         raise ModelError(
             f"ONNX export differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
@@ -396,7 +398,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     )
     names = [i.name for i in proto.graph.input]
     feed = feed_for_graph(take(data.val_x, slice(0, 2)), names)
-    followed = name_output_axes(path, feed, _axes(names, cfg.dynamic_batch, axes or {}))
+    followed = name_output_axes(path, feed, _axes(names, cfg.dynamic_batch, axes or {}), session)
     sizes = dynamic_sizes(data, names, axes)
     if sizes:
         (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")

@@ -21,7 +21,7 @@ from onnx import AttributeProto, helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from kiln.core.onnx_io import infer_shapes
+from kiln.core.onnx_io import STRIP_BYTES, infer_shapes, stub_tensor
 
 # Constant's value_* attribute -> numpy dtype of the tensor it stands for (ONNX spec of Constant).
 _CONST_ATTRS: dict[str, object] = {
@@ -87,18 +87,15 @@ def import_graph(model: onnx.ModelProto) -> tuple[gs.Graph, EmptyAttrs]:
     return graph, empties
 
 
-_STUB_BYTES = 4096  # constants bigger than this go to shape inference as dims and type only
-
-
 def refresh_shapes(graph: gs.Graph, empties: EmptyAttrs) -> None:
     """Give ``graph``'s variables the shapes and types ONNX infers for the graph as it is now: what an export,
     shape inference and a new import would give a pass, without copying the weights (big constants are exported
     as stubs with their dims and type). Variables inference finds nothing for lose a shape a rewrite made stale."""
     stubbed: list[tuple[gs.Constant, object]] = []
     for t in graph.tensors().values():
-        if isinstance(t, gs.Constant) and _nbytes(t) > _STUB_BYTES:
+        if isinstance(t, gs.Constant) and _nbytes(t) > STRIP_BYTES:
             stubbed.append((t, t._values))  # the exporter reads this attribute too; .values would load the data
-            t.values = LazyValues(_stub(t))
+            t.values = LazyValues(stub_tensor(t.name, dtype_to_onnx(t.export_dtype), t.shape))
     try:
         light = export_graph(graph, empties)
     finally:
@@ -114,14 +111,6 @@ def refresh_shapes(graph: gs.Graph, empties: EmptyAttrs) -> None:
 
 def _nbytes(t: gs.Constant) -> int:
     return int(t._values.nbytes)  # LazyValues and numpy arrays both know their size without loading
-
-
-def _stub(t: gs.Constant) -> onnx.TensorProto:
-    """A tensor with ``t``'s name, type and dims and no data (marked external, as shape inference expects)."""
-    stub = onnx.TensorProto(name=t.name, data_type=dtype_to_onnx(t.export_dtype), dims=list(t.shape))
-    stub.data_location = onnx.TensorProto.EXTERNAL
-    stub.external_data.add(key="location", value="__kiln_stripped__")
-    return stub
 
 
 def _record_empty(proto: onnx.GraphProto, graph: gs.Graph, empties: EmptyAttrs) -> None:

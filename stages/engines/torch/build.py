@@ -168,33 +168,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
-    try:
-        exported, one_size = _capture(model, req, args, settings)
-    except BuildError:
-        raise
-    except Exception as exc:  # torch.export failures: this model cannot become this engine kind (in this layout?)
-        reason = f"{type(exc).__name__}: {first_line(exc, 300)}"
-        if not (settings["channels_last"] and req.settings.channels_last == "auto"):
-            hint = "the ONNX engines still build; see torch.export's docs for unsupported code"
-            if settings["channels_last"]:
-                hint = "try build.torch.channels_last: off (it changes the memory layout only); " + hint
-            raise BuildError(f"torch.export could not capture the model: {reason}", hint=hint) from None
-        # channels_last (chosen by auto for a model with convolutions) can break torch.export on dynamic heights and
-        # widths: the model is captured again in its own layout, and the engine records why
-        log.info(
-            "engine %s: torch.export failed with channels_last (%s); capturing in the model's layout", req.name, reason
-        )
-        settings.update(channels_last=False, channels_last_weights=False, channels_last_dropped=reason)
-        model = model.to(memory_format=torch.contiguous_format)
-        try:
-            exported, one_size = _capture(model, req, args, settings)
-        except BuildError:
-            raise
-        except Exception as again:
-            raise BuildError(
-                f"torch.export could not capture the model: {type(again).__name__}: {first_line(again, 300)}",
-                hint="the ONNX engines still build; see torch.export's docs for unsupported code",
-            ) from None
+    exported, one_size = _captured(model, req, args, settings)
     if one_size:  # the engine takes these axes at one size: its inputs say so, and the build warms that size only
         req = with_one_size(req, one_size)
         settings["one_size_axes"] = one_size
@@ -233,6 +207,34 @@ def with_one_size(req: BuildRequest, one_size: dict[str, dict[int, int]]) -> Bui
         inputs.append(spec.model_copy(update={"shape": shape}))
     sizes = {k: v for k, v in req.axis_sizes.items() if k not in labels}
     return dataclasses.replace(req, inputs=inputs, axis_sizes=sizes)
+
+
+def _captured(
+    model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dict[str, Any]
+) -> tuple[Any, dict[str, dict[int, int]]]:
+    """:func:`_capture`, and where channels_last chosen by auto (a model with convolutions) breaks torch.export (it
+    can on dynamic heights and widths), again in the model's own layout, recorded in ``settings``. A failure that
+    remains is a BuildError naming torch.export's reason."""
+    import torch
+
+    retry = settings["channels_last"] and req.settings.channels_last == "auto"
+    for attempt in (0, 1) if retry else (0,):
+        try:
+            return _capture(model, req, args, settings)
+        except BuildError:
+            raise
+        except Exception as exc:  # torch.export failures: this model cannot become this engine kind (this layout?)
+            reason = f"{type(exc).__name__}: {first_line(exc, 300)}"
+        if attempt == 0 and retry:
+            log.info(
+                "engine %s: torch.export failed with channels_last (%s); capturing in its own layout", req.name, reason
+            )
+            settings.update(channels_last=False, channels_last_weights=False, channels_last_dropped=reason)
+            model = model.to(memory_format=torch.contiguous_format)
+    hint = "the ONNX engines still build; see torch.export's docs for unsupported code"
+    if settings["channels_last"]:  # asked for explicitly
+        hint = "try build.torch.channels_last: off (it changes the memory layout only); " + hint
+    raise BuildError(f"torch.export could not capture the model: {reason}", hint=hint) from None
 
 
 def _capture(

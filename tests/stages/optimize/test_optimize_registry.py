@@ -39,17 +39,23 @@ def test_default_pipeline_is_registered_and_every_pass_is_tested_and_described()
     assert all(d and len(d) < 200 for d in catalog.describe().values())
 
 
-def test_a_pass_that_changes_outputs_is_rolled_back_and_named(monkeypatch):
-    def relu_to_identity(graph, p):  # a deliberately wrong rewrite
-        n = 0
-        for node in graph.nodes:
-            if node.op == "Relu":
-                node.op, n = "Identity", n + 1
-        return n
+def _relu_to_identity(graph, p):  # a deliberately wrong rewrite
+    n = 0
+    for node in graph.nodes:
+        if node.op == "Relu":
+            node.op, n = "Identity", n + 1
+    return n
 
+
+@pytest.fixture
+def wrong_pass(monkeypatch):
+    """A pass named "wrong" that changes the outputs (Relu -> Identity), registered for one test."""
     monkeypatch.setitem(
-        registry.PASSES, "wrong", registry.PassSpec("wrong", relu_to_identity, registry.NoParams, "bad")
+        registry.PASSES, "wrong", registry.PassSpec("wrong", _relu_to_identity, registry.NoParams, "bad")
     )
+
+
+def test_a_pass_that_changes_outputs_is_rolled_back_and_named(wrong_pass):
     m = make_model([h.make_node("Relu", ["x"], ["y"])], [("x", ["N", 8], FLOAT)], ["y"], {})
     out, s = optimize_model(m, OptimizeConfig(passes=["wrong"]))
     assert s["rolled_back"] == ["wrong"] and ops(out) == ["Relu"] and "max abs error" in s["passes"][0]["reason"]
@@ -67,20 +73,9 @@ def test_a_crashing_pass_is_rolled_back(monkeypatch):
     assert s["rolled_back"] == ["boom"] and "RuntimeError" in s["passes"][0]["reason"]
 
 
-def test_a_round_is_checked_once_and_a_bad_pass_in_it_is_found_by_name(monkeypatch):
-    """The safety net runs the graph once per clean round; when the round's result differs, it replays the round
-    pass by pass and rolls back only the pass at fault."""
-
-    def relu_to_identity(graph, p):  # wrong
-        n = 0
-        for node in graph.nodes:
-            if node.op == "Relu":
-                node.op, n = "Identity", n + 1
-        return n
-
-    monkeypatch.setitem(
-        registry.PASSES, "wrong", registry.PassSpec("wrong", relu_to_identity, registry.NoParams, "bad")
-    )
+def test_a_round_is_checked_once_and_a_bad_pass_in_it_is_found_by_name(wrong_pass):
+    """The safety net runs the graph once on the result of all the rounds; when it differs, it replays the passes
+    one by one and rolls back only the pass at fault."""
     nodes = [h.make_node("Identity", ["x"], ["a"]), h.make_node("Relu", ["a"], ["y"])]
     m = make_model(nodes, [("x", ["N", 8], FLOAT)], ["y"], {})
     out, s = optimize_model(m, OptimizeConfig(passes=["eliminate_identity", "toposort"]))
