@@ -114,6 +114,12 @@ def by_keyword(model: Any, names: list[str]) -> bool:
     return set(names) <= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+def forward_inputs(model: Any) -> list[str]:
+    """The names of the inputs a model's forward takes (its named parameters, not ``*args``/``**kwargs``)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in _forward_params(model) if p.kind in kinds]
+
+
 def _forward_params(model: Any) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(model.forward).parameters.values())

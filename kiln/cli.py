@@ -435,13 +435,16 @@ def _export_direct(
     sets: tuple[str, ...],
     checkpoint: str | None,
     model_name: str | None,
-    input_shape: str | None,
+    input_shape: tuple[str, ...],
     output: str | None,
 ) -> None:
     from kiln.pipeline.runner import settings_for
     from kiln.stages.export.stage import export_direct
 
-    cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
+    # --model without a config: the demo's data (digits) are not that model's; its own default dataset or
+    # --input-shape say what it takes
+    model = {"model.name": model_name, **({} if config else {"data.name": None})} if model_name else {}
+    cfg = _load(config, {**model, **_parse_sets(sets)})
     summary = export_direct(
         settings_for(stage_named("export"), cfg), checkpoint, input_shape, Path(output or "model.onnx")
     )
@@ -563,7 +566,12 @@ DIRECT = {
             ),
             _model_name(),
             click.Option(
-                ["--input-shape"], help="one sample's shape without batch, e.g. 3,224,224 (default: the dataset's)"
+                ["--input-shape"],
+                multiple=True,
+                metavar="[NAME=]DIMS[:DTYPE]",
+                help="an input's shape, one sample without the batch axis, e.g. 3,224,224; one per input for a model "
+                "with several, named as its forward's parameters: --input-shape x=8 --input-shape meta=3 "
+                "(dtype float32, or e.g. ids=128:int64; integer inputs get 0s and 1s). Default: the config's data",
             ),
             click.Option(["-o", "--output"], type=click.Path(dir_okay=False), help="ONNX file to write in direct mode"),
         ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import warnings
 from collections.abc import Mapping
 from contextlib import redirect_stdout
@@ -24,9 +25,21 @@ import kiln.models
 import kiln.models.model_io
 import kiln.stages.export
 from kiln.core.artifacts import ensure_writable
-from kiln.core.data import Inputs, as_feed, feed_for_graph, input_names, rows, take, tensors
+from kiln.core.data import (
+    SINGLE_INPUT,
+    Inputs,
+    as_feed,
+    call,
+    feed_for_graph,
+    forward_inputs,
+    input_names,
+    rows,
+    take,
+    tensors,
+)
 from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, KilnError, ModelError
+from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import (
     check_onnx,
     infer_shapes,
@@ -39,6 +52,7 @@ from kiln.core.onnx_io import (
     value_names,
 )
 from kiln.core.outputs import FlatModel, named_outputs
+from kiln.core.records import TensorSpec
 from kiln.core.shapes import graph_axes
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
@@ -50,7 +64,7 @@ from kiln.models.model_io import (
     load_weights,
     read_state_dict,
 )
-from kiln.models.registry import build_model
+from kiln.models.registry import DEFAULT_DATASET, build_model
 from kiln.stages.export.config import ExportConfig
 from kiln.stages.export.output_axes import name_output_axes
 
@@ -288,8 +302,14 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs, session: Any = None) ->
 
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
-def export_direct(cfg: ExportSettings, checkpoint: str | None, input_shape: str | None, output: Path) -> dict[str, Any]:
+def export_direct(
+    cfg: ExportSettings, checkpoint: str | None, input_shapes: tuple[str, ...], output: Path
+) -> dict[str, Any]:
+    """Export ``cfg.model`` to ``output`` without a workdir. The example inputs are ``input_shapes``
+    (``--input-shape``, random arrays of those shapes) or the first rows of the configured data; a model that takes
+    neither is a ConfigError asking for each input's shape."""
     ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
+    specs = parse_input_shapes(input_shapes) if input_shapes else None
     model = build_model(cfg.model.name, cfg.model.params)
     checkpoint = checkpoint or cfg.model.checkpoint  # --checkpoint wins over the config's model.checkpoint
     if checkpoint:
@@ -299,36 +319,88 @@ def export_direct(cfg: ExportSettings, checkpoint: str | None, input_shape: str 
             "exporting '%s' with its initial weights: no --checkpoint and no model.checkpoint given", cfg.model.name
         )
     model.eval()
-    if input_shape:
-        example = torch.randn(2, *parse_shape(input_shape))
-        try:
-            with torch.no_grad():
-                model(example)
-        except Exception as exc:  # the model rejects this shape: say so, not "an op ONNX cannot express"
-            reason = first_line(exc)
-            raise ConfigError(
-                f"the model rejects an input of shape [batch, {input_shape}]: {reason}",
-                hint="give --input-shape the shape of one sample the model takes",
-            ) from None
-    else:
-        example = take(dataset_for(cfg.model, cfg.data, cfg.signature, cfg.seed).val_x, slice(0, 2))
+    example = _direct_example(cfg, model, specs)
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
     check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
 
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``--input-shape``: one sample's shape, positive integers separated by commas."""
-    try:
-        shape = tuple(int(s) for s in text.split(","))
-    except ValueError:
-        shape = ()
-    if not shape or any(d < 1 for d in shape):
+def _direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec] | None) -> Inputs:
+    """Two rows of example inputs the model is known to take: of ``specs`` (``--input-shape``) or the data's."""
+    if specs:
+        example, what = example_inputs(specs), "the inputs --input-shape gives (" + _describe(specs) + ")"
+    elif cfg.data.name is None and cfg.model.name not in DEFAULT_DATASET and not cfg.model.onnx:
         raise ConfigError(
-            f"--input-shape '{text}' is not comma-separated positive integers",
-            hint="one sample's shape without the batch axis, e.g. 3,224,224",
+            f"cannot tell which inputs model '{cfg.model.name}' takes: no --input-shape and no data configured",
+            hint=input_shape_hint(model),
         )
-    return shape
+    else:
+        data = dataset_for(cfg.model, cfg.data, cfg.signature, cfg.seed)
+        example, what = take(data.val_x, slice(0, 2)), f"the inputs of dataset '{cfg.data.name or data.name}'"
+    try:
+        with torch.no_grad():
+            call(model, example)
+    except Exception as exc:  # the model rejects them: say so, not "an op ONNX cannot express" or a traceback
+        reason = first_line(exc)
+        raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=input_shape_hint(model)) from None
+    return example
+
+
+def input_shape_hint(model: nn.Module) -> str:
+    """The fix for a model whose inputs Kiln cannot tell: one ``--input-shape`` per input of its forward."""
+    names = forward_inputs(model) or ["NAME"]
+    flags = " ".join(f"--input-shape {n}=DIMS" for n in names)
+    return (
+        f"give each input's shape, one sample without the batch axis: {flags} (e.g. image=3,224,224, "
+        "ids=128:int64), or a config whose data.name is a data function the model takes"
+    )
+
+
+INPUT_SHAPE_FORM = "[NAME=]DIMS[:DTYPE], e.g. 3,224,224 or image=3x224x224 or ids=128:int64"
+
+
+def parse_input_shapes(texts: tuple[str, ...]) -> list[TensorSpec]:
+    """``--input-shape`` values, ``[NAME=]DIMS[:DTYPE]``: one sample's shape (positive integers separated by ``,``
+    or ``x``, no batch axis) and dtype (float32 by default) per input, as specs with a leading ``batch`` axis. An
+    unnamed shape is the model's only input (``input``), so it stands alone."""
+    specs = [_parse_input_shape(t) for t in texts]
+    names = [s.name for s in specs]
+    if SINGLE_INPUT in names and len(specs) > 1 and not all("=" in t for t in texts):
+        raise ConfigError(
+            f"--input-shape given {len(specs)} times, not every one named: {list(texts)}",
+            hint="name each input of a model with several: --input-shape x=8 --input-shape meta=3",
+        )
+    if len(set(names)) < len(names):
+        raise ConfigError(f"--input-shape names an input twice: {names}", hint="give one --input-shape per input")
+    return specs
+
+
+def _parse_input_shape(text: str) -> TensorSpec:
+    name, sep, rest = text.rpartition("=")
+    dims, _, dtype = rest.partition(":")
+    try:
+        shape = [int(s) for s in re.split(r"[,x]", dims)]
+        np.dtype(dtype or "float32")
+    except (ValueError, TypeError):
+        shape = []
+    if not shape or any(d < 1 for d in shape) or (sep and not name.isidentifier()):
+        raise ConfigError(
+            f"--input-shape '{text}' is not {INPUT_SHAPE_FORM.partition(', e.g.')[0]}",
+            hint=f"one sample's shape without the batch axis, positive integers: {INPUT_SHAPE_FORM}",
+        )
+    return TensorSpec(name=name if sep else SINGLE_INPUT, shape=["batch", *shape], dtype=dtype or "float32")
+
+
+def example_inputs(specs: list[TensorSpec], batch: int = 2) -> Inputs:
+    """Random inputs of ``specs`` (floats standard normal, integers 0 or 1, which any embedding takes): one
+    tensor for an unnamed shape, else a dict by name (the model is called with keywords)."""
+    arrays = random_inputs(specs, batch, hint="give every axis a size in --input-shape")
+    x = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    return x[SINGLE_INPUT] if [s.name for s in specs] == [SINGLE_INPUT] else x
+
+
+def _describe(specs: list[TensorSpec]) -> str:
+    return ", ".join(f"'{s.name}' {s.dtype}[{', '.join(map(str, s.shape))}]" for s in specs)
 
 
 def take_onnx(src: Path, path: Path) -> ExportSummary:

@@ -429,7 +429,40 @@ def test_garbage_pt_checkpoint_and_wrong_input_shape_say_what_is_wrong(cli: CliR
     assert_clean_error(result, 2, "cannot read checkpoint", "not a plain state dict")
     assert "weights_only` set to `False`" not in result.output
     result = cli.invoke(main, ["export", "--model", "cnn", "--input-shape", "3,32,32", "-o", str(tmp_path / "m.onnx")])
-    assert_clean_error(result, 2, "the model rejects an input of shape [batch, 3,32,32]", "--input-shape")
+    assert_clean_error(result, 2, "rejects the inputs --input-shape gives ('input' float32[batch, 3, 32, 32])", "fix:")
+
+
+@pytest.mark.parametrize(
+    "model,shapes",
+    [
+        ("tests.user_models:two_in", ["x=8", "meta=3"]),
+        ("tests.user_models:ids_and_mask", ["input_ids=6:int64", "attention_mask=6:int64"]),
+        ("tests.user_models:three_in", ["image=3,6,6", "vec=5", "scale=1"]),
+    ],
+)
+def test_direct_export_of_a_multi_input_model_asks_for_its_inputs(
+    cli: CliRunner, tmp_path: Path, model: str, shapes: list[str]
+) -> None:
+    """No config and no --input-shape: the demo's digits used to be the example, a TypeError traceback."""
+    from safetensors.torch import save_file
+
+    from kiln.models.registry import build_model
+
+    weights = tmp_path / "w.safetensors"
+    save_file(build_model(model).state_dict(), weights)
+    args = ["export", "--model", model, "--checkpoint", str(weights), "-o", str(tmp_path / "m.onnx")]
+    asked = cli.invoke(main, args)
+    assert_clean_error(asked, 2, "cannot tell which inputs", *(f"--input-shape {s.split('=')[0]}=" for s in shapes))
+    lines = asked.output.splitlines()
+    assert sum(x.startswith("error:") for x in lines) == 1 and sum(x.startswith("fix:") for x in lines) == 1
+    flags = [a for s in shapes for a in ("--input-shape", s)]
+    done = cli.invoke(main, [*args, *flags])
+    assert done.exit_code == 0 and "wrote" in done.output, done.output
+
+
+def test_export_help_documents_input_shape(cli: CliRunner) -> None:
+    out = cli.invoke(main, ["export", "--help"], terminal_width=200).output
+    assert "--input-shape [NAME=]DIMS[:DTYPE]" in out and "one per input" in out
 
 
 @pytest.mark.slow

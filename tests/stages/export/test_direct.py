@@ -1,0 +1,95 @@
+"""Direct export (``kiln export --model M -o x.onnx``): the example inputs come from ``--input-shape`` or the data,
+and a model whose inputs neither gives is asked for them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+
+from kiln.core.errors import ConfigError
+from kiln.pipeline.config import load_config
+from kiln.pipeline.runner import settings_for
+from kiln.pipeline.stage_list import stage_named
+from kiln.stages.export.stage import export_direct, parse_input_shapes
+
+# (model, --input-shape values that fit it, its forward's inputs)
+MULTI_INPUT = [
+    ("tests.user_models:two_in", ("x=8", "meta=3"), ["x", "meta"]),
+    (
+        "tests.user_models:ids_and_mask",
+        ("input_ids=6:int64", "attention_mask=6:int64"),
+        ["input_ids", "attention_mask"],
+    ),
+    ("tests.user_models:three_in", ("image=3x6x6", "vec=5", "scale=1"), ["image", "vec", "scale"]),
+]
+
+
+def settings(model: str, **sets: object):
+    cfg = load_config(None, {"model.name": model, "data.name": None, **sets})
+    return settings_for(stage_named("export"), cfg)
+
+
+@pytest.mark.parametrize("model,shapes,names", MULTI_INPUT)
+def test_a_multi_input_model_without_shapes_is_asked_for_each_input(
+    tmp_path: Path, model: str, shapes: tuple[str, ...], names: list[str]
+) -> None:
+    with pytest.raises(ConfigError, match="cannot tell which inputs") as err:
+        export_direct(settings(model), None, (), tmp_path / "m.onnx")
+    assert all(f"--input-shape {n}=DIMS" in (err.value.hint or "") for n in names)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize("model,shapes,names", MULTI_INPUT)
+def test_data_the_model_does_not_take_is_refused_with_the_same_fix(
+    tmp_path: Path, model: str, shapes: tuple[str, ...], names: list[str]
+) -> None:
+    with pytest.raises(ConfigError, match="rejects the inputs of dataset 'digits'") as err:
+        export_direct(settings(model, **{"data.name": "digits"}), None, (), tmp_path / "m.onnx")
+    assert f"--input-shape {names[0]}=DIMS" in (err.value.hint or "")
+
+
+@pytest.mark.parametrize("model,shapes,names", MULTI_INPUT)
+def test_one_input_shape_per_input_exports_the_model(
+    tmp_path: Path, model: str, shapes: tuple[str, ...], names: list[str]
+) -> None:
+    summary = export_direct(settings(model), None, shapes, tmp_path / "m.onnx")
+    graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    assert [i.name for i in graph.input] == names and summary["max_abs_err"] < 1e-4
+    dtypes = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    int_inputs = {s.name for s in parse_input_shapes(shapes) if s.dtype == "int64"}
+    assert {n for n, t in dtypes.items() if t == onnx.TensorProto.INT64} == int_inputs
+
+
+@pytest.mark.parametrize("model,shapes,names", MULTI_INPUT)
+def test_shapes_that_miss_or_misname_an_input_are_refused(
+    tmp_path: Path, model: str, shapes: tuple[str, ...], names: list[str]
+) -> None:
+    for wrong in (shapes[:-1], (*shapes[:-1], "nosuch=2")):
+        with pytest.raises(ConfigError, match="rejects the inputs --input-shape gives"):
+            export_direct(settings(model), None, wrong, tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize(
+    "values,needle",
+    [
+        (("3,-1",), "is not"),
+        (("x=3:nodtype",), "is not"),
+        (("x y=3",), "is not"),
+        (("x=3", "4"), "not every one named"),
+        (("x=3", "x=4"), "names an input twice"),
+    ],
+)
+def test_bad_input_shapes_are_config_errors(values: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        parse_input_shapes(values)
+
+
+def test_input_shape_forms() -> None:
+    specs = parse_input_shapes(("image=3x224x224", "ids=128:int64"))
+    assert [(s.name, s.shape, s.dtype) for s in specs] == [
+        ("image", ["batch", 3, 224, 224], "float32"),
+        ("ids", ["batch", 128], "int64"),
+    ]
+    assert [(s.name, s.shape) for s in parse_input_shapes(("1,8,8",))] == [("input", ["batch", 1, 8, 8])]
