@@ -531,17 +531,22 @@ def _validate_direct(
 ) -> None:
     if reference is None:
         raise click.UsageError("direct mode needs --reference MODEL.onnx")
+    import json
+
     from kiln.pipeline.runner import settings_for
     from kiln.stages.validate.direct import validate_direct
+    from kiln.stages.validate.report import RANDOM_INPUTS, direct_report, gate_failure_hint
 
     cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
     settings = settings_for(stage_named("validate"), cfg)
-    result = validate_direct(Path(file), Path(reference), Path(inputs) if inputs else None, settings)
-    click.echo(result.model_dump_json(exclude_none=True, indent=2))  # plain JSON on stdout: `> v.json` keeps it
+    fed = Path(inputs) if inputs else None
+    if fed is None:
+        console.print(f"[yellow]inputs[/]: no --inputs, so {RANDOM_INPUTS}", highlight=False, soft_wrap=True)
+    result = validate_direct(Path(file), Path(reference), fed, settings)
+    click.echo(json.dumps(direct_report(result, fed), indent=2))  # plain JSON on stdout: `> v.json` keeps it
     if not result.passed:
         raise GateFailure(
-            f"engine {result.name} failed its gates: {'; '.join(result.failures)}",
-            hint="inspect the engine's precision, or relax validate.gates if acceptable",
+            f"engine {result.name} failed its gates: {'; '.join(result.failures)}", hint=gate_failure_hint(fed)
         )
 
 
@@ -660,7 +665,8 @@ DIRECT = {
             click.Option(
                 ["--inputs"],
                 type=click.Path(dir_okay=False),
-                help=".npz of inputs (default: random from the engine's spec)",
+                help=".npz of inputs, one array per engine input (default: random arrays of the engine's declared "
+                "shapes, said so in the output and its JSON)",
             ),
         ),
         _validate_direct,

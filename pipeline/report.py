@@ -15,6 +15,7 @@ from kiln.pipeline.fingerprints import FINGERPRINTS
 from kiln.pipeline.runner import RunResult, cache_key, outputs_intact, read_manifest
 from kiln.pipeline.stage_list import STAGE_NAMES, STAGES, stage_named
 from kiln.stages.engines.registry import backend_libraries
+from kiln.stages.validate.report import inputs_record
 from kiln.stages.validate.report import report_section as validate_section
 
 __all__ = ["build_report", "render_markdown", "write_report", "validation_of", "fmt", "result_line", "seconds_cell"]
@@ -57,6 +58,8 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     }
     if result.error is not None:
         report["error"] = str(result.error)
+    if validation and _random_data(config):
+        report["inputs"] = inputs_record(None)
     if validation:
         report["validation"] = {
             k: validation[k]
@@ -64,6 +67,11 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
             if k in validation
         }
     return report
+
+
+def _random_data(config: KilnConfig) -> bool:
+    """Does this run validate on random inputs (``model.onnx`` with no data and no PyTorch model)?"""
+    return bool(config.model.onnx) and not config.data.name and "name" not in config.model.model_fields_set
 
 
 def _current(name: str, manifest: dict[str, Any], config: KilnConfig, workdir: Path) -> bool:
@@ -134,6 +142,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     validation = validation_of(report)
     if validation is not None:  # the verdict first, then each stage's own section in pipeline order
         lines += validate_section(validation)
+        if report.get("inputs", {}).get("kind") == "random":
+            lines += ["", f"**Inputs: {report['inputs']['note']}** (give data.name for real ones)."]
     for stage in STAGES:
         summary = _typed(stage, report["stages"].get(stage.name, {}).get("summary"))
         if stage.report is not None and summary is not None and stage.name != "validate":

@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
+
+RANDOM_INPUTS = (
+    "RANDOM arrays of the declared input shapes, not real data: agreement on them says little about the engine "
+    "on real inputs"
+)
+
+
+def inputs_record(inputs: Path | None) -> dict[str, str]:
+    """What a validation was fed, for its JSON: the user's ``.npz`` or random arrays, said as such."""
+    return {"kind": "file", "path": str(inputs)} if inputs else {"kind": "random", "note": RANDOM_INPUTS}
+
+
+def direct_report(result: EngineValidation, inputs: Path | None) -> dict[str, Any]:
+    """``kiln validate ENGINE --reference ...``'s JSON: what the engine was fed, then its validation."""
+    return {"inputs": inputs_record(inputs), **result.model_dump(mode="json", exclude_none=True)}
+
+
+def gate_failure_hint(inputs: Path | None) -> str:
+    """The fix for a failed gate of a direct validation; on random inputs, real ones come first."""
+    relax = "inspect the engine's precision, or relax validate.gates if acceptable"
+    if inputs is None:
+        return f"these were random inputs: validate on real ones with --inputs data.npz (one array per input); {relax}"
+    return relax
 
 
 def report_section(v: ValidationResult) -> list[str]:

@@ -594,3 +594,68 @@ def test_third_party_warnings_go_through_kilns_logger(capsys) -> None:
         logging.captureWarnings(False)
         root = logging.getLogger()
         root.handlers[:] = [h for h in root.handlers if not getattr(h, "kiln", False)]
+
+
+def _engine_of(cli: CliRunner, tmp_path: Path, model: str, shapes: list[str], seed: int = 0) -> tuple[Path, Path]:
+    """A checkpoint of ``model`` exported (``--input-shape`` values ``shapes``) and built: (checkpoint, engine)."""
+    import torch
+
+    from kiln.models.registry import build_model
+
+    torch.manual_seed(seed)
+    ckpt, onnx_path, engine = tmp_path / f"w{seed}.pt", tmp_path / f"m{seed}.onnx", tmp_path / f"e{seed}"
+    torch.save(build_model(model).state_dict(), ckpt)
+    flags = [a for s in shapes for a in ("--input-shape", s)]
+    for args in (
+        ["export", "--model", model, "--checkpoint", str(ckpt), "-o", str(onnx_path), *flags],
+        ["build", str(onnx_path), "-o", str(engine)],
+    ):
+        result = cli.invoke(main, args)
+        assert result.exit_code == 0, (args, result.output)
+    return ckpt, engine
+
+
+DIRECT_VALIDATE_MODELS = [
+    ("cnn", ["1,8,8"]),
+    ("tests.user_models:two_in", ["x=8", "meta=3"]),
+    ("tests.user_models:ids_and_mask", ["input_ids=6:int64", "attention_mask=6:int64"]),
+]
+
+
+@pytest.mark.parametrize("model,shapes", DIRECT_VALIDATE_MODELS)
+def test_direct_validate_says_when_its_inputs_are_random(
+    cli: CliRunner, tmp_path: Path, model: str, shapes: list[str]
+) -> None:
+    """Without --inputs the engine used to be validated on random arrays without a word."""
+    import json
+
+    import numpy as np
+
+    from kiln.stages.engines.backend import read_metadata
+
+    ckpt, engine = _engine_of(cli, tmp_path, model, shapes)
+    reference = ["--reference", str(tmp_path / "m0.onnx")]
+    random = cli.invoke(main, ["validate", str(engine), *reference])
+    assert random.exit_code == 0, random.output
+    assert "no --inputs, so RANDOM arrays" in random.stderr
+    assert json.loads(random.stdout)["inputs"]["kind"] == "random"
+    arrays = {
+        s.name: np.ones([2, *s.shape[1:]], np.dtype(s.dtype)) for s in read_metadata(engine).inputs
+    }  # a fixed feed of the engine's own inputs
+    np.savez(tmp_path / "real.npz", **arrays)
+    real = cli.invoke(main, ["validate", str(engine), *reference, "--inputs", str(tmp_path / "real.npz")])
+    assert real.exit_code == 0, real.output
+    assert json.loads(real.stdout)["inputs"] == {"kind": "file", "path": str(tmp_path / "real.npz")}
+    assert "RANDOM" not in real.output
+
+
+@pytest.mark.parametrize("model,shapes", DIRECT_VALIDATE_MODELS)
+def test_a_gate_failed_on_random_inputs_names_inputs_in_its_fix(
+    cli: CliRunner, tmp_path: Path, model: str, shapes: list[str]
+) -> None:
+    _, engine = _engine_of(cli, tmp_path, model, shapes, seed=0)
+    other, _ = _engine_of(cli, tmp_path, model, shapes, seed=1)  # other weights: the engine cannot match them
+    result = cli.invoke(main, ["validate", str(engine), "--reference", str(other), "--model", model])
+    assert_clean_error(result, 3, "failed its gates")
+    fix = next(line for line in result.output.splitlines() if line.startswith("fix:"))
+    assert "--inputs" in fix and "random inputs" in fix
