@@ -2,10 +2,10 @@
 
 Each concurrency level runs ``c`` threads, each with its own client (tritonclient's clients are not shared
 between threads), sending single-sample requests round-robin from a pool for ``duration`` seconds or until
-``max_requests`` answers, whichever comes first. The pool is real validation data when the run's dataset matches
-the engine's input, else random inputs of the engine's shapes; its expected outputs come from the engine run
-in-process, one sample at a time, so an answer that went wrong under load (mixed up between requests in a
-batch, truncated, of another model) is counted, reported and fails the command.
+``max_requests`` answers, whichever comes first. The pool is real validation data when the run's dataset covers
+the engine's inputs, else random inputs of the engine's shapes (the report says which, and why); its expected
+outputs come from the engine run in-process, one sample at a time, so an answer that went wrong under load (mixed
+up between requests in a batch, truncated, of another model) is counted, reported and fails the command.
 
 Loopback only: this generates load, and is not meant to be pointed at someone else's server.
 """
@@ -24,10 +24,11 @@ from urllib.parse import urlparse
 import numpy as np
 
 from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
-from kiln.core.data import tensors
+from kiln.core.data import feed_for_graph, take
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import random_inputs
-from kiln.models.model_io import dataset_for
+from kiln.core.records import TensorSpec
+from kiln.models.model_io import dataset_for, torch_model_named
 from kiln.pipeline.config import KilnConfig
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
@@ -117,22 +118,43 @@ def _repository_names(workdir: Path) -> dict[str, str]:
 
 
 def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = POOL) -> tuple[list[dict], str]:
-    """Single-sample feeds: the run's validation data if it fits the engine's one input, else random."""
+    """Single-sample feeds and where they came from: the run's validation data when they cover every input of the
+    engine (by name for a dict, by position otherwise, with the engine's dtypes and fixed sizes), else random arrays
+    of the engine's shapes, with the reason."""
     specs = engine.meta.inputs
-    if config is not None and len(specs) == 1:
+    if config is None:
+        why = "no config"
+    elif config.model.onnx and not config.data.name and not torch_model_named(config.model):
+        why = "the run has no data: model.onnx without data.name"
+    else:
         try:
-            val_x = tensors(dataset_for(config.model, config.data, config.signature, config.seed).val_x)[0][
-                :size
-            ].numpy()
+            data = dataset_for(config.model, config.data, config.signature, config.seed)
+            feed = feed_for_graph(
+                take(data.val_x, slice(0, size)), [s.name for s in specs], f"engine {engine.meta.name}"
+            )
+            feed = {s.name: fit(s, feed[s.name]) for s in specs}
         except KilnError as exc:
-            log.info("validation data unavailable (%s): random inputs", exc.message)
+            why = exc.message
         else:
-            spec = specs[0]
-            want = [d if isinstance(d, int) and d > 0 else None for d in spec.shape[1:]]
-            if len(want) == val_x.ndim - 1 and all(w in (None, g) for w, g in zip(want, val_x.shape[1:])):
-                x = val_x.astype(spec.dtype)
-                return [{spec.name: x[i : i + 1]} for i in range(len(x))], f"validation data ({len(x)} samples)"
-    return [random_inputs(specs, 1, seed=i) for i in range(size)], f"random ({size} samples)"
+            n = len(next(iter(feed.values())))
+            pool = [{k: v[i : i + 1] for k, v in feed.items()} for i in range(n)]
+            return pool, f"real validation data of dataset '{data.name}' ({n} samples)"
+    log.warning("engine %s gets RANDOM inputs: %s", engine.meta.name, why)
+    return [random_inputs(specs, 1, seed=i) for i in range(size)], f"RANDOM ({size} samples; {why})"
+
+
+def fit(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
+    """``array`` as the engine's input ``spec`` takes it (its dtype), or a ConfigError saying why it cannot be."""
+    want = [d if isinstance(d, int) and d > 0 else None for d in spec.shape]
+    shape_ok = array.ndim == len(want) and all(w in (None, g) for w, g in zip(want[1:], array.shape[1:]))
+    kinds = {np.dtype(spec.dtype).kind, array.dtype.kind}
+    kind_ok = len(kinds) == 1 or kinds <= set("iu")  # int32 data for an int64 input: the same values
+    if not (shape_ok and kind_ok):
+        dims = ", ".join("batch" if w is None else str(w) for w in want)
+        raise ConfigError(
+            f"the data's input '{spec.name}' is {array.dtype}{list(array.shape)}, the engine takes {spec.dtype}[{dims}]"
+        )
+    return array.astype(spec.dtype)
 
 
 def expected_outputs(engine: ServedEngine, pool: list[dict]) -> list[dict[str, np.ndarray]]:

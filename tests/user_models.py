@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.core.data import DatasetSplits
+
 
 class BagModel(nn.Module):
     """A recommender-style model: summed embedding bags of token ids, then a linear head. Its export holds a Loop
@@ -63,3 +65,28 @@ def ids_and_mask() -> IdsAndMask:
 
 def three_in() -> ThreeIn:
     return ThreeIn()
+
+
+def _splits(x: dict[str, torch.Tensor] | tuple[torch.Tensor, ...], rows: int = 24) -> DatasetSplits:
+    take = (lambda s: {k: v[s] for k, v in x.items()}) if isinstance(x, dict) else (lambda s: tuple(v[s] for v in x))
+    y = torch.zeros(rows, dtype=torch.long)
+    return DatasetSplits(take(slice(0, 16)), y[:16], take(slice(16, rows)), y[16:], num_classes=2)
+
+
+def two_in_data(as_tuple: bool = False) -> DatasetSplits:
+    """Data for :class:`TwoIn`, as a dict by name or a tuple in the forward's order."""
+    g = torch.Generator().manual_seed(0)
+    x, meta = torch.rand(24, 8, generator=g), torch.rand(24, 3, generator=g)
+    return _splits((x, meta) if as_tuple else {"x": x, "meta": meta})
+
+
+def ids_and_mask_data() -> DatasetSplits:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 20, (24, 6), generator=g)
+    return _splits({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
+def three_in_data() -> DatasetSplits:
+    g = torch.Generator().manual_seed(0)
+    image, vec, scale = torch.rand(24, 3, 6, 6, generator=g), torch.rand(24, 5, generator=g), torch.ones(24, 1)
+    return _splits({"image": image, "vec": vec, "scale": scale})

@@ -1,0 +1,98 @@
+"""The load test's requests: the run's validation data for every engine whose inputs they cover, random arrays
+(said so, with the reason) for the others. No server: the pool is made before the first request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.core.data import feed_for_graph, take
+from kiln.models.registry import build_model, load_dataset
+from kiln.pipeline.config import config_from_dict
+from kiln.serve.loadtest import request_pool
+from kiln.serve.server import ServedEngine
+from kiln.stages.engines.backend import read_metadata
+from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.stage import build_direct
+from kiln.stages.export.stage import export_onnx
+
+# model -> the data functions whose validation inputs fit it
+MODELS = {
+    "tests.user_models:two_in": ["tests.user_models:two_in_data"],
+    "tests.user_models:ids_and_mask": ["tests.user_models:ids_and_mask_data"],
+    "tests.user_models:three_in": ["tests.user_models:three_in_data"],
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServedEngine]:
+    """One ONNX Runtime CPU engine per multi-input model, exported from its own data's first rows."""
+    out = {}
+    for model, (data, *_) in MODELS.items():
+        folder = tmp_path_factory.mktemp(model.rpartition(":")[2])
+        example = take(load_dataset(data).val_x, slice(0, 2))
+        export_onnx(build_model(model), example, folder / "m.onnx")
+        build_direct(folder / "m.onnx", folder / "engine", "onnxruntime", "cpu", None, BuildConfig())
+        out[model] = ServedEngine(model, folder / "engine", read_metadata(folder / "engine"))
+    return out
+
+
+def config(model: str, data: str, **params: object):
+    return config_from_dict({"model": {"name": model}, "data": {"name": data, "params": params}})
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_engine_the_data_covers_gets_the_real_validation_data(
+    engines: dict[str, ServedEngine], model: str
+) -> None:
+    data = MODELS[model][0]
+    pool, source = request_pool(engines[model], config(model, data))
+    assert source.startswith("real validation data") and "RANDOM" not in source
+    names = [s.name for s in engines[model].meta.inputs]
+    want = feed_for_graph(load_dataset(data).val_x, names)
+    assert len(pool) == len(next(iter(want.values())))
+    for i, feed in enumerate(pool):
+        for s in engines[model].meta.inputs:
+            assert feed[s.name].dtype == np.dtype(s.dtype)
+            np.testing.assert_array_equal(feed[s.name][0], want[s.name][i].astype(s.dtype))
+
+
+def test_data_as_a_tuple_in_the_forwards_order_is_taken_by_position(engines: dict[str, ServedEngine]) -> None:
+    model = "tests.user_models:two_in"
+    _, source = request_pool(engines[model], config(model, "tests.user_models:two_in_data", as_tuple=True))
+    assert source.startswith("real validation data")
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_data_that_does_not_fit_an_engine_gives_random_inputs_said_as_such(
+    engines: dict[str, ServedEngine], model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = next(d for m, ds in MODELS.items() if m != model for d in ds)  # another model's data
+    pool, source = request_pool(engines[model], config(model, other))
+    assert source.startswith("RANDOM") and len(pool) > 0
+    assert any("RANDOM inputs" in r.getMessage() for r in caplog.records)
+    assert all(pool[0][s.name].dtype == np.dtype(s.dtype) for s in engines[model].meta.inputs)
+
+
+@pytest.mark.parametrize(
+    "spec,array,ok",
+    [
+        (("batch", 8), np.zeros((4, 8), np.float64), True),  # cast to the engine's float32
+        (("batch", 6), np.zeros((4, 6), np.int32), True),  # int32 ids for an int64 input
+        (("batch", 8), np.zeros((4, 9), np.float32), False),  # a fixed size differs
+        (("batch", 8), np.zeros((4, 2, 8), np.float32), False),  # rank differs
+        (("batch", "seq"), np.zeros((4, 5), np.float32), False),  # floats for integer ids
+    ],
+)
+def test_fit_takes_arrays_the_engine_takes(spec: tuple, array: np.ndarray, ok: bool) -> None:
+    from kiln.core.errors import ConfigError
+    from kiln.core.records import TensorSpec
+    from kiln.serve.loadtest import fit
+
+    dtype = "int64" if array.dtype.kind == "i" or spec[1] == "seq" else "float32"
+    tensor = TensorSpec(name="x", shape=list(spec), dtype=dtype)
+    if ok:
+        assert fit(tensor, array).dtype == np.dtype(dtype)
+    else:
+        with pytest.raises(ConfigError, match="the engine takes"):
+            fit(tensor, array)
