@@ -43,7 +43,7 @@ def dataset_for(model: ModelConfig, data: DataConfig, signature: Signature, seed
         resolve_callable(model.name, MODELS, "model")  # a misspelt model name is the problem, say so
         raise ConfigError(
             f"no dataset configured for model '{model.name}'",
-            hint="set data.name to a built-in dataset or 'package.module:function'",
+            hint="set data.name to a built-in dataset or a data function's import path, e.g. 'mydata:load'",
         )
     params = dict(data.params)
     params.setdefault("seed", seed) if name in DATASETS else None  # built-ins split by the run seed

@@ -51,12 +51,33 @@ DEFAULT_DATASET: dict[str, str] = {
 }
 
 
+# What each kind of user code is and a typical name for it, for the examples in error hints: a data function's
+# example must look like one ('mydata:load'), not like the model factory's ('mymodels:build').
+KINDS: dict[str, tuple[str, str, str]] = {  # kind -> (what it is, example module, example function)
+    "model": ("model factory", "mymodels", "build"),
+    "dataset": ("data function", "mydata", "load"),
+    "data": ("data function", "mydata", "load"),
+    "train.loss": ("loss function", "mylosses", "loss"),
+    "calibration": ("calibration reader", "myreader", "batches"),
+    "calibration reader": ("calibration reader", "myreader", "batches"),
+}
+
+
+def example_path(kind: str, module: str | None = None) -> str:
+    """An import path of the form ``kind`` expects (``mydata:load`` for a dataset), in ``module`` if given."""
+    _, default_module, function = KINDS.get(kind, ("function", "mypkg", "function"))
+    return f"{module or default_module}:{function}"
+
+
 def check_name(ref: str, table: dict[str, str], kind: str) -> None:
     """A name that is neither a built-in of ``table`` nor an import path is a ConfigError listing the built-ins;
     nothing is imported."""
     if ref not in table and ":" not in ref:
         raise ConfigError(
-            f"unknown {kind} '{ref}'", hint=f"use one of {sorted(table)} or an import path like 'mypkg.models:build'"
+            f"unknown {kind} '{ref}'",
+            hint=f"use one of {sorted(table)} or an import path like '{example_path(kind)}'"
+            if table
+            else f"give an import path 'module:function', like '{example_path(kind)}'",
         )
 
 
@@ -77,9 +98,11 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
+        what = KINDS.get(kind, ("function",))[0]
+        found = f"is not a callable {what}" if hasattr(module, attr) else f"is not defined, so there is no {what}"
         raise ConfigError(
-            f"'{attr}' in module '{module_name}' is not a callable {kind} factory",
-            hint=f"point {kind} at a function, e.g. '{module_name}:build'",
+            f"'{attr}' in module '{module_name}' {found} (for {kind} '{ref}')",
+            hint=f"point {kind} at a function, e.g. '{example_path(kind, module_name)}'",
         )
     return fn
 

@@ -77,3 +77,31 @@ def test_built_in_datasets_follow_the_run_seed(data: str) -> None:
 
     a, b = (load_dataset(config_from_dict({"seed": s, "data": {"name": data}})) for s in (1, 2))
     assert not torch.equal(a.val_y, b.val_y)
+
+
+@pytest.mark.parametrize(
+    "kind,function",
+    [("model", "build"), ("dataset", "load"), ("data", "load"), ("train.loss", "loss"), ("calibration", "batches")],
+)
+def test_import_path_hints_show_a_path_of_the_kind_asked_for(kind: str, function: str) -> None:
+    """A data function's hint used to show the model factory's form ('mymodule:build')."""
+    for ref in ("kiln.models.cnn:nosuch", "kiln.models.cnn:__name__", "kiln.models.cnn:nn"):
+        with pytest.raises(ConfigError) as err:
+            resolve_callable(ref, {}, kind)
+        assert f"'kiln.models.cnn:{function}'" in (err.value.hint or ""), err.value.hint
+        assert function == "build" or ":build" not in (err.value.hint or "")
+    table = MODELS if kind == "model" else DATASETS if kind in ("dataset", "data") else {}
+    with pytest.raises(ConfigError) as err:
+        resolve_callable("no_colon_nor_builtin", table, kind)
+    assert f":{function}'" in (err.value.hint or "")
+
+
+def test_a_bad_data_function_in_a_config_gets_a_data_function_hint(tmp_path) -> None:
+    from kiln.core.signature import Signature
+    from kiln.models.config import DataConfig, ModelConfig
+    from kiln.models.model_io import dataset_for
+
+    for name in ("kiln.models.datasets:nosuch", "kiln.models.datasets:np"):
+        with pytest.raises(ConfigError) as err:
+            dataset_for(ModelConfig(name="cnn"), DataConfig(name=name), Signature(), 0)
+        assert "'kiln.models.datasets:load'" in (err.value.hint or "") and "data function" in err.value.message
