@@ -150,7 +150,8 @@ def _memory(v: ValidationResult) -> list[str]:
         "|---|---|---|---|",
     ]
     for name, m in entries:
-        out.append(f"| {name} | {fmt(m.peak_mb, '.1f')} | {fmt((m.size_bytes or 0) / 1e6, '.2f')} | {m.method} |")
+        peak = "not measured" if m.peak_mb is None else fmt(m.peak_mb, ".1f")
+        out.append(f"| {name} | {peak} | {fmt((m.size_bytes or 0) / 1e6, '.2f')} | {m.method} |")
     return out + ["", "PyTorch's size is its weights in memory (parameters + buffers); an engine's is its folder."]
 
 
