@@ -152,6 +152,7 @@ class PrecisionVariant(Part):
     backend_paths: dict[str, str] = Field(default_factory=dict)
     vs_fp32: dict[str, float | None] | None = None  # comparator statistics against the FP32 graph
     fallback_passed: bool = True
+    unmade: str | None = None  # why ``path`` (the graph every backend without its own reads) was not made
     report: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -192,6 +193,8 @@ class Baseline(Part):
     # Labels per position (kiln.core.labels): how many of the held-out positions carry one, which accuracy and top-1
     # count (None: labels per row, or none)
     labelled_positions: int | None = None
+    metric: float | None = None  # validate.metric on the held-out split (metric_name says which)
+    metric_name: str | None = None
     compared: list[str] = Field(default_factory=list)  # the outputs every engine is compared on
     shapes: list[dict[str, int]] = Field(default_factory=list)  # dynamic axis sizes validated at (besides batch)
     memory: Memory | None = None
@@ -219,6 +222,7 @@ class EngineValidation(Part):
     top1_agreement: float | None = None  # of the class-logit output
     top1_ties: float | None = None  # of its rows, those that flipped on a tie (kiln.core.compare), in the agreement
     accuracy: float | None = None
+    metric: float | None = None  # validate.metric at the data's own shape (the baseline's metric_name)
     outputs: dict[str, dict[str, float | None]] = Field(
         default_factory=dict
     )  # output -> OutputStats, worst over shapes

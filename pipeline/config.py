@@ -21,13 +21,14 @@ from kiln.core.sections import Section
 from kiln.core.signature import Signature, gather
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.registry import DATASETS, MODELS, check_name
+from kiln.stages.accuracy.config import GatesConfig
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.export.config import ExportConfig
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.package.config import PackageConfig
 from kiln.stages.precision.config import PRECISIONS, PrecisionConfig
 from kiln.stages.train.config import TrainConfig
-from kiln.stages.validate.config import GatesConfig, ValidateConfig
+from kiln.stages.validate.config import ValidateConfig
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")

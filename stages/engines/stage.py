@@ -194,6 +194,10 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                     skipped.append(f"{name}: not built by default: {why}")
                     continue
                 src, keep = backend.source_for(device, precision, variants, settings)
+                if src == variants[precision].path and variants[precision].unmade:
+                    ctx.log.info("not building %s: %s", name, variants[precision].unmade)
+                    skipped.append(f"{name}: {variants[precision].unmade}")
+                    continue
                 try:
                     meta = _build_with_fallback(
                         root,

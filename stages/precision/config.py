@@ -57,16 +57,28 @@ class FP16Config(Section):
 
 class FallbackConfig(Section):
     enabled: bool = Field(True, description="when a variant misses the target, keep offending nodes in FP32 and retry")
-    min_top1_agreement: float = Field(0.99, ge=0, le=1.0, description="argmax agreement with the FP32 graph")
+    min_top1_agreement: float | None = Field(
+        None,
+        ge=0,
+        le=1.0,
+        description="a target of its own for argmax agreement with the FP32 graph, on top of the validation gates "
+        "the fallback always aims at (validate.gates for the variant's precision); null: the gates alone",
+    )
     min_cosine: float | None = Field(
         None,
         ge=-1,
         le=1.0,
-        description="cosine similarity (kiln.core.compare 'cosine', worst output) vs the FP32 graph",
+        description="a target of its own for cosine similarity (worst output) vs the FP32 graph, on top of the "
+        "validation gates; null: the gates alone",
     )
     max_rounds: int = Field(4, ge=0, description="retries, each keeping more nodes in FP32")
     nodes_per_round: int = Field(2, ge=1, description="nodes moved to FP32 per round")
-    samples: int = Field(512, ge=8, description="held-out samples compared against FP32")
+    samples: int = Field(
+        512,
+        ge=8,
+        description="samples compared against FP32 by `kiln precision` (a pipeline run uses validation's held-out "
+        "data, validate.max_samples)",
+    )
 
 
 class PrecisionConfig(Section):

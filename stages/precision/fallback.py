@@ -1,7 +1,8 @@
-"""Accuracy-driven fallback: build a variant, compare it with FP32, and while it misses the target keep the
-nodes that introduce the most error in FP32 and rebuild — up to ``max_rounds`` times, and only while the rounds
-measurably improve on the best before them: the variant is the best round's graph, and the nodes later rounds
-kept without a measured gain are dropped (a node kept in float costs speed).
+"""Accuracy-driven fallback: build a variant, judge it with validation's check and gates (:mod:`.gate`), and while
+it misses them keep the nodes that introduce the most error in FP32 and rebuild — up to ``max_rounds`` times, and
+only while the rounds measurably improve on the best before them. The variant is the first round that passes
+(the fewest nodes in float: the fastest), without the nodes of rounds that bought nothing measurable; when no round
+passes, the variant is not made, and the result says which nodes were tried and which gates the best round missed.
 
 A node's blame is how much larger the error of its output is than the error of its inputs (both relative
 to the FP32 graph on the same samples): error a node merely passes on is not its fault. When a node already
@@ -21,9 +22,10 @@ import numpy as np
 import onnx
 
 from kiln.core.text import fmt
-from kiln.stages.precision.compare import Samples, output_metrics, run_batched, take_rows, tensor_errors
+from kiln.stages.precision.compare import Samples, take_rows, tensor_errors
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.fp16_select import INDEX_OPS
+from kiln.stages.precision.gate import GateCheck, Verdict
 
 log = logging.getLogger("kiln.precision")
 BLAME_SAMPLES = 32  # per-tensor comparison holds every activation in memory: a few samples suffice
@@ -35,18 +37,12 @@ class FallbackResult:
     kept: dict[str, str] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     passed: bool = True
+    failures: list[str] = field(default_factory=list)  # the gates the variant misses (empty: it passes)
+    tried: list[str] = field(default_factory=list)  # every node a round kept in float, in the order tried
+    metrics: dict[str, Any] = field(default_factory=dict)  # the variant's comparison (its round's, or after pruning)
 
     def summary(self) -> dict[str, Any]:
-        return {"passed": self.passed, "rounds": self.rounds, "kept": self.kept}
-
-
-def passes(metrics: dict[str, float | None], cfg: FallbackConfig) -> bool:
-    """Both targets on the comparator's statistics; an output without a class axis has no top-1 to check."""
-    top1 = metrics["top1_agreement"]
-    ok = top1 is None or top1 >= cfg.min_top1_agreement
-    if cfg.min_cosine is not None:
-        ok = ok and metrics["cosine"] >= cfg.min_cosine  # NaN (non-finite outputs) fails too
-    return ok
+        return {"passed": self.passed, "rounds": self.rounds, "kept": self.kept, "failures": self.failures}
 
 
 # A round improves on the best before it by MIN_TOP1_GAIN top-1 agreement, or at the same top-1 by MIN_COSINE_GAIN
@@ -71,63 +67,95 @@ def _finite(x: float | None) -> float:
 
 def run_fallback(
     build: Callable[[set[str]], Path],
-    fp32: onnx.ModelProto,
-    x: Samples,
+    check: GateCheck,
+    precision: str,
     cfg: FallbackConfig,
     candidates: set[str],
     label: str,
-    logits: int | None = 0,
-    where: np.ndarray | None = None,
 ) -> FallbackResult:
-    """``build(extra_fp32_nodes) -> model path``. ``candidates``: nodes whose precision ``build`` can change.
-    Every graph output is compared (the worst must meet the targets); ``logits``: the index of the class-logit
-    output whose top-1 agreement is checked (None: none), over the positions ``where`` marks (None: all)."""
-    refs = run_batched(fp32, x)
+    """``build(extra_fp32_nodes) -> model path``, judged by ``check`` as an engine of ``precision``.
+    ``candidates``: nodes whose precision ``build`` can change."""
     kept: dict[str, str] = {}
     result = FallbackResult(path=Path())
-    best: tuple[dict[str, float | None], int, dict[str, str]] | None = None  # metrics, round, nodes kept
+    best: tuple[Verdict, int, dict[str, str]] | None = None  # verdict, round, nodes kept
+    helped: list[bool] = []  # per round after the first: did its nodes improve on the best before them
+    added: list[set[str]] = []  # per round after the first: the nodes it kept
     for round_no in range(cfg.max_rounds + 1):
         result.path = build(set(kept))
-        gots = run_batched(result.path, x)
-        metrics = output_metrics(refs, gots, logits, where)
-        result.rounds.append({"round": round_no, "kept": len(kept), **metrics})
-        result.passed = passes(metrics, cfg)
+        verdict = check(result.path, precision, cfg)
+        result.rounds.append({"round": round_no, "kept": len(kept), **verdict.metrics, "failures": verdict.failures})
         log.info(
-            "%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)",
+            "%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)%s",
             label,
             round_no,
-            fmt(metrics["top1_agreement"]),
-            metrics["cosine"],
+            fmt(verdict.metrics["top1_agreement"]),
+            verdict.metrics["cosine"],
             len(kept),
+            "" if verdict.passed else f": {'; '.join(verdict.failures)}",
         )
-        if best is None or improves(metrics, best[0]):
-            best = (metrics, round_no, dict(kept))
-        elif _finite(best[0]["cosine"]) > -2.0 and round_no - best[1] >= PATIENCE:
+        better = best is None or improves(verdict.metrics, best[0].metrics)
+        if round_no:
+            helped.append(better)
+        if better or (verdict.passed and not best[0].passed):
+            best = (verdict, round_no, dict(kept))
+        if verdict.passed:
+            best = (verdict, round_no, dict(kept))
+            break
+        if not better and _finite(best[0].metrics["cosine"]) > -2.0 and round_no - best[1] >= PATIENCE:
             break  # these rounds' nodes bought nothing measurable (while outputs overflow, the search goes on)
-        if result.passed or not cfg.enabled or round_no == cfg.max_rounds:
+        if not cfg.enabled or round_no == cfg.max_rounds:
             break
         picks = blame(
-            fp32,
+            check.fp32,
             result.path,
-            _informative(x, refs[logits or 0], gots[logits or 0]),
+            _informative(check.samples, verdict.ref, verdict.got),
             candidates,
             set(kept),
             cfg.nodes_per_round,
         )
         if not picks:
-            log.warning("%s: no node left to keep in FP32; accuracy target not reachable by fallback", label)
+            log.warning("%s: no node left to keep in FP32; the gates are not reachable by fallback", label)
             break
         for name, why in picks.items():
             kept[name] = f"fallback round {round_no + 1}: {why}"
-    if best is not None and best[1] != len(result.rounds) - 1:  # a later round was no better: the best one's graph
-        log.info("%s: rounds after %d did not improve on it; the variant is round %d's", label, best[1], best[1])
-        kept = best[2]
-        result.path = build(set(kept))
-        result.passed = passes(best[0], cfg)
-        for entry in result.rounds[best[1] + 1 :]:
+        added.append(set(picks))
+        result.tried += list(picks)
+    assert best is not None
+    verdict, at, kept = best
+    if at != len(result.rounds) - 1:  # a later round was no better: the best one's graph
+        log.info("%s: rounds after %d did not improve on it; the variant is round %d's", label, at, at)
+        for entry in result.rounds[at + 1 :]:
             entry["discarded"] = True
-    result.kept = kept
+    if verdict.passed and at:
+        kept, verdict = _prune(build, check, precision, cfg, kept, added[:at], helped[:at], label) or (kept, verdict)
+    result.path = build(set(kept))
+    result.kept, result.passed, result.failures = kept, verdict.passed, list(verdict.failures)
+    result.metrics = verdict.metrics
     return result
+
+
+def _prune(
+    build: Callable[[set[str]], Path],
+    check: GateCheck,
+    precision: str,
+    cfg: FallbackConfig,
+    kept: dict[str, str],
+    added: list[set[str]],
+    helped: list[bool],
+    label: str,
+) -> tuple[dict[str, str], Verdict] | None:
+    """Drop the nodes of rounds that did not measurably improve, where the graph without them still passes: a node
+    stays in float only if that helped. None: nothing dropped."""
+    dropped: tuple[dict[str, str], Verdict] | None = None
+    for nodes, good in zip(added, helped):
+        if good:
+            continue
+        trial = {k: v for k, v in kept.items() if k not in nodes}
+        verdict = check(build(set(trial)), precision, cfg)
+        if verdict.passed:
+            log.info("%s: %s kept in float bought nothing measurable: back in %s", label, sorted(nodes), precision)
+            kept, dropped = trial, (trial, verdict)
+    return dropped
 
 
 def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:

@@ -19,26 +19,31 @@ import numpy as np
 from pydantic import Field
 
 import kiln.calibration
+import kiln.stages.accuracy
 import kiln.stages.precision
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
 from kiln.calibration.quantize import resolve_reduce_range
-from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
+from kiln.core.data import DatasetSplits, feed_for_graph, feed_rows, rows, take
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
-from kiln.core.labels import IGNORE_LABEL, per_position
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.outputs import logits_name
 from kiln.core.progress import Progress
-from kiln.core.records import PrecisionVariant, Variants
+from kiln.core.records import PrecisionVariant, TensorSpec, Variants
 from kiln.core.shapes import axis_sizes, graph_axes
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import fmt
 from kiln.models.config import DataConfig, ModelConfig
+from kiln.models.model_io import torch_model_named
+from kiln.stages.accuracy.check import Reference, held_out, labels_at_points
+from kiln.stages.accuracy.config import CheckConfig
+from kiln.stages.accuracy.metrics import metric_labels, resolve_metric
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.emulate import emulate_fp16
+from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.node_errors import (
     DIVERGENCE,
     first_divergence,
@@ -57,8 +62,15 @@ class PrecisionSettings(StageSettings):
     variants on (with the model and seed that make it), and the signature (logits output, dynamic axes)."""
 
     SOURCES = {
-        "signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output"),
+        "signature": (
+            "signature.dynamic_axes",
+            "signature.shapes",
+            "signature.logits_output",
+            "signature.batch_sizes",
+        ),
         "graph_readers": "build.graph_readers",
+        # validation's gates, metric and held-out data: a variant is accepted by the check its engines will face
+        "validate": ("validate.gates", "validate.metric", "validate.metric_higher_is_better", "validate.max_samples"),
     }
     seed: int
     model: ModelConfig
@@ -67,6 +79,7 @@ class PrecisionSettings(StageSettings):
     calibration: CalibrationConfig
     signature: Signature
     graph_readers: list[str]  # the configured backends that build from ONNX graphs: none, no graph is converted
+    validate: CheckConfig
 
 
 class PrecisionSummary(Summary):
@@ -92,11 +105,8 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     names = [i.name for i in inputs]  # the export's order: the data's inputs in call order
     needs_data = "int8" in converted or ("fp16" in converted and cfg.fp16.range_check)
     batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
-    x_val = feed_for_graph(take(data.val_x, slice(0, cfg.fallback.samples)), names)
     logits = logits_name([o.name for o in outputs], ctx.config.signature.logits_output)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
-    y_val = data.val_y[: cfg.fallback.samples] if data.val_y is not None else None
-    labelled = (y_val != IGNORE_LABEL).numpy() if y_val is not None and per_position(y_val) else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are
         # how kept nodes are reported, and the same file is what calibration hashes for its cache key.
@@ -108,10 +118,11 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             batches,
             ctx.cache_dir if ccfg.cache else Path(tmp),  # no cache: ranges live only this run
             logits_index,
-            labelled,
         )
         cache_dir = src.cache_dir if ccfg.cache else None
-        variants, failed = build_variants(src, ctx.out, converted, cfg, ccfg, x_val, ctx.progress, ctx.log)
+        check = held_out_check(ctx, data, src, inputs) if set(converted) - {"fp32"} else None
+        variants, failed = build_variants(src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log)
+        x_val = check.samples if check is not None else {}
         modules = torch_modules(src.model, *_export_graph(ctx))
         node_report = (
             _node_error_report(ctx, src, variants, x_val, modules)
@@ -162,12 +173,13 @@ def build_variants(
     wanted: list[str],
     cfg: PrecisionConfig,
     ccfg: CalibrationConfig,
-    x_val: Samples,
+    x_val: Samples | GateCheck | None,
     progress: Progress,
     log: logging.Logger,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there); a variant that
-    fails is listed with why (variant -> message) and the others go on."""
+    """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there), judged by
+    ``x_val`` (validation's check, or samples to check on); a variant that fails, or that no fallback round got
+    through the gates, is listed with why (variant -> message) and the others go on."""
     variants: dict[str, Any] = {}
     failed: dict[str, str] = {}
     with progress.task("precision variants", total=len(wanted)) as bar:
@@ -180,6 +192,10 @@ def build_variants(
                     variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
                 else:
                     variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
+                unmade = not_made(precision, variants[precision])
+                if unmade:
+                    del variants[precision]
+                    raise ModelError(unmade, hint=UNMADE_HINT)
             except KilnError as exc:  # one variant's failure must not take the others with it
                 failed[precision] = exc.message + (f" (fix: {exc.hint})" if exc.hint else "")
                 log.error("precision variant %s failed, the others go on: %s", precision, failed[precision])
@@ -188,6 +204,67 @@ def build_variants(
                 _log_variant(log, precision, variants[precision])
             bar.advance(1, note=precision)
     return variants, failed
+
+
+UNMADE_HINT = (
+    "loosen validate.gates.per_precision for it if that accuracy is acceptable, raise precision.fallback.max_rounds, "
+    "or drop it from precision.variants"
+)
+
+
+def not_made(precision: str, entry: dict[str, Any]) -> str | None:
+    """Why a variant is not made: no fallback round of its graph passed the gates its engines will face (an INT8
+    variant whose ONNX Runtime CPU graph passed is made for ONNX Runtime CPU alone, the reverse keeps the Q/DQ graph
+    for every backend). None: made."""
+    own, cpu = entry.get("fallback"), (entry.get("ort_cpu") or {}).get("fallback")
+    if own is None:  # FP32: nothing to pass
+        return None
+    if cpu is not None and own["passed"] != cpu["passed"]:
+        if own["passed"]:  # the ORT CPU graph missed: ORT CPU engines run the Q/DQ graph, which passed
+            entry["ort_cpu_unmade"] = _why(precision + " (onnxruntime-cpu graph)", cpu)
+            entry.pop("backend_paths", None)
+        else:
+            entry["unmade"] = _why(precision + " (Q/DQ graph)", own)
+        return None
+    return None if own["passed"] else _why(precision, own)
+
+
+def _why(label: str, fallback: dict[str, Any]) -> str:
+    tried = fallback.get("tried") or []
+    nodes = f"tried keeping {len(tried)} nodes in float ({', '.join(tried[:6])}{', ...' if len(tried) > 6 else ''})"
+    return (
+        f"{label} not made: no fallback round passed the gates its engines face "
+        f"({'; '.join(fallback.get('failures') or ['?'])}); {nodes if tried else 'no node was tried in float'}"
+    )
+
+
+def held_out_check(
+    ctx: StageContext[PrecisionSettings], data: DatasetSplits, src: Source, inputs: list[TensorSpec]
+) -> GateCheck:
+    """Validation's check on the FP32 graph's outputs: its held-out data at every validated shape, its labels and
+    metric, its batch sizes and the gates of ``validate.gates``."""
+    names = [i.name for i in inputs]
+    sig, vcfg = ctx.config.signature, ctx.config.validate
+    axes = sig.dynamic_axes or (graph_axes(inputs) if not torch_model_named(ctx.config.model) else {})
+    feeds = held_out(data, lambda x: feed_for_graph(x, names), axes, sig.shapes, vcfg.max_samples)
+    run = session_runner(src.model)
+    out_names = [o.name for o in src.model.graph.output]
+    n = feed_rows(feeds[-1][1])
+    logits = out_names[src.logits] if src.logits is not None else None
+    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
+    metric = resolve_metric(vcfg.metric, logits, vcfg.metric_higher_is_better)
+    targets = metric_labels(data.val_y[:n] if data.val_y is not None else None) if metric is not None else None
+    ref = Reference(
+        run,
+        feeds,
+        labels_at_points(labels, feeds[-1][1], feeds, axes),
+        logits,
+        max(sig.batch_sizes),
+        min(sig.batch_sizes),
+        targets,
+        metric,
+    )
+    return GateCheck(src.model, ref, vcfg.gates, sig.batch_sizes)
 
 
 def _unconverted(precision: str, log: logging.Logger) -> dict[str, Any]:
@@ -280,18 +357,14 @@ def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> 
             vs["cosine"],
             len(entry["kept_fp32"]),
         )
-    for label, e in ((precision, entry), (f"{precision} (onnxruntime-cpu graph)", entry.get("ort_cpu") or {})):
-        if not e.get("fallback", {}).get("passed", True):
-            log.warning(
-                "%s misses precision.fallback targets after %d rounds; validation gates decide",
-                label,
-                len(e["fallback"]["rounds"]) - 1,
-            )
+    for why in (entry.get("unmade"), entry.get("ort_cpu_unmade")):
+        if why:
+            log.warning("%s", why)
 
 
 def variant_record(entry: dict[str, Any]) -> PrecisionVariant:
     """A variant's entry as the typed record; what only people read goes into ``report`` as plain JSON."""
-    typed = {"path", "kept_fp32", "reasons", "backend_paths", "vs_fp32"}
+    typed = {"path", "kept_fp32", "reasons", "backend_paths", "vs_fp32", "unmade"}
     report = json.loads(json.dumps({k: v for k, v in entry.items() if k not in typed}, default=_jsonable))
     return PrecisionVariant(
         **{k: v for k, v in entry.items() if k in typed},
@@ -320,7 +393,7 @@ STAGE = Stage(
     ("optimize", "train"),
     PrecisionSettings,
     PrecisionSummary,
-    (kiln.stages.precision, kiln.calibration),
+    (kiln.stages.precision, kiln.calibration, kiln.stages.accuracy),
     _env,
     "FP16 mixed precision and INT8 (Q/DQ) graphs",
     data=("dataset", "calibration"),

@@ -24,12 +24,14 @@ from kiln.calibration.quantize import (
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
 from kiln.core.onnx_io import infer_shapes, save_onnx
+from kiln.stages.precision.audit import compute_precisions
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.fallback import FallbackResult, run_fallback
 from kiln.stages.precision.fp16 import convert_fp16, name_nodes
 from kiln.stages.precision.fp16_select import INDEX_OPS, select_fp32_nodes
+from kiln.stages.precision.gate import GateCheck
 
 log = logging.getLogger("kiln.precision")
 
@@ -78,10 +80,21 @@ def _float_nodes(model: onnx.ModelProto) -> set[str]:
     return {n.name for n in model.graph.node if n.op_type not in INDEX_OPS}
 
 
+def as_check(src: Source, x_val: Samples | GateCheck) -> GateCheck:
+    """The check variants are judged by: a pipeline run's (validation's held-out data and gates), or one on the
+    samples given (one shape, default gates)."""
+    return x_val if isinstance(x_val, GateCheck) else GateCheck.on_samples(src.model, x_val, src.logits)
+
+
 def build_fp16(
-    src: Source, out: Path, cfg: FP16Config, fallback: FallbackConfig, x_val: Samples, ccfg: CalibrationConfig
+    src: Source,
+    out: Path,
+    cfg: FP16Config,
+    fallback: FallbackConfig,
+    x_val: Samples | GateCheck,
+    ccfg: CalibrationConfig,
 ) -> dict[str, Any]:
-    """FP16 graph at ``out``: sensitive and out-of-range nodes FP32, then fallback until the target holds."""
+    """FP16 graph at ``out``: sensitive and out-of-range nodes FP32, then fallback until the gates hold."""
     amax = src.ranges("minmax", ccfg).amax() if cfg.range_check and src.batches else {}
     base = select_fp32_nodes(src.model, cfg, amax)
     info: dict[str, Any] = {}
@@ -99,14 +112,12 @@ def build_fp16(
             save_onnx(emulate_fp16(src.model, set(base) | set(unconvertible) | extra), emulated)
             return emulated
 
-        res = run_fallback(
-            build, src.model, x_val, fallback, _float_nodes(src.model) - set(base), "fp16", src.logits, src.labelled
-        )
+        res = run_fallback(build, as_check(src, x_val), "fp16", fallback, _float_nodes(src.model) - set(base), "fp16")
     return _entry(out, base | unconvertible | res.kept, res, {**info, "unconvertible": sorted(unconvertible)})
 
 
 def build_int8(
-    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples
+    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples | GateCheck
 ) -> dict[str, Any]:
     """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table."""
     ranges = src.ranges(ccfg.method, ccfg)
@@ -119,7 +130,8 @@ def build_int8(
 
     ops = set(quantizable_op_types(ccfg))
     candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
-    res = run_fallback(build, src.model, x_val, fallback, candidates, "int8", src.logits, src.labelled)
+    check = as_check(src, x_val)
+    res = _in_precision(run_fallback(build, check, "int8", fallback, candidates, "int8"), out, "int8")
     entry = _entry(
         out,
         base | res.kept,
@@ -137,7 +149,7 @@ def build_int8(
     )
     if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
         ort_out = out.with_name("model.ort_cpu.onnx")
-        entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, x_val, base | res.kept, candidates)
+        entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, check, base | res.kept, candidates)
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
@@ -150,7 +162,7 @@ def ort_cpu_with_fallback(
     out: Path,
     ccfg: CalibrationConfig,
     fallback: FallbackConfig,
-    x_val: Samples,
+    check: GateCheck,
     kept: dict[str, str],
     candidates: set[str],
 ) -> dict[str, Any]:
@@ -163,16 +175,14 @@ def ort_cpu_with_fallback(
         info.update(build_ort_cpu_int8(src, out, ccfg, set(kept) | extra))
         return out
 
-    res = run_fallback(
-        build, src.model, x_val, fallback, candidates - set(kept), "int8 onnxruntime-cpu", src.logits, src.labelled
-    )
-    last = res.rounds[-1] if res.rounds else {}
+    res = run_fallback(build, check, "int8", fallback, candidates - set(kept), "int8 onnxruntime-cpu")
+    _in_precision(res, out, "int8")
     return {
         **info,
         "kept_fp32": sorted(kept | res.kept),
         "reasons": dict(sorted(res.kept.items())),
-        "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},
-        "fallback": {"passed": res.passed, "rounds": res.rounds, "nodes": sorted(res.kept)},
+        "vs_fp32": _vs_fp32(res),
+        "fallback": _fallback_record(res),
     }
 
 
@@ -198,13 +208,38 @@ def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig
     return "first/last compute layer (calibration.exclude_first_last)"
 
 
+def _in_precision(res: FallbackResult, path: Path, precision: str) -> FallbackResult:
+    """A passing graph with no compute node left in ``precision`` is no variant of it: marked as failing."""
+    if res.passed and not compute_precisions(path)[precision]:
+        missed = "; ".join(res.rounds[0]["failures"]) if res.rounds and res.rounds[0]["failures"] else ""
+        res.passed = False
+        res.failures.append(
+            f"no compute node is left in {precision} once the gates pass" + (f" (round 0: {missed})" if missed else "")
+        )
+    return res
+
+
 def _entry(out: Path, kept: dict[str, str], res: FallbackResult, extra: dict[str, Any]) -> dict[str, Any]:
-    last = res.rounds[-1] if res.rounds else {}
     return {
         "path": f"{out.parent.name}/{out.name}",
         "kept_fp32": sorted(kept),
         "reasons": dict(sorted(kept.items())),
-        "vs_fp32": {k: last.get(k) for k in ("top1_agreement", "cosine", "max_abs_err", "samples")},
-        "fallback": {"passed": res.passed, "rounds": res.rounds, "nodes": sorted(res.kept)},
+        "vs_fp32": _vs_fp32(res),
+        "fallback": _fallback_record(res),
         **extra,
+    }
+
+
+def _vs_fp32(res: FallbackResult) -> dict[str, float | None]:
+    keys = ("top1_agreement", "top1_ties", "cosine", "max_abs_err", "accuracy", "metric", "samples")
+    return {k: res.metrics.get(k) for k in keys}
+
+
+def _fallback_record(res: FallbackResult) -> dict[str, Any]:
+    return {
+        "passed": res.passed,
+        "rounds": res.rounds,
+        "nodes": sorted(res.kept),
+        "failures": res.failures,
+        "tried": res.tried,
     }

@@ -16,9 +16,10 @@ from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import EngineValidation
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
+from kiln.stages.accuracy.check import compare_all, gates_for, summarize
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
-from kiln.stages.validate.stage import ValidateSettings, check_gates, compare_all, gates_for, percentiles, summarize
+from kiln.stages.validate.stage import ValidateSettings, check_gates, percentiles
 
 
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings) -> dict[str, np.ndarray]:

@@ -214,13 +214,17 @@ def _keys(tmp_path: Path, **overrides: Any) -> dict[str, str]:
     "override, stages",
     [
         # build sizes engine profiles / autotuned shapes from the largest batch size
-        ({"signature.batch_sizes": [1, 64]}, {"build", "validate"}),
+        # ...and precision judges variants at the batch sizes validation will
+        ({"signature.batch_sizes": [1, 64]}, {"precision", "build", "validate"}),
         # the default dataset (and so calibration data, parity data, held-out data) follows model.name; build reads
         # the model section too (the torch backend compiles the trained model)
         ({"model.name": "transformer", "model.params": {}}, {"train", "export", "precision", "build", "validate"}),
         # built-in datasets are split by seed
         ({"seed": 1}, {"train", "export", "precision", "validate"}),
-        ({"validate.gates.min_cosine": 0.5}, {"validate"}),
+        # the gates are the precision stage's too (a variant is accepted by the check its engines face)...
+        ({"validate.gates.min_cosine": 0.5}, {"precision", "validate"}),
+        # ...while timing is validation's alone
+        ({"validate.iterations": 7}, {"validate"}),
         ({"package.max_batch_size": 8}, {"package"}),
     ],
 )

@@ -9,7 +9,9 @@ import onnx
 from onnx import helper
 
 from kiln.calibration.config import CalibrationConfig
+from kiln.stages.accuracy.config import GatesConfig
 from kiln.stages.precision.config import FallbackConfig, FP16Config
+from kiln.stages.precision.gate import GateCheck
 from kiln.stages.precision.variants import Source, build_fp16, build_int8
 from tests.stages.precision.precision_graphs import (
     chain_graph,
@@ -111,7 +113,11 @@ def test_int8_fallback_finds_planted_node(tmp_path: Path) -> None:
     model = make_model(nodes, {"w1": w1, "spread": spread, "w2": w2})
     x = inputs(256)
     src = _source(model, tmp_path, [x[:64], x[64:128]])
-    entry = build_int8(src, tmp_path / "int8" / "model.onnx", CalibrationConfig(), FallbackConfig(nodes_per_round=1), x)
+    # two compute nodes: a gate that the graph with mm1 in INT8 can meet (a sample or two flip on the rest)
+    check = GateCheck.on_samples(src.model, x, gates=GatesConfig(per_precision={"int8": {"min_top1_agreement": 0.95}}))
+    entry = build_int8(
+        src, tmp_path / "int8" / "model.onnx", CalibrationConfig(), FallbackConfig(nodes_per_round=1), check
+    )
     assert entry["fallback"]["rounds"][0]["top1_agreement"] < 0.9
     assert entry["fallback"]["passed"] and "planted" in entry["kept_fp32"]
     assert "fallback round" in entry["reasons"]["planted"]
@@ -149,6 +155,7 @@ def test_rounds_that_buy_nothing_are_dropped_and_the_search_stops(tmp_path: Path
         onnx.save(off, str(path))
         return path
 
-    result = run_fallback(build, fp32, inputs(256), FallbackConfig(nodes_per_round=1), {"mm"}, "test")
+    check = GateCheck.on_samples(fp32, inputs(256))
+    result = run_fallback(build, check, "fp16", FallbackConfig(nodes_per_round=1), {"mm"}, "test")
     assert not result.passed and result.kept == {} and built[-1] == set()
     assert 1 < len(result.rounds) <= PATIENCE + 1 and all(r.get("discarded") for r in result.rounds[1:])

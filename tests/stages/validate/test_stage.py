@@ -10,6 +10,7 @@ import torch
 from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
+from kiln.stages.accuracy.check import gates_for, labels_at_points
 from kiln.stages.validate.baselines import measure, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory
@@ -18,8 +19,6 @@ from kiln.stages.validate.stage import (
     choose,
     compare,
     engine_hints,
-    gates_for,
-    labels_at_points,
     percentiles,
 )
 from tests.conftest import tiny_config_dict
@@ -283,7 +282,7 @@ def test_batch_coupled_outputs_are_found_at_the_validated_sizes() -> None:
     """An output [rows, rows] (a contrastive model's logits) follows the batch; a row-wise one does not. Probed at
     the largest validated batch against the smallest, or with one batch size against the held-out rows' last, shorter
     batch; a reference that cannot run the probe is left to the comparisons."""
-    from kiln.stages.validate.stage import batch_coupled
+    from kiln.stages.accuracy.check import batch_coupled
 
     feed = {"x": np.random.default_rng(0).standard_normal((18, 3)).astype(np.float32)}
 

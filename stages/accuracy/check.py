@@ -1,0 +1,318 @@
+"""One check for precision and validation: the held-out data at every validated shape, the reference's outputs on
+it, the comparison of a candidate (an engine, or a precision variant's graph) against them, and the gates.
+
+The precision stage accepts a variant through exactly this code, with the gates validation will apply to its
+engines, so a run never ends with validation rejecting a variant the precision stage accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kiln.core.compare import OutputStats, compare_outputs, worst
+from kiln.core.data import DatasetSplits, Feed, feed_rows, feed_take, rows, take
+from kiln.core.errors import ModelError
+from kiln.core.labels import IGNORE_LABEL, per_position
+from kiln.core.labels import accuracy as label_accuracy
+from kiln.core.records import EngineValidation
+from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
+from kiln.stages.accuracy.config import CheckConfig, GatesConfig
+from kiln.stages.accuracy.metrics import Metric
+
+log = logging.getLogger("kiln.validate")
+LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
+
+
+def compare_all(
+    ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str | None, where: np.ndarray | None = None
+) -> dict[str, OutputStats]:
+    """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
+    the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
+    labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads)."""
+    missing = sorted(set(ref) - set(got))
+    if missing:
+        raise ModelError(
+            f"the engine has no output {missing} (it has {sorted(got)})",
+            hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
+        )
+    try:
+        stats = compare_outputs(ref, got, where={logits: where} if logits is not None and where is not None else None)
+    except ValueError as exc:  # an output of another shape than the reference's at the same inputs
+        raise ModelError(
+            f"the engine's outputs do not match the reference's: {exc}",
+            hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
+        ) from None
+    return {n: s if n == logits else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
+
+
+def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[str, OutputStats]:
+    """Per output, the worse value of each statistic (NaN is worst)."""
+
+    def pick(x: float | None, y: float | None, higher: bool) -> float | None:
+        if x is None or y is None:
+            return y if x is None else x
+        if np.isnan(x) or np.isnan(y):
+            return float("nan")
+        return min(x, y) if higher else max(x, y)
+
+    out = dict(a)
+    for name, s in b.items():
+        if name in out:
+            t = out[name]
+            s = OutputStats(
+                pick(t.max_abs_err, s.max_abs_err, False),
+                pick(t.rel_err, s.rel_err, False),
+                pick(t.cosine, s.cosine, True),
+                pick(t.top1_agreement, s.top1_agreement, True),
+                pick(t.top1_ties, s.top1_ties, False),
+            )
+        out[name] = s
+    return out
+
+
+def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: str | None) -> None:
+    """The per-output statistics into the entry: the worst output carries the headline values the gates read."""
+    entry.outputs = {n: s.as_dict() for n, s in stats.items()}
+    entry.max_abs_err, entry.rel_err = worst(stats, "max_abs_err"), worst(stats, "rel_err")
+    entry.cosine = worst(stats, "cosine")
+    entry.top1_agreement = stats[logits].top1_agreement if logits in stats else None
+    entry.top1_ties = stats[logits].top1_ties if logits in stats else None
+
+
+def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, smallest: int) -> list[str]:
+    """Outputs whose shape beyond the first axis follows the batch size (a contrastive model's ``[images, texts]``
+    logits): their rows depend on the whole batch, so they compare only between calls on the same batch. Probed at
+    the largest validated batch against the smallest (or, with one size, the last, shorter batch of the held-out
+    rows), sizes the model is validated at anyway; a model that fails the probe is left to the comparisons to
+    report."""
+    other = smallest if smallest != batch else feed_rows(feed) % batch
+    if not other or feed_rows(feed) < 2:
+        return []
+    try:
+        big, small = run(sample_batch(feed, batch)), run(sample_batch(feed, other))
+    except Exception:  # the reference's own error surfaces where the comparisons run it
+        return []
+    return [k for k in big if k in small and big[k].shape[1:] != small[k].shape[1:]]
+
+
+def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:
+    """``fn`` over ``feed`` in batches of rows, outputs concatenated by name."""
+    parts = [fn(feed_take(feed, slice(i, i + batch))) for i in range(0, feed_rows(feed), batch)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def sample_batch(x: Any, batch: int) -> Any:
+    """``batch`` rows of ``x`` (an array or a feed), repeating its rows when it has fewer."""
+    if isinstance(x, dict):
+        return {k: sample_batch(v, batch) for k, v in x.items()}
+    reps = -(-batch // len(x))
+    return np.concatenate([x] * reps)[:batch]
+
+
+def gates_for(cfg: CheckConfig | GatesConfig, precision: str) -> dict[str, Any]:
+    """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in."""
+    gates = (cfg.gates if isinstance(cfg, CheckConfig) else cfg).model_dump()
+    gates.update(gates.pop("per_precision").get(precision, {}))
+    return gates
+
+
+def labels_at_points(
+    labels: np.ndarray | None, feed: Feed, feeds: list[tuple[dict[str, int], Feed]], axes: Axes
+) -> list[np.ndarray | None]:
+    """The held-out labels at each validated shape: labels per row as they are; labels per position follow the input
+    they are shaped like (a token classifier's ``[N, seq]`` tags follow ``input_ids``: cut, or padded with
+    ``IGNORE_LABEL`` where the input is padded with zeros). None at a shape they cannot follow."""
+    if labels is None or not per_position(labels):
+        return [labels] * len(feeds)
+    like = next((k for k, v in feed.items() if v.shape == labels.shape), None)
+    out: list[np.ndarray | None] = []
+    for point, resized in feeds:
+        if like is not None:
+            out.append(resize({like: labels}, {like: axes.get(like) or {}}, point, fill=IGNORE_LABEL)[like])
+        else:  # e.g. pixel labels [N, H, W] of images [N, 3, H, W]: only at the data's own shape
+            out.append(labels if all(resized[k].shape == v.shape for k, v in feed.items()) else None)
+    return out
+
+
+class Reference:
+    """What the engines are compared with: the PyTorch model (or, started from an ONNX file, the FP32 ONNX in
+    ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any (one array
+    per shape: :func:`labels_at_points`)."""
+
+    def __init__(
+        self,
+        run: Callable[[Feed], dict[str, np.ndarray]],
+        feeds: list[tuple[dict[str, int], Feed]],
+        labels: list[np.ndarray | None],
+        logits: str | None,
+        batch: int,
+        smallest: int = 1,
+        targets: np.ndarray | None = None,
+        metric: Metric | None = None,
+    ) -> None:
+        self.run, self.feeds, self.point_labels, self.logits = run, feeds, labels, logits
+        self.targets, self.metric = targets, metric
+        self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest)
+        if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
+            rows = feed_rows(feeds[0][1]) // batch * batch
+            if not rows:
+                raise ModelError(
+                    f"the outputs {coupled} follow the batch beyond their first axis (each row depends "
+                    f"on the whole batch), and the data has fewer held-out rows than the largest "
+                    f"validated batch ({batch})",
+                    hint="give the data more held-out rows, or validate smaller signature.batch_sizes",
+                )
+            log.info(
+                "outputs %s depend on the whole batch: compared on %d held-out rows (whole batches of %d)",
+                coupled,
+                rows,
+                batch,
+            )
+            self.feeds = [(point, feed_take(feed, slice(0, rows))) for point, feed in feeds]
+            self.point_labels = [None if y is None else y[:rows] for y in labels]
+            self.targets = None if targets is None else targets[:rows]
+        self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
+        self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self.accuracy = self.accuracy_of(self.outputs[-1])
+        self.metric_value = self.metric_of(self.outputs[-1])
+
+    def at_batch(self, index: int, batch: int) -> dict[str, np.ndarray]:
+        """The reference on ``batch`` rows of feed ``index`` (:func:`sample_batch`): what an engine called at that
+        batch size is compared with. Rows of the largest batch's outputs; where an output mixes the batch's rows
+        (CLIP's image-text logits, ``[images, texts]``: :attr:`coupled`), the reference run at that batch size."""
+        if not self.coupled:
+            return {k: sample_batch(v, batch) for k, v in self.outputs[index].items()}
+        if (index, batch) not in self._at:
+            self._at[(index, batch)] = self.run(sample_batch(self.feeds[index][1], batch))
+        return self._at[(index, batch)]
+
+    @property
+    def feed(self) -> Feed:
+        """The inputs at the data's own shape (the last point: the largest sizes), for accuracy and latency."""
+        return self.feeds[-1][1]
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        """The labels of :attr:`feed`, for accuracy."""
+        return self.point_labels[-1]
+
+    def accuracy_of(self, outputs: dict[str, np.ndarray]) -> float | None:
+        """Task accuracy of outputs at the data's own shape (None: no class logits or no labels)."""
+        if self.logits is None or self.labels is None or self.logits not in outputs:
+            return None
+        return label_accuracy(outputs[self.logits], self.labels)
+
+    def metric_of(self, outputs: dict[str, np.ndarray]) -> float | None:
+        """``validate.metric`` of outputs at the data's own shape (None: no metric configured)."""
+        if self.metric is None or self.targets is None:
+            return None
+        return self.metric(outputs, self.targets)
+
+    def labelled(self, index: int, batch: int | None = None) -> np.ndarray | None:
+        """Where feed ``index`` (``batch`` rows of it: :func:`sample_batch`) has per-position labels, the labelled
+        positions, over which top-1 agreement is counted; None: every row and position counts."""
+        y = self.point_labels[index]
+        if y is None or not per_position(y):
+            return None
+        return (y if batch is None else sample_batch(y, batch)) != IGNORE_LABEL
+
+
+def held_out(
+    data: DatasetSplits,
+    to_feed: Callable[[Any], Feed],
+    axes: Axes,
+    shapes: dict[str, list[int]],
+    max_samples: int | None,
+) -> list[tuple[dict[str, int], Feed]]:
+    """The held-out rows (``validate.max_samples`` at most) as named inputs at every validated shape: the sizes of
+    each dynamic axis in the data (train and held-out) or ``signature.shapes``, the data's own last."""
+    n = rows(data.val_x) if max_samples is None else min(max_samples, rows(data.val_x))
+    feed = to_feed(take(data.val_x, slice(0, n)))
+    seen = [to_feed(data.train_x), feed] if rows(data.train_x) else [feed]
+    return [(p, resize(feed, axes, p)) for p in shape_points(axis_sizes(seen, axes, shapes))]
+
+
+@dataclass
+class Comparison:
+    """A candidate against the reference at every validated shape: statistics per output (the worst over shapes
+    and batch sizes), task accuracy and metric at the data's own shape, the shapes it could not take, and what
+    ``inspect`` found wrong with single calls."""
+
+    stats: dict[str, OutputStats] = field(default_factory=dict)
+    accuracy: float | None = None
+    metric: float | None = None
+    untaken: list[dict[str, int]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    last: dict[str, np.ndarray] | None = None  # the candidate's outputs at the data's own shape
+
+
+def compare_on(
+    ref: Reference,
+    infer: Callable[[Feed], dict[str, np.ndarray]],
+    batch_sizes: list[int],
+    takes: Callable[[Feed], bool] = lambda feed: True,
+    inspect: Callable[[Feed, dict[str, np.ndarray]], list[str]] | None = None,
+) -> Comparison:
+    """``infer`` on every held-out shape it ``takes``: all rows in batches of the largest size, then one batch of
+    each size (a kernel chosen per batch size must be right too), each against the reference."""
+    out = Comparison()
+    largest = max(batch_sizes)
+    for i, ((point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
+        if not takes(feed):  # an axis the engine takes at one size only (recorded at its build)
+            out.untaken.append(point)
+            continue
+        got = batched(infer, feed, largest)
+        out.stats = merge_worst(out.stats, compare_all(expected, got, ref.logits, ref.labelled(i)))
+        for bs in batch_sizes:
+            feed_bs = sample_batch(feed, bs)
+            got_bs = infer(feed_bs)
+            if inspect is not None:
+                out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
+            out.stats = merge_worst(
+                out.stats, compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs))
+            )
+        if i == len(ref.feeds) - 1:
+            out.accuracy, out.metric, out.last = ref.accuracy_of(got), ref.metric_of(got), got
+    return out
+
+
+def accuracy_failures(
+    entry: EngineValidation,
+    gates: dict[str, Any],
+    baseline_acc: float | None,
+    metric: Metric | None = None,
+    baseline_metric: float | None = None,
+) -> list[str]:
+    """Each accuracy gate ``entry`` misses, as a sentence naming the value and its threshold (NaN fails every
+    gate): cosine and max abs error per output, top-1 agreement of the class logits (flips on ties counted as
+    agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
+    fails = []
+    per_output = (
+        entry.outputs if len(entry.outputs) > 1 else {"": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err}}
+    )
+    for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
+        where = f"output '{name}' " if name else ""
+        if not s["cosine"] >= gates["min_cosine"]:
+            fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
+        if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
+            fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
+    if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"]:
+        ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
+        fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}{ties}")
+    if baseline_acc is not None and entry.accuracy is not None:
+        drop = baseline_acc - entry.accuracy
+        if not drop <= gates["max_accuracy_drop"]:
+            fails.append(f"accuracy drop {drop:.4f} > max_accuracy_drop {gates['max_accuracy_drop']}")
+    if metric is not None and baseline_metric is not None and entry.metric is not None:
+        drop = metric.drop(baseline_metric, entry.metric)
+        if not drop <= gates["max_metric_drop"]:
+            fails.append(
+                f"{metric.name} {entry.metric:.4g} vs {baseline_metric:.4g}: drop {drop:.4g} > max_metric_drop "
+                f"{gates['max_metric_drop']}"
+            )
+    return fails

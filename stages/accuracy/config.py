@@ -1,0 +1,104 @@
+"""What the accuracy check reads: the gates per precision, the user's metric and how many held-out samples. Keys
+of the ``validate:`` section (validation applies them to engines; the precision stage to variants)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator
+
+from kiln.core.sections import Section
+from kiln.stages.precision.config import PRECISIONS
+
+BUILTIN_METRICS = ("accuracy", "macro_f1", "token_accuracy", "mse", "detection_recall")
+
+
+def _default_per_precision() -> dict[str, dict[str, float]]:
+    return {
+        "fp16": {"min_cosine": 0.999},
+        "int8": {"min_cosine": 0.99, "min_top1_agreement": 0.97, "max_accuracy_drop": 0.02},
+    }
+
+
+class GatesConfig(Section):
+    min_cosine: float = Field(
+        0.9999,
+        ge=-1.0,
+        le=1.0,
+        description="cosine similarity of the logits output, flattened, vs PyTorch (kiln.core.compare 'cosine')",
+    )
+    max_abs_err: float | None = Field(None, ge=0, description="max abs output error vs PyTorch; null = unchecked")
+    min_top1_agreement: float = Field(
+        0.99, ge=0, le=1.0, description="fraction of samples whose argmax matches PyTorch"
+    )
+    max_accuracy_drop: float = Field(
+        0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)"
+    )
+    max_metric_drop: float = Field(
+        0.01,
+        ge=0,
+        description="allowed drop of validate.metric vs the reference, in the metric's own units (for a metric where "
+        "lower is better, its rise)",
+    )
+    max_latency_p50_ms: float | None = Field(None, gt=0, description="latency budget at the largest batch size")
+    # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
+    per_precision: dict[str, dict[str, float]] = Field(
+        default_factory=lambda: _default_per_precision(),
+        description="overrides of the gates above per precision, merged into these defaults gate by gate",
+    )
+
+    @field_validator("per_precision", mode="before")
+    @classmethod
+    def _merge_with_defaults(cls, value: Any) -> Any:
+        # Relaxing one gate must not drop the other defaults (which would tighten them to the FP32 gates).
+        if not isinstance(value, dict):
+            return value  # pydantic reports the type error
+        merged: dict[str, Any] = _default_per_precision()
+        for precision, overrides in value.items():
+            both = isinstance(overrides, dict) and isinstance(merged.get(precision), dict)
+            merged[precision] = {**merged[precision], **overrides} if both else overrides
+        return merged
+
+    @field_validator("per_precision")
+    @classmethod
+    def _known_overrides(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        # A dict of dicts escapes the strict section check: a misspelt gate would be silently ignored.
+        gates = sorted(set(cls.model_fields) - {"per_precision"})
+        for precision, overrides in value.items():
+            if precision not in PRECISIONS:
+                raise ValueError(f"unknown precision '{precision}' (valid: {', '.join(PRECISIONS)})")
+            unknown = sorted(set(overrides) - set(gates))
+            if unknown:
+                raise ValueError(f"unknown gate {unknown} for {precision} (valid gates: {', '.join(gates)})")
+            for gate, limit in overrides.items():  # the same bounds as the gate itself (a plain dict escapes them)
+                try:
+                    cls.model_validate({gate: limit})
+                except ValidationError as exc:
+                    raise ValueError(f"{precision}.{gate}: {exc.errors()[0]['msg']} (got {limit!r})") from None
+        return value
+
+
+class CheckConfig(Section):
+    """The keys of ``validate:`` the accuracy check reads."""
+
+    max_samples: int | None = Field(None, ge=1, description="cap on held-out samples used for accuracy")
+    gates: GatesConfig = Field(default_factory=GatesConfig)
+    metric: str | None = Field(
+        None,
+        description="the task's metric on the held-out split, gated by gates.max_metric_drop: a built-in ("
+        + ", ".join(BUILTIN_METRICS)
+        + ") or pkg.mod:fn taking (outputs by name, labels) and returning a float; the precision fallback searches "
+        "against it too",
+    )
+    metric_higher_is_better: bool | None = Field(
+        None, description="the metric's direction; null: the function's higher_is_better attribute, else higher"
+    )
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, value: str | None) -> str | None:
+        if value is not None and value not in BUILTIN_METRICS and ":" not in value:
+            raise ValueError(
+                f"unknown metric '{value}': use one of {list(BUILTIN_METRICS)} or an import path 'pkg.mod:fn'"
+            )
+        return value

@@ -1,0 +1,187 @@
+"""The user's metric (``validate.metric``): the number their task is judged by, on the held-out split, for the
+baseline and every engine, gated by its drop (``validate.gates.max_metric_drop``, per precision).
+
+Tensor cosine and top-1 agreement are proxies; users state accuracy budgets as a drop in their own metric (as
+NNCF's accuracy-aware quantization and Olive's metric goals do). A metric is ``fn(outputs, labels) -> float``:
+``outputs`` the model's outputs by name (graph order), ``labels`` the held-out ``val_y`` as a numpy array. Higher
+is better unless the function says otherwise (an attribute ``higher_is_better = False``) or the config does.
+
+Built-ins, for what users ask most (each reads the class-logit output, ``signature.logits_output``, where it
+needs one): ``accuracy``, ``macro_f1``, ``token_accuracy`` (labels per position, padding excluded), ``mse``
+(lower is better) and ``detection_recall`` (box-and-class heads, below).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kiln.core.compare import class_axis
+from kiln.core.errors import ModelError
+from kiln.core.labels import IGNORE_LABEL, per_position
+from kiln.core.labels import accuracy as label_accuracy
+from kiln.models.registry import resolve_callable
+
+MetricFn = Callable[[dict[str, np.ndarray], np.ndarray], float]
+IOU = 0.5  # detection_recall: a label box is found by a prediction of its class overlapping it this much
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A resolved metric: its name (as configured), function and direction."""
+
+    name: str
+    fn: MetricFn
+    higher_is_better: bool = True
+
+    def __call__(self, outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
+        """The metric of ``outputs``; the user's function failing is their error, named with what Kiln was doing."""
+        try:
+            value = float(self.fn(outputs, labels))
+        except Exception as exc:  # the user's function (or a built-in on outputs it does not fit): one line
+            frame = traceback.extract_tb(exc.__traceback__)[-1]  # where it raised: the user's line
+            at = f" ({frame.filename}:{frame.lineno})"
+            raise ModelError(
+                f"validate.metric '{self.name}'{at} failed on outputs {_shapes(outputs)} and labels "
+                f"{labels.dtype}{list(labels.shape)}: {type(exc).__name__}: {exc}",
+                hint="the metric takes (outputs: dict of name -> array, labels: array) and returns a float",
+            ) from None
+        if not np.isfinite(value):
+            raise ModelError(
+                f"validate.metric '{self.name}' returned {value} on outputs {_shapes(outputs)}",
+                hint="return a finite float (e.g. guard divisions by zero)",
+            )
+        return value
+
+    def drop(self, baseline: float, value: float) -> float:
+        """How much worse ``value`` is than ``baseline`` (positive: worse), whichever way the metric points."""
+        return baseline - value if self.higher_is_better else value - baseline
+
+
+def resolve_metric(ref: str | None, logits: str | None, higher_is_better: bool | None = None) -> Metric | None:
+    """``validate.metric``: a built-in name or ``pkg.mod:fn`` (imported here; a bad path is a ConfigError)."""
+    if ref is None:
+        return None
+    if ref in BUILTINS:
+        fn, higher = BUILTINS[ref]
+        if higher_is_better is not None:
+            higher = higher_is_better
+        return Metric(ref, _on_logits(fn, logits, ref), higher)
+    fn = resolve_callable(ref, {}, "validate.metric")
+    default = bool(getattr(fn, "higher_is_better", True))
+    return Metric(ref, fn, default if higher_is_better is None else higher_is_better)
+
+
+def _on_logits(fn: Callable[..., float], logits: str | None, name: str) -> MetricFn:
+    def metric(outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
+        return fn(outputs, labels, logits)
+
+    metric.__name__ = name
+    return metric
+
+
+def _pick(outputs: dict[str, np.ndarray], logits: str | None) -> np.ndarray:
+    if logits is not None and logits in outputs:
+        return outputs[logits]
+    return next(iter(outputs.values()))
+
+
+def _accuracy(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    value = label_accuracy(_pick(outputs, logits), labels.astype(np.int64))
+    if value is None:
+        raise ValueError("no labelled row or position")
+    return value
+
+
+def _token_accuracy(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    if not per_position(labels):
+        raise ValueError("token_accuracy needs integer labels per position ([N, seq]); these are one per row")
+    return _accuracy(outputs, labels, logits)
+
+
+def _macro_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    """F1 per class over the labelled rows/positions, averaged over the classes that occur in labels or answers."""
+    out = _pick(outputs, logits)
+    pred = out.argmax(class_axis(out.ndim)).reshape(-1)
+    y = labels.astype(np.int64).reshape(-1)
+    if pred.shape != y.shape:
+        raise ValueError(f"predictions {list(pred.shape)} do not match labels {list(y.shape)}")
+    keep = y != IGNORE_LABEL
+    pred, y = pred[keep], y[keep]
+    scores = []
+    for c in np.union1d(pred, y):
+        tp = np.sum((pred == c) & (y == c))
+        denom = np.sum(pred == c) + np.sum(y == c)
+        scores.append(2.0 * tp / denom if denom else 0.0)
+    if not scores:
+        raise ValueError("no labelled row or position")
+    return float(np.mean(scores))
+
+
+def _mse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    out = _pick(outputs, logits).astype(np.float64)
+    y = labels.astype(np.float64)
+    if out.size != y.size:
+        raise ValueError(f"output {list(out.shape)} and targets {list(y.shape)} differ in size")
+    return float(np.mean((out.reshape(-1) - y.reshape(-1)) ** 2))
+
+
+def _detection_recall(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    """Of the labelled boxes, the fraction found: a prediction whose argmax class is the box's and whose box
+    overlaps it by IoU >= :data:`IOU`, each prediction finding one box at most (greedy by IoU).
+
+    ``outputs``: a boxes output ``[N, K, 4]`` (x1, y1, x2, y2) and a class-score output ``[N, K, C]`` (the class
+    logits: the one named by ``signature.logits_output``, else the other ``[N, K, *]`` output); ``labels``:
+    ``[N, M, 5]`` rows of (class, x1, y1, x2, y2), a negative class marking padding."""
+    boxes = next((v for v in outputs.values() if v.ndim == 3 and v.shape[-1] == 4), None)
+    scores = outputs.get(logits) if logits is not None else None
+    if scores is None or scores is boxes:
+        scores = next((v for v in outputs.values() if v.ndim == 3 and v is not boxes), None)
+    if boxes is None or scores is None or labels.ndim != 3 or labels.shape[-1] != 5:
+        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
+    found = total = 0
+    for b, s, y in zip(boxes, scores, labels):
+        classes = s.argmax(-1)
+        free = np.ones(len(b), dtype=bool)
+        for row in y[y[:, 0] >= 0]:
+            total += 1
+            ious = np.where(free & (classes == int(row[0])), _iou(b, row[1:]), 0.0)
+            k = int(ious.argmax()) if len(ious) else 0
+            if len(ious) and ious[k] >= IOU:
+                found, free[k] = found + 1, False
+    if not total:
+        raise ValueError("no labelled box")
+    return found / total
+
+
+def _iou(boxes: np.ndarray, box: np.ndarray) -> np.ndarray:
+    x1, y1 = np.maximum(boxes[:, 0], box[0]), np.maximum(boxes[:, 1], box[1])
+    x2, y2 = np.minimum(boxes[:, 2], box[2]), np.minimum(boxes[:, 3], box[3])
+    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
+    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1]) + (box[2] - box[0]) * (box[3] - box[1])
+    return inter / np.maximum(area - inter, 1e-12)
+
+
+def _shapes(outputs: dict[str, np.ndarray]) -> str:
+    return "{" + ", ".join(f"{k}: {list(np.shape(v))}" for k, v in outputs.items()) + "}"
+
+
+# name -> (function of (outputs, labels, logits name), higher is better)
+BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
+    "accuracy": (_accuracy, True),
+    "macro_f1": (_macro_f1, True),
+    "token_accuracy": (_token_accuracy, True),
+    "mse": (_mse, False),
+    "detection_recall": (_detection_recall, True),
+}
+
+
+def metric_labels(val_y: Any) -> np.ndarray | None:
+    """The held-out labels as the metric gets them (numpy), or None."""
+    if val_y is None:
+        return None
+    return val_y.numpy() if hasattr(val_y, "numpy") else np.asarray(val_y)

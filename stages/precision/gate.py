@@ -1,0 +1,120 @@
+"""The precision stage's acceptance of a variant: validation's own check (:mod:`kiln.stages.accuracy.check`) run on
+the variant's graph in ONNX Runtime, against the FP32 graph, on the held-out data at every validated shape and
+batch size, held to the gates validation will apply to engines of that precision (and its metric's budget).
+
+A variant accepted here is one validation accepts (up to the engine's own numerics), so the fallback aims at the
+gate the engine will face, not at a stricter or looser target of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from kiln.core.data import Feed
+from kiln.core.onnx_io import ort_session
+from kiln.core.outputs import logits_name
+from kiln.core.records import EngineValidation
+from kiln.stages.accuracy.check import Reference, accuracy_failures, compare_on, gates_for, summarize
+from kiln.stages.accuracy.config import GatesConfig
+from kiln.stages.precision.config import FallbackConfig
+
+Model = onnx.ModelProto | Path
+
+
+@dataclass
+class Verdict:
+    """One candidate graph judged: its statistics (the report's columns) and each gate it misses."""
+
+    metrics: dict[str, float | None]
+    failures: list[str]
+    ref: np.ndarray  # the class-logit output (else the first) at the data's own shape: the FP32 graph's...
+    got: np.ndarray  # ...and the candidate's, for choosing the samples the fallback's blame looks at
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def session_runner(model: Model) -> Any:
+    """``feed -> outputs by name`` through an ONNX Runtime CPU session of ``model``."""
+    sess = ort_session(model)
+    names = [o.name for o in sess.get_outputs()]
+
+    def run(feed: Feed) -> dict[str, np.ndarray]:
+        return dict(zip(names, sess.run(None, feed)))
+
+    return run
+
+
+class GateCheck:
+    """Judges candidate graphs against ``ref`` (the FP32 graph's outputs on the held-out data) with validation's
+    comparison and the gates of ``gates`` for the candidate's precision."""
+
+    def __init__(self, fp32: onnx.ModelProto, ref: Reference, gates: GatesConfig, batch_sizes: list[int]) -> None:
+        self.fp32, self.ref, self.gates, self.batch_sizes = fp32, ref, gates, sorted(set(batch_sizes))
+
+    @classmethod
+    def on_samples(
+        cls, fp32: onnx.ModelProto, x: np.ndarray | Feed, logits: int | None = 0, gates: GatesConfig | None = None
+    ) -> GateCheck:
+        """A check on ``x`` alone (one shape, no labels), for graphs judged outside a pipeline run."""
+        feed = x if isinstance(x, dict) else {fp32.graph.input[0].name: x}
+        names = [o.name for o in fp32.graph.output]
+        name = names[logits] if logits is not None and logits < len(names) else None
+        rows = len(next(iter(feed.values())))
+        ref = Reference(session_runner(fp32), [({}, feed)], [None], name, min(64, rows))
+        return cls(fp32, ref, gates or GatesConfig(), [min(64, rows)])
+
+    @property
+    def samples(self) -> Feed:
+        """The held-out inputs at the data's own shape."""
+        return self.ref.feed
+
+    def __call__(self, model: Model, precision: str, extra: FallbackConfig | None = None) -> Verdict:
+        """``model`` judged as an engine of ``precision``; ``extra``: the fallback's own targets, where set (they
+        can only add to the gates)."""
+        found = compare_on(self.ref, session_runner(model), self.batch_sizes)
+        entry = EngineValidation(name="", backend="onnxruntime", precision=precision, device="cpu", status="validated")
+        summarize(entry, found.stats, self.ref.logits)
+        entry.accuracy, entry.metric = found.accuracy, found.metric
+        failures = accuracy_failures(
+            entry, gates_for(self.gates, precision), self.ref.accuracy, self.ref.metric, self.ref.metric_value
+        )
+        failures += _extra_failures(entry, extra)
+        key = self.ref.logits or next(iter(self.ref.outputs[-1]))
+        metrics = {
+            "top1_agreement": entry.top1_agreement,
+            "top1_ties": entry.top1_ties,
+            "cosine": entry.cosine,
+            "max_abs_err": entry.max_abs_err,
+            "accuracy": entry.accuracy,
+            "metric": entry.metric,
+            "samples": len(self.ref.outputs[-1][key]),
+        }
+        assert found.last is not None  # the data's own shape is always validated on a graph of any shape
+        return Verdict(metrics, failures, self.ref.outputs[-1][key], found.last[key])
+
+
+def _extra_failures(entry: EngineValidation, extra: FallbackConfig | None) -> list[str]:
+    """The fallback's own targets (``precision.fallback.min_top1_agreement`` / ``min_cosine``), where set."""
+    fails = []
+    if extra is None:
+        return fails
+    if extra.min_top1_agreement is not None and entry.top1_agreement is not None:
+        if not entry.top1_agreement >= extra.min_top1_agreement:
+            fails.append(f"top1_agreement {entry.top1_agreement:.4f} < fallback target {extra.min_top1_agreement}")
+    if extra.min_cosine is not None and not (entry.cosine or float("nan")) >= extra.min_cosine:
+        fails.append(f"cosine {entry.cosine:.6f} < fallback target {extra.min_cosine}")
+    return fails
+
+
+def logits_index(fp32: onnx.ModelProto, logits_output: str | int | None) -> int | None:
+    """Index of the class-logit output among the graph's outputs (None: none)."""
+    names = [o.name for o in fp32.graph.output]
+    name = logits_name(names, logits_output)
+    return names.index(name) if name is not None else None

@@ -1,0 +1,81 @@
+"""validate.metric: the built-ins on outputs whose answer is known, a user's metric by import path, its direction,
+and its failures as one error naming the function."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from kiln.core.errors import ModelError
+from kiln.core.labels import IGNORE_LABEL
+from kiln.stages.accuracy.config import BUILTIN_METRICS, CheckConfig
+from kiln.stages.accuracy.metrics import BUILTINS, resolve_metric
+
+
+def logits_for(pred: list[int], classes: int = 3) -> np.ndarray:
+    out = np.zeros((len(pred), classes), np.float32)
+    out[np.arange(len(pred)), pred] = 1.0
+    return out
+
+
+def test_accuracy_and_macro_f1() -> None:
+    y = np.array([0, 0, 1, 2])
+    out = {"logits": logits_for([0, 1, 1, 2])}
+    assert resolve_metric("accuracy", "logits")(out, y) == pytest.approx(0.75)
+    # class 0: P 1, R 0.5 -> 2/3; class 1: P 0.5, R 1 -> 2/3; class 2: 1
+    assert resolve_metric("macro_f1", "logits")(out, y) == pytest.approx((2 / 3 + 2 / 3 + 1) / 3)
+
+
+def test_token_accuracy_counts_labelled_positions_only() -> None:
+    logits = np.zeros((1, 4, 2), np.float32)
+    logits[0, :, 1] = 1.0  # class 1 everywhere
+    y = np.array([[1, 0, IGNORE_LABEL, IGNORE_LABEL]])
+    assert resolve_metric("token_accuracy", None)({"out": logits}, y) == pytest.approx(0.5)
+    with pytest.raises(ModelError, match="per position"):
+        resolve_metric("token_accuracy", None)({"out": logits[:, 0]}, np.array([1]))
+
+
+def test_mse_is_lower_is_better() -> None:
+    m = resolve_metric("mse", None)
+    assert not m.higher_is_better
+    assert m({"y": np.array([[1.0], [3.0]])}, np.array([1.0, 1.0])) == pytest.approx(2.0)
+    assert m.drop(1.0, 1.5) == pytest.approx(0.5)  # a rise in error is a drop in quality
+    assert resolve_metric("accuracy", None).drop(0.9, 0.8) == pytest.approx(0.1)
+
+
+def test_detection_recall_matches_class_and_overlap() -> None:
+    boxes = np.array([[[0, 0, 10, 10], [20, 20, 30, 30], [0, 0, 1, 1]]], np.float32)
+    scores = np.zeros((1, 3, 2), np.float32)
+    scores[0, 0, 1] = scores[0, 1, 0] = scores[0, 2, 1] = 1.0  # classes 1, 0, 1
+    labels = np.array([[[1, 0, 0, 10, 9], [1, 20, 20, 30, 30], [-1, 0, 0, 0, 0]]], np.float32)
+    # box 1 found (class 1, IoU 0.9); box 2 overlaps a class-0 prediction only: missed; the third is padding
+    assert resolve_metric("detection_recall", None)({"boxes": boxes, "scores": scores}, labels) == pytest.approx(0.5)
+
+
+def test_user_metric_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "mymetrics.py").write_text(
+        "import numpy as np\n\n"
+        "def err(outputs, labels):\n"
+        "    return float(np.abs(outputs['y'].ravel() - labels).mean())\n\n"
+        "err.higher_is_better = False\n\n"
+        "def broken(outputs, labels):\n"
+        "    return outputs['missing']\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mymetrics", raising=False)
+    m = resolve_metric("mymetrics:err", None)
+    assert not m.higher_is_better and m({"y": np.array([1.0, 2.0])}, np.array([1.0, 1.0])) == pytest.approx(0.5)
+    assert resolve_metric("mymetrics:err", None, higher_is_better=True).higher_is_better  # the config wins
+    with pytest.raises(ModelError, match=r"mymetrics:broken.*mymetrics\.py:9\).*KeyError"):
+        resolve_metric("mymetrics:broken", None)({"y": np.zeros(2)}, np.zeros(2))
+
+
+def test_unknown_metric_is_refused_with_the_config() -> None:
+    with pytest.raises(ValidationError, match="unknown metric 'f1score'"):
+        CheckConfig(metric="f1score")
+    assert CheckConfig(metric="pkg.mod:fn").metric == "pkg.mod:fn"
+    assert set(BUILTINS) == set(BUILTIN_METRICS)  # what the config accepts is what resolves
