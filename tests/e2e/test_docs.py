@@ -138,6 +138,8 @@ def test_the_readme_commands_are_the_ci_commands() -> None:
 def readme_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The README's own model, written as the README says and run as it says: `kiln run my.yaml`."""
     folder = project(tmp_path_factory.mktemp("readme"), README)
+    # "In an empty folder, `mine.py` ... and `my.yaml`": those two files and nothing else (no weights, no data)
+    assert sorted(p.name for p in folder.iterdir()) == ["mine.py", "my.yaml"]
     run([KILN, "run", "my.yaml"], folder)
     return folder
 
