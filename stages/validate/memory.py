@@ -11,9 +11,9 @@ them. What is measured instead, by sampling in a thread while the work runs:
 - CUDA: device memory in use (``torch.cuda.mem_get_info``: total - free), peak minus the value before loading.
   Device-wide: another process allocating at the same time is counted too; PyTorch's cache is emptied first.
 
-A growth below :data:`UNSEEN_MB` means the meter did not see the work's memory (reused pages, no heap statistics),
-not that it took none: ``peak_mb`` is then None, reported as not measured. Sampling every ``interval`` seconds
-misses allocations that live shorter than that; reported as ``method``.
+No growth, or without heap statistics one below :data:`UNSEEN_MB`, means the meter did not see the work's memory
+(reused pages), not that it took none: ``peak_mb`` is then None, reported as not measured. Sampling every
+``interval`` seconds misses allocations that live shorter than that; reported as ``method``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 
 INTERVAL_S = 0.002
-UNSEEN_MB = 0.05  # a growth that rounds to 0.0 MB in the report: nothing the meter could see
+UNSEEN_MB = 0.05  # an RSS growth below this is page noise, not the work's memory
 
 
 class _MallInfo2(ctypes.Structure):
@@ -120,10 +120,11 @@ class PeakMemory:
         self._thread.join()
         self._take()
         grown = max(p - s for p, s in zip(self._peak, self._start)) / 2**20
-        if grown < UNSEEN_MB:
+        sees_every_allocation = self.device == "cpu" and len(self._meters) > 1  # the heap meter counts each malloc
+        if grown <= 0 or (grown < UNSEEN_MB and not sees_every_allocation):
             self.method = f"not measured: no growth seen ({self.method})"
             return
-        self.peak_mb = round(grown, 2)
+        self.peak_mb = float(f"{grown:.3g}")  # a small model's 0.02 MB stays 0.02, not 0.0
 
 
 def wait_a_sample(interval: float = INTERVAL_S) -> None:

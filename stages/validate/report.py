@@ -98,6 +98,7 @@ def report_section(v: ValidationResult) -> list[str]:
             + ", ".join(f"{e.name} {e.top1_ties:.2%} of samples" for e in tied)
             + ".",
         ]
+    lines += _timing(v) + _metric(v)
     lines += [f"- baseline {x.label} not measured: {x.error}" for x in v.baselines if x.error]
     lines += _per_output(v)
     if v.failures:
@@ -113,7 +114,36 @@ def _sizes(v: ValidationResult) -> list[str]:
 
 
 def _p50(latency: dict[str, Any], size: str) -> str:
-    return f"{latency[size].p50:.3f}" if size in latency else "-"
+    """p50 with its 95 % interval where timed in rounds (a busy machine's wide interval is seen, not hidden)."""
+    if size not in latency:
+        return "-"
+    p = latency[size]
+    return f"{p.p50:.3f} ({p.ci95[0]:.3g}-{p.ci95[1]:.3g})" if p.ci95 else f"{p.p50:.3f}"
+
+
+def _timing(v: ValidationResult) -> list[str]:
+    """How latency was timed, and whether the machine was too busy for the figures to mean much."""
+    t = v.timing
+    if not t:
+        return []
+    line = (
+        f"Latency: {t['rounds']} interleaved rounds (engines and baselines in turn), p50 with a 95 % interval of the "
+        f"median in parentheses; load average {t['load_before']} → {t['load_after']} on {t['cpus']} CPUs."
+    )
+    if t.get("busy"):
+        line += (
+            f" **The machine was too busy to time**: intervals {100 * t['median_spread']:.0f} % of p50 wide (median); "
+            "differences within them are noise."
+        )
+    return ["", line]
+
+
+def _metric(v: ValidationResult) -> list[str]:
+    b = v.baseline
+    if b.metric_name is None:
+        return []
+    per = ", ".join(f"{e.name} {fmt(e.metric, '.4g')}" for e in v.engines if e.metric is not None)
+    return ["", f"Metric `{b.metric_name}` (validate.metric): reference {fmt(b.metric, '.4g')}; {per}."]
 
 
 def _vs_baselines(v: ValidationResult) -> list[str]:
@@ -150,7 +180,7 @@ def _memory(v: ValidationResult) -> list[str]:
         "|---|---|---|---|",
     ]
     for name, m in entries:
-        peak = "not measured" if m.peak_mb is None else fmt(m.peak_mb, ".1f")
+        peak = "not measured" if m.peak_mb is None else fmt(m.peak_mb, ".3g")
         out.append(f"| {name} | {peak} | {fmt((m.size_bytes or 0) / 1e6, '.2f')} | {m.method} |")
     return out + ["", "PyTorch's size is its weights in memory (parameters + buffers); an engine's is its folder."]
 
@@ -167,7 +197,7 @@ def _chosen(v: ValidationResult, sizes: list[str]) -> list[str]:
             for e in sorted(cands, key=lambda e: e.latency_ms[s].p50 if s in e.latency_ms else 1e30)
         )
         out.append(f"| {s} | {v.chosen.get(s, 'none passed')} | {listed} |")
-    return out
+    return out + [f"- batch {bs}: {note}" for bs, note in v.choice_notes.items()]
 
 
 def _gated(value: str, op: str, limit: float | None) -> str:
@@ -238,9 +268,15 @@ def _speed_table(v: ValidationResult) -> list[str]:
         "|---|---|---|---|",
     ]
     for r in v.speed_vs_fp32:
-        ratios = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r["vs_fp32"].items())
+        cis = r.get("vs_fp32_ci", {})
+        ratios = ", ".join(
+            f"{x:.2f}x" + (f" ({cis[bs][0]:.2f}-{cis[bs][1]:.2f})" if bs in cis else "") + f" @{bs}"
+            for bs, x in r["vs_fp32"].items()
+        )
         fp16 = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r.get("vs_fp16", {}).items()) or "-"
         dropped = engines[r["engine"]].dropped if r["engine"] in engines else None
-        verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else "faster")
+        verdict = "faster" if r["vs_fp32"].get(r["largest_batch"], 0) >= 1 else "not faster"
+        verdict = "within the timing's noise" if r.get("within_noise") else verdict
+        verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else verdict)
         out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
     return out

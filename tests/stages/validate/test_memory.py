@@ -90,3 +90,11 @@ def test_the_report_says_not_measured_for_a_peak_it_has_not() -> None:
     lines = report_section(v)
     row = next(line for line in lines[lines.index("### Memory") :] if line.startswith("| e |"))
     assert row.split("|")[2].strip() == "not measured"
+
+
+@pytest.mark.parametrize("kb", [8, 20, 40])
+def test_a_small_allocation_the_heap_meter_sees_is_not_rounded_to_zero(kb: int) -> None:
+    with PeakMemory("cpu") as mem:
+        kept = bytearray(kb * 1024)
+    assert mem.peak_mb is not None and kb / 1024 * 0.9 <= mem.peak_mb, (mem.peak_mb, mem.method)
+    del kept
