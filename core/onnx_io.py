@@ -365,6 +365,7 @@ def ort_session(
     if isinstance(model, onnx.ModelProto) and not opts.optimized_model_filepath:
         # The weights go to ORT as arrays and the graph as a few kilobytes: no serialized copy of the weights
         model, weights = light_model(model, with_data=True)
+        weights = _used_weights(model, weights)
     try:
         values = [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()]
         if weights:
@@ -377,6 +378,25 @@ def ort_session(
             f"ONNX Runtime cannot load the model: {first_line(exc)}",
             hint="an op or type may be unsupported by ONNX Runtime; try another opset",
         ) from None
+
+
+def _used_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights some node (or subgraph) reads or the graph outputs; the others leave the light graph too. ONNX
+    Runtime drops an initializer nothing reads when it loads the graph, and then refuses to be handed its data."""
+    used = {o.name for o in model.graph.output}
+    graphs = [model.graph]
+    while graphs:
+        g = graphs.pop()
+        for n in g.node:
+            used.update(n.input)
+            graphs += [a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+            graphs += [sub for a in n.attribute if a.type == onnx.AttributeProto.GRAPHS for sub in a.graphs]
+    unused = [k for k in weights if k not in used]
+    if unused:
+        kept = [t for t in model.graph.initializer if t.name not in unused]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+    return {k: v for k, v in weights.items() if k in used}
 
 
 def _ort_session(model: onnx.ModelProto | str | Path, opts: Any, providers: list[Any]) -> Any:

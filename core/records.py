@@ -165,9 +165,15 @@ class Variants(Record):
 
 # ------------------------------------------------------------------------------------------------------ validation
 class Percentiles(Part):
+    """Latency of one call in ms. Timed in interleaved rounds (:func:`kiln.core.timing.interleave`): ``ci95`` is a
+    95 % interval of the median from the per-round medians (``rounds``), and ``spread`` its width over p50."""
+
     p50: float
     p90: float
     p99: float
+    ci95: tuple[float, float] | None = None
+    rounds: list[float] = Field(default_factory=list)
+    spread: float | None = None
 
 
 class Memory(Part):
@@ -230,6 +236,8 @@ class EngineValidation(Part):
     latency_ms: dict[str, Percentiles] = Field(default_factory=dict)
     speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)  # vs eager PyTorch on the engine's device
     speedups: dict[str, dict[str, float]] = Field(default_factory=dict)  # baseline label -> batch -> p50 ratio
+    # baseline label -> batch -> 95 % interval of the ratio, from the two medians paired round by round
+    speedup_ci: dict[str, dict[str, tuple[float, float]]] = Field(default_factory=dict)
     memory: Memory | None = None
     failures: list[str] = Field(default_factory=list)
     hints: list[str] = Field(default_factory=list)  # what to try about the failures (not gates themselves)
@@ -247,6 +255,9 @@ class ValidationResult(Record, Summary):
     engines: list[EngineValidation]
     failures: list[str]
     speed_vs_fp32: list[dict[str, Any]] = Field(default_factory=list)  # kiln.stages.precision.speed's rows
+    # batch -> why the chosen engine is not the fastest measured (its lead within the noise of the timing)
+    choice_notes: dict[str, str] = Field(default_factory=dict)
+    timing: dict[str, Any] = Field(default_factory=dict)  # how latency was timed: rounds, load, busy or not
     dropped: list[str] = Field(default_factory=list)
 
     def gate_failures(self) -> list[str]:

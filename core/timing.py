@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -18,11 +19,14 @@ def warm_up(fn: Any, calls: int, budget_s: float | None = None) -> None:
         fn()
 
 
-def time_calls(fn: Any, iterations: int, cuda: bool | None = None, budget_s: float | None = None) -> list[float]:
+def time_calls(
+    fn: Any, iterations: int, cuda: bool | None = None, budget_s: float | None = None, min_calls: int = MIN_TIMED
+) -> list[float]:
     """ms per call: CUDA events around each call when ``cuda`` (default: when torch sees a GPU; ``fn`` runs its
     work on the current stream or synchronizes, so they bracket it), else wall clock (CPU sessions and
     ``run_with_iobinding`` return only when the work is done). ``budget_s``: stop after that many seconds once
-    :data:`MIN_TIMED` calls are timed (a large batch on a slow device times fewer calls, not for minutes)."""
+    :data:`MIN_TIMED` (``min_calls``) calls are timed (a large batch on a slow device times fewer calls, not for
+    minutes)."""
     if cuda is None:
         try:
             import torch
@@ -35,7 +39,7 @@ def time_calls(fn: Any, iterations: int, cuda: bool | None = None, budget_s: flo
     times: list[float] = []
     deadline = time.perf_counter() + budget_s if budget_s is not None else float("inf")
     for _ in range(iterations):
-        if len(times) >= MIN_TIMED and time.perf_counter() > deadline:
+        if len(times) >= min_calls and time.perf_counter() > deadline:
             break
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,3 +53,54 @@ def time_calls(fn: Any, iterations: int, cuda: bool | None = None, budget_s: flo
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+# Interleaved timing: every contender (engines and baselines) is timed in short blocks, round after round, in a
+# rotating order, so a load that comes and goes hits them all alike; each contender's figure is the median of all
+# its calls, with a 95 % interval of the median from its per-round medians (distribution-free), and ratios between
+# two contenders come from their medians paired round by round.
+MIN_ROUNDS = 6  # the fewest rounds whose [min, max] of medians is a 95 % interval of the median (1 - 2 / 2**6)
+Timer = Any  # (calls, budget_s) -> ms per call
+
+
+def interleave(
+    timers: dict[str, Timer], rounds: int, calls: int, budget_s: float, min_rounds: int = MIN_ROUNDS
+) -> dict[str, list[list[float]]]:
+    """Per contender, the ms of its calls in each round: up to ``rounds`` rounds (at least ``min_rounds``) of a
+    block of up to ``calls`` calls each, in an order rotated every round, until ``budget_s`` per contender is spent.
+    A block stops early once its share of the budget is spent (one call at least)."""
+    names = list(timers)
+    out: dict[str, list[list[float]]] = {n: [] for n in names}
+    deadline = time.perf_counter() + budget_s * len(names)
+    block_s = budget_s / max(rounds, 1)
+    for r in range(max(rounds, min_rounds)):
+        if r >= min_rounds and (r >= rounds or time.perf_counter() > deadline):
+            break
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(timers[name](calls, block_s))
+    return out
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``values``: the order statistics whose binomial coverage is at
+    least ``confidence`` (the outermost pair, [min, max], when there are too few values for it)."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        return float("nan"), float("nan")
+    tail = (1.0 - confidence) / 2
+    k, below = 0, 0.0
+    while k < n // 2:  # the largest k with P(Binomial(n, 1/2) <= k) <= tail: interval [x_(k+1), x_(n-k)]
+        below += math.comb(n, k) / 2**n
+        if below > tail:
+            break
+        k += 1
+    k = max(k - 1, 0) if k else 0
+    return xs[k], xs[n - 1 - k]
+
+
+def ratio_interval(slow_rounds: list[float], fast_rounds: list[float]) -> tuple[float, float] | None:
+    """95 % interval of ``slow / fast`` from two contenders' medians paired round by round (one load each); None
+    without at least two pairs."""
+    pairs = [a / b for a, b in zip(slow_rounds, fast_rounds) if b > 0]
+    return median_interval(pairs) if len(pairs) >= 2 else None

@@ -296,19 +296,27 @@ def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:
 
 def _latency_table(v: Any) -> Table:
     largest = str(max(int(s) for x in [v.baseline, *v.baselines, *v.engines] for s in x.latency_ms))
-    table = Table(title=f"Latency at batch {largest}", show_edge=False)
-    for col in ("engine", "p50 ms", "speedup", ""):
+    busy = " (machine too busy to time: see report.md)" if getattr(v, "timing", {}).get("busy") else ""
+    table = Table(title=f"Latency at batch {largest}{busy}", show_edge=False)
+    for col in ("engine", "p50 ms (95% interval)", "speedup", ""):
         table.add_column(col, no_wrap=True)
     for b in v.baselines or [v.baseline]:
         lat = b.latency_ms.get(largest)
-        table.add_row(f"pytorch {b.label}", f"{lat.p50:.3f}" if lat else "-", "1.00", "")
+        label = "onnxruntime (input ONNX file)" if b.backend == "onnxruntime" else f"pytorch {b.label}"
+        table.add_row(label, _latency_cell(lat), "1.00", "")
     for e in v.engines:
         if e.status == "validated" and largest in e.latency_ms:
             speed = e.speedup_vs_baseline.get(largest)
             chosen = "[bold]chosen[/]" if v.chosen.get(largest) == e.name else ""
             speedup = f"{speed:.2f}x vs {e.device}" if speed else "-"
-            table.add_row(e.name, f"{e.latency_ms[largest].p50:.3f}", speedup, chosen)
+            table.add_row(e.name, _latency_cell(e.latency_ms[largest]), speedup, chosen)
     return table
+
+
+def _latency_cell(p: Any) -> str:
+    if p is None:
+        return "-"
+    return f"{p.p50:.3f} ({p.ci95[0]:.3g}-{p.ci95[1]:.3g})" if p.ci95 else f"{p.p50:.3f}"
 
 
 def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:

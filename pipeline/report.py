@@ -63,7 +63,18 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
     if validation:
         report["validation"] = {
             k: validation[k]
-            for k in ("passed", "baseline", "baselines", "engines", "failures", "speed_vs_fp32", "dropped", "chosen")
+            for k in (
+                "passed",
+                "baseline",
+                "baselines",
+                "engines",
+                "failures",
+                "speed_vs_fp32",
+                "dropped",
+                "chosen",
+                "choice_notes",
+                "timing",
+            )
             if k in validation
         }
     return report

@@ -224,6 +224,20 @@ class Runner:
         warm_up(lambda: self._infer(feed), warmup, budget_s)
         return time_calls(lambda: self._infer(feed), iterations, cuda=False, budget_s=budget_s)
 
+    def timer(
+        self, feed: dict[str, np.ndarray], warmup: int, budget_s: float | None = None
+    ) -> Callable[[int, float | None], list[float]]:
+        """After a warm-up, ``(calls, budget_s) -> ms per call`` on ``feed``, for interleaved timing
+        (:func:`kiln.core.timing.interleave`): a block of calls, measured as :meth:`time_ms` measures them."""
+        if type(self).time_ms is not Runner.time_ms:  # a backend timing on its device: its own method, per block
+            self.time_ms(feed, warmup, 1, budget_s)
+            return lambda calls, block_s: self.time_ms(feed, 0, calls, block_s)
+        self.infer(feed)  # checks the feed once; the calls below skip the check
+        warm_up(lambda: self._infer(feed), warmup, budget_s)
+        return lambda calls, block_s: time_calls(
+            lambda: self._infer(feed), calls, cuda=False, budget_s=block_s, min_calls=1
+        )
+
     def _activate(self) -> None:
         raise NotImplementedError
 

@@ -84,12 +84,23 @@ def rel_error(ref: np.ndarray, got: np.ndarray) -> float:
 def tensor_errors(ref_model: Model, model: Model, x: Samples, tensors: list[str]) -> dict[str, float]:
     """Relative L2 error of each named intermediate tensor of ``model`` vs ``ref_model`` on ``x``."""
     ref_m, m = (onnx.load(str(p)) if isinstance(p, Path) else p for p in (ref_model, model))
-    common = _produced(ref_m) & _produced(m) - {ref_m.graph.output[0].name}
+    # a tensor computed from weights alone is a weight: ONNX Runtime folds it into an initializer, which cannot be
+    # made a graph output
+    common = _produced(ref_m) & _produced(m) - {ref_m.graph.output[0].name} - _constant(ref_m) - _constant(m)
     tensors = [t for t in tensors if t in common]  # e.g. a tensor the cast clean-up merged away
     ref = run_batched(ref_m, x, extra_outputs=tensors)
     got = run_batched(m, x, extra_outputs=tensors)
     names = [ref_m.graph.output[0].name, *tensors]
     return {t: rel_error(r, g) for t, r, g in zip(names, ref, got)}
+
+
+def _constant(model: onnx.ModelProto) -> set[str]:
+    """Tensors computed from initializers and constants alone (in graph order, so transitively)."""
+    const = {t.name for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" or (n.input and all(i in const or not i for i in n.input)):
+            const.update(n.output)
+    return const
 
 
 def _produced(model: onnx.ModelProto) -> set[str]:

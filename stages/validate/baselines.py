@@ -20,7 +20,7 @@ import torch
 from kiln.core.data import Inputs, call, rebuild, tensors
 from kiln.core.records import Baseline, Memory, Percentiles
 from kiln.core.text import first_line
-from kiln.core.timing import time_calls, warm_up
+from kiln.core.timing import MIN_ROUNDS, Timer, interleave, median_interval, ratio_interval, time_calls, warm_up
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 
 
@@ -68,6 +68,47 @@ def can_measure(device: str) -> str | None:
     return None
 
 
+def prepare_baseline(
+    model: torch.nn.Module,
+    kind: str,
+    device: str,
+    precision: str,
+    batches: dict[int, Any],
+    warmup: int,
+    samples: int,
+    like: Inputs | None = None,
+    budget_s: float | None = None,
+) -> tuple[Baseline, dict[int, Timer]]:
+    """The baseline ready to time: its record (peak memory while loading onto the device and warming up through
+    every batch size) and a timer per batch size for :func:`kiln.core.timing.interleave`. On failure (e.g.
+    torch.compile cannot compile this model here) the record says why and there are no timers."""
+    base = Baseline(kind=kind, device=device, precision=precision, accuracy=None, samples=samples, latency_ms={})
+    why = can_measure(device)
+    if why:
+        base.error = why
+        return base, {}
+    dtype = torch.float16 if precision == "fp16" else None
+    timers: dict[int, Timer] = {}
+    try:
+        with PeakMemory(device) as mem:
+            m = prepare(model, kind, device, precision)
+            for bs, x in batches.items():  # an array, or a feed of named arrays in ``like``'s structure
+                parts = [
+                    torch.from_numpy(np.ascontiguousarray(a)).to(device)
+                    for a in (x.values() if isinstance(x, dict) else [x])
+                ]
+                parts = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in parts]
+                xt = rebuild(like, parts) if like is not None else parts[0]
+                time_torch(m, xt, max(warmup, 1), 1, budget_s)  # compiles, captures, warms up
+                timers[bs] = _torch_timer(m, xt)
+            wait_a_sample()
+    except Exception as exc:  # reported, not fatal
+        base.error = f"{type(exc).__name__}: {first_line(exc, 200)}"
+        return base, {}
+    base.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=weights_bytes(m))
+    return base, timers
+
+
 def measure(
     model: torch.nn.Module,
     kind: str,
@@ -79,40 +120,50 @@ def measure(
     samples: int,
     like: Inputs | None = None,
     budget_s: float | None = None,
+    rounds: int = MIN_ROUNDS,
 ) -> Baseline:
-    """Latency per batch size and peak memory (loading onto the device through the largest batch)."""
-    base = Baseline(kind=kind, device=device, precision=precision, accuracy=None, samples=samples, latency_ms={})
-    why = can_measure(device)
-    if why:
-        base.error = why
-        return base
-    dtype = torch.float16 if precision == "fp16" else None
-    try:
-        with PeakMemory(device) as mem:
-            m = prepare(model, kind, device, precision)
-            for bs, x in batches.items():  # an array, or a feed of named arrays in ``like``'s structure
-                parts = [
-                    torch.from_numpy(np.ascontiguousarray(a)).to(device)
-                    for a in (x.values() if isinstance(x, dict) else [x])
-                ]
-                parts = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in parts]
-                xt = rebuild(like, parts) if like is not None else parts[0]
-                base.latency_ms[str(bs)] = percentiles(time_torch(m, xt, max(warmup, 1), iterations, budget_s))
-            wait_a_sample()
-    except Exception as exc:  # e.g. torch.compile cannot compile this model here: reported, not fatal
-        base.error = f"{type(exc).__name__}: {first_line(exc, 200)}"
-        base.latency_ms = {}
-        return base
-    base.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=weights_bytes(m))
+    """One baseline prepared and timed alone (no other contender to interleave with), in ``rounds`` rounds."""
+    base, timers = prepare_baseline(model, kind, device, precision, batches, warmup, samples, like, budget_s)
+    for bs, timer in timers.items():
+        per_round = interleave({"b": timer}, rounds, max(1, iterations // rounds), budget_s or float("inf"))["b"]
+        base.latency_ms[str(bs)] = from_rounds(per_round)
     return base
+
+
+def _torch_timer(model: Callable[..., Any], x: Inputs) -> Timer:
+    cuda = tensors(x)[0].is_cuda
+
+    def timer(calls: int, budget_s: float | None) -> list[float]:
+        with torch.inference_mode():
+            return time_calls(lambda: call(model, x), calls, cuda=cuda, budget_s=budget_s, min_calls=1)
+
+    return timer
+
+
+def from_rounds(rounds: list[list[float]]) -> Percentiles:
+    """Percentiles of every call of interleaved rounds, with the 95 % interval of the median from the rounds'."""
+    calls = [t for r in rounds for t in r]
+    p = percentiles(calls)
+    medians = [float(np.median(r)) for r in rounds if r]
+    lo, hi = median_interval(medians)
+    p.ci95, p.rounds = (lo, hi), medians
+    p.spread = (hi - lo) / p.p50 if p.p50 > 0 else None
+    return p
 
 
 def speedups(
     engine_device: str, latency: dict[str, Percentiles], baselines: list[Baseline]
-) -> dict[str, dict[str, float]]:
-    """p50 ratio per batch against every baseline measured on the engine's device."""
-    return {
-        b.label: {bs: b.latency_ms[bs].p50 / lat.p50 for bs, lat in latency.items() if bs in b.latency_ms}
-        for b in baselines
-        if b.device == engine_device and b.latency_ms
-    }
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, tuple[float, float]]]]:
+    """p50 ratio per batch against every baseline measured on the engine's device, and its 95 % interval."""
+    ratios: dict[str, dict[str, float]] = {}
+    intervals: dict[str, dict[str, tuple[float, float]]] = {}
+    for b in baselines:
+        if b.device != engine_device or not b.latency_ms:
+            continue
+        ratios[b.label] = {bs: b.latency_ms[bs].p50 / lat.p50 for bs, lat in latency.items() if bs in b.latency_ms}
+        intervals[b.label] = {
+            bs: ci
+            for bs, lat in latency.items()
+            if bs in b.latency_ms and (ci := ratio_interval(b.latency_ms[bs].rounds, lat.rounds)) is not None
+        }
+    return ratios, intervals

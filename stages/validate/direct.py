@@ -19,7 +19,8 @@ from kiln.models.registry import build_model
 from kiln.stages.accuracy.check import compare_all, gates_for, summarize
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
-from kiln.stages.validate.stage import ValidateSettings, check_gates, percentiles
+from kiln.stages.validate.baselines import percentiles
+from kiln.stages.validate.stage import ValidateSettings, check_gates
 
 
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings) -> dict[str, np.ndarray]:

@@ -8,8 +8,9 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +39,24 @@ from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
-from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Memory, TensorSpec, ValidationResult
+from kiln.core.records import (
+    Baseline,
+    EngineMetadata,
+    EngineValidation,
+    Memory,
+    Percentiles,
+    TensorSpec,
+    ValidationResult,
+)
 from kiln.core.shapes import Axes, graph_axes
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings
-from kiln.core.timing import time_calls
+from kiln.core.timing import Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (
     LATENCY_GATE,
+    Comparison,
     Reference,
     accuracy_failures,
     compare_on,
@@ -61,7 +71,7 @@ from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.engines.registry import backend_libraries, backend_named, load_engine, preference_order, runnable
 from kiln.stages.precision import speed as precision_speed
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
-from kiln.stages.validate.baselines import measure, percentiles, speedups
+from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.report import report_section
@@ -105,13 +115,21 @@ def check_gates(
     return fails
 
 
-def validate_engine(
-    engine_dir: Path,
-    ref: Reference,
-    baselines: list[Baseline],
-    cfg: ValidateConfig,
-    ctx: StageContext[ValidateSettings],
-) -> EngineValidation:
+@dataclass
+class Checked:
+    """An engine after its accuracy pass: its entry, and while it stays loaded for the interleaved timing, its runner
+    and a timer per batch size."""
+
+    entry: EngineValidation
+    meta: EngineMetadata | None = None
+    runner: Any = None
+    timers: dict[int, Timer] = field(default_factory=dict)
+    found: Comparison | None = None
+
+
+def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: StageContext[ValidateSettings]) -> Checked:
+    """Load the engine (peak memory measured), compare it with the reference at every shape and batch size, and
+    warm it up for timing; the runner stays active until :func:`finish_engine`."""
     meta = read_metadata(engine_dir)
     entry = EngineValidation(
         name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="not-runnable"
@@ -119,39 +137,48 @@ def validate_engine(
     ok, why = runnable(meta)
     if not ok:
         entry.reason = why
-        return entry
-    largest = max(ctx.config.signature.batch_sizes)
-    runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
+        return Checked(entry)
+    sizes = ctx.config.signature.batch_sizes
     first = next((feed for _, feed in ref.feeds if takes_shape(meta, feed)), None)
     if first is None:
         entry.failures = [f"takes none of the validated shapes {[p for p, _ in ref.feeds]}"]
         entry.status, entry.passed = "validated", False
-        return entry
+        return Checked(entry)
+    runner = load_engine(engine_dir)  # loads nothing yet: activate() does, inside the memory meter
     try:
         with PeakMemory(meta.device) as mem:  # loading + one call at the largest batch
             runner.activate()
-            runner.infer(sample_batch(first, largest))
+            runner.infer(sample_batch(first, max(sizes)))
             wait_a_sample()
         entry.memory = Memory(peak_mb=mem.peak_mb, method=mem.method, size_bytes=meta.size_bytes)
         found = compare_on(
             ref,
             runner.infer,
-            ctx.config.signature.batch_sizes,
+            sizes,
             takes=lambda feed: takes_shape(meta, feed),
             inspect=lambda feed, got: declared_shape_problems(meta, feed, got),  # one call, as a server gets it
         )
         summarize(entry, found.stats, ref.logits)
         entry.accuracy, entry.metric = found.accuracy, found.metric
         entry.shapes = [p for p, _ in ref.feeds if p and p not in found.untaken]
-        with ctx.progress.task(f"timing {meta.name}", total=len(ctx.config.signature.batch_sizes)) as bar:
-            for bs in ctx.config.signature.batch_sizes:
-                entry.latency_ms[str(bs)] = percentiles(
-                    runner.time_ms(sample_batch(ref.feed, bs), cfg.warmup, cfg.iterations, cfg.time_budget_s)
-                )
-                bar.advance()
-    finally:
+        timers = {bs: runner.timer(sample_batch(ref.feed, bs), cfg.warmup, cfg.time_budget_s) for bs in sizes}
+    except BaseException:
         runner.deactivate()
-    entry.speedups = speedups(meta.device, entry.latency_ms, baselines)
+        raise
+    entry.status = "validated"
+    return Checked(entry, meta, runner, timers, found)
+
+
+def finish_engine(
+    c: Checked, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig, largest: int
+) -> EngineValidation:
+    """Unload the engine; its speedups (with their intervals), gates, failures and hints."""
+    entry, meta, found = c.entry, c.meta, c.found
+    if c.runner is not None:
+        c.runner.deactivate()
+    if meta is None or found is None:
+        return entry
+    entry.speedups, entry.speedup_ci = speedups(meta.device, entry.latency_ms, baselines)
     entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
     entry.gates = gates_for(cfg, meta.precision)
     entry.failures = check_gates(entry, ref.accuracy, entry.gates, largest, ref.metric, ref.metric_value)
@@ -161,8 +188,47 @@ def validate_engine(
     if found.untaken:
         fixed = [f"{s.name} {list(s.shape)}" for s in meta.inputs]
         entry.hints.append(f"takes one size on some axes ({', '.join(fixed)}): not validated at {found.untaken}")
-    entry.status = "validated"
     return entry
+
+
+BUSY_SPREAD = 0.25  # the median contender's 95 % interval wider than this share of its p50: too busy to time
+
+
+def time_interleaved(
+    contenders: dict[str, dict[int, Timer]], sizes: list[int], cfg: ValidateConfig, ctx: StageContext[ValidateSettings]
+) -> tuple[dict[str, dict[str, Percentiles]], dict[str, Any]]:
+    """Every contender (engines and baselines) at each batch size in interleaved rounds; their percentiles, and how
+    the timing went (rounds, the load around it, whether the machine was too busy to time)."""
+    out: dict[str, dict[str, Percentiles]] = {name: {} for name in contenders}
+    load_before = os.getloadavg()[0]
+    with ctx.progress.task("timing (interleaved rounds)", total=len(sizes)) as bar:
+        for bs in sizes:
+            timers = {name: t[bs] for name, t in contenders.items() if bs in t}
+            if timers:
+                calls = max(1, cfg.iterations // cfg.rounds)
+                for name, rounds in interleave(timers, cfg.rounds, calls, cfg.time_budget_s).items():
+                    out[name][str(bs)] = from_rounds(rounds)
+            bar.advance()
+    spreads = sorted(p.spread for lat in out.values() for p in lat.values() if p.spread is not None)
+    median_spread = spreads[len(spreads) // 2] if spreads else None
+    busy = median_spread is not None and median_spread > BUSY_SPREAD
+    info = {
+        "rounds": cfg.rounds,
+        "cpus": os.cpu_count(),
+        "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+        "median_spread": median_spread,
+        "busy": busy,
+    }
+    if busy:
+        ctx.log.warning(
+            "the machine was too busy to time: latency intervals are %.0f%% of p50 wide (median; load average %.1f "
+            "on %s CPUs); speedups within their intervals are not differences",
+            100 * median_spread,
+            info["load_after"],
+            info["cpus"],
+        )
+    return out, info
 
 
 def takes_shape(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> bool:
@@ -206,7 +272,7 @@ def baseline_devices(engine_devices: set[str], cpu: str) -> list[str]:
     return sorted((engine_devices - {"cpu"}) | ({"cpu"} if wants_cpu else set()))
 
 
-def measure_baselines(
+def prepare_baselines(
     model: torch.nn.Module,
     devices: list[str],
     feed: Feed,
@@ -214,9 +280,9 @@ def measure_baselines(
     n: int,
     cfg: ValidateConfig,
     ctx: StageContext[ValidateSettings],
-) -> list[Baseline]:
-    """Every configured baseline kind on every device in ``devices``, on ``feed`` (named inputs, called in ``like``'s
-    structure)."""
+) -> list[tuple[Baseline, dict[int, Timer]]]:
+    """Every configured baseline kind on every device in ``devices``, loaded and warmed up on ``feed`` (named inputs,
+    called in ``like``'s structure), with its timers for the interleaved rounds."""
     batches = {bs: sample_batch(feed, bs) for bs in ctx.config.signature.batch_sizes}
     runs = [
         (kind, device, precision)
@@ -225,34 +291,51 @@ def measure_baselines(
         for precision in (cfg.baseline_precisions if device == "cuda" else ["fp32"])
     ]
     out = []
-    with ctx.progress.task("timing PyTorch baselines", total=len(runs)) as bar:
+    with ctx.progress.task("preparing PyTorch baselines", total=len(runs)) as bar:
         for kind, device, precision in runs:
-            b = measure(model, kind, device, precision, batches, cfg.warmup, cfg.iterations, n, like, cfg.time_budget_s)
+            b, timers = prepare_baseline(
+                model, kind, device, precision, batches, cfg.warmup, n, like, cfg.time_budget_s
+            )
             if b.error:
                 ctx.log.warning("PyTorch baseline %s not measured: %s", b.label, b.error)
-            out.append(b)
+            out.append((b, timers))
             bar.advance()
     return out
 
 
-def choose(engines: list[EngineValidation], order: list[str], margin: float) -> dict[str, str]:
-    """Per batch size, the fastest engine that passed its gates (and was not dropped). Engines are considered in
-    ``order`` (backend preference: TensorRT first); a later one takes the choice only when faster than the current
-    choice by more than ``margin``."""
+def choose(engines: list[EngineValidation], order: list[str], margin: float) -> tuple[dict[str, str], dict[str, str]]:
+    """Per batch size, the fastest engine that passed its gates (and was not dropped), and notes where the fastest
+    measured was not chosen. Engines are considered in ``order`` (backend preference: TensorRT first); a later one
+    takes the choice only where its lead exceeds both ``margin`` and the timing's noise: the 95 % interval of the
+    ratio of the two (paired round by round) lies above ``1 + margin``. Without intervals, the p50s decide."""
     rank = {b: i for i, b in enumerate(order)}
     ok = sorted(
         (e for e in engines if e.status == "validated" and e.passed and not e.dropped),
         key=lambda e: (rank.get(e.backend, len(rank)), e.name),
     )
     chosen: dict[str, str] = {}
+    notes: dict[str, str] = {}
     for bs in sorted({bs for e in ok for bs in e.latency_ms}, key=int):
         best: EngineValidation | None = None
         for e in (e for e in ok if bs in e.latency_ms):
-            if best is None or e.latency_ms[bs].p50 < best.latency_ms[bs].p50 * (1 - margin):
+            if best is None:
                 best = e
+                continue
+            faster = e.latency_ms[bs].p50 < best.latency_ms[bs].p50 * (1 - margin)
+            ci = ratio_interval(best.latency_ms[bs].rounds, e.latency_ms[bs].rounds)
+            if faster and (ci is None or ci[0] > 1 + margin):
+                best = e
+            elif faster:
+                notes[bs] = (
+                    f"{e.name} measured {best.latency_ms[bs].p50 / e.latency_ms[bs].p50:.2f}x faster than "
+                    f"{best.name} at p50, within the timing's noise (95 % interval {ci[0]:.2f}-{ci[1]:.2f}x): "
+                    f"{best.name} kept (listed first: backend preference, then name)"
+                )
         if best is not None:
             chosen[bs] = best.name
-    return chosen
+            if bs in notes and f"{best.name} kept" not in notes[bs]:  # a later engine's clear lead took it after all
+                notes.pop(bs)
+    return chosen, notes
 
 
 def torch_reference(
@@ -356,20 +439,13 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     dirs = engine_dirs(ctx.inputs["build"])
     metas = [read_metadata(d) for d in dirs]
     devices = baseline_devices({m.device for m in metas if runnable(m)[0]}, cfg.cpu_baseline)
+    sizes = ctx.config.signature.batch_sizes
     if from_torch:
-        baselines = measure_baselines(model, devices, ref.feed, data.val_x, n, cfg, ctx)
+        prepared = prepare_baselines(model, devices, ref.feed, data.val_x, n, cfg, ctx)
     else:  # started from model.onnx: the FP32 graph in ONNX Runtime on the CPU is the baseline
-        baselines = [
-            Baseline(
-                backend="onnxruntime",
-                accuracy=None,
-                samples=n,
-                latency_ms={
-                    str(bs): percentiles(_time_session(model, sample_batch(ref.feed, bs), cfg))
-                    for bs in ctx.config.signature.batch_sizes
-                },
-            )
-        ]
+        timers = {bs: _session_timer(model, sample_batch(ref.feed, bs), cfg) for bs in sizes}
+        prepared = [(Baseline(backend="onnxruntime", accuracy=None, samples=n, latency_ms={}), timers)]
+    baselines = [b for b, _ in prepared]
     labelled = ref.labelled(len(ref.feeds) - 1)
     cpu = [b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch)]
     baseline = cpu[0] if cpu else Baseline(accuracy=None, samples=n, latency_ms={})  # computed, not timed, here
@@ -394,7 +470,23 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
             "top-1 agreement or accuracy (set signature.logits_output to name one)",
             baseline.compared,
         )
-    engines = [validate_engine(d, ref, baselines, cfg, ctx) for d in dirs]
+    checked: list[Checked] = []
+    try:
+        for d in dirs:
+            checked.append(check_engine(d, ref, cfg, ctx))
+        contenders = {f"baseline {b.label}": t for b, t in prepared if t}
+        contenders.update({c.entry.name: c.timers for c in checked if c.timers})
+        latency, timing = time_interleaved(contenders, sizes, cfg, ctx)
+    except BaseException:
+        for c in checked:
+            if c.runner is not None:
+                c.runner.deactivate()
+        raise
+    for b, t in prepared:
+        b.latency_ms = latency.get(f"baseline {b.label}", {}) if t else {}
+    for c in checked:
+        c.entry.latency_ms = latency.get(c.entry.name, {})
+    engines = [finish_engine(c, ref, baselines, cfg, max(sizes)) for c in checked]
     validated = [e for e in engines if e.status == "validated"]
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
     if not validated:
@@ -404,13 +496,16 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     for row in speed:
         if row["slower"]:
             ctx.log.warning(
-                "%s is slower than FP32 at batch %s (%.2fx)%s",
+                "%s is slower than FP32 at batch %s (%.2fx, 95%% interval %s)%s",
                 row["engine"],
                 row["largest_batch"],
                 row["vs_fp32"][row["largest_batch"]],
+                _interval(row.get("vs_fp32_ci", {}).get(row["largest_batch"])),
                 ": not packaged (precision.require_speedup)" if row["engine"] in dropped else "",
             )
-    chosen = choose(engines, preference_order(), cfg.choice_margin)
+    chosen, notes = choose(engines, preference_order(), cfg.choice_margin)
+    for bs, note in notes.items():
+        ctx.log.info("batch %s: %s", bs, note)
     result = ValidationResult(
         passed=not failures,
         baseline=baseline,
@@ -420,6 +515,8 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         speed_vs_fp32=speed,
         dropped=dropped,
         chosen=chosen,
+        choice_notes=notes,
+        timing=timing,
     )
     result.write(ctx.out / "validation.json")
     for e in engines:
@@ -427,11 +524,18 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     return result
 
 
-def _time_session(sess: Any, feed: Feed, cfg: ValidateConfig) -> list[float]:
-    """ms per ONNX Runtime call (the reference graph of a run started from model.onnx)."""
-    for _ in range(cfg.warmup):
-        sess.run(None, feed)
-    return time_calls(lambda: sess.run(None, feed), cfg.iterations, cuda=False, budget_s=cfg.time_budget_s)
+def _session_timer(sess: Any, feed: Feed, cfg: ValidateConfig) -> Timer:
+    """A warmed-up timer of the reference graph in ONNX Runtime (a run started from model.onnx)."""
+    warm_up(lambda: sess.run(None, feed), cfg.warmup, cfg.time_budget_s)
+
+    def timer(calls: int, budget_s: float | None) -> list[float]:
+        return time_calls(lambda: sess.run(None, feed), calls, cuda=False, budget_s=budget_s, min_calls=1)
+
+    return timer
+
+
+def _interval(ci: Any) -> str:
+    return f"{ci[0]:.2f}-{ci[1]:.2f}x" if ci else "not measured"
 
 
 def _env(cfg: ValidateSettings) -> dict[str, Any]:

@@ -43,3 +43,24 @@ def test_a_data_file_someone_else_owns_is_never_touched(tmp_path: Path) -> None:
     with pytest.raises(InputFileError, match="does not overwrite files it did not write"):
         save_onnx(_model(1.0), path, external=True)
     assert data.read_bytes() == b"the user's own file"
+
+
+def test_a_session_of_a_graph_with_an_unused_big_weight() -> None:
+    """A weight nothing reads (a quantizer's leftover, an extra output's pruned producer): ONNX Runtime drops it when
+    it loads the graph, so it must not be handed over as an external initializer."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kiln.core.onnx_io import ort_session
+
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    unused = numpy_helper.from_array(np.ones((256, 256), np.float32), "unused")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+        [w, unused],
+    )
+    sess = ort_session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert sess.run(None, {"x": np.ones((1, 64), np.float32)})[0][0, 0] == 64.0

@@ -42,3 +42,28 @@ def test_warm_up_stops_after_a_quarter_of_the_budget_but_runs_once(clock: list[f
     calls.clear()
     timing.warm_up(one_second, 10)
     assert len(calls) == 10
+
+
+def test_median_interval_covers_the_median_with_the_binomial_ranks() -> None:
+    from kiln.core.timing import median_interval
+
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0, 6.0]) == (1.0, 6.0)  # six values: [min, max] is 96.9 %
+    assert median_interval([float(i) for i in range(10)]) == (1.0, 8.0)
+    assert median_interval([float(i) for i in range(20)]) == (5.0, 14.0)
+
+
+def test_interleave_rotates_and_gives_every_contender_the_same_rounds() -> None:
+    from kiln.core.timing import MIN_ROUNDS, interleave
+
+    order: list[str] = []
+
+    def timer(name: str):
+        def run(calls: int, budget_s: float | None) -> list[float]:
+            order.append(name)
+            return [1.0] * calls
+
+        return run
+
+    out = interleave({"a": timer("a"), "b": timer("b"), "c": timer("c")}, rounds=3, calls=2, budget_s=10.0)
+    assert all(len(r) == MIN_ROUNDS and all(len(block) == 2 for block in r) for r in out.values())
+    assert order[:6] == ["a", "b", "c", "b", "c", "a"]  # each round starts one later

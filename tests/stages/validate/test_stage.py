@@ -11,7 +11,7 @@ from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
 from kiln.stages.accuracy.check import gates_for, labels_at_points
-from kiln.stages.validate.baselines import measure, speedups
+from kiln.stages.validate.baselines import measure, percentiles, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory
 from kiln.stages.validate.stage import (
@@ -19,7 +19,6 @@ from kiln.stages.validate.stage import (
     choose,
     compare,
     engine_hints,
-    percentiles,
 )
 from tests.conftest import tiny_config_dict
 
@@ -157,8 +156,56 @@ def test_speedups_only_against_baselines_on_the_engine_device() -> None:
     cpu = Baseline(kind="eager", device="cpu", accuracy=None, samples=1, latency_ms=lat(b1=10.0))
     gpu = Baseline(kind="eager", device="cuda", accuracy=None, samples=1, latency_ms=lat(b1=2.0))
     comp = Baseline(kind="compile", device="cuda", accuracy=None, samples=1, latency_ms=lat(b1=1.0))
-    assert speedups("cuda", lat(b1=0.5), [cpu, gpu, comp]) == {"eager-cuda": {"1": 4.0}, "compile-cuda": {"1": 2.0}}
-    assert speedups("cpu", lat(b1=5.0), [cpu, gpu]) == {"eager-cpu": {"1": 2.0}}
+    assert speedups("cuda", lat(b1=0.5), [cpu, gpu, comp])[0] == {"eager-cuda": {"1": 4.0}, "compile-cuda": {"1": 2.0}}
+    assert speedups("cpu", lat(b1=5.0), [cpu, gpu])[0] == {"eager-cpu": {"1": 2.0}}
+
+
+def rounds_of(*medians: float) -> Percentiles:
+    """A latency timed in rounds with these per-round medians (p50: their median)."""
+    p50 = float(np.median(medians))
+    return Percentiles(p50=p50, p90=p50, p99=p50, rounds=list(medians))
+
+
+def test_a_lead_within_the_noise_keeps_the_preferred_engine() -> None:
+    """ORT 10 % faster at p50, but round by round the ratio swings across 1: TensorRT (preferred) is kept, and the
+    note says why; a lead that holds in every round takes the choice."""
+
+    def e(name: str, backend: str, p: Percentiles) -> EngineValidation:
+        return EngineValidation(
+            name=name, backend=backend, precision="fp32", device="cuda", status="validated", passed=True,
+            latency_ms={"8": p},
+        )  # fmt: skip
+
+    noisy = [
+        e("trt", "tensorrt", rounds_of(1.0, 1.2, 0.8, 1.1, 0.9, 1.0)),
+        e("ort", "onnxruntime", rounds_of(1.1, 0.8, 0.9, 0.85, 1.0, 0.9)),
+    ]
+    chosen, notes = choose(noisy, ["tensorrt", "onnxruntime"], margin=0.03)
+    assert chosen == {"8": "trt"} and "within the timing's noise" in notes["8"]
+    steady = [
+        e("trt", "tensorrt", rounds_of(1.0, 1.2, 0.8, 1.1, 0.9, 1.0)),
+        e("ort", "onnxruntime", rounds_of(0.5, 0.6, 0.4, 0.55, 0.45, 0.5)),
+    ]
+    chosen, notes = choose(steady, ["tensorrt", "onnxruntime"], margin=0.03)
+    assert chosen == {"8": "ort"} and not notes
+
+
+def test_slower_than_fp32_only_beyond_the_noise() -> None:
+    from kiln.stages.precision.speed import speed_vs_fp32
+
+    def e(name: str, precision: str, p: Percentiles) -> EngineValidation:
+        return EngineValidation(
+            name=name, backend="onnxruntime", precision=precision, device="cpu", status="validated", passed=True,
+            latency_ms={"8": p},
+        )  # fmt: skip
+
+    fp32 = e("fp32", "fp32", rounds_of(1.0, 1.0, 1.0, 1.0, 1.0, 1.0))
+    noisy = e("int8", "int8", rounds_of(1.3, 0.8, 1.2, 0.9, 1.1, 1.05))  # p50 1.075: "slower" by p50 alone
+    [row] = speed_vs_fp32([fp32, noisy])
+    assert row["vs_fp32"]["8"] < 1.0 and not row["slower"] and row["within_noise"]
+    slow = e("int8", "int8", rounds_of(1.3, 1.4, 1.2, 1.5, 1.3, 1.35))
+    [row] = speed_vs_fp32([fp32, slow])
+    assert row["slower"] and not row["within_noise"] and row["vs_fp32_ci"]["8"][1] < 1.0
 
 
 def test_choice_per_batch_is_the_fastest_passing_engine_tensorrt_kept_within_noise() -> None:
@@ -178,8 +225,8 @@ def test_choice_per_batch_is_the_fastest_passing_engine_tensorrt_kept_within_noi
         e("trt", "tensorrt", b1=1.0, b32=2.0),
         e("fast-but-failed", "onnxruntime", passed=False, b1=0.1, b32=0.1),
     ]
-    assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.03) == {"1": "trt", "32": "ort"}
-    assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.0) == {"1": "ort", "32": "ort"}
+    assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.03)[0] == {"1": "trt", "32": "ort"}
+    assert choose(engines, ["tensorrt", "onnxruntime"], margin=0.0)[0] == {"1": "ort", "32": "ort"}
 
 
 def test_peak_memory_sees_an_allocation_on_the_cpu() -> None:
