@@ -9,6 +9,7 @@ thing everywhere. The optimizer's safety net asks a different question, "equal w
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -161,7 +162,9 @@ def _top1(
     if r2.shape[1] >= TIE_MIN_CLASSES:
         err = np.abs(g2 - r2)
         err[rows, ri] = err[rows, gi] = np.nan  # the two classes of a flip: their error is the flip itself
-        noise = 1.4826 * np.nanmedian(err, axis=1)
+        with warnings.catch_warnings():  # a row of non-finite errors has no noise to measure: NaN, no tie
+            warnings.simplefilter("ignore", RuntimeWarning)
+            noise = 1.4826 * np.nanmedian(err, axis=1)
         tie |= (margin <= TIE_SIGMAS * noise) & (noise <= TIE_MAX_NOISE * r2.std(axis=1))
     flips = ri != gi
     return float(np.mean(~flips | tie)), float(np.mean(flips & tie))

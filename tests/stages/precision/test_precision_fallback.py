@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 from kiln.calibration.config import CalibrationConfig
@@ -159,3 +160,30 @@ def test_rounds_that_buy_nothing_are_dropped_and_the_search_stops(tmp_path: Path
     result = run_fallback(build, check, "fp16", FallbackConfig(nodes_per_round=1), {"mm"}, "test")
     assert not result.passed and result.kept == {} and built[-1] == set()
     assert 1 < len(result.rounds) <= PATIENCE + 1 and all(r.get("discarded") for r in result.rounds[1:])
+
+
+def test_nodes_kept_without_a_measured_gain_go_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 1 keeps 'a' and gains nothing, round 2 keeps 'b' and passes: the variant keeps 'b' alone, because the
+    graph without 'a' still passes (a node stays in float only where that measurably helped)."""
+    from kiln.stages.precision import fallback
+    from kiln.stages.precision.gate import Verdict
+
+    picks = iter([{"a": "round 1's pick"}, {"b": "round 2's pick"}])
+    monkeypatch.setattr(fallback, "blame", lambda *args: next(picks))
+    built: list[set[str]] = []
+
+    def build(extra: set[str]) -> Path:
+        built.append(set(extra))
+        return tmp_path / "variant.onnx"
+
+    class Check:
+        fp32, samples = None, np.zeros((4, 2))
+
+        def __call__(self, path: Path, precision: str, cfg: FallbackConfig) -> Verdict:
+            ok = "b" in built[-1]
+            metrics = {"top1_agreement": 1.0 if ok else 0.9, "cosine": 0.9999 if ok else 0.99}
+            return Verdict(metrics, [] if ok else ["top1_agreement 0.9000 < 0.97"], np.zeros((4, 2)), np.zeros((4, 2)))
+
+    result = fallback.run_fallback(build, Check(), "int8", FallbackConfig(nodes_per_round=1), {"a", "b"}, "test")
+    assert result.passed and set(result.kept) == {"b"} and result.tried == ["a", "b"]
+    assert built[-1] == {"b"}  # the variant written last is the pruned one
