@@ -68,7 +68,8 @@ def interleave(
 ) -> dict[str, list[list[float]]]:
     """Per contender, the ms of its calls in each round: up to ``rounds`` rounds (at least ``min_rounds``) of a
     block of up to ``calls`` calls each, in an order rotated every round, until ``budget_s`` per contender is spent.
-    A block stops early once its share of the budget is spent (one call at least)."""
+    A block starts with one untimed call (the other contenders' blocks cooled its caches and thread pool) and stops
+    early once its share of the budget is spent (one timed call at least)."""
     names = list(timers)
     out: dict[str, list[list[float]]] = {n: [] for n in names}
     deadline = time.perf_counter() + budget_s * len(names)
@@ -77,6 +78,7 @@ def interleave(
         if r >= min_rounds and (r >= rounds or time.perf_counter() > deadline):
             break
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            timers[name](1, None)
             out[name].append(timers[name](calls, block_s))
     return out
 

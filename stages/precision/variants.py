@@ -162,7 +162,7 @@ def ort_cpu_with_fallback(
     out: Path,
     ccfg: CalibrationConfig,
     fallback: FallbackConfig,
-    check: GateCheck,
+    check: GateCheck | Samples,
     kept: dict[str, str],
     candidates: set[str],
 ) -> dict[str, Any]:
@@ -175,7 +175,7 @@ def ort_cpu_with_fallback(
         info.update(build_ort_cpu_int8(src, out, ccfg, set(kept) | extra))
         return out
 
-    res = run_fallback(build, check, "int8", fallback, candidates - set(kept), "int8 onnxruntime-cpu")
+    res = run_fallback(build, as_check(src, check), "int8", fallback, candidates - set(kept), "int8 onnxruntime-cpu")
     _in_precision(res, out, "int8")
     return {
         **info,

@@ -15,10 +15,11 @@ class ValidateConfig(CheckConfig):
     warmup: int = Field(5, ge=0)
     iterations: int = Field(30, ge=1, description="timed calls per engine and batch size, at most")
     rounds: int = Field(
-        8,
+        12,
         ge=1,
         description="interleaved timing rounds: every engine and baseline is timed in turn, round after round (at "
-        "least 6, the fewest that give a 95 % interval of the median), in blocks of iterations/rounds calls",
+        "least 6, the fewest that give a 95 % interval of the median; from 12 the interval drops the outermost "
+        "rounds), in blocks of iterations/rounds calls",
     )
     time_budget_s: float = Field(
         3.0,

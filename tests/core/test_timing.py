@@ -66,4 +66,5 @@ def test_interleave_rotates_and_gives_every_contender_the_same_rounds() -> None:
 
     out = interleave({"a": timer("a"), "b": timer("b"), "c": timer("c")}, rounds=3, calls=2, budget_s=10.0)
     assert all(len(r) == MIN_ROUNDS and all(len(block) == 2 for block in r) for r in out.values())
-    assert order[:6] == ["a", "b", "c", "b", "c", "a"]  # each round starts one later
+    assert order[:12:2] == ["a", "b", "c", "b", "c", "a"]  # each round starts one later...
+    assert order[1::2] == order[::2]  # ...and each block with an untimed call of its own

@@ -176,7 +176,7 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     assert "| 2 | 20 |" in cli.output and (tmp_path / "cli" / "loadtest.png").is_file()
     level = result["levels"][0]
     assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
-    assert result["inputs"].startswith("validation data")
+    assert result["inputs"].startswith("real validation data")
     assert result["server"]["inference_count"] == 200
     assert result["server"]["execution_count"] < 200  # Triton's own statistics: batches of several requests ran
     for name in ("loadtest.json", "loadtest.md", "loadtest.png"):
