@@ -699,9 +699,15 @@ for _name in STAGE_NAMES:
 
 @main.command()
 @click.argument("path", required=False, default="kiln-out", type=click.Path(exists=True, file_okay=False))
-@click.option("--http-port", default=8000, show_default=True, type=int, help="Triton's HTTP port")
-@click.option("--grpc-port", default=8001, show_default=True, type=int, help="Triton's gRPC port")
-@click.option("--metrics-port", default=8002, show_default=True, type=int, help="Triton's Prometheus metrics port")
+@click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Triton's HTTP port")
+@click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535), help="Triton's gRPC port")
+@click.option(
+    "--metrics-port",
+    default=8002,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Triton's Prometheus metrics port",
+)
 @click.option(
     "--max-batch",
     default=32,
@@ -722,6 +728,14 @@ for _name in STAGE_NAMES:
     show_default=True,
     help="interface to listen on (0.0.0.0 exposes the server to the network)",
 )
+@click.option(
+    "--gpus",
+    default=None,
+    help="serve CUDA engines on these GPUs behind one endpoint: 'all' or ids such as 0,1 (Triton instance groups)",
+)
+@click.option(
+    "--instances-per-gpu", default=1, show_default=True, type=click.IntRange(1), help="model instances on each GPU"
+)
 @verbose_opt
 def serve(
     path: str,
@@ -731,11 +745,13 @@ def serve(
     max_batch: int,
     max_queue_delay_us: int,
     address: str,
+    gpus: str | None,
+    instances_per_gpu: int,
     verbose: int,
 ) -> None:
     """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM.
     The URLs go to stdout; Triton's own log is shown with --verbose."""
-    from kiln.serve.server import iter_urls
+    from kiln.serve.server import iter_urls, parse_gpus
     from kiln.serve.server import serve as serve_engines
 
     _setup_logging(False, verbose)
@@ -755,6 +771,9 @@ def serve(
         address,
         on_ready=ready,
         verbose=verbose > 0,
+        gpus=parse_gpus(gpus) if gpus is not None else None,
+        instances_per_gpu=instances_per_gpu,
+        exit_on_overrun=True,
     )
 
 

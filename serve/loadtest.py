@@ -7,6 +7,14 @@ the engine's inputs, else random inputs of the engine's shapes (the report says 
 outputs come from the engine run in-process, one sample at a time, so an answer that went wrong under load (mixed
 up between requests in a batch, truncated, of another model) is counted, reported and fails the command.
 
+``ray://127.0.0.1:8000`` drives the Ray Serve application the package stage writes (``package/ray/serve.yaml``)
+the same way: it speaks the KServe v2 protocol in JSON, so the same HTTP client sends JSON tensors; it keeps no
+Triton statistics, so its report has no server-side batch count.
+
+Each level's throughput is set beside the engine's own, timed in-process at a batch of the level's concurrency
+(the most a server can batch from ``c`` single-sample requests): the served/in-process ratio says what serving
+costs.
+
 Loopback only: this generates load, and is not meant to be pointed at someone else's server.
 """
 
@@ -32,6 +40,7 @@ from kiln.models.model_io import dataset_for, torch_model_named
 from kiln.pipeline.config import KilnConfig
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
+from kiln.stages.package.triton import served_max_batch
 
 log = logging.getLogger("kiln.serve.loadtest")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -70,10 +79,14 @@ class Level:
 
 
 def parse_url(url: str) -> tuple[str, str]:
-    """``http://127.0.0.1:8000`` or ``grpc://127.0.0.1:8001`` -> (protocol, "host:port"); loopback only."""
+    """``http://127.0.0.1:8000``, ``grpc://127.0.0.1:8001`` or ``ray://127.0.0.1:8000`` (Ray Serve) ->
+    (protocol, "host:port"); loopback only."""
     parsed = urlparse(url if "://" in url else f"http://{url}")
-    if parsed.scheme not in ("http", "grpc") or not parsed.port:
-        raise ConfigError(f"'{url}' is not a Triton URL", hint="give http://127.0.0.1:PORT or grpc://127.0.0.1:PORT")
+    if parsed.scheme not in ("http", "grpc", "ray") or not parsed.port:
+        raise ConfigError(
+            f"'{url}' is not a server URL",
+            hint="give http://127.0.0.1:PORT or grpc://127.0.0.1:PORT (Triton), or ray://127.0.0.1:PORT (Ray Serve)",
+        )
     if parsed.hostname not in LOOPBACK:
         raise ConfigError(
             f"'{parsed.hostname}' is not this machine: kiln loadtest only targets 127.0.0.1",
@@ -162,13 +175,17 @@ def expected_outputs(engine: ServedEngine, pool: list[dict]) -> list[dict[str, n
         return [{k: np.asarray(v) for k, v in runner.infer(feed).items()} for feed in pool]
 
 
-def _inputs(module: Any, feed: dict[str, np.ndarray]) -> list[Any]:
+def _inputs(module: Any, feed: dict[str, np.ndarray], binary: bool = True) -> list[Any]:
+    """tritonclient's input tensors; ``binary`` False: JSON data (the Ray Serve app reads JSON only)."""
     from tritonclient.utils import np_to_triton_dtype
 
     out = []
     for name, array in feed.items():
         tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
+        if binary:
+            tensor.set_data_from_numpy(array)
+        else:
+            tensor.set_data_from_numpy(array, binary_data=False)
         out.append(tensor)
     return out
 
@@ -188,8 +205,12 @@ def run_level(
     level, lock = Level(concurrency), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
     atol, rtol = tolerance
-    prepared = [_inputs(module, feed) for feed in pool]
+    prepared = [_inputs(module, feed, binary=protocol != "ray") for feed in pool]
     outputs = list(expected[0])
+    # JSON answers for Ray Serve; Triton's default (binary) otherwise
+    requested = {"outputs": [module.InferRequestedOutput(n, binary_data=False) for n in outputs]}
+    if protocol != "ray":
+        requested = {}
     start = time.perf_counter()
     deadline = start + duration_s
 
@@ -207,7 +228,7 @@ def run_level(
                 k = i % len(pool)
                 t0 = time.perf_counter()
                 try:
-                    result = client.infer(model, prepared[k], **timeout)
+                    result = client.infer(model, prepared[k], **timeout, **requested)
                 except Exception as exc:  # a failed request is a result of the test: count it and go on
                     with lock:
                         level.errors.append(f"{type(exc).__name__}: {exc}"[:300])
@@ -246,7 +267,10 @@ def run_level(
 
 def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
     """Triton's own count of requests (inference_count) and of model executions (execution_count): fewer
-    executions than requests means the dynamic batcher formed batches."""
+    executions than requests means the dynamic batcher formed batches. Ray Serve keeps no such count: its
+    readiness is checked instead, and the counts are 0."""
+    if protocol == "ray":
+        return _ray_ready(address, model)
     module = _client_module(protocol)
     client = module.InferenceServerClient(address)
     try:
@@ -269,6 +293,51 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
         "inference_count": int(entry.get("inference_count", 0)),
         "execution_count": int(entry.get("execution_count", 0)),
     }
+
+
+def _ray_ready(address: str, model: str) -> dict[str, int]:
+    """The Ray Serve application answers ``model``'s readiness route, else a KilnError saying what to start."""
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{address}/v2/models/{model}/ready"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            response.read()
+    except (urllib.error.URLError, OSError) as exc:
+        raise KilnError(
+            f"the Ray Serve application for model '{model}' does not answer at {url} ({exc})",
+            hint="start it with `serve run package/ray/serve.yaml` (check the port there), and give --model one "
+            "of its applications' names",
+        ) from None
+    return {"inference_count": 0, "execution_count": 0}
+
+
+def inprocess_ms(engine: ServedEngine, pool: list[dict], batch: int, budget_s: float = 2.0) -> float:
+    """The engine's own latency (ms, median) at ``batch`` rows of the pool, timed in this process: the figure a
+    served request is compared with. Up to 50 calls after one untimed one, within ``budget_s``."""
+    rows = [pool[i % len(pool)] for i in range(batch)]
+    feed = {k: np.concatenate([r[k] for r in rows]) for k in pool[0]}
+    times: list[float] = []
+    with load_engine(engine.engine_dir) as runner:
+        runner.infer(feed)
+        end = time.perf_counter() + budget_s
+        while len(times) < 50 and (len(times) < 5 or time.perf_counter() < end):
+            t0 = time.perf_counter()
+            runner.infer(feed)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def with_inprocess(levels: list[dict[str, Any]], engine: ServedEngine, pool: list[dict], limit: int) -> None:
+    """Each level gets the engine's in-process latency and throughput at a batch of its concurrency (capped by
+    the server's batch ``limit``), and the served/in-process throughput ratio."""
+    for lv in levels:
+        batch = max(1, min(lv["concurrency"], limit)) if limit else 1
+        ms = inprocess_ms(engine, pool, batch)
+        rps = batch / ms * 1e3
+        lv["inprocess"] = {"batch": batch, "latency_ms": ms, "throughput_rps": rps}
+        lv["served_vs_inprocess"] = lv["throughput_rps"] / rps if rps else None
 
 
 def loadtest(
@@ -309,6 +378,7 @@ def loadtest(
         )
     after = server_batches(protocol, address, model)
     batches = {k: after[k] - before[k] for k in after}
+    with_inprocess(levels, engine, pool, served_max_batch(engine.meta, 32))
     result = {
         "url": url,
         "model": model,
@@ -319,8 +389,9 @@ def loadtest(
         "duration_s": duration_s,
         "max_requests": max_requests,
         "levels": levels,
-        "server": batches,
+        "server": batches if protocol != "ray" else None,
         "mean_batch": batches["inference_count"] / batches["execution_count"] if batches["execution_count"] else None,
+        "server_kind": "Ray Serve" if protocol == "ray" else "Triton",
     }
     write_report(result, out)
     wrong = sum(lv["mismatches"] for lv in levels)
@@ -341,15 +412,18 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['url']}, inputs: {result['inputs']}, up to {result['duration_s']} s or "
         f"{result['max_requests']} requests per level, single-sample requests.",
         "",
-        "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | wrong | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | in-process ms (batch) "
+        "| in-process req/s | served / in-process | wrong | failed |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in result["levels"]:
-        lat = lv["latency_ms"]
-        lines.append(
-            f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f} | {lat['p50']:.2f} | "
-            f"{lat['p90']:.2f} | {lat['p99']:.2f} | {lv['mismatches']} | {lv['errors']} |"
-        )
+        lines.append(_row(lv))
+    lines += [
+        "",
+        f"Server: {result.get('server_kind', 'Triton')}. In-process: the engine timed in this process at a batch of "
+        "the level's concurrency (capped by the server's batch limit), the most a server can batch from that "
+        "many single-sample requests; served / in-process compares their throughputs.",
+    ]
     if result.get("mean_batch"):
         lines += [
             "",
@@ -357,6 +431,20 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{result['server']['execution_count']} executions (mean batch {result['mean_batch']:.2f}).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _row(lv: dict[str, Any]) -> str:
+    lat, own = lv["latency_ms"], lv.get("inprocess")
+    ratio = lv.get("served_vs_inprocess")
+    inproc = (
+        f"{own['latency_ms']:.3f} ({own['batch']}) | {own['throughput_rps']:.0f} | {ratio:.0%}"
+        if own and ratio is not None
+        else "- | - | -"
+    )
+    return (
+        f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f} | {lat['p50']:.2f} | "
+        f"{lat['p90']:.2f} | {lat['p99']:.2f} | {inproc} | {lv['mismatches']} | {lv['errors']} |"
+    )
 
 
 def plot(result: dict[str, Any]) -> bytes:
@@ -370,13 +458,16 @@ def plot(result: dict[str, Any]) -> bytes:
     levels = result["levels"]
     cs = [lv["concurrency"] for lv in levels]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(cs, [lv["throughput_rps"] for lv in levels], marker="o")
-    a.set(xscale="log", xlabel="concurrency", ylabel="requests / s", title="throughput")
+    a.plot(cs, [lv["throughput_rps"] for lv in levels], marker="o", label="served")
+    if all("inprocess" in lv for lv in levels):
+        a.plot(cs, [lv["inprocess"]["throughput_rps"] for lv in levels], marker="s", ls="--", label="in-process")
+    a.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="requests / s", title="throughput")
+    a.legend()
     for q in ("p50", "p90", "p99"):
         b.plot(cs, [lv["latency_ms"][q] for lv in levels], marker="o", label=q)
     b.set(xscale="log", xlabel="concurrency", ylabel="ms", title="latency")
     b.legend()
-    fig.suptitle(f"{result['model']} ({result['engine']})")
+    fig.suptitle(f"{result['model']} ({result['engine']}, {result.get('server_kind', 'Triton')})")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

@@ -4,13 +4,22 @@ PyTriton starts the ``tritonserver`` bundled in its wheel and binds each engine'
 Triton's dynamic batcher: the server queues single requests for up to ``max_queue_delay_us`` and hands the
 runner one concatenated batch. Names, dtypes and shapes come from ``kiln-engine.json``. Health and readiness are
 Triton's own ``/v2/health/live`` and ``/v2/health/ready``. SIGINT and SIGTERM stop the server and its Python
-stubs (PyTriton's ``stop``), so nothing outlives ``kiln serve``.
+stubs (PyTriton's ``stop``): Triton drains the requests in flight for up to ``EXIT_TIMEOUT_S``, and whatever of the
+server still runs ``STOP_DEADLINE_S`` after the signal is killed (:class:`_Reaper`), so nothing outlives
+``kiln serve`` and it is gone within Kubernetes' grace period with room to spare.
+
+A server that cannot start says so within seconds: ports and the socket folder are checked the way the server binds
+them before anything starts, and a ``tritonserver`` that dies while starting ends the wait for it at once.
+
+``--gpus`` serves CUDA engines through the Python-backend repository in plain ``tritonserver``, one instance group
+over the chosen GPUs (:func:`serve_on_gpus`); each instance is its own stub process pinned to its GPU.
 
 :func:`tritonserver_process` runs the same bundled binary on a plain repository (``package/triton-python``).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -21,6 +30,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,21 +40,41 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.errors import BackendUnavailable, GateFailure, InputFileError, KilnError
+from kiln.core.errors import (
+    BackendUnavailable,
+    ConfigError,
+    GateFailure,
+    InputFileError,
+    KilnError,
+    storage_error,
+)
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
-from kiln.stages.package.triton import served_max_batch
+from kiln.stages.package.triton import served_max_batch, write_python_model
 
 log = logging.getLogger("kiln.serve.server")
 INSTALL_HINT = 'pip install "kiln[serve]"'
 # Triton waits this long for in-flight requests at shutdown, then exits anyway (its default is 30 s).
-EXIT_TIMEOUT_S = 5
+EXIT_TIMEOUT_S = 3
+# After a stop signal, whatever of the server still runs this long after is killed: the whole tree is gone within
+# 10 s (issue 34), a third of Kubernetes' default grace period (30 s) before its SIGKILL.
+STOP_DEADLINE_S = 7.0
+# How long a starting server may take to answer its readiness probe (a loaded 2-core machine needs ~30 s)
+STARTUP_TIMEOUT_S = 120.0
+# AF_UNIX socket paths hold at most 107 bytes on Linux (sun_path is 108 with its NUL)
+MAX_SOCKET_PATH = 107
+# Where the server's sockets go when the scratch folder's path is too long for them (a deep TMPDIR)
+SHORT_SOCKET_ROOT = Path("/tmp")
 
 
 class PortInUse(KilnError):
-    """A port the server must listen on is taken."""
+    """A port the server must listen on is taken (or cannot be listened on)."""
+
+
+class ServerDied(KilnError):
+    """The ``tritonserver`` process ended while it was starting or serving."""
 
 
 @dataclass
@@ -112,16 +142,113 @@ def model_name(engine_name: str) -> str:
 
 
 def check_ports(address: str, *ports: int) -> None:
-    """Fail before starting anything if a port is taken (Triton would only log it and exit)."""
+    """Fail before starting anything if a port cannot be listened on (Triton would only log it and exit).
+
+    Bound as the servers bind (Triton's HTTP and gRPC servers set SO_REUSEADDR): a port a killed server left in
+    TIME_WAIT is free for them and is not called busy; a port something listens on is."""
+    if len(set(ports)) < len(ports):
+        raise PortInUse(
+            f"the same port is given twice ({', '.join(map(str, ports))})",
+            hint="give --http-port, --grpc-port and --metrics-port three different ports",
+        )
     for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if not 0 < port < 65536:
+            raise PortInUse(f"port {port} is not a TCP port (1-65535)", hint="choose ports between 1024 and 65535")
+        _bind_probe(address, port)
+
+
+def _bind_probe(address: str, port: int) -> None:
+    """Bind ``address:port`` with SO_REUSEADDR and let go; an OSError becomes one message by errno."""
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PortInUse(
+            f"address '{address}' cannot be resolved ({exc.strerror})",
+            hint="give --address an IP address of this machine (127.0.0.1, or 0.0.0.0 for every interface)",
+        ) from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as exc:
+            raise _bind_error(address, port, exc) from None
+
+
+def _bind_error(address: str, port: int, exc: OSError) -> PortInUse:
+    if exc.errno == errno.EADDRINUSE:
+        return PortInUse(
+            f"port {port} on {address} is in use ({exc.strerror})",
+            hint="stop what listens there, or choose other ports with --http-port/--grpc-port/--metrics-port",
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return PortInUse(
+            f"address {address} is not an address of this machine ({exc.strerror})",
+            hint="give --address an IP address of this machine (127.0.0.1, or 0.0.0.0 for every interface)",
+        )
+    if exc.errno == errno.EACCES:
+        return PortInUse(
+            f"port {port} on {address} needs privileges this process lacks ({exc.strerror})",
+            hint="choose ports above 1023",
+        )
+    return PortInUse(f"cannot listen on {address}:{port} ({exc.strerror})", hint="choose another port or address")
+
+
+def socket_folder(scratch: Path, names: list[str]) -> Path:
+    """PyTriton's workspace, where the server's model sockets go: in ``scratch``, or where its path is too long
+    for a socket (a deep TMPDIR), in a fresh folder under ``SHORT_SOCKET_ROOT``; checked either way."""
+    folder = scratch / "pytriton"
+    if len(os.fsencode(folder / _longest_socket(names))) <= MAX_SOCKET_PATH:
+        check_socket_folder(folder, names)
+        return folder
+    try:
+        short = Path(tempfile.mkdtemp(prefix="kiln-", dir=SHORT_SOCKET_ROOT)) / "pytriton"
+    except OSError:
+        short = folder  # no usable short folder: the check below says why the long one fails
+    try:
+        check_socket_folder(short, names)
+    except KilnError:
+        if short != folder:
+            shutil.rmtree(short.parent, ignore_errors=True)
+        raise
+    return short
+
+
+def _longest_socket(names: list[str]) -> str:
+    return f"{max(names, key=len)}_0_99-server.sock"
+
+
+def check_socket_folder(folder: Path, names: list[str]) -> None:
+    """The server's model sockets (AF_UNIX, ``<model>_0_<n>-server.sock`` under ``folder``) can be bound there.
+
+    A path over the OS limit, a folder that refuses sockets or writes: refused now, in one line, instead of a
+    model that fails to load in the server's log. Bound and removed, as the server binds them; ``folder`` is made
+    for the probe and removed again (PyTriton makes its workspace itself, and refuses one that exists)."""
+    for name in names:
+        path = folder / _longest_socket([name])
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise KilnError(
+                f"the server's socket path {path} is {len(os.fsencode(path))} bytes, over the OS limit of "
+                f"{MAX_SOCKET_PATH}",
+                hint="set TMPDIR to a shorter folder (e.g. TMPDIR=/tmp), or serve under a shorter model name",
+            )
+    try:
+        folder.mkdir(parents=True)
+    except OSError as exc:
+        raise storage_error(exc, "making the server's socket folder (TMPDIR)") from None
+    for name in names:
+        path = folder / _longest_socket([name])
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             try:
-                s.bind((address, port))
+                s.bind(str(path))
             except OSError as exc:
-                raise PortInUse(
-                    f"port {port} on {address} is in use ({exc.strerror})",
-                    hint="stop what listens there, or choose other ports with --http-port/--grpc-port/--metrics-port",
+                folder.rmdir()
+                raise KilnError(
+                    f"the OS refuses the server's socket {path} ({exc.strerror})",
+                    hint="set TMPDIR to a local folder you can write to (e.g. TMPDIR=/tmp)",
                 ) from None
+            path.unlink(missing_ok=True)
+    folder.rmdir()
 
 
 def free_port() -> int:
@@ -334,46 +461,51 @@ def serve(
     address: str = "127.0.0.1",
     on_ready: Callable[[list[ServedEngine]], None] | None = None,
     verbose: bool = False,
+    gpus: list[int] | None = None,
+    instances_per_gpu: int = 1,
+    exit_on_overrun: bool = False,
 ) -> None:
     """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers. The server's own log
-    is printed with ``verbose`` only; otherwise it is kept, and its path named, when the server fails."""
+    is printed with ``verbose`` only; otherwise it is kept, and its path named, when the server fails.
+    ``gpus``: serve on these GPUs (:func:`serve_on_gpus`). ``exit_on_overrun``: a stop that overruns
+    ``STOP_DEADLINE_S`` ends this process too (the CLI's choice; a caller in-process keeps its process)."""
     served = find_engines(path)
+    if gpus is not None:
+        ports = (http_port, grpc_port, metrics_port)
+        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun)
+        return serve_on_gpus(served, gpus, instances_per_gpu, ports, *args)
     pytriton = _pytriton()
     _server_log_on_stdout(verbose)
     check_ports(address, http_port, grpc_port, metrics_port)
-    scratch = Path(tempfile.mkdtemp(prefix="kiln-serve-"))
-    stub_python = stub_python_env(scratch)
-    os.environ.update(server_env(stub_python))  # PyTriton starts tritonserver with a copy of os.environ
-    _use_stub_python(stub_python)
-    config = pytriton.triton.TritonConfig(
-        http_address=address,
-        http_port=http_port,
-        grpc_address=address,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
-        exit_timeout_secs=EXIT_TIMEOUT_S,
-        log_verbose=0,
-    )
-    # Statistics stay readable without PyTriton's token (they show batching at work; `kiln loadtest` reads them);
-    # model loading, shared memory, tracing and logging stay restricted.
-    security = pytriton.triton.TritonSecurityConfig(
-        restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"]
-    )
+    scratch = _scratch()
     stop = _StopRequest()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun)
     runners: list[Any] = []
     triton: Any = None
+    workspace: Path | None = None
     try:
+        workspace = socket_folder(scratch, [s.model_name for s in served])
+        stub_python = stub_python_env(scratch)
+        os.environ.update(server_env(stub_python))  # PyTriton starts tritonserver with a copy of os.environ
+        _use_stub_python(stub_python)
         for s in served:  # before the server starts: an engine this machine cannot run fails fast
             runners.append(load_engine(s.engine_dir).activate())
-        with pytriton.triton.Triton(config=config, security_config=security) as triton:
+        triton = pytriton.triton.Triton(
+            config=_triton_config(pytriton, address, http_port, grpc_port, metrics_port),
+            security_config=_security(pytriton),
+            workspace=workspace,
+        )
+        _fail_fast_if_server_dies(pytriton, triton)
+        _clean_models_at_once()
+        with triton:
             for s, runner in zip(served, runners):
                 _bind_or_explain(triton, s, runner, max_batch, max_queue_delay_us)
             triton.run()  # returns once the server and every model are ready
             if on_ready is not None and not stop.requested:
                 on_ready(served)
             _wait(triton, stop)
-            log.info("stopping")
+            log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
     except KeyboardInterrupt:
         log.info("stopping")
     except KilnError as exc:
@@ -384,9 +516,184 @@ def serve(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if triton is not None:
+            triton.stop()  # a no-op after its `with` block; after a failed start, before its workspace goes
         for r in runners:
             r.deactivate()
+        reaper.close()
         shutil.rmtree(scratch, ignore_errors=True)
+        if workspace is not None and not workspace.is_relative_to(scratch):
+            shutil.rmtree(workspace.parent, ignore_errors=True)
+
+
+def _scratch() -> Path:
+    """A fresh folder under TMPDIR for the stub's environment, PyTriton's workspace and its sockets."""
+    try:
+        return Path(tempfile.mkdtemp(prefix="kiln-serve-"))
+    except OSError as exc:
+        raise storage_error(exc, "making the server's scratch folder (TMPDIR)") from None
+
+
+def _triton_config(pytriton: Any, address: str, http_port: int, grpc_port: int, metrics_port: int) -> Any:
+    return pytriton.triton.TritonConfig(
+        http_address=address,
+        http_port=http_port,
+        grpc_address=address,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        exit_timeout_secs=EXIT_TIMEOUT_S,
+        log_verbose=0,
+    )
+
+
+def _security(pytriton: Any) -> Any:
+    """Statistics stay readable without PyTriton's token (they show batching at work; `kiln loadtest` reads them);
+    model loading, shared memory, tracing and logging stay restricted."""
+    return pytriton.triton.TritonSecurityConfig(
+        restricted_endpoints=["shared-memory", "model-repository", "trace", "logging"]
+    )
+
+
+def _fail_fast_if_server_dies(pytriton: Any, triton: Any) -> None:
+    """PyTriton polls a starting server for readiness for 120 s even after its process died (then a traceback):
+    its module-level wait is the one place to make the poll also watch the process."""
+    pytriton.triton.wait_for_server_ready = _ready_or_dead(lambda: getattr(triton, "_triton_server", None))
+
+
+def _ready_or_dead(server: Callable[[], Any]) -> Callable[..., None]:
+    """A readiness wait (PyTriton's signature) that ends with :class:`ServerDied` as soon as ``server()`` is a
+    process that is no longer alive, naming the server's last error line."""
+
+    def wait(client: Any, timeout_s: float | None = None, headers: dict | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or STARTUP_TIMEOUT_S)
+        while time.monotonic() < deadline:
+            proc = server()
+            if proc is not None and not proc.is_alive():
+                reason = _last_error_line(proc.logs() if hasattr(proc, "logs") else "")
+                raise ServerDied(
+                    f"the Triton server exited while starting{f': {reason}' if reason else ''}",
+                    hint="rerun with --verbose to see its log",
+                )
+            try:
+                if client.is_server_ready(headers=headers) and client.is_server_live(headers=headers):
+                    return
+            except Exception:  # connection refused while it starts: keep polling
+                pass
+            time.sleep(0.2)
+        raise ServerDied(
+            f"the Triton server was not ready within {timeout_s or STARTUP_TIMEOUT_S:.0f} s",
+            hint="rerun with --verbose to see its log; a machine this busy may need fewer engines at once",
+        )
+
+    return wait
+
+
+def _last_error_line(text: str) -> str:
+    """Triton's last error line (``E0102 12:00:00.000 1 file.cc:12] message``), its message part."""
+    errors = [line for line in text.splitlines() if re.match(r"E\d{4} ", line)]
+    return first_line(errors[-1].split("] ", 1)[-1]) if errors else ""
+
+
+def _clean_models_at_once() -> None:
+    """PyTriton stops its models' proxies one after another, each waiting up to 1 s for its polling loop to see
+    the stop flag (0.8 s per model measured): with the server already stopped (nothing to unload), they are
+    stopped together, so the stop does not grow with the number of engines. Its manager's method is the one
+    place to say so."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pytriton.models.manager import ModelManager
+
+    original = getattr(ModelManager.clean, "kiln_original", ModelManager.clean)
+
+    def clean(self: Any) -> None:
+        if _answers(self._triton_url):  # a live server unloads each model first: PyTriton's own way
+            return original(self)
+        models = list(self._models.values())
+        with ThreadPoolExecutor(max(1, len(models))) as pool:
+            list(pool.map(lambda m: m.clean(), models))
+        self._models.clear()
+
+    clean.kiln_original = original  # type: ignore[attr-defined]
+    ModelManager.clean = clean
+
+
+def _answers(url: str) -> bool:
+    """Whether a Triton server answers its liveness probe at ``url`` (within a second)."""
+    import tritonclient.http as httpclient
+
+    host = re.sub(r"^\w+://", "", url)
+    try:
+        client = httpclient.InferenceServerClient(host, connection_timeout=1.0, network_timeout=1.0)
+        try:
+            return bool(client.is_server_live())
+        finally:
+            client.close()
+    except Exception:  # refused, reset, timed out: not answering
+        return False
+
+
+class _Reaper:
+    """Bounds a stop, and leaves nothing of the server behind.
+
+    It keeps a list of the server's processes (refreshed every 0.5 s, so a stub Triton orphans is still on it).
+    Once a stop is asked, what still runs ``deadline_s`` later is killed, logged as an error (never silent); with
+    ``exit_process`` this process ends a second later if PyTriton's own threads still hold it. :meth:`close`, once
+    the server's stop returned, kills what of the list outlived it. Measured on a 2-core machine at load average 3:
+    Triton, still taking requests, reached its drain timeout and exited "with failure", and one Python stub (with
+    its children) outlived ``kiln serve`` by over a minute."""
+
+    def __init__(self, stop: _StopRequest, deadline_s: float, exit_process: bool) -> None:
+        self.stop, self.deadline_s, self.exit_process = stop, deadline_s, exit_process
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._tree: dict[int, Any] = {}
+        self._stop_at: float | None = None
+        threading.Thread(target=self._run, daemon=True, name="kiln-serve-reaper").start()
+
+    def _look(self) -> None:
+        import psutil
+
+        found = {p.pid: p for p in psutil.Process().children(recursive=True)}
+        with self._lock:
+            self._tree |= found
+
+    def _run(self) -> None:
+        while not self.stop.requested:
+            self._look()
+            if self._done.wait(0.5):
+                return
+        self._look()
+        self._stop_at = time.monotonic()
+        if self._done.wait(self.deadline_s):
+            return
+        self._kill(f"the server did not stop within {self.deadline_s:.0f} s of the signal")
+        if self.exit_process and not self._done.wait(1.0):
+            os._exit(1)  # PyTriton's threads still stopping: the process ends anyway, with a failing status
+
+    def _kill(self, why: str) -> None:
+        import psutil
+
+        with self._lock:
+            left = [p for p in self._tree.values() if p.is_running()]
+        if left:
+            log.error("%s: killing %s", why, ", ".join(f"{p.name()} ({p.pid})" for p in left))
+        for p in left:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def close(self) -> None:
+        """The server's stop returned: its processes get until the deadline (2 s without a stop signal: an error
+        path) to end, then what is left is killed."""
+        import psutil
+
+        self._done.set()
+        end = (self._stop_at or time.monotonic()) + (self.deadline_s if self._stop_at else 2.0)
+        with self._lock:
+            tree = list(self._tree.values())
+        psutil.wait_procs(tree, timeout=max(0.1, end - time.monotonic()))
+        self._kill("processes of the server outlived its stop")
 
 
 def _server_log_on_stdout(verbose: bool) -> None:
@@ -425,7 +732,7 @@ def _wait(triton: Any, stop: _StopRequest) -> None:
     """Until a signal asks to stop (returns; the `with` block stops the server) or the server dies (raises)."""
     while not stop.requested:
         if not triton.is_alive():
-            raise KilnError("the Triton server exited unexpectedly", hint="rerun with --verbose to see why")
+            raise ServerDied("the Triton server exited unexpectedly", hint="rerun with --verbose to see why")
         time.sleep(0.5)
 
 
@@ -447,20 +754,26 @@ def prepared_tritonserver(scratch: Path) -> Path:
 
 
 def tritonserver_process(
-    repository: Path, scratch: Path, http_port: int, grpc_port: int, metrics_port: int, log_file: Path | None = None
+    repository: Path,
+    scratch: Path,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    log_file: Path | None = None,
+    address: str = "127.0.0.1",
 ) -> subprocess.Popen[bytes]:
-    """Start the bundled ``tritonserver --model-repository REPOSITORY`` (loopback only). The caller stops it
-    (``terminate()`` = SIGTERM, which Triton handles by unloading its models and exiting)."""
+    """Start the bundled ``tritonserver --model-repository REPOSITORY`` on ``address``. The caller stops it
+    (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting)."""
     root = prepared_tritonserver(scratch)
-    check_ports("127.0.0.1", http_port, grpc_port, metrics_port)
+    check_ports(address, http_port, grpc_port, metrics_port)
     env = server_env(stub_python_env(scratch))
     cmd = [
         str(root / "bin" / "tritonserver"),
         f"--model-repository={repository}",
         f"--backend-directory={root / 'backends'}",
-        "--http-address=127.0.0.1",
+        f"--http-address={address}",
         f"--http-port={http_port}",
-        "--grpc-address=127.0.0.1",
+        f"--grpc-address={address}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
@@ -494,6 +807,99 @@ def wait_ready(
     finally:
         client.close()
     raise KilnError(f"Triton at {url} was not ready within {timeout_s:.0f} s", hint="see the server's log")
+
+
+def parse_gpus(spec: str, visible: int | None = None) -> list[int]:
+    """``all`` or ``0,1`` -> GPU ids, checked against the GPUs this machine shows (``visible``: their count,
+    by default CUDA's)."""
+    if visible is None:
+        visible = _visible_gpus()
+    if spec.strip().lower() == "all":
+        ids = list(range(visible))
+    else:
+        try:
+            ids = [int(v) for v in spec.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--gpus '{spec}' is not 'all' or GPU ids", hint="e.g. --gpus all or --gpus 0,1"
+            ) from None
+    if not ids:
+        raise BackendUnavailable("--gpus: no CUDA GPU is visible on this machine", hint="serve without --gpus")
+    wrong = [i for i in ids if not 0 <= i < visible] + [i for i in set(ids) if ids.count(i) > 1]
+    if wrong:
+        raise ConfigError(
+            f"--gpus {spec}: GPU {wrong[0]} is {'listed twice' if ids.count(wrong[0]) > 1 else 'not visible'} "
+            f"(this machine shows {visible} GPU{'s' * (visible != 1)})",
+            hint=f"give distinct ids from 0 to {visible - 1}, or --gpus all" if visible else "serve without --gpus",
+        )
+    return ids
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def write_gpu_repository(
+    repository: Path, served: list[ServedEngine], gpus: list[int], instances: int, max_batch: int, queue_delay_us: int
+) -> list[str]:
+    """A Python-backend model repository serving each engine with ``instances`` instances on every GPU in ``gpus``
+    (Triton's ``instance_group.gpus``): what ``kiln serve --gpus`` starts. Returns the model names."""
+    not_cuda = [s.meta.name for s in served if s.meta.device != "cuda"]
+    if not_cuda:
+        raise ConfigError(
+            f"--gpus serves CUDA engines; {', '.join(not_cuda)} run{'s' * (len(not_cuda) == 1)} on the CPU",
+            hint="serve a CUDA engine folder with --gpus, or serve these without it",
+        )
+    for s in served:
+        write_python_model(repository / s.model_name, s.engine_dir, s.meta, max_batch, gpus, instances, queue_delay_us)
+    return [s.model_name for s in served]
+
+
+def serve_on_gpus(
+    served: list[ServedEngine],
+    gpus: list[int],
+    instances: int,
+    ports: tuple[int, int, int],
+    max_batch: int = 32,
+    queue_delay_us: int = 100,
+    address: str = "127.0.0.1",
+    on_ready: Callable[[list[ServedEngine]], None] | None = None,
+    exit_on_overrun: bool = False,
+) -> None:
+    """Every engine on every GPU in ``gpus`` behind one endpoint: plain ``tritonserver`` on a Python-backend
+    repository whose instance groups list those GPUs (each instance a stub process pinned to its GPU). PyTriton
+    runs every model in this one process, where a runner cannot be pinned to a GPU of its own."""
+    check_ports(address, *ports)
+    scratch = _scratch()
+    stop = _StopRequest()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        models = write_gpu_repository(scratch / "repository", served, gpus, instances, max_batch, queue_delay_us)
+        proc = tritonserver_process(scratch / "repository", scratch, *ports, scratch / "tritonserver.log", address)
+        wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc)
+        if on_ready is not None and not stop.requested:
+            on_ready(served)
+        while not stop.requested:
+            if proc.poll() is not None:
+                raise ServerDied(f"tritonserver exited with code {proc.returncode}", hint="rerun with --verbose")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        log.info("stopping")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()  # Triton drains for EXIT_TIMEOUT_S, then exits; the reaper bounds the rest
+            try:
+                proc.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        reaper.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def iter_urls(address: str, http_port: int, grpc_port: int, served: list[ServedEngine]) -> Iterator[str]:

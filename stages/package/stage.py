@@ -2,7 +2,9 @@
 
 ``triton/<model>/``: the stock backend (``onnxruntime_onnx`` / ``tensorrt_plan``) for engines it can express;
 ``triton-python/<model>/``: Triton's Python backend running the Kiln engine itself, for every engine (see
-:mod:`kiln.stages.package.triton`). ``kiln serve`` serves ``engines/`` directly through PyTriton.
+:mod:`kiln.stages.package.triton`). ``ray/serve.yaml``: a Ray Serve application per engine
+(:mod:`kiln.stages.package.rayserve`); ``kserve.yaml``: a KServe InferenceService for ``triton/``
+(:mod:`kiln.stages.package.kserve`). ``kiln serve`` serves ``engines/`` directly through PyTriton.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ __all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "Pac
 from pydantic import Field
 
 from kiln.stages.engines.backend import engine_dirs, read_metadata
-from kiln.stages.package import triton
+from kiln.stages.package import kserve, rayserve, triton
 from kiln.stages.package.config import PackageConfig
 from kiln.stages.package.triton import (
     engine_max_batch,
@@ -65,7 +67,8 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             hint="fix the engines, or relax validate.gates if the numbers are acceptable, then `kiln run` again",
         )
     results = {e.name: e for e in validation.engines}
-    packaged = []
+    packaged: list[dict[str, Any]] = []
+    ray_apps: list[dict[str, Any]] = []
     for engine_dir in engine_dirs(ctx.inputs["build"]):
         meta = read_metadata(engine_dir)
         result = results.get(meta.name)
@@ -88,7 +91,16 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         if cfg.triton_python:
             write_python_model(ctx.out / "triton-python" / model_name, packaged_dir, meta, cfg.max_batch_size)
             record["triton_python_model"] = model_name
+        if cfg.ray.enabled:
+            final = ctx.workdir / ctx.name / "engines" / meta.name  # where the folder lands once the stage ends
+            ray_apps.append(rayserve.application(model_name, final, meta, cfg.ray))
+            record["ray_route"] = ray_apps[-1]["route_prefix"]
         packaged.append(record)
+    if ray_apps:
+        rayserve.write_serve_config(ctx.out / "ray", ray_apps, cfg.ray)
+    if cfg.kserve.enabled and any("triton_model" in m for m in packaged):
+        gpu = any(read_metadata(ctx.out / "engines" / m["engine"]).device == "cuda" for m in packaged)
+        kserve.write_manifest(ctx.out / "kserve.yaml", ctx.config.name, cfg.kserve, gpu)
     (ctx.out / "kiln-package.json").write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
     return PackageSummary(models=packaged)
 
@@ -107,7 +119,9 @@ def report_section(summary: PackageSummary) -> list[str]:
     return out + [
         "",
         "Serve with `kiln serve <workdir>`, or point `tritonserver --model-repository` at "
-        "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python).",
+        "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python). "
+        "`serve run package/ray/serve.yaml` starts the Ray Serve application (`kiln[ray]`) where written; "
+        "`package/kserve.yaml` is a KServe InferenceService for `package/triton`.",
     ]
 
 
@@ -117,7 +131,7 @@ STAGE = Stage(
     ("train", "build", "validate"),
     PackageSettings,
     PackageSummary,
-    (sys.modules[__name__], triton),
+    (sys.modules[__name__], triton, rayserve, kserve),
     lambda cfg: {},
     "serving artifacts: engines + metadata, Triton model repository",
     report=report_section,

@@ -89,9 +89,17 @@ def _stock(meta: EngineMetadata) -> TritonModel:
 
 
 def model_config(
-    model_name: str, meta: EngineMetadata, max_batch_size: int, backend: str | None = None, queue_delay_us: int = 100
+    model_name: str,
+    meta: EngineMetadata,
+    max_batch_size: int,
+    backend: str | None = None,
+    queue_delay_us: int = 100,
+    gpus: list[int] | None = None,
+    instances: int = 1,
 ) -> dict[str, Any]:
-    """The config as a dict. ``backend="python"`` for the Python-backend model, else the engine's stock platform."""
+    """The config as a dict. ``backend="python"`` for the Python-backend model, else the engine's stock platform.
+    ``gpus``: ``instances`` model instances on each of these GPUs (Triton's ``instance_group.gpus``), for a CUDA
+    engine; without it one instance on the engine's device kind, wherever Triton places it."""
     mbs = served_max_batch(meta, max_batch_size)
     cfg: dict[str, Any] = {"name": model_name}
     if backend is not None:
@@ -101,11 +109,20 @@ def model_config(
     cfg["max_batch_size"] = mbs
     cfg["input"] = _tensors(meta.inputs, mbs > 0)
     cfg["output"] = _tensors(meta.outputs, mbs > 0)
-    cfg["instance_group"] = [{"kind": "KIND_GPU" if meta.device == "cuda" else "KIND_CPU", "count": 1}]
+    cfg["instance_group"] = [instance_group(meta, gpus, instances)]
     if mbs > 0:
         cfg["dynamic_batching"] = {"max_queue_delay_microseconds": queue_delay_us}
     check_config(cfg, meta)
     return cfg
+
+
+def instance_group(meta: EngineMetadata, gpus: list[int] | None, instances: int = 1) -> dict[str, Any]:
+    """Where Triton runs the model's instances: ``instances`` per GPU listed in ``gpus``, else one on the engine's
+    device kind. Requests to the model are spread over every instance: one endpoint for all of a host's GPUs."""
+    group: dict[str, Any] = {"kind": "KIND_GPU" if meta.device == "cuda" else "KIND_CPU", "count": instances}
+    if gpus is not None:
+        group["gpus"] = list(gpus)
+    return group
 
 
 def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
@@ -141,6 +158,9 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
     want_kind = "KIND_GPU" if meta.device == "cuda" else "KIND_CPU"
     if any(g["kind"] != want_kind or g["count"] < 1 for g in cfg["instance_group"]):
         problems.append(f"instance_group {cfg['instance_group']} for a {meta.device} engine (want {want_kind})")
+    for g in cfg["instance_group"]:
+        if "gpus" in g and (want_kind != "KIND_GPU" or not g["gpus"] or len(set(g["gpus"])) < len(g["gpus"])):
+            problems.append(f"GPUs {g['gpus']} for a {meta.device} engine (want distinct GPU ids, CUDA engines only)")
     if problems:
         raise ModelError(
             f"Triton config for {cfg['name']} disagrees with engine {meta.name}: {'; '.join(problems)}",
@@ -161,7 +181,12 @@ def render_pbtxt(cfg: dict[str, Any]) -> str:
             for t in cfg[kind]
         ]
         lines.append(f"{kind} [\n" + ",\n".join(items) + "\n]")
-    groups = ", ".join(f"{{ kind: {g['kind']} count: {g['count']} }}" for g in cfg["instance_group"])
+    groups = ", ".join(
+        f"{{ kind: {g['kind']} count: {g['count']}"
+        + (f" gpus: [ {', '.join(map(str, g['gpus']))} ]" if "gpus" in g else "")
+        + " }"
+        for g in cfg["instance_group"]
+    )
     lines.append(f"instance_group [ {groups} ]")
     if "dynamic_batching" in cfg:
         lines.append(
@@ -187,6 +212,7 @@ def write_stock_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_
 # Triton imports it by path; it needs `kiln` importable in the interpreter that runs Triton's Python stub.
 MODEL_PY = '''"""Triton Python-backend model written by Kiln: serves the Kiln engine in ./engine (kiln.load_engine)."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +223,10 @@ from kiln import load_engine
 
 class TritonPythonModel:
     def initialize(self, args):
+        if args.get("model_instance_kind") == "GPU":
+            # Each instance is its own stub process: pinned to its GPU before the engine first touches CUDA, the
+            # engine's device 0 is that GPU (instance_group.gpus spreads instances over the host's GPUs).
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(args["model_instance_device_id"])
         engine_dir = Path(args["model_repository"]) / args["model_version"] / "engine"
         self.runner = load_engine(engine_dir).activate()
         config = json.loads(args["model_config"])
@@ -223,14 +253,22 @@ class TritonPythonModel:
 '''
 
 
-def write_python_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_batch_size: int) -> None:
+def write_python_model(
+    target: Path,
+    engine_dir: Path,
+    meta: EngineMetadata,
+    max_batch_size: int,
+    gpus: list[int] | None = None,
+    instances: int = 1,
+    queue_delay_us: int = 100,
+) -> None:
+    """``<target>/config.pbtxt`` + ``1/model.py`` + ``1/engine/``; ``gpus``/``instances`` as in :func:`model_config`."""
     version = target / "1"
     version.mkdir(parents=True)
     shutil.copytree(engine_dir, version / ENGINE_SUBDIR, copy_function=_link_or_copy)
     write_text_atomic(version / "model.py", MODEL_PY)
-    write_text_atomic(
-        target / "config.pbtxt", render_pbtxt(model_config(target.name, meta, max_batch_size, backend="python"))
-    )
+    cfg = model_config(target.name, meta, max_batch_size, "python", queue_delay_us, gpus, instances)
+    write_text_atomic(target / "config.pbtxt", render_pbtxt(cfg))
 
 
 def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:

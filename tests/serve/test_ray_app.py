@@ -1,0 +1,97 @@
+"""The Ray Serve application the package stage writes, started as written (`serve run serve.yaml`, a local Ray
+cluster), driven by `kiln loadtest ray://`, answers checked against the engine; bad requests answered with errors
+naming the problem while it keeps answering."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
+from kiln.serve.loadtest import loadtest
+from kiln.serve.server import free_port
+from tests.conftest import tiny_config_dict
+
+pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'kiln[ray]'; part of .[dev])")
+pytestmark = pytest.mark.slow  # a local Ray cluster (~20 s to start on 2 cores)
+READY_TIMEOUT_S = 600  # a hang guard: returns as soon as the application answers
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"the Ray Serve app did not become ready (serve run exit code {proc.poll()})")
+
+
+def test_the_packaged_ray_app_serves_checked_answers_and_refuses_bad_requests(tmp_path: Path) -> None:
+    config = config_from_dict(tiny_config_dict())
+    workdir = tmp_path / "run"
+    result, _ = run_pipeline(config, workdir)
+    assert result.ok
+    serve_yaml = yaml.safe_load((workdir / "package" / "ray" / "serve.yaml").read_text())
+    port = free_port()
+    serve_yaml["http_options"]["port"] = port  # the only change: a free port for the test
+    app = next(a for a in serve_yaml["applications"] if a["args"]["engine_dir"].endswith("onnxruntime-cpu-fp32"))
+    serve_yaml["applications"] = [app]
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve_yaml))
+    model = app["args"]["model_name"]
+    base = f"http://127.0.0.1:{port}/v2/models/{model}"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    serve_bin = str(Path(sys.executable).parent / "serve")
+    proc = subprocess.Popen(
+        [serve_bin, "run", str(tmp_path / "serve.yaml")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        _wait_ready(f"{base}/ready", proc)
+        lt = loadtest(f"ray://127.0.0.1:{port}", model, workdir, tmp_path / "lt", [4], 60, 40, config=config)
+        level = lt["levels"][0]
+        assert level["requests"] == 40 and level["mismatches"] == 0 and level["errors"] == 0, level
+        assert lt["server_kind"] == "Ray Serve" and level["served_vs_inprocess"] > 0
+        assert (tmp_path / "lt" / "loadtest.png").stat().st_size > 0
+        good = {"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.5] * 64}
+        bad = {
+            "has shape [1, 1, 8, 9]": {**good, "shape": [1, 1, 8, 9], "data": [0.5] * 72},
+            "is INT64; the model takes FP32": {**good, "datatype": "INT64"},
+            "over this server's limit of 32": {**good, "shape": [33, 1, 8, 8], "data": [0.5] * 64 * 33},
+            "the model takes ['input']": {**good, "name": "x"},
+        }
+        for message, tensor in bad.items():
+            status, body = _post(f"{base}/infer", {"inputs": [tensor]})
+            assert status == 400 and message in body["error"], (status, body)
+        status, body = _post(f"{base}/infer", {"inputs": [good]})  # still answering after the bad ones
+        assert status == 200 and np.asarray(body["outputs"][0]["data"]).shape == (10,)
+    finally:
+        proc.send_signal(signal.SIGINT)  # serve run shuts its applications and local Ray cluster down
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()

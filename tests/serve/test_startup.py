@@ -1,0 +1,117 @@
+"""A server that cannot start says so at once: ports checked as the servers bind them, socket paths the OS
+refuses, a server process that dies while starting. No server is started here."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln.core.errors import KilnError
+from kiln.serve.server import (
+    MAX_SOCKET_PATH,
+    PortInUse,
+    ServerDied,
+    _ready_or_dead,
+    check_ports,
+    check_socket_folder,
+    socket_folder,
+)
+
+
+def _time_wait_port() -> int:
+    """A port whose server closed its side of a connection first: left in TIME_WAIT, as a killed server leaves it
+    (its listener with SO_REUSEADDR, as Triton's HTTP and gRPC servers set it; Linux then lets a new socket with
+    SO_REUSEADDR bind the port)."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = listener.accept()
+    conn.close()  # the server side closes first: its port goes to TIME_WAIT
+    listener.close()
+    client.recv(1)
+    client.close()
+    return port
+
+
+def test_a_port_left_in_time_wait_is_not_called_busy() -> None:
+    port = _time_wait_port()
+    with socket.socket() as plain, pytest.raises(OSError):  # without SO_REUSEADDR the port looks taken
+        plain.bind(("127.0.0.1", port))
+    check_ports("127.0.0.1", port)  # as Triton binds it: free
+
+
+def test_a_listening_port_is_busy_and_bad_ports_and_addresses_are_named() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PortInUse, match=f"port {port} on 127.0.0.1 is in use"):
+            check_ports("127.0.0.1", port)
+    with pytest.raises(PortInUse, match="not a TCP port"):
+        check_ports("127.0.0.1", 70000)
+    with pytest.raises(PortInUse, match="same port is given twice"):
+        check_ports("127.0.0.1", 9000, 9000)
+    with pytest.raises(PortInUse, match="not an address of this machine"):
+        check_ports("192.0.2.1", 9000)  # TEST-NET-1: never a local address
+    with pytest.raises(PortInUse, match="cannot be resolved"):
+        check_ports("no-such-host.invalid", 9000)
+
+
+def test_a_socket_path_over_the_os_limit_is_refused_before_starting(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))
+    with pytest.raises(KilnError, match="over the OS limit") as info:
+        check_socket_folder(deep, ["model"])
+    assert "TMPDIR" in info.value.hint and not deep.exists()
+    check_socket_folder(tmp_path / "ok", ["model"])  # bound, then removed: PyTriton makes its own folder
+    assert not (tmp_path / "ok").exists()
+
+
+def test_a_deep_tmpdir_puts_the_sockets_in_a_short_folder_else_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kiln.serve.server as server
+
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))
+    short = socket_folder(deep, ["model"])
+    assert len(str(short)) < MAX_SOCKET_PATH and not short.exists()
+    short.parent.rmdir()
+    monkeypatch.setattr(server, "SHORT_SOCKET_ROOT", tmp_path / "missing")  # no short folder to fall back on
+    with pytest.raises(KilnError, match="over the OS limit"):
+        socket_folder(deep, ["model"])
+
+
+def test_a_folder_that_refuses_sockets_is_named(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(KilnError, match="socket folder"):
+        check_socket_folder(tmp_path / "file" / "pytriton", ["model"])  # a file where the folder would go
+
+
+class _Server:
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def logs(self) -> str:
+        return "I0101 12:00:00.0 1 server.cc:1] starting\nE0101 12:00:01.0 1 main.cc:2] failed to bind port 8001\n"
+
+
+class _NeverReady:
+    def is_server_ready(self, headers: Any = None) -> bool:
+        raise ConnectionRefusedError
+
+    def is_server_live(self, headers: Any = None) -> bool:
+        return False
+
+
+def test_a_server_that_died_while_starting_ends_the_wait_with_its_error() -> None:
+    wait = _ready_or_dead(lambda: _Server(alive=False))
+    with pytest.raises(ServerDied, match="exited while starting: failed to bind port 8001"):
+        wait(_NeverReady(), timeout_s=600)  # returns at the first look, not after the timeout

@@ -1,0 +1,96 @@
+"""The package stage's Ray Serve config and KServe manifest: what `serve run` and `kubectl apply` are given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kiln.core.errors import ConfigError
+from kiln.pipeline.api import run_pipeline
+from kiln.pipeline.config import config_from_dict
+from kiln.stages.package.config import KServeConfig, RayConfig
+from kiln.stages.package.kserve import check_manifest, manifest, service_name
+from tests.conftest import tiny_config_dict
+from tests.stages.package.test_triton import CPU, TRT
+
+# What KServe v1beta1 requires of an InferenceService with a Triton predictor (its CRD's required fields and
+# the model spec's): checked here against the written manifest, since no cluster runs in these tests.
+REQUIRED = [
+    ("apiVersion",),
+    ("kind",),
+    ("metadata", "name"),
+    ("spec", "predictor", "model", "modelFormat", "name"),
+    ("spec", "predictor", "model", "storageUri"),
+]
+
+
+def dig(doc: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        doc = doc[key]
+    return doc
+
+
+def test_the_kserve_manifest_has_what_a_triton_predictor_requires() -> None:
+    doc = manifest("My Run_2", KServeConfig(storage_uri="s3://bucket/triton", gpus=1), gpu_models=True)
+    for path in REQUIRED:
+        assert dig(doc, path), path
+    assert (doc["apiVersion"], doc["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
+    assert doc["metadata"]["name"] == "my-run-2"
+    model = doc["spec"]["predictor"]["model"]
+    assert model["modelFormat"]["name"] == "triton" and model["protocolVersion"] == "v2"
+    assert model["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    cpu = manifest("demo", KServeConfig(), gpu_models=False)["spec"]["predictor"]["model"]["resources"]
+    assert "nvidia.com/gpu" not in cpu["limits"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(kind="Service"), "apiVersion/kind"),
+        (lambda d: d["metadata"].update(name="Bad_Name"), "DNS-1035"),
+        (lambda d: d["spec"]["predictor"]["model"]["modelFormat"].update(name="onnx"), "modelFormat"),
+        (lambda d: d["spec"]["predictor"]["model"].update(storageUri="/local/path"), "storageUri"),
+    ],
+)
+def test_a_manifest_kserve_would_refuse_is_caught(edit: Any, message: str) -> None:
+    doc = manifest("demo", KServeConfig(), gpu_models=False)
+    edit(doc)
+    with pytest.raises(ConfigError, match=message):
+        check_manifest(doc)
+
+
+def test_service_names_are_dns_labels() -> None:
+    assert service_name("9lives") == "kiln-9lives" and service_name("___") == "kiln"
+    assert len(service_name("x" * 100)) <= 45
+
+
+def test_ray_applications_take_replicas_and_gpus_from_the_config(tmp_path: Path) -> None:
+    from kiln.stages.package.rayserve import application
+
+    cfg = RayConfig(replicas=3, max_batch_size=16, batch_wait_timeout_s=0.005)
+    gpu = application("m", tmp_path / "e", TRT, cfg)
+    assert gpu["route_prefix"] == "/v2/models/m" and gpu["import_path"] == "kiln.serve.ray_app:build_app"
+    assert gpu["args"] | {"engine_dir": None} == {
+        "engine_dir": None,
+        "model_name": "m",
+        "replicas": 3,
+        "gpus_per_replica": 1.0,
+        "max_batch_size": 16,
+        "batch_wait_timeout_s": 0.005,
+    }
+    assert application("m", tmp_path, CPU, cfg)["args"]["gpus_per_replica"] == 0.0
+    assert application("m", tmp_path, TRT, RayConfig(gpus_per_replica=0.5))["args"]["gpus_per_replica"] == 0.5
+
+
+def test_a_packaged_run_writes_the_ray_config_and_the_manifest(tmp_path: Path) -> None:
+    result, _ = run_pipeline(config_from_dict(tiny_config_dict()), tmp_path / "run")
+    assert result.ok
+    package = tmp_path / "run" / "package"
+    serve = yaml.safe_load((package / "ray" / "serve.yaml").read_text())
+    [app] = [a for a in serve["applications"] if a["args"]["engine_dir"].endswith("onnxruntime-cpu-fp32")]
+    assert Path(app["args"]["engine_dir"]).is_dir()  # the final folder, not the stage's staging one
+    assert app["route_prefix"] == f"/v2/models/{app['args']['model_name']}"
+    check_manifest(yaml.safe_load((package / "kserve.yaml").read_text()))
