@@ -114,6 +114,8 @@ class EngineMetadata(Record):
     size_bytes: int = 0
     file_hashes: dict[str, str] = Field(default_factory=dict)  # file -> sha256, checked by load_engine
     builder_settings: dict[str, Any] = Field(default_factory=dict)  # what the builder was told and decided
+    # FLOPs per sample and the share computed in each precision (kiln.stages.precision.audit.engine_audit)
+    audit: dict[str, Any] = Field(default_factory=dict)
     backend_info: dict[str, Any] = Field(default_factory=dict)
 
     def input_names(self) -> list[str]:
@@ -239,6 +241,10 @@ class EngineValidation(Part):
     # baseline label -> batch -> 95 % interval of the ratio, from the two medians paired round by round
     speedup_ci: dict[str, dict[str, tuple[float, float]]] = Field(default_factory=dict)
     memory: Memory | None = None
+    # batch -> achieved TFLOP/s at p50 and its share of the device's peak (kiln.stages.validate.roofline)
+    roofline: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    flops_per_sample: int | None = None  # from the engine's audit
+    precision_share: dict[str, float] = Field(default_factory=dict)  # its audit: share of FLOPs per precision
     failures: list[str] = Field(default_factory=list)
     hints: list[str] = Field(default_factory=list)  # what to try about the failures (not gates themselves)
     dropped: str | None = None  # why a validated engine is not packaged (precision.require_speedup)
@@ -258,6 +264,7 @@ class ValidationResult(Record, Summary):
     # batch -> why the chosen engine is not the fastest measured (its lead within the noise of the timing)
     choice_notes: dict[str, str] = Field(default_factory=dict)
     timing: dict[str, Any] = Field(default_factory=dict)  # how latency was timed: rounds, load, busy or not
+    peaks: dict[str, dict[str, Any]] = Field(default_factory=dict)  # device -> measured GEMM peak, datasheet
     dropped: list[str] = Field(default_factory=list)
 
     def gate_failures(self) -> list[str]:

@@ -74,6 +74,7 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
                 "chosen",
                 "choice_notes",
                 "timing",
+                "peaks",
             )
             if k in validation
         }

@@ -25,10 +25,11 @@ from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.models.config import ModelConfig
 from kiln.models.model_io import load_trained
-from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, read_metadata
+from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, Built, read_metadata
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_libraries, backend_named
+from kiln.stages.precision.audit import audit_graph, engine_audit, label_problem
 from kiln.stages.precision.config import PRECISIONS
 
 log = logging.getLogger("kiln.build")
@@ -88,6 +89,14 @@ def build_engine(
         source = EngineSource(
             file=onnx_path.name, sha256=hash_file(onnx_path), kept_fp32=sorted(keep_fp32) if keep_fp32 else None
         )
+        audit = _audit(onnx_path, out, built, axis_sizes)
+        problem = label_problem(audit, precision)
+        if problem and not audit["method"].startswith("declared by TensorRT"):
+            raise MislabelledEngine(
+                f"engine {name} is {problem}",
+                hint="build it with --precision matching the graph (or none: the audit labels it), or give the "
+                "backend a graph in that precision (kiln precision makes them)",
+            )
         taken = built.inputs or inputs
         named = {d for spec in taken for d in spec.shape if isinstance(d, str)}
         meta = EngineMetadata(
@@ -106,6 +115,7 @@ def build_engine(
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),
+            audit=audit,
         )
         meta.settings_hash = hash_json(
             {
@@ -126,6 +136,26 @@ def build_engine(
         bar.advance()
     log.info("built %s in %.1fs (%.1f MB)", name, meta.build_seconds, meta.size_bytes / 1e6)
     return meta
+
+
+class MislabelledEngine(BuildError):
+    """An engine whose precision label its own graph contradicts (an "FP16" engine that computes in FP32)."""
+
+
+def _audit(source: Path, out: Path, built: Built, axis_sizes: dict[str, list[int]] | None) -> dict[str, Any]:
+    """The engine's precision audit (:func:`kiln.stages.precision.audit.engine_audit`), its FLOPs counted at the
+    largest size of each dynamic axis it is built for."""
+    sizes = {k: max(v) for k, v in (axis_sizes or {}).items() if v}
+    model = built.files.get("model", "")
+    if model.endswith(".onnx"):
+        return engine_audit(source, out / model, sizes)
+    settings = {**built.info.model_dump(mode="json"), **built.builder_settings}
+    if "dtype" in settings:  # a PyTorch program cast to one dtype
+        return engine_audit(source, None, sizes, declared={"float16": "fp16", "float32": "fp32"}[settings["dtype"]])
+    if settings.get("strongly_typed", True):  # precision from the graph
+        return engine_audit(source, None, sizes)
+    audit = engine_audit(source, None, sizes)
+    return {**audit, "method": "declared by TensorRT's precision flags (layers chosen at build, not audited)"}
 
 
 def _check_choice(backend: str, device: str, precision: str) -> Any:
@@ -214,9 +244,10 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                         sizes,
                     )
                 except BuildError as exc:
-                    if not backend.optional(settings):
+                    if not backend.optional(settings) and not isinstance(exc, MislabelledEngine):
                         raise
-                    ctx.log.warning("skipping %s: %s", name, exc)
+                    audit = isinstance(exc, MislabelledEngine)  # a measured fact about the runtime, not a failure
+                    (ctx.log.info if audit else ctx.log.warning)("skipping %s: %s", name, exc.message)
                     skipped.append(f"{name}: {exc.message} (fix: {exc.hint})")
                     continue
                 fields = {"name", "backend", "device", "precision", "build_seconds", "size_bytes"}
@@ -269,7 +300,7 @@ def _build_with_fallback(
             axis_sizes=sizes,
         )
     except BuildError as exc:
-        if keep is None:
+        if keep is None or isinstance(exc, MislabelledEngine):
             raise
         ctx.log.warning("%s: %s; building it from the precision stage's %s graph instead", name, exc.message, precision)
         return build_engine(
@@ -298,12 +329,13 @@ def build_direct(
 ) -> EngineMetadata:
     """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``). ``src``
     may be a variant folder of ``kiln precision`` (``variants/int8``): the graph made for this engine kind is built,
-    labelled with the variant's precision unless ``precision`` says otherwise."""
+    labelled with the variant's precision unless ``precision`` says otherwise; a graph of neither, with the precision
+    it computes in (its audit)."""
     device = device or default_device(backend)
     src, made_as = variant_source(Path(src), backend, device)
-    precision = precision or made_as or "fp32"
-    _check_choice(backend, device, precision)
     load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
+    precision = precision or made_as or audit_graph(src).label()  # unlabelled: what the graph computes in
+    _check_choice(backend, device, precision)
     refuse_foreign_folder(out)
     ensure_writable(out.parent, "the -o folder's parent")
     return build_engine(src, out, backend, device, precision, cfg, out.parent / ".kiln-cache")

@@ -14,6 +14,11 @@ from kiln.stages.accuracy.config import CheckConfig
 class ValidateConfig(CheckConfig):
     warmup: int = Field(5, ge=0)
     iterations: int = Field(30, ge=1, description="timed calls per engine and batch size, at most")
+    roofline: bool = Field(
+        True,
+        description="put each engine's achieved TFLOP/s beside its device's GEMM peak (measured once per device, "
+        "cached in the workdir's cache)",
+    )
     rounds: int = Field(
         12,
         ge=1,

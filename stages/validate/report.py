@@ -104,7 +104,7 @@ def report_section(v: ValidationResult) -> list[str]:
     if v.failures:
         lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v.failures]
         lines += [f"- {e.name}, what to try: {h}" for e in v.engines for h in e.hints]
-    return lines + _vs_baselines(v) + _memory(v) + _chosen(v, sizes) + _speed_table(v)
+    return lines + _vs_baselines(v) + _memory(v) + _chosen(v, sizes) + _speed_table(v) + _roofline(v)
 
 
 def _sizes(v: ValidationResult) -> list[str]:
@@ -279,4 +279,45 @@ def _speed_table(v: ValidationResult) -> list[str]:
         verdict = "within the timing's noise" if r.get("within_noise") else verdict
         verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else verdict)
         out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
+    return out
+
+
+def _peak(p: dict[str, Any]) -> str:
+    measured = "measured " + ", ".join(f"{k} {x:g}" for k, x in p.get("measured", {}).items())
+    sheet = ", ".join(f"{k} {x:g}" for k, x in p.get("datasheet", {}).items())
+    return measured + (f" (datasheet {sheet})" if sheet else "")
+
+
+def _roofline(v: ValidationResult) -> list[str]:
+    """Achieved TFLOP/s per engine and batch beside the device's measured GEMM peak (and the datasheet's)."""
+    rows = [e for e in v.engines if e.roofline]
+    if not rows:
+        return []
+    peaks = "; ".join(
+        f"{dev}: {p['device']}, measured "
+        + ", ".join(f"{k} {x:g}" for k, x in p.get("measured", {}).items())
+        + (
+            " (datasheet " + ", ".join(f"{k} {x:g}" for k, x in p["datasheet"].items()) + ")"
+            if p.get("datasheet")
+            else ""
+        )
+        for dev, p in v.peaks.items()
+    )
+    out = [
+        "",
+        "### Roofline",
+        "",
+        f"Peak TFLOP/s of a large GEMM here: {peaks}. FLOPs per sample from each engine's graph (its audit, "
+        "which also gives the share of them computed in each precision).",
+        "",
+        "| engine | precision share | GFLOP/sample | batch | TFLOP/s at p50 | % of measured peak | % of datasheet |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in rows:
+        share = ", ".join(f"{k} {x:.0%}" for k, x in e.precision_share.items()) or "-"
+        for bs, r in sorted(e.roofline.items(), key=lambda kv: int(kv[0])):
+            out.append(
+                f"| {e.name} | {share} | {(e.flops_per_sample or 0) / 1e9:.3g} | {bs} | {r['tflops']:.3g} | "
+                f"{fmt(r['pct_of_measured_peak'], '.1f')} ({r['peak']}) | {fmt(r['pct_of_datasheet'], '.1f')} |"
+            )
     return out

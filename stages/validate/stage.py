@@ -75,6 +75,7 @@ from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedu
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.report import report_section
+from kiln.stages.validate.roofline import peak_tflops, roofline
 
 log = logging.getLogger("kiln.validate")
 
@@ -189,6 +190,21 @@ def finish_engine(
         fixed = [f"{s.name} {list(s.shape)}" for s in meta.inputs]
         entry.hints.append(f"takes one size on some axes ({', '.join(fixed)}): not validated at {found.untaken}")
     return entry
+
+
+def add_roofline(checked: list[Checked], cache_dir: Path | None) -> dict[str, dict[str, Any]]:
+    """Each timed engine's achieved TFLOP/s and share of its device's peak (measured once per device, cached)."""
+    peaks: dict[str, dict[str, Any]] = {}
+    for c in checked:
+        flops = (c.meta.audit.get("flops_per_sample") if c.meta is not None else None) or 0
+        if not flops or not c.entry.latency_ms:
+            continue
+        if c.entry.device not in peaks:
+            peaks[c.entry.device] = peak_tflops(c.entry.device, cache_dir)
+        c.entry.flops_per_sample = flops
+        c.entry.precision_share = c.meta.audit.get("share") or {}
+        c.entry.roofline = roofline(c.entry, flops, peaks[c.entry.device])
+    return peaks
 
 
 BUSY_SPREAD = 0.25  # the median contender's 95 % interval wider than this share of its p50: too busy to time
@@ -487,6 +503,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     for c in checked:
         c.entry.latency_ms = latency.get(c.entry.name, {})
     engines = [finish_engine(c, ref, baselines, cfg, max(sizes)) for c in checked]
+    peaks = add_roofline(checked, ctx.cache_dir if cfg.roofline else None) if cfg.roofline else {}
     validated = [e for e in engines if e.status == "validated"]
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
     if not validated:
@@ -517,6 +534,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         chosen=chosen,
         choice_notes=notes,
         timing=timing,
+        peaks=peaks,
     )
     result.write(ctx.out / "validation.json")
     for e in engines:

@@ -228,6 +228,13 @@ def _write_engine(
             node_block_list=[k for k in keep if k not in ops],
         )
         note = "onnxruntime.transformers.float16 after fusion, io kept fp32"
+    if device == "cuda" and not cuda_here:
+        # No CUDA EP here to optimize for: a save through the CPU EP would carry its Casts to FP32 (around every
+        # op it has no FP16 kernel for) into the CUDA engine. The graph as converted (loaded once, so a graph ORT
+        # refuses fails here); the CUDA EP optimizes it at load.
+        ort_session(model, optimization="none", error=BuildError)
+        onnx.save(model, str(dst))
+        return note, "none"
     src = dst.with_suffix(".source.onnx")
     onnx.save(model, str(src))
     offline = _offline_level(device, cuda_here)

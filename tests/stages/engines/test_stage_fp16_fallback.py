@@ -35,11 +35,13 @@ def test_ort_fp16_engine_of_an_embedding_bag(tmp_path: Path) -> None:
     Variants(variants={"fp32": PrecisionVariant(path="fp32/model.onnx"), "fp16": variant_record(fp16)}).write(
         root / "variants.json"
     )
-    cfg = config_from_dict({"build": {"backends": ["onnxruntime"]}, "validate": {"batch_sizes": [1, 8]}})
+    # CUDA engines (built here): the CPU provider's FP16 engine would compute in FP32, and the audit refuses it
+    build = {"backends": ["onnxruntime"], "onnxruntime": {"devices": ["cuda"]}}
+    cfg = config_from_dict({"build": build, "validate": {"batch_sizes": [1, 8]}})
     assert cfg.build.onnxruntime.fp16_source == "fp32_graph"  # the default: ORT converts the FP32 graph itself
     (tmp_path / "out").mkdir()
     ctx = stage_context("build", cfg, tmp_path, tmp_path / "out", {"precision": root}, log=logging.getLogger("t"))
     result = stage.run(ctx)  # before: ORT's converter cast a sequence to FP16 and the stage failed
-    assert [e.name for e in result.engines] == ["onnxruntime-cpu-fp32", "onnxruntime-cpu-fp16"]
-    meta16, meta32 = (read_metadata(ctx.out / n) for n in ("onnxruntime-cpu-fp16", "onnxruntime-cpu-fp32"))
+    assert [e.name for e in result.engines] == ["onnxruntime-cuda-fp32", "onnxruntime-cuda-fp16"]
+    meta16, meta32 = (read_metadata(ctx.out / n) for n in ("onnxruntime-cuda-fp16", "onnxruntime-cuda-fp32"))
     assert meta16.source.sha256 != meta32.source.sha256  # built from the precision stage's graph

@@ -1,0 +1,99 @@
+"""How far each engine is from the floor: achieved TFLOP/s (FLOPs per sample from the engine's audit, times the
+batch, over its p50) beside the device's peak for that precision — measured once per device with a large GEMM in
+PyTorch and cached, the datasheet figure beside it where known.
+
+The peak is what a large GEMM reaches here, not the datasheet's: an engine at 50 % of it is at half of what this
+device does for dense math, which is the floor users compare against.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from kiln.core.artifacts import write_text_atomic
+from kiln.core.records import EngineValidation
+
+log = logging.getLogger("kiln.validate")
+
+# Dense tensor-core TFLOP/s from NVIDIA's datasheets (without sparsity); FP32 is the non-tensor-core figure.
+DATASHEET: dict[str, dict[str, float]] = {
+    "NVIDIA H200": {"fp16": 989.0, "fp8": 1979.0, "int8": 1979.0, "fp32": 67.0},
+    "NVIDIA H100 80GB HBM3": {"fp16": 989.0, "fp8": 1979.0, "int8": 1979.0, "fp32": 67.0},
+    "NVIDIA A100-SXM4-80GB": {"fp16": 312.0, "int8": 624.0, "fp32": 19.5},
+    "NVIDIA L4": {"fp16": 121.0, "fp8": 242.0, "int8": 242.0, "fp32": 30.3},
+}
+GEMM = {"cuda": 8192, "cpu": 1024}  # square GEMM size per device: large enough to reach the peak, quick to run
+
+
+def device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def peak_tflops(device: str, cache_dir: Path | None) -> dict[str, Any]:
+    """The device's measured GEMM peak per precision (TFLOP/s), with its datasheet figures; cached per device."""
+    name = device_name(device)
+    path = Path(cache_dir) / "peak.json" if cache_dir is not None else None
+    cached = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    if name not in cached:
+        cached[name] = {"measured": _measure(device), "datasheet": DATASHEET.get(name, {}), "gemm": GEMM[device]}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, json.dumps(cached, indent=2))
+    return {"device": name, **cached[name]}
+
+
+def _measure(device: str) -> dict[str, float]:
+    import torch
+
+    n = GEMM[device]
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16} if device == "cuda" else {"fp32": torch.float32}
+    out = {}
+    for label, dtype in dtypes.items():
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        out[label] = round(2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, device) / 1e12, 2)
+    return out
+
+
+def _best_seconds(fn: Any, device: str, calls: int = 10) -> float:
+    import torch
+
+    fn()
+    best = float("inf")
+    for _ in range(calls):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def roofline(entry: EngineValidation, flops_per_sample: int, peak: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per batch size: the engine's achieved TFLOP/s at its p50 and the share of the measured peak of its
+    precision (FP16's for INT8/FP8 where those are not measured) and of the datasheet's."""
+    measured, sheet = peak.get("measured", {}), peak.get("datasheet", {})
+    kind = entry.precision if entry.precision in measured else ("fp16" if "fp16" in measured else "fp32")
+    out = {}
+    for bs, lat in entry.latency_ms.items():
+        tflops = flops_per_sample * int(bs) / (lat.p50 / 1e3) / 1e12
+        row: dict[str, Any] = {"tflops": round(tflops, 4), "peak": kind}
+        row["pct_of_measured_peak"] = row["pct_of_datasheet"] = None
+        if measured.get(kind):
+            row["pct_of_measured_peak"] = round(100 * tflops / measured[kind], 2)
+        if sheet.get(entry.precision):
+            row["pct_of_datasheet"] = round(100 * tflops / sheet[entry.precision], 2)
+        out[bs] = row
+    return out

@@ -1,0 +1,58 @@
+"""Every engine carries its precision audit, and its label is what its graph computes: `kiln build` labels an
+unlabelled graph from the audit and refuses a label the built engine contradicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnxruntime.quantization import QuantFormat, quantize_static
+from onnxruntime.quantization.calibrate import CalibrationDataReader
+
+from kiln.core.errors import BuildError
+from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.stage import MislabelledEngine, build_direct
+from tests.stages.precision.test_audit import graph
+
+
+class Reader(CalibrationDataReader):
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.rows = iter(
+            {"x": rng.standard_normal((1, 40, 8)).astype(np.float32), "img": rng.random((1, 3, 6, 6), np.float32)}
+            for _ in range(4)
+        )
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self.rows, None)
+
+
+@pytest.fixture
+def qdq(tmp_path: Path) -> Path:
+    """An INT8 Q/DQ graph made by ONNX Runtime's quantizer (not by Kiln)."""
+    fp32, out = tmp_path / "fp32.onnx", tmp_path / "int8.onnx"
+    onnx.save(graph(), str(fp32))
+    quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ)
+    return out
+
+
+def test_an_unlabelled_qdq_graph_is_built_as_int8(tmp_path: Path, qdq: Path) -> None:
+    meta = build_direct(qdq, tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+    assert meta.precision == "int8" and meta.audit["share"]["int8"] >= 0.5 and meta.audit["flops_per_sample"] > 0
+
+
+@pytest.mark.parametrize("label", ["fp32", "fp16"])
+def test_a_label_the_engine_contradicts_is_refused(tmp_path: Path, qdq: Path, label: str) -> None:
+    with pytest.raises(BuildError, match=f"labelled {label}"):
+        build_direct(qdq, tmp_path / "engine", "onnxruntime", "cpu", label, BuildConfig())
+    assert not (tmp_path / "engine").exists()  # nothing half-built left behind
+
+
+def test_an_fp16_graph_on_the_cpu_provider_computes_in_fp32(tmp_path: Path) -> None:
+    """ONNX Runtime's CPU provider runs FP16 MatMul/Conv through casts to FP32: an "FP16" engine that is not."""
+    src = tmp_path / "fp16.onnx"
+    onnx.save(graph(onnx.TensorProto.FLOAT16), str(src))
+    with pytest.raises(MislabelledEngine, match="computes 0% in fp16"):
+        build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", "fp16", BuildConfig())
