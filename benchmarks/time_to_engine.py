@@ -158,8 +158,13 @@ def run_model(name: str, config: dict[str, Any], folder: Path, gpu: bool) -> dic
     report = json.loads((folder / f"wd-{name}" / "report.json").read_text())
     row["stages_s"] = {stage: s["seconds"] for stage, s in report["stages"].items()}
     row["validation_passed"] = report["validation"]["passed"]
-    keys = ("name", "passed", "cosine", "top1_agreement", "top1_ties", "failures")
+    keys = ("name", "passed", "cosine", "top1_agreement", "top1_ties", "failures", "latency_ms", "speedups")
+    keys += ("speedup_ci", "flops_per_sample", "precision_share", "roofline")
     row["engines"] = [{k: e.get(k) for k in keys} for e in report["validation"]["engines"]]
+    row["baselines"] = [
+        {k: b.get(k) for k in ("kind", "device", "latency_ms")} for b in report["validation"]["baselines"]
+    ]
+    row["timing"], row["peaks"] = report["validation"].get("timing"), report["validation"].get("peaks")
     raw = folder / f"wd-{name}" / "export" / "model.onnx"
     opt_wall, opt = timed([*kiln, "optimize", str(raw), "-o", str(folder / f"{name}.opt.onnx"), "--quiet"], folder, env)
     row["kiln_optimize_s"] = round(opt_wall, 2) if opt.returncode == 0 else None
