@@ -18,6 +18,7 @@ import numpy as np
 
 from kiln.calibration.data import ArrayReader, hash_batches
 from kiln.core.artifacts import hash_file, hash_json, write_text_atomic
+from kiln.core.errors import InputError
 
 log = logging.getLogger("kiln.calibration")
 
@@ -111,14 +112,39 @@ def calibrate(
             if not checksum.is_file() or checksum.read_text().strip() != hash_file(path):
                 raise ValueError("its content does not match the checksum written with it")
             tensors = load_tensors_data(path)
-            log.info("calibration cache hit %s (%s)", path.name[:12], method)
-            return Ranges(tensors, path, key, True, method)
         except (OSError, ValueError, KeyError, TypeError) as exc:  # torn, foreign or damaged: recalibrate over it
             log.warning("ignoring calibration cache %s: %s", path, exc)
+        else:
+            log.info("calibration cache hit %s (%s)", path.name[:12], method)
+            check_ranges(tensors, model_path)
+            return Ranges(tensors, path, key, True, method)
     tensors = _run_calibrator(model_path, batches, input_name, method, symmetric, percentile)
+    check_ranges(tensors, model_path)
     save_tensors_data(tensors, path)  # atomic (temp file + rename) in ORT
     write_text_atomic(checksum, hash_file(path))
     return Ranges(tensors, path, key, False, method)
+
+
+def check_ranges(tensors: Any, model_path: Path) -> None:
+    """Ranges that cannot be right are an error, never INT8 scales: a NaN or infinite bound, every range 0 (the
+    calibration data measured nothing: all zeros, say), or a float graph input whose range is 0."""
+    import onnx
+
+    bounds = {name: [np.asarray(v, dtype=np.float64) for v in td.range_value] for name, td in tensors.items()}
+    hint = "calibrate on real, varied samples of the inputs the model will see (--calibration, data.name)"
+    broken = sorted(n for n, (lo, hi) in bounds.items() if not (np.isfinite(lo).all() and np.isfinite(hi).all()))
+    if broken:
+        raise InputError(
+            f"calibration gave NaN or infinite ranges for {len(broken)} tensors ({', '.join(broken[:4])})", hint=hint
+        )
+    flat = {n for n, (lo, hi) in bounds.items() if not (np.any(lo != 0) or np.any(hi != 0) or np.any(lo != hi))}
+    if bounds and len(flat) == len(bounds):
+        raise InputError(f"calibration measured nothing: all {len(bounds)} tensor ranges are 0", hint=hint)
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+    constant = [i.name for i in graph.input if i.name in flat and i.type.tensor_type.elem_type in floats]
+    if constant:
+        raise InputError(f"calibration input '{constant[0]}' is 0 in every sample: its range is 0", hint=hint)
 
 
 def _run_calibrator(

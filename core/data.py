@@ -198,6 +198,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
             )
         if y is not None:
             _check_labels(y, split, data.num_classes, ref)
+        _check_values(x, y, split, ref)
     if (data.train_y is None) != (data.val_y is None):
         raise DataContractError(
             f"dataset '{ref}' gives labels for one split only", hint="give both train_y and val_y, or neither (None)"
@@ -209,6 +210,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
             hint="structure train_x and val_x the same way (the same tensor, tuple or dict keys)",
         )
     names = _keys(vx)
+    _check_dynamic_axes(vx, dynamic or {}, ref)
     for name, a, b in zip(names, tensors(tx), tensors(vx)):
         free = {int(axis) for axis in (dynamic or {}).get(name, {})}
         differ = [i + 1 for i, (p, q) in enumerate(zip(a.shape[1:], b.shape[1:])) if p != q and i + 1 not in free]
@@ -244,6 +246,11 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
         )
     dense = y.ndim > 1
     given = y[y != IGNORE_LABEL] if dense else y
+    if not given.numel():  # nothing to train on or to measure accuracy with; never a run that says it passed
+        raise DataContractError(
+            f"dataset '{ref}': every label of {split}_y is {IGNORE_LABEL} (no position has a label)",
+            hint=f"label some positions of {split}_y, or give None for no labels",
+        )
     if given.numel() and (int(given.min()) < 0 or int(given.max()) >= num_classes):
         raise DataContractError(
             f"dataset '{ref}': {split}_y has labels from {int(given.min())} to {int(given.max())}, "
@@ -251,6 +258,47 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
             + (f"; {IGNORE_LABEL} marks a position without a label" if dense else ""),
             hint="fix the labels or num_classes",
         )
+
+
+def _check_values(x: Inputs, y: torch.Tensor | None, split: str, ref: str) -> None:
+    """Inputs of a type a model can take (real numbers or booleans), and no NaN or infinity in float inputs or
+    targets: a NaN would otherwise skip every training step or fail a gate as if the engine were wrong."""
+    for key, t in zip(_keys(x), tensors(x)):
+        where = f"{split}_x" + ("" if isinstance(x, torch.Tensor) else f"[{key!r}]")
+        if t.dtype.is_complex:
+            raise DataContractError(
+                f"dataset '{ref}' gives {where} as {t.dtype}: complex inputs cannot be exported or run",
+                hint="give real inputs (e.g. the real and imaginary parts as two channels)",
+            )
+        _check_finite(t, where, ref)
+    if y is not None and y.dtype.is_floating_point:
+        _check_finite(y, f"{split}_y", ref)
+
+
+def _check_finite(t: torch.Tensor, where: str, ref: str) -> None:
+    if not t.dtype.is_floating_point:
+        return
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    if nan or inf:
+        counts = " and ".join(s for s in (f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else "") if s)
+        raise DataContractError(
+            f"dataset '{ref}': {where} holds {counts} values",
+            hint="clean or drop those samples in the dataset function (e.g. torch.nan_to_num, or a mask)",
+        )
+
+
+def _check_dynamic_axes(x: Inputs, dynamic: Mapping[str, Mapping[int, str]], ref: str) -> None:
+    """Each axis of signature.dynamic_axes exists in the input it names (axis 0, the batch, is not one of them)."""
+    ranks = {name: t.dim() for name, t in zip(_keys(x), tensors(x))}
+    for name, axes in dynamic.items():
+        rank = ranks.get(name)
+        for axis in axes:
+            if rank is not None and not 1 <= int(axis) < rank:
+                raise DataContractError(
+                    f"signature.dynamic_axes gives input '{name}' axis {axis}, but dataset '{ref}' gives it "
+                    f"{rank} axes (0 is the batch; 1..{rank - 1} may vary)",
+                    hint=f"name an axis from 1 to {rank - 1} of '{name}' in signature.dynamic_axes",
+                )
 
 
 def _check_x(x: Any, field: str, ref: str) -> None:

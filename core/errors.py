@@ -70,11 +70,7 @@ def storage_error(exc: OSError, doing: str = "") -> StorageError:
     ``doing``: what Kiln was at (``"writing the report"``), when the error's own path does not say it."""
     what = (f" while {doing}" if doing else "") + (f": {exc.filename}" if exc.filename else "")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return StorageError(
-            f"no space left on the device{what}",
-            hint="free disk space (or point --workdir / -o at a larger disk) and run again; "
-            "finished stages are kept and the run resumes",
-        )
+        return disk_full_error(exc.filename or doing)
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         kind = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
         return StorageError(
@@ -92,3 +88,38 @@ def storage_error(exc: OSError, doing: str = "") -> StorageError:
     return StorageError(
         f"{exc.strerror or type(exc).__name__}{what}", hint="check the disk and the path, then run again"
     )
+
+
+# How libraries that wrap the OS error say it: torch's zip writer, Rust's (safetensors) error kinds, the C library.
+DISK_FULL_TEXT = ("no space left on device", "disk quota exceeded", "storagefull", "os error 28", "errno 28")
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full_error(where: object) -> StorageError:
+    """The one message for a full disk (or quota), whichever stage or library was writing ``where``."""
+    return StorageError(
+        f"disk full while writing {where} (no space left on the device)",
+        hint="free disk space (or point --workdir / -o at a larger disk) and run again; "
+        "finished stages are kept and the run resumes",
+    )
+
+
+def disk_full(exc: BaseException, where: object) -> StorageError | None:
+    """:func:`disk_full_error` if a full disk is what ``exc`` comes down to, else None. Libraries wrap the OS error
+    (torch.save's RuntimeError, ONNX Runtime's Fail) and Kiln's own errors quote them, so the chain
+    (``__cause__``/``__context__``, kept even under ``raise ... from None``) and the messages are both read:
+    the cause the user acts on is the disk, not "export failed"."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return disk_full_error(where or e.filename)
+        text = (e.message if isinstance(e, KilnError) else str(e)).lower()
+        if any(t in text for t in DISK_FULL_TEXT):
+            return disk_full_error(where)
+        todo += [e.__cause__, e.__context__]
+    return None

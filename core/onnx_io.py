@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 from pathlib import Path
@@ -46,6 +47,7 @@ def load_onnx(path: str | Path, load_external_data: bool = True) -> onnx.ModelPr
             hint="re-export the model; the file may be truncated or not ONNX",
         )
     _check_external_data(model, p)
+    check_opset(model, p)
     if load_external_data:
         try:
             onnx.load_external_data_for_model(model, str(p.parent))
@@ -55,6 +57,47 @@ def load_onnx(path: str | Path, load_external_data: bool = True) -> onnx.ModelPr
                 hint="keep the model's .data file(s) beside it, complete, as exported",
             ) from None
     return model
+
+
+def check_opset(model: onnx.ModelProto, path: Path) -> None:
+    """The graph's ONNX opset is one this onnx package and ONNX Runtime can run, said by its number where the file
+    enters (ONNX Runtime's own refusal comes later, as a C++ function name in a one-line message)."""
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if version is None:
+        return
+    newest = min(onnx.defs.onnx_opset_version(), ort_max_opset())
+    if version > newest:
+        raise ModelError(
+            f"{path} uses ONNX opset {version}; this ONNX Runtime and onnx run opsets up to {newest}",
+            hint=f"re-export the model with an opset up to {newest} (torch.onnx.export(..., opset_version={newest}), "
+            "Kiln's export.opset), or upgrade onnxruntime and onnx",
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def ort_max_opset() -> int:
+    """The newest opset ONNX Runtime loads here: found once, by loading a one-node graph at each candidate (its
+    Python API does not say)."""
+    low, high = 17, onnx.defs.onnx_opset_version()  # every supported ONNX Runtime runs opset 17
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if _ort_loads_opset(mid) else (low, mid - 1)
+    return low
+
+
+def _ort_loads_opset(version: int) -> bool:
+    import onnxruntime as ort
+
+    value = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe", [value], [])
+    graph.output.append(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1]))
+    opsets = [onnx.helper.make_opsetid("", version)]
+    model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=onnx.helper.find_min_ir_version_for(opsets))
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - any refusal means this opset does not load
+        return False
+    return True
 
 
 def _check_external_data(model: onnx.ModelProto, path: Path) -> None:

@@ -16,6 +16,8 @@ from pydantic import Field, PositiveInt, field_validator
 
 from kiln.core.sections import Section
 
+BATCH_AXIS = "batch"  # the name of axis 0 in every exported graph
+
 # key -> the section that held it before it became part of the signature
 FORMER_PLACES = {
     "dynamic_axes": "export",
@@ -48,6 +50,33 @@ class Signature(Section):
         description="the class-logit output (name or index) for top-1 agreement and accuracy; null: the only "
         "output, else one named 'logits', else none (outputs compared by error and cosine only)",
     )
+
+    @field_validator("dynamic_axes")
+    @classmethod
+    def _axes_besides_batch(cls, value: dict[str, dict[int, str]]) -> dict[str, dict[int, str]]:
+        # Axis 0 is the batch (export.dynamic_batch); an axis named "batch" would be tied to it: a channel axis
+        # named so became the engines' batch axis.
+        for name, axes in value.items():
+            for axis, dim in axes.items():
+                if axis < 1:
+                    raise ValueError(
+                        f"input '{name}' axis {axis}: axes are counted from 1 here (0 is the batch, which "
+                        "export.dynamic_batch makes dynamic; negative indices are not taken)"
+                    )
+                if not str(dim).strip() or str(dim) == BATCH_AXIS:
+                    raise ValueError(
+                        f"input '{name}' axis {axis} is named {dim!r}: give it a name of its own "
+                        f"('{BATCH_AXIS}' is the batch axis 0), e.g. seq"
+                    )
+        return value
+
+    @field_validator("shapes")
+    @classmethod
+    def _positive_sizes(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
+        for name, sizes in value.items():
+            if not sizes or any(size < 1 for size in sizes):
+                raise ValueError(f"axis '{name}' sizes {sizes}: give one or more sizes of at least 1")
+        return value
 
     @field_validator("batch_sizes")
     @classmethod

@@ -20,7 +20,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.core.errors import ConfigError, GateFailure, KilnError, storage_error
+from kiln.core.errors import ConfigError, GateFailure, KilnError, disk_full, storage_error
 from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
 from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
 from kiln.stages.engines.registry import BACKENDS
@@ -48,7 +48,7 @@ class KilnCommand(click.Command):
         try:
             return super().invoke(ctx)
         except KilnError as exc:
-            _fail(ctx, exc)
+            _fail(ctx, disk_full(exc, _written(ctx)) or exc)
         except OSError as exc:  # a disk or folder problem anywhere (read-only -o, disk full): the same two lines
             logging.getLogger("kiln").debug("OS error", exc_info=True)
             _fail(ctx, storage_error(exc))
@@ -61,6 +61,16 @@ class KilnCommand(click.Command):
                     hint="use smaller batch sizes (signature.batch_sizes, train.batch_size) or a smaller model",
                 ),
             )
+        except Exception as exc:  # a library's own error for a full disk (torch.save's RuntimeError); else a bug
+            full = disk_full(exc, _written(ctx))
+            if full is None:
+                raise
+            _fail(ctx, full)
+
+
+def _written(ctx: click.Context) -> str:
+    """Where the command writes (its -o, else its workdir), to name in a disk-full error."""
+    return str(ctx.params.get("output") or ctx.params.get("workdir") or "its output")
 
 
 def _fail(ctx: click.Context, exc: KilnError) -> None:

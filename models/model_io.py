@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from kiln.core.artifacts import write_bytes_atomic
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, feed_for_graph, rows
 from kiln.core.errors import ConfigError, InputFileError
+from kiln.core.feeds import check_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.signature import Signature
@@ -47,7 +48,24 @@ def dataset_for(model: ModelConfig, data: DataConfig, signature: Signature, seed
         )
     params = dict(data.params)
     params.setdefault("seed", seed) if name in DATASETS else None  # built-ins split by the run seed
-    return load_dataset(name, params, signature.dynamic_axes)
+    splits = load_dataset(name, params, signature.dynamic_axes)
+    if model.onnx:
+        check_onnx_takes(Path(model.onnx), splits, name)
+    return splits
+
+
+def check_onnx_takes(path: Path, data: DatasetSplits, ref: str) -> None:
+    """The dataset's inputs against the graph inputs of the ``model.onnx`` a run starts from (names, dtypes, ranks
+    and fixed sizes), before any stage hands them to ONNX Runtime: a mismatch is named here, not deep inside it."""
+    graph_inputs, _ = io_specs(load_onnx(path, load_external_data=False))
+    # the batch axis is the run's to choose (signature.batch_sizes), whatever size the file fixed it to
+    specs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in graph_inputs]
+    names = [s.name for s in specs]
+    for split in ("train_x", "val_x"):
+        x = getattr(data, split)
+        if rows(x):
+            feed = feed_for_graph(x, names, f"model.onnx {path.name}")
+            check_feed(feed, specs, f"dataset '{ref}' {split}", f"model.onnx {path.name}")
 
 
 def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -> DatasetSplits:

@@ -145,6 +145,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise InputFileError(
                 f"config file not found: {p}", hint="pass an existing .yaml/.toml file, or none for the demo"
             )
+        _check_kind(p)
         if p.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(
                 f"config {p} is {p.stat().st_size} bytes; a run config is at most {MAX_CONFIG_BYTES}",
@@ -154,7 +155,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             text = p.read_text()
         except UnicodeDecodeError:
             raise ConfigError(f"config {p} is not a text file", hint="pass a .yaml/.toml/.json run config") from None
-        if not text.strip() or (p.suffix not in (".toml", ".json") and _only_comments(text)):
+        if not text.strip() or (p.suffix.lower() not in (".toml", ".json") and _only_comments(text)):
             raise ConfigError(
                 f"config {p} is empty",
                 hint="write at least the model: section (`kiln config` "
@@ -172,7 +173,34 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     config = config_from_dict(data, source)
     _check_files(config, Path(path).parent if path else Path.cwd())
     _check_names(config)
+    _check_combinations(config)
     return config
+
+
+def _check_kind(p: Path) -> None:
+    """The file's kind by its suffix, in any case (``.YAML``, ``.Json``): a suffix Kiln does not read is refused
+    rather than parsed as YAML."""
+    if p.suffix.lower() not in CONFIG_SUFFIXES:
+        raise ConfigError(
+            f"config {p} has the suffix '{p.suffix}', not one of a run config: {', '.join(CONFIG_SUFFIXES)}",
+            hint=f"rename it to {p.stem}.yaml (or .toml / .json, as its content is written)",
+        )
+
+
+def _check_combinations(config: KilnConfig) -> None:
+    """Settings each valid alone that cannot work together, named both: a backend that builds from the PyTorch
+    model (torch) on a run that starts from an ONNX file with no PyTorch model named."""
+    if not config.model.onnx or "name" in config.model.model_fields_set:
+        return
+    graph_readers = set(config.build.graph_readers)
+    torch_only = [b for b in config.build.backends if b not in graph_readers]
+    if torch_only:
+        raise ConfigError(
+            f"build.backends {torch_only} builds from the PyTorch model, but model.onnx starts the run from "
+            f"{Path(config.model.onnx).name} with no model.name",
+            hint=f"drop {', '.join(torch_only)} from build.backends, or name the PyTorch model (model.name) "
+            "that model.onnx was exported from",
+        )
 
 
 def _check_names(config: KilnConfig) -> None:
@@ -219,9 +247,9 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _parse(p: Path, text: str) -> Any:
     try:
-        if p.suffix == ".toml":
+        if p.suffix.lower() == ".toml":
             return tomllib.loads(text)  # TOML itself forbids duplicate keys
-        if p.suffix == ".json":
+        if p.suffix.lower() == ".json":
             return json.loads(text, object_pairs_hook=_no_duplicate_keys)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:

@@ -26,7 +26,7 @@ from kiln.core.artifacts import (
     write_json_atomic,
 )
 from kiln.core.env import environment
-from kiln.core.errors import GateFailure, KilnError, storage_error
+from kiln.core.errors import GateFailure, KilnError, disk_full, storage_error
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.models.model_io import dataset_for
@@ -224,12 +224,12 @@ class Runner:
                 continue
             try:
                 record = self._run_one(stage, stage.name in force)
-            except KilnError as exc:
-                record = StageRecord(stage.name, "failed", error=str(exc))
-                error = exc
+            except KilnError as exc:  # one that quotes a full disk says the disk (export failed: ... errno 28)
+                error = disk_full(exc, self._place(stage)) or exc
+                record = StageRecord(stage.name, "failed", error=str(error))
             except OSError as exc:  # disk full, read-only, permissions: a clear message, finished stages kept
                 log.debug("stage %s: OS error", stage.name, exc_info=True)
-                error = storage_error(exc, f"running stage '{stage.name}'")
+                error = disk_full(exc, self._place(stage)) or storage_error(exc, f"running stage '{stage.name}'")
                 record = StageRecord(stage.name, "failed", error=str(error))
             except MemoryError:
                 log.debug("stage %s: out of memory", stage.name, exc_info=True)
@@ -238,6 +238,12 @@ class Runner:
                     hint="lower signature.batch_sizes, train.batch_size or the model's size",
                 )
                 record = StageRecord(stage.name, "failed", error=str(error))
+            except Exception as exc:  # a library's own error for a full disk (torch.save's RuntimeError); else a bug
+                full = disk_full(exc, self._place(stage))
+                if full is None:
+                    raise
+                log.debug("stage %s: disk full", stage.name, exc_info=True)
+                error, record = full, StageRecord(stage.name, "failed", error=str(full))
             records.append(record)
             self.on_event(record)
             failures = record.summary.gate_failures() if record.summary is not None else None
@@ -254,6 +260,10 @@ class Runner:
             if stop is not None and stage.name == stop:
                 break
         return RunResult(self.workdir, records, error)
+
+    def _place(self, stage: Stage) -> str:
+        """Where a stage writes, as its errors name it (not the staging folder's temporary name)."""
+        return f"{self.workdir / stage.name} (running stage '{stage.name}')"
 
     def _run_one(self, stage: Stage, forced: bool) -> StageRecord:
         final = self.workdir / stage.name

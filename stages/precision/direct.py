@@ -22,7 +22,7 @@ from kiln.core.outputs import logits_name
 from kiln.core.progress import SilentProgress
 from kiln.core.records import TensorSpec, Variants
 from kiln.core.shapes import graph_axes
-from kiln.stages.precision.stage import PrecisionSettings, build_variants, variant_record
+from kiln.stages.precision.stage import PrecisionSettings, build_variants, failure_hint, variant_record
 from kiln.stages.precision.variants import Source
 
 log = logging.getLogger("kiln.precision")
@@ -36,7 +36,7 @@ def precision_direct(
     inputs, outputs = io_specs(graph)
     ccfg, pcfg = cfg.calibration, cfg.precision.model_copy(deep=True)
     if calibration is not None:
-        data = read_feed(calibration, inputs)
+        data = read_feed(calibration, inputs, "the model")
         source = f"{calibration} ({len(next(iter(data.values())))} rows)"
     else:
         data = _random(inputs, cfg)
@@ -68,8 +68,8 @@ def precision_direct(
         built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log)
     if set(variants) - set(built):
         raise ModelError(
-            "precision variants failed: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
-            hint="drop the variant from --variants, or fix the error it names",
+            "precision variants failed: " + "; ".join(f"{p}: {e.message}" for p, e in failed.items()),
+            hint=failure_hint(failed, "or drop the variant from --variants"),
         )
     sizes = {
         d: [int(a.shape[i])]

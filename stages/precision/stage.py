@@ -121,7 +121,8 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         )
         cache_dir = src.cache_dir if ccfg.cache else None
         check = held_out_check(ctx, data, src, inputs) if set(converted) - {"fp32"} else None
-        variants, failed = build_variants(src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log)
+        variants, errors = build_variants(src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log)
+        failed = {p: e.message for p, e in errors.items()}
         x_val = check.samples if check is not None else {}
         modules = torch_modules(src.model, *_export_graph(ctx))
         node_report = (
@@ -136,7 +137,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     if not variants:
         raise ModelError(
             "no precision variant could be built: " + "; ".join(f"{p}: {m}" for p, m in failed.items()),
-            hint="add fp32 to precision.variants, or fix the first error above",
+            hint=failure_hint(errors, "or add fp32 to precision.variants"),
         )
     for e in variants.values():  # which PyTorch module each kept node came from, beside its ONNX name
         e["kept_fp32_modules"] = _modules_of(e["kept_fp32"], modules)
@@ -176,12 +177,12 @@ def build_variants(
     x_val: Samples | GateCheck | None,
     progress: Progress,
     log: logging.Logger,
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[dict[str, Any], dict[str, KilnError]]:
     """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there), judged by
     ``x_val`` (validation's check, or samples to check on); a variant that fails, or that no fallback round got
     through the gates, is listed with why (variant -> message) and the others go on."""
     variants: dict[str, Any] = {}
-    failed: dict[str, str] = {}
+    failed: dict[str, KilnError] = {}
     with progress.task("precision variants", total=len(wanted)) as bar:
         for precision in wanted:
             out = root / precision / "model.onnx"
@@ -197,13 +198,19 @@ def build_variants(
                     del variants[precision]
                     raise ModelError(unmade, hint=UNMADE_HINT)
             except KilnError as exc:  # one variant's failure must not take the others with it
-                failed[precision] = exc.message + (f" (fix: {exc.hint})" if exc.hint else "")
-                log.error("precision variant %s failed, the others go on: %s", precision, failed[precision])
+                failed[precision] = exc
+                log.error("precision variant %s failed, the others go on: %s", precision, exc.message)
                 shutil.rmtree(root / precision, ignore_errors=True)
             else:
                 _log_variant(log, precision, variants[precision])
             bar.advance(1, note=precision)
     return variants, failed
+
+
+def failure_hint(errors: dict[str, KilnError], otherwise: str) -> str:
+    """One fix for the failed variants: each error's own fix (said once), then ``otherwise``."""
+    hints = list(dict.fromkeys(e.hint for e in errors.values() if e.hint))
+    return "; ".join([*hints, otherwise]) if hints else otherwise
 
 
 UNMADE_HINT = (

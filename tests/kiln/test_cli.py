@@ -296,7 +296,7 @@ def test_direct_validate_inputs_of_the_wrong_shape_or_dtype(cli: CliRunner, tmp_
         result = cli.invoke(
             main, ["validate", str(engine), "--reference", str(onnx_path), "--inputs", str(tmp_path / name)]
         )
-        assert_clean_error(result, 2, "input 'input' is", "the engine takes float32[batch, 1, 8, 8]")
+        assert_clean_error(result, 2, "input 'input' in", "the engine takes float32[batch, 1, 8, 8]")
 
 
 @pytest.mark.slow

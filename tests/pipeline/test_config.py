@@ -106,7 +106,7 @@ def test_override_into_empty_yaml_section(tmp_path: Path) -> None:
 
 def test_binary_config_file_is_config_error(tmp_path: Path) -> None:
     # e.g. `kiln run model.onnx`: before, a UnicodeDecodeError traceback.
-    p = tmp_path / "model.onnx"
+    p = tmp_path / "model.yaml"
     p.write_bytes(bytes(range(128, 256)))
     with pytest.raises(ConfigError, match="not a text file"):
         load_config(p)
