@@ -19,6 +19,7 @@ from kiln.core.data import Feed
 from kiln.core.onnx_io import ort_session
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
+from kiln.core.timing import MIN_ROUNDS, interleave, median_interval, time_calls
 from kiln.stages.accuracy.check import Reference, accuracy_failures, compare_on, gates_for, summarize
 from kiln.stages.accuracy.config import GatesConfig
 from kiln.stages.precision.config import FallbackConfig
@@ -98,6 +99,26 @@ class GateCheck:
         }
         assert found.last is not None  # the data's own shape is always validated on a graph of any shape
         return Verdict(metrics, failures, self.ref.outputs[-1][key], found.last[key])
+
+    def time_graphs(self, graphs: dict[str, Path], rounds: int = MIN_ROUNDS) -> dict[str, tuple[float, float, float]]:
+        """p50 ms and its 95 % interval of each graph in ONNX Runtime on the held-out samples at the largest batch,
+        timed in interleaved rounds."""
+        feed = {k: v[: max(self.batch_sizes)] for k, v in self.samples.items()}
+        timers = {name: _session_timer(session_runner(path), feed) for name, path in graphs.items()}
+        out = {}
+        for name, per_round in interleave(timers, rounds, 3, budget_s=2.0).items():
+            medians = [float(np.median(r)) for r in per_round]
+            out[name] = (float(np.median([t for r in per_round for t in r])), *median_interval(medians))
+        return out
+
+
+def _session_timer(run: Any, feed: Feed) -> Any:
+    run(feed)
+
+    def timer(calls: int, budget_s: float | None) -> list[float]:
+        return time_calls(lambda: run(feed), calls, cuda=False, budget_s=budget_s, min_calls=1)
+
+    return timer
 
 
 def _extra_failures(entry: EngineValidation, extra: FallbackConfig | None) -> list[str]:

@@ -149,7 +149,10 @@ def build_int8(
     )
     if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
         ort_out = out.with_name("model.ort_cpu.onnx")
-        entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, check, base | res.kept, candidates)
+        # from the nodes the Q/DQ graph kept in float where it passed; from the base alone where it did not (its
+        # fallback may have kept every node, and this graph, of another scheme, may need none of them)
+        start = base | res.kept if res.passed else base
+        entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, check, start, candidates)
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
@@ -242,4 +245,5 @@ def _fallback_record(res: FallbackResult) -> dict[str, Any]:
         "nodes": sorted(res.kept),
         "failures": res.failures,
         "tried": res.tried,
+        **({"timing": res.timing} if res.timing else {}),
     }
