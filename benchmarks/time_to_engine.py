@@ -99,7 +99,7 @@ def image_data(rows: int = 64, size: int = 224, classes: int = 1000) -> DatasetS
 '''
 
 
-def configs(smoke: bool, gpu: bool) -> dict[str, dict[str, Any]]:
+def configs(smoke: bool, gpu: bool, variants: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """model -> its run config (training off; validate at 1 and 32, or 1 and 4 in smoke mode)."""
     small = {"hf_bert": {"layers": 1, "hidden": 64, "heads": 4, "ffn": 128}, "resnet18": {"width": 8, "classes": 10}}
     data = {"hf_bert": {"seq": 16}, "resnet18": {"size": 32, "classes": 10}}
@@ -115,7 +115,7 @@ def configs(smoke: bool, gpu: bool) -> dict[str, dict[str, Any]]:
             "model": {"name": f"tte_models:{name}", "params": small[name] if smoke else {}},
             "data": {"name": f"tte_models:{data_fn}", "params": data[name] if smoke else {}},
             "train": {"enabled": False},
-            "precision": {"variants": ["fp16" if gpu else "fp32"]},
+            "precision": {"variants": variants or ["fp16" if gpu else "fp32"]},
             "build": build,
             "signature": {"batch_sizes": [1, 4] if smoke else [1, 32]},
             "validate": {"warmup": 3, "iterations": 10},
@@ -178,9 +178,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", default="hf_bert,resnet18", help="comma-separated: hf_bert, resnet18")
     parser.add_argument("--gpu", action="store_true", help="the torch FP16 engine on CUDA (the GPU host)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, seconds (CI)")
+    parser.add_argument("--variants", default=None, help="precision.variants, e.g. fp16,fp8 (default: fp16 on the GPU)")
     parser.add_argument("--out", type=Path, default=None, help="folder for time_to_engine.json and .md")
     args = parser.parse_args(argv)
-    cfgs = configs(args.smoke, args.gpu)
+    cfgs = configs(args.smoke, args.gpu, args.variants.split(",") if args.variants else None)
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -151,7 +151,8 @@ def _audit(source: Path, out: Path, built: Built, axis_sizes: dict[str, list[int
         return engine_audit(source, out / model, sizes)
     settings = {**built.info.model_dump(mode="json"), **built.builder_settings}
     if "dtype" in settings:  # a PyTorch program cast to one dtype
-        return engine_audit(source, None, sizes, declared={"float16": "fp16", "float32": "fp32"}[settings["dtype"]])
+        declared = {"float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8"}[settings["dtype"]]
+        return engine_audit(source, None, sizes, declared=declared)
     if settings.get("strongly_typed", True):  # precision from the graph
         return engine_audit(source, None, sizes)
     audit = engine_audit(source, None, sizes)

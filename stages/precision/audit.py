@@ -26,7 +26,7 @@ COMPUTE |= {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
 INTEGER = {"MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv", "DynamicQuantizeMatMul", "QGemm"}
 INTEGER |= {"MatMulIntegerToFloat", "QAttention", "QOrderedMatMul", "MatMulNBits"}
 WEIGHT_INPUT = {"QLinearMatMul": 3, "QLinearConv": 3, "QGemm": 3}  # where the second operand sits
-LOW = ("int8", "fp16")
+LOW = ("int8", "fp8", "fp16")
 MIN_SHARE = 0.5  # an engine labelled INT8/FP16 must run at least this share of its FLOPs in that precision
 
 
@@ -37,6 +37,7 @@ class Audit:
     flops: Counter[str] = field(default_factory=Counter)
     nodes: Counter[str] = field(default_factory=Counter)
     uncounted: int = 0
+    weight_flops: int = 0  # of MatMul/Gemm nodes whose second operand is a weight (linear layers)
     sizes: dict[str, int] = field(default_factory=dict)  # the dynamic axis sizes the FLOPs are counted at
 
     @property
@@ -47,7 +48,7 @@ class Audit:
         """Each precision's share of the FLOPs (of the node count where no FLOPs could be counted)."""
         weights = self.flops if self.total else self.nodes
         whole = sum(weights.values())
-        return {p: round(weights[p] / whole, 4) for p in ("int8", "fp16", "fp32") if whole and weights[p]}
+        return {p: round(weights[p] / whole, 4) for p in ("int8", "fp8", "fp16", "fp32") if whole and weights[p]}
 
     def label(self) -> str:
         """The precision the graph computes in: a low precision holding at least :data:`MIN_SHARE`, else fp32."""
@@ -75,6 +76,7 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
     types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.value_info, *m.graph.input, *m.graph.output]}
     types.update({t.name: t.data_type for t in m.graph.initializer})
     producer = {o: n for n in m.graph.node for o in n.output}
+    weights = {t.name for t in m.graph.initializer} | _transposed(m)
     out = Audit(sizes=used)
     for node in m.graph.node:
         if node.op_type not in COMPUTE | INTEGER:
@@ -86,6 +88,8 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
             out.uncounted += 1
         else:
             out.flops[precision] += flops
+            if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in weights:
+                out.weight_flops += flops
     return out
 
 
@@ -125,6 +129,12 @@ def _flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
     return 2 * prod(y) * a[-1]  # MatMul and its integer forms: [..., M, K] x [..., K, N]
 
 
+def _transposed(model: onnx.ModelProto) -> set[str]:
+    """Outputs of a Transpose of an initializer (an exporter's ``x @ W.T``): weights too."""
+    inits = {t.name for t in model.graph.initializer}
+    return {n.output[0] for n in model.graph.node if n.op_type == "Transpose" and n.input and n.input[0] in inits}
+
+
 def _pin(model: onnx.ModelProto, sizes: dict[str, int]) -> dict[str, int]:
     """Give the graph inputs' named axes concrete sizes (the first axis 1, others ``sizes`` or 1); returns them."""
     used: dict[str, int] = {}
@@ -161,6 +171,10 @@ def engine_audit(
     ``method``."""
     src = audit_graph(source, sizes)
     record = src.record()
+    if declared == "fp8":  # the linear layers (MatMul/Gemm on a weight) as FP8 GEMMs, the rest in bfloat16
+        linear = src.weight_flops
+        share = {"fp8": round(linear / src.total, 4), "bf16": round(1 - linear / src.total, 4)} if src.total else {}
+        return {**record, "share": share, "method": "declared by the builder: linear layers FP8, the rest bfloat16"}
     if declared is not None:
         return {**record, "share": {declared: 1.0}, "method": "declared by the builder (dtype)"}
     if engine_graph is None:

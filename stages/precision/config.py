@@ -8,7 +8,7 @@ from pydantic import Field
 
 from kiln.core.sections import Section
 
-Precision = Literal["fp32", "fp16", "int8"]
+Precision = Literal["fp32", "fp16", "int8", "fp8"]  # fp8: torch engines on GPUs with FP8 tensor cores
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # Ops whose FP16 result is unreliable: normalisation statistics, exponentials and powers overflow or lose

@@ -98,7 +98,8 @@ class PrecisionSummary(Summary):
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
     wanted = list(dict.fromkeys(cfg.variants))
-    converted = wanted if ctx.config.graph_readers else [p for p in wanted if p == "fp32"]
+    # FP8 is compiled from the PyTorch model by the torch backend: no ONNX graph of it is made
+    converted = [p for p in wanted if p != "fp8"] if ctx.config.graph_readers else [p for p in wanted if p == "fp32"]
     data = ctx.dataset()
     graph = load_onnx(ctx.inputs["optimize"] / "model.onnx")
     inputs, outputs = io_specs(graph)
@@ -280,6 +281,9 @@ def _unconverted(precision: str, log: logging.Logger) -> dict[str, Any]:
     why = (
         f"not converted: the backends in build.backends build {precision} from the PyTorch model, not from an "
         "ONNX graph (add onnxruntime or tensorrt to build.backends for a converted graph)"
+        if precision != "fp8"
+        else "not converted: FP8 engines are the torch backend's, compiled from the PyTorch model (build.backends: "
+        "[torch]); ONNX graphs stay FP16/INT8"
     )
     log.info("%s: %s", precision, why)
     return {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}, "graph": why}

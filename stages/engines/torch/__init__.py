@@ -31,10 +31,16 @@ def _build(req: BuildRequest) -> Built:
 
 def _plan(cfg: TorchConfig, precision: str) -> Plan:
     listed = cfg.devices if cfg.devices != "auto" else [_default_device()]
-    devices = [d for d in listed if precision == "fp32" or (precision == "fp16" and d == "cuda")]
+    gpu_only = {"fp16": "AOTInductor engines are FP32, or FP16 on the GPU", "fp8": "FP8 engines are for CUDA GPUs"}
+    devices = [d for d in listed if precision == "fp32" or (precision in gpu_only and d == "cuda")]
     skipped = [
-        f"torch-{d}-{precision}: AOTInductor engines are FP32, or FP16 on the GPU" for d in listed if d not in devices
+        f"torch-{d}-{precision}: {gpu_only.get(precision, 'no such engine')}" for d in listed if d not in devices
     ]
+    if precision == "fp8" and devices:
+        from kiln.stages.engines.torch.fp8 import fp8_supported
+
+        if why := fp8_supported():
+            skipped, devices = [*skipped, f"torch-cuda-fp8: {why}"], []
     return Plan(devices, skipped, by_default=cfg.devices == "auto")
 
 

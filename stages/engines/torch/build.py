@@ -38,10 +38,20 @@ from kiln.core.text import first_line
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.torch import conv_epilogues
 from kiln.stages.engines.torch.config import TorchConfig
+from kiln.stages.engines.torch.fp8 import fp8_supported, to_fp8
 from kiln.stages.engines.torch.gemm_epilogues import resolve_mode
 from kiln.stages.engines.torch.program import check_inductor_keys, compile_program, inductor_options, run_compiled
 
 log = logging.getLogger("kiln.build")
+
+
+def _dtype(precision: str) -> Any:
+    """The dtype the engine's model runs in (FP8 engines: bfloat16 around their FP8 GEMMs)."""
+    import torch
+
+    return {"fp16": torch.float16, "fp8": torch.bfloat16}.get(precision, torch.float32)
+
+
 PACKAGE = "model.pt2"
 PROGRAM = "program.pt2"  # the compiled flavour: torch.export.save
 CACHE = "inductor-cache.bin"  # the compiled flavour: torch.compiler.save_cache_artifacts
@@ -88,7 +98,7 @@ def _served(model: Any, names: list[str], precision: str, channels_last: bool) -
     ``ModelOutput`` to its tensors, :func:`kiln.core.outputs.flatten_outputs`), back in FP32."""
     import torch
 
-    dtype = torch.float16 if precision == "fp16" else torch.float32
+    dtype = _dtype(precision)
     keywords = by_keyword(model, names)
 
     class Served(torch.nn.Module):
@@ -157,7 +167,12 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         req.settings, req.device, req.precision, any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     )
     check_inductor_keys(settings["inductor"])
-    model = model.to(req.device, dtype=torch.float16 if req.precision == "fp16" else torch.float32)
+    model = model.to(req.device, dtype=_dtype(req.precision))
+    if req.precision == "fp8":  # the linear layers as FP8 GEMMs, the rest in bfloat16
+        why = fp8_supported() if req.device == "cuda" else "FP8 engines are built for CUDA GPUs"
+        if why:
+            raise BuildError(why, hint="build FP8 engines on a GPU with compute capability 8.9+ (Ada, Hopper)")
+        settings.update(to_fp8(model, req.settings.fp8_exclude))
     # (epilogues with flavour aotinductor: refused by TorchConfig itself; their custom ops need the compiled one)
     package_first = (
         req.settings.flavour != "compiled" and settings["gemm_epilogues"] == "off" and not settings["conv_epilogues"]
@@ -174,7 +189,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         settings["one_size_axes"] = one_size
     common = {
         **settings,
-        "dtype": "float16" if req.precision == "fp16" else "float32",
+        "dtype": {"fp16": "float16", "fp8": "float8_e4m3fn"}.get(req.precision, "float32"),
         "dynamic_batch": [1, max(req.max_batch, 2)],
     }
     built = _build_flavour(req, exported, args, common, package_first)

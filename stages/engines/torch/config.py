@@ -34,6 +34,10 @@ class TorchConfig(Section):
         description="channels_last memory format for 4-D inputs and weights (the inputs only for a frozen "
         "AOTInductor package: recorded as channels_last_weights); auto = when the model has Conv2d",
     )
+    fp8_exclude: list[str] = Field(
+        default_factory=list,
+        description="linear layers (module names) an FP8 engine keeps in bfloat16 (precision.variants: [fp8])",
+    )
     flavour: Literal["auto", "aotinductor", "compiled"] = Field(
         "auto",
         description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
