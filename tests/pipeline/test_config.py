@@ -77,7 +77,7 @@ def test_zero_max_samples_is_config_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "override, named", [({"fp16": {"min_cosin": 0.9}}, "min_cosin"), ({"fp8": {"min_cosine": 0.9}}, "fp8")]
+    "override, named", [({"fp16": {"min_cosin": 0.9}}, "min_cosin"), ({"fp4": {"min_cosine": 0.9}}, "fp4")]
 )
 def test_per_precision_gate_typos_are_errors(override, named) -> None:
     # Before: a misspelt gate or precision under per_precision was accepted and silently ignored.
