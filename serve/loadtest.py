@@ -207,10 +207,10 @@ def run_level(
     atol, rtol = tolerance
     prepared = [_inputs(module, feed, binary=protocol != "ray") for feed in pool]
     outputs = list(expected[0])
-    # JSON answers for Ray Serve; Triton's default (binary) otherwise
-    requested = {"outputs": [module.InferRequestedOutput(n, binary_data=False) for n in outputs]}
-    if protocol != "ray":
-        requested = {}
+    # JSON answers for Ray Serve (tritonclient.http's outputs); Triton's default (binary) otherwise
+    requested = (
+        {"outputs": [module.InferRequestedOutput(n, binary_data=False) for n in outputs]} if protocol == "ray" else {}
+    )
     start = time.perf_counter()
     deadline = start + duration_s
 

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse
 
 from kiln.core.records import EngineMetadata
 from kiln.stages.engines.backend import read_metadata
+from kiln.stages.engines.registry import load_engine
 from kiln.stages.package.triton import TRITON_TYPES, served_max_batch
 
 log = logging.getLogger("ray.serve")
@@ -90,8 +91,6 @@ class KilnEngine:
     """One replica: the engine opened with ``load_engine`` (its files checked), requests batched."""
 
     def __init__(self, engine_dir: str, model_name: str, max_batch_size: int, batch_wait_timeout_s: float) -> None:
-        from kiln.stages.engines.registry import load_engine
-
         self.meta = read_metadata(Path(engine_dir))
         self.runner = load_engine(engine_dir).activate()
         self.model_name = model_name

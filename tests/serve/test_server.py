@@ -527,3 +527,37 @@ def test_a_stop_signal_is_a_flag_the_serving_loop_reads() -> None:
         stop(signal.SIGINT, None)
     with pytest.raises(KilnError, match="exited unexpectedly"):
         _wait(Alive(False), _StopRequest())
+
+
+@pytest.mark.gpu
+def test_gpus_all_serves_one_endpoint_over_every_gpu(workdir: Path, tmp_path: Path) -> None:
+    """`kiln serve --gpus all` on a CUDA engine: answers checked under load through one endpoint."""
+    pytest.importorskip("tritonclient.grpc", reason="needs the serving libraries (pip install 'kiln[serve]')")
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_engine
+
+    engine_dir = tmp_path / "onnxruntime-cuda-fp32"
+    build_engine(
+        workdir / "optimize" / "model.onnx",
+        engine_dir,
+        "onnxruntime",
+        "cuda",
+        "fp32",
+        BuildConfig(backends=["onnxruntime"]),
+        tmp_path / "cache",
+        max_batch=32,
+    )
+    ports = [free_port() for _ in range(3)]
+    proc = _start_serve(engine_dir, ports, "--gpus", "all")
+    try:
+        _ready(proc, ports, ["onnxruntime_cuda_fp32"])
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        result = loadtest(
+            f"grpc://127.0.0.1:{ports[1]}", "onnxruntime_cuda_fp32", engine_dir, tmp_path / "lt", [8], 120, 200
+        )
+    except BaseException:
+        _abort(proc)
+        raise
+    level = result["levels"][0]
+    assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
+    _stop_and_check(proc, descendants, signal.SIGTERM)
