@@ -17,6 +17,7 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError
+from kiln.core.user_errors import running_user_code, user_frame
 from kiln.models.registry import resolve_callable
 
 log = logging.getLogger("kiln.calibration")
@@ -46,18 +47,22 @@ def read_reader(cfg: CalibrationConfig) -> list[np.ndarray]:
     """Call the user's reader and take its first ``num_batches`` batches, as they come."""
     assert cfg.reader is not None
     fn = resolve_callable(cfg.reader, {}, "calibration reader")
-    try:
-        source = fn(**cfg.reader_params)
-    except TypeError as exc:
-        raise ConfigError(
-            f"calibration.reader '{cfg.reader}' rejected its params: {exc}", hint="fix calibration.reader_params"
-        ) from exc
-    if not isinstance(source, Iterable):
-        raise ConfigError(
-            f"calibration.reader '{cfg.reader}' returned {type(source).__name__}, not an iterable",
-            hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape]",
-        )
-    batches = [item for _, item in zip(range(cfg.num_batches), _as_arrays(source))]
+    what = f"calibration reader '{cfg.reader}'"
+    with running_user_code("reading calibration batches", what):
+        try:
+            source = fn(**cfg.reader_params)
+        except TypeError as exc:
+            if user_frame(exc) is not None:  # raised inside the reader: its own line, not its params
+                raise
+            raise ConfigError(
+                f"calibration.reader '{cfg.reader}' rejected its params: {exc}", hint="fix calibration.reader_params"
+            ) from exc
+        if not isinstance(source, Iterable):
+            raise ConfigError(
+                f"calibration.reader '{cfg.reader}' returned {type(source).__name__}, not an iterable",
+                hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape]",
+            )
+        batches = [item for _, item in zip(range(cfg.num_batches), _as_arrays(source))]
     if not batches:
         raise ConfigError(f"calibration.reader '{cfg.reader}' yielded no batches", hint="yield at least one batch")
     return batches

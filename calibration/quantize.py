@@ -12,7 +12,7 @@ from typing import Any
 import onnx
 
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.ranges import Ranges, _ort_method
+from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import this_cpu_saturates
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import value_names
@@ -55,10 +55,8 @@ def quantize_int8(
     model = onnx.load(str(model_path), load_external_data=False)
     exclude = excluded_nodes(model, cfg, extra_exclude)
     seven_bits = resolve_reduce_range(cfg.reduce_range)
-    kw: dict[str, Any] = {}
-    if "calibration_cache_path" in inspect.signature(quantize_static).parameters:
-        kw["calibration_cache_path"] = str(ranges.path)
-    else:  # ORT < 1.32 has no cache argument; it would need a reader and calibrate again
+    if "calibration_cache_path" not in inspect.signature(quantize_static).parameters:
+        # ORT < 1.32 has no cache argument; it would need a reader and calibrate again
         raise RuntimeError("onnxruntime >= 1.32 is needed to quantize from cached calibration ranges")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
@@ -67,27 +65,28 @@ def quantize_int8(
         source = onnx.load(str(model_path))  # with its weights: the copy is handed over whole
         unshare_biases(source)
     try:
-        quantize_static(
-            source,
-            str(out_path),
-            None,
-            quant_format=QuantFormat.QDQ,
-            op_types_to_quantize=quantizable_op_types(cfg),
-            per_channel=cfg.per_channel,
-            # TensorRT takes only symmetric signed INT8; ORT's x86 kernels are fastest with uint8 activations
-            activation_type=QuantType.QUInt8 if cfg.activation_type == "uint8" else QuantType.QInt8,
-            weight_type=QuantType.QInt8,
-            reduce_range=seven_bits,
-            nodes_to_exclude=exclude,
-            calibrate_method=_ort_method(ranges.method),
-            use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
-            extra_options={
-                "ActivationSymmetric": cfg.symmetric_activations,
-                "WeightSymmetric": True,
-                "QuantizeBias": cfg.quantize_bias,
-            },
-            **kw,
-        )
+        with ranges_file(ranges) as cache_path:  # uncached ranges: a scratch file for this call only
+            quantize_static(
+                source,
+                str(out_path),
+                None,
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=quantizable_op_types(cfg),
+                per_channel=cfg.per_channel,
+                # TensorRT takes only symmetric signed INT8; ORT's x86 kernels are fastest with uint8 activations
+                activation_type=QuantType.QUInt8 if cfg.activation_type == "uint8" else QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                reduce_range=seven_bits,
+                nodes_to_exclude=exclude,
+                calibrate_method=_ort_method(ranges.method),
+                use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
+                extra_options={
+                    "ActivationSymmetric": cfg.symmetric_activations,
+                    "WeightSymmetric": True,
+                    "QuantizeBias": cfg.quantize_bias,
+                },
+                calibration_cache_path=str(cache_path),
+            )
     except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
         raise ModelError(
             f"onnxruntime.quantization.quantize_static failed ({type(exc).__name__}: {str(exc)[:300]})",
@@ -105,7 +104,7 @@ def quantize_int8(
     return {
         "excluded": exclude,
         "qdq_nodes": counts,
-        "calibration_cache": str(ranges.path),
+        "calibration_cache": str(ranges.path) if ranges.path else None,
         "cache_hit": ranges.cache_hit,
         "method": ranges.method,
         "reduce_range": seven_bits,

@@ -9,7 +9,8 @@ reads back through its ``calibration_cache_path`` argument.
 from __future__ import annotations
 
 import logging
-import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 from kiln.calibration.data import ArrayReader, hash_batches
 from kiln.core.artifacts import hash_file, hash_json, write_text_atomic
 from kiln.core.errors import InputError
+from kiln.core.ownership import scratch_dir
 
 log = logging.getLogger("kiln.calibration")
 
@@ -35,7 +37,7 @@ class Ranges:
     """Per-tensor calibration result: ``tensors`` is ORT's ``TensorsData``; ``path`` its cache file."""
 
     tensors: Any
-    path: Path
+    path: Path | None  # None: not cached
     key: str
     cache_hit: bool
     method: str
@@ -47,6 +49,20 @@ class Ranges:
             lo, hi = td.range_value
             out[name] = float(max(np.max(np.abs(lo)), np.max(np.abs(hi))))
         return out
+
+
+@contextmanager
+def ranges_file(ranges: Ranges) -> Iterator[Path]:
+    """A file holding ``ranges`` in ORT's cache format (what ``quantize_static`` reads): its cache file, or for
+    uncached ranges a scratch copy removed after the block."""
+    if ranges.path is not None:
+        yield ranges.path
+        return
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    with scratch_dir("kiln-calib") as tmp:
+        save_tensors_data(ranges.tensors, tmp / f"{ranges.key}.json")
+        yield tmp / f"{ranges.key}.json"
 
 
 def model_hash(model_path: Path) -> str:
@@ -95,7 +111,11 @@ def calibrate(
             "ort": onnxruntime.__version__,
         }
     )
-    path = (cache_dir / "calibration" if cache_dir else Path(tempfile.mkdtemp(prefix="kiln-calib-"))) / f"{key}.json"
+    if cache_dir is None:  # no cache: the ranges live in memory only, nothing is written
+        tensors = _run_calibrator(model_path, batches, input_name, method, symmetric, percentile)
+        check_ranges(tensors, model_path)
+        return Ranges(tensors, None, key, False, method)
+    path = cache_dir / "calibration" / f"{key}.json"
     try:
         from onnxruntime.quantization.calibrate import (
             load_tensors_data,
@@ -157,7 +177,7 @@ def _run_calibrator(
         extra["percentile"] = percentile
     if method == "entropy":
         extra |= ENTROPY_BINS
-    with tempfile.TemporaryDirectory(prefix="kiln-calib-") as tmp:
+    with scratch_dir("kiln-calib") as tmp:  # inside the run's workdir or -o folder, removed even on failure
         calibrator = create_calibrator(
             model_path,
             None,

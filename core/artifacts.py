@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.errors import storage_error
+from kiln.core.ownership import claim_folder, clean_leftovers, record_owned, remove_path, temp_name
 
 CHUNK = 1 << 20
 
@@ -77,9 +78,11 @@ def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``: never a torn file."""
+    """Write to a temporary file in the same folder, fsync, then rename over ``path``: never a torn file. A link at
+    ``path`` is replaced, never written through."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+    clean_leftovers(path.parent, path.name)  # a killed writer's temporary file of this path
+    tmp = temp_name(path, "tmp")
     # Created like open() creates files (0666 less the umask, applied by the kernel), not mkstemp's 0600: an
     # engine or model a serving process running as another user (e.g. Triton's) must read.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -101,7 +104,8 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     On failure the staging folder is removed and whatever was at ``final`` before stays untouched.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.parent / f".{final.name}.staging-{uuid.uuid4().hex[:8]}"
+    clean_leftovers(final.parent, final.name)  # what a killed run of this command left of ``final``
+    staging = temp_name(final, "staging")
     staging.mkdir()
     try:
         yield staging
@@ -109,12 +113,12 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+    if final.exists() or final.is_symlink():
+        old = temp_name(final, "old")
         os.replace(final, old)
     os.replace(staging, final)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)  # a link someone put there goes, never what it points to
 
 
 def clean_stale_staging(root: Path) -> None:
@@ -125,6 +129,7 @@ def clean_stale_staging(root: Path) -> None:
     """
     if not root.is_dir():
         return
+    clean_leftovers(root, every=True)  # the caller holds the workdir's lock: no temporary file here is in use
     for p in root.glob(".*.staging-*"):
         shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".*.old-*"):
@@ -133,3 +138,14 @@ def clean_stale_staging(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             os.replace(p, final)
+
+
+@contextmanager
+def output_folder(folder: Path, what: str = "-o") -> Iterator[Path]:
+    """Fill an output folder: yields a staging folder beside it that replaces ``folder`` whole on success, with a
+    record of every file in it. A folder holding files Kiln did not write, or a link, is refused first."""
+    folder = Path(folder)
+    claim_folder(folder, what)
+    with atomic_dir(folder) as staging:
+        yield staging
+        record_owned(staging)

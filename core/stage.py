@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import KilnError
+from kiln.core.ownership import refuse_link
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import Summary
 
@@ -91,6 +92,7 @@ class StageContext(Generic[S]):
     def cache_dir(self) -> Path:
         """Long-lived caches shared across stages and runs (timing cache, calibration cache)."""
         p = self.workdir / "cache"
+        refuse_link(p, "the workdir's cache folder")  # planted elsewhere: never written through
         p.mkdir(parents=True, exist_ok=True)
         return p
 

@@ -6,6 +6,7 @@ A command imports what it runs when it runs (the pipeline, a stage's direct mode
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -20,7 +21,9 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.core.errors import ConfigError, GateFailure, KilnError, disk_full, storage_error
+from kiln.core.artifacts import output_folder
+from kiln.core.errors import ConfigError, GateFailure, KilnError, ModelError, StorageError, disk_full, storage_error
+from kiln.core.ownership import claim_folder, output_file, record_owned, refuse_link, scratch_root
 from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
 from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
 from kiln.stages.engines.registry import BACKENDS
@@ -46,12 +49,13 @@ class KilnCommand(click.Command):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            _check_cwd(self, ctx)
             return super().invoke(ctx)
         except KilnError as exc:
             _fail(ctx, disk_full(exc, _written(ctx)) or exc)
         except OSError as exc:  # a disk or folder problem anywhere (read-only -o, disk full): the same two lines
             logging.getLogger("kiln").debug("OS error", exc_info=True)
-            _fail(ctx, storage_error(exc))
+            _fail(ctx, _cwd_gone() or storage_error(exc))
         except MemoryError:
             logging.getLogger("kiln").debug("out of memory", exc_info=True)
             _fail(
@@ -73,7 +77,58 @@ def _written(ctx: click.Context) -> str:
     return str(ctx.params.get("output") or ctx.params.get("workdir") or "its output")
 
 
+def _cwd() -> Path | None:
+    """The current folder, or None when it was deleted under this process (``os.getcwd`` then raises)."""
+    try:
+        return Path.cwd()
+    except FileNotFoundError:
+        return None
+
+
+def _check_cwd(command: click.Command, ctx: click.Context) -> None:
+    """With the current folder deleted under this process, a command whose paths are all absolute still runs (from
+    ``/``: libraries such as torch fail to load without a current folder); one given a relative path (the default
+    ``kiln-out`` included) stops with the reason."""
+    if _cwd() is not None:
+        CWD_GONE.clear()
+        return
+    relative = [
+        f"{p.opts[0] if p.opts else p.name} {value}"
+        for p in command.params
+        if isinstance(p.type, click.Path) and p.name != "workdir"  # --workdir: checked where a run uses it
+        for value in [ctx.params.get(p.name or "")]
+        if isinstance(value, str) and not Path(value).is_absolute()
+    ]
+    if relative:
+        _refuse_relative(relative)
+    CWD_GONE.append(True)
+    os.chdir("/")
+
+
+CWD_GONE: list[bool] = []  # set when this process's current folder was deleted (then it runs from /)
+
+
+def _refuse_relative(paths: list[str]) -> None:
+    gone = _cwd_gone() or StorageError("the current folder no longer exists", hint="cd into an existing folder")
+    raise StorageError(f"{gone.message}: {', '.join(paths)}", hint=gone.hint)
+
+
+def _cwd_gone() -> KilnError | None:
+    """Why a relative path failed when the current folder no longer exists: the true cause, not "no such file"."""
+    if _cwd() is not None and not CWD_GONE:
+        return None
+    shown = f" {os.environ['PWD']}" if os.environ.get("PWD") else ""
+    return StorageError(
+        f"the current folder{shown} no longer exists (deleted while this shell was in it), so relative paths "
+        "cannot be resolved",
+        hint="cd into an existing folder, or give absolute paths (config, --workdir, -o)",
+    )
+
+
 def _fail(ctx: click.Context, exc: KilnError) -> None:
+    detail = getattr(exc, "detail", "")  # the user's code's traceback (UserCodeError): with --verbose only
+    if detail and ctx.params.get("verbose"):
+        console.print(detail.rstrip(), highlight=False, soft_wrap=True, markup=False)
     # escape: messages quote shapes like [batch, 3, 8, 8], which rich would take for markup and drop
     console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
     if exc.hint:
@@ -172,7 +227,8 @@ def _importable(*folders: Path) -> None:
 
 
 def _load(path: str | None, overrides: dict[str, Any]) -> KilnConfig:
-    _importable(*([Path(path).parent] if path else []), Path.cwd())
+    cwd = _cwd()  # None: deleted under us; absolute paths still work
+    _importable(*([Path(path).parent] if path else []), *([cwd] if cwd else []))
     return load_config(path, overrides)
 
 
@@ -333,6 +389,8 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
     from kiln.core.progress import RichProgress, SilentProgress
     from kiln.pipeline.api import run_pipeline
 
+    if CWD_GONE and not Path(workdir).is_absolute():
+        _refuse_relative([f"--workdir {workdir}"])
     # Bars only on a terminal: piped or logged, a transient bar leaves a blank line behind per task.
     progress = RichProgress(console) if console.is_terminal and not quiet else SilentProgress()
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
@@ -463,11 +521,11 @@ def _export_direct(
     # --input-shape say what it takes
     model = {"model.name": model_name, **({} if config else {"data.name": None})} if model_name else {}
     cfg = _load(config, {**model, **_parse_sets(sets)})
-    summary = export_direct(
-        settings_for(stage_named("export"), cfg), checkpoint, input_shape, Path(output or "model.onnx")
-    )
+    dst = Path(output or "model.onnx")
+    with scratch_root(dst.parent), output_file(dst) as staged:
+        summary = export_direct(settings_for(stage_named("export"), cfg), checkpoint, input_shape, staged)
     results.print(
-        f"wrote {summary['path']} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})",
+        f"wrote {dst} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})",
         highlight=False,
     )
 
@@ -479,7 +537,10 @@ def _optimize_direct(
 
     cfg = _config(config, sets + _passes(passes))
     dst = Path(output or Path(file).with_suffix(".opt.onnx"))
-    summary = optimize_file(Path(file), dst, cfg.optimize)
+    if dst.resolve() == Path(file).resolve():
+        raise ModelError(f"refusing to overwrite the input model {file}", hint="choose another -o path")
+    with scratch_root(dst.parent), output_file(dst) as staged:
+        summary = optimize_file(Path(file), staged, cfg.optimize)
     results.print(f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes", highlight=False)
 
 
@@ -505,9 +566,12 @@ def _precision_direct(
 
     out = Path(output or Path(file).with_suffix(""))
     settings = settings_for(stage_named("precision"), cfg)
-    summary = precision_direct(Path(file), out, wanted, Path(calibration) if calibration else None, settings)
+    refuse_link(out.parent / ".kiln-cache", "the calibration cache")
+    with scratch_root(out.parent), output_folder(out) as staged:
+        summary = precision_direct(Path(file), staged, wanted, Path(calibration) if calibration else None, settings)
     for name, v in summary["variants"].items():
-        results.print(f"{name}: {v['path']} ({v['kept_fp32']} nodes kept FP32)", highlight=False)
+        shown = out / Path(v["path"]).relative_to(staged)
+        results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32)", highlight=False)
     results.print(f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False)
 
 
@@ -524,7 +588,11 @@ def _build_direct(
     from kiln.stages.engines.stage import build_direct
 
     cfg = _config(config, sets)
-    meta = build_direct(Path(file), Path(output or "engine"), backend, device, precision_, cfg.build)
+    out = Path(output or "engine")
+    refuse_link(out, "-o")
+    refuse_link(out.parent / ".kiln-cache", "the build cache")
+    with scratch_root(out.parent):
+        meta = build_direct(Path(file), out, backend, device, precision_, cfg.build)
     console.print(
         f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s (targets {meta.device.upper()})",
         highlight=False,
@@ -771,20 +839,27 @@ def serve(
             results.print(escape(line), highlight=False, soft_wrap=True)
         console.print("ready (Ctrl-C or SIGTERM stops the server)")
 
-    serve_engines(
-        Path(path),
-        http_port,
-        grpc_port,
-        metrics_port,
-        max_batch,
-        max_queue_delay_us,
-        address,
-        on_ready=ready,
-        verbose=verbose > 0,
-        gpus=parse_gpus(gpus) if gpus is not None else None,
-        instances_per_gpu=instances_per_gpu,
-        exit_on_overrun=True,
-    )
+    from kiln.stages.engines.backend import SIDECAR
+
+    served = Path(path)  # its scratch goes in the served workdir (beside one engine folder), removed when it stops
+    with scratch_root(served.parent if (served / SIDECAR).is_file() else served):
+        serve_engines(
+            Path(path),
+            http_port,
+            grpc_port,
+            metrics_port,
+            max_batch,
+            max_queue_delay_us,
+            address,
+            on_ready=ready,
+            verbose=verbose > 0,
+            gpus=parse_gpus(gpus) if gpus is not None else None,
+            instances_per_gpu=instances_per_gpu,
+            exit_on_overrun=True,
+        )
+
+
+LOADTEST_FILES = ("loadtest.json", "loadtest.md", "loadtest.png")
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -858,7 +933,11 @@ def loadtest(
     from kiln.serve.loadtest import render_markdown
 
     _setup_logging(False, 0)
-    result = run_loadtest(url, model, engines, Path(output), concurrency, duration, max_requests, _config(config, ()))
+    out = Path(output)
+    claim_folder(out, "-o", LOADTEST_FILES)  # a loadtest.json Kiln did not write is never replaced
+    with scratch_root(out):
+        result = run_loadtest(url, model, engines, out, concurrency, duration, max_requests, _config(config, ()))
+    record_owned(out, LOADTEST_FILES)
     click.echo(render_markdown(result), nl=False)
     results.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)
 

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import ConfigError
+from kiln.core.text import first_line
+from kiln.core.user_errors import user_code_error, user_frame, where
 
 if TYPE_CHECKING:
     from torch import nn
@@ -63,6 +65,10 @@ KINDS: dict[str, tuple[str, str, str]] = {  # kind -> (what it is, example modul
 }
 
 
+# What Kiln is doing when it calls each kind of user code, for the error that code raises.
+DOING: dict[str, str] = {"model": "building the model", "dataset": "loading data"}
+
+
 def example_path(kind: str, module: str | None = None) -> str:
     """An import path of the form ``kind`` expects (``mydata:load`` for a dataset), in ``module`` if given."""
     _, default_module, function = KINDS.get(kind, ("function", "mypkg", "function"))
@@ -93,7 +99,8 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
         raise ConfigError(f"cannot import module '{module_name}' for {kind} '{ref}': {exc}", hint=hint) from None
     except Exception as exc:  # the user's module itself fails (SyntaxError, an exception at import time)
         raise ConfigError(
-            f"importing module '{module_name}' for {kind} '{ref}' failed: {type(exc).__name__}: {exc}",
+            f"importing module '{module_name}' for {kind} '{ref}' failed: {type(exc).__name__}: {first_line(exc)}"
+            + _import_site(exc),
             hint=f"fix the error in {module_name}",
         ) from None
     fn = getattr(module, attr, None)
@@ -111,19 +118,39 @@ def _call_factory(
     ref: str, table: dict[str, str], kind: str, params: dict[str, Any] | None, expected: type, hint: str
 ) -> Any:
     factory = resolve_callable(ref, table, kind)
+    section = "model" if kind == "model" else "data"
+    params_hint = f"fix {section}.params in the config"
     try:
         obj = factory(**(params or {}))
-    except (TypeError, ValueError) as exc:  # unknown keyword / invalid value: both are config mistakes
-        raise ConfigError(
-            f"{kind} '{ref}' rejected its params {params}: {exc}",
-            hint=f"fix {'model' if kind == 'model' else 'data'}.params in the config",
-        ) from exc
+    except Exception as exc:
+        # Raised in the user's file: their function and line. Otherwise the call itself failed (an unknown
+        # keyword, an invalid value in a built-in): a config mistake.
+        name = f"{KINDS[kind][0]} '{ref}'"
+        err = user_code_error(exc, DOING[kind], name, _params(exc, params))
+        if err is not None:
+            raise err from exc
+        if not isinstance(exc, (TypeError, ValueError)):
+            raise
+        raise ConfigError(f"{kind} '{ref}' rejected its params {params}: {exc}", hint=params_hint) from exc
     if not isinstance(obj, expected):
         raise ConfigError(
             f"{kind} factory '{ref}' returned {type(obj).__name__}, not {expected.__module__}.{expected.__name__}",
             hint=hint,
         )
     return obj
+
+
+def _params(exc: BaseException, params: dict[str, Any] | None) -> str | None:
+    """For a TypeError/ValueError raised by the user's factory: the params it was given may be the cause."""
+    return f"check its params {params}" if params and isinstance(exc, (TypeError, ValueError)) else None
+
+
+def _import_site(exc: BaseException) -> str:
+    """Where the import failed in the user's code: a SyntaxError's own position, else the innermost user frame."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" (at {exc.filename}:{exc.lineno})"
+    frame = user_frame(exc)
+    return f" (in {where(frame)})" if frame is not None else ""
 
 
 def build_model(ref: str, params: dict[str, Any] | None = None) -> nn.Module:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ConfigError, KilnError, storage_error
+from kiln.core.ownership import SCRATCH, scratch_root
 from kiln.core.progress import Progress
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.report import build_report, write_report
@@ -40,7 +41,7 @@ def run_pipeline(
     workdir = Path(workdir)
     refuse_foreign_workdir(workdir)
     ensure_writable(workdir, "--workdir")
-    with workdir_lock(workdir):
+    with workdir_lock(workdir), scratch_root(workdir):  # temporary files inside the workdir, removed after
         result = Runner(config, workdir, stages, progress, on_stage).run(force=force, start=start, stop=stop)
         try:
             report = write_report(result, config, workdir)
@@ -58,7 +59,7 @@ def refuse_foreign_workdir(workdir: Path) -> None:
         raise ConfigError(f"--workdir {workdir} is a file", hint="give a new or empty folder, or a Kiln workdir")
     if not workdir.is_dir():
         return
-    entries = [p.name for p in workdir.iterdir() if not p.name.startswith(".kiln-write-test-")]
+    entries = [p.name for p in workdir.iterdir() if not p.name.startswith(".kiln-write-test-") and p.name != SCRATCH]
     ours = {LOCK_NAME, "report.json", "report.md"} & set(entries) or any(
         (workdir / name / "manifest.json").is_file() for name in STAGE_NAMES
     )

@@ -171,7 +171,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         _set_dotted(data, dotted, value)
     _check_size(data, Path(source))  # file and --set values alike
     config = config_from_dict(data, source)
-    _check_files(config, Path(path).parent if path else Path.cwd())
+    _check_files(config, Path(path).parent if path else Path())  # relative: resolved only when used
     _check_names(config)
     _check_combinations(config)
     return config

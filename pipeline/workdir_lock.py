@@ -3,7 +3,8 @@
 Two runs on one workdir would clear each other's staging folders (a run removes the staging left by an
 interrupted one before it starts) and race on the same stage outputs. An advisory ``flock`` on
 ``<workdir>/.kiln.lock`` is held for the whole run; the kernel drops it when the process ends, however it
-ends, so a crash never leaves a stale lock behind. Where ``fcntl`` does not exist (Windows) or the
+ends, so a crash never leaves a stale lock behind (the file stays, naming a dead process; the next run takes it).
+A link at the lock's path is refused, never followed. Where ``fcntl`` does not exist (Windows) or the
 filesystem cannot lock, runs are not locked.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from kiln.core.errors import InputFileError, WorkdirBusy
+from kiln.core.ownership import open_nofollow, refuse_link
 
 try:
     import fcntl
@@ -40,9 +42,11 @@ def workdir_lock(workdir: Path) -> Iterator[None]:
             f"{lock} is not a file (Kiln keeps its run lock there)",
             hint=f"move {lock} away, or choose another --workdir",
         )
+    refuse_link(lock, "the workdir's lock")  # someone else's link: never followed, never truncated
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        f = open(lock, "a+", errors="replace")  # a damaged lock file's text is only shown, never trusted
+        fd = open_nofollow(lock, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        f = os.fdopen(fd, "a+", errors="replace")  # a damaged lock file's text is only shown, never trusted
     except OSError as exc:
         raise InputFileError(
             f"cannot write in workdir {workdir}: {exc.strerror}", hint="choose a writable --workdir"

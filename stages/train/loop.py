@@ -30,6 +30,7 @@ from torch import nn
 from kiln.core.data import DatasetSplits, Inputs, call, rebuild, rows, take, tensors
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
+from kiln.core.user_errors import running_user_code
 from kiln.models.model_io import load_weights
 from kiln.stages.train import checkpoint as ckpt
 from kiln.stages.train import update_graph
@@ -355,6 +356,10 @@ class _Trainer:
         keys = sorted(self.acc)
         return dict(zip(keys, all_sum([self.acc[k] for k in keys], self.device, self.env))) if keys else {}
 
+    def doing(self) -> str:
+        """The step being run, for an error the user's forward or loss raises in it."""
+        return f"training step {self.result.global_step + 1} (epoch {self.epoch + 1})"
+
     # -- the loop -------------------------------------------------------------------------------------
     def run(self, progress: Progress, prof: Any) -> None:
         with warnings.catch_warnings(), progress.task("training", total=self.cfg.epochs) as bar:
@@ -385,7 +390,8 @@ class _Trainer:
         self.guard.save()  # evaluation and checkpointing ran since the last step: what a skipped step goes back to
         t0 = time.perf_counter()
         for xb, yb in self.loader:
-            self._step(xb, yb)
+            with running_user_code(self.doing):  # the user's forward or loss failing names itself and the step
+                self._step(xb, yb)
             prof.step()
             if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:
                 self._drain()  # the checkpoint waits until every step before it is known (and accounted)
@@ -556,16 +562,17 @@ class _Trainer:
             nonfinite_steps=int(bad / self.env.world_size),
         )
         if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
-            m.val_loss, m.val_accuracy = evaluate_loss_acc(
-                self.model,
-                self.data.val_x,
-                self.data.val_y,
-                self.device,
-                self.env,
-                batch=self.eval_batch,
-                task=self.task,
-                forward=self.net,
-            )
+            with running_user_code(f"evaluating the model after epoch {self.epoch + 1}"):
+                m.val_loss, m.val_accuracy = evaluate_loss_acc(
+                    self.model,
+                    self.data.val_x,
+                    self.data.val_y,
+                    self.device,
+                    self.env,
+                    batch=self.eval_batch,
+                    task=self.task,
+                    forward=self.net,
+                )
             r = self.result
             if m.val_accuracy is None:  # no classes: nothing to rank epochs by ("best" keeps the last)
                 pass

@@ -24,6 +24,7 @@ from kiln.core.progress import Progress
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, fmt
+from kiln.core.user_errors import running_user_code, user_code_error, user_frame, where
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
@@ -141,10 +142,18 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
             + ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in zip(data.sample_shapes, parts))
             + ")"
         )
+        frame = user_frame(exc)
         raise ModelError(
-            f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}",
-            hint="make data.name/data.params produce what the model expects, or change model.params",
+            f"model '{model_ref}' cannot take the dataset's {what}: {first_line(exc, 200)}"
+            + (f" (in {where(frame)})" if frame else ""),
+            hint="make data.name/data.params produce what the model expects, or change model.params"
+            + (f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else ""),
         ) from None
+    except Exception as exc:  # any other error of the user's forward: theirs, named by file and line
+        err = user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'")
+        if err is None:
+            raise
+        raise err from exc
     finally:
         model.train()
     flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor
@@ -193,7 +202,8 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)
     acc = None
     if task is not None:
-        acc = evaluate_loss_acc(model.eval(), data.val_x, data.val_y, torch.device("cpu"), task=task)[1]
+        with running_user_code("evaluating the untrained model on the validation data"):
+            acc = evaluate_loss_acc(model.eval(), data.val_x, data.val_y, torch.device("cpu"), task=task)[1]
     save_trained(ctx.out, model, cfg.model, {"source": source})
     ctx.log.info("training skipped (%s); val accuracy %s", cfg.model.checkpoint or "train.enabled: false", fmt(acc))
     return TrainSummary(status="skipped", val_accuracy=acc, source=source)

@@ -21,6 +21,7 @@ from kiln.core.compare import class_axis
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
+from kiln.core.user_errors import user_code_error
 from kiln.models.registry import resolve_callable
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -91,12 +92,17 @@ def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | N
 def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
     if task.user_loss is not None:
+        hint = "train.loss takes (outputs, targets) and returns a scalar tensor"
         try:
             value = task.user_loss(out, y)
         except Exception as exc:  # the user's function: any error is theirs to see, in one line
+            fn = task.user_loss
+            name = f"loss function '{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}'"
+            err = user_code_error(exc, "trying train.loss on the model's outputs for two samples", name, hint)
+            if err is not None:
+                raise err from exc
             raise ConfigError(
-                f"train.loss failed on the model's outputs: {type(exc).__name__}: {exc}",
-                hint="train.loss takes (outputs, targets) and returns a scalar tensor",
+                f"train.loss failed on the model's outputs: {type(exc).__name__}: {exc}", hint=hint
             ) from None
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise ConfigError(

@@ -7,6 +7,7 @@ import torch
 
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, ModelError
+from kiln.core.user_errors import UserCodeError
 from kiln.models.datasets import synthetic_regression, synthetic_text
 from kiln.models.registry import build_model
 from kiln.stages.train.config import TrainConfig
@@ -39,7 +40,7 @@ def test_task_mismatches_are_clear_errors() -> None:
         check_task(Task("regression"), out, y, 0, "m")
     with pytest.raises(ConfigError, match="which is the class-logit output"):
         check_task(Task("classification"), (out, out), torch.zeros(2, dtype=torch.long), 3, "m")
-    with pytest.raises(ConfigError, match="train.loss failed on the model's outputs"):
+    with pytest.raises(UserCodeError, match=r"loss function .* raised AttributeError: .* at .*test_train_task.py:\d+"):
         check_task(Task("custom", user_loss=lambda o, t: o.missing), out, y, 0, "m")
 
 

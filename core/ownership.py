@@ -1,0 +1,249 @@
+"""Where Kiln may write: only places it made or owns, never through a link it did not create.
+
+Every temporary file or folder Kiln makes is named after the path it stands for and the process that made it
+(``.model.onnx.staging-<pid>-<hex>``), beside that path or inside the folder Kiln works in: a command killed
+mid-write leaves such names behind, and the next command writing that path removes the ones whose process is
+gone (:func:`clean_leftovers`). An output folder a command fills (``-o``) carries a record of what Kiln wrote
+there (:data:`OWNED`); a file at an output path that Kiln did not write, or a symbolic link someone else put
+there, is refused rather than replaced or followed.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kiln.core.errors import StorageError
+
+OWNED = ".kiln-owned.json"  # in an output folder: name -> [size, mtime_ns] of every file Kiln wrote there
+SCRATCH = ".kiln-tmp"  # a workdir's or output folder's own temporary space
+log = logging.getLogger("kiln")
+_LEFTOVER = re.compile(r"^\.(?P<final>.+)\.(?P<kind>staging|old|tmp|scratch)-(?P<pid>\d+)-[0-9a-f]{8}(\.tmp)?$")
+
+
+def temp_name(final: Path, kind: str = "tmp") -> Path:
+    """A fresh hidden name beside ``final`` that says whose it is: ``.<name>.<kind>-<pid>-<hex>`` (a file's ends
+    in ``.tmp``)."""
+    suffix = ".tmp" if kind == "tmp" else ""
+    return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user's counts: its files are never taken)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, a link (never what it points to) or a folder tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def clean_leftovers(folder: Path, final_name: str | None = None, every: bool = False) -> None:
+    """Remove the temporary files and folders of dead processes in ``folder`` (of ``final_name`` only, if given);
+    ``every``: also those of live ones (the caller holds the folder's lock, so none is in use). An ``old`` folder
+    whose final folder is missing is the last finished result, cut off between two renames: it is put back."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        m = _LEFTOVER.match(p.name)
+        if not m or (final_name is not None and m["final"] != final_name):
+            continue
+        if not every and pid_alive(int(m["pid"])):
+            continue
+        final = folder / m["final"]
+        if m["kind"] == "old" and not final.exists() and not final.is_symlink():
+            os.replace(p, final)
+        else:
+            remove_path(p)
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """A symbolic link where Kiln would write (``what``: "-o", "the workdir's lock") is never followed nor
+    replaced: someone else put it there."""
+    if path.is_symlink():
+        raise StorageError(
+            f"{what} {path} is a symbolic link (to {os.readlink(path)}); Kiln never writes through a link "
+            "it did not create",
+            hint=f"remove the link {path}, or give Kiln another path",
+        )
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that refuses a symbolic link at ``path`` (``O_NOFOLLOW``) with a clear error."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            refuse_link(path, "the path")
+        raise
+
+
+def _stat(path: Path) -> list[int]:
+    st = path.lstat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def owned_files(folder: Path) -> dict[str, list[int]]:
+    """What Kiln recorded writing into ``folder`` (relative path -> [size, mtime_ns]); empty without a record."""
+    try:
+        record = json.loads((folder / OWNED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def claim_folder(folder: Path, what: str = "-o", names: Iterable[str] | None = None) -> None:
+    """Allow writing into ``folder`` only where it is new, empty, or holds nothing but files Kiln recorded writing
+    there, unchanged since (``names``: only these entries matter, e.g. the files a load test writes into a folder
+    that may hold anything else). Leftovers of a killed command are removed first."""
+    refuse_link(folder, what)
+    if folder.exists() and not folder.is_dir():
+        raise StorageError(f"{what} {folder} is a file, not a folder", hint=f"give a new or empty folder for {what}")
+    if not folder.is_dir():
+        return
+    clean_leftovers(folder)
+    owned = owned_files(folder)
+    if names is None:
+        paths = [p for p in folder.rglob("*") if (not p.is_dir() or p.is_symlink()) and p.name != OWNED]
+    else:
+        paths = [folder / n for n in names if (folder / n).exists() or (folder / n).is_symlink()]
+    foreign = sorted(
+        rel
+        for p in paths
+        for rel in [p.relative_to(folder).as_posix()]
+        if p.is_symlink() or not p.is_file() or owned.get(rel) != _stat(p)
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise StorageError(
+            f"{what} {folder} already holds files Kiln did not write ({shown}); writing there would replace them",
+            hint=f"move them away, or give {what} a new or empty folder (or one an earlier run of this command wrote)",
+        )
+
+
+def record_owned(folder: Path, names: Iterable[str] | None = None) -> None:
+    """Record the files Kiln just wrote into ``folder`` (all of them, or ``names`` added to the record), for
+    :func:`claim_folder`."""
+    record = owned_files(folder) if names is not None else {}
+    paths = [folder / n for n in names] if names is not None else [p for p in folder.rglob("*") if p.is_file()]
+    record |= {p.relative_to(folder).as_posix(): _stat(p) for p in paths if p.name != OWNED and p.is_file()}
+    tmp = temp_name(folder / OWNED, "tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(tmp, folder / OWNED)  # whole or not at all; a link at its path is replaced, not followed
+
+
+@contextmanager
+def output_file(path: Path, what: str = "-o") -> Iterator[Path]:
+    """Write an output file (an ONNX model, with ``<name>.data`` beside it when its weights are external): yields a
+    path in a staging folder beside ``path``; on success the files move into place and are recorded as Kiln's.
+    A file already there that Kiln did not write, or a link, is refused before any work."""
+    path = Path(path)
+    names = [path.name, path.name + ".data"]
+    refuse_link(path, what)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(path.parent)
+    owned = owned_files(path.parent)
+    for name in names:
+        p = path.parent / name
+        if (p.exists() or p.is_symlink()) and (p.is_symlink() or not p.is_file() or owned.get(name) != _stat(p)):
+            raise StorageError(
+                f"{what} {p} already exists and Kiln did not write it; writing there would replace it",
+                hint=f"move it away, or give {what} another path",
+            )
+    staging = temp_name(path, "staging")
+    staging.mkdir()
+    try:
+        yield staging / path.name
+        made = sorted(staging.iterdir(), key=lambda p: p.name == path.name)  # the weights first, the model last
+        for f in made:
+            os.replace(f, path.parent / f.name)
+        stale = path.parent / names[1]
+        if names[1] not in {f.name for f in made} and stale.is_file() and not stale.is_symlink():
+            stale.unlink()  # the weights of the model replaced (claimed above: Kiln wrote them)
+        record_owned(path.parent, [f.name for f in made])
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# Where libraries keep caches and settings under HOME; pointed into the run's scratch when HOME is not usable.
+HOME_CACHES = ("MPLCONFIGDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+
+
+def home_usable() -> bool:
+    """Whether HOME is set and names a folder this process can write: otherwise libraries' caches must go
+    elsewhere (Kiln itself keeps nothing under HOME)."""
+    home = os.environ.get("HOME")
+    return bool(home) and os.path.isdir(home) and os.access(home, os.W_OK | os.X_OK)
+
+
+@contextmanager
+def scratch_root(folder: Path) -> Iterator[Path]:
+    """Within this block every temporary file of this process (``tempfile``'s, so Kiln's, ONNX Runtime's and
+    torch's) goes into ``folder/.kiln-tmp/.run.scratch-<pid>-<hex>``, removed when the block ends however it
+    ends: inside the workdir or beside the -o path the user gave, not in a shared ``/tmp``. With HOME unset or
+    unusable, libraries' caches go there too. A folder that cannot be written keeps the system's temporary
+    folder (said in the log). Yields the folder in use."""
+    base = Path(folder) / SCRATCH
+    try:
+        refuse_link(base, "Kiln's temporary folder")
+        base.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(base, "run")  # those of killed commands
+        root = temp_name(base / "run", "scratch")
+        root.mkdir()
+    except OSError as exc:
+        log.info("temporary files go to %s: cannot write %s (%s)", tempfile.gettempdir(), base, exc.strerror)
+        yield Path(tempfile.gettempdir())
+        return
+    settings = {"TMPDIR": str(root)}  # for the processes Kiln starts too
+    if not home_usable():  # libraries' caches (matplotlib's, XDG's) would go to / or to an odd place
+        settings |= {k: str(root / k.lower()) for k in HOME_CACHES if k not in os.environ}
+    previous, env = tempfile.tempdir, {k: os.environ.get(k) for k in settings}
+    tempfile.tempdir = str(root)
+    os.environ.update(settings)
+    try:
+        yield root
+    finally:
+        tempfile.tempdir = previous
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(root, ignore_errors=True)
+        try:
+            base.rmdir()  # only when empty: another command's scratch stays
+        except OSError:
+            pass
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A temporary folder (under the current :func:`scratch_root`, else the system's), removed however the block
+    ends, a failure included."""
+    path = Path(tempfile.mkdtemp(prefix=f"{prefix}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
