@@ -154,9 +154,14 @@ def _pin(model: onnx.ModelProto, sizes: dict[str, int]) -> dict[str, int]:
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
-        dims = v.type.tensor_type.shape.dim
-        if dims and all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
-            out[v.name] = [d.dim_value for d in dims]
+        # an unknown first axis is the batch, pinned to 1 at the inputs (shape inference loses it through a Reshape
+        # whose target it computes from the input's shape); an unknown axis elsewhere leaves the tensor unknown
+        dims = [
+            d.dim_value if d.dim_value > 0 else (1 if axis == 0 else 0)
+            for axis, d in enumerate(v.type.tensor_type.shape.dim)
+        ]
+        if dims and all(dims):
+            out[v.name] = dims
     for t in model.graph.initializer:
         out[t.name] = list(t.dims)
     return out
