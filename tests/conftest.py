@@ -58,15 +58,23 @@ def _few_threads() -> None:
     torch.set_num_threads(2)
 
 
+_PRISTINE = (logging.getLogger("kiln").level, list(logging.getLogger("kiln").handlers))
+
+
 @pytest.fixture(autouse=True)
 def _kiln_logger() -> Iterator[None]:
-    """A CLI call in-process sets Kiln's logger (level, handler, no propagation); the next test gets it back as
-    it was, so ``caplog`` sees Kiln's records whatever ran before."""
+    """A CLI call in-process sets Kiln's logger (level, handler, no propagation), in a test or in a module-scoped
+    fixture before it: every test starts and ends with the logger as it was before any CLI call, so ``caplog`` sees
+    Kiln's records whatever ran before."""
     logger = logging.getLogger("kiln")
-    saved = (logger.level, list(logger.handlers), logger.propagate)
+
+    def reset() -> None:
+        logger.setLevel(_PRISTINE[0])
+        logger.handlers[:], logger.propagate = list(_PRISTINE[1]), True
+
+    reset()
     yield
-    logger.setLevel(saved[0])
-    logger.handlers[:], logger.propagate = saved[1], saved[2]
+    reset()
 
 
 # Folders whose every test is slow: whole runs of `kiln` and the benchmark scripts (run by .ci/run's second step).
