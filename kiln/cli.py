@@ -40,6 +40,26 @@ EXIT_CODES = (
 )
 
 
+class UsageMistake(click.ClickException):
+    """A mistake in the command line itself (an option's value out of range, an unknown option or command), said
+    as every other mistake is: one ``error:`` line, one ``fix:`` line, exit 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, command: str) -> None:
+        super().__init__(message)
+        self.command = command
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+        click.echo(f"fix: see `{self.command} --help` for its arguments and options", err=True)
+
+
+def _usage(exc: click.UsageError, fallback: str) -> UsageMistake:
+    command = exc.ctx.command_path if exc.ctx is not None else fallback
+    return UsageMistake(exc.format_message(), command)
+
+
 class KilnCommand(click.Command):
     """Turns :class:`KilnError` into a clean message and exit code instead of a traceback."""
 
@@ -47,10 +67,18 @@ class KilnCommand(click.Command):
         kwargs["epilog"] = kwargs.get("epilog") or EXIT_CODES
         super().__init__(*args, **kwargs)
 
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _usage(exc, f"kiln {info_name}") from None
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             _check_cwd(self, ctx)
             return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _usage(exc, ctx.command_path) from None
         except KilnError as exc:
             _fail(ctx, disk_full(exc, _written(ctx)) or exc)
         except OSError as exc:  # a disk or folder problem anywhere (read-only -o, disk full): the same two lines
@@ -138,6 +166,18 @@ def _fail(ctx: click.Context, exc: KilnError) -> None:
 
 class KilnGroup(click.Group):
     command_class = KilnCommand
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _usage(exc, "kiln") from None
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:
+            raise _usage(exc, "kiln") from None
 
 
 # Libraries' messages that say nothing a Kiln user can act on; shown with --verbose only. onnxconverter-common

@@ -659,3 +659,22 @@ def test_a_gate_failed_on_random_inputs_names_inputs_in_its_fix(
     assert_clean_error(result, 3, "failed its gates")
     fix = next(line for line in result.output.splitlines() if line.startswith("fix:"))
     assert "--inputs" in fix and "random inputs" in fix
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["serve", "--http-port", "99999"], "99999 is not in the range"),
+        (["frobnicate"], "No such command 'frobnicate'"),
+        (["run", "--no-such-flag"], "No such option '--no-such-flag'"),
+        (["loadtest"], "Missing argument"),
+        (["validate", "some-engine"], "--reference"),
+    ],
+)
+def test_command_line_mistakes_are_one_error_and_one_fix(args: list[str], named: str) -> None:
+    """Click's own usage errors (a value out of range, an unknown option or command, a missing argument) read like
+    every other mistake: one error line naming it, one fix line, exit 2, no usage dump."""
+    result = CliRunner().invoke(main, args)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2, result.output
+    assert [line.split(":")[0] for line in lines] == ["error", "fix"] and named in lines[0], result.output
