@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.compare import OutputStats, compare_outputs, worst
+from kiln.core.compare import OutputStats, class_axis, compare_outputs, worst
 from kiln.core.data import DatasetSplits, Feed, feed_rows, feed_take, rows, take
 from kiln.core.errors import ModelError
 from kiln.core.labels import IGNORE_LABEL, per_position
@@ -205,6 +205,7 @@ class Reference:
         """Task accuracy of outputs at the data's own shape (None: no class logits or no labels)."""
         if self.logits is None or self.labels is None or self.logits not in outputs:
             return None
+        check_labels_fit(outputs[self.logits], self.labels, self.logits)
         return label_accuracy(outputs[self.logits], self.labels)
 
     def metric_of(self, outputs: dict[str, np.ndarray]) -> float | None:
@@ -220,6 +221,19 @@ class Reference:
         if y is None or not per_position(y):
             return None
         return (y if batch is None else sample_batch(y, batch)) != IGNORE_LABEL
+
+
+def check_labels_fit(logits: np.ndarray, labels: np.ndarray, name: str) -> None:
+    """Labels that fit the class-logit output: one per row ([N] for logits [N, C]), or one per position (the logits'
+    shape without their class axis); else a ModelError naming both shapes."""
+    positions = tuple(np.delete(np.array(logits.shape), class_axis(logits.ndim) % logits.ndim))
+    if logits.ndim >= 2 and tuple(labels.shape) != positions:
+        raise ModelError(
+            f"the held-out labels {labels.dtype}{list(labels.shape)} do not fit the class-logit output '{name}' "
+            f"{list(logits.shape)}: it takes labels shaped {list(positions)}",
+            hint="return labels that fit the model's output from the data function, or name the class-logit output "
+            "in signature.logits_output",
+        )
 
 
 def held_out(
