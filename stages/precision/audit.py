@@ -185,14 +185,18 @@ def engine_audit(
     if engine_graph is None:
         return {**record, "method": "source graph"}
     ran = audit_graph(engine_graph, sizes)
-    by_flops = ran.total >= 0.9 * src.total > 0
-    share = ran.share() if by_flops else _node_share(ran)
-    return {**record, "share": share, "method": "engine graph, " + ("by FLOPs" if by_flops else "by compute node")}
-
-
-def _node_share(a: Audit) -> dict[str, float]:
-    whole = sum(a.nodes.values())
-    return {p: round(a.nodes[p] / whole, 4) for p in ("int8", "fp16", "fp32") if whole and a.nodes[p]}
+    if ran.total >= 0.9 * src.total > 0:
+        return {**record, "share": ran.share(), "method": "engine graph, by FLOPs"}
+    # The runtime's fused ops hide their shapes: the source graph's FLOPs, less any precision the engine's graph
+    # no longer computes in (ONNX Runtime's CPU provider runs an FP16 graph's MatMul/Conv in FP32, through casts)
+    share = dict(record["share"])
+    if any(ran.nodes[p] and not src.nodes[p] for p in LOW):  # converted at build: only the engine's graph knows
+        whole = sum(ran.nodes.values())
+        share = {p: round(ran.nodes[p] / whole, 4) for p in (*LOW, "fp32") if ran.nodes[p]}
+        return {**record, "share": share, "method": "engine graph, by compute node (converted at build)"}
+    for precision in [p for p in share if p != "fp32" and not ran.nodes[p]]:
+        share["fp32"] = round(share.get("fp32", 0.0) + share.pop(precision), 4)
+    return {**record, "share": share, "method": "source graph by FLOPs, checked against the engine graph"}
 
 
 def label_problem(audit: dict[str, Any], label: str) -> str | None:
