@@ -57,6 +57,7 @@ from kiln.core.shapes import graph_axes
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, root_cause
+from kiln.core.user_errors import is_user_file, user_frame, where
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import (
     dataset_for,
@@ -243,8 +244,24 @@ def _lost_axes(path: Path, names: dict[str, str], axes: dict[str, dict[int, str]
 
 
 def _reason(exc: BaseException) -> str:
-    """The most specific line of an exporter error (the dynamo exporter wraps the real cause)."""
-    return first_line(root_cause(exc))
+    """The most specific line of an exporter error (the dynamo exporter wraps the real cause), and where in the
+    user's own code it arose, where that can be told."""
+    return first_line(root_cause(exc)) + _user_location(exc)
+
+
+def _user_location(exc: BaseException | None) -> str:
+    """" (in forward() at mine.py:12)": the innermost frame in the user's files of the error or its causes, or the
+    one a Dynamo error quotes "from user code"; empty when the error is not the user's code's."""
+    while exc is not None:
+        frame = user_frame(exc)
+        if frame is not None:
+            return f" (in {where(frame)})"
+        quoted = re.search(r'from user code:\s*File "([^"]+)", line (\d+), in (\w+)', str(exc))
+        if quoted is not None and is_user_file(quoted.group(1)):
+            path, line, fn = quoted.groups()
+            return f" (in {fn}() at {Path(path).name}:{line})"
+        exc = exc.__cause__ or exc.__context__
+    return ""
 
 
 def _export(
