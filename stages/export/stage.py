@@ -250,7 +250,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def _user_location(exc: BaseException | None) -> str:
-    """" (in forward() at mine.py:12)": the innermost frame in the user's files of the error or its causes, or the
+    """ " (in forward() at mine.py:12)": the innermost frame in the user's files of the error or its causes, or the
     one a Dynamo error quotes "from user code"; empty when the error is not the user's code's."""
     while exc is not None:
         frame = user_frame(exc)
