@@ -18,7 +18,7 @@ import kiln.models
 import kiln.stages.train
 from kiln.core.data import DatasetSplits, call, check_forward_takes, rows, take, tensors
 from kiln.core.env import environment_subset
-from kiln.core.errors import ConfigError, ModelError
+from kiln.core.errors import ConfigError, ModelError, TrainingError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.signature import Signature
@@ -33,6 +33,7 @@ from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import evaluate_loss_acc, train
+from kiln.stages.train.metrics import TrainResult
 from kiln.stages.train.precision import resolve_device
 from kiln.stages.train.report import report_section
 from kiln.stages.train.task import Task, check_task, task_for
@@ -120,9 +121,24 @@ def train_to(
             out_dir=out,
             task=task,
         )
+    check_learned(result)
     if env.is_main:
         save_trained(out, model, config.model, {"dataset": data.name, "input_shapes": data.sample_shapes})
     return TrainSummary.model_validate(result.summary())
+
+
+def check_learned(result: TrainResult) -> None:
+    """A training in which no optimizer step was taken (each one skipped for a non-finite loss or an fp16 overflow)
+    learned nothing: an error, never weights that go on to pass every gate against themselves."""
+    planned = sum(m.steps for m in result.history)
+    nonfinite = sum(m.nonfinite_steps for m in result.history)
+    overflow = sum(m.skipped_steps for m in result.history)
+    if planned and nonfinite + overflow >= planned:
+        raise TrainingError(
+            f"no training step was taken: all {planned} were skipped ({nonfinite} with a non-finite loss or "
+            f"gradients, {overflow} for fp16 gradient overflow); the model learned nothing",
+            hint="check the data and the loss for NaN/Inf, lower train.lr, or use train.precision: bf16 or fp32",
+        )
 
 
 def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str, task: Task | None = None) -> None:
