@@ -13,7 +13,12 @@ from kiln.stages.accuracy.config import CheckConfig
 
 class ValidateConfig(CheckConfig):
     warmup: int = Field(5, ge=0)
-    iterations: int = Field(30, ge=1, description="timed calls per engine and batch size, at most")
+    iterations: int = Field(
+        30,
+        ge=1,
+        description="timed calls per engine, batch size and round, at most (fewer once the round's share of "
+        "time_budget_s is spent): many quick calls per round, one slow one",
+    )
     roofline: bool = Field(
         True,
         description="put each engine's achieved TFLOP/s beside its device's GEMM peak (measured once per device, "
@@ -24,7 +29,7 @@ class ValidateConfig(CheckConfig):
         ge=1,
         description="interleaved timing rounds: every engine and baseline is timed in turn, round after round (at "
         "least 6, the fewest that give a 95 % interval of the median; from 12 the interval drops the outermost "
-        "rounds), in blocks of iterations/rounds calls",
+        "rounds), in blocks of up to `iterations` calls",
     )
     time_budget_s: float = Field(
         3.0,

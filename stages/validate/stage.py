@@ -221,7 +221,7 @@ def time_interleaved(
         for bs in sizes:
             timers = {name: t[bs] for name, t in contenders.items() if bs in t}
             if timers:
-                calls = max(1, cfg.iterations // cfg.rounds)
+                calls = cfg.iterations  # per block, fewer once its share of the time budget is spent
                 for name, rounds in interleave(timers, cfg.rounds, calls, cfg.time_budget_s).items():
                     out[name][str(bs)] = from_rounds(rounds)
             bar.advance()
