@@ -22,7 +22,7 @@ from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
-from kiln.stages.accuracy.metrics import Metric
+from kiln.stages.accuracy.metrics import Metric, metric_labels, resolve_metric
 
 log = logging.getLogger("kiln.validate")
 LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
@@ -249,6 +249,30 @@ def held_out(
     feed = to_feed(take(data.val_x, slice(0, n)))
     seen = [to_feed(data.train_x), feed] if rows(data.train_x) else [feed]
     return [(p, resize(feed, axes, p)) for p in shape_points(axis_sizes(seen, axes, shapes))]
+
+
+def held_out_reference(
+    run: Callable[[Feed], dict[str, np.ndarray]],
+    feeds: list[tuple[dict[str, int], Feed]],
+    data: DatasetSplits,
+    logits: str | None,
+    cfg: CheckConfig,
+    batch_sizes: list[int],
+    axes: Axes,
+) -> Reference:
+    """The reference ``run`` on the held-out ``feeds``, with the labels and ``validate.metric`` it is judged by: what
+    validation compares engines with and the precision stage compares variants with."""
+    n = feed_rows(feeds[-1][1])
+    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
+    metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better)
+    targets = metric_labels(data.val_y[:n] if data.val_y is not None else None)
+    if metric is not None and targets is None:
+        raise ModelError(
+            f"validate.metric '{cfg.metric}' needs labels, and the data has none (val_y is None)",
+            hint="return held-out labels from the data function, or remove validate.metric",
+        )
+    point_labels = labels_at_points(labels, feeds[-1][1], feeds, axes)
+    return Reference(run, feeds, point_labels, logits, max(batch_sizes), min(batch_sizes), targets, metric)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import kiln.stages.precision
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
 from kiln.calibration.quantize import resolve_reduce_range
-from kiln.core.data import DatasetSplits, feed_for_graph, feed_rows, rows, take
+from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import io_specs, load_onnx
@@ -37,9 +37,8 @@ from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import fmt
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import torch_model_named
-from kiln.stages.accuracy.check import Reference, held_out, labels_at_points
+from kiln.stages.accuracy.check import held_out, held_out_reference
 from kiln.stages.accuracy.config import CheckConfig
-from kiln.stages.accuracy.metrics import metric_labels, resolve_metric
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.emulate import emulate_fp16
@@ -255,23 +254,9 @@ def held_out_check(
     sig, vcfg = ctx.config.signature, ctx.config.validate
     axes = sig.dynamic_axes or (graph_axes(inputs) if not torch_model_named(ctx.config.model) else {})
     feeds = held_out(data, lambda x: feed_for_graph(x, names), axes, sig.shapes, vcfg.max_samples)
-    run = session_runner(src.model)
     out_names = [o.name for o in src.model.graph.output]
-    n = feed_rows(feeds[-1][1])
     logits = out_names[src.logits] if src.logits is not None else None
-    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    metric = resolve_metric(vcfg.metric, logits, vcfg.metric_higher_is_better)
-    targets = metric_labels(data.val_y[:n] if data.val_y is not None else None) if metric is not None else None
-    ref = Reference(
-        run,
-        feeds,
-        labels_at_points(labels, feeds[-1][1], feeds, axes),
-        logits,
-        max(sig.batch_sizes),
-        min(sig.batch_sizes),
-        targets,
-        metric,
-    )
+    ref = held_out_reference(session_runner(src.model), feeds, data, logits, vcfg, sig.batch_sizes, axes)
     return GateCheck(src.model, ref, vcfg.gates, sig.batch_sizes)
 
 

@@ -34,7 +34,6 @@ from kiln.core.data import (
     input_names,
 )
 from kiln.core.env import environment_subset
-from kiln.core.errors import ModelError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
@@ -62,11 +61,11 @@ from kiln.stages.accuracy.check import (
     compare_on,
     gates_for,
     held_out,
-    labels_at_points,
+    held_out_reference,
     sample_batch,
     summarize,
 )
-from kiln.stages.accuracy.metrics import Metric, metric_labels, resolve_metric
+from kiln.stages.accuracy.metrics import Metric
 from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.engines.registry import backend_libraries, backend_named, load_engine, preference_order, runnable
 from kiln.stages.precision import speed as precision_speed
@@ -404,26 +403,8 @@ def reference(
 ) -> Reference:
     """The reference's outputs on the held-out ``feeds``, with the labels and ``validate.metric`` they are judged by."""
     sig = ctx.config.signature
-    n = feed_rows(feeds[-1][1])
     logits = logits_name(out_names, sig.logits_output)
-    labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better)
-    targets = metric_labels(data.val_y[:n] if data.val_y is not None else None)
-    if metric is not None and targets is None:
-        raise ModelError(
-            f"validate.metric '{cfg.metric}' needs labels, and the data has none (val_y is None)",
-            hint="return held-out labels from the data function, or remove validate.metric",
-        )
-    return Reference(
-        run,
-        feeds,
-        labels_at_points(labels, feeds[-1][1], feeds, axes),
-        logits,
-        max(sig.batch_sizes),
-        min(sig.batch_sizes),
-        targets,
-        metric,
-    )
+    return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes)
 
 
 @dataclass(frozen=True)
