@@ -21,12 +21,17 @@ Inductor's freezing is worth, side by side). ``--torch-variant NAME:KEY=VALUE,..
 ``kiln_torch_NAME``: the torch engine built with those ``build.torch.inductor`` entries on top of ``--torch-inductor``
 (a key naming a ``build.torch`` setting sets it: ``freezing=true``, ``gemm_epilogues=MODE``, ``merge_linears=false``),
 so Inductor settings are compared in one run. Variant rows are
-shown but not counted as Kiln's engine in the targets: they are not what a build ships by default.
+shown but not counted as Kiln's engine in the targets: they are not what a build ships by default. Rows
+``kiln_torch_fp8`` and ``kiln_torch_int8`` are the torch engine at ``precision`` fp8 / int8 (GPU: linear layers as
+FP8 or INT8 GEMMs, ``kiln.stages.engines.torch.lowbit``); a ``--torch-variant`` takes ``precision=fp8`` too.
+Roofline columns: FLOPs per sample from torch's FLOP counter (eager FP32, batch 1), achieved TFLOP/s at the median,
+and its share of this device's measured GEMM peak in the row's precision (``kiln.stages.validate.roofline``).
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/engine_bench.py --out $OUT                  # full (GPU host)
     ... --models hf_bert --batches 1,32 --rows eager16,baseline_compile,kiln,kiln_torch     # issue 12's BERT
     ... --models resnet18 --batches 32 --rows compile,kiln --compile-mode max-autotune       # one slice
     ... --models hf_bert --batches 32 --rows kiln_torch --torch-variant aten:max_autotune_gemm_backends=ATEN
+    ... --models hf_bert --batches 1,32 --rows kiln_torch,kiln_torch_fp8,kiln_torch_int8 --profile 20  # issue 33
     python benchmarks/engine_bench.py --smoke --out /tmp/bench                             # tiny, CPU
 """
 
@@ -59,6 +64,7 @@ from kiln.stages.export.stage import export_onnx  # noqa: E402
 from kiln.stages.optimize.api import optimize_model  # noqa: E402
 from kiln.stages.optimize.config import OptimizeConfig  # noqa: E402
 from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402
+from kiln.stages.validate.roofline import peak_tflops  # noqa: E402
 
 ROWS = [
     "eager32",
@@ -72,6 +78,8 @@ ROWS = [
     "kiln",
     "kiln_torch",
     "kiln_torch_frozen",
+    "kiln_torch_fp8",
+    "kiln_torch_int8",
 ]
 LABEL = {
     "eager32": "torch eager fp32",
@@ -85,7 +93,10 @@ LABEL = {
     "kiln": "Kiln engine, autotuned",
     "kiln_torch": "Kiln torch engine (build.backends torch)",
     "kiln_torch_frozen": "Kiln torch engine, build.torch.freezing on",
+    "kiln_torch_fp8": "Kiln torch engine, FP8 linear layers (precision fp8)",
+    "kiln_torch_int8": "Kiln torch engine, INT8 linear layers (precision int8)",
 }
+ROW_PRECISION = {"kiln_torch_fp8": "fp8", "kiln_torch_int8": "int8"}  # the other Kiln torch rows: fp16 (GPU)
 Inputs = tuple[torch.Tensor, ...]
 T0 = time.perf_counter()
 
@@ -236,7 +247,8 @@ class Bench:
         self.dev = "cuda" if self.cuda else "cpu"
         self.work = Path(tempfile.mkdtemp(prefix="engine-bench-"))
         self.results: list[dict[str, Any]] = []
-        self.env: dict[str, Any] = {}
+        self.peak = peak_tflops(self.dev, self.work / "cache")  # measured once per run, in the env
+        self.env: dict[str, Any] = {"peak_tflops": self.peak}
 
     def save(self) -> None:
         write_results(self.args, self.env, self.results)
@@ -261,6 +273,8 @@ class Bench:
             self.results.append({"model": name, "row": "all", "label": "skipped", "error": f"skipped: {exc}"})
             return
         self.params = params
+        self.flops = flops_per_sample(model, make_inputs(name, params, shape, 1, seed=0), self.dev)
+        say(f"{name}: {self.flops / 1e9:.2f} GFLOP per sample (torch's FLOP counter)")
         evalx = make_inputs(name, params, shape, a.eval_samples, seed=1)
         with torch.inference_mode():
             ref = self._batched(lambda xs: model(*(x.to(self.dev) for x in xs)).float().cpu(), evalx).numpy()
@@ -350,6 +364,7 @@ class Bench:
                 "first_call_s": time.perf_counter() - t1,
                 "build_seconds": build,
                 "size_bytes": size,
+                **self._roofline(row, batch, float(np.median(times))),
                 **agreement(ref, got),
                 **extra,
             }
@@ -360,6 +375,23 @@ class Bench:
                 f"{name} {row} batch {batch}: median {entry['median_ms']:.3f} ms, top1 "
                 f"{entry['top1_agreement']:.4f}, cos {entry['cosine']:.6f}"
             )
+
+    def _roofline(self, row: str, batch: int, median_ms: float) -> dict[str, Any]:
+        """Achieved TFLOP/s at the median and its share of this device's measured GEMM peak in the row's precision
+        (``kiln.stages.validate.roofline``; FP16's where that precision's peak is not measured)."""
+        precision = self.row_precision(row)
+        measured = self.peak.get("measured", {})
+        kind = precision if precision in measured else "fp16" if "fp16" in measured else "fp32"
+        tflops = self.flops * batch / (median_ms / 1e3) / 1e12
+        pct = round(100 * tflops / measured[kind], 2) if measured.get(kind) else None
+        return {"precision": precision, "tflops": round(tflops, 3), "pct_of_peak": pct, "peak_kind": kind}
+
+    def row_precision(self, row: str) -> str:
+        if row in ROW_PRECISION:
+            return ROW_PRECISION[row]
+        if row in self.args.torch_variants and "precision" in self.args.torch_variants[row]:
+            return str(self.args.torch_variants[row]["precision"])
+        return "fp16" if self.cuda and row != "eager32" else "fp32"
 
     def _eval(self, row: str, runner: Callable[[Inputs], Callable[[], Any]], evalx: Inputs) -> np.ndarray:
         bs = max(self.args.batches)
@@ -407,12 +439,14 @@ class Bench:
             return torch_factory, None, extra
         if row in ("ort_default", "ort_cuda_graph"):
             return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
-        if row in ("kiln_torch", "kiln_torch_frozen"):
-            return self._kiln_torch(onnx32, name, model, row, settings={"freezing": row == "kiln_torch_frozen"})
+        if row in ("kiln_torch", "kiln_torch_frozen", *ROW_PRECISION):
+            frozen = {"freezing": row == "kiln_torch_frozen"}
+            return self._kiln_torch(onnx32, name, model, row, settings=frozen, precision=ROW_PRECISION.get(row))
         if row in self.args.torch_variants:
             entries = dict(self.args.torch_variants[row])
+            precision = entries.pop("precision", None)
             own = {k: entries.pop(k) for k in list(entries) if k in TorchConfig.model_fields and k != "inductor"}
-            return self._kiln_torch(onnx32, name, model, row, settings=own, inductor=entries)
+            return self._kiln_torch(onnx32, name, model, row, settings=own, inductor=entries, precision=precision)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
@@ -512,11 +546,14 @@ class Bench:
         row: str,
         settings: dict[str, Any] | None = None,
         inductor: dict[str, Any] | None = None,
+        precision: str | None = None,
     ) -> tuple[Any, int, dict]:
-        """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU); ``settings``:
-        build.torch settings (the row kiln_torch_frozen sets freezing); ``inductor``: build.torch.inductor entries on
-        top of ``--torch-inductor`` (a ``--torch-variant`` row)."""
-        device, precision = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
+        """Kiln's torch engine of the same weights (FP16 + max-autotune on the GPU, FP32 on the CPU, or
+        ``precision``: fp8/int8 GPU engines); ``settings``: build.torch settings (the row kiln_torch_frozen sets
+        freezing); ``inductor``: build.torch.inductor entries on top of ``--torch-inductor`` (a ``--torch-variant``
+        row)."""
+        device, default = ("cuda", "fp16") if self.cuda else ("cpu", "fp32")
+        precision = precision or default
         state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
         def load() -> torch.nn.Module:
@@ -561,6 +598,16 @@ class Bench:
         )
 
 
+def flops_per_sample(model: torch.nn.Module, x: Inputs, device: str) -> int:
+    """FLOPs of one sample through ``model`` in eager FP32, counted by ``torch.utils.flop_counter``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.inference_mode(), counter:
+        model(*(t.to(device) for t in x))
+    return int(counter.get_total_flops())
+
+
 def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -571,22 +618,32 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "",
         f"Command: `{env['command']}`",
         "",
-        "| model | batch | row | median ms | p90 ms | vs eager fp32 | top-1 agree | cosine | build s | size MB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | batch | row | median ms | p90 ms | vs eager fp32 | top-1 agree | cosine | build s | size MB "
+        "| TFLOP/s | % of peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {(r["model"], r["batch"]): r["median_ms"] for r in results if r["row"] == "eager32" and "median_ms" in r}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['model']} | - | {r['label']} | failed: {r['error'][:80]} | | | | | | |")
+            lines.append(
+                f"| {r['model']} | - | {r['label']} | failed: {r['error'][:80].replace(chr(10), ' ')} | | | | | | | | |"
+            )
             continue
         speed = base.get((r["model"], r["batch"]))
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['label']} | {r['median_ms']:.3f} | {r['p90_ms']:.3f} | "
             f"{(speed / r['median_ms']) if speed else float('nan'):.2f}x | {r['top1_agreement']:.4f} | "
             f"{r['cosine']:.6f} | {_num(r['build_seconds'] if r['row'] not in ('eager32', 'eager16') else None)} | "
-            f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} |"
+            f"{_num(r['size_bytes'] / 1e6 if r['size_bytes'] else None)} | {r.get('tflops', '-')} | "
+            f"{_pct(r)} |"
         )
     return "\n".join(lines + target_table(results) + profile_table(results) + autotune_table(results)) + "\n"
+
+
+def _pct(r: dict[str, Any]) -> str:
+    if r.get("pct_of_peak") is None:
+        return "-"
+    return f"{r['pct_of_peak']:.1f} % ({r['peak_kind']})"
 
 
 def profile_table(results: list[dict[str, Any]]) -> list[str]:

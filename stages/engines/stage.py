@@ -150,9 +150,9 @@ def _audit(source: Path, out: Path, built: Built, axis_sizes: dict[str, list[int
     if model.endswith(".onnx"):
         return engine_audit(source, out / model, sizes)
     settings = {**built.info.model_dump(mode="json"), **built.builder_settings}
-    if "dtype" in settings:  # a PyTorch program cast to one dtype
-        declared = {"float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8"}[settings["dtype"]]
-        return engine_audit(source, None, sizes, declared=declared)
+    if "dtype" in settings:  # a PyTorch program cast to one dtype, its linear layers maybe FP8/INT8 GEMMs
+        declared = {"float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8", "int8": "int8"}[settings["dtype"]]
+        return engine_audit(source, None, sizes, declared=declared, lowbit_share=settings.get("lowbit_linear_share"))
     if settings.get("strongly_typed", True):  # precision from the graph
         return engine_audit(source, None, sizes)
     audit = engine_audit(source, None, sizes)

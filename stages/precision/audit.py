@@ -168,18 +168,25 @@ def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
 
 
 def engine_audit(
-    source: Path, engine_graph: Path | None, sizes: dict[str, int], declared: str | None = None
+    source: Path,
+    engine_graph: Path | None,
+    sizes: dict[str, int],
+    declared: str | None = None,
+    lowbit_share: float | None = None,
 ) -> dict[str, Any]:
     """An engine's audit: FLOPs per sample from its source graph, precision shares from the graph it runs (an ONNX
     Runtime engine's optimized graph; its fused ops count by node where their shapes are not inferable), or
     ``declared`` by its builder (a torch engine cast to one dtype; TensorRT's own choice per layer), said in
-    ``method``."""
+    ``method``. A torch FP8/INT8 engine declares ``lowbit_share``: the share of its linear layers' FLOPs that its
+    swapped layers compute (:mod:`kiln.stages.engines.torch.lowbit`), applied to the source graph's FLOPs on weights."""
     src = audit_graph(source, sizes)
     record = src.record()
-    if declared == "fp8":  # the linear layers (MatMul/Gemm on a weight) as FP8 GEMMs, the rest in bfloat16
-        linear = src.weight_flops
-        share = {"fp8": round(linear / src.total, 4), "bf16": round(1 - linear / src.total, 4)} if src.total else {}
-        return {**record, "share": share, "method": "declared by the builder: linear layers FP8, the rest bfloat16"}
+    if declared in ("fp8", "int8"):  # linear layers (MatMul/Gemm on a weight) as low-precision GEMMs, the rest not
+        rest = "bf16" if declared == "fp8" else "fp16"
+        low = src.weight_flops * (1.0 if lowbit_share is None else lowbit_share) / src.total if src.total else 0.0
+        share = {declared: round(low, 4), rest: round(1 - low, 4)} if src.total else {}
+        method = f"declared by the builder: the linear layers it swapped in {declared.upper()}, the rest {rest}"
+        return {**record, "share": share, "method": method}
     if declared is not None:
         return {**record, "share": {declared: 1.0}, "method": "declared by the builder (dtype)"}
     if engine_graph is None:

@@ -62,7 +62,26 @@ def _measure(device: str) -> dict[str, float]:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         out[label] = round(2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, device) / 1e12, 2)
+    if device == "cuda":
+        out.update(_measure_lowbit(n))
     return out
+
+
+def _measure_lowbit(n: int) -> dict[str, float]:
+    """FP8 and INT8 GEMM peaks with the kernels the torch engine's low-precision layers call, where this GPU has
+    them (:mod:`kiln.stages.engines.torch.lowbit`)."""
+    import torch
+
+    from kiln.stages.engines.torch.lowbit import supported
+
+    a = torch.randn(n, n, device="cuda")
+    one = torch.ones((), device="cuda")
+    f8, i8 = a.to(torch.float8_e4m3fn), a.clamp(-127, 127).to(torch.int8)
+    calls = {
+        "fp8": lambda: torch._scaled_mm(f8, f8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        "int8": lambda: torch._int_mm(i8, i8.t()),
+    }
+    return {k: round(2 * n**3 / _best_seconds(fn, "cuda") / 1e12, 2) for k, fn in calls.items() if not supported(k)}
 
 
 def _best_seconds(fn: Any, device: str, calls: int = 10) -> float:

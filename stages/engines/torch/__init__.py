@@ -1,7 +1,8 @@
 """PyTorch engines compiled by Inductor from the trained model itself (opt-in: ``build.backends: [..., torch]``):
 an AOTInductor package, or the exported program with Inductor's caches. ``build.py`` exports and compiles,
 ``program.py`` is the compiled flavour at run time, ``runner.py`` runs, ``gemm_epilogues.py`` and
-``conv_epilogues.py`` rewrite linear layers and convolutions into fused library calls. Those modules need torch and
+``conv_epilogues.py`` rewrite linear layers and convolutions into fused library calls, ``lowbit.py`` makes linear
+layers FP8 or INT8 GEMMs. Those modules need torch and
 load when an engine is built or opened."""
 
 from __future__ import annotations
@@ -31,16 +32,20 @@ def _build(req: BuildRequest) -> Built:
 
 def _plan(cfg: TorchConfig, precision: str) -> Plan:
     listed = cfg.devices if cfg.devices != "auto" else [_default_device()]
-    gpu_only = {"fp16": "AOTInductor engines are FP32, or FP16 on the GPU", "fp8": "FP8 engines are for CUDA GPUs"}
+    gpu_only = {
+        "fp16": "AOTInductor engines are FP32, or FP16 on the GPU",
+        "fp8": "FP8 engines are for CUDA GPUs",
+        "int8": "the torch backend's INT8 engines are for CUDA GPUs (ONNX Runtime builds the CPU's)",
+    }
     devices = [d for d in listed if precision == "fp32" or (precision in gpu_only and d == "cuda")]
     skipped = [
         f"torch-{d}-{precision}: {gpu_only.get(precision, 'no such engine')}" for d in listed if d not in devices
     ]
-    if precision == "fp8" and devices:
-        from kiln.stages.engines.torch.fp8 import fp8_supported
+    if precision in ("fp8", "int8") and devices:
+        from kiln.stages.engines.torch.lowbit import supported
 
-        if why := fp8_supported():
-            skipped, devices = [*skipped, f"torch-cuda-fp8: {why}"], []
+        if why := supported(precision):
+            skipped, devices = [*skipped, f"torch-cuda-{precision}: {why}"], []
     return Plan(devices, skipped, by_default=cfg.devices == "auto")
 
 

@@ -13,8 +13,9 @@ caches (:mod:`.program`), so serving starts from the tuned kernels. It is what `
 hold) and where a package fails to compile or to load.
 
 Inputs and outputs keep the ONNX graph's names, order and dtypes (the engine casts to FP16 inside), so validation,
-serving and Triton's Python backend treat it like any other engine. No INT8: the ONNX engines carry the calibrated
-INT8 graphs.
+serving and Triton's Python backend treat it like any other engine. FP8 and INT8 engines (GPU only) run their linear
+layers as low-precision GEMMs scaled per row (:mod:`.lowbit`), the rest in bfloat16 or float16; the CPU's INT8
+engines are ONNX Runtime's, from the calibrated graphs.
 """
 
 from __future__ import annotations
@@ -38,18 +39,21 @@ from kiln.core.text import first_line
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.torch import conv_epilogues
 from kiln.stages.engines.torch.config import TorchConfig
-from kiln.stages.engines.torch.fp8 import fp8_supported, to_fp8
 from kiln.stages.engines.torch.gemm_epilogues import resolve_mode
+from kiln.stages.engines.torch.lowbit import LOWBIT, rows_per_sample, supported, to_lowbit
 from kiln.stages.engines.torch.program import check_inductor_keys, compile_program, inductor_options, run_compiled
 
 log = logging.getLogger("kiln.build")
 
 
 def _dtype(precision: str) -> Any:
-    """The dtype the engine's model runs in (FP8 engines: bfloat16 around their FP8 GEMMs)."""
+    """The dtype the engine's model runs in (FP8 engines: bfloat16 around their FP8 GEMMs, INT8 ones float16)."""
     import torch
 
-    return {"fp16": torch.float16, "fp8": torch.bfloat16}.get(precision, torch.float32)
+    return {"fp16": torch.float16, "fp8": torch.bfloat16, "int8": torch.float16}.get(precision, torch.float32)
+
+
+DTYPE_NAMES = {"fp16": "float16", "fp8": "float8_e4m3fn", "int8": "int8"}  # builder_settings["dtype"]
 
 
 PACKAGE = "model.pt2"
@@ -78,7 +82,7 @@ def _on(value: str, auto: bool) -> bool:
 
 
 def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> dict[str, Any]:
-    max_autotune = _on(cfg.max_autotune, device == "cuda")
+    max_autotune = _on(cfg.max_autotune, device == "cuda" and precision not in LOWBIT)
     return {
         "max_autotune": max_autotune,
         "coordinate_descent": max_autotune and _on(cfg.coordinate_descent, has_conv),
@@ -168,32 +172,44 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     )
     check_inductor_keys(settings["inductor"])
     model = model.to(req.device, dtype=_dtype(req.precision))
-    if req.precision == "fp8":  # the linear layers as FP8 GEMMs, the rest in bfloat16
-        why = fp8_supported() if req.device == "cuda" else "FP8 engines are built for CUDA GPUs"
-        if why:
-            raise BuildError(why, hint="build FP8 engines on a GPU with compute capability 8.9+ (Ada, Hopper)")
-        settings.update(to_fp8(model, req.settings.fp8_exclude))
+    feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
+    args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
+    if req.precision in LOWBIT:  # the linear layers as FP8/INT8 GEMMs, the rest in bfloat16/float16
+        settings.update(_lowbit(model, req, args))
     # (epilogues with flavour aotinductor: refused by TorchConfig itself; their custom ops need the compiled one)
-    package_first = (
-        req.settings.flavour != "compiled" and settings["gemm_epilogues"] == "off" and not settings["conv_epilogues"]
+    package_first = req.settings.flavour == "aotinductor" or (
+        req.settings.flavour == "auto"
+        and settings["gemm_epilogues"] == "off"
+        and not settings["conv_epilogues"]
+        and req.precision not in LOWBIT  # replayed as CUDA graphs: their quantize kernels are many small launches
     )
     # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13, a first
     # convolution with one input channel): there the frozen weights keep their layout. The inputs are channels_last
     # in every case.
     settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
-    feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
-    args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
     exported, one_size = _captured(model, req, args, settings)
     if one_size:  # the engine takes these axes at one size: its inputs say so, and the build warms that size only
         req = with_one_size(req, one_size)
         settings["one_size_axes"] = one_size
     common = {
         **settings,
-        "dtype": {"fp16": "float16", "fp8": "float8_e4m3fn"}.get(req.precision, "float32"),
+        "dtype": DTYPE_NAMES.get(req.precision, "float32"),
         "dynamic_batch": [1, max(req.max_batch, 2)],
     }
     built = _build_flavour(req, exported, args, common, package_first)
     return {**built, "inputs": req.inputs} if one_size else built
+
+
+def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> dict[str, Any]:
+    """Swap the model's linear layers for FP8/INT8 GEMMs where this GPU and the kernel take them
+    (:func:`kiln.stages.engines.torch.lowbit.to_lowbit`); what was swapped, for the builder settings."""
+    why = supported(req.precision) if req.device == "cuda" else f"{req.precision.upper()} engines are built for GPUs"
+    if why:
+        need = "8.9+ (Ada, Hopper)" if req.precision == "fp8" else "8.0+ (Ampere on)"
+        raise BuildError(why, hint=f"build {req.precision.upper()} engines on a GPU with compute capability {need}")
+    served = _served(model, [i.name for i in req.inputs], req.precision, False)
+    rows = rows_per_sample(model, lambda: served(*args), batch=len(args[0]))
+    return to_lowbit(model, req.precision, _dtype(req.precision), rows, req.settings.lowbit_exclude)
 
 
 def _build_flavour(

@@ -21,7 +21,9 @@ class TorchConfig(Section):
         "same run (Inductor's CPU engines lost to them where measured); a list builds exactly those",
     )
     max_autotune: AutoOnOff = Field(
-        "auto", description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU only"
+        "auto",
+        description="Inductor max-autotune (benchmarks Triton/GEMM/conv choices): auto = on the GPU, except for "
+        "FP8 and INT8 engines, whose GEMMs are PyTorch's own kernels (lowbit)",
     )
     coordinate_descent: AutoOnOff = Field(
         "auto",
@@ -34,16 +36,18 @@ class TorchConfig(Section):
         description="channels_last memory format for 4-D inputs and weights (the inputs only for a frozen "
         "AOTInductor package: recorded as channels_last_weights); auto = when the model has Conv2d",
     )
-    fp8_exclude: list[str] = Field(
+    lowbit_exclude: list[str] = Field(
         default_factory=list,
-        description="linear layers (module names) an FP8 engine keeps in bfloat16 (precision.variants: [fp8])",
+        description="linear layers (module names) an FP8 or INT8 GPU engine keeps in its higher precision "
+        "(precision.variants: [fp8] or [int8]; kiln.stages.engines.torch.lowbit)",
     )
     flavour: Literal["auto", "aotinductor", "compiled"] = Field(
         "auto",
         description="aotinductor: one AOTInductor package; compiled: the exported program plus Inductor's "
         "cache artifacts, compiled with torch.compile when the engine is loaded; auto: "
-        "compiled where gemm_epilogues or conv_epilogues applies (FP16 GPU engines by default), "
-        "otherwise aotinductor, or compiled when the package fails to compile or to load",
+        "compiled where gemm_epilogues or conv_epilogues applies (FP16 GPU engines by default) and "
+        "for FP8 and INT8 engines (replayed as CUDA graphs), otherwise aotinductor, or compiled when the "
+        "package fails to compile or to load",
     )
     cuda_graphs: AutoOnOff = Field(
         "auto",

@@ -1,0 +1,146 @@
+"""Low-precision linear layers for the torch engine on the GPU: FP8 (E4M3, ``torch._scaled_mm``) and INT8
+(``torch._int_mm``) GEMMs, which Inductor compiles into the engine's program around the rest of the model (bfloat16
+for FP8 engines, float16 for INT8 ones).
+
+Both scale per row: the weights once per output row (from the trained weights), the activations per row as they
+arrive (dynamic: no calibration data needed, and no scale that a shifted input distribution can saturate). Rowwise
+scaling is what keeps E4M3's 3 mantissa bits and INT8's 256 levels usable without calibration (torchao's float8
+and int8 dynamic-activation recipes and ModelOpt's FP8 recipe scale the same way); torchao is not a dependency
+here, so the layers are these few lines around PyTorch's own kernels.
+
+A layer stays in the engine's higher precision where the kernel cannot take it, said per layer: widths that are
+not multiples of 16 (both kernels), 16 rows or fewer per sample (``torch._int_mm`` on CUDA needs more than 16 rows:
+a classifier head at batch 1), or a name in ``build.torch.lowbit_exclude``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+INT8_MAX = 127.0  # symmetric: -127..127
+MIN_CAPABILITY = {"fp8": (8, 9), "int8": (8, 0)}  # FP8 tensor cores: Ada, Hopper on; INT8 GEMMs: Ampere on
+KERNEL = {"fp8": "torch._scaled_mm", "int8": "torch._int_mm"}
+INT_MM_MIN_ROWS = 17
+LOWBIT = tuple(MIN_CAPABILITY)
+
+
+def supported(precision: str) -> str | None:
+    """None where this machine's GPU runs ``precision``'s GEMMs on tensor cores; else why not (a skip line)."""
+    if not torch.cuda.is_available():
+        return f"{precision.upper()} engines need a CUDA GPU; torch sees none"
+    capability = torch.cuda.get_device_capability()
+    need = MIN_CAPABILITY[precision]
+    if capability < need:
+        name = torch.cuda.get_device_name()
+        return (
+            f"{name} (compute capability {capability[0]}.{capability[1]}) has no {precision.upper()} tensor-core "
+            f"GEMMs ({need[0]}.{need[1]}+)"
+        )
+    return None
+
+
+def rowwise(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` [rows, k] in ``precision`` with one float32 scale per row ([rows, 1]): ``t ~ q * scale``."""
+    top = E4M3_MAX if precision == "fp8" else INT8_MAX
+    scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / top
+    scaled = t.float() / scale
+    if precision == "fp8":
+        return scaled.to(torch.float8_e4m3fn), scale
+    return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+class LowbitLinear(nn.Module):
+    """``nn.Linear`` as an FP8 or INT8 GEMM: weights quantized once per output row, activations per row per call."""
+
+    def __init__(self, linear: nn.Linear, precision: str, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        weight, scale = rowwise(linear.weight.detach(), precision)
+        # [out, in] row-major: its transpose is the column-major B both kernels take
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, out]
+        bias = linear.bias.detach().to(out_dtype) if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+        self.precision, self.out_dtype = precision, out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        xq, xs = rowwise(rows, self.precision)
+        if self.precision == "fp8":
+            y = torch._scaled_mm(
+                xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype
+            )
+        else:  # int32 accumulators, rescaled in the epilogue Inductor fuses after the GEMM
+            y = (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.out_dtype)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def rows_per_sample(model: nn.Module, run: Any, batch: int) -> dict[str, int]:
+    """Rows each ``nn.Linear`` of ``model`` multiplies per sample (its input's leading dims / ``batch``), from one
+    call of ``run()`` (the served model on the export's example, whose batch is ``batch``)."""
+    rows: dict[str, int] = {}
+
+    def seen(name: str) -> Any:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:  # None: the inputs stay as they are
+            rows.setdefault(name, args[0].numel() // args[0].shape[-1])
+
+        return hook
+
+    hooks = [m.register_forward_pre_hook(seen(name)) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.inference_mode():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: max(n // batch, 1) for name, n in rows.items()}
+
+
+def to_lowbit(
+    model: nn.Module, precision: str, out_dtype: torch.dtype, rows: dict[str, int], exclude: list[str] | None = None
+) -> dict[str, Any]:
+    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`LowbitLinear`. ``rows``: each layer's
+    rows per sample (:func:`rows_per_sample`; a layer the example never ran is kept). Returns, for the engine's
+    builder settings, how many layers were swapped, the ones kept with why, and the share of the linear layers'
+    FLOPs per sample the swapped ones compute (what the engine's precision audit counts)."""
+    swapped: list[str] = []
+    kept: dict[str, str] = {}
+    flops = {"lowbit": 0, "all": 0}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        n = rows.get(name, 0)
+        work = 2 * n * module.in_features * module.out_features
+        flops["all"] += work
+        if why := _kept(name, module, n, precision, exclude or []):
+            kept[name] = why
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, LowbitLinear(module, precision, out_dtype))
+        swapped.append(name)
+        flops["lowbit"] += work
+    share = round(flops["lowbit"] / flops["all"], 4) if flops["all"] else 0.0
+    return {
+        "lowbit_kernel": KERNEL[precision],
+        "lowbit_layers": len(swapped),
+        "lowbit_kept": kept,
+        "lowbit_linear_share": share,
+    }
+
+
+def _kept(name: str, module: nn.Linear, rows: int, precision: str, exclude: list[str]) -> str | None:
+    """Why ``module`` stays in the engine's higher precision; None where it becomes a low-precision GEMM."""
+    if name in exclude:
+        return "listed in build.torch.lowbit_exclude"
+    if not rows:
+        return "not run by the example input"
+    if module.in_features % 16 or module.out_features % 16:
+        return f"{module.in_features}x{module.out_features}: {KERNEL[precision]} takes multiples of 16"
+    if precision == "int8" and rows < INT_MM_MIN_ROWS:
+        return f"{rows} row(s) per sample: torch._int_mm takes more than 16"
+    return None

@@ -1,0 +1,119 @@
+"""FP8 and INT8 linear layers (torch engine): rowwise scales, through torch._scaled_mm and torch._int_mm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.stages.engines.torch.lowbit import LowbitLinear, rows_per_sample, supported, to_lowbit
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "min_cos"), [("fp8", torch.bfloat16, 0.998), ("int8", torch.float32, 0.999)]
+)
+def test_a_lowbit_linear_agrees_with_its_linear(precision: str, dtype: torch.dtype, min_cos: float) -> None:
+    """PyTorch runs rowwise _scaled_mm and _int_mm on the CPU too: the layers' numerics are checked here."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(3, 7, 64)  # 21 rows: _int_mm takes more than 16
+    got = LowbitLinear(linear, precision, dtype)(x.to(dtype)).float()
+    want = linear(x)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert got.shape == want.shape and cos > min_cos  # E4M3: 3 mantissa bits; INT8: 255 levels, per row
+    assert got.dtype == torch.float32 and LowbitLinear(linear, precision, dtype)(x.to(dtype)).dtype == dtype
+
+
+def test_int8_weights_are_integers_within_range() -> None:
+    layer = LowbitLinear(nn.Linear(32, 16), "int8", torch.float32)
+    assert layer.weight.dtype == torch.int8 and int(layer.weight.abs().max()) == 127  # each row's largest is 127
+    assert layer.weight_scale.shape == (1, 16)
+
+
+def test_rows_per_sample_sees_each_layers_input() -> None:
+    """Tokens x features for a layer over a sequence; one row for a head over the pooled vector."""
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.head = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.proj(x).mean(1))
+
+    model, x = Tagger(), torch.randn(2, 20, 16)
+    assert rows_per_sample(model, lambda: model(x), batch=2) == {"proj": 20, "head": 1}
+
+
+def test_only_layers_the_kernels_take_are_swapped() -> None:
+    """Widths not multiples of 16, a listed layer, too few rows for _int_mm: kept, each with its reason; the
+    FLOP share of the swapped layers is what the audit counts."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10), nn.Linear(10, 16), nn.Linear(16, 16))
+    rows = {"0": 20, "2": 20, "3": 20, "4": 1}
+    report = to_lowbit(model, "int8", torch.float32, rows, exclude=["3"])
+    assert isinstance(model[0], LowbitLinear) and all(isinstance(model[i], nn.Linear) for i in (2, 3, 4))
+    assert report["lowbit_layers"] == 1 and report["lowbit_kernel"] == "torch._int_mm"
+    kept = report["lowbit_kept"]
+    assert "multiples of 16" in kept["2"] and kept["3"] == "listed in build.torch.lowbit_exclude"
+    assert "more than 16" in kept["4"]
+    flops = {"0": 20 * 64 * 32, "2": 20 * 32 * 10, "3": 20 * 10 * 16, "4": 16 * 16}
+    assert report["lowbit_linear_share"] == pytest.approx(flops["0"] / sum(flops.values()), abs=1e-4)
+    fp8 = nn.Sequential(nn.Linear(16, 16))
+    assert to_lowbit(fp8, "fp8", torch.bfloat16, {"0": 1})["lowbit_layers"] == 1  # FP8 GEMMs take one row
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_no_such_gpu_is_a_skip_line(precision: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine's GPU has FP8 and INT8 tensor cores")
+    why = supported(precision)
+    assert why and ("tensor-core GEMMs" in why or "sees none" in why)
+
+
+def test_the_plan_skips_lowbit_engines_without_their_gpu() -> None:
+    from kiln.stages.engines.torch import _plan
+    from kiln.stages.engines.torch.config import TorchConfig
+
+    for precision in ("fp8", "int8"):
+        plan = _plan(TorchConfig(devices=["cpu"]), precision)
+        assert not plan.devices and "CUDA GPUs" in plan.skipped[0]
+        if why := supported(precision):
+            plan = _plan(TorchConfig(devices=["cuda"]), precision)
+            assert not plan.devices and why in plan.skipped[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_lowbit_engine_of_a_small_transformer(zoo, tmp_path, precision: str) -> None:
+    """The torch backend's FP8/INT8 engine on a GPU that has the kernels: its linear layers are low-precision GEMMs
+    (the audit says which share of the FLOPs), and it agrees with the FP32 graph."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from kiln.models.registry import build_model
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.registry import load_engine
+    from kiln.stages.engines.stage import build_engine
+    from kiln.stages.engines.torch.config import TorchConfig
+    from tests.stages.engines.build_graphs import ZOO, sample
+
+    if why := supported(precision):
+        pytest.skip(why)
+
+    def transformer() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build_model("transformer", ZOO["transformer"][0]).eval()
+
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+    src = zoo("transformer")
+    meta = build_engine(src, tmp_path / "e", "torch", "cuda", precision, cfg, tmp_path / "c", torch_model=transformer)
+    assert meta.builder_settings["lowbit_layers"] > 0 and meta.audit["share"][precision] >= 0.5
+    assert meta.flavour == "compiled" and meta.builder_settings["cuda_graphs"]
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 32):
+            x = sample("transformer", batch, seed=1)
+            got, want = runner.infer({"input": x})["logits"], ref.run(None, {"input": x})[0]
+            assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
+            assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
