@@ -20,6 +20,7 @@ engines are ONNX Runtime's, from the calibrated graphs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import re
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +211,32 @@ def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> dict[str, A
         raise BuildError(why, hint=f"build {req.precision.upper()} engines on a GPU with compute capability {need}")
     served = _served(model, [i.name for i in req.inputs], req.precision, False)
     rows = rows_per_sample(model, lambda: served(*args), batch=len(args[0]))
-    return to_lowbit(model, req.precision, _dtype(req.precision), rows, req.settings.lowbit_exclude)
+    swap = partial(to_lowbit, precision=req.precision, out_dtype=_dtype(req.precision), rows=rows)
+    scaling, check = req.settings.lowbit_scaling, {}
+    if scaling == "auto":  # the faster form where it holds the outputs on the example
+        check = {"tensorwise_cosine": round(_cosine_after(swap, model, served, args), 6)}
+        scaling = "tensorwise" if check["tensorwise_cosine"] >= AUTO_MIN_COSINE else "rowwise"
+    done = swap(model, exclude=req.settings.lowbit_exclude, scaling=scaling)
+    return {**done, "lowbit_scaling_check": check} if check else done
+
+
+AUTO_MIN_COSINE = 0.999  # lowbit_scaling auto: tensorwise scales where the example's outputs keep this cosine
+
+
+def _cosine_after(swap: Any, model: Any, served: Any, args: tuple[Any, ...]) -> float:
+    """Cosine between the served model's outputs on ``args`` and those of a copy with tensorwise-scaled layers."""
+    import torch
+
+    with torch.inference_mode():
+        want = torch.cat([o.flatten().float() for o in served(*args)])
+        trial = copy.deepcopy(model)
+        swap(trial, scaling="tensorwise")
+        served.model = trial
+        try:
+            got = torch.cat([o.flatten().float() for o in served(*args)])
+        finally:
+            served.model = model
+    return float(torch.nn.functional.cosine_similarity(got, want, dim=0))
 
 
 def _build_flavour(

@@ -43,10 +43,12 @@ def supported(precision: str) -> str | None:
     return None
 
 
-def rowwise(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` [rows, k] in ``precision`` with one float32 scale per row ([rows, 1]): ``t ~ q * scale``."""
+def quantize(t: torch.Tensor, precision: str, per_row: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` [rows, k] in ``precision`` with a float32 scale per row ([rows, 1]) or one for the whole tensor
+    (``per_row`` False: a 0-d scale): ``t ~ q * scale``."""
     top = E4M3_MAX if precision == "fp8" else INT8_MAX
-    scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / top
+    amax = t.abs().amax(dim=1, keepdim=True) if per_row else t.abs().amax()
+    scale = amax.float().clamp(min=1e-12) / top
     scaled = t.float() / scale
     if precision == "fp8":
         return scaled.to(torch.float8_e4m3fn), scale
@@ -54,24 +56,34 @@ def rowwise(t: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor
 
 
 class LowbitLinear(nn.Module):
-    """``nn.Linear`` as an FP8 or INT8 GEMM: weights quantized once per output row, activations per row per call."""
+    """``nn.Linear`` as an FP8 or INT8 GEMM: weights quantized once, activations at each call, each scaled per row
+    (``scaling`` rowwise) or per tensor (tensorwise: one scale each, the GEMM kernels' fastest form, less precise
+    where rows differ in range). FP8 GEMMs accumulate in the kernels' fast mode (``use_fast_accum``: partial sums in
+    FP8 tensor cores' own precision, promoted periodically), as FP8 inference recipes run them."""
 
-    def __init__(self, linear: nn.Linear, precision: str, out_dtype: torch.dtype) -> None:
+    def __init__(self, linear: nn.Linear, precision: str, out_dtype: torch.dtype, scaling: str = "rowwise") -> None:
         super().__init__()
-        weight, scale = rowwise(linear.weight.detach(), precision)
+        self.per_row = scaling == "rowwise"
+        weight, scale = quantize(linear.weight.detach(), precision, self.per_row)
         # [out, in] row-major: its transpose is the column-major B both kernels take
         self.register_buffer("weight", weight)
-        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, out]
+        self.register_buffer("weight_scale", scale.t().contiguous() if self.per_row else scale)  # [1, out] or 0-d
         bias = linear.bias.detach().to(out_dtype) if linear.bias is not None else None
         self.register_buffer("bias", bias)
         self.precision, self.out_dtype = precision, out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        xq, xs = rowwise(rows, self.precision)
+        xq, xs = quantize(rows, self.precision, self.per_row)
         if self.precision == "fp8":
             y = torch._scaled_mm(
-                xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale, bias=self.bias, out_dtype=self.out_dtype
+                xq,
+                self.weight.t(),
+                scale_a=xs,
+                scale_b=self.weight_scale,
+                bias=self.bias,
+                out_dtype=self.out_dtype,
+                use_fast_accum=True,
             )
         else:  # int32 accumulators, rescaled in the epilogue Inductor fuses after the GEMM
             y = (torch._int_mm(xq, self.weight.t()).float() * xs * self.weight_scale).to(self.out_dtype)
@@ -102,7 +114,12 @@ def rows_per_sample(model: nn.Module, run: Any, batch: int) -> dict[str, int]:
 
 
 def to_lowbit(
-    model: nn.Module, precision: str, out_dtype: torch.dtype, rows: dict[str, int], exclude: list[str] | None = None
+    model: nn.Module,
+    precision: str,
+    out_dtype: torch.dtype,
+    rows: dict[str, int],
+    exclude: list[str] | None = None,
+    scaling: str = "rowwise",
 ) -> dict[str, Any]:
     """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`LowbitLinear`. ``rows``: each layer's
     rows per sample (:func:`rows_per_sample`; a layer the example never ran is kept). Returns, for the engine's
@@ -121,12 +138,14 @@ def to_lowbit(
             kept[name] = why
             continue
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, LowbitLinear(module, precision, out_dtype))
+        swap = LowbitLinear(module, precision, out_dtype, scaling)
+        setattr(model.get_submodule(parent) if parent else model, leaf, swap)
         swapped.append(name)
         flops["lowbit"] += work
     share = round(flops["lowbit"] / flops["all"], 4) if flops["all"] else 0.0
     return {
         "lowbit_kernel": KERNEL[precision],
+        "lowbit_scaling": scaling,
         "lowbit_layers": len(swapped),
         "lowbit_kept": kept,
         "lowbit_linear_share": share,
