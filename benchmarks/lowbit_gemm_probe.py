@@ -2,8 +2,8 @@
 ``F.linear`` against FP8 ``torch._scaled_mm`` with rowwise or tensorwise scales, with and without fast accumulation,
 and INT8 ``torch._int_mm``; what each form can give an engine before quantizing activations costs anything.
 
-Per (rows, in, out): the median of ``--rounds`` rounds, each ``--calls`` back-to-back calls between CUDA events, the
-forms interleaved round by round; TFLOP/s beside each.
+Per (rows, in, out): the median of ``--rounds`` rounds, each one replay of a CUDA graph of ``--calls`` calls between
+CUDA events, the forms interleaved round by round; TFLOP/s beside each.
 
     PYTHONPATH=/tmp/site python3 benchmarks/lowbit_gemm_probe.py --out $OUT     # GPU host
 """
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-# BERT-base: Q/K/V/output projections 768x768, the MLP 768x3072 and 3072x768; rows: 128 tokens at batch 1 and 32
-SHAPES = [(rows, k, n) for rows in (128, 4096) for k, n in ((768, 768), (768, 3072), (3072, 768))]
+# BERT-base: Q/K/V/output projections 768x768 (Q, K and V merged: 768x2304), the MLP 768x3072 and 3072x768;
+# rows: 128 tokens at batch 1 and 32
+SHAPES = [(rows, k, n) for rows in (128, 4096) for k, n in ((768, 768), (768, 2304), (768, 3072), (3072, 768))]
 
 
 def forms(rows: int, k: int, n: int) -> dict[str, Callable[[], torch.Tensor]]:
@@ -48,11 +49,26 @@ def forms(rows: int, k: int, n: int) -> dict[str, Callable[[], torch.Tensor]]:
     }
 
 
-def timed(fn: Callable[[], torch.Tensor], calls: int) -> float:
+def graphed(fn: Callable[[], torch.Tensor], calls: int) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` as one CUDA graph: replaying it times the GPU's work, not Python's launches (kernels
+    of a few microseconds launched one by one from Python measure the launch rate instead)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def timed(graph: torch.cuda.CUDAGraph, calls: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(calls):
-        fn()
+    graph.replay()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / calls
@@ -73,8 +89,7 @@ def main() -> None:
         ok = {}
         for name, fn in calls.items():
             try:
-                fn()
-                ok[name] = fn
+                ok[name] = graphed(fn, a.calls)
             except RuntimeError as exc:  # a form this GPU/torch does not run: said, not hidden
                 rows_out.append({"rows": rows, "in": k, "out": n, "form": name, "error": str(exc)[:200]})
                 lines.append(f"| {rows} | {k} | {n} | {name} | failed: {str(exc)[:60]} | | | |")
