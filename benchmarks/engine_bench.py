@@ -53,6 +53,7 @@ import numpy as np
 import onnx
 import torch
 
+from kiln.calibration.feeds import save_feeds  # noqa: E402
 from kiln.core.timing import time_calls  # noqa: E402
 from kiln.models.registry import build_model  # noqa: E402
 from kiln.stages.engines.config import BuildConfig  # noqa: E402
@@ -272,7 +273,7 @@ class Bench:
             say(f"{name}: skipped ({exc}; pip install transformers)")
             self.results.append({"model": name, "row": "all", "label": "skipped", "error": f"skipped: {exc}"})
             return
-        self.params = params
+        self.params, self.shape = params, shape
         self.flops = flops_per_sample(model, make_inputs(name, params, shape, 1, seed=0), self.dev)
         say(f"{name}: {self.flops / 1e9:.2f} GFLOP per sample (torch's FLOP counter)")
         evalx = make_inputs(name, params, shape, a.eval_samples, seed=1)
@@ -375,6 +376,9 @@ class Bench:
                 f"{name} {row} batch {batch}: median {entry['median_ms']:.3f} ms, top1 "
                 f"{entry['top1_agreement']:.4f}, cos {entry['cosine']:.6f}"
             )
+
+    def _calibration(self, name: str, onnx32: Path) -> Path:
+        return _calibration_feeds(self, name, onnx32)
 
     def _roofline(self, row: str, batch: int, median_ms: float) -> dict[str, Any]:
         """Achieved TFLOP/s at the median and its share of this device's measured GEMM peak in the row's precision
@@ -579,6 +583,7 @@ class Bench:
             self.work / "cache",
             max_batch=max(self.args.batches),
             torch_model=load,
+            calibration=self._calibration(name, onnx32) if precision in ("fp8", "int8") else None,
         )
         say(f"{name} {row}: built in {meta.build_seconds:.1f}s ({meta.builder_settings})")
         runner = load_engine(folder).activate()
@@ -606,6 +611,17 @@ def flops_per_sample(model: torch.nn.Module, x: Inputs, device: str) -> int:
     with torch.inference_mode(), counter:
         model(*(t.to(device) for t in x))
     return int(counter.get_total_flops())
+
+
+def _calibration_feeds(bench: Bench, name: str, onnx32: Path) -> Path:
+    """Calibration batches for FP8/INT8 static scales, drawn as the benchmark's other inputs are (4 x 16 samples,
+    seeds apart from the timed and evaluated ones), saved as the precision stage saves them."""
+    path = bench.work / f"{name}-calibration.npz"
+    if not path.is_file():
+        names = [i.name for i in onnx.load(str(onnx32), load_external_data=False).graph.input]
+        batches = [make_inputs(name, bench.params, bench.shape, 16, seed=100 + i) for i in range(4)]
+        save_feeds([{n: x.numpy() for n, x in zip(names, xs)} for xs in batches], names, path)
+    return path
 
 
 def _num(v: float | None) -> str:

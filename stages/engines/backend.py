@@ -49,6 +49,9 @@ class BuildRequest:
     # The trained PyTorch model (FP32, eval, CPU), for backends that compile it rather than the ONNX graph; None
     # where no PyTorch model exists (``kiln build model.onnx``). A loader, so other backends never load it.
     torch_model: Callable[[], Any] | None = None
+    # The precision stage's calibration batches (an .npz of "<batch>/<input>" arrays), for backends that calibrate
+    # the PyTorch model themselves (the torch backend's FP8/INT8 static scales); None where there are none.
+    calibration: Path | None = None
 
 
 @dataclass(frozen=True)

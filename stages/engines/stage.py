@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 import kiln.stages.engines
+from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.core import cpu_int8
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.env import environment_subset
@@ -54,10 +55,12 @@ def build_engine(
     keep_fp32: list[str] | None = None,
     torch_model: Callable[[], Any] | None = None,
     axis_sizes: dict[str, list[int]] | None = None,
+    calibration: Path | None = None,
 ) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
-    ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes.
+    ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes;
+    ``calibration``: the precision stage's calibration batches, for backends that calibrate the model themselves.
     """
     chosen = _check_choice(backend, device, precision)
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
@@ -81,6 +84,7 @@ def build_engine(
                 dict(axis_sizes or {}),
                 name=name,
                 torch_model=torch_model,
+                calibration=calibration,
             )
         )
         for file in built.files.values():  # an ONNX engine must take every shape its source graph takes
@@ -285,6 +289,7 @@ def _build_with_fallback(
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
     cfg = ctx.config.build
+    calibration = root / FEEDS_FILE  # saved by the precision stage where a backend calibrates the model itself
     try:
         return build_engine(
             root / src,
@@ -299,6 +304,7 @@ def _build_with_fallback(
             keep_fp32=keep,
             torch_model=torch_model,
             axis_sizes=sizes,
+            calibration=calibration if calibration.is_file() else None,
         )
     except BuildError as exc:
         if keep is None or isinstance(exc, MislabelledEngine):

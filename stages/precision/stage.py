@@ -23,6 +23,8 @@ import kiln.stages.accuracy
 import kiln.stages.precision
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
+from kiln.calibration.feeds import FILE as FEEDS_FILE
+from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import resolve_reduce_range
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.env import environment_subset
@@ -103,8 +105,12 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     graph = load_onnx(ctx.inputs["optimize"] / "model.onnx")
     inputs, outputs = io_specs(graph)
     names = [i.name for i in inputs]  # the export's order: the data's inputs in call order
-    needs_data = "int8" in converted or ("fp16" in converted and cfg.fp16.range_check)
+    # FP8/INT8 engines of the torch backend calibrate the PyTorch model on the same batches, saved for the build
+    lowbit = bool({"fp8", "int8"} & set(wanted))
+    needs_data = "int8" in converted or ("fp16" in converted and cfg.fp16.range_check) or lowbit
     batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
+    if lowbit and batches:
+        save_feeds(batches, names, ctx.out / FEEDS_FILE)
     logits = logits_name([o.name for o in outputs], ctx.config.signature.logits_output)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:

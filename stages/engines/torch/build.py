@@ -14,7 +14,7 @@ hold) and where a package fails to compile or to load.
 
 Inputs and outputs keep the ONNX graph's names, order and dtypes (the engine casts to FP16 inside), so validation,
 serving and Triton's Python backend treat it like any other engine. FP8 and INT8 engines (GPU only) run their linear
-layers as low-precision GEMMs scaled per row (:mod:`.lowbit`), the rest in bfloat16 or float16; the CPU's INT8
+layers as low-precision GEMMs (:mod:`.lowbit`), the rest in float16; the CPU's INT8
 engines are ONNX Runtime's, from the calibrated graphs.
 """
 
@@ -42,17 +42,17 @@ from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.torch import conv_epilogues
 from kiln.stages.engines.torch.config import TorchConfig
 from kiln.stages.engines.torch.gemm_epilogues import resolve_mode
-from kiln.stages.engines.torch.lowbit import LOWBIT, rows_per_sample, supported, to_lowbit
+from kiln.stages.engines.torch.lowbit import LOWBIT, SCALINGS, observe, supported, to_lowbit
 from kiln.stages.engines.torch.program import check_inductor_keys, compile_program, inductor_options, run_compiled
 
 log = logging.getLogger("kiln.build")
 
 
 def _dtype(precision: str) -> Any:
-    """The dtype the engine's model runs in (FP8 engines: bfloat16 around their FP8 GEMMs, INT8 ones float16)."""
+    """The dtype the engine's model runs in (FP8 and INT8 engines: float16 around their low-precision GEMMs)."""
     import torch
 
-    return {"fp16": torch.float16, "fp8": torch.bfloat16, "int8": torch.float16}.get(precision, torch.float32)
+    return {"fp16": torch.float16, "fp8": torch.float16, "int8": torch.float16}.get(precision, torch.float32)
 
 
 DTYPE_NAMES = {"fp16": "float16", "fp8": "float8_e4m3fn", "int8": "int8"}  # builder_settings["dtype"]
@@ -204,33 +204,62 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
 
 def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> dict[str, Any]:
     """Swap the model's linear layers for FP8/INT8 GEMMs where this GPU and the kernel take them
-    (:func:`kiln.stages.engines.torch.lowbit.to_lowbit`); what was swapped, for the builder settings."""
+    (:func:`kiln.stages.engines.torch.lowbit.to_lowbit`), scaled as ``build.torch.lowbit_scaling`` says; ``auto``
+    takes the first of static (where calibration data came with the request), tensorwise and rowwise whose outputs
+    keep a cosine of :data:`AUTO_MIN_COSINE` to the unquantized model's on the first calibration batch (else the
+    example). Returns what was swapped, for the builder settings."""
     why = supported(req.precision) if req.device == "cuda" else f"{req.precision.upper()} engines are built for GPUs"
     if why:
-        need = "8.9+ (Ada, Hopper)" if req.precision == "fp8" else "8.0+ (Ampere on)"
+        need = "8.0+ (Ampere on)" if req.precision == "int8" else "8.9+ (Ada, Hopper)"
         raise BuildError(why, hint=f"build {req.precision.upper()} engines on a GPU with compute capability {need}")
     served = _served(model, [i.name for i in req.inputs], req.precision, False)
-    rows = rows_per_sample(model, lambda: served(*args), batch=len(args[0]))
-    swap = partial(to_lowbit, precision=req.precision, out_dtype=_dtype(req.precision), rows=rows)
+    batches = _calibration(req)
+    seen = observe(model, [lambda xs=xs: served(*xs) for xs in [args, *batches]], batch=len(args[0]))
+    swap = partial(to_lowbit, precision=req.precision, out_dtype=_dtype(req.precision), seen=seen)
     scaling, check = req.settings.lowbit_scaling, {}
-    if scaling == "auto":  # the faster form where it holds the outputs on the example
-        check = {"tensorwise_cosine": round(_cosine_after(swap, model, served, args), 6)}
-        scaling = "tensorwise" if check["tensorwise_cosine"] >= AUTO_MIN_COSINE else "rowwise"
+    if scaling == "static" and not batches:
+        raise BuildError(
+            "build.torch.lowbit_scaling static needs calibration data, and this build has none",
+            hint="build in a workdir (`kiln run`: the precision stage saves calibration batches), or use tensorwise",
+        )
+    if scaling == "auto":
+        trials = [m for m in SCALINGS if m != "static" or batches]
+        probe = batches[0] if batches else args
+        for mode in trials:
+            check[f"{mode}_cosine"] = round(_cosine_after(partial(swap, scaling=mode), model, served, probe), 6)
+            if check[f"{mode}_cosine"] >= AUTO_MIN_COSINE or mode == trials[-1]:
+                scaling = mode
+                break
     done = swap(model, exclude=req.settings.lowbit_exclude, scaling=scaling)
+    done["lowbit_calibration_batches"] = len(batches)
     return {**done, "lowbit_scaling_check": check} if check else done
 
 
-AUTO_MIN_COSINE = 0.999  # lowbit_scaling auto: tensorwise scales where the example's outputs keep this cosine
+AUTO_MIN_COSINE = 0.999  # lowbit_scaling auto: the first form whose outputs keep this cosine
+
+
+def _calibration(req: BuildRequest) -> list[tuple[Any, ...]]:
+    """The calibration batches that came with the request (``BuildRequest.calibration``), as the engine's inputs
+    in order on its device; none without."""
+    import torch
+
+    from kiln.calibration.feeds import load_feeds
+
+    if req.calibration is None or not req.calibration.is_file():
+        return []
+    names = [spec.name for spec in req.inputs]
+    return [tuple(torch.from_numpy(f[n]).to(req.device) for n in names) for f in load_feeds(req.calibration, names)]
 
 
 def _cosine_after(swap: Any, model: Any, served: Any, args: tuple[Any, ...]) -> float:
-    """Cosine between the served model's outputs on ``args`` and those of a copy with tensorwise-scaled layers."""
+    """Cosine between the served model's outputs on ``args`` and those of a copy whose layers ``swap`` made low
+    precision."""
     import torch
 
     with torch.inference_mode():
         want = torch.cat([o.flatten().float() for o in served(*args)])
         trial = copy.deepcopy(model)
-        swap(trial, scaling="tensorwise")
+        swap(trial)
         served.model = trial
         try:
             got = torch.cat([o.flatten().float() for o in served(*args)])

@@ -41,12 +41,13 @@ class TorchConfig(Section):
         description="linear layers (module names) an FP8 or INT8 GPU engine keeps in its higher precision "
         "(precision.variants: [fp8] or [int8]; kiln.stages.engines.torch.lowbit)",
     )
-    lowbit_scaling: Literal["auto", "rowwise", "tensorwise"] = Field(
+    lowbit_scaling: Literal["auto", "static", "tensorwise", "rowwise"] = Field(
         "auto",
-        description="FP8/INT8 engines' scales: rowwise (one per weight row and per activation row, the more "
-        "precise) or tensorwise (one per tensor, the GEMM kernels' fastest form); auto: tensorwise where "
-        "the model's outputs on the build's example agree with the unquantized model's to a cosine of "
-        "0.999 (a tenth of FP8's default gate), else rowwise",
+        description="FP8/INT8 engines' scales (kiln.stages.engines.torch.lowbit): static (per tensor, the inputs' "
+        "from calibration data: the fastest), tensorwise (per tensor, found at each call) or rowwise "
+        "(per row, found at each call: the most precise); auto: the first of these whose outputs keep a "
+        "cosine of 0.999 (a tenth of FP8's default gate) to the unquantized model's on a calibration "
+        "batch (static only where the build has calibration data)",
     )
     flavour: Literal["auto", "aotinductor", "compiled"] = Field(
         "auto",

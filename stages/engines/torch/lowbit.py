@@ -1,16 +1,19 @@
 """Low-precision linear layers for the torch engine on the GPU: FP8 (E4M3, ``torch._scaled_mm``) and INT8
-(``torch._int_mm``) GEMMs, which Inductor compiles into the engine's program around the rest of the model (bfloat16
-for FP8 engines, float16 for INT8 ones).
+(``torch._int_mm``) GEMMs, which Inductor compiles into the engine's program around the rest of the model (float16).
 
-Both scale per row: the weights once per output row (from the trained weights), the activations per row as they
-arrive (dynamic: no calibration data needed, and no scale that a shifted input distribution can saturate). Rowwise
-scaling is what keeps E4M3's 3 mantissa bits and INT8's 256 levels usable without calibration (torchao's float8
-and int8 dynamic-activation recipes and ModelOpt's FP8 recipe scale the same way); torchao is not a dependency
-here, so the layers are these few lines around PyTorch's own kernels.
+Three ways to scale (``build.torch.lowbit_scaling``):
 
-A layer stays in the engine's higher precision where the kernel cannot take it, said per layer: widths that are
-not multiples of 16 (both kernels), 16 rows or fewer per sample (``torch._int_mm`` on CUDA needs more than 16 rows:
-a classifier head at batch 1), or a name in ``build.torch.lowbit_exclude``.
+- ``static``: one scale per weight and one per layer input, the latter from the largest magnitude the layer saw
+  on calibration data (ModelOpt's and TensorRT's FP8 recipe): quantizing an input is then a multiply and a cast that
+  Inductor fuses into the kernel producing it, the cheapest form at run time;
+- ``tensorwise``: one scale per weight and per input tensor, the input's found at each call (a reduction over it);
+- ``rowwise``: one scale per weight row and per input row, found at each call (torchao's dynamic recipes): the most
+  precise where rows differ in range, and the GEMM kernels' slower form.
+
+torchao is not a dependency here, so the layers are these few lines around PyTorch's own kernels. A layer stays in
+the engine's higher precision where the kernel cannot take it, said per layer: widths that are not multiples of 16
+(both kernels), 16 rows or fewer per sample (``torch._int_mm`` on CUDA needs more than 16 rows: a classifier head at
+batch 1), a layer no calibration or example input reached, or a name in ``build.torch.lowbit_exclude``.
 """
 
 from __future__ import annotations
@@ -43,25 +46,42 @@ def supported(precision: str) -> str | None:
     return None
 
 
+SCALINGS = ("static", "tensorwise", "rowwise")
+
+
+def top(precision: str) -> float:
+    return E4M3_MAX if precision == "fp8" else INT8_MAX
+
+
 def quantize(t: torch.Tensor, precision: str, per_row: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` [rows, k] in ``precision`` with a float32 scale per row ([rows, 1]) or one for the whole tensor
     (``per_row`` False: a 0-d scale): ``t ~ q * scale``."""
-    top = E4M3_MAX if precision == "fp8" else INT8_MAX
     amax = t.abs().amax(dim=1, keepdim=True) if per_row else t.abs().amax()
-    scale = amax.float().clamp(min=1e-12) / top
-    scaled = t.float() / scale
+    scale = amax.float().clamp(min=1e-12) / top(precision)
+    return cast(t.float() / scale, precision), scale
+
+
+def cast(scaled: torch.Tensor, precision: str) -> torch.Tensor:
+    """Values already divided by their scale, saturated to the format's range and cast to it."""
+    limit = top(precision)
     if precision == "fp8":
-        return scaled.to(torch.float8_e4m3fn), scale
-    return scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+        return scaled.clamp(-limit, limit).to(torch.float8_e4m3fn)
+    return scaled.round().clamp(-limit, limit).to(torch.int8)
 
 
 class LowbitLinear(nn.Module):
-    """``nn.Linear`` as an FP8 or INT8 GEMM: weights quantized once, activations at each call, each scaled per row
-    (``scaling`` rowwise) or per tensor (tensorwise: one scale each, the GEMM kernels' fastest form, less precise
-    where rows differ in range). FP8 GEMMs accumulate in the kernels' fast mode (``use_fast_accum``: partial sums in
-    FP8 tensor cores' own precision, promoted periodically), as FP8 inference recipes run them."""
+    """``nn.Linear`` as an FP8 or INT8 GEMM, scaled as ``scaling`` says (module docstring); ``input_amax``: the
+    largest input magnitude seen on calibration data (``static`` only). FP8 GEMMs accumulate in the kernels' fast
+    mode (``use_fast_accum``), as FP8 inference recipes run them."""
 
-    def __init__(self, linear: nn.Linear, precision: str, out_dtype: torch.dtype, scaling: str = "rowwise") -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        precision: str,
+        out_dtype: torch.dtype,
+        scaling: str = "rowwise",
+        input_amax: float | None = None,
+    ) -> None:
         super().__init__()
         self.per_row = scaling == "rowwise"
         weight, scale = quantize(linear.weight.detach(), precision, self.per_row)
@@ -70,11 +90,20 @@ class LowbitLinear(nn.Module):
         self.register_buffer("weight_scale", scale.t().contiguous() if self.per_row else scale)  # [1, out] or 0-d
         bias = linear.bias.detach().to(out_dtype) if linear.bias is not None else None
         self.register_buffer("bias", bias)
+        self.static = scaling == "static"
+        if self.static:
+            if input_amax is None:
+                raise ValueError("static scaling needs the input's largest magnitude on calibration data")
+            amax = torch.tensor(max(input_amax, 1e-12) / top(precision), device=weight.device)
+            self.register_buffer("input_scale", amax.float())
         self.precision, self.out_dtype = precision, out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        xq, xs = quantize(rows, self.precision, self.per_row)
+        if self.static:
+            xq, xs = cast(rows.float() / self.input_scale, self.precision), self.input_scale
+        else:
+            xq, xs = quantize(rows, self.precision, self.per_row)
         if self.precision == "fp8":
             y = torch._scaled_mm(
                 xq,
@@ -92,37 +121,42 @@ class LowbitLinear(nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def rows_per_sample(model: nn.Module, run: Any, batch: int) -> dict[str, int]:
-    """Rows each ``nn.Linear`` of ``model`` multiplies per sample (its input's leading dims / ``batch``), from one
-    call of ``run()`` (the served model on the export's example, whose batch is ``batch``)."""
+def observe(model: nn.Module, calls: list[Any], batch: int) -> dict[str, tuple[int, float]]:
+    """Per ``nn.Linear`` of ``model``: the rows it multiplies per sample (its input's leading dims / ``batch``, on
+    the first call) and the largest input magnitude over all ``calls`` (each runs the served model once: the export's
+    example, whose batch is ``batch``, then any calibration batches)."""
     rows: dict[str, int] = {}
+    amax: dict[str, float] = {}
 
     def seen(name: str) -> Any:
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:  # None: the inputs stay as they are
-            rows.setdefault(name, args[0].numel() // args[0].shape[-1])
+            x = args[0]
+            rows.setdefault(name, max(x.numel() // x.shape[-1] // batch, 1))
+            amax[name] = max(amax.get(name, 0.0), float(x.detach().abs().max()))
 
         return hook
 
     hooks = [m.register_forward_pre_hook(seen(name)) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
         with torch.inference_mode():
-            run()
+            for call in calls:
+                call()
     finally:
         for h in hooks:
             h.remove()
-    return {name: max(n // batch, 1) for name, n in rows.items()}
+    return {name: (rows[name], amax[name]) for name in rows}
 
 
 def to_lowbit(
     model: nn.Module,
     precision: str,
     out_dtype: torch.dtype,
-    rows: dict[str, int],
+    seen: dict[str, tuple[int, float]],
     exclude: list[str] | None = None,
     scaling: str = "rowwise",
 ) -> dict[str, Any]:
-    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`LowbitLinear`. ``rows``: each layer's
-    rows per sample (:func:`rows_per_sample`; a layer the example never ran is kept). Returns, for the engine's
+    """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`LowbitLinear`. ``seen``: each layer's
+    rows per sample and largest input (:func:`observe`; a layer no input reached is kept). Returns, for the engine's
     builder settings, how many layers were swapped, the ones kept with why, and the share of the linear layers'
     FLOPs per sample the swapped ones compute (what the engine's precision audit counts)."""
     swapped: list[str] = []
@@ -131,14 +165,14 @@ def to_lowbit(
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        n = rows.get(name, 0)
-        work = 2 * n * module.in_features * module.out_features
+        rows, amax = seen.get(name, (0, 0.0))
+        work = 2 * rows * module.in_features * module.out_features
         flops["all"] += work
-        if why := _kept(name, module, n, precision, exclude or []):
+        if why := _kept(name, module, rows, precision, exclude or []):
             kept[name] = why
             continue
         parent, _, leaf = name.rpartition(".")
-        swap = LowbitLinear(module, precision, out_dtype, scaling)
+        swap = LowbitLinear(module, precision, out_dtype, scaling, amax)
         setattr(model.get_submodule(parent) if parent else model, leaf, swap)
         swapped.append(name)
         flops["lowbit"] += work

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.stages.engines.torch.lowbit import LowbitLinear, rows_per_sample, supported, to_lowbit
+from kiln.stages.engines.torch.lowbit import LowbitLinear, observe, supported, to_lowbit
 
 
 @pytest.mark.parametrize(
@@ -40,8 +40,9 @@ def test_int8_weights_are_integers_within_range() -> None:
     assert layer.weight_scale.shape == (1, 16)
 
 
-def test_rows_per_sample_sees_each_layers_input() -> None:
-    """Tokens x features for a layer over a sequence; one row for a head over the pooled vector."""
+def test_observe_sees_each_layers_rows_and_range() -> None:
+    """Tokens per sample for a layer over a sequence, one row for a head over the pooled vector; the largest input
+    magnitude over every call (the example, then calibration batches)."""
 
     class Tagger(nn.Module):
         def __init__(self) -> None:
@@ -52,15 +53,33 @@ def test_rows_per_sample_sees_each_layers_input() -> None:
             return self.head(self.proj(x).mean(1))
 
     model, x = Tagger(), torch.randn(2, 20, 16)
-    assert rows_per_sample(model, lambda: model(x), batch=2) == {"proj": 20, "head": 1}
+    seen = observe(model, [lambda: model(x), lambda: model(5 * x)], batch=2)
+    assert {k: v[0] for k, v in seen.items()} == {"proj": 20, "head": 1}
+    assert seen["proj"][1] == pytest.approx(float(5 * x.abs().max()))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_static_scales_come_from_the_inputs_range(precision: str) -> None:
+    """Static scaling: the input's scale is its calibrated range over the format's largest value; an input beyond
+    that range saturates instead of overflowing."""
+    torch.manual_seed(0)
+    linear, x = nn.Linear(64, 32), torch.randn(40, 64)
+    amax = float(x.abs().max())
+    layer = LowbitLinear(linear, precision, torch.float32, scaling="static", input_amax=amax)
+    assert float(layer.input_scale) == pytest.approx(amax / (448.0 if precision == "fp8" else 127.0))
+    cos = torch.nn.functional.cosine_similarity(layer(x).flatten(), linear(x).flatten(), dim=0)
+    assert cos > 0.998
+    assert torch.isfinite(layer(100 * x)).all()
+    with pytest.raises(ValueError, match="calibration"):
+        LowbitLinear(linear, precision, torch.float32, scaling="static")
 
 
 def test_only_layers_the_kernels_take_are_swapped() -> None:
     """Widths not multiples of 16, a listed layer, too few rows for _int_mm: kept, each with its reason; the
     FLOP share of the swapped layers is what the audit counts."""
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10), nn.Linear(10, 16), nn.Linear(16, 16))
-    rows = {"0": 20, "2": 20, "3": 20, "4": 1}
-    report = to_lowbit(model, "int8", torch.float32, rows, exclude=["3"])
+    seen = {"0": (20, 1.0), "2": (20, 1.0), "3": (20, 1.0), "4": (1, 1.0)}
+    report = to_lowbit(model, "int8", torch.float32, seen, exclude=["3"])
     assert isinstance(model[0], LowbitLinear) and all(isinstance(model[i], nn.Linear) for i in (2, 3, 4))
     assert report["lowbit_layers"] == 1 and report["lowbit_kernel"] == "torch._int_mm"
     kept = report["lowbit_kept"]
@@ -69,7 +88,9 @@ def test_only_layers_the_kernels_take_are_swapped() -> None:
     flops = {"0": 20 * 64 * 32, "2": 20 * 32 * 10, "3": 20 * 10 * 16, "4": 16 * 16}
     assert report["lowbit_linear_share"] == pytest.approx(flops["0"] / sum(flops.values()), abs=1e-4)
     fp8 = nn.Sequential(nn.Linear(16, 16))
-    assert to_lowbit(fp8, "fp8", torch.bfloat16, {"0": 1})["lowbit_layers"] == 1  # FP8 GEMMs take one row
+    assert to_lowbit(fp8, "fp8", torch.float16, {"0": (1, 1.0)})["lowbit_layers"] == 1  # FP8 GEMMs take one row
+    unseen = nn.Sequential(nn.Linear(16, 16))
+    assert to_lowbit(unseen, "fp8", torch.float16, {})["lowbit_kept"] == {"0": "not run by the example input"}
 
 
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
@@ -118,8 +139,10 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
     (the audit says which share of the FLOPs), it is compiled and replayed as CUDA graphs, and it agrees with the
     FP32 graph at batch 1 and 32."""
     import numpy as np
+    import onnx
     import onnxruntime as ort
 
+    from kiln.calibration.feeds import save_feeds
     from kiln.stages.engines.config import BuildConfig
     from kiln.stages.engines.registry import load_engine
     from kiln.stages.engines.stage import build_engine
@@ -135,15 +158,17 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
 
     src = tmp_path / "tokens.onnx"
     export_onnx(model(), torch.randn(2, 32, 64), src)
+    feeds = tmp_path / "calibration.npz"
+    batches = [np.random.default_rng(i).standard_normal((8, 32, 64)).astype(np.float32) for i in range(4)]
+    assert save_feeds(batches, [onnx.load(str(src)).graph.input[0].name], feeds) == 4
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
-    meta = build_engine(src, tmp_path / "e", "torch", "cuda", precision, cfg, tmp_path / "c", torch_model=model)
+    meta = build_engine(
+        src, tmp_path / "e", "torch", "cuda", precision, cfg, tmp_path / "c", torch_model=model, calibration=feeds
+    )
     settings = meta.builder_settings
     kept = {"fp8": [], "int8": ["head"]}[precision]  # the head multiplies 1 row per sample: _int_mm takes > 16
     assert settings["lowbit_layers"] == 3 - len(kept) and list(settings["lowbit_kept"]) == kept
-    assert (
-        settings["lowbit_scaling"] in ("rowwise", "tensorwise")
-        and "tensorwise_cosine" in settings["lowbit_scaling_check"]
-    )
+    assert settings["lowbit_calibration_batches"] == 4 and "static_cosine" in settings["lowbit_scaling_check"]
     assert meta.audit["share"][precision] >= 0.5 and meta.flavour == "compiled" and settings["cuda_graphs"]
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     name = ref.get_inputs()[0].name
