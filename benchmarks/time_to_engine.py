@@ -165,6 +165,8 @@ def run_model(name: str, config: dict[str, Any], folder: Path, gpu: bool) -> dic
         {k: b.get(k) for k in ("kind", "device", "latency_ms")} for b in report["validation"]["baselines"]
     ]
     row["timing"], row["peaks"] = report["validation"].get("timing"), report["validation"].get("peaks")
+    row["speed_vs_fp32"] = report["validation"].get("speed_vs_fp32")  # INT8/FP8 judged against FP16/FP32 too
+    row["dropped"] = report["validation"].get("dropped")
     raw = folder / f"wd-{name}" / "export" / "model.onnx"
     opt_wall, opt = timed([*kiln, "optimize", str(raw), "-o", str(folder / f"{name}.opt.onnx"), "--quiet"], folder, env)
     row["kiln_optimize_s"] = round(opt_wall, 2) if opt.returncode == 0 else None

@@ -262,22 +262,27 @@ def _speed_table(v: ValidationResult) -> list[str]:
     engines = {e.name: e for e in v.engines}
     out = [
         "",
-        "### Reduced precision vs FP32, same backend and device",
+        "### Reduced precision vs FP32 and FP16, same backend and device",
         "",
-        "| engine | vs FP32 (p50 speedup per batch) | INT8 vs FP16 | verdict |",
+        "| engine | vs FP32 (p50 speedup per batch) | INT8/FP8 vs FP16 | verdict |",
         "|---|---|---|---|",
     ]
     for r in v.speed_vs_fp32:
         cis = r.get("vs_fp32_ci", {})
-        ratios = ", ".join(
-            f"{x:.2f}x" + (f" ({cis[bs][0]:.2f}-{cis[bs][1]:.2f})" if bs in cis else "") + f" @{bs}"
-            for bs, x in r["vs_fp32"].items()
+        ratios = (
+            ", ".join(
+                f"{x:.2f}x" + (f" ({cis[bs][0]:.2f}-{cis[bs][1]:.2f})" if bs in cis else "") + f" @{bs}"
+                for bs, x in r["vs_fp32"].items()
+            )
+            or "-"
         )
         fp16 = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r.get("vs_fp16", {}).items()) or "-"
         dropped = engines[r["engine"]].dropped if r["engine"] in engines else None
-        verdict = "faster" if r["vs_fp32"].get(r["largest_batch"], 0) >= 1 else "not faster"
+        judged = r[f"vs_{r.get('judged_against', 'fp32')}"]
+        verdict = "faster" if judged.get(r["largest_batch"], 0) >= 1 else "not faster"
         verdict = "within the timing's noise" if r.get("within_noise") else verdict
-        verdict = f"**dropped**: {dropped}" if dropped else ("**slower than FP32**" if r["slower"] else verdict)
+        slower = f"**slower than {r.get('judged_against', 'fp32').upper()}**"
+        verdict = f"**dropped**: {dropped}" if dropped else (slower if r["slower"] else verdict)
         out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
     return out
 

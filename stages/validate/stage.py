@@ -493,12 +493,14 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     dropped = drop_slower(engines, speed) if ctx.config.require_speedup else []
     for row in speed:
         if row["slower"]:
+            judge = row["judged_against"]
             ctx.log.warning(
-                "%s is slower than FP32 at batch %s (%.2fx, 95%% interval %s)%s",
+                "%s is slower than %s at batch %s (%.2fx, 95%% interval %s)%s",
                 row["engine"],
+                judge.upper(),
                 row["largest_batch"],
-                row["vs_fp32"][row["largest_batch"]],
-                _interval(row.get("vs_fp32_ci", {}).get(row["largest_batch"])),
+                row[f"vs_{judge}"][row["largest_batch"]],
+                _interval(row.get(f"vs_{judge}_ci", {}).get(row["largest_batch"])),
                 ": not packaged (precision.require_speedup)" if row["engine"] in dropped else "",
             )
     chosen, notes = choose(engines, preference_order(), cfg.choice_margin)

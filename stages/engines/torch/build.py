@@ -235,7 +235,7 @@ def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> dict[str, A
     return {**done, "lowbit_scaling_check": check} if check else done
 
 
-AUTO_MIN_COSINE = 0.999  # lowbit_scaling auto: the first form whose outputs keep this cosine
+AUTO_MIN_COSINE = 0.995  # lowbit_scaling auto: the first form whose outputs keep this cosine (half FP8's gate)
 
 
 def _calibration(req: BuildRequest) -> list[tuple[Any, ...]]:

@@ -46,7 +46,7 @@ class TorchConfig(Section):
         description="FP8/INT8 engines' scales (kiln.stages.engines.torch.lowbit): static (per tensor, the inputs' "
         "from calibration data: the fastest), tensorwise (per tensor, found at each call) or rowwise "
         "(per row, found at each call: the most precise); auto: the first of these whose outputs keep a "
-        "cosine of 0.999 (a tenth of FP8's default gate) to the unquantized model's on a calibration "
+        "cosine of 0.995 (half of FP8's default gate, 0.99) to the unquantized model's on a calibration "
         "batch (static only where the build has calibration data)",
     )
     flavour: Literal["auto", "aotinductor", "compiled"] = Field(

@@ -38,6 +38,22 @@ def test_int8_compared_with_fp32_and_fp16_of_its_own_backend() -> None:
     assert "0.80x" in engines[2].dropped and engines[0].dropped is None and engines[3].dropped is None
 
 
+def test_fp8_and_int8_are_judged_against_fp16_where_it_was_built() -> None:
+    """A GPU's FP8/INT8 engine faster than FP32 but slower than FP16 is slower: FP16 is what it must beat to be
+    worth serving; without an FP32 engine the FP16 one is still its reference."""
+    engines = [
+        engine("t-fp16", "fp16", {"1": 0.5, "32": 1.7}, backend="torch", device="cuda"),
+        engine("t-fp8", "fp8", {"1": 0.8, "32": 2.2}, backend="torch", device="cuda"),
+        engine("t-int8", "int8", {"1": 0.7, "32": 1.5}, backend="torch", device="cuda"),
+    ]
+    rows = {r["engine"]: r for r in speed_vs_fp32(engines)}
+    assert set(rows) == {"t-fp8", "t-int8"}  # FP16 has no FP32 engine to be judged against
+    assert rows["t-fp8"]["judged_against"] == "fp16" and rows["t-fp8"]["vs_fp32"] == {}
+    assert rows["t-fp8"]["slower"] and not rows["t-int8"]["slower"]
+    assert drop_slower(engines, list(rows.values())) == ["t-fp8"]
+    assert engines[1].dropped.startswith("slower than FP16 at batch 32 (0.77x")
+
+
 def test_require_speedup_drops_exactly_the_slower_engines_from_the_package(tmp_path: Path) -> None:
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict
@@ -55,4 +71,4 @@ def test_require_speedup_drops_exactly_the_slower_engines_from_the_package(tmp_p
         assert (r["engine"] in packaged) is not r["slower"]
         assert (r["engine"] in validation["dropped"]) is r["slower"]
     assert "onnxruntime-cpu-fp32" in packaged
-    assert "Reduced precision vs FP32, same backend and device" in (tmp_path / "report.md").read_text()
+    assert "Reduced precision vs FP32 and FP16, same backend and device" in (tmp_path / "report.md").read_text()
