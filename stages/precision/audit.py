@@ -182,7 +182,7 @@ def engine_audit(
     src = audit_graph(source, sizes)
     record = src.record()
     if declared in ("fp8", "int8"):  # linear layers (MatMul/Gemm on a weight) as low-precision GEMMs, the rest not
-        rest = "bf16" if declared == "fp8" else "fp16"
+        rest = "fp16"  # the torch engine runs the rest of the model in float16 (kiln.stages.engines.torch.lowbit)
         low = src.weight_flops * (1.0 if lowbit_share is None else lowbit_share) / src.total if src.total else 0.0
         share = {declared: round(low, 4), rest: round(1 - low, 4)} if src.total else {}
         method = f"declared by the builder: the linear layers it swapped in {declared.upper()}, the rest {rest}"
