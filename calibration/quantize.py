@@ -111,6 +111,53 @@ def quantize_int8(
     }
 
 
+FP8_OPSET = 19  # QuantizeLinear/DequantizeLinear with float8 types
+
+
+def quantize_fp8(
+    model_path: Path, out_path: Path, ranges: Ranges, cfg: CalibrationConfig, extra_exclude: Iterable[str] = ()
+) -> dict[str, Any]:
+    """Write an FP8 (E4M3) Q/DQ model to ``out_path`` from cached ``ranges`` (ORT's distribution calibration, which
+    its float quantizer requires): one scale per tensor for weights and activations, as TensorRT builds FP8 layers
+    from Q/DQ pairs. The graph is raised to opset 19 first (float8 Q/DQ). For TensorRT: ONNX Runtime's providers
+    have no FP8 kernels and run such a graph in float (validation of the graph itself runs it so, on the CPU)."""
+    from onnx import version_converter
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    model = onnx.load(str(model_path))
+    exclude = excluded_nodes(model, cfg, extra_exclude)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), FP8_OPSET)
+    if opset < FP8_OPSET:
+        model = version_converter.convert_version(model, FP8_OPSET)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    _quiet_ort_preprocess_warning()
+    try:
+        with ranges_file(ranges) as cache_path:
+            quantize_static(
+                model,
+                str(out_path),
+                None,
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=quantizable_op_types(cfg),
+                per_channel=False,
+                activation_type=QuantType.QFLOAT8E4M3FN,
+                weight_type=QuantType.QFLOAT8E4M3FN,
+                nodes_to_exclude=exclude,
+                calibrate_method=_ort_method("distribution"),
+                extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "QuantizeBias": False},
+                calibration_cache_path=str(cache_path),
+            )
+    except Exception as exc:  # ORT's quantizer raises plain exceptions on graphs it cannot quantize
+        raise ModelError(
+            f"onnxruntime.quantization.quantize_static (FP8) failed ({type(exc).__name__}: {str(exc)[:300]})",
+            hint="keep the node it names in float (calibration.exclude_nodes), or drop fp8 from precision.variants",
+        ) from None
+    q = onnx.load(str(out_path), load_external_data=False)
+    counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
+    log.info("fp8: %d Q / %d DQ nodes, %d nodes kept in float", *counts.values(), len(exclude))
+    return {"excluded": exclude, "qdq_nodes": counts, "opset": FP8_OPSET, "method": ranges.method}
+
+
 BIAS_OPS = ("Conv", "ConvTranspose", "Gemm")  # ops whose third input is a bias ORT's quantizer quantizes
 
 

@@ -81,6 +81,7 @@ def _ort_method(method: str) -> Any:
         "minmax": CalibrationMethod.MinMax,
         "entropy": CalibrationMethod.Entropy,
         "percentile": CalibrationMethod.Percentile,
+        "distribution": CalibrationMethod.Distribution,  # FP8: ORT's float quantizer takes its histograms only
     }[method]
 
 

@@ -27,6 +27,7 @@ INTEGER = {"MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv", "Dyna
 INTEGER |= {"MatMulIntegerToFloat", "QAttention", "QOrderedMatMul", "MatMulNBits"}
 WEIGHT_INPUT = {"QLinearMatMul": 3, "QLinearConv": 3, "QGemm": 3}  # where the second operand sits
 LOW = ("int8", "fp8", "fp16")
+FLOAT8 = (onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2)
 MIN_SHARE = 0.5  # an engine labelled INT8/FP16 must run at least this share of its FLOPs in that precision
 
 
@@ -102,8 +103,12 @@ def _precision(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types:
     if node.op_type in INTEGER:
         return "int8"
     operands = [i for i in node.input[:2] if i]
-    if any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in operands):
-        return "int8"
+    dequantized = [
+        producer[i] for i in operands if producer.get(i) is not None and producer[i].op_type == "DequantizeLinear"
+    ]
+    if dequantized:  # Q/DQ: the precision of what was quantized (float8 or an 8-bit integer)
+        float8 = any(types.get(dq.input[0]) in FLOAT8 for dq in dequantized)
+        return "fp8" if float8 else "int8"
     # the activation's type, else (a fused op shape inference cannot see through) the weight's
     elem = types.get(node.input[0]) or (types.get(node.input[1]) if len(node.input) > 1 else None)
     return "fp16" if elem == onnx.TensorProto.FLOAT16 else "fp32"

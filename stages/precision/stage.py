@@ -54,7 +54,7 @@ from kiln.stages.precision.node_errors import (
 )
 from kiln.stages.precision.provenance import torch_modules
 from kiln.stages.precision.report import report_section
-from kiln.stages.precision.variants import Source, build_fp16, build_int8
+from kiln.stages.precision.variants import Source, build_fp8, build_fp16, build_int8
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,10 @@ class PrecisionSummary(Summary):
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
     wanted = list(dict.fromkeys(cfg.variants))
-    # FP8 is compiled from the PyTorch model by the torch backend: no ONNX graph of it is made
-    converted = [p for p in wanted if p != "fp8"] if ctx.config.graph_readers else [p for p in wanted if p == "fp32"]
+    # FP8 graphs (Q/DQ) are for TensorRT; the torch backend compiles FP8 from the PyTorch model itself
+    readers = ctx.config.graph_readers
+    converted = [p for p in wanted if p != "fp8" or "tensorrt" in readers] if readers else []
+    converted = converted or [p for p in wanted if p == "fp32"]
     data = ctx.dataset()
     graph = load_onnx(ctx.inputs["optimize"] / "model.onnx")
     inputs, outputs = io_specs(graph)
@@ -197,6 +199,8 @@ def build_variants(
                     variants["fp32"] = {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}}
                 elif precision == "fp16":
                     variants["fp16"] = build_fp16(src, out, cfg.fp16, cfg.fallback, x_val, ccfg)
+                elif precision == "fp8":
+                    variants["fp8"] = build_fp8(src, out, ccfg, cfg.fallback, x_val)
                 else:
                     variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
                 unmade = not_made(precision, variants[precision])
@@ -273,8 +277,8 @@ def _unconverted(precision: str, log: logging.Logger) -> dict[str, Any]:
         f"not converted: the backends in build.backends build {precision} from the PyTorch model, not from an "
         "ONNX graph (add onnxruntime or tensorrt to build.backends for a converted graph)"
         if precision != "fp8"
-        else "not converted: FP8 engines are the torch backend's, compiled from the PyTorch model (build.backends: "
-        "[torch]); ONNX graphs stay FP16/INT8"
+        else "not converted: FP8 graphs (Q/DQ) are made for TensorRT (add tensorrt to build.backends); the torch "
+        "backend compiles its FP8 engines from the PyTorch model"
     )
     log.info("%s: %s", precision, why)
     return {"path": "fp32/model.onnx", "kept_fp32": [], "reasons": {}, "graph": why}

@@ -18,6 +18,7 @@ from kiln.calibration.quantize import (
     excluded_nodes,
     ort_cpu_scheme,
     quantizable_op_types,
+    quantize_fp8,
     quantize_int8,
     quantize_int8_dynamic,
 )
@@ -209,6 +210,27 @@ def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig
     if op in ccfg.exclude_op_types:
         return f"{op} in calibration.exclude_op_types"
     return "first/last compute layer (calibration.exclude_first_last)"
+
+
+def build_fp8(
+    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples | GateCheck
+) -> dict[str, Any]:
+    """FP8 (E4M3) Q/DQ graph at ``out`` for TensorRT, from distribution-calibrated ranges (what ONNX Runtime's float
+    quantizer takes), judged and fallen back like INT8's."""
+    ranges = src.ranges("distribution", ccfg)
+    base = {n: _exclusion_reason(src.model, n, ccfg) for n in excluded_nodes(src.model, ccfg)}
+    info: dict[str, Any] = {}
+
+    def build(extra: set[str]) -> Path:
+        info.update(quantize_fp8(src.path, out, ranges, ccfg, extra))
+        return out
+
+    ops = set(quantizable_op_types(ccfg))
+    candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
+    res = _in_precision(run_fallback(build, as_check(src, x_val), "fp8", fallback, candidates, "fp8"), out, "fp8")
+    calibration = {"method": "distribution", "cache_key": ranges.key, "cache_hit": ranges.cache_hit}
+    calibration |= {"batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes"), "opset": info.get("opset")}
+    return _entry(out, base | res.kept, res, {"calibration": calibration})
 
 
 def _in_precision(res: FallbackResult, path: Path, precision: str) -> FallbackResult:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.records import EngineMetadata, PrecisionVariant
-from kiln.stages.engines.backend import Backend, BuildRequest, Built, Runner, TritonModel
+from kiln.stages.engines.backend import Backend, BuildRequest, Built, Plan, Runner, TritonModel
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.onnxruntime.record import OrtRecord
 
@@ -64,6 +64,15 @@ def _source(
     return variant.backend_paths.get(f"{backend.name}-{device}", variant.path), None
 
 
+def _plan(cfg: OnnxRuntimeConfig, precision: str) -> Plan:
+    """Every configured device, except for FP8: ONNX Runtime's providers have no FP8 kernels and would run an FP8
+    Q/DQ graph in float (that graph is TensorRT's)."""
+    if precision == "fp8":
+        why = "ONNX Runtime has no FP8 kernels (the FP8 Q/DQ graph is TensorRT's; torch builds FP8 GPU engines)"
+        return Plan([], [f"onnxruntime-{d}-fp8: {why}" for d in cfg.devices])
+    return Plan(list(cfg.devices))
+
+
 BACKEND = Backend(
     name="onnxruntime",
     devices=("cpu", "cuda"),
@@ -71,6 +80,7 @@ BACKEND = Backend(
     record=OrtRecord,
     build=_build,
     runners={"cpu": _cpu_runner, "cuda": _cuda_runner},
+    plan=_plan,
     can_run=_can_run,
     libraries=("onnxruntime", "onnxruntime-gpu"),
     triton=TritonModel("onnxruntime_onnx", "model.onnx"),

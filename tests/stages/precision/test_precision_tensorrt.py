@@ -1,4 +1,4 @@
-"""FP16 and INT8 graphs of the zoo parse and build with TensorRT-RTX (strongly typed: precision is the graph's)."""
+"""FP16, INT8 and FP8 graphs of the zoo parse and build with TensorRT-RTX (strongly typed: precision is the graph's)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.models.registry import build_model
 from kiln.stages.export.stage import export_onnx
 from kiln.stages.precision.config import FallbackConfig, FP16Config
-from kiln.stages.precision.variants import Source, build_fp16, build_int8
+from kiln.stages.precision.variants import Source, build_fp8, build_fp16, build_int8
 
 
 def _trt() -> ModuleType | None:
@@ -51,6 +51,7 @@ def variants(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     fallback = FallbackConfig(enabled=False)  # untrained weights: build every node in reduced precision
     build_fp16(src, folder / "fp16" / "model.onnx", FP16Config(), fallback, x, CalibrationConfig())
     build_int8(src, folder / "int8" / "model.onnx", CalibrationConfig(), fallback, x)
+    build_fp8(src, folder / "fp8" / "model.onnx", CalibrationConfig(), fallback, x)
     return folder, tuple(x.shape[1:])
 
 
@@ -86,7 +87,7 @@ def _build(path: Path, sample_shape: tuple[int, ...]) -> tuple[bytes, set[str]]:
     return bytes(plan), dtypes
 
 
-@pytest.mark.parametrize("precision,expected", [("fp16", "HALF"), ("int8", "INT8")])
+@pytest.mark.parametrize("precision,expected", [("fp16", "HALF"), ("int8", "INT8"), ("fp8", "FP8")])
 def test_zoo_variant_builds(variants: tuple[Path, tuple], precision: str, expected: str) -> None:
     folder, shape = variants
     plan, dtypes = _build(folder / precision / "model.onnx", shape)
