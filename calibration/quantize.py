@@ -117,10 +117,16 @@ FP8_OPSET = 19  # QuantizeLinear/DequantizeLinear with float8 types
 def quantize_fp8(
     model_path: Path, out_path: Path, ranges: Ranges, cfg: CalibrationConfig, extra_exclude: Iterable[str] = ()
 ) -> dict[str, Any]:
-    """Write an FP8 (E4M3) Q/DQ model to ``out_path`` from cached ``ranges`` (ORT's distribution calibration, which
-    its float quantizer requires): one scale per tensor for weights and activations, as TensorRT builds FP8 layers
-    from Q/DQ pairs. The graph is raised to opset 19 first (float8 Q/DQ). For TensorRT: ONNX Runtime's providers
-    have no FP8 kernels and run such a graph in float (validation of the graph itself runs it so, on the CPU)."""
+    """Write an FP8 (E4M3) Q/DQ model to ``out_path`` from calibrated ``ranges`` (minmax): one scale per tensor for
+    weights and activations, as TensorRT builds FP8 layers from Q/DQ pairs, each activation's scale its range's
+    largest magnitude over E4M3's largest value (TensorRT's and ModelOpt's max calibration). The graph is raised to
+    opset 19 first (float8 Q/DQ). For TensorRT: ONNX Runtime's providers have no FP8 kernels and run such a graph in
+    float (validation of the graph itself runs it so, on the CPU).
+
+    ONNX Runtime's float8 quantizer takes only its distribution calibration, whose scale (the tensor's standard
+    deviation over that of all E4M3 values) saturates a tensor beyond about 4.5 standard deviations: ReLU and
+    convolution outputs with long tails lost most of their signal that way. The ranges are handed to it as
+    distribution data whose deviation gives exactly the max-calibrated scale (:func:`_as_distribution`)."""
     from onnx import version_converter
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
@@ -132,7 +138,7 @@ def quantize_fp8(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
     try:
-        with ranges_file(ranges) as cache_path:
+        with ranges_file(_as_distribution(ranges)) as cache_path:
             quantize_static(
                 model,
                 str(out_path),
@@ -158,6 +164,26 @@ def quantize_fp8(
     return {"excluded": exclude, "qdq_nodes": counts, "opset": FP8_OPSET, "method": ranges.method}
 
 
+def _as_distribution(ranges: Ranges) -> Ranges:
+    """``ranges`` as ORT's distribution calibration data whose scale for float8 (``std / std(E4M3 values)``,
+    ``compute_scale_zp_float8``) is the max-calibrated one, ``amax / 448``; uncached (a scratch file per use)."""
+    import numpy as np
+    from ml_dtypes import float8_e4m3fn
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+
+    values = np.arange(256, dtype=np.uint8).view(float8_e4m3fn).astype(np.float32)
+    std_f8 = float(np.std(values[np.isfinite(values)]))
+    data = {}
+    for name, td in ranges.tensors.items():
+        lo, hi = (np.asarray(v, dtype=np.float32) for v in td.range_value)
+        amax = np.maximum(np.abs(lo), np.abs(hi)).astype(np.float32)
+        data[name] = TensorData(
+            avg=np.zeros_like(amax), std=(amax * std_f8 / E4M3_MAX).astype(np.float32), lowest=-amax, highest=amax
+        )
+    return Ranges(TensorsData(CalibrationMethod.Distribution, data), None, ranges.key + "-fp8", False, "minmax")
+
+
+E4M3_MAX = 448.0
 BIAS_OPS = ("Conv", "ConvTranspose", "Gemm")  # ops whose third input is a bias ORT's quantizer quantizes
 
 

@@ -402,6 +402,8 @@ def ort_session(
     A failure is ``error`` naming ORT's reason."""
     import onnxruntime as ort
 
+    if optimization == "all" and isinstance(model, onnx.ModelProto) and holds_float8(model):
+        optimization = "basic"  # ORT's extended optimizations miscompute FP8 Q/DQ convolutions (precision/gate.py)
     opts = options if options is not None else session_options(threads, optimization=optimization)
     providers = providers or ["CPUExecutionProvider"]
     weights: dict[str, np.ndarray] = {}
@@ -421,6 +423,14 @@ def ort_session(
             f"ONNX Runtime cannot load the model: {first_line(exc)}",
             hint="an op or type may be unsupported by ONNX Runtime; try another opset",
         ) from None
+
+
+FLOAT8_TYPES = (onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ, onnx.TensorProto.FLOAT8E5M2)
+
+
+def holds_float8(model: onnx.ModelProto) -> bool:
+    """Whether the graph stores float8 tensors (an FP8 Q/DQ graph's weights and zero points)."""
+    return any(t.data_type in FLOAT8_TYPES for t in model.graph.initializer)
 
 
 def _used_weights(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -215,9 +215,9 @@ def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig
 def build_fp8(
     src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples | GateCheck
 ) -> dict[str, Any]:
-    """FP8 (E4M3) Q/DQ graph at ``out`` for TensorRT, from distribution-calibrated ranges (what ONNX Runtime's float
-    quantizer takes), judged and fallen back like INT8's."""
-    ranges = src.ranges("distribution", ccfg)
+    """FP8 (E4M3) Q/DQ graph at ``out`` for TensorRT, max-calibrated (:func:`kiln.calibration.quantize.quantize_fp8`),
+    judged and fallen back like INT8's."""
+    ranges = src.ranges("minmax", ccfg)  # max calibration: each activation's scale from its largest magnitude
     base = {n: _exclusion_reason(src.model, n, ccfg) for n in excluded_nodes(src.model, ccfg)}
     info: dict[str, Any] = {}
 
@@ -228,7 +228,7 @@ def build_fp8(
     ops = set(quantizable_op_types(ccfg))
     candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
     res = _in_precision(run_fallback(build, as_check(src, x_val), "fp8", fallback, candidates, "fp8"), out, "fp8")
-    calibration = {"method": "distribution", "cache_key": ranges.key, "cache_hit": ranges.cache_hit}
+    calibration = {"method": "minmax", "cache_key": ranges.key, "cache_hit": ranges.cache_hit}
     calibration |= {"batches": len(src.batches), "qdq_nodes": info.get("qdq_nodes"), "opset": info.get("opset")}
     return _entry(out, base | res.kept, res, {"calibration": calibration})
 

@@ -31,7 +31,7 @@ def test_fp8_graph_of_an_mlp(tmp_path: Path) -> None:
     float8 = {t.name for t in graph.graph.initializer if t.data_type == onnx.TensorProto.FLOAT8E4M3FN}
     assert len(float8) >= 2  # the two weights, stored in E4M3
     assert entry["fallback"]["passed"] and entry["vs_fp32"]["cosine"] > 0.99
-    assert entry["calibration"]["method"] == "distribution" and entry["calibration"]["qdq_nodes"]["QuantizeLinear"]
+    assert entry["calibration"]["method"] == "minmax" and entry["calibration"]["qdq_nodes"]["QuantizeLinear"]
     assert audit_graph(out).share() == {"fp8": 1.0}
 
 
@@ -56,3 +56,29 @@ def test_onnx_runtime_builds_no_fp8_engine() -> None:
     plan = _plan(OnnxRuntimeConfig(devices=["cpu", "cuda"]), "fp8")
     assert plan.devices == [] and len(plan.skipped) == 2 and "no FP8 kernels" in plan.skipped[0]
     assert _plan(OnnxRuntimeConfig(devices=["cpu"]), "int8").devices == ["cpu"]
+
+
+def test_fp8_graph_of_a_cnn_is_judged_at_orts_basic_level(tmp_path: Path) -> None:
+    """ONNX Runtime's extended CPU optimizations miscompute FP8 Q/DQ convolutions (cosine ~0.5 on this CNN): the
+    check runs FP8 graphs at the basic level, where the graph's own FP8 error shows (cosine > 0.99)."""
+    from kiln.core.onnx_io import ort_session
+
+    torch.manual_seed(0)
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 8 * 8, 10),
+    ).eval()
+    x = np.random.default_rng(0).random((64, 1, 8, 8)).astype(np.float32)
+    proto = export_onnx(cnn, torch.from_numpy(x[:2]), tmp_path / "raw.onnx")
+    src = Source.prepare(proto, tmp_path / "fp32.onnx", [x[:32], x[32:]], None)
+    out = tmp_path / "fp8" / "model.onnx"
+    entry = build_fp8(src, out, CalibrationConfig(cache=False), FallbackConfig(enabled=False), x)
+    assert entry["kept_fp32"] == [] and entry["vs_fp32"]["cosine"] > 0.99
+    graph = onnx.load(str(out))
+    want = ort_session(src.model).run(None, {"input": x})[0]
+    got = ort_session(graph).run(None, {"input": x})[0]  # a float8 graph gets the basic level by itself
+    assert float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
