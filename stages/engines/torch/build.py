@@ -20,7 +20,6 @@ engines are ONNX Runtime's, from the calibrated graphs.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import re
@@ -42,7 +41,7 @@ from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.torch import conv_epilogues
 from kiln.stages.engines.torch.config import TorchConfig
 from kiln.stages.engines.torch.gemm_epilogues import resolve_mode
-from kiln.stages.engines.torch.lowbit import LOWBIT, SCALINGS, observe, supported, to_lowbit
+from kiln.stages.engines.torch.lowbit import LOWBIT, SCALINGS, fit, observe, supported, to_lowbit
 from kiln.stages.engines.torch.program import check_inductor_keys, compile_program, inductor_options, run_compiled
 
 log = logging.getLogger("kiln.build")
@@ -176,7 +175,8 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     model = model.to(req.device, dtype=_dtype(req.precision))
     feed = random_inputs(req.inputs, batch=2, dynamic=_example_sizes(req), hint=AXIS_HINT)
     args = tuple(torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs)
-    if req.precision in LOWBIT:  # the linear layers as FP8/INT8 GEMMs, the rest in bfloat16/float16
+    if req.precision in LOWBIT:  # the linear layers as FP8/INT8 GEMMs, the rest in float16
+        _lowbit_device(req)
         settings.update(_lowbit(model, req, args))
     # (epilogues with flavour aotinductor: refused by TorchConfig itself; their custom ops need the compiled one)
     package_first = req.settings.flavour == "aotinductor" or (
@@ -202,37 +202,49 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     return {**built, "inputs": req.inputs} if one_size else built
 
 
+def _lowbit_device(req: BuildRequest) -> None:
+    """FP8/INT8 engines are built for GPUs whose tensor cores run those GEMMs: elsewhere a BuildError saying so."""
+    why = supported(req.precision) if req.device == "cuda" else f"{req.precision.upper()} engines are built for GPUs"
+    if why:
+        need = "8.0+ (Ampere on)" if req.precision == "int8" else "8.9+ (Ada, Hopper)"
+        raise BuildError(why, hint=f"build {req.precision.upper()} engines on a GPU with compute capability {need}")
+
+
 def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> dict[str, Any]:
     """Swap the model's linear layers for FP8/INT8 GEMMs where this GPU and the kernel take them
     (:func:`kiln.stages.engines.torch.lowbit.to_lowbit`), scaled as ``build.torch.lowbit_scaling`` says; ``auto``
     takes the first of static (where calibration data came with the request), tensorwise and rowwise whose outputs
     keep a cosine of :data:`AUTO_MIN_COSINE` to the unquantized model's on the first calibration batch (else the
-    example). Returns what was swapped, for the builder settings."""
-    why = supported(req.precision) if req.device == "cuda" else f"{req.precision.upper()} engines are built for GPUs"
-    if why:
-        need = "8.0+ (Ampere on)" if req.precision == "int8" else "8.9+ (Ada, Hopper)"
-        raise BuildError(why, hint=f"build {req.precision.upper()} engines on a GPU with compute capability {need}")
+    example); while they miss it, the layers with the largest own error stay in float16
+    (:func:`kiln.stages.engines.torch.lowbit.fit`). Returns what was swapped, for the builder settings."""
+    import torch
+
     served = _served(model, [i.name for i in req.inputs], req.precision, False)
     batches = _calibration(req)
     seen = observe(model, [lambda xs=xs: served(*xs) for xs in [args, *batches]], batch=len(args[0]))
     swap = partial(to_lowbit, precision=req.precision, out_dtype=_dtype(req.precision), seen=seen)
-    scaling, check = req.settings.lowbit_scaling, {}
+    scaling = req.settings.lowbit_scaling
     if scaling == "static" and not batches:
         raise BuildError(
             "build.torch.lowbit_scaling static needs calibration data, and this build has none",
             hint="build in a workdir (`kiln run`: the precision stage saves calibration batches), or use tensorwise",
         )
-    if scaling == "auto":
-        trials = [m for m in SCALINGS if m != "static" or batches]
-        probe = batches[0] if batches else args
-        for mode in trials:
-            check[f"{mode}_cosine"] = round(_cosine_after(partial(swap, scaling=mode), model, served, probe), 6)
-            if check[f"{mode}_cosine"] >= AUTO_MIN_COSINE or mode == trials[-1]:
-                scaling = mode
-                break
-    done = swap(model, exclude=req.settings.lowbit_exclude, scaling=scaling)
+    scalings = [m for m in SCALINGS if m != "static" or batches] if scaling == "auto" else [scaling]
+    probe = batches[0] if batches else args
+
+    def outputs(module: Any) -> list[Any]:  # the served model's outputs on the probe, with ``module`` in it
+        served.model = module
+        try:
+            with torch.inference_mode():
+                return list(served(*probe))
+        finally:
+            served.model = model
+
+    user = dict.fromkeys(req.settings.lowbit_exclude, "listed in build.torch.lowbit_exclude")
+    scaling, kept, record = fit(model, outputs, swap, scalings, user, AUTO_MIN_COSINE)
+    done = swap(model, exclude=kept, scaling=scaling)
     done["lowbit_calibration_batches"] = len(batches)
-    return {**done, "lowbit_scaling_check": check} if check else done
+    return {**done, "lowbit_scaling_check": record}
 
 
 AUTO_MIN_COSINE = 0.995  # lowbit_scaling auto: the first form whose outputs keep this cosine (half FP8's gate)
@@ -249,23 +261,6 @@ def _calibration(req: BuildRequest) -> list[tuple[Any, ...]]:
         return []
     names = [spec.name for spec in req.inputs]
     return [tuple(torch.from_numpy(f[n]).to(req.device) for n in names) for f in load_feeds(req.calibration, names)]
-
-
-def _cosine_after(swap: Any, model: Any, served: Any, args: tuple[Any, ...]) -> float:
-    """Cosine between the served model's outputs on ``args`` and those of a copy whose layers ``swap`` made low
-    precision."""
-    import torch
-
-    with torch.inference_mode():
-        want = torch.cat([o.flatten().float() for o in served(*args)])
-        trial = copy.deepcopy(model)
-        swap(trial)
-        served.model = trial
-        try:
-            got = torch.cat([o.flatten().float() for o in served(*args)])
-        finally:
-            served.model = model
-    return float(torch.nn.functional.cosine_similarity(got, want, dim=0))
 
 
 def _build_flavour(

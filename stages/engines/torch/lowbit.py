@@ -18,6 +18,8 @@ batch 1), a layer no calibration or example input reached, or a name in ``build.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,11 +154,12 @@ def to_lowbit(
     precision: str,
     out_dtype: torch.dtype,
     seen: dict[str, tuple[int, float]],
-    exclude: list[str] | None = None,
+    exclude: list[str] | dict[str, str] | None = None,
     scaling: str = "rowwise",
 ) -> dict[str, Any]:
     """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`LowbitLinear`. ``seen``: each layer's
-    rows per sample and largest input (:func:`observe`; a layer no input reached is kept). Returns, for the engine's
+    rows per sample and largest input (:func:`observe`; a layer no input reached is kept); ``exclude``: layers kept
+    in the higher precision, by name (the user's list) or with why (the build's fallback). Returns, for the engine's
     builder settings, how many layers were swapped, the ones kept with why, and the share of the linear layers'
     FLOPs per sample the swapped ones compute (what the engine's precision audit counts)."""
     swapped: list[str] = []
@@ -186,10 +189,10 @@ def to_lowbit(
     }
 
 
-def _kept(name: str, module: nn.Linear, rows: int, precision: str, exclude: list[str]) -> str | None:
+def _kept(name: str, module: nn.Linear, rows: int, precision: str, exclude: list[str] | dict[str, str]) -> str | None:
     """Why ``module`` stays in the engine's higher precision; None where it becomes a low-precision GEMM."""
     if name in exclude:
-        return "listed in build.torch.lowbit_exclude"
+        return exclude[name] if isinstance(exclude, dict) else "listed in build.torch.lowbit_exclude"
     if not rows:
         return "not run by the example input"
     if module.in_features % 16 or module.out_features % 16:
@@ -197,3 +200,85 @@ def _kept(name: str, module: nn.Linear, rows: int, precision: str, exclude: list
     if precision == "int8" and rows < INT_MM_MIN_ROWS:
         return f"{rows} row(s) per sample: torch._int_mm takes more than 16"
     return None
+
+
+Swap = Callable[..., dict[str, Any]]  # to_lowbit with the model's precision, dtype and observations bound
+Outputs = Callable[[nn.Module], list[torch.Tensor]]  # the served model's outputs with this module in it
+
+
+def fit(
+    model: nn.Module,
+    outputs: Outputs,
+    swap: Swap,
+    scalings: list[str],
+    exclude: dict[str, str],
+    min_cosine: float,
+    max_rounds: int = 4,
+) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The scaling and the layers kept in the higher precision for which the low-precision model's outputs keep
+    ``min_cosine`` to ``model``'s (on whatever input ``outputs`` runs): the first of ``scalings`` that does (else
+    the last), then, while the outputs still miss it, rounds that keep the layers with the largest own error (their
+    output against the float GEMM of the same input: :func:`own_errors`) out of it, an eighth of the swapped
+    layers a round, as the precision stage's fallback keeps the worst nodes of a Q/DQ graph in float. ``model`` is
+    left as it is (trials run on copies). Returns (scaling, kept layers with why, what was measured)."""
+    want = _flat(outputs(model))
+    record: dict[str, Any] = {}
+    for mode in scalings:
+        trial = copy.deepcopy(model)
+        swap(trial, exclude=exclude, scaling=mode)
+        cosine = _cosine(_flat(outputs(trial)), want)
+        record[f"{mode}_cosine"] = round(cosine, 6)
+        if cosine >= min_cosine or mode == scalings[-1]:
+            break
+    kept, rounds = dict(exclude), []
+    while cosine < min_cosine and len(rounds) < max_rounds:
+        errors = own_errors(trial, model, lambda t=trial: outputs(t))
+        worst = sorted(errors, key=errors.__getitem__, reverse=True)[: max(1, len(errors) // 8)]
+        if not worst:
+            break
+        for name in worst:
+            kept[name] = f"fallback round {len(rounds) + 1}: its own output error {errors[name]:.4f} (relative L2)"
+        trial = copy.deepcopy(model)
+        swap(trial, exclude=kept, scaling=mode)
+        cosine = _cosine(_flat(outputs(trial)), want)
+        rounds.append({"kept": worst, "cosine": round(cosine, 6)})
+    if rounds:
+        record["fallback"] = rounds
+    return mode, kept, record
+
+
+def own_errors(lowbit: nn.Module, model: nn.Module, run: Callable[[], Any]) -> dict[str, float]:
+    """Per :class:`LowbitLinear` of ``lowbit``: the relative L2 error of its output against ``model``'s float layer
+    of the same name on the same input, over one call of ``run()``: its own quantization error, not what earlier
+    layers passed on to it."""
+    floats = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    errors: dict[str, float] = {}
+
+    def measure(name: str) -> Any:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            ref = floats[name](args[0].to(floats[name].weight.dtype)).float()
+            err = float((out.float() - ref).norm() / ref.norm().clamp(min=1e-12))
+            errors[name] = max(errors.get(name, 0.0), err)
+
+        return hook
+
+    hooks = [
+        m.register_forward_hook(measure(name))
+        for name, m in lowbit.named_modules()
+        if isinstance(m, LowbitLinear) and name in floats
+    ]
+    try:
+        with torch.inference_mode():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return errors
+
+
+def _flat(outputs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([o.detach().flatten().float() for o in outputs])
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))

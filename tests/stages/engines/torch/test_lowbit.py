@@ -177,3 +177,72 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
             x = np.random.default_rng(batch).standard_normal((batch, 32, 64)).astype(np.float32)
             got, want = next(iter(runner.infer({name: x}).values())), ref.run(None, {name: x})[0]
             assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
+
+
+def test_fit_keeps_the_layer_whose_own_error_misses_the_target() -> None:
+    """One layer's input has an outlier, so its one scale per tensor rounds the other values coarsely: the scaling
+    misses the target, and the fallback keeps that layer (the largest own error) in float, which meets it."""
+    from functools import partial
+
+    from kiln.stages.engines.torch.lowbit import fit, own_errors
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
+    x = torch.randn(4, 20, 64)
+    x[0, 0, 0] = 60.0  # one outlier in the first layer's input
+
+    def outputs(module: nn.Module) -> list[torch.Tensor]:
+        return [module(x)]
+
+    seen = observe(model, [lambda: model(x)], batch=4)
+    swap = partial(to_lowbit, precision="int8", out_dtype=torch.float32, seen=seen)
+    scaling, kept, record = fit(model, outputs, swap, ["tensorwise"], {}, min_cosine=0.999)
+    assert scaling == "tensorwise" and record["tensorwise_cosine"] < 0.999
+    assert list(kept) == ["0"] and kept["0"].startswith("fallback round 1: its own output error")
+    assert record["fallback"][-1]["cosine"] >= 0.999 and isinstance(model[0], nn.Linear)  # the model is untouched
+    import copy
+
+    trial = copy.deepcopy(model)
+    swap(trial, scaling="tensorwise")
+    errors = own_errors(trial, model, lambda: trial(x))
+    assert max(errors, key=errors.__getitem__) == "0"
+
+
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_the_builds_choice_on_calibration_batches(tmp_path, precision: str) -> None:
+    """The torch build's low-precision step on the CPU (where PyTorch runs both kernels, slowly): the calibration
+    batches saved by the precision stage are read, static scales are tried first and kept where the outputs hold,
+    and the builder settings say what was measured; a CPU build itself is refused with the reason."""
+    import numpy as np
+
+    from kiln.calibration.feeds import save_feeds
+    from kiln.core.errors import BuildError
+    from kiln.core.records import TensorSpec
+    from kiln.stages.engines.backend import BuildRequest
+    from kiln.stages.engines.torch.build import _lowbit, _lowbit_device
+    from kiln.stages.engines.torch.config import TorchConfig
+
+    torch.manual_seed(0)
+    model = Tokens().eval().to(torch.float16)  # the engine's dtype around its low-precision GEMMs
+    feeds = tmp_path / "calibration.npz"
+    batches = [np.random.default_rng(i).standard_normal((4, 32, 64)).astype(np.float32) for i in range(3)]
+    save_feeds(batches, ["x"], feeds)
+    req = BuildRequest(
+        tmp_path / "m.onnx",
+        tmp_path / "e",
+        "cpu",
+        precision,
+        TorchConfig(devices=["cpu"]),
+        tmp_path,
+        [TensorSpec(name="x", shape=["batch", 32, 64], dtype="float32")],
+        calibration=feeds,
+    )
+    with pytest.raises(BuildError, match="built for GPUs"):
+        _lowbit_device(req)
+    settings = _lowbit(model, req, (torch.randn(2, 32, 64),))
+    assert settings["lowbit_calibration_batches"] == 3 and settings["lowbit_scaling"] == "static"
+    assert (
+        settings["lowbit_scaling_check"]["static_cosine"] >= 0.995
+        and "fallback" not in settings["lowbit_scaling_check"]
+    )
+    assert isinstance(model.up, LowbitLinear) and model.up.static
