@@ -91,6 +91,74 @@ def profile(protocol: str, port: int, model: str, feed: dict[str, np.ndarray], n
     return {"protocol": protocol, "requests": n, "latency_ms": total, "triton_ms": d, "split_ms": split}
 
 
+def per_batch(port: int, model: str, feed: dict[str, np.ndarray], concurrency: int, n: int, eng: Any) -> list[dict]:
+    """Concurrent single-sample requests over gRPC (``concurrency`` threads, ``n`` requests in all), so Triton's
+    dynamic batcher forms batches; then, per batch size it executed, Triton's compute_infer per execution (its own
+    ``batch_stats``) against the engine's in-process time at that batch: what the PyTriton hop costs per batch and
+    per request. A hop that grows with the batch is paid per request, and batching cannot amortise it."""
+    import threading
+
+    import tritonclient.grpc as module
+    from tritonclient.utils import np_to_triton_dtype
+
+    def worker(count: int) -> None:
+        client = module.InferenceServerClient(f"127.0.0.1:{port}")
+        tensors = []
+        for name, array in feed.items():
+            t = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            t.set_data_from_numpy(array)
+            tensors.append(t)
+        for _ in range(count):
+            client.infer(model, tensors)
+        client.close()
+
+    stats_client = module.InferenceServerClient(f"127.0.0.1:{port}")
+    before = _batch_stats(stats_client, model)
+    threads = [threading.Thread(target=worker, args=(n // concurrency,)) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = _batch_stats(stats_client, model)
+    stats_client.close()
+    rows = []
+    for size, (count, ns) in sorted(after.items()):
+        c0, ns0 = before.get(size, (0, 0.0))
+        if count - c0 <= 0:
+            continue
+        infer_ms = (ns - ns0) / (count - c0) / 1e6
+        batch_feed = {k: np.repeat(v, size, axis=0) for k, v in feed.items()}
+        engine = float(np.median([_timed(eng, batch_feed) for _ in range(20)]))
+        hop = infer_ms - engine
+        rows.append(
+            {
+                "batch": size,
+                "executions": count - c0,
+                "compute_infer_ms": infer_ms,
+                "engine_ms": engine,
+                "hop_ms": hop,
+                "hop_per_request_ms": hop / size,
+            }
+        )
+    return rows
+
+
+def _batch_stats(client: Any, model: str) -> dict[int, tuple[int, float]]:
+    """Triton's executions and compute_infer ns per batch size, so far."""
+    raw = client.get_inference_statistics(model, as_json=True)["model_stats"][0].get("batch_stats", [])
+    return {
+        int(b["batch_size"]): (int(b["compute_infer"]["count"]), float(b["compute_infer"]["ns"]))
+        for b in raw
+        if "compute_infer" in b
+    }
+
+
+def _timed(runner: Any, feed: dict[str, np.ndarray]) -> float:
+    t0 = time.perf_counter()
+    runner.infer(feed)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Served request profile: {result['engine']}",
@@ -103,6 +171,20 @@ def markdown(result: dict[str, Any]) -> str:
     for p in result["protocols"]:
         cells = " | ".join(f"{p['split_ms'][s]:.3f} ({p['split_ms'][s] / p['latency_ms']:.0%})" for s in STAGES)
         lines.append(f"| {p['protocol']} | {p['latency_ms']:.3f} | {cells} |")
+    if result.get("per_batch"):
+        lines += [
+            "",
+            f"Concurrent: {result['concurrency']} gRPC client threads, {result['concurrent_requests']} single-sample "
+            "requests; per batch size Triton's dynamic batcher executed (Triton's batch_stats):",
+            "",
+            "| batch | executions | compute_infer ms | engine ms (in-process) | PyTriton hop ms | hop per request ms |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in result["per_batch"]:
+            lines.append(
+                f"| {r['batch']} | {r['executions']} | {r['compute_infer_ms']:.3f} | {r['engine_ms']:.3f} | "
+                f"{r['hop_ms']:.3f} | {r['hop_per_request_ms']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -111,6 +193,7 @@ def main() -> None:
     ap.add_argument("workdir", type=Path)
     ap.add_argument("--engine", default="onnxruntime-cpu-fp32")
     ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--concurrency", type=int, default=16, help="client threads of the concurrent part (0: skip it)")
     ap.add_argument("-o", "--output", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     engine_dir = args.workdir / "package" / "engines" / args.engine
@@ -127,6 +210,10 @@ def main() -> None:
         protocols = [
             profile(p, port, model, feed, args.requests, eng) for p, port in (("http", ports[0]), ("grpc", ports[1]))
         ]
+        batches = []
+        if args.concurrency:
+            with load_engine(engine_dir) as runner:
+                batches = per_batch(ports[1], model, feed, args.concurrency, 4 * args.requests, runner)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -135,6 +222,9 @@ def main() -> None:
         "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
         "requests": args.requests,
         "protocols": protocols,
+        "concurrency": args.concurrency,
+        "concurrent_requests": 4 * args.requests,
+        "per_batch": batches,
     }
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "serve_profile.json").write_text(json.dumps(result, indent=2) + "\n")
