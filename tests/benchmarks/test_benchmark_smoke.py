@@ -77,6 +77,7 @@ def test_engine_bench_two_input_hf_bert_with_the_validate_compile_baseline(tmp_p
         (row, b) for row in ("eager32", "baseline_compile", "kiln", "kiln_torch") for b in (1, 4)
     }, rows
     assert all(r["median_ms"] > 0 and r["cosine"] > 0.9999 for r in rows)  # all FP32 on the CPU
+    assert all(r["tflops"] > 0 and r["precision"] == "fp32" and r["pct_of_peak"] > 0 for r in rows)  # the roofline
     assert "validate.baselines compile" in (tmp_path / "engine_bench.md").read_text()
 
 
