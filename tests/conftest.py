@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import onnxruntime.transformers  # noqa: F401 - see below
-import pytest
-import torch
+# PyTorch on one thread, here and in every process a test starts (kiln commands, benchmark scripts, servers): the
+# models are tiny, and on a 2-core machine shared with other work a second OpenMP thread mostly waits for a core
+# (CI runs the suite at a load average of 8). Set before torch is imported; an explicit OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import onnxruntime.transformers  # noqa: E402, F401 - see below
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # onnxruntime.transformers appends its own folder to sys.path when first imported (its optimizer then imports
 # `fusion_options` as a top-level module). Imported here, before any test snapshots and restores sys.path
 # (monkeypatch.syspath_prepend), so the entry survives and the tests do not depend on their order.
-from kiln.pipeline.config import KilnConfig, config_from_dict
+from kiln.pipeline.config import KilnConfig, config_from_dict  # noqa: E402
 
 HAS_TRT = any(importlib.util.find_spec(m) is not None for m in ("tensorrt", "tensorrt_rtx"))
 
@@ -54,8 +60,9 @@ def tiny_config() -> KilnConfig:
 
 
 @pytest.fixture(autouse=True)
-def _few_threads() -> None:
-    torch.set_num_threads(2)
+def _one_thread() -> None:
+    """Every test starts on one intra-op thread (a test that sets more, for what it checks, gets one again)."""
+    torch.set_num_threads(1)
 
 
 _PRISTINE = (logging.getLogger("kiln").level, list(logging.getLogger("kiln").handlers))
