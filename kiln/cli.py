@@ -951,6 +951,14 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     help="the run's config (YAML/TOML/JSON): its validation data become the requests (default: the demo's)",
 )
 @click.option(
+    "--processes",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="client processes per level, its requests in flight split between them (one process's threads share "
+    "one interpreter lock: at high concurrency they, not the server, can set the pace)",
+)
+@click.option(
     "-o",
     "--output",
     default="loadtest",
@@ -966,6 +974,7 @@ def loadtest(
     duration: float,
     max_requests: int,
     config: str | None,
+    processes: int,
     output: str,
 ) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
@@ -976,7 +985,9 @@ def loadtest(
     out = Path(output)
     claim_folder(out, "-o", LOADTEST_FILES)  # a loadtest.json Kiln did not write is never replaced
     with scratch_root(out):
-        result = run_loadtest(url, model, engines, out, concurrency, duration, max_requests, _config(config, ()))
+        result = run_loadtest(
+            url, model, engines, out, concurrency, duration, max_requests, _config(config, ()), processes
+        )
     record_owned(out, LOADTEST_FILES)
     click.echo(render_markdown(result), nl=False)
     results.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)

@@ -201,6 +201,7 @@ def run_level(
     duration_s: float,
     max_requests: int,
 ) -> Level:
+    """``concurrency`` client threads sending the pool's requests for ``duration_s``, every answer checked."""
     module = _client_module(protocol)
     level, lock = Level(concurrency), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
@@ -263,6 +264,52 @@ def run_level(
         t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
     level.seconds = time.perf_counter() - start
     return level
+
+
+def run_level_processes(processes: int, *args: Any) -> Level:
+    """:func:`run_level` over ``processes`` client processes, the level's threads and request budget split between
+    them, released together once every one has imported its client library: one Python process's threads share
+    its interpreter lock, and at high concurrency they, not the server, set the pace. Their results are merged."""
+    import multiprocessing
+
+    protocol, address, model, pool, expected, tolerance, concurrency, duration_s, max_requests = args
+    procs = min(processes, concurrency)
+    threads = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    budgets = [max_requests // procs + (i < max_requests % procs) for i in range(procs)]
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [
+        ctx.Process(
+            target=_level_worker,
+            args=(barrier, results, (protocol, address, model, pool, expected, tolerance, t, duration_s, b)),
+            daemon=True,
+        )
+        for t, b in zip(threads, budgets)
+    ]
+    for w in workers:
+        w.start()
+    merged = Level(concurrency)
+    try:
+        for _ in workers:
+            part = results.get(timeout=duration_s + REQUEST_TIMEOUT_S + 120)  # a client process that hangs
+            merged.latencies_ms += part.latencies_ms
+            merged.mismatches += part.mismatches
+            merged.errors += part.errors
+            merged.max_abs_err = max(merged.max_abs_err, part.max_abs_err)
+            merged.seconds = max(merged.seconds, part.seconds)
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    return merged
+
+
+def _level_worker(barrier: Any, results: Any, args: tuple[Any, ...]) -> None:
+    """One client process of :func:`run_level_processes`: import, wait for the others, run its share."""
+    _client_module(args[0])
+    barrier.wait()
+    results.put(run_level(*args))
 
 
 def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
@@ -349,9 +396,11 @@ def loadtest(
     duration_s: float,
     max_requests: int = 100_000,
     config: KilnConfig | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
-    Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
+    ``processes``: client processes per level (:func:`run_level_processes`). Raises :class:`GateFailure` (after
+    writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
         raise ConfigError(
@@ -365,7 +414,8 @@ def loadtest(
     before = server_batches(protocol, address, model)
     levels = []
     for c in concurrency:
-        level = run_level(protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
+        args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
+        level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
         levels.append(level.summary())
         log.info(
             "concurrency %d: %.1f req/s, p50 %.2f ms, p99 %.2f ms, %d wrong, %d failed",
@@ -388,6 +438,7 @@ def loadtest(
         "tolerance": {"atol": tolerance[0], "rtol": tolerance[1]},
         "duration_s": duration_s,
         "max_requests": max_requests,
+        "client_processes": processes,
         "levels": levels,
         "server": batches if protocol != "ray" else None,
         "mean_batch": batches["inference_count"] / batches["execution_count"] if batches["execution_count"] else None,
@@ -410,7 +461,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"# Load test: {result['model']} ({result['engine']}, {result['precision']})",
         "",
         f"{result['url']}, inputs: {result['inputs']}, up to {result['duration_s']} s or "
-        f"{result['max_requests']} requests per level, single-sample requests.",
+        f"{result['max_requests']} requests per level, single-sample requests"
+        + (f" from {result['client_processes']} client processes." if result.get("client_processes", 1) > 1 else "."),
         "",
         "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | in-process ms (batch) "
         "| in-process req/s | served / in-process | wrong | failed |",

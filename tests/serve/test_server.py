@@ -165,6 +165,8 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
                 "1",
                 "--requests",
                 "20",
+                "--processes",
+                "2",
                 "-o",
                 str(tmp_path / "cli"),
             ],
@@ -174,6 +176,7 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
         raise
     assert cli.exit_code == 0, cli.output
     assert "| 2 | 20 |" in cli.output and (tmp_path / "cli" / "loadtest.png").is_file()
+    assert "from 2 client processes" in cli.output  # level 2: one thread in each of two processes, merged
     level = result["levels"][0]
     assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
     assert result["inputs"].startswith("real validation data")
