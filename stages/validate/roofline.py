@@ -72,8 +72,8 @@ def _measure_lowbit(n: int) -> dict[str, float]:
     them (:mod:`kiln.stages.engines.torch.lowbit`)."""
     import torch
 
-    from kiln.stages.engines.torch.lowbit import supported
-
+    capability = torch.cuda.get_device_capability()  # as kiln.stages.engines.torch.lowbit.MIN_CAPABILITY
+    has = {"fp8": capability >= (8, 9), "int8": capability >= (8, 0)}
     a = torch.randn(n, n, device="cuda")
     one = torch.ones((), device="cuda")
     f8, i8 = a.to(torch.float8_e4m3fn), a.clamp(-127, 127).to(torch.int8)
@@ -81,7 +81,7 @@ def _measure_lowbit(n: int) -> dict[str, float]:
         "fp8": lambda: torch._scaled_mm(f8, f8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
         "int8": lambda: torch._int_mm(i8, i8.t()),
     }
-    return {k: round(2 * n**3 / _best_seconds(fn, "cuda") / 1e12, 2) for k, fn in calls.items() if not supported(k)}
+    return {k: round(2 * n**3 / _best_seconds(fn, "cuda") / 1e12, 2) for k, fn in calls.items() if has[k]}
 
 
 def _best_seconds(fn: Any, device: str, calls: int = 10) -> float:

@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kiln.calibration.feeds import load_feeds
 from kiln.core.data import by_keyword
 from kiln.core.errors import BuildError, ConfigError
 from kiln.core.inputs import largest_sizes, random_inputs
@@ -254,8 +255,6 @@ def _calibration(req: BuildRequest) -> list[tuple[Any, ...]]:
     """The calibration batches that came with the request (``BuildRequest.calibration``), as the engine's inputs
     in order on its device; none without."""
     import torch
-
-    from kiln.calibration.feeds import load_feeds
 
     if req.calibration is None or not req.calibration.is_file():
         return []
