@@ -26,6 +26,32 @@ from kiln.pipeline.config import KilnConfig, config_from_dict  # noqa: E402
 HAS_TRT = any(importlib.util.find_spec(m) is not None for m in ("tensorrt", "tensorrt_rtx"))
 
 
+def _build_the_exporters_op_table_once() -> None:
+    """``torch.onnx.export`` (dynamo) builds its table of ONNX functions for ATen ops at every call, reading and
+    parsing the source of some 500 onnxscript functions: about a third of a tiny model's export, and the suite
+    exports some hundred models in this process. Built once per opset here; every export still gets a table of its
+    own (a copy: the exporter adds a user's custom ops to it), with the same entries a fresh build gives."""
+    try:
+        from torch.onnx._internal.exporter import _constants, _registration
+    except ImportError:  # another torch: exports build their own table, as they do for users
+        return
+    build = _registration.ONNXRegistry.from_torchlib.__func__
+    built: dict[tuple[type, int], Any] = {}
+
+    def from_torchlib(cls: type, opset_version: int = _constants.TORCHLIB_OPSET) -> Any:
+        if (cls, opset_version) not in built:
+            built[cls, opset_version] = build(cls, opset_version)
+        table = cls()
+        table._opset_version = built[cls, opset_version]._opset_version
+        table.functions = {op: list(decomps) for op, decomps in built[cls, opset_version].functions.items()}
+        return table
+
+    _registration.ONNXRegistry.from_torchlib = classmethod(from_torchlib)
+
+
+_build_the_exporters_op_table_once()
+
+
 def tiny_config_dict(**overrides: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "name": "tiny",
