@@ -92,7 +92,8 @@ class PrecisionConfig(Section):
     require_speedup: bool = Field(
         False,
         description="drop (do not package) an INT8/FP16 engine slower than the "
-        "FP32 engine of its backend at the largest batch; else flag it",
+        "FP32 engine of its backend at the largest batch; else flag it. An INT8/FP8 engine slower than "
+        "the FP16 engine of its backend and device is dropped either way",
     )
     node_errors: bool = Field(
         True,

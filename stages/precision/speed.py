@@ -70,8 +70,13 @@ def drop_slower(engines: list[EngineValidation], rows: list[dict[str, Any]]) -> 
         r = slower.get(e.name)
         if r is not None:
             judge = r.get("judged_against", "fp32")
+            why = (
+                "INT8/FP8 must beat FP16"
+                if judge == "fp16" and r["precision"] in LOWBIT
+                else "precision.require_speedup"
+            )
             e.dropped = (
                 f"slower than {judge.upper()} at batch {r['largest_batch']} "
-                f"({r[f'vs_{judge}'][r['largest_batch']]:.2f}x; precision.require_speedup)"
+                f"({r[f'vs_{judge}'][r['largest_batch']]:.2f}x; {why})"
             )
     return sorted(slower)

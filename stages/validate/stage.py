@@ -490,7 +490,8 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     if not validated:
         failures.append("no engine could be validated on this machine")
     speed = speed_vs_fp32(engines)  # reduced precision that is not faster than FP32: flagged, or dropped
-    dropped = drop_slower(engines, speed) if ctx.config.require_speedup else []
+    # INT8/FP8 slower than the FP16 engine beside it is never the one to serve: dropped in any case
+    dropped = drop_slower(engines, speed if ctx.config.require_speedup else [r for r in speed if _under_fp16(r)])
     for row in speed:
         if row["slower"]:
             judge = row["judged_against"]
@@ -501,7 +502,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
                 row["largest_batch"],
                 row[f"vs_{judge}"][row["largest_batch"]],
                 _interval(row.get(f"vs_{judge}_ci", {}).get(row["largest_batch"])),
-                ": not packaged (precision.require_speedup)" if row["engine"] in dropped else "",
+                ": not packaged" if row["engine"] in dropped else "",
             )
     chosen, notes = choose(engines, preference_order(), cfg.choice_margin)
     for bs, note in notes.items():
@@ -533,6 +534,11 @@ def _session_timer(sess: Any, feed: Feed, cfg: ValidateConfig) -> Timer:
         return time_calls(lambda: sess.run(None, feed), calls, cuda=False, budget_s=budget_s, min_calls=1)
 
     return timer
+
+
+def _under_fp16(row: dict[str, Any]) -> bool:
+    """A speed row of an INT8/FP8 engine judged against (losing to) the FP16 engine of its backend and device."""
+    return row["precision"] in ("int8", "fp8") and row["judged_against"] == "fp16"
 
 
 def _interval(ci: Any) -> str:
