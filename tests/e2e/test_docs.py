@@ -4,10 +4,14 @@ A block whose first line names a file (``# mine.py``, ``# my.yaml``) is that fil
 blocks run in the project's folder; every YAML block is a valid config; every ``kiln`` command of a ``bash`` block
 runs in the project, except in the documents about hardware or servers this machine does not run, where each command
 is checked against the options of the command it calls (``kiln``, the torchrun worker, a benchmark script).
+The README's own run goes through the installed ``kiln`` command in a fresh process, as a user types it; the longer
+guides' ``kiln`` commands go through the same CLI in this process (a fresh interpreter per command would import
+torch and the guide's libraries again each time).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -70,14 +74,33 @@ def project(tmp: Path, *docs: Path) -> Path:
     return tmp
 
 
+def run_kiln(args: list[str], folder: Path) -> None:
+    """``kiln ARGS`` run from ``folder`` through the CLI in this process: the command-line parsing, the user's
+    modules found in the folder, the exit code. The folder, ``sys.path`` and the user's modules are undone after."""
+    from click.testing import CliRunner
+
+    cwd, path, modules = os.getcwd(), list(sys.path), set(sys.modules)
+    os.chdir(folder)
+    try:
+        result = CliRunner().invoke(main, args)
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(str(folder)):
+                del sys.modules[name]
+    assert result.exit_code == 0, f"kiln {' '.join(args)}: {result.exception!r}\n{result.output[-3000:]}"
+
+
 def run_block(lang: str, text: str, folder: Path) -> None:
-    """One block of a doc that runs: its ``kiln`` and ``python`` commands, or its Python (not a project file)."""
+    """One block of a doc that runs: its ``kiln`` commands (:func:`run_kiln`) and ``python`` scripts (a fresh
+    process), or its Python (not a project file)."""
     if lang == "python" and not named(text):
         run([sys.executable, "-c", text], folder)
     elif lang == "bash":
         for args in commands(text):
             if args[0] == "kiln":
-                run([KILN, *args[1:]], folder)
+                run_kiln(args[1:], folder)
             elif args[0] == "python" and args[1].endswith(".py"):
                 run([sys.executable, *args[1:]], folder)
 
@@ -88,6 +111,12 @@ def test_every_block_has_a_language_and_every_yaml_block_is_a_config(doc: Path) 
         assert lang in ("python", "yaml", "bash") or (lang == "" and "->" in text), f"{doc.name}: ```{lang}"
         if lang == "yaml":
             config_from_dict(yaml.safe_load(text) or {}, source=doc.name)
+
+
+@functools.cache
+def _help(script: str) -> str:
+    """A benchmark script's ``--help``, once per script (a doc quotes one script in several commands)."""
+    return run([sys.executable, str(REPO / script), "--help"], REPO).stdout
 
 
 def _check_command(args: list[str], doc: str) -> None:
@@ -107,7 +136,7 @@ def _check_command(args: list[str], doc: str) -> None:
         paths = [a for prev, a in zip(args[2:], args[3:]) if not a.startswith("-") and prev not in ("-m", "-k", "-p")]
         assert args[2] == "pytest" and all((REPO / a).exists() for a in paths), args
     elif args[0] == "python" and args[1].startswith("benchmarks/"):
-        help_text = run([sys.executable, str(REPO / args[1]), "--help"], REPO).stdout
+        help_text = _help(args[1])
         unknown = [a for a in args[2:] if a.startswith("--") and a.split("=")[0] not in help_text]
         assert not unknown, f"{doc}: {args[1]} has no {unknown}"
     elif args[0] not in ("pip", "ruff", "PYTHONPATH=/tmp/site"):
@@ -162,13 +191,13 @@ def test_the_python_blocks_run_in_the_readme_project(readme_project: Path, doc: 
 
 def test_the_bring_your_own_model_guide_runs_as_written(tmp_path: Path) -> None:
     """docs/byom.md: the BERT module through `kiln run`, then its ONNX export through `kiln run` from the ONNX file
-    and through the direct commands, each in a fresh process from the project's folder."""
+    and through the direct commands, each from the project's folder (:func:`run_kiln`)."""
     import json
 
     pytest.importorskip("transformers")
     doc = REPO / "docs" / "byom.md"
     folder = project(tmp_path, doc)
-    run([KILN, "run", "textcls.yaml", "-w", "textcls-out", "--quiet"], folder)
+    run_kiln(["run", "textcls.yaml", "-w", "textcls-out", "--quiet"], folder)
     v = json.loads((folder / "textcls-out" / "validate" / "validation.json").read_text())
     assert (
         v["passed"] and v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["compared"] == ["logits"]
