@@ -804,7 +804,7 @@ DIRECT_HELP = {
     "export": "Export to ONNX: from WORKDIR/train, or directly with --checkpoint/--model and -o.",
     "optimize": "Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without "
     "MODEL (MODEL may also be the run config: `kiln optimize kiln.yaml`).",
-    "precision": "FP32/FP16/INT8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 "
+    "precision": "FP32/FP16/INT8/FP8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 "
     "--calibration d.npz`, or of WORKDIR/optimize without MODEL (MODEL may also be the run config).",
     "build": "Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision (MODEL "
     "may also be the run config: `kiln build kiln.yaml`).",
