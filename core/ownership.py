@@ -189,6 +189,9 @@ def output_file(path: Path, what: str = "-o") -> Iterator[Path]:
 
 # Where libraries keep caches and settings under HOME; pointed into the run's scratch when HOME is not usable.
 HOME_CACHES = ("MPLCONFIGDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+# What a library writes into the environment on first use, from the temporary folder in use then: Inductor notes
+# its cache folder in TORCHINDUCTOR_CACHE_DIR and keeps to it for the rest of the process.
+NOTED_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 def home_usable() -> bool:
@@ -204,7 +207,9 @@ def scratch_root(folder: Path) -> Iterator[Path]:
     torch's) goes into ``folder/.kiln-tmp/.run.scratch-<pid>-<hex>``, removed when the block ends however it
     ends: inside the workdir or beside the -o path the user gave, not in a shared ``/tmp``. With HOME unset or
     unusable, libraries' caches go there too. A folder that cannot be written keeps the system's temporary
-    folder (said in the log). Yields the folder in use."""
+    folder (said in the log). What libraries note in the environment meanwhile (:data:`NOTED_BY_LIBRARIES`) is
+    undone with the rest: else Inductor kept compiling into the removed scratch for the rest of the process, with
+    no cache, writing into the workdir after the run. Yields the folder in use."""
     base = Path(folder) / SCRATCH
     try:
         refuse_link(base, "Kiln's temporary folder")
@@ -219,7 +224,7 @@ def scratch_root(folder: Path) -> Iterator[Path]:
     settings = {"TMPDIR": str(root)}  # for the processes Kiln starts too
     if not home_usable():  # libraries' caches (matplotlib's, XDG's) would go to / or to an odd place
         settings |= {k: str(root / k.lower()) for k in HOME_CACHES if k not in os.environ}
-    previous, env = tempfile.tempdir, {k: os.environ.get(k) for k in settings}
+    previous, env = tempfile.tempdir, {k: os.environ.get(k) for k in (*settings, *NOTED_BY_LIBRARIES)}
     tempfile.tempdir = str(root)
     os.environ.update(settings)
     try:

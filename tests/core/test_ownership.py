@@ -131,6 +131,27 @@ def test_scratch_lives_in_the_workdir_and_goes(tmp_path: Path) -> None:
     assert not (tmp_path / ".kiln-tmp").exists() and tempfile.gettempdir() != str(root)
 
 
+def test_a_cache_folder_a_library_notes_inside_the_scratch_is_forgotten_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor notes its cache folder (from the temporary folder) in TORCHINDUCTOR_CACHE_DIR on first use. Noted
+    inside a run, it named the run's removed scratch for the rest of the process: every later compile started
+    cold (the test suite's Inductor tests took 5x their time after any in-process run) and wrote into the
+    workdir."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with scratch_root(tmp_path / "run") as root:
+        assert Path(cache_dir()).parent == root  # noted from the scratch, as on a first compile in a run
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert str(tmp_path / "run") not in cache_dir()  # the next compile's folder: the system's, again
+    noted = str(tmp_path / "mine")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", noted)  # the user's own setting is kept through a run
+    with scratch_root(tmp_path / "run"):
+        assert cache_dir() == noted
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == noted
+
+
 @pytest.mark.parametrize("home", [None, "missing", "file", "read-only"])
 def test_home_unset_or_odd(tmp_path: Path, home: str | None) -> None:
     """HOME unset, missing, a file or unwritable: a run (matplotlib's loss plot included) works, with every
