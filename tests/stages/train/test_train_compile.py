@@ -48,7 +48,6 @@ def compiling(cfg: TrainConfig, setting: Any) -> TrainConfig:
     return TrainConfig.model_validate({**cfg.model_dump(), "compile": setting})
 
 
-@pytest.mark.timeout(600)
 def test_demo_trains_one_epoch_compiled(tmp_path: Path) -> None:
     cfg = load_config(None, {"train.epochs": 1, "train.compile": True, "train.plot": False})
     result = Runner(cfg, tmp_path, STAGES).run(stop="train")

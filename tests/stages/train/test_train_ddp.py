@@ -37,7 +37,6 @@ def _config(nproc: int, **train: Any) -> KilnConfig:
     )
 
 
-@pytest.mark.timeout(180)
 def test_two_gloo_processes_equal_one_process(tmp_path: Path) -> None:
     r = train_one_and_two(tmp_path, _config)
     single, multi = r.single, r.multi
@@ -54,7 +53,6 @@ def test_two_gloo_processes_equal_one_process(tmp_path: Path) -> None:
     assert (tmp_path / "ck2" / "last.pt").is_file()
 
 
-@pytest.mark.timeout(180)
 def test_two_process_resume_mid_epoch_reports_the_epochs_loss(tmp_path: Path) -> None:
     """The running sums of a resumed epoch are saved over all processes, not rank 0's alone."""
     import json
@@ -78,7 +76,6 @@ def test_two_process_resume_mid_epoch_reports_the_epochs_loss(tmp_path: Path) ->
     assert got["resumed"] == pytest.approx(got["ref"], rel=1e-12)
 
 
-@pytest.mark.timeout(120)
 def test_worker_error_reaches_the_user(tmp_path: Path) -> None:
     with pytest.raises(TrainingError, match="batch_size 33 is not divisible by 2 processes"):
         run_torchrun(_config(2, batch_size=33), tmp_path, tmp_path / "ck", LOG)
@@ -99,7 +96,6 @@ def test_sync_batchnorm_on_cpu_is_a_clear_error() -> None:
         wrap_ddp(build_model("cnn"), DistEnv(0, 2, 0), DistributedConfig(sync_batchnorm=True), torch.device("cpu"))
 
 
-@pytest.mark.timeout(120)
 def test_fullgraph_compile_is_refused_under_ddp(tmp_path: Path) -> None:
     """torch.compile of the DDP module breaks the graph in DDP's own forward: a clear error, before compiling."""
     with pytest.raises(TrainingError, match="fullgraph: true does not work with several processes") as err:
