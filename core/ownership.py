@@ -11,6 +11,7 @@ there, is refused rather than replaced or followed.
 from __future__ import annotations
 
 import errno
+import getpass
 import json
 import logging
 import os
@@ -194,6 +195,39 @@ HOME_CACHES = ("MPLCONFIGDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
 NOTED_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
+def inductor_cache_dir() -> str:
+    """Where torch's Inductor keeps its cache when nothing says otherwise: ``torchinductor_<user>`` in the system's
+    temporary folder (torch's own rule, without importing torch for it)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def _inductor_paths_out_of(root: Path) -> None:
+    """Inductor keeps paths it took from the temporary folder for the rest of the process: its precompiled headers'
+    folder (from the folder in use when it was imported) with the headers built there, and its local cache file.
+    Taken inside a scratch, they name removed files after it: the process's next AOTInductor build failed
+    ("precompiled header: No such file") and the torch engine fell back to its compiled flavour. Pointed back at
+    Inductor's own folder (the scratch is gone: the next run's compiles start cold, as the first did)."""
+    import sys
+
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None:
+        return
+    headers = getattr(codecache, "_HEADER_DIR", None)
+    if isinstance(headers, str) and Path(headers).is_relative_to(root):
+        codecache._HEADER_DIR = os.path.join(inductor_cache_dir(), "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
+        for cached in (getattr(codecache, "_precompile_header", None),):
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+    local = getattr(getattr(codecache, "CacheBase", None), "get_local_cache_path", None)
+    if hasattr(local, "cache_clear"):
+        local.cache_clear()  # computed again from TORCHINDUCTOR_CACHE_DIR, restored above
+
+
 def home_usable() -> bool:
     """Whether HOME is set and names a folder this process can write: otherwise libraries' caches must go
     elsewhere (Kiln itself keeps nothing under HOME)."""
@@ -206,10 +240,11 @@ def scratch_root(folder: Path) -> Iterator[Path]:
     """Within this block every temporary file of this process (``tempfile``'s, so Kiln's, ONNX Runtime's and
     torch's) goes into ``folder/.kiln-tmp/.run.scratch-<pid>-<hex>``, removed when the block ends however it
     ends: inside the workdir or beside the -o path the user gave, not in a shared ``/tmp``. With HOME unset or
-    unusable, libraries' caches go there too. A folder that cannot be written keeps the system's temporary
-    folder (said in the log). What libraries note in the environment meanwhile (:data:`NOTED_BY_LIBRARIES`) is
-    undone with the rest: else Inductor kept compiling into the removed scratch for the rest of the process, with
-    no cache, writing into the workdir after the run. Yields the folder in use."""
+    unusable, libraries' caches go there too (Inductor's: unless TORCHINDUCTOR_CACHE_DIR names a folder). What
+    libraries note meanwhile for the rest of the process is undone with the rest (:data:`NOTED_BY_LIBRARIES`,
+    :func:`_inductor_paths_out_of`): it named the removed scratch after the run, where later compiles wrote into
+    the workdir and AOTInductor builds failed. A folder that cannot be written keeps the system's temporary
+    folder (said in the log). Yields the folder in use."""
     base = Path(folder) / SCRATCH
     try:
         refuse_link(base, "Kiln's temporary folder")
@@ -236,6 +271,7 @@ def scratch_root(folder: Path) -> Iterator[Path]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _inductor_paths_out_of(root)
         shutil.rmtree(root, ignore_errors=True)
         try:
             base.rmdir()  # only when empty: another command's scratch stays

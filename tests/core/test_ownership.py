@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from kiln.calibration.ranges import calibrate
 from kiln.cli import main
 from kiln.core.errors import StorageError
-from kiln.core.ownership import claim_folder, output_file, record_owned, scratch_root
+from kiln.core.ownership import claim_folder, inductor_cache_dir, output_file, record_owned, scratch_root
 from tests.calibration.calib_graphs import batches, saved
 from tests.conftest import tiny_config_dict
 
@@ -131,22 +131,28 @@ def test_scratch_lives_in_the_workdir_and_goes(tmp_path: Path) -> None:
     assert not (tmp_path / ".kiln-tmp").exists() and tempfile.gettempdir() != str(root)
 
 
-def test_a_cache_folder_a_library_notes_inside_the_scratch_is_forgotten_with_it(
+def test_nothing_inductor_noted_in_a_run_names_the_removed_scratch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Inductor notes its cache folder (from the temporary folder) in TORCHINDUCTOR_CACHE_DIR on first use. Noted
-    inside a run, it named the run's removed scratch for the rest of the process: every later compile started
-    cold (the test suite's Inductor tests took 5x their time after any in-process run) and wrote into the
-    workdir."""
+    """Inductor notes its cache folder (TORCHINDUCTOR_CACHE_DIR) and its precompiled headers' folder from the
+    temporary folder on first use, for the rest of the process. Taken inside a run, they named the removed scratch
+    after it: later compiles started cold and wrote into the workdir (the test suite's Inductor tests took 5x their
+    time after any in-process run), and the next AOTInductor build failed on a missing header."""
+    from torch._inductor import codecache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)  # put back after the test
     with scratch_root(tmp_path / "run") as root:
         assert Path(cache_dir()).parent == root  # noted from the scratch, as on a first compile in a run
+        codecache._HEADER_DIR = str(root / "torchinductor_root" / "precompiled_headers")  # imported in a run
+        local = codecache.CacheBase.get_local_cache_path()
+        assert local.is_relative_to(root)
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
-    assert str(tmp_path / "run") not in cache_dir()  # the next compile's folder: the system's, again
+    assert codecache._HEADER_DIR == os.path.join(inductor_cache_dir(), "precompiled_headers")
+    assert not codecache.CacheBase.get_local_cache_path().is_relative_to(root)
     noted = str(tmp_path / "mine")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", noted)  # the user's own setting is kept through a run
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", noted)  # the user's own setting holds through a run
     with scratch_root(tmp_path / "run"):
         assert cache_dir() == noted
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == noted
