@@ -18,6 +18,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import onnxruntime.transformers  # noqa: E402, F401 - see below
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch._inductor.codecache  # noqa: E402, F401 - see below
+
+from kiln.core.ownership import inductor_cache_dir  # noqa: E402
+
+# Inductor's cache stays in torch's own folder for the whole session, runs included, as for a user who sets
+# TORCHINDUCTOR_CACHE_DIR (here and in the processes tests start): a run's scratch would start every compile inside
+# a run cold, its precompiled header alone seconds of g++ per torch engine. Imported now, Inductor's headers'
+# folder is taken from the system's temporary folder too.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
 
 # onnxruntime.transformers appends its own folder to sys.path when first imported (its optimizer then imports
 # `fusion_options` as a top-level module). Imported here, before any test snapshots and restores sys.path
