@@ -96,8 +96,21 @@ def test_sync_batchnorm_on_cpu_is_a_clear_error() -> None:
         wrap_ddp(build_model("cnn"), DistEnv(0, 2, 0), DistributedConfig(sync_batchnorm=True), torch.device("cpu"))
 
 
-def test_fullgraph_compile_is_refused_under_ddp(tmp_path: Path) -> None:
-    """torch.compile of the DDP module breaks the graph in DDP's own forward: a clear error, before compiling."""
-    with pytest.raises(TrainingError, match="fullgraph: true does not work with several processes") as err:
-        run_torchrun(_config(2, compile={"fullgraph": True}), tmp_path, tmp_path / "ck", LOG)
+def test_fullgraph_compile_is_refused_under_ddp() -> None:
+    """torch.compile of the DDP module breaks the graph in DDP's own forward: a clear error, before compiling. The
+    module the loop compiles under torchrun, made in a one-process gloo group here (a worker's error reaching the
+    user through torchrun: test_worker_error_reaches_the_user)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from kiln.stages.train.compile import CompiledModel
+    from kiln.stages.train.config import CompileConfig
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        with pytest.raises(TrainingError, match="fullgraph: true does not work with several processes") as err:
+            CompiledModel(ddp, CompileConfig(fullgraph=True))
+    finally:
+        dist.destroy_process_group()
     assert "fullgraph: false" in (err.value.hint or "")
