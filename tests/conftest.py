@@ -133,9 +133,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 SLOW_FOLDERS = ("e2e", "benchmarks")
 
 
+# The test files this session collected, before any deselection, when it collected the whole of testpaths: what
+# tests/test_collection.py checks (else it asks a `pytest --collect-only` of its own).
+COLLECTED: set[str] = set()
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if whole and not (config.option.ignore or config.option.ignore_glob):
+        COLLECTED.update(item.path.relative_to(tests.parent).as_posix() for item in items)
     for item in items:
         if item.path.relative_to(tests).parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
