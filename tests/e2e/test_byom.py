@@ -260,7 +260,11 @@ def bert_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The user's BERT (ids + mask, dynamic sequence) trained for an epoch, built in every precision for ONNX Runtime
     and as an Inductor engine, in one run: its validation, read by the two tests below."""
     pytest.importorskip("transformers")
-    overrides = {"build.backends": ["onnxruntime", "torch"], "build.torch.devices": ["cpu"]}
+    overrides = {
+        "build.backends": ["onnxruntime", "torch"],
+        "build.torch.devices": ["cpu"],
+        "build.torch.load_check": False,  # the engine is loaded and run here by validate (the check: torch tests)
+    }
     return _user_run(tmp_path_factory.mktemp("bert"), "bert", {}, **overrides)
 
 
