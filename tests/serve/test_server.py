@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,68 +125,92 @@ def _stop_and_check(proc: subprocess.Popen[bytes], descendants: list[psutil.Proc
         raise AssertionError(
             f"kiln serve did not stop within {STOP_TIMEOUT_S} s of signal {sig}; it printed:\n{_printed(proc)}"
         ) from None
-    assert proc.returncode == 0, out.decode()[-3000:]
+    printed = (out or b"").decode()  # None: its output went to files
+    assert proc.returncode == 0, printed[-3000:]
     _, alive = psutil.wait_procs(descendants, timeout=GONE_TIMEOUT_S)
     assert not alive, f"left behind: {[p.pid for p in alive]}"
-    return out.decode()
+    return printed
 
 
-def test_served_answers_match_the_engine_under_load_and_batches_form(
-    workdir: Path, config: KilnConfig, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def loaded(workdir: Path) -> Iterator[list[int]]:
+    """`kiln serve` on the run's workdir, the server the load tests below share (its ports). A 2 ms batching
+    window: concurrent requests reliably meet in one batch even on a loaded machine. After them it is stopped with
+    SIGTERM, and nothing of it may be left running (a failure there is the last of them's teardown error)."""
     ports = [free_port() for _ in range(3)]
-    # A 2 ms batching window: concurrent requests reliably meet in one batch even on a loaded machine.
     proc = _start_serve(workdir, ports, "--max-queue-delay-us", "2000")
     try:
         _ready(proc, ports, [MODEL])
         descendants = psutil.Process(proc.pid).children(recursive=True)
         assert any("tritonserver" in p.name() for p in descendants)
-        result = loadtest(
-            f"http://127.0.0.1:{ports[0]}",
-            MODEL,
-            workdir,
-            tmp_path / "lt",
-            [8],
-            duration_s=120,
-            max_requests=200,
-            config=config,
-        )
-        cli = CliRunner().invoke(
-            main,
-            [
-                "loadtest",
-                f"grpc://127.0.0.1:{ports[1]}",
-                "--model",
-                MODEL,
-                "-e",
-                str(workdir),
-                "--concurrency",
-                "1,2",
-                "--duration",
-                "1",
-                "--requests",
-                "20",
-                "--processes",
-                "2",
-                "-o",
-                str(tmp_path / "cli"),
-            ],
-        )
     except BaseException:
         _abort(proc)
         raise
+    yield ports
+    _stop_and_check(proc, descendants, signal.SIGTERM)
+
+
+def test_served_answers_match_the_engine_under_load_and_batches_form(
+    loaded: list[int], workdir: Path, config: KilnConfig, tmp_path: Path
+) -> None:
+    ports = loaded
+    result = loadtest(
+        f"http://127.0.0.1:{ports[0]}",
+        MODEL,
+        workdir,
+        tmp_path / "lt",
+        [8],
+        duration_s=120,
+        max_requests=200,
+        config=config,
+    )
+    cli = CliRunner().invoke(
+        main,
+        [
+            "loadtest",
+            f"grpc://127.0.0.1:{ports[1]}",
+            "--model",
+            MODEL,
+            "-e",
+            str(workdir),
+            "--concurrency",
+            "1,2",
+            "--duration",
+            "1",
+            "--requests",
+            "20",
+            "-o",
+            str(tmp_path / "cli"),
+        ],
+    )
     assert cli.exit_code == 0, cli.output
     assert "| 2 | 20 |" in cli.output and (tmp_path / "cli" / "loadtest.png").is_file()
-    assert "from 2 client processes" in cli.output  # level 2: one thread in each of two processes, merged
     level = result["levels"][0]
     assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
     assert result["inputs"].startswith("real validation data")
-    assert result["server"]["inference_count"] == 200
-    assert result["server"]["execution_count"] < 200  # Triton's own statistics: batches of several requests ran
+    assert result["server"]["inference_count"] == 200  # Triton's own statistics, over this load test's requests
+    assert result["server"]["execution_count"] < 200  # batches of several requests ran
     for name in ("loadtest.json", "loadtest.md", "loadtest.png"):
         assert (tmp_path / "lt" / name).stat().st_size > 0
     assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
-    _stop_and_check(proc, descendants, signal.SIGTERM)
+
+
+def test_an_unreadable_answer_is_counted_not_lost(
+    loaded: list[int], workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the numpy-2 stub produced: answers whose outputs cannot take their shape. Each is a counted error and
+    a mismatch, not an exception that ends a client thread (the load test then reported 0 requests, 0 errors)."""
+    import tritonclient.grpc as grpcclient
+
+    def unreadable(self: Any, name: str) -> Any:
+        raise ValueError("cannot reshape array of size 0 into shape (1,10)")
+
+    monkeypatch.setattr(grpcclient.InferResult, "as_numpy", unreadable)
+    with pytest.raises(GateFailure, match="10 answers differed"):
+        loadtest(f"grpc://127.0.0.1:{loaded[1]}", MODEL, workdir, tmp_path / "lt", [2], duration_s=60, max_requests=10)
+    level = json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]
+    assert level["requests"] == 10 and level["mismatches"] == 10 and level["errors"] == 10, level
+    assert "unreadable" in level["error_examples"][0]
 
 
 def _pending(metrics_port: int) -> int:
@@ -264,20 +289,9 @@ def test_a_server_that_dies_while_starting_is_one_error_in_seconds(
             serve(workdir, http_port=free_port(), grpc_port=busy.getsockname()[1], metrics_port=free_port())
 
 
-def test_sigint_stops_the_server_and_its_children(workdir: Path, tmp_path: Path) -> None:
-    ports = [free_port() for _ in range(3)]
-    proc = _start_serve(workdir / "package" / "engines" / ENGINE, ports)
-    try:
-        _ready(proc, ports, [MODEL])
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except BaseException:
-        _abort(proc)
-        raise
-    _stop_and_check(proc, descendants, signal.SIGINT)
-
-
-def test_serve_is_quiet_unless_verbose(workdir: Path, tmp_path: Path) -> None:
-    """The URLs on stdout and one line on stderr; Triton's own log (startup tables, NVML probes) only with -v."""
+def test_serve_is_quiet_unless_verbose_and_sigint_stops_it_and_its_children(workdir: Path, tmp_path: Path) -> None:
+    """The URLs on stdout and one line on stderr; Triton's own log (startup tables, NVML probes) only with -v. Then
+    SIGINT (Ctrl-C) stops the server and every process under it."""
     ports = [free_port() for _ in range(3)]
     out, err = tmp_path / "out", tmp_path / "err"
     cmd = [sys.executable, "-m", "kiln.cli", "serve", str(workdir), "--http-port", str(ports[0])]
@@ -288,11 +302,14 @@ def test_serve_is_quiet_unless_verbose(workdir: Path, tmp_path: Path) -> None:
         _ready(proc, ports, [MODEL])
         while "ready (Ctrl-C" not in err.read_text() and proc.poll() is None:  # printed just after readiness
             time.sleep(0.2)
-    finally:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except BaseException:
         _abort(proc)
-    printed = out.read_text()
+        raise
+    printed, said = out.read_text(), err.read_text()
+    _stop_and_check(proc, descendants, signal.SIGINT)
     assert f"model {MODEL}: POST" in printed and len(printed.splitlines()) == 3, printed
-    assert err.read_text().strip() == "ready (Ctrl-C or SIGTERM stops the server)", err.read_text()
+    assert said.strip() == "ready (Ctrl-C or SIGTERM stops the server)", said
 
 
 def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tmp_path: Path) -> None:
@@ -419,32 +436,6 @@ def test_numpy_2_with_a_stub_that_predates_it_is_refused() -> None:
     assert "numpy<2" in info.value.hint
     check_stub_numpy("1.26.4", "0.7.0")
     check_stub_numpy("2.1.3", "0.8.0")
-
-
-def test_an_unreadable_answer_is_counted_not_lost(
-    workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What the numpy-2 stub produced: answers whose outputs cannot take their shape. Each is a counted error and
-    a mismatch, not an exception that ends a client thread (the load test then reported 0 requests, 0 errors)."""
-    import tritonclient.grpc as grpcclient
-
-    def unreadable(self: Any, name: str) -> Any:
-        raise ValueError("cannot reshape array of size 0 into shape (1,10)")
-
-    ports = [free_port() for _ in range(3)]
-    proc = _start_serve(workdir, ports)
-    try:
-        _ready(proc, ports, [MODEL])
-        monkeypatch.setattr(grpcclient.InferResult, "as_numpy", unreadable)
-        with pytest.raises(GateFailure, match="10 answers differed"):
-            loadtest(
-                f"grpc://127.0.0.1:{ports[1]}", MODEL, workdir, tmp_path / "lt", [2], duration_s=60, max_requests=10
-            )
-    finally:
-        _abort(proc)
-    level = json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]
-    assert level["requests"] == 10 and level["mismatches"] == 10 and level["errors"] == 10, level
-    assert "unreadable" in level["error_examples"][0]
 
 
 def test_missing_server_package_names_the_extra(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
