@@ -23,9 +23,9 @@ import torch._inductor.codecache  # noqa: E402, F401 - see below
 from kiln.core.ownership import inductor_cache_dir  # noqa: E402
 
 # Inductor's cache stays in torch's own folder for the whole session, runs included, as for a user who sets
-# TORCHINDUCTOR_CACHE_DIR (here and in the processes tests start): a run's scratch would start every compile inside
-# a run cold, its precompiled header alone seconds of g++ per torch engine. Imported now, Inductor's headers'
-# folder is taken from the system's temporary folder too.
+# TORCHINDUCTOR_CACHE_DIR (here and in the processes tests start): in a run's scratch every compile inside a run
+# would start cold, its precompiled header built again with g++ for every torch engine. Imported now, Inductor's
+# headers' folder is taken from the system's temporary folder too.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
 
 # onnxruntime.transformers appends its own folder to sys.path when first imported (its optimizer then imports
@@ -38,9 +38,9 @@ HAS_TRT = any(importlib.util.find_spec(m) is not None for m in ("tensorrt", "ten
 
 def _build_the_exporters_op_table_once() -> None:
     """``torch.onnx.export`` (dynamo) builds its table of ONNX functions for ATen ops at every call, reading and
-    parsing the source of some 500 onnxscript functions: about a third of a tiny model's export, and the suite
-    exports some hundred models in this process. Built once per opset here; every export still gets a table of its
-    own (a copy: the exporter adds a user's custom ops to it), with the same entries a fresh build gives."""
+    parsing the source of some 500 onnxscript functions: much of a tiny model's export, and the suite exports many
+    models in this process. Built once per opset here; every export still gets a table of its own (a copy: the
+    exporter adds a user's custom ops to it), with the same entries a fresh build gives."""
     try:
         from torch.onnx._internal.exporter import _constants, _registration
     except ImportError:  # another torch: exports build their own table, as they do for users
@@ -123,8 +123,8 @@ def _kiln_logger() -> Iterator[None]:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Every object alive once the tests are imported (torch's, ONNX's and the other libraries' modules: millions)
     moves to the collector's permanent generation (``gc.freeze``): each collection then scans only what the tests
-    made since, where a full one took ~0.3 s in this process, and code under test collects at times (the TensorRT
-    builds' guard, the memory tests). Nothing frozen is garbage yet: it is what the imports keep."""
+    made since, not all of that again, and code under test collects at times (the TensorRT builds' guard, the
+    memory tests). Nothing frozen is garbage yet: it is what the imports keep."""
     gc.collect()
     gc.freeze()
 

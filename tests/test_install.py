@@ -40,7 +40,7 @@ def test_the_base_package_alone_runs_the_demo_without_cuda_downloads(tmp_path: P
     env["PIP_RETRIES"] = "0"
     # The README's arguments, given to this environment's pip aimed at the new one (--python: the same resolution
     # and files as the new one's own pip, without first installing pip there). --no-compile: byte-compiling every
-    # installed module (torch's thousands) is half the install's CPU time and nothing this test checks.
+    # installed module (torch's thousands) is much of the install's time and nothing this test checks.
     pip, args = [sys.executable, "-m", "pip", "--python", str(bin_dir / "python")], readme_install_for_users()
     assert args[:2] == ["pip", "install"]
     install = subprocess.run(

@@ -136,8 +136,8 @@ def test_nothing_inductor_noted_in_a_run_names_the_removed_scratch(
 ) -> None:
     """Inductor notes its cache folder (TORCHINDUCTOR_CACHE_DIR) and its precompiled headers' folder from the
     temporary folder on first use, for the rest of the process. Taken inside a run, they named the removed scratch
-    after it: later compiles started cold and wrote into the workdir (the test suite's Inductor tests took 5x their
-    time after any in-process run), and the next AOTInductor build failed on a missing header."""
+    after it: later compiles started cold and wrote into the workdir, and the next AOTInductor build failed on a
+    missing header."""
     from torch._inductor import codecache
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
