@@ -16,11 +16,11 @@ from tests.calibration.calib_graphs import batches, conv_model, saved
 def test_second_call_reuses_the_cache(tmp_path: Path) -> None:
     path, cache = saved(tmp_path), tmp_path / "cache"
     before = STATS["calibrations"]
-    first = calibrate(path, batches(), "input", "entropy", cache_dir=cache)
+    first = calibrate(path, batches(), "input", "percentile", cache_dir=cache)
     assert not first.cache_hit and STATS["calibrations"] == before + 1
     assert first.path.parent == cache / "calibration" and first.path.is_file()
     mtime = first.path.stat().st_mtime_ns
-    second = calibrate(path, batches(), "input", "entropy", cache_dir=cache)
+    second = calibrate(path, batches(), "input", "percentile", cache_dir=cache)
     assert second.cache_hit and second.path == first.path
     assert STATS["calibrations"] == before + 1  # no calibrator ran
     assert first.path.stat().st_mtime_ns == mtime  # and nothing was rewritten
