@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 import torch
 from torch import nn
 
@@ -39,13 +41,22 @@ def _exported_with_fixed_steps(path: Path, seq: int = 10) -> None:
     onnx.save(model, str(path))
 
 
+@pytest.fixture(scope="module")
+def fixed_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`_exported_with_fixed_steps` once for the module; each test takes a copy."""
+    path = tmp_path_factory.mktemp("steps") / "model.onnx"
+    _exported_with_fixed_steps(path)
+    return path
+
+
 def _dims(model: onnx.ModelProto) -> dict[str, list[int | str]]:
     return {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
 
 
-def test_an_rnn_s_step_output_is_declared_dynamic_and_a_pooled_one_stays_fixed(tmp_path: Path) -> None:
-    path = tmp_path / "model.onnx"
-    _exported_with_fixed_steps(path)
+def test_an_rnn_s_step_output_is_declared_dynamic_and_a_pooled_one_stays_fixed(
+    fixed_steps: Path, tmp_path: Path
+) -> None:
+    path = Path(shutil.copy(fixed_steps, tmp_path / "model.onnx"))
     feed = {"x": np.random.default_rng(0).standard_normal((2, 10, 4), dtype=np.float32)}
     fixed = name_output_axes(path, feed, {"x": {0: "batch", 1: "seq"}})
     dims = _dims(onnx.load(str(path)))
@@ -63,7 +74,7 @@ def test_resized_repeats_or_cuts_every_axis_of_that_name() -> None:
     assert small["mask"].shape == (1, 3) and small["other"].shape == (1, 2)
 
 
-def test_a_model_onnx_start_gets_its_output_axes_declared_too(tmp_path: Path, monkeypatch) -> None:
+def test_a_model_onnx_start_gets_its_output_axes_declared_too(fixed_steps: Path, tmp_path: Path, monkeypatch) -> None:
     from functools import partial
 
     from kiln.pipeline.config import config_from_dict
@@ -79,8 +90,7 @@ def test_a_model_onnx_start_gets_its_output_axes_declared_too(tmp_path: Path, mo
         " {'x': torch.randn(4, 10, 4, generator=g)}, None)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    given = tmp_path / "given.onnx"
-    _exported_with_fixed_steps(given)
+    given = Path(shutil.copy(fixed_steps, tmp_path / "given.onnx"))
     cfg = config_from_dict(tiny_config_dict(**{"model.onnx": str(given), "data.name": "probe_data:data"}))
     ctx = stage_context("export", cfg, tmp_path, tmp_path / "export", {}, load_dataset=partial(load_dataset, cfg))
     ctx.out.mkdir()
