@@ -65,7 +65,14 @@ def test_the_packaged_ray_app_serves_checked_answers_and_refuses_bad_requests(tm
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(serve_yaml))
     model = app["args"]["model_name"]
     base = f"http://127.0.0.1:{port}/v2/models/{model}"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # Ray Serve's own checks that its HTTP proxy started (5 s, 10 s, three tries) kill the proxy of a loaded 2-core
+    # machine before it answers, and `serve run` exits: given time that scales with the load (hang guards, as above).
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(READY_TIMEOUT_S),
+        "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(READY_TIMEOUT_S),
+    }
     serve_bin = str(Path(sys.executable).parent / "serve")
     proc = subprocess.Popen(
         [serve_bin, "run", str(tmp_path / "serve.yaml")], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
