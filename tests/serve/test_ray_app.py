@@ -66,7 +66,8 @@ def test_the_packaged_ray_app_serves_checked_answers_and_refuses_bad_requests(tm
     model = app["args"]["model_name"]
     base = f"http://127.0.0.1:{port}/v2/models/{model}"
     # Ray Serve's own checks that its HTTP proxy started (5 s, 10 s, three tries) kill the proxy of a loaded 2-core
-    # machine before it answers, and `serve run` exits: given time that scales with the load (hang guards, as above).
+    # machine before it answers, and `serve run` exits: they get the test's hang-guard limit. (`serve run`'s own 60 s
+    # wait for the proxy is fixed in Ray, not configurable.)
     env = {
         **os.environ,
         "RAY_USAGE_STATS_ENABLED": "0",
