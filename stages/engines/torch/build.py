@@ -87,7 +87,7 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
     max_autotune = _on(cfg.max_autotune, device == "cuda" and precision not in LOWBIT)
     return {
         "max_autotune": max_autotune,
-        "coordinate_descent": max_autotune and _on(cfg.coordinate_descent, has_conv),
+        "coordinate_descent": device == "cuda" and _on(cfg.coordinate_descent, max_autotune and has_conv),
         "channels_last": _on(cfg.channels_last, has_conv),
         "freezing": cfg.freezing,
         "inductor": dict(cfg.inductor),

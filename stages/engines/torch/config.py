@@ -27,9 +27,10 @@ class TorchConfig(Section):
     )
     coordinate_descent: AutoOnOff = Field(
         "auto",
-        description="with max-autotune, Inductor's coordinate-descent tuning of each Triton kernel's block "
-        "sizes (on in torch.compile's max-autotune modes): auto = only for models with Conv2d (on "
-        "transformers its choices varied from build to build and the build took longer)",
+        description="Inductor's coordinate-descent tuning of each of its Triton kernels' block sizes, on the GPU "
+        "(on in torch.compile's max-autotune modes): auto = with max-autotune, for models with Conv2d (on "
+        "transformers its choices varied from build to build and the build took longer); on = also without "
+        "max-autotune (an FP8/INT8 engine's quantizing kernels)",
     )
     channels_last: AutoOnOff = Field(
         "auto",
@@ -103,15 +104,6 @@ class TorchConfig(Section):
         " (a package that crashes its loader is skipped, not served)",
     )
     load_check_timeout_s: float = Field(300.0, gt=0)
-
-    @model_validator(mode="after")
-    def _coordinate_descent_needs_max_autotune(self) -> TorchConfig:
-        if self.coordinate_descent == "on" and self.max_autotune == "off":
-            raise ValueError(
-                "coordinate_descent 'on' tunes kernels only under max-autotune, and max_autotune is "
-                "'off'; set max_autotune to 'on' or 'auto' (the GPU), or leave coordinate_descent 'auto'"
-            )
-        return self
 
     @model_validator(mode="after")
     def _epilogues_need_the_compiled_flavour(self) -> TorchConfig:

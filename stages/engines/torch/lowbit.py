@@ -98,12 +98,13 @@ class LowbitLinear(nn.Module):
                 raise ValueError("static scaling needs the input's largest magnitude on calibration data")
             amax = torch.tensor(max(input_amax, 1e-12) / top(precision), device=weight.device)
             self.register_buffer("input_scale", amax.float())
+            self.register_buffer("input_inv_scale", 1.0 / amax.float())  # a multiply in the quantizing kernel
         self.precision, self.out_dtype = precision, out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.static:
-            xq, xs = cast(rows.float() / self.input_scale, self.precision), self.input_scale
+            xq, xs = cast(rows.float() * self.input_inv_scale, self.precision), self.input_scale
         else:
             xq, xs = quantize(rows, self.precision, self.per_row)
         if self.precision == "fp8":

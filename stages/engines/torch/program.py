@@ -20,15 +20,16 @@ log = logging.getLogger("kiln.build")
 
 def inductor_options(settings: dict[str, Any]) -> dict[str, Any]:
     """Inductor's config for the engine's builder settings: max-autotune as torch.compile's mode
-    ``max-autotune-no-cudagraphs`` sets it (CUDA graphs are Kiln's own, :class:`GraphReplays`), with or without
-    coordinate-descent tuning, freezing, and the user's ``build.torch.inductor`` entries last. Settings recorded by
-    an older Kiln lack the last three: the mode's coordinate descent, off and none, as they were built."""
+    ``max-autotune-no-cudagraphs`` sets it (CUDA graphs are Kiln's own, :class:`GraphReplays`), coordinate-descent
+    tuning with it or alone (an FP8 engine's quantizing kernels, built without max-autotune), freezing, and the
+    user's ``build.torch.inductor`` entries last. Settings recorded by an older Kiln lack the last three: the mode's
+    coordinate descent, off and none, as they were built."""
     import torch._inductor
 
     options = (
         dict(torch._inductor.list_mode_options("max-autotune-no-cudagraphs")) if settings.get("max_autotune") else {}
     )
-    if options and "coordinate_descent" in settings:
+    if "coordinate_descent" in settings and (options or settings["coordinate_descent"]):
         options["coordinate_descent_tuning"] = bool(settings["coordinate_descent"])
     return {**options, "freezing": bool(settings.get("freezing")), **settings.get("inductor", {})}
 
