@@ -147,6 +147,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.relative_to(tests).parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(tests).as_posix()))
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
     skip_trt = pytest.mark.skip(reason="needs the tensorrt or tensorrt_rtx Python package (pip install 'kiln[rtx]')")
     for item in items:
@@ -154,6 +156,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "tensorrt" in item.keywords and not HAS_TRT:
             item.add_marker(skip_trt)
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Does ``item`` use a fixture made once per module or class (a server, a pipeline run)? pytest-xdist's
+    ``loadgroup`` (pyproject.toml) then runs its module's tests on one worker, so the fixture is made once, not once
+    per worker; every other test goes to whichever worker is free."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info else []
+    return any(d.scope in ("module", "class") for group in defs for d in group)
 
 
 @pytest.fixture
