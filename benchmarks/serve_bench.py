@@ -12,7 +12,15 @@ never share the device.
     python benchmarks/serve_bench.py --resnet18-fp16 --concurrency 1,2,4,8,16,32,64 --duration 10  # GPU host
 
 ``--resnet18-fp16`` builds a ResNet-18 (random weights, 3x224x224) ONNX Runtime CUDA FP16 engine for batches up
-to the largest concurrency. Results: ``benchmarks/results/serve_<label>.{json,md}``.
+to the largest concurrency; ``--resnet18-torch`` its torch FP16 engine on CUDA, compiled flavour with
+max-autotune off (the servers compile it at each padded batch size before they say ready; an AOTInductor package
+of it crashed its loader on the H200 host). ``--gpus 0`` serves through
+plain ``tritonserver``'s Python backend (`kiln serve --gpus`: the engine runs in Triton's stub processes, no
+PyTriton hop), ``--instances-per-gpu N`` with N stubs per GPU; ``--processes N`` sends from N client processes.
+Results: ``benchmarks/results/serve_<label>.{json,md}``.
+
+    python benchmarks/serve_bench.py --resnet18-torch --gpus 0 --instances-per-gpu 2 --processes 8 \
+        --concurrency 1,16,64 --duration 5                                             # GPU host, issue 34
 """
 
 from __future__ import annotations
@@ -79,6 +87,31 @@ def resnet18_fp16_engine(work: Path, max_batch: int) -> Path:
     return folder
 
 
+def resnet18_torch_engine(work: Path, max_batch: int) -> Path:
+    """ResNet-18's torch FP16 engine on CUDA, compiled flavour without max-autotune (minutes less at start)."""
+    import torch
+
+    from kiln.models.registry import build_model
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_engine
+    from kiln.stages.engines.torch.config import TorchConfig
+    from kiln.stages.export.stage import export_onnx
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build_model("resnet18", {}).eval()
+
+    onnx32 = work / "resnet18.onnx"
+    export_onnx(model(), torch.randn(2, 3, 224, 224), onnx32)
+    folder = work / "resnet18-torch-cuda-fp16"
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], flavour="compiled", max_autotune="off"))
+    meta = build_engine(
+        onnx32, folder, "torch", "cuda", "fp16", cfg, work / "cache", max_batch=max_batch, torch_model=model
+    )
+    say(f"built {meta.name} in {meta.build_seconds:.1f}s")
+    return folder
+
+
 def in_process(engine_dir: Path, batches: list[int], warmup: int, iterations: int) -> list[dict[str, Any]]:
     rows = []
     with load_engine(engine_dir) as runner:
@@ -94,6 +127,7 @@ def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Nam
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
+        "-P",  # the installed kiln, not this checkout's kiln/ folder (which holds only the CLI and the API)
         "-m",
         "kiln.cli",
         "serve",
@@ -109,14 +143,19 @@ def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Nam
         "--max-queue-delay-us",
         str(args.max_queue_delay_us),
     ]
+    if args.gpus is not None:
+        cmd += ["--gpus", args.gpus, "--instances-per-gpu", str(args.instances_per_gpu)]
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
     try:
         wait_ready(f"http://127.0.0.1:{ports[0]}", [model], 300, proc)
         url = f"grpc://127.0.0.1:{ports[1]}" if args.protocol == "grpc" else f"http://127.0.0.1:{ports[0]}"
         # One short level first: first-call costs (allocations, CUDA graph capture per shape) are not measured.
-        loadtest(url, model, path, out / "warmup", [max(args.concurrency)], min(args.duration, 3.0), config=config)
-        return loadtest(url, model, path, out, args.concurrency, args.duration, config=config)
+        warm = [max(args.concurrency)]
+        loadtest(
+            url, model, path, out / "warmup", warm, min(args.duration, 3.0), config=config, processes=args.processes
+        )
+        return loadtest(url, model, path, out, args.concurrency, args.duration, config=config, processes=args.processes)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -133,9 +172,10 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{env['device']} (1-minute load average {env['load_avg_1m_at_start']:.1f} at start); `{env['command']}`",
         "",
-        f"Served: Triton (PyTriton {env.get('pytriton')}) + dynamic batcher (max queue delay "
+        f"Served: {_server(report, env)} + dynamic batcher (max queue delay "
         f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
-        f"threads on the same machine, {s['duration_s']} s per level, inputs: {s['inputs']}; every answer "
+        f"threads in {report.get('client_processes', 1)} process(es) on the same machine, {s['duration_s']} s "
+        f"per level, inputs: {s['inputs']}; every answer "
         "checked against the engine's direct output. In-process: the engine called with a batch of c samples "
         "(no server, no transport).",
         "",
@@ -167,6 +207,10 @@ def main() -> None:
     src.add_argument("--demo", action="store_true", help="run the demo pipeline (CPU) and serve its FP32 engine")
     src.add_argument("--workdir", type=Path, help="a `kiln run` workdir (serve its validated engine --engine)")
     src.add_argument("--resnet18-fp16", action="store_true", help="build and serve ResNet-18 ORT CUDA FP16 (GPU)")
+    src.add_argument("--resnet18-torch", action="store_true", help="build and serve ResNet-18 torch FP16 (GPU)")
+    p.add_argument("--gpus", help="kiln serve --gpus (e.g. 0): Triton's Python backend, no PyTriton hop")
+    p.add_argument("--instances-per-gpu", type=int, default=1, help="with --gpus: stub processes per GPU")
+    p.add_argument("--processes", type=int, default=1, help="client processes per concurrency level")
     p.add_argument("--engine", default="onnxruntime-cpu-fp32", help="engine name in the workdir")
     p.add_argument(
         "--config",
@@ -191,9 +235,12 @@ def main() -> None:
     elif args.workdir:
         path, label = args.workdir, args.engine.replace("-", "_")
         config = load_config(args.config)
+    elif args.resnet18_torch:
+        path, label = resnet18_torch_engine(work, max(args.concurrency)), "resnet18_torch_fp16"
     else:
         path, label = resnet18_fp16_engine(work, max(args.concurrency)), "resnet18_fp16"
-    engine = next((e for e in find_engines(path) if args.resnet18_fp16 or e.meta.name == args.engine), None)
+    built = args.resnet18_fp16 or args.resnet18_torch
+    engine = next((e for e in find_engines(path) if built or e.meta.name == args.engine), None)
     if engine is None:
         raise SystemExit(f"no validated engine {args.engine} under {path}")
     say(f"engine {engine.meta.name} served as {engine.model_name}")
@@ -215,6 +262,9 @@ def main() -> None:
         "env": env,
         "protocol": args.protocol,
         "max_queue_delay_us": args.max_queue_delay_us,
+        "gpus": args.gpus,
+        "instances_per_gpu": args.instances_per_gpu if args.gpus is not None else None,
+        "client_processes": args.processes,
         "served": result,
         "in_process": inproc,
     }
@@ -223,6 +273,15 @@ def main() -> None:
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / f"{name}.md").write_text(markdown(report))
     print(markdown(report), flush=True)
+
+
+def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
+    if report.get("gpus") is None:
+        return f"Triton through PyTriton {env.get('pytriton')} (the engine in the `kiln serve` process)"
+    return (
+        f"plain tritonserver, Python backend on GPU(s) {report['gpus']} with {report['instances_per_gpu']} "
+        "instance(s) each (the engine in Triton's stub processes)"
+    )
 
 
 def _device(meta: dict[str, Any]) -> str:

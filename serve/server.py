@@ -50,6 +50,7 @@ from kiln.core.errors import (
 )
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line
+from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.package.triton import served_max_batch, write_python_model
@@ -336,20 +337,6 @@ def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
         )
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, ... up to ``max_batch`` (included): the batch sizes a shape-specialised engine is run at."""
-    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
-    return [*sizes, max_batch]
-
-
-def pad_rows(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-    """Each input grown to ``rows`` rows by repeating its last row (rows are independent at inference)."""
-    return {
-        k: np.concatenate([v, np.repeat(v[-1:], rows - len(v), axis=0)]) if rows > len(v) else v
-        for k, v in inputs.items()
-    }
-
-
 def _infer_func(
     runner: Any, outputs: dict[str, np.dtype], buckets: list[int] | None, meta: EngineMetadata | None = None
 ) -> Callable[..., dict[str, np.ndarray]]:
@@ -363,22 +350,10 @@ def _infer_func(
         outside = meta.outside_range({k: v.shape for k, v in inputs.items()}) if meta is not None else None
         if outside is not None:
             raise ValueError(outside)
-        rows = len(next(iter(inputs.values())))
-        size = next((b for b in buckets if b >= rows), rows) if buckets else rows
-        result = runner.infer(pad_rows(inputs, size))
-        return {name: np.asarray(result[name][:rows], dtype=dtype) for name, dtype in outputs.items()}
+        result = padded_infer(runner, inputs, buckets)
+        return {name: np.asarray(result[name], dtype=dtype) for name, dtype in outputs.items()}
 
     return infer
-
-
-def warm_buckets(runner: Any, meta: EngineMetadata, buckets: list[int]) -> bool:
-    """Build the engine's per-shape sessions for every bucket before the server says ready. Only for inputs whose
-    other dimensions are fixed (a dynamic sequence axis has no one size to warm)."""
-    if any(not all(isinstance(d, int) and d > 0 for d in s.shape[1:]) for s in meta.inputs):
-        return False
-    for size in buckets:
-        runner.infer({s.name: np.zeros((size, *s.shape[1:]), dtype=np.dtype(s.dtype)) for s in meta.inputs})
-    return True
 
 
 def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
@@ -398,7 +373,7 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
         ]
 
     outputs = {s.name: np.dtype(s.dtype) for s in served.meta.outputs}
-    buckets = batch_buckets(mbs) if batched and getattr(runner, "per_shape_sessions", False) else None
+    buckets = buckets_for(runner, mbs)
     if buckets and warm_buckets(runner, served.meta, buckets):
         log.info("%s: batches padded to %s rows, each size warmed", served.model_name, buckets)
     config = ModelConfig(
@@ -778,10 +753,12 @@ def tritonserver_process(
         f"--metrics-port={metrics_port}",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
     ]
+    # In the scratch folder: the Python stubs it starts look for modules in their working folder first, where a
+    # folder named like one of the engine's packages (a `kiln/` checkout) would shadow the installed one.
     if log_file is None:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, cwd=scratch, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     with open(log_file, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, cwd=scratch, stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_ready(
@@ -879,8 +856,13 @@ def serve_on_gpus(
     proc: subprocess.Popen[bytes] | None = None
     try:
         models = write_gpu_repository(scratch / "repository", served, gpus, instances, max_batch, queue_delay_us)
-        proc = tritonserver_process(scratch / "repository", scratch, *ports, scratch / "tritonserver.log", address)
-        wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc)
+        log_file = scratch / "tritonserver.log"
+        proc = tritonserver_process(scratch / "repository", scratch, *ports, log_file, address)
+        try:
+            wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc)
+        except KilnError as exc:  # the scratch folder goes with the server: its log's error, said now
+            reason = _last_error_line(log_file.read_text(errors="replace")) if log_file.is_file() else ""
+            raise ServerDied(f"{exc.message}{f': {reason}' if reason else ''}", hint=exc.hint) from None
         if on_ready is not None and not stop.requested:
             on_ready(served)
         while not stop.requested:

@@ -219,6 +219,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kiln import load_engine
+from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
 
 
 class TritonPythonModel:
@@ -231,6 +232,11 @@ class TritonPythonModel:
         self.runner = load_engine(engine_dir).activate()
         config = json.loads(args["model_config"])
         self.batched = config["max_batch_size"] > 0
+        # an engine that builds per input shape runs padded batches of a few sizes, each built before Triton says
+        # ready (kiln.serve.batching)
+        self.buckets = buckets_for(self.runner, config["max_batch_size"])
+        if self.buckets:
+            warm_buckets(self.runner, self.runner.meta, self.buckets)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
 
@@ -238,7 +244,8 @@ class TritonPythonModel:
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
         if self.batched:
             sizes = [len(f[self.inputs[0]]) for f in feeds]
-            out = self.runner.infer({n: np.concatenate([f[n] for f in feeds]) for n in self.inputs})
+            batch = {n: np.concatenate([f[n] for f in feeds]) for n in self.inputs}
+            out = padded_infer(self.runner, batch, self.buckets)
             bounds = np.cumsum(sizes)[:-1]
             parts = {n: np.split(np.asarray(out[n]), bounds) for n in self.outputs}
             results = [{n: parts[n][i] for n in self.outputs} for i in range(len(requests))]

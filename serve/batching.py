@@ -1,0 +1,51 @@
+"""Batches as a shape-specialised engine wants them, for both servers (``kiln serve``'s PyTriton models and the
+Python-backend repository of ``kiln serve --gpus``): engines that build a session or compile and capture a CUDA
+graph per input shape (``per_shape_sessions``: ONNX Runtime CUDA, the torch engine's compiled flavour) are run at a
+few batch sizes only, 1, 2, 4, ... up to the largest, each built before the server says ready. Without it every new
+batch size the dynamic batcher forms costs a build while requests wait."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_batch`` (included): the batch sizes a shape-specialised engine is run at."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return [*sizes, max_batch]
+
+
+def pad_rows(inputs: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """Each input grown to ``rows`` rows by repeating its last row (rows are independent at inference)."""
+    return {
+        k: np.concatenate([v, np.repeat(v[-1:], rows - len(v), axis=0)]) if rows > len(v) else v
+        for k, v in inputs.items()
+    }
+
+
+def buckets_for(runner: Any, max_batch: int) -> list[int] | None:
+    """The sizes to pad to for ``runner`` served with batches of up to ``max_batch`` rows; None: any size runs as
+    it comes (an engine with one program for every shape, or a model served without a batch axis)."""
+    return batch_buckets(max_batch) if max_batch > 0 and getattr(runner, "per_shape_sessions", False) else None
+
+
+def padded_infer(runner: Any, inputs: dict[str, np.ndarray], buckets: list[int] | None) -> dict[str, Any]:
+    """``runner.infer`` on ``inputs`` padded to the next bucket, outputs cut back to the rows asked for."""
+    if not buckets:
+        return runner.infer(inputs)
+    rows = len(next(iter(inputs.values())))
+    size = next((b for b in buckets if b >= rows), rows)
+    result = runner.infer(pad_rows(inputs, size))
+    return {name: value[:rows] for name, value in result.items()} if size != rows else result
+
+
+def warm_buckets(runner: Any, meta: Any, buckets: list[int]) -> bool:
+    """Build the engine's per-shape sessions for every bucket before the server says ready. Only for inputs whose
+    other dimensions are fixed (a dynamic sequence axis has no one size to warm)."""
+    if any(not all(isinstance(d, int) and d > 0 for d in s.shape[1:]) for s in meta.inputs):
+        return False
+    for size in buckets:
+        runner.infer({s.name: np.zeros((size, *s.shape[1:]), dtype=np.dtype(s.dtype)) for s in meta.inputs})
+    return True
