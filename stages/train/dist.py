@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,23 @@ def process_group(env: DistEnv, cfg: DistributedConfig, device: torch.device) ->
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def end_worker(code: int) -> NoReturn:
+    """End a torchrun worker process with ``code`` once its results are written, skipping interpreter shutdown.
+
+    DDP keeps its gloo process group alive past ``destroy_process_group`` (the reducer holds it), so gloo's
+    native threads are still running while Python finalizes; one that releases a finished collective's tensors
+    then needs the GIL of an interpreter going away, and the C++ runtime aborts the process (SIGABRT, "terminate
+    called without an active exception"; pytorch/pytorch#179291). Logs and standard streams are flushed first.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to save
+            pass
+    os._exit(code)
 
 
 def wrap_ddp(model: nn.Module, env: DistEnv, cfg: DistributedConfig, device: torch.device) -> nn.Module:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from kiln.core.artifacts import write_json_atomic
 from kiln.core.errors import KilnError
 from kiln.pipeline.config import load_config
 from kiln.pipeline.runner import load_dataset, settings_for
-from kiln.stages.train.dist import env_from_torchrun
+from kiln.stages.train.dist import end_worker, env_from_torchrun
 from kiln.stages.train.launch import ERROR, SUMMARY
 from kiln.stages.train.stage import STAGE, train_to
 
@@ -52,4 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_worker(main())

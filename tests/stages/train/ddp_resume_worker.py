@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from train_helpers import tiny_data, tiny_net, train_cfg  # beside this script, which torchrun runs by its path
 
-from kiln.stages.train.dist import env_from_torchrun, process_group
+from kiln.stages.train.dist import end_worker, env_from_torchrun, process_group
 from kiln.stages.train.loop import train
 
 
@@ -48,3 +48,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_worker(0)
