@@ -610,12 +610,12 @@ def _answers(url: str) -> bool:
 class _Reaper:
     """Bounds a stop, and leaves nothing of the server behind.
 
-    It keeps a list of the server's processes (refreshed every 0.5 s, so a stub Triton orphans is still on it).
+    It keeps a list of the server's processes (refreshed every 0.5 s, so a stub Triton orphans is still on it): the
+    descendants of this process started after the reaper, so a caller's own children (another server) are left be.
     Once a stop is asked, what still runs ``deadline_s`` later is killed, logged as an error (never silent); with
     ``exit_process`` this process ends a second later if PyTriton's own threads still hold it. :meth:`close`, once
-    the server's stop returned, kills what of the list outlived it. Measured on a 2-core machine at load average 3:
-    Triton, still taking requests, reached its drain timeout and exited "with failure", and one Python stub (with
-    its children) outlived ``kiln serve`` by over a minute."""
+    the server's stop returned, kills what of the list outlived it: on a loaded machine Triton can reach its drain
+    timeout while still taking requests, and a Python stub (with its children) can outlive ``kiln serve``."""
 
     def __init__(self, stop: _StopRequest, deadline_s: float, exit_process: bool) -> None:
         self.stop, self.deadline_s, self.exit_process = stop, deadline_s, exit_process
@@ -623,12 +623,17 @@ class _Reaper:
         self._lock = threading.Lock()
         self._tree: dict[int, Any] = {}
         self._stop_at: float | None = None
+        self._others = self._children()  # this process's children from before the server: not the server's
         threading.Thread(target=self._run, daemon=True, name="kiln-serve-reaper").start()
 
-    def _look(self) -> None:
+    @staticmethod
+    def _children() -> set[Any]:
         import psutil
 
-        found = {p.pid: p for p in psutil.Process().children(recursive=True)}
+        return set(psutil.Process().children(recursive=True))  # psutil.Process: equal by pid and start time
+
+    def _look(self) -> None:
+        found = {p.pid: p for p in self._children() - self._others}
         with self._lock:
             self._tree |= found
 

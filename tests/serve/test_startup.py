@@ -16,6 +16,8 @@ from kiln.serve.server import (
     PortInUse,
     ServerDied,
     _ready_or_dead,
+    _Reaper,
+    _StopRequest,
     check_ports,
     check_socket_folder,
     socket_folder,
@@ -117,3 +119,23 @@ def test_a_server_that_died_while_starting_ends_the_wait_with_its_error() -> Non
     wait = _ready_or_dead(lambda: _Server(alive=False))
     with pytest.raises(ServerDied, match="exited while starting: failed to bind port 8001"):
         wait(_NeverReady(), timeout_s=600)  # returns at the first look, not after the timeout
+
+
+def test_the_reaper_kills_the_servers_processes_and_leaves_the_callers_own() -> None:
+    """An in-process ``serve`` (a test, a notebook) beside a server its caller started: only what was started after
+    the reaper is the server's, and only that is killed when it outlives the stop."""
+    import subprocess
+    import sys
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    callers = subprocess.Popen(sleeper)
+    try:
+        reaper = _Reaper(_StopRequest(), deadline_s=60.0, exit_process=False)
+        servers = subprocess.Popen(sleeper)
+        reaper._look()  # what its thread does every 0.5 s
+        reaper.close()  # no stop was asked: an error path, 2 s for the server's processes, then killed
+        assert servers.wait(timeout=30) == -9
+        assert callers.poll() is None
+    finally:
+        callers.kill()
+        callers.wait()
