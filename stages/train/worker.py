@@ -1,7 +1,7 @@
 """One training process of a torchrun job: ``python -m torch.distributed.run ... -m kiln.stages.train.worker``.
 
 Every process trains its shard; rank 0 writes ``model.safetensors``, ``model.json``, ``loss.png`` and
-``summary.json`` into ``--out`` (or ``error.json`` when a user-fixable error stops training).
+``summary.json`` into ``--out``; a process that a user-fixable error stops writes ``error.json`` there.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_for(STAGE, config)
         summary = train_to(args.out, settings, load_dataset(config), args.checkpoint_dir or args.out / "checkpoints")
     except KilnError as exc:
-        if env.is_main:
-            write_json_atomic(args.out / ERROR, {"message": exc.message, "hint": exc.hint})
+        # Every process that stops writes it (atomically; the same error on every rank for a config error): the
+        # first process out ends the job, and torchrun stops the others before they could write theirs.
+        write_json_atomic(args.out / ERROR, {"message": exc.message, "hint": exc.hint})
         logging.getLogger("kiln").error("%s", exc)
         return exc.exit_code
     if env.is_main:
