@@ -1,6 +1,6 @@
 """The Ray Serve application the package stage writes, started as written (`serve run serve.yaml`, a local Ray
 cluster), driven by `kiln loadtest ray://`, answers checked against the engine; bad requests answered with errors
-naming the problem while it keeps answering."""
+naming the problem while it keeps answering; a replica whose process dies is replaced, and the log says so."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import yaml
 
@@ -31,12 +32,27 @@ READY_TIMEOUT_S = 600  # a hang guard: returns as soon as the application answer
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body; the status and the answer (an error's text that is not JSON as ``{"error": text}``)."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=READY_TIMEOUT_S) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        text = exc.read().decode(errors="replace")
+        try:
+            return exc.code, json.loads(text)
+        except ValueError:
+            return exc.code, {"error": text}
+
+
+def _replicas(deployment: str) -> list[psutil.Process]:
+    """The processes of a deployment's replicas (Ray titles them ``ray::ServeReplica:<app>:<deployment>``)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        title = " ".join(p.info["cmdline"] or [])
+        if "ServeReplica:" in title and title.split("ServeReplica:", 1)[1].split()[0].endswith(f":{deployment}"):
+            found.append(p)
+    return found
 
 
 # `serve run` itself (Ray's own command-line entry point) with one change: its wait for the HTTP proxy, a constant
@@ -65,7 +81,22 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise AssertionError(f"the Ray Serve app did not become ready (serve run exit code {proc.poll()}):\n{tail}")
 
 
-def test_the_packaged_ray_app_serves_checked_answers_and_refuses_bad_requests(tmp_path: Path) -> None:
+def _wait_for_lines(log: Path, wanted: list[str]) -> None:
+    """Wait until ``serve run``'s log (streamed from Ray's processes) holds every one of ``wanted``."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        text = log.read_text(errors="replace")
+        missing = [w for w in wanted if w not in text]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not in serve run's log: {missing}")
+        time.sleep(1)
+
+
+def test_the_packaged_ray_app_serves_checked_answers_refuses_bad_requests_and_replaces_a_dead_replica(
+    tmp_path: Path,
+) -> None:
     config = config_from_dict(tiny_config_dict())
     workdir = tmp_path / "run"
     result, _ = run_pipeline(config, workdir)
@@ -110,6 +141,20 @@ def test_the_packaged_ray_app_serves_checked_answers_and_refuses_bad_requests(tm
             assert status == 400 and message in body["error"], (status, body)
         status, body = _post(f"{base}/infer", {"inputs": [good]})  # still answering after the bad ones
         assert status == 200 and np.asarray(body["outputs"][0]["data"]).shape == (10,)
+        want = body["outputs"][0]["data"]
+        # A dead replica: its process killed. The server keeps answering (an error naming the problem, or the answer
+        # once Ray has replaced the replica), and the replacement is in the log, not silent.
+        (dead,) = _replicas(model)
+        dead.kill()
+        dead.wait(timeout=60)
+        answers = [_post(f"{base}/infer", {"inputs": [good]}) for _ in range(3)]
+        for status, body in answers:
+            assert status == 200 or (status >= 500 and body.get("error")), (status, body)
+        status, body = answers[-1]
+        assert status == 200 and np.allclose(body["outputs"][0]["data"], want), (status, body)
+        (replacement,) = _replicas(model)
+        assert replacement.pid != dead.pid
+        _wait_for_lines(log, ["crashed, marking it unhealthy", "Adding 1 replica"])
     finally:
         proc.send_signal(signal.SIGINT)  # serve run shuts its applications and local Ray cluster down
         try:
