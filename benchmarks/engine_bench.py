@@ -65,7 +65,7 @@ from kiln.stages.export.stage import export_onnx  # noqa: E402
 from kiln.stages.optimize.api import optimize_model  # noqa: E402
 from kiln.stages.optimize.config import OptimizeConfig  # noqa: E402
 from kiln.stages.validate.baselines import prepare as prepare_baseline  # noqa: E402
-from kiln.stages.validate.roofline import peak_tflops  # noqa: E402
+from kiln.stages.validate.roofline import peak_tflops, sig  # noqa: E402
 
 ROWS = [
     "eager32",
@@ -387,8 +387,8 @@ class Bench:
         measured = self.peak.get("measured", {})
         kind = precision if precision in measured else "fp16" if "fp16" in measured else "fp32"
         tflops = self.flops * batch / (median_ms / 1e3) / 1e12
-        pct = round(100 * tflops / measured[kind], 2) if measured.get(kind) else None
-        return {"precision": precision, "tflops": round(tflops, 3), "pct_of_peak": pct, "peak_kind": kind}
+        pct = sig(100 * tflops / measured[kind]) if measured.get(kind) else None
+        return {"precision": precision, "tflops": sig(tflops), "pct_of_peak": pct, "peak_kind": kind}
 
     def row_precision(self, row: str) -> str:
         if row in ROW_PRECISION:

@@ -29,6 +29,12 @@ DATASHEET: dict[str, dict[str, float]] = {
 GEMM = {"cuda": 8192, "cpu": 1024}  # square GEMM size per device: large enough to reach the peak, quick to run
 
 
+def sig(x: float) -> float:
+    """Four significant figures: a small model or a busy CPU gives thousandths of a TFLOP/s, which decimals round to 0
+    (and a peak of 0 reads as not measured)."""
+    return float(f"{x:.4g}")
+
+
 def device_name(device: str) -> str:
     import platform
 
@@ -61,7 +67,7 @@ def _measure(device: str) -> dict[str, float]:
     for label, dtype in dtypes.items():
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        out[label] = round(2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, device) / 1e12, 2)
+        out[label] = sig(2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, device) / 1e12)
     if device == "cuda":
         out.update(_measure_lowbit(n))
     return out
@@ -81,7 +87,7 @@ def _measure_lowbit(n: int) -> dict[str, float]:
         "fp8": lambda: torch._scaled_mm(f8, f8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
         "int8": lambda: torch._int_mm(i8, i8.t()),
     }
-    return {k: round(2 * n**3 / _best_seconds(fn, "cuda") / 1e12, 2) for k, fn in calls.items() if has[k]}
+    return {k: sig(2 * n**3 / _best_seconds(fn, "cuda") / 1e12) for k, fn in calls.items() if has[k]}
 
 
 def _best_seconds(fn: Any, device: str, calls: int = 10) -> float:
@@ -108,11 +114,11 @@ def roofline(entry: EngineValidation, flops_per_sample: int, peak: dict[str, Any
     out = {}
     for bs, lat in entry.latency_ms.items():
         tflops = flops_per_sample * int(bs) / (lat.p50 / 1e3) / 1e12
-        row: dict[str, Any] = {"tflops": round(tflops, 4), "peak": kind}
+        row: dict[str, Any] = {"tflops": sig(tflops), "peak": kind}
         row["pct_of_measured_peak"] = row["pct_of_datasheet"] = None
         if measured.get(kind):
-            row["pct_of_measured_peak"] = round(100 * tflops / measured[kind], 2)
+            row["pct_of_measured_peak"] = sig(100 * tflops / measured[kind])
         if sheet.get(entry.precision):
-            row["pct_of_datasheet"] = round(100 * tflops / sheet[entry.precision], 2)
+            row["pct_of_datasheet"] = sig(100 * tflops / sheet[entry.precision])
         out[bs] = row
     return out
