@@ -5,6 +5,7 @@ testpaths (as .ci/run's) already holds the answer (``tests.conftest.COLLECTED``,
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,19 @@ def test_every_test_file_is_collected() -> None:
         collected = {line.split("::")[0] for line in out.splitlines() if "::" in line}
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
     assert files - collected == set()
+
+
+@pytest.fixture(scope="module")
+def _made_once_per_module() -> int:
+    return os.getpid()
+
+
+def test_tests_sharing_a_module_fixture_run_on_one_worker(
+    request: pytest.FixtureRequest, _made_once_per_module: int
+) -> None:
+    """tests/conftest.py puts every test that uses a module-scoped fixture in its file's pytest-xdist group; xdist
+    marks the group in the test's id, and only then sends the file's tests to one worker (pytest 9.2 ignores that mark:
+    pyproject.toml pins pytest below 9.2)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("runs in this process (-n0): no workers to group tests on")
+    assert request.node.nodeid.endswith("@test_collection.py"), request.node.nodeid
