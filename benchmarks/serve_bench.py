@@ -152,10 +152,9 @@ def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Nam
         url = f"grpc://127.0.0.1:{ports[1]}" if args.protocol == "grpc" else f"http://127.0.0.1:{ports[0]}"
         # One short level first: first-call costs (allocations, CUDA graph capture per shape) are not measured.
         warm = [max(args.concurrency)]
-        loadtest(
-            url, model, path, out / "warmup", warm, min(args.duration, 3.0), config=config, processes=args.processes
-        )
-        return loadtest(url, model, path, out, args.concurrency, args.duration, config=config, processes=args.processes)
+        common = {"config": config, "processes": args.processes, "inprocess": False}  # timed in-process above
+        loadtest(url, model, path, out / "warmup", warm, min(args.duration, 3.0), **common)
+        return loadtest(url, model, path, out, args.concurrency, args.duration, **common)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -170,9 +170,9 @@ def fit(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     return array.astype(spec.dtype)
 
 
-def expected_outputs(engine: ServedEngine, pool: list[dict]) -> list[dict[str, np.ndarray]]:
-    with load_engine(engine.engine_dir) as runner:
-        return [{k: np.asarray(v) for k, v in runner.infer(feed).items()} for feed in pool]
+def expected_outputs(runner: Any, pool: list[dict]) -> list[dict[str, np.ndarray]]:
+    """The engine's own answer to each request of the pool, one sample at a time."""
+    return [{k: np.asarray(v) for k, v in runner.infer(feed).items()} for feed in pool]
 
 
 def _inputs(module: Any, feed: dict[str, np.ndarray], binary: bool = True) -> list[Any]:
@@ -360,28 +360,27 @@ def _ray_ready(address: str, model: str) -> dict[str, int]:
     return {"inference_count": 0, "execution_count": 0}
 
 
-def inprocess_ms(engine: ServedEngine, pool: list[dict], batch: int, budget_s: float = 2.0) -> float:
+def inprocess_ms(runner: Any, pool: list[dict], batch: int, budget_s: float = 2.0) -> float:
     """The engine's own latency (ms, median) at ``batch`` rows of the pool, timed in this process: the figure a
     served request is compared with. Up to 50 calls after one untimed one, within ``budget_s``."""
     rows = [pool[i % len(pool)] for i in range(batch)]
     feed = {k: np.concatenate([r[k] for r in rows]) for k in pool[0]}
     times: list[float] = []
-    with load_engine(engine.engine_dir) as runner:
+    runner.infer(feed)
+    end = time.perf_counter() + budget_s
+    while len(times) < 50 and (len(times) < 5 or time.perf_counter() < end):
+        t0 = time.perf_counter()
         runner.infer(feed)
-        end = time.perf_counter() + budget_s
-        while len(times) < 50 and (len(times) < 5 or time.perf_counter() < end):
-            t0 = time.perf_counter()
-            runner.infer(feed)
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append((time.perf_counter() - t0) * 1e3)
     return float(np.median(times))
 
 
-def with_inprocess(levels: list[dict[str, Any]], engine: ServedEngine, pool: list[dict], limit: int) -> None:
+def with_inprocess(levels: list[dict[str, Any]], runner: Any, pool: list[dict], limit: int) -> None:
     """Each level gets the engine's in-process latency and throughput at a batch of its concurrency (capped by
     the server's batch ``limit``), and the served/in-process throughput ratio."""
     for lv in levels:
         batch = max(1, min(lv["concurrency"], limit)) if limit else 1
-        ms = inprocess_ms(engine, pool, batch)
+        ms = inprocess_ms(runner, pool, batch)
         rps = batch / ms * 1e3
         lv["inprocess"] = {"batch": batch, "latency_ms": ms, "throughput_rps": rps}
         lv["served_vs_inprocess"] = lv["throughput_rps"] / rps if rps else None
@@ -397,9 +396,11 @@ def loadtest(
     max_requests: int = 100_000,
     config: KilnConfig | None = None,
     processes: int = 1,
+    inprocess: bool = True,
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
-    ``processes``: client processes per level (:func:`run_level_processes`). Raises :class:`GateFailure` (after
+    ``processes``: client processes per level (:func:`run_level_processes`); ``inprocess``: time the engine in
+    this process at each level's batch too (:func:`with_inprocess`). Raises :class:`GateFailure` (after
     writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
@@ -409,26 +410,21 @@ def loadtest(
         )
     engine = engine_for(engines, model)
     pool, source = request_pool(engine, config)
-    expected = expected_outputs(engine, pool)
     tolerance = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
     before = server_batches(protocol, address, model)
-    levels = []
-    for c in concurrency:
-        args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
-        level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
-        levels.append(level.summary())
-        log.info(
-            "concurrency %d: %.1f req/s, p50 %.2f ms, p99 %.2f ms, %d wrong, %d failed",
-            c,
-            levels[-1]["throughput_rps"],
-            levels[-1]["latency_ms"]["p50"],
-            levels[-1]["latency_ms"]["p99"],
-            level.mismatches,
-            len(level.errors),
-        )
-    after = server_batches(protocol, address, model)
+    # One load for the expected answers and the in-process timings: a torch engine compiles when it loads.
+    with load_engine(engine.engine_dir) as runner:
+        expected = expected_outputs(runner, pool)
+        levels = []
+        for c in concurrency:
+            args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
+            level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
+            levels.append(level.summary())
+            _log_level(levels[-1])
+        after = server_batches(protocol, address, model)
+        if inprocess:
+            with_inprocess(levels, runner, pool, served_max_batch(engine.meta, 32))
     batches = {k: after[k] - before[k] for k in after}
-    with_inprocess(levels, engine, pool, served_max_batch(engine.meta, 32))
     result = {
         "url": url,
         "model": model,
@@ -454,6 +450,18 @@ def loadtest(
             hint="a served answer must match the engine: check the server's batching and the model",
         )
     return result
+
+
+def _log_level(lv: dict[str, Any]) -> None:
+    log.info(
+        "concurrency %d: %.1f req/s, p50 %.2f ms, p99 %.2f ms, %d wrong, %d failed",
+        lv["concurrency"],
+        lv["throughput_rps"],
+        lv["latency_ms"]["p50"],
+        lv["latency_ms"]["p99"],
+        lv["mismatches"],
+        lv["errors"],
+    )
 
 
 def render_markdown(result: dict[str, Any]) -> str:
