@@ -41,7 +41,7 @@ import numpy as np
 
 from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
-from kiln.serve.loadtest import loadtest  # noqa: E402
+from kiln.serve.loadtest import loadtest, split_table  # noqa: E402
 from kiln.serve.server import find_engines, free_port, wait_ready  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 
@@ -123,7 +123,11 @@ def in_process(engine_dir: Path, batches: list[int], warmup: int, iterations: in
     return rows
 
 
-def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def served(
+    path: Path, model: str, config: KilnConfig | None, args: argparse.Namespace, out: Path
+) -> list[tuple[str, int, dict[str, Any]]]:
+    """One `kiln serve` of ``model``, load-tested once per (protocol, client processes) asked for, in that order:
+    [(protocol, processes, loadtest result)]. The server's start (compiles, warm-up) is paid once."""
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
@@ -147,14 +151,23 @@ def served(path: Path, model: str, config: KilnConfig | None, args: argparse.Nam
         cmd += ["--gpus", args.gpus, "--instances-per-gpu", str(args.instances_per_gpu)]
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    urls = {"grpc": f"grpc://127.0.0.1:{ports[1]}", "http": f"http://127.0.0.1:{ports[0]}"}
+    results = []
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", [model], 300, proc)
-        url = f"grpc://127.0.0.1:{ports[1]}" if args.protocol == "grpc" else f"http://127.0.0.1:{ports[0]}"
+        wait_ready(urls["http"], [model], 300, proc)
         # One short level first: first-call costs (allocations, CUDA graph capture per shape) are not measured.
+        common = {"config": config, "inprocess": False}  # timed in-process before the server started
         warm = [max(args.concurrency)]
-        common = {"config": config, "processes": args.processes, "inprocess": False}  # timed in-process above
-        loadtest(url, model, path, out / "warmup", warm, min(args.duration, 3.0), **common)
-        return loadtest(url, model, path, out, args.concurrency, args.duration, **common)
+        loadtest(urls[args.protocol[0]], model, path, out / "warmup", warm, min(args.duration, 3.0), **common)
+        for protocol in args.protocol:
+            for n in args.processes:
+                say(f"load test: {protocol}, {n} client process(es)")
+                folder = out / f"{protocol}_p{n}"
+                result = loadtest(
+                    urls[protocol], model, path, folder, args.concurrency, args.duration, processes=n, **common
+                )
+                results.append((protocol, n, result))
+        return results
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -197,7 +210,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"Server statistics: {s['server']['inference_count']} requests in "
             f"{s['server']['execution_count']} engine calls (mean batch {s['mean_batch']:.2f}).",
         ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + split_table(s["levels"])) + "\n"
 
 
 def main() -> None:
@@ -209,7 +222,9 @@ def main() -> None:
     src.add_argument("--resnet18-torch", action="store_true", help="build and serve ResNet-18 torch FP16 (GPU)")
     p.add_argument("--gpus", help="kiln serve --gpus (e.g. 0): Triton's Python backend, no PyTriton hop")
     p.add_argument("--instances-per-gpu", type=int, default=1, help="with --gpus: stub processes per GPU")
-    p.add_argument("--processes", type=int, default=1, help="client processes per concurrency level")
+    p.add_argument(
+        "--processes", default="1", help="client processes per concurrency level; a list (8,14) tests each in turn"
+    )
     p.add_argument("--engine", default="onnxruntime-cpu-fp32", help="engine name in the workdir")
     p.add_argument(
         "--config",
@@ -218,13 +233,17 @@ def main() -> None:
     )
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per concurrency level")
-    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--protocol", default="grpc", help="grpc, http or both (grpc,http), tested in turn")
     p.add_argument("--max-queue-delay-us", type=int, default=100)
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.processes = [int(n) for n in args.processes.split(",")]
+    args.protocol = args.protocol.split(",")
+    if not set(args.protocol) <= {"grpc", "http"}:
+        p.error("--protocol takes grpc, http or grpc,http")
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     load_at_start = os.getloadavg()[0]  # this script shares its machine: say how busy it was
     config: KilnConfig | None = None
@@ -244,7 +263,7 @@ def main() -> None:
         raise SystemExit(f"no validated engine {args.engine} under {path}")
     say(f"engine {engine.meta.name} served as {engine.model_name}")
     inproc = in_process(engine.engine_dir, args.concurrency, warmup=10, iterations=args.iterations)
-    result = served(path, engine.model_name, config, args, work / "loadtest")
+    runs = served(path, engine.model_name, config, args, work / "loadtest")
     from importlib.metadata import version
 
     import onnxruntime
@@ -257,21 +276,24 @@ def main() -> None:
         "onnxruntime": onnxruntime.__version__,
         "load_avg_1m_at_start": load_at_start,
     }
-    report = {
-        "env": env,
-        "protocol": args.protocol,
-        "max_queue_delay_us": args.max_queue_delay_us,
-        "gpus": args.gpus,
-        "instances_per_gpu": args.instances_per_gpu if args.gpus is not None else None,
-        "client_processes": args.processes,
-        "served": result,
-        "in_process": inproc,
-    }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"serve_{args.label or label}"
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{name}.md").write_text(markdown(report))
-    print(markdown(report), flush=True)
+    for protocol, processes, result in runs:
+        report = {
+            "env": env,
+            "protocol": protocol,
+            "max_queue_delay_us": args.max_queue_delay_us,
+            "gpus": args.gpus,
+            "instances_per_gpu": args.instances_per_gpu if args.gpus is not None else None,
+            "client_processes": processes,
+            "served": result,
+            "in_process": inproc,
+        }
+        name = f"serve_{args.label or label}"
+        if len(runs) > 1:
+            name += f"_{protocol}_p{processes}"
+        (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / f"{name}.md").write_text(markdown(report))
+        print(markdown(report), flush=True)
 
 
 def _server(report: dict[str, Any], env: dict[str, Any]) -> str:

@@ -312,10 +312,15 @@ def _level_worker(barrier: Any, results: Any, args: tuple[Any, ...]) -> None:
     results.put(run_level(*args))
 
 
+# Triton's cumulative per-request durations (inference_stats), in the order a request meets them
+TRITON_PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
 def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
     """Triton's own count of requests (inference_count) and of model executions (execution_count): fewer
-    executions than requests means the dynamic batcher formed batches. Ray Serve keeps no such count: its
-    readiness is checked instead, and the counts are 0."""
+    executions than requests means the dynamic batcher formed batches; and its cumulative nanoseconds per phase
+    (``success_ns``: a request's whole time in Triton; ``<phase>_ns`` for :data:`TRITON_PHASES`). Ray Serve
+    keeps no such count: its readiness is checked instead, and the counts are 0."""
     if protocol == "ray":
         return _ray_ready(address, model)
     module = _client_module(protocol)
@@ -336,10 +341,28 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
     finally:
         client.close()
     entry = stats["model_stats"][0]
-    return {
+    phases = entry.get("inference_stats", {})
+    counts = {
         "inference_count": int(entry.get("inference_count", 0)),
         "execution_count": int(entry.get("execution_count", 0)),
     }
+    return counts | {f"{k}_ns": int(phases.get(k, {}).get("ns", 0)) for k in ("success", *TRITON_PHASES)}
+
+
+def time_split(before: dict[str, int], after: dict[str, int], client_ms: float) -> dict[str, float] | None:
+    """Where a level's requests spent their time, in mean ms per request: outside Triton (the client, its
+    serialising and the transport: the client's mean latency less Triton's), then Triton's phases (queue and
+    dynamic batcher, input copy, the model's execution, output copy), and the mean batch Triton formed. None
+    without Triton statistics (Ray Serve)."""
+    done = after.get("inference_count", 0) - before.get("inference_count", 0)
+    runs = after.get("execution_count", 0) - before.get("execution_count", 0)
+    if done <= 0 or runs <= 0 or "success_ns" not in after:
+        return None
+    ms = {k: (after[f"{k}_ns"] - before[f"{k}_ns"]) / done / 1e6 for k in ("success", *TRITON_PHASES)}
+    split = {"outside_triton": max(0.0, client_ms - ms["success"])}
+    split |= {k: ms[k] for k in TRITON_PHASES}
+    split["triton_other"] = max(0.0, ms["success"] - sum(ms[k] for k in TRITON_PHASES))
+    return split | {"mean_batch": done / runs}
 
 
 def _ray_ready(address: str, model: str) -> dict[str, int]:
@@ -415,16 +438,18 @@ def loadtest(
     # One load for the expected answers and the in-process timings: a torch engine compiles when it loads.
     with load_engine(engine.engine_dir) as runner:
         expected = expected_outputs(runner, pool)
-        levels = []
+        levels, mark = [], before
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append(level.summary())
+            after = server_batches(protocol, address, model)
+            levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
+            mark = after
             _log_level(levels[-1])
-        after = server_batches(protocol, address, model)
         if inprocess:
             with_inprocess(levels, runner, pool, served_max_batch(engine.meta, 32))
-    batches = {k: after[k] - before[k] for k in after}
+    batches = {k: after[k] - before[k] for k in ("inference_count", "execution_count")}
     result = {
         "url": url,
         "model": model,
@@ -490,7 +515,27 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"Server: {result['server']['inference_count']} inferences in "
             f"{result['server']['execution_count']} executions (mean batch {result['mean_batch']:.2f}).",
         ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + split_table(result["levels"])) + "\n"
+
+
+def split_table(levels: list[dict[str, Any]]) -> list[str]:
+    """Mean ms per request by where it was spent (:func:`time_split`), one row per level; none without them."""
+    rows = [(lv["concurrency"], lv.get("server_split_ms")) for lv in levels]
+    if not any(split for _, split in rows):
+        return []
+    lines = [
+        "",
+        "Where a request's time went (mean ms per request; outside Triton = the client's latency less Triton's "
+        "own time: the client, serialising, the transport):",
+        "",
+        "| concurrency | outside Triton | queue | input | execute | output | other | mean batch |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c, split in rows:
+        if split:
+            cells = " | ".join(f"{split[k]:.2f}" for k in ("outside_triton", *TRITON_PHASES, "triton_other"))
+            lines.append(f"| {c} | {cells} | {split['mean_batch']:.2f} |")
+    return lines
 
 
 def _row(lv: dict[str, Any]) -> str:

@@ -189,6 +189,10 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     assert result["inputs"].startswith("real validation data")
     assert result["server"]["inference_count"] == 200  # Triton's own statistics, over this load test's requests
     assert result["server"]["execution_count"] < 200  # batches of several requests ran
+    split = level["server_split_ms"]  # where the requests' time went, from Triton's statistics and the client's
+    assert split["compute_infer"] > 0 and split["mean_batch"] == 200 / result["server"]["execution_count"], split
+    assert sum(split[k] for k in split if k != "mean_batch") == pytest.approx(level["latency_ms"]["mean"], rel=0.05)
+    assert "| 8 | " in (tmp_path / "lt" / "loadtest.md").read_text().split("Where a request's time went")[1]
     for name in ("loadtest.json", "loadtest.md", "loadtest.png"):
         assert (tmp_path / "lt" / name).stat().st_size > 0
     assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
