@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +125,15 @@ def in_process(engine_dir: Path, batches: list[int], warmup: int, iterations: in
 
 
 def served(
-    path: Path, model: str, config: KilnConfig | None, args: argparse.Namespace, out: Path
-) -> list[tuple[str, int, dict[str, Any]]]:
-    """One `kiln serve` of ``model``, load-tested once per (protocol, client processes) asked for, in that order:
-    [(protocol, processes, loadtest result)]. The server's start (compiles, warm-up) is paid once."""
+    path: Path,
+    model: str,
+    config: KilnConfig | None,
+    args: argparse.Namespace,
+    out: Path,
+    report: Callable[[str, int, dict[str, Any]], None],
+) -> None:
+    """One `kiln serve` of ``model``, load-tested once per (protocol, client processes) asked for, in that order,
+    each result handed to ``report`` as it comes. The server's start (compiles, warm-up) is paid once."""
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
@@ -152,22 +158,32 @@ def served(
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
     urls = {"grpc": f"grpc://127.0.0.1:{ports[1]}", "http": f"http://127.0.0.1:{ports[0]}"}
-    results = []
     try:
         wait_ready(urls["http"], [model], 300, proc)
         # One short level first: first-call costs (allocations, CUDA graph capture per shape) are not measured.
-        common = {"config": config, "inprocess": False}  # timed in-process before the server started
         warm = [max(args.concurrency)]
-        loadtest(urls[args.protocol[0]], model, path, out / "warmup", warm, min(args.duration, 3.0), **common)
+        loadtest(
+            urls[args.protocol[0]],
+            model,
+            path,
+            out / "warmup",
+            warm,
+            min(args.duration, 3.0),
+            config=config,
+            inprocess=False,
+        )
         for protocol in args.protocol:
             for n in args.processes:
                 say(f"load test: {protocol}, {n} client process(es)")
                 folder = out / f"{protocol}_p{n}"
-                result = loadtest(
-                    urls[protocol], model, path, folder, args.concurrency, args.duration, processes=n, **common
+                # with the engine's host-to-host time at each level's batch (inputs copied in, outputs out)
+                report(
+                    protocol,
+                    n,
+                    loadtest(
+                        urls[protocol], model, path, folder, args.concurrency, args.duration, config=config, processes=n
+                    ),
                 )
-                results.append((protocol, n, result))
-        return results
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -188,21 +204,24 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
         f"threads in {report.get('client_processes', 1)} process(es) on the same machine, {s['duration_s']} s "
         f"per level, inputs: {s['inputs']}; every answer "
-        "checked against the engine's direct output. In-process: the engine called with a batch of c samples "
-        "(no server, no transport).",
+        "checked against the engine's direct output. On device: the engine timed on a batch of c samples already "
+        "on its device (no server, no transport, no copies); host to host: the same called from this process with "
+        "host arrays in and out (the copies every server pays), batch capped by the server's limit.",
         "",
-        "| concurrency c | served req/s | p50 ms | p90 ms | p99 ms | wrong | in-process batch c samples/s | "
-        "in-process p50 ms | served / in-process |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| c | served req/s | p50 ms | p90 ms | p99 ms | wrong | on device: samples/s | served / on device "
+        "| host to host: samples/s (batch) | served / host to host |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in s["levels"]:
         c, lat = lv["concurrency"], lv["latency_ms"]
-        ip = inproc.get(c, {})
+        ip, host = inproc.get(c, {}), lv.get("inprocess")
         ratio = lv["throughput_rps"] / ip["samples_per_s"] if ip else float("nan")
+        hosted = "- | -"
+        if host:
+            hosted = f"{host['throughput_rps']:.0f} ({host['batch']}) | {lv['served_vs_inprocess']:.2f}"
         lines.append(
             f"| {c} | {lv['throughput_rps']:.0f} | {lat['p50']:.2f} | {lat['p90']:.2f} | {lat['p99']:.2f} | "
-            f"{lv['mismatches']} | {ip.get('samples_per_s', float('nan')):.0f} | "
-            f"{ip.get('p50_ms', float('nan')):.3f} | {ratio:.2f} |"
+            f"{lv['mismatches']} | {ip.get('samples_per_s', float('nan')):.0f} | {ratio:.2f} | {hosted} |"
         )
     if s.get("mean_batch"):
         lines += [
@@ -263,7 +282,6 @@ def main() -> None:
         raise SystemExit(f"no validated engine {args.engine} under {path}")
     say(f"engine {engine.meta.name} served as {engine.model_name}")
     inproc = in_process(engine.engine_dir, args.concurrency, warmup=10, iterations=args.iterations)
-    runs = served(path, engine.model_name, config, args, work / "loadtest")
     from importlib.metadata import version
 
     import onnxruntime
@@ -277,7 +295,9 @@ def main() -> None:
         "load_avg_1m_at_start": load_at_start,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    for protocol, processes, result in runs:
+    several = len(args.protocol) * len(args.processes) > 1
+
+    def write(protocol: str, processes: int, result: dict[str, Any]) -> None:
         report = {
             "env": env,
             "protocol": protocol,
@@ -288,12 +308,12 @@ def main() -> None:
             "served": result,
             "in_process": inproc,
         }
-        name = f"serve_{args.label or label}"
-        if len(runs) > 1:
-            name += f"_{protocol}_p{processes}"
+        name = f"serve_{args.label or label}" + (f"_{protocol}_p{processes}" if several else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)
+
+    served(path, engine.model_name, config, args, work / "loadtest", write)
 
 
 def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
