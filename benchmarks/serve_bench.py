@@ -14,9 +14,10 @@ never share the device.
 ``--resnet18-fp16`` builds a ResNet-18 (random weights, 3x224x224) ONNX Runtime CUDA FP16 engine for batches up
 to the largest concurrency; ``--resnet18-torch`` its torch FP16 engine on CUDA, compiled flavour with
 max-autotune off (the servers compile it at each padded batch size before they say ready; an AOTInductor package
-of it crashed its loader on the H200 host). ``--gpus 0`` serves through
-plain ``tritonserver``'s Python backend (`kiln serve --gpus`: the engine runs in Triton's stub processes, no
-PyTriton hop), ``--instances-per-gpu N`` with N stubs per GPU; ``--processes N`` sends from N client processes.
+of it crashed its loader on the H200 host). `kiln serve` runs the engine in plain ``tritonserver``'s Python-backend
+stubs (``--gpus``, ``--instances-per-gpu N``: N stubs per GPU); ``--pytriton`` serves it from the server's own
+process through PyTriton instead. ``--processes 8,14`` and ``--protocol grpc,http`` load-test one server with each
+client setting in turn (N client processes).
 Results: ``benchmarks/results/serve_<label>.{json,md}``.
 
     python benchmarks/serve_bench.py --resnet18-torch --gpus 0 --instances-per-gpu 2 --processes 8 \
@@ -154,7 +155,11 @@ def served(
         str(args.max_queue_delay_us),
     ]
     if args.gpus is not None:
-        cmd += ["--gpus", args.gpus, "--instances-per-gpu", str(args.instances_per_gpu)]
+        cmd += ["--gpus", args.gpus]
+    if args.instances_per_gpu is not None:
+        cmd += ["--instances-per-gpu", str(args.instances_per_gpu)]
+    if args.pytriton:
+        cmd += ["--pytriton"]
     out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
     urls = {"grpc": f"grpc://127.0.0.1:{ports[1]}", "http": f"http://127.0.0.1:{ports[0]}"}
@@ -239,8 +244,9 @@ def main() -> None:
     src.add_argument("--workdir", type=Path, help="a `kiln run` workdir (serve its validated engine --engine)")
     src.add_argument("--resnet18-fp16", action="store_true", help="build and serve ResNet-18 ORT CUDA FP16 (GPU)")
     src.add_argument("--resnet18-torch", action="store_true", help="build and serve ResNet-18 torch FP16 (GPU)")
-    p.add_argument("--gpus", help="kiln serve --gpus (e.g. 0): Triton's Python backend, no PyTriton hop")
-    p.add_argument("--instances-per-gpu", type=int, default=1, help="with --gpus: stub processes per GPU")
+    p.add_argument("--gpus", help="kiln serve --gpus (e.g. 0,1; default: GPU 0 for CUDA engines)")
+    p.add_argument("--instances-per-gpu", type=int, help="stub processes per GPU (default: kiln serve's)")
+    p.add_argument("--pytriton", action="store_true", help="kiln serve --pytriton: the engine in the server's process")
     p.add_argument(
         "--processes", default="1", help="client processes per concurrency level; a list (8,14) tests each in turn"
     )
@@ -303,7 +309,8 @@ def main() -> None:
             "protocol": protocol,
             "max_queue_delay_us": args.max_queue_delay_us,
             "gpus": args.gpus,
-            "instances_per_gpu": args.instances_per_gpu if args.gpus is not None else None,
+            "instances_per_gpu": args.instances_per_gpu,
+            "pytriton": args.pytriton,
             "client_processes": processes,
             "served": result,
             "in_process": inproc,
@@ -317,12 +324,11 @@ def main() -> None:
 
 
 def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
-    if report.get("gpus") is None:
+    if report.get("pytriton"):
         return f"Triton through PyTriton {env.get('pytriton')} (the engine in the `kiln serve` process)"
-    return (
-        f"plain tritonserver, Python backend on GPU(s) {report['gpus']} with {report['instances_per_gpu']} "
-        "instance(s) each (the engine in Triton's stub processes)"
-    )
+    where = f"on GPU(s) {report['gpus']}" if report.get("gpus") is not None else "(kiln serve's default placement)"
+    count = report.get("instances_per_gpu") or "kiln serve's default number of"
+    return f"plain tritonserver, Python backend {where} with {count} instance(s) (the engine in Triton's stubs)"
 
 
 def _device(meta: dict[str, Any]) -> str:

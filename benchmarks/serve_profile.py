@@ -1,10 +1,11 @@
-"""Where a served request's time goes: client, transport (HTTP or gRPC), Triton's queue, the PyTriton hop, the engine.
+"""Where a served request's time goes: client, transport (HTTP or gRPC), Triton's queue, the stub hop, the engine.
 
 Starts `kiln serve` on one engine, sends single-sample requests one at a time (no batching: each request's time
 is its own), and splits their mean latency with Triton's own statistics (cumulative ns per model):
 
 - engine: the engine's latency at batch 1, timed in this process;
-- PyTriton hop: Triton's compute_infer less the engine (stub -> ZeroMQ -> this server's proxy -> infer function);
+- stub hop: Triton's compute_infer less the engine (Triton -> the Python-backend stub running the engine; with
+  ``--pytriton``, stub -> ZeroMQ -> the `kiln serve` process's infer function);
 - Triton queue: Triton's queue time; Triton other: its request time less queue and compute;
 - client + transport: the client's latency less Triton's request time (serialising, the socket, parsing).
 
@@ -31,7 +32,7 @@ from kiln.core.inputs import random_inputs
 from kiln.serve.server import free_port, model_name, wait_ready
 from kiln.stages.engines.registry import load_engine
 
-STAGES = ("client + transport", "Triton queue", "Triton other", "PyTriton hop", "engine")
+STAGES = ("client + transport", "Triton queue", "Triton other", "stub hop", "engine")
 
 
 def engine_ms(engine_dir: Path, feed: dict[str, np.ndarray], n: int) -> float:
@@ -85,7 +86,7 @@ def profile(protocol: str, port: int, model: str, feed: dict[str, np.ndarray], n
         "client + transport": total - d["success"],
         "Triton queue": d["queue"],
         "Triton other": d["success"] - d["queue"] - compute + d["compute_input"] + d["compute_output"],
-        "PyTriton hop": d["compute_infer"] - eng_ms,
+        "stub hop": d["compute_infer"] - eng_ms,
         "engine": eng_ms,
     }
     return {"protocol": protocol, "requests": n, "latency_ms": total, "triton_ms": d, "split_ms": split}
@@ -94,7 +95,7 @@ def profile(protocol: str, port: int, model: str, feed: dict[str, np.ndarray], n
 def per_batch(port: int, model: str, feed: dict[str, np.ndarray], concurrency: int, n: int, eng: Any) -> list[dict]:
     """Concurrent single-sample requests over gRPC (``concurrency`` threads, ``n`` requests in all), so Triton's
     dynamic batcher forms batches; then, per batch size it executed, Triton's compute_infer per execution (its own
-    ``batch_stats``) against the engine's in-process time at that batch: what the PyTriton hop costs per batch and
+    ``batch_stats``) against the engine's in-process time at that batch: what the stub hop costs per batch and
     per request. A hop that grows with the batch is paid per request, and batching cannot amortise it."""
     import threading
 
@@ -177,7 +178,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"Concurrent: {result['concurrency']} gRPC client threads, {result['concurrent_requests']} single-sample "
             "requests; per batch size Triton's dynamic batcher executed (Triton's batch_stats):",
             "",
-            "| batch | executions | compute_infer ms | engine ms (in-process) | PyTriton hop ms | hop per request ms |",
+            "| batch | executions | compute_infer ms | engine ms (in-process) | stub hop ms | hop per request ms |",
             "|---:|---:|---:|---:|---:|---:|",
         ]
         for r in result["per_batch"]:
@@ -194,12 +195,14 @@ def main() -> None:
     ap.add_argument("--engine", default="onnxruntime-cpu-fp32")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=16, help="client threads of the concurrent part (0: skip it)")
+    ap.add_argument("--pytriton", action="store_true", help="kiln serve --pytriton (the engine in its process)")
     ap.add_argument("-o", "--output", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     engine_dir = args.workdir / "package" / "engines" / args.engine
     model = model_name(args.engine)
     ports = [free_port() for _ in range(3)]
     cmd = [sys.executable, "-m", "kiln.cli", "serve", str(engine_dir), "--max-queue-delay-us", "0"]
+    cmd += ["--pytriton"] if args.pytriton else []
     cmd += ["--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -849,10 +849,19 @@ for _name in STAGE_NAMES:
 @click.option(
     "--gpus",
     default=None,
-    help="serve CUDA engines on these GPUs behind one endpoint: 'all' or ids such as 0,1 (Triton instance groups)",
+    help="serve CUDA engines on these GPUs behind one endpoint: 'all' or ids such as 0,1 (Triton instance "
+    "groups; default: GPU 0)",
 )
 @click.option(
-    "--instances-per-gpu", default=1, show_default=True, type=click.IntRange(1), help="model instances on each GPU"
+    "--instances-per-gpu",
+    default=None,
+    type=click.IntRange(1),
+    help="model instances (stub processes) on each GPU [default: 4, fewer with under 2 cores each]",
+)
+@click.option(
+    "--pytriton",
+    is_flag=True,
+    help="run the engines in this process through PyTriton instead of Triton's Python-backend stubs (slower)",
 )
 @verbose_opt
 def serve(
@@ -864,7 +873,8 @@ def serve(
     max_queue_delay_us: int,
     address: str,
     gpus: str | None,
-    instances_per_gpu: int,
+    instances_per_gpu: int | None,
+    pytriton: bool,
     verbose: int,
 ) -> None:
     """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM.
@@ -896,6 +906,7 @@ def serve(
             gpus=parse_gpus(gpus) if gpus is not None else None,
             instances_per_gpu=instances_per_gpu,
             exit_on_overrun=True,
+            pytriton=pytriton,
         )
 
 

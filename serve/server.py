@@ -1,20 +1,19 @@
 """``kiln serve``: the validated engines of a workdir (or one engine folder) behind a real Triton server.
 
-PyTriton starts the ``tritonserver`` bundled in its wheel and binds each engine's runner as a Python model with
-Triton's dynamic batcher: the server queues single requests for up to ``max_queue_delay_us`` and hands the
-runner one concatenated batch. Names, dtypes and shapes come from ``kiln-engine.json``. Health and readiness are
-Triton's own ``/v2/health/live`` and ``/v2/health/ready``. SIGINT and SIGTERM stop the server and its Python
-stubs (PyTriton's ``stop``): Triton drains the requests in flight for up to ``EXIT_TIMEOUT_S``, and whatever of the
-server still runs ``STOP_DEADLINE_S`` after the signal is killed (:class:`_Reaper`), so nothing outlives
-``kiln serve`` and it is gone within Kubernetes' grace period with room to spare.
+By default (:func:`serve_python_backend`) the ``tritonserver`` bundled in PyTriton's wheel runs a Python-backend
+repository written for the engines (the ``package/triton-python`` layout): each model instance is a Triton stub
+process that loads the engine and gets the dynamic batcher's requests (queued for up to ``max_queue_delay_us``) as
+one concatenated batch. CUDA engines get several instances per GPU (``--gpus``, ``--instances-per-gpu``), each stub
+pinned to its GPU. This path has no hop beyond Triton's own stub: measured against PyTriton's (``--pytriton``: the
+engines run in this process, bound with ``Triton.bind``) it served 2.8-7.3x the requests on an H200 and 1.8-3.1x on
+a 2-core CPU (benchmarks/README.md, Serving). Names, dtypes and shapes come from ``kiln-engine.json``; health and
+readiness are Triton's own ``/v2/health/live`` and ``/v2/health/ready``.
 
-A server that cannot start says so within seconds: ports and the socket folder are checked the way the server binds
-them before anything starts, and a ``tritonserver`` that dies while starting ends the wait for it at once.
-
-``--gpus`` serves CUDA engines through the Python-backend repository in plain ``tritonserver``, one instance group
-over the chosen GPUs (:func:`serve_on_gpus`); each instance is its own stub process pinned to its GPU.
-
-:func:`tritonserver_process` runs the same bundled binary on a plain repository (``package/triton-python``).
+SIGINT and SIGTERM stop the server and its stubs: Triton drains the requests in flight for up to
+``EXIT_TIMEOUT_S``, and whatever of the server still runs ``STOP_DEADLINE_S`` after the signal is killed
+(:class:`_Reaper`), so nothing outlives ``kiln serve`` and it is gone within Kubernetes' grace period with room to
+spare. A server that cannot start says so within seconds: ports are checked the way the server binds them before
+anything starts, and a ``tritonserver`` that dies while starting ends the wait for it at once with its log's error.
 """
 
 from __future__ import annotations
@@ -437,18 +436,28 @@ def serve(
     on_ready: Callable[[list[ServedEngine]], None] | None = None,
     verbose: bool = False,
     gpus: list[int] | None = None,
-    instances_per_gpu: int = 1,
+    instances_per_gpu: int | None = None,
     exit_on_overrun: bool = False,
+    pytriton: bool = False,
 ) -> None:
     """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers. The server's own log
-    is printed with ``verbose`` only; otherwise it is kept, and its path named, when the server fails.
-    ``gpus``: serve on these GPUs (:func:`serve_on_gpus`). ``exit_on_overrun``: a stop that overruns
-    ``STOP_DEADLINE_S`` ends this process too (the CLI's choice; a caller in-process keeps its process)."""
+    is printed with ``verbose`` only; otherwise its error is named when the server fails.
+    ``gpus``: serve CUDA engines on these GPUs (default: GPU 0 when every engine runs on CUDA), ``instances_per_gpu``
+    stubs on each (default :func:`default_instances`). ``pytriton``: run the engines in this process through
+    PyTriton instead. ``exit_on_overrun``: a stop that overruns ``STOP_DEADLINE_S`` ends this process too (the
+    CLI's choice; a caller in-process keeps its process)."""
     served = find_engines(path)
-    if gpus is not None:
+    if not pytriton:
+        if gpus is None and all(s.meta.device == "cuda" for s in served):
+            gpus = [0]
+        instances = instances_per_gpu or default_instances(gpus)
         ports = (http_port, grpc_port, metrics_port)
-        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun)
-        return serve_on_gpus(served, gpus, instances_per_gpu, ports, *args)
+        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose)
+        return serve_python_backend(served, gpus, instances, ports, *args)
+    if gpus is not None:
+        raise ConfigError(
+            "--gpus serves through Triton's Python backend, not PyTriton", hint="drop --pytriton, or --gpus"
+        )
     pytriton = _pytriton()
     _server_log_on_stdout(verbose)
     check_ports(address, http_port, grpc_port, metrics_port)
@@ -741,6 +750,7 @@ def tritonserver_process(
     metrics_port: int,
     log_file: Path | None = None,
     address: str = "127.0.0.1",
+    echo: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the bundled ``tritonserver --model-repository REPOSITORY`` on ``address``. The caller stops it
     (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting)."""
@@ -760,8 +770,9 @@ def tritonserver_process(
     ]
     # In the scratch folder: the Python stubs it starts look for modules in their working folder first, where a
     # folder named like one of the engine's packages (a `kiln/` checkout) would shadow the installed one.
-    if log_file is None:
-        return subprocess.Popen(cmd, env=env, cwd=scratch, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    if log_file is None:  # ``echo``: its log on this process's stderr (--verbose)
+        out = sys.stderr if echo else subprocess.DEVNULL
+        return subprocess.Popen(cmd, env=env, cwd=scratch, stdout=out, stderr=subprocess.STDOUT)
     with open(log_file, "wb") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(cmd, env=env, cwd=scratch, stdout=out, stderr=subprocess.STDOUT)
 
@@ -823,13 +834,29 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def write_gpu_repository(
-    repository: Path, served: list[ServedEngine], gpus: list[int], instances: int, max_batch: int, queue_delay_us: int
+def default_instances(gpus: list[int] | None, cores: int | None = None) -> int:
+    """Model instances per GPU when none are asked for: 4 on each GPU (the ResNet-18 torch engine on an H200 served
+    2.2x the requests with 4 stubs as with 2, and 1.2x more with 8, where the clients became the limit), fewer where
+    the host has under 2 cores per stub; 1 for engines on the CPU (one stub already uses every core)."""
+    if not gpus:
+        return 1
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(4, cores // (2 * len(gpus))))
+
+
+def write_repository(
+    repository: Path,
+    served: list[ServedEngine],
+    gpus: list[int] | None,
+    instances: int,
+    max_batch: int,
+    queue_delay_us: int,
 ) -> list[str]:
     """A Python-backend model repository serving each engine with ``instances`` instances on every GPU in ``gpus``
-    (Triton's ``instance_group.gpus``): what ``kiln serve --gpus`` starts. Returns the model names."""
+    (Triton's ``instance_group.gpus``), or on the engine's device kind without ``gpus``: what ``kiln serve``
+    starts. Returns the model names."""
     not_cuda = [s.meta.name for s in served if s.meta.device != "cuda"]
-    if not_cuda:
+    if gpus is not None and not_cuda:
         raise ConfigError(
             f"--gpus serves CUDA engines; {', '.join(not_cuda)} run{'s' * (len(not_cuda) == 1)} on the CPU",
             hint="serve a CUDA engine folder with --gpus, or serve these without it",
@@ -839,9 +866,9 @@ def write_gpu_repository(
     return [s.model_name for s in served]
 
 
-def serve_on_gpus(
+def serve_python_backend(
     served: list[ServedEngine],
-    gpus: list[int],
+    gpus: list[int] | None,
     instances: int,
     ports: tuple[int, int, int],
     max_batch: int = 32,
@@ -849,24 +876,29 @@ def serve_on_gpus(
     address: str = "127.0.0.1",
     on_ready: Callable[[list[ServedEngine]], None] | None = None,
     exit_on_overrun: bool = False,
+    verbose: bool = False,
 ) -> None:
-    """Every engine on every GPU in ``gpus`` behind one endpoint: plain ``tritonserver`` on a Python-backend
-    repository whose instance groups list those GPUs (each instance a stub process pinned to its GPU). PyTriton
-    runs every model in this one process, where a runner cannot be pinned to a GPU of its own."""
+    """Every engine behind one endpoint: plain ``tritonserver`` on a Python-backend repository (each instance a
+    stub process that loads the engine; with ``gpus``, instance groups over those GPUs, each stub pinned to its
+    own). PyTriton runs every model in this one process, where a runner cannot be pinned to a GPU of its own."""
+    _pytriton()  # the bundled server, and a stub that works with this numpy
     check_ports(address, *ports)
     scratch = _scratch()
     stop = _StopRequest()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun)
     proc: subprocess.Popen[bytes] | None = None
+    log_file = scratch / "tritonserver.log"
     try:
-        models = write_gpu_repository(scratch / "repository", served, gpus, instances, max_batch, queue_delay_us)
-        log_file = scratch / "tritonserver.log"
-        proc = tritonserver_process(scratch / "repository", scratch, *ports, log_file, address)
+        models = write_repository(scratch / "repository", served, gpus, instances, max_batch, queue_delay_us)
+        repository = scratch / "repository"
+        proc = tritonserver_process(repository, scratch, *ports, None if verbose else log_file, address, verbose)
         try:
             wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc)
         except KilnError as exc:  # the scratch folder goes with the server: its log's error, said now
             reason = _last_error_line(log_file.read_text(errors="replace")) if log_file.is_file() else ""
+            if proc.poll() is not None:
+                raise _died_while_starting(reason) from None
             raise ServerDied(f"{exc.message}{f': {reason}' if reason else ''}", hint=exc.hint) from None
         if on_ready is not None and not stop.requested:
             on_ready(served)
@@ -874,6 +906,7 @@ def serve_on_gpus(
             if proc.poll() is not None:
                 raise ServerDied(f"tritonserver exited with code {proc.returncode}", hint="rerun with --verbose")
             time.sleep(0.5)
+        log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
     except KeyboardInterrupt:
         log.info("stopping")
     finally:
@@ -887,6 +920,23 @@ def serve_on_gpus(
                 proc.kill()
         reaper.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _died_while_starting(reason: str) -> KilnError:
+    """The error for a ``tritonserver`` that exited before it was ready, from its log's last error line: a model it
+    could not load is named with the exception its stub raised."""
+    failed = re.match(r"\"?failed to load '([^']+)' version \d+: (?:\w+: )?(.*)", reason)
+    if failed is None:
+        return ServerDied(
+            f"the Triton server exited while starting{f': {reason}' if reason else ''}",
+            hint="rerun with --verbose to see the server's log",
+        )
+    model, why = failed[1], failed[2].split("\\n")[0].strip()
+    return ServerDied(
+        f"Triton could not load model {model}: {why}",
+        hint="a 'No module named ...' comes from the Python backend stub, which imports what this process imports: "
+        "install the module into this environment",
+    )
 
 
 def iter_urls(address: str, http_port: int, grpc_port: int, served: list[ServedEngine]) -> Iterator[str]:

@@ -242,18 +242,30 @@ class TritonPythonModel:
 
     def execute(self, requests):
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
-        if self.batched:
-            sizes = [len(f[self.inputs[0]]) for f in feeds]
-            batch = {n: np.concatenate([f[n] for f in feeds]) for n in self.inputs}
-            out = padded_infer(self.runner, batch, self.buckets)
-            bounds = np.cumsum(sizes)[:-1]
-            parts = {n: np.split(np.asarray(out[n]), bounds) for n in self.outputs}
-            results = [{n: parts[n][i] for n in self.outputs} for i in range(len(requests))]
-        else:
-            results = [self.runner.infer(f) for f in feeds]
-        return [pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(n, np.ascontiguousarray(r[n], dtype=t)) for n, t in self.outputs.items()])
-            for r in results]
+        # a request outside the sizes the engine was validated for is answered with an error naming them
+        refused = [self.runner.meta.outside_range({n: f[n].shape for n in self.inputs}) for f in feeds]
+        todo = [i for i, why in enumerate(refused) if why is None]
+        answers = {}
+        try:
+            answers = dict(zip(todo, self._run([feeds[i] for i in todo]))) if todo else {}
+        except Exception as exc:  # the engine failed on this batch: each request gets the error, the server goes on
+            refused = [why or f"the engine failed: {type(exc).__name__}: {exc}" for why in refused]
+        return [
+            pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(n, np.ascontiguousarray(answers[i][n], dtype=t)) for n, t in self.outputs.items()])
+            if i in answers else pb_utils.InferenceResponse(error=pb_utils.TritonError(refused[i]))
+            for i in range(len(requests))
+        ]
+
+    def _run(self, feeds):
+        if not self.batched:
+            return [self.runner.infer(f) for f in feeds]
+        sizes = [len(f[self.inputs[0]]) for f in feeds]
+        batch = {n: np.concatenate([f[n] for f in feeds]) for n in self.inputs}
+        out = padded_infer(self.runner, batch, self.buckets)
+        bounds = np.cumsum(sizes)[:-1]
+        parts = {n: np.split(np.asarray(out[n]), bounds) for n in self.outputs}
+        return [{n: parts[n][i] for n in self.outputs} for i in range(len(feeds))]
 
     def finalize(self):
         self.runner.deactivate()

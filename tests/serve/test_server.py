@@ -198,6 +198,25 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
 
 
+def test_pytriton_serves_the_same_answers_and_takes_no_gpus(workdir: Path, config: KilnConfig, tmp_path: Path) -> None:
+    """`kiln serve --pytriton`: the engine in the server's own process, bound through PyTriton (the path the default
+    Python-backend stubs are measured against); --gpus belongs to the default path only."""
+    ports = [free_port() for _ in range(3)]
+    proc = _start_serve(workdir, ports, "--pytriton")
+    try:
+        _ready(proc, ports, [MODEL])
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        result = loadtest(f"grpc://127.0.0.1:{ports[1]}", MODEL, workdir, tmp_path / "lt", [4], 60, 40, config=config)
+    except BaseException:
+        _abort(proc)
+        raise
+    _stop_and_check(proc, descendants, signal.SIGTERM)
+    level = result["levels"][0]
+    assert level["requests"] == 40 and level["mismatches"] == 0 and level["errors"] == 0, level
+    cli = CliRunner().invoke(main, ["serve", str(workdir), "--pytriton", "--gpus", "0"])
+    assert cli.exit_code != 0 and "error:" in cli.output and "fix:" in cli.output, cli.output
+
+
 def test_an_unreadable_answer_is_counted_not_lost(
     loaded: list[int], workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

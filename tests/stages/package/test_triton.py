@@ -117,13 +117,13 @@ def test_the_backend_registration_decides_which_engines_stock_triton_loads() -> 
 def test_kiln_serve_gpus_0_and_1_gives_one_endpoint_with_instances_on_both(tmp_path: Any) -> None:
     """What `kiln serve --gpus 0,1 --instances-per-gpu 2` serves, checked on CPU: each model's instance group lists
     both GPUs, two instances on each, in the Python-backend repository it starts, pinned per instance."""
-    from kiln.serve.server import ServedEngine, write_gpu_repository
+    from kiln.serve.server import ServedEngine, write_repository
 
     engine = tmp_path / "engine"
     engine.mkdir()
     (engine / "engine").write_bytes(b"plan")
     served = [ServedEngine("t", engine, TRT)]
-    assert write_gpu_repository(tmp_path / "repo", served, [0, 1], 2, 32, 100) == ["t"]
+    assert write_repository(tmp_path / "repo", served, [0, 1], 2, 32, 100) == ["t"]
     cfg = parse((tmp_path / "repo" / "t" / "config.pbtxt").read_text())
     [group] = cfg.instance_group
     assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
@@ -134,12 +134,12 @@ def test_kiln_serve_gpus_0_and_1_gives_one_endpoint_with_instances_on_both(tmp_p
 
 def test_gpus_are_refused_for_a_cpu_engine_and_checked_against_the_machine(tmp_path: Any) -> None:
     from kiln.core.errors import BackendUnavailable, ConfigError
-    from kiln.serve.server import ServedEngine, parse_gpus, write_gpu_repository
+    from kiln.serve.server import ServedEngine, parse_gpus, write_repository
 
     with pytest.raises(ModelError, match="CUDA engines only"):
         model_config("m", CPU, 32, backend="python", gpus=[0])
     with pytest.raises(ConfigError, match="--gpus serves CUDA engines"):
-        write_gpu_repository(tmp_path, [ServedEngine("e", tmp_path, CPU)], [0], 1, 32, 100)
+        write_repository(tmp_path, [ServedEngine("e", tmp_path, CPU)], [0], 1, 32, 100)
     assert parse_gpus("all", visible=2) == [0, 1] and parse_gpus("1", visible=2) == [1]
     with pytest.raises(ConfigError, match="GPU 2 is not visible"):
         parse_gpus("0,2", visible=2)
@@ -147,3 +147,11 @@ def test_gpus_are_refused_for_a_cpu_engine_and_checked_against_the_machine(tmp_p
         parse_gpus("1,1", visible=2)
     with pytest.raises(BackendUnavailable, match="no CUDA GPU"):
         parse_gpus("all", visible=0)
+
+
+def test_instances_default_to_four_per_gpu_within_the_cores_and_one_on_the_cpu() -> None:
+    from kiln.serve.server import default_instances
+
+    assert default_instances([0], cores=16) == 4 and default_instances([0, 1], cores=16) == 4
+    assert default_instances([0, 1], cores=8) == 2 and default_instances([0], cores=2) == 1
+    assert default_instances(None, cores=64) == 1
