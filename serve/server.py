@@ -751,9 +751,12 @@ def tritonserver_process(
     log_file: Path | None = None,
     address: str = "127.0.0.1",
     echo: bool = False,
+    reloadable: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the bundled ``tritonserver --model-repository REPOSITORY`` on ``address``. The caller stops it
-    (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting)."""
+    (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting).
+    ``reloadable``: every model loaded at start as usual, and reloadable through Triton's repository API
+    (explicit model control), as :class:`StubWatch` does when a stub dies."""
     root = prepared_tritonserver(scratch)
     check_ports(address, http_port, grpc_port, metrics_port)
     env = server_env(stub_python_env(scratch))
@@ -768,6 +771,8 @@ def tritonserver_process(
         f"--metrics-port={metrics_port}",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
     ]
+    if reloadable:
+        cmd += ["--model-control-mode=explicit", "--load-model=*"]
     # In the scratch folder: the Python stubs it starts look for modules in their working folder first, where a
     # folder named like one of the engine's packages (a `kiln/` checkout) would shadow the installed one.
     if log_file is None:  # ``echo``: its log on this process's stderr (--verbose)
@@ -892,7 +897,9 @@ def serve_python_backend(
     try:
         models = write_repository(scratch / "repository", served, gpus, instances, max_batch, queue_delay_us)
         repository = scratch / "repository"
-        proc = tritonserver_process(repository, scratch, *ports, None if verbose else log_file, address, verbose)
+        proc = tritonserver_process(
+            repository, scratch, *ports, None if verbose else log_file, address, verbose, reloadable=True
+        )
         try:
             wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc)
         except KilnError as exc:  # the scratch folder goes with the server: its log's error, said now
@@ -902,9 +909,11 @@ def serve_python_backend(
             raise ServerDied(f"{exc.message}{f': {reason}' if reason else ''}", hint=exc.hint) from None
         if on_ready is not None and not stop.requested:
             on_ready(served)
+        watch = StubWatch(proc, f"{address}:{ports[0]}")
         while not stop.requested:
             if proc.poll() is not None:
                 raise ServerDied(f"tritonserver exited with code {proc.returncode}", hint="rerun with --verbose")
+            watch.check()
             time.sleep(0.5)
         log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
     except KeyboardInterrupt:
@@ -920,6 +929,69 @@ def serve_python_backend(
                 proc.kill()
         reaper.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+STUB = "triton_python_backend_stub"
+
+
+class StubWatch:
+    """Watches the Python-backend stubs of a running ``tritonserver``. A stub that dies (killed, out of memory, a
+    crash in the engine) leaves its model instance answering every request with Triton's "Stub process ... is not
+    healthy" error and never comes back on its own; :meth:`check` finds it, says so on the log (model, instance,
+    process) and reloads the model through Triton's repository API, which starts new stubs and retires the dead
+    one. Requests sent to the dead instance meanwhile get that error: nothing restarts silently."""
+
+    def __init__(self, server: subprocess.Popen[bytes], http_address: str) -> None:
+        self.server, self.http_address = server, http_address
+        self.stubs = self._stubs()
+
+    def _stubs(self) -> dict[Any, tuple[str, str]]:
+        """The server's stub processes -> (model, instance), read from their command lines (the model's
+        ``<repository>/<model>/<version>/model.py`` and the instance name)."""
+        import psutil
+
+        found = {}
+        for child in psutil.Process(self.server.pid).children():
+            try:
+                cmd = child.cmdline()
+            except psutil.Error:
+                continue
+            if len(cmd) > 8 and cmd[0].endswith(STUB):
+                found[child] = (Path(cmd[1]).parent.parent.name, cmd[8])
+        return found
+
+    @staticmethod
+    def _dead(process: Any) -> bool:
+        import psutil
+
+        try:
+            return process.status() == psutil.STATUS_ZOMBIE  # a stub Triton has not reaped is a zombie
+        except psutil.NoSuchProcess:
+            return True
+
+    def check(self) -> list[str]:
+        """Reload the models whose stubs died since the last check; returns their names."""
+        dead = {p: m for p, m in self.stubs.items() if self._dead(p)}
+        models = sorted({model for model, _ in dead.values()})
+        for process, (model, instance) in dead.items():
+            log.error("model %s: instance %s died (stub process %d); reloading the model", model, instance, process.pid)
+        for model in models:
+            self._reload(model)
+        if dead:
+            self.stubs = self._stubs()
+        return models
+
+    def _reload(self, model: str) -> None:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(self.http_address, network_timeout=STARTUP_TIMEOUT_S)
+        try:
+            client.load_model(model)
+            log.warning("model %s reloaded: new instances serve it", model)
+        except Exception as exc:  # the server goes on for its other models; the error is said
+            log.error("model %s could not be reloaded: %s", model, first_line(str(exc)))
+        finally:
+            client.close()
 
 
 def _died_while_starting(reason: str) -> KilnError:

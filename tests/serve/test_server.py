@@ -217,6 +217,52 @@ def test_pytriton_serves_the_same_answers_and_takes_no_gpus(workdir: Path, confi
     assert cli.exit_code != 0 and "error:" in cli.output and "fix:" in cli.output, cli.output
 
 
+def test_a_dead_stub_is_said_and_its_model_reloaded(workdir: Path) -> None:
+    """A model instance's stub process killed (out of memory, a crash in the engine): requests sent to it get
+    Triton's error naming the stub, `kiln serve` logs which instance died and reloads the model, and the same
+    request is answered correctly again; then SIGTERM still leaves nothing running (issue 34: a dead replica)."""
+    import tritonclient.http as httpclient
+
+    engine = workdir / "package" / "engines" / ENGINE
+    ports = [free_port() for _ in range(3)]
+    proc = _start_serve(engine, ports)
+    feed = random_inputs(read_metadata(engine).inputs, 1, seed=5)
+    with load_engine(engine) as runner:
+        want = runner.infer(feed)["logits"]
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}", network_timeout=60)
+
+    def ask() -> Any:
+        tensor = httpclient.InferInput("input", list(feed["input"].shape), "FP32")
+        tensor.set_data_from_numpy(feed["input"])
+        try:
+            return client.infer(MODEL, [tensor]).as_numpy("logits")
+        except Exception as exc:  # tritonclient's InferenceServerException: the answer under test
+            return exc
+
+    try:
+        _ready(proc, ports, [MODEL])
+        stubs = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("triton_python")]
+        assert len(stubs) == 1, stubs
+        np.testing.assert_allclose(ask(), want, rtol=1e-5, atol=1e-6)
+        stubs[0].kill()
+        answers, deadline = [], time.monotonic() + GONE_TIMEOUT_S
+        while time.monotonic() < deadline and (not answers or isinstance(answers[-1], Exception)):
+            answers.append(ask())
+            time.sleep(0.1)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except BaseException:
+        _abort(proc)
+        raise
+    client.close()
+    errors = [a for a in answers if isinstance(a, Exception)]
+    assert all("not healthy" in str(e) for e in errors), errors[:3]
+    assert not isinstance(answers[-1], Exception), f"still failing after the stub died: {answers[-1]}"
+    np.testing.assert_allclose(answers[-1], want, rtol=1e-5, atol=1e-6)
+    printed = _stop_and_check(proc, descendants, signal.SIGTERM)
+    assert f"died (stub process {stubs[0].pid}); reloading the model" in " ".join(printed.split()), printed[-2000:]
+    assert f"model {MODEL} reloaded" in printed, printed[-2000:]
+
+
 def test_an_unreadable_answer_is_counted_not_lost(
     loaded: list[int], workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
