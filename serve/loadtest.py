@@ -349,6 +349,18 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
     return counts | {f"{k}_ns": int(phases.get(k, {}).get("ns", 0)) for k in ("success", *TRITON_PHASES)}
 
 
+def settled_batches(protocol: str, address: str, model: str, answered: int, wait_s: float = 10.0) -> dict[str, int]:
+    """:func:`server_batches` once Triton has counted the ``answered`` requests: it records a request's statistics
+    just after sending its response, so a read right after the last answer can miss it. Gives up after ``wait_s``
+    (a request that failed may never count) and returns the last read."""
+    stats = server_batches(protocol, address, model)
+    deadline = time.monotonic() + wait_s
+    while protocol != "ray" and stats["inference_count"] < answered and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = server_batches(protocol, address, model)
+    return stats
+
+
 def time_split(before: dict[str, int], after: dict[str, int], client_ms: float) -> dict[str, float] | None:
     """Where a level's requests spent their time, in mean ms per request: outside Triton (the client, its
     serialising and the transport: the client's mean latency less Triton's), then Triton's phases (queue and
@@ -443,7 +455,7 @@ def loadtest(
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append(level.summary())
-            after = server_batches(protocol, address, model)
+            after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
             mark = after
             _log_level(levels[-1])

@@ -895,8 +895,8 @@ def serve_python_backend(
     proc: subprocess.Popen[bytes] | None = None
     log_file = scratch / "tritonserver.log"
     try:
-        models = write_repository(scratch / "repository", served, gpus, instances, max_batch, queue_delay_us)
         repository = scratch / "repository"
+        models = write_repository(repository, served, gpus, instances, max_batch, queue_delay_us)
         proc = tritonserver_process(
             repository, scratch, *ports, None if verbose else log_file, address, verbose, reloadable=True
         )
