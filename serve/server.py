@@ -757,6 +757,8 @@ def tritonserver_process(
     (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting).
     ``reloadable``: every model loaded at start as usual, and reloadable through Triton's repository API
     (explicit model control), as :class:`StubWatch` does when a stub dies."""
+    # absolute: the server starts in ``scratch``, where paths relative to this process's folder mean nothing
+    repository, scratch = repository.resolve(), scratch.resolve()
     root = prepared_tritonserver(scratch)
     check_ports(address, http_port, grpc_port, metrics_port)
     env = server_env(stub_python_env(scratch))

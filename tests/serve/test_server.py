@@ -213,6 +213,8 @@ def test_pytriton_serves_the_same_answers_and_takes_no_gpus(workdir: Path, confi
     _stop_and_check(proc, descendants, signal.SIGTERM)
     level = result["levels"][0]
     assert level["requests"] == 40 and level["mismatches"] == 0 and level["errors"] == 0, level
+    with pytest.raises(ConfigError, match="not PyTriton"):
+        serve(workdir, gpus=[0], pytriton=True)
     cli = CliRunner().invoke(main, ["serve", str(workdir), "--pytriton", "--gpus", "0"])
     assert cli.exit_code != 0 and "error:" in cli.output and "fix:" in cli.output, cli.output
 
@@ -254,11 +256,11 @@ def test_a_dead_stub_is_said_and_its_model_reloaded(workdir: Path) -> None:
         _abort(proc)
         raise
     client.close()
+    printed = _stop_and_check(proc, descendants, signal.SIGTERM)  # first: a failed check below leaves no server
     errors = [a for a in answers if isinstance(a, Exception)]
     assert all("not healthy" in str(e) for e in errors), errors[:3]
     assert not isinstance(answers[-1], Exception), f"still failing after the stub died: {answers[-1]}"
     np.testing.assert_allclose(answers[-1], want, rtol=1e-5, atol=1e-6)
-    printed = _stop_and_check(proc, descendants, signal.SIGTERM)
     assert f"died (stub process {stubs[0].pid}); reloading the model" in " ".join(printed.split()), printed[-2000:]
     assert f"model {MODEL} reloaded" in printed, printed[-2000:]
 
@@ -359,13 +361,14 @@ def test_a_server_that_dies_while_starting_is_one_error_in_seconds(
 
 def test_serve_is_quiet_unless_verbose_and_sigint_stops_it_and_its_children(workdir: Path, tmp_path: Path) -> None:
     """The URLs on stdout and one line on stderr; Triton's own log (startup tables, NVML probes) only with -v. Then
-    SIGINT (Ctrl-C) stops the server and every process under it."""
+    SIGINT (Ctrl-C) stops the server and every process under it. The workdir is given relative to the current folder,
+    as a user types it (the server starts in its scratch folder, where a relative path once named nothing)."""
     ports = [free_port() for _ in range(3)]
     out, err = tmp_path / "out", tmp_path / "err"
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(workdir), "--http-port", str(ports[0])]
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", workdir.name, "--http-port", str(ports[0])]
     cmd += ["--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     with out.open("wb") as o, err.open("wb") as e:
-        proc = subprocess.Popen(cmd, stdout=o, stderr=e)
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=workdir.parent)
     try:
         _ready(proc, ports, [MODEL])
         while "ready (Ctrl-C" not in err.read_text() and proc.poll() is None:  # printed just after readiness
