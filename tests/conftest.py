@@ -129,6 +129,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+# Memory one test worker may need at its peak (a worker's imports, a `kiln run` it starts, a server it holds).
+WORKER_MEMORY = 2 << 30
+
+
+def auto_workers(cores: int, load: float, available: int) -> int:
+    """How many workers ``-n auto`` starts: one per core on a quiet machine; on a busy one (a 1-minute load average
+    above the cores), one per runnable process up to four per core, so the suite gets the share of the CPU it would
+    have had idle rather than 2 of ``load + 2`` slices; never more than the free memory holds."""
+    wanted = cores if load <= cores + 1 else min(4 * cores, int(load + 0.5))
+    return max(1, min(wanted, available // WORKER_MEMORY))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0))
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return auto_workers(cores, os.getloadavg()[0], free)
+
+
 # Folders whose every test is slow: whole runs of `kiln` and the benchmark scripts (run by .ci/run's second step).
 SLOW_FOLDERS = ("e2e", "benchmarks")
 

@@ -46,3 +46,20 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker(
     if "PYTEST_XDIST_WORKER" not in os.environ:
         pytest.skip("runs in this process (-n0): no workers to group tests on")
     assert request.node.nodeid.endswith("@test_collection.py"), request.node.nodeid
+
+
+@pytest.mark.parametrize(
+    ("cores", "load", "free_gib", "workers"),
+    [
+        (2, 0.3, 20, 2),  # quiet: one per core
+        (2, 3.0, 20, 2),  # a little busy: still one per core
+        (2, 9.2, 12, 6),  # busy: one per runnable process, as far as memory goes (12 GiB / 2 GiB)
+        (2, 9.2, 64, 8),  # ... and up to four per core
+        (16, 40.0, 256, 40),
+        (2, 0.0, 1, 1),  # at least one
+    ],
+)
+def test_auto_workers_take_the_cpu_share_of_a_busy_machine(cores: int, load: float, free_gib: int, workers: int):
+    from tests.conftest import auto_workers
+
+    assert auto_workers(cores, load, free_gib << 30) == workers
