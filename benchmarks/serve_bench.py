@@ -17,7 +17,8 @@ max-autotune off (the servers compile it at each padded batch size before they s
 of it crashed its loader on the H200 host). `kiln serve` runs the engine in plain ``tritonserver``'s Python-backend
 stubs (``--gpus``, ``--instances-per-gpu N``: N stubs per GPU); ``--pytriton`` serves it from the server's own
 process through PyTriton instead. ``--processes 8,14`` and ``--protocol grpc,http`` load-test one server with each
-client setting in turn (N client processes).
+client setting in turn (N client processes); ``--transport net,shm`` also with the tensors in system shared memory
+(`kiln loadtest --shared-memory`: the server without the cost of moving tensors through HTTP/gRPC in Python).
 Results: ``benchmarks/results/serve_<label>.{json,md}``.
 
     python benchmarks/serve_bench.py --resnet18-torch --gpus 0 --instances-per-gpu 2 --processes 8 \
@@ -131,10 +132,10 @@ def served(
     config: KilnConfig | None,
     args: argparse.Namespace,
     out: Path,
-    report: Callable[[str, int, dict[str, Any]], None],
+    report: Callable[[str, int, str, dict[str, Any]], None],
 ) -> None:
-    """One `kiln serve` of ``model``, load-tested once per (protocol, client processes) asked for, in that order,
-    each result handed to ``report`` as it comes. The server's start (compiles, warm-up) is paid once."""
+    """One `kiln serve` of ``model``, load-tested once per (protocol, client processes, transport) asked for, in
+    that order, each result handed to ``report`` as it comes. The server's start (compiles, warm-up) is paid once."""
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
@@ -179,16 +180,22 @@ def served(
         )
         for protocol in args.protocol:
             for n in args.processes:
-                say(f"load test: {protocol}, {n} client process(es)")
-                folder = out / f"{protocol}_p{n}"
-                # with the engine's host-to-host time at each level's batch (inputs copied in, outputs out)
-                report(
-                    protocol,
-                    n,
-                    loadtest(
-                        urls[protocol], model, path, folder, args.concurrency, args.duration, config=config, processes=n
-                    ),
-                )
+                for transport in args.transport:
+                    say(f"load test: {protocol}, {n} client process(es), tensors {transport}")
+                    folder = out / f"{protocol}_p{n}_{transport}"
+                    # with the engine's host-to-host time at each level's batch (inputs copied in, outputs out)
+                    result = loadtest(
+                        urls[protocol],
+                        model,
+                        path,
+                        folder,
+                        args.concurrency,
+                        args.duration,
+                        config=config,
+                        processes=n,
+                        shared_memory=transport == "shm",
+                    )
+                    report(protocol, n, transport, result)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -207,7 +214,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Served: {_server(report, env)} + dynamic batcher (max queue delay "
         f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
-        f"threads in {report.get('client_processes', 1)} process(es) on the same machine, {s['duration_s']} s "
+        f"threads in {report.get('client_processes', 1)} process(es) on the same machine"
+        + (", tensors in system shared memory" if s.get("transport") == "system shared memory" else "")
+        + f", {s['duration_s']} s "
         f"per level, inputs: {s['inputs']}; every answer "
         "checked against the engine's direct output. On device: the engine timed on a batch of c samples already "
         "on its device (no server, no transport, no copies); host to host: the same called from this process with "
@@ -259,6 +268,9 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per concurrency level")
     p.add_argument("--protocol", default="grpc", help="grpc, http or both (grpc,http), tested in turn")
+    p.add_argument(
+        "--transport", default="net", help="net (tensors in the requests), shm (system shared memory) or net,shm"
+    )
     p.add_argument("--max-queue-delay-us", type=int, default=100)
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
@@ -269,6 +281,9 @@ def main() -> None:
     args.protocol = args.protocol.split(",")
     if not set(args.protocol) <= {"grpc", "http"}:
         p.error("--protocol takes grpc, http or grpc,http")
+    args.transport = args.transport.split(",")
+    if not set(args.transport) <= {"net", "shm"}:
+        p.error("--transport takes net, shm or net,shm")
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     load_at_start = os.getloadavg()[0]  # this script shares its machine: say how busy it was
     config: KilnConfig | None = None
@@ -301,9 +316,9 @@ def main() -> None:
         "load_avg_1m_at_start": load_at_start,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    several = len(args.protocol) * len(args.processes) > 1
+    several = len(args.protocol) * len(args.processes) * len(args.transport) > 1
 
-    def write(protocol: str, processes: int, result: dict[str, Any]) -> None:
+    def write(protocol: str, processes: int, transport: str, result: dict[str, Any]) -> None:
         report = {
             "env": env,
             "protocol": protocol,
@@ -312,10 +327,12 @@ def main() -> None:
             "instances_per_gpu": args.instances_per_gpu,
             "pytriton": args.pytriton,
             "client_processes": processes,
+            "transport": transport,
             "served": result,
             "in_process": inproc,
         }
-        name = f"serve_{args.label or label}" + (f"_{protocol}_p{processes}" if several else "")
+        tail = f"_{protocol}_p{processes}" + ("_shm" if transport == "shm" else "")
+        name = f"serve_{args.label or label}" + (tail if several else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)

@@ -970,6 +970,12 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     "one interpreter lock: at high concurrency they, not the server, can set the pace)",
 )
 @click.option(
+    "--shared-memory",
+    is_flag=True,
+    help="send tensors through system shared memory registered with Triton, not in the requests (clients on the "
+    "server's machine; measures the server without moving tensors through HTTP/gRPC in Python)",
+)
+@click.option(
     "-o",
     "--output",
     default="loadtest",
@@ -986,6 +992,7 @@ def loadtest(
     max_requests: int,
     config: str | None,
     processes: int,
+    shared_memory: bool,
     output: str,
 ) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
@@ -997,7 +1004,16 @@ def loadtest(
     claim_folder(out, "-o", LOADTEST_FILES)  # a loadtest.json Kiln did not write is never replaced
     with scratch_root(out):
         result = run_loadtest(
-            url, model, engines, out, concurrency, duration, max_requests, _config(config, ()), processes
+            url,
+            model,
+            engines,
+            out,
+            concurrency,
+            duration,
+            max_requests,
+            _config(config, ()),
+            processes,
+            shared_memory=shared_memory,
         )
     record_owned(out, LOADTEST_FILES)
     click.echo(render_markdown(result), nl=False)

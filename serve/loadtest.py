@@ -11,6 +11,11 @@ up between requests in a batch, truncated, of another model) is counted, reporte
 the same way: it speaks the KServe v2 protocol in JSON, so the same HTTP client sends JSON tensors; it keeps no
 Triton statistics, so its report has no server-side batch count.
 
+``shared_memory``: requests carry no tensor bytes; the inputs sit in a system shared-memory region registered with
+Triton (one per client process, the pool laid out once) and each answer is written into the client thread's own
+region, as Triton's perf_analyzer does with ``--shared-memory system``. It measures the server without the cost of
+moving tensors through HTTP/gRPC in Python, what a preprocessing process beside the server would see.
+
 Each level's throughput is set beside the engine's own, timed in-process at a batch of the level's concurrency
 (the most a server can batch from ``c`` single-sample requests): the served/in-process ratio says what serving
 costs.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -190,6 +196,81 @@ def _inputs(module: Any, feed: dict[str, np.ndarray], binary: bool = True) -> li
     return out
 
 
+def _client(module: Any, protocol: str, address: str) -> tuple[Any, dict[str, float]]:
+    """A client of ``address`` and the keyword that bounds one request's wait."""
+    if protocol == "grpc":
+        return module.InferenceServerClient(address), {"client_timeout": REQUEST_TIMEOUT_S}
+    return module.InferenceServerClient(address, network_timeout=REQUEST_TIMEOUT_S), {}
+
+
+class SharedMemory:
+    """System shared-memory regions registered with the server: the pool's inputs laid out once (Triton only reads
+    them, so every thread of the process sends from it) and one output region per client thread."""
+
+    def __init__(self, module: Any, client: Any, pool: list[dict], expected: list[dict], threads: int) -> None:
+        import tritonclient.utils.shared_memory as shm
+
+        self.shm, self.client, self.handles = shm, client, {}
+        tag = f"kiln_{os.getpid()}_{threading.get_ident() % 100_000}"
+        arrays = [{n: np.ascontiguousarray(a) for n, a in feed.items()} for feed in pool]
+        handle = self._region(f"{tag}_in", sum(a.nbytes for feed in arrays for a in feed.values()))
+        self.inputs, offset = [], 0
+        for feed in arrays:
+            tensors = []
+            for name, array in feed.items():
+                shm.set_shared_memory_region(handle, [array], offset=offset)
+                tensor = module.InferInput(name, list(array.shape), _triton_dtype(array.dtype))
+                tensor.set_shared_memory(f"{tag}_in", array.nbytes, offset)
+                tensors.append(tensor)
+                offset += array.nbytes
+            self.inputs.append(tensors)
+        # each output at a fixed place in a thread's region, sized for the largest answer in the pool
+        self.sizes = {n: max(e[n].nbytes for e in expected) for n in expected[0]}
+        self.outputs = []
+        for t in range(threads):
+            name, offset, requested = f"{tag}_out{t}", 0, []
+            handle = self._region(name, max(1, sum(self.sizes.values())))
+            for n, size in self.sizes.items():
+                out = module.InferRequestedOutput(n)
+                out.set_shared_memory(name, max(1, size), offset)
+                requested.append((n, out, offset))
+                offset += size
+            self.outputs.append((handle, requested))
+
+    def _region(self, name: str, size: int) -> Any:
+        handle = self.shm.create_shared_memory_region(name, f"/{name}", size)
+        self.handles[name] = handle
+        self.client.register_system_shared_memory(name, f"/{name}", size)
+        return handle
+
+    def answer(self, thread: int, result: Any, want: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
+        """Thread ``thread``'s answer, read from its region in the shapes the server declared (a copy: the
+        next request writes over it)."""
+        handle, requested = self.outputs[thread]
+        got: dict[str, np.ndarray | None] = {}
+        for name, _, offset in requested:
+            meta = result.get_output(name)
+            if meta is None:
+                got[name] = None
+                continue
+            shape = list(meta["shape"] if isinstance(meta, dict) else meta.shape)
+            got[name] = self.shm.get_contents_as_numpy(handle, want[name].dtype, shape, offset).copy()
+        return got
+
+    def close(self) -> None:
+        for name, handle in self.handles.items():
+            try:
+                self.client.unregister_system_shared_memory(name)
+            finally:
+                self.shm.destroy_shared_memory_region(handle)
+
+
+def _triton_dtype(dtype: np.dtype) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return np_to_triton_dtype(dtype)
+
+
 def run_level(
     protocol: str,
     address: str,
@@ -200,26 +281,31 @@ def run_level(
     concurrency: int,
     duration_s: float,
     max_requests: int,
+    shared_memory: bool = False,
 ) -> Level:
-    """``concurrency`` client threads sending the pool's requests for ``duration_s``, every answer checked."""
+    """``concurrency`` client threads sending the pool's requests for ``duration_s``, every answer checked;
+    ``shared_memory``: tensors through :class:`SharedMemory`, not in the requests."""
     module = _client_module(protocol)
     level, lock = Level(concurrency), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
     atol, rtol = tolerance
-    prepared = [_inputs(module, feed, binary=protocol != "ray") for feed in pool]
     outputs = list(expected[0])
+    setup = _client(module, protocol, address)[0] if shared_memory else None
+    regions = SharedMemory(module, setup, pool, expected, concurrency) if setup else None
+    prepared = regions.inputs if regions else [_inputs(module, feed, binary=protocol != "ray") for feed in pool]
     # JSON answers for Ray Serve (tritonclient.http's outputs); Triton's default (binary) otherwise
     requested = (
         {"outputs": [module.InferRequestedOutput(n, binary_data=False) for n in outputs]} if protocol == "ray" else {}
     )
+    slots = iter(range(concurrency))
     start = time.perf_counter()
     deadline = start + duration_s
 
     def worker() -> None:
-        if protocol == "grpc":
-            client, timeout = module.InferenceServerClient(address), {"client_timeout": REQUEST_TIMEOUT_S}
-        else:
-            client, timeout = module.InferenceServerClient(address, network_timeout=REQUEST_TIMEOUT_S), {}
+        client, timeout = _client(module, protocol, address)
+        with lock:
+            slot = next(slots)
+        wanted = {"outputs": [o for _, o, _ in regions.outputs[slot][1]]} if regions else requested
         try:
             while time.perf_counter() < deadline:
                 with lock:
@@ -229,17 +315,18 @@ def run_level(
                 k = i % len(pool)
                 t0 = time.perf_counter()
                 try:
-                    result = client.infer(model, prepared[k], **timeout, **requested)
+                    result = client.infer(model, prepared[k], **timeout, **wanted)
                 except Exception as exc:  # a failed request is a result of the test: count it and go on
                     with lock:
                         level.errors.append(f"{type(exc).__name__}: {exc}"[:300])
                     continue
                 ms = (time.perf_counter() - t0) * 1e3
                 err, ok = 0.0, True
+                answer = regions.answer(slot, result, expected[k]) if regions else None
                 for name in outputs:
                     want = expected[k][name]
                     try:
-                        got = result.as_numpy(name)
+                        got = answer[name] if answer is not None else result.as_numpy(name)
                     except ValueError as exc:  # e.g. an empty answer that cannot take its declared shape
                         with lock:
                             level.errors.append(f"output {name} unreadable: {exc}"[:300])
@@ -263,6 +350,9 @@ def run_level(
     for t in threads:
         t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
     level.seconds = time.perf_counter() - start
+    if regions:
+        regions.close()
+        setup.close()
     return level
 
 
@@ -272,7 +362,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
     its interpreter lock, and at high concurrency they, not the server, set the pace. Their results are merged."""
     import multiprocessing
 
-    protocol, address, model, pool, expected, tolerance, concurrency, duration_s, max_requests = args
+    protocol, address, model, pool, expected, tolerance, concurrency, duration_s, max_requests, *shm = args
     procs = min(processes, concurrency)
     threads = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     budgets = [max_requests // procs + (i < max_requests % procs) for i in range(procs)]
@@ -281,7 +371,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
     workers = [
         ctx.Process(
             target=_level_worker,
-            args=(barrier, results, (protocol, address, model, pool, expected, tolerance, t, duration_s, b)),
+            args=(barrier, results, (protocol, address, model, pool, expected, tolerance, t, duration_s, b, *shm)),
             daemon=True,
         )
         for t, b in zip(threads, budgets)
@@ -432,16 +522,23 @@ def loadtest(
     config: KilnConfig | None = None,
     processes: int = 1,
     inprocess: bool = True,
+    shared_memory: bool = False,
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
     ``processes``: client processes per level (:func:`run_level_processes`); ``inprocess``: time the engine in
-    this process at each level's batch too (:func:`with_inprocess`). Raises :class:`GateFailure` (after
-    writing them) if any answer was wrong or any request failed."""
+    this process at each level's batch too (:func:`with_inprocess`); ``shared_memory``: tensors through system
+    shared memory (:class:`SharedMemory`). Raises :class:`GateFailure` (after writing them) if any answer was wrong
+    or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
         raise ConfigError(
             "concurrency levels must be >= 1, and duration and requests positive",
             hint="e.g. --concurrency 1,2,4,8 --duration 10",
+        )
+    if shared_memory and protocol == "ray":
+        raise ConfigError(
+            "--shared-memory needs a Triton server; the Ray Serve application takes tensors in its requests only",
+            hint="drop --shared-memory for ray:// URLs",
         )
     engine = engine_for(engines, model)
     pool, source = request_pool(engine, config)
@@ -452,7 +549,7 @@ def loadtest(
         expected = expected_outputs(runner, pool)
         levels, mark = [], before
         for c in concurrency:
-            args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
+            args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests, shared_memory)
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append(level.summary())
             after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
@@ -472,6 +569,7 @@ def loadtest(
         "duration_s": duration_s,
         "max_requests": max_requests,
         "client_processes": processes,
+        "transport": "system shared memory" if shared_memory else "in the requests",
         "levels": levels,
         "server": batches if protocol != "ray" else None,
         "mean_batch": batches["inference_count"] / batches["execution_count"] if batches["execution_count"] else None,
@@ -507,7 +605,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"{result['url']}, inputs: {result['inputs']}, up to {result['duration_s']} s or "
         f"{result['max_requests']} requests per level, single-sample requests"
-        + (f" from {result['client_processes']} client processes." if result.get("client_processes", 1) > 1 else "."),
+        + (f" from {result['client_processes']} client processes" if result.get("client_processes", 1) > 1 else "")
+        + (", tensors in system shared memory." if result.get("transport") == "system shared memory" else "."),
         "",
         "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | in-process ms (batch) "
         "| in-process req/s | served / in-process | wrong | failed |",

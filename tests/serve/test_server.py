@@ -198,6 +198,26 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
 
 
+def test_tensors_through_shared_memory_give_the_same_checked_answers_and_leave_nothing(
+    loaded: list[int], workdir: Path, config: KilnConfig, tmp_path: Path
+) -> None:
+    import tritonclient.http
+
+    for url, processes in ((f"http://127.0.0.1:{loaded[0]}", 2), (f"grpc://127.0.0.1:{loaded[1]}", 1)):
+        result = loadtest(
+            url, MODEL, workdir, tmp_path / url[:4], [1, 4], 120, 40, config, processes, shared_memory=True
+        )
+        for level in result["levels"]:
+            assert level["requests"] == 40 and level["mismatches"] == 0 and level["errors"] == 0, level
+        assert result["transport"] == "system shared memory"
+        assert "tensors in system shared memory" in (tmp_path / url[:4] / "loadtest.md").read_text()
+    client = tritonclient.http.InferenceServerClient(f"127.0.0.1:{loaded[0]}")
+    assert client.get_system_shared_memory_status() == []  # every region unregistered
+    assert not list(Path("/dev/shm").glob("kiln_*"))  # and removed
+    with pytest.raises(ConfigError, match="shared-memory needs a Triton server"):
+        loadtest("ray://127.0.0.1:1", MODEL, workdir, tmp_path / "ray", [1], 1, shared_memory=True)
+
+
 def test_pytriton_serves_the_same_answers_and_takes_no_gpus(workdir: Path, config: KilnConfig, tmp_path: Path) -> None:
     """`kiln serve --pytriton`: the engine in the server's own process, bound through PyTriton (the path the default
     Python-backend stubs are measured against); --gpus belongs to the default path only."""
