@@ -141,7 +141,7 @@ def auto_workers(cores: int, load: float, available: int) -> int:
     return max(1, min(wanted, available // WORKER_MEMORY))
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest without xdist runs the tests in-process
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
