@@ -549,32 +549,43 @@ def test_loadtest_targets_only_this_machine(url: str) -> None:
     assert parse_url("grpc://127.0.0.1:8001") == ("grpc", "127.0.0.1:8001")
 
 
-@pytest.mark.gpu
-def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, tmp_path: Path) -> None:
-    for module in ("pytriton", "tritonclient.grpc"):  # a GPU host may have the engines' libraries but not these
-        pytest.importorskip(module, reason="needs the serving libraries (pip install 'kiln[serve]')")
+def _cuda_engine(workdir: Path, config: KilnConfig, tmp_path: Path, precision: str) -> tuple[Path, str]:
+    """The run's model as a CUDA engine (its folder and served name): ONNX Runtime's where it has CUDA, else the
+    torch backend's (a GPU host may have only one of them)."""
+    import onnxruntime
+
+    from kiln.models.model_io import load_trained
     from kiln.stages.engines.config import BuildConfig
     from kiln.stages.engines.stage import build_engine
 
-    engine_dir = tmp_path / "onnxruntime-cuda-fp16"
+    backend = "onnxruntime" if "CUDAExecutionProvider" in onnxruntime.get_available_providers() else "torch"
+    engine_dir = tmp_path / f"{backend}-cuda-{precision}"
     build_engine(
         workdir / "optimize" / "model.onnx",
         engine_dir,
-        "onnxruntime",
+        backend,
         "cuda",
-        "fp16",
-        BuildConfig(backends=["onnxruntime"]),
+        precision,
+        BuildConfig(backends=[backend]),
         tmp_path / "cache",
         max_batch=32,
+        torch_model=lambda: load_trained(workdir / "train", config.model),
     )
+    return engine_dir, engine_dir.name.replace("-", "_")
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, config: KilnConfig, tmp_path: Path) -> None:
+    pytest.importorskip("tritonclient.grpc", reason="needs the serving libraries (pip install 'kiln[serve]')")
+    engine_dir, model = _cuda_engine(workdir, config, tmp_path, "fp16")
     ports = [free_port() for _ in range(3)]
     proc = _start_serve(engine_dir, ports, "--max-queue-delay-us", "2000")
     try:
-        _ready(proc, ports, ["onnxruntime_cuda_fp16"])
+        _ready(proc, ports, [model])
         descendants = psutil.Process(proc.pid).children(recursive=True)
         result = loadtest(
             f"grpc://127.0.0.1:{ports[1]}",
-            "onnxruntime_cuda_fp16",
+            model,
             engine_dir,
             tmp_path / "lt",
             [8],
@@ -613,31 +624,16 @@ def test_a_stop_signal_is_a_flag_the_serving_loop_reads() -> None:
 
 
 @pytest.mark.gpu
-def test_gpus_all_serves_one_endpoint_over_every_gpu(workdir: Path, tmp_path: Path) -> None:
+def test_gpus_all_serves_one_endpoint_over_every_gpu(workdir: Path, config: KilnConfig, tmp_path: Path) -> None:
     """`kiln serve --gpus all` on a CUDA engine: answers checked under load through one endpoint."""
     pytest.importorskip("tritonclient.grpc", reason="needs the serving libraries (pip install 'kiln[serve]')")
-    from kiln.stages.engines.config import BuildConfig
-    from kiln.stages.engines.stage import build_engine
-
-    engine_dir = tmp_path / "onnxruntime-cuda-fp32"
-    build_engine(
-        workdir / "optimize" / "model.onnx",
-        engine_dir,
-        "onnxruntime",
-        "cuda",
-        "fp32",
-        BuildConfig(backends=["onnxruntime"]),
-        tmp_path / "cache",
-        max_batch=32,
-    )
+    engine_dir, model = _cuda_engine(workdir, config, tmp_path, "fp32")
     ports = [free_port() for _ in range(3)]
     proc = _start_serve(engine_dir, ports, "--gpus", "all")
     try:
-        _ready(proc, ports, ["onnxruntime_cuda_fp32"])
+        _ready(proc, ports, [model])
         descendants = psutil.Process(proc.pid).children(recursive=True)
-        result = loadtest(
-            f"grpc://127.0.0.1:{ports[1]}", "onnxruntime_cuda_fp32", engine_dir, tmp_path / "lt", [8], 120, 200
-        )
+        result = loadtest(f"grpc://127.0.0.1:{ports[1]}", model, engine_dir, tmp_path / "lt", [8], 120, 200)
     except BaseException:
         _abort(proc)
         raise
