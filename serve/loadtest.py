@@ -44,6 +44,7 @@ from kiln.core.inputs import random_inputs
 from kiln.core.records import TensorSpec
 from kiln.models.model_io import dataset_for, torch_model_named
 from kiln.pipeline.config import KilnConfig
+from kiln.serve.batching import buckets_for, padded_infer
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.package.triton import served_max_batch
@@ -485,30 +486,42 @@ def _ray_ready(address: str, model: str) -> dict[str, int]:
     return {"inference_count": 0, "execution_count": 0}
 
 
-def inprocess_ms(runner: Any, pool: list[dict], batch: int, budget_s: float = 2.0) -> float:
+def inprocess_ms(
+    runner: Any, pool: list[dict], batch: int, budget_s: float = 2.0, buckets: list[int] | None = None
+) -> float:
     """The engine's own latency (ms, median) at ``batch`` rows of the pool, timed in this process: the figure a
-    served request is compared with. Up to 50 calls after one untimed one, within ``budget_s``."""
+    served request is compared with. Up to 50 calls after one untimed one, within ``budget_s``; ``buckets``: padded
+    to the next of them, as the server runs a shape-specialised engine (:func:`padded_infer`)."""
     rows = [pool[i % len(pool)] for i in range(batch)]
     feed = {k: np.concatenate([r[k] for r in rows]) for k in pool[0]}
     times: list[float] = []
-    runner.infer(feed)
+    padded_infer(runner, feed, buckets)
     end = time.perf_counter() + budget_s
     while len(times) < 50 and (len(times) < 5 or time.perf_counter() < end):
         t0 = time.perf_counter()
-        runner.infer(feed)
+        padded_infer(runner, feed, buckets)
         times.append((time.perf_counter() - t0) * 1e3)
     return float(np.median(times))
 
 
 def with_inprocess(levels: list[dict[str, Any]], runner: Any, pool: list[dict], limit: int) -> None:
     """Each level gets the engine's in-process latency and throughput at a batch of its concurrency (capped by
-    the server's batch ``limit``), and the served/in-process throughput ratio."""
+    the server's batch ``limit``: the most it can batch) and the served/in-process throughput ratio; where Triton's
+    statistics give the level's mean batch, also the engine's throughput at that batch (rounded, padded as the
+    server pads it) and the ratio to it: what serving costs at the batches the server really formed."""
+    buckets = buckets_for(runner, limit)
     for lv in levels:
         batch = max(1, min(lv["concurrency"], limit)) if limit else 1
-        ms = inprocess_ms(runner, pool, batch)
+        ms = inprocess_ms(runner, pool, batch, buckets=buckets)
         rps = batch / ms * 1e3
         lv["inprocess"] = {"batch": batch, "latency_ms": ms, "throughput_rps": rps}
         lv["served_vs_inprocess"] = lv["throughput_rps"] / rps if rps else None
+        split = lv.get("server_split_ms")
+        if split and split.get("mean_batch"):
+            formed = max(1, min(round(split["mean_batch"]), limit or 1))
+            ms = ms if formed == batch else inprocess_ms(runner, pool, formed, buckets=buckets)
+            lv["inprocess_formed"] = {"batch": formed, "latency_ms": ms, "throughput_rps": formed / ms * 1e3}
+            lv["served_vs_formed"] = lv["throughput_rps"] / lv["inprocess_formed"]["throughput_rps"]
 
 
 def loadtest(
@@ -631,21 +644,27 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 def split_table(levels: list[dict[str, Any]]) -> list[str]:
     """Mean ms per request by where it was spent (:func:`time_split`), one row per level; none without them."""
-    rows = [(lv["concurrency"], lv.get("server_split_ms")) for lv in levels]
-    if not any(split for _, split in rows):
+    if not any(lv.get("server_split_ms") for lv in levels):
         return []
     lines = [
         "",
         "Where a request's time went (mean ms per request; outside Triton = the client's latency less Triton's "
         "own time: the client, serialising, the transport):",
         "",
-        "| concurrency | outside Triton | queue | input | execute | output | other | mean batch |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | outside Triton | queue | input | execute | output | other | mean batch "
+        "| in-process req/s at that batch | served / that |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c, split in rows:
-        if split:
+    for lv in levels:
+        if split := lv.get("server_split_ms"):
             cells = " | ".join(f"{split[k]:.2f}" for k in ("outside_triton", *TRITON_PHASES, "triton_other"))
-            lines.append(f"| {c} | {cells} | {split['mean_batch']:.2f} |")
+            formed = lv.get("inprocess_formed")
+            own = (
+                f"{formed['throughput_rps']:.0f} ({formed['batch']}) | {lv['served_vs_formed']:.2f}"
+                if formed
+                else "- | -"
+            )
+            lines.append(f"| {lv['concurrency']} | {cells} | {split['mean_batch']:.2f} | {own} |")
     return lines
 
 

@@ -192,7 +192,11 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     split = level["server_split_ms"]  # where the requests' time went, from Triton's statistics and the client's
     assert split["compute_infer"] > 0 and split["mean_batch"] == 200 / result["server"]["execution_count"], split
     assert sum(split[k] for k in split if k != "mean_batch") == pytest.approx(level["latency_ms"]["mean"], rel=0.05)
-    assert "| 8 | " in (tmp_path / "lt" / "loadtest.md").read_text().split("Where a request's time went")[1]
+    formed = level["inprocess_formed"]  # the engine in-process at the batch the server formed, beside it
+    assert formed["batch"] == max(1, round(split["mean_batch"])) and formed["throughput_rps"] > 0
+    assert level["served_vs_formed"] == pytest.approx(level["throughput_rps"] / formed["throughput_rps"])
+    split_md = (tmp_path / "lt" / "loadtest.md").read_text().split("Where a request's time went")[1]
+    assert f"| {formed['throughput_rps']:.0f} ({formed['batch']}) | {level['served_vs_formed']:.2f} |" in split_md
     for name in ("loadtest.json", "loadtest.md", "loadtest.png"):
         assert (tmp_path / "lt" / name).stat().st_size > 0
     assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
