@@ -29,7 +29,9 @@ from tests.conftest import tiny_config_dict
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'kiln[ray]'; part of .[dev])")
 pytestmark = pytest.mark.slow  # a local Ray cluster (~20 s to start on 2 cores)
-READY_TIMEOUT_S = 600  # a hang guard: returns as soon as the application answers
+# A hang guard below pytest's own (1800 s), not a speed test: it returns as soon as the application answers. Beside
+# 7 busy loops and 7 other test workers a local Ray cluster took over 5 minutes to start its HTTP proxy.
+READY_TIMEOUT_S = 1500
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
