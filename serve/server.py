@@ -911,7 +911,7 @@ def serve_python_backend(
             raise ServerDied(f"{exc.message}{f': {reason}' if reason else ''}", hint=exc.hint) from None
         if on_ready is not None and not stop.requested:
             on_ready(served)
-        watch = StubWatch(proc, f"{address}:{ports[0]}")
+        watch = StubWatch(proc, f"{address}:{ports[0]}", models)
         while not stop.requested:
             if proc.poll() is not None:
                 raise ServerDied(f"tritonserver exited with code {proc.returncode}", hint="rerun with --verbose")
@@ -939,59 +939,86 @@ STUB = "triton_python_backend_stub"
 class StubWatch:
     """Watches the Python-backend stubs of a running ``tritonserver``. A stub that dies (killed, out of memory, a
     crash in the engine) leaves its model instance answering every request with Triton's "Stub process ... is not
-    healthy" error and never comes back on its own; :meth:`check` finds it, says so on the log (model, instance,
-    process) and reloads the model through Triton's repository API, which starts new stubs and retires the dead
-    one. Requests sent to the dead instance meanwhile get that error: nothing restarts silently."""
+    healthy" error and never comes back on its own; :meth:`check` finds a model with fewer live stubs than its
+    config's instances, says so on the log (model, instance, process where it was seen alive) and reloads the model
+    through Triton's repository API, which starts new stubs and retires the dead one; a reload that fails is said
+    and tried again after ``RETRY_S``. Counting against the config, not against the stubs first seen, also catches
+    a stub that died before the watch started. Requests sent to the dead instance meanwhile get that error: nothing
+    restarts silently."""
 
-    def __init__(self, server: subprocess.Popen[bytes], http_address: str) -> None:
+    RETRY_S = 10.0
+
+    def __init__(self, server: subprocess.Popen[bytes], http_address: str, models: list[str]) -> None:
         self.server, self.http_address = server, http_address
+        self.expected = {model: self._instances(model) for model in models}
         self.stubs = self._stubs()
+        self.failed: dict[str, float] = {}  # model -> when its last reload failed
+
+    def _client(self) -> Any:
+        import tritonclient.http as httpclient
+
+        return httpclient.InferenceServerClient(self.http_address, network_timeout=STARTUP_TIMEOUT_S)
+
+    def _instances(self, model: str) -> int:
+        """Stub processes the model's config asks for: each instance group's count, once per GPU it names."""
+        client = self._client()
+        try:
+            groups = client.get_model_config(model).get("instance_group", [])
+        finally:
+            client.close()
+        return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups) or 1
 
     def _stubs(self) -> dict[Any, tuple[str, str]]:
-        """The server's stub processes -> (model, instance), read from their command lines (the model's
-        ``<repository>/<model>/<version>/model.py`` and the instance name)."""
+        """The server's live stub processes -> (model, instance), read from their command lines (the model's
+        ``<repository>/<model>/<version>/model.py`` and the instance name); a dead one has none to read."""
         import psutil
 
         found = {}
         for child in psutil.Process(self.server.pid).children():
             try:
                 cmd = child.cmdline()
-            except psutil.Error:
+            except psutil.Error:  # gone, or a zombie Triton has not reaped
                 continue
             if len(cmd) > 8 and cmd[0].endswith(STUB):
                 found[child] = (Path(cmd[1]).parent.parent.name, cmd[8])
         return found
 
-    @staticmethod
-    def _dead(process: Any) -> bool:
-        import psutil
-
-        try:
-            return process.status() == psutil.STATUS_ZOMBIE  # a stub Triton has not reaped is a zombie
-        except psutil.NoSuchProcess:
-            return True
-
     def check(self) -> list[str]:
-        """Reload the models whose stubs died since the last check; returns their names."""
-        dead = {p: m for p, m in self.stubs.items() if self._dead(p)}
-        models = sorted({model for model, _ in dead.values()})
+        """Reload the models with fewer live stubs than their instances; returns the models it reloaded."""
+        live = self._stubs()
+        dead = {p: m for p, m in self.stubs.items() if p not in live}
+        short = sorted(m for m, n in self.expected.items() if sum(1 for x, _ in live.values() if x == m) < n)
         for process, (model, instance) in dead.items():
             log.error("model %s: instance %s died (stub process %d); reloading the model", model, instance, process.pid)
-        for model in models:
-            self._reload(model)
-        if dead:
+        unnamed = set(short) - {model for model, _ in dead.values()}
+        for model in sorted(unnamed):
+            log.error("model %s: an instance's stub process is gone; reloading the model", model)
+        self.stubs = live
+        now = time.monotonic()
+        reloaded = []
+        for model in short:
+            if now - self.failed.get(model, -self.RETRY_S) < self.RETRY_S:
+                continue
+            if self._reload(model):
+                self.failed.pop(model, None)
+                reloaded.append(model)
+            else:
+                self.failed[model] = now
+        if reloaded:
             self.stubs = self._stubs()
-        return models
+        return reloaded
 
-    def _reload(self, model: str) -> None:
-        import tritonclient.http as httpclient
-
-        client = httpclient.InferenceServerClient(self.http_address, network_timeout=STARTUP_TIMEOUT_S)
+    def _reload(self, model: str) -> bool:
+        client = self._client()
         try:
             client.load_model(model)
             log.warning("model %s reloaded: new instances serve it", model)
-        except Exception as exc:  # the server goes on for its other models; the error is said
-            log.error("model %s could not be reloaded: %s", model, first_line(str(exc)))
+            return True
+        except Exception as exc:  # the server goes on for its other models; the error is said, the reload retried
+            log.error(
+                "model %s could not be reloaded (tried again in %.0f s): %s", model, self.RETRY_S, first_line(str(exc))
+            )
+            return False
         finally:
             client.close()
 
