@@ -212,6 +212,14 @@ class SharedMemory:
         import tritonclient.utils.shared_memory as shm
 
         self.shm, self.client, self.handles = shm, client, {}
+        try:
+            self._lay_out(module, pool, expected, threads)
+        except BaseException:  # no region left behind, registered or in /dev/shm
+            self.close()
+            raise
+
+    def _lay_out(self, module: Any, pool: list[dict], expected: list[dict], threads: int) -> None:
+        shm = self.shm
         tag = f"kiln_{os.getpid()}_{threading.get_ident() % 100_000}"
         arrays = [{n: np.ascontiguousarray(a) for n, a in feed.items()} for feed in pool]
         handle = self._region(f"{tag}_in", sum(a.nbytes for feed in arrays for a in feed.values()))
@@ -259,11 +267,14 @@ class SharedMemory:
         return got
 
     def close(self) -> None:
+        """Unregister and remove every region (each one, even where another fails to unregister)."""
         for name, handle in self.handles.items():
             try:
                 self.client.unregister_system_shared_memory(name)
-            finally:
-                self.shm.destroy_shared_memory_region(handle)
+            except Exception:  # a region made but never registered, or a server gone: removed all the same
+                log.debug("shared-memory region %s was not unregistered", name)
+            self.shm.destroy_shared_memory_region(handle)
+        self.handles = {}
 
 
 def _triton_dtype(dtype: np.dtype) -> str:
@@ -346,14 +357,16 @@ def run_level(
             client.close()
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
-    level.seconds = time.perf_counter() - start
-    if regions:
-        regions.close()
-        setup.close()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
+        level.seconds = time.perf_counter() - start
+    finally:
+        if regions:
+            regions.close()
+            setup.close()
     return level
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -96,3 +98,38 @@ def test_fit_takes_arrays_the_engine_takes(spec: tuple, array: np.ndarray, ok: b
     else:
         with pytest.raises(ConfigError, match="the engine takes"):
             fit(tensor, array)
+
+
+class _RefusingServer:
+    """A client whose server takes ``accept`` shared-memory registrations, then refuses (as a server out of its
+    limits would); it records what is registered at any moment."""
+
+    def __init__(self, accept: int) -> None:
+        self.accept, self.registered = accept, set()
+
+    def register_system_shared_memory(self, name: str, key: str, size: int) -> None:
+        if len(self.registered) >= self.accept:
+            raise RuntimeError("refused")
+        self.registered.add(name)
+
+    def unregister_system_shared_memory(self, name: str) -> None:
+        self.registered.discard(name)
+
+
+def test_shared_memory_laid_out_halfway_leaves_no_region() -> None:
+    pytest.importorskip("tritonclient.http", reason="needs the serving libraries (pip install 'kiln[serve]')")
+    import tritonclient.http as module
+
+    from kiln.serve.loadtest import SharedMemory
+
+    pool = [{"x": np.full((1, 4), i, np.float32)} for i in range(3)]
+    expected = [{"y": np.zeros((1, 2), np.float32)} for _ in pool]
+    before = set(Path("/dev/shm").glob("kiln_*"))
+    server = _RefusingServer(accept=2)  # the inputs and the first thread's answers, then no more
+    with pytest.raises(RuntimeError, match="refused"):
+        SharedMemory(module, server, pool, expected, threads=4)
+    assert server.registered == set() and set(Path("/dev/shm").glob("kiln_*")) == before
+    regions = SharedMemory(module, _RefusingServer(accept=10), pool, expected, threads=2)
+    assert len(regions.handles) == 3  # one for the pool, one per thread
+    regions.close()
+    assert set(Path("/dev/shm").glob("kiln_*")) == before
