@@ -29,6 +29,7 @@ from kiln.core.env import environment
 from kiln.core.errors import GateFailure, KilnError, disk_full, storage_error
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
+from kiln.core.threads import cpu_threads_for_load
 from kiln.models.model_io import dataset_for
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
@@ -207,7 +208,12 @@ class Runner:
         self.on_event = on_event or (lambda record: None)
 
     def run(self, force: set[str] | None = None, start: str | None = None, stop: str | None = None) -> RunResult:
-        """``force``: rerun these stages; ``start``: rerun from this stage on; ``stop``: end after this stage."""
+        """``force``: rerun these stages; ``start``: rerun from this stage on; ``stop``: end after this stage.
+        PyTorch gets the cores a busy machine leaves idle meanwhile (:func:`cpu_threads_for_load`)."""
+        with cpu_threads_for_load():
+            return self._run(force, start, stop)
+
+    def _run(self, force: set[str] | None, start: str | None, stop: str | None) -> RunResult:
         self.workdir.mkdir(parents=True, exist_ok=True)
         clean_stale_staging(self.workdir)
         names = [s.name for s in self.stages]

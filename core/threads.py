@@ -1,0 +1,49 @@
+"""PyTorch's CPU threads on a machine that other work keeps busy.
+
+An operator that runs on several threads ends only when every one of them has run. On a machine whose cores are
+taken by other processes, each thread beyond the first waits for a time slice at every operator, so a small model
+trains many times slower on two threads than on one. Kiln therefore gives PyTorch only the cores the load leaves
+idle, at least one, when the user has not chosen (``OMP_NUM_THREADS``)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger("kiln.core.threads")
+
+
+def threads_for_load(cores: int, load: float, current: int) -> int:
+    """Intra-op threads for a machine of ``cores`` at a 1-minute ``load`` average: the cores the load leaves idle
+    (rounded up: a load that only lingers from a finished command costs no core), at least one, never more than
+    ``current`` (PyTorch's own choice)."""
+    return max(1, min(current, math.ceil(cores - load)))
+
+
+@contextmanager
+def cpu_threads_for_load() -> Iterator[int | None]:
+    """PyTorch's intra-op threads set by :func:`threads_for_load` for the block (said when lowered), then restored:
+    a caller's own process (a notebook) keeps its setting. Yields the count, or None when the user set
+    ``OMP_NUM_THREADS`` (their choice stands)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        yield None
+        return
+    import torch
+
+    cores, load, current = len(os.sched_getaffinity(0)), os.getloadavg()[0], torch.get_num_threads()
+    threads = threads_for_load(cores, load, current)
+    if threads < current:
+        torch.set_num_threads(threads)
+        log.info(
+            "busy machine (load average %.1f on %d cores): PyTorch runs on %d thread(s); OMP_NUM_THREADS chooses",
+            load,
+            cores,
+            threads,
+        )
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(current)
