@@ -63,3 +63,22 @@ def test_auto_workers_take_the_cpu_share_of_a_busy_machine(cores: int, load: flo
     from tests.conftest import auto_workers
 
     assert auto_workers(cores, load, free_gib << 30) == workers
+
+
+def test_the_slow_step_keeps_one_worker_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from tests.conftest import pytest_xdist_auto_num_workers
+
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 << 20 if name == "SC_AVPHYS_PAGES" else 4096)  # 4 GiB free
+
+    def workers(markexpr: str) -> int:
+        return pytest_xdist_auto_num_workers(SimpleNamespace(option=SimpleNamespace(markexpr=markexpr)))
+
+    assert workers("not slow") == 2  # the README's command: by load, here as far as 4 GiB holds
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 << 22 if name == "SC_AVPHYS_PAGES" else 4096)  # 16 GiB
+    assert workers("not slow") == 8
+    assert workers("slow") == 2 and workers("") == 2
