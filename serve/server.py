@@ -909,9 +909,9 @@ def serve_python_backend(
             if proc.poll() is not None:
                 raise _died_while_starting(reason) from None
             raise ServerDied(f"{exc.message}{f': {reason}' if reason else ''}", hint=exc.hint) from None
+        watch = StubWatch(proc, f"{address}:{ports[0]}", models)  # before "ready": stubs seen alive are named
         if on_ready is not None and not stop.requested:
             on_ready(served)
-        watch = StubWatch(proc, f"{address}:{ports[0]}", models)
         while not stop.requested:
             if proc.poll() is not None:
                 raise ServerDied(f"tritonserver exited with code {proc.returncode}", hint="rerun with --verbose")
@@ -950,8 +950,8 @@ class StubWatch:
 
     def __init__(self, server: subprocess.Popen[bytes], http_address: str, models: list[str]) -> None:
         self.server, self.http_address = server, http_address
+        self.stubs = self._stubs()  # first: a stub that dies from here on is named
         self.expected = {model: self._instances(model) for model in models}
-        self.stubs = self._stubs()
         self.failed: dict[str, float] = {}  # model -> when its last reload failed
 
     def _client(self) -> Any:

@@ -285,7 +285,10 @@ def test_a_dead_stub_is_said_and_its_model_reloaded(workdir: Path) -> None:
     assert all("not healthy" in str(e) for e in errors), errors[:3]
     assert not isinstance(answers[-1], Exception), f"still failing: {answers[-1]}; kiln serve:\n{printed[-3000:]}"
     np.testing.assert_allclose(answers[-1], want, rtol=1e-5, atol=1e-6)
-    assert f"died (stub process {stubs[0].pid}); reloading the model" in " ".join(printed.split()), printed[-2000:]
+    # named by its pid where kiln serve had seen it alive; a stub killed before its first look is found all the same
+    said = " ".join(printed.split())
+    named = f"died (stub process {stubs[0].pid}); reloading the model"
+    assert named in said or "an instance's stub process is gone; reloading the model" in said, printed[-2000:]
     assert f"model {MODEL} reloaded" in printed, printed[-2000:]
 
 
