@@ -990,15 +990,15 @@ class StubWatch:
         short = sorted(m for m, n in self.expected.items() if sum(1 for x, _ in live.values() if x == m) < n)
         for process, (model, instance) in dead.items():
             log.error("model %s: instance %s died (stub process %d); reloading the model", model, instance, process.pid)
-        unnamed = set(short) - {model for model, _ in dead.values()}
-        for model in sorted(unnamed):
-            log.error("model %s: an instance's stub process is gone; reloading the model", model)
+        named = {model for model, _ in dead.values()}
         self.stubs = live
         now = time.monotonic()
         reloaded = []
         for model in short:
             if now - self.failed.get(model, -self.RETRY_S) < self.RETRY_S:
-                continue
+                continue  # said when its last reload failed; tried again after RETRY_S
+            if model not in named and model not in self.failed:
+                log.error("model %s: an instance's stub process is gone; reloading the model", model)
             if self._reload(model):
                 self.failed.pop(model, None)
                 reloaded.append(model)
