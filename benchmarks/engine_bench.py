@@ -24,6 +24,8 @@ so Inductor settings are compared in one run. Variant rows are
 shown but not counted as Kiln's engine in the targets: they are not what a build ships by default. Rows
 ``kiln_torch_fp8`` and ``kiln_torch_int8`` are the torch engine at ``precision`` fp8 / int8 (GPU: linear layers as
 FP8 or INT8 GEMMs, ``kiln.stages.engines.torch.lowbit``); a ``--torch-variant`` takes ``precision=fp8`` too.
+Rows ``torchao_fp8_tensor`` and ``torchao_fp8_row`` are torchao's FP8 inference recipe (dynamic scales per tensor or
+per row, bfloat16, ``torch.compile``), the peer FP8 path, where ``torchao`` is installed.
 Roofline columns: FLOPs per sample from torch's FLOP counter (eager FP32, batch 1), achieved TFLOP/s at the median,
 and its share of this device's measured GEMM peak in the row's precision (``kiln.stages.validate.roofline``).
 
@@ -32,6 +34,7 @@ and its share of this device's measured GEMM peak in the row's precision (``kiln
     ... --models resnet18 --batches 32 --rows compile,kiln --compile-mode max-autotune       # one slice
     ... --models hf_bert --batches 32 --rows kiln_torch --torch-variant aten:max_autotune_gemm_backends=ATEN
     ... --models hf_bert --batches 1,32 --rows kiln_torch,kiln_torch_fp8,kiln_torch_int8 --profile 20  # issue 33
+    ... --models hf_bert --batches 1,32 --rows kiln_torch_fp8,torchao_fp8_tensor,torchao_fp8_row    # with torchao
     python benchmarks/engine_bench.py --smoke --out /tmp/bench                             # tiny, CPU
 """
 
@@ -81,6 +84,8 @@ ROWS = [
     "kiln_torch_frozen",
     "kiln_torch_fp8",
     "kiln_torch_int8",
+    "torchao_fp8_tensor",
+    "torchao_fp8_row",
 ]
 LABEL = {
     "eager32": "torch eager fp32",
@@ -96,8 +101,11 @@ LABEL = {
     "kiln_torch_frozen": "Kiln torch engine, build.torch.freezing on",
     "kiln_torch_fp8": "Kiln torch engine, FP8 linear layers (precision fp8)",
     "kiln_torch_int8": "Kiln torch engine, INT8 linear layers (precision int8)",
+    "torchao_fp8_tensor": "torchao FP8 dynamic, per tensor, bf16, torch.compile",
+    "torchao_fp8_row": "torchao FP8 dynamic, per row, bf16, torch.compile",
 }
 ROW_PRECISION = {"kiln_torch_fp8": "fp8", "kiln_torch_int8": "int8"}  # the other Kiln torch rows: fp16 (GPU)
+TORCHAO = {"torchao_fp8_tensor": "PerTensor", "torchao_fp8_row": "PerRow"}  # granularity per torchao row
 Inputs = tuple[torch.Tensor, ...]
 T0 = time.perf_counter()
 
@@ -393,6 +401,8 @@ class Bench:
     def row_precision(self, row: str) -> str:
         if row in ROW_PRECISION:
             return ROW_PRECISION[row]
+        if row in TORCHAO:
+            return "fp8"
         if row in self.args.torch_variants and "precision" in self.args.torch_variants[row]:
             return str(self.args.torch_variants[row]["precision"])
         return "fp16" if self.cuda and row != "eager32" else "fp32"
@@ -441,6 +451,8 @@ class Bench:
                 return call
 
             return torch_factory, None, extra
+        if row in TORCHAO:
+            return self._torchao(model, name, TORCHAO[row])
         if row in ("ort_default", "ort_cuda_graph"):
             return self._ort_default(onnx32, name, cuda_graph=row == "ort_cuda_graph")
         if row in ("kiln_torch", "kiln_torch_frozen", *ROW_PRECISION):
@@ -452,6 +464,30 @@ class Bench:
             own = {k: entries.pop(k) for k in list(entries) if k in TorchConfig.model_fields and k != "inductor"}
             return self._kiln_torch(onnx32, name, model, row, settings=own, inductor=entries, precision=precision)
         return self._kiln(onnx32, name, autotuned=row == "kiln")
+
+    def _torchao(self, model: torch.nn.Module, name: str, granularity: str) -> tuple[Any, None, dict]:
+        """torchao's FP8 inference recipe as its README gives it: the model in bfloat16, ``quantize_`` with
+        ``Float8DynamicActivationFloat8WeightConfig`` (``granularity`` PerTensor or PerRow), then ``torch.compile``
+        (``--compile-mode``). The peer path beside Kiln's FP8 engine; needs ``pip install torchao``."""
+        import torchao
+        import torchao.quantization as tq
+
+        m = make_model(name, self.params).eval().to(self.dev)
+        m.load_state_dict(model.state_dict())
+        m = m.to(torch.bfloat16)
+        tq.quantize_(m, tq.Float8DynamicActivationFloat8WeightConfig(granularity=getattr(tq, granularity)()))
+        m = torch.compile(m, mode=self.args.compile_mode, dynamic=False)
+
+        def factory(xs: Inputs) -> Callable[[], Any]:
+            xd = tuple(x.to(self.dev, torch.bfloat16) if x.is_floating_point() else x.to(self.dev) for x in xs)
+
+            def call() -> torch.Tensor:
+                with torch.inference_mode():
+                    return m(*xd)
+
+            return call
+
+        return factory, None, {"compile_mode": self.args.compile_mode, "torchao": torchao.__version__}
 
     def _ort_default(self, onnx32: Path, name: str, cuda_graph: bool = False) -> tuple[Any, int, dict]:
         """ORT CUDA FP16 as a user sets it up by hand: onnxconverter-common's converter, default session options;

@@ -42,7 +42,15 @@ from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.torch import conv_epilogues
 from kiln.stages.engines.torch.config import TorchConfig
 from kiln.stages.engines.torch.gemm_epilogues import resolve_mode
-from kiln.stages.engines.torch.lowbit import LOWBIT, SCALINGS, fit, observe, supported, to_lowbit
+from kiln.stages.engines.torch.lowbit import (
+    LOWBIT,
+    SCALINGS,
+    fit,
+    observe,
+    parallel_groups,
+    supported,
+    to_lowbit,
+)
 from kiln.stages.engines.torch.program import check_inductor_keys, compile_program, inductor_options, run_compiled
 
 log = logging.getLogger("kiln.build")
@@ -217,13 +225,15 @@ def _lowbit(model: Any, req: BuildRequest, args: tuple[Any, ...]) -> dict[str, A
     takes the first of static (where calibration data came with the request), tensorwise and rowwise whose outputs
     keep a cosine of :data:`AUTO_MIN_COSINE` to the unquantized model's on the first calibration batch (else the
     example); while they miss it, the layers with the largest own error stay in float16
-    (:func:`kiln.stages.engines.torch.lowbit.fit`). Returns what was swapped, for the builder settings."""
+    (:func:`kiln.stages.engines.torch.lowbit.fit`). With ``build.torch.merge_linears``, layers that read the same
+    tensor become one GEMM. Returns what was swapped, for the builder settings."""
     import torch
 
     served = _served(model, [i.name for i in req.inputs], req.precision, False)
     batches = _calibration(req)
     seen = observe(model, [lambda xs=xs: served(*xs) for xs in [args, *batches]], batch=len(args[0]))
-    swap = partial(to_lowbit, precision=req.precision, out_dtype=_dtype(req.precision), seen=seen)
+    groups = parallel_groups(model, lambda: served(*args)) if req.settings.merge_linears else []
+    swap = partial(to_lowbit, precision=req.precision, out_dtype=_dtype(req.precision), seen=seen, groups=groups)
     scaling = req.settings.lowbit_scaling
     if scaling == "static" and not batches:
         raise BuildError(

@@ -88,9 +88,10 @@ class TorchConfig(Section):
     )
     merge_linears: bool = Field(
         True,
-        description="with gemm_epilogues: linear layers with a bias that read the same tensor (an attention "
-        "layer's Q, K and V projections) run as one GEMM over their concatenated weights, its "
-        "output split back (kiln.stages.engines.torch.gemm_epilogues.merge_parallel_linears)",
+        description="with gemm_epilogues, and in FP8/INT8 engines: linear layers that read the same tensor (an "
+        "attention layer's Q, K and V projections) run as one GEMM over their concatenated weights, its "
+        "output split back (kiln.stages.engines.torch.gemm_epilogues.merge_parallel_linears, "
+        "kiln.stages.engines.torch.lowbit.MergedLowbit)",
     )
     inductor: dict[str, bool | int | float | str] = Field(
         default_factory=dict,

@@ -14,6 +14,12 @@ torchao is not a dependency here, so the layers are these few lines around PyTor
 the engine's higher precision where the kernel cannot take it, said per layer: widths that are not multiples of 16
 (both kernels), 16 rows or fewer per sample (``torch._int_mm`` on CUDA needs more than 16 rows: a classifier head at
 batch 1), a layer no calibration or example input reached, or a name in ``build.torch.lowbit_exclude``.
+
+Layers that read the same tensor (an attention layer's Q, K and V projections) run as one GEMM over their weights
+concatenated (``build.torch.merge_linears``, :class:`MergedLowbit`), as the FP16 engine's do: one wide GEMM fills a
+large GPU better than three narrow ones, and at batch 1, where a GEMM's time is mostly its launch, it is one launch
+instead of three (``benchmarks/lowbit_gemm_probe.py`` times both forms). The model's code still calls each layer;
+the first call with an input runs the merged GEMM and each layer takes its columns of it.
 """
 
 from __future__ import annotations
@@ -124,6 +130,93 @@ class LowbitLinear(nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+class MergedLowbit(nn.Module):
+    """One :class:`LowbitLinear` over ``linears``' weights concatenated (their outputs side by side), quantized with
+    one scale per tensor (``static``, ``tensorwise``: the group's largest weight, a scale the members nearly share
+    when they are alike, as Q, K and V are) or per row (``rowwise``: as each alone). It runs once per input: the
+    first member called with a tensor computes the whole output; the others take their columns of it, and once every
+    member has, nothing of it is held (no activation kept between calls)."""
+
+    def __init__(
+        self,
+        linears: list[nn.Linear],
+        precision: str,
+        out_dtype: torch.dtype,
+        scaling: str,
+        input_amax: float | None,
+    ) -> None:
+        super().__init__()
+        first = linears[0]
+        joined = nn.Linear(
+            first.in_features,
+            sum(m.out_features for m in linears),
+            bias=first.bias is not None,
+            device=first.weight.device,
+            dtype=first.weight.dtype,
+        )
+        with torch.no_grad():
+            joined.weight.copy_(torch.cat([m.weight for m in linears]))
+            if first.bias is not None:
+                joined.bias.copy_(torch.cat([m.bias for m in linears]))
+        self.gemm = LowbitLinear(joined, precision, out_dtype, scaling, input_amax)
+        self.members = len(linears)
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._taken = 0
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The merged GEMM's output for ``x``: computed at the first member's call with ``x``, then handed on."""
+        if self._input is not x:
+            self._input, self._output, self._taken = x, self.gemm(x), 0
+        out = self._output
+        self._taken += 1
+        if self._taken == self.members:  # every member took its part
+            self._input = self._output = None
+        return out
+
+
+class LowbitSlice(nn.Module):
+    """A layer merged into a :class:`MergedLowbit`: its output is columns ``start:stop`` of the merged one's (a
+    view, no copy)."""
+
+    def __init__(self, merged: MergedLowbit, start: int, stop: int) -> None:
+        super().__init__()
+        self.merged, self.start, self.stop = merged, start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.merged.output(x)[..., self.start : self.stop]
+
+
+def parallel_groups(model: nn.Module, call: Callable[[], Any]) -> list[list[str]]:
+    """``nn.Linear`` layers of ``model`` that read the same tensor object, and only it, at every call during one
+    ``call()`` (Q, K and V read the attention's input; a layer shared across depth, as ALBERT's, reads a new one
+    each time and still groups with its siblings), with the same input width, dtype, device and bias or none: the
+    layers :class:`MergedLowbit` may merge, in the model's order. The inputs are held until the end of the call, so
+    no two of them share an identity."""
+    inputs: dict[str, list[torch.Tensor]] = {}
+
+    def seen(name: str) -> Any:
+        def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            inputs.setdefault(name, []).append(args[0])
+
+        return hook
+
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    hooks = [m.register_forward_pre_hook(seen(name)) for name, m in linears.items()]
+    try:
+        with torch.inference_mode():
+            call()
+    finally:
+        for h in hooks:
+            h.remove()
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name, xs in inputs.items():
+        m = linears[name]
+        key = (tuple(id(x) for x in xs), m.in_features, m.weight.dtype, m.weight.device, m.bias is None)
+        groups.setdefault(key, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def observe(model: nn.Module, calls: list[Any], batch: int) -> dict[str, tuple[int, float]]:
     """Per ``nn.Linear`` of ``model``: the rows it multiplies per sample (its input's leading dims / ``batch``, on
     the first call) and the largest input magnitude over all ``calls`` (each runs the served model once: the export's
@@ -157,37 +250,62 @@ def to_lowbit(
     seen: dict[str, tuple[int, float]],
     exclude: list[str] | dict[str, str] | None = None,
     scaling: str = "rowwise",
+    groups: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """Swap every eligible ``nn.Linear`` of ``model`` (in place) for a :class:`LowbitLinear`. ``seen``: each layer's
     rows per sample and largest input (:func:`observe`; a layer no input reached is kept); ``exclude``: layers kept
-    in the higher precision, by name (the user's list) or with why (the build's fallback). Returns, for the engine's
-    builder settings, how many layers were swapped, the ones kept with why, and the share of the linear layers'
-    FLOPs per sample the swapped ones compute (what the engine's precision audit counts)."""
+    in the higher precision, by name (the user's list) or with why (the build's fallback); ``groups``: layers that
+    read the same tensor (:func:`parallel_groups`), whose swapped members become one :class:`MergedLowbit` GEMM.
+    Returns, for the engine's builder settings, how many layers were swapped (and merged), the ones kept with why,
+    and the share of the linear layers' FLOPs per sample the swapped ones compute (what the engine's precision audit
+    counts)."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     swapped: list[str] = []
     kept: dict[str, str] = {}
     flops = {"lowbit": 0, "all": 0}
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        rows, amax = seen.get(name, (0, 0.0))
+    for name, module in linears.items():
+        rows, _ = seen.get(name, (0, 0.0))
         work = 2 * rows * module.in_features * module.out_features
         flops["all"] += work
         if why := _kept(name, module, rows, precision, exclude or []):
             kept[name] = why
             continue
-        parent, _, leaf = name.rpartition(".")
-        swap = LowbitLinear(module, precision, out_dtype, scaling, amax)
-        setattr(model.get_submodule(parent) if parent else model, leaf, swap)
         swapped.append(name)
         flops["lowbit"] += work
+    merged = set[str]()
+    gemms = 0
+    for group in groups or []:
+        members = [name for name in group if name in swapped]
+        if len(members) < 2:
+            continue
+        amax = max(seen[name][1] for name in members)
+        gemm = MergedLowbit([linears[n] for n in members], precision, out_dtype, scaling, amax)
+        start = 0
+        for name in members:
+            stop = start + linears[name].out_features
+            _put(model, name, LowbitSlice(gemm, start, stop))
+            start = stop
+        merged.update(members)
+        gemms += 1
+    for name in swapped:
+        if name not in merged:
+            _put(model, name, LowbitLinear(linears[name], precision, out_dtype, scaling, seen[name][1]))
     share = round(flops["lowbit"] / flops["all"], 4) if flops["all"] else 0.0
-    return {
+    done = {
         "lowbit_kernel": KERNEL[precision],
         "lowbit_scaling": scaling,
         "lowbit_layers": len(swapped),
         "lowbit_kept": kept,
         "lowbit_linear_share": share,
     }
+    if merged:
+        done["lowbit_merged"] = {"layers": len(merged), "gemms": gemms}
+    return done
+
+
+def _put(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 def _kept(name: str, module: nn.Linear, rows: int, precision: str, exclude: list[str] | dict[str, str]) -> str | None:
@@ -249,9 +367,9 @@ def fit(
 
 
 def own_errors(lowbit: nn.Module, model: nn.Module, run: Callable[[], Any]) -> dict[str, float]:
-    """Per :class:`LowbitLinear` of ``lowbit``: the relative L2 error of its output against ``model``'s float layer
-    of the same name on the same input, over one call of ``run()``: its own quantization error, not what earlier
-    layers passed on to it."""
+    """Per :class:`LowbitLinear` (or :class:`LowbitSlice`) of ``lowbit``: the relative L2 error of its output
+    against ``model``'s float layer of the same name on the same input, over one call of ``run()``: its own
+    quantization error, not what earlier layers passed on to it."""
     floats = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     errors: dict[str, float] = {}
 
@@ -266,7 +384,7 @@ def own_errors(lowbit: nn.Module, model: nn.Module, run: Callable[[], Any]) -> d
     hooks = [
         m.register_forward_hook(measure(name))
         for name, m in lowbit.named_modules()
-        if isinstance(m, LowbitLinear) and name in floats
+        if isinstance(m, (LowbitLinear, LowbitSlice)) and name in floats
     ]
     try:
         with torch.inference_mode():

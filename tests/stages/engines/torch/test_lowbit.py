@@ -246,3 +246,73 @@ def test_the_builds_choice_on_calibration_batches(tmp_path, precision: str) -> N
         and "fallback" not in settings["lowbit_scaling_check"]
     )
     assert isinstance(model.up, LowbitLinear) and model.up.static
+
+
+class Attention(nn.Module):
+    """Q, K and V read the same input (one group); the output projection reads another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.o(torch.softmax(q @ k.transpose(-1, -2) / 8, -1) @ v)
+
+
+class Twice(nn.Module):
+    """One attention layer run twice (weights shared across depth, as ALBERT's): a new input each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.att(self.att(x))
+
+
+@pytest.mark.parametrize(("precision", "scaling"), [("int8", "rowwise"), ("int8", "tensorwise"), ("fp8", "static")])
+def test_layers_that_read_one_input_become_one_gemm(precision: str, scaling: str) -> None:
+    """Q, K and V: found by their shared input (also where the layer runs twice), swapped as one GEMM whose output
+    each layer takes its columns of; the outputs agree with the layers swapped one by one (the same numbers where
+    scales are per row) and nothing is held after the call."""
+    import copy
+
+    from kiln.stages.engines.torch.lowbit import LowbitSlice, MergedLowbit, parallel_groups
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, 64)
+    for model, prefix in ((Attention().eval(), ""), (Twice().eval(), "att.")):
+        groups = parallel_groups(model, lambda m=model: m(x))
+        assert groups == [[f"{prefix}q", f"{prefix}k", f"{prefix}v"]]
+        seen = observe(model, [lambda m=model: m(x)], batch=2)
+        alone, merged = copy.deepcopy(model), copy.deepcopy(model)
+        to_lowbit(alone, precision, torch.float32, seen, scaling=scaling)
+        report = to_lowbit(merged, precision, torch.float32, seen, scaling=scaling, groups=groups)
+        assert report["lowbit_merged"] == {"layers": 3, "gemms": 1} and report["lowbit_layers"] == 4
+        q = merged.get_submodule(f"{prefix}q")
+        assert isinstance(q, LowbitSlice) and isinstance(q.merged, MergedLowbit)
+        with torch.inference_mode():
+            got, want, ref = merged(x), alone(x), model(x)
+        assert q.merged._input is None and q.merged._output is None
+        cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
+        assert cos > 0.995
+        if scaling == "rowwise":
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_kept_layer_leaves_its_group_and_the_program_has_one_gemm_per_group() -> None:
+    """A layer kept in float (listed, or by the fallback) is left out of the merged GEMM; torch.export traces the
+    merged layers into one low-precision GEMM each."""
+    from kiln.stages.engines.torch.lowbit import LowbitSlice, parallel_groups
+
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 24, 64)
+    groups = parallel_groups(model, lambda: model(x))
+    seen = observe(model, [lambda: model(x)], batch=2)
+    report = to_lowbit(model, "int8", torch.float32, seen, exclude=["k"], groups=groups)
+    assert report["lowbit_merged"] == {"layers": 2, "gemms": 1} and isinstance(model.k, nn.Linear)
+    assert isinstance(model.q, LowbitSlice) and isinstance(model.v, LowbitSlice) and model.v.start == 64
+    program = torch.export.export(model, (x,))
+    mms = [n for n in program.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._int_mm.default]
+    assert len(mms) == 2  # q+v merged, and o
