@@ -25,7 +25,8 @@ def bare_update(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer, params
 
 
 def write_report(out: Path, stem: str, result: dict[str, Any], markdown: str) -> None:
-    """``<out>/<stem>.json`` and ``<out>/<stem>.md``, and the Markdown on stdout."""
+    """``<out>/<stem>.json`` and ``<out>/<stem>.md`` (``out`` made where missing), and the Markdown on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown)
     print(markdown)

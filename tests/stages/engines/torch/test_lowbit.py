@@ -131,54 +131,6 @@ class Tokens(nn.Module):
         return self.head(x.mean(1))
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
-    """The torch backend's FP8/INT8 engine on a GPU that has the kernels: its token layers are low-precision GEMMs
-    (the audit says which share of the FLOPs), it is compiled and replayed as CUDA graphs, and it agrees with the
-    FP32 graph at batch 1 and 32."""
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-
-    from kiln.calibration.feeds import save_feeds
-    from kiln.stages.engines.config import BuildConfig
-    from kiln.stages.engines.registry import load_engine
-    from kiln.stages.engines.stage import build_engine
-    from kiln.stages.engines.torch.config import TorchConfig
-    from kiln.stages.export.stage import export_onnx
-
-    if why := supported(precision):
-        pytest.skip(why)
-
-    def model() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return Tokens().eval()
-
-    src = tmp_path / "tokens.onnx"
-    export_onnx(model(), torch.randn(2, 32, 64), src)
-    feeds = tmp_path / "calibration.npz"
-    batches = [np.random.default_rng(i).standard_normal((8, 32, 64)).astype(np.float32) for i in range(4)]
-    assert save_feeds(batches, [onnx.load(str(src)).graph.input[0].name], feeds) == 4
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
-    meta = build_engine(
-        src, tmp_path / "e", "torch", "cuda", precision, cfg, tmp_path / "c", torch_model=model, calibration=feeds
-    )
-    settings = meta.builder_settings
-    kept = {"fp8": [], "int8": ["head"]}[precision]  # the head multiplies 1 row per sample: _int_mm takes > 16
-    assert settings["lowbit_layers"] == 3 - len(kept) and list(settings["lowbit_kept"]) == kept
-    assert settings["lowbit_calibration_batches"] == 4 and "static_cosine" in settings["lowbit_scaling_check"]
-    assert meta.audit["share"][precision] >= 0.5 and meta.flavour == "compiled" and settings["cuda_graphs"]
-    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
-    name = ref.get_inputs()[0].name
-    with load_engine(tmp_path / "e") as runner:
-        for batch in (1, 32):
-            x = np.random.default_rng(batch).standard_normal((batch, 32, 64)).astype(np.float32)
-            got, want = next(iter(runner.infer({name: x}).values())), ref.run(None, {name: x})[0]
-            assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
-
-
 def test_fit_keeps_the_layer_whose_own_error_misses_the_target() -> None:
     """One layer's input has an outlier, so its one scale per tensor rounds the other values coarsely: the scaling
     misses the target, and the fallback keeps that layer (the largest own error) in float, which meets it."""
@@ -316,3 +268,63 @@ def test_a_kept_layer_leaves_its_group_and_the_program_has_one_gemm_per_group() 
     program = torch.export.export(model, (x,))
     mms = [n for n in program.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._int_mm.default]
     assert len(mms) == 2  # q+v merged, and o
+
+
+class Encoder(nn.Module):
+    """An attention block (Q, K and V read one input) before :class:`Tokens`' MLP block and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att, self.tokens = Attention(), Tokens()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tokens(x + self.att(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["fp8", "int8"])
+def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
+    """The torch backend's FP8/INT8 engine on a GPU that has the kernels: its token layers are low-precision GEMMs
+    (the audit says which share of the FLOPs), Q, K and V one of them, it is compiled and replayed as CUDA graphs,
+    and it agrees with the FP32 graph at batch 1 and 32."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from kiln.calibration.feeds import save_feeds
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.registry import load_engine
+    from kiln.stages.engines.stage import build_engine
+    from kiln.stages.engines.torch.config import TorchConfig
+    from kiln.stages.export.stage import export_onnx
+
+    if why := supported(precision):
+        pytest.skip(why)
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return Encoder().eval()
+
+    src = tmp_path / "tokens.onnx"
+    export_onnx(model(), torch.randn(2, 32, 64), src)
+    feeds = tmp_path / "calibration.npz"
+    batches = [np.random.default_rng(i).standard_normal((8, 32, 64)).astype(np.float32) for i in range(4)]
+    assert save_feeds(batches, [onnx.load(str(src)).graph.input[0].name], feeds) == 4
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+    meta = build_engine(
+        src, tmp_path / "e", "torch", "cuda", precision, cfg, tmp_path / "c", torch_model=model, calibration=feeds
+    )
+    settings = meta.builder_settings
+    kept = {"fp8": [], "int8": ["tokens.head"]}[precision]  # 1 row per sample: _int_mm takes > 16
+    assert settings["lowbit_layers"] == 7 - len(kept) and list(settings["lowbit_kept"]) == kept
+    assert settings["lowbit_merged"] == {"layers": 3, "gemms": 1}
+    assert settings["lowbit_calibration_batches"] == 4 and "static_cosine" in settings["lowbit_scaling_check"]
+    assert meta.audit["share"][precision] >= 0.5 and meta.flavour == "compiled" and settings["cuda_graphs"]
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    name = ref.get_inputs()[0].name
+    with load_engine(tmp_path / "e") as runner:
+        for batch in (1, 32):
+            x = np.random.default_rng(batch).standard_normal((batch, 32, 64)).astype(np.float32)
+            got, want = next(iter(runner.infer({name: x}).values())), ref.run(None, {name: x})[0]
+            assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.99
