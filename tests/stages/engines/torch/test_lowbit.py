@@ -230,7 +230,7 @@ def test_layers_that_read_one_input_become_one_gemm(precision: str, scaling: str
     scales are per row) and nothing is held after the call."""
     import copy
 
-    from kiln.stages.engines.torch.lowbit import LowbitSlice, MergedLowbit, parallel_groups
+    from kiln.stages.engines.torch.lowbit import LowbitSlice, MergedLowbit, own_errors, parallel_groups
 
     torch.manual_seed(0)
     x = torch.randn(2, 24, 64)
@@ -251,6 +251,8 @@ def test_layers_that_read_one_input_become_one_gemm(precision: str, scaling: str
         assert cos > 0.995
         if scaling == "rowwise":
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        errors = own_errors(merged, model, lambda m=merged: m(x))  # what the fallback ranks: each layer's own
+        assert sorted(errors) == sorted(f"{prefix}{n}" for n in "qkvo") and max(errors.values()) < 0.1
 
 
 def test_a_kept_layer_leaves_its_group_and_the_program_has_one_gemm_per_group() -> None:
