@@ -132,8 +132,9 @@ class LowbitLinear(nn.Module):
 
 class MergedLowbit(nn.Module):
     """One :class:`LowbitLinear` over ``linears``' weights concatenated (their outputs side by side), quantized with
-    one scale per tensor (``static``, ``tensorwise``: the group's largest weight, a scale the members nearly share
-    when they are alike, as Q, K and V are) or per row (``rowwise``: as each alone). It runs once per input: the
+    one scale per tensor (``static``, ``tensorwise``: from the group's largest weight, so a member with smaller
+    weights gets coarser steps than alone; the build's accuracy check judges the result) or per row (``rowwise``:
+    as each alone). It runs once per input: the
     first member called with a tensor computes the whole output; the others take their columns of it, and once every
     member has, nothing of it is held (no activation kept between calls)."""
 
