@@ -134,9 +134,9 @@ class MergedLowbit(nn.Module):
     """One :class:`LowbitLinear` over ``linears``' weights concatenated (their outputs side by side), quantized with
     one scale per tensor (``static``, ``tensorwise``: from the group's largest weight, so a member with smaller
     weights gets coarser steps than alone; the build's accuracy check judges the result) or per row (``rowwise``:
-    as each alone). It runs once per input: the
-    first member called with a tensor computes the whole output; the others take their columns of it, and once every
-    member has, nothing of it is held (no activation kept between calls)."""
+    as each alone). It runs once per input: the first member called with a tensor computes the whole output; the
+    others take their columns of it, and once every member has, nothing of it is held (no activation kept between
+    calls)."""
 
     def __init__(
         self,
