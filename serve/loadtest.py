@@ -85,6 +85,65 @@ class Level:
         }
 
 
+# Processes counted as the server's in a level's CPU use: Triton and its Python-backend stubs, Ray's workers
+SERVER_PROCESSES = ("tritonserver", "triton_python_backend_stub")
+SERVER_PREFIXES = ("ray::", "raylet", "gcs_server")
+
+
+class CpuMeter:
+    """CPU time spent during a level, in cores (CPU seconds per wall second): the whole machine's busy time, the
+    server's processes (:data:`SERVER_PROCESSES`, found by name) and the load test's own clients (this process
+    and its finished child processes). Where the machine is near all its cores busy, the clients and the server
+    share too few of them and the level measures that, not the server alone."""
+
+    def __init__(self) -> None:
+        import resource
+
+        import psutil
+
+        self.psutil, self.resource = psutil, resource
+        self.start = time.perf_counter()
+        self.machine = psutil.cpu_times()
+        self.server = self._server_times()
+        self.clients = self._client_seconds()
+
+    def _server_times(self) -> dict[int, float]:
+        times = {}
+        for proc in self.psutil.process_iter(["name", "cpu_times"]):
+            name, cpu = proc.info["name"] or "", proc.info["cpu_times"]
+            if cpu is not None and (name in SERVER_PROCESSES or name.startswith(SERVER_PREFIXES)):
+                times[proc.pid] = cpu.user + cpu.system
+        return times
+
+    def _client_seconds(self) -> float:
+        own = self.resource.getrusage(self.resource.RUSAGE_SELF)
+        children = self.resource.getrusage(self.resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    def read(self) -> dict[str, float | int]:
+        """Cores used since the meter started: ``busy`` (machine), ``server``, ``clients``; ``cores`` (all) and
+        ``seconds`` (wall)."""
+        wall = max(time.perf_counter() - self.start, 1e-9)
+        now = self.psutil.cpu_times()
+        idle = (now.idle - self.machine.idle) + (getattr(now, "iowait", 0.0) - getattr(self.machine, "iowait", 0.0))
+        total = _total(now) - _total(self.machine)
+        server = self._server_times()
+        cores = self.psutil.cpu_count() or 1
+        return {
+            "cores": cores,
+            "seconds": round(wall, 3),
+            "busy": round(cores * (1 - idle / total), 3) if total > 0 else 0.0,
+            "server": round(sum(t - self.server[p] for p, t in server.items() if p in self.server) / wall, 3),
+            "clients": round((self._client_seconds() - self.clients) / wall, 3),
+        }
+
+
+def _total(times: Any) -> float:
+    """All CPU time in psutil's ``cpu_times()``; Linux counts guest time inside user time too, so it is taken out
+    (as psutil's own ``cpu_percent`` does)."""
+    return sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+
+
 def parse_url(url: str) -> tuple[str, str]:
     """``http://127.0.0.1:8000``, ``grpc://127.0.0.1:8001`` or ``ray://127.0.0.1:8000`` (Ray Serve) ->
     (protocol, "host:port"); loopback only."""
@@ -576,8 +635,9 @@ def loadtest(
         levels, mark = [], before
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests, shared_memory)
+            meter = CpuMeter()
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
-            levels.append(level.summary())
+            levels.append({**level.summary(), "cpu_cores": meter.read()})
             after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
             mark = after
@@ -665,8 +725,8 @@ def split_table(levels: list[dict[str, Any]]) -> list[str]:
         "own time: the client, serialising, the transport):",
         "",
         "| concurrency | outside Triton | queue | input | execute | output | other | mean batch "
-        "| in-process req/s at that batch | served / that |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in-process req/s at that batch | served / that | cores busy: machine / server / clients |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in levels:
         if split := lv.get("server_split_ms"):
@@ -677,7 +737,9 @@ def split_table(levels: list[dict[str, Any]]) -> list[str]:
                 if formed
                 else "- | -"
             )
-            lines.append(f"| {lv['concurrency']} | {cells} | {split['mean_batch']:.2f} | {own} |")
+            cpu = lv.get("cpu_cores")
+            used = f"{cpu['busy']:.1f} / {cpu['server']:.1f} / {cpu['clients']:.1f} of {cpu['cores']}" if cpu else "-"
+            lines.append(f"| {lv['concurrency']} | {cells} | {split['mean_batch']:.2f} | {own} | {used} |")
     return lines
 
 

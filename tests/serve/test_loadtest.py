@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from kiln.core.data import feed_for_graph, take
 from kiln.models.registry import build_model, load_dataset
 from kiln.pipeline.config import config_from_dict
-from kiln.serve.loadtest import request_pool
+from kiln.serve.loadtest import CpuMeter, request_pool
 from kiln.serve.server import ServedEngine
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.config import BuildConfig
@@ -133,3 +135,13 @@ def test_shared_memory_laid_out_halfway_leaves_no_region() -> None:
     assert len(regions.handles) == 3  # one for the pool, one per thread
     regions.close()
     assert set(Path("/dev/shm").glob("kiln_*")) == before
+
+
+def test_cpu_meter_counts_the_clients_work_and_their_finished_children() -> None:
+    meter = CpuMeter()
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2: pass"
+    exec(spin)  # 0.2 s of CPU in this process, then as much in a child process
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    cpu = meter.read()
+    assert cpu["clients"] * cpu["seconds"] >= 0.38, cpu  # CPU seconds, however long the machine's load made them
+    assert cpu["busy"] * cpu["seconds"] >= 0.3 and cpu["busy"] <= cpu["cores"], cpu  # the machine saw it too

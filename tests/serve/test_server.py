@@ -197,6 +197,9 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     assert level["served_vs_formed"] == pytest.approx(level["throughput_rps"] / formed["throughput_rps"])
     split_md = (tmp_path / "lt" / "loadtest.md").read_text().split("Where a request's time went")[1]
     assert f"| {formed['throughput_rps']:.0f} ({formed['batch']}) | {level['served_vs_formed']:.2f} |" in split_md
+    cpu = level["cpu_cores"]  # the CPU the level used: Triton and its stubs worked, so did this process's clients
+    assert cpu["server"] > 0 and cpu["clients"] > 0 and 0 < cpu["busy"] <= cpu["cores"], cpu
+    assert f"{cpu['busy']:.1f} / {cpu['server']:.1f} / {cpu['clients']:.1f} of {cpu['cores']} |" in split_md
     for name in ("loadtest.json", "loadtest.md", "loadtest.png"):
         assert (tmp_path / "lt" / name).stat().st_size > 0
     assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
