@@ -177,6 +177,7 @@ def served(
             min(args.duration, 3.0),
             config=config,
             inprocess=False,
+            metrics_port=ports[2],
         )
         for protocol in args.protocol:
             for n in args.processes:
@@ -194,6 +195,7 @@ def served(
                         config=config,
                         processes=n,
                         shared_memory=transport == "shm",
+                        metrics_port=ports[2],
                     )
                     report(protocol, n, transport, result)
     finally:

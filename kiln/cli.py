@@ -976,6 +976,14 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     "server's machine; measures the server without moving tensors through HTTP/gRPC in Python)",
 )
 @click.option(
+    "--metrics-port",
+    default=8002,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="the server's Triton metrics port (kiln serve's --metrics-port), where Kiln's models say where their "
+    "executions' time went",
+)
+@click.option(
     "-o",
     "--output",
     default="loadtest",
@@ -993,6 +1001,7 @@ def loadtest(
     config: str | None,
     processes: int,
     shared_memory: bool,
+    metrics_port: int,
     output: str,
 ) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
@@ -1014,6 +1023,7 @@ def loadtest(
             _config(config, ()),
             processes,
             shared_memory=shared_memory,
+            metrics_port=metrics_port,
         )
     record_owned(out, LOADTEST_FILES)
     click.echo(render_markdown(result), nl=False)

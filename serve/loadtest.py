@@ -44,6 +44,7 @@ from kiln.core.inputs import random_inputs
 from kiln.core.records import TensorSpec
 from kiln.models.model_io import dataset_for, torch_model_named
 from kiln.pipeline.config import KilnConfig
+from kiln.serve import stub_times
 from kiln.serve.batching import buckets_for, padded_infer
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
@@ -508,6 +509,8 @@ def server_batches(protocol: str, address: str, model: str) -> dict[str, int]:
     counts = {
         "inference_count": int(entry.get("inference_count", 0)),
         "execution_count": int(entry.get("execution_count", 0)),
+        # the executions' own time, each counted once (inference_stats charge it to every request of a batch)
+        "execution_ns": sum(int(b.get("compute_infer", {}).get("ns", 0)) for b in entry.get("batch_stats", [])),
     }
     return counts | {f"{k}_ns": int(phases.get(k, {}).get("ns", 0)) for k in ("success", *TRITON_PHASES)}
 
@@ -538,6 +541,24 @@ def time_split(before: dict[str, int], after: dict[str, int], client_ms: float) 
     split |= {k: ms[k] for k in TRITON_PHASES}
     split["triton_other"] = max(0.0, ms["success"] - sum(ms[k] for k in TRITON_PHASES))
     return split | {"mean_batch": done / runs}
+
+
+def stub_split(
+    stub_before: dict[str, float] | None,
+    stub_after: dict[str, float] | None,
+    before: dict[str, int],
+    after: dict[str, int],
+) -> dict[str, float] | None:
+    """Mean ms per execution: Triton's execution time (``execution``), the stub's phases over the executions it
+    published (:func:`kiln.serve.stub_times.split`) and ``rest``, the first less the phases (the hop between Triton
+    and the stub); None where the model publishes none (not Kiln's Python-backend model, a Triton without custom
+    metrics)."""
+    phases = stub_times.split(stub_before, stub_after)
+    runs = after.get("execution_count", 0) - before.get("execution_count", 0)
+    if phases is None or runs <= 0 or "execution_ns" not in after:
+        return None
+    execution = (after["execution_ns"] - before.get("execution_ns", 0)) / runs / 1e6
+    return {"execution": execution, **phases, "rest": execution - sum(phases[p] for p in stub_times.PHASES)}
 
 
 def _ray_ready(address: str, model: str) -> dict[str, int]:
@@ -608,12 +629,14 @@ def loadtest(
     processes: int = 1,
     inprocess: bool = True,
     shared_memory: bool = False,
+    metrics_port: int | None = 8002,
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
     ``processes``: client processes per level (:func:`run_level_processes`); ``inprocess``: time the engine in
     this process at each level's batch too (:func:`with_inprocess`); ``shared_memory``: tensors through system
-    shared memory (:class:`SharedMemory`). Raises :class:`GateFailure` (after writing them) if any answer was wrong
-    or any request failed."""
+    shared memory (:class:`SharedMemory`); ``metrics_port``: Triton's metrics port on the server's host, where Kiln's
+    Python-backend models publish their executions' phases (:mod:`kiln.serve.stub_times`; None: not read).
+    Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
         raise ConfigError(
@@ -629,17 +652,20 @@ def loadtest(
     pool, source = request_pool(engine, config)
     tolerance = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
     before = server_batches(protocol, address, model)
+    host = address.rsplit(":", 1)[0]
+    metrics = f"http://{host}:{metrics_port}/metrics" if metrics_port and protocol != "ray" else None
     # One load for the expected answers and the in-process timings: a torch engine compiles when it loads.
     with load_engine(engine.engine_dir) as runner:
         expected = expected_outputs(runner, pool)
         levels, mark = [], before
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests, shared_memory)
-            meter = CpuMeter()
+            meter, stub = CpuMeter(), stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append({**level.summary(), "cpu_cores": meter.read()})
             after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
+            levels[-1]["stub_ms"] = stub_split(stub, stub_times.read(metrics, model) if metrics else None, mark, after)
             mark = after
             _log_level(levels[-1])
         if inprocess:
@@ -740,6 +766,26 @@ def split_table(levels: list[dict[str, Any]]) -> list[str]:
             cpu = lv.get("cpu_cores")
             used = f"{cpu['busy']:.1f} / {cpu['server']:.1f} / {cpu['clients']:.1f} of {cpu['cores']}" if cpu else "-"
             lines.append(f"| {lv['concurrency']} | {cells} | {split['mean_batch']:.2f} | {own} | {used} |")
+    return lines + stub_table(levels)
+
+
+def stub_table(levels: list[dict[str, Any]]) -> list[str]:
+    """Inside the model's executions (:func:`stub_split`), one row per level; none where no level has it."""
+    if not any(lv.get("stub_ms") for lv in levels):
+        return []
+    lines = [
+        "",
+        "Inside an execution (mean ms per execution: Triton's time for it; the stub's own clock for reading the "
+        "inputs, the engine call with its copies, and the responses, over the executions it published; rest = "
+        "the hop between Triton and the stub):",
+        "",
+        "| concurrency | execution | inputs | engine | responses | rest |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in levels:
+        if stub := lv.get("stub_ms"):
+            cells = " | ".join(f"{stub[k]:.3f}" for k in ("execution", *stub_times.PHASES, "rest"))
+            lines.append(f"| {lv['concurrency']} | {cells} |")
     return lines
 
 

@@ -213,6 +213,7 @@ def write_stock_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_
 MODEL_PY = '''"""Triton Python-backend model written by Kiln: serves the Kiln engine in ./engine (kiln.load_engine)."""
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -220,6 +221,7 @@ import triton_python_backend_utils as pb_utils
 
 from kiln import load_engine
 from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
+from kiln.serve.stub_times import StubTimes
 
 
 class TritonPythonModel:
@@ -239,23 +241,31 @@ class TritonPythonModel:
             warm_buckets(self.runner, self.runner.meta, self.buckets)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
+        # the phases of every execution, as Triton custom metrics (kiln.serve.stub_times); none on a Triton without
+        self.times = StubTimes(args["model_name"], pb_utils) if hasattr(pb_utils, "MetricFamily") else None
 
     def execute(self, requests):
+        start = time.perf_counter()
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
         # a request outside the sizes the engine was validated for is answered with an error naming them
         refused = [self.runner.meta.outside_range({n: f[n].shape for n in self.inputs}) for f in feeds]
         todo = [i for i, why in enumerate(refused) if why is None]
         answers = {}
+        read = time.perf_counter()
         try:
             answers = dict(zip(todo, self._run([feeds[i] for i in todo]))) if todo else {}
         except Exception as exc:  # the engine failed on this batch: each request gets the error, the server goes on
             refused = [why or f"the engine failed: {type(exc).__name__}: {exc}" for why in refused]
-        return [
+        ran = time.perf_counter()
+        responses = [
             pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor(n, np.ascontiguousarray(answers[i][n], dtype=t)) for n, t in self.outputs.items()])
             if i in answers else pb_utils.InferenceResponse(error=pb_utils.TritonError(refused[i]))
             for i in range(len(requests))
         ]
+        if self.times is not None:
+            self.times.add(len(requests), read - start, ran - read, time.perf_counter() - ran)
+        return responses
 
     def _run(self, feeds):
         if not self.batched:
@@ -268,6 +278,8 @@ class TritonPythonModel:
         return [{n: parts[n][i] for n in self.outputs} for i in range(len(feeds))]
 
     def finalize(self):
+        if self.times is not None:
+            self.times.close()
         self.runner.deactivate()
 '''
 

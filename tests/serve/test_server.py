@@ -4,6 +4,7 @@ ONNX Runtime engine of a tiny pipeline run. Ports are ephemeral; readiness is po
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -64,7 +65,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory, config: KilnConfig) -> Pat
     return out
 
 
-def _start_serve(path: Path, ports: list[int], *extra: str) -> subprocess.Popen[bytes]:
+def _start_serve(
+    path: Path, ports: list[int], *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-m",
@@ -79,7 +82,7 @@ def _start_serve(path: Path, ports: list[int], *extra: str) -> subprocess.Popen[
         str(ports[2]),
         *extra,
     ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
 def _ready(proc: subprocess.Popen[bytes], ports: list[int], models: list[str]) -> None:
@@ -137,7 +140,8 @@ def loaded(workdir: Path) -> Iterator[list[int]]:
     window: concurrent requests reliably meet in one batch even on a loaded machine. After them it is stopped with
     SIGTERM, and nothing of it may be left running (a failure there is the last of them's teardown error)."""
     ports = [free_port() for _ in range(3)]
-    proc = _start_serve(workdir, ports, "--max-queue-delay-us", "2000")
+    # every execution publishes its phases at once (kiln.serve.stub_times), so a short level has them
+    proc = _start_serve(workdir, ports, "--max-queue-delay-us", "2000", env={"KILN_STUB_METRICS_S": "0"})
     try:
         _ready(proc, ports, [MODEL])
         descendants = psutil.Process(proc.pid).children(recursive=True)
@@ -162,6 +166,7 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
         duration_s=120,
         max_requests=200,
         config=config,
+        metrics_port=ports[2],
     )
     cli = CliRunner().invoke(
         main,
@@ -178,6 +183,8 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
             "1",
             "--requests",
             "20",
+            "--metrics-port",
+            str(ports[2]),
             "-o",
             str(tmp_path / "cli"),
         ],
@@ -197,6 +204,11 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     assert level["served_vs_formed"] == pytest.approx(level["throughput_rps"] / formed["throughput_rps"])
     split_md = (tmp_path / "lt" / "loadtest.md").read_text().split("Where a request's time went")[1]
     assert f"| {formed['throughput_rps']:.0f} ({formed['batch']}) | {level['served_vs_formed']:.2f} |" in split_md
+    stub = level["stub_ms"]  # inside the executions, on the stub's clock: every phase took time, the engine most
+    assert stub["executions"] > 0 and stub["requests"] >= stub["executions"], stub
+    assert all(stub[p] > 0 for p in ("inputs", "engine", "responses")), stub
+    assert stub["inputs"] + stub["engine"] + stub["responses"] < 1.5 * stub["execution"], stub  # Triton's whole
+    assert "| concurrency | execution | inputs | engine | responses | rest |" in split_md
     cpu = level["cpu_cores"]  # the CPU the level used: Triton and its stubs worked, so did this process's clients
     assert cpu["server"] > 0 and cpu["clients"] > 0 and 0 < cpu["busy"] <= cpu["cores"], cpu
     assert f"{cpu['busy']:.1f} / {cpu['server']:.1f} / {cpu['clients']:.1f} of {cpu['cores']} |" in split_md

@@ -1,0 +1,95 @@
+"""Where a Python-backend stub's executions go, on the stub's own clock: reading the requests' inputs, the engine
+call (the batch assembled, copied to the engine's device and back, split), building the responses. Triton times
+an execution whole (``compute_infer``); what it spends beyond these phases is the hop between Triton and the stub
+(shared-memory messages, the stub's wake-up) and the backend's own copies.
+
+The stub publishes its sums as Triton custom metrics (``kiln_stub_seconds_total{model, phase}``,
+``kiln_stub_executions_total{model}``, ``kiln_stub_requests_total{model}``) on Triton's Prometheus endpoint, which
+``kiln loadtest`` reads before and after each level. Each update of a custom metric is a message to the Triton
+process, so the stub adds up its timings and publishes them at most every ``KILN_STUB_METRICS_S`` seconds (default
+1): the averages cover the executions published, a sample of the level's."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.request
+from typing import Any
+
+PHASES = ("inputs", "engine", "responses")
+SECONDS = "kiln_stub_seconds_total"
+EXECUTIONS = "kiln_stub_executions_total"
+REQUESTS = "kiln_stub_requests_total"
+
+
+class StubTimes:
+    """The stub side: ``add`` after each execution; published every ``every_s`` seconds (at an execution)."""
+
+    def __init__(self, model: str, pb_utils: Any, every_s: float | None = None) -> None:
+        counter = pb_utils.MetricFamily.COUNTER
+        seconds = pb_utils.MetricFamily(name=SECONDS, description="Kiln stub: seconds per phase", kind=counter)
+        executions = pb_utils.MetricFamily(name=EXECUTIONS, description="Kiln stub: executions", kind=counter)
+        requests = pb_utils.MetricFamily(name=REQUESTS, description="Kiln stub: requests executed", kind=counter)
+        # the families must outlive their metrics (the stub refuses to update a metric whose family was deleted)
+        self.families = (seconds, executions, requests)
+        self.metrics = {p: seconds.Metric(labels={"model": model, "phase": p}) for p in PHASES}
+        self.metrics["executions"] = executions.Metric(labels={"model": model})
+        self.metrics["requests"] = requests.Metric(labels={"model": model})
+        self.pending = dict.fromkeys(self.metrics, 0.0)
+        self.every_s = float(os.environ.get("KILN_STUB_METRICS_S", "1")) if every_s is None else every_s
+        self.published = time.monotonic()
+
+    def add(self, requests: int, inputs: float, engine: float, responses: float) -> None:
+        """One execution of ``requests`` requests and its phases' seconds."""
+        for key, value in zip(("inputs", "engine", "responses", "requests"), (inputs, engine, responses, requests)):
+            self.pending[key] += value
+        self.pending["executions"] += 1
+        if time.monotonic() - self.published >= self.every_s:
+            self.publish()
+
+    def publish(self) -> None:
+        for key, metric in self.metrics.items():
+            metric.increment(self.pending[key])
+        self.pending = dict.fromkeys(self.metrics, 0.0)
+        self.published = time.monotonic()
+
+    def close(self) -> None:
+        """The metrics, then their families (the order the stub wants them deleted in)."""
+        self.metrics.clear()
+        self.families = ()
+
+
+_SAMPLE = re.compile(r"^(kiln_stub_\w+)\{([^}]*)\}\s+(\S+)", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def read(metrics_url: str, model: str) -> dict[str, float] | None:
+    """``model``'s stub counters from Triton's metrics endpoint (Prometheus' text format: three metric names, a
+    regular expression reads them), summed over its instances; None where the endpoint does not answer or has
+    none (another server, a model that is not Kiln's Python-backend model)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return None
+    totals: dict[str, float] = {}
+    for name, labels, value in _SAMPLE.findall(text):
+        tags = dict(_LABEL.findall(labels))
+        if tags.get("model") != model:
+            continue
+        key = tags["phase"] if name == SECONDS else name.removeprefix("kiln_stub_").removesuffix("_total")
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return totals if "executions" in totals else None
+
+
+def split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """Mean ms per execution of each phase between two reads, and the executions and requests they cover; None
+    without both reads or without an execution published between them."""
+    if before is None or after is None:
+        return None
+    runs = after["executions"] - before.get("executions", 0.0)
+    if runs <= 0:
+        return None
+    ms = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / runs * 1e3 for p in PHASES}
+    return ms | {"executions": runs, "requests": after["requests"] - before.get("requests", 0.0)}
