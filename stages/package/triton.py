@@ -241,8 +241,12 @@ class TritonPythonModel:
             warm_buckets(self.runner, self.runner.meta, self.buckets)
         self.inputs = [t["name"] for t in config["input"]]
         self.outputs = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
-        # the phases of every execution, as Triton custom metrics (kiln.serve.stub_times); none on a Triton without
-        self.times = StubTimes(args["model_name"], pb_utils) if hasattr(pb_utils, "MetricFamily") else None
+        # the phases of every execution, as Triton custom metrics (kiln.serve.stub_times); a Triton without custom
+        # metrics (an older one, or metrics turned off) serves the model without them
+        try:
+            self.times = StubTimes(args["model_name"], pb_utils)
+        except Exception:
+            self.times = None
 
     def execute(self, requests):
         start = time.perf_counter()

@@ -1,0 +1,104 @@
+"""The stub's phase timings: published at most every interval as counters, read back from Prometheus' text format
+and turned into ms per execution. The stub and Triton's endpoint themselves are exercised by the served test
+(tests/serve/test_server.py), against a real `kiln serve`."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kiln.serve import stub_times
+
+METRICS = """# HELP kiln_stub_seconds_total Kiln stub: seconds per phase
+# TYPE kiln_stub_seconds_total counter
+kiln_stub_seconds_total{model="m",phase="inputs"} 0.5
+kiln_stub_seconds_total{model="m",phase="engine"} 2
+kiln_stub_seconds_total{model="m",phase="responses"} 0.25
+kiln_stub_seconds_total{model="m",phase="engine"} 2
+kiln_stub_seconds_total{model="other",phase="engine"} 99
+kiln_stub_executions_total{model="m"} 100
+kiln_stub_executions_total{model="m"} 100
+kiln_stub_requests_total{model="m"} 400
+nv_inference_count{model="m",version="1"} 400
+"""
+
+
+@pytest.fixture
+def endpoint() -> Iterator[str]:
+    """A real HTTP server answering METRICS, as Triton's metrics port does."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+
+
+def test_a_models_counters_are_summed_over_its_instances_and_others_ignored(endpoint: str) -> None:
+    got = stub_times.read(endpoint, "m")
+    assert got == {"inputs": 0.5, "engine": 4.0, "responses": 0.25, "executions": 200.0, "requests": 400.0}
+    assert stub_times.read(endpoint, "absent") is None  # a model that publishes nothing
+
+
+def test_an_endpoint_that_does_not_answer_gives_none() -> None:
+    assert stub_times.read("http://127.0.0.1:1/metrics", "m") is None
+
+
+def test_split_gives_ms_per_execution_between_two_reads() -> None:
+    before = {"inputs": 1.0, "engine": 2.0, "responses": 0.5, "executions": 10.0, "requests": 30.0}
+    after = {"inputs": 1.1, "engine": 2.5, "responses": 0.6, "executions": 110.0, "requests": 430.0}
+    got = stub_times.split(before, after)
+    assert got == pytest.approx({"inputs": 1.0, "engine": 5.0, "responses": 1.0, "executions": 100, "requests": 400})
+    assert stub_times.split(before, before) is None  # nothing published in between
+    assert stub_times.split(None, after) is None
+
+
+class _Family:
+    COUNTER = "counter"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.values = name, {}
+
+    def Metric(self, labels: dict[str, str]) -> _Metric:  # noqa: N802 (pb_utils' own name)
+        return _Metric(self, tuple(sorted(labels.items())))
+
+
+class _Metric:
+    def __init__(self, family: _Family, key: tuple) -> None:
+        self.family, self.key = family, key
+
+    def increment(self, value: float) -> None:
+        self.family.values[self.key] = self.family.values.get(self.key, 0.0) + value
+
+
+class _PbUtils:
+    """The two names of triton_python_backend_utils that StubTimes uses (the module exists only inside a stub)."""
+
+    MetricFamily = _Family
+
+
+def test_timings_are_published_at_most_every_interval_and_all_of_them_in_the_end() -> None:
+    times = stub_times.StubTimes("m", _PbUtils, every_s=3600)
+    seconds = times.families[0]
+    times.add(4, 0.001, 0.002, 0.0005)
+    times.add(2, 0.001, 0.002, 0.0005)
+    assert seconds.values == {}  # within the interval: nothing sent to Triton yet
+    times.publish()
+    assert seconds.values[(("model", "m"), ("phase", "engine"))] == pytest.approx(0.004)
+    assert times.families[2].values[(("model", "m"),)] == 6  # requests
+    every = stub_times.StubTimes("m", _PbUtils, every_s=0)
+    every.add(1, 0.001, 0.002, 0.0005)
+    assert every.families[1].values[(("model", "m"),)] == 1  # an interval of 0: each execution at once
