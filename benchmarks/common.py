@@ -1,4 +1,4 @@
-"""What several benchmark scripts share: the bare loop's update and how a result is written.
+"""What several benchmark scripts share: the bare loop's update, CUDA-graphed calls and how a result is written.
 
 One definition of the bare loop's update, so that every benchmark comparing Kiln's loop with "the bare loop"
 (``train_bench.py``, ``step_host_cost.py``, ``train_loop_ab.py``) compares it with the same code.
@@ -7,6 +7,7 @@ One definition of the bare loop's update, so that every benchmark comparing Kiln
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +31,20 @@ def write_report(out: Path, stem: str, result: dict[str, Any], markdown: str) ->
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown)
     print(markdown)
+
+
+def graphed(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` as one CUDA graph, warmed on a side stream first: replaying it times the GPU's
+    work, not Python's launches (kernels of a few microseconds launched one by one from Python measure the launch
+    rate instead)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import write_report
+from common import graphed, write_report
 from torch import nn
 
 from kiln.stages.engines.torch.lowbit import LowbitLinear
@@ -113,22 +113,6 @@ def kind(name: str) -> str:
     return "library"
 
 
-def graphed(call: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
-    """``calls`` calls as one CUDA graph (Inductor's launches are not what is timed)."""
-    with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                call()
-    return graph
-
-
 def interleaved(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, rounds: int) -> dict[str, list[float]]:
     """Per form, ms of one call in each round; every round replays each form once, in turn."""
     times: dict[str, list[float]] = {k: [] for k in graphs}
@@ -155,7 +139,8 @@ def probe(rows: int, calls: int, rounds: int) -> list[dict[str, Any]]:
             cos = torch.nn.functional.cosine_similarity(call().float().flatten(), reference.flatten(), dim=0)
         ks = kernels(call)
         kinds = {k: sum(1 for n, _ in ks if kind(n) == k) for k in ("library", "template", "pointwise")}
-        graphs[name] = graphed(call, calls)
+        with torch.inference_mode():  # as the engine runs
+            graphs[name] = graphed(call, calls)
         results.append(
             {
                 "rows": rows,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import graphed
 
 # BERT-base: Q/K/V/output projections 768x768 (Q, K and V merged: 768x2304), the MLP 768x3072 and 3072x768;
 # rows: 128 tokens at batch 1 and 32
@@ -47,22 +48,6 @@ def forms(rows: int, k: int, n: int) -> dict[str, Callable[[], torch.Tensor]]:
         "fp8 rowwise": fp8(row_a, row_b, False),
         "int8 _int_mm": lambda: torch._int_mm(xi, wi.t()),
     }
-
-
-def graphed(fn: Callable[[], torch.Tensor], calls: int) -> torch.cuda.CUDAGraph:
-    """``calls`` calls of ``fn`` as one CUDA graph: replaying it times the GPU's work, not Python's launches (kernels
-    of a few microseconds launched one by one from Python measure the launch rate instead)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
 
 
 def timed(graph: torch.cuda.CUDAGraph, calls: int) -> float:
