@@ -112,9 +112,13 @@ def test_the_packaged_ray_app_serves_checked_answers_refuses_bad_requests_and_re
     # Ray Serve's own checks that its HTTP proxy started (5 s, 10 s, three tries) kill the proxy of a loaded 2-core
     # machine before it answers, and `serve run` exits: they get the test's hang-guard limit. (`serve run`'s own 60 s
     # wait for the proxy is fixed in Ray: SERVE_RUN raises it.)
+    # Ray starts its worker processes (the proxy, the replicas, the app's build task) at niceness 15: beside any busy
+    # process at 0 they get a few percent of a core and take minutes each to start. Niceness 0 lets them take their
+    # share of the machine, as the test's other processes do.
     env = {
         **os.environ,
         "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_worker_niceness": "0",
         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(READY_TIMEOUT_S),
         "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(READY_TIMEOUT_S),
     }
