@@ -41,6 +41,40 @@ def padded_infer(runner: Any, inputs: dict[str, np.ndarray], buckets: list[int] 
     return {name: value[:rows] for name, value in result.items()} if size != rows else result
 
 
+def batched_infer(
+    runner: Any, feeds: list[dict[str, np.ndarray]], buckets: list[int] | None
+) -> list[dict[str, np.ndarray]]:
+    """One engine call for several requests' feeds (each with its own batch axis), each request's rows of every
+    output back. The rows go straight into the runner's kept host buffers for the padded batch
+    (:meth:`~kiln.stages.engines.backend.Runner.host_inputs`: one copy per request, none for joining or padding,
+    and for a GPU engine an upload from page-locked memory); requests whose other dimensions differ are joined
+    as they are, and the engine refuses them."""
+    names = list(feeds[0])
+    sizes = [len(f[names[0]]) for f in feeds]
+    rows = sum(sizes)
+    size = next((b for b in buckets if b >= rows), rows) if buckets else rows
+    tails = {n: {f[n].shape[1:] for f in feeds} for n in names}
+    if any(len(t) > 1 for t in tails.values()):
+        out = runner.infer({n: np.concatenate([f[n] for f in feeds]) for n in names})
+    else:
+        host = runner.host_inputs({n: (size, *next(iter(tails[n]))) for n in names})
+        for n in names:
+            _fill(host[n], [f[n] for f in feeds], rows)
+        out = runner.infer(host)
+    bounds = np.cumsum(sizes)[:-1]
+    parts = {n: np.split(np.asarray(v)[:rows], bounds) for n, v in out.items()}
+    return [{n: parts[n][i] for n in out} for i in range(len(feeds))]
+
+
+def _fill(target: np.ndarray, parts: list[np.ndarray], rows: int) -> None:
+    """``parts`` one after the other into ``target``'s first ``rows`` rows, the last row repeated after them."""
+    at = 0
+    for part in parts:
+        target[at : at + len(part)] = part
+        at += len(part)
+    target[rows:] = target[rows - 1]
+
+
 def warm_buckets(runner: Any, meta: Any, buckets: list[int]) -> bool:
     """Build the engine's per-shape sessions for every bucket before the server says ready. Only for inputs whose
     other dimensions are fixed (a dynamic sequence axis has no one size to warm)."""

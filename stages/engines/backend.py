@@ -179,6 +179,9 @@ def verify_files(engine_dir: Path, meta: EngineMetadata) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ runners
+HOST_INPUT_SHAPES = 8  # input shapes a runner keeps host buffers for (Runner.host_inputs)
+
+
 class Runner:
     """Base runner. Subclasses implement ``_activate``, ``_infer`` and ``_deactivate``; ``info`` is the engine's
     ``backend_info`` as its backend's record."""
@@ -202,6 +205,7 @@ class Runner:
     def deactivate(self) -> None:
         if self.active:
             self._deactivate()
+            self.__dict__.pop("_host_inputs", None)
             self.active = False
 
     def __enter__(self) -> Runner:
@@ -209,6 +213,26 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.deactivate()
+
+    def host_inputs(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """Writable arrays of these shapes, one per input in its declared dtype, kept by the runner for the next
+        call with the same shapes: a server writes a batch's rows into them and passes them to :meth:`infer`
+        instead of joining and padding arrays anew for every batch. A runner whose engine reads host memory
+        faster from its own buffers (page-locked for a GPU) returns those (:meth:`_host_array`). A few shapes are
+        kept, the most recent ones."""
+        key = tuple(sorted(shapes.items()))
+        kept: dict[Any, dict[str, np.ndarray]] = self.__dict__.setdefault("_host_inputs", {})
+        if key not in kept:
+            if len(kept) >= HOST_INPUT_SHAPES:
+                kept.pop(next(iter(kept)))
+            dtypes = {s.name: np.dtype(s.dtype) for s in self.meta.inputs}
+            kept[key] = {n: self._host_array(tuple(shape), dtypes[n]) for n, shape in shapes.items()}
+        else:
+            kept[key] = kept.pop(key)  # the most recent last
+        return kept[key]
+
+    def _host_array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
 
     def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Outputs by name for ``feed`` (one array per input, as ``kiln-engine.json`` declares them)."""

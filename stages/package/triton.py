@@ -220,7 +220,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kiln import load_engine
-from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
+from kiln.serve.batching import batched_infer, buckets_for, warm_buckets
 from kiln.serve.stub_times import StubTimes
 
 
@@ -277,12 +277,7 @@ class TritonPythonModel:
     def _run(self, feeds):
         if not self.batched:
             return [self.runner.infer(f) for f in feeds]
-        sizes = [len(f[self.inputs[0]]) for f in feeds]
-        batch = {n: np.concatenate([f[n] for f in feeds]) for n in self.inputs}
-        out = padded_infer(self.runner, batch, self.buckets)
-        bounds = np.cumsum(sizes)[:-1]
-        parts = {n: np.split(np.asarray(out[n]), bounds) for n in self.outputs}
-        return [{n: parts[n][i] for n in self.outputs} for i in range(len(feeds))]
+        return batched_infer(self.runner, feeds, self.buckets)
 
     def finalize(self):
         if self.times is not None:

@@ -379,6 +379,14 @@ def test_cuda_fp16_package_with_max_autotune(zoo, tmp_path: Path, flavour: str) 
             assert got.dtype == np.float32 and got.shape == want.shape
             assert float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want)) > 0.999
         assert np.median(runner.time_ms({"input": sample("cnn", 32)}, 3, 20)) > 0
+        # a server's rows written into the runner's kept host buffer: page-locked, uploaded from there, read anew
+        # at every call
+        host = runner.host_inputs({"input": (32, 1, 8, 8)})
+        assert host["input"].base.is_pinned() and runner.host_inputs({"input": (32, 1, 8, 8)}) is host
+        for seed in (3, 4):
+            x = sample("cnn", 32, seed=seed)
+            host["input"][:] = x
+            np.testing.assert_array_equal(runner.infer(host)["logits"], runner.infer({"input": x})["logits"])
         if meta.flavour == "compiled":  # CUDA graphs: a kept output survives the next replay (outputs are copied)
             assert meta.builder_settings["cuda_graphs"]
             first, graphed = runner.prepared({"input": sample("cnn", 1, seed=1)})
