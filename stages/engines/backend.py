@@ -191,6 +191,7 @@ class Runner:
     def __init__(self, engine_dir: Path, meta: EngineMetadata, info: Any = None) -> None:
         self.engine_dir, self.meta, self.info, self.active = Path(engine_dir), meta, info, False
         self.name = meta.name
+        self._host_inputs: dict[Any, dict[str, np.ndarray]] = {}  # input shapes -> buffers (host_inputs)
 
     @property
     def input_names(self) -> list[str]:
@@ -205,7 +206,7 @@ class Runner:
     def deactivate(self) -> None:
         if self.active:
             self._deactivate()
-            self.__dict__.pop("_host_inputs", None)
+            self._host_inputs.clear()
             self.active = False
 
     def __enter__(self) -> Runner:
@@ -221,7 +222,7 @@ class Runner:
         faster from its own buffers (page-locked for a GPU) returns those (:meth:`_host_array`). A few shapes are
         kept, the most recent ones."""
         key = tuple(sorted(shapes.items()))
-        kept: dict[Any, dict[str, np.ndarray]] = self.__dict__.setdefault("_host_inputs", {})
+        kept = self._host_inputs
         if key not in kept:
             if len(kept) >= HOST_INPUT_SHAPES:
                 kept.pop(next(iter(kept)))
