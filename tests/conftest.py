@@ -146,12 +146,13 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
     cores = len(os.sched_getaffinity(0))
-    if "not slow" not in (config.option.markexpr or ""):
-        # The slow tests start process trees of their own (kiln runs, servers, a Ray cluster): beside 7 busy loops
-        # extra workers made their longest ones longer and the step slower (benchmarks/README.md), so one per core.
-        return cores
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return auto_workers(cores, os.getloadavg()[0], free)
+    workers = auto_workers(cores, os.getloadavg()[0], free)
+    if "not slow" not in (config.option.markexpr or ""):
+        # The slow tests start process trees of their own (kiln runs, servers, a Ray cluster), each worth several
+        # workers of memory and CPU: on a busy machine two per core at most (benchmarks/README.md, CI under load).
+        return min(workers, 2 * cores)
+    return workers
 
 
 # Folders whose every test is slow: whole runs of `kiln` and the benchmark scripts (run by .ci/run's second step).
