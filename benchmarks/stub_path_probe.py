@@ -4,6 +4,8 @@ or 8 processes at once on one GPU as 1, 2 or 8 stubs would, beside two cheaper p
 into a kept page-locked buffer and uploaded from there, and the inputs already on the device (the engine and the
 download only). Tells whether a stub's engine call is slower than the same call in one process because of the
 stub's copies or because several processes share the GPU, and what a page-locked upload would give back.
+"stub" is the stub's path as it was when this probe was written; "pinned" is, by hand, what the stub does since
+(``kiln.serve.batching.batched_infer`` into ``Runner.host_inputs``); the recorded results came from this code.
 
     python benchmarks/stub_path_probe.py --processes 1,2,8 --batches 4,16 --duration 3 [--mps]
 

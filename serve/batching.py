@@ -47,20 +47,20 @@ def batched_infer(
     """One engine call for several requests' feeds (each with its own batch axis), each request's rows of every
     output back. The rows go straight into the runner's kept host buffers for the padded batch
     (:meth:`~kiln.stages.engines.backend.Runner.host_inputs`: one copy per request, none for joining or padding,
-    and for a GPU engine an upload from page-locked memory); requests whose other dimensions differ are joined
-    as they are, and the engine refuses them."""
+    and for a GPU engine an upload from page-locked memory). Requests whose other dimensions differ cannot
+    share a batch (Triton's batcher never joins them): a ValueError, rather than rows broadcast into the buffer."""
     names = list(feeds[0])
     sizes = [len(f[names[0]]) for f in feeds]
     rows = sum(sizes)
     size = next((b for b in buckets if b >= rows), rows) if buckets else rows
     tails = {n: {f[n].shape[1:] for f in feeds} for n in names}
-    if any(len(t) > 1 for t in tails.values()):
-        out = runner.infer({n: np.concatenate([f[n] for f in feeds]) for n in names})
-    else:
-        host = runner.host_inputs({n: (size, *next(iter(tails[n]))) for n in names})
-        for n in names:
-            _fill(host[n], [f[n] for f in feeds], rows)
-        out = runner.infer(host)
+    mixed = sorted(n for n, t in tails.items() if len(t) > 1)
+    if mixed:
+        raise ValueError(f"requests of one batch differ in the shape of {mixed} beyond the batch axis")
+    host = runner.host_inputs({n: (size, *tails[n].pop()) for n in names})
+    for n in names:
+        _fill(host[n], [f[n] for f in feeds], rows)
+    out = runner.infer(host)
     bounds = np.cumsum(sizes)[:-1]
     parts = {n: np.split(np.asarray(v)[:rows], bounds) for n, v in out.items()}
     return [{n: parts[n][i] for n in out} for i in range(len(feeds))]
