@@ -132,10 +132,11 @@ def served(
     config: KilnConfig | None,
     args: argparse.Namespace,
     out: Path,
-    report: Callable[[str, int, str, dict[str, Any]], None],
+    report: Callable[[str, int, str, dict[str, Any], int], None],
 ) -> None:
-    """One `kiln serve` of ``model``, load-tested once per (protocol, client processes, transport) asked for, in
-    that order, each result handed to ``report`` as it comes. The server's start (compiles, warm-up) is paid once."""
+    """One `kiln serve` of ``model``, load-tested once per (protocol, client processes, transport, client switch
+    interval) asked for, in that order, each result handed to ``report`` as it comes (with the switch interval's
+    index). The server's start (compiles, warm-up) is paid once."""
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
@@ -182,22 +183,24 @@ def served(
         for protocol in args.protocol:
             for n in args.processes:
                 for transport in args.transport:
-                    say(f"load test: {protocol}, {n} client process(es), tensors {transport}")
-                    folder = out / f"{protocol}_p{n}_{transport}"
-                    # with the engine's host-to-host time at each level's batch (inputs copied in, outputs out)
-                    result = loadtest(
-                        urls[protocol],
-                        model,
-                        path,
-                        folder,
-                        args.concurrency,
-                        args.duration,
-                        config=config,
-                        processes=n,
-                        shared_memory=transport == "shm",
-                        metrics_port=ports[2],
-                    )
-                    report(protocol, n, transport, result)
+                    for k, switch in enumerate(args.client_switch_us):
+                        say(f"load test: {protocol}, {n} client process(es), tensors {transport}, switch {switch} us")
+                        folder = out / f"{protocol}_p{n}_{transport}_{k}"
+                        # with the engine's host-to-host time at each level's batch (inputs copied in, outputs out)
+                        result = loadtest(
+                            urls[protocol],
+                            model,
+                            path,
+                            folder,
+                            args.concurrency,
+                            args.duration,
+                            config=config,
+                            processes=n,
+                            shared_memory=transport == "shm",
+                            metrics_port=ports[2],
+                            switch_interval_s=switch * 1e-6 if switch else None,
+                        )
+                        report(protocol, n, transport, result, k)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -218,6 +221,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
         f"threads in {report.get('client_processes', 1)} process(es) on the same machine"
         + (", tensors in system shared memory" if s.get("transport") == "system shared memory" else "")
+        + (
+            f", their thread switch interval {s['client_switch_interval_s'] * 1e6:.0f} us"
+            if "client_switch_interval_s" in s
+            else ""
+        )
         + f", {s['duration_s']} s "
         f"per level, inputs: {s['inputs']}; every answer "
         "checked against the engine's direct output. On device: the engine timed on a batch of c samples already "
@@ -274,6 +282,12 @@ def main() -> None:
         "--transport", default="net", help="net (tensors in the requests), shm (system shared memory) or net,shm"
     )
     p.add_argument("--max-queue-delay-us", type=int, default=100)
+    p.add_argument(
+        "--client-switch-us",
+        default="0",
+        help="the client processes' thread switch interval in us (0: Python's, 5,000), a list runs each in turn "
+        "(repeats allowed: 5000,200,5000,200 interleaves an A/B)",
+    )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -284,6 +298,7 @@ def main() -> None:
     if not set(args.protocol) <= {"grpc", "http"}:
         p.error("--protocol takes grpc, http or grpc,http")
     args.transport = args.transport.split(",")
+    args.client_switch_us = [int(v) for v in args.client_switch_us.split(",")]
     if not set(args.transport) <= {"net", "shm"}:
         p.error("--transport takes net, shm or net,shm")
     work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
@@ -319,8 +334,9 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     several = len(args.protocol) * len(args.processes) * len(args.transport) > 1
+    switches = len(args.client_switch_us) > 1
 
-    def write(protocol: str, processes: int, transport: str, result: dict[str, Any]) -> None:
+    def write(protocol: str, processes: int, transport: str, result: dict[str, Any], k: int) -> None:
         report = {
             "env": env,
             "protocol": protocol,
@@ -334,7 +350,9 @@ def main() -> None:
             "in_process": inproc,
         }
         tail = f"_{protocol}_p{processes}" + ("_shm" if transport == "shm" else "")
-        name = f"serve_{args.label or label}" + (tail if several else "")
+        if switches:
+            tail += f"_sw{args.client_switch_us[k]}_{k}"
+        name = f"serve_{args.label or label}" + (tail if several or switches else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)

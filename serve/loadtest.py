@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ class Level:
     errors: list[str] = field(default_factory=list)
     max_abs_err: float = 0.0
     seconds: float = 0.0
+    switch_interval_s: float = 0.0  # the clients' thread switch interval while they ran
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
@@ -83,6 +85,7 @@ class Level:
             "errors": len(self.errors),
             "error_examples": self.errors[:3],
             "max_abs_err": self.max_abs_err,
+            "client_switch_interval_s": self.switch_interval_s,
         }
 
 
@@ -354,9 +357,38 @@ def run_level(
     duration_s: float,
     max_requests: int,
     shared_memory: bool = False,
+    switch_interval_s: float | None = None,
 ) -> Level:
     """``concurrency`` client threads sending the pool's requests for ``duration_s``, every answer checked;
-    ``shared_memory``: tensors through :class:`SharedMemory`, not in the requests."""
+    ``shared_memory``: tensors through :class:`SharedMemory`, not in the requests; ``switch_interval_s``: the
+    interpreter's thread switch interval while they run (:func:`sys.setswitchinterval`; None: as it is). A thread
+    whose answer has arrived waits for the interpreter lock while another thread runs; that wait is on its timing."""
+    previous = sys.getswitchinterval()
+    if switch_interval_s:
+        sys.setswitchinterval(switch_interval_s)
+    try:
+        level = _run_threads(
+            protocol, address, model, pool, expected, tolerance, concurrency, duration_s, max_requests, shared_memory
+        )
+        level.switch_interval_s = sys.getswitchinterval()
+        return level
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _run_threads(
+    protocol: str,
+    address: str,
+    model: str,
+    pool: list[dict],
+    expected: list[dict],
+    tolerance: tuple[float, float],
+    concurrency: int,
+    duration_s: float,
+    max_requests: int,
+    shared_memory: bool,
+) -> Level:
+    """The body of :func:`run_level`."""
     module = _client_module(protocol)
     level, lock = Level(concurrency), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
@@ -436,7 +468,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
     its interpreter lock, and at high concurrency they, not the server, set the pace. Their results are merged."""
     import multiprocessing
 
-    protocol, address, model, pool, expected, tolerance, concurrency, duration_s, max_requests, *shm = args
+    protocol, address, model, pool, expected, tolerance, concurrency, duration_s, max_requests, *rest = args
     procs = min(processes, concurrency)
     threads = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     budgets = [max_requests // procs + (i < max_requests % procs) for i in range(procs)]
@@ -445,7 +477,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
     workers = [
         ctx.Process(
             target=_level_worker,
-            args=(barrier, results, (protocol, address, model, pool, expected, tolerance, t, duration_s, b, *shm)),
+            args=(barrier, results, (protocol, address, model, pool, expected, tolerance, t, duration_s, b, *rest)),
             daemon=True,
         )
         for t, b in zip(threads, budgets)
@@ -461,6 +493,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.errors += part.errors
             merged.max_abs_err = max(merged.max_abs_err, part.max_abs_err)
             merged.seconds = max(merged.seconds, part.seconds)
+            merged.switch_interval_s = part.switch_interval_s
     finally:
         for w in workers:
             w.join(timeout=10)
@@ -630,12 +663,14 @@ def loadtest(
     inprocess: bool = True,
     shared_memory: bool = False,
     metrics_port: int | None = 8002,
+    switch_interval_s: float | None = None,
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
     ``processes``: client processes per level (:func:`run_level_processes`); ``inprocess``: time the engine in
     this process at each level's batch too (:func:`with_inprocess`); ``shared_memory``: tensors through system
     shared memory (:class:`SharedMemory`); ``metrics_port``: Triton's metrics port on the server's host, where Kiln's
-    Python-backend models publish their executions' phases (:mod:`kiln.serve.stub_times`; None: not read).
+    Python-backend models publish their executions' phases (:mod:`kiln.serve.stub_times`; None: not read);
+    ``switch_interval_s``: the client processes' thread switch interval (:func:`run_level`).
     Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
@@ -660,6 +695,7 @@ def loadtest(
         levels, mark = [], before
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests, shared_memory)
+            args += (switch_interval_s,)
             meter, stub = CpuMeter(), stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append({**level.summary(), "cpu_cores": meter.read()})
@@ -681,6 +717,7 @@ def loadtest(
         "duration_s": duration_s,
         "max_requests": max_requests,
         "client_processes": processes,
+        "client_switch_interval_s": levels[-1]["client_switch_interval_s"],
         "transport": "system shared memory" if shared_memory else "in the requests",
         "levels": levels,
         "server": batches if protocol != "ray" else None,

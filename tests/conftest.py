@@ -133,12 +133,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 WORKER_MEMORY = 2 << 30
 
 
-def auto_workers(cores: int, load: float, available: int) -> int:
+def auto_workers(cores: int, load: float, available: int, memory: int = WORKER_MEMORY) -> int:
     """How many workers ``-n auto`` starts: one per core on a quiet machine; on a busy one (a 1-minute load average
     above the cores), one per runnable process up to four per core, so the suite gets the share of the CPU it would
-    have had idle rather than 2 of ``load + 2`` slices; never more than the free memory holds."""
+    have had idle rather than 2 of ``load + 2`` slices; never more than the free memory holds at ``memory`` each."""
     wanted = cores if load <= cores + 1 else min(4 * cores, int(load + 0.5))
-    return max(1, min(wanted, available // WORKER_MEMORY))
+    return max(1, min(wanted, available // memory))
+
+
+# A slow test's peak: a whole `kiln run` of a transformers model, a server with its stubs, or a Ray cluster.
+SLOW_WORKER_MEMORY = 3 << 30
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: pytest without xdist runs the tests in-process
@@ -147,12 +151,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
         return None  # xdist's own hook reads it
     cores = len(os.sched_getaffinity(0))
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    workers = auto_workers(cores, os.getloadavg()[0], free)
-    if "not slow" not in (config.option.markexpr or ""):
-        # The slow tests start process trees of their own (kiln runs, servers, a Ray cluster), each worth several
-        # workers of memory and CPU: on a busy machine two per core at most (benchmarks/README.md, CI under load).
-        return min(workers, 2 * cores)
-    return workers
+    fast = "not slow" in (config.option.markexpr or "")
+    # The slow tests start process trees of their own (kiln runs, servers, a Ray cluster): more memory per worker.
+    return auto_workers(cores, os.getloadavg()[0], free, WORKER_MEMORY if fast else SLOW_WORKER_MEMORY)
 
 
 # Folders whose every test is slow: whole runs of `kiln` and the benchmark scripts (run by .ci/run's second step).

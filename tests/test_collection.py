@@ -65,7 +65,7 @@ def test_auto_workers_take_the_cpu_share_of_a_busy_machine(cores: int, load: flo
     assert auto_workers(cores, load, free_gib << 30) == workers
 
 
-def test_the_slow_step_takes_at_most_two_workers_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_slow_step_takes_workers_by_load_as_its_memory_allows(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     from tests.conftest import pytest_xdist_auto_num_workers
@@ -81,6 +81,8 @@ def test_the_slow_step_takes_at_most_two_workers_per_core(monkeypatch: pytest.Mo
     assert workers("not slow") == 2  # the README's command: by load, here as far as 4 GiB holds
     monkeypatch.setattr(os, "sysconf", lambda name: 1 << 22 if name == "SC_AVPHYS_PAGES" else 4096)  # 16 GiB
     assert workers("not slow") == 8
-    assert workers("slow") == 4 and workers("") == 4  # the slow step: by load too, two per core at most
+    assert workers("slow") == 5 and workers("") == 5  # the slow step: by load too, 3 GiB each
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 << 23 if name == "SC_AVPHYS_PAGES" else 4096)  # 32 GiB
+    assert workers("slow") == 8
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
     assert workers("slow") == 2 and workers("not slow") == 2  # quiet: one per core

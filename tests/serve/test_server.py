@@ -222,12 +222,25 @@ def test_tensors_through_shared_memory_give_the_same_checked_answers_and_leave_n
 ) -> None:
     import tritonclient.http
 
+    switch = sys.getswitchinterval()
     for url, processes in ((f"http://127.0.0.1:{loaded[0]}", 2), (f"grpc://127.0.0.1:{loaded[1]}", 1)):
         result = loadtest(
-            url, MODEL, workdir, tmp_path / url[:4], [1, 4], 120, 40, config, processes, shared_memory=True
-        )
+            url,
+            MODEL,
+            workdir,
+            tmp_path / url[:4],
+            [1, 4],
+            120,
+            40,
+            config,
+            processes,
+            shared_memory=True,
+            switch_interval_s=2e-4,
+        )  # c = 4 in client processes (http), c = 1 in this one: each ran at the switch interval asked for
         for level in result["levels"]:
             assert level["requests"] == 40 and level["mismatches"] == 0 and level["errors"] == 0, level
+            assert level["client_switch_interval_s"] == pytest.approx(2e-4), level
+        assert sys.getswitchinterval() == switch  # this process's own, back as it was
         assert result["transport"] == "system shared memory"
         assert "tensors in system shared memory" in (tmp_path / url[:4] / "loadtest.md").read_text()
     client = tritonclient.http.InferenceServerClient(f"127.0.0.1:{loaded[0]}")
