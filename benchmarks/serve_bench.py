@@ -198,7 +198,7 @@ def served(
                             processes=n,
                             shared_memory=transport == "shm",
                             metrics_port=ports[2],
-                            switch_interval_s=switch * 1e-6 if switch else None,
+                            switch_interval_s=switch * 1e-6 or None,
                         )
                         report(protocol, n, transport, result, k)
     finally:
@@ -222,7 +222,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"threads in {report.get('client_processes', 1)} process(es) on the same machine"
         + (", tensors in system shared memory" if s.get("transport") == "system shared memory" else "")
         + (
-            f", their thread switch interval {s['client_switch_interval_s'] * 1e6:.0f} us"
+            f", their thread switch interval {round(s['client_switch_interval_s'] * 1e6)} us"
             if "client_switch_interval_s" in s
             else ""
         )
@@ -284,8 +284,9 @@ def main() -> None:
     p.add_argument("--max-queue-delay-us", type=int, default=100)
     p.add_argument(
         "--client-switch-us",
-        default="0",
-        help="the client processes' thread switch interval in us (0: Python's, 5,000), a list runs each in turn "
+        default="200",
+        help="the client processes' thread switch interval in us (kiln loadtest's 200; 0: Python's 5,000), a list "
+        "runs each in turn "
         "(repeats allowed: 5000,200,5000,200 interleaves an A/B)",
     )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")

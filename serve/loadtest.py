@@ -60,6 +60,10 @@ POOL = 64
 # slightly on its batch mates, hence their wider band.
 TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 2e-2), "bf16": (1e-3, 3e-2), "int8": (1e-2, 1e-1)}
 REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its duration and request budget
+# The client threads' interpreter switch interval (Python's default is 5 ms): a thread whose answer has arrived waits
+# up to that long for the lock while another thread of its process runs, and the wait lands on its latency. On the
+# H200 (8 stubs, c = 64, benchmarks/README.md) 200 us served more requests with a shorter tail than 5 ms.
+CLIENT_SWITCH_S = 200e-6
 
 
 @dataclass
@@ -357,12 +361,12 @@ def run_level(
     duration_s: float,
     max_requests: int,
     shared_memory: bool = False,
-    switch_interval_s: float | None = None,
+    switch_interval_s: float | None = CLIENT_SWITCH_S,
 ) -> Level:
     """``concurrency`` client threads sending the pool's requests for ``duration_s``, every answer checked;
     ``shared_memory``: tensors through :class:`SharedMemory`, not in the requests; ``switch_interval_s``: the
-    interpreter's thread switch interval while they run (:func:`sys.setswitchinterval`; None: as it is). A thread
-    whose answer has arrived waits for the interpreter lock while another thread runs; that wait is on its timing."""
+    interpreter's thread switch interval while they run (:func:`sys.setswitchinterval`; None: as it is;
+    :data:`CLIENT_SWITCH_S` by default)."""
     previous = sys.getswitchinterval()
     if switch_interval_s:
         sys.setswitchinterval(switch_interval_s)
@@ -663,14 +667,14 @@ def loadtest(
     inprocess: bool = True,
     shared_memory: bool = False,
     metrics_port: int | None = 8002,
-    switch_interval_s: float | None = None,
+    switch_interval_s: float | None = CLIENT_SWITCH_S,
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
     ``processes``: client processes per level (:func:`run_level_processes`); ``inprocess``: time the engine in
     this process at each level's batch too (:func:`with_inprocess`); ``shared_memory``: tensors through system
     shared memory (:class:`SharedMemory`); ``metrics_port``: Triton's metrics port on the server's host, where Kiln's
     Python-backend models publish their executions' phases (:mod:`kiln.serve.stub_times`; None: not read);
-    ``switch_interval_s``: the client processes' thread switch interval (:func:`run_level`).
+    ``switch_interval_s``: the client processes' thread switch interval (:func:`run_level`; None: Python's).
     Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
