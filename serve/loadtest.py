@@ -31,6 +31,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -367,32 +369,6 @@ def run_level(
     ``shared_memory``: tensors through :class:`SharedMemory`, not in the requests; ``switch_interval_s``: the
     interpreter's thread switch interval while they run (:func:`sys.setswitchinterval`; None: as it is;
     :data:`CLIENT_SWITCH_S` by default)."""
-    previous = sys.getswitchinterval()
-    if switch_interval_s:
-        sys.setswitchinterval(switch_interval_s)
-    try:
-        level = _run_threads(
-            protocol, address, model, pool, expected, tolerance, concurrency, duration_s, max_requests, shared_memory
-        )
-        level.switch_interval_s = sys.getswitchinterval()
-        return level
-    finally:
-        sys.setswitchinterval(previous)
-
-
-def _run_threads(
-    protocol: str,
-    address: str,
-    model: str,
-    pool: list[dict],
-    expected: list[dict],
-    tolerance: tuple[float, float],
-    concurrency: int,
-    duration_s: float,
-    max_requests: int,
-    shared_memory: bool,
-) -> Level:
-    """The body of :func:`run_level`."""
     module = _client_module(protocol)
     level, lock = Level(concurrency), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
@@ -454,16 +430,30 @@ def _run_threads(
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
+        with switch_interval(switch_interval_s):
+            level.switch_interval_s = sys.getswitchinterval()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
         level.seconds = time.perf_counter() - start
     finally:
         if regions:
             regions.close()
             setup.close()
     return level
+
+
+@contextmanager
+def switch_interval(seconds: float | None) -> Iterator[None]:
+    """The interpreter's thread switch interval set to ``seconds`` inside the block (None: left as it is)."""
+    previous = sys.getswitchinterval()
+    if seconds:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def run_level_processes(processes: int, *args: Any) -> Level:

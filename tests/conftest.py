@@ -176,6 +176,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.relative_to(tests).as_posix()))
+    items[:] = longest_first(items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
     skip_trt = pytest.mark.skip(reason="needs the tensorrt or tensorrt_rtx Python package (pip install 'kiln[rtx]')")
     for item in items:
@@ -183,6 +184,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "tensorrt" in item.keywords and not HAS_TRT:
             item.add_marker(skip_trt)
+
+
+def longest_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The tests marked ``long`` first, with every test of their xdist group, the rest in collection order. xdist
+    hands out tests in collection order, so a long test collected last (tests/test_install.py) would start when the
+    others are done and the step would wait for it alone; started first, the short tests fill in around it."""
+    groups = {_group(i) for i in items if i.get_closest_marker("long")}
+    return sorted(items, key=lambda i: _group(i) not in groups)  # stable: collection order within each part
+
+
+def _group(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    return marker.args[0] if marker else item.nodeid
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:

@@ -86,3 +86,24 @@ def test_the_slow_step_takes_workers_by_load_as_its_memory_allows(monkeypatch: p
     assert workers("slow") == 8
     monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
     assert workers("slow") == 2 and workers("not slow") == 2  # quiet: one per core
+
+
+def test_long_tests_and_their_groups_start_first_the_rest_in_collection_order() -> None:
+    from types import SimpleNamespace
+
+    from tests.conftest import longest_first
+
+    def item(nodeid: str, *marks: tuple[str, tuple]) -> SimpleNamespace:
+        found = {name: SimpleNamespace(args=args) for name, args in marks}
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=found.get)
+
+    grouped = ("xdist_group", ("e2e/test_byom.py",))
+    items = [
+        item("a"),
+        item("b", grouped),
+        item("c", ("long", ())),
+        item("d"),
+        item("e", grouped, ("long", ())),
+        item("f", grouped),
+    ]
+    assert [i.nodeid for i in longest_first(items)] == ["b", "c", "e", "f", "a", "d"]

@@ -30,6 +30,7 @@ def readme_install_for_users() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_base_package_alone_runs_the_demo_without_cuda_downloads(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)

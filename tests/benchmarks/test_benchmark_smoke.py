@@ -60,6 +60,7 @@ def test_optimize_bench_compares_kiln_with_onnxsim_and_onnxslim(tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_engine_bench_two_input_hf_bert_with_the_validate_compile_baseline(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     _run(
@@ -172,6 +173,7 @@ def test_engine_bench_sorts_kernels_by_kind_and_tables_the_profile() -> None:
             bench.torch_variant(bad)
 
 
+@pytest.mark.long
 def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path) -> None:
     """The bisection of issue 16's gap: each variant swaps parts of Kiln's loop for the bare loop's, then restores."""
     import importlib.util

@@ -268,6 +268,7 @@ def bert_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return _user_run(tmp_path_factory.mktemp("bert"), "bert", {}, **overrides)
 
 
+@pytest.mark.long
 def test_huggingface_bert_from_a_user_module(bert_run: dict) -> None:
     v = bert_run
     _every_precision_at_every_shape(v)
@@ -302,6 +303,7 @@ def test_huggingface_token_classifier_trains_on_token_labels_and_validates_token
     assert f"counted over the {labelled:,} labelled positions" in (tmp_path / "wd" / "report.md").read_text()
 
 
+@pytest.mark.long
 def test_causal_language_model_with_tied_weights_trains_on_next_token_labels(tmp_path: Path) -> None:
     """transformers' GPT-2 ([N, seq, vocab] logits; lm_head.weight is transformer.wte.weight) fine-tuned on next-token
     labels (-100 on each last position): the loss, accuracy and top-1 agreement count the 15 labelled positions of
@@ -353,6 +355,7 @@ def test_huggingface_bert_as_an_inductor_engine(bert_run: dict) -> None:
     assert torch_engine["outputs"]["logits"]["cosine"] > 0.9999
 
 
+@pytest.mark.long
 def test_embedding_model_with_dict_outputs_through_every_engine_kind(tmp_path: Path) -> None:
     """A sentence embedder (ids + mask -> {"embedding", "last_hidden_state"}, untrained, no labels) as ONNX Runtime
     engines and a torch engine. Before: the export failed (the dynamo exporter wrote `embedding` twice, the name

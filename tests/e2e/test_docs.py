@@ -189,6 +189,7 @@ def test_the_python_blocks_run_in_the_readme_project(readme_project: Path, doc: 
             run([sys.executable, "-c", text], readme_project)
 
 
+@pytest.mark.long
 def test_the_bring_your_own_model_guide_runs_as_written(tmp_path: Path) -> None:
     """docs/byom.md: the BERT module through `kiln run`, then its ONNX export through `kiln run` from the ONNX file
     and through the direct commands, each from the project's folder (:func:`run_kiln`)."""

@@ -128,6 +128,7 @@ def _serve_and_ask(workdir: Path, feeds: list[dict[str, np.ndarray]], outside: d
     return str(refused.value)
 
 
+@pytest.mark.long
 def test_a_sequence_model_is_served_at_both_validated_lengths(tmp_path: Path) -> None:
     axes = {"x": {1: "seq"}, "mask": {1: "seq"}}
     wd = _run(tmp_path, "tagger", "sequences", axes, **{"train.epochs": 1, "signature.logits_output": "output_1"})

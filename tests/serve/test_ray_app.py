@@ -94,6 +94,7 @@ def _wait_for_lines(log: Path, wanted: list[str]) -> None:
         time.sleep(1)
 
 
+@pytest.mark.long
 def test_the_packaged_ray_app_serves_checked_answers_refuses_bad_requests_and_replaces_a_dead_replica(
     tmp_path: Path,
 ) -> None:

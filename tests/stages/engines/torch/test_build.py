@@ -223,6 +223,7 @@ def test_a_package_that_crashes_its_loader_falls_back_to_the_compiled_flavour(
 
 
 @pytest.mark.parametrize("flavour", ["aotinductor", "compiled"])
+@pytest.mark.long
 def test_two_inputs_with_a_dynamic_sequence_axis(tmp_path: Path, flavour: str) -> None:
     """Token ids + mask sharing a `seq` axis (signature.dynamic_axes): exported with that axis dynamic too, validated
     at both sequence lengths (before, the build stopped the whole run: only the batch axis could be dynamic)."""
