@@ -285,9 +285,8 @@ def main() -> None:
     p.add_argument(
         "--client-switch-us",
         default="200",
-        help="the client processes' thread switch interval in us (kiln loadtest's 200; 0: Python's 5,000), a list "
-        "runs each in turn "
-        "(repeats allowed: 5000,200,5000,200 interleaves an A/B)",
+        help="the client processes' thread switch interval in us (kiln loadtest's 200; 0: Python's 5,000); a list "
+        "runs each in turn, repeats allowed (5000,200,5000,200 interleaves an A/B)",
     )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")

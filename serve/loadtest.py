@@ -688,8 +688,8 @@ def loadtest(
         expected = expected_outputs(runner, pool)
         levels, mark = [], before
         for c in concurrency:
-            args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests, shared_memory)
-            args += (switch_interval_s,)
+            args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
+            args += (shared_memory, switch_interval_s)
             meter, stub = CpuMeter(), stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append({**level.summary(), "cpu_cores": meter.read()})
