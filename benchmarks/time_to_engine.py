@@ -9,6 +9,10 @@ with Inductor's cache in a fresh folder per run.
     python benchmarks/time_to_engine.py --models hf_bert,resnet18 --out benchmarks/results
     PYTHONPATH=/tmp/site python3 -P benchmarks/time_to_engine.py --gpu --out "$OUT"
     python benchmarks/time_to_engine.py --smoke --out /tmp/tte        # tiny models, seconds
+
+`--profile` runs `kiln run` under cProfile and keeps `<model>.prof` beside the results (its times are inflated by
+the profiler: read the shares, not the seconds). "other" is the run's wall time outside its stages: starting
+Python, imports, config, hashing the stages' outputs, the report.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -143,20 +148,30 @@ def onnxsim_seconds(src: Path, dst: Path) -> float | None:
     return float(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else None
 
 
-def run_model(name: str, config: dict[str, Any], folder: Path, gpu: bool) -> dict[str, Any]:
+def run_model(
+    name: str, config: dict[str, Any], folder: Path, gpu: bool, profile: Path | None = None
+) -> dict[str, Any]:
+    """`kiln run` from a cold workdir, then `kiln optimize` and onnxsim on its raw export; profile: a folder for
+    the cProfile statistics of the run (`<name>.prof`)."""
     kiln = [sys.executable, "-m", "kiln.cli"]  # also where Kiln is installed with `pip --target` (no script)
+    run = kiln if profile is None else [sys.executable, "-m", "cProfile", "-o", f"{name}.prof", "-m", "kiln.cli"]
     env = {k: v for k, v in os.environ.items()}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
     if gpu:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(folder / f"inductor-{name}")  # cold: no kernels from earlier runs
     (folder / f"{name}.json").write_text(json.dumps(config))
-    wall, done = timed([*kiln, "run", f"{name}.json", "-w", f"wd-{name}", "--quiet"], folder, env)
+    wall, done = timed([*run, "run", f"{name}.json", "-w", f"wd-{name}", "--quiet"], folder, env)
     row: dict[str, Any] = {"model": name, "kiln_run_s": round(wall, 2), "exit_code": done.returncode}
+    if profile is not None and (folder / f"{name}.prof").exists():
+        profile.mkdir(parents=True, exist_ok=True)
+        shutil.copy(folder / f"{name}.prof", profile / f"{name}.prof")
+        row["profiled"] = True
     if done.returncode != 0:
         row["error"] = done.stderr[-1500:]
         return row
     report = json.loads((folder / f"wd-{name}" / "report.json").read_text())
     row["stages_s"] = {stage: s["seconds"] for stage, s in report["stages"].items()}
+    row["other_s"] = round(wall - sum(s or 0.0 for s in row["stages_s"].values()), 2)
     row["validation_passed"] = report["validation"]["passed"]
     keys = ("name", "passed", "cosine", "top1_agreement", "top1_ties", "failures", "latency_ms", "speedups")
     keys += ("speedup_ci", "flops_per_sample", "precision_share", "roofline")
@@ -182,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="tiny models, seconds (CI)")
     parser.add_argument("--variants", default=None, help="precision.variants, e.g. fp16,fp8 (default: fp16 on the GPU)")
     parser.add_argument("--out", type=Path, default=None, help="folder for time_to_engine.json and .md")
+    parser.add_argument("--profile", action="store_true", help="run under cProfile; keeps <model>.prof in --out")
     args = parser.parse_args(argv)
     cfgs = configs(args.smoke, args.gpu, args.variants.split(",") if args.variants else None)
     load_before = os.getloadavg()
@@ -190,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         folder = Path(tmp)
         (folder / "tte_models.py").write_text(MODELS_PY)
         for name in args.models.split(","):
-            rows.append(run_model(name, cfgs[name], folder, args.gpu))
+            profile = (args.out or Path.cwd()) if args.profile else None
+            rows.append(run_model(name, cfgs[name], folder, args.gpu, profile))
             print(json.dumps(rows[-1]), flush=True)
     device = "cuda (torch FP16 engine)" if args.gpu else "cpu (ONNX Runtime FP32 engine)"
     result = {
@@ -208,15 +225,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "",
         f"`{result['command']}`: {device}; {result['machine']['cpus']} CPUs, load average "
         f"{result['load_average_before'][0]} before and {result['load_average_after'][0]} after. Seconds, cold "
-        "workdir; `kiln optimize` and onnxsim on the run's raw export, each in a fresh process.",
+        "workdir; `kiln optimize` and onnxsim on the run's raw export, each in a fresh process."
+        + (" `kiln run` under cProfile (its seconds inflated by the profiler)." if args.profile else ""),
         "",
-        "| model | kiln run s | " + " | ".join(stages) + " | kiln optimize s | onnxsim s |",
-        "|---|---:|" + "---:|" * len(stages) + "---:|---:|",
+        "| model | kiln run s | " + " | ".join(stages) + " | other | kiln optimize s | onnxsim s |",
+        "|---|---:|" + "---:|" * len(stages) + "---:|---:|---:|",
     ]
     for r in rows:
         cells = [f"{r.get('stages_s', {}).get(s, float('nan')):.1f}" for s in stages]
         lines.append(
-            f"| {r['model']} | {r['kiln_run_s']:.1f} | " + " | ".join(cells) + f" | {r.get('kiln_optimize_s')} | "
+            f"| {r['model']} | {r['kiln_run_s']:.1f} | "
+            + " | ".join(cells)
+            + f" | {r.get('other_s', float('nan')):.1f} | "
+            f"{r.get('kiln_optimize_s')} | "
             f"{r.get('onnxsim_s')} |"
         )
     if args.out:
