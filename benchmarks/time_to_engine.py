@@ -10,9 +10,11 @@ with Inductor's cache in a fresh folder per run.
     PYTHONPATH=/tmp/site python3 -P benchmarks/time_to_engine.py --gpu --out "$OUT"
     python benchmarks/time_to_engine.py --smoke --out /tmp/tte        # tiny models, seconds
 
-`--profile` runs `kiln run` under cProfile and keeps `<model>.prof` beside the results (its times are inflated by
-the profiler: read the shares, not the seconds). "other" is the run's wall time outside its stages: starting
-Python, imports, config, hashing the stages' outputs, the report.
+`--profile cprofile` runs `kiln run` under cProfile and keeps `<model>.prof` beside the results (its times are
+inflated by the profiler: read the shares, not the seconds); `--profile py-spy` samples it and its subprocesses
+(Inductor's compile workers) with py-spy without pausing them, as collapsed stacks in `<model>.pyspy.txt`.
+"other" is the run's wall time outside its stages: starting Python, imports, config, hashing the stages' outputs,
+the report.
 """
 
 from __future__ import annotations
@@ -149,12 +151,17 @@ def onnxsim_seconds(src: Path, dst: Path) -> float | None:
 
 
 def run_model(
-    name: str, config: dict[str, Any], folder: Path, gpu: bool, profile: Path | None = None
+    name: str, config: dict[str, Any], folder: Path, gpu: bool, profiler: str | None = None, keep: Path | None = None
 ) -> dict[str, Any]:
-    """`kiln run` from a cold workdir, then `kiln optimize` and onnxsim on its raw export; profile: a folder for
-    the cProfile statistics of the run (`<name>.prof`)."""
+    """`kiln run` from a cold workdir, then `kiln optimize` and onnxsim on its raw export; profiler: "cprofile" or
+    "py-spy", whose output goes to ``keep``."""
     kiln = [sys.executable, "-m", "kiln.cli"]  # also where Kiln is installed with `pip --target` (no script)
-    run = kiln if profile is None else [sys.executable, "-m", "cProfile", "-o", f"{name}.prof", "-m", "kiln.cli"]
+    run = {
+        None: kiln,
+        "cprofile": [sys.executable, "-m", "cProfile", "-o", f"{name}.prof", "-m", "kiln.cli"],
+        "py-spy": [shutil.which("py-spy") or "py-spy", "record", "--subprocesses", "--nonblocking", "--format", "raw"]
+        + ["--rate", "50", "-o", f"{name}.pyspy.txt", "--", *kiln],
+    }[profiler]
     env = {k: v for k, v in os.environ.items()}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
     if gpu:
@@ -162,10 +169,11 @@ def run_model(
     (folder / f"{name}.json").write_text(json.dumps(config))
     wall, done = timed([*run, "run", f"{name}.json", "-w", f"wd-{name}", "--quiet"], folder, env)
     row: dict[str, Any] = {"model": name, "kiln_run_s": round(wall, 2), "exit_code": done.returncode}
-    if profile is not None and (folder / f"{name}.prof").exists():
-        profile.mkdir(parents=True, exist_ok=True)
-        shutil.copy(folder / f"{name}.prof", profile / f"{name}.prof")
-        row["profiled"] = True
+    for kept in (folder / f"{name}.prof", folder / f"{name}.pyspy.txt"):
+        if profiler is not None and keep is not None and kept.exists():
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(kept, keep / kept.name)
+            row["profile"] = kept.name
     if done.returncode != 0:
         row["error"] = done.stderr[-1500:]
         return row
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="tiny models, seconds (CI)")
     parser.add_argument("--variants", default=None, help="precision.variants, e.g. fp16,fp8 (default: fp16 on the GPU)")
     parser.add_argument("--out", type=Path, default=None, help="folder for time_to_engine.json and .md")
-    parser.add_argument("--profile", action="store_true", help="run under cProfile; keeps <model>.prof in --out")
+    parser.add_argument("--profile", choices=["cprofile", "py-spy"], help="profile `kiln run`; kept in --out")
     args = parser.parse_args(argv)
     cfgs = configs(args.smoke, args.gpu, args.variants.split(",") if args.variants else None)
     load_before = os.getloadavg()
@@ -206,8 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         folder = Path(tmp)
         (folder / "tte_models.py").write_text(MODELS_PY)
         for name in args.models.split(","):
-            profile = (args.out or Path.cwd()) if args.profile else None
-            rows.append(run_model(name, cfgs[name], folder, args.gpu, profile))
+            rows.append(run_model(name, cfgs[name], folder, args.gpu, args.profile, args.out or Path.cwd()))
             print(json.dumps(rows[-1]), flush=True)
     device = "cuda (torch FP16 engine)" if args.gpu else "cpu (ONNX Runtime FP32 engine)"
     result = {
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"`{result['command']}`: {device}; {result['machine']['cpus']} CPUs, load average "
         f"{result['load_average_before'][0]} before and {result['load_average_after'][0]} after. Seconds, cold "
         "workdir; `kiln optimize` and onnxsim on the run's raw export, each in a fresh process."
-        + (" `kiln run` under cProfile (its seconds inflated by the profiler)." if args.profile else ""),
+        + (f" `kiln run` under {args.profile} (its seconds inflated by the profiler)." if args.profile else ""),
         "",
         "| model | kiln run s | " + " | ".join(stages) + " | other | kiln optimize s | onnxsim s |",
         "|---|---:|" + "---:|" * len(stages) + "---:|---:|---:|",
