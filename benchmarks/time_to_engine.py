@@ -150,6 +150,19 @@ def onnxsim_seconds(src: Path, dst: Path) -> float | None:
     return float(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else None
 
 
+def bytecode_facts() -> dict[str, Any]:
+    """Whether this Python writes bytecode and how much of torch's sources has it: a process imports torch in
+    about 2 s from bytecode and in about 5 s from source alone (the H200 host's image ships no bytecode and sets
+    PYTHONDONTWRITEBYTECODE=1; a pip install writes it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    root = Path(spec.origin).parent if spec and spec.origin else None
+    sources = list(root.rglob("*.py")) if root else []
+    compiled = sum(1 for p in sources if Path(importlib.util.cache_from_source(str(p))).exists())
+    return {"dont_write_bytecode": sys.flags.dont_write_bytecode, "torch_py": len(sources), "torch_pyc": compiled}
+
+
 def run_model(
     name: str, config: dict[str, Any], folder: Path, gpu: bool, profiler: str | None = None, keep: Path | None = None
 ) -> dict[str, Any]:
@@ -221,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "time_to_engine",
         "command": "python benchmarks/time_to_engine.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "bytecode": bytecode_facts(),
         "device": device,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -231,7 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "# Time to an engine",
         "",
         f"`{result['command']}`: {device}; {result['machine']['cpus']} CPUs, load average "
-        f"{result['load_average_before'][0]} before and {result['load_average_after'][0]} after. Seconds, cold "
+        f"{result['load_average_before'][0]} before and {result['load_average_after'][0]} after; torch's bytecode "
+        f"for {result['bytecode']['torch_pyc']} of its {result['bytecode']['torch_py']} sources. Seconds, cold "
         "workdir; `kiln optimize` and onnxsim on the run's raw export, each in a fresh process."
         + (f" `kiln run` under {args.profile} (its seconds inflated by the profiler)." if args.profile else ""),
         "",

@@ -6,6 +6,7 @@ Checkpoints are read with safetensors or ``torch.load(weights_only=True)``: neve
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -196,8 +197,37 @@ def save_trained(out: Path, model: nn.Module, config: ModelConfig, extra: dict[s
     (out / SPEC).write_text(json.dumps(spec, indent=2, sort_keys=True))
 
 
+KEEP_BYTES = 1 << 30  # the largest weights file whose model :func:`load_trained` keeps for the next call
+_kept: dict[tuple[Any, ...], nn.Module] = {}
+
+
 def load_trained(train_dir: Path, config: ModelConfig) -> nn.Module:
-    """Rebuild the model from the config and load the train stage's weights; eval mode, FP32, CPU."""
+    """Rebuild the model from the config and load the train stage's weights; eval mode, FP32, CPU.
+
+    The export, build and validate stages of one run each ask for the same model, and rebuilding it initialises
+    every weight at random before the load overwrites them (seconds for a `transformers` model): the last model
+    loaded (weights up to :data:`KEEP_BYTES`) is kept unchanged and later calls get a copy of it, while the
+    weights file, the model's name and its parameters stay the same."""
+    path = train_dir / WEIGHTS
+    stat = path.stat()
+    params = json.dumps(config.params, sort_keys=True, default=repr)
+    key = (
+        str(path.resolve()),
+        stat.st_ino,
+        stat.st_size,
+        stat.st_mtime_ns,
+        config.name,
+        params,
+    )  # a new file: new inode
+    if key in _kept:
+        return copy.deepcopy(_kept[key])
     model = build_model(config.name, config.params)
-    load_weights(model, read_state_dict(train_dir / WEIGHTS), str(train_dir / WEIGHTS))
-    return model.float().eval()
+    load_weights(model, read_state_dict(path), str(path))
+    model = model.float().eval()
+    _kept.clear()
+    if stat.st_size <= KEEP_BYTES:
+        try:
+            _kept[key] = copy.deepcopy(model)
+        except Exception:  # a module that cannot be copied is rebuilt each time
+            log.debug("model %s cannot be deep-copied: not kept", config.name, exc_info=True)
+    return model

@@ -58,3 +58,30 @@ def test_views_of_one_storage_are_written_apart() -> None:
         save(Views().state_dict())
     state = load(weights_bytes(Views()))
     assert state["low"].tolist() == [0, 1, 2, 3, 4, 5] and state["high"].tolist() == [2, 3, 4, 5, 6, 7]
+
+
+BUILT: list[int] = []
+
+
+def counted_linear(width: int = 4) -> nn.Module:
+    """A model factory that counts its calls."""
+    BUILT.append(width)
+    return nn.Linear(width, 2)
+
+
+def test_load_trained_builds_a_model_once_and_hands_out_copies(tmp_path) -> None:
+    """The export, build and validate stages of a run each load the trained model: it is built once."""
+    from kiln.models.config import ModelConfig
+    from kiln.models.model_io import load_trained, save_trained
+
+    config = ModelConfig(name="tests.models.test_model_io:counted_linear", params={"width": 4})
+    torch.manual_seed(0)
+    save_trained(tmp_path, nn.Linear(4, 2), config)
+    BUILT.clear()
+    first = load_trained(tmp_path, config)
+    first.weight.data.zero_()  # a stage changing its model does not change the next stage's
+    second = load_trained(tmp_path, config)
+    assert BUILT == [4] and second is not first and second.weight.abs().sum() > 0 and not second.training
+    save_trained(tmp_path, nn.Linear(4, 2).requires_grad_(False).apply(lambda m: m.weight.fill_(1.0)), config)
+    third = load_trained(tmp_path, config)  # new weights in the file: built again, with them
+    assert BUILT == [4, 4] and torch.equal(third.weight, torch.ones(2, 4))

@@ -4,6 +4,7 @@ redundant Cast chains, duplicate subgraphs (CSE) and unused initializers."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from pydantic import BaseModel
@@ -195,25 +196,49 @@ def _node_key(node: gs.Node) -> tuple | None:
     return (node.op, node.domain, tuple(id(t) for t in node.inputs), attrs, len(node.outputs))
 
 
+def _sample_key(t: gs.Constant) -> bytes:
+    """The first and last bytes of a constant's data, read from the ONNX tensor under graphsurgeon's lazy view
+    without loading it where the tensor holds raw bytes: weights of one shape (a transformer's layers) differ
+    there. Other constants are loaded (the little-endian bytes of their values, as raw data holds them)."""
+    lazy = t._values
+    raw = b""
+    if type(lazy) is gs.ir.tensor.LazyValues and lazy.tensor.data_location != onnx.TensorProto.EXTERNAL:
+        raw = lazy.tensor.raw_data
+    if not raw:
+        raw = np.ascontiguousarray(t.values).tobytes()
+    return raw[:64] + raw[-64:] if len(raw) > 128 else raw
+
+
 def _duplicate_constants(graph: gs.Graph) -> dict[int, gs.Constant]:
     """id of each constant input that repeats an earlier one -> that earlier one. Only constants that share a
-    dtype and shape are read and hashed: a model's big weights mostly have a shape of their own, and reading
-    one turns graphsurgeon's lazy view of the ONNX tensor into a copy that the exporter converts back."""
+    dtype, a shape and their first and last bytes are read and hashed: reading one turns graphsurgeon's lazy view
+    of the ONNX tensor into a copy that the exporter converts back, and a model's big weights are distinct."""
     groups: dict[tuple, dict[int, gs.Constant]] = {}
     for node in graph.nodes:
         for t in node.inputs:
             if isinstance(t, gs.Constant):
                 groups.setdefault((str(t.dtype), tuple(t.shape)), {})[id(t)] = t
     same: dict[int, gs.Constant] = {}
-    for members in groups.values():
-        if len(members) < 2:
-            continue
+    for members in _split(groups.values(), _sample_key):
         first: dict[tuple, gs.Constant] = {}
-        for t in members.values():
+        for t in members:
             keep = first.setdefault(_const_key(t), t)
             if keep is not t:
                 same[id(t)] = keep
     return same
+
+
+def _split(groups: Iterable[dict[int, gs.Constant]], key: Callable[[gs.Constant], bytes]) -> list[list[gs.Constant]]:
+    """The groups of two or more, each split by ``key``, keeping the parts of two or more."""
+    parts: list[list[gs.Constant]] = []
+    for members in groups:
+        if len(members) < 2:
+            continue
+        by_key: dict[bytes, list[gs.Constant]] = {}
+        for t in members.values():
+            by_key.setdefault(key(t), []).append(t)
+        parts += [p for p in by_key.values() if len(p) > 1]
+    return parts
 
 
 @register("cse")

@@ -441,6 +441,21 @@ def test_cse_merges_duplicates_not_random_ops():
     assert ops(out).count("RandomNormalLike") == 2
 
 
+def test_cse_merges_big_duplicate_weights_by_content_not_by_their_first_and_last_bytes():
+    w = f32(16, 16)
+    middle = w.copy()
+    middle[8, 8] += 1.0  # same shape, first and last bytes as w: must stay apart
+    nodes = [h.make_node("MatMul", ["x", name], [f"m{i}"]) for i, name in enumerate(["w", "w2", "wm", "wt"])]
+    nodes += [h.make_node("Sum", ["m0", "m1", "m2", "m3"], ["y"])]
+    m = make_model(nodes, [("x", ["N", 16], FLOAT)], ["y"], {"w": w, "w2": w.copy(), "wm": middle, "wt": w.copy()})
+    typed = h.make_tensor("wt", FLOAT, [16, 16], w.ravel().tolist(), raw=False)  # w again, as float_data
+    m.graph.initializer[3].CopyFrom(typed)
+    out, _ = run_pass(m, "cse")
+    assert ops(out).count("MatMul") == 2
+    feed = {"x": f32(3, 16, seed=2)}
+    same_outputs(m, out, feed)
+
+
 def test_int64_inputs_are_respected_by_the_safety_net():
     m = make_model(
         [h.make_node("Gather", ["table", "ids"], ["e"]), h.make_node("Identity", ["e"], ["y"])],
