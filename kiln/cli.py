@@ -374,15 +374,14 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
                 console.print(
                     f"[yellow]{escape(e.name)}[/]: built for {escape(e.device.upper())}, not validated "
                     f"here: {escape(e.reason or '')}",
-                    soft_wrap=True,
                 )
     precision = report.get("stages", {}).get("precision", {}).get("summary", {})
     for name, why in precision.get("failed", {}).items():
         console.print(
             f"[bold red]precision variant {escape(name)} failed[/], the others were built: {escape(why)}",
-            soft_wrap=True,
         )
-    results.print(f"result: {escape(result_line(report))}", highlight=False, soft_wrap=True)
+    # sentences wrap between words at the console's width (80 columns in a pipe or a log); a path stays one line
+    results.print(f"result: {escape(result_line(report))}", highlight=False)
     results.print(f"report: {workdir / 'report.md'}", highlight=False, soft_wrap=True)
 
 

@@ -82,6 +82,27 @@ def test_run_then_stage_commands(cli: CliRunner, tmp_path: Path, write_yaml) -> 
     assert "(ran in " in cached.output and "result: PASSED" in cached.output
 
 
+def test_the_result_line_wraps_between_words_within_80_columns(monkeypatch) -> None:
+    """A log or a pipe is 80 columns: the verdict naming engines that were not validated wraps between words."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import kiln.cli
+    import kiln.pipeline.report
+
+    out = io.StringIO()
+    monkeypatch.setattr(kiln.cli, "results", Console(file=out, width=80))
+    names = [f"tensorrt-engine-{i}" for i in range(8)]
+    verdict = "PASSED, 8 engines built but not validated: " + ", ".join(names)
+    monkeypatch.setattr(kiln.pipeline.report, "result_line", lambda report: verdict)
+    kiln.cli._print_summary(SimpleNamespace(records=[]), {"stages": {}}, Path("wd"))
+    lines = out.getvalue().splitlines()
+    assert len(lines) > 3 and all(len(line) <= 80 for line in lines), lines
+    assert all(any(name in line for line in lines) for name in names)  # no name cut in two
+
+
 def test_gate_failure_exit_code(cli: CliRunner, tmp_path: Path, write_yaml) -> None:
     cfg = str(write_yaml(tiny_config_dict(**{"validate.gates.max_latency_p50_ms": 1e-9})))
     result = cli.invoke(main, ["run", cfg, "-w", str(tmp_path / "wd"), "--quiet"])
