@@ -211,14 +211,8 @@ def load_trained(train_dir: Path, config: ModelConfig) -> nn.Module:
     path = train_dir / WEIGHTS
     stat = path.stat()
     params = json.dumps(config.params, sort_keys=True, default=repr)
-    key = (
-        str(path.resolve()),
-        stat.st_ino,
-        stat.st_size,
-        stat.st_mtime_ns,
-        config.name,
-        params,
-    )  # a new file: new inode
+    # the file's inode too: a rewritten weights file (written atomically, so a new inode) is read again
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, config.name, params)
     if key in _kept:
         return copy.deepcopy(_kept[key])
     model = build_model(config.name, config.params)
