@@ -15,6 +15,7 @@ Needs ``ray[serve]`` (``pip install "kiln[ray]"``), imported here: the package s
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ class KilnEngine:
         self.failure: str | None = None
         self.infer_batch.set_max_batch_size(max(1, self.max_rows))
         self.infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
+        gc.freeze()  # the engine's and the libraries' objects out of the collector's sight (as the Triton stub)
 
     async def __call__(self, request: Request) -> JSONResponse:
         path = request.url.path.rstrip("/")

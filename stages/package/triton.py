@@ -211,6 +211,7 @@ def write_stock_model(target: Path, engine_dir: Path, meta: EngineMetadata, max_
 # axis); it concatenates them, runs the engine once, and splits the outputs back. Written as a file because
 # Triton imports it by path; it needs `kiln` importable in the interpreter that runs Triton's Python stub.
 MODEL_PY = '''"""Triton Python-backend model written by Kiln: serves the Kiln engine in ./engine (kiln.load_engine)."""
+import gc
 import json
 import os
 import time
@@ -247,6 +248,9 @@ class TritonPythonModel:
             self.times = StubTimes(args["model_name"], pb_utils)
         except Exception:
             self.times = None
+        # what exists now lives as long as the process: out of the collector's sight, so that no full collection
+        # (a pass over every object torch and the engine created, a fraction of a second) stalls a request
+        gc.freeze()
 
     def execute(self, requests):
         start = time.perf_counter()
