@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -209,19 +210,37 @@ def load_trained(train_dir: Path, config: ModelConfig) -> nn.Module:
     loaded (weights up to :data:`KEEP_BYTES`) is kept unchanged and later calls get a copy of it, while the
     weights file, the model's name and its parameters stay the same."""
     path = train_dir / WEIGHTS
-    stat = path.stat()
-    params = json.dumps(config.params, sort_keys=True, default=repr)
-    # the file's inode too: a rewritten weights file (written atomically, so a new inode) is read again
-    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, config.name, params)
+    key = _kept_key(path, config)
     if key in _kept:
         return copy.deepcopy(_kept[key])
     model = build_model(config.name, config.params)
     load_weights(model, read_state_dict(path), str(path))
     model = model.float().eval()
-    _kept.clear()
-    if stat.st_size <= KEEP_BYTES:
-        try:
-            _kept[key] = copy.deepcopy(model)
-        except Exception:  # a module that cannot be copied is rebuilt each time
-            log.debug("model %s cannot be deep-copied: not kept", config.name, exc_info=True)
+    _keep(key, path, lambda: copy.deepcopy(model), config)
     return model
+
+
+def keep_trained(train_dir: Path, config: ModelConfig, model: nn.Module) -> None:
+    """Hand :func:`load_trained` the model whose weights were just saved into ``train_dir`` (by
+    :func:`save_trained`), so that the next stage copies it instead of building it again."""
+    path = train_dir / WEIGHTS
+    _keep(_kept_key(path, config), path, lambda: copy.deepcopy(model).float().eval(), config)
+
+
+def _kept_key(path: Path, config: ModelConfig) -> tuple[Any, ...]:
+    """The weights file by device and inode, not by path: the train stage writes it in a staging folder renamed
+    into place once the stage is done, and a rewritten file (written atomically) has a new inode. Then the model."""
+    stat = path.stat()
+    params = json.dumps(config.params, sort_keys=True, default=repr)
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, config.name, params)
+
+
+def _keep(key: tuple[Any, ...], path: Path, copied: Callable[[], nn.Module], config: ModelConfig) -> None:
+    """Keep ``copied()`` for ``key`` (and nothing else), unless its weights file is over :data:`KEEP_BYTES`."""
+    _kept.clear()
+    if path.stat().st_size > KEEP_BYTES:
+        return
+    try:
+        _kept[key] = copied()
+    except Exception:  # a module that cannot be copied is rebuilt each time
+        log.debug("model %s cannot be deep-copied: not kept", config.name, exc_info=True)

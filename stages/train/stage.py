@@ -26,7 +26,7 @@ from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, fmt
 from kiln.core.user_errors import running_user_code, user_code_error, user_frame, where
 from kiln.models.config import DataConfig, ModelConfig
-from kiln.models.model_io import load_weights, read_state_dict, save_trained, torch_model_named
+from kiln.models.model_io import keep_trained, load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
 from kiln.stages.train.checkpoint import run_key
 from kiln.stages.train.config import TrainConfig
@@ -221,6 +221,7 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
         with running_user_code("evaluating the untrained model on the validation data"):
             acc = evaluate_loss_acc(model.eval(), data.val_x, data.val_y, torch.device("cpu"), task=task)[1]
     save_trained(ctx.out, model, cfg.model, {"source": source})
+    keep_trained(ctx.out, cfg.model, model)  # the export stage copies it rather than building it again
     ctx.log.info("training skipped (%s); val accuracy %s", cfg.model.checkpoint or "train.enabled: false", fmt(acc))
     return TrainSummary(status="skipped", val_accuracy=acc, source=source)
 

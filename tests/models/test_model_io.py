@@ -85,3 +85,21 @@ def test_load_trained_builds_a_model_once_and_hands_out_copies(tmp_path) -> None
     save_trained(tmp_path, nn.Linear(4, 2).requires_grad_(False).apply(lambda m: m.weight.fill_(1.0)), config)
     third = load_trained(tmp_path, config)  # new weights in the file: built again, with them
     assert BUILT == [4, 4] and torch.equal(third.weight, torch.ones(2, 4))
+
+
+def test_a_model_kept_by_the_train_stage_is_copied_after_its_folder_is_renamed(tmp_path) -> None:
+    """The train stage writes into a staging folder that becomes train/ once it is done."""
+    from kiln.models.config import ModelConfig
+    from kiln.models.model_io import keep_trained, load_trained, save_trained
+
+    config = ModelConfig(name="tests.models.test_model_io:counted_linear", params={"width": 4})
+    model = nn.Linear(4, 2).half()
+    staging, final = tmp_path / "train.staging", tmp_path / "train"
+    staging.mkdir()
+    save_trained(staging, model, config)
+    keep_trained(staging, config, model)
+    staging.rename(final)
+    BUILT.clear()
+    loaded = load_trained(final, config)
+    assert BUILT == [] and loaded.weight.dtype == torch.float32 and not loaded.training
+    assert torch.equal(loaded.weight, model.weight.float()) and model.weight.dtype == torch.float16
