@@ -172,7 +172,7 @@ def run_model(
     run = {
         None: kiln,
         "cprofile": [sys.executable, "-m", "cProfile", "-o", f"{name}.prof", "-m", "kiln.cli"],
-        "py-spy": [shutil.which("py-spy") or "py-spy", "record", "--subprocesses", "--nonblocking", "--format", "raw"]
+        "py-spy": ["py-spy", "record", "--subprocesses", "--nonblocking", "--format", "raw"]
         + ["--rate", "50", "-o", f"{name}.pyspy.txt", "--", *kiln],
     }[profiler]
     env = {k: v for k, v in os.environ.items()}
@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=None, help="folder for time_to_engine.json and .md")
     parser.add_argument("--profile", choices=["cprofile", "py-spy"], help="profile `kiln run`; kept in --out")
     args = parser.parse_args(argv)
+    if args.profile == "py-spy" and shutil.which("py-spy") is None:
+        parser.error("--profile py-spy needs py-spy on PATH (pip install py-spy)")
     cfgs = configs(args.smoke, args.gpu, args.variants.split(",") if args.variants else None)
     load_before = os.getloadavg()
     rows = []
