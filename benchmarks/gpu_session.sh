@@ -22,7 +22,7 @@ for phase in "$@"; do
       grep -A12 "## Validation" /tmp/kiln-gpu/report.md ;;
     engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     # the host's image ships torch without bytecode and sets PYTHONDONTWRITEBYTECODE=1, so every process compiles
-    # what it imports (import torch 5.5 s, 2.1 s with bytecode): compile it once, as a pip install does
+    # what it imports (benchmarks/README.md, Time to an engine): compile it once, as a pip install does
     bytecode)
       python3 -m compileall -q -j 0 "$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')" \
         /tmp/site > /dev/null 2>&1; echo "compileall rc=$?" ;;

@@ -151,9 +151,9 @@ def onnxsim_seconds(src: Path, dst: Path) -> float | None:
 
 
 def bytecode_facts() -> dict[str, Any]:
-    """Whether this Python writes bytecode and how much of torch's sources has it: a process imports torch in
-    about 2 s from bytecode and in about 5 s from source alone (the H200 host's image ships no bytecode and sets
-    PYTHONDONTWRITEBYTECODE=1; a pip install writes it)."""
+    """Whether this Python writes bytecode and how much of torch's sources has it: without bytecode every process
+    compiles the torch modules it imports, which the run's seconds then include (a pip install writes bytecode;
+    an image may ship none, and PYTHONDONTWRITEBYTECODE=1 keeps Python from writing it)."""
     import importlib.util
 
     spec = importlib.util.find_spec("torch")

@@ -206,7 +206,7 @@ def load_trained(train_dir: Path, config: ModelConfig) -> nn.Module:
     """Rebuild the model from the config and load the train stage's weights; eval mode, FP32, CPU.
 
     The export, build and validate stages of one run each ask for the same model, and rebuilding it initialises
-    every weight at random before the load overwrites them (seconds for a `transformers` model): the last model
+    every weight at random before the load overwrites them: the last model
     loaded (weights up to :data:`KEEP_BYTES`) is kept unchanged and later calls get a copy of it, while the
     weights file, the model's name and its parameters stay the same."""
     path = train_dir / WEIGHTS
