@@ -166,7 +166,7 @@ def served(
     proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
     urls = {"grpc": f"grpc://127.0.0.1:{ports[1]}", "http": f"http://127.0.0.1:{ports[0]}"}
     try:
-        wait_ready(urls["http"], [model], 300, proc)
+        wait_ready(urls["http"], [model], 300, proc, tuple(ports[1:]))
         # One short level first: first-call costs (allocations, CUDA graph capture per shape) are not measured.
         warm = [max(args.concurrency)]
         loadtest(

@@ -206,7 +206,7 @@ def main() -> None:
     cmd += ["--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", [model], 300, proc)
+        wait_ready(f"http://127.0.0.1:{ports[0]}", [model], 300, proc, tuple(ports[1:]))
         with load_engine(engine_dir) as runner:
             feed = random_inputs(runner.meta.inputs, 1, seed=0)
         eng = engine_ms(engine_dir, feed, args.requests)

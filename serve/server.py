@@ -486,6 +486,7 @@ def serve(
             for s, runner in zip(served, runners):
                 _bind_or_explain(triton, s, runner, max_batch, max_queue_delay_us)
             triton.run()  # returns once the server and every model are ready
+            wait_ready(f"http://{address}:{http_port}", [], STARTUP_TIMEOUT_S, listening=(grpc_port, metrics_port))
             if on_ready is not None and not stop.requested:
                 on_ready(served)
             _wait(triton, stop)
@@ -785,13 +786,21 @@ def tritonserver_process(
 
 
 def wait_ready(
-    url: str, models: list[str], timeout_s: float = 60.0, process: subprocess.Popen[bytes] | None = None
+    url: str,
+    models: list[str],
+    timeout_s: float = 60.0,
+    process: subprocess.Popen[bytes] | None = None,
+    listening: tuple[int, ...] = (),
 ) -> None:
-    """Poll Triton's readiness endpoints until the server and ``models`` are ready."""
+    """Poll Triton's readiness endpoints until the server and ``models`` are ready and every port in
+    ``listening`` (on the URL's host) accepts connections. Triton opens its metrics port after its HTTP one, so
+    a ready HTTP endpoint alone leaves a moment, longer on a busy machine, where the metrics are refused."""
     import tritonclient.http as httpclient
 
     deadline = time.monotonic() + timeout_s
-    client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+    address = url.removeprefix("http://")
+    host = address.rsplit(":", 1)[0].strip("[]")
+    client = httpclient.InferenceServerClient(address)
     try:
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -799,7 +808,8 @@ def wait_ready(
                     f"tritonserver exited with code {process.returncode} before it was ready", hint="see its log"
                 )
             try:
-                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
+                ready = client.is_server_ready() and all(client.is_model_ready(m) for m in models)
+                if ready and all(_accepts(host, port) for port in listening):
                     return
             except Exception:  # connection refused while it starts: keep polling until the deadline
                 pass
@@ -807,6 +817,15 @@ def wait_ready(
     finally:
         client.close()
     raise KilnError(f"Triton at {url} was not ready within {timeout_s:.0f} s", hint="see the server's log")
+
+
+def _accepts(host: str, port: int) -> bool:
+    """Whether something listens on ``host:port`` (a TCP connect, closed at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def parse_gpus(spec: str, visible: int | None = None) -> list[int]:
@@ -903,7 +922,7 @@ def serve_python_backend(
             repository, scratch, *ports, None if verbose else log_file, address, verbose, reloadable=True
         )
         try:
-            wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc)
+            wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc, ports[1:])
         except KilnError as exc:  # the scratch folder goes with the server: its log's error, said now
             reason = _last_error_line(log_file.read_text(errors="replace")) if log_file.is_file() else ""
             if proc.poll() is not None:

@@ -88,7 +88,7 @@ def _start_serve(
 def _ready(proc: subprocess.Popen[bytes], ports: list[int], models: list[str]) -> None:
     """wait_ready, and when the server exits before it is ready, the failure shows what `kiln serve` printed."""
     try:
-        wait_ready(f"http://127.0.0.1:{ports[0]}", models, READY_TIMEOUT_S, proc)
+        wait_ready(f"http://127.0.0.1:{ports[0]}", models, READY_TIMEOUT_S, proc, tuple(ports[1:]))
     except KilnError as exc:
         if proc.poll() is None:
             raise

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import socket
 import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from kiln.serve.server import (
     check_ports,
     check_socket_folder,
     socket_folder,
+    wait_ready,
 )
 
 
@@ -139,3 +143,37 @@ def test_the_reaper_kills_the_servers_processes_and_leaves_the_callers_own() -> 
     finally:
         callers.kill()
         callers.wait()
+
+
+class _Ready(BaseHTTPRequestHandler):
+    """Answers Triton's server-readiness route, as its HTTP endpoint does once it is up."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/v2/health/ready" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_ready_waits_for_the_other_ports_to_listen_too() -> None:
+    """Triton opens its metrics port after its HTTP one: a ready HTTP endpoint with a port not yet listening is
+    not ready (a test reading the metrics right after readiness was refused on a busy machine)."""
+    http = ThreadingHTTPServer(("127.0.0.1", 0), _Ready)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    late = socket.socket()
+    late.bind(("127.0.0.1", 0))  # bound, not listening: connections refused
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    try:
+        wait_ready(url, [], timeout_s=5)  # the HTTP endpoint alone is ready
+        with pytest.raises(KilnError, match="not ready within 1 s"):
+            wait_ready(url, [], timeout_s=1, listening=(late.getsockname()[1],))
+        threading.Timer(0.5, late.listen).start()
+        started = time.monotonic()
+        wait_ready(url, [], timeout_s=30, listening=(late.getsockname()[1],))
+        assert time.monotonic() - started >= 0.4
+    finally:
+        http.shutdown()
+        http.server_close()
+        late.close()
