@@ -367,9 +367,12 @@ def session_options(
     parallel: bool = False,
     optimization: str = "all",
     optimized_path: Path | None = None,
+    spinning: bool = True,
 ) -> Any:
     """ONNX Runtime session options, the one place they are made. ``optimized_path``: ORT writes the model it
-    optimized there (offline optimization)."""
+    optimized there (offline optimization). ``spinning=False``: the thread pools block between calls instead of
+    busy-waiting for the next one, which suits an engine that shares its cores (a server's stub beside Triton's
+    threads and other stubs): ORT's default keeps its threads spinning after every call."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -385,6 +388,9 @@ def session_options(
     }[optimization]
     if optimized_path is not None:
         opts.optimized_model_filepath = str(optimized_path)
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
     return ask_exact_int8(opts)  # exact INT8 GEMMs on an x86 CPU without VNNI (kiln.core.cpu_int8)
 
 

@@ -93,7 +93,7 @@ class KilnEngine:
 
     def __init__(self, engine_dir: str, model_name: str, max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.meta = read_metadata(Path(engine_dir))
-        self.runner = load_engine(engine_dir).activate()
+        self.runner = load_engine(engine_dir, serving=True).activate()
         self.model_name = model_name
         self.max_rows = served_max_batch(self.meta, max_batch_size)
         self.failure: str | None = None

@@ -474,7 +474,7 @@ def serve(
         os.environ.update(server_env(stub_python))  # PyTriton starts tritonserver with a copy of os.environ
         _use_stub_python(stub_python)
         for s in served:  # before the server starts: an engine this machine cannot run fails fast
-            runners.append(load_engine(s.engine_dir).activate())
+            runners.append(load_engine(s.engine_dir, serving=True).activate())
         triton = pytriton.triton.Triton(
             config=_triton_config(pytriton, address, http_port, grpc_port, metrics_port),
             security_config=_security(pytriton),

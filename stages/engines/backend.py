@@ -184,12 +184,14 @@ HOST_INPUT_SHAPES = 8  # input shapes a runner keeps host buffers for (Runner.ho
 
 class Runner:
     """Base runner. Subclasses implement ``_activate``, ``_infer`` and ``_deactivate``; ``info`` is the engine's
-    ``backend_info`` as its backend's record."""
+    ``backend_info`` as its backend's record. ``serving``: the engine runs inside a server, sharing the machine's
+    cores with the server's threads and other processes (a runner that would busy-wait between calls does not)."""
 
     per_shape_sessions = False  # True: each new input shape costs a build (a session, a CUDA graph capture)
 
     def __init__(self, engine_dir: Path, meta: EngineMetadata, info: Any = None) -> None:
         self.engine_dir, self.meta, self.info, self.active = Path(engine_dir), meta, info, False
+        self.serving = False  # set before activate() (load_engine's ``serving``)
         self.name = meta.name
         self._host_inputs: dict[Any, dict[str, np.ndarray]] = {}  # input shapes -> buffers (host_inputs)
 

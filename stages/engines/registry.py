@@ -55,9 +55,9 @@ def runnable(meta: EngineMetadata) -> tuple[bool, str]:
     return backend.can_run(meta)
 
 
-def load_engine(engine_dir: str | Path) -> Runner:
+def load_engine(engine_dir: str | Path, serving: bool = False) -> Runner:
     """Open a Kiln engine folder, after checking its files against its metadata: ``with load_engine(path) as r:
-    r.infer({'input': x})``."""
+    r.infer({'input': x})``. ``serving``: for a server's process (:class:`Runner`)."""
     meta = read_metadata(Path(engine_dir))
     verify_files(Path(engine_dir), meta)
     ok, why = runnable(meta)
@@ -67,4 +67,6 @@ def load_engine(engine_dir: str | Path) -> Runner:
             hint="run it on a machine that can (see the engine's kiln-engine.json)",
         )
     backend = BACKENDS[meta.backend]
-    return backend.runners[meta.device](Path(engine_dir), meta, backend.info(meta))
+    runner = backend.runners[meta.device](Path(engine_dir), meta, backend.info(meta))
+    runner.serving = serving
+    return runner

@@ -232,7 +232,7 @@ class TritonPythonModel:
             # engine's device 0 is that GPU (instance_group.gpus spreads instances over the host's GPUs).
             os.environ["CUDA_VISIBLE_DEVICES"] = str(args["model_instance_device_id"])
         engine_dir = Path(args["model_repository"]) / args["model_version"] / "engine"
-        self.runner = load_engine(engine_dir).activate()
+        self.runner = load_engine(engine_dir, serving=True).activate()
         config = json.loads(args["model_config"])
         self.batched = config["max_batch_size"] > 0
         # an engine that builds per input shape runs padded batches of a few sizes, each built before Triton says

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,17 @@ def session_options(settings: dict[str, Any]) -> Any:
         inter_threads=settings.get("inter_op_threads", 0),
         parallel=settings.get("execution_mode") == "parallel",
         optimization=settings.get("load_optimization", "none"),
+        spinning=settings.get("spinning", True),
     )
+
+
+def for_server(plan: dict[str, Any], serving: bool) -> dict[str, Any]:
+    """``plan`` for a runner inside a server (``serving``): its thread pools do not busy-wait between calls, which
+    there takes cores from the server's own threads and the other stubs (docs/serving.md).
+    ``KILN_ORT_SPINNING=1`` keeps ORT's default, for a server whose engine has cores of its own."""
+    if not serving or os.environ.get("KILN_ORT_SPINNING") == "1":
+        return plan
+    return {**plan, "settings": {**plan["settings"], "spinning": False}}
 
 
 def providers_of(settings: dict[str, Any]) -> list[Any]:
@@ -165,7 +176,7 @@ class OrtCpuRunner(Runner):
 
     def _activate(self) -> None:
 
-        plan = engine_plan(self.meta.files, self.info, None)
+        plan = for_server(engine_plan(self.meta.files, self.info, None), self.serving)
         self.session = ort_session(
             self.engine_dir / plan["model"],
             providers=plan["providers"],
@@ -191,7 +202,7 @@ class OrtCudaRunner(Runner):
         import onnxruntime as ort
 
         self.ort, self.models = ort, {}
-        base = plan_for(self.meta.files, self.info.session, self.info.cuda_graph, {})
+        base = for_server(plan_for(self.meta.files, self.info.session, self.info.cuda_graph, {}), self.serving)
         self.session = open_session(ort, self._model(base["model"]), base)  # any shape: gives output shapes
         first = base["providers"][0]
         self.device_id = int(first[1].get("device_id", 0)) if isinstance(first, tuple) else 0
@@ -207,7 +218,9 @@ class OrtCudaRunner(Runner):
         key = tuple((n, feed[n].shape, feed[n].dtype.str) for n in self.input_names)
         if key not in self.slots:
             feed = {n: feed[n] for n in self.input_names}
-            plan = engine_plan(self.meta.files, self.info, int(feed[self.input_names[0]].shape[0]))
+            plan = for_server(
+                engine_plan(self.meta.files, self.info, int(feed[self.input_names[0]].shape[0])), self.serving
+            )
             outs = dict(zip(self.output_names, self.session.run(None, feed)))
             self.slots[key] = cuda_slot(
                 self.ort, self._model(plan["model"]), plan, feed, outs, self.device_id, self.name

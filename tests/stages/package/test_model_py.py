@@ -57,6 +57,7 @@ def test_the_model_answers_each_request_and_freezes_what_start_up_built(
         model.initialize(args)
         # start-up's objects (torch's, ONNX Runtime's, the engine's) out of the collector's sight
         assert gc.get_freeze_count() > 1000
+        assert model.runner.serving  # opened as a server's engine: no busy-waiting between calls
         one, two = model.execute([{"x": np.full((n, 3), n, np.float32)} for n in (1, 2)])
         assert one.error is None and one.outputs[0][0] == "y" and (one.outputs[0][1] == 2).all()
         assert two.outputs[0][1].shape == (2, 3) and (two.outputs[0][1] == 4).all()

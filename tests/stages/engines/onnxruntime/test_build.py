@@ -102,6 +102,29 @@ def test_cpu_metadata_and_session_settings(zoo, tmp_path: Path) -> None:
         assert opts.intra_op_num_threads == 1 and opts.execution_mode == ort.ExecutionMode.ORT_PARALLEL
 
 
+SPIN = "session.intra_op.allow_spinning"
+
+
+def test_a_served_engine_does_not_busy_wait_between_calls(zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened for a server, the session's thread pools block between calls (ORT's default spins, taking the cores
+    a server's own threads need); opened otherwise, or with KILN_ORT_SPINNING=1, ORT's default stands."""
+    build_engine(zoo("cnn"), tmp_path / "e", "onnxruntime", "cpu", "fp32", ort_cfg(), tmp_path / "cache")
+    x = np.random.default_rng(0).standard_normal((2, 1, 8, 8), dtype=np.float32)
+    with load_engine(tmp_path / "e", serving=True) as runner:
+        opts = runner.session.get_session_options()
+        assert opts.get_session_config_entry(SPIN) == "0"
+        assert opts.get_session_config_entry("session.inter_op.allow_spinning") == "0"
+        served = runner.infer({"input": x})["logits"]
+    with load_engine(tmp_path / "e") as runner:
+        with pytest.raises(RuntimeError):  # ORT: an entry never set
+            runner.session.get_session_options().get_session_config_entry(SPIN)
+        np.testing.assert_array_equal(served, runner.infer({"input": x})["logits"])
+    monkeypatch.setenv("KILN_ORT_SPINNING", "1")
+    with load_engine(tmp_path / "e", serving=True) as runner:
+        with pytest.raises(RuntimeError):
+            runner.session.get_session_options().get_session_config_entry(SPIN)
+
+
 def test_offline_optimization_is_saved(zoo, tmp_path: Path) -> None:
     """ORT's extended fusions ran at build time (Transpose+MatMul became FusedMatMul), not at each load."""
     assert "FusedMatMul" not in {n.op_type for n in onnx.load(str(zoo("transformer"))).graph.node}
