@@ -245,7 +245,7 @@ def scratch_root(folder: Path) -> Iterator[Path]:
     :func:`_inductor_paths_out_of`): it named the removed scratch after the run, where later compiles wrote into
     the workdir and AOTInductor builds failed. A folder that cannot be written keeps the system's temporary
     folder (said in the log). Yields the folder in use."""
-    base = Path(folder) / SCRATCH
+    base = Path(folder).absolute() / SCRATCH  # TMPDIR for compilers that run from another folder
     try:
         refuse_link(base, "Kiln's temporary folder")
         base.mkdir(parents=True, exist_ok=True)

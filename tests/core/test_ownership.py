@@ -131,6 +131,15 @@ def test_scratch_lives_in_the_workdir_and_goes(tmp_path: Path) -> None:
     assert not (tmp_path / ".kiln-tmp").exists() and tempfile.gettempdir() != str(root)
 
 
+def test_scratch_of_a_relative_workdir_is_named_absolutely(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-w kiln-out` (the default) is relative: the temporary folder handed to libraries is not, since a compiler
+    they start from another folder (Inductor's g++ for a torch CPU engine) would not find a relative one."""
+    monkeypatch.chdir(tmp_path)
+    with scratch_root(Path("kiln-out")) as root:
+        assert root.is_absolute() and root.parent == tmp_path / "kiln-out" / ".kiln-tmp"
+        assert Path(os.environ["TMPDIR"]).is_absolute() and Path(tempfile.gettempdir()).is_absolute()
+
+
 def test_nothing_inductor_noted_in_a_run_names_the_removed_scratch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kiln.core.errors import ConfigError
+from kiln.core.errors import BuildError, ConfigError
 from kiln.core.records import PrecisionVariant, Variants
 from kiln.pipeline.config import config_from_dict
 from kiln.stages.engines import stage
@@ -72,6 +72,17 @@ def test_run_onnxruntime_only(zoo, tmp_path: Path) -> None:
     ort16 = read_metadata(ctx.out / "onnxruntime-cuda-fp16")
     assert "fp16_conversion" not in ort16.builder_settings  # the precision stage's graph, used as is
     assert ort16.audit["share"] == {"fp16": 1.0} and ort16.audit["flops_per_sample"] > 0
+
+
+def test_a_run_that_builds_no_engine_fails_with_each_reason(zoo, tmp_path: Path) -> None:
+    """Every planned engine skipped (here the CPU's FP16 engine, which ONNX Runtime computes in FP32): the stage
+    fails saying why, where it used to pass with no engine and leave validation to say nothing could be validated."""
+    ctx = _ctx(tmp_path, zoo, {"backends": ["onnxruntime"], "onnxruntime": {"devices": ["cpu"]}})
+    Variants(variants={"fp16": PrecisionVariant(path="fp16/model.onnx")}).write(
+        tmp_path / "precision" / "variants.json"
+    )
+    with pytest.raises(BuildError, match="no engine was built: onnxruntime-cpu-fp16: .*computes 0% in fp16"):
+        stage.run(ctx)
 
 
 @pytest.mark.tensorrt
