@@ -15,6 +15,15 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return (text.splitlines() or [type(exc).__name__])[0][:limit]
 
 
+def compiler_reason(exc: BaseException, limit: int = 300) -> str:
+    """:func:`first_line`, and where the message goes on to quote a compiler's output (Inductor's
+    ``CppCompileError: C++ compile error`` says no more on its first line), the output's first ``error`` line."""
+    head = first_line(exc, limit)
+    lines = _ANSI.sub("", str(exc)).strip().splitlines()[1:]
+    cause = next((line.strip() for line in lines if "error" in line.lower() and line.strip() != head), None)
+    return f"{head} ({cause[:limit]})" if cause else head
+
+
 def short_reason(exc: BaseException | str, limit: int = 400) -> str:
     """The part of an error worth a log line: ORT's "[ONNXRuntimeError] : 1 : FAIL :" prefix dropped, one line,
     and when still too long its head and its tail (nested ORT errors put the actual type error last)."""

@@ -37,7 +37,7 @@ from kiln.core.data import by_keyword
 from kiln.core.errors import BuildError, ConfigError
 from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.outputs import flatten_outputs
-from kiln.core.text import first_line
+from kiln.core.text import compiler_reason, first_line
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.torch import conv_epilogues
 from kiln.stages.engines.torch.config import TorchConfig
@@ -387,7 +387,7 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
             )
     except Exception as exc:  # Inductor failures: this model cannot become this engine kind
         raise BuildError(
-            f"AOTInductor could not compile the model: {type(exc).__name__}: {first_line(exc, 300)}",
+            f"AOTInductor could not compile the model: {type(exc).__name__}: {compiler_reason(exc)}",
             hint="the ONNX engines still build; see torch.export's docs for unsupported code",
         ) from None
     compile_s = round(time.perf_counter() - t0, 2)
@@ -456,7 +456,7 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
 
 def _compile_failed(exc: BaseException) -> BuildError:
     return BuildError(
-        f"torch.compile could not compile the exported model: {type(exc).__name__}: {first_line(exc, 300)}",
+        f"torch.compile could not compile the exported model: {type(exc).__name__}: {compiler_reason(exc)}",
         hint="the ONNX engines still build",
     )
 
