@@ -257,7 +257,7 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                     continue
                 fields = {"name", "backend", "device", "precision", "build_seconds", "size_bytes"}
                 engines.append(EngineEntry.model_validate(meta.model_dump(include=fields)))
-    if not engines:  # else the stage "ran", and validation later said only that nothing could be validated
+    if not engines:  # failed here, where the reasons are known, not later as "nothing could be validated"
         raise BuildError(
             f"no engine was built: {'; '.join(skipped) or 'no backend plans one for these precisions'}",
             hint="each reason says what to change; or add a precision and backend that build here (fp32 with "
