@@ -251,6 +251,9 @@ class EngineValidation(Part):
     gates: dict[str, float | None] = Field(default_factory=dict)  # the thresholds it was held to (report shows them)
 
 
+NONE_VALIDATED = "no engine could be validated on this machine"  # a failure no gate threshold changes
+
+
 class ValidationResult(Record, Summary):
     """``validation.json``, and the validate stage's summary."""
 

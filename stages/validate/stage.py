@@ -39,6 +39,7 @@ from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import (
+    NONE_VALIDATED,
     Baseline,
     EngineMetadata,
     EngineValidation,
@@ -488,7 +489,9 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     validated = [e for e in engines if e.status == "validated"]
     failures = [f"{e.name}: {f}" for e in validated for f in e.failures]
     if not validated:
-        failures.append("no engine could be validated on this machine")
+        elsewhere = [e.name for e in engines if e.status == "not-runnable"]
+        where = f" (built for other devices: {', '.join(elsewhere)})" if elsewhere else ""
+        failures.append(f"{NONE_VALIDATED}{where}")
     speed = speed_vs_fp32(engines)  # reduced precision that is not faster than FP32: flagged, or dropped
     # INT8/FP8 slower than the FP16 engine beside it is never the one to serve: dropped in any case
     dropped = drop_slower(engines, speed if ctx.config.require_speedup else [r for r in speed if _under_fp16(r)])

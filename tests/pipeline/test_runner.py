@@ -15,7 +15,7 @@ from kiln.core.errors import BuildError, GateFailure
 from kiln.core.stage import Stage, StageSettings
 from kiln.pipeline import runner as runner_module
 from kiln.pipeline.config import KilnConfig, config_from_dict
-from kiln.pipeline.runner import Runner, cache_key, settings_for, what_changed
+from kiln.pipeline.runner import Runner, cache_key, gate_hint, settings_for, what_changed
 from kiln.pipeline.stage_list import STAGES, stage_named
 from tests.conftest import tiny_config_dict
 from tests.pipeline.fake_stages import RAN, GatedSummary, ModelSettings, ValueSummary, fake_stages, modelled
@@ -250,3 +250,12 @@ def test_code_versions_cover_what_stages_run() -> None:
 
     assert kiln.stages.engines in stage_named("validate").code and kiln.models in stage_named("train").code
     assert kiln.models in stage_named("export").code and kiln.models in stage_named("validate").code
+
+
+def test_the_gates_fix_line_fits_the_failure() -> None:
+    """Relaxing a gate is advice for a number that missed it; with no engine this machine can run, it is not."""
+    none = "no engine could be validated on this machine (built for other devices: tensorrt-fp16)"
+    assert "`kiln validate` there" in gate_hint([none], "ran") and "relax" not in gate_hint([none], "ran")
+    missed = ["onnxruntime-cpu-int8: cosine 0.99 < 0.999"]
+    assert "relax validate.gates" in gate_hint(missed, "ran") and "--force validate" not in gate_hint(missed, "ran")
+    assert "--force validate" in gate_hint([*missed, none], "cached")
