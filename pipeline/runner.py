@@ -65,8 +65,8 @@ class RunResult:
 
 
 def gate_hint(failures: list[str], status: str) -> str:
-    """The fix line for failed validation gates: relaxing a gate helps only where a number missed it; an engine
-    that no engine could be validated for is validated where it runs."""
+    """The fix line for failed validation gates: relaxing a gate helps only where a number missed it; engines
+    this machine cannot run are validated where they run."""
     if all(f.startswith(NONE_VALIDATED) for f in failures):
         return (
             "validate the engines on a machine that runs them (`kiln validate` there), or add a backend this "
