@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 from statistics import median
 from typing import Any
+
+from serve_bench import demo_workdir, stop_server  # noqa: E402
 
 from kiln.pipeline.config import KilnConfig, load_config
 from kiln.serve.loadtest import loadtest
@@ -71,11 +72,7 @@ def one_round(
         )
         steal1, total1 = _cpu_times()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     return [
         {
             "concurrency": lv["concurrency"],
@@ -137,13 +134,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="kiln-spin-"))
     config = load_config(args.config) if args.config else None
     if args.demo:  # the demo's config: its data become the requests
-        from kiln.pipeline.api import run_pipeline
-
-        config = load_config(None, {"build.backends": ["onnxruntime"]})
-        result, _ = run_pipeline(config, scratch / "demo")
-        if not result.ok:
-            raise SystemExit(f"demo run failed: {result.error}")
-        workdir = scratch / "demo"
+        workdir, config = demo_workdir(scratch)
     else:
         workdir = args.workdir
     load_at_start = os.getloadavg()[0]

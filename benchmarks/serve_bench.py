@@ -202,11 +202,16 @@ def served(
                         )
                         report(protocol, n, transport, result, k)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, as a user stops `kiln serve` (it drains and takes its processes with it); killed after 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def markdown(report: dict[str, Any]) -> str:
