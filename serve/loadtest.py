@@ -25,9 +25,11 @@ Loopback only: this generates load, and is not meant to be pointed at someone el
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -273,9 +275,18 @@ def _client(module: Any, protocol: str, address: str) -> tuple[Any, dict[str, fl
     return module.InferenceServerClient(address, network_timeout=REQUEST_TIMEOUT_S), {}
 
 
+UNREGISTER_WAIT_S = 10.0  # how long close() waits for the server to let go of a region its last requests held
+
+
 class SharedMemory:
     """System shared-memory regions registered with the server: the pool's inputs laid out once (Triton only reads
-    them, so every thread of the process sends from it) and one output region per client thread."""
+    them, so every thread of the process sends from it) and one output region per client thread.
+
+    Names are unique to each instance (process, instance count, a random token): Triton holds a region until the
+    requests that used it are released, a moment after their answers arrive, so a name used again at once can still
+    be in its manager."""
+
+    _made = itertools.count()
 
     def __init__(self, module: Any, client: Any, pool: list[dict], expected: list[dict], threads: int) -> None:
         import tritonclient.utils.shared_memory as shm
@@ -289,7 +300,7 @@ class SharedMemory:
 
     def _lay_out(self, module: Any, pool: list[dict], expected: list[dict], threads: int) -> None:
         shm = self.shm
-        tag = f"kiln_{os.getpid()}_{threading.get_ident() % 100_000}"
+        tag = f"kiln_{os.getpid()}_{next(self._made)}_{secrets.token_hex(3)}"
         arrays = [{n: np.ascontiguousarray(a) for n, a in feed.items()} for feed in pool]
         handle = self._region(f"{tag}_in", sum(a.nbytes for feed in arrays for a in feed.values()))
         self.inputs, offset = [], 0
@@ -336,14 +347,35 @@ class SharedMemory:
         return got
 
     def close(self) -> None:
-        """Unregister and remove every region (each one, even where another fails to unregister)."""
-        for name, handle in self.handles.items():
-            try:
-                self.client.unregister_system_shared_memory(name)
-            except Exception:  # a region made but never registered, or a server gone: removed all the same
-                log.debug("shared-memory region %s was not unregistered", name)
+        """Unregister every region, waiting up to :data:`UNREGISTER_WAIT_S` for the server to release those its
+        last requests still hold, then remove them all (each one, even where another fails to unregister)."""
+        left = set(self.handles)
+        deadline = time.monotonic() + UNREGISTER_WAIT_S
+        while left:
+            for name in sorted(left):
+                try:
+                    self.client.unregister_system_shared_memory(name)
+                except Exception:  # still in use by a request being released; retried below
+                    log.debug("shared-memory region %s not unregistered yet", name)
+            left &= self._registered()
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if left:
+            log.warning("the server still holds shared-memory regions %s", ", ".join(sorted(left)))
+        for handle in self.handles.values():
             self.shm.destroy_shared_memory_region(handle)
         self.handles = {}
+
+    def _registered(self) -> set[str]:
+        """Names of the system shared-memory regions the server holds (none where it cannot be asked)."""
+        try:
+            status = self.client.get_system_shared_memory_status()
+        except Exception:  # a server gone holds nothing
+            return set()
+        if isinstance(status, list):  # tritonclient.http: one dict per region
+            return {region["name"] for region in status}
+        return set(status.regions)  # tritonclient.grpc: a message whose regions map is keyed by name
 
 
 def _triton_dtype(dtype: np.dtype) -> str:

@@ -104,18 +104,26 @@ def test_fit_takes_arrays_the_engine_takes(spec: tuple, array: np.ndarray, ok: b
 
 class _RefusingServer:
     """A client whose server takes ``accept`` shared-memory registrations, then refuses (as a server out of its
-    limits would); it records what is registered at any moment."""
+    limits would), and refuses the first ``busy`` unregistrations of each region (as Triton does while the requests
+    that used it are being released); it records what is registered at any moment, and answers with it as
+    ``tritonclient.http`` does."""
 
-    def __init__(self, accept: int) -> None:
-        self.accept, self.registered = accept, set()
+    def __init__(self, accept: int, busy: int = 0) -> None:
+        self.accept, self.busy, self.registered, self.refusals = accept, busy, set(), {}
 
     def register_system_shared_memory(self, name: str, key: str, size: int) -> None:
-        if len(self.registered) >= self.accept:
-            raise RuntimeError("refused")
+        if len(self.registered) >= self.accept or name in self.registered:
+            raise RuntimeError("refused" if name not in self.registered else f"region '{name}' already in manager")
         self.registered.add(name)
 
     def unregister_system_shared_memory(self, name: str) -> None:
+        if self.refusals.setdefault(name, 0) < self.busy:
+            self.refusals[name] += 1
+            raise RuntimeError(f"Cannot unregister shared memory region '{name}', it is currently in use.")
         self.registered.discard(name)
+
+    def get_system_shared_memory_status(self) -> list[dict]:
+        return [{"name": name} for name in sorted(self.registered)]
 
 
 def test_shared_memory_laid_out_halfway_leaves_no_region() -> None:
@@ -135,6 +143,26 @@ def test_shared_memory_laid_out_halfway_leaves_no_region() -> None:
     assert len(regions.handles) == 3  # one for the pool, one per thread
     regions.close()
     assert set(Path("/dev/shm").glob("kiln_*")) == before
+
+
+def test_regions_the_server_still_holds_are_unregistered_and_a_new_set_takes_new_names() -> None:
+    pytest.importorskip("tritonclient.http", reason="needs the serving libraries (pip install 'kiln[serve]')")
+    import tritonclient.http as module
+
+    from kiln.serve.loadtest import SharedMemory
+
+    pool = [{"x": np.full((1, 4), i, np.float32)} for i in range(2)]
+    expected = [{"y": np.zeros((1, 2), np.float32)} for _ in pool]
+    before = set(Path("/dev/shm").glob("kiln_*"))
+    server = _RefusingServer(accept=10, busy=3)  # each region refused three times, then let go
+    first = SharedMemory(module, server, pool, expected, threads=1)
+    names = set(first.handles)
+    first.close()
+    assert server.registered == set() and all(server.refusals[n] == 3 for n in names), server.refusals
+    second = SharedMemory(module, server, pool, expected, threads=1)  # same process and thread, new names
+    assert names.isdisjoint(second.handles)
+    second.close()
+    assert server.registered == set() and set(Path("/dev/shm").glob("kiln_*")) == before
 
 
 def test_cpu_meter_counts_the_clients_work_and_their_finished_children() -> None:
