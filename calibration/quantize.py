@@ -37,6 +37,18 @@ def excluded_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, extra: Iterab
     return sorted(names)
 
 
+def unbounded_nodes(model: onnx.ModelProto, ranges: Ranges) -> dict[str, str]:
+    """Nodes that write or read a tensor whose calibrated range is not finite (:meth:`Ranges.unbounded`), each with
+    the reason it stays in float: a quantized node there would turn the infinity into a NaN scale."""
+    unbounded = set(ranges.unbounded())
+    out: dict[str, str] = {}
+    for node in model.graph.node:
+        hit = next((t for t in [*node.output, *node.input] if t in unbounded), None)
+        if hit is not None:
+            out[node.name] = f"'{hit}' is not finite on calibration data (no INT8/FP8 scale holds it)"
+    return out
+
+
 def resolve_reduce_range(setting: str) -> bool:
     """``calibration.reduce_range`` resolved: ``auto`` is on where this machine's INT8 kernels saturate."""
     return setting == "on" or (setting == "auto" and this_cpu_saturates())
@@ -53,7 +65,7 @@ def quantize_int8(
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     model = onnx.load(str(model_path), load_external_data=False)
-    exclude = excluded_nodes(model, cfg, extra_exclude)
+    exclude = excluded_nodes(model, cfg, [*extra_exclude, *unbounded_nodes(model, ranges)])
     seven_bits = resolve_reduce_range(cfg.reduce_range)
     if "calibration_cache_path" not in inspect.signature(quantize_static).parameters:
         # ORT < 1.32 has no cache argument; it would need a reader and calibrate again
@@ -131,7 +143,7 @@ def quantize_fp8(
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     model = onnx.load(str(model_path))
-    exclude = excluded_nodes(model, cfg, extra_exclude)
+    exclude = excluded_nodes(model, cfg, [*extra_exclude, *unbounded_nodes(model, ranges)])
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), FP8_OPSET)
     if opset < FP8_OPSET:
         model = version_converter.convert_version(model, FP8_OPSET)

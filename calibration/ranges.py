@@ -43,12 +43,20 @@ class Ranges:
     method: str
 
     def amax(self) -> dict[str, float]:
-        """Largest magnitude seen per tensor (what a symmetric INT8 scale and an FP16 range check need)."""
+        """Largest magnitude seen per tensor (what a symmetric INT8 scale and an FP16 range check need); infinite
+        for a tensor that is not finite (:meth:`unbounded`)."""
         out = {}
         for name, td in self.tensors.items():
             lo, hi = td.range_value
-            out[name] = float(max(np.max(np.abs(lo)), np.max(np.abs(hi))))
+            value = float(max(np.max(np.abs(lo)), np.max(np.abs(hi))))
+            out[name] = value if np.isfinite(value) else float("inf")
         return out
+
+    def unbounded(self) -> list[str]:
+        """Tensors whose calibrated range is not finite: a graph may hold infinities on purpose (T5's relative
+        position buckets take the log of 0, a mask adds -inf before a softmax), and no scale holds them, so the
+        nodes that write or read them stay in float (:func:`kiln.calibration.quantize.unbounded_nodes`)."""
+        return sorted(name for name, td in self.tensors.items() if not _finite(td.range_value))
 
 
 @contextmanager
@@ -153,19 +161,30 @@ def check_ranges(tensors: Any, model_path: Path) -> None:
 
     bounds = {name: [np.asarray(v, dtype=np.float64) for v in td.range_value] for name, td in tensors.items()}
     hint = "calibrate on real, varied samples of the inputs the model will see (--calibration, data.name)"
-    broken = sorted(n for n, (lo, hi) in bounds.items() if not (np.isfinite(lo).all() and np.isfinite(hi).all()))
-    if broken:
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    inputs = {i.name for i in graph.input}
+    broken = sorted(n for n, pair in bounds.items() if not _finite(pair))
+    if any(n in inputs for n in broken) or bounds and len(broken) == len(bounds):
+        where = [n for n in broken if n in inputs] or broken
         raise InputError(
-            f"calibration gave NaN or infinite ranges for {len(broken)} tensors ({', '.join(broken[:4])})", hint=hint
+            f"calibration gave NaN or infinite ranges for {len(where)} "
+            f"{'inputs' if where[0] in inputs else 'tensors'} ({', '.join(where[:4])})",
+            hint=hint,
         )
+    if broken:  # inside the graph: kept in float where they are made and read (Ranges.unbounded)
+        log.info("%d tensors are not finite on calibration data; their nodes stay in float", len(broken))
     flat = {n for n, (lo, hi) in bounds.items() if not (np.any(lo != 0) or np.any(hi != 0) or np.any(lo != hi))}
     if bounds and len(flat) == len(bounds):
         raise InputError(f"calibration measured nothing: all {len(bounds)} tensor ranges are 0", hint=hint)
-    graph = onnx.load(str(model_path), load_external_data=False).graph
     floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
     constant = [i.name for i in graph.input if i.name in flat and i.type.tensor_type.elem_type in floats]
     if constant:
         raise InputError(f"calibration input '{constant[0]}' is 0 in every sample: its range is 0", hint=hint)
+
+
+def _finite(pair: Any) -> bool:
+    """Whether both bounds of a range (scalars or per-channel arrays) are finite numbers."""
+    return all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in pair)
 
 
 def _run_calibrator(

@@ -8,6 +8,7 @@ per tensor, scale = amax / 127 (symmetric INT8).
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -25,9 +26,10 @@ def hex_scale(text: str) -> float:
 
 
 def write_trt_table(amax: dict[str, float], path: Path, trt_version: int = 8601) -> Path:
-    """Write ``tensor: hex(scale)`` lines; tensors whose range is zero get the smallest normal scale."""
+    """Write ``tensor: hex(scale)`` lines; tensors whose range is zero get the smallest normal scale, those whose
+    range is not finite none (TensorRT keeps a tensor without a scale out of INT8)."""
     lines = [HEADER.format(version=trt_version)]
-    for name in sorted(amax):
+    for name in sorted(n for n, a in amax.items() if math.isfinite(a)):
         scale = max(amax[name] / 127.0, 1.1754944e-38)
         lines.append(f"{name}: {scale_hex(scale)}")
     write_text_atomic(path, "\n".join(lines) + "\n")

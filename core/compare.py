@@ -60,8 +60,18 @@ def compare_arrays(
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
         raise ValueError(f"output shapes differ: reference {list(r.shape)}, candidate {list(g.shape)}")
-    agreement, ties = _top1(r, g, rel_tie, where)
-    return OutputStats(_max_abs_err(r, g), _rel_err(r, g), _cosine(r, g), agreement, ties)
+    with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
+        agreement, ties = _top1(r, g, rel_tie, where)
+    rf, gf = _beside_shared_non_finite(r, g)
+    return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), _cosine(rf, gf), agreement, ties)
+
+
+def _beside_shared_non_finite(r: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``r`` and ``g`` without the places where both hold the same infinity or both a NaN: a value that is not
+    finite on purpose (a mask's -inf, a log of 0) and comes out the same is equal, not an infinite error. A NaN or
+    infinity in only one of them stays, and makes the error infinite."""
+    shared = (np.isnan(r) & np.isnan(g)) | (np.isinf(r) & (r == g))
+    return (r[~shared], g[~shared]) if shared.any() else (r, g)
 
 
 def compare_outputs(
@@ -112,19 +122,19 @@ def within_tolerance(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float)
 def _max_abs_err(r: np.ndarray, g: np.ndarray) -> float:
     if r.size == 0:
         return 0.0
-    if not np.isfinite(g).all():
+    if not (np.isfinite(g).all() and np.isfinite(r).all()):
         return float("inf")
     return float(np.max(np.abs(r - g)))
 
 
 def _rel_err(r: np.ndarray, g: np.ndarray) -> float:
-    if not np.isfinite(g).all():
+    if not (np.isfinite(g).all() and np.isfinite(r).all()):
         return float("inf")
     return float(np.linalg.norm(r - g) / (np.linalg.norm(r) + 1e-12))
 
 
 def _cosine(r: np.ndarray, g: np.ndarray) -> float:
-    if not np.isfinite(g).all():
+    if not (np.isfinite(g).all() and np.isfinite(r).all()):
         return float("nan")
     r1, g1 = r.ravel(), g.ravel()
     denom = np.linalg.norm(r1) * np.linalg.norm(g1)

@@ -3,6 +3,7 @@ variant's agreement with the FP32 graph, failed variants, and the per-node error
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kiln.core.text import fmt
@@ -48,10 +49,19 @@ def report_section(precision: Any) -> list[str]:
             out += ["", f"![per-node error vs FP32](precision/{precision.node_error_plot})", ""]
             out += [
                 f"- {name}: first node over {precision.node_error_threshold:g} relative error: "
-                + (f"`{hit['node']}` ({hit.get('module') or 'module unknown'}), {hit['error']:.3g}" if hit else "none")
+                + (
+                    f"`{hit['node']}` ({hit.get('module') or 'module unknown'}), {_error(hit['error'])}"
+                    if hit
+                    else "none"
+                )
                 for name, hit in (precision.first_divergence or {}).items()
             ]
     return out
+
+
+def _error(value: float | None) -> str:
+    """A relative error as the report writes it; JSON holds a non-finite one as null."""
+    return "not finite" if value is None or not math.isfinite(value) else f"{value:.3g}"
 
 
 def _kept_nodes_table(variants: dict[str, Any], limit: int = 40) -> list[str]:

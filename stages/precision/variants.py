@@ -21,6 +21,7 @@ from kiln.calibration.quantize import (
     quantize_fp8,
     quantize_int8,
     quantize_int8_dynamic,
+    unbounded_nodes,
 )
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
@@ -122,7 +123,7 @@ def build_int8(
 ) -> dict[str, Any]:
     """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table."""
     ranges = src.ranges(ccfg.method, ccfg)
-    base = {n: _exclusion_reason(src.model, n, ccfg) for n in excluded_nodes(src.model, ccfg)}
+    base = _kept_before_fallback(src.model, ccfg, ranges)
     info: dict[str, Any] = {}
 
     def build(extra: set[str]) -> Path:
@@ -203,6 +204,13 @@ def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_flo
     return {"scheme": scheme, "qdq_nodes": info["qdq_nodes"], "reduce_range": info["reduce_range"]}
 
 
+def _kept_before_fallback(model: onnx.ModelProto, ccfg: CalibrationConfig, ranges: Ranges) -> dict[str, str]:
+    """Nodes a quantized variant keeps in float from the start, each with its reason: those the configuration
+    excludes, and those that write or read a tensor calibration found not finite."""
+    kept = {n: _exclusion_reason(model, n, ccfg) for n in excluded_nodes(model, ccfg)}
+    return unbounded_nodes(model, ranges) | kept
+
+
 def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig) -> str:
     if name in ccfg.exclude_nodes:
         return "listed in calibration.exclude_nodes"
@@ -218,7 +226,7 @@ def build_fp8(
     """FP8 (E4M3) Q/DQ graph at ``out`` for TensorRT, max-calibrated (:func:`kiln.calibration.quantize.quantize_fp8`),
     judged and fallen back like INT8's."""
     ranges = src.ranges("minmax", ccfg)  # max calibration: each activation's scale from its largest magnitude
-    base = {n: _exclusion_reason(src.model, n, ccfg) for n in excluded_nodes(src.model, ccfg)}
+    base = _kept_before_fallback(src.model, ccfg, ranges)
     info: dict[str, Any] = {}
 
     def build(extra: set[str]) -> Path:

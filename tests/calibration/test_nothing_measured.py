@@ -1,13 +1,18 @@
-"""Issue 31 rule 2: a calibration that measured nothing (all-zero data, NaN or infinite ranges, a float input
-whose range is 0) is an error, never INT8 scales and never a run that says it passed."""
+"""Issue 31 rule 2: a calibration that measured nothing (all-zero data, NaN or infinite inputs or every range so, a
+float input whose range is 0) is an error, never INT8 scales and never a run that says it passed. A tensor inside
+the graph that is not finite on purpose (T5's log of 0, a -inf mask) is no error: the nodes that make and read it
+stay in float."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
 
 from kiln.calibration.ranges import check_ranges
 from kiln.cli import main
@@ -24,8 +29,8 @@ class _Range:
     "ranges, needle",
     [
         ({"input": (0, 0), "logits": (0, 0)}, "measured nothing"),
-        ({"input": (0, 1), "logits": (np.nan, 1)}, "NaN or infinite"),
-        ({"input": (-np.inf, 1), "logits": (0, 1)}, "NaN or infinite"),
+        ({"logits": (np.nan, np.inf)}, "NaN or infinite ranges for 1 tensors"),  # every one there is
+        ({"input": (-np.inf, 1), "logits": (0, 1)}, r"NaN or infinite ranges for 1 inputs \(input\)"),
         ({"input": (0, 0), "logits": (-1, 2)}, "calibration input 'input' is 0 in every sample"),
     ],
 )
@@ -37,6 +42,46 @@ def test_ranges_that_cannot_be_right(tmp_path: Path, ranges: dict, needle: str) 
 
 def test_ranges_of_real_data_pass(tmp_path: Path) -> None:
     check_ranges({"input": _Range(0, 1), "logits": _Range(-3, 4)}, tiny_onnx(tmp_path / "m.onnx"))
+    check_ranges({"input": _Range(0, 1), "logits": _Range(-np.inf, 4)}, tiny_onnx(tmp_path / "m.onnx"))
+
+
+def log_of_zero_onnx(path: Path) -> Path:
+    """input [batch, 4] -> Relu -> Log (-inf where the input is not positive) -> Max(-8) -> MatMul -> logits [batch, 3]:
+    an infinity inside the graph on purpose, as T5's relative position buckets take the log of 0."""
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["input"], ["r"], name="relu"),
+            helper.make_node("Log", ["r"], ["l"], name="log"),
+            helper.make_node("Max", ["l", "floor"], ["m"], name="floor"),
+            helper.make_node("MatMul", ["m", "w"], ["logits"], name="matmul"),
+        ],
+        "log_of_zero",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])],
+        [
+            numpy_helper.from_array(np.array(-8.0, np.float32), "floor"),
+            numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w"),
+        ],
+    )
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    return path
+
+
+def test_a_tensor_that_is_infinite_on_purpose_stays_in_float_and_int8_is_built(tmp_path: Path) -> None:
+    model = log_of_zero_onnx(tmp_path / "m.onnx")
+    feed = tmp_path / "x.npz"
+    np.savez(feed, input=np.random.default_rng(1).standard_normal((64, 4)).astype(np.float32))  # half <= 0
+    args = ["precision", str(model), "-o", str(tmp_path / "v"), "--variants", "int8", "--calibration", str(feed)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    int8 = json.loads((tmp_path / "v" / "variants.json").read_text())["variants"]["int8"]
+    assert int8["fallback_passed"], int8
+    # the Log that makes the infinity and the Max that reads it stay in float, each saying why; the MatMul is INT8
+    assert {"log", "floor"} <= set(int8["kept_fp32"]) and "not finite" in int8["reasons"]["log"], int8
+    graph = onnx.load(str(tmp_path / "v" / "int8" / "model.onnx")).graph
+    assert any(n.op_type == "DequantizeLinear" for n in graph.node)
+    assert not any(n.op_type == "QuantizeLinear" and n.input[0] in ("l", "r") for n in graph.node)
 
 
 @pytest.mark.parametrize("twice", [False, True])  # the second run reads the cached ranges: checked the same

@@ -31,6 +31,19 @@ def test_non_finite_candidate_fails_every_statistic() -> None:
     assert np.isnan(s.cosine) and s.max_abs_err == float("inf") and s.rel_err == float("inf")
 
 
+def test_the_same_infinity_in_the_same_place_is_equal_and_a_moved_one_is_not() -> None:
+    ref = np.array([[-np.inf, 1.0, 2.0], [3.0, -np.inf, 4.0]], np.float32)  # a -inf mask, as a model writes it
+    stats = compare_arrays(ref, ref + np.float32(1e-3) * np.isfinite(ref))
+    assert stats.rel_err == pytest.approx(1e-3 * np.sqrt(4) / np.sqrt(1 + 4 + 9 + 16), rel=1e-3)
+    assert np.isfinite(stats.max_abs_err) and stats.cosine > 0.9999, stats
+    moved = ref.copy()
+    moved[0, :2] = moved[0, 1::-1]  # the infinity at another place
+    assert compare_arrays(ref, moved).rel_err == np.inf and np.isnan(compare_arrays(ref, moved).cosine)
+    assert compare_arrays(ref, np.where(np.isinf(ref), np.float32(np.inf), ref)).rel_err == np.inf  # another sign
+    finite = np.nan_to_num(ref, neginf=-5.0)
+    assert compare_arrays(ref, finite).rel_err == np.inf  # a finite value where the reference has none
+
+
 def test_near_ties_agree_only_when_asked() -> None:
     ref = np.array([[1.0, 1.0 + 1e-6, 0.0]])
     got = np.array([[1.0 + 1e-6, 1.0, 0.0]])

@@ -36,6 +36,7 @@ def test_precision_section_names_modules_plot_and_failures() -> None:
         "first_divergence": {
             "int8": {"node": "mm1", "error": 0.05, "module": "encoder.q (Linear)"},
             "int8 onnxruntime-cpu": None,
+            "fp16": {"node": "log", "error": None, "module": None},  # an infinite error, null in JSON
         },
     }
     md = render_markdown(_report(summary))
@@ -45,6 +46,7 @@ def test_precision_section_names_modules_plot_and_failures() -> None:
     assert (
         "`mm1` (encoder.q (Linear)), 0.05" in md
         and "int8 onnxruntime-cpu: first node over 0.01 relative error: none" in md
+        and "fp16: first node over 0.01 relative error: `log` (module unknown), not finite" in md
     )
     assert "| fp16 | **failed, not built** | - |" in md and "**fp16 failed**: FP16 model fails the ONNX checker" in md
     assert "top-1 agreement 0.9850 with 2 nodes kept in float" in md
