@@ -921,7 +921,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 
 @main.command()
 @click.argument("url")
-@click.option("--model", required=True, help="served model name (printed by `kiln serve`)")
+@click.option(
+    "--model",
+    help="served model name (printed by `kiln serve`; default: the only engine served, else the one validation "
+    "chose at the largest batch)",
+)
 @click.option(
     "--engines",
     "-e",
@@ -958,7 +962,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     "-c",
     "config",
     type=click.Path(dir_okay=False),
-    help="the run's config (YAML/TOML/JSON): its validation data become the requests (default: the demo's)",
+    help="the run's config (YAML/TOML/JSON): its validation data become the requests (default: the config the "
+    "workdir's run recorded, else the demo's)",
 )
 @click.option(
     "--processes",
@@ -992,7 +997,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 )
 def loadtest(
     url: str,
-    model: str,
+    model: str | None,
     engines: str,
     concurrency: list[int],
     duration: float,
@@ -1004,10 +1009,16 @@ def loadtest(
     output: str,
 ) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
+    from kiln.serve.loadtest import default_model, recorded_config, render_markdown
     from kiln.serve.loadtest import loadtest as run_loadtest
-    from kiln.serve.loadtest import render_markdown
 
     _setup_logging(False, 0)
+    model = model or default_model(engines)
+    run_config = None if config else recorded_config(engines)
+    if run_config is None:
+        run_config = _config(config, ())
+    else:  # the run's own modules (its data function) resolve from here, as for `kiln run`
+        _importable(*filter(None, [_cwd()]))
     out = Path(output)
     claim_folder(out, "-o", LOADTEST_FILES)  # a loadtest.json Kiln did not write is never replaced
     with scratch_root(out):
@@ -1019,7 +1030,7 @@ def loadtest(
             concurrency,
             duration,
             max_requests,
-            _config(config, ()),
+            run_config,
             processes,
             shared_memory=shared_memory,
             metrics_port=metrics_port,

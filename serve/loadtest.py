@@ -45,7 +45,7 @@ import numpy as np
 from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
 from kiln.core.data import feed_for_graph, take
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
-from kiln.core.inputs import random_inputs
+from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.records import TensorSpec
 from kiln.models.model_io import dataset_for, torch_model_named
 from kiln.pipeline.config import KilnConfig
@@ -199,6 +199,48 @@ def engine_for(path: str | Path, model: str) -> ServedEngine:
     )
 
 
+def default_model(path: str | Path) -> str:
+    """The model to load-test when none is named: the only engine ``path`` serves, else the one validation chose at
+    its largest batch size (the engine a client of the package is pointed to)."""
+    engines = find_engines(path)
+    if len(engines) == 1:
+        return engines[0].model_name
+    chosen = _run_file(Path(path), "validate/validation.json")
+    picks = json.loads(chosen.read_text()).get("chosen", {}) if chosen else {}
+    best = picks[max(picks, key=int)] if picks else None
+    served = {e.meta.name: e.model_name for e in engines}
+    if best in served:
+        log.info("load-testing %s, the engine validation chose at batch %s (--model names another)", best, max(picks))
+        return served[best]
+    raise ConfigError(
+        f"{path} serves {len(engines)} engines and none was chosen by validation",
+        hint=f"--model is one of {sorted(served.values())}",
+    )
+
+
+def recorded_config(path: str | Path) -> KilnConfig | None:
+    """The sections of the run's config that say where its data come from (model, data, signature, seed), as its
+    validation recorded them in the workdir of ``path`` (a workdir or an engine folder in it); None where there is
+    no such record."""
+    manifest = _run_file(Path(path), "validate/manifest.json")
+    if manifest is None:
+        return None
+    recorded = json.loads(manifest.read_text()).get("key_parts", {}).get("config", {})
+    sections = {k: recorded[k] for k in ("seed", "model", "data", "signature") if k in recorded}
+    try:
+        return KilnConfig.model_validate(sections) if "model" in sections else None
+    except ValueError:  # a record of another Kiln's config schema: the caller's default instead
+        return None
+
+
+def _run_file(path: Path, name: str) -> Path | None:
+    """``name`` in the workdir of ``path``: the workdir itself, or an engine folder's (build/x, package/engines/x)."""
+    for workdir in (path, path.parent.parent, path.parent.parent.parent):
+        if (workdir / name).is_file():
+            return workdir / name
+    return None
+
+
 def _repository_names(workdir: Path) -> dict[str, str]:
     """Triton model name -> engine name, from the package stage's record (its repositories' names)."""
     record = workdir / "package" / "kiln-package.json"
@@ -229,9 +271,13 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
         else:
             n = len(next(iter(feed.values())))
             pool = [{k: v[i : i + 1] for k, v in feed.items()} for i in range(n)]
-            return pool, f"real validation data of dataset '{data.name}' ({n} samples)"
+            return pool, f"real validation data of dataset '{config.data.name or data.name}' ({n} samples)"
     log.warning("engine %s gets RANDOM inputs: %s", engine.meta.name, why)
-    return [random_inputs(specs, 1, seed=i) for i in range(size)], f"RANDOM ({size} samples; {why})"
+    # an axis besides the batch at the largest size the engine was validated for
+    sizes = largest_sizes(specs, engine.meta.axis_ranges)
+    hint = "give the run's config (-c) so that its validation data become the requests"
+    pool = [random_inputs(specs, 1, sizes, seed=i, hint=hint) for i in range(size)]
+    return pool, f"RANDOM ({size} samples; {why})"
 
 
 def fit(spec: TensorSpec, array: np.ndarray) -> np.ndarray:

@@ -78,6 +78,71 @@ def test_data_that_does_not_fit_an_engine_gives_random_inputs_said_as_such(
     assert all(pool[0][s.name].dtype == np.dtype(s.dtype) for s in engines[model].meta.inputs)
 
 
+def test_random_inputs_take_the_largest_size_each_axis_was_validated_at(engines: dict[str, ServedEngine]) -> None:
+    from kiln.core.records import TensorSpec
+
+    engine = engines["tests.user_models:ids_and_mask"]
+    specs = [
+        TensorSpec(name="ids", shape=["batch", "src"], dtype="int64"),
+        TensorSpec(name="dec", shape=["batch", "tgt"], dtype="int64"),
+    ]
+    meta = engine.meta.model_copy(update={"inputs": specs, "axis_ranges": {"src": [3, 9], "tgt": [2, 5]}})
+    pool, source = request_pool(ServedEngine(engine.model_name, engine.engine_dir, meta), None)
+    assert source.startswith("RANDOM") and pool[0]["ids"].shape == (1, 9) and pool[0]["dec"].shape == (1, 5)
+
+
+def _workdir(tmp_path: Path, engines: dict[str, ServedEngine], names: list[str], chosen: str | None) -> Path:
+    """A workdir as `kiln run` leaves it for the load test: packaged engines, validation's choice, and the config
+    validation recorded (the three-input model's)."""
+    import json
+    import shutil
+
+    wd = tmp_path / "wd"
+    source = engines["tests.user_models:three_in"]
+    for name in names:
+        folder = wd / "package" / "engines" / name
+        shutil.copytree(source.engine_dir, folder)
+        sidecar = folder / "kiln-engine.json"
+        sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "name": name}))
+    (wd / "validate").mkdir(parents=True)
+    (wd / "validate" / "validation.json").write_text(json.dumps({"chosen": {"1": names[0], "32": chosen}}))
+    recorded = {
+        "seed": 0,
+        "model": {"name": "tests.user_models:three_in"},
+        "data": {"name": "tests.user_models:three_in_data"},
+    }
+    (wd / "validate" / "manifest.json").write_text(json.dumps({"key_parts": {"config": recorded}}))
+    return wd
+
+
+def test_the_model_defaults_to_the_only_engine_or_the_one_validation_chose(
+    engines: dict[str, ServedEngine], tmp_path: Path
+) -> None:
+    from kiln.core.errors import ConfigError
+    from kiln.serve.loadtest import default_model
+
+    assert default_model(_workdir(tmp_path / "one", engines, ["onnxruntime-cpu-fp32"], None)) == "onnxruntime_cpu_fp32"
+    two = ["onnxruntime-cpu-fp32", "onnxruntime-cpu-int8"]
+    assert default_model(_workdir(tmp_path / "two", engines, two, "onnxruntime-cpu-int8")) == "onnxruntime_cpu_int8"
+    with pytest.raises(ConfigError, match="serves 2 engines") as err:
+        default_model(_workdir(tmp_path / "none", engines, two, "tensorrt-fp16"))  # chosen, but not served here
+    assert "onnxruntime_cpu_fp32" in err.value.hint
+
+
+def test_the_config_the_run_recorded_gives_its_validation_data(
+    engines: dict[str, ServedEngine], tmp_path: Path
+) -> None:
+    from kiln.serve.loadtest import recorded_config
+
+    wd = _workdir(tmp_path, engines, ["onnxruntime-cpu-fp32"], None)
+    for path in (wd, wd / "package" / "engines" / "onnxruntime-cpu-fp32"):  # the workdir or an engine in it
+        cfg = recorded_config(path)
+        assert cfg is not None and cfg.data.name == "tests.user_models:three_in_data"
+    _, source = request_pool(engines["tests.user_models:three_in"], recorded_config(wd))
+    assert source.startswith("real validation data of dataset 'tests.user_models:three_in_data'"), source
+    assert recorded_config(tmp_path / "elsewhere") is None
+
+
 @pytest.mark.parametrize(
     "spec,array,ok",
     [
