@@ -47,6 +47,7 @@ from kiln.core.data import feed_for_graph, take
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.records import TensorSpec
+from kiln.models.config import ModelConfig
 from kiln.models.model_io import dataset_for, torch_model_named
 from kiln.pipeline.config import KilnConfig
 from kiln.serve import stub_times
@@ -227,6 +228,10 @@ def recorded_config(path: str | Path) -> KilnConfig | None:
         return None
     recorded = json.loads(manifest.read_text()).get("key_parts", {}).get("config", {})
     sections = {k: recorded[k] for k in ("seed", "model", "data", "signature") if k in recorded}
+    model = sections.get("model", {})
+    if model.get("onnx") and model.get("name") == ModelConfig.model_fields["name"].default:
+        # the record holds every default: a run from an ONNX file named no PyTorch model unless it names another
+        sections["model"] = {k: v for k, v in model.items() if k != "name"}
     try:
         return KilnConfig.model_validate(sections) if "model" in sections else None
     except ValueError:  # a record of another Kiln's config schema: the caller's default instead

@@ -645,3 +645,51 @@ def test_direct_precision_without_data_says_random_and_needs_sizes(exported, tmp
     )
     assert r.exit_code == 0, r.output
     assert "RANDOM inputs" in r.output + caplog.text
+
+
+def _fixed_batch_onnx(path: Path) -> Path:
+    """An image classifier exported elsewhere with its batch fixed at 1, as many published ONNX files are."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {"cw": rng.standard_normal((4, 3, 3, 3)), "gw": rng.standard_normal((5, 4)), "gb": np.zeros(5)}
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["image", "cw"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["r"]),
+            helper.make_node("GlobalAveragePool", ["r"], ["p"]),
+            helper.make_node("Flatten", ["p"], ["f"]),
+            helper.make_node("Gemm", ["f", "gw", "gb"], ["scores"], transB=1),
+        ],
+        "fixed",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, [1, 5])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()],
+    )
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    return path
+
+
+def test_an_onnx_file_with_a_fixed_batch_runs_at_that_batch_and_asking_for_another_is_an_error(
+    tmp_path: Path,
+) -> None:
+    model = _fixed_batch_onnx(tmp_path / "fixed.onnx")
+    path = tmp_path / "kiln.yaml"
+    cfg = {
+        "model": {"onnx": str(model)},
+        "precision": {"variants": ["fp32", "int8"]},
+        "build": {"backends": ["onnxruntime"]},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    v = json.loads((tmp_path / "wd" / "report.json").read_text())["validation"]
+    assert v["passed"] and {e["precision"] for e in v["engines"]} == {"fp32", "int8"}
+    assert set(json.loads((tmp_path / "wd" / "validate" / "validation.json").read_text())["chosen"]) == {"1"}
+    path.write_text(yaml.safe_dump({**cfg, "signature": {"batch_sizes": [1, 32]}}))
+    result = CliRunner().invoke(main, ["run", str(path), "-w", str(tmp_path / "wd2")])
+    assert result.exit_code == 2, result.output
+    assert "error: model.onnx fixed.onnx takes batch 1 only (input image [1, 3, 8, 8])" in result.output
+    assert "fix: set signature.batch_sizes: [1]" in result.output and not (tmp_path / "wd2").exists()
