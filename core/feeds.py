@@ -51,6 +51,13 @@ def check_feed(feed: Mapping[str, np.ndarray], specs: list[TensorSpec], source: 
 def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str) -> None:
     want = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
     shape_ok = array.ndim == len(want) and all(w is None or w == d for w, d in zip(want, array.shape))
+    if array.dtype == np.dtype(spec.dtype) and _only_the_fixed_batch_differs(want, array.shape):
+        raise InputFileError(
+            f"input '{spec.name}' in {source} has {array.shape[0]} rows; {taker} fixes its batch axis at {want[0]} "
+            f"({spec.dtype}{list(spec.shape)})",
+            hint=f"give {want[0]} rows, or export the model with a dynamic batch axis (`kiln run` with model.onnx "
+            "makes a fixed batch axis symbolic where the graph allows it)",
+        )
     if array.dtype != np.dtype(spec.dtype) or not shape_ok:
         dims = ", ".join(str(w) if w is not None else str(d) for w, d in zip(want, spec.shape))
         raise InputFileError(
@@ -64,6 +71,13 @@ def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str) -
         raise InputFileError(
             f"input '{spec.name}' in {source} holds {bad}", hint="clean or drop those samples before handing them over"
         )
+
+
+def _only_the_fixed_batch_differs(want: list[int | None], shape: tuple[int, ...]) -> bool:
+    """Whether an array fits its input but for the rows on a batch axis the graph fixed to a number."""
+    if len(want) != len(shape) or not want or want[0] is None or want[0] == shape[0]:
+        return False
+    return all(w is None or w == d for w, d in zip(want[1:], shape[1:]))
 
 
 def _non_finite(array: np.ndarray) -> str:

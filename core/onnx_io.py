@@ -505,3 +505,29 @@ def model_carries_precision(model: onnx.ModelProto) -> bool:
     if any(i.data_type in low for i in model.graph.initializer):
         return True
     return any(v.type.tensor_type.elem_type in low for v in model.graph.value_info)
+
+
+def fixed_batch(model: onnx.ModelProto) -> tuple[int, str] | None:
+    """The batch size a graph fixes (every real input's first axis the same number) and one input as written
+    (``image [1, 3, 224, 224]``); None where the batch axis is symbolic, or the inputs disagree."""
+    weights = {t.name for t in model.graph.initializer}
+    dims = [(v, list(v.type.tensor_type.shape.dim)) for v in model.graph.input if v.name not in weights]
+    first = [d[0].dim_value if d and d[0].HasField("dim_value") else 0 for _, d in dims]
+    if not first or first[0] < 1 or any(b != first[0] for b in first):
+        return None
+    value, shape = dims[0]
+    written = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in shape]
+    return first[0], f"{value.name} {written}"
+
+
+def free_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
+    """``model`` (changed in place, and returned) with the first axis of its inputs, and of each output whose first
+    axis is ``batch``, the symbol ``batch``; the shapes inside are inferred again. Whether the graph computes the
+    same rows at another batch is the caller's to check (a Reshape to a fixed ``[1, -1]`` does not)."""
+    weights = {t.name for t in model.graph.initializer}
+    ends = [v for v in model.graph.input if v.name not in weights] + list(model.graph.output)
+    for value in ends:
+        dims = value.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value") and dims[0].dim_value == batch:
+            dims[0].dim_param = "batch"  # a oneof with dim_value: setting one clears the other
+    return infer_shapes(model, strict=False)

@@ -74,6 +74,8 @@ def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -
     """Random inputs of an ONNX file's declared shapes, without labels: a run from ``model.onnx`` with no data
     (agreement with the FP32 graph only; calibration on random data is unrepresentative, so it says so loudly)."""
     inputs, _ = io_specs(load_onnx(path, load_external_data=False))
+    # the batch axis is the run's to choose, whatever size the file fixed it to (as check_onnx_takes takes it)
+    inputs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in inputs]
     sizes = {k: max(v) for k, v in signature.shapes.items() if v}
     named = {n for s in inputs for d in s.shape[1:] if isinstance(d, str) for n in [d]}
     dynamic = max(sizes.values()) if sizes else None

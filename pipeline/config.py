@@ -7,7 +7,6 @@ wrong types and missing files become one :class:`ConfigError` naming the key and
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -30,8 +29,6 @@ from kiln.stages.package.config import PackageConfig
 from kiln.stages.precision.config import PRECISIONS, PrecisionConfig
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.validate.config import ValidateConfig
-
-log = logging.getLogger("kiln.config")
 
 DEMO_CONFIG = Path(__file__).with_name("demo.yaml")
 CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
@@ -177,51 +174,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     _check_files(config, Path(path).parent if path else Path())  # relative: resolved only when used
     _check_names(config)
     _check_combinations(config)
-    _fit_fixed_batch(config)
     return config
-
-
-def fixed_batch(onnx_path: str | Path) -> tuple[int, str] | None:
-    """The batch size an ONNX file fixes (its inputs' first axis a number, the same for every input) and one input
-    as written (``image [1, 3, 224, 224]``); None where the batch axis is symbolic, or where the inputs disagree."""
-    import onnx
-
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    weights = {t.name for t in graph.initializer}
-    dims = []
-    for tensor in (i for i in graph.input if i.name not in weights):
-        shape = tensor.type.tensor_type.shape.dim
-        dims.append((shape[0].dim_value if shape and shape[0].HasField("dim_value") else 0, tensor, shape))
-    if not dims or any(d < 1 or d != dims[0][0] for d, _, _ in dims):
-        return None
-    _, tensor, shape = dims[0]
-    written = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in shape]
-    return dims[0][0], f"{tensor.name} {written}"
-
-
-def _fit_fixed_batch(config: KilnConfig) -> None:
-    """A run from an ONNX file whose batch axis is a number (many files exported elsewhere fix it at 1) builds and
-    validates at that batch only: signature.batch_sizes becomes it, or, set to others by the user, is an error."""
-    fixed = fixed_batch(config.model.onnx) if config.model.onnx else None
-    if fixed is None or config.signature.batch_sizes == [fixed[0]]:
-        return
-    batch, example = fixed
-    if "batch_sizes" in config.signature.model_fields_set:
-        raise ConfigError(
-            f"model.onnx {Path(config.model.onnx).name} takes batch {batch} only (input {example}), "
-            f"but signature.batch_sizes asks for {config.signature.batch_sizes}",
-            hint=f"set signature.batch_sizes: [{batch}], or export the model with a dynamic batch axis "
-            "(torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}}))",
-        )
-    log.warning(
-        "model.onnx %s fixes the batch at %d (input %s): engines are built and validated at batch %d only "
-        "(export it with a dynamic batch axis for more)",
-        Path(config.model.onnx).name,
-        batch,
-        example,
-        batch,
-    )
-    config.signature.batch_sizes = [batch]
 
 
 def _check_kind(p: Path) -> None:

@@ -25,6 +25,7 @@ import kiln.models
 import kiln.models.model_io
 import kiln.stages.export
 from kiln.core.artifacts import ensure_writable
+from kiln.core.compare import within_tolerance
 from kiln.core.data import (
     SINGLE_INPUT,
     Inputs,
@@ -42,6 +43,8 @@ from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import (
     check_onnx,
+    fixed_batch,
+    free_batch,
     infer_shapes,
     io_specs,
     load_onnx,
@@ -99,6 +102,7 @@ class ExportSummary(Summary):
     source: str | None = None
     inputs: list[str] = Field(default_factory=list)
     outputs: list[str] = Field(default_factory=list)
+    freed_batch: int | None = None  # the batch size the taken file fixed, made symbolic (checked: take_onnx)
 
 
 def export_onnx(
@@ -421,8 +425,12 @@ def _describe(specs: list[TensorSpec]) -> str:
 
 
 def take_onnx(src: Path, path: Path) -> ExportSummary:
-    """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one."""
-    proto = infer_shapes(load_onnx(src), strict=False)
+    """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one. A file whose batch
+    axis is a number (published files often fix it at 1) gets a symbolic one, once the graph is shown to compute the
+    same rows at twice that batch (:func:`freed_batch`): the batch sizes are the run's to choose."""
+    proto = load_onnx(src)
+    fixed = fixed_batch(proto)
+    proto = freed_batch(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
     save_onnx(proto, path)
     check_onnx(path, f"model.onnx {src.name}")
     inputs, outputs = io_specs(proto)
@@ -433,7 +441,50 @@ def take_onnx(src: Path, path: Path) -> ExportSummary:
         inputs=[i.name for i in inputs],
         outputs=[o.name for o in outputs],
         opset=max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0),
+        freed_batch=fixed[0] if fixed else None,
     )
+
+
+def freed_batch(proto: onnx.ModelProto, src: Path, batch: int, example: str) -> onnx.ModelProto:
+    """``proto`` with a symbolic batch axis (:func:`kiln.core.onnx_io.free_batch`), checked: two random batches of
+    ``batch`` rows run through the file as it is, and as one batch through the freed graph, must give the same rows.
+    Where they do not (a Reshape to a fixed ``[1, -1]``), a ModelError says to export it with a dynamic batch."""
+    inputs, _ = io_specs(proto)
+    original = ort_session(src)
+    parts = [
+        random_inputs(inputs, batch, dynamic=8, seed=seed, hint="export it with a dynamic batch axis")
+        for seed in (1, 2)
+    ]
+    want = [ort_run(original, part) for part in parts]
+    freed = free_batch(proto, batch)
+    hint = (
+        "export it again with a dynamic batch axis (torch.onnx.export(..., dynamic_axes={'<input>': {0: 'batch'}})), "
+        "or let Kiln export it from PyTorch (model.name)"
+    )
+    try:
+        got = ort_run(ort_session(freed), {k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    except Exception as exc:  # ONNX Runtime's own error: a node that takes the fixed size only
+        raise ModelError(
+            f"model.onnx {src.name} fixes the batch at {batch} (input {example}) and does not run at batch "
+            f"{2 * batch}: {first_line(exc)}",
+            hint=hint,
+        ) from None
+    for (name, out), first, second in zip(enumerate(got), *want):
+        ref = np.concatenate([first, second]) if first.ndim and len(first) == batch else first
+        ok, _, why = within_tolerance(ref, out, atol=1e-5, rtol=1e-4)
+        if not ok:
+            raise ModelError(
+                f"model.onnx {src.name} fixes the batch at {batch} (input {example}) and its graph depends on it: "
+                f"at batch {2 * batch} output {proto.graph.output[name].name} {why}",
+                hint=hint,
+            )
+    log.info(
+        "model.onnx %s fixed the batch at %d: its batch axis is now symbolic (checked at %d)",
+        src.name,
+        batch,
+        2 * batch,
+    )
+    return freed
 
 
 def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]:

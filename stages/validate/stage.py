@@ -36,7 +36,7 @@ from kiln.core.data import (
 from kiln.core.env import environment_subset
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
-from kiln.core.onnx_io import io_specs, load_onnx, ort_session
+from kiln.core.onnx_io import fixed_batch, free_batch, io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import (
     NONE_VALIDATED,
@@ -377,8 +377,11 @@ def onnx_reference(
 ) -> tuple[Reference, Any]:
     """Started from ``model.onnx`` with no PyTorch model: the FP32 ONNX file in ONNX Runtime (CPU) is the reference."""
     path = Path(ctx.config.model.onnx)
-    sess = ort_session(path)
-    inputs, outputs = io_specs(load_onnx(path, load_external_data=False))
+    graph = load_onnx(path, load_external_data=False)
+    fixed = fixed_batch(graph)
+    # a file that fixes its batch runs with the symbolic one the export stage gave it, and checked
+    sess = ort_session(free_batch(load_onnx(path), fixed[0]) if fixed else path)
+    inputs, outputs = io_specs(graph)
     names = [i.name for i in inputs]
     sig = ctx.config.signature
     axes = sig.dynamic_axes or graph_axes(inputs)
