@@ -234,6 +234,10 @@ def _user_run(tmp_path: Path, model: str, data_params: dict, **extra) -> dict:
             "signature.dynamic_axes": SEQ_AXES,
             "signature.batch_sizes": [1, 32],
             "validate.max_samples": 64,
+            # these check how a user's model comes in, not INT8's accuracy: on a model trained for one epoch, one
+            # flipped row of the 64 compared is 0.969 (the default gate is 0.97), and which row flips depends on the
+            # CPU's INT8 kernels; at that gate the fallback keeps every MatMul in float and no INT8 engine is left
+            "validate.gates.per_precision": {"int8": {"min_top1_agreement": 0.9}},
             **extra,
         }
     )
