@@ -240,10 +240,12 @@ def recorded_config(path: str | Path) -> KilnConfig | None:
 
 def _run_file(path: Path, name: str) -> Path | None:
     """``name`` in the workdir of ``path``: the workdir itself, or an engine folder's (build/x, package/engines/x)."""
-    for workdir in (path, path.parent.parent, path.parent.parent.parent):
-        if (workdir / name).is_file():
-            return workdir / name
-    return None
+    workdir = path
+    if path.parent.name == "build":
+        workdir = path.parent.parent
+    elif path.parent.name == "engines" and path.parent.parent.name == "package":
+        workdir = path.parent.parent.parent
+    return workdir / name if (workdir / name).is_file() else None
 
 
 def _repository_names(workdir: Path) -> dict[str, str]:
