@@ -46,18 +46,28 @@ class UsageMistake(click.ClickException):
 
     exit_code = 2
 
-    def __init__(self, message: str, command: str) -> None:
+    def __init__(self, message: str, command: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.command = command
+        self.hint = hint
 
     def show(self, file: Any = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
-        click.echo(f"fix: see `{self.command} --help` for its arguments and options", err=True)
+        click.echo(f"fix: {self.hint or f'see `{self.command} --help` for its arguments and options'}", err=True)
+
+
+# An output option users bring from the commands that write one file or folder (`kiln build -o`), given to a
+# command that writes into a workdir instead
+OUTPUT_OPTIONS = ("'-o'", "'--output'", "'--out'")
 
 
 def _usage(exc: click.UsageError, fallback: str) -> UsageMistake:
     command = exc.ctx.command_path if exc.ctx is not None else fallback
-    return UsageMistake(exc.format_message(), command)
+    message = exc.format_message()
+    takes = {o for p in (exc.ctx.command.params if exc.ctx is not None else []) for o in p.opts}
+    if "--workdir" in takes and "-o" not in takes and any(f"No such option {o}" in message for o in OUTPUT_OPTIONS):
+        return UsageMistake(message, command, f"`{command}` writes into a workdir: -w DIR (--workdir DIR)")
+    return UsageMistake(message, command)
 
 
 class KilnCommand(click.Command):

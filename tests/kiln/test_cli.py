@@ -699,3 +699,10 @@ def test_command_line_mistakes_are_one_error_and_one_fix(args: list[str], named:
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2, result.output
     assert [line.split(":")[0] for line in lines] == ["error", "fix"] and named in lines[0], result.output
+
+
+@pytest.mark.parametrize("args", [["run", "-o", "out"], ["train", "--output=out"], ["validate", "--out", "o"]])
+def test_an_output_option_on_a_workdir_command_points_to_the_workdir(args: list[str]) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert f"{args[0]}` writes into a workdir: -w DIR (--workdir DIR)" in result.output, result.output
