@@ -7,6 +7,7 @@ Checkpoints are read with safetensors or ``torch.load(weights_only=True)``: neve
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -84,15 +85,21 @@ def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -
             f"model.onnx {path.name} has dynamic axes {sorted(named)} besides batch, and no data to size them",
             hint="give data.name (a data function), or signature.shapes with their sizes",
         )
-    log.warning(
-        "model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
-        "accuracy figures do not reflect real data (give data.name for real ones)"
-    )
+    _say_random(str(path))
 
     def make(seed: int) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(v) for k, v in random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()}
 
     return DatasetSplits(make(seed), None, make(seed + 1), None, name=f"random inputs of {path.name}")
+
+
+@functools.cache
+def _say_random(path: str) -> None:
+    """The warning that a run from ``path`` uses random inputs: once a process, not once per stage that asks."""
+    log.warning(
+        "model.onnx with no data.name: calibrating and validating on RANDOM inputs; INT8 ranges and "
+        "accuracy figures do not reflect real data (give data.name for real ones)"
+    )
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
