@@ -225,7 +225,9 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
             for device in plan.devices:
                 name = backend.engine_name(device, precision)
                 if plan.by_default and (why := _yields(backend, device, precision, cfg)):
-                    ctx.log.info("not building %s: %s", name, why)
+                    # said aloud where the user named the backend: they asked for it and get none on this device
+                    named = "backends" in cfg.model_fields_set
+                    (ctx.log.warning if named else ctx.log.info)("not building %s: %s", name, why)
                     skipped.append(f"{name}: not built by default: {why}")
                     continue
                 src, keep = backend.source_for(device, precision, variants, settings)

@@ -338,7 +338,7 @@ def test_axes_the_model_constrains_are_refined_as_torch_suggests(tmp_path: Path)
             np.testing.assert_allclose(runner.infer({"input": x})["logits"], want, atol=1e-5, rtol=1e-5)
 
 
-def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> None:
+def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from kiln.pipeline.api import run_pipeline
     from kiln.pipeline.config import config_from_dict
 
@@ -346,6 +346,8 @@ def test_pipeline_validates_and_packages_the_torch_engine(tmp_path: Path) -> Non
     result, _ = run_pipeline(by_default, tmp_path)  # no GPU: the CPU is left to ONNX Runtime's engines
     build = json.loads((tmp_path / "build" / "manifest.json").read_text())["summary"]
     assert result.ok and any("torch-cpu-fp32: not built by default" in s for s in build["skipped"]), build
+    said = [r for r in caplog.records if "not building torch-cpu-fp32" in r.getMessage()]
+    assert said and said[0].levelname == "WARNING"  # the user named the backend: told, not only in report.md
     overrides = {"build.backends": ["onnxruntime", "torch"], "build.torch.devices": ["cpu"]}
     result, _ = run_pipeline(config_from_dict(tiny_config_dict(**overrides)), tmp_path)
     assert result.ok
