@@ -9,7 +9,8 @@ of a dict, and ``parent.child`` paths inside nested ones.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -108,4 +109,21 @@ class FlatModel(nn.Module):
 
 
 def named_outputs(model: nn.Module, x: Any) -> dict[str, torch.Tensor]:
-    return flatten_outputs(call(model, x))
+    """The model's outputs on ``x`` by name, computed as a graph computes them (:func:`as_traced`): the reference
+    every exported or compiled engine is held to."""
+    with as_traced():
+        return flatten_outputs(call(model, x))
+
+
+@contextmanager
+def as_traced() -> Iterator[None]:
+    """torch's fused attention fast path off inside the block. In eval mode it runs ``nn.TransformerEncoder`` with
+    a padding mask on nested tensors and returns 0 at the padded positions, which exporters and compilers (that
+    trace the plain path) compute like any other: a reference taken on the fast path differs from every engine
+    there, by more than any tolerance. The latency baseline keeps it."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)

@@ -207,6 +207,7 @@ THIRD_PARTY_NOISE = (
     "No complete tensor found in the group",
     "isinstance(treespec, LeafSpec)` is deprecated",
     "._flat_weights[",
+    "The PyTorch API of nested tensors is in prototype stage",  # nn.TransformerEncoder's own eval fast path
 )
 THIRD_PARTY_LOGGERS = ("py.warnings", "onnxruntime", "onnxconverter_common", "onnx_graphsurgeon")
 

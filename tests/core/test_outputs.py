@@ -1,0 +1,51 @@
+"""A model's named outputs, computed as the graph an exporter or compiler traces computes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.core.outputs import named_outputs
+
+
+class _Tagger(nn.Module):
+    """torch's own TransformerEncoder with a key padding mask: in eval mode its fast path runs nested tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 1)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.enc(x, src_key_padding_mask=pad)
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[1:, 4:] = True
+    return {"x": torch.randn(4, 6, 16), "pad": pad}
+
+
+@pytest.mark.slow  # an export of the encoder (its dynamo attempt, then TorchScript)
+def test_padded_positions_are_computed_as_an_exported_graph_computes_them(tmp_path: Path) -> None:
+    from kiln.core.onnx_io import ort_run, ort_session
+    from kiln.stages.export.stage import export_onnx
+
+    torch.manual_seed(0)
+    model, x = _Tagger().eval(), _inputs()
+    with torch.inference_mode():
+        fast = model(**x)  # the fast path: zeros where the mask pads
+    assert torch.backends.mha.get_fastpath_enabled()
+    assert float(fast[1:, 4:].abs().max()) == 0.0
+    with torch.inference_mode():  # as validation takes its reference
+        got = named_outputs(model, x)["logits"]
+    assert torch.backends.mha.get_fastpath_enabled()  # restored after the call
+    assert float(got[1:, 4:].abs().max()) > 0.1  # computed, as every engine computes them
+    torch.testing.assert_close(got[~x["pad"]], fast[~x["pad"]], atol=1e-5, rtol=1e-5)  # the rest agrees
+    export_onnx(model, x, tmp_path / "m.onnx")
+    exported = ort_run(ort_session(tmp_path / "m.onnx"), {k: v.numpy() for k, v in x.items()})[0]
+    torch.testing.assert_close(torch.from_numpy(exported), got, atol=1e-4, rtol=1e-4)
