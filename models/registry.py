@@ -8,7 +8,9 @@ checking a config needs no torch.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import ConfigError
@@ -104,6 +106,13 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
             hint=f"fix the error in {module_name}",
         ) from None
     fn = getattr(module, attr, None)
+    if fn is None and (mine := _shadowed(module, module_name)) is not None:
+        found = getattr(module, "__file__", None) or "built into Python"
+        raise ConfigError(
+            f"module '{module_name}' for {kind} '{ref}' is imported from {found}, not from your {mine}: another "
+            "module of that name comes first",
+            hint=f"rename {mine.name} (e.g. to {mine.stem}_model.py) and the module in {kind}.name with it",
+        )
     if not callable(fn):
         what = KINDS.get(kind, ("function",))[0]
         found = f"is not a callable {what}" if hasattr(module, attr) else f"is not defined, so there is no {what}"
@@ -112,6 +121,18 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
             hint=f"point {kind} at a function, e.g. '{example_path(kind, module_name)}'",
         )
     return fn
+
+
+def _shadowed(module: Any, module_name: str) -> Path | None:
+    """A file on the import path named like ``module_name`` that is not the module Python imported (a user's
+    ``io.py`` or ``test.py``: Python's own module of that name, or an installed package's, comes first)."""
+    found = getattr(module, "__file__", None)
+    relative = Path(*module_name.split(".")).with_suffix(".py")
+    for entry in sys.path:
+        candidate = Path(entry or ".") / relative
+        if candidate.is_file() and (found is None or candidate.resolve() != Path(found).resolve()):
+            return candidate
+    return None
 
 
 def _call_factory(

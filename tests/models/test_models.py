@@ -105,3 +105,16 @@ def test_a_bad_data_function_in_a_config_gets_a_data_function_hint(tmp_path) -> 
         with pytest.raises(ConfigError) as err:
             dataset_for(ModelConfig(name="cnn"), DataConfig(name=name), Signature(), 0)
         assert "'kiln.models.datasets:load'" in (err.value.hint or "") and "data function" in err.value.message
+
+
+def test_a_user_file_named_like_a_module_python_imports_first_is_said(tmp_path, monkeypatch) -> None:
+    (tmp_path / "json.py").write_text("def build():\n    return None\n")  # Python's json is imported, not this
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"module 'json' for model 'json:build' is imported from .*json/__init__.py"):
+        resolve_callable("json:build", {}, "model")
+    with pytest.raises(ConfigError) as err:
+        resolve_callable("json:build", {}, "model")
+    assert str(tmp_path / "json.py") in err.value.message and "rename json.py" in err.value.hint
+    (tmp_path / "json.py").unlink()
+    with pytest.raises(ConfigError, match="is not defined, so there is no"):  # no such file: the usual error
+        resolve_callable("json:build", {}, "model")
