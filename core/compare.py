@@ -38,11 +38,13 @@ HIGHER_IS_BETTER = {"cosine", "top1_agreement"}
 
 @dataclass(frozen=True)
 class OutputStats:
-    """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2)."""
+    """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2). An
+    integer or boolean output (a predicted class, a mask) has no cosine: its ``top1_agreement`` is the share of its
+    values that are equal, the decision a class output makes."""
 
     max_abs_err: float
     rel_err: float
-    cosine: float
+    cosine: float | None
     top1_agreement: float | None
     top1_ties: float | None = None  # of the rows, those that flipped on a tie (counted as agreeing above)
 
@@ -57,9 +59,13 @@ def compare_arrays(
     within ``rel_tie`` of its largest magnitude is a tie, not a disagreement (random weights give near-ties that
     FP16 legitimately flips). ``where``: top-1 agreement over these rows/positions only (a boolean array shaped like
     the logits without their class axis: the labelled tokens of a token classifier, not its padding)."""
+    exact = np.asarray(ref).dtype.kind in "iub"
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
         raise ValueError(f"output shapes differ: reference {list(r.shape)}, candidate {list(g.shape)}")
+    if exact:
+        equal = float(np.mean(r == g)) if r.size else 1.0
+        return OutputStats(_max_abs_err(r, g), _rel_err(r, g), None, equal)
     with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
         agreement, ties = _top1(r, g, rel_tie, where)
     rf, gf = _beside_shared_non_finite(r, g)

@@ -47,7 +47,9 @@ def compare_all(
             f"the engine's outputs do not match the reference's: {exc}",
             hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
         ) from None
-    return {n: s if n == logits else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
+    # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
+    keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
+    return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
 
 
 def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[str, OutputStats]:
@@ -330,12 +332,16 @@ def accuracy_failures(
     gate): cosine and max abs error per output, top-1 agreement of the class logits (flips on ties counted as
     agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
     fails = []
-    per_output = (
-        entry.outputs if len(entry.outputs) > 1 else {"": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err}}
-    )
+    per_output = entry.outputs or {"": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err}}
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
-        where = f"output '{name}' " if name else ""
-        if not s["cosine"] >= gates["min_cosine"]:
+        where = f"output '{name}' " if name and len(per_output) > 1 else ""
+        if s["cosine"] is None and s.get("top1_agreement") is not None:  # integer values: equal, or not
+            if not s["top1_agreement"] >= gates["min_top1_agreement"]:
+                fails.append(
+                    f"{where}{s['top1_agreement']:.4f} of its values equal < min_top1_agreement "
+                    f"{gates['min_top1_agreement']}"
+                )
+        elif not s["cosine"] >= gates["min_cosine"]:
             fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
         if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
             fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")

@@ -122,3 +122,12 @@ def test_few_classes_have_no_measured_ties() -> None:
     got = np.array([[1.0, 1.0 + 1e-6, 0.0]])
     s = compare_arrays(ref, got)
     assert s.top1_agreement == 0.0 and s.top1_ties == 0.0
+
+
+def test_integer_and_boolean_outputs_are_compared_by_equal_values() -> None:
+    labels = np.array([0, 3, 1, 2], np.int64)
+    same = compare_arrays(labels, labels.copy())
+    assert same.cosine is None and same.top1_agreement == 1.0 and same.max_abs_err == 0.0
+    assert compare_arrays(labels, np.array([0, 3, 1, 1], np.int64)).top1_agreement == 0.75
+    mask = np.array([[True, False], [True, True]])
+    assert compare_arrays(mask, ~mask).top1_agreement == 0.0

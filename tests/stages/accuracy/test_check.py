@@ -28,3 +28,26 @@ def test_labels_per_row_and_per_position_fit() -> None:
     assert reference((4, 10), np.zeros(4, np.int64)).accuracy is not None
     assert reference((4, 5, 10), np.zeros((4, 5), np.int64)).accuracy is not None
     assert reference((4, 3, 8, 8), np.zeros((4, 8, 8), np.int64)).accuracy is not None
+
+
+def test_an_integer_output_is_held_to_its_share_of_equal_values_not_a_cosine() -> None:
+    from kiln.core.records import EngineValidation
+    from kiln.stages.accuracy.check import accuracy_failures, compare_all, summarize
+    from kiln.stages.accuracy.config import GatesConfig
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((64, 4)).astype(np.float32)
+    ref = {"logits": logits, "label": logits.argmax(-1)}
+    flipped = ref["label"].copy()
+    flipped[:2] = (flipped[:2] + 1) % 4  # two of 64 predictions differ: 0.96875 equal
+    stats = compare_all(ref, {"logits": logits, "label": flipped}, "logits")
+    assert stats["label"].cosine is None and stats["label"].top1_agreement == pytest.approx(62 / 64)
+    entry = EngineValidation(name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated")
+    summarize(entry, stats, "logits")
+    assert entry.cosine == pytest.approx(1.0)  # the logits' cosine: the labels have none
+    gates = {**GatesConfig().model_dump(), "min_top1_agreement": 0.97, "max_abs_err": None}
+    assert accuracy_failures(entry, gates, None) == [
+        "output 'label' 0.9688 of its values equal < min_top1_agreement 0.97"
+    ]
+    gates["min_top1_agreement"] = 0.95
+    assert accuracy_failures(entry, gates, None) == []
