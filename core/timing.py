@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any
 
@@ -99,6 +100,14 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
         k += 1
     k = max(k - 1, 0) if k else 0
     return xs[k], xs[n - 1 - k]
+
+
+def paired_ratio(slow_rounds: list[float], fast_rounds: list[float], slow_p50: float, fast_p50: float) -> float:
+    """``slow / fast`` as the median of their medians' ratios paired round by round, the point
+    :func:`ratio_interval` brackets (a ratio of the two pooled p50s can fall outside that interval on a busy
+    machine); the ratio of the p50s where there are no rounds to pair."""
+    pairs = [a / b for a, b in zip(slow_rounds, fast_rounds) if b > 0]
+    return float(statistics.median(pairs)) if pairs else slow_p50 / fast_p50
 
 
 def ratio_interval(slow_rounds: list[float], fast_rounds: list[float]) -> tuple[float, float] | None:

@@ -20,7 +20,16 @@ import torch
 from kiln.core.data import Inputs, call, rebuild, tensors
 from kiln.core.records import Baseline, Memory, Percentiles
 from kiln.core.text import first_line
-from kiln.core.timing import MIN_ROUNDS, Timer, interleave, median_interval, ratio_interval, time_calls, warm_up
+from kiln.core.timing import (
+    MIN_ROUNDS,
+    Timer,
+    interleave,
+    median_interval,
+    paired_ratio,
+    ratio_interval,
+    time_calls,
+    warm_up,
+)
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 
 
@@ -160,7 +169,11 @@ def speedups(
     for b in baselines:
         if b.device != engine_device or not b.latency_ms:
             continue
-        ratios[b.label] = {bs: b.latency_ms[bs].p50 / lat.p50 for bs, lat in latency.items() if bs in b.latency_ms}
+        ratios[b.label] = {
+            bs: paired_ratio(b.latency_ms[bs].rounds, lat.rounds, b.latency_ms[bs].p50, lat.p50)
+            for bs, lat in latency.items()
+            if bs in b.latency_ms
+        }
         intervals[b.label] = {
             bs: ci
             for bs, lat in latency.items()

@@ -68,3 +68,14 @@ def test_interleave_rotates_and_gives_every_contender_the_same_rounds() -> None:
     assert all(len(r) == MIN_ROUNDS and all(len(block) == 2 for block in r) for r in out.values())
     assert order[:12:2] == ["a", "b", "c", "b", "c", "a"]  # each round starts one later...
     assert order[1::2] == order[::2]  # ...and each block with an untimed call of its own
+
+
+def test_a_paired_ratio_is_the_middle_of_the_per_round_ratios_its_interval_brackets() -> None:
+    from kiln.core.timing import paired_ratio, ratio_interval
+
+    slow = [1.0, 1.1, 1.0, 1.2, 1.0, 1.1, 1.0, 1.05]
+    fast = [0.5, 0.6, 0.5, 1.5, 0.55, 0.5, 0.6, 0.5]  # one round under load
+    ratio = paired_ratio(slow, fast, slow_p50=1.05, fast_p50=1.4)  # pooled p50s a busy machine skewed: 0.75x
+    low, high = ratio_interval(slow, fast)
+    assert low <= ratio <= high and ratio == pytest.approx(1.95, abs=0.05)
+    assert paired_ratio([], [], 2.0, 1.0) == 2.0  # no rounds to pair: the p50s
