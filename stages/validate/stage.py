@@ -319,6 +319,24 @@ def prepare_baselines(
     return out
 
 
+def behind_pytorch(engines: list[EngineValidation], chosen: dict[str, str]) -> dict[str, str]:
+    """Batch sizes at which even the chosen engine is slower than PyTorch eager on its own device beyond the
+    timing's noise (the paired interval below 1), each said: a user should know that serving PyTorch would be
+    faster there (an op the runtime computes slowly, such as ONNX Runtime's DFT on the CPU)."""
+    by_name = {e.name: e for e in engines}
+    out = {}
+    for bs, name in chosen.items():
+        e = by_name[name]
+        label = f"eager-{e.device}"
+        ratio, ci = e.speedups.get(label, {}).get(bs), e.speedup_ci.get(label, {}).get(bs)
+        if ratio is not None and ci is not None and ci[1] < 1.0:
+            out[bs] = (
+                f"the fastest validated engine, {name}, runs at {ratio:.2f}x PyTorch eager on the "
+                f"{e.device.upper()} (95 % interval {ci[0]:.2f}-{ci[1]:.2f}x): PyTorch itself is faster at this batch"
+            )
+    return out
+
+
 def _paired(slow: Percentiles, fast: Percentiles) -> float:
     return paired_ratio(slow.rounds, fast.rounds, slow.p50, fast.p50)
 
@@ -517,6 +535,9 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     chosen, notes = choose(engines, preference_order(), cfg.choice_margin)
     for bs, note in notes.items():
         ctx.log.info("batch %s: %s", bs, note)
+    for bs, note in behind_pytorch(engines, chosen).items():
+        ctx.log.warning("batch %s: %s", bs, note)
+        notes[bs] = f"{notes[bs]}; {note}" if bs in notes else note
     result = ValidationResult(
         passed=not failures,
         baseline=baseline,

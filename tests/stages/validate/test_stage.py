@@ -190,6 +190,20 @@ def test_a_lead_within_the_noise_keeps_the_preferred_engine() -> None:
     assert chosen == {"8": "ort"} and not notes
 
 
+def test_a_chosen_engine_slower_than_pytorch_beyond_the_noise_is_said() -> None:
+    from kiln.stages.validate.stage import behind_pytorch
+
+    def e(name: str, ratio: float, ci: tuple[float, float]) -> EngineValidation:
+        return EngineValidation(
+            name=name, backend="onnxruntime", precision="fp32", device="cpu", status="validated", passed=True,
+            speedups={"eager-cpu": {"32": ratio, "1": 3.0}}, speedup_ci={"eager-cpu": {"32": ci, "1": (2.5, 3.5)}},
+        )  # fmt: skip
+
+    [note] = behind_pytorch([e("ort", 0.63, (0.60, 0.67))], {"1": "ort", "32": "ort"}).values()
+    assert "ort, runs at 0.63x PyTorch eager on the CPU (95 % interval 0.60-0.67x)" in note
+    assert behind_pytorch([e("ort", 0.9, (0.8, 1.05))], {"32": "ort"}) == {}  # within the noise: not said
+
+
 def test_slower_than_fp32_only_beyond_the_noise() -> None:
     from kiln.stages.precision.speed import speed_vs_fp32
 
