@@ -334,6 +334,9 @@ def behind_pytorch(engines: list[EngineValidation], chosen: dict[str, str]) -> d
                 f"the fastest validated engine, {name}, runs at {ratio:.2f}x PyTorch eager on the "
                 f"{e.device.upper()} (95 % interval {ci[0]:.2f}-{ci[1]:.2f}x): PyTorch itself is faster at this batch"
             )
+            if not any(o.backend == "torch" and o.device == e.device for o in engines):
+                devices = " with build.torch.devices: [cpu]" if e.device == "cpu" else ""
+                out[bs] += f"; the torch backend compiles PyTorch itself: add torch to build.backends{devices}"
     return out
 
 

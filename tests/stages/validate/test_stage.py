@@ -201,6 +201,7 @@ def test_a_chosen_engine_slower_than_pytorch_beyond_the_noise_is_said() -> None:
 
     [note] = behind_pytorch([e("ort", 0.63, (0.60, 0.67))], {"1": "ort", "32": "ort"}).values()
     assert "ort, runs at 0.63x PyTorch eager on the CPU (95 % interval 0.60-0.67x)" in note
+    assert note.endswith("add torch to build.backends with build.torch.devices: [cpu]")  # none was built
     assert behind_pytorch([e("ort", 0.9, (0.8, 1.05))], {"32": "ort"}) == {}  # within the noise: not said
 
 
