@@ -1032,21 +1032,24 @@ def loadtest(
         _importable(*filter(None, [_cwd()]))
     out = Path(output)
     claim_folder(out, "-o", LOADTEST_FILES)  # a loadtest.json Kiln did not write is never replaced
-    with scratch_root(out):
-        result = run_loadtest(
-            url,
-            model,
-            engines,
-            out,
-            concurrency,
-            duration,
-            max_requests,
-            run_config,
-            processes,
-            shared_memory=shared_memory,
-            metrics_port=metrics_port,
-        )
-    record_owned(out, LOADTEST_FILES)
+    try:
+        with scratch_root(out):
+            result = run_loadtest(
+                url,
+                model,
+                engines,
+                out,
+                concurrency,
+                duration,
+                max_requests,
+                run_config,
+                processes,
+                shared_memory=shared_memory,
+                metrics_port=metrics_port,
+            )
+    finally:  # a load test that failed its check wrote its files too: Kiln's to replace next time
+        if out.is_dir():
+            record_owned(out, LOADTEST_FILES)
     click.echo(render_markdown(result), nl=False)
     results.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)
 

@@ -40,6 +40,15 @@ def compare_all(
             f"the engine has no output {missing} (it has {sorted(got)})",
             hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
         )
+    counted = [n for n in ref if n in got and _only_rows_differ(ref[n], got[n])]
+    if counted:  # a count the values decide (torch.nonzero, NMS) came out otherwise: the answers differ
+        n = counted[0]
+        raise ModelError(
+            f"the engine's output '{n}' has {len(got[n])} rows where the reference's has {len(ref[n])}: its length "
+            "follows the values (a threshold, torch.nonzero, NMS), and the engine's values crossed it otherwise",
+            hint="keep the nodes before that threshold in float (calibration.exclude_nodes, precision.fp16."
+            "fp32_ops), or serve the scores and threshold them outside the engine",
+        )
     try:
         stats = compare_outputs(ref, got, where={logits: where} if logits is not None and where is not None else None)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
@@ -50,6 +59,10 @@ def compare_all(
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
     return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
+
+
+def _only_rows_differ(ref: np.ndarray, got: np.ndarray) -> bool:
+    return ref.ndim == got.ndim >= 1 and ref.shape[1:] == got.shape[1:] and len(ref) != len(got)
 
 
 def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[str, OutputStats]:
@@ -99,7 +112,9 @@ def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batc
         big, small = run(sample_batch(feed, batch)), run(sample_batch(feed, other))
     except Exception:  # the reference's own error surfaces where the comparisons run it
         return []
-    return [k for k in big if k in small and big[k].shape[1:] != small[k].shape[1:]]
+    # beyond the first axis (CLIP's [images, texts]), or on it: an output whose rows are not the samples (a count
+    # the values decide, such as torch.nonzero's or a detector's after NMS, or no batch axis at all)
+    return [k for k in big if k in small and (big[k].shape[1:] != small[k].shape[1:] or big[k].shape[:1] != (batch,))]
 
 
 def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:

@@ -706,3 +706,26 @@ def test_an_output_option_on_a_workdir_command_points_to_the_workdir(args: list[
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert f"{args[0]}` writes into a workdir: -w DIR (--workdir DIR)" in result.output, result.output
+
+
+def test_a_load_test_that_failed_its_check_leaves_files_the_next_one_may_replace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load test writes its three files before it fails on a wrong answer (exit 3): they are Kiln's, so the
+    next `kiln loadtest -o` into the same folder replaces them rather than refusing a folder it wrote itself.
+    The server and its answers are not what this checks: the load test's own function stands in for them."""
+    import kiln.serve.loadtest as lt
+    from kiln.core.errors import GateFailure
+
+    def wrote_then_failed(url: str, model: str, engines: str, out: Path, *args: object, **kw: object) -> None:
+        for name in ("loadtest.json", "loadtest.md", "loadtest.png"):
+            (out / name).write_text("written by the load test")
+        raise GateFailure("1 answers differed from the engine's direct output", hint="check the server")
+
+    monkeypatch.setattr(lt, "loadtest", wrote_then_failed)
+    monkeypatch.setattr(lt, "default_model", lambda engines: "m")
+    (tmp_path / "wd").mkdir()
+    args = ["loadtest", "http://127.0.0.1:8000", "-e", str(tmp_path / "wd"), "-o", str(tmp_path / "lt")]
+    for _ in range(2):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 3 and "1 answers differed" in result.output, result.output

@@ -51,3 +51,22 @@ def test_an_integer_output_is_held_to_its_share_of_equal_values_not_a_cosine() -
     ]
     gates["min_top1_agreement"] = 0.95
     assert accuracy_failures(entry, gates, None) == []
+
+
+def test_an_output_whose_length_the_values_decide_is_compared_on_whole_batches() -> None:
+    from kiln.stages.accuracy.check import compare_all
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        scores = feed["x"] @ np.ones((3, 4), np.float32)
+        return {"logits": scores, "positives": np.argwhere(scores > 0.5)}  # torch.nonzero's [u0, 2]
+
+    x = np.random.default_rng(0).standard_normal((20, 3)).astype(np.float32)
+    ref = Reference(run, [({}, {"x": x})], [None], "logits", 8)
+    assert ref.coupled == ["positives"]  # its rows are not the samples: whole batches, the reference run at each
+    assert len(ref.feed["x"]) == 16  # two whole batches of 8
+    np.testing.assert_array_equal(ref.at_batch(0, 8)["positives"], run({"x": x[:8]})["positives"])
+    got = run({"x": x[:8]})
+    with pytest.raises(
+        ModelError, match="output 'positives' has 3 rows where the reference's has .*follows the values"
+    ):
+        compare_all(run({"x": x[:8]}), {**got, "positives": got["positives"][:3]}, "logits")

@@ -71,6 +71,19 @@ def test_a_fixed_batch_model_is_served_unbatched_with_its_full_shape() -> None:
     assert not cfg.HasField("dynamic_batching")
 
 
+@pytest.mark.parametrize(
+    "first",
+    ["u0", None],  # torch.nonzero's data-dependent length, and no batch axis at all (a scalar)
+)
+def test_an_output_whose_rows_are_not_the_samples_is_served_unbatched(first: str | None) -> None:
+    meta = CPU.model_copy(deep=True)
+    meta.outputs.append(meta.outputs[0].model_copy(update={"name": "positives", "shape": [first, 2] if first else []}))
+    cfg = parse(triton_config("m", meta, 32))
+    assert cfg.max_batch_size == 0 and list(cfg.input[0].dims) == [-1, 1, 8, 8]  # a request's own batch, whole
+    assert not cfg.HasField("dynamic_batching")
+    assert parse(triton_config("m", CPU, 32)).max_batch_size == 32  # rows that are the samples: batched
+
+
 def test_engines_that_cannot_take_one_request_are_refused() -> None:
     meta = TRT.model_copy(deep=True)
     meta.batch_range = (4, 16)
