@@ -48,8 +48,8 @@ class Ranges:
         out = {}
         for name, td in self.tensors.items():
             lo, hi = td.range_value
-            value = float(max(np.max(np.abs(lo)), np.max(np.abs(hi))))
-            out[name] = value if np.isfinite(value) else float("inf")
+            finite = _finite(td.range_value)
+            out[name] = float(max(np.max(np.abs(lo)), np.max(np.abs(hi)))) if finite else float("inf")
         return out
 
     def unbounded(self) -> list[str]:

@@ -427,10 +427,10 @@ def _describe(specs: list[TensorSpec]) -> str:
 def take_onnx(src: Path, path: Path) -> ExportSummary:
     """``model.onnx``: the user's file in place of an export, checked and shape-inferred like one. A file whose batch
     axis is a number (published files often fix it at 1) gets a symbolic one, once the graph is shown to compute the
-    same rows at twice that batch (:func:`freed_batch`): the batch sizes are the run's to choose."""
+    same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose."""
     proto = load_onnx(src)
     fixed = fixed_batch(proto)
-    proto = freed_batch(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
+    proto = free_checked(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
     save_onnx(proto, path)
     check_onnx(path, f"model.onnx {src.name}")
     inputs, outputs = io_specs(proto)
@@ -445,7 +445,7 @@ def take_onnx(src: Path, path: Path) -> ExportSummary:
     )
 
 
-def freed_batch(proto: onnx.ModelProto, src: Path, batch: int, example: str) -> onnx.ModelProto:
+def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) -> onnx.ModelProto:
     """``proto`` with a symbolic batch axis (:func:`kiln.core.onnx_io.free_batch`), checked: two random batches of
     ``batch`` rows run through the file as it is, and as one batch through the freed graph, must give the same rows.
     Where they do not (a Reshape to a fixed ``[1, -1]``), a ModelError says to export it with a dynamic batch."""

@@ -94,3 +94,11 @@ def test_all_zero_calibration_data_is_an_error(tmp_path: Path, twice: bool) -> N
         result = CliRunner().invoke(main, args)
     assert_clean(result, 2, "calibration measured nothing")
     assert "fix:" not in next(ln for ln in result.output.splitlines() if ln.startswith("error:")), result.output
+
+
+def test_a_range_that_is_not_finite_has_an_infinite_amax_whichever_bound_it_is() -> None:
+    from kiln.calibration.ranges import Ranges
+
+    tensors = {"a": _Range(0, np.nan), "b": _Range(-2, 3), "c": _Range(-np.inf, 1)}
+    ranges = Ranges(tensors, None, "key", False, "minmax")
+    assert ranges.amax() == {"a": np.inf, "b": 3.0, "c": np.inf} and ranges.unbounded() == ["a", "c"]
