@@ -106,15 +106,18 @@ def _passes_through(exc: BaseException) -> bool:
 
 @contextmanager
 def running_user_code(
-    doing: str | Callable[[], str], what: str | None = None, hint: str | None = None
+    doing: str | Callable[[], str],
+    what: str | None = None,
+    hint: str | Callable[[BaseException], str | None] | None = None,
 ) -> Iterator[None]:
     """Around code that calls the user's: an exception raised in the user's file becomes a :class:`UserCodeError`
     naming it. ``doing`` (or a callable giving it at the time of the error, e.g. the training step) says what
-    Kiln was at: "loading data", "training step 1000 (epoch 3)"."""
+    Kiln was at: "loading data", "training step 1000 (epoch 3)"; ``hint`` (or a callable giving one for the
+    exception, or None) a fix beyond the line."""
     try:
         yield
     except Exception as exc:
-        err = user_code_error(exc, doing() if callable(doing) else doing, what, hint)
+        err = user_code_error(exc, doing() if callable(doing) else doing, what, hint(exc) if callable(hint) else hint)
         if err is None:
             raise
         raise err from exc

@@ -358,7 +358,20 @@ class _Trainer:
 
     def doing(self) -> str:
         """The step being run, for an error the user's forward or loss raises in it."""
-        return f"training step {self.result.global_step + 1} (epoch {self.epoch + 1})"
+        autocast = f" under {self.precision} autocast" if self.precision != "fp32" else ""
+        return f"training step {self.result.global_step + 1} (epoch {self.epoch + 1}){autocast}"
+
+    def autocast_hint(self, exc: BaseException) -> str | None:
+        """For a dtype clash in the user's code under autocast: the ops autocast lowers return bf16/fp16 tensors, and
+        a tensor the code makes itself in float32 (``torch.zeros(...)``, ``dtype=x.dtype`` of an input) meets one."""
+        text = str(exc).lower()
+        if self.precision == "fp32" or not ("dtype" in text or "scalar type" in text):
+            return None
+        return (
+            f"under {self.precision} autocast some ops return {self.precision}: make new tensors with the dtype of the "
+            "one they meet (e.g. torch.zeros(..., dtype=messages.dtype)), or train without autocast "
+            "(train.precision: fp32)"
+        )
 
     # -- the loop -------------------------------------------------------------------------------------
     def run(self, progress: Progress, prof: Any) -> None:
@@ -390,7 +403,7 @@ class _Trainer:
         self.guard.save()  # evaluation and checkpointing ran since the last step: what a skipped step goes back to
         t0 = time.perf_counter()
         for xb, yb in self.loader:
-            with running_user_code(self.doing):  # the user's forward or loss failing names itself and the step
+            with running_user_code(self.doing, hint=self.autocast_hint):  # the user's code failing names the step
                 self._step(xb, yb)
             prof.step()
             if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:

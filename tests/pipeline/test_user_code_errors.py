@@ -35,6 +35,9 @@ class Net(nn.Module):
         CALLS["forward"] += 1
         if FAIL == "forward" and CALLS["forward"] > 4:
             raise RuntimeError("forward broke")  # FAILS forward
+        if FAIL == "dtype":  # a float32 tensor made here meets the bf16 output autocast gives the Linear
+            at = torch.zeros(len(x), 2, dtype=torch.long)
+            return torch.zeros(len(x), 2).scatter_add(1, at, self.l(x))  # FAILS dtype
         return self.l(x)
 
 
@@ -116,6 +119,20 @@ def test_user_code_raising_names_its_file_line_and_what_kiln_was_doing(
     assert what in errors[0] and doing in errors[0] and f"{name}.py:{line}" in errors[0], errors[0]
     if fail == "data-file":  # a path relative to the working folder: the fix says which folder that was
         assert f"relative to the current folder {tmp_path}" in result.output
+
+
+def test_a_dtype_clash_under_autocast_says_so_and_how_to_train_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, name, line = project(tmp_path, "dtype", monkeypatch)
+    args = ["train", str(cfg), "-w", str(tmp_path / "w"), "--set", "train.precision=bf16"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    error = next(x for x in result.output.splitlines() if x.startswith("error:"))
+    assert f"{name}.py:{line}" in error and "while training step 1 (epoch 1) under bf16 autocast" in error, error
+    assert "train without autocast (train.precision: fp32)" in result.output
+    result = CliRunner().invoke(main, [*args[:-1], "train.precision=fp32"])  # the same code trains without it
+    assert result.exit_code == 0, result.output
 
 
 def test_verbose_shows_the_users_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
