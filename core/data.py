@@ -34,6 +34,12 @@ class DatasetSplits:
     num_classes: int = 0
     name: str = "dataset"
 
+    def __post_init__(self) -> None:
+        # a list of input tensors is the tuple a user meant (model(*x)): the contract's structures are tuples
+        for field in ("train_x", "val_x"):
+            if isinstance(getattr(self, field), list):
+                setattr(self, field, tuple(getattr(self, field)))
+
     @property
     def input_shape(self) -> tuple[int, ...]:
         """Shape of one sample of the first input, without the batch axis."""
@@ -315,7 +321,7 @@ def _check_x(x: Any, field: str, ref: str) -> None:
         raise DataContractError(
             f"dataset '{ref}' gives {field} as {type(x).__name__}"
             + (" with nothing in it" if items == [] else "")
-            + ", not a torch.Tensor, a tuple of tensors or a dict of named tensors",
+            + ", not a torch.Tensor, a tuple (or list) of tensors or a dict of named tensors",
             hint="wrap arrays with torch.from_numpy(...) in the dataset function",
         )
     for key, t in zip(_keys(x) if items else [], items):

@@ -50,7 +50,7 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
             DatasetSplits(torch.zeros(8, 2), torch.arange(8), torch.zeros(2, 2), torch.arange(2), num_classes=4),
             "train_y has labels from 0 to 7, outside 0..3",
         ),
-        (DatasetSplits(torch.zeros(8, 2), None, [1, 2], None), "val_x as list"),
+        (DatasetSplits(torch.zeros(8, 2), None, [1, 2], None), "gives val_x.*as int, not a torch.Tensor"),
         (
             DatasetSplits(ids(8), torch.full((8, 6), 5), ids(4), torch.zeros(4, 6, dtype=torch.long), num_classes=4),
             "train_y has labels from 5 to 5, outside 0..3 \\(num_classes 4\\); -100 marks a position without a label",
@@ -224,3 +224,12 @@ def test_no_labels_with_training_off_validates_by_agreement(tmp_path: Path) -> N
     v = yaml.safe_load((tmp_path / "wd" / "validate" / "validation.json").read_text())
     assert v["passed"] and v["baseline"]["accuracy"] is None
     assert all(e["accuracy"] is None and e["top1_agreement"] == 1.0 for e in v["engines"])
+
+
+def test_a_list_of_input_tensors_is_the_tuple_a_user_meant() -> None:
+    u, i = torch.randn(10, 6), torch.randn(10, 4)
+    y = torch.zeros(10, dtype=torch.long)
+    data = DatasetSplits([u[:8], i[:8]], y[:8], [u[8:], i[8:]], y[8:], 2)
+    assert isinstance(data.train_x, tuple) and isinstance(data.val_x, tuple)
+    check_splits(data, "mine:load")
+    assert data.sample_shapes == {"0": [6], "1": [4]}
