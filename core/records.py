@@ -110,6 +110,9 @@ class EngineMetadata(Record):
     # dynamic axis besides batch -> [smallest, largest]: the sizes the engine was built and validated for
     axis_ranges: dict[str, list[int]] = Field(default_factory=dict)
     build_seconds: float = 0.0
+    # outputs whose rows are not the samples (validation found them; the package stage records them): a batch of
+    # requests could not be split back, so servers run each request alone
+    unbatched_outputs: list[str] = Field(default_factory=list)
     settings_hash: str = ""
     size_bytes: int = 0
     file_hashes: dict[str, str] = Field(default_factory=dict)  # file -> sha256, checked by load_engine
@@ -269,6 +272,8 @@ class ValidationResult(Record, Summary):
     timing: dict[str, Any] = Field(default_factory=dict)  # how latency was timed: rounds, load, busy or not
     peaks: dict[str, dict[str, Any]] = Field(default_factory=dict)  # device -> measured GEMM peak, datasheet
     dropped: list[str] = Field(default_factory=list)
+    # outputs whose rows depend on the whole batch or are not the samples (kiln.stages.accuracy.check.batch_coupled)
+    batch_coupled: list[str] = Field(default_factory=list)
 
     def gate_failures(self) -> list[str]:
         return [] if self.passed else self.failures or ["see report.md"]

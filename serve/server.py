@@ -85,11 +85,22 @@ class ServedEngine:
 
 
 def _validation_verdicts(workdir: Path) -> dict[str, Any] | None:
+    result = _validation(workdir)
+    return None if result is None else {e.name: e.passed for e in result.engines}
+
+
+def _validation(workdir: Path) -> ValidationResult | None:
     path = workdir / "validate" / "validation.json"
-    if not path.is_file():
-        return None
-    result = ValidationResult.read(path, hint="rerun `kiln run --force validate`")
-    return {e.name: e.passed for e in result.engines}
+    return ValidationResult.read(path, hint="rerun `kiln run --force validate`") if path.is_file() else None
+
+
+def _as_validated(meta: EngineMetadata, workdir: Path) -> EngineMetadata:
+    """An engine of ``workdir``'s build/ as the package stage would record it: with the outputs validation found
+    not to be the samples' rows (served unbatched)."""
+    result = _validation(workdir)
+    if result is None or not result.batch_coupled:
+        return meta
+    return meta.model_copy(update={"unbatched_outputs": result.batch_coupled})
 
 
 def _refuse(name: str, verdict: Any) -> None:
@@ -110,6 +121,7 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         verdicts = _validation_verdicts(path.parent.parent) if path.parent.name == "build" else None
         if verdicts is not None:
             _refuse(meta.name, verdicts.get(meta.name))
+            meta = _as_validated(meta, path.parent.parent)
         return [ServedEngine(model_name(meta.name), path, meta)]
     if not path.is_dir():
         raise InputFileError(
@@ -130,7 +142,7 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
     for d in built:
         meta = read_metadata(d)
         if verdicts.get(meta.name) is True:
-            served.append(ServedEngine(model_name(meta.name), d, meta))
+            served.append(ServedEngine(model_name(meta.name), d, _as_validated(meta, path)))
     if not served:
         _refuse(", ".join(d.name for d in built), False)
     return served

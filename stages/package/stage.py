@@ -23,7 +23,7 @@ from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 __all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "PackageConfig", "STAGE"]
 from pydantic import Field
 
-from kiln.stages.engines.backend import engine_dirs, read_metadata
+from kiln.stages.engines.backend import SIDECAR, engine_dirs, read_metadata
 from kiln.stages.package import kserve, rayserve, triton
 from kiln.stages.package.config import PackageConfig
 from kiln.stages.package.triton import (
@@ -76,6 +76,9 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
+        if validation.batch_coupled:  # said in the packaged engine itself, for every server that loads it
+            meta = meta.model_copy(update={"unbatched_outputs": validation.batch_coupled})
+            meta.write(packaged_dir / SIDECAR)
         record: dict[str, Any] = {
             "engine": meta.name,
             "validation": result.model_dump(

@@ -48,14 +48,14 @@ def engine_max_batch(meta: EngineMetadata) -> int | None:
 
 
 def batchable(meta: EngineMetadata) -> bool:
-    """Whether Triton may batch requests: every input has a dynamic first axis, and every output's first axis is
-    one of theirs (its rows are the samples). A model exported with a fixed batch (say 1), or with an output whose
-    length the values decide (torch.nonzero's ``[u0, 2]``, a detector's boxes after NMS) or with no batch axis, is
-    served with ``max_batch_size: 0`` and its full shapes as dims: a batch of requests could not be split back."""
-    batch_axes = {s.shape[0] for s in meta.inputs if s.shape}
-    if not all(_dynamic(d) for d in batch_axes):
+    """Whether Triton may batch requests: every input and output has a dynamic first axis, and validation found
+    every output's rows to be the samples. A model exported with a fixed batch (say 1), or with an output whose
+    length the values decide (torch.nonzero's ``[u0, 2]``, a detector's boxes after NMS), mixes the batch's rows
+    (CLIP's ``[images, texts]``) or has no batch axis, is served with ``max_batch_size: 0`` and its full shapes as
+    dims: a batch of requests could not be split back."""
+    if meta.unbatched_outputs:
         return False
-    return all(s.shape and s.shape[0] in batch_axes for s in meta.outputs)
+    return all(s.shape and _dynamic(s.shape[0]) for s in meta.inputs + meta.outputs)
 
 
 def served_max_batch(meta: EngineMetadata, requested: int) -> int:

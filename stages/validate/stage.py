@@ -551,6 +551,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         dropped=dropped,
         chosen=chosen,
         choice_notes=notes,
+        batch_coupled=ref.coupled,
         timing=timing,
         peaks=peaks,
     )

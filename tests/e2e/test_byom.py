@@ -698,3 +698,61 @@ def test_an_onnx_file_with_a_fixed_batch_runs_at_every_batch_once_its_rows_are_s
     assert result.exit_code == 2, result.output
     assert "error: model.onnx r.onnx fixes the batch at 1 (input image [1, 3, 8, 8])" in result.output
     assert "fix: export it again with a dynamic batch axis" in result.output and "Traceback" not in result.output
+
+
+NONZERO_MODULE = """
+import torch
+from torch import nn
+from kiln import DatasetSplits
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        logits = self.net(x)
+        return {"logits": logits, "positives": torch.nonzero(logits.sigmoid() > 0.5)}
+
+
+def build():
+    torch.manual_seed(0)
+    return Tagger()
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(160, 10, generator=g), torch.randint(0, 4, (160,), generator=g)
+    return DatasetSplits(x[:128], y[:128], x[128:], y[128:], 4)
+"""
+
+
+def test_an_output_whose_length_the_values_decide_is_validated_and_packaged_unbatched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.nonzero's (row, class) pairs, as a detector's boxes after NMS: their rows are not the samples. The
+    FP32 engine matches PyTorch batch by batch, and every server runs its requests one by one."""
+    from kiln.serve.server import find_engines
+
+    (tmp_path / "nonzero_user.py").write_text(textwrap.dedent(NONZERO_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tiny_config_dict(
+        **{
+            "model": {"name": "nonzero_user:build"},
+            "data.name": "nonzero_user:data",
+            "signature.logits_output": "logits",
+        }
+    )
+    result, _ = run_pipeline(config_from_dict(cfg), tmp_path / "wd")
+    assert result.ok, result.error
+    v = json.loads((tmp_path / "wd" / "validate" / "validation.json").read_text())
+    assert v["passed"] and v["batch_coupled"] == ["positives"]
+    packaged = json.loads(
+        (tmp_path / "wd" / "package" / "engines" / "onnxruntime-cpu-fp32" / "kiln-engine.json").read_text()
+    )
+    assert packaged["unbatched_outputs"] == ["positives"]
+    config = next((tmp_path / "wd" / "package" / "triton-python").glob("*/config.pbtxt")).read_text()
+    assert "max_batch_size: 0" in config and "dynamic_batching" not in config
+    [built] = find_engines(tmp_path / "wd" / "build" / "onnxruntime-cpu-fp32")  # unpackaged, as `kiln serve` finds it
+    assert built.meta.unbatched_outputs == ["positives"]

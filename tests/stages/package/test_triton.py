@@ -71,17 +71,19 @@ def test_a_fixed_batch_model_is_served_unbatched_with_its_full_shape() -> None:
     assert not cfg.HasField("dynamic_batching")
 
 
-@pytest.mark.parametrize(
-    "first",
-    ["u0", None],  # torch.nonzero's data-dependent length, and no batch axis at all (a scalar)
-)
-def test_an_output_whose_rows_are_not_the_samples_is_served_unbatched(first: str | None) -> None:
+@pytest.mark.parametrize("found, shape", [(True, ["u0", 2]), (False, [])])
+def test_an_output_whose_rows_are_not_the_samples_is_served_unbatched(found: bool, shape: list) -> None:
+    """Validation found it (torch.nonzero's data-dependent length: the package records it in the engine), or it
+    has no batch axis at all (a scalar)."""
     meta = CPU.model_copy(deep=True)
-    meta.outputs.append(meta.outputs[0].model_copy(update={"name": "positives", "shape": [first, 2] if first else []}))
+    meta.outputs.append(meta.outputs[0].model_copy(update={"name": "positives", "shape": shape}))
+    meta.unbatched_outputs = ["positives"] if found else []
     cfg = parse(triton_config("m", meta, 32))
     assert cfg.max_batch_size == 0 and list(cfg.input[0].dims) == [-1, 1, 8, 8]  # a request's own batch, whole
     assert not cfg.HasField("dynamic_batching")
-    assert parse(triton_config("m", CPU, 32)).max_batch_size == 32  # rows that are the samples: batched
+    other = CPU.model_copy(deep=True)  # an output whose batch axis another exporter named otherwise: batched
+    other.outputs[0].shape[0] = "unk__7"
+    assert parse(triton_config("m", other, 32)).max_batch_size == 32
 
 
 def test_engines_that_cannot_take_one_request_are_refused() -> None:
