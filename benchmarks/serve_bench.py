@@ -104,9 +104,12 @@ def resnet18_torch_engine(work: Path, max_batch: int) -> Path:
         torch.manual_seed(0)
         return build_model("resnet18", {}).eval()
 
+    folder = work / "resnet18-torch-cuda-fp16"
+    if (folder / "kiln-engine.json").is_file():  # built by an earlier run with the same --work
+        say(f"engine {folder} built before: reused")
+        return folder
     onnx32 = work / "resnet18.onnx"
     export_onnx(model(), torch.randn(2, 3, 224, 224), onnx32)
-    folder = work / "resnet18-torch-cuda-fp16"
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], flavour="compiled", max_autotune="off"))
     meta = build_engine(
         onnx32, folder, "torch", "cuda", "fp16", cfg, work / "cache", max_batch=max_batch, torch_model=model
@@ -269,7 +272,10 @@ def main() -> None:
     src.add_argument("--resnet18-fp16", action="store_true", help="build and serve ResNet-18 ORT CUDA FP16 (GPU)")
     src.add_argument("--resnet18-torch", action="store_true", help="build and serve ResNet-18 torch FP16 (GPU)")
     p.add_argument("--gpus", help="kiln serve --gpus (e.g. 0,1; default: GPU 0 for CUDA engines)")
-    p.add_argument("--instances-per-gpu", type=int, help="stub processes per GPU (default: kiln serve's)")
+    p.add_argument(
+        "--instances-per-gpu",
+        help="stub processes per GPU (default: kiln serve's); a list (2,8,2,8) starts one server per entry in turn",
+    )
     p.add_argument("--pytriton", action="store_true", help="kiln serve --pytriton: the engine in the server's process")
     p.add_argument(
         "--processes", default="1", help="client processes per concurrency level; a list (8,14) tests each in turn"
@@ -296,6 +302,9 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--work", type=Path, help="folder for the built engine (reused when it holds one; default: a new one)"
+    )
     args = p.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.processes = [int(n) for n in args.processes.split(",")]
@@ -306,7 +315,9 @@ def main() -> None:
     args.client_switch_us = [int(v) for v in args.client_switch_us.split(",")]
     if not set(args.transport) <= {"net", "shm"}:
         p.error("--transport takes net, shm or net,shm")
-    work = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    stubs = [int(n) for n in args.instances_per_gpu.split(",")] if args.instances_per_gpu else [None]
+    work = args.work or Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]  # this script shares its machine: say how busy it was
     config: KilnConfig | None = None
     if args.demo:
@@ -342,12 +353,13 @@ def main() -> None:
     switches = len(args.client_switch_us) > 1
 
     def write(protocol: str, processes: int, transport: str, result: dict[str, Any], k: int) -> None:
+        n, run = args.instances_per_gpu, args.server_run
         report = {
             "env": env,
             "protocol": protocol,
             "max_queue_delay_us": args.max_queue_delay_us,
             "gpus": args.gpus,
-            "instances_per_gpu": args.instances_per_gpu,
+            "instances_per_gpu": n,
             "pytriton": args.pytriton,
             "client_processes": processes,
             "transport": transport,
@@ -357,12 +369,18 @@ def main() -> None:
         tail = f"_{protocol}_p{processes}" + ("_shm" if transport == "shm" else "")
         if switches:
             tail += f"_sw{args.client_switch_us[k]}_{k}"
-        name = f"serve_{args.label or label}" + (tail if several or switches else "")
+        if len(stubs) > 1:  # one server per entry of --instances-per-gpu: its stubs and its place in the order
+            tail += f"_i{n}_{run}"
+        name = f"serve_{args.label or label}" + (tail if several or switches or len(stubs) > 1 else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)
 
-    served(path, engine.model_name, config, args, work / "loadtest", write)
+    for run, n in enumerate(stubs):
+        args.instances_per_gpu, args.server_run = n, run
+        if len(stubs) > 1:
+            say(f"server {run + 1} of {len(stubs)}: {n} instance(s) per GPU")
+        served(path, engine.model_name, config, args, work / f"loadtest{run}", write)
 
 
 def _server(report: dict[str, Any], env: dict[str, Any]) -> str:

@@ -28,16 +28,18 @@ from typing import Any
 import numpy as np
 from common import write_report
 
-MODES = ("stub", "pinned", "device")
+MODES = ("stub", "pinned", "device", "copy1", "copy4")
 
 
-def _worker(engine_dir: str, batches: list[int], duration: float, barrier: Any, out: Any, rank: int) -> None:
+def _worker(
+    engine_dir: str, batches: list[int], duration: float, barrier: Any, out: Any, rank: int, modes: list[str]
+) -> None:
     """One process: the engine loaded as a stub loads it, then each (mode, batch) run for ``duration`` seconds in
     step with the other processes (a barrier before each), per-call times sent back."""
     import torch
 
     from kiln import load_engine
-    from kiln.serve.batching import batch_buckets, padded_infer
+    from kiln.serve.batching import batch_buckets, batched_infer, padded_infer
 
     runner = load_engine(Path(engine_dir)).activate()
     spec = runner.meta.inputs[0]
@@ -68,8 +70,14 @@ def _worker(engine_dir: str, batches: list[int], duration: float, barrier: Any, 
     def device(b: int) -> None:
         [o.cpu().numpy() for o in runner._call([on_device[b]])]
 
-    calls = {"stub": stub, "pinned": page_locked, "device": device}
-    for mode in MODES:
+    def served(threads: int) -> Any:  # the stub's path now: batched_infer, its copies by ``threads`` threads
+        def call(b: int) -> None:
+            batched_infer(runner, [{spec.name: pool[i : i + 1]} for i in range(b)], buckets, threads=threads)
+
+        return call
+
+    calls = {"stub": stub, "pinned": page_locked, "device": device, "copy1": served(1), "copy4": served(4)}
+    for mode in modes:
         for b in batches:
             for _ in range(5):
                 calls[mode](b)
@@ -83,18 +91,20 @@ def _worker(engine_dir: str, batches: list[int], duration: float, barrier: Any, 
     runner.deactivate()
 
 
-def run_level(engine_dir: Path, processes: int, batches: list[int], duration: float) -> list[dict[str, Any]]:
+def run_level(
+    engine_dir: Path, processes: int, batches: list[int], duration: float, modes: list[str]
+) -> list[dict[str, Any]]:
     """``processes`` workers at once; per (mode, batch): samples/s of all together and the per-call spread."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(processes), ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(str(engine_dir), batches, duration, barrier, out, r))
+        ctx.Process(target=_worker, args=(str(engine_dir), batches, duration, barrier, out, r, modes))
         for r in range(processes)
     ]
     for p in procs:
         p.start()
     got: dict[tuple[str, int], list[list[float]]] = {}
-    for _ in range(processes * len(MODES) * len(batches)):
+    for _ in range(processes * len(modes) * len(batches)):
         _, mode, b, times = out.get(timeout=900)
         got.setdefault((mode, b), []).append(times)
     for p in procs:
@@ -139,7 +149,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['env']['device']}; `{report['env']['command']}`; MPS {'on' if report['mps'] else 'off'}.",
         "",
         "stub: requests joined, padded, `runner.infer` (pageable upload, engine, download); pinned: rows written "
-        "into a kept page-locked buffer, uploaded from it; device: inputs already on the GPU (engine + download).",
+        "into a kept page-locked buffer, uploaded from it; device: inputs already on the GPU (engine + download); "
+        "copyN: the stub's path now (`batched_infer`), a large batch's rows copied by N threads.",
         "",
         "| processes | mode | batch | p50 ms | p99 ms | samples/s (all processes) |",
         "|---:|---|---:|---:|---:|---:|",
@@ -158,6 +169,8 @@ def main() -> None:
     p.add_argument("--batches", default="4,16")
     p.add_argument("--duration", type=float, default=3.0)
     p.add_argument("--mps", action="store_true", help="run the processes as clients of a private CUDA MPS daemon")
+    p.add_argument("--modes", default="stub,pinned,device", help=f"of {', '.join(MODES)}")
+    p.add_argument("--engine-dir", type=Path, help="an engine folder of the same ResNet-18 (serve_bench.py --work)")
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
@@ -166,11 +179,14 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     work = Path(tempfile.mkdtemp(prefix="stub-probe-"))
-    engine_dir = resnet18_torch_engine(work, max(batches))
+    modes = args.modes.split(",")
+    engine_dir = args.engine_dir or resnet18_torch_engine(work, max(batches))
     if args.mps:
         start_mps(work / "mps")
     try:
-        rows = [r for n in args.processes.split(",") for r in run_level(engine_dir, int(n), batches, args.duration)]
+        rows = [
+            r for n in args.processes.split(",") for r in run_level(engine_dir, int(n), batches, args.duration, modes)
+        ]
     finally:
         if args.mps:
             stop_mps()
@@ -183,6 +199,7 @@ def main() -> None:
         },
         "mps": args.mps,
         "rows": rows,
+        "modes": modes,
     }
     write_report(args.out, f"stub_path_probe{args.label}", report, markdown(report))
 

@@ -6,9 +6,15 @@ batch size the dynamic batcher forms costs a build while requests wait."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+
+COPY_THREADS = 4  # threads that copy a large batch's rows into the engine's buffer (numpy copies release the GIL)
+PARALLEL_COPY_BYTES = 4 << 20  # below this a batch is copied in the calling thread: a thread hand-off costs more
+
+_copiers: dict[int, ThreadPoolExecutor] = {}
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -42,13 +48,15 @@ def padded_infer(runner: Any, inputs: dict[str, np.ndarray], buckets: list[int] 
 
 
 def batched_infer(
-    runner: Any, feeds: list[dict[str, np.ndarray]], buckets: list[int] | None
+    runner: Any, feeds: list[dict[str, np.ndarray]], buckets: list[int] | None, threads: int = COPY_THREADS
 ) -> list[dict[str, np.ndarray]]:
     """One engine call for several requests' feeds (each with its own batch axis), each request's rows of every
     output back. The rows go straight into the runner's kept host buffers for the padded batch
     (:meth:`~kiln.stages.engines.backend.Runner.host_inputs`: one copy per request, none for joining or padding,
     and for a GPU engine an upload from page-locked memory). Requests whose other dimensions differ cannot
-    share a batch (Triton's batcher never joins them): a ValueError, rather than rows broadcast into the buffer."""
+    share a batch (Triton's batcher never joins them): a ValueError, rather than rows broadcast into the buffer.
+    A batch of :data:`PARALLEL_COPY_BYTES` or more is copied by up to ``threads`` threads: one thread's copy into
+    page-locked memory moves a few GB/s, so at a batch of 32 images it would take longer than the engine."""
     names = list(feeds[0])
     sizes = [len(f[names[0]]) for f in feeds]
     rows = sum(sizes)
@@ -59,20 +67,43 @@ def batched_infer(
         raise ValueError(f"requests of one batch differ in the shape of {mixed} beyond the batch axis")
     host = runner.host_inputs({n: (size, *tails[n].pop()) for n in names})
     for n in names:
-        _fill(host[n], [f[n] for f in feeds], rows)
+        _fill(host[n], [f[n] for f in feeds], rows, threads)
     out = runner.infer(host)
     bounds = np.cumsum(sizes)[:-1]
     parts = {n: np.split(np.asarray(v)[:rows], bounds) for n, v in out.items()}
     return [{n: parts[n][i] for n in out} for i in range(len(feeds))]
 
 
-def _fill(target: np.ndarray, parts: list[np.ndarray], rows: int) -> None:
-    """``parts`` one after the other into ``target``'s first ``rows`` rows, the last row repeated after them."""
-    at = 0
+def _fill(target: np.ndarray, parts: list[np.ndarray], rows: int, threads: int = 1) -> None:
+    """``parts`` one after the other into ``target``'s first ``rows`` rows, the last row repeated after them; with
+    ``threads`` > 1 and a target of :data:`PARALLEL_COPY_BYTES` or more, in about equal shares of rows at once."""
+    pieces, at = [], 0
     for part in parts:
-        target[at : at + len(part)] = part
+        pieces.append((at, part))
         at += len(part)
+    if threads > 1 and target.nbytes >= PARALLEL_COPY_BYTES and rows > 1:
+        step = -(-rows // threads)  # rows per share; a request's rows may be split between shares
+        shares = [[(a, p) for a, p in _cut(pieces, lo, lo + step)] for lo in range(0, rows, step)]
+        pool = _copiers.get(threads) or _copiers.setdefault(threads, ThreadPoolExecutor(threads, "kiln-copy"))
+        list(pool.map(lambda share: _copy(target, share), shares))  # waits for every share; raises what one raised
+    else:
+        _copy(target, pieces)
     target[rows:] = target[rows - 1]
+
+
+def _cut(pieces: list[tuple[int, np.ndarray]], lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+    """The parts of ``pieces`` (start row, rows) that fall in rows ``lo`` to ``hi``, cut to them."""
+    out = []
+    for at, part in pieces:
+        a, b = max(at, lo), min(at + len(part), hi)
+        if a < b:
+            out.append((a, part[a - at : b - at]))
+    return out
+
+
+def _copy(target: np.ndarray, pieces: list[tuple[int, np.ndarray]]) -> None:
+    for at, part in pieces:
+        target[at : at + len(part)] = part
 
 
 def warm_buckets(runner: Any, meta: Any, buckets: list[int]) -> bool:

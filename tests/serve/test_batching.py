@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from kiln.serve import batching
 from kiln.serve.batching import batch_buckets, batched_infer, buckets_for, padded_infer, warm_buckets
 from kiln.stages.engines.backend import HOST_INPUT_SHAPES
 from kiln.stages.engines.config import BuildConfig
@@ -120,3 +121,15 @@ def test_a_runner_keeps_buffers_for_its_most_recent_shapes_until_deactivated(dou
     runner.activate()
     assert runner.host_inputs({"x": (2, 3)}) is not kept
     runner.deactivate()
+
+
+def test_a_large_batch_is_copied_by_several_threads_into_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batching, "PARALLEL_COPY_BYTES", 1)  # every batch counts as large
+    parts = [np.full((n, 2), i, np.float32) for i, n in enumerate([3, 1, 5, 2], start=1)]  # shares cut requests
+    alone, shared = np.zeros((16, 2), np.float32), np.zeros((16, 2), np.float32)
+    batching._fill(alone, parts, 11, threads=1)
+    batching._fill(shared, parts, 11, threads=4)
+    np.testing.assert_array_equal(shared, alone)
+    np.testing.assert_array_equal(shared[:11, 0], [1, 1, 1, 2, 3, 3, 3, 3, 3, 4, 4])
+    assert (shared[11:] == 4).all()  # padding: the last row repeated
+    assert 4 in batching._copiers  # the threads' pool is kept for the next batch
