@@ -186,8 +186,11 @@ def served(
         for protocol in args.protocol:
             for n in args.processes:
                 for transport in args.transport:
-                    for k, switch in enumerate(args.client_switch_us):
-                        say(f"load test: {protocol}, {n} client process(es), tensors {transport}, switch {switch} us")
+                    for k, (switch, client) in enumerate(zip(args.client_switch_us, args.client)):
+                        say(
+                            f"load test: {protocol}, {n} client process(es), tensors {transport}, switch {switch} us, "
+                            f"client {client}"
+                        )
                         folder = out / f"{protocol}_p{n}_{transport}_{k}"
                         # with the engine's host-to-host time at each level's batch (inputs copied in, outputs out)
                         result = loadtest(
@@ -202,6 +205,7 @@ def served(
                             shared_memory=transport == "shm",
                             metrics_port=ports[2],
                             switch_interval_s=switch * 1e-6 or None,
+                            client=client,
                         )
                         report(protocol, n, transport, result, k)
     finally:
@@ -229,6 +233,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
         f"threads in {report.get('client_processes', 1)} process(es) on the same machine"
         + (", tensors in system shared memory" if s.get("transport") == "system shared memory" else "")
+        + (", sent by Kiln's HTTP client" if s.get("client") == "kiln" else ", sent by tritonclient")
         + (
             f", their thread switch interval {round(s['client_switch_interval_s'] * 1e6)} us"
             if "client_switch_interval_s" in s
@@ -299,6 +304,12 @@ def main() -> None:
         help="the client processes' thread switch interval in us (kiln loadtest's 200; 0: Python's 5,000); a list "
         "runs each in turn, repeats allowed (5000,200,5000,200 interleaves an A/B)",
     )
+    p.add_argument(
+        "--client",
+        default="auto",
+        help="kiln loadtest --client (auto, kiln, tritonclient); a list alternates like --client-switch-us (the "
+        "shorter of the two lists repeats its last entry)",
+    )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -313,6 +324,10 @@ def main() -> None:
         p.error("--protocol takes grpc, http or grpc,http")
     args.transport = args.transport.split(",")
     args.client_switch_us = [int(v) for v in args.client_switch_us.split(",")]
+    args.client = args.client.split(",")
+    runs = max(len(args.client_switch_us), len(args.client))
+    args.client_switch_us += args.client_switch_us[-1:] * (runs - len(args.client_switch_us))
+    args.client += args.client[-1:] * (runs - len(args.client))
     if not set(args.transport) <= {"net", "shm"}:
         p.error("--transport takes net, shm or net,shm")
     stubs = [int(n) for n in args.instances_per_gpu.split(",")] if args.instances_per_gpu else [None]
@@ -351,6 +366,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     several = len(args.protocol) * len(args.processes) * len(args.transport) > 1
     switches = len(args.client_switch_us) > 1
+    clients = len(set(args.client)) > 1
 
     def write(protocol: str, processes: int, transport: str, result: dict[str, Any], k: int) -> None:
         n, run = args.instances_per_gpu, args.server_run
@@ -369,9 +385,11 @@ def main() -> None:
         tail = f"_{protocol}_p{processes}" + ("_shm" if transport == "shm" else "")
         if switches:
             tail += f"_sw{args.client_switch_us[k]}_{k}"
+        if clients:
+            tail += f"_{args.client[k]}_{k}"
         if len(stubs) > 1:  # one server per entry of --instances-per-gpu: its stubs and its place in the order
             tail += f"_i{n}_{run}"
-        name = f"serve_{args.label or label}" + (tail if several or switches or len(stubs) > 1 else "")
+        name = f"serve_{args.label or label}" + (tail if several or switches or clients or len(stubs) > 1 else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)

@@ -991,6 +991,14 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     "server's machine; measures the server without moving tensors through HTTP/gRPC in Python)",
 )
 @click.option(
+    "--client",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "kiln", "tritonclient"]),
+    help="what sends the requests: auto = Kiln's lean HTTP client with --shared-memory over http:// (each request "
+    "made once, one kept-alive connection per thread), tritonclient otherwise",
+)
+@click.option(
     "--metrics-port",
     default=8002,
     show_default=True,
@@ -1016,6 +1024,7 @@ def loadtest(
     config: str | None,
     processes: int,
     shared_memory: bool,
+    client: str,
     metrics_port: int,
     output: str,
 ) -> None:
@@ -1046,6 +1055,7 @@ def loadtest(
                 processes,
                 shared_memory=shared_memory,
                 metrics_port=metrics_port,
+                client=client,
             )
     finally:  # a load test that failed its check wrote its files too: Kiln's to replace next time
         if out.is_dir():

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 COPY_THREADS = 4  # threads that copy a large batch's rows into the engine's buffer (numpy copies release the GIL)
-PARALLEL_COPY_BYTES = 4 << 20  # below this a batch is copied in the calling thread: a thread hand-off costs more
+PARALLEL_COPY_BYTES = 16 << 20  # smaller batches are copied by one thread: handing shares out costs more than it saves
 
 _copiers: dict[int, ThreadPoolExecutor] = {}
 

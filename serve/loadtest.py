@@ -52,6 +52,7 @@ from kiln.models.model_io import dataset_for, torch_model_named
 from kiln.pipeline.config import KilnConfig
 from kiln.serve import stub_times
 from kiln.serve.batching import buckets_for, padded_infer
+from kiln.serve.http_client import HttpClient, infer_request, shm_tensor
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.package.triton import served_max_batch
@@ -80,6 +81,7 @@ class Level:
     max_abs_err: float = 0.0
     seconds: float = 0.0
     switch_interval_s: float = 0.0  # the clients' thread switch interval while they ran
+    client: str = "tritonclient"  # what sent the requests: tritonclient, or kiln's HTTP client (kiln.serve.http_client)
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
@@ -95,6 +97,7 @@ class Level:
             "error_examples": self.errors[:3],
             "max_abs_err": self.max_abs_err,
             "client_switch_interval_s": self.switch_interval_s,
+            "client": self.client,
         }
 
 
@@ -356,28 +359,34 @@ class SharedMemory:
         tag = f"kiln_{os.getpid()}_{next(self._made)}_{secrets.token_hex(3)}"
         arrays = [{n: np.ascontiguousarray(a) for n, a in feed.items()} for feed in pool]
         handle = self._region(f"{tag}_in", sum(a.nbytes for feed in arrays for a in feed.values()))
-        self.inputs, offset = [], 0
+        self.inputs, self.input_specs, offset = [], [], 0
         for feed in arrays:
-            tensors = []
+            tensors, specs = [], []
             for name, array in feed.items():
                 shm.set_shared_memory_region(handle, [array], offset=offset)
                 tensor = module.InferInput(name, list(array.shape), _triton_dtype(array.dtype))
                 tensor.set_shared_memory(f"{tag}_in", array.nbytes, offset)
                 tensors.append(tensor)
+                specs.append(
+                    shm_tensor(name, list(array.shape), _triton_dtype(array.dtype), f"{tag}_in", array.nbytes, offset)
+                )
                 offset += array.nbytes
             self.inputs.append(tensors)
+            self.input_specs.append(specs)
         # each output at a fixed place in a thread's region, sized for the largest answer in the pool
         self.sizes = {n: max(e[n].nbytes for e in expected) for n in expected[0]}
-        self.outputs = []
+        self.outputs, self.output_specs = [], []
         for t in range(threads):
-            name, offset, requested = f"{tag}_out{t}", 0, []
+            name, offset, requested, specs = f"{tag}_out{t}", 0, [], []
             handle = self._region(name, max(1, sum(self.sizes.values())))
             for n, size in self.sizes.items():
                 out = module.InferRequestedOutput(n)
                 out.set_shared_memory(name, max(1, size), offset)
                 requested.append((n, out, offset))
+                specs.append(shm_tensor(n, None, None, name, max(1, size), offset))
                 offset += size
             self.outputs.append((handle, requested))
+            self.output_specs.append(specs)
 
     def _region(self, name: str, size: int) -> Any:
         handle = self.shm.create_shared_memory_region(name, f"/{name}", size)
@@ -385,18 +394,20 @@ class SharedMemory:
         self.client.register_system_shared_memory(name, f"/{name}", size)
         return handle
 
-    def answer(self, thread: int, result: Any, want: dict[str, np.ndarray]) -> dict[str, np.ndarray | None]:
-        """Thread ``thread``'s answer, read from its region in the shapes the server declared (a copy: the
-        next request writes over it)."""
+    def answer(
+        self, thread: int, shapes: dict[str, list[int] | None], want: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray | None]:
+        """Thread ``thread``'s answer, read from its region in the ``shapes`` the server declared for each output
+        (None: not in the answer; a copy: the next request writes over it)."""
         handle, requested = self.outputs[thread]
         got: dict[str, np.ndarray | None] = {}
         for name, _, offset in requested:
-            meta = result.get_output(name)
-            if meta is None:
-                got[name] = None
-                continue
-            shape = list(meta["shape"] if isinstance(meta, dict) else meta.shape)
-            got[name] = self.shm.get_contents_as_numpy(handle, want[name].dtype, shape, offset).copy()
+            shape = shapes.get(name)
+            got[name] = (
+                None
+                if shape is None
+                else self.shm.get_contents_as_numpy(handle, want[name].dtype, shape, offset).copy()
+            )
         return got
 
     def close(self) -> None:
@@ -431,6 +442,15 @@ class SharedMemory:
         return set(status.regions)  # tritonclient.grpc: a message whose regions map is keyed by name
 
 
+def declared_shapes(result: Any, names: list[str]) -> dict[str, list[int] | None]:
+    """The shape tritonclient's ``result`` (HTTP or gRPC) declares for each output name (None: absent)."""
+    shapes: dict[str, list[int] | None] = {}
+    for name in names:
+        meta = result.get_output(name)
+        shapes[name] = None if meta is None else list(meta["shape"] if isinstance(meta, dict) else meta.shape)
+    return shapes
+
+
 def _triton_dtype(dtype: np.dtype) -> str:
     from tritonclient.utils import np_to_triton_dtype
 
@@ -449,13 +469,15 @@ def run_level(
     max_requests: int,
     shared_memory: bool = False,
     switch_interval_s: float | None = CLIENT_SWITCH_S,
+    client: str = "auto",
 ) -> Level:
     """``concurrency`` client threads sending the pool's requests for ``duration_s``, every answer checked;
     ``shared_memory``: tensors through :class:`SharedMemory`, not in the requests; ``switch_interval_s``: the
     interpreter's thread switch interval while they run (:func:`sys.setswitchinterval`; None: as it is;
-    :data:`CLIENT_SWITCH_S` by default)."""
+    :data:`CLIENT_SWITCH_S` by default); ``client``: what sends the requests (:func:`lean_client`)."""
     module = _client_module(protocol)
-    level, lock = Level(concurrency), threading.Lock()
+    lean = lean_client(client, protocol, shared_memory)
+    level, lock = Level(concurrency, client="kiln" if lean else "tritonclient"), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
     atol, rtol = tolerance
     outputs = list(expected[0])
@@ -471,10 +493,12 @@ def run_level(
     deadline = start + duration_s
 
     def worker() -> None:
-        client, timeout = _client(module, protocol, address)
+        client, timeout = (None, {}) if lean else _client(module, protocol, address)
+        http = HttpClient(address, REQUEST_TIMEOUT_S) if lean else None
         with lock:
             slot = next(slots)
         wanted = {"outputs": [o for _, o, _ in regions.outputs[slot][1]]} if regions else requested
+        made: dict[int, bytes] = {}  # the lean client's requests, made once each
         try:
             while time.perf_counter() < deadline:
                 with lock:
@@ -482,16 +506,22 @@ def run_level(
                 if i is None:
                     return
                 k = i % len(pool)
+                if http and k not in made:
+                    made[k] = infer_request(address, model, regions.input_specs[k], regions.output_specs[slot])
                 t0 = time.perf_counter()
                 try:
-                    result = client.infer(model, prepared[k], **timeout, **wanted)
+                    result = http.send(made[k]) if http else client.infer(model, prepared[k], **timeout, **wanted)
                 except Exception as exc:  # a failed request is a result of the test: count it and go on
                     with lock:
                         level.errors.append(f"{type(exc).__name__}: {exc}"[:300])
                     continue
                 ms = (time.perf_counter() - t0) * 1e3
                 err, ok = 0.0, True
-                answer = regions.answer(slot, result, expected[k]) if regions else None
+                if http:
+                    shapes = {o["name"]: o.get("shape") for o in result.get("outputs", [])}
+                    answer = regions.answer(slot, {n: shapes.get(n) for n in outputs}, expected[k])
+                else:
+                    answer = regions.answer(slot, declared_shapes(result, outputs), expected[k]) if regions else None
                 for name in outputs:
                     want = expected[k][name]
                     try:
@@ -511,7 +541,7 @@ def run_level(
                     level.max_abs_err = max(level.max_abs_err, err)
                     level.mismatches += not ok
         finally:
-            client.close()
+            (http or client).close()
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     try:
@@ -527,6 +557,21 @@ def run_level(
             regions.close()
             setup.close()
     return level
+
+
+def lean_client(client: str, protocol: str, shared_memory: bool) -> bool:
+    """Whether requests go through Kiln's HTTP client (:mod:`kiln.serve.http_client`) rather than tritonclient:
+    ``client`` "kiln" or "auto" (the default) over HTTP with the tensors in shared memory, where each request is a
+    small JSON whose making and parsing by tritonclient would be a share of the latency measured; "tritonclient"
+    never."""
+    if client not in ("auto", "kiln", "tritonclient"):
+        raise ConfigError(f"client '{client}' is not one of auto, kiln, tritonclient", hint="--client auto")
+    if client == "kiln" and not (protocol == "http" and shared_memory):
+        raise ConfigError(
+            "Kiln's own client sends HTTP requests whose tensors are in shared memory only",
+            hint="add --shared-memory with an http:// URL, or --client tritonclient",
+        )
+    return client != "tritonclient" and protocol == "http" and shared_memory
 
 
 @contextmanager
@@ -573,6 +618,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.max_abs_err = max(merged.max_abs_err, part.max_abs_err)
             merged.seconds = max(merged.seconds, part.seconds)
             merged.switch_interval_s = part.switch_interval_s
+            merged.client = part.client
     finally:
         for w in workers:
             w.join(timeout=10)
@@ -743,13 +789,15 @@ def loadtest(
     shared_memory: bool = False,
     metrics_port: int | None = 8002,
     switch_interval_s: float | None = CLIENT_SWITCH_S,
+    client: str = "auto",
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
     ``processes``: client processes per level (:func:`run_level_processes`); ``inprocess``: time the engine in
     this process at each level's batch too (:func:`with_inprocess`); ``shared_memory``: tensors through system
     shared memory (:class:`SharedMemory`); ``metrics_port``: Triton's metrics port on the server's host, where Kiln's
     Python-backend models publish their executions' phases (:mod:`kiln.serve.stub_times`; None: not read);
-    ``switch_interval_s``: the client processes' thread switch interval (:func:`run_level`; None: Python's).
+    ``switch_interval_s``: the client processes' thread switch interval (:func:`run_level`; None: Python's);
+    ``client``: what sends the requests (:func:`lean_client`).
     Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
@@ -762,6 +810,7 @@ def loadtest(
             "--shared-memory needs a Triton server; the Ray Serve application takes tensors in its requests only",
             hint="drop --shared-memory for ray:// URLs",
         )
+    lean_client(client, protocol, shared_memory)  # a client that cannot be used here is said before any work
     engine = engine_for(engines, model)
     pool, source = request_pool(engine, config)
     tolerance = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
@@ -774,7 +823,7 @@ def loadtest(
         levels, mark = [], before
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
-            args += (shared_memory, switch_interval_s)
+            args += (shared_memory, switch_interval_s, client)
             meter, stub = CpuMeter(), stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append({**level.summary(), "cpu_cores": meter.read()})
@@ -797,6 +846,7 @@ def loadtest(
         "max_requests": max_requests,
         "client_processes": processes,
         "client_switch_interval_s": levels[-1]["client_switch_interval_s"],
+        "client": levels[-1]["client"],
         "transport": "system shared memory" if shared_memory else "in the requests",
         "levels": levels,
         "server": batches if protocol != "ray" else None,
@@ -834,7 +884,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['url']}, inputs: {result['inputs']}, up to {result['duration_s']} s or "
         f"{result['max_requests']} requests per level, single-sample requests"
         + (f" from {result['client_processes']} client processes" if result.get("client_processes", 1) > 1 else "")
-        + (", tensors in system shared memory." if result.get("transport") == "system shared memory" else "."),
+        + (", tensors in system shared memory" if result.get("transport") == "system shared memory" else "")
+        + (", sent by Kiln's HTTP client." if result.get("client") == "kiln" else ", sent by tritonclient."),
         "",
         "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | in-process ms (batch) "
         "| in-process req/s | served / in-process | wrong | failed |",

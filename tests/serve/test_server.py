@@ -244,6 +244,16 @@ def test_tensors_through_shared_memory_give_the_same_checked_answers_and_leave_n
         assert sys.getswitchinterval() == switch  # this process's own, back as it was
         assert result["transport"] == "system shared memory"
         assert "tensors in system shared memory" in (tmp_path / url[:4] / "loadtest.md").read_text()
+        # over HTTP Kiln's own client sends them (kiln.serve.http_client); tritonclient over gRPC
+        assert result["client"] == ("kiln" if url.startswith("http") else "tritonclient"), result["client"]
+    url = f"http://127.0.0.1:{loaded[0]}"  # tritonclient over HTTP when asked: the same checked answers
+    result = loadtest(
+        url, MODEL, workdir, tmp_path / "tc", [2], 60, 20, config, shared_memory=True, client="tritonclient"
+    )
+    assert result["client"] == "tritonclient" and result["levels"][0]["mismatches"] == 0, result["levels"]
+    assert result["levels"][0]["requests"] == 20 and result["levels"][0]["errors"] == 0, result["levels"]
+    with pytest.raises(ConfigError, match="HTTP requests whose tensors are in shared memory only"):
+        loadtest(f"grpc://127.0.0.1:{loaded[1]}", MODEL, workdir, tmp_path / "g", [1], 1, client="kiln")
     client = tritonclient.http.InferenceServerClient(f"127.0.0.1:{loaded[0]}")
     assert client.get_system_shared_memory_status() == []  # every region unregistered
     assert not list(Path("/dev/shm").glob("kiln_*"))  # and removed
