@@ -238,3 +238,16 @@ def test_cpu_meter_counts_the_clients_work_and_their_finished_children() -> None
     cpu = meter.read()
     assert cpu["clients"] * cpu["seconds"] >= 0.38, cpu  # CPU seconds, however long the machine's load made them
     assert cpu["busy"] * cpu["seconds"] >= 0.3 and cpu["busy"] <= cpu["cores"], cpu  # the machine saw it too
+
+
+def test_kilns_client_sends_http_requests_whose_tensors_are_in_shared_memory_only() -> None:
+    from kiln.core.errors import ConfigError
+    from kiln.serve.loadtest import lean_client
+
+    assert lean_client("auto", "http", True) and lean_client("kiln", "http", True)
+    assert not lean_client("auto", "http", False) and not lean_client("auto", "grpc", True)
+    assert not lean_client("tritonclient", "http", True)
+    with pytest.raises(ConfigError, match="shared memory only"):
+        lean_client("kiln", "grpc", True)
+    with pytest.raises(ConfigError, match="not one of auto, kiln, tritonclient"):
+        lean_client("curl", "http", True)
