@@ -581,9 +581,10 @@ def test_missing_server_package_names_the_extra(workdir: Path, monkeypatch: pyte
     assert 'pip install "kiln[serve]"' in info.value.hint
 
 
-def test_loadtest_without_a_server_is_a_clear_error(workdir: Path) -> None:
+def test_loadtest_without_a_server_is_a_clear_error(workdir: Path, tmp_path: Path) -> None:
+    url, out = f"http://127.0.0.1:{free_port()}", str(tmp_path / "lt")  # nothing written where the tests run
     result = CliRunner().invoke(
-        main, ["loadtest", f"http://127.0.0.1:{free_port()}", "--model", MODEL, "-e", str(workdir), "--duration", "1"]
+        main, ["loadtest", url, "--model", MODEL, "-e", str(workdir), "--duration", "1", "-o", out]
     )
     assert result.exit_code == 2 and "error: cannot read model" in result.output and "fix:" in result.output
 
