@@ -1029,10 +1029,11 @@ def loadtest(
     output: str,
 ) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
-    from kiln.serve.loadtest import default_model, recorded_config, render_markdown
+    from kiln.serve.loadtest import default_model, lean_client, parse_url, recorded_config, render_markdown
     from kiln.serve.loadtest import loadtest as run_loadtest
 
     _setup_logging(False, 0)
+    lean_client(client, parse_url(url)[0], shared_memory)  # a bad URL or client is said before any folder is made
     model = model or default_model(engines)
     run_config = None if config else recorded_config(engines)
     if run_config is None:
