@@ -106,8 +106,13 @@ def resnet18_torch_engine(work: Path, max_batch: int) -> Path:
 
     folder = work / "resnet18-torch-cuda-fp16"
     if (folder / "kiln-engine.json").is_file():  # built by an earlier run with the same --work
-        say(f"engine {folder} built before: reused")
-        return folder
+        from kiln.stages.engines.backend import read_metadata
+
+        built = read_metadata(folder).max_batch
+        if built is None or built >= max_batch:
+            say(f"engine {folder} built before: reused")
+            return folder
+        raise SystemExit(f"{folder} was built for batches up to {built}, not {max_batch}: give another --work")
     onnx32 = work / "resnet18.onnx"
     export_onnx(model(), torch.randn(2, 3, 224, 224), onnx32)
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], flavour="compiled", max_autotune="off"))
@@ -325,6 +330,8 @@ def main() -> None:
     args.transport = args.transport.split(",")
     args.client_switch_us = [int(v) for v in args.client_switch_us.split(",")]
     args.client = args.client.split(",")
+    if not set(args.client) <= {"auto", "kiln", "tritonclient"}:
+        p.error("--client takes auto, kiln or tritonclient (a comma-separated list)")
     runs = max(len(args.client_switch_us), len(args.client))
     args.client_switch_us += args.client_switch_us[-1:] * (runs - len(args.client_switch_us))
     args.client += args.client[-1:] * (runs - len(args.client))

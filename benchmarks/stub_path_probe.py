@@ -180,6 +180,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     work = Path(tempfile.mkdtemp(prefix="stub-probe-"))
     modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        p.error(f"--modes takes {', '.join(MODES)}")
     engine_dir = args.engine_dir or resnet18_torch_engine(work, max(batches))
     if args.mps:
         start_mps(work / "mps")

@@ -6,7 +6,7 @@ batch size the dynamic batcher forms costs a build while requests wait."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -76,16 +76,19 @@ def batched_infer(
 
 def _fill(target: np.ndarray, parts: list[np.ndarray], rows: int, threads: int = 1) -> None:
     """``parts`` one after the other into ``target``'s first ``rows`` rows, the last row repeated after them; with
-    ``threads`` > 1 and a target of :data:`PARALLEL_COPY_BYTES` or more, in about equal shares of rows at once."""
+    ``threads`` > 1 and :data:`PARALLEL_COPY_BYTES` or more of rows to copy, in about equal shares of rows at once."""
     pieces, at = [], 0
     for part in parts:
         pieces.append((at, part))
         at += len(part)
-    if threads > 1 and target.nbytes >= PARALLEL_COPY_BYTES and rows > 1:
+    if threads > 1 and target[:rows].nbytes >= PARALLEL_COPY_BYTES and rows > 1:
         step = -(-rows // threads)  # rows per share; a request's rows may be split between shares
         shares = [[(a, p) for a, p in _cut(pieces, lo, lo + step)] for lo in range(0, rows, step)]
         pool = _copiers.get(threads) or _copiers.setdefault(threads, ThreadPoolExecutor(threads, "kiln-copy"))
-        list(pool.map(lambda share: _copy(target, share), shares))  # waits for every share; raises what one raised
+        # every share finished before the buffer is used or an error is raised: none still writing into the next batch
+        done, _ = wait([pool.submit(_copy, target, share) for share in shares])
+        for future in done:
+            future.result()
     else:
         _copy(target, pieces)
     target[rows:] = target[rows - 1]

@@ -64,12 +64,16 @@ class HttpClient:
                 self.pending = bytearray()
             self.sock.sendall(request)
             status, body = self._answer()
-        except OSError as exc:
+        except (OSError, ValueError, IndexError) as exc:  # unread bytes would precede the next answer: start over
             self.close()
             raise HttpError(f"connection to {self.address[0]}:{self.address[1]} failed: {exc}") from None
-        answer = json.loads(body) if body else {}
-        if status != 200:
-            raise HttpError(answer.get("error") or f"HTTP {status}")
+        try:
+            answer = json.loads(body) if body else {}
+        except ValueError:
+            answer = None
+        if status != 200 or not isinstance(answer, dict):
+            said = answer.get("error") if isinstance(answer, dict) else None
+            raise HttpError(said or f"HTTP {status}: {body[:200]!r}")
         return answer
 
     def _answer(self) -> tuple[int, bytes]:

@@ -21,6 +21,14 @@ class _Handler(BaseHTTPRequestHandler):
         type(self).seen.append((self.path, body, self.client_address[1]))
         if body["inputs"][0]["name"] == "bad":
             self._send(400, {"error": "unexpected inference input 'bad' for model 'm'"})
+        elif body["inputs"][0]["name"] == "garbled":  # a length that is no number, and a body after it
+            self.wfile.write(b'HTTP/1.1 200 OK\r\nContent-Length: 1 7\r\n\r\n{"error": "x y"}')
+        elif body["inputs"][0]["name"] == "text":  # an error whose body is not JSON
+            data = b"internal error: out of memory"
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif body["inputs"][0]["name"] == "chunked":
             self.send_response(200)
             self.send_header("Transfer-Encoding", "chunked")
@@ -99,3 +107,14 @@ def test_an_answer_it_cannot_read_or_a_closed_server_is_an_error_then_a_new_conn
     closed = HttpClient("127.0.0.1:1", timeout_s=10)
     with pytest.raises(HttpError, match="connection to 127.0.0.1:1 failed"):
         closed.send(_request("127.0.0.1:1"))
+
+
+def test_a_garbled_answer_costs_that_request_only_and_a_text_error_keeps_its_words(server: str) -> None:
+    client = HttpClient(server, timeout_s=10)
+    with pytest.raises(HttpError, match="failed"):
+        client.send(_request(server, "garbled"))
+    for _ in range(2):  # its unread bytes do not reach the next answers: they come on a new connection
+        assert client.send(_request(server))["model_name"] == "m"
+    with pytest.raises(HttpError, match="HTTP 500: b'internal error: out of memory'"):
+        client.send(_request(server, "text"))
+    assert client.send(_request(server))["model_name"] == "m"
