@@ -175,7 +175,9 @@ def served(
     urls = {"grpc": f"grpc://127.0.0.1:{ports[1]}", "http": f"http://127.0.0.1:{ports[0]}"}
     try:
         wait_ready(urls["http"], [model], 300, proc, tuple(ports[1:]))
-        # One short level first: first-call costs (allocations, CUDA graph capture per shape) are not measured.
+        # One short level first, the way the first measured level sends its requests (protocol, client processes,
+        # transport, client): first-call costs (allocations, CUDA graph capture per shape, the server's first reads
+        # of shared memory) are not measured.
         warm = [max(args.concurrency)]
         loadtest(
             urls[args.protocol[0]],
@@ -185,8 +187,11 @@ def served(
             warm,
             min(args.duration, 3.0),
             config=config,
+            processes=args.processes[0],
             inprocess=False,
+            shared_memory=args.transport[0] == "shm",
             metrics_port=ports[2],
+            client=args.client[0],
         )
         for protocol in args.protocol:
             for n in args.processes:
