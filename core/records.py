@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import InputFileError
+from kiln.core.timing import paired_ratio
 
 SCHEMA_VERSION = 2
 R = TypeVar("R", bound="Record")
@@ -179,6 +180,11 @@ class Percentiles(Part):
     ci95: tuple[float, float] | None = None
     rounds: list[float] = Field(default_factory=list)
     spread: float | None = None
+
+    def over(self, fast: Percentiles) -> float:
+        """This latency over ``fast``'s (how many times faster ``fast`` is): the median of the ratios paired round by
+        round (:func:`kiln.core.timing.paired_ratio`)."""
+        return paired_ratio(self.rounds, fast.rounds, self.p50, fast.p50)
 
 
 class Memory(Part):

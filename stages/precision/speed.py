@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.core.records import EngineValidation, Percentiles
-from kiln.core.timing import paired_ratio, ratio_interval
+from kiln.core.records import EngineValidation
+from kiln.core.timing import ratio_interval
 
 REDUCED = ("int8", "fp8", "fp16")
 LOWBIT = ("int8", "fp8")  # judged against FP16 where there is one: what they must beat to be worth serving
@@ -52,11 +52,7 @@ def speed_vs_fp32(engines: list[EngineValidation]) -> list[dict[str, Any]]:
 
 
 def _ratios(ref: EngineValidation, e: EngineValidation, sizes: list[str]) -> dict[str, float]:
-    return {bs: _ratio(ref.latency_ms[bs], e.latency_ms[bs]) for bs in sizes if bs in ref.latency_ms}
-
-
-def _ratio(ref: Percentiles, p: Percentiles) -> float:
-    return paired_ratio(ref.rounds, p.rounds, ref.p50, p.p50)
+    return {bs: ref.latency_ms[bs].over(e.latency_ms[bs]) for bs in sizes if bs in ref.latency_ms}
 
 
 def _intervals(ref: EngineValidation, e: EngineValidation, sizes: list[str]) -> dict[str, tuple[float, float]]:

@@ -25,7 +25,6 @@ from kiln.core.timing import (
     Timer,
     interleave,
     median_interval,
-    paired_ratio,
     ratio_interval,
     time_calls,
     warm_up,
@@ -169,11 +168,7 @@ def speedups(
     for b in baselines:
         if b.device != engine_device or not b.latency_ms:
             continue
-        ratios[b.label] = {
-            bs: paired_ratio(b.latency_ms[bs].rounds, lat.rounds, b.latency_ms[bs].p50, lat.p50)
-            for bs, lat in latency.items()
-            if bs in b.latency_ms
-        }
+        ratios[b.label] = {bs: b.latency_ms[bs].over(lat) for bs, lat in latency.items() if bs in b.latency_ms}
         intervals[b.label] = {
             bs: ci
             for bs, lat in latency.items()

@@ -51,7 +51,7 @@ from kiln.core.records import (
 from kiln.core.shapes import Axes, graph_axes
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings
-from kiln.core.timing import Timer, interleave, paired_ratio, ratio_interval, time_calls, warm_up
+from kiln.core.timing import Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (
@@ -340,10 +340,6 @@ def behind_pytorch(engines: list[EngineValidation], chosen: dict[str, str]) -> d
     return out
 
 
-def _paired(slow: Percentiles, fast: Percentiles) -> float:
-    return paired_ratio(slow.rounds, fast.rounds, slow.p50, fast.p50)
-
-
 def choose(engines: list[EngineValidation], order: list[str], margin: float) -> tuple[dict[str, str], dict[str, str]]:
     """Per batch size, the fastest engine that passed its gates (and was not dropped), and notes where the fastest
     measured was not chosen. Engines are considered in ``order`` (backend preference: TensorRT first); a later one
@@ -368,7 +364,7 @@ def choose(engines: list[EngineValidation], order: list[str], margin: float) -> 
                 best = e
             elif faster:
                 notes[bs] = (
-                    f"{e.name} measured {_paired(best.latency_ms[bs], e.latency_ms[bs]):.2f}x faster than "
+                    f"{e.name} measured {best.latency_ms[bs].over(e.latency_ms[bs]):.2f}x faster than "
                     f"{best.name} at p50, within the timing's noise (95 % interval {ci[0]:.2f}-{ci[1]:.2f}x): "
                     f"{best.name} kept (listed first: backend preference, then name)"
                 )
