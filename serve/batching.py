@@ -83,7 +83,7 @@ def _fill(target: np.ndarray, parts: list[np.ndarray], rows: int, threads: int =
         at += len(part)
     if threads > 1 and target[:rows].nbytes >= PARALLEL_COPY_BYTES and rows > 1:
         step = -(-rows // threads)  # rows per share; a request's rows may be split between shares
-        shares = [[(a, p) for a, p in _cut(pieces, lo, lo + step)] for lo in range(0, rows, step)]
+        shares = [_cut(pieces, lo, lo + step) for lo in range(0, rows, step)]
         pool = _copiers.get(threads) or _copiers.setdefault(threads, ThreadPoolExecutor(threads, "kiln-copy"))
         # every share finished before the buffer is used or an error is raised: none still writing into the next batch
         done, _ = wait([pool.submit(_copy, target, share) for share in shares])

@@ -83,7 +83,6 @@ class HttpClient:
         status = int(head[0].split(" ", 2)[1])
         fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
         if "content-length" not in fields:  # chunked or close-delimited: not what Triton sends for an inference
-            self.close()
             raise OSError(f"an answer without Content-Length ({fields.get('transfer-encoding', 'no length')})")
         size = int(fields["content-length"])
         while len(self.pending) < size:

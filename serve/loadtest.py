@@ -336,7 +336,10 @@ UNREGISTER_WAIT_S = 10.0  # how long close() waits for the server to let go of a
 
 class SharedMemory:
     """System shared-memory regions registered with the server: the pool's inputs laid out once (Triton only reads
-    them, so every thread of the process sends from it) and one output region per client thread.
+    them, so every thread of the process sends from it) and one output region per client thread. Each request's
+    tensors are kept as KServe's JSON says them (``input_specs`` per request of the pool, ``output_specs`` per
+    thread), what Kiln's HTTP client sends as they are; tritonclient's objects are made from them
+    (:meth:`tritonclient_inputs`, :meth:`tritonclient_outputs`).
 
     Names are unique to each instance (process, instance count, a random token): Triton holds a region until the
     requests that used it are released, a moment after their answers arrive, so a name used again at once can still
@@ -347,46 +350,56 @@ class SharedMemory:
     def __init__(self, module: Any, client: Any, pool: list[dict], expected: list[dict], threads: int) -> None:
         import tritonclient.utils.shared_memory as shm
 
-        self.shm, self.client, self.handles = shm, client, {}
+        self.shm, self.module, self.client, self.handles = shm, module, client, {}
         try:
-            self._lay_out(module, pool, expected, threads)
+            self._lay_out(pool, expected, threads)
         except BaseException:  # no region left behind, registered or in /dev/shm
             self.close()
             raise
 
-    def _lay_out(self, module: Any, pool: list[dict], expected: list[dict], threads: int) -> None:
-        shm = self.shm
+    def _lay_out(self, pool: list[dict], expected: list[dict], threads: int) -> None:
         tag = f"kiln_{os.getpid()}_{next(self._made)}_{secrets.token_hex(3)}"
         arrays = [{n: np.ascontiguousarray(a) for n, a in feed.items()} for feed in pool]
-        handle = self._region(f"{tag}_in", sum(a.nbytes for feed in arrays for a in feed.values()))
-        self.inputs, self.input_specs, offset = [], [], 0
+        region = f"{tag}_in"
+        handle = self._region(region, sum(a.nbytes for feed in arrays for a in feed.values()))
+        self.input_specs, offset = [], 0
         for feed in arrays:
-            tensors, specs = [], []
+            specs = []
             for name, array in feed.items():
-                shm.set_shared_memory_region(handle, [array], offset=offset)
-                tensor = module.InferInput(name, list(array.shape), _triton_dtype(array.dtype))
-                tensor.set_shared_memory(f"{tag}_in", array.nbytes, offset)
-                tensors.append(tensor)
+                self.shm.set_shared_memory_region(handle, [array], offset=offset)
                 specs.append(
-                    shm_tensor(name, list(array.shape), _triton_dtype(array.dtype), f"{tag}_in", array.nbytes, offset)
+                    shm_tensor(name, list(array.shape), _triton_dtype(array.dtype), region, array.nbytes, offset)
                 )
                 offset += array.nbytes
-            self.inputs.append(tensors)
             self.input_specs.append(specs)
         # each output at a fixed place in a thread's region, sized for the largest answer in the pool
-        self.sizes = {n: max(e[n].nbytes for e in expected) for n in expected[0]}
-        self.outputs, self.output_specs = [], []
+        sizes = {n: max(1, max(e[n].nbytes for e in expected)) for n in expected[0]}
+        self.output_handles, self.output_specs = [], []
         for t in range(threads):
-            name, offset, requested, specs = f"{tag}_out{t}", 0, [], []
-            handle = self._region(name, max(1, sum(self.sizes.values())))
-            for n, size in self.sizes.items():
-                out = module.InferRequestedOutput(n)
-                out.set_shared_memory(name, max(1, size), offset)
-                requested.append((n, out, offset))
-                specs.append(shm_tensor(n, None, None, name, max(1, size), offset))
+            region, offset, specs = f"{tag}_out{t}", 0, []
+            self.output_handles.append(self._region(region, sum(sizes.values())))
+            for n, size in sizes.items():
+                specs.append(shm_tensor(n, None, None, region, size, offset))
                 offset += size
-            self.outputs.append((handle, requested))
             self.output_specs.append(specs)
+
+    def tritonclient_inputs(self, k: int) -> list[Any]:
+        """Request ``k``'s inputs as tritonclient's ``InferInput`` objects, pointing into the pool's region."""
+        out = []
+        for spec in self.input_specs[k]:
+            tensor = self.module.InferInput(spec["name"], spec["shape"], spec["datatype"])
+            tensor.set_shared_memory(*_place(spec))
+            out.append(tensor)
+        return out
+
+    def tritonclient_outputs(self, thread: int) -> list[Any]:
+        """Thread ``thread``'s requested outputs as tritonclient's ``InferRequestedOutput`` objects, into its region."""
+        out = []
+        for spec in self.output_specs[thread]:
+            tensor = self.module.InferRequestedOutput(spec["name"])
+            tensor.set_shared_memory(*_place(spec))
+            out.append(tensor)
+        return out
 
     def _region(self, name: str, size: int) -> Any:
         handle = self.shm.create_shared_memory_region(name, f"/{name}", size)
@@ -399,9 +412,10 @@ class SharedMemory:
     ) -> dict[str, np.ndarray | None]:
         """Thread ``thread``'s answer, read from its region in the ``shapes`` the server declared for each output
         (None: not in the answer; a copy: the next request writes over it)."""
-        handle, requested = self.outputs[thread]
+        handle = self.output_handles[thread]
         got: dict[str, np.ndarray | None] = {}
-        for name, _, offset in requested:
+        for spec in self.output_specs[thread]:
+            name, (_, _, offset) = spec["name"], _place(spec)
             shape = shapes.get(name)
             got[name] = (
                 None
@@ -440,6 +454,12 @@ class SharedMemory:
         if isinstance(status, list):  # tritonclient.http: one dict per region
             return {region["name"] for region in status}
         return set(status.regions)  # tritonclient.grpc: a message whose regions map is keyed by name
+
+
+def _place(spec: dict[str, Any]) -> tuple[str, int, int]:
+    """(region, byte size, offset) of a tensor :func:`~kiln.serve.http_client.shm_tensor` wrote."""
+    params = spec["parameters"]
+    return params["shared_memory_region"], params["shared_memory_byte_size"], params.get("shared_memory_offset", 0)
 
 
 def declared_shapes(result: Any, names: list[str]) -> dict[str, list[int] | None]:
@@ -483,7 +503,12 @@ def run_level(
     outputs = list(expected[0])
     setup = _client(module, protocol, address)[0] if shared_memory else None
     regions = SharedMemory(module, setup, pool, expected, concurrency) if setup else None
-    prepared = regions.inputs if regions else [_inputs(module, feed, binary=protocol != "ray") for feed in pool]
+    if lean:  # Kiln's client sends the regions' JSON (SharedMemory.input_specs)
+        prepared = []
+    elif regions:
+        prepared = [regions.tritonclient_inputs(k) for k in range(len(pool))]
+    else:
+        prepared = [_inputs(module, feed, binary=protocol != "ray") for feed in pool]
     # JSON answers for Ray Serve (tritonclient.http's outputs); Triton's default (binary) otherwise
     requested = (
         {"outputs": [module.InferRequestedOutput(n, binary_data=False) for n in outputs]} if protocol == "ray" else {}
@@ -497,7 +522,7 @@ def run_level(
         http = HttpClient(address, REQUEST_TIMEOUT_S) if lean else None
         with lock:
             slot = next(slots)
-        wanted = {"outputs": [o for _, o, _ in regions.outputs[slot][1]]} if regions else requested
+        wanted = {"outputs": regions.tritonclient_outputs(slot)} if regions and not lean else requested
         made: dict[int, bytes] = {}  # the lean client's requests, made once each
         try:
             while time.perf_counter() < deadline:
@@ -519,7 +544,7 @@ def run_level(
                 err, ok = 0.0, True
                 if http:
                     shapes = {o["name"]: o.get("shape") for o in result.get("outputs", [])}
-                    answer = regions.answer(slot, {n: shapes.get(n) for n in outputs}, expected[k])
+                    answer = regions.answer(slot, shapes, expected[k])
                 else:
                     answer = regions.answer(slot, declared_shapes(result, outputs), expected[k]) if regions else None
                 for name in outputs:
