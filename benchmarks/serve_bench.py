@@ -44,6 +44,7 @@ import numpy as np
 
 from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
+from kiln.serve import trace  # noqa: E402
 from kiln.serve.loadtest import loadtest, split_table  # noqa: E402
 from kiln.serve.server import find_engines, free_port, wait_ready  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
@@ -141,10 +142,12 @@ def served(
     args: argparse.Namespace,
     out: Path,
     report: Callable[[str, int, str, dict[str, Any], int], None],
+    report_trace: Callable[[dict[str, Any] | None], None],
 ) -> None:
     """One `kiln serve` of ``model``, load-tested once per (protocol, client processes, transport, client switch
     interval) asked for, in that order, each result handed to ``report`` as it comes (with the switch interval's
-    index). The server's start (compiles, warm-up) is paid once."""
+    index). The server's start (compiles, warm-up) is paid once. With ``--trace-rate``, Triton's trace of the
+    measured levels' requests (:mod:`kiln.serve.trace`) goes to ``report_trace`` once the server has stopped."""
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
@@ -171,9 +174,24 @@ def served(
     if args.pytriton:
         cmd += ["--pytriton"]
     out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(cmd, stdout=open(out / "serve.log", "wb"), stderr=subprocess.STDOUT)
+    traced = out / "trace.json"
+    if args.trace_rate:
+        traced.unlink(missing_ok=True)  # this benchmark's own file from an earlier run in --work
+        cmd += ["--trace", str(traced), "--trace-rate", str(args.trace_rate)]
+    clients_on, server_on = args.cpu_split or (None, None)
+    env = os.environ | ({"KILN_STUB_METRICS_S": str(args.stub_metrics_s)} if args.stub_metrics_s else {})
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=open(out / "serve.log", "wb"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=(lambda: os.sched_setaffinity(0, server_on)) if server_on else None,  # Triton and stubs inherit
+    )
     urls = {"grpc": f"grpc://127.0.0.1:{ports[1]}", "http": f"http://127.0.0.1:{ports[0]}"}
+    everywhere = os.sched_getaffinity(0)
     try:
+        if clients_on:  # the client processes are spawned from this one and inherit its CPUs
+            os.sched_setaffinity(0, clients_on)
         wait_ready(urls["http"], [model], 300, proc, tuple(ports[1:]))
         # One short level first, the way the first measured level sends its requests (protocol, client processes,
         # transport, client): first-call costs (allocations, CUDA graph capture per shape, the server's first reads
@@ -193,6 +211,7 @@ def served(
             metrics_port=ports[2],
             client=args.client[0],
         )
+        measured_from = time.monotonic_ns()  # Triton stamps its traces on the same clock: the warm-up is left out
         for protocol in args.protocol:
             for n in args.processes:
                 for transport in args.transport:
@@ -219,7 +238,31 @@ def served(
                         )
                         report(protocol, n, transport, result, k)
     finally:
+        os.sched_setaffinity(0, everywhere)
         stop_server(proc)
+    if args.trace_rate and traced.is_file():
+        requests = [r for r in trace.read(traced) if r.get("REQUEST_START", 0) >= measured_from]
+        report_trace(trace.summary(requests))
+
+
+def cpu_split(text: str) -> tuple[set[int], set[int]] | None:
+    """``none`` (clients and server anywhere), or ``CLIENTS:SERVER`` as two CPU lists (``0-5:6-15``): the load
+    test's processes held to the first, Triton and its stubs to the second, so neither preempts the other."""
+    if text == "none":
+        return None
+    clients, sep, server = text.partition(":")
+    if not sep:
+        raise ValueError(f"--cpu-split entry '{text}' is not CLIENTS:SERVER (e.g. 0-5:6-15) or none")
+    return cpu_list(clients), cpu_list(server)
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPUs written as taskset does (``0-5,8``)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
@@ -320,6 +363,23 @@ def main() -> None:
         help="kiln loadtest --client (auto, kiln, tritonclient); a list alternates like --client-switch-us (the "
         "shorter of the two lists repeats its last entry)",
     )
+    p.add_argument(
+        "--cpu-split",
+        default="none",
+        help="CLIENTS:SERVER CPU lists (0-5:6-15: the load test's processes on CPUs 0-5, Triton and its stubs on "
+        "6-15) or none; a list (none,0-5:6-15) starts one server per entry, zipped with --instances-per-gpu",
+    )
+    p.add_argument(
+        "--stub-metrics-s",
+        help="the stubs' KILN_STUB_METRICS_S (seconds between publishing their timings to Triton; 3600: none "
+        "within a run); a list starts one server per entry, zipped with --instances-per-gpu",
+    )
+    p.add_argument(
+        "--trace-rate",
+        type=int,
+        help="kiln serve --trace: Triton stamps every Nth request; each server's measured requests summarised by "
+        "phase (serve_<label>_trace_<server>.{json,md})",
+    )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -343,6 +403,17 @@ def main() -> None:
     if not set(args.transport) <= {"net", "shm"}:
         p.error("--transport takes net, shm or net,shm")
     stubs = [int(n) for n in args.instances_per_gpu.split(",")] if args.instances_per_gpu else [None]
+    try:
+        splits = [cpu_split(entry) for entry in args.cpu_split.split(",")] if args.cpu_split != "none" else [None]
+    except ValueError as exc:
+        p.error(str(exc))
+    if any(split and not (split[0] | split[1]) <= os.sched_getaffinity(0) for split in splits):
+        p.error(f"--cpu-split names CPUs this process cannot use (it has {sorted(os.sched_getaffinity(0))})")
+    publish = [float(v) for v in args.stub_metrics_s.split(",")] if args.stub_metrics_s else [None]
+    servers = max(len(stubs), len(splits), len(publish))
+    stubs += stubs[-1:] * (servers - len(stubs))
+    splits += splits[-1:] * (servers - len(splits))
+    publish += publish[-1:] * (servers - len(publish))
     work = args.work or Path(tempfile.mkdtemp(prefix="serve-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]  # this script shares its machine: say how busy it was
@@ -388,6 +459,10 @@ def main() -> None:
             "max_queue_delay_us": args.max_queue_delay_us,
             "gpus": args.gpus,
             "instances_per_gpu": n,
+            "cpu_split": {"clients": sorted(args.cpu_split[0]), "server": sorted(args.cpu_split[1])}
+            if args.cpu_split
+            else None,
+            "stub_metrics_s": args.stub_metrics_s,
             "pytriton": args.pytriton,
             "client_processes": processes,
             "transport": transport,
@@ -399,18 +474,33 @@ def main() -> None:
             tail += f"_sw{args.client_switch_us[k]}_{k}"
         if clients:
             tail += f"_{args.client[k]}_{k}"
-        if len(stubs) > 1:  # one server per entry of --instances-per-gpu: its stubs and its place in the order
-            tail += f"_i{n}_{run}"
-        name = f"serve_{args.label or label}" + (tail if several or switches or clients or len(stubs) > 1 else "")
+        if servers > 1:  # one server per entry of --instances-per-gpu / --cpu-split: its set-up and place in order
+            tail += f"_i{n}" + ("_pinned" if args.cpu_split else "")
+            tail += (f"_pub{args.stub_metrics_s:g}" if args.stub_metrics_s else "") + f"_{run}"
+        name = f"serve_{args.label or label}" + (tail if several or switches or clients or servers > 1 else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)
 
-    for run, n in enumerate(stubs):
-        args.instances_per_gpu, args.server_run = n, run
-        if len(stubs) > 1:
-            say(f"server {run + 1} of {len(stubs)}: {n} instance(s) per GPU")
-        served(path, engine.model_name, config, args, work / f"loadtest{run}", write)
+    def write_trace(found: dict[str, Any] | None) -> None:
+        name = f"serve_{args.label or label}_trace_{args.server_run}"
+        lines = [f"# Triton's trace, server {args.server_run + 1} ({args.instances_per_gpu} stubs)", ""]
+        lines += [f"`{env['command']}`; {env['device']}", ""] + (trace.markdown(found) if found else ["no requests"])
+        (args.out / f"{name}.json").write_text(json.dumps({"env": env, "trace": found}, indent=2) + "\n")
+        (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+
+    for run, (n, split, every) in enumerate(zip(stubs, splits, publish)):
+        args.instances_per_gpu, args.server_run, args.cpu_split, args.stub_metrics_s = n, run, split, every
+        if servers > 1:
+            where = f", clients on CPUs {_cpus(split[0])}, server on {_cpus(split[1])}" if split else ""
+            where += f", stub timings published every {every:g} s" if every else ""
+            say(f"server {run + 1} of {servers}: {n} instance(s) per GPU{where}")
+        served(path, engine.model_name, config, args, work / f"loadtest{run}", write, write_trace)
+
+
+def _cpus(cpus: set[int]) -> str:
+    return f"{min(cpus)}-{max(cpus)}" if len(cpus) == max(cpus) - min(cpus) + 1 else ",".join(map(str, sorted(cpus)))
 
 
 def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
@@ -418,7 +508,13 @@ def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
         return f"Triton through PyTriton {env.get('pytriton')} (the engine in the `kiln serve` process)"
     where = f"on GPU(s) {report['gpus']}" if report.get("gpus") is not None else "(kiln serve's default placement)"
     count = report.get("instances_per_gpu") or "kiln serve's default number of"
-    return f"plain tritonserver, Python backend {where} with {count} instance(s) (the engine in Triton's stubs)"
+    split = report.get("cpu_split")
+    pinned = ""
+    if split:
+        pinned = f"; server on CPUs {_cpus(set(split['server']))}, clients on {_cpus(set(split['clients']))}"
+    if report.get("stub_metrics_s"):
+        pinned += f"; the stubs publish their timings every {report['stub_metrics_s']:g} s"
+    return f"plain tritonserver, Python backend {where} with {count} instance(s) (the engine in Triton's stubs){pinned}"
 
 
 def _device(meta: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ Loopback only: this generates load, and is not meant to be pointed at someone el
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -70,6 +71,7 @@ REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its dura
 # up to that long for the lock while another thread of its process runs, and the wait lands on its latency. On the
 # H200 (8 stubs, c = 64, benchmarks/README.md) 200 us served more requests with a shorter tail than 5 ms.
 CLIENT_SWITCH_S = 200e-6
+TAIL_WINDOW_S = 0.1  # tail_windows' window
 
 
 @dataclass
@@ -82,6 +84,9 @@ class Level:
     seconds: float = 0.0
     switch_interval_s: float = 0.0  # the clients' thread switch interval while they ran
     client: str = "tritonclient"  # what sent the requests: tritonclient, or kiln's HTTP client (kiln.serve.http_client)
+    sent_s: list[float] = field(default_factory=list)  # when each request of latencies_ms was sent (time.time())
+    cpu: dict[str, float | int] | None = None  # CpuMeter over the client threads' run, from start to join
+    collector: dict[str, float] | None = None  # the client processes' garbage collections meanwhile (Collections)
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
@@ -98,7 +103,57 @@ class Level:
             "max_abs_err": self.max_abs_err,
             "client_switch_interval_s": self.switch_interval_s,
             "client": self.client,
+            "tail_windows": tail_windows(self.sent_s, self.latencies_ms),
+            "cpu_cores": self.cpu,
+            "client_collections": self.collector,
         }
+
+
+class Collections:
+    """The interpreter's garbage collections inside the block, through :data:`gc.callbacks`: how many, how many
+    of the oldest generation, their total and their longest pause. Every thread of the process waits through a
+    collection, so a load generator's own pauses would land on the latencies it reports."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.seen = {"collections": 0, "full": 0, "total_ms": 0.0, "longest_ms": 0.0}
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self.started) * 1e3
+        seen = self.seen
+        seen["collections"] += 1
+        seen["full"] += info["generation"] == 2
+        seen["total_ms"] += ms
+        seen["longest_ms"] = max(seen["longest_ms"], ms)
+
+
+def tail_windows(sent_s: list[float], latencies_ms: list[float], window_s: float = TAIL_WINDOW_S) -> dict | None:
+    """Where the level's slow requests (above its p99) were sent, by ``window_s`` windows of the run: a tail
+    spread over the windows is the server's steady behaviour (queueing, scheduling); one gathered in a few is a
+    stall (a collection, a compile, a swap). ``share_in_worst_10pct``: the slow requests' share in the tenth of
+    the windows that hold most of them (about 0.1 when spread evenly, near 1 when gathered)."""
+    if len(latencies_ms) < 100 or len(sent_s) != len(latencies_ms):
+        return None
+    sent, lat = np.asarray(sent_s), np.asarray(latencies_ms)
+    window = ((sent - sent.min()) // window_s).astype(int)
+    slow = np.bincount(window[lat > np.percentile(lat, 99)], minlength=window.max() + 1)
+    worst = np.sort(slow)[::-1][: max(1, len(slow) // 10)]
+    return {
+        "window_s": window_s,
+        "windows": len(slow),
+        "windows_with_slow": int(np.count_nonzero(slow)),
+        "share_in_worst_10pct": float(worst.sum() / max(1, slow.sum())),
+    }
 
 
 # Processes counted as the server's in a level's CPU use: Triton and its Python-backend stubs, Ray's workers
@@ -533,7 +588,7 @@ def run_level(
                 k = i % len(pool)
                 if http and k not in made:
                     made[k] = infer_request(address, model, regions.input_specs[k], regions.output_specs[slot])
-                t0 = time.perf_counter()
+                sent, t0 = time.time(), time.perf_counter()
                 try:
                     result = http.send(made[k]) if http else client.infer(model, prepared[k], **timeout, **wanted)
                 except Exception as exc:  # a failed request is a result of the test: count it and go on
@@ -563,6 +618,7 @@ def run_level(
                     ok &= diff <= atol + rtol * float(np.max(np.abs(want))) if want.size else True
                 with lock:
                     level.latencies_ms.append(ms)
+                    level.sent_s.append(sent)
                     level.max_abs_err = max(level.max_abs_err, err)
                     level.mismatches += not ok
         finally:
@@ -570,12 +626,19 @@ def run_level(
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     try:
-        with switch_interval(switch_interval_s):
+        # what exists now (the libraries, the pool, its expected answers) lives through the level: out of the
+        # collector's sight, so no full collection walks it while requests wait
+        gc.freeze()
+        with switch_interval(switch_interval_s), Collections() as collections:
             level.switch_interval_s = sys.getswitchinterval()
+            meter = CpuMeter()  # the threads' run only: not the imports, the regions' set-up or their release
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
+            level.cpu = meter.read()
+        gc.unfreeze()
+        level.collector = collections.seen
         level.seconds = time.perf_counter() - start
     finally:
         if regions:
@@ -633,11 +696,14 @@ def run_level_processes(processes: int, *args: Any) -> Level:
     ]
     for w in workers:
         w.start()
-    merged = Level(concurrency)
+    merged, parts = Level(concurrency), []
     try:
         for _ in workers:
             part = results.get(timeout=duration_s + REQUEST_TIMEOUT_S + 120)  # a client process that hangs
             merged.latencies_ms += part.latencies_ms
+            merged.sent_s += part.sent_s
+            parts.append(part.cpu)
+            merged.collector = merged_collections(merged.collector, part.collector)
             merged.mismatches += part.mismatches
             merged.errors += part.errors
             merged.max_abs_err = max(merged.max_abs_err, part.max_abs_err)
@@ -649,7 +715,30 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             w.join(timeout=10)
             if w.is_alive():
                 w.kill()
+    merged.cpu = merged_cpu(parts)
     return merged
+
+
+def merged_collections(a: dict[str, float] | None, b: dict[str, float] | None) -> dict[str, float] | None:
+    """Two processes' :class:`Collections`: counts and time added, the longest pause kept."""
+    if a is None or b is None:
+        return a or b
+    return {k: max(a[k], b[k]) if k == "longest_ms" else a[k] + b[k] for k in a}
+
+
+def merged_cpu(parts: list[dict[str, float | int] | None]) -> dict[str, float | int] | None:
+    """One level's CPU from its client processes' readings over nearly the same window: the machine's and the
+    server's cores as their mean, the clients' as the sum of each process's own."""
+    read = [p for p in parts if p]
+    if not read:
+        return None
+    return {
+        "cores": read[0]["cores"],
+        "seconds": max(p["seconds"] for p in read),
+        "busy": round(sum(p["busy"] for p in read) / len(read), 3),
+        "server": round(sum(p["server"] for p in read) / len(read), 3),
+        "clients": round(sum(p["clients"] for p in read), 3),
+    }
 
 
 def _level_worker(barrier: Any, results: Any, args: tuple[Any, ...]) -> None:
@@ -849,9 +938,9 @@ def loadtest(
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
             args += (shared_memory, switch_interval_s, client)
-            meter, stub = CpuMeter(), stub_times.read(metrics, model) if metrics else None
+            stub = stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
-            levels.append({**level.summary(), "cpu_cores": meter.read()})
+            levels.append(level.summary())
             after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
             levels[-1]["stub_ms"] = stub_split(stub, stub_times.read(metrics, model) if metrics else None, mark, after)
@@ -913,8 +1002,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         + (", sent by Kiln's HTTP client." if result.get("client") == "kiln" else ", sent by tritonclient."),
         "",
         "| concurrency | requests | throughput (req/s) | p50 ms | p90 ms | p99 ms | in-process ms (batch) "
-        "| in-process req/s | served / in-process | wrong | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in-process req/s | served / in-process | wrong | failed | slow in worst tenth |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in result["levels"]:
         lines.append(_row(lv))
@@ -922,7 +1011,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"Server: {result.get('server_kind', 'Triton')}. In-process: the engine timed in this process at a batch of "
         "the level's concurrency (capped by the server's batch limit), the most a server can batch from that "
-        "many single-sample requests; served / in-process compares their throughputs.",
+        "many single-sample requests; served / in-process compares their throughputs. Slow in worst tenth: the "
+        f"share of the requests slower than p99 sent in the tenth of the level's {TAIL_WINDOW_S:g} s windows that "
+        "hold most of them (about 0.1: a tail spread over the run; near 1: stalls).",
     ]
     if result.get("mean_batch"):
         lines += [
@@ -943,8 +1034,9 @@ def split_table(levels: list[dict[str, Any]]) -> list[str]:
         "own time: the client, serialising, the transport):",
         "",
         "| concurrency | outside Triton | queue | input | execute | output | other | mean batch "
-        "| in-process req/s at that batch | served / that | cores busy: machine / server / clients |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in-process req/s at that batch | served / that | cores busy: machine / server / clients "
+        "| clients' collections (longest ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in levels:
         if split := lv.get("server_split_ms"):
@@ -957,7 +1049,9 @@ def split_table(levels: list[dict[str, Any]]) -> list[str]:
             )
             cpu = lv.get("cpu_cores")
             used = f"{cpu['busy']:.1f} / {cpu['server']:.1f} / {cpu['clients']:.1f} of {cpu['cores']}" if cpu else "-"
-            lines.append(f"| {lv['concurrency']} | {cells} | {split['mean_batch']:.2f} | {own} | {used} |")
+            gc_seen = lv.get("client_collections")
+            paused = f"{gc_seen['collections']} ({gc_seen['longest_ms']:.1f})" if gc_seen else "-"
+            lines.append(f"| {lv['concurrency']} | {cells} | {split['mean_batch']:.2f} | {own} | {used} | {paused} |")
     return lines + stub_table(levels)
 
 
@@ -971,19 +1065,24 @@ def stub_table(levels: list[dict[str, Any]]) -> list[str]:
         "inputs, the engine call with its copies, and the responses, over the executions it published; rest = "
         "the hop between Triton and the stub):",
         "",
-        "| concurrency | execution | inputs | engine | responses | rest |",
-        "|---:|---:|---:|---:|---:|---:|",
+        f"| concurrency | execution | inputs | engine | responses | rest | over {stub_times.SLOW_S * 1e3:g} ms: "
+        "executions (inputs / engine / responses ms each) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in levels:
         if stub := lv.get("stub_ms"):
             cells = " | ".join(f"{stub[k]:.3f}" for k in ("execution", *stub_times.PHASES, "rest"))
-            lines.append(f"| {lv['concurrency']} | {cells} |")
+            slow = f"{stub['slow_executions']:.0f}" if "slow_executions" in stub else "-"
+            if stub.get("slow_ms"):
+                slow += " (" + " / ".join(f"{stub['slow_ms'][p]:.1f}" for p in stub_times.PHASES) + ")"
+            lines.append(f"| {lv['concurrency']} | {cells} | {slow} |")
     return lines
 
 
 def _row(lv: dict[str, Any]) -> str:
     lat, own = lv["latency_ms"], lv.get("inprocess")
     ratio = lv.get("served_vs_inprocess")
+    tail = f"{lv['tail_windows']['share_in_worst_10pct']:.2f}" if lv.get("tail_windows") else "-"
     inproc = (
         f"{own['latency_ms']:.3f} ({own['batch']}) | {own['throughput_rps']:.0f} | {ratio:.0%}"
         if own and ratio is not None
@@ -991,7 +1090,7 @@ def _row(lv: dict[str, Any]) -> str:
     )
     return (
         f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f} | {lat['p50']:.2f} | "
-        f"{lat['p90']:.2f} | {lat['p99']:.2f} | {inproc} | {lv['mismatches']} | {lv['errors']} |"
+        f"{lat['p90']:.2f} | {lat['p99']:.2f} | {inproc} | {lv['mismatches']} | {lv['errors']} | {tail} |"
     )
 
 

@@ -3,8 +3,12 @@ call (the batch assembled, copied to the engine's device and back, split), build
 an execution whole (``compute_infer``); what it spends beyond these phases is the hop between Triton and the stub
 (shared-memory messages, the stub's wake-up) and the backend's own copies.
 
+Executions that take longer than :data:`SLOW_S` are counted apart, with their phases' seconds (phase
+``inputs_slow`` and so on): a latency tail made of a few slow executions shows which phase stalled.
+
 The stub publishes its sums as Triton custom metrics (``kiln_stub_seconds_total{model, phase}``,
-``kiln_stub_executions_total{model}``, ``kiln_stub_requests_total{model}``) on Triton's Prometheus endpoint, which
+``kiln_stub_executions_total{model}``, ``kiln_stub_requests_total{model}``,
+``kiln_stub_slow_executions_total{model}``) on Triton's Prometheus endpoint, which
 ``kiln loadtest`` reads before and after each level. Each update of a custom metric is a message to the Triton
 process, so the stub adds up its timings and publishes them at most every ``KILN_STUB_METRICS_S`` seconds (default
 1): the averages cover the executions published, a sample of the level's."""
@@ -18,9 +22,12 @@ import urllib.request
 from typing import Any
 
 PHASES = ("inputs", "engine", "responses")
+SLOW_PHASES = tuple(f"{p}_slow" for p in PHASES)  # the same phases, summed over the slow executions only
+SLOW_S = 0.010  # an execution slower than this is counted as slow
 SECONDS = "kiln_stub_seconds_total"
 EXECUTIONS = "kiln_stub_executions_total"
 REQUESTS = "kiln_stub_requests_total"
+SLOW = "kiln_stub_slow_executions_total"
 
 
 class StubTimes:
@@ -31,11 +38,13 @@ class StubTimes:
         seconds = pb_utils.MetricFamily(name=SECONDS, description="Kiln stub: seconds per phase", kind=counter)
         executions = pb_utils.MetricFamily(name=EXECUTIONS, description="Kiln stub: executions", kind=counter)
         requests = pb_utils.MetricFamily(name=REQUESTS, description="Kiln stub: requests executed", kind=counter)
+        slow = pb_utils.MetricFamily(name=SLOW, description=f"Kiln stub: executions over {SLOW_S}s", kind=counter)
         # the families must outlive their metrics (the stub refuses to update a metric whose family was deleted)
-        self.families = (seconds, executions, requests)
-        self.metrics = {p: seconds.Metric(labels={"model": model, "phase": p}) for p in PHASES}
+        self.families = (seconds, executions, requests, slow)
+        self.metrics = {p: seconds.Metric(labels={"model": model, "phase": p}) for p in PHASES + SLOW_PHASES}
         self.metrics["executions"] = executions.Metric(labels={"model": model})
         self.metrics["requests"] = requests.Metric(labels={"model": model})
+        self.metrics["slow_executions"] = slow.Metric(labels={"model": model})
         self.pending = dict.fromkeys(self.metrics, 0.0)
         self.every_s = float(os.environ.get("KILN_STUB_METRICS_S", "1")) if every_s is None else every_s
         self.published = time.monotonic()
@@ -45,6 +54,10 @@ class StubTimes:
         for key, value in zip(("inputs", "engine", "responses", "requests"), (inputs, engine, responses, requests)):
             self.pending[key] += value
         self.pending["executions"] += 1
+        if inputs + engine + responses > SLOW_S:
+            self.pending["slow_executions"] += 1
+            for key, value in zip(SLOW_PHASES, (inputs, engine, responses)):
+                self.pending[key] += value
         if time.monotonic() - self.published >= self.every_s:
             self.publish()
 
@@ -84,12 +97,21 @@ def read(metrics_url: str, model: str) -> dict[str, float] | None:
 
 
 def split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
-    """Mean ms per execution of each phase between two reads, and the executions and requests they cover; None
-    without both reads or without an execution published between them."""
+    """Mean ms per execution of each phase between two reads, and the executions and requests they cover; with
+    ``slow_executions`` (how many took over :data:`SLOW_S`) and, where there were any, ``slow_ms``: each phase's
+    mean ms over those. None without both reads or without an execution published between them."""
     if before is None or after is None:
         return None
     runs = after["executions"] - before.get("executions", 0.0)
     if runs <= 0:
         return None
     ms = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / runs * 1e3 for p in PHASES}
-    return ms | {"executions": runs, "requests": after["requests"] - before.get("requests", 0.0)}
+    out = ms | {"executions": runs, "requests": after["requests"] - before.get("requests", 0.0)}
+    if "slow_executions" in after:  # a stub that counts them (Kiln's since slow executions were counted)
+        slow = after["slow_executions"] - before.get("slow_executions", 0.0)
+        out["slow_executions"] = slow
+        if slow > 0:
+            out["slow_ms"] = {
+                p: (after.get(f"{p}_slow", 0.0) - before.get(f"{p}_slow", 0.0)) / slow * 1e3 for p in PHASES
+            }
+    return out

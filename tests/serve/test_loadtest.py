@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from kiln.core.data import feed_for_graph, take
 from kiln.models.registry import build_model, load_dataset
 from kiln.pipeline.config import config_from_dict
-from kiln.serve.loadtest import CpuMeter, request_pool
+from kiln.serve.loadtest import Collections, CpuMeter, merged_collections, merged_cpu, request_pool, tail_windows
 from kiln.serve.server import ServedEngine
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.config import BuildConfig
@@ -238,6 +239,44 @@ def test_cpu_meter_counts_the_clients_work_and_their_finished_children() -> None
     cpu = meter.read()
     assert cpu["clients"] * cpu["seconds"] >= 0.38, cpu  # CPU seconds, however long the machine's load made them
     assert cpu["busy"] * cpu["seconds"] >= 0.3 and cpu["busy"] <= cpu["cores"], cpu  # the machine saw it too
+
+
+def test_client_processes_cpu_adds_their_own_work_and_averages_what_they_all_saw() -> None:
+    parts = [
+        {"cores": 16, "seconds": 5.0, "busy": 10.0, "server": 6.0, "clients": 0.5},
+        {"cores": 16, "seconds": 5.2, "busy": 12.0, "server": 8.0, "clients": 0.7},
+        None,  # a process that read nothing
+    ]
+    assert merged_cpu(parts) == {"cores": 16, "seconds": 5.2, "busy": 11.0, "server": 7.0, "clients": 1.2}
+    assert merged_cpu([None]) is None
+
+
+def test_the_clients_collections_are_counted_with_their_longest_pause() -> None:
+    with Collections() as seen:
+        gc.collect()  # a full one
+        gc.collect(0)
+    assert seen.seen["collections"] == 2 and seen.seen["full"] == 1, seen.seen
+    assert 0 < seen.seen["longest_ms"] <= seen.seen["total_ms"], seen.seen
+    gc.collect()  # after the block: not counted
+    assert seen.seen["collections"] == 2
+    a = {"collections": 3, "full": 1, "total_ms": 2.0, "longest_ms": 1.5}
+    b = {"collections": 1, "full": 0, "total_ms": 0.5, "longest_ms": 0.5}
+    assert merged_collections(a, b) == {"collections": 4, "full": 1, "total_ms": 2.5, "longest_ms": 1.5}
+    assert merged_collections(None, b) == b
+
+
+def test_a_tail_spread_over_the_run_and_one_gathered_in_a_stall_are_told_apart() -> None:
+    rng = np.random.default_rng(0)
+    sent = list(np.linspace(0.0, 5.0, 50_000, endpoint=False))  # 50 windows of 0.1 s, 500 requests above p99
+    spread = list(rng.exponential(4.0, 50_000))
+    spread_tail = tail_windows(sent, spread)
+    assert spread_tail["windows"] == 50 and spread_tail["share_in_worst_10pct"] < 0.2, spread_tail
+    stalled = [4.0] * 50_000
+    for i in range(20_000, 20_400):  # every slow request inside one stretch of 0.04 s
+        stalled[i] = 40.0
+    stall_tail = tail_windows(sent, stalled)
+    assert stall_tail["share_in_worst_10pct"] == 1.0 and stall_tail["windows_with_slow"] <= 2, stall_tail
+    assert tail_windows(sent[:50], stalled[:50]) is None  # too few requests to say
 
 
 def test_kilns_client_sends_http_requests_whose_tensors_are_in_shared_memory_only() -> None:

@@ -102,3 +102,23 @@ def test_timings_are_published_at_most_every_interval_and_all_of_them_in_the_end
     every = stub_times.StubTimes("m", _PbUtils, every_s=0)
     every.add(1, 0.001, 0.002, 0.0005)
     assert every.families[1].values[(("model", "m"),)] == 1  # an interval of 0: each execution at once
+
+
+def test_executions_over_the_slow_mark_are_counted_with_their_phases() -> None:
+    times = stub_times.StubTimes("m", _PbUtils, every_s=3600)
+    times.add(4, 0.001, 0.002, 0.0005)  # 3.5 ms: not slow
+    times.add(4, 0.001, 0.020, 0.0005)  # 21.5 ms: slow, in the engine
+    times.publish()
+    seconds, slow = times.families[0].values, times.families[3].values
+    assert slow == {(("model", "m"),): 1}
+    assert seconds[(("model", "m"), ("phase", "engine_slow"))] == pytest.approx(0.020)
+    assert seconds[(("model", "m"), ("phase", "engine"))] == pytest.approx(0.022)
+
+
+def test_split_gives_the_slow_executions_phases_where_there_were_any() -> None:
+    before = {"engine": 1.0, "executions": 10.0, "requests": 30.0, "slow_executions": 1.0, "engine_slow": 0.02}
+    after = {"engine": 1.5, "executions": 110.0, "requests": 430.0, "slow_executions": 3.0, "engine_slow": 0.06}
+    got = stub_times.split(before, after)
+    assert got["slow_executions"] == 2 and got["slow_ms"] == pytest.approx({"inputs": 0, "engine": 20, "responses": 0})
+    assert "slow_ms" not in stub_times.split(before, {**after, "slow_executions": 1.0})  # none this time
+    assert "slow_executions" not in stub_times.split({"executions": 0.0}, {"executions": 5.0, "requests": 5.0})
