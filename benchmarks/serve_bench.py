@@ -44,7 +44,6 @@ import numpy as np
 
 from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
-from kiln.serve import trace  # noqa: E402
 from kiln.serve.loadtest import loadtest, split_table  # noqa: E402
 from kiln.serve.server import find_engines, free_port, wait_ready  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
@@ -109,7 +108,7 @@ def resnet18_torch_engine(work: Path, max_batch: int) -> Path:
     if (folder / "kiln-engine.json").is_file():  # built by an earlier run with the same --work
         from kiln.stages.engines.backend import read_metadata
 
-        built = read_metadata(folder).max_batch
+        built = read_metadata(folder).max_batch()
         if built is None or built >= max_batch:
             say(f"engine {folder} built before: reused")
             return folder
@@ -142,12 +141,10 @@ def served(
     args: argparse.Namespace,
     out: Path,
     report: Callable[[str, int, str, dict[str, Any], int], None],
-    report_trace: Callable[[dict[str, Any] | None], None],
 ) -> None:
     """One `kiln serve` of ``model``, load-tested once per (protocol, client processes, transport, client switch
     interval) asked for, in that order, each result handed to ``report`` as it comes (with the switch interval's
-    index). The server's start (compiles, warm-up) is paid once. With ``--trace-rate``, Triton's trace of the
-    measured levels' requests (:mod:`kiln.serve.trace`) goes to ``report_trace`` once the server has stopped."""
+    index). The server's start (compiles, warm-up) is paid once."""
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
@@ -174,10 +171,6 @@ def served(
     if args.pytriton:
         cmd += ["--pytriton"]
     out.mkdir(parents=True, exist_ok=True)
-    traced = out / "trace.json"
-    if args.trace_rate:
-        traced.unlink(missing_ok=True)  # this benchmark's own file from an earlier run in --work
-        cmd += ["--trace", str(traced), "--trace-rate", str(args.trace_rate)]
     clients_on, server_on = args.cpu_split or (None, None)
     env = os.environ | ({"KILN_STUB_METRICS_S": str(args.stub_metrics_s)} if args.stub_metrics_s else {})
     proc = subprocess.Popen(
@@ -211,7 +204,6 @@ def served(
             metrics_port=ports[2],
             client=args.client[0],
         )
-        measured_from = time.monotonic_ns()  # Triton stamps its traces on the same clock: the warm-up is left out
         for protocol in args.protocol:
             for n in args.processes:
                 for transport in args.transport:
@@ -240,9 +232,6 @@ def served(
     finally:
         os.sched_setaffinity(0, everywhere)
         stop_server(proc)
-    if args.trace_rate and traced.is_file():
-        requests = [r for r in trace.read(traced) if r.get("REQUEST_START", 0) >= measured_from]
-        report_trace(trace.summary(requests))
 
 
 def cpu_split(text: str) -> tuple[set[int], set[int]] | None:
@@ -374,12 +363,6 @@ def main() -> None:
         help="the stubs' KILN_STUB_METRICS_S (seconds between publishing their timings to Triton; 3600: none "
         "within a run); a list starts one server per entry, zipped with --instances-per-gpu",
     )
-    p.add_argument(
-        "--trace-rate",
-        type=int,
-        help="kiln serve --trace: Triton stamps every Nth request; each server's measured requests summarised by "
-        "phase (serve_<label>_trace_<server>.{json,md})",
-    )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -482,21 +465,13 @@ def main() -> None:
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)
 
-    def write_trace(found: dict[str, Any] | None) -> None:
-        name = f"serve_{args.label or label}_trace_{args.server_run}"
-        lines = [f"# Triton's trace, server {args.server_run + 1} ({args.instances_per_gpu} stubs)", ""]
-        lines += [f"`{env['command']}`; {env['device']}", ""] + (trace.markdown(found) if found else ["no requests"])
-        (args.out / f"{name}.json").write_text(json.dumps({"env": env, "trace": found}, indent=2) + "\n")
-        (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines), flush=True)
-
     for run, (n, split, every) in enumerate(zip(stubs, splits, publish)):
         args.instances_per_gpu, args.server_run, args.cpu_split, args.stub_metrics_s = n, run, split, every
         if servers > 1:
             where = f", clients on CPUs {_cpus(split[0])}, server on {_cpus(split[1])}" if split else ""
             where += f", stub timings published every {every:g} s" if every else ""
             say(f"server {run + 1} of {servers}: {n} instance(s) per GPU{where}")
-        served(path, engine.model_name, config, args, work / f"loadtest{run}", write, write_trace)
+        served(path, engine.model_name, config, args, work / f"loadtest{run}", write)
 
 
 def _cpus(cpus: set[int]) -> str:

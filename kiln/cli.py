@@ -873,16 +873,6 @@ for _name in STAGE_NAMES:
     is_flag=True,
     help="run the engines in this process through PyTriton instead of Triton's Python-backend stubs (slower)",
 )
-@click.option(
-    "--trace",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="write Triton's timestamps of sampled requests (each phase: queue, input, infer, output) to this new "
-    "file when the server stops",
-)
-@click.option(
-    "--trace-rate", default=100, show_default=True, type=click.IntRange(1), help="with --trace: every Nth request"
-)
 @verbose_opt
 def serve(
     path: str,
@@ -895,8 +885,6 @@ def serve(
     gpus: str | None,
     instances_per_gpu: int | None,
     pytriton: bool,
-    trace: Path | None,
-    trace_rate: int,
     verbose: int,
 ) -> None:
     """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM.
@@ -929,7 +917,6 @@ def serve(
             instances_per_gpu=instances_per_gpu,
             exit_on_overrun=True,
             pytriton=pytriton,
-            trace=(trace.resolve(), trace_rate) if trace is not None else None,
         )
 
 

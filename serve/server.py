@@ -451,24 +451,20 @@ def serve(
     instances_per_gpu: int | None = None,
     exit_on_overrun: bool = False,
     pytriton: bool = False,
-    trace: tuple[Path, int] | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers. The server's own log
     is printed with ``verbose`` only; otherwise its error is named when the server fails.
     ``gpus``: serve CUDA engines on these GPUs (default: GPU 0 when every engine runs on CUDA), ``instances_per_gpu``
     stubs on each (default :func:`default_instances`). ``pytriton``: run the engines in this process through
     PyTriton instead. ``exit_on_overrun``: a stop that overruns ``STOP_DEADLINE_S`` ends this process too (the
-    CLI's choice; a caller in-process keeps its process). ``trace``: (file, rate), Triton's timestamps of every
-    rate-th request written to a new file as the server stops (:mod:`kiln.serve.trace`)."""
-    if trace is not None:
-        check_trace_file(trace[0], pytriton)
+    CLI's choice; a caller in-process keeps its process)."""
     served = find_engines(path)
     if not pytriton:
         if gpus is None and all(s.meta.device == "cuda" for s in served):
             gpus = [0]
         instances = instances_per_gpu or default_instances(gpus)
         ports = (http_port, grpc_port, metrics_port)
-        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose, trace)
+        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose)
         return serve_python_backend(served, gpus, instances, ports, *args)
     if gpus is not None:
         raise ConfigError(
@@ -525,16 +521,6 @@ def serve(
         shutil.rmtree(scratch, ignore_errors=True)
         if workspace is not None and not workspace.is_relative_to(scratch):
             shutil.rmtree(workspace.parent, ignore_errors=True)
-
-
-def check_trace_file(file: Path, pytriton: bool) -> None:
-    """A trace goes to a new file in an existing folder, from plain tritonserver: said before the server starts."""
-    if pytriton:
-        raise ConfigError("--trace stamps requests in plain tritonserver, not PyTriton", hint="drop --pytriton")
-    if file.exists():
-        raise ConfigError(f"{file} exists; Kiln writes a trace only to a new file", hint="--trace a new file's path")
-    if not file.parent.is_dir():
-        raise ConfigError(f"{file.parent} is not a folder", hint="--trace a file in an existing folder")
 
 
 def _scratch() -> Path:
@@ -779,13 +765,11 @@ def tritonserver_process(
     address: str = "127.0.0.1",
     echo: bool = False,
     reloadable: bool = False,
-    trace: tuple[Path, int] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start the bundled ``tritonserver --model-repository REPOSITORY`` on ``address``. The caller stops it
     (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting).
     ``reloadable``: every model loaded at start as usual, and reloadable through Triton's repository API
-    (explicit model control), as :class:`StubWatch` does when a stub dies. ``trace``: (file, rate), every
-    rate-th request's timestamps written to file as the server stops (:mod:`kiln.serve.trace`)."""
+    (explicit model control), as :class:`StubWatch` does when a stub dies."""
     # absolute: the server starts in ``scratch``, where paths relative to this process's folder mean nothing
     repository, scratch = repository.resolve(), scratch.resolve()
     root = prepared_tritonserver(scratch)
@@ -804,10 +788,6 @@ def tritonserver_process(
     ]
     if reloadable:
         cmd += ["--model-control-mode=explicit", "--load-model=*"]
-    if trace is not None:
-        from kiln.serve.trace import trace_args
-
-        cmd += trace_args(trace[0].resolve(), trace[1])
     # In the scratch folder: the Python stubs it starts look for modules in their working folder first, where a
     # folder named like one of the engine's packages (a `kiln/` checkout) would shadow the installed one.
     if log_file is None:  # ``echo``: its log on this process's stderr (--verbose)
@@ -935,7 +915,6 @@ def serve_python_backend(
     on_ready: Callable[[list[ServedEngine]], None] | None = None,
     exit_on_overrun: bool = False,
     verbose: bool = False,
-    trace: tuple[Path, int] | None = None,
 ) -> None:
     """Every engine behind one endpoint: plain ``tritonserver`` on a Python-backend repository (each instance a
     stub process that loads the engine; with ``gpus``, instance groups over those GPUs, each stub pinned to its
@@ -952,7 +931,7 @@ def serve_python_backend(
         repository = scratch / "repository"
         models = write_repository(repository, served, gpus, instances, max_batch, queue_delay_us)
         proc = tritonserver_process(
-            repository, scratch, *ports, None if verbose else log_file, address, verbose, reloadable=True, trace=trace
+            repository, scratch, *ports, None if verbose else log_file, address, verbose, reloadable=True
         )
         try:
             wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc, ports[1:])
