@@ -36,7 +36,7 @@ from kiln.core.data import (
 from kiln.core.env import environment_subset
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
-from kiln.core.onnx_io import fixed_batch, free_batch, io_specs, load_onnx, ort_session
+from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import logits_name, named_outputs
 from kiln.core.records import (
     NONE_VALIDATED,
@@ -396,18 +396,21 @@ def torch_reference(
 def onnx_reference(
     ctx: StageContext[ValidateSettings], data: DatasetSplits, cfg: ValidateConfig
 ) -> tuple[Reference, Any]:
-    """Started from ``model.onnx`` with no PyTorch model: the FP32 ONNX file in ONNX Runtime (CPU) is the reference."""
-    path = Path(ctx.config.model.onnx)
+    """Started from ``model.onnx`` with no PyTorch model: the FP32 ONNX file in ONNX Runtime (CPU) is the reference,
+    as the export stage took it (a batch axis the file fixed made symbolic there, checked to compute the same rows)."""
+    path = ctx.inputs["export"] / "model.onnx"
     graph = load_onnx(path, load_external_data=False)
-    fixed = fixed_batch(graph)
-    # a file that fixes its batch runs with the symbolic one the export stage gave it, and checked
-    sess = ort_session(free_batch(load_onnx(path), fixed[0]) if fixed else path)
+    sess = ort_session(path)
     inputs, outputs = io_specs(graph)
     names = [i.name for i in inputs]
     sig = ctx.config.signature
     axes = sig.dynamic_axes or graph_axes(inputs)
     feeds = held_out(
-        data, lambda x: feed_for_graph(x, names, f"model.onnx {path.name}"), axes, sig.shapes, cfg.max_samples
+        data,
+        lambda x: feed_for_graph(x, names, f"model.onnx {Path(ctx.config.model.onnx).name}"),
+        axes,
+        sig.shapes,
+        cfg.max_samples,
     )
     out_names = [o.name for o in outputs]
 
@@ -585,7 +588,7 @@ def _env(cfg: ValidateSettings) -> dict[str, Any]:
 STAGE = Stage(
     "validate",
     run,
-    ("train", "build"),
+    ("train", "export", "build"),
     ValidateSettings,
     ValidationResult,
     (kiln.stages.validate, kiln.stages.accuracy, kiln.stages.engines, kiln.models, model_io, precision_speed),
