@@ -172,7 +172,8 @@ def served(
         cmd += ["--pytriton"]
     out.mkdir(parents=True, exist_ok=True)
     clients_on, server_on = args.cpu_split or (None, None)
-    env = os.environ | ({"KILN_STUB_METRICS_S": str(args.stub_metrics_s)} if args.stub_metrics_s else {})
+    publish = args.stub_metrics_s is not None
+    env = os.environ | ({"KILN_STUB_METRICS_S": str(args.stub_metrics_s)} if publish else {})
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -183,7 +184,8 @@ def served(
     urls = {"grpc": f"grpc://127.0.0.1:{ports[1]}", "http": f"http://127.0.0.1:{ports[0]}"}
     everywhere = os.sched_getaffinity(0)
     try:
-        if clients_on:  # the client processes are spawned from this one and inherit its CPUs
+        if clients_on:  # the client processes are spawned from this one and inherit its CPUs (this thread's;
+            # threads started earlier, such as the in-process timing's, keep theirs)
             os.sched_setaffinity(0, clients_on)
         wait_ready(urls["http"], [model], 300, proc, tuple(ports[1:]))
         # One short level first, the way the first measured level sends its requests (protocol, client processes,
@@ -242,14 +244,19 @@ def cpu_split(text: str) -> tuple[set[int], set[int]] | None:
     clients, sep, server = text.partition(":")
     if not sep:
         raise ValueError(f"--cpu-split entry '{text}' is not CLIENTS:SERVER (e.g. 0-5:6-15) or none")
-    return cpu_list(clients), cpu_list(server)
+    split = cpu_list(clients), cpu_list(server)
+    if not all(split) or split[0] & split[1]:
+        raise ValueError(f"--cpu-split entry '{text}' needs two lists of CPUs, neither empty, none in both")
+    return split
 
 
 def cpu_list(text: str) -> set[int]:
-    """CPUs written as taskset does (``0-5,8``)."""
+    """CPUs written as taskset does (``0-5,8``); ValueError for anything else."""
     cpus: set[int] = set()
     for part in text.split(","):
         first, _, last = part.partition("-")
+        if int(last or first) < int(first):
+            raise ValueError(f"CPU range '{part}' runs backwards")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
 
@@ -355,7 +362,7 @@ def main() -> None:
     p.add_argument(
         "--cpu-split",
         default="none",
-        help="CLIENTS:SERVER CPU lists (0-5:6-15: the load test's processes on CPUs 0-5, Triton and its stubs on "
+        help="CLIENTS:SERVER CPU ranges (0-5:6-15: the load test's processes on CPUs 0-5, Triton and its stubs on "
         "6-15) or none; a list (none,0-5:6-15) starts one server per entry, zipped with --instances-per-gpu",
     )
     p.add_argument(
@@ -392,7 +399,7 @@ def main() -> None:
         p.error(str(exc))
     if any(split and not (split[0] | split[1]) <= os.sched_getaffinity(0) for split in splits):
         p.error(f"--cpu-split names CPUs this process cannot use (it has {sorted(os.sched_getaffinity(0))})")
-    publish = [float(v) for v in args.stub_metrics_s.split(",")] if args.stub_metrics_s else [None]
+    publish = [float(v) for v in args.stub_metrics_s.split(",")] if args.stub_metrics_s is not None else [None]
     servers = max(len(stubs), len(splits), len(publish))
     stubs += stubs[-1:] * (servers - len(stubs))
     splits += splits[-1:] * (servers - len(splits))
@@ -457,10 +464,12 @@ def main() -> None:
             tail += f"_sw{args.client_switch_us[k]}_{k}"
         if clients:
             tail += f"_{args.client[k]}_{k}"
+        tail += "_pinned" if args.cpu_split else ""
+        tail += f"_pub{args.stub_metrics_s:g}" if args.stub_metrics_s is not None else ""
         if servers > 1:  # one server per entry of --instances-per-gpu / --cpu-split: its set-up and place in order
-            tail += f"_i{n}" + ("_pinned" if args.cpu_split else "")
-            tail += (f"_pub{args.stub_metrics_s:g}" if args.stub_metrics_s else "") + f"_{run}"
-        name = f"serve_{args.label or label}" + (tail if several or switches or clients or servers > 1 else "")
+            tail += f"_i{n}_{run}"
+        tagged = several or switches or clients or servers > 1 or args.cpu_split or args.stub_metrics_s is not None
+        name = f"serve_{args.label or label}" + (tail if tagged else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)
@@ -469,12 +478,13 @@ def main() -> None:
         args.instances_per_gpu, args.server_run, args.cpu_split, args.stub_metrics_s = n, run, split, every
         if servers > 1:
             where = f", clients on CPUs {_cpus(split[0])}, server on {_cpus(split[1])}" if split else ""
-            where += f", stub timings published every {every:g} s" if every else ""
+            where += f", stub timings published every {every:g} s" if every is not None else ""
             say(f"server {run + 1} of {servers}: {n} instance(s) per GPU{where}")
         served(path, engine.model_name, config, args, work / f"loadtest{run}", write)
 
 
 def _cpus(cpus: set[int]) -> str:
+    """A CPU set as a range where it is one (6-15), else listed."""
     return f"{min(cpus)}-{max(cpus)}" if len(cpus) == max(cpus) - min(cpus) + 1 else ",".join(map(str, sorted(cpus)))
 
 
@@ -487,7 +497,7 @@ def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
     pinned = ""
     if split:
         pinned = f"; server on CPUs {_cpus(set(split['server']))}, clients on {_cpus(set(split['clients']))}"
-    if report.get("stub_metrics_s"):
+    if report.get("stub_metrics_s") is not None:
         pinned += f"; the stubs publish their timings every {report['stub_metrics_s']:g} s"
     return f"plain tritonserver, Python backend {where} with {count} instance(s) (the engine in Triton's stubs){pinned}"
 

@@ -72,6 +72,7 @@ REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its dura
 # H200 (8 stubs, c = 64, benchmarks/README.md) 200 us served more requests with a shorter tail than 5 ms.
 CLIENT_SWITCH_S = 200e-6
 TAIL_WINDOW_S = 0.1  # tail_windows' window
+TAIL_MIN_WINDOWS = 20  # fewer windows than this: tail_windows says nothing
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Level:
     client: str = "tritonclient"  # what sent the requests: tritonclient, or kiln's HTTP client (kiln.serve.http_client)
     sent_s: list[float] = field(default_factory=list)  # when each request of latencies_ms was sent (time.time())
     cpu: dict[str, float | int] | None = None  # CpuMeter over the client threads' run, from start to join
-    collector: dict[str, float] | None = None  # the client processes' garbage collections meanwhile (Collections)
+    collections: dict[str, float] | None = None  # the client processes' garbage collections meanwhile (Collections)
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
@@ -105,7 +106,7 @@ class Level:
             "client": self.client,
             "tail_windows": tail_windows(self.sent_s, self.latencies_ms),
             "cpu_cores": self.cpu,
-            "client_collections": self.collector,
+            "client_collections": self.collections,
         }
 
 
@@ -137,15 +138,20 @@ class Collections:
         seen["longest_ms"] = max(seen["longest_ms"], ms)
 
 
-def tail_windows(sent_s: list[float], latencies_ms: list[float], window_s: float = TAIL_WINDOW_S) -> dict | None:
+def tail_windows(
+    sent_s: list[float], latencies_ms: list[float], window_s: float = TAIL_WINDOW_S
+) -> dict[str, Any] | None:
     """Where the level's slow requests (above its p99) were sent, by ``window_s`` windows of the run: a tail
     spread over the windows is the server's steady behaviour (queueing, scheduling); one gathered in a few is a
     stall (a collection, a compile, a swap). ``share_in_worst_10pct``: the slow requests' share in the tenth of
-    the windows that hold most of them (about 0.1 when spread evenly, near 1 when gathered)."""
+    the windows that hold most of them (about 0.1 when spread evenly, near 1 when gathered). None for fewer than
+    :data:`TAIL_MIN_WINDOWS` windows or 100 requests, where an even spread no longer reads as 0.1."""
     if len(latencies_ms) < 100 or len(sent_s) != len(latencies_ms):
         return None
     sent, lat = np.asarray(sent_s), np.asarray(latencies_ms)
     window = ((sent - sent.min()) // window_s).astype(int)
+    if window.max() + 1 < TAIL_MIN_WINDOWS:
+        return None
     slow = np.bincount(window[lat > np.percentile(lat, 99)], minlength=window.max() + 1)
     worst = np.sort(slow)[::-1][: max(1, len(slow) // 10)]
     return {
@@ -636,11 +642,11 @@ def run_level(
                 t.start()
             for t in threads:
                 t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
+            level.seconds = time.perf_counter() - start
             level.cpu = meter.read()
-        gc.unfreeze()
-        level.collector = collections.seen
-        level.seconds = time.perf_counter() - start
+        level.collections = collections.seen
     finally:
+        gc.unfreeze()
         if regions:
             regions.close()
             setup.close()
@@ -703,7 +709,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.latencies_ms += part.latencies_ms
             merged.sent_s += part.sent_s
             parts.append(part.cpu)
-            merged.collector = merged_collections(merged.collector, part.collector)
+            merged.collections = merged_collections(merged.collections, part.collections)
             merged.mismatches += part.mismatches
             merged.errors += part.errors
             merged.max_abs_err = max(merged.max_abs_err, part.max_abs_err)

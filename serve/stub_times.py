@@ -3,12 +3,13 @@ call (the batch assembled, copied to the engine's device and back, split), build
 an execution whole (``compute_infer``); what it spends beyond these phases is the hop between Triton and the stub
 (shared-memory messages, the stub's wake-up) and the backend's own copies.
 
-Executions that take longer than :data:`SLOW_S` are counted apart, with their phases' seconds (phase
-``inputs_slow`` and so on): a latency tail made of a few slow executions shows which phase stalled.
+Executions whose phases add up to more than :data:`SLOW_S` are counted apart, with those phases' seconds
+(``kiln_stub_slow_seconds_total{model, phase}``): a latency tail made of a few slow executions shows which phase
+stalled.
 
 The stub publishes its sums as Triton custom metrics (``kiln_stub_seconds_total{model, phase}``,
-``kiln_stub_executions_total{model}``, ``kiln_stub_requests_total{model}``,
-``kiln_stub_slow_executions_total{model}``) on Triton's Prometheus endpoint, which
+``kiln_stub_executions_total{model}``, ``kiln_stub_requests_total{model}``, the slow executions' two) on Triton's
+Prometheus endpoint, which
 ``kiln loadtest`` reads before and after each level. Each update of a custom metric is a message to the Triton
 process, so the stub adds up its timings and publishes them at most every ``KILN_STUB_METRICS_S`` seconds (default
 1): the averages cover the executions published, a sample of the level's."""
@@ -22,9 +23,10 @@ import urllib.request
 from typing import Any
 
 PHASES = ("inputs", "engine", "responses")
-SLOW_PHASES = tuple(f"{p}_slow" for p in PHASES)  # the same phases, summed over the slow executions only
-SLOW_S = 0.010  # an execution slower than this is counted as slow
+SLOW_PHASES = tuple(f"{p}_slow" for p in PHASES)  # the same phases over the slow executions only (read()'s keys)
+SLOW_S = 0.010  # an execution whose phases add up to more than this is counted as slow
 SECONDS = "kiln_stub_seconds_total"
+SLOW_SECONDS = "kiln_stub_slow_seconds_total"
 EXECUTIONS = "kiln_stub_executions_total"
 REQUESTS = "kiln_stub_requests_total"
 SLOW = "kiln_stub_slow_executions_total"
@@ -39,9 +41,14 @@ class StubTimes:
         executions = pb_utils.MetricFamily(name=EXECUTIONS, description="Kiln stub: executions", kind=counter)
         requests = pb_utils.MetricFamily(name=REQUESTS, description="Kiln stub: requests executed", kind=counter)
         slow = pb_utils.MetricFamily(name=SLOW, description=f"Kiln stub: executions over {SLOW_S}s", kind=counter)
+        slow_seconds = pb_utils.MetricFamily(
+            name=SLOW_SECONDS, description="Kiln stub: seconds per phase of the slow executions", kind=counter
+        )
         # the families must outlive their metrics (the stub refuses to update a metric whose family was deleted)
-        self.families = (seconds, executions, requests, slow)
-        self.metrics = {p: seconds.Metric(labels={"model": model, "phase": p}) for p in PHASES + SLOW_PHASES}
+        self.families = (seconds, executions, requests, slow, slow_seconds)
+        self.metrics = {p: seconds.Metric(labels={"model": model, "phase": p}) for p in PHASES}
+        for p in PHASES:
+            self.metrics[f"{p}_slow"] = slow_seconds.Metric(labels={"model": model, "phase": p})
         self.metrics["executions"] = executions.Metric(labels={"model": model})
         self.metrics["requests"] = requests.Metric(labels={"model": model})
         self.metrics["slow_executions"] = slow.Metric(labels={"model": model})
@@ -62,6 +69,7 @@ class StubTimes:
             self.publish()
 
     def publish(self) -> None:
+        """Every sum since the last publication, as increments of Triton's counters."""
         for key, metric in self.metrics.items():
             metric.increment(self.pending[key])
         self.pending = dict.fromkeys(self.metrics, 0.0)
@@ -78,8 +86,8 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def read(metrics_url: str, model: str) -> dict[str, float] | None:
-    """``model``'s stub counters from Triton's metrics endpoint (Prometheus' text format: three metric names, a
-    regular expression reads them), summed over its instances; None where the endpoint does not answer or has
+    """``model``'s stub counters from Triton's metrics endpoint (Prometheus' text format: the ``kiln_stub_*``
+    names, a regular expression reads them), summed over its instances; None where the endpoint does not answer or has
     none (another server, a model that is not Kiln's Python-backend model)."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=5) as response:
@@ -91,7 +99,12 @@ def read(metrics_url: str, model: str) -> dict[str, float] | None:
         tags = dict(_LABEL.findall(labels))
         if tags.get("model") != model:
             continue
-        key = tags["phase"] if name == SECONDS else name.removeprefix("kiln_stub_").removesuffix("_total")
+        if name == SECONDS:
+            key = tags["phase"]
+        elif name == SLOW_SECONDS:
+            key = f"{tags['phase']}_slow"
+        else:
+            key = name.removeprefix("kiln_stub_").removesuffix("_total")
         totals[key] = totals.get(key, 0.0) + float(value)
     return totals if "executions" in totals else None
 

@@ -22,6 +22,8 @@ kiln_stub_seconds_total{model="other",phase="engine"} 99
 kiln_stub_executions_total{model="m"} 100
 kiln_stub_executions_total{model="m"} 100
 kiln_stub_requests_total{model="m"} 400
+kiln_stub_slow_executions_total{model="m"} 2
+kiln_stub_slow_seconds_total{model="m",phase="engine"} 0.05
 nv_inference_count{model="m",version="1"} 400
 """
 
@@ -49,7 +51,15 @@ def endpoint() -> Iterator[str]:
 
 def test_a_models_counters_are_summed_over_its_instances_and_others_ignored(endpoint: str) -> None:
     got = stub_times.read(endpoint, "m")
-    assert got == {"inputs": 0.5, "engine": 4.0, "responses": 0.25, "executions": 200.0, "requests": 400.0}
+    assert got == {
+        "inputs": 0.5,
+        "engine": 4.0,
+        "responses": 0.25,
+        "executions": 200.0,
+        "requests": 400.0,
+        "slow_executions": 2.0,
+        "engine_slow": 0.05,
+    }
     assert stub_times.read(endpoint, "absent") is None  # a model that publishes nothing
 
 
@@ -109,10 +119,10 @@ def test_executions_over_the_slow_mark_are_counted_with_their_phases() -> None:
     times.add(4, 0.001, 0.002, 0.0005)  # 3.5 ms: not slow
     times.add(4, 0.001, 0.020, 0.0005)  # 21.5 ms: slow, in the engine
     times.publish()
-    seconds, slow = times.families[0].values, times.families[3].values
+    seconds, slow, slow_seconds = (times.families[k].values for k in (0, 3, 4))
     assert slow == {(("model", "m"),): 1}
-    assert seconds[(("model", "m"), ("phase", "engine_slow"))] == pytest.approx(0.020)
-    assert seconds[(("model", "m"), ("phase", "engine"))] == pytest.approx(0.022)
+    assert slow_seconds[(("model", "m"), ("phase", "engine"))] == pytest.approx(0.020)
+    assert seconds[(("model", "m"), ("phase", "engine"))] == pytest.approx(0.022)  # all executions, slow included
 
 
 def test_split_gives_the_slow_executions_phases_where_there_were_any() -> None:
