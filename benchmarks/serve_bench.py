@@ -205,6 +205,7 @@ def served(
             shared_memory=args.transport[0] == "shm",
             metrics_port=ports[2],
             client=args.client[0],
+            stamped=args.stamped,
         )
         for protocol in args.protocol:
             for n in args.processes:
@@ -229,6 +230,7 @@ def served(
                             metrics_port=ports[2],
                             switch_interval_s=switch * 1e-6 or None,
                             client=client,
+                            stamped=args.stamped,
                         )
                         report(protocol, n, transport, result, k)
     finally:
@@ -369,6 +371,11 @@ def main() -> None:
         "--stub-metrics-s",
         help="the stubs' KILN_STUB_METRICS_S (seconds between publishing their timings to Triton; 3600: none "
         "within a run); a list starts one server per entry, zipped with --instances-per-gpu",
+    )
+    p.add_argument(
+        "--stamped",
+        action="store_true",
+        help="requests carry their send time; the stubs report the wait before their execution (kiln.serve.stub_times)",
     )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")

@@ -35,9 +35,13 @@ def shm_tensor(name: str, shape: list[int] | None, datatype: str | None, region:
     return tensor | {"parameters": params}
 
 
-def infer_request(address: str, model: str, inputs: list[dict], outputs: list[dict]) -> bytes:
-    """The whole HTTP request (head and JSON body) of one inference of ``model``."""
-    body = json.dumps({"inputs": inputs, "outputs": outputs}, separators=(",", ":")).encode()
+def infer_request(
+    address: str, model: str, inputs: list[dict], outputs: list[dict], parameters: dict[str, Any] | None = None
+) -> bytes:
+    """The whole HTTP request (head and JSON body) of one inference of ``model``; ``parameters``: the request's
+    own (KServe v2's request parameters, which Triton hands to the model)."""
+    request: dict[str, Any] = {"parameters": parameters} if parameters else {}
+    body = json.dumps(request | {"inputs": inputs, "outputs": outputs}, separators=(",", ":")).encode()
     head = (
         f"POST /v2/models/{quote(model, safe='')}/infer HTTP/1.1\r\nHost: {address}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"

@@ -105,6 +105,7 @@ class Level:
             "client_switch_interval_s": self.switch_interval_s,
             "client": self.client,
             "tail_windows": tail_windows(self.sent_s, self.latencies_ms),
+            "slow_requests": int(np.count_nonzero(lat > stub_times.SLOW_S * 1e3)),
             "cpu_cores": self.cpu,
             "client_collections": self.collections,
         }
@@ -551,11 +552,14 @@ def run_level(
     shared_memory: bool = False,
     switch_interval_s: float | None = CLIENT_SWITCH_S,
     client: str = "auto",
+    stamped: bool = False,
 ) -> Level:
     """``concurrency`` client threads sending the pool's requests for ``duration_s``, every answer checked;
     ``shared_memory``: tensors through :class:`SharedMemory`, not in the requests; ``switch_interval_s``: the
     interpreter's thread switch interval while they run (:func:`sys.setswitchinterval`; None: as it is;
-    :data:`CLIENT_SWITCH_S` by default); ``client``: what sends the requests (:func:`lean_client`)."""
+    :data:`CLIENT_SWITCH_S` by default); ``client``: what sends the requests (:func:`lean_client`); ``stamped``:
+    each request of Kiln's client carries its send time, which Kiln's stubs time the wait before their execution
+    from (:mod:`kiln.serve.stub_times`)."""
     module = _client_module(protocol)
     lean = lean_client(client, protocol, shared_memory)
     level, lock = Level(concurrency, client="kiln" if lean else "tritonclient"), threading.Lock()
@@ -592,8 +596,9 @@ def run_level(
                 if i is None:
                     return
                 k = i % len(pool)
-                if http and k not in made:
-                    made[k] = infer_request(address, model, regions.input_specs[k], regions.output_specs[slot])
+                if http and (stamped or k not in made):
+                    sent_ns = {stub_times.SENT_PARAMETER: time.monotonic_ns()} if stamped else None
+                    made[k] = infer_request(address, model, regions.input_specs[k], regions.output_specs[slot], sent_ns)
                 sent, t0 = time.time(), time.perf_counter()
                 try:
                     result = http.send(made[k]) if http else client.infer(model, prepared[k], **timeout, **wanted)
@@ -910,6 +915,7 @@ def loadtest(
     metrics_port: int | None = 8002,
     switch_interval_s: float | None = CLIENT_SWITCH_S,
     client: str = "auto",
+    stamped: bool = False,
 ) -> dict[str, Any]:
     """Run every concurrency level; write ``loadtest.json``, ``loadtest.md`` and ``loadtest.png`` into ``out``.
     ``processes``: client processes per level (:func:`run_level_processes`); ``inprocess``: time the engine in
@@ -917,7 +923,8 @@ def loadtest(
     shared memory (:class:`SharedMemory`); ``metrics_port``: Triton's metrics port on the server's host, where Kiln's
     Python-backend models publish their executions' phases (:mod:`kiln.serve.stub_times`; None: not read);
     ``switch_interval_s``: the client processes' thread switch interval (:func:`run_level`; None: Python's);
-    ``client``: what sends the requests (:func:`lean_client`).
+    ``client``: what sends the requests (:func:`lean_client`); ``stamped``: requests carry their send time
+    (:func:`run_level`).
     Raises :class:`GateFailure` (after writing them) if any answer was wrong or any request failed."""
     protocol, address = parse_url(url)
     if not concurrency or min(concurrency) < 1 or duration_s <= 0 or max_requests < 1:
@@ -943,7 +950,7 @@ def loadtest(
         levels, mark = [], before
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
-            args += (shared_memory, switch_interval_s, client)
+            args += (shared_memory, switch_interval_s, client, stamped)
             stub = stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append(level.summary())
@@ -1072,8 +1079,9 @@ def stub_table(levels: list[dict[str, Any]]) -> list[str]:
         "the hop between Triton and the stub):",
         "",
         f"| concurrency | execution | inputs | engine | responses | rest | over {stub_times.SLOW_S * 1e3:g} ms: "
-        "executions (inputs / engine / responses ms each) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "executions (inputs / engine / responses ms each) | sent to executed: mean ms (share over "
+        f"{stub_times.SLOW_S * 1e3:g} ms; end to end) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for lv in levels:
         if stub := lv.get("stub_ms"):
@@ -1081,7 +1089,12 @@ def stub_table(levels: list[dict[str, Any]]) -> list[str]:
             slow = f"{stub['slow_executions']:.0f}" if "slow_executions" in stub else "-"
             if stub.get("slow_ms"):
                 slow += " (" + " / ".join(f"{stub['slow_ms'][p]:.1f}" for p in stub_times.PHASES) + ")"
-            lines.append(f"| {lv['concurrency']} | {cells} | {slow} |")
+            waited = "-"
+            if "waited_ms" in stub:
+                late = stub["late_requests"] / stub["stamped_requests"]
+                end_to_end = lv.get("slow_requests", 0) / max(1, lv["requests"])
+                waited = f"{stub['waited_ms']:.2f} ({late:.2%}; {end_to_end:.2%})"
+            lines.append(f"| {lv['concurrency']} | {cells} | {slow} | {waited} |")
     return lines
 
 

@@ -7,6 +7,11 @@ Executions whose phases add up to more than :data:`SLOW_S` are counted apart, wi
 (``kiln_stub_slow_seconds_total{model, phase}``): a latency tail made of a few slow executions shows which phase
 stalled.
 
+A request that carries its send time (the request parameter :data:`SENT_PARAMETER`, ns of the host's monotonic
+clock, which ``kiln loadtest`` adds when asked) is also timed from there to the start of its execution: the HTTP
+frontend, Triton's queue, its input copy and the hop to the stub. Its requests that waited over :data:`SLOW_S`
+against the client's requests over it say whether a tail forms before the stub or after it.
+
 The stub publishes its sums as Triton custom metrics (``kiln_stub_seconds_total{model, phase}``,
 ``kiln_stub_executions_total{model}``, ``kiln_stub_requests_total{model}``, the slow executions' two) on Triton's
 Prometheus endpoint, which
@@ -16,6 +21,7 @@ process, so the stub adds up its timings and publishes them at most every ``KILN
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -30,6 +36,10 @@ SLOW_SECONDS = "kiln_stub_slow_seconds_total"
 EXECUTIONS = "kiln_stub_executions_total"
 REQUESTS = "kiln_stub_requests_total"
 SLOW = "kiln_stub_slow_executions_total"
+STAMPED = "kiln_stub_stamped_requests_total"
+WAITED = "kiln_stub_waited_seconds_total"
+LATE = "kiln_stub_late_requests_total"
+SENT_PARAMETER = "kiln_sent_ns"
 
 
 class StubTimes:
@@ -44,23 +54,36 @@ class StubTimes:
         slow_seconds = pb_utils.MetricFamily(
             name=SLOW_SECONDS, description="Kiln stub: seconds per phase of the slow executions", kind=counter
         )
+        stamped = pb_utils.MetricFamily(name=STAMPED, description="Kiln stub: requests with a send time", kind=counter)
+        waited = pb_utils.MetricFamily(name=WAITED, description="Kiln stub: seconds sent to executed", kind=counter)
+        late = pb_utils.MetricFamily(name=LATE, description=f"Kiln stub: requests waiting over {SLOW_S}s", kind=counter)
         # the families must outlive their metrics (the stub refuses to update a metric whose family was deleted)
-        self.families = (seconds, executions, requests, slow, slow_seconds)
+        self.families = (seconds, executions, requests, slow, slow_seconds, stamped, waited, late)
         self.metrics = {p: seconds.Metric(labels={"model": model, "phase": p}) for p in PHASES}
         for p in PHASES:
             self.metrics[f"{p}_slow"] = slow_seconds.Metric(labels={"model": model, "phase": p})
         self.metrics["executions"] = executions.Metric(labels={"model": model})
         self.metrics["requests"] = requests.Metric(labels={"model": model})
         self.metrics["slow_executions"] = slow.Metric(labels={"model": model})
+        self.metrics["stamped_requests"] = stamped.Metric(labels={"model": model})
+        self.metrics["waited_seconds"] = waited.Metric(labels={"model": model})
+        self.metrics["late_requests"] = late.Metric(labels={"model": model})
         self.pending = dict.fromkeys(self.metrics, 0.0)
         self.every_s = float(os.environ.get("KILN_STUB_METRICS_S", "1")) if every_s is None else every_s
         self.published = time.monotonic()
 
-    def add(self, requests: int, inputs: float, engine: float, responses: float) -> None:
-        """One execution of ``requests`` requests and its phases' seconds."""
+    def add(
+        self, requests: int, inputs: float, engine: float, responses: float, waits: list[float] | None = None
+    ) -> None:
+        """One execution of ``requests`` requests and its phases' seconds; ``waits``: the seconds from send to this
+        execution's start of those of its requests that carried a send time (:func:`waits`)."""
         for key, value in zip(("inputs", "engine", "responses", "requests"), (inputs, engine, responses, requests)):
             self.pending[key] += value
         self.pending["executions"] += 1
+        if waits:
+            self.pending["stamped_requests"] += len(waits)
+            self.pending["waited_seconds"] += sum(waits)
+            self.pending["late_requests"] += sum(w > SLOW_S for w in waits)
         if inputs + engine + responses > SLOW_S:
             self.pending["slow_executions"] += 1
             for key, value in zip(SLOW_PHASES, (inputs, engine, responses)):
@@ -79,6 +102,19 @@ class StubTimes:
         """The metrics, then their families (the order the stub wants them deleted in)."""
         self.metrics.clear()
         self.families = ()
+
+
+def waits(requests: list[Any], start_ns: int) -> list[float]:
+    """Seconds from each request's send time (its :data:`SENT_PARAMETER`, where it has one) to ``start_ns``, an
+    execution's start on the host's monotonic clock; requests without one are left out."""
+    out = []
+    for request in requests:
+        text = request.parameters()  # the request's parameters as JSON
+        if SENT_PARAMETER in text:
+            sent = json.loads(text).get(SENT_PARAMETER)
+            if isinstance(sent, int):
+                out.append((start_ns - sent) / 1e9)
+    return out
 
 
 _SAMPLE = re.compile(r"^(kiln_stub_\w+)\{([^}]*)\}\s+(\S+)", re.MULTILINE)
@@ -120,6 +156,11 @@ def split(before: dict[str, float] | None, after: dict[str, float] | None) -> di
         return None
     ms = {p: (after.get(p, 0.0) - before.get(p, 0.0)) / runs * 1e3 for p in PHASES}
     out = ms | {"executions": runs, "requests": after["requests"] - before.get("requests", 0.0)}
+    stamped = after.get("stamped_requests", 0.0) - before.get("stamped_requests", 0.0)
+    if stamped > 0:  # requests that carried their send time
+        out["stamped_requests"] = stamped
+        out["waited_ms"] = (after["waited_seconds"] - before.get("waited_seconds", 0.0)) / stamped * 1e3
+        out["late_requests"] = after.get("late_requests", 0.0) - before.get("late_requests", 0.0)
     if "slow_executions" in after:  # a stub that counts them (Kiln's since slow executions were counted)
         slow = after["slow_executions"] - before.get("slow_executions", 0.0)
         out["slow_executions"] = slow

@@ -227,7 +227,7 @@ import triton_python_backend_utils as pb_utils
 
 from kiln import load_engine
 from kiln.serve.batching import batched_infer, buckets_for, warm_buckets
-from kiln.serve.stub_times import StubTimes
+from kiln.serve.stub_times import StubTimes, waits
 
 
 class TritonPythonModel:
@@ -258,7 +258,7 @@ class TritonPythonModel:
         gc.freeze()
 
     def execute(self, requests):
-        start = time.perf_counter()
+        start, start_ns = time.perf_counter(), time.monotonic_ns()
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
         # a request outside the sizes the engine was validated for is answered with an error naming them
         refused = [self.runner.meta.outside_range({n: f[n].shape for n in self.inputs}) for f in feeds]
@@ -278,7 +278,8 @@ class TritonPythonModel:
         ]
         if self.times is not None:
             try:
-                self.times.add(len(requests), read - start, ran - read, time.perf_counter() - ran)
+                waited = waits(requests, start_ns)  # of the requests that carry their send time
+                self.times.add(len(requests), read - start, ran - read, time.perf_counter() - ran, waited)
             except Exception:  # Triton refused a metric update: the answers go out, without timings from now on
                 self.times = None
         return responses

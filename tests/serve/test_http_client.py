@@ -90,6 +90,14 @@ def test_requests_reuse_one_connection_and_say_their_shared_memory_as_kserve_doe
     }
 
 
+def test_a_requests_own_parameters_go_in_its_body(server: str) -> None:
+    client = HttpClient(server, timeout_s=10)
+    inputs = [shm_tensor("x", [1, 4], "FP32", "kiln_in", 16, 0)]
+    client.send(infer_request(server, "m", inputs, [], {"kiln_sent_ns": 123}))
+    client.close()
+    assert _Handler.seen[-1][1]["parameters"] == {"kiln_sent_ns": 123}
+
+
 def test_an_error_answer_gives_the_servers_message_and_the_connection_goes_on(server: str) -> None:
     client = HttpClient(server, timeout_s=10)
     with pytest.raises(HttpError, match="unexpected inference input 'bad'"):

@@ -220,6 +220,31 @@ def test_served_answers_match_the_engine_under_load_and_batches_form(
     assert json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]["requests"] == 200
 
 
+def test_requests_that_carry_their_send_time_are_timed_to_their_execution_by_the_stub(
+    loaded: list[int], workdir: Path, config: KilnConfig, tmp_path: Path
+) -> None:
+    url = f"http://127.0.0.1:{loaded[0]}"
+    result = loadtest(
+        url,
+        MODEL,
+        workdir,
+        tmp_path / "st",
+        [4],
+        120,
+        80,
+        config,
+        shared_memory=True,
+        metrics_port=loaded[2],
+        stamped=True,
+    )
+    level = result["levels"][0]
+    assert level["requests"] == 80 and level["mismatches"] == 0 and level["errors"] == 0, level
+    stub = level["stub_ms"]  # each stub execution timed its requests from their send time (kiln.serve.stub_times)
+    assert stub["stamped_requests"] > 0 and stub["late_requests"] <= stub["stamped_requests"], stub
+    assert 0 < stub["waited_ms"] < level["latency_ms"]["mean"], (stub, level["latency_ms"])  # a part of the latency
+    assert "sent to executed: mean ms" in (tmp_path / "st" / "loadtest.md").read_text()
+
+
 def test_tensors_through_shared_memory_give_the_same_checked_answers_and_leave_nothing(
     loaded: list[int], workdir: Path, config: KilnConfig, tmp_path: Path
 ) -> None:

@@ -5,6 +5,7 @@ and turned into ms per execution. The stub and Triton's endpoint themselves are 
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Iterator
 
@@ -132,3 +133,31 @@ def test_split_gives_the_slow_executions_phases_where_there_were_any() -> None:
     assert got["slow_executions"] == 2 and got["slow_ms"] == pytest.approx({"inputs": 0, "engine": 20, "responses": 0})
     assert "slow_ms" not in stub_times.split(before, {**after, "slow_executions": 1.0})  # none this time
     assert "slow_executions" not in stub_times.split({"executions": 0.0}, {"executions": 5.0, "requests": 5.0})
+
+
+class _Request:
+    def __init__(self, parameters: str) -> None:
+        self.text = parameters
+
+    def parameters(self) -> str:  # pb_utils.InferenceRequest's: the request's parameters as JSON
+        return self.text
+
+
+def test_requests_that_carry_their_send_time_are_timed_to_the_execution_and_the_late_ones_counted() -> None:
+    start = 10_000_000_000
+    requests = [
+        _Request(json.dumps({"kiln_sent_ns": start - 2_000_000})),  # sent 2 ms before the execution began
+        _Request(json.dumps({"kiln_sent_ns": start - 30_000_000})),  # 30 ms: late
+        _Request("{}"),  # no send time: left out
+    ]
+    waited = stub_times.waits(requests, start)
+    assert waited == pytest.approx([0.002, 0.030])
+    times = stub_times.StubTimes("m", _PbUtils, every_s=3600)
+    times.add(3, 0.001, 0.002, 0.0005, waited)
+    times.publish()
+    stamped, seconds, late = (times.families[k].values[(("model", "m"),)] for k in (5, 6, 7))
+    assert stamped == 2 and seconds == pytest.approx(0.032) and late == 1
+    before = {"executions": 0.0, "requests": 0.0}
+    after = {"executions": 1.0, "requests": 3.0, "stamped_requests": 2.0, "waited_seconds": 0.032, "late_requests": 1.0}
+    got = stub_times.split(before, after)
+    assert got["stamped_requests"] == 2 and got["waited_ms"] == pytest.approx(16.0) and got["late_requests"] == 1
