@@ -280,7 +280,7 @@ class TritonPythonModel:
             try:
                 waited = waits(requests, start_ns)  # of the requests that carry their send time
                 self.times.add(len(requests), read - start, ran - read, time.perf_counter() - ran, waited)
-            except Exception:  # Triton refused a metric update: the answers go out, without timings from now on
+            except Exception:  # a metric update refused, parameters unreadable: the answers go out, untimed from now on
                 self.times = None
         return responses
 
