@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ import numpy as np
 
 from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
+from kiln.serve import stub_times  # noqa: E402
 from kiln.serve.loadtest import loadtest, split_table  # noqa: E402
 from kiln.serve.server import find_engines, free_port, wait_ready  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
@@ -141,10 +143,13 @@ def served(
     args: argparse.Namespace,
     out: Path,
     report: Callable[[str, int, str, dict[str, Any], int], None],
+    report_legs: Callable[[dict[str, Any] | None], None],
 ) -> None:
     """One `kiln serve` of ``model``, load-tested once per (protocol, client processes, transport, client switch
     interval) asked for, in that order, each result handed to ``report`` as it comes (with the switch interval's
-    index). The server's start (compiles, warm-up) is paid once."""
+    index). The server's start (compiles, warm-up) is paid once. With ``--stamped``, each measured request's legs
+    (to the stub, in it, back: :func:`kiln.serve.stub_times.join_stamps`) go to ``report_legs`` once the server has
+    stopped and its stubs have written their records."""
     ports = [free_port() for _ in range(3)]
     cmd = [
         sys.executable,
@@ -174,6 +179,10 @@ def served(
     clients_on, server_on = args.cpu_split or (None, None)
     publish = args.stub_metrics_s is not None
     env = os.environ | ({"KILN_STUB_METRICS_S": str(args.stub_metrics_s)} if publish else {})
+    stamps = out / "stub_stamps"
+    if args.stamped:  # the stubs write each stamped request's execution times there as they unload
+        shutil.rmtree(stamps, ignore_errors=True)
+        env[stub_times.STAMPS_ENV] = str(stamps)
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -236,6 +245,8 @@ def served(
     finally:
         os.sched_setaffinity(0, everywhere)
         stop_server(proc)
+    if args.stamped:
+        report_legs(legs(out, stamps))
 
 
 def cpu_split(text: str) -> tuple[set[int], set[int]] | None:
@@ -261,6 +272,15 @@ def cpu_list(text: str) -> set[int]:
             raise ValueError(f"CPU range '{part}' runs backwards")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
+
+
+def legs(out: Path, stamps: Path) -> dict[str, Any] | None:
+    """The measured levels' requests (not the warm-up's) met with the stubs' records of their executions."""
+    client = [np.load(f) for f in sorted(out.glob("*/stamps-c*.npy")) if f.parent.name != "warmup"]
+    stub = [np.load(f) for f in sorted(stamps.glob("stub-*.npy"))]
+    if not client or not stub:
+        return None
+    return stub_times.join_stamps(np.concatenate(client), np.concatenate(stub))
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
@@ -375,7 +395,8 @@ def main() -> None:
     p.add_argument(
         "--stamped",
         action="store_true",
-        help="requests carry their send time; the stubs report the wait before their execution (kiln.serve.stub_times)",
+        help="requests carry their send time; the stubs report the wait before their execution and record each "
+        "one's execution, met with the client's record after the server stops (serve_<label>_legs_<server>.md)",
     )
     p.add_argument("--iterations", type=int, default=50, help="in-process timed calls per batch")
     p.add_argument("--label", help="results file suffix (default: demo_cpu / resnet18_fp16 / the engine's name)")
@@ -481,13 +502,36 @@ def main() -> None:
         (args.out / f"{name}.md").write_text(markdown(report))
         print(markdown(report), flush=True)
 
+    def write_legs(found: dict[str, Any] | None) -> None:
+        name = f"serve_{args.label or label}_legs_{args.server_run}"
+        lines = [f"# Each request's legs, server {args.server_run + 1} ({args.instances_per_gpu} stubs)", ""]
+        lines += [f"`{env['command']}`; {env['device']}", ""]
+        if found:
+            lines += [
+                f"{found['met']} of {found['requests']} measured requests met with their stub's record; the slowest "
+                f"{found['slowest']} by latency (mean {found['latency']['slowest_mean']:.2f} ms, p50 of all "
+                f"{found['latency']['p50']:.2f} ms).",
+                "",
+                "| leg | p50 ms | p99 ms | mean ms in the slowest |",
+                "|---|---:|---:|---:|",
+            ]
+            lines += [
+                f"| {leg} | {found[leg]['p50']:.2f} | {found[leg]['p99']:.2f} | {found[leg]['slowest_mean']:.2f} |"
+                for leg in stub_times.LEGS
+            ]
+        else:
+            lines.append("no request met with a stub's record")
+        (args.out / f"{name}.json").write_text(json.dumps({"env": env, "legs": found}, indent=2) + "\n")
+        (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+
     for run, (n, split, every) in enumerate(zip(stubs, splits, publish)):
         args.instances_per_gpu, args.server_run, args.cpu_split, args.stub_metrics_s = n, run, split, every
         if servers > 1:
             where = f", clients on CPUs {_cpus(split[0])}, server on {_cpus(split[1])}" if split else ""
             where += f", stub timings published every {every:g} s" if every is not None else ""
             say(f"server {run + 1} of {servers}: {n} instance(s) per GPU{where}")
-        served(path, engine.model_name, config, args, work / f"loadtest{run}", write)
+        served(path, engine.model_name, config, args, work / f"loadtest{run}", write, write_legs)
 
 
 def _cpus(cpus: set[int]) -> str:

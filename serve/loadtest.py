@@ -86,6 +86,7 @@ class Level:
     switch_interval_s: float = 0.0  # the clients' thread switch interval while they ran
     client: str = "tritonclient"  # what sent the requests: tritonclient, or kiln's HTTP client (kiln.serve.http_client)
     sent_s: list[float] = field(default_factory=list)  # when each request of latencies_ms was sent (time.time())
+    sent_ns: list[int] = field(default_factory=list)  # with stamped requests: the send time each carried (monotonic)
     cpu: dict[str, float | int] | None = None  # CpuMeter over the client threads' run, from start to join
     collections: dict[str, float] | None = None  # the client processes' garbage collections meanwhile (Collections)
 
@@ -596,9 +597,10 @@ def run_level(
                 if i is None:
                     return
                 k = i % len(pool)
+                stamp = time.monotonic_ns() if stamped else 0
                 if http and (stamped or k not in made):
-                    sent_ns = {stub_times.SENT_PARAMETER: time.monotonic_ns()} if stamped else None
-                    made[k] = infer_request(address, model, regions.input_specs[k], regions.output_specs[slot], sent_ns)
+                    carried = {stub_times.SENT_PARAMETER: stamp} if stamped else None
+                    made[k] = infer_request(address, model, regions.input_specs[k], regions.output_specs[slot], carried)
                 sent, t0 = time.time(), time.perf_counter()
                 try:
                     result = http.send(made[k]) if http else client.infer(model, prepared[k], **timeout, **wanted)
@@ -630,6 +632,8 @@ def run_level(
                 with lock:
                     level.latencies_ms.append(ms)
                     level.sent_s.append(sent)
+                    if stamped:
+                        level.sent_ns.append(stamp)
                     level.max_abs_err = max(level.max_abs_err, err)
                     level.mismatches += not ok
         finally:
@@ -656,6 +660,16 @@ def run_level(
             regions.close()
             setup.close()
     return level
+
+
+def write_client_stamps(path: Path, level: Level) -> None:
+    """The level's stamped requests as rows of (send time, latency) in ns, :class:`~kiln.serve.stub_times.StubStamps`'
+    counterpart on the client's side."""
+    rows = np.stack(
+        [np.asarray(level.sent_ns, dtype=np.int64), (np.asarray(level.latencies_ms) * 1e6).astype(np.int64)]
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, rows.T)
 
 
 def lean_client(client: str, protocol: str, shared_memory: bool) -> bool:
@@ -713,6 +727,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             part = results.get(timeout=duration_s + REQUEST_TIMEOUT_S + 120)  # a client process that hangs
             merged.latencies_ms += part.latencies_ms
             merged.sent_s += part.sent_s
+            merged.sent_ns += part.sent_ns
             parts.append(part.cpu)
             merged.collections = merged_collections(merged.collections, part.collections)
             merged.mismatches += part.mismatches
@@ -954,6 +969,8 @@ def loadtest(
             stub = stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append(level.summary())
+            if level.sent_ns:  # each request's send time and latency, for kiln.serve.stub_times.join_stamps
+                write_client_stamps(out / f"stamps-c{c}.npy", level)
             after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
             levels[-1]["stub_ms"] = stub_split(stub, stub_times.read(metrics, model) if metrics else None, mark, after)

@@ -26,6 +26,7 @@ import os
 import re
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 PHASES = ("inputs", "engine", "responses")
@@ -40,6 +41,7 @@ STAMPED = "kiln_stub_stamped_requests_total"
 WAITED = "kiln_stub_waited_seconds_total"
 LATE = "kiln_stub_late_requests_total"
 SENT_PARAMETER = "kiln_sent_ns"
+STAMPS_ENV = "KILN_STUB_STAMPS"  # a folder: StubStamps writes each stamped request's execution times there
 
 
 class StubTimes:
@@ -76,7 +78,7 @@ class StubTimes:
         self, requests: int, inputs: float, engine: float, responses: float, waits: list[float] | None = None
     ) -> None:
         """One execution of ``requests`` requests and its phases' seconds; ``waits``: the seconds from send to this
-        execution's start of those of its requests that carried a send time (:func:`waits`)."""
+        execution's start of those of its requests that carried a send time (:func:`sent_times`)."""
         for key, value in zip(("inputs", "engine", "responses", "requests"), (inputs, engine, responses, requests)):
             self.pending[key] += value
         self.pending["executions"] += 1
@@ -104,17 +106,41 @@ class StubTimes:
         self.families = ()
 
 
-def waits(requests: list[Any], start_ns: int) -> list[float]:
-    """Seconds from each request's send time (its :data:`SENT_PARAMETER`, where it has one) to ``start_ns``, an
-    execution's start on the host's monotonic clock; requests without one are left out."""
+def sent_times(requests: list[Any]) -> list[int]:
+    """Each request's send time (its :data:`SENT_PARAMETER`, ns of the host's monotonic clock), for the requests
+    that carry one."""
     out = []
     for request in requests:
         text = request.parameters()  # the request's parameters as JSON
         if SENT_PARAMETER in text:
             sent = json.loads(text).get(SENT_PARAMETER)
             if isinstance(sent, int):
-                out.append((start_ns - sent) / 1e9)
+                out.append(sent)
     return out
+
+
+class StubStamps:
+    """Per request, when the stub began and finished the execution that answered it, beside its send time: kept
+    in memory and written to ``folder/stub-<pid>.npy`` (rows: sent, started, finished, in ns) when the model is
+    unloaded, where :func:`join_stamps` meets them with the client's own record of each request. Only where
+    the environment names the folder (:data:`STAMPS_ENV`): a diagnosis, not a server's everyday work."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.rows = folder, []
+
+    @classmethod
+    def from_env(cls) -> StubStamps | None:
+        folder = os.environ.get(STAMPS_ENV)
+        return cls(Path(folder)) if folder else None
+
+    def add(self, sent: list[int], started: int, finished: int) -> None:
+        self.rows.extend((s, started, finished) for s in sent)
+
+    def write(self) -> None:
+        import numpy as np
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        np.save(self.folder / f"stub-{os.getpid()}.npy", np.asarray(self.rows, dtype=np.int64).reshape(-1, 3))
 
 
 _SAMPLE = re.compile(r"^(kiln_stub_\w+)\{([^}]*)\}\s+(\S+)", re.MULTILINE)
@@ -169,3 +195,36 @@ def split(before: dict[str, float] | None, after: dict[str, float] | None) -> di
                 p: (after.get(f"{p}_slow", 0.0) - before.get(f"{p}_slow", 0.0)) / slow * 1e3 for p in PHASES
             }
     return out
+
+
+LEGS = ("to the stub", "in the stub", "back")
+
+
+def join_stamps(client: Any, stub: Any, slowest: float = 0.01) -> dict[str, Any] | None:
+    """Each request's three legs, from the client's record (rows: sent, latency, in ns) and the stubs'
+    (:class:`StubStamps` rows: sent, started, finished) met on the send time: to the stub (sent to the execution's
+    start: the HTTP frontend, Triton's queue and input copy, the hop), in the stub (its execution) and back (the
+    execution's end to the answer in the client: the hop back, Triton's answer, the client). Per leg, p50 / p99 ms
+    over the requests met and the mean ms over the ``slowest`` share of them by latency; None where none met."""
+    import numpy as np
+
+    client, stub = np.asarray(client, dtype=np.int64).reshape(-1, 2), np.asarray(stub, dtype=np.int64).reshape(-1, 3)
+    stub = stub[np.argsort(stub[:, 0])]
+    at = np.clip(np.searchsorted(stub[:, 0], client[:, 0]), 0, max(0, len(stub) - 1))
+    if not len(stub):
+        return None
+    met = stub[at, 0] == client[:, 0]
+    sent, latency, (started, finished) = client[met, 0], client[met, 1], stub[at[met], 1:].T
+    if not len(sent):
+        return None
+    legs = np.stack([started - sent, finished - started, sent + latency - finished], axis=1) / 1e6
+    slow = latency >= np.quantile(latency, 1 - slowest)
+    found: dict[str, Any] = {"requests": int(len(client)), "met": int(len(sent)), "slowest": int(slow.sum())}
+    for k, name in enumerate(LEGS):
+        p50, p99 = np.percentile(legs[:, k], [50, 99])
+        found[name] = {"p50": float(p50), "p99": float(p99), "slowest_mean": float(legs[slow, k].mean())}
+    found["latency"] = {
+        "p50": float(np.percentile(latency, 50) / 1e6),
+        "slowest_mean": float(latency[slow].mean() / 1e6),
+    }
+    return found

@@ -227,7 +227,7 @@ import triton_python_backend_utils as pb_utils
 
 from kiln import load_engine
 from kiln.serve.batching import batched_infer, buckets_for, warm_buckets
-from kiln.serve.stub_times import StubTimes, waits
+from kiln.serve.stub_times import StubStamps, StubTimes, sent_times
 
 
 class TritonPythonModel:
@@ -253,6 +253,7 @@ class TritonPythonModel:
             self.times = StubTimes(args["model_name"], pb_utils)
         except Exception:
             self.times = None
+        self.stamps = StubStamps.from_env()  # a diagnosis asked for by KILN_STUB_STAMPS (kiln.serve.stub_times)
         # what exists now lives as long as the process: out of the collector's sight, so that no full collection
         # (a pass over every object torch and the engine created, a fraction of a second) stalls a request
         gc.freeze()
@@ -276,9 +277,15 @@ class TritonPythonModel:
             if i in answers else pb_utils.InferenceResponse(error=pb_utils.TritonError(refused[i]))
             for i in range(len(requests))
         ]
+        try:
+            sent = sent_times(requests) if self.times is not None or self.stamps is not None else []
+        except Exception:  # a Python backend whose requests have no parameters(): no send times to read
+            sent, self.stamps = [], None
+        if self.stamps is not None:
+            self.stamps.add(sent, start_ns, time.monotonic_ns())
         if self.times is not None:
             try:
-                waited = waits(requests, start_ns)  # of the requests that carry their send time
+                waited = [(start_ns - s) / 1e9 for s in sent]  # of the requests that carry their send time
                 self.times.add(len(requests), read - start, ran - read, time.perf_counter() - ran, waited)
             except Exception:  # a metric update refused, parameters unreadable: the answers go out, untimed from now on
                 self.times = None
@@ -292,6 +299,8 @@ class TritonPythonModel:
     def finalize(self):
         if self.times is not None:
             self.times.close()
+        if self.stamps is not None:
+            self.stamps.write()
         self.runner.deactivate()
 '''
 

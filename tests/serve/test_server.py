@@ -245,6 +245,44 @@ def test_requests_that_carry_their_send_time_are_timed_to_their_execution_by_the
     assert "sent to executed: mean ms" in (tmp_path / "st" / "loadtest.md").read_text()
 
 
+def test_each_stamped_requests_legs_meet_the_stubs_record_and_add_up_to_its_latency(
+    workdir: Path, config: KilnConfig, tmp_path: Path
+) -> None:
+    import numpy as np
+
+    from kiln.serve.stub_times import LEGS, STAMPS_ENV, join_stamps
+
+    ports = [free_port() for _ in range(3)]
+    engine = workdir / "package" / "engines" / ENGINE
+    proc = _start_serve(engine, ports, env={STAMPS_ENV: str(tmp_path / "stamps")})
+    try:
+        _ready(proc, ports, [MODEL])
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        loadtest(
+            f"http://127.0.0.1:{ports[0]}",
+            MODEL,
+            engine,
+            tmp_path / "lt",
+            [4],
+            120,
+            60,
+            config,
+            shared_memory=True,
+            metrics_port=ports[2],
+            stamped=True,
+        )
+    except BaseException:
+        _abort(proc)
+        raise
+    _stop_and_check(proc, descendants, signal.SIGTERM)  # the stubs write their records as they unload
+    client = np.load(tmp_path / "lt" / "stamps-c4.npy")
+    stub = np.concatenate([np.load(f) for f in (tmp_path / "stamps").glob("stub-*.npy")])
+    found = join_stamps(client, stub)
+    assert client.shape == (60, 2) and found["met"] == 60, found  # every request's execution was recorded
+    # one clock on both sides: every leg took time, none ran backwards
+    assert all(found[leg]["p50"] > 0 for leg in LEGS), found
+
+
 def test_tensors_through_shared_memory_give_the_same_checked_answers_and_leave_nothing(
     loaded: list[int], workdir: Path, config: KilnConfig, tmp_path: Path
 ) -> None:

@@ -8,7 +8,9 @@ import http.server
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kiln.serve import stub_times
@@ -150,8 +152,9 @@ def test_requests_that_carry_their_send_time_are_timed_to_the_execution_and_the_
         _Request(json.dumps({"kiln_sent_ns": start - 30_000_000})),  # 30 ms: late
         _Request("{}"),  # no send time: left out
     ]
-    waited = stub_times.waits(requests, start)
-    assert waited == pytest.approx([0.002, 0.030])
+    sent = stub_times.sent_times(requests)
+    assert sent == [start - 2_000_000, start - 30_000_000]
+    waited = [(start - t) / 1e9 for t in sent]  # as the stub's model times them
     times = stub_times.StubTimes("m", _PbUtils, every_s=3600)
     times.add(3, 0.001, 0.002, 0.0005, waited)
     times.publish()
@@ -161,3 +164,23 @@ def test_requests_that_carry_their_send_time_are_timed_to_the_execution_and_the_
     after = {"executions": 1.0, "requests": 3.0, "stamped_requests": 2.0, "waited_seconds": 0.032, "late_requests": 1.0}
     got = stub_times.split(before, after)
     assert got["stamped_requests"] == 2 and got["waited_ms"] == pytest.approx(16.0) and got["late_requests"] == 1
+
+
+def test_stub_stamps_are_written_only_where_the_environment_asks_and_meet_the_clients_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(stub_times.STAMPS_ENV, raising=False)
+    assert stub_times.StubStamps.from_env() is None  # a server's everyday work: nothing recorded
+    monkeypatch.setenv(stub_times.STAMPS_ENV, str(tmp_path / "stamps"))
+    stamps = stub_times.StubStamps.from_env()
+    ms = 1_000_000
+    stamps.add([100 * ms, 101 * ms], started=103 * ms, finished=105 * ms)  # one execution of two requests
+    stamps.add([200 * ms], started=230 * ms, finished=232 * ms)  # a request that waited 30 ms for its execution
+    stamps.write()
+    (written,) = (tmp_path / "stamps").glob("stub-*.npy")
+    client = [(100 * ms, 6 * ms), (101 * ms, 5 * ms), (200 * ms, 40 * ms), (300 * ms, 1 * ms)]  # the last: no record
+    found = stub_times.join_stamps(client, np.load(written), slowest=0.34)
+    assert found["requests"] == 4 and found["met"] == 3 and found["slowest"] == 1, found
+    slow = {leg: found[leg]["slowest_mean"] for leg in stub_times.LEGS}
+    assert slow == pytest.approx({"to the stub": 30.0, "in the stub": 2.0, "back": 8.0})  # 30 + 2 + 8 = its 40 ms
+    assert stub_times.join_stamps(client, np.zeros((0, 3))) is None
