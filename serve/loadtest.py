@@ -85,8 +85,7 @@ class Level:
     seconds: float = 0.0
     switch_interval_s: float = 0.0  # the clients' thread switch interval while they ran
     client: str = "tritonclient"  # what sent the requests: tritonclient, or kiln's HTTP client (kiln.serve.http_client)
-    sent_s: list[float] = field(default_factory=list)  # when each request of latencies_ms was sent (time.time())
-    sent_ns: list[int] = field(default_factory=list)  # with stamped requests: the send time each carried (monotonic)
+    sent_ns: list[int] = field(default_factory=list)  # when each request of latencies_ms was sent (monotonic clock)
     cpu: dict[str, float | int] | None = None  # CpuMeter over the client threads' run, from start to join
     collections: dict[str, float] | None = None  # the client processes' garbage collections meanwhile (Collections)
 
@@ -105,7 +104,7 @@ class Level:
             "max_abs_err": self.max_abs_err,
             "client_switch_interval_s": self.switch_interval_s,
             "client": self.client,
-            "tail_windows": tail_windows(self.sent_s, self.latencies_ms),
+            "tail_windows": tail_windows(self.sent_ns, self.latencies_ms),
             "slow_requests": int(np.count_nonzero(lat > stub_times.SLOW_S * 1e3)),
             "cpu_cores": self.cpu,
             "client_collections": self.collections,
@@ -141,16 +140,16 @@ class Collections:
 
 
 def tail_windows(
-    sent_s: list[float], latencies_ms: list[float], window_s: float = TAIL_WINDOW_S
+    sent_ns: list[int], latencies_ms: list[float], window_s: float = TAIL_WINDOW_S
 ) -> dict[str, Any] | None:
     """Where the level's slow requests (above its p99) were sent, by ``window_s`` windows of the run: a tail
     spread over the windows is the server's steady behaviour (queueing, scheduling); one gathered in a few is a
     stall (a collection, a compile, a swap). ``share_in_worst_10pct``: the slow requests' share in the tenth of
     the windows that hold most of them (about 0.1 when spread evenly, near 1 when gathered). None for fewer than
     :data:`TAIL_MIN_WINDOWS` windows or 100 requests, where an even spread no longer reads as 0.1."""
-    if len(latencies_ms) < 100 or len(sent_s) != len(latencies_ms):
+    if len(latencies_ms) < 100 or len(sent_ns) != len(latencies_ms):
         return None
-    sent, lat = np.asarray(sent_s), np.asarray(latencies_ms)
+    sent, lat = np.asarray(sent_ns, dtype=np.int64) / 1e9, np.asarray(latencies_ms)
     window = ((sent - sent.min()) // window_s).astype(int)
     if window.max() + 1 < TAIL_MIN_WINDOWS:
         return None
@@ -597,11 +596,11 @@ def run_level(
                 if i is None:
                     return
                 k = i % len(pool)
-                stamp = time.monotonic_ns() if stamped else 0
+                sent = time.monotonic_ns()
                 if http and (stamped or k not in made):
-                    carried = {stub_times.SENT_PARAMETER: stamp} if stamped else None
+                    carried = {stub_times.SENT_PARAMETER: sent} if stamped else None
                     made[k] = infer_request(address, model, regions.input_specs[k], regions.output_specs[slot], carried)
-                sent, t0 = time.time(), time.perf_counter()
+                t0 = time.perf_counter()
                 try:
                     result = http.send(made[k]) if http else client.infer(model, prepared[k], **timeout, **wanted)
                 except Exception as exc:  # a failed request is a result of the test: count it and go on
@@ -631,9 +630,7 @@ def run_level(
                     ok &= diff <= atol + rtol * float(np.max(np.abs(want))) if want.size else True
                 with lock:
                     level.latencies_ms.append(ms)
-                    level.sent_s.append(sent)
-                    if stamped:
-                        level.sent_ns.append(stamp)
+                    level.sent_ns.append(sent)
                     level.max_abs_err = max(level.max_abs_err, err)
                     level.mismatches += not ok
         finally:
@@ -726,7 +723,6 @@ def run_level_processes(processes: int, *args: Any) -> Level:
         for _ in workers:
             part = results.get(timeout=duration_s + REQUEST_TIMEOUT_S + 120)  # a client process that hangs
             merged.latencies_ms += part.latencies_ms
-            merged.sent_s += part.sent_s
             merged.sent_ns += part.sent_ns
             parts.append(part.cpu)
             merged.collections = merged_collections(merged.collections, part.collections)
@@ -969,7 +965,7 @@ def loadtest(
             stub = stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append(level.summary())
-            if level.sent_ns:  # each request's send time and latency, for kiln.serve.stub_times.join_stamps
+            if stamped:  # each request's send time and latency, for kiln.serve.stub_times.join_stamps
                 write_client_stamps(out / f"stamps-c{c}.npy", level)
             after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])

@@ -7,9 +7,10 @@ Executions whose phases add up to more than :data:`SLOW_S` are counted apart, wi
 (``kiln_stub_slow_seconds_total{model, phase}``): a latency tail made of a few slow executions shows which phase
 stalled.
 
-A request that carries its send time (the request parameter :data:`SENT_PARAMETER`, ns of the host's monotonic
-clock, which ``kiln loadtest`` adds when asked) is also timed from there to the start of its execution: the HTTP
-frontend, Triton's queue, its input copy and the hop to the stub. Its requests that waited over :data:`SLOW_S`
+Where the server's environment names a folder in :data:`STAMPS_ENV` (a diagnosis: every request's parameters are
+read), a request that carries its send time (the request parameter :data:`SENT_PARAMETER`, ns of the host's
+monotonic clock, which ``kiln loadtest`` adds when asked) is also timed from there to the start of its execution:
+the HTTP frontend, Triton's queue, its input copy and the hop to the stub. Its requests that waited over :data:`SLOW_S`
 against the client's requests over it say whether a tail forms before the stub or after it.
 
 The stub publishes its sums as Triton custom metrics (``kiln_stub_seconds_total{model, phase}``,
@@ -209,10 +210,10 @@ def join_stamps(client: Any, stub: Any, slowest: float = 0.01) -> dict[str, Any]
     import numpy as np
 
     client, stub = np.asarray(client, dtype=np.int64).reshape(-1, 2), np.asarray(stub, dtype=np.int64).reshape(-1, 3)
-    stub = stub[np.argsort(stub[:, 0])]
-    at = np.clip(np.searchsorted(stub[:, 0], client[:, 0]), 0, max(0, len(stub) - 1))
     if not len(stub):
         return None
+    stub = stub[np.argsort(stub[:, 0])]
+    at = np.minimum(np.searchsorted(stub[:, 0], client[:, 0]), len(stub) - 1)
     met = stub[at, 0] == client[:, 0]
     sent, latency, (started, finished) = client[met, 0], client[met, 1], stub[at[met], 1:].T
     if not len(sent):

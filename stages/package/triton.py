@@ -277,17 +277,18 @@ class TritonPythonModel:
             if i in answers else pb_utils.InferenceResponse(error=pb_utils.TritonError(refused[i]))
             for i in range(len(requests))
         ]
-        try:
-            sent = sent_times(requests) if self.times is not None or self.stamps is not None else []
-        except Exception:  # a Python backend whose requests have no parameters(): no send times to read
-            sent, self.stamps = [], None
-        if self.stamps is not None:
-            self.stamps.add(sent, start_ns, time.monotonic_ns())
+        sent = []
+        if self.stamps is not None:  # the diagnosis only: every request's parameters read
+            try:
+                sent = sent_times(requests)
+                self.stamps.add(sent, start_ns, time.monotonic_ns())
+            except Exception:  # a Python backend whose requests have no parameters(): no send times to read
+                self.stamps = None
         if self.times is not None:
             try:
                 waited = [(start_ns - s) / 1e9 for s in sent]  # of the requests that carry their send time
                 self.times.add(len(requests), read - start, ran - read, time.perf_counter() - ran, waited)
-            except Exception:  # a metric update refused, parameters unreadable: the answers go out, untimed from now on
+            except Exception:  # Triton refused a metric update: the answers go out, without timings from now on
                 self.times = None
         return responses
 

@@ -280,7 +280,7 @@ def test_a_level_that_fails_leaves_the_collector_as_it_was(monkeypatch: pytest.M
 
 def test_a_tail_spread_over_the_run_and_one_gathered_in_a_stall_are_told_apart() -> None:
     rng = np.random.default_rng(0)
-    sent = list(np.linspace(0.0, 5.0, 50_000, endpoint=False))  # 50 windows of 0.1 s, 500 requests above p99
+    sent = list(np.linspace(0, 5_000_000_000, 50_000, endpoint=False).astype(int))  # ns: 50 windows of 0.1 s
     spread = list(rng.exponential(4.0, 50_000))
     spread_tail = tail_windows(sent, spread)
     assert spread_tail["windows"] == 50 and spread_tail["share_in_worst_10pct"] < 0.2, spread_tail
