@@ -31,7 +31,7 @@ from serve_bench import demo_workdir, stop_server  # noqa: E402
 
 from kiln.pipeline.config import KilnConfig, load_config
 from kiln.serve.loadtest import loadtest
-from kiln.serve.server import free_port, model_name, wait_ready
+from kiln.serve.server import free_ports, model_name, wait_ready
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = {"blocking": {}, "spinning": {"KILN_ORT_SPINNING": "1"}}
@@ -55,7 +55,7 @@ def one_round(
     engine_dir: Path, env: dict[str, str], config: KilnConfig | None, args: argparse.Namespace, out: Path
 ) -> list[dict[str, Any]]:
     """Start `kiln serve` on the engine with ``env`` added, load-test it at every level, stop it."""
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cmd = [sys.executable, "-m", "kiln.cli", "serve", str(engine_dir), "--http-port", str(ports[0])]
     cmd += ["--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
     out.mkdir(parents=True, exist_ok=True)

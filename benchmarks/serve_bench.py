@@ -47,7 +47,7 @@ from kiln.core.inputs import random_inputs  # noqa: E402
 from kiln.pipeline.config import KilnConfig, load_config  # noqa: E402
 from kiln.serve import stub_times  # noqa: E402
 from kiln.serve.loadtest import loadtest, split_table  # noqa: E402
-from kiln.serve.server import find_engines, free_port, wait_ready  # noqa: E402
+from kiln.serve.server import find_engines, free_ports, wait_ready  # noqa: E402
 from kiln.stages.engines.registry import load_engine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -150,7 +150,7 @@ def served(
     index). The server's start (compiles, warm-up) is paid once. With ``--stamped``, each measured request's legs
     (to the stub, in it, back: :func:`kiln.serve.stub_times.join_stamps`) go to ``report_legs`` once the server has
     stopped and its stubs have written their records."""
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cmd = [
         sys.executable,
         "-P",  # the installed kiln, not this checkout's kiln/ folder (which holds only the CLI and the API)

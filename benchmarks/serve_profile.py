@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core.inputs import random_inputs
-from kiln.serve.server import free_port, model_name, wait_ready
+from kiln.serve.server import free_ports, model_name, wait_ready
 from kiln.stages.engines.registry import load_engine
 
 STAGES = ("client + transport", "Triton queue", "Triton other", "stub hop", "engine")
@@ -200,7 +200,7 @@ def main() -> None:
     args = ap.parse_args()
     engine_dir = args.workdir / "package" / "engines" / args.engine
     model = model_name(args.engine)
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     cmd = [sys.executable, "-m", "kiln.cli", "serve", str(engine_dir), "--max-queue-delay-us", "0"]
     cmd += ["--pytriton"] if args.pytriton else []
     cmd += ["--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]

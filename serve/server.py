@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -265,9 +266,17 @@ def check_socket_folder(folder: Path, names: list[str]) -> None:
 
 def free_port() -> int:
     """An ephemeral port free right now on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different ephemeral ports free right now on the loopback interface: all held at once while they are
+    picked (ports asked for one at a time can come back the same, once each is let go)."""
+    with ExitStack() as stack:
+        held = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
 
 
 def server_env(stub_python: Path, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -15,7 +15,7 @@ import yaml
 from click.testing import CliRunner
 
 from kiln.cli import main
-from kiln.serve.server import free_port
+from kiln.serve.server import free_ports
 from kiln.stages.engines.registry import load_engine
 from tests.conftest import tiny_config_dict
 from tests.serve.test_server import _abort, _ready, _start_serve
@@ -101,7 +101,7 @@ def _serve_and_ask(workdir: Path, feeds: list[dict[str, np.ndarray]], outside: d
     from tritonclient.http import InferenceServerClient, InferInput
     from tritonclient.utils import InferenceServerException
 
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = _start_serve(workdir, ports)
     try:
         _ready(proc, ports, ["onnxruntime_cpu_fp32"])

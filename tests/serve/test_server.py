@@ -32,6 +32,7 @@ from kiln.serve.server import (
     check_stub_numpy,
     find_engines,
     free_port,
+    free_ports,
     serve,
     stub_python_env,
     tritonserver_process,
@@ -139,7 +140,7 @@ def loaded(workdir: Path) -> Iterator[list[int]]:
     """`kiln serve` on the run's workdir, the server the load tests below share (its ports). A 2 ms batching
     window: concurrent requests reliably meet in one batch even on a loaded machine. After them it is stopped with
     SIGTERM, and nothing of it may be left running (a failure there is the last of them's teardown error)."""
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     # every execution publishes its phases at once (kiln.serve.stub_times), so a short level has them
     proc = _start_serve(workdir, ports, "--max-queue-delay-us", "2000", env={"KILN_STUB_METRICS_S": "0"})
     try:
@@ -229,7 +230,7 @@ def test_stamped_requests_are_timed_by_the_stub_and_their_legs_meet_its_record(
 
     from kiln.serve.stub_times import LEGS, STAMPS_ENV, join_stamps
 
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     engine = workdir / "package" / "engines" / ENGINE
     proc = _start_serve(engine, ports, env={STAMPS_ENV: str(tmp_path / "stamps"), "KILN_STUB_METRICS_S": "0"})
     try:
@@ -312,7 +313,7 @@ def test_tensors_through_shared_memory_give_the_same_checked_answers_and_leave_n
 def test_pytriton_serves_the_same_answers_and_takes_no_gpus(workdir: Path, config: KilnConfig, tmp_path: Path) -> None:
     """`kiln serve --pytriton`: the engine in the server's own process, bound through PyTriton (the path the default
     Python-backend stubs are measured against); --gpus belongs to the default path only."""
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = _start_serve(workdir, ports, "--pytriton")
     try:
         _ready(proc, ports, [MODEL])
@@ -337,7 +338,7 @@ def test_a_dead_stub_is_said_and_its_model_reloaded(workdir: Path) -> None:
     import tritonclient.http as httpclient
 
     engine = workdir / "package" / "engines" / ENGINE
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = _start_serve(engine, ports)
     feed = random_inputs(read_metadata(engine).inputs, 1, seed=5)
     with load_engine(engine) as runner:
@@ -415,7 +416,7 @@ def test_sigterm_drains_requests_in_flight_and_everything_is_gone_within_10_s(wo
 
     import tritonclient.http as httpclient
 
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     engine = workdir / "package" / "engines" / ENGINE
     proc = _start_serve(engine, ports, "--max-queue-delay-us", "1000000")
     feeds = [random_inputs(read_metadata(engine).inputs, 1, seed=i) for i in range(4)]
@@ -477,7 +478,7 @@ def test_serve_is_quiet_unless_verbose_and_sigint_stops_it_and_its_children(work
     """The URLs on stdout and one line on stderr; Triton's own log (startup tables, NVML probes) only with -v. Then
     SIGINT (Ctrl-C) stops the server and every process under it. The workdir is given relative to the current folder,
     as a user types it (the server starts in its scratch folder, where a relative path once named nothing)."""
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     out, err = tmp_path / "out", tmp_path / "err"
     cmd = [sys.executable, "-m", "kiln.cli", "serve", workdir.name, "--http-port", str(ports[0])]
     cmd += ["--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
@@ -500,7 +501,7 @@ def test_serve_is_quiet_unless_verbose_and_sigint_stops_it_and_its_children(work
 def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tmp_path: Path) -> None:
     repo = workdir / "package" / "triton-python"
     model = json.loads((workdir / "package" / "kiln-package.json").read_text())["models"][0]["triton_python_model"]
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = tritonserver_process(repo, tmp_path / "scratch", *ports, log_file=tmp_path / "tritonserver.log")
     try:
         _ready(proc, ports, [model])
@@ -673,7 +674,7 @@ def _cuda_engine(workdir: Path, config: KilnConfig, tmp_path: Path, precision: s
 def test_cuda_fp16_engine_served_answers_match_under_load(workdir: Path, config: KilnConfig, tmp_path: Path) -> None:
     pytest.importorskip("tritonclient.grpc", reason="needs the serving libraries (pip install 'kiln[serve]')")
     engine_dir, model = _cuda_engine(workdir, config, tmp_path, "fp16")
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = _start_serve(engine_dir, ports, "--max-queue-delay-us", "2000")
     try:
         _ready(proc, ports, [model])
@@ -723,7 +724,7 @@ def test_gpus_all_serves_one_endpoint_over_every_gpu(workdir: Path, config: Kiln
     """`kiln serve --gpus all` on a CUDA engine: answers checked under load through one endpoint."""
     pytest.importorskip("tritonclient.grpc", reason="needs the serving libraries (pip install 'kiln[serve]')")
     engine_dir, model = _cuda_engine(workdir, config, tmp_path, "fp32")
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = _start_serve(engine_dir, ports, "--gpus", "all")
     try:
         _ready(proc, ports, [model])

@@ -23,6 +23,7 @@ from kiln.serve.server import (
     _StopRequest,
     check_ports,
     check_socket_folder,
+    free_ports,
     socket_folder,
     wait_ready,
 )
@@ -177,3 +178,11 @@ def test_ready_waits_for_the_other_ports_to_listen_too() -> None:
         http.shutdown()
         http.server_close()
         late.close()
+
+
+def test_ports_picked_together_are_all_different_and_free() -> None:
+    ports = free_ports(64)
+    assert len(set(ports)) == 64  # a server's three ports never come back the same
+    for port in ports[:3]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))  # free: let go once picked
