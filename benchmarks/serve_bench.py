@@ -173,6 +173,8 @@ def served(
         cmd += ["--gpus", args.gpus]
     if args.instances_per_gpu is not None:
         cmd += ["--instances-per-gpu", str(args.instances_per_gpu)]
+    if args.http_threads is not None:
+        cmd += ["--http-threads", str(args.http_threads)]
     if args.pytriton:
         cmd += ["--pytriton"]
     out.mkdir(parents=True, exist_ok=True)
@@ -280,7 +282,9 @@ def legs(out: Path, stamps: Path) -> dict[str, Any] | None:
     stub = [np.load(f) for f in sorted(stamps.glob("stub-*.npy"))]
     if not client or not stub:
         return None
-    return stub_times.join_stamps(np.concatenate(client), np.concatenate(stub))
+    client, stub = np.concatenate(client), np.concatenate(stub)
+    np.save(out / "requests.npy", stub_times.joined(client, stub))  # per request: sent, latency, started, finished
+    return stub_times.join_stamps(client, stub)
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
@@ -393,6 +397,11 @@ def main() -> None:
         "within a run); a list starts one server per entry, zipped with --instances-per-gpu",
     )
     p.add_argument(
+        "--http-threads",
+        help="kiln serve --http-threads (Triton's HTTP threads); a list starts one server per entry, zipped with "
+        "--instances-per-gpu",
+    )
+    p.add_argument(
         "--stamped",
         action="store_true",
         help="requests carry their send time; the stubs report the wait before their execution and record each "
@@ -428,7 +437,9 @@ def main() -> None:
     if any(split and not (split[0] | split[1]) <= os.sched_getaffinity(0) for split in splits):
         p.error(f"--cpu-split names CPUs this process cannot use (it has {sorted(os.sched_getaffinity(0))})")
     publish = [float(v) for v in args.stub_metrics_s.split(",")] if args.stub_metrics_s is not None else [None]
-    servers = max(len(stubs), len(splits), len(publish))
+    threads = [int(v) for v in args.http_threads.split(",")] if args.http_threads else [None]
+    servers = max(len(stubs), len(splits), len(publish), len(threads))
+    threads += threads[-1:] * (servers - len(threads))
     stubs += stubs[-1:] * (servers - len(stubs))
     splits += splits[-1:] * (servers - len(splits))
     publish += publish[-1:] * (servers - len(publish))
@@ -481,6 +492,7 @@ def main() -> None:
             if args.cpu_split
             else None,
             "stub_metrics_s": args.stub_metrics_s,
+            "http_threads": args.http_threads,
             "pytriton": args.pytriton,
             "client_processes": processes,
             "transport": transport,
@@ -494,9 +506,11 @@ def main() -> None:
             tail += f"_{args.client[k]}_{k}"
         tail += "_pinned" if args.cpu_split else ""
         tail += f"_pub{args.stub_metrics_s:g}" if args.stub_metrics_s is not None else ""
+        tail += f"_h{args.http_threads}" if args.http_threads is not None else ""
         if servers > 1:  # one server per entry of --instances-per-gpu / --cpu-split: its set-up and place in order
             tail += f"_i{n}_{run}"
-        tagged = several or switches or clients or servers > 1 or args.cpu_split or args.stub_metrics_s is not None
+        tagged = several or switches or clients or servers > 1 or args.cpu_split
+        tagged = tagged or args.stub_metrics_s is not None or args.http_threads is not None
         name = f"serve_{args.label or label}" + (tail if tagged else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
@@ -525,11 +539,13 @@ def main() -> None:
         (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
 
-    for run, (n, split, every) in enumerate(zip(stubs, splits, publish)):
+    for run, (n, split, every, http) in enumerate(zip(stubs, splits, publish, threads)):
         args.instances_per_gpu, args.server_run, args.cpu_split, args.stub_metrics_s = n, run, split, every
+        args.http_threads = http
         if servers > 1:
             where = f", clients on CPUs {_cpus(split[0])}, server on {_cpus(split[1])}" if split else ""
             where += f", stub timings published every {every:g} s" if every is not None else ""
+            where += f", {http} HTTP threads" if http is not None else ""
             say(f"server {run + 1} of {servers}: {n} instance(s) per GPU{where}")
         served(path, engine.model_name, config, args, work / f"loadtest{run}", write, write_legs)
 
@@ -550,6 +566,8 @@ def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
         pinned = f"; server on CPUs {_cpus(set(split['server']))}, clients on {_cpus(set(split['clients']))}"
     if report.get("stub_metrics_s") is not None:
         pinned += f"; the stubs publish their timings every {report['stub_metrics_s']:g} s"
+    if report.get("http_threads") is not None:
+        pinned += f"; {report['http_threads']} HTTP threads"
     return f"plain tritonserver, Python backend {where} with {count} instance(s) (the engine in Triton's stubs){pinned}"
 
 

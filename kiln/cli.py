@@ -869,6 +869,12 @@ for _name in STAGE_NAMES:
     help="model instances (stub processes) on each GPU [default: 4, fewer with under 2 cores each]",
 )
 @click.option(
+    "--http-threads",
+    default=None,
+    type=click.IntRange(1),
+    help="Triton's HTTP threads, which read requests and write responses for all connections [default: Triton's]",
+)
+@click.option(
     "--pytriton",
     is_flag=True,
     help="run the engines in this process through PyTriton instead of Triton's Python-backend stubs (slower)",
@@ -884,6 +890,7 @@ def serve(
     address: str,
     gpus: str | None,
     instances_per_gpu: int | None,
+    http_threads: int | None,
     pytriton: bool,
     verbose: int,
 ) -> None:
@@ -917,6 +924,7 @@ def serve(
             instances_per_gpu=instances_per_gpu,
             exit_on_overrun=True,
             pytriton=pytriton,
+            http_threads=http_threads,
         )
 
 

@@ -460,12 +460,14 @@ def serve(
     instances_per_gpu: int | None = None,
     exit_on_overrun: bool = False,
     pytriton: bool = False,
+    http_threads: int | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers. The server's own log
     is printed with ``verbose`` only; otherwise its error is named when the server fails.
     ``gpus``: serve CUDA engines on these GPUs (default: GPU 0 when every engine runs on CUDA), ``instances_per_gpu``
     stubs on each (default :func:`default_instances`). ``pytriton``: run the engines in this process through
-    PyTriton instead. ``exit_on_overrun``: a stop that overruns ``STOP_DEADLINE_S`` ends this process too (the
+    PyTriton instead. ``http_threads``: Triton's HTTP threads (its ``--http-thread-count``; default Triton's own).
+    ``exit_on_overrun``: a stop that overruns ``STOP_DEADLINE_S`` ends this process too (the
     CLI's choice; a caller in-process keeps its process)."""
     served = find_engines(path)
     if not pytriton:
@@ -473,7 +475,7 @@ def serve(
             gpus = [0]
         instances = instances_per_gpu or default_instances(gpus)
         ports = (http_port, grpc_port, metrics_port)
-        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose)
+        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose, http_threads)
         return serve_python_backend(served, gpus, instances, ports, *args)
     if gpus is not None:
         raise ConfigError(
@@ -497,7 +499,7 @@ def serve(
         for s in served:  # before the server starts: an engine this machine cannot run fails fast
             runners.append(load_engine(s.engine_dir, serving=True).activate())
         triton = pytriton.triton.Triton(
-            config=_triton_config(pytriton, address, http_port, grpc_port, metrics_port),
+            config=_triton_config(pytriton, address, http_port, grpc_port, metrics_port, http_threads),
             security_config=_security(pytriton),
             workspace=workspace,
         )
@@ -540,8 +542,11 @@ def _scratch() -> Path:
         raise storage_error(exc, "making the server's scratch folder (TMPDIR)") from None
 
 
-def _triton_config(pytriton: Any, address: str, http_port: int, grpc_port: int, metrics_port: int) -> Any:
+def _triton_config(
+    pytriton: Any, address: str, http_port: int, grpc_port: int, metrics_port: int, http_threads: int | None = None
+) -> Any:
     return pytriton.triton.TritonConfig(
+        http_thread_count=http_threads,
         http_address=address,
         http_port=http_port,
         grpc_address=address,
@@ -774,11 +779,13 @@ def tritonserver_process(
     address: str = "127.0.0.1",
     echo: bool = False,
     reloadable: bool = False,
+    http_threads: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start the bundled ``tritonserver --model-repository REPOSITORY`` on ``address``. The caller stops it
     (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting).
     ``reloadable``: every model loaded at start as usual, and reloadable through Triton's repository API
-    (explicit model control), as :class:`StubWatch` does when a stub dies."""
+    (explicit model control), as :class:`StubWatch` does when a stub dies. ``http_threads``: the HTTP frontend's
+    threads, which read requests and write responses for every connection (Triton's default without it)."""
     # absolute: the server starts in ``scratch``, where paths relative to this process's folder mean nothing
     repository, scratch = repository.resolve(), scratch.resolve()
     root = prepared_tritonserver(scratch)
@@ -797,6 +804,8 @@ def tritonserver_process(
     ]
     if reloadable:
         cmd += ["--model-control-mode=explicit", "--load-model=*"]
+    if http_threads is not None:
+        cmd += [f"--http-thread-count={http_threads}"]
     # In the scratch folder: the Python stubs it starts look for modules in their working folder first, where a
     # folder named like one of the engine's packages (a `kiln/` checkout) would shadow the installed one.
     if log_file is None:  # ``echo``: its log on this process's stderr (--verbose)
@@ -924,6 +933,7 @@ def serve_python_backend(
     on_ready: Callable[[list[ServedEngine]], None] | None = None,
     exit_on_overrun: bool = False,
     verbose: bool = False,
+    http_threads: int | None = None,
 ) -> None:
     """Every engine behind one endpoint: plain ``tritonserver`` on a Python-backend repository (each instance a
     stub process that loads the engine; with ``gpus``, instance groups over those GPUs, each stub pinned to its
@@ -940,7 +950,14 @@ def serve_python_backend(
         repository = scratch / "repository"
         models = write_repository(repository, served, gpus, instances, max_batch, queue_delay_us)
         proc = tritonserver_process(
-            repository, scratch, *ports, None if verbose else log_file, address, verbose, reloadable=True
+            repository,
+            scratch,
+            *ports,
+            None if verbose else log_file,
+            address,
+            verbose,
+            reloadable=True,
+            http_threads=http_threads,
         )
         try:
             wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc, ports[1:])

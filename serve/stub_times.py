@@ -201,26 +201,37 @@ def split(before: dict[str, float] | None, after: dict[str, float] | None) -> di
 LEGS = ("to the stub", "in the stub", "back")
 
 
-def join_stamps(client: Any, stub: Any, slowest: float = 0.01) -> dict[str, Any] | None:
-    """Each request's three legs, from the client's record (rows: sent, latency, in ns) and the stubs'
-    (:class:`StubStamps` rows: sent, started, finished) met on the send time: to the stub (sent to the execution's
-    start: the HTTP frontend, Triton's queue and input copy, the hop), in the stub (its execution) and back (the
-    execution's end to the answer in the client: the hop back, Triton's answer, the client). Per leg, p50 / p99 ms
-    over the requests met and the mean ms over the ``slowest`` share of them by latency; None where none met."""
+def joined(client: Any, stub: Any) -> Any:
+    """The client's record (rows: sent, latency, in ns) met with the stubs' (:class:`StubStamps` rows: sent,
+    started, finished) on the send time: one row per request met (sent, latency, started, finished, in ns),
+    the unmet left out."""
     import numpy as np
 
     client, stub = np.asarray(client, dtype=np.int64).reshape(-1, 2), np.asarray(stub, dtype=np.int64).reshape(-1, 3)
     if not len(stub):
-        return None
+        return np.zeros((0, 4), dtype=np.int64)
     stub = stub[np.argsort(stub[:, 0])]
     at = np.minimum(np.searchsorted(stub[:, 0], client[:, 0]), len(stub) - 1)
     met = stub[at, 0] == client[:, 0]
-    sent, latency, (started, finished) = client[met, 0], client[met, 1], stub[at[met], 1:].T
-    if not len(sent):
+    return np.concatenate([client[met], stub[at[met], 1:]], axis=1)
+
+
+def join_stamps(client: Any, stub: Any, slowest: float = 0.01) -> dict[str, Any] | None:
+    """Each request's three legs, from the client's record and the stubs' met by :func:`joined`: to the stub (sent
+    to the execution's start: the HTTP frontend, Triton's queue and input copy, the hop), in the stub (its
+    execution) and back (the execution's end to the answer in the client: the hop back, Triton's answer, the
+    client). Per leg, p50 / p99 ms over the requests met and the mean ms over the ``slowest`` share of them by
+    latency; None where none met."""
+    import numpy as np
+
+    rows = joined(client, stub)
+    if not len(rows):
         return None
+    sent, latency, started, finished = rows.T
     legs = np.stack([started - sent, finished - started, sent + latency - finished], axis=1) / 1e6
     slow = latency >= np.quantile(latency, 1 - slowest)
-    found: dict[str, Any] = {"requests": int(len(client)), "met": int(len(sent)), "slowest": int(slow.sum())}
+    found: dict[str, Any] = {"requests": int(len(np.asarray(client).reshape(-1, 2))), "met": int(len(sent))}
+    found["slowest"] = int(slow.sum())
     for k, name in enumerate(LEGS):
         p50, p99 = np.percentile(legs[:, k], [50, 99])
         found[name] = {"p50": float(p50), "p99": float(p99), "slowest_mean": float(legs[slow, k].mean())}

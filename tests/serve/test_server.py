@@ -225,17 +225,21 @@ def test_stamped_requests_are_timed_by_the_stub_and_their_legs_meet_its_record(
     workdir: Path, config: KilnConfig, tmp_path: Path
 ) -> None:
     """With KILN_STUB_STAMPS the stubs time each request that carries its send time to its execution (published
-    with their phases, every execution at once here) and record its execution, met with the client's record."""
+    with their phases, every execution at once here) and record its execution, met with the client's record. The
+    server runs with two HTTP threads (--http-threads reaches tritonserver)."""
     import numpy as np
 
     from kiln.serve.stub_times import LEGS, STAMPS_ENV, join_stamps
 
     ports = free_ports(3)
     engine = workdir / "package" / "engines" / ENGINE
-    proc = _start_serve(engine, ports, env={STAMPS_ENV: str(tmp_path / "stamps"), "KILN_STUB_METRICS_S": "0"})
+    env = {STAMPS_ENV: str(tmp_path / "stamps"), "KILN_STUB_METRICS_S": "0"}
+    proc = _start_serve(engine, ports, "--http-threads", "2", env=env)
     try:
         _ready(proc, ports, [MODEL])
         descendants = psutil.Process(proc.pid).children(recursive=True)
+        triton = [p.cmdline() for p in descendants if p.name() == "tritonserver"]
+        assert len(triton) == 1 and "--http-thread-count=2" in triton[0], triton
         result = loadtest(
             f"http://127.0.0.1:{ports[0]}",
             MODEL,
