@@ -165,7 +165,7 @@ def served(
         "--metrics-port",
         str(ports[2]),
         "--max-batch",
-        str(max(args.concurrency)),
+        str(args.max_batch or max(args.concurrency)),
         "--max-queue-delay-us",
         str(args.max_queue_delay_us),
     ]
@@ -397,6 +397,11 @@ def main() -> None:
         "within a run); a list starts one server per entry, zipped with --instances-per-gpu",
     )
     p.add_argument(
+        "--max-batch",
+        help="kiln serve --max-batch (largest batch Triton forms; default: the largest concurrency); a list starts "
+        "one server per entry, zipped with --instances-per-gpu",
+    )
+    p.add_argument(
         "--http-threads",
         help="kiln serve --http-threads (Triton's HTTP threads); a list starts one server per entry, zipped with "
         "--instances-per-gpu",
@@ -438,8 +443,10 @@ def main() -> None:
         p.error(f"--cpu-split names CPUs this process cannot use (it has {sorted(os.sched_getaffinity(0))})")
     publish = [float(v) for v in args.stub_metrics_s.split(",")] if args.stub_metrics_s is not None else [None]
     threads = [int(v) for v in args.http_threads.split(",")] if args.http_threads else [None]
-    servers = max(len(stubs), len(splits), len(publish), len(threads))
+    batches = [int(v) for v in args.max_batch.split(",")] if args.max_batch else [None]
+    servers = max(len(stubs), len(splits), len(publish), len(threads), len(batches))
     threads += threads[-1:] * (servers - len(threads))
+    batches += batches[-1:] * (servers - len(batches))
     stubs += stubs[-1:] * (servers - len(stubs))
     splits += splits[-1:] * (servers - len(splits))
     publish += publish[-1:] * (servers - len(publish))
@@ -493,6 +500,7 @@ def main() -> None:
             else None,
             "stub_metrics_s": args.stub_metrics_s,
             "http_threads": args.http_threads,
+            "max_batch": args.max_batch or max(args.concurrency),
             "pytriton": args.pytriton,
             "client_processes": processes,
             "transport": transport,
@@ -507,10 +515,11 @@ def main() -> None:
         tail += "_pinned" if args.cpu_split else ""
         tail += f"_pub{args.stub_metrics_s:g}" if args.stub_metrics_s is not None else ""
         tail += f"_h{args.http_threads}" if args.http_threads is not None else ""
+        tail += f"_b{args.max_batch}" if args.max_batch is not None else ""
         if servers > 1:  # one server per entry of --instances-per-gpu / --cpu-split: its set-up and place in order
             tail += f"_i{n}_{run}"
         tagged = several or switches or clients or servers > 1 or args.cpu_split
-        tagged = tagged or args.stub_metrics_s is not None or args.http_threads is not None
+        tagged = tagged or args.stub_metrics_s is not None or args.http_threads is not None or args.max_batch
         name = f"serve_{args.label or label}" + (tail if tagged else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))
@@ -539,13 +548,14 @@ def main() -> None:
         (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
 
-    for run, (n, split, every, http) in enumerate(zip(stubs, splits, publish, threads)):
+    for run, (n, split, every, http, batch) in enumerate(zip(stubs, splits, publish, threads, batches)):
         args.instances_per_gpu, args.server_run, args.cpu_split, args.stub_metrics_s = n, run, split, every
-        args.http_threads = http
+        args.http_threads, args.max_batch = http, batch
         if servers > 1:
             where = f", clients on CPUs {_cpus(split[0])}, server on {_cpus(split[1])}" if split else ""
             where += f", stub timings published every {every:g} s" if every is not None else ""
             where += f", {http} HTTP threads" if http is not None else ""
+            where += f", batches up to {batch}" if batch is not None else ""
             say(f"server {run + 1} of {servers}: {n} instance(s) per GPU{where}")
         served(path, engine.model_name, config, args, work / f"loadtest{run}", write, write_legs)
 
@@ -566,6 +576,8 @@ def _server(report: dict[str, Any], env: dict[str, Any]) -> str:
         pinned = f"; server on CPUs {_cpus(set(split['server']))}, clients on {_cpus(set(split['clients']))}"
     if report.get("stub_metrics_s") is not None:
         pinned += f"; the stubs publish their timings every {report['stub_metrics_s']:g} s"
+    if report.get("max_batch") is not None:
+        pinned += f"; batches up to {report['max_batch']}"
     if report.get("http_threads") is not None:
         pinned += f"; {report['http_threads']} HTTP threads"
     return f"plain tritonserver, Python backend {where} with {count} instance(s) (the engine in Triton's stubs){pinned}"

@@ -122,12 +122,15 @@ def sent_times(requests: list[Any]) -> list[int]:
 
 class StubStamps:
     """Per request, when the stub began and finished the execution that answered it, beside its send time: kept
-    in memory and written to ``folder/stub-<pid>.npy`` (rows: sent, started, finished, in ns) when the model is
-    unloaded, where :func:`join_stamps` meets them with the client's own record of each request. Only where
-    the environment names the folder (:data:`STAMPS_ENV`): a diagnosis, not a server's everyday work."""
+    in memory and written to ``folder/stub-<pid>-<part>.npy`` (rows: sent, started, finished, in ns) every
+    ``PART_ROWS`` rows and when the model is unloaded (a stub that Triton's shutdown kills loses only its last
+    part), where :func:`join_stamps` meets them with the client's own record of each request. Only where the
+    environment names the folder (:data:`STAMPS_ENV`): a diagnosis, not a server's everyday work."""
+
+    PART_ROWS = 4096
 
     def __init__(self, folder: Path) -> None:
-        self.folder, self.rows = folder, []
+        self.folder, self.rows, self.parts = folder, [], 0
 
     @classmethod
     def from_env(cls) -> StubStamps | None:
@@ -136,12 +139,19 @@ class StubStamps:
 
     def add(self, sent: list[int], started: int, finished: int) -> None:
         self.rows.extend((s, started, finished) for s in sent)
+        if len(self.rows) >= self.PART_ROWS:
+            self.write()
 
     def write(self) -> None:
+        """The rows kept so far, as the next part; nothing when none are kept."""
         import numpy as np
 
+        if not self.rows:
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
-        np.save(self.folder / f"stub-{os.getpid()}.npy", np.asarray(self.rows, dtype=np.int64).reshape(-1, 3))
+        rows = np.asarray(self.rows, dtype=np.int64).reshape(-1, 3)
+        np.save(self.folder / f"stub-{os.getpid()}-{self.parts}.npy", rows)
+        self.rows, self.parts = [], self.parts + 1
 
 
 _SAMPLE = re.compile(r"^(kiln_stub_\w+)\{([^}]*)\}\s+(\S+)", re.MULTILINE)

@@ -298,10 +298,10 @@ class TritonPythonModel:
         return batched_infer(self.runner, feeds, self.buckets)
 
     def finalize(self):
+        if self.stamps is not None:  # first: a stub still unloading when Triton's exit timeout ends is killed
+            self.stamps.write()
         if self.times is not None:
             self.times.close()
-        if self.stamps is not None:
-            self.stamps.write()
         self.runner.deactivate()
 '''
 

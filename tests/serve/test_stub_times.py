@@ -184,3 +184,18 @@ def test_stub_stamps_are_written_only_where_the_environment_asks_and_meet_the_cl
     slow = {leg: found[leg]["slowest_mean"] for leg in stub_times.LEGS}
     assert slow == pytest.approx({"to the stub": 30.0, "in the stub": 2.0, "back": 8.0})  # 30 + 2 + 8 = its 40 ms
     assert stub_times.join_stamps(client, np.zeros((0, 3))) is None
+
+
+def test_stub_stamps_are_written_in_parts_so_a_killed_stub_loses_only_its_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stub_times.StubStamps, "PART_ROWS", 3)
+    stamps = stub_times.StubStamps(tmp_path / "stamps")
+    for k in range(4):  # two requests an execution: a part after the second and the fourth
+        stamps.add([10 * k, 10 * k + 1], started=10 * k + 5, finished=10 * k + 7)
+    parts = sorted((tmp_path / "stamps").glob("stub-*.npy"))
+    assert [len(np.load(p)) for p in parts] == [4, 4]  # written as the stub runs, before any unload
+    stamps.write()
+    stamps.write()  # nothing kept: no empty part
+    rows = np.concatenate([np.load(p) for p in sorted((tmp_path / "stamps").glob("stub-*.npy"))])
+    assert len(rows) == 8 and sorted(rows[:, 0]) == [0, 1, 10, 11, 20, 21, 30, 31]
