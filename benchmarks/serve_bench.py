@@ -164,8 +164,6 @@ def served(
         str(ports[1]),
         "--metrics-port",
         str(ports[2]),
-        "--max-batch",
-        str(args.max_batch or max(args.concurrency)),
         "--max-queue-delay-us",
         str(args.max_queue_delay_us),
     ]
@@ -173,6 +171,8 @@ def served(
         cmd += ["--gpus", args.gpus]
     if args.instances_per_gpu is not None:
         cmd += ["--instances-per-gpu", str(args.instances_per_gpu)]
+    if args.max_batch is not None:
+        cmd += ["--max-batch", str(args.max_batch)]
     if args.http_threads is not None:
         cmd += ["--http-threads", str(args.http_threads)]
     if args.pytriton:
@@ -398,7 +398,7 @@ def main() -> None:
     )
     p.add_argument(
         "--max-batch",
-        help="kiln serve --max-batch (largest batch Triton forms; default: the largest concurrency); a list starts "
+        help="kiln serve --max-batch (largest batch Triton forms; default: kiln serve's); a list starts "
         "one server per entry, zipped with --instances-per-gpu",
     )
     p.add_argument(
@@ -500,7 +500,7 @@ def main() -> None:
             else None,
             "stub_metrics_s": args.stub_metrics_s,
             "http_threads": args.http_threads,
-            "max_batch": args.max_batch or max(args.concurrency),
+            "max_batch": args.max_batch,
             "pytriton": args.pytriton,
             "client_processes": processes,
             "transport": transport,

@@ -838,10 +838,10 @@ for _name in STAGE_NAMES:
 )
 @click.option(
     "--max-batch",
-    default=32,
-    show_default=True,
+    default=None,
     type=click.IntRange(0),
-    help="largest batch Triton's dynamic batcher forms (capped by the engine; 0: no batching)",
+    help="largest batch Triton's dynamic batcher forms (capped by the engine; 0: no batching) [default: 8 for "
+    "engines on GPUs, spread over their stubs; 32 on the CPU]",
 )
 @click.option(
     "--max-queue-delay-us",
@@ -866,7 +866,7 @@ for _name in STAGE_NAMES:
     "--instances-per-gpu",
     default=None,
     type=click.IntRange(1),
-    help="model instances (stub processes) on each GPU [default: 4, fewer with under 2 cores each]",
+    help="model instances (stub processes) on each GPU [default: 8, fewer with under 2 cores each]",
 )
 @click.option(
     "--http-threads",
@@ -885,7 +885,7 @@ def serve(
     http_port: int,
     grpc_port: int,
     metrics_port: int,
-    max_batch: int,
+    max_batch: int | None,
     max_queue_delay_us: int,
     address: str,
     gpus: str | None,

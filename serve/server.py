@@ -451,7 +451,7 @@ def serve(
     http_port: int = 8000,
     grpc_port: int = 8001,
     metrics_port: int = 8002,
-    max_batch: int = 32,
+    max_batch: int | None = None,
     max_queue_delay_us: int = 100,
     address: str = "127.0.0.1",
     on_ready: Callable[[list[ServedEngine]], None] | None = None,
@@ -465,7 +465,8 @@ def serve(
     """Serve until SIGINT or SIGTERM. ``on_ready`` is called once every model answers. The server's own log
     is printed with ``verbose`` only; otherwise its error is named when the server fails.
     ``gpus``: serve CUDA engines on these GPUs (default: GPU 0 when every engine runs on CUDA), ``instances_per_gpu``
-    stubs on each (default :func:`default_instances`). ``pytriton``: run the engines in this process through
+    stubs on each (default :func:`default_instances`); ``max_batch``: the largest batch Triton forms (default
+    :func:`default_max_batch`). ``pytriton``: run the engines in this process through
     PyTriton instead. ``http_threads``: Triton's HTTP threads (its ``--http-thread-count``; default Triton's own).
     ``exit_on_overrun``: a stop that overruns ``STOP_DEADLINE_S`` ends this process too (the
     CLI's choice; a caller in-process keeps its process)."""
@@ -474,6 +475,7 @@ def serve(
         if gpus is None and all(s.meta.device == "cuda" for s in served):
             gpus = [0]
         instances = instances_per_gpu or default_instances(gpus)
+        max_batch = default_max_batch(gpus) if max_batch is None else max_batch
         ports = (http_port, grpc_port, metrics_port)
         args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose, http_threads)
         return serve_python_backend(served, gpus, instances, ports, *args)
@@ -482,6 +484,7 @@ def serve(
             "--gpus serves through Triton's Python backend, not PyTriton", hint="drop --pytriton, or --gpus"
         )
     pytriton = _pytriton()
+    max_batch = default_max_batch(None) if max_batch is None else max_batch
     _server_log_on_stdout(verbose)
     check_ports(address, http_port, grpc_port, metrics_port)
     scratch = _scratch()
@@ -891,13 +894,27 @@ def _visible_gpus() -> int:
 
 
 def default_instances(gpus: list[int] | None, cores: int | None = None) -> int:
-    """Model instances per GPU when none are asked for: 4 on each GPU (the ResNet-18 torch engine on an H200 served
-    2.2x the requests with 4 stubs as with 2, and 1.2x more with 8, where the clients became the limit), fewer where
-    the host has under 2 cores per stub; 1 for engines on the CPU (one stub already uses every core)."""
+    """Model instances per GPU when none are asked for: 8 on each GPU, fewer where the host has under 2 cores per
+    stub (stubs time-share their GPU, so more of them serve more requests only while the host's cores keep up;
+    docs/serving.md has the measurements); 1 for engines on the CPU (one stub already uses every core)."""
     if not gpus:
         return 1
     cores = cores or os.cpu_count() or 1
-    return max(1, min(4, cores // (2 * len(gpus))))
+    return max(1, min(8, cores // (2 * len(gpus))))
+
+
+GPU_STUB_MAX_BATCH = 8
+CPU_MAX_BATCH = 32
+
+
+def default_max_batch(gpus: list[int] | None) -> int:
+    """The largest batch Triton forms when none is asked for. Engines on GPUs are served by several stubs to a
+    GPU, which time-share it, and a stub's execution grows with every request in its batch: a large batch buys no
+    throughput there, while a backlog taken whole by one stub (the dynamic batcher hands the next free instance
+    everything queued, up to this size) waits behind that one long execution as the other stubs idle. So
+    :data:`GPU_STUB_MAX_BATCH` with ``gpus``, spreading a backlog over the stubs (docs/serving.md has the
+    measurements); one instance on the CPU gains from large batches: :data:`CPU_MAX_BATCH`."""
+    return GPU_STUB_MAX_BATCH if gpus else CPU_MAX_BATCH
 
 
 def write_repository(
@@ -927,7 +944,7 @@ def serve_python_backend(
     gpus: list[int] | None,
     instances: int,
     ports: tuple[int, int, int],
-    max_batch: int = 32,
+    max_batch: int = CPU_MAX_BATCH,
     queue_delay_us: int = 100,
     address: str = "127.0.0.1",
     on_ready: Callable[[list[ServedEngine]], None] | None = None,

@@ -28,6 +28,8 @@ from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.serve.batching import pad_rows
 from kiln.serve.loadtest import CLIENT_SWITCH_S, loadtest, parse_url
 from kiln.serve.server import (
+    CPU_MAX_BATCH,
+    GPU_STUB_MAX_BATCH,
     PortInUse,
     check_stub_numpy,
     find_engines,
@@ -94,6 +96,14 @@ def _ready(proc: subprocess.Popen[bytes], ports: list[int], models: list[str]) -
         if proc.poll() is None:
             raise
         raise AssertionError(f"{exc.message}; kiln serve printed:\n{_printed(proc)}") from None
+
+
+def _max_batch(ports: list[int], model: str) -> int:
+    """The largest batch the running server's dynamic batcher forms for ``model`` (Triton's model config)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/v2/models/{model}/config", timeout=30) as answer:
+        return int(json.load(answer)["max_batch_size"])
 
 
 def _printed(proc: subprocess.Popen[bytes]) -> str:
@@ -240,6 +250,8 @@ def test_stamped_requests_are_timed_by_the_stub_and_their_legs_meet_its_record(
         descendants = psutil.Process(proc.pid).children(recursive=True)
         triton = [p.cmdline() for p in descendants if p.name() == "tritonserver"]
         assert len(triton) == 1 and "--http-thread-count=2" in triton[0], triton
+        built = read_metadata(engine).max_batch()  # a CPU engine: the CPU's default batch, capped by the engine
+        assert _max_batch(ports, MODEL) == min(CPU_MAX_BATCH, built or CPU_MAX_BATCH)
         result = loadtest(
             f"http://127.0.0.1:{ports[0]}",
             MODEL,
@@ -732,6 +744,7 @@ def test_gpus_all_serves_one_endpoint_over_every_gpu(workdir: Path, config: Kiln
     proc = _start_serve(engine_dir, ports, "--gpus", "all")
     try:
         _ready(proc, ports, [model])
+        assert _max_batch(ports, model) == GPU_STUB_MAX_BATCH  # built for 32: a backlog spread over the stubs
         descendants = psutil.Process(proc.pid).children(recursive=True)
         result = loadtest(f"grpc://127.0.0.1:{ports[1]}", model, engine_dir, tmp_path / "lt", [8], 120, 200)
     except BaseException:

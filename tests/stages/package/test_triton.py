@@ -164,9 +164,16 @@ def test_gpus_are_refused_for_a_cpu_engine_and_checked_against_the_machine(tmp_p
         parse_gpus("all", visible=0)
 
 
-def test_instances_default_to_four_per_gpu_within_the_cores_and_one_on_the_cpu() -> None:
+def test_instances_default_to_eight_per_gpu_within_the_cores_and_one_on_the_cpu() -> None:
     from kiln.serve.server import default_instances
 
-    assert default_instances([0], cores=16) == 4 and default_instances([0, 1], cores=16) == 4
-    assert default_instances([0, 1], cores=8) == 2 and default_instances([0], cores=2) == 1
+    assert default_instances([0], cores=16) == 8 and default_instances([0, 1], cores=16) == 4
+    assert default_instances([0, 1], cores=64) == 8 and default_instances([0], cores=2) == 1
     assert default_instances(None, cores=64) == 1
+
+
+def test_batches_default_to_a_few_requests_per_gpu_stub_and_larger_on_the_cpu() -> None:
+    from kiln.serve.server import CPU_MAX_BATCH, GPU_STUB_MAX_BATCH, default_max_batch
+
+    assert default_max_batch([0]) == default_max_batch([0, 1]) == GPU_STUB_MAX_BATCH < CPU_MAX_BATCH
+    assert default_max_batch(None) == CPU_MAX_BATCH
