@@ -283,8 +283,12 @@ def legs(out: Path, stamps: Path) -> dict[str, Any] | None:
     if not client or not stub:
         return None
     client, stub = np.concatenate(client), np.concatenate(stub)
-    np.save(out / "requests.npy", stub_times.joined(client, stub))  # per request: sent, latency, started, finished
-    return stub_times.join_stamps(client, stub)
+    rows = stub_times.joined(client, stub)
+    np.save(out / "requests.npy", rows)  # per request: sent, latency, started, finished
+    found = stub_times.join_stamps(client, stub)
+    if found is not None:
+        found["by_batch"] = stub_times.by_batch(rows)
+    return found
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
@@ -541,6 +545,13 @@ def main() -> None:
             lines += [
                 f"| {leg} | {found[leg]['p50']:.2f} | {found[leg]['p99']:.2f} | {found[leg]['slowest_mean']:.2f} |"
                 for leg in stub_times.LEGS
+            ]
+            lines += ["", "By the batch of the execution that answered them:", ""]
+            lines += ["| batch | share of requests | executions | p50 ms | p99 ms |", "|---|---:|---:|---:|---:|"]
+            lines += [
+                f"| {g['batches']} | {100 * g['requests_share']:.1f} % | {g['executions']} | {g['p50_ms']:.2f} | "
+                f"{g['p99_ms']:.2f} |"
+                for g in found.get("by_batch", [])
             ]
         else:
             lines.append("no request met with a stub's record")

@@ -250,3 +250,34 @@ def join_stamps(client: Any, stub: Any, slowest: float = 0.01) -> dict[str, Any]
         "slowest_mean": float(latency[slow].mean() / 1e6),
     }
     return found
+
+
+def by_batch(rows: Any, edges: tuple[int, ...] = (8, 16)) -> list[dict[str, Any]]:
+    """The requests of :func:`joined` rows grouped by the size of the execution that answered them (the requests
+    met that share its start and end; batches up to each of ``edges``, then the rest): per group the share of the
+    requests, the executions and their latency's p50 / p99 ms. Shows whether a tail comes from large batches."""
+    import numpy as np
+
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    if not len(rows):
+        return []
+    _, which, sizes = np.unique(rows[:, 2:], axis=0, return_inverse=True, return_counts=True)
+    batch, latency = sizes[which.ravel()], rows[:, 1] / 1e6
+    groups, low = [], 1
+    for high in (*edges, int(batch.max())):
+        if high < low:
+            break
+        picked = (batch >= low) & (batch <= high)
+        if picked.any():
+            p50, p99 = np.percentile(latency[picked], [50, 99])
+            groups.append(
+                {
+                    "batches": f"{low}-{high}" if high > low else str(low),
+                    "requests_share": float(picked.mean()),
+                    "executions": int(((sizes >= low) & (sizes <= high)).sum()),
+                    "p50_ms": float(p50),
+                    "p99_ms": float(p99),
+                }
+            )
+        low = high + 1
+    return groups

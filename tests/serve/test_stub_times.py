@@ -199,3 +199,14 @@ def test_stub_stamps_are_written_in_parts_so_a_killed_stub_loses_only_its_last(
     stamps.write()  # nothing kept: no empty part
     rows = np.concatenate([np.load(p) for p in sorted((tmp_path / "stamps").glob("stub-*.npy"))])
     assert len(rows) == 8 and sorted(rows[:, 0]) == [0, 1, 10, 11, 20, 21, 30, 31]
+
+
+def test_requests_grouped_by_their_executions_batch_show_where_a_tail_comes_from() -> None:
+    ms = 1_000_000
+    small = [(k * ms, 4 * ms, 100 * ms + k, 101 * ms + k) for k in range(4)]  # four executions of one request
+    large = [(k * ms, 30 * ms, 200 * ms, 210 * ms) for k in range(10, 20)]  # one of ten: the slow ones
+    groups = stub_times.by_batch(np.array(small + large), edges=(8,))
+    assert [g["batches"] for g in groups] == ["1-8", "9-10"]
+    assert [g["executions"] for g in groups] == [4, 1]
+    assert groups[0]["requests_share"] == pytest.approx(4 / 14) and groups[1]["p99_ms"] == pytest.approx(30.0)
+    assert stub_times.by_batch(np.zeros((0, 4))) == []
