@@ -102,6 +102,10 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
         "gemm_epilogues": (mode := resolve_mode(cfg.gemm_epilogues, device, precision, cfg.flavour)),
         "merge_linears": cfg.merge_linears and mode != "off",
         "conv_epilogues": has_conv and conv_epilogues.resolve(cfg.conv_epilogues, device, precision, cfg.flavour),
+        # FP8 layers with their GELU and the next layer's cast in one cuBLASLt call (a custom op: compiled flavour)
+        "fp8_gelu_epilogues": (device, precision) == ("cuda", "fp8")
+        and cfg.gemm_epilogues != "off"
+        and cfg.flavour != "aotinductor",
     }
 
 

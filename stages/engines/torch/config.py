@@ -77,7 +77,9 @@ class TorchConfig(Section):
         "bias_any_gelu: every GELU, on the GPU as the tanh approximation) in the GEMM's epilogue "
         "instead of Inductor's GEMMs (kiln.stages.engines.torch.gemm_epilogues). auto: bias_any_gelu "
         "for FP16 GPU engines (their flavour then is compiled), off for the others and with "
-        "flavour aotinductor",
+        "flavour aotinductor. In FP8 GPU engines with static scales anything but off also runs a layer, "
+        "its GELU and the next layer's input cast as one cuBLASLt call "
+        "(kiln.stages.engines.torch.fp8_epilogues)",
     )
     conv_epilogues: AutoOnOff = Field(
         "auto",

@@ -1,0 +1,208 @@
+"""FP8 GEMMs through cuBLASLt with an epilogue ``torch._scaled_mm`` does not expose: bias, GELU and an FP8 output.
+
+The FP8 engine's linear layers are ``torch._scaled_mm`` calls (FP8 in, FP16 out, bias in cuBLASLt's epilogue).
+Where one is followed by a GELU and the next FP8 layer, the GELU and the cast of its output to FP8 are a kernel of
+their own that moves the whole activation twice; cuBLASLt computes both in the GEMM's epilogue
+(``CUBLASLT_EPILOGUE_GELU_BIAS`` with an E4M3 ``D`` and a ``D`` scale), one call instead of two
+(``benchmarks/cublaslt_fp8_probe.py``). PyTorch binds no such call, so this module calls the ``libcublasLt`` torch
+has already loaded through ctypes: nothing to build, the same library and version as torch's own GEMMs.
+
+cuBLASLt's GELU is the tanh approximation (at most 4.7e-4 from the exact one, far inside FP8's steps); the
+engine's accuracy gates judge the result as for every engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+# cuBLASLt's enums (cublasLt.h, CUDA 12 and 13)
+CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
+CUBLAS_COMPUTE_32F = 68
+OP_N, OP_T = 0, 1
+TRANSA, TRANSB, EPILOGUE, BIAS_POINTER = 3, 4, 7, 8
+A_SCALE, B_SCALE, D_SCALE, FAST_ACCUM, BIAS_DATA_TYPE = 17, 18, 20, 25, 26
+EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36
+PREF_MAX_WORKSPACE_BYTES = 1
+WORKSPACE_BYTES = 32 << 20  # what cuBLASLt suggests for Hopper
+
+
+class Unavailable(RuntimeError):
+    """cuBLASLt cannot run this GEMM here (no library loaded, or no algorithm for the shape and types)."""
+
+
+class HeuristicResult(ctypes.Structure):
+    _fields_ = [
+        ("algo", ctypes.c_uint64 * 8),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The libcublasLt this process's torch loaded (after one CUDA matmul), found in /proc/self/maps, with the
+    argument types of the functions used (sizes and pointers passed as 64-bit values)."""
+    import torch
+
+    torch.ones(16, 16, device="cuda") @ torch.ones(16, 16, device="cuda")
+    maps = Path("/proc/self/maps")
+    paths = [line.split()[-1] for line in maps.read_text().splitlines() if "libcublasLt.so" in line]
+    if not paths:
+        raise Unavailable("torch has not loaded libcublasLt")
+    lib = ctypes.CDLL(paths[0])
+    ptr, i32, u64, i64, size = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+    lib.cublasLtCreate.argtypes = [ptr]
+    lib.cublasLtMatmulDescCreate.argtypes = [ptr, i32, i32]
+    lib.cublasLtMatmulDescSetAttribute.argtypes = [ptr, i32, ptr, size]
+    lib.cublasLtMatrixLayoutCreate.argtypes = [ptr, i32, u64, u64, i64]
+    lib.cublasLtMatmulPreferenceCreate.argtypes = [ptr]
+    lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [ptr, i32, ptr, size]
+    lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [ptr] * 7 + [ctypes.c_int, ptr, ptr]
+    lib.cublasLtMatmul.argtypes = [ptr] * 14 + [size, ptr]
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise Unavailable(f"cuBLASLt {what}: status {status}")
+
+
+class Fp8Gemm:
+    """``D[m, n] = epilogue(scale_x * scale_w * X[m, k] @ W[n, k]^T + bias) * scale_d`` with X and W in E4M3, for
+    one shape and set of types: cuBLASLt's descriptors and the algorithm its heuristic picks, made once. The
+    pointers (tensors, scales, bias) are set at each call, so one object serves every layer of its shape. In the TN
+    layout FP8 needs: column-major, ``D^T = W . X^T``."""
+
+    def __init__(self, m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int) -> None:
+        self.lib = lib = library()
+        self.handle, self.desc = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "descriptor")
+        self._set(TRANSA, ctypes.c_int32(OP_T))
+        self._set(TRANSB, ctypes.c_int32(OP_N))
+        self._set(EPILOGUE, ctypes.c_uint32(epilogue))
+        self._set(FAST_ACCUM, ctypes.c_int8(1))
+        self._set(BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
+        self.fp8_out = out_type == CUDA_R_8F_E4M3
+        self.layouts = [
+            self._layout(CUDA_R_8F_E4M3, k, n, k),  # W stored [n, k] row-major: k x n column-major, transposed
+            self._layout(CUDA_R_8F_E4M3, k, m, k),  # X [m, k] row-major: k x m column-major
+            self._layout(bias_type, n, m, n),  # C: beta is 0, never read
+            self._layout(out_type, n, m, n),  # D [m, n] row-major
+        ]
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        limit = ctypes.c_uint64(WORKSPACE_BYTES)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8), "pref")
+        self.result, found = HeuristicResult(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(
+            self.handle, self.desc, *self.layouts, pref, 1, ctypes.byref(self.result), ctypes.byref(found)
+        )
+        if status != 0 or found.value == 0:
+            raise Unavailable(f"cuBLASLt has no FP8 algorithm for {m}x{n}x{k} here (status {status})")
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.lock = threading.Lock()  # the pointers are set on the shared descriptor right before each call
+
+    def _set(self, attr: int, value: Any) -> None:
+        size = ctypes.sizeof(value)
+        _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), size), f"attr {attr}")
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "layout")
+        return layout
+
+    def __call__(self, x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, scale_d: Any, out: Any) -> None:
+        """``out`` [m, n] from ``x`` [m, k] and ``weight`` [n, k] (both E4M3, contiguous), on the current stream."""
+        import torch
+
+        c = _scratch(out.device, out.numel() * 2)
+        a, b, c_layout, d_layout = self.layouts
+        with self.lock:
+            for attr, t in ((A_SCALE, scale_w), (B_SCALE, scale_x), (BIAS_POINTER, bias), (D_SCALE, scale_d)):
+                if t is not None:
+                    self._set(attr, ctypes.c_void_p(t.data_ptr()))
+            status = self._matmul(x, weight, c, c_layout, out, a, b, d_layout, torch.cuda.current_stream(out.device))
+        _check(status, "matmul")
+
+    def _matmul(self, x: Any, weight: Any, c: Any, c_layout: Any, out: Any, a: Any, b: Any, d: Any, stream: Any) -> int:
+        return self.lib.cublasLtMatmul(
+            self.handle,
+            self.desc,
+            ctypes.byref(self.alpha),
+            weight.data_ptr(),
+            a,
+            x.data_ptr(),
+            b,
+            ctypes.byref(self.beta),
+            c.data_ptr(),
+            c_layout,
+            out.data_ptr(),
+            d,
+            ctypes.byref(self.result.algo),
+            _workspace(out.device).data_ptr(),
+            WORKSPACE_BYTES,
+            stream.cuda_stream,
+        )
+
+
+_lock = threading.Lock()
+_gemms: dict[tuple[Any, ...], Fp8Gemm] = {}
+_buffers: dict[tuple[Any, ...], Any] = {}
+
+
+def _workspace(device: Any) -> Any:
+    return _buffer(("workspace", device), WORKSPACE_BYTES, device)
+
+
+def _scratch(device: Any, nbytes: int) -> Any:
+    """A buffer for cuBLASLt's ``C`` (beta 0: never read), one per device, grown to the largest asked for."""
+    held = _buffers.get(("c", device))
+    if held is None or held.numel() < nbytes:
+        with _lock:
+            _buffers.pop(("c", device), None)
+        return _buffer(("c", device), nbytes, device)
+    return held
+
+
+def _buffer(key: tuple[Any, ...], nbytes: int, device: Any) -> Any:
+    import torch
+
+    with _lock:
+        if key not in _buffers:
+            _buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return _buffers[key]
+
+
+def gemm(m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, device: Any) -> Fp8Gemm:
+    """The (cached) :class:`Fp8Gemm` of a shape and set of types on ``device``."""
+    key = (m, n, k, out_type, epilogue, bias_type, device)
+    with _lock:
+        found = _gemms.get(key)
+    if found is None:
+        found = Fp8Gemm(m, n, k, out_type, epilogue, bias_type)
+        with _lock:
+            _gemms[key] = found
+    return found
+
+
+def linear_bias_gelu_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, out_inv_scale: Any) -> Any:
+    """``fp8(gelu_tanh(x @ weight.T * scale_x * scale_w + bias) * out_inv_scale)``, [m, n] in E4M3, in one cuBLASLt
+    call. Raises :class:`Unavailable` where cuBLASLt cannot."""
+    import torch
+
+    m, k = x.shape
+    n = weight.shape[0]
+    bias_type = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}.get(bias.dtype)
+    if bias_type is None:
+        raise Unavailable(f"a {bias.dtype} bias (cuBLASLt's FP8 epilogue takes float16 or bfloat16)")
+    out = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
+    g = gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, bias_type, x.device)
+    g(x.contiguous(), weight.contiguous(), scale_x, scale_w, bias, out_inv_scale, out)
+    return out

@@ -1,0 +1,192 @@
+"""An FP8 layer, its GELU and the next FP8 layer's input cast as one GEMM (``build.torch.gemm_epilogues``, FP8 GPU
+engines with static scales).
+
+In the exported program of an FP8 engine (:mod:`.lowbit`, static scaling) a transformer's FFN reads::
+
+    y = _scaled_mm(xq, w.t(), sx, sw, bias, None, float16, True)   # FP8 GEMM, bias in cuBLASLt's epilogue
+    q = to(clamp(to(gelu(y), float32) * next_inv_scale, -448, 448), float8_e4m3fn)   # a kernel of its own
+    z = _scaled_mm(q, w2.t(), next_scale, ...)
+
+(with reshapes around the GELU). This pass replaces ``y`` to ``q`` by ``kiln::fp8_linear_bias_gelu``, one cuBLASLt
+call with the bias, the GELU and the FP8 output in its epilogue (:mod:`.cublaslt`): the activation is written once,
+in FP8, instead of written in FP16, read, and written again. Written here because neither Inductor nor
+``torch._scaled_mm`` offers that epilogue. The GELU becomes cuBLASLt's tanh form (an exact GELU, BERT's, moves by
+at most 4.7e-4 before a cast whose steps are 1/16 of the value); validation's gates judge the engine. Where cuBLASLt
+has no algorithm (another GPU, another library version) the op computes the same thing as ``_scaled_mm`` and a GELU
+and cast, said once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules load without it
+    import torch
+    from torch import fx
+
+log = logging.getLogger("kiln.build")
+VIEWS = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
+E4M3_MAX = 448.0
+
+
+@cache
+def register_op() -> None:
+    """Define ``kiln::fp8_linear_bias_gelu`` (once per process; a loaded engine's process defines it again when it
+    rewrites its program)."""
+    import torch
+
+    schema = "(Tensor x, Tensor weight, Tensor scale_x, Tensor scale_w, Tensor bias, Tensor out_inv_scale) -> Tensor"
+
+    @torch.library.custom_op("kiln::fp8_linear_bias_gelu", mutates_args=(), schema=schema)
+    def fp8_linear_bias_gelu(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale_x: torch.Tensor,
+        scale_w: torch.Tensor,
+        bias: torch.Tensor,
+        out_inv_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """``x`` [m, k] and ``weight`` [n, k] in E4M3 to the next layer's E4M3 input [m, n]."""
+        if x.is_cuda:
+            from kiln.stages.engines.torch import cublaslt
+
+            try:
+                return cublaslt.linear_bias_gelu_fp8(x, weight, scale_x, scale_w, bias, out_inv_scale)
+            except cublaslt.Unavailable as exc:
+                _said_once(str(exc))
+        return reference(x, weight, scale_x, scale_w, bias, out_inv_scale)
+
+    @fp8_linear_bias_gelu.register_fake
+    def _shape(x: torch.Tensor, weight: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float8_e4m3fn)
+
+
+def reference(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, out_inv_scale: Any) -> Any:
+    """What the op computes, in PyTorch's own calls: the FP8 GEMM with its bias, the tanh GELU, the cast."""
+    import torch
+
+    y = torch._scaled_mm(
+        x, weight.t(), scale_a=scale_x, scale_b=scale_w, bias=bias, out_dtype=bias.dtype, use_fast_accum=True
+    )
+    g = torch.nn.functional.gelu(y.float(), approximate="tanh")
+    return (g * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+@cache
+def _said_once(reason: str) -> None:
+    log.warning("FP8 GEMM epilogue: %s; the layer runs as a GEMM, a GELU and a cast instead", reason)
+
+
+def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place; returns how many FP8 layers took their GELU and the next layer's input cast."""
+    register_op()
+    fused = 0
+    for node in list(gm.graph.nodes):
+        match = _match(node)
+        if match is None:
+            continue
+        xq, weight, scale_x, scale_w, bias, inv, cast, dead = match
+        with gm.graph.inserting_before(cast):
+            op = gm.graph.call_function(_op(), (xq, weight, scale_x, scale_w, bias, inv))
+        cast.replace_all_uses_with(op)
+        _erase(gm.graph, [cast, *dead])
+        fused += 1
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+    log.info("FP8 GEMM epilogues: %d layer(s) with their GELU and the next layer's input cast", fused)
+    return fused
+
+
+def _op() -> Any:
+    import torch
+
+    return torch.ops.kiln.fp8_linear_bias_gelu.default
+
+
+def _match(node: fx.Node) -> tuple[Any, ...] | None:
+    """``node`` an FP8 ``_scaled_mm`` with a bias, whose only way on is a GELU and the next layer's static cast:
+    its inputs, the cast node (whose users take the op's output) and the nodes that go with it; else None."""
+    import torch
+
+    if node.op != "call_function" or node.target is not torch.ops.aten._scaled_mm.default:
+        return None
+    args = list(node.args) + [None] * (8 - len(node.args))
+    xq, wt, scale_x, scale_w, bias, scale_result = args[:6]
+    if bias is None or scale_result is not None or node.kwargs:
+        return None
+    if not (isinstance(wt, torch.fx.Node) and wt.target is torch.ops.aten.t.default):
+        return None
+    chain = [node]
+    gelu = _through_views(node, chain)
+    if gelu is None or gelu.target is not torch.ops.aten.gelu.default:
+        return None
+    chain.append(gelu)
+    to32 = _through_views(gelu, chain)
+    if to32 is None or not _is_cast(to32, torch.float32):
+        return None
+    chain.append(to32)
+    mul = _only_user(to32)
+    if mul is None or mul.target is not torch.ops.aten.mul.Tensor or mul.args[0] is not to32:
+        return None
+    chain.append(mul)
+    clamp = _only_user(mul)
+    if clamp is None or clamp.target is not torch.ops.aten.clamp.default:
+        return None
+    if tuple(clamp.args[1:3]) != (-E4M3_MAX, E4M3_MAX):
+        return None
+    chain.append(clamp)
+    cast = _only_user(clamp)
+    if cast is None or not _is_cast(cast, torch.float8_e4m3fn):
+        return None
+    return xq, wt.args[0], scale_x, scale_w, bias, mul.args[1], cast, chain[::-1]
+
+
+def _users(node: fx.Node) -> list[fx.Node]:
+    """``node``'s users but the metadata assertions torch.export leaves beside casts."""
+    import torch
+
+    return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = _users(node)
+    return users[0] if len(users) == 1 else None
+
+
+def _through_views(node: fx.Node, chain: list[fx.Node]) -> fx.Node | None:
+    """The first user of ``node`` past reshapes and views (each its only user, added to ``chain``)."""
+    user = _only_user(node)
+    while user is not None and str(user.target) in VIEWS:
+        chain.append(user)
+        user = _only_user(user)
+    return user
+
+
+def _is_cast(node: fx.Node, dtype: torch.dtype) -> bool:
+    """``node`` converts its input to ``dtype`` (``aten.to.dtype``, or ``_to_copy`` with only a dtype)."""
+    import torch
+
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.aten.to.dtype:
+        return len(node.args) > 1 and node.args[1] == dtype
+    if node.target is torch.ops.aten._to_copy.default:
+        return node.kwargs.get("dtype") == dtype and set(node.kwargs) <= {"dtype"}
+    return False
+
+
+def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` (users first) with the metadata assertions on them, and a transpose left without users."""
+    import torch
+
+    for node in nodes:
+        for user in list(node.users):
+            if user.target is torch.ops.aten._assert_tensor_metadata.default:
+                graph.erase_node(user)
+        transposed = node.args[1] if node.target is torch.ops.aten._scaled_mm.default else None
+        graph.erase_node(node)
+        if isinstance(transposed, torch.fx.Node) and not transposed.users:
+            graph.erase_node(transposed)

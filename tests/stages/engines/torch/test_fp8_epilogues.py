@@ -1,0 +1,115 @@
+"""FP8 engines: a layer's GELU and the next layer's input cast as one cuBLASLt call (kiln.stages.engines.torch.
+fp8_epilogues). The speed is the GPU's (benchmarks/cublaslt_fp8_probe.py); here: the rewrite finds the FFN's
+pattern in an exported FP8 program and leaves the rest, the program computes what the op's reference computes (on
+the CPU, where _scaled_mm runs too), and on a GPU with FP8 the cuBLASLt call agrees with that reference."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.stages.engines.torch.fp8_epilogues import fuse_fp8_gelu, reference, register_op
+from kiln.stages.engines.torch.lowbit import LowbitLinear
+
+DT = torch.float16
+
+
+class Ffn(nn.Module):
+    """Up, GELU, down (the pattern), then a head whose input is not a GELU's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(nn.functional.gelu(self.up(x)))
+        return self.head(h + x)
+
+
+def _fp8(model: nn.Module, amax: float = 4.0) -> nn.Module:
+    torch.manual_seed(0)
+    model = model.to(DT)
+    for name, layer in list(model.named_children()):
+        if isinstance(layer, nn.Linear):
+            setattr(model, name, LowbitLinear(layer, "fp8", DT, scaling="static", input_amax=amax))
+    return model.eval()
+
+
+def _exported(model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
+    with torch.inference_mode():
+        return torch.export.export(model, (x,)).module()
+
+
+def _ops(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_the_ffns_gelu_and_next_cast_become_one_op_and_compute_its_reference() -> None:
+    model = _fp8(Ffn())
+    x = torch.randn(2, 8, 16, dtype=DT)
+    gm = _exported(model, x)
+    before = _ops(gm)
+    assert before["aten._scaled_mm.default"] == 3 and before["aten.gelu.default"] == 1
+    assert fuse_fp8_gelu(gm) == 1
+    after = _ops(gm)
+    assert after["kiln.fp8_linear_bias_gelu.default"] == 1
+    assert after["aten._scaled_mm.default"] == 2 and after["aten.gelu.default"] == 0  # down and head stay
+    with torch.inference_mode():
+        got = gm(x)
+        # the same model with the FFN's middle computed as the op's reference (tanh GELU) by hand
+        up, down = model.up, model.down
+        rows = x.reshape(-1, 16)
+        xq = (rows.float() * up.input_inv_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        q = reference(xq, up.weight, up.input_scale, up.weight_scale, up.bias, down.input_inv_scale)
+        h = torch._scaled_mm(
+            q,
+            down.weight.t(),
+            scale_a=down.input_scale,
+            scale_b=down.weight_scale,
+            bias=down.bias,
+            out_dtype=DT,
+            use_fast_accum=True,
+        ).reshape(2, 8, 16)
+        want = model.head(h + x)
+        exact = model(x)
+    assert torch.equal(got, want)
+    cos = nn.functional.cosine_similarity(got.float().flatten(), exact.float().flatten(), 0)
+    assert cos > 0.999, cos  # the tanh GELU against the model's exact one: within FP8's steps
+
+
+def test_a_gelu_with_another_reader_or_a_dynamic_layer_is_left_alone() -> None:
+    class Shared(Ffn):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            g = nn.functional.gelu(self.up(x))
+            return self.head(self.down(g) + g[..., :16])  # the GELU's output read twice
+
+    x = torch.randn(2, 8, 16, dtype=DT)
+    assert fuse_fp8_gelu(_exported(_fp8(Shared()), x)) == 0
+    dynamic = Ffn().to(DT)  # per-row scales found at each call: no static cast to fold
+    dynamic.up = LowbitLinear(dynamic.up, "fp8", DT, scaling="rowwise")
+    dynamic.down = LowbitLinear(dynamic.down, "fp8", DT, scaling="rowwise")
+    assert fuse_fp8_gelu(_exported(dynamic.eval(), x)) == 0
+
+
+@pytest.mark.gpu
+def test_cublaslt_call_agrees_with_its_reference_on_an_fp8_gpu() -> None:
+    from kiln.stages.engines.torch import cublaslt
+    from kiln.stages.engines.torch.lowbit import supported
+
+    if not torch.cuda.is_available() or supported("fp8"):
+        pytest.skip(supported("fp8") or "needs a CUDA GPU")
+    register_op()
+    torch.manual_seed(0)
+    m, k, n = 256, 768, 3072
+    x = (torch.randn(m, k, device="cuda") * 8).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, device="cuda") * 8).to(torch.float8_e4m3fn)
+    sx, sw = torch.tensor(0.05, device="cuda"), torch.tensor(0.004, device="cuda")
+    bias = (torch.randn(n, device="cuda") * 0.1).half()
+    inv = torch.tensor(60.0, device="cuda")
+    got = cublaslt.linear_bias_gelu_fp8(x, w, sx, sw, bias, inv).float()
+    want = reference(x, w, sx, sw, bias, inv).float()
+    assert nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.999
+    assert (got - want).abs().max() <= 0.125 * want.abs().max()  # an E4M3 step or so, never a wrong layout
