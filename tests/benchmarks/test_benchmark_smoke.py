@@ -217,3 +217,28 @@ def test_train_loop_ab_runs_every_variant_and_undoes_its_patches(tmp_path: Path)
     toucher()
     toucher()
     assert toucher.at == 2 * toucher.n
+
+
+def test_serve_legs_groups_saved_records_by_their_batch(tmp_path: Path) -> None:
+    import numpy as np
+
+    ms = 1_000_000
+    rows = [(k * ms, 3 * ms, 50 * ms + k, 51 * ms + k) for k in range(3)]  # three executions of one request
+    rows += [(k * ms, 20 * ms, 90 * ms, 99 * ms) for k in range(10, 30)]  # one execution of twenty
+    np.save(tmp_path / "requests.npy", np.array(rows, dtype=np.int64))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve_legs.py"), str(tmp_path / "requests.npy"), "--labels", "a"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| a | 1-8 | 13.0 % | 3 | 3.00 | 3.00 |" in out and "| a | 17-20 | 87.0 % | 1 | 20.00 | 20.00 |" in out
+
+
+def test_the_cublaslt_probe_says_skip_without_an_fp8_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the probe itself")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cublaslt_fp8_probe.py")], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stderr.strip().startswith("skip: needs a CUDA GPU with FP8")
