@@ -153,7 +153,7 @@ class Fp8Gemm:
 
 
 _lock = threading.Lock()
-_gemms: dict[tuple[Any, ...], Fp8Gemm] = {}
+_gemms: dict[tuple[Any, ...], Fp8Gemm | Unavailable] = {}
 _buffers: dict[tuple[Any, ...], Any] = {}
 
 
@@ -181,14 +181,22 @@ def _buffer(key: tuple[Any, ...], nbytes: int, device: Any) -> Any:
 
 
 def gemm(m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, device: Any) -> Fp8Gemm:
-    """The (cached) :class:`Fp8Gemm` of a shape and set of types on ``device``."""
+    """The (cached) :class:`Fp8Gemm` of a shape and set of types on ``device``; a shape cuBLASLt has no algorithm
+    for raises :class:`Unavailable` at every call without asking it again."""
     key = (m, n, k, out_type, epilogue, bias_type, device)
     with _lock:
         found = _gemms.get(key)
+    if isinstance(found, Unavailable):
+        raise found
     if found is None:
-        found = Fp8Gemm(m, n, k, out_type, epilogue, bias_type)
+        try:
+            found = Fp8Gemm(m, n, k, out_type, epilogue, bias_type)
+        except Unavailable as exc:
+            found = exc
         with _lock:
             _gemms[key] = found
+        if isinstance(found, Unavailable):
+            raise found
     return found
 
 
