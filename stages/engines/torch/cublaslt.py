@@ -187,7 +187,7 @@ def gemm(m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, d
     with _lock:
         found = _gemms.get(key)
     if isinstance(found, Unavailable):
-        raise found
+        raise Unavailable(str(found))
     if found is None:
         try:
             found = Fp8Gemm(m, n, k, out_type, epilogue, bias_type)
@@ -196,7 +196,7 @@ def gemm(m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, d
         with _lock:
             _gemms[key] = found
         if isinstance(found, Unavailable):
-            raise found
+            raise Unavailable(str(found))
     return found
 
 
