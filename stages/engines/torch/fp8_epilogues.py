@@ -22,6 +22,8 @@ import logging
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from kiln.stages.engines.torch import cublaslt
+
 if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules load without it
     import torch
     from torch import fx
@@ -50,8 +52,6 @@ def register_op() -> None:
     ) -> torch.Tensor:
         """``x`` [m, k] and ``weight`` [n, k] in E4M3 to the next layer's E4M3 input [m, n]."""
         if x.is_cuda:
-            from kiln.stages.engines.torch import cublaslt
-
             try:
                 return cublaslt.linear_bias_gelu_fp8(x, weight, scale_x, scale_w, bias, out_inv_scale)
             except cublaslt.Unavailable as exc:
