@@ -355,7 +355,11 @@ def main() -> None:
     src.add_argument("--workdir", type=Path, help="a `kiln run` workdir (serve its validated engine --engine)")
     src.add_argument("--resnet18-fp16", action="store_true", help="build and serve ResNet-18 ORT CUDA FP16 (GPU)")
     src.add_argument("--resnet18-torch", action="store_true", help="build and serve ResNet-18 torch FP16 (GPU)")
-    p.add_argument("--gpus", help="kiln serve --gpus (e.g. 0,1; default: GPU 0 for CUDA engines)")
+    p.add_argument(
+        "--gpus",
+        help="kiln serve --gpus (e.g. 0,1; default: GPU 0 for CUDA engines); entries split by '/' (0/0,1) start one "
+        "server per entry, zipped with --instances-per-gpu: one GPU against two in one run",
+    )
     p.add_argument(
         "--instances-per-gpu",
         help="stub processes per GPU (default: kiln serve's); a list (2,8,2,8) starts one server per entry in turn",
@@ -448,7 +452,9 @@ def main() -> None:
     publish = [float(v) for v in args.stub_metrics_s.split(",")] if args.stub_metrics_s is not None else [None]
     threads = [int(v) for v in args.http_threads.split(",")] if args.http_threads else [None]
     batches = [int(v) for v in args.max_batch.split(",")] if args.max_batch else [None]
-    servers = max(len(stubs), len(splits), len(publish), len(threads), len(batches))
+    gpu_sets = args.gpus.split("/") if args.gpus else [None]
+    servers = max(len(stubs), len(splits), len(publish), len(threads), len(batches), len(gpu_sets))
+    gpu_sets += gpu_sets[-1:] * (servers - len(gpu_sets))
     threads += threads[-1:] * (servers - len(threads))
     batches += batches[-1:] * (servers - len(batches))
     stubs += stubs[-1:] * (servers - len(stubs))
@@ -520,8 +526,9 @@ def main() -> None:
         tail += f"_pub{args.stub_metrics_s:g}" if args.stub_metrics_s is not None else ""
         tail += f"_h{args.http_threads}" if args.http_threads is not None else ""
         tail += f"_b{args.max_batch}" if args.max_batch is not None else ""
+        tail += f"_g{args.gpus.replace(',', '-')}" if args.gpus is not None and len(gpu_sets) > 1 else ""
         if servers > 1:  # one server per entry of --instances-per-gpu / --cpu-split: its set-up and place in order
-            tail += f"_i{n}_{run}"
+            tail += f"_i{n}_{run}" if n is not None else f"_{run}"
         tagged = several or switches or clients or servers > 1 or args.cpu_split
         tagged = tagged or args.stub_metrics_s is not None or args.http_threads is not None or args.max_batch
         name = f"serve_{args.label or label}" + (tail if tagged else "")
@@ -559,14 +566,15 @@ def main() -> None:
         (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
 
-    for run, (n, split, every, http, batch) in enumerate(zip(stubs, splits, publish, threads, batches)):
+    for run, (n, split, every, http, batch, gpus) in enumerate(zip(stubs, splits, publish, threads, batches, gpu_sets)):
         args.instances_per_gpu, args.server_run, args.cpu_split, args.stub_metrics_s = n, run, split, every
-        args.http_threads, args.max_batch = http, batch
+        args.http_threads, args.max_batch, args.gpus = http, batch, gpus
         if servers > 1:
             where = f", clients on CPUs {_cpus(split[0])}, server on {_cpus(split[1])}" if split else ""
             where += f", stub timings published every {every:g} s" if every is not None else ""
             where += f", {http} HTTP threads" if http is not None else ""
             where += f", batches up to {batch}" if batch is not None else ""
+            where += f", GPU(s) {gpus}" if gpus is not None else ""
             say(f"server {run + 1} of {servers}: {n} instance(s) per GPU{where}")
         served(path, engine.model_name, config, args, work / f"loadtest{run}", write, write_legs)
 

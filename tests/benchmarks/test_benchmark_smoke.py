@@ -232,7 +232,7 @@ def test_serve_legs_groups_saved_records_by_their_batch(tmp_path: Path) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "| a | 1-8 | 13.0 % | 3 | 3.00 | 3.00 |" in out and "| a | 17-20 | 87.0 % | 1 | 20.00 | 20.00 |" in out
+    assert "| a | 1 | 13.0 % | 3 | 3.00 | 3.00 |" in out and "| a | 17-20 | 87.0 % | 1 | 20.00 | 20.00 |" in out
 
 
 def test_the_cublaslt_probe_says_skip_without_an_fp8_gpu() -> None:
@@ -242,3 +242,22 @@ def test_the_cublaslt_probe_says_skip_without_an_fp8_gpu() -> None:
         [sys.executable, str(ROOT / "benchmarks" / "cublaslt_fp8_probe.py")], capture_output=True, text=True
     )
     assert done.returncode == 0 and done.stderr.strip().startswith("skip: needs a CUDA GPU with FP8")
+
+
+def test_serve_bench_starts_one_server_per_listed_setting_and_joins_each_ones_legs(tmp_path: Path) -> None:
+    """The demo's engine behind two real `kiln serve`s (batches up to 4, then 8), stamped requests: each server's
+    report says its batch limit, and each one's legs come with the batches that answered them."""
+    pytest.importorskip("tritonclient.http", reason="needs the serving libraries (pip install 'kiln[serve]')")
+    _run(
+        "serve_bench.py", "--demo", "--processes", "1", "--protocol", "http", "--transport", "shm",
+        "--concurrency", "2", "--duration", "1", "--max-batch", "4,2", "--stamped", "--iterations", "5",
+        "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+    )  # fmt: skip
+    for run, batch in enumerate((4, 2)):
+        report = json.loads((tmp_path / "out" / f"serve_demo_cpu_http_p1_shm_b{batch}_{run}.json").read_text())
+        assert report["max_batch"] == batch and report["served"]["levels"][0]["mismatches"] == 0
+        server = report["served"]["server"]
+        assert 0 < server["execution_count"] <= server["inference_count"] <= batch * server["execution_count"]
+        legs = json.loads((tmp_path / "out" / f"serve_demo_cpu_legs_{run}.json").read_text())["legs"]
+        assert legs["met"] > 0 and legs["by_batch"]
+        assert max(int(g["batches"].split("-")[-1]) for g in legs["by_batch"]) <= batch  # no batch above the limit
