@@ -530,7 +530,8 @@ def main() -> None:
         if servers > 1:  # one server per entry of --instances-per-gpu / --cpu-split: its set-up and place in order
             tail += f"_i{n}_{run}" if n is not None else f"_{run}"
         tagged = several or switches or clients or servers > 1 or args.cpu_split
-        tagged = tagged or args.stub_metrics_s is not None or args.http_threads is not None or args.max_batch
+        tagged = tagged or args.stub_metrics_s is not None or args.http_threads is not None
+        tagged = tagged or args.max_batch is not None
         name = f"serve_{args.label or label}" + (tail if tagged else "")
         (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
         (args.out / f"{name}.md").write_text(markdown(report))

@@ -841,7 +841,7 @@ for _name in STAGE_NAMES:
     default=None,
     type=click.IntRange(0),
     help="largest batch Triton's dynamic batcher forms (capped by the engine; 0: no batching) [default: 8 for "
-    "engines on GPUs, spread over their stubs; 32 on the CPU]",
+    "engines on GPUs, spread over their stubs; 32 on the CPU and with --pytriton]",
 )
 @click.option(
     "--max-queue-delay-us",

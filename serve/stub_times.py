@@ -125,7 +125,8 @@ class StubStamps:
     in memory and written to ``folder/stub-<pid>-<part>.npy`` (rows: sent, started, finished, in ns) every
     ``PART_ROWS`` rows and when the model is unloaded (a stub that Triton's shutdown kills loses only its last
     part), where :func:`join_stamps` meets them with the client's own record of each request. Only where the
-    environment names the folder (:data:`STAMPS_ENV`): a diagnosis, not a server's everyday work."""
+    environment names the folder (:data:`STAMPS_ENV`): a diagnosis, not a server's everyday work; writing a part
+    (about 100 KB) delays the execution that fills it."""
 
     PART_ROWS = 4096
 

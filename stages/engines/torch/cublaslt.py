@@ -28,6 +28,8 @@ A_SCALE, B_SCALE, D_SCALE, FAST_ACCUM, BIAS_DATA_TYPE = 17, 18, 20, 25, 26
 EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36
 PREF_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 32 << 20  # what cuBLASLt suggests for Hopper
+MIN_VERSION = 120000  # cuBLASLt of CUDA 12.0
+ALIGNMENT = 256  # what the heuristic assumes of every matrix's address without alignment preferences
 
 
 class Unavailable(RuntimeError):
@@ -56,6 +58,9 @@ def library() -> ctypes.CDLL:
     if not paths:
         raise Unavailable("torch has not loaded libcublasLt")
     lib = ctypes.CDLL(paths[0])
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
+    if lib.cublasLtGetVersion() < MIN_VERSION:  # the attribute numbers above are CUDA 12's and 13's
+        raise Unavailable(f"cuBLASLt {lib.cublasLtGetVersion()} is older than {MIN_VERSION}")
     ptr, i32, u64, i64, size = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
     lib.cublasLtCreate.argtypes = [ptr]
     lib.cublasLtMatmulDescCreate.argtypes = [ptr, i32, i32]
@@ -122,12 +127,13 @@ class Fp8Gemm:
         """``out`` [m, n] from ``x`` [m, k] and ``weight`` [n, k] (both E4M3, contiguous), on the current stream."""
         import torch
 
+        if any(t.data_ptr() % ALIGNMENT for t in (x, weight, out)) or bias.data_ptr() % 16:
+            raise Unavailable("a matrix not aligned as the chosen algorithm needs (a view at an offset)")
         c = _scratch(out.device, out.numel() * 2)
         a, b, c_layout, d_layout = self.layouts
         with self.lock:
             for attr, t in ((A_SCALE, scale_w), (B_SCALE, scale_x), (BIAS_POINTER, bias), (D_SCALE, scale_d)):
-                if t is not None:
-                    self._set(attr, ctypes.c_void_p(t.data_ptr()))
+                self._set(attr, ctypes.c_void_p(None if t is None else t.data_ptr()))
             status = self._matmul(x, weight, c, c_layout, out, a, b, d_layout, torch.cuda.current_stream(out.device))
         _check(status, "matmul")
 
@@ -155,17 +161,23 @@ class Fp8Gemm:
 _lock = threading.Lock()
 _gemms: dict[tuple[Any, ...], Fp8Gemm | Unavailable] = {}
 _buffers: dict[tuple[Any, ...], Any] = {}
+_retired: list[Any] = []
 
 
 def _workspace(device: Any) -> Any:
+    """cuBLASLt's workspace, one per device: the engine's calls run on one stream at a time (two streams calling
+    at once would share it); made at the first call, which runs before any CUDA graph capture."""
     return _buffer(("workspace", device), WORKSPACE_BYTES, device)
 
 
 def _scratch(device: Any, nbytes: int) -> Any:
-    """A buffer for cuBLASLt's ``C`` (beta 0: never read), one per device, grown to the largest asked for."""
+    """A buffer for cuBLASLt's ``C`` (beta 0: never read), per device, grown to the largest asked for; a smaller one
+    is kept, not freed, since CUDA graphs captured earlier hold its address."""
     held = _buffers.get(("c", device))
     if held is None or held.numel() < nbytes:
         with _lock:
+            if held is not None:
+                _retired.append(held)
             _buffers.pop(("c", device), None)
         return _buffer(("c", device), nbytes, device)
     return held
@@ -205,6 +217,11 @@ def linear_bias_gelu_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: 
     call. Raises :class:`Unavailable` where cuBLASLt cannot."""
     import torch
 
+    fp8, f32 = torch.float8_e4m3fn, torch.float32
+    if x.dtype != fp8 or weight.dtype != fp8:
+        raise Unavailable(f"{x.dtype} x {weight.dtype} inputs (the epilogue call takes E4M3)")
+    if any(s.numel() != 1 or s.dtype != f32 for s in (scale_x, scale_w, out_inv_scale)):
+        raise Unavailable("scales other than one float32 per tensor")
     m, k = x.shape
     n = weight.shape[0]
     bias_type = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}.get(bias.dtype)

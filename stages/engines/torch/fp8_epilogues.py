@@ -114,8 +114,12 @@ def _match(node: fx.Node) -> tuple[Any, ...] | None:
     if node.op != "call_function" or node.target is not torch.ops.aten._scaled_mm.default:
         return None
     args = list(node.args) + [None] * (8 - len(node.args))
-    xq, wt, scale_x, scale_w, bias, scale_result = args[:6]
-    if bias is None or scale_result is not None or node.kwargs:
+    xq, wt, scale_x, scale_w, bias, scale_result, out_dtype, fast_accum = args[:8]
+    if bias is None or scale_result is not None or node.kwargs or fast_accum is not True:
+        return None
+    if out_dtype not in (torch.float16, torch.bfloat16) or _dtype(bias) != out_dtype:
+        return None
+    if not all(_one_value(s) for s in (scale_x, scale_w)):
         return None
     if not (isinstance(wt, torch.fx.Node) and wt.target is torch.ops.aten.t.default):
         return None
@@ -139,9 +143,30 @@ def _match(node: fx.Node) -> tuple[Any, ...] | None:
         return None
     chain.append(clamp)
     cast = _only_user(clamp)
-    if cast is None or not _is_cast(cast, torch.float8_e4m3fn):
+    if cast is None or not _is_cast(cast, torch.float8_e4m3fn) or not _one_value(mul.args[1]):
+        return None
+    if _shape(cast) is None or len(_shape(cast)) != 2:  # the op answers [rows, n], as the cast must have
         return None
     return xq, wt.args[0], scale_x, scale_w, bias, mul.args[1], cast, chain[::-1]
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    """The shape torch.export recorded for ``node`` (its ``meta["val"]``); None where there is none."""
+    val = getattr(node, "meta", {}).get("val")
+    return tuple(val.shape) if val is not None and hasattr(val, "shape") else None
+
+
+def _dtype(node: Any) -> Any:
+    val = getattr(node, "meta", {}).get("val")
+    return getattr(val, "dtype", None)
+
+
+def _one_value(node: Any) -> bool:
+    """``node`` is a tensor of one float32 value (a per-tensor scale: what cuBLASLt reads from a scale pointer)."""
+    import torch
+
+    shape = _shape(node)
+    return shape is not None and len(shape) <= 1 and all(d == 1 for d in shape) and _dtype(node) == torch.float32
 
 
 def _users(node: fx.Node) -> list[fx.Node]:

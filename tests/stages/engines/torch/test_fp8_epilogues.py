@@ -6,6 +6,7 @@ the CPU, where _scaled_mm runs too), and on a GPU with FP8 the cuBLASLt call agr
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,10 +48,12 @@ def _ops(gm: torch.fx.GraphModule) -> Counter:
     return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
-def test_the_ffns_gelu_and_next_cast_become_one_op_and_compute_its_reference() -> None:
+def test_the_ffns_gelu_and_next_cast_become_one_op_and_compute_its_reference(tmp_path: Path) -> None:
     model = _fp8(Ffn())
     x = torch.randn(2, 8, 16, dtype=DT)
-    gm = _exported(model, x)
+    with torch.inference_mode():  # saved and loaded, as the engine's program is
+        torch.export.save(torch.export.export(model, (x,)), tmp_path / "program.pt2")
+    gm = torch.export.load(tmp_path / "program.pt2").module()
     before = _ops(gm)
     assert before["aten._scaled_mm.default"] == 3 and before["aten.gelu.default"] == 1
     assert fuse_fp8_gelu(gm) == 1
@@ -92,6 +95,9 @@ def test_a_gelu_with_another_reader_or_a_dynamic_layer_is_left_alone() -> None:
     dynamic.up = LowbitLinear(dynamic.up, "fp8", DT, scaling="rowwise")
     dynamic.down = LowbitLinear(dynamic.down, "fp8", DT, scaling="rowwise")
     assert fuse_fp8_gelu(_exported(dynamic.eval(), x)) == 0
+    per_channel = _fp8(Ffn())  # a scale per channel: cuBLASLt's D scale is one value
+    per_channel.down.input_inv_scale = per_channel.down.input_inv_scale.expand(64).clone()
+    assert fuse_fp8_gelu(_exported(per_channel, x)) == 0
 
 
 @pytest.mark.gpu
