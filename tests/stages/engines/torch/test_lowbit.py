@@ -288,8 +288,9 @@ class Encoder(nn.Module):
 @pytest.mark.parametrize("precision", ["fp8", "int8"])
 def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
     """The torch backend's FP8/INT8 engine on a GPU that has the kernels: its token layers are low-precision GEMMs
-    (the audit says which share of the FLOPs), Q, K and V one of them, it is compiled and replayed as CUDA graphs,
-    and it agrees with the FP32 graph at batch 1 and 32."""
+    (the audit says which share of the FLOPs), Q, K and V one of them, with static FP8 scales the FFN's GELU and the
+    next layer's cast in cuBLASLt's epilogue, it is compiled and replayed as CUDA graphs, and it agrees with the
+    FP32 graph at batch 1 and 32."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -323,6 +324,8 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
     assert settings["lowbit_merged"] == {"layers": 3, "gemms": 1}
     assert settings["lowbit_calibration_batches"] == 4 and "static_cosine" in settings["lowbit_scaling_check"]
     assert meta.audit["share"][precision] >= 0.5 and meta.flavour == "compiled" and settings["cuda_graphs"]
+    if precision == "fp8" and settings["lowbit_scaling"] == "static":  # up, GELU, down: one cuBLASLt call
+        assert settings["fp8_epilogue_layers"] == {"linear_bias_gelu_fp8": 1}
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     name = ref.get_inputs()[0].name
     with load_engine(tmp_path / "e") as runner:
