@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import graphed, write_report  # noqa: E402
+
 from kiln.stages.engines.torch.cublaslt import (  # noqa: E402
     CUDA_R_8F_E4M3,
     CUDA_R_16BF,
@@ -137,19 +139,7 @@ def timed(calls: dict[str, Any], reps: int, rounds: int) -> dict[str, dict[str, 
     """Median ms per call of each form: CUDA graphs of ``reps`` calls, replayed in interleaved rounds."""
     import torch
 
-    graphs = {}
-    for name, call in calls.items():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                call()
-        graphs[name] = graph
+    graphs = {name: graphed(call, reps) for name, call in calls.items()}
     times: dict[str, list[float]] = {name: [] for name in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
@@ -187,10 +177,7 @@ def main() -> None:
         calls, checks, missing = forms(m)
         report["rows"][m] = {"times": timed(calls, args.calls, args.rounds), "checks": checks, "missing": missing}
         print(json.dumps({m: report["rows"][m]}, indent=1), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cublaslt_fp8_probe.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "cublaslt_fp8_probe.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, "cublaslt_fp8_probe", report, markdown(report))
 
 
 def markdown(report: dict[str, Any]) -> str:
