@@ -19,6 +19,7 @@ Each form is captured in a CUDA graph of ``--calls`` calls and replayed; forms i
 rounds; medians per call. Answers are checked against FP32 arithmetic on the same FP8 inputs.
 
     python benchmarks/cublaslt_fp8_probe.py --rows 4096,128 --rounds 30     # on the GPU host
+    python benchmarks/cublaslt_fp8_probe.py --rows 4096 --rounds 20 --algos 16   # + each GEMM's algorithms
 
 Writes ``benchmarks/results/cublaslt_fp8_probe.{json,md}`` (or ``--out``).
 """
@@ -30,6 +31,7 @@ import json
 import platform
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -153,11 +155,61 @@ def timed(calls: dict[str, Any], reps: int, rounds: int) -> dict[str, dict[str, 
     return {name: {"median_ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t)} for name, t in times.items()}
 
 
+# BERT-base's FP8 GEMMs per layer: (name, n, k, epilogue); Q/K/V merged, the first FFN with its GELU and FP8 output
+GEMMS = (("qkv", 2304, 768, "bias"), ("attention out", 768, 768, "bias"), ("ffn up", 3072, 768, "gelu fp8"),
+         ("ffn down", 768, 3072, "bias"))  # fmt: skip
+
+
+def _algorithm(g: Fp8Gemm, i: int, x: Any, w: Any, b: Any, scale_d: Any, out: Any, one: Any) -> Any:
+    """One call of ``g`` with its ``i``-th algorithm (unit scales)."""
+    g.use(i)
+    g(x, w, one, one, b, scale_d, out)
+    return out
+
+
+def algorithms(m: int, most: int, reps: int, rounds: int) -> list[dict[str, Any]]:
+    """Per GEMM of :data:`GEMMS` at ``m`` rows: ``torch._scaled_mm`` (with the bias) and each of cuBLASLt's first
+    ``most`` heuristic algorithms for the binding's call, timed side by side: how much a choice by measurement (as
+    TensorRT's builder makes) would buy over the heuristic's first."""
+    import torch
+
+    fp8, rows = torch.float8_e4m3fn, []
+    one = torch.tensor(1.0, device="cuda")
+    for name, n, k, epilogue in GEMMS:
+        x = torch.randn(m, k, device="cuda").to(fp8)
+        w = (torch.randn(n, k, device="cuda") / 4).to(fp8)
+        bias = torch.zeros(n, dtype=torch.float16, device="cuda")
+        fused = epilogue == "gelu fp8"
+        out = torch.empty(m, n, dtype=fp8 if fused else torch.float16, device="cuda")
+        g = Fp8Gemm(m, n, k, CUDA_R_8F_E4M3 if fused else CUDA_R_16F, EPILOGUE_GELU_BIAS if fused else EPILOGUE_BIAS,
+                    CUDA_R_16F)  # fmt: skip
+        found = g.candidates(most)
+        calls = {"_scaled_mm": lambda x=x, w=w, b=bias: torch._scaled_mm(
+            x, w.t(), scale_a=one, scale_b=one, bias=b, out_dtype=torch.float16, use_fast_accum=True)}  # fmt: skip
+        for i in range(found):
+            call = partial(_algorithm, g, i, x, w, bias, one if fused else None, out, one)
+            try:
+                call()
+                calls[f"algo {i}"] = call
+            except Unavailable:
+                continue
+        times = timed(calls, reps, rounds)
+        ours = sorted((t["median_ms"], c) for c, t in times.items() if c != "_scaled_mm")
+        best = ours[0] if ours else (float("nan"), "none")
+        rows.append({"gemm": name, "m": m, "n": n, "k": k, "epilogue": epilogue, "candidates": found,
+                     "scaled_mm_ms": times["_scaled_mm"]["median_ms"],
+                     "heuristic_ms": times.get("algo 0", {}).get("median_ms"), "best_ms": best[0], "best": best[1],
+                     "tflops_best": 2 * m * n * k / best[0] / 1e9})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="4096,128", help="GEMM rows (batch x sequence), comma-separated")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
+    p.add_argument("--algos", type=int, default=0, help="also time up to N cuBLASLt algorithms per BERT-base GEMM")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
     import torch
@@ -177,6 +229,9 @@ def main() -> None:
         calls, checks, missing = forms(m)
         report["rows"][m] = {"times": timed(calls, args.calls, args.rounds), "checks": checks, "missing": missing}
         print(json.dumps({m: report["rows"][m]}, indent=1), flush=True)
+    if args.algos:
+        rows = [int(r) for r in args.rows.split(",")]
+        report["algorithms"] = [r for m in rows for r in algorithms(m, args.algos, args.calls, args.rounds)]
     write_report(args.out, "cublaslt_fp8_probe", report, markdown(report))
 
 
@@ -200,6 +255,22 @@ def markdown(report: dict[str, Any]) -> str:
             )
         for name, why in row["missing"].items():
             lines.append(f"| {m} | {name} | - | - | not available: {why} | - |")
+    if report.get("algorithms"):
+        lines += [
+            "",
+            "Each BERT-base FP8 GEMM (Q/K/V merged; the FFN's first with GELU and FP8 output) with "
+            "cuBLASLt's first algorithms, timed side by side:",
+            "",
+            "| rows | GEMM (n x k) | epilogue | `_scaled_mm` ms | heuristic's first ms | best ms (which) | "
+            "TFLOP/s at best |",
+            "|---:|---|---|---:|---:|---:|---:|",
+        ]
+        for r in report["algorithms"]:
+            first = f"{r['heuristic_ms']:.4f}" if r["heuristic_ms"] is not None else "-"
+            lines.append(
+                f"| {r['m']} | {r['gemm']} ({r['n']} x {r['k']}) | {r['epilogue']} | {r['scaled_mm_ms']:.4f} | "
+                f"{first} | {r['best_ms']:.4f} ({r['best']} of {r['candidates']}) | {r['tflops_best']:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -94,25 +94,34 @@ class Fp8Gemm:
         self._set(EPILOGUE, ctypes.c_uint32(epilogue))
         self._set(FAST_ACCUM, ctypes.c_int8(1))
         self._set(BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
-        self.fp8_out = out_type == CUDA_R_8F_E4M3
         self.layouts = [
             self._layout(CUDA_R_8F_E4M3, k, n, k),  # W stored [n, k] row-major: k x n column-major, transposed
             self._layout(CUDA_R_8F_E4M3, k, m, k),  # X [m, k] row-major: k x m column-major
             self._layout(bias_type, n, m, n),  # C: beta is 0, never read
             self._layout(out_type, n, m, n),  # D [m, n] row-major
         ]
-        pref = ctypes.c_void_p()
+        self.pref = pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
         limit = ctypes.c_uint64(WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8), "pref")
-        self.result, found = HeuristicResult(), ctypes.c_int(0)
-        status = lib.cublasLtMatmulAlgoGetHeuristic(
-            self.handle, self.desc, *self.layouts, pref, 1, ctypes.byref(self.result), ctypes.byref(found)
-        )
-        if status != 0 or found.value == 0:
-            raise Unavailable(f"cuBLASLt has no FP8 algorithm for {m}x{n}x{k} here (status {status})")
+        if not self.candidates(1):
+            raise Unavailable(f"cuBLASLt has no FP8 algorithm for {m}x{n}x{k} here")
+        self.result = self.results[0]
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.lock = threading.Lock()  # the pointers are set on the shared descriptor right before each call
+
+    def candidates(self, most: int) -> int:
+        """Ask cuBLASLt's heuristic for up to ``most`` algorithms, its best first (for :meth:`use`); how many came."""
+        results, found = (HeuristicResult * most)(), ctypes.c_int(0)
+        status = self.lib.cublasLtMatmulAlgoGetHeuristic(
+            self.handle, self.desc, *self.layouts, self.pref, most, results, ctypes.byref(found)
+        )
+        self.results = list(results)[: found.value] if status == 0 else []
+        return len(self.results)
+
+    def use(self, index: int) -> None:
+        """Run with the ``index``-th of the algorithms :meth:`candidates` found (0: the heuristic's choice)."""
+        self.result = self.results[index]
 
     def _set(self, attr: int, value: Any) -> None:
         size = ctypes.sizeof(value)
