@@ -77,13 +77,14 @@ def _runner(engine_dir: Path, meta: EngineMetadata, info: Any) -> Runner:
 
 def _hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
     """An engine that misses accuracy gates: the fused GEMM or convolution rewrites it used, as what to try."""
-    from kiln.stages.engines.torch import conv_epilogues, gemm_epilogues
+    from kiln.stages.engines.torch import conv_epilogues, fp8_epilogues, gemm_epilogues
 
     if not failures:
         return []
     hints = (
         gemm_epilogues.accuracy_hint(meta.builder_settings, meta.device),
         conv_epilogues.accuracy_hint(meta.builder_settings),
+        fp8_epilogues.accuracy_hint(meta.builder_settings),
     )
     return [h for h in hints if h]
 

@@ -74,6 +74,18 @@ def reference(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, out_in
     return (g * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def accuracy_hint(builder_settings: dict[str, object]) -> str | None:
+    """For an FP8 engine that missed an accuracy gate: the sentence naming its fused layers' tanh GELU, if any."""
+    layers = builder_settings.get("fp8_epilogue_layers") or {}
+    fused = layers.get("linear_bias_gelu_fp8", 0) if isinstance(layers, dict) else 0
+    if not fused:
+        return None
+    return (
+        f"{fused} FP8 layer(s) run their GELU in cuBLASLt's epilogue, which computes the tanh approximation "
+        "(build.torch.gemm_epilogues: off keeps the model's own GELU)"
+    )
+
+
 @cache
 def _said_once(reason: str) -> None:
     log.warning("FP8 GEMM epilogue: %s; the layer runs as a GEMM, a GELU and a cast instead", reason)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.stages.engines.torch.fp8_epilogues import fuse_fp8_gelu, reference, register_op
+from kiln.stages.engines.torch.fp8_epilogues import accuracy_hint, fuse_fp8_gelu, reference, register_op
 from kiln.stages.engines.torch.lowbit import LowbitLinear
 
 DT = torch.float16
@@ -98,6 +98,12 @@ def test_a_gelu_with_another_reader_or_a_dynamic_layer_is_left_alone() -> None:
     per_channel = _fp8(Ffn())  # a scale per channel: cuBLASLt's D scale is one value
     per_channel.down.input_inv_scale = per_channel.down.input_inv_scale.expand(64).clone()
     assert fuse_fp8_gelu(_exported(per_channel, x)) == 0
+
+
+def test_a_failing_fp8_engine_names_its_fused_gelus_as_what_to_try() -> None:
+    hint = accuracy_hint({"fp8_epilogue_layers": {"linear_bias_gelu_fp8": 12}})
+    assert hint and hint.startswith("12 FP8 layer(s)") and "gemm_epilogues: off" in hint
+    assert accuracy_hint({"fp8_epilogue_layers": {"linear_bias_gelu_fp8": 0}}) is None and accuracy_hint({}) is None
 
 
 @pytest.mark.gpu
