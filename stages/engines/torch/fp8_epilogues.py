@@ -12,8 +12,8 @@ call with the bias, the GELU and the FP8 output in its epilogue (:mod:`.cublaslt
 in FP8, instead of written in FP16, read, and written again. Written here because neither Inductor nor
 ``torch._scaled_mm`` offers that epilogue. The GELU becomes cuBLASLt's tanh form (an exact GELU, BERT's, moves by
 at most 4.7e-4 before a cast whose steps are 1/16 of the value); validation's gates judge the engine. Where cuBLASLt
-has no algorithm (another GPU, another library version) the op computes the same thing as ``_scaled_mm`` and a GELU
-and cast, said once in the log.
+has no algorithm for a layer (another GPU, another library version) the layer is left as it was, said once in the
+log; the op's own fallback (``_scaled_mm``, a GELU and a cast) covers a shape refused at run time only.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def accuracy_hint(builder_settings: dict[str, object]) -> str | None:
 
 @cache
 def _said_once(reason: str) -> None:
-    log.warning("FP8 GEMM epilogue: %s; the layer runs as a GEMM, a GELU and a cast instead", reason)
+    log.warning("FP8 GEMM epilogue: %s; the layer keeps its GEMM, GELU and cast", reason)
 
 
 def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
@@ -100,6 +100,8 @@ def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
         if match is None:
             continue
         xq, weight, scale_x, scale_w, bias, inv, cast, dead = match
+        if not _cublaslt_takes(weight, bias):  # the op's reference path would be slower than Inductor's kernels
+            continue
         with gm.graph.inserting_before(cast):
             op = gm.graph.call_function(_op(), (xq, weight, scale_x, scale_w, bias, inv))
         cast.replace_all_uses_with(op)
@@ -110,6 +112,26 @@ def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
         gm.recompile()
     log.info("FP8 GEMM epilogues: %d layer(s) with their GELU and the next layer's input cast", fused)
     return fused
+
+
+def _cublaslt_takes(weight: fx.Node, bias: fx.Node) -> bool:
+    """Whether cuBLASLt has the epilogue call for this layer on its GPU (asked once per shape; a program on the CPU,
+    where the op is its reference, is rewritten as it is)."""
+    import torch
+
+    w, b = weight.meta.get("val"), bias.meta.get("val")
+    if w is None or b is None or w.device.type != "cuda":
+        return w is not None and b is not None
+    types = {torch.float16: cublaslt.CUDA_R_16F, torch.bfloat16: cublaslt.CUDA_R_16BF}
+    try:
+        if b.dtype not in types:
+            raise cublaslt.Unavailable(f"a {b.dtype} bias")
+        n, k = w.shape
+        cublaslt.gemm(128, n, k, cublaslt.CUDA_R_8F_E4M3, cublaslt.EPILOGUE_GELU_BIAS, types[b.dtype], w.device)
+    except cublaslt.Unavailable as exc:
+        _said_once(str(exc))
+        return False
+    return True
 
 
 def _op() -> Any:

@@ -125,3 +125,26 @@ def test_cublaslt_call_agrees_with_its_reference_on_an_fp8_gpu() -> None:
     want = reference(x, w, sx, sw, bias, inv).float()
     assert nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.999
     assert (got - want).abs().max() <= 0.125 * want.abs().max()  # an E4M3 step or so, never a wrong layout
+
+
+def test_a_layer_cublaslt_cannot_take_on_its_gpu_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU whose cuBLASLt has no such epilogue the op would run its slower reference: the rewrite skips it."""
+    from types import SimpleNamespace
+
+    from kiln.stages.engines.torch import cublaslt, fp8_epilogues
+
+    def node(shape: tuple[int, ...], dtype: torch.dtype) -> SimpleNamespace:
+        return SimpleNamespace(meta={"val": SimpleNamespace(device=torch.device("cuda"), shape=shape, dtype=dtype)})
+
+    asked = []
+
+    def refuse(*args: object) -> None:
+        asked.append(args[:3])
+        raise cublaslt.Unavailable("no FP8 algorithm here")
+
+    monkeypatch.setattr(cublaslt, "gemm", refuse)
+    weight, bias = node((64, 16), torch.float8_e4m3fn), node((64,), DT)
+    assert not fp8_epilogues._cublaslt_takes(weight, bias) and asked == [(128, 64, 16)]
+    monkeypatch.setattr(cublaslt, "gemm", lambda *args: None)
+    assert fp8_epilogues._cublaslt_takes(weight, bias)
+    assert not fp8_epilogues._cublaslt_takes(weight, node((64,), torch.float32))  # cuBLASLt's bias: 16-bit
