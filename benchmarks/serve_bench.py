@@ -185,6 +185,7 @@ def served(
     if args.stamped:  # the stubs write each stamped request's execution times there as they unload
         shutil.rmtree(stamps, ignore_errors=True)
         env[stub_times.STAMPS_ENV] = str(stamps)
+    started = time.monotonic()
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -199,6 +200,8 @@ def served(
             # threads started earlier, such as the in-process timing's, keep theirs)
             os.sched_setaffinity(0, clients_on)
         wait_ready(urls["http"], [model], 300, proc, tuple(ports[1:]))
+        args.ready_s = time.monotonic() - started  # `kiln serve` started to every model ready (stubs' warm-up too)
+        say(f"server ready in {args.ready_s:.1f} s")
         # One short level first, the way the first measured level sends its requests (protocol, client processes,
         # transport, client): first-call costs (allocations, CUDA graph capture per shape, the server's first reads
         # of shared memory) are not measured.
@@ -308,7 +311,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{env['device']} (1-minute load average {env['load_avg_1m_at_start']:.1f} at start); `{env['command']}`",
         "",
-        f"Served: {_server(report, env)} + dynamic batcher (max queue delay "
+        f"Served: {_server(report, env)}"
+        + (f" (ready {report['ready_s']} s after `kiln serve` started)" if "ready_s" in report else "")
+        + " + dynamic batcher (max queue delay "
         f"{report['max_queue_delay_us']} us), {report['protocol']} single-sample requests from c client "
         f"threads in {report.get('client_processes', 1)} process(es) on the same machine"
         + (", tensors in system shared memory" if s.get("transport") == "system shared memory" else "")
@@ -510,6 +515,7 @@ def main() -> None:
             else None,
             "stub_metrics_s": args.stub_metrics_s,
             "http_threads": args.http_threads,
+            "ready_s": round(args.ready_s, 1),
             "max_batch": args.max_batch,
             "pytriton": args.pytriton,
             "client_processes": processes,

@@ -245,8 +245,9 @@ def test_the_cublaslt_probe_says_skip_without_an_fp8_gpu() -> None:
 
 
 def test_serve_bench_starts_one_server_per_listed_setting_and_joins_each_ones_legs(tmp_path: Path) -> None:
-    """The demo's engine behind two real `kiln serve`s (batches up to 4, then 8), stamped requests: each server's
-    report says its batch limit, and each one's legs come with the batches that answered them."""
+    """The demo's engine behind two real `kiln serve`s (batches up to 4, then 2), stamped requests: each server's
+    report says its batch limit and how long it took to be ready, and each one's legs come with the batches that
+    answered them."""
     pytest.importorskip("tritonclient.http", reason="needs the serving libraries (pip install 'kiln[serve]')")
     _run(
         "serve_bench.py", "--demo", "--processes", "1", "--protocol", "http", "--transport", "shm",
@@ -256,6 +257,7 @@ def test_serve_bench_starts_one_server_per_listed_setting_and_joins_each_ones_le
     for run, batch in enumerate((4, 2)):
         report = json.loads((tmp_path / "out" / f"serve_demo_cpu_http_p1_shm_b{batch}_{run}.json").read_text())
         assert report["max_batch"] == batch and report["served"]["levels"][0]["mismatches"] == 0
+        assert report["ready_s"] > 0  # how long the server took to answer
         server = report["served"]["server"]
         assert 0 < server["execution_count"] <= server["inference_count"] <= batch * server["execution_count"]
         legs = json.loads((tmp_path / "out" / f"serve_demo_cpu_legs_{run}.json").read_text())["legs"]
