@@ -254,6 +254,12 @@ def served(
         report_legs(legs(out, stamps))
 
 
+def zip_longest_last(*lists: list[Any]) -> list[list[Any]]:
+    """Per-server settings as lists of one length: each shorter list repeats its last entry."""
+    n = max(len(values) for values in lists)
+    return [list(values) + list(values[-1:]) * (n - len(values)) for values in lists]
+
+
 def cpu_split(text: str) -> tuple[set[int], set[int]] | None:
     """``none`` (clients and server anywhere), or ``CLIENTS:SERVER`` as two CPU lists (``0-5:6-15``): the load
     test's processes held to the first, Triton and its stubs to the second, so neither preempts the other."""
@@ -458,13 +464,10 @@ def main() -> None:
     threads = [int(v) for v in args.http_threads.split(",")] if args.http_threads else [None]
     batches = [int(v) for v in args.max_batch.split(",")] if args.max_batch else [None]
     gpu_sets = args.gpus.split("/") if args.gpus else [None]
-    servers = max(len(stubs), len(splits), len(publish), len(threads), len(batches), len(gpu_sets))
-    gpu_sets += gpu_sets[-1:] * (servers - len(gpu_sets))
-    threads += threads[-1:] * (servers - len(threads))
-    batches += batches[-1:] * (servers - len(batches))
-    stubs += stubs[-1:] * (servers - len(stubs))
-    splits += splits[-1:] * (servers - len(splits))
-    publish += publish[-1:] * (servers - len(publish))
+    stubs, splits, publish, threads, batches, gpu_sets = zip_longest_last(
+        stubs, splits, publish, threads, batches, gpu_sets
+    )
+    servers = len(stubs)
     work = args.work or Path(tempfile.mkdtemp(prefix="serve-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]  # this script shares its machine: say how busy it was
@@ -532,7 +535,7 @@ def main() -> None:
         tail += f"_pub{args.stub_metrics_s:g}" if args.stub_metrics_s is not None else ""
         tail += f"_h{args.http_threads}" if args.http_threads is not None else ""
         tail += f"_b{args.max_batch}" if args.max_batch is not None else ""
-        tail += f"_g{args.gpus.replace(',', '-')}" if args.gpus is not None and len(gpu_sets) > 1 else ""
+        tail += f"_g{args.gpus.replace(',', '-')}" if args.gpus is not None and len(set(gpu_sets)) > 1 else ""
         if servers > 1:  # one server per entry of --instances-per-gpu / --cpu-split: its set-up and place in order
             tail += f"_i{n}_{run}" if n is not None else f"_{run}"
         tagged = several or switches or clients or servers > 1 or args.cpu_split
