@@ -294,7 +294,7 @@ def legs(out: Path, stamps: Path) -> dict[str, Any] | None:
     client, stub = np.concatenate(client), np.concatenate(stub)
     rows = stub_times.joined(client, stub)
     np.save(out / "requests.npy", rows)  # per request: sent, latency, started, finished
-    found = stub_times.join_stamps(client, stub)
+    found = stub_times.summary(rows, len(client))  # the rows joined once, for the file and the figures
     if found is not None:
         found["by_batch"] = stub_times.by_batch(rows)
     return found

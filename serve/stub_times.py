@@ -235,13 +235,19 @@ def join_stamps(client: Any, stub: Any, slowest: float = 0.01) -> dict[str, Any]
     latency; None where none met."""
     import numpy as np
 
-    rows = joined(client, stub)
+    return summary(joined(client, stub), len(np.asarray(client).reshape(-1, 2)), slowest)
+
+
+def summary(rows: Any, requests: int, slowest: float = 0.01) -> dict[str, Any] | None:
+    """:func:`join_stamps`' figures from rows :func:`joined` already made, of ``requests`` client requests."""
+    import numpy as np
+
     if not len(rows):
         return None
-    sent, latency, started, finished = rows.T
+    sent, latency, started, finished = np.asarray(rows, dtype=np.int64).reshape(-1, 4).T
     legs = np.stack([started - sent, finished - started, sent + latency - finished], axis=1) / 1e6
     slow = latency >= np.quantile(latency, 1 - slowest)
-    found: dict[str, Any] = {"requests": int(len(np.asarray(client).reshape(-1, 2))), "met": int(len(sent))}
+    found: dict[str, Any] = {"requests": int(requests), "met": int(len(sent))}
     found["slowest"] = int(slow.sum())
     for k, name in enumerate(LEGS):
         p50, p99 = np.percentile(legs[:, k], [50, 99])

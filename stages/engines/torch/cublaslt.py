@@ -221,6 +221,17 @@ def gemm(m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, d
     return found
 
 
+def gelu_fp8_gemm(m: int, n: int, k: int, bias_dtype: Any, device: Any) -> Fp8Gemm:
+    """The (cached) call with the bias, GELU and an E4M3 output in its epilogue for a bias of ``bias_dtype``;
+    raises :class:`Unavailable` where cuBLASLt has none."""
+    import torch
+
+    bias_type = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}.get(bias_dtype)
+    if bias_type is None:
+        raise Unavailable(f"a {bias_dtype} bias (cuBLASLt's FP8 epilogue takes float16 or bfloat16)")
+    return gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, bias_type, device)
+
+
 def linear_bias_gelu_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, out_inv_scale: Any) -> Any:
     """``fp8(gelu_tanh(x @ weight.T * scale_x * scale_w + bias) * out_inv_scale)``, [m, n] in E4M3, in one cuBLASLt
     call. Raises :class:`Unavailable` where cuBLASLt cannot."""
@@ -233,10 +244,7 @@ def linear_bias_gelu_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: 
         raise Unavailable("scales other than one float32 per tensor")
     m, k = x.shape
     n = weight.shape[0]
-    bias_type = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}.get(bias.dtype)
-    if bias_type is None:
-        raise Unavailable(f"a {bias.dtype} bias (cuBLASLt's FP8 epilogue takes float16 or bfloat16)")
+    g = gelu_fp8_gemm(m, n, k, bias.dtype, x.device)
     out = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
-    g = gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, bias_type, x.device)
     g(x.contiguous(), weight.contiguous(), scale_x, scale_w, bias, out_inv_scale, out)
     return out

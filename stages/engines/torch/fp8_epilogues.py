@@ -117,17 +117,11 @@ def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
 def _cublaslt_takes(weight: fx.Node, bias: fx.Node) -> bool:
     """Whether cuBLASLt has the epilogue call for this layer on its GPU (asked once per shape; a program on the CPU,
     where the op is its reference, is rewritten as it is)."""
-    import torch
-
     w, b = weight.meta.get("val"), bias.meta.get("val")
     if w is None or b is None or w.device.type != "cuda":
         return w is not None and b is not None
-    types = {torch.float16: cublaslt.CUDA_R_16F, torch.bfloat16: cublaslt.CUDA_R_16BF}
     try:
-        if b.dtype not in types:
-            raise cublaslt.Unavailable(f"a {b.dtype} bias")
-        n, k = w.shape
-        cublaslt.gemm(128, n, k, cublaslt.CUDA_R_8F_E4M3, cublaslt.EPILOGUE_GELU_BIAS, types[b.dtype], w.device)
+        cublaslt.gelu_fp8_gemm(128, *w.shape, b.dtype, w.device)
     except cublaslt.Unavailable as exc:
         _said_once(str(exc))
         return False
