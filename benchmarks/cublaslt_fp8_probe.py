@@ -19,7 +19,7 @@ Each form is captured in a CUDA graph of ``--calls`` calls and replayed; forms i
 rounds; medians per call. Answers are checked against FP32 arithmetic on the same FP8 inputs.
 
     python benchmarks/cublaslt_fp8_probe.py --rows 4096,128 --rounds 30     # on the GPU host
-    python benchmarks/cublaslt_fp8_probe.py --rows 4096 --rounds 20 --algos 16   # + each GEMM's algorithms
+    python benchmarks/cublaslt_fp8_probe.py --rows 4096,128 --rounds 20 --algos 16   # + each GEMM's algorithms
 
 Writes ``benchmarks/results/cublaslt_fp8_probe.{json,md}`` (or ``--out``).
 """
@@ -160,47 +160,66 @@ GEMMS = (("qkv", 2304, 768, "bias"), ("attention out", 768, 768, "bias"), ("ffn 
          ("ffn down", 768, 3072, "bias"))  # fmt: skip
 
 
-def _algorithm(g: Fp8Gemm, i: int, x: Any, w: Any, b: Any, scale_d: Any, out: Any, one: Any) -> Any:
-    """One call of ``g`` with its ``i``-th algorithm (unit scales)."""
+def _algorithm(g: Fp8Gemm, i: int, x: Any, w: Any, b: Any, scale_d: Any, out: Any, scale: Any) -> Any:
+    """One call of ``g`` with its ``i``-th algorithm (unit scales, or none for float16)."""
     g.use(i)
-    g(x, w, one, one, b, scale_d, out)
+    g(x, w, scale, scale, b, scale_d, out)
     return out
 
 
-def algorithms(m: int, most: int, reps: int, rounds: int) -> list[dict[str, Any]]:
-    """Per GEMM of :data:`GEMMS` at ``m`` rows: ``torch._scaled_mm`` (with the bias) and each of cuBLASLt's first
-    ``most`` heuristic algorithms for the binding's call, timed side by side: how much a choice by measurement (as
-    TensorRT's builder makes) would buy over the heuristic's first."""
+def _torch_form(precision: str, epilogue: str, x: Any, w: Any, bias: Any, one: Any) -> Any:
+    """The call each engine makes for the GEMM now: ``torch._scaled_mm`` (FP8) or the FP16 engine's
+    ``torch._addmm_activation`` with the GELU / ``torch.addmm``."""
     import torch
 
-    fp8, rows = torch.float8_e4m3fn, []
+    if precision == "fp8":
+        return lambda: torch._scaled_mm(
+            x, w.t(), scale_a=one, scale_b=one, bias=bias, out_dtype=torch.float16, use_fast_accum=True
+        )
+    if epilogue == "gelu fp8":
+        return lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)
+    return lambda: torch.addmm(bias, x, w.t())
+
+
+def algorithms(m: int, most: int, reps: int, rounds: int, precision: str) -> list[dict[str, Any]]:
+    """Per GEMM of :data:`GEMMS` at ``m`` rows and ``precision`` (fp8 or fp16): the call the engine makes now and each
+    of cuBLASLt's first ``most`` heuristic algorithms for the binding's call, timed side by side: how much a choice
+    by measurement (as TensorRT's builder makes) would buy over the heuristic's first."""
+    import torch
+
+    fp8, rows = precision == "fp8", []
     one = torch.tensor(1.0, device="cuda")
+    in_dtype = torch.float8_e4m3fn if fp8 else torch.float16
     for name, n, k, epilogue in GEMMS:
-        x = torch.randn(m, k, device="cuda").to(fp8)
-        w = (torch.randn(n, k, device="cuda") / 4).to(fp8)
+        x = torch.randn(m, k, device="cuda").to(in_dtype)
+        w = (torch.randn(n, k, device="cuda") / 4).to(in_dtype)
         bias = torch.zeros(n, dtype=torch.float16, device="cuda")
-        fused = epilogue == "gelu fp8"
-        out = torch.empty(m, n, dtype=fp8 if fused else torch.float16, device="cuda")
-        g = Fp8Gemm(m, n, k, CUDA_R_8F_E4M3 if fused else CUDA_R_16F, EPILOGUE_GELU_BIAS if fused else EPILOGUE_BIAS,
-                    CUDA_R_16F)  # fmt: skip
+        gelu = epilogue == "gelu fp8"
+        fused = fp8 and gelu  # FP8 output only from FP8 GEMMs
+        out = torch.empty(m, n, dtype=torch.float8_e4m3fn if fused else torch.float16, device="cuda")
+        g = Fp8Gemm(m, n, k, CUDA_R_8F_E4M3 if fused else CUDA_R_16F, EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS,
+                    CUDA_R_16F, CUDA_R_8F_E4M3 if fp8 else CUDA_R_16F)  # fmt: skip
         found = g.candidates(most)
-        calls = {"_scaled_mm": lambda x=x, w=w, b=bias: torch._scaled_mm(
-            x, w.t(), scale_a=one, scale_b=one, bias=b, out_dtype=torch.float16, use_fast_accum=True)}  # fmt: skip
+        engine = "_scaled_mm" if fp8 else ("_addmm_activation" if gelu else "addmm")
+        calls = {engine: _torch_form(precision, epilogue, x, w, bias, one)}
+        scale = one if fp8 else None
         for i in range(found):
-            call = partial(_algorithm, g, i, x, w, bias, one if fused else None, out, one)
+            call = partial(_algorithm, g, i, x, w, bias, one if fused else None, out, scale)
             try:
                 call()
                 calls[f"algo {i}"] = call
             except Unavailable:
                 continue
         times = timed(calls, reps, rounds)
-        ours = sorted((t["median_ms"], c) for c, t in times.items() if c != "_scaled_mm")
+        ours = sorted((t["median_ms"], c) for c, t in times.items() if c != engine)
         best = ours[0] if ours else (float("nan"), "none")
-        rows.append({"gemm": name, "m": m, "n": n, "k": k, "epilogue": epilogue, "candidates": found,
-                     "scaled_mm_ms": times["_scaled_mm"]["median_ms"],
+        rows.append({"precision": precision, "gemm": name, "m": m, "n": n, "k": k,
+                     "epilogue": epilogue if fp8 else epilogue.replace("gelu fp8", "gelu"), "candidates": found,
+                     "engine_call": engine, "engine_ms": times[engine]["median_ms"],
                      "heuristic_ms": times.get("algo 0", {}).get("median_ms"), "best_ms": best[0], "best": best[1],
+                     "all_ms": {c: t["median_ms"] for c, t in times.items()},
                      "tflops_best": 2 * m * n * k / best[0] / 1e9})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps({key: v for key, v in rows[-1].items() if key != "all_ms"}), flush=True)
     return rows
 
 
@@ -210,6 +229,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--algos", type=int, default=0, help="also time up to N cuBLASLt algorithms per BERT-base GEMM")
+    p.add_argument("--algo-precisions", default="fp8,fp16", help="the GEMMs --algos times: fp8, fp16 or both")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
     import torch
@@ -231,7 +251,12 @@ def main() -> None:
         print(json.dumps({m: report["rows"][m]}, indent=1), flush=True)
     if args.algos:
         rows = [int(r) for r in args.rows.split(",")]
-        report["algorithms"] = [r for m in rows for r in algorithms(m, args.algos, args.calls, args.rounds)]
+        report["algorithms"] = [
+            r
+            for p in args.algo_precisions.split(",")
+            for m in rows
+            for r in algorithms(m, args.algos, args.calls, args.rounds, p)
+        ]
     write_report(args.out, "cublaslt_fp8_probe", report, markdown(report))
 
 
@@ -258,18 +283,19 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("algorithms"):
         lines += [
             "",
-            "Each BERT-base FP8 GEMM (Q/K/V merged; the FFN's first with GELU and FP8 output) with "
-            "cuBLASLt's first algorithms, timed side by side:",
+            "Each BERT-base GEMM (Q/K/V merged; in FP8 the FFN's first with GELU and FP8 output) as the engine calls "
+            "it now and with each of cuBLASLt's first algorithms through the binding, timed side by side:",
             "",
-            "| rows | GEMM (n x k) | epilogue | `_scaled_mm` ms | heuristic's first ms | best ms (which) | "
-            "TFLOP/s at best |",
-            "|---:|---|---|---:|---:|---:|---:|",
+            "| precision | rows | GEMM (n x k) | epilogue | engine's call: ms | heuristic's first ms | "
+            "best ms (which) | best / engine's | TFLOP/s at best |",
+            "|---|---:|---|---|---|---:|---:|---:|---:|",
         ]
         for r in report["algorithms"]:
             first = f"{r['heuristic_ms']:.4f}" if r["heuristic_ms"] is not None else "-"
             lines.append(
-                f"| {r['m']} | {r['gemm']} ({r['n']} x {r['k']}) | {r['epilogue']} | {r['scaled_mm_ms']:.4f} | "
-                f"{first} | {r['best_ms']:.4f} ({r['best']} of {r['candidates']}) | {r['tflops_best']:.0f} |"
+                f"| {r['precision']} | {r['m']} | {r['gemm']} ({r['n']} x {r['k']}) | {r['epilogue']} | "
+                f"`{r['engine_call']}` {r['engine_ms']:.4f} | {first} | {r['best_ms']:.4f} ({r['best']} of "
+                f"{r['candidates']}) | {r['best_ms'] / r['engine_ms']:.2f} | {r['tflops_best']:.0f} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -79,12 +79,15 @@ def _check(status: int, what: str) -> None:
 
 
 class Fp8Gemm:
-    """``D[m, n] = epilogue(scale_x * scale_w * X[m, k] @ W[n, k]^T + bias) * scale_d`` with X and W in E4M3, for
-    one shape and set of types: cuBLASLt's descriptors and the algorithm its heuristic picks, made once. The
-    pointers (tensors, scales, bias) are set at each call, so one object serves every layer of its shape. In the TN
-    layout FP8 needs: column-major, ``D^T = W . X^T``."""
+    """``D[m, n] = epilogue(scale_x * scale_w * X[m, k] @ W[n, k]^T + bias) * scale_d`` with X and W in E4M3 (or
+    ``in_type``: float16 GEMMs, without scales, to compare algorithms), for one shape and set of types: cuBLASLt's
+    descriptors and the algorithm its heuristic picks, made once. The pointers (tensors, scales, bias) are set at
+    each call, so one object serves every layer of its shape. In the TN layout FP8 needs: column-major,
+    ``D^T = W . X^T``."""
 
-    def __init__(self, m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int) -> None:
+    def __init__(
+        self, m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, in_type: int = CUDA_R_8F_E4M3
+    ) -> None:
         self.lib = lib = library()
         self.handle, self.desc = ctypes.c_void_p(), ctypes.c_void_p()
         _check(lib.cublasLtCreate(ctypes.byref(self.handle)), "create")
@@ -92,11 +95,12 @@ class Fp8Gemm:
         self._set(TRANSA, ctypes.c_int32(OP_T))
         self._set(TRANSB, ctypes.c_int32(OP_N))
         self._set(EPILOGUE, ctypes.c_uint32(epilogue))
-        self._set(FAST_ACCUM, ctypes.c_int8(1))
+        if in_type == CUDA_R_8F_E4M3:
+            self._set(FAST_ACCUM, ctypes.c_int8(1))
         self._set(BIAS_DATA_TYPE, ctypes.c_int32(bias_type))
         self.layouts = [
-            self._layout(CUDA_R_8F_E4M3, k, n, k),  # W stored [n, k] row-major: k x n column-major, transposed
-            self._layout(CUDA_R_8F_E4M3, k, m, k),  # X [m, k] row-major: k x m column-major
+            self._layout(in_type, k, n, k),  # W stored [n, k] row-major: k x n column-major, transposed
+            self._layout(in_type, k, m, k),  # X [m, k] row-major: k x m column-major
             self._layout(bias_type, n, m, n),  # C: beta is 0, never read
             self._layout(out_type, n, m, n),  # D [m, n] row-major
         ]
@@ -105,7 +109,7 @@ class Fp8Gemm:
         limit = ctypes.c_uint64(WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8), "pref")
         if not self.candidates(1):
-            raise Unavailable(f"cuBLASLt has no FP8 algorithm for {m}x{n}x{k} here")
+            raise Unavailable(f"cuBLASLt has no algorithm for {m}x{n}x{k} (type {in_type}) here")
         self.result = self.results[0]
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.lock = threading.Lock()  # the pointers are set on the shared descriptor right before each call
