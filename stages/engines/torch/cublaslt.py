@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36
 PREF_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 32 << 20  # what cuBLASLt suggests for Hopper
 MIN_VERSION = 120000  # cuBLASLt of CUDA 12.0
+SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU sleep while :meth:`Fp8Gemm.tune` queues its timed calls
 ALIGNMENT = 256  # what the heuristic assumes of every matrix's address without alignment preferences
 
 
@@ -122,6 +124,35 @@ class Fp8Gemm:
         )
         self.results = list(results)[: found.value] if status == 0 else []
         return len(self.results)
+
+    def tune(self, call: Callable[[], None], most: int = 16, calls: int = 10) -> int:
+        """Keep the fastest of up to ``most`` of the heuristic's algorithms, timed on ``call`` (this GEMM on the
+        layer's own tensors), as TensorRT's builder times its tactics; returns its index. The calls are queued
+        behind a GPU sleep, so the CUDA events time the GPU's work, not the Python calls that queue it (at a few
+        microseconds per GEMM they take longer than the GEMM). Not while a CUDA graph is being captured: it
+        synchronizes."""
+        import torch
+
+        found, times = self.candidates(most), []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for i in range(found):
+            self.use(i)
+            try:
+                call()  # the first call of an algorithm: its setup, and a refusal skips it
+            except Unavailable:
+                continue
+            torch.cuda._sleep(SLEEP_CYCLES)
+            start.record()
+            for _ in range(calls):
+                call()
+            end.record()
+            end.synchronize()
+            times.append((start.elapsed_time(end) / calls, i))
+        if not times:
+            raise Unavailable("no algorithm of cuBLASLt's heuristic ran")
+        best = min(times)[1]
+        self.use(best)
+        return best
 
     def use(self, index: int) -> None:
         """Run with the ``index``-th of the algorithms :meth:`candidates` found (0: the heuristic's choice)."""
