@@ -106,6 +106,8 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
         "fp8_gelu_epilogues": (device, precision) == ("cuda", "fp8")
         and cfg.gemm_epilogues != "off"
         and cfg.flavour != "aotinductor",
+        # cuBLASLt's algorithms chosen by timing where Kiln calls it (custom ops: compiled flavour, GPU)
+        "gemm_algorithms": cfg.gemm_algorithms if device == "cuda" and cfg.flavour != "aotinductor" else "heuristic",
     }
 
 

@@ -88,6 +88,14 @@ class TorchConfig(Section):
         "auto: on for FP16 GPU engines (their flavour then is compiled), off for the others and "
         "with flavour aotinductor",
     )
+    gemm_algorithms: Literal["heuristic", "measured"] = Field(
+        "heuristic",
+        description="the GPU GEMMs Kiln calls through cuBLASLt itself (gemm_epilogues' linear layers, an FP8 "
+        "engine's layers with per-tensor scales): heuristic = cuBLASLt's first choice, as PyTorch's own calls "
+        "make; measured = the fastest of its first 16 candidates, timed on each shape's first call (the compiled "
+        "flavour's warm-up of each batch size), as TensorRT's builder times its tactics "
+        "(kiln.stages.engines.torch.cublaslt; benchmarks/cublaslt_fp8_probe.py --algos compares them)",
+    )
     merge_linears: bool = Field(
         True,
         description="with gemm_epilogues, and in FP8/INT8 engines: linear layers that read the same tensor (an "

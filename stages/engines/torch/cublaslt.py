@@ -113,6 +113,7 @@ class Fp8Gemm:
         if not self.candidates(1):
             raise Unavailable(f"cuBLASLt has no algorithm for {m}x{n}x{k} (type {in_type}) here")
         self.result = self.results[0]
+        self.tuned = False  # :func:`measured` has chosen the algorithm
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.lock = threading.Lock()  # the pointers are set on the shared descriptor right before each call
 
@@ -133,6 +134,7 @@ class Fp8Gemm:
         synchronizes."""
         import torch
 
+        first = self.result
         found, times = self.candidates(most), []
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for i in range(found):
@@ -149,6 +151,7 @@ class Fp8Gemm:
             end.synchronize()
             times.append((start.elapsed_time(end) / calls, i))
         if not times:
+            self.result = first
             raise Unavailable("no algorithm of cuBLASLt's heuristic ran")
         best = min(times)[1]
         self.use(best)
@@ -236,17 +239,19 @@ def _buffer(key: tuple[Any, ...], nbytes: int, device: Any) -> Any:
         return _buffers[key]
 
 
-def gemm(m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, device: Any) -> Fp8Gemm:
+def gemm(
+    m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, device: Any, in_type: int = CUDA_R_8F_E4M3
+) -> Fp8Gemm:
     """The (cached) :class:`Fp8Gemm` of a shape and set of types on ``device``; a shape cuBLASLt has no algorithm
     for raises :class:`Unavailable` at every call without asking it again."""
-    key = (m, n, k, out_type, epilogue, bias_type, device)
+    key = (m, n, k, out_type, epilogue, bias_type, device, in_type)
     with _lock:
         found = _gemms.get(key)
     if isinstance(found, Unavailable):
         raise Unavailable(str(found))
     if found is None:
         try:
-            found = Fp8Gemm(m, n, k, out_type, epilogue, bias_type)
+            found = Fp8Gemm(m, n, k, out_type, epilogue, bias_type, in_type)
         except Unavailable as exc:
             found = exc
         with _lock:
@@ -256,30 +261,95 @@ def gemm(m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, d
     return found
 
 
+def measured(g: Fp8Gemm, call: Callable[[], None]) -> None:
+    """Choose ``g``'s algorithm by :meth:`Fp8Gemm.tune` on its first call outside a CUDA graph capture (the compiled
+    flavour's warm-up call of each batch size); later calls, and calls being captured, run what was chosen."""
+    import torch
+
+    if g.tuned or torch.cuda.is_current_stream_capturing():
+        return
+    with _lock:
+        if g.tuned:
+            return
+        g.tuned = True
+    g.tune(call)
+
+
 def gelu_fp8_gemm(m: int, n: int, k: int, bias_dtype: Any, device: Any) -> Fp8Gemm:
     """The (cached) call with the bias, GELU and an E4M3 output in its epilogue for a bias of ``bias_dtype``;
     raises :class:`Unavailable` where cuBLASLt has none."""
+    return gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, cuda_type(bias_dtype), device)
+
+
+def cuda_type(dtype: Any) -> int:
+    """cuBLASLt's type of a float16 or bfloat16 tensor (biases, outputs, float16 GEMMs' inputs)."""
     import torch
 
-    bias_type = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}.get(bias_dtype)
-    if bias_type is None:
-        raise Unavailable(f"a {bias_dtype} bias (cuBLASLt's FP8 epilogue takes float16 or bfloat16)")
-    return gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, bias_type, device)
+    found = {torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}.get(dtype)
+    if found is None:
+        raise Unavailable(f"a {dtype} tensor (cuBLASLt's epilogue calls here take float16 or bfloat16)")
+    return found
 
 
-def linear_bias_gelu_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, out_inv_scale: Any) -> Any:
-    """``fp8(gelu_tanh(x @ weight.T * scale_x * scale_w + bias) * out_inv_scale)``, [m, n] in E4M3, in one cuBLASLt
-    call. Raises :class:`Unavailable` where cuBLASLt cannot."""
+def _fp8_inputs(x: Any, weight: Any, *scales: Any) -> None:
     import torch
 
-    fp8, f32 = torch.float8_e4m3fn, torch.float32
-    if x.dtype != fp8 or weight.dtype != fp8:
-        raise Unavailable(f"{x.dtype} x {weight.dtype} inputs (the epilogue call takes E4M3)")
-    if any(s.numel() != 1 or s.dtype != f32 for s in (scale_x, scale_w, out_inv_scale)):
+    if x.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
+        raise Unavailable(f"{x.dtype} x {weight.dtype} inputs (the FP8 calls take E4M3)")
+    if any(s.numel() != 1 or s.dtype != torch.float32 for s in scales):
         raise Unavailable("scales other than one float32 per tensor")
+
+
+def linear_bias_gelu_fp8(
+    x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, out_inv_scale: Any, measure: bool = False
+) -> Any:
+    """``fp8(gelu_tanh(x @ weight.T * scale_x * scale_w + bias) * out_inv_scale)``, [m, n] in E4M3, in one cuBLASLt
+    call (``measure``: with the algorithm :func:`measured` chooses). Raises :class:`Unavailable` where cuBLASLt
+    cannot."""
+    import torch
+
+    _fp8_inputs(x, weight, scale_x, scale_w, out_inv_scale)
     m, k = x.shape
     n = weight.shape[0]
     g = gelu_fp8_gemm(m, n, k, bias.dtype, x.device)
     out = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
-    g(x.contiguous(), weight.contiguous(), scale_x, scale_w, bias, out_inv_scale, out)
+    x, weight = x.contiguous(), weight.contiguous()
+    if measure:
+        measured(g, lambda: g(x, weight, scale_x, scale_w, bias, out_inv_scale, out))
+    g(x, weight, scale_x, scale_w, bias, out_inv_scale, out)
+    return out
+
+
+def linear_bias_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any) -> Any:
+    """``x @ weight.T * scale_x * scale_w + bias`` [m, n] in the bias's dtype from E4M3 inputs: what
+    ``torch._scaled_mm`` computes, with the algorithm :func:`measured` chooses. Raises :class:`Unavailable`."""
+    import torch
+
+    _fp8_inputs(x, weight, scale_x, scale_w)
+    m, k = x.shape
+    n, out_type = weight.shape[0], cuda_type(bias.dtype)
+    g = gemm(m, n, k, out_type, EPILOGUE_BIAS, out_type, x.device)
+    out = torch.empty(m, n, dtype=bias.dtype, device=x.device)
+    x, weight = x.contiguous(), weight.contiguous()
+    measured(g, lambda: g(x, weight, scale_x, scale_w, bias, None, out))
+    g(x, weight, scale_x, scale_w, bias, None, out)
+    return out
+
+
+def linear_bias(x: Any, weight: Any, bias: Any, gelu: bool) -> Any:
+    """``x @ weight.T + bias`` (then cuBLASLt's tanh GELU) [m, n], all float16 or all bfloat16, with the algorithm
+    :func:`measured` chooses: what ``torch.addmm`` (``torch._addmm_activation``) computes with the heuristic's.
+    Raises :class:`Unavailable`."""
+    import torch
+
+    if not x.dtype == weight.dtype == bias.dtype:
+        raise Unavailable(f"{x.dtype} x {weight.dtype} + {bias.dtype} (one dtype for all three)")
+    t = cuda_type(x.dtype)
+    m, k = x.shape
+    n = weight.shape[0]
+    g = gemm(m, n, k, t, EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS, t, x.device, in_type=t)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x, weight = x.contiguous(), weight.contiguous()
+    measured(g, lambda: g(x, weight, None, None, bias, None, out))
+    g(x, weight, None, None, bias, None, out)
     return out

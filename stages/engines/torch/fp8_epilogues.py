@@ -23,6 +23,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kiln.stages.engines.torch import cublaslt
+from kiln.stages.engines.torch.fx_graph import replace_node
 
 if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules load without it
     import torch
@@ -35,11 +36,15 @@ E4M3_MAX = 448.0
 
 @cache
 def register_op() -> None:
-    """Define ``kiln::fp8_linear_bias_gelu`` (once per process; a loaded engine's process defines it again when it
-    rewrites its program)."""
+    """Define ``kiln::fp8_linear_bias_gelu`` and ``kiln::fp8_linear_bias`` (once per process; a loaded engine's
+    process defines them again when it rewrites its program). ``measure``: cuBLASLt's algorithm chosen by timing
+    its first candidates on the layer's first call (``build.torch.gemm_algorithms: measured``)."""
     import torch
 
-    schema = "(Tensor x, Tensor weight, Tensor scale_x, Tensor scale_w, Tensor bias, Tensor out_inv_scale) -> Tensor"
+    schema = (
+        "(Tensor x, Tensor weight, Tensor scale_x, Tensor scale_w, Tensor bias, Tensor out_inv_scale, "
+        "bool measure=False) -> Tensor"
+    )
 
     @torch.library.custom_op("kiln::fp8_linear_bias_gelu", mutates_args=(), schema=schema)
     def fp8_linear_bias_gelu(
@@ -49,28 +54,56 @@ def register_op() -> None:
         scale_w: torch.Tensor,
         bias: torch.Tensor,
         out_inv_scale: torch.Tensor,
+        measure: bool = False,
     ) -> torch.Tensor:
         """``x`` [m, k] and ``weight`` [n, k] in E4M3 to the next layer's E4M3 input [m, n]."""
         if x.is_cuda:
             try:
-                return cublaslt.linear_bias_gelu_fp8(x, weight, scale_x, scale_w, bias, out_inv_scale)
+                return cublaslt.linear_bias_gelu_fp8(x, weight, scale_x, scale_w, bias, out_inv_scale, measure)
             except cublaslt.Unavailable as exc:
                 _said_once(str(exc))
         return reference(x, weight, scale_x, scale_w, bias, out_inv_scale)
 
     @fp8_linear_bias_gelu.register_fake
-    def _shape(x: torch.Tensor, weight: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    def _shape(x: torch.Tensor, weight: torch.Tensor, *_: Any) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float8_e4m3fn)
+
+    linear_schema = "(Tensor x, Tensor weight, Tensor scale_x, Tensor scale_w, Tensor bias) -> Tensor"
+
+    @torch.library.custom_op("kiln::fp8_linear_bias", mutates_args=(), schema=linear_schema)
+    def fp8_linear_bias(
+        x: torch.Tensor, weight: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """The FP8 layer as ``torch._scaled_mm`` computes it (output in the bias's dtype), with the algorithm
+        chosen by measurement on the GPU."""
+        if x.is_cuda:
+            try:
+                return cublaslt.linear_bias_fp8(x, weight, scale_x, scale_w, bias)
+            except cublaslt.Unavailable as exc:
+                _said_once(str(exc))
+        return _scaled_mm(x, weight, scale_x, scale_w, bias)
+
+    @fp8_linear_bias.register_fake
+    def _linear_shape(
+        x: torch.Tensor, weight: torch.Tensor, scale_x: torch.Tensor, scale_w: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]), dtype=bias.dtype)
+
+
+def _scaled_mm(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any) -> Any:
+    """The FP8 engine's own call of a layer: E4M3 inputs, per-tensor scales, the bias in the epilogue."""
+    import torch
+
+    return torch._scaled_mm(
+        x, weight.t(), scale_a=scale_x, scale_b=scale_w, bias=bias, out_dtype=bias.dtype, use_fast_accum=True
+    )
 
 
 def reference(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any, out_inv_scale: Any) -> Any:
     """What the op computes, in PyTorch's own calls: the FP8 GEMM with its bias, the tanh GELU, the cast."""
     import torch
 
-    y = torch._scaled_mm(
-        x, weight.t(), scale_a=scale_x, scale_b=scale_w, bias=bias, out_dtype=bias.dtype, use_fast_accum=True
-    )
-    g = torch.nn.functional.gelu(y.float(), approximate="tanh")
+    g = torch.nn.functional.gelu(_scaled_mm(x, weight, scale_x, scale_w, bias).float(), approximate="tanh")
     return (g * out_inv_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
@@ -91,8 +124,9 @@ def _said_once(reason: str) -> None:
     log.warning("FP8 GEMM epilogue: %s; the layer keeps its GEMM, GELU and cast", reason)
 
 
-def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm`` in place; returns how many FP8 layers took their GELU and the next layer's input cast."""
+def fuse_fp8_gelu(gm: fx.GraphModule, measure: bool = False) -> int:
+    """Rewrite ``gm`` in place; returns how many FP8 layers took their GELU and the next layer's input cast.
+    ``measure``: the op chooses cuBLASLt's algorithm by measurement."""
     register_op()
     fused = 0
     for node in list(gm.graph.nodes):
@@ -100,10 +134,10 @@ def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
         if match is None:
             continue
         xq, weight, scale_x, scale_w, bias, inv, cast, dead = match
-        if not _cublaslt_takes(weight, bias):  # the op's reference path would be slower than Inductor's kernels
+        if not _cublaslt_takes(weight, bias, gelu=True):  # the op's reference would be slower than Inductor's kernels
             continue
         with gm.graph.inserting_before(cast):
-            op = gm.graph.call_function(_op(), (xq, weight, scale_x, scale_w, bias, inv))
+            op = gm.graph.call_function(_op("fp8_linear_bias_gelu"), (xq, weight, scale_x, scale_w, bias, inv, measure))
         cast.replace_all_uses_with(op)
         _erase(gm.graph, [cast, *dead])
         fused += 1
@@ -114,29 +148,56 @@ def fuse_fp8_gelu(gm: fx.GraphModule) -> int:
     return fused
 
 
-def _cublaslt_takes(weight: fx.Node, bias: fx.Node) -> bool:
-    """Whether cuBLASLt has the epilogue call for this layer on its GPU (asked once per shape; a program on the CPU,
-    where the op is its reference, is rewritten as it is)."""
+def measure_fp8_gemms(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm``'s remaining static FP8 layers (``_scaled_mm`` with per-tensor scales and a bias) into
+    ``kiln::fp8_linear_bias``, the same GEMM through Kiln's binding with cuBLASLt's algorithm chosen by measurement
+    (``build.torch.gemm_algorithms: measured``); returns how many. Run after :func:`fuse_fp8_gelu`."""
+    register_op()
+    taken = 0
+    for node in list(gm.graph.nodes):
+        gemm = _static_gemm(node)
+        if gemm is None or not _cublaslt_takes(gemm[1], gemm[4], gelu=False):
+            continue
+        transposed = node.args[1]
+        replace_node(gm.graph, node, _op("fp8_linear_bias"), gemm)
+        if not transposed.users:
+            gm.graph.erase_node(transposed)
+        taken += 1
+    if taken:
+        gm.graph.lint()
+        gm.recompile()
+        log.info("build.torch.gemm_algorithms: measured: %d FP8 layer(s) through cuBLASLt", taken)
+    return taken
+
+
+def _cublaslt_takes(weight: fx.Node, bias: fx.Node, gelu: bool) -> bool:
+    """Whether cuBLASLt has the call for this layer on its GPU (the GELU and FP8 output epilogue, or the bias alone;
+    asked once per shape; a program on the CPU, where the op is its reference, is rewritten as it is)."""
     w, b = weight.meta.get("val"), bias.meta.get("val")
     if w is None or b is None or w.device.type != "cuda":
         return w is not None and b is not None
     try:
-        cublaslt.gelu_fp8_gemm(128, *w.shape, b.dtype, w.device)
+        if gelu:
+            cublaslt.gelu_fp8_gemm(128, *w.shape, b.dtype, w.device)
+        else:
+            out_type = cublaslt.cuda_type(b.dtype)
+            cublaslt.gemm(128, *w.shape, out_type, cublaslt.EPILOGUE_BIAS, out_type, w.device)
     except cublaslt.Unavailable as exc:
         _said_once(str(exc))
         return False
     return True
 
 
-def _op() -> Any:
+def _op(name: str) -> Any:
     import torch
 
-    return torch.ops.kiln.fp8_linear_bias_gelu.default
+    return getattr(torch.ops.kiln, name).default
 
 
-def _match(node: fx.Node) -> tuple[Any, ...] | None:
-    """``node`` an FP8 ``_scaled_mm`` with a bias, whose only way on is a GELU and the next layer's static cast:
-    its inputs, the cast node (whose users take the op's output) and the nodes that go with it; else None."""
+def _static_gemm(node: fx.Node) -> tuple[Any, ...] | None:
+    """``node`` an FP8 ``_scaled_mm`` of a layer with static scales as the engine writes it (per-tensor float32
+    scales, a bias of the output's dtype, fast accumulation, the weight transposed): (x, weight, scale_x, scale_w,
+    bias); else None."""
     import torch
 
     if node.op != "call_function" or node.target is not torch.ops.aten._scaled_mm.default:
@@ -150,6 +211,18 @@ def _match(node: fx.Node) -> tuple[Any, ...] | None:
     if not all(_one_value(s) for s in (scale_x, scale_w)):
         return None
     if not (isinstance(wt, torch.fx.Node) and wt.target is torch.ops.aten.t.default):
+        return None
+    return xq, wt.args[0], scale_x, scale_w, bias
+
+
+def _match(node: fx.Node) -> tuple[Any, ...] | None:
+    """``node`` an FP8 layer with static scales (:func:`_static_gemm`) whose only way on is a GELU and the next
+    layer's static cast: its inputs, the cast node (whose users take the op's output) and the nodes that go with
+    it; else None."""
+    import torch
+
+    gemm = _static_gemm(node)
+    if gemm is None:
         return None
     chain = [node]
     gelu = _through_views(node, chain)
@@ -175,7 +248,7 @@ def _match(node: fx.Node) -> tuple[Any, ...] | None:
         return None
     if _shape(cast) is None or len(_shape(cast)) != 2:  # the op answers [rows, n], as the cast must have
         return None
-    return xq, wt.args[0], scale_x, scale_w, bias, mul.args[1], cast, chain[::-1]
+    return *gemm, mul.args[1], cast, chain[::-1]
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

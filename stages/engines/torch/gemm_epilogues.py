@@ -27,6 +27,7 @@ import operator
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from kiln.stages.engines.torch import cublaslt
 from kiln.stages.engines.torch.fx_graph import attr, drop_unused_attrs, replace_node
 
 if TYPE_CHECKING:  # torch is imported where it is used: the engines' modules load without it
@@ -63,33 +64,59 @@ def accuracy_hint(builder_settings: dict[str, object], device: str) -> str | Non
 @cache
 def register_ops() -> None:
     """Define ``kiln::linear_bias`` and ``kiln::linear_bias_gelu`` (once per process; a loaded engine's process
-    defines them again when it rewrites its program)."""
+    defines them again when it rewrites its program). ``measure``: on the GPU, cuBLASLt's algorithm is chosen by
+    timing its first candidates on the layer's first call (``build.torch.gemm_algorithms: measured``,
+    :func:`kiln.stages.engines.torch.cublaslt.measured`); otherwise ATen's call and the heuristic's choice."""
     import torch
 
     # Schemas spelled out: with postponed annotations torch cannot read them off the signatures of local functions
-    schema = "(Tensor x, Tensor weight, Tensor bias) -> Tensor"
+    schema = "(Tensor x, Tensor weight, Tensor bias, bool measure=False) -> Tensor"
 
     @torch.library.custom_op("kiln::linear_bias", mutates_args=(), schema=schema)
-    def linear_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def linear_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, measure: bool = False) -> torch.Tensor:
         """``linear(x, weight, bias)`` as one ``addmm`` with a 1-D bias (cuBLASLt's bias epilogue on the GPU)."""
         flat = x.reshape(-1, x.shape[-1])
-        return torch.addmm(bias, flat, weight.t()).reshape(*x.shape[:-1], weight.shape[0])
+        out = _measured(flat, weight, bias, False) if measure and x.is_cuda else None
+        if out is None:
+            out = torch.addmm(bias, flat, weight.t())
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @torch.library.custom_op("kiln::linear_bias_gelu", mutates_args=(), schema=schema)
-    def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def linear_bias_gelu(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, measure: bool = False
+    ) -> torch.Tensor:
         """``gelu(linear(x, weight, bias))`` as one ``_addmm_activation`` (bias + GELU epilogue on the GPU)."""
         flat = x.reshape(-1, x.shape[-1])
-        out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
+        out = _measured(flat, weight, bias, True) if measure and x.is_cuda else None
+        if out is None:
+            out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @linear_bias.register_fake
     @linear_bias_gelu.register_fake
-    def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, measure: bool = False) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _measured(x: Any, weight: Any, bias: Any, gelu: bool) -> Any:
+    """The GEMM through Kiln's cuBLASLt binding with its algorithm chosen by measurement; None where the binding
+    cannot take it (said once), so ATen's call runs. A GEMM of one row keeps ATen's (no epilogue there either)."""
+    if x.shape[0] < 2 or bias.dim() != 1:
+        return None
+    try:
+        return cublaslt.linear_bias(x, weight, bias, gelu)
+    except cublaslt.Unavailable as exc:
+        _said_once(str(exc))
+        return None
+
+
+@cache
+def _said_once(reason: str) -> None:
+    log.warning("build.torch.gemm_algorithms: measured: %s; the layer keeps ATen's GEMM", reason)
+
+
 def fuse_linear_epilogues(
-    gm: fx.GraphModule, mode: str, warn_if_none: bool = True, merge: bool = False
+    gm: fx.GraphModule, mode: str, warn_if_none: bool = True, merge: bool = False, measure: bool = False
 ) -> dict[str, int]:
     """Rewrite ``gm`` in place (``mode``: one of :data:`MODES` but ``off``); returns how many layers each op took.
 
@@ -97,7 +124,8 @@ def fuse_linear_epilogues(
     is fused only when it is the linear's only user (and, with ``bias_gelu``, computed as the epilogue computes it).
     ``warn_if_none``: say so when the program has nothing to rewrite (an explicit setting; ``auto`` applies to every
     model, many of which have nothing for it). ``merge``: merge linears that share their input first
-    (:func:`merge_parallel_linears`; counted as ``merged_linears``, the layers that went into merged ones)."""
+    (:func:`merge_parallel_linears`; counted as ``merged_linears``, the layers that went into merged ones).
+    ``measure``: the ops choose cuBLASLt's algorithm by measurement (see :func:`register_ops`)."""
     import torch
 
     if mode not in MODES[1:]:
@@ -115,11 +143,11 @@ def fuse_linear_epilogues(
         users = list(node.users)
         if len(users) == 1 and _fusable_gelu(users[0], mode):
             gelu = users[0]
-            replace_node(graph, gelu, torch.ops.kiln.linear_bias_gelu.default, node.args[:3])
+            replace_node(graph, gelu, torch.ops.kiln.linear_bias_gelu.default, (*node.args[:3], measure))
             graph.erase_node(node)
             counts["linear_bias_gelu"] += 1
         else:
-            replace_node(graph, node, torch.ops.kiln.linear_bias.default, node.args[:3])
+            replace_node(graph, node, torch.ops.kiln.linear_bias.default, (*node.args[:3], measure))
             counts["linear_bias"] += 1
     graph.lint()
     gm.recompile()

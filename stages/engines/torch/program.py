@@ -13,7 +13,7 @@ from kiln.core.cuda_graphs import capture
 from kiln.core.errors import ConfigError
 from kiln.core.text import first_line
 from kiln.stages.engines.torch import conv_epilogues
-from kiln.stages.engines.torch.fp8_epilogues import fuse_fp8_gelu
+from kiln.stages.engines.torch.fp8_epilogues import fuse_fp8_gelu, measure_fp8_gemms
 from kiln.stages.engines.torch.gemm_epilogues import fuse_linear_epilogues
 
 log = logging.getLogger("kiln.build")
@@ -90,25 +90,31 @@ def compile_program(
     runs under ``torch.inference_mode`` (Inductor freezes only graphs without autograd). With ``gemm_epilogues`` the
     linear layers are rewritten first (:mod:`.gemm_epilogues`), with ``conv_epilogues`` the convolutions
     (:mod:`.conv_epilogues`), with ``fp8_gelu_epilogues`` an FP8 layer's GELU and the next layer's input cast
-    (:mod:`.fp8_epilogues`); returns the runnable and how many layers each rewrite took (``gemm_epilogue_layers``,
-    ``conv_epilogue_layers``, ``fp8_epilogue_layers``; absent where it did not run). ``warn_if_nothing_fused``: per
+    (:mod:`.fp8_epilogues`), with ``gemm_algorithms: measured`` an FP8 engine's other layers too
+    (:func:`.fp8_epilogues.measure_fp8_gemms`); returns the runnable and how many layers each rewrite took
+    (``gemm_epilogue_layers``, ``conv_epilogue_layers``, ``fp8_epilogue_layers``, ``measured_fp8_layers``; absent
+    where it did not run). ``warn_if_nothing_fused``: per
     rewrite (``gemm``, ``conv``), whether a program with nothing to rewrite is worth a warning."""
     import torch
 
     warn = warn_if_nothing_fused or {}
     module = torch.export.load(str(path)).module()
     rewrites: dict[str, dict[str, int]] = {}
+    measure = settings.get("gemm_algorithms") == "measured"  # older engines: heuristic
     if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
         rewrites["gemm_epilogue_layers"] = fuse_linear_epilogues(
             module,
             settings["gemm_epilogues"],
             warn_if_none=warn.get("gemm", False),
             merge=bool(settings.get("merge_linears")),
+            measure=measure,
         )  # older engines: not merged
     if settings.get("conv_epilogues"):  # older engines: off
         rewrites["conv_epilogue_layers"] = conv_epilogues.fuse_conv_epilogues(module, warn.get("conv", False))
     if settings.get("fp8_gelu_epilogues"):  # older engines: off
-        rewrites["fp8_epilogue_layers"] = {"linear_bias_gelu_fp8": fuse_fp8_gelu(module)}
+        rewrites["fp8_epilogue_layers"] = {"linear_bias_gelu_fp8": fuse_fp8_gelu(module, measure)}
+    if measure:
+        rewrites["measured_fp8_layers"] = {"linear_bias_fp8": measure_fp8_gemms(module)}
     options = inductor_options(settings)
     compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
     return (GraphReplays(compiled) if cuda_graphs else compiled), rewrites

@@ -12,7 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.stages.engines.torch.fp8_epilogues import accuracy_hint, fuse_fp8_gelu, reference, register_op
+from kiln.stages.engines.torch.fp8_epilogues import (
+    accuracy_hint,
+    fuse_fp8_gelu,
+    measure_fp8_gemms,
+    reference,
+    register_op,
+)
 from kiln.stages.engines.torch.lowbit import LowbitLinear
 
 DT = torch.float16
@@ -127,8 +133,10 @@ def test_cublaslt_call_agrees_with_its_reference_on_an_fp8_gpu() -> None:
     assert (got - want).abs().max() <= 0.125 * want.abs().max()  # an E4M3 step or so, never a wrong layout
 
 
-def test_a_layer_cublaslt_cannot_take_on_its_gpu_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU whose cuBLASLt has no such epilogue the op would run its slower reference: the rewrite skips it."""
+@pytest.mark.parametrize("gelu", [True, False])
+def test_a_layer_cublaslt_cannot_take_on_its_gpu_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch, gelu: bool) -> None:
+    """On a GPU whose cuBLASLt has no such call the op would run its slower reference: the rewrite skips it (the
+    GELU's epilogue, and the bias alone for ``gemm_algorithms: measured``)."""
     from types import SimpleNamespace
 
     from kiln.stages.engines.torch import cublaslt, fp8_epilogues
@@ -144,7 +152,28 @@ def test_a_layer_cublaslt_cannot_take_on_its_gpu_is_left_as_it_was(monkeypatch: 
 
     monkeypatch.setattr(cublaslt, "gemm", refuse)
     weight, bias = node((64, 16), torch.float8_e4m3fn), node((64,), DT)
-    assert not fp8_epilogues._cublaslt_takes(weight, bias) and asked == [(128, 64, 16)]
+    assert not fp8_epilogues._cublaslt_takes(weight, bias, gelu) and asked == [(128, 64, 16)]
     monkeypatch.setattr(cublaslt, "gemm", lambda *args: None)
-    assert fp8_epilogues._cublaslt_takes(weight, bias)
-    assert not fp8_epilogues._cublaslt_takes(weight, node((64,), torch.float32))  # cuBLASLt's bias: 16-bit
+    assert fp8_epilogues._cublaslt_takes(weight, bias, gelu)
+    assert not fp8_epilogues._cublaslt_takes(weight, node((64,), torch.float32), gelu)  # cuBLASLt's bias: 16-bit
+
+
+def test_measured_algorithms_take_the_other_static_fp8_layers_and_keep_the_answers() -> None:
+    """``gemm_algorithms: measured``: after the FFN's fusion the remaining static FP8 layers (down, head) become
+    ``kiln::fp8_linear_bias``, whose CPU path is the engine's own ``_scaled_mm``: the program's answers do not
+    change, and no transposed weight is left behind."""
+    model = _fp8(Ffn())
+    x = torch.randn(2, 8, 16, dtype=DT)
+    fused, measured = _exported(model, x), _exported(model, x)
+    assert fuse_fp8_gelu(fused) == 1
+    assert fuse_fp8_gelu(measured, measure=True) == 1 and measure_fp8_gemms(measured) == 2
+    ops = _ops(measured)
+    assert ops["kiln.fp8_linear_bias.default"] == 2 and ops["aten._scaled_mm.default"] == 0
+    assert ops["aten.t.default"] == 0
+    gelu = next(n for n in measured.graph.nodes if str(n.target) == "kiln.fp8_linear_bias_gelu.default")
+    assert gelu.args[-1] is True
+    with torch.inference_mode():
+        assert torch.equal(measured(x), fused(x))
+    dynamic = Ffn().to(DT)  # per-row scales: not one value per tensor, left to _scaled_mm
+    dynamic.up = LowbitLinear(dynamic.up, "fp8", DT, scaling="rowwise")
+    assert measure_fp8_gemms(_exported(dynamic.eval(), x)) == 0

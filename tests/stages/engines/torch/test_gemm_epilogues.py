@@ -285,10 +285,14 @@ def test_epilogues_refuse_the_aotinductor_flavour_when_the_config_is_read(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)  # max-autotune still tunes what is not a linear layer
-def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo, tmp_path: Path) -> None:
-    """On the GPU the ops run cuBLASLt's bias / bias + GELU (tanh) epilogues inside Kiln's CUDA graphs. The default
-    (auto) is bias_any_gelu for an FP16 GPU engine: the zoo model's exact GELU is taken too, as the tanh one."""
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+@pytest.mark.parametrize("algorithms", ["heuristic", "measured"])
+def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(
+    zoo, tmp_path: Path, algorithms: str
+) -> None:
+    """On the GPU the ops run cuBLASLt's bias / bias + GELU (tanh) epilogues inside Kiln's CUDA graphs (ATen's calls,
+    or Kiln's binding with algorithms chosen by measurement). The default (auto) is bias_any_gelu for an FP16 GPU
+    engine: the zoo model's exact GELU is taken too, as the tanh one."""
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], gemm_algorithms=algorithms))
     meta = build_engine(
         zoo("transformer"),
         tmp_path / "e",
@@ -304,6 +308,24 @@ def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(zoo,
     assert meta.builder_settings["gemm_epilogues"] == "bias_any_gelu"
     assert meta.builder_settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
     assert meta.builder_settings["gemm_epilogue_layers"]["merged_linears"] == 6  # each layer's Q, K, V: one GEMM
+    assert meta.builder_settings["gemm_algorithms"] == algorithms
     with load_engine(tmp_path / "e") as runner:
         assert_runner_agrees(runner, _transformer(), "transformer", (1, 32))
         assert runner.prepared({runner.input_names[0]: sample("transformer", 32)})[1]  # a CUDA graph per batch size
+
+
+def test_measured_algorithms_reach_the_ops_and_only_gpu_engines_record_them() -> None:
+    """``gemm_algorithms: measured`` travels as the ops' ``measure`` argument (on the CPU the op is ATen's call,
+    so the answers are the same); the build records it for GPU engines of the compiled flavour only."""
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(3, 5, 16)
+    gm = _exported(model, x)
+    assert fuse_linear_epilogues(gm, "bias_gelu", measure=True) == {"linear_bias": 2, "linear_bias_gelu": 1}
+    ops = [n for n in gm.graph.nodes if str(n.target).startswith("kiln.")]
+    assert len(ops) == 3 and all(n.args[3] is True for n in ops)
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+    measured = TorchConfig(gemm_algorithms="measured")
+    assert _settings(measured, "cuda", "fp16", has_conv=False)["gemm_algorithms"] == "measured"
+    assert _settings(measured, "cpu", "fp32", has_conv=False)["gemm_algorithms"] == "heuristic"
+    assert _settings(TorchConfig(), "cuda", "fp16", has_conv=False)["gemm_algorithms"] == "heuristic"

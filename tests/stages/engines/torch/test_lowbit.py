@@ -285,12 +285,13 @@ class Encoder(nn.Module):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("precision", ["fp8", "int8"])
-def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
+@pytest.mark.parametrize("precision, algorithms", [("fp8", "heuristic"), ("int8", "heuristic"), ("fp8", "measured")])
+def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str, algorithms: str) -> None:
     """The torch backend's FP8/INT8 engine on a GPU that has the kernels: its token layers are low-precision GEMMs
     (the audit says which share of the FLOPs), Q, K and V one of them, with static FP8 scales the FFN's GELU and the
-    next layer's cast in cuBLASLt's epilogue, it is compiled and replayed as CUDA graphs, and it agrees with the
-    FP32 graph at batch 1 and 32."""
+    next layer's cast in cuBLASLt's epilogue (with ``gemm_algorithms: measured`` the other FP8 layers through
+    Kiln's cuBLASLt binding too), it is compiled and replayed as CUDA graphs, and it agrees with the FP32 graph at
+    batch 1 and 32."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -314,7 +315,7 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
     feeds = tmp_path / "calibration.npz"
     batches = [np.random.default_rng(i).standard_normal((8, 32, 64)).astype(np.float32) for i in range(4)]
     assert save_feeds(batches, [onnx.load(str(src)).graph.input[0].name], feeds) == 4
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], gemm_algorithms=algorithms))
     meta = build_engine(
         src, tmp_path / "e", "torch", "cuda", precision, cfg, tmp_path / "c", torch_model=model, calibration=feeds
     )
@@ -326,6 +327,9 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str) -> None:
     assert meta.audit["share"][precision] >= 0.5 and meta.flavour == "compiled" and settings["cuda_graphs"]
     if precision == "fp8" and settings["lowbit_scaling"] == "static":  # up, GELU, down: one cuBLASLt call
         assert settings["fp8_epilogue_layers"] == {"linear_bias_gelu_fp8": 1}
+    assert settings["gemm_algorithms"] == algorithms
+    if algorithms == "measured":
+        assert settings["measured_fp8_layers"]["linear_bias_fp8"] >= 1
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     name = ref.get_inputs()[0].name
     with load_engine(tmp_path / "e") as runner:
