@@ -210,7 +210,10 @@ def algorithms(m: int, most: int, reps: int, rounds: int, precision: str) -> lis
                 calls[f"algo {i}"] = call
             except Unavailable:
                 continue
-        picked = g.tune(partial(g, x, w, scale, scale, bias, one if fused else None, out), most)  # the engine's way
+        try:  # the engine's way
+            picked: int | str = g.tune(partial(g, x, w, scale, scale, bias, one if fused else None, out), most=most)
+        except Unavailable as exc:
+            picked = f"none ({exc})"
         times = timed(calls, reps, rounds)
         ours = sorted((t["median_ms"], c) for c, t in times.items() if c != engine)
         best = ours[0] if ours else (float("nan"), "none")
@@ -218,7 +221,8 @@ def algorithms(m: int, most: int, reps: int, rounds: int, precision: str) -> lis
                      "epilogue": epilogue if fp8 else epilogue.replace("gelu fp8", "gelu"), "candidates": found,
                      "engine_call": engine, "engine_ms": times[engine]["median_ms"],
                      "heuristic_ms": times.get("algo 0", {}).get("median_ms"), "best_ms": best[0], "best": best[1],
-                     "tune_pick": f"algo {picked}", "tune_pick_ms": times.get(f"algo {picked}", {}).get("median_ms"),
+                     "tune_pick": f"algo {picked}" if isinstance(picked, int) else picked,
+                     "tune_pick_ms": times.get(f"algo {picked}", {}).get("median_ms"),
                      "all_ms": {c: t["median_ms"] for c, t in times.items()},
                      "tflops_best": 2 * m * n * k / best[0] / 1e9})  # fmt: skip
         print(json.dumps({key: v for key, v in rows[-1].items() if key != "all_ms"}), flush=True)

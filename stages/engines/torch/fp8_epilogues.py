@@ -80,7 +80,7 @@ def register_op() -> None:
             try:
                 return cublaslt.linear_bias_fp8(x, weight, scale_x, scale_w, bias)
             except cublaslt.Unavailable as exc:
-                _said_once(str(exc))
+                _said_once(str(exc), "torch._scaled_mm's call")
         return _scaled_mm(x, weight, scale_x, scale_w, bias)
 
     @fp8_linear_bias.register_fake
@@ -120,8 +120,8 @@ def accuracy_hint(builder_settings: dict[str, object]) -> str | None:
 
 
 @cache
-def _said_once(reason: str) -> None:
-    log.warning("FP8 GEMM epilogue: %s; the layer keeps its GEMM, GELU and cast", reason)
+def _said_once(reason: str, kept: str = "its GEMM, GELU and cast") -> None:
+    log.warning("FP8 GEMM through cuBLASLt: %s; the layer keeps %s", reason, kept)
 
 
 def fuse_fp8_gelu(gm: fx.GraphModule, measure: bool = False) -> int:
@@ -183,7 +183,7 @@ def _cublaslt_takes(weight: fx.Node, bias: fx.Node, gelu: bool) -> bool:
             out_type = cublaslt.cuda_type(b.dtype)
             cublaslt.gemm(128, *w.shape, out_type, cublaslt.EPILOGUE_BIAS, out_type, w.device)
     except cublaslt.Unavailable as exc:
-        _said_once(str(exc))
+        _said_once(str(exc), "its GEMM, GELU and cast" if gelu else "torch._scaled_mm's call")
         return False
     return True
 

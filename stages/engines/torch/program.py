@@ -113,8 +113,8 @@ def compile_program(
         rewrites["conv_epilogue_layers"] = conv_epilogues.fuse_conv_epilogues(module, warn.get("conv", False))
     if settings.get("fp8_gelu_epilogues"):  # older engines: off
         rewrites["fp8_epilogue_layers"] = {"linear_bias_gelu_fp8": fuse_fp8_gelu(module, measure)}
-    if measure:
-        rewrites["measured_fp8_layers"] = {"linear_bias_fp8": measure_fp8_gemms(module)}
+    if measure and (taken := measure_fp8_gemms(module)):
+        rewrites["measured_fp8_layers"] = {"linear_bias_fp8": taken}
     options = inductor_options(settings)
     compiled = _Configured(torch.compile(module, options=options, dynamic=False), options)
     return (GraphReplays(compiled) if cuda_graphs else compiled), rewrites
