@@ -44,7 +44,7 @@ from kiln.stages.engines.torch.cublaslt import (  # noqa: E402
     CUDA_R_16F,
     EPILOGUE_BIAS,
     EPILOGUE_GELU_BIAS,
-    Fp8Gemm,
+    LtGemm,
     Unavailable,
 )
 
@@ -86,7 +86,7 @@ def forms(m: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
 
     calls["fp8 engine"] = engine
     try:
-        bias_gemm = Fp8Gemm(m, N, K, CUDA_R_16F, EPILOGUE_BIAS, CUDA_R_16F)
+        bias_gemm = LtGemm(m, N, K, CUDA_R_16F, EPILOGUE_BIAS, CUDA_R_16F)
 
         def lt_bias() -> Any:
             bias_gemm(x8, w8, sx, sw, b16, None, out16)
@@ -96,7 +96,7 @@ def forms(m: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     except Unavailable as exc:
         missing["lt bias"] = str(exc)
     try:
-        gelu16 = Fp8Gemm(m, N, K, CUDA_R_16F, EPILOGUE_GELU_BIAS, CUDA_R_16F)
+        gelu16 = LtGemm(m, N, K, CUDA_R_16F, EPILOGUE_GELU_BIAS, CUDA_R_16F)
 
         @torch.compile(dynamic=False)
         def cast(y: torch.Tensor) -> torch.Tensor:
@@ -111,12 +111,12 @@ def forms(m: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
         missing["lt gelu fp16 + cast"] = str(exc)
     for bias_type, bias, name in ((CUDA_R_16F, b16, "fp16"), (CUDA_R_16BF, b16.bfloat16(), "bf16")):
         try:
-            gelu_gemm = Fp8Gemm(m, N, K, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, bias_type)
+            gelu_gemm = LtGemm(m, N, K, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, bias_type)
         except Unavailable as exc:
             missing[f"lt gelu fp8 (bias {name})"] = str(exc)
             continue
 
-        def lt_gelu(g: Fp8Gemm = gelu_gemm, bias: torch.Tensor = bias) -> Any:
+        def lt_gelu(g: LtGemm = gelu_gemm, bias: torch.Tensor = bias) -> Any:
             g(x8, w8, sx, sw, bias, inv_out, out8)
             return out8
 
@@ -160,7 +160,7 @@ GEMMS = (("qkv", 2304, 768, "bias"), ("attention out", 768, 768, "bias"), ("ffn 
          ("ffn down", 768, 3072, "bias"))  # fmt: skip
 
 
-def _algorithm(g: Fp8Gemm, i: int, x: Any, w: Any, b: Any, scale_d: Any, out: Any, scale: Any) -> Any:
+def _algorithm(g: LtGemm, i: int, x: Any, w: Any, b: Any, scale_d: Any, out: Any, scale: Any) -> Any:
     """One call of ``g`` with its ``i``-th algorithm (unit scales, or none for float16)."""
     g.use(i)
     g(x, w, scale, scale, b, scale_d, out)
@@ -197,7 +197,7 @@ def algorithms(m: int, most: int, reps: int, rounds: int, precision: str) -> lis
         gelu = epilogue == "gelu fp8"
         fused = fp8 and gelu  # FP8 output only from FP8 GEMMs
         out = torch.empty(m, n, dtype=torch.float8_e4m3fn if fused else torch.float16, device="cuda")
-        g = Fp8Gemm(m, n, k, CUDA_R_8F_E4M3 if fused else CUDA_R_16F, EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS,
+        g = LtGemm(m, n, k, CUDA_R_8F_E4M3 if fused else CUDA_R_16F, EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS,
                     CUDA_R_16F, CUDA_R_8F_E4M3 if fp8 else CUDA_R_16F)  # fmt: skip
         found = g.candidates(most)
         engine = "_scaled_mm" if fp8 else ("_addmm_activation" if gelu else "addmm")
@@ -293,7 +293,7 @@ def markdown(report: dict[str, Any]) -> str:
             "it now and with each of cuBLASLt's first algorithms through the binding, timed side by side:",
             "",
             "| precision | rows | GEMM (n x k) | epilogue | engine's call: ms | heuristic's first ms | "
-            "best ms (which) | best / engine's | TFLOP/s at best | `Fp8Gemm.tune`'s pick ms (which) |",
+            "best ms (which) | best / engine's | TFLOP/s at best | `LtGemm.tune`'s pick ms (which) |",
             "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
         ]
         for r in report["algorithms"]:

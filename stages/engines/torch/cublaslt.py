@@ -7,6 +7,10 @@ their own that moves the whole activation twice; cuBLASLt computes both in the G
 (``benchmarks/cublaslt_fp8_probe.py``). PyTorch binds no such call, so this module calls the ``libcublasLt`` torch
 has already loaded through ctypes: nothing to build, the same library and version as torch's own GEMMs.
 
+The same binding runs float16 GEMMs, and any of them can run the fastest of the heuristic's first algorithms,
+timed on the layer's own tensors (:meth:`LtGemm.tune`, :func:`measured`; ``build.torch.gemm_algorithms:
+measured``) instead of its first, as TensorRT's builder times its tactics.
+
 cuBLASLt's GELU is the tanh approximation (at most 4.7e-4 from the exact one, far inside FP8's steps); the
 engine's accuracy gates judge the result as for every engine.
 """
@@ -31,7 +35,7 @@ EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 4, 36
 PREF_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 32 << 20  # what cuBLASLt suggests for Hopper
 MIN_VERSION = 120000  # cuBLASLt of CUDA 12.0
-SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU sleep while :meth:`Fp8Gemm.tune` queues its timed calls
+SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU sleep while :meth:`LtGemm.tune` queues its timed calls
 TUNE_CALLS, TUNE_ROUNDS, TUNE_MARGIN = 10, 3, 0.03  # calls per timing, rounds per candidate, the gain that counts
 ALIGNMENT = 256  # what the heuristic assumes of every matrix's address without alignment preferences
 
@@ -82,12 +86,12 @@ def _check(status: int, what: str) -> None:
         raise Unavailable(f"cuBLASLt {what}: status {status}")
 
 
-class Fp8Gemm:
-    """``D[m, n] = epilogue(scale_x * scale_w * X[m, k] @ W[n, k]^T + bias) * scale_d`` with X and W in E4M3 (or
-    ``in_type``: float16 GEMMs, without scales, to compare algorithms), for one shape and set of types: cuBLASLt's
-    descriptors and the algorithm its heuristic picks, made once. The pointers (tensors, scales, bias) are set at
-    each call, so one object serves every layer of its shape. In the TN layout FP8 needs: column-major,
-    ``D^T = W . X^T``."""
+class LtGemm:
+    """One cuBLASLt GEMM, ``D[m, n] = epilogue(scale_x * scale_w * X[m, k] @ W[n, k]^T + bias) * scale_d`` with X
+    and W in E4M3 (or ``in_type``: float16 / bfloat16, without scales), for one shape and set of types: cuBLASLt's
+    descriptors and the algorithm its heuristic picks (or :meth:`tune` measures), made once. The pointers
+    (tensors, scales, bias) are set at each call, so one object serves every layer of its shape. In the TN layout
+    FP8 needs: column-major, ``D^T = W . X^T``."""
 
     def __init__(
         self, m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, in_type: int = CUDA_R_8F_E4M3
@@ -232,7 +236,7 @@ class Fp8Gemm:
 
 
 _lock = threading.Lock()
-_gemms: dict[tuple[Any, ...], Fp8Gemm | Unavailable] = {}
+_gemms: dict[tuple[Any, ...], LtGemm | Unavailable] = {}
 _buffers: dict[tuple[Any, ...], Any] = {}
 _retired: list[Any] = []
 
@@ -267,8 +271,8 @@ def _buffer(key: tuple[Any, ...], nbytes: int, device: Any) -> Any:
 
 def gemm(
     m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, device: Any, in_type: int = CUDA_R_8F_E4M3
-) -> Fp8Gemm:
-    """The (cached) :class:`Fp8Gemm` of a shape and set of types on ``device``; a shape cuBLASLt has no algorithm
+) -> LtGemm:
+    """The (cached) :class:`LtGemm` of a shape and set of types on ``device``; a shape cuBLASLt has no algorithm
     for raises :class:`Unavailable` at every call without asking it again."""
     key = (m, n, k, out_type, epilogue, bias_type, device, in_type)
     with _lock:
@@ -277,7 +281,7 @@ def gemm(
         raise Unavailable(str(found))
     if found is None:
         try:
-            found = Fp8Gemm(m, n, k, out_type, epilogue, bias_type, in_type)
+            found = LtGemm(m, n, k, out_type, epilogue, bias_type, in_type)
         except Unavailable as exc:
             found = exc
         with _lock:
@@ -287,8 +291,8 @@ def gemm(
     return found
 
 
-def measured(g: Fp8Gemm, call: Callable[[], None], device: Any) -> None:
-    """Choose ``g``'s algorithm by :meth:`Fp8Gemm.tune` on its first call outside a CUDA graph capture (the compiled
+def measured(g: LtGemm, call: Callable[[], None], device: Any) -> None:
+    """Choose ``g``'s algorithm by :meth:`LtGemm.tune` on its first call outside a CUDA graph capture (the compiled
     flavour's warm-up call of each batch size); later calls, and calls being captured, run what was chosen. Each
     process that loads an engine times again, so a served engine may run another algorithm than the one its
     validation ran (a split-K one sums in another order): the same answers up to rounding, which the gates allow
@@ -304,7 +308,7 @@ def measured(g: Fp8Gemm, call: Callable[[], None], device: Any) -> None:
     g.tune(call, device)
 
 
-def gelu_fp8_gemm(m: int, n: int, k: int, bias_dtype: Any, device: Any) -> Fp8Gemm:
+def gelu_fp8_gemm(m: int, n: int, k: int, bias_dtype: Any, device: Any) -> LtGemm:
     """The (cached) call with the bias, GELU and an E4M3 output in its epilogue for a bias of ``bias_dtype``;
     raises :class:`Unavailable` where cuBLASLt has none."""
     return gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, cuda_type(bias_dtype), device)

@@ -25,7 +25,7 @@ def test_the_measured_algorithm_answers_as_the_heuristics_first(precision: str) 
     x, w = torch.randn(m, k, device="cuda").to(dtype), (torch.randn(n, k, device="cuda") / 8).to(dtype)
     scale = torch.tensor(1.0, device="cuda") if precision == "fp8" else None
     bias = torch.randn(n, device="cuda").half()
-    g = cublaslt.Fp8Gemm(m, n, k, cublaslt.CUDA_R_16F, cublaslt.EPILOGUE_BIAS, cublaslt.CUDA_R_16F, in_type)
+    g = cublaslt.LtGemm(m, n, k, cublaslt.CUDA_R_16F, cublaslt.EPILOGUE_BIAS, cublaslt.CUDA_R_16F, in_type)
     first, tuned = (torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in range(2))
     g(x, w, scale, scale, bias, None, first)
     picked = g.tune(partial(g, x, w, scale, scale, bias, None, tuned), most=8)
