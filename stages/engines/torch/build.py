@@ -39,7 +39,7 @@ from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.outputs import flatten_outputs
 from kiln.core.text import compiler_reason, first_line
 from kiln.stages.engines.backend import BuildRequest
-from kiln.stages.engines.torch import conv_epilogues
+from kiln.stages.engines.torch import conv_epilogues, cublaslt
 from kiln.stages.engines.torch.config import TorchConfig
 from kiln.stages.engines.torch.gemm_epilogues import resolve_mode
 from kiln.stages.engines.torch.lowbit import (
@@ -467,9 +467,11 @@ def _compile_failed(exc: BaseException) -> BuildError:
     )
 
 
-def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: bool) -> dict[str, dict[str, int]]:
+def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: bool) -> dict[str, Any]:
     """Compile the saved program under ``settings`` and run it once at each of :func:`warm_batches` (what fills the
-    caches the engine ships); returns what its rewrites took (:func:`compile_program`)."""
+    caches the engine ships); returns what its rewrites took (:func:`compile_program`) and, with
+    ``gemm_algorithms: measured``, the cuBLASLt algorithms chosen (``gemm_algorithm_choices``, which the engine's
+    loaders adopt)."""
     import torch
 
     cfg = req.settings  # explicit settings warn when nothing is rewritten (auto applies to every model)
@@ -480,6 +482,8 @@ def _compile_and_warm(req: BuildRequest, settings: dict[str, Any], cuda_graphs: 
         for batch in warm_batches(req.max_batch):
             feed = random_inputs(req.inputs, batch=batch, dynamic=sizes, hint=AXIS_HINT)
             run_compiled(run, [torch.from_numpy(feed[s.name]).to(req.device) for s in req.inputs])
+    if settings.get("gemm_algorithms") == "measured":
+        return {**rewrites, "gemm_algorithm_choices": cublaslt.choices()}
     return rewrites
 
 

@@ -18,12 +18,15 @@ engine's accuracy gates judge the result as for every engine.
 from __future__ import annotations
 
 import ctypes
+import logging
 import statistics
 import threading
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("kiln.build")
 
 # cuBLASLt's enums (cublasLt.h, CUDA 12 and 13)
 CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
@@ -36,7 +39,9 @@ PREF_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 32 << 20  # what cuBLASLt suggests for Hopper
 MIN_VERSION = 120000  # cuBLASLt of CUDA 12.0
 SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU sleep while :meth:`LtGemm.tune` queues its timed calls
-TUNE_CALLS, TUNE_ROUNDS, TUNE_MARGIN = 10, 3, 0.03  # calls per timing, rounds per candidate, the gain that counts
+TUNE_CANDIDATES = 16  # the heuristic's first algorithms :meth:`LtGemm.tune` times
+TUNE_CALLS, TUNE_ROUNDS = 10, 3  # calls per timing, interleaved rounds per candidate
+TUNE_MARGIN = 0.03  # how much faster than the heuristic's first another algorithm must be to be chosen
 ALIGNMENT = 256  # what the heuristic assumes of every matrix's address without alignment preferences
 
 
@@ -119,7 +124,9 @@ class LtGemm:
         if not self.candidates(1):
             raise Unavailable(f"cuBLASLt has no algorithm for {m}x{n}x{k} (type {in_type}) here")
         self.result = self.results[0]
+        self.key = (m, n, k, out_type, epilogue, bias_type, in_type)
         self.tuned = False  # :func:`measured` has chosen the algorithm
+        self.choice: int | None = None  # the index it chose
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.lock = threading.Lock()  # the pointers are set on the shared descriptor right before each call
 
@@ -132,7 +139,7 @@ class LtGemm:
         self.results = list(results)[: found.value] if status == 0 else []
         return len(self.results)
 
-    def tune(self, call: Callable[[], None], device: Any = None, most: int = 16) -> int:
+    def tune(self, call: Callable[[], None], device: Any = None, most: int = TUNE_CANDIDATES) -> int:
         """Keep the fastest of up to ``most`` of the heuristic's algorithms, timed on ``call`` (this GEMM on the
         layer's own tensors on ``device``), as TensorRT's builder times its tactics; returns its index. Each
         candidate is timed in :data:`TUNE_ROUNDS` interleaved rounds (median), and the heuristic's first is kept
@@ -150,6 +157,7 @@ class LtGemm:
             self.result = first
             raise
         self.use(best)
+        self.choice = best
         return best
 
     def _runnable(self, call: Callable[[], None], most: int) -> list[int]:
@@ -237,6 +245,7 @@ class LtGemm:
 
 _lock = threading.Lock()
 _gemms: dict[tuple[Any, ...], LtGemm | Unavailable] = {}
+_adopted: dict[str, int] = {}  # :func:`adopt`: shape and types (:func:`_name`) -> the index an engine's build chose
 _buffers: dict[tuple[Any, ...], Any] = {}
 _retired: list[Any] = []
 
@@ -292,11 +301,13 @@ def gemm(
 
 
 def measured(g: LtGemm, call: Callable[[], None], device: Any) -> None:
-    """Choose ``g``'s algorithm by :meth:`LtGemm.tune` on its first call outside a CUDA graph capture (the compiled
-    flavour's warm-up call of each batch size); later calls, and calls being captured, run what was chosen. Each
-    process that loads an engine times again, so a served engine may run another algorithm than the one its
-    validation ran (a split-K one sums in another order): the same answers up to rounding, which the gates allow
-    for. A failed timing keeps the heuristic's first and is not retried."""
+    """Choose ``g``'s algorithm on its first call outside a CUDA graph capture (the compiled flavour's warm-up call of
+    each batch size): the one the engine's build chose for this shape where it recorded one made on this GPU model
+    and cuBLASLt (:func:`adopt`), so the engine served runs what its validation ran, else by :meth:`LtGemm.tune`.
+    Later calls, and calls being captured, run what was chosen; a failed timing keeps the heuristic's first and is
+    not retried. A shape the build did not time (a batch size it did not warm) is timed in the process that meets
+    it, where its answers may differ from another process's in rounding (a split-K algorithm sums in another
+    order), which the gates allow for."""
     import torch
 
     if g.tuned or torch.cuda.is_current_stream_capturing():
@@ -305,7 +316,48 @@ def measured(g: LtGemm, call: Callable[[], None], device: Any) -> None:
         if g.tuned:
             return
         g.tuned = True
+        index = _adopted.get(_name(g.key))
+    if index is not None and g.candidates(TUNE_CANDIDATES) > index:
+        g.use(index)
+        try:
+            call()
+        except Unavailable:
+            pass
+        else:
+            g.choice = index
+            return
     g.tune(call, device)
+
+
+def _name(key: tuple[int, ...]) -> str:
+    return ",".join(str(v) for v in key)
+
+
+def choices() -> dict[str, Any]:
+    """The algorithms :func:`measured` chose in this process, per GEMM shape and types, with the GPU model and
+    cuBLASLt version they were timed on: what an engine's build records (``gemm_algorithm_choices``) for
+    :func:`adopt`. A choice belongs to the shape on that GPU and library, not to one engine."""
+    import torch
+
+    with _lock:
+        chosen = {_name(g.key): g.choice for g in _gemms.values() if isinstance(g, LtGemm) and g.choice is not None}
+    return {"gpu": torch.cuda.get_device_name(), "cublaslt": library().cublasLtGetVersion(), "algorithms": chosen}
+
+
+def adopt(recorded: dict[str, Any]) -> bool:
+    """Take an engine's recorded choices (:func:`choices`) for :func:`measured` where they were made on this GPU
+    model and cuBLASLt version; elsewhere (an engine moved to another GPU) they are ignored and said so, and each
+    shape is timed again. Returns whether they were taken."""
+    import torch
+
+    here = {"gpu": torch.cuda.get_device_name(), "cublaslt": library().cublasLtGetVersion()}
+    made = {key: recorded.get(key) for key in here}
+    if made != here:
+        log.warning("cuBLASLt algorithms chosen on %s are timed again on %s", made, here)
+        return False
+    with _lock:
+        _adopted.update({str(k): int(v) for k, v in recorded.get("algorithms", {}).items()})
+    return True
 
 
 def gelu_fp8_gemm(m: int, n: int, k: int, bias_dtype: Any, device: Any) -> LtGemm:

@@ -12,7 +12,7 @@ from typing import Any
 from kiln.core.cuda_graphs import capture
 from kiln.core.errors import ConfigError
 from kiln.core.text import first_line
-from kiln.stages.engines.torch import conv_epilogues
+from kiln.stages.engines.torch import conv_epilogues, cublaslt
 from kiln.stages.engines.torch.fp8_epilogues import fuse_fp8_gelu, measure_fp8_gemms
 from kiln.stages.engines.torch.gemm_epilogues import fuse_linear_epilogues
 
@@ -101,6 +101,8 @@ def compile_program(
     module = torch.export.load(str(path)).module()
     rewrites: dict[str, dict[str, int]] = {}
     measure = settings.get("gemm_algorithms") == "measured"  # older engines: heuristic
+    if measure and settings.get("gemm_algorithm_choices"):  # a built engine: what its build chose
+        cublaslt.adopt(settings["gemm_algorithm_choices"])
     if settings.get("gemm_epilogues", "off") != "off":  # engines built before the setting existed: off
         rewrites["gemm_epilogue_layers"] = fuse_linear_epilogues(
             module,

@@ -35,3 +35,77 @@ def test_the_measured_algorithm_answers_as_the_heuristics_first(precision: str) 
     want = x.float() @ w.float().t() + bias.float()
     for out in (first, tuned):
         assert torch.nn.functional.cosine_similarity(out.float().flatten(), want.flatten(), 0) > 0.9999
+
+
+class _Gemm:
+    """What :func:`cublaslt.measured` uses of a GEMM: its key, candidates, the algorithm in use and tune."""
+
+    def __init__(self, found: int = 16) -> None:
+        self.key, self.tuned, self.choice, self.found, self.used, self.timed = (
+            (4096, 768, 768),
+            False,
+            None,
+            found,
+            0,
+            0,
+        )
+
+    def candidates(self, most: int) -> int:
+        return min(most, self.found)
+
+    def use(self, index: int) -> None:
+        self.used = index
+
+    def tune(self, call: object, device: object) -> int:
+        self.timed += 1
+        self.choice = 0
+        return 0
+
+
+@pytest.fixture
+def lt(monkeypatch: pytest.MonkeyPatch):
+    """The binding with this process's GPU model and cuBLASLt faked (the GEMMs themselves are not called)."""
+    from types import SimpleNamespace
+
+    from kiln.stages.engines.torch import cublaslt
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(cublaslt, "library", lambda: SimpleNamespace(cublasLtGetVersion=lambda: 130100))
+    monkeypatch.setattr(cublaslt, "_adopted", {})
+    return cublaslt
+
+
+def test_a_built_engines_choices_are_adopted_on_the_same_gpu_and_timed_again_elsewhere(lt) -> None:
+    """The served engine runs the algorithms its build chose (and validation ran), without timing them again, where
+    the GPU model and cuBLASLt are the build's; moved elsewhere, or for a shape the build did not meet, it times."""
+    recorded = {"gpu": "NVIDIA H200", "cublaslt": 130100, "algorithms": {"4096,768,768": 5}}
+    assert lt.adopt(recorded)
+    g = _Gemm()
+    lt.measured(g, lambda: None, "cuda")
+    assert (g.used, g.choice, g.timed) == (5, 5, 0) and g.tuned
+    lt.measured(g, lambda: None, "cuda")  # chosen once
+    assert g.timed == 0
+    other = _Gemm()
+    other.key = (128, 768, 768)
+    lt.measured(other, lambda: None, "cuda")
+    assert other.timed == 1
+    few = _Gemm(found=3)  # this library's heuristic offers fewer: the recorded index is not there
+    lt.measured(few, lambda: None, "cuda")
+    assert few.timed == 1
+    lt._adopted.clear()
+    assert not lt.adopt({**recorded, "gpu": "NVIDIA H100 80GB HBM3"})
+    moved = _Gemm()
+    lt.measured(moved, lambda: None, "cuda")
+    assert moved.timed == 1 and not lt._adopted
+
+
+def test_an_adopted_algorithm_that_refuses_the_call_is_timed_instead(lt) -> None:
+    lt.adopt({"gpu": "NVIDIA H200", "cublaslt": 130100, "algorithms": {"4096,768,768": 2}})
+
+    def refuse() -> None:
+        raise lt.Unavailable("misaligned")
+
+    g = _Gemm()
+    lt.measured(g, refuse, "cuda")
+    assert g.timed == 1 and g.choice == 0

@@ -309,6 +309,8 @@ def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(
     assert meta.builder_settings["gemm_epilogue_layers"]["linear_bias_gelu"] >= 1
     assert meta.builder_settings["gemm_epilogue_layers"]["merged_linears"] == 6  # each layer's Q, K, V: one GEMM
     assert meta.builder_settings["gemm_algorithms"] == algorithms
+    if algorithms == "measured":  # what the build chose, for the engine's loaders to adopt
+        assert meta.builder_settings["gemm_algorithm_choices"]["algorithms"]
     with load_engine(tmp_path / "e") as runner:
         assert_runner_agrees(runner, _transformer(), "transformer", (1, 32))
         assert runner.prepared({runner.input_names[0]: sample("transformer", 32)})[1]  # a CUDA graph per batch size

@@ -330,6 +330,7 @@ def test_lowbit_engine_of_a_small_encoder(tmp_path, precision: str, algorithms: 
     assert settings["gemm_algorithms"] == algorithms
     if algorithms == "measured":
         assert settings["measured_fp8_layers"]["linear_bias_fp8"] >= 1
+        assert settings["gemm_algorithm_choices"]["algorithms"]
     ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     name = ref.get_inputs()[0].name
     with load_engine(tmp_path / "e") as runner:
