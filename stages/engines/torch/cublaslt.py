@@ -322,7 +322,7 @@ def measured(g: LtGemm, call: Callable[[], None], device: Any) -> None:
         try:
             call()
         except Unavailable:
-            pass
+            g.use(0)  # the heuristic's first until the timing chooses
         else:
             g.choice = index
             return
