@@ -5,6 +5,9 @@
 # that script does not ask pip for. Run from the project root on the CPU machine:
 #   bash benchmarks/stage_serve_wheels.sh
 # then on the GPU host, one device call per chunk: bash .devwheels/cK/device-install.sh collect cK (the last: install).
+#   bash benchmarks/stage_serve_wheels.sh --engines
+# stages only Kiln's own dependencies the host lacks (no server, no numpy 1.26 over the host's), one small chunk:
+# building and timing engines on the GPU host then takes one device call, `install c0` and the work after it.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -17,6 +20,12 @@ pkgs=(onnx-graphsurgeon==0.6.1 pydantic==2.14.4 pydantic-core==2.50.5 annotated-
   geventhttpclient==2.6.1 gevent==26.9.0 greenlet==3.3.2 zope-event==6.2 zope-interface==8.7 python-rapidjson==1.25
   pyzmq==27.3.0 sh==2.4.0 wrapt==2.5.2 grpcio==1.85.3 protobuf==6.33.6 brotli==1.2.1 numpy==1.26.4 typer==0.29.2
   typing-inspect==0.9.0 mypy-extensions==1.2.0 importlib-metadata==10.2.0 zipp==4.1.2 shellingham==1.5.4)
+if [[ ${1:-} == --engines ]]; then
+  pkgs=("${pkgs[@]:0:7}")  # onnx-graphsurgeon .. typing-extensions: what Kiln itself imports
+elif [[ -n ${1:-} ]]; then
+  echo "usage: bash benchmarks/stage_serve_wheels.sh [--engines]" >&2
+  exit 2
+fi
 cache=${DEVWHEELS_CACHE:-$HOME/.cache/devwheels}
 mkdir -p "$cache"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
