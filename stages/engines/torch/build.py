@@ -106,9 +106,26 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
         "fp8_gelu_epilogues": (device, precision) == ("cuda", "fp8")
         and cfg.gemm_epilogues != "off"
         and cfg.flavour != "aotinductor",
-        # cuBLASLt's algorithms chosen by timing where Kiln calls it (custom ops: compiled flavour, GPU)
-        "gemm_algorithms": cfg.gemm_algorithms if device == "cuda" and cfg.flavour != "aotinductor" else "heuristic",
+        # cuBLASLt's algorithms chosen by timing where Kiln calls it: its GEMM ops (compiled flavour, GPU)
+        "gemm_algorithms": "measured" if _measures(cfg, device, precision, mode) else "heuristic",
     }
+
+
+def _measures(cfg: TorchConfig, device: str, precision: str, mode: str) -> bool:
+    """Whether ``gemm_algorithms: measured`` has GEMMs to time in this engine kind: Kiln's own GEMM ops, which
+    GPU engines of the compiled flavour run with ``gemm_epilogues`` or in FP8; said where it has none."""
+    if cfg.gemm_algorithms != "measured":
+        return False
+    if device == "cuda" and cfg.flavour != "aotinductor" and (mode != "off" or precision == "fp8"):
+        return True
+    log.warning(
+        "build.torch.gemm_algorithms: measured: a %s %s engine%s has no GEMM of Kiln's own to time; it runs "
+        "cuBLASLt's first choices",
+        device,
+        precision,
+        " with flavour aotinductor" if cfg.flavour == "aotinductor" else "",
+    )
+    return False
 
 
 def _served(model: Any, names: list[str], precision: str, channels_last: bool) -> Any:
@@ -403,7 +420,7 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
         "files": {"model": PACKAGE},
         "flavour": "aotinductor",
         "versions": {"torch": torch.__version__},
-        "builder_settings": {**common, "compile_seconds": compile_s},
+        "builder_settings": {**common, "gemm_algorithms": "heuristic", "compile_seconds": compile_s},  # no Kiln ops
     }
 
 

@@ -92,7 +92,8 @@ class TorchConfig(Section):
         "heuristic",
         description="the GPU GEMMs Kiln calls through cuBLASLt itself (gemm_epilogues' linear layers, an FP8 "
         "engine's layers with per-tensor scales): heuristic = cuBLASLt's first choice, as PyTorch's own calls "
-        "make; measured = the fastest of its first 16 candidates, timed on each shape's first call (the compiled "
+        "make; measured = the fastest of its first 16 candidates (over the first only where 3 % faster), timed on "
+        "each shape's first call (the compiled "
         "flavour's warm-up of each batch size), as TensorRT's builder times its tactics "
         "(kiln.stages.engines.torch.cublaslt; benchmarks/cublaslt_fp8_probe.py --algos compares them)",
     )

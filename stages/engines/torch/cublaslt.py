@@ -279,11 +279,21 @@ def _buffer(key: tuple[Any, ...], nbytes: int, device: Any) -> Any:
 
 
 def gemm(
-    m: int, n: int, k: int, out_type: int, epilogue: int, bias_type: int, device: Any, in_type: int = CUDA_R_8F_E4M3
+    m: int,
+    n: int,
+    k: int,
+    out_type: int,
+    epilogue: int,
+    bias_type: int,
+    device: Any,
+    in_type: int = CUDA_R_8F_E4M3,
+    measure: bool = False,
 ) -> LtGemm:
     """The (cached) :class:`LtGemm` of a shape and set of types on ``device``; a shape cuBLASLt has no algorithm
-    for raises :class:`Unavailable` at every call without asking it again."""
-    key = (m, n, k, out_type, epilogue, bias_type, device, in_type)
+    for raises :class:`Unavailable` at every call without asking it again. ``measure``: the object whose algorithm
+    :func:`measured` chooses, apart from the heuristic's (an engine built with ``gemm_algorithms: heuristic`` runs
+    the heuristic's first even where another engine in the process measures)."""
+    key = (m, n, k, out_type, epilogue, bias_type, device, in_type, measure)
     with _lock:
         found = _gemms.get(key)
     if isinstance(found, Unavailable):
@@ -303,11 +313,11 @@ def gemm(
 def measured(g: LtGemm, call: Callable[[], None], device: Any) -> None:
     """Choose ``g``'s algorithm on its first call outside a CUDA graph capture (the compiled flavour's warm-up call of
     each batch size): the one the engine's build chose for this shape where it recorded one made on this GPU model
-    and cuBLASLt (:func:`adopt`), so the engine served runs what its validation ran, else by :meth:`LtGemm.tune`.
-    Later calls, and calls being captured, run what was chosen; a failed timing keeps the heuristic's first and is
-    not retried. A shape the build did not time (a batch size it did not warm) is timed in the process that meets
-    it, where its answers may differ from another process's in rounding (a split-K algorithm sums in another
-    order), which the gates allow for."""
+    and cuBLASLt (:func:`adopt`; the build warms batch 1 and the largest), else by :meth:`LtGemm.tune`. Later
+    calls, and calls being captured, run what was chosen; a failed timing keeps the heuristic's first and is not
+    retried. A shape the build did not time (another batch size) is timed in each process that meets it, where its
+    answers may differ from another process's in rounding (a split-K algorithm sums in another order), which the
+    gates allow for, and where processes loading at once (a server's stubs) time against each other."""
     import torch
 
     if g.tuned or torch.cuda.is_current_stream_capturing():
@@ -337,22 +347,29 @@ def choices() -> dict[str, Any]:
     """The algorithms :func:`measured` chose in this process, per GEMM shape and types, with the GPU model and
     cuBLASLt version they were timed on: what an engine's build records (``gemm_algorithm_choices``) for
     :func:`adopt`. A choice belongs to the shape on that GPU and library, not to one engine."""
-    import torch
-
     with _lock:
         chosen = {_name(g.key): g.choice for g in _gemms.values() if isinstance(g, LtGemm) and g.choice is not None}
-    return {"gpu": torch.cuda.get_device_name(), "cublaslt": library().cublasLtGetVersion(), "algorithms": chosen}
+    return {**_here(), "algorithms": chosen}
+
+
+def _here() -> dict[str, Any]:
+    """This process's GPU model and cuBLASLt version (None without a cuBLASLt to call)."""
+    import torch
+
+    try:
+        version = library().cublasLtGetVersion()
+    except Unavailable:
+        version = None
+    return {"gpu": torch.cuda.get_device_name(), "cublaslt": version}
 
 
 def adopt(recorded: dict[str, Any]) -> bool:
     """Take an engine's recorded choices (:func:`choices`) for :func:`measured` where they were made on this GPU
     model and cuBLASLt version; elsewhere (an engine moved to another GPU) they are ignored and said so, and each
     shape is timed again. Returns whether they were taken."""
-    import torch
-
-    here = {"gpu": torch.cuda.get_device_name(), "cublaslt": library().cublasLtGetVersion()}
+    here = _here()
     made = {key: recorded.get(key) for key in here}
-    if made != here:
+    if made != here or here["cublaslt"] is None:
         log.warning("cuBLASLt algorithms chosen on %s are timed again on %s", made, here)
         return False
     with _lock:
@@ -360,10 +377,10 @@ def adopt(recorded: dict[str, Any]) -> bool:
     return True
 
 
-def gelu_fp8_gemm(m: int, n: int, k: int, bias_dtype: Any, device: Any) -> LtGemm:
+def gelu_fp8_gemm(m: int, n: int, k: int, bias_dtype: Any, device: Any, measure: bool = False) -> LtGemm:
     """The (cached) call with the bias, GELU and an E4M3 output in its epilogue for a bias of ``bias_dtype``;
     raises :class:`Unavailable` where cuBLASLt has none."""
-    return gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, cuda_type(bias_dtype), device)
+    return gemm(m, n, k, CUDA_R_8F_E4M3, EPILOGUE_GELU_BIAS, cuda_type(bias_dtype), device, measure=measure)
 
 
 def cuda_type(dtype: Any) -> int:
@@ -396,7 +413,7 @@ def linear_bias_gelu_fp8(
     _fp8_inputs(x, weight, scale_x, scale_w, out_inv_scale)
     m, k = x.shape
     n = weight.shape[0]
-    g = gelu_fp8_gemm(m, n, k, bias.dtype, x.device)
+    g = gelu_fp8_gemm(m, n, k, bias.dtype, x.device, measure)
     out = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
     x, weight = x.contiguous(), weight.contiguous()
     if measure:
@@ -413,7 +430,7 @@ def linear_bias_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any) 
     _fp8_inputs(x, weight, scale_x, scale_w)
     m, k = x.shape
     n, out_type = weight.shape[0], cuda_type(bias.dtype)
-    g = gemm(m, n, k, out_type, EPILOGUE_BIAS, out_type, x.device)
+    g = gemm(m, n, k, out_type, EPILOGUE_BIAS, out_type, x.device, measure=True)
     out = torch.empty(m, n, dtype=bias.dtype, device=x.device)
     x, weight = x.contiguous(), weight.contiguous()
     measured(g, lambda: g(x, weight, scale_x, scale_w, bias, None, out), x.device)
@@ -432,7 +449,7 @@ def linear_bias(x: Any, weight: Any, bias: Any, gelu: bool) -> Any:
     t = cuda_type(x.dtype)
     m, k = x.shape
     n = weight.shape[0]
-    g = gemm(m, n, k, t, EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS, t, x.device, in_type=t)
+    g = gemm(m, n, k, t, EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS, t, x.device, in_type=t, measure=True)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     x, weight = x.contiguous(), weight.contiguous()
     measured(g, lambda: g(x, weight, None, None, bias, None, out), x.device)

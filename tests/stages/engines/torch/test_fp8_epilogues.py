@@ -146,14 +146,14 @@ def test_a_layer_cublaslt_cannot_take_on_its_gpu_is_left_as_it_was(monkeypatch: 
 
     asked = []
 
-    def refuse(*args: object) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
         asked.append(args[:3])
         raise cublaslt.Unavailable("no FP8 algorithm here")
 
     monkeypatch.setattr(cublaslt, "gemm", refuse)
     weight, bias = node((64, 16), torch.float8_e4m3fn), node((64,), DT)
     assert not fp8_epilogues._cublaslt_takes(weight, bias, gelu) and asked == [(128, 64, 16)]
-    monkeypatch.setattr(cublaslt, "gemm", lambda *args: None)
+    monkeypatch.setattr(cublaslt, "gemm", lambda *args, **kwargs: None)
     assert fp8_epilogues._cublaslt_takes(weight, bias, gelu)
     assert not fp8_epilogues._cublaslt_takes(weight, node((64,), torch.float32), gelu)  # cuBLASLt's bias: 16-bit
 

@@ -310,7 +310,8 @@ def test_cuda_fp16_engine_with_cublaslt_epilogues_agrees_and_replays_graphs(
     assert meta.builder_settings["gemm_epilogue_layers"]["merged_linears"] == 6  # each layer's Q, K, V: one GEMM
     assert meta.builder_settings["gemm_algorithms"] == algorithms
     if algorithms == "measured":  # what the build chose, for the engine's loaders to adopt
-        assert meta.builder_settings["gemm_algorithm_choices"]["algorithms"]
+        chosen = meta.builder_settings["gemm_algorithm_choices"]["algorithms"]
+        assert chosen and all(key.endswith(",2") for key in chosen)  # float16 inputs (cuBLASLt's type 2)
     with load_engine(tmp_path / "e") as runner:
         assert_runner_agrees(runner, _transformer(), "transformer", (1, 32))
         assert runner.prepared({runner.input_names[0]: sample("transformer", 32)})[1]  # a CUDA graph per batch size
@@ -331,3 +332,24 @@ def test_measured_algorithms_reach_the_ops_and_only_gpu_engines_record_them() ->
     assert _settings(measured, "cuda", "fp16", has_conv=False)["gemm_algorithms"] == "measured"
     assert _settings(measured, "cpu", "fp32", has_conv=False)["gemm_algorithms"] == "heuristic"
     assert _settings(TorchConfig(), "cuda", "fp16", has_conv=False)["gemm_algorithms"] == "heuristic"
+
+
+@pytest.mark.parametrize(
+    "device, precision, cfg, measured",
+    [
+        ("cuda", "fp16", {}, True),  # gemm_epilogues (auto): Kiln's linear ops
+        ("cuda", "fp8", {"gemm_epilogues": "off"}, True),  # FP8 layers through the binding
+        ("cuda", "fp16", {"gemm_epilogues": "off"}, False),  # Inductor's GEMMs: nothing of Kiln's to time
+        ("cuda", "fp32", {}, False),
+        ("cuda", "fp8", {"flavour": "aotinductor", "gemm_epilogues": "off"}, False),
+        ("cpu", "fp32", {}, False),
+    ],
+)
+def test_measured_algorithms_are_recorded_only_where_there_are_gemms_to_time(
+    device: str, precision: str, cfg: dict, measured: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = _settings(TorchConfig(gemm_algorithms="measured", **cfg), device, precision, False)
+    assert settings["gemm_algorithms"] == ("measured" if measured else "heuristic")
+    said = [r.getMessage() for r in caplog.records if "gemm_algorithms: measured" in r.getMessage()]
+    assert bool(said) is not measured  # the user asked for it: where it does nothing, the build says so
+    assert _settings(TorchConfig(**cfg), device, precision, False)["gemm_algorithms"] == "heuristic"
