@@ -247,8 +247,7 @@ def summary(rows: Any, requests: int, slowest: float = 0.01) -> dict[str, Any] |
     sent, latency, started, finished = np.asarray(rows, dtype=np.int64).reshape(-1, 4).T
     legs = np.stack([started - sent, finished - started, sent + latency - finished], axis=1) / 1e6
     slow = latency >= np.quantile(latency, 1 - slowest)
-    found: dict[str, Any] = {"requests": int(requests), "met": int(len(sent))}
-    found["slowest"] = int(slow.sum())
+    found: dict[str, Any] = {"requests": int(requests), "met": int(len(sent)), "slowest": int(slow.sum())}
     for k, name in enumerate(LEGS):
         p50, p99 = np.percentile(legs[:, k], [50, 99])
         found[name] = {"p50": float(p50), "p99": float(p99), "slowest_mean": float(legs[slow, k].mean())}

@@ -420,7 +420,7 @@ def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], comm
         "files": {"model": PACKAGE},
         "flavour": "aotinductor",
         "versions": {"torch": torch.__version__},
-        "builder_settings": {**common, "gemm_algorithms": "heuristic", "compile_seconds": compile_s},  # no Kiln ops
+        "builder_settings": {**common, "compile_seconds": compile_s},
     }
 
 

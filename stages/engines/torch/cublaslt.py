@@ -411,47 +411,38 @@ def linear_bias_gelu_fp8(
     import torch
 
     _fp8_inputs(x, weight, scale_x, scale_w, out_inv_scale)
-    m, k = x.shape
-    n = weight.shape[0]
-    g = gelu_fp8_gemm(m, n, k, bias.dtype, x.device, measure)
-    out = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
-    x, weight = x.contiguous(), weight.contiguous()
-    if measure:
-        measured(g, lambda: g(x, weight, scale_x, scale_w, bias, out_inv_scale, out), x.device)
-    g(x, weight, scale_x, scale_w, bias, out_inv_scale, out)
-    return out
+    g = gelu_fp8_gemm(x.shape[0], weight.shape[0], x.shape[1], bias.dtype, x.device, measure)
+    return _run(g, x, weight, (scale_x, scale_w, bias, out_inv_scale), torch.float8_e4m3fn, measure)
 
 
 def linear_bias_fp8(x: Any, weight: Any, scale_x: Any, scale_w: Any, bias: Any) -> Any:
     """``x @ weight.T * scale_x * scale_w + bias`` [m, n] in the bias's dtype from E4M3 inputs: what
     ``torch._scaled_mm`` computes, with the algorithm :func:`measured` chooses. Raises :class:`Unavailable`."""
-    import torch
-
     _fp8_inputs(x, weight, scale_x, scale_w)
-    m, k = x.shape
-    n, out_type = weight.shape[0], cuda_type(bias.dtype)
-    g = gemm(m, n, k, out_type, EPILOGUE_BIAS, out_type, x.device, measure=True)
-    out = torch.empty(m, n, dtype=bias.dtype, device=x.device)
-    x, weight = x.contiguous(), weight.contiguous()
-    measured(g, lambda: g(x, weight, scale_x, scale_w, bias, None, out), x.device)
-    g(x, weight, scale_x, scale_w, bias, None, out)
-    return out
+    out_type = cuda_type(bias.dtype)
+    g = gemm(x.shape[0], weight.shape[0], x.shape[1], out_type, EPILOGUE_BIAS, out_type, x.device, measure=True)
+    return _run(g, x, weight, (scale_x, scale_w, bias, None), bias.dtype, measure=True)
 
 
 def linear_bias(x: Any, weight: Any, bias: Any, gelu: bool) -> Any:
     """``x @ weight.T + bias`` (then cuBLASLt's tanh GELU) [m, n], all float16 or all bfloat16, with the algorithm
     :func:`measured` chooses: what ``torch.addmm`` (``torch._addmm_activation``) computes with the heuristic's.
     Raises :class:`Unavailable`."""
-    import torch
-
     if not x.dtype == weight.dtype == bias.dtype:
         raise Unavailable(f"{x.dtype} x {weight.dtype} + {bias.dtype} (one dtype for all three)")
-    t = cuda_type(x.dtype)
-    m, k = x.shape
-    n = weight.shape[0]
-    g = gemm(m, n, k, t, EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS, t, x.device, in_type=t, measure=True)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    t, epilogue = cuda_type(x.dtype), EPILOGUE_GELU_BIAS if gelu else EPILOGUE_BIAS
+    g = gemm(x.shape[0], weight.shape[0], x.shape[1], t, epilogue, t, x.device, in_type=t, measure=True)
+    return _run(g, x, weight, (None, None, bias, None), x.dtype, measure=True)
+
+
+def _run(g: LtGemm, x: Any, weight: Any, rest: tuple[Any, ...], out_dtype: Any, measure: bool) -> Any:
+    """``g`` on ``x`` and ``weight`` (made contiguous) with ``rest`` (scale_x, scale_w, bias, scale_d) into a new
+    [m, n] tensor of ``out_dtype``; with ``measure``, its algorithm chosen first (:func:`measured`)."""
+    import torch
+
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
     x, weight = x.contiguous(), weight.contiguous()
-    measured(g, lambda: g(x, weight, None, None, bias, None, out), x.device)
-    g(x, weight, None, None, bias, None, out)
+    if measure:
+        measured(g, lambda: g(x, weight, *rest, out), x.device)
+    g(x, weight, *rest, out)
     return out

@@ -141,9 +141,7 @@ def fuse_fp8_gelu(gm: fx.GraphModule, measure: bool = False) -> int:
         cast.replace_all_uses_with(op)
         _erase(gm.graph, [cast, *dead])
         fused += 1
-    if fused:
-        gm.graph.lint()
-        gm.recompile()
+    _recompile_if(gm, fused)
     log.info("FP8 GEMM epilogues: %d layer(s) with their GELU and the next layer's input cast", fused)
     return fused
 
@@ -163,11 +161,17 @@ def measure_fp8_gemms(gm: fx.GraphModule) -> int:
         if not transposed.users:
             gm.graph.erase_node(transposed)
         taken += 1
-    if taken:
-        gm.graph.lint()
-        gm.recompile()
+    if _recompile_if(gm, taken):
         log.info("build.torch.gemm_algorithms: measured: %d FP8 layer(s) through cuBLASLt", taken)
     return taken
+
+
+def _recompile_if(gm: fx.GraphModule, changed: int) -> int:
+    """Check and regenerate ``gm``'s code where a rewrite ``changed`` nodes; returns ``changed``."""
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return changed
 
 
 def _cublaslt_takes(weight: fx.Node, bias: fx.Node, gelu: bool) -> bool:

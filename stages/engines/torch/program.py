@@ -93,8 +93,8 @@ def compile_program(
     (:mod:`.fp8_epilogues`), with ``gemm_algorithms: measured`` an FP8 engine's other layers too
     (:func:`.fp8_epilogues.measure_fp8_gemms`); returns the runnable and how many layers each rewrite took
     (``gemm_epilogue_layers``, ``conv_epilogue_layers``, ``fp8_epilogue_layers``, ``measured_fp8_layers``; absent
-    where it did not run). ``warn_if_nothing_fused``: per
-    rewrite (``gemm``, ``conv``), whether a program with nothing to rewrite is worth a warning."""
+    where it did not run). ``warn_if_nothing_fused``: per rewrite (``gemm``, ``conv``), whether a program with
+    nothing to rewrite is worth a warning."""
     import torch
 
     warn = warn_if_nothing_fused or {}
