@@ -4,7 +4,7 @@
 # `python3 -P` and pytest's append import mode keep the checkout's own kiln/ folder (the package root without its
 # subpackages, which live beside it) from shadowing the installed wheel.
 # Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), coordesc, replay,
-# convprobe, train, train-compile, train-phases, precision, serve, bytecode, tte.
+# convprobe, gemmalgo, train, train-compile, train-phases, precision, serve, bytecode, tte.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
 mkdir -p "$OUT"
@@ -52,6 +52,16 @@ for phase in "$@"; do
     replay) python3 benchmarks/replay_copy.py --models resnet18 --out "$OUT" ;;
     # cuDNN's fused conv + bias (+ add) + ReLU against Inductor's kernels, torchvision's ResNet-18: ~5 minutes
     convprobe) python3 benchmarks/conv_epilogue_probe.py --out "$OUT/convprobe" ;;
+    # build.torch.gemm_algorithms=measured (issue 33): the probe per GEMM, the GPU-marked tests of the measured path,
+    # then BERT-base's FP16 and FP8 engines with the heuristic's algorithm and the measured one, side by side
+    gemmalgo)
+      python3 -P benchmarks/cublaslt_fp8_probe.py --rows 4096,128 --rounds 20 --algos 16 --out "$OUT/probe"
+      python3 -P -m pytest -q -m gpu -p no:cacheprovider --import-mode=append tests/stages/engines/torch/test_cublaslt.py \
+        tests/stages/engines/torch/test_fp8_epilogues.py tests/stages/engines/torch/test_lowbit.py \
+        tests/stages/engines/torch/test_gemm_epilogues.py 2>&1 | tail -15 | tee "$OUT/gemmalgo_tests.txt"
+      python3 -P benchmarks/engine_bench.py --models hf_bert --batches 1,32 --profile 20 --out "$OUT/eb" \
+        --rows kiln_torch,kiln_torch_meas,kiln_torch_fp8,kiln_torch_fp8meas \
+        --torch-variant meas:gemm_algorithms=measured --torch-variant fp8meas:precision=fp8,gemm_algorithms=measured ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
     # torch.compile table, one model per call keeps each under 10 minutes: TRAIN_COMPILE_ARGS="--models resnet18"
     train-compile) python3 benchmarks/train_bench.py --compile --out "$OUT" ${TRAIN_COMPILE_ARGS:-} ;;
