@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -113,6 +114,12 @@ def named_outputs(model: nn.Module, x: Any) -> dict[str, torch.Tensor]:
     every exported or compiled engine is held to."""
     with as_traced():
         return flatten_outputs(call(model, x))
+
+
+def host_arrays(outputs: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Outputs as NumPy arrays to compare against: floating tensors as float32, integer and bool ones in their own
+    dtype, so a token id or a mask is compared value for value (and an int64 above 2**24 keeps every digit)."""
+    return {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in outputs.items()}
 
 
 @contextmanager

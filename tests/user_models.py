@@ -55,6 +55,22 @@ class ThreeIn(nn.Module):
         return self.conv(image).mean((2, 3)) * scale + self.vec(vec)
 
 
+class TokenIds(nn.Module):
+    """A head that answers token ids only (an argmax past 2**24, where float32 stops holding every integer): an
+    output compared value for value, not by cosine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"token_id": self.head(x).argmax(-1) + 2**24 + 1}
+
+
+def token_ids() -> TokenIds:
+    return TokenIds()
+
+
 def two_in() -> TwoIn:
     return TwoIn()
 

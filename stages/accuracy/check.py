@@ -91,12 +91,15 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
 
 
 def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: str | None) -> None:
-    """The per-output statistics into the entry: the worst output carries the headline values the gates read."""
+    """The per-output statistics into the entry: the worst output carries the headline values the gates read. An
+    integer output has no cosine and is no class logits: its share of equal values stays in its own row (gated
+    there), so a model of integer outputs only has no headline cosine or top-1 agreement."""
     entry.outputs = {n: s.as_dict() for n, s in stats.items()}
     entry.max_abs_err, entry.rel_err = worst(stats, "max_abs_err"), worst(stats, "rel_err")
-    entry.cosine = worst(stats, "cosine")
-    entry.top1_agreement = stats[logits].top1_agreement if logits in stats else None
-    entry.top1_ties = stats[logits].top1_ties if logits in stats else None
+    floats = {n: s for n, s in stats.items() if s.cosine is not None}
+    entry.cosine = worst(floats, "cosine") if floats else None
+    entry.top1_agreement = floats[logits].top1_agreement if logits in floats else None
+    entry.top1_ties = floats[logits].top1_ties if logits in floats else None
 
 
 def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, smallest: int) -> list[str]:
@@ -349,7 +352,8 @@ def accuracy_failures(
     fails = []
     per_output = entry.outputs or {"": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err}}
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
-        where = f"output '{name}' " if name and len(per_output) > 1 else ""
+        named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
+        where = f"output '{name}' " if named else ""
         if s["cosine"] is None and s.get("top1_agreement") is not None:  # integer values: equal, or not
             if not s["top1_agreement"] >= gates["min_top1_agreement"]:
                 fails.append(

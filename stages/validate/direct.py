@@ -12,7 +12,7 @@ from kiln.core.errors import InputFileError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import load_onnx, ort_session
-from kiln.core.outputs import logits_name, named_outputs
+from kiln.core.outputs import host_arrays, logits_name, named_outputs
 from kiln.core.records import EngineValidation
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
@@ -31,7 +31,7 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
         x = {k: torch.from_numpy(v) for k, v in feed.items()}
         with torch.inference_mode():
             outs = named_outputs(model.float().eval(), next(iter(x.values())) if len(x) == 1 else x)
-        return {k: v.float().numpy() for k, v in outs.items()}
+        return host_arrays(outs)
     ref_sess = ort_session(load_onnx(reference))
     ref_names = [i.name for i in ref_sess.get_inputs()]
     if sorted(ref_names) != sorted(feed):

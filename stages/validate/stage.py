@@ -37,7 +37,7 @@ from kiln.core.env import environment_subset
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
-from kiln.core.outputs import logits_name, named_outputs
+from kiln.core.outputs import host_arrays, logits_name, named_outputs
 from kiln.core.records import (
     NONE_VALIDATED,
     Baseline,
@@ -386,7 +386,7 @@ def torch_reference(
 
     def run(f: Feed) -> dict[str, np.ndarray]:
         with torch.inference_mode():
-            return {k: v.float().numpy() for k, v in named_outputs(model, from_feed(f, data.val_x)).items()}
+            return host_arrays(named_outputs(model, from_feed(f, data.val_x)))
 
     with torch.inference_mode():
         out_names = list(named_outputs(model, from_feed(feed_take(feeds[-1][1], slice(0, 2)), data.val_x)))

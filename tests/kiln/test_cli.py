@@ -745,3 +745,34 @@ def test_a_load_test_that_cannot_run_says_why_before_making_its_folder(
     result = CliRunner().invoke(main, ["loadtest", url, "-e", str(tmp_path), "-o", str(out), *extra])
     assert result.exit_code == 2 and said in result.output and "fix:" in result.output, result.output
     assert not out.exists()
+
+
+def test_direct_validate_compares_integer_outputs_value_for_value(cli: CliRunner, tmp_path: Path) -> None:
+    """Token ids from a PyTorch checkpoint reference stay integers: wrong ids fail a 0.99 agreement gate, where
+    their cosine as floats (ids near 2**24 differ by a few parts in ten million) would pass every gate."""
+    import numpy as np
+    import torch
+
+    from kiln.models.registry import build_model
+
+    model = "tests.user_models:token_ids"
+    torch.manual_seed(0)
+    net = build_model(model)
+    x = torch.randn(8, 8)
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(net.state_dict(), a)
+    with torch.no_grad():  # B's head never picks row 0's class
+        net.head.bias[net.head(x[:1]).argmax()] -= 100.0
+    torch.save(net.state_dict(), b)
+    np.savez(tmp_path / "x.npz", x=x.numpy())
+    onnx_path = tmp_path / "a.onnx"
+    args = ["export", "--model", model, "--checkpoint", str(a), "--input-shape", "x=8", "-o", str(onnx_path)]
+    assert cli.invoke(main, args).exit_code == 0
+    assert cli.invoke(main, ["build", str(onnx_path), "-o", str(tmp_path / "e")]).exit_code == 0
+    common = ["validate", str(tmp_path / "e"), "--model", model, "--inputs", str(tmp_path / "x.npz")]
+    same = cli.invoke(main, [*common, "--reference", str(a)])
+    assert same.exit_code == 0, same.output
+    result = cli.invoke(
+        main, [*common, "--reference", str(b), "--set", "validate.gates.per_precision.fp32.min_top1_agreement=0.99"]
+    )
+    assert_clean_error(result, 3, "output 'token_id'", "of its values equal < min_top1_agreement 0.99")
