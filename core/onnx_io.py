@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,20 @@ def _ort_loads_opset(version: int) -> bool:
     except Exception:  # noqa: BLE001 - any refusal means this opset does not load
         return False
     return True
+
+
+def onnx_files(path: str | Path) -> list[Path]:
+    """The files an ONNX model is: ``path`` and the external-data files its tensors name (checked to be there),
+    for a fingerprint that changes when only the weights beside the graph do."""
+    p = Path(path)
+    model = load_onnx(p, load_external_data=False)
+    return [p, *sorted({p.parent / loc for loc in _external_locations(model)})]
+
+
+def _external_locations(model: onnx.ModelProto) -> Iterator[str]:
+    for tensor in _tensors(model.graph):
+        if onnx.external_data_helper.uses_external_data(tensor):
+            yield next((e.value for e in tensor.external_data if e.key == "location"), "")
 
 
 def _check_external_data(model: onnx.ModelProto, path: Path) -> None:

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from kiln.calibration.data import hash_batches, read_reader
-from kiln.core.artifacts import hash_file
+from kiln.core.artifacts import hash_file, hash_json
 from kiln.core.data import tensors
 from kiln.core.errors import InputFileError
+from kiln.core.onnx_io import onnx_files
 from kiln.models.model_io import dataset_for
 from kiln.pipeline.config import KilnConfig
 
@@ -57,13 +58,14 @@ def checkpoint_fingerprint(config: KilnConfig) -> str | None:
 
 
 def onnx_fingerprint(config: KilnConfig) -> str | None:
-    """Hash of the ``model.onnx`` file a run starts from, if any."""
+    """Hash of the ``model.onnx`` file a run starts from and of the external-data files beside it, if any: the
+    dynamo exporter keeps the weights in ``model.onnx.data``, which can change while the graph stays."""
     if not config.model.onnx:
         return None
     path = Path(config.model.onnx)
     if not path.is_file():
         raise InputFileError(f"model.onnx not found: {path}", hint="fix the path or remove model.onnx")
-    return hash_file(path)
+    return hash_json({f.name: hash_file(f) for f in onnx_files(path)})
 
 
 def calibration_fingerprint(config: KilnConfig) -> str | None:
