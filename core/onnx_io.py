@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,16 +305,21 @@ def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> Non
                 hint="move that file, or write the model elsewhere (-o)",
             )
     if needs_data:
-        onnx.save_model(
-            model,
-            str(path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=data.name,
-            size_threshold=1024,
-        )
-    else:
-        onnx.save_model(model, str(path))
+        _mark_external(model, data.name)
+        # created as open() creates files (0666 less the umask), not as onnx's writer does (0600): a server running
+        # as another user reads the weights as it reads the graph
+        os.close(os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    onnx.save_model(model, str(path))  # appends the marked tensors to their location beside ``path``
+
+
+def _mark_external(model: onnx.ModelProto, location: str, threshold: int = 1024) -> None:
+    """Mark every initializer of ``threshold`` bytes or more as stored in ``location``, which
+    :func:`onnx.save_model` then writes beside the model. onnx's own ``save_as_external_data`` refuses a location
+    that exists relative to the current folder rather than the model's, so a ``model.onnx.data`` where the user
+    stands would stop a save into another folder."""
+    for tensor in (t for g in _graphs(model.graph) for t in g.initializer):
+        if tensor.HasField("raw_data") and len(tensor.raw_data) >= threshold:
+            onnx.external_data_helper.set_external_data(tensor, location)
 
 
 def _references(path: Path, location: str) -> bool:

@@ -45,6 +45,21 @@ def test_a_data_file_someone_else_owns_is_never_touched(tmp_path: Path) -> None:
     assert data.read_bytes() == b"the user's own file"
 
 
+def test_external_data_is_written_beside_the_model_whatever_the_current_folder_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``m.onnx.data`` where the user stands (the export ``kiln optimize`` reads) is not the one ``-o out/m.onnx``
+    writes; the weights file is readable as the graph file is (0666 less the umask), for a server of another user."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.onnx.data").write_bytes(b"the input's weights")
+    path = tmp_path / "out" / "m.onnx"
+    save_onnx(_model(2.0), path, external=True)
+    assert float(numpy_helper.to_array(load_onnx(path).graph.initializer[0]).max()) == 2.0
+    assert (tmp_path / "m.onnx.data").read_bytes() == b"the input's weights"
+    data = path.with_name("m.onnx.data")
+    assert data.stat().st_mode & 0o777 == path.stat().st_mode & 0o777
+
+
 def test_a_session_of_a_graph_with_an_unused_big_weight() -> None:
     """A weight nothing reads (a quantizer's leftover, an extra output's pruned producer): ONNX Runtime drops it when
     it loads the graph, so it must not be handed over as an external initializer."""
