@@ -160,6 +160,14 @@ def test_missing_external_data(tmp_path: Path) -> None:
         assert_clean(invoke(*args), 2, "external-data file", "is missing", "m.onnx.data")
 
 
+def test_truncated_external_data(tmp_path: Path) -> None:
+    model = tiny_onnx(tmp_path / "m.onnx", external=True)
+    data = tmp_path / "m.onnx.data"
+    data.write_bytes(data.read_bytes()[:8])
+    for args in (["build", model, "-o", tmp_path / "e"], ["optimize", model, "-o", tmp_path / "o.onnx"]):
+        assert_clean(invoke(*args), 2, "cannot read the external weights", "complete")
+
+
 @pytest.mark.parametrize("command", ["build", "optimize"])
 def test_empty_onnx_is_called_empty(tmp_path: Path, command: str) -> None:
     empty = tmp_path / "m.onnx"

@@ -19,7 +19,13 @@ import onnx
 from kiln.core.compare import within_tolerance
 from kiln.core.errors import BuildError
 from kiln.core.inputs import AxisSizes, largest_sizes, random_inputs
-from kiln.core.onnx_io import io_specs, model_carries_precision, ort_session, session_options
+from kiln.core.onnx_io import (
+    io_specs,
+    load_onnx,
+    model_carries_precision,
+    ort_session,
+    session_options,
+)
 from kiln.core.text import first_line
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
@@ -46,7 +52,7 @@ def build_ort_engine(
     import onnxruntime as ort
 
     name = name or out.name  # ``out`` may be a staging folder: callers name the engine
-    model = onnx.load(str(onnx_path))
+    model = load_onnx(onnx_path)
     notes: dict[str, Any] = {}
     # Dynamic axes besides batch at their largest size in the data (fusion check and autotuning: the worst case)
     dynamic = largest_sizes(io_specs(model)[0], axis_sizes or {})
