@@ -38,6 +38,11 @@ def temp_name(final: Path, kind: str = "tmp") -> Path:
     return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}"
 
 
+def is_leftover(name: str) -> bool:
+    """Whether ``name`` is one of Kiln's temporary names (:func:`temp_name`), a killed command's or a live one's."""
+    return _LEFTOVER.match(name) is not None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id exists (one of another user's counts: its files are never taken)."""
     if pid == os.getpid():

@@ -27,6 +27,7 @@ from kiln.core.artifacts import (
 )
 from kiln.core.env import environment
 from kiln.core.errors import GateFailure, KilnError, disk_full, storage_error
+from kiln.core.ownership import SCRATCH, is_leftover
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import NONE_VALIDATED
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
@@ -116,6 +117,36 @@ def outputs_intact(stage_dir: Path, manifest: dict[str, Any], verified: dict[Pat
     if intact and verified is not None:
         verified[stage_dir] = stamp
     return intact
+
+
+def foreign_files(stage_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """Files in a stage folder that its manifest does not list and Kiln did not leave there (its temporary names,
+    its scratch space, Python's ``__pycache__`` of a packaged app): a user's own, which a rerun of the stage, that
+    replaces the whole folder, would delete."""
+    known = set(manifest.get("outputs", {})) | {MANIFEST}
+    found = []
+    for p in sorted(stage_dir.rglob("*")):
+        rel = p.relative_to(stage_dir)
+        if (p.is_dir() and not p.is_symlink()) or rel.as_posix() in known:
+            continue
+        if is_leftover(p.name) or "__pycache__" in rel.parts or SCRATCH in rel.parts:
+            continue
+        found.append(rel.as_posix())
+    return found
+
+
+def refuse_foreign(stage: str, stage_dir: Path, manifest: dict[str, Any] | None) -> None:
+    """Stop before a rerun of ``stage`` would delete files a user put in its folder."""
+    # a manifest that lists no output knows nothing of the folder (damaged, or another tool's): no verdict
+    found = foreign_files(stage_dir, manifest) if manifest and manifest["outputs"] and stage_dir.is_dir() else []
+    if found:
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        raise KilnError(
+            f"{stage_dir / found[0]}{more} is not a file Kiln wrote, and rerunning stage '{stage}' replaces "
+            f"{stage_dir} whole",
+            hint=f"move your files out of {stage_dir} (keep them beside the stage folders, in the workdir), then "
+            "run again",
+        )
 
 
 def config_at(config: KilnConfig, dotted: str) -> Any:
@@ -312,6 +343,7 @@ class Runner:
         if old and not forced and old.get("key") == key:
             why = " (its files were changed or damaged since it ran: rebuilding)"
             log.warning("%s: cached outputs do not match their recorded sha256", stage.name)
+        refuse_foreign(stage.name, final, old)
         log.info("%s: running%s", stage.name, why)
         t0 = time.perf_counter()
         with atomic_dir(final) as out:

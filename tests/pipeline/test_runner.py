@@ -110,6 +110,23 @@ def test_flipped_bytes_in_a_cached_stage_rerun_it(tmp_path: Path) -> None:
     assert hash_file(tmp_path / "second" / "value.txt") == manifest["outputs"]["value.txt"]
 
 
+def test_a_rerun_never_deletes_a_file_a_user_put_in_a_stage_folder(tmp_path: Path) -> None:
+    """A stage reruns by replacing its folder whole: a file of the user's there (an ensemble added to the Triton
+    repository) stops the rerun, named, and stays; Kiln's own leftovers and Python's caches do not stop it."""
+    run(tmp_path)
+    (tmp_path / "second" / "__pycache__").mkdir()
+    (tmp_path / "second" / "__pycache__" / "app.cpython-311.pyc").write_bytes(b"")
+    (tmp_path / "second" / ".value.txt.tmp-999999-0123abcd.tmp").write_bytes(b"")
+    assert statuses(run(tmp_path, **{"train.epochs": 3})) == {"first": "ran", "second": "ran", "third": "ran"}
+    mine = tmp_path / "second" / "mine" / "config.pbtxt"
+    mine.parent.mkdir()
+    mine.write_text("name: 'mine'")
+    result = run(tmp_path, **{"train.epochs": 4})
+    assert statuses(result) == {"first": "ran", "second": "failed", "third": "not-run"}
+    assert "second/mine/config.pbtxt is not a file Kiln wrote" in str(result.error)
+    assert "move your files out of" in (result.error.hint or "") and mine.read_text() == "name: 'mine'"
+
+
 @pytest.mark.parametrize("damage", ["garbage", "wrong-kind", "folder", "empty-outputs", "other-summary"])
 def test_a_damaged_manifest_means_the_stage_is_redone(tmp_path: Path, damage: str) -> None:
     run(tmp_path)
