@@ -28,11 +28,13 @@ from kiln.core.artifacts import ensure_writable
 from kiln.core.compare import within_tolerance
 from kiln.core.data import (
     SINGLE_INPUT,
+    DatasetSplits,
     Inputs,
     as_feed,
     call,
     feed_for_graph,
     forward_inputs,
+    from_feed,
     input_names,
     rows,
     take,
@@ -56,7 +58,7 @@ from kiln.core.onnx_io import (
 )
 from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.records import TensorSpec
-from kiln.core.shapes import graph_axes
+from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import first_line, root_cause
@@ -322,6 +324,56 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs, session: Any = None) ->
     return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
 
 
+def check_validated_sizes(
+    model: nn.Module,
+    path: Path,
+    session: Any,
+    data: DatasetSplits,
+    names: list[str],
+    axes: Axes,
+    shapes: Mapping[str, list[int]],
+    atol: float,
+) -> None:
+    """PyTorch and the exported graph at every size of the dynamic axes that the later stages run (validation's
+    smallest and largest: :func:`kiln.core.shapes.axis_sizes`), beside the data's own that :func:`parity` checks.
+    A model that runs at one length only, or an exporter that fixed a size it was told varies, is named here with
+    what to change, instead of failing deep in calibration or validation."""
+    x = take(data.val_x, slice(0, PARITY_ROWS))
+    feed = feed_for_graph(x, names)
+    seen = [feed_for_graph(take(s, slice(0, 1)), names) for s in (data.train_x, data.val_x) if rows(s)]
+    for point in shape_points(axis_sizes(seen, axes, shapes)) if axes else []:
+        sized = resize(feed, axes, point)
+        if all(sized[n].shape == feed[n].shape for n in feed):
+            continue  # the data's own sizes: parity checked them
+        at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
+        try:
+            with torch.no_grad():
+                named_outputs(model, inputs)
+        except Exception as exc:
+            raise ModelError(
+                f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
+                f"that axis vary: {_reason(exc)}",
+                hint="if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it "
+                "takes in signature.shapes, e.g. {seq: [16, 32]}",
+            ) from None
+        try:
+            err = parity(model, path, inputs, session)["max_abs_err"]
+        except ModelError:
+            raise
+        except Exception as exc:  # ONNX Runtime's own error: the graph holds the size it was exported at
+            err, why = float("inf"), first_line(exc)
+        else:
+            why = f"max abs error {err:.3g} > export.parity_atol {atol:g}"
+        if not err <= atol:
+            raise ModelError(
+                f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}): the exporter "
+                "fixed a size that signature.dynamic_axes makes vary",
+                hint="keep sizes in forward as tensor shapes (x.shape[1]), not Python ints (int(x.shape[1]), a "
+                "length kept from __init__), or remove that axis from signature.dynamic_axes if the model takes one "
+                "size",
+            )
+
+
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
 def export_direct(
     cfg: ExportSettings, checkpoint: str | None, input_shapes: tuple[str, ...], output: Path
@@ -537,6 +589,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         check["max_abs_err"],
     )
     names = [i.name for i in proto.graph.input]
+    check_validated_sizes(model, path, session, data, names, axes or {}, ctx.config.signature.shapes, cfg.parity_atol)
     feed = feed_for_graph(take(data.val_x, slice(0, 2)), names)
     followed = name_output_axes(path, feed, _axes(names, cfg.dynamic_batch, axes or {}), session)
     sizes = dynamic_sizes(data, names, axes)

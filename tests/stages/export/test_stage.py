@@ -129,3 +129,41 @@ def test_dynamic_axes_naming_no_input_says_what_the_inputs_are_called(tmp_path: 
     model = export_onnx(_Tokens(), {"tokens": ids}, tmp_path / "b.onnx", dynamic_axes={"tokens": {1: "seq"}})
     dims = model.graph.input[0].type.tensor_type.shape.dim
     assert model.graph.input[0].name == "tokens" and dims[1].dim_param == "seq"
+
+
+class MeanOverLength(nn.Module):
+    """A mean over the length axis; ``as_int``: divided by the length as a Python int, which both exporters keep as
+    the example's constant; ``fixed``: takes length 16 only."""
+
+    def __init__(self, as_int: bool = False, fixed: bool = False) -> None:
+        super().__init__()
+        self.proj, self.as_int, self.fixed = nn.Linear(4, 3), as_int, fixed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed and x.shape[1] != 16:
+            raise ValueError(f"expects length 16, got {x.shape[1]}")
+        return self.proj(x).sum(1) / int(x.shape[1]) if self.as_int else self.proj(x).mean(1)
+
+
+def _sizes_checked(tmp_path: Path, model: nn.Module) -> None:
+    from kiln.core.data import DatasetSplits
+    from kiln.core.onnx_io import ort_session
+    from kiln.stages.export.stage import check_validated_sizes
+
+    x = torch.randn(12, 16, 4)
+    data, axes = DatasetSplits(x[:8], None, x[8:], None), {"input": {1: "seq"}}
+    path = tmp_path / "m.onnx"
+    export_onnx(model.eval(), x[:2], path, dynamic_axes=axes)
+    check_validated_sizes(model, path, ort_session(path), data, ["input"], axes, {}, 1e-4)
+
+
+def test_sizes_the_later_stages_run_are_checked_at_export(tmp_path: Path) -> None:
+    """Validation runs a dynamic axis at half the data's length too: a model that takes one length, or a graph
+    whose exporter kept the example's length, is named at export, not deep in calibration or validation."""
+    _sizes_checked(tmp_path, MeanOverLength())
+    with pytest.raises(ModelError, match=r"does not compute the model at seq=8, where PyTorch runs") as err:
+        _sizes_checked(tmp_path, MeanOverLength(as_int=True))
+    assert "not Python ints" in (err.value.hint or "")
+    with pytest.raises(ModelError, match=r"the model fails at seq=8.*expects length 16, got 8") as err:
+        _sizes_checked(tmp_path, MeanOverLength(fixed=True))
+    assert "remove that axis from signature.dynamic_axes" in (err.value.hint or "")
