@@ -29,8 +29,16 @@ from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
 from kiln.stages.engines.registry import BACKENDS
 from kiln.stages.optimize.catalog import available as available_passes
 
-console = Console(stderr=True)  # logs, progress, errors
-results = Console()  # what a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it)
+
+def _width(stream: Any) -> int | None:
+    """Rich draws for 80 columns where a stream is no terminal (a pipe, a file, a CI log) and cuts a wider table
+    there; 200 then, so what is piped is whole. A terminal, or COLUMNS, keeps its own width."""
+    return None if os.environ.get("COLUMNS") or stream.isatty() else 200
+
+
+console = Console(stderr=True, width=_width(sys.stderr))  # logs, progress, errors
+# what a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it)
+results = Console(width=_width(sys.stdout))
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
 
 
@@ -313,7 +321,10 @@ SET = (
         "help": "override a config value, e.g. --set train.epochs=2 (repeatable)",
     },
 )
-QUIET = (("--quiet", "-q"), {"is_flag": True, "help": "only warnings and errors: no progress, no summary"})
+QUIET = (
+    ("--quiet", "-q"),
+    {"is_flag": True, "help": "only warnings and errors: no progress, no summary (validate still prints its JSON)"},
+)
 VERBOSE = (
     ("--verbose", "-v"),
     {"count": True, "help": "more output: -v each stage's log lines, -vv debug logging (the libraries' too)"},
@@ -550,7 +561,11 @@ def stage_command(name: str, help: str, direct: Direct | None = None) -> click.C
                 _refuse_direct_options(direct.needs, *(k for k in values if k not in direct.both))
             extra = direct.workdir_sets(values) if direct else ()
             return _stage_in_workdir(name, config, workdir, sets + extra, quiet)
-        direct.run(file, config, sets, **values)
+        results.quiet = quiet and name != "validate"  # validate's JSON is its answer, not a summary
+        try:
+            direct.run(file, config, sets, **values)
+        finally:
+            results.quiet = False
 
     return KilnCommand(name, params=params, callback=callback, help=help)
 
@@ -621,7 +636,8 @@ def _precision_direct(
         summary = precision_direct(Path(file), staged, wanted, Path(calibration) if calibration else None, settings)
     for name, v in summary["variants"].items():
         shown = out / Path(v["path"]).relative_to(staged)
-        results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32)", highlight=False)
+        only = f"; for {v['only']} engines only, its Q/DQ graph missed the gates" if v["only"] else ""
+        results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32{only})", highlight=False)
     results.print(f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False)
 
 
@@ -643,7 +659,7 @@ def _build_direct(
     refuse_link(out.parent / ".kiln-cache", "the build cache")
     with scratch_root(out.parent):
         meta = build_direct(Path(file), out, backend, device, precision_, cfg.build)
-    console.print(
+    results.print(
         f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s (targets {meta.device.upper()})",
         highlight=False,
     )

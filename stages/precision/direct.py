@@ -65,25 +65,34 @@ def precision_direct(
             out.parent / ".kiln-cache" if ccfg.cache else Path(tmp),
             names.index(logits) if logits is not None else None,
         )
-        built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log)
+        sizes = {
+            d: [int(data[s.name].shape[i])] for s in inputs for i, d in (graph_axes([s]).get(s.name) or {}).items()
+        }
+        built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log, sizes)
     if set(variants) - set(built):
         raise ModelError(
             "precision variants failed: " + "; ".join(f"{p}: {e.message}" for p, e in failed.items()),
             hint=failure_hint(failed, "or drop the variant from --variants"),
         )
-    sizes = {
-        d: [int(a.shape[i])]
-        for s in inputs
-        for i, d in (graph_axes([s]).get(s.name) or {}).items()
-        for a in [data[s.name]]
-    }
     Variants(variants={k: variant_record(v) for k, v in built.items()}, axis_sizes=sizes).write(out / "variants.json")
     return {
         "calibration": source,
-        "variants": {
-            k: {"path": str(out / v["path"]), "kept_fp32": len(v["kept_fp32"]), **(v.get("vs_fp32") or {})}
-            for k, v in built.items()
-        },
+        "variants": {k: _shown(out, v) for k, v in built.items()},
+    }
+
+
+def _shown(out: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """A made variant as the command reports it: the graph its engines run, and for a variant whose Q/DQ graph
+    missed the gates, the one backend whose own graph passed (only its engines are built)."""
+    only = entry.get("backend_paths") if entry.get("unmade") else None
+    path, kept = (
+        (next(iter(only.values())), entry["ort_cpu"]["kept_fp32"]) if only else (entry["path"], entry["kept_fp32"])
+    )
+    return {
+        "path": str(out / path),
+        "kept_fp32": len(kept),
+        "only": next(iter(only)) if only else None,
+        **(entry.get("vs_fp32") or {}),
     }
 
 

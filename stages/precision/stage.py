@@ -41,6 +41,7 @@ from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import torch_model_named
 from kiln.stages.accuracy.check import held_out, held_out_reference
 from kiln.stages.accuracy.config import CheckConfig
+from kiln.stages.precision.audit import MIN_SHARE, audit_graph
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.emulate import emulate_fp16
@@ -129,7 +130,8 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         )
         cache_dir = src.cache_dir if ccfg.cache else None
         check = held_out_check(ctx, data, src, inputs) if set(converted) - {"fp32"} else None
-        variants, errors = build_variants(src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log)
+        sizes = _axis_sizes(data, names, ctx)
+        variants, errors = build_variants(src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log, sizes)
         failed = {p: e.message for p, e in errors.items()}
         x_val = check.samples if check is not None else {}
         modules = torch_modules(src.model, *_export_graph(ctx))
@@ -153,7 +155,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             e["ort_cpu"]["kept_fp32_modules"] = _modules_of(e["ort_cpu"]["kept_fp32"], modules)
     Variants(
         variants={name: variant_record(entry) for name, entry in variants.items()},
-        axis_sizes=_axis_sizes(data, names, ctx),
+        axis_sizes=sizes,
     ).write(ctx.out / "variants.json")
     summary = {
         v: {
@@ -185,10 +187,13 @@ def build_variants(
     x_val: Samples | GateCheck | None,
     progress: Progress,
     log: logging.Logger,
+    sizes: dict[str, list[int]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, KilnError]]:
     """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there), judged by
-    ``x_val`` (validation's check, or samples to check on); a variant that fails, or that no fallback round got
-    through the gates, is listed with why (variant -> message) and the others go on."""
+    ``x_val`` (validation's check, or samples to check on); a variant that fails, that no fallback round got
+    through the gates, or that is too little in its precision at the largest ``sizes`` of its dynamic axes (where
+    the build audits its engines) is listed with why (variant -> message) and the others go on."""
+    largest = {k: max(v) for k, v in (sizes or {}).items() if v}
     variants: dict[str, Any] = {}
     failed: dict[str, KilnError] = {}
     with progress.task("precision variants", total=len(wanted)) as bar:
@@ -203,7 +208,9 @@ def build_variants(
                     variants["fp8"] = build_fp8(src, out, ccfg, cfg.fallback, x_val)
                 else:
                     variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
-                unmade = not_made(precision, variants[precision])
+                unmade = not_made(precision, variants[precision]) or too_little(
+                    precision, variants[precision], root, largest
+                )
                 if unmade:
                     del variants[precision]
                     raise ModelError(unmade, hint=UNMADE_HINT)
@@ -244,6 +251,36 @@ def not_made(precision: str, entry: dict[str, Any]) -> str | None:
             entry["unmade"] = _why(precision + " (Q/DQ graph)", own)
         return None
     return None if own["passed"] else _why(precision, own)
+
+
+def too_little(precision: str, entry: dict[str, Any], root: Path, sizes: dict[str, int]) -> str | None:
+    """Why a variant that passed its gates is still not made: under :data:`MIN_SHARE` of its graph's FLOPs run in
+    ``precision`` (counted at ``sizes``, as the build audits its engines), because the fallback kept much in float
+    or the precision covers few of the model's ops (ONNX Runtime CPU's INT8 leaves attention's matmuls in FP32),
+    and every engine of it would fail the build's precision audit. ONNX Runtime CPU's own graph that is short is
+    dropped the same way, its engines then built from the Q/DQ graph. None: made, by one graph at least."""
+    if precision == "fp32" or "path" not in entry:
+        return None
+
+    def short(label: str, path: Path, kept: list[str]) -> str | None:
+        share = audit_graph(path, sizes).share().get(precision, 0.0)
+        if share >= MIN_SHARE:
+            return None
+        return (
+            f"{label} not made: {share:.0%} of its FLOPs run in {precision} ({len(kept)} nodes kept in float to "
+            f"pass the gates), under the {MIN_SHARE:.0%} an engine labelled {precision} must run (the precision "
+            "audit)"
+        )
+
+    cpu = entry.get("ort_cpu") or entry
+    for backend, path in list((entry.get("backend_paths") or {}).items()):
+        why = short(f"{precision} ({backend} graph)", root / path, cpu["kept_fp32"])
+        if why:
+            entry["ort_cpu_unmade"] = why
+            entry["backend_paths"].pop(backend)
+    if entry.get("unmade"):  # the Q/DQ graph missed its gates: the variant stands on ONNX Runtime CPU's graph
+        return None if entry.get("backend_paths") else f"{entry['unmade']}; {entry.get('ort_cpu_unmade', '')}"
+    return short(precision, root / entry["path"], entry["kept_fp32"])
 
 
 def _why(label: str, fallback: dict[str, Any]) -> str:
@@ -335,9 +372,10 @@ def _node_error_report(
         kept["fp16"] = set(variants["fp16"]["kept_fp32"])
     if "int8" in variants:
         graphs["int8"], kept["int8"] = ctx.out / variants["int8"]["path"], set(variants["int8"]["kept_fp32"])
-        if "ort_cpu" in variants["int8"]:
+        cpu_graph = (variants["int8"].get("backend_paths") or {}).get("onnxruntime-cpu")
+        if cpu_graph:  # ONNX Runtime CPU's own graph, where it was made
             label = "int8 onnxruntime-cpu"
-            graphs[label] = ctx.out / variants["int8"]["backend_paths"]["onnxruntime-cpu"]
+            graphs[label] = ctx.out / cpu_graph
             kept[label] = set(variants["int8"]["ort_cpu"]["kept_fp32"])
     try:
         order = graph_order(src.model)

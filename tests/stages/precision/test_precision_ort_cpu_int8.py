@@ -36,7 +36,8 @@ def _zero_point_types(path: Path) -> set[int]:
 
 def test_ort_cpu_graph_is_uint8_and_agrees(tmp_path: Path, cnn_dir: Path) -> None:
     overrides = {"model.name": "cnn", "model.params": {"width": 8, "depth": 2}, "precision.variants": ["fp32", "int8"]}
-    variants, _ = _run(tmp_path, cnn_dir, **overrides)
+    variants, summary = _run(tmp_path, cnn_dir, **overrides)
+    assert set(summary["first_divergence"]) == {"int8", "int8 onnxruntime-cpu"}  # each graph's curve, plotted
     root = tmp_path / "precision"
     ort_path = root / variants["int8"].backend_paths["onnxruntime-cpu"]
     assert variants["int8"].report["ort_cpu"]["scheme"] == "static"  # auto: the graph has convolutions
@@ -141,12 +142,20 @@ def test_dynamic_graph_keeps_an_excluded_gemm_float(tmp_path: Path, transformer_
 
 
 def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer_dir: Path) -> None:
-    variants, _ = _run(
+    """A transformer's INT8 without its MatMuls: the static scheme, and so little left in INT8 that the variant is
+    not made (no engine of it could be labelled INT8), said with its share."""
+    from kiln.calibration.config import CalibrationConfig
+    from kiln.calibration.quantize import ort_cpu_scheme
+    from kiln.core.onnx_io import load_onnx
+
+    cfg = CalibrationConfig(exclude_op_types=["MatMul"])
+    assert ort_cpu_scheme(load_onnx(transformer_dir / "model.onnx"), cfg) == "static"
+    variants, summary = _run(
         tmp_path,
         transformer_dir,
         **{"precision.variants": ["fp32", "int8"], "calibration.exclude_op_types": ["MatMul"]},
     )
-    assert variants["int8"].report["ort_cpu"]["scheme"] == "static"
+    assert "int8" not in variants and "of its FLOPs run in int8" in summary["failed"]["int8"]
 
 
 def test_dynamic_without_matmul_is_a_config_error() -> None:

@@ -119,7 +119,10 @@ def test_kept_nodes_name_their_pytorch_module_and_errors_are_plotted(tmp_path: P
     assert summary["variants"]["fp16"]["kept_fp32_modules"] == modules
     plot = tmp_path / "precision" / summary["node_error_plot"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
-    assert set(summary["first_divergence"]) == {"fp16", "int8", "int8 onnxruntime-cpu"}
+    assert set(summary["first_divergence"]) == {"fp16", "int8"}
+    # ONNX Runtime CPU's graph quantizes this small transformer's head alone: too little INT8 for an INT8 engine
+    assert "of its FLOPs run in int8" in variants["int8"].report["ort_cpu_unmade"]
+    assert "onnxruntime-cpu" not in variants["int8"].backend_paths
     hit = summary["first_divergence"]["int8"]  # INT8 diverges somewhere; the node exists and has a module
     assert hit is None or (hit["node"] in {n["name"] for n in _nodes(tmp_path)} and hit["error"] > 0.01)
 
