@@ -23,6 +23,12 @@ class KilnError(Exception):
         return self.message if not self.hint else f"{self.message}\n  fix: {self.hint}"
 
 
+class Interrupted(KilnError):
+    """Ctrl-C: exit 130, as a shell reports a command SIGINT stopped."""
+
+    exit_code = 130
+
+
 class ConfigError(KilnError):
     """Bad config key, type or value."""
 

@@ -21,8 +21,18 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
+from kiln.core import interrupt
 from kiln.core.artifacts import output_folder
-from kiln.core.errors import ConfigError, GateFailure, KilnError, ModelError, StorageError, disk_full, storage_error
+from kiln.core.errors import (
+    ConfigError,
+    GateFailure,
+    Interrupted,
+    KilnError,
+    ModelError,
+    StorageError,
+    disk_full,
+    storage_error,
+)
 from kiln.core.ownership import claim_folder, output_file, record_owned, refuse_link, scratch_root
 from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
 from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
@@ -32,11 +42,11 @@ from kiln.stages.optimize.catalog import available as available_passes
 
 def _width(stream: Any) -> int | None:
     """Rich draws for 80 columns where a stream is no terminal (a pipe, a file, a CI log) and cuts a wider table
-    there; 200 then, so what is piped is whole. A terminal, or COLUMNS, keeps its own width."""
+    there; 200 then, so a piped answer is whole. A terminal, or COLUMNS, keeps its own width."""
     return None if os.environ.get("COLUMNS") or stream.isatty() else 200
 
 
-console = Console(stderr=True, width=_width(sys.stderr))  # logs, progress, errors
+console = Console(stderr=True)  # logs, progress, errors (rich's log lines pad to the width: 80 where piped)
 # what a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it)
 results = Console(width=_width(sys.stdout))
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
@@ -78,6 +88,12 @@ def _usage(exc: click.UsageError, fallback: str) -> UsageMistake:
     return UsageMistake(message, command)
 
 
+INTERRUPTED = Interrupted(
+    "interrupted (Ctrl-C)",
+    hint="run the same command again: what it finished is kept (`kiln run` resumes after its finished stages)",
+)
+
+
 class KilnCommand(click.Command):
     """Turns :class:`KilnError` into a clean message and exit code instead of a traceback."""
 
@@ -93,10 +109,13 @@ class KilnCommand(click.Command):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            interrupt.install()
             _check_cwd(self, ctx)
             return super().invoke(ctx)
         except click.UsageError as exc:
             raise _usage(exc, ctx.command_path) from None
+        except KeyboardInterrupt:
+            _fail(ctx, INTERRUPTED)
         except KilnError as exc:
             _fail(ctx, disk_full(exc, _written(ctx)) or exc)
         except OSError as exc:  # a disk or folder problem anywhere (read-only -o, disk full): the same two lines

@@ -85,7 +85,12 @@ class KilnConfig(Section):
         return getattr(self, "validate_" if name == "validate" else name)
 
     def dump(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+        """The config as plain data that reads back the same: a run from ``model.onnx`` that names no PyTorch model
+        leaves ``model.name`` out (its default, written, would make it a PyTorch model's run)."""
+        out = self.model_dump(mode="json", by_alias=True)
+        if self.model.onnx and "name" not in self.model.model_fields_set:
+            del out["model"]["name"]
+        return out
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kiln.core import interrupt
 from kiln.core.artifacts import (
     atomic_dir,
     clean_stale_staging,
@@ -272,6 +273,7 @@ class Runner:
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
                 continue
+            interrupt.check()  # a Ctrl-C that a finalizer swallowed during the last stage stops the run here
             try:
                 record = self._run_one(stage, stage.name in force)
             except KilnError as exc:  # one that quotes a full disk says the disk (export failed: ... errno 28)

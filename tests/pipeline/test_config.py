@@ -122,6 +122,17 @@ def test_one_per_precision_override_keeps_the_other_defaults() -> None:
     assert dumped.validate_.gates.per_precision == per
 
 
+def test_the_dump_of_an_onnx_start_reads_back_as_one() -> None:
+    """`kiln config` of a run from model.onnx, run back: no default model.name that turns it into a PyTorch run."""
+    from kiln.models.model_io import torch_model_named
+
+    cfg = config_from_dict({"model": {"onnx": "m.onnx"}})
+    again = config_from_dict(cfg.dump())
+    assert again == cfg and not torch_model_named(again.model)
+    named = config_from_dict({"model": {"onnx": "m.onnx", "name": "cnn"}})
+    assert torch_model_named(config_from_dict(named.dump()).model)
+
+
 @pytest.mark.parametrize(
     "dotted, text, expected",
     [
