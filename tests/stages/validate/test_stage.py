@@ -203,6 +203,10 @@ def test_a_chosen_engine_slower_than_pytorch_beyond_the_noise_is_said() -> None:
     assert "ort, runs at 0.63x PyTorch eager on the CPU (95 % interval 0.60-0.67x)" in note
     assert note.endswith("add torch to build.backends with build.torch.devices: [cpu]")  # none was built
     assert behind_pytorch([e("ort", 0.9, (0.8, 1.05))], {"32": "ort"}) == {}  # within the noise: not said
+    # a run from model.onnx: its baseline is that file in ONNX Runtime, and no PyTorch model to compile
+    [note] = behind_pytorch([e("ort", 0.63, (0.60, 0.67))], {"32": "ort"}, onnx_file=True).values()
+    assert "0.63x the input ONNX file in ONNX Runtime on the CPU" in note and "the input ONNX file itself" in note
+    assert "torch" not in note
 
 
 def test_slower_than_fp32_only_beyond_the_noise() -> None:
