@@ -50,6 +50,13 @@ def _apply(spec: Any, params: Any, model: onnx.ModelProto) -> tuple[onnx.ModelPr
     return infer_shapes(_export(graph, model, empties), strict=False), changes
 
 
+FIXED_SIZE_HINT = (
+    "the graph fixes the size of an axis its inputs declare dynamic (a Reshape to constant sizes, as the TorchScript "
+    "exporter writes one): re-export it with that axis static, or with the dynamo exporter; or set "
+    "optimize.verify_batch to the one size it takes"
+)
+
+
 def optimize_model(
     model: onnx.ModelProto,
     cfg: OptimizeConfig,
@@ -70,9 +77,12 @@ def optimize_model(
         try:
             verifier = Verifier(current, cfg, data_sizes, int_ranges)
         except Exception as exc:  # unverified rewrites must never ship silently: the user decides
+            why = short_reason(exc)
             raise ModelError(
-                f"the optimizer's safety net cannot run the input model on random inputs ({short_reason(exc)})",
-                hint="set optimize.int_high below the smallest vocabulary / index range, or "
+                f"the optimizer's safety net cannot run the input model on random inputs ({why})",
+                hint=FIXED_SIZE_HINT
+                if "cannot be reshaped" in why
+                else "set optimize.int_high below the smallest vocabulary / index range, or "
                 "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
                 "size); or optimize.verify: false to rewrite without checking",
             ) from None

@@ -193,6 +193,19 @@ def test_net_that_cannot_run_the_model_is_a_clear_error():
     assert s["verified"]
 
 
+def test_a_dynamic_axis_the_graph_fixes_is_named_as_such():
+    """A TorchScript export of attention reshapes to the example's length: the net's random inputs cannot run it,
+    and the fix says why and what to re-export, not to lower int_high."""
+    m = make_model(
+        [N("Reshape", ["x", "shape"], ["y"])], [("x", ["N", "seq", 4], FLOAT)], ["y"], {"shape": np.array([-1, 10, 4])}
+    )
+    with pytest.raises(ModelError, match="cannot be reshaped") as err:
+        optimize_model(m, OptimizeConfig())
+    assert "fixes the size of an axis its inputs declare dynamic" in err.value.hint
+    out, s = optimize_model(m, OptimizeConfig(verify_batch=10))
+    assert s["verified"]
+
+
 def test_dynamic_spatial_axes_are_not_forced_to_one():
     """Batch 1 is checked on the batch axis only: a dynamic H/W that cannot be 1 keeps verify_batch (it once made
     the net refuse such models outright)."""
