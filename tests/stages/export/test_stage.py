@@ -167,3 +167,26 @@ def test_sizes_the_later_stages_run_are_checked_at_export(tmp_path: Path) -> Non
     with pytest.raises(ModelError, match=r"the model fails at seq=8.*expects length 16, got 8") as err:
         _sizes_checked(tmp_path, MeanOverLength(fixed=True))
     assert "remove that axis from signature.dynamic_axes" in (err.value.hint or "")
+
+
+class MaskedAttention(nn.Module):
+    """Attention over a key padding mask: a sample whose keys are all masked is zeros in PyTorch's attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0].sum(1)
+
+
+def test_nan_where_pytorch_is_finite_is_named_with_its_samples(tmp_path: Path) -> None:
+    """A NaN error passes every tolerance check (nan > atol is false): the samples it hits are named instead."""
+    model, x = MaskedAttention().eval(), {"x": torch.randn(4, 5, 8), "pad": torch.zeros(4, 5, dtype=torch.bool)}
+    x["pad"][2] = True  # sample 2: every key masked
+    export_onnx(model, x, tmp_path / "m.onnx")
+    assert torch.isfinite(model(**x)).all()
+    with pytest.raises(ModelError, match=r"answers 1 of 4 samples with NaN or infinity in output 'logits'.*sample 2"):
+        parity(model, tmp_path / "m.onnx", x)
+    x["pad"][2] = False
+    assert parity(model, tmp_path / "m.onnx", x)["max_abs_err"] < 1e-4
