@@ -110,6 +110,8 @@ class EngineMetadata(Record):
     batch_range: tuple[int, int] | None = None  # smallest and largest batch the engine takes; None: any
     # dynamic axis besides batch -> [smallest, largest]: the sizes the engine was built and validated for
     axis_ranges: dict[str, list[int]] = Field(default_factory=dict)
+    # dynamic axis -> [step, offset]: an axis the engine takes only at sizes offset + k * step (a U-Net's height)
+    axis_steps: dict[str, list[int]] = Field(default_factory=dict)
     build_seconds: float = 0.0
     # outputs whose rows are not the samples (validation found them; the package stage records them): a batch of
     # requests could not be split back, so servers run each request alone
@@ -138,10 +140,12 @@ class EngineMetadata(Record):
                 if not isinstance(dim, str) or dim not in self.axis_ranges or axis >= len(shape):
                     continue
                 low, high = self.axis_ranges[dim]
-                if not low <= shape[axis] <= high:
+                step, offset = self.axis_steps.get(dim, (1, 0))
+                if not low <= shape[axis] <= high or (shape[axis] - offset) % step:
+                    steps = f" in steps of {step}" + (f" from {offset}" if offset else "") if step > 1 else ""
                     return (
                         f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was validated "
-                        f"for {dim} from {low} to {high}"
+                        f"for {dim} from {low} to {high}{steps}"
                     )
         return None
 

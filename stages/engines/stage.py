@@ -116,6 +116,7 @@ def build_engine(
             versions=built.versions,
             batch_range=built.batch_range,
             axis_ranges={k: v for k, v in (axis_sizes or {}).items() if k in named},
+            axis_steps=built.builder_settings.get("axis_steps", {}),
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),

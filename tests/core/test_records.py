@@ -76,3 +76,8 @@ def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
         meta.outside_range({"ids": (2, 17)})
         == "input 'ids' axis 1 (seq) is 17: engine e was validated for seq from 8 to 16"
     )
+    meta.axis_steps = {"seq": [4, 0]}  # torch.export's h = 4*_h: the sizes between the steps are refused too
+    assert meta.outside_range({"ids": (2, 12)}) is None
+    assert meta.outside_range({"ids": (2, 10)}) == (
+        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 in steps of 4"
+    )

@@ -54,6 +54,8 @@ from kiln.stages.engines.torch.lowbit import (
 from kiln.stages.engines.torch.program import check_inductor_keys, compile_program, inductor_options, run_compiled
 
 log = logging.getLogger("kiln.build")
+OneSize = dict[str, dict[int, int]]  # input -> {axis: the one size torch.export takes}
+Steps = dict[str, dict[int, tuple[int, int]]]  # input -> {axis: (step, offset) of the sizes torch.export takes}
 
 
 def _dtype(precision: str) -> Any:
@@ -221,10 +223,17 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
     # convolution with one input channel): there the frozen weights keep their layout. The inputs are channels_last
     # in every case.
     settings["channels_last_weights"] = settings["channels_last"] and not (settings["freezing"] and package_first)
-    exported, one_size = _captured(model, req, args, settings)
+    exported, one_size, steps = _captured(model, req, args, settings)
     if one_size:  # the engine takes these axes at one size: its inputs say so, and the build warms that size only
         req = with_one_size(req, one_size)
         settings["one_size_axes"] = one_size
+        log.warning("engine %s takes %s at one size only: requests of other sizes are refused", req.name, one_size)
+    if steps:  # the engine takes these axes in steps (a U-Net's multiples of 4): requests between them are refused
+        settings["axis_steps"] = axis_steps(req, steps)
+        said = ", ".join(
+            f"{k} in steps of {s}" + (f" from {o}" if o else "") for k, (s, o) in settings["axis_steps"].items()
+        )
+        log.warning("engine %s takes %s (torch.export's constraint): other sizes are refused", req.name, said)
     common = {
         **settings,
         "dtype": DTYPE_NAMES.get(req.precision, "float32"),
@@ -310,7 +319,13 @@ def _build_flavour(
         return _build_compiled(req, exported, common, why=exc.message)
 
 
-def with_one_size(req: BuildRequest, one_size: dict[str, dict[int, int]]) -> BuildRequest:
+def axis_steps(req: BuildRequest, steps: Steps) -> dict[str, list[int]]:
+    """Axis label -> [step, offset] from torch.export's input -> {axis: (step, offset)}."""
+    shapes = {spec.name: spec.shape for spec in req.inputs}
+    return {str(shapes[name][a]): list(step) for name, axes in steps.items() for a, step in axes.items()}
+
+
+def with_one_size(req: BuildRequest, one_size: OneSize) -> BuildRequest:
     """``req`` with the axes torch.export took at one size fixed to it in the inputs' shapes and axis sizes."""
     inputs, labels = [], {}
     for spec in req.inputs:
@@ -325,7 +340,7 @@ def with_one_size(req: BuildRequest, one_size: dict[str, dict[int, int]]) -> Bui
 
 def _captured(
     model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dict[str, Any]
-) -> tuple[Any, dict[str, dict[int, int]]]:
+) -> tuple[Any, OneSize, Steps]:
     """:func:`_capture`, and where channels_last chosen by auto (a model with convolutions) breaks torch.export (it
     can on dynamic heights and widths), again in the model's own layout, recorded in ``settings``. A failure that
     remains is a BuildError naming torch.export's reason."""
@@ -353,7 +368,7 @@ def _captured(
 
 def _capture(
     model: Any, req: BuildRequest, args: tuple[Any, ...], settings: dict[str, Any]
-) -> tuple[Any, dict[str, dict[int, int]]]:
+) -> tuple[Any, OneSize, Steps]:
     """The served model (in channels_last where the settings say so) through :func:`_export`."""
     import torch
 
@@ -363,10 +378,9 @@ def _capture(
     return _export(served, args, _dynamic_shapes(req), [i.name for i in req.inputs])
 
 
-def _export(
-    served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]
-) -> tuple[Any, dict[str, dict[int, int]]]:
-    """``torch.export`` with the engine's dynamic axes: (the program, input -> {axis: size} it takes one size of).
+def _export(served: Any, args: tuple[Any, ...], dynamic: Any, names: list[str]) -> tuple[Any, OneSize, Steps]:
+    """``torch.export`` with the engine's dynamic axes: (the program, input -> {axis: size} it takes one size of,
+    input -> {axis: (step, offset)} it takes in steps of).
     A model that takes only some sizes (a U-Net's height must be a multiple of 4, for its pooling and upsampling to
     meet) fails with torch's suggested fixes; they are applied once (``refine_dynamic_shapes_from_suggested_fixes``,
     torch's own helper). A fix may pin an axis to the example's size: torch.export specialises some ops to it (a
@@ -376,7 +390,7 @@ def _export(
 
     with torch.inference_mode():
         try:
-            return torch.export.export(served, args, dynamic_shapes=dynamic), {}
+            return torch.export.export(served, args, dynamic_shapes=dynamic), {}, {}
         except torch._dynamo.exc.UserError as exc:
             if "Suggested fixes" not in str(exc):
                 raise
@@ -395,7 +409,21 @@ def _export(
                 names[i]: {a: d for a, d in (axes or {}).items() if isinstance(d, int)}
                 for i, axes in enumerate(refined[0])
             }
-            return torch.export.export(served, args, dynamic_shapes=refined), {k: v for k, v in one_size.items() if v}
+            steps = {
+                names[i]: {a: _step(d) for a, d in (axes or {}).items() if _step(d)}
+                for i, axes in enumerate(refined[0])
+            }
+            program = torch.export.export(served, args, dynamic_shapes=refined)
+            return program, {k: v for k, v in one_size.items() if v}, {k: v for k, v in steps.items() if v}
+
+
+def _step(dim: Any) -> tuple[int, int] | None:
+    """(step, offset) of a size torch.export derived from another (``h = 4*_h``: sizes 4k), or None."""
+    fn = getattr(dim, "fn", None)
+    if fn is None or not hasattr(dim, "root"):
+        return None
+    step = int(fn(1)) - int(fn(0))
+    return (step, int(fn(0)) % step) if step > 1 else None
 
 
 def _build_package(req: BuildRequest, exported: Any, args: tuple[Any, ...], common: dict[str, Any]) -> dict[str, Any]:

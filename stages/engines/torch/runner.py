@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.core.errors import ModelError
 from kiln.core.timing import time_calls
 from kiln.stages.engines.backend import Runner
 from kiln.stages.engines.torch.program import GraphReplays, compile_program, run_compiled
@@ -69,6 +70,10 @@ class TorchRunner(Runner):
         return self.torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.meta.axis_steps:  # the compiled program answers a size between its steps with a wrong shape
+            outside = self.meta.outside_range({k: v.shape for k, v in feed.items()})
+            if outside is not None:
+                raise ModelError(outside, hint="call the engine at the sizes it was validated for")
         return {n: o.cpu().numpy() for n, o in zip(self.output_names, self._call(self._args(feed)))}
 
     def prepared(self, feed: dict[str, np.ndarray]) -> tuple[Any, bool]:

@@ -26,8 +26,8 @@ class GRUModel(nn.Module):
 
 def test_the_axis_torch_export_pins_is_reported_by_input_and_size() -> None:
     dims = {0: torch.export.Dim("batch", min=1, max=8), 1: torch.export.Dim("seq", min=2, max=16)}
-    program, one_size = _export(GRUModel().eval(), (torch.randint(0, 20, (2, 12)),), ((dims,),), ["tokens"])
-    assert one_size == {"tokens": {1: 12}}
+    program, one_size, steps = _export(GRUModel().eval(), (torch.randint(0, 20, (2, 12)),), ((dims,),), ["tokens"])
+    assert one_size == {"tokens": {1: 12}} and steps == {}
     x = torch.randint(0, 20, (5, 12))  # the batch stays dynamic
     assert program.module()(x)[0].shape == (5, 3)
 
@@ -48,3 +48,22 @@ def test_the_request_takes_the_pinned_size_in_its_inputs_and_drops_the_axis_rang
     )
     pinned = with_one_size(req, {"ids": {1: 12}, "mask": {1: 12}})
     assert [s.shape for s in pinned.inputs] == [["batch", 12], ["batch", 12]] and pinned.axis_sizes == {}
+
+
+class Halves(nn.Module):
+    """Pools and upsamples back, then adds the input: the height must be even (a U-Net's skip connection)."""
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor]:
+        x = xs[0]
+        return (x + nn.functional.interpolate(nn.functional.max_pool2d(x, 2), scale_factor=2),)
+
+
+def test_an_axis_torch_export_takes_in_steps_is_reported_with_its_step() -> None:
+    """torch.export's fix for a U-Net's height (h = 2*_h) keeps the axis dynamic in steps of 2: recorded, so that
+    requests between the steps, which the compiled program would answer with a wrong shape, are refused."""
+    from kiln.stages.engines.torch.build import _step
+
+    dims = {0: torch.export.Dim("batch", min=1, max=8), 2: torch.export.Dim("h", min=8, max=32)}
+    _, one_size, steps = _export(Halves().eval(), (torch.randn(2, 1, 16, 4),), ((dims,),), ["image"])
+    assert one_size == {} and steps == {"image": {2: (2, 0)}}
+    assert _step(torch.export.Dim("h")) is None and _step(3 * torch.export.Dim("k") + 1) == (3, 1)
