@@ -8,8 +8,8 @@ import json
 import logging
 import re
 import warnings
-from collections.abc import Mapping
-from contextlib import redirect_stdout
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,11 +301,30 @@ def _export(
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), redirect_stdout(io.StringIO()):
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), _no_torchscript_log():
             warnings.simplefilter("ignore")
             torch.onnx.export(model, args, str(path), **kw)
     finally:
         quiet.setLevel(level)
+
+
+@contextmanager
+def _no_torchscript_log() -> Iterator[None]:
+    """The TorchScript exporter switches its C++ log on whatever ``verbose`` says (its check reads the function
+    ``_jit_is_onnx_log_enabled`` instead of calling it) and, when it fails, writes the whole TorchScript graph to
+    stderr ahead of Kiln's error; its switch is a no-op for the call. Without that module (another torch): as is."""
+    try:
+        from torch.onnx._internal.torchscript_exporter import utils
+    except ImportError:
+        yield
+        return
+    switch = getattr(utils, "setup_onnx_logging", None)
+    utils.setup_onnx_logging = lambda verbose: nullcontext()
+    try:
+        yield
+    finally:
+        if switch is not None:
+            utils.setup_onnx_logging = switch
 
 
 def parity(model: nn.Module, onnx_path: Path, x: Inputs, session: Any = None, at: str = "") -> dict[str, Any]:
