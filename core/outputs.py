@@ -94,6 +94,14 @@ def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
     return setting
 
 
+def class_logits(names: Sequence[str], setting: str | int | None, labels: Any) -> str | None:
+    """:func:`logits_name` for a run with ``labels`` (the held-out targets): float targets are a regression's, whose
+    output holds values, not class logits, unless ``signature.logits_output`` names one."""
+    if setting is None and labels is not None and np.asarray(tensors(labels)[0]).dtype.kind == "f":
+        return None
+    return logits_name(names, setting)
+
+
 class FlatModel(nn.Module):
     """``model`` taking its inputs as positional tensors (in ``like``'s order) and returning a tuple of output
     tensors (in :func:`flatten_outputs`'s order): the one form ``torch.onnx.export`` and the comparisons need."""

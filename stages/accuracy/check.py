@@ -339,6 +339,15 @@ def compare_on(
     return out
 
 
+def rel_err_limit(gates: dict[str, Any], no_class_logits: bool) -> float | None:
+    """The relative L2 error each float output may have: ``max_rel_err``, or where the model has no class logits
+    (a regression's values, whose task no top-1 agreement guards) the error ``min_cosine`` allows at right angles
+    to the reference, sqrt(2 (1 - c)), now in any direction: cosine alone passes an offset or a scale."""
+    if gates.get("max_rel_err") is not None:
+        return float(gates["max_rel_err"])
+    return float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))) if no_class_logits else None
+
+
 def accuracy_failures(
     entry: EngineValidation,
     gates: dict[str, Any],
@@ -350,7 +359,10 @@ def accuracy_failures(
     gate): cosine and max abs error per output, top-1 agreement of the class logits (flips on ties counted as
     agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
     fails = []
-    per_output = entry.outputs or {"": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err}}
+    per_output = entry.outputs or {
+        "": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err, "rel_err": entry.rel_err}
+    }
+    rel_limit = rel_err_limit(gates, entry.top1_agreement is None)
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
         named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
         where = f"output '{name}' " if named else ""
@@ -364,6 +376,9 @@ def accuracy_failures(
             fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
         if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
             fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
+        if rel_limit is not None and s["cosine"] is not None and not s.get("rel_err", 0.0) <= rel_limit:
+            source = "max_rel_err" if gates.get("max_rel_err") is not None else "max_rel_err from min_cosine"
+            fails.append(f"{where}relative error {s['rel_err']:.4g} > {rel_limit:.4g} ({source})")
     if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"]:
         ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
         fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}{ties}")

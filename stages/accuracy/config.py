@@ -29,6 +29,13 @@ class GatesConfig(Section):
         description="cosine similarity of the logits output, flattened, vs PyTorch (kiln.core.compare 'cosine')",
     )
     max_abs_err: float | None = Field(None, ge=0, description="max abs output error vs PyTorch; null = unchecked")
+    max_rel_err: float | None = Field(
+        None,
+        ge=0,
+        description="relative L2 error of each float output vs PyTorch; null = for a model without class logits (a "
+        "regression) sqrt(2 * (1 - min_cosine)), the error min_cosine allows in any direction (cosine alone misses "
+        "an offset or a scale), else unchecked",
+    )
     min_top1_agreement: float = Field(
         0.99, ge=0, le=1.0, description="fraction of samples whose argmax matches PyTorch"
     )

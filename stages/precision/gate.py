@@ -135,7 +135,7 @@ def _extra_failures(entry: EngineValidation, extra: FallbackConfig | None) -> li
     if extra.min_top1_agreement is not None and entry.top1_agreement is not None:
         if not entry.top1_agreement >= extra.min_top1_agreement:
             fails.append(f"top1_agreement {entry.top1_agreement:.4f} < fallback target {extra.min_top1_agreement}")
-    if extra.min_cosine is not None and not (entry.cosine or float("nan")) >= extra.min_cosine:
+    if extra.min_cosine is not None and entry.cosine is not None and not entry.cosine >= extra.min_cosine:
         fails.append(f"cosine {entry.cosine:.6f} < fallback target {extra.min_cosine}")
     return fails
 

@@ -30,7 +30,7 @@ from kiln.core.data import DatasetSplits, feed_for_graph, rows, take
 from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import io_specs, load_onnx
-from kiln.core.outputs import logits_name
+from kiln.core.outputs import class_logits
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
 from kiln.core.shapes import axis_sizes, graph_axes
@@ -114,7 +114,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
     if lowbit and batches:
         save_feeds(batches, names, ctx.out / FEEDS_FILE)
-    logits = logits_name([o.name for o in outputs], ctx.config.signature.logits_output)
+    logits = class_logits([o.name for o in outputs], ctx.config.signature.logits_output, data.val_y)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         # The FP32 variant is the optimized graph with every node named and shapes inferred: the names are

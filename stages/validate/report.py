@@ -216,7 +216,8 @@ def _compared(b: Any) -> list[str]:
     logits = (
         f"top-1 agreement and accuracy on '{b.logits_output}'"
         if b.logits_output
-        else "no class-logit output (signature.logits_output unset): no top-1 agreement or accuracy"
+        else "no class-logit output (float targets, or signature.logits_output unset): no top-1 agreement or "
+        "accuracy, and each output's relative error gated"
     )
     if b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
         logits += (

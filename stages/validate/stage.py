@@ -37,7 +37,7 @@ from kiln.core.env import environment_subset
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
-from kiln.core.outputs import host_arrays, logits_name, named_outputs
+from kiln.core.outputs import class_logits, host_arrays, named_outputs
 from kiln.core.records import (
     NONE_VALIDATED,
     Baseline,
@@ -433,7 +433,7 @@ def reference(
 ) -> Reference:
     """The reference's outputs on the held-out ``feeds``, with the labels and ``validate.metric`` they are judged by."""
     sig = ctx.config.signature
-    logits = logits_name(out_names, sig.logits_output)
+    logits = class_logits(out_names, sig.logits_output, data.val_y)
     return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes)
 
 

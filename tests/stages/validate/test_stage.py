@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.core.compare import compare_arrays
 from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
@@ -73,6 +74,23 @@ def test_gates_name_the_failing_values() -> None:
     fails = check_gates(entry(cosine=0.99, top1_agreement=0.5, accuracy=0.80), 0.95, gates, 8)
     assert any("cosine 0.990000 < min_cosine 0.9999" in f for f in fails)
     assert any("top1_agreement 0.5000" in f for f in fails) and any("accuracy drop 0.1500" in f for f in fails)
+
+
+def test_a_regression_is_gated_on_its_relative_error_too() -> None:
+    """Targets around 10 shifted by 0.5: cosine 0.99997 passes FP32's 0.9999, the relative error (0.05) does not.
+    Without class logits the limit is the error min_cosine allows at right angles, sqrt(2 (1 - c)); with class logits
+    top-1 agreement guards the task and no relative error is gated unless max_rel_err says so."""
+    ref = 10 + np.random.default_rng(0).normal(0, 0.4, 256)
+    stats = compare_arrays(ref, ref + 0.5)
+    assert stats.cosine > 0.9999 and stats.rel_err > 0.04
+    shifted = entry(top1_agreement=None, accuracy=None, cosine=stats.cosine, outputs={"y": stats.as_dict()})
+    fp32, int8 = gates_for(ValidateConfig(), "fp32"), gates_for(ValidateConfig(), "int8")
+    assert check_gates(shifted, None, fp32, 8) == [
+        f"relative error {stats.rel_err:.4g} > 0.01414 (max_rel_err from min_cosine)"
+    ]
+    assert check_gates(shifted, None, int8, 8) == []  # INT8's min_cosine 0.99 allows 0.14
+    assert check_gates(shifted.model_copy(update={"top1_agreement": 1.0}), None, fp32, 8) == []
+    assert check_gates(shifted, None, {**int8, "max_rel_err": 0.01}, 8)
 
 
 def test_nan_output_fails_cosine_gate() -> None:

@@ -41,7 +41,7 @@ def export_refusing_channels_last(monkeypatch: pytest.MonkeyPatch) -> list[bool]
         layouts.append(settings["channels_last"])
         if settings["channels_last"]:
             raise RuntimeError("Constraints violated (width)!")
-        return "exported", {}
+        return "exported", {}, {}
 
     monkeypatch.setattr(build, "_capture", capture)
     monkeypatch.setattr(build, "_build_package", lambda req, exported, args, common: {"common": common})
