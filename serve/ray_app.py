@@ -6,9 +6,11 @@ The deployment speaks the KServe v2 inference protocol in JSON, as Triton's HTTP
 [...]}``, and ``GET /v2/models/<model>/ready`` says whether the replica can answer; ``tritonclient.http`` (JSON
 tensors) and ``kiln loadtest ray://...`` talk to it. Requests are checked against the engine's metadata before
 they are queued (names, dtypes, shapes, the batch limit): a bad request is a 400 naming the problem, and never
-reaches the batch of others. Requests are batched with ``@serve.batch`` up to ``max_batch_size`` rows. A replica
-whose engine failed (an error other than a bad request) fails its health check, logged with the reason; Ray then
-replaces it, which its controller logs too: nothing restarts silently.
+reaches the batch of others. Requests are batched with ``@serve.batch`` up to ``max_batch_size`` rows; a batch the
+engine raises on runs again a request at a time, so that a request it refuses (a token id past the vocabulary)
+fails alone, answered 400 while the engine still answers others. A replica whose engine failed (it no longer
+answers the last request it answered) fails its health check, logged with the reason; Ray then replaces it, which
+its controller logs too: nothing restarts silently.
 
 Needs ``ray[serve]`` (``pip install "kiln[ray]"``), imported here: the package stage writes the config without it.
 """
@@ -97,6 +99,7 @@ class KilnEngine:
         self.model_name = model_name
         self.max_rows = served_max_batch(self.meta, max_batch_size)
         self.failure: str | None = None
+        self.answered: dict[str, np.ndarray] | None = None
         self.infer_batch.set_max_batch_size(max(1, self.max_rows))
         self.infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         gc.freeze()  # the engine's and the libraries' objects out of the collector's sight (as the Triton stub)
@@ -121,39 +124,86 @@ class KilnEngine:
             return JSONResponse({"error": "the body is not JSON"}, 400)
         if self.failure is not None:
             return JSONResponse({"error": f"this replica's engine failed: {self.failure}"}, 503)
-        try:
-            outputs = await self.infer_batch(feed)
-        except Exception as exc:  # the engine failed on inputs that passed the checks: this replica is unhealthy
-            self.failure = f"{type(exc).__name__}: {exc}"[:500]
-            log.error("model %s: engine failed, replica marked unhealthy: %s", self.model_name, self.failure)
-            return JSONResponse({"error": f"the engine failed: {self.failure}"}, 500)
+        outputs = await self.infer_batch(feed)
+        if isinstance(outputs, Exception):
+            return self._failed(outputs)
+        self.answered = feed  # a request the engine answers: what tells a refused request from a failed engine
         return JSONResponse(v2_outputs(self.model_name, outputs))
 
+    def _failed(self, exc: Exception) -> JSONResponse:
+        """The engine raised on a request that passed the checks: the request's own fault (a token id past the
+        vocabulary) when the engine still answers the last request it answered (or zeros, before any), answered
+        400 and the replica serves on; else the engine's, and the replica is marked unhealthy."""
+        why = f"{type(exc).__name__}: {exc}"[:500]
+        try:
+            self._run(self.answered if self.answered is not None else _zeros(self.meta))
+        except Exception:
+            self.failure = why
+            log.error("model %s: engine failed, replica marked unhealthy: %s", self.model_name, why)
+            return JSONResponse({"error": f"the engine failed: {why}"}, 500)
+        return JSONResponse({"error": f"the engine refused this request: {why}"}, 400)
+
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002, batch_size_fn=lambda feeds: sum(map(_rows, feeds)))
-    async def infer_batch(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Requests that arrived together, as one engine call, split back per request."""
-        if len(feeds) == 1 or not self.max_rows:
-            return [self._run(f) for f in feeds]
+    async def infer_batch(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | Exception]:
+        """Requests that arrived together, as one engine call, split back per request; where that call fails, each
+        request alone, so that one refused request fails alone (its exception in its place)."""
+        if len(feeds) > 1 and self.max_rows:
+            try:
+                return self._together(feeds)
+            except Exception:
+                pass
+        return [self._attempt(f) for f in feeds]
+
+    def _together(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         sizes = [_rows(f) for f in feeds]
         out = self._run({n: np.concatenate([f[n] for f in feeds]) for n in feeds[0]})
         bounds = np.cumsum(sizes)[:-1]
         parts = {n: np.split(a, bounds) for n, a in out.items()}
         return [{n: parts[n][i] for n in out} for i in range(len(feeds))]
 
+    def _attempt(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray] | Exception:
+        try:
+            return self._run(feed)
+        except Exception as exc:
+            return exc
+
     def _run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         result = self.runner.infer(feed)
         return {s.name: np.asarray(result[s.name], dtype=s.dtype) for s in self.meta.outputs}
 
     def _metadata(self) -> dict[str, Any]:
-        def specs(items: list[Any]) -> list[dict[str, Any]]:
-            return [{"name": s.name, "datatype": V2_TYPES[s.dtype], "shape": s.shape} for s in items]
+        """KServe v2 model metadata: sizes as integers, -1 where they vary."""
 
-        return {"name": self.model_name, "platform": f"kiln-{self.meta.backend}", "inputs": specs(self.meta.inputs)}
+        def specs(items: list[Any]) -> list[dict[str, Any]]:
+            return [
+                {
+                    "name": s.name,
+                    "datatype": V2_TYPES[s.dtype],
+                    "shape": [d if isinstance(d, int) and d > 0 else -1 for d in s.shape],
+                }
+                for s in items
+            ]
+
+        return {
+            "name": self.model_name,
+            "platform": f"kiln-{self.meta.backend}",
+            "inputs": specs(self.meta.inputs),
+            "outputs": specs(self.meta.outputs),
+        }
 
     def check_health(self) -> None:
         """Ray's periodic health check: a replica whose engine failed says why, and Ray replaces it."""
         if self.failure is not None:
             raise RuntimeError(f"model {self.model_name}: engine failed: {self.failure}")
+
+
+def _zeros(meta: EngineMetadata) -> dict[str, np.ndarray]:
+    """One sample of zeros at the smallest validated size of each axis: a request any engine of the model takes."""
+    sizes = {k: v[0] for k, v in meta.axis_ranges.items()}
+    return {
+        s.name: np.zeros([d if isinstance(d, int) and d > 0 else sizes.get(d, 1) for d in s.shape], dtype=s.dtype)
+        for s in meta.inputs
+    }
 
 
 def _rows(feed: dict[str, np.ndarray]) -> int:

@@ -34,7 +34,7 @@ def application(model: str, engine_dir: Path, meta: EngineMetadata, cfg: RayConf
         "route_prefix": f"/v2/models/{model}",
         "import_path": IMPORT_PATH,
         "args": {
-            "engine_dir": str(engine_dir),
+            "engine_dir": str(Path(engine_dir).resolve()),  # not relative to where `kiln run` ran
             "model_name": model,
             "replicas": cfg.replicas,
             "gpus_per_replica": gpus,

@@ -268,8 +268,8 @@ class TritonPythonModel:
         read = time.perf_counter()
         try:
             answers = dict(zip(todo, self._run([feeds[i] for i in todo]))) if todo else {}
-        except Exception as exc:  # the engine failed on this batch: each request gets the error, the server goes on
-            refused = [why or f"the engine failed: {type(exc).__name__}: {exc}" for why in refused]
+        except Exception as exc:  # the engine failed on this batch: each request alone, the server goes on
+            answers, refused = self._alone(feeds, todo, refused, exc)
         ran = time.perf_counter()
         responses = [
             pb_utils.InferenceResponse(output_tensors=[
@@ -291,6 +291,19 @@ class TritonPythonModel:
             except Exception:  # Triton refused a metric update: the answers go out, without timings from now on
                 self.times = None
         return responses
+
+    def _alone(self, feeds, todo, refused, exc):
+        """The batch failed: each of its requests alone, so that the one the engine refuses (a token id past the
+        vocabulary) gets the error and the others their answers."""
+        answers, refused = {}, list(refused)
+        for i in todo:
+            try:
+                if len(todo) == 1:
+                    raise exc  # it ran alone already
+                answers[i] = self._run([feeds[i]])[0]
+            except Exception as one:
+                refused[i] = f"the engine failed on this request: {type(one).__name__}: {one}"
+        return answers, refused
 
     def _run(self, feeds):
         if not self.batched:

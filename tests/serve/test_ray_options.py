@@ -17,3 +17,45 @@ def test_a_replica_holds_a_full_batch_and_the_next_one_forming() -> None:
         return app._bound_deployment.max_ongoing_requests
 
     assert held(32) == 64 and held(1) == 5 and held(0) == 5  # 0: no batching, Ray's own default
+
+
+def test_a_request_the_engine_refuses_fails_alone_and_the_replica_serves_on(tmp_path) -> None:
+    """A token id past the vocabulary (ONNX Runtime's Gather raises) in a batch of good requests: the batch runs
+    again a request at a time, the bad one is a 400 and the replica stays healthy; an engine that no longer
+    answers anything marks the replica unhealthy."""
+    import asyncio
+    import json
+
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kiln.serve.ray_app import KilnEngine
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
+    from kiln.stages.engines.stage import build_engine
+
+    table = numpy_helper.from_array(np.arange(60, dtype=np.float32).reshape(20, 3), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [table],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    cfg = BuildConfig(backends=["onnxruntime"], onnxruntime=OnnxRuntimeConfig(autotune={"cpu": False}))
+    build_engine(tmp_path / "m.onnx", tmp_path / "e", "onnxruntime", "cpu", "fp32", cfg, tmp_path / "cache")
+    replica = KilnEngine.func_or_class(str(tmp_path / "e"), "m", 8, 0.002)
+    good, bad = {"ids": np.array([3], np.int64)}, {"ids": np.array([999], np.int64)}
+
+    # the batch as @serve.batch hands it over (its queue needs a running replica: called beneath it)
+    together = KilnEngine.func_or_class.infer_batch.__wrapped__
+    first, refused, third = asyncio.run(together(replica, [good, bad, good]))
+    assert (first["y"] == [[9, 10, 11]]).all() and (third["y"] == first["y"]).all()
+    assert isinstance(refused, Exception)
+    answer = replica._failed(refused)
+    assert answer.status_code == 400 and "the engine refused this request" in json.loads(answer.body)["error"]
+    assert replica.failure is None  # the engine still answers: the replica stays healthy
+    replica.runner.deactivate()  # now nothing runs: the engine's failure, not the request's
+    assert replica._failed(refused).status_code == 500 and replica.failure

@@ -85,6 +85,17 @@ def test_ray_applications_take_replicas_and_gpus_from_the_config(tmp_path: Path)
     assert application("m", tmp_path, TRT, RayConfig(gpus_per_replica=0.5))["args"]["gpus_per_replica"] == 0.5
 
 
+def test_the_ray_config_names_its_engine_whatever_folder_serve_run_starts_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kiln run -w wd` from one folder, `serve run serve.yaml` from another: the engine folder is absolute."""
+    from kiln.stages.package.rayserve import application
+
+    monkeypatch.chdir(tmp_path)
+    app = application("m", Path("wd/package/engines/e"), TRT, RayConfig())
+    assert app["args"]["engine_dir"] == str(tmp_path / "wd" / "package" / "engines" / "e")
+
+
 def test_a_packaged_run_writes_the_ray_config_and_the_manifest(tmp_path: Path) -> None:
     result, _ = run_pipeline(config_from_dict(tiny_config_dict()), tmp_path / "run")
     assert result.ok

@@ -61,9 +61,12 @@ def test_the_model_answers_each_request_and_freezes_what_start_up_built(
         one, two = model.execute([{"x": np.full((n, 3), n, np.float32)} for n in (1, 2)])
         assert one.error is None and one.outputs[0][0] == "y" and (one.outputs[0][1] == 2).all()
         assert two.outputs[0][1].shape == (2, 3) and (two.outputs[0][1] == 4).all()
-        # a batch the engine cannot run: each request answered with the error, and the model goes on
-        bad = model.execute([{"x": np.ones((1, 3), np.float32)}, {"x": np.ones((1, 4), np.float32)}])
-        assert all(r.outputs is None and "the engine failed" in r.error for r in bad)
+        # a batch the engine cannot run: each request alone, so that only the one it refuses gets the error
+        good, bad = model.execute([{"x": np.ones((1, 3), np.float32)}, {"x": np.ones((1, 4), np.float32)}])
+        assert good.error is None and (good.outputs[0][1] == 2).all()
+        assert bad.outputs is None and "the engine failed on this request" in bad.error
+        [alone] = model.execute([{"x": np.ones((1, 4), np.float32)}])
+        assert alone.outputs is None and "the engine failed on this request" in alone.error
         assert (model.execute([{"x": np.ones((1, 3), np.float32)}])[0].outputs[0][1] == 2).all()
     finally:
         gc.unfreeze()
