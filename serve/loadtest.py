@@ -846,13 +846,15 @@ def stub_split(
     """Mean ms per execution: Triton's execution time (``execution``), the stub's phases over the executions it
     published (:func:`kiln.serve.stub_times.split`) and ``rest``, the first less the phases (the hop between Triton
     and the stub); None where the model publishes none (not Kiln's Python-backend model, a Triton without custom
-    metrics)."""
+    metrics); ``rest`` is None where the phases add up to more than Triton's time (not the same executions)."""
     phases = stub_times.split(stub_before, stub_after)
     runs = after.get("execution_count", 0) - before.get("execution_count", 0)
     if phases is None or runs <= 0 or "execution_ns" not in after:
         return None
     execution = (after["execution_ns"] - before.get("execution_ns", 0)) / runs / 1e6
-    return {"execution": execution, **phases, "rest": execution - sum(phases[p] for p in stub_times.PHASES)}
+    rest = execution - sum(phases[p] for p in stub_times.PHASES)
+    # below zero, the stub's published executions are not Triton's (a metric published late): no hop to tell
+    return {"execution": execution, **phases, "rest": rest if rest >= 0 else None}
 
 
 def _ray_ready(address: str, model: str) -> dict[str, int]:
@@ -1098,7 +1100,9 @@ def stub_table(levels: list[dict[str, Any]]) -> list[str]:
     ]
     for lv in levels:
         if stub := lv.get("stub_ms"):
-            cells = " | ".join(f"{stub[k]:.3f}" for k in ("execution", *stub_times.PHASES, "rest"))
+            cells = " | ".join(
+                "-" if stub[k] is None else f"{stub[k]:.3f}" for k in ("execution", *stub_times.PHASES, "rest")
+            )
             slow = f"{stub['slow_executions']:.0f}" if "slow_executions" in stub else "-"
             if stub.get("slow_ms"):
                 slow += " (" + " / ".join(f"{stub['slow_ms'][p]:.1f}" for p in stub_times.PHASES) + ")"

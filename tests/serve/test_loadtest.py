@@ -304,3 +304,18 @@ def test_kilns_client_sends_http_requests_whose_tensors_are_in_shared_memory_onl
         lean_client("kiln", "grpc", True)
     with pytest.raises(ConfigError, match="not one of auto, kiln, tritonclient"):
         lean_client("curl", "http", True)
+
+
+def test_the_hop_is_not_told_where_the_stub_phases_outlast_tritons_execution() -> None:
+    """Triton's execution time less the stub's phases is the hop between them, over the same executions; phases
+    that add up to more are another set of executions (a metric published late), shown as "-", never negative."""
+    from kiln.serve import stub_times
+    from kiln.serve.loadtest import stub_split
+
+    def reads(engine_s: float) -> tuple[dict[str, float], dict[str, float]]:
+        after = {p: 0.0 for p in stub_times.PHASES} | {"executions": 10.0, "requests": 10.0, "engine": engine_s}
+        return {"executions": 0.0}, after
+
+    triton = ({"execution_count": 0, "execution_ns": 0}, {"execution_count": 10, "execution_ns": 40_000_000})
+    assert stub_split(*reads(0.03), *triton)["rest"] == pytest.approx(1.0)  # 4 ms an execution, 3 of them the engine's
+    assert stub_split(*reads(0.05), *triton)["rest"] is None
