@@ -230,6 +230,12 @@ from kiln.serve.batching import batched_infer, buckets_for, warm_buckets
 from kiln.serve.stub_times import StubStamps, StubTimes, sent_times
 
 
+def _error(message, invalid):
+    """Triton's error for a response: INVALID_ARG (HTTP 400) for the request's own fault, where the stub has codes."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid else None
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         if args.get("model_instance_kind") == "GPU":
@@ -264,6 +270,7 @@ class TritonPythonModel:
         # a request outside the sizes the engine was validated for is answered with an error naming them
         refused = [self.runner.meta.outside_range({n: f[n].shape for n in self.inputs}) for f in feeds]
         todo = [i for i, why in enumerate(refused) if why is None]
+        refused = [(why, True) for why in refused]  # (message, the request's own fault: an HTTP 400)
         answers = {}
         read = time.perf_counter()
         try:
@@ -274,7 +281,7 @@ class TritonPythonModel:
         responses = [
             pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor(n, np.ascontiguousarray(answers[i][n], dtype=t)) for n, t in self.outputs.items()])
-            if i in answers else pb_utils.InferenceResponse(error=pb_utils.TritonError(refused[i]))
+            if i in answers else pb_utils.InferenceResponse(error=_error(*refused[i]))
             for i in range(len(requests))
         ]
         sent = []
@@ -295,14 +302,16 @@ class TritonPythonModel:
     def _alone(self, feeds, todo, refused, exc):
         """The batch failed: each of its requests alone, so that the one the engine refuses (a token id past the
         vocabulary) gets the error and the others their answers."""
-        answers, refused = {}, list(refused)
+        answers, refused, failed = {}, list(refused), []
         for i in todo:
             try:
                 if len(todo) == 1:
                     raise exc  # it ran alone already
                 answers[i] = self._run([feeds[i]])[0]
             except Exception as one:
-                refused[i] = f"the engine failed on this request: {type(one).__name__}: {one}"
+                failed.append((i, f"the engine failed on this request: {type(one).__name__}: {one}"))
+        for i, why in failed:  # the request's own fault where the engine answered others of the batch
+            refused[i] = (why, bool(answers))
         return answers, refused
 
     def _run(self, feeds):

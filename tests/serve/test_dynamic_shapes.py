@@ -97,7 +97,8 @@ def _run(tmp_path: Path, model: str, data: str, axes: dict, **extra: object) -> 
 
 
 def _serve_and_ask(workdir: Path, feeds: list[dict[str, np.ndarray]], outside: dict[str, np.ndarray]) -> str:
-    """Each feed's answers from the server equal the engine's own; ``outside``'s error message is returned."""
+    """Each feed's answers from the server equal the engine's own; ``outside``'s error is returned, with its HTTP
+    status."""
     from tritonclient.http import InferenceServerClient, InferInput
     from tritonclient.utils import InferenceServerException
 
@@ -125,7 +126,7 @@ def _serve_and_ask(workdir: Path, feeds: list[dict[str, np.ndarray]], outside: d
             ask(outside)
     finally:
         _abort(proc)
-    return str(refused.value)
+    return f"HTTP {refused.value.status()}: {refused.value}"
 
 
 @pytest.mark.long
@@ -139,6 +140,7 @@ def test_a_sequence_model_is_served_at_both_validated_lengths(tmp_path: Path) ->
 
     message = _serve_and_ask(wd, [feed(6), feed(12), feed(9)], feed(40))
     assert "seq" in message and "6 to 12" in message and "40" in message, message
+    assert message.startswith("HTTP 400"), message  # the request's fault, not the server's
 
 
 def test_a_per_pixel_model_is_served_at_two_image_sizes(tmp_path: Path) -> None:
