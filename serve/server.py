@@ -661,6 +661,7 @@ class _Reaper:
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._tree: dict[int, Any] = {}
+        self._shm: set[str] = set()  # the Python backend's shared-memory regions the server maps
         self._stop_at: float | None = None
         self._others = self._children()  # this process's children from before the server: not the server's
         threading.Thread(target=self._run, daemon=True, name="kiln-serve-reaper").start()
@@ -676,12 +677,25 @@ class _Reaper:
         with self._lock:
             self._tree |= found
 
+    def _regions(self) -> None:
+        """The /dev/shm files the server's processes map (the Python backend's region): a server killed at its
+        deadline leaves its region behind, 1 MiB or more of the machine's memory until removed."""
+        with self._lock:
+            pids = list(self._tree)
+        for pid in pids:
+            try:
+                lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            except OSError:  # gone, or no /proc (not Linux)
+                continue
+            self._shm |= {ln.split(maxsplit=5)[-1] for ln in lines if SHM_REGION in ln}
+
     def _run(self) -> None:
         while not self.stop.requested:
             self._look()
             if self._done.wait(0.5):
                 return
         self._look()
+        self._regions()
         self._stop_at = time.monotonic()
         if self._done.wait(self.deadline_s):
             return
@@ -713,6 +727,14 @@ class _Reaper:
             tree = list(self._tree.values())
         psutil.wait_procs(tree, timeout=max(0.1, end - time.monotonic()))
         self._kill("processes of the server outlived its stop")
+        # unlinked while a killed process may still map it: the name goes now, the memory with the last mapping
+        for path in sorted(self._shm):  # what the server would have removed had it ended on its own
+            if Path(path).exists():
+                Path(path).unlink(missing_ok=True)
+                log.info("removed %s, the shared memory of a server that did not end on its own", path)
+
+
+SHM_REGION = "/dev/shm/triton_python_backend_shm_region"
 
 
 def _server_log_on_stdout(verbose: bool) -> None:

@@ -146,6 +146,36 @@ def test_the_reaper_kills_the_servers_processes_and_leaves_the_callers_own() -> 
         callers.wait()
 
 
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this machine")
+def test_a_killed_servers_shared_memory_region_is_removed(tmp_path: Path) -> None:
+    """A server killed at its deadline cannot remove the Python backend's region in /dev/shm: the reaper, which
+    read what the server mapped when the stop came, removes it; another file there is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    from kiln.serve.server import SHM_REGION
+
+    region, other = Path(f"{SHM_REGION}_kilntest_{os.getpid()}"), Path(f"/dev/shm/kilntest_other_{os.getpid()}")
+    for f in (region, other):
+        f.write_bytes(b"\0" * 4096)
+    mapper = f"import mmap, time; f = open({str(region)!r}, 'r+b'); m = mmap.mmap(f.fileno(), 0); time.sleep(60)"
+    try:
+        reaper = _Reaper(_StopRequest(), deadline_s=60.0, exit_process=False)
+        server = subprocess.Popen([sys.executable, "-c", mapper])
+        deadline = time.monotonic() + 30
+        while not reaper._shm and time.monotonic() < deadline:  # until the child has mapped it
+            reaper._look()
+            reaper._regions()
+            time.sleep(0.1)
+        reaper.close()
+        assert server.wait(timeout=30) == -9
+        assert not region.exists() and other.exists()
+    finally:
+        region.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
+
+
 class _Ready(BaseHTTPRequestHandler):
     """Answers Triton's server-readiness route, as its HTTP endpoint does once it is up."""
 
