@@ -1072,7 +1072,14 @@ def loadtest(
     output: str,
 ) -> None:
     """Load-test a Triton server on this machine (URL: http://127.0.0.1:8000 or grpc://127.0.0.1:8001)."""
-    from kiln.serve.loadtest import default_model, lean_client, parse_url, recorded_config, render_markdown
+    from kiln.serve.loadtest import (
+        default_model,
+        lean_client,
+        parse_url,
+        recorded_config,
+        render_markdown,
+        run_workdir,
+    )
     from kiln.serve.loadtest import loadtest as run_loadtest
 
     _setup_logging(False, 0)
@@ -1081,8 +1088,9 @@ def loadtest(
     run_config = None if config else recorded_config(engines)
     if run_config is None:
         run_config = _config(config, ())
-    else:  # the run's own modules (its data function) resolve from here, as for `kiln run`
-        _importable(*filter(None, [_cwd()]))
+    else:  # the run's own modules (its data function) resolve from here, else beside the workdir (where
+        # `kiln run cfg.yaml -w wd` ran, as a project keeps them)
+        _importable(run_workdir(engines).resolve().parent, *filter(None, [_cwd()]))
     out = Path(output)
     claim_folder(out, "-o", LOADTEST_FILES)  # a loadtest.json Kiln did not write is never replaced
     try:

@@ -303,13 +303,19 @@ def recorded_config(path: str | Path) -> KilnConfig | None:
         return None
 
 
-def _run_file(path: Path, name: str) -> Path | None:
-    """``name`` in the workdir of ``path``: the workdir itself, or an engine folder's (build/x, package/engines/x)."""
-    workdir = path
+def run_workdir(path: str | Path) -> Path:
+    """The workdir of ``path``: the workdir itself, or an engine folder's (build/x, package/engines/x)."""
+    path = Path(path)
     if path.parent.name == "build":
-        workdir = path.parent.parent
-    elif path.parent.name == "engines" and path.parent.parent.name == "package":
-        workdir = path.parent.parent.parent
+        return path.parent.parent
+    if path.parent.name == "engines" and path.parent.parent.name == "package":
+        return path.parent.parent.parent
+    return path
+
+
+def _run_file(path: Path, name: str) -> Path | None:
+    """``name`` in the workdir of ``path`` (:func:`run_workdir`)."""
+    workdir = run_workdir(path)
     return workdir / name if (workdir / name).is_file() else None
 
 

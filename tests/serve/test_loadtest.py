@@ -319,3 +319,13 @@ def test_the_hop_is_not_told_where_the_stub_phases_outlast_tritons_execution() -
     triton = ({"execution_count": 0, "execution_ns": 0}, {"execution_count": 10, "execution_ns": 40_000_000})
     assert stub_split(*reads(0.03), *triton)["rest"] == pytest.approx(1.0)  # 4 ms an execution, 3 of them the engine's
     assert stub_split(*reads(0.05), *triton)["rest"] is None
+
+
+def test_the_workdir_of_an_engine_folder(tmp_path: Path) -> None:
+    """`kiln loadtest -e` takes a workdir or an engine folder in it; the run's modules resolve beside the workdir."""
+    from kiln.serve.loadtest import run_workdir
+
+    wd = tmp_path / "wd"
+    assert run_workdir(wd) == wd
+    assert run_workdir(wd / "build" / "onnxruntime-cpu-fp32") == wd
+    assert run_workdir(wd / "package" / "engines" / "onnxruntime-cpu-fp32") == wd
