@@ -586,6 +586,13 @@ class _Trainer:
                     task=self.task,
                     forward=self.net,
                 )
+            if not math.isfinite(m.val_loss):  # said once per evaluation: a NaN the loss curve would just drop
+                log.warning(
+                    "the validation loss after epoch %d is %s: the model answers some held-out samples with NaN or "
+                    "infinity (a row whose attention keys are all masked gives NaN in torch's fast attention path)",
+                    self.epoch + 1,
+                    m.val_loss,
+                )
             r = self.result
             if m.val_accuracy is None:  # no classes: nothing to rank epochs by ("best" keeps the last)
                 pass
