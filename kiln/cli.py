@@ -54,7 +54,8 @@ STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed":
 
 EXIT_CODES = (
     "Exit codes: 0 success; 2 a problem you can fix (bad config, input or disk: one `error:` and one "
-    "`fix:` line); 3 a validation gate failed (the engine is not as accurate or fast as configured)."
+    "`fix:` line); 3 a validation gate failed (the engine is not as accurate or fast as configured); 130 "
+    "interrupted (Ctrl-C)."
 )
 
 
