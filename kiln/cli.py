@@ -43,7 +43,7 @@ from kiln.stages.optimize.catalog import available as available_passes
 def _width(stream: Any) -> int | None:
     """Rich draws for 80 columns where a stream is no terminal (a pipe, a file, a CI log) and cuts a wider table
     there; 200 then, so a piped answer is whole. A terminal, or COLUMNS, keeps its own width."""
-    return None if os.environ.get("COLUMNS") or stream.isatty() else 200
+    return None if os.environ.get("COLUMNS") or getattr(stream, "isatty", lambda: False)() else 200
 
 
 console = Console(stderr=True)  # logs, progress, errors (rich's log lines pad to the width: 80 where piped)
@@ -110,9 +110,9 @@ class KilnCommand(click.Command):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            interrupt.install()
-            _check_cwd(self, ctx)
-            return super().invoke(ctx)
+            with interrupt.handled():
+                _check_cwd(self, ctx)
+                return super().invoke(ctx)
         except click.UsageError as exc:
             raise _usage(exc, ctx.command_path) from None
         except KeyboardInterrupt:

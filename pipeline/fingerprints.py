@@ -65,7 +65,7 @@ def onnx_fingerprint(config: KilnConfig) -> str | None:
     path = Path(config.model.onnx)
     if not path.is_file():
         raise InputFileError(f"model.onnx not found: {path}", hint="fix the path or remove model.onnx")
-    return hash_json({f.name: hash_file(f) for f in onnx_files(path)})
+    return hash_json({f.relative_to(path.parent).as_posix(): hash_file(f) for f in onnx_files(path)})
 
 
 def calibration_fingerprint(config: KilnConfig) -> str | None:

@@ -120,17 +120,24 @@ def outputs_intact(stage_dir: Path, manifest: dict[str, Any], verified: dict[Pat
     return intact
 
 
+# names no user keeps in a stage folder: manifests of Kiln's at any depth (hash_tree leaves them out too), and what
+# a file browser or NFS leaves behind (.nfs* while a deleted file is still open)
+NOT_USER_FILES = {MANIFEST, ".DS_Store", "Thumbs.db", "desktop.ini"}
+
+
 def foreign_files(stage_dir: Path, manifest: dict[str, Any]) -> list[str]:
     """Files in a stage folder that its manifest does not list and Kiln did not leave there (its temporary names,
-    its scratch space, Python's ``__pycache__`` of a packaged app): a user's own, which a rerun of the stage, that
-    replaces the whole folder, would delete."""
+    its scratch space, Python's ``__pycache__`` of a packaged app, :data:`NOT_USER_FILES`): a user's own, which a
+    rerun of the stage, that replaces the whole folder, would delete."""
     known = set(manifest.get("outputs", {})) | {MANIFEST}
     found = []
     for p in sorted(stage_dir.rglob("*")):
         rel = p.relative_to(stage_dir)
         if (p.is_dir() and not p.is_symlink()) or rel.as_posix() in known:
             continue
-        if is_leftover(p.name) or "__pycache__" in rel.parts or SCRATCH in rel.parts:
+        if is_leftover(p.name) or p.name in NOT_USER_FILES or p.name.startswith(".nfs"):
+            continue
+        if "__pycache__" in rel.parts or SCRATCH in rel.parts:
             continue
         found.append(rel.as_posix())
     return found

@@ -860,7 +860,7 @@ def stub_split(
     execution = (after["execution_ns"] - before.get("execution_ns", 0)) / runs / 1e6
     rest = execution - sum(phases[p] for p in stub_times.PHASES)
     # below zero, the stub's published executions are not Triton's (a metric published late): no hop to tell
-    return {"execution": execution, **phases, "rest": rest if rest >= 0 else None}
+    return {"execution": execution, **phases, "rest": max(rest, 0.0) if rest >= -1e-6 else None}
 
 
 def _ray_ready(address: str, model: str) -> dict[str, int]:

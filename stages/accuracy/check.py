@@ -134,11 +134,12 @@ def sample_batch(x: Any, batch: int) -> Any:
     return np.concatenate([x] * reps)[:batch]
 
 
-def gates_for(cfg: CheckConfig | GatesConfig, precision: str) -> dict[str, Any]:
-    """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in."""
+def gates_for(cfg: CheckConfig | GatesConfig, precision: str, class_logits: str | None = "unknown") -> dict[str, Any]:
+    """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in;
+    with ``class_logits`` None (a model without them) a concrete ``max_rel_err`` (:func:`gates_for_outputs`)."""
     gates = (cfg.gates if isinstance(cfg, CheckConfig) else cfg).model_dump()
     gates.update(gates.pop("per_precision").get(precision, {}))
-    return gates
+    return gates_for_outputs(gates, class_logits)
 
 
 def labels_at_points(
@@ -339,13 +340,13 @@ def compare_on(
     return out
 
 
-def rel_err_limit(gates: dict[str, Any], no_class_logits: bool) -> float | None:
-    """The relative L2 error each float output may have: ``max_rel_err``, or where the model has no class logits
-    (a regression's values, whose task no top-1 agreement guards) the error ``min_cosine`` allows at right angles
-    to the reference, sqrt(2 (1 - c)), now in any direction: cosine alone passes an offset or a scale."""
-    if gates.get("max_rel_err") is not None:
-        return float(gates["max_rel_err"])
-    return float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))) if no_class_logits else None
+def gates_for_outputs(gates: dict[str, Any], class_logits: str | None) -> dict[str, Any]:
+    """``gates`` with ``max_rel_err`` made concrete for a model without class logits (a regression's values, whose
+    task no top-1 agreement guards): the error ``min_cosine`` allows at right angles to the reference,
+    sqrt(2 (1 - c)), now in any direction, since cosine alone passes an offset or a scale."""
+    if gates.get("max_rel_err") is not None or class_logits is not None:
+        return gates
+    return {**gates, "max_rel_err": round(float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))), 6)}
 
 
 def accuracy_failures(
@@ -362,7 +363,7 @@ def accuracy_failures(
     per_output = entry.outputs or {
         "": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err, "rel_err": entry.rel_err}
     }
-    rel_limit = rel_err_limit(gates, entry.top1_agreement is None)
+    rel_limit = gates.get("max_rel_err")
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
         named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
         where = f"output '{name}' " if named else ""
@@ -377,8 +378,7 @@ def accuracy_failures(
         if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
             fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
         if rel_limit is not None and s["cosine"] is not None and not s.get("rel_err", 0.0) <= rel_limit:
-            source = "max_rel_err" if gates.get("max_rel_err") is not None else "max_rel_err from min_cosine"
-            fails.append(f"{where}relative error {s['rel_err']:.4g} > {rel_limit:.4g} ({source})")
+            fails.append(f"{where}relative error {s['rel_err']:.4g} > max_rel_err {rel_limit:.4g}")
     if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"]:
         ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
         fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}{ties}")

@@ -232,7 +232,10 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                     skipped.append(f"{name}: not built by default: {why}")
                     continue
                 src, keep = backend.source_for(device, precision, variants, settings)
-                if src == variants[precision].path and variants[precision].unmade:
+                # the variant's graph was not made: the engines that read it are not built (the torch backend's
+                # compile the PyTorch model)
+                unmade = variants[precision].unmade if backend.name in cfg.graph_readers else None
+                if src == variants[precision].path and unmade:
                     ctx.log.info("not building %s: %s", name, variants[precision].unmade)
                     skipped.append(f"{name}: {variants[precision].unmade}")
                     continue

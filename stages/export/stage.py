@@ -336,18 +336,29 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs, session: Any = None, at
     got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
-            raise ModelError(f"exported model's output '{name}' has shape {g.shape}, PyTorch's {r.shape}")
+            raise ModelError(
+                f"exported model's output '{name}' has shape {g.shape}{' at ' + at if at else ''}, PyTorch's {r.shape}",
+                hint=FIXED_SIZE_HINT if at else "check the model's outputs for sizes computed outside torch",
+            )
         _refuse_non_finite(name, r, g, at)
-    errs = {
-        name: float(np.max(np.abs(g.astype(np.float64) - r), initial=0.0)) for (name, r), g in zip(ref.items(), got)
-    }
+    errs = {name: _max_err(r, g) for (name, r), g in zip(ref.items(), got)}
     return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
+
+
+def _max_err(ref: np.ndarray, got: np.ndarray) -> float:
+    """The largest abs difference, places where both hold the same infinity or both a NaN left out (a mask's -inf
+    is equal, as :mod:`kiln.core.compare` counts it)."""
+    r, g = np.asarray(ref, np.float64), np.asarray(got, np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(g - r)
+    diff[(np.isnan(r) & np.isnan(g)) | (np.isinf(r) & (r == g))] = 0.0
+    return float(np.max(diff, initial=0.0))
 
 
 def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = "") -> None:
     """NaN or infinity in the graph's answer where PyTorch's is finite is its own error, named with the samples it
     hits: as an error size it would read as NaN, which no tolerance catches and no other cause explains."""
-    if got.dtype.kind != "f" or got.ndim == 0:
+    if got.dtype.kind != "f" or got.ndim == 0 or got.size == 0:
         return
     bad = ~np.isfinite(got) & np.isfinite(ref)
     hit = np.flatnonzero(bad.reshape(len(bad), -1).any(axis=1))
@@ -359,6 +370,12 @@ def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = ""
             "attention (its safe softmax) and NaN in the exported Softmax; keep one key unmasked per sample, or "
             "mask those rows' outputs after the model",
         )
+
+
+FIXED_SIZE_HINT = (
+    "keep sizes in forward as tensor shapes (x.shape[1]), not Python ints (int(x.shape[1]), a length kept from "
+    "__init__), or remove that axis from signature.dynamic_axes if the model takes one size"
+)
 
 
 def check_validated_sizes(
@@ -405,9 +422,7 @@ def check_validated_sizes(
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}): the exporter "
                 "fixed a size that signature.dynamic_axes makes vary",
-                hint="keep sizes in forward as tensor shapes (x.shape[1]), not Python ints (int(x.shape[1]), a "
-                "length kept from __init__), or remove that axis from signature.dynamic_axes if the model takes one "
-                "size",
+                hint=FIXED_SIZE_HINT,
             )
 
 

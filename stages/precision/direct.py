@@ -22,7 +22,13 @@ from kiln.core.outputs import logits_name
 from kiln.core.progress import SilentProgress
 from kiln.core.records import TensorSpec, Variants
 from kiln.core.shapes import graph_axes
-from kiln.stages.precision.stage import PrecisionSettings, build_variants, failure_hint, variant_record
+from kiln.stages.precision.stage import (
+    TOO_LITTLE_HINT,
+    PrecisionSettings,
+    build_variants,
+    failure_hint,
+    variant_record,
+)
 from kiln.stages.precision.variants import Source
 
 log = logging.getLogger("kiln.precision")
@@ -69,6 +75,10 @@ def precision_direct(
             d: [int(data[s.name].shape[i])] for s in inputs for i, d in (graph_axes([s]).get(s.name) or {}).items()
         }
         built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log, sizes)
+    for name, entry in list(built.items()):  # no graph of it any engine can read: not made, here
+        if entry.get("unmade") and not entry.get("backend_paths"):
+            failed[name] = ModelError(entry["unmade"], hint=TOO_LITTLE_HINT)
+            del built[name]
     if set(variants) - set(built):
         raise ModelError(
             "precision variants failed: " + "; ".join(f"{p}: {e.message}" for p, e in failed.items()),

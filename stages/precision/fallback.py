@@ -88,11 +88,11 @@ def run_fallback(
         verdict = check(result.path, precision, cfg)
         result.rounds.append({"round": round_no, "kept": len(kept), **verdict.metrics, "failures": verdict.failures})
         log.info(
-            "%s round %d: top-1 agreement %s cosine %.5f (%d nodes kept FP32)%s",
+            "%s round %d: top-1 agreement %s cosine %s (%d nodes kept FP32)%s",
             label,
             round_no,
             fmt(verdict.metrics["top1_agreement"]),
-            verdict.metrics["cosine"],
+            fmt(verdict.metrics["cosine"], ".5f"),
             len(kept),
             "" if verdict.passed else f": {'; '.join(verdict.failures)}",
         )

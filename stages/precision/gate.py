@@ -90,12 +90,16 @@ class GateCheck:
         summarize(entry, found.stats, self.ref.logits)
         entry.accuracy, entry.metric = found.accuracy, found.metric
         failures = accuracy_failures(
-            entry, gates_for(self.gates, precision), self.ref.accuracy, self.ref.metric, self.ref.metric_value
+            entry,
+            gates_for(self.gates, precision, self.ref.logits),
+            self.ref.accuracy,
+            self.ref.metric,
+            self.ref.metric_value,
         )
         failures += _extra_failures(entry, extra)
         key = self.ref.logits or next(iter(self.ref.outputs[-1]))
         metrics = {
-            "top1_agreement": entry.top1_agreement,
+            "top1_agreement": _agreement(entry),
             "top1_ties": entry.top1_ties,
             "cosine": entry.cosine,
             "max_abs_err": entry.max_abs_err,
@@ -138,6 +142,15 @@ def _extra_failures(entry: EngineValidation, extra: FallbackConfig | None) -> li
     if extra.min_cosine is not None and entry.cosine is not None and not entry.cosine >= extra.min_cosine:
         fails.append(f"cosine {entry.cosine:.6f} < fallback target {extra.min_cosine}")
     return fails
+
+
+def _agreement(entry: EngineValidation) -> float | None:
+    """The class logits' top-1 agreement; for a model of integer outputs only, their worst share of equal values:
+    the signal the fallback measures its rounds by."""
+    if entry.top1_agreement is not None or entry.cosine is not None:
+        return entry.top1_agreement
+    shares = [o["top1_agreement"] for o in (entry.outputs or {}).values() if o.get("top1_agreement") is not None]
+    return min(shares) if shares else None
 
 
 def logits_index(fp32: onnx.ModelProto, logits_output: str | int | None) -> int | None:

@@ -208,9 +208,9 @@ def build_variants(
                     variants["fp8"] = build_fp8(src, out, ccfg, cfg.fallback, x_val)
                 else:
                     variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
-                unmade = not_made(precision, variants[precision]) or too_little(
-                    precision, variants[precision], root, largest
-                )
+                unmade = not_made(precision, variants[precision])
+                if unmade is None:
+                    mark_too_little(precision, variants[precision], root, largest)
                 if unmade:
                     del variants[precision]
                     raise ModelError(unmade, hint=UNMADE_HINT)
@@ -230,6 +230,10 @@ def failure_hint(errors: dict[str, KilnError], otherwise: str) -> str:
     return "; ".join([*hints, otherwise]) if hints else otherwise
 
 
+TOO_LITTLE_HINT = (
+    "the fallback kept most of the compute in float to pass the gates: loosen validate.gates.per_precision for it if "
+    "that accuracy is acceptable, or drop it from the variants (fp16 keeps more of a model in low precision)"
+)
 UNMADE_HINT = (
     "loosen validate.gates.per_precision for it if that accuracy is acceptable, raise precision.fallback.max_rounds, "
     "or drop it from precision.variants"
@@ -253,14 +257,15 @@ def not_made(precision: str, entry: dict[str, Any]) -> str | None:
     return None if own["passed"] else _why(precision, own)
 
 
-def too_little(precision: str, entry: dict[str, Any], root: Path, sizes: dict[str, int]) -> str | None:
-    """Why a variant that passed its gates is still not made: under :data:`MIN_SHARE` of its graph's FLOPs run in
-    ``precision`` (counted at ``sizes``, as the build audits its engines), because the fallback kept much in float
-    or the precision covers few of the model's ops (ONNX Runtime CPU's INT8 leaves attention's matmuls in FP32),
-    and every engine of it would fail the build's precision audit. ONNX Runtime CPU's own graph that is short is
-    dropped the same way, its engines then built from the Q/DQ graph. None: made, by one graph at least."""
+def mark_too_little(precision: str, entry: dict[str, Any], root: Path, sizes: dict[str, int]) -> None:
+    """A graph of the variant with under :data:`MIN_SHARE` of its FLOPs in ``precision`` (counted at ``sizes``, as
+    the build audits its engines), because the fallback kept much in float or the precision covers few of the
+    model's ops (ONNX Runtime CPU's INT8 leaves attention's matmuls in FP32): no engine read from it could be
+    labelled ``precision``. ONNX Runtime CPU's own graph that is short is dropped (its engines then read the Q/DQ
+    graph); a short Q/DQ graph is marked ``unmade``, so the engines that read it are not built, said with the
+    share, while those built from the PyTorch model (the torch backend) still are."""
     if precision == "fp32" or "path" not in entry:
-        return None
+        return
 
     def short(label: str, path: Path, kept: list[str]) -> str | None:
         share = audit_graph(path, sizes).share().get(precision, 0.0)
@@ -274,13 +279,13 @@ def too_little(precision: str, entry: dict[str, Any], root: Path, sizes: dict[st
 
     cpu = entry.get("ort_cpu") or entry
     for backend, path in list((entry.get("backend_paths") or {}).items()):
-        why = short(f"{precision} ({backend} graph)", root / path, cpu["kept_fp32"])
-        if why:
+        if why := short(f"{precision} ({backend} graph)", root / path, cpu["kept_fp32"]):
             entry["ort_cpu_unmade"] = why
             entry["backend_paths"].pop(backend)
-    if entry.get("unmade"):  # the Q/DQ graph missed its gates: the variant stands on ONNX Runtime CPU's graph
-        return None if entry.get("backend_paths") else f"{entry['unmade']}; {entry.get('ort_cpu_unmade', '')}"
-    return short(precision, root / entry["path"], entry["kept_fp32"])
+    if not entry.get("unmade"):
+        label = f"{precision} (Q/DQ graph)" if entry.get("backend_paths") else precision
+        if why := short(label, root / entry["path"], entry["kept_fp32"]):
+            entry["unmade"] = why
 
 
 def _why(label: str, fallback: dict[str, Any]) -> str:
@@ -395,10 +400,10 @@ def _log_variant(log: logging.Logger, precision: str, entry: dict[str, Any]) -> 
     vs = entry.get("vs_fp32") or {}
     if vs:
         log.info(
-            "%s: top-1 agreement vs FP32 %s, cosine %.6f, %d nodes kept FP32",
+            "%s: top-1 agreement vs FP32 %s, cosine %s, %d nodes kept FP32",
             precision,
             fmt(vs["top1_agreement"]),
-            vs["cosine"],
+            fmt(vs["cosine"], ".6f"),
             len(entry["kept_fp32"]),
         )
     for why in (entry.get("unmade"), entry.get("ort_cpu_unmade")):

@@ -181,7 +181,7 @@ def finish_engine(
         return entry
     entry.speedups, entry.speedup_ci = speedups(meta.device, entry.latency_ms, baselines)
     entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
-    entry.gates = gates_for(cfg, meta.precision)
+    entry.gates = gates_for(cfg, meta.precision, ref.logits)
     entry.failures = check_gates(entry, ref.accuracy, entry.gates, largest, ref.metric, ref.metric_value)
     entry.failures += found.problems
     entry.passed = not entry.failures

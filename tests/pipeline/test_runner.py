@@ -117,6 +117,7 @@ def test_a_rerun_never_deletes_a_file_a_user_put_in_a_stage_folder(tmp_path: Pat
     (tmp_path / "second" / "__pycache__").mkdir()
     (tmp_path / "second" / "__pycache__" / "app.cpython-311.pyc").write_bytes(b"")
     (tmp_path / "second" / ".value.txt.tmp-999999-0123abcd.tmp").write_bytes(b"")
+    (tmp_path / "second" / ".DS_Store").write_bytes(b"")  # a file browser's
     assert statuses(run(tmp_path, **{"train.epochs": 3})) == {"first": "ran", "second": "ran", "third": "ran"}
     mine = tmp_path / "second" / "mine" / "config.pbtxt"
     mine.parent.mkdir()

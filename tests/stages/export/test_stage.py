@@ -190,3 +190,22 @@ def test_nan_where_pytorch_is_finite_is_named_with_its_samples(tmp_path: Path) -
         parity(model, tmp_path / "m.onnx", x)
     x["pad"][2] = False
     assert parity(model, tmp_path / "m.onnx", x)["max_abs_err"] < 1e-4
+
+
+class MaskedLogits(nn.Module):
+    """Logits with -inf where masked out: the same -inf in PyTorch and in the graph is equal, not a NaN error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return y.masked_fill(y < 0, float("-inf"))
+
+
+def test_a_shared_infinity_is_no_parity_error(tmp_path: Path) -> None:
+    model, x = MaskedLogits().eval(), torch.randn(8, 4)
+    export_onnx(model, x, tmp_path / "m.onnx")
+    assert torch.isinf(model(x)).any()
+    assert parity(model, tmp_path / "m.onnx", x)["max_abs_err"] < 1e-5
