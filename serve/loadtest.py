@@ -966,7 +966,7 @@ def loadtest(
     # One load for the expected answers and the in-process timings: a torch engine compiles when it loads.
     with load_engine(engine.engine_dir) as runner:
         expected = expected_outputs(runner, pool)
-        levels, mark = [], before
+        levels, mark, gone = [], before, None
         for c in concurrency:
             args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
             args += (shared_memory, switch_interval_s, client, stamped)
@@ -975,7 +975,12 @@ def loadtest(
             levels.append(level.summary())
             if stamped:  # each request's send time and latency, for kiln.serve.stub_times.join_stamps
                 write_client_stamps(out / f"stamps-c{c}.npy", level)
-            after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
+            try:
+                after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
+            except KilnError as exc:  # the server went away during the level: the levels measured are kept
+                gone, after = f"the server stopped answering during the level at concurrency {c} ({exc.message})", mark
+                levels[-1]["server_gone"] = True
+                break
             levels[-1]["server_split_ms"] = time_split(mark, after, levels[-1]["latency_ms"]["mean"])
             levels[-1]["stub_ms"] = stub_split(stub, stub_times.read(metrics, model) if metrics else None, mark, after)
             mark = after
@@ -1002,6 +1007,11 @@ def loadtest(
         "server_kind": "Ray Serve" if protocol == "ray" else "Triton",
     }
     write_report(result, out)
+    if gone is not None:
+        raise KilnError(
+            f"{gone}; what was measured is in {out / 'loadtest.json'}",
+            hint="keep the server running for the whole load test (kiln serve stops on Ctrl-C or SIGTERM)",
+        )
     wrong = sum(lv["mismatches"] for lv in levels)
     failed = sum(lv["errors"] for lv in levels)
     if wrong or failed:
