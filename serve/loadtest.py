@@ -1018,7 +1018,8 @@ def loadtest(
         raise GateFailure(
             f"{wrong} answers differed from the engine's direct output and {failed} requests failed "
             f"under load (see {out / 'loadtest.json'})",
-            hint="a served answer must match the engine: check the server's batching and the model",
+            hint="a served answer must match the engine: check that the server serves the engine -e names (the same "
+            "build, not one from another run or workdir), then the server's batching",
         )
     return result
 
