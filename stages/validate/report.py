@@ -46,6 +46,7 @@ def report_section(v: ValidationResult) -> list[str]:
         f"samples. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
         f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
         *_compared(b),
+        *_narrower(v),
         "",
         "| engine | precision | device | passed | max abs err | cosine | top-1 agree | accuracy | "
         + " | ".join(f"p50 ms @{s}" for s in sizes)
@@ -228,6 +229,19 @@ def _compared(b: Any) -> list[str]:
         "",
         f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
         + (f" Dynamic axes validated at: {shapes}." if shapes else ""),
+    ]
+
+
+def _narrower(v: ValidationResult) -> list[str]:
+    """Engines validated at fewer of the shapes than the reference (a torch engine that takes one length only):
+    said, so that the shapes above are not read as every engine's."""
+    every = len(v.baseline.shapes)
+    narrow = [e for e in v.engines if e.status == "validated" and every and len(e.shapes) < every]
+    return [
+        f"{e.name} takes fewer sizes and was validated at "
+        + ("; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in e.shapes) or "its own shape only")
+        + " (requests of other sizes are refused)."
+        for e in narrow
     ]
 
 

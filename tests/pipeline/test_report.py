@@ -34,3 +34,24 @@ def test_a_run_on_random_inputs_says_so_in_its_report(tmp_path: Path, sections: 
     report = build_report(result, cfg)
     assert (report.get("inputs", {}).get("kind") == "random") is random
     assert ("**Inputs: RANDOM arrays" in render_markdown(report)) is random
+
+
+def test_an_engine_validated_at_fewer_shapes_is_named() -> None:
+    """A torch engine that takes one length of a dynamic axis is validated at that one: the report says so beside
+    the shapes the run validated."""
+    from kiln.core.records import EngineValidation
+    from kiln.stages.validate.report import _narrower
+
+    def engine(name: str, shapes: list[dict[str, int]]) -> EngineValidation:
+        return EngineValidation(
+            name=name, backend="b", precision="fp32", device="cpu", status="validated", shapes=shapes
+        )
+
+    both = [{"seq": 10}, {"seq": 20}]
+    baseline = Baseline(accuracy=None, samples=4, latency_ms={}, shapes=both)
+    v = ValidationResult(
+        passed=True, baseline=baseline, engines=[engine("ort", both), engine("torch", both[1:])], failures=[]
+    )
+    assert _narrower(v) == [
+        "torch takes fewer sizes and was validated at seq=20 (requests of other sizes are refused)."
+    ]
