@@ -678,7 +678,7 @@ def _build_direct(
     refuse_link(out, "-o")
     refuse_link(out.parent / ".kiln-cache", "the build cache")
     with scratch_root(out.parent):
-        meta = build_direct(Path(file), out, backend, device, precision_, cfg.build)
+        meta = build_direct(Path(file), out, backend, device, precision_, cfg.build, dict(cfg.signature.shapes))
     results.print(
         f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s (targets {meta.device.upper()})",
         highlight=False,

@@ -344,12 +344,19 @@ def default_device(backend: str) -> str:
 
 
 def build_direct(
-    src: Path, out: Path, backend: str, device: str | None, precision: str | None, cfg: BuildConfig
+    src: Path,
+    out: Path,
+    backend: str,
+    device: str | None,
+    precision: str | None,
+    cfg: BuildConfig,
+    axis_sizes: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``). ``src``
     may be a variant folder of ``kiln precision`` (``variants/int8``): the graph made for this engine kind is built,
     labelled with the variant's precision unless ``precision`` says otherwise; a graph of neither, with the precision
-    it computes in (its audit)."""
+    it computes in (its audit). ``axis_sizes``: sizes of the graph's dynamic axes besides batch, by the names the
+    graph gives them (``signature.shapes``), for the profiles and the recorded ranges."""
     device = device or default_device(backend)
     src, made_as = variant_source(Path(src), backend, device)
     load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
@@ -357,7 +364,7 @@ def build_direct(
     _check_choice(backend, device, precision)
     refuse_foreign_folder(out)
     ensure_writable(out.parent, "the -o folder's parent")
-    return build_engine(src, out, backend, device, precision, cfg, out.parent / ".kiln-cache")
+    return build_engine(src, out, backend, device, precision, cfg, out.parent / ".kiln-cache", axis_sizes=axis_sizes)
 
 
 def variant_source(src: Path, backend: str, device: str) -> tuple[Path, str | None]:

@@ -99,6 +99,12 @@ class PrecisionSummary(Summary):
 
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
+    model = ctx.config.model
+    if model.onnx and not ctx.config.data.name and not torch_model_named(model) and cfg.fallback.enabled:
+        # random inputs (a run from model.onnx without data): as `kiln precision` without --calibration, they
+        # never decide which nodes stay in float
+        ctx.log.warning("precision: the accuracy-driven fallback is off on random inputs; give data.name for it")
+        cfg = cfg.model_copy(update={"fallback": cfg.fallback.model_copy(update={"enabled": False})})
     wanted = list(dict.fromkeys(cfg.variants))
     # FP8 graphs (Q/DQ) are for TensorRT; the torch backend compiles FP8 from the PyTorch model itself
     readers = ctx.config.graph_readers

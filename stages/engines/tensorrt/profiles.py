@@ -36,11 +36,13 @@ def default_profiles(
                 lo.append(min(sizes[d]))
                 hi.append(max(sizes[d]))
             else:
+                unsized = [d for d in spec.shape[1:] if not (isinstance(d, int) and d >= 1) and d not in sizes]
                 raise ConfigError(
-                    f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis, "
+                    f"input '{spec.name}' (shape {spec.shape}) has dynamic axes {unsized} besides the batch axis, "
                     "with no sizes known for them",
-                    hint="name them in signature.dynamic_axes and give signature.shapes their sizes, or "
-                    "give build.tensorrt.profiles with min/opt/max for this input",
+                    hint="give signature.shapes their sizes by those names (kiln build: --set "
+                    f"'signature.shapes={{{unsized[0]}: [16, 64]}}'; kiln run: with signature.dynamic_axes naming "
+                    "them), or build.tensorrt.profiles with min/opt/max for this input",
                 )
         profile[spec.name] = ShapeRange(min=lo, opt=hi, max=hi)
     return [profile]

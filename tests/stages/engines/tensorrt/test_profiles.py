@@ -26,8 +26,26 @@ def test_a_named_axis_spans_its_sizes() -> None:
     (profile,) = default_profiles(specs, 32, {"seq": [8, 128]})
     assert profile["input_ids"].model_dump() == {"min": [1, 8], "opt": [32, 128], "max": [32, 128]}
     assert profile["feat"].model_dump() == {"min": [1, 4], "opt": [32, 4], "max": [32, 4]}
-    with pytest.raises(ConfigError, match="no sizes known"):
+    with pytest.raises(ConfigError, match=r"dynamic axes \['seq'\] besides the batch axis") as err:
         default_profiles(specs, 32)
+    assert "signature.shapes={seq: [16, 64]}" in (err.value.hint or "")  # the one name it lacks, not the shape
+
+
+@pytest.mark.tensorrt
+def test_kiln_build_of_a_file_takes_signature_shapes_for_its_named_axes(token_onnx: Path, tmp_path: Path) -> None:
+    """`kiln build model.onnx --backend tensorrt` sizes the graph's own dynamic axes from signature.shapes, as its
+    error's fix line says, and records them as the engine's ranges."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    out, shapes = tmp_path / "e", "signature.shapes={seq: [8, 16]}"
+    args = ["build", str(token_onnx), "--backend", "tensorrt", "-o", str(out), "--set", shapes]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "kiln-engine.json").read_text())["axis_ranges"] == {"seq": [8, 16]}
 
 
 @pytest.fixture(scope="module")
