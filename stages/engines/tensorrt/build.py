@@ -103,10 +103,16 @@ def _build(
         "builder_settings": settings,
         "timing_cache": timing,
         "cuda_graph": cfg.cuda_graph,
-        "runtime_cache": str(tensorrt_cache.runtime_cache_path(cache_dir, trt, target))
-        if feats["runtime_cache"]
-        else None,
+        "runtime_cache": _runtime_cache(cache_dir, trt, target) if feats["runtime_cache"] else None,
     }
+
+
+def _runtime_cache(cache_dir: Path, trt: Any, target: str) -> str:
+    """Where the engine's loaders keep TensorRT-RTX's JIT kernels: in Kiln's own cache folder of the build, by
+    absolute path, the folder made now (a loader on another machine, where it does not exist, uses none)."""
+    path = tensorrt_cache.runtime_cache_path(cache_dir, trt, target).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def _configure(

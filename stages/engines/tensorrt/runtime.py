@@ -78,7 +78,9 @@ class TensorRTRunner(Runner):
         self.runtime_cache = None
         if hasattr(self.engine, "create_runtime_config"):  # TensorRT-RTX: JIT kernels cached across runs
             rc = self.engine.create_runtime_config()
-            self.cache_path = Path(self.info.runtime_cache) if self.info.runtime_cache else None
+            recorded = Path(self.info.runtime_cache) if self.info.runtime_cache else None
+            # the build's cache folder, where it exists (this machine, this workdir): never one made elsewhere
+            self.cache_path = recorded if recorded and recorded.is_absolute() and recorded.parent.is_dir() else None
             if self.cache_path:
                 self.runtime_cache = tensorrt_cache.load_runtime_cache(rc, self.cache_path)
             if self.info.cuda_graph and hasattr(trt, "CudaGraphStrategy"):
