@@ -223,6 +223,15 @@ class _Trainer:
         self.net = CompiledModel(self.ddp, cfg.compile_options, device)
         # Evaluation in batches of one micro-batch: with static graphs that is a shape the compiled module serves
         micro = -(-self.local_batch // cfg.grad_accum_steps)
+        if cfg.grad_accum_steps > self.local_batch:  # exact still: micro-batches of one sample, one step each
+            log.warning(
+                "train.grad_accum_steps %d is more than the %d samples of each process's batch: micro-batches of one "
+                "sample, %d steps each; lower it to at most %d",
+                cfg.grad_accum_steps,
+                self.local_batch,
+                self.local_batch,
+                self.local_batch,
+            )
         self.eval_batch = micro if self.net.static else 256
         # The update after the backward pass as one CUDA graph (update_graph.py), where it never waits for the host
         graphed = update_graph.wanted(cfg.update_graph, device, skips_on_device(self.opt), env.world_size)

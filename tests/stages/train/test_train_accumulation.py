@@ -53,3 +53,11 @@ def test_micro_batches_cover_the_batch_in_order() -> None:
     assert [len(c[0]) for c in chunks] == [3, 3, 3, 1]
     assert torch.equal(torch.cat([c[0] for c in chunks]), x)
     assert len(micro_batches(x[:2], y[:2], 4)) == 2  # a short last batch gives fewer micro-steps
+
+
+def test_more_micro_batches_than_samples_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """grad_accum_steps over the batch still trains exactly (micro-batches of one sample), and says to lower it."""
+    data = tiny_data(40)
+    with caplog.at_level("WARNING", logger="kiln.train"):
+        train(tiny_net(), data, train_cfg(batch_size=8, grad_accum_steps=16, epochs=1))
+    assert "train.grad_accum_steps 16 is more than the 8 samples" in caplog.text
