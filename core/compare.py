@@ -72,6 +72,13 @@ def compare_arrays(
     return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), _cosine(rf, gf), agreement, ties)
 
 
+def max_abs_err(ref: np.ndarray, got: np.ndarray) -> float:
+    """The largest abs difference of two arrays of one shape, as :func:`compare_arrays` counts it: where both hold the
+    same infinity or both a NaN, equal; a value not finite in one of them only, an infinite error."""
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    return _max_abs_err(*_beside_shared_non_finite(r, g))
+
+
 def _beside_shared_non_finite(r: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``r`` and ``g`` without the places where both hold the same infinity or both a NaN: a value that is not
     finite on purpose (a mask's -inf, a log of 0) and comes out the same is equal, not an infinite error. A NaN or

@@ -37,10 +37,15 @@ def torch_model_named(model: ModelConfig) -> bool:
     return model.onnx is None or "name" in model.model_fields_set
 
 
+def on_random_inputs(model: ModelConfig, data: DataConfig) -> bool:
+    """Whether the run's data are random inputs: a run from ``model.onnx`` with no data and no PyTorch model."""
+    return bool(model.onnx) and not data.name and not torch_model_named(model)
+
+
 def dataset_for(model: ModelConfig, data: DataConfig, signature: Signature, seed: int) -> DatasetSplits:
     """The run's dataset: ``data.name`` (a built-in, split by ``seed``, or the user's function), the model's
     default dataset, or random inputs of ``model.onnx`` when a run starts from an ONNX file without data."""
-    if model.onnx and not data.name and not torch_model_named(model):
+    if on_random_inputs(model, data):
         return random_splits(Path(model.onnx), signature, seed)
     name = data.name or DEFAULT_DATASET.get(model.name)
     if name is None:

@@ -129,7 +129,7 @@ def foreign_files(stage_dir: Path, manifest: dict[str, Any]) -> list[str]:
     """Files in a stage folder that its manifest does not list and Kiln did not leave there (its temporary names,
     its scratch space, Python's ``__pycache__`` of a packaged app, :data:`NOT_USER_FILES`): a user's own, which a
     rerun of the stage, that replaces the whole folder, would delete."""
-    known = set(manifest.get("outputs", {})) | {MANIFEST}
+    known = set(manifest.get("outputs", {}))
     found = []
     for p in sorted(stage_dir.rglob("*")):
         rel = p.relative_to(stage_dir)

@@ -49,7 +49,7 @@ from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnE
 from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.records import TensorSpec
 from kiln.models.config import ModelConfig
-from kiln.models.model_io import dataset_for, torch_model_named
+from kiln.models.model_io import dataset_for, on_random_inputs
 from kiln.pipeline.config import KilnConfig
 from kiln.serve import stub_times
 from kiln.serve.batching import buckets_for, padded_infer
@@ -335,7 +335,7 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
     specs = engine.meta.inputs
     if config is None:
         why = "no config"
-    elif config.model.onnx and not config.data.name and not torch_model_named(config.model):
+    elif on_random_inputs(config.model, config.data):
         why = "the run has no data: model.onnx without data.name"
     else:
         try:

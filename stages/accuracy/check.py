@@ -134,12 +134,16 @@ def sample_batch(x: Any, batch: int) -> Any:
     return np.concatenate([x] * reps)[:batch]
 
 
-def gates_for(cfg: CheckConfig | GatesConfig, precision: str, class_logits: str | None = "unknown") -> dict[str, Any]:
-    """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in;
-    with ``class_logits`` None (a model without them) a concrete ``max_rel_err`` (:func:`gates_for_outputs`)."""
+def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: bool = False) -> dict[str, Any]:
+    """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in. A
+    model with ``no_class_logits`` (a regression's values, whose task no top-1 agreement guards) gets a concrete
+    ``max_rel_err`` where none is set: the error ``min_cosine`` allows at right angles to the reference,
+    sqrt(2 (1 - c)), now in any direction, since cosine alone passes an offset or a scale."""
     gates = (cfg.gates if isinstance(cfg, CheckConfig) else cfg).model_dump()
     gates.update(gates.pop("per_precision").get(precision, {}))
-    return gates_for_outputs(gates, class_logits)
+    if no_class_logits and gates.get("max_rel_err") is None:
+        gates["max_rel_err"] = round(float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))), 6)
+    return gates
 
 
 def labels_at_points(
@@ -338,15 +342,6 @@ def compare_on(
         if i == len(ref.feeds) - 1:
             out.accuracy, out.metric, out.last = ref.accuracy_of(got), ref.metric_of(got), got
     return out
-
-
-def gates_for_outputs(gates: dict[str, Any], class_logits: str | None) -> dict[str, Any]:
-    """``gates`` with ``max_rel_err`` made concrete for a model without class logits (a regression's values, whose
-    task no top-1 agreement guards): the error ``min_cosine`` allows at right angles to the reference,
-    sqrt(2 (1 - c)), now in any direction, since cosine alone passes an offset or a scale."""
-    if gates.get("max_rel_err") is not None or class_logits is not None:
-        return gates
-    return {**gates, "max_rel_err": round(float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))), 6)}
 
 
 def accuracy_failures(

@@ -25,7 +25,7 @@ import kiln.models
 import kiln.models.model_io
 import kiln.stages.export
 from kiln.core.artifacts import ensure_writable
-from kiln.core.compare import within_tolerance
+from kiln.core.compare import max_abs_err, within_tolerance
 from kiln.core.data import (
     SINGLE_INPUT,
     DatasetSplits,
@@ -327,11 +327,19 @@ def _no_torchscript_log() -> Iterator[None]:
             utils.setup_onnx_logging = switch
 
 
-def parity(model: nn.Module, onnx_path: Path, x: Inputs, session: Any = None, at: str = "") -> dict[str, Any]:
+def parity(
+    model: nn.Module,
+    onnx_path: Path,
+    x: Inputs,
+    session: Any = None,
+    at: str = "",
+    ref: dict[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
     """ONNX Runtime against PyTorch on ``x``: the largest abs error over every output, and per output.
-    ``session``: one already open on ``onnx_path``; ``at``: the sizes ``x`` has, for the messages."""
-    with torch.no_grad():
-        ref = {k: v.numpy() for k, v in named_outputs(model, x).items()}
+    ``session``: one already open on ``onnx_path``; ``at``: the sizes ``x`` has, for the messages; ``ref``:
+    PyTorch's outputs on ``x``, where already computed."""
+    if ref is None:
+        ref = _torch_outputs(model, x)
     sess = session if session is not None else ort_session(onnx_path)
     got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
     for (name, r), g in zip(ref.items(), got):
@@ -341,18 +349,13 @@ def parity(model: nn.Module, onnx_path: Path, x: Inputs, session: Any = None, at
                 hint=FIXED_SIZE_HINT if at else "check the model's outputs for sizes computed outside torch",
             )
         _refuse_non_finite(name, r, g, at)
-    errs = {name: _max_err(r, g) for (name, r), g in zip(ref.items(), got)}
+    errs = {name: max_abs_err(r, g) for (name, r), g in zip(ref.items(), got)}
     return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
 
 
-def _max_err(ref: np.ndarray, got: np.ndarray) -> float:
-    """The largest abs difference, places where both hold the same infinity or both a NaN left out (a mask's -inf
-    is equal, as :mod:`kiln.core.compare` counts it)."""
-    r, g = np.asarray(ref, np.float64), np.asarray(got, np.float64)
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(g - r)
-    diff[(np.isnan(r) & np.isnan(g)) | (np.isinf(r) & (r == g))] = 0.0
-    return float(np.max(diff, initial=0.0))
+def _torch_outputs(model: nn.Module, x: Inputs) -> dict[str, np.ndarray]:
+    with torch.no_grad():
+        return {k: v.numpy() for k, v in named_outputs(model, x).items()}
 
 
 def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = "") -> None:
@@ -366,9 +369,9 @@ def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = ""
         raise ModelError(
             f"the exported graph answers {hit.size} of {len(bad)} samples with NaN or infinity in output '{name}'"
             f"{' at ' + at if at else ''} where PyTorch's are finite (sample {hit[0]} first)",
-            hint="find what those samples share: a row whose attention keys are all masked is zeros in PyTorch's "
-            "attention (its safe softmax) and NaN in the exported Softmax; keep one key unmasked per sample, or "
-            "mask those rows' outputs after the model",
+            hint="find what those samples share: a row whose attention keys are all masked is finite in PyTorch's "
+            "attention and NaN in the exported Softmax; keep one key unmasked per sample, or mask those rows' "
+            "outputs after the model",
         )
 
 
@@ -401,8 +404,7 @@ def check_validated_sizes(
             continue  # the data's own sizes: parity checked them
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
         try:
-            with torch.no_grad():
-                named_outputs(model, inputs)
+            ref = _torch_outputs(model, inputs)
         except Exception as exc:
             raise ModelError(
                 f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
@@ -411,7 +413,7 @@ def check_validated_sizes(
                 "takes in signature.shapes, e.g. {seq: [16, 32]}",
             ) from None
         try:
-            err = parity(model, path, inputs, session, at)["max_abs_err"]
+            err = parity(model, path, inputs, session, at, ref)["max_abs_err"]
         except ModelError:
             raise
         except Exception as exc:  # ONNX Runtime's own error: the graph holds the size it was exported at

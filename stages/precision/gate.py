@@ -91,7 +91,7 @@ class GateCheck:
         entry.accuracy, entry.metric = found.accuracy, found.metric
         failures = accuracy_failures(
             entry,
-            gates_for(self.gates, precision, self.ref.logits),
+            gates_for(self.gates, precision, self.ref.logits is None),
             self.ref.accuracy,
             self.ref.metric,
             self.ref.metric_value,

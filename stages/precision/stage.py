@@ -38,7 +38,7 @@ from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.text import fmt
 from kiln.models.config import DataConfig, ModelConfig
-from kiln.models.model_io import torch_model_named
+from kiln.models.model_io import on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import held_out, held_out_reference
 from kiln.stages.accuracy.config import CheckConfig
 from kiln.stages.precision.audit import MIN_SHARE, audit_graph
@@ -99,8 +99,7 @@ class PrecisionSummary(Summary):
 
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
-    model = ctx.config.model
-    if model.onnx and not ctx.config.data.name and not torch_model_named(model) and cfg.fallback.enabled:
+    if on_random_inputs(ctx.config.model, ctx.config.data) and cfg.fallback.enabled:
         # random inputs (a run from model.onnx without data): as `kiln precision` without --calibration, they
         # never decide which nodes stay in float
         ctx.log.warning("precision: the accuracy-driven fallback is off on random inputs; give data.name for it")

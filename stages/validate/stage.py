@@ -181,7 +181,7 @@ def finish_engine(
         return entry
     entry.speedups, entry.speedup_ci = speedups(meta.device, entry.latency_ms, baselines)
     entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
-    entry.gates = gates_for(cfg, meta.precision, ref.logits)
+    entry.gates = gates_for(cfg, meta.precision, ref.logits is None)
     entry.failures = check_gates(entry, ref.accuracy, entry.gates, largest, ref.metric, ref.metric_value)
     entry.failures += found.problems
     entry.passed = not entry.failures
@@ -325,7 +325,8 @@ def behind_pytorch(engines: list[EngineValidation], chosen: dict[str, str], onnx
     faster there (an op the runtime computes slowly, such as ONNX Runtime's DFT on the CPU). ``onnx_file``: a run
     from ``model.onnx`` with no PyTorch model, whose baseline is that file in ONNX Runtime."""
     by_name = {e.name: e for e in engines}
-    against = "the input ONNX file in ONNX Runtime" if onnx_file else "PyTorch eager"
+    baseline = "the input ONNX file" if onnx_file else "PyTorch"
+    against = f"{baseline} in ONNX Runtime" if onnx_file else f"{baseline} eager"
     out = {}
     for bs, name in chosen.items():
         e = by_name[name]
@@ -334,7 +335,7 @@ def behind_pytorch(engines: list[EngineValidation], chosen: dict[str, str], onnx
         if ratio is not None and ci is not None and ci[1] < 1.0:
             out[bs] = (
                 f"the fastest validated engine, {name}, runs at {ratio:.2f}x {against} on the {e.device.upper()} "
-                f"(95 % interval {ci[0]:.2f}-{ci[1]:.2f}x): {against.split(' in ')[0]} itself is faster at this batch"
+                f"(95 % interval {ci[0]:.2f}-{ci[1]:.2f}x): {baseline} itself is faster at this batch"
             )
             if not onnx_file and not any(o.backend == "torch" and o.device == e.device for o in engines):
                 devices = " with build.torch.devices: [cpu]" if e.device == "cpu" else ""

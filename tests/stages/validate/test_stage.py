@@ -84,12 +84,12 @@ def test_a_regression_is_gated_on_its_relative_error_too() -> None:
     stats = compare_arrays(ref, ref + 0.5)
     assert stats.cosine > 0.9999 and stats.rel_err > 0.04
     shifted = entry(top1_agreement=None, accuracy=None, cosine=stats.cosine, outputs={"y": stats.as_dict()})
-    fp32, int8 = gates_for(ValidateConfig(), "fp32", None), gates_for(ValidateConfig(), "int8", None)
+    fp32, int8 = gates_for(ValidateConfig(), "fp32", True), gates_for(ValidateConfig(), "int8", True)
     assert fp32["max_rel_err"] == 0.014142 and check_gates(shifted, None, fp32, 8) == [
         f"relative error {stats.rel_err:.4g} > max_rel_err 0.01414"
     ]
     assert check_gates(shifted, None, int8, 8) == []  # INT8's min_cosine 0.99 allows 0.14
-    classifier = gates_for(ValidateConfig(), "fp32", "logits")  # a binary [N, 1] logit too: no relative error
+    classifier = gates_for(ValidateConfig(), "fp32", False)  # a binary [N, 1] logit too: no relative error
     assert classifier["max_rel_err"] is None and check_gates(shifted, None, classifier, 8) == []
     assert check_gates(shifted, None, {**int8, "max_rel_err": 0.01}, 8)
 
