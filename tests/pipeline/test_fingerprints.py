@@ -182,25 +182,12 @@ def test_the_report_does_not_reload_user_data(
 def test_new_external_weights_beside_the_same_onnx_graph_change_its_fingerprint(tmp_path: Path) -> None:
     """The dynamo exporter keeps weights in ``model.onnx.data``: new weights there, the graph file unchanged, must
     not reuse what the old weights built."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
     from kiln.pipeline.fingerprints import onnx_fingerprint
+    from tests.pipeline.test_faults import tiny_onnx
 
-    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
-        [w],
-    )
-    path = tmp_path / "m.onnx"
-    onnx.save_model(
-        helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0
-    )
+    path = tiny_onnx(tmp_path / "m.onnx", external=True)  # a 4x3 weight in m.onnx.data
     cfg = config_from_dict({"model": {"onnx": str(path)}})
     before, graph_bytes = onnx_fingerprint(cfg), path.read_bytes()
     data = tmp_path / "m.onnx.data"
-    data.write_bytes(np.full((4, 4), 2.0, np.float32).tobytes())
+    data.write_bytes(np.full((4, 3), 2.0, np.float32).tobytes())
     assert path.read_bytes() == graph_bytes and onnx_fingerprint(cfg) != before
