@@ -510,6 +510,52 @@ def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]
     return [spec(v) for v in model.graph.input if v.name not in inits], [spec(v) for v in model.graph.output]
 
 
+# ops whose output holds the values of their first input (cast, reshaped or repeated): an index keeps its meaning
+_KEEPS_VALUES = {"Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
+
+
+def index_ranges(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Integer graph input -> ``[0, rows - 1]``: the input indexes a table stored in the graph (its values reach the
+    indices of a ``Gather`` over an initializer of two or more dimensions, an embedding, through ops that keep
+    values), and ``rows`` is the smallest such table's length. ONNX's ``Gather`` takes a negative index as counted
+    from the end, where ``torch.nn.Embedding`` refuses it: a server that knows the range refuses such a request
+    instead of answering from the wrong row. An input that reaches no such table has no range."""
+    graph = model.graph
+    tables = {i.name: list(i.dims) for i in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in graph.node:
+        for slot, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, slot))
+
+    def rows(name: str, axis: int) -> int | None:
+        node = producer.get(name)
+        while node is not None and node.op_type in {"Cast", "DequantizeLinear", "Identity"}:
+            name, node = node.input[0], producer.get(node.input[0])
+        dims = tables.get(name)
+        return dims[axis] if dims and len(dims) >= 2 and -len(dims) <= axis < len(dims) else None
+
+    integer = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8}
+    out: dict[str, list[int]] = {}
+    for value in graph.input:
+        if value.name in tables or value.type.tensor_type.elem_type not in integer:
+            continue
+        found, todo, seen = [], [value.name], set()
+        while todo:
+            name = todo.pop()
+            seen.add(name)
+            for node, slot in consumers.get(name, []):
+                if node.op_type in _KEEPS_VALUES and slot == 0 and node.output[0] not in seen:
+                    todo.append(node.output[0])
+                elif node.op_type == "Gather" and slot == 1:
+                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    found.append(rows(node.input[0], axis))
+        sizes = [n for n in found if n]
+        if sizes:
+            out[value.name] = [0, min(sizes) - 1]
+    return out
+
+
 QDQ = {"QuantizeLinear", "DequantizeLinear"}
 
 

@@ -112,6 +112,9 @@ class EngineMetadata(Record):
     axis_ranges: dict[str, list[int]] = Field(default_factory=dict)
     # dynamic axis -> [step, offset]: an axis the engine takes only at sizes offset + k * step (a U-Net's height)
     axis_steps: dict[str, list[int]] = Field(default_factory=dict)
+    # integer input -> [smallest, largest] value it may hold: the rows of the table it indexes (an embedding's
+    # vocabulary; kiln.core.onnx_io.index_ranges)
+    index_ranges: dict[str, list[int]] = Field(default_factory=dict)
     build_seconds: float = 0.0
     # outputs whose rows are not the samples (validation found them; the package stage records them): a batch of
     # requests could not be split back, so servers run each request alone
@@ -131,9 +134,18 @@ class EngineMetadata(Record):
         """The largest batch the engine accepts (None: not bounded)."""
         return self.batch_range[1] if self.batch_range else None
 
+    def refusal(self, feed: dict[str, Any]) -> str | None:
+        """Why a server refuses this request (one array per input): its shapes lie outside the sizes the engine was
+        validated for (:meth:`outside_range`), or an input holds an index past the table it indexes
+        (:meth:`outside_values`); None when the engine takes it."""
+        return self.outside_range({k: v.shape for k, v in feed.items()}) or self.outside_values(feed)
+
     def outside_range(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
         """Why inputs of these shapes lie outside the sizes the engine was validated for (a sentence naming the
-        input, the axis and the range), or None."""
+        input, the axis and the range), or differ on an axis they share (:meth:`tied_mismatch`), or None."""
+        tied = self.tied_mismatch(shapes)
+        if tied is not None:
+            return tied
         for spec in self.inputs:
             for axis, dim in enumerate(spec.shape):
                 shape = shapes.get(spec.name, ())
@@ -147,6 +159,38 @@ class EngineMetadata(Record):
                         f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was validated "
                         f"for {dim} from {low} to {high}{steps}"
                     )
+        return None
+
+    def tied_mismatch(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """Why inputs of these shapes cannot run together: two of them differ on an axis of one name (the batch, a
+        sequence both share), which the engine takes as one size; None when every named axis has one size."""
+        seen: dict[str, tuple[str, int, int]] = {}  # axis name -> (input, axis, size) first seen
+        for spec in self.inputs:
+            shape = shapes.get(spec.name, ())
+            for axis, dim in enumerate(spec.shape[: len(shape)]):
+                if not isinstance(dim, str) or not dim.isidentifier():  # "?": an exporter's "unknown", no name
+                    continue
+                first = seen.setdefault(dim, (spec.name, axis, shape[axis]))
+                if first[2] != shape[axis]:
+                    return (
+                        f"inputs '{first[0]}' and '{spec.name}' differ on axis {dim} ({first[2]} against "
+                        f"{shape[axis]}): engine {self.name} takes them at one size"
+                    )
+        return None
+
+    def outside_values(self, feed: dict[str, Any]) -> str | None:
+        """Why an integer input holds a value outside :attr:`index_ranges` (a sentence naming the input, the value
+        and the range), or None."""
+        for name, (low, high) in self.index_ranges.items():
+            array = feed.get(name)
+            if array is None or not getattr(array, "size", 0):
+                continue
+            least, most = int(array.min()), int(array.max())
+            if least < low or most > high:
+                return (
+                    f"input '{name}' holds {least if least < low else most}: engine {self.name} takes values from "
+                    f"{low} to {high} (the rows of the table it indexes)"
+                )
         return None
 
 

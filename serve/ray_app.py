@@ -51,7 +51,7 @@ def parse_request(body: Any, meta: EngineMetadata, max_rows: int) -> dict[str, n
     if sorted(map(str, given)) != sorted(want):
         raise BadRequest(f"inputs {sorted(map(str, given))} given; the model takes {want}")
     feed = {s.name: _tensor(given[s.name], s.name, s.dtype) for s in meta.inputs}
-    outside = meta.outside_range({k: v.shape for k, v in feed.items()})
+    outside = meta.refusal(feed)
     if outside is not None:
         raise BadRequest(outside)
     for spec in meta.inputs:

@@ -367,7 +367,7 @@ def _infer_func(
 
     @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
     def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
-        outside = meta.outside_range({k: v.shape for k, v in inputs.items()}) if meta is not None else None
+        outside = meta.refusal(inputs) if meta is not None else None
         if outside is not None:
             raise ValueError(outside)
         result = padded_infer(runner, inputs, buckets)

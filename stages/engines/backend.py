@@ -301,3 +301,6 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
                 f"{spec.dtype}[{dims}]",
                 hint=f"pass '{spec.name}' as {spec.dtype} with that shape (named axes take any size)",
             )
+    mismatch = meta.tied_mismatch({k: v.shape for k, v in feed.items()}) or meta.outside_values(feed)
+    if mismatch is not None:
+        raise InputError(mismatch, hint="pass inputs of one size on each axis they share, and indices the table has")

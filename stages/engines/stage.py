@@ -19,7 +19,7 @@ from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_jso
 from kiln.core.env import environment_subset
 from kiln.core.errors import BuildError, ConfigError, KilnError
 from kiln.core.inputs import check_batch_fits
-from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, Variants
 from kiln.core.signature import Signature
@@ -64,7 +64,8 @@ def build_engine(
     """
     chosen = _check_choice(backend, device, precision)
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
-    inputs, outputs = io_specs(load_onnx(onnx_path, load_external_data=False))
+    graph = load_onnx(onnx_path, load_external_data=False)
+    inputs, outputs = io_specs(graph)
     check_batch_fits(inputs, max_batch)  # profiles and autotuning allocate batches this large
     name = name or chosen.engine_name(device, precision)
     settings = chosen.settings(cfg)
@@ -117,6 +118,7 @@ def build_engine(
             batch_range=built.batch_range,
             axis_ranges={k: v for k, v in (axis_sizes or {}).items() if k in named},
             axis_steps=built.builder_settings.get("axis_steps", {}),
+            index_ranges={k: v for k, v in index_ranges(graph).items() if k in {s.name for s in taken}},
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),

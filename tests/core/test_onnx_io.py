@@ -1,4 +1,4 @@
-"""kiln.core.onnx_io.save_onnx: a model's own external data is replaced with it; anyone else's is never touched."""
+"""kiln.core.onnx_io: save_onnx replaces a model's own external data, never anyone else's; index_ranges."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from kiln.core.errors import InputFileError
-from kiln.core.onnx_io import load_onnx, save_onnx
+from kiln.core.onnx_io import index_ranges, load_onnx, save_onnx
 
 
 def _model(value: float) -> onnx.ModelProto:
@@ -79,3 +79,35 @@ def test_a_session_of_a_graph_with_an_unused_big_weight() -> None:
     )
     sess = ort_session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     assert sess.run(None, {"x": np.ones((1, 64), np.float32)})[0][0, 0] == 64.0
+
+
+def _indexing_graph() -> onnx.ModelProto:
+    """ids -> Gather over a 10-row table; kind -> Unsqueeze -> Gather over a 2-row table (an FP16 table, cast);
+    pos -> Add -> Gather (a value changed on the way: no range); x (float) and flat (a 1-D table) have none."""
+    table = numpy_helper.from_array(np.zeros((10, 4), np.float32), "table")
+    kinds = numpy_helper.from_array(np.zeros((2, 4), np.float16), "kinds")
+    flat = numpy_helper.from_array(np.zeros(7, np.float32), "flat1d")
+    one = numpy_helper.from_array(np.ones(1, np.int64), "one")
+    axes = numpy_helper.from_array(np.array([0], np.int64), "axes")
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["e"]),
+        helper.make_node("Unsqueeze", ["kind", "axes"], ["kind1"]),
+        helper.make_node("Cast", ["kinds"], ["kinds32"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Gather", ["kinds32", "kind1"], ["k"]),
+        helper.make_node("Add", ["pos", "one"], ["pos1"]),
+        helper.make_node("Gather", ["table", "pos1"], ["p"]),
+        helper.make_node("Gather", ["flat1d", "flat"], ["f"]),
+    ]
+    ints = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, ["batch"]) for n in ("ids", "kind", "pos", "flat")]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [*ints, helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch"])],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("e", "k", "p", "f")],
+        [table, kinds, flat, one, axes],
+    )
+    return helper.make_model(graph)
+
+
+def test_index_ranges_are_the_rows_of_the_embedding_tables_an_input_indexes() -> None:
+    assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kiln.core.errors import InputFileError
@@ -81,3 +82,30 @@ def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
     assert meta.outside_range({"ids": (2, 10)}) == (
         "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 in steps of 4"
     )
+
+
+def test_inputs_that_differ_on_a_shared_axis_are_named() -> None:
+    meta = _meta()
+    meta.inputs = [
+        TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="mask", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="pixels", shape=["batch", "?", "?"], dtype="float32"),  # "?": no name, nothing tied
+    ]
+    assert meta.outside_range({"ids": (2, 8), "mask": (2, 8), "pixels": (2, 3, 5)}) is None
+    assert meta.outside_range({"ids": (2, 8), "mask": (2, 7), "pixels": (2, 3, 3)}) == (
+        "inputs 'ids' and 'mask' differ on axis seq (8 against 7): engine e takes them at one size"
+    )
+    assert "differ on axis batch (2 against 1)" in meta.outside_range({"ids": (2, 8), "mask": (1, 8)})
+
+
+def test_an_index_past_the_table_is_named_and_the_table_s_own_rows_pass() -> None:
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64")]
+    assert meta.refusal({"ids": np.array([[-1, 5]])}) is None  # no range recorded: nothing to hold it to
+    meta.index_ranges = {"ids": [0, 9]}
+    assert meta.refusal({"ids": np.array([[0, 9]])}) is None
+    assert meta.refusal({"ids": np.zeros((0, 4), np.int64)}) is None
+    assert meta.refusal({"ids": np.array([[3, -1]])}) == (
+        "input 'ids' holds -1: engine e takes values from 0 to 9 (the rows of the table it indexes)"
+    )
+    assert meta.refusal({"ids": np.array([[10, 2]])}).startswith("input 'ids' holds 10:")

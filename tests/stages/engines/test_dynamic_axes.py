@@ -9,15 +9,16 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from kiln.core.errors import BuildError
+from kiln.core.errors import BuildError, InputError
 from kiln.core.records import TensorSpec
+from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_axes
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig, OrtAutotuneConfig
 from kiln.stages.engines.onnxruntime.runner import pin_shapes
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
-from tests.stages.engines.two_input import export_two_input, feeds
+from tests.stages.engines.two_input import VOCAB, export_two_input, feeds
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -84,6 +85,16 @@ def _build_and_run(tmp_path: Path, device: str, precision: str = "fp16") -> None
 
 def test_two_input_transformer_cpu_engine_takes_batch_1_and_32(tmp_path: Path) -> None:
     _build_and_run(tmp_path, "cpu", "fp32")  # FP16 on ORT's CPU provider computes in FP32: the audit refuses it
+    meta = read_metadata(tmp_path / "e")
+    assert meta.index_ranges == {"input_ids": [0, VOCAB - 1]}  # the embedding's rows; the mask indexes nothing
+    x = feeds(2)
+    with load_engine(tmp_path / "e") as runner:
+        # ONNX's Gather would answer -1 from the table's last row, where the model's nn.Embedding refuses it
+        with pytest.raises(InputError, match=rf"input 'input_ids' holds -1: .* from 0 to {VOCAB - 1}"):
+            runner.infer({**x, "input_ids": np.where(x["input_ids"] == x["input_ids"][0, 0], -1, x["input_ids"])})
+        with pytest.raises(InputError, match=r"inputs 'input_ids' and 'attention_mask' differ on axis batch"):
+            runner.infer({**x, "attention_mask": x["attention_mask"][:1]})
+        assert runner.infer({**x, "input_ids": np.full_like(x["input_ids"], VOCAB - 1)})["logits"].shape == (2, 2)
 
 
 @pytest.mark.gpu
