@@ -139,6 +139,9 @@ def _check_command(args: list[str], doc: str) -> None:
         help_text = _help(args[1])
         unknown = [a for a in args[2:] if a.startswith("--") and a.split("=")[0] not in help_text]
         assert not unknown, f"{doc}: {args[1]} has no {unknown}"
+    elif args[0] == "bash" and args[1] == "benchmarks/gpu_session.sh":  # each phase is one of the script's cases
+        script = (REPO / args[1]).read_text()
+        assert all(re.search(rf"^\s+{re.escape(p)}\)", script, flags=re.M) for p in args[2:]), args
     elif args[0] not in ("pip", "ruff", "PYTHONPATH=/tmp/site"):
         raise AssertionError(f"{doc}: no check for `{' '.join(args)}`")
 
