@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py, also under python -P
 from common import graphed, write_report  # noqa: E402
 
 from kiln.stages.engines.torch.cublaslt import (  # noqa: E402
