@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -118,3 +119,13 @@ def test_a_user_file_named_like_a_module_python_imports_first_is_said(tmp_path, 
     (tmp_path / "json.py").unlink()
     with pytest.raises(ConfigError, match="is not defined, so there is no"):  # no such file: the usual error
         resolve_callable("json:build", {}, "model")
+
+
+def test_digits_read_from_scikit_learns_file_are_its_load_digits() -> None:
+    from sklearn.datasets import load_digits
+
+    from kiln.models.datasets import digits_arrays
+
+    pixels, labels = digits_arrays()
+    bunch = load_digits()
+    assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target) and labels.dtype == np.int64
