@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import yaml
@@ -36,10 +36,11 @@ from kiln.core.errors import (
     storage_error,
 )
 from kiln.core.ownership import claim_folder, output_file, record_owned, refuse_link, scratch_root
-from kiln.pipeline.config import CONFIG_SUFFIXES, PRECISIONS, KilnConfig, load_config, set_value
 from kiln.pipeline.stage_list import STAGE_NAMES, stage_named
-from kiln.stages.engines.registry import BACKENDS
-from kiln.stages.optimize.catalog import available as available_passes
+from kiln.stages.engines import BACKEND_NAMES
+
+if TYPE_CHECKING:  # the config schema (pydantic, every stage's settings) loads when a command reads a config
+    from kiln.pipeline.config import KilnConfig
 
 # The interpreter's last full collection walks every object torch and the stages made (about 1.5 s after a `kiln run`
 # on 2 cores) only to free memory the process hands back anyway; frozen at exit, those objects are not walked.
@@ -294,6 +295,8 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise click.BadParameter(f"'{item}' is not KEY=VALUE", param_hint="--set")
+        from kiln.pipeline.config import set_value
+
         try:
             out[key] = set_value(key, value)  # typed by the config schema, not by YAML's guesses
         except ConfigError as exc:
@@ -314,6 +317,8 @@ def _importable(*folders: Path) -> None:
 def _load(path: str | None, overrides: dict[str, Any]) -> KilnConfig:
     cwd = _cwd()  # None: deleted under us; absolute paths still work
     _importable(*([Path(path).parent] if path else []), *([cwd] if cwd else []))
+    from kiln.pipeline.config import load_config
+
     return load_config(path, overrides)
 
 
@@ -376,6 +381,8 @@ def _one_config(*given: str | None) -> str | None:
 def _model_or_config(path: str | None, config: str | None) -> tuple[str | None, str | None]:
     """``kiln optimize kiln.yaml`` (or build/validate): a config file where the MODEL/ENGINE goes is the config,
     and the command runs in the workdir, as `kiln run kiln.yaml` would."""
+    from kiln.pipeline.config import CONFIG_SUFFIXES
+
     if path and Path(path).suffix.lower() in CONFIG_SUFFIXES:
         return None, _one_config(path, config)
     return path, config
@@ -552,6 +559,17 @@ def _stage_in_workdir(stage: str, config: str | None, workdir: str, sets: tuple[
 
 
 # ------------------------------------------------------------------------------------------------ stage commands
+class _PassesOption(click.Option):
+    """``--passes``, whose help names every registered pass: the pass catalog (and the ONNX libraries its passes
+    import) loads when that help is shown, not for every command."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        from kiln.stages.optimize.catalog import available
+
+        record = super().get_help_record(ctx)
+        return None if record is None else (record[0], record[1].replace("{passes}", ", ".join(available())))
+
+
 @dataclass(frozen=True)
 class Direct:
     """A stage command's direct mode (``kiln build model.onnx -o out/``): its parameters beyond the common ones,
@@ -649,6 +667,8 @@ def _precision_direct(
 ) -> None:
     cfg = _config(config, sets)
     wanted = [v.strip() for v in variants.split(",") if v.strip()] if variants else list(cfg.precision.variants)
+    from kiln.stages.precision.config import PRECISIONS
+
     unknown = sorted(set(wanted) - set(PRECISIONS))
     if unknown:
         raise ConfigError(f"--variants names unknown precisions {unknown}", hint=f"use {', '.join(PRECISIONS)}")
@@ -766,10 +786,10 @@ DIRECT = {
         (
             _file("model"),
             click.Option(["-o", "--output"], type=click.Path(dir_okay=False), help="optimized ONNX file (direct mode)"),
-            click.Option(
+            _PassesOption(
                 ["--passes"],
                 metavar="P1,P2,...",
-                help=f"comma-separated pass list (default: the config's); passes: {', '.join(available_passes())}",
+                help="comma-separated pass list (default: the config's); passes: {passes}",
             ),
         ),
         _optimize_direct,
@@ -803,7 +823,7 @@ DIRECT = {
             _file("model", folder=True),
             click.Option(
                 ["--backend"],
-                type=click.Choice(sorted(BACKENDS)),
+                type=click.Choice(BACKEND_NAMES),
                 default="onnxruntime",
                 show_default=True,
                 help="engine kind to build (direct mode)",

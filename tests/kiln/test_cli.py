@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -31,6 +33,21 @@ def assert_clean_error(result, code: int, *needles: str) -> None:
 def test_help(cli: CliRunner, cmd: str | None) -> None:
     result = cli.invoke(main, [cmd, "--help"] if cmd else ["--help"])
     assert result.exit_code == 0 and "Usage" in result.output
+
+
+def test_help_loads_no_config_schema_array_or_model_library() -> None:
+    """`kiln --help` is a user's first wait: the CLI module loads without the config schema (pydantic), numpy, ONNX
+    or torch, which each command imports when it runs."""
+    code = "import sys, kiln.cli; print(sorted({'pydantic', 'numpy', 'onnx', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_the_build_command_offers_the_registered_backends(cli: CliRunner) -> None:
+    from kiln.stages.engines import BACKEND_NAMES
+    from kiln.stages.engines.registry import BACKENDS
+
+    assert BACKEND_NAMES == tuple(sorted(BACKENDS))
 
 
 def test_config_prints_resolved_yaml(cli: CliRunner) -> None:
