@@ -371,3 +371,19 @@ def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
                 f"gives a tuple of {len(x)}",
                 hint="give x as a tuple with one tensor per forward parameter, or a dict",
             )
+
+
+def integer_ranges(data: DatasetSplits, names: list[str]) -> dict[str, list[int]]:
+    """Input name -> [smallest, largest] value in the data, for each integer input: values the model's embeddings and
+    index lookups are known to take (a categorical feature with 10 levels fails at 10): the optimizer's safety net
+    draws its random integers there, and the engines take the negative indices the data holds."""
+    out: dict[str, list[int]] = {}
+    for x in (data.train_x, data.val_x):
+        if not rows(x):
+            continue
+        for name, values in feed_for_graph(x, names).items():
+            if values.dtype.kind in "iu" and values.size:
+                low, high = int(values.min()), int(values.max())
+                old = out.get(name, [low, high])
+                out[name] = [min(low, old[0]), max(high, old[1])]
+    return out

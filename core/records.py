@@ -163,17 +163,18 @@ class EngineMetadata(Record):
 
     def tied_mismatch(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
         """Why inputs of these shapes cannot run together: two of them differ on an axis of one name (the batch, a
-        sequence both share), which the engine takes as one size; None when every named axis has one size."""
-        seen: dict[str, tuple[str, int, int]] = {}  # axis name -> (input, axis, size) first seen
+        sequence both share), which the engine takes as one size; None when every named axis has one size. Only
+        the graph's names tie axes: a two-tower model's images and texts come in counts of their own."""
+        seen: dict[str, tuple[str, int]] = {}  # axis name -> (input, size) first seen
         for spec in self.inputs:
             shape = shapes.get(spec.name, ())
             for axis, dim in enumerate(spec.shape[: len(shape)]):
-                if not isinstance(dim, str) or not dim.isidentifier():  # "?": an exporter's "unknown", no name
+                if not isinstance(dim, str) or not dim.isidentifier():  # fixed, or "?": an exporter's "unknown"
                     continue
-                first = seen.setdefault(dim, (spec.name, axis, shape[axis]))
-                if first[2] != shape[axis]:
+                first = seen.setdefault(dim, (spec.name, shape[axis]))
+                if first[1] != shape[axis]:
                     return (
-                        f"inputs '{first[0]}' and '{spec.name}' differ on axis {dim} ({first[2]} against "
+                        f"inputs '{first[0]}' and '{spec.name}' differ on axis {dim} ({first[1]} against "
                         f"{shape[axis]}): engine {self.name} takes them at one size"
                     )
         return None
@@ -215,6 +216,7 @@ class Variants(Record):
 
     variants: dict[str, PrecisionVariant]
     axis_sizes: dict[str, list[int]] = Field(default_factory=dict)  # dynamic axis besides batch -> sizes in the data
+    int_ranges: dict[str, list[int]] = Field(default_factory=dict)  # integer input -> [smallest, largest] in the data
 
 
 # ------------------------------------------------------------------------------------------------------ validation

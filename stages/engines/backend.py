@@ -301,6 +301,12 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
                 f"{spec.dtype}[{dims}]",
                 hint=f"pass '{spec.name}' as {spec.dtype} with that shape (named axes take any size)",
             )
-    mismatch = meta.tied_mismatch({k: v.shape for k, v in feed.items()}) or meta.outside_values(feed)
+    mismatch = meta.tied_mismatch({k: v.shape for k, v in feed.items()})
     if mismatch is not None:
-        raise InputError(mismatch, hint="pass inputs of one size on each axis they share, and indices the table has")
+        raise InputError(mismatch, hint="pass every input at one size on the axes they share (the batch, a sequence)")
+    outside = meta.outside_values(feed)
+    if outside is not None:
+        raise InputError(
+            outside,
+            hint="pass indices within the table (a token id past the vocabulary: a tokenizer made for another model)",
+        )

@@ -56,11 +56,14 @@ def build_engine(
     torch_model: Callable[[], Any] | None = None,
     axis_sizes: dict[str, list[int]] | None = None,
     calibration: Path | None = None,
+    int_ranges: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
     ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes;
-    ``calibration``: the precision stage's calibration batches, for backends that calibrate the model themselves.
+    ``calibration``: the precision stage's calibration batches, for backends that calibrate the model themselves;
+    ``int_ranges``: each integer input's values in the data (an index the data holds below 0 is one the model
+    takes: PyTorch's ``table[i]`` counts it from the end, as ONNX's ``Gather`` does).
     """
     chosen = _check_choice(backend, device, precision)
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
@@ -118,7 +121,7 @@ def build_engine(
             batch_range=built.batch_range,
             axis_ranges={k: v for k, v in (axis_sizes or {}).items() if k in named},
             axis_steps=built.builder_settings.get("axis_steps", {}),
-            index_ranges={k: v for k, v in index_ranges(graph).items() if k in {s.name for s in taken}},
+            index_ranges=_index_ranges(graph, taken, int_ranges or {}),
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
             build_seconds=round(time.perf_counter() - t0, 3),
@@ -143,6 +146,17 @@ def build_engine(
         bar.advance()
     log.info("built %s in %.1fs (%.1f MB)", name, meta.build_seconds, meta.size_bytes / 1e6)
     return meta
+
+
+def _index_ranges(graph: Any, taken: list[Any], data: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The values each integer input that indexes a table may hold (:func:`kiln.core.onnx_io.index_ranges`): 0 to
+    the table's rows - 1, from as far below 0 as the data goes (down to -rows, where ``Gather`` stops counting)."""
+    names = {s.name for s in taken}
+    out = {}
+    for name, (low, high) in index_ranges(graph).items():
+        if name in names:
+            out[name] = [max(-(high + 1), min(low, data.get(name, [low])[0])), high]
+    return out
 
 
 class MislabelledEngine(BuildError):
@@ -255,6 +269,7 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                         max_batch,
                         torch_model,
                         sizes,
+                        record.int_ranges,
                     )
                 except BuildError as exc:
                     if not backend.optional(settings) and not isinstance(exc, MislabelledEngine):
@@ -298,6 +313,7 @@ def _build_with_fallback(
     max_batch: int,
     torch_model: Callable[[], Any] | None = None,
     sizes: dict[str, list[int]] | None = None,
+    int_ranges: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
@@ -319,6 +335,7 @@ def _build_with_fallback(
             torch_model=torch_model,
             axis_sizes=sizes,
             calibration=calibration if calibration.is_file() else None,
+            int_ranges=int_ranges,
         )
     except BuildError as exc:
         if keep is None or isinstance(exc, MislabelledEngine):
@@ -335,6 +352,7 @@ def _build_with_fallback(
             ctx.progress,
             max_batch=max_batch,
             axis_sizes=sizes,
+            int_ranges=int_ranges,
         )
 
 

@@ -36,6 +36,7 @@ from kiln.core.data import (
     forward_inputs,
     from_feed,
     input_names,
+    integer_ranges,
     rows,
     take,
     tensors,
@@ -678,22 +679,6 @@ def dynamic_sizes(
 
 
 INT_RANGES = "int_ranges.json"
-
-
-def integer_ranges(data: Any, names: list[str]) -> dict[str, list[int]]:
-    """Input name -> [smallest, largest] value in the data, for each integer input: values the model's embeddings and
-    index lookups are known to take (a categorical feature with 10 levels fails at 10), for the optimizer's safety
-    net, whose random integers otherwise lie in [0, optimize.int_high]."""
-    out: dict[str, list[int]] = {}
-    for x in (data.train_x, data.val_x):
-        if not rows(x):
-            continue
-        for name, values in feed_for_graph(x, names).items():
-            if values.dtype.kind in "iu" and values.size:
-                low, high = int(values.min()), int(values.max())
-                old = out.get(name, [low, high])
-                out[name] = [min(low, old[0]), max(high, old[1])]
-    return out
 
 
 def read_int_ranges(export_dir: Path) -> dict[str, list[int]] | None:

@@ -22,7 +22,15 @@ import onnx
 from kiln.core.compare import within_tolerance
 from kiln.core.inputs import AxisSizes
 from kiln.core.inputs import random_inputs as make_inputs
-from kiln.core.onnx_io import STUB_LOCATION, io_specs, light_model, model_bytes, ort_session, session_options
+from kiln.core.onnx_io import (
+    STUB_LOCATION,
+    index_ranges,
+    io_specs,
+    light_model,
+    model_bytes,
+    ort_session,
+    session_options,
+)
 from kiln.core.shapes import two_sizes
 from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
@@ -52,7 +60,9 @@ def random_inputs(
 ) -> dict[str, np.ndarray]:
     """One random array per real graph input; symbolic axes get ``verify_batch`` (a symbolic first axis ``batch``,
     other symbolic axes ``dynamic``, when given), integers lie in the data's range of the input (``int_ranges``,
-    where the export recorded it) or else in [0, int_high]."""
+    where the export recorded it), else over the rows of the table the input indexes (an embedding's vocabulary,
+    :func:`kiln.core.onnx_io.index_ranges`: an ONNX file from elsewhere has no recorded data), else in
+    [0, int_high]."""
     specs, _ = io_specs(model)
     return make_inputs(
         specs,
@@ -60,7 +70,7 @@ def random_inputs(
         dynamic=dynamic or cfg.verify_batch,
         int_high=cfg.int_high,
         seed=cfg.seed,
-        int_ranges=int_ranges,
+        int_ranges={**index_ranges(model), **(int_ranges or {})},
     )
 
 

@@ -102,3 +102,16 @@ def test_bad_profile_fails_the_stage(zoo, tmp_path: Path) -> None:
 def test_unknown_backend_in_direct_mode(zoo, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown backend 'tvm'"):
         stage.build_engine(zoo("cnn"), tmp_path / "e", "tvm", "cpu", "fp32", stage.BuildConfig(), tmp_path)
+
+
+def test_an_index_range_reaches_below_zero_as_far_as_the_data_does() -> None:
+    """PyTorch's ``table[i]`` takes -1 as the last row, as ONNX's Gather does: the negative indices the data holds
+    (down to -rows) are taken; without data, 0 to rows - 1."""
+    from kiln.core.records import TensorSpec
+    from kiln.stages.engines.stage import _index_ranges
+    from tests.core.test_onnx_io import _indexing_graph
+
+    graph, taken = _indexing_graph(), [TensorSpec(name=n, shape=["batch"], dtype="int64") for n in ("ids", "kind")]
+    assert _index_ranges(graph, taken, {}) == {"ids": [0, 9], "kind": [0, 1]}
+    assert _index_ranges(graph, taken, {"ids": [-4, 9], "kind": [-7, 1]}) == {"ids": [-4, 9], "kind": [-2, 1]}
+    assert _index_ranges(graph, taken[:1], {"ids": [3, 5]}) == {"ids": [0, 9]}

@@ -11,7 +11,7 @@ from onnx import helper as h
 from kiln.core.errors import ModelError
 from kiln.stages.optimize.api import optimize_model
 from kiln.stages.optimize.config import OptimizeConfig
-from kiln.stages.optimize.verify import Verifier, run_ort
+from kiln.stages.optimize.verify import Verifier, random_inputs, run_ort
 from tests.stages.optimize.optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
 
 N = h.make_node
@@ -185,12 +185,32 @@ def test_layernorm_fusion_skips_empty_axes_and_still_fuses_the_real_one():
 
 
 def test_net_that_cannot_run_the_model_is_a_clear_error():
-    m = make_model([N("Gather", ["table", "ids"], ["y"])], [("ids", ["N", 3], INT64)], ["y"], {"table": f32(5, 4)})
+    """ids + 1 index a 5-row table: the net's integers (0..int_high) run past it."""
+    m = make_model(
+        [N("Add", ["ids", "one"], ["shifted"]), N("Gather", ["table", "shifted"], ["y"])],
+        [("ids", ["N", 3], INT64)],
+        ["y"],
+        {"table": f32(5, 4), "one": np.array(1, np.int64)},
+    )
     with pytest.raises(ModelError, match="safety net cannot run") as err:
         optimize_model(m, OptimizeConfig())
     assert "int_high" in err.value.hint and "verify: false" in err.value.hint
-    out, s = optimize_model(m, OptimizeConfig(int_high=4))
+    out, s = optimize_model(m, OptimizeConfig(int_high=3))
     assert s["verified"]
+
+
+def test_ids_that_index_a_table_are_drawn_from_its_rows():
+    """An ONNX file from elsewhere has no recorded data: token ids (vocab 50) and token types (2 rows) take their
+    tables' rows, where 0..int_high ran past the token types' table."""
+    m = make_model(
+        [N("Gather", ["vocab", "ids"], ["a"]), N("Gather", ["kinds", "types"], ["b"]), N("Add", ["a", "b"], ["y"])],
+        [("ids", ["N", 3], INT64), ("types", ["N", 3], INT64)],
+        ["y"],
+        {"vocab": f32(50, 4), "kinds": f32(2, 4)},
+    )
+    feed = random_inputs(m, OptimizeConfig(), batch=64)
+    assert feed["types"].min() == 0 and feed["types"].max() == 1 and feed["ids"].max() > 16
+    assert optimize_model(m, OptimizeConfig())[1]["verified"]
 
 
 def test_a_dynamic_axis_the_graph_fixes_is_named_as_such():
