@@ -60,6 +60,27 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return next((f for f in reversed(frames) if is_user_file(f.filename)), None)
 
 
+# Libraries a model is made of, not written with: an error raised in them is placed by the frame that called them
+_TOOLKITS = frozenset({"torch", "functorch", "numpy", "onnx", "onnxruntime", "onnxscript", "triton", "kiln"})
+
+
+def library_frame(exc: BaseException) -> tuple[traceback.FrameSummary, str] | None:
+    """The innermost frame of ``exc``'s traceback in an installed model library (``transformers``, ``timm``: a
+    package under site-packages that is not a toolkit such as torch), with the library's name; or None. A model
+    taken from a library fails there, with no frame in the user's own file."""
+    roots = _library_dirs()
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        try:
+            path = str(Path(f.filename).resolve())
+        except (OSError, RuntimeError):
+            continue
+        root = next((r for r in roots if path.startswith(r) and "-packages" in r), None)  # not the stdlib
+        package = path[len(root) :].split(os.sep)[0] if root else ""
+        if package and package not in _TOOLKITS and not package.endswith((".py", ".so")):
+            return f, package
+    return None
+
+
 def where(frame: traceback.FrameSummary) -> str:
     """``name() at file:line``, the file relative to the current folder when it lies inside it."""
     path = Path(frame.filename)
@@ -89,14 +110,35 @@ def user_code_error(
     library's, and keeps its traceback) or it has a meaning of its own (a KilnError, memory). ``what``: the
     user's callable as named in the config (``data function 'mine:load'``); ``hint``: a fix beyond "fix the code
     there"."""
-    frame = None if _passes_through(exc) else user_frame(exc)
-    if frame is None:
+    if _passes_through(exc):
         return None
+    frame = user_frame(exc)
+    if frame is None:
+        return _library_error(exc, doing, what, hint)
     who = what or "your code"
     message = f"{who} raised {type(exc).__name__}: {first_line(exc)} (in {where(frame)}) while {doing}"
     fix = (hint + "; or fix" if hint else "fix") + f" {frame.name}() in {frame.filename} line {frame.lineno}"
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return UserCodeError(message, hint=fix + _file_hint(exc) + " (--verbose shows the traceback)", detail=detail)
+
+
+def _library_error(exc: BaseException, doing: str, what: str | None, hint: str | None) -> UserCodeError | None:
+    """``exc`` raised in a model library the user's code called (a ``transformers`` model's forward on an id past
+    its vocabulary), or None when no frame is such a library's."""
+    found = library_frame(exc)
+    if found is None:
+        return None
+    frame, package = found
+    message = (
+        f"{what or 'your model'} raised {type(exc).__name__}: {first_line(exc)} (in {frame.name}() of {package}, "
+        f"{Path(frame.filename).name}:{frame.lineno}) while {doing}"
+    )
+    fix = (hint + "; or check" if hint else "check") + (
+        f" what the model was given against what its {package} config takes (an index past an embedding's rows: "
+        "data made for a larger vocabulary)"
+    )
+    detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return UserCodeError(message, hint=fix + " (--verbose shows the traceback)", detail=detail)
 
 
 def _passes_through(exc: BaseException) -> bool:

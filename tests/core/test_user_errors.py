@@ -1,0 +1,32 @@
+"""kiln.core.user_errors: an error raised in a model library the user's model comes from is the user's model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.core import user_errors
+from kiln.core.user_errors import UserCodeError, running_user_code
+
+
+def test_an_error_inside_a_library_model_is_named_with_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `transformers` BERT given a token id past its vocabulary fails in torch.embedding, with no frame in a file of
+    the user's (Kiln's loop called the library's forward): one error naming the library and the step, not a
+    traceback."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    model = transformers.BertModel(config).eval()
+    monkeypatch.setattr(user_errors, "is_user_file", lambda filename: False)  # as when Kiln's loop calls it
+    with pytest.raises(UserCodeError) as err, running_user_code("training step 3 (epoch 1)"):
+        model(torch.tensor([[1, 2, 20]]))
+    message = err.value.message
+    assert message.startswith("your model raised IndexError") and "of transformers" in message, message
+    assert message.endswith("while training step 3 (epoch 1)") and "vocabulary" in err.value.hint
+
+
+def test_an_error_of_torch_alone_is_not_placed_in_a_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(user_errors, "is_user_file", lambda filename: False)
+    with pytest.raises(RuntimeError), running_user_code("training step 1"):
+        torch.zeros(2, 3) @ torch.zeros(2, 3)
