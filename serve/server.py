@@ -123,6 +123,13 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         if verdicts is not None:
             _refuse(meta.name, verdicts.get(meta.name))
             meta = _as_validated(meta, path.parent.parent)
+        elif path.parent.name != "engines":  # not a package's: `kiln build`'s own, which no validation has seen
+            log.warning(
+                "engine %s was not validated (no validate/validation.json beside it): served unchecked against "
+                "PyTorch, at any size its axes take (`kiln validate %s --reference MODEL` checks it)",
+                meta.name,
+                path,
+            )
         return [ServedEngine(model_name(meta.name), path, meta)]
     if not path.is_dir():
         raise InputFileError(

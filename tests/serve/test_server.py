@@ -605,6 +605,19 @@ def test_an_engine_that_failed_validation_is_refused(workdir: Path, tmp_path: Pa
     assert result.exit_code == 3 and "error:" in result.output and "fix:" in result.output
 
 
+def test_an_engine_no_validation_has_seen_is_served_with_a_warning(
+    workdir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kiln build`'s own folder (no validate/ beside it) is served, saying it is unchecked; a package's is not."""
+    alone = tmp_path / "engine"
+    shutil.copytree(workdir / "build" / ENGINE, alone)
+    with caplog.at_level("WARNING", logger="kiln"):
+        assert [e.model_name for e in find_engines(alone)] == [MODEL]
+        find_engines(workdir / "package" / "engines" / ENGINE)
+    said = [r.getMessage() for r in caplog.records if "was not validated" in r.getMessage()]
+    assert len(said) == 1 and ENGINE in said[0] and "kiln validate" in said[0], said
+
+
 def test_the_stub_interpreter_sees_packages_this_process_found_through_pythonpath(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
