@@ -19,6 +19,9 @@ anything starts, and a ``tritonserver`` that dies while starting ends the wait f
 from __future__ import annotations
 
 import errno
+import functools
+import importlib.util
+import json
 import logging
 import os
 import re
@@ -31,11 +34,15 @@ import sysconfig
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -292,17 +299,14 @@ def server_env(stub_python: Path, env: dict[str, str] | None = None) -> dict[str
     interpreters mix and the model fails to load ('_thread.RLock' object has no attribute '_recursion_count').
     The running interpreter's LIBDIR goes first on LD_LIBRARY_PATH. ``stub_python`` (:func:`stub_python_env`)
     goes first on PATH: the stub's embedded interpreter takes its prefix from the ``python3`` it finds there."""
-    from pytriton.utils.distribution import get_libs_path
-
+    distribution = _distribution()
     env = dict(os.environ if env is None else env)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     # PyTriton's bundled libraries (its CUDA runtime among them): tritonserver runs from a copy in a workspace,
-    # where its relative RPATH no longer reaches them (libcudart-*.so not found).
-    import pytriton
-
+    # where its relative RPATH no longer reaches them (libcudart-*.so not found) ...
     # ... and the libraries auditwheel bundled beside the package (nvidia_pytriton.libs: libcudart and others).
-    wheel_libs = Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
-    bundled = [str(get_libs_path())] + ([str(wheel_libs)] if wheel_libs.is_dir() else [])
+    wheel_libs = distribution.get_root_module_path().resolve().parent / "nvidia_pytriton.libs"
+    bundled = [str(distribution.get_libs_path())] + ([str(wheel_libs)] if wheel_libs.is_dir() else [])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, *bundled, env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(stub_python / "bin"), env.get("PATH", "")))
     return env
@@ -330,18 +334,42 @@ def stub_python_env(scratch: Path) -> Path:
 
 
 def _pytriton() -> Any:
+    """PyTriton itself, for `kiln serve --pytriton` (the Python-backend server needs only its files)."""
+    _bundled()
     try:
         import pytriton.triton
     except ImportError:
         raise BackendUnavailable(
             "kiln serve needs PyTriton (nvidia-pytriton), which is not installed", hint=INSTALL_HINT
         ) from None
+    return pytriton
+
+
+def _bundled() -> None:
+    """Refuse a missing PyTriton, or one whose bundled stub cannot read this numpy, without importing it."""
+    if importlib.util.find_spec("pytriton") is None:
+        raise BackendUnavailable(
+            "kiln serve needs PyTriton (nvidia-pytriton), which is not installed", hint=INSTALL_HINT
+        )
     try:
         pytriton_version = version("nvidia-pytriton")
     except PackageNotFoundError:  # importable without its distribution's metadata (vendored): nothing to compare
-        return pytriton
+        return
     check_stub_numpy(np.__version__, pytriton_version)
-    return pytriton
+
+
+@functools.cache
+def _distribution() -> ModuleType:
+    """PyTriton's ``pytriton.utils.distribution`` (where its bundled tritonserver, stubs and libraries lie), run from
+    its own file: importing it as a submodule first runs ``pytriton/__init__``, which imports PyTriton's clients
+    (aiohttp, gevent; about 0.4 s of every `kiln serve` start) that the Python-backend server never uses."""
+    _bundled()
+    spec = importlib.util.find_spec("pytriton")
+    folder = Path(next(iter(spec.submodule_search_locations or [])))  # type: ignore[union-attr]
+    found = importlib.util.spec_from_file_location("kiln_pytriton_distribution", folder / "utils" / "distribution.py")
+    module = importlib.util.module_from_spec(found)  # type: ignore[arg-type]
+    found.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 # The last PyTriton whose bundled tritonserver (2.51) has a Python backend stub built with pybind11 < 2.12
@@ -640,17 +668,30 @@ def _clean_models_at_once() -> None:
 
 def _answers(url: str) -> bool:
     """Whether a Triton server answers its liveness probe at ``url`` (within a second)."""
-    import tritonclient.http as httpclient
-
-    host = re.sub(r"^\w+://", "", url)
     try:
-        client = httpclient.InferenceServerClient(host, connection_timeout=1.0, network_timeout=1.0)
-        try:
-            return bool(client.is_server_live())
-        finally:
-            client.close()
-    except Exception:  # refused, reset, timed out: not answering
+        return triton_http(re.sub(r"^\w+://", "", url), "/v2/health/live", timeout_s=1.0)[0] == 200
+    except OSError:  # refused, reset, timed out: not answering
         return False
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local server: never through a proxy
+
+
+def triton_http(address: str, path: str, method: str = "GET", timeout_s: float = 5.0) -> tuple[int, Any]:
+    """One call of Triton's HTTP/REST protocol (KServe v2 and its repository extension) to ``host:port``:
+    ``(status, JSON body or None)``; OSError when nothing answers. Plain urllib for the few calls the server itself
+    makes (readiness, a model's config, a reload): importing tritonclient's HTTP client (aiohttp, gevent) would be
+    a tenth of a ready server's start."""
+    request = urllib.request.Request(f"http://{address}{path}", data=b"" if method == "POST" else None, method=method)
+    try:
+        with _NO_PROXY.open(request, timeout=timeout_s) as answer:
+            status, body = answer.status, answer.read()
+    except urllib.error.HTTPError as exc:
+        status, body = exc.code, exc.read()
+    try:
+        return status, json.loads(body) if body else None
+    except ValueError:
+        return status, None
 
 
 class _Reaper:
@@ -788,16 +829,17 @@ def prepared_tritonserver(scratch: Path) -> Path:
     """A copy of PyTriton's bundled ``tritonserver`` tree whose Python backend has the stub built for this
     interpreter (the wheel ships one per Python version; PyTriton prepares its workspace the same way).
     Returns the tree's root (``bin/tritonserver``, ``backends/``)."""
-    _pytriton()
-    from pytriton.utils.distribution import get_root_module_path, get_stub_path
-
+    distribution = _distribution()
     root = scratch / "tritonserver"
     if not root.is_dir():
         shutil.copytree(
-            get_root_module_path() / "tritonserver", root, ignore=shutil.ignore_patterns("python_backend_stubs")
+            distribution.get_root_module_path() / "tritonserver",
+            root,
+            ignore=shutil.ignore_patterns("python_backend_stubs"),
         )
         version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-        shutil.copy2(get_stub_path(version), root / "backends" / "python" / "triton_python_backend_stub")
+        stub = distribution.get_stub_path(version)
+        shutil.copy2(stub, root / "backends" / "python" / "triton_python_backend_stub")
     return root
 
 
@@ -836,6 +878,9 @@ def tritonserver_process(
         # every config.pbtxt Kiln writes is complete: without this Triton first starts a stub per Python-backend
         # model only to ask it for a config (1.5 s of a 3 s start on the demo)
         "--disable-auto-complete-config",
+        # Triton's exit waits for its metrics thread's next poll of the CPU and GPU gauges (every 2 s by default):
+        # a shorter period is a shorter stop; request counters and Kiln's stub timings are kept per request anyway
+        "--metrics-interval-ms=250",
     ]
     if reloadable:
         cmd += ["--model-control-mode=explicit", "--load-model=*"]
@@ -860,27 +905,22 @@ def wait_ready(
     """Poll Triton's readiness endpoints until the server and ``models`` are ready and every port in
     ``listening`` (on the URL's host) accepts connections. Triton opens its metrics port after its HTTP one, so
     a ready HTTP endpoint alone leaves a moment, longer on a busy machine, where the metrics are refused."""
-    import tritonclient.http as httpclient
-
     deadline = time.monotonic() + timeout_s
     address = url.removeprefix("http://")
     host = address.rsplit(":", 1)[0].strip("[]")
-    client = httpclient.InferenceServerClient(address)
-    try:
-        while time.monotonic() < deadline:
-            if process is not None and process.poll() is not None:
-                raise KilnError(
-                    f"tritonserver exited with code {process.returncode} before it was ready", hint="see its log"
-                )
-            try:
-                ready = client.is_server_ready() and all(client.is_model_ready(m) for m in models)
-                if ready and all(_accepts(host, port) for port in listening):
-                    return
-            except Exception:  # connection refused while it starts: keep polling until the deadline
-                pass
-            time.sleep(0.2)
-    finally:
-        client.close()
+    paths = ["/v2/health/ready", *(f"/v2/models/{urllib.parse.quote(m)}/ready" for m in models)]
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise KilnError(
+                f"tritonserver exited with code {process.returncode} before it was ready", hint="see its log"
+            )
+        try:
+            ready = all(triton_http(address, p, timeout_s=5.0)[0] == 200 for p in paths)
+            if ready and all(_accepts(host, port) for port in listening):
+                return
+        except OSError:  # connection refused while it starts: keep polling until the deadline
+            pass
+        time.sleep(0.1)
     raise KilnError(f"Triton at {url} was not ready within {timeout_s:.0f} s", hint="see the server's log")
 
 
@@ -987,7 +1027,7 @@ def serve_python_backend(
     """Every engine behind one endpoint: plain ``tritonserver`` on a Python-backend repository (each instance a
     stub process that loads the engine; with ``gpus``, instance groups over those GPUs, each stub pinned to its
     own). PyTriton runs every model in this one process, where a runner cannot be pinned to a GPU of its own."""
-    _pytriton()  # the bundled server, and a stub that works with this numpy
+    _bundled()  # the bundled server, and a stub that works with this numpy
     check_ports(address, *ports)
     scratch = _scratch()
     stop = _StopRequest()
@@ -1063,18 +1103,10 @@ class StubWatch:
         self.expected = {model: self._instances(model) for model in models}
         self.failed: dict[str, float] = {}  # model -> when its last reload failed
 
-    def _client(self) -> Any:
-        import tritonclient.http as httpclient
-
-        return httpclient.InferenceServerClient(self.http_address, network_timeout=STARTUP_TIMEOUT_S)
-
     def _instances(self, model: str) -> int:
         """Stub processes the model's config asks for: each instance group's count, once per GPU it names."""
-        client = self._client()
-        try:
-            groups = client.get_model_config(model).get("instance_group", [])
-        finally:
-            client.close()
+        path = f"/v2/models/{urllib.parse.quote(model)}/config"
+        groups = (triton_http(self.http_address, path, timeout_s=STARTUP_TIMEOUT_S)[1] or {}).get("instance_group", [])
         return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups) or 1
 
     def _stubs(self) -> dict[Any, tuple[str, str]]:
@@ -1118,18 +1150,19 @@ class StubWatch:
         return reloaded
 
     def _reload(self, model: str) -> bool:
-        client = self._client()
+        path = f"/v2/repository/models/{urllib.parse.quote(model)}/load"
         try:
-            client.load_model(model)
-            log.warning("model %s reloaded: new instances serve it", model)
-            return True
-        except Exception as exc:  # the server goes on for its other models; the error is said, the reload retried
+            status, body = triton_http(self.http_address, path, "POST", timeout_s=STARTUP_TIMEOUT_S)
+            why = f"HTTP {status}: {(body or {}).get('error', '')}" if status != 200 else ""
+        except OSError as exc:
+            why = str(exc)
+        if why:  # the server goes on for its other models; the error is said, the reload retried
             log.error(
-                "model %s could not be reloaded (tried again in %.0f s): %s", model, self.RETRY_S, first_line(str(exc))
+                "model %s could not be reloaded (tried again in %.0f s): %s", model, self.RETRY_S, first_line(why)
             )
             return False
-        finally:
-            client.close()
+        log.warning("model %s reloaded: new instances serve it", model)
+        return True
 
 
 def _died_while_starting(reason: str) -> KilnError:
