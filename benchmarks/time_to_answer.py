@@ -5,9 +5,11 @@ The commands are timed in interleaved rounds (every command once per round), so 
 them all alike; the table gives each command's median, its spread and a 95% interval of the median (bootstrap over
 the rounds), and the machine's load average before and after. Target: every median <= 1.5 s on the 2-core machine
 when idle. With `--demo N`, the demo (`kiln run`) too, N times from a fresh workdir and once more cached, with
-each stage's seconds from its report (target: <= 30 s).
+each stage's seconds from its report (target: <= 30 s). With `--serve N` (needs `--demo`), `kiln serve` on the
+demo's workdir N times: seconds from the command to its "ready" line (every model loaded and answering), and from
+SIGINT (Ctrl-C) to its exit.
 
-    python benchmarks/time_to_answer.py --rounds 15 --demo 3 --out benchmarks/results
+    python benchmarks/time_to_answer.py --rounds 15 --demo 3 --serve 5 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -85,10 +87,51 @@ def demo_runs(kiln: str, folder: Path, env: dict[str, str], runs: int) -> list[d
     return rows
 
 
+def serve_runs(kiln: str, workdir: Path, env: dict[str, str], runs: int) -> list[dict]:
+    """`kiln serve WORKDIR` ``runs`` times: seconds to its "ready" line on stderr, then from SIGINT to its exit."""
+    import signal
+    import socket
+
+    rows = []
+    for _ in range(runs):
+        ports = []
+        for _ in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(str(s.getsockname()[1]))
+        cmd = [
+            kiln,
+            "serve",
+            str(workdir),
+            "--http-port",
+            ports[0],
+            "--grpc-port",
+            ports[1],
+            "--metrics-port",
+            ports[2],
+        ]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        ready = next((line for line in proc.stderr if line.startswith("ready")), None)  # type: ignore[union-attr]
+        ready_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        rows.append(
+            {
+                "ready_s": round(ready_s, 2) if ready else None,
+                "stop_s": round(time.perf_counter() - t1, 2),
+                "exit_code": proc.returncode,
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (each runs every command once)")
     parser.add_argument("--demo", type=int, default=0, help="also run the demo this many times from a fresh workdir")
+    parser.add_argument("--serve", type=int, default=0, help="also start and stop `kiln serve` on the demo N times")
     parser.add_argument("--out", type=Path, default=None, help="folder for time_to_answer.json and .md")
     args = parser.parse_args(argv)
     kiln = str(Path(sys.executable).with_name("kiln"))
@@ -106,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                 times[name].append(time.perf_counter() - t0)
                 codes[name] = done.returncode
         demo = demo_runs(kiln, Path(tmp), env, args.demo) if args.demo else []
+        serve = serve_runs(kiln, Path(tmp) / f"demo-{args.demo - 1}", env, args.serve) if args.demo else []
     rows = []
     for name, xs in times.items():
         lo, hi = interval(xs)
@@ -131,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
         "demo": demo,
         "demo_target_s": DEMO_TARGET_S,
+        "serve": serve,
     }
     lines = [
         "# Time to an answer",
@@ -162,6 +207,10 @@ def main(argv: list[str] | None = None) -> dict:
             + " |"
             for r in demo
         ]
+    if serve:
+        lines += ["", '`kiln serve` on the demo\'s workdir (ready: its "ready" line; stop: SIGINT to its exit):', ""]
+        lines += ["| run | exit | ready s | stop s |", "|---|---:|---:|---:|"]
+        lines += [f"| {i + 1} | {r['exit_code']} | {r['ready_s']} | {r['stop_s']:.2f} |" for i, r in enumerate(serve)]
     if args.out:
         write_report(args.out, "time_to_answer", result, "\n".join(lines) + "\n")
     else:
