@@ -9,7 +9,7 @@ import logging
 import re
 import warnings
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext, redirect_stdout
+from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -297,16 +297,24 @@ def _export(
         kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {
             o: {0: "batch"} for o in outputs if any(0 in a for a in axes.values())
         }
-    # The exporter prints progress chatter and warns about optional torchvision ops; keep the user's console clean.
-    quiet = logging.getLogger("torch.onnx")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    # The exporter prints progress chatter and warns about optional torchvision ops, and torch.export prints the
+    # graph it failed on to stderr (twice) and logs the symbol it could not place: keep the user's console clean,
+    # the failure's own message says why (the captured text goes to the debug log, which --verbose shows).
+    quiet = [logging.getLogger(n) for n in ("torch.onnx", "torch.fx.experimental.symbolic_shapes")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    said = io.StringIO()
     try:
-        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), _no_torchscript_log():
+        with warnings.catch_warnings(), redirect_stdout(said), redirect_stderr(said), _no_torchscript_log():
             warnings.simplefilter("ignore")
             torch.onnx.export(model, args, str(path), **kw)
+    except Exception:
+        log.debug("the exporter said:\n%s", said.getvalue())
+        raise
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
 
 
 @contextmanager

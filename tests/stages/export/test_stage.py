@@ -209,3 +209,23 @@ def test_a_shared_infinity_is_no_parity_error(tmp_path: Path) -> None:
     export_onnx(model, x, tmp_path / "m.onnx")
     assert torch.isinf(model(x)).any()
     assert parity(model, tmp_path / "m.onnx", x)["max_abs_err"] < 1e-5
+
+
+class _Branchy(nn.Module):
+    """A data-dependent branch: torch.export cannot take it, the TorchScript exporter can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum() >= 0:
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def test_a_failed_dynamo_attempt_prints_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """torch.export printed the graph it failed on to stderr, twice, before Kiln's own line about the fallback."""
+    export_onnx(_Branchy().eval(), torch.randn(2, 4), tmp_path / "m.onnx")
+    out, err = capfd.readouterr()
+    assert "def forward" not in err + out and "GraphModule" not in err + out, err[-2000:]
