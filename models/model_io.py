@@ -22,7 +22,8 @@ from kiln.core.data import DatasetSplits, feed_for_graph, rows
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.feeds import check_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
+from kiln.core.records import TensorSpec
 from kiln.core.signature import Signature
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.registry import DATASETS, DEFAULT_DATASET, MODELS, build_model, load_dataset, resolve_callable
@@ -76,24 +77,34 @@ def check_onnx_takes(path: Path, data: DatasetSplits, ref: str) -> None:
             check_feed(feed, specs, f"dataset '{ref}' {split}", f"model.onnx {path.name}")
 
 
-def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -> DatasetSplits:
-    """Random inputs of an ONNX file's declared shapes, without labels: a run from ``model.onnx`` with no data
-    (agreement with the FP32 graph only; calibration on random data is unrepresentative, so it says so loudly)."""
-    inputs, _ = io_specs(load_onnx(path, load_external_data=False))
-    # the batch axis is the run's to choose, whatever size the file fixed it to (as check_onnx_takes takes it)
-    inputs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in inputs]
+def random_axis_size(path: Path, inputs: list[TensorSpec], signature: Signature) -> int | None:
+    """The size random inputs of ``model.onnx`` give every dynamic axis besides batch: the largest of
+    ``signature.shapes``; None where the graph has no such axis; a ConfigError where it has one and nothing sizes it
+    (checked as the run takes the file, before any stage works on it)."""
     sizes = {k: max(v) for k, v in signature.shapes.items() if v}
-    named = {n for s in inputs for d in s.shape[1:] if isinstance(d, str) for n in [d]}
-    dynamic = max(sizes.values()) if sizes else None
-    if named and dynamic is None:
+    named = {d for s in inputs for d in s.shape[1:] if isinstance(d, str)}
+    if named and not sizes:
         raise ConfigError(
             f"model.onnx {path.name} has dynamic axes {sorted(named)} besides batch, and no data to size them",
             hint="give data.name (a data function), or signature.shapes with their sizes",
         )
+    return max(sizes.values()) if sizes else None
+
+
+def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -> DatasetSplits:
+    """Random inputs of an ONNX file's declared shapes, without labels: a run from ``model.onnx`` with no data
+    (agreement with the FP32 graph only; calibration on random data is unrepresentative, so it says so loudly)."""
+    graph = load_onnx(path, load_external_data=False)
+    inputs, _ = io_specs(graph)
+    # the batch axis is the run's to choose, whatever size the file fixed it to (as check_onnx_takes takes it)
+    inputs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in inputs]
+    dynamic = random_axis_size(path, inputs, signature)
+    ids = index_ranges(graph)  # token ids over their embedding's rows, not 0 and 1 only
     _say_random(str(path))
 
     def make(seed: int) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(v) for k, v in random_inputs(inputs, rows, dynamic=dynamic, seed=seed).items()}
+        arrays = random_inputs(inputs, rows, dynamic=dynamic, seed=seed, int_ranges=ids)
+        return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
     return DatasetSplits(make(seed), None, make(seed + 1), None, name=f"random inputs of {path.name}")
 

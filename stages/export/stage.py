@@ -69,6 +69,8 @@ from kiln.models.model_io import (
     dataset_for,
     load_trained,
     load_weights,
+    on_random_inputs,
+    random_axis_size,
     read_state_dict,
 )
 from kiln.models.registry import DEFAULT_DATASET, build_model
@@ -622,6 +624,9 @@ def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]
 def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     cfg = ctx.config.export
     if ctx.config.model.onnx:
+        if on_random_inputs(ctx.config.model, ctx.config.data):  # said now, not after optimize
+            specs, _ = io_specs(load_onnx(ctx.config.model.onnx, load_external_data=False))
+            random_axis_size(Path(ctx.config.model.onnx), specs, ctx.config.signature)
         summary = take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
         return summary.model_copy(update={"output_axes": _probe_taken(ctx)})
     if not cfg.dynamic_batch:

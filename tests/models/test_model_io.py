@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load, save
 from torch import nn
 
+from kiln.core.errors import ConfigError
 from kiln.models.model_io import ModelShapeError, load_weights, tied_names, weights_bytes
 
 
@@ -103,3 +106,40 @@ def test_a_model_kept_by_the_train_stage_is_copied_after_its_folder_is_renamed(t
     loaded = load_trained(final, config)
     assert BUILT == [] and loaded.weight.dtype == torch.float32 and not loaded.training
     assert torch.equal(loaded.weight, model.weight.float()) and model.weight.dtype == torch.float16
+
+
+def _token_graph(path: Path, seq: str | int = "seq") -> Path:
+    """ids [batch, seq] -> an embedding of 40 rows -> y: an ONNX file from elsewhere."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((40, 4)).astype(np.float32), "table")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["batch", seq])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [table],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_random_inputs_of_an_onnx_file_draw_token_ids_over_the_embedding(tmp_path: Path) -> None:
+    from kiln.core.signature import Signature
+    from kiln.models.model_io import random_splits
+
+    ids = random_splits(_token_graph(tmp_path / "m.onnx", 6), Signature(), seed=0).train_x["ids"]
+    assert ids.min() >= 0 and ids.max() <= 39 and ids.max() > 1  # the table's rows, not 0 and 1 alone
+
+
+def test_an_onnx_start_without_data_or_sizes_for_its_axes_stops_at_export(tmp_path: Path) -> None:
+    from kiln.pipeline.api import run_pipeline
+    from kiln.pipeline.config import config_from_dict
+
+    cfg = config_from_dict({"model": {"onnx": str(_token_graph(tmp_path / "m.onnx"))}})
+    result, _ = run_pipeline(cfg, tmp_path / "w")
+    assert isinstance(result.error, ConfigError), result.error
+    assert "dynamic axes ['seq'] besides batch, and no data to size them" in result.error.message
+    assert [r.name for r in result.records if r.status == "failed"] == ["export"]
