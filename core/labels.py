@@ -17,11 +17,14 @@ from kiln.core.compare import class_axis
 IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugging Face pads token labels with
 
 
+def _floating(y: Any) -> bool:
+    """A torch tensor's or a numpy array's dtype is a float one."""
+    return y.dtype.is_floating_point if hasattr(y.dtype, "is_floating_point") else np.issubdtype(y.dtype, np.floating)
+
+
 def per_position(y: Any) -> bool:
     """Integer labels with more than one axis: one per position of each row."""
-    return y.ndim > 1 and not (
-        y.dtype.is_floating_point if hasattr(y.dtype, "is_floating_point") else np.issubdtype(y.dtype, np.floating)
-    )
+    return y.ndim > 1 and not _floating(y)
 
 
 def labelled(y: Any) -> Any:
@@ -40,12 +43,25 @@ def dense_cross_entropy(logits: Any, y: Any) -> Any:
     return total / labelled(y).clamp(min=1)
 
 
+def are_indices(logits: Any, y: Any) -> bool:
+    """Whether ``y`` can be class indices of ``logits``: integers of the logits' shape without the class axis (a
+    multi-hot ``[N, K]`` or a ``[N, 1]`` column beside ``[N, C]`` logits is not, and would broadcast)."""
+    if _floating(y) or logits.ndim < 2:
+        return False
+    shape = list(logits.shape)
+    del shape[class_axis(logits.ndim)]
+    return list(y.shape) == shape
+
+
 def hits(logits: Any, y: Any) -> Any:
     """Labelled rows or positions whose argmax over the class axis is their label (a tensor, like ``labelled``)."""
     return ((logits.argmax(class_axis(logits.ndim)) == y) & (y != IGNORE_LABEL)).sum()
 
 
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float | None:
-    """Fraction of labelled rows or positions whose argmax over the class axis is their label (None: none is)."""
+    """Fraction of labelled rows or positions whose argmax over the class axis is their label (None: none is, or the
+    labels are no class indices of these logits)."""
+    if not are_indices(logits, labels):
+        return None
     count = int(labelled(labels))
     return float(hits(logits, labels)) / count if count else None

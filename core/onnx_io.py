@@ -510,8 +510,11 @@ def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]
     return [spec(v) for v in model.graph.input if v.name not in inits], [spec(v) for v in model.graph.output]
 
 
-# ops whose output holds the values of their first input (cast, reshaped or repeated): an index keeps its meaning
-_KEEPS_VALUES = {"Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
+# ops whose output holds the values of their first input (reshaped or repeated): an index keeps its meaning; and a
+# Cast to an integer type as wide as any index (a narrower one wraps values: a hashing trick, not an index)
+_KEEPS_VALUES = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
+_WIDE = {onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
+_INTEGER = _WIDE | {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16}
 
 
 def index_ranges(model: onnx.ModelProto) -> dict[str, list[int]]:
@@ -535,17 +538,19 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, list[int]]:
         dims = tables.get(name)
         return dims[axis] if dims and len(dims) >= 2 and -len(dims) <= axis < len(dims) else None
 
-    integer = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8}
     out: dict[str, list[int]] = {}
     for value in graph.input:
-        if value.name in tables or value.type.tensor_type.elem_type not in integer:
+        if value.name in tables or value.type.tensor_type.elem_type not in _INTEGER:
             continue
         found, todo, seen = [], [value.name], set()
         while todo:
             name = todo.pop()
             seen.add(name)
             for node, slot in consumers.get(name, []):
-                if node.op_type in _KEEPS_VALUES and slot == 0 and node.output[0] not in seen:
+                keeps = node.op_type in _KEEPS_VALUES or (
+                    node.op_type == "Cast" and next((a.i for a in node.attribute if a.name == "to"), 0) in _WIDE
+                )
+                if keeps and slot == 0 and node.output[0] not in seen:
                     todo.append(node.output[0])
                 elif node.op_type == "Gather" and slot == 1:
                     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)

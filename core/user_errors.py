@@ -104,17 +104,18 @@ def _file_hint(exc: BaseException) -> str:
 
 
 def user_code_error(
-    exc: BaseException, doing: str, what: str | None = None, hint: str | None = None
+    exc: BaseException, doing: str, what: str | None = None, hint: str | None = None, model: bool = False
 ) -> UserCodeError | None:
     """``exc`` as the user's error, or None when no frame of its traceback is the user's (then it is Kiln's or a
     library's, and keeps its traceback) or it has a meaning of its own (a KilnError, memory). ``what``: the
     user's callable as named in the config (``data function 'mine:load'``); ``hint``: a fix beyond "fix the code
-    there"."""
+    there"; ``model``: the code called is the user's model, which may come whole from a library (a
+    ``transformers`` model's forward): an error raised in that library is the model's too."""
     if _passes_through(exc):
         return None
     frame = user_frame(exc)
     if frame is None:
-        return _library_error(exc, doing, what, hint)
+        return _library_error(exc, doing, what, hint) if model else None
     who = what or "your code"
     message = f"{who} raised {type(exc).__name__}: {first_line(exc)} (in {where(frame)}) while {doing}"
     fix = (hint + "; or fix" if hint else "fix") + f" {frame.name}() in {frame.filename} line {frame.lineno}"
@@ -133,10 +134,9 @@ def _library_error(exc: BaseException, doing: str, what: str | None, hint: str |
         f"{what or 'your model'} raised {type(exc).__name__}: {first_line(exc)} (in {frame.name}() of {package}, "
         f"{Path(frame.filename).name}:{frame.lineno}) while {doing}"
     )
-    fix = (hint + "; or check" if hint else "check") + (
-        f" what the model was given against what its {package} config takes (an index past an embedding's rows: "
-        "data made for a larger vocabulary)"
-    )
+    index = isinstance(exc, IndexError) or "index out of range" in str(exc)
+    fix = (hint + "; or check" if hint else "check") + f" what the model was given against what its {package} config"
+    fix += " takes" + (" (an index past an embedding's rows: data made for a larger vocabulary)" if index else "")
     detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return UserCodeError(message, hint=fix + " (--verbose shows the traceback)", detail=detail)
 
@@ -151,6 +151,7 @@ def running_user_code(
     doing: str | Callable[[], str],
     what: str | None = None,
     hint: str | Callable[[BaseException], str | None] | None = None,
+    model: bool = False,
 ) -> Iterator[None]:
     """Around code that calls the user's: an exception raised in the user's file becomes a :class:`UserCodeError`
     naming it. ``doing`` (or a callable giving it at the time of the error, e.g. the training step) says what
@@ -159,7 +160,8 @@ def running_user_code(
     try:
         yield
     except Exception as exc:
-        err = user_code_error(exc, doing() if callable(doing) else doing, what, hint(exc) if callable(hint) else hint)
+        said = hint(exc) if callable(hint) else hint
+        err = user_code_error(exc, doing() if callable(doing) else doing, what, said, model)
         if err is None:
             raise
         raise err from exc

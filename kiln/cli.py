@@ -42,10 +42,6 @@ from kiln.stages.engines import BACKEND_NAMES
 if TYPE_CHECKING:  # the config schema (pydantic, every stage's settings) loads when a command reads a config
     from kiln.pipeline.config import KilnConfig
 
-# The interpreter's last full collection walks every object torch and the stages made (about 1.5 s after a `kiln run`
-# on 2 cores) only to free memory the process hands back anyway; frozen at exit, those objects are not walked.
-atexit.register(gc.freeze)
-
 
 def _width(stream: Any) -> int | None:
     """Rich draws for 80 columns where a stream is no terminal (a pipe, a file, a CI log) and cuts a wider table
@@ -567,7 +563,7 @@ class _PassesOption(click.Option):
         from kiln.stages.optimize.catalog import available
 
         record = super().get_help_record(ctx)
-        return None if record is None else (record[0], record[1].replace("{passes}", ", ".join(available())))
+        return None if record is None else (record[0], f"{record[1]}; passes: {', '.join(available())}")
 
 
 @dataclass(frozen=True)
@@ -789,7 +785,7 @@ DIRECT = {
             _PassesOption(
                 ["--passes"],
                 metavar="P1,P2,...",
-                help="comma-separated pass list (default: the config's); passes: {passes}",
+                help="comma-separated pass list (default: the config's)",
             ),
         ),
         _optimize_direct,
@@ -1143,5 +1139,13 @@ def loadtest(
     results.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)
 
 
+def command() -> None:
+    """The `kiln` command. The interpreter's last full collection walks every object torch and the stages made
+    (about 1.5 s after a `kiln run` on 2 cores) only to free memory the process hands back anyway: frozen at exit,
+    those objects are not walked. Here, not in :func:`main`, so a program that imports the CLI keeps its own exit."""
+    atexit.register(gc.freeze)
+    main()
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    command()

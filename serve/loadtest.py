@@ -56,6 +56,7 @@ from kiln.serve.batching import buckets_for, padded_infer
 from kiln.serve.http_client import HttpClient, infer_request, shm_tensor
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
+from kiln.stages.package import INDEX as PACKAGE_INDEX
 from kiln.stages.package.triton import served_max_batch
 
 log = logging.getLogger("kiln.serve.loadtest")
@@ -321,7 +322,7 @@ def _run_file(path: Path, name: str) -> Path | None:
 
 def _repository_names(workdir: Path) -> dict[str, str]:
     """Triton model name -> engine name, from the package stage's record (its repositories' names)."""
-    record = workdir / "package" / "kiln-package.json"
+    record = workdir / "package" / PACKAGE_INDEX
     if not record.is_file():
         return {}
     models = json.loads(record.read_text()).get("models", [])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import http.client
 import importlib.util
 import json
 import logging
@@ -60,6 +61,7 @@ from kiln.core.text import first_line
 from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
+from kiln.stages.package import INDEX as PACKAGE_INDEX
 from kiln.stages.package.triton import served_max_batch, write_python_model
 
 log = logging.getLogger("kiln.serve.server")
@@ -123,14 +125,14 @@ def _refuse(name: str, verdict: Any) -> None:
 def find_engines(path: str | Path) -> list[ServedEngine]:
     """The engines to serve under ``path``: one engine folder (refused if its workdir's validation failed it),
     or a workdir's ``package/engines`` (all validated), else its ``build/*`` that ``validate`` passed."""
-    path = Path(path)
+    path = Path(path).resolve()  # `kiln serve .` inside build/<engine> is that engine of that run
     if (path / SIDECAR).is_file():
         meta = read_metadata(path)
         verdicts = _validation_verdicts(path.parent.parent) if path.parent.name == "build" else None
         if verdicts is not None:
             _refuse(meta.name, verdicts.get(meta.name))
             meta = _as_validated(meta, path.parent.parent)
-        elif path.parent.name != "engines":  # not a package's: `kiln build`'s own, which no validation has seen
+        elif not (path.parent.parent / PACKAGE_INDEX).is_file():  # not a package's: no validation has seen it
             log.warning(
                 "engine %s was not validated (no validate/validation.json beside it): served unchecked against "
                 "PyTorch, at any size its axes take (`kiln validate %s --reference MODEL` checks it)",
@@ -525,7 +527,7 @@ def serve(
     scratch = _scratch()
     stop = _StopRequest()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun)
+    reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun, scratch)
     runners: list[Any] = []
     triton: Any = None
     workspace: Path | None = None
@@ -679,15 +681,17 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a lo
 
 def triton_http(address: str, path: str, method: str = "GET", timeout_s: float = 5.0) -> tuple[int, Any]:
     """One call of Triton's HTTP/REST protocol (KServe v2 and its repository extension) to ``host:port``:
-    ``(status, JSON body or None)``; OSError when nothing answers. Plain urllib for the few calls the server itself
-    makes (readiness, a model's config, a reload): importing tritonclient's HTTP client (aiohttp, gevent) would be
-    a tenth of a ready server's start."""
+    ``(status, JSON body or None)``; OSError when nothing answers, or nothing that speaks HTTP. Plain urllib for
+    the few calls the server itself makes (readiness, a model's config, a reload): importing tritonclient's HTTP
+    client (aiohttp, gevent) would be a tenth of a ready server's start."""
     request = urllib.request.Request(f"http://{address}{path}", data=b"" if method == "POST" else None, method=method)
     try:
         with _NO_PROXY.open(request, timeout=timeout_s) as answer:
             status, body = answer.status, answer.read()
     except urllib.error.HTTPError as exc:
         status, body = exc.code, exc.read()
+    except http.client.HTTPException as exc:  # something not speaking HTTP on the port, or a reply cut short
+        raise OSError(f"{address} answered no HTTP: {type(exc).__name__}: {exc}") from exc
     try:
         return status, json.loads(body) if body else None
     except ValueError:
@@ -704,8 +708,8 @@ class _Reaper:
     the server's stop returned, kills what of the list outlived it: on a loaded machine Triton can reach its drain
     timeout while still taking requests, and a Python stub (with its children) can outlive ``kiln serve``."""
 
-    def __init__(self, stop: _StopRequest, deadline_s: float, exit_process: bool) -> None:
-        self.stop, self.deadline_s, self.exit_process = stop, deadline_s, exit_process
+    def __init__(self, stop: _StopRequest, deadline_s: float, exit_process: bool, scratch: Path | None = None) -> None:
+        self.stop, self.deadline_s, self.exit_process, self.scratch = stop, deadline_s, exit_process, scratch
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._tree: dict[int, Any] = {}
@@ -756,6 +760,7 @@ class _Reaper:
 
         with self._lock:
             left = [p for p in self._tree.values() if p.is_running()]
+        left += [p for p in self._from_scratch() if p not in left]
         if left:
             log.error("%s: killing %s", why, ", ".join(f"{p.name()} ({p.pid})" for p in left))
         for p in left:
@@ -763,6 +768,22 @@ class _Reaper:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+    def _from_scratch(self) -> list[Any]:
+        """Processes running a program of the server's scratch folder (its copy of tritonserver and the Python
+        stub): a stub whose server died between two looks (Ctrl-C while Triton starts reaches the whole process
+        group) is no descendant of this process any more, and runs on with the init process as its parent."""
+        import psutil
+
+        if self.scratch is None:
+            return []
+        root = str(self.scratch.resolve()) + os.sep
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info.get("cmdline") or []
+            if cmd and cmd[0].startswith(root):
+                found.append(p)
+        return found
 
     def close(self) -> None:
         """The server's stop returned: its processes get until the deadline (2 s without a stop signal: an error
@@ -1032,7 +1053,7 @@ def serve_python_backend(
     scratch = _scratch()
     stop = _StopRequest()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun)
+    reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun, scratch)
     proc: subprocess.Popen[bytes] | None = None
     log_file = scratch / "tritonserver.log"
     try:
@@ -1106,7 +1127,10 @@ class StubWatch:
     def _instances(self, model: str) -> int:
         """Stub processes the model's config asks for: each instance group's count, once per GPU it names."""
         path = f"/v2/models/{urllib.parse.quote(model)}/config"
-        groups = (triton_http(self.http_address, path, timeout_s=STARTUP_TIMEOUT_S)[1] or {}).get("instance_group", [])
+        status, config = triton_http(self.http_address, path, timeout_s=STARTUP_TIMEOUT_S)
+        if status != 200:  # counted as one instance: a stub that dies is still said and its model reloaded
+            log.warning("model %s: its config could not be read (HTTP %d); watching it as one instance", model, status)
+        groups = (config or {}).get("instance_group", [])
         return sum(int(g.get("count", 1)) * max(1, len(g.get("gpus", []))) for g in groups) or 1
 
     def _stubs(self) -> dict[Any, tuple[str, str]]:

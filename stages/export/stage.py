@@ -301,7 +301,7 @@ def _export(
         }
     # The exporter prints progress chatter and warns about optional torchvision ops, and torch.export prints the
     # graph it failed on to stderr (twice) and logs the symbol it could not place: keep the user's console clean,
-    # the failure's own message says why (the captured text goes to the debug log, which --verbose shows).
+    # the failure's own message says why (what was said goes to the debug log, which --verbose shows).
     quiet = [logging.getLogger(n) for n in ("torch.onnx", "torch.fx.experimental.symbolic_shapes")]
     levels = [q.level for q in quiet]
     for q in quiet:
@@ -311,12 +311,11 @@ def _export(
         with warnings.catch_warnings(), redirect_stdout(said), redirect_stderr(said), _no_torchscript_log():
             warnings.simplefilter("ignore")
             torch.onnx.export(model, args, str(path), **kw)
-    except Exception:
-        log.debug("the exporter said:\n%s", said.getvalue())
-        raise
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
+        if said.getvalue().strip():  # what the exporter, or the model's own prints, said meanwhile: --verbose
+            log.debug("while exporting:\n%s", said.getvalue())
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from typing import Any
 from kiln.core.errors import GateFailure
 from kiln.core.records import ValidationResult
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
+from kiln.stages.package import INDEX
 
 __all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "PackageConfig", "STAGE"]
 from pydantic import Field
@@ -104,7 +105,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     if cfg.kserve.enabled and any("triton_model" in m for m in packaged):
         gpu = any(read_metadata(ctx.out / "engines" / m["engine"]).device == "cuda" for m in packaged)
         kserve.write_manifest(ctx.out / "kserve.yaml", ctx.config.name, cfg.kserve, gpu)
-    (ctx.out / "kiln-package.json").write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
+    (ctx.out / INDEX).write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
     return PackageSummary(models=packaged)
 
 

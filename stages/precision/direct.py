@@ -17,7 +17,7 @@ import numpy as np
 from kiln.core.errors import ModelError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.outputs import logits_name
 from kiln.core.progress import SilentProgress
 from kiln.core.records import TensorSpec, Variants
@@ -45,7 +45,7 @@ def precision_direct(
         data = read_feed(calibration, inputs, "the model")
         source = f"{calibration} ({len(next(iter(data.values())))} rows)"
     else:
-        data = _random(inputs, cfg)
+        data = _random(inputs, cfg, index_ranges(graph))
         pcfg.fallback.enabled = False
         source = "RANDOM inputs"
         log.warning(
@@ -106,8 +106,9 @@ def _shown(out: Path, entry: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _random(inputs: list[TensorSpec], cfg: PrecisionSettings) -> dict[str, np.ndarray]:
+def _random(inputs: list[TensorSpec], cfg: PrecisionSettings, ids: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """Random calibration inputs; ``ids``: integer inputs drawn over the rows of the table each indexes."""
     sizes = [max(v) for v in cfg.signature.shapes.values() if v]
     hint = "give --calibration data.npz, or --set signature.shapes='{seq: [8, 128]}' to size dynamic axes"
     rows = min(cfg.calibration.batch_size * cfg.calibration.num_batches, 256)
-    return random_inputs(inputs, batch=rows, dynamic=max(sizes) if sizes else None, hint=hint)
+    return random_inputs(inputs, batch=rows, dynamic=max(sizes) if sizes else None, hint=hint, int_ranges=ids)

@@ -412,7 +412,7 @@ class _Trainer:
         self.guard.save()  # evaluation and checkpointing ran since the last step: what a skipped step goes back to
         t0 = time.perf_counter()
         for xb, yb in self.loader:
-            with running_user_code(self.doing, hint=self.autocast_hint):  # the user's code failing names the step
+            with running_user_code(self.doing, hint=self.autocast_hint, model=True):  # a failure names the step
                 self._step(xb, yb)
             prof.step()
             if cfg.checkpoint.every_steps and self.result.global_step % cfg.checkpoint.every_steps == 0:
@@ -584,7 +584,7 @@ class _Trainer:
             nonfinite_steps=int(bad / self.env.world_size),
         )
         if (self.epoch + 1) % cfg.eval_every == 0 or self.epoch + 1 == cfg.epochs:
-            with running_user_code(f"evaluating the model after epoch {self.epoch + 1}"):
+            with running_user_code(f"evaluating the model after epoch {self.epoch + 1}", model=True):
                 m.val_loss, m.val_accuracy = evaluate_loss_acc(
                     self.model,
                     self.data.val_x,

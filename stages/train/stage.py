@@ -166,7 +166,7 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
             + (f" (or fix {frame.name}() in {frame.filename} line {frame.lineno})" if frame else ""),
         ) from None
     except Exception as exc:  # any other error of the user's forward: theirs, named by file and line
-        err = user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'")
+        err = user_code_error(exc, "checking the model on two samples of the data", f"model '{model_ref}'", model=True)
         if err is None:
             raise
         raise err from exc
@@ -218,7 +218,7 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)
     acc = None
     if task is not None:
-        with running_user_code("evaluating the untrained model on the validation data"):
+        with running_user_code("evaluating the untrained model on the validation data", model=True):
             acc = evaluate_loss_acc(model.eval(), data.val_x, data.val_y, torch.device("cpu"), task=task)[1]
     save_trained(ctx.out, model, cfg.model, {"source": source})
     keep_trained(ctx.out, cfg.model, model)  # the export stage copies it rather than building it again

@@ -75,6 +75,8 @@ class Task:
             logits = self.target(out)
         except ConfigError:  # a user loss on a model without one logits output: no accuracy to report
             return None
+        if not labels.are_indices(logits, y):  # multi-hot or packed labels beside the user's own loss
+            return None
         return float(labels.hits(logits, y).item())
 
 

@@ -83,7 +83,8 @@ def test_a_session_of_a_graph_with_an_unused_big_weight() -> None:
 
 def _indexing_graph() -> onnx.ModelProto:
     """ids -> Gather over a 10-row table; kind -> Unsqueeze -> Gather over a 2-row table (an FP16 table, cast);
-    pos -> Add -> Gather (a value changed on the way: no range); x (float) and flat (a 1-D table) have none."""
+    small (uint8) -> Cast to int64 -> Gather; pos -> Add -> Gather and hashed -> Cast to int8 -> Gather (values
+    changed on the way: no range); x (float) and flat (a 1-D table) have none."""
     table = numpy_helper.from_array(np.zeros((10, 4), np.float32), "table")
     kinds = numpy_helper.from_array(np.zeros((2, 4), np.float16), "kinds")
     flat = numpy_helper.from_array(np.zeros(7, np.float32), "flat1d")
@@ -97,17 +98,23 @@ def _indexing_graph() -> onnx.ModelProto:
         helper.make_node("Add", ["pos", "one"], ["pos1"]),
         helper.make_node("Gather", ["table", "pos1"], ["p"]),
         helper.make_node("Gather", ["flat1d", "flat"], ["f"]),
+        helper.make_node("Cast", ["small"], ["small64"], to=onnx.TensorProto.INT64),
+        helper.make_node("Gather", ["table", "small64"], ["s"]),
+        helper.make_node("Cast", ["hashed"], ["hashed8"], to=onnx.TensorProto.INT8),
+        helper.make_node("Gather", ["table", "hashed8"], ["h"]),
     ]
     ints = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, ["batch"]) for n in ("ids", "kind", "pos", "flat")]
+    ints += [helper.make_tensor_value_info("small", onnx.TensorProto.UINT8, ["batch"])]
+    ints += [helper.make_tensor_value_info("hashed", onnx.TensorProto.INT64, ["batch"])]
     graph = helper.make_graph(
         nodes,
         "g",
         [*ints, helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch"])],
-        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("e", "k", "p", "f")],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("e", "k", "p", "f", "s", "h")],
         [table, kinds, flat, one, axes],
     )
     return helper.make_model(graph)
 
 
 def test_index_ranges_are_the_rows_of_the_embedding_tables_an_input_indexes() -> None:
-    assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1]}
+    assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1], "small": [0, 9]}

@@ -19,7 +19,7 @@ def test_an_error_inside_a_library_model_is_named_with_the_library(monkeypatch: 
     )
     model = transformers.BertModel(config).eval()
     monkeypatch.setattr(user_errors, "is_user_file", lambda filename: False)  # as when Kiln's loop calls it
-    with pytest.raises(UserCodeError) as err, running_user_code("training step 3 (epoch 1)"):
+    with pytest.raises(UserCodeError) as err, running_user_code("training step 3 (epoch 1)", model=True):
         model(torch.tensor([[1, 2, 20]]))
     message = err.value.message
     assert message.startswith("your model raised IndexError") and "of transformers" in message, message
@@ -28,5 +28,15 @@ def test_an_error_inside_a_library_model_is_named_with_the_library(monkeypatch: 
 
 def test_an_error_of_torch_alone_is_not_placed_in_a_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(user_errors, "is_user_file", lambda filename: False)
-    with pytest.raises(RuntimeError), running_user_code("training step 1"):
+    with pytest.raises(RuntimeError), running_user_code("training step 1", model=True):
         torch.zeros(2, 3) @ torch.zeros(2, 3)
+
+
+def test_a_library_called_as_a_factory_keeps_its_callers_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a model's code is placed in its library: a data function from a library that rejects its params is left
+    to the caller, which says which params."""
+    sklearn = pytest.importorskip("sklearn.datasets")
+    monkeypatch.setattr(user_errors, "is_user_file", lambda filename: False)
+    with pytest.raises(Exception) as err, running_user_code("loading data"):
+        sklearn.load_digits(n_class=20)
+    assert not isinstance(err.value, UserCodeError)
