@@ -729,11 +729,12 @@ class _Reaper:
         with self._lock:
             self._tree |= found
 
-    def _regions(self) -> None:
-        """The /dev/shm files the server's processes map (the Python backend's region): a server killed at its
-        deadline leaves its region behind, 1 MiB or more of the machine's memory until removed."""
-        with self._lock:
-            pids = list(self._tree)
+    def _regions(self, pids: list[int] | None = None) -> None:
+        """The /dev/shm files the server's processes (or ``pids``) map (the Python backend's region): a server killed
+        at its deadline leaves its region behind, 1 MiB or more of the machine's memory until removed."""
+        if pids is None:
+            with self._lock:
+                pids = list(self._tree)
         for pid in pids:
             try:
                 lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
@@ -761,6 +762,7 @@ class _Reaper:
         with self._lock:
             left = [p for p in self._tree.values() if p.is_running()]
         left += [p for p in self._from_scratch() if p not in left]
+        self._regions([p.pid for p in left])  # what they map goes with them (close() removes it)
         if left:
             log.error("%s: killing %s", why, ", ".join(f"{p.name()} ({p.pid})" for p in left))
         for p in left:
