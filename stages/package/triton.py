@@ -48,14 +48,17 @@ def engine_max_batch(meta: EngineMetadata) -> int | None:
 
 
 def batchable(meta: EngineMetadata) -> bool:
-    """Whether Triton may batch requests: every input and output has a dynamic first axis, and validation found
-    every output's rows to be the samples. A model exported with a fixed batch (say 1), or with an output whose
-    length the values decide (torch.nonzero's ``[u0, 2]``, a detector's boxes after NMS), mixes the batch's rows
-    (CLIP's ``[images, texts]``) or has no batch axis, is served with ``max_batch_size: 0`` and its full shapes as
-    dims: a batch of requests could not be split back."""
+    """Whether Triton may batch requests: every input and output has a dynamic first axis and another axis after
+    it, and validation found every output's rows to be the samples. A model exported with a fixed batch (say 1),
+    or with an output whose length the values decide (torch.nonzero's ``[u0, 2]``, a detector's boxes after NMS),
+    mixes the batch's rows (CLIP's ``[images, texts]``) or has no batch axis, is served with ``max_batch_size: 0``
+    and its full shapes as dims: a batch of requests could not be split back. So is one with a tensor of the
+    batch axis alone (``[batch]``: a regression's squeezed output, an argmax, a per-sample scalar input): Triton
+    takes no empty ``dims`` and would have clients send ``[batch, 1]`` through a ``reshape``, where Kiln's
+    clients and the engine's own signature send ``[batch]``."""
     if meta.unbatched_outputs:
         return False
-    return all(s.shape and _dynamic(s.shape[0]) for s in meta.inputs + meta.outputs)
+    return all(len(s.shape) >= 2 and _dynamic(s.shape[0]) for s in meta.inputs + meta.outputs)
 
 
 def served_max_batch(meta: EngineMetadata, requested: int) -> int:

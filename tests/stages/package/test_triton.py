@@ -8,7 +8,7 @@ import pytest
 from google.protobuf import text_format
 
 from kiln.core.errors import ModelError
-from kiln.core.records import EngineMetadata
+from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.stages.package.triton import check_config, model_config, render_pbtxt, triton_config
 
 # Triton's own ModelConfig message: from the serving extra (`pip install 'kiln[serve]'`, part of `.[dev]`)
@@ -84,6 +84,18 @@ def test_an_output_whose_rows_are_not_the_samples_is_served_unbatched(found: boo
     other = CPU.model_copy(deep=True)  # an output whose batch axis another exporter named otherwise: batched
     other.outputs[0].shape[0] = "unk__7"
     assert parse(triton_config("m", other, 32)).max_batch_size == 32
+
+
+@pytest.mark.parametrize("where", ["inputs", "outputs"])
+def test_a_tensor_of_the_batch_axis_alone_is_served_unbatched_with_valid_dims(where: str) -> None:
+    """A per-sample scalar (``[batch]``: an age input, a regression's squeezed output) had ``dims: []`` in a batched
+    config, which Triton refuses to load."""
+    meta = CPU.model_copy(deep=True)
+    getattr(meta, where).append(TensorSpec(name="age", shape=["batch"], dtype="float32"))
+    for backend in (None, "python"):
+        cfg = parse(render_pbtxt(model_config("m", meta, 32, backend=backend)))
+        tensors = {t.name: list(t.dims) for t in [*cfg.input, *cfg.output]}
+        assert cfg.max_batch_size == 0 and tensors["age"] == [-1] and tensors["input"] == [-1, 1, 8, 8], tensors
 
 
 def test_engines_that_cannot_take_one_request_are_refused() -> None:
