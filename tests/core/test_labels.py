@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.core.compare import compare_arrays
-from kiln.core.labels import IGNORE_LABEL, accuracy, dense_cross_entropy, hits, labelled, per_position
+from kiln.core.labels import IGNORE_LABEL, accuracy, are_indices, dense_cross_entropy, hits, labelled, per_position
 
 
 def test_per_position_means_integer_labels_with_more_than_one_axis() -> None:
@@ -46,3 +46,14 @@ def test_top1_agreement_over_the_labelled_positions_only() -> None:
     got[0, 3] = [0.0, 2.0, 0.0]  # the last (padding) token flips
     assert compare_arrays(ref, got).top1_agreement == 0.75
     assert compare_arrays(ref, got, where=np.array([[True, True, True, False]])).top1_agreement == 1.0
+
+
+def test_labels_that_are_no_class_indices_of_the_logits_give_no_accuracy() -> None:
+    """Multi-hot [N, K] labels beside [N, K] logits, or a [N, 1] column beside one logit, broadcast against the
+    argmax: an accuracy of 68 once. They are no class indices, so no accuracy is counted."""
+    logits = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
+    assert are_indices(logits, np.zeros(8, np.int64)) and accuracy(logits, np.zeros(8, np.int64)) is not None
+    assert not are_indices(logits, np.zeros((8, 6), np.int64)) and accuracy(logits, np.zeros((8, 6), np.int64)) is None
+    assert accuracy(logits[:, :1], np.zeros((8, 1), np.int64)) is None
+    assert not are_indices(logits, np.zeros(8, np.float32))  # float targets
+    assert are_indices(np.zeros((2, 3, 4, 4)), np.zeros((2, 4, 4), np.int64))  # per pixel, classes on axis 1

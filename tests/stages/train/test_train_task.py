@@ -90,3 +90,13 @@ def test_token_logits_of_the_wrong_shape_are_a_clear_error() -> None:
         check_task(Task("classification"), torch.zeros(2, 3), y, 3, "m")
     with pytest.raises(ModelError, match="needs logits shaped like the labels plus a class axis"):
         check_task(Task("classification"), torch.zeros(2, 6, 2), y, 3, "m")
+
+
+def test_multi_hot_integer_labels_with_a_user_loss_count_no_accuracy() -> None:
+    """The epoch's metrics crashed on [N, K] integer labels (a size mismatch in the argmax comparison)."""
+    task = Task(
+        "classification", None, lambda out, y: torch.nn.functional.binary_cross_entropy_with_logits(out, y.float())
+    )
+    logits = torch.randn(4, 6)
+    assert task.correct(logits, torch.randint(0, 2, (4, 6))) is None
+    assert task.correct(logits, torch.tensor([0, 5, 1, 2])) is not None
