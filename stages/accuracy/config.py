@@ -10,7 +10,7 @@ from pydantic import Field, ValidationError, field_validator
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
 
-BUILTIN_METRICS = ("accuracy", "macro_f1", "token_accuracy", "mse", "detection_recall")
+BUILTIN_METRICS = ("accuracy", "macro_f1", "multilabel_f1", "token_accuracy", "mse", "detection_recall")
 
 
 def _default_per_precision() -> dict[str, dict[str, float]]:

@@ -7,8 +7,9 @@ NNCF's accuracy-aware quantization and Olive's metric goals do). A metric is ``f
 is better unless the function says otherwise (an attribute ``higher_is_better = False``) or the config does.
 
 Built-ins, for what users ask most (each reads the class-logit output, ``signature.logits_output``, where it
-needs one): ``accuracy``, ``macro_f1``, ``token_accuracy`` (labels per position, padding excluded), ``mse``
-(lower is better) and ``detection_recall`` (box-and-class heads, below).
+needs one): ``accuracy``, ``macro_f1``, ``multilabel_f1`` (0/1 targets shaped like the logits), ``token_accuracy``
+(labels per position, padding excluded), ``mse`` (lower is better) and ``detection_recall`` (box-and-class heads,
+below).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from kiln.core.compare import class_axis
 from kiln.core.errors import ModelError
-from kiln.core.labels import IGNORE_LABEL, per_position
+from kiln.core.labels import IGNORE_LABEL, are_indices, per_position
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.models.registry import resolve_callable
 
@@ -43,6 +44,13 @@ class Metric:
         try:
             value = float(self.fn(outputs, labels))
         except Exception as exc:  # the user's function (or a built-in on outputs it does not fit): one line
+            if self.name in BUILTINS:  # Kiln's own: what it takes, not where in Kiln it raised
+                raise ModelError(
+                    f"validate.metric '{self.name}' does not fit outputs {_shapes(outputs)} and labels "
+                    f"{labels.dtype}{list(labels.shape)}: {exc}",
+                    hint=f"pick a built-in for these labels ({', '.join(BUILTINS)}), or give your own metric as "
+                    "'module:function' (outputs: dict of name -> array, labels: array) -> float",
+                ) from None
             frame = traceback.extract_tb(exc.__traceback__)[-1]  # where it raised: the user's line
             at = f" ({frame.filename}:{frame.lineno})"
             raise ModelError(
@@ -90,8 +98,21 @@ def _pick(outputs: dict[str, np.ndarray], logits: str | None) -> np.ndarray:
     return next(iter(outputs.values()))
 
 
+def _indices(out: np.ndarray, labels: np.ndarray, name: str) -> np.ndarray:
+    """``labels`` as class indices of the logits ``out``, or a ValueError saying what the metric takes."""
+    y = labels.astype(np.int64) if np.all(np.mod(labels, 1) == 0) else labels
+    if not are_indices(out, y):
+        raise ValueError(
+            f"{name} takes class indices, one per row or position of logits {list(out.shape)}; these labels are "
+            f"{labels.dtype}{list(labels.shape)}"
+            + (" (multi-label: multilabel_f1)" if labels.shape == out.shape else "")
+        )
+    return y
+
+
 def _accuracy(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
-    value = label_accuracy(_pick(outputs, logits), labels.astype(np.int64))
+    out = _pick(outputs, logits)
+    value = label_accuracy(out, _indices(out, labels, "accuracy"))
     if value is None:
         raise ValueError("no labelled row or position")
     return value
@@ -106,10 +127,8 @@ def _token_accuracy(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: 
 def _macro_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
     """F1 per class over the labelled rows/positions, averaged over the classes that occur in labels or answers."""
     out = _pick(outputs, logits)
+    y = _indices(out, labels, "macro_f1").reshape(-1)
     pred = out.argmax(class_axis(out.ndim)).reshape(-1)
-    y = labels.astype(np.int64).reshape(-1)
-    if pred.shape != y.shape:
-        raise ValueError(f"predictions {list(pred.shape)} do not match labels {list(y.shape)}")
     keep = y != IGNORE_LABEL
     pred, y = pred[keep], y[keep]
     scores = []
@@ -120,6 +139,20 @@ def _macro_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | 
     if not scores:
         raise ValueError("no labelled row or position")
     return float(np.mean(scores))
+
+
+def _multilabel_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    """Micro-averaged F1 of a multi-label head: logits ``[N, K]`` (one per label, positive above 0: a sigmoid's
+    0.5) against 0/1 targets of the same shape; every (row, label) pair counts once."""
+    out = _pick(outputs, logits)
+    if out.shape != labels.shape:
+        raise ValueError(
+            f"multilabel_f1 takes 0/1 targets shaped like the logits {list(out.shape)}, not {list(labels.shape)}"
+        )
+    pred, y = out > 0, labels > 0.5
+    tp = np.sum(pred & y)
+    denom = np.sum(pred) + np.sum(y)
+    return float(2.0 * tp / denom) if denom else 1.0  # nothing predicted, nothing to find: perfect
 
 
 def _mse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
@@ -174,6 +207,7 @@ def _shapes(outputs: dict[str, np.ndarray]) -> str:
 BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
     "accuracy": (_accuracy, True),
     "macro_f1": (_macro_f1, True),
+    "multilabel_f1": (_multilabel_f1, True),
     "token_accuracy": (_token_accuracy, True),
     "mse": (_mse, False),
     "detection_recall": (_detection_recall, True),

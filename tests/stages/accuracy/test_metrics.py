@@ -79,3 +79,15 @@ def test_unknown_metric_is_refused_with_the_config() -> None:
         CheckConfig(metric="f1score")
     assert CheckConfig(metric="pkg.mod:fn").metric == "pkg.mod:fn"
     assert set(BUILTINS) == set(BUILTIN_METRICS)  # what the config accepts is what resolves
+
+
+def test_multilabel_f1_and_a_built_in_that_does_not_fit_the_labels() -> None:
+    """0/1 targets [N, K]: multilabel_f1 scores them; macro_f1 says what it takes and which built-in fits, instead of
+    blaming a line of Kiln's own as the user's."""
+    out = {"logits": np.array([[2.0, -1.0, 3.0], [-2.0, 1.0, -1.0]], np.float32)}
+    y = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], np.float32)  # 2 right, 1 missed, 1 extra: 2*2 / (3 + 3)
+    assert resolve_metric("multilabel_f1", "logits")(out, y) == pytest.approx(4 / 6)
+    with pytest.raises(ModelError) as err:
+        resolve_metric("macro_f1", "logits")(out, y)
+    assert "takes class indices" in err.value.message and "multilabel_f1" in err.value.message
+    assert "metrics.py" not in err.value.message and "module:function" in err.value.hint
