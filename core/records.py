@@ -165,18 +165,21 @@ class EngineMetadata(Record):
         """Why inputs of these shapes cannot run together: two of them differ on an axis of one name (the batch, a
         sequence both share), which the engine takes as one size; None when every named axis has one size. Only
         the graph's names tie axes: a two-tower model's images and texts come in counts of their own."""
-        seen: dict[str, tuple[str, int]] = {}  # axis name -> (input, size) first seen
+        seen: dict[str, tuple[str, int, int]] = {}  # axis name -> (input, axis, size) first seen
         for spec in self.inputs:
             shape = shapes.get(spec.name, ())
             for axis, dim in enumerate(spec.shape[: len(shape)]):
                 if not isinstance(dim, str) or not dim.isidentifier():  # fixed, or "?": an exporter's "unknown"
                     continue
-                first = seen.setdefault(dim, (spec.name, shape[axis]))
-                if first[1] != shape[axis]:
-                    return (
-                        f"inputs '{first[0]}' and '{spec.name}' differ on axis {dim} ({first[1]} against "
-                        f"{shape[axis]}): engine {self.name} takes them at one size"
-                    )
+                name, at, size = seen.setdefault(dim, (spec.name, axis, shape[axis]))
+                if size == shape[axis]:
+                    continue
+                which = (
+                    f"input '{name}' differs on axes {at} and {axis}, both {dim},"
+                    if name == spec.name
+                    else f"inputs '{name}' and '{spec.name}' differ on axis {dim}"
+                )
+                return f"{which} ({size} against {shape[axis]}): engine {self.name} takes them at one size"
         return None
 
     def outside_values(self, feed: dict[str, Any]) -> str | None:

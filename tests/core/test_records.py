@@ -96,6 +96,10 @@ def test_inputs_that_differ_on_a_shared_axis_are_named() -> None:
         "inputs 'ids' and 'mask' differ on axis seq (8 against 7): engine e takes them at one size"
     )
     assert "differ on axis batch (2 against 1)" in meta.outside_range({"ids": (2, 8), "mask": (1, 8)})
+    meta.inputs = [TensorSpec(name="image", shape=["batch", 3, "side", "side"], dtype="float32")]  # square
+    assert meta.outside_range({"image": (1, 3, 8, 16)}) == (
+        "input 'image' differs on axes 2 and 3, both side, (8 against 16): engine e takes them at one size"
+    )
 
 
 def test_an_index_past_the_table_is_named_and_the_table_s_own_rows_pass() -> None:
