@@ -30,6 +30,7 @@ from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, Built, r
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_libraries, backend_named
+from kiln.stages.export.stage import read_axis_steps
 from kiln.stages.precision.audit import audit_graph, engine_audit, label_problem
 from kiln.stages.precision.config import PRECISIONS
 
@@ -57,13 +58,16 @@ def build_engine(
     axis_sizes: dict[str, list[int]] | None = None,
     calibration: Path | None = None,
     int_ranges: dict[str, list[int]] | None = None,
+    axis_steps: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
     ``max_batch`` bounds default optimization profiles (dynamic batch 1..max_batch) and the autotuned batch sizes;
     ``calibration``: the precision stage's calibration batches, for backends that calibrate the model themselves;
     ``int_ranges``: each integer input's values in the data (an index the data holds below 0 is one the model
-    takes: PyTorch's ``table[i]`` counts it from the end, as ONNX's ``Gather`` does).
+    takes: PyTorch's ``table[i]`` counts it from the end, as ONNX's ``Gather`` does); ``axis_steps``: dynamic axis ->
+    [step, offset] where the model takes only sizes ``offset + k * step`` (the export found them; a torch engine's
+    own capture may find them too).
     """
     chosen = _check_choice(backend, device, precision)
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
@@ -120,7 +124,8 @@ def build_engine(
             versions=built.versions,
             batch_range=built.batch_range,
             axis_ranges={k: v for k, v in (axis_sizes or {}).items() if k in named},
-            axis_steps=built.builder_settings.get("axis_steps", {}),
+            axis_steps=built.builder_settings.get("axis_steps")
+            or {k: v for k, v in (axis_steps or {}).items() if k in named},
             index_ranges=_index_ranges(graph, taken, int_ranges or {}),
             builder_settings=built.builder_settings,
             backend_info=built.info.model_dump(mode="json"),
@@ -232,6 +237,7 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
     sizes = ctx.config.signature.axis_ranges(record.axis_sizes)
     # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
     torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config.model)) if "train" in ctx.inputs else None
+    steps = read_axis_steps(ctx.inputs["export"]) if "export" in ctx.inputs else {}
     engines: list[EngineEntry] = []
     skipped: list[str] = []
     for precision in variants:
@@ -270,6 +276,7 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                         torch_model,
                         sizes,
                         record.int_ranges,
+                        steps,
                     )
                 except BuildError as exc:
                     if not backend.optional(settings) and not isinstance(exc, MislabelledEngine):
@@ -314,6 +321,7 @@ def _build_with_fallback(
     torch_model: Callable[[], Any] | None = None,
     sizes: dict[str, list[int]] | None = None,
     int_ranges: dict[str, list[int]] | None = None,
+    axis_steps: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
@@ -336,6 +344,7 @@ def _build_with_fallback(
             axis_sizes=sizes,
             calibration=calibration if calibration.is_file() else None,
             int_ranges=int_ranges,
+            axis_steps=axis_steps,
         )
     except BuildError as exc:
         if keep is None or isinstance(exc, MislabelledEngine):
@@ -353,6 +362,7 @@ def _build_with_fallback(
             max_batch=max_batch,
             axis_sizes=sizes,
             int_ranges=int_ranges,
+            axis_steps=axis_steps,
         )
 
 
@@ -477,7 +487,7 @@ def _env(cfg: BuildSettings) -> dict[str, Any]:
 STAGE = Stage(
     "build",
     run,
-    ("train", "precision"),
+    ("train", "export", "precision"),
     BuildSettings,
     BuildSummary,
     (kiln.stages.engines,),

@@ -102,6 +102,7 @@ class ExportSummary(Summary):
     parity: dict[str, Any] | None = None
     dynamic_sizes: dict[str, dict[int, list[int]]] = Field(default_factory=dict)
     int_ranges: dict[str, list[int]] = Field(default_factory=dict)
+    axis_steps: dict[str, list[int]] = Field(default_factory=dict)  # axis -> [step, offset]: the sizes it takes
     # output -> {axis: name}: axes the export fixed although they follow a dynamic input axis, declared dynamic
     output_axes: dict[str, dict[int, str]] = Field(default_factory=dict)
     source: str | None = None
@@ -438,6 +439,47 @@ def check_validated_sizes(
             )
 
 
+def size_steps(
+    model: nn.Module, data: DatasetSplits, names: list[str], axes: Axes, shapes: Mapping[str, list[int]]
+) -> dict[str, list[int]]:
+    """Dynamic axis -> ``[step, offset]`` where the model takes only the sizes ``offset + k * step`` between the
+    smallest and largest the later stages run (a U-Net's height: a multiple of 4 for its pooling and upsampling to
+    meet again), found by running PyTorch at the smallest size plus 1, 2, ...: the engines record it, and servers
+    refuse a size between the steps with an error naming them, where the engine would fail (or answer wrongly)."""
+    x = take(data.val_x, slice(0, 1))
+    feed = feed_for_graph(x, names)
+    seen = [feed_for_graph(take(s, slice(0, 1)), names) for s in (data.train_x, data.val_x) if rows(s)]
+    sizes = axis_sizes(seen, axes, shapes) if axes else {}
+    smallest = {label: min(v) for label, v in sizes.items() if v}
+
+    def runs(label: str, size: int) -> bool:
+        try:
+            _torch_outputs(model, from_feed(resize(feed, axes, {**smallest, label: size}), x))
+        except Exception:  # the model cannot take that size
+            return False
+        return True
+
+    out = {}
+    for label, values in sizes.items():
+        low, high = min(values), max(values)
+        if high - low < 2 or runs(label, low + 1):
+            continue
+        step = next((k for k in range(2, min(high - low, 64) + 1) if runs(label, low + k)), None)
+        if step is not None:
+            out[label] = [step, low % step]
+            log.info("signature axis %s: the model takes sizes %d + k * %d only", label, low % step, step)
+    return out
+
+
+AXIS_STEPS = "axis_steps.json"
+
+
+def read_axis_steps(export_dir: Path) -> dict[str, list[int]]:
+    """:data:`AXIS_STEPS` of an export folder ({} without one: every size between the validated ones runs)."""
+    path = export_dir / AXIS_STEPS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
 def export_direct(
     cfg: ExportSettings, checkpoint: str | None, input_shapes: tuple[str, ...], output: Path
@@ -657,6 +699,9 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     )
     names = [i.name for i in proto.graph.input]
     check_validated_sizes(model, path, session, data, names, axes or {}, ctx.config.signature.shapes, cfg.parity_atol)
+    steps = size_steps(model, data, names, axes or {}, ctx.config.signature.shapes)
+    if steps:
+        (ctx.out / AXIS_STEPS).write_text(json.dumps(steps, indent=2, sort_keys=True) + "\n")
     feed = feed_for_graph(take(data.val_x, slice(0, 2)), names)
     followed = name_output_axes(path, feed, _axes(names, cfg.dynamic_batch, axes or {}), session)
     sizes = dynamic_sizes(data, names, axes)
@@ -671,6 +716,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         parity=check,
         dynamic_sizes=sizes,
         int_ranges=ranges,
+        axis_steps=steps,
         output_axes=followed,
     )
 

@@ -229,3 +229,29 @@ def test_a_failed_dynamo_attempt_prints_nothing(tmp_path: Path, capfd: pytest.Ca
     export_onnx(_Branchy().eval(), torch.randn(2, 4), tmp_path / "m.onnx")
     out, err = capfd.readouterr()
     assert "def forward" not in err + out and "GraphModule" not in err + out, err[-2000:]
+
+
+class _TinyUNet(nn.Module):
+    """Pooling, upsampling and a skip connection: an odd height or width cannot meet its skip again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.down = nn.Conv2d(1, 4, 3, padding=1), nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 4, 1))
+        self.up, self.head = nn.Upsample(scale_factor=2), nn.Conv2d(8, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.enc(x)
+        return self.head(torch.cat([e, self.up(self.down(e))], dim=1))
+
+
+def test_the_sizes_a_unet_takes_are_found_in_steps() -> None:
+    """Heights and widths of 8 to 16, of which the U-Net takes the even ones: [step 2, offset 0] each."""
+    from kiln.core.data import DatasetSplits
+    from kiln.stages.export.stage import size_steps
+
+    x = torch.rand(4, 1, 16, 16)
+    data = DatasetSplits(x, None, x, None)
+    axes, shapes = {"input": {2: "height", 3: "width"}}, {"height": [8, 16], "width": [8, 16]}
+    assert size_steps(_TinyUNet().eval(), data, ["input"], axes, shapes) == {"height": [2, 0], "width": [2, 0]}
+    plain = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1)).eval()
+    assert size_steps(plain, data, ["input"], axes, shapes) == {}
