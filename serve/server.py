@@ -459,10 +459,12 @@ def _bind_or_explain(triton: Any, served: ServedEngine, runner: Any, max_batch: 
     except (PyTritonError, InferenceServerException) as exc:
         message = getattr(exc, "message", None)
         reason = first_line((message() if callable(message) else message) or str(exc))
+        missing = "No module named" in reason  # from the stub, which imports what this process imports
         raise KilnError(
             f"Triton could not load model {served.model_name}: {reason}",
-            hint="a 'No module named ...' comes from the Python backend stub, which imports what this "
-            "process imports: install the module into this environment",
+            hint="install the module into this environment"
+            if missing
+            else "rerun with --verbose to see the server's log; or serve without --pytriton",
         ) from None
 
 
@@ -556,10 +558,10 @@ def serve(
             log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
     except KeyboardInterrupt:
         log.info("stopping")
-    except KilnError as exc:
-        kept = None if verbose or triton is None else _keep_server_log(triton)
-        if kept is not None:
-            exc.hint = f"{exc.hint}; the server's log: {kept}" if exc.hint else f"the server's log: {kept}"
+    except KilnError as exc:  # the server's own last error, said now: its log goes with the scratch folder
+        said = None if verbose or triton is None else _server_said(triton)
+        if said:
+            exc.hint = f"{exc.hint}; the server said: {said}" if exc.hint else f"the server said: {said}"
         raise
     finally:
         for sig, handler in previous.items():
@@ -820,16 +822,13 @@ def _server_log_on_stdout(verbose: bool) -> None:
     pytriton.triton.TritonServer = functools.partial(TritonServer, verbose=verbose)
 
 
-def _keep_server_log(triton: Any) -> Path | None:
-    """Write the server's captured log to a file of its own (outside the scratch folder, which is removed)."""
+def _server_said(triton: Any) -> str:
+    """The last error line of the log PyTriton captured from its server ("" without one)."""
     server = getattr(triton, "_triton_server", None)
-    text = server.logs() if server is not None else ""
-    if not text:
-        return None
-    fd, name = tempfile.mkstemp(prefix="kiln-serve-", suffix=".log")
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    return Path(name)
+    try:
+        return _last_error_line(server.logs() if server is not None else "")
+    except Exception:  # a log that cannot be read: the error stands without it
+        return ""
 
 
 def _use_stub_python(stub_python: Path) -> None:
