@@ -118,15 +118,32 @@ def result_line(report: dict[str, Any]) -> str:
     """PASSED / FAILED, and which engines were built but could not be validated on this machine: a pass that
     covers only some engines must say so where the verdict is read, not only in a table cell."""
     verdict = "PASSED" if report["ok"] else "FAILED"
-    unchecked = [e for e in (report.get("validation") or {}).get("engines", []) if e.get("status") != "validated"]
-    if not unchecked:
-        return verdict
-    devices = sorted({e.get("device", "?").upper() for e in unchecked})
-    return (
-        f"{verdict}, {len(unchecked)} engine{'s' if len(unchecked) > 1 else ''} built but not validated: "
-        f"{', '.join(e['name'] for e in unchecked)} (they target {' / '.join(devices)}, which this machine "
-        "does not have; validate them where they will run)"
-    )
+    engines = (report.get("validation") or {}).get("engines", [])
+    unchecked = [e for e in engines if e.get("status") != "validated"]
+    if unchecked:
+        devices = sorted({e.get("device", "?").upper() for e in unchecked})
+        verdict += (
+            f", {len(unchecked)} engine{'s' if len(unchecked) > 1 else ''} built but not validated: "
+            f"{', '.join(e['name'] for e in unchecked)} (they target {' / '.join(devices)}, which this machine "
+            "does not have; validate them where they will run)"
+        )
+    return verdict + "".join(f"; {why}" for why in _missing_precisions(report, engines))
+
+
+def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
+    """A precision the run asked for that no engine has, with the build's reason (an INT8 graph not made: too little
+    of it ran in INT8 to pass the gates): a pass without it says so beside the verdict, on every run."""
+    if not engines:  # the run stopped before validation: its error says why
+        return []
+    stages = report.get("stages", {})
+    asked = (stages.get("precision", {}).get("summary") or {}).get("variants") or {}
+    skipped = (stages.get("build", {}).get("summary") or {}).get("skipped") or []
+    built = {e.get("precision") for e in engines}
+    out = []
+    for precision in (p for p in asked if p not in built):
+        why = next((s.split(": ", 1)[1] for s in skipped if s.split(": ", 1)[0].endswith(f"-{precision}")), "")
+        out.append(f"no {precision} engine" + (f" ({why.split(' (fix: ')[0]})" if why else ""))
+    return out
 
 
 def seconds_cell(stage: dict[str, Any]) -> str:

@@ -55,3 +55,20 @@ def test_an_engine_validated_at_fewer_shapes_is_named() -> None:
     assert _narrower(v) == [
         "torch takes fewer sizes and was validated at seq=20 (requests of other sizes are refused)."
     ]
+
+
+def test_a_precision_asked_for_without_an_engine_is_said_beside_the_verdict() -> None:
+    from kiln.pipeline.report import result_line
+
+    why = "int8 not made: 39% of its FLOPs run in int8, under the 50% an engine labelled int8 must run"
+    report = {
+        "ok": True,
+        "stages": {
+            "precision": {"summary": {"variants": {"fp32": {}, "int8": {}}}},
+            "build": {"summary": {"skipped": [f"onnxruntime-cpu-int8: {why} (fix: add calibration data)"]}},
+        },
+        "validation": {"engines": [{"name": "onnxruntime-cpu-fp32", "precision": "fp32", "status": "validated"}]},
+    }
+    assert result_line(report) == f"PASSED; no int8 engine ({why})"
+    report["validation"]["engines"].append({"name": "x-int8", "precision": "int8", "status": "validated"})
+    assert result_line(report) == "PASSED"
