@@ -36,6 +36,8 @@ def report_section(v: ValidationResult) -> list[str]:
     """Validation's part of report.md: the reference, each engine against it, and what failed."""
     b = v.baseline
     sizes = _sizes(v)
+    # a model without class logits (float targets) is held to each output's relative error: a column of its own
+    rel = any(e.gates.get("max_rel_err") is not None for e in v.engines)
     onnx_file = b.backend == "onnxruntime"  # `model.onnx`: the reference is that file, not a PyTorch model
     against = "the input ONNX file" if onnx_file else "PyTorch"
     lines = [
@@ -48,10 +50,12 @@ def report_section(v: ValidationResult) -> list[str]:
         *_compared(b),
         *_narrower(v),
         "",
-        "| engine | precision | device | passed | max abs err | cosine | top-1 agree | accuracy | "
+        "| engine | precision | device | passed | max abs err | "
+        + ("rel err | " if rel else "")
+        + "cosine | top-1 agree | accuracy | "
         + " | ".join(f"p50 ms @{s}" for s in sizes)
         + f" | speedup @{sizes[-1] if sizes else ''} |",
-        "|---|---|---|---|---|---|---|---|" + "---|" * len(sizes) + "---|",
+        "|---|---|---|---|---|---|---|---|" + "---|" * (len(sizes) + rel + 1),
     ]
     eager = {x.device: x for x in v.baselines if x.kind == "eager" and x.precision == "fp32"}
     for base in v.baselines or [b]:
@@ -61,14 +65,14 @@ def report_section(v: ValidationResult) -> list[str]:
         ratio = fmt(ref.p50 / own.p50, ".2f") if ref and own else "-"  # vs eager on its device
         label = "input ONNX file, onnxruntime" if base.backend == "onnxruntime" else f"pytorch {base.kind}"
         lines.append(
-            f"| {label} (baseline) | {base.precision} | {base.device} | | | | | "
+            f"| {label} (baseline) | {base.precision} | {base.device} | | | {'| ' if rel else ''}| | "
             f"{fmt(base.accuracy)} | {lat} | {ratio} |"
         )
     for e in v.engines:
         if e.status != "validated":
             lines.append(
                 f"| {e.name} | {e.precision} | {e.device} | not run here (targets {e.device.upper()}): "
-                f"{e.reason or ''} |" + " |" * (5 + len(sizes))
+                f"{e.reason or ''} |" + " |" * (5 + rel + len(sizes))
             )
             continue
         g = e.gates
@@ -76,11 +80,13 @@ def report_section(v: ValidationResult) -> list[str]:
         last = _gated(_p50(e.latency_ms, sizes[-1]), "≤", g.get("max_latency_p50_ms")) if sizes else ""
         drop = None if g.get("max_accuracy_drop") is None or b.accuracy is None else b.accuracy - g["max_accuracy_drop"]
         speed = e.speedup_vs_baseline.get(sizes[-1]) if sizes else None
+        top1_gate = g.get("min_top1_agreement") if e.top1_agreement is not None else None  # none computed: none held
         lines.append(
             f"| {e.name} | {e.precision} | {e.device} | {'yes' if e.passed else '**no**'} | "
             f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
-            f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
-            f"{_gated(fmt(e.top1_agreement), '≥', g.get('min_top1_agreement'))} | "
+            + (f"{_gated(fmt(e.rel_err, '.4g'), '≤', g.get('max_rel_err'))} | " if rel else "")
+            + f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
+            f"{_gated(fmt(e.top1_agreement), '≥', top1_gate)} | "
             f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
             f"{lat + ' | ' if lat else ''}{last} | {fmt(speed, '.2f')} |"
         )
