@@ -256,7 +256,10 @@ def check_labels_fit(logits: np.ndarray, labels: np.ndarray, name: str) -> None:
         raise ModelError(
             f"the held-out labels {labels.dtype}{list(labels.shape)} do not fit the class-logit output '{name}' "
             f"{list(logits.shape)}: it takes labels shaped {list(positions)}",
-            hint="return labels that fit the model's output from the data function, or name the class-logit output "
+            hint="multi-label 0/1 targets shaped like the logits: return them as floats (each output is then held to "
+            "its relative error; validate.metric: multilabel_f1 scores them)"
+            if tuple(labels.shape) == tuple(logits.shape)
+            else "return labels that fit the model's output from the data function, or name the class-logit output "
             "in signature.logits_output",
         )
 

@@ -48,8 +48,8 @@ class Metric:
                 raise ModelError(
                     f"validate.metric '{self.name}' does not fit outputs {_shapes(outputs)} and labels "
                     f"{labels.dtype}{list(labels.shape)}: {exc}",
-                    hint=f"pick a built-in for these labels ({', '.join(BUILTINS)}), or give your own metric as "
-                    "'module:function' (outputs: dict of name -> array, labels: array) -> float",
+                    hint=f"pick another built-in ({', '.join(b for b in BUILTINS if b != self.name)}), or give "
+                    "your own metric as 'module:function' (outputs: dict of name -> array, labels: array) -> float",
                 ) from None
             frame = traceback.extract_tb(exc.__traceback__)[-1]  # where it raised: the user's line
             at = f" ({frame.filename}:{frame.lineno})"

@@ -70,3 +70,16 @@ def test_an_output_whose_length_the_values_decide_is_compared_on_whole_batches()
         ModelError, match="output 'positives' has 3 rows where the reference's has .*follows the values"
     ):
         compare_all(run({"x": x[:8]}), {**got, "positives": got["positives"][:3]}, "logits")
+
+
+def test_multi_label_integer_targets_are_told_to_come_as_floats() -> None:
+    from kiln.stages.accuracy.check import check_labels_fit
+
+    logits = np.zeros((4, 6), np.float32)
+    check_labels_fit(logits, np.zeros(4, np.int64), "logits")  # one class index per row: fits
+    with pytest.raises(ModelError) as err:
+        check_labels_fit(logits, np.zeros((4, 6), np.int64), "logits")
+    assert "return them as floats" in err.value.hint and "multilabel_f1" in err.value.hint
+    with pytest.raises(ModelError) as err:
+        check_labels_fit(logits, np.zeros((4, 2), np.int64), "logits")
+    assert "signature.logits_output" in err.value.hint
