@@ -438,15 +438,18 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
 
 def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:
     table = Table(title="Accuracy against the reference", show_edge=False)
-    for col in ("engine", "passed", "cosine", "top-1", "accuracy"):
+    metric = v.baseline.metric_name  # validate.metric: the user's own number, beside the built-in ones
+    for col in ("engine", "passed", "cosine", "top-1", "accuracy", *([metric] if metric else [])):
         table.add_column(col, no_wrap=True)
-    table.add_row("reference", "", "", "", fmt(v.baseline.accuracy))
+    own = [fmt(v.baseline.metric, ".4g")] if metric else []
+    table.add_row("reference", "", "", "", fmt(v.baseline.accuracy), *own)
     for e in v.engines:
         if e.status != "validated":
-            table.add_row(e.name, "[yellow]not run[/]", "", "", "")
+            table.add_row(e.name, "[yellow]not run[/]", "", "", "", *([""] if metric else []))
             continue
         passed = "[green]yes[/]" if e.passed else "[bold red]no[/]"
-        table.add_row(e.name, passed, fmt(e.cosine, ".6f"), fmt(e.top1_agreement), fmt(e.accuracy))
+        own = [fmt(e.metric, ".4g")] if metric else []
+        table.add_row(e.name, passed, fmt(e.cosine, ".6f"), fmt(e.top1_agreement), fmt(e.accuracy), *own)
     return table
 
 
