@@ -17,14 +17,14 @@ from kiln.core.compare import class_axis
 IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugging Face pads token labels with
 
 
-def _floating(y: Any) -> bool:
+def floating(y: Any) -> bool:
     """A torch tensor's or a numpy array's dtype is a float one."""
     return y.dtype.is_floating_point if hasattr(y.dtype, "is_floating_point") else np.issubdtype(y.dtype, np.floating)
 
 
 def per_position(y: Any) -> bool:
     """Integer labels with more than one axis: one per position of each row."""
-    return y.ndim > 1 and not _floating(y)
+    return y.ndim > 1 and not floating(y)
 
 
 def labelled(y: Any) -> Any:
@@ -46,7 +46,7 @@ def dense_cross_entropy(logits: Any, y: Any) -> Any:
 def are_indices(logits: Any, y: Any) -> bool:
     """Whether ``y`` can be class indices of ``logits``: integers of the logits' shape without the class axis (a
     multi-hot ``[N, K]`` or a ``[N, 1]`` column beside ``[N, C]`` logits is not, and would broadcast)."""
-    if _floating(y) or logits.ndim < 2:
+    if floating(y) or logits.ndim < 2:
         return False
     shape = list(logits.shape)
     del shape[class_axis(logits.ndim)]

@@ -19,6 +19,7 @@ from torch import nn
 
 from kiln.core.data import call, rebuild, tensors
 from kiln.core.errors import ConfigError, ModelError
+from kiln.core.labels import floating
 
 SINGLE_OUTPUT = "logits"
 
@@ -97,13 +98,9 @@ def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:
 def class_logits(names: Sequence[str], setting: str | int | None, labels: Any) -> str | None:
     """:func:`logits_name` for a run with ``labels`` (the held-out targets): float targets are a regression's, whose
     output holds values, not class logits, unless ``signature.logits_output`` names one."""
-    if setting is None and labels is not None and _floating(tensors(labels)[0]):
+    if setting is None and labels is not None and floating(tensors(labels)[0]):
         return None
     return logits_name(names, setting)
-
-
-def _floating(labels: Any) -> bool:
-    return labels.is_floating_point() if isinstance(labels, torch.Tensor) else np.asarray(labels).dtype.kind == "f"
 
 
 class FlatModel(nn.Module):

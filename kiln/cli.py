@@ -441,15 +441,17 @@ def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:
     metric = v.baseline.metric_name  # validate.metric: the user's own number, beside the built-in ones
     for col in ("engine", "passed", "cosine", "top-1", "accuracy", *([metric] if metric else [])):
         table.add_column(col, no_wrap=True)
-    own = [fmt(v.baseline.metric, ".4g")] if metric else []
-    table.add_row("reference", "", "", "", fmt(v.baseline.accuracy), *own)
+
+    def own(value: Any) -> list[str]:
+        return [value if isinstance(value, str) else fmt(value, ".4g")] if metric else []
+
+    table.add_row("reference", "", "", "", fmt(v.baseline.accuracy), *own(v.baseline.metric))
     for e in v.engines:
         if e.status != "validated":
-            table.add_row(e.name, "[yellow]not run[/]", "", "", "", *([""] if metric else []))
+            table.add_row(e.name, "[yellow]not run[/]", "", "", "", *own(""))
             continue
         passed = "[green]yes[/]" if e.passed else "[bold red]no[/]"
-        own = [fmt(e.metric, ".4g")] if metric else []
-        table.add_row(e.name, passed, fmt(e.cosine, ".6f"), fmt(e.top1_agreement), fmt(e.accuracy), *own)
+        table.add_row(e.name, passed, fmt(e.cosine, ".6f"), fmt(e.top1_agreement), fmt(e.accuracy), *own(e.metric))
     return table
 
 

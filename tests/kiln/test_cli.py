@@ -43,7 +43,7 @@ def test_help_loads_no_config_schema_array_or_model_library() -> None:
     assert out.strip() == "[]", out
 
 
-def test_the_build_command_offers_the_registered_backends(cli: CliRunner) -> None:
+def test_the_build_command_offers_the_registered_backends() -> None:
     from kiln.stages.engines import BACKEND_NAMES
     from kiln.stages.engines.registry import BACKENDS
 
