@@ -13,7 +13,7 @@ import onnx
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
-from kiln.core.cpu_int8 import this_cpu_saturates
+from kiln.core.cpu_int8 import resolve_reduce_range
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import value_names
 
@@ -47,11 +47,6 @@ def unbounded_nodes(model: onnx.ModelProto, ranges: Ranges) -> dict[str, str]:
         if hit is not None:
             out[node.name] = f"'{hit}' is not finite on calibration data (no INT8/FP8 scale holds it)"
     return out
-
-
-def resolve_reduce_range(setting: str) -> bool:
-    """``calibration.reduce_range`` resolved: ``auto`` is on where this machine's INT8 kernels saturate."""
-    return setting == "on" or (setting == "auto" and this_cpu_saturates())
 
 
 def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:

@@ -6,6 +6,7 @@ Hashes are of content, never of paths or names (two models at one path must not 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -46,11 +47,15 @@ def hash_tree(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
     }
 
 
-def hash_source(*modules: Any) -> str:
-    """Hash of the source files of the given modules (packages: every .py under them): the code version."""
+def hash_source(*modules: str) -> str:
+    """Hash of the source files of the named modules (packages: every .py under them): the code version. The files
+    are found without running the modules (:func:`importlib.util.find_spec` runs only their parent packages)."""
     files: list[Path] = []
-    for mod in modules:
-        f = Path(mod.__file__)
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(f"no source for module {name}")
+        f = Path(spec.origin)
         files += sorted(f.parent.rglob("*.py")) if f.name == "__init__.py" else [f]
     return hash_json({p.name + str(i): hash_file(p) for i, p in enumerate(files)})
 

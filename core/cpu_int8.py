@@ -64,3 +64,8 @@ def ask_exact_int8(opts: Any) -> Any:
 def int8_kernels() -> str:
     """Which ONNX Runtime CPU INT8 kernels Kiln's sessions run here, for reports beside their latencies."""
     return "exact (x86 without VNNI)" if this_cpu_saturates() else "fast"
+
+
+def resolve_reduce_range(setting: str) -> bool:
+    """``calibration.reduce_range`` resolved: ``auto`` is on where this machine's INT8 kernels saturate."""
+    return setting == "on" or (setting == "auto" and this_cpu_saturates())

@@ -1,13 +1,28 @@
-"""The environment a stage's result depends on: library versions and the device."""
+"""The environment a stage's result depends on: library versions and the device.
+
+The device's facts come from torch (``torch.cuda``), whose import is most of the time of a run where every stage
+is cached. So they are kept in the workdir's cache folder (:func:`keep_facts_in`) under what decides torch's answer
+in this boot of this machine (:func:`_identity`), and read back while that stays the same.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
+import os
 import platform
+import sys
 from functools import cache
+from pathlib import Path
 from typing import Any
 
+from kiln.core.artifacts import write_json_atomic
 from kiln.core.cpu_int8 import int8_kernels
+
+FACTS_FILE = "device-facts.json"
+# what selects or hides GPUs from a CUDA program: a different value is a different device for the same machine
+DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES")
+_facts_folder: list[Path] = []  # where device facts are kept (the runner's workdir cache); none: not kept
 
 BASE_DISTS = ("torch", "onnx", "onnxruntime", "onnx-graphsurgeon", "numpy")  # what every run uses
 
@@ -21,9 +36,66 @@ def version(dist: str) -> str | None:
         return None
 
 
+def keep_facts_in(folder: Path | None) -> None:
+    """Keep :func:`device_facts` in ``folder`` (a workdir's cache) from now on in this process; None: do not."""
+    _facts_folder[:] = [] if folder is None else [Path(folder)]
+    device_facts.cache_clear()
+
+
+def _identity() -> dict[str, Any] | None:
+    """What decides torch's device facts, read without torch: this boot of the machine (a GPU is not added or taken
+    away while it runs), the interpreter, torch's version, the NVIDIA driver and the GPUs it lists, and the variables
+    that select GPUs. None where the boot cannot be told (not Linux): the facts are then asked of torch each time."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+    nvidia = Path("/proc/driver/nvidia")
+    try:
+        driver = (nvidia / "version").read_text().splitlines()[0]
+        gpus = sorted(p.name for p in (nvidia / "gpus").iterdir())
+    except (OSError, IndexError):
+        driver, gpus = None, []
+    return {
+        "boot": boot,
+        "python": sys.executable,
+        "torch": version("torch"),
+        "driver": driver,
+        "gpus": gpus,
+        "variables": {v: os.environ.get(v) for v in DEVICE_VARIABLES},
+    }
+
+
 @cache
 def device_facts() -> dict[str, Any]:
-    """Python, machine, CUDA and GPU identity, and the CPU's INT8 kernels."""
+    """Python, machine, CUDA and GPU identity, and the CPU's INT8 kernels; read back from the workdir's cache
+    while :func:`_identity` is unchanged."""
+    identity = _identity() if _facts_folder else None
+    path = _facts_folder[0] / FACTS_FILE if _facts_folder else None
+    if identity is not None and path is not None:
+        try:
+            kept = json.loads(path.read_text())
+            if isinstance(kept, dict) and kept.get("identity") == identity and isinstance(kept.get("facts"), dict):
+                return kept["facts"]
+        except (OSError, UnicodeDecodeError, ValueError):
+            pass  # none kept yet, or unreadable: asked of torch and written again
+    facts = _torch_facts()
+    if identity is not None and path is not None:
+        _keep(path, {"identity": identity, "facts": facts})
+    return facts
+
+
+def _keep(path: Path, record: dict[str, Any]) -> None:
+    if path.parent.is_symlink():
+        return  # a cache folder planted as a link: never written through (the stages that use it refuse it)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, record)
+    except OSError:
+        pass  # a read-only workdir: the facts are asked of torch next time too
+
+
+def _torch_facts() -> dict[str, Any]:
     import torch
 
     env: dict[str, Any] = {

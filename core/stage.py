@@ -9,20 +9,22 @@ sees is exactly what its cache key covers.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import ModuleType
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from kiln.core.data import DatasetSplits
 from kiln.core.errors import KilnError
 from kiln.core.ownership import refuse_link
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import Summary
+
+if TYPE_CHECKING:
+    from kiln.core.data import DatasetSplits
 
 # what a stage that reads the dataset must declare: the dataset is made from them
 DATASET_SOURCES = ("seed", "model", "data", "signature.dynamic_axes", "signature.shapes")
@@ -109,21 +111,24 @@ class StageContext(Generic[S]):
 
 @dataclass(frozen=True)
 class Stage:
-    """A pipeline step.
+    """A pipeline step, declared apart from the code that runs it.
 
+    ``entry``: ``"module:function"`` of the code that runs it, imported only when the stage runs: deciding that a
+    stage is cached (its key, its summary, its report section) loads none of the libraries it runs (torch, ONNX).
     ``inputs``: upstream stages whose artifacts it reads. ``settings``: the part of the run config it reads.
-    ``summary``: the type of what ``run`` returns. ``code``: modules whose source is hashed as the stage's code
-    version. ``env``: the environment facts (library versions, device) that belong in its cache key.
-    ``data``: fingerprints of user-supplied data it reads; only a stage that names ``"dataset"`` here can read the
-    dataset (``StageContext.dataset``). ``report``: its section of report.md.
+    ``summary``: the type of what it returns. ``code``: names of the modules whose source is hashed as the stage's
+    code version (packages: every file under them), found without importing them. ``env``: the environment facts
+    (library versions, device) that belong in its cache key. ``data``: fingerprints of user-supplied data it reads;
+    only a stage that names ``"dataset"`` here can read the dataset (``StageContext.dataset``). ``report``: its
+    section of report.md.
     """
 
     name: str
-    run: Callable[[StageContext[Any]], Summary]
+    entry: str
     inputs: tuple[str, ...]
     settings: type[StageSettings]
     summary: type[Summary]
-    code: tuple[ModuleType, ...]
+    code: tuple[str, ...]
     env: Callable[[Any], dict[str, Any]]
     description: str = ""
     data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.pipeline.fingerprints``)
@@ -135,3 +140,8 @@ class Stage:
         covered = [k for k in DATASET_SOURCES if any(k == d or k.startswith(d + ".") for d in declared)]
         if "dataset" in self.data and len(covered) < len(DATASET_SOURCES):
             raise TypeError(f"stage {self.name} reads the dataset: its settings must declare {DATASET_SOURCES}")
+
+    def run(self, ctx: StageContext[Any]) -> Summary:
+        """Run the stage: its code (``entry``) is imported here, on first use."""
+        module, _, function = self.entry.partition(":")
+        return getattr(importlib.import_module(module), function)(ctx)

@@ -24,10 +24,10 @@ def threads_for_load(cores: int, load: float, current: int) -> int:
 
 
 @contextmanager
-def cpu_threads_for_load() -> Iterator[int | None]:
-    """PyTorch's intra-op threads set by :func:`threads_for_load` for the block (said when lowered), then restored:
-    a caller's own process (a notebook) keeps its setting. Yields the count, or None when the user set
-    ``OMP_NUM_THREADS`` (their choice stands)."""
+def cpu_threads_for_load(say: bool = True) -> Iterator[int | None]:
+    """PyTorch's intra-op threads set by :func:`threads_for_load` for the block (said when lowered, unless ``say``
+    is false), then restored: a caller's own process (a notebook) keeps its setting. Yields the count, or None when
+    the user set ``OMP_NUM_THREADS`` (their choice stands)."""
     if os.environ.get("OMP_NUM_THREADS"):
         yield None
         return
@@ -37,7 +37,7 @@ def cpu_threads_for_load() -> Iterator[int | None]:
     threads = threads_for_load(cores, load, current)
     if threads < current:
         torch.set_num_threads(threads)
-        log.info(
+        (log.info if say else log.debug)(
             "busy machine (load average %.1f on %d cores): PyTorch runs on %d thread(s); OMP_NUM_THREADS chooses",
             load,
             cores,

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from kiln.calibration.data import hash_batches, read_reader
 from kiln.core.artifacts import hash_file, hash_json
-from kiln.core.data import tensors
 from kiln.core.errors import InputFileError
-from kiln.core.onnx_io import onnx_files
-from kiln.models.model_io import dataset_for
 from kiln.pipeline.config import KilnConfig
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _is_import_path(name: str | None) -> bool:
@@ -31,6 +29,10 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one."""
     if not _is_import_path(config.data.name):
         return None
+    from kiln.calibration.data import hash_batches  # torch and numpy: only for a user dataset
+    from kiln.core.data import tensors
+    from kiln.models.model_io import dataset_for
+
     d = dataset_for(config.model, config.data, config.signature, config.seed)
     parts = [d.train_x, d.train_y, d.val_x, d.val_y]
     return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
@@ -39,6 +41,7 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
 def _array(t: object) -> np.ndarray:
     """Any tensor or array as numpy, for hashing only: bytes are what count (bfloat16 has no numpy type, a CUDA
     or grad-tracking tensor no direct view), and a wrong type is left to the stage's own clear check."""
+    import numpy as np
     import torch
 
     if isinstance(t, torch.Tensor):
@@ -62,6 +65,8 @@ def onnx_fingerprint(config: KilnConfig) -> str | None:
     dynamo exporter keeps the weights in ``model.onnx.data``, which can change while the graph stays."""
     if not config.model.onnx:
         return None
+    from kiln.core.onnx_io import onnx_files
+
     path = Path(config.model.onnx)
     if not path.is_file():
         raise InputFileError(f"model.onnx not found: {path}", hint="fix the path or remove model.onnx")
@@ -75,6 +80,8 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
     needs_data = "int8" in pcfg.variants or ("fp16" in pcfg.variants and pcfg.fp16.range_check)
     if not (ccfg.reader and needs_data):
         return None
+    from kiln.calibration.data import hash_batches, read_reader
+
     return hash_batches(read_reader(ccfg))
 
 

@@ -26,14 +26,13 @@ from kiln.core.artifacts import (
     hash_tree,
     write_json_atomic,
 )
-from kiln.core.env import environment
+from kiln.core.env import environment, keep_facts_in
 from kiln.core.errors import GateFailure, KilnError, disk_full, storage_error
 from kiln.core.ownership import SCRATCH, is_leftover
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import NONE_VALIDATED
 from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.threads import cpu_threads_for_load
-from kiln.models.model_io import dataset_for
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
@@ -185,6 +184,8 @@ def settings_for(stage: Stage, config: KilnConfig) -> StageSettings:
 
 def load_dataset(config: KilnConfig) -> Any:
     """The run's dataset, as every stage that reads it loads it."""
+    from kiln.models.model_io import dataset_for  # torch: only when a stage runs
+
     return dataset_for(config.model, config.data, config.signature, config.seed)
 
 
@@ -260,14 +261,10 @@ class Runner:
         self.on_event = on_event or (lambda record: None)
 
     def run(self, force: set[str] | None = None, start: str | None = None, stop: str | None = None) -> RunResult:
-        """``force``: rerun these stages; ``start``: rerun from this stage on; ``stop``: end after this stage.
-        PyTorch gets the cores a busy machine leaves idle meanwhile (:func:`cpu_threads_for_load`)."""
-        with cpu_threads_for_load():
-            return self._run(force, start, stop)
-
-    def _run(self, force: set[str] | None, start: str | None, stop: str | None) -> RunResult:
+        """``force``: rerun these stages; ``start``: rerun from this stage on; ``stop``: end after this stage."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         clean_stale_staging(self.workdir)
+        keep_facts_in(self.workdir / "cache")  # the device's facts, read back while this boot lasts (kiln.core.env)
         names = [s.name for s in self.stages]
         force = set(force or ())
         if start is not None:
@@ -276,6 +273,7 @@ class Runner:
         error: KilnError | None = None
         self._fingerprints: dict[str, str | None] = {}  # user data is hashed once per run
         self._verified: dict[Path, str] = {}  # stage outputs are hashed once per run (outputs_intact)
+        self._threads_said = False
         for stage in self.stages:
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
@@ -365,7 +363,10 @@ class Runner:
                 self.progress,
                 load_dataset=partial(load_dataset, self.config) if "dataset" in stage.data else None,
             )
-            summary = stage.run(ctx)
+            # PyTorch gets the cores a busy machine leaves idle (said once a run); a cached stage loads no torch
+            with cpu_threads_for_load(say=not self._threads_said):
+                self._threads_said = True
+                summary = stage.run(ctx)
             seconds = time.perf_counter() - t0
             status = summary.status
             outputs = hash_tree(out, exclude=(MANIFEST,))

@@ -1,8 +1,9 @@
-"""The ordered list of pipeline stages. Each stage module defines its own :class:`~kiln.core.stage.Stage` (what it
-reads, which config it depends on, its code, its report section); this is only their order.
+"""The ordered list of pipeline stages. Each stage's ``declaration`` module defines its
+:class:`~kiln.core.stage.Stage` (what it reads, which config it depends on, its code, its report section); this is
+only their order.
 
-The names are listed here and the stage modules, which import the libraries their stages run (torch, ONNX, ONNX
-Runtime), load when ``STAGES`` is first read: ``kiln --help`` and reading a config need the names only.
+The declarations load when ``STAGES`` is first read (``kiln --help`` and reading a config need the names only). They
+import no torch or ONNX: a stage's own code, which does, loads when the stage runs (``Stage.entry``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ if TYPE_CHECKING:
 
 STAGE_NAMES = ["train", "export", "optimize", "precision", "build", "validate", "package"]
 MODULES = {
-    "train": "kiln.stages.train.stage",
-    "export": "kiln.stages.export.stage",
-    "optimize": "kiln.stages.optimize.stage",
-    "precision": "kiln.stages.precision.stage",
-    "build": "kiln.stages.engines.stage",
-    "validate": "kiln.stages.validate.stage",
-    "package": "kiln.stages.package.stage",
+    "train": "kiln.stages.train.declaration",
+    "export": "kiln.stages.export.declaration",
+    "optimize": "kiln.stages.optimize.declaration",
+    "precision": "kiln.stages.precision.declaration",
+    "build": "kiln.stages.engines.declaration",
+    "validate": "kiln.stages.validate.declaration",
+    "package": "kiln.stages.package.declaration",
 }
 
 

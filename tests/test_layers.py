@@ -81,11 +81,14 @@ def test_imports_point_down_only() -> None:
     assert not up, "\n".join(up)
 
 
-# Where a Kiln import may wait inside a function: the command line, and the registries whose entries load the code
-# that needs torch, ONNX or ONNX Runtime only when they are used (so `kiln --help` and reading a config load neither).
+# Where a Kiln import may wait inside a function: the command line, the registries whose entries load the code
+# that needs torch, ONNX or ONNX Runtime only when they are used (so `kiln --help` and reading a config load neither),
+# and the runner and its user-data hashes (a run whose stages are all cached loads neither).
 LAZY_BOUNDARIES = {
     "kiln.cli",
     "kiln.models.registry",
+    "kiln.pipeline.fingerprints",
+    "kiln.pipeline.runner",
     "kiln.stages.engines.onnxruntime",
     "kiln.stages.engines.tensorrt",
     "kiln.stages.engines.torch",
@@ -108,7 +111,7 @@ def test_kiln_imports_wait_inside_functions_only_at_the_lazy_boundaries() -> Non
 def _stage_of(module: str) -> int | None:
     """The position in the stage order of the stage whose package (or module) holds ``module``."""
     for i, stage in enumerate(STAGES):
-        root = ".".join(stage.run.__module__.split(".")[:3])  # kiln.stages.<stage package or module>
+        root = ".".join(stage.entry.split(".")[:3])  # kiln.stages.<stage package or module>
         if module == root or module.startswith(root + "."):
             return i
     return None

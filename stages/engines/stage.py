@@ -6,31 +6,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
-
-import kiln.stages.engines
 from kiln.calibration.feeds import FILE as FEEDS_FILE
-from kiln.core import cpu_int8
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
-from kiln.core.env import environment_subset
 from kiln.core.errors import BuildError, ConfigError, KilnError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, Variants
-from kiln.core.signature import Signature
-from kiln.core.stage import Stage, StageContext, StageSettings, Summary
-from kiln.models.config import ModelConfig
+from kiln.core.stage import StageContext
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, Built, read_metadata
 from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.declaration import BuildSettings, BuildSummary, EngineEntry
 from kiln.stages.engines.dynamic_axes import check_engine_graph
-from kiln.stages.engines.registry import BACKENDS, backend_libraries, backend_named
-from kiln.stages.export.stage import read_axis_steps
+from kiln.stages.engines.registry import BACKENDS, backend_named
+from kiln.stages.export.declaration import read_axis_steps
 from kiln.stages.precision.audit import audit_graph, engine_audit, label_problem
 from kiln.stages.precision.config import PRECISIONS
 
@@ -195,36 +188,6 @@ def _check_choice(backend: str, device: str, precision: str) -> Any:
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision '{precision}'", hint=f"use one of {', '.join(PRECISIONS)}")
     return chosen
-
-
-@dataclass(frozen=True)
-class BuildSettings(StageSettings):
-    """What the build stage reads: its section (backends and each one's settings), the model (the torch backend
-    compiles the trained model itself) and the signature (the largest batch and the dynamic axes' sizes size the
-    engines' profiles and autotuned shapes)."""
-
-    SOURCES = {"signature": ("signature.batch_sizes", "signature.shapes")}
-    build: BuildConfig
-    model: ModelConfig
-    signature: Signature
-
-
-class EngineEntry(BaseModel):
-    """One engine built: the summary's row of it (``kiln-engine.json`` in its folder has everything)."""
-
-    name: str
-    backend: str
-    device: str
-    precision: str
-    build_seconds: float
-    size_bytes: int
-
-
-class BuildSummary(Summary):
-    """The engines built, and the ones planned but not built, each with why."""
-
-    engines: list[EngineEntry] = Field(default_factory=list)
-    skipped: list[str] = Field(default_factory=list)
 
 
 def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
@@ -451,47 +414,3 @@ def refuse_foreign_folder(out: Path) -> None:
             f"-o {out} already holds files Kiln did not write ({shown}); building there would replace them",
             hint="give a new or empty folder for -o (or one a previous `kiln build` wrote)",
         )
-
-
-def report_section(build: BuildSummary) -> list[str]:
-    """The engines' part of report.md: what was built (or not, and why), how long it took, how large."""
-    if not build.engines:
-        return []
-    out = [
-        "",
-        "## Engines",
-        "",
-        "| engine | backend | device | precision | build s | size MB |",
-        "|---|---|---|---|---|---|",
-    ]
-    out += [
-        f"| {e.name} | {e.backend} | {e.device} | {e.precision} | {e.build_seconds:.2f} | {e.size_bytes / 1e6:.2f} |"
-        for e in build.engines
-    ]
-    return out + [f"- not built: {s}" for s in build.skipped]
-
-
-def _env(cfg: BuildSettings) -> dict[str, Any]:
-    # Engines depend on the library that built them and on the GPU they were tuned for.
-    env = environment_subset("onnx", *backend_libraries(*cfg.build.backends), device=True)
-    # ORT CPU INT8 engines built where the fast INT8 kernels saturate hold ORT's uint8 weights for its exact kernels
-    # (kiln.core.cpu_int8): same outputs, slower kernels; a workdir moved to or from such a CPU rebuilds them. Only
-    # recorded there, so the key on every other machine stays what it was.
-    if cpu_int8.this_cpu_saturates():
-        env["cpu_int8_kernels"] = cpu_int8.int8_kernels()
-    return env
-
-
-# The largest validate batch size sizes the engines' optimization profiles and autotuned shapes.
-# The train stage's weights and the model section: the torch backend compiles the trained model itself.
-STAGE = Stage(
-    "build",
-    run,
-    ("train", "export", "precision"),
-    BuildSettings,
-    BuildSummary,
-    (kiln.stages.engines,),
-    _env,
-    "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",
-    report=report_section,
-)

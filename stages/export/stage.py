@@ -10,20 +10,14 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 import torch
-from pydantic import Field
 from torch import nn
 
-import kiln.core.onnx_io
-import kiln.models
-import kiln.models.model_io
-import kiln.stages.export
 from kiln.core.artifacts import ensure_writable
 from kiln.core.compare import max_abs_err, within_tolerance
 from kiln.core.data import (
@@ -41,7 +35,6 @@ from kiln.core.data import (
     take,
     tensors,
 )
-from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import (
@@ -60,11 +53,9 @@ from kiln.core.onnx_io import (
 from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.records import TensorSpec
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
-from kiln.core.signature import Signature
-from kiln.core.stage import Stage, StageContext, StageSettings, Summary
+from kiln.core.stage import StageContext
 from kiln.core.text import first_line, root_cause
 from kiln.core.user_errors import is_user_file, user_frame, where
-from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import (
     dataset_for,
     load_trained,
@@ -74,41 +65,16 @@ from kiln.models.model_io import (
     read_state_dict,
 )
 from kiln.models.registry import DEFAULT_DATASET, build_model
-from kiln.stages.export.config import ExportConfig
+from kiln.stages.export.declaration import (
+    AXIS_STEPS,
+    DYNAMIC_SIZES,
+    INT_RANGES,
+    ExportSettings,
+    ExportSummary,
+)
 from kiln.stages.export.output_axes import name_output_axes
 
 log = logging.getLogger("kiln.export")
-
-
-@dataclass(frozen=True)
-class ExportSettings(StageSettings):
-    """What the export stage reads: the model (or the ONNX file that replaces it), its data for the example and
-    the parity check, the exporter's settings and the signature's dynamic axes."""
-
-    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes")}
-    seed: int
-    model: ModelConfig
-    data: DataConfig
-    export: ExportConfig
-    signature: Signature
-
-
-class ExportSummary(Summary):
-    """The exported (or taken) graph: its size and opset, its parity with PyTorch, the sizes the data gave each
-    dynamic axis and integer input; for ``model.onnx``, the file taken and its inputs and outputs."""
-
-    nodes: int
-    opset: int
-    parity: dict[str, Any] | None = None
-    dynamic_sizes: dict[str, dict[int, list[int]]] = Field(default_factory=dict)
-    int_ranges: dict[str, list[int]] = Field(default_factory=dict)
-    axis_steps: dict[str, list[int]] = Field(default_factory=dict)  # axis -> [step, offset]: the sizes it takes
-    # output -> {axis: name}: axes the export fixed although they follow a dynamic input axis, declared dynamic
-    output_axes: dict[str, dict[int, str]] = Field(default_factory=dict)
-    source: str | None = None
-    inputs: list[str] = Field(default_factory=list)
-    outputs: list[str] = Field(default_factory=list)
-    freed_batch: int | None = None  # the batch size the taken file fixed, made symbolic (checked: take_onnx)
 
 
 def export_onnx(
@@ -471,15 +437,6 @@ def size_steps(
     return out
 
 
-AXIS_STEPS = "axis_steps.json"
-
-
-def read_axis_steps(export_dir: Path) -> dict[str, list[int]]:
-    """:data:`AXIS_STEPS` of an export folder ({} without one: every size between the validated ones runs)."""
-    path = export_dir / AXIS_STEPS
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
 def export_direct(
     cfg: ExportSettings, checkpoint: str | None, input_shapes: tuple[str, ...], output: Path
@@ -721,9 +678,6 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     )
 
 
-DYNAMIC_SIZES = "dynamic_sizes.json"
-
-
 def dynamic_sizes(
     data: Any, names: list[str], axes: Mapping[str, Mapping[int, str]]
 ) -> dict[str, dict[int, list[int]]]:
@@ -734,40 +688,3 @@ def dynamic_sizes(
         return {}
     seen = {name: {int(a): [f[name].shape[int(a)] for f in feeds] for a in dims} for name, dims in axes.items()}
     return {name: {a: [min(v), max(v)] for a, v in dims.items()} for name, dims in seen.items()}
-
-
-INT_RANGES = "int_ranges.json"
-
-
-def read_int_ranges(export_dir: Path) -> dict[str, list[int]] | None:
-    """:data:`INT_RANGES` of an export folder (None without one: no integer inputs, or a model.onnx)."""
-    path = export_dir / INT_RANGES
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def read_dynamic_sizes(export_dir: Path) -> dict[str, dict[int, list[int]]] | None:
-    """:data:`DYNAMIC_SIZES` of an export folder (None without one: no axes besides batch, or a model.onnx)."""
-    path = export_dir / DYNAMIC_SIZES
-    if not path.is_file():
-        return None
-    stored = json.loads(path.read_text())
-    return {name: {int(axis): sizes for axis, sizes in dims.items()} for name, dims in stored.items()}
-
-
-def _env(cfg: ExportSettings) -> dict[str, Any]:
-    return environment_subset("torch", "onnx", "onnxruntime")
-
-
-# Export builds the model from kiln.models (the zoo Transformer has an export-only attention path) and loads it
-# through model_io.
-STAGE = Stage(
-    "export",
-    run,
-    ("train",),
-    ExportSettings,
-    ExportSummary,
-    (kiln.stages.export, kiln.models, kiln.models.model_io, kiln.core.onnx_io),
-    _env,
-    "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
-    data=("dataset", "onnx"),
-)

@@ -2,42 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-from pydantic import Field
-
-import kiln.stages.optimize
-from kiln.core.env import environment_subset
 from kiln.core.onnx_io import check_onnx, load_onnx, save_onnx
-from kiln.core.stage import Stage, StageContext, StageSettings, Summary
-from kiln.stages.export.stage import read_dynamic_sizes, read_int_ranges
+from kiln.core.stage import StageContext
+from kiln.stages.export.declaration import read_dynamic_sizes, read_int_ranges
 from kiln.stages.optimize.api import optimize_model
-from kiln.stages.optimize.config import OptimizeConfig
+from kiln.stages.optimize.declaration import OptimizeSettings, OptimizeSummary
 
-
-@dataclass(frozen=True)
-class OptimizeSettings(StageSettings):
-    """The optimize stage reads its own section only: the graph and the data's sizes come from the export stage."""
-
-    optimize: OptimizeConfig
-
-
-class OptimizeSummary(Summary):
-    """Node counts and op histograms before and after, whether the safety net checked the passes (``checks``: how
-    many times it ran the graph), and each pass's entry per round (``rolled_back``: the passes that changed the
-    outputs and were undone)."""
-
-    nodes_before: int
-    nodes_after: int
-    ops_before: dict[str, int] = Field(default_factory=dict)
-    ops_after: dict[str, int] = Field(default_factory=dict)
-    verified: bool = False
-    rounds: int = 0
-    checks: int = 0
-    rolled_back: list[str] = Field(default_factory=list)
-    seconds: float = 0.0
-    passes: list[dict[str, Any]] = Field(default_factory=list)
+__all__ = ["OptimizeSettings", "OptimizeSummary", "run"]
 
 
 def run(ctx: StageContext[OptimizeSettings]) -> OptimizeSummary:
@@ -54,32 +25,3 @@ def run(ctx: StageContext[OptimizeSettings]) -> OptimizeSummary:
         "optimize: %d -> %d nodes in %.2fs", summary["nodes_before"], summary["nodes_after"], summary["seconds"]
     )
     return OptimizeSummary.model_validate(summary)
-
-
-def report_section(opt: OptimizeSummary) -> list[str]:
-    """Graph optimization's part of report.md: node counts and the passes that fired or were rolled back."""
-    fired = [p["name"] for p in opt.passes if p.get("nodes_before") != p.get("nodes_after")]
-    return [
-        "",
-        "## Graph optimization",
-        "",
-        f"{opt.nodes_before} -> {opt.nodes_after} nodes; passes that changed the graph: "
-        f"{', '.join(dict.fromkeys(fired)) or 'none'}; rolled back: {', '.join(opt.rolled_back) or 'none'}.",
-    ]
-
-
-def _env(cfg: OptimizeSettings) -> dict[str, Any]:
-    return environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime")
-
-
-STAGE = Stage(
-    "optimize",
-    run,
-    ("export",),
-    OptimizeSettings,
-    OptimizeSummary,
-    (kiln.stages.optimize,),
-    _env,
-    "graph passes with onnx-graphsurgeon",
-    report=report_section,
-)

@@ -12,21 +12,27 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
-from dataclasses import dataclass
 from typing import Any
 
 from kiln.core.errors import GateFailure
 from kiln.core.records import ValidationResult
-from kiln.core.stage import Stage, StageContext, StageSettings, Summary
+from kiln.core.stage import StageContext
 from kiln.stages.package import INDEX
 
-__all__ = ["engine_max_batch", "run", "triton_config", "triton_model_name", "PackageConfig", "STAGE"]
-from pydantic import Field
+__all__ = [
+    "engine_max_batch",
+    "run",
+    "triton_config",
+    "triton_model_name",
+    "PackageConfig",
+    "PackageSettings",
+    "PackageSummary",
+]
 
 from kiln.stages.engines.backend import SIDECAR, engine_dirs, read_metadata
-from kiln.stages.package import kserve, rayserve, triton
+from kiln.stages.package import kserve, rayserve
 from kiln.stages.package.config import PackageConfig
+from kiln.stages.package.declaration import PackageSettings, PackageSummary
 from kiln.stages.package.triton import (
     engine_max_batch,
     stock_model,
@@ -39,20 +45,6 @@ from kiln.stages.package.triton import (
 def triton_model_name(config_name: str, engine_name: str) -> str:
     """Triton model names: letters, digits and underscores (the repository folder's name)."""
     return re.sub(r"[^A-Za-z0-9_]", "_", f"{config_name}_{engine_name}")
-
-
-@dataclass(frozen=True)
-class PackageSettings(StageSettings):
-    """What packaging reads: its section, and the run's name (Triton model names start with it)."""
-
-    name: str
-    package: PackageConfig
-
-
-class PackageSummary(Summary):
-    """Each engine packaged: its validation figures, the batch sizes it was chosen for, its Triton models."""
-
-    models: list[dict[str, Any]] = Field(default_factory=list)
 
 
 def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
@@ -107,36 +99,3 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         kserve.write_manifest(ctx.out / "kserve.yaml", ctx.config.name, cfg.kserve, gpu)
     (ctx.out / INDEX).write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
     return PackageSummary(models=packaged)
-
-
-def report_section(summary: PackageSummary) -> list[str]:
-    """What went into the serving repositories, and where (paths relative to the workdir)."""
-    models = summary.models
-    out = ["", "## Package", ""]
-    if not models:
-        return out + ["Nothing packaged: no engine passed validation here (only validated engines are served)."]
-    out += ["| engine | engine files | Triton (stock backend) | Triton (Python backend) |", "|---|---|---|---|"]
-    for m in models:
-        stock = f"`package/triton/{m['triton_model']}/`" if m.get("triton_model") else "- (no stock backend)"
-        python = f"`package/triton-python/{m['triton_python_model']}/`" if m.get("triton_python_model") else "-"
-        out.append(f"| {m['engine']} | `package/engines/{m['engine']}/` | {stock} | {python} |")
-    return out + [
-        "",
-        "Serve with `kiln serve <workdir>`, or point `tritonserver --model-repository` at "
-        "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python). "
-        "`serve run package/ray/serve.yaml` starts the Ray Serve application (`kiln[ray]`) where written; "
-        "`package/kserve.yaml` is a KServe InferenceService for `package/triton`.",
-    ]
-
-
-STAGE = Stage(
-    "package",
-    run,
-    ("train", "build", "validate"),
-    PackageSettings,
-    PackageSummary,
-    (sys.modules[__name__], triton, rayserve, kserve),
-    lambda cfg: {},
-    "serving artifacts: engines + metadata, Triton model repository",
-    report=report_section,
-)

@@ -11,39 +11,30 @@ import json
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import Field
 
-import kiln.calibration
-import kiln.stages.accuracy
-import kiln.stages.precision
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
-from kiln.calibration.quantize import resolve_reduce_range
 from kiln.core.data import DatasetSplits, feed_for_graph, integer_ranges, rows, take
-from kiln.core.env import environment_subset
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.outputs import class_logits
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
 from kiln.core.shapes import axis_sizes, graph_axes
-from kiln.core.signature import Signature
-from kiln.core.stage import Stage, StageContext, StageSettings, Summary
+from kiln.core.stage import StageContext
 from kiln.core.text import fmt
-from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import held_out, held_out_reference
-from kiln.stages.accuracy.config import CheckConfig
 from kiln.stages.precision.audit import MIN_SHARE, audit_graph
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
+from kiln.stages.precision.declaration import PrecisionSettings, PrecisionSummary
 from kiln.stages.precision.emulate import emulate_fp16
 from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.node_errors import (
@@ -54,47 +45,7 @@ from kiln.stages.precision.node_errors import (
     plot_node_errors,
 )
 from kiln.stages.precision.provenance import torch_modules
-from kiln.stages.precision.report import report_section
 from kiln.stages.precision.variants import Source, build_fp8, build_fp16, build_int8
-
-
-@dataclass(frozen=True)
-class PrecisionSettings(StageSettings):
-    """What the precision stage reads: its section and calibration's, the data it calibrates and checks
-    variants on (with the model and seed that make it), and the signature (logits output, dynamic axes)."""
-
-    SOURCES = {
-        "signature": (
-            "signature.dynamic_axes",
-            "signature.shapes",
-            "signature.logits_output",
-            "signature.batch_sizes",
-        ),
-        "graph_readers": "build.graph_readers",
-        # validation's gates, metric and held-out data: a variant is accepted by the check its engines will face
-        "validate": ("validate.gates", "validate.metric", "validate.metric_higher_is_better", "validate.max_samples"),
-    }
-    seed: int
-    model: ModelConfig
-    data: DataConfig
-    precision: PrecisionConfig
-    calibration: CalibrationConfig
-    signature: Signature
-    graph_readers: list[str]  # the configured backends that build from ONNX graphs: none, no graph is converted
-    validate: CheckConfig
-
-
-class PrecisionSummary(Summary):
-    """Per variant made, what it kept in FP32 (and the PyTorch modules those nodes came from) and how it compares
-    with FP32; the variants that failed and why; the per-node error plot and each variant's first divergence."""
-
-    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    failed: dict[str, str] = Field(default_factory=dict)
-    node_error_plot: str | None = None
-    first_divergence: dict[str, Any] | None = None
-    node_error_threshold: float | None = None
-    node_errors_skipped: str | None = None
-    calibration_cache: str | None = None
 
 
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
@@ -432,25 +383,3 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return str(obj)
-
-
-def _env(cfg: PrecisionSettings) -> dict[str, Any]:
-    # reduce_range auto depends on the CPU: the same config quantizes differently on another machine
-    return {
-        **environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime"),
-        "int8_reduce_range": resolve_reduce_range(cfg.calibration.reduce_range),
-    }
-
-
-STAGE = Stage(
-    "precision",
-    run,
-    ("optimize", "train"),
-    PrecisionSettings,
-    PrecisionSummary,
-    (kiln.stages.precision, kiln.calibration, kiln.stages.accuracy),
-    _env,
-    "FP16 mixed precision and INT8 (Q/DQ) graphs",
-    data=("dataset", "calibration"),
-    report=report_section,
-)

@@ -6,78 +6,28 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from pydantic import Field
 from torch import nn
 
-import kiln.models
-import kiln.stages.train
 from kiln.core.data import DatasetSplits, call, check_forward_takes, rows, take, tensors
-from kiln.core.env import environment_subset
 from kiln.core.errors import ConfigError, ModelError, TrainingError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
-from kiln.core.signature import Signature
-from kiln.core.stage import Stage, StageContext, StageSettings, Summary
+from kiln.core.stage import StageContext
 from kiln.core.text import first_line, fmt
 from kiln.core.user_errors import running_user_code, user_code_error, user_frame, where
-from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import keep_trained, load_weights, read_state_dict, save_trained, torch_model_named
 from kiln.models.registry import build_model
 from kiln.stages.train.checkpoint import run_key
-from kiln.stages.train.config import TrainConfig
+from kiln.stages.train.declaration import TrainSettings, TrainSummary
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import evaluate_loss_acc, train
 from kiln.stages.train.metrics import TrainResult
 from kiln.stages.train.precision import resolve_device
-from kiln.stages.train.report import report_section
 from kiln.stages.train.task import Task, check_task, task_for
-
-
-@dataclass(frozen=True)
-class TrainSettings(StageSettings):
-    """What the train stage reads: the model and its data, the training settings and the signature (the
-    logits output the loss and accuracy use, the dynamic axes the data may vary in)."""
-
-    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output")}
-    seed: int
-    model: ModelConfig
-    data: DataConfig
-    train: TrainConfig
-    signature: Signature
-
-
-class TrainSummary(Summary):
-    """The training run (:meth:`kiln.stages.train.metrics.TrainResult.summary`), or why there was none
-    (``status: skipped``, ``source``: the checkpoint, the initial weights or the ONNX file taken instead)."""
-
-    precision: str | None = None
-    device: str | None = None
-    world_size: int | None = None
-    steps: int | None = None
-    epochs: list[dict[str, Any]] = Field(default_factory=list)
-    final_loss: float | None = None
-    val_accuracy: float | None = None
-    val_loss: float | None = None
-    selected_epoch: int | None = None
-    best_val_accuracy: float | None = None
-    best_epoch: int | None = None
-    skipped_steps: int = 0
-    nonfinite_steps: int = 0
-    samples_per_s: float | None = None
-    peak_memory_mb: float | None = None
-    resumed_from: str | None = None
-    checkpoint_dir: str | None = None
-    fp32_norm_layers: int = 0
-    compile: dict[str, Any] | None = None
-    update_graph: dict[str, Any] | None = None
-    files: list[str] = Field(default_factory=list)
-    source: str | None = None
 
 
 def build_seeded(config: TrainSettings) -> nn.Module:
@@ -224,21 +174,3 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     keep_trained(ctx.out, cfg.model, model)  # the export stage copies it rather than building it again
     ctx.log.info("training skipped (%s); val accuracy %s", cfg.model.checkpoint or "train.enabled: false", fmt(acc))
     return TrainSummary(status="skipped", val_accuracy=acc, source=source)
-
-
-def _env(cfg: TrainSettings) -> dict[str, Any]:
-    return environment_subset("torch", device=True)
-
-
-STAGE = Stage(
-    "train",
-    run,
-    (),
-    TrainSettings,
-    TrainSummary,
-    (kiln.stages.train, kiln.models),
-    _env,
-    "train the model (AMP, gradient accumulation) or load a checkpoint",
-    data=("dataset", "checkpoint"),
-    report=report_section,
-)

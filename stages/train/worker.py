@@ -14,9 +14,10 @@ from kiln.core.artifacts import write_json_atomic
 from kiln.core.errors import KilnError
 from kiln.pipeline.config import load_config
 from kiln.pipeline.runner import load_dataset, settings_for
+from kiln.stages.train.declaration import STAGE
 from kiln.stages.train.dist import end_worker, env_from_torchrun
 from kiln.stages.train.launch import ERROR, SUMMARY
-from kiln.stages.train.stage import STAGE, train_to
+from kiln.stages.train.stage import train_to
 
 
 def main(argv: list[str] | None = None) -> int:

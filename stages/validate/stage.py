@@ -17,11 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import kiln.models
-import kiln.models.model_io as model_io
-import kiln.stages.accuracy
-import kiln.stages.engines
-import kiln.stages.validate
 from kiln.core.compare import compare_arrays
 from kiln.core.data import (
     DatasetSplits,
@@ -33,7 +28,6 @@ from kiln.core.data import (
     from_feed,
     input_names,
 )
-from kiln.core.env import environment_subset
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
@@ -49,10 +43,8 @@ from kiln.core.records import (
     ValidationResult,
 )
 from kiln.core.shapes import Axes, graph_axes
-from kiln.core.signature import Signature
-from kiln.core.stage import Stage, StageContext, StageSettings
+from kiln.core.stage import StageContext
 from kiln.core.timing import Timer, interleave, ratio_interval, time_calls, warm_up
-from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (
     LATENCY_GATE,
@@ -68,13 +60,12 @@ from kiln.stages.accuracy.check import (
 )
 from kiln.stages.accuracy.metrics import Metric
 from kiln.stages.engines.backend import engine_dirs, read_metadata
-from kiln.stages.engines.registry import backend_libraries, backend_named, load_engine, preference_order, runnable
-from kiln.stages.precision import speed as precision_speed
+from kiln.stages.engines.registry import backend_named, load_engine, preference_order, runnable
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedups
 from kiln.stages.validate.config import ValidateConfig
+from kiln.stages.validate.declaration import ValidateSettings
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
-from kiln.stages.validate.report import report_section
 from kiln.stages.validate.roofline import peak_tflops, roofline
 
 log = logging.getLogger("kiln.validate")
@@ -438,20 +429,6 @@ def reference(
     return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes)
 
 
-@dataclass(frozen=True)
-class ValidateSettings(StageSettings):
-    """What validation reads: its section (timing, gates, baselines), the model and data the reference comes from,
-    the signature (batch sizes, shapes, logits output) and whether slower reduced precision is dropped."""
-
-    SOURCES = {"require_speedup": "precision.require_speedup"}
-    seed: int
-    model: ModelConfig
-    data: DataConfig
-    validate: ValidateConfig
-    signature: Signature
-    require_speedup: bool
-
-
 def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     cfg = ctx.config.validate
     torch.manual_seed(ctx.config.seed)
@@ -580,23 +557,3 @@ def _under_fp16(row: dict[str, Any]) -> bool:
 
 def _interval(ci: Any) -> str:
     return f"{ci[0]:.2f}-{ci[1]:.2f}x" if ci else "not measured"
-
-
-def _env(cfg: ValidateSettings) -> dict[str, Any]:
-    return environment_subset("torch", "onnxruntime", *backend_libraries(), device=True)
-
-
-# Engines run through kiln.stages.engines' runners, and the baseline is built from kiln.models: their code is part
-# of the result.
-STAGE = Stage(
-    "validate",
-    run,
-    ("train", "export", "build"),
-    ValidateSettings,
-    ValidationResult,
-    (kiln.stages.validate, kiln.stages.accuracy, kiln.stages.engines, kiln.models, model_io, precision_speed),
-    _env,
-    "accuracy and latency of every engine vs PyTorch, with gates",
-    data=("dataset", "onnx"),
-    report=report_section,
-)

@@ -41,7 +41,7 @@ def test_reduced_weights_fit_seven_bits(tmp_path: Path, setting: str, limit: int
 def test_the_precision_stage_cache_key_holds_the_resolved_setting(setting: str) -> None:
     """auto resolves per machine: a workdir quantized on a CPU with VNNI is not reused as it is on one without."""
     from kiln.pipeline.config import config_from_dict
-    from kiln.stages.precision.stage import STAGE
+    from kiln.stages.precision.declaration import STAGE
     from tests.conftest import tiny_config_dict
 
     cfg = config_from_dict(tiny_config_dict(**{"calibration.reduce_range": setting}))

@@ -4,6 +4,8 @@ setting that reruns only the stages after it, a damaged engine rebuilt, a failed
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,30 @@ def test_a_first_run_passes_and_a_rerun_is_cached(first_run: tuple[Path, Any, di
     assert "(≥ 0.9999)" in md and "(≥ 0.99)" in md  # each gate beside its value
     assert "`package/engines/onnxruntime-cpu-fp32/`" in md and "`package/triton/tiny_onnxruntime_cpu_fp32/`" in md
     assert f"ONNX Runtime CPU INT8 kernels: {int8_kernels()}" in md  # what the CPU INT8 latencies ran
+
+
+def test_a_cached_rerun_loads_no_torch_onnx_or_onnx_runtime(
+    first_run: tuple[Path, Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Deciding that every stage is cached (keys, summaries, the report) needs none of the libraries the stages run:
+    torch's import alone is most of such a run's time."""
+    workdir, _, _ = first_run
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(tiny_config_dict()))
+    loaded = tmp_path / "loaded.json"
+    code = (
+        "import atexit, json, sys\n"
+        f"atexit.register(lambda: open({str(loaded)!r}, 'w').write(json.dumps(sorted("
+        "{'torch', 'onnx', 'onnxruntime'} & set(sys.modules)))))\n"
+        "from kiln.cli import command\n"
+        "command()\n"
+    )
+    args = ["run", str(config), "--workdir", str(workdir), "--quiet"]
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((workdir / "report.json").read_text())
+    assert {s["status"] for s in report["stages"].values()} == {"cached"}
+    assert json.loads(loaded.read_text()) == []
 
 
 def test_a_build_setting_reruns_build_and_what_follows(first_run: tuple[Path, Any, dict[str, Any]]) -> None:

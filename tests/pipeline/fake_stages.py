@@ -4,10 +4,10 @@ declare it; a counter records which stages did work."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from dataclasses import dataclass
 
+from kiln.core.errors import BuildError
 from kiln.core.records import Summary
 from kiln.core.stage import Stage, StageContext, StageSettings
 from kiln.models.config import ModelConfig
@@ -77,13 +77,19 @@ def modelled(ctx: StageContext[ModelSettings]) -> ValueSummary:
     return ValueSummary(value=0)
 
 
-MODULE = sys.modules[__name__]
+def broken(ctx: StageContext) -> ValueSummary:
+    """A stage that fails half-way through writing its folder."""
+    (ctx.out / "half-written.bin").write_bytes(b"x")
+    raise BuildError("simulated failure")
+
+
+MODULE = __name__
 
 
 def fake_stages() -> list[Stage]:
     """first -> second -> third (gated)."""
     return [
-        Stage("first", first, (), FirstSettings, ValueSummary, (MODULE,), lambda s: {}),
-        Stage("second", second, ("first",), SecondSettings, ValueSummary, (MODULE,), lambda s: {}),
-        Stage("third", gated, ("second",), FirstSettings, GatedSummary, (MODULE,), lambda s: {}),
+        Stage("first", f"{MODULE}:first", (), FirstSettings, ValueSummary, (MODULE,), lambda s: {}),
+        Stage("second", f"{MODULE}:second", ("first",), SecondSettings, ValueSummary, (MODULE,), lambda s: {}),
+        Stage("third", f"{MODULE}:gated", ("second",), FirstSettings, GatedSummary, (MODULE,), lambda s: {}),
     ]

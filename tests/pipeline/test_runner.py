@@ -18,7 +18,7 @@ from kiln.pipeline.config import KilnConfig, config_from_dict
 from kiln.pipeline.runner import Runner, cache_key, gate_hint, settings_for, what_changed
 from kiln.pipeline.stage_list import STAGES, stage_named
 from tests.conftest import tiny_config_dict
-from tests.pipeline.fake_stages import RAN, GatedSummary, ModelSettings, ValueSummary, fake_stages, modelled
+from tests.pipeline.fake_stages import RAN, GatedSummary, ModelSettings, ValueSummary, fake_stages
 
 
 def run(workdir: Path, stages: list[Stage] | None = None, **config: Any) -> Any:
@@ -75,11 +75,8 @@ def test_force_start_and_stop(tmp_path: Path) -> None:
 
 
 def test_a_failed_stage_keeps_earlier_work_and_a_rerun_resumes_after_it(tmp_path: Path) -> None:
-    def broken(ctx: Any) -> ValueSummary:
-        (ctx.out / "half-written.bin").write_bytes(b"x")
-        raise BuildError("simulated failure")
-
-    stages = [dataclasses.replace(s, run=broken) if s.name == "second" else s for s in fake_stages()]
+    broken = "tests.pipeline.fake_stages:broken"
+    stages = [dataclasses.replace(s, entry=broken) if s.name == "second" else s for s in fake_stages()]
     result = run(tmp_path, stages)
     assert isinstance(result.error, BuildError)
     assert statuses(result) == {"first": "ran", "second": "failed", "third": "not-run"}
@@ -181,7 +178,10 @@ def test_editing_user_model_code_reruns_the_stages_that_declare_the_model(
     module = tmp_path / "src" / "my_models.py"
     module.write_text("def build():\n    return 4\n")
     monkeypatch.syspath_prepend(str(tmp_path / "src"))
-    stages = [*fake_stages(), Stage("model", modelled, (), ModelSettings, ValueSummary, (), lambda s: {})]
+    stages = [
+        *fake_stages(),
+        Stage("model", "tests.pipeline.fake_stages:modelled", (), ModelSettings, ValueSummary, (), lambda s: {}),
+    ]
     options = {"model.name": "my_models:build", "model.params": {}}
     run(tmp_path / "wd", stages, **options)
     module.write_text("def build():\n    return 6\n")
@@ -220,7 +220,16 @@ def test_a_stage_sees_the_settings_it_declares_and_nothing_else(stage: Stage) ->
 
 def test_a_stage_that_reads_the_dataset_must_declare_what_makes_it() -> None:
     with pytest.raises(TypeError, match="reads the dataset"):
-        Stage("x", modelled, (), ModelSettings, ValueSummary, (), lambda s: {}, data=("dataset",))
+        Stage(
+            "x",
+            "tests.pipeline.fake_stages:modelled",
+            (),
+            ModelSettings,
+            ValueSummary,
+            (),
+            lambda s: {},
+            data=("dataset",),
+        )
 
 
 def _keys(tmp_path: Path, **overrides: Any) -> dict[str, str]:
@@ -263,11 +272,8 @@ def test_the_build_key_follows_the_cpu_int8_kernels(tmp_path: Path, monkeypatch:
 
 def test_code_versions_cover_what_stages_run() -> None:
     # validate runs engines through kiln.stages.engines's runners; train builds models from the zoo.
-    import kiln.models
-    import kiln.stages.engines
-
-    assert kiln.stages.engines in stage_named("validate").code and kiln.models in stage_named("train").code
-    assert kiln.models in stage_named("export").code and kiln.models in stage_named("validate").code
+    assert "kiln.stages.engines" in stage_named("validate").code and "kiln.models" in stage_named("train").code
+    assert "kiln.models" in stage_named("export").code and "kiln.models" in stage_named("validate").code
 
 
 def test_the_gates_fix_line_fits_the_failure() -> None:

@@ -1,0 +1,97 @@
+"""The export stage as the pipeline sees it: what it reads, what it returns, the files it leaves for later stages
+and its cache key's environment. Torch-free and ONNX-free, so a run that finds the stage cached loads neither."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from kiln.core.env import environment_subset
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageSettings, Summary
+from kiln.models.config import DataConfig, ModelConfig
+from kiln.stages.export.config import ExportConfig
+
+
+@dataclass(frozen=True)
+class ExportSettings(StageSettings):
+    """What the export stage reads: the model (or the ONNX file that replaces it), its data for the example and
+    the parity check, the exporter's settings and the signature's dynamic axes."""
+
+    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes")}
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    export: ExportConfig
+    signature: Signature
+
+
+class ExportSummary(Summary):
+    """The exported (or taken) graph: its size and opset, its parity with PyTorch, the sizes the data gave each
+    dynamic axis and integer input; for ``model.onnx``, the file taken and its inputs and outputs."""
+
+    nodes: int
+    opset: int
+    parity: dict[str, Any] | None = None
+    dynamic_sizes: dict[str, dict[int, list[int]]] = Field(default_factory=dict)
+    int_ranges: dict[str, list[int]] = Field(default_factory=dict)
+    axis_steps: dict[str, list[int]] = Field(default_factory=dict)  # axis -> [step, offset]: the sizes it takes
+    # output -> {axis: name}: axes the export fixed although they follow a dynamic input axis, declared dynamic
+    output_axes: dict[str, dict[int, str]] = Field(default_factory=dict)
+    source: str | None = None
+    inputs: list[str] = Field(default_factory=list)
+    outputs: list[str] = Field(default_factory=list)
+    freed_batch: int | None = None  # the batch size the taken file fixed, made symbolic (checked: take_onnx)
+
+
+DYNAMIC_SIZES = "dynamic_sizes.json"
+
+
+INT_RANGES = "int_ranges.json"
+
+
+def read_int_ranges(export_dir: Path) -> dict[str, list[int]] | None:
+    """:data:`INT_RANGES` of an export folder (None without one: no integer inputs, or a model.onnx)."""
+    path = export_dir / INT_RANGES
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_dynamic_sizes(export_dir: Path) -> dict[str, dict[int, list[int]]] | None:
+    """:data:`DYNAMIC_SIZES` of an export folder (None without one: no axes besides batch, or a model.onnx)."""
+    path = export_dir / DYNAMIC_SIZES
+    if not path.is_file():
+        return None
+    stored = json.loads(path.read_text())
+    return {name: {int(axis): sizes for axis, sizes in dims.items()} for name, dims in stored.items()}
+
+
+AXIS_STEPS = "axis_steps.json"
+
+
+def read_axis_steps(export_dir: Path) -> dict[str, list[int]]:
+    """:data:`AXIS_STEPS` of an export folder ({} without one: every size between the validated ones runs)."""
+    path = export_dir / AXIS_STEPS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _env(cfg: ExportSettings) -> dict[str, Any]:
+    return environment_subset("torch", "onnx", "onnxruntime")
+
+
+# Export builds the model from kiln.models (the zoo Transformer has an export-only attention path) and loads it
+# through model_io.
+STAGE = Stage(
+    "export",
+    "kiln.stages.export.stage:run",
+    ("train",),
+    ExportSettings,
+    ExportSummary,
+    ("kiln.stages.export", "kiln.models", "kiln.models.model_io", "kiln.core.onnx_io"),
+    _env,
+    "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
+    data=("dataset", "onnx"),
+)

@@ -1,0 +1,80 @@
+"""The precision stage as the pipeline sees it: what it reads, what it returns, its report section and its cache
+key's environment. Torch-free and ONNX-free, so a run that finds the stage cached loads neither."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from kiln.calibration.config import CalibrationConfig
+from kiln.core.cpu_int8 import resolve_reduce_range
+from kiln.core.env import environment_subset
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageSettings, Summary
+from kiln.models.config import DataConfig, ModelConfig
+from kiln.stages.accuracy.config import CheckConfig
+from kiln.stages.precision.config import PrecisionConfig
+from kiln.stages.precision.report import report_section
+
+
+@dataclass(frozen=True)
+class PrecisionSettings(StageSettings):
+    """What the precision stage reads: its section and calibration's, the data it calibrates and checks
+    variants on (with the model and seed that make it), and the signature (logits output, dynamic axes)."""
+
+    SOURCES = {
+        "signature": (
+            "signature.dynamic_axes",
+            "signature.shapes",
+            "signature.logits_output",
+            "signature.batch_sizes",
+        ),
+        "graph_readers": "build.graph_readers",
+        # validation's gates, metric and held-out data: a variant is accepted by the check its engines will face
+        "validate": ("validate.gates", "validate.metric", "validate.metric_higher_is_better", "validate.max_samples"),
+    }
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    precision: PrecisionConfig
+    calibration: CalibrationConfig
+    signature: Signature
+    graph_readers: list[str]  # the configured backends that build from ONNX graphs: none, no graph is converted
+    validate: CheckConfig
+
+
+class PrecisionSummary(Summary):
+    """Per variant made, what it kept in FP32 (and the PyTorch modules those nodes came from) and how it compares
+    with FP32; the variants that failed and why; the per-node error plot and each variant's first divergence."""
+
+    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    failed: dict[str, str] = Field(default_factory=dict)
+    node_error_plot: str | None = None
+    first_divergence: dict[str, Any] | None = None
+    node_error_threshold: float | None = None
+    node_errors_skipped: str | None = None
+    calibration_cache: str | None = None
+
+
+def _env(cfg: PrecisionSettings) -> dict[str, Any]:
+    # reduce_range auto depends on the CPU: the same config quantizes differently on another machine
+    return {
+        **environment_subset("onnx", "onnx-graphsurgeon", "onnxruntime"),
+        "int8_reduce_range": resolve_reduce_range(cfg.calibration.reduce_range),
+    }
+
+
+STAGE = Stage(
+    "precision",
+    "kiln.stages.precision.stage:run",
+    ("optimize", "train"),
+    PrecisionSettings,
+    PrecisionSummary,
+    ("kiln.stages.precision", "kiln.calibration", "kiln.stages.accuracy"),
+    _env,
+    "FP16 mixed precision and INT8 (Q/DQ) graphs",
+    data=("dataset", "calibration"),
+    report=report_section,
+)

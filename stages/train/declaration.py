@@ -1,0 +1,75 @@
+"""The train stage as the pipeline sees it: what it reads, what it returns, its report section and its cache key's
+environment. Torch-free, so a run that finds the stage cached does not load torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import Field
+
+from kiln.core.env import environment_subset
+from kiln.core.signature import Signature
+from kiln.core.stage import Stage, StageSettings, Summary
+from kiln.models.config import DataConfig, ModelConfig
+from kiln.stages.train.config import TrainConfig
+from kiln.stages.train.report import report_section
+
+
+@dataclass(frozen=True)
+class TrainSettings(StageSettings):
+    """What the train stage reads: the model and its data, the training settings and the signature (the
+    logits output the loss and accuracy use, the dynamic axes the data may vary in)."""
+
+    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output")}
+    seed: int
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    signature: Signature
+
+
+class TrainSummary(Summary):
+    """The training run (:meth:`kiln.stages.train.metrics.TrainResult.summary`), or why there was none
+    (``status: skipped``, ``source``: the checkpoint, the initial weights or the ONNX file taken instead)."""
+
+    precision: str | None = None
+    device: str | None = None
+    world_size: int | None = None
+    steps: int | None = None
+    epochs: list[dict[str, Any]] = Field(default_factory=list)
+    final_loss: float | None = None
+    val_accuracy: float | None = None
+    val_loss: float | None = None
+    selected_epoch: int | None = None
+    best_val_accuracy: float | None = None
+    best_epoch: int | None = None
+    skipped_steps: int = 0
+    nonfinite_steps: int = 0
+    samples_per_s: float | None = None
+    peak_memory_mb: float | None = None
+    resumed_from: str | None = None
+    checkpoint_dir: str | None = None
+    fp32_norm_layers: int = 0
+    compile: dict[str, Any] | None = None
+    update_graph: dict[str, Any] | None = None
+    files: list[str] = Field(default_factory=list)
+    source: str | None = None
+
+
+def _env(cfg: TrainSettings) -> dict[str, Any]:
+    return environment_subset("torch", device=True)
+
+
+STAGE = Stage(
+    "train",
+    "kiln.stages.train.stage:run",
+    (),
+    TrainSettings,
+    TrainSummary,
+    ("kiln.stages.train", "kiln.models"),
+    _env,
+    "train the model (AMP, gradient accumulation) or load a checkpoint",
+    data=("dataset", "checkpoint"),
+    report=report_section,
+)
