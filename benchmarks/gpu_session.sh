@@ -3,7 +3,7 @@
 # /tmp/site:  PYTHONPATH=/tmp/site bash benchmarks/gpu_session.sh PHASE...   (results go to $OUT)
 # `python3 -P` and pytest's append import mode keep the checkout's own kiln/ folder (the package root without its
 # subpackages, which live beside it) from shadowing the installed wheel.
-# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), engine, choice (issue 12), coordesc, replay,
+# Phases: check (environment, GPU-marked tests, the demo pipeline on CUDA), cached, engine, choice (issue 12), coordesc, replay,
 # convprobe, gemmalgo, train, train-compile, train-phases, precision, serve, bytecode, tte.
 set -uo pipefail
 OUT=${OUT:-/tmp/kiln-gpu-out}
@@ -20,6 +20,16 @@ for phase in "$@"; do
         --set 'signature.batch_sizes=[1,32]'; echo "kiln run rc=$?"
       cp /tmp/kiln-gpu/report.md "$OUT/gpu_demo_report.md"; cp /tmp/kiln-gpu/report.json "$OUT/gpu_demo_report.json"
       grep -A12 "## Validation" /tmp/kiln-gpu/report.md ;;
+    # a run whose stages are all cached loads no torch (kiln.core.env keeps the GPU's facts): the demo on CUDA, then
+    # three reruns timed, and the facts kept
+    cached)
+      python3 -P -m kiln.cli run -w /tmp/kiln-gpu-cached --quiet > /dev/null; echo "first kiln run rc=$?"
+      TIMEFORMAT='cached rerun %R s'
+      for i in 1 2 3; do time python3 -P -m kiln.cli run -w /tmp/kiln-gpu-cached --quiet > /dev/null; done
+      python3 -P -X importtime -m kiln.cli run -w /tmp/kiln-gpu-cached --quiet 2>&1 >/dev/null \
+        | grep -E '\| (torch|onnx|onnxruntime)$' || echo "cached rerun imported no torch, onnx or onnxruntime"
+      cp /tmp/kiln-gpu-cached/cache/device-facts.json "$OUT/"; cat "$OUT/device-facts.json"
+      python3 -c "import json; r = json.load(open('/tmp/kiln-gpu-cached/report.json')); print({n: s['status'] for n, s in r['stages'].items()})" ;;
     engine) python3 benchmarks/engine_bench.py --out "$OUT" ${ENGINE_ARGS:-} ;;
     # the host's image ships torch without bytecode and sets PYTHONDONTWRITEBYTECODE=1, so every process compiles
     # what it imports (benchmarks/README.md, Time to an engine): compile it once, as a pip install does

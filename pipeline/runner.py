@@ -143,13 +143,21 @@ def foreign_files(stage_dir: Path, manifest: dict[str, Any]) -> list[str]:
 
 
 def refuse_foreign(stage: str, stage_dir: Path, manifest: dict[str, Any] | None) -> None:
-    """Stop before a rerun of ``stage`` would delete files a user put in its folder."""
-    # a manifest that lists no output knows nothing of the folder (damaged, or another tool's): no verdict
-    found = foreign_files(stage_dir, manifest) if manifest and manifest["outputs"] and stage_dir.is_dir() else []
+    """Stop before a run of ``stage`` would delete files a user put in its folder: files its manifest does not
+    list, or any file in a folder with no manifest at all (the stage never finished there: Kiln writes a stage's
+    folder whole, its manifest inside, so whatever is in such a folder is someone else's)."""
+    if not stage_dir.is_dir():
+        return
+    if manifest is None and not (stage_dir / MANIFEST).exists():
+        found = foreign_files(stage_dir, {"outputs": {}})
+    elif manifest and manifest["outputs"]:
+        found = foreign_files(stage_dir, manifest)
+    else:  # a damaged manifest, or one that lists no output, knows nothing of the folder: no verdict
+        found = []
     if found:
         more = f" and {len(found) - 1} more" if len(found) > 1 else ""
         raise KilnError(
-            f"{stage_dir / found[0]}{more} is not a file Kiln wrote, and rerunning stage '{stage}' replaces "
+            f"{stage_dir / found[0]}{more} is not a file Kiln wrote, and running stage '{stage}' replaces "
             f"{stage_dir} whole",
             hint=f"move your files out of {stage_dir} (keep them beside the stage folders, in the workdir), then "
             "run again",
@@ -217,15 +225,28 @@ def cache_key(
     return hash_json(parts), parts
 
 
+# Config keys that may name the user's own code by import path (``package.module:function``), each with the name
+# its errors give it
+USER_CODE_KEYS = {
+    "model.name": "model",
+    "data.name": "data",
+    "calibration.reader": "calibration",
+    "train.loss": "train.loss",
+    "validate.metric": "validate.metric",
+}
+
+
 def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
-    """Source hashes of the user's own model/data/calibration-reader code named by import path, for the stages
-    whose config names them: editing that code must invalidate the cache just as editing Kiln's does."""
-    refs = {"model": config.model.name, "data": config.data.name, "calibration": config.calibration.reader}
-    heads = {s.split(".")[0] for s in sections}
+    """Source hashes of the user's own code named by import path (:data:`USER_CODE_KEYS`: the model, the data, a
+    calibration reader, a loss, a metric), for the stages whose settings cover the key that names it: editing that
+    code must invalidate the cache just as editing Kiln's does."""
     out = {}
-    for section, ref in refs.items():
-        if section in heads and ref and ":" in ref:
-            resolve_callable(ref, {}, section)  # imports it, or a clean ConfigError naming the problem
+    for key, label in USER_CODE_KEYS.items():
+        if not any(key == s or key.startswith(s + ".") for s in sections):
+            continue
+        ref = config_at(config, key)
+        if isinstance(ref, str) and ":" in ref:
+            resolve_callable(ref, {}, label)  # imports it, or a clean ConfigError naming the problem
             version = code_version(sys.modules[ref.partition(":")[0]])
             if version:
                 out[ref] = version

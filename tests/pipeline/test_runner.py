@@ -125,6 +125,21 @@ def test_a_rerun_never_deletes_a_file_a_user_put_in_a_stage_folder(tmp_path: Pat
     assert "move your files out of" in (result.error.hint or "") and mine.read_text() == "name: 'mine'"
 
 
+def test_a_first_run_never_deletes_a_file_in_a_stage_folder_it_has_not_written(tmp_path: Path) -> None:
+    """A folder named like a stage that no run finished (no manifest) holds someone else's files: the stage stops,
+    naming one, and the file stays; an empty folder, or one with Kiln's leftovers only, is simply replaced."""
+    (tmp_path / "second").mkdir(parents=True)
+    (tmp_path / "second" / ".value.txt.tmp-999999-0123abcd.tmp").write_bytes(b"")
+    assert statuses(run(tmp_path)) == {"first": "ran", "second": "ran", "third": "ran"}
+    mine = tmp_path / "fresh" / "third" / "my_ensemble" / "config.pbtxt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("name: 'mine'")
+    result = run(tmp_path / "fresh")
+    assert statuses(result) == {"first": "ran", "second": "ran", "third": "failed"}
+    assert "third/my_ensemble/config.pbtxt is not a file Kiln wrote" in str(result.error)
+    assert mine.read_text() == "name: 'mine'"
+
+
 @pytest.mark.parametrize("damage", ["garbage", "wrong-kind", "folder", "empty-outputs", "other-summary"])
 def test_a_damaged_manifest_means_the_stage_is_redone(tmp_path: Path, damage: str) -> None:
     run(tmp_path)
@@ -258,6 +273,32 @@ def _keys(tmp_path: Path, **overrides: Any) -> dict[str, str]:
 def test_the_real_stages_keys_cover_what_each_reads(tmp_path: Path, override: dict, stages: set[str]) -> None:
     before, after = _keys(tmp_path), _keys(tmp_path, **override)
     assert {name for name in before if before[name] != after[name]} == stages
+
+
+@pytest.mark.parametrize(
+    "key, function, stages",
+    [
+        ("train.loss", "def loss(outputs, targets):\n    return outputs.sum() * {}\n", {"train"}),
+        # the metric judges variants in precision as it judges engines in validate
+        ("validate.metric", "def metric(outputs, targets):\n    return float({})\n", {"precision", "validate"}),
+    ],
+)
+def test_editing_a_users_loss_or_metric_reruns_the_stages_that_use_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, function: str, stages: set[str]
+) -> None:
+    import importlib
+    import sys
+
+    name = f"my_{key.replace('.', '_')}"
+    module = tmp_path / f"{name}.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    keys = []
+    for version in (1, 2):
+        module.write_text(function.format(version))
+        sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+        keys.append(_keys(tmp_path, **{key: f"{name}:{function.split()[1].split('(')[0]}"}))
+    assert {stage for stage in keys[0] if keys[0][stage] != keys[1][stage]} == stages
 
 
 def test_the_build_key_follows_the_cpu_int8_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
