@@ -239,18 +239,33 @@ USER_CODE_KEYS = {
 def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
     """Source hashes of the user's own code named by import path (:data:`USER_CODE_KEYS`: the model, the data, a
     calibration reader, a loss, a metric), for the stages whose settings cover the key that names it: editing that
-    code must invalidate the cache just as editing Kiln's does."""
+    code must invalidate the cache just as editing Kiln's does. A stage that runs imports that code itself, and
+    a mistake in it is that stage's error."""
     out = {}
     for key, label in USER_CODE_KEYS.items():
         if not any(key == s or key.startswith(s + ".") for s in sections):
             continue
         ref = config_at(config, key)
         if isinstance(ref, str) and ":" in ref:
-            resolve_callable(ref, {}, label)  # imports it, or a clean ConfigError naming the problem
-            version = code_version(sys.modules[ref.partition(":")[0]])
+            version = _source_version(ref, label)
             if version:
                 out[ref] = version
     return out
+
+
+def _source_version(ref: str, label: str) -> str | None:
+    """:func:`code_version` of the module ``ref`` names, found without running it (a cached stage loads none of the
+    user's code, nor the libraries it imports); where it cannot be found so, it is imported, which names the
+    problem (a clean ConfigError) or finds it after all (a module made on import)."""
+    module = ref.partition(":")[0]
+    try:
+        version = code_version(module)
+    except Exception:  # a parent package that fails to import: the import below says how
+        version = None
+    if version is None:
+        resolve_callable(ref, {}, label)
+        version = code_version(sys.modules[module])
+    return version
 
 
 def what_changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

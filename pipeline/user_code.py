@@ -16,23 +16,34 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.metadata
+import importlib.util
 import site
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
 from kiln.core.artifacts import hash_file, hash_json
 
 
-def code_version(module: ModuleType) -> str | None:
-    """A hash standing for ``module``'s code; None when it has no source file (built-in or frozen)."""
-    origin = getattr(module, "__file__", None)
-    top = sys.modules.get(module.__name__.partition(".")[0], module)
-    roots = _roots(top)
+def code_version(module: ModuleType | str) -> str | None:
+    """A hash standing for a module's code (given imported, or by name: then found without running it, only its
+    parent packages); None when it has no source file (built-in or frozen)."""
+    if isinstance(module, str):
+        spec = importlib.util.find_spec(module)
+        top = importlib.util.find_spec(module.partition(".")[0])
+        if spec is None or top is None:
+            return None
+        name, origin = module, spec.origin if spec.has_location else None
+        roots = _roots(top.submodule_search_locations, top.origin if top.has_location else None)
+    else:
+        name, origin = module.__name__, getattr(module, "__file__", None)
+        top = sys.modules.get(name.partition(".")[0], module)
+        roots = _roots(getattr(top, "__path__", None), getattr(top, "__file__", None))
     if not origin or not roots:
         return None
     if all(_installed(r) for r in roots):
-        return hash_json({"installed": list(_distribution_records(top.__name__))})
+        return hash_json({"installed": list(_distribution_records(name.partition(".")[0]))})
     roots = [r for r in roots if not _installed(r)]  # a namespace package partly installed: scan the local part
     files = local_sources(Path(origin).absolute(), roots)
     return hash_json({_label(p, roots): hash_file(p) for p in files})
@@ -100,13 +111,12 @@ def _package_inits(path: Path, roots: list[Path]) -> list[Path]:
     return out
 
 
-def _roots(top: ModuleType) -> list[Path]:
-    """The folders holding ``top``'s code, as explained in the module docstring."""
-    paths = getattr(top, "__path__", None)  # a package, namespace packages included (no __file__)
+def _roots(paths: Iterable[str] | None, origin: str | None) -> list[Path]:
+    """The folders holding a top-level module's code (a package's ``__path__``, namespace packages included, or a
+    module's file), as explained in the module docstring."""
     if paths is not None:
         dirs = [Path(p).absolute() for p in paths]
         return list(dict.fromkeys(d if _installed(d) else d.parent for d in dirs))
-    origin = getattr(top, "__file__", None)
     if not origin:
         return []
     file = Path(origin).absolute()
