@@ -7,7 +7,6 @@ depends on. Outputs go to ``<workdir>/<stage>/`` through a staging folder rename
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -36,10 +35,10 @@ from kiln.core.threads import cpu_threads_for_load
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
+from kiln.pipeline.manifests import MANIFEST, read_manifest
 from kiln.pipeline.user_code import code_version
 from kiln.stages.engines.registry import backend_libraries
 
-MANIFEST = "manifest.json"
 log = logging.getLogger("kiln")
 
 
@@ -75,25 +74,6 @@ def gate_hint(failures: list[str], status: str) -> str:
         )
     cached = " (latency from an earlier run: `--force validate` measures again)" if status == "cached" else ""
     return f"see report.md; relax validate.gates only if the numbers are acceptable{cached}"
-
-
-def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
-    """The stage's manifest, or None when it is missing, unreadable or not the shape Kiln writes (a damaged
-    manifest means the stage is redone, never trusted)."""
-    try:
-        m = json.loads((stage_dir / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    ok = (
-        isinstance(m, dict)
-        and isinstance(m.get("key"), str)
-        and isinstance(m.get("outputs"), dict)
-        and isinstance(m.get("sizes", {}), dict)
-        and isinstance(m.get("key_parts", {}), dict)
-        and isinstance(m.get("summary", {}), dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in m["outputs"].items())
-    )
-    return m if ok else None
 
 
 def outputs_intact(stage_dir: Path, manifest: dict[str, Any], verified: dict[Path, str] | None = None) -> bool:

@@ -58,6 +58,7 @@ from kiln.core.errors import (
 )
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line
+from kiln.pipeline.manifests import changed_inputs
 from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
@@ -146,6 +147,13 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
             hint="pass the --workdir of a `kiln run`, or a folder holding kiln-engine.json",
         )
     packaged = sorted(p.parent for p in (path / "package" / "engines").glob(f"*/{SIDECAR}"))
+    if packaged and (changed := changed_inputs(path, "package")):
+        raise GateFailure(
+            f"{path / 'package'} holds the engines of an earlier run: {' and '.join(changed)} changed since they "
+            "were packaged (the last run failed, or stopped, before its package stage)",
+            hint="see report.md and `kiln run` again until it passes; to serve the earlier engines anyway, pass "
+            f"one's folder: kiln serve {packaged[0]}",
+        )
     if packaged:
         return [ServedEngine(model_name(d.name), d, read_metadata(d)) for d in packaged]
     built = sorted(p.parent for p in (path / "build").glob(f"*/{SIDECAR}"))

@@ -4,6 +4,7 @@ setting that reruns only the stages after it, a damaged engine rebuilt, a failed
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,24 @@ def test_a_failed_gate_fails_the_run_with_its_values(tmp_path: Path) -> None:
     assert not result.ok and "max_latency" not in str(result.error)
     assert "p50 latency" in str(result.error) and report["validation"]["passed"] is False
     assert statuses(result)["package"] == "not-run"
+
+
+def test_a_package_kept_from_an_earlier_run_is_not_served_as_this_ones(
+    first_run: tuple[Path, Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A later run whose gates fail keeps the earlier package (nothing built is lost), but `kiln serve` on the
+    workdir refuses it, naming what changed since it was packaged, rather than serving another model's engines."""
+    from kiln.core.errors import GateFailure
+    from kiln.serve.server import find_engines
+
+    workdir = tmp_path / "run"
+    shutil.copytree(first_run[0], workdir)
+    assert find_engines(workdir)  # the passed run's package serves
+    cfg = config_from_dict(tiny_config_dict(**{"seed": 7, "validate.gates.max_latency_p50_ms": 1e-9}))
+    result, _ = run_pipeline(cfg, workdir)
+    assert not result.ok and statuses(result)["package"] == "not-run"
+    with pytest.raises(GateFailure, match="holds the engines of an earlier run: .*changed since") as refused:
+        find_engines(workdir)
+    assert "kiln serve " in (refused.value.hint or "")
+    one = sorted((workdir / "package" / "engines").iterdir())[0]
+    assert find_engines(one)  # asked for by its folder, the earlier engine is served
