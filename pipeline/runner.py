@@ -7,6 +7,7 @@ depends on. Outputs go to ``<workdir>/<stage>/`` through a staging folder rename
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -202,7 +203,8 @@ def cache_key(
     data = {name: memo[name] for name in stage.data if memo[name] is not None}
     if data:
         parts["user_data"] = data
-    return hash_json(parts), parts
+    # as the manifest keeps them (JSON: an axis 1 becomes "1"), so that what_changed compares like with like
+    return hash_json(parts), json.loads(json.dumps(parts, default=str))
 
 
 # Config keys that may name the user's own code by import path (``package.module:function``), each with the name

@@ -206,6 +206,17 @@ def test_editing_user_model_code_reruns_the_stages_that_declare_the_model(
     assert statuses(result) == {"first": "cached", "second": "cached", "third": "cached", "model": "ran"}
 
 
+def test_a_rerun_names_only_what_changed_with_integer_keys_in_the_config(tmp_path: Path) -> None:
+    """Dynamic axes are keyed by integers, which the manifest keeps as JSON strings: not a change."""
+    axes = {"signature.dynamic_axes": {"input": {1: "seq"}}}
+    cfg = config_from_dict(tiny_config_dict(**axes))
+    cfg2 = config_from_dict(tiny_config_dict(**axes, **{"train.epochs": 5}))
+    _, old = cache_key(stage_named("train"), cfg, tmp_path)
+    _, new = cache_key(stage_named("train"), cfg2, tmp_path)
+    stored = json.loads(json.dumps(old))  # as read back from the manifest
+    assert what_changed(stored, new) == ["config.train"]
+
+
 def test_a_rerun_says_what_changed() -> None:
     old = {"code": "a", "config": {"train": 1, "data": 2}, "user_data": {"dataset": "x"}}
     new = {"code": "a", "config": {"train": 1, "data": 3}, "user_data": {"dataset": "y"}, "user_code": {"m:f": "z"}}
