@@ -115,7 +115,9 @@ class EngineMetadata(Record):
     # integer input -> [smallest, largest] value it may hold: the rows of the table it indexes (an embedding's
     # vocabulary; kiln.core.onnx_io.index_ranges)
     index_ranges: dict[str, list[int]] = Field(default_factory=dict)
-    build_seconds: float = 0.0
+    # how long the build took: in the build's summary, not written to kiln-engine.json, so that an identical rebuild
+    # writes identical files and what follows it (validate, package) stays cached
+    build_seconds: float = Field(0.0, exclude=True)
     # outputs whose rows are not the samples (validation found them; the package stage records them): a batch of
     # requests could not be split back, so servers run each request alone
     unbatched_outputs: list[str] = Field(default_factory=list)

@@ -248,8 +248,9 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                     (ctx.log.info if audit else ctx.log.warning)("skipping %s: %s", name, exc.message)
                     skipped.append(f"{name}: {exc.message} (fix: {exc.hint})")
                     continue
-                fields = {"name", "backend", "device", "precision", "build_seconds", "size_bytes"}
-                engines.append(EngineEntry.model_validate(meta.model_dump(include=fields)))
+                fields = {"name", "backend", "device", "precision", "size_bytes"}
+                entry = {**meta.model_dump(include=fields), "build_seconds": meta.build_seconds}
+                engines.append(EngineEntry.model_validate(entry))
     if not engines:  # failed here, where the reasons are known, not later as "nothing could be validated"
         raise BuildError(
             f"no engine was built: {'; '.join(skipped) or 'no backend plans one for these precisions'}",

@@ -122,3 +122,17 @@ def test_a_package_kept_from_an_earlier_run_is_not_served_as_this_ones(
     assert "kiln serve " in (refused.value.hint or "")
     one = sorted((workdir / "package" / "engines").iterdir())[0]
     assert find_engines(one)  # asked for by its folder, the earlier engine is served
+
+
+def test_an_identical_rebuild_keeps_validation_and_the_package(
+    first_run: tuple[Path, Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    """An engine's files say what it is, not how long it took to build (that is in the build summary): a forced
+    rebuild that comes out the same leaves validate and package cached."""
+    workdir = tmp_path / "run"
+    shutil.copytree(first_run[0], workdir)
+    cfg = config_from_dict(tiny_config_dict())
+    assert run_pipeline(cfg, workdir)[0].ok  # as this config built it (an earlier test may have changed build)
+    result, _ = run_pipeline(cfg, workdir, force={"build"})
+    assert statuses(result)["build"] == "ran" and result.records[4].summary.engines[0].build_seconds > 0
+    assert statuses(result)["validate"] == "cached" and statuses(result)["package"] == "cached"
