@@ -50,6 +50,7 @@ class Task:
         if self.user_loss is not None:
             return self.user_loss(out, y)
         if self.kind == "classification":
+            y = y.long()  # class indices of any integer dtype (int32 from numpy, uint8): cross-entropy takes int64
             if labels.per_position(y):
                 return labels.dense_cross_entropy(self.target(out).float(), y)
             return nn.functional.cross_entropy(self.target(out).float(), y)

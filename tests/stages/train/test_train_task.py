@@ -34,6 +34,17 @@ def test_cross_entropy_on_the_named_output_of_a_dict_input_model() -> None:
     assert result.history[-1].val_accuracy is not None and result.history[-1].loss < result.history[0].loss
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_class_labels_of_any_integer_dtype_train_with_cross_entropy(dtype: torch.dtype) -> None:
+    """int32 labels come from numpy and pandas; cross-entropy itself takes int64 only."""
+    logits, y = torch.randn(4, 3), torch.tensor([0, 2, 1, 2])
+    expected = torch.nn.functional.cross_entropy(logits, y)
+    assert torch.equal(Task("classification").loss(logits, y.to(dtype)), expected)
+    dense = torch.tensor([[0, 2, -100], [1, 1, 2]])
+    per_position = Task("classification").loss(torch.randn(2, 3, 3), dense.to(torch.int32))
+    assert per_position.isfinite()
+
+
 def test_task_mismatches_are_clear_errors() -> None:
     out, y = torch.zeros(2, 3), torch.zeros(2, 1)
     with pytest.raises(ModelError, match="mean squared error needs the same shape"):
