@@ -23,6 +23,8 @@ from kiln.core.onnx_io import infer_shapes, light_model, load_onnx
 # ONNX's compute ops and ONNX Runtime's fused forms of them (com.microsoft; their FLOPs count where shapes are known)
 COMPUTE = {"MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul", "FusedConv", "FusedGemm", "NhwcConv"}
 COMPUTE |= {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
+RECURRENT = {"LSTM", "GRU", "RNN"}  # W [directions, gates x hidden, input], R [directions, gates x hidden, hidden]
+COMPUTE |= RECURRENT
 INTEGER = {"MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv", "DynamicQuantizeMatMul", "QGemm"}
 INTEGER |= {"MatMulIntegerToFloat", "QAttention", "QOrderedMatMul", "MatMulNBits"}
 WEIGHT_INPUT = {"QLinearMatMul": 3, "QLinearConv": 3, "QGemm": 3}  # where the second operand sits
@@ -116,6 +118,8 @@ def _precision(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types:
 
 def _flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
     """Multiply-adds x 2 of one compute node, from its inferred shapes; None where a shape is unknown."""
+    if node.op_type in RECURRENT:
+        return _recurrent_flops(node, shapes)
     a = shapes.get(node.input[0]) if node.input else None
     w = shapes.get(node.input[WEIGHT_INPUT.get(node.op_type, 1)]) if len(node.input) > 1 else None
     y = shapes.get(node.output[0])
@@ -132,6 +136,16 @@ def _flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
         trans_a = next((at.i for at in node.attribute if at.name == "transA"), 0)
         return 2 * prod(y) * (a[0] if trans_a else a[-1])
     return 2 * prod(y) * a[-1]  # MatMul and its integer forms: [..., M, K] x [..., K, N]
+
+
+def _recurrent_flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
+    """An LSTM, GRU or RNN: every step multiplies the input by W and the hidden state by R, for each direction."""
+    x, w, r = (shapes.get(node.input[i]) for i in range(3))
+    if x is None or w is None or r is None or len(x) != 3:
+        return None
+    batch_first = next((at.i for at in node.attribute if at.name == "layout"), 0) == 1
+    steps, batch = (x[1], x[0]) if batch_first else (x[0], x[1])
+    return 2 * steps * batch * (prod(w) + prod(r))
 
 
 def _transposed(model: onnx.ModelProto) -> set[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.stages.precision.audit import audit_graph, label_problem
@@ -64,3 +65,26 @@ def test_a_label_the_graph_contradicts_is_named() -> None:
     assert "labelled fp32" in label_problem({"share": {"int8": 0.9, "fp32": 0.1}, "method": "x"}, "fp32")
     assert label_problem({"share": {"int8": 0.9, "fp32": 0.1}}, "int8") is None
     assert label_problem(fp32, "fp32") is None
+
+
+@pytest.mark.parametrize("op, gates, layout", [("GRU", 3, 0), ("LSTM", 4, 1), ("RNN", 1, 0)])
+def test_recurrent_layers_count_their_flops(op: str, gates: int, layout: int) -> None:
+    """An RNN's FLOPs are its W and R products at every step, in both directions: an engine whose linear layers
+    run in INT8 beside an FP32 GRU is mostly FP32, not "int8 100 %". Inputs come batch first; time-major layers
+    (layout 0) get them transposed, as torch's exporter writes them."""
+    hidden, inputs, dirs = 5, 3, 2
+    nodes = [] if layout else [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2])]
+    attrs = {"hidden_size": hidden, "direction": "bidirectional", "layout": layout}
+    nodes.append(helper.make_node(op, ["xt" if nodes else "x", "w", "r"], ["", "h"], **attrs))
+    g = helper.make_graph(
+        nodes,
+        "rnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", inputs])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, None)],
+        [
+            numpy_helper.from_array(np.ones((dirs, gates * hidden, inputs), np.float32), "w"),
+            numpy_helper.from_array(np.ones((dirs, gates * hidden, hidden), np.float32), "r"),
+        ],
+    )
+    audit = audit_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), {"seq": 7})
+    assert audit.flops["fp32"] == 2 * 7 * dirs * gates * hidden * (inputs + hidden) and audit.uncounted == 0
