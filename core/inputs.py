@@ -105,5 +105,6 @@ def _size(dim: int | str, axis: int, batch: int, dynamic: int | AxisSizes | None
     if isinstance(dynamic, Mapping):
         dynamic = dynamic.get(spec.name, {}).get(axis)
     if dynamic is None:
-        raise ConfigError(f"input '{spec.name}' has dynamic axes {spec.shape} besides the batch axis", hint=hint)
+        problem = f"input '{spec.name}' has dynamic axes besides the batch axis (shape {spec.shape})"
+        raise ConfigError(problem, hint=hint)
     return dynamic

@@ -350,7 +350,10 @@ SET = (
 )
 QUIET = (
     ("--quiet", "-q"),
-    {"is_flag": True, "help": "only warnings and errors: no progress, no summary (validate still prints its JSON)"},
+    {
+        "is_flag": True,
+        "help": "only warnings and errors: no progress, no summary (`kiln validate ENGINE` still prints its JSON)",
+    },
 )
 VERBOSE = (
     ("--verbose", "-v"),
@@ -491,11 +494,7 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
     if not quiet:
         _print_summary(result, report, Path(workdir))
-    if result.error is not None:
-        failed = next((r.name for r in result.records if r.status == "failed"), None)
-        done_before = any(r.status in ("ran", "cached", "skipped") for r in result.records)  # else nothing to keep
-        if failed and done_before:
-            console.print(f"stages before '{failed}' are kept; after fixing, `kiln run` resumes from '{failed}'.")
+    if result.error is not None:  # one error/fix pair; the stages before it are kept (docs/stages.md)
         raise result.error
 
 

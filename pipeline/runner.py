@@ -345,9 +345,10 @@ class Runner:
             or not outputs_intact(self.workdir / up, read_manifest(self.workdir / up) or {}, self._verified)
         ]
         if missing:
+            ran = any((self.workdir / up).exists() for up in missing)
+            state = "which is missing or damaged (files deleted or changed since it ran)" if ran else "not yet made"
             raise KilnError(
-                f"stage '{stage.name}' needs the output of {missing}, which is missing or damaged "
-                f"(files deleted or changed since it ran)",
+                f"stage '{stage.name}' needs the output of {missing}, {state}",
                 hint=f"run `kiln run --from {missing[0]}`",
             )
         old = read_manifest(final)

@@ -633,7 +633,8 @@ def test_direct_precision_then_build_and_validate(exported, tmp_path: Path) -> N
 def test_direct_precision_without_data_says_random_and_needs_sizes(exported, tmp_path: Path, caplog) -> None:
     onnx_path, _ = exported
     r = CliRunner().invoke(main, ["precision", str(onnx_path), "-o", str(tmp_path / "o"), "--variants", "int8"])
-    assert r.exit_code == 2 and "error: input 'input_ids' has dynamic axes" in r.output and "--calibration" in r.output
+    assert r.exit_code == 2 and "error: input 'input_ids' has dynamic axes besides" in r.output
+    assert "--calibration" in r.output
     r = CliRunner().invoke(
         main,
         [

@@ -72,7 +72,9 @@ def test_unknown_stage_name(cli: CliRunner, tmp_path: Path) -> None:
 
 def test_stage_without_upstream_says_what_to_run(cli: CliRunner, tmp_path: Path) -> None:
     result = cli.invoke(main, ["build", "-w", str(tmp_path / "empty")])
-    assert_clean_error(result, 2, "needs the output of ['train', 'export', 'precision']", "kiln run --from train")
+    assert_clean_error(
+        result, 2, "needs the output of ['train', 'export', 'precision'], not yet made", "kiln run --from train"
+    )
 
 
 def test_corrupt_onnx(cli: CliRunner, tmp_path: Path) -> None:
