@@ -213,7 +213,12 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
 
 class ModelShapeError(InputFileError):
     def __init__(self, message: str) -> None:
-        super().__init__(message, hint="check model.name/model.params match the checkpoint's architecture")
+        super().__init__(
+            message,
+            hint="check model.name/model.params match the checkpoint's architecture; a factory that reads its "
+            "architecture from a file: name the file in model.params (a change to it then retrains), or "
+            "`kiln run --force train`",
+        )
 
 
 def save_trained(out: Path, model: nn.Module, config: ModelConfig, extra: dict[str, Any] | None = None) -> None:

@@ -60,6 +60,39 @@ def checkpoint_fingerprint(config: KilnConfig) -> str | None:
     return hash_file(path)
 
 
+LARGE_FILE = 256 * 2**20  # above this, a file named in model.params is known by its size and mtime, not hashed
+
+
+def model_files_fingerprint(config: KilnConfig) -> str | None:
+    """Hash of the files and folders ``model.params`` names (a ``config.json``, a ``from_pretrained`` folder):
+    the factory builds the model from them, so editing one must retrain as editing its code does. A value counts
+    when it is a path that exists, relative to where Kiln runs (as the factory opens it); the working folder
+    itself and the folders above it do not (``"."`` is not a file of the model)."""
+    found = {}
+    for value in _strings(config.model.params):
+        path = Path(value)
+        if not value or not path.exists() or Path.cwd().resolve().is_relative_to(path.resolve()):
+            continue
+        files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+        found[value] = {f.relative_to(path).as_posix() if f != path else "": _file_stamp(f) for f in files}
+    return hash_json(found) if found else None
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _file_stamp(path: Path) -> str:
+    st = path.stat()
+    return hash_file(path) if st.st_size <= LARGE_FILE else f"{st.st_size}:{st.st_mtime_ns}"
+
+
 def onnx_fingerprint(config: KilnConfig) -> str | None:
     """Hash of the ``model.onnx`` file a run starts from and of the external-data files beside it, if any: the
     dynamo exporter keeps the weights in ``model.onnx.data``, which can change while the graph stays."""
@@ -88,6 +121,7 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
 FINGERPRINTS: dict[str, Callable[[KilnConfig], str | None]] = {
     "dataset": dataset_fingerprint,
     "checkpoint": checkpoint_fingerprint,
+    "model_files": model_files_fingerprint,
     "onnx": onnx_fingerprint,
     "calibration": calibration_fingerprint,
 }

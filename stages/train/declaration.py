@@ -70,6 +70,6 @@ STAGE = Stage(
     ("kiln.stages.train", "kiln.models"),
     _env,
     "train the model (AMP, gradient accumulation) or load a checkpoint",
-    data=("dataset", "checkpoint"),
+    data=("dataset", "checkpoint", "model_files"),
     report=report_section,
 )

@@ -12,6 +12,7 @@ import pytest
 from kiln.pipeline.api import run_pipeline
 from kiln.pipeline.config import config_from_dict
 from kiln.pipeline.fingerprints import calibration_fingerprint, dataset_fingerprint
+from kiln.pipeline.stage_list import stage_named
 from tests.conftest import tiny_config_dict
 
 USER_CODE = """
@@ -191,3 +192,25 @@ def test_new_external_weights_beside_the_same_onnx_graph_change_its_fingerprint(
     data = tmp_path / "m.onnx.data"
     data.write_bytes(np.full((4, 3), 2.0, np.float32).tobytes())
     assert path.read_bytes() == graph_bytes and onnx_fingerprint(cfg) != before
+
+
+def test_files_named_in_model_params_are_in_trains_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A factory building from a config.json or a from_pretrained folder named in model.params: editing a file
+    there retrains. A parameter that is no path, or the working folder itself, counts for nothing."""
+    from kiln.pipeline.fingerprints import model_files_fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"hidden": 8}')
+    (tmp_path / "arch.json").write_text('{"width": 8}')
+
+    def stamp(**params: object) -> str | None:
+        return model_files_fingerprint(config_from_dict(tiny_config_dict(**{"model.params": params})))
+
+    assert stamp(act="relu", width=8, root=".", parent="..") is None
+    before = (stamp(spec="arch.json"), stamp(layers=[{"pretrained": "bert"}]))
+    (tmp_path / "arch.json").write_text('{"width": 32}')
+    (tmp_path / "bert" / "config.json").write_text('{"hidden": 16}')
+    after = (stamp(spec="arch.json"), stamp(layers=[{"pretrained": "bert"}]))
+    assert None not in before and before[0] != after[0] and before[1] != after[1]
+    assert "model_files" in stage_named("train").data
