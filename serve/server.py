@@ -114,11 +114,17 @@ def _as_validated(meta: EngineMetadata, workdir: Path) -> EngineMetadata:
     return meta.model_copy(update={"unbatched_outputs": result.batch_coupled})
 
 
-def _refuse(name: str, verdict: Any) -> None:
-    if verdict is not True:
-        state = "failed validation" if verdict is False else "was not validated on a machine that can run it"
+def _refuse(verdicts: dict[str, Any]) -> None:
+    """Refuse engines (name -> validation's verdict) unless every one passed, saying which failed and which no
+    validation ran (built for a device the validating machine does not have)."""
+    failed = [name for name, passed in verdicts.items() if passed is False]
+    unrun = [name for name, passed in verdicts.items() if passed is not True and passed is not False]
+    states = [f"{', '.join(failed)} failed validation"] if failed else []
+    if unrun:
+        states.append(f"{', '.join(unrun)} not validated on a machine that can run {'them' if unrun[1:] else 'it'}")
+    if states:
         raise GateFailure(
-            f"engine {name} {state}: Kiln serves only engines proven against PyTorch",
+            f"engine {'; '.join(states)}: Kiln serves only engines proven against PyTorch",
             hint="fix the engine and `kiln run` again (see report.md), or serve another engine",
         )
 
@@ -131,7 +137,7 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         meta = read_metadata(path)
         verdicts = _validation_verdicts(path.parent.parent) if path.parent.name == "build" else None
         if verdicts is not None:
-            _refuse(meta.name, verdicts.get(meta.name))
+            _refuse({meta.name: verdicts.get(meta.name)})
             meta = _as_validated(meta, path.parent.parent)
         elif not (path.parent.parent / PACKAGE_INDEX).is_file():  # not a package's: no validation has seen it
             log.warning(
@@ -169,7 +175,7 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         if verdicts.get(meta.name) is True:
             served.append(ServedEngine(model_name(meta.name), d, _as_validated(meta, path)))
     if not served:
-        _refuse(", ".join(d.name for d in built), False)
+        _refuse({d.name: verdicts.get(read_metadata(d).name) for d in built})
     return served
 
 

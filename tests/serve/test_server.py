@@ -615,6 +615,11 @@ def test_an_engine_that_failed_validation_is_refused(workdir: Path, tmp_path: Pa
         find_engines(copy / "build" / ENGINE)
     result = CliRunner().invoke(main, ["serve", str(copy / "build" / ENGINE)])
     assert result.exit_code == 3 and "error:" in result.output and "fix:" in result.output
+    for e in validation["engines"]:  # built for a device the validating machine lacks: never run, not failed
+        e["passed"] = None
+    path.write_text(json.dumps(validation))
+    with pytest.raises(GateFailure, match=f"engine {ENGINE} not validated on a machine that can run it"):
+        find_engines(copy)
 
 
 def test_an_engine_no_validation_has_seen_is_served_with_a_warning(
