@@ -84,6 +84,10 @@ def interleave(
     return out
 
 
+# a median's 95 % interval wider than this share of it: the machine was too busy for the timing to mean much
+BUSY_SPREAD = 0.25
+
+
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
     """A distribution-free interval for the median of ``values``: the order statistics whose binomial coverage is at
     least ``confidence`` (the outermost pair, [min, max], when there are too few values for it)."""

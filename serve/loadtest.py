@@ -48,6 +48,7 @@ from kiln.core.data import feed_for_graph, take
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.records import TensorSpec
+from kiln.core.timing import BUSY_SPREAD, median_interval
 from kiln.models.config import ModelConfig
 from kiln.models.model_io import dataset_for, on_random_inputs
 from kiln.pipeline.config import KilnConfig
@@ -884,10 +885,11 @@ def _ray_ready(address: str, model: str) -> dict[str, int]:
 
 def inprocess_ms(
     runner: Any, pool: list[dict], batch: int, budget_s: float = 2.0, buckets: list[int] | None = None
-) -> float:
-    """The engine's own latency (ms, median) at ``batch`` rows of the pool, timed in this process: the figure a
-    served request is compared with. Up to 50 calls after one untimed one, within ``budget_s``; ``buckets``: padded
-    to the next of them, as the server runs a shape-specialised engine (:func:`padded_infer`)."""
+) -> dict[str, Any]:
+    """The engine's own latency at ``batch`` rows of the pool, timed in this process: the figure a served request is
+    compared with. Up to 50 calls after one untimed one, within ``budget_s``; ``buckets``: padded to the next of
+    them, as the server runs a shape-specialised engine (:func:`padded_infer`). Its median (``latency_ms``), the
+    median's 95 % interval, and whether that is too wide to compare with (``noisy``: a busy machine)."""
     rows = [pool[i % len(pool)] for i in range(batch)]
     feed = {k: np.concatenate([r[k] for r in rows]) for k in pool[0]}
     times: list[float] = []
@@ -897,7 +899,14 @@ def inprocess_ms(
         t0 = time.perf_counter()
         padded_infer(runner, feed, buckets)
         times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
+    ms, (lo, hi) = float(np.median(times)), median_interval(times)
+    return {
+        "batch": batch,
+        "latency_ms": ms,
+        "interval_ms": [lo, hi],
+        "noisy": hi - lo > BUSY_SPREAD * ms,
+        "throughput_rps": batch / ms * 1e3,
+    }
 
 
 def with_inprocess(levels: list[dict[str, Any]], runner: Any, pool: list[dict], limit: int) -> None:
@@ -908,15 +917,22 @@ def with_inprocess(levels: list[dict[str, Any]], runner: Any, pool: list[dict], 
     buckets = buckets_for(runner, limit)
     for lv in levels:
         batch = max(1, min(lv["concurrency"], limit)) if limit else 1
-        ms = inprocess_ms(runner, pool, batch, buckets=buckets)
-        rps = batch / ms * 1e3
-        lv["inprocess"] = {"batch": batch, "latency_ms": ms, "throughput_rps": rps}
-        lv["served_vs_inprocess"] = lv["throughput_rps"] / rps if rps else None
+        own = lv["inprocess"] = inprocess_ms(runner, pool, batch, buckets=buckets)
+        if own["noisy"]:
+            lo, hi = own["interval_ms"]
+            log.warning(
+                "concurrency %d: the engine's in-process time at batch %d varied %.3f-%.3f ms (a busy machine): "
+                "its served / in-process ratio means little",
+                lv["concurrency"],
+                batch,
+                lo,
+                hi,
+            )
+        lv["served_vs_inprocess"] = lv["throughput_rps"] / own["throughput_rps"]
         split = lv.get("server_split_ms")
         if split and split.get("mean_batch"):
             formed = max(1, min(round(split["mean_batch"]), limit or 1))
-            ms = ms if formed == batch else inprocess_ms(runner, pool, formed, buckets=buckets)
-            lv["inprocess_formed"] = {"batch": formed, "latency_ms": ms, "throughput_rps": formed / ms * 1e3}
+            lv["inprocess_formed"] = own if formed == batch else inprocess_ms(runner, pool, formed, buckets=buckets)
             lv["served_vs_formed"] = lv["throughput_rps"] / lv["inprocess_formed"]["throughput_rps"]
 
 
@@ -1059,7 +1075,13 @@ def render_markdown(result: dict[str, Any]) -> str:
         "the level's concurrency (capped by the server's batch limit), the most a server can batch from that "
         "many single-sample requests; served / in-process compares their throughputs. Slow in worst tenth: the "
         f"share of the requests slower than p99 sent in the tenth of the level's {TAIL_WINDOW_S:g} s windows that "
-        "hold most of them (about 0.1: a tail spread over the run; near 1: stalls).",
+        "hold most of them (about 0.1: a tail spread over the run; near 1: stalls)."
+        + (
+            " Noisy: the in-process time's 95 % interval was wider than a quarter of its median (a busy machine), "
+            "so that ratio is no measurement of serving."
+            if any((lv.get("inprocess") or {}).get("noisy") for lv in result["levels"])
+            else ""
+        ),
     ]
     if result.get("mean_batch"):
         lines += [
@@ -1137,8 +1159,9 @@ def _row(lv: dict[str, Any]) -> str:
     lat, own = lv["latency_ms"], lv.get("inprocess")
     ratio = lv.get("served_vs_inprocess")
     tail = f"{lv['tail_windows']['share_in_worst_10pct']:.2f}" if lv.get("tail_windows") else "-"
+    noisy = " (noisy)" if own and own.get("noisy") else ""
     inproc = (
-        f"{own['latency_ms']:.3f} ({own['batch']}) | {own['throughput_rps']:.0f} | {ratio:.0%}"
+        f"{own['latency_ms']:.3f} ({own['batch']}) | {own['throughput_rps']:.0f} | {ratio:.0%}{noisy}"
         if own and ratio is not None
         else "- | - | -"
     )

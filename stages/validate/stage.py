@@ -44,7 +44,7 @@ from kiln.core.records import (
 )
 from kiln.core.shapes import Axes, graph_axes
 from kiln.core.stage import StageContext
-from kiln.core.timing import Timer, interleave, ratio_interval, time_calls, warm_up
+from kiln.core.timing import BUSY_SPREAD, Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (
     LATENCY_GATE,
@@ -196,9 +196,6 @@ def add_roofline(checked: list[Checked], cache_dir: Path | None) -> dict[str, di
         c.entry.precision_share = c.meta.audit.get("share") or {}
         c.entry.roofline = roofline(c.entry, flops, peaks[c.entry.device])
     return peaks
-
-
-BUSY_SPREAD = 0.25  # the median contender's 95 % interval wider than this share of its p50: too busy to time
 
 
 def time_interleaved(

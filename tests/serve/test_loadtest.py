@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -329,3 +330,26 @@ def test_the_workdir_of_an_engine_folder(tmp_path: Path) -> None:
     assert run_workdir(wd) == wd
     assert run_workdir(wd / "build" / "onnxruntime-cpu-fp32") == wd
     assert run_workdir(wd / "package" / "engines" / "onnxruntime-cpu-fp32") == wd
+
+
+def test_an_in_process_time_that_varies_is_called_noisy_beside_its_ratio() -> None:
+    """A busy machine's in-process figure (calls of 1 and 8 ms in turn) is no reference for serving: the level's
+    row says so beside the ratio, and the note under the table says why."""
+    from kiln.serve.loadtest import inprocess_ms, render_markdown
+
+    class Alternating:
+        calls = 0
+
+        def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            self.calls += 1
+            time.sleep(0.001 if self.calls % 2 else 0.008)
+            return {"y": feed["x"]}
+
+    own = inprocess_ms(Alternating(), [{"x": np.zeros((1, 2), np.float32)}], batch=2, budget_s=0.2)
+    assert own["noisy"] and own["interval_ms"][1] - own["interval_ms"][0] > 3 and own["batch"] == 2
+    latency = {"p50": 1.0, "p90": 1.0, "p99": 1.0}
+    level = {"concurrency": 2, "requests": 9, "throughput_rps": 50.0, "latency_ms": latency, "mismatches": 0}
+    level |= {"errors": 0, "inprocess": own, "served_vs_inprocess": 0.5}
+    result = {"model": "m", "engine": "e", "precision": "fp32", "url": "u", "inputs": "real", "duration_s": 1}
+    md = render_markdown(result | {"max_requests": 9, "levels": [level]})
+    assert "50% (noisy)" in md and "Noisy: the in-process time" in md
