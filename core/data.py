@@ -108,6 +108,22 @@ def input_names(model: Any, x: Inputs) -> list[str]:
     return [params[i] if i < len(params) else f"input_{i}" for i in range(len(x))]
 
 
+def check_axes_name_inputs(model: Any, x: Inputs, dynamic_axes: Mapping[str, Any] | None) -> None:
+    """``signature.dynamic_axes`` keyed by the model's input names (:func:`input_names`), or one error saying
+    which keys are not: checked before training as well as at export, so a typo costs no training run."""
+    names = input_names(model, x)
+    unknown = sorted(set(dynamic_axes or {}) - set(names))
+    if unknown:
+        single = isinstance(x, torch.Tensor)  # one tensor of data is the input "input", whatever forward calls it
+        raise ConfigError(
+            f"signature.dynamic_axes names {unknown}, which are not model inputs {names}",
+            hint=f"key signature.dynamic_axes by the model's input names (data of one tensor is the input "
+            f"'{names[0]}'; data as a dict {{name: tensor}} names it)"
+            if single
+            else "key signature.dynamic_axes by the model's input names",
+        )
+
+
 def by_keyword(model: Any, names: list[str]) -> bool:
     """Whether a model whose ONNX inputs are ``names`` (:func:`input_names`) is called with them as keywords: a
     dict's keys always are (``model(**x)``), and a tuple's names are the forward's own parameters, so the call is

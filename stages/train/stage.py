@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kiln.core.data import DatasetSplits, call, check_forward_takes, rows, take, tensors
+from kiln.core.data import DatasetSplits, call, check_axes_name_inputs, check_forward_takes, rows, take, tensors
 from kiln.core.errors import ConfigError, ModelError, TrainingError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
@@ -58,6 +58,7 @@ def train_to(
         )
     task = task_for(data, config.train.loss, config.signature.logits_output)
     check_model_fits_data(model, data, config.model.name, task)
+    check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     with process_group(env, config.train.distributed, device):
         result = train(
             model,

@@ -39,6 +39,17 @@ def test_stage_writes_weights_plot_and_per_epoch_metrics(tmp_path: Path) -> None
     assert Path(s["checkpoint_dir"], "last.pt").is_file()
 
 
+def test_a_dynamic_axis_of_an_input_the_model_lacks_fails_before_training(tmp_path: Path, monkeypatch) -> None:
+    """A typo in signature.dynamic_axes is found before any epoch, not by the export after training."""
+    import kiln.stages.train.stage as train_stage
+
+    monkeypatch.setattr(train_stage, "train", lambda *a, **k: pytest.fail("training started"))
+    cfg = config_from_dict(tiny_config_dict(**{"signature.dynamic_axes": {"inpt": {2: "h"}}}))
+    result = Runner(cfg, tmp_path, STAGES).run(stop="train")
+    assert "signature.dynamic_axes names ['inpt'], which are not model inputs ['input']" in str(result.error)
+    assert [r.status for r in result.records] == ["failed"]
+
+
 def test_same_seed_same_weights(tmp_path: Path) -> None:
     same = {"train.deterministic": True, "train.precision": "fp32", "train.epochs": 1}
     _, a = _run(tmp_path / "a", **same)
