@@ -137,10 +137,23 @@ class EngineMetadata(Record):
         return self.batch_range[1] if self.batch_range else None
 
     def refusal(self, feed: dict[str, Any]) -> str | None:
-        """Why a server refuses this request (one array per input): its shapes lie outside the sizes the engine was
-        validated for (:meth:`outside_range`), or an input holds an index past the table it indexes
-        (:meth:`outside_values`); None when the engine takes it."""
-        return self.outside_range({k: v.shape for k, v in feed.items()}) or self.outside_values(feed)
+        """Why a server refuses this request (one array per input): an input is empty (:meth:`empty_input`), its
+        shapes lie outside the sizes the engine was validated for (:meth:`outside_range`), or an input holds an
+        index past the table it indexes (:meth:`outside_values`); None when the engine takes it."""
+        shapes = {k: v.shape for k, v in feed.items()}
+        return self.empty_input(shapes) or self.outside_range(shapes) or self.outside_values(feed)
+
+    def empty_input(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """Why inputs of these shapes are empty (a sentence naming the input: 0 rows, or 0 on another axis, a
+        sequence of length 0), or None. Refused before any backend sees them: ONNX Runtime's LSTM and GRU kernels
+        abort the process on a batch of 0 (an upstream bug), taking a server's stub or replica with it. An axis
+        the engine was validated at 0 for (its :attr:`axis_ranges` start at 0: a decoder's empty past) takes 0."""
+        for spec in self.inputs:
+            for axis, (dim, size) in enumerate(zip(spec.shape, shapes.get(spec.name, ()))):
+                if size == 0 and self.axis_ranges.get(str(dim), [1])[0] > 0:
+                    where = "has 0 rows" if axis == 0 else f"axis {axis} ({dim}) is 0"
+                    return f"input '{spec.name}' {where}: engine {self.name} takes no empty inputs"
+        return None
 
     def outside_range(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
         """Why inputs of these shapes lie outside the sizes the engine was validated for (a sentence naming the

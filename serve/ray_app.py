@@ -6,7 +6,8 @@ The deployment speaks the KServe v2 inference protocol in JSON, as Triton's HTTP
 [...]}``, and ``GET /v2/models/<model>/ready`` says whether the replica can answer; ``tritonclient.http`` (JSON
 tensors) and ``kiln loadtest ray://...`` talk to it. Requests are checked against the engine's metadata before
 they are queued (names, dtypes, shapes, the batch limit): a bad request is a 400 naming the problem, and never
-reaches the batch of others. Requests are batched with ``@serve.batch`` up to ``max_batch_size`` rows; a batch the
+reaches the batch of others. Requests are batched with ``@serve.batch`` up to ``max_batch_size`` rows; an unbatched
+engine's (Triton's ``max_batch_size: 0``: clients send whole batches) run whole, one engine call each. A batch the
 engine raises on runs again a request at a time, so that a request it refuses (a token id past the vocabulary)
 fails alone, answered 400 while the engine still answers others. A replica whose engine failed (it no longer
 answers the last request it answered) fails its health check, logged with the reason; Ray then replaces it, which
@@ -27,7 +28,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from kiln.core.records import EngineMetadata
+from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.package.triton import TRITON_TYPES, served_max_batch
@@ -51,20 +52,30 @@ def parse_request(body: Any, meta: EngineMetadata, max_rows: int) -> dict[str, n
     if sorted(map(str, given)) != sorted(want):
         raise BadRequest(f"inputs {sorted(map(str, given))} given; the model takes {want}")
     feed = {s.name: _tensor(given[s.name], s.name, s.dtype) for s in meta.inputs}
+    for spec in meta.inputs:  # before the ranges, which name axes by position: a wrong rank is said as such
+        wrong = _misshapen(spec, feed[spec.name].shape)
+        if wrong is not None:
+            raise BadRequest(wrong)
     outside = meta.refusal(feed)
     if outside is not None:
         raise BadRequest(outside)
-    for spec in meta.inputs:
-        fixed = [(i, d) for i, d in enumerate(spec.shape) if isinstance(d, int) and d > 0 and i > 0]
-        shape = feed[spec.name].shape
-        if len(shape) != len(spec.shape) or any(shape[i] != d for i, d in fixed):
-            raise BadRequest(f"input '{spec.name}' has shape {list(shape)}; the model takes {spec.shape}")
     rows = {len(v) for v in feed.values()}
     if len(rows) > 1:
         raise BadRequest(f"inputs have different batch sizes {sorted(rows)}")
     if max_rows and rows.pop() > max_rows:
         raise BadRequest(f"a batch of {len(feed[want[0]])} rows is over this server's limit of {max_rows}")
     return feed
+
+
+def _misshapen(spec: TensorSpec, shape: tuple[int, ...]) -> str | None:
+    """Why an array of ``shape`` is not what ``spec`` takes: its rank, or a fixed size past the batch axis; None
+    when it fits."""
+    dims = "[" + ", ".join(map(str, spec.shape)) + "]"
+    if len(shape) != len(spec.shape):
+        return f"input '{spec.name}' has {len(shape)} axes {list(shape)}; the model takes {len(spec.shape)}: {dims}"
+    if any(isinstance(d, int) and d > 0 and i > 0 and shape[i] != d for i, d in enumerate(spec.shape)):
+        return f"input '{spec.name}' has shape {list(shape)}; the model takes {dims}"
+    return None
 
 
 def _tensor(t: dict[str, Any], name: str, dtype: str) -> np.ndarray:
@@ -91,7 +102,8 @@ def v2_outputs(model: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
 
 @serve.deployment(health_check_period_s=5, health_check_timeout_s=30)
 class KilnEngine:
-    """One replica: the engine opened with ``load_engine`` (its files checked), requests batched."""
+    """One replica: the engine opened with ``load_engine`` (its files checked), requests batched (an unbatched
+    engine's run whole, one engine call each)."""
 
     def __init__(self, engine_dir: str, model_name: str, max_batch_size: int, batch_wait_timeout_s: float) -> None:
         self.meta = read_metadata(Path(engine_dir))
@@ -124,7 +136,9 @@ class KilnEngine:
             return JSONResponse({"error": "the body is not JSON"}, 400)
         if self.failure is not None:
             return JSONResponse({"error": f"this replica's engine failed: {self.failure}"}, 503)
-        outputs = await self.infer_batch(feed)
+        # An unbatched engine's request is a whole batch, run alone as Triton runs it: @serve.batch, whose size
+        # counts rows, would hold it to one row.
+        outputs = await self.infer_batch(feed) if self.max_rows else self._attempt(feed)
         if isinstance(outputs, Exception):
             return self._failed(outputs)
         self.answered = feed  # a request the engine answers: what tells a refused request from a failed engine

@@ -279,8 +279,8 @@ class Runner:
 
 
 def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
-    """Every input the engine declares, as a numpy array of its dtype, rank and fixed sizes; nothing else. One
-    :class:`InputError` naming the first input that differs, before any backend sees it."""
+    """Every input the engine declares, as a numpy array of its dtype, rank and fixed sizes, none empty; nothing
+    else. One :class:`InputError` naming the first input that differs, before any backend sees it."""
     missing, extra = sorted(set(meta.input_names()) - set(feed)), sorted(set(feed) - set(meta.input_names()))
     if missing or extra:
         problem = f"needs inputs {sorted(meta.input_names())}, got {sorted(feed)}"
@@ -301,7 +301,11 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
                 f"{spec.dtype}[{dims}]",
                 hint=f"pass '{spec.name}' as {spec.dtype} with that shape (named axes take any size)",
             )
-    mismatch = meta.tied_mismatch({k: v.shape for k, v in feed.items()})
+    shapes = {k: v.shape for k, v in feed.items()}
+    empty = meta.empty_input(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
+    if empty is not None:
+        raise InputError(empty, hint="pass one row or more, and no axis of size 0")
+    mismatch = meta.tied_mismatch(shapes)
     if mismatch is not None:
         raise InputError(mismatch, hint="pass every input at one size on the axes they share (the batch, a sequence)")
     outside = meta.outside_values(feed)

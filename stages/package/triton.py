@@ -270,8 +270,8 @@ class TritonPythonModel:
     def execute(self, requests):
         start, start_ns = time.perf_counter(), time.monotonic_ns()
         feeds = [{n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.inputs} for r in requests]
-        # a request outside the sizes the engine was validated for (or holding an index past its table) is answered
-        # with an error naming them
+        # a request outside the sizes the engine was validated for (or empty: 0 rows abort ONNX Runtime's LSTM/GRU
+        # kernels and this stub; or holding an index past its table) is answered with an error naming them
         refused = [self.runner.meta.refusal(f) for f in feeds]
         todo = [i for i, why in enumerate(refused) if why is None]
         refused = [(why, True) for why in refused]  # (message, the request's own fault: an HTTP 400)

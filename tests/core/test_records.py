@@ -102,13 +102,26 @@ def test_inputs_that_differ_on_a_shared_axis_are_named() -> None:
     )
 
 
+def test_an_empty_input_is_refused_naming_it_unless_validated_at_0() -> None:
+    # ONNX Runtime's LSTM/GRU kernels abort the process on 0 rows: every server refuses such a request first
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64")]
+    assert meta.refusal({"ids": np.zeros((1, 4), np.int64)}) is None
+    assert meta.refusal({"ids": np.zeros((0, 4), np.int64)}) == "input 'ids' has 0 rows: engine e takes no empty inputs"
+    no_range = "input 'ids' axis 1 (seq) is 0: engine e takes no empty inputs"
+    assert meta.refusal({"ids": np.zeros((2, 0), np.int64)}) == no_range  # no range recorded: refused still
+    meta.axis_ranges = {"seq": [0, 16]}  # validated at 0 (a decoder's empty past): taken
+    assert meta.refusal({"ids": np.zeros((2, 0), np.int64)}) is None
+    assert meta.refusal({"ids": np.zeros((0, 0), np.int64)}).startswith("input 'ids' has 0 rows")
+
+
 def test_an_index_past_the_table_is_named_and_the_table_s_own_rows_pass() -> None:
     meta = _meta()
     meta.inputs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64")]
     assert meta.refusal({"ids": np.array([[-1, 5]])}) is None  # no range recorded: nothing to hold it to
     meta.index_ranges = {"ids": [0, 9]}
     assert meta.refusal({"ids": np.array([[0, 9]])}) is None
-    assert meta.refusal({"ids": np.zeros((0, 4), np.int64)}) is None
+    assert meta.outside_values({"ids": np.zeros((0, 4), np.int64)}) is None
     assert meta.refusal({"ids": np.array([[3, -1]])}) == (
         "input 'ids' holds -1: engine e takes values from 0 to 9 (the rows of the table it indexes)"
     )

@@ -14,6 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import torch
 
+from kiln.core.records import EngineMetadata
 from kiln.models.registry import build_model
 from kiln.stages.export.stage import export_onnx
 
@@ -120,3 +121,8 @@ def zoo_graph(name: str, precision: str, folder: Path) -> Path:
     if not out.exists():
         fp16_graph(fp32, out) if precision == "fp16" else int8_graph(fp32, out, name)
     return out
+
+
+def written(meta: EngineMetadata) -> EngineMetadata:
+    """``meta`` as kiln-engine.json keeps it: without the build's seconds, which the build summary holds."""
+    return meta.model_copy(update={"build_seconds": 0.0})

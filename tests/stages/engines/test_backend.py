@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from kiln.core.errors import InputError
 from kiln.core.records import EngineMetadata
 from kiln.stages.engines.backend import check_feed
+from kiln.stages.engines.registry import load_engine
+from tests.stages.engines.lstm_engine import lstm_engine
 
 META = EngineMetadata(
     name="e",
@@ -54,3 +58,31 @@ def test_a_feed_the_engine_does_not_take_is_one_error_naming_the_input(change: d
 def test_a_missing_input_is_named() -> None:
     with pytest.raises(InputError, match=r"needs inputs \['input_ids', 'pixels'\], got \['pixels'\]"):
         check_feed(META, {"pixels": GOOD["pixels"]})
+
+
+@pytest.mark.parametrize(
+    "feed, needle",
+    [
+        (
+            {"input_ids": np.zeros((0, 5), np.int64), "pixels": np.zeros((0, 3, 8, 8), np.float32)},
+            "input 'input_ids' has 0 rows: engine e takes no empty inputs",
+        ),
+        ({**GOOD, "input_ids": np.zeros((2, 0), np.int64)}, "input 'input_ids' axis 1 (seq) is 0"),
+    ],
+)
+def test_an_empty_input_is_one_error_naming_it(feed: dict, needle: str) -> None:
+    with pytest.raises(InputError) as err:
+        check_feed(META, feed)
+    assert err.value.message.startswith(needle) and err.value.hint
+
+
+def test_an_lstm_engine_refuses_an_empty_batch_instead_of_aborting_the_process(tmp_path: Path) -> None:
+    # ONNX Runtime's LSTM kernel aborts the process (C++ terminate) on 0 rows: without the check this test dies
+    engine, _ = lstm_engine(tmp_path)
+    with load_engine(engine) as runner:
+        assert runner.infer({"input": np.ones((3, 4, 2), np.float32)})["forecast"].shape == (3,)
+        with pytest.raises(InputError, match=r"^input 'input' has 0 rows") as err:
+            runner.infer({"input": np.ones((0, 4, 2), np.float32)})
+        with pytest.raises(InputError, match=r"^input 'input' axis 1 \(time\) is 0"):
+            runner.infer({"input": np.ones((3, 0, 2), np.float32)})
+    assert "one row or more" in err.value.hint
