@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import linecache
 import logging
 import re
+import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
@@ -26,6 +29,7 @@ from kiln.core.data import (
     Inputs,
     as_feed,
     call,
+    check_axes_name_inputs,
     feed_for_graph,
     forward_inputs,
     from_feed,
@@ -54,7 +58,7 @@ from kiln.core.outputs import FlatModel, named_outputs
 from kiln.core.records import TensorSpec
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import StageContext
-from kiln.core.text import first_line, root_cause
+from kiln.core.text import first_line, root_cause, short_reason
 from kiln.core.user_errors import is_user_file, user_frame, where
 from kiln.models.model_io import (
     dataset_for,
@@ -91,17 +95,8 @@ def export_onnx(
     or the forward's parameters, output names from :func:`kiln.core.outputs.flatten_outputs`. ``dynamic_axes``:
     axes besides the batch axis that vary, named (one name ties axes of several inputs together)."""
     model = model.eval()
+    check_axes_name_inputs(model, example, dynamic_axes)
     names = input_names(model, example)
-    unknown = sorted(set(dynamic_axes or {}) - set(names))
-    if unknown:
-        single = isinstance(example, torch.Tensor)  # one tensor of data is the input "input", whatever forward calls it
-        raise ConfigError(
-            f"signature.dynamic_axes names {unknown}, which are not model inputs {names}",
-            hint=f"key signature.dynamic_axes by the model's input names (data of one tensor is the input "
-            f"'{names[0]}'; data as a dict {{name: tensor}} names it)"
-            if single
-            else "key signature.dynamic_axes by the model's input names",
-        )
     with torch.no_grad():
         outputs = list(named_outputs(model, example))
     errors = []
@@ -266,10 +261,16 @@ def _export(
         kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {
             o: {0: "batch"} for o in outputs if any(0 in a for a in axes.values())
         }
-    # The exporter prints progress chatter and warns about optional torchvision ops, and torch.export prints the
-    # graph it failed on to stderr (twice) and logs the symbol it could not place: keep the user's console clean,
-    # the failure's own message says why (what was said goes to the debug log, which --verbose shows).
-    quiet = [logging.getLogger(n) for n in ("torch.onnx", "torch.fx.experimental.symbolic_shapes")]
+    with _quiet_torch():
+        torch.onnx.export(model, args, str(path), **kw)
+
+
+@contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """The exporter prints progress chatter and warns about optional torchvision ops, and torch.export prints the
+    graph it failed on to stderr (twice) and logs the symbol it could not place: keep the user's console clean,
+    the failure's own message says why (what was said goes to the debug log, which --verbose shows)."""
+    quiet = [logging.getLogger(n) for n in ("torch.onnx", SHAPES_LOG)]
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.ERROR)
@@ -277,12 +278,15 @@ def _export(
     try:
         with warnings.catch_warnings(), redirect_stdout(said), redirect_stderr(said), _no_torchscript_log():
             warnings.simplefilter("ignore")
-            torch.onnx.export(model, args, str(path), **kw)
+            yield
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
         if said.getvalue().strip():  # what the exporter, or the model's own prints, said meanwhile: --verbose
             log.debug("while exporting:\n%s", said.getvalue())
+
+
+SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
 
 
 @contextmanager
@@ -321,13 +325,18 @@ def parity(
     got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
-            raise ModelError(
+            raise ShapeMismatch(
                 f"exported model's output '{name}' has shape {g.shape}{' at ' + at if at else ''}, PyTorch's {r.shape}",
                 hint=FIXED_SIZE_HINT if at else "check the model's outputs for sizes computed outside torch",
             )
         _refuse_non_finite(name, r, g, at)
     errs = {name: max_abs_err(r, g) for (name, r), g in zip(ref.items(), got)}
     return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
+
+
+class ShapeMismatch(ModelError):
+    """An output of the exported graph has another shape than PyTorch's: at a size other than the traced one, the
+    sign of a size the export fixed (:func:`batch_parity` tells it from other parity errors)."""
 
 
 def _torch_outputs(model: nn.Module, x: Inputs) -> dict[str, np.ndarray]:
@@ -356,6 +365,99 @@ FIXED_SIZE_HINT = (
     "keep sizes in forward as tensor shapes (x.shape[1]), not Python ints (int(x.shape[1]), a length kept from "
     "__init__), or remove that axis from signature.dynamic_axes if the model takes one size"
 )
+
+
+def batch_parity(
+    model: nn.Module, path: Path, example: Inputs, x: Inputs, atol: float, session: Any = None
+) -> dict[str, Any]:
+    """:func:`parity` on ``x``, whose batch differs from ``example``'s, the rows the graph was traced with. A graph
+    that fails at ``x`` (ONNX Runtime refuses it, an output of another shape, an error over ``atol``) but computes
+    ``example`` within ``atol`` holds the traced batch (Swin's ``B = int(windows.shape[0] / n)``): a ModelError
+    says so, and where, instead of an ONNX Runtime traceback or advice to raise the tolerance. Otherwise the check
+    at ``x``, held to ``atol`` by the caller; the traced batch runs only when ``x`` fails, so a good graph costs
+    one run."""
+    at = f"batch {rows(x)}"
+    try:
+        ref = _torch_outputs(model, x)
+    except Exception as exc:  # PyTorch itself: the model takes only some batch sizes
+        raise ModelError(
+            f"the model fails at {at} in PyTorch: {_reason(exc)}",
+            hint="make forward take any batch size: the export's batch axis is dynamic",
+        ) from None
+    check, why = _parity_or_why(model, path, x, session, ref)
+    if check is not None and (check["max_abs_err"] <= atol or rows(x) == rows(example)):
+        return check
+    traced, _ = _parity_or_why(model, path, example, session) if rows(x) != rows(example) else (None, "")
+    if traced is not None and traced["max_abs_err"] <= atol:
+        line = _batch_pinned_at(model, example)
+        raise ModelError(
+            f"the exported graph depends on the batch size it was traced at ({at}: {why}; batch {rows(example)}: "
+            f"max abs error {traced['max_abs_err']:.3g}): forward computes a size as a Python int or float from a "
+            f"tensor's shape (e.g. int(x.shape[0] / n)){' in ' + line if line else ''}",
+            hint=f"compute {'the size in ' + line if line else 'sizes from the batch'} {BATCH_FIXED_HINT}",
+        )
+    if check is None:  # not the batch's doing: the traced batch fails too
+        raise ModelError(
+            f"ONNX Runtime cannot run the exported graph at {at}: {why}",
+            hint="the model may use an op ONNX Runtime runs differently from PyTorch; see the message above",
+        )
+    return check
+
+
+def _parity_or_why(
+    model: nn.Module, path: Path, x: Inputs, session: Any, ref: dict[str, np.ndarray] | None = None
+) -> tuple[dict[str, Any] | None, str]:
+    """:func:`parity` and its error in words; or None and why the graph cannot compute ``x`` (ONNX Runtime's
+    error, an output of another shape). Other errors of Kiln's (NaN where PyTorch is finite) pass through."""
+    try:
+        check = parity(model, path, x, session, ref=ref)
+    except ShapeMismatch as exc:
+        return None, exc.message
+    except KilnError:
+        raise
+    except Exception as exc:  # ONNX Runtime's own error: a node that takes the traced batch only
+        return None, "ONNX Runtime: " + short_reason(exc, 200)
+    return check, f"max abs error {check['max_abs_err']:.3g}"
+
+
+BATCH_FIXED_HINT = (
+    "with tensor ops or // on the shape (x.shape[0] // n, not int(x.shape[0] / n)), or pass -1 for the batch axis "
+    "to reshape/view"
+)
+_GUARD = re.compile(r"\bEq\(.*\[guard added\] \((.+?):(\d+) in (\w+)\)")
+
+
+def _batch_pinned_at(model: nn.Module, example: Inputs) -> str:
+    """``window_reverse() at swin.py:13 (B = int(...))``: where in the user's code torch.export, tracing ``model``
+    with a dynamic batch, pinned the batch to the example's; empty where it cannot be told. Only torch's
+    symbolic-shapes log says where (its first equality guard placed from a user's file), so it is read, on this
+    error path only; a torch that words it otherwise leaves the line unnamed."""
+    said: list[str] = []
+    catch = logging.Handler()
+    catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    shapes = logging.getLogger(SHAPES_LOG)
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    args = tuple(tensors(example))
+    with _quiet_torch():
+        saved = shapes.level, shapes.propagate, shapes.handlers
+        shapes.setLevel(logging.INFO)  # torch's own handler on it writes to the terminal: only ``catch`` hears
+        shapes.propagate, shapes.handlers = False, [catch]
+        try:
+            dims = (tuple({0: batch} for _ in args),)
+            torch.export.export(FlatModel(model, example), args, dynamic_shapes=dims, strict=False)
+        except Exception as exc:  # noqa: BLE001 - expected: the batch is pinned; the guard's log line says where
+            log.debug("torch.export with a dynamic batch: %s", first_line(exc))
+        finally:
+            shapes.setLevel(saved[0])
+            shapes.propagate, shapes.handlers = saved[1:]
+    files = {f for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)}
+    for found in filter(None, map(_GUARD.search, said)):
+        short, lineno, fn = found.groups()
+        path = next((f for f in files if f.endswith(short) and is_user_file(f)), None)
+        if path is not None:
+            code = linecache.getline(path, int(lineno)).strip()
+            return where(traceback.FrameSummary(path, int(lineno), fn)) + (f" ({code})" if code else "")
+    return ""
 
 
 def check_validated_sizes(
@@ -455,16 +557,22 @@ def export_direct(
             "exporting '%s' with its initial weights: no --checkpoint and no model.checkpoint given", cfg.model.name
         )
     model.eval()
-    example = _direct_example(cfg, model, specs)
+    x = _direct_example(cfg, model, specs)
+    example = take(x, slice(0, 2))  # traced with two rows, like the pipeline's export
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
-    check = parity(model, output, example)
+    if cfg.export.dynamic_batch:  # at another batch too: a graph that holds the traced one gets those rows right
+        check = batch_parity(model, output, example, x, cfg.export.parity_atol)
+    else:
+        check = parity(model, output, example)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
 
 def _direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec] | None) -> Inputs:
-    """Two rows of example inputs the model is known to take: of ``specs`` (``--input-shape``) or the data's."""
+    """``PARITY_ROWS`` rows of example inputs the model is known to take: of ``specs`` (``--input-shape``) or the
+    data's (fewer where the data has fewer)."""
     if specs:
-        example, what = example_inputs(specs), "the inputs --input-shape gives (" + _describe(specs) + ")"
+        example = example_inputs(specs, PARITY_ROWS)
+        what = "the inputs --input-shape gives (" + _describe(specs) + ")"
     elif cfg.data.name is None and cfg.model.name not in DEFAULT_DATASET and not cfg.model.onnx:
         raise ConfigError(
             f"cannot tell which inputs model '{cfg.model.name}' takes: no --input-shape and no data configured",
@@ -472,7 +580,8 @@ def _direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpe
         )
     else:
         data = dataset_for(cfg.model, cfg.data, cfg.signature, cfg.seed)
-        example, what = take(data.val_x, slice(0, 2)), f"the inputs of dataset '{cfg.data.name or data.name}'"
+        example = take(data.val_x, slice(0, PARITY_ROWS))
+        what = f"the inputs of dataset '{cfg.data.name or data.name}'"
     try:
         with torch.no_grad():
             call(model, example)
@@ -639,9 +748,10 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     data = ctx.dataset()
     path = ctx.out / "model.onnx"
     axes = ctx.config.signature.dynamic_axes
-    proto = export_onnx(model, take(data.val_x, slice(0, 2)), path, cfg.opset, cfg.dynamic_batch, axes)
+    example, x = take(data.val_x, slice(0, 2)), take(data.val_x, slice(0, PARITY_ROWS))
+    proto = export_onnx(model, example, path, cfg.opset, cfg.dynamic_batch, axes)
     session = ort_session(path)  # for the parity check and the output-axis probe
-    check = parity(model, path, take(data.val_x, slice(0, PARITY_ROWS)), session)
+    check = batch_parity(model, path, example, x, cfg.parity_atol, session)
     if not check["max_abs_err"] <= cfg.parity_atol:
         raise ModelError(
             f"ONNX export differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
