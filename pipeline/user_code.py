@@ -16,10 +16,10 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.metadata
-import importlib.util
 import site
 import sys
 from collections.abc import Iterable
+from importlib.machinery import ModuleSpec, PathFinder
 from pathlib import Path
 from types import ModuleType
 
@@ -27,11 +27,10 @@ from kiln.core.artifacts import hash_file, hash_json
 
 
 def code_version(module: ModuleType | str) -> str | None:
-    """A hash standing for a module's code (given imported, or by name: then found without running it, only its
-    parent packages); None when it has no source file (built-in or frozen)."""
+    """A hash standing for a module's code (given imported, or by name: then found without running it or its
+    packages); None when it has no source file (built-in or frozen)."""
     if isinstance(module, str):
-        spec = importlib.util.find_spec(module)
-        top = importlib.util.find_spec(module.partition(".")[0])
+        top, spec = _find_unrun(module)
         if spec is None or top is None:
             return None
         name, origin = module, spec.origin if spec.has_location else None
@@ -47,6 +46,20 @@ def code_version(module: ModuleType | str) -> str | None:
     roots = [r for r in roots if not _installed(r)]  # a namespace package partly installed: scan the local part
     files = local_sources(Path(origin).absolute(), roots)
     return hash_json({_label(p, roots): hash_file(p) for p in files})
+
+
+def _find_unrun(name: str) -> tuple[ModuleSpec | None, ModuleSpec | None]:
+    """The specs of ``name``'s top-level package and of ``name`` itself, found along the packages' paths without
+    running any of them (``importlib.util.find_spec`` runs a submodule's parents: a ``models/__init__.py`` that
+    imports the model, and what it imports, would load on every cached run)."""
+    parts = name.split(".")
+    top = sys.modules[parts[0]].__spec__ if parts[0] in sys.modules else PathFinder.find_spec(parts[0])
+    spec = top
+    for part in parts[1:]:
+        if spec is None or spec.submodule_search_locations is None:
+            return top, None
+        spec = PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    return top, spec
 
 
 def local_sources(start: Path, roots: list[Path]) -> list[Path]:

@@ -83,3 +83,18 @@ def test_package_inits_count_and_symlinked_modules_work(project) -> None:
     assert first is not None
     (pkg / "__init__.py").write_text("DTYPE = 'float64'\n")
     assert code_version(load("kuc_pkg.model")) != first
+
+
+def test_a_module_named_by_path_is_hashed_without_running_it_or_its_package(project) -> None:
+    """A cached run hashes the user's model by name: neither the module nor a package ``__init__`` that imports it
+    (and torch, transformers...) runs; the hash is the one of the imported module."""
+    root, load = project
+    pkg = root / "kuc_lazy"
+    pkg.mkdir()
+    ran = root / "ran.txt"
+    (pkg / "__init__.py").write_text(f"open({str(ran)!r}, 'a').write('init ')\nfrom .net import build\n")
+    (pkg / "net.py").write_text(f"open({str(ran)!r}, 'a').write('net ')\n\ndef build():\n    return 1\n")
+    by_name = code_version("kuc_lazy.net")
+    assert by_name is not None and not ran.exists()
+    assert code_version(load("kuc_lazy.net")) == by_name and ran.read_text() == "init net "
+    assert code_version("kuc_missing.net") is None
