@@ -137,11 +137,14 @@ def refuse_foreign(stage: str, stage_dir: Path, manifest: dict[str, Any] | None)
         found = []
     if found:
         more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        unlisted = manifest is None  # no manifest: Kiln's own files of an earlier run whose manifest was deleted?
+        listed = f"its manifest does not list {'them' if more else 'it'}"
+        why = "the folder has no manifest.json" if unlisted else listed
         raise KilnError(
-            f"{stage_dir / found[0]}{more} is not a file Kiln wrote, and running stage '{stage}' replaces "
-            f"{stage_dir} whole",
+            f"{stage_dir / found[0]}{more} {'are not files' if more else 'is not a file'} Kiln wrote ({why}), and "
+            f"running stage '{stage}' replaces {stage_dir} whole",
             hint=f"move your files out of {stage_dir} (keep them beside the stage folders, in the workdir), then "
-            "run again",
+            "run again" + ("; if they are all Kiln's, delete the folder" if unlisted else ""),
         )
 
 
@@ -297,6 +300,7 @@ class Runner:
                 records.append(StageRecord(stage.name, "not-run"))
                 continue
             interrupt.check()  # a Ctrl-C that a finalizer swallowed during the last stage stops the run here
+            started = time.perf_counter()
             try:
                 record = self._run_one(stage, stage.name in force)
             except KilnError as exc:  # one that quotes a full disk says the disk (export failed: ... errno 28)
@@ -319,6 +323,8 @@ class Runner:
                     raise
                 log.debug("stage %s: disk full", stage.name, exc_info=True)
                 error, record = full, StageRecord(stage.name, "failed", error=str(full))
+            if record.status == "failed":
+                record.seconds = time.perf_counter() - started  # how long it ran before it failed
             records.append(record)
             self.on_event(record)
             failures = record.summary.gate_failures() if record.summary is not None else None
@@ -349,7 +355,7 @@ class Runner:
             state = "which is missing or damaged (files deleted or changed since it ran)" if ran else "not yet made"
             raise KilnError(
                 f"stage '{stage.name}' needs the output of {missing}, {state}",
-                hint=f"run `kiln run --from {missing[0]}`",
+                hint=f"run `kiln run --from {missing[0]}` with this command's config and --workdir",
             )
         old = read_manifest(final)
         cached = _summary(stage, old)

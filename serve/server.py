@@ -123,9 +123,11 @@ def _refuse(verdicts: dict[str, Any]) -> None:
     if unrun:
         states.append(f"{', '.join(unrun)} not validated on a machine that can run {'them' if unrun[1:] else 'it'}")
     if states:
+        fixes = ["fix the engine and `kiln run` again (see report.md)"] if failed else []
+        fixes += ["validate it where it runs (`kiln run` or `kiln validate` on that machine)"] if unrun else []
         raise GateFailure(
             f"engine {'; '.join(states)}: Kiln serves only engines proven against PyTorch",
-            hint="fix the engine and `kiln run` again (see report.md), or serve another engine",
+            hint="; ".join(fixes) + ", or serve another engine",
         )
 
 

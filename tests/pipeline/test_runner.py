@@ -80,6 +80,7 @@ def test_a_failed_stage_keeps_earlier_work_and_a_rerun_resumes_after_it(tmp_path
     result = run(tmp_path, stages)
     assert isinstance(result.error, BuildError)
     assert statuses(result) == {"first": "ran", "second": "failed", "third": "not-run"}
+    assert result.records[1].seconds > 0  # how long it ran before failing
     assert not (tmp_path / "second").exists()  # nothing half-written left as if it were finished
     assert statuses(run(tmp_path)) == {"first": "cached", "second": "ran", "third": "ran"}
 
@@ -136,7 +137,10 @@ def test_a_first_run_never_deletes_a_file_in_a_stage_folder_it_has_not_written(t
     mine.write_text("name: 'mine'")
     result = run(tmp_path / "fresh")
     assert statuses(result) == {"first": "ran", "second": "ran", "third": "failed"}
-    assert "third/my_ensemble/config.pbtxt is not a file Kiln wrote" in str(result.error)
+    assert "third/my_ensemble/config.pbtxt is not a file Kiln wrote (the folder has no manifest.json)" in str(
+        result.error
+    )
+    assert "if they are all Kiln's, delete the folder" in (result.error.hint or "")
     assert mine.read_text() == "name: 'mine'"
 
 

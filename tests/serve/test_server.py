@@ -618,8 +618,9 @@ def test_an_engine_that_failed_validation_is_refused(workdir: Path, tmp_path: Pa
     for e in validation["engines"]:  # built for a device the validating machine lacks: never run, not failed
         e["passed"] = None
     path.write_text(json.dumps(validation))
-    with pytest.raises(GateFailure, match=f"engine {ENGINE} not validated on a machine that can run it"):
+    with pytest.raises(GateFailure, match=f"engine {ENGINE} not validated on a machine that can run it") as refused:
         find_engines(copy)
+    assert refused.value.hint.startswith("validate it where it runs")
 
 
 def test_an_engine_no_validation_has_seen_is_served_with_a_warning(
