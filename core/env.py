@@ -20,6 +20,7 @@ from kiln.core.artifacts import write_json_atomic
 from kiln.core.cpu_int8 import int8_kernels
 
 FACTS_FILE = "device-facts.json"
+FACTS_FORMAT = 1  # of the identity the facts are kept under: a file of another format is asked anew
 # what selects or hides GPUs from a CUDA program: a different value is a different device for the same machine
 DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES")
 _facts_folder: list[Path] = []  # where device facts are kept (the runner's workdir cache); none: not kept
@@ -44,8 +45,9 @@ def keep_facts_in(folder: Path | None) -> None:
 
 def _identity() -> dict[str, Any] | None:
     """What decides torch's device facts, read without torch: this boot of the machine (a GPU is not added or taken
-    away while it runs), the interpreter, torch's version, the NVIDIA driver and the GPUs it lists, and the variables
-    that select GPUs. None where the boot cannot be told (not Linux): the facts are then asked of torch each time."""
+    away while it runs), the interpreter, torch's version, the NVIDIA driver, the GPUs it lists, the GPU device
+    files this process sees (a container's), the MIG instances, and the variables that select GPUs. None where the
+    boot cannot be told (not Linux): the facts are then asked of torch each time."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -56,9 +58,14 @@ def _identity() -> dict[str, Any] | None:
         gpus = sorted(p.name for p in (nvidia / "gpus").iterdir())
     except (OSError, IndexError):
         driver, gpus = None, []
+    dev = Path("/dev")
     return {
+        "format": FACTS_FORMAT,
         "boot": boot,
-        "python": sys.executable,
+        "python": [sys.executable, sys.version],
+        # the device files a container was given, and MIG instances (a GPU split anew is another device)
+        "device_files": sorted(p.name for p in dev.glob("nvidia[0-9]*")),
+        "mig": sorted(str(p.relative_to(nvidia)) for p in nvidia.glob("capabilities/gpu*/mig/gi*")),
         "torch": version("torch"),
         "driver": driver,
         "gpus": gpus,

@@ -63,18 +63,26 @@ def checkpoint_fingerprint(config: KilnConfig) -> str | None:
 LARGE_FILE = 256 * 2**20  # above this, a file named in model.params is known by its size and mtime, not hashed
 
 
-def model_files_fingerprint(config: KilnConfig) -> str | None:
-    """Hash of the files and folders ``model.params`` names (a ``config.json``, a ``from_pretrained`` folder):
+def model_files_fingerprint(config: KilnConfig, workdir: Path | None = None) -> str | None:
+    """A stamp of the files and folders ``model.params`` names (a ``config.json``, a ``from_pretrained`` folder):
     the factory builds the model from them, so editing one must retrain as editing its code does. A value counts
-    when it is a path that exists, relative to where Kiln runs (as the factory opens it); the working folder
-    itself and the folders above it do not (``"."`` is not a file of the model)."""
+    when it is a path that exists, relative to where Kiln runs (as the factory opens it); the working folder, the
+    folders above it, and anything holding or inside the ``workdir`` do not. A file is hashed (up to
+    :data:`LARGE_FILE`); a folder's files, which may be many and large, are known by their sizes and mtimes."""
+    here = Path.cwd().resolve()
+    work = workdir.resolve() if workdir is not None else None
     found = {}
     for value in _strings(config.model.params):
         path = Path(value)
-        if not value or not path.exists() or Path.cwd().resolve().is_relative_to(path.resolve()):
+        if not value or not path.exists():
             continue
-        files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
-        found[value] = {f.relative_to(path).as_posix() if f != path else "": _file_stamp(f) for f in files}
+        real = path.resolve()
+        if here.is_relative_to(real) or (work is not None and (work.is_relative_to(real) or real.is_relative_to(work))):
+            continue
+        if path.is_file():
+            found[value] = _file_stamp(path)
+        else:
+            found[value] = {f.relative_to(path).as_posix(): _stat(f) for f in sorted(path.rglob("*")) if f.is_file()}
     return hash_json(found) if found else None
 
 
@@ -88,9 +96,13 @@ def _strings(value: object) -> list[str]:
     return []
 
 
-def _file_stamp(path: Path) -> str:
+def _stat(path: Path) -> str:
     st = path.stat()
-    return hash_file(path) if st.st_size <= LARGE_FILE else f"{st.st_size}:{st.st_mtime_ns}"
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _file_stamp(path: Path) -> str:
+    return hash_file(path) if path.stat().st_size <= LARGE_FILE else _stat(path)
 
 
 def onnx_fingerprint(config: KilnConfig) -> str | None:
@@ -118,10 +130,11 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
     return hash_batches(read_reader(ccfg))
 
 
-FINGERPRINTS: dict[str, Callable[[KilnConfig], str | None]] = {
-    "dataset": dataset_fingerprint,
-    "checkpoint": checkpoint_fingerprint,
+# name -> (config, workdir) -> fingerprint
+FINGERPRINTS: dict[str, Callable[[KilnConfig, Path], str | None]] = {
+    "dataset": lambda config, _: dataset_fingerprint(config),
+    "checkpoint": lambda config, _: checkpoint_fingerprint(config),
     "model_files": model_files_fingerprint,
-    "onnx": onnx_fingerprint,
-    "calibration": calibration_fingerprint,
+    "onnx": lambda config, _: onnx_fingerprint(config),
+    "calibration": lambda config, _: calibration_fingerprint(config),
 }

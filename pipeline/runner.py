@@ -202,7 +202,7 @@ def cache_key(
     memo = {} if fingerprints is None else fingerprints
     for name in stage.data:
         if name not in memo:
-            memo[name] = FINGERPRINTS[name](config)
+            memo[name] = FINGERPRINTS[name](config, workdir)
     data = {name: memo[name] for name in stage.data if memo[name] is not None}
     if data:
         parts["user_data"] = data

@@ -149,3 +149,16 @@ def test_the_rules_see_relative_and_type_checking_imports(tmp_path: Path) -> Non
         assert imports("kiln.stages.fake") == [("kiln.stages.engines.registry", False), ("kiln.pipeline.config", False)]
     finally:
         del MODULES["kiln.stages.fake"]
+
+
+def test_a_stages_code_covers_the_stage_modules_its_entry_imports() -> None:
+    """``Stage.code`` (what the cache key hashes) is listed apart from the code that runs: every module of
+    ``kiln.stages`` the stage's entry module imports is in it, or in a package it lists."""
+    missing = []
+    for stage in STAGES:
+        entry = stage.entry.partition(":")[0]
+        for imported, _ in imports(entry):
+            covered = any(imported == c or imported.startswith(c + ".") for c in stage.code)
+            if imported.startswith("kiln.stages.") and not covered:
+                missing.append(f"{stage.name}: {imported}")
+    assert not missing, "\n".join(missing)

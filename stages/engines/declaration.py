@@ -84,7 +84,13 @@ STAGE = Stage(
     ("train", "export", "precision"),
     BuildSettings,
     BuildSummary,
-    ("kiln.stages.engines",),
+    # the engines' code, and what the build runs besides: the audit that labels each engine
+    (
+        "kiln.stages.engines",
+        "kiln.stages.precision.audit",
+        "kiln.stages.precision.config",
+        "kiln.stages.export.declaration",
+    ),
     _env,
     "ONNX Runtime, TensorRT and PyTorch (AOTInductor) engines",
     report=report_section,

@@ -59,7 +59,7 @@ STAGE = Stage(
     ("export",),
     OptimizeSettings,
     OptimizeSummary,
-    ("kiln.stages.optimize",),
+    ("kiln.stages.optimize", "kiln.stages.export.declaration"),
     _env,
     "graph passes with onnx-graphsurgeon",
     report=report_section,

@@ -208,6 +208,9 @@ def test_files_named_in_model_params_are_in_trains_key(tmp_path: Path, monkeypat
         return model_files_fingerprint(config_from_dict(tiny_config_dict(**{"model.params": params})))
 
     assert stamp(act="relu", width=8, root=".", parent="..") is None
+    (tmp_path / "wd").mkdir()
+    params = config_from_dict(tiny_config_dict(**{"model.params": {"w": "wd"}}))
+    assert model_files_fingerprint(params, Path("wd")) is None  # the workdir would change with every run
     before = (stamp(spec="arch.json"), stamp(layers=[{"pretrained": "bert"}]))
     (tmp_path / "arch.json").write_text('{"width": 32}')
     (tmp_path / "bert" / "config.json").write_text('{"hidden": 16}')
