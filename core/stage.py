@@ -136,12 +136,17 @@ class Stage:
     report: Callable[[Any], list[str]] | None = None
 
     def __post_init__(self) -> None:
+        if self.entry.count(":") != 1 or not all(self.entry.split(":")):
+            raise TypeError(f"stage {self.name}: entry must be 'module:function', not {self.entry!r}")
         declared = self.settings.keys()
         covered = [k for k in DATASET_SOURCES if any(k == d or k.startswith(d + ".") for d in declared)]
         if "dataset" in self.data and len(covered) < len(DATASET_SOURCES):
             raise TypeError(f"stage {self.name} reads the dataset: its settings must declare {DATASET_SOURCES}")
 
-    def run(self, ctx: StageContext[Any]) -> Summary:
-        """Run the stage: its code (``entry``) is imported here, on first use."""
+    def function(self) -> Callable[[StageContext[Any]], Summary]:
+        """The code that runs the stage (``entry``), imported here, on first use."""
         module, _, function = self.entry.partition(":")
-        return getattr(importlib.import_module(module), function)(ctx)
+        return getattr(importlib.import_module(module), function)
+
+    def run(self, ctx: StageContext[Any]) -> Summary:
+        return self.function()(ctx)

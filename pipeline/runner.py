@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
@@ -388,10 +389,12 @@ class Runner:
                 self.progress,
                 load_dataset=partial(load_dataset, self.config) if "dataset" in stage.data else None,
             )
-            # PyTorch gets the cores a busy machine leaves idle (said once a run); a cached stage loads no torch
-            with cpu_threads_for_load(say=not self._threads_said):
-                self._threads_said = True
-                summary = stage.run(ctx)
+            run = stage.function()
+            # PyTorch gets the cores a busy machine leaves idle (said once a run), in a stage whose code loads it
+            threads = cpu_threads_for_load(say=not self._threads_said) if "torch" in sys.modules else nullcontext()
+            with threads as count:
+                self._threads_said |= count is not None
+                summary = run(ctx)
             seconds = time.perf_counter() - t0
             status = summary.status
             outputs = hash_tree(out, exclude=(MANIFEST,))

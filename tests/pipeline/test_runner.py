@@ -248,6 +248,11 @@ def test_a_stage_sees_the_settings_it_declares_and_nothing_else(stage: Stage) ->
             getattr(settings, section)
 
 
+def test_a_stage_entry_is_module_colon_function() -> None:
+    with pytest.raises(TypeError, match="entry must be 'module:function'"):
+        Stage("x", "tests.pipeline.fake_stages.modelled", (), ModelSettings, ValueSummary, (), lambda s: {})
+
+
 def test_a_stage_that_reads_the_dataset_must_declare_what_makes_it() -> None:
     with pytest.raises(TypeError, match="reads the dataset"):
         Stage(
