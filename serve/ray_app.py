@@ -19,6 +19,7 @@ Needs ``ray[serve]`` (``pip install "kiln[ray]"``), imported here: the package s
 from __future__ import annotations
 
 import gc
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,15 @@ def _tensor(t: dict[str, Any], name: str, dtype: str) -> np.ndarray:
         raise BadRequest(f"input '{name}': data do not fit shape {shape} ({exc})") from None
 
 
+class V2Response(JSONResponse):
+    """An answer whose values may be infinite or NaN (a class masked with -inf on purpose, an overflow): written as
+    JSON's common extension (``Infinity``, ``NaN``), as Python's json and tritonclient read them, where starlette's
+    strict JSON would fail the request with a bare 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode()
+
+
 def v2_outputs(model: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
     return {
         "model_name": model,
@@ -142,7 +152,7 @@ class KilnEngine:
         if isinstance(outputs, Exception):
             return self._failed(outputs)
         self.answered = feed  # a request the engine answers: what tells a refused request from a failed engine
-        return JSONResponse(v2_outputs(self.model_name, outputs))
+        return V2Response(v2_outputs(self.model_name, outputs))
 
     def _failed(self, exc: Exception) -> JSONResponse:
         """The engine raised on a request that passed the checks: the request's own fault (a token id past the

@@ -123,3 +123,15 @@ def test_a_request_of_the_wrong_rank_is_refused_for_its_rank() -> None:
     assert str(err.value) == "input 'input' has 2 axes [24, 4]; the model takes 3: [batch, time, 4]"
     tensor = {**tensor, "shape": [1, 24, 4]}
     assert ray_app.parse_request({"inputs": [tensor]}, meta, 0)["input"].shape == (1, 24, 4)
+
+
+def test_infinite_and_nan_outputs_are_answered_not_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output that is -inf on purpose (a masked class) or NaN is an answer: JSON's Infinity and NaN, which
+    Python's json reads back, not starlette's 500 for values strict JSON lacks."""
+    engine, _ = lstm_engine(tmp_path, squeezed=True)
+    replica, _ = _replica(engine, monkeypatch)
+    values = np.array([-np.inf, np.nan, 1.5], np.float32)
+    monkeypatch.setattr(replica, "_attempt", lambda feed: {"forecast": values})
+    [(status, body)] = asyncio.run(_answers(replica, np.zeros((3, 4, 2), np.float32)))
+    got = np.asarray(body["outputs"][0]["data"], np.float32)
+    assert status == 200 and np.isneginf(got[0]) and np.isnan(got[1]) and got[2] == 1.5
