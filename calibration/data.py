@@ -78,7 +78,25 @@ def reader_batches(cfg: CalibrationConfig, sample_shape: tuple[int, ...], dtype:
                 f"[batch, {', '.join(map(str, sample_shape))}]",
                 hint="preprocess calibration data exactly like validation data",
             )
+        problem = _unusable(item)
+        if problem is not None:
+            raise ConfigError(
+                f"calibration batch {i} of reader '{cfg.reader}' {problem}",
+                hint="yield real numbers, one row or more per batch, preprocessed exactly like validation data",
+            )
     return [item.astype(dtype, copy=False) for item in batches]
+
+
+def _unusable(item: np.ndarray) -> str | None:
+    """Why a batch cannot calibrate ranges (it would give NaN ranges, or none, and INT8 would be dropped quietly):
+    no rows, values that are not real numbers, or values that are not finite."""
+    if item.dtype.kind not in "biuf":
+        return f"holds {item.dtype} values, not real numbers"
+    if len(item) == 0:
+        return "has no rows"
+    if item.dtype.kind == "f" and not np.isfinite(item).all():
+        return f"holds {int((~np.isfinite(item)).sum())} NaN or infinite values"
+    return None
 
 
 def _as_arrays(source: Iterable[Any]) -> Iterator[np.ndarray]:
@@ -87,7 +105,11 @@ def _as_arrays(source: Iterable[Any]) -> Iterator[np.ndarray]:
             item = next(iter(item.values()))
         if isinstance(item, (tuple, list)):  # (x, y) pairs from a DataLoader
             item = item[0]
-        yield item.numpy() if isinstance(item, torch.Tensor) else np.asarray(item)
+        if isinstance(item, torch.Tensor):  # one that needs grad, lives on a GPU, or is bfloat16 (no numpy type)
+            item = item.detach().cpu()
+            yield (item.float() if item.dtype == torch.bfloat16 else item).numpy()
+        else:
+            yield np.asarray(item)
 
 
 def calibration_batches(

@@ -55,6 +55,32 @@ def test_user_reader_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         calibration_batches(data, CalibrationConfig(reader="no_such_module_xyz:reader"))
 
 
+def test_a_reader_batch_that_cannot_calibrate_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN, no rows or values that are no numbers would give NaN ranges, or none, and INT8 would be dropped quietly:
+    each is one error naming the batch; tensors that need grad or are bfloat16 are read as numbers."""
+    (tmp_path / "odd_calib.py").write_text(
+        textwrap.dedent("""
+        import numpy as np, torch
+        def nan():
+            x = np.ones((4, 1, 8, 8), np.float32); x[0, 0, 0, 0] = np.nan
+            return [x]
+        def empty():
+            return [np.zeros((0, 1, 8, 8), np.float32)]
+        def text():
+            return [np.full((4, 1, 8, 8), "a")]
+        def grad_and_bf16():
+            return [torch.ones(4, 1, 8, 8, requires_grad=True), torch.ones(4, 1, 8, 8, dtype=torch.bfloat16)]
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = synthetic(shape=(1, 8, 8), size=64)
+    for reader, says in (("nan", "1 NaN or infinite values"), ("empty", "has no rows"), ("text", "not real numbers")):
+        with pytest.raises(ConfigError, match=f"calibration batch 0 of reader 'odd_calib:{reader}' .*{says}"):
+            calibration_batches(data, CalibrationConfig(reader=f"odd_calib:{reader}"))
+    got = calibration_batches(data, CalibrationConfig(reader="odd_calib:grad_and_bf16"))
+    assert [b.dtype for b in got] == [np.float32, np.float32] and all((b == 1).all() for b in got)
+
+
 def test_unknown_calibration_key_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown key 'calibration.methd'"):
         config_from_dict({"calibration": {"methd": "entropy"}})
