@@ -236,13 +236,16 @@ def _rows(feed: dict[str, np.ndarray]) -> int:
 
 def build_app(args: dict[str, Any]) -> Any:
     """Ray Serve's application builder (``import_path: kiln.serve.ray_app:build_app``): ``args`` as the package
-    stage writes them into ``serve.yaml`` (engine_dir, model_name, replicas, gpus_per_replica, max_batch_size,
-    batch_wait_timeout_s)."""
+    stage writes them into ``serve.yaml`` (engine_dir, model_name, replicas, gpus_per_replica, cpus_per_replica,
+    max_batch_size, batch_wait_timeout_s)."""
     max_batch = int(args.get("max_batch_size", 32))
     return KilnEngine.options(
         name=args["model_name"],
         num_replicas=int(args.get("replicas", 1)),
-        ray_actor_options={"num_gpus": float(args.get("gpus_per_replica", 0)), "num_cpus": 1},
+        ray_actor_options={
+            "num_gpus": float(args.get("gpus_per_replica", 0)),
+            "num_cpus": float(args.get("cpus_per_replica", 1)),
+        },
         # @serve.batch batches the requests a replica holds: Ray's default of 5 at a time capped every batch at 5
         # and queued the rest in front of the replica; room for a full batch forming while one runs
         max_ongoing_requests=max(5, 2 * max_batch),

@@ -15,6 +15,12 @@ class RayConfig(Section):
     gpus_per_replica: float | None = Field(
         None, ge=0, description="GPUs each replica reserves (default: 1 for a CUDA engine, 0 for a CPU one)"
     )
+    cpus_per_replica: float = Field(
+        1.0,
+        ge=0,
+        description="CPUs each replica reserves in Ray's scheduler: Ray starts no replica the cluster has no CPUs "
+        "left for (below 1 fits more replicas than cores; the engine's threads are not limited by it)",
+    )
     max_batch_size: int = Field(32, ge=0, description="most rows @serve.batch puts in one engine call (0: no batching)")
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=10, description="how long a request waits for batch mates")
     host: str = Field("127.0.0.1", description="the HTTP address Ray Serve listens on (0.0.0.0: every interface)")

@@ -38,6 +38,7 @@ def application(model: str, engine_dir: Path, meta: EngineMetadata, cfg: RayConf
             "model_name": model,
             "replicas": cfg.replicas,
             "gpus_per_replica": gpus,
+            "cpus_per_replica": cfg.cpus_per_replica,
             "max_batch_size": cfg.max_batch_size,
             "batch_wait_timeout_s": cfg.batch_wait_timeout_s,
         },

@@ -19,6 +19,18 @@ def test_a_replica_holds_a_full_batch_and_the_next_one_forming() -> None:
     assert held(32) == 64 and held(1) == 5 and held(0) == 5  # 0: no batching, Ray's own default
 
 
+def test_the_cpus_a_replica_reserves_come_from_the_config() -> None:
+    """Ray starts no replica its cluster has no CPUs left for: more replicas than cores need less than 1 each."""
+    from kiln.serve.ray_app import build_app
+
+    def reserved(**args: float) -> dict[str, float]:
+        app = build_app({"engine_dir": "/e", "model_name": "m", **args})
+        return app._bound_deployment.ray_actor_options
+
+    assert reserved()["num_cpus"] == 1.0 and reserved(cpus_per_replica=0.25)["num_cpus"] == 0.25
+    assert reserved(gpus_per_replica=0.5)["num_gpus"] == 0.5
+
+
 def test_a_request_the_engine_refuses_fails_alone_and_the_replica_serves_on(tmp_path) -> None:
     """A token id past the vocabulary (ONNX Runtime's Gather raises) in a batch of good requests: the batch runs
     again a request at a time, the bad one is a 400 and the replica stays healthy; an engine that no longer

@@ -78,6 +78,7 @@ def test_ray_applications_take_replicas_and_gpus_from_the_config(tmp_path: Path)
         "model_name": "m",
         "replicas": 3,
         "gpus_per_replica": 1.0,
+        "cpus_per_replica": 1.0,
         "max_batch_size": 16,
         "batch_wait_timeout_s": 0.005,
     }
