@@ -39,7 +39,9 @@ def build_report(result: RunResult, config: KilnConfig, workdir: Path | None = N
         if name in ran:
             stages[name] = ran[name]
         elif workdir is not None and (m := read_manifest(workdir / name)) is not None:
-            status = "kept" if _current(name, m, config, workdir) else "stale"
+            # stale too where a stage it reads is (a build kept from before the precision this run just made)
+            upstream_stale = any(stages.get(up, {}).get("status") == "stale" for up in stage_named(name).inputs)
+            status = "kept" if not upstream_stale and _current(name, m, config, workdir) else "stale"
             stages[name] = {
                 "status": status,
                 "seconds": 0.0,

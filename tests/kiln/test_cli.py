@@ -795,3 +795,19 @@ def test_direct_validate_compares_integer_outputs_value_for_value(cli: CliRunner
         main, [*common, "--reference", str(b), "--set", "validate.gates.per_precision.fp32.min_top1_agreement=0.99"]
     )
     assert_clean_error(result, 3, "output 'token_id'", "of its values equal < min_top1_agreement 0.99")
+
+
+def test_a_stage_after_one_made_anew_is_stale_though_its_own_inputs_stayed(
+    cli: CliRunner, tmp_path: Path, write_yaml
+) -> None:
+    """`kiln run --until precision` after a precision change: build (from the old variants) is stale, and so is
+    validate, although the build folder it read is unchanged; the report gives no verdict from them."""
+    import json
+
+    wd = tmp_path / "w"
+    assert cli.invoke(main, ["run", str(write_yaml(tiny_config_dict())), "-w", str(wd), "-q"]).exit_code == 0
+    changed = write_yaml(tiny_config_dict(**{"precision.variants": ["fp32", "int8"]}))
+    assert cli.invoke(main, ["run", str(changed), "-w", str(wd), "-q", "--until", "precision"]).exit_code == 0
+    stages = json.loads((wd / "report.json").read_text())["stages"]
+    assert stages["precision"]["status"] == "ran" and stages["build"]["status"] == "stale"
+    assert stages["validate"]["status"] == "stale" and stages["package"]["status"] == "stale"
