@@ -22,7 +22,9 @@ def report_section(precision: Any) -> list[str]:
             "|---|---|---|",
         ]
         out += [
-            f"| {name} | {v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |" for name, v in variants.items()
+            f"| {name}{' (**not made**)' if v.get('unmade') and not v.get('backend_paths') else ''} | "
+            f"{v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |"
+            for name, v in variants.items()
         ]
         out += [f"| {name} | **failed, not built** | - |" for name in precision.failed]
         for name, v in variants.items():

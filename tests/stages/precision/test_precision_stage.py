@@ -172,3 +172,14 @@ def test_seven_bit_weights_are_reported(tmp_path: Path, exported: Path, setting:
     assert variants["int8"].report["ort_cpu"]["reduce_range"] is (setting == "on")
     section = "\n".join(report_section(PrecisionSummary.model_validate(summary)))
     assert ("quantized to 7 bits" in section) is (setting == "on")
+
+
+def test_a_variant_not_made_says_so_in_its_table_row() -> None:
+    """The fallback kept nodes and still missed the gates: the row of its numbers must not read as a variant."""
+    from kiln.stages.precision.declaration import PrecisionSummary
+    from kiln.stages.precision.report import report_section
+
+    unmade = {"kept_fp32": 3, "top1_agreement": 1.0, "unmade": "int8 not made: no fallback round passed"}
+    summary = PrecisionSummary(variants={"fp32": {"kept_fp32": 0, "top1_agreement": 1.0}, "int8": unmade})
+    rows = [line for line in report_section(summary) if line.startswith("| ")]
+    assert "| int8 (**not made**) | 3 |" in "\n".join(rows) and "| fp32 | 0 |" in "\n".join(rows)
