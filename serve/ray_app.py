@@ -48,6 +48,9 @@ def parse_request(body: Any, meta: EngineMetadata, max_rows: int) -> dict[str, n
     """A v2 JSON request as the engine's feed, or :class:`BadRequest` saying what is wrong with it."""
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
         raise BadRequest('the body must be a JSON object with an "inputs" list (KServe v2 protocol)')
+    names = [t.get("name") for t in body["inputs"] if isinstance(t, dict)]
+    if twice := sorted({str(n) for n in names if names.count(n) > 1}):
+        raise BadRequest(f"inputs {twice} given more than once")
     given = {t.get("name"): t for t in body["inputs"] if isinstance(t, dict)}
     want = [s.name for s in meta.inputs]
     if sorted(map(str, given)) != sorted(want):
@@ -83,7 +86,7 @@ def _tensor(t: dict[str, Any], name: str, dtype: str) -> np.ndarray:
     if t.get("datatype") != V2_TYPES[dtype]:
         raise BadRequest(f"input '{name}' is {t.get('datatype')}; the model takes {V2_TYPES[dtype]}")
     shape = t.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):  # true is no size
         raise BadRequest(f"input '{name}': shape must be a list of sizes, not {shape!r}")
     try:
         return np.asarray(t.get("data"), dtype=dtype).reshape(shape)

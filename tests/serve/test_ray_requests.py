@@ -123,6 +123,10 @@ def test_a_request_of_the_wrong_rank_is_refused_for_its_rank() -> None:
     assert str(err.value) == "input 'input' has 2 axes [24, 4]; the model takes 3: [batch, time, 4]"
     tensor = {**tensor, "shape": [1, 24, 4]}
     assert ray_app.parse_request({"inputs": [tensor]}, meta, 0)["input"].shape == (1, 24, 4)
+    with pytest.raises(ray_app.BadRequest, match=r"inputs \['input'\] given more than once"):
+        ray_app.parse_request({"inputs": [tensor, tensor]}, meta, 0)
+    with pytest.raises(ray_app.BadRequest, match="shape must be a list of sizes"):
+        ray_app.parse_request({"inputs": [{**tensor, "shape": [True, 24, 4]}]}, meta, 0)
 
 
 def test_infinite_and_nan_outputs_are_answered_not_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
