@@ -797,6 +797,7 @@ def test_direct_validate_compares_integer_outputs_value_for_value(cli: CliRunner
     assert_clean_error(result, 3, "output 'token_id'", "of its values equal < min_top1_agreement 0.99")
 
 
+@pytest.mark.slow  # two pipeline runs: about 5 s on 2 cores
 def test_a_stage_after_one_made_anew_is_stale_though_its_own_inputs_stayed(
     cli: CliRunner, tmp_path: Path, write_yaml
 ) -> None:
