@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -23,3 +23,16 @@ class ModelConfig(Section):
 class DataConfig(Section):
     name: str | None = Field(None, description="built-in dataset or 'package.module:function'; default per model")
     params: dict[str, Any] = Field(default_factory=dict)
+    skip_unchanged: bool = Field(
+        False,
+        description="a data function: a run whose stages are cached does not call it while its code, params and "
+        "every file it read last time are unchanged (turn on only for data read from this machine's files)",
+    )
+    depends_on: list[str] = Field(
+        default_factory=list,
+        description="with skip_unchanged: files or folders the data function reads that Python's open() does not "
+        "see (a library reading them in C: pyarrow, h5py)",
+    )
+
+    # How the run checks the data is unchanged, not what the data is: not part of any stage's cache key
+    UNKEYED: ClassVar[tuple[str, ...]] = ("skip_unchanged", "depends_on")

@@ -9,26 +9,57 @@ Built-in datasets are pinned by Kiln's code and config, so they need none (and c
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kiln.core.artifacts import hash_file, hash_json
+from kiln.core.artifacts import hash_file, hash_json, hash_source, write_json_atomic
 from kiln.core.errors import InputFileError
+from kiln.core.file_reads import recording, user_files
 from kiln.pipeline.config import KilnConfig
+from kiln.pipeline.user_code import code_version
 
 if TYPE_CHECKING:
     import numpy as np
+
+log = logging.getLogger("kiln")
 
 
 def _is_import_path(name: str | None) -> bool:
     return bool(name) and ":" in name
 
 
-def dataset_fingerprint(config: KilnConfig) -> str | None:
-    """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one."""
+def dataset_fingerprint(config: KilnConfig, workdir: Path | None = None) -> str | None:
+    """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one. With
+    ``data.skip_unchanged``, the hash is kept in the workdir's cache with what the data function read to make it
+    (:func:`_kept_dataset_hash`), and a run finding all that unchanged takes the kept hash without calling it."""
     if not _is_import_path(config.data.name):
         return None
+    if config.data.skip_unchanged and workdir is not None:
+        return _kept_dataset_hash(config, workdir)
+    started = time.perf_counter()
+    value = _dataset_hash(config)
+    if (took := time.perf_counter() - started) >= SLOW_DATA_S and not _said_slow:
+        _said_slow.append(True)
+        log.info(
+            "data: calling the data function to hash its data took %.1f s; with data.skip_unchanged a run skips "
+            "the call while what it read is unchanged (docs/configuration.md, 'A data function slow to call')",
+            took,
+        )
+    return value
+
+
+SLOW_DATA_S = 1.0  # a data function slower than this to call on a cached run is worth a hint
+_said_slow: list[bool] = []
+DATA_HASHES = "data-hashes.json"  # in the workdir's cache folder: what a data function read, and its data's hash
+KEPT_HASHES = 8
+
+
+def _dataset_hash(config: KilnConfig) -> str:
     from kiln.calibration.data import hash_batches  # torch and numpy: only for a user dataset
     from kiln.core.data import tensors
     from kiln.models.model_io import dataset_for
@@ -36,6 +67,108 @@ def dataset_fingerprint(config: KilnConfig) -> str | None:
     d = dataset_for(config.model, config.data, config.signature, config.seed)
     parts = [d.train_x, d.train_y, d.val_x, d.val_y]
     return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
+
+
+def _kept_dataset_hash(config: KilnConfig, workdir: Path) -> str:
+    """The data's hash, kept under a stamp of what goes into the call (the data config, the code of the function and
+    of Kiln's loader, the files of ``data.depends_on``) together with the stamps of the files and folders the call
+    was seen reading (:mod:`kiln.core.file_reads`); called anew when any of them differs, or the call reached past
+    this machine's files (it is then called on every run, and the run says why)."""
+    path = workdir / "cache" / DATA_HASHES
+    kept = _read_kept(path)
+    stamp = _call_stamp(config)
+    entry = kept.get(stamp)
+    if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and entry["read"] == _restamp(entry["read"]):
+        return entry["data"]
+    with recording() as reads:
+        value = _dataset_hash(config)
+    if reads.reached_out:
+        log.warning(
+            "data: data.skip_unchanged is set, but the data function reached past this machine's files (%s): it is "
+            "called on every run to see its data",
+            reads.reached_out,
+        )
+        return value
+    declared = [Path(p) for p in config.data.depends_on]
+    files, folders = user_files(reads, skip=[workdir, *declared])
+    read = {str(f): _data_stamp(f) for f in files} | {str(d) + "/": _listing(d) for d in folders}
+    kept = {k: v for k, v in kept.items() if k != stamp}
+    kept = dict(list(kept.items())[-(KEPT_HASHES - 1) :]) | {stamp: {"data": value, "read": read}}
+    _keep_json(path, kept)
+    return value
+
+
+def _call_stamp(config: KilnConfig) -> str:
+    declared = {}
+    for p in config.data.depends_on:
+        path = Path(p)
+        if not path.exists():
+            raise InputFileError(
+                f"data.depends_on names {p}, which does not exist",
+                hint="fix the path or remove it from data.depends_on",
+            )
+        declared[p] = _data_stamp(path) if path.is_file() else _tree_stamp(path)
+    return hash_json(
+        {
+            "data": config.data.model_dump(mode="json", exclude={"depends_on"}),
+            "model": [config.model.name, config.model.onnx],
+            "signature": config.signature.model_dump(mode="json"),
+            "seed": config.seed,
+            "code": code_version(config.data.name.partition(":")[0]),
+            "kiln": hash_source(
+                "kiln.models.model_io", "kiln.models.registry", "kiln.core.data", "kiln.calibration.data"
+            ),
+            "depends_on": declared,
+            "cwd": str(Path.cwd()),
+        }
+    )
+
+
+def _restamp(read: dict[str, str]) -> dict[str, str | None]:
+    """``read``'s paths stamped as they are now (None: gone)."""
+    out: dict[str, str | None] = {}
+    for name in read:
+        path = Path(name.rstrip("/"))
+        try:
+            out[name] = _listing(path) if name.endswith("/") else _data_stamp(path)
+        except OSError:
+            out[name] = None
+    return out
+
+
+def _listing(folder: Path) -> str:
+    return hash_json(sorted(os.listdir(folder)))
+
+
+def _tree_stamp(folder: Path) -> dict[str, str]:
+    return {f.relative_to(folder).as_posix(): _data_stamp(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+DATA_HASHED = 64 * 2**20  # a data file up to this size is known by its content, a larger one by its stat
+
+
+def _data_stamp(path: Path) -> str:
+    """A file's content hash, or for a large one its size, mtime and inode (a file rewritten within the clock's tick
+    at the same size keeps its mtime, so a small file, which is quick to hash, is hashed)."""
+    return hash_file(path) if path.stat().st_size <= DATA_HASHED else _stat(path)
+
+
+def _read_kept(path: Path) -> dict[str, Any]:
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def _keep_json(path: Path, record: dict[str, Any]) -> None:
+    if path.parent.is_symlink():
+        return  # a cache folder planted as a link: never written through
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, record)
+    except OSError:
+        pass  # a read-only workdir: the function is called next time too
 
 
 def _array(t: object) -> np.ndarray:
@@ -98,7 +231,7 @@ def _strings(value: object) -> list[str]:
 
 def _stat(path: Path) -> str:
     st = path.stat()
-    return f"{st.st_size}:{st.st_mtime_ns}"
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
 def _file_stamp(path: Path) -> str:
@@ -132,7 +265,7 @@ def calibration_fingerprint(config: KilnConfig) -> str | None:
 
 # name -> (config, workdir) -> fingerprint
 FINGERPRINTS: dict[str, Callable[[KilnConfig, Path], str | None]] = {
-    "dataset": lambda config, _: dataset_fingerprint(config),
+    "dataset": dataset_fingerprint,
     "checkpoint": lambda config, _: checkpoint_fingerprint(config),
     "model_files": model_files_fingerprint,
     "onnx": lambda config, _: onnx_fingerprint(config),

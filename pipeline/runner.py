@@ -161,7 +161,9 @@ def config_at(config: KilnConfig, dotted: str) -> Any:
 def config_value(config: KilnConfig, dotted: str) -> Any:
     """:func:`config_at` as JSON."""
     value = config_at(config, dotted)
-    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    if not hasattr(value, "model_dump"):
+        return value
+    return value.model_dump(mode="json", exclude=set(getattr(value, "UNKEYED", ())))
 
 
 def settings_for(stage: Stage, config: KilnConfig) -> StageSettings:

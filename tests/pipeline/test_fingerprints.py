@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +33,35 @@ def as_numpy():
 def bf16():
     d = digits(seed=0)
     return DatasetSplits(d.train_x.bfloat16(), d.train_y, d.val_x.bfloat16(), d.val_y, 10)
+
+CALLS = []
+
+def counted(path, folder=None, unseen=None, count=None):
+    # load(), noting each call in count; reads a folder's listing and a file through C (ctypes), if given
+    import ctypes, glob, os
+    open(count, "a").write("call\\n")
+    d, k = digits(seed=0), float(np.load(path))
+    if folder:
+        k += len(glob.glob(os.path.join(folder, "*.txt")))
+    if unseen:
+        libc = ctypes.CDLL(None)
+        libc.fopen.restype = ctypes.c_void_p
+        f = libc.fopen(unseen.encode(), b"rb")
+        buf = ctypes.create_string_buffer(8)
+        libc.fread(buf, 1, 8, ctypes.c_void_p(f))
+        libc.fclose(ctypes.c_void_p(f))
+        k += buf.raw[0]
+    return DatasetSplits(d.train_x * k, d.train_y, d.val_x * k, d.val_y, d.num_classes, "scaled digits")
+
+def online(port, count):
+    import socket
+    open(count, "a").write("call\\n")
+    socket.create_connection(("127.0.0.1", port)).close()
+    return load_digits()
+
+def load_digits():
+    d = digits(seed=0)
+    return DatasetSplits(d.train_x, d.train_y, d.val_x, d.val_y, d.num_classes)
 
 def calib(path):
     x = np.load(path)
@@ -217,3 +247,92 @@ def test_files_named_in_model_params_are_in_trains_key(tmp_path: Path, monkeypat
     after = (stamp(spec="arch.json"), stamp(layers=[{"pretrained": "bert"}]))
     assert None not in before and before[0] != after[0] and before[1] != after[1]
     assert "model_files" in stage_named("train").data
+
+
+def _skipping(tmp_path: Path, **params: object) -> tuple[Any, Path]:
+    count = tmp_path / "calls.txt"
+    cfg = {"data.name": "my_files:counted", "data.params": {**params, "count": str(count)}, "data.skip_unchanged": True}
+    return config_from_dict(tiny_config_dict(**cfg)), count
+
+
+def _calls(count: Path) -> int:
+    return len(count.read_text().splitlines()) if count.exists() else 0
+
+
+def test_skip_unchanged_calls_the_data_function_only_when_what_it_read_changed(
+    tmp_path: Path, user_module: Path
+) -> None:
+    """With data.skip_unchanged, a second run takes the data's hash from the workdir's cache without calling the
+    function; a file it opened rewritten at the same size (one clock tick: same mtime), or a new file in a folder it
+    listed, calls it again."""
+    scale, folder, wd = tmp_path / "scale.npy", tmp_path / "texts", tmp_path / "wd"
+    np.save(scale, np.float32(1.0))
+    folder.mkdir()
+    cfg, count = _skipping(tmp_path, path=str(scale), folder=str(folder))
+    first = dataset_fingerprint(cfg, wd)
+    assert dataset_fingerprint(cfg, wd) == first and _calls(count) == 1
+    np.save(scale, np.float32(2.0))  # same size
+    second = dataset_fingerprint(cfg, wd)
+    assert second != first and _calls(count) == 2
+    assert dataset_fingerprint(cfg, wd) == second and _calls(count) == 2
+    (folder / "a.txt").write_text("x")
+    assert dataset_fingerprint(cfg, wd) != second and _calls(count) == 3
+    off = config_from_dict(tiny_config_dict(**{"data.name": "my_files:counted", "data.params": cfg.data.params}))
+    assert dataset_fingerprint(off, wd) == dataset_fingerprint(cfg, wd) and _calls(count) == 4  # off: always called
+
+
+def test_depends_on_covers_files_read_unseen(tmp_path: Path, user_module: Path) -> None:
+    """A file read in C is not seen; named in data.depends_on, a change to it calls the function again. A path
+    there that does not exist is an error naming it."""
+    from kiln.core.errors import InputFileError
+
+    scale, unseen, wd = tmp_path / "scale.npy", tmp_path / "raw.bin", tmp_path / "wd"
+    np.save(scale, np.float32(1.0))
+    unseen.write_bytes(bytes([1] * 8))
+    cfg, count = _skipping(tmp_path, path=str(scale), unseen=str(unseen))
+    first = dataset_fingerprint(cfg, wd)
+    unseen.write_bytes(bytes([2] * 8))
+    assert dataset_fingerprint(cfg, wd) == first and _calls(count) == 1  # not seen, not named: the limit
+    named = config_from_dict(tiny_config_dict(**{**_flat(cfg), "data.depends_on": [str(unseen)]}))
+    assert dataset_fingerprint(named, wd) != first and _calls(count) == 2
+    unseen.write_bytes(bytes([3] * 8))
+    dataset_fingerprint(named, wd)
+    assert _calls(count) == 3
+    gone = config_from_dict(tiny_config_dict(**{**_flat(cfg), "data.depends_on": [str(tmp_path / "nope")]}))
+    with pytest.raises(InputFileError, match="data.depends_on names .*nope"):
+        dataset_fingerprint(gone, wd)
+
+
+def _flat(cfg: Any) -> dict[str, Any]:
+    return {f"data.{k}": v for k, v in cfg.data.model_dump().items()}
+
+
+def test_a_data_function_reaching_the_network_is_called_every_run(
+    tmp_path: Path, user_module: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        count = tmp_path / "calls.txt"
+        params = {"port": server.getsockname()[1], "count": str(count)}
+        cfg = config_from_dict(
+            tiny_config_dict(**{"data.name": "my_files:online", "data.params": params, "data.skip_unchanged": True})
+        )
+        dataset_fingerprint(cfg, tmp_path / "wd")
+        dataset_fingerprint(cfg, tmp_path / "wd")
+    assert _calls(count) == 2
+    assert "reached past this machine's files (socket.connect)" in caplog.text
+
+
+def test_skip_unchanged_is_not_in_any_stages_key(tmp_path: Path, user_module: Path) -> None:
+    """Turning it on changes how the run checks the data, not the data: nothing reruns."""
+    scale = tmp_path / "scale.npy"
+    np.save(scale, np.float32(1.0))
+    cfg = config_from_dict(tiny_config_dict(**{"data.name": "my_files:load", "data.params": {"path": str(scale)}}))
+    assert statuses(run_pipeline(cfg, tmp_path / "wd", stop="train")[0]) == {"train": "ran"}
+    on = config_from_dict(
+        tiny_config_dict(**{**_flat(cfg), "data.skip_unchanged": True, "data.depends_on": [str(scale)]})
+    )
+    assert statuses(run_pipeline(on, tmp_path / "wd", stop="train")[0]) == {"train": "cached"}

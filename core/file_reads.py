@@ -1,0 +1,104 @@
+"""What a piece of the user's code read: the files it opened and the folders it listed through Python, and whether
+it reached past the machine (a socket, a database, a subprocess).
+
+Recorded with Python's audit hooks (:func:`sys.addaudithook`, PEP 578), the one place every ``open()``,
+``os.listdir`` and ``socket.connect`` of the interpreter reports to; no library records what a call read, so this is
+written here. What a library reads in C (pyarrow's and h5py's files) is not seen: callers let the user name those.
+A hook cannot be removed once added, so one is added per process and records only inside :func:`recording`.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Events meaning the code read from something other than the files of this machine
+REACHES_OUT = {"socket.connect", "socket.sendto", "sqlite3.connect", "subprocess.Popen", "os.system", "os.exec"}
+LISTS = {"os.listdir", "os.scandir", "glob.glob"}
+MODULE_SUFFIXES = {".py", ".pyc", ".so", ".pyd"}
+
+
+@dataclass
+class Reads:
+    """Paths read while recording: ``files`` opened for reading, ``folders`` listed (by a glob, say) other than by
+    the import system, and the first event that reached past the machine's files, if any."""
+
+    files: set[str] = field(default_factory=set)
+    folders: set[str] = field(default_factory=set)
+    reached_out: str | None = None
+
+
+_active: list[Reads] = []
+_lock = threading.Lock()
+_hooked = False
+
+
+def _hook(event: str, args: tuple[Any, ...]) -> None:
+    if not _active:
+        return
+    reads = _active[-1]
+    if event == "open":
+        path, mode = args[0], args[1]
+        if isinstance(path, (str, bytes, os.PathLike)) and (mode is None or not set(str(mode)) & set("wax+")):
+            reads.files.add(os.fsdecode(path))
+    elif event in LISTS:
+        path = args[0] if args else "."
+        if isinstance(path, (str, bytes, os.PathLike)) and not _from_import_system():
+            reads.folders.add(os.fsdecode(path))
+    elif event in REACHES_OUT or event.startswith("os.exec"):
+        reads.reached_out = reads.reached_out or event
+
+
+def _from_import_system() -> bool:
+    """Whether the import system is listing a folder (to find a module), not the user's code."""
+    frame = sys._getframe(2)
+    return frame is not None and frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+@contextmanager
+def recording() -> Iterator[Reads]:
+    """Record what the code in the ``with`` block reads (in any thread of the process)."""
+    global _hooked
+    with _lock:
+        if not _hooked:
+            sys.addaudithook(_hook)
+            _hooked = True
+    reads = Reads()
+    _active.append(reads)
+    try:
+        yield reads
+    finally:
+        _active.remove(reads)
+
+
+def installed_roots() -> list[Path]:
+    """Where Python and installed packages live: files there are the environment's, not the user's."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()}
+    paths |= {p for p in sysconfig.get_paths().values()}
+    return sorted({Path(p).resolve() for p in paths if p} - {Path("/")})
+
+
+def user_files(reads: Reads, skip: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The files and folders of ``reads`` that are the user's: not the environment's (:func:`installed_roots`), not
+    the system's (``/proc``, ``/sys``, ``/dev``), not under ``skip``, not Python
+    modules (code, whose version callers know from its source). Both sorted, each existing path once."""
+    skip_roots = [*installed_roots(), *(p.resolve() for p in skip), Path("/proc"), Path("/sys"), Path("/dev")]
+
+    def theirs(raw: str) -> Path | None:
+        path = Path(raw)
+        if "__pycache__" in path.parts or path.suffix in MODULE_SUFFIXES:
+            return None
+        real = path.resolve()
+        return None if any(real.is_relative_to(r) for r in skip_roots) else real
+
+    files = {p for p in map(theirs, reads.files) if p is not None and p.is_file()}
+    folders = {p for p in map(theirs, reads.folders) if p is not None and p.is_dir()}
+    return sorted(files), sorted(folders)

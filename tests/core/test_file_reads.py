@@ -1,0 +1,55 @@
+"""What a call read, as Python's audit hooks report it."""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.core.file_reads import recording, user_files
+
+
+def test_reads_are_recorded_inside_the_block_only(tmp_path: Path) -> None:
+    data, out, folder = tmp_path / "data.csv", tmp_path / "out.txt", tmp_path / "shards"
+    data.write_text("1,2\n")
+    folder.mkdir()
+    with recording() as reads:
+        data.read_text()
+        out.write_text("written")  # a write is not a read
+        glob.glob(str(folder / "*.csv"))
+    (tmp_path / "after.txt").write_text("x")
+    (tmp_path / "after.txt").read_text()
+    files, folders = user_files(reads, skip=[])
+    assert files == [data.resolve()] and folders == [folder.resolve()]
+    assert reads.reached_out is None
+
+
+def test_modules_the_environment_and_skipped_folders_are_not_the_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An imported module (its source, its compiled file, the import system's listing of its folder), a file of
+    the installed packages and a file under ``skip`` are left out."""
+    (tmp_path / "kiln_fr_helper.py").write_text("X = 1\n")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "f.txt").write_text("x")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with recording() as reads:
+            importlib.import_module("kiln_fr_helper")
+            Path(importlib.__file__).read_text()  # the standard library's
+            Path(pytest.__file__).read_text()  # an installed package's
+            (tmp_path / "kept" / "f.txt").read_text()
+    finally:
+        sys.modules.pop("kiln_fr_helper", None)
+    assert any(p.endswith("kiln_fr_helper.py") for p in reads.files)
+    assert user_files(reads, skip=[tmp_path / "kept"]) == ([], [])
+
+
+def test_a_subprocess_reaches_past_the_files() -> None:
+    with recording() as reads:
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert reads.reached_out == "subprocess.Popen"
