@@ -263,3 +263,11 @@ def test_serve_bench_starts_one_server_per_listed_setting_and_joins_each_ones_le
         legs = json.loads((tmp_path / "out" / f"serve_demo_cpu_legs_{run}.json").read_text())["legs"]
         assert legs["met"] > 0 and legs["by_batch"]
         assert max(int(g["batches"].split("-")[-1]) for g in legs["by_batch"]) <= batch  # no batch above the limit
+
+
+@pytest.mark.slow
+def test_cached_rerun_bench_times_a_user_project_both_ways(tmp_path: Path) -> None:
+    _run("cached_rerun_bench.py", "--rounds", "1", "--out", str(tmp_path))
+    res = json.loads((tmp_path / "cached_rerun.json").read_text())
+    assert set(res["cached_rerun"]) == {"off", "on"} and res["fresh_run_s"] > 0
+    assert all(len(r["runs"]) == 1 and r["median_s"] > 0 for r in res["cached_rerun"].values())
