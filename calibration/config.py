@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -29,6 +29,9 @@ DEFAULT_OP_TYPES = (
 
 
 class CalibrationConfig(Section):
+    # How the run checks the reader's batches are unchanged, not what they are: not part of any stage's cache key
+    UNKEYED: ClassVar[tuple[str, ...]] = ("skip_unchanged", "depends_on")
+
     method: Literal["minmax", "entropy", "percentile"] = Field(
         "minmax", description="how activation ranges are chosen from the calibration data"
     )
@@ -40,6 +43,15 @@ class CalibrationConfig(Section):
         "default: the run's training split, preprocessed like validation data",
     )
     reader_params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the reader")
+    skip_unchanged: bool = Field(
+        False,
+        description="a reader: a run whose precision stage is cached does not call it while its code, params and "
+        "every file it read last time are unchanged (as data.skip_unchanged)",
+    )
+    depends_on: list[str] = Field(
+        default_factory=list,
+        description="with skip_unchanged: files or folders the reader reads that Python's open() does not see",
+    )
     percentile: float = Field(99.999, gt=90, le=100, description="percentile method only")
     per_channel: bool = Field(True, description="per-output-channel weight scales")
     activation_type: Literal["int8", "uint8"] = Field(

@@ -35,28 +35,20 @@ def _is_import_path(name: str | None) -> bool:
 
 def dataset_fingerprint(config: KilnConfig, workdir: Path | None = None) -> str | None:
     """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one. With
-    ``data.skip_unchanged``, the hash is kept in the workdir's cache with what the data function read to make it
-    (:func:`_kept_dataset_hash`), and a run finding all that unchanged takes the kept hash without calling it."""
+    ``data.skip_unchanged``, kept in the workdir's cache (:func:`_kept_hash`)."""
     if not _is_import_path(config.data.name):
         return None
     if config.data.skip_unchanged and workdir is not None:
-        return _kept_dataset_hash(config, workdir)
-    started = time.perf_counter()
-    value = _dataset_hash(config)
-    if (took := time.perf_counter() - started) >= SLOW_DATA_S and not _said_slow:
-        _said_slow.append(True)
-        log.info(
-            "data: calling the data function to hash its data took %.1f s; with data.skip_unchanged a run skips "
-            "the call while what it read is unchanged (docs/configuration.md, 'A data function slow to call')",
-            took,
-        )
-    return value
-
-
-SLOW_DATA_S = 1.0  # a data function slower than this to call on a cached run is worth a hint
-_said_slow: list[bool] = []
-DATA_HASHES = "data-hashes.json"  # in the workdir's cache folder: what a data function read, and its data's hash
-KEPT_HASHES = 8
+        parts = {
+            "data": config.data.model_dump(mode="json", exclude={"depends_on"}),
+            "model": [config.model.name, config.model.onnx],
+            "signature": config.signature.model_dump(mode="json"),
+            "seed": config.seed,
+            "code": code_version(config.data.name.partition(":")[0]),
+            "kiln": hash_source("kiln.models.model_io", "kiln.models.registry", "kiln.core.data"),
+        }
+        return _kept_hash(workdir, "data", parts, config.data.depends_on, lambda: _dataset_hash(config))
+    return _timed("data function", lambda: _dataset_hash(config), "data")
 
 
 def _dataset_hash(config: KilnConfig) -> str:
@@ -69,59 +61,78 @@ def _dataset_hash(config: KilnConfig) -> str:
     return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
 
 
-def _kept_dataset_hash(config: KilnConfig, workdir: Path) -> str:
-    """The data's hash, kept under a stamp of what goes into the call (the data config, the code of the function and
-    of Kiln's loader, the files of ``data.depends_on``) together with the stamps of the files and folders the call
-    was seen reading (:mod:`kiln.core.file_reads`); called anew when any of them differs, or the call reached past
-    this machine's files (it is then called on every run, and the run says why)."""
-    path = workdir / "cache" / DATA_HASHES
+SLOW_CALL_S = 1.0  # user code slower than this to call only for its hash is worth a hint
+_said_slow: set[str] = set()
+
+
+def _timed(what: str, call: Callable[[], str], section: str) -> str:
+    """``call()``, with a hint the first time in a process it takes over :data:`SLOW_CALL_S`."""
+    started = time.perf_counter()
+    value = call()
+    if (took := time.perf_counter() - started) >= SLOW_CALL_S and section not in _said_slow:
+        _said_slow.add(section)
+        log.info(
+            "%s: calling the %s to hash what it returns took %.1f s; with %s.skip_unchanged a run skips the call "
+            "while what it read is unchanged (docs/configuration.md, 'A data function slow to call')",
+            section,
+            what,
+            took,
+            section,
+        )
+    return value
+
+
+KEPT_FILE = "data-hashes.json"  # in the workdir's cache folder: what user code read, and the hash of what it returned
+KEPT_HASHES = 8
+
+
+def _kept_hash(
+    workdir: Path, section: str, parts: dict[str, Any], depends_on: list[str], call: Callable[[], str]
+) -> str:
+    """The hash ``call()`` returns for the user code of ``section`` (its data function, its calibration reader),
+    kept in the workdir's cache under a stamp of what goes into the call (``parts``: its config and code, and the
+    files of ``<section>.depends_on``) together with the stamps of the files and folders the call was seen reading
+    (:mod:`kiln.core.file_reads`). Called anew when any of them differs, or when the call reached past this machine's
+    files (then on every run, and the run says why)."""
+    path = workdir / "cache" / KEPT_FILE
     kept = _read_kept(path)
-    stamp = _call_stamp(config)
+    stamp = hash_json(
+        {**parts, "section": section, "depends_on": _declared(section, depends_on), "cwd": str(Path.cwd())}
+    )
     entry = kept.get(stamp)
     if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and entry["read"] == _restamp(entry["read"]):
-        return entry["data"]
+        return entry["hash"]
     with recording() as reads:
-        value = _dataset_hash(config)
+        value = call()
     if reads.reached_out:
         log.warning(
-            "data: data.skip_unchanged is set, but the data function reached past this machine's files (%s): it is "
-            "called on every run to see its data",
+            "%s: %s.skip_unchanged is set, but its code reached past this machine's files (%s): it is called on "
+            "every run to see what it returns",
+            section,
+            section,
             reads.reached_out,
         )
         return value
-    declared = [Path(p) for p in config.data.depends_on]
-    files, folders = user_files(reads, skip=[workdir, *declared])
+    files, folders = user_files(reads, skip=[workdir, *map(Path, depends_on)])
     read = {str(f): _data_stamp(f) for f in files} | {str(d) + "/": _listing(d) for d in folders}
     kept = {k: v for k, v in kept.items() if k != stamp}
-    kept = dict(list(kept.items())[-(KEPT_HASHES - 1) :]) | {stamp: {"data": value, "read": read}}
+    kept = dict(list(kept.items())[-(KEPT_HASHES - 1) :]) | {stamp: {"hash": value, "read": read}}
     _keep_json(path, kept)
     return value
 
 
-def _call_stamp(config: KilnConfig) -> str:
+def _declared(section: str, depends_on: list[str]) -> dict[str, Any]:
+    """Stamps of the files and folders ``<section>.depends_on`` names."""
     declared = {}
-    for p in config.data.depends_on:
+    for p in depends_on:
         path = Path(p)
         if not path.exists():
             raise InputFileError(
-                f"data.depends_on names {p}, which does not exist",
-                hint="fix the path or remove it from data.depends_on",
+                f"{section}.depends_on names {p}, which does not exist",
+                hint=f"fix the path or remove it from {section}.depends_on",
             )
         declared[p] = _data_stamp(path) if path.is_file() else _tree_stamp(path)
-    return hash_json(
-        {
-            "data": config.data.model_dump(mode="json", exclude={"depends_on"}),
-            "model": [config.model.name, config.model.onnx],
-            "signature": config.signature.model_dump(mode="json"),
-            "seed": config.seed,
-            "code": code_version(config.data.name.partition(":")[0]),
-            "kiln": hash_source(
-                "kiln.models.model_io", "kiln.models.registry", "kiln.core.data", "kiln.calibration.data"
-            ),
-            "depends_on": declared,
-            "cwd": str(Path.cwd()),
-        }
-    )
+    return declared
 
 
 def _restamp(read: dict[str, str]) -> dict[str, str | None]:
@@ -251,16 +262,28 @@ def onnx_fingerprint(config: KilnConfig) -> str | None:
     return hash_json({f.relative_to(path.parent).as_posix(): hash_file(f) for f in onnx_files(path)})
 
 
-def calibration_fingerprint(config: KilnConfig) -> str | None:
+def calibration_fingerprint(config: KilnConfig, workdir: Path | None = None) -> str | None:
     """Hash of the batches a user calibration reader yields (what calibration would use), or None when there is
-    no reader or the precision stage will not calibrate."""
+    no reader or the precision stage will not calibrate. With ``calibration.skip_unchanged``, kept in the workdir's
+    cache (:func:`_kept_hash`)."""
     ccfg, pcfg = config.calibration, config.precision
     needs_data = "int8" in pcfg.variants or ("fp16" in pcfg.variants and pcfg.fp16.range_check)
     if not (ccfg.reader and needs_data):
         return None
-    from kiln.calibration.data import hash_batches, read_reader
 
-    return hash_batches(read_reader(ccfg))
+    def call() -> str:
+        from kiln.calibration.data import hash_batches, read_reader
+
+        return hash_batches(read_reader(ccfg))
+
+    if ccfg.skip_unchanged and workdir is not None and _is_import_path(ccfg.reader):
+        parts = {
+            "calibration": ccfg.model_dump(mode="json", exclude={"depends_on"}),
+            "code": code_version(ccfg.reader.partition(":")[0]),
+            "kiln": hash_source("kiln.calibration.data", "kiln.models.registry"),
+        }
+        return _kept_hash(workdir, "calibration", parts, ccfg.depends_on, call)
+    return _timed("calibration reader", call, "calibration")
 
 
 # name -> (config, workdir) -> fingerprint
@@ -269,5 +292,5 @@ FINGERPRINTS: dict[str, Callable[[KilnConfig, Path], str | None]] = {
     "checkpoint": lambda config, _: checkpoint_fingerprint(config),
     "model_files": model_files_fingerprint,
     "onnx": lambda config, _: onnx_fingerprint(config),
-    "calibration": lambda config, _: calibration_fingerprint(config),
+    "calibration": calibration_fingerprint,
 }

@@ -63,7 +63,9 @@ def load_digits():
     d = digits(seed=0)
     return DatasetSplits(d.train_x, d.train_y, d.val_x, d.val_y, d.num_classes)
 
-def calib(path):
+def calib(path, count=None):
+    if count:
+        open(count, "a").write("call\\n")
     x = np.load(path)
     return [x[i:i + 16] for i in range(0, len(x), 16)]
 """
@@ -336,3 +338,24 @@ def test_skip_unchanged_is_not_in_any_stages_key(tmp_path: Path, user_module: Pa
         tiny_config_dict(**{**_flat(cfg), "data.skip_unchanged": True, "data.depends_on": [str(scale)]})
     )
     assert statuses(run_pipeline(on, tmp_path / "wd", stop="train")[0]) == {"train": "cached"}
+
+
+def test_calibration_skip_unchanged_calls_the_reader_only_when_its_file_changed(
+    tmp_path: Path, user_module: Path
+) -> None:
+    calib, count, wd = tmp_path / "calib.npy", tmp_path / "calls.txt", tmp_path / "wd"
+    np.save(calib, np.ones((32, 1, 8, 8), np.float32))
+    cfg = config_from_dict(
+        tiny_config_dict(
+            **{
+                "precision.variants": ["fp32", "int8"],
+                "calibration.reader": "my_files:calib",
+                "calibration.reader_params": {"path": str(calib), "count": str(count)},
+                "calibration.skip_unchanged": True,
+            }
+        )
+    )
+    first = calibration_fingerprint(cfg, wd)
+    assert calibration_fingerprint(cfg, wd) == first and _calls(count) == 1
+    np.save(calib, np.full((32, 1, 8, 8), 2, np.float32))
+    assert calibration_fingerprint(cfg, wd) != first and _calls(count) == 2
