@@ -393,9 +393,11 @@ class Runner:
             )
             run = stage.function()
             # PyTorch gets the cores a busy machine leaves idle (said once a run), in a stage whose code loads it
-            threads = cpu_threads_for_load(say=not self._threads_said) if "torch" in sys.modules else nullcontext()
+            torch = sys.modules.get("torch")
+            before = torch.get_num_threads() if torch is not None else 0
+            threads = cpu_threads_for_load(say=not self._threads_said) if torch is not None else nullcontext()
             with threads as count:
-                self._threads_said |= count is not None
+                self._threads_said |= count is not None and count < before  # lowered: said at info
                 summary = run(ctx)
             seconds = time.perf_counter() - t0
             status = summary.status

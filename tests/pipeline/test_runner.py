@@ -344,3 +344,31 @@ def test_the_gates_fix_line_fits_the_failure() -> None:
     missed = ["onnxruntime-cpu-int8: cosine 0.99 < 0.999"]
     assert "relax validate.gates" in gate_hint(missed, "ran") and "--force validate" not in gate_hint(missed, "ran")
     assert "--force validate" in gate_hint([*missed, none], "cached")
+
+
+def test_the_thread_message_waits_for_the_first_stage_that_lowers_the_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle machine at the first stage, a busy one at a later stage: the later stage's lowering is said (at
+    info), not swallowed as already said."""
+    import logging
+    import os
+
+    import torch
+
+    from kiln.core import threads
+
+    loads = iter([0.0] + [9.0] * 20)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda _: {0, 1})
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (next(loads),) * 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with caplog.at_level(logging.INFO, "kiln"):
+            assert run(tmp_path).ok
+    finally:
+        torch.set_num_threads(before)
+        monkeypatch.setattr(threads.os, "getloadavg", os.getloadavg)
+    said = [r for r in caplog.records if "busy machine" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
