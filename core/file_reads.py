@@ -9,6 +9,7 @@ A hook cannot be removed once added, so one is added per process and records onl
 
 from __future__ import annotations
 
+import functools
 import os
 import site
 import sys
@@ -53,7 +54,7 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
         path = args[0] if args else "."
         if isinstance(path, (str, bytes, os.PathLike)) and not _from_import_system():
             reads.folders.add(os.fsdecode(path))
-    elif event in REACHES_OUT or event.startswith("os.exec"):
+    elif (event in REACHES_OUT or event.startswith("os.exec")) and not _importing_a_library():
         reads.reached_out = reads.reached_out or event
 
 
@@ -61,6 +62,28 @@ def _from_import_system() -> bool:
     """Whether the import system is listing a folder (to find a module), not the user's code."""
     frame = sys._getframe(2)
     return frame is not None and frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def _importing_a_library() -> bool:
+    """Whether the code running is an installed package's module body being imported (numpy asks ``lscpu`` when it
+    is first imported): the environment's doing, which the next run repeats or not, not the user's code reaching
+    out. A user's module doing so on import counts."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name != "<module>":
+        frame = frame.f_back
+    if frame is None or frame.f_back is None or not frame.f_back.f_code.co_filename.startswith("<frozen importlib"):
+        return False
+    return _installed(frame.f_code.co_filename)
+
+
+def _installed(filename: str) -> bool:
+    real = Path(filename).resolve()
+    return any(real.is_relative_to(root) for root in _roots())
+
+
+@functools.cache
+def _roots() -> tuple[Path, ...]:
+    return tuple(installed_roots())
 
 
 @contextmanager

@@ -53,3 +53,27 @@ def test_a_subprocess_reaches_past_the_files() -> None:
     with recording() as reads:
         subprocess.run([sys.executable, "-c", "pass"], check=True)
     assert reads.reached_out == "subprocess.Popen"
+
+
+def test_a_library_starting_a_process_as_it_is_imported_is_not_the_users_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy runs ``lscpu`` when first imported; a user's module doing the same on import counts."""
+    from kiln.core import file_reads
+
+    body = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'pass'], check=True)\n"
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "kiln_fr_lib.py").write_text(body)
+    (tmp_path / "kiln_fr_user.py").write_text(body)
+    monkeypatch.setattr(file_reads, "_roots", lambda: (tmp_path.resolve() / "lib",))
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with recording() as library:
+            importlib.import_module("kiln_fr_lib")
+        with recording() as user:
+            importlib.import_module("kiln_fr_user")
+    finally:
+        sys.modules.pop("kiln_fr_lib", None)
+        sys.modules.pop("kiln_fr_user", None)
+    assert library.reached_out is None and user.reached_out == "subprocess.Popen"

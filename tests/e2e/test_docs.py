@@ -206,6 +206,10 @@ def test_the_bring_your_own_model_guide_runs_as_written(tmp_path: Path) -> None:
     assert (
         v["passed"] and v["baseline"]["shapes"] == [{"seq": 8}, {"seq": 16}] and v["baseline"]["compared"] == ["logits"]
     )
+    kept = json.loads((folder / "textcls-out" / "cache" / "data-hashes.json").read_text())  # skip_unchanged
+    run_kiln(["run", "textcls.yaml", "-w", "textcls-out", "--quiet"], folder)
+    report = json.loads((folder / "textcls-out" / "report.json").read_text())
+    assert {s["status"] for s in report["stages"].values()} == {"cached"} and len(kept) == 1
     for lang, text in blocks(doc):
         if lang == "bash":
             run_block(lang, text, folder)
