@@ -100,7 +100,7 @@ def _kept_hash(
         {**parts, "section": section, "depends_on": _declared(section, depends_on), "cwd": str(Path.cwd())}
     )
     entry = kept.get(stamp)
-    if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and entry["read"] == _restamp(entry["read"]):
+    if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and _all_unchanged(entry["read"]):
         return entry["hash"]
     with recording() as reads:
         value = call()
@@ -135,16 +135,16 @@ def _declared(section: str, depends_on: list[str]) -> dict[str, Any]:
     return declared
 
 
-def _restamp(read: dict[str, str]) -> dict[str, str | None]:
-    """``read``'s paths stamped as they are now (None: gone)."""
-    out: dict[str, str | None] = {}
-    for name in read:
+def _all_unchanged(read: dict[str, str]) -> bool:
+    """Whether every path of ``read`` (a folder's name ends in ``/``) still has the stamp kept for it."""
+    for name, kept in read.items():
         path = Path(name.rstrip("/"))
         try:
-            out[name] = _listing(path) if name.endswith("/") else _data_stamp(path)
-        except OSError:
-            out[name] = None
-    return out
+            if not (_listing(path) == kept if name.endswith("/") else _still(path, kept)):
+                return False
+        except OSError:  # gone
+            return False
+    return True
 
 
 def _listing(folder: Path) -> str:
@@ -155,13 +155,25 @@ def _tree_stamp(folder: Path) -> dict[str, str]:
     return {f.relative_to(folder).as_posix(): _data_stamp(f) for f in sorted(folder.rglob("*")) if f.is_file()}
 
 
-DATA_HASHED = 64 * 2**20  # a data file up to this size is known by its content, a larger one by its stat
+RACY_NS = 2 * 10**9  # a file modified this close to its stamp may be rewritten within one tick of the file clock
 
 
 def _data_stamp(path: Path) -> str:
-    """A file's content hash, or for a large one its size, mtime and inode (a file rewritten within the clock's tick
-    at the same size keeps its mtime, so a small file, which is quick to hash, is hashed)."""
-    return hash_file(path) if path.stat().st_size <= DATA_HASHED else _stat(path)
+    """A file's size, mtime and inode, the way build tools know a file unchanged; for a file modified in the last
+    :data:`RACY_NS` also its content's hash (git's "racily clean" case: rewritten within the file clock's tick at the
+    same size, it keeps its mtime)."""
+    st = path.stat()
+    stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    return stamp + ":" + hash_file(path) if st.st_mtime_ns >= time.time_ns() - RACY_NS else stamp
+
+
+def _still(path: Path, kept: str) -> bool:
+    """Whether the file has the stamp :func:`_data_stamp` gave it (its content too, where that was kept)."""
+    st = path.stat()
+    size, mtime, ino, *digest = kept.split(":")
+    if (str(st.st_size), str(st.st_mtime_ns), str(st.st_ino)) != (size, mtime, ino):
+        return False
+    return not digest or hash_file(path) == digest[0]
 
 
 def _read_kept(path: Path) -> dict[str, Any]:

@@ -359,3 +359,25 @@ def test_calibration_skip_unchanged_calls_the_reader_only_when_its_file_changed(
     assert calibration_fingerprint(cfg, wd) == first and _calls(count) == 1
     np.save(calib, np.full((32, 1, 8, 8), 2, np.float32))
     assert calibration_fingerprint(cfg, wd) != first and _calls(count) == 2
+
+
+def test_a_file_is_known_by_its_stat_and_by_its_content_only_when_just_modified(tmp_path: Path) -> None:
+    """Reading every data file on every cached run would cost what calling the function costs; a file modified just
+    before it was stamped may be rewritten within the file clock's tick at the same size, so its content is kept."""
+    import os
+
+    from kiln.pipeline.fingerprints import _data_stamp, _still
+
+    old, new = tmp_path / "old.npy", tmp_path / "new.npy"
+    old.write_bytes(b"a" * 64)
+    os.utime(old, (1e9, 1e9))
+    new.write_bytes(b"a" * 64)
+    stamps = _data_stamp(old), _data_stamp(new)
+    assert stamps[0].count(":") == 2 and stamps[1].count(":") == 3
+    assert _still(old, stamps[0]) and _still(new, stamps[1])
+    st = new.stat()
+    new.write_bytes(b"b" * 64)
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same size and mtime: only the content says
+    assert not _still(new, stamps[1])
+    old.write_bytes(b"b" * 64)
+    assert not _still(old, stamps[0])  # a new mtime
