@@ -45,10 +45,16 @@ _hooked = False
 def _hook(event: str, args: tuple[Any, ...]) -> None:
     if not _active:
         return
-    reads = _active[-1]
+    try:
+        _note(_active[-1], event, args)
+    except Exception:  # noqa: BLE001 - an audit hook that raises aborts the user's own call: never
+        pass
+
+
+def _note(reads: Reads, event: str, args: tuple[Any, ...]) -> None:
     if event == "open":
-        path, mode = args[0], args[1]
-        if isinstance(path, (str, bytes, os.PathLike)) and (mode is None or not set(str(mode)) & set("wax+")):
+        path, mode, flags = (*args, None, None)[:3]
+        if isinstance(path, (str, bytes, os.PathLike)) and _reading(mode, flags):
             reads.files.add(os.fsdecode(path))
     elif event in LISTS:
         path = args[0] if args else "."
@@ -56,6 +62,14 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
             reads.folders.add(os.fsdecode(path))
     elif (event in REACHES_OUT or event.startswith("os.exec")) and not _importing_a_library():
         reads.reached_out = reads.reached_out or event
+
+
+def _reading(mode: Any, flags: Any) -> bool:
+    """Whether an ``open`` reads what is there: ``open()``'s mode has ``r`` (``r+`` too); ``os.open`` (no mode) is
+    not write-only."""
+    if mode is not None:
+        return "r" in str(mode)
+    return not (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_TRUNC))
 
 
 def _from_import_system() -> bool:
