@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 # Events meaning the code read from something other than the files of this machine
@@ -74,15 +75,23 @@ def _reading(mode: Any, flags: Any) -> bool:
 
 def _from_import_system() -> bool:
     """Whether the import system is listing a folder (to find a module), not the user's code."""
-    frame = sys._getframe(2)
+    frame = _caller()
     return frame is not None and frame.f_code.co_filename.startswith("<frozen importlib")
+
+
+def _caller() -> FrameType | None:
+    """The frame whose call raised the audit event: the first one outside this module."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame
 
 
 def _importing_a_library() -> bool:
     """Whether the code running is an installed package's module body being imported (numpy asks ``lscpu`` when it
     is first imported): the environment's doing, which the next run repeats or not, not the user's code reaching
     out. A user's module doing so on import counts."""
-    frame = sys._getframe(2)
+    frame = _caller()
     while frame is not None and frame.f_code.co_name != "<module>":
         frame = frame.f_back
     if frame is None or frame.f_back is None or not frame.f_back.f_code.co_filename.startswith("<frozen importlib"):
