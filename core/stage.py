@@ -26,8 +26,10 @@ from kiln.core.records import Summary
 if TYPE_CHECKING:
     from kiln.core.data import DatasetSplits
 
-# what a stage that reads the dataset must declare: the dataset is made from them
+# what a stage that reads the dataset must declare: the dataset is made from them (the axis sizes only when it is
+# random inputs of a model.onnx, :func:`kiln.models.model_io.on_random_inputs`)
 DATASET_SOURCES = ("seed", "model", "data", "signature.dynamic_axes", "signature.shapes")
+RANDOM_INPUT_SOURCES = ("signature.shapes",)
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,9 @@ class Stage:
     ``summary``: the type of what it returns. ``code``: names of the modules whose source is hashed as the stage's
     code version (packages: every file under them), found without importing them. ``env``: the environment facts
     (library versions, device) that belong in its cache key. ``data``: fingerprints of user-supplied data it reads;
-    only a stage that names ``"dataset"`` here can read the dataset (``StageContext.dataset``). ``report``: its
-    section of report.md.
+    only a stage that names ``"dataset"`` here can read the dataset (``StageContext.dataset``). ``random_inputs``:
+    whether it may read the random inputs a run from ``model.onnx`` without data has (training has no PyTorch model
+    to train then, and does not; its key then need not hold what sizes them). ``report``: its section of report.md.
     """
 
     name: str
@@ -134,14 +137,16 @@ class Stage:
     data: tuple[str, ...] = ()  # user-data fingerprints in its key (``kiln.pipeline.fingerprints``)
     # report.md section from the stage's summary (a list of Markdown lines; none when nothing to say)
     report: Callable[[Any], list[str]] | None = None
+    random_inputs: bool = True
 
     def __post_init__(self) -> None:
         if self.entry.count(":") != 1 or not all(self.entry.split(":")):
             raise TypeError(f"stage {self.name}: entry must be 'module:function', not {self.entry!r}")
         declared = self.settings.keys()
-        covered = [k for k in DATASET_SOURCES if any(k == d or k.startswith(d + ".") for d in declared)]
-        if "dataset" in self.data and len(covered) < len(DATASET_SOURCES):
-            raise TypeError(f"stage {self.name} reads the dataset: its settings must declare {DATASET_SOURCES}")
+        needed = [k for k in DATASET_SOURCES if self.random_inputs or k not in RANDOM_INPUT_SOURCES]
+        missing = [k for k in needed if not any(k == d or k.startswith(d + ".") for d in declared)]
+        if "dataset" in self.data and missing:
+            raise TypeError(f"stage {self.name} reads the dataset: its settings must declare {tuple(needed)}")
 
     def function(self) -> Callable[[StageContext[Any]], Summary]:
         """The code that runs the stage (``entry``), imported here, on first use."""

@@ -21,7 +21,7 @@ class TrainSettings(StageSettings):
     """What the train stage reads: the model and its data, the training settings and the signature (the
     logits output the loss and accuracy use, the dynamic axes the data may vary in)."""
 
-    SOURCES = {"signature": ("signature.dynamic_axes", "signature.shapes", "signature.logits_output")}
+    SOURCES = {"signature": ("signature.dynamic_axes", "signature.logits_output")}
     seed: int
     model: ModelConfig
     data: DataConfig
@@ -72,4 +72,5 @@ STAGE = Stage(
     "train the model (AMP, gradient accumulation) or load a checkpoint",
     data=("dataset", "checkpoint", "model_files"),
     report=report_section,
+    random_inputs=False,  # without a PyTorch model (random inputs of model.onnx) nothing is trained
 )

@@ -73,3 +73,19 @@ def test_warmup_longer_than_the_run_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match=r"warmup_steps is 10 but the run has only 10 optimizer steps"):
         train(tiny_net(), tiny_data(), train_cfg(epochs=2, warmup_steps=10))  # 5 steps per epoch
+
+
+def test_validation_sizes_are_not_in_trains_key(tmp_path) -> None:
+    """``signature.shapes`` (the axis sizes engines are validated at) and the batch sizes change nothing training
+    does: train's key stays, export's changes."""
+    from kiln.pipeline.config import config_from_dict
+    from kiln.pipeline.runner import cache_key
+    from kiln.pipeline.stage_list import stage_named
+
+    def keys(**signature: object) -> tuple[str, str]:
+        base = {"signature": {"dynamic_axes": {"input": {2: "h"}}, **signature}}
+        cfg = config_from_dict(base)
+        return cache_key(stage_named("train"), cfg, tmp_path)[0], cache_key(stage_named("export"), cfg, tmp_path)[0]
+
+    before, after = keys(shapes={"h": [8]}), keys(shapes={"h": [8, 16]})
+    assert before[0] == after[0] and before[1] != after[1]
