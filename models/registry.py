@@ -196,4 +196,6 @@ def load_dataset(
         "return kiln.DatasetSplits(train_x, train_y, val_x, val_y, num_classes)",
     )
     check_splits(data, ref, dynamic)
+    if data.name == "dataset":  # unnamed: messages name the function that made it
+        data.name = ref
     return data

@@ -129,3 +129,14 @@ def test_digits_read_from_scikit_learns_file_are_its_load_digits() -> None:
     pixels, labels = digits_arrays()
     bunch = load_digits()
     assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target) and labels.dtype == np.int64
+
+
+def test_an_unnamed_user_dataset_is_named_by_its_function(tmp_path, monkeypatch) -> None:
+    """Messages about the data ("dataset ... has no labels") name the function that made it, not 'dataset'."""
+    (tmp_path / "kiln_unnamed_data.py").write_text(
+        "import torch\nfrom kiln import DatasetSplits\n\n"
+        "def load():\n    x = torch.zeros(8, 4)\n    return DatasetSplits(x[:6], None, x[6:], None)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_dataset("kiln_unnamed_data:load").name == "kiln_unnamed_data:load"
+    assert load_dataset("digits").name != "kiln_unnamed_data:load"
