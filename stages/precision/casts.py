@@ -30,16 +30,19 @@ def _rewire(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
                 consumer.inputs[i] = new
 
 
-def remove_cast_chains(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+def remove_cast_chains(model: onnx.ModelProto, original: set[str] | None = None) -> tuple[onnx.ModelProto, int]:
     """Collapse float Cast(a->b)->Cast(b->c) into Cast(a->c) and drop casts to the type they already have.
 
     Dropping an FP32->FP16->FP32 round trip removes a rounding, never adds one: both sides already run in
-    FP32, so the FP16 step was a conversion artefact. Integer casts are left alone (they truncate).
+    FP32, so the FP16 step was a conversion artefact. Integer casts are left alone (they truncate), except where
+    ``original`` (the node names of the graph before conversion) shows the float step was the converter's: a model's
+    own FP32->INT64 cast behind a kept-FP32 node gets an FP16 cast put in front of it, and collapsing that pair
+    restores the model's own cast.
     """
     graph = gs.import_onnx(model)
     total = 0
     while True:  # a removal can expose another (a cast made dead only goes away in cleanup)
-        changed = _one_pass(graph)
+        changed = _one_pass(graph, original)
         graph.cleanup().toposort()
         total += changed
         if not changed:
@@ -49,7 +52,7 @@ def remove_cast_chains(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return out, total
 
 
-def _one_pass(graph: gs.Graph) -> int:
+def _one_pass(graph: gs.Graph, original: set[str] | None = None) -> int:
     outputs = {id(t) for t in graph.outputs}
     inputs = {id(t) for t in graph.inputs}
     changed = 0
@@ -70,6 +73,11 @@ def _one_pass(graph: gs.Graph) -> int:
             if _onnx_type(origin) in FLOAT_ONNX or (_onnx_type(origin) is not None and widening):
                 node.inputs[0] = origin  # one cast from the origin; the first cast dies if nobody else reads it
                 src, changed = origin, changed + 1
+        elif prev is not None and prev.op == "Cast" and original is not None and prev.name not in original:
+            origin = prev.inputs[0]
+            if int(prev.attrs["to"]) in FLOAT_ONNX and to not in FLOAT_ONNX and _float_or_unknown(origin, prev):
+                node.inputs[0] = origin  # the converter's float step in front of the model's own cast
+                src, changed = origin, changed + 1
         if _onnx_type(src) == to and id(dst) not in outputs:
             _rewire(graph, dst, src)
             node.outputs.clear()
@@ -84,16 +92,27 @@ def _one_pass(graph: gs.Graph) -> int:
     return changed
 
 
+def _float_or_unknown(origin: gs.Tensor, cast: gs.Node) -> bool:
+    """Whether a tensor the converter cast to float is float: typed so, or untyped (a kept-FP32 node's output the
+    converter read as float, which is why it put a float cast there)."""
+    kind = _onnx_type(origin)
+    return kind in FLOAT_ONNX or (kind is None and origin.inputs and origin.inputs[0].op != "Cast")
+
+
 def cast_chains(model: onnx.ModelProto) -> list[tuple[str, str]]:
-    """(first, second) names of every Cast that feeds straight into another Cast, except those starting from an
-    integer or bool tensor: int -> FP16 -> FP32 is kept on purpose (its FP16 rounding is real, see ``_one_pass``;
-    an attention mask cast to float and then to FP16 makes one)."""
+    """(first, second) names of every Cast to a float type that feeds straight into another Cast (a cast to an
+    integer type truncates: the model's own step), except those starting from an integer or bool tensor: int ->
+    FP16 -> FP32 is kept on purpose (its FP16 rounding is real, see ``_one_pass``; an attention mask cast to float
+    and then to FP16 makes one)."""
     producers = {o: n for n in model.graph.node for o in n.output}
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.value_info]}
     types |= {t.name: t.data_type for t in model.graph.initializer}
 
     def from_float(cast: onnx.NodeProto) -> bool:
         return types.get(cast.input[0]) not in NON_FLOAT if cast.input else True
+
+    def to_float(cast: onnx.NodeProto) -> bool:  # float -> int -> float truncates on purpose: the model's own
+        return next((a.i for a in cast.attribute if a.name == "to"), None) in FLOAT_ONNX
 
     return [
         (producers[n.input[0]].name, n.name)
@@ -103,6 +122,7 @@ def cast_chains(model: onnx.ModelProto) -> list[tuple[str, str]]:
         and n.input[0] in producers
         and producers[n.input[0]].op_type == "Cast"
         and from_float(producers[n.input[0]])
+        and to_float(producers[n.input[0]])
     ]
 
 

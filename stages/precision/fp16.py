@@ -275,7 +275,7 @@ def _convert_once(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config)
     if cfg.keep_io_types:
         rewire_output_readers(converted, fp32_nodes)
         restore_output_types(converted, model)
-    converted, removed = remove_cast_chains(converted)
+    converted, removed = remove_cast_chains(converted, {n.name for n in src.graph.node})
     try:
         converted = infer_shapes(converted)
         check_onnx(converted, "FP16 model")

@@ -203,3 +203,27 @@ def test_emulation_and_conversion_of_multi_output_nodes() -> None:
     np.testing.assert_allclose(run_batched(emulated, x)[0], run_batched(model, x)[0], atol=2e-2, rtol=2e-2)
     _, converted, _ = _convert(model)
     assert node_input_types(converted)["add"] == F16
+
+
+def test_a_models_own_float_to_int_cast_behind_a_kept_node_converts() -> None:
+    """BART's ``new_zeros``: ConstantOfShape (float zeros: it does not convert, so it stays FP32) cast to INT64 by
+    the model. The converter puts an FP16 cast in front of the model's cast; that pair collapses back into the
+    model's own cast, where it once ended the variant with "still has Cast chains"."""
+    nodes = [
+        helper.make_node("Shape", ["input"], ["s"], name="shape"),
+        helper.make_node("ConstantOfShape", ["s"], ["z"], name="zeros"),
+        helper.make_node("Cast", ["z"], ["zi"], to=TensorProto.INT64, name="new_zeros"),
+        helper.make_node("Cast", ["zi"], ["zf"], to=F32, name="back"),
+        helper.make_node("Add", ["input", "zf"], ["logits"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input", F32, ["batch", 4])],
+        [helper.make_tensor_value_info("logits", F32, ["batch", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    converted, _ = convert_fp16(model, set(), FP16Config())
+    assert cast_chains(converted) == []
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(run_batched(converted, x)[0], x, atol=1e-2)
