@@ -97,7 +97,7 @@ def _kept_hash(
     path = workdir / "cache" / KEPT_FILE
     kept = _read_kept(path)
     stamp = hash_json(
-        {**parts, "section": section, "depends_on": _declared(section, depends_on), "cwd": str(Path.cwd())}
+        {**parts, "section": section, "depends_on": _declared(section, depends_on, workdir), "cwd": str(Path.cwd())}
     )
     entry = kept.get(stamp)
     if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and _all_unchanged(entry["read"]):
@@ -121,8 +121,9 @@ def _kept_hash(
     return value
 
 
-def _declared(section: str, depends_on: list[str]) -> dict[str, Any]:
-    """Stamps of the files and folders ``<section>.depends_on`` names."""
+def _declared(section: str, depends_on: list[str], workdir: Path) -> dict[str, Any]:
+    """Stamps of the files and folders ``<section>.depends_on`` names; a folder holding the workdir is stamped
+    without it (the run itself writes there)."""
     declared = {}
     for p in depends_on:
         path = Path(p)
@@ -131,7 +132,7 @@ def _declared(section: str, depends_on: list[str]) -> dict[str, Any]:
                 f"{section}.depends_on names {p}, which does not exist",
                 hint=f"fix the path or remove it from {section}.depends_on",
             )
-        declared[p] = _data_stamp(path) if path.is_file() else _tree_stamp(path)
+        declared[p] = _data_stamp(path) if path.is_file() else _tree_stamp(path, workdir)
     return declared
 
 
@@ -151,8 +152,17 @@ def _listing(folder: Path) -> str:
     return hash_json(sorted(os.listdir(folder)))
 
 
-def _tree_stamp(folder: Path) -> dict[str, str]:
-    return {f.relative_to(folder).as_posix(): _data_stamp(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+def _tree_stamp(folder: Path, workdir: Path) -> dict[str, str]:
+    """Every file under ``folder`` (but the workdir's) by :func:`_data_stamp`."""
+    work = workdir.resolve()
+    stamps = {}
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if (Path(root) / d).resolve() != work)
+        for name in sorted(files):
+            path = Path(root) / name
+            if path.is_file():
+                stamps[path.relative_to(folder).as_posix()] = _data_stamp(path)
+    return stamps
 
 
 RACY_NS = 2 * 10**9  # a file modified this close to its stamp may be rewritten within one tick of the file clock

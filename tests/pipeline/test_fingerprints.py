@@ -381,3 +381,16 @@ def test_a_file_is_known_by_its_stat_and_by_its_content_only_when_just_modified(
     assert not _still(new, stamps[1])
     old.write_bytes(b"b" * 64)
     assert not _still(old, stamps[0])  # a new mtime
+
+
+def test_a_declared_folder_holding_the_workdir_is_stamped_without_it(tmp_path: Path) -> None:
+    """``depends_on: ["."]`` with the workdir inside: what the run writes there changes nothing."""
+    from kiln.pipeline.fingerprints import _declared
+
+    (tmp_path / "data.csv").write_text("1,2\n")
+    (tmp_path / "kiln-out" / "train").mkdir(parents=True)
+    before = _declared("data", [str(tmp_path)], tmp_path / "kiln-out")
+    (tmp_path / "kiln-out" / "train" / "model.safetensors").write_bytes(b"weights")
+    assert _declared("data", [str(tmp_path)], tmp_path / "kiln-out") == before
+    (tmp_path / "data.csv").write_text("1,3\n")
+    assert _declared("data", [str(tmp_path)], tmp_path / "kiln-out") != before
