@@ -59,14 +59,19 @@ def dataset_for(model: ModelConfig, data: DataConfig, signature: Signature, seed
     params.setdefault("seed", seed) if name in DATASETS else None  # built-ins split by the run seed
     splits = load_dataset(name, params, signature.dynamic_axes)
     if model.onnx:
-        check_onnx_takes(Path(model.onnx), splits, name)
+        check_onnx_takes(Path(model.onnx), splits, name, signature)
     return splits
 
 
-def check_onnx_takes(path: Path, data: DatasetSplits, ref: str) -> None:
+def check_onnx_takes(path: Path, data: DatasetSplits, ref: str, signature: Signature | None = None) -> None:
     """The dataset's inputs against the graph inputs of the ``model.onnx`` a run starts from (names, dtypes, ranks
-    and fixed sizes), before any stage hands them to ONNX Runtime: a mismatch is named here, not deep inside it."""
-    graph_inputs, _ = io_specs(load_onnx(path, load_external_data=False))
+    and fixed sizes), its labels' classes against the graph's class-logit output, and ``signature.dynamic_axes``
+    against the graph (:func:`check_onnx_axes`), before any stage hands them to ONNX Runtime: a mismatch is named
+    here, not deep inside it."""
+    graph_inputs, graph_outputs = io_specs(load_onnx(path, load_external_data=False))
+    if signature is not None:
+        check_onnx_axes(path, graph_inputs, signature.dynamic_axes)
+        _check_onnx_classes(path, graph_outputs, data, ref, signature.logits_output)
     # the batch axis is the run's to choose (signature.batch_sizes), whatever size the file fixed it to
     specs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in graph_inputs]
     names = [s.name for s in specs]
@@ -75,6 +80,55 @@ def check_onnx_takes(path: Path, data: DatasetSplits, ref: str) -> None:
         if rows(x):
             feed = feed_for_graph(x, names, f"model.onnx {path.name}")
             check_feed(feed, specs, f"dataset '{ref}' {split}", f"model.onnx {path.name}")
+
+
+def check_onnx_axes(path: Path, inputs: list[TensorSpec], dynamic_axes: dict[str, dict[int, str]]) -> None:
+    """``signature.dynamic_axes`` against the inputs of the ``model.onnx`` a run starts from: each names an input
+    the graph has, an axis it has, and one the file leaves free (a size the file fixes cannot vary; the batch axis
+    is the run's to choose whatever the file says)."""
+    specs = {s.name: s for s in inputs}
+    for name, axes in dynamic_axes.items():
+        if name not in specs:
+            raise ConfigError(
+                f"signature.dynamic_axes names input '{name}', which model.onnx {path.name} does not have "
+                f"(its inputs: {sorted(specs)})",
+                hint="name the graph's inputs in signature.dynamic_axes",
+            )
+        shape = specs[name].shape
+        for axis, label in axes.items():
+            axis = int(axis)
+            if not 0 <= axis < len(shape):
+                raise ConfigError(
+                    f"signature.dynamic_axes gives input '{name}' axis {axis} ({label}), and it has {len(shape)} "
+                    f"axes in model.onnx {path.name} (shape {list(shape)})",
+                    hint=f"give an axis from 0 to {len(shape) - 1}",
+                )
+            if axis > 0 and isinstance(shape[axis], int):
+                raise ConfigError(
+                    f"model.onnx {path.name} fixes input '{name}' axis {axis} at {shape[axis]}: it cannot vary as "
+                    f"signature.dynamic_axes says ({label})",
+                    hint="remove it from signature.dynamic_axes, or export the file with that axis dynamic",
+                )
+
+
+def _check_onnx_classes(
+    path: Path, outputs: list[TensorSpec], data: DatasetSplits, ref: str, setting: str | int | None
+) -> None:
+    """Class labels against the class-logit output of a ``model.onnx`` run: fewer logits than classes is another
+    model's data (accuracy near chance, and a run that passes)."""
+    from kiln.core.outputs import logits_name
+
+    name = logits_name([o.name for o in outputs], setting)
+    labels = data.val_y if data.val_y is not None else data.train_y
+    if name is None or labels is None or data.num_classes <= 0 or labels.ndim != 1 or labels.is_floating_point():
+        return
+    shape = next(o.shape for o in outputs if o.name == name)
+    if len(shape) == 2 and isinstance(shape[1], int) and shape[1] < max(data.num_classes, 2):
+        raise ConfigError(
+            f"model.onnx {path.name} gives class logits of shape {list(shape)} (output '{name}'), but dataset "
+            f"'{ref}' has {data.num_classes} classes",
+            hint="give the data the model was trained for, or name the class-logit output in signature.logits_output",
+        )
 
 
 def random_axis_size(path: Path, inputs: list[TensorSpec], signature: Signature) -> int | None:
@@ -98,6 +152,7 @@ def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -
     inputs, _ = io_specs(graph)
     # the batch axis is the run's to choose, whatever size the file fixed it to (as check_onnx_takes takes it)
     inputs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in inputs]
+    check_onnx_axes(path, inputs, signature.dynamic_axes)
     dynamic = random_axis_size(path, inputs, signature)
     ids = index_ranges(graph)  # token ids over their embedding's rows, not 0 and 1 only
     _say_random(str(path))

@@ -143,3 +143,52 @@ def test_an_onnx_start_without_data_or_sizes_for_its_axes_stops_at_export(tmp_pa
     assert isinstance(result.error, ConfigError), result.error
     assert "dynamic axes ['seq'] besides batch, and no data to size them" in result.error.message
     assert [r.name for r in result.records if r.status == "failed"] == ["export"]
+
+
+def _four_class_onnx(path: Path) -> Path:
+    """digits-shaped input [batch, 1, 8, 8] -> 4 class logits, the input's H and W fixed."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.zeros((64, 4), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["input"], ["f"]), helper.make_node("MatMul", ["f", "w"], ["logits"])],
+        "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 4])],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("axes", "message"),
+    [
+        ({"input": {7: "b"}}, "gives input 'input' axis 7 \\(b\\), and it has 4 axes"),
+        ({"input": {2: "h"}}, "fixes input 'input' axis 2 at 8: it cannot vary"),
+        ({"nosuch": {1: "s"}}, "names input 'nosuch', which model.onnx m.onnx does not have"),
+    ],
+)
+def test_an_onnx_starts_dynamic_axes_are_checked_against_the_file(tmp_path: Path, axes, message) -> None:
+    """They once ended in an IndexError, an ONNX Runtime traceback, or min() of nothing, stages later."""
+    from kiln.core.signature import Signature
+    from kiln.models.config import DataConfig, ModelConfig
+    from kiln.models.model_io import dataset_for, random_splits
+
+    path = _four_class_onnx(tmp_path / "m.onnx")
+    with pytest.raises(ConfigError, match=message):
+        random_splits(path, Signature(dynamic_axes=axes), 0)
+    with pytest.raises(ConfigError, match=list(axes)[0]):  # with data, the data's own check may say it first
+        dataset_for(ModelConfig(onnx=str(path)), DataConfig(name="digits"), Signature(dynamic_axes=axes), 0)
+
+
+def test_an_onnx_start_with_fewer_logits_than_the_datas_classes_stops(tmp_path: Path) -> None:
+    from kiln.core.signature import Signature
+    from kiln.models.config import DataConfig, ModelConfig
+    from kiln.models.model_io import dataset_for
+
+    path = _four_class_onnx(tmp_path / "m.onnx")
+    with pytest.raises(ConfigError, match="class logits of shape \\['batch', 4\\] .* but dataset 'digits' has 10"):
+        dataset_for(ModelConfig(onnx=str(path)), DataConfig(name="digits"), Signature(), 0)
