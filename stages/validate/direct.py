@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.core.errors import InputFileError
-from kiln.core.feeds import read_feed
+from kiln.core.errors import InputError, InputFileError, KilnError
+from kiln.core.feeds import check_feed, read_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import load_onnx, ort_session
+from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, logits_name, named_outputs
 from kiln.core.records import EngineValidation
+from kiln.core.user_errors import running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
 from kiln.stages.accuracy.check import compare_all, gates_for, summarize
@@ -22,6 +23,10 @@ from kiln.stages.engines.registry import load_engine
 from kiln.stages.validate.baselines import percentiles
 from kiln.stages.validate.stage import ValidateSettings, check_gates
 
+OTHER_MODEL = (
+    "validate an engine against the model it was built from (its ONNX file, or its checkpoint with model.name)"
+)
+
 
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings) -> dict[str, np.ndarray]:
     """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of
@@ -29,16 +34,32 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
     if reference.suffix != ".onnx":
         model = load_weights(build_model(cfg.model.name, cfg.model.params), read_state_dict(reference), str(reference))
         x = {k: torch.from_numpy(v) for k, v in feed.items()}
-        with torch.inference_mode():
-            outs = named_outputs(model.float().eval(), next(iter(x.values())) if len(x) == 1 else x)
+        doing = "running the reference model on the engine's inputs"
+        try:
+            with torch.inference_mode(), running_user_code(doing, f"reference {reference.name}", OTHER_MODEL, True):
+                outs = named_outputs(model.float().eval(), next(iter(x.values())) if len(x) == 1 else x)
+        except KilnError:
+            raise
+        except Exception as exc:  # in torch, not the user's file: the inputs are another model's
+            shapes = {k: f"{v.dtype}{list(v.shape)}" for k, v in feed.items()}
+            raise InputError(
+                f"reference {reference.name} ({cfg.model.name}) fails on the engine's inputs {shapes}: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                hint=OTHER_MODEL,
+            ) from None
         return host_arrays(outs)
-    ref_sess = ort_session(load_onnx(reference))
-    ref_names = [i.name for i in ref_sess.get_inputs()]
-    if sorted(ref_names) != sorted(feed):
+    graph = load_onnx(reference)
+    specs, _ = io_specs(graph)
+    if sorted(s.name for s in specs) != sorted(feed):
         raise InputFileError(
-            f"reference inputs {ref_names} differ from the engine's/feed's {sorted(feed)}",
+            f"reference inputs {sorted(s.name for s in specs)} differ from the engine's/feed's {sorted(feed)}",
             hint="validate an engine against the ONNX model it was built from",
         )
+    try:
+        check_feed(feed, specs, "the engine's inputs", f"reference {reference.name}")  # ranks, dtypes, sizes
+    except InputFileError as exc:
+        raise InputError(exc.message, hint=OTHER_MODEL) from None
+    ref_sess = ort_session(graph)
     return dict(zip([o.name for o in ref_sess.get_outputs()], ref_sess.run(None, feed)))
 
 

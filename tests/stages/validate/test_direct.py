@@ -1,0 +1,35 @@
+"""`kiln validate ENGINE --reference ...` against a reference that is another model: one error/fix pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from tests.pipeline.test_faults import assert_clean, invoke, tiny_onnx
+
+
+def test_a_reference_of_another_shape_or_another_model_is_named(tmp_path: Path) -> None:
+    """An ONNX reference of another rank was an ONNX Runtime traceback; a checkpoint of a model that cannot take the
+    engine's inputs, torch's."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kiln.models.registry import build_model
+
+    engine = tmp_path / "e"
+    assert invoke("build", tiny_onnx(tmp_path / "m.onnx"), "-o", engine).exit_code == 0
+    other = tmp_path / "other.onnx"
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["input"], ["logits"])],
+        "other",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 1, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 4])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), other)
+    assert_clean(invoke("validate", engine, "--reference", other), 2, "reference other.onnx takes float32[batch, 1, 4]")
+    weights = tmp_path / "cnn.safetensors"
+    torch.manual_seed(0)
+    save_file(build_model("cnn", {}).state_dict(), str(weights))
+    assert_clean(invoke("validate", engine, "--reference", weights), 2, "reference cnn.safetensors (cnn) fails on")
