@@ -37,7 +37,7 @@ from kiln.core.threads import cpu_threads_for_load
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS
-from kiln.pipeline.manifests import MANIFEST, read_manifest
+from kiln.pipeline.manifests import MANIFEST, out_of_date, read_manifest
 from kiln.pipeline.user_code import code_version
 from kiln.stages.engines.registry import backend_libraries
 
@@ -298,6 +298,7 @@ class Runner:
         self._fingerprints: dict[str, str | None] = {}  # user data is hashed once per run
         self._verified: dict[Path, str] = {}  # stage outputs are hashed once per run (outputs_intact)
         self._threads_said = False
+        self._current: set[str] = set()  # stages this run ran or found cached: current (see _refuse_out_of_date)
         for stage in self.stages:
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
@@ -329,6 +330,8 @@ class Runner:
             if record.status == "failed":
                 record.seconds = time.perf_counter() - started  # how long it ran before it failed
             records.append(record)
+            if record.status in ("ran", "skipped", "cached"):
+                self._current.add(stage.name)
             self.on_event(record)
             failures = record.summary.gate_failures() if record.summary is not None else None
             if record.status != "failed" and failures and error is None:
@@ -339,12 +342,35 @@ class Runner:
                 break
         return RunResult(self.workdir, records, error)
 
+    def _refuse_out_of_date(self, stage: Stage) -> None:
+        """Stop before ``stage`` reads an upstream stage's folder that is from before the current outputs of the
+        stages that one was made from (:func:`out_of_date`): after `kiln train` and `kiln export`, `kiln validate`
+        would otherwise compare engines built from the old export with the new model and blame the engines.
+        Upstream stages this run already ran or found cached are current by their keys (which hash their inputs'
+        outputs), so a whole `kiln run` never stops here: it redoes such stages itself."""
+        for up in stage.inputs:
+            if up in self._current:
+                continue
+            stale = out_of_date(self.workdir, up)
+            if not stale:
+                continue
+            first, since = stale[0]
+            near, changed = stale[-1]
+            made = f"{_names(changed)} {'were' if len(changed) > 1 else 'was'} made anew since {near} ran"
+            why = made if near == up else f"it was made from {near}'s output, and {made}"
+            raise KilnError(
+                f"{up} is out of date: {why} (stage '{stage.name}' reads it)",
+                hint=f"run `kiln run` (or `kiln run --from {first}`) with the same config, --set values and "
+                f"--workdir to redo what follows {_names(since)}",
+            )
+
     def _place(self, stage: Stage) -> str:
         """Where a stage writes, as its errors name it (not the staging folder's temporary name)."""
         return f"{self.workdir / stage.name} (running stage '{stage.name}')"
 
     def _run_one(self, stage: Stage, forced: bool) -> StageRecord:
         final = self.workdir / stage.name
+        self._refuse_out_of_date(stage)  # before the key: that may call the user's data function (seconds)
         t_check = time.perf_counter()
         key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints)
         missing = [
@@ -419,6 +445,11 @@ class Runner:
             )
             self._verified[final] = hash_json(outputs)  # just written and hashed: no need to read it again
         return StageRecord(stage.name, status, seconds, key, summary)
+
+
+def _names(stages: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return stages[0] if len(stages) == 1 else f"{', '.join(stages[:-1])} and {stages[-1]}"
 
 
 def _summary(stage: Stage, manifest: dict[str, Any] | None) -> Summary | None:

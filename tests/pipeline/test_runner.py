@@ -173,6 +173,69 @@ def test_a_missing_upstream_is_named(tmp_path: Path) -> None:
     assert "needs the output of ['first']" in result.error.message and "--from first" in result.error.hint
 
 
+def four_stages() -> list[Stage]:
+    """first -> second -> third -> fourth: a stage whose input is current but made from a stale one."""
+    stages = fake_stages()
+    return [*stages, dataclasses.replace(stages[1], name="fourth", inputs=("third",))]
+
+
+def only(workdir: Path, names: list[str], stages: list[Stage] | None = None, **config: Any) -> Any:
+    """What `kiln <stage>` does: those stages alone, forced, from what the workdir holds."""
+    RAN.clear()
+    cfg = config_from_dict(tiny_config_dict(**{"seed": 1, "train.epochs": 2, "optimize.rounds": 1, **config}))
+    chosen = [s for s in stages or fake_stages() if s.name in names]
+    return Runner(cfg, workdir, chosen).run(force=set(names))
+
+
+def test_a_stage_whose_input_is_from_before_its_own_upstream_stops_before_it_runs(tmp_path: Path) -> None:
+    """`kiln train` and `kiln export` anew, then `kiln validate`: the engines are from the old export, and validate
+    would blame them for not matching the new model. It stops, naming what is out of date and since what."""
+    run(tmp_path)
+    assert only(tmp_path, ["first"], **{"train.epochs": 4}).ok  # first made anew: second is from the old one
+    result = only(tmp_path, ["third"], **{"train.epochs": 4})
+    assert statuses(result) == {"third": "failed"} and not RAN
+    assert (
+        result.error.message == "second is out of date: first was made anew since second ran (stage 'third' reads it)"
+    )
+    assert "`kiln run` (or `kiln run --from second`)" in result.error.hint and "what follows first" in result.error.hint
+    # a whole run redoes second itself, and does not stop
+    assert statuses(run(tmp_path, **{"train.epochs": 4})) == {"first": "cached", "second": "ran", "third": "ran"}
+    assert only(tmp_path, ["third"], **{"train.epochs": 4}).ok
+
+
+def test_a_stage_made_from_an_out_of_date_one_is_out_of_date_too(tmp_path: Path) -> None:
+    """fourth reads third, whose recorded input (second) is unchanged; but second is from before first was made
+    anew: third holds results of the old first, so fourth stops too, with the stage to redo from."""
+    stages = four_stages()
+    run(tmp_path, stages)
+    assert only(tmp_path, ["first"], stages, **{"train.epochs": 4}).ok
+    result = only(tmp_path, ["fourth"], stages, **{"train.epochs": 4})
+    assert not RAN and result.error.message == (
+        "third is out of date: it was made from second's output, and first was made anew since second ran "
+        "(stage 'fourth' reads it)"
+    )
+    assert "--from second" in result.error.hint
+    # --from and --force run the stages before, so they never stop here
+    cfg = config_from_dict(tiny_config_dict(**{"seed": 1, "train.epochs": 4, "optimize.rounds": 1}))
+    result = Runner(cfg, tmp_path, stages).run(start="fourth")
+    assert result.ok and statuses(result) == {"first": "cached", "second": "ran", "third": "ran", "fourth": "ran"}
+    run(tmp_path, stages)  # back to 2 epochs
+    assert only(tmp_path, ["first"], stages, **{"train.epochs": 4}).ok
+    result = Runner(cfg, tmp_path, stages).run(force={"third"})
+    assert result.ok and statuses(result) == {"first": "cached", "second": "ran", "third": "ran", "fourth": "ran"}
+
+
+def test_a_stage_rerun_on_current_inputs_is_not_stopped(tmp_path: Path) -> None:
+    """`kiln validate` on current engines, then `kiln package`: each reads what the stage before made from the
+    current outputs, although they differ from the last whole run's."""
+    run(tmp_path)
+    assert only(tmp_path, ["second"]).ok and RAN == {"second": 1}  # the same output again
+    assert only(tmp_path, ["third"]).ok and RAN == {"third": 1}
+    changed = only(tmp_path, ["second"], **{"optimize.rounds": 3})  # another output: third's record is now old
+    assert changed.ok and changed.records[0].summary == ValueSummary(value=6)
+    assert only(tmp_path, ["third"], **{"optimize.rounds": 3}).ok and RAN == {"third": 1}
+
+
 def test_content_is_hashed_once_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run(tmp_path)
     seen: list[Path] = []
@@ -372,3 +435,29 @@ def test_the_thread_message_waits_for_the_first_stage_that_lowers_the_threads(
         monkeypatch.setattr(threads.os, "getloadavg", os.getloadavg)
     said = [r for r in caplog.records if "busy machine" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO]
+
+
+@pytest.mark.slow  # a whole run, three stage commands and a second run: about 10 s on 2 cores
+def test_validate_after_train_and_export_anew_stops_until_the_engines_are_rebuilt(tmp_path: Path, write_yaml) -> None:
+    """The tester's steps: after `kiln run`, `kiln train` and `kiln export` with another setting, then `kiln validate`.
+    It stopped with failed gates ("relax the gates") on engines built from the old export; now it says the build is
+    out of date, and after `kiln run` validate and package run on the current engines."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    cli, wd, config = CliRunner(), str(tmp_path / "w"), str(write_yaml(tiny_config_dict()))
+    assert cli.invoke(main, ["run", config, "-w", wd, "-q"]).exit_code == 0
+    verdict = (Path(wd) / "validate" / "manifest.json").read_text()
+    anew = ["-w", wd, "-q", "--set", "train.epochs=3"]
+    for command in ("train", "export"):
+        assert cli.invoke(main, [command, config, *anew]).exit_code == 0
+    result = cli.invoke(main, ["validate", "-c", config, *anew])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "build is out of date: train and export were made anew since build ran" in result.output
+    assert "`kiln run` (or `kiln run --from optimize`)" in result.output and "relax" not in result.output
+    assert (Path(wd) / "validate" / "manifest.json").read_text() == verdict  # the old verdict left alone
+    assert cli.invoke(main, ["run", config, *anew]).exit_code == 0
+    for command in (["validate", "-c", config], ["package", config]):
+        result = cli.invoke(main, [*command, *anew])
+        assert result.exit_code == 0, result.output
