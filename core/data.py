@@ -366,7 +366,9 @@ def _describe(x: Inputs) -> str:
 
 
 def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
-    """A dict key the forward does not take, or more tuple items than it takes: a clear error, not a TypeError."""
+    """A dict key the forward does not take, or more tuple items than it takes: a clear error, not a TypeError. A
+    forward with ``**kwargs`` takes any key; the export warns of one its graph never reads
+    (:mod:`kiln.stages.export.graph_inputs`)."""
     params = _forward_params(model)
     if not params or any(p.kind == p.VAR_KEYWORD for p in params) and isinstance(x, Mapping):
         return

@@ -26,6 +26,8 @@ from kiln.pipeline.user_code import code_version
 if TYPE_CHECKING:
     import numpy as np
 
+    from kiln.core.data import DatasetSplits
+
 log = logging.getLogger("kiln")
 
 
@@ -33,9 +35,12 @@ def _is_import_path(name: str | None) -> bool:
     return bool(name) and ":" in name
 
 
-def dataset_fingerprint(config: KilnConfig, workdir: Path | None = None) -> str | None:
+def dataset_fingerprint(
+    config: KilnConfig, workdir: Path | None = None, load: Callable[[], DatasetSplits] | None = None
+) -> str | None:
     """Hash of every tensor of a user dataset (loaded the way stages load it), or None for a built-in one. With
-    ``data.skip_unchanged``, kept in the workdir's cache (:func:`_kept_hash`)."""
+    ``data.skip_unchanged``, kept in the workdir's cache (:func:`_kept_hash`). ``load``: the run's dataset (by
+    default, loaded here)."""
     if not _is_import_path(config.data.name):
         return None
     if config.data.skip_unchanged and workdir is not None:
@@ -47,16 +52,16 @@ def dataset_fingerprint(config: KilnConfig, workdir: Path | None = None) -> str 
             "code": code_version(config.data.name.partition(":")[0]),
             "kiln": hash_source("kiln.models.model_io", "kiln.models.registry", "kiln.core.data"),
         }
-        return _kept_hash(workdir, "data", parts, config.data.depends_on, lambda: _dataset_hash(config))
-    return _timed("data function", lambda: _dataset_hash(config), "data")
+        return _kept_hash(workdir, "data", parts, config.data.depends_on, lambda: _dataset_hash(config, load))
+    return _timed("data function", lambda: _dataset_hash(config, load), "data")
 
 
-def _dataset_hash(config: KilnConfig) -> str:
+def _dataset_hash(config: KilnConfig, load: Callable[[], DatasetSplits] | None = None) -> str:
     from kiln.calibration.data import hash_batches  # torch and numpy: only for a user dataset
     from kiln.core.data import tensors
     from kiln.models.model_io import dataset_for
 
-    d = dataset_for(config.model, config.data, config.signature, config.seed)
+    d = load() if load is not None else dataset_for(config.model, config.data, config.signature, config.seed)
     parts = [d.train_x, d.train_y, d.val_x, d.val_y]
     return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
 

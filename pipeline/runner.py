@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -36,7 +37,7 @@ from kiln.core.stage import Stage, StageContext, StageSettings, Summary
 from kiln.core.threads import cpu_threads_for_load
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
-from kiln.pipeline.fingerprints import FINGERPRINTS
+from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
 from kiln.pipeline.manifests import MANIFEST, out_of_date, read_manifest
 from kiln.pipeline.user_code import code_version
 from kiln.stages.engines.registry import backend_libraries
@@ -185,9 +186,14 @@ def load_dataset(config: KilnConfig) -> Any:
 
 
 def cache_key(
-    stage: Stage, config: KilnConfig, workdir: Path, fingerprints: dict[str, str | None] | None = None
+    stage: Stage,
+    config: KilnConfig,
+    workdir: Path,
+    fingerprints: dict[str, str | None] | None = None,
+    dataset: Callable[[], Any] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """The stage's key and what went into it. ``fingerprints`` memoizes user-data hashes across one run's stages."""
+    """The stage's key and what went into it. ``fingerprints`` memoizes user-data hashes across one run's stages;
+    ``dataset``: the run's dataset, loaded once a run (the user data hashed is then the data the stages read)."""
     inputs = {}
     for up in stage.inputs:
         m = read_manifest(workdir / up)
@@ -205,7 +211,10 @@ def cache_key(
     memo = {} if fingerprints is None else fingerprints
     for name in stage.data:
         if name not in memo:
-            memo[name] = FINGERPRINTS[name](config, workdir)
+            fingerprint = FINGERPRINTS[name]
+            if name == "dataset" and dataset is not None:
+                fingerprint = partial(dataset_fingerprint, load=dataset)
+            memo[name] = fingerprint(config, workdir)
     data = {name: memo[name] for name in stage.data if memo[name] is not None}
     if data:
         parts["user_data"] = data
@@ -296,6 +305,7 @@ class Runner:
         records: list[StageRecord] = []
         error: KilnError | None = None
         self._fingerprints: dict[str, str | None] = {}  # user data is hashed once per run
+        self._dataset: list[Any] = []  # and loaded once: every stage reads the same splits
         self._verified: dict[Path, str] = {}  # stage outputs are hashed once per run (outputs_intact)
         self._threads_said = False
         self._current: set[str] = set()  # stages this run ran or found cached: current (see _refuse_out_of_date)
@@ -364,6 +374,13 @@ class Runner:
                 f"--workdir to redo what follows {_names(since)}",
             )
 
+    def _load_dataset(self) -> Any:
+        """The run's dataset, loaded on first use and kept for the run: the user's data function is called once a
+        run, so that every stage (and the hash in their keys) sees the same splits, seeded or not."""
+        if not self._dataset:
+            self._dataset.append(load_dataset(self.config))
+        return self._dataset[0]
+
     def _place(self, stage: Stage) -> str:
         """Where a stage writes, as its errors name it (not the staging folder's temporary name)."""
         return f"{self.workdir / stage.name} (running stage '{stage.name}')"
@@ -372,7 +389,7 @@ class Runner:
         final = self.workdir / stage.name
         self._refuse_out_of_date(stage)  # before the key: that may call the user's data function (seconds)
         t_check = time.perf_counter()
-        key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints)
+        key, parts = cache_key(stage, self.config, self.workdir, self._fingerprints, self._load_dataset)
         missing = [
             up
             for up in stage.inputs
@@ -415,7 +432,7 @@ class Runner:
                 out,
                 {up: self.workdir / up for up in stage.inputs},
                 self.progress,
-                load_dataset=partial(load_dataset, self.config) if "dataset" in stage.data else None,
+                load_dataset=self._load_dataset if "dataset" in stage.data else None,
             )
             run = stage.function()
             # PyTorch gets the cores a busy machine leaves idle (said once a run), in a stage whose code loads it

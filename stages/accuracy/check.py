@@ -106,24 +106,31 @@ def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batc
     """Outputs whose shape beyond the first axis follows the batch size (a contrastive model's ``[images, texts]``
     logits): their rows depend on the whole batch, so they compare only between calls on the same batch. Probed at
     the largest validated batch against the smallest (or, with one size, the last, shorter batch of the held-out
-    rows), sizes the model is validated at anyway; a model that fails the probe is left to the comparisons to
-    report."""
-    other = smallest if smallest != batch else feed_rows(feed) % batch
-    if not other or feed_rows(feed) < 2:
-        return []
+    rows), sizes the model is validated at anyway; an output whose first axis is not the batch (a scalar) is one
+    at the largest batch alone. A model that fails the probe is left to the comparisons to report."""
     try:
-        big, small = run(sample_batch(feed, batch)), run(sample_batch(feed, other))
+        big = run(sample_batch(feed, batch))
     except Exception:  # the reference's own error surfaces where the comparisons run it
         return []
-    # beyond the first axis (CLIP's [images, texts]), or on it: an output whose rows are not the samples (a count
-    # the values decide, such as torch.nonzero's or a detector's after NMS, or no batch axis at all)
-    return [k for k in big if k in small and (big[k].shape[1:] != small[k].shape[1:] or big[k].shape[:1] != (batch,))]
+    # on the first axis: an output whose rows are not the samples (a count the values decide, such as
+    # torch.nonzero's or a detector's after NMS, or no batch axis at all)
+    coupled = [k for k, v in big.items() if v.shape[:1] != (batch,)]
+    other = smallest if smallest != batch else feed_rows(feed) % batch
+    if not other or feed_rows(feed) < 2:
+        return coupled
+    try:
+        small = run(sample_batch(feed, other))
+    except Exception:
+        return coupled
+    # beyond the first axis (CLIP's [images, texts])
+    return [k for k in big if k in coupled or (k in small and big[k].shape[1:] != small[k].shape[1:])]
 
 
 def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:
-    """``fn`` over ``feed`` in batches of rows, outputs concatenated by name."""
+    """``fn`` over ``feed`` in batches of rows, outputs concatenated by name; a scalar output (one value per batch,
+    :func:`batch_coupled`) becomes one row per batch."""
     parts = [fn(feed_take(feed, slice(i, i + batch))) for i in range(0, feed_rows(feed), batch)]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return {k: np.concatenate([np.atleast_1d(p[k]) for p in parts]) for k in parts[0]}
 
 
 def sample_batch(x: Any, batch: int) -> Any:

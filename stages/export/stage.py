@@ -76,6 +76,7 @@ from kiln.stages.export.declaration import (
     ExportSettings,
     ExportSummary,
 )
+from kiln.stages.export.graph_inputs import refuse_label_outputs, warn_unused_inputs
 from kiln.stages.export.output_axes import name_output_axes
 
 log = logging.getLogger("kiln.export")
@@ -98,7 +99,8 @@ def export_onnx(
     check_axes_name_inputs(model, example, dynamic_axes)
     names = input_names(model, example)
     with torch.no_grad():
-        outputs = list(named_outputs(model, example))
+        shapes = {k: tuple(v.shape) for k, v in named_outputs(model, example).items()}
+    outputs = list(shapes)
     errors = []
     # Inputs and outputs are exported under placeholder names and get their real names after (name_io)
     ins = [f"{INPUT_PLACEHOLDER}{i}" for i in range(len(names))]
@@ -133,6 +135,8 @@ def export_onnx(
         )
     proto = load_onnx(path)
     name_io(proto.graph, dict(zip(ins, names)), outputs)
+    refuse_label_outputs(proto.graph, shapes, rows(example))
+    warn_unused_inputs(proto.graph)
     proto = infer_shapes(proto)
     got = max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     if got != opset:

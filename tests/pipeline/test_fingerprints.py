@@ -394,3 +394,18 @@ def test_a_declared_folder_holding_the_workdir_is_stamped_without_it(tmp_path: P
     assert _declared("data", [str(tmp_path)], tmp_path / "kiln-out") == before
     (tmp_path / "data.csv").write_text("1,3\n")
     assert _declared("data", [str(tmp_path)], tmp_path / "kiln-out") != before
+
+
+def test_a_run_calls_the_data_function_once_and_every_stage_reads_those_splits(
+    tmp_path: Path, user_module: Path
+) -> None:
+    """It was called for the key's hash and again by each stage that read the data (5 times a run): an unseeded
+    function gave train, precision and validate different splits."""
+    scale = tmp_path / "scale.npy"
+    np.save(scale, np.float32(1.0))
+    count = tmp_path / "calls.txt"
+    cfg = config_from_dict(
+        tiny_config_dict(**{"data.name": "my_files:counted", "data.params": {"path": str(scale), "count": str(count)}})
+    )
+    result, _ = run_pipeline(cfg, tmp_path / "wd", stop="validate")
+    assert result.ok and _calls(count) == 1

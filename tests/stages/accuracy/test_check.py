@@ -72,6 +72,25 @@ def test_an_output_whose_length_the_values_decide_is_compared_on_whole_batches()
         compare_all(run({"x": x[:8]}), {**got, "positives": got["positives"][:3]}, "logits")
 
 
+@pytest.mark.parametrize("sizes", [[1, 8], [8]])
+def test_a_scalar_output_is_compared_per_whole_batch(sizes: list[int]) -> None:
+    """An output with no batch axis at all (a batch's mean) is one value per batch: compared on whole batches, the
+    reference run at each batch size, also with one validated size and rows in whole batches (no shorter batch to
+    probe against), where it was a ValueError from concatenating 0-d arrays."""
+    from kiln.stages.accuracy.check import compare_on
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        logits = feed["x"] @ np.ones((3, 4), np.float32)
+        return {"logits": logits, "mean": np.float32(logits.mean())}
+
+    x = np.random.default_rng(0).standard_normal((16, 3)).astype(np.float32)
+    ref = Reference(run, [({}, {"x": x})], [None], "logits", max(sizes), min(sizes))
+    assert ref.coupled == ["mean"] and ref.outputs[0]["mean"].shape == (2,)  # one value per batch of 8
+    assert ref.at_batch(0, 1)["mean"].shape == ()
+    got = compare_on(ref, run, sizes)
+    assert got.stats["mean"].max_abs_err == 0.0 and got.stats["logits"].max_abs_err == 0.0
+
+
 def test_multi_label_integer_targets_are_told_to_come_as_floats() -> None:
     from kiln.stages.accuracy.check import check_labels_fit
 

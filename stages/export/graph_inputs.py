@@ -1,0 +1,91 @@
+"""What the exported graph does with the data's inputs, checked once the export has made it.
+
+A forward that takes ``**kwargs`` (nearly every ``transformers`` model) accepts any dict key of the data, so
+:func:`kiln.core.data.check_forward_takes` cannot tell an ignored key from a used one; the graph can. An input no
+node reads (a BERT tokenizer's ``token_type_ids`` beside a DistilBERT) is still an input of every engine, and a
+label among the inputs (Hugging Face's ``labels``) turns the model into a loss: a scalar no engine can answer per
+sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+
+import onnx
+
+from kiln.core.data import DataContractError
+
+log = logging.getLogger("kiln.export")
+
+LABEL_NAMES = {"label", "labels", "target", "targets", "start_positions", "end_positions"}
+
+
+def is_label_name(name: str) -> bool:
+    """Named like the labels a model computes its loss from (``labels``, ``targets``, ``mc_labels``...)."""
+    low = name.lower()
+    return low in LABEL_NAMES or low.endswith(("_label", "_labels"))
+
+
+def _read(node: onnx.NodeProto) -> Iterator[str]:
+    """The values ``node`` reads: its inputs and, for If/Loop/Scan, those its subgraphs read (outer-scope names)."""
+    yield from node.input
+    for attr in node.attribute:
+        for graph in [attr.g] if attr.HasField("g") else list(attr.graphs):
+            for inner in graph.node:
+                yield from _read(inner)
+            yield from (o.name for o in graph.output)
+
+
+def unused_inputs(graph: onnx.GraphProto) -> list[str]:
+    """The graph's inputs that no node reads and no output is: inputs of the engine that change nothing."""
+    read = {name for node in graph.node for name in _read(node)} | {o.name for o in graph.output}
+    return [i.name for i in graph.input if i.name not in read]
+
+
+def warn_unused_inputs(graph: onnx.GraphProto) -> list[str]:
+    """One warning naming the inputs the graph never reads (:func:`unused_inputs`): each engine still declares
+    them, so every client would send a tensor nothing reads. Returns them."""
+    unused = unused_inputs(graph)
+    if unused:
+        names = ", ".join(f"'{n}'" for n in unused)
+        log.warning(
+            "the model never reads input%s %s: the exported graph and every engine still take %s, so each client "
+            "must send %s; drop %s from the data's inputs (the keys of x the data function returns)",
+            "s" if len(unused) > 1 else "",
+            names,
+            "them" if len(unused) > 1 else "it",
+            "them" if len(unused) > 1 else "it",
+            names,
+        )
+    return unused
+
+
+def _reached_from(graph: onnx.GraphProto, start: str) -> set[str]:
+    """The values computed from ``start`` (the graph's nodes are in topological order, as the checker requires)."""
+    reached = {start}
+    for node in graph.node:
+        if any(name in reached for name in _read(node)):
+            reached.update(node.output)
+    return reached
+
+
+def refuse_label_outputs(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]], batch: int) -> None:
+    """A DataContractError where an output without a batch axis (a scalar, or a first axis other than the
+    ``batch`` rows of the example it came out of: ``shapes``) is computed from an input named like labels: the
+    data puts its labels among the model's inputs, and the model returns its loss. An engine answers one row per
+    sample, and its clients have no labels to send; outputs without a batch axis are otherwise served unbatched."""
+    labels = [i.name for i in graph.input if is_label_name(i.name)]
+    for label in labels:
+        reached = _reached_from(graph, label)
+        for out in graph.output:
+            shape = shapes.get(out.name)
+            if out.name not in reached or shape is None or shape[:1] == (batch,):
+                continue
+            what = "a scalar" if not shape else f"shaped {list(shape)} at a batch of {batch}, with no batch axis"
+            raise DataContractError(
+                f"the model's output '{out.name}' is {what}, computed from its input '{label}' (a loss): an engine "
+                "answers one row per sample, and its clients have no labels to send",
+                hint=f"keep '{label}' out of the data's inputs (x): labels go in train_y/val_y, where training "
+                "computes the loss; or return only per-sample outputs from forward",
+            )
