@@ -322,11 +322,25 @@ def maybe_fuse(
     if not any(o.domain == "com.microsoft" for o in fused.model.opset_import):
         # The fused ops live in ORT's contrib domain; without its import the model is invalid to save/convert.
         fused.model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    _keep_inputs(model, fused.model)
     err = _parity(model, fused.model, dynamic=dynamic)
     if err is not None:
         log.warning("ORT transformer fusion not applied: %s; keeping the unfused graph", err)
         return model, {"applied": False, "why": f"fused graph rejected: {err}"}
     return fused.model, {"applied": True, "fused": stats}
+
+
+def _keep_inputs(model: onnx.ModelProto, fused: onnx.ModelProto) -> None:
+    """Inputs the fusion pruned (ones no node reads, such as a ``token_type_ids`` the model ignores) put back, in
+    the original order: the engine takes what the unfused graph and every other engine of the run take."""
+    kept = {i.name: i for i in fused.graph.input}
+    if [i.name for i in model.graph.input] == list(kept):
+        return
+    inputs = [kept.get(i.name, i) for i in model.graph.input] + [
+        i for n, i in kept.items() if n not in {j.name for j in model.graph.input}
+    ]
+    del fused.graph.input[:]
+    fused.graph.input.extend(inputs)
 
 
 def graph_has_fp16(model: onnx.ModelProto) -> bool:

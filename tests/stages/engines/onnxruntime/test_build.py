@@ -164,6 +164,20 @@ def test_fusion_leaves_the_callers_graph_unfused(zoo) -> None:
     assert "SkipLayerNormalization" in {n.op_type for n in fused.graph.node}
 
 
+def test_an_input_no_node_reads_survives_the_fusion(zoo) -> None:
+    """ORT's optimizer prunes an input nothing reads (a tokenizer's token_type_ids beside a DistilBERT); the
+    parity check then failed feeding it, and the fusion was dropped with a warning per build."""
+    from onnx import TensorProto, helper
+
+    from kiln.stages.engines.onnxruntime.build import maybe_fuse
+
+    model = onnx.load(str(zoo("transformer")))
+    model.graph.input.append(helper.make_tensor_value_info("token_type_ids", TensorProto.INT64, ["batch", 8]))
+    fused, note = maybe_fuse(model, "cpu", OnnxRuntimeConfig())
+    assert note["applied"], note
+    assert [i.name for i in fused.graph.input] == [i.name for i in model.graph.input]
+
+
 @pytest.mark.parametrize(
     "setting, model, why", [("off", "transformer", "off in config"), ("auto", "cnn", "no attention-like ops")]
 )
