@@ -102,3 +102,26 @@ def test_multi_label_integer_targets_are_told_to_come_as_floats() -> None:
     with pytest.raises(ModelError) as err:
         check_labels_fit(logits, np.zeros((4, 2), np.int64), "logits")
     assert "signature.logits_output" in err.value.hint
+
+
+def test_top1_agreement_is_a_rate_over_the_held_out_rows_not_one_spot_checked_row() -> None:
+    """Two choices, row 0 a near-tie an engine flips at batch 1 only: 63 of 64 rows agree at the largest batch
+    and all 64 in the whole run, so agreement is 1.0; the spot check at batch 1 made it 0.0 (failing the gate)."""
+    from kiln.stages.accuracy.check import compare_on
+
+    x = np.random.default_rng(0).standard_normal((64, 2)).astype(np.float32)
+    x[0] = [0.5, 0.5004]
+
+    def reference_run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": feed["x"].copy()}
+
+    def engine(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = feed["x"].copy()
+        if len(out) == 1:  # another kernel at batch 1: the near-tie goes the other way
+            out[:, 0] += 0.001
+        return {"logits": out}
+
+    ref = Reference(reference_run, [({}, {"x": x})], [None], "logits", 8, 1)
+    got = compare_on(ref, engine, [1, 8])
+    assert got.stats["logits"].top1_agreement == 1.0
+    assert got.stats["logits"].max_abs_err == pytest.approx(0.001, rel=1e-3)  # the batch-1 kernel's error counts
