@@ -23,6 +23,7 @@ from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.feeds import check_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
+from kiln.core.outputs import logits_name
 from kiln.core.records import TensorSpec
 from kiln.core.signature import Signature
 from kiln.models.config import DataConfig, ModelConfig
@@ -116,8 +117,6 @@ def _check_onnx_classes(
 ) -> None:
     """Class labels against the class-logit output of a ``model.onnx`` run: fewer logits than classes is another
     model's data (accuracy near chance, and a run that passes)."""
-    from kiln.core.outputs import logits_name
-
     name = logits_name([o.name for o in outputs], setting)
     labels = data.val_y if data.val_y is not None else data.train_y
     if name is None or labels is None or data.num_classes <= 0 or labels.ndim != 1 or labels.is_floating_point():

@@ -64,6 +64,7 @@ from kiln.stages.engines.registry import backend_named, load_engine, preference_
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedups
 from kiln.stages.validate.config import ValidateConfig
+from kiln.stages.validate.coupling import rows_may_mix
 from kiln.stages.validate.declaration import ValidateSettings
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.roofline import peak_tflops, roofline
@@ -384,6 +385,23 @@ def torch_reference(
     return reference(ctx, data, cfg, run, feeds, out_names, sig.dynamic_axes), model
 
 
+def _coupled(ctx: StageContext[ValidateSettings], probed: list[str]) -> list[str]:
+    """The outputs to serve one request per engine call: those the probe saw follow the batch, and those the graph
+    computes through a selection over the whole batch (:func:`rows_may_mix`), said once."""
+    graph = load_onnx(ctx.inputs["export"] / "model.onnx", load_external_data=False).graph
+    mixed = [o for o in rows_may_mix(graph) if o not in probed]
+    if mixed:
+        ctx.log.warning(
+            "outputs %s pass through a selection over the whole batch (NonZero: a boolean mask indexing batched "
+            "values): a request's answer could depend on the requests batched with it, so they are served one "
+            "request per engine call",
+            mixed,
+        )
+    return [o.name for o in graph.output if o.name in {*probed, *mixed}] + [
+        p for p in probed if p not in {o.name for o in graph.output}
+    ]
+
+
 def onnx_reference(
     ctx: StageContext[ValidateSettings], data: DatasetSplits, cfg: ValidateConfig
 ) -> tuple[Reference, Any]:
@@ -527,7 +545,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         dropped=dropped,
         chosen=chosen,
         choice_notes=notes,
-        batch_coupled=ref.coupled,
+        batch_coupled=_coupled(ctx, ref.coupled),
         timing=timing,
         peaks=peaks,
     )

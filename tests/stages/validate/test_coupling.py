@@ -1,0 +1,49 @@
+"""Outputs whose rows may mix across a batch, read from the graph (BART's end-of-sequence pooling)."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.stages.validate.coupling import rows_may_mix
+
+
+def _graph(nodes, inits=()):
+    return helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 6])],
+        [
+            helper.make_tensor_value_info("pooled", TensorProto.FLOAT, ["batch", 1]),
+            helper.make_tensor_value_info("plain", TensorProto.FLOAT, ["batch", 6]),
+        ],
+        list(inits),
+    )
+
+
+def test_an_output_selected_by_a_mask_over_the_batch_may_mix_rows() -> None:
+    """``hidden[ids == eos].view(batch, -1, h)``: the selected count decides which rows land in which batch row."""
+    eos = numpy_helper.from_array(np.array(2, np.int64), "eos")
+    shape = numpy_helper.from_array(np.array([-1, 1], np.int64), "shape")
+    nodes = [
+        helper.make_node("Cast", ["ids"], ["plain"], to=TensorProto.FLOAT),
+        helper.make_node("Equal", ["ids", "eos"], ["mask"]),
+        helper.make_node("NonZero", ["mask"], ["where"]),
+        helper.make_node("Transpose", ["where"], ["idx"]),
+        helper.make_node("GatherND", ["plain", "idx"], ["picked"]),
+        helper.make_node("Reshape", ["picked", "shape"], ["pooled"]),
+    ]
+    assert rows_may_mix(_graph(nodes, [eos, shape])) == ["pooled"]
+
+
+def test_a_selection_over_constants_alone_mixes_nothing() -> None:
+    table = numpy_helper.from_array(np.array([[1.0], [0.0], [2.0]], np.float32), "table")
+    nodes = [
+        helper.make_node("Cast", ["ids"], ["plain"], to=TensorProto.FLOAT),
+        helper.make_node("NonZero", ["table"], ["where"]),  # computed from the weights, the same for every request
+        helper.make_node("Shape", ["where"], ["n"]),
+        helper.make_node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["plain"], ["s"], keepdims=1),
+        helper.make_node("Mul", ["s", "nf"], ["pooled"]),
+    ]
+    assert rows_may_mix(_graph(nodes, [table])) == []
