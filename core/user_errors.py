@@ -146,6 +146,33 @@ def _passes_through(exc: BaseException) -> bool:
     return isinstance(exc, (KilnError, MemoryError)) or type(exc).__name__ == "OutOfMemoryError"
 
 
+# Where a script's exit belongs: run as a script, not on import or when Kiln calls its functions
+MAIN_GUARD = (
+    "a script's exit belongs under its `if __name__ == \"__main__\":` guard, which neither imports nor Kiln's calls run"
+)
+
+
+def exit_call(exc: SystemExit) -> str:
+    """``sys.exit(0)``, as the code that raised ``exc`` wrote it (``raise SystemExit("bye")`` reads the same)."""
+    return f"sys.exit({'' if exc.code is None else repr(exc.code)})"
+
+
+def user_exit_error(exc: SystemExit, doing: str, what: str | None = None, instead: str = "return") -> UserCodeError:
+    """``exc``, raised by the user's code (``sys.exit()``, or argparse's exit on the command line it was not
+    meant to parse), as an error: left alone it would end Kiln's command with that status and no word, or exit 0
+    for a run that never ran. ``instead``: what the code should do rather than exit ("return the model")."""
+    frame, who = user_frame(exc), what or "your code"
+    if frame is None:  # a library's exit (argparse, click): the innermost frame says whose
+        frames = traceback.extract_tb(exc.__traceback__)
+        frame, who = (frames[-1] if frames else None), what or "a library"
+    at = f" (in {where(frame)})" if frame is not None else ""
+    message = f"{who} called {exit_call(exc)}{at} while {doing}"
+    there = f" in {frame.name}() at {frame.filename} line {frame.lineno}" if frame is not None else ""
+    fix = f"{instead} instead of exiting{there}; {MAIN_GUARD} (--verbose shows the traceback)"
+    detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return UserCodeError(message, hint=fix, detail=detail)
+
+
 @contextmanager
 def running_user_code(
     doing: str | Callable[[], str],
@@ -156,9 +183,12 @@ def running_user_code(
     """Around code that calls the user's: an exception raised in the user's file becomes a :class:`UserCodeError`
     naming it. ``doing`` (or a callable giving it at the time of the error, e.g. the training step) says what
     Kiln was at: "loading data", "training step 1000 (epoch 3)"; ``hint`` (or a callable giving one for the
-    exception, or None) a fix beyond the line."""
+    exception, or None) a fix beyond the line. The user's code calling ``sys.exit()`` is an error too (a
+    :class:`UserCodeError`), never the end of the command."""
     try:
         yield
+    except SystemExit as exc:
+        raise user_exit_error(exc, doing() if callable(doing) else doing, what) from exc
     except Exception as exc:
         said = hint(exc) if callable(hint) else hint
         err = user_code_error(exc, doing() if callable(doing) else doing, what, said, model)

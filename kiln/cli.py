@@ -49,16 +49,46 @@ def _width(stream: Any) -> int | None:
     return None if os.environ.get("COLUMNS") or getattr(stream, "isatty", lambda: False)() else 200
 
 
-console = Console(stderr=True)  # logs, progress, errors (rich's log lines pad to the width: 80 where piped)
+def _discard(stream: Any) -> None:
+    """What is still written to ``stream``, whose reader went away (`kiln run | head -2`), goes to the null
+    device: no BrokenPipeError later, nor at exit when Python flushes it (Python's note on SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a file (a test's capture): nothing to redirect
+        pass
+
+
+class _Console(Console):
+    """A console whose reader may go away: `kiln run | head -2` keeps the lines it wanted and the command runs
+    to its own end (its exit code, its error on stderr), where rich's own would exit 1 at once, saying nothing."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        _discard(self.file)
+
+
+def _answer(text: str, nl: bool = True) -> None:
+    """``text`` on stdout, which may have been closed by its reader (`kiln config | head -3`): then dropped."""
+    try:
+        click.echo(text, nl=nl)
+    except BrokenPipeError:
+        _discard(sys.stdout)
+
+
+console = _Console(stderr=True)  # logs, progress, errors (rich's log lines pad to the width: 80 where piped)
 # what a command answers: tables, JSON, the paths it wrote (stdout: `kiln run | tee` keeps it)
-results = Console(width=_width(sys.stdout))
+results = _Console(width=_width(sys.stdout))
 STATUS_STYLE = {"ran": "green", "cached": "cyan", "skipped": "yellow", "failed": "bold red", "not-run": "dim"}
 
 
 EXIT_CODES = (
     "Exit codes: 0 success; 2 a problem you can fix (bad config, input or disk: one `error:` and one "
     "`fix:` line); 3 a validation gate failed (the engine is not as accurate or fast as configured); 130 "
-    "interrupted (Ctrl-C)."
+    "interrupted (Ctrl-C); 143 stopped by SIGTERM (`timeout`, `kill`, CI, `docker stop`)."
 )
 
 
@@ -98,6 +128,19 @@ INTERRUPTED = Interrupted(
 )
 
 
+class Terminated(Interrupted):
+    """SIGTERM: exit 143 (128 + 15), as a shell reports a command SIGTERM stopped."""
+
+    exit_code = 143
+
+
+TERMINATED = Terminated(
+    "stopped by SIGTERM (what `timeout`, `kill`, CI runners and `docker stop` send)",
+    hint="run the same command again, with more time if a time limit sent it: what it finished is kept (`kiln run` "
+    "resumes after its finished stages)",
+)
+
+
 class KilnCommand(click.Command):
     """Turns :class:`KilnError` into a clean message and exit code instead of a traceback."""
 
@@ -118,8 +161,12 @@ class KilnCommand(click.Command):
                 return super().invoke(ctx)
         except click.UsageError as exc:
             raise _usage(exc, ctx.command_path) from None
-        except KeyboardInterrupt:
-            _fail(ctx, INTERRUPTED)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (core/interrupt.py)
+            _fail(ctx, TERMINATED if interrupt.by_sigterm() else INTERRUPTED)
+        except SystemExit as exc:  # sys.exit() in code Kiln called (a metric, a loss): never a silent end
+            from kiln.core.user_errors import user_exit_error
+
+            _fail(ctx, user_exit_error(exc, f"running `kiln {ctx.info_name}`"))
         except KilnError as exc:
             _fail(ctx, disk_full(exc, _written(ctx)) or exc)
         except OSError as exc:  # a disk or folder problem anywhere (read-only -o, disk full): the same two lines
@@ -535,7 +582,7 @@ def run(
 @set_opt
 def show_config(config: str | None, config_option: str | None, sets: tuple[str, ...]) -> None:
     """Print the resolved config (defaults filled in) as YAML: a starting point for your own."""
-    click.echo(yaml.safe_dump(_config(_one_config(config, config_option), sets).dump(), sort_keys=False), nl=False)
+    _answer(yaml.safe_dump(_config(_one_config(config, config_option), sets).dump(), sort_keys=False), nl=False)
 
 
 def _refuse_direct_options(what: str, *names: str) -> None:
@@ -741,7 +788,7 @@ def _validate_direct(
     if fed is None:
         console.print(f"[yellow]inputs[/]: no --inputs, so {RANDOM_INPUTS}", highlight=False, soft_wrap=True)
     result = validate_direct(Path(file), Path(reference), fed, settings)
-    click.echo(json.dumps(direct_report(result, fed), indent=2))  # plain JSON on stdout: `> v.json` keeps it
+    _answer(json.dumps(direct_report(result, fed), indent=2))  # plain JSON on stdout: `> v.json` keeps it
     if not result.passed:
         raise GateFailure(
             f"engine {result.name} failed its gates: {'; '.join(result.failures)}", hint=gate_failure_hint(fed)
@@ -963,10 +1010,13 @@ def serve(
 
     _setup_logging(False, verbose)
 
+    readied: list[bool] = []
+
     def ready(served: list[Any]) -> None:
         for line in iter_urls(address, http_port, grpc_port, served):
             results.print(escape(line), highlight=False, soft_wrap=True)
         console.print("ready (Ctrl-C or SIGTERM stops the server)")
+        readied.append(True)
 
     from kiln.stages.engines.backend import SIDECAR
 
@@ -988,7 +1038,14 @@ def serve(
             pytriton=pytriton,
             http_threads=http_threads,
         )
+    if not readied:  # the server returns quietly from a stop (its own handler's) at any time: before ready too
+        raise NOT_READY
 
+
+NOT_READY = Interrupted(
+    "kiln serve was stopped (Ctrl-C or SIGTERM) before the server was ready: nothing was served",
+    hint="run `kiln serve` again and stop it after its `ready` line (it comes once every engine answers)",
+)
 
 LOADTEST_FILES = ("loadtest.json", "loadtest.md", "loadtest.png")
 
@@ -1139,7 +1196,7 @@ def loadtest(
     finally:  # a load test that failed its check wrote its files too: Kiln's to replace next time
         if out.is_dir():
             record_owned(out, LOADTEST_FILES)
-    click.echo(render_markdown(result), nl=False)
+    _answer(render_markdown(result), nl=False)
     results.print(f"wrote {Path(output) / 'loadtest.json'}, loadtest.md, loadtest.png", highlight=False)
 
 

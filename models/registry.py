@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln.core.errors import ConfigError
 from kiln.core.text import first_line
-from kiln.core.user_errors import user_code_error, user_frame, where
+from kiln.core.user_errors import MAIN_GUARD, exit_call, user_code_error, user_exit_error, user_frame, where
 
 if TYPE_CHECKING:
     from torch import nn
@@ -70,6 +70,9 @@ KINDS: dict[str, tuple[str, str, str]] = {  # kind -> (what it is, example modul
 # What Kiln is doing when it calls each kind of user code, for the error that code raises.
 DOING: dict[str, str] = {"model": "building the model", "dataset": "loading data"}
 
+# What each factory should do instead of exiting, for the error when it calls sys.exit()
+RETURNS: dict[str, str] = {"model": "return the model", "dataset": "return the DatasetSplits"}
+
 
 def example_path(kind: str, module: str | None = None) -> str:
     """An import path of the form ``kind`` expects (``mydata:load`` for a dataset), in ``module`` if given."""
@@ -104,6 +107,11 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
             f"importing module '{module_name}' for {kind} '{ref}' failed: {type(exc).__name__}: {first_line(exc)}"
             + _import_site(exc),
             hint=f"fix the error in {module_name}",
+        ) from None
+    except SystemExit as exc:  # a script that exits at import time: left alone, it would end Kiln's command
+        raise ConfigError(
+            f"importing module '{module_name}' for {kind} '{ref}' called {exit_call(exc)}{_import_site(exc)}",
+            hint=f"keep {module_name} from exiting when imported: {MAIN_GUARD}",
         ) from None
     fn = getattr(module, attr, None)
     if fn is None and (mine := _shadowed(module, module_name)) is not None:
@@ -143,6 +151,8 @@ def _call_factory(
     params_hint = f"fix {section}.params in the config"
     try:
         obj = factory(**(params or {}))
+    except SystemExit as exc:  # sys.exit() in the factory: an error, never the end of the command
+        raise user_exit_error(exc, DOING[kind], f"{KINDS[kind][0]} '{ref}'", RETURNS[kind]) from exc
     except Exception as exc:
         # Raised in the user's file: their function and line. Otherwise the call itself failed (an unknown
         # keyword, an invalid value in a built-in): a config mistake.

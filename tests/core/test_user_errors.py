@@ -40,3 +40,22 @@ def test_a_library_called_as_a_factory_keeps_its_callers_error(monkeypatch: pyte
     with pytest.raises(Exception) as err, running_user_code("loading data"):
         sklearn.load_digits(n_class=20)
     assert not isinstance(err.value, UserCodeError)
+
+
+def test_user_code_calling_sys_exit_is_an_error_not_the_end_of_the_command(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss, reader or forward that calls sys.exit() (or argparse's parse_args on Kiln's own command line) ended
+    Kiln's command with that status and no word; it is the user's error, with the function and line."""
+    (tmp_path / "kiln_t_exiting.py").write_text("import sys\n\ndef reader():\n    sys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kiln_t_exiting
+
+    try:
+        with pytest.raises(UserCodeError) as err, running_user_code("reading calibration batches", "reader 'r'"):
+            kiln_t_exiting.reader()
+    finally:
+        monkeypatch.delitem(__import__("sys").modules, "kiln_t_exiting")
+    assert err.value.message.startswith("reader 'r' called sys.exit(0) (in reader() at ")
+    assert err.value.message.endswith("while reading calibration batches")
+    assert err.value.hint.startswith("return instead of exiting in reader() at ") and "__main__" in err.value.hint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import click
@@ -812,3 +813,117 @@ def test_a_stage_after_one_made_anew_is_stale_though_its_own_inputs_stayed(
     stages = json.loads((wd / "report.json").read_text())["stages"]
     assert stages["precision"]["status"] == "ran" and stages["build"]["status"] == "stale"
     assert stages["validate"]["status"] == "stale" and stages["package"]["status"] == "stale"
+
+
+def _kiln(*args: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
+    code = "import sys; from kiln.cli import command; sys.argv[0] = 'kiln'; command()"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, text=True, timeout=300, **kw)
+
+
+def test_sigterm_during_a_stage_is_one_error_exit_143_and_leaves_no_staging_or_scratch(tmp_path: Path) -> None:
+    """SIGTERM (`timeout`, CI, `docker stop`) killed `kiln run` on the spot: exit 143 with nothing said, its
+    .train.staging-<pid>-… and .kiln-tmp/.run.scratch-<pid>-… left for the next run to remove. Now it unwinds as
+    Ctrl-C does: one error/fix pair, exit 143 (128 + 15), every temporary folder removed."""
+    (tmp_path / "kiln_t_term.py").write_text(
+        "import os, signal, time\nimport torch\n\n"
+        "def build():\n"
+        "    if any(n.startswith('.train.staging-') for n in os.listdir('wd')):  # inside the train stage\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(60)\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))\n"
+    )
+    (tmp_path / "c.yaml").write_text(
+        yaml.safe_dump({"model": {"name": "kiln_t_term:build"}, "data": {"name": "digits"}, "train": {"epochs": 1}})
+    )
+    done = _kiln("run", "c.yaml", "-w", "wd", "--until", "train", cwd=tmp_path, capture_output=True)
+    assert done.returncode == 143, (done.returncode, done.stderr)
+    assert done.stderr.splitlines()[-2:][0] == (
+        "error: stopped by SIGTERM (what `timeout`, `kill`, CI runners and `docker stop` send)"
+    )
+    assert done.stderr.splitlines()[-1].startswith("fix: run the same command again") and "Traceback" not in done.stderr
+    left = [p.name for p in (tmp_path / "wd").rglob(".*") if p.name != ".kiln.lock"]
+    assert not left, left
+
+
+def test_a_factory_calling_sys_exit_fails_the_run_with_its_report(cli: CliRunner, tmp_path: Path, monkeypatch) -> None:
+    """`kiln run` with a factory that calls sys.exit(0) exited 0, saying nothing and writing no report."""
+    (tmp_path / "kiln_t_exit_factory.py").write_text("import sys\n\ndef exits(**kw):\n    sys.exit(0)\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"name": "kiln_t_exit_factory:exits"}, "data": {"name": "digits"}}))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        result = cli.invoke(main, ["run", str(cfg), "-w", str(tmp_path / "w"), "--until", "train", "-q"])
+    finally:
+        sys.modules.pop("kiln_t_exit_factory", None)
+    assert_clean_error(result, 2, "error: model factory 'kiln_t_exit_factory:exits' called sys.exit(0) (in exits() at ")
+    assert "fix: return the model instead of exiting in exits() at " in result.output
+    assert (tmp_path / "w" / "report.json").is_file()
+
+
+def test_sys_exit_anywhere_in_a_command_is_an_error(cli: CliRunner, tmp_path: Path, monkeypatch) -> None:
+    """User code Kiln calls outside a factory (a validate.metric, the check of a train.loss) calling sys.exit():
+    an error naming it, not a silent exit 0."""
+    import kiln.cli as cli_module
+
+    (tmp_path / "kiln_t_exit_metric.py").write_text("import sys\n\ndef metric(*args, **kw):\n    sys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import kiln_t_exit_metric
+
+    monkeypatch.setattr(cli_module, "_run", kiln_t_exit_metric.metric)
+    try:
+        result = cli.invoke(main, ["run", "-w", str(tmp_path / "w")])
+    finally:
+        sys.modules.pop("kiln_t_exit_metric", None)
+    assert_clean_error(result, 2, "error: your code called sys.exit(0) (in metric() at ", "while running `kiln run`")
+    assert "fix: return instead of exiting in metric() at " in result.output
+
+
+def test_serve_stopped_before_it_was_ready_says_so(cli: CliRunner, tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C or SIGTERM while the server started (serve's own handler: it returns quietly) exited 0, silent."""
+    import kiln.serve.server as server
+
+    def stopped(*args, on_ready=None, **kw) -> None:  # the server's return from a stop before its models answered
+        return None
+
+    monkeypatch.setattr(server, "serve", stopped)
+    result = cli.invoke(main, ["serve", str(tmp_path)])
+    assert_clean_error(result, 130)
+    assert result.output.splitlines()[-2:] == [
+        "error: kiln serve was stopped (Ctrl-C or SIGTERM) before the server was ready: nothing was served",
+        "fix: run `kiln serve` again and stop it after its `ready` line (it comes once every engine answers)",
+    ]
+
+    def served(*args, on_ready=None, **kw) -> None:  # ready, then stopped: a clean stop
+        on_ready([])
+
+    monkeypatch.setattr(server, "serve", served)
+    assert cli.invoke(main, ["serve", str(tmp_path)]).exit_code == 0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_reader_that_closes_stdout_ends_nothing_early(tmp_path: Path, fails: bool) -> None:
+    """`kiln run | head -2` exited 1 with nothing said (rich's own exit on a broken pipe), a failed run's
+    error and exit code lost. The answer's rest is dropped; the command ends as it would have."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        import kiln.cli as cli
+        from kiln.core.errors import KilnError
+        def answers(*args, **kwargs):
+            time.sleep(0.5)  # the reader has gone
+            for i in range(3000):
+                cli.results.print(f"line {{i}} of a long answer")
+            cli._answer("and a plain one")
+            if {fails}:
+                raise KilnError("the run failed", hint="fix it")
+        cli._run = answers
+        cli.main(["run", "-w", sys.argv[1]])
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "wd")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.close()  # `head` done
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == (2 if fails else 0), err
+    assert err.splitlines() == (["error: the run failed", "fix: fix it"] if fails else []), err
