@@ -21,6 +21,7 @@ import onnx
 import torch
 from torch import nn
 
+from kiln.core import interrupt
 from kiln.core.artifacts import ensure_writable
 from kiln.core.compare import max_abs_err, within_tolerance
 from kiln.core.data import (
@@ -125,6 +126,7 @@ def export_onnx(
             # torch.export may specialise an axis it was told is dynamic (an nn.GRU's length), without an error
             raise ValueError(f"it fixed {', '.join(lost)}, which signature.dynamic_axes makes dynamic")
         except Exception as exc:  # the exporter raises many types; keep the message for the user
+            interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
             if dynamo:
                 log.warning("dynamo exporter failed (%s); trying the TorchScript exporter", _reason(exc))
@@ -267,6 +269,11 @@ def _export(
         }
     with _quiet_torch():
         torch.onnx.export(model, args, str(path), **kw)
+
+
+def _shapes_example(point: dict[str, int]) -> str:
+    """``signature.shapes`` written for the axes at hand (``{h: [224, 256], w: [224, 256]}``), as the hint's example."""
+    return "{" + ", ".join(f"{name}: [{size}, {size * 2}]" for name, size in point.items()) + "}"
 
 
 @contextmanager
@@ -509,7 +516,7 @@ def check_validated_sizes(
                 f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
                 f"that axis vary: {_reason(exc)}",
                 hint="if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it "
-                "takes in signature.shapes, e.g. {seq: [16, 32]}",
+                f"takes in signature.shapes, e.g. {_shapes_example(point)}",
             ) from None
         try:
             err = parity(model, path, inputs, session, at, ref)["max_abs_err"]

@@ -28,3 +28,23 @@ def test_an_export_failure_in_the_users_forward_names_it(tmp_path: Path) -> None
     assert model(torch.zeros(2, 4)).shape == (2, 2)  # it runs; only the export fails
     with pytest.raises(ModelError, match=r"cannot be traced \(in forward\(\) at .*test_export_user_code\.py:\d+\)"):
         export_onnx(model, torch.zeros(2, 4), tmp_path / "m.onnx")
+
+
+def test_a_ctrl_c_that_comes_out_of_the_exporter_as_another_error_stops_the_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C landing in the exporter's imports came out as an AttributeError: the export fell back to the
+    TorchScript exporter and the command ended 0. The handler saw it, so the export stops."""
+    from kiln.core import interrupt
+    from kiln.stages.export import stage
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        interrupt._seen.set()  # as the SIGINT handler records it
+        raise AttributeError("module 'torch._dynamo' has no attribute 'exc'")
+
+    monkeypatch.setattr(stage, "_export", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            export_onnx(nn.Linear(4, 2).eval(), torch.zeros(2, 4), tmp_path / "m.onnx")
+    finally:
+        interrupt._seen.clear()
