@@ -75,8 +75,8 @@ def storage_error(exc: OSError, doing: str = "") -> StorageError:
     """An OS error as one clear message and a fix, by errno (a traceback tells a user nothing they can act on).
     ``doing``: what Kiln was at (``"writing the report"``), when the error's own path does not say it."""
     what = (f" while {doing}" if doing else "") + (f": {exc.filename}" if exc.filename else "")
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return disk_full_error(exc.filename or doing)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # "disk full while writing" + the file, or what
+        return disk_full_error(exc.filename or doing.removeprefix("writing "))
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         kind = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
         return StorageError(

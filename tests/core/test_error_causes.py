@@ -104,3 +104,12 @@ def test_a_torch_backend_with_a_model_name_is_fine(tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {{onnx: {model}, name: cnn}}\nbuild: {{backends: [torch]}}\n")
     assert invoke("config", config).exit_code == 0
+
+
+def test_a_full_disk_while_writing_a_file_says_writing_once() -> None:
+    import errno
+
+    from kiln.core.errors import storage_error
+
+    message = storage_error(OSError(errno.ENOSPC, "No space left on device"), "writing report.json").message
+    assert message.startswith("disk full while writing report.json") and "writing writing" not in message
