@@ -271,9 +271,32 @@ def _export(
         torch.onnx.export(model, args, str(path), **kw)
 
 
-def _shapes_example(point: dict[str, int]) -> str:
-    """``signature.shapes`` written for the axes at hand (``{h: [224, 256], w: [224, 256]}``), as the hint's example."""
-    return "{" + ", ".join(f"{name}: [{size}, {size * 2}]" for name, size in point.items()) + "}"
+def _own_sizes(feed: Mapping[str, np.ndarray], axes: Axes) -> dict[str, int]:
+    """The size the data has on each named dynamic axis (its held-out rows')."""
+    return {
+        label: feed[name].shape[int(axis)]
+        for name, dims in axes.items()
+        if name in feed
+        for axis, label in dims.items()
+    }
+
+
+def _sizes_hint(point: Mapping[str, int], own: Mapping[str, int]) -> str:
+    """What to do about a size the model fails at: Kiln made a smaller one by cutting the data's rows (which drops
+    what ends them: a sequence's end-of-text token), or the model takes one size only."""
+    cut = {k: own[k] for k, v in point.items() if k in own and v < own[k]}
+    example = "{" + ", ".join(f"{k}: [{own.get(k, v)}]" for k, v in point.items()) + "}"
+    if cut:
+        sizes = ", ".join(f"{k}={v}" for k, v in cut.items())
+        return (
+            f"Kiln made that size by cutting the data's rows (its own: {sizes}), which drops what ends them (an "
+            f"end-of-sequence token): validate at sizes the data has, signature.shapes: {example}; or remove the "
+            "axis from signature.dynamic_axes if the model takes one size"
+        )
+    return (
+        "if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it takes in "
+        f"signature.shapes, e.g. {example}"
+    )
 
 
 @contextmanager
@@ -515,8 +538,7 @@ def check_validated_sizes(
             raise ModelError(
                 f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
                 f"that axis vary: {_reason(exc)}",
-                hint="if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it "
-                f"takes in signature.shapes, e.g. {_shapes_example(point)}",
+                hint=_sizes_hint(point, _own_sizes(feed, axes)),
             ) from None
         try:
             err = parity(model, path, inputs, session, at, ref)["max_abs_err"]
