@@ -12,11 +12,16 @@ from kiln.core.sections import Section
 class ModelConfig(Section):
     name: str = Field("cnn", description="built-in model name or import path 'package.module:function'")
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the model factory")
-    checkpoint: str | None = Field(None, description="state dict (.safetensors/.pt) to start from; skips training")
+    checkpoint: str | None = Field(
+        None,
+        description="state dict (.safetensors/.pt) of model.name to start from; skips training. Relative to the "
+        "config file's folder (given with --set: to the current folder)",
+    )
     onnx: str | None = Field(
         None,
         description="start from this ONNX file: optimize through package, no train/export; "
-        "the reference is this file in ONNX Runtime unless model.name is set",
+        "the reference is this file in ONNX Runtime unless model.name is set. Relative to the config file's "
+        "folder (given with --set: to the current folder)",
     )
 
 

@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.errors import ConfigError, InputFileError
-from kiln.core.sections import Section
+from kiln.core.sections import Section, Seed
 from kiln.core.signature import Signature, gather
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.registry import DATASETS, MODELS, check_name
@@ -60,7 +60,7 @@ class KilnConfig(Section):
     model's signature, which several stages read."""
 
     name: str = "kiln"
-    seed: int = 0
+    seed: Seed = 0
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     signature: Signature = Field(default_factory=Signature)
@@ -93,18 +93,26 @@ class KilnConfig(Section):
         return out
 
 
+# A value quoted back longer than this is a section or a list the message already points into: left out
+MAX_QUOTED = 80
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]).replace("validate_", "validate")
+        msg = e["msg"].removeprefix("Value error, ")
+        got = repr(e.get("input"))
         if e["type"] == "extra_forbidden":
             parent = _model_at(tuple(p for p in e["loc"][:-1]))
             valid = ", ".join(sorted(_field_names(parent))) if parent else "?"
             lines.append(f"unknown key '{key}' (valid keys here: {valid})")
+        elif not key:  # the whole config's own check (keys given twice): its message names the keys
+            lines.append(msg)
         elif e["type"] == "literal_error":
-            lines.append(f"'{key}': {e['msg']}, got {e.get('input')!r}")
+            lines.append(f"'{key}': {msg}, got {got}")
         else:
-            lines.append(f"'{key}': {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"'{key}': {msg}" + (f" (got {got})" if len(got) <= MAX_QUOTED else ""))
     return f"invalid config {source}: " + "; ".join(lines)
 
 
@@ -176,7 +184,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         _set_dotted(data, dotted, value)
     _check_size(data, Path(source))  # file and --set values alike
     config = config_from_dict(data, source)
-    _check_files(config, Path(path).parent if path else Path())  # relative: resolved only when used
+    _check_files(config, Path(path).parent if path else Path(), overrides or {})
     _check_names(config)
     _check_combinations(config)
     return config
@@ -193,10 +201,16 @@ def _check_kind(p: Path) -> None:
 
 
 def _check_combinations(config: KilnConfig) -> None:
-    """Settings each valid alone that cannot work together, named both: a backend that builds from the PyTorch
-    model (torch) on a run that starts from an ONNX file with no PyTorch model named."""
+    """Settings each valid alone that cannot work together, named both: a checkpoint or a backend that builds from
+    the PyTorch model (torch) on a run that starts from an ONNX file with no PyTorch model named."""
     if not config.model.onnx or "name" in config.model.model_fields_set:
         return
+    if config.model.checkpoint is not None:
+        raise ConfigError(
+            f"model.checkpoint {Path(config.model.checkpoint).name} holds a PyTorch model's weights, but model.onnx "
+            f"starts the run from {Path(config.model.onnx).name} with no model.name: the checkpoint would be unused",
+            hint="set model.name to the PyTorch model the checkpoint belongs to, or drop model.checkpoint",
+        )
     graph_readers = set(config.build.graph_readers)
     torch_only = [b for b in config.build.backends if b not in graph_readers]
     if torch_only:
@@ -258,10 +272,20 @@ def _parse(p: Path, text: str) -> Any:
             return json.loads(text, object_pairs_hook=_no_duplicate_keys)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+        _name_the_file(exc, p)
         raise ConfigError(
             f"cannot parse config {p}: {' '.join(str(exc).split())[:400]}",
             hint="fix the file's syntax (each key once per section)",
         ) from None
+
+
+def _name_the_file(exc: BaseException, p: Path) -> None:
+    """A YAML error's positions name the file, not ``"<unicode string>"`` (the text was read before parsing)."""
+    for mark in (getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)):
+        if isinstance(mark, yaml.Mark):
+            mark.name = str(p)
+    if isinstance(exc, yaml.reader.ReaderError):
+        exc.name = str(p)
 
 
 def _only_comments(text: str) -> bool:
@@ -359,22 +383,34 @@ def _takes_text_only(annotation: Any) -> bool:
     )
 
 
-def _check_files(config: KilnConfig, base: Path) -> None:
-    ckpt = config.model.checkpoint
-    if ckpt is not None:
-        p = Path(ckpt) if Path(ckpt).is_absolute() else base / ckpt
+def _from_command_line(overrides: dict[str, Any], key: str) -> bool:
+    """Whether ``--set`` gave ``model.<key>`` (``--set model.onnx=...``, or the whole ``--set model={...}``)."""
+    model = overrides.get("model")
+    return f"model.{key}" in overrides or (isinstance(model, dict) and key in model)
+
+
+def _check_files(config: KilnConfig, base: Path, overrides: dict[str, Any]) -> None:
+    """``model.checkpoint`` and ``model.onnx`` made absolute. A relative path in the file is relative to the file's
+    folder (``base``); one given on the command line to the folder the command runs in, as any command's path."""
+    for key, hint in (
+        ("checkpoint", "fix the path or remove model.checkpoint to train"),
+        ("onnx", "fix the path, or remove model.onnx to start from the PyTorch model"),
+    ):
+        given = getattr(config.model, key)
+        if given is None:
+            continue
+        here = _from_command_line(overrides, key)
+        p = Path(given) if Path(given).is_absolute() or here else base / given
         if not p.is_file():
-            raise InputFileError(
-                f"model.checkpoint not found: {p}", hint="fix the path or remove model.checkpoint to train"
+            rule = (
+                ""
+                if Path(given).is_absolute()
+                else " (a path given with --set is relative to the current folder)"
+                if here
+                else " (a path in the config file is relative to the file's folder)"
             )
-        config.model.checkpoint = str(p.resolve())
-    if config.model.onnx is not None:
-        p = Path(config.model.onnx) if Path(config.model.onnx).is_absolute() else base / config.model.onnx
-        if not p.is_file():
-            raise InputFileError(
-                f"model.onnx not found: {p}", hint="fix the path, or remove model.onnx to start from the PyTorch model"
-            )
-        config.model.onnx = str(p.resolve())
+            raise InputFileError(f"model.{key} not found: {p}{rule}", hint=hint)
+        setattr(config.model, key, str(p.resolve()))
 
 
 StageName = Literal["train", "export", "optimize", "precision", "build", "validate", "package"]

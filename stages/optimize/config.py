@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from kiln.core.sections import Section
+from kiln.core.sections import Section, Seed
 from kiln.stages.optimize.catalog import resolve
 
 # Order matters: fold first so patterns see constants, fuse, then fold/clean again what fusions exposed.
@@ -59,7 +59,7 @@ class OptimizeConfig(Section):
         "the range the data holds where the export recorded it "
         "(export/int_ranges.json)",
     )
-    seed: int = Field(0, description="safety net: seed of the random inputs")
+    seed: Seed = Field(0, description="safety net: seed of the random inputs")
 
     @field_validator("passes")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import pytest
@@ -29,3 +30,47 @@ def test_a_key_without_an_on_word_refuses_true_and_keeps_off() -> None:
         Settings(mode="true")
     with pytest.raises(ValidationError):
         Settings(switch="maybe")
+
+
+class Numbers(Section):
+    count: int = 1
+    ratio: float | None = None
+    sizes: list[int] = [1]
+    pair: tuple[float, float] = (0.0, 1.0)
+    gates: dict[str, dict[str, float]] = {}
+    flag: bool = False
+    either: bool | int = 0
+    free: dict[str, object] = {}
+    switch: AutoOnOff = "auto"
+    switches: list[AutoOnOff] = []
+
+
+@pytest.mark.parametrize(
+    ("key", "given", "said"),
+    [
+        ("count", True, "true is"),
+        ("ratio", False, "false is"),
+        ("sizes", [8, True], "true at [1] is"),
+        ("pair", (0.5, True), "true at [1] is"),
+        ("gates", {"fp16": {"min_cosine": True}}, "true at fp16.min_cosine is"),
+    ],
+)
+def test_a_boolean_for_a_number_is_refused(key: str, given: object, said: str) -> None:
+    """Every section, every number: pydantic alone reads true as 1 and 1.0."""
+    with pytest.raises(ValidationError, match=re.escape(f"{said} a boolean where a number is due")):
+        Numbers(**{key: given})
+    with pytest.raises(ValidationError, match="a boolean where a number is due"):  # assignment too
+        setattr(Numbers(), key, given)
+
+
+def test_keys_that_take_booleans_keep_them() -> None:
+    n = Numbers(flag=True, either=True, free={"on": True}, switch=True, switches=[False, "on"], count=3, ratio=1)
+    assert (n.flag, n.either, n.free, n.switch, n.switches, n.count, n.ratio) == (
+        True,
+        True,
+        {"on": True},
+        "on",
+        ["off", "on"],
+        3,
+        1.0,
+    )

@@ -170,3 +170,99 @@ def test_bare_on_and_off_in_a_yaml_file_are_the_words(write_yaml) -> None:
         config_from_dict({"build": {"torch": {"gemm_epilogues": True}}})
     with pytest.raises(ConfigError, match="reduce_range"):
         config_from_dict({"calibration": {"reduce_range": "maybe"}})
+
+
+@pytest.mark.parametrize("seed", [2**63, 99999999999999999999999, -1])
+def test_a_seed_torch_or_numpy_refuses_is_a_config_error(seed: int) -> None:
+    """Before: accepted, then torch.manual_seed raised "Overflow when unpacking long long" in training (numpy's
+    default_rng: "expected non-negative integer")."""
+    for key in ("seed", "optimize.seed"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, {key: seed})
+        assert f"'{key}': a seed is a whole number from 0 to {2**63 - 1}" in e.value.message
+    assert load_config(None, {"seed": 2**63 - 1, "optimize.seed": 0}).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "given, key, where",
+    [
+        ({"train": {"epochs": True}}, "train.epochs", "true is"),
+        ({"train": {"lr": True}}, "train.lr", "true is"),
+        ({"seed": False}, "seed", "false is"),
+        ({"signature": {"batch_sizes": [True, 8]}}, "signature.batch_sizes", "true at [0] is"),
+        ({"signature": {"logits_output": True}}, "signature.logits_output", "true is"),
+        ({"train": {"amp": {"loss_scale": True}}}, "train.amp.loss_scale", "true is"),
+        (
+            {"validate": {"gates": {"per_precision": {"int8": {"min_cosine": True}}}}},
+            "validate.gates.per_precision",
+            "true at int8.min_cosine is",
+        ),
+        ({"build": {"onnxruntime": {"intra_op_threads": True}}}, "build.onnxruntime.intra_op_threads", "true is"),
+    ],
+)
+def test_a_boolean_for_a_number_is_a_config_error(given: dict, key: str, where: str) -> None:
+    """Before: pydantic read true as 1 (epochs 1, lr 1.0, batch sizes [1, 8]) without a word."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(given, "c.yaml")
+    assert f"'{key}" in e.value.message and f"{where} a boolean where a number is due" in e.value.message
+
+
+def test_booleans_still_go_where_they_are_taken() -> None:
+    cfg = config_from_dict({"train": {"compile": True, "update_graph": False}, "optimize": {"verify": False}})
+    assert (cfg.train.compile, cfg.train.update_graph, cfg.optimize.verify) == (True, "off", False)
+    assert config_from_dict({"model": {"params": {"pretrained": True, "width": 8}}}).model.params["pretrained"] is True
+
+
+def test_a_path_given_with_set_is_relative_to_the_current_folder(tmp_path: Path, monkeypatch) -> None:
+    """Before: `cd sub; kiln run ../cfgdir/c.yaml --set model.onnx=m.onnx` took cfgdir/m.onnx, not sub/m.onnx."""
+    (tmp_path / "cfgdir").mkdir()
+    (tmp_path / "sub").mkdir()
+    config = tmp_path / "cfgdir" / "c.yaml"
+    config.write_text("model: {onnx: m.onnx}\n")
+    for folder in ("cfgdir", "sub"):
+        (tmp_path / folder / "m.onnx").write_text(folder)
+        (tmp_path / folder / "w.pt").write_text(folder)
+    monkeypatch.chdir(tmp_path / "sub")
+    assert load_config(config).model.onnx == str(tmp_path / "cfgdir" / "m.onnx")  # the file's: beside it
+    assert load_config(config, {"model.onnx": "m.onnx"}).model.onnx == str(tmp_path / "sub" / "m.onnx")
+    named = load_config(config, {"model.name": "cnn", "model.checkpoint": "w.pt"})
+    assert named.model.checkpoint == str(tmp_path / "sub" / "w.pt")
+    with pytest.raises(InputFileError, match=r"model.onnx not found: \S*nope.onnx \(a path given with --set"):
+        load_config(config, {"model.onnx": "nope.onnx"})
+
+
+def test_a_checkpoint_with_an_onnx_start_and_no_model_name_is_a_config_error(tmp_path: Path) -> None:
+    """Before: the checkpoint was ignored without a word: an ONNX start with no model.name has no PyTorch model."""
+    (tmp_path / "m.onnx").write_text("")
+    (tmp_path / "w.pt").write_text("")
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {onnx: m.onnx, checkpoint: w.pt}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(config)
+    assert "model.checkpoint w.pt" in e.value.message and "no model.name" in e.value.message
+    assert e.value.hint == "set model.name to the PyTorch model the checkpoint belongs to, or drop model.checkpoint"
+    assert load_config(config, {"model.name": "cnn"}).model.checkpoint == str(tmp_path / "w.pt")
+
+
+@pytest.mark.parametrize(
+    "text, where", [("train: [unclosed", ", line 1"), ("a: 1\na: 2\n", ", line 2"), ("name: a\x01b\n", ", position 7")]
+)
+def test_a_yaml_syntax_error_names_the_file(tmp_path: Path, text: str, where: str) -> None:
+    """Before: 'in "<unicode string>", line 1'."""
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert f'in "{p}"{where}' in e.value.message and "<unicode string>" not in e.value.message
+
+
+def test_a_key_in_both_places_is_one_clean_line(tmp_path: Path) -> None:
+    """Before: "invalid config c3.yaml: '': Value error, ... (got {the whole config})"."""
+    p = tmp_path / "c3.yaml"
+    p.write_text("export: {dynamic_axes: {x: {1: seq}}}\nsignature: {dynamic_axes: {x: {1: seq}}}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert e.value.message == (
+        f"invalid config {p}: export.dynamic_axes and signature.dynamic_axes are both given: keep one "
+        "(signature.dynamic_axes)"
+    )
