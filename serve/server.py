@@ -12,12 +12,18 @@ readiness are Triton's own ``/v2/health/live`` and ``/v2/health/ready``.
 SIGINT and SIGTERM stop the server and its stubs: Triton drains the requests in flight for up to
 ``EXIT_TIMEOUT_S``, and whatever of the server still runs ``STOP_DEADLINE_S`` after the signal is killed
 (:class:`_Reaper`), so nothing outlives ``kiln serve`` and it is gone within Kubernetes' grace period with room to
-spare. A server that cannot start says so within seconds: ports are checked the way the server binds them before
-anything starts, and a ``tritonserver`` that dies while starting ends the wait for it at once with its log's error.
+spare. A ``kiln serve`` killed outright (SIGKILL, out of memory) takes its ``tritonserver`` with it: the server is
+started with a parent-death signal (:func:`server_popen`), and Triton's stubs exit with their server. A server
+that cannot start says so within seconds: ports are checked the way the server binds them before anything starts
+(a port an orphaned ``tritonserver`` holds names its process), and a ``tritonserver`` that dies while starting ends
+the wait for it at once with its log's error. A served workdir is marked as such while it is served
+(:func:`kiln.pipeline.workdir_lock.served_workdir`): a ``kiln run`` there is refused until the server stops, and a
+workdir a run holds is not served.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import http.client
@@ -59,6 +65,7 @@ from kiln.core.errors import (
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line
 from kiln.pipeline.manifests import changed_inputs
+from kiln.pipeline.workdir_lock import LOCK_NAME, served_workdir
 from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
@@ -224,7 +231,8 @@ def _bind_error(address: str, port: int, exc: OSError) -> PortInUse:
     if exc.errno == errno.EADDRINUSE:
         return PortInUse(
             f"port {port} on {address} is in use ({exc.strerror})",
-            hint="stop what listens there, or choose other ports with --http-port/--grpc-port/--metrics-port",
+            hint=_held_by_server(port)
+            or "stop what listens there, or choose other ports with --http-port/--grpc-port/--metrics-port",
         )
     if exc.errno == errno.EADDRNOTAVAIL:
         return PortInUse(
@@ -237,6 +245,64 @@ def _bind_error(address: str, port: int, exc: OSError) -> PortInUse:
             hint="choose ports above 1023",
         )
     return PortInUse(f"cannot listen on {address}:{port} ({exc.strerror})", hint="choose another port or address")
+
+
+def _held_by_server(port: int) -> str | None:
+    """The fix for a busy ``port`` that a ``tritonserver`` listens on (None for anything else, or where it cannot
+    be told): one a killed ``kiln serve`` left running (from a ``kiln-serve-`` scratch folder, its parent gone) is
+    named with its pid to kill; a ``kiln serve`` still running is named as such."""
+    import psutil
+
+    pid = _listener_pid(port)
+    if pid is None:
+        return None
+    try:
+        server = psutil.Process(pid)
+        if server.name() != "tritonserver":
+            return None
+        ours = "kiln-serve-" in (server.cmdline() or [""])[0]
+        parent = server.parent()
+        parent_cmd = " ".join(parent.cmdline()) if parent is not None and parent.pid != 1 else ""
+    except psutil.Error:  # gone meanwhile, or not ours to look at
+        return None
+    if ours and "kiln" in parent_cmd:
+        return f"a running kiln serve (pid {parent.pid}) listens there: stop it, or choose other ports"
+    if ours:
+        return f"a tritonserver (pid {pid}) left by an earlier kiln serve holds it: kill {pid}"
+    return f"a tritonserver (pid {pid}) holds it: stop it (kill {pid}), or choose other ports"
+
+
+def _listener_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` (any address), from the kernel's socket tables and the processes'
+    open files (Linux; None elsewhere, or where nothing this process may look at holds it)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:  # sl local_address rem_address st ... inode
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[-1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+            except OSError:
+                continue
+    return None
 
 
 def socket_folder(scratch: Path, names: list[str]) -> Path:
@@ -524,7 +590,53 @@ def serve(
     :func:`default_max_batch`). ``pytriton``: run the engines in this process through
     PyTriton instead. ``http_threads``: Triton's HTTP threads (its ``--http-thread-count``; default Triton's own).
     ``exit_on_overrun``: a stop that overruns ``STOP_DEADLINE_S`` ends this process too (the
-    CLI's choice; a caller in-process keeps its process)."""
+    CLI's choice; a caller in-process keeps its process).
+    A workdir is marked as served meanwhile (:func:`served_workdir`): a run holding it is refused, and a run started
+    while it is served is refused."""
+    with ExitStack() as marked:
+        if _is_workdir(Path(path)):
+            marked.enter_context(served_workdir(Path(path)))
+        _serve(
+            path,
+            http_port,
+            grpc_port,
+            metrics_port,
+            max_batch,
+            max_queue_delay_us,
+            address,
+            on_ready,
+            verbose,
+            gpus,
+            instances_per_gpu,
+            exit_on_overrun,
+            pytriton,
+            http_threads,
+        )
+
+
+def _is_workdir(path: Path) -> bool:
+    """Whether ``path`` is a run's workdir (not an engine folder): its lock, package or build is there."""
+    if (path / SIDECAR).is_file() or not path.is_dir():
+        return False
+    return any((path / name).exists() for name in (LOCK_NAME, "package", "build"))
+
+
+def _serve(
+    path: str | Path,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    max_batch: int | None,
+    max_queue_delay_us: int,
+    address: str,
+    on_ready: Callable[[list[ServedEngine]], None] | None,
+    verbose: bool,
+    gpus: list[int] | None,
+    instances_per_gpu: int | None,
+    exit_on_overrun: bool,
+    pytriton: bool,
+    http_threads: int | None,
+) -> None:
     served = find_engines(path)
     if not pytriton:
         if gpus is None and all(s.meta.device == "cuda" for s in served):
@@ -898,7 +1010,9 @@ def tritonserver_process(
     (``terminate()`` = SIGTERM, which Triton handles by draining, unloading its models and exiting).
     ``reloadable``: every model loaded at start as usual, and reloadable through Triton's repository API
     (explicit model control), as :class:`StubWatch` does when a stub dies. ``http_threads``: the HTTP frontend's
-    threads, which read requests and write responses for every connection (Triton's default without it)."""
+    threads, which read requests and write responses for every connection (Triton's default without it).
+    The server ends with this process, or with the thread that calls this (:func:`server_popen`): call it from the
+    thread that waits on the server."""
     # absolute: the server starts in ``scratch``, where paths relative to this process's folder mean nothing
     repository, scratch = repository.resolve(), scratch.resolve()
     root = prepared_tritonserver(scratch)
@@ -928,10 +1042,45 @@ def tritonserver_process(
     # In the scratch folder: the Python stubs it starts look for modules in their working folder first, where a
     # folder named like one of the engine's packages (a `kiln/` checkout) would shadow the installed one.
     if log_file is None:  # ``echo``: its log on this process's stderr (--verbose)
-        out = sys.stderr if echo else subprocess.DEVNULL
-        return subprocess.Popen(cmd, env=env, cwd=scratch, stdout=out, stderr=subprocess.STDOUT)
+        return server_popen(cmd, env, scratch, sys.stderr if echo else subprocess.DEVNULL)
     with open(log_file, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, env=env, cwd=scratch, stdout=out, stderr=subprocess.STDOUT)
+        return server_popen(cmd, env, scratch, out)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def server_popen(cmd: list[str], env: dict[str, str] | None, cwd: Path, out: Any) -> subprocess.Popen[bytes]:
+    """Start a long-lived server process (``tritonserver``) that ends with this process however this one ends.
+
+    On Linux the child asks for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``): a ``kiln serve`` killed with
+    SIGKILL left its ``tritonserver`` (and the stubs under it) serving on, from a scratch folder the next command
+    removed, and holding the ports. SIGTERM, as PyTriton asks for its own server: Triton drains for
+    ``EXIT_TIMEOUT_S`` and exits, its stubs with it. The signal comes when the *thread* that started the child
+    ends: call this from the thread that waits on the server (``kiln serve``'s main thread). A parent already gone
+    when the child asks gets no signal: the child then exits at once."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent())
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` setting the child's parent-death signal to SIGTERM (None where there is no ``prctl``).
+    Everything it calls is looked up before the fork: the child of a process with threads runs only that."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent, getppid, exit_now = os.getpid(), os.getppid, os._exit
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if getppid() != parent:  # the parent died before the signal was asked for
+            exit_now(1)
+
+    return preexec
 
 
 def wait_ready(

@@ -475,6 +475,43 @@ def test_sigterm_drains_requests_in_flight_and_everything_is_gone_within_10_s(wo
     print(f"kiln serve and its {len(descendants)} processes gone {gone_after:.1f} s after SIGTERM")
 
 
+def test_a_kiln_serve_killed_outright_takes_its_server_with_it_and_its_workdir_refuses_runs_meanwhile(
+    workdir: Path,
+) -> None:
+    """SIGKILL of `kiln serve` left tritonserver (re-parented to PID 1) and its stubs serving from a scratch folder
+    the next `kiln serve` removed, holding the ports. Now the server gets SIGTERM when `kiln serve` dies, Triton's
+    stubs go with it, and a new `kiln serve` on the same ports starts. While served, the workdir refuses a run."""
+    ports = free_ports(3)
+    proc = _start_serve(workdir, ports)
+    try:
+        _ready(proc, ports, [MODEL])
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        names = {p.name() for p in descendants}
+        assert "tritonserver" in names and any(n.startswith("triton_python") for n in names), names
+        refused = CliRunner().invoke(main, ["run", "-w", str(workdir)])
+    except BaseException:
+        _abort(proc)
+        raise
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=GONE_TIMEOUT_S)
+    for p in alive:  # nothing left running after a failed test
+        p.kill()
+    assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+    lines = [line for line in refused.output.splitlines() if line.strip()]
+    assert refused.exit_code == 2 and len(lines) == 2, refused.output
+    assert lines[0].startswith(f"error: workdir {workdir} is being served by kiln serve (pid "), refused.output
+    assert lines[1] == "fix: stop the server first, or run into another workdir with -w", refused.output
+    again = _start_serve(workdir, ports)  # the ports are free again
+    try:
+        _ready(again, ports, [MODEL])
+        descendants = psutil.Process(again.pid).children(recursive=True)
+    except BaseException:
+        _abort(again)
+        raise
+    _stop_and_check(again, descendants, signal.SIGTERM)
+
+
 def test_a_server_that_dies_while_starting_is_one_error_in_seconds(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -516,7 +553,8 @@ def test_serve_is_quiet_unless_verbose_and_sigint_stops_it_and_its_children(work
 
 def test_ctrl_c_while_triton_starts_is_a_stop_not_an_error(workdir: Path) -> None:
     """Ctrl-C in a terminal signals the whole process group: ``tritonserver`` exits while it starts, and `kiln serve`
-    once said "error: the Triton server exited while starting" (exit 2). It is a stop: exit 0, nothing left."""
+    once said "error: the Triton server exited while starting" (exit 2). It is a stop, as Ctrl-C is for every
+    command: exit 130, saying nothing was served yet, nothing left."""
     ports = free_ports(3)
     cmd = [sys.executable, "-m", "kiln.cli", "serve", str(workdir), "--http-port", str(ports[0])]
     cmd += ["--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
@@ -535,7 +573,8 @@ def test_ctrl_c_while_triton_starts_is_a_stop_not_an_error(workdir: Path) -> Non
         _abort(proc)
         raise
     printed = out.decode(errors="replace")
-    assert proc.returncode == 0 and "error:" not in printed, printed[-3000:]
+    assert proc.returncode == 130 and printed.count("error:") == 1, printed[-3000:]
+    assert "stopped (Ctrl-C or SIGTERM) before the server was ready" in printed, printed[-3000:]
     # a Python stub Triton started before the signal, orphaned when Triton died, is gone too
     _, alive = psutil.wait_procs([*triton, *(set(_served_from(workdir)) - before)], timeout=GONE_TIMEOUT_S)
     assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
