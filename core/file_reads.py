@@ -18,14 +18,26 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib.util import source_from_cache
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 # Events meaning the code read from something other than the files of this machine
-REACHES_OUT = {"socket.connect", "socket.sendto", "sqlite3.connect", "subprocess.Popen", "os.system", "os.exec"}
+# ...or in another process, whose reads this one's hook does not see (a worker pool, a DataLoader's workers)
+REACHES_OUT = {
+    "socket.connect",
+    "socket.sendto",
+    "sqlite3.connect",
+    "subprocess.Popen",
+    "os.system",
+    "os.exec",
+    "os.fork",
+    "os.forkpty",
+    "os.posix_spawn",
+    "os.spawn",
+}
 LISTS = {"os.listdir", "os.scandir", "glob.glob"}
-MODULE_SUFFIXES = {".py", ".pyc", ".so", ".pyd"}
 
 
 @dataclass
@@ -69,7 +81,7 @@ def _reading(mode: Any, flags: Any) -> bool:
     """Whether an ``open`` reads what is there: ``open()``'s mode has ``r`` (``r+`` too); ``os.open`` (no mode) is
     not write-only."""
     if mode is not None:
-        return "r" in str(mode)
+        return "r" in str(mode) or "a+" in str(mode)
     return not (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_TRUNC))
 
 
@@ -134,16 +146,21 @@ def installed_roots() -> list[Path]:
 
 def user_files(reads: Reads, skip: list[Path]) -> tuple[list[Path], list[Path]]:
     """The files and folders of ``reads`` that are the user's: not the environment's (:func:`installed_roots`), not
-    the system's (``/proc``, ``/sys``, ``/dev``), not under ``skip``, not Python
-    modules (code, whose version callers know from its source). Both sorted, each existing path once."""
+    the system's (``/proc``, ``/sys``, ``/dev``), not under ``skip``; a module's compiled file stands for its source
+    (one imported by name at run time is code no static reading of imports finds). Each as the path it was opened
+    by, made absolute but not resolved: a link re-pointed at another file is then another file. Both sorted, each
+    existing path once."""
     skip_roots = [*installed_roots(), *(p.resolve() for p in skip), Path("/proc"), Path("/sys"), Path("/dev")]
 
     def theirs(raw: str) -> Path | None:
         path = Path(raw)
-        if "__pycache__" in path.parts or path.suffix in MODULE_SUFFIXES:
-            return None
+        if "__pycache__" in path.parts:
+            try:
+                path = Path(source_from_cache(raw))
+            except ValueError:
+                return None
         real = path.resolve()
-        return None if any(real.is_relative_to(r) for r in skip_roots) else real
+        return None if any(real.is_relative_to(r) for r in skip_roots) else Path(os.path.abspath(path))
 
     files = {p for p in map(theirs, reads.files) if p is not None and p.is_file()}
     folders = {p for p in map(theirs, reads.folders) if p is not None and p.is_dir()}

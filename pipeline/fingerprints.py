@@ -106,13 +106,16 @@ def _kept_hash(
     )
     entry = kept.get(stamp)
     if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and _all_unchanged(entry["read"]):
+        settled = _settled(entry["read"])
+        if settled != entry["read"]:  # stamps with a digest that need none now: not read again on every run
+            _keep_json(path, kept | {stamp: {**entry, "read": settled}})
         return entry["hash"]
     with recording() as reads:
         value = call()
     if reads.reached_out:
         log.warning(
-            "%s: %s.skip_unchanged is set, but its code reached past this machine's files (%s): it is called on "
-            "every run to see what it returns",
+            "%s: %s.skip_unchanged is set, but its code reached past this machine's files or into another "
+            "process, whose reads are not seen (%s): it is called on every run to see what it returns",
             section,
             section,
             reads.reached_out,
@@ -180,6 +183,17 @@ def _data_stamp(path: Path) -> str:
     st = path.stat()
     stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
     return stamp + ":" + hash_file(path) if st.st_mtime_ns >= time.time_ns() - RACY_NS else stamp
+
+
+def _settled(read: dict[str, str]) -> dict[str, str]:
+    """``read`` with each file stamp that carries a digest but whose file is now older than :data:`RACY_NS` (and
+    unchanged: checked by the caller) by its stat alone, as git refreshes its index."""
+    out = {}
+    for name, kept in read.items():
+        parts = kept.split(":")
+        old = not name.endswith("/") and len(parts) == 4 and int(parts[1]) < time.time_ns() - RACY_NS
+        out[name] = ":".join(parts[:3]) if old else kept
+    return out
 
 
 def _still(path: Path, kept: str) -> bool:

@@ -28,11 +28,9 @@ def test_reads_are_recorded_inside_the_block_only(tmp_path: Path) -> None:
     assert reads.reached_out is None
 
 
-def test_modules_the_environment_and_skipped_folders_are_not_the_users(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An imported module (its source, its compiled file, the import system's listing of its folder), a file of
-    the installed packages and a file under ``skip`` are left out."""
+def test_the_environment_and_skipped_folders_are_not_the_users(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file of the standard library or an installed package, a file under ``skip`` and the import system's
+    listing of a folder are left out; a module of the user's is theirs."""
     (tmp_path / "kiln_fr_helper.py").write_text("X = 1\n")
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "f.txt").write_text("x")
@@ -46,7 +44,8 @@ def test_modules_the_environment_and_skipped_folders_are_not_the_users(
     finally:
         sys.modules.pop("kiln_fr_helper", None)
     assert any(p.endswith("kiln_fr_helper.py") for p in reads.files)
-    assert user_files(reads, skip=[tmp_path / "kept"]) == ([], [])
+    # the user's module is a file read (imported by name at run time, no reading of imports finds it)
+    assert user_files(reads, skip=[tmp_path / "kept"]) == ([tmp_path / "kiln_fr_helper.py"], [])
 
 
 def test_a_subprocess_reaches_past_the_files() -> None:

@@ -59,6 +59,21 @@ def online(port, count):
     socket.create_connection(("127.0.0.1", port)).close()
     return load_digits()
 
+def forked(path, count):
+    import multiprocessing
+    open(count, "a").write("call\\n")
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        k = float(pool.apply(np.load, (path,)))
+    d = digits(seed=0)
+    return DatasetSplits(d.train_x * k, d.train_y, d.val_x * k, d.val_y, d.num_classes)
+
+def dynamic(module, count):
+    import importlib
+    open(count, "a").write("call\\n")
+    k = importlib.import_module(module).SCALE
+    d = digits(seed=0)
+    return DatasetSplits(d.train_x * k, d.train_y, d.val_x * k, d.val_y, d.num_classes)
+
 def load_digits():
     d = digits(seed=0)
     return DatasetSplits(d.train_x, d.train_y, d.val_x, d.val_y, d.num_classes)
@@ -325,7 +340,7 @@ def test_a_data_function_reaching_the_network_is_called_every_run(
         dataset_fingerprint(cfg, tmp_path / "wd")
         dataset_fingerprint(cfg, tmp_path / "wd")
     assert _calls(count) == 2
-    assert "reached past this machine's files (socket.connect)" in caplog.text
+    assert "whose reads are not seen (socket.connect)" in caplog.text
 
 
 def test_skip_unchanged_is_not_in_any_stages_key(tmp_path: Path, user_module: Path) -> None:
@@ -409,3 +424,63 @@ def test_a_run_calls_the_data_function_once_and_every_stage_reads_those_splits(
     )
     result, _ = run_pipeline(cfg, tmp_path / "wd", stop="validate")
     assert result.ok and _calls(count) == 1
+
+
+def test_reads_the_hook_cannot_see_or_tell_apart_still_call_the_function(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file read in a forked worker (a pool, a DataLoader's workers): called every run. A helper module imported
+    by name at run time: watched as a file. A link re-pointed at another file: another file."""
+    import os
+
+    wd, count = tmp_path / "wd", tmp_path / "calls.txt"
+    scale = tmp_path / "scale.npy"
+    np.save(scale, np.float32(1.0))
+
+    def config(name: str, **params: object) -> Any:
+        flat = {"data.name": f"my_files:{name}", "data.params": {**params, "count": str(count)}}
+        return config_from_dict(tiny_config_dict(**flat, **{"data.skip_unchanged": True}))
+
+    forked = config("forked", path=str(scale))
+    dataset_fingerprint(forked, wd)
+    dataset_fingerprint(forked, wd)
+    assert _calls(count) == 2
+
+    (user_module / "kiln_fp_scale.py").write_text("SCALE = 1.0\n")
+    dyn = config("dynamic", module="kiln_fp_scale")
+    try:
+        first = dataset_fingerprint(dyn, wd)
+        (user_module / "kiln_fp_scale.py").write_text("SCALE = 5.0\n")
+        sys.modules.pop("kiln_fp_scale", None)
+        assert dataset_fingerprint(dyn, wd) != first
+    finally:
+        sys.modules.pop("kiln_fp_scale", None)
+
+    v1, v2, link = tmp_path / "v1.npy", tmp_path / "v2.npy", tmp_path / "latest.npy"
+    np.save(v1, np.float32(1.0))
+    np.save(v2, np.float32(2.0))
+    os.symlink(v1, link)
+    linked = config("counted", path=str(link))
+    first = dataset_fingerprint(linked, wd)
+    link.unlink()
+    os.symlink(v2, link)
+    assert dataset_fingerprint(linked, wd) != first
+
+
+def test_a_digest_kept_for_a_just_written_file_is_dropped_once_the_file_settles(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Else every cached run would read the whole file again, for good."""
+    import json
+
+    from kiln.pipeline import fingerprints
+
+    scale, wd = tmp_path / "scale.npy", tmp_path / "wd"
+    np.save(scale, np.float32(1.0))
+    cfg, count = _skipping(tmp_path, path=str(scale))
+    dataset_fingerprint(cfg, wd)
+    stamps = lambda: list(json.loads((wd / "cache" / "data-hashes.json").read_text()).values())[0]["read"]  # noqa: E731
+    assert stamps()[str(scale)].count(":") == 3  # just written: its digest kept
+    monkeypatch.setattr(fingerprints, "RACY_NS", 0)  # as if the file's clock tick were long past
+    dataset_fingerprint(cfg, wd)
+    assert stamps()[str(scale)].count(":") == 2 and _calls(count) == 1
