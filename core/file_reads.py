@@ -15,7 +15,7 @@ import site
 import sys
 import sysconfig
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.util import source_from_cache
@@ -42,12 +42,14 @@ LISTS = {"os.listdir", "os.scandir", "glob.glob"}
 
 @dataclass
 class Reads:
-    """Paths read while recording: ``files`` opened for reading, ``folders`` listed (by a glob, say) other than by
-    the import system, and the first event that reached past the machine's files, if any."""
+    """Paths read while recording: ``files`` opened for reading (or looked for: one that did not exist is a read of
+    its absence), ``folders`` listed (by a glob, say) other than by the import system, the first event that reached
+    past the machine's files, if any, and the environment variables read."""
 
     files: set[str] = field(default_factory=set)
     folders: set[str] = field(default_factory=set)
     reached_out: str | None = None
+    environ: set[str] = field(default_factory=set)  # environment variables read through os.environ / os.getenv
 
 
 _active: list[Reads] = []
@@ -131,10 +133,53 @@ def recording() -> Iterator[Reads]:
             _hooked = True
     reads = Reads()
     _active.append(reads)
+    environ, os.environ = os.environ, _WatchedEnviron(os.environ, reads.environ)  # type: ignore[assignment]  # noqa: B003
     try:
         yield reads
     finally:
+        os.environ = environ  # noqa: B003 - putting the same object back, not clearing anything
         _active.remove(reads)
+
+
+class _WatchedEnviron(MutableMapping[str, str]):
+    """``os.environ`` noting the names read through it (``os.getenv`` reads it too): an environment variable that
+    picks the data's file is an input of the call. Code that kept a reference to ``os.environ`` from before reads
+    the real one, unseen."""
+
+    def __init__(self, real: MutableMapping[str, str], seen: set[str]) -> None:
+        self._real, self._seen = real, seen
+
+    def _note(self, key: object) -> None:
+        # another type is the real one's KeyError, not a name; a library reading its settings as it is imported
+        # (torch reads hundreds) is the environment's doing, as for the files it opens
+        if isinstance(key, str) and not _importing_a_library():
+            self._seen.add(key)
+
+    def __getitem__(self, key: str) -> str:
+        self._note(key)
+        return self._real[key]
+
+    def __contains__(self, key: object) -> bool:
+        self._note(key)
+        return key in self._real
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self._real[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._real[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._real)
+
+    def __len__(self) -> int:
+        return len(self._real)
+
+    def copy(self) -> dict[str, str]:
+        return dict(self._real)
+
+    def __getattr__(self, name: str) -> Any:  # os.environ's own methods (encodekey...) for code that calls them
+        return getattr(self._real, name)
 
 
 def installed_roots() -> list[Path]:
@@ -144,13 +189,13 @@ def installed_roots() -> list[Path]:
     return sorted({Path(p).resolve() for p in paths if p} - {Path("/")})
 
 
-def user_files(reads: Reads, skip: list[Path]) -> tuple[list[Path], list[Path]]:
-    """The files and folders of ``reads`` that are the user's: not the environment's (:func:`installed_roots`), not
-    the system's (``/proc``, ``/sys``, ``/dev``), not under ``skip``; a module's compiled file stands for its source
-    (one imported by name at run time is code no static reading of imports finds). Each as the path it was opened
-    by, made absolute but not resolved: a link re-pointed at another file is then another file. Both sorted, each
-    existing path once."""
-    skip_roots = [*installed_roots(), *(p.resolve() for p in skip), Path("/proc"), Path("/sys"), Path("/dev")]
+def user_files(reads: Reads, skip: list[Path]) -> tuple[list[Path], list[Path], list[Path]]:
+    """The files, folders and missing files of ``reads`` that are the user's: not the environment's
+    (:func:`installed_roots`), not the system's (``/proc``, ``/sys``, ``/dev`` but ``/dev/shm``), not under ``skip``;
+    a module's compiled file stands for its source (one imported by name at run time is code no static reading of
+    imports finds). Each as the path it was opened by, made absolute but not resolved: a link re-pointed at another
+    file is then another file. Each sorted, each path once."""
+    skip_roots = [*installed_roots(), *(p.resolve() for p in skip), Path("/proc"), Path("/sys")]
 
     def theirs(raw: str) -> Path | None:
         path = Path(raw)
@@ -160,8 +205,17 @@ def user_files(reads: Reads, skip: list[Path]) -> tuple[list[Path], list[Path]]:
             except ValueError:
                 return None
         real = path.resolve()
+        if real.is_relative_to("/dev") and not real.is_relative_to("/dev/shm"):
+            return None
         return None if any(real.is_relative_to(r) for r in skip_roots) else Path(os.path.abspath(path))
 
-    files = {p for p in map(theirs, reads.files) if p is not None and p.is_file()}
+    kilns = {
+        os.path.abspath(m.__file__)
+        for n, m in list(sys.modules.items())
+        if n.startswith("kiln.") and getattr(m, "__file__", None)
+    }  # Kiln's own, wherever it is installed (an editable checkout)
+    seen = {p for p in map(theirs, reads.files) if p is not None and str(p) not in kilns}
+    files = {p for p in seen if p.is_file()}
+    absent = {p for p in seen if not os.path.lexists(p)}
     folders = {p for p in map(theirs, reads.folders) if p is not None and p.is_dir()}
-    return sorted(files), sorted(folders)
+    return sorted(files), sorted(folders), sorted(absent)

@@ -95,21 +95,27 @@ def _kept_hash(
     workdir: Path, section: str, parts: dict[str, Any], depends_on: list[str], call: Callable[[], str]
 ) -> str:
     """The hash ``call()`` returns for the user code of ``section`` (its data function, its calibration reader),
-    kept in the workdir's cache under a stamp of what goes into the call (``parts``: its config and code, and the
-    files of ``<section>.depends_on``) together with the stamps of the files and folders the call was seen reading
-    (:mod:`kiln.core.file_reads`). Called anew when any of them differs, or when the call reached past this machine's
-    files (then on every run, and the run says why)."""
+    kept in the workdir's cache under a stamp of what goes into the call (``parts``: its config and code; the paths
+    of ``<section>.depends_on``) with the stamps of what the call was seen reading (:mod:`kiln.core.file_reads`:
+    files, folder listings, files it looked for and did not find, environment variables) and of the files
+    ``depends_on`` names. Called anew when any of them differs; on every run when the call reached past this
+    machine's files (the run says why); and next run too when a file it read changed while it ran."""
     path = workdir / "cache" / KEPT_FILE
     kept = _read_kept(path)
-    stamp = hash_json(
-        {**parts, "section": section, "depends_on": _declared(section, depends_on, workdir), "cwd": str(Path.cwd())}
-    )
+    for p in depends_on:
+        if not Path(p).exists():
+            raise InputFileError(
+                f"{section}.depends_on names {p}, which does not exist",
+                hint=f"fix the path or remove it from {section}.depends_on",
+            )
+    stamp = hash_json({**parts, "section": section, "depends_on": depends_on, "cwd": str(Path.cwd())})
     entry = kept.get(stamp)
-    if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and _all_unchanged(entry["read"]):
+    if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and _all_unchanged(entry["read"], workdir):
         settled = _settled(entry["read"])
         if settled != entry["read"]:  # stamps with a digest that need none now: not read again on every run
             _keep_json(path, kept | {stamp: {**entry, "read": settled}})
         return entry["hash"]
+    started = time.time_ns()
     with recording() as reads:
         value = call()
     if reads.reached_out:
@@ -121,37 +127,84 @@ def _kept_hash(
             reads.reached_out,
         )
         return value
-    files, folders = user_files(reads, skip=[workdir, *map(Path, depends_on)])
+    files, folders, absent = user_files(reads, skip=[workdir, *map(Path, depends_on)])
     read = {str(f): _data_stamp(f) for f in files} | {str(d) + "/": _listing(d) for d in folders}
+    read |= {str(a): ABSENT for a in absent} | {
+        ENV + k: _env(k) for k in sorted(k for k in reads.environ if isinstance(k, str))
+    }
+    read |= _declared(depends_on, workdir)
+    if any(_changed_since(Path(n), started) for n, v in read.items() if _is_file_stamp(n, v)):
+        return value  # a file it read changed while it ran: what it returned may be from before
     kept = {k: v for k, v in kept.items() if k != stamp}
     kept = dict(list(kept.items())[-(KEPT_HASHES - 1) :]) | {stamp: {"hash": value, "read": read}}
     _keep_json(path, kept)
     return value
 
 
-def _declared(section: str, depends_on: list[str], workdir: Path) -> dict[str, Any]:
-    """Stamps of the files and folders ``<section>.depends_on`` names; a folder holding the workdir is stamped
-    without it (the run itself writes there)."""
-    declared = {}
+ABSENT = "absent"  # a file the call looked for and did not find: its appearing is a change
+ENV = "$"  # an environment variable the call read, as ``$NAME``: its value, or None
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def _is_file_stamp(name: str, stamp: str | None) -> bool:
+    return not name.endswith("/") and not name.endswith("/**") and not name.startswith(ENV) and stamp != ABSENT
+
+
+def _changed_since(path: Path, started_ns: int) -> bool:
+    try:
+        st = path.stat()
+    except OSError:
+        return True
+    return max(st.st_mtime_ns, st.st_ctime_ns) >= started_ns
+
+
+def _declared(depends_on: list[str], workdir: Path) -> dict[str, str]:
+    """Stamps of the files ``depends_on`` names and of every file under the folders it names (a folder holding the
+    workdir without it: the run itself writes there), with each folder's list of files as ``<folder>/**``."""
+    out = {}
     for p in depends_on:
-        path = Path(p)
-        if not path.exists():
-            raise InputFileError(
-                f"{section}.depends_on names {p}, which does not exist",
-                hint=f"fix the path or remove it from {section}.depends_on",
-            )
-        declared[p] = _data_stamp(path) if path.is_file() else _tree_stamp(path, workdir)
-    return declared
+        path = Path(os.path.abspath(p))
+        if path.is_file():
+            out[str(path)] = _data_stamp(path)
+            continue
+        files = _tree_files(path, workdir)
+        out |= {str(f): _data_stamp(f) for f in files}
+        out[f"{path}/**"] = hash_json([f.relative_to(path).as_posix() for f in files])
+    return out
 
 
-def _all_unchanged(read: dict[str, str]) -> bool:
-    """Whether every path of ``read`` (a folder's name ends in ``/``) still has the stamp kept for it."""
+def _tree_files(folder: Path, workdir: Path) -> list[Path]:
+    """Every file under ``folder``, but those under ``workdir``."""
+    work = workdir.resolve()
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if (Path(root) / d).resolve() != work)
+        found += [Path(root) / name for name in sorted(files) if (Path(root) / name).is_file()]
+    return found
+
+
+def _all_unchanged(read: dict[str, str | None], workdir: Path) -> bool:
+    """Whether every entry of ``read`` still has the stamp kept for it: a file's (:func:`_still`), a folder's
+    listing (``/``), a folder's files (``/**``), an absent file still absent, an environment variable's value."""
     for name, kept in read.items():
-        path = Path(name.rstrip("/"))
         try:
-            if not (_listing(path) == kept if name.endswith("/") else _still(path, kept)):
-                return False
+            if name.startswith(ENV):
+                now: Any = _env(name[len(ENV) :])
+            elif name.endswith("/**"):
+                folder = Path(name[:-3])
+                now = hash_json([f.relative_to(folder).as_posix() for f in _tree_files(folder, workdir)])
+            elif name.endswith("/"):
+                now = _listing(Path(name[:-1]))
+            elif kept == ABSENT:
+                now = ABSENT if not os.path.lexists(name) else "present"
+            else:
+                now = kept if _still(Path(name), kept) else None
         except OSError:  # gone
+            return False
+        if now != kept:
             return False
     return True
 
@@ -160,47 +213,37 @@ def _listing(folder: Path) -> str:
     return hash_json(sorted(os.listdir(folder)))
 
 
-def _tree_stamp(folder: Path, workdir: Path) -> dict[str, str]:
-    """Every file under ``folder`` (but the workdir's) by :func:`_data_stamp`."""
-    work = workdir.resolve()
-    stamps = {}
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if (Path(root) / d).resolve() != work)
-        for name in sorted(files):
-            path = Path(root) / name
-            if path.is_file():
-                stamps[path.relative_to(folder).as_posix()] = _data_stamp(path)
-    return stamps
-
-
 RACY_NS = 2 * 10**9  # a file modified this close to its stamp may be rewritten within one tick of the file clock
 
 
 def _data_stamp(path: Path) -> str:
-    """A file's size, mtime and inode, the way build tools know a file unchanged; for a file modified in the last
+    """A file's size, mtime, inode and ctime, the way build tools know a file unchanged (the ctime no program can
+    set: a reproducible archive unpacked over it keeps the size and mtime); for a file modified in the last
     :data:`RACY_NS` also its content's hash (git's "racily clean" case: rewritten within the file clock's tick at the
-    same size, it keeps its mtime)."""
+    same size, it keeps its times)."""
     st = path.stat()
-    stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    return stamp + ":" + hash_file(path) if st.st_mtime_ns >= time.time_ns() - RACY_NS else stamp
+    stamp = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+    recent = max(st.st_mtime_ns, st.st_ctime_ns) >= time.time_ns() - RACY_NS
+    return stamp + ":" + hash_file(path) if recent else stamp
 
 
-def _settled(read: dict[str, str]) -> dict[str, str]:
+def _settled(read: dict[str, str | None]) -> dict[str, str | None]:
     """``read`` with each file stamp that carries a digest but whose file is now older than :data:`RACY_NS` (and
     unchanged: checked by the caller) by its stat alone, as git refreshes its index."""
     out = {}
     for name, kept in read.items():
-        parts = kept.split(":")
-        old = not name.endswith("/") and len(parts) == 4 and int(parts[1]) < time.time_ns() - RACY_NS
-        out[name] = ":".join(parts[:3]) if old else kept
+        parts = kept.split(":") if isinstance(kept, str) and _is_file_stamp(name, kept) else []
+        old = len(parts) == 5 and max(int(parts[1]), int(parts[3])) < time.time_ns() - RACY_NS
+        out[name] = ":".join(parts[:4]) if old else kept
     return out
 
 
 def _still(path: Path, kept: str) -> bool:
     """Whether the file has the stamp :func:`_data_stamp` gave it (its content too, where that was kept)."""
     st = path.stat()
-    size, mtime, ino, *digest = kept.split(":")
-    if (str(st.st_size), str(st.st_mtime_ns), str(st.st_ino)) != (size, mtime, ino):
+    size, mtime, ino, ctime, *digest = kept.split(":")
+    now = (str(st.st_size), str(st.st_mtime_ns), str(st.st_ino), str(st.st_ctime_ns))
+    if now != (size, mtime, ino, ctime):
         return False
     return not digest or hash_file(path) == digest[0]
 

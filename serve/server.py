@@ -680,7 +680,7 @@ def _serve(
                 _bind_or_explain(triton, s, runner, max_batch, max_queue_delay_us)
             triton.run()  # returns once the server and every model are ready
             wait_ready(f"http://{address}:{http_port}", [], STARTUP_TIMEOUT_S, listening=(grpc_port, metrics_port))
-            if on_ready is not None and not stop.requested:
+            if on_ready is not None:  # ready, even if a stop came meanwhile: it served (and now stops)
                 on_ready(served)
             _wait(triton, stop)
             log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
@@ -1247,7 +1247,7 @@ def serve_python_backend(
                 raise _died_while_starting(reason) from None
             raise ServerDied(f"{exc.message}{f': {reason}' if reason else ''}", hint=exc.hint) from None
         watch = StubWatch(proc, f"{address}:{ports[0]}", models)  # before "ready": stubs seen alive are named
-        if on_ready is not None and not stop.requested:
+        if on_ready is not None:  # ready, even if a stop came meanwhile: it served (and now stops)
             on_ready(served)
         while not stop.requested:
             if proc.poll() is not None:

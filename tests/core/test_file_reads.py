@@ -23,8 +23,8 @@ def test_reads_are_recorded_inside_the_block_only(tmp_path: Path) -> None:
         glob.glob(str(folder / "*.csv"))
     (tmp_path / "after.txt").write_text("x")
     (tmp_path / "after.txt").read_text()
-    files, folders = user_files(reads, skip=[])
-    assert files == [data.resolve()] and folders == [folder.resolve()]
+    files, folders, absent = user_files(reads, skip=[])
+    assert files == [data] and folders == [folder] and absent == []
     assert reads.reached_out is None
 
 
@@ -45,7 +45,7 @@ def test_the_environment_and_skipped_folders_are_not_the_users(tmp_path: Path, m
         sys.modules.pop("kiln_fr_helper", None)
     assert any(p.endswith("kiln_fr_helper.py") for p in reads.files)
     # the user's module is a file read (imported by name at run time, no reading of imports finds it)
-    assert user_files(reads, skip=[tmp_path / "kept"]) == ([tmp_path / "kiln_fr_helper.py"], [])
+    assert user_files(reads, skip=[tmp_path / "kept"]) == ([tmp_path / "kiln_fr_helper.py"], [], [])
 
 
 def test_a_subprocess_reaches_past_the_files() -> None:

@@ -74,6 +74,16 @@ def dynamic(module, count):
     d = digits(seed=0)
     return DatasetSplits(d.train_x * k, d.train_y, d.val_x * k, d.val_y, d.num_classes)
 
+def chooser(count, folder):
+    import os
+    open(count, "a").write("call\\n")
+    try:  # an override file, if there is one
+        k = float(np.load(os.path.join(folder, "override.npy")))
+    except FileNotFoundError:
+        k = float(np.load(os.path.join(folder, os.environ.get("KILN_FP_FILE", "a.npy"))))
+    d = digits(seed=0)
+    return DatasetSplits(d.train_x * k, d.train_y, d.val_x * k, d.val_y, d.num_classes)
+
 def load_digits():
     d = digits(seed=0)
     return DatasetSplits(d.train_x, d.train_y, d.val_x, d.val_y, d.num_classes)
@@ -376,26 +386,31 @@ def test_calibration_skip_unchanged_calls_the_reader_only_when_its_file_changed(
     assert calibration_fingerprint(cfg, wd) != first and _calls(count) == 2
 
 
-def test_a_file_is_known_by_its_stat_and_by_its_content_only_when_just_modified(tmp_path: Path) -> None:
-    """Reading every data file on every cached run would cost what calling the function costs; a file modified just
-    before it was stamped may be rewritten within the file clock's tick at the same size, so its content is kept."""
+def test_a_file_is_known_by_its_stat_and_by_its_content_only_when_just_modified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading every data file on every cached run would cost what calling the function costs. Its size, mtime,
+    inode and ctime say whether it changed (the ctime too: a reproducible archive unpacked over it keeps the size
+    and mtime); a file modified just before it was stamped may be rewritten within the file clock's tick with all
+    of those the same, so its content's digest is kept too."""
     import os
 
+    from kiln.pipeline import fingerprints
     from kiln.pipeline.fingerprints import _data_stamp, _still
 
-    old, new = tmp_path / "old.npy", tmp_path / "new.npy"
-    old.write_bytes(b"a" * 64)
-    os.utime(old, (1e9, 1e9))
+    new = tmp_path / "new.npy"
     new.write_bytes(b"a" * 64)
-    stamps = _data_stamp(old), _data_stamp(new)
-    assert stamps[0].count(":") == 2 and stamps[1].count(":") == 3
-    assert _still(old, stamps[0]) and _still(new, stamps[1])
+    just = _data_stamp(new)
+    assert just.count(":") == 4 and _still(new, just)
+    size, mtime, ino, ctime, _ = just.split(":")
+    assert not _still(new, f"{size}:{mtime}:{ino}:{ctime}:{'0' * 64}")  # the content decides
+    monkeypatch.setattr(fingerprints, "RACY_NS", 0)  # long after it was written
+    settled = _data_stamp(new)
+    assert settled.count(":") == 3 and _still(new, settled)
     st = new.stat()
     new.write_bytes(b"b" * 64)
-    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same size and mtime: only the content says
-    assert not _still(new, stamps[1])
-    old.write_bytes(b"b" * 64)
-    assert not _still(old, stamps[0])  # a new mtime
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime, same inode: `tar -x` of another
+    assert not _still(new, settled)  # its ctime moved
 
 
 def test_a_declared_folder_holding_the_workdir_is_stamped_without_it(tmp_path: Path) -> None:
@@ -404,11 +419,11 @@ def test_a_declared_folder_holding_the_workdir_is_stamped_without_it(tmp_path: P
 
     (tmp_path / "data.csv").write_text("1,2\n")
     (tmp_path / "kiln-out" / "train").mkdir(parents=True)
-    before = _declared("data", [str(tmp_path)], tmp_path / "kiln-out")
+    before = _declared([str(tmp_path)], tmp_path / "kiln-out")
     (tmp_path / "kiln-out" / "train" / "model.safetensors").write_bytes(b"weights")
-    assert _declared("data", [str(tmp_path)], tmp_path / "kiln-out") == before
+    assert _declared([str(tmp_path)], tmp_path / "kiln-out") == before
     (tmp_path / "data.csv").write_text("1,3\n")
-    assert _declared("data", [str(tmp_path)], tmp_path / "kiln-out") != before
+    assert _declared([str(tmp_path)], tmp_path / "kiln-out") != before
 
 
 def test_a_run_calls_the_data_function_once_and_every_stage_reads_those_splits(
@@ -480,7 +495,50 @@ def test_a_digest_kept_for_a_just_written_file_is_dropped_once_the_file_settles(
     cfg, count = _skipping(tmp_path, path=str(scale))
     dataset_fingerprint(cfg, wd)
     stamps = lambda: list(json.loads((wd / "cache" / "data-hashes.json").read_text()).values())[0]["read"]  # noqa: E731
-    assert stamps()[str(scale)].count(":") == 3  # just written: its digest kept
+    assert stamps()[str(scale)].count(":") == 4  # just written: its digest kept
     monkeypatch.setattr(fingerprints, "RACY_NS", 0)  # as if the file's clock tick were long past
     dataset_fingerprint(cfg, wd)
-    assert stamps()[str(scale)].count(":") == 2 and _calls(count) == 1
+    assert stamps()[str(scale)].count(":") == 3 and _calls(count) == 1
+
+
+def test_an_environment_variable_or_a_file_that_appears_calls_the_function_again(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file chosen by an environment variable, and an override file that did not exist and then does: both
+    were kept as unchanged (neither a read nor an absence was recorded)."""
+    wd, count = tmp_path / "wd", tmp_path / "calls.txt"
+    np.save(tmp_path / "a.npy", np.float32(1.0))
+    np.save(tmp_path / "b.npy", np.float32(2.0))
+    monkeypatch.delenv("KILN_FP_FILE", raising=False)
+    flat = {"data.name": "my_files:chooser", "data.params": {"count": str(count), "folder": str(tmp_path)}}
+    cfg = config_from_dict(tiny_config_dict(**flat, **{"data.skip_unchanged": True}))
+    first = dataset_fingerprint(cfg, wd)
+    assert dataset_fingerprint(cfg, wd) == first and _calls(count) == 1
+    monkeypatch.setenv("KILN_FP_FILE", "b.npy")
+    second = dataset_fingerprint(cfg, wd)
+    assert second != first and _calls(count) == 2
+    np.save(tmp_path / "override.npy", np.float32(3.0))
+    assert dataset_fingerprint(cfg, wd) not in (first, second) and _calls(count) == 3
+
+
+def test_a_file_changed_while_the_function_ran_is_not_kept_as_read(
+    tmp_path: Path, user_module: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its new stamp beside the old data's hash would say "unchanged" for good."""
+    from kiln.pipeline import fingerprints
+
+    scale, wd = tmp_path / "scale.npy", tmp_path / "wd"
+    np.save(scale, np.float32(1.0))
+    cfg, count = _skipping(tmp_path, path=str(scale))
+    real = fingerprints._dataset_hash
+
+    def meanwhile(config: Any, load: Any = None) -> str:
+        value = real(config, load)
+        np.save(scale, np.float32(2.0))  # a logger appending while the function tokenizes
+        return value
+
+    monkeypatch.setattr(fingerprints, "_dataset_hash", meanwhile)
+    dataset_fingerprint(cfg, wd)
+    monkeypatch.setattr(fingerprints, "_dataset_hash", real)
+    dataset_fingerprint(cfg, wd)
+    assert _calls(count) == 2
