@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -1039,11 +1040,17 @@ def serve(
             http_threads=http_threads,
         )
     if not readied:  # the server returns quietly from a stop (its own handler's) at any time: before ready too
-        raise NOT_READY
+        from kiln.serve.server import stopped_by
+
+        raise NOT_READY_TERM if stopped_by() == signal.SIGTERM else NOT_READY
 
 
 NOT_READY = Interrupted(
-    "kiln serve was stopped (Ctrl-C or SIGTERM) before the server was ready: nothing was served",
+    "kiln serve was stopped (Ctrl-C) before the server was ready: nothing was served",
+    hint="run `kiln serve` again and stop it after its `ready` line (it comes once every engine answers)",
+)
+NOT_READY_TERM = Terminated(
+    "kiln serve was stopped (SIGTERM) before the server was ready: nothing was served",
     hint="run `kiln serve` again and stop it after its `ready` line (it comes once every engine answers)",
 )
 

@@ -560,11 +560,21 @@ class _StopRequest:
 
     def __init__(self) -> None:
         self.requested = False  # a plain flag: a handler must not take a lock its own thread may hold
+        _stopped_by.clear()
 
     def __call__(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        _stopped_by[:] = [signum]
+
+
+_stopped_by: list[int] = []  # the signal that stopped the last server of this process
+
+
+def stopped_by() -> int | None:
+    """The signal (SIGINT or SIGTERM) that stopped the last :func:`serve` of this process, if one did."""
+    return _stopped_by[0] if _stopped_by else None
 
 
 def serve(

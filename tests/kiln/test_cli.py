@@ -880,18 +880,27 @@ def test_sys_exit_anywhere_in_a_command_is_an_error(cli: CliRunner, tmp_path: Pa
 
 def test_serve_stopped_before_it_was_ready_says_so(cli: CliRunner, tmp_path: Path, monkeypatch) -> None:
     """Ctrl-C or SIGTERM while the server started (serve's own handler: it returns quietly) exited 0, silent."""
+    import signal
+
     import kiln.serve.server as server
 
     def stopped(*args, on_ready=None, **kw) -> None:  # the server's return from a stop before its models answered
-        return None
+        server._StopRequest()(signal.SIGINT, None)
 
     monkeypatch.setattr(server, "serve", stopped)
     result = cli.invoke(main, ["serve", str(tmp_path)])
     assert_clean_error(result, 130)
     assert result.output.splitlines()[-2:] == [
-        "error: kiln serve was stopped (Ctrl-C or SIGTERM) before the server was ready: nothing was served",
+        "error: kiln serve was stopped (Ctrl-C) before the server was ready: nothing was served",
         "fix: run `kiln serve` again and stop it after its `ready` line (it comes once every engine answers)",
     ]
+
+    def terminated(*args, on_ready=None, **kw) -> None:  # SIGTERM (a container's stop): 143, as for every command
+        server._StopRequest()(signal.SIGTERM, None)
+
+    monkeypatch.setattr(server, "serve", terminated)
+    result = cli.invoke(main, ["serve", str(tmp_path)])
+    assert_clean_error(result, 143, "stopped (SIGTERM) before the server was ready")
 
     def served(*args, on_ready=None, **kw) -> None:  # ready, then stopped: a clean stop
         on_ready([])

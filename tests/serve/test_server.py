@@ -574,7 +574,7 @@ def test_ctrl_c_while_triton_starts_is_a_stop_not_an_error(workdir: Path) -> Non
         raise
     printed = out.decode(errors="replace")
     assert proc.returncode == 130 and printed.count("error:") == 1, printed[-3000:]
-    assert "stopped (Ctrl-C or SIGTERM) before the server was ready" in printed, printed[-3000:]
+    assert "stopped (Ctrl-C) before the server was ready" in printed, printed[-3000:]
     # a Python stub Triton started before the signal, orphaned when Triton died, is gone too
     _, alive = psutil.wait_procs([*triton, *(set(_served_from(workdir)) - before)], timeout=GONE_TIMEOUT_S)
     assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
