@@ -141,6 +141,10 @@ def recording() -> Iterator[Reads]:
         _active.remove(reads)
 
 
+# Variables Kiln sets anew each run (its scratch folder for temporary files): no input of the user's data
+PER_RUN = {"TMPDIR", "TEMP", "TMP"}
+
+
 class _WatchedEnviron(MutableMapping[str, str]):
     """``os.environ`` noting the names read through it (``os.getenv`` reads it too): an environment variable that
     picks the data's file is an input of the call. Code that kept a reference to ``os.environ`` from before reads
@@ -152,8 +156,13 @@ class _WatchedEnviron(MutableMapping[str, str]):
     def _note(self, key: object) -> None:
         # another type is the real one's KeyError, not a name; a library reading its settings as it is imported
         # (torch reads hundreds) is the environment's doing, as for the files it opens
-        if isinstance(key, str) and not _importing_a_library():
+        if isinstance(key, str) and key not in PER_RUN and not _importing_a_library():
             self._seen.add(key)
+
+    def _note_all(self) -> None:
+        """The whole environment read (a copy, a loop over it): every name in it."""
+        if not _importing_a_library():
+            self._seen.update(k for k in self._real if isinstance(k, str) and k not in PER_RUN)
 
     def __getitem__(self, key: str) -> str:
         self._note(key)
@@ -170,12 +179,14 @@ class _WatchedEnviron(MutableMapping[str, str]):
         del self._real[key]
 
     def __iter__(self) -> Iterator[str]:
+        self._note_all()
         return iter(self._real)
 
     def __len__(self) -> int:
         return len(self._real)
 
     def copy(self) -> dict[str, str]:
+        self._note_all()
         return dict(self._real)
 
     def __getattr__(self, name: str) -> Any:  # os.environ's own methods (encodekey...) for code that calls them

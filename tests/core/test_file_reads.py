@@ -76,3 +76,18 @@ def test_a_library_starting_a_process_as_it_is_imported_is_not_the_users_code(
         sys.modules.pop("kiln_fr_lib", None)
         sys.modules.pop("kiln_fr_user", None)
     assert library.reached_out is None and user.reached_out == "subprocess.Popen"
+
+
+def test_environment_variables_read_are_recorded_but_kilns_own_per_run_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variable picking the data's file is an input, however it is read (a copy of the environment included);
+    TMPDIR, which Kiln sets anew each run, is not."""
+    import os
+
+    monkeypatch.setenv("KILN_FR_FILE", "b.csv")
+    with recording() as reads:
+        os.environ.get("KILN_FR_FILE")
+        os.getenv("TMPDIR")
+    assert reads.environ == {"KILN_FR_FILE"}
+    with recording() as copied:
+        os.environ.copy().get("KILN_FR_FILE")
+    assert "KILN_FR_FILE" in copied.environ and "TMPDIR" not in copied.environ
