@@ -309,7 +309,8 @@ class Runner:
         self._verified: dict[Path, str] = {}  # stage outputs are hashed once per run (outputs_intact)
         self._threads_said = False
         self._current: set[str] = set()  # stages this run ran or found cached: current (see _refuse_out_of_date)
-        for stage in self.stages:
+        last_reader = max((i for i, s in enumerate(self.stages) if "dataset" in s.data), default=-1)
+        for i, stage in enumerate(self.stages):
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
                 continue
@@ -340,6 +341,8 @@ class Runner:
             if record.status == "failed":
                 record.seconds = time.perf_counter() - started  # how long it ran before it failed
             records.append(record)
+            if i >= last_reader:  # no later stage reads the data: its memory goes back
+                self._dataset.clear()
             if record.status in ("ran", "skipped", "cached"):
                 self._current.add(stage.name)
             self.on_event(record)

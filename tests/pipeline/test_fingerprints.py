@@ -542,3 +542,14 @@ def test_a_file_changed_while_the_function_ran_is_not_kept_as_read(
     monkeypatch.setattr(fingerprints, "_dataset_hash", real)
     dataset_fingerprint(cfg, wd)
     assert _calls(count) == 2
+
+
+def test_the_runs_dataset_is_let_go_after_the_last_stage_that_reads_it(tmp_path: Path, user_module: Path) -> None:
+    from kiln.pipeline.runner import Runner
+    from kiln.pipeline.stage_list import STAGES
+
+    scale = tmp_path / "scale.npy"
+    np.save(scale, np.float32(1.0))
+    cfg = config_from_dict(tiny_config_dict(**{"data.name": "my_files:load", "data.params": {"path": str(scale)}}))
+    runner = Runner(cfg, tmp_path / "wd", [s for s in STAGES if s.name in ("train", "export")])
+    assert runner.run().ok and runner._dataset == []
