@@ -45,7 +45,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -577,6 +577,25 @@ def stopped_by() -> int | None:
     return _stopped_by[0] if _stopped_by else None
 
 
+def _marking_workdir(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn(path, ...)`` with ``path`` marked as served meanwhile when it is a workdir (:func:`served_workdir`)."""
+
+    @functools.wraps(fn)
+    def marked(path: str | Path, *args: Any, **kwargs: Any) -> None:
+        with served_workdir(Path(path)) if _is_workdir(Path(path)) else nullcontext():
+            return fn(path, *args, **kwargs)
+
+    return marked
+
+
+def _is_workdir(path: Path) -> bool:
+    """Whether ``path`` is a run's workdir (not an engine folder): its lock, package or build is there."""
+    if (path / SIDECAR).is_file() or not path.is_dir():
+        return False
+    return any((path / name).exists() for name in (LOCK_NAME, "package", "build"))
+
+
+@_marking_workdir
 def serve(
     path: str | Path,
     http_port: int = 8000,
@@ -603,50 +622,6 @@ def serve(
     CLI's choice; a caller in-process keeps its process).
     A workdir is marked as served meanwhile (:func:`served_workdir`): a run holding it is refused, and a run started
     while it is served is refused."""
-    with ExitStack() as marked:
-        if _is_workdir(Path(path)):
-            marked.enter_context(served_workdir(Path(path)))
-        _serve(
-            path,
-            http_port,
-            grpc_port,
-            metrics_port,
-            max_batch,
-            max_queue_delay_us,
-            address,
-            on_ready,
-            verbose,
-            gpus,
-            instances_per_gpu,
-            exit_on_overrun,
-            pytriton,
-            http_threads,
-        )
-
-
-def _is_workdir(path: Path) -> bool:
-    """Whether ``path`` is a run's workdir (not an engine folder): its lock, package or build is there."""
-    if (path / SIDECAR).is_file() or not path.is_dir():
-        return False
-    return any((path / name).exists() for name in (LOCK_NAME, "package", "build"))
-
-
-def _serve(
-    path: str | Path,
-    http_port: int,
-    grpc_port: int,
-    metrics_port: int,
-    max_batch: int | None,
-    max_queue_delay_us: int,
-    address: str,
-    on_ready: Callable[[list[ServedEngine]], None] | None,
-    verbose: bool,
-    gpus: list[int] | None,
-    instances_per_gpu: int | None,
-    exit_on_overrun: bool,
-    pytriton: bool,
-    http_threads: int | None,
-) -> None:
     served = find_engines(path)
     if not pytriton:
         if gpus is None and all(s.meta.device == "cuda" for s in served):
