@@ -82,6 +82,20 @@ def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
+def keep_json(path: Path, obj: Any) -> bool:
+    """``obj`` written to ``path`` in a cache folder, if it can be: never through a cache folder planted as a link
+    (the stages that use it refuse it), and a read-only workdir is no error (what was kept is worked out again next
+    time). Whether it was written."""
+    if path.parent.is_symlink():
+        return False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, obj)
+    except OSError:
+        return False
+    return True
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``: never a torn file. A link at
     ``path`` is replaced, never written through."""

@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from kiln.core.artifacts import write_json_atomic
+from kiln.core.artifacts import keep_json
 from kiln.core.cpu_int8 import int8_kernels
 
 FACTS_FILE = "device-facts.json"
@@ -88,18 +88,8 @@ def device_facts() -> dict[str, Any]:
             pass  # none kept yet, or unreadable: asked of torch and written again
     facts = _torch_facts()
     if identity is not None and path is not None:
-        _keep(path, {"identity": identity, "facts": facts})
+        keep_json(path, {"identity": identity, "facts": facts})  # else asked of torch next time too
     return facts
-
-
-def _keep(path: Path, record: dict[str, Any]) -> None:
-    if path.parent.is_symlink():
-        return  # a cache folder planted as a link: never written through (the stages that use it refuse it)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, record)
-    except OSError:
-        pass  # a read-only workdir: the facts are asked of torch next time too
 
 
 def _torch_facts() -> dict[str, Any]:

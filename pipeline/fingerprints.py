@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln.core.artifacts import hash_file, hash_json, hash_source, write_json_atomic
+from kiln.core.artifacts import hash_file, hash_json, hash_source, keep_json
 from kiln.core.errors import InputFileError
 from kiln.core.file_reads import recording, user_files
 from kiln.pipeline.config import KilnConfig
@@ -113,7 +113,7 @@ def _kept_hash(
     if isinstance(entry, dict) and isinstance(entry.get("read"), dict) and _all_unchanged(entry["read"], workdir):
         settled = _settled(entry["read"])
         if settled != entry["read"]:  # stamps with a digest that need none now: not read again on every run
-            _keep_json(path, kept | {stamp: {**entry, "read": settled}})
+            keep_json(path, kept | {stamp: {**entry, "read": settled}})
         return entry["hash"]
     started = time.time_ns()
     with recording() as reads:
@@ -137,7 +137,7 @@ def _kept_hash(
         return value  # a file it read changed while it ran: what it returned may be from before
     kept = {k: v for k, v in kept.items() if k != stamp}
     kept = dict(list(kept.items())[-(KEPT_HASHES - 1) :]) | {stamp: {"hash": value, "read": read}}
-    _keep_json(path, kept)
+    keep_json(path, kept)
     return value
 
 
@@ -254,16 +254,6 @@ def _read_kept(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError):
         return {}
     return kept if isinstance(kept, dict) else {}
-
-
-def _keep_json(path: Path, record: dict[str, Any]) -> None:
-    if path.parent.is_symlink():
-        return  # a cache folder planted as a link: never written through
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, record)
-    except OSError:
-        pass  # a read-only workdir: the function is called next time too
 
 
 def _array(t: object) -> np.ndarray:
