@@ -206,7 +206,7 @@ def user_files(reads: Reads, skip: list[Path]) -> tuple[list[Path], list[Path], 
     a module's compiled file stands for its source (one imported by name at run time is code no static reading of
     imports finds). Each as the path it was opened by, made absolute but not resolved: a link re-pointed at another
     file is then another file. Each sorted, each path once."""
-    skip_roots = [*installed_roots(), *(p.resolve() for p in skip), Path("/proc"), Path("/sys")]
+    skip_roots = [*_roots(), *(p.resolve() for p in skip), Path("/proc"), Path("/sys")]
 
     def theirs(raw: str) -> Path | None:
         path = Path(raw)
