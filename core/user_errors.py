@@ -141,9 +141,18 @@ def _library_error(exc: BaseException, doing: str, what: str | None, hint: str |
     return UserCodeError(message, hint=fix + " (--verbose shows the traceback)", detail=detail)
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Python's MemoryError, torch's CUDA OutOfMemoryError, or its CPU allocator's RuntimeError for the same."""
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    )
+
+
 def _passes_through(exc: BaseException) -> bool:
     """Errors with a meaning of their own, handled by the caller: Kiln's, and running out of memory."""
-    return isinstance(exc, (KilnError, MemoryError)) or type(exc).__name__ == "OutOfMemoryError"
+    return isinstance(exc, KilnError) or out_of_memory(exc)
 
 
 # Where a script's exit belongs: run as a script, not on import or when Kiln calls its functions

@@ -14,7 +14,7 @@ from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, logits_name, named_outputs
 from kiln.core.records import EngineValidation
-from kiln.core.user_errors import running_user_code
+from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
 from kiln.stages.accuracy.check import compare_all, gates_for, summarize
@@ -26,6 +26,25 @@ from kiln.stages.validate.stage import ValidateSettings, check_gates
 OTHER_MODEL = (
     "validate an engine against the model it was built from (its ONNX file, or its checkpoint with model.name)"
 )
+
+
+def _shapes(feed: dict[str, np.ndarray]) -> dict[str, str]:
+    return {k: f"{v.dtype}{list(v.shape)}" for k, v in feed.items()}
+
+
+def _reference_error(reference: Path, cfg: ValidateSettings, feed: dict[str, np.ndarray], exc: Exception) -> InputError:
+    """An exception in torch (not the user's file) running the reference: out of memory, or the engine's inputs
+    are another model's."""
+    said = f"reference {reference.name} ({cfg.model.name})"
+    if out_of_memory(exc):
+        return InputError(
+            f"{said} ran out of memory on the engine's inputs {_shapes(feed)}",
+            hint="validate with fewer rows: --inputs with a smaller batch, or a smaller signature.batch_sizes",
+        )
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return InputError(
+        f"{said} fails on the engine's inputs {_shapes(feed)}: {type(exc).__name__}: {first}", hint=OTHER_MODEL
+    )
 
 
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings) -> dict[str, np.ndarray]:
@@ -40,13 +59,8 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
                 outs = named_outputs(model.float().eval(), next(iter(x.values())) if len(x) == 1 else x)
         except KilnError:
             raise
-        except Exception as exc:  # in torch, not the user's file: the inputs are another model's
-            shapes = {k: f"{v.dtype}{list(v.shape)}" for k, v in feed.items()}
-            raise InputError(
-                f"reference {reference.name} ({cfg.model.name}) fails on the engine's inputs {shapes}: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                hint=OTHER_MODEL,
-            ) from None
+        except Exception as exc:  # in torch, not the user's file: out of memory, or the inputs are another model's
+            raise _reference_error(reference, cfg, feed, exc) from None
         return host_arrays(outs)
     graph = load_onnx(reference)
     specs, _ = io_specs(graph)

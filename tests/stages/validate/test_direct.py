@@ -33,3 +33,24 @@ def test_a_reference_of_another_shape_or_another_model_is_named(tmp_path: Path) 
     torch.manual_seed(0)
     save_file(build_model("cnn", {}).state_dict(), str(weights))
     assert_clean(invoke("validate", engine, "--reference", weights), 2, "reference cnn.safetensors (cnn) fails on")
+
+
+def test_running_out_of_memory_on_the_reference_is_not_called_another_models_inputs(tmp_path: Path) -> None:
+    """torch's CPU allocator says it with a RuntimeError, CUDA with OutOfMemoryError: neither means the inputs are
+    another model's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kiln.stages.validate.direct import OTHER_MODEL, _reference_error
+
+    cfg = SimpleNamespace(model=SimpleNamespace(name="cnn"))  # the settings' one field the message reads
+    feed = {"input": np.zeros((4096, 1, 8, 8), np.float32)}
+    oom = RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: 9 GB")
+    err = _reference_error(tmp_path / "w.safetensors", cfg, feed, oom)
+    assert "ran out of memory on the engine's inputs {'input': 'float32[4096, 1, 8, 8]'}" in err.message
+    assert "smaller batch" in err.hint
+    shape = RuntimeError("mat1 and mat2 shapes cannot be multiplied (4096x64 and 16x4)")
+    err = _reference_error(tmp_path / "w.safetensors", cfg, feed, shape)
+    assert "fails on the engine's inputs" in err.message and "mat1 and mat2" in err.message
+    assert err.hint == OTHER_MODEL
