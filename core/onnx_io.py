@@ -510,6 +510,59 @@ def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]
     return [spec(v) for v in model.graph.input if v.name not in inits], [spec(v) for v in model.graph.output]
 
 
+_NOT_TENSORS = {
+    "sequence_type": "a sequence",
+    "map_type": "a map",
+    "optional_type": "an optional",
+    "sparse_tensor_type": "a sparse tensor",
+}
+
+
+def value_type(t: onnx.TypeProto) -> str:
+    """A value's ONNX type as ONNX Runtime writes it: ``tensor(float)``, ``seq(map(int64,tensor(float)))``."""
+    kind = t.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        elem = onnx.TensorProto.DataType.Name(getattr(t, kind).elem_type).lower()
+        return f"{kind.removesuffix('_type')}({elem})"
+    if kind == "sequence_type":
+        return f"seq({value_type(t.sequence_type.elem_type)})"
+    if kind == "optional_type":
+        return f"optional({value_type(t.optional_type.elem_type)})"
+    if kind == "map_type":
+        key = onnx.TensorProto.DataType.Name(t.map_type.key_type).lower()
+        return f"map({key},{value_type(t.map_type.value_type)})"
+    return "undefined"
+
+
+def check_tensor_io(model: onnx.ModelProto, what: str, sequence_outputs: bool = False) -> None:
+    """Every graph input and output of ``model`` is a tensor: engines are fed and answer numpy arrays, and the
+    accuracy checks compare arrays. A ModelError names the first that is a sequence, map, optional or sparse tensor
+    (a scikit-learn classifier's ZipMap output, a sequence of maps). ``sequence_outputs``: outputs that are
+    sequences of tensors are taken too (the optimizer keeps and compares them)."""
+    inits = {i.name for i in model.graph.initializer}
+    values = [("input", v) for v in model.graph.input if v.name not in inits]
+    for role, value in [*values, *(("output", v) for v in model.graph.output)]:
+        kind = value.type.WhichOneof("value")
+        if kind not in _NOT_TENSORS:
+            continue
+        if sequence_outputs and role == "output" and value.type.sequence_type.elem_type.HasField("tensor_type"):
+            continue
+        raise ModelError(
+            f"{what}: {role} '{value.name}' is {_NOT_TENSORS[kind]} of type {value_type(value.type)}, not a tensor: "
+            "Kiln's engines, checks and graph rewrites handle tensors only",
+            hint=_not_tensor_hint(model, role, value.name),
+        )
+
+
+def _not_tensor_hint(model: onnx.ModelProto, role: str, name: str) -> str:
+    if role == "input":
+        return "export the model with tensor inputs only (an engine is fed one numpy array per input)"
+    drop = f"drop output '{name}' (onnx.utils.extract_model with the other outputs)"
+    if any(n.op_type == "ZipMap" and name in n.output for n in model.graph.node):
+        return f"export the classifier without ZipMap (skl2onnx: options={{'zipmap': False}}), or {drop}"
+    return f"export the model with tensor outputs only, or {drop}"
+
+
 # ops whose output holds the values of their first input (reshaped or repeated): an index keeps its meaning; and a
 # Cast to an integer type as wide as any index (a narrower one wraps values: a hashing trick, not an index)
 _KEEPS_VALUES = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"}

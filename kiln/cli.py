@@ -690,7 +690,7 @@ def _export_direct(
 def _optimize_direct(
     file: str, config: str | None, sets: tuple[str, ...], output: str | None, passes: str | None
 ) -> None:
-    from kiln.stages.optimize.api import optimize_file
+    from kiln.stages.optimize.api import checks_line, optimize_file
 
     cfg = _config(config, sets + _passes(passes))
     dst = Path(output or Path(file).with_suffix(".opt.onnx"))
@@ -698,7 +698,12 @@ def _optimize_direct(
         raise ModelError(f"refusing to overwrite the input model {file}", hint="choose another -o path")
     with scratch_root(dst.parent), output_file(dst) as staged:
         summary = optimize_file(Path(file), staged, cfg.optimize)
-    results.print(f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes", highlight=False)
+    results.print(
+        f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes",
+        highlight=False,
+        soft_wrap=True,
+    )
+    results.print(checks_line(summary), highlight=False, markup=False, soft_wrap=True)
 
 
 def _passes(passes: str | None) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from kiln.core.data import DatasetSplits, feed_for_graph, rows
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.feeds import check_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
+from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
 from kiln.core.outputs import logits_name
 from kiln.core.records import TensorSpec
 from kiln.core.signature import Signature
@@ -69,7 +69,9 @@ def check_onnx_takes(path: Path, data: DatasetSplits, ref: str, signature: Signa
     and fixed sizes), its labels' classes against the graph's class-logit output, and ``signature.dynamic_axes``
     against the graph (:func:`check_onnx_axes`), before any stage hands them to ONNX Runtime: a mismatch is named
     here, not deep inside it."""
-    graph_inputs, graph_outputs = io_specs(load_onnx(path, load_external_data=False))
+    graph = load_onnx(path, load_external_data=False)
+    check_tensor_io(graph, f"model.onnx {path.name}")
+    graph_inputs, graph_outputs = io_specs(graph)
     if signature is not None:
         check_onnx_axes(path, graph_inputs, signature.dynamic_axes)
         _check_onnx_classes(path, graph_outputs, data, ref, signature.logits_output)
@@ -148,6 +150,7 @@ def random_splits(path: Path, signature: Signature, seed: int, rows: int = 64) -
     """Random inputs of an ONNX file's declared shapes, without labels: a run from ``model.onnx`` with no data
     (agreement with the FP32 graph only; calibration on random data is unrepresentative, so it says so loudly)."""
     graph = load_onnx(path, load_external_data=False)
+    check_tensor_io(graph, f"model.onnx {path.name}")
     inputs, _ = io_specs(graph)
     # the batch axis is the run's to choose, whatever size the file fixed it to (as check_onnx_takes takes it)
     inputs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in inputs]

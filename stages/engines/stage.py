@@ -13,7 +13,7 @@ from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.errors import BuildError, ConfigError, KilnError
 from kiln.core.inputs import check_batch_fits
-from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
+from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, Variants
 from kiln.core.stage import StageContext
@@ -353,7 +353,8 @@ def build_direct(
     graph gives them (``signature.shapes``), for the profiles and the recorded ranges."""
     device = device or default_device(backend)
     src, made_as = variant_source(Path(src), backend, device)
-    load_onnx(src, load_external_data=False)  # clear error for a missing or corrupt file before any builder runs
+    # clear errors for a missing or corrupt file, or one with a non-tensor input or output, before any builder runs
+    check_tensor_io(load_onnx(src, load_external_data=False), str(src))
     precision = precision or made_as or audit_graph(src).label()  # unlabelled: what the graph computes in
     _check_choice(backend, device, precision)
     refuse_foreign_folder(out)

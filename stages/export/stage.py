@@ -44,6 +44,7 @@ from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import (
     check_onnx,
+    check_tensor_io,
     fixed_batch,
     free_batch,
     infer_shapes,
@@ -702,6 +703,7 @@ def take_onnx(src: Path, path: Path) -> ExportSummary:
     axis is a number (published files often fix it at 1) gets a symbolic one, once the graph is shown to compute the
     same rows at twice that batch (:func:`free_checked`): the batch sizes are the run's to choose."""
     proto = load_onnx(src)
+    check_tensor_io(proto, f"model.onnx {src.name}")
     fixed = fixed_batch(proto)
     proto = free_checked(proto, src, *fixed) if fixed else infer_shapes(proto, strict=False)
     save_onnx(proto, path)

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-import onnx_graphsurgeon as gs
 
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ModelError
-from kiln.core.onnx_io import check_onnx, infer_shapes, load_onnx, save_onnx
+from kiln.core.graphsurgeon import gs
+from kiln.core.onnx_io import check_onnx, check_tensor_io, infer_shapes, load_onnx, save_onnx
 from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
 from kiln.stages.optimize.config import OptimizeConfig
@@ -242,6 +242,7 @@ def optimize_file(src: Path, dst: Path, cfg: OptimizeConfig) -> dict[str, Any]:
     (the result then keeps its weights in ``<dst>.data`` next to it)."""
     src, dst = Path(src), Path(dst)
     model = load_onnx(src)
+    check_tensor_io(model, str(src), sequence_outputs=True)  # its rewrites keep sequences of tensors, not maps
     ensure_writable(dst.parent, "the -o file's folder")
     external = _uses_external_data(src)
     out, summary = optimize_model(model, cfg)
@@ -251,3 +252,17 @@ def optimize_file(src: Path, dst: Path, cfg: OptimizeConfig) -> dict[str, Any]:
     check_onnx(dst, "optimized model")
     summary.update(src=str(src), dst=str(dst), external_data=external or (dst.with_name(dst.name + ".data")).exists())
     return summary
+
+
+def checks_line(summary: dict[str, Any]) -> str:
+    """One line on whether the result was checked against the input model, and which passes were undone: what
+    ``kiln optimize -o`` prints under the file it wrote, so that an unchecked result is never silent."""
+    rolled = summary["rolled_back"]
+    undone = f"; rolled back: {', '.join(rolled)}" if rolled else ""
+    if not summary["verified"]:
+        return f"not verified (optimize.verify is off): outputs not compared with the input model's{undone}"
+    checks = summary["checks"]
+    if not checks:
+        return f"nothing to verify: no pass changed the graph{undone}"
+    runs = f"{checks} check{'s' if checks != 1 else ''}"
+    return f"verified: outputs match the input model's on random inputs ({runs}){undone}"

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
 from onnx import AttributeProto, helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from kiln.core.graphsurgeon import gs
 from kiln.core.onnx_io import STRIP_BYTES, infer_shapes, stub_tensor
 
 # Constant's value_* attribute -> numpy dtype of the tensor it stands for (ONNX spec of Constant).

@@ -36,6 +36,13 @@ TRITON_TYPES = {
     "float64": "TYPE_FP64",
 }
 ENGINE_SUBDIR = "engine"
+# Protobuf text format's string escapes (as google.protobuf.text_encoding writes them): the quote and the backslash
+# must be escaped, other control characters are written as octal bytes; non-ASCII stays UTF-8, which Triton's
+# (C++) and protobuf's Python parsers both read.
+_PBTXT_ESCAPES = {
+    **{i: f"\\{i:03o}" for i in [*range(32), 127]},
+    **{ord("\t"): "\\t", ord("\n"): "\\n", ord("\r"): "\\r", ord('"'): '\\"', ord("\\"): "\\\\"},
+}
 
 
 def _dynamic(dim: Any) -> bool:
@@ -176,15 +183,20 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
         )
 
 
+def _quoted(text: str) -> str:
+    """``text`` as a protobuf text-format string literal: a tensor name may hold quotes, backslashes or newlines."""
+    return '"' + text.translate(_PBTXT_ESCAPES) + '"'
+
+
 def render_pbtxt(cfg: dict[str, Any]) -> str:
     """Protobuf text format. Written by hand: the ModelConfig protobuf ships with tritonclient, an optional extra,
     and packaging must work without it (the tests parse this text with that protobuf)."""
-    lines = [f'name: "{cfg["name"]}"']
-    lines += [f'{key}: "{cfg[key]}"' for key in ("platform", "backend") if key in cfg]
+    lines = [f"name: {_quoted(cfg['name'])}"]
+    lines += [f"{key}: {_quoted(cfg[key])}" for key in ("platform", "backend") if key in cfg]
     lines.append(f"max_batch_size: {cfg['max_batch_size']}")
     for kind in ("input", "output"):
         items = [
-            f'  {{\n    name: "{t["name"]}"\n    data_type: {t["data_type"]}\n'
+            f"  {{\n    name: {_quoted(t['name'])}\n    data_type: {t['data_type']}\n"
             f"    dims: [ {', '.join(map(str, t['dims']))} ]\n  }}"
             for t in cfg[kind]
         ]
@@ -231,6 +243,7 @@ import triton_python_backend_utils as pb_utils
 from kiln import load_engine
 from kiln.serve.batching import batched_infer, buckets_for, warm_buckets
 from kiln.serve.stub_times import StubStamps, StubTimes, sent_times
+from kiln.serve.stub_parent import exit_with_server
 
 
 def _error(message, invalid):
@@ -241,6 +254,7 @@ def _error(message, invalid):
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_server()  # a server killed outright leaves its stubs: this one ends itself (kiln.serve.stub_parent)
         if args.get("model_instance_kind") == "GPU":
             # Each instance is its own stub process: pinned to its GPU before the engine first touches CUDA, the
             # engine's device 0 is that GPU (instance_group.gpus spreads instances over the host's GPUs).

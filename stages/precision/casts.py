@@ -8,8 +8,9 @@ CastElimination nor onnx-graphsurgeon rewrites the saved graph TensorRT reads, s
 from __future__ import annotations
 
 import onnx
-import onnx_graphsurgeon as gs
 from onnx import helper
+
+from kiln.core.graphsurgeon import gs
 
 FLOAT_ONNX = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 

@@ -17,7 +17,7 @@ import numpy as np
 from kiln.core.errors import ModelError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
+from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
 from kiln.core.outputs import logits_name
 from kiln.core.progress import SilentProgress
 from kiln.core.records import TensorSpec, Variants
@@ -39,6 +39,7 @@ def precision_direct(
 ) -> dict[str, Any]:
     """Write ``out/<precision>/model.onnx`` for each variant and ``out/variants.json``; returns a summary."""
     graph = load_onnx(src)
+    check_tensor_io(graph, str(src))
     inputs, outputs = io_specs(graph)
     ccfg, pcfg = cfg.calibration, cfg.precision.model_copy(deep=True)
     if calibration is not None:

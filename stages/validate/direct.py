@@ -11,13 +11,14 @@ import torch
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, read_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import io_specs, load_onnx, ort_session
+from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, logits_name, named_outputs
 from kiln.core.records import EngineValidation
 from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
 from kiln.stages.accuracy.check import compare_all, gates_for, summarize
+from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.validate.baselines import percentiles
@@ -63,6 +64,7 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
             raise _reference_error(reference, cfg, feed, exc) from None
         return host_arrays(outs)
     graph = load_onnx(reference)
+    check_tensor_io(graph, f"reference {reference.name}")
     specs, _ = io_specs(graph)
     if sorted(s.name for s in specs) != sorted(feed):
         raise InputFileError(
@@ -89,6 +91,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
             dynamic=max(sizes) if sizes else None,
             hint="pass --inputs file.npz with concrete arrays",
         )
+    check_engine_feed(meta, feed)  # the engine's own refusals (a token id past its table) before the reference runs
     ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
         got = runner.infer(feed)

@@ -1,7 +1,9 @@
-"""kiln.core.onnx_io: save_onnx replaces a model's own external data, never anyone else's; index_ranges."""
+"""kiln.core.onnx_io: save_onnx replaces a model's own external data, never anyone else's; index_ranges; inputs and
+outputs that are not tensors."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +11,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from kiln.core.errors import InputFileError
-from kiln.core.onnx_io import index_ranges, load_onnx, save_onnx
+from kiln.core.errors import InputFileError, ModelError
+from kiln.core.onnx_io import check_tensor_io, index_ranges, load_onnx, save_onnx
 
 
 def _model(value: float) -> onnx.ModelProto:
@@ -118,3 +120,85 @@ def _indexing_graph() -> onnx.ModelProto:
 
 def test_index_ranges_are_the_rows_of_the_embedding_tables_an_input_indexes() -> None:
     assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1], "small": [0, 9]}
+
+
+def zipmap_classifier(path: Path) -> Path:
+    """x [N, 6] -> a 3-class linear classifier -> label [N] and probs, a ZipMap: a sequence of {class: probability}
+    maps, as skl2onnx exports a scikit-learn classifier by default."""
+    ml = "ai.onnx.ml"
+    coefficients = np.linspace(-1, 1, 18, dtype=np.float32).tolist()
+    nodes = [
+        helper.make_node(
+            "LinearClassifier",
+            ["x"],
+            ["label", "prob"],
+            domain=ml,
+            classlabels_ints=[0, 1, 2],
+            coefficients=coefficients,
+            intercepts=[0.1, 0.2, 0.3],
+            multi_class=1,
+            post_transform="SOFTMAX",
+        ),
+        helper.make_node("ZipMap", ["prob"], ["probs"], domain=ml, classlabels_int64s=[0, 1, 2]),
+    ]
+    maps = helper.make_map_type_proto(onnx.TensorProto.INT64, helper.make_tensor_type_proto(onnx.TensorProto.FLOAT, []))
+    graph = helper.make_graph(
+        nodes,
+        "classifier",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 6])],
+        [
+            helper.make_tensor_value_info("label", onnx.TensorProto.INT64, ["N"]),
+            helper.make_value_info("probs", helper.make_sequence_type_proto(maps)),
+        ],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(ml, 3)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=8), path)
+    return path
+
+
+ZIPMAP_SAID = "output 'probs' is a sequence of type seq(map(int64,tensor(float))), not a tensor"
+
+
+def _one_node(op: str, inp: onnx.ValueInfoProto, out: onnx.ValueInfoProto) -> onnx.ModelProto:
+    return helper.make_model(helper.make_graph([helper.make_node(op, [inp.name], [out.name])], "g", [inp], [out]))
+
+
+def test_inputs_and_outputs_that_are_not_tensors_are_named_with_their_type(tmp_path: Path) -> None:
+    """A sequence, map or optional input or output is one ModelError naming it and its type; the optimizer alone
+    takes outputs that are sequences of tensors."""
+    with pytest.raises(ModelError, match=re.escape(f"m.onnx: {ZIPMAP_SAID}")) as err:
+        check_tensor_io(load_onnx(zipmap_classifier(tmp_path / "m.onnx")), "m.onnx", sequence_outputs=True)
+    assert "options={'zipmap': False}" in (err.value.hint or "")
+    tensor = helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [2])
+    seq = helper.make_tensor_sequence_value_info("s", onnx.TensorProto.FLOAT, None)
+    with pytest.raises(ModelError, match=re.escape("input 's' is a sequence of type seq(tensor(float))")) as err:
+        check_tensor_io(_one_node("ConcatFromSequence", seq, tensor), "g", sequence_outputs=True)
+    assert "tensor inputs only" in (err.value.hint or "")
+    to_seq = _one_node("SequenceConstruct", tensor, seq)
+    check_tensor_io(to_seq, "g", sequence_outputs=True)
+    with pytest.raises(ModelError, match="output 's' is a sequence") as err:
+        check_tensor_io(to_seq, "g")
+    assert "tensor outputs only, or drop output 's'" in (err.value.hint or "")
+    optional = helper.make_value_info("o", helper.make_optional_type_proto(tensor.type))
+    with pytest.raises(ModelError, match=re.escape("output 'o' is an optional of type optional(tensor(float))")):
+        check_tensor_io(_one_node("Optional", tensor, optional), "g", sequence_outputs=True)
+    check_tensor_io(_indexing_graph(), "g")
+
+
+def test_every_command_that_takes_an_onnx_file_refuses_a_zipmap_output_by_name(tmp_path: Path) -> None:
+    """`kiln run` from such a file ended in an AttributeError in the accuracy check (the output is a list of
+    dicts), `kiln build` made an engine nothing could validate, and `kiln optimize` wrote a graph whose map type
+    its rewrites lose: each is now one error naming the output, its type and the fix."""
+    from tests.pipeline.test_faults import assert_clean, invoke, tiny_onnx
+
+    model = zipmap_classifier(tmp_path / "clf.onnx")
+    config = tmp_path / "c.yaml"
+    config.write_text("model: {onnx: clf.onnx}\nprecision: {variants: [fp32]}\nbuild: {backends: [onnxruntime]}\n")
+    assert_clean(invoke("run", config, "-w", tmp_path / "w"), 2, f"model.onnx clf.onnx: {ZIPMAP_SAID}", "zipmap")
+    for command in (("build", model, "-o", tmp_path / "e"), ("precision", model, "-o", tmp_path / "v")):
+        assert_clean(invoke(*command), 2, f"clf.onnx: {ZIPMAP_SAID}", "zipmap")
+    assert_clean(invoke("optimize", model, "-o", tmp_path / "o.onnx"), 2, f"clf.onnx: {ZIPMAP_SAID}", "zipmap")
+    assert not (tmp_path / "e").exists() and not (tmp_path / "o.onnx").exists()
+    engine = tmp_path / "tiny"
+    assert invoke("build", tiny_onnx(tmp_path / "tiny.onnx"), "-o", engine).exit_code == 0
+    assert_clean(invoke("validate", engine, "--reference", model), 2, f"reference clf.onnx: {ZIPMAP_SAID}")

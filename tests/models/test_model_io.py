@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -191,4 +192,21 @@ def test_an_onnx_start_with_fewer_logits_than_the_datas_classes_stops(tmp_path: 
 
     path = _four_class_onnx(tmp_path / "m.onnx")
     with pytest.raises(ConfigError, match="class logits of shape \\['batch', 4\\] .* but dataset 'digits' has 10"):
+        dataset_for(ModelConfig(onnx=str(path)), DataConfig(name="digits"), Signature(), 0)
+
+
+def test_an_onnx_start_whose_output_is_not_a_tensor_stops_where_the_data_meets_it(tmp_path: Path) -> None:
+    """Random inputs of the file, or a dataset checked against it: a ZipMap output is named there, not found by the
+    accuracy check as a list that has no shape."""
+    from kiln.core.errors import ModelError
+    from kiln.core.signature import Signature
+    from kiln.models.config import DataConfig, ModelConfig
+    from kiln.models.model_io import dataset_for, random_splits
+    from tests.core.test_onnx_io import ZIPMAP_SAID, zipmap_classifier
+
+    path = zipmap_classifier(tmp_path / "clf.onnx")
+    said = re.escape(f"model.onnx clf.onnx: {ZIPMAP_SAID}")
+    with pytest.raises(ModelError, match=said):
+        random_splits(path, Signature(), 0)
+    with pytest.raises(ModelError, match=said):
         dataset_for(ModelConfig(onnx=str(path)), DataConfig(name="digits"), Signature(), 0)

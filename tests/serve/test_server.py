@@ -40,6 +40,7 @@ from kiln.serve.server import (
     tritonserver_process,
     wait_ready,
 )
+from kiln.serve.stub_parent import REGION_PREFIX
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from tests.conftest import tiny_config_dict
@@ -510,6 +511,34 @@ def test_a_kiln_serve_killed_outright_takes_its_server_with_it_and_its_workdir_r
         _abort(again)
         raise
     _stop_and_check(again, descendants, signal.SIGTERM)
+
+
+def test_the_stubs_of_a_server_killed_outright_end_themselves_and_free_their_shared_memory(workdir: Path) -> None:
+    """A tritonserver gone while its own parent does not reap it (a `kiln serve` killed outright under load: the
+    server's exit leaves a zombie under an init that does not reap) left its stubs running under PID 1, each with its
+    engine and its /dev/shm region, deaf to SIGTERM: Triton's stub checks its server with kill(pid, 0), which a
+    zombie passes. Kiln's stub ends itself once re-parented. `kiln serve` stopped (SIGSTOP) makes the zombie here."""
+    ports = free_ports(3)
+    proc = _start_serve(workdir, ports)
+    try:
+        _ready(proc, ports, [MODEL])
+        server = next(p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "tritonserver")
+        stubs = [p for p in server.children() if p.name().startswith("triton_python")]
+        regions = [Path("/dev/shm") / a for s in stubs for a in s.cmdline() if a.startswith(REGION_PREFIX)]
+        assert stubs and len(regions) == len(stubs), [s.cmdline() for s in stubs]
+        assert all(r.exists() for r in regions)
+        proc.send_signal(signal.SIGSTOP)  # kiln serve does not reap its server meanwhile
+        try:
+            server.kill()
+            _, alive = psutil.wait_procs(stubs, timeout=GONE_TIMEOUT_S)
+            for p in alive:  # nothing left running after a failed test
+                p.kill()
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+        assert not [r for r in regions if r.exists()]
+    finally:
+        _abort(proc)
 
 
 def test_a_server_that_dies_while_starting_is_one_error_in_seconds(

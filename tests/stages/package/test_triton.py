@@ -62,6 +62,19 @@ def test_configs_parse_as_triton_model_config(backend: str | None) -> None:
     assert (cfg.backend, cfg.platform) == (("python", "") if backend else ("", "tensorrt_plan"))
 
 
+@pytest.mark.parametrize("backend", [None, "python"])
+def test_tensor_names_with_quotes_backslashes_and_control_characters_parse_back_unchanged(backend: str | None) -> None:
+    """ONNX allows any string as a tensor name; the config's string literals escape what protobuf's text format
+    requires, so Triton reads the names the engine has."""
+    names = ['pixel "values" é', "back\\slash\tand\nnewline\x01\x7f", "it's"]
+    meta = CPU.model_copy(deep=True)
+    meta.inputs = [meta.inputs[0].model_copy(update={"name": name}) for name in names]
+    meta.outputs[0].name = 'logits "final"'
+    cfg = parse(render_pbtxt(model_config('m "1"', meta, 32, backend=backend)))
+    assert [t.name for t in cfg.input] == names and cfg.output[0].name == 'logits "final"'
+    assert cfg.name == 'm "1"'
+
+
 def test_a_fixed_batch_model_is_served_unbatched_with_its_full_shape() -> None:
     meta = CPU.model_copy(deep=True)
     meta.inputs[0].shape[0] = 1

@@ -54,3 +54,28 @@ def test_running_out_of_memory_on_the_reference_is_not_called_another_models_inp
     err = _reference_error(tmp_path / "w.safetensors", cfg, feed, shape)
     assert "fails on the engine's inputs" in err.message and "mat1 and mat2" in err.message
     assert err.hint == OTHER_MODEL
+
+
+def test_a_token_id_past_the_table_is_the_engines_refusal_before_either_reference_runs(tmp_path: Path) -> None:
+    """The engine records the rows its ids index (``index_ranges``); inputs past them are refused as the engine
+    would refuse them, not answered by ONNX Runtime's Gather error or the checkpoint's IndexError."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.user_models import ids_and_mask
+
+    model, engine, weights = tmp_path / "m.onnx", tmp_path / "e", tmp_path / "w.safetensors"
+    shapes = ("--input-shape", "input_ids=6:int64", "--input-shape", "attention_mask=6:int64")
+    assert invoke("export", "--model", "tests.user_models:ids_and_mask", *shapes, "-o", model).exit_code == 0
+    assert invoke("build", model, "-o", engine).exit_code == 0
+    torch.manual_seed(0)
+    save_file(ids_and_mask().state_dict(), str(weights))
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, input_ids=np.full((2, 6), 25, np.int64), attention_mask=np.ones((2, 6), np.int64))
+    said = "input 'input_ids' holds 25: engine onnxruntime-cpu-fp32 takes values from 0 to 19"
+    assert_clean(invoke("validate", engine, "--reference", model, "--inputs", bad), 2, said, "within the table")
+    by_weights = invoke(
+        "validate", engine, "--reference", weights, "--model", "tests.user_models:ids_and_mask", "--inputs", bad
+    )
+    assert_clean(by_weights, 2, said, "within the table")
