@@ -348,22 +348,82 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+# What Kiln and the libraries it loads import by top-level name: a user's file of such a name, in a folder put first
+# on the import path for the user's code, would be imported in its place (a project's export script `onnx.py`)
+KILN_IMPORTS = (
+    "torch", "onnx", "onnxruntime", "onnx_graphsurgeon", "onnxconverter_common", "numpy", "yaml", "pydantic",
+    "pydantic_core", "rich", "click", "safetensors", "sklearn", "matplotlib", "psutil", "filelock", "tensorrt",
+    "tensorrt_rtx", "tritonclient", "pytriton", "ray", "triton", "sympy", "jinja2", "networkx", "fsspec",
+    "typing_extensions", "google",
+)  # fmt: skip
+
+
 def _importable(*folders: Path) -> None:
-    """User code named by import path (``model.name: mymodels:build``) resolves from the current folder and the
-    config's folder, as ``python -m`` would, before PYTHONPATH. Kiln installs one package, ``kiln``, so a
-    project's own ``models/`` or ``pipeline/`` folder resolves as the user's."""
-    for folder in folders:
-        entry = str(folder.resolve())
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
+    """User code named by import path (``model.name: mymodels:build``) resolves from the config's folder, then the
+    current folder, as ``python -m`` would, before PYTHONPATH. Kiln installs one package, ``kiln``, so a project's
+    own ``models/`` or ``pipeline/`` folder resolves as the user's; a file there named like a package Kiln imports
+    is refused (:func:`_hides_a_library`)."""
+    entries = list(dict.fromkeys(str(f.resolve()) for f in folders))
+    for entry in entries:
+        _hides_a_library(Path(entry))
+    for entry in reversed(entries):
+        if entry in sys.path:
+            sys.path.remove(entry)
+        sys.path.insert(0, entry)
+
+
+def _hides_a_library(folder: Path) -> None:
+    """A module or package in ``folder`` named like one Kiln imports (:data:`KILN_IMPORTS`) and not that package
+    itself (an editable install's source folder is): an error naming it, before it breaks an import in Kiln."""
+    for name in KILN_IMPORTS:
+        mine = next((f for f in (folder / f"{name}.py", folder / name / "__init__.py") if f.is_file()), None)
+        if mine is None:
+            continue
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if p and Path(p) != folder])
+        if spec is not None and spec.origin and Path(spec.origin).resolve() == mine.resolve():
+            continue
+        shown = mine if mine.name != "__init__.py" else mine.parent
+        raise ConfigError(
+            f"{shown} would be imported in place of the {name} package Kiln uses: {folder} is on the import path "
+            "for your code (the config's folder and the one kiln runs in)",
+            hint=f"rename {shown.name} (and the imports of it in your code)",
+        )
 
 
 def _load(path: str | None, overrides: dict[str, Any]) -> KilnConfig:
     cwd = _cwd()  # None: deleted under us; absolute paths still work
-    _importable(*([Path(path).parent] if path else []), *([cwd] if cwd else []))
+    folders = [*([Path(path).parent] if path else []), *([cwd] if cwd else [])]
+    _importable(*folders)
     from kiln.pipeline.config import load_config
 
-    return load_config(path, overrides)
+    config = load_config(path, overrides)
+    _said_twice(config, folders)
+    return config
+
+
+def _import_paths(value: Any) -> list[str]:
+    """Every ``package.module:function`` string in a dumped config."""
+    if isinstance(value, dict):
+        return [r for v in value.values() for r in _import_paths(v)]
+    if isinstance(value, list):
+        return [r for v in value for r in _import_paths(v)]
+    return [value] if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value) else []
+
+
+def _said_twice(config: KilnConfig, folders: list[Path]) -> None:
+    """A warning where the top-level module of an import path in the config is in both the config's folder and the
+    current one: the config's is used (a `models` package in each of two projects)."""
+    places = list(dict.fromkeys(f.resolve() for f in folders))
+    if len(places) < 2:
+        return
+    for top in dict.fromkeys(r.partition(":")[0].split(".")[0] for r in _import_paths(config.dump())):
+        found = [p for p in places if (p / f"{top}.py").is_file() or (p / top).is_dir()]
+        if len(found) > 1:
+            logging.getLogger("kiln").warning(
+                "%s is in both %s (the config's folder: used) and %s", top, found[0], found[1]
+            )
 
 
 def _config(path: str | None, sets: tuple[str, ...]) -> KilnConfig:
@@ -574,7 +634,10 @@ def run(
 ) -> None:
     """Run the whole pipeline. Without CONFIG: the built-in demo (a CNN on scikit-learn's digits)."""
     _setup_logging(quiet, verbose)
-    _run(_config(_one_config(config, config_option), sets), workdir, quiet, force=set(force), start=start, stop=stop)
+    path = _one_config(config, config_option)
+    cfg = _config(path, sets)
+    _refuse_demo_over(path, cfg, workdir)
+    _run(cfg, workdir, quiet, force=set(force), start=start, stop=stop)
 
 
 @main.command("config")
@@ -603,7 +666,31 @@ def _refuse_direct_options(what: str, *names: str) -> None:
 
 def _stage_in_workdir(stage: str, config: str | None, workdir: str, sets: tuple[str, ...], quiet: bool) -> None:
     """Run one stage inside a run's workdir, from its upstream artifacts, even if cached."""
-    _run(_config(config, sets), workdir, quiet, only=[stage], force={stage})
+    cfg = _config(config, sets)
+    _refuse_demo_over(config, cfg, workdir)
+    _run(cfg, workdir, quiet, only=[stage], force={stage})
+
+
+def _refuse_demo_over(path: str | None, config: KilnConfig, workdir: str) -> None:
+    """Without a config a command runs the built-in demo: in a workdir holding the run of another config (its
+    report names it), that would replace the run's stages with the demo's, the trained weights too."""
+    import json
+
+    if path is not None:
+        return
+    try:
+        name = json.loads((Path(workdir) / "report.json").read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(name, str) or name == config.name:
+        return
+    command = f"kiln {click.get_current_context().info_name}"
+    here = next((f.name for f in sorted(Path().glob("kiln.*")) if f.suffix in (".yaml", ".yml", ".toml")), None)
+    raise ConfigError(
+        f"workdir {workdir} holds the run of config '{name}'; without a config, `{command}` runs the built-in "
+        "demo, which would replace it",
+        hint=f"give that run's config (`{command} {here or 'CONFIG'}`), or -w another folder for the demo",
+    )
 
 
 # ------------------------------------------------------------------------------------------------ stage commands
@@ -940,7 +1027,14 @@ for _name in STAGE_NAMES:
     main.add_command(stage_command(_name, {**STAGE_HELP, **DIRECT_HELP}[_name], DIRECT.get(_name)))
 
 
-@main.command()
+SERVE_EXIT_CODES = (
+    "Exit codes: 0 the server was stopped (Ctrl-C or SIGTERM once it was ready: a server's normal end); 2 a "
+    "problem you can fix (one `error:` and one `fix:` line); 3 a validation gate failed (the engine is "
+    "refused); 130 / 143 stopped by Ctrl-C / SIGTERM before it was ready (nothing was served)."
+)
+
+
+@main.command(epilog=SERVE_EXIT_CODES)
 @click.argument("path", required=False, default="kiln-out", type=click.Path(exists=True, file_okay=False))
 @click.option("--http-port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Triton's HTTP port")
 @click.option("--grpc-port", default=8001, show_default=True, type=click.IntRange(1, 65535), help="Triton's gRPC port")
