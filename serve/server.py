@@ -13,7 +13,8 @@ SIGINT and SIGTERM stop the server and its stubs: Triton drains the requests in 
 ``EXIT_TIMEOUT_S``, and whatever of the server still runs ``STOP_DEADLINE_S`` after the signal is killed
 (:class:`_Reaper`), so nothing outlives ``kiln serve`` and it is gone within Kubernetes' grace period with room to
 spare. A ``kiln serve`` killed outright (SIGKILL, out of memory) takes its ``tritonserver`` with it: the server is
-started with a parent-death signal (:func:`server_popen`), and Triton's stubs exit with their server. A server
+started with a parent-death signal (:func:`server_popen`), and Kiln's stubs end themselves once their server is
+gone (:mod:`kiln.serve.stub_parent`). A server
 that cannot start says so within seconds: ports are checked the way the server binds them before anything starts
 (a port an orphaned ``tritonserver`` holds names its process), and a ``tritonserver`` that dies while starting ends
 the wait for it at once with its log's error. A served workdir is marked as such while it is served
