@@ -62,7 +62,7 @@ def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str) -
         dims = ", ".join(str(w) if w is not None else str(d) for w, d in zip(want, spec.shape))
         raise InputFileError(
             f"input '{spec.name}' in {source} is {array.dtype}{list(array.shape)}; {taker} takes {spec.dtype}[{dims}]",
-            hint=f"give it as {spec.dtype} with that shape, e.g. x.astype('{spec.dtype}')",
+            hint=f"give it as {spec.dtype}[{dims}]" + (f", e.g. x.astype('{spec.dtype}')" if shape_ok else ""),
         )
     if array.ndim and len(array) == 0:
         raise InputFileError(f"input '{spec.name}' in {source} has no rows", hint="give at least one sample")

@@ -28,17 +28,25 @@ log = logging.getLogger("kiln.validate")
 LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
 
 
+REBUILD = "rebuild the engines from this model's ONNX export (kiln run --force export)"
+
+
 def compare_all(
-    ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str | None, where: np.ndarray | None = None
+    ref: dict[str, np.ndarray],
+    got: dict[str, np.ndarray],
+    logits: str | None,
+    where: np.ndarray | None = None,
+    mismatch_hint: str = REBUILD,
 ) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
     the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
-    labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads)."""
+    labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads).
+    ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
         raise ModelError(
             f"the engine has no output {missing} (it has {sorted(got)})",
-            hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
+            hint=mismatch_hint,
         )
     counted = [n for n in ref if n in got and _only_rows_differ(ref[n], got[n])]
     if counted:  # a count the values decide (torch.nonzero, NMS) came out otherwise: the answers differ
@@ -54,7 +62,7 @@ def compare_all(
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
         raise ModelError(
             f"the engine's outputs do not match the reference's: {exc}",
-            hint="rebuild the engines from this model's ONNX export (kiln run --force export)",
+            hint=mismatch_hint,
         ) from None
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}

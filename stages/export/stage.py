@@ -290,9 +290,10 @@ def _sizes_hint(point: Mapping[str, int], own: Mapping[str, int]) -> str:
     if cut:
         sizes = ", ".join(f"{k}={v}" for k, v in cut.items())
         return (
-            f"Kiln made that size by cutting the data's rows (its own: {sizes}), which drops what ends them (an "
-            f"end-of-sequence token): validate at sizes the data has, signature.shapes: {example}; or remove the "
-            "axis from signature.dynamic_axes if the model takes one size"
+            f"Kiln made that size by cutting the data's rows (its own: {sizes}), which drops what ends them (a "
+            "sequence's end token) or gives a size the model's strides or pooling do not divide: validate at sizes "
+            f"the data has, signature.shapes: {example}; or remove the axis from signature.dynamic_axes if the "
+            "model takes one size"
         )
     return (
         "if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it takes in "

@@ -107,7 +107,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry = EngineValidation(
         name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="validated"
     )
-    summarize(entry, compare_all(ref, got, logits), logits)
+    summarize(entry, compare_all(ref, got, logits, mismatch_hint=OTHER_MODEL), logits)
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)

@@ -29,3 +29,17 @@ def test_another_size_besides_the_batch_is_said_as_the_shape_it_takes(tmp_path: 
     np.savez(path, image=np.zeros((40, 3, 5, 4), np.float32))
     with pytest.raises(InputFileError, match=r"is float32\[40, 3, 5, 4\]; the model takes float32\[1, 3, 4, 4\]"):
         read_feed(path, FIXED, "the model")
+
+
+def test_the_fix_casts_only_where_the_dtype_is_what_differs(tmp_path: Path) -> None:
+    """A wrong shape in the right dtype was told to `x.astype('float32')`, which changes nothing."""
+    spec = [TensorSpec(name="image", shape=["batch", 3, 4, 4], dtype="float32")]
+    path = tmp_path / "x.npz"
+    np.savez(path, image=np.zeros((2, 3, 5, 4), np.float32))
+    with pytest.raises(InputFileError) as err:
+        read_feed(path, spec, "the model")
+    assert err.value.hint == "give it as float32[batch, 3, 4, 4]"
+    np.savez(path, image=np.zeros((2, 3, 4, 4), np.float64))
+    with pytest.raises(InputFileError) as err:
+        read_feed(path, spec, "the model")
+    assert err.value.hint == "give it as float32[batch, 3, 4, 4], e.g. x.astype('float32')"
