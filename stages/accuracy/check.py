@@ -101,10 +101,14 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
 def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: str | None) -> None:
     """The per-output statistics into the entry: the worst output carries the headline values the gates read. An
     integer output has no cosine and is no class logits: its share of equal values stays in its own row (gated
-    there), so a model of integer outputs only has no headline cosine or top-1 agreement."""
+    there), so a model of integer outputs only has no headline cosine or top-1 agreement, and its errors count in
+    the headline only when the model has no float output."""
     entry.outputs = {n: s.as_dict() for n, s in stats.items()}
-    entry.max_abs_err, entry.rel_err = worst(stats, "max_abs_err"), worst(stats, "rel_err")
     floats = {n: s for n, s in stats.items() if s.cosine is not None}
+    # an integer output's error is a difference of class indices or counts, no measure of closeness: where the
+    # model has float outputs, the headline errors are theirs
+    errors = floats or stats
+    entry.max_abs_err, entry.rel_err = worst(errors, "max_abs_err"), worst(errors, "rel_err")
     entry.cosine = worst(floats, "cosine") if floats else None
     entry.top1_agreement = floats[logits].top1_agreement if logits in floats else None
     entry.top1_ties = floats[logits].top1_ties if logits in floats else None

@@ -45,6 +45,8 @@ def test_an_integer_output_is_held_to_its_share_of_equal_values_not_a_cosine() -
     entry = EngineValidation(name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated")
     summarize(entry, stats, "logits")
     assert entry.cosine == pytest.approx(1.0)  # the logits' cosine: the labels have none
+    assert entry.max_abs_err == 0.0  # the logits' too: a class index one off is no error of 1.0 in the answers
+    assert stats["label"].max_abs_err == 1.0  # the label's own row keeps it
     gates = {**GatesConfig().model_dump(), "min_top1_agreement": 0.97, "max_abs_err": None}
     assert accuracy_failures(entry, gates, None) == [
         "output 'label' 0.9688 of its values equal < min_top1_agreement 0.97"
