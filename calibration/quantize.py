@@ -16,6 +16,7 @@ from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import resolve_reduce_range
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import value_names
+from kiln.core.text import first_line
 
 log = logging.getLogger("kiln.calibration")
 
@@ -51,6 +52,46 @@ def unbounded_nodes(model: onnx.ModelProto, ranges: Ranges) -> dict[str, str]:
 
 def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
     return sorted(set(cfg.op_types) - set(cfg.exclude_op_types))
+
+
+PER_CHANNEL_OPSET = 13  # DequantizeLinear's ``axis``: one scale per channel
+
+
+def per_channel_graph(
+    model: onnx.ModelProto, cfg: CalibrationConfig
+) -> tuple[onnx.ModelProto | None, CalibrationConfig]:
+    """The graph and settings INT8 Q/DQ graphs of ``model`` are quantized from. Per-channel weight scales need
+    DequantizeLinear's ``axis``, which came with opset 13, and ORT's quantizer writes it whatever the graph's opset
+    (ONNX Runtime then refuses the graph as invalid). An older graph is raised to opset 13 with
+    ``onnx.version_converter`` (returned: the variant's outputs are still compared with the FP32 graph's); where the
+    converter cannot raise it, weights are quantized per tensor (returned: None and ``per_channel`` off). What was
+    done is logged. ``(None, cfg)``: the graph is quantized as it is."""
+    from onnx import version_converter
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), PER_CHANNEL_OPSET)
+    if not cfg.per_channel or opset >= PER_CHANNEL_OPSET:
+        return None, cfg
+    try:
+        raised = version_converter.convert_version(model, PER_CHANNEL_OPSET)
+    except Exception as exc:  # noqa: BLE001 - the converter raises plain exceptions on ops it has no adapter for
+        log.warning(
+            "int8: the graph is at opset %d and onnx.version_converter cannot raise it to %d (%s); weights are "
+            "quantized per tensor (per-channel scales need opset %d)",
+            opset,
+            PER_CHANNEL_OPSET,
+            first_line(exc),
+            PER_CHANNEL_OPSET,
+        )
+        return None, cfg.model_copy(update={"per_channel": False})
+    log.warning(
+        "int8: the graph is at opset %d and per-channel weight scales need opset %d: the INT8 graphs are quantized "
+        "from a copy raised to opset %d with onnx.version_converter (FP32 and the other variants keep opset %d)",
+        opset,
+        PER_CHANNEL_OPSET,
+        PER_CHANNEL_OPSET,
+        opset,
+    )
+    return raised, cfg
 
 
 def quantize_int8(

@@ -823,8 +823,12 @@ def _precision_direct(
     for name, v in summary["variants"].items():
         shown = out / Path(v["path"]).relative_to(staged)
         only = f"; for {v['only']} engines only, its Q/DQ graph missed the gates" if v["only"] else ""
-        results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32{only})", highlight=False)
-    results.print(f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False)
+        results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32{only})", highlight=False, soft_wrap=True)
+    results.print(
+        f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False, soft_wrap=True
+    )
+    if summary["missing"] is not None:  # the variants made are written; one asked for and not made fails the command
+        raise summary["missing"]
 
 
 def _build_direct(

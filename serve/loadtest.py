@@ -54,7 +54,7 @@ from kiln.models.model_io import dataset_for, on_random_inputs
 from kiln.pipeline.config import KilnConfig
 from kiln.serve import stub_times
 from kiln.serve.batching import buckets_for, padded_infer
-from kiln.serve.http_client import HttpClient, infer_request, shm_tensor
+from kiln.serve.http_client import HttpClient, HttpError, infer_request, shm_tensor
 from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.package import INDEX as PACKAGE_INDEX
@@ -75,6 +75,7 @@ REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its dura
 CLIENT_SWITCH_S = 200e-6
 TAIL_WINDOW_S = 0.1  # tail_windows' window
 TAIL_MIN_WINDOWS = 20  # fewer windows than this: tail_windows says nothing
+GONE_AFTER = 3  # requests in a row that found no server (connection refused): it is gone, and the level stops
 
 
 @dataclass
@@ -90,6 +91,9 @@ class Level:
     sent_ns: list[int] = field(default_factory=list)  # when each request of latencies_ms was sent (monotonic clock)
     cpu: dict[str, float | int] | None = None  # CpuMeter over the client threads' run, from start to join
     collections: dict[str, float] | None = None  # the client processes' garbage collections meanwhile (Collections)
+    # the server went away during the level (GONE_AFTER requests in a row refused), which then stopped: ``seconds``
+    # is the time until its last answer, what its throughput counts
+    server_gone: bool = False
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
@@ -110,6 +114,7 @@ class Level:
             "slow_requests": int(np.count_nonzero(lat > stub_times.SLOW_S * 1e3)),
             "cpu_cores": self.cpu,
             "client_collections": self.collections,
+            **({"server_gone": True} if self.server_gone else {}),
         }
 
 
@@ -567,7 +572,8 @@ def run_level(
     interpreter's thread switch interval while they run (:func:`sys.setswitchinterval`; None: as it is;
     :data:`CLIENT_SWITCH_S` by default); ``client``: what sends the requests (:func:`lean_client`); ``stamped``:
     each request of Kiln's client carries its send time, which Kiln's stubs time the wait before their execution
-    from (:mod:`kiln.serve.stub_times`)."""
+    from (:mod:`kiln.serve.stub_times`). A server that goes away stops the level (:class:`Level`'s ``server_gone``)
+    rather than have its threads spin on refused connections for the rest of it."""
     module = _client_module(protocol)
     lean = lean_client(client, protocol, shared_memory)
     level, lock = Level(concurrency, client="kiln" if lean else "tritonclient"), threading.Lock()
@@ -589,6 +595,15 @@ def run_level(
     slots = iter(range(concurrency))
     start = time.perf_counter()
     deadline = start + duration_s
+    gone, refused, answered_at = threading.Event(), [0], [start]  # refused: requests in a row that found no server
+
+    def failed(exc: Exception) -> None:
+        """Count a failed request (under the lock); enough in a row that found no server end the level."""
+        level.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+        refused[0] = refused[0] + 1 if no_server(exc) else 0
+        if refused[0] >= GONE_AFTER:
+            level.server_gone = True
+            gone.set()
 
     def worker() -> None:
         client, timeout = (None, {}) if lean else _client(module, protocol, address)
@@ -598,7 +613,7 @@ def run_level(
         wanted = {"outputs": regions.tritonclient_outputs(slot)} if regions and not lean else requested
         made: dict[int, bytes] = {}  # the lean client's requests, made once each
         try:
-            while time.perf_counter() < deadline:
+            while time.perf_counter() < deadline and not gone.is_set():
                 with lock:
                     i = next(issued, None)
                 if i is None:
@@ -613,9 +628,10 @@ def run_level(
                     result = http.send(made[k]) if http else client.infer(model, prepared[k], **timeout, **wanted)
                 except Exception as exc:  # a failed request is a result of the test: count it and go on
                     with lock:
-                        level.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                        failed(exc)
                     continue
-                ms = (time.perf_counter() - t0) * 1e3
+                done = time.perf_counter()
+                ms = (done - t0) * 1e3
                 err, ok = 0.0, True
                 if http:
                     shapes = {o["name"]: o.get("shape") for o in result.get("outputs", [])}
@@ -637,6 +653,7 @@ def run_level(
                     err = max(err, diff)
                     ok &= diff <= atol + rtol * float(np.max(np.abs(want))) if want.size else True
                 with lock:
+                    refused[0], answered_at[0] = 0, max(answered_at[0], done)
                     level.latencies_ms.append(ms)
                     level.sent_ns.append(sent)
                     level.max_abs_err = max(level.max_abs_err, err)
@@ -656,7 +673,7 @@ def run_level(
                 t.start()
             for t in threads:
                 t.join(timeout=duration_s + REQUEST_TIMEOUT_S + 5)  # a request in flight at the deadline may finish
-            level.seconds = time.perf_counter() - start
+            level.seconds = (answered_at[0] if level.server_gone else time.perf_counter()) - start
             level.cpu = meter.read()
         level.collections = collections.seen
     finally:
@@ -665,6 +682,18 @@ def run_level(
             regions.close()
             setup.close()
     return level
+
+
+def no_server(exc: BaseException) -> bool:
+    """Whether a failed request found no server to send it to: its connection refused or reset (tritonclient's
+    HTTP client raises the socket's error; Kiln's keeps it as its error's context; tritonclient's gRPC client says
+    UNAVAILABLE). An error the server answered with, a timeout or an answer cut short (the server ending while
+    it worked on the request) is not."""
+    status = getattr(exc, "status", None)
+    if callable(status) and str(status()) == "StatusCode.UNAVAILABLE":
+        return True
+    cause = exc.__context__ if isinstance(exc, HttpError) else exc
+    return isinstance(cause, ConnectionError)
 
 
 def write_client_stamps(path: Path, level: Level) -> None:
@@ -740,6 +769,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.seconds = max(merged.seconds, part.seconds)
             merged.switch_interval_s = part.switch_interval_s
             merged.client = part.client
+            merged.server_gone |= part.server_gone
     finally:
         for w in workers:
             w.join(timeout=10)
@@ -977,24 +1007,33 @@ def loadtest(
     engine = engine_for(engines, model)
     pool, source = request_pool(engine, config)
     tolerance = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
-    before = server_batches(protocol, address, model)
+    server_batches(protocol, address, model)  # a server that is not there is said before the engine loads
     host = address.rsplit(":", 1)[0]
     metrics = f"http://{host}:{metrics_port}/metrics" if metrics_port and protocol != "ray" else None
     # One load for the expected answers and the in-process timings: a torch engine compiles when it loads.
     with load_engine(engine.engine_dir) as runner:
         expected = expected_outputs(runner, pool)
+        sends = (shared_memory, switch_interval_s, client)
+        first_answer(protocol, address, model, pool, expected, tolerance, *sends, engine=engine.meta.name)
+        before = server_batches(protocol, address, model)  # after the first request: the levels' counts only
         levels, mark, gone = [], before, None
         for c in concurrency:
-            args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests)
-            args += (shared_memory, switch_interval_s, client, stamped)
+            args = (protocol, address, model, pool, expected, tolerance, c, duration_s, max_requests, *sends, stamped)
             stub = stub_times.read(metrics, model) if metrics else None
             level = run_level_processes(processes, *args) if processes > 1 and c > 1 else run_level(*args)
             levels.append(level.summary())
             if stamped:  # each request's send time and latency, for kiln.serve.stub_times.join_stamps
                 write_client_stamps(out / f"stamps-c{c}.npy", level)
+            if level.server_gone:  # the level stopped there: the levels measured are kept
+                gone = (
+                    f"the server stopped answering {level.seconds:.1f} s into the level at concurrency {c} "
+                    f"({GONE_AFTER} requests in a row found no server: {level.errors[-1]})"
+                )
+                after = mark
+                break
             try:
                 after = settled_batches(protocol, address, model, mark["inference_count"] + len(level.latencies_ms))
-            except KilnError as exc:  # the server went away during the level: the levels measured are kept
+            except KilnError as exc:  # the server went away at the level's end
                 gone, after = f"the server stopped answering during the level at concurrency {c} ({exc.message})", mark
                 levels[-1]["server_gone"] = True
                 break
@@ -1041,6 +1080,32 @@ def loadtest(
     return result
 
 
+def first_answer(
+    protocol: str,
+    address: str,
+    model: str,
+    pool: list[dict],
+    expected: list[dict],
+    tolerance: tuple[float, float],
+    shared_memory: bool,
+    switch_interval_s: float | None,
+    client: str,
+    engine: str,
+) -> None:
+    """One request alone, sent as the levels send theirs, before them: a server that refuses it (a model of another
+    run whose inputs differ: "missing required input(s)") would refuse every request of every level, so that is
+    said at once, quoting the server, rather than counted thousands of times."""
+    args = (protocol, address, model, pool, expected, tolerance, 1, REQUEST_TIMEOUT_S, 1, shared_memory)
+    probe = run_level(*args, switch_interval_s, client)
+    if not probe.latencies_ms:  # no answer (one the load test finds wrong, or cannot read, is its result)
+        raise KilnError(
+            f"the first request to model '{model}' at {address} failed, so every request would: "
+            f"{probe.errors[0] if probe.errors else 'no answer'}",
+            hint=f"check that the server is running and serves the engine -e names ({engine}): point -e at the "
+            "workdir or engine folder the server was started from, or --model / the URL at the server of this one",
+        )
+
+
 def _log_level(lv: dict[str, Any]) -> None:
     log.info(
         "concurrency %d: %.1f req/s, p50 %.2f ms, p99 %.2f ms, %d wrong, %d failed",
@@ -1069,6 +1134,13 @@ def render_markdown(result: dict[str, Any]) -> str:
     ]
     for lv in result["levels"]:
         lines.append(_row(lv))
+    lines += [
+        f"\nConcurrency {lv['concurrency']}: the server stopped answering {lv['seconds']:.1f} s into the level, which "
+        f"ended there; its throughput counts those {lv['seconds']:.1f} s, and its failed requests are those the "
+        "server's end cut off or found it gone."
+        for lv in result["levels"]
+        if lv.get("server_gone")
+    ]
     lines += [
         "",
         f"Server: {result.get('server_kind', 'Triton')}. In-process: the engine timed in this process at a batch of "
@@ -1165,8 +1237,9 @@ def _row(lv: dict[str, Any]) -> str:
         if own and ratio is not None
         else "- | - | -"
     )
+    stopped = " (server stopped)" if lv.get("server_gone") else ""
     return (
-        f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f} | {lat['p50']:.2f} | "
+        f"| {lv['concurrency']} | {lv['requests']} | {lv['throughput_rps']:.1f}{stopped} | {lat['p50']:.2f} | "
         f"{lat['p90']:.2f} | {lat['p99']:.2f} | {inproc} | {lv['mismatches']} | {lv['errors']} | {tail} |"
     )
 

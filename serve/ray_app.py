@@ -1,12 +1,16 @@
 """A Ray Serve application for one Kiln engine: what ``package/ray/serve.yaml`` starts (``serve run serve.yaml``),
 on one machine or a Ray cluster, one application (one deployment) per engine.
 
-The deployment speaks the KServe v2 inference protocol in JSON, as Triton's HTTP endpoint does: ``POST
-/v2/models/<model>/infer`` with ``{"inputs": [{"name", "shape", "datatype", "data"}]}`` answers ``{"outputs":
-[...]}``, and ``GET /v2/models/<model>/ready`` says whether the replica can answer; ``tritonclient.http`` (JSON
-tensors) and ``kiln loadtest ray://...`` talk to it. Requests are checked against the engine's metadata before
-they are queued (names, dtypes, shapes, the batch limit): a bad request is a 400 naming the problem, and never
-reaches the batch of others. Requests are batched with ``@serve.batch`` up to ``max_batch_size`` rows; an unbatched
+The deployment speaks the KServe v2 inference protocol over HTTP as Triton's HTTP endpoint does, its binary tensor
+data extension included: ``POST /v2/models/<model>/infer`` with ``{"inputs": [{"name", "shape", "datatype",
+"data"}]}`` (or an input's ``parameters.binary_data_size`` and its bytes after the JSON, whose length the
+``Inference-Header-Content-Length`` header gives) answers ``{"outputs": [...]}``: the outputs the request's
+``outputs`` names (all when it names none), as JSON data or, where asked (``binary_data``, ``binary_data_output``),
+as bytes after the JSON. ``GET /v2/models/<model>/ready`` says whether the replica can answer. ``tritonclient.http``
+(its defaults: binary tensors) and ``kiln loadtest ray://...`` talk to it. Requests are checked against the
+engine's metadata before they are queued (names, dtypes, shapes, JSON values of the dtype's type, never cast, the
+batch limit, the outputs asked for): a bad request is a 400 naming the problem, and never reaches the batch of
+others. Requests are batched with ``@serve.batch`` up to ``max_batch_size`` rows; an unbatched
 engine's (Triton's ``max_batch_size: 0``: clients send whole batches) run whole, one engine call each. A batch the
 engine raises on runs again a request at a time, so that a request it refuses (a token id past the vocabulary)
 fails alone, answered 400 while the engine still answers others. A replica whose engine failed (it no longer
@@ -21,13 +25,15 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from ray import serve
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.stages.engines.backend import read_metadata
@@ -38,24 +44,67 @@ log = logging.getLogger("ray.serve")
 # KServe v2 datatypes by numpy dtype name (Triton's names without TYPE_)
 V2_TYPES = {dtype: name.removeprefix("TYPE_") for dtype, name in TRITON_TYPES.items()}
 V2_DTYPES = {name: dtype for dtype, name in V2_TYPES.items()}
+# The binary tensor extension's header: the length of the JSON that binary tensor data follows
+HEADER_LENGTH = "Inference-Header-Content-Length"
+# The Python types of the JSON values each numpy dtype kind takes, the commonest first (bool is no integer here, as
+# in Triton), and what to call them
+JSON_KINDS = {"i": (int,), "u": (int,), "f": (float, int), "b": (bool,)}
+JSON_TAKES = {"i": "JSON integers", "u": "JSON integers", "f": "JSON numbers", "b": "true or false"}
 
 
 class BadRequest(ValueError):
     """A request the engine cannot take; the message names the problem."""
 
 
-def parse_request(body: Any, meta: EngineMetadata, max_rows: int) -> dict[str, np.ndarray]:
-    """A v2 JSON request as the engine's feed, or :class:`BadRequest` saying what is wrong with it."""
+def read_request(
+    raw: bytes, header_length: str | None, meta: EngineMetadata, max_rows: int
+) -> tuple[dict[str, np.ndarray], dict[str, bool]]:
+    """An HTTP request body as the engine's feed and the outputs it asks for (:func:`requested_outputs`), or
+    :class:`BadRequest` saying what is wrong with it. ``header_length`` is the ``Inference-Header-Content-Length``
+    header, present when binary tensor data follows the JSON."""
+    body, binary = split_body(raw, header_length)
+    return parse_request(body, meta, max_rows, binary), requested_outputs(body, meta)
+
+
+def split_body(raw: bytes, header_length: str | None) -> tuple[Any, memoryview]:
+    """The JSON of a request body and the binary tensor data after it (KServe v2's binary tensor extension, as
+    ``tritonclient.http`` sends by default): the first ``header_length`` bytes are JSON, the rest tensor data; without
+    the header the whole body is JSON."""
+    size = len(raw)
+    if header_length is not None:
+        size = int(header_length) if header_length.strip().isdecimal() else -1
+        if not 0 <= size <= len(raw):
+            raise BadRequest(f"{HEADER_LENGTH} {header_length!r} is not a length within the body's {len(raw)} bytes")
+    try:
+        return json.loads(raw[:size]), memoryview(raw)[size:]
+    except ValueError:  # UnicodeDecodeError among them
+        if header_length is not None:
+            raise BadRequest(f"the body's first {size} bytes ({HEADER_LENGTH}) are not JSON") from None
+        raise BadRequest(
+            f"the body is not JSON: binary tensor data after the JSON needs the {HEADER_LENGTH} header giving the "
+            "JSON's length (KServe v2's binary tensor extension), or send JSON data (tritonclient.http: "
+            "set_data_from_numpy(array, binary_data=False))"
+        ) from None
+
+
+def parse_request(
+    body: Any, meta: EngineMetadata, max_rows: int, binary: bytes | memoryview = b""
+) -> dict[str, np.ndarray]:
+    """A v2 request's JSON (and the binary tensor data after it) as the engine's feed, or :class:`BadRequest` saying
+    what is wrong with it."""
     if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
         raise BadRequest('the body must be a JSON object with an "inputs" list (KServe v2 protocol)')
-    names = [t.get("name") for t in body["inputs"] if isinstance(t, dict)]
-    if twice := sorted({str(n) for n in names if names.count(n) > 1}):
+    if not all(isinstance(t, dict) and type(t.get("name")) is str for t in body["inputs"]):
+        raise BadRequest('each of "inputs" must be a JSON object with a "name" (KServe v2 protocol)')
+    names = [t["name"] for t in body["inputs"]]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         raise BadRequest(f"inputs {twice} given more than once")
-    given = {t.get("name"): t for t in body["inputs"] if isinstance(t, dict)}
+    given = {t["name"]: t for t in body["inputs"]}
     want = [s.name for s in meta.inputs]
-    if sorted(map(str, given)) != sorted(want):
-        raise BadRequest(f"inputs {sorted(map(str, given))} given; the model takes {want}")
-    feed = {s.name: _tensor(given[s.name], s.name, s.dtype) for s in meta.inputs}
+    if sorted(given) != sorted(want):
+        raise BadRequest(f"inputs {sorted(given)} given; the model takes {want}")
+    parts = _binary_parts(body["inputs"], memoryview(binary))
+    feed = {s.name: _tensor(given[s.name], s.name, s.dtype, parts.get(s.name)) for s in meta.inputs}
     for spec in meta.inputs:  # before the ranges, which name axes by position: a wrong rank is said as such
         wrong = _misshapen(spec, feed[spec.name].shape)
         if wrong is not None:
@@ -71,6 +120,80 @@ def parse_request(body: Any, meta: EngineMetadata, max_rows: int) -> dict[str, n
     return feed
 
 
+def requested_outputs(body: dict[str, Any], meta: EngineMetadata) -> dict[str, bool]:
+    """The outputs a request asks for (all the model's when it names none), each with whether it is answered as
+    binary data: its own ``binary_data`` parameter, else the request's ``binary_data_output`` (the binary tensor
+    extension's rule)."""
+    default = _flag(_parameters(body, "the request"), "binary_data_output", "the request", False)
+    asked = body.get("outputs") or []
+    if not isinstance(asked, list) or not all(isinstance(o, dict) for o in asked):
+        raise BadRequest('"outputs" must be a list of objects with a "name" (KServe v2 protocol)')
+    have = [s.name for s in meta.outputs]
+    names = [o.get("name") for o in asked]
+    if unknown := [n for n in names if n not in have]:
+        raise BadRequest(f"output {unknown[0]!r} is not one of the model's outputs {have}")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise BadRequest(f"outputs {twice} asked for more than once")
+    wanted = dict.fromkeys(have if not asked else [], default)
+    for out in asked:
+        what = f"output '{out['name']}'"
+        params = _tensor_parameters(out, what)
+        if "classification" in params:
+            raise BadRequest(f"{what} asks for classification (Triton's extension), which this server does not do")
+        wanted[out["name"]] = _flag(params, "binary_data", what, default)
+    return wanted
+
+
+def _parameters(obj: dict[str, Any], what: str) -> dict[str, Any]:
+    params = obj.get("parameters", {})
+    if not isinstance(params, dict):
+        raise BadRequest(f'{what}: "parameters" must be a JSON object, not {params!r}')
+    return params
+
+
+def _tensor_parameters(t: dict[str, Any], what: str) -> dict[str, Any]:
+    """A tensor's parameters; one in shared memory (Triton's extension) is refused, its data not being here."""
+    params = _parameters(t, what)
+    if "shared_memory_region" in params:
+        raise BadRequest(f"{what} is in shared memory, which this server does not read: send it in the body")
+    return params
+
+
+def _flag(params: dict[str, Any], key: str, what: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if type(value) is not bool:
+        raise BadRequest(f"{what}: parameter {key} must be true or false, not {value!r}")
+    return value
+
+
+def _binary_parts(inputs: list[dict[str, Any]], binary: memoryview) -> dict[str, memoryview]:
+    """Each binary input's bytes (``parameters.binary_data_size``), cut from the tensor data after the JSON in the
+    order the request lists its inputs; bytes no input claims are refused, as Triton refuses them."""
+    parts: dict[str, memoryview] = {}
+    start = 0
+    for t in inputs:
+        what = f"input '{t['name']}'"
+        size = _tensor_parameters(t, what).get("binary_data_size")
+        if size is None:
+            continue
+        if type(size) is not int or size < 0:
+            raise BadRequest(f"{what}: binary_data_size must be a number of bytes, not {size!r}")
+        if "data" in t:
+            raise BadRequest(f'{what} has both "data" and binary_data_size: send one')
+        if start + size > len(binary):
+            raise BadRequest(
+                f"{what}: binary_data_size {size} from byte {start} runs past the {len(binary)} bytes of tensor data "
+                f"after the JSON ({HEADER_LENGTH} gives the JSON's length)"
+            )
+        parts[t["name"]] = binary[start : start + size]
+        start += size
+    if start != len(binary):
+        raise BadRequest(
+            f"{len(binary) - start} bytes of tensor data after the JSON belong to no input's binary_data_size"
+        )
+    return parts
+
+
 def _misshapen(spec: TensorSpec, shape: tuple[int, ...]) -> str | None:
     """Why an array of ``shape`` is not what ``spec`` takes: its rank, or a fixed size past the batch axis; None
     when it fits."""
@@ -82,35 +205,111 @@ def _misshapen(spec: TensorSpec, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def _tensor(t: dict[str, Any], name: str, dtype: str) -> np.ndarray:
+def _tensor(t: dict[str, Any], name: str, dtype: str, raw: memoryview | None) -> np.ndarray:
+    """An input as an array: from its bytes where it came as binary data, else from its JSON ``data``."""
     if t.get("datatype") != V2_TYPES[dtype]:
         raise BadRequest(f"input '{name}' is {t.get('datatype')}; the model takes {V2_TYPES[dtype]}")
     shape = t.get("shape")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):  # true is no size
         raise BadRequest(f"input '{name}': shape must be a list of sizes, not {shape!r}")
+    if raw is not None:
+        return _from_binary(raw, name, dtype, shape)
+    return _from_json(t.get("data"), name, dtype, shape)
+
+
+def _from_binary(raw: memoryview, name: str, dtype: str, shape: list[int]) -> np.ndarray:
+    """Binary tensor data: little-endian, row-major; copied, so that the engine gets a writable array."""
+    size = math.prod(shape) * np.dtype(dtype).itemsize
+    if len(raw) != size:
+        raise BadRequest(
+            f"input '{name}' has {len(raw)} bytes of binary data; shape {shape} of {V2_TYPES[dtype]} takes {size}"
+        )
+    return np.frombuffer(raw, np.dtype(dtype).newbyteorder("<")).astype(dtype).reshape(shape)
+
+
+def _from_json(data: Any, name: str, dtype: str, shape: list[int]) -> np.ndarray:
+    """JSON values (a flat list, or nested lists read row-major) of the types ``dtype`` takes, as Triton's front end
+    takes them: integers for integer types (not true, not 1.0), numbers for floats (not null, not strings), true
+    and false for BOOL; anything else is refused, never cast. The values' types are counted in C (``list.count``
+    over ``map(type, ...)``, no Python loop per value), then numpy converts them."""
+    if not isinstance(data, list):
+        raise BadRequest(f"input '{name}' has no data list (nor a binary_data_size for binary data after the JSON)")
+    flat = _flatten(data)
+    kind = np.dtype(dtype).kind
+    allowed = JSON_KINDS[kind]
+    types = list(map(type, flat))
+    if types.count(allowed[0]) != len(types) and sum(map(types.count, allowed)) != len(types):
+        at = next(i for i, t in enumerate(types) if t not in allowed)
+        shown = json.dumps(flat[at])[:60]
+        raise BadRequest(f"input '{name}' is {V2_TYPES[dtype]}, which takes {JSON_TAKES[kind]}: value {at} is {shown}")
+    if len(flat) != math.prod(shape):
+        raise BadRequest(f"input '{name}' has {len(flat)} values; shape {shape} takes {math.prod(shape)}")
+    if kind in "iu":
+        return _integers(flat, name, dtype).reshape(shape)
     try:
-        return np.asarray(t.get("data"), dtype=dtype).reshape(shape)
-    except (ValueError, TypeError) as exc:
-        raise BadRequest(f"input '{name}': data do not fit shape {shape} ({exc})") from None
+        return np.fromiter(flat, dtype, len(flat)).reshape(shape)
+    except OverflowError:  # an integer past any float
+        at = next(i for i, v in enumerate(flat) if not _is_float(v))
+        raise BadRequest(f"input '{name}' is {V2_TYPES[dtype]}: value {at} is past any float") from None
 
 
-class V2Response(JSONResponse):
-    """An answer whose values may be infinite or NaN (a class masked with -inf on purpose, an overflow): written as
-    JSON's common extension (``Infinity``, ``NaN``), as Python's json and tritonclient read them, where starlette's
-    strict JSON would fail the request with a bare 500."""
+def _is_float(value: float) -> bool:
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode()
+
+def _flatten(data: list[Any]) -> list[Any]:
+    """Nested lists (a JSON tensor written row by row) as one flat list; a flat list as it is."""
+    flat = data
+    while flat and type(flat[0]) is list and list(map(type, flat)).count(list) == len(flat):
+        flat = list(chain.from_iterable(flat))
+    return flat
 
 
-def v2_outputs(model: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {
-        "model_name": model,
-        "outputs": [
-            {"name": n, "shape": list(a.shape), "datatype": V2_TYPES[a.dtype.name], "data": a.ravel().tolist()}
-            for n, a in outputs.items()
-        ],
-    }
+def _integers(flat: list[int], name: str, dtype: str) -> np.ndarray:
+    """JSON integers as ``dtype``, refused where one does not fit it (numpy would wrap it around)."""
+    info = np.iinfo(dtype)
+    try:
+        wide = np.fromiter(flat, np.int64, len(flat))
+    except OverflowError:  # past int64
+        wide = None
+    fits = wide is not None and (dtype == "int64" or not wide.size or info.min <= wide.min() <= wide.max() <= info.max)
+    if not fits:
+        at, value = next((i, v) for i, v in enumerate(flat) if not info.min <= v <= info.max)
+        takes = f"integers in [{info.min}, {info.max}]"
+        raise BadRequest(f"input '{name}' is {V2_TYPES[dtype]}, which takes {takes}: value {at} is {value}")
+    return wide.astype(dtype, copy=False)
+
+
+def _json(content: Any) -> bytes:
+    """JSON whose values may be infinite or NaN (a class masked with -inf on purpose, an overflow): written as JSON's
+    common extension (``Infinity``, ``NaN``), as Python's json and tritonclient read them, where starlette's strict
+    JSON would fail the request with a bare 500."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode()
+
+
+def v2_response(model: str, outputs: dict[str, np.ndarray], wanted: dict[str, bool]) -> Response:
+    """The answer of the outputs asked for, in the order asked: each as JSON ``data``, or (binary) as its bytes after
+    the JSON, whose length the ``Inference-Header-Content-Length`` header then gives."""
+    tensors, chunks = [], []
+    for name, binary in wanted.items():
+        a = outputs[name]
+        tensor: dict[str, Any] = {"name": name, "datatype": V2_TYPES[a.dtype.name], "shape": list(a.shape)}
+        if binary:
+            chunks.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
+            tensor["parameters"] = {"binary_data_size": len(chunks[-1])}
+        else:
+            tensor["data"] = a.ravel().tolist()
+        tensors.append(tensor)
+    header = _json({"model_name": model, "outputs": tensors})
+    if not chunks:
+        return Response(header, media_type="application/json")
+    return Response(
+        header + b"".join(chunks), media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(header))}
+    )
 
 
 @serve.deployment(health_check_period_s=5, health_check_timeout_s=30)
@@ -129,7 +328,7 @@ class KilnEngine:
         self.infer_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         gc.freeze()  # the engine's and the libraries' objects out of the collector's sight (as the Triton stub)
 
-    async def __call__(self, request: Request) -> JSONResponse:
+    async def __call__(self, request: Request) -> Response:
         path = request.url.path.rstrip("/")
         if request.method == "GET" and path.endswith("/ready"):
             ready = self.failure is None
@@ -140,13 +339,12 @@ class KilnEngine:
             return JSONResponse({"error": f"no route {request.method} {path}: POST .../infer"}, 404)
         return await self._infer(request)
 
-    async def _infer(self, request: Request) -> JSONResponse:
+    async def _infer(self, request: Request) -> Response:
+        raw = await request.body()
         try:
-            feed = parse_request(await request.json(), self.meta, self.max_rows)
+            feed, wanted = read_request(raw, request.headers.get(HEADER_LENGTH), self.meta, self.max_rows)
         except BadRequest as exc:
             return JSONResponse({"error": str(exc)}, 400)
-        except ValueError:
-            return JSONResponse({"error": "the body is not JSON"}, 400)
         if self.failure is not None:
             return JSONResponse({"error": f"this replica's engine failed: {self.failure}"}, 503)
         # An unbatched engine's request is a whole batch, run alone as Triton runs it: @serve.batch, whose size
@@ -155,7 +353,7 @@ class KilnEngine:
         if isinstance(outputs, Exception):
             return self._failed(outputs)
         self.answered = feed  # a request the engine answers: what tells a refused request from a failed engine
-        return V2Response(v2_outputs(self.model_name, outputs))
+        return v2_response(self.model_name, outputs, wanted)
 
     def _failed(self, exc: Exception) -> JSONResponse:
         """The engine raised on a request that passed the checks: the request's own fault (a token id past the

@@ -3,6 +3,9 @@
 Calibration and the fallback's accuracy check read ``--calibration data.npz`` (one array per model input, rows
 along axis 0). Without it, both would run on random inputs: calibration then warns loudly, and the
 accuracy-driven fallback is switched off, because random data must never decide what passes.
+
+A variant that fails does not take the others with it: those made are written, and the summary carries the error
+the command ends with (:func:`missing_error`). Only when none of the variants asked for is made is nothing written.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.errors import ModelError
+from kiln.core.errors import KilnError, ModelError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
@@ -80,7 +83,7 @@ def precision_direct(
         if entry.get("unmade") and not entry.get("backend_paths"):
             failed[name] = ModelError(entry["unmade"], hint=TOO_LITTLE_HINT)
             del built[name]
-    if set(variants) - set(built):
+    if not set(variants) & set(built):  # none of those asked for: the FP32 copy alone is no answer
         raise ModelError(
             "precision variants failed: " + "; ".join(f"{p}: {e.message}" for p, e in failed.items()),
             hint=failure_hint(failed, "or drop the variant from --variants"),
@@ -89,7 +92,21 @@ def precision_direct(
     return {
         "calibration": source,
         "variants": {k: _shown(out, v) for k, v in built.items()},
+        "failed": {k: e.message for k, e in failed.items()},
+        "missing": missing_error(failed, list(built)),
     }
+
+
+def missing_error(failed: dict[str, KilnError], made: list[str]) -> ModelError | None:
+    """The error the command ends with, once the variants it made are written, where some asked for failed: a
+    script that goes on to build ``out/int8`` must not be told all went well. None: every one was made."""
+    if not failed:
+        return None
+    why = "; ".join(f"{p} failed: {e.message}" for p, e in failed.items())
+    return ModelError(
+        f"precision variant{'s' if len(failed) > 1 else ''} {why} (the others were written: {', '.join(made)})",
+        hint=failure_hint(failed, "or drop the variant from --variants"),
+    )
 
 
 def _shown(out: Path, entry: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -172,13 +173,23 @@ def build_variants(
                     del variants[precision]
                     raise ModelError(unmade, hint=UNMADE_HINT)
             except KilnError as exc:  # one variant's failure must not take the others with it
-                failed[precision] = exc
+                failed[precision] = outside(root, exc)
                 log.error("precision variant %s failed, the others go on: %s", precision, exc.message)
                 shutil.rmtree(root / precision, ignore_errors=True)
             else:
                 _log_variant(log, precision, variants[precision])
             bar.advance(1, note=precision)
     return variants, failed
+
+
+def outside(root: Path, exc: KilnError) -> KilnError:
+    """``exc`` with ``root`` left out of the paths its message quotes (ONNX Runtime's "Load model from <path>
+    failed"): the variants are written into a staging folder that becomes the output folder only at the end, so its
+    name is no path the user can open; ``int8/model.onnx`` is, inside the output folder."""
+    for folder in dict.fromkeys([str(root), str(root.resolve())]):
+        exc.message = exc.message.replace(folder + os.sep, "")
+    exc.args = (exc.message,)
+    return exc
 
 
 def failure_hint(errors: dict[str, KilnError], otherwise: str) -> str:

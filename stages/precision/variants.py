@@ -15,8 +15,10 @@ import onnx
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import Batch
 from kiln.calibration.quantize import (
+    PER_CHANNEL_OPSET,
     excluded_nodes,
     ort_cpu_scheme,
+    per_channel_graph,
     quantizable_op_types,
     quantize_fp8,
     quantize_int8,
@@ -121,7 +123,22 @@ def build_fp16(
 def build_int8(
     src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, x_val: Samples | GateCheck
 ) -> dict[str, Any]:
-    """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table."""
+    """INT8 Q/DQ graph at ``out`` from cached calibration ranges, plus the TensorRT 10 calibration table. A graph
+    older than per-channel Q/DQ is quantized from a raised copy (:func:`per_channel_graph`), judged against the
+    FP32 graph as it came."""
+    raised, ccfg = per_channel_graph(src.model, ccfg)
+    if raised is None:
+        return _build_int8(src, out, ccfg, fallback, as_check(src, x_val))
+    with tempfile.TemporaryDirectory(prefix="kiln-int8-") as tmp:
+        copy = Source.prepare(raised, Path(tmp) / "model.onnx", src.batches, src.cache_dir, src.logits, src.labelled)
+        entry = _build_int8(copy, out, ccfg, fallback, as_check(src, x_val))
+    entry["calibration"]["opset"] = PER_CHANNEL_OPSET
+    return entry
+
+
+def _build_int8(
+    src: Source, out: Path, ccfg: CalibrationConfig, fallback: FallbackConfig, check: GateCheck
+) -> dict[str, Any]:
     ranges = src.ranges(ccfg.method, ccfg)
     base = _kept_before_fallback(src.model, ccfg, ranges)
     info: dict[str, Any] = {}
@@ -132,7 +149,6 @@ def build_int8(
 
     ops = set(quantizable_op_types(ccfg))
     candidates = {n.name for n in src.model.graph.node if n.op_type in ops} - set(base)
-    check = as_check(src, x_val)
     res = _in_precision(run_fallback(build, check, "int8", fallback, candidates, "int8"), out, "int8")
     entry = _entry(
         out,
@@ -146,6 +162,7 @@ def build_int8(
                 "batches": len(src.batches),
                 "qdq_nodes": info.get("qdq_nodes"),
                 "reduce_range": info.get("reduce_range"),
+                "per_channel": ccfg.per_channel,
             }
         },
     )

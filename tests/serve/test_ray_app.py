@@ -1,6 +1,7 @@
 """The Ray Serve application the package stage writes, started as written (`serve run serve.yaml`, a local Ray
-cluster), driven by `kiln loadtest ray://`, answers checked against the engine; bad requests answered with errors
-naming the problem while it keeps answering; a replica whose process dies is replaced, and the log says so."""
+cluster), driven by `kiln loadtest ray://` and by tritonclient.http's defaults (binary tensors), answers checked
+against the engine; bad requests answered with errors naming the problem while it keeps answering; a replica whose
+process dies is replaced, and the log says so."""
 
 from __future__ import annotations
 
@@ -147,6 +148,14 @@ def test_the_packaged_ray_app_serves_checked_answers_refuses_bad_requests_and_re
         status, body = _post(f"{base}/infer", {"inputs": [good]})  # still answering after the bad ones
         assert status == 200 and np.asarray(body["outputs"][0]["data"]).shape == (10,)
         want = body["outputs"][0]["data"]
+        # tritonclient.http with its defaults: binary tensors both ways (KServe v2's binary tensor extension)
+        import tritonclient.http as httpclient
+
+        tensor = httpclient.InferInput("input", [1, 1, 8, 8], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 1, 8, 8), 0.5, np.float32))
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=READY_TIMEOUT_S)
+        result = client.infer(model, [tensor])
+        assert np.allclose(result.as_numpy(body["outputs"][0]["name"]).ravel(), want)
         # A dead replica: its process killed. The server keeps answering (an error naming the problem, or the answer
         # once Ray has replaced the replica), and the replacement is in the log, not silent.
         (dead,) = _replicas(model)
