@@ -90,6 +90,10 @@ class StageContext(Generic[S]):
     # Set by the runner only for a stage that declares the dataset among its inputs (``Stage.data``), so the
     # dataset's content is always in the key of a stage that reads it.
     load_dataset: Callable[[], DatasetSplits] | None = None
+    # What went into the stage's cache key (kiln.pipeline.runner.cache_key: its code, config, inputs, the user's code
+    # and data hashes), set by the runner: a stage whose work outlives one run (the train stage's checkpoints) can
+    # tell whether it is still the same. Empty outside the runner.
+    key_parts: dict[str, Any] = field(default_factory=dict)
     _data: DatasetSplits | None = None
 
     @property

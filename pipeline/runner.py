@@ -436,6 +436,7 @@ class Runner:
                 {up: self.workdir / up for up in stage.inputs},
                 self.progress,
                 load_dataset=self._load_dataset if "dataset" in stage.data else None,
+                key_parts=parts,
             )
             run = stage.function()
             # PyTorch gets the cores a busy machine leaves idle (said once a run), in a stage whose code loads it

@@ -24,7 +24,6 @@ workdir a run holds is not served.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import http.client
@@ -55,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.core.child_processes import die_with_parent
 from kiln.core.errors import (
     BackendUnavailable,
     ConfigError,
@@ -1033,40 +1033,15 @@ def tritonserver_process(
         return server_popen(cmd, env, scratch, out)
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def server_popen(cmd: list[str], env: dict[str, str] | None, cwd: Path, out: Any) -> subprocess.Popen[bytes]:
     """Start a long-lived server process (``tritonserver``) that ends with this process however this one ends.
 
-    On Linux the child asks for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``): a ``kiln serve`` killed with
-    SIGKILL left its ``tritonserver`` (and the stubs under it) serving on, from a scratch folder the next command
-    removed, and holding the ports. SIGTERM, as PyTriton asks for its own server: Triton drains for
-    ``EXIT_TIMEOUT_S`` and exits, its stubs with it. The signal comes when the *thread* that started the child
-    ends: call this from the thread that waits on the server (``kiln serve``'s main thread). A parent already gone
-    when the child asks gets no signal: the child then exits at once."""
-    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent())
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` setting the child's parent-death signal to SIGTERM (None where there is no ``prctl``).
-    Everything it calls is looked up before the fork: the child of a process with threads runs only that."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent, getppid, exit_now = os.getpid(), os.getppid, os._exit
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if getppid() != parent:  # the parent died before the signal was asked for
-            exit_now(1)
-
-    return preexec
+    On Linux the child asks for SIGTERM when its parent dies (:func:`kiln.core.child_processes.die_with_parent`): a
+    ``kiln serve`` killed with SIGKILL left its ``tritonserver`` (and the stubs under it) serving on, from a scratch
+    folder the next command removed, and holding the ports. SIGTERM, as PyTriton asks for its own server: Triton
+    drains for ``EXIT_TIMEOUT_S`` and exits. The signal comes when the *thread* that started the child ends: call
+    this from the thread that waits on the server (``kiln serve``'s main thread)."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent())
 
 
 def wait_ready(

@@ -138,8 +138,9 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(v)
 
 
-def find_resume(setting: str, ckpt_dir: Path, key: str) -> Path | None:
-    """The checkpoint to resume from: an explicit path, or (auto) an unfinished run of the same key."""
+def find_resume(setting: str, ckpt_dir: Path, key: str, sources: dict[str, Any] | None = None) -> Path | None:
+    """The checkpoint to resume from: an explicit path, or (auto) an unfinished run of the same key trained from
+    the same ``sources`` (:func:`changed_sources`; None: not compared)."""
     if setting == "never":
         return None
     if setting != "auto":
@@ -152,7 +153,38 @@ def find_resume(setting: str, ckpt_dir: Path, key: str) -> Path | None:
     last, info = ckpt_dir / LAST, _read_info(ckpt_dir)
     if not last.is_file() or info.get("run_key") != key or info.get("complete"):
         return None  # nothing, another config's, or a finished run: start fresh
+    why = changed_sources(info.get("sources"), sources)
+    if why:
+        log.warning("not resuming the interrupted run in %s: %s; training afresh", last, why)
+        return None
     return last
+
+
+# The parts of the stage's cache key (kiln.pipeline.runner.cache_key) that the weights depend on besides the
+# settings, as the user knows them
+SOURCE_NAMES = {"code": "Kiln's training code", "user_code": "the user's code", "user_data": "the data"}
+
+
+def changed_sources(old: dict[str, Any] | None, new: dict[str, Any] | None) -> str:
+    """Why a checkpoint trained from ``old`` must not be resumed by a run from ``new`` (``code``, ``user_code``,
+    ``user_data`` of the stage's cache key): which of them changed, in words; "" when none did or when this run has
+    none to compare. A checkpoint that recorded none is not resumed: what it was trained from is unknown."""
+    if new is None or old == new:
+        return ""
+    if not isinstance(old, dict):
+        return "it does not record the code and data it was trained from"
+    said = [s for part, name in SOURCE_NAMES.items() if (s := _changed_part(name, old.get(part), new.get(part)))]
+    return " and ".join(said) + " changed since it was written" if said else ""
+
+
+def _changed_part(name: str, old: Any, new: Any) -> str:
+    """``name`` with the entries that differ (``the data (dataset)``), or "" when ``old`` and ``new`` are equal."""
+    if old == new:
+        return ""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return name
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    return f"{name} ({', '.join(keys)})"
 
 
 def write_info(ckpt_dir: Path, info: dict[str, Any]) -> None:

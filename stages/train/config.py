@@ -54,7 +54,9 @@ class DistributedConfig(Section):
     bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size")
     gradient_as_bucket_view: bool = Field(True, description="gradients alias the all-reduce buckets (saves memory)")
     sync_batchnorm: bool = Field(False, description="convert BatchNorm to SyncBatchNorm (CUDA only)")
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = Field(
+        False, description="true: DDP allows parameters the loss does not use (searches the graph each step: slower)"
+    )
 
 
 class CompileConfig(Section):

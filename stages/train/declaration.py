@@ -44,6 +44,8 @@ class TrainSummary(Summary):
     selected_epoch: int | None = None
     best_val_accuracy: float | None = None
     best_epoch: int | None = None
+    best_val_loss: float | None = None
+    best_by: str | None = None
     skipped_steps: int = 0
     nonfinite_steps: int = 0
     samples_per_s: float | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -119,3 +120,27 @@ def all_sum(values: list[float], device: torch.device, env: DistEnv) -> list[flo
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+# How DistributedDataParallel (without find_unused_parameters) fails when a parameter got no gradient in a step
+UNUSED_SAID = "Expected to have finished reduction in the prior iteration"
+UNUSED_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+
+
+def unused_parameters_error(exc: BaseException, model: nn.Module) -> TrainingError | None:
+    """DDP's error for a parameter the loss does not use, as one error naming them and the setting that fixes it;
+    None for any other error. DDP waits for every parameter's gradient before it averages them, and fails the next
+    step's forward pass when one never came."""
+    said = str(exc)
+    if UNUSED_SAID not in said:
+        return None
+    names = [name for name, p in model.named_parameters() if p.requires_grad]  # DDP's order of the indices
+    found = UNUSED_INDICES.search(said)
+    unused = [names[int(i)] for i in found.group(1).split() if int(i) < len(names)] if found else []
+    which = f" ({', '.join(unused[:6])}{', ...' if len(unused) > 6 else ''})" if unused else ""
+    return TrainingError(
+        f"parameters of the model got no gradient from the loss{which}: with several processes "
+        "DistributedDataParallel then fails, waiting for their gradients",
+        hint="set train.distributed.find_unused_parameters: true, or freeze (requires_grad_(False)) or remove what "
+        "the loss does not use",
+    )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 from collections import deque
@@ -16,14 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from kiln.core.artifacts import write_json_atomic
+from kiln.core.child_processes import die_with_parent
 from kiln.core.errors import TrainingError
 from kiln.stages.train.config import TrainConfig
 
 SUMMARY = "summary.json"
 ERROR = "error.json"
+STOP_TIMEOUT_S = 20.0  # torchrun's own stop of its workers (SIGTERM each) takes about a second
 
 
-def torchrun_command(nproc: int, config_path: Path, out: Path, ckpt_dir: Path) -> list[str]:
+def torchrun_command(
+    nproc: int, config_path: Path, out: Path, ckpt_dir: Path, sources_path: Path | None = None
+) -> list[str]:
+    sources = ["--sources", str(sources_path)] if sources_path is not None else []
     return [
         sys.executable,
         "-m",
@@ -38,6 +45,7 @@ def torchrun_command(nproc: int, config_path: Path, out: Path, ckpt_dir: Path) -
         str(out),
         "--checkpoint-dir",
         str(ckpt_dir),
+        *sources,
     ]
 
 
@@ -52,21 +60,31 @@ def _check_gpus(train: TrainConfig, nproc: int) -> None:
         )
 
 
-def run_torchrun(config: Any, out: Path, ckpt_dir: Path, log: logging.Logger) -> dict[str, Any]:
+def run_torchrun(
+    config: Any, out: Path, ckpt_dir: Path, log: logging.Logger, sources: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Train with torchrun; ``config``: the stage's settings, handed to the workers as a run config of those
-    sections (a JSON file they load like any config)."""
+    sections (a JSON file they load like any config); ``sources``: what the run trains from (``train_to``)."""
     nproc = config.train.distributed.nproc_per_node
     _check_gpus(config.train, nproc)
     config_path = ckpt_dir / "worker_config.json"
     write_json_atomic(config_path, config.dump())
-    cmd = torchrun_command(nproc, config_path, out, ckpt_dir)
+    sources_path = None
+    if sources is not None:
+        sources_path = ckpt_dir / "worker_sources.json"
+        write_json_atomic(sources_path, sources)
+    cmd = torchrun_command(nproc, config_path, out, ckpt_dir, sources_path)
     log.info("launching: %s", " ".join(cmd))
     tail: deque[str] = deque(maxlen=30)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    proc = start_launcher(cmd)
+    try:
         assert proc.stdout is not None
         for line in proc.stdout:
             log.info("[torchrun] %s", line.rstrip())
             tail.append(line)
+        proc.wait()
+    finally:  # Ctrl-C, SIGTERM or an error here: the job must not train on without Kiln
+        stop_launcher(proc, log)
     if (out / ERROR).is_file():
         err = json.loads((out / ERROR).read_text())
         raise TrainingError(err["message"], hint=err.get("hint"))
@@ -78,3 +96,56 @@ def run_torchrun(config: Any, out: Path, ckpt_dir: Path, log: logging.Logger) ->
     summary = json.loads((out / SUMMARY).read_text())
     (out / SUMMARY).unlink()  # the manifest holds it; keep the folder the same as a one-process run's
     return summary
+
+
+def start_launcher(cmd: list[str]) -> subprocess.Popen[str]:
+    """Start torchrun in a process group of its own, which :func:`stop_launcher` signals as one, with SIGTERM
+    asked for when this process ends (``PR_SET_PDEATHSIG``, as ``kiln serve`` starts Triton): a Kiln killed
+    outright (SIGKILL) still stops it, and torchrun stops its workers. Call it from the thread that waits on it."""
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with_parent(),
+    )
+
+
+def stop_launcher(proc: subprocess.Popen[str], log: logging.Logger, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop a torchrun still running: SIGTERM to its process group (torchrun then stops its workers), its output
+    read meanwhile so that it never blocks on a full pipe; after ``timeout_s``, SIGKILL to the group and to the
+    workers, which torchrun starts each in a session of its own."""
+    if proc.poll() is None:
+        log.warning("stopping torchrun (pid %d) and its workers", proc.pid)
+        workers = _children(proc.pid)
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=timeout_s)
+            for line in (rest or "").splitlines():
+                log.info("[torchrun] %s", line)
+        except subprocess.TimeoutExpired:
+            log.warning("torchrun did not stop within %.0f s: killing it and its workers", timeout_s)
+            for pid in workers | _children(proc.pid) | {proc.pid}:
+                _signal_group(pid, signal.SIGKILL)
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):  # already gone (or its id reused by another user's)
+        pass
+
+
+def _children(pid: int) -> set[int]:
+    """The ids of ``pid``'s child processes (Linux ``/proc``; none elsewhere)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found.update(int(c) for c in task.read_text().split())
+        except OSError:  # the process ended meanwhile
+            pass
+    return found

@@ -30,6 +30,7 @@ from torch import nn
 from kiln.core.data import DatasetSplits, Inputs, call, rebuild, rows, take, tensors
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.core.progress import Progress, SilentProgress
+from kiln.core.text import fmt
 from kiln.core.user_errors import running_user_code
 from kiln.models.model_io import load_weights
 from kiln.stages.train import checkpoint as ckpt
@@ -37,7 +38,7 @@ from kiln.stages.train import update_graph
 from kiln.stages.train.compile import CompiledModel
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.data import local_batch_size, make_loader, micro_batches
-from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, wrap_ddp
+from kiln.stages.train.dist import DistEnv, all_sum, env_from_torchrun, unused_parameters_error, wrap_ddp
 from kiln.stages.train.health import (
     BufferGuard,
     LaggedStats,
@@ -68,7 +69,7 @@ from kiln.stages.train.precision import (
     update_scaler,
 )
 from kiln.stages.train.runtime import determinism, profiler
-from kiln.stages.train.task import CLASSIFY, Task
+from kiln.stages.train.task import CLASSIFY, Task, check_loss_has_grad, check_trainable
 
 log = logging.getLogger("kiln.train")
 StepHook = Callable[[int], None]
@@ -138,9 +139,12 @@ def train(
     out_dir: Path | None = None,
     on_step: StepHook | None = None,
     task: Task = CLASSIFY,
+    sources: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train ``model`` in place (returned on CPU, eval mode). Only the main process writes files:
-    checkpoints into ``ckpt_dir``, ``loss.png``/``trace.json`` into ``out_dir``."""
+    checkpoints into ``ckpt_dir``, ``loss.png``/``trace.json`` into ``out_dir``. ``sources``: the code and data
+    the run trains from (:func:`kiln.stages.train.checkpoint.changed_sources`), recorded with its checkpoints; an
+    interrupted run resumes only from the same (None: not compared)."""
     env = env or env_from_torchrun()
     device = resolve_device(cfg, env.local_rank if env.enabled else None)
     precision = resolve_precision(cfg, device)
@@ -149,7 +153,7 @@ def train(
         torch.manual_seed(seed)
         model.to(device).train()
         norms = stack.enter_context(fp32_norms(model, device, precision, cfg.amp.fp32_norms))
-        trainer = _Trainer(model, data, cfg, seed, env, device, precision, ckpt_dir, run_key, on_step, task)
+        trainer = _Trainer(model, data, cfg, seed, env, device, precision, ckpt_dir, run_key, on_step, task, sources)
         trainer.result.fp32_norms = norms
         prof = stack.enter_context(profiler(cfg.profile_steps, device, out_dir if env.is_main else None))
         trainer.run(progress or SilentProgress(), prof)
@@ -190,12 +194,15 @@ class _Trainer:
         run_key: str,
         on_step: StepHook | None,
         task: Task = CLASSIFY,
+        sources: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.data, self.cfg, self.env, self.device = model, data, cfg, env, device
         self.precision, self.ckpt_dir, self.run_key, self.on_step = precision, ckpt_dir, run_key, on_step
+        self.sources = sources
         self.loader, self.sampler = make_loader(data.train_x, data.train_y, cfg, env, seed, device)
         self.local_batch = local_batch_size(cfg, env)
         self.steps_per_epoch = math.ceil(self.sampler.num_samples / self.local_batch)
+        check_trainable(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = make_optimizer(model, cfg, device)
         self.total_steps = self.steps_per_epoch * cfg.epochs
@@ -257,7 +264,7 @@ class _Trainer:
     def _maybe_resume(self) -> None:
         if self.ckpt_dir is None and self.cfg.checkpoint.resume in ("auto", "never"):
             return
-        path = ckpt.find_resume(self.cfg.checkpoint.resume, self.ckpt_dir or Path("."), self.run_key)
+        path = ckpt.find_resume(self.cfg.checkpoint.resume, self.ckpt_dir or Path("."), self.run_key, self.sources)
         if path is None:
             return
         state = ckpt.load_state(path)
@@ -297,6 +304,7 @@ class _Trainer:
         self.result.history = [EpochMetrics(**m) for m in state["history"]]
         self.result.global_step, self.result.best_epoch = state["global_step"], state["best_epoch"]
         self.result.best_val_accuracy = state["best_val_accuracy"]
+        self.result.best_val_loss, self.result.best_by = state.get("best_val_loss"), state.get("best_by")
         self.best_digest = state.get("best_sha256")
         self._adopt_best(path)
 
@@ -318,6 +326,7 @@ class _Trainer:
             path.parent / ckpt.BEST,
         )
         self.result.best_epoch = self.result.best_val_accuracy = self.best_digest = None
+        self.result.best_val_loss = self.result.best_by = None
 
     def _save(self, complete: bool = False) -> None:
         if self.ckpt_dir is None:
@@ -348,15 +357,15 @@ class _Trainer:
             "history": [vars(m) for m in r.history],
             "best_epoch": r.best_epoch,
             "best_val_accuracy": r.best_val_accuracy,
+            "best_val_loss": r.best_val_loss,
+            "best_by": r.best_by,
             "best_sha256": self.best_digest,
             "run_key": self.run_key,
             "complete": complete,
         }
         ckpt.save_state(self.ckpt_dir / ckpt.LAST, state)
-        ckpt.write_info(
-            self.ckpt_dir,
-            {"run_key": self.run_key, "epoch": self.epoch, "complete": complete, "global_step": r.global_step},
-        )
+        info = {"run_key": self.run_key, "epoch": self.epoch, "complete": complete, "global_step": r.global_step}
+        ckpt.write_info(self.ckpt_dir, info | ({"sources": self.sources} if self.sources is not None else {}))
         self.last_good = f"{self.ckpt_dir / ckpt.LAST} (step {r.global_step})"
 
     def _global_acc(self) -> dict[str, float]:
@@ -402,6 +411,8 @@ class _Trainer:
         if self.cfg.checkpoint.select == "best" and r.best_epoch is not None and self.ckpt_dir:
             self._load_best()
             r.selected_epoch = r.best_epoch
+        elif self.cfg.checkpoint.select == "best":
+            log.warning("checkpoint.select: best: no epoch had a finite validation score; the last epoch's weights")
 
     def _epoch(self, prof: Any) -> EpochMetrics:
         cfg, epoch = self.cfg, self.epoch
@@ -444,6 +455,11 @@ class _Trainer:
             self.opt.zero_grad(set_to_none=not self.keep_grads)  # the step again from scratch, eagerly
             self.guard.restore()  # the forward passes updated BatchNorm statistics
             total = self._forward_backward(xb, yb)
+        except RuntimeError as exc:  # DDP's for a parameter without gradient: said as one error with its fix
+            err = unused_parameters_error(exc, self.model)
+            if err is None:
+                raise
+            raise err from None
         self.result.global_step += 1
         done: list[tuple[StepStats, float, float]] = []
         if self.device_skip:
@@ -504,6 +520,7 @@ class _Trainer:
                 # positions): the K weighted means add up to the mean over the whole batch, also when the last
                 # micro-batch is smaller.
                 loss = self.task.loss(out, cy)
+                check_loss_has_grad(self.task, loss)
                 if len(cy) != rows(xb):  # one micro-batch: weight 1, no extra kernels
                     loss = loss * self.task.share(cy, yb)
                 self.scaler.scale(loss).backward()
@@ -602,14 +619,27 @@ class _Trainer:
                     self.epoch + 1,
                     m.val_loss,
                 )
-            r = self.result
-            if m.val_accuracy is None:  # no classes: nothing to rank epochs by ("best" keeps the last)
-                pass
-            elif r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy:
-                r.best_val_accuracy, r.best_epoch = m.val_accuracy, m.epoch
-                if self.ckpt_dir is not None and self.env.is_main:
-                    self.best_digest = ckpt.save_weights(self.ckpt_dir / ckpt.BEST, self.model)
+            if self._improves(m):
+                self._keep_best(m)
         return m
+
+    def _improves(self, m: EpochMetrics) -> bool:
+        """Whether epoch ``m`` beats the best so far: by validation accuracy where there are classes, else (float
+        targets, or a user loss without class logits) by validation loss, lower and finite."""
+        r = self.result
+        if m.val_accuracy is not None:
+            return r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy
+        if m.val_loss is None or not math.isfinite(m.val_loss):
+            return False
+        return r.best_val_loss is None or m.val_loss < r.best_val_loss
+
+    def _keep_best(self, m: EpochMetrics) -> None:
+        r = self.result
+        r.best_epoch, r.best_by = m.epoch, "val_accuracy" if m.val_accuracy is not None else "val_loss"
+        r.best_val_accuracy = m.val_accuracy
+        r.best_val_loss = m.val_loss if m.val_accuracy is None else None
+        if self.ckpt_dir is not None and self.env.is_main:
+            self.best_digest = ckpt.save_weights(self.ckpt_dir / ckpt.BEST, self.model)
 
     def _load_best(self) -> None:
         from safetensors.torch import load_file
@@ -617,7 +647,9 @@ class _Trainer:
         if self.env.is_main:
             best = self.ckpt_dir / ckpt.BEST
             load_weights(self.model, load_file(str(best), device=str(self.device)), str(best))
-            log.info("selected the best epoch's weights (epoch %s)", self.result.best_epoch)
+            r = self.result
+            score = r.best_val_accuracy if r.best_by == "val_accuracy" else r.best_val_loss
+            log.info("selected the best epoch's weights: epoch %s, by %s (%s)", r.best_epoch, r.best_by, fmt(score))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

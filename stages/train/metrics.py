@@ -38,6 +38,8 @@ class TrainResult:
     global_step: int = 0
     best_epoch: int | None = None
     best_val_accuracy: float | None = None
+    best_val_loss: float | None = None  # where epochs are ranked by it (no classes, no accuracy)
+    best_by: str | None = None  # what ranked the epochs: "val_accuracy", or "val_loss" where there is no accuracy
     selected_epoch: int | None = None  # the epoch whose weights were returned (checkpoint.select)
     resumed_from: str | None = None
     checkpoint_dir: str | None = None
@@ -64,6 +66,8 @@ class TrainResult:
             "selected_epoch": chosen.epoch if chosen else None,
             "best_val_accuracy": self.best_val_accuracy,
             "best_epoch": self.best_epoch,
+            "best_val_loss": self.best_val_loss,
+            "best_by": self.best_by,
             "skipped_steps": sum(m.skipped_steps for m in self.history),
             "nonfinite_steps": sum(m.nonfinite_steps for m in self.history),
             "samples_per_s": last.samples_per_s if last else None,

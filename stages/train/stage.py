@@ -7,6 +7,7 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,10 +43,26 @@ def checkpoint_dir(config: TrainSettings, cache_dir: Path) -> Path:
     return cache_dir / "train" / run_key(config.dump())
 
 
+def trained_from(key_parts: dict[str, Any]) -> dict[str, Any] | None:
+    """The code and data the weights depend on besides the settings: the ``code``, ``user_code`` and ``user_data``
+    parts of the stage's cache key (Kiln's training code, the user's model/data/loss code, the data's hash; the
+    runner's ``ctx.key_parts``). An interrupted run resumes only from a checkpoint trained from the same (the
+    settings are in the run key). None outside the runner: nothing to compare."""
+    if not key_parts:
+        return None
+    return {part: key_parts.get(part) for part in ("code", "user_code", "user_data")}
+
+
 def train_to(
-    out: Path, config: TrainSettings, data: DatasetSplits, ckpt_dir: Path, progress: Progress | None = None
+    out: Path,
+    config: TrainSettings,
+    data: DatasetSplits,
+    ckpt_dir: Path,
+    progress: Progress | None = None,
+    sources: dict[str, Any] | None = None,
 ) -> TrainSummary:
     """Train and (main process only) write ``model.safetensors`` + ``model.json`` + ``loss.png`` into ``out``.
+    ``sources``: what the run trains from (:func:`trained_from`), which a resumed checkpoint must match.
 
     Shared by the stage and by ``kiln.stages.train.worker`` (one call per torchrun process)."""
     env = env_from_torchrun()
@@ -71,6 +88,7 @@ def train_to(
             run_key=run_key(config.dump()),
             out_dir=out,
             task=task,
+            sources=sources,
         )
     check_learned(result)
     if env.is_main:
@@ -137,19 +155,24 @@ def run(ctx: StageContext[TrainSettings]) -> TrainSummary:
     if cfg.model.checkpoint or not cfg.train.enabled:
         return _skip(ctx)
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
+    sources = trained_from(ctx.key_parts)
     if cfg.train.distributed.nproc_per_node > 1 and not env_from_torchrun().enabled:
-        summary = TrainSummary.model_validate(run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log))
+        summary = TrainSummary.model_validate(run_torchrun(cfg, ctx.out, ckpt_dir, ctx.log, sources))
     else:
-        summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress)
+        summary = train_to(ctx.out, cfg, ctx.dataset(), ckpt_dir, ctx.progress, sources)
+    select = cfg.train.checkpoint.select
     ctx.log.info(
-        "trained %d epochs (%s on %s x%d): val accuracy %s (weights of epoch %s, select: %s)",
+        "trained %d epochs (%s on %s x%d): %s (weights of epoch %s, select: %s%s)",
         cfg.train.epochs,
         summary.precision,
         summary.device,
         summary.world_size,
-        fmt(summary.val_accuracy),
+        f"val accuracy {fmt(summary.val_accuracy)}"
+        if summary.val_accuracy is not None
+        else f"val loss {fmt(summary.val_loss)}",
         summary.selected_epoch,
-        cfg.train.checkpoint.select,
+        select,
+        f" by {summary.best_by}" if select == "best" and summary.best_by else "",
     )
     return summary
 

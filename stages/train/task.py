@@ -139,3 +139,38 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
             f"{tuple(y.shape)}: mean squared error needs the same shape",
             hint="make the targets match the output, name the output in signature.logits_output, or set train.loss",
         )
+
+
+def check_trainable(model: nn.Module) -> None:
+    """A model none of whose parameters requires grad has nothing to train: an error before the first step, where
+    the backward pass would fail with a traceback."""
+    if any(p.requires_grad for p in model.parameters()):
+        return
+    count = sum(1 for _ in model.parameters())
+    raise ModelError(
+        f"no parameter of the model requires grad (all {count} are frozen): there is nothing to train"
+        if count
+        else "the model has no parameters: there is nothing to train",
+        hint="unfreeze what should train (requires_grad_(True)) in the model's code, or set train.enabled: false "
+        "to take the model as it is",
+    )
+
+
+def check_loss_has_grad(task: Task, loss: torch.Tensor) -> None:
+    """The loss of a micro-batch must depend on the model's trainable parameters, or there is nothing to
+    backpropagate: a detached user loss, or a model whose forward detaches its outputs (torch.no_grad())."""
+    if loss.requires_grad:
+        return
+    fn = task.user_loss
+    if fn is not None:
+        name = f"'{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}'"
+        raise ConfigError(
+            f"train.loss {name} returned a tensor that does not depend on the model's parameters (it has no "
+            "gradient): it was detached, rebuilt from a Python number, or computed under torch.no_grad()",
+            hint="return the loss computed from the outputs it is given, without .detach(), .item()/float() or "
+            "torch.no_grad()",
+        )
+    raise ModelError(
+        "the model's outputs do not depend on its trainable parameters: the loss has no gradient",
+        hint="remove .detach() or torch.no_grad() from the model's forward, where it covers the trained layers",
+    )

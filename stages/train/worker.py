@@ -7,6 +7,7 @@ Every process trains its shard; rank 0 writes ``model.safetensors``, ``model.jso
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="folder for last.pt/best.safetensors (shared by all nodes); default <out>/checkpoints",
     )
+    parser.add_argument(
+        "--sources", type=Path, default=None, help="JSON of the code and data the run trains from (resume check)"
+    )
     args = parser.parse_args(argv)
     env = env_from_torchrun()
     logging.basicConfig(
@@ -40,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         settings = settings_for(STAGE, config)
-        summary = train_to(args.out, settings, load_dataset(config), args.checkpoint_dir or args.out / "checkpoints")
+        sources = json.loads(args.sources.read_text()) if args.sources else None
+        ckpt_dir = args.checkpoint_dir or args.out / "checkpoints"
+        summary = train_to(args.out, settings, load_dataset(config), ckpt_dir, sources=sources)
     except KilnError as exc:
         # Every process that stops writes it (atomically; the same error on every rank for a config error): the
         # first process out ends the job, and torchrun stops the others before they could write theirs.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from kiln.core.errors import InputFileError, TrainingError
 from kiln.stages.train import checkpoint as ckpt
+from kiln.stages.train.declaration import TrainSummary
 from kiln.stages.train.loop import evaluate, train
 from tests.stages.train.train_helpers import (
     Crash,
@@ -253,3 +255,99 @@ def test_a_model_with_an_inf_buffer_still_checkpoints(tmp_path: Path) -> None:
     train(model, tiny_data(), train_cfg(epochs=1, checkpoint={"every_steps": 2}), ckpt_dir=tmp_path, run_key="k")
     state = ckpt.load_state(tmp_path / ckpt.LAST)
     assert state["complete"] and torch.isinf(state["model"]["mask"]).any()
+
+
+def _interrupted_then_rerun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed_after: int) -> TrainSummary:
+    """The train stage in the pipeline on a user data function (seed 0), interrupted mid-run; then the data
+    function's seed set to ``seed_after`` (0: unchanged) and the stage run again: its summary."""
+    import kiln.stages.train.stage as train_stage
+    from kiln.pipeline.config import config_from_dict
+    from kiln.pipeline.runner import Runner
+    from kiln.pipeline.stage_list import STAGES
+    from tests.conftest import tiny_config_dict
+
+    module = tmp_path / "user_data_resume.py"
+    source = "from kiln.models.datasets import synthetic\n\ndef load():\n    return synthetic(size=256, seed={})\n"
+    module.write_text(source.format(0))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = config_from_dict(
+        tiny_config_dict(**{"data.name": "user_data_resume:load", "train.epochs": 3, "train.checkpoint.every_steps": 1})
+    )
+    real_train = train_stage.train
+    monkeypatch.setattr(train_stage, "train", lambda *a, **k: real_train(*a, **k, on_step=crash_at(3)))
+    with pytest.raises(Crash):
+        Runner(config, tmp_path / "w", STAGES).run(stop="train")
+    monkeypatch.setattr(train_stage, "train", real_train)
+    module.write_text(source.format(seed_after))
+    monkeypatch.delitem(sys.modules, "user_data_resume", raising=False)
+    result = Runner(config, tmp_path / "w", STAGES).run(stop="train")
+    assert result.ok, result.error
+    return result.records[-1].summary
+
+
+def test_an_interrupted_run_resumes_when_code_and_data_are_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    summary = _interrupted_then_rerun(tmp_path, monkeypatch, seed_after=0)
+    assert summary.resumed_from is not None and summary.resumed_from.endswith(ckpt.LAST)
+
+
+def test_an_interrupted_run_of_other_data_is_not_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its last.pt was trained on what the data function returned before it was edited: training starts afresh,
+    and says why."""
+    with caplog.at_level("WARNING", logger="kiln.train"):
+        summary = _interrupted_then_rerun(tmp_path, monkeypatch, seed_after=1)
+    assert summary.resumed_from is None
+    said = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "the user's code (user_data_resume:load) and the data (dataset) changed" in said[0]
+
+
+def test_changed_sources_names_what_changed() -> None:
+    old = {"code": "a", "user_code": {"m:f": "1"}, "user_data": {"dataset": "d1"}}
+    assert ckpt.changed_sources(old, old) == ""
+    assert ckpt.changed_sources(old, None) == ""  # nothing to compare with: as before
+    assert ckpt.changed_sources(old, {**old, "user_data": {"dataset": "d2"}}) == (
+        "the data (dataset) changed since it was written"
+    )
+    assert ckpt.changed_sources(old, {**old, "code": "b"}) == "Kiln's training code changed since it was written"
+    assert "does not record" in ckpt.changed_sources(None, old)
+
+
+def test_find_resume_skips_a_checkpoint_of_other_sources(tmp_path: Path) -> None:
+    data, cfg = tiny_data(), train_cfg(epochs=2, checkpoint={"every_steps": 1, "resume": "auto"})
+    with pytest.raises(Crash):
+        train(tiny_net(), data, cfg, ckpt_dir=tmp_path, run_key="k", on_step=crash_at(3), sources={"code": "a"})
+    assert json.loads((tmp_path / ckpt.INFO).read_text())["sources"] == {"code": "a"}
+    assert ckpt.find_resume("auto", tmp_path, "k", {"code": "a"}) == tmp_path / ckpt.LAST
+    assert ckpt.find_resume("auto", tmp_path, "k", {"code": "b"}) is None
+    assert train(tiny_net(), data, cfg, ckpt_dir=tmp_path, run_key="k", sources={"code": "b"}).resumed_from is None
+
+
+def test_select_best_of_a_regression_picks_the_lowest_validation_loss(tmp_path: Path) -> None:
+    """Float targets have no accuracy: the epochs are ranked by validation loss, and the summary says so."""
+    from kiln.models.datasets import synthetic_regression
+    from kiln.stages.train.loop import evaluate_loss_acc
+    from kiln.stages.train.task import Task
+
+    data, task = synthetic_regression(size=160), Task("regression")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+    def spoil(step: int) -> None:
+        if step > 4:  # after epoch 1 (4 steps): a constant answer far off the targets, so later epochs are worse
+            with torch.no_grad():
+                model[2].weight.zero_()
+                model[2].bias.fill_(5.0)
+
+    cfg = train_cfg(epochs=3, checkpoint={"select": "best"})
+    r = train(model, data, cfg, ckpt_dir=tmp_path, run_key="k", on_step=spoil, task=task)
+    losses = [m.val_loss for m in r.history]
+    assert losses[0] < min(losses[1:]) and all(m.val_accuracy is None for m in r.history)
+    assert r.best_epoch == r.selected_epoch == 1 and r.best_by == "val_loss" and r.best_val_loss == losses[0]
+    s = r.summary()
+    assert s["selected_epoch"] == 1 and s["best_by"] == "val_loss" and s["val_loss"] == losses[0]
+    got = evaluate_loss_acc(model, data.val_x, data.val_y, torch.device("cpu"), task=task)[0]
+    assert got == pytest.approx(losses[0])  # the returned weights are epoch 1's

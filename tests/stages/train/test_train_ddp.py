@@ -10,6 +10,8 @@ import torch
 
 from kiln.core.errors import TrainingError
 from kiln.pipeline.config import KilnConfig, config_from_dict
+from kiln.pipeline.runner import settings_for
+from kiln.pipeline.stage_list import stage_named
 from kiln.stages.train.launch import run_torchrun, torchrun_command
 from tests.stages.train.ddp_helpers import LOG, train_one_and_two
 
@@ -114,3 +116,33 @@ def test_fullgraph_compile_is_refused_under_ddp() -> None:
     finally:
         dist.destroy_process_group()
     assert "fullgraph: false" in (err.value.hint or "")
+
+
+def _aux_head_settings(**distributed: Any) -> Any:
+    """The train stage's settings of a 2-process run of a model with an output the loss does not read."""
+    cfg = _config(2, epochs=1, distributed={"nproc_per_node": 2, **distributed})
+    model = config_from_dict({"model": {"name": "tests.stages.train.train_helpers:aux_head"}}).model
+    return settings_for(stage_named("train"), cfg.model_copy(update={"model": model}))
+
+
+def test_a_parameter_without_gradient_names_it_and_the_fix(tmp_path: Path) -> None:
+    """DDP's own error for it (a torchrun traceback) becomes one error with the setting that fixes it."""
+    with pytest.raises(TrainingError, match=r"got no gradient from the loss \(aux.weight, aux.bias\)") as err:
+        run_torchrun(_aux_head_settings(), tmp_path / "a", tmp_path / "ck_a", LOG)
+    assert "find_unused_parameters: true" in (err.value.hint or "")
+    summary = run_torchrun(_aux_head_settings(find_unused_parameters=True), tmp_path / "b", tmp_path / "ck_b", LOG)
+    assert summary["world_size"] == 2
+
+
+def test_ddp_error_for_unused_parameters_names_them() -> None:
+    from kiln.stages.train.dist import unused_parameters_error
+    from tests.stages.train.train_helpers import aux_head
+
+    said = (
+        "Expected to have finished reduction in the prior iteration before starting a new one. ...\\n"
+        "Parameter indices which did not receive grad for rank 1: 2 3\\n In addition, ..."
+    )
+    err = unused_parameters_error(RuntimeError(said), aux_head())
+    assert err is not None and "(aux.weight, aux.bias)" in err.message
+    assert "train.distributed.find_unused_parameters: true" in (err.hint or "")
+    assert unused_parameters_error(RuntimeError("CUDA out of memory"), aux_head()) is None

@@ -96,11 +96,11 @@ def test_skipped_training(tmp_path: Path, how: str) -> None:
 
 
 def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
-    from kiln.pipeline.runner import load_dataset, settings_for
+    from kiln.pipeline.runner import cache_key, load_dataset, settings_for
     from kiln.pipeline.stage_list import stage_named
     from kiln.stages.train.checkpoint import run_key
     from kiln.stages.train.loop import train
-    from kiln.stages.train.stage import build_seeded
+    from kiln.stages.train.stage import build_seeded, trained_from
 
     over = {
         "train.precision": "fp32",
@@ -117,9 +117,11 @@ def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: 
         if step == 5:
             raise KeyboardInterrupt  # what Ctrl-C mid-epoch looks like to the loop
 
+    # the code and data it trains from, recorded as the stage records them (a checkpoint resumes only from the same)
+    sources = trained_from(cache_key(stage_named("train"), cfg, tmp_path / "crashed")[1])
     with pytest.raises(KeyboardInterrupt):
         model, data = build_seeded(settings), load_dataset(cfg)
-        train(model, data, cfg.train, seed=cfg.seed, ckpt_dir=ck, run_key=key, on_step=crash)
+        train(model, data, cfg.train, seed=cfg.seed, ckpt_dir=ck, run_key=key, on_step=crash, sources=sources)
     resumed, out = _run(tmp_path / "crashed", **over)
     fresh, ref = _run(tmp_path / "fresh", **over)
     assert resumed["summary"]["resumed_from"] == str(ck / "last.pt")

@@ -111,3 +111,42 @@ def test_multi_hot_integer_labels_with_a_user_loss_count_no_accuracy() -> None:
     logits = torch.randn(4, 6)
     assert task.correct(logits, torch.randint(0, 2, (4, 6))) is None
     assert task.correct(logits, torch.tensor([0, 5, 1, 2])) is not None
+
+
+def _detached_ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out, y).detach()
+
+
+class _DetachedOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).detach()
+
+
+def _three_classes() -> DatasetSplits:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    return DatasetSplits(x[:48], y[:48], x[48:], y[48:], num_classes=3)
+
+
+def test_a_model_without_trainable_parameters_is_refused_before_training() -> None:
+    model = torch.nn.Linear(8, 3).requires_grad_(False)
+    with pytest.raises(ModelError, match=r"no parameter of the model requires grad \(all 2 are frozen\)") as err:
+        train(model, _three_classes(), CFG, on_step=lambda step: pytest.fail("a step ran"))
+    assert "requires_grad_(True)" in (err.value.hint or "")
+
+
+def test_a_user_loss_without_gradient_is_named() -> None:
+    task = Task("classification", None, _detached_ce)
+    with pytest.raises(ConfigError, match=r"train.loss '.*:_detached_ce' returned a tensor that does not depend") as e:
+        train(torch.nn.Linear(8, 3), _three_classes(), CFG, task=task, on_step=lambda s: pytest.fail("a step ran"))
+    assert ".detach()" in (e.value.hint or "")
+
+
+def test_a_model_whose_outputs_have_no_gradient_is_named() -> None:
+    with pytest.raises(ModelError, match="outputs do not depend on its trainable parameters"):
+        train(_DetachedOutput(), _three_classes(), CFG)

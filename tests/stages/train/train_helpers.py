@@ -104,3 +104,20 @@ def crash_at(step: int):
             raise Crash(f"simulated crash after step {step}")
 
     return hook
+
+
+class AuxHead(nn.Module):
+    """Two outputs, of which the default cross-entropy reads only ``logits``: ``aux`` gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 10)
+        self.aux = nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = x.flatten(1)
+        return {"logits": self.a(x), "aux": self.aux(x)}
+
+
+def aux_head() -> AuxHead:
+    return AuxHead()
