@@ -187,6 +187,8 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     # Untrained here: the val accuracy is information, so a model without a logits output just has none
     scored = cfg.train.loss is not None or logits_name(names, cfg.signature.logits_output) is not None
     task = task_for(data, cfg.train.loss, cfg.signature.logits_output) if data.val_y is not None and scored else None
+    if task is not None:  # labels that do not fit the outputs: the same error training gives, before evaluating
+        check_model_fits_data(model, data, cfg.model.name, task)
     source = cfg.model.checkpoint or "random init"
     if cfg.model.checkpoint:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)

@@ -127,3 +127,11 @@ def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: 
     assert resumed["summary"]["resumed_from"] == str(ck / "last.pt")
     assert fresh["summary"]["resumed_from"] is None
     assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+
+
+def test_skipped_training_with_logits_that_do_not_fit_the_labels_is_the_training_error(tmp_path: Path) -> None:
+    """With train.enabled false the untrained model's evaluation met the mismatch first: a torch traceback."""
+    cfg = config_from_dict(tiny_config_dict(**{"train.enabled": False, "model.params.num_classes": 3}))
+    result = Runner(cfg, tmp_path / "wd", STAGES).run(stop="train")
+    assert "gives class logits of shape (2, 3) for a batch of 2, but the dataset has 10 classes" in str(result.error)
+    assert [r.status for r in result.records] == ["failed"]
