@@ -57,11 +57,18 @@ def dataset_fingerprint(
 
 
 def _dataset_hash(config: KilnConfig, load: Callable[[], DatasetSplits] | None = None) -> str:
-    from kiln.calibration.data import hash_batches  # torch and numpy: only for a user dataset
-    from kiln.core.data import tensors
     from kiln.models.model_io import dataset_for
 
-    d = load() if load is not None else dataset_for(config.model, config.data, config.signature, config.seed)
+    return splits_hash(
+        load() if load is not None else dataset_for(config.model, config.data, config.signature, config.seed)
+    )
+
+
+def splits_hash(d: DatasetSplits) -> str:
+    """Hash of every tensor of a dataset: what the stages that read it are keyed by (``user_data.dataset``)."""
+    from kiln.calibration.data import hash_batches  # torch and numpy: only for a user dataset
+    from kiln.core.data import tensors
+
     parts = [d.train_x, d.train_y, d.val_x, d.val_y]
     return hash_batches([_array(t) for p in parts if p is not None for t in tensors(p)])
 

@@ -10,15 +10,33 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from kiln.core.artifacts import write_json_atomic
-from kiln.core.errors import KilnError
+from kiln.core.data import DatasetSplits
+from kiln.core.errors import KilnError, TrainingError
 from kiln.pipeline.config import load_config
+from kiln.pipeline.fingerprints import splits_hash
 from kiln.pipeline.runner import load_dataset, settings_for
 from kiln.stages.train.declaration import STAGE
 from kiln.stages.train.dist import end_worker, env_from_torchrun
 from kiln.stages.train.launch import ERROR, SUMMARY
 from kiln.stages.train.stage import train_to
+
+
+def check_same_data(data: DatasetSplits, sources: dict[str, Any] | None, rank: int) -> None:
+    """Each process calls the data function itself: one that returns other data on each call (random, unseeded)
+    gives every rank other data, so the sampler's shards overlap and a random split leaks. The data's hash is
+    compared with the one Kiln's own process keyed the stage with (``sources``: a user dataset's only)."""
+    recorded = ((sources or {}).get("user_data") or {}).get("dataset")
+    if recorded is None or splits_hash(data) == recorded:
+        return
+    raise TrainingError(
+        f"the data function returned other data in training process {rank} than in Kiln's own call: each "
+        "process calls it, and every rank must train on the same dataset",
+        hint="make the data function deterministic: seed its randomness (numpy.random.default_rng(seed), "
+        "torch.Generator().manual_seed(seed)) and read files in a fixed order",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_for(STAGE, config)
         sources = json.loads(args.sources.read_text()) if args.sources else None
         ckpt_dir = args.checkpoint_dir or args.out / "checkpoints"
-        summary = train_to(args.out, settings, load_dataset(config), ckpt_dir, sources=sources)
+        data = load_dataset(config)
+        check_same_data(data, sources, env.rank)
+        summary = train_to(args.out, settings, data, ckpt_dir, sources=sources)
     except KilnError as exc:
         # Every process that stops writes it (atomically; the same error on every rank for a config error): the
         # first process out ends the job, and torchrun stops the others before they could write theirs.
