@@ -110,9 +110,24 @@ def check_learned(result: TrainResult) -> None:
         )
 
 
+def check_fp32(model: nn.Module, model_ref: str) -> None:
+    """The factory's model holds FP32 weights: Kiln keeps FP32 master weights (train.precision runs the math in
+    bf16/fp16 under autocast) and exports FP32, from which the precision stage makes its variants. A model in
+    bfloat16 (``torch_dtype=torch.bfloat16``) trained its weights in bf16 and failed at export."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    if dtypes and dtypes != ["float32"]:
+        raise ModelError(
+            f"model '{model_ref}' has {', '.join(dtypes)} weights: Kiln trains and exports FP32 weights and makes the "
+            "lower precisions itself",
+            hint="return the model in float32 (drop .half()/.bfloat16()/.to(dtype) or torch_dtype= from the factory); "
+            "train.precision: bf16 or fp16 runs training in that precision, precision.variants makes the engines'",
+        )
+
+
 def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str, task: Task | None = None) -> None:
     """One forward pass on two samples, so that data which does not fit the model fails with a clear message
     before training starts (and not as a traceback from deep inside the loop)."""
+    check_fp32(model, model_ref)
     x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, 2))
     check_forward_takes(model, x, model_ref)
     try:

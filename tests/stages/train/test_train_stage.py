@@ -135,3 +135,14 @@ def test_skipped_training_with_logits_that_do_not_fit_the_labels_is_the_training
     result = Runner(cfg, tmp_path / "wd", STAGES).run(stop="train")
     assert "gives class logits of shape (2, 3) for a batch of 2, but the dataset has 10 classes" in str(result.error)
     assert [r.status for r in result.records] == ["failed"]
+
+
+def test_a_model_in_bfloat16_is_refused_before_training() -> None:
+    """Its weights trained in bf16 (no FP32 master weights) and the export then failed with a dtype traceback."""
+    from kiln.core.errors import ModelError
+    from kiln.stages.train.stage import check_fp32
+
+    check_fp32(torch.nn.Linear(2, 2), "m:build")
+    with pytest.raises(ModelError, match="model 'm:build' has bfloat16 weights") as err:
+        check_fp32(torch.nn.Linear(2, 2).bfloat16(), "m:build")
+    assert "return the model in float32" in err.value.hint
