@@ -597,6 +597,7 @@ def _run(config: KilnConfig, workdir: str, quiet: bool, **kw: Any) -> None:
 
     if CWD_GONE and not Path(workdir).is_absolute():
         _refuse_relative([f"--workdir {workdir}"])
+    _refuse_torchrun()
     # Bars only on a terminal: piped or logged, a transient bar leaves a blank line behind per task.
     progress = RichProgress(console) if console.is_terminal and not quiet else SilentProgress()
     result, report = run_pipeline(config, workdir, progress=progress, **kw)
@@ -669,6 +670,19 @@ def _stage_in_workdir(stage: str, config: str | None, workdir: str, sets: tuple[
     cfg = _config(config, sets)
     _refuse_demo_over(config, cfg, workdir)
     _run(cfg, workdir, quiet, only=[stage], force={stage})
+
+
+def _refuse_torchrun() -> None:
+    """Kiln under ``torchrun``: each of its processes would run the whole command into one workdir. Kiln starts
+    torchrun itself for a multi-process training (``train.distributed.nproc_per_node``)."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    raise ConfigError(
+        f"kiln was started by torchrun (WORLD_SIZE={world}): every process would run the whole command in one workdir",
+        hint="run kiln alone with --set train.distributed.nproc_per_node=N (Kiln starts torchrun for training), "
+        "or start the worker under torchrun yourself: python -m kiln.stages.train.worker (docs/training.md)",
+    )
 
 
 def _refuse_demo_over(path: str | None, config: KilnConfig, workdir: str) -> None:
@@ -848,7 +862,8 @@ def _build_direct(
     refuse_link(out, "-o")
     refuse_link(out.parent / ".kiln-cache", "the build cache")
     with scratch_root(out.parent):
-        meta = build_direct(Path(file), out, backend, device, precision_, cfg.build, dict(cfg.signature.shapes))
+        sig = cfg.signature
+        meta = build_direct(Path(file), out, backend, device, precision_, cfg.build, dict(sig.shapes), sig.max_batch)
     results.print(
         f"built {meta.name} into {output or 'engine'} in {meta.build_seconds:.1f}s (targets {meta.device.upper()})",
         highlight=False,

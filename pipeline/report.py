@@ -133,19 +133,32 @@ def result_line(report: dict[str, Any]) -> str:
 
 
 def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
-    """A precision the run asked for that no engine has, with the build's reason (an INT8 graph not made: too little
-    of it ran in INT8 to pass the gates): a pass without it says so beside the verdict, on every run."""
+    """A precision the run asked for that no engine has, with its reason: the precision stage's record of a variant
+    that failed (all-zero calibration data), else the build's (an INT8 graph not made: too little of it ran in INT8
+    to pass the gates). A pass without it says so beside the verdict, on every run."""
     if not engines:  # the run stopped before validation: its error says why
         return []
     stages = report.get("stages", {})
-    asked = (stages.get("precision", {}).get("summary") or {}).get("variants") or {}
+    precision = stages.get("precision", {}).get("summary") or {}
+    failed: dict[str, str] = precision.get("failed") or {}
+    asked = [*(precision.get("variants") or {}), *failed]
     skipped = (stages.get("build", {}).get("summary") or {}).get("skipped") or []
     built = {e.get("precision") for e in engines}
     out = []
-    for precision in (p for p in asked if p not in built):
-        why = next((s.split(": ", 1)[1] for s in skipped if s.split(": ", 1)[0].endswith(f"-{precision}")), "")
-        out.append(f"no {precision} engine" + (f" ({why.split(' (fix: ')[0]})" if why else ""))
+    for p in dict.fromkeys(p for p in asked if p not in built):
+        why = failed.get(p) or _skipped_reason(skipped, p)
+        out.append(f"no {p} engine" + (f" ({why})" if why else ""))
     return out
+
+
+def _skipped_reason(skipped: list[str], precision: str) -> str:
+    """The build's reason for not building an engine of ``precision`` (its ``skipped`` lines read "name: why (fix:
+    ...)"), without the fix; empty where it names none."""
+    for line in skipped:
+        name, _, why = line.partition(": ")
+        if name.endswith(f"-{precision}") and why:
+            return why.split(" (fix: ")[0]
+    return ""
 
 
 def seconds_cell(stage: dict[str, Any]) -> str:

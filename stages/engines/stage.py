@@ -345,12 +345,14 @@ def build_direct(
     precision: str | None,
     cfg: BuildConfig,
     axis_sizes: dict[str, list[int]] | None = None,
+    max_batch: int = 32,
 ) -> EngineMetadata:
     """``kiln build model.onnx -o out/``: one engine from any ONNX file, no workdir (caches beside ``out``). ``src``
     may be a variant folder of ``kiln precision`` (``variants/int8``): the graph made for this engine kind is built,
     labelled with the variant's precision unless ``precision`` says otherwise; a graph of neither, with the precision
     it computes in (its audit). ``axis_sizes``: sizes of the graph's dynamic axes besides batch, by the names the
-    graph gives them (``signature.shapes``), for the profiles and the recorded ranges."""
+    graph gives them (``signature.shapes``), for the profiles and the recorded ranges; ``max_batch``: the largest
+    batch (``signature.batch_sizes``), which bounds the profiles and autotuning as in the pipeline's build."""
     device = device or default_device(backend)
     src, made_as = variant_source(Path(src), backend, device)
     # clear errors for a missing or corrupt file, or one with a non-tensor input or output, before any builder runs
@@ -359,7 +361,8 @@ def build_direct(
     _check_choice(backend, device, precision)
     refuse_foreign_folder(out)
     ensure_writable(out.parent, "the -o folder's parent")
-    return build_engine(src, out, backend, device, precision, cfg, out.parent / ".kiln-cache", axis_sizes=axis_sizes)
+    cache = out.parent / ".kiln-cache"
+    return build_engine(src, out, backend, device, precision, cfg, cache, max_batch=max_batch, axis_sizes=axis_sizes)
 
 
 def variant_source(src: Path, backend: str, device: str) -> tuple[Path, str | None]:

@@ -2,6 +2,11 @@
 shape inference at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
 or an integer op is INT8, one on FP16 tensors FP16, the rest FP32.
 
+Where onnx's inference leaves a compute node's shapes unknown (it does not compute a Slice or Range whose bounds
+come from a Shape: a transformer's position ids, then its attention heads' Reshape), ONNX Runtime's symbolic shape
+inference runs at the same sizes. A node still not counted is recorded by precision, and each precision's share
+then has a floor (:func:`share_floor`) that the labels are judged by: its FLOPs are not silently dropped.
+
 The precision stage uses it to refuse a variant with no compute node left in its precision; the build stage to
 record each engine's precision shares in ``kiln-engine.json`` and to refuse a label the graph contradicts (an
 "INT8" engine that computes in FP32, or a Q/DQ graph built as "fp32"); validation to put achieved TFLOP/s beside
@@ -10,7 +15,9 @@ the device's peak. onnx's shape inference does the shapes; what no library count
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -32,14 +39,18 @@ LOW = ("int8", "fp8", "fp16")
 FLOAT8 = (onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2)
 MIN_SHARE = 0.5  # an engine labelled INT8/FP16 must run at least this share of its FLOPs in that precision
 
+log = logging.getLogger("kiln")
+
 
 @dataclass
 class Audit:
-    """FLOPs per sample by precision; ``uncounted``: compute nodes whose shapes inference could not give."""
+    """FLOPs per sample by precision; ``uncounted``: compute nodes, by precision, whose shapes inference could not
+    give; ``largest``: the FLOPs of the largest node counted (what :func:`share_floor` weighs an uncounted one at)."""
 
     flops: Counter[str] = field(default_factory=Counter)
     nodes: Counter[str] = field(default_factory=Counter)
-    uncounted: int = 0
+    uncounted: Counter[str] = field(default_factory=Counter)
+    largest: int = 0
     weight_flops: int = 0  # of MatMul/Gemm nodes whose second operand is a weight (linear layers)
     sizes: dict[str, int] = field(default_factory=dict)  # the dynamic axis sizes the FLOPs are counted at
 
@@ -53,19 +64,41 @@ class Audit:
         whole = sum(weights.values())
         return {p: round(weights[p] / whole, 4) for p in ("int8", "fp8", "fp16", "fp32") if whole and weights[p]}
 
+    def floor(self) -> dict[str, float]:
+        """Each precision's least share, uncounted nodes weighed against it (:func:`share_floor`)."""
+        if not self.total:  # shares by node count: the uncounted nodes are in them already
+            return self.share()
+        return share_floor(self.share(), self.total, self.uncounted, self.largest)
+
     def label(self) -> str:
-        """The precision the graph computes in: a low precision holding at least :data:`MIN_SHARE`, else fp32."""
-        share = self.share()
-        return next((p for p in LOW if share.get(p, 0.0) >= MIN_SHARE), "fp32")
+        """The precision the graph computes in: a low precision whose floor holds :data:`MIN_SHARE`, else fp32."""
+        return _low_label(self.floor()) or "fp32"
+
+    def covers(self) -> float:
+        """The share of the compute nodes whose FLOPs are counted (1.0: the share is of all the graph computes)."""
+        whole = sum(self.nodes.values())
+        return round(1 - sum(self.uncounted.values()) / whole, 4) if whole else 1.0
 
     def record(self) -> dict[str, Any]:
         return {
             "flops_per_sample": self.total,
             "share": self.share(),
+            "share_floor": self.floor(),
+            "share_covers_nodes": self.covers(),
             "compute_nodes": dict(self.nodes),
-            "uncounted_nodes": self.uncounted,
+            "uncounted_nodes": dict(self.uncounted),
             "counted_at": self.sizes,
         }
+
+
+def share_floor(share: dict[str, float], total: int, uncounted: Mapping[str, int], largest: int) -> dict[str, float]:
+    """Each precision's least share of the FLOPs: its share of the ``total`` counted, were every uncounted compute
+    node in another precision as large as the ``largest`` counted one. An FP32 attention MatMul whose sizes are not
+    known then weighs against INT8 linear layers, where leaving it out would call the graph "int8 100 %"."""
+    if not total:
+        return dict(share)
+    against = {p: sum(n for q, n in uncounted.items() if q != p) for p in share}
+    return {p: round(v * total / (total + largest * against[p]), 4) for p, v in share.items()}
 
 
 def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = None) -> Audit:
@@ -76,21 +109,23 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
     used = _pin(light, sizes or {})
     m = infer_shapes(light, strict=False)  # recorded symbolic shapes dropped: inferred at the pinned sizes
     shapes = _shapes(m)
+    compute = [n for n in m.graph.node if n.op_type in COMPUTE | INTEGER]
+    if any(_flops(n, shapes) is None for n in compute):
+        shapes = {**_symbolic_shapes(m), **shapes}
     types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.value_info, *m.graph.input, *m.graph.output]}
     types.update({t.name: t.data_type for t in m.graph.initializer})
     producer = {o: n for n in m.graph.node for o in n.output}
     weights = {t.name for t in m.graph.initializer} | _transposed(m)
     out = Audit(sizes=used)
-    for node in m.graph.node:
-        if node.op_type not in COMPUTE | INTEGER:
-            continue
+    for node in compute:
         precision = _precision(node, producer, types)
         flops = _flops(node, shapes)
         out.nodes[precision] += 1
         if flops is None:
-            out.uncounted += 1
+            out.uncounted[precision] += 1
         else:
             out.flops[precision] += flops
+            out.largest = max(out.largest, flops)
             if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in weights:
                 out.weight_flops += flops
     return out
@@ -170,6 +205,27 @@ def _pin(model: onnx.ModelProto, sizes: dict[str, int]) -> dict[str, int]:
     return used
 
 
+def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Concrete shapes from ONNX Runtime's symbolic shape inference on ``model`` (inputs pinned), which computes the
+    shape arithmetic onnx's inference leaves unknown; {} where it fails. Its steps are run here rather than its
+    ``infer_shapes``, which writes a model file into the working directory when a shape stays unknown."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        bare = onnx.ModelProto()
+        bare.CopyFrom(model)
+        del bare.graph.value_info[:]
+        ssi = SymbolicShapeInference(2**31 - 1, auto_merge=True, guess_output_rank=True, verbose=0)
+        ssi._preprocess(bare)
+        while ssi.run_:
+            ssi._infer_impl()
+        ssi._update_output_from_vi()
+        return _shapes(ssi.out_mp_)
+    except Exception as exc:  # a helper for counting: the nodes it cannot give stay uncounted, by precision
+        log.debug("symbolic shape inference failed: %s", exc)
+        return {}
+
+
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
@@ -197,42 +253,67 @@ def engine_audit(
     Runtime engine's optimized graph; its fused ops count by node where their shapes are not inferable), or
     ``declared`` by its builder (a torch engine cast to one dtype; TensorRT's own choice per layer), said in
     ``method``. A torch FP8/INT8 engine declares ``lowbit_share``: the share of its linear layers' FLOPs that its
-    swapped layers compute (:mod:`kiln.stages.engines.torch.lowbit`), applied to the source graph's FLOPs on weights."""
+    swapped layers compute (:mod:`kiln.stages.engines.torch.lowbit`), applied to the source graph's FLOPs on weights.
+    ``share_floor`` beside each share: the least it may be, given the compute nodes not counted."""
     src = audit_graph(source, sizes)
     record = src.record()
     if declared in ("fp8", "int8"):  # linear layers (MatMul/Gemm on a weight) as low-precision GEMMs, the rest not
         rest = "fp16"  # the torch engine runs the rest of the model in float16 (kiln.stages.engines.torch.lowbit)
         low = src.weight_flops * (1.0 if lowbit_share is None else lowbit_share) / src.total if src.total else 0.0
         share = {declared: round(low, 4), rest: round(1 - low, 4)} if src.total else {}
+        floor = share_floor(share, src.total, {rest: sum(src.uncounted.values())}, src.largest)  # none swapped
         method = f"declared by the builder: the linear layers it swapped in {declared.upper()}, the rest {rest}"
-        return {**record, "share": share, "method": method}
+        return {**record, "share": share, "share_floor": floor, "method": method}
     if declared is not None:
-        return {**record, "share": {declared: 1.0}, "method": "declared by the builder (dtype)"}
+        whole = {declared: 1.0}
+        return {**record, "share": whole, "share_floor": whole, "method": "declared by the builder (dtype)"}
     if engine_graph is None:
         return {**record, "method": "source graph"}
     ran = audit_graph(engine_graph, sizes)
     if ran.total >= 0.9 * src.total > 0:
-        return {**record, "share": ran.share(), "method": "engine graph, by FLOPs"}
+        counted = {k: v for k, v in ran.record().items() if k not in ("flops_per_sample", "counted_at")}
+        return {**record, **counted, "method": "engine graph, by FLOPs"}
     # The runtime's fused ops hide their shapes: the source graph's FLOPs, less any precision the engine's graph
     # no longer computes in (ONNX Runtime's CPU provider runs an FP16 graph's MatMul/Conv in FP32, through casts)
-    share = dict(record["share"])
     if any(ran.nodes[p] and not src.nodes[p] for p in LOW):  # converted at build: only the engine's graph knows
         whole = sum(ran.nodes.values())
         share = {p: round(ran.nodes[p] / whole, 4) for p in (*LOW, "fp32") if ran.nodes[p]}
-        return {**record, "share": share, "method": "engine graph, by compute node (converted at build)"}
-    for precision in [p for p in share if p != "fp32" and not ran.nodes[p]]:
-        share["fp32"] = round(share.get("fp32", 0.0) + share.pop(precision), 4)
-    return {**record, "share": share, "method": "source graph by FLOPs, checked against the engine graph"}
+        method = "engine graph, by compute node (converted at build)"
+        return {**record, "share": share, "share_floor": share, "share_covers_nodes": 1.0, "method": method}
+    gone = [p for p in LOW if not ran.nodes[p]]
+    share, uncounted = _as_fp32(record["share"], gone), _as_fp32(src.uncounted, gone)
+    floor = share_floor(share, src.total, uncounted, src.largest) if src.total else share
+    method = "source graph by FLOPs, checked against the engine graph"
+    return {**record, "share": share, "share_floor": floor, "uncounted_nodes": uncounted, "method": method}
+
+
+def _as_fp32(by_precision: Mapping[str, float], gone: list[str]) -> dict[str, Any]:
+    """``by_precision`` with the precisions in ``gone`` (the engine no longer computes in them) moved to fp32."""
+    out = {p: v for p, v in by_precision.items() if p not in gone}
+    moved = sum(v for p, v in by_precision.items() if p in gone)
+    if moved:
+        out["fp32"] = round(out.get("fp32", 0) + moved, 4)
+    return out
 
 
 def label_problem(audit: dict[str, Any], label: str) -> str | None:
     """Why an engine labelled ``label`` is not what its audit shows: a low precision under :data:`MIN_SHARE` of the
-    compute, or an FP32 label on a graph that computes mostly in a low precision. None: the label holds."""
+    compute, or an FP32 label on a graph that computes mostly in a low precision. None: the label holds. A share is
+    judged by its floor (``share_floor``: the compute nodes not counted weighed against it) where the audit has one."""
     share = audit.get("share") or {}
-    if label in LOW and share.get(label, 0.0) < MIN_SHARE:
+    floor = audit.get("share_floor", share)
+    if label in LOW and floor.get(label, 0.0) < MIN_SHARE:
         ran = ", ".join(f"{p} {v:.0%}" for p, v in share.items()) or "nothing counted"
-        return f"labelled {label}, it computes {share.get(label, 0.0):.0%} in {label} ({ran}; {audit.get('method')})"
-    low = next((p for p in LOW if share.get(p, 0.0) >= MIN_SHARE), None)
+        held = f"{share.get(label, 0.0):.0%}"
+        if floor.get(label, 0.0) < share.get(label, 0.0):
+            held += f" (as little as {floor.get(label, 0.0):.0%} with its uncounted compute nodes"
+            held += f" {audit.get('uncounted_nodes')})"
+        return f"labelled {label}, it computes {held} in {label} ({ran}; {audit.get('method')})"
+    low = _low_label(floor)
     if label == "fp32" and low is not None:
-        return f"labelled fp32, its graph computes {share[low]:.0%} in {low} ({audit.get('method')})"
+        return f"labelled fp32, its graph computes {floor[low]:.0%} in {low} ({audit.get('method')})"
     return None
+
+
+def _low_label(share: Mapping[str, float]) -> str | None:
+    return next((p for p in LOW if share.get(p, 0.0) >= MIN_SHARE), None)

@@ -7,6 +7,7 @@ from typing import Any
 
 from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
+from kiln.core.timing import ratio_interval
 
 RANDOM_INPUTS = (
     "RANDOM arrays of the declared input shapes, not real data: agreement on them says little about the engine "
@@ -60,9 +61,8 @@ def report_section(v: ValidationResult) -> list[str]:
     eager = {x.device: x for x in v.baselines if x.kind == "eager" and x.precision == "fp32"}
     for base in v.baselines or [b]:
         lat = " | ".join(_p50(base.latency_ms, s) for s in sizes)
-        ref = eager.get(base.device, base).latency_ms.get(sizes[-1]) if sizes else None
-        own = base.latency_ms.get(sizes[-1]) if sizes else None
-        ratio = fmt(ref.p50 / own.p50, ".2f") if ref and own else "-"  # vs eager on its device
+        ref = eager.get(base.device, base)
+        ratio = _baseline_speedup(ref.latency_ms, base.latency_ms, sizes[-1]) if sizes else "-"
         label = "input ONNX file, onnxruntime" if base.backend == "onnxruntime" else f"pytorch {base.kind}"
         lines.append(
             f"| {label} (baseline) | {base.precision} | {base.device} | | | {'| ' if rel else ''}| | "
@@ -79,7 +79,8 @@ def report_section(v: ValidationResult) -> list[str]:
         lat = " | ".join(_p50(e.latency_ms, s) for s in sizes[:-1])
         last = _gated(_p50(e.latency_ms, sizes[-1]), "≤", g.get("max_latency_p50_ms")) if sizes else ""
         drop = None if g.get("max_accuracy_drop") is None or b.accuracy is None else b.accuracy - g["max_accuracy_drop"]
-        speed = e.speedup_vs_baseline.get(sizes[-1]) if sizes else None
+        ci = e.speedup_ci.get(f"eager-{e.device}", {}).get(sizes[-1]) if sizes else None
+        speed = _times(e.speedup_vs_baseline.get(sizes[-1]), ci) if sizes else "-"
         top1_gate = g.get("min_top1_agreement") if e.top1_agreement is not None else None  # none computed: none held
         lines.append(
             f"| {e.name} | {e.precision} | {e.device} | {'yes' if e.passed else '**no**'} | "
@@ -88,7 +89,7 @@ def report_section(v: ValidationResult) -> list[str]:
             + f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
             f"{_gated(fmt(e.top1_agreement), '≥', top1_gate)} | "
             f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
-            f"{lat + ' | ' if lat else ''}{last} | {fmt(speed, '.2f')} |"
+            f"{lat + ' | ' if lat else ''}{last} | {speed} |"
         )
     if any(e.gates for e in v.engines):
         lines += [
@@ -120,6 +121,27 @@ def _sizes(v: ValidationResult) -> list[str]:
     return sorted(sizes, key=int)
 
 
+def _times(ratio: float | None, ci: tuple[float, float] | None, unit: str = "") -> str:
+    """A speedup with its 95 % interval in parentheses where there is one."""
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}{unit}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+
+
+def _speedup(e: EngineValidation, baseline: str, size: str, unit: str = "") -> str:
+    """An engine's speedup over one baseline at one batch size, with its interval."""
+    return _times(e.speedups.get(baseline, {}).get(size), e.speedup_ci.get(baseline, {}).get(size), unit)
+
+
+def _baseline_speedup(ref: dict[str, Any], own: dict[str, Any], size: str) -> str:
+    """A baseline's speedup over eager on its device, paired round by round as the engines' are (1.00: eager)."""
+    if size not in ref or size not in own:
+        return "-"
+    if ref is own:
+        return "1.00"
+    return _times(ref[size].over(own[size]), ratio_interval(ref[size].rounds, own[size].rounds))
+
+
 def _p50(latency: dict[str, Any], size: str) -> str:
     """p50 with its 95 % interval where timed in rounds (a busy machine's wide interval is seen, not hidden)."""
     if size not in latency:
@@ -134,8 +156,10 @@ def _timing(v: ValidationResult) -> list[str]:
     if not t:
         return []
     line = (
-        f"Latency: {t['rounds']} interleaved rounds (engines and baselines in turn), p50 with a 95 % interval of the "
-        f"median in parentheses; load average {t['load_before']} → {t['load_after']} on {t['cpus']} CPUs."
+        f"Latency: {t['rounds']} interleaved rounds (engines and baselines in turn); p50 is the median of every call "
+        "of all rounds, with a 95 % interval of the median in parentheses. A speedup is the median of the per-round "
+        "ratios (baseline / engine, paired round by round), with its 95 % interval: it need not equal the ratio of "
+        f"the two p50s. Load average {t['load_before']} → {t['load_after']} on {t['cpus']} CPUs."
     )
     if t.get("busy"):
         line += (
@@ -160,14 +184,14 @@ def _vs_baselines(v: ValidationResult) -> list[str]:
         return []
     out = [
         "",
-        "### Speedup against each PyTorch baseline (same device, p50)",
+        "### Speedup against each PyTorch baseline (same device; median of paired per-round ratios)",
         "",
         "| engine | " + " | ".join(sorted({k for e in rows for k in e.speedups})) + " |",
         "|---|" + "---|" * len({k for e in rows for k in e.speedups}),
     ]
     for e in rows:
         cells = [
-            ", ".join(f"{x:.2f}x @{bs}" for bs, x in e.speedups.get(k, {}).items()) or "-"
+            ", ".join(f"{_speedup(e, k, bs, 'x')} @{bs}" for bs in e.speedups.get(k, {})) or "-"
             for k in sorted({k for r in rows for k in r.speedups})
         ]
         out.append(f"| {e.name} | " + " | ".join(cells) + " |")
@@ -285,19 +309,12 @@ def _speed_table(v: ValidationResult) -> list[str]:
         "",
         "### Reduced precision vs FP32 and FP16, same backend and device",
         "",
-        "| engine | vs FP32 (p50 speedup per batch) | INT8/FP8 vs FP16 | verdict |",
+        "| engine | vs FP32 (speedup per batch, paired) | INT8/FP8 vs FP16 | verdict |",
         "|---|---|---|---|",
     ]
     for r in v.speed_vs_fp32:
-        cis = r.get("vs_fp32_ci", {})
-        ratios = (
-            ", ".join(
-                f"{x:.2f}x" + (f" ({cis[bs][0]:.2f}-{cis[bs][1]:.2f})" if bs in cis else "") + f" @{bs}"
-                for bs, x in r["vs_fp32"].items()
-            )
-            or "-"
-        )
-        fp16 = ", ".join(f"{x:.2f}x @{bs}" for bs, x in r.get("vs_fp16", {}).items()) or "-"
+        ratios = _per_batch(r["vs_fp32"], r.get("vs_fp32_ci", {}))
+        fp16 = _per_batch(r.get("vs_fp16", {}), r.get("vs_fp16_ci", {}))
         dropped = engines[r["engine"]].dropped if r["engine"] in engines else None
         judged = r[f"vs_{r.get('judged_against', 'fp32')}"]
         verdict = "faster" if judged.get(r["largest_batch"], 0) >= 1 else "not faster"
@@ -306,6 +323,11 @@ def _speed_table(v: ValidationResult) -> list[str]:
         verdict = f"**dropped**: {dropped}" if dropped else (slower if r["slower"] else verdict)
         out.append(f"| {r['engine']} | {ratios} | {fp16} | {verdict} |")
     return out
+
+
+def _per_batch(ratios: dict[str, float], cis: dict[str, Any]) -> str:
+    """``2.10x (1.90-2.30) @1, 3.00x @32``: a speedup per batch size, each with its interval where there is one."""
+    return ", ".join(f"{_times(x, cis.get(bs), 'x')} @{bs}" for bs, x in ratios.items()) or "-"
 
 
 def _peak(p: dict[str, Any]) -> str:

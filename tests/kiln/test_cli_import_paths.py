@@ -82,3 +82,18 @@ def test_no_config_in_a_workdir_of_another_run_is_refused_and_the_run_kept(
     )
     assert lines[1] == f"fix: give that run's config (`kiln {command} kiln.yaml`), or -w another folder for the demo"
     assert weights.read_bytes() == b"trained"
+
+
+def test_kiln_under_torchrun_is_refused_naming_both_ways_to_train_on_several_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torchrun -m kiln.cli train`: both ranks ran the whole command into one workdir and collided."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    result = CliRunner().invoke(main, ["train", "-w", str(tmp_path / "w"), "-q"])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 2, result.output
+    assert lines[0].startswith("error: kiln was started by torchrun (WORLD_SIZE=2)")
+    assert "train.distributed.nproc_per_node" in lines[1] and "kiln.stages.train.worker" in lines[1]
+    assert not (tmp_path / "w").exists()

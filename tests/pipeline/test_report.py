@@ -72,3 +72,27 @@ def test_a_precision_asked_for_without_an_engine_is_said_beside_the_verdict() ->
     assert result_line(report) == f"PASSED; no int8 engine ({why})"
     report["validation"]["engines"].append({"name": "x-int8", "precision": "int8", "status": "validated"})
     assert result_line(report) == "PASSED"
+
+
+def test_a_precision_variant_that_failed_is_said_beside_the_verdict(tmp_path: Path) -> None:
+    """A variant the precision stage could not make (its summary's ``failed``) has no engine: the run still passes
+    with the others, and the result line names the missing precision with the stage's reason."""
+    from kiln.core.records import EngineValidation
+    from kiln.pipeline.report import result_line
+    from kiln.stages.engines.declaration import BuildSummary, EngineEntry
+    from kiln.stages.precision.declaration import PrecisionSummary
+
+    why = "calibration input 'input' is 0 in every sample: its range is 0"
+    fp32 = {"name": "onnxruntime-cpu-fp32", "backend": "onnxruntime", "device": "cpu", "precision": "fp32"}
+    validation = VALIDATION.model_copy(update={"engines": [EngineValidation(**fp32, status="validated")]})
+    records = [
+        StageRecord("precision", "ran", 0.1, summary=PrecisionSummary(variants={"fp32": {}}, failed={"int8": why})),
+        StageRecord(
+            "build", "ran", 0.1, summary=BuildSummary(engines=[EngineEntry(**fp32, build_seconds=1, size_bytes=1)])
+        ),
+        StageRecord("validate", "ran", 0.1, summary=validation),
+    ]
+    cfg = config_from_dict(tiny_config_dict(), source=str(tmp_path / "kiln.yaml"))
+    report = build_report(RunResult(tmp_path / "wd", records), cfg)
+    assert report["ok"] and result_line(report) == f"PASSED; no int8 engine ({why})"
+    assert f"**Result: PASSED; no int8 engine ({why})**" in render_markdown(report)

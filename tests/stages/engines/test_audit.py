@@ -14,7 +14,7 @@ from onnxruntime.quantization.calibrate import CalibrationDataReader
 from kiln.core.errors import BuildError
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.stage import MislabelledEngine, build_direct
-from tests.stages.precision.test_audit import graph
+from tests.stages.precision.test_audit import attention, graph
 
 
 class Reader(CalibrationDataReader):
@@ -56,3 +56,17 @@ def test_an_fp16_graph_on_the_cpu_provider_computes_in_fp32(tmp_path: Path) -> N
     onnx.save(graph(onnx.TensorProto.FLOAT16), str(src))
     with pytest.raises(MislabelledEngine, match="computes 0% in fp16"):
         build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", "fp16", BuildConfig())
+
+
+def test_an_int8_encoder_s_fp32_attention_counts_at_the_sizes_built_for(tmp_path: Path) -> None:
+    """The attention MatMuls of a Q/DQ encoder run in FP32 on ONNX Runtime's CPU provider, their sizes symbolic in
+    the graph: at a short sequence the engine is mostly INT8, its FLOPs per sample with attention's; at seq 32
+    attention is most of its FLOPs and the INT8 label is refused (it used to read "int8 100 %")."""
+    src = tmp_path / "attention.onnx"
+    onnx.save(attention(), str(src))
+    meta = build_direct(src, tmp_path / "short", "onnxruntime", "cpu", "int8", BuildConfig(), {"seq": [4]})
+    linear, attn = 3 * 2 * 4 * 8 * 8, 2 * 2 * 4 * 4 * 8
+    assert meta.audit["flops_per_sample"] == linear + attn and meta.audit["share"]["int8"] == 0.75
+    assert meta.audit["uncounted_nodes"] == {} and meta.audit["share_covers_nodes"] == 1.0
+    with pytest.raises(MislabelledEngine, match="computes 27% in int8"):
+        build_direct(src, tmp_path / "long", "onnxruntime", "cpu", "int8", BuildConfig(), {"seq": [32]})

@@ -3,12 +3,15 @@ graph contradicts."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kiln.stages.precision.audit import audit_graph, label_problem
+from kiln.stages.precision import audit as audit_module
+from kiln.stages.precision.audit import Audit, audit_graph, label_problem
 
 
 def graph(dtype: int = TensorProto.FLOAT, qdq: bool = False) -> onnx.ModelProto:
@@ -87,4 +90,69 @@ def test_recurrent_layers_count_their_flops(op: str, gates: int, layout: int) ->
         ],
     )
     audit = audit_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), {"seq": 7})
-    assert audit.flops["fp32"] == 2 * 7 * dirs * gates * hidden * (inputs + hidden) and audit.uncounted == 0
+    assert audit.flops["fp32"] == 2 * 7 * dirs * gates * hidden * (inputs + hidden) and not audit.uncounted
+
+
+def attention(d: int = 8) -> onnx.ModelProto:
+    """x [batch, seq, d] -> q, k, v (INT8 Q/DQ MatMuls) -> softmax(q k^T) v: two activation x activation MatMuls in
+    FP32. k passes a Slice to the sequence's length, its end taken from x's Shape (as a transformer's position ids
+    are): onnx's shape inference leaves k's length unknown even at concrete input sizes, so both attention MatMuls."""
+    inits = [
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+        numpy_helper.from_array(np.array([0], np.int64), "zero"),
+        numpy_helper.from_array(np.array([1], np.int64), "one"),
+    ]
+    nodes = []
+    for w in "qkv":
+        inits.append(numpy_helper.from_array(np.ones((d, d), np.int8), f"w{w}"))
+        nodes += [
+            helper.make_node("DequantizeLinear", [f"w{w}", "s", "z"], [f"w{w}f"]),
+            helper.make_node("MatMul", ["x", f"w{w}f"], [w], name=f"mm_{w}"),
+        ]
+    nodes += [
+        helper.make_node("Shape", ["x"], ["seq"], start=1, end=2),
+        helper.make_node("Slice", ["k", "zero", "seq", "one"], ["ks"]),
+        helper.make_node("Transpose", ["ks"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="scores"),
+        helper.make_node("Softmax", ["scores"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["y"], name="context"),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "attention",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_attention_matmuls_on_symbolic_sizes_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An INT8 encoder's FP32 attention MatMuls count at the sizes given: at seq 32 they are most of its FLOPs, so
+    it is not "int8 100 %" and an INT8 label is refused."""
+    seq, d = 32, 8
+    linear, attn = 3 * 2 * seq * d * d, 2 * 2 * seq * seq * d  # q, k, v projections; q k^T and probs v
+    a = audit_graph(attention(d), {"seq": seq})
+    assert a.flops == {"int8": linear, "fp32": attn} and not a.uncounted and a.covers() == 1.0
+    assert a.share() == {"int8": round(linear / (linear + attn), 4), "fp32": round(attn / (linear + attn), 4)}
+    assert a.label() == "fp32" and "labelled int8, it computes 27% in int8" in label_problem(a.record(), "int8")
+
+    # without ONNX Runtime's symbolic shape inference (the audit before it), onnx's alone leaves them uncounted
+    monkeypatch.setattr(audit_module, "_symbolic_shapes", lambda model: {})
+    before = audit_graph(attention(d), {"seq": seq})
+    assert before.flops == {"int8": linear} and before.share() == {"int8": 1.0}
+    # ... recorded by precision, and the share says what it covers and how low it may be
+    record = before.record()
+    assert record["uncounted_nodes"] == {"fp32": 2} and record["share_covers_nodes"] == 0.6
+    assert record["share_floor"] == {"int8": round(linear / (linear + 2 * linear // 3), 4)}  # each as mm_q
+
+
+def test_uncounted_nodes_weigh_against_a_low_label() -> None:
+    """A compute node whose FLOPs cannot be counted is not dropped from the judgement: each weighs as the largest
+    counted node, in the precision it runs in, against the others (the share's floor)."""
+    a = Audit(flops=Counter(int8=300), nodes=Counter(int8=3, fp32=4), uncounted=Counter(fp32=4), largest=100)
+    assert a.share() == {"int8": 1.0} and a.floor() == {"int8": round(300 / 700, 4)} and a.label() == "fp32"
+    assert "as little as 43% with its uncounted compute nodes {'fp32': 4}" in label_problem(a.record(), "int8")
+    int8 = Audit(flops=Counter(int8=300), nodes=Counter(int8=4), uncounted=Counter(int8=1), largest=100)
+    assert int8.floor() == {"int8": 1.0} and label_problem(int8.record(), "int8") is None

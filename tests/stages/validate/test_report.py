@@ -31,3 +31,30 @@ def test_a_model_without_class_logits_shows_its_relative_error_gate_and_no_top1_
     assert len(separator) == len(header) and all(len(r) == len(header) for r in rows)
     row = dict(zip(header, rows[-1]))
     assert row["rel err"] == "0.01137 (≤ 0.141421)" and row["top-1 agree"] == "-", row
+
+
+def test_a_speedup_is_shown_with_its_interval_and_said_to_be_a_median_of_paired_ratios() -> None:
+    """A speedup is the median of per-round ratios, which can differ from the ratio of the p50s beside it (a busy
+    round): its cell gives the interval and the timing note says what both figures are."""
+    from kiln.core.timing import ratio_interval
+    from kiln.stages.validate.baselines import speedups
+
+    def timed(rounds: list[float], p50: float) -> dict[str, Percentiles]:
+        return {"8": Percentiles(p50=p50, p90=p50, p99=p50, ci95=(min(rounds), max(rounds)), rounds=rounds)}
+
+    eager = Baseline(accuracy=None, samples=8, latency_ms=timed([6.0, 9.0, 1.5], 6.332), kind="eager", device="cpu")
+    engine = EngineValidation(
+        name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated", passed=True
+    )
+    engine.latency_ms = timed([0.4, 0.6, 0.7], 0.584)
+    engine.speedups, engine.speedup_ci = speedups("cpu", engine.latency_ms, [eager])
+    engine.speedup_vs_baseline = engine.speedups["eager-cpu"]
+    timing = {"rounds": 3, "load_before": 1.0, "load_after": 1.0, "cpus": 2}
+    v = ValidationResult(passed=True, baseline=eager, baselines=[eager], engines=[engine], failures=[], timing=timing)
+    lines = report_section(v)
+    header, _, _, row = _table(lines)
+    lo, hi = ratio_interval([6.0, 9.0, 1.5], [0.4, 0.6, 0.7])
+    assert dict(zip(header, row))["speedup @8"] == f"15.00 ({lo:.2f}-{hi:.2f})"  # not 6.332 / 0.584 = 10.84
+    note = next(line for line in lines if line.startswith("Latency:"))
+    assert "p50 is the median of every call of all rounds" in note
+    assert "A speedup is the median of the per-round ratios (baseline / engine, paired round by round)" in note

@@ -48,6 +48,25 @@ def test_kiln_build_of_a_file_takes_signature_shapes_for_its_named_axes(token_on
     assert json.loads((out / "kiln-engine.json").read_text())["axis_ranges"] == {"seq": [8, 16]}
 
 
+@pytest.mark.tensorrt
+def test_kiln_build_of_a_file_takes_signature_batch_sizes_for_its_profile(zoo, tmp_path: Path) -> None:
+    """`kiln build model.onnx --backend tensorrt` sizes the profile's batch from signature.batch_sizes, as the
+    pipeline's build does: an engine asked for batch 64 takes it."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    out = tmp_path / "e"
+    args = ["build", str(zoo("cnn")), "--backend", "tensorrt", "-o", str(out), "--set", "signature.batch_sizes=[1,64]"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    meta = json.loads((out / "kiln-engine.json").read_text())
+    assert meta["batch_range"] == [1, 64]
+    assert [p["max"][0] for profile in meta["backend_info"]["profiles"] for p in profile.values()] == [64]
+
+
 @pytest.fixture(scope="module")
 def token_onnx(tmp_path_factory) -> Path:
     from kiln.stages.export.stage import export_onnx
