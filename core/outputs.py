@@ -3,7 +3,8 @@
 A model may return a tensor, a tuple, a dict or a HuggingFace ``ModelOutput`` (an ordered dict whose unset
 fields are ``None``), nested or not. Every stage sees them flattened the same way, so an ONNX output, a PyTorch
 output and a validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for tuple items, the keys
-of a dict, and ``parent.child`` paths inside nested ones.
+of a dict, and ``parent.child`` paths inside nested ones. A ``None`` among them (an absent loss: nanoGPT's
+``(logits, None)``) is left out, as ``torch.onnx.export`` leaves it out; the others keep their names.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from kiln.core.labels import floating
 SINGLE_OUTPUT = "logits"
 
 
-def flatten_outputs(out: Any, ref: str = "model") -> dict[str, torch.Tensor]:
+def flatten_outputs(out: Any, ref: str = "model", left_out: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Named output tensors in the model's order; anything that is not a tensor is a :class:`ModelError`. Nested
     tuples, lists, dicts and ModelOutputs (CLIP's ``text_model_output``) are flattened too, their tensors named by
-    their path (``text_model_output.pooler_output``, ``output_1.0``)."""
+    their path (``text_model_output.pooler_output``, ``output_1.0``). A ``None`` inside them is left out (an ONNX
+    graph has no None outputs) and the other items keep their names, so ``(logits, None)`` gives ``output_0``;
+    ``left_out``, where given, receives the names of those left out."""
     if isinstance(out, torch.Tensor):
         return {SINGLE_OUTPUT: out}
     if not isinstance(out, (Mapping, tuple, list)):
@@ -35,26 +38,28 @@ def flatten_outputs(out: Any, ref: str = "model") -> dict[str, torch.Tensor]:
             f"{ref} returns {type(out).__name__}, not a tensor, tuple, dict or ModelOutput",
             hint="return the output tensors from forward()",
         )
-    items = dict(_leaves(out, "", ref))
+    items = dict(_leaves(out, "", ref, left_out if left_out is not None else []))
     if not items:
         raise ModelError(f"{ref} returns no tensor", hint="return the output tensors from forward()")
     return items
 
 
-def _leaves(value: Any, path: str, ref: str) -> list[tuple[str, torch.Tensor]]:
+def _leaves(value: Any, path: str, ref: str, left_out: list[str]) -> list[tuple[str, torch.Tensor]]:
     """``(path, tensor)`` of every tensor inside a container output; ``path`` is the container's own name ("" at
-    the top, where tuple items are ``output_<i>``)."""
-    if isinstance(value, Mapping):  # dicts and ModelOutput (unset optional fields are None and left out)
-        children = [(str(k), v) for k, v in value.items() if v is not None]
+    the top, where tuple items are ``output_<i>``). The paths of ``None`` items go to ``left_out``."""
+    if isinstance(value, Mapping):  # dicts and ModelOutput (whose unset optional fields are not among its items)
+        children = [(str(k), v) for k, v in value.items()]
     else:
         children = [(f"output_{i}" if not path else str(i), v) for i, v in enumerate(value)]
     leaves: list[tuple[str, torch.Tensor]] = []
     for key, child in children:
         name = f"{path}.{key}" if path else key
-        if isinstance(child, torch.Tensor):
+        if child is None:
+            left_out.append(name)
+        elif isinstance(child, torch.Tensor):
             leaves.append((name, child))
         elif isinstance(child, (Mapping, tuple, list)):
-            leaves += _leaves(child, name, ref)
+            leaves += _leaves(child, name, ref, left_out)
         else:
             kind = type(child).__name__
             hint = (
@@ -118,11 +123,11 @@ class FlatModel(nn.Module):
         return tuple(flatten_outputs(call(self.model, rebuild(self.like, list(xs)))).values())
 
 
-def named_outputs(model: nn.Module, x: Any) -> dict[str, torch.Tensor]:
+def named_outputs(model: nn.Module, x: Any, left_out: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The model's outputs on ``x`` by name, computed as a graph computes them (:func:`as_traced`): the reference
-    every exported or compiled engine is held to."""
+    every exported or compiled engine is held to. ``left_out``: as for :func:`flatten_outputs`."""
     with as_traced():
-        return flatten_outputs(call(model, x))
+        return flatten_outputs(call(model, x), left_out=left_out)
 
 
 def host_arrays(outputs: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

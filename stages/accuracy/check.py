@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core.compare import OutputStats, class_axis, compare_outputs, worst
-from kiln.core.data import DatasetSplits, Feed, feed_rows, feed_take, rows, take
+from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
 from kiln.core.errors import ModelError
 from kiln.core.labels import IGNORE_LABEL, per_position
 from kiln.core.labels import accuracy as label_accuracy
@@ -237,23 +237,23 @@ class Reference:
 
     @property
     def feed(self) -> Feed:
-        """The inputs at the data's own shape (the last point: the largest sizes), for accuracy and latency."""
+        """The inputs at the last point (the largest sizes), for accuracy and latency."""
         return self.feeds[-1][1]
 
     @property
     def labels(self) -> np.ndarray | None:
-        """The labels of :attr:`feed`, for accuracy."""
+        """The labels of :attr:`feed`, for accuracy: per position, cut or padded as the inputs are."""
         return self.point_labels[-1]
 
     def accuracy_of(self, outputs: dict[str, np.ndarray]) -> float | None:
-        """Task accuracy of outputs at the data's own shape (None: no class logits or no labels)."""
+        """Task accuracy of outputs at :attr:`feed` (None: no class logits or no labels)."""
         if self.logits is None or self.labels is None or self.logits not in outputs:
             return None
         check_labels_fit(outputs[self.logits], self.labels, self.logits)
         return label_accuracy(outputs[self.logits], self.labels)
 
     def metric_of(self, outputs: dict[str, np.ndarray]) -> float | None:
-        """``validate.metric`` of outputs at the data's own shape (None: no metric configured)."""
+        """``validate.metric`` of outputs at :attr:`feed` (None: no metric configured)."""
         if self.metric is None or self.targets is None:
             return None
         return self.metric(outputs, self.targets)
@@ -291,7 +291,7 @@ def held_out(
     max_samples: int | None,
 ) -> list[tuple[dict[str, int], Feed]]:
     """The held-out rows (``validate.max_samples`` at most) as named inputs at every validated shape: the sizes of
-    each dynamic axis in the data (train and held-out) or ``signature.shapes``, the data's own last."""
+    each dynamic axis in the data (train and held-out) or ``signature.shapes``, the largest last."""
     n = rows(data.val_x) if max_samples is None else min(max_samples, rows(data.val_x))
     feed = to_feed(take(data.val_x, slice(0, n)))
     seen = [to_feed(data.train_x), feed] if rows(data.train_x) else [feed]
@@ -318,14 +318,25 @@ def held_out_reference(
             f"validate.metric '{cfg.metric}' needs labels, and the data has none (val_y is None)",
             hint="return held-out labels from the data function, or remove validate.metric",
         )
-    point_labels = labels_at_points(labels, feeds[-1][1], feeds, axes)
+    own = own_feed(data, feeds, n)
+    point_labels = labels_at_points(labels, own, feeds, axes)
+    # the metric reads the last point's outputs: per-position targets follow the inputs there too
+    followed = labels_at_points(targets, own, feeds[-1:], axes)[0] if targets is not None else None
+    targets = targets if followed is None else followed
     return Reference(run, feeds, point_labels, logits, max(batch_sizes), min(batch_sizes), targets, metric)
+
+
+def own_feed(data: DatasetSplits, feeds: list[tuple[dict[str, int], Feed]], n: int) -> Feed:
+    """The first ``n`` held-out rows at the data's own sizes, named as in ``feeds``: what the labels are shaped by.
+    No validated point need have these sizes (``signature.shapes: {seq: [4, 24]}`` on data of length 16 pads every
+    row to 24 at the last one), so they are not taken from the feeds."""
+    return feed_for_graph(take(data.val_x, slice(0, n)), list(feeds[0][1]))
 
 
 @dataclass
 class Comparison:
     """A candidate against the reference at every validated shape: statistics per output (the worst over shapes
-    and batch sizes), task accuracy and metric at the data's own shape, the shapes it could not take, and what
+    and batch sizes), task accuracy and metric at the last shape, the shapes it could not take, and what
     ``inspect`` found wrong with single calls."""
 
     stats: dict[str, OutputStats] = field(default_factory=dict)
@@ -333,7 +344,7 @@ class Comparison:
     metric: float | None = None
     untaken: list[dict[str, int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    last: dict[str, np.ndarray] | None = None  # the candidate's outputs at the data's own shape
+    last: dict[str, np.ndarray] | None = None  # the candidate's outputs at the last shape
 
 
 def compare_on(

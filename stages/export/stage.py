@@ -100,8 +100,11 @@ def export_onnx(
     model = model.eval()
     check_axes_name_inputs(model, example, dynamic_axes)
     names = input_names(model, example)
+    left_out: list[str] = []
     with torch.no_grad():
-        shapes = {k: tuple(v.shape) for k, v in named_outputs(model, example).items()}
+        shapes = {k: tuple(v.shape) for k, v in named_outputs(model, example, left_out).items()}
+    if left_out:
+        log.info("left out output %s: the model returns None there (an ONNX graph has no None outputs)", left_out)
     outputs = list(shapes)
     errors = []
     # Inputs and outputs are exported under placeholder names and get their real names after (name_io)
@@ -358,6 +361,7 @@ def parity(
     if ref is None:
         ref = _torch_outputs(model, x)
     sess = session if session is not None else ort_session(onnx_path)
+    _same_outputs(list(ref), [o.name for o in sess.get_outputs()], "at " + (at or f"batch {rows(x)}"))
     got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
@@ -368,6 +372,19 @@ def parity(
         _refuse_non_finite(name, r, g, at)
     errs = {name: max_abs_err(r, g) for (name, r), g in zip(ref.items(), got)}
     return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
+
+
+def _same_outputs(names: list[str], exported: list[str], at: str) -> None:
+    """The model returns the outputs the graph was exported with (``names``: PyTorch's at ``at``). An output that is
+    None on some calls and a tensor on others (it depends on the batch) has no place in a graph: the export left it
+    out, or kept it, as the example it traced had it."""
+    now = [f"'{n}' a tensor" for n in names if n not in exported] + [f"'{n}' None" for n in exported if n not in names]
+    if now:
+        raise ModelError(
+            f"the model returns output {', '.join(now)} {at}, but not on the example the graph was exported with: "
+            "a None output is left out of the graph, so it must be None on every call",
+            hint="return each output as a tensor on every call, or as None on every call (an absent loss)",
+        )
 
 
 class ShapeMismatch(ModelError):

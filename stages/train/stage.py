@@ -156,7 +156,7 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
         raise err from exc
     finally:
         model.train()
-    flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor
+    flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
         check_task(task, out, y[:2], data.num_classes, model_ref)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.core.outputs import named_outputs
+from kiln.core.errors import ModelError
+from kiln.core.outputs import flatten_outputs, named_outputs
 
 
 class _Tagger(nn.Module):
@@ -49,3 +50,22 @@ def test_padded_positions_are_computed_as_an_exported_graph_computes_them(tmp_pa
     export_onnx(model, x, tmp_path / "m.onnx")
     exported = ort_run(ort_session(tmp_path / "m.onnx"), {k: v.numpy() for k, v in x.items()})[0]
     torch.testing.assert_close(torch.from_numpy(exported), got, atol=1e-4, rtol=1e-4)
+
+
+def test_none_outputs_are_left_out_and_the_others_keep_their_names() -> None:
+    """nanoGPT's forward without targets returns ``(logits, None)``: the None is left out, as torch.onnx.export
+    leaves it out, and the logits stay ``output_0`` (as in the graph), wherever in the structure the None is."""
+    a, b = torch.zeros(2, 3), torch.ones(2, 1)
+    left_out: list[str] = []
+    assert list(flatten_outputs((a, None), left_out=left_out)) == ["output_0"] and left_out == ["output_1"]
+    left_out.clear()
+    assert list(flatten_outputs((None, (b, None), {"loss": None, "y": a}), left_out=left_out)) == [
+        "output_1.0",
+        "output_2.y",
+    ]
+    assert left_out == ["output_0", "output_1.1", "output_2.loss"]
+    assert list(flatten_outputs({"logits": a, "loss": None})) == ["logits"]
+    with pytest.raises(ModelError, match="returns no tensor"):
+        flatten_outputs((None, None))
+    with pytest.raises(ModelError, match="returns output 'output_1' as str, not a tensor"):
+        flatten_outputs((a, "loss"))

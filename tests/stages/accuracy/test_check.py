@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from kiln.core.errors import ModelError
+from kiln.core.labels import IGNORE_LABEL
 from kiln.stages.accuracy.check import Reference
 
 
@@ -127,3 +129,45 @@ def test_top1_agreement_is_a_rate_over_the_held_out_rows_not_one_spot_checked_ro
     got = compare_on(ref, engine, [1, 8])
     assert got.stats["logits"].top1_agreement == 1.0
     assert got.stats["logits"].max_abs_err == pytest.approx(0.001, rel=1e-3)  # the batch-1 kernel's error counts
+
+
+class _CausalLM(torch.nn.Module):
+    """A tiny causal language model: each position's logits from the mean of the embeddings up to it."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(vocab, 8), torch.nn.Linear(8, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx).cumsum(1) / torch.arange(1, idx.shape[1] + 1).view(1, -1, 1)
+        return self.head(h)
+
+
+def test_next_token_labels_follow_the_input_to_validated_lengths_past_the_data() -> None:
+    """Data of length 16 validated at ``signature.shapes: {seq: [4, 24]}``: no validated point has the data's own
+    length, and the labels are cut to 4 and padded with -100 to 24 as the input is. Before: the padded last point
+    was taken for the data's own shape, and labels [N, 16] did not fit the logits [N, 24, vocab]."""
+    from kiln.core.data import DatasetSplits, as_feed
+    from kiln.core.labels import accuracy
+    from kiln.stages.accuracy.check import held_out, held_out_reference
+    from kiln.stages.accuracy.config import CheckConfig
+
+    vocab = 10
+    seqs = (torch.randint(0, vocab, (24, 1), generator=torch.Generator().manual_seed(0)) + torch.arange(17)) % vocab
+    x, y = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+    data = DatasetSplits(x[:16], y[:16], x[16:], y[16:], num_classes=vocab)
+    model, axes = _CausalLM(vocab).eval(), {"input": {1: "seq"}}
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            return {"logits": model(torch.from_numpy(feed["input"])).numpy()}
+
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), axes, {"seq": [4, 24]}, None)
+    assert [p for p, _ in feeds] == [{"seq": 4}, {"seq": 24}]
+    ref = held_out_reference(run, feeds, data, "logits", CheckConfig(), [1, 8], axes)
+    short, long = ref.point_labels
+    assert np.array_equal(short, y[16:, :4].numpy())
+    assert np.array_equal(long[:, :16], y[16:].numpy()) and (long[:, 16:] == IGNORE_LABEL).all()
+    own = run({"input": x[16:].numpy()})["logits"]  # causal: the padding changes no labelled position's logits
+    assert ref.accuracy == pytest.approx(accuracy(own, y[16:].numpy()))

@@ -257,3 +257,45 @@ def test_the_sizes_a_unet_takes_are_found_in_steps() -> None:
     assert size_steps(_TinyUNet().eval(), data, ["input"], axes, shapes) == {"height": [2, 0], "width": [2, 0]}
     plain = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1)).eval()
     assert size_steps(plain, data, ["input"], axes, shapes) == {}
+
+
+class NoLoss(nn.Module):
+    """Research code's forward without targets: ``(logits, None)``; ``aux_from``: a second output that is a tensor
+    from that batch size on and None below it."""
+
+    def __init__(self, aux_from: int | None = None) -> None:
+        super().__init__()
+        self.proj, self.aux_from = nn.Linear(4, 3), aux_from
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.proj(x)
+        aux = logits.sum(1) if self.aux_from is not None and x.shape[0] >= self.aux_from else None
+        return logits, aux
+
+
+def test_a_none_output_is_left_out_of_the_export_and_the_reference(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: 'returns output 'output_1' as NoneType, not a tensor'. The None is left out (said in one info line),
+    the logits keep their name, and the graph and PyTorch's outputs pair up at another batch."""
+    from kiln.stages.export.stage import batch_parity
+
+    model, x = NoLoss().eval(), torch.randn(8, 4)
+    with caplog.at_level("INFO", logger="kiln.export"):
+        proto = export_onnx(model, x[:2], tmp_path / "m.onnx")
+    assert [o.name for o in proto.graph.output] == ["output_0"]
+    assert [r.getMessage() for r in caplog.records if "left out" in r.getMessage()] == [
+        "left out output ['output_1']: the model returns None there (an ONNX graph has no None outputs)"
+    ]
+    check = batch_parity(model, tmp_path / "m.onnx", x[:2], x, 1e-4)
+    assert list(check["per_output"]) == ["output_0"] and check["max_abs_err"] < 1e-5
+
+
+def test_an_output_that_is_none_on_some_calls_only_is_a_model_error(tmp_path: Path) -> None:
+    """None at the export's example (batch 2) and a tensor at batch 8: the graph cannot have it both ways."""
+    from kiln.stages.export.stage import batch_parity
+
+    model, x = NoLoss(aux_from=4).eval(), torch.randn(8, 4)
+    export_onnx(model, x[:2], tmp_path / "m.onnx")
+    with pytest.raises(ModelError, match=r"returns output 'output_1' a tensor at batch 8, but not on the example"):
+        batch_parity(model, tmp_path / "m.onnx", x[:2], x, 1e-4)
