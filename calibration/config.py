@@ -89,7 +89,9 @@ class CalibrationConfig(Section):
         "INT8 graph, TensorRT's Q/DQ one too; weights only: calibration ranges are shared",
     )
     exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
-    exclude_op_types: list[str] = Field(default_factory=list, description="op types kept in float, e.g. [Softmax]")
+    exclude_op_types: list[str] = Field(
+        default_factory=list, description="op types among op_types kept in float, e.g. [Gemm]"
+    )
     exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")
     cache: bool = Field(True, description="reuse calibration ranges across runs (keyed on model, data, settings)")
     trt_table: bool = Field(True, description="also write a TensorRT 10 IInt8Calibrator calibration table")

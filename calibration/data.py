@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
 from kiln.core.user_errors import running_user_code, user_frame
 from kiln.models.registry import resolve_callable
 
@@ -43,8 +44,9 @@ def dataset_batches(
     return batches
 
 
-def read_reader(cfg: CalibrationConfig) -> list[np.ndarray]:
-    """Call the user's reader and take its first ``num_batches`` batches, as they come."""
+def read_reader(cfg: CalibrationConfig) -> list[Batch]:
+    """Call the user's reader and take its first ``num_batches`` batches, as they come: an array, or a dict of
+    arrays by input name (a ``(x, y)`` pair gives its ``x``)."""
     assert cfg.reader is not None
     fn = resolve_callable(cfg.reader, {}, "calibration reader")
     what = f"calibration reader '{cfg.reader}'"
@@ -60,31 +62,94 @@ def read_reader(cfg: CalibrationConfig) -> list[np.ndarray]:
         if not isinstance(source, Iterable):
             raise ConfigError(
                 f"calibration.reader '{cfg.reader}' returned {type(source).__name__}, not an iterable",
-                hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape]",
+                hint="return (or yield) numpy arrays / torch tensors of shape [batch, *input_shape], or dicts of them "
+                "keyed by input name",
             )
-        batches = [item for _, item in zip(range(cfg.num_batches), _as_arrays(source))]
+        batches = [item for _, item in zip(range(cfg.num_batches), _as_batches(source))]
     if not batches:
         raise ConfigError(f"calibration.reader '{cfg.reader}' yielded no batches", hint="yield at least one batch")
     return batches
 
 
-def reader_batches(cfg: CalibrationConfig, sample_shape: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
-    """The user reader's batches, checked against the model's input and cast to its dtype."""
-    batches = read_reader(cfg)
-    for i, item in enumerate(batches):
-        if tuple(item.shape[1:]) != tuple(sample_shape):
+SHAPE_HINT = "preprocess calibration data exactly like validation data"
+
+
+def reader_batches(cfg: CalibrationConfig, inputs: list[TensorSpec]) -> list[Batch]:
+    """The user reader's batches, checked against the model's ``inputs`` and cast to their dtypes. A named
+    (dynamic) axis takes any size, one size per batch wherever the graph names it. One input: its array per
+    batch (a dict keyed by its name is read too); several: a dict of every input, keyed by name."""
+    out: list[Batch] = []
+    for i, item in enumerate(read_reader(cfg)):
+        feed = _reader_feed(cfg, i, item, inputs)
+        _check_shapes(i, feed, inputs)
+        for name, array in feed.items():
+            problem = _unusable(array)
+            if problem is not None:
+                where = f" input '{name}'" if len(inputs) > 1 else ""
+                raise ConfigError(
+                    f"calibration batch {i}{where} of reader '{cfg.reader}' {problem}",
+                    hint="yield real numbers, one row or more per batch, preprocessed exactly like validation data",
+                )
+        cast = {s.name: feed[s.name].astype(np.dtype(s.dtype), copy=False) for s in inputs}
+        out.append(cast if len(inputs) > 1 else cast[inputs[0].name])
+    return out
+
+
+def _reader_feed(cfg: CalibrationConfig, i: int, item: Batch, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    """A reader's batch keyed by the model's input names; keys that are not exactly those are an error."""
+    names = [s.name for s in inputs]
+    if not isinstance(item, dict):
+        if len(names) > 1:
             raise ConfigError(
-                f"calibration batch {i} has shape {tuple(item.shape)}, the model takes "
-                f"[batch, {', '.join(map(str, sample_shape))}]",
-                hint="preprocess calibration data exactly like validation data",
+                f"calibration batch {i} of reader '{cfg.reader}' is one array; the model takes {len(names)} "
+                f"inputs ({', '.join(names)})",
+                hint="yield a dict {input name: batch} holding every input",
             )
-        problem = _unusable(item)
-        if problem is not None:
+        return {names[0]: item}
+    missing = [n for n in names if n not in item]
+    extra = [k for k in item if k not in names]
+    if missing or extra:
+        said = [f"lacks {', '.join(map(repr, missing))}"] if missing else []
+        said += [f"has {', '.join(map(repr, extra))}, which the model does not take"] if extra else []
+        raise ConfigError(
+            f"calibration batch {i} of reader '{cfg.reader}' {' and '.join(said)}",
+            hint=f"key each batch by the model's input names: {', '.join(names)}",
+        )
+    return item
+
+
+def _check_shapes(i: int, feed: dict[str, np.ndarray], inputs: list[TensorSpec]) -> None:
+    """Each array's rank and fixed sizes as its input's; sizes of one named axis (the batch axis included) equal
+    across the inputs of the batch."""
+    seen: dict[str, tuple[str, int]] = {}  # axis name -> (the input it was first read from, its size there)
+    for spec in inputs:
+        array = feed[spec.name]
+        dims = _axes(spec)
+        where = f"calibration batch {i}" + (f" input '{spec.name}'" if len(inputs) > 1 else "")
+        fixed = [d if isinstance(d, int) and d > 0 else None for d in dims]
+        if array.ndim != len(dims) or any(f is not None and f != n for f, n in zip(fixed, array.shape)):
             raise ConfigError(
-                f"calibration batch {i} of reader '{cfg.reader}' {problem}",
-                hint="yield real numbers, one row or more per batch, preprocessed exactly like validation data",
+                f"{where} has shape {tuple(array.shape)}, the model takes [{', '.join(str(d or '?') for d in dims)}]",
+                hint=SHAPE_HINT,
             )
-    return [item.astype(dtype, copy=False) for item in batches]
+        for axis, size in zip(dims, array.shape):
+            if isinstance(axis, str) and axis:
+                first, had = seen.setdefault(axis, (spec.name, size))
+                if had != size:
+                    raise ConfigError(
+                        f"calibration batch {i}: input '{spec.name}' has {axis} = {size} and input '{first}' "
+                        f"{axis} = {had}; the model takes one {axis} for both",
+                        hint="yield the inputs of one batch at matching sizes",
+                    )
+
+
+def _axes(spec: TensorSpec) -> list[int | str]:
+    """An input's axes as a reader's batch must match them: a fixed size, a named axis, or 0 (any size); the
+    first is the batch axis, ``batch`` unless the graph names it."""
+    if not spec.shape:
+        return []
+    first = spec.shape[0]
+    return [first if isinstance(first, str) and first else "batch", *spec.shape[1:]]
 
 
 def _unusable(item: np.ndarray) -> str | None:
@@ -99,30 +164,42 @@ def _unusable(item: np.ndarray) -> str | None:
     return None
 
 
-def _as_arrays(source: Iterable[Any]) -> Iterator[np.ndarray]:
+def _as_batches(source: Iterable[Any]) -> Iterator[Batch]:
     for item in source:
-        if isinstance(item, dict):  # {input_name: array}, the ONNX Runtime reader convention
-            item = next(iter(item.values()))
         if isinstance(item, (tuple, list)):  # (x, y) pairs from a DataLoader
             item = item[0]
-        if isinstance(item, torch.Tensor):  # one that needs grad, lives on a GPU, or is bfloat16 (no numpy type)
-            item = item.detach().cpu()
-            yield (item.float() if item.dtype == torch.bfloat16 else item).numpy()
+        if isinstance(item, Mapping):  # {input_name: array}, the ONNX Runtime reader convention
+            yield {str(k): _as_array(v) for k, v in item.items()}
         else:
-            yield np.asarray(item)
+            yield _as_array(item)
+
+
+def _as_array(item: Any) -> np.ndarray:
+    if isinstance(item, torch.Tensor):  # one that needs grad, lives on a GPU, or is bfloat16 (no numpy type)
+        item = item.detach().cpu()
+        return (item.float() if item.dtype == torch.bfloat16 else item).numpy()
+    return np.asarray(item)
 
 
 def calibration_batches(
-    data: DatasetSplits, cfg: CalibrationConfig, seed: int = 0, names: list[str] | None = None
+    data: DatasetSplits,
+    cfg: CalibrationConfig,
+    seed: int = 0,
+    names: list[str] | None = None,
+    inputs: list[TensorSpec] | None = None,
 ) -> list[Batch]:
+    """The calibration batches: the reader's, checked against ``inputs`` (the graph's; default: the data's own,
+    by ``names``), else the dataset's."""
     if cfg.reader:
-        if len(tensors(data.val_x)) > 1:
-            raise ConfigError(
-                "calibration.reader feeds one input; this model takes several",
-                hint="remove calibration.reader: calibration then uses the dataset's inputs",
-            )
-        return reader_batches(cfg, data.input_shape, tensors(data.val_x)[0].numpy().dtype)
+        return reader_batches(cfg, inputs or _data_inputs(data, names))
     return dataset_batches(data, cfg, seed, names)
+
+
+def _data_inputs(data: DatasetSplits, names: list[str] | None) -> list[TensorSpec]:
+    """The data's inputs as a graph would take them: any batch size, a sample's shape, the data's dtype."""
+    parts = tensors(data.val_x)
+    keys = names or list(data.sample_shapes)
+    return [TensorSpec(name=k, shape=["batch", *t.shape[1:]], dtype=str(t.numpy().dtype)) for k, t in zip(keys, parts)]
 
 
 def hash_batches(batches: list[Batch]) -> str:

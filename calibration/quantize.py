@@ -3,6 +3,7 @@ symmetric activations, QuantizeLinear/DequantizeLinear pairs (the form TensorRT 
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 from collections.abc import Iterable
@@ -14,7 +15,7 @@ import onnx
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import resolve_reduce_range
-from kiln.core.errors import ModelError
+from kiln.core.errors import ConfigError, ModelError
 from kiln.core.onnx_io import value_names
 from kiln.core.text import first_line
 
@@ -30,12 +31,42 @@ def first_last_compute(model: onnx.ModelProto) -> list[str]:
 
 
 def excluded_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, extra: Iterable[str] = ()) -> list[str]:
-    """Nodes kept in float: configured names, configured op types, first/last layer, and fallback's picks."""
+    """Nodes kept in float: configured names, configured op types, first/last layer, and fallback's picks. An
+    excluded op type outside ``op_types`` adds no node: it is never quantized, so nothing is kept for it."""
     names = set(cfg.exclude_nodes) | set(extra)
-    names |= {n.name for n in model.graph.node if n.op_type in cfg.exclude_op_types}
+    names |= {n.name for n in model.graph.node if n.op_type in cfg.exclude_op_types and n.op_type in cfg.op_types}
     if cfg.exclude_first_last:
         names |= set(first_last_compute(model))
     return sorted(names)
+
+
+def check_exclusions(model: onnx.ModelProto, cfg: CalibrationConfig) -> None:
+    """Names in ``exclude_nodes`` and ``exclude_op_types`` that the graph does not have are one error, with the
+    closest real names: a typo would otherwise keep nothing in float, silently. An excluded op type the graph
+    has but ``op_types`` does not quantize is logged: it stays float anyway."""
+    nodes = [n.name for n in model.graph.node]
+    ops = sorted({n.op_type for n in model.graph.node})
+    known = set(nodes)
+    wrong = [("exclude_nodes", "node", n, nodes) for n in cfg.exclude_nodes if n not in known]
+    wrong += [("exclude_op_types", "op type", o, ops) for o in cfg.exclude_op_types if o not in ops]
+    if wrong:
+        raise ConfigError(
+            "; ".join(
+                f"calibration.{key} names {what} '{name}', which the graph does not have"
+                for key, what, name, _ in wrong
+            ),
+            hint="use names the graph has; closest: "
+            + "; ".join(
+                f"'{name}' -> {', '.join(difflib.get_close_matches(name, real, 3, 0))}" for *_, name, real in wrong
+            ),
+        )
+    idle = [o for o in cfg.exclude_op_types if o not in cfg.op_types]
+    if idle:
+        log.warning(
+            "calibration.exclude_op_types: %s not in calibration.op_types, so never quantized: the setting keeps "
+            "nothing in float",
+            ", ".join(idle),
+        )
 
 
 def unbounded_nodes(model: onnx.ModelProto, ranges: Ranges) -> dict[str, str]:

@@ -9,8 +9,9 @@ reads back through its ``calibration_cache_path`` argument.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,8 @@ def _run_calibrator(
         extra["percentile"] = percentile
     if method == "entropy":
         extra |= ENTROPY_BINS
-    with scratch_dir("kiln-calib") as tmp:  # inside the run's workdir or -o folder, removed even on failure
+    # ORT's histogram calibrators print their progress: stdout carries results only, so it goes to stderr
+    with scratch_dir("kiln-calib") as tmp, redirect_stdout(sys.stderr):  # tmp: in the workdir, removed on failure
         calibrator = create_calibrator(
             model_path,
             None,

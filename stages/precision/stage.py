@@ -21,6 +21,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
+from kiln.calibration.quantize import check_exclusions
 from kiln.core.data import DatasetSplits, feed_for_graph, integer_ranges, rows, take
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import io_specs, load_onnx
@@ -68,7 +69,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     # FP8/INT8 engines of the torch backend calibrate the PyTorch model on the same batches, saved for the build
     lowbit = bool({"fp8", "int8"} & set(wanted))
     needs_data = "int8" in converted or ("fp16" in converted and cfg.fp16.range_check) or lowbit
-    batches = calibration_batches(data, ccfg, ctx.config.seed, names) if needs_data else []
+    batches = calibration_batches(data, ccfg, ctx.config.seed, names, inputs) if needs_data else []
     if lowbit and batches:
         save_feeds(batches, names, ctx.out / FEEDS_FILE)
     logits = class_logits([o.name for o in outputs], ctx.config.signature.logits_output, data.val_y)
@@ -151,6 +152,8 @@ def build_variants(
     ``x_val`` (validation's check, or samples to check on); a variant that fails, that no fallback round got
     through the gates, or that is too little in its precision at the largest ``sizes`` of its dynamic axes (where
     the build audits its engines) is listed with why (variant -> message) and the others go on."""
+    if {"int8", "fp8"} & set(wanted):  # the Q/DQ variants keep what calibration.exclude_* name in float
+        check_exclusions(src.model, ccfg)
     largest = {k: max(v) for k, v in (sizes or {}).items() if v}
     variants: dict[str, Any] = {}
     failed: dict[str, KilnError] = {}

@@ -8,12 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import calibration_batches, hash_batches
 from kiln.calibration.ranges import calibrate
 from kiln.calibration.trt_table import read_trt_table, write_trt_table
+from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError
+from kiln.core.records import TensorSpec
 from kiln.models.datasets import synthetic
 from kiln.pipeline.config import config_from_dict
 from tests.calibration.calib_graphs import batches, saved
@@ -100,3 +103,70 @@ def test_trt_calibration_table_format(tmp_path: Path) -> None:
     assert struct.unpack(">f", bytes.fromhex(hexval))[0] == pytest.approx(amax[name] / 127, rel=1e-6)
     header, scales = read_trt_table(table)
     assert set(scales) == set(amax) and {"input", "c", "r", "logits"} <= set(scales)
+
+
+TEXT_INPUTS = [
+    TensorSpec(name="input_ids", shape=["batch", "seq"], dtype="int64"),
+    TensorSpec(name="attention_mask", shape=["batch", "seq"], dtype="int64"),
+]
+
+
+def _text_data(seq: int = 16) -> DatasetSplits:
+    x = {"input_ids": torch.ones(32, seq, dtype=torch.long), "attention_mask": torch.ones(32, seq, dtype=torch.long)}
+    return DatasetSplits(x, torch.zeros(32, dtype=torch.long), x, torch.zeros(32, dtype=torch.long), num_classes=2)
+
+
+@pytest.fixture
+def text_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "text_calib.py").write_text(
+        textwrap.dedent("""
+        import numpy as np
+        def both(seq=8):
+            for _ in range(2):
+                yield {"input_ids": np.ones((4, seq), np.int32), "attention_mask": np.ones((4, seq), np.int32)}
+        def ids_only(seq=8):
+            yield {"input_ids": np.ones((4, seq), np.int64)}
+        def ids_and_extra():
+            yield {"input_ids": np.ones((4, 8)), "attention_mask": np.ones((4, 8)), "token_type_ids": np.ones((4, 8))}
+        def array():
+            yield np.ones((4, 8), np.int64)
+        def ragged():
+            yield {"input_ids": np.ones((4, 8)), "attention_mask": np.ones((4, 7))}
+        def wrong_key():
+            yield {"ids": np.ones((4, 8), np.int64)}
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_reader_batch_takes_any_size_of_a_dynamic_axis(text_readers: None) -> None:
+    """The graph's named axes, not the data's example shape, say what a batch may be: seq 8 for a model whose data
+    holds seq 16; a fixed axis is still checked."""
+    data = _text_data(seq=16)
+    got = calibration_batches(data, CalibrationConfig(reader="text_calib:ids_only"), inputs=TEXT_INPUTS[:1])
+    assert [b.shape for b in got] == [(4, 8)] and got[0].dtype == np.int64  # one input: its array, as before
+    fixed = [TensorSpec(name="input_ids", shape=["batch", 16], dtype="int64")]
+    with pytest.raises(ConfigError, match=r"has shape \(4, 8\), the model takes \[batch, 16\]"):
+        calibration_batches(data, CalibrationConfig(reader="text_calib:ids_only"), inputs=fixed)
+
+
+def test_a_reader_feeds_every_input_of_a_model_by_name(text_readers: None) -> None:
+    data = _text_data()
+    got = calibration_batches(data, CalibrationConfig(reader="text_calib:both"), inputs=TEXT_INPUTS)
+    assert len(got) == 2 and all(isinstance(b, dict) and set(b) == {"input_ids", "attention_mask"} for b in got)
+    assert all(a.dtype == np.int64 and a.shape == (4, 8) for b in got for a in b.values())  # the graph's dtype
+    cases = {
+        "ids_only": "lacks 'attention_mask'",
+        "ids_and_extra": "has 'token_type_ids', which the model does not take",
+        "array": "is one array; the model takes 2 inputs",
+        "ragged": "input 'attention_mask' has seq = 7 and input 'input_ids' seq = 8",
+    }
+    for reader, says in cases.items():
+        with pytest.raises(ConfigError, match=f"calibration batch 0.*{says}"):
+            calibration_batches(data, CalibrationConfig(reader=f"text_calib:{reader}"), inputs=TEXT_INPUTS)
+
+
+def test_a_single_input_reader_keyed_by_another_name_is_an_error(text_readers: None) -> None:
+    with pytest.raises(ConfigError, match="lacks 'input_ids' and has 'ids', which the model does not take") as err:
+        calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:wrong_key"), inputs=TEXT_INPUTS[:1])
+    assert "input_ids" in (err.value.hint or "")
