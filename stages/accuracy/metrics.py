@@ -42,7 +42,7 @@ class Metric:
     def __call__(self, outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
         """The metric of ``outputs``; the user's function failing is their error, named with what Kiln was doing."""
         try:
-            value = float(self.fn(outputs, labels))
+            returned = self.fn(outputs, labels)
         except Exception as exc:  # the user's function (or a built-in on outputs it does not fit): one line
             if self.name in BUILTINS:  # Kiln's own: what it takes, not where in Kiln it raised
                 raise ModelError(
@@ -58,6 +58,7 @@ class Metric:
                 f"{labels.dtype}{list(labels.shape)}: {type(exc).__name__}: {exc}",
                 hint="the metric takes (outputs: dict of name -> array, labels: array) and returns a float",
             ) from None
+        value = _as_float(returned, self.name)
         if not np.isfinite(value):
             raise ModelError(
                 f"validate.metric '{self.name}' returned {value} on outputs {_shapes(outputs)}",
@@ -68,6 +69,22 @@ class Metric:
     def drop(self, baseline: float, value: float) -> float:
         """How much worse ``value`` is than ``baseline`` (positive: worse), whichever way the metric points."""
         return baseline - value if self.higher_is_better else value - baseline
+
+
+def _as_float(returned: object, name: str) -> float:
+    """A metric's value as a float: a number, or an array or tensor of one element."""
+    try:
+        value = np.asarray(returned, dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError):  # a str, a dict, a tensor that needs grad
+        value = None
+    if value is None or value.size != 1:
+        shape = getattr(returned, "shape", None)
+        what = f"an array of shape {tuple(shape)}" if shape is not None else type(returned).__name__
+        raise ModelError(
+            f"validate.metric '{name}' returned {what}, not a float",
+            hint="return one float for the whole set (e.g. a mean over the samples: float(scores.mean()))",
+        )
+    return float(value.reshape(()))
 
 
 def resolve_metric(ref: str | None, logits: str | None, higher_is_better: bool | None = None) -> Metric | None:

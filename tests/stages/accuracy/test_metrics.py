@@ -91,3 +91,17 @@ def test_multilabel_f1_and_a_built_in_that_does_not_fit_the_labels() -> None:
         resolve_metric("macro_f1", "logits")(out, y)
     assert "takes class indices" in err.value.message and "multilabel_f1" in err.value.message
     assert "metrics.py" not in err.value.message and "module:function" in err.value.hint
+
+
+def test_a_metric_returning_an_array_is_said_as_such_not_placed_in_kiln() -> None:
+    """An array of per-sample scores was reported as failing at a line of Kiln's own metrics module."""
+    from kiln.core.errors import ModelError
+    from kiln.stages.accuracy.metrics import Metric
+
+    outputs, labels = {"logits": np.zeros((4, 3), np.float32)}, np.zeros(4, np.int64)
+    per_sample = Metric("mine:scores", lambda out, y: np.ones(4))
+    with pytest.raises(
+        ModelError, match=r"validate.metric 'mine:scores' returned an array of shape \(4,\), not a float"
+    ):
+        per_sample(outputs, labels)
+    assert Metric("mine:mean", lambda out, y: np.ones(1))(outputs, labels) == 1.0  # one element is a value
