@@ -17,6 +17,15 @@ from kiln.core.compare import class_axis
 IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugging Face pads token labels with
 
 
+LABEL_NAMES = {"label", "labels", "target", "targets", "start_positions", "end_positions"}
+
+
+def is_label_name(name: str) -> bool:
+    """Named like the labels a model computes its loss from (``labels``, ``targets``, ``mc_labels``...)."""
+    low = name.lower()
+    return low in LABEL_NAMES or low.endswith(("_label", "_labels"))
+
+
 def floating(y: Any) -> bool:
     """A torch tensor's or a numpy array's dtype is a float one."""
     return y.dtype.is_floating_point if hasattr(y.dtype, "is_floating_point") else np.issubdtype(y.dtype, np.floating)

@@ -15,16 +15,9 @@ from collections.abc import Iterator, Mapping
 import onnx
 
 from kiln.core.data import DataContractError
+from kiln.core.labels import is_label_name
 
 log = logging.getLogger("kiln.export")
-
-LABEL_NAMES = {"label", "labels", "target", "targets", "start_positions", "end_positions"}
-
-
-def is_label_name(name: str) -> bool:
-    """Named like the labels a model computes its loss from (``labels``, ``targets``, ``mc_labels``...)."""
-    low = name.lower()
-    return low in LABEL_NAMES or low.endswith(("_label", "_labels"))
 
 
 def _read(node: onnx.NodeProto) -> Iterator[str]:

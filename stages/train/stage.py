@@ -12,8 +12,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.core.data import DatasetSplits, call, check_axes_name_inputs, check_forward_takes, rows, take, tensors
+from kiln.core.data import (
+    DataContractError,
+    DatasetSplits,
+    call,
+    check_axes_name_inputs,
+    check_forward_takes,
+    rows,
+    take,
+    tensors,
+)
 from kiln.core.errors import ConfigError, ModelError, TrainingError
+from kiln.core.labels import is_label_name
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.stage import StageContext
@@ -124,6 +134,20 @@ def check_fp32(model: nn.Module, model_ref: str) -> None:
         )
 
 
+def _refuse_labels_in_inputs(x: Any, outputs: dict[str, torch.Tensor]) -> None:
+    """Labels among the inputs (a Hugging Face model's ``labels``) make the model return its loss, an output with
+    no row per sample: the export refuses it, so say it before training rather than after."""
+    labels = [k for k in x if is_label_name(k)] if isinstance(x, dict) else []
+    unbatched = [n for n, t in outputs.items() if t.ndim == 0 or t.shape[0] != rows(x)]
+    if labels and unbatched:
+        raise DataContractError(
+            f"the model's output '{unbatched[0]}' has no row per sample with its input '{labels[0]}' among the "
+            "data's inputs (a loss): an engine answers one row per sample, and its clients have no labels to send",
+            hint=f"keep '{labels[0]}' out of the data's inputs (x): labels go in train_y/val_y, where training "
+            "computes the loss; or return only per-sample outputs from forward",
+        )
+
+
 def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str, task: Task | None = None) -> None:
     """One forward pass on two samples, so that data which does not fit the model fails with a clear message
     before training starts (and not as a traceback from deep inside the loop)."""
@@ -156,7 +180,8 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
         raise err from exc
     finally:
         model.train()
-    flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
+    outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
+    _refuse_labels_in_inputs(x, outputs)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
         check_task(task, out, y[:2], data.num_classes, model_ref)

@@ -146,3 +146,24 @@ def test_a_model_in_bfloat16_is_refused_before_training() -> None:
     with pytest.raises(ModelError, match="model 'm:build' has bfloat16 weights") as err:
         check_fp32(torch.nn.Linear(2, 2).bfloat16(), "m:build")
     assert "return the model in float32" in err.value.hint
+
+
+def test_labels_among_the_inputs_are_refused_before_training_not_after() -> None:
+    """A Hugging Face-style model given its labels returns its loss: the export refused it, after training."""
+    from kiln.core.data import DataContractError, DatasetSplits
+    from kiln.stages.train.stage import check_model_fits_data
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.fc(x)
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    x = {"x": torch.randn(6, 4), "labels": torch.zeros(6, dtype=torch.long)}
+    y = torch.zeros(6, dtype=torch.long)
+    data = DatasetSplits({k: v[:4] for k, v in x.items()}, y[:4], {k: v[4:] for k, v in x.items()}, y[4:], 2)
+    with pytest.raises(DataContractError, match="output 'loss' has no row per sample with its input 'labels'"):
+        check_model_fits_data(WithLoss(), data, "m:build")
