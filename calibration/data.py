@@ -17,6 +17,7 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError
+from kiln.core.labels import is_label_name
 from kiln.core.records import TensorSpec
 from kiln.core.user_errors import running_user_code, user_frame
 from kiln.models.registry import resolve_callable
@@ -106,6 +107,9 @@ def _reader_feed(cfg: CalibrationConfig, i: int, item: Batch, inputs: list[Tenso
                 hint="yield a dict {input name: batch} holding every input",
             )
         return {names[0]: item}
+    item = {k: v for k, v in item.items() if k in names or not is_label_name(k)}  # a DataLoader's batch: its labels
+    if len(names) == 1 and len(item) == 1:  # one input: the one array, whatever its key
+        return {names[0]: next(iter(item.values()))}
     missing = [n for n in names if n not in item]
     extra = [k for k in item if k not in names]
     if missing or extra:

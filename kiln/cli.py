@@ -348,21 +348,25 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-# What Kiln and the libraries it loads import by top-level name: a user's file of such a name, in a folder put first
-# on the import path for the user's code, would be imported in its place (a project's export script `onnx.py`)
-KILN_IMPORTS = (
-    "torch", "onnx", "onnxruntime", "onnx_graphsurgeon", "onnxconverter_common", "numpy", "yaml", "pydantic",
-    "pydantic_core", "rich", "click", "safetensors", "sklearn", "matplotlib", "psutil", "filelock", "tensorrt",
-    "tensorrt_rtx", "tritonclient", "pytriton", "ray", "triton", "sympy", "jinja2", "networkx", "fsspec",
-    "typing_extensions", "google",
-)  # fmt: skip
+# What Kiln and the libraries it loads import by top-level name, besides Python's own modules (every one of which
+# may be imported late: statistics for timing, profile, queue, csv...): a user's file of such a name, in a folder
+# put first on the import path for the user's code, would be imported in its place (a project's `onnx.py`)
+KILN_IMPORTS = frozenset({
+    "torch", "torchgen", "onnx", "onnx_ir", "onnxscript", "onnxruntime", "onnx_graphsurgeon", "onnxconverter_common",
+    "numpy", "ml_dtypes", "yaml", "pydantic", "pydantic_core", "annotated_types", "typing_inspection", "rich", "click",
+    "safetensors", "sklearn", "matplotlib", "mpl_toolkits", "PIL", "cycler", "kiwisolver", "fontTools", "pyparsing",
+    "dateutil", "psutil", "filelock", "tensorrt", "tensorrt_rtx", "tritonclient", "pytriton", "ray", "triton",
+    "sympy", "mpmath", "jinja2", "networkx", "fsspec", "packaging", "tqdm", "typing_extensions", "google",
+})  # fmt: skip
+# Python modules no part of Kiln or its libraries imports, and common names of a project's own files
+NEVER_IMPORTED = frozenset({"test", "this", "antigravity", "turtle", "turtledemo", "idlelib", "tkinter", "__main__"})
 
 
 def _importable(*folders: Path) -> None:
     """User code named by import path (``model.name: mymodels:build``) resolves from the config's folder, then the
     current folder, as ``python -m`` would, before PYTHONPATH. Kiln installs one package, ``kiln``, so a project's
-    own ``models/`` or ``pipeline/`` folder resolves as the user's; a file there named like a package Kiln imports
-    is refused (:func:`_hides_a_library`)."""
+    own ``models/`` or ``pipeline/`` folder resolves as the user's; a file there named like a module Kiln may
+    import is refused (:func:`_hides_a_library`)."""
     entries = list(dict.fromkeys(str(f.resolve()) for f in folders))
     for entry in entries:
         _hides_a_library(Path(entry))
@@ -373,23 +377,44 @@ def _importable(*folders: Path) -> None:
 
 
 def _hides_a_library(folder: Path) -> None:
-    """A module or package in ``folder`` named like one Kiln imports (:data:`KILN_IMPORTS`) and not that package
-    itself (an editable install's source folder is): an error naming it, before it breaks an import in Kiln."""
-    for name in KILN_IMPORTS:
-        mine = next((f for f in (folder / f"{name}.py", folder / name / "__init__.py") if f.is_file()), None)
-        if mine is None:
+    """A module or package in ``folder`` named like one Kiln or its libraries may import (:data:`KILN_IMPORTS`,
+    Python's own modules) and not that module itself (an editable install's source folder is): an error naming it,
+    before it breaks an import deep in a run. One listing of the folder."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:  # not listable: Python cannot import from it either
+        return
+    protected = (KILN_IMPORTS | sys.stdlib_module_names) - NEVER_IMPORTED
+    for entry in entries:
+        name = entry.stem if entry.suffix == ".py" else entry.name
+        if name not in protected:
             continue
-        import importlib.machinery
-
-        spec = importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if p and Path(p) != folder])
-        if spec is not None and spec.origin and Path(spec.origin).resolve() == mine.resolve():
+        mine = entry if entry.suffix == ".py" else entry / "__init__.py"
+        if not mine.is_file() or _is_the_installed(name, mine, folder):
             continue
         shown = mine if mine.name != "__init__.py" else mine.parent
         raise ConfigError(
-            f"{shown} would be imported in place of the {name} package Kiln uses: {folder} is on the import path "
+            f"{shown} would be imported in place of the {name} module Kiln uses: {folder} is on the import path "
             "for your code (the config's folder and the one kiln runs in)",
             hint=f"rename {shown.name} (and the imports of it in your code)",
         )
+
+
+def _is_the_installed(name: str, mine: Path, folder: Path) -> bool:
+    """Whether ``name`` as installed is ``mine`` itself: a package developed in its own checkout, installed from it
+    (through the path, or an editable install's own finder)."""
+    import importlib.machinery
+
+    path = [p for p in sys.path if p and Path(p).resolve() != folder]
+    finders = [f for f in sys.meta_path if f is not importlib.machinery.PathFinder and hasattr(f, "find_spec")]
+    for finder in [importlib.machinery.PathFinder, *finders]:
+        try:
+            spec = finder.find_spec(name, path if finder is importlib.machinery.PathFinder else None)
+        except Exception:  # a third-party finder's own trouble: not ours to judge
+            continue
+        if spec is not None and spec.origin and Path(spec.origin).resolve() == mine.resolve():
+            return True
+    return False
 
 
 def _load(path: str | None, overrides: dict[str, Any]) -> KilnConfig:
@@ -419,7 +444,7 @@ def _said_twice(config: KilnConfig, folders: list[Path]) -> None:
     if len(places) < 2:
         return
     for top in dict.fromkeys(r.partition(":")[0].split(".")[0] for r in _import_paths(config.dump())):
-        found = [p for p in places if (p / f"{top}.py").is_file() or (p / top).is_dir()]
+        found = [p for p in places if (p / f"{top}.py").is_file() or (p / top / "__init__.py").is_file()]
         if len(found) > 1:
             logging.getLogger("kiln").warning(
                 "%s is in both %s (the config's folder: used) and %s", top, found[0], found[1]
@@ -687,24 +712,41 @@ def _refuse_torchrun() -> None:
 
 def _refuse_demo_over(path: str | None, config: KilnConfig, workdir: str) -> None:
     """Without a config a command runs the built-in demo: in a workdir holding the run of another config (its
-    report names it), that would replace the run's stages with the demo's, the trained weights too."""
-    import json
-
+    report names it; a run stopped before its report: its stages' manifests record another model), that would
+    replace the run's stages with the demo's, the trained weights too."""
     if path is not None:
         return
-    try:
-        name = json.loads((Path(workdir) / "report.json").read_text()).get("name")
-    except (OSError, ValueError, AttributeError):
-        return
-    if not isinstance(name, str) or name == config.name:
+    other = _other_run(Path(workdir), config)
+    if other is None:
         return
     command = f"kiln {click.get_current_context().info_name}"
     here = next((f.name for f in sorted(Path().glob("kiln.*")) if f.suffix in (".yaml", ".yml", ".toml")), None)
     raise ConfigError(
-        f"workdir {workdir} holds the run of config '{name}'; without a config, `{command}` runs the built-in "
-        "demo, which would replace it",
+        f"workdir {workdir} holds the run of {other}; without a config, `{command}` runs the built-in demo, which "
+        "would replace it",
         hint=f"give that run's config (`{command} {here or 'CONFIG'}`), or -w another folder for the demo",
     )
+
+
+def _other_run(workdir: Path, config: KilnConfig) -> str | None:
+    """What run of another config ``workdir`` holds ("config 'mine'", "model 'net:build'"), or None."""
+    import json
+
+    try:
+        name = json.loads((workdir / "report.json").read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if isinstance(name, str):
+        return f"config '{name}'" if name != config.name else None
+    ours = config.model.model_dump(mode="json")
+    for manifest in sorted(workdir.glob("*/manifest.json")):
+        try:
+            model = json.loads(manifest.read_text())["key_parts"]["config"]["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(model, dict) and model != ours:
+            return f"model '{model.get('name') or model.get('onnx')}'"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ stage commands

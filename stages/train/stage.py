@@ -6,6 +6,7 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -134,15 +135,21 @@ def check_fp32(model: nn.Module, model_ref: str) -> None:
         )
 
 
-def _refuse_labels_in_inputs(x: Any, outputs: dict[str, torch.Tensor]) -> None:
-    """Labels among the inputs (a Hugging Face model's ``labels``) make the model return its loss, an output with
-    no row per sample: the export refuses it, so say it before training rather than after."""
-    labels = [k for k in x if is_label_name(k)] if isinstance(x, dict) else []
-    unbatched = [n for n, t in outputs.items() if t.ndim == 0 or t.shape[0] != rows(x)]
-    if labels and unbatched:
+def _refuse_labels_in_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> None:
+    """Labels among the inputs (a Hugging Face model's ``labels``, nanoGPT's ``targets``) make the model return its
+    loss, a scalar no engine can answer per sample: the export refuses it, so say it before training rather than
+    after. Inputs are named by a dict's keys, or by ``forward``'s parameters for positional ones."""
+    if isinstance(x, dict):
+        names = list(x)
+    else:
+        params = list(inspect.signature(model.forward).parameters)
+        names = params[: len(x)] if isinstance(x, (tuple, list)) else params[:1]
+    labels = [n for n in names if is_label_name(n)]
+    losses = [n for n, t in outputs.items() if t.ndim == 0]
+    if labels and losses:
         raise DataContractError(
-            f"the model's output '{unbatched[0]}' has no row per sample with its input '{labels[0]}' among the "
-            "data's inputs (a loss): an engine answers one row per sample, and its clients have no labels to send",
+            f"the model's output '{losses[0]}' is a scalar with its input '{labels[0]}' among the data's inputs (a "
+            "loss): an engine answers one row per sample, and its clients have no labels to send",
             hint=f"keep '{labels[0]}' out of the data's inputs (x): labels go in train_y/val_y, where training "
             "computes the loss; or return only per-sample outputs from forward",
         )
@@ -181,7 +188,7 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
     finally:
         model.train()
     outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
-    _refuse_labels_in_inputs(x, outputs)
+    _refuse_labels_in_inputs(model, x, outputs)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
         check_task(task, out, y[:2], data.num_classes, model_ref)

@@ -44,7 +44,7 @@ def test_the_configs_folder_comes_before_the_folder_kiln_runs_in_and_a_module_in
     assert f"kiln_probe_models is in both {tmp_path / 'paper'} (the config's folder: used) and" in said
 
 
-@pytest.mark.parametrize("name", ["onnx.py", "numpy/__init__.py"])
+@pytest.mark.parametrize("name", ["onnx.py", "numpy/__init__.py", "statistics.py", "queue.py"])
 def test_a_project_file_named_like_a_package_kiln_imports_is_refused(tmp_path: Path, name: str) -> None:
     """A project's export script `onnx.py` next to its config was imported in place of onnx (a traceback)."""
     config = _project(tmp_path / "proj", "kiln_probe_net")
@@ -55,7 +55,7 @@ def test_a_project_file_named_like_a_package_kiln_imports_is_refused(tmp_path: P
     assert result.exit_code == 2 and len(lines) == 2, result.output
     shown = tmp_path / "proj" / name.removesuffix("/__init__.py")
     assert lines[0].startswith(
-        f"error: {shown} would be imported in place of the {Path(name).parts[0].removesuffix('.py')} package"
+        f"error: {shown} would be imported in place of the {Path(name).parts[0].removesuffix('.py')} module"
     )
     assert lines[1] == f"fix: rename {shown.name} (and the imports of it in your code)"
 
@@ -97,3 +97,38 @@ def test_kiln_under_torchrun_is_refused_naming_both_ways_to_train_on_several_pro
     assert lines[0].startswith("error: kiln was started by torchrun (WORLD_SIZE=2)")
     assert "train.distributed.nproc_per_node" in lines[1] and "kiln.stages.train.worker" in lines[1]
     assert not (tmp_path / "w").exists()
+
+
+def test_a_project_s_test_py_a_yaml_folder_and_a_namespace_folder_are_no_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Python's `test` package is never imported by Kiln; a folder without __init__.py (configs/models/ of YAML
+    files, Hydra-style) is neither a library's stand-in nor the module `models` Python imports."""
+    config = _project(tmp_path / "proj" / "configs", "kiln_probe_unused")
+    config.write_text(yaml.safe_dump({"model": {"name": "models:build"}}))
+    (tmp_path / "proj" / "configs" / "models").mkdir()
+    (tmp_path / "proj" / "models").mkdir()
+    (tmp_path / "proj" / "models" / "__init__.py").write_text("def build():\n    return None\n")
+    (tmp_path / "proj" / "test.py").write_text("")
+    (tmp_path / "proj" / "json").mkdir()  # a data folder named like a module, without __init__.py
+    monkeypatch.chdir(tmp_path / "proj")
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        result = CliRunner().invoke(main, ["config", "-c", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "is in both" not in caplog.text
+
+
+def test_a_run_stopped_before_its_report_is_kept_from_the_demo_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupted run has stage manifests but no report.json: the demo replaced its trained weights."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "kiln-out" / "train" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    model = {"name": "net:build", "params": {}, "checkpoint": None, "onnx": None}
+    manifest.write_text(json.dumps({"key": "k", "outputs": {}, "key_parts": {"config": {"model": model}}}))
+    result = CliRunner().invoke(main, ["run", "-q"])
+    assert result.exit_code == 2, result.output
+    assert "holds the run of model 'net:build'; without a config" in result.output

@@ -110,6 +110,9 @@ def serve(tmp_path: Path) -> Iterator:
         proc.wait(timeout=10)
 
 
+LONG_LEVEL_S = 300.0  # a level far longer than the test's server lives
+
+
 def _run(url: str, engine: Path, out: Path, duration_s: float = 30.0) -> dict:
     return loadtest(url, MODEL, engine, out, [2], duration_s, inprocess=False, metrics_port=None)
 
@@ -118,13 +121,16 @@ def test_a_server_that_ends_mid_level_stops_the_level_and_its_row_says_so(engine
     url, sent = serve("die", "300")
     t0 = time.monotonic()
     with pytest.raises(KilnError, match="the server stopped answering .* into the level at concurrency 2") as err:
-        _run(url, engine, tmp_path / "lt")
-    assert time.monotonic() - t0 < 20, "the level ran on after the server ended"  # of a 30 s level
+        _run(url, engine, tmp_path / "lt", duration_s=LONG_LEVEL_S)
+    # a hang guard, not a speed test: 300 answers take seconds even on a busy machine, the level would take 300
+    assert time.monotonic() - t0 < LONG_LEVEL_S / 2, "the level ran on after the server ended"
     assert "found no server" in err.value.message and "Connection refused" in err.value.message
     level = json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]
     assert level["server_gone"] and level["requests"] == 299  # the first request came alone, before the level
-    assert level["errors"] <= 2 + GONE_AFTER + 2, level["error_examples"]  # cut off in flight, then refused: no spin
-    assert level["seconds"] < 15 and level["throughput_rps"] == pytest.approx(299 / level["seconds"])
+    # each client cut off in flight (its connection closed), then refused GONE_AFTER times in all: no spin (a level
+    # that went on retrying the dead server counted thousands)
+    assert level["errors"] <= 2 * (GONE_AFTER + 4), level["error_examples"]
+    assert level["seconds"] < LONG_LEVEL_S / 2 and level["throughput_rps"] == pytest.approx(299 / level["seconds"])
     assert sent() == 301  # the server ended on the next request, and none came after
     md = (tmp_path / "lt" / "loadtest.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| 2 |"))

@@ -165,5 +165,39 @@ def test_labels_among_the_inputs_are_refused_before_training_not_after() -> None
     x = {"x": torch.randn(6, 4), "labels": torch.zeros(6, dtype=torch.long)}
     y = torch.zeros(6, dtype=torch.long)
     data = DatasetSplits({k: v[:4] for k, v in x.items()}, y[:4], {k: v[4:] for k, v in x.items()}, y[4:], 2)
-    with pytest.raises(DataContractError, match="output 'loss' has no row per sample with its input 'labels'"):
+    with pytest.raises(DataContractError, match="output 'loss' is a scalar with its input 'labels'"):
         check_model_fits_data(WithLoss(), data, "m:build")
+
+
+def test_labels_given_by_position_are_named_by_forward_and_a_table_output_is_no_loss() -> None:
+    """nanoGPT's forward(idx, targets) fed a tuple; a class-conditional model whose `prototypes` output has no batch
+    axis is no loss (the export serves it unbatched)."""
+    from kiln.core.data import DataContractError, DatasetSplits
+    from kiln.stages.train.stage import check_model_fits_data
+
+    class Gpt(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 5)
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.emb(idx)
+            return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    class Conditional(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(5, 8))
+
+        def forward(self, x: torch.Tensor, class_labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"emb": x @ self.table[:4] + self.table[class_labels], "prototypes": self.table}
+
+    ids = torch.randint(0, 5, (6, 3))
+    y = torch.zeros(6, 3, dtype=torch.long)
+    tokens = DatasetSplits((ids[:4], ids[:4]), y[:4], (ids[4:], ids[4:]), y[4:], 5)
+    with pytest.raises(DataContractError, match="output 'output_1' is a scalar with its input 'targets'"):
+        check_model_fits_data(Gpt(), tokens, "gpt:build")
+    x = {"x": torch.randn(6, 4), "class_labels": torch.zeros(6, dtype=torch.long)}
+    target = torch.randn(6, 8)
+    cond = DatasetSplits({k: v[:4] for k, v in x.items()}, target[:4], {k: v[4:] for k, v in x.items()}, target[4:], 0)
+    check_model_fits_data(Conditional(), cond, "cond:build")
