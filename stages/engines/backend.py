@@ -13,7 +13,7 @@ numpy arrays in, dict out), ``deactivate``; they are context managers and import
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from kiln.core.artifacts import hash_file
 from kiln.core.errors import InputError, InputFileError
 from kiln.core.records import EngineMetadata, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
+from kiln.core.text import first_line
 from kiln.core.timing import time_calls, warm_up
 
 SIDECAR = "kiln-engine.json"
@@ -240,9 +241,18 @@ class Runner:
     def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Outputs by name for ``feed`` (one array per input, as ``kiln-engine.json`` declares them)."""
         if not self.active:
-            raise RuntimeError(f"runner {self.name} used before activate()")
+            raise InputError(
+                f"engine {self.name} called before it was activated (or after its `with` block ended)",
+                hint="call it inside `with load_engine(path) as engine:`, or after engine.activate()",
+            )
         check_feed(self.meta, feed)
-        return self._infer(feed)
+        try:
+            return self._infer(feed)
+        except Exception as exc:  # the backend's own error: said as the engine's sizes where the feed is outside them
+            outside = self.meta.refusal(feed)
+            if outside is None:
+                raise
+            raise InputError(f"{outside}; the engine failed on it: {first_line(exc, 200)}", hint=OUTSIDE_HINT) from None
 
     def time_ms(
         self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
@@ -278,9 +288,17 @@ class Runner:
         pass
 
 
+OUTSIDE_HINT = "call the engine within the sizes and values it was validated for (kiln-engine.json: axis_ranges)"
+
+
 def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
     """Every input the engine declares, as a numpy array of its dtype, rank and fixed sizes, none empty; nothing
     else. One :class:`InputError` naming the first input that differs, before any backend sees it."""
+    if not isinstance(feed, Mapping):
+        raise InputError(
+            f"engine {meta.name} takes a dict of input name -> array, not a {type(feed).__name__}",
+            hint=f"pass {{{', '.join(repr(n) for n in meta.input_names())}: array}}",
+        )
     missing, extra = sorted(set(meta.input_names()) - set(feed)), sorted(set(feed) - set(meta.input_names()))
     if missing or extra:
         problem = f"needs inputs {sorted(meta.input_names())}, got {sorted(feed)}"
@@ -299,7 +317,8 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
             raise InputError(
                 f"engine {meta.name}: input '{spec.name}' is {array.dtype}{list(array.shape)}, the engine takes "
                 f"{spec.dtype}[{dims}]",
-                hint=f"pass '{spec.name}' as {spec.dtype} with that shape (named axes take any size)",
+                hint=f"pass '{spec.name}' as {spec.dtype} with that shape (a named axis takes the sizes in "
+                "kiln-engine.json's axis_ranges)",
             )
     shapes = {k: v.shape for k, v in feed.items()}
     empty = meta.empty_input(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
