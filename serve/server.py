@@ -140,8 +140,9 @@ def _refuse(verdicts: dict[str, Any]) -> None:
 
 
 def find_engines(path: str | Path) -> list[ServedEngine]:
-    """The engines to serve under ``path``: one engine folder (refused if its workdir's validation failed it),
-    or a workdir's ``package/engines`` (all validated), else its ``build/*`` that ``validate`` passed."""
+    """The engines to serve under ``path``: one engine folder (refused if its workdir's validation failed it), a
+    package folder's ``engines`` (a workdir's ``package``, or a copy of it), a workdir's ``package/engines`` (all
+    validated), else its ``build/*`` that ``validate`` passed."""
     path = Path(path).resolve()  # `kiln serve .` inside build/<engine> is that engine of that run
     if (path / SIDECAR).is_file():
         meta = read_metadata(path)
@@ -162,6 +163,9 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
             f"{path} is neither a Kiln workdir nor an engine folder",
             hint="pass the --workdir of a `kiln run`, or a folder holding kiln-engine.json",
         )
+    if (path / PACKAGE_INDEX).is_file():  # a package folder itself (shipped apart from its workdir): all validated
+        shipped = sorted(p.parent for p in (path / "engines").glob(f"*/{SIDECAR}"))
+        return [ServedEngine(model_name(d.name), d, read_metadata(d)) for d in shipped]
     packaged = sorted(p.parent for p in (path / "package" / "engines").glob(f"*/{SIDECAR}"))
     if packaged and (changed := changed_inputs(path, "package")):
         raise GateFailure(

@@ -691,6 +691,13 @@ def test_an_engine_that_failed_validation_is_refused(workdir: Path, tmp_path: Pa
     assert refused.value.hint.startswith("validate it where it runs")
 
 
+def test_a_package_folder_shipped_apart_from_its_workdir_is_served(workdir: Path, tmp_path: Path) -> None:
+    """A copy of package/ (the folder a user ships) was "holds no validated engines": it holds nothing else."""
+    ship = tmp_path / "ship"
+    shutil.copytree(workdir / "package", ship)
+    assert [e.model_name for e in find_engines(ship)] == [MODEL]
+
+
 def test_an_engine_no_validation_has_seen_is_served_with_a_warning(
     workdir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
