@@ -477,7 +477,7 @@ def test_sigterm_drains_requests_in_flight_and_everything_is_gone_within_10_s(wo
 
 
 def test_a_kiln_serve_killed_outright_takes_its_server_with_it_and_its_workdir_refuses_runs_meanwhile(
-    workdir: Path,
+    workdir: Path, tmp_path: Path
 ) -> None:
     """SIGKILL of `kiln serve` left tritonserver (re-parented to PID 1) and its stubs serving from a scratch folder
     the next `kiln serve` removed, holding the ports. Now the server gets SIGTERM when `kiln serve` dies, Triton's
@@ -489,7 +489,9 @@ def test_a_kiln_serve_killed_outright_takes_its_server_with_it_and_its_workdir_r
         descendants = psutil.Process(proc.pid).children(recursive=True)
         names = {p.name() for p in descendants}
         assert "tritonserver" in names and any(n.startswith("triton_python") for n in names), names
-        refused = CliRunner().invoke(main, ["run", "-w", str(workdir)])
+        own = tmp_path / "tiny.yaml"  # the run's own config: without one, the demo's refusal would come first
+        own.write_text(json.dumps(tiny_config_dict()))
+        refused = CliRunner().invoke(main, ["run", str(own), "-w", str(workdir)])
     except BaseException:
         _abort(proc)
         raise
