@@ -128,6 +128,7 @@ class Stage:
     only a stage that names ``"dataset"`` here can read the dataset (``StageContext.dataset``). ``random_inputs``:
     whether it may read the random inputs a run from ``model.onnx`` without data has (training has no PyTorch model
     to train then, and does not; its key then need not hold what sizes them). ``report``: its section of report.md.
+    ``notes``: its output files for people only (a loss plot), which no later stage's key holds.
     """
 
     name: str
@@ -142,6 +143,8 @@ class Stage:
     # report.md section from the stage's summary (a list of Markdown lines; none when nothing to say)
     report: Callable[[Any], list[str]] | None = None
     random_inputs: bool = True
+    # files of its output for people (a plot, a profiler trace) that no later stage reads: left out of their keys
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.entry.count(":") != 1 or not all(self.entry.split(":")):

@@ -31,6 +31,13 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
     return m if ok else None
 
 
+def handed_on(m: dict[str, Any]) -> str:
+    """The hash of what a stage's manifest says it hands to later stages: its outputs but its notes (files for
+    people, which no later stage reads), the part of a later stage's key that stands for it."""
+    notes = set(m.get("notes", ()))
+    return hash_json({k: v for k, v in m["outputs"].items() if k not in notes})
+
+
 def changed_inputs(workdir: Path, stage: str) -> list[str]:
     """The upstream stages whose outputs in ``workdir`` are not those ``stage`` last ran on (its manifest's key
     parts): its folder is then from an earlier run, e.g. a package kept after a later run's gates failed."""
@@ -41,7 +48,7 @@ def changed_inputs(workdir: Path, stage: str) -> list[str]:
     out = []
     for up, recorded in (inputs if isinstance(inputs, dict) else {}).items():
         m = read_manifest(workdir / up)
-        if m is not None and hash_json(m["outputs"]) != recorded:  # one removed since (to save space) is no sign
+        if m is not None and handed_on(m) != recorded:  # one removed since (to save space) is no sign
             out.append(up)
     return out
 

@@ -38,7 +38,7 @@ from kiln.core.threads import cpu_threads_for_load
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
-from kiln.pipeline.manifests import MANIFEST, out_of_date, read_manifest
+from kiln.pipeline.manifests import MANIFEST, handed_on, out_of_date, read_manifest
 from kiln.pipeline.user_code import code_version
 from kiln.stages.engines.registry import backend_libraries
 
@@ -197,7 +197,7 @@ def cache_key(
     inputs = {}
     for up in stage.inputs:
         m = read_manifest(workdir / up)
-        inputs[up] = hash_json(m["outputs"]) if m else None
+        inputs[up] = handed_on(m) if m else None
     sources = tuple(stage.settings.keys())
     parts = {
         "code": hash_source(*stage.code),
@@ -457,6 +457,7 @@ class Runner:
                     "key_parts": parts,
                     "status": status,
                     "outputs": outputs,
+                    "notes": [n for n in stage.notes if n in outputs],
                     "sizes": {rel: (out / rel).stat().st_size for rel in outputs},
                     "summary": summary.model_dump(mode="json"),
                     "seconds": seconds,

@@ -75,4 +75,5 @@ STAGE = Stage(
     data=("dataset", "checkpoint", "model_files"),
     report=report_section,
     random_inputs=False,  # without a PyTorch model (random inputs of model.onnx) nothing is trained
+    notes=("loss.png", "trace.json"),  # train.plot or a profile toggled: the weights, not these, go on
 )

@@ -59,6 +59,12 @@ def first(ctx: StageContext[FirstSettings]) -> ValueSummary:
     return ValueSummary(value=value)
 
 
+def first_with_a_plot(ctx: StageContext[FirstSettings]) -> ValueSummary:
+    """``first``, and a note for people whose content follows ``train.plot`` (as the train stage's loss.png)."""
+    (ctx.out / "plot.txt").write_text(f"plot {ctx.config.train.plot}")
+    return first(ctx)
+
+
 def second(ctx: StageContext[SecondSettings]) -> ValueSummary:
     value = _upstream(ctx) + ctx.config.optimize.rounds
     _write(ctx, value)

@@ -65,6 +65,19 @@ def test_an_output_that_comes_out_the_same_does_not_rerun_what_follows(tmp_path:
     assert statuses(result) == {"first": "ran", "second": "cached", "third": "ran"}
 
 
+def test_a_stage_s_notes_for_people_do_not_rerun_what_follows(tmp_path: Path) -> None:
+    """train.plot toggled: the train stage reran and every later stage too, though the weights came out the same
+    (loss.png is among its outputs). Its notes are left out of the later stages' keys."""
+    stages = fake_stages()
+    stages[0] = dataclasses.replace(stages[0], entry=f"{stages[0].entry}_with_a_plot", notes=("plot.txt",))
+    run(tmp_path, stages)
+    result = run(tmp_path, stages, **{"train.plot": False})
+    assert statuses(result)["first"] == "ran" and statuses(result)["second"] == "cached"
+    assert (tmp_path / "first" / "plot.txt").read_text() == "plot False"
+    manifest = json.loads((tmp_path / "first" / "manifest.json").read_text())
+    assert manifest["notes"] == ["plot.txt"] and "plot.txt" in manifest["outputs"]
+
+
 def test_force_start_and_stop(tmp_path: Path) -> None:
     run(tmp_path)
     cfg = config_from_dict(tiny_config_dict(**{"seed": 1, "train.epochs": 2, "optimize.rounds": 1}))
