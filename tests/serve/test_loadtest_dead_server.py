@@ -126,11 +126,14 @@ def test_a_server_that_ends_mid_level_stops_the_level_and_its_row_says_so(engine
     assert time.monotonic() - t0 < LONG_LEVEL_S / 2, "the level ran on after the server ended"
     assert "found no server" in err.value.message and "Connection refused" in err.value.message
     level = json.loads((tmp_path / "lt" / "loadtest.json").read_text())["levels"][0]
-    assert level["server_gone"] and level["requests"] == 299  # the first request came alone, before the level
+    # 300 answers, the first alone before the level; the last may be lost as the server exits while writing it
+    assert level["server_gone"] and level["requests"] in (298, 299), level
     # each client cut off in flight (its connection closed), then refused GONE_AFTER times in all: no spin (a level
     # that went on retrying the dead server counted thousands)
     assert level["errors"] <= 2 * (GONE_AFTER + 4), level["error_examples"]
-    assert level["seconds"] < LONG_LEVEL_S / 2 and level["throughput_rps"] == pytest.approx(299 / level["seconds"])
+    assert level["seconds"] < LONG_LEVEL_S / 2 and level["throughput_rps"] == pytest.approx(
+        level["requests"] / level["seconds"]
+    )
     assert sent() == 301  # the server ended on the next request, and none came after
     md = (tmp_path / "lt" / "loadtest.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| 2 |"))
