@@ -154,6 +154,8 @@ class Backend:
 # ------------------------------------------------------------------------------------------------ engine folders
 def read_metadata(engine_dir: Path) -> EngineMetadata:
     p = Path(engine_dir) / SIDECAR
+    if not Path(engine_dir).exists():
+        raise InputFileError(f"{engine_dir} does not exist", hint="point at a folder `kiln build` wrote")
     if not p.is_file():
         raise InputFileError(
             f"{engine_dir} is not a Kiln engine (no {SIDECAR})", hint="point at a folder `kiln build` wrote"

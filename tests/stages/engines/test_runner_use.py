@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.core.errors import InputError
+from kiln.core.errors import InputError, InputFileError
 from kiln.stages.engines.registry import load_engine
 from tests.pipeline.test_faults import invoke, tiny_onnx
 
@@ -56,3 +56,9 @@ def test_a_backend_error_outside_the_validated_sizes_is_said_as_those_sizes(
         monkeypatch.setattr(type(runner.meta), "refusal", lambda self, feed: None)
         with pytest.raises(RuntimeError, match="invalid expand shape"):
             runner.infer(feed)
+
+
+def test_an_engine_folder_that_does_not_exist_is_said_so(tmp_path: Path) -> None:
+    """It was "not a Kiln engine (no kiln-engine.json)", which reads as a folder of something else."""
+    with pytest.raises(InputFileError, match="moved-away does not exist"):
+        load_engine(tmp_path / "moved-away")
