@@ -15,7 +15,7 @@ for phase in "$@"; do
     check)
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
       python3 -c "import sys, torch, onnxruntime as ort; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'ort', ort.__version__, ort.get_available_providers())"
-      python3 -P -m pytest -q -m gpu -p no:cacheprovider --import-mode=append tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+      python3 -P -m pytest -q -rfE -m gpu -p no:cacheprovider --import-mode=append tests > "$OUT/gpu_tests_full.txt" 2>&1; tail -40 "$OUT/gpu_tests_full.txt"
       python3 -P -m kiln.cli run -w /tmp/kiln-gpu --quiet --set 'build.onnxruntime.devices=[cpu,cuda]' \
         --set 'signature.batch_sizes=[1,32]'; echo "kiln run rc=$?"
       cp /tmp/kiln-gpu/report.md "$OUT/gpu_demo_report.md"; cp /tmp/kiln-gpu/report.json "$OUT/gpu_demo_report.json"
