@@ -33,6 +33,9 @@ INFO = "last.json"
 # torch.compile is among them: a compiled run resumes uncompiled and the other way round (same weights
 # up to the float rounding of fused kernels). So is the update's CUDA graph (the same kernels, replayed).
 NOT_IN_KEY = ("enabled", "loader", "checkpoint", "profile_steps", "plot", "eval_every", "compile", "update_graph")
+# Settings that change only which files for people training writes (loss.png): a finished run whose settings differ
+# from this one's in these alone is taken whole (weights, history) rather than trained again.
+NOTES_ONLY = ("plot",)
 # The prefix torch.compile's wrapper (OptimizedModule) puts before every key of its state_dict.
 COMPILED_PREFIX = "_orig_mod."
 
@@ -44,6 +47,11 @@ def run_key(config_dump: dict[str, Any]) -> str:
     return hash_json(
         {"seed": config_dump["seed"], "model": config_dump["model"], "data": config_dump["data"], "train": train}
     )[:16]
+
+
+def settings_digest(train: dict[str, Any]) -> str:
+    """Hash of every train setting but :data:`NOTES_ONLY`: two runs with equal digests and run keys train alike."""
+    return hash_json({k: v for k, v in train.items() if k not in NOTES_ONLY})[:16]
 
 
 def rng_state() -> dict[str, Any]:
@@ -138,9 +146,16 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(v)
 
 
-def find_resume(setting: str, ckpt_dir: Path, key: str, sources: dict[str, Any] | None = None) -> Path | None:
+def find_resume(
+    setting: str,
+    ckpt_dir: Path,
+    key: str,
+    sources: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
+) -> Path | None:
     """The checkpoint to resume from: an explicit path, or (auto) an unfinished run of the same key trained from
-    the same ``sources`` (:func:`changed_sources`; None: not compared)."""
+    the same ``sources`` (:func:`changed_sources`; None: not compared), or a finished one whose train ``settings``
+    differ from these in :data:`NOTES_ONLY` alone (:func:`notes_only_changed`)."""
     if setting == "never":
         return None
     if setting != "auto":
@@ -151,13 +166,29 @@ def find_resume(setting: str, ckpt_dir: Path, key: str, sources: dict[str, Any] 
             )
         return path
     last, info = ckpt_dir / LAST, _read_info(ckpt_dir)
-    if not last.is_file() or info.get("run_key") != key or info.get("complete"):
-        return None  # nothing, another config's, or a finished run: start fresh
+    if not last.is_file() or info.get("run_key") != key:
+        return None  # nothing or another config's: start fresh
+    if info.get("complete") and not notes_only_changed(info, settings):
+        return None  # a finished run asked for again (forced, or its outputs gone): train afresh
     why = changed_sources(info.get("sources"), sources)
     if why:
         log.warning("not resuming the interrupted run in %s: %s; training afresh", last, why)
         return None
     return last
+
+
+def notes_only_changed(info: dict[str, Any], settings: dict[str, Any] | None) -> bool:
+    """Whether the run recorded in ``info`` (last.json) had these train ``settings`` but for a :data:`NOTES_ONLY`
+    one: then only its notes are to be written anew. Equal settings mean the run is asked for again on purpose."""
+    if settings is None or info.get("settings") != settings_digest(settings):
+        return False
+    return {k: info.get("notes", {}).get(k) for k in NOTES_ONLY} != {k: settings.get(k) for k in NOTES_ONLY}
+
+
+def run_info(key: str, settings: dict[str, Any], **state: Any) -> dict[str, Any]:
+    """last.json's content: the run key, the settings' digest and notes-only values, and ``state`` (epoch, ...)."""
+    notes = {k: settings.get(k) for k in NOTES_ONLY}
+    return {"run_key": key, "settings": settings_digest(settings), "notes": notes} | state
 
 
 # The parts of the stage's cache key (kiln.pipeline.runner.cache_key) that the weights depend on besides the

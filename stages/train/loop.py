@@ -223,6 +223,8 @@ class _Trainer:
         self.bad_streak = 0  # consecutive steps with a NaN/Inf loss (fp16 scale back-offs do not count)
         self.best_digest: str | None = None  # sha256 of best.safetensors, kept in last.pt to find it on resume
         self.acc: dict[str, float] = {}  # running sums of the current epoch (this process's share)
+        self.settings = cfg.model_dump(mode="json")  # recorded in last.json (checkpoint.run_info)
+        self.finished = False  # a finished run taken whole: nothing to train (checkpoint.notes_only_changed)
         self._maybe_resume()
         self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
         # What the steps call: torch.compile of the DDP module (DDP first: see compile.py), or the module itself.
@@ -264,7 +266,8 @@ class _Trainer:
     def _maybe_resume(self) -> None:
         if self.ckpt_dir is None and self.cfg.checkpoint.resume in ("auto", "never"):
             return
-        path = ckpt.find_resume(self.cfg.checkpoint.resume, self.ckpt_dir or Path("."), self.run_key, self.sources)
+        resume, folder = self.cfg.checkpoint.resume, self.ckpt_dir or Path(".")
+        path = ckpt.find_resume(resume, folder, self.run_key, self.sources, self.settings)
         if path is None:
             return
         state = ckpt.load_state(path)
@@ -285,6 +288,14 @@ class _Trainer:
                 "train.checkpoint.resume: never",
             ) from None
         self.result.resumed_from, self.last_good = str(path), f"{path} (step {state['global_step']})"
+        if state.get("complete") and self.epoch >= self.cfg.epochs:
+            self.finished = True
+            log.info(
+                "took the finished run in %s (its settings differ in %s alone): not trained again",
+                path,
+                ", ".join(f"train.{k}" for k in ckpt.NOTES_ONLY),
+            )
+            return
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
@@ -364,9 +375,16 @@ class _Trainer:
             "complete": complete,
         }
         ckpt.save_state(self.ckpt_dir / ckpt.LAST, state)
-        info = {"run_key": self.run_key, "epoch": self.epoch, "complete": complete, "global_step": r.global_step}
-        ckpt.write_info(self.ckpt_dir, info | ({"sources": self.sources} if self.sources is not None else {}))
+        self._save_info(complete)
         self.last_good = f"{self.ckpt_dir / ckpt.LAST} (step {r.global_step})"
+
+    def _save_info(self, complete: bool) -> None:
+        """last.json beside last.pt: what a later run checks before loading it (checkpoint.find_resume)."""
+        if self.ckpt_dir is None or not self.env.is_main:
+            return
+        state = {"epoch": self.epoch, "complete": complete, "global_step": self.result.global_step}
+        info = ckpt.run_info(self.run_key, self.settings, **state)
+        ckpt.write_info(self.ckpt_dir, info | ({"sources": self.sources} if self.sources is not None else {}))
 
     def _global_acc(self) -> dict[str, float]:
         """The epoch's running sums over all processes: saved from rank 0 alone they would lose the
@@ -400,7 +418,10 @@ class _Trainer:
                 m = self._epoch(prof)
                 note = f"loss {m.loss:.3f}" + (f" acc {m.val_accuracy:.3f}" if m.val_accuracy is not None else "")
                 bar.advance(1, note=note)
-        self._save(complete=True)
+        if self.finished:  # its last.pt stays as it is; last.json records the settings it now stands for
+            self._save_info(complete=True)
+        else:
+            self._save(complete=True)
         r = self.result
         r.compile = self.net.summary()
         if r.compile is not None:

@@ -47,7 +47,13 @@ def test_resume_mid_epoch_equals_uninterrupted_run(tmp_path: Path, precision: st
     with pytest.raises(Crash):
         train(crashed, data, cfg, ckpt_dir=tmp_path / "run", run_key="k", on_step=crash_at(8))  # mid epoch 2
     info = json.loads((tmp_path / "run" / ckpt.INFO).read_text())
-    assert info == {"run_key": "k", "epoch": 1, "global_step": 6, "complete": False}
+    assert {k: info[k] for k in ("run_key", "epoch", "global_step", "complete")} == {
+        "run_key": "k",
+        "epoch": 1,
+        "global_step": 6,
+        "complete": False,
+    }
+    assert info["settings"] == ckpt.settings_digest(cfg.model_dump(mode="json"))
 
     resumed = tiny_net(seed=99)  # different init: everything must come from the checkpoint
     got = train(resumed, data, cfg, ckpt_dir=tmp_path / "run", run_key="k")
@@ -64,6 +70,43 @@ def test_finished_run_or_other_key_starts_fresh(tmp_path: Path) -> None:
     assert json.loads((tmp_path / ckpt.INFO).read_text())["complete"] is True
     assert train(tiny_net(), data, cfg, ckpt_dir=tmp_path, run_key="a").resumed_from is None
     assert ckpt.find_resume("auto", tmp_path, "b") is None
+
+
+def test_finished_run_differing_in_plot_alone_is_taken_not_trained_again(tmp_path: Path) -> None:
+    """Toggling train.plot asks for loss.png, not new weights: the finished run is taken whole (its weights and
+    history), last.json then stands for the new setting, and a run asked for again with equal settings trains."""
+    data = tiny_data()
+    for out in "abcd":
+        (tmp_path / out).mkdir()
+    plotted = train_cfg(epochs=2, plot=True, checkpoint={"resume": "auto"})
+    first = tiny_net()
+    want = train(first, data, plotted, ckpt_dir=tmp_path / "ck", run_key="k", out_dir=tmp_path / "a")
+    assert (tmp_path / "a" / "loss.png").is_file()
+
+    def trained_steps(cfg: object, out: str, seed: int) -> tuple[object, list[int]]:
+        steps: list[int] = []
+        model = tiny_net(seed=seed)
+        got = train(
+            model,
+            data,
+            cfg,
+            ckpt_dir=tmp_path / "ck",
+            run_key="k",
+            out_dir=tmp_path / out,
+            on_step=lambda *a: steps.append(1),
+        )
+        assert max_diff(first, model) == 0.0  # the same weights either way (taken, or trained alike)
+        return got, steps
+
+    unplotted = plotted.model_copy(update={"plot": False})
+    got, steps = trained_steps(unplotted, "b", seed=7)
+    assert steps == [] and got.resumed_from == str(tmp_path / "ck" / ckpt.LAST)
+    assert [m.loss for m in got.history] == [m.loss for m in want.history]
+    assert not (tmp_path / "b" / "loss.png").exists()
+    got, steps = trained_steps(plotted, "c", seed=8)  # and back: last.json recorded plot: false
+    assert steps == [] and (tmp_path / "c" / "loss.png").is_file()
+    got, steps = trained_steps(plotted, "d", seed=0)  # the same settings again (a forced rerun): trained
+    assert len(steps) == want.global_step and got.resumed_from is None
 
 
 def test_best_and_last_checkpoints_and_select_best(tmp_path: Path) -> None:
