@@ -632,7 +632,31 @@ def export_direct(
         check = batch_parity(model, output, example, x, cfg.export.parity_atol)
     else:
         check = parity(model, output, example)
+    if not check["max_abs_err"] <= cfg.export.parity_atol:  # held to the tolerance the pipeline holds it to
+        raise ModelError(
+            f"the exported graph ({output.name}) differs from PyTorch: max abs error {check['max_abs_err']:.3g} > export.parity_atol "
+            f"{cfg.export.parity_atol:g} ({_worst_output(check)}, on {_example_source(specs)})",
+            hint="check the model for ops that export inexactly; "
+            + (
+                "random inputs can be far from what the model meets (masks, ids): give the config's data instead of "
+                "--input-shape, or "
+                if specs
+                else ""
+            )
+            + "raise it with --set export.parity_atol=...",
+        )
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
+
+
+def _worst_output(check: dict[str, Any]) -> str:
+    """The output with the largest error of a :func:`parity` result, in words."""
+    per = check.get("per_output") or {}
+    return f"output '{max(per, key=per.__getitem__)}'" if per else "all outputs"
+
+
+def _example_source(specs: list[TensorSpec] | None) -> str:
+    """Where direct export's example inputs came from, for its parity error."""
+    return "random inputs of the --input-shape sizes" if specs else "the first rows of the configured data"
 
 
 def _direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpec] | None) -> Inputs:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 
-from kiln.core.errors import ConfigError
+from kiln.core.errors import ConfigError, ModelError
 from kiln.pipeline.config import load_config
 from kiln.pipeline.runner import settings_for
 from kiln.pipeline.stage_list import stage_named
@@ -93,3 +94,26 @@ def test_input_shape_forms() -> None:
         ("ids", ["batch", 128], "int64"),
     ]
     assert [(s.name, s.shape) for s in parse_input_shapes(("1,8,8",))] == [("input", ["batch", 1, 8, 8])]
+
+
+class _DrawsNoise(torch.nn.Module):
+    """Adds fresh noise on every call: its ONNX graph draws other numbers than PyTorch did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.rand(4)
+
+
+def draws_noise() -> torch.nn.Module:
+    return _DrawsNoise()
+
+
+def test_a_graph_beyond_the_parity_tolerance_is_an_error_not_a_result(tmp_path: Path) -> None:
+    """The pipeline holds export parity to export.parity_atol; `kiln export -o` holds it to the same."""
+    with pytest.raises(ModelError, match="differs from PyTorch: max abs error .* > export.parity_atol") as err:
+        export_direct(settings(f"{__name__}:draws_noise"), None, ("x=8",), tmp_path / "m.onnx")
+    assert "random inputs of the --input-shape sizes" in str(err.value)
+    assert "give the config's data instead of --input-shape" in (err.value.hint or "")
