@@ -27,6 +27,13 @@ FORMER_PLACES = {
 }
 
 
+_OWN_COUNTS = (
+    ". Kiln's export gives every input's axis 0 the one batch axis; for inputs taken in counts of their own (a "
+    "two-tower model's images and texts), export the model yourself with a name per first axis "
+    "(torch.onnx.export's dynamic_axes) and give it as model.onnx, whose axis names Kiln keeps"
+)
+
+
 class Signature(Section):
     """``signature:``: the model's inputs and outputs beyond what its code says."""
 
@@ -51,6 +58,8 @@ class Signature(Section):
         "output, else one named 'logits', else none (outputs compared by error and cosine only)",
     )
 
+    # Axis 0 of every input is one batch axis in Kiln's export; a model taking inputs in counts of their own has a
+    # way: a graph whose first axes carry names of their own is taken as they are (docs/serving.md).
     @field_validator("dynamic_axes")
     @classmethod
     def _axes_besides_batch(cls, value: dict[str, dict[int, str]]) -> dict[str, dict[int, str]]:
@@ -62,6 +71,7 @@ class Signature(Section):
                     raise ValueError(
                         f"input '{name}' axis {axis}: axes are counted from 1 here (0 is the batch, which "
                         "export.dynamic_batch makes dynamic; negative indices are not taken)"
+                        + (_OWN_COUNTS if axis == 0 else "")
                     )
                 if not str(dim).strip() or str(dim) == BATCH_AXIS:
                     raise ValueError(

@@ -117,6 +117,13 @@ def test_dynamic_axes_that_would_move_the_batch_axis(axes: str, needle: str) -> 
     assert_clean(invoke("config", "--set", f"signature.dynamic_axes={axes}"), 2, needle, "signature.dynamic_axes")
 
 
+def test_a_first_axis_of_its_own_is_refused_with_the_way_that_takes_it() -> None:
+    """Kiln's export ties every input's axis 0 to one batch; a two-tower model is told how to keep them apart."""
+    out = invoke("config", "--set", "signature.dynamic_axes={pixel_values: {0: images}}")
+    assert_clean(out, 2, "counts of their own", "signature.dynamic_axes")
+    assert "give it as model.onnx, whose axis names Kiln keeps" in out.output
+
+
 @pytest.mark.parametrize("size", [0, -2])
 def test_signature_shapes_need_positive_sizes(size: int) -> None:
     assert_clean(invoke("config", "--set", f"signature.shapes={{seq: [{size}]}}"), 2, "signature.shapes")
