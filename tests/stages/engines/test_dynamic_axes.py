@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from kiln.core.errors import BuildError, InputError
 from kiln.core.records import TensorSpec
@@ -18,6 +20,7 @@ from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig, OrtAutotun
 from kiln.stages.engines.onnxruntime.runner import pin_shapes
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
+from tests.pipeline.test_faults import invoke
 from tests.stages.engines.two_input import VOCAB, export_two_input, feeds
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -120,3 +123,38 @@ def test_cuda_offline_save_that_pins_axes_falls_back_to_the_converted_graph(tmp_
     assert [d.dim_param for d in engine.graph.input[0].type.tensor_type.shape.dim] == ["batch", ""]
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in engine.graph.initializer)
     assert not (tmp_path / "engine.source.onnx").exists()
+
+
+class _TwoTower(torch.nn.Module):
+    """Images and texts in counts of their own, scored each against each (CLIP's shape of the problem)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img, self.txt = torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor) -> torch.Tensor:
+        return self.img(img) @ self.txt(txt).T
+
+
+def test_first_axes_named_apart_in_the_graph_stay_apart_in_the_engine(tmp_path: Path) -> None:
+    """The way signature.dynamic_axes' axis-0 error offers: a file exported with a name per first axis keeps them."""
+    model, src = _TwoTower().eval(), tmp_path / "tt.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter, for its dynamic_axes
+        torch.onnx.export(
+            model,
+            (torch.rand(2, 8), torch.rand(3, 6)),
+            str(src),
+            input_names=["img", "txt"],
+            output_names=["scores"],
+            dynamic_axes={"img": {0: "images"}, "txt": {0: "texts"}, "scores": {0: "images", 1: "texts"}},
+            dynamo=False,
+        )
+    out = invoke("build", str(src), "-o", str(tmp_path / "engine"))
+    assert out.exit_code == 0, out.output
+    img, txt = np.random.rand(3, 8).astype(np.float32), np.random.rand(5, 6).astype(np.float32)
+    with load_engine(tmp_path / "engine") as engine:
+        got = engine.infer({"img": img, "txt": txt})
+    with torch.no_grad():
+        want = model(torch.from_numpy(img), torch.from_numpy(txt)).numpy()
+    np.testing.assert_allclose(next(iter(got.values())), want, rtol=1e-5, atol=1e-6)
