@@ -234,20 +234,62 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
     names = _keys(vx)
     _check_dynamic_axes(vx, dynamic or {}, ref)
     for name, a, b in zip(names, tensors(tx), tensors(vx)):
+        which = "" if isinstance(vx, torch.Tensor) else f"input '{name}': "
+        if a.dtype != b.dtype:
+            raise DataContractError(
+                f"dataset '{ref}': {which}train_x is {a.dtype} but val_x is {b.dtype}",
+                hint=f"give both splits the same dtype (e.g. val_x{_item(vx, name)}.to({a.dtype}))",
+            )
         free = {int(axis) for axis in (dynamic or {}).get(name, {})}
         differ = [i + 1 for i, (p, q) in enumerate(zip(a.shape[1:], b.shape[1:])) if p != q and i + 1 not in free]
-        if a.dim() != b.dim() or differ or a.dtype != b.dtype:
-            which = "" if isinstance(vx, torch.Tensor) else f"input '{name}': "
-            what = (
-                (f"validation samples are {list(b.shape[1:])} but training samples are {list(a.shape[1:])}")
-                if a.dtype == b.dtype
-                else f"train_x is {a.dtype} but val_x is {b.dtype}"
-            )
+        if a.dim() != b.dim() or differ:
             raise DataContractError(
-                f"dataset '{ref}': {which}{what}",
-                hint="give both splits the same per-sample shape and dtype, or declare the axis that varies in "
-                f"signature.dynamic_axes (e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})",
+                f"dataset '{ref}': {which}validation samples are {list(b.shape[1:])} but training samples are "
+                f"{list(a.shape[1:])}{_unknown_axes_note(vx, dynamic or {})}",
+                hint=_shape_hint(vx, name, differ, dynamic or {}),
             )
+
+
+def _item(x: Inputs, name: str) -> str:
+    """How code reaches input ``name`` of ``x``: ``['ids']``, ``[1]``, or nothing for a bare tensor."""
+    if isinstance(x, torch.Tensor):
+        return ""
+    return f"[{name!r}]" if isinstance(x, Mapping) else f"[{name}]"
+
+
+def _unknown_names(x: Inputs, dynamic: Mapping[str, Any]) -> list[str]:
+    """The keys of ``signature.dynamic_axes`` that name no input of ``x``, where the data fixes the input names (a
+    bare tensor is ``input``, a dict names its own; a tuple's names are the model's forward parameters)."""
+    if not isinstance(x, (torch.Tensor, Mapping)):
+        return []
+    return sorted(set(dynamic) - set(_keys(x)))
+
+
+def _unknown_axes_note(x: Inputs, dynamic: Mapping[str, Any]) -> str:
+    """For a shape error: the axes declared under a name the data does not have, which free no axis of it."""
+    unknown = _unknown_names(x, dynamic)
+    if not unknown:
+        return ""
+    names = ", ".join(f"'{n}'" for n in unknown)
+    return f"; signature.dynamic_axes names {names}, not an input of the data (its inputs: {_keys(x)})"
+
+
+def _shape_hint(x: Inputs, name: str, differ: list[int], dynamic: Mapping[str, Any]) -> str:
+    """The fix for samples of another shape in each split: declare the varying axis under the input's own name,
+    or, where the axes are declared under a name the data lacks, key them by the data's names."""
+    unknown = _unknown_names(x, dynamic)
+    if unknown and isinstance(x, torch.Tensor):
+        axes = ", ".join(f"{axis}: {label}" for axis, label in dict(dynamic[unknown[0]]).items())
+        return (
+            f"key signature.dynamic_axes by '{name}' (data given as one tensor is the input '{name}': "
+            f"{{{name}: {{{axes}}}}}), or give the data as a dict {{'{unknown[0]}': tensor}}"
+        )
+    if unknown:
+        return f"key signature.dynamic_axes by the data's input names {_keys(x)}"
+    return (
+        "give both splits the same per-sample shape, or declare the axis that varies in signature.dynamic_axes "
+        f"(e.g. {{{name}: {{{differ[0] if differ else 1}: seq}}}})"
+    )
 
 
 def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> None:

@@ -26,6 +26,7 @@ from kiln.core.artifacts import ensure_writable
 from kiln.core.compare import max_abs_err, within_tolerance
 from kiln.core.data import (
     SINGLE_INPUT,
+    DataContractError,
     DatasetSplits,
     Inputs,
     as_feed,
@@ -43,6 +44,7 @@ from kiln.core.data import (
 from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import (
+    INDEX_HINT,
     check_onnx,
     check_tensor_io,
     fixed_batch,
@@ -52,6 +54,7 @@ from kiln.core.onnx_io import (
     load_onnx,
     ort_run,
     ort_session,
+    outside_index,
     rename_values,
     save_onnx,
     value_names,
@@ -361,7 +364,7 @@ def parity(
     if ref is None:
         ref = _torch_outputs(model, x)
     sess = session if session is not None else ort_session(onnx_path)
-    _same_outputs(list(ref), [o.name for o in sess.get_outputs()], "at " + (at or f"batch {rows(x)}"))
+    _same_outputs(list(ref), [o.name for o in sess.get_outputs()], "at " + (at or f"batch {rows(x)}"), rows(x))
     got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
@@ -374,10 +377,12 @@ def parity(
     return {"max_abs_err": max(errs.values()), "per_output": errs, "samples": rows(x)}
 
 
-def _same_outputs(names: list[str], exported: list[str], at: str) -> None:
-    """The model returns the outputs the graph was exported with (``names``: PyTorch's at ``at``). An output that is
-    None on some calls and a tensor on others (it depends on the batch) has no place in a graph: the export left it
-    out, or kept it, as the example it traced had it."""
+def _same_outputs(names: list[str], exported: list[str], at: str, batch: int) -> None:
+    """The model returns the outputs the graph was exported with (``names``: PyTorch's at ``at``, ``batch`` rows).
+    An output that is None on some calls and a tensor on others (it depends on the batch) has no place in a graph:
+    the export left it out, or kept it, as the example it traced had it. Nor has a list with one item per sample
+    (:func:`_per_sample_list`)."""
+    _refuse_per_sample_list(names, exported, at, batch)
     now = [f"'{n}' a tensor" for n in names if n not in exported] + [f"'{n}' None" for n in exported if n not in names]
     if now:
         raise ModelError(
@@ -385,6 +390,47 @@ def _same_outputs(names: list[str], exported: list[str], at: str) -> None:
             "a None output is left out of the graph, so it must be None on every call",
             hint="return each output as a tensor on every call, or as None on every call (an absent loss)",
         )
+
+
+# A list item in a flattened output's name (kiln.core.outputs.flatten_outputs): ``output_<i>`` at the top, ``.<i>``
+# inside a container
+_LIST_ITEM = re.compile(r"(?:^output_|\.)(\d+)(?=\.|$)")
+
+
+def _list_lengths(names: list[str]) -> dict[str, int]:
+    """List (its path, ``*`` for its index: ``output_*``, ``detections.*``) -> how many items ``names`` hold of it."""
+    items: dict[str, set[int]] = {}
+    for name in names:
+        for match in _LIST_ITEM.finditer(name):
+            items.setdefault(name[: match.start(1)] + "*", set()).add(int(match.group(1)))
+    return {path: len(found) for path, found in items.items()}
+
+
+def _per_sample_list(names: list[str], exported: list[str], batch: int) -> tuple[str, int] | None:
+    """(the list's path, its length in the graph) for an output list of ``batch`` items (``names``) whose length
+    in the exported graph differs: one item per sample, as torchvision's detectors return one ``{boxes, scores,
+    labels}`` dict per image. None: no such list."""
+    then = _list_lengths(exported)
+    for path, length in _list_lengths(names).items():
+        if length == batch and then.get(path, length) != length:
+            return path, then[path]
+    return None
+
+
+def _refuse_per_sample_list(names: list[str], exported: list[str], at: str, batch: int) -> None:
+    """A ModelError for an output list whose length follows the batch (:func:`_per_sample_list`): a graph's outputs
+    are a fixed set, so it holds as many items as the example it traced had samples."""
+    found = _per_sample_list(names, exported, batch)
+    if found is None:
+        return
+    path, traced = found
+    raise ModelError(
+        f"the model returns a list of outputs whose length follows the batch ({path.replace('*', '<i>')}: {batch} "
+        f"items {at}, {traced} on the example the graph was exported with), which is not supported: a graph has a "
+        "fixed number of outputs",
+        hint="return flat tensors over the whole batch, each row with the index of the sample it belongs to: e.g. "
+        "detections as boxes [K, 4], scores [K], labels [K] and an image index [K]",
+    )
 
 
 class ShapeMismatch(ModelError):
@@ -634,7 +680,8 @@ def export_direct(
         check = parity(model, output, example)
     if not check["max_abs_err"] <= cfg.export.parity_atol:  # held to the tolerance the pipeline holds it to
         raise ModelError(
-            f"the exported graph ({output.name}) differs from PyTorch: max abs error {check['max_abs_err']:.3g} > export.parity_atol "
+            f"the exported graph ({output.name}) differs from PyTorch: max abs error {check['max_abs_err']:.3g} > "
+            "export.parity_atol "
             f"{cfg.export.parity_atol:g} ({_worst_output(check)}, on {_example_source(specs)})",
             hint="check the model for ops that export inexactly; "
             + (
@@ -804,6 +851,23 @@ def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) ->
     return freed
 
 
+def refuse_outside_index(data: DatasetSplits, path: Path, shown: str, name: str) -> None:
+    """Each split of ``data`` (``name``: the data function) against the tables the taken graph at ``path`` (the
+    user's ``shown``) indexes (:func:`kiln.core.onnx_io.outside_index`), before any stage runs it on them: ONNX
+    Runtime would stop at a token id past an embedding's rows with a traceback naming a node, not the input. Data
+    that do not fit the graph's inputs are left to the stages that run it, which say why."""
+    graph = load_onnx(path, load_external_data=False)
+    names = [i.name for i in io_specs(graph)[0]]
+    for split, x in (("training", data.train_x), ("validation", data.val_x)):
+        try:
+            feed = feed_for_graph(x, names) if rows(x) else {}
+        except KilnError:
+            return
+        why = outside_index(graph, feed, shown)
+        if why is not None:
+            raise DataContractError(f"the {split} data of '{name}': {why}", hint=INDEX_HINT)
+
+
 def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]:
     """:func:`name_output_axes` on a taken ``model.onnx``, with the data's first held-out rows, over the axes the file
     declares dynamic; nothing where the data does not fit the file (the stages that run it say why)."""
@@ -828,6 +892,9 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
             specs, _ = io_specs(load_onnx(ctx.config.model.onnx, load_external_data=False))
             random_axis_size(Path(ctx.config.model.onnx), specs, ctx.config.signature)
         summary = take_onnx(Path(ctx.config.model.onnx), ctx.out / "model.onnx")
+        if not on_random_inputs(ctx.config.model, ctx.config.data):
+            src = Path(ctx.config.model.onnx)
+            refuse_outside_index(ctx.dataset(), ctx.out / "model.onnx", src.name, ctx.config.data.name or "the data")
         return summary.model_copy(update={"output_axes": _probe_taken(ctx)})
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.

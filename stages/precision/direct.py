@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.errors import KilnError, ModelError
+from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
+from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
 from kiln.core.outputs import logits_name
 from kiln.core.progress import SilentProgress
 from kiln.core.records import TensorSpec, Variants
@@ -47,6 +47,7 @@ def precision_direct(
     ccfg, pcfg = cfg.calibration, cfg.precision.model_copy(deep=True)
     if calibration is not None:
         data = read_feed(calibration, inputs, "the model")
+        _refuse_outside_index(graph, data, calibration, src)
         source = f"{calibration} ({len(next(iter(data.values())))} rows)"
     else:
         data = _random(inputs, cfg, index_ranges(graph))
@@ -122,6 +123,14 @@ def _shown(out: Path, entry: dict[str, Any]) -> dict[str, Any]:
         "only": next(iter(only)) if only else None,
         **(entry.get("vs_fp32") or {}),
     }
+
+
+def _refuse_outside_index(graph: Any, data: dict[str, np.ndarray], calibration: Path, src: Path) -> None:
+    """Calibration data whose indices run past a table of the graph (:func:`kiln.core.onnx_io.outside_index`):
+    refused before calibration and the accuracy gates feed them to ONNX Runtime, which would stop with a traceback."""
+    why = outside_index(graph, data, src.name)
+    if why is not None:
+        raise InputFileError(f"--calibration {calibration}: {why}", hint=INDEX_HINT)
 
 
 def _random(inputs: list[TensorSpec], cfg: PrecisionSettings, ids: dict[str, list[int]]) -> dict[str, np.ndarray]:

@@ -91,6 +91,33 @@ def test_a_declared_dynamic_axis_may_differ_between_splits() -> None:
     )
 
 
+def test_axes_declared_under_a_name_the_data_lacks_are_named_in_the_shape_error() -> None:
+    """A bare tensor is the input 'input': axes keyed by the model's own name ('input_values') free no axis of it,
+    and the error says so instead of only advising to declare an axis (as the config already does)."""
+    audio = DatasetSplits(torch.zeros(8, 40), None, torch.zeros(2, 24), None)
+    with pytest.raises(DataContractError) as info:
+        check_splits(audio, "mine:data", {"input_values": {1: "time"}})
+    assert "signature.dynamic_axes names 'input_values', not an input of the data (its inputs: ['input'])" in (
+        info.value.message
+    )
+    assert info.value.hint == (
+        "key signature.dynamic_axes by 'input' (data given as one tensor is the input 'input': {input: {1: time}}), "
+        "or give the data as a dict {'input_values': tensor}"
+    )
+
+
+def test_splits_of_different_dtypes_get_a_dtype_fix_not_an_axis_to_declare() -> None:
+    """The axis that varies is declared; what differs is the dtype, and the fix says so."""
+    val = ids(4)
+    val["attention_mask"] = val["attention_mask"].int()
+    axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    with pytest.raises(
+        DataContractError, match="input 'attention_mask': train_x is torch.int64 but val_x is torch.int32"
+    ) as info:
+        check_splits(DatasetSplits(ids(8), None, val, None), "mine:data", axes)
+    assert info.value.hint == "give both splits the same dtype (e.g. val_x['attention_mask'].to(torch.int64))"
+
+
 def test_input_names_come_from_keys_or_the_forward() -> None:
     class Two(nn.Module):
         def forward(self, dense, sparse):

@@ -12,7 +12,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from kiln.core.errors import InputFileError, ModelError
-from kiln.core.onnx_io import check_tensor_io, index_ranges, load_onnx, save_onnx
+from kiln.core.onnx_io import check_tensor_io, index_ranges, load_onnx, outside_index, save_onnx
 
 
 def _model(value: float) -> onnx.ModelProto:
@@ -120,6 +120,18 @@ def _indexing_graph() -> onnx.ModelProto:
 
 def test_index_ranges_are_the_rows_of_the_embedding_tables_an_input_indexes() -> None:
     assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1], "small": [0, 9]}
+
+
+def test_an_index_past_a_table_is_named_with_its_input_and_range() -> None:
+    """The sentence servers refuse a request with, before ONNX Runtime's Gather traceback; indices counted from the
+    end down to -rows run in ONNX Runtime and pass, as the engines' own ranges take them."""
+    graph, ids = _indexing_graph(), np.array([3, 9], np.int64)
+    assert outside_index(graph, {"ids": ids, "kind": np.array([0, 1])}, "m.onnx") is None
+    assert outside_index(graph, {"ids": np.array([-10, 9])}, "m.onnx") is None
+    assert outside_index(graph, {"ids": ids + 5}, "m.onnx") == (
+        "input 'ids' holds 14: engine m.onnx takes values from 0 to 9 (the rows of the table it indexes)"
+    )
+    assert "input 'kind' holds -3:" in outside_index(graph, {"ids": ids, "kind": np.array([-3, 1])}, "m.onnx")
 
 
 def zipmap_classifier(path: Path) -> Path:

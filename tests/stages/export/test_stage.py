@@ -299,3 +299,31 @@ def test_an_output_that_is_none_on_some_calls_only_is_a_model_error(tmp_path: Pa
     export_onnx(model, x[:2], tmp_path / "m.onnx")
     with pytest.raises(ModelError, match=r"returns output 'output_1' a tensor at batch 8, but not on the example"):
         batch_parity(model, tmp_path / "m.onnx", x[:2], x, 1e-4)
+
+
+class PerImage(nn.Module):
+    """torchvision's detector contract: a list with one {boxes, scores, labels} dict per image of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        out = self.proj(x)
+        return [{"boxes": row[:4].reshape(1, 4), "scores": row[4:], "labels": row[4:].long()} for row in out]
+
+
+def test_a_list_of_outputs_whose_length_follows_the_batch_is_named_as_such(tmp_path: Path) -> None:
+    """The graph traced at batch 2 has two dicts of outputs, PyTorch at batch 8 eight: said as a list whose length
+    follows the batch, not as outputs that are None on some calls."""
+    from kiln.stages.export.stage import batch_parity
+
+    model, x = PerImage().eval(), torch.randn(8, 4)
+    export_onnx(model, x[:2], tmp_path / "m.onnx")
+    with pytest.raises(ModelError) as info:
+        batch_parity(model, tmp_path / "m.onnx", x[:2], x, 1e-4)
+    assert info.value.message == (
+        "the model returns a list of outputs whose length follows the batch (output_<i>: 8 items at batch 8, 2 on the "
+        "example the graph was exported with), which is not supported: a graph has a fixed number of outputs"
+    )
+    assert "boxes [K, 4], scores [K], labels [K] and an image index [K]" in info.value.hint

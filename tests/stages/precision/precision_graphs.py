@@ -12,7 +12,7 @@ OPSET = 18
 def make_model(
     nodes: list[onnx.NodeProto],
     inits: dict[str, np.ndarray],
-    features: int = 16,
+    features: int | str = 16,
     out_dim: int = 10,
     in_type: int = TensorProto.FLOAT,
 ) -> onnx.ModelProto:
@@ -156,3 +156,16 @@ def node_input_types(model: onnx.ModelProto) -> dict[str, int]:
     types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.input]}
     types |= {i.name: i.data_type for i in model.graph.initializer}
     return {n.name: types.get(n.input[0], 0) for n in model.graph.node if n.input}
+
+
+def token_graph(vocab: int = 10, length: int | str = 6) -> onnx.ModelProto:
+    """Token ids ("input" [batch, length] int64; a named ``length``: a dynamic axis) -> an embedding of ``vocab``
+    rows -> mean over the tokens -> logits: a graph whose integer input indexes a table
+    (:func:`kiln.core.onnx_io.index_ranges`)."""
+    nodes = [
+        helper.make_node("Gather", ["table", "input"], ["embedded"]),
+        helper.make_node("ReduceMean", ["embedded", "axes"], ["pooled"], keepdims=0),
+        helper.make_node("MatMul", ["pooled", "w"], ["logits"]),
+    ]
+    inits = {"table": rng_weights(vocab, 8), "axes": np.array([1], np.int64), "w": rng_weights(8, 10, seed=1)}
+    return make_model(nodes, inits, features=length, in_type=TensorProto.INT64)

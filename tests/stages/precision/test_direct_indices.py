@@ -1,0 +1,41 @@
+"""`kiln precision model.onnx --calibration data.npz` with token ids past the graph's embedding: one error/fix pair
+naming the input, the value and the table's rows, before calibration or the gates run the data through ONNX Runtime
+(whose Gather stops with a traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from click.testing import CliRunner
+
+from kiln.cli import main
+from tests.stages.precision.precision_graphs import token_graph
+
+
+def _run(tmp: Path, ids: np.ndarray) -> object:
+    model, feed = tmp / "m.onnx", tmp / "d.npz"
+    onnx.save(token_graph(vocab=10), model)
+    np.savez(feed, input=ids)
+    args = ["precision", str(model), "-o", str(tmp / "v"), "--variants", "int8", "--calibration", str(feed)]
+    return CliRunner().invoke(main, args)
+
+
+def test_calibration_ids_past_the_vocabulary_are_one_error_naming_them(tmp_path: Path) -> None:
+    ids = np.random.default_rng(0).integers(0, 10, (32, 6)) + 5  # 5..14 into 10 rows
+    result = _run(tmp_path, ids)
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [line for line in result.output.splitlines() if line.startswith(("error:", "fix:"))]
+    assert lines[0] == (
+        f"error: --calibration {tmp_path / 'd.npz'}: input 'input' holds 14: engine m.onnx takes values from 0 to 9 "
+        "(the rows of the table it indexes)"
+    )
+    assert lines[1].startswith("fix: give indices within the table") and not (tmp_path / "v" / "int8").exists()
+
+
+def test_ids_within_the_vocabulary_calibrate(tmp_path: Path) -> None:
+    result = _run(tmp_path, np.random.default_rng(0).integers(0, 10, (32, 6)))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "v" / "int8" / "model.onnx").is_file()
