@@ -149,10 +149,13 @@ class Bench:
         reference: Path,
         cfg: OrtAutotuneConfig,
         timer: Timer | None = None,
+        opened: list[Any] | None = None,
     ) -> None:
         import onnxruntime as ort
 
         self.ort, self.dir, self.meta, self.cfg, self.timer = ort, Path(engine_dir), meta, cfg, timer or time_calls
+        # The build's load-check session (CPU), taken out of its list: freed once this lets it go
+        self.opened = opened.pop() if opened else None
         self.cuda = meta["device"] == "cuda"
         self.models: dict[str, onnx.ModelProto] = {}
         # The FP32 reference runs on the CPU EP: independent of every knob tried here.
@@ -215,12 +218,20 @@ class Bench:
             self.models[file] = onnx.load(str(self.dir / file))
         return self.models[file]
 
+    def _reused(self, plan: dict[str, Any]) -> Any:
+        """The build's load-check session for a candidate that opens the same file with the same settings (the
+        configured ones, tried first): no second session for them. Released at the first other candidate."""
+        same = plan["model"] == self.meta["files"]["model"] and plan["settings"] == self.meta["session"]
+        if not same:
+            self.opened = None
+        return self.opened
+
     def _prepare(self, plan: dict[str, Any], batch: int) -> tuple[Callable[[], Any], Callable, bool]:
         """``call`` runs once the way the runner would; ``fetch`` returns the last outputs as host arrays; the flag
         says whether ``call`` replays a CUDA graph."""
         model, feed = self._model(plan["model"]), self.feed(batch)
         if not self.cuda:
-            session = open_session(self.ort, model, plan)
+            session = self._reused(plan) or open_session(self.ort, model, plan)
             last: list[Any] = []
 
             def run_cpu() -> None:
@@ -259,13 +270,16 @@ def autotune(
     batches: list[int],
     per_batch: bool,
     timer: Timer | None = None,
+    opened: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Search ``knobs`` from ``base`` and return the sidecar's ``autotune`` record.
 
     ``per_batch``: one search and one choice per batch size (CUDA: the runner keeps a session per shape); else one
     search whose objective is the sum of the batches' medians, and one choice (CPU: one session for all shapes).
+    ``opened``: ``[session]``, the build's CPU session on the engine file with its recorded settings, which the
+    candidate with those settings reuses (taken out of the list: nothing else holds it while other candidates run).
     """
-    bench = Bench(engine_dir, meta, reference, cfg, timer)
+    bench = Bench(engine_dir, meta, reference, cfg, timer, opened)
     t0, notes = time.monotonic(), []
     record: dict[str, Any] = {
         "strategy": cfg.strategy,

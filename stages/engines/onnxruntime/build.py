@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from kiln.core.text import first_line
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
+from kiln.stages.engines.onnxruntime.loading import settle_load
 
 log = logging.getLogger("kiln.build")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -75,22 +77,25 @@ def build_ort_engine(
     if conversion:
         notes["fp16_conversion"] = conversion
     files = {"model": "engine.onnx"}
-    if applied and False in knobs.get("transformer_fusion", []):  # the unfused graph is a candidate too
-        _write_engine(model, out / "engine-unfused.onnx", device, precision, cfg, cuda_here, to_fp16, keep_fp32)
-        files["model_unfused"] = "engine-unfused.onnx"
     if offline != _offline_level(device, cuda_here):
         notes["offline_fallback"] = (
             "the CUDA EP's offline optimization fixed dynamic axes; the engine is the "
             "converted graph, optimized by the CUDA EP at load"
         )
-    session = {
-        "providers": provider_list(device, cfg, conv, precision),
-        "intra_op_threads": cfg.intra_op_threads,
-        "inter_op_threads": cfg.inter_op_threads,
-        "execution_mode": cfg.execution_mode,
-        "offline_optimization": offline,
-        "load_optimization": "all",
-    }
+    session = _session_record(device, cfg, conv, precision, offline)
+    no_ep = device == "cuda" and not cuda_here
+    unoptimized = lambda: _convert(fused, to_fp16, keep_fused)[0]  # noqa: E731 - made again only on a fallback
+    check = _settle_load(out / files["model"], session, unoptimized, name, notes, no_ep)
+    # A CPU autotune takes the check's session for its first candidate (CUDA candidates open fixed-shape copies)
+    opened = [check] if device == "cpu" and check is not None else []
+    del check
+    if applied and False in knobs.get("transformer_fusion", []):  # the unfused graph is a candidate too
+        files["model_unfused"] = "engine-unfused.onnx"
+        dst = out / files["model_unfused"]
+        _, alone = _write_engine(model, dst, device, precision, cfg, cuda_here, to_fp16, keep_fp32)
+        unfused = lambda: _convert(model, to_fp16, keep_fp32)[0]  # noqa: E731
+        # at the main file's load level: the engine records one for both
+        _settle_load(dst, {**session, "offline_optimization": alone}, unfused, name, notes, no_ep, lower=False)
     built = {
         "files": files,
         "session": session,
@@ -117,6 +122,7 @@ def build_ort_engine(
         knobs,
         batches,
         per_batch=device == "cuda",
+        opened=opened,
     )
     _drop_unused_unfused(out, built)
     return built
@@ -197,6 +203,42 @@ def _offline_level(device: str, cuda_here: bool) -> str:
     return "extended" if device == "cpu" or cuda_here else "basic"
 
 
+def _session_record(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str, offline: str) -> dict[str, Any]:
+    """The session the runner opens the engine with, as recorded (``backend_info.session``)."""
+    return {
+        "providers": provider_list(device, cfg, conv, precision),
+        "intra_op_threads": cfg.intra_op_threads,
+        "inter_op_threads": cfg.inter_op_threads,
+        "execution_mode": cfg.execution_mode,
+        "offline_optimization": offline,
+        "load_optimization": "all",
+    }
+
+
+def _settle_load(
+    path: Path,
+    session: dict[str, Any],
+    unoptimized: Callable[[], onnx.ModelProto],
+    name: str,
+    notes: dict[str, Any],
+    no_ep: bool,
+    lower: bool = True,
+) -> Any:
+    """Check that the engine file at ``path`` opens with the ``session`` recorded for it, as its runner opens it,
+    falling back as :func:`loading.settle_load` says: ``session`` (the main file's: ``lower``) takes the levels
+    that open, a fallback goes into ``notes``. Returns the check's session (a CPU autotune reuses it).
+    ``no_ep``: a CUDA engine built without the CUDA EP, which this machine cannot open as it will run."""
+    if no_ep:
+        notes["load_check"] = "not checked: no CUDAExecutionProvider on the build machine"
+        return None
+    loaded = settle_load(path, session, unoptimized, name, lower)
+    if loaded.fallback:
+        notes.setdefault("load_fallback", []).append(loaded.fallback)
+    if lower:
+        session |= {"offline_optimization": loaded.offline, "load_optimization": loaded.load}
+    return loaded.session
+
+
 def _write_engine(
     model: onnx.ModelProto,
     dst: Path,
@@ -217,23 +259,7 @@ def _write_engine(
     models in microsoft/onnxruntime#2474: for an FP16 graph the CPU EP inserts Casts to FP32 around every op it has
     no FP16 kernel for, and those would be saved into the CUDA engine.)"""
 
-    note = None
-    if to_fp16:
-        from onnxruntime.transformers.float16 import (
-            DEFAULT_OP_BLOCK_LIST,
-            convert_float_to_float16,
-        )
-
-        # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
-        ops = {n.op_type for n in model.graph.node}
-        keep = list(keep_fp32 or [])
-        model = convert_float_to_float16(
-            model,
-            keep_io_types=True,
-            op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
-            node_block_list=[k for k in keep if k not in ops],
-        )
-        note = "onnxruntime.transformers.float16 after fusion, io kept fp32"
+    model, note = _convert(model, to_fp16, keep_fp32)
     if device == "cuda" and not cuda_here:
         # No CUDA EP here to optimize for: a save through the CPU EP would carry its Casts to FP32 (around every
         # op it has no FP16 kernel for) into the CUDA engine. The graph as converted (loaded once, so a graph ORT
@@ -266,6 +292,28 @@ def _write_engine(
     finally:
         src.unlink(missing_ok=True)
     return note, offline
+
+
+def _convert(model: onnx.ModelProto, to_fp16: bool, keep_fp32: list[str] | None) -> tuple[onnx.ModelProto, str | None]:
+    """The graph in the engine's precision (``to_fp16``: asked for, and the graph is FP32) and the conversion's
+    note; ``model`` itself when there is nothing to convert."""
+    if not to_fp16:
+        return model, None
+    from onnxruntime.transformers.float16 import (
+        DEFAULT_OP_BLOCK_LIST,
+        convert_float_to_float16,
+    )
+
+    # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
+    ops = {n.op_type for n in model.graph.node}
+    keep = list(keep_fp32 or [])
+    model = convert_float_to_float16(
+        model,
+        keep_io_types=True,
+        op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
+        node_block_list=[k for k in keep if k not in ops],
+    )
+    return model, "onnxruntime.transformers.float16 after fusion, io kept fp32"
 
 
 def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> list[Any]:

@@ -13,15 +13,16 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 from typing import Any
 
 import numpy as np
 import onnx
 
-from kiln.core.errors import BuildError
+from kiln.core.errors import BuildError, KilnError
 from kiln.core.onnx_io import ort_session
 from kiln.core.onnx_io import session_options as make_options
-from kiln.core.text import first_line
+from kiln.core.text import first_line, short_reason
 from kiln.core.timing import time_calls
 from kiln.stages.engines.backend import Runner
 from kiln.stages.engines.onnxruntime.record import OrtRecord
@@ -38,6 +39,34 @@ def session_options(settings: dict[str, Any]) -> Any:
         parallel=settings.get("execution_mode") == "parallel",
         optimization=settings.get("load_optimization", "none"),
         spinning=settings.get("spinning", True),
+    )
+
+
+def ort_reason(exc: BaseException) -> str:
+    """ONNX Runtime's reason for refusing a session, on one line: the innermost of its nested errors (the outer
+    ones name the source line that passed it on). ``ort_session``'s error keeps only the first line of ORT's
+    message, so ORT's own exception (its context) is read where there is one."""
+    text = str(exc.__context__ or exc)
+    inner = re.split(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", text)[-1]
+    return short_reason(inner if inner.strip() else text, 240)
+
+
+def load_error(exc: KilnError, engine: str, settings: dict[str, Any], built_with: str | None) -> KilnError:
+    """``exc`` (ORT refusing to open an engine's graph) with a fix that holds for an engine. A graph ORT optimized
+    offline ran in ORT when it was built, so another opset is no fix for it: the graph is ORT's own output, and
+    a build with the onnxruntime that loads it checks that it opens and falls back to a level or graph that does.
+    An un-optimized engine graph keeps ``exc``'s hint (an op or type ORT may not support)."""
+    offline = settings.get("offline_optimization", "none")
+    if offline == "none":
+        return exc
+    import onnxruntime as ort
+
+    return BuildError(
+        f"ONNX Runtime cannot load engine {engine}: {ort_reason(exc)}",
+        hint=f"the engine is ONNX Runtime's own optimized graph (offline_optimization '{offline}', opened at"
+        f" load_optimization '{settings.get('load_optimization', 'none')}'; built with onnxruntime"
+        f" {built_with or 'unknown'}, this is {ort.__version__}): rebuild it here (`kiln build`, or `kiln run"
+        " --force build` in a workdir); the build checks that its engine loads and falls back to one that does",
     )
 
 
@@ -177,12 +206,15 @@ class OrtCpuRunner(Runner):
     def _activate(self) -> None:
 
         plan = for_server(engine_plan(self.meta.files, self.info, None), self.serving)
-        self.session = ort_session(
-            self.engine_dir / plan["model"],
-            providers=plan["providers"],
-            options=session_options(plan["settings"]),
-            error=BuildError,
-        )
+        try:
+            self.session = ort_session(
+                self.engine_dir / plan["model"],
+                providers=plan["providers"],
+                options=session_options(plan["settings"]),
+                error=BuildError,
+            )
+        except BuildError as exc:
+            raise load_error(exc, self.name, plan["settings"], self.meta.versions.get("onnxruntime")) from None
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -203,7 +235,10 @@ class OrtCudaRunner(Runner):
 
         self.ort, self.models = ort, {}
         base = for_server(plan_for(self.meta.files, self.info.session, self.info.cuda_graph, {}), self.serving)
-        self.session = open_session(ort, self._model(base["model"]), base)  # any shape: gives output shapes
+        try:
+            self.session = open_session(ort, self._model(base["model"]), base)  # any shape: gives output shapes
+        except BuildError as exc:
+            raise load_error(exc, self.name, base["settings"], self.meta.versions.get("onnxruntime")) from None
         first = base["providers"][0]
         self.device_id = int(first[1].get("device_id", 0)) if isinstance(first, tuple) else 0
         self.output_names = [o.name for o in self.session.get_outputs()]
