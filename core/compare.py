@@ -1,9 +1,10 @@
 """The comparator: a candidate's outputs against a reference's, as named statistics per output (like
 Polygraphy's ``Comparator``).
 
-Every place that judges outputs goes through here and names the statistic it uses: validation gates, the
-precision fallback and the ORT autotuner all gate ``cosine`` (and ``top1_agreement``), so ``min_cosine`` means one
-thing everywhere. The optimizer's safety net asks a different question, "equal within tolerance?", answered by
+Every place that judges outputs goes through here and names the statistic it uses: validation gates and the
+precision stage's acceptance of a variant hold ``cosine`` and the worst sample's (``sample_cosine``) to
+``min_cosine``, and ``top1_agreement`` to ``min_top1_agreement``; the ORT autotuner compares candidates by
+``cosine``. The optimizer's safety net asks a different question, "equal within tolerance?", answered by
 :func:`within_tolerance`.
 """
 
@@ -20,6 +21,10 @@ STATISTICS: dict[str, str] = {
     "max_abs_err": "largest absolute difference (inf when the candidate has non-finite values)",
     "rel_err": "relative L2 error ||got - ref|| / ||ref||",
     "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros)",
+    "sample_cosine": "the worst sample's cosine: each sample (row of the batch axis) flattened against its reference "
+    "row, or where higher, the cosine its error would give on a sample of the median norm (a near-zero sample's own "
+    "cosine is noise: sample_cosines)",
+    "worst_sample": "the row of the batch axis that sample_cosine comes from",
     "top1_agreement": "fraction of rows whose argmax over the class axis agrees (the last; axis 1 of [N, C, H, W] "
     "maps), a flip on a tie counting as agreement",
     "top1_ties": "fraction of rows whose argmax flipped on a tie: the reference's margin between the two classes "
@@ -33,20 +38,23 @@ TIE_MIN_CLASSES = 4  # the noise is measured on the classes a flip does not invo
 # ...and only where that error is small beside the row's own spread of logits (its standard deviation): an engine
 # whose every logit is off (an overflow, a broken kernel) has no ties, only flips.
 TIE_MAX_NOISE = 0.01
-HIGHER_IS_BETTER = {"cosine", "top1_agreement"}
+HIGHER_IS_BETTER = {"cosine", "sample_cosine", "top1_agreement"}
 
 
 @dataclass(frozen=True)
 class OutputStats:
     """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2). An
     integer or boolean output (a predicted class, a mask) has no cosine: its ``top1_agreement`` is the share of its
-    values that are equal, the decision a class output makes."""
+    values that are equal, the decision a class output makes. ``sample_cosine`` is None where there are no samples
+    to tell apart (:func:`sample_cosines`)."""
 
     max_abs_err: float
     rel_err: float
     cosine: float | None
     top1_agreement: float | None
     top1_ties: float | None = None  # of the rows, those that flipped on a tie (counted as agreeing above)
+    sample_cosine: float | None = None  # the worst sample's cosine (NaN: a sample with a non-finite value)
+    worst_sample: int | None = None  # which row of the batch axis that is
 
     def as_dict(self) -> dict[str, float | None]:
         return asdict(self)
@@ -69,7 +77,8 @@ def compare_arrays(
     with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
         agreement, ties = _top1(r, g, rel_tie, where)
     rf, gf = _beside_shared_non_finite(r, g)
-    return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), _cosine(rf, gf), agreement, ties)
+    sample, row = _worst_sample(sample_cosines(r, g))
+    return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), _cosine(rf, gf), agreement, ties, sample, row)
 
 
 def max_abs_err(ref: np.ndarray, got: np.ndarray) -> float:
@@ -154,6 +163,55 @@ def _cosine(r: np.ndarray, g: np.ndarray) -> float:
     if denom == 0:
         return 1.0 if not r1.any() and not g1.any() else float("nan")
     return float(r1 @ g1 / denom)
+
+
+def sample_cosines(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
+    """Each sample's cosine: its row of the batch axis, flattened, against the reference's. One sample wrong out of
+    a batch hardly moves the cosine of the whole output (its share of the norm is one in N), so gates read the worst
+    of these. A sample's own cosine is unstable where its reference norm is small (a blank image's map, a padded
+    row, logits near zero): an engine's ordinary error, of the same size on every sample, turns it by a large
+    angle. So each sample counts the higher of its own cosine and the cosine its error would give at right angles
+    to a sample of the median norm, 1 - |got - ref|^2 / (2 median^2): a small sample passes when its error is one a
+    typical sample may have, a sample of median norm or more is in effect held to its own cosine (the error that
+    turns it by an angle gives no higher value at the median norm), and a sample fails only when both its direction
+    and its error are off. None: under two values per sample (the cosine of one number is its sign), or a reference
+    of zeros only. NaN: a sample with a value that is not finite in one of the two (the same infinity or NaN in
+    both is equal, as for ``cosine``)."""
+    if ref.ndim < 2 or not len(ref) or ref[0].size < 2:
+        return None
+    r, g = (np.asarray(a, dtype=np.float64).reshape(len(a), -1) for a in (ref, got))
+    finite = np.ones(len(r), dtype=bool)
+    if not (np.isfinite(r).all() and np.isfinite(g).all()):
+        r, g, finite = _rows_beside_non_finite(r, g)
+    rr, gg, rg = (np.einsum("ij,ij->i", a, b) for a, b in ((r, r), (g, g), (r, g)))  # no copy of the rows
+    norm, got_norm = np.sqrt(rr), np.sqrt(gg)
+    if not (norm[finite] > 0).any():
+        return None
+    median = float(np.median(norm[finite & (norm > 0)]))
+    with np.errstate(invalid="ignore", divide="ignore"):  # a row of zeros has no direction: cosine 0
+        own = np.where((norm > 0) & (got_norm > 0), rg / (norm * got_norm), 0.0)
+    by_error = 1.0 - np.maximum(rr - 2.0 * rg + gg, 0.0) / (2.0 * median**2)
+    cos = np.clip(np.maximum(own, by_error), -1.0, 1.0)
+    return np.where(finite, cos, np.nan)
+
+
+def _rows_beside_non_finite(r: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``r`` and ``g`` with the values both hold alike (the same infinity, or NaN in both) set to 0, so they
+    count as equal; and which rows are finite then. A row with a value not finite in one of them only is zeroed
+    whole, and is not finite."""
+    shared = (np.isnan(r) & np.isnan(g)) | (np.isinf(r) & (r == g))
+    r, g = np.where(shared, 0.0, r), np.where(shared, 0.0, g)
+    finite = np.isfinite(r).all(1) & np.isfinite(g).all(1)
+    return np.where(finite[:, None], r, 0.0), np.where(finite[:, None], g, 0.0), finite
+
+
+def _worst_sample(cos: np.ndarray | None) -> tuple[float | None, int | None]:
+    """The lowest per-sample cosine and its row (a NaN first: it is the worst)."""
+    if cos is None:
+        return None, None
+    nan = np.flatnonzero(np.isnan(cos))
+    row = int(nan[0]) if len(nan) else int(np.argmin(cos))
+    return float(cos[row]), row
 
 
 def class_axis(ndim: int) -> int:

@@ -93,9 +93,19 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 pick(t.cosine, s.cosine, True),
                 pick(t.top1_agreement, s.top1_agreement, True),
                 pick(t.top1_ties, s.top1_ties, False),
+                *_worse_sample(t, s),
             )
         out[name] = s
     return out
+
+
+def _worse_sample(a: OutputStats, b: OutputStats) -> tuple[float | None, int | None]:
+    """The worse of two worst samples (NaN is worst), with its row."""
+    if a.sample_cosine is None or b.sample_cosine is None:
+        return (b.sample_cosine, b.worst_sample) if a.sample_cosine is None else (a.sample_cosine, a.worst_sample)
+    x, y = a.sample_cosine, b.sample_cosine
+    b_worse = np.isnan(y) or (not np.isnan(x) and y < x)
+    return (y, b.worst_sample) if b_worse else (x, a.worst_sample)
 
 
 def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: str | None) -> None:
@@ -308,7 +318,9 @@ def held_out_reference(
     axes: Axes,
 ) -> Reference:
     """The reference ``run`` on the held-out ``feeds``, with the labels and ``validate.metric`` it is judged by: what
-    validation compares engines with and the precision stage compares variants with."""
+    validation compares engines with and the precision stage compares variants with. ``logits``: the class-logit
+    output ``signature.logits_output`` picks; the metric reads it, and it is held to top-1 agreement only where the
+    data declares classes (:func:`top1_output`)."""
     n = feed_rows(feeds[-1][1])
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
     metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better)
@@ -323,7 +335,31 @@ def held_out_reference(
     # the metric reads the last point's outputs: per-position targets follow the inputs there too
     followed = labels_at_points(targets, own, feeds[-1:], axes)[0] if targets is not None else None
     targets = targets if followed is None else followed
-    return Reference(run, feeds, point_labels, logits, max(batch_sizes), min(batch_sizes), targets, metric)
+    top1 = top1_output(logits, data)
+    return Reference(run, feeds, point_labels, top1, max(batch_sizes), min(batch_sizes), targets, metric)
+
+
+def declares_classes(data: DatasetSplits) -> bool:
+    """Whether the data says the task has classes: integer labels (a classifier's, one per row or position), or a
+    ``num_classes`` given without labels (a pretrained classifier validated on unlabelled inputs)."""
+    return data.classification or data.num_classes > 0
+
+
+def top1_output(logits: str | None, data: DatasetSplits) -> str | None:
+    """The output whose argmax is a class decision, held to top-1 agreement: ``logits`` where the data declares
+    classes (:func:`declares_classes`), else None. A model's only output is ``logits`` by default whatever it holds,
+    and without classes it may be an embedding (a ViT or timm backbone without its head), whose argmax is no class:
+    its top-1 agreement would pass or fail an engine at random. It is then compared as outputs without class
+    logits are: cosine of the whole output and of its worst sample, error and relative error (logged)."""
+    if logits is None or declares_classes(data):
+        return logits
+    log.info(
+        "output '%s' is not held to top-1 agreement: the data declares no classes (no integer labels, "
+        "num_classes 0), so its argmax may be no class at all (an embedding's); it is compared by cosine (the "
+        "whole output's and the worst sample's), max abs error and relative error",
+        logits,
+    )
+    return None
 
 
 def own_feed(data: DatasetSplits, feeds: list[tuple[dict[str, int], Feed]], n: int) -> Feed:
@@ -355,10 +391,10 @@ def compare_on(
     inspect: Callable[[Feed, dict[str, np.ndarray]], list[str]] | None = None,
 ) -> Comparison:
     """``infer`` on every held-out shape it ``takes``: all rows in batches of the largest size, then one batch of
-    each size (a kernel chosen per batch size must be right too), each against the reference. Top-1 agreement is a
-    rate over the held-out rows, from the first; the batches of each size, a few of those rows again, add their
-    errors and cosines (a kernel that is wrong shows there) but not their top-1: at batch 1 one near-tie would
-    make it 0."""
+    each size (a kernel chosen per batch size must be right too), each against the reference. Top-1 agreement and
+    the worst sample's cosine are over the held-out rows, from the first; the batches of each size, a few of those
+    rows again, add their errors and cosines (a kernel that is wrong shows there) but not those: at batch 1 one
+    near-tie would make top-1 0, and one sample alone has no median norm to measure a small sample's error by."""
     out = Comparison()
     largest = max(batch_sizes)
     for i, ((point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
@@ -373,12 +409,15 @@ def compare_on(
             if inspect is not None:
                 out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
             spot = compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs))
-            out.stats = merge_worst(
-                out.stats, {n: replace(v, top1_agreement=None, top1_ties=None) for n, v in spot.items()}
-            )
+            out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == len(ref.feeds) - 1:
             out.accuracy, out.metric, out.last = ref.accuracy_of(got), ref.metric_of(got), got
     return out
+
+
+def _batch_wide(stats: OutputStats) -> OutputStats:
+    """The statistics of one spot-check batch that hold for any rows: without the rates over the held-out rows."""
+    return replace(stats, top1_agreement=None, top1_ties=None, sample_cosine=None, worst_sample=None)
 
 
 def accuracy_failures(
@@ -389,8 +428,9 @@ def accuracy_failures(
     baseline_metric: float | None = None,
 ) -> list[str]:
     """Each accuracy gate ``entry`` misses, as a sentence naming the value and its threshold (NaN fails every
-    gate): cosine and max abs error per output, top-1 agreement of the class logits (flips on ties counted as
-    agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
+    gate): cosine (of the whole output, and of its worst sample: ``min_cosine`` holds for each sample) and max abs
+    error per output, top-1 agreement of the class logits (flips on ties counted as agreeing:
+    :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
     fails = []
     per_output = entry.outputs or {
         "": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err, "rel_err": entry.rel_err}
@@ -407,6 +447,8 @@ def accuracy_failures(
                 )
         elif not s["cosine"] >= gates["min_cosine"]:
             fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
+        elif s.get("sample_cosine") is not None and not s["sample_cosine"] >= gates["min_cosine"]:
+            fails.append(_sample_failure(where, s, gates["min_cosine"]))
         if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
             fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
         if rel_limit is not None and s["cosine"] is not None and not s.get("rel_err", 0.0) <= rel_limit:
@@ -426,3 +468,14 @@ def accuracy_failures(
                 f"{gates['max_metric_drop']}"
             )
     return fails
+
+
+def _sample_failure(where: str, stats: dict[str, Any], limit: float) -> str:
+    """The worst sample's cosine below ``min_cosine``, said with its row and the whole output's cosine (which can
+    pass while one sample of many is wrong)."""
+    row = stats.get("worst_sample")
+    which = f" (sample {int(row)})" if row is not None else ""
+    return (
+        f"{where}worst sample's cosine {stats['sample_cosine']:.6f}{which} < min_cosine {limit} "
+        f"(whole output: {stats['cosine']:.6f})"
+    )

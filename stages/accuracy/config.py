@@ -26,7 +26,8 @@ class GatesConfig(Section):
         0.9999,
         ge=-1.0,
         le=1.0,
-        description="cosine similarity of the logits output, flattened, vs PyTorch (kiln.core.compare 'cosine')",
+        description="cosine similarity vs PyTorch of each float output, flattened, and of its worst sample "
+        "(kiln.core.compare 'cosine', 'sample_cosine')",
     )
     max_abs_err: float | None = Field(None, ge=0, description="max abs output error vs PyTorch; null = unchecked")
     max_rel_err: float | None = Field(
@@ -37,7 +38,11 @@ class GatesConfig(Section):
         "an offset or a scale), else unchecked",
     )
     min_top1_agreement: float = Field(
-        0.99, ge=0, le=1.0, description="fraction of samples whose argmax matches PyTorch"
+        0.99,
+        ge=0,
+        le=1.0,
+        description="fraction of samples whose argmax matches PyTorch, on the class-logit output of a task with "
+        "classes (integer labels, or num_classes in the data); an integer output's share of equal values",
     )
     max_accuracy_drop: float = Field(
         0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)"

@@ -102,6 +102,7 @@ class GateCheck:
             "top1_agreement": _agreement(entry),
             "top1_ties": entry.top1_ties,
             "cosine": entry.cosine,
+            "sample_cosine": _worst_sample(entry),
             "max_abs_err": entry.max_abs_err,
             "accuracy": entry.accuracy,
             "metric": entry.metric,
@@ -151,6 +152,12 @@ def _agreement(entry: EngineValidation) -> float | None:
         return entry.top1_agreement
     shares = [o["top1_agreement"] for o in (entry.outputs or {}).values() if o.get("top1_agreement") is not None]
     return min(shares) if shares else None
+
+
+def _worst_sample(entry: EngineValidation) -> float | None:
+    """The worst sample's cosine over the outputs (NaN is worst; None: no output has one), gated like the cosine."""
+    values = [v for o in (entry.outputs or {}).values() if (v := o.get("sample_cosine")) is not None]
+    return None if not values else float("nan") if np.isnan(values).any() else min(values)
 
 
 def logits_index(fp32: onnx.ModelProto, logits_output: str | int | None) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,10 @@ def report_section(v: ValidationResult) -> list[str]:
         "",
         "| engine | precision | device | passed | max abs err | "
         + ("rel err | " if rel else "")
-        + "cosine | top-1 agree | accuracy | "
+        + "cosine | worst-sample cosine | top-1 agree | accuracy | "
         + " | ".join(f"p50 ms @{s}" for s in sizes)
         + f" | speedup @{sizes[-1] if sizes else ''} |",
-        "|---|---|---|---|---|---|---|---|" + "---|" * (len(sizes) + rel + 1),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(sizes) + rel + 1),
     ]
     eager = {x.device: x for x in v.baselines if x.kind == "eager" and x.precision == "fp32"}
     for base in v.baselines or [b]:
@@ -65,14 +66,14 @@ def report_section(v: ValidationResult) -> list[str]:
         ratio = _baseline_speedup(ref.latency_ms, base.latency_ms, sizes[-1]) if sizes else "-"
         label = "input ONNX file, onnxruntime" if base.backend == "onnxruntime" else f"pytorch {base.kind}"
         lines.append(
-            f"| {label} (baseline) | {base.precision} | {base.device} | | | {'| ' if rel else ''}| | "
+            f"| {label} (baseline) | {base.precision} | {base.device} | | | {'| ' if rel else ''}| | | "
             f"{fmt(base.accuracy)} | {lat} | {ratio} |"
         )
     for e in v.engines:
         if e.status != "validated":
             lines.append(
                 f"| {e.name} | {e.precision} | {e.device} | not run here (targets {e.device.upper()}): "
-                f"{e.reason or ''} |" + " |" * (5 + rel + len(sizes))
+                f"{e.reason or ''} |" + " |" * (6 + rel + len(sizes))
             )
             continue
         g = e.gates
@@ -82,11 +83,14 @@ def report_section(v: ValidationResult) -> list[str]:
         ci = e.speedup_ci.get(f"eager-{e.device}", {}).get(sizes[-1]) if sizes else None
         speed = _times(e.speedup_vs_baseline.get(sizes[-1]), ci) if sizes else "-"
         top1_gate = g.get("min_top1_agreement") if e.top1_agreement is not None else None  # none computed: none held
+        sample = worst_sample_cosine(e)
+        sample_gate = g.get("min_cosine") if sample is not None else None
         lines.append(
             f"| {e.name} | {e.precision} | {e.device} | {'yes' if e.passed else '**no**'} | "
             f"{_gated(fmt(e.max_abs_err, '.2e'), '≤', g.get('max_abs_err'))} | "
             + (f"{_gated(fmt(e.rel_err, '.4g'), '≤', g.get('max_rel_err'))} | " if rel else "")
             + f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
+            f"{_gated(fmt(sample, '.6f'), '≥', sample_gate)} | "
             f"{_gated(fmt(e.top1_agreement), '≥', top1_gate)} | "
             f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
             f"{lat + ' | ' if lat else ''}{last} | {speed} |"
@@ -95,7 +99,11 @@ def report_section(v: ValidationResult) -> list[str]:
         lines += [
             "",
             "Each value is followed by its gate in parentheses (`validate.gates`, per precision); a value "
-            "without one is not gated.",
+            "without one is not gated. Cosine is the whole output's, flattened; the worst sample's is the lowest "
+            "of the held-out samples' own (each row of the batch axis, flattened), held to `min_cosine` too; a "
+            "sample near zero, whose own cosine is noise, counts the cosine its error would give on a sample of "
+            "the median norm where that is higher (`kiln.core.compare.sample_cosines`). Both are the worst "
+            "output's.",
         ]
     tied = [e for e in v.engines if e.top1_ties]
     if tied:
@@ -235,6 +243,14 @@ def _gated(value: str, op: str, limit: float | None) -> str:
     return value if limit is None else f"{value} ({op} {limit:g})"
 
 
+def worst_sample_cosine(e: EngineValidation) -> float | None:
+    """The lowest worst-sample cosine over the engine's outputs (NaN is lowest; None: no output has one)."""
+    values = [v for s in e.outputs.values() if (v := s.get("sample_cosine")) is not None]
+    if not values:
+        return None
+    return float("nan") if any(math.isnan(v) for v in values) else min(values)
+
+
 def _reference(b: Any) -> str:
     return "ONNX Runtime FP32 (the input ONNX file)" if b.backend == "onnxruntime" else "PyTorch FP32 eager"
 
@@ -247,8 +263,8 @@ def _compared(b: Any) -> list[str]:
     logits = (
         f"top-1 agreement and accuracy on '{b.logits_output}'"
         if b.logits_output
-        else "no class-logit output (float targets, or signature.logits_output unset): no top-1 agreement or "
-        "accuracy, and each output's relative error gated"
+        else "no class-logit output (float targets, no labels or num_classes in the data, or no output "
+        "signature.logits_output picks): no top-1 agreement or accuracy, and each output's relative error gated"
     )
     if b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
         logits += (
@@ -289,13 +305,13 @@ def _per_output(v: ValidationResult) -> list[str]:
         "",
         "### Per output (worst over shapes and batch sizes)",
         "",
-        "| engine | output | max abs err | rel err | cosine | top-1 agree |",
-        "|---|---|---|---|---|---|",
+        "| engine | output | max abs err | rel err | cosine | worst-sample cosine | top-1 agree |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e, name, s in rows:
         out.append(
             f"| {e.name} | {name} | {fmt(s['max_abs_err'], '.2e')} | {fmt(s['rel_err'], '.2e')} | "
-            f"{fmt(s['cosine'], '.6f')} | {fmt(s['top1_agreement'])} |"
+            f"{fmt(s['cosine'], '.6f')} | {fmt(s.get('sample_cosine'), '.6f')} | {fmt(s['top1_agreement'])} |"
         )
     return out
 

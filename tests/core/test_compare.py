@@ -131,3 +131,50 @@ def test_integer_and_boolean_outputs_are_compared_by_equal_values() -> None:
     assert compare_arrays(labels, np.array([0, 3, 1, 1], np.int64)).top1_agreement == 0.75
     mask = np.array([[True, False], [True, True]])
     assert compare_arrays(mask, ~mask).top1_agreement == 0.0
+
+
+def test_the_worst_sample_is_found_where_the_whole_output_hides_it() -> None:
+    """One class map of 128 wrong moves the whole output's cosine by about 1/128; its own cosine shows it."""
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((128, 4, 8, 8))
+    got = ref + 1e-3 * rng.standard_normal(ref.shape)
+    got[77] = rng.standard_normal(ref.shape[1:])
+    s = compare_arrays(ref, got)
+    assert s.cosine > 0.99 and s.sample_cosine < 0.2 and s.worst_sample == 77
+    assert compare_arrays(ref, ref).sample_cosine == pytest.approx(1.0)
+
+
+def test_a_small_sample_is_held_to_the_error_a_typical_sample_may_have() -> None:
+    """A near-zero reference row, and the same small error on every row: its own cosine is noise (here 0), the
+    error measured at the median norm is not; a small row gone wrong by a typical sample's size still fails, and
+    a scaled one (direction kept) passes, as its own cosine does."""
+    from kiln.core.compare import sample_cosines
+
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal((16, 64))
+    ref[3] *= 1e-5
+    noise = 1e-3 * rng.standard_normal(ref.shape)
+    got = ref + noise
+    got[3] = 0.0  # lost in rounding
+    cos = sample_cosines(ref, got)
+    assert cos is not None and cos.min() > 0.9999 and cos[3] > 0.9999
+    wrong = got.copy()
+    wrong[3] = rng.standard_normal(64)  # a typical sample's values where there were none
+    assert sample_cosines(ref, wrong)[3] < 0.6  # about 1 - 1/2: its error is a median sample's norm
+    scaled = got.copy()
+    scaled[5] = 0.3 * ref[5]  # the direction kept: a cosine of 1, however large the error
+    assert sample_cosines(ref, scaled)[5] == pytest.approx(1.0)
+
+
+def test_per_sample_cosine_needs_samples_of_several_finite_values() -> None:
+    from kiln.core.compare import sample_cosines
+
+    assert compare_arrays(np.arange(4.0), np.arange(4.0)).sample_cosine is None  # [N]: one value per sample
+    assert compare_arrays(np.ones((4, 1)), np.ones((4, 1))).sample_cosine is None  # the cosine of a number: its sign
+    assert compare_arrays(np.zeros((4, 3)), np.zeros((4, 3))).sample_cosine is None  # no norm to measure by
+    ref = np.array([[-np.inf, 1.0, 2.0], [3.0, 4.0, 5.0]])
+    got = ref + np.array([[0.0, 1e-3, 0.0], [0.0, 0.0, 0.0]])
+    assert sample_cosines(ref, got).min() > 0.9999  # the same infinity in both is equal
+    got[1, 0] = np.nan
+    s = compare_arrays(ref, got)
+    assert np.isnan(s.sample_cosine) and s.worst_sample == 1

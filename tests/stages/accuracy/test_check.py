@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -171,3 +173,148 @@ def test_next_token_labels_follow_the_input_to_validated_lengths_past_the_data()
     assert np.array_equal(long[:, :16], y[16:].numpy()) and (long[:, 16:] == IGNORE_LABEL).all()
     own = run({"input": x[16:].numpy()})["logits"]  # causal: the padding changes no labelled position's logits
     assert ref.accuracy == pytest.approx(accuracy(own, y[16:].numpy()))
+
+
+def _judged(data: Any, run: Any, engine: Any, precision: str = "int8") -> tuple[Any, list[str]]:
+    """An engine judged as validation and the precision stage judge it: the held-out reference of ``data``, the
+    comparison at batch sizes 1 and 32, the entry's headline values and the gates of ``precision`` it misses."""
+    from kiln.core.data import as_feed
+    from kiln.core.records import EngineValidation
+    from kiln.stages.accuracy.check import (
+        accuracy_failures,
+        compare_on,
+        gates_for,
+        held_out,
+        held_out_reference,
+        summarize,
+    )
+    from kiln.stages.accuracy.config import CheckConfig
+
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
+    ref = held_out_reference(run, feeds, data, "logits", CheckConfig(), [1, 32], {})
+    found = compare_on(ref, engine, [1, 32])
+    entry = EngineValidation(name="e", backend="onnxruntime", precision=precision, device="cpu", status="validated")
+    summarize(entry, found.stats, ref.logits)
+    entry.accuracy = found.accuracy
+    return entry, accuracy_failures(entry, gates_for(CheckConfig(), precision, ref.logits is None), ref.accuracy)
+
+
+def _embedder() -> tuple[Any, Any]:
+    """A backbone without its head (a ViT or timm model with num_classes=0): its only output, a bare [N, 768]
+    tensor, is named ``logits`` by default; and an engine of it off by 5 % noise (cosine 0.9994), which flips the
+    argmax of 7 % of the rows: among 768 features the two largest lie close."""
+    w = np.random.default_rng(0).standard_normal((16, 768)).astype(np.float32)
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": feed["input"] @ w}
+
+    def engine(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = run(feed)["logits"]
+        noise = np.sin(out * 7.0 + feed["input"][:, :1] * 13.0)  # a fixed function of the row: the same at any batch
+        return {"logits": out + 0.05 * out.std() * noise.astype(np.float32)}
+
+    return run, engine
+
+
+def test_an_embedding_without_declared_classes_is_not_held_to_top1_agreement() -> None:
+    """No labels and no num_classes: the only output's argmax is no class decision, so no top-1 agreement is
+    computed or gated; the embedding is held to its cosine (whole and per sample) and its relative error, as an
+    output without class logits: its argmax flips on 7 % of the rows, a 'top-1 agreement' of 0.93 that would
+    fail an engine at cosine 0.9994 for no class it gets wrong."""
+    from kiln.core.data import DatasetSplits
+
+    x = torch.randn(160, 16, generator=torch.Generator().manual_seed(1))
+    run, engine = _embedder()
+    entry, failures = _judged(DatasetSplits(x[:32], None, x[32:], None), run, engine)
+    assert entry.top1_agreement is None and entry.outputs["logits"]["top1_agreement"] is None
+    assert entry.cosine > 0.998 and failures == []
+    broken = _judged(DatasetSplits(x[:32], None, x[32:], None), run, lambda f: {"logits": 1.5 * run(f)["logits"]})
+    assert broken[1] and "relative error" in broken[1][0]  # a scale error: the cosine passes, max_rel_err does not
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_a_classifier_stays_held_to_top1_agreement(labelled: bool) -> None:
+    """Integer labels, or num_classes given without labels (a pretrained classifier on unlabelled inputs): the
+    only output is class logits, and the same flips fail its top-1 agreement gate."""
+    from kiln.core.data import DatasetSplits
+
+    x = torch.randn(160, 16, generator=torch.Generator().manual_seed(1))
+    run, engine = _embedder()
+    y = torch.as_tensor(run({"input": x.numpy()})["logits"].argmax(1))  # the model's own answers: accuracy 1.0
+    data = (
+        DatasetSplits(x[:32], y[:32], x[32:], y[32:], 768)
+        if labelled
+        else DatasetSplits(x[:32], None, x[32:], None, 768)
+    )
+    entry, failures = _judged(data, run, engine)
+    assert entry.top1_agreement is not None and entry.top1_agreement < 0.97
+    assert any(f.startswith("top1_agreement") for f in failures)
+
+
+def _seg_data(tiny: int | None = None) -> Any:
+    """128 held-out images [3, 8, 8] without labels, of a 4-class task; ``tiny``: that one near blank (1e-4)."""
+    from kiln.core.data import DatasetSplits
+
+    x = torch.randn(160, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    if tiny is not None:
+        x[32 + tiny] *= 1e-4
+    return DatasetSplits(x[:32], None, x[32:], None, num_classes=4)
+
+
+def _segmenter(held_out: np.ndarray, wrong: int | None = None) -> tuple[Any, Any]:
+    """A segmentation head ([N, 4, 8, 8] class maps) and an INT8-like engine of it (values rounded to 1/127 of the
+    batch's largest); with ``wrong``, that held-out sample's map is the next sample's (rows mixed up)."""
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": np.einsum("kc,nchw->nkhw", w, feed["input"])}
+
+    def engine(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = run(feed)["logits"]
+        step = np.abs(out).max() / 127
+        got = np.round(out / step) * step
+        if wrong is not None:
+            mixed = np.all(feed["input"] == held_out[wrong], axis=(1, 2, 3))
+            got[mixed] = run({"input": held_out[wrong + 1 : wrong + 2]})["logits"]
+        return {"logits": got.astype(np.float32)}
+
+    return run, engine
+
+
+def test_one_wrong_sample_of_128_fails_the_cosine_gate() -> None:
+    """One held-out map of 128 wrong (past the spot-checked batches' rows): the whole output's cosine (0.9945) and
+    the pixels' top-1 agreement (0.983) pass INT8's gates; that sample's cosine (0.31) does not, and the failure
+    names it."""
+    data = _seg_data()
+    entry, failures = _judged(data, *_segmenter(data.val_x.numpy(), wrong=100))
+    assert entry.cosine > 0.99 and entry.top1_agreement > 0.97
+    assert len(failures) == 1 and "worst sample's cosine" in failures[0] and "(sample 100)" in failures[0]
+    stats = entry.outputs["logits"]
+    assert stats["sample_cosine"] < 0.5 and stats["worst_sample"] == 100
+    ok, none = _judged(data, *_segmenter(data.val_x.numpy()))
+    assert none == [] and ok.outputs["logits"]["sample_cosine"] > 0.999
+
+
+def test_a_near_zero_sample_is_measured_by_its_error_not_its_own_cosine() -> None:
+    """A blank input's map, 1e-4 of the others', rounds to zeros in the engine: its own cosine is 0, though its
+    error is 1e-4 of a typical sample's. Measured against the median sample norm it passes, and so does the
+    engine."""
+    data = _seg_data(tiny=50)
+    run, engine = _segmenter(data.val_x.numpy())
+    assert not engine({"input": data.val_x.numpy()})["logits"][50].any()  # zeroed, where the reference is not
+    entry, failures = _judged(data, run, engine)
+    assert failures == [] and entry.outputs["logits"]["sample_cosine"] > 0.999
+
+
+def test_the_worst_sample_over_shapes_keeps_its_row_and_a_nan_is_worst() -> None:
+    from kiln.core.compare import OutputStats
+    from kiln.stages.accuracy.check import merge_worst
+
+    def stats(sample: float | None, row: int | None) -> dict[str, OutputStats]:
+        return {"y": OutputStats(0.1, 0.01, 0.999, None, None, sample, row)}
+
+    assert merge_worst(stats(0.95, 3), stats(0.9, 4))["y"].worst_sample == 4
+    assert merge_worst(stats(0.9, 4), stats(0.95, 3))["y"].worst_sample == 4
+    nan = merge_worst(stats(0.9, 1), stats(float("nan"), 2))["y"]
+    assert np.isnan(nan.sample_cosine) and nan.worst_sample == 2
+    assert merge_worst(stats(None, None), stats(0.9, 5))["y"].worst_sample == 5

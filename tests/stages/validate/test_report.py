@@ -58,3 +58,33 @@ def test_a_speedup_is_shown_with_its_interval_and_said_to_be_a_median_of_paired_
     note = next(line for line in lines if line.startswith("Latency:"))
     assert "p50 is the median of every call of all rounds" in note
     assert "A speedup is the median of the per-round ratios (baseline / engine, paired round by round)" in note
+
+
+def test_the_worst_sample_cosine_is_shown_beside_the_whole_outputs_with_the_gate_it_missed() -> None:
+    """A class map whose whole-output cosine passes while one sample's does not: both values in the table, each
+    with min_cosine beside it, and the output's row in the per-output table."""
+    engine = EngineValidation(
+        name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated", passed=False
+    )
+    engine.max_abs_err, engine.rel_err, engine.cosine = 4.56, 0.105, 0.994496
+    seg = {"max_abs_err": 4.56, "rel_err": 0.105, "cosine": 0.994496, "top1_agreement": 0.9832, "top1_ties": 0.0}
+    engine.outputs = {
+        "logits": {**seg, "sample_cosine": 0.305433, "worst_sample": 100},
+        "aux": {**seg, "cosine": 0.999, "sample_cosine": 0.998, "worst_sample": 3},
+    }
+    engine.gates = {"min_cosine": 0.99, "min_top1_agreement": 0.97}
+    engine.latency_ms = {"32": Percentiles(p50=0.2, p90=0.2, p99=0.2)}
+    v = ValidationResult(
+        passed=False,
+        baseline=Baseline(accuracy=None, samples=128, latency_ms=engine.latency_ms),
+        engines=[engine],
+        failures=[],
+    )
+    lines = report_section(v)
+    header, separator, *rows = _table(lines)
+    assert len(separator) == len(header) and all(len(r) == len(header) for r in rows)
+    row = dict(zip(header, rows[-1]))
+    assert row["cosine"] == "0.994496 (≥ 0.99)" and row["worst-sample cosine"] == "0.305433 (≥ 0.99)", row
+    per_output = lines[lines.index("### Per output (worst over shapes and batch sizes)") + 2 :]
+    header, _, *rows = _table(per_output)
+    assert dict(zip(header, rows[0]))["worst-sample cosine"] == "0.305433"
