@@ -121,6 +121,9 @@ class EngineMetadata(Record):
     # outputs whose rows are not the samples (validation found them; the package stage records them): a batch of
     # requests could not be split back, so servers run each request alone
     unbatched_outputs: list[str] = Field(default_factory=list)
+    # the batch sizes validation compared the engine with the reference at (the package stage records them):
+    # servers take batches up to the largest; empty: not recorded (an engine not validated), no limit but its own
+    validated_batch_sizes: list[int] = Field(default_factory=list)
     settings_hash: str = ""
     size_bytes: int = 0
     file_hashes: dict[str, str] = Field(default_factory=dict)  # file -> sha256, checked by load_engine
@@ -133,15 +136,44 @@ class EngineMetadata(Record):
         return [i.name for i in self.inputs]
 
     def max_batch(self) -> int | None:
-        """The largest batch the engine accepts (None: not bounded)."""
-        return self.batch_range[1] if self.batch_range else None
+        """The largest batch a server may send the engine: the smaller of its profiles' largest (``batch_range``)
+        and the largest batch it was validated at (:meth:`validated_max_batch`); None: neither bounds it."""
+        profile = self.batch_range[1] if self.batch_range else None
+        limits = [b for b in (profile, self.validated_max_batch()) if b is not None]
+        return min(limits) if limits else None
+
+    def validated_max_batch(self) -> int | None:
+        """The largest batch validation compared the engine at (None: not recorded). Servers take every batch up
+        to it, as they take every size of an axis between the smallest and largest it was validated at."""
+        return max(self.validated_batch_sizes) if self.validated_batch_sizes else None
 
     def refusal(self, feed: dict[str, Any]) -> str | None:
-        """Why a server refuses this request (one array per input): an input is empty (:meth:`empty_input`), its
-        shapes lie outside the sizes the engine was validated for (:meth:`outside_range`), or an input holds an
-        index past the table it indexes (:meth:`outside_values`); None when the engine takes it."""
+        """Why a server refuses this request (one array per input): an input is empty (:meth:`empty_input`), has
+        more rows than the engine was validated for (:meth:`outside_batch`), its shapes lie outside the sizes the
+        engine was validated for (:meth:`outside_range`), or an input holds an index past the table it indexes
+        (:meth:`outside_values`); None when the engine takes it."""
         shapes = {k: v.shape for k, v in feed.items()}
-        return self.empty_input(shapes) or self.outside_range(shapes) or self.outside_values(feed)
+        return (
+            self.empty_input(shapes)
+            or self.outside_batch(shapes)
+            or self.outside_range(shapes)
+            or self.outside_values(feed)
+        )
+
+    def outside_batch(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """Why inputs of these shapes hold more rows than the largest batch the engine was validated at (a sentence
+        naming the input and the limit), or None. Inputs with a fixed first axis have no batch to hold to it."""
+        limit = self.validated_max_batch()
+        if limit is None:
+            return None
+        for spec in self.inputs:
+            shape = shapes.get(spec.name, ())
+            if spec.shape and isinstance(spec.shape[0], str) and shape and shape[0] > limit:
+                return (
+                    f"input '{spec.name}' has {shape[0]} rows: engine {self.name} was validated for batches up to "
+                    f"{limit}"
+                )
+        return None
 
     def empty_input(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
         """Why inputs of these shapes are empty (a sentence naming the input: 0 rows, or 0 on another axis, a
@@ -312,6 +344,7 @@ class EngineValidation(Part):
         default_factory=dict
     )  # output -> OutputStats, worst over shapes
     shapes: list[dict[str, int]] = Field(default_factory=list)
+    batch_sizes: list[int] = Field(default_factory=list)  # compared with the reference at each (empty: not compared)
     latency_ms: dict[str, Percentiles] = Field(default_factory=dict)
     speedup_vs_baseline: dict[str, float] = Field(default_factory=dict)  # vs eager PyTorch on the engine's device
     speedups: dict[str, dict[str, float]] = Field(default_factory=dict)  # baseline label -> batch -> p50 ratio
@@ -351,3 +384,15 @@ class ValidationResult(Record, Summary):
 
     def gate_failures(self) -> list[str]:
         return [] if self.passed else self.failures or ["see report.md"]
+
+    def served_metadata(self, meta: EngineMetadata) -> EngineMetadata:
+        """``meta`` as servers take the engine once validated: with the outputs validation found not to be the
+        samples' rows (served unbatched) and the batch sizes this engine was compared at (served up to the largest).
+        ``meta`` itself where validation recorded neither (a ``validation.json`` that predates them)."""
+        update: dict[str, Any] = {}
+        if self.batch_coupled:
+            update["unbatched_outputs"] = self.batch_coupled
+        entry = next((e for e in self.engines if e.name == meta.name), None)
+        if entry is not None and entry.batch_sizes:
+            update["validated_batch_sizes"] = sorted(entry.batch_sizes)
+        return meta.model_copy(update=update) if update else meta

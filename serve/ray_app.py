@@ -1,5 +1,5 @@
-"""A Ray Serve application for one Kiln engine: what ``package/ray/serve.yaml`` starts (``serve run serve.yaml``),
-on one machine or a Ray cluster, one application (one deployment) per engine.
+"""A Ray Serve application for one Kiln engine: what ``package/ray/serve.yaml`` starts (from the package folder:
+``serve run ray/serve.yaml``), on one machine or a Ray cluster, one application (one deployment) per engine.
 
 The deployment speaks the KServe v2 inference protocol over HTTP as Triton's HTTP endpoint does, its binary tensor
 data extension included: ``POST /v2/models/<model>/infer`` with ``{"inputs": [{"name", "shape", "datatype",
@@ -9,13 +9,14 @@ data extension included: ``POST /v2/models/<model>/infer`` with ``{"inputs": [{"
 as bytes after the JSON. ``GET /v2/models/<model>/ready`` says whether the replica can answer. ``tritonclient.http``
 (its defaults: binary tensors) and ``kiln loadtest ray://...`` talk to it. Requests are checked against the
 engine's metadata before they are queued (names, dtypes, shapes, JSON values of the dtype's type, never cast, the
-batch limit, the outputs asked for): a bad request is a 400 naming the problem, and never reaches the batch of
-others. Requests are batched with ``@serve.batch`` up to ``max_batch_size`` rows; an unbatched
-engine's (Triton's ``max_batch_size: 0``: clients send whole batches) run whole, one engine call each. A batch the
-engine raises on runs again a request at a time, so that a request it refuses (a token id past the vocabulary)
-fails alone, answered 400 while the engine still answers others. A replica whose engine failed (it no longer
-answers the last request it answered) fails its health check, logged with the reason; Ray then replaces it, which
-its controller logs too: nothing restarts silently.
+batch limit: no more rows than the engine was validated for, the outputs asked for): a bad request is a 400 naming
+the problem, and never reaches the batch of others. Requests are batched with ``@serve.batch`` up to
+``max_batch_size`` rows, at most the largest batch the engine was validated at; an unbatched engine's (Triton's
+``max_batch_size: 0``: clients send whole batches) run whole, one engine call each. A batch the engine raises on
+runs again a request at a time, so that a request it refuses (a token id past the vocabulary) fails alone,
+answered 400 while the engine still answers others. A replica whose engine failed (it no longer answers the last
+request it answered) fails its health check, logged with the reason; Ray then replaces it, which its controller
+logs too: nothing restarts silently.
 
 Needs ``ray[serve]`` (``pip install "kiln[ray]"``), imported here: the package stage writes the config without it.
 """
@@ -35,8 +36,9 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kiln.core.errors import InputFileError
 from kiln.core.records import EngineMetadata, TensorSpec
-from kiln.stages.engines.backend import read_metadata
+from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.package.triton import TRITON_TYPES, served_max_batch
 
@@ -318,8 +320,9 @@ class KilnEngine:
     engine's run whole, one engine call each)."""
 
     def __init__(self, engine_dir: str, model_name: str, max_batch_size: int, batch_wait_timeout_s: float) -> None:
-        self.meta = read_metadata(Path(engine_dir))
-        self.runner = load_engine(engine_dir, serving=True).activate()
+        folder = engine_folder(engine_dir)
+        self.meta = read_metadata(folder)
+        self.runner = load_engine(folder, serving=True).activate()
         self.model_name = model_name
         self.max_rows = served_max_batch(self.meta, max_batch_size)
         self.failure: str | None = None
@@ -422,6 +425,23 @@ class KilnEngine:
             raise RuntimeError(f"model {self.model_name}: engine failed: {self.failure}")
 
 
+def engine_folder(engine_dir: str) -> Path:
+    """The engine folder ``serve.yaml`` names: a relative path (the package stage writes ``engines/<engine>``)
+    from this process's working directory, which Ray gives its processes from where ``serve run`` started a local
+    cluster, or from an application's ``runtime_env.working_dir``: the package folder, wherever it was copied; an
+    absolute path as it is. Where no engine is there, an error saying where Ray looked and how to start it."""
+    folder = Path(engine_dir) if Path(engine_dir).is_absolute() else Path.cwd() / engine_dir
+    if not (folder / SIDECAR).is_file():
+        raise InputFileError(
+            f"serve.yaml's engine_dir {engine_dir} is not a Kiln engine folder here ({folder} has no {SIDECAR}; "
+            f"Ray's working directory is {Path.cwd()})",
+            hint="start Ray Serve from the package folder (engine_dir is relative to it): cd <package> && serve run "
+            "ray/serve.yaml; on a Ray cluster started elsewhere, set the application's runtime_env.working_dir to "
+            "the package (local:///shared/path/package)",
+        )
+    return folder
+
+
 def _zeros(meta: EngineMetadata) -> dict[str, np.ndarray]:
     """One sample of zeros at the smallest validated size of each axis: a request any engine of the model takes."""
     sizes = {k: v[0] for k, v in meta.axis_ranges.items()}
@@ -437,8 +457,9 @@ def _rows(feed: dict[str, np.ndarray]) -> int:
 
 def build_app(args: dict[str, Any]) -> Any:
     """Ray Serve's application builder (``import_path: kiln.serve.ray_app:build_app``): ``args`` as the package
-    stage writes them into ``serve.yaml`` (engine_dir, model_name, replicas, gpus_per_replica, cpus_per_replica,
-    max_batch_size, batch_wait_timeout_s)."""
+    stage writes them into ``serve.yaml`` (engine_dir, relative to the package folder: :func:`engine_folder`;
+    model_name, replicas, gpus_per_replica, cpus_per_replica, max_batch_size, batch_wait_timeout_s). Batches are
+    capped at the largest the engine was validated for (:func:`served_max_batch`)."""
     max_batch = int(args.get("max_batch_size", 32))
     return KilnEngine.options(
         name=args["model_name"],

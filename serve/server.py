@@ -59,6 +59,7 @@ from kiln.core.errors import (
     BackendUnavailable,
     ConfigError,
     GateFailure,
+    InputError,
     InputFileError,
     KilnError,
     storage_error,
@@ -115,11 +116,10 @@ def _validation(workdir: Path) -> ValidationResult | None:
 
 def _as_validated(meta: EngineMetadata, workdir: Path) -> EngineMetadata:
     """An engine of ``workdir``'s build/ as the package stage would record it: with the outputs validation found
-    not to be the samples' rows (served unbatched)."""
+    not to be the samples' rows (served unbatched) and the batch sizes it was validated at (served up to the
+    largest)."""
     result = _validation(workdir)
-    if result is None or not result.batch_coupled:
-        return meta
-    return meta.model_copy(update={"unbatched_outputs": result.batch_coupled})
+    return meta if result is None else result.served_metadata(meta)
 
 
 def _refuse(verdicts: dict[str, Any]) -> None:
@@ -481,23 +481,97 @@ def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
         )
 
 
+class RequestRefused(Exception):
+    """`kiln serve --pytriton`: the batch's requests are not what the engine takes (outside its validated sizes,
+    an index past its table, the engine's own :class:`InputError`). Answered as its message alone, HTTP 400
+    (:data:`PROXY_MODEL_PY`)."""
+
+
+class BatchFailed(Exception):
+    """`kiln serve --pytriton`: the engine failed on a batch it takes. Answered as its message alone, HTTP 500."""
+
+
 def _infer_func(
     runner: Any, outputs: dict[str, np.dtype], buckets: list[int] | None, meta: EngineMetadata | None = None
 ) -> Callable[..., dict[str, np.ndarray]]:
     """``buckets``: pad every batch to the next of these sizes (engines that build a session and capture a CUDA
     graph per input shape: without it each new batch size the dynamic batcher forms costs a session build).
-    ``meta``: inputs outside the sizes the engine was validated for are answered with an error naming them."""
+    ``meta``: inputs outside the sizes the engine was validated for are answered with an error naming them.
+    Errors are raised as :class:`RequestRefused` or :class:`BatchFailed` with a one-line message, chained to the
+    engine's own exception: PyTriton logs the whole chain here, and the client gets the last line."""
     from pytriton.decorators import batch
 
     @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
     def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
         outside = meta.refusal(inputs) if meta is not None else None
         if outside is not None:
-            raise ValueError(outside)
-        result = padded_infer(runner, inputs, buckets)
+            raise RequestRefused(outside)
+        try:
+            result = padded_infer(runner, inputs, buckets)
+        except InputError as exc:  # the engine's own check: the request's fault
+            raise RequestRefused(first_line(exc, 1000)) from exc
+        except Exception as exc:
+            raise BatchFailed(f"the engine failed on this batch: {type(exc).__name__}: {first_line(exc)}") from exc
         return {name: np.asarray(result[name], dtype=dtype) for name, dtype in outputs.items()}
 
     return infer
+
+
+def _marked(error: type[Exception]) -> str:
+    """How a traceback's last line starts for an exception of this class (``module.Class: ``)."""
+    return f"{error.__module__}.{error.__qualname__}: "
+
+
+# The model file Triton loads for each PyTriton model (its model.py, renamed pytriton_model.py beside it): PyTriton's
+# proxy, whose error answer is Python's traceback twice over (this process's, then the stub's) with HTTP 500 for any
+# error. The model answers each request of a failed batch with the last line of that text instead, without the
+# class of a Kiln error, and with INVALID_ARG (HTTP 400) for a RequestRefused.
+PROXY_MODEL_PY = f'''"""PyTriton's proxy model (pytriton_model.py), as `kiln serve --pytriton` loads it: an error
+is answered as one line."""
+import triton_python_backend_utils as pb_utils
+
+from .pytriton_model import TritonPythonModel as PyTritonModel
+
+REFUSED, FAILED = {_marked(RequestRefused)!r}, {_marked(BatchFailed)!r}
+
+
+def _error(text):
+    line = next((part.strip() for part in reversed(text.splitlines()) if part.strip()), text.strip())
+    invalid = line.startswith(REFUSED)
+    for mark in (REFUSED, FAILED):
+        if line.startswith(mark):
+            line = line[len(mark):]
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid else None
+    return pb_utils.TritonError(line) if code is None else pb_utils.TritonError(line, code)
+
+
+class TritonPythonModel(PyTritonModel):
+    def execute(self, requests):
+        try:
+            return super().execute(requests)
+        except pb_utils.TritonModelException as exc:
+            return [pb_utils.InferenceResponse(error=_error(str(exc))) for _ in requests]
+'''
+
+
+def _one_line_errors() -> None:
+    """Each PyTriton model is loaded with :data:`PROXY_MODEL_PY` in front of PyTriton's proxy model: the files
+    PyTriton sends Triton for a model are the one place to say so. A PyTriton whose files have no ``model.py``
+    keeps its own."""
+    from pytriton.models.model import Model
+
+    original = getattr(Model.get_proxy_model_files, "kiln_original", Model.get_proxy_model_files)
+
+    def files(self: Any) -> dict[str, bytes]:
+        out = dict(original(self))
+        model = f"file:{self.model_version}/model.py"
+        if model in out:
+            out[f"file:{self.model_version}/pytriton_model.py"] = out.pop(model)
+            out[model] = PROXY_MODEL_PY.encode()
+        return out
+
+    files.kiln_original = original  # type: ignore[attr-defined]
+    Model.get_proxy_model_files = files
 
 
 def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
@@ -665,6 +739,7 @@ def serve(
         )
         _fail_fast_if_server_dies(pytriton, triton)
         _clean_models_at_once()
+        _one_line_errors()
         with triton:
             for s, runner in zip(served, runners):
                 _bind_or_explain(triton, s, runner, max_batch, max_queue_delay_us)

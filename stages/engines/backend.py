@@ -240,14 +240,17 @@ class Runner:
     def _host_array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         return np.empty(shape, dtype)
 
-    def infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Outputs by name for ``feed`` (one array per input, as ``kiln-engine.json`` declares them)."""
+    def infer(self, feed: dict[str, np.ndarray], *, allow_outside_ranges: bool = False) -> dict[str, np.ndarray]:
+        """Outputs by name for ``feed`` (one array per input, as ``kiln-engine.json`` declares them), checked first
+        (:func:`check_feed`): sizes outside those the engine was validated for (``axis_ranges``) are refused as the
+        servers refuse them. ``allow_outside_ranges``: run them anyway, answers nobody compared with the model's
+        (to try a size before validating it); a backend error is then said as the sizes it was validated for."""
         if not self.active:
             raise InputError(
                 f"engine {self.name} called before it was activated (or after its `with` block ended)",
                 hint="call it inside `with load_engine(path) as engine:`, or after engine.activate()",
             )
-        check_feed(self.meta, feed)
+        check_feed(self.meta, feed, allow_outside_ranges=allow_outside_ranges)
         try:
             return self._infer(feed)
         except Exception as exc:  # the backend's own error: said as the engine's sizes where the feed is outside them
@@ -291,11 +294,20 @@ class Runner:
 
 
 OUTSIDE_HINT = "call the engine within the sizes and values it was validated for (kiln-engine.json: axis_ranges)"
+BATCH_HINT = (
+    "call it with at most that many rows at a time, or validate the larger batch (signature.batch_sizes) and package "
+    "again; from Python, infer(feed, allow_outside_ranges=True) runs it at a batch nobody validated"
+)
+RANGES_HINT = (
+    "pass sizes within kiln-engine.json's axis_ranges, or build the engine for the sizes you need (signature.shapes); "
+    "from Python, infer(feed, allow_outside_ranges=True) runs it at sizes nobody validated"
+)
 
 
-def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
-    """Every input the engine declares, as a numpy array of its dtype, rank and fixed sizes, none empty; nothing
-    else. One :class:`InputError` naming the first input that differs, before any backend sees it."""
+def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_ranges: bool = False) -> None:
+    """Every input the engine declares, as a numpy array of its dtype, rank and fixed sizes, none empty, each named
+    axis within the sizes the engine was validated for (unless ``allow_outside_ranges``); nothing else. One
+    :class:`InputError` naming the first input that differs, before any backend sees it."""
     if not isinstance(feed, Mapping):
         raise InputError(
             f"engine {meta.name} takes a dict of input name -> array, not a {type(feed).__name__}",
@@ -326,12 +338,29 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any]) -> None:
     empty = meta.empty_input(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
     if empty is not None:
         raise InputError(empty, hint="pass one row or more, and no axis of size 0")
-    mismatch = meta.tied_mismatch(shapes)
-    if mismatch is not None:
-        raise InputError(mismatch, hint="pass every input at one size on the axes they share (the batch, a sequence)")
+    check_sizes(meta, shapes, allow_outside_ranges)
     outside = meta.outside_values(feed)
     if outside is not None:
         raise InputError(
             outside,
             hint="pass indices within the table (a token id past the vocabulary: a tokenizer made for another model)",
         )
+
+
+def check_sizes(meta: EngineMetadata, shapes: dict[str, tuple[int, ...]], allow_outside_ranges: bool = False) -> None:
+    """Inputs at one size on each axis they share (:meth:`EngineMetadata.tied_mismatch`), no more rows than a
+    packaged engine was validated for (:meth:`EngineMetadata.outside_batch`), and each named axis at a
+    size the engine was validated for (``axis_ranges``, and ``axis_steps`` between them) unless
+    ``allow_outside_ranges``: the servers' own check (:meth:`EngineMetadata.outside_range`), so that the engine
+    answers no call a server would refuse, where ONNX Runtime would run it unchecked or TensorRT fail with an error
+    of its own. It runs on every call, so the shapes are read once: ``outside_range`` checks the ties first."""
+    batch = None if allow_outside_ranges else meta.outside_batch(shapes)  # a packaged engine's validated batches
+    if batch is not None:
+        raise InputError(batch, hint=BATCH_HINT)
+    ranged = bool(meta.axis_ranges) and not allow_outside_ranges
+    problem = meta.outside_range(shapes) if ranged else meta.tied_mismatch(shapes)
+    if problem is None:
+        return
+    if not ranged or meta.tied_mismatch(shapes) is not None:
+        raise InputError(problem, hint="pass every input at one size on the axes they share (the batch, a sequence)")
+    raise InputError(problem, hint=RANGES_HINT)

@@ -1,10 +1,15 @@
 """``package/ray/serve.yaml``: a Ray Serve config for the packaged engines, one application (one deployment) per
-engine, each under the route Triton would give it (``/v2/models/<model>``). ``serve run serve.yaml`` starts it as
-written, on this machine or, with ``RAY_ADDRESS`` set, on a Ray cluster; the application itself is
-:func:`kiln.serve.ray_app.build_app` (Ray is needed to run it, not to write it).
+engine, each under the route Triton would give it (``/v2/models/<model>``). Started from the package folder,
+``serve run ray/serve.yaml`` runs it as written, on this machine or, with ``RAY_ADDRESS`` set, on a Ray cluster; the
+application itself is :func:`kiln.serve.ray_app.build_app` (Ray is needed to run it, not to write it).
 
-Engine folders are named by absolute path (the workdir's ``package/engines``): on a cluster every node needs the
-package at that path (a shared file system), as it needs ``kiln`` installed.
+Engine folders are named relative to the package folder (``engines/<engine>``), so that the package is
+self-contained: copied or moved anywhere, it serves its own engines. The replicas resolve the path from the working
+directory of Ray's processes, which must be the package folder: a Ray cluster ``serve run`` starts runs where
+``serve run`` ran; on a cluster started elsewhere, an application's ``runtime_env.working_dir`` names the package
+(``local:///shared/path/package``, or the package zipped at ``s3://...``). A Serve config cannot name a local folder
+any other way (Ray takes only URIs there), and an absolute path would keep serving the folder the package was written
+in after the package moved.
 """
 
 from __future__ import annotations
@@ -19,27 +24,32 @@ from kiln.core.records import EngineMetadata
 from kiln.stages.package.config import RayConfig
 
 IMPORT_PATH = "kiln.serve.ray_app:build_app"
+ENGINES = "engines"  # the package's engine folders, one per engine, beside ray/
 HEADER = """\
 # Ray Serve config written by Kiln's package stage: one application per validated engine, KServe v2 JSON at
-# POST http://HOST:PORT/v2/models/<model>/infer. Start it as it is:  serve run serve.yaml
-# (on a Ray cluster: RAY_ADDRESS=... serve deploy serve.yaml; every node needs kiln and this package's path).
+# POST http://HOST:PORT/v2/models/<model>/infer. Start it from the package folder (engine_dir is relative to it):
+#   cd <package> && serve run ray/serve.yaml
+# (on a Ray cluster: RAY_ADDRESS=... serve deploy ray/serve.yaml, each application's runtime_env.working_dir naming
+# the package, e.g. local:///shared/path/package; every node needs kiln installed).
 """
 
 
-def application(model: str, engine_dir: Path, meta: EngineMetadata, cfg: RayConfig) -> dict[str, Any]:
-    """One engine's application: its route, the builder's args, the replicas and the GPUs each one takes."""
+def application(model: str, meta: EngineMetadata, cfg: RayConfig) -> dict[str, Any]:
+    """One engine's application: its route, the builder's args (the engine folder relative to the package folder;
+    batches no larger than the engine takes and was validated for), the replicas and the GPUs each one takes."""
     gpus = cfg.gpus_per_replica if cfg.gpus_per_replica is not None else (1.0 if meta.device == "cuda" else 0.0)
+    limit = meta.max_batch()
     return {
         "name": model,
         "route_prefix": f"/v2/models/{model}",
         "import_path": IMPORT_PATH,
         "args": {
-            "engine_dir": str(Path(engine_dir).resolve()),  # not relative to where `kiln run` ran
+            "engine_dir": f"{ENGINES}/{meta.name}",
             "model_name": model,
             "replicas": cfg.replicas,
             "gpus_per_replica": gpus,
             "cpus_per_replica": cfg.cpus_per_replica,
-            "max_batch_size": cfg.max_batch_size,
+            "max_batch_size": cfg.max_batch_size if limit is None else min(cfg.max_batch_size, limit),
             "batch_wait_timeout_s": cfg.batch_wait_timeout_s,
         },
     }

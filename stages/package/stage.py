@@ -15,7 +15,7 @@ import shutil
 from typing import Any
 
 from kiln.core.errors import GateFailure
-from kiln.core.records import ValidationResult
+from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.stage import StageContext
 from kiln.stages.package import INDEX
 
@@ -34,6 +34,7 @@ from kiln.stages.package import kserve, rayserve
 from kiln.stages.package.config import PackageConfig
 from kiln.stages.package.declaration import PackageSettings, PackageSummary
 from kiln.stages.package.triton import (
+    batchable,
     engine_max_batch,
     stock_model,
     triton_config,
@@ -62,6 +63,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     results = {e.name: e for e in validation.engines}
     packaged: list[dict[str, Any]] = []
     ray_apps: list[dict[str, Any]] = []
+    capped: list[EngineMetadata] = []
     for engine_dir in engine_dirs(ctx.inputs["build"]):
         meta = read_metadata(engine_dir)
         result = results.get(meta.name)
@@ -69,9 +71,11 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             continue  # only engines proven against PyTorch (and, with precision.require_speedup, faster) are served
         packaged_dir = ctx.out / "engines" / meta.name
         shutil.copytree(engine_dir, packaged_dir)
-        if validation.batch_coupled:  # said in the packaged engine itself, for every server that loads it
-            meta = meta.model_copy(update={"unbatched_outputs": validation.batch_coupled})
+        validated = validation.served_metadata(meta)
+        if validated is not meta:  # said in the packaged engine itself, for every server that loads it
+            meta = validated
             meta.write(packaged_dir / SIDECAR)
+        capped += [meta] if _capped(meta, cfg.max_batch_size) else []
         record: dict[str, Any] = {
             "engine": meta.name,
             "validation": result.model_dump(
@@ -88,10 +92,11 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             write_python_model(ctx.out / "triton-python" / model_name, packaged_dir, meta, cfg.max_batch_size)
             record["triton_python_model"] = model_name
         if cfg.ray.enabled:
-            final = ctx.workdir / ctx.name / "engines" / meta.name  # where the folder lands once the stage ends
-            ray_apps.append(rayserve.application(model_name, final, meta, cfg.ray))
+            ray_apps.append(rayserve.application(model_name, meta, cfg.ray))
             record["ray_route"] = ray_apps[-1]["route_prefix"]
         packaged.append(record)
+    if capped:
+        _say_batch_limit(ctx, capped, cfg.max_batch_size)
     if ray_apps:
         rayserve.write_serve_config(ctx.out / "ray", ray_apps, cfg.ray)
     if cfg.kserve.enabled and any("triton_model" in m for m in packaged):
@@ -99,3 +104,22 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         kserve.write_manifest(ctx.out / "kserve.yaml", ctx.config.name, cfg.kserve, gpu)
     (ctx.out / INDEX).write_text(json.dumps({"name": ctx.config.name, "models": packaged}, indent=2))
     return PackageSummary(models=packaged)
+
+
+def _capped(meta: EngineMetadata, requested: int) -> bool:
+    """Whether ``package.max_batch_size`` is more than the engine was validated for: it is served with less."""
+    limit = meta.validated_max_batch()
+    return limit is not None and requested > limit and batchable(meta)
+
+
+def _say_batch_limit(ctx: StageContext[PackageSettings], capped: list[EngineMetadata], requested: int) -> None:
+    """Say that these engines are served with smaller batches than ``package.max_batch_size``: validation compared
+    them at no larger batch, so the repositories and the Ray app take only up to what was validated."""
+    limits = sorted({m.validated_max_batch() or 0 for m in capped})
+    ctx.log.warning(
+        "%s: served with batches up to %s rows, the largest validated (signature.batch_sizes), not "
+        "package.max_batch_size %d; to serve larger batches, add the size to signature.batch_sizes",
+        ", ".join(m.name for m in capped),
+        " / ".join(map(str, limits)),
+        requested,
+    )

@@ -50,7 +50,8 @@ def _dynamic(dim: Any) -> bool:
 
 
 def engine_max_batch(meta: EngineMetadata) -> int | None:
-    """The largest batch the engine accepts (a TensorRT engine's profiles bound it; None: not bounded)."""
+    """The largest batch the engine is served with: what its profiles take (a TensorRT engine's bound it) and the
+    largest batch it was validated at, the smaller (None: neither bounds it)."""
     return meta.max_batch()
 
 
@@ -69,7 +70,8 @@ def batchable(meta: EngineMetadata) -> bool:
 
 
 def served_max_batch(meta: EngineMetadata, requested: int) -> int:
-    """``requested`` capped by what the engine accepts (0 = no batching)."""
+    """``requested`` capped by what the engine takes and was validated for (0 = no batching): a server never forms
+    a batch larger than validation compared with the reference."""
     if requested <= 0 or not batchable(meta):
         return 0
     limit = engine_max_batch(meta)
@@ -149,9 +151,7 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
         problems.append(f"platform {cfg['platform']} cannot run a {meta.backend} engine")
     if mbs > 0 and not batchable(meta):
         problems.append(f"max_batch_size {mbs} but the engine has a fixed batch axis")
-    limit = engine_max_batch(meta)
-    if mbs > 0 and limit is not None and mbs > limit:
-        problems.append(f"max_batch_size {mbs} exceeds the engine's profile maximum {limit}")
+    problems += _batch_limit_problems(mbs, meta)
     if mbs > 0 and meta.batch_range and meta.batch_range[0] > 1:
         problems.append(f"the engine takes batches from {meta.batch_range[0]}: a single request would fail")
     if (mbs > 0) != ("dynamic_batching" in cfg):
@@ -179,8 +179,21 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
     if problems:
         raise ModelError(
             f"Triton config for {cfg['name']} disagrees with engine {meta.name}: {'; '.join(problems)}",
-            hint="rebuild the engine (its kiln-engine.json may be stale), or change package.max_batch_size",
+            hint="rebuild the engine (its kiln-engine.json may be stale), change package.max_batch_size, or "
+            "validate the engine at larger batches (signature.batch_sizes)",
         )
+
+
+def _batch_limit_problems(mbs: int, meta: EngineMetadata) -> list[str]:
+    """Where a config's ``max_batch_size`` is past what the engine's profiles take or what it was validated at."""
+    profile = meta.batch_range[1] if meta.batch_range else None
+    validated = meta.validated_max_batch()
+    problems = []
+    if mbs > 0 and profile is not None and mbs > profile:
+        problems.append(f"max_batch_size {mbs} exceeds the engine's profile maximum {profile}")
+    if mbs > 0 and validated is not None and mbs > validated:
+        problems.append(f"max_batch_size {mbs} exceeds the largest batch the engine was validated at ({validated})")
+    return problems
 
 
 def _quoted(text: str) -> str:

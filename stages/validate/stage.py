@@ -154,6 +154,7 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
         summarize(entry, found.stats, ref.logits)
         entry.accuracy, entry.metric = found.accuracy, found.metric
         entry.shapes = [p for p, _ in ref.feeds if p and p not in found.untaken]
+        entry.batch_sizes = list(sizes)  # servers take batches up to the largest (the package stage records them)
         timers = {bs: runner.timer(sample_batch(ref.feed, bs), cfg.warmup, cfg.time_budget_s) for bs in sizes}
     except BaseException:
         runner.deactivate()
@@ -486,8 +487,9 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         )
     if ref.logits is None:
         ctx.log.info(
-            "no class-logit output among %s: engines compared by error and cosine per output, without "
-            "top-1 agreement or accuracy (set signature.logits_output to name one)",
+            "no class-logit output among %s: engines compared by error and cosine per output (the whole output's "
+            "and its worst sample's), without top-1 agreement or accuracy (class logits: the output "
+            "signature.logits_output names, with integer labels or num_classes in the data)",
             baseline.compared,
         )
     checked: list[Checked] = []

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from kiln.core.errors import InputFileError
-from kiln.core.records import SCHEMA_VERSION, EngineMetadata, EngineSource, TensorSpec
+from kiln.core.records import (
+    SCHEMA_VERSION,
+    Baseline,
+    EngineMetadata,
+    EngineSource,
+    EngineValidation,
+    TensorSpec,
+    ValidationResult,
+)
 
 
 def _meta() -> EngineMetadata:
@@ -65,6 +73,49 @@ def test_max_batch_from_the_batch_range() -> None:
     assert meta.max_batch() is None
     meta.batch_range = (1, 16)
     assert meta.max_batch() == 16
+
+
+def test_batches_past_the_largest_validated_are_refused_and_bound_the_served_batch() -> None:
+    """Validation compared the engine at batches 1 and 8: servers form no larger batch and refuse a request of more
+    rows, though the engine itself would run it."""
+    meta = _meta()
+    meta.validated_batch_sizes = [1, 8]
+    assert meta.validated_max_batch() == 8 and meta.max_batch() == 8
+    meta.batch_range = (1, 4)  # a profile smaller than what was validated: the profile bounds it
+    assert meta.max_batch() == 4
+    meta.batch_range = None
+    assert meta.refusal({"input": np.zeros((8, 4), np.float32)}) is None
+    assert meta.refusal({"input": np.zeros((9, 4), np.float32)}) == (
+        "input 'input' has 9 rows: engine e was validated for batches up to 8"
+    )
+    meta.inputs = [TensorSpec(name="input", shape=[16, 4], dtype="float32")]  # a fixed batch: nothing to hold
+    assert meta.outside_batch({"input": (16, 4)}) is None
+
+
+def test_metadata_without_validated_batches_loads_and_bounds_nothing(tmp_path: Path) -> None:
+    """A kiln-engine.json written before validated batches were recorded: the engine's own batch range alone."""
+    path = tmp_path / "kiln-engine.json"
+    _meta().write(path)
+    data = json.loads(path.read_text())
+    data.pop("validated_batch_sizes")
+    path.write_text(json.dumps(data))
+    meta = EngineMetadata.read(path, hint="rebuild")
+    assert meta.validated_batch_sizes == [] and meta.max_batch() is None
+    assert meta.refusal({"input": np.zeros((512, 4), np.float32)}) is None
+
+
+def test_validation_hands_servers_the_batches_each_engine_was_validated_at() -> None:
+    meta = _meta()
+    entry = EngineValidation(
+        name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated", batch_sizes=[8, 1]
+    )
+    baseline = Baseline(accuracy=None, samples=1, latency_ms={})
+    result = ValidationResult(passed=True, baseline=baseline, engines=[entry], failures=[], batch_coupled=["y"])
+    served = result.served_metadata(meta)
+    assert served.validated_batch_sizes == [1, 8] and served.unbatched_outputs == ["y"]
+    entry.batch_sizes = []
+    older = ValidationResult(passed=True, baseline=baseline, engines=[entry], failures=[])
+    assert older.served_metadata(meta) is meta  # a validation.json that predates them: the engine as built
 
 
 def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:

@@ -96,14 +96,16 @@ def _run(tmp_path: Path, model: str, data: str, axes: dict, **extra: object) -> 
     return tmp_path / "wd"
 
 
-def _serve_and_ask(workdir: Path, feeds: list[dict[str, np.ndarray]], outside: dict[str, np.ndarray]) -> str:
-    """Each feed's answers from the server equal the engine's own; ``outside``'s error is returned, with its HTTP
-    status."""
+def _serve_and_ask(
+    workdir: Path, feeds: list[dict[str, np.ndarray]], outside: dict[str, np.ndarray], *serve_args: str
+) -> str:
+    """Each feed's answers from the server (`kiln serve` with ``serve_args``) equal the engine's own; ``outside``'s
+    error is returned, with its HTTP status."""
     from tritonclient.http import InferenceServerClient, InferInput
     from tritonclient.utils import InferenceServerException
 
     ports = free_ports(3)
-    proc = _start_serve(workdir, ports)
+    proc = _start_serve(workdir, ports, *serve_args)
     try:
         _ready(proc, ports, ["onnxruntime_cpu_fp32"])
         client = InferenceServerClient(f"127.0.0.1:{ports[0]}")
@@ -143,7 +145,10 @@ def test_a_sequence_model_is_served_at_both_validated_lengths(tmp_path: Path) ->
     assert message.startswith("HTTP 400"), message  # the request's fault, not the server's
 
 
-def test_a_per_pixel_model_is_served_at_two_image_sizes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("serve_args", [(), ("--pytriton",)], ids=["stubs", "pytriton"])
+def test_a_per_pixel_model_is_served_at_two_image_sizes(tmp_path: Path, serve_args: tuple[str, ...]) -> None:
+    """Both servers answer a size outside the validated range alike: HTTP 400 and one line naming the input, the
+    axis and the range (PyTriton's proxy would answer 500 with two tracebacks)."""
     axes = {"input": {2: "height", 3: "width"}}
     wd = _run(tmp_path, "per_pixel", "images", axes, **{"train.enabled": False})
     rng = np.random.default_rng(0)
@@ -151,5 +156,8 @@ def test_a_per_pixel_model_is_served_at_two_image_sizes(tmp_path: Path) -> None:
     def feed(size: int) -> dict[str, np.ndarray]:
         return {"input": rng.standard_normal((1, 3, size, size), dtype=np.float32)}
 
-    message = _serve_and_ask(wd, [feed(8), feed(16)], feed(64))
-    assert "height" in message and "8 to 16" in message, message
+    message = _serve_and_ask(wd, [feed(8), feed(16)], feed(64), *serve_args)
+    assert message == (
+        "HTTP 400: [400] input 'input' axis 2 (height) is 64: engine onnxruntime-cpu-fp32 was validated for height "
+        "from 8 to 16"
+    ), message

@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.core.records import EngineMetadata
+from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.registry import load_engine
@@ -95,6 +96,32 @@ def test_a_batched_engine_still_joins_requests(tmp_path: Path, monkeypatch: pyte
     answers = asyncio.run(_answers(replica, np.ones((2, 4, 2), np.float32), np.ones((3, 4, 2), np.float32)))
     assert [(s, body["outputs"][0]["shape"]) for s, body in answers] == [(200, [2, 3]), (200, [3, 3])]
     assert calls == [5]
+
+
+def _validated_at(engine: Path, batches: list[int]) -> None:
+    """The engine's metadata as the package stage writes it for an engine validated at ``batches``."""
+    meta = read_metadata(engine)
+    meta.model_copy(update={"validated_batch_sizes": batches}).write(engine / SIDECAR)
+
+
+@pytest.mark.parametrize("squeezed", [False, True])
+def test_no_batch_past_the_largest_validated_is_formed_or_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeezed: bool
+) -> None:
+    """Validated at batches 1 and 8, the engine is served up to 8 rows whatever serve.yaml's max_batch_size (32): a
+    request of more is a 400 saying so, batched or unbatched (a whole batch of the client's), and the replica
+    answers on."""
+    engine, _ = lstm_engine(tmp_path, squeezed=squeezed)
+    _validated_at(engine, [1, 8])
+    replica, calls = _replica(engine, monkeypatch)
+    assert replica.max_rows == (0 if squeezed else 8)
+    answers = asyncio.run(_answers(replica, np.ones((9, 4, 2), np.float32), np.ones((8, 4, 2), np.float32)))
+    (refused, body), (answered, _) = answers
+    assert (
+        refused == 400
+        and body["error"] == "input 'input' has 9 rows: engine onnxruntime-cpu-fp32 was validated for batches up to 8"
+    )
+    assert answered == 200 and calls == [8] and replica.failure is None
 
 
 def test_an_empty_request_is_a_400_naming_it_and_the_replica_answers_on(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kiln.core.errors import InputError
-from kiln.core.records import EngineMetadata
+from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.stages.engines.backend import check_feed
 from kiln.stages.engines.registry import load_engine
 from tests.stages.engines.lstm_engine import lstm_engine
@@ -74,6 +74,31 @@ def test_an_empty_input_is_one_error_naming_it(feed: dict, needle: str) -> None:
     with pytest.raises(InputError) as err:
         check_feed(META, feed)
     assert err.value.message.startswith(needle) and err.value.hint
+
+
+def test_a_named_axis_outside_its_validated_range_is_one_error_naming_it() -> None:
+    ranged = META.model_copy(update={"axis_ranges": {"seq": [4, 16]}})
+    check_feed(ranged, {**GOOD, "input_ids": np.zeros((2, 16), np.int64)})  # the range's own ends pass
+    long = {**GOOD, "input_ids": np.zeros((2, 17), np.int64)}
+    with pytest.raises(InputError) as err:
+        check_feed(ranged, long)
+    assert err.value.message == "input 'input_ids' axis 1 (seq) is 17: engine e was validated for seq from 4 to 16"
+    assert "axis_ranges" in err.value.hint and "allow_outside_ranges=True" in err.value.hint
+    check_feed(ranged, long, allow_outside_ranges=True)
+    check_feed(META, long)  # an engine that records no range takes any size
+
+
+def test_inputs_differing_on_a_shared_axis_keep_their_own_hint_where_the_axis_has_a_range() -> None:
+    ids, mask = (TensorSpec(name=name, shape=["batch", "seq"], dtype="int64") for name in ("ids", "mask"))
+    tied = META.model_copy(update={"inputs": [ids, mask], "axis_ranges": {"seq": [4, 16]}})
+    for allow in (False, True):
+        with pytest.raises(InputError, match="inputs 'ids' and 'mask' differ on axis seq") as err:
+            check_feed(
+                tied,
+                {"ids": np.zeros((2, 8), np.int64), "mask": np.zeros((2, 6), np.int64)},
+                allow_outside_ranges=allow,
+            )
+        assert err.value.hint.startswith("pass every input at one size")
 
 
 def test_an_lstm_engine_refuses_an_empty_batch_instead_of_aborting_the_process(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,14 @@ def test_service_names_are_dns_labels() -> None:
     assert len(service_name("x" * 100)) <= 45
 
 
-def test_ray_applications_take_replicas_and_gpus_from_the_config(tmp_path: Path) -> None:
+def test_ray_applications_take_replicas_and_gpus_from_the_config() -> None:
     from kiln.stages.package.rayserve import application
 
     cfg = RayConfig(replicas=3, max_batch_size=16, batch_wait_timeout_s=0.005)
-    gpu = application("m", tmp_path / "e", TRT, cfg)
+    gpu = application("m", TRT, cfg)
     assert gpu["route_prefix"] == "/v2/models/m" and gpu["import_path"] == "kiln.serve.ray_app:build_app"
-    assert gpu["args"] | {"engine_dir": None} == {
-        "engine_dir": None,
+    assert gpu["args"] == {
+        "engine_dir": "engines/t",  # relative to the package folder: the package is self-contained
         "model_name": "m",
         "replicas": 3,
         "gpus_per_replica": 1.0,
@@ -82,19 +83,11 @@ def test_ray_applications_take_replicas_and_gpus_from_the_config(tmp_path: Path)
         "max_batch_size": 16,
         "batch_wait_timeout_s": 0.005,
     }
-    assert application("m", tmp_path, CPU, cfg)["args"]["gpus_per_replica"] == 0.0
-    assert application("m", tmp_path, TRT, RayConfig(gpus_per_replica=0.5))["args"]["gpus_per_replica"] == 0.5
-
-
-def test_the_ray_config_names_its_engine_whatever_folder_serve_run_starts_in(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`kiln run -w wd` from one folder, `serve run serve.yaml` from another: the engine folder is absolute."""
-    from kiln.stages.package.rayserve import application
-
-    monkeypatch.chdir(tmp_path)
-    app = application("m", Path("wd/package/engines/e"), TRT, RayConfig())
-    assert app["args"]["engine_dir"] == str(tmp_path / "wd" / "package" / "engines" / "e")
+    assert application("m", CPU, cfg)["args"]["gpus_per_replica"] == 0.0
+    validated = CPU.model_copy(update={"validated_batch_sizes": [1, 8]})  # batches past 8 are not offered
+    assert application("m", validated, cfg)["args"]["max_batch_size"] == 8
+    assert application("m", CPU, cfg)["args"]["max_batch_size"] == 16  # no sizes recorded: as configured
+    assert application("m", TRT, RayConfig(gpus_per_replica=0.5))["args"]["gpus_per_replica"] == 0.5
 
 
 def test_a_packaged_run_writes_the_ray_config_and_the_manifest(tmp_path: Path) -> None:
@@ -103,6 +96,40 @@ def test_a_packaged_run_writes_the_ray_config_and_the_manifest(tmp_path: Path) -
     package = tmp_path / "run" / "package"
     serve = yaml.safe_load((package / "ray" / "serve.yaml").read_text())
     [app] = [a for a in serve["applications"] if a["args"]["engine_dir"].endswith("onnxruntime-cpu-fp32")]
-    assert Path(app["args"]["engine_dir"]).is_dir()  # the final folder, not the stage's staging one
+    assert (package / app["args"]["engine_dir"]).is_dir()  # the packaged folder, not the stage's staging one
     assert app["route_prefix"] == f"/v2/models/{app['args']['model_name']}"
     check_manifest(yaml.safe_load((package / "kserve.yaml").read_text()))
+
+
+def test_a_package_copied_elsewhere_serves_its_own_engines_through_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The package copied to another folder and the run that wrote it deleted (a package shipped to another
+    machine): each application of its serve.yaml, built as `serve run ray/serve.yaml` started in the copy builds it,
+    opens its engine from the copy and answers; started anywhere else, the replica says where to start it."""
+    pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'kiln[ray]'; part of .[dev])")
+    import numpy as np
+
+    from kiln.core.errors import InputFileError
+    from kiln.serve.ray_app import KilnEngine, build_app
+
+    result, _ = run_pipeline(config_from_dict(tiny_config_dict()), tmp_path / "run")
+    assert result.ok
+    shipped = tmp_path / "elsewhere" / "package"
+    shutil.copytree(tmp_path / "run" / "package", shipped)
+    shutil.rmtree(tmp_path / "run")
+    serve = yaml.safe_load((shipped / "ray" / "serve.yaml").read_text())
+    monkeypatch.chdir(shipped)  # a local Ray cluster's processes run where `serve run` started
+    for app in serve["applications"]:
+        engine_dir, *rest = build_app(app["args"])._bound_deployment.init_args
+        replica = KilnEngine.func_or_class(engine_dir, *rest)
+        try:
+            assert replica.meta.name == Path(engine_dir).name
+            x = np.zeros((2, 1, 8, 8), np.float32)
+            assert replica._run({"input": x})[replica.meta.outputs[0].name].shape == (2, 10)
+        finally:
+            replica.runner.deactivate()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputFileError, match="is not a Kiln engine folder here") as err:
+        KilnEngine.func_or_class(*build_app(serve["applications"][0]["args"])._bound_deployment.init_args)
+    assert "cd <package> && serve run ray/serve.yaml" in str(err.value.hint)

@@ -58,6 +58,12 @@ def test_packaged_run_has_triton_repository(tmp_path, tiny_config) -> None:
     assert (python_repo / "1" / "model.py").is_file() and (python_repo / "1" / "engine" / "kiln-engine.json").is_file()
     # served by tests/pipeline/test_serve.py in the bundled tritonserver
     assert model["validation"]["cosine"] >= 0.9999
+    # validated at signature.batch_sizes [1, 8]: the packaged engine says so, and no repository batches past 8
+    # (package.max_batch_size is 32)
+    assert "max_batch_size: 8\n" in (repo / "config.pbtxt").read_text()
+    assert "max_batch_size: 8\n" in (python_repo / "config.pbtxt").read_text()
+    packaged = EngineMetadata.read(tmp_path / "package" / "engines" / model["engine"] / "kiln-engine.json", hint="")
+    assert packaged.validated_batch_sizes == [1, 8]
 
 
 def test_triton_batch_is_capped_by_the_engines_batch_range() -> None:

@@ -111,6 +111,21 @@ def test_a_tensor_of_the_batch_axis_alone_is_served_unbatched_with_valid_dims(wh
         assert cfg.max_batch_size == 0 and tensors["age"] == [-1] and tensors["input"] == [-1, 1, 8, 8], tensors
 
 
+@pytest.mark.parametrize("backend", [None, "python"])
+def test_the_config_offers_no_batch_past_the_largest_validated(backend: str | None) -> None:
+    """Validated at batches 1 and 8, an engine whose runtime takes any batch is served up to 8, not the 32 asked
+    for; one whose metadata predates validated batches keeps what was asked for."""
+    meta = CPU.model_copy(update={"validated_batch_sizes": [1, 8]})
+    assert parse(render_pbtxt(model_config("m", meta, 32, backend=backend))).max_batch_size == 8
+    assert parse(render_pbtxt(model_config("m", meta, 4, backend=backend))).max_batch_size == 4
+    assert parse(render_pbtxt(model_config("m", CPU, 32, backend=backend))).max_batch_size == 32
+    cfg = model_config("m", meta, 8, backend=backend)
+    cfg["max_batch_size"] = 32
+    with pytest.raises(ModelError, match=r"exceeds the largest batch the engine was validated at \(8\)") as err:
+        check_config(cfg, meta)
+    assert "signature.batch_sizes" in str(err.value.hint)
+
+
 def test_engines_that_cannot_take_one_request_are_refused() -> None:
     meta = TRT.model_copy(deep=True)
     meta.batch_range = (4, 16)
