@@ -288,7 +288,9 @@ class _Trainer:
                 "train.checkpoint.resume: never",
             ) from None
         self.result.resumed_from, self.last_good = str(path), f"{path} (step {state['global_step']})"
-        if state.get("complete") and self.epoch >= self.cfg.epochs:
+        # auto found this run's own finished last.pt (checkpoint.notes_only_changed): taken as it is. An explicit
+        # resume path of a finished run is resumed like any other, and its state saved into this run's folder.
+        if resume == "auto" and state.get("complete") and self.epoch >= self.cfg.epochs:
             self.finished = True
             log.info(
                 "took the finished run in %s (its settings differ in %s alone): not trained again",

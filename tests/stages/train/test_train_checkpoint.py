@@ -394,3 +394,18 @@ def test_select_best_of_a_regression_picks_the_lowest_validation_loss(tmp_path: 
     assert s["selected_epoch"] == 1 and s["best_by"] == "val_loss" and s["val_loss"] == losses[0]
     got = evaluate_loss_acc(model, data.val_x, data.val_y, torch.device("cpu"), task=task)[0]
     assert got == pytest.approx(losses[0])  # the returned weights are epoch 1's
+
+
+def test_an_explicit_resume_of_a_finished_run_is_a_resume_saved_here(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only auto's own finished run is taken as it is; a path given to resume from is resumed like any other, so
+    this run's folder gets its last.pt, and nothing says that only train.plot differed."""
+    data = tiny_data()
+    train(tiny_net(), data, train_cfg(epochs=2), ckpt_dir=tmp_path / "done", run_key="k")
+    cfg = train_cfg(epochs=2, lr=0.5, checkpoint={"resume": str(tmp_path / "done" / ckpt.LAST)})
+    with caplog.at_level("INFO", logger="kiln.train"):
+        got = train(tiny_net(), data, cfg, ckpt_dir=tmp_path / "here", run_key="other")
+    assert got.resumed_from == str(tmp_path / "done" / ckpt.LAST)
+    assert not any("took the finished run" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "here" / ckpt.LAST).is_file()
