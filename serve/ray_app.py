@@ -460,6 +460,7 @@ def build_app(args: dict[str, Any]) -> Any:
     stage writes them into ``serve.yaml`` (engine_dir, relative to the package folder: :func:`engine_folder`;
     model_name, replicas, gpus_per_replica, cpus_per_replica, max_batch_size, batch_wait_timeout_s). Batches are
     capped at the largest the engine was validated for (:func:`served_max_batch`)."""
+    engine_folder(args["engine_dir"])  # where the app is built: not found fails the deploy, not each replica's start
     max_batch = int(args.get("max_batch_size", 32))
     return KilnEngine.options(
         name=args["model_name"],

@@ -2,29 +2,48 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("ray.serve", reason="the Ray Serve application needs `pip install kiln[ray]`")
 
 
-def test_a_replica_holds_a_full_batch_and_the_next_one_forming() -> None:
+@pytest.fixture
+def engine_dir(tmp_path: Path) -> str:
+    """A folder the app builder takes for an engine's (it checks only that kiln-engine.json is there)."""
+    (tmp_path / "kiln-engine.json").write_text("{}")
+    return str(tmp_path)
+
+
+def test_an_engine_dir_without_an_engine_fails_the_app_where_it_is_built(tmp_path: Path) -> None:
+    """Ray builds the application once; a wrong folder found there fails the deploy, not every replica's start."""
+    from kiln.core.errors import InputFileError
+    from kiln.serve.ray_app import build_app
+
+    with pytest.raises(InputFileError, match="is not a Kiln engine folder here") as err:
+        build_app({"engine_dir": str(tmp_path / "engines" / "e"), "model_name": "m"})
+    assert "cd <package> && serve run ray/serve.yaml" in (err.value.hint or "")
+
+
+def test_a_replica_holds_a_full_batch_and_the_next_one_forming(engine_dir: str) -> None:
     """@serve.batch batches only the requests its replica holds: with Ray's default of 5 ongoing requests every
     batch stopped at 5 and the rest queued in front of the replica (measured in benchmarks/README.md, Serving)."""
     from kiln.serve.ray_app import build_app
 
     def held(max_batch: int) -> int:
-        app = build_app({"engine_dir": "/e", "model_name": "m", "max_batch_size": max_batch})
+        app = build_app({"engine_dir": engine_dir, "model_name": "m", "max_batch_size": max_batch})
         return app._bound_deployment.max_ongoing_requests
 
     assert held(32) == 64 and held(1) == 5 and held(0) == 5  # 0: no batching, Ray's own default
 
 
-def test_the_cpus_a_replica_reserves_come_from_the_config() -> None:
+def test_the_cpus_a_replica_reserves_come_from_the_config(engine_dir: str) -> None:
     """Ray starts no replica its cluster has no CPUs left for: more replicas than cores need less than 1 each."""
     from kiln.serve.ray_app import build_app
 
     def reserved(**args: float) -> dict[str, float]:
-        app = build_app({"engine_dir": "/e", "model_name": "m", **args})
+        app = build_app({"engine_dir": engine_dir, "model_name": "m", **args})
         return app._bound_deployment.ray_actor_options
 
     assert reserved()["num_cpus"] == 1.0 and reserved(cpus_per_replica=0.25)["num_cpus"] == 0.25
