@@ -524,8 +524,9 @@ def _marked(error: type[Exception]) -> str:
 
 # The model file Triton loads for each PyTriton model (its model.py, renamed pytriton_model.py beside it): PyTriton's
 # proxy, whose error answer is Python's traceback twice over (this process's, then the stub's) with HTTP 500 for any
-# error. The model answers each request of a failed batch with the last line of that text instead, without the
-# class of a Kiln error, and with INVALID_ARG (HTTP 400) for a RequestRefused.
+# error, to every request of the batch. This model runs a failed batch's requests again one at a time, so that only
+# the request at fault gets an error: the last line of that text, without the class of a Kiln error, and with
+# INVALID_ARG (HTTP 400) for a RequestRefused.
 PROXY_MODEL_PY = f'''"""PyTriton's proxy model (pytriton_model.py), as `kiln serve --pytriton` loads it: an error
 is answered as one line."""
 import triton_python_backend_utils as pb_utils
@@ -550,7 +551,15 @@ class TritonPythonModel(PyTritonModel):
         try:
             return super().execute(requests)
         except pb_utils.TritonModelException as exc:
-            return [pb_utils.InferenceResponse(error=_error(str(exc))) for _ in requests]
+            if len(requests) == 1:
+                return [pb_utils.InferenceResponse(error=_error(str(exc)))]
+        return [self._alone(request) for request in requests]  # the failing one gets the error, the others answers
+
+    def _alone(self, request):
+        try:
+            return super().execute([request])[0]
+        except pb_utils.TritonModelException as exc:
+            return pb_utils.InferenceResponse(error=_error(str(exc)))
 '''
 
 

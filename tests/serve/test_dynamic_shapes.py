@@ -50,8 +50,27 @@ class PerPixel(nn.Module):
         return self.body(x)
 
 
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(100, 8), nn.Linear(8, 3)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids).mean(1))
+
+
 def tagger():
     return Tagger()
+
+
+def tokens():
+    return Tokens()
+
+
+def token_ids():
+    g = torch.Generator().manual_seed(0)
+    tx, vx = torch.randint(0, 100, (32, 16), generator=g), torch.randint(0, 100, (16, 16), generator=g)
+    return DatasetSplits(tx, torch.randint(0, 3, (32,), generator=g), vx, torch.randint(0, 3, (16,), generator=g), 3)
 
 
 def per_pixel():
@@ -161,3 +180,47 @@ def test_a_per_pixel_model_is_served_at_two_image_sizes(tmp_path: Path, serve_ar
         "HTTP 400: [400] input 'input' axis 2 (height) is 64: engine onnxruntime-cpu-fp32 was validated for height "
         "from 8 to 16"
     ), message
+
+
+@pytest.mark.parametrize("serve_args", [(), ("--pytriton",)], ids=["stubs", "pytriton"])
+def test_a_request_refused_in_a_batch_fails_alone(tmp_path: Path, serve_args: tuple[str, ...]) -> None:
+    """Four requests in one batch (a 1 s batching window), one holding a token id past the vocabulary: it gets the
+    400, the other three their answers (PyTriton's proxy answered every request of the batch with its error)."""
+    import threading
+
+    from tritonclient.http import InferenceServerClient, InferInput
+    from tritonclient.utils import InferenceServerException
+
+    wd = _run(tmp_path, "tokens", "token_ids", {}, **{"train.epochs": 1})
+    ids = np.random.default_rng(0).integers(0, 100, (4, 1, 16))
+    ids[3, 0, 0] = 150
+    answers: dict[int, object] = {}
+    ports = free_ports(3)
+    proc = _start_serve(wd, ports, "--max-queue-delay-us", "1000000", *serve_args)
+
+    def ask(i: int) -> None:
+        tensor = InferInput("input", [1, 16], "INT64")
+        tensor.set_data_from_numpy(ids[i])
+        client = InferenceServerClient(f"127.0.0.1:{ports[0]}", network_timeout=60)
+        try:
+            answers[i] = client.infer("onnxruntime_cpu_fp32", [tensor]).as_numpy("logits")
+        except InferenceServerException as exc:
+            answers[i] = exc
+
+    try:
+        _ready(proc, ports, ["onnxruntime_cpu_fp32"])
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        _abort(proc)
+    refused = answers[3]
+    assert isinstance(refused, InferenceServerException) and refused.status() == "400", refused
+    assert "input 'input' holds 150" in str(refused), refused
+    with load_engine(wd / "build" / "onnxruntime-cpu-fp32") as runner:
+        for i in range(3):
+            assert not isinstance(answers[i], Exception), f"request {i} of the batch failed: {answers[i]}"
+            want = runner.infer({"input": ids[i]})["logits"]
+            np.testing.assert_allclose(answers[i], want, rtol=1e-5, atol=1e-6)
