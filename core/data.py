@@ -284,6 +284,12 @@ def _shape_hint(x: Inputs, name: str, differ: list[int], dynamic: Mapping[str, A
             f"key signature.dynamic_axes by '{name}' (data given as one tensor is the input '{name}': "
             f"{{{name}: {{{axes}}}}}), or give the data as a dict {{'{unknown[0]}': tensor}}"
         )
+    if not isinstance(x, (torch.Tensor, Mapping)):  # a tuple's inputs are named by forward(), which data lacks
+        return (
+            "give train_x and val_x as dicts keyed by forward()'s parameter names, the names signature.dynamic_axes "
+            "takes (a tuple's inputs have no names until the model is called), and declare the axis that varies "
+            f"there, e.g. {{<name>: {{{differ[0] if differ else 1}: seq}}}}"
+        )
     if unknown:
         return f"key signature.dynamic_axes by the data's input names {_keys(x)}"
     return (

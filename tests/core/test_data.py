@@ -260,3 +260,14 @@ def test_a_list_of_input_tensors_is_the_tuple_a_user_meant() -> None:
     assert isinstance(data.train_x, tuple) and isinstance(data.val_x, tuple)
     check_splits(data, "mine:load")
     assert data.sample_shapes == {"0": [6], "1": [4]}
+
+
+def test_tuple_data_whose_axis_varies_is_told_to_name_its_inputs() -> None:
+    """A tuple's inputs are named by forward(), which the data check cannot see: its hint was {0: {1: seq}}, an
+    invalid config; dicts keyed by those names are the way that works."""
+    part = lambda n, seq: (torch.rand(n, seq, 3), torch.ones(n, seq))  # noqa: E731
+    data = DatasetSplits(part(8, 10), None, part(4, 7), None)
+    with pytest.raises(DataContractError) as err:
+        check_splits(data, "d", {"feats": {1: "seq"}, "mask": {1: "seq"}})
+    assert "as dicts keyed by forward()'s parameter names" in (err.value.hint or "")
+    assert "{0:" not in (err.value.hint or "")
