@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
-from kiln.core.records import EngineMetadata, TensorSpec
+from kiln.core.records import TensorSpec
 from kiln.core.text import first_line
 
 # ONNX's protobuf limit: larger models must keep their weights in external data files.
@@ -622,19 +622,21 @@ INDEX_HINT = (
 
 
 def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str) -> str | None:
-    """Why ``feed`` holds an index past a table ``model`` stores (:func:`index_ranges`), in the sentence a server
-    refusing such a request says (:meth:`EngineMetadata.outside_values`; ``name``: the model's), or None. ONNX
-    Runtime stops at the first such index with a traceback from deep in the graph; checked before the data reaches
-    it, the error names the input, the value and the table's rows. As in the engines' own ranges, the data may count
-    from the end of a table down to ``-rows``, where ``Gather`` stops."""
-    ranges = {}
-    for key, (low, high) in index_ranges(model).items():
+    """Why ``feed`` holds an index past a table ``model`` stores (:func:`index_ranges`; ``name``: the model's, for
+    the sentence), or None. ONNX Runtime stops at the first such index with a traceback from deep in the graph;
+    checked before the data reaches it, the error names the input, the value and the table's rows. The data may
+    count from the end of a table down to ``-rows``, as ``Gather`` does (an engine's own ranges then start there)."""
+    for key, (_, high) in index_ranges(model).items():
         values = feed.get(key)
-        least = int(values.min()) if values is not None and values.size else low
-        ranges[key] = [max(-(high + 1), min(low, least)), high]
-    if not ranges:
-        return None
-    return EngineMetadata.model_construct(name=name, index_ranges=ranges).outside_values(feed)
+        if values is None or not values.size:
+            continue
+        least, most = int(values.min()), int(values.max())
+        if least < -(high + 1) or most > high:
+            return (
+                f"input '{key}' holds {most if most > high else least}: {name} indexes a table of {high + 1} rows "
+                f"with it (values 0 to {high}, or down to {-(high + 1)} counted from its end)"
+            )
+    return None
 
 
 QDQ = {"QuantizeLinear", "DequantizeLinear"}

@@ -31,8 +31,8 @@ def test_token_ids_past_the_embedding_are_one_error_naming_the_split(tmp_path: P
     with pytest.raises(DataContractError) as info:
         _export(tmp_path, ids, ids + 100)
     assert info.value.message == (
-        f"the validation data of 'mine:load': input 'input' holds {int(ids.max()) + 100}: engine m.onnx takes values "
-        "from 0 to 9 (the rows of the table it indexes)"
+        f"the validation data of 'mine:load': input 'input' holds {int(ids.max()) + 100}: m.onnx indexes a table of "
+        "10 rows with it (values 0 to 9, or down to -10 counted from its end)"
     )
     assert info.value.hint.startswith("give indices within the table")
 
