@@ -19,6 +19,7 @@ from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_
 from kiln.core.errors import ModelError
 from kiln.core.labels import IGNORE_LABEL, per_position
 from kiln.core.labels import accuracy as label_accuracy
+from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
@@ -196,7 +197,8 @@ def labels_at_points(
 class Reference:
     """What the engines are compared with: the PyTorch model (or, started from an ONNX file, the FP32 ONNX in
     ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any (one array
-    per shape: :func:`labels_at_points`)."""
+    per shape: :func:`labels_at_points`). ``score``: the index of the shape task accuracy and the metric are
+    measured at (:func:`scoring_point`; negative counts from the end); None: at none, the labels fit none."""
 
     def __init__(
         self,
@@ -208,9 +210,11 @@ class Reference:
         smallest: int = 1,
         targets: np.ndarray | None = None,
         metric: Metric | None = None,
+        score: int | None = -1,
     ) -> None:
         self.run, self.feeds, self.point_labels, self.logits = run, feeds, labels, logits
         self.targets, self.metric = targets, metric
+        self.score = None if score is None else score % len(feeds)
         self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest)
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
             rows = feed_rows(feeds[0][1]) // batch * batch
@@ -232,8 +236,9 @@ class Reference:
             self.targets = None if targets is None else targets[:rows]
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self.accuracy = self.accuracy_of(self.outputs[-1])
-        self.metric_value = self.metric_of(self.outputs[-1])
+        scored = None if self.score is None else self.outputs[self.score]
+        self.accuracy = None if scored is None else self.accuracy_of(scored)
+        self.metric_value = None if scored is None else self.metric_of(scored)
 
     def at_batch(self, index: int, batch: int) -> dict[str, np.ndarray]:
         """The reference on ``batch`` rows of feed ``index`` (:func:`sample_batch`): what an engine called at that
@@ -247,24 +252,25 @@ class Reference:
 
     @property
     def feed(self) -> Feed:
-        """The inputs at the last point (the largest sizes), for accuracy and latency."""
+        """The inputs at the last point (the largest sizes), for latency."""
         return self.feeds[-1][1]
 
     @property
     def labels(self) -> np.ndarray | None:
-        """The labels of :attr:`feed`, for accuracy: per position, cut or padded as the inputs are."""
-        return self.point_labels[-1]
+        """The labels at the point :attr:`score` names, for accuracy: per position, cut or padded as the inputs
+        are; None where there is no such point."""
+        return None if self.score is None else self.point_labels[self.score]
 
     def accuracy_of(self, outputs: dict[str, np.ndarray]) -> float | None:
-        """Task accuracy of outputs at :attr:`feed` (None: no class logits or no labels)."""
+        """Task accuracy of outputs at the point :attr:`score` names (None: no class logits or no labels)."""
         if self.logits is None or self.labels is None or self.logits not in outputs:
             return None
         check_labels_fit(outputs[self.logits], self.labels, self.logits)
         return label_accuracy(outputs[self.logits], self.labels)
 
     def metric_of(self, outputs: dict[str, np.ndarray]) -> float | None:
-        """``validate.metric`` of outputs at :attr:`feed` (None: no metric configured)."""
-        if self.metric is None or self.targets is None:
+        """``validate.metric`` of outputs at the point :attr:`score` names (None: no metric configured)."""
+        if self.metric is None or self.targets is None or self.score is None:
             return None
         return self.metric(outputs, self.targets)
 
@@ -316,11 +322,13 @@ def held_out_reference(
     cfg: CheckConfig,
     batch_sizes: list[int],
     axes: Axes,
+    named: bool = False,
 ) -> Reference:
     """The reference ``run`` on the held-out ``feeds``, with the labels and ``validate.metric`` it is judged by: what
     validation compares engines with and the precision stage compares variants with. ``logits``: the class-logit
-    output ``signature.logits_output`` picks; the metric reads it, and it is held to top-1 agreement only where the
-    data declares classes (:func:`top1_output`)."""
+    output ``signature.logits_output`` picks; the metric reads it, and it is held to top-1 agreement where the
+    data declares classes or ``named`` (the setting names it: :func:`top1_output`). Accuracy and the metric are
+    measured where the labels fit (:func:`scoring_point`), which may add the data's own sizes to the feeds."""
     n = feed_rows(feeds[-1][1])
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
     metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better)
@@ -331,12 +339,86 @@ def held_out_reference(
             hint="return held-out labels from the data function, or remove validate.metric",
         )
     own = own_feed(data, feeds, n)
+    feeds, score = scoring_point(labels if labels is not None else targets, own, feeds, axes, metric is not None)
     point_labels = labels_at_points(labels, own, feeds, axes)
-    # the metric reads the last point's outputs: per-position targets follow the inputs there too
-    followed = labels_at_points(targets, own, feeds[-1:], axes)[0] if targets is not None else None
-    targets = targets if followed is None else followed
-    top1 = top1_output(logits, data)
-    return Reference(run, feeds, point_labels, top1, max(batch_sizes), min(batch_sizes), targets, metric)
+    # the metric reads the outputs at the scored point: per-position targets follow the inputs there too
+    if targets is not None and score is not None:
+        followed = labels_at_points(targets, own, [feeds[score]], axes)[0]
+        targets = targets if followed is None else followed
+    top1 = top1_output(logits, data, named)
+    return Reference(run, feeds, point_labels, top1, max(batch_sizes), min(batch_sizes), targets, metric, score)
+
+
+Points = list[tuple[dict[str, int], Feed]]
+
+
+def scoring_point(
+    labels: np.ndarray | None, own: Feed, feeds: Points, axes: Axes, metric: bool
+) -> tuple[Points, int | None]:
+    """The feeds, and the index of the one task accuracy and the metric (``metric``: one is configured) are
+    measured at: the last where ``labels`` fit. Labels per row fit any shape, and labels per position that follow
+    an input (a tagger's ``[N, seq]``) every one; pixel labels ``[N, H, W]`` of images ``[N, 3, H, W]`` fit only the
+    data's own sizes, since a cut or padded image is labelled by no array of them. Where no validated shape has
+    those sizes, they are added as a shape of their own if they lie within every axis's validated range (what the
+    engines are built for); else accuracy and the metric are measured nowhere (None), said as a warning: their
+    gates are not applied."""
+    if labels is None or not per_position(labels):
+        return feeds, len(feeds) - 1
+    fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes)) if y is not None]
+    if fit:
+        return feeds, fit[-1]
+    point, ranges = own_point(own, axes), axis_ranges([p for p, _ in feeds])
+    outside = {k: v for k, v in point.items() if k in ranges and not ranges[k][0] <= v <= ranges[k][1]}
+    if outside:
+        log.warning("%s", unscored(labels, point, ranges, metric))
+        return feeds, None
+    at = next((i for i, (p, _) in enumerate(feeds[:-1]) if sum(p.values()) > sum(point.values())), len(feeds) - 1)
+    log.info(
+        "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones: labels per "
+        "position %s fit no other",
+        " and the metric" if metric else "",
+        _sizes(point),
+        _shape(labels),
+    )
+    return [*feeds[:at], (point, own), *feeds[at:]], at
+
+
+def own_point(own: Feed, axes: Axes) -> dict[str, int]:
+    """The data's own size of each dynamic axis (by name), read from the inputs at their own shape."""
+    point: dict[str, int] = {}
+    for name, dims in axes.items():
+        for axis, label in dims.items():
+            if name in own and int(axis) < own[name].ndim:
+                point.setdefault(label, int(own[name].shape[int(axis)]))
+    return point
+
+
+def axis_ranges(points: list[dict[str, int]]) -> dict[str, tuple[int, int]]:
+    """Each dynamic axis's validated range over ``points``: its smallest and largest size."""
+    names = {k for p in points for k in p}
+    return {k: (min(p[k] for p in points if k in p), max(p[k] for p in points if k in p)) for k in names}
+
+
+def unscored(labels: np.ndarray, point: dict[str, int], ranges: dict[str, tuple[int, int]], metric: bool) -> str:
+    """Why accuracy (and the metric) go unmeasured: the data's own sizes, the only ones its labels per position
+    fit, lie outside the validated ranges the engines are built for."""
+    validated = ", ".join(f"{k} {lo}..{hi}" for k, (lo, hi) in sorted(ranges.items()))
+    what = "task accuracy and validate.metric are" if metric else "task accuracy is"
+    gates = "max_accuracy_drop and max_metric_drop are" if metric else "max_accuracy_drop is"
+    return (
+        f"{what} not measured and {gates} not applied: the held-out labels {_shape(labels)} are per position at "
+        f"the data's own sizes ({_sizes(point)}), outside the validated sizes ({validated}) the engines are built "
+        "for, and labels at other sizes would label other positions; add the data's sizes to signature.shapes to "
+        "measure it"
+    )
+
+
+def _sizes(point: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(point.items()))
+
+
+def _shape(y: np.ndarray) -> str:
+    return f"{y.dtype}{list(y.shape)}"
 
 
 def declares_classes(data: DatasetSplits) -> bool:
@@ -345,21 +427,38 @@ def declares_classes(data: DatasetSplits) -> bool:
     return data.classification or data.num_classes > 0
 
 
-def top1_output(logits: str | None, data: DatasetSplits) -> str | None:
-    """The output whose argmax is a class decision, held to top-1 agreement: ``logits`` where the data declares
-    classes (:func:`declares_classes`), else None. A model's only output is ``logits`` by default whatever it holds,
-    and without classes it may be an embedding (a ViT or timm backbone without its head), whose argmax is no class:
-    its top-1 agreement would pass or fail an engine at random. It is then compared as outputs without class
-    logits are: cosine of the whole output and of its worst sample, error and relative error (logged)."""
-    if logits is None or declares_classes(data):
+def top1_output(logits: str | None, data: DatasetSplits | None, named: bool = False) -> str | None:
+    """The output whose argmax is a class decision, held to top-1 agreement: ``logits`` where ``named`` (the user
+    set ``signature.logits_output`` to it: declared class logits, whatever the data holds) or where the data
+    declares classes (:func:`declares_classes`; ``data`` None: inputs without labels, the direct commands'), else
+    None. A model's only output is ``logits`` by default whatever it holds, and without classes it may be an
+    embedding (a ViT or timm backbone without its head), whose argmax is no class: its top-1 agreement would pass
+    or fail an engine at random. It is then compared as outputs without class logits are: cosine of the whole
+    output and of its worst sample, error and relative error (logged)."""
+    if logits is None or named or (data is not None and declares_classes(data)):
         return logits
+    why = (
+        "the data declares no classes (no integer labels, num_classes 0)"
+        if data is not None
+        else "the inputs given carry no labels"
+    )
     log.info(
-        "output '%s' is not held to top-1 agreement: the data declares no classes (no integer labels, "
-        "num_classes 0), so its argmax may be no class at all (an embedding's); it is compared by cosine (the "
-        "whole output's and the worst sample's), max abs error and relative error",
+        "output '%s' is not held to top-1 agreement: it is the class-logit output by default only, and %s, so its "
+        "argmax may be no class at all (an embedding's); compared by cosine (the whole output's and the worst "
+        "sample's), max abs error and relative error. Naming it (signature.logits_output=%s) holds it to top-1 "
+        "agreement",
+        logits,
+        why,
         logits,
     )
     return None
+
+
+def direct_top1(names: list[str], setting: str | int | None) -> str | None:
+    """The output the direct commands (``kiln validate ENGINE``, ``kiln precision FILE``) hold to top-1 agreement:
+    their inputs carry no labels, so as in a run on data that declares no classes, the one
+    ``signature.logits_output`` names (a config, or ``--set``) and none by default (:func:`top1_output`)."""
+    return top1_output(logits_name(names, setting), None, named=setting is not None)
 
 
 def own_feed(data: DatasetSplits, feeds: list[tuple[dict[str, int], Feed]], n: int) -> Feed:
@@ -372,8 +471,8 @@ def own_feed(data: DatasetSplits, feeds: list[tuple[dict[str, int], Feed]], n: i
 @dataclass
 class Comparison:
     """A candidate against the reference at every validated shape: statistics per output (the worst over shapes
-    and batch sizes), task accuracy and metric at the last shape, the shapes it could not take, and what
-    ``inspect`` found wrong with single calls."""
+    and batch sizes), task accuracy and metric at the shape the reference scores, the shapes it could not take,
+    and what ``inspect`` found wrong with single calls."""
 
     stats: dict[str, OutputStats] = field(default_factory=dict)
     accuracy: float | None = None
@@ -391,7 +490,8 @@ def compare_on(
     inspect: Callable[[Feed, dict[str, np.ndarray]], list[str]] | None = None,
 ) -> Comparison:
     """``infer`` on every held-out shape it ``takes``: all rows in batches of the largest size, then one batch of
-    each size (a kernel chosen per batch size must be right too), each against the reference. Top-1 agreement and
+    each size (a kernel chosen per batch size must be right too), each against the reference; task accuracy and
+    the metric at the shape the reference scores (:attr:`Reference.score`). Top-1 agreement and
     the worst sample's cosine are over the held-out rows, from the first; the batches of each size, a few of those
     rows again, add their errors and cosines (a kernel that is wrong shows there) but not those: at batch 1 one
     near-tie would make top-1 0, and one sample alone has no median norm to measure a small sample's error by."""
@@ -410,8 +510,10 @@ def compare_on(
                 out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
             spot = compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs))
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
+        if i == ref.score:
+            out.accuracy, out.metric = ref.accuracy_of(got), ref.metric_of(got)
         if i == len(ref.feeds) - 1:
-            out.accuracy, out.metric, out.last = ref.accuracy_of(got), ref.metric_of(got), got
+            out.last = got
     return out
 
 

@@ -42,7 +42,8 @@ class GatesConfig(Section):
         ge=0,
         le=1.0,
         description="fraction of samples whose argmax matches PyTorch, on the class-logit output of a task with "
-        "classes (integer labels, or num_classes in the data); an integer output's share of equal values",
+        "classes (integer labels, or num_classes in the data) or the one signature.logits_output names; an "
+        "integer output's share of equal values",
     )
     max_accuracy_drop: float = Field(
         0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)"

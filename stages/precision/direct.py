@@ -21,10 +21,10 @@ from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
-from kiln.core.outputs import logits_name
 from kiln.core.progress import SilentProgress
 from kiln.core.records import TensorSpec, Variants
 from kiln.core.shapes import graph_axes
+from kiln.stages.accuracy.check import direct_top1
 from kiln.stages.precision.stage import (
     TOO_LITTLE_HINT,
     PrecisionSettings,
@@ -65,7 +65,7 @@ def precision_direct(
     ]
     x_val = {k: v[: pcfg.fallback.samples] for k, v in data.items()}
     names = [o.name for o in outputs]
-    logits = logits_name(names, cfg.signature.logits_output)
+    logits = direct_top1(names, cfg.signature.logits_output)
     wanted = list(dict.fromkeys(["fp32", *variants]))  # the FP32 graph is what calibration and the gates measure
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:

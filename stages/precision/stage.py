@@ -279,7 +279,8 @@ def held_out_check(
     feeds = held_out(data, lambda x: feed_for_graph(x, names), axes, sig.shapes, vcfg.max_samples)
     out_names = [o.name for o in src.model.graph.output]
     logits = out_names[src.logits] if src.logits is not None else None
-    ref = held_out_reference(session_runner(src.model), feeds, data, logits, vcfg, sig.batch_sizes, axes)
+    named = sig.logits_output is not None  # the user's class-logit output: held to top-1 agreement in any case
+    ref = held_out_reference(session_runner(src.model), feeds, data, logits, vcfg, sig.batch_sizes, axes, named)
     return GateCheck(src.model, ref, vcfg.gates, sig.batch_sizes)
 
 

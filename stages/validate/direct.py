@@ -12,12 +12,12 @@ from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
-from kiln.core.outputs import host_arrays, logits_name, named_outputs
+from kiln.core.outputs import host_arrays, named_outputs
 from kiln.core.records import EngineValidation
 from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
-from kiln.stages.accuracy.check import compare_all, gates_for, summarize
+from kiln.stages.accuracy.check import compare_all, direct_top1, gates_for, summarize
 from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
@@ -103,7 +103,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
                 hint="the engine was built from a different model",
             )
     # No labels: accuracy is agreement with the reference, already gated. Every output is compared.
-    logits = logits_name(list(ref), cfg.signature.logits_output)
+    logits = direct_top1(list(ref), cfg.signature.logits_output)
     entry = EngineValidation(
         name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="validated"
     )

@@ -182,6 +182,8 @@ def _metric(v: ValidationResult) -> list[str]:
     if b.metric_name is None:
         return []
     per = ", ".join(f"{e.name} {fmt(e.metric, '.4g')}" for e in v.engines if e.metric is not None)
+    if b.labelled_positions == 0:  # labels per position that fit no validated shape (said above)
+        per = "not measured: the labels fit no validated size"
     return ["", f"Metric `{b.metric_name}` (validate.metric): reference {fmt(b.metric, '.4g')}; {per}."]
 
 
@@ -255,6 +257,14 @@ def _reference(b: Any) -> str:
     return "ONNX Runtime FP32 (the input ONNX file)" if b.backend == "onnxruntime" else "PyTorch FP32 eager"
 
 
+UNSCORED = (
+    "**task accuracy not measured, and `max_accuracy_drop` (and `max_metric_drop`) not applied**: the held-out "
+    "labels are per position at the data's own sizes, which lie outside the validated sizes (the engines are built "
+    "for those alone), and labels at other sizes would label other positions; add the data's sizes to "
+    "`signature.shapes` to measure it"
+)
+
+
 def _compared(b: Any) -> list[str]:
     """What the engines were compared on: every output, the logits one (if any) for top-1 and accuracy."""
     if not b.compared:
@@ -266,7 +276,9 @@ def _compared(b: Any) -> list[str]:
         else "no class-logit output (float targets, no labels or num_classes in the data, or no output "
         "signature.logits_output picks): no top-1 agreement or accuracy, and each output's relative error gated"
     )
-    if b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
+    if b.labelled_positions == 0:  # labels per position that fit no validated shape
+        logits = (f"top-1 agreement on '{b.logits_output}' (every position); " if b.logits_output else "") + UNSCORED
+    elif b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
         logits += (
             f", counted over the {b.labelled_positions:,} labelled positions of the held-out samples (labels "
             "per position; -100 marks one without)"

@@ -181,7 +181,11 @@ def finish_engine(
     entry.hints = engine_hints(meta, entry.failures)
     if found.untaken:
         fixed = [f"{s.name} {list(s.shape)}" for s in meta.inputs]
-        entry.hints.append(f"takes one size on some axes ({', '.join(fixed)}): not validated at {found.untaken}")
+        scored = ref.score is not None and ref.feeds[ref.score][0] in found.untaken
+        unmeasured = "; task accuracy, measured there, not measured for it" if scored else ""
+        entry.hints.append(
+            f"takes one size on some axes ({', '.join(fixed)}): not validated at {found.untaken}{unmeasured}"
+        )
     return entry
 
 
@@ -439,10 +443,21 @@ def reference(
     out_names: list[str],
     axes: Axes,
 ) -> Reference:
-    """The reference's outputs on the held-out ``feeds``, with the labels and ``validate.metric`` they are judged by."""
+    """The reference's outputs on the held-out ``feeds``, with the labels and ``validate.metric`` they are judged by;
+    an output ``signature.logits_output`` names is held to top-1 agreement whatever the data declares."""
     sig = ctx.config.signature
     logits = class_logits(out_names, sig.logits_output, data.val_y)
-    return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes)
+    named = sig.logits_output is not None
+    return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes, named)
+
+
+def scored_positions(ref: Reference, labelled: np.ndarray | None) -> int | None:
+    """How many held-out positions accuracy counts (labels per position); 0 where the labels fit no validated
+    shape (:func:`kiln.stages.accuracy.check.scoring_point`: accuracy not measured, its gate not applied), which
+    the report says; None: labels per row, or none."""
+    if ref.score is None:
+        return 0
+    return None if labelled is None else int(labelled.sum())
 
 
 def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
@@ -467,13 +482,13 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         timers = {bs: _session_timer(model, sample_batch(ref.feed, bs), cfg) for bs in sizes}
         prepared = [(Baseline(backend="onnxruntime", accuracy=None, samples=n, latency_ms={}), timers)]
     baselines = [b for b, _ in prepared]
-    labelled = ref.labelled(len(ref.feeds) - 1)
+    labelled = ref.labelled(ref.score) if ref.score is not None else None
     cpu = [b for b in baselines if b.device == "cpu" and (b.kind == cfg.baselines[0] or not from_torch)]
     baseline = cpu[0] if cpu else Baseline(accuracy=None, samples=n, latency_ms={})  # computed, not timed, here
     for b in {id(b): b for b in [*baselines, baseline]}.values():
         b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
         b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
-        b.labelled_positions = None if labelled is None else int(labelled.sum())
+        b.labelled_positions = scored_positions(ref, labelled)
         b.metric, b.metric_name = ref.metric_value, cfg.metric
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(

@@ -1,0 +1,114 @@
+"""Where task accuracy is measured: labels per pixel ``[N, H, W]`` fit only the data's own sizes, so where the
+validated sizes (``signature.shapes``) leave those out, they are validated too if they lie within the range the
+engines are built for; outside it, accuracy and its gate are said not to apply, in the log and the report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.core.data import DatasetSplits, as_feed
+from kiln.core.labels import accuracy
+from kiln.core.records import Baseline, EngineValidation, ValidationResult
+from kiln.stages.accuracy.check import (
+    accuracy_failures,
+    compare_on,
+    gates_for,
+    held_out,
+    held_out_reference,
+    summarize,
+)
+from kiln.stages.accuracy.config import CheckConfig
+
+AXES = {"input": {2: "height", 3: "width"}}
+W = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
+
+
+def _data() -> DatasetSplits:
+    """Images [3, 8, 8] with a class per pixel (the channel of the largest value, 3 classes)."""
+    x = torch.randn(48, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = x.argmax(1)
+    return DatasetSplits(x[:16], y[:16], x[16:], y[16:], num_classes=3)
+
+
+def _run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A per-pixel head: class maps [N, 3, H, W] at any size."""
+    return {"out": np.einsum("kc,nchw->nkhw", W, feed["input"]) + feed["input"]}
+
+
+def _swapped(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An engine whose first two class maps are swapped: its answer is wrong on most pixels of those classes."""
+    out = _run(feed)["out"]
+    return {"out": out[:, [1, 0, 2]]}
+
+
+def _reference(shapes: dict[str, list[int]]) -> Any:
+    data = _data()
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), AXES, shapes, None)
+    return data, held_out_reference(_run, feeds, data, "out", CheckConfig(), [1, 8], AXES)
+
+
+def _judged(ref: Any, engine: Any) -> tuple[EngineValidation, list[str]]:
+    found = compare_on(ref, engine, [1, 8])
+    entry = EngineValidation(name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated")
+    summarize(entry, found.stats, ref.logits)
+    entry.accuracy = found.accuracy
+    return entry, accuracy_failures(entry, gates_for(CheckConfig(), "fp32", ref.logits is None), ref.accuracy)
+
+
+def test_pixel_labels_are_scored_at_the_datas_own_sizes_within_the_validated_range() -> None:
+    """``signature.shapes: {height: [6, 10], width: [6, 12]}`` on 8x8 data: no configured shape is the data's, which
+    lies within them; it is validated beside them and accuracy measured there, so its gate holds. Before: accuracy
+    None for the reference and every engine, and ``max_accuracy_drop`` never applied."""
+    data, ref = _reference({"height": [6, 10], "width": [6, 12]})
+    assert [p for p, _ in ref.feeds] == [
+        {"height": 6, "width": 6},
+        {"height": 8, "width": 8},
+        {"height": 10, "width": 12},
+    ]
+    own = _run({"input": data.val_x.numpy()})["out"]
+    assert ref.score == 1 and ref.accuracy == pytest.approx(accuracy(own, data.val_y.numpy()))
+    entry, failures = _judged(ref, _run)
+    assert entry.accuracy == pytest.approx(ref.accuracy) and failures == []
+    entry, failures = _judged(ref, _swapped)
+    assert entry.accuracy is not None and any(f.startswith("accuracy drop") for f in failures)
+
+
+def test_the_datas_own_sizes_among_the_validated_ones_are_scored_where_they_are() -> None:
+    """The data's 8x8 is the smallest validated shape: accuracy is measured there, not at the largest (where the
+    pixel labels fit no image), and no shape is added."""
+    _, ref = _reference({"height": [8, 10], "width": [8, 12]})
+    assert [p for p, _ in ref.feeds] == [{"height": 8, "width": 8}, {"height": 10, "width": 12}]
+    assert ref.score == 0 and ref.accuracy is not None
+
+
+def test_own_sizes_outside_the_validated_range_are_said_not_scored(caplog: pytest.LogCaptureFixture) -> None:
+    """8x8 data validated at 10..12: the engines are not built for 8x8, and labels of 8x8 label no pixel of a
+    padded image; accuracy is measured nowhere, and the log says so with the sizes and the fix."""
+    with caplog.at_level("WARNING", logger="kiln.validate"):
+        _, ref = _reference({"height": [10, 12], "width": [10, 12]})
+    assert ref.score is None and ref.accuracy is None
+    assert len(ref.feeds) == 2 and _judged(ref, _swapped)[0].accuracy is None
+    said = caplog.text
+    assert "task accuracy is not measured and max_accuracy_drop is not applied" in said
+    assert "(height=8, width=8), outside the validated sizes (height 10..12, width 10..12)" in said
+    assert "add the data's sizes to signature.shapes" in said
+
+
+def test_the_report_says_the_accuracy_gate_was_not_applied() -> None:
+    """validation.json's baseline records 0 labelled positions scored: the report says accuracy was not measured
+    and its gate not applied, and claims no accuracy on the class-logit output."""
+    from kiln.stages.validate.report import report_section
+
+    base = Baseline(accuracy=None, samples=16, latency_ms={}, logits_output="out", compared=["out"])
+    base.shapes, base.labelled_positions = [{"height": 10, "width": 10}], 0
+    v = ValidationResult(passed=True, baseline=base, engines=[], failures=[])
+    compared = next(line for line in report_section(v) if line.startswith("Compared outputs"))
+    assert "accuracy on 'out'" not in compared and "top-1 agreement on 'out' (every position)" in compared
+    assert "task accuracy not measured, and `max_accuracy_drop` (and `max_metric_drop`) not applied" in compared
+    base.labelled_positions = 1024
+    compared = next(line for line in report_section(v) if line.startswith("Compared outputs"))
+    assert "top-1 agreement and accuracy on 'out', counted over the 1,024 labelled positions" in compared
