@@ -3,6 +3,7 @@ on the user's inputs (``--inputs x.npz``) or random ones of the engine's declare
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from kiln.core.feeds import check_feed, read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, named_outputs
-from kiln.core.records import EngineValidation
+from kiln.core.records import EngineMetadata, EngineValidation
 from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
@@ -23,6 +24,8 @@ from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.validate.baselines import percentiles
 from kiln.stages.validate.stage import ValidateSettings, check_gates
+
+log = logging.getLogger("kiln.validate")
 
 OTHER_MODEL = (
     "validate an engine against the model it was built from (its ONNX file, or its checkpoint with model.name)"
@@ -91,11 +94,14 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
             dynamic=max(sizes) if sizes else None,
             hint="pass --inputs file.npz with concrete arrays",
         )
-    check_engine_feed(meta, feed)  # the engine's own refusals (a token id past its table) before the reference runs
+    # The engine's own refusals (a token id past its table) before the reference runs; sizes past those it was
+    # validated for are what this command is for: checked here, said in the log
+    check_engine_feed(meta, feed, allow_outside_ranges=True)
+    _say_new_sizes(meta, feed)
     ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
-        got = runner.infer(feed)
-        t = runner.time_ms(feed, cfg.validate.warmup, cfg.validate.iterations)
+        got = runner.infer(feed, allow_outside_ranges=True)
+        t = runner.time_ms(feed, cfg.validate.warmup, cfg.validate.iterations, allow_outside_ranges=True)
     for name, r in ref.items():
         if name in got and got[name].shape != r.shape:
             raise InputFileError(
@@ -114,3 +120,16 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry.failures = check_gates(entry, None, entry.gates, int(batch))
     entry.passed = not entry.failures
     return entry
+
+
+def _say_new_sizes(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> None:
+    """Log that the feed lies outside the sizes the engine's record says it was validated for (its batches or
+    axis ranges): servers and ``infer`` refuse them until the engine is validated and packaged at those sizes."""
+    shapes = {k: v.shape for k, v in feed.items()}
+    outside = meta.outside_batch(shapes) or meta.outside_range(shapes)
+    if outside is not None:
+        log.warning(
+            "%s; validated here at these sizes, the engine's record still refuses them: add them to "
+            "signature.batch_sizes / signature.shapes and run the pipeline to serve them",
+            outside,
+        )

@@ -145,10 +145,16 @@ class TensorRTRunner(Runner):
             self.context.set_tensor_address(n, t.data_ptr())
 
     def time_ms(
-        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
+        self,
+        feed: dict[str, np.ndarray],
+        warmup: int,
+        iterations: int,
+        budget_s: float | None = None,
+        *,
+        allow_outside_ranges: bool = False,
     ) -> list[float]:
         """GPU time of the engine on device buffers (inputs copied once), measured with CUDA events."""
-        self.infer(feed)
+        self.infer(feed, allow_outside_ranges=allow_outside_ranges)
         slot = self._slot(feed)
         self._bind(slot, feed)
         times: list[float] = []

@@ -79,3 +79,24 @@ def test_a_token_id_past_the_table_is_the_engines_refusal_before_either_referenc
         "validate", engine, "--reference", weights, "--model", "tests.user_models:ids_and_mask", "--inputs", bad
     )
     assert_clean(by_weights, 2, said, "within the table")
+
+
+def test_an_engine_is_validated_at_sizes_past_its_record_and_the_log_says_so(tmp_path: Path) -> None:
+    """Checking an engine at a new size is what `kiln validate ENGINE` is for: a packaged engine's validated batches
+    (which servers and infer hold it to) do not stop it; the log says the record still refuses the size."""
+    import numpy as np
+
+    from kiln.stages.engines.backend import SIDECAR, read_metadata
+
+    model, engine = tiny_onnx(tmp_path / "m.onnx"), tmp_path / "e"
+    assert invoke("build", model, "-o", engine).exit_code == 0
+    meta = read_metadata(engine)
+    meta.model_copy(update={"validated_batch_sizes": [1, 4]}).write(engine / SIDECAR)
+    spec = meta.inputs[0]
+    shape = [8, *(d if isinstance(d, int) else 4 for d in spec.shape[1:])]
+    np.savez(tmp_path / "x.npz", **{spec.name: np.random.default_rng(0).random(shape, dtype=np.float32)})
+    out = invoke("validate", engine, "--reference", model, "--inputs", tmp_path / "x.npz")
+    assert out.exit_code == 0, out.output
+    said = " ".join(out.output.split())  # the log's lines wrap at the terminal's width
+    assert "has 8 rows: engine onnxruntime-cpu-fp32 was validated for batches up to 4" in said
+    assert "signature.batch_sizes" in said
