@@ -211,6 +211,7 @@ class Reference:
         targets: np.ndarray | None = None,
         metric: Metric | None = None,
         score: int | None = -1,
+        classes: int = 0,
     ) -> None:
         self.run, self.feeds, self.point_labels, self.logits = run, feeds, labels, logits
         self.targets, self.metric = targets, metric
@@ -235,6 +236,8 @@ class Reference:
             self.point_labels = [None if y is None else y[:rows] for y in labels]
             self.targets = None if targets is None else targets[:rows]
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
+        if classes and self.logits is not None:
+            self.logits = classes_fit(self.logits, self.outputs[-1].get(self.logits), classes)
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
         self.accuracy = None if scored is None else self.accuracy_of(scored)
@@ -346,7 +349,10 @@ def held_out_reference(
         followed = labels_at_points(targets, own, [feeds[score]], axes)[0]
         targets = targets if followed is None else followed
     top1 = top1_output(logits, data, named)
-    return Reference(run, feeds, point_labels, top1, max(batch_sizes), min(batch_sizes), targets, metric, score)
+    classes = 0 if named else data.num_classes  # a default class-logit output must have the data's classes
+    return Reference(
+        run, feeds, point_labels, top1, max(batch_sizes), min(batch_sizes), targets, metric, score, classes
+    )
 
 
 Points = list[tuple[dict[str, int], Feed]]
@@ -425,6 +431,24 @@ def declares_classes(data: DatasetSplits) -> bool:
     """Whether the data says the task has classes: integer labels (a classifier's, one per row or position), or a
     ``num_classes`` given without labels (a pretrained classifier validated on unlabelled inputs)."""
     return data.classification or data.num_classes > 0
+
+
+def classes_fit(logits: str, output: np.ndarray | None, classes: int) -> str | None:
+    """``logits`` where the output has ``classes`` entries along its class axis (:func:`class_axis`), else None
+    (logged): a default class-logit output of another width is no class decision over the data's classes (an
+    embedding trained with a loss of the user's on labelled data), and its argmax is held to nothing."""
+    if output is None or output.ndim < 2 or output.shape[class_axis(output.ndim)] == classes:
+        return logits
+    log.info(
+        "output '%s' is not held to top-1 agreement or scored for accuracy: its class axis has %d entries, the data "
+        "%d classes, so its argmax is no class decision (an embedding's); naming it (signature.logits_output=%s) "
+        "holds it to both",
+        logits,
+        output.shape[class_axis(output.ndim)],
+        classes,
+        logits,
+    )
+    return None
 
 
 def top1_output(logits: str | None, data: DatasetSplits | None, named: bool = False) -> str | None:

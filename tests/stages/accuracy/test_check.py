@@ -251,6 +251,19 @@ def test_a_classifier_stays_held_to_top1_agreement(labelled: bool) -> None:
     assert any(f.startswith("top1_agreement") for f in failures)
 
 
+def test_an_embedding_trained_on_labels_is_not_held_to_top1_agreement() -> None:
+    """Labels of 4 classes and a 768-wide output (an embedding trained with a loss of the user's, metric learning):
+    its argmax over 768 entries is no class decision, neither for top-1 agreement nor for task accuracy."""
+    from kiln.core.data import DatasetSplits
+
+    x = torch.randn(160, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 4, (160,), generator=torch.Generator().manual_seed(2))
+    run, engine = _embedder()
+    entry, failures = _judged(DatasetSplits(x[:32], y[:32], x[32:], y[32:], 4), run, engine)
+    assert entry.top1_agreement is None and entry.accuracy is None
+    assert entry.cosine > 0.998 and failures == []
+
+
 def _seg_data(tiny: int | None = None) -> Any:
     """128 held-out images [3, 8, 8] without labels, of a 4-class task; ``tiny``: that one near blank (1e-4)."""
     from kiln.core.data import DatasetSplits
