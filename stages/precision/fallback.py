@@ -56,12 +56,19 @@ MIN_COSINE_GAIN = 1e-5  # ...or, at the same top-1, by this much cosine
 
 
 def improves(metrics: dict[str, float | None], than: dict[str, float | None]) -> bool:
-    """Whether a round's comparison is measurably better than an earlier one's (NaN is worst)."""
+    """Whether a round's comparison is measurably better than an earlier one's (NaN is worst). Its cosine is the
+    one the gate holds to ``min_cosine``: the lower of the whole output's and its worst sample's."""
     top1, before = metrics["top1_agreement"], than["top1_agreement"]
-    cos, cos_before = _finite(metrics["cosine"]), _finite(than["cosine"])
+    cos, cos_before = _gated_cosine(metrics), _gated_cosine(than)
     if top1 is not None and before is not None and abs(top1 - before) >= MIN_TOP1_GAIN:
         return top1 > before
     return cos - cos_before >= MIN_COSINE_GAIN
+
+
+def _gated_cosine(metrics: dict[str, float | None]) -> float:
+    """The lower of the whole output's cosine and its worst sample's (absent: the whole output's alone)."""
+    whole, sample = _finite(metrics["cosine"]), metrics.get("sample_cosine")
+    return whole if sample is None else min(whole, _finite(sample))
 
 
 def _finite(x: float | None) -> float:

@@ -142,6 +142,9 @@ def _extra_failures(entry: EngineValidation, extra: FallbackConfig | None) -> li
             fails.append(f"top1_agreement {entry.top1_agreement:.4f} < fallback target {extra.min_top1_agreement}")
     if extra.min_cosine is not None and entry.cosine is not None and not entry.cosine >= extra.min_cosine:
         fails.append(f"cosine {entry.cosine:.6f} < fallback target {extra.min_cosine}")
+    sample = _worst_sample(entry)  # held to the same target, as the gates hold it to min_cosine
+    if extra.min_cosine is not None and sample is not None and not sample >= extra.min_cosine:
+        fails.append(f"worst-sample cosine {sample:.6f} < fallback target {extra.min_cosine}")
     return fails
 
 

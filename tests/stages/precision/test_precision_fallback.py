@@ -196,3 +196,20 @@ def test_nodes_kept_without_a_measured_gain_go_back(
     assert result.passed and result.tried == ["a", "b"]
     assert set(result.kept) == ({"a", "b"} if found_faster else {"b"}) and built[-1] == set(result.kept)
     assert result.timing["kept"] == ("as found" if found_faster else "pruned")
+
+
+def test_a_round_that_mends_the_worst_sample_improves_and_the_fallback_target_holds_it() -> None:
+    """The gates hold min_cosine for the worst sample too: a round that lifts that sample at an equal whole-output
+    cosine is progress (the search stopped on it before), and precision.fallback.min_cosine applies to it."""
+    from kiln.core.records import EngineValidation
+    from kiln.stages.precision.fallback import improves
+    from kiln.stages.precision.gate import _extra_failures
+
+    before = {"top1_agreement": None, "cosine": 0.99990, "sample_cosine": 0.95}
+    mended = {"top1_agreement": None, "cosine": 0.99990, "sample_cosine": 0.999}
+    assert improves(mended, before) and not improves(before, mended)
+    assert improves({"top1_agreement": None, "cosine": 0.9999}, {"top1_agreement": None, "cosine": 0.99})
+    entry = EngineValidation(name="v", backend="onnxruntime", precision="int8", device="cpu", status="validated")
+    entry.cosine, entry.outputs = 0.9999, {"logits": {"sample_cosine": 0.95}}
+    said = _extra_failures(entry, FallbackConfig(min_cosine=0.999))
+    assert said == ["worst-sample cosine 0.950000 < fallback target 0.999"]
