@@ -127,7 +127,8 @@ def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: st
 
 def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, smallest: int) -> list[str]:
     """Outputs whose shape beyond the first axis follows the batch size (a contrastive model's ``[images, texts]``
-    logits): their rows depend on the whole batch, so they compare only between calls on the same batch. Probed at
+    logits), or whose rows read their batch mates (:func:`mixed_rows`): their rows depend on the whole batch, so
+    they compare only between calls on the same batch, and servers run them a request at a time. Probed at
     the largest validated batch against the smallest (or, with one size, the last, shorter batch of the held-out
     rows), sizes the model is validated at anyway; an output whose first axis is not the batch (a scalar) is one
     at the largest batch alone. A model that fails the probe is left to the comparisons to report."""
@@ -139,14 +140,36 @@ def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batc
     # torch.nonzero's or a detector's after NMS, or no batch axis at all)
     coupled = [k for k, v in big.items() if v.shape[:1] != (batch,)]
     other = smallest if smallest != batch else feed_rows(feed) % batch
-    if not other or feed_rows(feed) < 2:
-        return coupled
+    if other and feed_rows(feed) >= 2:
+        try:
+            small = run(sample_batch(feed, other))
+        except Exception:
+            small = {}
+        # beyond the first axis (CLIP's [images, texts])
+        coupled = [k for k in big if k in coupled or (k in small and big[k].shape[1:] != small[k].shape[1:])]
+    return coupled + [k for k in mixed_rows(run, sample_batch(feed, batch), big) if k not in coupled]
+
+
+def mixed_rows(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, got: dict[str, np.ndarray]) -> list[str]:
+    """Outputs whose last row differs when its sample runs alone from ``got`` (``run`` on the whole ``feed``): rows
+    that read their batch mates (a model whose axis 0 is time, not the batch; a normalization over the batch).
+    The last row, since one that reads only the rows before it agrees on the first rows by construction. Beyond
+    float noise between batch sizes: an error over 1e-4 of the row's largest value, and over 1e-5."""
+    rows = feed_rows(feed)
+    if rows < 2:
+        return []
     try:
-        small = run(sample_batch(feed, other))
-    except Exception:
-        return coupled
-    # beyond the first axis (CLIP's [images, texts])
-    return [k for k in big if k in coupled or (k in small and big[k].shape[1:] != small[k].shape[1:])]
+        alone = run(feed_take(feed, slice(rows - 1, rows)))
+    except Exception:  # the reference's own error surfaces where the comparisons run it
+        return []
+    mixed = []
+    for k, v in got.items():
+        if k not in alone or v.shape[:1] != (rows,) or alone[k].shape[1:] != v.shape[1:]:
+            continue
+        want, one = v[rows - 1].astype(np.float64), alone[k][0].astype(np.float64)
+        if np.abs(one - want).max(initial=0.0) > max(1e-5, 1e-4 * np.abs(want).max(initial=0.0)):
+            mixed.append(k)
+    return mixed
 
 
 def batched(fn: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int) -> dict[str, np.ndarray]:

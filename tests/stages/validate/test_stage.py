@@ -369,6 +369,23 @@ def test_cuda_engines_are_timed_against_pytorch_on_the_gpu(tmp_path: Path) -> No
     )
 
 
+def test_outputs_whose_rows_read_their_batch_mates_are_batch_coupled() -> None:
+    """A model whose axis 0 is time, not the batch (each row reads the rows before it), or that normalizes over
+    the batch: its rows change with their batch mates, which shapes do not show; served batched, one request's
+    answer would depend on another's. Row-wise outputs, float noise included, are not."""
+    from kiln.stages.accuracy.check import batch_coupled
+
+    feed = {"x": np.random.default_rng(0).standard_normal((16, 3)).astype(np.float32)}
+
+    def run(f: dict) -> dict:
+        x = f["x"]
+        noise = 1 + 1e-7 * len(x)  # what another batch size's kernels may change
+        return {"causal": np.cumsum(x, 0), "centred": x - x.mean(0), "rows": x * 2 * noise}
+
+    assert batch_coupled(run, feed, 8, 1) == ["causal", "centred"]
+    assert batch_coupled(run, feed, 1, 1) == []  # one row per call: no batch mates to read
+
+
 def test_batch_coupled_outputs_are_found_at_the_validated_sizes() -> None:
     """An output [rows, rows] (a contrastive model's logits) follows the batch; a row-wise one does not. Probed at
     the largest validated batch against the smallest, or with one batch size against the held-out rows' last, shorter
