@@ -3,8 +3,9 @@
 A model may return a tensor, a tuple, a dict or a HuggingFace ``ModelOutput`` (an ordered dict whose unset
 fields are ``None``), nested or not. Every stage sees them flattened the same way, so an ONNX output, a PyTorch
 output and a validation row share one name: ``logits`` for a bare tensor, ``output_<i>`` for tuple items, the keys
-of a dict, and ``parent.child`` paths inside nested ones. A ``None`` among them (an absent loss: nanoGPT's
-``(logits, None)``) is left out, as ``torch.onnx.export`` leaves it out; the others keep their names.
+of a dict, the fields of a NamedTuple, and ``parent.child`` paths inside nested ones. A ``None`` among them (an
+absent loss: nanoGPT's ``(logits, None)``) is left out, as ``torch.onnx.export`` leaves it out; the others keep
+their names.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _leaves(value: Any, path: str, ref: str, left_out: list[str]) -> list[tuple[
     the top, where tuple items are ``output_<i>``). The paths of ``None`` items go to ``left_out``."""
     if isinstance(value, Mapping):  # dicts and ModelOutput (whose unset optional fields are not among its items)
         children = [(str(k), v) for k, v in value.items()]
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple: named by its fields, as a dict
+        children = [(str(k), v) for k, v in zip(value._fields, value)]
     else:
         children = [(f"output_{i}" if not path else str(i), v) for i, v in enumerate(value)]
     leaves: list[tuple[str, torch.Tensor]] = []

@@ -69,3 +69,18 @@ def test_none_outputs_are_left_out_and_the_others_keep_their_names() -> None:
         flatten_outputs((None, None))
     with pytest.raises(ModelError, match="returns output 'output_1' as str, not a tensor"):
         flatten_outputs((a, "loss"))
+
+
+def test_a_namedtuple_output_is_named_by_its_fields() -> None:
+    """A NamedTuple's fields name its outputs, as a dict's keys do (they were output_0, output_1, and
+    signature.logits_output: logits was refused)."""
+    from typing import NamedTuple
+
+    class Out(NamedTuple):
+        logits: torch.Tensor
+        feats: torch.Tensor
+
+    x = torch.zeros(2, 3)
+    assert list(flatten_outputs(Out(x, x))) == ["logits", "feats"]
+    assert list(flatten_outputs({"head": Out(x, x)})) == ["head.logits", "head.feats"]
+    assert list(flatten_outputs((x, x))) == ["output_0", "output_1"]  # a plain tuple as before
