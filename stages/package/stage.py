@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from typing import Any
@@ -95,8 +96,8 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             ray_apps.append(rayserve.application(model_name, meta, cfg.ray))
             record["ray_route"] = ray_apps[-1]["route_prefix"]
         packaged.append(record)
-    if capped:
-        _say_batch_limit(ctx, capped, cfg.max_batch_size)
+    if capped:  # a warning where the user asked for the larger batch; the default's cap is information
+        _say_batch_limit(ctx, capped, cfg.max_batch_size, asked="max_batch_size" in cfg.model_fields_set)
     if ray_apps:
         rayserve.write_serve_config(ctx.out / "ray", ray_apps, cfg.ray)
     if cfg.kserve.enabled and any("triton_model" in m for m in packaged):
@@ -112,11 +113,15 @@ def _capped(meta: EngineMetadata, requested: int) -> bool:
     return limit is not None and requested > limit and batchable(meta)
 
 
-def _say_batch_limit(ctx: StageContext[PackageSettings], capped: list[EngineMetadata], requested: int) -> None:
+def _say_batch_limit(
+    ctx: StageContext[PackageSettings], capped: list[EngineMetadata], requested: int, asked: bool
+) -> None:
     """Say that these engines are served with smaller batches than ``package.max_batch_size``: validation compared
-    them at no larger batch, so the repositories and the Ray app take only up to what was validated."""
+    them at no larger batch, so the repositories and the Ray app take only up to what was validated. A warning
+    where the config ``asked`` for that size, else a log line (the default's 32 above smaller validated sizes)."""
     limits = sorted({m.validated_max_batch() or 0 for m in capped})
-    ctx.log.warning(
+    ctx.log.log(
+        logging.WARNING if asked else logging.INFO,
         "%s: served with batches up to %s rows, the largest validated (signature.batch_sizes), not "
         "package.max_batch_size %d; to serve larger batches, add the size to signature.batch_sizes",
         ", ".join(m.name for m in capped),

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from kiln.core.records import EngineMetadata
 from kiln.stages.package.triton import triton_config
 
@@ -78,3 +80,28 @@ def test_triton_batch_is_capped_by_the_engines_batch_range() -> None:
     )
     assert "max_batch_size: 16" in triton_config("m", meta, 32)
     assert "max_batch_size: 8" in triton_config("m", meta, 8)
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_batch_cap_is_a_warning_only_where_the_config_asked_for_more(
+    asked: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """package.max_batch_size set above the validated batches is a warning; its default (32) above a run validated
+    at [1, 8] is a log line, not a warning on every run."""
+    import logging
+    from types import SimpleNamespace
+
+    from kiln.stages.package.stage import _say_batch_limit
+
+    meta = engine_meta(
+        backend="onnxruntime",
+        device="cpu",
+        validated_batch_sizes=[1, 8],
+        inputs=[{"name": "input", "shape": ["batch", 4], "dtype": "float32"}],
+        outputs=[{"name": "logits", "shape": ["batch", 2], "dtype": "float32"}],
+    )
+    with caplog.at_level(logging.INFO, logger="kiln.test"):
+        _say_batch_limit(SimpleNamespace(log=logging.getLogger("kiln.test")), [meta], 32, asked=asked)
+    (record,) = caplog.records
+    assert record.levelno == (logging.WARNING if asked else logging.INFO)
+    assert "served with batches up to 8 rows" in record.getMessage()
