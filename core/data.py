@@ -207,8 +207,10 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         counts = {k: len(t) for k, t in zip(_keys(x), tensors(x))}
         if len(set(counts.values())) > 1:
             raise DataContractError(
-                f"dataset '{ref}': the inputs of {split}_x have different row counts {counts}",
-                hint="give every input one row per sample",
+                f"dataset '{ref}': the inputs of {split}_x have different row counts {counts} (axis 0 of every "
+                "input is the batch)",
+                hint="give every input one row per sample on axis 0; an input whose batch is another axis (an "
+                "RNN's state [layers, batch, hidden]) is given batch-first and forward() moves it (h0.transpose(0, 1))",
             )
         if rows(x) == 0:
             raise DataContractError(f"dataset '{ref}': {split}_x holds no samples", hint="give both splits samples")

@@ -134,10 +134,14 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
                 "signature.logits_output",
             )
     elif tuple(target.shape) != tuple(y.shape):
+        # float labels of a classifier (the data declares classes, the output has a row of scores per label)
+        classes = num_classes > 0 and target.ndim == y.ndim + 1 and tuple(target.shape[:-1]) == tuple(y.shape)
         raise ModelError(
             f"model '{model_ref}' gives {tuple(target.shape)} for float targets of shape "
             f"{tuple(y.shape)}: mean squared error needs the same shape",
-            hint="make the targets match the output, name the output in signature.logits_output, or set train.loss",
+            hint="give class labels as integers (y.long()): float labels are regression targets"
+            if classes
+            else "make the targets match the output, name the output in signature.logits_output, or set train.loss",
         )
 
 

@@ -49,6 +49,9 @@ def test_task_mismatches_are_clear_errors() -> None:
     out, y = torch.zeros(2, 3), torch.zeros(2, 1)
     with pytest.raises(ModelError, match="mean squared error needs the same shape"):
         check_task(Task("regression"), out, y, 0, "m")
+    with pytest.raises(ModelError, match="mean squared error") as err:  # float labels of a 3-class task
+        check_task(Task("regression"), out, torch.tensor([0.0, 2.0]), 3, "m")
+    assert err.value.hint.startswith("give class labels as integers (y.long())")
     with pytest.raises(ConfigError, match="which is the class-logit output"):
         check_task(Task("classification"), (out, out), torch.zeros(2, dtype=torch.long), 3, "m")
     with pytest.raises(UserCodeError, match=r"loss function .* raised AttributeError: .* at .*test_train_task.py:\d+"):
