@@ -222,6 +222,7 @@ class _Trainer:
         self.epoch, self.step_in_epoch, self.last_good = 0, 0, "none written yet"
         self.bad_streak = 0  # consecutive steps with a NaN/Inf loss (fp16 scale back-offs do not count)
         self.best_digest: str | None = None  # sha256 of best.safetensors, kept in last.pt to find it on resume
+        self.best_tie_loss: float | None = None  # the best epoch's validation loss: breaks validation accuracy ties
         self.acc: dict[str, float] = {}  # running sums of the current epoch (this process's share)
         self.settings = cfg.model_dump(mode="json")  # recorded in last.json (checkpoint.run_info)
         self.finished = False  # a finished run taken whole: nothing to train (checkpoint.notes_only_changed)
@@ -647,11 +648,16 @@ class _Trainer:
         return m
 
     def _improves(self, m: EpochMetrics) -> bool:
-        """Whether epoch ``m`` beats the best so far: by validation accuracy where there are classes, else (float
-        targets, or a user loss without class logits) by validation loss, lower and finite."""
+        """Whether epoch ``m`` beats the best so far: by validation accuracy where there are classes (at equal
+        accuracy, by a lower validation loss: a small validation set ties often), else (float targets, or a user
+        loss without class logits) by validation loss, lower and finite."""
         r = self.result
         if m.val_accuracy is not None:
-            return r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy
+            if r.best_val_accuracy is None or m.val_accuracy > r.best_val_accuracy:
+                return True
+            tie = self.best_tie_loss
+            lower = m.val_loss is not None and math.isfinite(m.val_loss) and (tie is None or m.val_loss < tie)
+            return m.val_accuracy == r.best_val_accuracy and lower
         if m.val_loss is None or not math.isfinite(m.val_loss):
             return False
         return r.best_val_loss is None or m.val_loss < r.best_val_loss
@@ -659,7 +665,7 @@ class _Trainer:
     def _keep_best(self, m: EpochMetrics) -> None:
         r = self.result
         r.best_epoch, r.best_by = m.epoch, "val_accuracy" if m.val_accuracy is not None else "val_loss"
-        r.best_val_accuracy = m.val_accuracy
+        r.best_val_accuracy, self.best_tie_loss = m.val_accuracy, m.val_loss
         r.best_val_loss = m.val_loss if m.val_accuracy is None else None
         if self.ckpt_dir is not None and self.env.is_main:
             self.best_digest = ckpt.save_weights(self.ckpt_dir / ckpt.BEST, self.model)

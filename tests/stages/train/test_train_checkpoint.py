@@ -409,3 +409,13 @@ def test_an_explicit_resume_of_a_finished_run_is_a_resume_saved_here(
     assert got.resumed_from == str(tmp_path / "done" / ckpt.LAST)
     assert not any("took the finished run" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "here" / ckpt.LAST).is_file()
+
+
+def test_select_best_breaks_a_validation_accuracy_tie_by_the_lower_validation_loss(tmp_path: Path) -> None:
+    """12 held-out samples: epochs 5 and 6 both reach accuracy 1.0; the later one's lower loss makes it the best."""
+    cfg = train_cfg(epochs=6, lr=0.1, checkpoint={"select": "best"})
+    r = train(tiny_net(), tiny_data(60), cfg, ckpt_dir=tmp_path, run_key="k")
+    top = max(m.val_accuracy for m in r.history)
+    tied = [m for m in r.history if m.val_accuracy == top]
+    assert len(tied) > 1, [(m.epoch, m.val_accuracy) for m in r.history]  # the case this test is about
+    assert r.best_epoch == min(tied, key=lambda m: m.val_loss).epoch != tied[0].epoch
