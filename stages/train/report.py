@@ -23,7 +23,8 @@ def report_section(train: Any) -> list[str]:
         "",
         "## Training",
         "",
-        f"{train.precision} on {train.device}, {train.steps} steps: final loss {fmt(train.final_loss)}, {score}"
+        f"{train.precision} on {train.device}, {train.steps} steps: training loss {fmt(train.final_loss)} in the last "
+        f"epoch; {_weights_of(train)}{score}"
         + (f", {train.skipped_steps} overflow-skipped steps" if train.skipped_steps else "")
         + _compile_note(train.compile)
         + _graph_note(train.update_graph)
@@ -32,6 +33,14 @@ def report_section(train: Any) -> list[str]:
     if "loss.png" in train.files:
         out += ["", "![loss curve](train/loss.png)"]
     return out
+
+
+def _weights_of(train: Any) -> str:
+    """Which epoch's weights the engines are built from (``select: best`` may pick an earlier one than the last),
+    the validation score that follows being that epoch's."""
+    if train.selected_epoch is None or not train.epochs:
+        return ""
+    return f"weights of epoch {train.selected_epoch} of {len(train.epochs)}, "
 
 
 def _compile_note(c: dict[str, Any] | None) -> str:

@@ -22,7 +22,7 @@ def _train(compile_summary: dict | None) -> str:
 def test_training_section_reports_compile_counts_or_fallback() -> None:
     assert "torch.compile" not in _train(None)
     counts = {"mode": "default", "graphs": 3, "recompiles": 2, "graph_breaks": 0, "fallback": None}
-    assert "23 steps: final loss 0.5" in _train(counts)
+    assert "23 steps: training loss 0.5000 in the last epoch; validation accuracy 0.9000" in _train(counts)
     assert (
         "; torch.compile (default): 3 graphs, 2 recompiles, 0 graph breaks, 0 calls of other shapes run eagerly."
         in _train(counts)
@@ -52,3 +52,11 @@ def test_training_off_says_so_and_where_the_weights_came_from() -> None:
         "",
         "Training off: the weights are weights.safetensors; validation accuracy 0.7500.",
     ]
+
+
+def test_the_epoch_whose_weights_were_kept_is_named_beside_its_score() -> None:
+    """select: best may keep an earlier epoch: its validation accuracy is that epoch's, the loss the last one's."""
+    summary = {"precision": "fp32", "device": "cpu", "steps": 30, "final_loss": 0.2, "val_accuracy": 1.0}
+    epochs = [{"epoch": i} for i in (1, 2, 3)]
+    text = "\n".join(report_section(TrainSummary.model_validate(summary | {"epochs": epochs, "selected_epoch": 2})))
+    assert "training loss 0.2000 in the last epoch; weights of epoch 2 of 3, validation accuracy 1.0000" in text
