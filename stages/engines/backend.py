@@ -260,18 +260,14 @@ class Runner:
             raise InputError(f"{outside}; the engine failed on it: {first_line(exc, 200)}", hint=OUTSIDE_HINT) from None
 
     def time_ms(
-        self,
-        feed: dict[str, np.ndarray],
-        warmup: int,
-        iterations: int,
-        budget_s: float | None = None,
-        *,
-        allow_outside_ranges: bool = False,
+        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
     ) -> list[float]:
         """Latency of one call in ms, host arrays in and out (what a caller of the engine sees); at most
         ``iterations`` calls, fewer once ``budget_s`` seconds are spent (:func:`kiln.core.timing.time_calls`), after
-        a warm-up that takes a quarter of the budget at most. ``allow_outside_ranges``: as :meth:`infer`'s."""
-        self.infer(feed, allow_outside_ranges=allow_outside_ranges)  # checks the feed once; the calls below skip it
+        a warm-up that takes a quarter of the budget at most. The feed is checked once, as :meth:`infer` checks it
+        but for the validated sizes: its answers go to no one, and timing a size is how one is tried
+        (``kiln validate ENGINE``)."""
+        self.infer(feed, allow_outside_ranges=True)  # the calls below skip the check
         warm_up(lambda: self._infer(feed), warmup, budget_s)
         return time_calls(lambda: self._infer(feed), iterations, cuda=False, budget_s=budget_s)
 

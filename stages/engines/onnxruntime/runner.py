@@ -282,13 +282,7 @@ class OrtCudaRunner(Runner):
         return call, slot["static"]
 
     def time_ms(
-        self,
-        feed: dict[str, np.ndarray],
-        warmup: int,
-        iterations: int,
-        budget_s: float | None = None,
-        *,
-        allow_outside_ranges: bool = False,
+        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
     ) -> list[float]:
         """Engine time on device buffers (inputs uploaded once, outputs left on the GPU).
 

@@ -89,17 +89,11 @@ class TorchRunner(Runner):
         return call, isinstance(self.package, GraphReplays)
 
     def time_ms(
-        self,
-        feed: dict[str, np.ndarray],
-        warmup: int,
-        iterations: int,
-        budget_s: float | None = None,
-        *,
-        allow_outside_ranges: bool = False,
+        self, feed: dict[str, np.ndarray], warmup: int, iterations: int, budget_s: float | None = None
     ) -> list[float]:
         """Engine time on device-resident inputs, outputs left on the device (as the ORT CUDA runner times)."""
         if self.meta.device != "cuda":
-            return super().time_ms(feed, warmup, iterations, budget_s, allow_outside_ranges=allow_outside_ranges)
+            return super().time_ms(feed, warmup, iterations, budget_s)
         call, _ = self.prepared(feed)
         for _ in range(max(warmup, 3)):
             call()
