@@ -114,14 +114,53 @@ def parser_error(errors: list[Any], onnx_path: Path) -> BuildError:
     if not errors:
         return BuildError(f"TensorRT's ONNX parser rejected {onnx_path.name} without saying why", hint=DEFAULT_HINT)
     first = errors[0]
-    node, op, desc = _call(first, "node_name"), _call(first, "node_operator"), _call(first, "desc")
-    where = f"node '{node}' (op {op})" if node or op else f"node #{_call(first, 'node')}"
+    desc = _call(first, "desc")
+    where, op = _where(first, onnx_path)
     text = f"{op} {desc}"
     hint = next((h for key, h in PARSER_HINTS if key in text), DEFAULT_HINT)
     more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return BuildError(
         f"TensorRT's ONNX parser failed at {where} in {onnx_path.name}: {desc.strip()[:300]}{more}", hint=hint
     )
+
+
+def _where(error: Any, onnx_path: Path) -> tuple[str, str]:
+    """The failing node as the message names it, and its op. An error the parser raises inside an op's importer
+    before it knows the node (a ScatterElements reduction it lacks) carries node index -1 and no name; its importer
+    (``importScatterElements``) still names the op, and the graph's nodes of that op are the candidates."""
+    node, op = _call(error, "node_name"), _call(error, "node_operator")
+    if node or op:
+        return f"node '{node}' (op {op})", op
+    func = _call(error, "func")
+    op = func.removeprefix("import") if func.startswith("import") and len(func) > len("import") else ""
+    names = _nodes_of(onnx_path, op) if op else []
+    if names:
+        others = f", or one of {len(names) - 1} more of that op" if len(names) > 1 else ""
+        return f"node '{names[0]}' (op {op}{others})", op
+    index = _call(error, "node")
+    return (f"node #{index}" if index.isdigit() else f"an op it does not name{f' ({op})' if op else ''}"), op
+
+
+def _nodes_of(onnx_path: Path, op: str) -> list[str]:
+    """Names of the graph's nodes (subgraphs included) of type ``op``; empty when the file cannot be read."""
+    import onnx
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception:  # the parser read it; a second reader failing must not hide the parser's own error
+        return []
+    found: list[str] = []
+
+    def walk(graph: Any) -> None:
+        for n in graph.node:
+            if n.op_type == op:
+                found.append(n.name or n.output[0])
+            for attr in n.attribute:
+                for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                    walk(sub)
+
+    walk(model.graph)
+    return found
 
 
 def _call(obj: Any, name: str) -> str:
