@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
-from kiln.core.records import TensorSpec
+from kiln.core.records import TensorSpec, first_outside
 from kiln.core.text import first_line
 
 # ONNX's protobuf limit: larger models must keep their weights in external data files.
@@ -626,17 +626,14 @@ def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str
     the sentence), or None. ONNX Runtime stops at the first such index with a traceback from deep in the graph;
     checked before the data reaches it, the error names the input, the value and the table's rows. The data may
     count from the end of a table down to ``-rows``, as ``Gather`` does (an engine's own ranges then start there)."""
-    for key, (_, high) in index_ranges(model).items():
-        values = feed.get(key)
-        if values is None or not values.size:
-            continue
-        least, most = int(values.min()), int(values.max())
-        if least < -(high + 1) or most > high:
-            return (
-                f"input '{key}' holds {most if most > high else least}: {name} indexes a table of {high + 1} rows "
-                f"with it (values 0 to {high}, or down to {-(high + 1)} counted from its end)"
-            )
-    return None
+    found = first_outside({k: [-(high + 1), high] for k, (_, high) in index_ranges(model).items()}, feed)
+    if found is None:
+        return None
+    key, value, (_, high) = found
+    return (
+        f"input '{key}' holds {value}: {name} indexes a table of {high + 1} rows "
+        f"with it (values 0 to {high}, or down to {-(high + 1)} counted from its end)"
+    )
 
 
 QDQ = {"QuantizeLinear", "DequantizeLinear"}

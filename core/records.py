@@ -232,17 +232,28 @@ class EngineMetadata(Record):
     def outside_values(self, feed: dict[str, Any]) -> str | None:
         """Why an integer input holds a value outside :attr:`index_ranges` (a sentence naming the input, the value
         and the range), or None."""
-        for name, (low, high) in self.index_ranges.items():
-            array = feed.get(name)
-            if array is None or not getattr(array, "size", 0):
-                continue
-            least, most = int(array.min()), int(array.max())
-            if least < low or most > high:
-                return (
-                    f"input '{name}' holds {least if least < low else most}: engine {self.name} takes values from "
-                    f"{low} to {high} (the rows of the table it indexes)"
-                )
-        return None
+        found = first_outside(self.index_ranges, feed)
+        if found is None:
+            return None
+        name, value, (low, high) = found
+        return (
+            f"input '{name}' holds {value}: engine {self.name} takes values from {low} to {high} "
+            "(the rows of the table it indexes)"
+        )
+
+
+def first_outside(ranges: dict[str, list[int]], feed: dict[str, Any]) -> tuple[str, int, list[int]] | None:
+    """The first input of ``feed`` holding a value outside its ``[low, high]`` in ``ranges``: its name, the value
+    past the range (the least below it, else the most above it) and the range; None when all are inside. Inputs
+    missing from ``feed`` or empty are not checked."""
+    for name, (low, high) in ranges.items():
+        array = feed.get(name)
+        if array is None or not getattr(array, "size", 0):
+            continue
+        least, most = int(array.min()), int(array.max())
+        if least < low or most > high:
+            return name, least if least < low else most, [low, high]
+    return None
 
 
 # --------------------------------------------------------------------------------------------- precision variants
