@@ -234,7 +234,8 @@ class Reference:
         targets: np.ndarray | None = None,
         metric: Metric | None = None,
         score: int | None = -1,
-        classes: int = 0,
+        data: DatasetSplits | None = None,
+        named: bool = True,
     ) -> None:
         self.run, self.feeds, self.point_labels, self.logits = run, feeds, labels, logits
         self.targets, self.metric = targets, metric
@@ -259,8 +260,8 @@ class Reference:
             self.point_labels = [None if y is None else y[:rows] for y in labels]
             self.targets = None if targets is None else targets[:rows]
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
-        if classes and self.logits is not None:
-            self.logits = classes_fit(self.logits, self.outputs[-1].get(self.logits), classes)
+        if self.logits is not None:
+            self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
         self.accuracy = None if scored is None else self.accuracy_of(scored)
@@ -371,10 +372,8 @@ def held_out_reference(
     if targets is not None and score is not None:
         followed = labels_at_points(targets, own, [feeds[score]], axes)[0]
         targets = targets if followed is None else followed
-    top1 = top1_output(logits, data, named)
-    classes = 0 if named else data.num_classes  # a default class-logit output must have the data's classes
     return Reference(
-        run, feeds, point_labels, top1, max(batch_sizes), min(batch_sizes), targets, metric, score, classes
+        run, feeds, point_labels, logits, max(batch_sizes), min(batch_sizes), targets, metric, score, data, named
     )
 
 
@@ -456,44 +455,38 @@ def declares_classes(data: DatasetSplits) -> bool:
     return data.classification or data.num_classes > 0
 
 
-def classes_fit(logits: str, output: np.ndarray | None, classes: int) -> str | None:
-    """``logits`` where the output has ``classes`` entries along its class axis (:func:`class_axis`), else None
-    (logged): a default class-logit output of another width is no class decision over the data's classes (an
-    embedding trained with a loss of the user's on labelled data), and its argmax is held to nothing."""
-    if output is None or output.ndim < 2 or output.shape[class_axis(output.ndim)] == classes:
+def top1_output(
+    logits: str | None, data: DatasetSplits | None, named: bool = False, output: np.ndarray | None = None
+) -> str | None:
+    """The output whose argmax is a class decision, held to top-1 agreement and scored for accuracy: ``logits``
+    where ``named`` (the user set ``signature.logits_output`` to it: declared class logits, whatever the data
+    holds), or where the data declares classes (:func:`declares_classes`; ``data`` None: inputs without labels, the
+    direct commands') and ``output`` (the reference's, where known) has as many entries along its class axis
+    (:func:`class_axis`) as the data's ``num_classes``; else None (logged). A model's only output is ``logits`` by
+    default whatever it holds: without classes, or of another width, it may be an embedding (a ViT backbone without
+    its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
+    agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
+    cosine of the whole output and of its worst sample, error and relative error."""
+    if logits is None or named:
+        return logits
+    if data is None or not declares_classes(data):
+        why = (
+            "the data declares no classes (no integer labels, num_classes 0)"
+            if data is not None
+            else "the inputs given carry no labels"
+        )
+    elif data.num_classes and output is not None and output.ndim >= 2:
+        width = output.shape[class_axis(output.ndim)]
+        if width == data.num_classes:
+            return logits
+        why = f"its class axis has {width} entries and the data {data.num_classes} classes"
+    else:
         return logits
     log.info(
-        "output '%s' is not held to top-1 agreement or scored for accuracy: its class axis has %d entries, the data "
-        "%d classes, so its argmax is no class decision (an embedding's); naming it (signature.logits_output=%s) "
-        "holds it to both",
-        logits,
-        output.shape[class_axis(output.ndim)],
-        classes,
-        logits,
-    )
-    return None
-
-
-def top1_output(logits: str | None, data: DatasetSplits | None, named: bool = False) -> str | None:
-    """The output whose argmax is a class decision, held to top-1 agreement: ``logits`` where ``named`` (the user
-    set ``signature.logits_output`` to it: declared class logits, whatever the data holds) or where the data
-    declares classes (:func:`declares_classes`; ``data`` None: inputs without labels, the direct commands'), else
-    None. A model's only output is ``logits`` by default whatever it holds, and without classes it may be an
-    embedding (a ViT or timm backbone without its head), whose argmax is no class: its top-1 agreement would pass
-    or fail an engine at random. It is then compared as outputs without class logits are: cosine of the whole
-    output and of its worst sample, error and relative error (logged)."""
-    if logits is None or named or (data is not None and declares_classes(data)):
-        return logits
-    why = (
-        "the data declares no classes (no integer labels, num_classes 0)"
-        if data is not None
-        else "the inputs given carry no labels"
-    )
-    log.info(
-        "output '%s' is not held to top-1 agreement: it is the class-logit output by default only, and %s, so its "
-        "argmax may be no class at all (an embedding's); compared by cosine (the whole output's and the worst "
-        "sample's), max abs error and relative error. Naming it (signature.logits_output=%s) holds it to top-1 "
-        "agreement",
+        "output '%s' is not held to top-1 agreement or scored for accuracy: it is the class-logit output by default "
+        "only, and %s, so its argmax may be no class at all (an embedding's); compared by cosine (the whole "
+        "output's and the worst sample's), max abs error and relative error. Naming it "
+        "(signature.logits_output=%s) holds it to top-1 agreement",
         logits,
         why,
         logits,
