@@ -315,6 +315,7 @@ class Baseline(Part):
     device: str = "cpu"
     precision: str = "fp32"
     accuracy: float | None
+    accuracy_note: str | None = None  # why ``accuracy`` is None (no labels, no class logits, labels of no size)
     samples: int
     latency_ms: dict[str, Percentiles]
     logits_output: str | None = None  # the class-logit output of top-1 and accuracy (None: not a classifier)

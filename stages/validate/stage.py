@@ -451,6 +451,22 @@ def reference(
     return held_out_reference(run, feeds, data, logits, cfg, sig.batch_sizes, axes, named)
 
 
+def accuracy_absent(ref: Reference, data: DatasetSplits) -> str | None:
+    """Why the reference has no task accuracy, for report.json's ``accuracy_note`` beside ``accuracy: null``
+    (report.md words each case where it shows the baseline); None where it has one."""
+    if ref.accuracy is not None:
+        return None
+    if data.val_y is None:
+        return "the data has no held-out labels (val_y is None)"
+    if not data.classification:
+        return "the labels are no classes (float targets): no top-1 accuracy; validate.metric scores them"
+    if ref.logits is None:
+        return "no output is held as class logits (signature.logits_output names one)"
+    if ref.score is None:
+        return "the labels per position fit no validated size (add the data's own sizes to signature.shapes)"
+    return None
+
+
 def scored_positions(ref: Reference, labelled: np.ndarray | None) -> int | None:
     """How many held-out positions accuracy counts (labels per position); 0 where the labels fit no validated
     shape (:func:`kiln.stages.accuracy.check.scoring_point`: accuracy not measured, its gate not applied), which
@@ -490,6 +506,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
         b.labelled_positions = scored_positions(ref, labelled)
         b.metric, b.metric_name = ref.metric_value, cfg.metric
+        b.accuracy_note = accuracy_absent(ref, data)
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(
             accuracy=accuracy,
@@ -497,6 +514,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
             latency_ms={},
             error=baseline.error,
             labelled_positions=baseline.labelled_positions,
+            accuracy_note=baseline.accuracy_note,
             metric=baseline.metric,
             metric_name=baseline.metric_name,
         )

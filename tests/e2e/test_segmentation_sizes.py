@@ -73,7 +73,7 @@ def test_pixel_accuracy_is_measured_at_the_datas_sizes_within_the_built_range(
     accuracy are measured and ``max_accuracy_drop`` holds. Before: accuracy None throughout, the gate never
     applied, and the report claimed accuracy on 'out'."""
     v, report = _run(tmp_path, monkeypatch, {"height": [24, 40], "width": [24, 48]})
-    assert v["passed"] and v["baseline"]["accuracy"] is not None
+    assert v["passed"] and v["baseline"]["accuracy"] is not None and v["baseline"]["accuracy_note"] is None
     assert {"height": 32, "width": 32} in v["baseline"]["shapes"] and v["baseline"][
         "labelled_positions"
     ] == 16 * 32 * 32
@@ -89,5 +89,6 @@ def test_pixel_accuracy_outside_the_built_range_is_said_not_gated(
     with caplog.at_level(logging.WARNING, logger="kiln"):
         v, report = _run(tmp_path, monkeypatch, {"height": [40, 64], "width": [40, 48]})
     assert v["baseline"]["accuracy"] is None and v["baseline"]["labelled_positions"] == 0
+    assert v["baseline"]["accuracy_note"].startswith("the labels per position fit no validated size")
     assert "task accuracy is not measured and max_accuracy_drop is not applied" in caplog.text
     assert "accuracy on 'out'" not in report and "task accuracy not measured, and `max_accuracy_drop`" in report

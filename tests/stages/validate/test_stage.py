@@ -2,12 +2,14 @@ import json
 import mmap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from kiln.core.compare import compare_arrays
+from kiln.core.data import DatasetSplits
 from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
@@ -16,6 +18,7 @@ from kiln.stages.validate.baselines import measure, percentiles, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory
 from kiln.stages.validate.stage import (
+    accuracy_absent,
     check_gates,
     choose,
     compare,
@@ -408,3 +411,22 @@ def test_batch_coupled_outputs_are_found_at_the_validated_sizes() -> None:
         return run(f)
 
     assert batch_coupled(fails_small, feed, 4, 1) == []
+
+
+@pytest.mark.parametrize(
+    ("labels", "logits", "score", "said"),
+    [
+        (None, "logits", -1, "the data has no held-out labels"),
+        ("float", "logits", -1, "the labels are no classes"),
+        ("int", None, -1, "no output is held as class logits"),
+        ("int", "logits", None, "the labels per position fit no validated size"),
+    ],
+)
+def test_report_json_says_why_the_baseline_has_no_accuracy(labels, logits, score, said) -> None:
+    """``accuracy: null`` in report.json comes with the reason a reader of the JSON cannot infer from it alone."""
+    x = torch.randn(8, 3)
+    y = {None: None, "float": torch.randn(8), "int": torch.randint(0, 2, (8,))}[labels]
+    data = DatasetSplits(x, y, x, y, 2 if labels == "int" else 0)
+    ref = SimpleNamespace(accuracy=None, logits=logits, score=score)
+    assert accuracy_absent(ref, data).startswith(said)
+    assert accuracy_absent(SimpleNamespace(accuracy=0.9, logits="logits", score=-1), data) is None
