@@ -53,6 +53,10 @@ class BuildRequest:
     # The precision stage's calibration batches (an .npz of "<batch>/<input>" arrays), for backends that calibrate
     # the PyTorch model themselves (the torch backend's FP8/INT8 static scales); None where there are none.
     calibration: Path | None = None
+    # Called with the engine's graph file as soon as the backend has written it, before it opens or times it: the
+    # stage's precision audit, which raises for an engine its label misstates, so such an engine costs no load
+    # check or autotuning (and ONNX Runtime never opens at full load optimization a graph it would refuse).
+    check_graph: Callable[[Path], None] | None = None
 
 
 @dataclass(frozen=True)

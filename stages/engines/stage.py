@@ -70,6 +70,7 @@ def build_engine(
     name = name or chosen.engine_name(device, precision)
     settings = chosen.settings(cfg)
     t0 = time.perf_counter()
+    early = EarlyAudit(onnx_path, precision, name, axis_sizes)
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
         built = chosen.build(
             BuildRequest(
@@ -86,6 +87,7 @@ def build_engine(
                 name=name,
                 torch_model=torch_model,
                 calibration=calibration,
+                check_graph=early,
             )
         )
         for file in built.files.values():  # an ONNX engine must take every shape its source graph takes
@@ -94,14 +96,8 @@ def build_engine(
         source = EngineSource(
             file=onnx_path.name, sha256=hash_file(onnx_path), kept_fp32=sorted(keep_fp32) if keep_fp32 else None
         )
-        audit = _audit(onnx_path, out, built, axis_sizes)
-        problem = label_problem(audit, precision)
-        if problem and not audit["method"].startswith("declared by TensorRT"):
-            raise MislabelledEngine(
-                f"engine {name} is {problem}",
-                hint="build it with --precision matching the graph (or none: the audit labels it), or give the "
-                "backend a graph in that precision (kiln precision makes them)",
-            )
+        audit = early.reuse(out, built) or _audit(onnx_path, out, built, axis_sizes)
+        refuse_mislabelled(audit, precision, name)
         taken = built.inputs or inputs
         named = {d for spec in taken for d in spec.shape if isinstance(d, str)}
         meta = EngineMetadata(
@@ -159,6 +155,46 @@ def _index_ranges(graph: Any, taken: list[Any], data: dict[str, list[int]]) -> d
 
 class MislabelledEngine(BuildError):
     """An engine whose precision label its own graph contradicts (an "FP16" engine that computes in FP32)."""
+
+
+def refuse_mislabelled(audit: dict[str, Any], precision: str, name: str) -> None:
+    """Raise :class:`MislabelledEngine` where the audit contradicts the engine's ``precision`` label (TensorRT's
+    declared precision flags are not audited: it picks layers at build)."""
+    problem = label_problem(audit, precision)
+    if problem and not audit["method"].startswith("declared by TensorRT"):
+        raise MislabelledEngine(
+            f"engine {name} is {problem}",
+            hint="build it with --precision matching the graph (or none: the audit labels it), or give the "
+            "backend a graph in that precision (kiln precision makes them)",
+        )
+
+
+class EarlyAudit:
+    """The audit of an engine graph as its backend writes it (``BuildRequest.check_graph``), refusing a mislabelled
+    one before the backend opens or times it, and kept for the build's record while the file is unchanged (a
+    load fallback may replace it)."""
+
+    def __init__(self, source: Path, precision: str, name: str, axis_sizes: dict[str, list[int]] | None) -> None:
+        self.source, self.precision, self.name = source, precision, name
+        self.sizes = {k: max(v) for k, v in (axis_sizes or {}).items() if v}
+        self.done: tuple[str, tuple[int, int], dict[str, Any]] | None = None
+
+    def __call__(self, path: Path) -> None:
+        audit = engine_audit(self.source, path, self.sizes)
+        self.done = (path.name, _stamp(path), audit)
+        refuse_mislabelled(audit, self.precision, self.name)
+
+    def reuse(self, out: Path, built: Built) -> dict[str, Any] | None:
+        """The early audit where the engine's graph is the file it read, unchanged; else None."""
+        model = built.files.get("model", "")
+        if self.done is None or self.done[0] != model or _stamp(out / model) != self.done[1]:
+            return None
+        return self.done[2]
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
 
 
 def _audit(source: Path, out: Path, built: Built, axis_sizes: dict[str, list[int]] | None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ def _build(req: BuildRequest) -> Built:
         req.max_batch,
         req.name,
         req.axis_sizes,
+        req.check_graph,
     )
     info = OrtRecord(session=built["session"], cuda_graph=built["cuda_graph"], autotune=built.get("autotune"))
     return Built(built["files"], built["flavour"], built["versions"], info, built["builder_settings"])

@@ -48,9 +48,11 @@ def build_ort_engine(
     max_batch: int = 32,
     name: str = "",
     axis_sizes: dict[str, list[int]] | None = None,
+    check_graph: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Write ``out/engine.onnx`` and, where it can, autotune its session settings on this machine (see
-    ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned."""
+    ``ort_autotune``); returns the backend's part of the metadata. ``max_batch``: the largest batch tuned;
+    ``check_graph``: called with the written file before any session opens it (``BuildRequest.check_graph``)."""
     import onnxruntime as ort
 
     name = name or out.name  # ``out`` may be a staging folder: callers name the engine
@@ -77,6 +79,8 @@ def build_ort_engine(
     if conversion:
         notes["fp16_conversion"] = conversion
     files = {"model": "engine.onnx"}
+    if check_graph is not None:
+        check_graph(out / files["model"])
     if offline != _offline_level(device, cuda_here):
         notes["offline_fallback"] = (
             "the CUDA EP's offline optimization fixed dynamic axes; the engine is the "

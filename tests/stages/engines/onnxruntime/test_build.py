@@ -36,6 +36,22 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+def test_a_mislabelled_engine_is_refused_before_any_session_opens_it(
+    zoo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The audit reads the engine graph as soon as it is written: an "FP16" CPU engine that computes in FP32 is
+    refused without the load check or autotuning (time spent on an engine that is not kept; and ONNX Runtime
+    crashes the process opening some such graphs at load level all, an FP16 LSTM's)."""
+    import kiln.stages.engines.onnxruntime.build as ort_build
+
+    opened: list[Path] = []
+    real = ort_build.settle_load
+    monkeypatch.setattr(ort_build, "settle_load", lambda path, *a, **k: opened.append(path) or real(path, *a, **k))
+    with pytest.raises(MislabelledEngine, match="computes 0% in fp16"):
+        build_engine(zoo("cnn", "fp16"), tmp_path / "e", "onnxruntime", "cpu", "fp16", ort_cfg(), tmp_path / "c")
+    assert opened == [] and not (tmp_path / "e").exists()
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("model", ZOO)
 def test_cpu_engine_builds_and_runs(zoo, tmp_path: Path, model: str, precision: str) -> None:
