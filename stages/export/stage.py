@@ -115,9 +115,10 @@ def export_onnx(
     placeholders = [f"{PLACEHOLDER}{i}" for i in range(len(outputs))]
     axes = _axes(names, dynamic_batch, dynamic_axes or {})
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
+    fixed: list[str] = []
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
-            _export(
+            fixed = _export(
                 FlatModel(model, example),
                 tuple(tensors(example)),
                 ins,
@@ -142,6 +143,8 @@ def export_onnx(
             "torch.onnx.export failed: " + " | ".join(errors),
             hint="the model may use an op ONNX cannot express; see the message above",
         )
+    if fixed:
+        refuse_traced_branch(fixed, errors)
     proto = load_onnx(path)
     name_io(proto.graph, dict(zip(ins, names)), outputs)
     refuse_label_outputs(proto.graph, shapes, rows(example))
@@ -257,7 +260,9 @@ def _export(
     opset: int,
     axes: dict[str, dict[int, str]],
     dynamo: bool,
-) -> None:
+) -> list[str]:
+    """Export ``model`` to ``path``; returns where the TorchScript exporter's trace turned a tensor into a Python
+    value (``file:line``, the user's code or a library's: :func:`refuse_traced_branch`), empty for dynamo."""
     kw: dict[str, Any] = dict(input_names=names, output_names=outputs, opset_version=opset, dynamo=dynamo)
     if dynamo:
         # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
@@ -274,8 +279,50 @@ def _export(
         kw["dynamic_axes"] = {n: a for n, a in axes.items() if a} | {
             o: {0: "batch"} for o in outputs if any(0 in a for a in axes.values())
         }
-    with _quiet_torch():
+    with _quiet_torch(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(model, args, str(path), **kw)
+    return list(dict.fromkeys(_traced_value(w) for w in said if _traced_value(w)))
+
+
+# The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,
+# ``int(t)``): the trace records the value the example gave as a constant
+_TO_PYTHON = "Converting a tensor to a Python"
+# How the dynamo exporter says a Python branch or value depends on the inputs' values
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "DataDependent")
+
+
+def _traced_value(said: warnings.WarningMessage) -> str:
+    """``file:line`` where a TracerWarning says the trace fixed a tensor's value outside torch's own code; else
+    an empty string."""
+    if not issubclass(said.category, torch.jit.TracerWarning) or _TO_PYTHON not in str(said.message):
+        return ""
+    if Path(said.filename).resolve().is_relative_to(Path(torch.__file__).resolve().parent):
+        return ""
+    return f"{Path(said.filename).name}:{said.lineno}"
+
+
+def refuse_traced_branch(fixed: list[str], errors: list[str]) -> None:
+    """After the dynamo exporter failed, the TorchScript exporter traced the model on its example and fixed the
+    values Python code read from tensors at ``fixed``. Where dynamo failed because such a value decides a branch
+    (a data-dependent guard), the graph holds only the branch the example took and computes it for every input,
+    which the parity check passes whenever the data takes that branch too: an error. Otherwise the values may be
+    shapes or constants: said in the log, with the places, since the parity check compares only the data."""
+    places = ", ".join(fixed[:3]) + (f" and {len(fixed) - 3} more" if len(fixed) > 3 else "")
+    dynamo = next((e for e in errors if e.startswith("dynamo")), "")
+    if any(k in dynamo for k in _DATA_DEPENDENT):
+        raise ModelError(
+            f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "
+            "exporter traced only the branch its example took: the graph would take that branch for every input",
+            hint="write the branch with tensor ops (torch.where) or torch.cond, which the dynamo exporter exports, "
+            "or export the model yourself and give Kiln the file (model: {onnx: model.onnx})",
+        )
+    log.warning(
+        "the TorchScript exporter fixed values the model's Python code reads from tensors at %s: the graph keeps "
+        "the example's values there (right for shapes and constants, wrong for a branch on the inputs' values)",
+        places,
+    )
 
 
 def _own_sizes(feed: Mapping[str, np.ndarray], axes: Axes) -> dict[str, int]:

@@ -1,0 +1,52 @@
+"""A Python branch on the inputs' values: the dynamo exporter refuses it, and the TorchScript fallback must not
+pass off the one branch its trace took as the model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.core.errors import ModelError
+from kiln.stages.export.stage import export_onnx
+
+
+class Branches(nn.Module):
+    """Takes one head or the other by the sign of the batch's sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:
+            return self.a(x)
+        return self.b(x)
+
+
+class ReadsAConstant(nn.Module):
+    """Reads a buffer's value in Python: the trace keeps it, which is right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * float(self.scale)
+
+
+def test_a_branch_on_the_inputs_values_is_refused_naming_its_line(tmp_path: Path) -> None:
+    example = torch.ones(3, 4)  # every row takes branch a; the graph would compute a for any input
+    with pytest.raises(ModelError, match=r"decides a branch from its inputs' values at test_traced_branch\.py:\d+"):
+        export_onnx(Branches().eval(), example, tmp_path / "m.onnx")
+
+
+def test_a_traced_constant_is_said_not_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Opset 17 goes to the TorchScript exporter directly: a value read in Python is logged with its place."""
+    with caplog.at_level(logging.WARNING, logger="kiln.export"):
+        export_onnx(ReadsAConstant().eval(), torch.ones(3, 4), tmp_path / "m.onnx", opset=17)
+    assert "fixed values the model's Python code reads from tensors at test_traced_branch.py:" in caplog.text
