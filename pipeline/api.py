@@ -42,7 +42,8 @@ def run_pipeline(
     refuse_foreign_workdir(workdir)
     ensure_writable(workdir, "--workdir")
     with workdir_lock(workdir), scratch_root(workdir):  # temporary files inside the workdir, removed after
-        result = Runner(config, workdir, stages, progress, on_stage).run(force=force, start=start, stop=stop)
+        runner = Runner(config, workdir, stages, progress, on_stage, upstream=STAGES)
+        result = runner.run(force=force, start=start, stop=stop)
         try:
             report = write_report(result, config, workdir)
         except OSError as exc:  # e.g. the disk filled up: say so with the run's own outcome, never a traceback

@@ -205,9 +205,7 @@ def cache_key(
         "inputs": inputs,
         "env": stage.env(settings_for(stage, config)),
     }
-    user = user_code(config, sources)
-    if user:
-        parts["user_code"] = user
+    parts |= user_parts(stage, config)
     memo = {} if fingerprints is None else fingerprints
     for name in stage.data:
         if name not in memo:
@@ -231,6 +229,15 @@ USER_CODE_KEYS = {
     "train.loss": "train.loss",
     "validate.metric": "validate.metric",
 }
+
+
+def user_parts(stage: Stage, config: KilnConfig) -> dict[str, Any]:
+    """The parts of ``stage``'s key the user sets: its config sections and their code (``user_code``), as the
+    manifest keeps them. Read without the data or any upstream output: what tells whether a stage's folder is what
+    this config would make of the same inputs."""
+    sources = tuple(stage.settings.keys())
+    user = user_code(config, sources)
+    return {"config": {s: config_value(config, s) for s in sources}} | ({"user_code": user} if user else {})
 
 
 def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
@@ -288,8 +295,12 @@ class Runner:
         stages: list[Stage],
         progress: Progress | None = None,
         on_event: Any = None,
+        upstream: list[Stage] | None = None,
     ) -> None:
+        """``upstream``: every stage whose folder the run's stages may read (the whole pipeline where only some
+        stages run), for the check that each is what this config makes; by default ``stages``."""
         self.config, self.workdir, self.stages = config, Path(workdir), stages
+        self.upstream = {s.name: s for s in upstream or stages}
         self.progress = progress or SilentProgress()
         self.on_event = on_event or (lambda record: None)
 
@@ -376,6 +387,42 @@ class Runner:
                 hint=f"run `kiln run` (or `kiln run --from {first}`) with the same config, --set values and "
                 f"--workdir to redo what follows {_names(since)}",
             )
+        for up in stage.inputs:
+            if up not in self._current:
+                self._refuse_other_settings(stage, up)
+
+    def _refuse_other_settings(self, stage: Stage, up: str) -> None:
+        """Stop before ``stage`` reads ``up``'s folder where that was made with another model (its config section
+        or its code: `kiln export` after editing the model's code would build the new model and load weights
+        trained for the old one); warn where other settings of ``up`` differ (`kiln train --set
+        train.epochs=4`, then `kiln export` without it: the export reads the 4-epoch weights, which this config
+        would not make). Kiln's own code and the data are not compared here: a rerun of the stage compares them."""
+        declared = self.upstream.get(up)
+        old = (read_manifest(self.workdir / up) or {}).get("key_parts")
+        if declared is None or not isinstance(old, dict):
+            return
+        now = json.loads(json.dumps(user_parts(declared, self.config), default=str))
+        changed = what_changed({k: old.get(k) for k in now}, now)
+        if "user_code" in old and "user_code" not in now:
+            changed.append("user_code")
+        if not changed:
+            return
+        model = self.config.model.name
+        said = ", ".join(c.removeprefix("config.") for c in changed)
+        if "config.model" in changed or f"user_code.{model}" in changed:
+            raise KilnError(
+                f"{up} is out of date: the model changed since it ran ({said}), and stage '{stage.name}' reads "
+                f"its output",
+                hint=f"run `kiln run` (or `kiln {up}`, then the stages after it) with this config and --workdir",
+            )
+        log.warning(
+            "%s was made with other settings than this command's (%s differ), and stage '%s' reads its output: "
+            "`kiln run` with this config redoes it; the same --set values as `kiln %s` had keep it",
+            up,
+            said,
+            stage.name,
+            up,
+        )
 
     def _load_dataset(self) -> Any:
         """The run's dataset, loaded on first use and kept for the run: the user's data function is called once a

@@ -474,3 +474,42 @@ def test_validate_after_train_and_export_anew_stops_until_the_engines_are_rebuil
     for command in (["validate", "-c", config], ["package", config]):
         result = cli.invoke(main, [*command, *anew])
         assert result.exit_code == 0, result.output
+
+
+def modelled_stages() -> list[Stage]:
+    """model -> second: an upstream stage that builds the model (as train does), and one that reads it."""
+    first = Stage("model", "tests.pipeline.fake_stages:modelled", (), ModelSettings, ValueSummary, (), lambda s: {})
+    return [first, dataclasses.replace(fake_stages()[1], inputs=("model",))]
+
+
+def alone(workdir: Path, name: str, stages: list[Stage], **config: Any) -> Any:
+    """`kiln <name>`: that stage alone, forced, knowing the whole pipeline's stages (as the CLI does)."""
+    RAN.clear()
+    cfg = config_from_dict(tiny_config_dict(**{"seed": 1, "train.epochs": 2, "optimize.rounds": 1, **config}))
+    return Runner(cfg, workdir, [s for s in stages if s.name == name], upstream=stages).run(force={name})
+
+
+def test_a_stage_alone_stops_where_its_upstream_was_made_for_another_model(tmp_path: Path) -> None:
+    """`kiln train`, the model's settings changed, then `kiln export`: the export would build the new model and
+    load weights trained for the old one. It stops, saying the model changed; a whole run does not stop."""
+    stages = modelled_stages()
+    run(tmp_path, stages)
+    result = alone(tmp_path, "second", stages, **{"model.params": {"width": 8}})
+    assert statuses(result) == {"second": "failed"} and not RAN
+    assert result.error.message.startswith("model is out of date: the model changed since it ran (model")
+    assert "kiln model" in result.error.hint
+    assert alone(tmp_path, "second", stages).ok  # the model it was made with: current
+
+
+def test_a_stage_alone_warns_where_its_upstream_had_other_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kiln first --set train.epochs=4`, then `kiln second` without it: second reads the 4-epoch output, which
+    this config would not make. It runs, and the log says which settings differ."""
+    stages = fake_stages()
+    run(tmp_path, stages)
+    assert alone(tmp_path, "first", stages, **{"train.epochs": 4}).ok
+    with caplog.at_level("WARNING", logger="kiln"):
+        result = alone(tmp_path, "second", stages)
+    assert result.ok and statuses(result) == {"second": "ran"}
+    assert "first was made with other settings than this command's (train differ)" in caplog.text
