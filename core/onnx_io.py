@@ -563,55 +563,257 @@ def _not_tensor_hint(model: onnx.ModelProto, role: str, name: str) -> str:
     return f"export the model with tensor outputs only, or {drop}"
 
 
-# ops whose output holds the values of their first input (reshaped or repeated): an index keeps its meaning; and a
-# Cast to an integer type as wide as any index (a narrower one wraps values: a hashing trick, not an index)
-_KEEPS_VALUES = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand"}
+# ops whose output holds the values of their first input (reshaped, reordered or repeated): an index keeps its
+# meaning; and a Cast to an integer type as wide as any index (a narrower one wraps values: a hashing trick, not an
+# index)
+_KEEPS_VALUES = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Transpose", "Tile"}
 _WIDE = {onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
 _INTEGER = _WIDE | {onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16}
+# ops whose input 1 holds positions along an axis (or, for the ND ones, several axes) of their input 0
+_INDEXES = {"Gather", "GatherElements", "ScatterElements", "Scatter", "GatherND", "ScatterND"}
+_NO_LIMIT = float("inf")
+
+Rows = tuple[int, np.ndarray | None, str]  # axis, the rows of it an output holds (None: all), the output
 
 
 def index_ranges(model: onnx.ModelProto) -> dict[str, list[int]]:
-    """Integer graph input -> ``[0, rows - 1]``: the input indexes a table stored in the graph (its values reach the
-    indices of a ``Gather`` over an initializer of two or more dimensions, an embedding, through ops that keep
-    values), and ``rows`` is the smallest such table's length. ONNX's ``Gather`` takes a negative index as counted
-    from the end, where ``torch.nn.Embedding`` refuses it: a server that knows the range refuses such a request
-    instead of answering from the wrong row. An input that reaches no such table has no range."""
-    graph = model.graph
-    tables = {i.name: list(i.dims) for i in graph.initializer}
-    producer = {out: node for node in graph.node for out in node.output}
-    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in graph.node:
-        for slot, name in enumerate(node.input):
-            consumers.setdefault(name, []).append((node, slot))
+    """Integer graph input -> ``[0, n - 1]``: the input's values reach the indices of an op that reads positions
+    along an axis of ``n`` (known in the graph), through ops that keep values; ``n`` is the smallest such axis. ONNX's
+    index ops take a negative index as counted from the end, where ``torch.nn.Embedding``, ``torch.gather`` and
+    ``scatter_add_`` refuse it, and ONNX Runtime stops at an index past the end with a traceback from deep in the
+    graph: a server that knows the range refuses such a request, naming the input, instead. An input that reaches
+    no such op has no range.
 
-    def rows(name: str, axis: int) -> int | None:
-        node = producer.get(name)
-        while node is not None and node.op_type in {"Cast", "DequantizeLinear", "Identity"}:
-            name, node = node.input[0], producer.get(node.input[0])
-        dims = tables.get(name)
-        return dims[axis] if dims and len(dims) >= 2 and -len(dims) <= axis < len(dims) else None
+    The ops, with the axis read (:meth:`_IndexGraph.indexed`): ``Gather`` over an initializer of two or more
+    dimensions (an embedding; a 1-D table is a lookup of constants, not rows) or over a computed tensor of two or
+    more dimensions, at ``axis``; ``GatherElements``, ``ScatterElements`` (a graph neural network's messages:
+    ``torch.gather``, ``scatter_add_``, an ``edge_index`` input) at ``axis``; ``GatherND`` and ``ScatterND``, whose
+    index's last axis addresses several dims of the data, one per column: the largest of them, as the one range of
+    the whole input (the smallest would refuse a valid index into a larger dim). A dim that is not a number in the
+    graph (a dynamic axis, or one shape inference cannot find) gives no range: the data decides it at each call.
 
-    out: dict[str, list[int]] = {}
-    for value in graph.input:
-        if value.name in tables or value.type.tensor_type.elem_type not in _INTEGER:
-            continue
-        found, todo, seen = [], [value.name], set()
+    An input taken apart row by row (``edge_index[:, 0]`` and ``edge_index[:, 1]``: a ``Gather`` of a constant
+    row, a ``Slice``, a ``Split``, along one axis of static size) holds in each row the values that row's ops
+    take: the input's range is that of its most permissive row, and none where some row reaches no index op (its
+    values may be anything: a count beside the ids of a category)."""
+    return _IndexGraph(model).ranges()
+
+
+class _IndexGraph:
+    """What :func:`index_ranges` reads of a graph: its values' producers and consumers, constants, and shapes
+    (declared, from the initializers, and from ONNX shape inference on a copy without weights, run once, where
+    needed: an embedding's rows need none)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        graph = model.graph
+        self.tables = {i.name: list(i.dims) for i in graph.initializer}
+        self.producer = {out: node for node in graph.node for out in node.output}
+        self.consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+        for node in graph.node:
+            for slot, name in enumerate(node.input):
+                self.consumers.setdefault(name, []).append((node, slot))
+        self.declared = {v.name: _dims(v) for v in graph.input}
+        self._inferred: dict[str, list[int | None] | None] | None = None
+
+    def ranges(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for value in self.model.graph.input:
+            if value.name in self.tables or value.type.tensor_type.elem_type not in _INTEGER:
+                continue
+            n = self.limit(value.name)
+            if n != _NO_LIMIT:
+                out[value.name] = [0, int(n) - 1]
+        return out
+
+    def limit(self, name: str) -> float:
+        """The number of positions the values of input ``name`` may address: the smallest axis its whole values
+        index; for rows taken apart along an axis, each row's own smallest, and the largest over the rows (every
+        row must be taken, else a row's values are free: no limit)."""
+        shape = self.declared.get(name)
+        sizes, parts = self.reach(name, shape)
+        limit = min(sizes, default=_NO_LIMIT)
+        by_axis: dict[int, list[tuple[np.ndarray, float]]] = {}
+        for axis, rows, out in parts:
+            by_axis.setdefault(axis, []).append((rows, min(self.reach(out, None)[0], default=_NO_LIMIT)))
+        for axis, taken in by_axis.items():
+            per_row = np.full(shape[axis], _NO_LIMIT)  # type: ignore[index]
+            for rows, n in taken:
+                per_row[rows] = np.minimum(per_row[rows], n)
+            limit = min(limit, float(per_row.max()))
+        return limit
+
+    def reach(self, start: str, shape: list[int | None] | None) -> tuple[list[int], list[Rows]]:
+        """The sizes of the axes the values of ``start`` index, following ops that keep values; with ``shape`` (the
+        start's own), also the rows of it that ops take apart, while the value followed still has that shape
+        (``Identity``, a wide ``Cast``): see :meth:`rows`."""
+        sizes: list[int] = []
+        parts: list[Rows] = []
+        todo, seen = [(start, shape is not None)], {start}
         while todo:
-            name = todo.pop()
-            seen.add(name)
-            for node, slot in consumers.get(name, []):
-                keeps = node.op_type in _KEEPS_VALUES or (
-                    node.op_type == "Cast" and next((a.i for a in node.attribute if a.name == "to"), 0) in _WIDE
-                )
-                if keeps and slot == 0 and node.output[0] not in seen:
-                    todo.append(node.output[0])
-                elif node.op_type == "Gather" and slot == 1:
-                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-                    found.append(rows(node.input[0], axis))
-        sizes = [n for n in found if n]
-        if sizes:
-            out[value.name] = [0, min(sizes) - 1]
-    return out
+            name, same = todo.pop()
+            for node, slot in self.consumers.get(name, []):
+                taken = self.rows(node, shape if same else None) if slot == 0 else []
+                cast = node.op_type == "Cast" and _cast_to(node) in _WIDE
+                if slot == 0 and (node.op_type in _KEEPS_VALUES or cast):
+                    follow = [(node.output[0], same and (cast or node.op_type == "Identity"))]
+                elif slot == 0 and taken and all(rows is None for _, rows, _ in taken):  # a slice of everything
+                    follow = [(out, same) for _, _, out in taken]
+                elif slot == 1 and node.op_type in _INDEXES:
+                    n = self.indexed(node)
+                    sizes.extend([n] if n else [])
+                    continue
+                else:
+                    parts.extend(taken)
+                    continue
+                for out, keeps_shape in follow:
+                    if out not in seen:
+                        seen.add(out)
+                        todo.append((out, keeps_shape))
+        return sizes, parts
+
+    def rows(self, node: onnx.NodeProto, shape: list[int | None] | None) -> list[Rows]:
+        """Each output of ``node`` that holds rows of its input 0 (of ``shape``) along one axis: ``Gather`` of
+        constant positions, ``Slice`` with constant bounds that cuts one axis (of a static size; a slice of a whole
+        axis keeps every row: rows None), ``Split`` along an axis of a static size. Nothing for anything else; of a
+        value whose shape is not followed (``shape`` None), only a slice of everything (``[:, 0:2**63-1]``)."""
+        if node.op_type not in {"Gather", "Slice", "Split"} or (shape is None and node.op_type != "Slice"):
+            return []
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        rank = len(shape) if shape is not None else 0
+
+        def size(axis: int) -> int | None:
+            return shape[axis % rank] if shape is not None and -rank <= axis < rank else None
+
+        if node.op_type == "Gather":
+            picked, axis = self.constant(node.input[1]), int(attrs.get("axis", 0))
+            n = size(axis)
+            if picked is None or not n or not np.all((-n <= picked) & (picked < n)):
+                return []
+            return [(axis % rank, np.unique(picked % n), node.output[0])]
+        if node.op_type == "Split":
+            axis = int(attrs.get("axis", 0))
+            n = size(axis)
+            given = self.constant(node.input[1]) if len(node.input) > 1 and node.input[1] else attrs.get("split")
+            if not n:
+                return []
+            if given is None:  # equal pieces, the last one smaller (opset 18's num_outputs)
+                chunk = -(-n // len(node.output))
+                given = [max(0, min(chunk, n - i * chunk)) for i in range(len(node.output))]
+            ends = np.cumsum(np.asarray(given, np.int64))
+            if len(ends) != len(node.output) or ends[-1] != n:
+                return []
+            return [(axis % rank, np.arange(e - s, e), out) for s, e, out in zip(given, ends, node.output)]
+        if len(node.input) > 1:  # Slice-10 and later: bounds as inputs
+            bounds = [
+                self.constant(node.input[i]) if len(node.input) > i and node.input[i] else None for i in range(1, 5)
+            ]
+        else:
+            bounds = [attrs.get(k) for k in ("starts", "ends", "axes")] + [None]
+        starts, ends, axes, steps = bounds
+        if starts is None or ends is None:
+            return []
+        axes = range(len(starts)) if axes is None else axes
+        steps = [1] * len(starts) if steps is None else steps
+        cut: list[Rows] = []
+        for start, end, axis, step in zip(starts, ends, axes, steps):
+            n = size(int(axis))
+            if step == 0:  # not a valid Slice: no rows known
+                return []
+            if not n:
+                if start == 0 and end >= 2**31 - 1 and step == 1:  # the whole of an axis of unknown size
+                    continue
+                return []
+            kept = np.arange(*slice(int(start), int(end), int(step)).indices(n))
+            if len(kept) < n:
+                cut.append((int(axis) % rank, kept, node.output[0]))
+        if len(cut) > 1:  # a block of rows of two axes: not rows of one
+            return []
+        return cut or [(0, None, node.output[0])]
+
+    def indexed(self, node: onnx.NodeProto) -> int | None:
+        """The number of positions input 1 of ``node`` (an op of :data:`_INDEXES`) addresses, where the graph
+        knows it: see :func:`index_ranges`."""
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gather":
+            dims = self.table(node.input[0]) or self.shape(node.input[0])
+            if not dims or len(dims) < 2:
+                return None
+        else:
+            dims = self.shape(node.input[0])
+        if not dims:
+            return None
+        if node.op_type in {"GatherND", "ScatterND"}:
+            index = self.shape(node.input[1])
+            first, k = int(attrs.get("batch_dims", 0)), index[-1] if index else None
+            addressed = dims[first : first + k] if k else []
+            return max(addressed) if k and len(addressed) == k and all(addressed) else None  # type: ignore[type-var]
+        axis = int(attrs.get("axis", 0))
+        return dims[axis] or None if -len(dims) <= axis < len(dims) else None
+
+    def table(self, name: str) -> list[int] | None:
+        """The dims of the initializer ``name`` is (cast, dequantized: an FP16 or INT8 embedding), or None."""
+        node = self.producer.get(name)
+        while node is not None and node.op_type in {"Cast", "DequantizeLinear", "Identity"}:
+            name, node = node.input[0], self.producer.get(node.input[0])
+        return self.tables.get(name)
+
+    def shape(self, name: str) -> list[int | None] | None:
+        """The dims of value ``name`` (None where not a number), or None where its rank is unknown."""
+        if name in self.tables:
+            return self.tables[name]
+        if name in self.declared:
+            return self.declared[name]
+        if self._inferred is None:
+            self._inferred = _inferred_shapes(self.model)
+        return self._inferred.get(name)
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The integer values of ``name`` where it is an initializer or a Constant node's output, or one reshaped or
+        cast (torch.onnx.export(dynamo=True) writes a slice's bounds as ``Reshape(Cast(Constant))``), else None."""
+        node = self.producer.get(name)
+        while node is not None and (
+            node.op_type in {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+            or (node.op_type == "Cast" and _cast_to(node) == onnx.TensorProto.INT64)  # no narrowing wrap
+        ):
+            name, node = node.input[0], self.producer.get(node.input[0])
+        try:
+            if node is not None and node.op_type == "Constant" and node.attribute:
+                value = onnx.helper.get_attribute_value(node.attribute[0])
+                found = numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else np.asarray(value)
+            else:
+                init = next((i for i in self.model.graph.initializer if i.name == name), None)
+                if init is None or init.data_location == onnx.TensorProto.EXTERNAL:
+                    return None
+                found = numpy_helper.to_array(init)
+        except Exception:  # a Constant of strings or floats: no rows
+            return None
+        return found.astype(np.int64).ravel() if np.issubdtype(found.dtype, np.integer) else None
+
+
+def _cast_to(node: onnx.NodeProto) -> int:
+    """The type a Cast node casts to."""
+    return next((a.i for a in node.attribute if a.name == "to"), 0)
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | None] | None:
+    """A value's declared dims (None where not a number), or None where it declares no shape."""
+    tensor = value.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+
+
+def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None] | None]:
+    """Every value's dims as ONNX shape inference finds them on a copy of ``model`` without its weights (data
+    propagated: ``zeros_like(h)`` is ``Expand(0, Shape(h))``); the shapes the model records where inference fails."""
+    light, _ = light_model(model, keep_value_info=False)
+    try:
+        graph = onnx.shape_inference.infer_shapes(light, data_prop=True).graph
+    except Exception as exc:
+        log.debug("shape inference for index ranges failed: %s", first_line(exc))
+        graph = model.graph
+    return {v.name: _dims(v) for v in (*graph.value_info, *graph.output)}
 
 
 # The fix for data whose indices run past a table the graph stores

@@ -144,7 +144,8 @@ def build_engine(
 
 def _index_ranges(graph: Any, taken: list[Any], data: dict[str, list[int]]) -> dict[str, list[int]]:
     """The values each integer input that indexes a table may hold (:func:`kiln.core.onnx_io.index_ranges`): 0 to
-    the table's rows - 1, from as far below 0 as the data goes (down to -rows, where ``Gather`` stops counting)."""
+    the table's rows - 1 (an axis's size: a graph neural network's nodes), from as far below 0 as the data goes
+    (down to -rows, where ONNX's index ops stop counting; data from 0, as ``torch.gather`` takes, keeps 0)."""
     names = {s.name for s in taken}
     out = {}
     for name, (low, high) in index_ranges(graph).items():

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kiln.core.errors import BuildError, ConfigError
@@ -115,3 +116,21 @@ def test_an_index_range_reaches_below_zero_as_far_as_the_data_does() -> None:
     assert _index_ranges(graph, taken, {}) == {"ids": [0, 9], "kind": [0, 1]}
     assert _index_ranges(graph, taken, {"ids": [-4, 9], "kind": [-7, 1]}) == {"ids": [-4, 9], "kind": [-2, 1]}
     assert _index_ranges(graph, taken[:1], {"ids": [3, 5]}) == {"ids": [0, 9]}
+
+
+def test_an_edge_index_range_starts_at_0_unless_the_data_counts_from_the_end() -> None:
+    """A graph neural network's ``edge_index`` reaching GatherElements and ScatterElements over 12 nodes: ONNX would
+    take -1 as the last node, torch.gather refuses it; data from 0 records 0 to 11, so the engine refuses a negative
+    index instead of answering from the wrong node."""
+    from kiln.core.records import EngineMetadata, TensorSpec
+    from kiln.stages.engines.stage import _index_ranges
+    from tests.core.test_index_ranges import _gin_graph
+
+    taken = [TensorSpec(name="edge_index", shape=["batch", 2, 6], dtype="int64")]
+    ranges = _index_ranges(_gin_graph(), taken, {"edge_index": [0, 11]})
+    assert ranges == {"edge_index": [0, 11]}
+    assert _index_ranges(_gin_graph(), taken, {"edge_index": [-3, 11]}) == {"edge_index": [-3, 11]}
+    meta = EngineMetadata.model_construct(name="gin", index_ranges=ranges)
+    assert meta.outside_values({"edge_index": np.array([[[-1, 2]]])}) == (
+        "input 'edge_index' holds -1: engine gin takes values from 0 to 11 (the rows of the table it indexes)"
+    )
