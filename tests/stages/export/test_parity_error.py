@@ -1,0 +1,42 @@
+"""The export's parity error says whether the graph computes another function or rounds differently, by the
+error's size against the output's own: a wider tolerance is the fix for rounding only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.core.errors import ModelError
+from kiln.pipeline.config import load_config
+from kiln.pipeline.runner import settings_for
+from kiln.pipeline.stage_list import stage_named
+from kiln.stages.export.stage import export_direct, parity_error
+
+
+class _MeanPool(torch.nn.Module):
+    """Averages node features into 3 groups with scatter_reduce 'mean', which ONNX's ScatterElements lacks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = torch.tensor([0, 0, 1, 1, 2, 2]).expand(x.shape[0], 6)
+        return torch.zeros(x.shape[0], 3).scatter_reduce(1, index, x, reduce="mean", include_self=False)
+
+
+def mean_pool() -> torch.nn.Module:
+    return _MeanPool()
+
+
+def test_a_wrongly_exported_op_is_not_told_to_widen_the_tolerance(tmp_path: Path) -> None:
+    cfg = settings_for(stage_named("export"), load_config(None, {"model.name": f"{__name__}:mean_pool"}))
+    with pytest.raises(ModelError, match=r"output 'logits', \d+\.\d% of its largest value") as err:
+        export_direct(cfg, None, ("x=6",), tmp_path / "m.onnx")
+    assert "computes something else than the model" in err.value.hint
+    assert "raise export.parity_atol" not in err.value.hint
+
+
+def test_rounding_is_told_to_widen_the_tolerance() -> None:
+    check = {"max_abs_err": 3e-4, "per_output": {"a": 1e-5, "b": 3e-4}, "scale": {"a": 1.0, "b": 40.0}}
+    error = parity_error(check, 1e-4, "m.onnx")
+    assert "(output 'b', 0.0% of its largest value 40)" in error.message
+    assert error.hint.startswith("float rounding differs between the runtimes: raise export.parity_atol")
