@@ -360,11 +360,20 @@ class Runner:
             failures = record.summary.gate_failures() if record.summary is not None else None
             if record.status != "failed" and failures and error is None:
                 error = GateFailure(
-                    f"validation gates failed: {'; '.join(failures)}", hint=gate_hint(failures, record.status)
+                    f"validation gates failed: {'; '.join(failures)}{self._kept_after(i)}",
+                    hint=gate_hint(failures, record.status),
                 )
             if stop is not None and stage.name == stop:
                 break
         return RunResult(self.workdir, records, error)
+
+    def _kept_after(self, i: int) -> str:
+        """Said after failed gates: the folders of the stages after the ``i``-th that an earlier run finished and
+        this one does not redo (a package of engines that passed then), so that nobody takes them for this run's."""
+        kept = [s.name for s in self.stages[i + 1 :] if (self.workdir / s.name / MANIFEST).is_file()]
+        if not kept:
+            return ""
+        return f" ({', '.join(f'{k}/' for k in kept)} still from an earlier run that passed, not redone)"
 
     def _refuse_out_of_date(self, stage: Stage) -> None:
         """Stop before ``stage`` reads an upstream stage's folder that is from before the current outputs of the

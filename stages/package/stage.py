@@ -57,8 +57,10 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         ctx.inputs["validate"] / "validation.json", hint="run `kiln run --from validate`"
     )
     if not validation.passed:  # `kiln package` after a failed gate: keep the last good package
+        kept = (ctx.workdir / ctx.name).is_dir()
         raise GateFailure(
-            f"validation failed ({'; '.join(validation.failures) or 'see report.md'}): nothing is packaged",
+            f"validation failed ({'; '.join(validation.failures) or 'see report.md'}): nothing is packaged"
+            + (f"; {ctx.name}/ keeps an earlier run's engines, which `kiln serve` refuses meanwhile" if kept else ""),
             hint="fix the engines, or relax validate.gates if the numbers are acceptable, then `kiln run` again",
         )
     results = {e.name: e for e in validation.engines}

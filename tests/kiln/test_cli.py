@@ -431,11 +431,11 @@ def test_package_after_a_failed_gate_keeps_the_good_package_and_the_full_report(
     assert report["validation"]["passed"] and "Validation against PyTorch" in (wd / "report.md").read_text()
     # a failed gate, then `kiln package`: refused, the earlier package stays
     failed = cli.invoke(main, ["run", str(cfg), "-w", str(wd), "-q", "--set", "validate.gates.max_latency_p50_ms=1e-6"])
-    assert failed.exit_code == 3
+    assert failed.exit_code == 3 and "(package/ still from an earlier run that passed, not redone)" in failed.output
     result = cli.invoke(
         main, ["package", str(cfg), "-w", str(wd), "-q", "--set", "validate.gates.max_latency_p50_ms=1e-6"]
     )
-    assert_clean_error(result, 3, "nothing is packaged")
+    assert_clean_error(result, 3, "nothing is packaged; package/ keeps an earlier run's engines")
     assert json.loads((wd / "package" / "kiln-package.json").read_text()) == good
     assert "**Result: FAILED**" in (wd / "report.md").read_text()
 
