@@ -273,8 +273,8 @@ def _compared(b: Any) -> list[str]:
     logits = (
         f"top-1 agreement and accuracy on '{b.logits_output}'"
         if b.logits_output
-        else "no class-logit output (float targets, no labels or num_classes in the data, or no output "
-        "signature.logits_output picks): no top-1 agreement or accuracy, and each output's relative error gated"
+        else f"no class-logit output ({b.accuracy_note or 'no labels or classes in the data'}): no top-1 "
+        "agreement or accuracy, and each output's relative error gated"
     )
     if b.labelled_positions == 0:  # labels per position that fit no validated shape
         logits = (f"top-1 agreement on '{b.logits_output}' (every position); " if b.logits_output else "") + UNSCORED

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.core.compare import compare_arrays
+from kiln.core.compare import class_axis, compare_arrays
 from kiln.core.data import (
     DatasetSplits,
     Feed,
@@ -31,7 +31,7 @@ from kiln.core.data import (
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
-from kiln.core.outputs import class_logits, host_arrays, named_outputs
+from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, class_logits, host_arrays, logits_name, named_outputs
 from kiln.core.records import (
     NONE_VALIDATED,
     Baseline,
@@ -461,10 +461,27 @@ def accuracy_absent(ref: Reference, data: DatasetSplits) -> str | None:
     if not data.classification:
         return "the labels are no classes (float targets): no top-1 accuracy; validate.metric scores them"
     if ref.logits is None:
-        return "no output is held as class logits (signature.logits_output names one)"
+        return no_class_logits(list(ref.outputs[-1]) if getattr(ref, "outputs", None) else [], ref, data)
     if ref.score is None:
         return "the labels per position fit no validated size (add the data's own sizes to signature.shapes)"
     return None
+
+
+def no_class_logits(names: list[str], ref: Reference, data: DatasetSplits) -> str:
+    """Why no output of ``names`` is held as class logits on labelled data with classes, for the report: the
+    outputs' names say none is (several, none ``logits``; one named as features), or the default one's class axis
+    is not the data's classes wide (:func:`kiln.stages.accuracy.check.top1_output`)."""
+    fix = "signature.logits_output names the class-logit output"
+    if len(names) > 1 and SINGLE_OUTPUT not in names:
+        return f"{len(names)} outputs ({', '.join(names)}), none named '{SINGLE_OUTPUT}': {fix}"
+    if len(names) == 1 and FEATURE_NAMES.search(names[0]):
+        return f"the only output, '{names[0]}', is named as features: {fix}"
+    chosen = logits_name(names, None) if names else None
+    output = ref.outputs[-1].get(chosen) if chosen else None
+    if output is not None and output.ndim >= 2 and data.num_classes:
+        width = output.shape[class_axis(output.ndim)]
+        return f"output '{chosen}' has {width} entries on its class axis, the data {data.num_classes} classes: {fix}"
+    return f"no output is held as class logits: {fix}"
 
 
 def scored_positions(ref: Reference, labelled: np.ndarray | None) -> int | None:

@@ -430,3 +430,20 @@ def test_report_json_says_why_the_baseline_has_no_accuracy(labels, logits, score
     ref = SimpleNamespace(accuracy=None, logits=logits, score=score)
     assert accuracy_absent(ref, data).startswith(said)
     assert accuracy_absent(SimpleNamespace(accuracy=0.9, logits="logits", score=-1), data) is None
+
+
+@pytest.mark.parametrize(
+    ("outputs", "said"),
+    [
+        ({"start_logits": (4, 9), "end_logits": (4, 9)}, "2 outputs (start_logits, end_logits), none named 'logits'"),
+        ({"last_hidden_state": (4, 3)}, "the only output, 'last_hidden_state', is named as features"),
+        ({"logits": (4, 5)}, "output 'logits' has 5 entries on its class axis, the data 2 classes"),
+    ],
+)
+def test_the_report_says_why_no_output_is_held_as_class_logits(outputs, said) -> None:
+    """A question-answering model's two outputs: the report named every possible reason (float targets, no labels)
+    but the one that held; it names that one, and the setting that fixes it."""
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    ref = SimpleNamespace(accuracy=None, logits=None, score=-1, outputs=[{k: np.zeros(v) for k, v in outputs.items()}])
+    note = accuracy_absent(ref, DatasetSplits(x, y, x, y, 2))
+    assert note.startswith(said) and note.endswith("signature.logits_output names the class-logit output")
