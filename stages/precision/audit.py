@@ -2,10 +2,21 @@
 shape inference at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
 or an integer op is INT8, one on FP16 tensors FP16, the rest FP32.
 
+The compute nodes, each counted by a standard formula from its shapes: MatMul, Gemm, Conv, ConvTranspose,
+DeformConv and their fused and integer forms (2 x multiply-adds); LSTM, GRU and RNN (their gates' GEMMs at every
+step); an Einsum of two operands (2 x the product of its index sizes: a GEMM's 2 M N K); DFT and STFT (5 N log2 N
+per complex transform of length N, half for a real signal: FFTW's convention, whichever algorithm the runtime
+runs). Counted rather than listed because their shapes give their FLOPs: an FNet whose cost is FP32 DFTs beside
+INT8 linear layers is then not "int8 100 %".
+
+Other compute nodes cannot be counted per sample, and are recorded by precision (``uncounted``) and by op
+(``uncounted_ops``): attention ops (their FLOPs depend on heads, masks and cached lengths their shapes do not give),
+an Einsum of three operands or more (its cost depends on the order of contraction), any compute node inside a
+Loop, Scan or If body (it runs as many times as the data says), and one whose shapes inference cannot give.
 Where onnx's inference leaves a compute node's shapes unknown (it does not compute a Slice or Range whose bounds
 come from a Shape: a transformer's position ids, then its attention heads' Reshape), ONNX Runtime's symbolic shape
-inference runs at the same sizes. A node still not counted is recorded by precision, and each precision's share
-then has a floor (:func:`share_floor`) that the labels are judged by: its FLOPs are not silently dropped.
+inference runs at the same sizes first. Each precision's share then has a floor (:func:`share_floor`) that the
+labels are judged by: the uncounted nodes' FLOPs are not silently dropped.
 
 The precision stage uses it to refuse a variant with no compute node left in its precision; the build stage to
 record each engine's precision shares in ``kiln-engine.json`` and to refuse a label the graph contradicts (an
@@ -19,21 +30,31 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from math import prod
+from math import log2, prod
 from pathlib import Path
 from typing import Any
 
 import onnx
+from onnx import numpy_helper
 
 from kiln.core.onnx_io import infer_shapes, light_model, load_onnx
 
 # ONNX's compute ops and ONNX Runtime's fused forms of them (com.microsoft; their FLOPs count where shapes are known)
-COMPUTE = {"MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul", "FusedConv", "FusedGemm", "NhwcConv"}
-COMPUTE |= {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
-RECURRENT = {"LSTM", "GRU", "RNN"}  # W [directions, gates x hidden, input], R [directions, gates x hidden, hidden]
+COMPUTE = {"MatMul", "Gemm", "Conv", "ConvTranspose", "DeformConv", "FusedMatMul", "FusedConv", "FusedGemm"}
+COMPUTE |= {"NhwcConv", "Einsum"}
+FOURIER = {"DFT", "STFT"}
+COMPUTE |= FOURIER
+# attention ops of ONNX (opset 23) and ONNX Runtime: never counted (heads, masks and cached lengths decide their FLOPs)
+ATTENTION = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention", "PackedMultiHeadAttention"}
+ATTENTION |= {"DecoderMaskedMultiHeadAttention", "DecoderMaskedSelfAttention", "DecoderAttention", "SparseAttention"}
+ATTENTION |= {"LongformerAttention", "PagedAttention", "QAttention", "QOrderedAttention", "QOrderedLongformerAttention"}
+COMPUTE |= ATTENTION
+RECURRENT = {"LSTM", "GRU", "RNN", "DynamicQuantizeLSTM"}  # W and R: [directions, gates x hidden, input | hidden]
 COMPUTE |= RECURRENT
 INTEGER = {"MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv", "DynamicQuantizeMatMul", "QGemm"}
-INTEGER |= {"MatMulIntegerToFloat", "QAttention", "QOrderedMatMul", "MatMulNBits"}
+INTEGER |= {"MatMulIntegerToFloat", "QAttention", "QOrderedMatMul", "MatMulNBits", "QOrderedAttention"}
+INTEGER |= {"QOrderedLongformerAttention", "DynamicQuantizeLSTM"}
+SUBGRAPHS = ("body", "then_branch", "else_branch")  # Loop and Scan, If
 WEIGHT_INPUT = {"QLinearMatMul": 3, "QLinearConv": 3, "QGemm": 3}  # where the second operand sits
 LOW = ("int8", "fp8", "fp16")
 FLOAT8 = (onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2)
@@ -44,12 +65,14 @@ log = logging.getLogger("kiln")
 
 @dataclass
 class Audit:
-    """FLOPs per sample by precision; ``uncounted``: compute nodes, by precision, whose shapes inference could not
-    give; ``largest``: the FLOPs of the largest node counted (what :func:`share_floor` weighs an uncounted one at)."""
+    """FLOPs per sample by precision; ``uncounted``: compute nodes, by precision, whose FLOPs could not be counted
+    (``uncounted_ops``: the same by op, ``"MatMul (in a Loop)"`` for one in a subgraph); ``largest``: the FLOPs of
+    the largest node counted (what :func:`share_floor` weighs an uncounted one at)."""
 
     flops: Counter[str] = field(default_factory=Counter)
     nodes: Counter[str] = field(default_factory=Counter)
     uncounted: Counter[str] = field(default_factory=Counter)
+    uncounted_ops: dict[str, Counter[str]] = field(default_factory=dict)
     largest: int = 0
     weight_flops: int = 0  # of MatMul/Gemm nodes whose second operand is a weight (linear layers)
     sizes: dict[str, int] = field(default_factory=dict)  # the dynamic axis sizes the FLOPs are counted at
@@ -87,8 +110,13 @@ class Audit:
             "share_covers_nodes": self.covers(),
             "compute_nodes": dict(self.nodes),
             "uncounted_nodes": dict(self.uncounted),
+            "uncounted_ops": {op: dict(by) for op, by in sorted(self.uncounted_ops.items())},
             "counted_at": self.sizes,
         }
+
+    def not_counted(self, op: str, precision: str) -> None:
+        self.uncounted[precision] += 1
+        self.uncounted_ops.setdefault(op, Counter())[precision] += 1
 
 
 def share_floor(share: dict[str, float], total: int, uncounted: Mapping[str, int], largest: int) -> dict[str, float]:
@@ -109,20 +137,27 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
     used = _pin(light, sizes or {})
     m = infer_shapes(light, strict=False)  # recorded symbolic shapes dropped: inferred at the pinned sizes
     shapes = _shapes(m)
-    compute = [n for n in m.graph.node if n.op_type in COMPUTE | INTEGER]
-    if any(_flops(n, shapes) is None for n in compute):
+    scalars, opset = _scalars(m.graph), _opset(m)
+    compute = [n for n in m.graph.node if _is_compute(n)]
+    if any(_flops(n, shapes, scalars, opset) is None for n in compute):
         shapes = {**_symbolic_shapes(m), **shapes}
-    types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.value_info, *m.graph.input, *m.graph.output]}
-    types.update({t.name: t.data_type for t in m.graph.initializer})
-    producer = {o: n for n in m.graph.node for o in n.output}
+    nested = [(n, owner) for owner, g in _subgraphs(m.graph) for n in g.node if _is_compute(n)]
+    graphs = [m.graph, *(g for _, g in _subgraphs(m.graph))]
+    types = {v.name: v.type.tensor_type.elem_type for g in graphs for v in [*g.value_info, *g.input, *g.output]}
+    types.update({t.name: t.data_type for g in graphs for t in g.initializer})
+    producer = {o: n for g in graphs for n in g.node for o in n.output}
     weights = {t.name for t in m.graph.initializer} | _transposed(m)
     out = Audit(sizes=used)
+    for node, owner in nested:  # runs as many times as its Loop says, or in one branch of an If: not per sample
+        precision = _precision(node, producer, types)
+        out.nodes[precision] += 1
+        out.not_counted(f"{node.op_type} (in a {owner})", precision)
     for node in compute:
         precision = _precision(node, producer, types)
-        flops = _flops(node, shapes)
+        flops = _flops(node, shapes, scalars, opset)
         out.nodes[precision] += 1
         if flops is None:
-            out.uncounted[precision] += 1
+            out.not_counted(node.op_type, precision)
         else:
             out.flops[precision] += flops
             out.largest = max(out.largest, flops)
@@ -137,13 +172,16 @@ def compute_precisions(model: onnx.ModelProto | Path) -> Counter[str]:
 
 
 def _precision(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types: dict[str, int]) -> str:
+    """An integer op computes in INT8; a node fed by a DequantizeLinear in what was quantized (Q/DQ: float8 or an
+    8-bit integer), except a DFT or STFT, which no runtime computes in integers (it transforms the dequantized
+    values in float); any other in its operands' float type."""
     if node.op_type in INTEGER:
         return "int8"
     operands = [i for i in node.input[:2] if i]
     dequantized = [
         producer[i] for i in operands if producer.get(i) is not None and producer[i].op_type == "DequantizeLinear"
     ]
-    if dequantized:  # Q/DQ: the precision of what was quantized (float8 or an 8-bit integer)
+    if dequantized and node.op_type not in FOURIER:
         float8 = any(types.get(dq.input[0]) in FLOAT8 for dq in dequantized)
         return "fp8" if float8 else "int8"
     # the activation's type, else (a fused op shape inference cannot see through) the weight's
@@ -151,19 +189,30 @@ def _precision(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types:
     return "fp16" if elem == onnx.TensorProto.FLOAT16 else "fp32"
 
 
-def _flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
-    """Multiply-adds x 2 of one compute node, from its inferred shapes; None where a shape is unknown."""
-    if node.op_type in RECURRENT:
+def _is_compute(node: onnx.NodeProto) -> bool:
+    """A compute node; an Einsum of one operand transposes or sums, computing nothing to speak of."""
+    return node.op_type in COMPUTE | INTEGER and not (node.op_type == "Einsum" and len(node.input) < 2)
+
+
+def _flops(node: onnx.NodeProto, shapes: dict[str, list[int]], scalars: Mapping[str, int], opset: int) -> int | None:
+    """Multiply-adds x 2 of one compute node, from its inferred shapes (and, for a DFT or STFT, the ``scalars`` its
+    length, axis or frame length may be given by, at ``opset``); None where one is unknown or the op's FLOPs are
+    not given by its shapes."""
+    op = node.op_type
+    if op in ATTENTION:
+        return None  # its FLOPs depend on heads and sequence lengths its shapes alone do not give
+    if op in RECURRENT:
         return _recurrent_flops(node, shapes)
+    if op in FOURIER:
+        return _fourier_flops(node, shapes, scalars, opset)
+    if op == "Einsum":
+        return _einsum_flops(node, shapes)
     a = shapes.get(node.input[0]) if node.input else None
     w = shapes.get(node.input[WEIGHT_INPUT.get(node.op_type, 1)]) if len(node.input) > 1 else None
     y = shapes.get(node.output[0])
     if a is None or w is None or y is None:
         return None
-    op = node.op_type
-    if op in ("Attention", "MultiHeadAttention", "GroupQueryAttention", "QAttention"):
-        return None  # its FLOPs depend on heads and sequence lengths its shapes alone do not give
-    if op in ("Conv", "ConvInteger", "QLinearConv", "FusedConv", "NhwcConv"):
+    if op in ("Conv", "ConvInteger", "QLinearConv", "FusedConv", "NhwcConv", "DeformConv"):
         return 2 * prod(y) * prod(w[1:])
     if op == "ConvTranspose":
         return 2 * prod(a) * prod(w[1:])
@@ -181,6 +230,87 @@ def _recurrent_flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int 
     batch_first = next((at.i for at in node.attribute if at.name == "layout"), 0) == 1
     steps, batch = (x[1], x[0]) if batch_first else (x[0], x[1])
     return 2 * steps * batch * (prod(w) + prod(r))
+
+
+def _fourier_flops(
+    node: onnx.NodeProto, shapes: dict[str, list[int]], scalars: Mapping[str, int], opset: int
+) -> int | None:
+    """A DFT or STFT as FFTs: 5 N log2 N per complex transform of length N, 2.5 N log2 N per real one (FFTW's
+    benchmark convention). A DFT transforms every line of its signal along ``axis`` (an attribute to opset 19, an
+    input from 20), padded or cut to ``dft_length`` where given; an STFT transforms each frame of its window's (or
+    ``frame_length``'s) length. None where a length is not a constant or a shape is unknown."""
+    x = shapes.get(node.input[0])
+    given = [node.input[i] if i < len(node.input) and node.input[i] else None for i in range(4)]
+    if x is None or len(x) < 3:
+        return None
+    per = 2.5 if x[-1] == 1 else 5.0  # the last axis holds a real value, or a real and an imaginary part
+
+    def fft(n: int) -> float:
+        return per * n * log2(n) if n > 1 else 0.0
+
+    if node.op_type == "STFT":
+        window, y = shapes.get(given[2] or ""), shapes.get(node.output[0])
+        n = window[0] if window else scalars.get(given[3] or "")
+        return None if n is None or y is None else round(prod(y[:2]) * fft(n))  # y: [batch, frames, bins, 2]
+    attr = next((at.i for at in node.attribute if at.name == "axis"), None)
+    axis = attr if attr is not None else scalars.get(given[2]) if given[2] else (1 if opset < 20 else -2)
+    if axis is None:
+        return None
+    axis %= len(x)
+    n = scalars.get(given[1]) if given[1] else x[axis]
+    return None if n is None else round(prod(x[:-1]) // x[axis] * fft(n))
+
+
+def _einsum_flops(node: onnx.NodeProto, shapes: dict[str, list[int]]) -> int | None:
+    """An Einsum of two operands: 2 x the product of every index's size (a GEMM's 2 M N K; ``...`` stands for the
+    broadcast axes, aligned from the right). Three operands or more: None (their cost depends on the order the
+    runtime contracts them in)."""
+    equation = next((at.s.decode() for at in node.attribute if at.name == "equation"), "").replace(" ", "")
+    terms = equation.split("->")[0].split(",")
+    if len(terms) != 2 or len(node.input) != 2:
+        return None
+    sizes: dict[str, int] = {}
+    for term, name in zip(terms, node.input):
+        shape = shapes.get(name)
+        if shape is None:
+            return None
+        head, _, tail = term.partition("...")
+        broadcast = len(shape) - len(head) - len(tail) if "..." in term else 0
+        labels = [*head, *(f".{i}" for i in range(broadcast, 0, -1)), *tail]
+        if len(labels) != len(shape):
+            return None
+        for label, size in zip(labels, shape):
+            sizes[label] = max(sizes.get(label, 1), size)
+    return 2 * prod(sizes.values())
+
+
+def _scalars(graph: onnx.GraphProto) -> dict[str, int]:
+    """The graph's integer scalars held as constants (a DFT's length or axis, an STFT's frame length)."""
+    tensors = [(t.name, t) for t in graph.initializer]
+    tensors += [
+        (n.output[0], at.t) for n in graph.node if n.op_type == "Constant" for at in n.attribute if at.name == "value"
+    ]
+    ints = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+    return {
+        name: int(numpy_helper.to_array(t).reshape(-1)[0])
+        for name, t in tensors
+        if t.data_type in ints and prod(t.dims) == 1 and t.data_location != onnx.TensorProto.EXTERNAL
+    }
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+
+
+def _subgraphs(graph: onnx.GraphProto) -> list[tuple[str, onnx.GraphProto]]:
+    """Every graph nested in ``graph`` (a Loop's or Scan's body, an If's branches, at any depth), with the op that
+    holds it."""
+    out: list[tuple[str, onnx.GraphProto]] = []
+    for node in graph.node:
+        for at in node.attribute:
+            if at.name in SUBGRAPHS and at.type == onnx.AttributeProto.GRAPH:
+                out += [(node.op_type, at.g), *_subgraphs(at.g)]
+    return out
 
 
 def _transposed(model: onnx.ModelProto) -> set[str]:
@@ -282,9 +412,17 @@ def engine_audit(
         return {**record, "share": share, "share_floor": share, "share_covers_nodes": 1.0, "method": method}
     gone = [p for p in LOW if not ran.nodes[p]]
     share, uncounted = _as_fp32(record["share"], gone), _as_fp32(src.uncounted, gone)
+    ops = {op: _as_fp32(by, gone) for op, by in record["uncounted_ops"].items()}
     floor = share_floor(share, src.total, uncounted, src.largest) if src.total else share
     method = "source graph by FLOPs, checked against the engine graph"
-    return {**record, "share": share, "share_floor": floor, "uncounted_nodes": uncounted, "method": method}
+    return {
+        **record,
+        "share": share,
+        "share_floor": floor,
+        "uncounted_nodes": uncounted,
+        "uncounted_ops": ops,
+        "method": method,
+    }
 
 
 def _as_fp32(by_precision: Mapping[str, float], gone: list[str]) -> dict[str, Any]:
@@ -307,7 +445,7 @@ def label_problem(audit: dict[str, Any], label: str) -> str | None:
         held = f"{share.get(label, 0.0):.0%}"
         if floor.get(label, 0.0) < share.get(label, 0.0):
             held += f" (as little as {floor.get(label, 0.0):.0%} with its uncounted compute nodes"
-            held += f" {audit.get('uncounted_nodes')})"
+            held += f" {audit.get('uncounted_ops') or audit.get('uncounted_nodes')})"
         return f"labelled {label}, it computes {held} in {label} ({ran}; {audit.get('method')})"
     low = _low_label(floor)
     if label == "fp32" and low is not None:

@@ -156,3 +156,130 @@ def test_uncounted_nodes_weigh_against_a_low_label() -> None:
     assert "as little as 43% with its uncounted compute nodes {'fp32': 4}" in label_problem(a.record(), "int8")
     int8 = Audit(flops=Counter(int8=300), nodes=Counter(int8=4), uncounted=Counter(int8=1), largest=100)
     assert int8.floor() == {"int8": 1.0} and label_problem(int8.record(), "int8") is None
+
+
+def qdq_linear(inits: list[onnx.TensorProto], nodes: list[onnx.NodeProto], x: str, d: int, out: str) -> None:
+    """``out = x @ W``, W [d, 16] an INT8 weight through a DequantizeLinear (appended to ``inits`` and ``nodes``)."""
+    inits += [
+        numpy_helper.from_array(np.ones((d, 16), np.int8), "wq"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+    ]
+    nodes += [
+        helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["w"], name="dq"),
+        helper.make_node("MatMul", [x, "w"], [out], name="mm"),
+    ]
+
+
+def fourier_mixer(opset: int, d: int = 8) -> onnx.ModelProto:
+    """FNet's token mixing beside an INT8 linear layer: x [batch, seq, d] real -> DFT over seq -> DFT over d (a 2-D
+    FFT, as torch.fft.fft2 exports), in FP32. Opset 17 gives the DFT's axis as an attribute, opset 20 as an input.
+    The signal arrives through a QuantizeLinear/DequantizeLinear pair, as in a Q/DQ graph (no runtime transforms it
+    in INT8: the DFT computes in float)."""
+    inits = [numpy_helper.from_array(np.array([-1], np.int64), "last")]
+    nodes = [
+        helper.make_node("Unsqueeze", ["x", "last"], ["xr"]),
+        helper.make_node("QuantizeLinear", ["xr", "s", "z"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+    ]
+    for i, (src, axis) in enumerate([("xd", 1), ("f1", 2)]):
+        if opset >= 20:
+            inits.append(numpy_helper.from_array(np.array(axis, np.int64), f"axis{i}"))
+            nodes.append(helper.make_node("DFT", [src, "", f"axis{i}"], [f"f{i + 1}"], name=f"dft{i}"))
+        else:
+            nodes.append(helper.make_node("DFT", [src], [f"f{i + 1}"], name=f"dft{i}", axis=axis))
+    qdq_linear(inits, nodes, "x", d, "y")
+    g = helper.make_graph(
+        nodes,
+        "fnet",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", d])],
+        [helper.make_tensor_value_info("f2", TensorProto.FLOAT, None), helper.make_tensor_value_info("y", 1, None)],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("opset", [17, 20])
+def test_fourier_transforms_count_their_flops(opset: int) -> None:
+    """FNet's FP32 DFTs beside INT8 linear layers: counted as FFTs (5 N log2 N per complex transform of length N,
+    half that for a real signal), not left out of an "int8 100 %" that says it covers every node."""
+    seq, d = 16, 8
+    real = 2.5 * seq * 4 * d  # d real transforms of length seq (log2 16 = 4)
+    cplx = 5 * d * 3 * seq  # seq complex transforms of length d (log2 8 = 3)
+    linear = 2 * seq * d * 16
+    a = audit_graph(fourier_mixer(opset, d), {"seq": seq})
+    assert a.flops == {"int8": linear, "fp32": real + cplx} and not a.uncounted and a.covers() == 1.0
+    assert a.nodes == {"int8": 1, "fp32": 2} and a.share()["fp32"] == round((real + cplx) / (linear + real + cplx), 4)
+
+
+def test_a_short_time_fourier_transform_counts_an_fft_per_frame() -> None:
+    """STFT: one FFT of the window's length per frame."""
+    inits = [
+        numpy_helper.from_array(np.array(8, np.int64), "step"),
+        numpy_helper.from_array(np.hanning(16).astype(np.float32), "window"),
+    ]
+    g = helper.make_graph(
+        [helper.make_node("STFT", ["x", "step", "window"], ["y"], onesided=1)],
+        "stft",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    a = audit_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    frames = (64 - 16) // 8 + 1
+    assert a.flops == {"fp32": frames * 2.5 * 16 * 4} and not a.uncounted
+
+
+@pytest.mark.parametrize("equation", ["bqd,bkd->bqk", "...qd,...kd->...qk", "bqd, bkd -> bqk"])
+def test_an_einsum_of_two_operands_counts_as_the_contraction_it_is(equation: str) -> None:
+    """Two operands: 2 x the product of every index's size, a GEMM's 2 M N K (attention's q k^T written as one)."""
+    seq, d = 12, 8
+    g = helper.make_graph(
+        [
+            helper.make_node("Einsum", ["x", "x"], ["y"], equation=equation),
+            helper.make_node("Einsum", ["x"], ["t"], equation="bqd->bdq"),
+        ],
+        "einsum",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None), helper.make_tensor_value_info("t", 1, None)],
+    )
+    a = audit_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), {"seq": seq})
+    assert a.flops == {"fp32": 2 * seq * seq * d} and a.nodes == {"fp32": 1}  # a transposition computes nothing
+
+
+def test_compute_nodes_not_counted_are_named_with_their_op_and_precision() -> None:
+    """An attention op (its FLOPs depend on heads and masks) and a MatMul inside a Loop's body (run as many times as
+    the data says) cannot be counted per sample: ``uncounted_ops`` names them, beside the INT8 layer counted, and
+    the share says it covers a third of the compute nodes."""
+    d = 8
+    inits = [numpy_helper.from_array(np.ones((d, 3 * d), np.float32), "wqkv")]
+    nodes = [helper.make_node("Attention", ["x", "wqkv"], ["att"], domain="com.microsoft", num_heads=2)]
+    qdq_linear(inits, nodes, "x", d, "y")
+    body = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "wl"], ["h2"], name="inner")],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, d]),
+        ],
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, []), helper.make_tensor_value_info("h2", 1, [1, d])],
+        [numpy_helper.from_array(np.ones((d, d), np.float32), "wl")],
+    )
+    inits.append(numpy_helper.from_array(np.ones((1, d), np.float32), "h0"))
+    nodes.append(helper.make_node("Loop", ["n", "", "h0"], ["hn"], body=body))
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, d]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+        ],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("att", "y", "hn")],
+        inits,
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    record = audit_graph(model).record()
+    assert record["uncounted_ops"] == {"Attention": {"fp32": 1}, "MatMul (in a Loop)": {"fp32": 1}}
+    assert record["uncounted_nodes"] == {"fp32": 2} and record["share_covers_nodes"] == round(1 / 3, 4)
+    assert record["share"] == {"int8": 1.0} and record["share_floor"]["int8"] < 0.5
