@@ -169,8 +169,10 @@ def _build_int8(
     if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
         ort_out = out.with_name("model.ort_cpu.onnx")
         # from the nodes the Q/DQ graph kept in float where it passed; from the base alone where it did not (its
-        # fallback may have kept every node, and this graph, of another scheme, may need none of them)
-        start = base | res.kept if res.passed else base
+        # fallback may have kept every node, and this graph, of another scheme, may need none of them). Those its
+        # fallback kept say so: this graph's own rounds did not keep them
+        inherited = {n: f"kept in the Q/DQ graph ({why})" for n, why in res.kept.items()}
+        start = base | inherited if res.passed else base
         entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, check, start, candidates)
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
@@ -190,7 +192,9 @@ def ort_cpu_with_fallback(
 ) -> dict[str, Any]:
     """The ONNX Runtime CPU graph through a fallback of its own: its scheme (uint8 static, or dynamic ranges
     measured per batch) loses accuracy where the symmetric Q/DQ graph does not, and it is what ORT CPU engines
-    run, so passing on the Q/DQ graph says nothing about it. Starts from the nodes the Q/DQ graph kept."""
+    run, so passing on the Q/DQ graph says nothing about it. Starts from the nodes the Q/DQ graph kept (``kept``,
+    node -> why), which it keeps too: ``reasons`` lists them beside those its own fallback adds, one per node of
+    ``kept_fp32`` (the report counts the one and lists the other)."""
     info: dict[str, Any] = {}
 
     def build(extra: set[str]) -> Path:
@@ -202,7 +206,7 @@ def ort_cpu_with_fallback(
     return {
         **info,
         "kept_fp32": sorted(kept | res.kept),
-        "reasons": dict(sorted(res.kept.items())),
+        "reasons": dict(sorted((kept | res.kept).items())),
         "vs_fp32": _vs_fp32(res),
         "fallback": _fallback_record(res),
     }
