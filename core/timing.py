@@ -57,9 +57,9 @@ def time_calls(
 
 
 # Interleaved timing: every contender (engines and baselines) is timed in short blocks, round after round, in a
-# rotating order, so a load that comes and goes hits them all alike; each contender's figure is the median of all
-# its calls, with a 95 % interval of the median from its per-round medians (distribution-free), and ratios between
-# two contenders come from their medians paired round by round.
+# rotating order, so a load that comes and goes hits them all alike; each contender's figure is the median of its
+# per-round medians, with a 95 % interval of it from the same medians (distribution-free; the median of all calls
+# pooled can fall outside it), and ratios between two contenders come from their medians paired round by round.
 MIN_ROUNDS = 6  # the fewest rounds whose [min, max] of medians is a 95 % interval of the median (1 - 2 / 2**6)
 Timer = Any  # (calls, budget_s) -> ms per call
 

@@ -164,10 +164,10 @@ def _timing(v: ValidationResult) -> list[str]:
     if not t:
         return []
     line = (
-        f"Latency: {t['rounds']} interleaved rounds (engines and baselines in turn); p50 is the median of every call "
-        "of all rounds, with a 95 % interval of the median in parentheses. A speedup is the median of the per-round "
-        "ratios (baseline / engine, paired round by round), with its 95 % interval: it need not equal the ratio of "
-        f"the two p50s. Load average {t['load_before']} → {t['load_after']} on {t['cpus']} CPUs."
+        f"Latency: {t['rounds']} interleaved rounds (engines and baselines in turn); p50 is the median of the "
+        "rounds' medians, with its 95 % interval in parentheses. A speedup is the median of the per-round ratios "
+        "(baseline / engine, paired round by round), with its 95 % interval: it need not equal the ratio of the two "
+        f"p50s. Load average {t['load_before']} → {t['load_after']} on {t['cpus']} CPUs."
     )
     if t.get("busy"):
         line += (

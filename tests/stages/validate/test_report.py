@@ -56,7 +56,7 @@ def test_a_speedup_is_shown_with_its_interval_and_said_to_be_a_median_of_paired_
     lo, hi = ratio_interval([6.0, 9.0, 1.5], [0.4, 0.6, 0.7])
     assert dict(zip(header, row))["speedup @8"] == f"15.00 ({lo:.2f}-{hi:.2f})"  # not 6.332 / 0.584 = 10.84
     note = next(line for line in lines if line.startswith("Latency:"))
-    assert "p50 is the median of every call of all rounds" in note
+    assert "p50 is the median of the rounds' medians, with its 95 % interval" in note
     assert "A speedup is the median of the per-round ratios (baseline / engine, paired round by round)" in note
 
 
