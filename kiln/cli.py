@@ -334,6 +334,8 @@ def _setup_logging(quiet: bool, verbose: int) -> None:
 
 
 def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
+    """Each ``--set key=value``, typed by the config schema, not by YAML's guesses (a value that is not YAML is
+    set_value's error, naming the --set, with its own fix)."""
     out = {}
     for item in sets:
         key, sep, value = item.partition("=")
@@ -341,11 +343,13 @@ def _parse_sets(sets: tuple[str, ...]) -> dict[str, Any]:
             raise click.BadParameter(f"'{item}' is not KEY=VALUE", param_hint="--set")
         from kiln.pipeline.config import set_value
 
-        try:
-            out[key] = set_value(key, value)  # typed by the config schema, not by YAML's guesses
-        except ConfigError as exc:
-            raise click.BadParameter(f"'{item}': {exc.message.partition(': ')[2]}", param_hint="--set") from None
+        out[key] = set_value(key, value)
     return out
+
+
+def _given(sets: tuple[str, ...]) -> dict[str, str]:
+    """Each --set's key -> the --set as typed: a config error in its value names it, not the config file."""
+    return {item.partition("=")[0]: f"--set {item}" for item in sets}
 
 
 # What Kiln and the libraries it loads import by top-level name, besides Python's own modules (every one of which
@@ -417,13 +421,13 @@ def _is_the_installed(name: str, mine: Path, folder: Path) -> bool:
     return False
 
 
-def _load(path: str | None, overrides: dict[str, Any]) -> KilnConfig:
+def _load(path: str | None, overrides: dict[str, Any], given: dict[str, str] | None = None) -> KilnConfig:
     cwd = _cwd()  # None: deleted under us; absolute paths still work
     folders = [*([Path(path).parent] if path else []), *([cwd] if cwd else [])]
     _importable(*folders)
     from kiln.pipeline.config import load_config
 
-    config = load_config(path, overrides)
+    config = load_config(path, overrides, given)
     _said_twice(config, folders)
     return config
 
@@ -452,7 +456,7 @@ def _said_twice(config: KilnConfig, folders: list[Path]) -> None:
 
 
 def _config(path: str | None, sets: tuple[str, ...]) -> KilnConfig:
-    return _load(path, _parse_sets(sets))
+    return _load(path, _parse_sets(sets), _given(sets))
 
 
 STAGES_HELP = " -> ".join(STAGE_NAMES)
@@ -820,7 +824,7 @@ def _export_direct(
     # --model without a config: the demo's data (digits) are not that model's; its own default dataset or
     # --input-shape say what it takes
     model = {"model.name": model_name, **({} if config else {"data.name": None})} if model_name else {}
-    cfg = _load(config, {**model, **_parse_sets(sets)})
+    cfg = _load(config, {**model, **_parse_sets(sets)}, _given(sets))
     dst = Path(output or "model.onnx")
     with scratch_root(dst.parent), output_file(dst) as staged:
         summary = export_direct(settings_for(stage_named("export"), cfg), checkpoint, input_shape, staged)
@@ -936,7 +940,7 @@ def _validate_direct(
     from kiln.stages.validate.direct import validate_direct
     from kiln.stages.validate.report import RANDOM_INPUTS, direct_report, gate_failure_hint
 
-    cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)})
+    cfg = _load(config, {**({"model.name": model_name} if model_name else {}), **_parse_sets(sets)}, _given(sets))
     settings = settings_for(stage_named("validate"), cfg)
     fed = Path(inputs) if inputs else None
     if fed is None:

@@ -6,10 +6,12 @@ wrong types and missing files become one :class:`ConfigError` naming the key and
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import tomllib
 import yaml
@@ -18,7 +20,7 @@ from pydantic import Field, ValidationError, model_validator
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.sections import Section, Seed
-from kiln.core.signature import Signature, gather
+from kiln.core.signature import FORMER_PLACES, Signature, gather
 from kiln.models.config import DataConfig, ModelConfig
 from kiln.models.registry import DATASETS, MODELS, check_name
 from kiln.stages.accuracy.config import GatesConfig
@@ -95,25 +97,97 @@ class KilnConfig(Section):
 
 # A value quoted back longer than this is a section or a list the message already points into: left out
 MAX_QUOTED = 80
+PRINTS_KEYS = "`kiln config` prints every key and its default"
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = []
+def _explain(err: ValidationError, source: str, given: dict[str, str]) -> ConfigError:
+    """One error for all of a validation's errors, each said under where it came from: the file (``invalid config
+    kiln.yaml: ...``), the ``--set`` that gave the value (``invalid --set train.epochs=abc: ...``; ``given`` maps
+    each override's key to the words that gave it), or both, for a check across keys that names a ``--set`` key.
+    The fix is the first error's."""
+    said: dict[str, list[str]] = {}
+    hint = None
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]).replace("validate_", "validate")
         msg = e["msg"].removeprefix("Value error, ")
-        got = repr(e.get("input"))
-        if e["type"] == "extra_forbidden":
-            parent = _model_at(tuple(p for p in e["loc"][:-1]))
-            valid = ", ".join(sorted(_field_names(parent))) if parent else "?"
-            lines.append(f"unknown key '{key}' (valid keys here: {valid})")
-        elif not key:  # the whole config's own check (keys given twice): its message names the keys
-            lines.append(msg)
-        elif e["type"] == "literal_error":
-            lines.append(f"'{key}': {msg}, got {got}")
+        own, shared = _origin(key, msg, given, unknown=e["type"] == "extra_forbidden")
+        if own:
+            label = f"invalid {given[own]}"
+        elif shared:
+            label = f"invalid config {source} with {given[shared]}"
         else:
-            lines.append(f"'{key}': {msg}" + (f" (got {got})" if len(got) <= MAX_QUOTED else ""))
-    return f"invalid config {source}: " + "; ".join(lines)
+            label = f"invalid config {source}"
+        said.setdefault(label, []).append(_said(e, key, msg, at_set=own is not None and key in _places(own)))
+        if hint is None:
+            hint = _fix(e, key, own, shared, given)
+    return ConfigError("; ".join(f"{label}: {'; '.join(lines)}" for label, lines in said.items()), hint=hint)
+
+
+def _said(e: Any, key: str, msg: str, at_set: bool) -> str:
+    """One error, said. At the key a ``--set`` names, the value is not quoted again (the ``--set`` shows it)."""
+    got = repr(e.get("input"))
+    if e["type"] == "extra_forbidden":
+        return f"unknown key '{key}' (valid keys here: {', '.join(sorted(_valid_keys(e['loc']))) or '?'})"
+    if not key:  # the whole config's own check (keys given twice): its message names the keys
+        return msg
+    if at_set:
+        return msg
+    if e["type"] == "literal_error":
+        return f"'{key}': {msg}, got {got}"
+    return f"'{key}': {msg}" + (f" (got {got})" if len(got) <= MAX_QUOTED else "")
+
+
+def _valid_keys(loc: tuple[Any, ...]) -> list[str]:
+    parent = _model_at(tuple(p for p in loc[:-1]))
+    return _field_names(parent) if parent else []
+
+
+def _places(dotted: str) -> list[str]:
+    """Where a key's value is validated: itself, and ``signature.<key>`` for a signature key given in its former
+    section (``validate.batch_sizes``)."""
+    section, _, leaf = dotted.partition(".")
+    return [dotted, *([f"signature.{leaf}"] if FORMER_PLACES.get(leaf) == section else [])]
+
+
+def _origin(key: str, msg: str, given: dict[str, str], unknown: bool) -> tuple[str | None, str | None]:
+    """The ``--set`` key an error is in (its key is that key or under it; an unknown key may be one above it:
+    ``--set trian.epochs=3``), else one a check across keys names (its key is a section above that key, or the
+    whole config, and its message names the key), else neither: the error is the file's."""
+    for dotted in sorted(given, key=len, reverse=True):
+        for place in _places(dotted):
+            if key == place or key.startswith(f"{place}.") or (unknown and place.startswith(f"{key}.")):
+                return dotted, None
+    for dotted in sorted(given, key=len, reverse=True):
+        for place in _places(dotted):
+            above = not key or place.startswith(f"{key}.")
+            if above and re.search(rf"(?<![\w.]){re.escape(place.removeprefix(f'{key}.'))}(?!\w)", msg):
+                return None, dotted
+    return None, None
+
+
+def _fix(e: Any, key: str, own: str | None, shared: str | None, given: dict[str, str]) -> str:
+    """The fix of one error: for a ``--set``, the ``--set`` as it should be written where that is known (a key
+    spelt as the schema has it, a list in brackets), else which ``--set`` to change."""
+    if shared:
+        return f"change {given[shared]} or the config's setting it conflicts with ({PRINTS_KEYS})"
+    if own is None:
+        return "see `kiln config` for every key and its default"
+    words = given[own]
+    text = words.partition("=")[2] if words.startswith(f"--set {own}=") else None
+    if e["type"] == "extra_forbidden":
+        leaf = str(e["loc"][-1])
+        close = difflib.get_close_matches(leaf, _valid_keys(e["loc"]), n=1, cutoff=0.6)
+        parts, at = own.split("."), len(e["loc"]) - 1
+        if close and text is not None and ".".join(parts[: at + 1]) == key:  # the misspelt part is the --set key's
+            parts[at] = close[0]
+            return f"--set {'.'.join(parts)}={text} (the key as `kiln config` prints it)"
+        if close:
+            return f"write '{close[0]}' for '{leaf}' in {words} (`kiln config` prints every key)"
+        return f"use one of the keys listed, in {words} ({PRINTS_KEYS})"
+    scalar = isinstance(e.get("input"), (str, int, float))
+    if e["type"] in ("list_type", "tuple_type") and key in _places(own) and scalar and text is not None:
+        return f"write the list in brackets: --set {own}=[{text}]"
+    return f"give {words.partition('=')[0]} a value the key takes ({PRINTS_KEYS})"
 
 
 def _field_names(model: type[Section]) -> list[str]:
@@ -136,17 +210,22 @@ def _model_at(loc: tuple[Any, ...]) -> type[Section] | None:
     return model
 
 
-def config_from_dict(data: dict[str, Any], source: str = "") -> KilnConfig:
+def config_from_dict(data: dict[str, Any], source: str = "", given: dict[str, str] | None = None) -> KilnConfig:
+    """Validate a raw config. ``given``: the keys set from the command line -> the words that set them, for its
+    errors to name those words rather than the file (``source``)."""
     try:
         return KilnConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(
-            _format_validation_error(err, source), hint="see `kiln config` for every key and its default"
-        ) from None
+        raise _explain(err, source, given or {}) from None
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> KilnConfig:
-    """Read a YAML/TOML/JSON file (or the built-in demo, ``demo.yaml``, when ``path`` is None) and validate it."""
+def load_config(
+    path: str | Path | None, overrides: dict[str, Any] | None = None, given: dict[str, str] | None = None
+) -> KilnConfig:
+    """Read a YAML/TOML/JSON file (or the built-in demo, ``demo.yaml``, when ``path`` is None) and validate it,
+    with ``overrides`` (dotted key -> value) set over it. ``given`` maps an override's key to the words that gave
+    it on the command line (``--set train.epochs=abc``), which its errors quote; by default ``--set key=value``
+    with the value written as YAML."""
     data: dict[str, Any] = {}
     source = "(built-in demo)"
     if path is None:
@@ -180,10 +259,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
                 f"config {p} must be a mapping of sections, got {type(data).__name__}",
                 hint="start the file with sections such as `model:` (see `kiln config`)",
             )
+    said = {k: (given or {}).get(k) or f"--set {k}={_shown(v)}" for k, v in (overrides or {}).items()}
     for dotted, value in (overrides or {}).items():
-        _set_dotted(data, dotted, value)
+        _set_dotted(data, dotted, value, said[dotted])
     _check_size(data, Path(source))  # file and --set values alike
-    config = config_from_dict(data, source)
+    config = config_from_dict(data, source, said)
     _check_files(config, Path(path).parent if path else Path(), overrides or {})
     _check_names(config)
     _check_combinations(config)
@@ -238,20 +318,21 @@ MAX_CONFIG_DEPTH = 32
 
 class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing duplicate keys (YAML keeps the last silently: a gate set twice would be
-    decided by line order)."""
+    decided by line order). The error marks both places: the first as its context, the repeat as its problem."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+        seen: dict[Any, yaml.Mark] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             try:
-                dup = key in seen
+                first = seen.get(key)
             except TypeError:  # an unhashable key: the base class reports it
-                dup = False
-            if dup:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key '{key}'", key_node.start_mark)
-            if not isinstance(key, (list, dict)):
-                seen.add(key)
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    "first given", first, f"duplicate key '{key}'", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
 
@@ -271,21 +352,75 @@ def _parse(p: Path, text: str) -> Any:
         if p.suffix.lower() == ".json":
             return json.loads(text, object_pairs_hook=_no_duplicate_keys)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
-        _name_the_file(exc, p)
-        raise ConfigError(
-            f"cannot parse config {p}: {' '.join(str(exc).split())[:400]}",
-            hint="fix the file's syntax (each key once per section)",
-        ) from None
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, ValueError, RecursionError) as exc:
+        message, hint = _syntax(exc, p)
+        raise ConfigError(f"cannot parse config {p}: {' '.join(message.split())[:400]}", hint=hint) from None
 
 
-def _name_the_file(exc: BaseException, p: Path) -> None:
-    """A YAML error's positions name the file, not ``"<unicode string>"`` (the text was read before parsing)."""
-    for mark in (getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)):
-        if isinstance(mark, yaml.Mark):
-            mark.name = str(p)
+def _at(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _syntax(exc: BaseException, p: Path) -> tuple[str, str]:
+    """What a parser said of the file, with the line and column it gave, and a fix for that mistake: a key given
+    twice, an unclosed bracket or quote, a tab, a key indented off its section's, or else the place to fix."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        return _yaml_syntax(exc, exc.problem_mark)
+    if isinstance(exc, json.JSONDecodeError):
+        where = f"line {exc.lineno}, column {exc.colno}"
+        return f"{where}: {exc.msg}", f"correct the JSON at {where} ({exc.msg[:1].lower()}{exc.msg[1:]})"
+    if isinstance(exc, tomllib.TOMLDecodeError):
+        said = str(exc)
+        if "twice" in said or "overwrite" in said:
+            return said, "give each key and table once (TOML takes none twice): keep one and merge their values"
+        found = re.search(r"\s*\((at [^)]*)\)$", said)
+        problem = said[: found.start()] if found else said
+        where = found.group(1) if found else "there"
+        return said, f"correct the TOML {where} ({problem[:1].lower()}{problem[1:]})"
+    if isinstance(exc, RecursionError):
+        return "its values are nested too deeply to read", "write the config with fewer nested levels"
+    said = str(exc)
+    found = re.match(r"duplicate key ('.*')$", said)
+    if found:  # JSON's (no position)
+        return said, f"keep one {found.group(1)} in that object, merging their values"
     if isinstance(exc, yaml.reader.ReaderError):
         exc.name = str(p)
+        return str(exc), f"remove the character at position {exc.position} of {p.name} (or save the file as UTF-8)"
+    return said, f"correct the syntax of {p.name}"
+
+
+def _yaml_syntax(exc: yaml.MarkedYAMLError, mark: yaml.Mark) -> tuple[str, str]:
+    """YAML's problem at its line and column, what it was parsing and from where, and the fix for that problem."""
+    problem, context = exc.problem or "", exc.context or ""
+    where = _at(mark)
+    start = _at(exc.context_mark) if exc.context_mark is not None else where
+    opened = "" if context == "first given" else " started"  # a key given twice; what YAML was parsing
+    message = f"{where}: {problem}" + (f" ({context}{opened} at {start})" if exc.context_mark is not None else "")
+    found = re.match(r"duplicate key ('.*')$", problem)
+    if found and exc.context_mark is not None:
+        lines = f"lines {exc.context_mark.line + 1} and {mark.line + 1}"
+        hint = f"keep one {found.group(1)} in that section ({lines} both give it), merging their values"
+    elif "flow sequence" in context:
+        hint = f"close the [ opened at {start} with ], with a comma between its items"
+    elif "flow mapping" in context:
+        hint = f"close the {{ opened at {start} with }}, with a comma between its entries"
+    elif "quoted scalar" in context:
+        hint = f"close the quote opened at {start} with the same quote"
+    elif "'\\t'" in problem:
+        hint = f"indent with spaces at {where}: YAML takes no tabs there"
+    elif "mapping values are not allowed" in problem:
+        hint = f"write one `key: value` per line at {where}, and quote a value that holds ': '"
+    elif "could not find expected ':'" in problem:
+        hint = f"write the key at {start} as `key: value`, with ': ' after it"
+    elif problem.endswith(("found ']'", "found '}'")):
+        hint = f"remove the {problem[-2]} at {where}: it closes nothing opened before it"
+    elif "block mapping" in context and ("<block mapping start>" in problem or "did not find expected key" in problem):
+        hint = f"indent line {mark.line + 1} as the other keys of its section (the section starts at {start})"
+    elif problem.endswith("found '-'"):
+        hint = f"indent the list item at {where} under the key it belongs to (`key:`, then `  - item`)"
+    else:
+        hint = f"correct the YAML at {where} ({problem})"
+    return message, hint
 
 
 def _only_comments(text: str) -> bool:
@@ -315,7 +450,19 @@ def _check_size(data: Any, p: Path) -> None:
             stack += [(v, depth + 1) for v in node]
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+def _shown(value: Any) -> str:
+    """A value as a ``--set`` would write it (text as is, anything else as YAML), cut short if long."""
+    if isinstance(value, str):
+        out = value
+    else:
+        try:
+            out = yaml.safe_dump(value, default_flow_style=True, width=1 << 20).strip().removesuffix("...").strip()
+        except yaml.YAMLError:
+            out = repr(value)
+    return out if len(out) <= 2 * MAX_QUOTED else out[: 2 * MAX_QUOTED] + "..."
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, words: str) -> None:
     node = data
     *parents, leaf = dotted.split(".")
     for i, part in enumerate(parents):
@@ -325,7 +472,7 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(node, dict):
             prefix = ".".join(parents[: i + 1])
             raise ConfigError(
-                f"cannot set '{dotted}': '{prefix}' is a value ({node!r}), not a section",
+                f"invalid {words}: '{prefix}' is a value ({node!r}), not a section",
                 hint=f"use --set {prefix}=VALUE, or see `kiln config` for the keys under each section",
             )
     node[leaf] = value
@@ -336,18 +483,49 @@ def set_value(dotted: str, text: str) -> Any:
     text (a str, or a Literal of strings such as on/off) gets ``text`` as written, since YAML would turn
     ``off`` into False and ``1.10`` into 1.1; a list of such text is read as YAML with every item kept as
     text (``[a, off]``); every other key (numbers, bools, free-form params) gets ``text`` parsed as YAML.
-    ``null``/``~`` still mean None where the key accepts None."""
-    annotation = _annotation_at(dotted.split("."))
+    ``null``/``~`` still mean None where the key accepts None.
+
+    A key that takes only a list of fixed choices or of numbers (``precision.variants``, ``signature.batch_sizes``)
+    also takes the comma form ``fp32,int8``, as ``kiln precision --variants`` does: no item of such a list can
+    hold a comma and no single value is valid there, so it means nothing else. A list of free text (paths, node
+    names) is not split, as an item may hold a comma: ``[a, b]`` is its form."""
+    path = dotted.split(".")
+    if len(path) == 2 and FORMER_PLACES.get(path[1]) == path[0]:  # validate.batch_sizes is signature.batch_sizes
+        path = ["signature", path[1]]
+    annotation = _annotation_at(path)
     if annotation is not None and _takes_text_only(annotation):
         return None if text in ("null", "~") and _accepts_none(annotation) else text
     text_items = annotation is not None and get_origin(annotation) is list and _takes_text_only(get_args(annotation)[0])
+    items = _comma_items(annotation)
     try:
+        if items and text.strip() and text.lstrip()[:1] not in "[{" and text not in ("null", "~"):
+            as_text = all(_takes_text_only(i) for i in items)
+            return [p.strip() if as_text else yaml.load(p, Loader=_StrictLoader) for p in text.split(",")]  # noqa: S506
         return yaml.load(text, Loader=yaml.BaseLoader if text_items else _StrictLoader)  # noqa: S506
     except yaml.YAMLError as exc:
         raise ConfigError(
             f"--set {dotted}={text}: the value is not valid YAML ({exc.problem})",
             hint="quote it, or write a YAML value: 2, 0.5, true, [1, 8]",
         ) from None
+
+
+def _comma_items(annotation: Any) -> list[Any]:
+    """The item types of a key that takes only a list (or tuple) of fixed choices or numbers, else none."""
+    kinds = [m for m in _members(annotation) if m is not type(None)]
+    if not kinds or any(get_origin(m) not in (list, tuple) for m in kinds):
+        return []
+    items = [_bare(a) for m in kinds for a in get_args(m) if a is not Ellipsis]
+    choices = all(
+        (get_origin(i) is Literal and all(isinstance(v, str) and "," not in v for v in get_args(i)))
+        or i in (int, float)
+        for i in items
+    )
+    return items if items and choices else []
+
+
+def _bare(annotation: Any) -> Any:
+    """``Annotated[int, Gt(0)]`` -> ``int``."""
+    return get_args(annotation)[0] if get_origin(annotation) is Annotated else annotation
 
 
 def _annotation_at(path: list[str]) -> Any:

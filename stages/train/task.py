@@ -92,6 +92,37 @@ def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | N
     return Task(kind, logits_output, fn)
 
 
+def check_positions(target: torch.Tensor, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
+    """Class logits ``target`` fit labels per position ``y``: one row of class scores per labelled position, which
+    accuracy and top-1 agreement read. Logits at a fraction of the labels' size (a SegFormer's, at a quarter) are
+    not scaled up by Kiln: the fix says how."""
+    axis = class_axis(target.ndim)
+    positions = tuple(s for i, s in enumerate(target.shape) if i != axis % target.ndim)
+    if positions == tuple(y.shape) and target.shape[axis] >= max(num_classes, 2):
+        return
+    if (
+        positions != tuple(y.shape)
+        and len(positions) == y.ndim
+        and all(p and s % p == 0 for p, s in zip(positions[1:], y.shape[1:]))
+    ):
+        hint = (
+            f"return the logits at the labels' size {tuple(y.shape[1:])} (a wrapper's forward: "
+            "F.interpolate(logits, size=labels' size, mode='bilinear')), or give labels at the logits' size "
+            f"{positions[1:]}"
+        )
+    else:
+        hint = (
+            "make the model return one row of class logits per labelled position, set its num_classes to the "
+            "dataset's, or name the logits output in signature.logits_output"
+        )
+    raise ModelError(
+        f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of shape "
+        f"{tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped like the labels plus "
+        "a class axis (last, or axis 1 from four axes on)",
+        hint=hint,
+    )
+
+
 def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
     if task.user_loss is not None:
@@ -112,19 +143,18 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
                 f"train.loss returned {type(value).__name__}, not a scalar tensor",
                 hint="return e.g. torch.nn.functional.mse_loss(outputs[0], targets)",
             )
+        if not (task.kind == "classification" and labels.per_position(y)):
+            return
+        try:  # labels per position: accuracy and top-1 read them off the class-logit output, whatever the loss
+            target = task.target(out)
+        except ConfigError:  # no one class-logit output: validation compares the outputs by agreement
+            return
+        if target.ndim == y.ndim + 1:  # else labels of another kind beside the user's loss (multi-hot): none read
+            check_positions(target, y, num_classes, model_ref)
         return
     target = task.target(out)
     if task.kind == "classification" and labels.per_position(y):
-        axis = class_axis(target.ndim)
-        positions = tuple(s for i, s in enumerate(target.shape) if i != axis % target.ndim)
-        if positions != tuple(y.shape) or target.shape[axis] < max(num_classes, 2):
-            raise ModelError(
-                f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of "
-                f"shape {tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped "
-                "like the labels plus a class axis (last, or axis 1 from four axes on)",
-                hint="make the model return one row of class logits per labelled position, set its "
-                "num_classes to the dataset's, or name the logits output in signature.logits_output",
-            )
+        check_positions(target, y, num_classes, model_ref)
     elif task.kind == "classification":
         if target.ndim != 2 or target.shape[1] < max(num_classes, 2):
             raise ModelError(

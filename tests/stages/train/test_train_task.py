@@ -153,3 +153,14 @@ def test_a_user_loss_without_gradient_is_named() -> None:
 def test_a_model_whose_outputs_have_no_gradient_is_named() -> None:
     with pytest.raises(ModelError, match="outputs do not depend on its trainable parameters"):
         train(_DetachedOutput(), _three_classes(), CFG)
+
+
+def test_logits_at_a_fraction_of_the_labels_size_are_told_to_scale_up_even_with_a_user_loss() -> None:
+    """A SegFormer's logits are at a quarter of the image: with its own loss (which scales them up) training ran
+    and precision stopped on the labels' shape; now both forms stop before training, saying how to fit them."""
+    y, logits = torch.zeros(2, 32, 32, dtype=torch.long), torch.zeros(2, 3, 8, 8)
+    for task in (Task("classification"), Task("classification", None, lambda out, y: out.mean())):
+        with pytest.raises(ModelError, match=r"class logits of shape \(2, 3, 8, 8\)") as err:
+            check_task(task, logits, y, 3, "m")
+        assert "F.interpolate(logits" in err.value.hint and "labels at the logits' size (8, 8)" in err.value.hint
+    check_task(Task("classification", None, lambda out, y: out.mean()), torch.zeros(2, 6), y[:, 0, :6], 3, "m")
