@@ -356,10 +356,32 @@ def quantize_int8_dynamic(
         ) from None
     q = onnx.load(str(out_path), load_external_data=False)
     integer = sum(n.op_type == "MatMulInteger" for n in q.graph.node)
-    if integer == 0:
-        log.warning("int8 dynamic: no MatMul was quantized (all excluded?); the ONNX Runtime CPU INT8 graph is float")
+    if integer == 0 and model_path not in _SAID_FLOAT:
+        _SAID_FLOAT.add(model_path)  # once per graph: the precision fallback quantizes it again each round
+        log.warning(
+            "int8 dynamic: no MatMul was quantized: %s; the ONNX Runtime CPU INT8 graph is float",
+            _why_float(model, exclude),
+        )
     log.info("int8 dynamic: %d integer MatMuls, %d nodes kept in float", integer, len(exclude))
     return {"integer_matmuls": integer, "excluded": sorted(exclude), "reduce_range": seven_bits}
+
+
+_SAID_FLOAT: set[Path] = set()
+
+
+def _why_float(model: onnx.ModelProto, exclude: set[str]) -> str:
+    """Why dynamic quantization left every MatMul float: it quantizes only a MatMul whose second input is a stored
+    weight; an exported graph that reaches its weights through Transpose or Mul nodes has none until constant
+    folding (``kiln optimize``, which the pipeline runs before this stage) makes them stored weights."""
+    stored = {t.name for t in model.graph.initializer}
+    weighted = [n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in stored]
+    if not weighted:
+        matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
+        return (
+            f"none of its {matmuls} MatMuls takes a stored weight (they reach theirs through other nodes): "
+            "`kiln optimize` the graph first, which folds them"
+        )
+    return f"all {len(weighted)} MatMuls with stored weights are kept in float (calibration.exclude_* or the fallback)"
 
 
 def _quiet_ort_preprocess_warning() -> None:
