@@ -818,7 +818,8 @@ def _inferred_shapes(model: onnx.ModelProto) -> dict[str, list[int | None] | Non
 
 # The fix for data whose indices run past a table the graph stores
 INDEX_HINT = (
-    "give indices within the table (token ids past it: data or a tokenizer made for another model's vocabulary), "
+    "give indices within what the input indexes (token ids past a vocabulary: data or a tokenizer made for another "
+    "model's; node indices past a graph's nodes), "
     "or a model made for this data"
 )
 
@@ -833,7 +834,7 @@ def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str
         return None
     key, value, (_, high) = found
     return (
-        f"input '{key}' holds {value}: {name} indexes a table of {high + 1} rows "
+        f"input '{key}' holds {value}: {name} indexes an axis of {high + 1} positions "
         f"with it (values 0 to {high}, or down to {-(high + 1)} counted from its end)"
     )
 

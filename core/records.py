@@ -238,7 +238,7 @@ class EngineMetadata(Record):
         name, value, (low, high) = found
         return (
             f"input '{name}' holds {value}: engine {self.name} takes values from {low} to {high} "
-            "(the rows of the table it indexes)"
+            "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
         )
 
 

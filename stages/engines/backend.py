@@ -349,7 +349,8 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
     if outside is not None:
         raise InputError(
             outside,
-            hint="pass indices within the table (a token id past the vocabulary: a tokenizer made for another model)",
+            hint="pass indices within what the input indexes (a token id past the vocabulary: a tokenizer made for "
+            "another model; a node index past the graph's nodes)",
         )
 
 

@@ -93,7 +93,7 @@ def test_an_edge_index_past_the_nodes_is_named_before_onnx_runtime_sees_it() -> 
     with pytest.raises(Exception, match="GatherElements"):
         ort.InferenceSession(graph.SerializeToString()).run(None, {"x": x, "edge_index": edges})
     assert outside_index(graph, {"x": x, "edge_index": edges}, "gin.onnx") == (
-        "input 'edge_index' holds 12: gin.onnx indexes a table of 12 rows with it (values 0 to 11, or down to -12 "
+        "input 'edge_index' holds 12: gin.onnx indexes an axis of 12 positions with it (values 0 to 11, or down to -12 "
         "counted from its end)"
     )
     assert outside_index(graph, {"edge_index": edges - 12}, "gin.onnx") is None

@@ -129,7 +129,7 @@ def test_an_index_past_a_table_is_named_with_its_input_and_range() -> None:
     assert outside_index(graph, {"ids": ids, "kind": np.array([0, 1])}, "m.onnx") is None
     assert outside_index(graph, {"ids": np.array([-10, 9])}, "m.onnx") is None
     assert outside_index(graph, {"ids": ids + 5}, "m.onnx") == (
-        "input 'ids' holds 14: m.onnx indexes a table of 10 rows with it (values 0 to 9, or down to -10 counted "
+        "input 'ids' holds 14: m.onnx indexes an axis of 10 positions with it (values 0 to 9, or down to -10 counted "
         "from its end)"
     )
     assert "input 'kind' holds -3:" in outside_index(graph, {"ids": ids, "kind": np.array([-3, 1])}, "m.onnx")

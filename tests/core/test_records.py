@@ -174,6 +174,7 @@ def test_an_index_past_the_table_is_named_and_the_table_s_own_rows_pass() -> Non
     assert meta.refusal({"ids": np.array([[0, 9]])}) is None
     assert meta.outside_values({"ids": np.zeros((0, 4), np.int64)}) is None
     assert meta.refusal({"ids": np.array([[3, -1]])}) == (
-        "input 'ids' holds -1: engine e takes values from 0 to 9 (the rows of the table it indexes)"
+        "input 'ids' holds -1: engine e takes values from 0 to 9 "
+        "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
     )
     assert meta.refusal({"ids": np.array([[10, 2]])}).startswith("input 'ids' holds 10:")

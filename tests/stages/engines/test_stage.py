@@ -132,5 +132,6 @@ def test_an_edge_index_range_starts_at_0_unless_the_data_counts_from_the_end() -
     assert _index_ranges(_gin_graph(), taken, {"edge_index": [-3, 11]}) == {"edge_index": [-3, 11]}
     meta = EngineMetadata.model_construct(name="gin", index_ranges=ranges)
     assert meta.outside_values({"edge_index": np.array([[[-1, 2]]])}) == (
-        "input 'edge_index' holds -1: engine gin takes values from 0 to 11 (the rows of the table it indexes)"
+        "input 'edge_index' holds -1: engine gin takes values from 0 to 11 "
+        "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
     )

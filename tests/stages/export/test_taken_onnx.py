@@ -31,10 +31,10 @@ def test_token_ids_past_the_embedding_are_one_error_naming_the_split(tmp_path: P
     with pytest.raises(DataContractError) as info:
         _export(tmp_path, ids, ids + 100)
     assert info.value.message == (
-        f"the validation data of 'mine:load': input 'input' holds {int(ids.max()) + 100}: m.onnx indexes a table of "
-        "10 rows with it (values 0 to 9, or down to -10 counted from its end)"
+        f"the validation data of 'mine:load': input 'input' holds {int(ids.max()) + 100}: m.onnx indexes an axis of "
+        "10 positions with it (values 0 to 9, or down to -10 counted from its end)"
     )
-    assert info.value.hint.startswith("give indices within the table")
+    assert info.value.hint.startswith("give indices within what the input indexes")
 
 
 def test_ids_counted_from_the_end_of_the_table_run_as_onnx_runtime_takes_them(tmp_path: Path) -> None:

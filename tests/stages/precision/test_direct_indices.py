@@ -29,10 +29,13 @@ def test_calibration_ids_past_the_vocabulary_are_one_error_naming_them(tmp_path:
     assert result.exception is None or isinstance(result.exception, SystemExit)
     lines = [line for line in result.output.splitlines() if line.startswith(("error:", "fix:"))]
     assert lines[0] == (
-        f"error: --calibration {tmp_path / 'd.npz'}: input 'input' holds 14: m.onnx indexes a table of 10 rows "
+        f"error: --calibration {tmp_path / 'd.npz'}: input 'input' holds 14: m.onnx indexes an axis of 10 positions "
         "with it (values 0 to 9, or down to -10 counted from its end)"
     )
-    assert lines[1].startswith("fix: give indices within the table") and not (tmp_path / "v" / "int8").exists()
+    assert (
+        lines[1].startswith("fix: give indices within what the input indexes")
+        and not (tmp_path / "v" / "int8").exists()
+    )
 
 
 def test_ids_within_the_vocabulary_calibrate(tmp_path: Path) -> None:
