@@ -1170,39 +1170,43 @@ def serve(
 ) -> None:
     """Serve PATH's validated engines (a workdir, or one engine folder) with Triton, until Ctrl-C or SIGTERM.
     The URLs go to stdout; Triton's own log is shown with --verbose."""
-    from kiln.serve.server import iter_urls, parse_gpus
-    from kiln.serve.server import serve as serve_engines
-
-    _setup_logging(False, verbose)
-
     readied: list[bool] = []
+    try:
+        from kiln.serve.server import iter_urls, parse_gpus
+        from kiln.serve.server import serve as serve_engines
 
-    def ready(served: list[Any]) -> None:
-        for line in iter_urls(address, http_port, grpc_port, served):
-            results.print(escape(line), highlight=False, soft_wrap=True)
-        console.print("ready (Ctrl-C or SIGTERM stops the server)")
-        readied.append(True)
+        _setup_logging(False, verbose)
 
-    from kiln.stages.engines.backend import SIDECAR
+        def ready(served: list[Any]) -> None:
+            for line in iter_urls(address, http_port, grpc_port, served):
+                results.print(escape(line), highlight=False, soft_wrap=True)
+            console.print("ready (Ctrl-C or SIGTERM stops the server)")
+            readied.append(True)
 
-    served = Path(path)  # its scratch goes in the served workdir (beside one engine folder), removed when it stops
-    with scratch_root(served.parent if (served / SIDECAR).is_file() else served):
-        serve_engines(
-            Path(path),
-            http_port,
-            grpc_port,
-            metrics_port,
-            max_batch,
-            max_queue_delay_us,
-            address,
-            on_ready=ready,
-            verbose=verbose > 0,
-            gpus=parse_gpus(gpus) if gpus is not None else None,
-            instances_per_gpu=instances_per_gpu,
-            exit_on_overrun=True,
-            pytriton=pytriton,
-            http_threads=http_threads,
-        )
+        from kiln.stages.engines.backend import SIDECAR
+
+        served = Path(path)  # its scratch goes in the served workdir (beside one engine folder), removed when it stops
+        with scratch_root(served.parent if (served / SIDECAR).is_file() else served):
+            serve_engines(
+                Path(path),
+                http_port,
+                grpc_port,
+                metrics_port,
+                max_batch,
+                max_queue_delay_us,
+                address,
+                on_ready=ready,
+                verbose=verbose > 0,
+                gpus=parse_gpus(gpus) if gpus is not None else None,
+                instances_per_gpu=instances_per_gpu,
+                exit_on_overrun=True,
+                pytriton=pytriton,
+                http_threads=http_threads,
+            )
+    except KeyboardInterrupt:  # the command's own handler (core/interrupt.py), before the server's took over
+        if readied:
+            return
+        raise NOT_READY_TERM if interrupt.by_sigterm() else NOT_READY from None
     if not readied:  # the server returns quietly from a stop (its own handler's) at any time: before ready too
         from kiln.serve.server import stopped_by
 

@@ -12,12 +12,13 @@ readiness are Triton's own ``/v2/health/live`` and ``/v2/health/ready``.
 SIGINT and SIGTERM stop the server and its stubs: Triton drains the requests in flight for up to
 ``EXIT_TIMEOUT_S``, and whatever of the server still runs ``STOP_DEADLINE_S`` after the signal is killed
 (:class:`_Reaper`), so nothing outlives ``kiln serve`` and it is gone within Kubernetes' grace period with room to
-spare. A ``kiln serve`` killed outright (SIGKILL, out of memory) takes its ``tritonserver`` with it: the server is
-started with a parent-death signal (:func:`server_popen`), and Kiln's stubs end themselves once their server is
-gone (:mod:`kiln.serve.stub_parent`). A server
-that cannot start says so within seconds: ports are checked the way the server binds them before anything starts
-(a port an orphaned ``tritonserver`` holds names its process), and a ``tritonserver`` that dies while starting ends
-the wait for it at once with its log's error. A served workdir is marked as such while it is served
+spare. A signal before the server is ready ends the start at its next step or poll (:class:`_StopRequest`): nothing
+was served, ``on_ready`` is never called, and the CLI exits 130 (143) saying so. A ``kiln serve`` killed outright
+(SIGKILL, out of memory) takes its ``tritonserver`` with it: the server is started with a parent-death signal
+(:func:`server_popen`), and Kiln's stubs end themselves once their server is gone (:mod:`kiln.serve.stub_parent`).
+A server that cannot start says so within seconds: ports are checked the way the server binds them before anything
+starts (a port an orphaned ``tritonserver`` holds names its process), and a ``tritonserver`` that dies while starting
+ends the wait for it at once with its log's error. A served workdir is marked as such while it is served
 (:func:`kiln.pipeline.workdir_lock.served_workdir`): a ``kiln run`` there is refused until the server stops, and a
 workdir a run holds is not served.
 """
@@ -45,7 +46,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -54,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.core import interrupt
 from kiln.core.child_processes import die_with_parent
 from kiln.core.errors import (
     BackendUnavailable,
@@ -484,7 +486,10 @@ def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
 class RequestRefused(Exception):
     """`kiln serve --pytriton`: the batch's requests are not what the engine takes (outside its validated sizes,
     an index past its table, the engine's own :class:`InputError`). Answered as its message alone, HTTP 400
-    (:data:`PROXY_MODEL_PY`)."""
+    (:data:`PROXY_MODEL_PY`), and logged as one line (:class:`_RefusalInOneLine`). ``requests``: how many requests
+    the refused batch held."""
+
+    requests = 1
 
 
 class BatchFailed(Exception):
@@ -498,7 +503,8 @@ def _infer_func(
     graph per input shape: without it each new batch size the dynamic batcher forms costs a session build).
     ``meta``: inputs outside the sizes the engine was validated for are answered with an error naming them.
     Errors are raised as :class:`RequestRefused` or :class:`BatchFailed` with a one-line message, chained to the
-    engine's own exception: PyTriton logs the whole chain here, and the client gets the last line."""
+    engine's own exception: PyTriton logs the whole chain of a failure here (a refusal in one line), and the client
+    gets the last line."""
     from pytriton.decorators import batch
 
     @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
@@ -514,7 +520,60 @@ def _infer_func(
             raise BatchFailed(f"the engine failed on this batch: {type(exc).__name__}: {first_line(exc)}") from exc
         return {name: np.asarray(result[name], dtype=dtype) for name, dtype in outputs.items()}
 
-    return infer
+    def infer_requests(requests: list[Any]) -> Any:
+        try:
+            return infer(requests)
+        except RequestRefused as exc:
+            exc.requests = len(requests)
+            raise
+
+    return infer_requests
+
+
+class _RefusalInOneLine(logging.Filter):
+    """PyTriton logs every error of an infer function as a warning with its traceback. A refused request
+    (:class:`RequestRefused`) is the client's error, answered 400: logged as one line, its reason; a batch of several
+    requests, which :data:`PROXY_MODEL_PY` runs again a request at a time (the refused one then logs its line), only
+    in the debug log. PyTriton logs inside its ``except`` block, so the exception handled there is the refusal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        refused = sys.exc_info()[1]
+        if isinstance(refused, RequestRefused) and record.levelno == logging.WARNING:
+            record.msg, record.args, record.exc_info = "refused a request: %s", (str(refused),), None
+            if refused.requests > 1:
+                record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+class _ExitOfAStop(logging.Filter):
+    """PyTriton warns that its server "exited with failure" when the server ends on a signal: after a stop (Ctrl-C
+    reaches the server too; a start stopped before it was ready kills it), that is the stop, said in the debug log."""
+
+    def __init__(self, stop: _StopRequest) -> None:
+        super().__init__()
+        self.stop = stop
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.stop.requested and "exited with failure" in record.getMessage():
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def _filter_pytriton_log(stop: _StopRequest) -> Callable[[], None]:
+    """PyTriton's log lines as `kiln serve --pytriton` says them (:class:`_RefusalInOneLine`, :class:`_ExitOfAStop`)
+    until the function returned is called."""
+    filters = [
+        (logging.getLogger("pytriton.proxy.inference"), _RefusalInOneLine()),
+        (logging.getLogger("pytriton.server.triton_server"), _ExitOfAStop(stop)),
+    ]
+    for logger, added in filters:
+        logger.addFilter(added)
+
+    def remove() -> None:
+        for logger, added in filters:
+            logger.removeFilter(added)
+
+    return remove
 
 
 def _marked(error: type[Exception]) -> str:
@@ -638,23 +697,43 @@ def _bind_or_explain(triton: Any, served: ServedEngine, runner: Any, max_batch: 
         ) from None
 
 
+class _Stopped(Exception):
+    """A stop signal came before the server was ready: :func:`serve` ends its start and returns, nothing served."""
+
+
 class _StopRequest:
-    """SIGINT/SIGTERM handler: the first signal asks the serving loop to stop (:func:`_wait` looks every 0.5 s),
-    a second one raises KeyboardInterrupt (a startup that hangs can still be interrupted).
+    """SIGINT/SIGTERM handler: the first signal asks the server to stop, and :meth:`check` raises :class:`_Stopped`
+    at the next step of a start that is still under way (each wait for the server looks at it every 0.1-0.5 s); once
+    ready, the serving loop looks every 0.5 s. A second signal before the stop began raises KeyboardInterrupt (a
+    start step that hangs can still be interrupted); once it began (``stopping``), later signals change nothing:
+    :class:`_Reaper` bounds the stop, which an exception raised in the middle of it would leave half done.
 
     Why not raise from the first signal (Python's SIGINT default): an exception raised by a signal lands in
     whatever the main thread runs at that moment, and inside a finalizer (``__del__`` of a multiprocessing
     connection, seen in CI) Python prints "Exception ignored" and drops it: the server then never stopped."""
 
     def __init__(self) -> None:
-        self.requested = False  # a plain flag: a handler must not take a lock its own thread may hold
+        self.requested = False  # plain flags: a handler must not take a lock its own thread may hold
+        self.served = False  # ready, ``on_ready`` called: a stop from then on is the server's normal end
+        self.stopping = False
+        # called by a stop while the server starts: ends a start step that would run on (a model still loading)
+        self.abort_start: Callable[[], None] | None = None
         _stopped_by.clear()
 
     def __call__(self, signum: int, frame: Any) -> None:
-        if self.requested:
+        if not self.requested:
+            self.requested = True
+            _stopped_by[:] = [signum]
+            if not self.served and self.abort_start is not None:
+                self.abort_start()
+        elif not self.stopping:
             raise KeyboardInterrupt
-        self.requested = True
-        _stopped_by[:] = [signum]
+
+    def check(self) -> None:
+        """Raise :class:`_Stopped` if a stop came while the server starts (between its steps, in its waits)."""
+        if self.requested and not self.served:
+            self.stopping = True
+            raise _Stopped
 
 
 _stopped_by: list[int] = []  # the signal that stopped the last server of this process
@@ -663,6 +742,22 @@ _stopped_by: list[int] = []  # the signal that stopped the last server of this p
 def stopped_by() -> int | None:
     """The signal (SIGINT or SIGTERM) that stopped the last :func:`serve` of this process, if one did."""
     return _stopped_by[0] if _stopped_by else None
+
+
+@contextmanager
+def _signals_to(stop: _StopRequest) -> Iterator[None]:
+    """SIGINT and SIGTERM go to ``stop`` for the block; the previous handlers come back after it. A Ctrl-C that the
+    command's own handler (:mod:`kiln.core.interrupt`) took before, but that a finalizer swallowed, is a stop too."""
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            interrupt.check()
+        except KeyboardInterrupt:
+            stop(interrupt.last_signal() or signal.SIGINT, None)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: one set outside Python
 
 
 def _marking_workdir(fn: Callable[..., None]) -> Callable[..., None]:
@@ -708,74 +803,156 @@ def serve(
     PyTriton instead. ``http_threads``: Triton's HTTP threads (its ``--http-thread-count``; default Triton's own).
     ``exit_on_overrun``: a stop that overruns ``STOP_DEADLINE_S`` ends this process too (the
     CLI's choice; a caller in-process keeps its process).
+    A signal at any moment of the start ends it: the server (if it started) is stopped, ``on_ready`` is never
+    called, and this returns; :func:`stopped_by` says which signal it was. A start that fails after a stop signal
+    (Ctrl-C reaches the whole process group, ``tritonserver`` included) is that stop, not an error.
     A workdir is marked as served meanwhile (:func:`served_workdir`): a run holding it is refused, and a run started
     while it is served is refused."""
-    served = find_engines(path)
-    if not pytriton:
-        if gpus is None and all(s.meta.device == "cuda" for s in served):
-            gpus = [0]
-        instances = instances_per_gpu or default_instances(gpus)
-        max_batch = default_max_batch(gpus) if max_batch is None else max_batch
-        ports = (http_port, grpc_port, metrics_port)
-        args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose, http_threads)
-        return serve_python_backend(served, gpus, instances, ports, *args)
-    if gpus is not None:
-        raise ConfigError(
-            "--gpus serves through Triton's Python backend, not PyTriton", hint="drop --pytriton, or --gpus"
-        )
-    pytriton = _pytriton()
-    max_batch = default_max_batch(None) if max_batch is None else max_batch
-    _server_log_on_stdout(verbose)
-    check_ports(address, http_port, grpc_port, metrics_port)
-    scratch = _scratch()
     stop = _StopRequest()
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with _signals_to(stop):
+        try:
+            served = find_engines(path)
+            stop.check()
+            if not pytriton:
+                if gpus is None and all(s.meta.device == "cuda" for s in served):
+                    gpus = [0]
+                instances = instances_per_gpu or default_instances(gpus)
+                max_batch = default_max_batch(gpus) if max_batch is None else max_batch
+                ports = (http_port, grpc_port, metrics_port)
+                args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose, http_threads)
+                serve_python_backend(served, gpus, instances, ports, *args, stop=stop)
+            elif gpus is not None:
+                raise ConfigError(
+                    "--gpus serves through Triton's Python backend, not PyTriton", hint="drop --pytriton, or --gpus"
+                )
+            else:
+                ports = (http_port, grpc_port, metrics_port)
+                max_batch = default_max_batch(None) if max_batch is None else max_batch
+                args = (max_batch, max_queue_delay_us, address, on_ready, exit_on_overrun, verbose, http_threads)
+                _serve_pytriton(served, ports, *args, stop=stop)
+        except _Stopped:
+            log.info("stopped before the server was ready: nothing was served")
+        except KeyboardInterrupt:  # a second signal, in a start step that had not ended
+            log.info("stopping")
+        except Exception:
+            if not stop.requested or stop.served:
+                raise
+            log.debug("the start failed after a stop signal: a stop, not an error", exc_info=True)
+
+
+def _serve_pytriton(
+    served: list[ServedEngine],
+    ports: tuple[int, int, int],
+    max_batch: int,
+    queue_delay_us: int,
+    address: str,
+    on_ready: Callable[[list[ServedEngine]], None] | None,
+    exit_on_overrun: bool,
+    verbose: bool,
+    http_threads: int | None,
+    *,
+    stop: _StopRequest,
+) -> None:
+    """Every engine in this process, bound to PyTriton's server (``kiln serve --pytriton``)."""
+    http_port, grpc_port, metrics_port = ports
+    pytriton = _pytriton()
+    _server_log_on_stdout(verbose)
+    check_ports(address, *ports)
+    stop.check()
+    scratch = _scratch()
     reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun, scratch)
     runners: list[Any] = []
     triton: Any = None
     workspace: Path | None = None
+    unfilter = _filter_pytriton_log(stop)
+    unpatch: Callable[[], None] | None = None
     try:
         workspace = socket_folder(scratch, [s.model_name for s in served])
         stub_python = stub_python_env(scratch)
         os.environ.update(server_env(stub_python))  # PyTriton starts tritonserver with a copy of os.environ
         _use_stub_python(stub_python)
         for s in served:  # before the server starts: an engine this machine cannot run fails fast
+            stop.check()
             runners.append(load_engine(s.engine_dir, serving=True).activate())
+        stop.check()
         triton = pytriton.triton.Triton(
             config=_triton_config(pytriton, address, http_port, grpc_port, metrics_port, http_threads),
             security_config=_security(pytriton),
             workspace=workspace,
         )
-        _fail_fast_if_server_dies(pytriton, triton)
+        unpatch = _fail_fast_if_server_dies(pytriton, triton, stop.check)
         _clean_models_at_once()
         _one_line_errors()
+        stop.abort_start = functools.partial(_kill_starting, triton)
         with triton:
             for s, runner in zip(served, runners):
-                _bind_or_explain(triton, s, runner, max_batch, max_queue_delay_us)
+                stop.check()
+                _bind_or_explain(triton, s, runner, max_batch, queue_delay_us)
+            stop.check()
             triton.run()  # returns once the server and every model are ready
-            wait_ready(f"http://{address}:{http_port}", [], STARTUP_TIMEOUT_S, listening=(grpc_port, metrics_port))
-            if on_ready is not None:  # ready, even if a stop came meanwhile: it served (and now stops)
-                on_ready(served)
+            url = f"http://{address}:{http_port}"
+            wait_ready(url, [], STARTUP_TIMEOUT_S, listening=(grpc_port, metrics_port), check=stop.check)
+            _declare_ready(stop, on_ready, served)
             _wait(triton, stop)
+            stop.stopping = True
             log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
-    except KeyboardInterrupt:
-        log.info("stopping")
     except KilnError as exc:  # the server's own last error, said now: its log goes with the scratch folder
         said = None if verbose or triton is None else _server_said(triton)
         if said:
             exc.hint = f"{exc.hint}; the server said: {said}" if exc.hint else f"the server said: {said}"
         raise
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.stopping = True
+        if triton is not None and stop.requested and not stop.served:
+            _kill_starting(triton)  # a signal before its server was started, or before abort_start was set
         if triton is not None:
             triton.stop()  # a no-op after its `with` block; after a failed start, before its workspace goes
+            _until_pytriton_cleaned(triton)
         for r in runners:
             r.deactivate()
         reaper.close()
+        unfilter()
+        if unpatch is not None:
+            unpatch()
         shutil.rmtree(scratch, ignore_errors=True)
         if workspace is not None and not workspace.is_relative_to(scratch):
             shutil.rmtree(workspace.parent, ignore_errors=True)
+
+
+def _kill_starting(triton: Any) -> None:
+    """A stop signal while PyTriton's server starts: nothing was served, so nothing drains. The server is killed, so
+    that a step waiting on it (a model loading, which takes seconds) ends now, and PyTriton's own stop does not wait
+    ``EXIT_TIMEOUT_S`` for that model; :class:`_Reaper` ends the stubs it leaves. Called from the signal handler:
+    a plain ``kill``, no lock taken."""
+    running = getattr(getattr(triton, "_triton_server", None), "_tritonserver_running_cmd", None)
+    pid = getattr(running, "pid", None)
+    if isinstance(pid, int):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
+
+
+def _until_pytriton_cleaned(triton: Any, timeout_s: float = 2.0) -> None:
+    """PyTriton stops itself, from another thread, when its server exits (a server killed, or ended by Ctrl-C): that
+    stop may still be removing its workspace when ours returns at once (stopped already). Waits, up to
+    ``timeout_s``, for the workspace to be gone, so that the scratch folder is not removed under PyTriton's own
+    cleaning (which then warns it could not clean it)."""
+    workspace = getattr(getattr(triton, "_workspace", None), "path", None)
+    deadline = time.monotonic() + timeout_s
+    while workspace is not None and Path(workspace).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _declare_ready(
+    stop: _StopRequest, on_ready: Callable[[list[ServedEngine]], None] | None, served: list[ServedEngine]
+) -> None:
+    """The server answers: unless a stop came during the start (:class:`_Stopped`), it is served from here on, and
+    ``on_ready`` says so. A stop after this is the server's normal end."""
+    stop.check()
+    stop.abort_start, stop.served = None, True
+    if on_ready is not None:
+        on_ready(served)
 
 
 def _scratch() -> Path:
@@ -809,19 +986,38 @@ def _security(pytriton: Any) -> Any:
     )
 
 
-def _fail_fast_if_server_dies(pytriton: Any, triton: Any) -> None:
-    """PyTriton polls a starting server for readiness for 120 s even after its process died (then a traceback):
-    its module-level wait is the one place to make the poll also watch the process."""
-    pytriton.triton.wait_for_server_ready = _ready_or_dead(lambda: getattr(triton, "_triton_server", None))
+def _fail_fast_if_server_dies(
+    pytriton: Any, triton: Any, check: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """PyTriton polls a starting server for readiness for 120 s even after its process died (then a traceback),
+    before it starts and before it loads each model: its module-level waits (the server's and its client's) are the
+    one place to make the poll also watch the process, and ``check`` (a stop). Returns the function that puts
+    PyTriton's own waits back."""
+    client, utils = (importlib.import_module(f"pytriton.client.{name}") for name in ("client", "utils"))
+    # the server's start, a model's load (ModelClient.wait_for_server) and its readiness (wait_for_model_ready)
+    modules = (pytriton.triton, client, utils)
+    originals = [m.wait_for_server_ready for m in modules]
+    wait = _ready_or_dead(lambda: getattr(triton, "_triton_server", None), check)
+    for module in modules:
+        module.wait_for_server_ready = wait
+
+    def restore() -> None:
+        for module, original in zip(modules, originals):
+            module.wait_for_server_ready = original
+
+    return restore
 
 
-def _ready_or_dead(server: Callable[[], Any]) -> Callable[..., None]:
+def _ready_or_dead(server: Callable[[], Any], check: Callable[[], None] | None = None) -> Callable[..., None]:
     """A readiness wait (PyTriton's signature) that ends with :class:`ServerDied` as soon as ``server()`` is a
-    process that is no longer alive, naming the server's last error line."""
+    process that is no longer alive, naming the server's last error line. ``check`` is called before each poll:
+    it ends the wait by raising (a stop asked meanwhile)."""
 
     def wait(client: Any, timeout_s: float | None = None, headers: dict | None = None) -> None:
         deadline = time.monotonic() + (timeout_s or STARTUP_TIMEOUT_S)
         while time.monotonic() < deadline:
+            if check is not None:
+                check()
             proc = server()
             if proc is not None and not proc.is_alive():
                 reason = _last_error_line(proc.logs() if hasattr(proc, "logs") else "")
@@ -961,7 +1157,7 @@ class _Reaper:
         if self.exit_process and not self._done.wait(1.0):
             os._exit(1)  # PyTriton's threads still stopping: the process ends anyway, with a failing status
 
-    def _kill(self, why: str) -> None:
+    def _kill(self, why: str, level: int = logging.ERROR) -> None:
         import psutil
 
         with self._lock:
@@ -969,7 +1165,7 @@ class _Reaper:
         left += [p for p in self._from_scratch() if p not in left]
         self._regions([p.pid for p in left])  # what they map goes with them (close() removes it)
         if left:
-            log.error("%s: killing %s", why, ", ".join(f"{p.name()} ({p.pid})" for p in left))
+            log.log(level, "%s: killing %s", why, ", ".join(f"{p.name()} ({p.pid})" for p in left))
         for p in left:
             try:
                 p.kill()
@@ -994,15 +1190,21 @@ class _Reaper:
 
     def close(self) -> None:
         """The server's stop returned: its processes get until the deadline (2 s without a stop signal: an error
-        path) to end, then what is left is killed."""
+        path) to end, then what is left is killed. A start that a signal ended before the server was ready served
+        nothing and drains nothing: what it started (a stub still loading, whose server is gone) is killed at once,
+        said in the debug log only."""
         import psutil
 
         self._done.set()
-        end = (self._stop_at or time.monotonic()) + (self.deadline_s if self._stop_at else 2.0)
-        with self._lock:
-            tree = list(self._tree.values())
-        psutil.wait_procs(tree, timeout=max(0.1, end - time.monotonic()))
-        self._kill("processes of the server outlived its stop")
+        if self.stop.requested and not self.stop.served:
+            self._look()  # a stub started since the last look
+            self._kill("stopped before the server was ready", logging.DEBUG)
+        else:
+            end = (self._stop_at or time.monotonic()) + (self.deadline_s if self._stop_at else 2.0)
+            with self._lock:
+                tree = list(self._tree.values())
+            psutil.wait_procs(tree, timeout=max(0.1, end - time.monotonic()))
+            self._kill("processes of the server outlived its stop")
         # unlinked while a killed process may still map it: the name goes now, the memory with the last mapping
         for path in sorted(self._shm):  # what the server would have removed had it ended on its own
             if Path(path).exists():
@@ -1138,15 +1340,19 @@ def wait_ready(
     timeout_s: float = 60.0,
     process: subprocess.Popen[bytes] | None = None,
     listening: tuple[int, ...] = (),
+    check: Callable[[], None] | None = None,
 ) -> None:
     """Poll Triton's readiness endpoints until the server and ``models`` are ready and every port in
     ``listening`` (on the URL's host) accepts connections. Triton opens its metrics port after its HTTP one, so
-    a ready HTTP endpoint alone leaves a moment, longer on a busy machine, where the metrics are refused."""
+    a ready HTTP endpoint alone leaves a moment, longer on a busy machine, where the metrics are refused.
+    ``check`` is called before each poll and after the last: it ends the wait by raising (a stop asked meanwhile)."""
     deadline = time.monotonic() + timeout_s
     address = url.removeprefix("http://")
     host = address.rsplit(":", 1)[0].strip("[]")
     paths = ["/v2/health/ready", *(f"/v2/models/{urllib.parse.quote(m)}/ready" for m in models)]
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         if process is not None and process.poll() is not None:
             raise KilnError(
                 f"tritonserver exited with code {process.returncode} before it was ready", hint="see its log"
@@ -1154,6 +1360,8 @@ def wait_ready(
         try:
             ready = all(triton_http(address, p, timeout_s=5.0)[0] == 200 for p in paths)
             if ready and all(_accepts(host, port) for port in listening):
+                if check is not None:
+                    check()
                 return
         except OSError:  # connection refused while it starts: keep polling until the deadline
             pass
@@ -1260,21 +1468,25 @@ def serve_python_backend(
     exit_on_overrun: bool = False,
     verbose: bool = False,
     http_threads: int | None = None,
+    *,
+    stop: _StopRequest,
 ) -> None:
     """Every engine behind one endpoint: plain ``tritonserver`` on a Python-backend repository (each instance a
     stub process that loads the engine; with ``gpus``, instance groups over those GPUs, each stub pinned to its
-    own). PyTriton runs every model in this one process, where a runner cannot be pinned to a GPU of its own."""
+    own). PyTriton runs every model in this one process, where a runner cannot be pinned to a GPU of its own.
+    Serves until ``stop`` is asked (the signal handler :func:`serve` installs); asked before the server is ready,
+    the start ends at its next step (:class:`_Stopped`)."""
     _bundled()  # the bundled server, and a stub that works with this numpy
     check_ports(address, *ports)
+    stop.check()
     scratch = _scratch()
-    stop = _StopRequest()
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     reaper = _Reaper(stop, STOP_DEADLINE_S, exit_on_overrun, scratch)
     proc: subprocess.Popen[bytes] | None = None
     log_file = scratch / "tritonserver.log"
     try:
         repository = scratch / "repository"
         models = write_repository(repository, served, gpus, instances, max_batch, queue_delay_us)
+        stop.check()
         proc = tritonserver_process(
             repository,
             scratch,
@@ -1286,29 +1498,25 @@ def serve_python_backend(
             http_threads=http_threads,
         )
         try:
-            wait_ready(f"http://{address}:{ports[0]}", models, STARTUP_TIMEOUT_S, proc, ports[1:])
+            url = f"http://{address}:{ports[0]}"
+            wait_ready(url, models, STARTUP_TIMEOUT_S, proc, ports[1:], check=stop.check)
         except KilnError as exc:  # the scratch folder goes with the server: its log's error, said now
-            if stop.requested:  # Ctrl-C while it started reached Triton too (one process group): a stop, not a death
-                log.info("stopping")
-                return
+            stop.check()  # Ctrl-C while it started reached Triton too (one process group): a stop, not a death
             reason = _last_error_line(log_file.read_text(errors="replace")) if log_file.is_file() else ""
             if proc.poll() is not None:
                 raise _died_while_starting(reason) from None
             raise ServerDied(f"{exc.message}{f': {reason}' if reason else ''}", hint=exc.hint) from None
         watch = StubWatch(proc, f"{address}:{ports[0]}", models)  # before "ready": stubs seen alive are named
-        if on_ready is not None:  # ready, even if a stop came meanwhile: it served (and now stops)
-            on_ready(served)
+        _declare_ready(stop, on_ready, served)
         while not stop.requested:
             if proc.poll() is not None:
                 raise ServerDied(f"tritonserver exited with code {proc.returncode}", hint="rerun with --verbose")
             watch.check()
             time.sleep(0.5)
+        stop.stopping = True
         log.info("stopping: draining requests in flight (up to %d s)", EXIT_TIMEOUT_S)
-    except KeyboardInterrupt:
-        log.info("stopping")
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.stopping = True
         if proc is not None and proc.poll() is None:
             proc.terminate()  # Triton drains for EXIT_TIMEOUT_S, then exits; the reaper bounds the rest
             try:

@@ -582,45 +582,6 @@ def test_serve_is_quiet_unless_verbose_and_sigint_stops_it_and_its_children(work
     assert said.strip() == "ready (Ctrl-C or SIGTERM stops the server)", said
 
 
-def test_ctrl_c_while_triton_starts_is_a_stop_not_an_error(workdir: Path) -> None:
-    """Ctrl-C in a terminal signals the whole process group: ``tritonserver`` exits while it starts, and `kiln serve`
-    once said "error: the Triton server exited while starting" (exit 2). It is a stop, as Ctrl-C is for every
-    command: exit 130, saying nothing was served yet, nothing left."""
-    ports = free_ports(3)
-    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(workdir), "--http-port", str(ports[0])]
-    cmd += ["--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])]
-    before = set(_served_from(workdir))  # another test's server of the same workdir: not this one's
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline, triton = time.monotonic() + READY_TIMEOUT_S, []
-    try:
-        while not triton and proc.poll() is None and time.monotonic() < deadline:
-            kids = psutil.Process(proc.pid).children(recursive=True)
-            triton = [p for p in kids if p.name() == "tritonserver"]
-            time.sleep(0.05)
-        assert triton, f"no tritonserver started; kiln serve printed:\n{_printed(proc)}"
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: every process of the group
-        out, _ = proc.communicate(timeout=STOP_TIMEOUT_S)
-    except BaseException:
-        _abort(proc)
-        raise
-    printed = out.decode(errors="replace")
-    assert proc.returncode == 130 and printed.count("error:") == 1, printed[-3000:]
-    assert "stopped (Ctrl-C) before the server was ready" in printed, printed[-3000:]
-    # a Python stub Triton started before the signal, orphaned when Triton died, is gone too
-    _, alive = psutil.wait_procs([*triton, *(set(_served_from(workdir)) - before)], timeout=GONE_TIMEOUT_S)
-    assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
-
-
-def _served_from(workdir: Path) -> list[psutil.Process]:
-    """Processes running a program of a `kiln serve` scratch folder under ``workdir`` (tritonserver, its stubs)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if cmd and cmd[0].startswith(str(workdir)) and "kiln-serve-" in cmd[0]:
-            found.append(p)
-    return found
-
-
 def test_python_backend_repository_loads_in_plain_tritonserver(workdir: Path, tmp_path: Path) -> None:
     repo = workdir / "package" / "triton-python"
     model = json.loads((workdir / "package" / "kiln-package.json").read_text())["models"][0]["triton_python_model"]

@@ -3,6 +3,7 @@ refuses, a server process that dies while starting. No server is started here.""
 
 from __future__ import annotations
 
+import signal
 import socket
 import tempfile
 import threading
@@ -20,11 +21,14 @@ from kiln.serve.server import (
     ServerDied,
     _ready_or_dead,
     _Reaper,
+    _signals_to,
+    _Stopped,
     _StopRequest,
     check_ports,
     check_socket_folder,
     free_ports,
     socket_folder,
+    stopped_by,
     wait_ready,
 )
 
@@ -216,3 +220,55 @@ def test_ports_picked_together_are_all_different_and_free() -> None:
     for port in ports[:3]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))  # free: let go once picked
+
+
+def test_a_stop_while_starting_ends_the_start_and_a_stop_once_served_does_not() -> None:
+    """The first signal is a flag that the start's next step or poll reads (:class:`_Stopped`), and it ends the step
+    that waits on the server (``abort_start``); once served, a stop is the serving loop's to read."""
+    aborted: list[bool] = []
+    stop = _StopRequest()
+    stop.abort_start = lambda: aborted.append(True)
+    stop.check()  # nothing asked: the start goes on
+    stop(signal.SIGTERM, None)
+    assert aborted == [True] and stopped_by() == signal.SIGTERM
+    with pytest.raises(_Stopped):
+        stop.check()
+    assert stop.stopping
+    stop(signal.SIGINT, None)  # the stop began: a second signal changes nothing (the reaper bounds the stop)
+    assert aborted == [True] and stopped_by() == signal.SIGTERM
+
+    served = _StopRequest()
+    served.served = True
+    served.abort_start = lambda: aborted.append(True)
+    served(signal.SIGINT, None)
+    served.check()  # ready: not a stop of the start
+    assert served.requested and aborted == [True]
+    with pytest.raises(KeyboardInterrupt):  # before the stop began, a second signal interrupts
+        served(signal.SIGINT, None)
+
+
+def test_the_waits_for_a_starting_server_end_at_a_stop() -> None:
+    """Nothing answers here: the waits would poll until their timeouts; a stop ends them at their next look."""
+    stop = _StopRequest()
+    stop(signal.SIGINT, None)
+    started = time.monotonic()
+    with pytest.raises(_Stopped):
+        wait_ready(f"http://127.0.0.1:{free_ports(1)[0]}", [], timeout_s=600, check=stop.check)
+    with pytest.raises(_Stopped):
+        _ready_or_dead(lambda: _Server(alive=True), stop.check)(_NeverReady(), timeout_s=600)
+    assert time.monotonic() - started < 60
+
+
+def test_a_ctrl_c_the_command_took_before_the_servers_handlers_is_a_stop() -> None:
+    """A Ctrl-C that `kiln`'s own handler recorded but a finalizer swallowed, before the server's handlers took
+    over, counts: the start ends at its first step."""
+    from kiln.core import interrupt
+
+    with interrupt.handled():
+        interrupt._seen.set()  # as the command's handler records it
+        interrupt._last[:] = [signal.SIGTERM]
+        stop = _StopRequest()
+        with _signals_to(stop):
+            assert signal.getsignal(signal.SIGINT) is stop
+            assert stop.requested and stopped_by() == signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) is interrupt._on_signal  # the command's handlers are back
