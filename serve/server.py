@@ -154,8 +154,10 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
             meta = _as_validated(meta, path.parent.parent)
         elif not (path.parent.parent / PACKAGE_INDEX).is_file():  # not a package's: no validation has seen it
             log.warning(
-                "engine %s was not validated (no validate/validation.json beside it): served unchecked against "
-                "PyTorch, at any size its axes take (`kiln validate %s --reference MODEL` checks it)",
+                "engine %s has no validation record beside it (a workdir's validate/validation.json, a package's "
+                "kiln-package.json): served at any size its axes take, its checks unknown here (`kiln validate %s "
+                "--reference MODEL` checks it and prints the result, keeping no record; serve a `kiln run` workdir "
+                "or its package to serve only engines with one)",
                 meta.name,
                 path,
             )
