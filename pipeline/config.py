@@ -160,9 +160,17 @@ def _origin(key: str, msg: str, given: dict[str, str], unknown: bool) -> tuple[s
     for dotted in sorted(given, key=len, reverse=True):
         for place in _places(dotted):
             above = not key or place.startswith(f"{key}.")
-            if above and re.search(rf"(?<![\w.]){re.escape(place.removeprefix(f'{key}.'))}(?!\w)", msg):
+            if above and re.search(rf"(?<![\w.])(?:{_named_as(place, key)})(?!\w)", msg):
                 return None, dotted
     return None, None
+
+
+def _named_as(place: str, key: str) -> str:
+    """A pattern of the ways a check on section ``key`` names the key ``place`` under it: by its path below the
+    section, or with any of the sections above it (``loss_scale``, ``amp.loss_scale``, ``train.amp.loss_scale``)."""
+    parts, below = place.split("."), len(place.removeprefix(f"{key}.").split(".")) if key else len(place.split("."))
+    names = [".".join(parts[i:]) for i in range(len(parts) - below + 1)]
+    return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
 
 
 def _fix(e: Any, key: str, own: str | None, shared: str | None, given: dict[str, str]) -> str:

@@ -167,6 +167,7 @@ def find_resume(
         return path
     last, info = ckpt_dir / LAST, _read_info(ckpt_dir)
     if not last.is_file() or info.get("run_key") != key:
+        _say_interrupted_beside(ckpt_dir)
         return None  # nothing or another config's: start fresh
     if info.get("complete") and not notes_only_changed(info, settings):
         return None  # a finished run asked for again (forced, or its outputs gone): train afresh
@@ -175,6 +176,25 @@ def find_resume(
         log.warning("not resuming the interrupted run in %s: %s; training afresh", last, why)
         return None
     return last
+
+
+def _say_interrupted_beside(ckpt_dir: Path) -> None:
+    """Training afresh under new settings: where an interrupted run of other settings sits beside this one's folder
+    (``auto`` resumes only a run of the same settings), say how to continue that one with these settings instead
+    (an explicit ``resume: path``, which keeps its weights and optimizer state and takes the new schedule)."""
+    try:
+        siblings = sorted(d for d in ckpt_dir.parent.iterdir() if d != ckpt_dir and (d / LAST).is_file())
+    except OSError:
+        return
+    stopped = [d for d in siblings if not _read_info(d).get("complete")]
+    if stopped:
+        newest = max(stopped, key=lambda d: (d / LAST).stat().st_mtime)
+        log.warning(
+            "training afresh with these settings; an interrupted run with other settings is in %s (to continue "
+            "it with these instead: --set train.checkpoint.resume=%s)",
+            newest,
+            newest / LAST,
+        )
 
 
 def notes_only_changed(info: dict[str, Any], settings: dict[str, Any] | None) -> bool:

@@ -72,6 +72,8 @@ from kiln.stages.train.runtime import determinism, profiler
 from kiln.stages.train.task import CLASSIFY, Task, check_loss_has_grad, check_trainable
 
 log = logging.getLogger("kiln.train")
+# Skipped steps of one NaN/Inf streak said as warnings; the rest go to the debug log (-v) until the streak ends
+SAID_STREAK = 3
 StepHook = Callable[[int], None]
 # How many steps the host may queue ahead of the loss/norm values it has read (health.py): deep enough to absorb
 # host jitter, short enough that a NaN abort comes promptly. Each queued step holds 8 bytes of pinned memory.
@@ -573,19 +575,21 @@ class _Trainer:
                 log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", s.step)
                 continue
             self.acc["nonfinite"] += 1
-            log.warning(
-                "step %d skipped: loss %s, grad norm %s%s",
+            self.bad_streak += 1
+            (log.warning if self.bad_streak <= SAID_STREAK else log.debug)(
+                "step %d skipped: loss %s, grad norm %s%s%s",
                 s.step,
                 loss_v,
                 norm_v,
                 " (the gradients themselves, not an fp16 overflow)" if math.isfinite(loss_v) else "",
+                "; further skipped steps of this streak at -v" if self.bad_streak == SAID_STREAK else "",
             )
-            self.bad_streak += 1
             if self.bad_streak > self.cfg.amp.nonfinite_patience:
+                other = " or ".join(p for p in ("bf16", "fp32") if p != self.precision)
                 raise TrainingError(
                     f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
-                    f"{s.step} (epoch {s.epoch + 1}); last good checkpoint: {self.last_good}",
-                    hint="lower train.lr, use train.precision: bf16 or fp32, or raise train.amp.nonfinite_patience; "
+                    f"{s.step} (epoch {s.epoch + 1}) in {self.precision}; last good checkpoint: {self.last_good}",
+                    hint=f"lower train.lr, use train.precision: {other}, or raise train.amp.nonfinite_patience; "
                     "train.checkpoint.resume: <last.pt> continues from the checkpoint",
                 )
 

@@ -123,6 +123,16 @@ def check_positions(target: torch.Tensor, y: torch.Tensor, num_classes: int, mod
     )
 
 
+def _output_expr(out: Any) -> str:
+    """How a loss reads the model's output as ``forward`` returns it: the tensor itself, a tuple's first, a dict's
+    first key."""
+    if isinstance(out, torch.Tensor):
+        return "outputs"
+    if isinstance(out, dict) and out:
+        return f"outputs[{next(iter(out))!r}]"
+    return "outputs[0]"
+
+
 def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
     if task.user_loss is not None:
@@ -139,9 +149,11 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
                 f"train.loss failed on the model's outputs: {type(exc).__name__}: {exc}", hint=hint
             ) from None
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ConfigError(
-                f"train.loss returned {type(value).__name__}, not a scalar tensor",
-                hint="return e.g. torch.nn.functional.mse_loss(outputs[0], targets)",
+                f"train.loss returned {got}, not a scalar tensor",
+                hint=f"reduce it to one number, e.g. torch.nn.functional.mse_loss({_output_expr(out)}, targets) "
+                "(a mean over the batch)",
             )
         if not (task.kind == "classification" and labels.per_position(y)):
             return

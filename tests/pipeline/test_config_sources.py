@@ -173,3 +173,11 @@ def test_a_json_duplicate_key_fix_is_about_the_key(tmp_path: Path) -> None:
 def test_a_toml_syntax_error_gets_a_fix_of_its_own(tmp_path: Path, text: str, words: str) -> None:
     err = _syntax_error(tmp_path, "k.toml", text)
     assert words in err.hint and "each key once per section" not in err.hint, err.hint
+
+
+def test_a_sections_own_check_that_names_the_set_key_by_a_dotted_path_names_the_set(cfg: Path) -> None:
+    """train.amp's check says 'amp.loss_scale must be ...': the key with its section, which the match missed."""
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg, {"train.amp.loss_scale": 0})
+    assert err.value.message.startswith(f"invalid config {cfg} with --set train.amp.loss_scale=0: ")
+    assert "--set train.amp.loss_scale=0" in err.value.hint

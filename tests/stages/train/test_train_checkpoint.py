@@ -419,3 +419,41 @@ def test_select_best_breaks_a_validation_accuracy_tie_by_the_lower_validation_lo
     tied = [m for m in r.history if m.val_accuracy == top]
     assert len(tied) > 1, [(m.epoch, m.val_accuracy) for m in r.history]  # the case this test is about
     assert r.best_epoch == min(tied, key=lambda m: m.val_loss).epoch != tied[0].epoch
+
+
+def test_new_settings_after_an_interruption_train_afresh_naming_the_interrupted_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`auto` resumes a run of the same settings only; a changed lr trains afresh in its own folder, and the log
+    names the interrupted run's last.pt and the --set that continues it with the new settings."""
+    data, cfg = tiny_data(), train_cfg(epochs=2, checkpoint={"every_steps": 1, "resume": "auto"})
+    old, new = tmp_path / "train" / "old", tmp_path / "train" / "new"
+    with pytest.raises(Crash):
+        train(tiny_net(), data, cfg, ckpt_dir=old, run_key="old", on_step=crash_at(3))
+    with caplog.at_level("WARNING", logger="kiln.train"):
+        assert ckpt.find_resume("auto", new, "new") is None
+    assert f"--set train.checkpoint.resume={old / ckpt.LAST}" in caplog.text
+    caplog.clear()
+    train(tiny_net(), data, train_cfg(epochs=1, checkpoint={"resume": "auto"}), ckpt_dir=old, run_key="old2")
+    with caplog.at_level("WARNING", logger="kiln.train"):  # finished now: nothing to continue
+        assert ckpt.find_resume("auto", new, "new") is None
+    assert "interrupted run" not in caplog.text
+
+
+def test_a_nan_streak_says_a_few_steps_and_a_fix_other_than_the_precision_in_use(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """26 warning lines drowned the error, and its fix offered the precision the run already had."""
+    model = tiny_net()
+
+    def poison(step: int) -> None:
+        with torch.no_grad():
+            model.net[1].weight.fill_(float("nan"))
+
+    cfg = train_cfg(epochs=3, amp={"nonfinite_patience": 8})
+    with caplog.at_level("WARNING", logger="kiln.train"), pytest.raises(TrainingError) as err:
+        train(model, tiny_data(), cfg, ckpt_dir=tmp_path, run_key="k", on_step=poison)
+    skipped = [r for r in caplog.records if "skipped: loss" in r.getMessage()]
+    assert len(skipped) == 3 and "further skipped steps of this streak at -v" in skipped[-1].getMessage()
+    assert "9 consecutive steps" in str(err.value) and " in fp32;" in str(err.value)
+    assert err.value.hint.startswith("lower train.lr, use train.precision: bf16,")

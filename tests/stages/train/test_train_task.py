@@ -164,3 +164,20 @@ def test_logits_at_a_fraction_of_the_labels_size_are_told_to_scale_up_even_with_
             check_task(task, logits, y, 3, "m")
         assert "F.interpolate(logits" in err.value.hint and "labels at the logits' size (8, 8)" in err.value.hint
     check_task(Task("classification", None, lambda out, y: out.mean()), torch.zeros(2, 6), y[:, 0, :6], 3, "m")
+
+
+@pytest.mark.parametrize(
+    ("out", "read"),
+    [
+        (torch.zeros(2, 1), "outputs"),
+        ((torch.zeros(2, 1),), "outputs[0]"),
+        ({"value": torch.zeros(2, 1)}, "outputs['value']"),
+    ],
+)
+def test_a_loss_of_one_number_per_sample_is_told_how_to_read_the_outputs(out, read) -> None:
+    """The fix said outputs[0] whatever forward returned: for a tensor output that is the first sample's row,
+    and a loss written so trained a useless model that passed."""
+    per_row = Task("regression", None, lambda o, y: torch.zeros(len(y)))
+    with pytest.raises(ConfigError, match=r"returned a tensor of shape \(2,\), not a scalar") as err:
+        check_task(per_row, out, torch.zeros(2, 1), 0, "m")
+    assert f"mse_loss({read}, targets)" in err.value.hint
