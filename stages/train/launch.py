@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,11 +77,12 @@ def run_torchrun(
     cmd = torchrun_command(nproc, config_path, out, ckpt_dir, sources_path)
     log.info("launching: %s", " ".join(cmd))
     tail: deque[str] = deque(maxlen=30)
+    said: set[str] = set()
     proc = start_launcher(cmd)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            log.info("[torchrun] %s", line.rstrip())
+            relay(line.rstrip(), log, said)
             tail.append(line)
         proc.wait()
     finally:  # Ctrl-C, SIGTERM or an error here: the job must not train on without Kiln
@@ -96,6 +98,22 @@ def run_torchrun(
     summary = json.loads((out / SUMMARY).read_text())
     (out / SUMMARY).unlink()  # the manifest holds it; keep the folder the same as a one-process run's
     return summary
+
+
+# A worker's own log line (kiln.stages.train.worker's format): its rank, level, logger and message
+WORKER_LINE = re.compile(r"\[rank \d+\] (WARNING|ERROR|CRITICAL) (kiln[\w.]*): (.*)")
+
+
+def relay(line: str, log: logging.Logger, said: set[str]) -> None:
+    """One line of torchrun's output into this process's log: a worker's warning as a warning, said once however
+    many ranks say it (``said``: the messages said so far), everything else (torchrun's own output, the workers'
+    info) at info level, which -v shows."""
+    found = WORKER_LINE.fullmatch(line)
+    if found is None or found.group(3) in said:
+        log.info("[torchrun] %s", line)
+        return
+    said.add(found.group(3))
+    log.warning("%s (from the torchrun workers)", found.group(3))
 
 
 def start_launcher(cmd: list[str]) -> subprocess.Popen[str]:
