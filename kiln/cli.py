@@ -306,12 +306,34 @@ class _ThirdParty(logging.Filter):
         self.level = level
 
 
+class _PlainHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines where stderr is a file or a pipe (a server's log, CI): one line per message, ``LEVEL message``,
+    where rich's handler pads every line to the width and wraps a message over several (80 columns when piped),
+    which breaks grep and one-record-per-line log collectors. Writes to the ``sys.stderr`` of the moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ sets it; the current sys.stderr is used instead
+        pass
+
+
 def _setup_logging(quiet: bool, verbose: int) -> None:
     """Kiln's log lines, and the libraries' (warnings.warn and their loggers), through one handler: nothing
     raw on stderr, and known noise demoted to debug. Warnings and errors by default (the progress bars and the
     answer say the rest); ``-v`` each stage's log lines, ``-vv`` debug logging, the libraries' included."""
     level = logging.WARNING if quiet or not verbose else (logging.INFO if verbose == 1 else logging.DEBUG)
-    handler = RichHandler(console=console, show_path=False, show_time=False, markup=False)
+    handler: logging.Handler = (
+        RichHandler(console=console, show_path=False, show_time=False, markup=False)
+        if console.is_terminal
+        else _PlainHandler()
+    )
     handler.addFilter(_ThirdParty(level))
     logger = logging.getLogger("kiln")
     logger.handlers[:] = [handler]
