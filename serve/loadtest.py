@@ -907,7 +907,7 @@ def _ray_ready(address: str, model: str) -> dict[str, int]:
     except (urllib.error.URLError, OSError) as exc:
         raise KilnError(
             f"the Ray Serve application for model '{model}' does not answer at {url} ({exc})",
-            hint="start it with `serve run package/ray/serve.yaml` (check the port there), and give --model one "
+            hint="start it with `cd package && serve run ray/serve.yaml` (check the port there), and give --model one "
             "of its applications' names",
         ) from None
     return {"inference_count": 0, "execution_count": 0}

@@ -1206,7 +1206,8 @@ class _Reaper:
             with self._lock:
                 tree = list(self._tree.values())
             psutil.wait_procs(tree, timeout=max(0.1, end - time.monotonic()))
-            self._kill("processes of the server outlived its stop")
+            # a stub still busy with the last requests when the deadline came: killed, as the stop promised
+            self._kill("processes of the server outlived its stop", logging.WARNING)
         # unlinked while a killed process may still map it: the name goes now, the memory with the last mapping
         for path in sorted(self._shm):  # what the server would have removed had it ended on its own
             if Path(path).exists():

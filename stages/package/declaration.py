@@ -41,7 +41,7 @@ def report_section(summary: PackageSummary) -> list[str]:
         "",
         "Serve with `kiln serve <workdir>`, or point `tritonserver --model-repository` at "
         "`package/triton` (or `package/triton-python`, which needs kiln in Triton's Python). "
-        "`serve run package/ray/serve.yaml` starts the Ray Serve application (`kiln[ray]`) where written; "
+        "`cd package && serve run ray/serve.yaml` starts the Ray Serve application (`kiln[ray]`) where written; "
         "`package/kserve.yaml` is a KServe InferenceService for `package/triton`.",
     ]
 

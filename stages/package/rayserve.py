@@ -56,7 +56,15 @@ def application(model: str, meta: EngineMetadata, cfg: RayConfig) -> dict[str, A
 
 
 def serve_config(apps: list[dict[str, Any]], cfg: RayConfig) -> dict[str, Any]:
-    return {"proxy_location": "EveryNode", "http_options": {"host": cfg.host, "port": cfg.port}, "applications": apps}
+    # Ray's access log writes a line per request on serve run's stderr (thousands a second under load): off, as
+    # Triton's front end logs none; errors are still logged
+    logging_config = {"enable_access_log": False}
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": cfg.host, "port": cfg.port},
+        "logging_config": logging_config,
+        "applications": apps,
+    }
 
 
 def write_serve_config(target: Path, apps: list[dict[str, Any]], cfg: RayConfig) -> None:

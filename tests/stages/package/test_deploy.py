@@ -98,6 +98,9 @@ def test_a_packaged_run_writes_the_ray_config_and_the_manifest(tmp_path: Path) -
     [app] = [a for a in serve["applications"] if a["args"]["engine_dir"].endswith("onnxruntime-cpu-fp32")]
     assert (package / app["args"]["engine_dir"]).is_dir()  # the packaged folder, not the stage's staging one
     assert app["route_prefix"] == f"/v2/models/{app['args']['model_name']}"
+    assert serve["logging_config"] == {"enable_access_log": False}  # no line per request on serve run's stderr
+    ray_schema = pytest.importorskip("ray.serve.schema", reason="ray[serve] (kiln[ray]) is not installed")
+    ray_schema.ServeDeploySchema.model_validate(serve)  # what `serve run` reads the file as
     check_manifest(yaml.safe_load((package / "kserve.yaml").read_text()))
 
 
