@@ -74,7 +74,9 @@ def test_a_token_id_past_the_table_is_the_engines_refusal_before_either_referenc
     bad = tmp_path / "bad.npz"
     np.savez(bad, input_ids=np.full((2, 6), 25, np.int64), attention_mask=np.ones((2, 6), np.int64))
     said = "input 'input_ids' holds 25: engine onnxruntime-cpu-fp32 takes values from 0 to 19"
-    assert_clean(invoke("validate", engine, "--reference", model, "--inputs", bad), 2, said, "within what the input indexes")
+    assert_clean(
+        invoke("validate", engine, "--reference", model, "--inputs", bad), 2, said, "within what the input indexes"
+    )
     by_weights = invoke(
         "validate", engine, "--reference", weights, "--model", "tests.user_models:ids_and_mask", "--inputs", bad
     )
