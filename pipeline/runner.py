@@ -401,11 +401,13 @@ class Runner:
                 self._refuse_other_settings(stage, up)
 
     def _refuse_other_settings(self, stage: Stage, up: str) -> None:
-        """Stop before ``stage`` reads ``up``'s folder where that was made with another model (its config section
-        or its code: `kiln export` after editing the model's code would build the new model and load weights
-        trained for the old one); warn where other settings of ``up`` differ (`kiln train --set
-        train.epochs=4`, then `kiln export` without it: the export reads the 4-epoch weights, which this config
-        would not make). Kiln's own code and the data are not compared here: a rerun of the stage compares them."""
+        """Stop before ``stage`` reads ``up``'s folder where that was made for another model (its config section:
+        `kiln export` with other model.params would build another model and load weights trained for the old one);
+        warn where other settings of ``up`` differ (`kiln train --set train.epochs=4`, then `kiln export` without
+        it: the export reads the 4-epoch weights, which this config would not make), and where the user's code
+        changed since: its hash covers the model's whole module and what it imports, so an edited data function or
+        comment changes it as an edited model does, and only the user can tell which. Kiln's own code and the data
+        are not compared here: a rerun of the stage compares them."""
         declared = self.upstream.get(up)
         old = (read_manifest(self.workdir / up) or {}).get("key_parts")
         if declared is None or not isinstance(old, dict):
@@ -416,22 +418,32 @@ class Runner:
             changed.append("user_code")
         if not changed:
             return
-        model = self.config.model.name
         said = ", ".join(c.removeprefix("config.") for c in changed)
-        if "config.model" in changed or f"user_code.{model}" in changed:
+        if "config.model" in changed:
             raise KilnError(
                 f"{up} is out of date: the model changed since it ran ({said}), and stage '{stage.name}' reads "
                 f"its output",
                 hint=f"run `kiln run` (or `kiln {up}`, then the stages after it) with this config and --workdir",
             )
-        log.warning(
-            "%s was made with other settings than this command's (%s differ), and stage '%s' reads its output: "
-            "`kiln run` with this config redoes it; the same --set values as `kiln %s` had keep it",
-            up,
-            said,
-            stage.name,
-            up,
-        )
+        code = [c.removeprefix("user_code.") for c in changed if c.startswith("user_code")]
+        if code:
+            log.warning(
+                "%s ran before your code changed (%s), and stage '%s' reads its output: if the model changed, "
+                "`kiln %s` (or `kiln run`) redoes it; else ignore this",
+                up,
+                ", ".join(code),
+                stage.name,
+                up,
+            )
+        if len(code) < len(changed):
+            log.warning(
+                "%s was made with other settings than this command's (%s differ), and stage '%s' reads its output: "
+                "`kiln run` with this config redoes it; the same --set values as `kiln %s` had keep it",
+                up,
+                ", ".join(c.removeprefix("config.") for c in changed if not c.startswith("user_code")),
+                stage.name,
+                up,
+            )
 
     def _load_dataset(self) -> Any:
         """The run's dataset, loaded on first use and kept for the run: the user's data function is called once a

@@ -309,8 +309,11 @@ def refuse_traced_branch(fixed: list[str], errors: list[str]) -> None:
     (a data-dependent guard), the graph holds only the branch the example took and computes it for every input,
     which the parity check passes whenever the data takes that branch too: an error. Otherwise the values may be
     shapes or constants: said in the log, with the places, since the parity check compares only the data."""
-    places = ", ".join(fixed[:3]) + (f" and {len(fixed) - 3} more" if len(fixed) > 3 else "")
     dynamo = next((e for e in errors if e.startswith("dynamo")), "")
+    named = re.search(r"\(in \w+\(\) at ([^)]+):(\d+)\)", dynamo)  # the line dynamo's error names
+    at = f"{Path(named.group(1)).name}:{named.group(2)}" if named else None
+    shown = [at] if at in fixed else fixed  # the branch's own line, not every shape read the trace warned of
+    places = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
     if any(k in dynamo for k in _DATA_DEPENDENT):
         raise ModelError(
             f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "

@@ -513,3 +513,21 @@ def test_a_stage_alone_warns_where_its_upstream_had_other_settings(
         result = alone(tmp_path, "second", stages)
     assert result.ok and statuses(result) == {"second": "ran"}
     assert "first was made with other settings than this command's (train differ)" in caplog.text
+
+
+def test_a_stage_alone_warns_where_the_users_code_changed_since_its_upstream_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The code hash covers the model's whole module: an edited data function in it changes the hash as an edited
+    model does, and only the user knows which it was. A warning, not a stop (which refused legitimate runs)."""
+    (tmp_path / "mine.py").write_text(
+        "import torch\n\ndef make():\n    return torch.nn.Linear(2, 2)\n\n\ndef data():\n    return 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stages, work = modelled_stages(), tmp_path / "w"
+    assert alone(work, "model", stages, **{"model.name": "mine:make"}).ok
+    (tmp_path / "mine.py").write_text((tmp_path / "mine.py").read_text().replace("return 1", "return 2"))
+    with caplog.at_level("WARNING", logger="kiln"):
+        result = alone(work, "second", stages, **{"model.name": "mine:make"})
+    assert result.ok and statuses(result) == {"second": "ran"}
+    assert "model ran before your code changed (mine:make)" in caplog.text

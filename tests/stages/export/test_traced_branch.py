@@ -4,6 +4,7 @@ pass off the one branch its trace took as the model."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,21 @@ class Branches(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.sum().item() > 0:
+            return self.a(x)
+        return self.b(x)
+
+
+class ReshapesThenBranches(nn.Module):
+    """A shape read as a Python number (the trace warns of it too), then the branch on the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = int(math.sqrt(x.shape[1]))  # SHAPE LINE
+        x = x.reshape(x.shape[0], side * side)
+        if x.sum().item() > 0:  # BRANCH LINE
             return self.a(x)
         return self.b(x)
 
@@ -50,3 +66,11 @@ def test_a_traced_constant_is_said_not_refused(tmp_path: Path, caplog: pytest.Lo
     with caplog.at_level(logging.WARNING, logger="kiln.export"):
         export_onnx(ReadsAConstant().eval(), torch.ones(3, 4), tmp_path / "m.onnx", opset=17)
     assert "fixed values the model's Python code reads from tensors at test_traced_branch.py:" in caplog.text
+
+
+def test_the_refusal_names_the_branch_dynamo_named_not_the_shape_reads(tmp_path: Path) -> None:
+    lines = Path(__file__).read_text().splitlines()
+    branch = next(i for i, line in enumerate(lines, 1) if line.endswith("# BRANCH LINE"))
+    with pytest.raises(ModelError) as err:
+        export_onnx(ReshapesThenBranches().eval(), torch.ones(3, 4), tmp_path / "m.onnx")
+    assert f"from its inputs' values at test_traced_branch.py:{branch} (" in err.value.message
