@@ -282,8 +282,9 @@ class Variants(Record):
 
 # ------------------------------------------------------------------------------------------------------ validation
 class Percentiles(Part):
-    """Latency of one call in ms. Timed in interleaved rounds (:func:`kiln.core.timing.interleave`): ``ci95`` is a
-    95 % interval of the median from the per-round medians (``rounds``), and ``spread`` its width over p50."""
+    """Latency of one call in ms. Timed in interleaved rounds (:func:`kiln.core.timing.interleave`): ``p50`` is the
+    median of the per-round medians (``rounds``), ``ci95`` its 95 % interval from them, and ``spread`` that
+    interval's width over p50; ``p90`` and ``p99`` are of every call, held at p50 or above."""
 
     p50: float
     p90: float
