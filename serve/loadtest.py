@@ -326,10 +326,12 @@ def _run_file(path: Path, name: str) -> Path | None:
     return workdir / name if (workdir / name).is_file() else None
 
 
-def _repository_names(workdir: Path) -> dict[str, str]:
-    """Triton model name -> engine name, from the package stage's record (its repositories' names)."""
-    record = workdir / "package" / PACKAGE_INDEX
-    if not record.is_file():
+def _repository_names(path: Path) -> dict[str, str]:
+    """Triton model name -> engine name, from the package stage's record (its repositories' names), found from a
+    workdir, a package folder, or an engine folder in either (``package/engines/<engine>``, ``build/<engine>``)."""
+    places = (path / "package", path, path.parent.parent, path.parent.parent / "package")
+    record = next((p / PACKAGE_INDEX for p in places if (p / PACKAGE_INDEX).is_file()), None)
+    if record is None:
         return {}
     models = json.loads(record.read_text()).get("models", [])
     return {m[key]: m["engine"] for m in models for key in ("triton_model", "triton_python_model") if key in m}

@@ -847,3 +847,14 @@ def test_gpus_all_serves_one_endpoint_over_every_gpu(workdir: Path, config: Kiln
     level = result["levels"][0]
     assert level["requests"] == 200 and level["mismatches"] == 0 and level["errors"] == 0, level
     _stop_and_check(proc, descendants, signal.SIGTERM)
+
+
+def test_loadtest_takes_the_packages_model_names_given_an_engine_folder(workdir: Path) -> None:
+    """`kiln loadtest -e <package>/engines/<engine> --model <the package's Triton name>` was refused with a list of
+    names the server did not have; the workdir took the same name."""
+    from kiln.serve.loadtest import engine_for
+
+    record = json.loads((workdir / "package" / "kiln-package.json").read_text())["models"][0]
+    folder = workdir / "package" / "engines" / record["engine"]
+    for name in (record["triton_model"], record["triton_python_model"]):
+        assert engine_for(folder, name).meta.name == engine_for(workdir, name).meta.name == record["engine"]
