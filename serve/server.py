@@ -949,9 +949,9 @@ def _until_pytriton_cleaned(triton: Any, timeout_s: float = 2.0) -> None:
 def _declare_ready(
     stop: _StopRequest, on_ready: Callable[[list[ServedEngine]], None] | None, served: list[ServedEngine]
 ) -> None:
-    """The server answers: unless a stop came during the start (:class:`_Stopped`), it is served from here on, and
-    ``on_ready`` says so. A stop after this is the server's normal end."""
-    stop.check()
+    """The server answers (:func:`wait_ready` found it ready): it is served from here on, and ``on_ready`` says so,
+    also where a stop came since that poll (a client may have been answered meanwhile). A stop from here on is the
+    server's normal end: requests in flight drain."""
     stop.abort_start, stop.served = None, True
     if on_ready is not None:
         on_ready(served)
@@ -1348,14 +1348,14 @@ def wait_ready(
     """Poll Triton's readiness endpoints until the server and ``models`` are ready and every port in
     ``listening`` (on the URL's host) accepts connections. Triton opens its metrics port after its HTTP one, so
     a ready HTTP endpoint alone leaves a moment, longer on a busy machine, where the metrics are refused.
-    ``check`` is called before each poll and after the last: it ends the wait by raising (a stop asked meanwhile)."""
+    ``check`` is called after each poll that finds the server not ready: it ends the wait by raising (a stop asked
+    meanwhile). A server found ready returns, whatever came meanwhile: it answers from then on (a client or a
+    readiness probe polling it may have been answered already), so a stop from then on is its normal end."""
     deadline = time.monotonic() + timeout_s
     address = url.removeprefix("http://")
     host = address.rsplit(":", 1)[0].strip("[]")
     paths = ["/v2/health/ready", *(f"/v2/models/{urllib.parse.quote(m)}/ready" for m in models)]
     while time.monotonic() < deadline:
-        if check is not None:
-            check()
         if process is not None and process.poll() is not None:
             raise KilnError(
                 f"tritonserver exited with code {process.returncode} before it was ready", hint="see its log"
@@ -1363,11 +1363,11 @@ def wait_ready(
         try:
             ready = all(triton_http(address, p, timeout_s=5.0)[0] == 200 for p in paths)
             if ready and all(_accepts(host, port) for port in listening):
-                if check is not None:
-                    check()
                 return
         except OSError:  # connection refused while it starts: keep polling until the deadline
             pass
+        if check is not None:
+            check()
         time.sleep(0.1)
     raise KilnError(f"Triton at {url} was not ready within {timeout_s:.0f} s", hint="see the server's log")
 
