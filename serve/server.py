@@ -1355,19 +1355,28 @@ def wait_ready(
     address = url.removeprefix("http://")
     host = address.rsplit(":", 1)[0].strip("[]")
     paths = ["/v2/health/ready", *(f"/v2/models/{urllib.parse.quote(m)}/ready" for m in models)]
+
+    def ready() -> bool:
+        try:
+            answers = all(triton_http(address, p, timeout_s=5.0)[0] == 200 for p in paths)
+            return answers and all(_accepts(host, port) for port in listening)
+        except OSError:  # connection refused while it starts: keep polling until the deadline
+            return False
+
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise KilnError(
                 f"tritonserver exited with code {process.returncode} before it was ready", hint="see its log"
             )
-        try:
-            ready = all(triton_http(address, p, timeout_s=5.0)[0] == 200 for p in paths)
-            if ready and all(_accepts(host, port) for port in listening):
-                return
-        except OSError:  # connection refused while it starts: keep polling until the deadline
-            pass
+        if ready():
+            return
         if check is not None:
-            check()
+            try:
+                check()
+            except BaseException:  # a stop: unless the server became ready while the poll above ran
+                if ready():
+                    return
+                raise
         time.sleep(0.1)
     raise KilnError(f"Triton at {url} was not ready within {timeout_s:.0f} s", hint="see the server's log")
 
