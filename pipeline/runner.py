@@ -216,8 +216,13 @@ def cache_key(
     data = {name: memo[name] for name in stage.data if memo[name] is not None}
     if data:
         parts["user_data"] = data
-    # as the manifest keeps them (JSON: an axis 1 becomes "1"), so that what_changed compares like with like
-    return hash_json(parts), json.loads(json.dumps(parts, default=str))
+    return hash_json(parts), as_recorded(parts)
+
+
+def as_recorded(parts: dict[str, Any]) -> dict[str, Any]:
+    """Key parts as the manifest keeps them (JSON: an axis 1 becomes "1"), so that what_changed compares like with
+    like."""
+    return json.loads(json.dumps(parts, default=str))
 
 
 # Config keys that may name the user's own code by import path (``package.module:function``), each with the name
@@ -412,7 +417,7 @@ class Runner:
         old = (read_manifest(self.workdir / up) or {}).get("key_parts")
         if declared is None or not isinstance(old, dict):
             return
-        now = json.loads(json.dumps(user_parts(declared, self.config), default=str))
+        now = as_recorded(user_parts(declared, self.config))
         changed = what_changed({k: old.get(k) for k in now}, now)
         if "user_code" in old and "user_code" not in now:
             changed.append("user_code")

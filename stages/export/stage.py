@@ -283,7 +283,7 @@ def _export(
         warnings.simplefilter("ignore")
         warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(model, args, str(path), **kw)
-    return list(dict.fromkeys(_traced_value(w) for w in said if _traced_value(w)))
+    return list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
 
 
 # The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,
