@@ -29,9 +29,16 @@ FP32_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNor
 
 
 def resolve_device(cfg: TrainConfig, local_rank: int | None = None) -> torch.device:
+    """The device this process trains on; settings that cannot work there are refused here, first."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("train.device is 'cuda' but no CUDA GPU is visible", hint="set train.device: cpu or auto")
     kind = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if cfg.update_graph == "on" and kind != "cuda":  # said before the data and the model are loaded
+        raise TrainingError(
+            "train.update_graph: on needs a CUDA device (the update is captured as a CUDA graph); "
+            "this run trains on the CPU",
+            hint="set train.update_graph: auto (captured where possible) or off",
+        )
     if kind == "cuda" and local_rank is not None:
         return torch.device("cuda", local_rank)
     return torch.device(kind)

@@ -201,6 +201,7 @@ def run(ctx: StageContext[TrainSettings]) -> TrainSummary:
         return TrainSummary(status="skipped", source=cfg.model.onnx)
     if cfg.model.checkpoint or not cfg.train.enabled:
         return _skip(ctx)
+    resolve_device(cfg.train)  # a device or a setting this machine cannot honour is refused before the data load
     ckpt_dir = checkpoint_dir(cfg, ctx.cache_dir)
     sources = trained_from(ctx.key_parts)
     if cfg.train.distributed.nproc_per_node > 1 and not env_from_torchrun().enabled:

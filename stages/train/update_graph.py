@@ -49,10 +49,13 @@ def wanted(setting: str, device: torch.device, skips_on_device: bool, processes:
     ``on`` where it cannot work is an error: the setting cannot be honoured."""
     possible = device.type == "cuda" and skips_on_device
     if setting == "on" and not possible:
-        why = "a CUDA device" if device.type != "cuda" else "a fused optimizer (train.fused: true or null)"
+        why = (
+            "a CUDA device: the update is captured as a CUDA graph"
+            if device.type != "cuda"
+            else "a fused optimizer (train.fused: true or null): a non-fused one decides on the host whether to step"
+        )
         raise TrainingError(
-            f"train.update_graph: on needs {why}: the update is captured as a CUDA graph, and a "
-            "non-fused optimizer decides on the host whether to step",
+            f"train.update_graph: on needs {why}",
             hint="set train.update_graph: auto (captured where possible) or off",
         )
     return possible and (setting == "on" or (setting == "auto" and processes == 1))

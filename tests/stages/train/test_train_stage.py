@@ -50,6 +50,21 @@ def test_a_dynamic_axis_of_an_input_the_model_lacks_fails_before_training(tmp_pa
     assert [r.status for r in result.records] == ["failed"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("setting", ["train.device", "train.update_graph"])
+def test_a_setting_this_machine_cannot_honour_is_refused_before_the_data_load(
+    tmp_path: Path, monkeypatch, setting: str
+) -> None:
+    from kiln.core.stage import StageContext
+
+    monkeypatch.setattr(StageContext, "dataset", lambda self: pytest.fail("data loaded"))
+    value = {"train.device": "cuda", "train.update_graph": "on"}[setting]
+    cfg = config_from_dict(tiny_config_dict(**{setting: value}))
+    result = Runner(cfg, tmp_path, STAGES).run(stop="train")
+    assert setting in str(result.error) or "no CUDA GPU" in str(result.error)
+    assert "set train." in result.error.hint
+
+
 def test_same_seed_same_weights(tmp_path: Path) -> None:
     same = {"train.deterministic": True, "train.precision": "fp32", "train.epochs": 1}
     _, a = _run(tmp_path / "a", **same)

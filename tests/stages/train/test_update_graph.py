@@ -221,7 +221,7 @@ def test_a_failed_capture_leaves_the_update_eager_with_one_warning(
     monkeypatch.setattr(update_graph, "wanted", lambda *args: True)  # as on a GPU
     graphed = tiny_net()
     with caplog.at_level(logging.WARNING, logger="kiln.train"):
-        r = train(graphed, tiny_data(), with_graph(cfg, "on"))
+        r = train(graphed, tiny_data(), with_graph(cfg, "auto"))
     assert r.update_graph == {
         "captured": False,
         "from_step": None,
