@@ -23,6 +23,7 @@ Needs ``ray[serve]`` (``pip install "kiln[ray]"``), imported here: the package s
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -40,6 +41,7 @@ from kiln.core.errors import InputFileError
 from kiln.core.records import EngineMetadata, TensorSpec
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine
+from kiln.stages.package.rayserve import HEALTH_APP
 from kiln.stages.package.triton import TRITON_TYPES, served_max_batch
 
 log = logging.getLogger("ray.serve")
@@ -423,6 +425,39 @@ class KilnEngine:
         """Ray's periodic health check: a replica whose engine failed says why, and Ray replaces it."""
         if self.failure is not None:
             raise RuntimeError(f"model {self.model_name}: engine failed: {self.failure}")
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class ServerHealth:
+    """KServe v2's server-level health routes, as Triton answers them (``tritonclient``'s ``is_server_live`` and
+    ``is_server_ready``, a Kubernetes probe): ``GET /v2/health/live`` is 200 once Ray's proxy routes requests here;
+    ``GET /v2/health/ready`` is 200 when every other application of this Serve instance is running, else 503 naming
+    those that are not with their status. The applications are read from Serve's own status, so that one removed
+    from ``serve.yaml`` is not waited for and one whose replica is being replaced is not ready."""
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path.rstrip("/")
+        if request.method == "GET" and path.endswith("/live"):
+            return Response(status_code=200)
+        if request.method == "GET" and path.endswith("/ready"):
+            waiting = await asyncio.to_thread(not_running)
+            if not waiting:
+                return Response(status_code=200)
+            listed = ", ".join(f"{name} {status}" for name, status in waiting.items())
+            return JSONResponse({"error": f"not ready: {listed}"}, 503)
+        return JSONResponse({"error": f"no route {request.method} {path}: GET /v2/health/live or /ready"}, 404)
+
+
+def not_running() -> dict[str, str]:
+    """The applications of this Serve instance, other than the health routes', that are not running: their status
+    by name (DEPLOYING, UNHEALTHY, DEPLOY_FAILED)."""
+    apps = serve.status().applications
+    return {name: str(app.status.value) for name, app in apps.items() if name != HEALTH_APP and app.status != "RUNNING"}
+
+
+def build_health(args: dict[str, Any]) -> Any:
+    """Ray Serve's application builder for the health routes (``import_path: kiln.serve.ray_app:build_health``)."""
+    return ServerHealth.bind()
 
 
 def engine_folder(engine_dir: str) -> Path:

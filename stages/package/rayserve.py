@@ -24,10 +24,14 @@ from kiln.core.records import EngineMetadata
 from kiln.stages.package.config import RayConfig
 
 IMPORT_PATH = "kiln.serve.ray_app:build_app"
+# KServe v2's server-level routes (/v2/health/live, /v2/health/ready) as an application of their own
+HEALTH_APP = "kiln-health"
+HEALTH_IMPORT_PATH = "kiln.serve.ray_app:build_health"
 ENGINES = "engines"  # the package's engine folders, one per engine, beside ray/
 HEADER = """\
 # Ray Serve config written by Kiln's package stage: one application per validated engine, KServe v2 JSON at
-# POST http://HOST:PORT/v2/models/<model>/infer. Start it from the package folder (engine_dir is relative to it):
+# POST http://HOST:PORT/v2/models/<model>/infer, and kiln-health: GET /v2/health/ready once all of them run.
+# Start it from the package folder (engine_dir is relative to it):
 #   cd <package> && serve run ray/serve.yaml
 # (on a Ray cluster: RAY_ADDRESS=... serve deploy ray/serve.yaml, each application's runtime_env.working_dir naming
 # the package, e.g. local:///shared/path/package; every node needs kiln installed).
@@ -63,8 +67,13 @@ def serve_config(apps: list[dict[str, Any]], cfg: RayConfig) -> dict[str, Any]:
         "proxy_location": "EveryNode",
         "http_options": {"host": cfg.host, "port": cfg.port},
         "logging_config": logging_config,
-        "applications": apps,
+        "applications": [*apps, health_application()],
     }
+
+
+def health_application() -> dict[str, Any]:
+    """The server's health routes, as Triton serves them: ready once every engine's application runs."""
+    return {"name": HEALTH_APP, "route_prefix": "/v2/health", "import_path": HEALTH_IMPORT_PATH, "args": {}}
 
 
 def write_serve_config(target: Path, apps: list[dict[str, Any]], cfg: RayConfig) -> None:

@@ -110,8 +110,11 @@ def test_the_packaged_ray_app_serves_checked_answers_refuses_bad_requests_and_re
     serve_yaml = yaml.safe_load((shipped / "ray" / "serve.yaml").read_text())
     port = free_port()
     serve_yaml["http_options"]["port"] = port  # the only change: a free port for the test
-    app = next(a for a in serve_yaml["applications"] if a["args"]["engine_dir"].endswith("onnxruntime-cpu-fp32"))
-    serve_yaml["applications"] = [app]
+    app = next(
+        a for a in serve_yaml["applications"] if a["args"].get("engine_dir", "").endswith("onnxruntime-cpu-fp32")
+    )
+    health = next(a for a in serve_yaml["applications"] if a["route_prefix"] == "/v2/health")
+    serve_yaml["applications"] = [app, health]  # one engine's application and the server's health routes
     (shipped / "ray" / "serve.yaml").write_text(yaml.safe_dump(serve_yaml))
     model = app["args"]["model_name"]
     base = f"http://127.0.0.1:{port}/v2/models/{model}"
@@ -134,6 +137,7 @@ def test_the_packaged_ray_app_serves_checked_answers_refuses_bad_requests_and_re
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=out, cwd=shipped)
     try:
         _wait_ready(f"{base}/ready", proc, log)
+        _wait_ready(f"http://127.0.0.1:{port}/v2/health/ready", proc, log)  # the server's, once every app runs
         lt = loadtest(f"ray://127.0.0.1:{port}", model, workdir, tmp_path / "lt", [4], 60, 40, config=config)
         level = lt["levels"][0]
         assert level["requests"] == 40 and level["mismatches"] == 0 and level["errors"] == 0, level
@@ -158,6 +162,7 @@ def test_the_packaged_ray_app_serves_checked_answers_refuses_bad_requests_and_re
         tensor = httpclient.InferInput("input", [1, 1, 8, 8], "FP32")
         tensor.set_data_from_numpy(np.full((1, 1, 8, 8), 0.5, np.float32))
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=READY_TIMEOUT_S)
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(model)
         result = client.infer(model, [tensor])
         assert np.allclose(result.as_numpy(body["outputs"][0]["name"]).ravel(), want)
         # A dead replica: its process killed. The server keeps answering (an error naming the problem, or the answer

@@ -397,3 +397,31 @@ def test_json_values_of_another_type_than_the_input_are_refused_never_cast(
     ]
     [response] = asyncio.run(_responses(replica, _http(json.dumps({"inputs": inputs}).encode())))
     assert response.status_code == 400 and "value 0 is 1.7" in json.loads(response.body)["error"] and not calls
+
+
+def _get(path: str) -> Request:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    return Request({"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}, receive)
+
+
+def test_the_server_health_routes_are_ready_only_when_every_engine_application_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GET /v2/health/ready (tritonclient's is_server_ready, a Kubernetes probe) follows Serve's own status of the
+    engines' applications; the health application's own status is not waited on."""
+    from ray.serve.schema import ApplicationStatus
+
+    statuses = {"kiln_a": ApplicationStatus.RUNNING, "kiln_b": ApplicationStatus.DEPLOYING}
+    statuses[ray_app.HEALTH_APP] = ApplicationStatus.DEPLOYING
+    apps = {name: SimpleNamespace(status=s) for name, s in statuses.items()}
+    monkeypatch.setattr(serve, "status", lambda: SimpleNamespace(applications=apps))
+    health = ray_app.ServerHealth.func_or_class()
+    call = lambda path: asyncio.run(health(_get(path)))  # noqa: E731
+    assert call("/v2/health/live").status_code == 200
+    waiting = call("/v2/health/ready")
+    assert waiting.status_code == 503 and json.loads(waiting.body) == {"error": "not ready: kiln_b DEPLOYING"}
+    apps["kiln_b"].status = ApplicationStatus.RUNNING
+    assert call("/v2/health/ready").status_code == 200
+    assert call("/v2/health/other").status_code == 404

@@ -95,10 +95,12 @@ def test_a_packaged_run_writes_the_ray_config_and_the_manifest(tmp_path: Path) -
     assert result.ok
     package = tmp_path / "run" / "package"
     serve = yaml.safe_load((package / "ray" / "serve.yaml").read_text())
-    [app] = [a for a in serve["applications"] if a["args"]["engine_dir"].endswith("onnxruntime-cpu-fp32")]
+    [app] = [a for a in serve["applications"] if a["args"].get("engine_dir", "").endswith("onnxruntime-cpu-fp32")]
     assert (package / app["args"]["engine_dir"]).is_dir()  # the packaged folder, not the stage's staging one
     assert app["route_prefix"] == f"/v2/models/{app['args']['model_name']}"
     assert serve["logging_config"] == {"enable_access_log": False}  # no line per request on serve run's stderr
+    health = serve["applications"][-1]  # the server's /v2/health routes, beside the engines' applications
+    assert health["route_prefix"] == "/v2/health" and health["import_path"].endswith(":build_health")
     ray_schema = pytest.importorskip("ray.serve.schema", reason="ray[serve] (kiln[ray]) is not installed")
     ray_schema.ServeDeploySchema.model_validate(serve)  # what `serve run` reads the file as
     check_manifest(yaml.safe_load((package / "kserve.yaml").read_text()))
@@ -123,7 +125,7 @@ def test_a_package_copied_elsewhere_serves_its_own_engines_through_ray(
     shutil.rmtree(tmp_path / "run")
     serve = yaml.safe_load((shipped / "ray" / "serve.yaml").read_text())
     monkeypatch.chdir(shipped)  # a local Ray cluster's processes run where `serve run` started
-    for app in serve["applications"]:
+    for app in (a for a in serve["applications"] if a["import_path"].endswith(":build_app")):
         engine_dir, *rest = build_app(app["args"])._bound_deployment.init_args
         replica = KilnEngine.func_or_class(engine_dir, *rest)
         try:
