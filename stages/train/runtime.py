@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +16,8 @@ import torch
 
 log = logging.getLogger("kiln.train")
 SKIPPED = 2  # profiler steps before the trace: 1 waited, 1 warm-up
+# What the profiler's C++ library (kineto) prints on stderr as it starts and stops, whatever the log level or -q
+KINETO_NOISE = re.compile(r"(USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] ")
 
 
 @contextmanager
@@ -62,20 +67,65 @@ def profiler(steps: int, device: torch.device, out_dir: Path | None) -> Iterator
         got = max(0, min(steps, prof.step_num - SKIPPED))
         if got < steps:
             log.warning(
-                "profiler trace of %d steps, not %d: the run has only %d steps (the first %d are not recorded): %s",
+                "profiler trace of %d steps, not %d: the run has only %d steps (the first %d are not recorded): "
+                "trace.json in the train stage's folder",
                 got,
                 steps,
                 prof.step_num,
                 SKIPPED,
-                trace,
             )
         else:
-            log.info("profiler trace of %d steps: %s", got, trace)
+            log.info("profiler trace of %d steps: trace.json in the train stage's folder", got)
 
-    with profile(
+    prof = profile(
         activities=activities,
         schedule=schedule(wait=1, warmup=SKIPPED - 1, active=steps, repeat=1),
         on_trace_ready=write,
         record_shapes=True,
-    ) as prof:
-        yield prof
+    )
+    with stderr_without(KINETO_NOISE):
+        prof.__enter__()
+    try:
+        yield _QuietSteps(prof, last=SKIPPED + steps)
+    finally:
+        with stderr_without(KINETO_NOISE):
+            prof.__exit__(*sys.exc_info())
+
+
+class _QuietSteps:
+    """``prof.step()`` with kineto's start and stop lines dropped from stderr, up to the step that ends the trace;
+    anything else written there meanwhile is written after the step."""
+
+    def __init__(self, prof: Any, last: int) -> None:
+        self.prof, self.last = prof, last
+
+    def step(self) -> None:
+        if self.prof.step_num > self.last:
+            self.prof.step()
+            return
+        with stderr_without(KINETO_NOISE):
+            self.prof.step()
+
+
+@contextmanager
+def stderr_without(noise: re.Pattern[str]) -> Iterator[None]:
+    """Run the block with file descriptor 2 (C++ libraries write there directly) going to a temporary file, then
+    write what it caught back to stderr but for the lines ``noise`` matches."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [
+                line
+                for line in caught.read().splitlines(keepends=True)
+                if not noise.match(line.decode("utf-8", "replace"))
+            ]
+            if kept:
+                os.write(2, b"".join(kept))

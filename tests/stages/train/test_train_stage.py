@@ -81,6 +81,19 @@ def test_profiler_trace_and_eval_every(tmp_path: Path) -> None:
     assert [m["val_accuracy"] is not None for m in manifest["summary"]["epochs"]] == [False, True]
 
 
+def test_the_profilers_own_start_and_stop_lines_are_not_on_stderr(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """kineto prints them from C++ whatever the log level (`-q` too); other lines written there stay."""
+    import os
+
+    from kiln.stages.train.runtime import KINETO_NOISE, stderr_without
+
+    _run(tmp_path, **{"train.profile_steps": 2, "train.epochs": 1, "train.plot": False})
+    assert "SyncActivityProfilerHandler" not in capfd.readouterr().err
+    with stderr_without(KINETO_NOISE):
+        os.write(2, b"USDT:2026-12-05 18:24:41 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\nkept\n")
+    assert capfd.readouterr().err == "kept\n"
+
+
 def test_profile_longer_than_the_run_says_how_many_steps_it_traced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
