@@ -327,6 +327,7 @@ class Baseline(Part):
     metric_name: str | None = None
     compared: list[str] = Field(default_factory=list)  # the outputs every engine is compared on
     shapes: list[dict[str, int]] = Field(default_factory=list)  # dynamic axis sizes validated at (besides batch)
+    scored_at: dict[str, int] | None = None  # the dynamic axis sizes accuracy and the metric are measured at
     memory: Memory | None = None
     error: str | None = None  # why this baseline has no numbers (e.g. torch.compile failed, no CUDA for torch)
 

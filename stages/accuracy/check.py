@@ -390,8 +390,10 @@ def scoring_point(
     those sizes, they are added as a shape of their own if they lie within every axis's validated range (what the
     engines are built for); else accuracy and the metric are measured nowhere (None), said as a warning: their
     gates are not applied."""
-    if labels is None or not per_position(labels):
+    if labels is None:
         return feeds, len(feeds) - 1
+    if not per_position(labels):
+        return row_scoring_point(own, feeds, axes, metric)
     fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes)) if y is not None]
     if fit:
         return feeds, fit[-1]
@@ -407,6 +409,35 @@ def scoring_point(
         " and the metric" if metric else "",
         _sizes(point),
         _shape(labels),
+    )
+    return [*feeds[:at], (point, own), *feeds[at:]], at
+
+
+def row_scoring_point(own: Feed, feeds: Points, axes: Axes, metric: bool) -> tuple[Points, int]:
+    """Where labels per row are scored: the data's own sizes, the inputs the labels were given for (audio padded
+    with silence or an image padded with black is another input, whose label may differ). The last validated
+    shape with those sizes; else, where they lie within every axis's validated range, a shape of their own added
+    to the feeds; else the last shape, said as a warning (the inputs there are cut or padded from the data's)."""
+    point = {k: v for k, v in own_point(own, axes).items() if k != "batch"}
+    same = [i for i, (p, _) in enumerate(feeds) if all(p.get(k) == v for k, v in point.items())]
+    if same:
+        return feeds, same[-1]
+    ranges = axis_ranges([p for p, _ in feeds])
+    if any(k in ranges and not ranges[k][0] <= v <= ranges[k][1] for k, v in point.items()):
+        log.warning(
+            "task accuracy%s measured at %s, the held-out inputs cut or padded from the data's own sizes (%s), "
+            "which lie outside the validated ranges: add the data's sizes to signature.shapes to score the inputs "
+            "as labelled",
+            " and the metric" if metric else "",
+            _sizes(feeds[-1][0]),
+            _sizes(point),
+        )
+        return feeds, len(feeds) - 1
+    at = next((i for i, (p, _) in enumerate(feeds[:-1]) if sum(p.values()) > sum(point.values())), len(feeds) - 1)
+    log.info(
+        "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones",
+        " and the metric" if metric else "",
+        _sizes(point),
     )
     return [*feeds[:at], (point, own), *feeds[at:]], at
 

@@ -47,7 +47,7 @@ def report_section(v: ValidationResult) -> list[str]:
         f"## Validation against {against}",
         "",
         f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
-        f"samples. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
+        f"samples{_scored_at(b)}. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
         f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
         *_compared(b),
         *_narrower(v),
@@ -251,6 +251,12 @@ def worst_sample_cosine(e: EngineValidation) -> float | None:
     if not values:
         return None
     return float("nan") if any(math.isnan(v) for v in values) else min(values)
+
+
+def _scored_at(b: Any) -> str:
+    """Where a model with dynamic axes was scored: the sizes of its inputs there (``seq=128``)."""
+    at = getattr(b, "scored_at", None)
+    return f" at {', '.join(f'{k}={v}' for k, v in sorted(at.items()))}" if at and b.accuracy is not None else ""
 
 
 def _reference(b: Any) -> str:

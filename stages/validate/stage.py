@@ -521,6 +521,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     for b in {id(b): b for b in [*baselines, baseline]}.values():
         b.accuracy = accuracy  # the same weights in FP32 (eager or compiled): the CPU reference's accuracy
         b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
+        b.scored_at = ref.feeds[ref.score][0] or None if ref.score is not None else None
         b.labelled_positions = scored_positions(ref, labelled)
         b.metric, b.metric_name = ref.metric_value, cfg.metric
         b.accuracy_note = accuracy_absent(ref, data)

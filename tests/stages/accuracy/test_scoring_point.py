@@ -112,3 +112,59 @@ def test_the_report_says_the_accuracy_gate_was_not_applied() -> None:
     base.labelled_positions = 1024
     compared = next(line for line in report_section(v) if line.startswith("Compared outputs"))
     assert "top-1 agreement and accuracy on 'out', counted over the 1,024 labelled positions" in compared
+
+
+SIGNAL = {"input": {1: "samples"}}
+
+
+def _signals() -> DatasetSplits:
+    """Clips [N, 16] labelled by their mean's sign: padding them with silence dilutes what decides the label."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)) + 0.2
+    y = (x.mean(1) > 0.3).long()
+    return DatasetSplits(x[:32], y[:32], x[32:], y[32:], num_classes=2)
+
+
+def _thresholds(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Class logits of a clip: [0.3, mean], whatever its length (the model the labels came from at length 16)."""
+    mean = feed["input"].mean(1)
+    return {"logits": np.stack([np.full_like(mean, 0.3), mean], 1)}
+
+
+def _signal_reference(shapes: dict[str, list[int]], caplog: pytest.LogCaptureFixture) -> Any:
+    data = _signals()
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), SIGNAL, shapes, None)
+    with caplog.at_level("INFO", logger="kiln.validate"):
+        return held_out_reference(_thresholds, feeds, data, "logits", CheckConfig(), [1, 8], SIGNAL)
+
+
+def test_labels_per_row_are_scored_at_the_datas_own_sizes_not_at_a_padded_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Clips of 16 samples validated at 4 and 64: at 64 each is three quarters silence, another input than the one
+    labelled (its accuracy falls to chance). The data's own 16 is validated beside them and accuracy measured
+    there, the model's real accuracy (1.0 here)."""
+    ref = _signal_reference({"samples": [4, 64]}, caplog)
+    assert [p for p, _ in ref.feeds] == [{"samples": 4}, {"samples": 16}, {"samples": 64}]
+    assert ref.score == 1 and ref.accuracy == 1.0
+    assert "measured at the data's own sizes (samples=16)" in caplog.text
+    padded = _thresholds(ref.feeds[-1][1])["logits"]
+    assert accuracy(padded, _signals().val_y.numpy()) < 0.9  # what was reported before: the padded clips' score
+
+
+def test_labels_per_row_outside_the_validated_range_are_scored_at_the_last_shape_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ref = _signal_reference({"samples": [32, 64]}, caplog)
+    assert len(ref.feeds) == 2 and ref.score == 1 and ref.accuracy is not None
+    assert "measured at samples=64, the held-out inputs cut or padded from the data's own sizes (samples=16)" in (
+        caplog.text
+    )
+
+
+def test_the_report_names_the_sizes_accuracy_was_measured_at() -> None:
+    from kiln.stages.validate.report import report_section
+
+    base = Baseline(accuracy=1.0, samples=32, latency_ms={}, logits_output="logits", compared=["logits"])
+    base.shapes, base.scored_at = [{"samples": 4}, {"samples": 16}, {"samples": 64}], {"samples": 16}
+    v = ValidationResult(passed=True, baseline=base, engines=[], failures=[])
+    assert any("accuracy 1.0000 on 32 held-out samples at samples=16." in line for line in report_section(v))
