@@ -89,6 +89,30 @@ class EngineSource(Part):
     kept_fp32: list[str] | None = None  # an FP16 engine converted from the FP32 graph: nodes kept FP32
 
 
+def takes_size(pattern: list[int], size: int) -> bool:
+    """Is ``size`` one of the sizes ``[period, *residues]`` allows (``[step, offset]``: offset + k * step)?"""
+    period, *residues = pattern
+    return size % period in {r % period for r in residues}
+
+
+def steps_text(pattern: list[int]) -> str:
+    """``[4, 0]`` -> " in steps of 4"; ``[4, 1]`` -> " in steps of 4 from 1"; ``[16, 0, 9, 10, 11]`` -> " at
+    sizes 0, 9-11 modulo 16"; ``[1, 0]`` (any size) -> ""."""
+    period, *residues = pattern
+    if period <= 1:
+        return ""
+    if len(residues) == 1:
+        return f" in steps of {period}" + (f" from {residues[0]}" if residues[0] else "")
+    runs: list[list[int]] = []
+    for r in sorted(set(residues)):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    listed = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f" at sizes {listed} modulo {period}"
+
+
 class EngineMetadata(Record):
     """``kiln-engine.json``: what an engine is, what it takes, and how it was built.
 
@@ -110,7 +134,8 @@ class EngineMetadata(Record):
     batch_range: tuple[int, int] | None = None  # smallest and largest batch the engine takes; None: any
     # dynamic axis besides batch -> [smallest, largest]: the sizes the engine was built and validated for
     axis_ranges: dict[str, list[int]] = Field(default_factory=dict)
-    # dynamic axis -> [step, offset]: an axis the engine takes only at sizes offset + k * step (a U-Net's height)
+    # dynamic axis -> [period, *residues]: an axis the engine takes only at sizes whose remainder by the period is
+    # one of the residues (a U-Net's height: [4, 0]; an FPN's that runs at 25-32 and 41-48: [16, 0, 9, ..., 15])
     axis_steps: dict[str, list[int]] = Field(default_factory=dict)
     # integer input -> [smallest, largest] value it may hold: the rows of the table it indexes (an embedding's
     # vocabulary; kiln.core.onnx_io.index_ranges)
@@ -199,12 +224,11 @@ class EngineMetadata(Record):
                 if not isinstance(dim, str) or dim not in self.axis_ranges or axis >= len(shape):
                     continue
                 low, high = self.axis_ranges[dim]
-                step, offset = self.axis_steps.get(dim, (1, 0))
-                if not low <= shape[axis] <= high or (shape[axis] - offset) % step:
-                    steps = f" in steps of {step}" + (f" from {offset}" if offset else "") if step > 1 else ""
+                pattern = self.axis_steps.get(dim, [1, 0])
+                if not low <= shape[axis] <= high or not takes_size(pattern, shape[axis]):
                     return (
                         f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was validated "
-                        f"for {dim} from {low} to {high}{steps}"
+                        f"for {dim} from {low} to {high}{steps_text(pattern)}"
                     )
         return None
 

@@ -7,12 +7,14 @@ import io
 import json
 import linecache
 import logging
+import random
 import re
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +62,7 @@ from kiln.core.onnx_io import (
     value_names,
 )
 from kiln.core.outputs import FlatModel, named_outputs
-from kiln.core.records import TensorSpec
+from kiln.core.records import TensorSpec, steps_text
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import StageContext
 from kiln.core.text import first_line, root_cause, short_reason
@@ -675,33 +677,66 @@ def check_validated_sizes(
 def size_steps(
     model: nn.Module, data: DatasetSplits, names: list[str], axes: Axes, shapes: Mapping[str, list[int]]
 ) -> dict[str, list[int]]:
-    """Dynamic axis -> ``[step, offset]`` where the model takes only the sizes ``offset + k * step`` between the
-    smallest and largest the later stages run (a U-Net's height: a multiple of 4 for its pooling and upsampling to
-    meet again), found by running PyTorch at the smallest size plus 1, 2, ...: the engines record it, and servers
-    refuse a size between the steps with an error naming them, where the engine would fail (or answer wrongly)."""
+    """Dynamic axis -> ``[period, *residues]`` where the model takes only the sizes between the smallest and largest
+    the later stages run whose remainder by the period is a residue (a U-Net's height: a multiple of 4 for its
+    pooling and upsampling to meet again, ``[4, 0]``; an FPN whose stride-2 convolutions round up runs at 25-32 and
+    41-48, ``[16, 0, 9, ..., 15]``), found by running PyTorch on one sample: the engines record it, and servers
+    refuse a size it excludes with an error naming the sizes, where the engine would fail (or answer wrongly)."""
     x = take(data.val_x, slice(0, 1))
     feed = feed_for_graph(x, names)
     seen = [feed_for_graph(take(s, slice(0, 1)), names) for s in (data.train_x, data.val_x) if rows(s)]
     sizes = axis_sizes(seen, axes, shapes) if axes else {}
     smallest = {label: min(v) for label, v in sizes.items() if v}
-
-    def runs(label: str, size: int) -> bool:
-        try:
-            _torch_outputs(model, from_feed(resize(feed, axes, {**smallest, label: size}), x))
-        except Exception:  # the model cannot take that size
-            return False
-        return True
-
     out = {}
     for label, values in sizes.items():
-        low, high = min(values), max(values)
-        if high - low < 2 or runs(label, low + 1):
-            continue
-        step = next((k for k in range(2, min(high - low, 64) + 1) if runs(label, low + k)), None)
-        if step is not None:
-            out[label] = [step, low % step]
-            log.info("signature axis %s: the model takes sizes %d + k * %d only", label, low % step, step)
+
+        @cache
+        def runs(size: int, label: str = label) -> bool:
+            try:
+                _torch_outputs(model, from_feed(resize(feed, axes, {**smallest, label: size}), x))
+            except Exception:  # the model cannot take that size
+                return False
+            return True
+
+        pattern = size_pattern(runs, min(values), max(values), label)
+        if pattern is not None:
+            out[label] = pattern
+            log.info("signature axis %s: the model takes sizes%s only", label, steps_text(pattern))
     return out
+
+
+SIZE_PROBES = 8  # sizes tried across an axis's range before it is probed whole
+MAX_PERIOD = 64  # the longest period looked for; the range is probed over two of them at most
+
+
+def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = "") -> list[int] | None:
+    """``[period, *residues]`` of the sizes from ``low`` to ``high`` that ``runs``, or None where it runs at every size
+    tried: the three after ``low`` and :data:`SIZE_PROBES` drawn across the range (a fixed draw, so that a rerun
+    finds the same). Otherwise the range is probed size by size (over two periods of :data:`MAX_PERIOD` at most),
+    and the shortest period at which every size runs as the one a period later is kept, with the remainders of the
+    sizes that run; a range probed whole without one gets a period as long as the range: its sizes exactly."""
+    inside = range(low + 1, high + 1)
+    tried = {*inside[:3], *random.Random(0).sample(inside, min(SIZE_PROBES, len(inside)))}
+    if all(runs(size) for size in sorted(tried)):
+        return None
+    top = min(high, low + 2 * MAX_PERIOD)
+    ok = {size: runs(size) for size in range(low, top + 1)}
+    width = top - low + 1
+    period = next(
+        (p for p in range(2, width // 2 + 1) if all(ok[s] == ok[s + p] for s in range(low, top + 1 - p))),
+        width if top == high else None,
+    )
+    if period is None:
+        log.warning(
+            "signature axis %s: the model runs at some sizes from %d to %d and not at others, in no pattern of "
+            "period %d or less: no sizes recorded, so a size it cannot take fails in the engine",
+            label,
+            low,
+            high,
+            MAX_PERIOD,
+        )
+        return None
+    return [period, *sorted({size % period for size, good in ok.items() if good})]
 
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
@@ -940,7 +975,8 @@ def refuse_outside_index(data: DatasetSplits, path: Path, shown: str, name: str)
 
 def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]:
     """:func:`name_output_axes` on a taken ``model.onnx``, with the data's first held-out rows, over the axes the file
-    declares dynamic; nothing where the data does not fit the file (the stages that run it say why)."""
+    declares dynamic under the file's own names (a two-tower model's ``texts`` and ``images`` are probed apart, and
+    its outputs keep them); nothing where the data does not fit the file (the stages that run it say why)."""
     path = ctx.out / "model.onnx"
     inputs, _ = io_specs(load_onnx(path, load_external_data=False))
     names = [i.name for i in inputs]
@@ -949,7 +985,7 @@ def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]
     except KilnError as exc:
         log.info("output axes of %s not probed: %s", path.name, exc.message)
         return {}
-    axes = {s.name: {0: "batch"} for s in inputs if s.shape and isinstance(s.shape[0], str)}
+    axes = {s.name: {0: str(s.shape[0])} for s in inputs if s.shape and isinstance(s.shape[0], str)}
     for name, dims in graph_axes(inputs).items():
         axes.setdefault(name, {}).update(dims)
     return name_output_axes(path, feed, axes)

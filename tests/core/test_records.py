@@ -133,6 +133,11 @@ def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
     assert meta.outside_range({"ids": (2, 10)}) == (
         "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 in steps of 4"
     )
+    meta.axis_steps = {"seq": [4, 0, 3]}  # an FPN's rounding: runs of sizes per period
+    assert meta.outside_range({"ids": (2, 11)}) is None and meta.outside_range({"ids": (2, 12)}) is None
+    assert meta.outside_range({"ids": (2, 10)}) == (
+        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 at sizes 0, 3 modulo 4"
+    )
 
 
 def test_inputs_that_differ_on_a_shared_axis_are_named() -> None:

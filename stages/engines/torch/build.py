@@ -37,6 +37,7 @@ from kiln.core.data import by_keyword
 from kiln.core.errors import BuildError, ConfigError
 from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.outputs import flatten_outputs
+from kiln.core.records import steps_text
 from kiln.core.text import compiler_reason, first_line
 from kiln.stages.engines.backend import BuildRequest
 from kiln.stages.engines.torch import conv_epilogues, cublaslt
@@ -230,9 +231,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         log.warning("engine %s takes %s at one size only: requests of other sizes are refused", req.name, one_size)
     if steps:  # the engine takes these axes in steps (a U-Net's multiples of 4): requests between them are refused
         settings["axis_steps"] = axis_steps(req, steps)
-        said = ", ".join(
-            f"{k} in steps of {s}" + (f" from {o}" if o else "") for k, (s, o) in settings["axis_steps"].items()
-        )
+        said = ", ".join(f"{k}{steps_text(pattern)}" for k, pattern in settings["axis_steps"].items())
         log.warning("engine %s takes %s (torch.export's constraint): other sizes are refused", req.name, said)
     common = {
         **settings,

@@ -4,6 +4,7 @@ import onnx
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from kiln.core.errors import ModelError
 from kiln.models.registry import build_model
@@ -259,6 +260,54 @@ def test_the_sizes_a_unet_takes_are_found_in_steps() -> None:
     assert size_steps(_TinyUNet().eval(), data, ["input"], axes, shapes) == {"height": [2, 0], "width": [2, 0]}
     plain = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1)).eval()
     assert size_steps(plain, data, ["input"], axes, shapes) == {}
+
+
+class _RoundingFPN(nn.Module):
+    """Stride-2 convolutions (which round odd sizes up) and two upsamplings to meet them again: runs at 29-32,
+    45-48, 61-64, ... (a run of sizes per period of 16), no progression of one step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.ModuleList([nn.Conv2d(1, 1, 3, 2, 1) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.down[0](x)
+        b = self.down[1](a)
+        c = self.down[2](b)
+        d = self.down[3](c)
+        return b + F.interpolate(c + F.interpolate(d, scale_factor=2.0), scale_factor=2.0)
+
+
+def test_sizes_that_run_in_runs_are_recorded_as_remainders_of_their_period() -> None:
+    """The data's 64 runs, 36 does not: the pattern is [16, 0, 13, 14, 15], which takes 64 and 45 and refuses 38.
+    Before: the first size after 32 that ran (45) was taken as a step of 13, which refused 64, the data's own."""
+    from kiln.core.data import DatasetSplits
+    from kiln.core.records import takes_size
+    from kiln.stages.export.stage import size_steps
+
+    x = torch.rand(2, 1, 64, 64)
+    model = _RoundingFPN().eval()
+    found = size_steps(model, DatasetSplits(x, None, x, None), ["input"], {"input": {2: "h"}}, {})
+    assert found == {"h": [16, 0, 13, 14, 15]}
+    for h in range(32, 65):
+        try:
+            model(torch.rand(1, 1, h, 32))
+            ran = True
+        except RuntimeError:
+            ran = False
+        assert takes_size(found["h"], h) == ran, h
+
+
+def test_a_range_with_no_period_is_recorded_size_by_size_and_a_model_that_runs_everywhere_not_at_all() -> None:
+    from kiln.core.records import takes_size
+    from kiln.stages.export.stage import size_pattern
+
+    odd = {10, 11, 13, 17, 18}  # no period fits: the range, probed whole, is its own period
+    pattern = size_pattern(lambda size: size in odd, 10, 18)
+    assert pattern is not None and [s for s in range(10, 19) if takes_size(pattern, s)] == sorted(odd)
+    tried: list[int] = []
+    assert size_pattern(lambda size: tried.append(size) or True, 1, 512) is None
+    assert len(tried) <= 11  # a few sizes, not the range
 
 
 class NoLoss(nn.Module):
