@@ -92,7 +92,14 @@ class CalibrationConfig(Section):
     exclude_op_types: list[str] = Field(
         default_factory=list, description="op types among op_types kept in float, e.g. [Gemm]"
     )
-    exclude_first_last: bool = Field(False, description="keep the first and last Conv/MatMul/Gemm in float")
+    exclude_first_last: bool = Field(
+        False, description="keep the first Conv/MatMul/Gemm and the last before each output in float"
+    )
+    keep_output_layers: AutoOnOff = Field(
+        "auto",
+        description="keep the last Conv/MatMul/Gemm before each output in float (auto: before a sigmoid, softmax or "
+        "tanh output, whose scores a quantized layer gives 256 values: a heatmap's ties are peaks of their own)",
+    )
     cache: bool = Field(True, description="reuse calibration ranges across runs (keyed on model, data, settings)")
     trt_table: bool = Field(True, description="also write a TensorRT 10 IInt8Calibrator calibration table")
 

@@ -26,17 +26,57 @@ COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
 def first_last_compute(model: onnx.ModelProto) -> list[str]:
+    """The first compute layer and the last one before each graph output (every head of a detector: a heatmap
+    quantized ahead of its sigmoid takes 256 values, whose ties a peak search counts as detections of their own)."""
     names = [n.name for n in model.graph.node if n.op_type in COMPUTE_OPS]
-    return sorted({names[0], names[-1]}) if names else []
+    return sorted({names[0], *last_compute(model)}) if names else []
+
+
+# Ops a head's output passes through after its last layer: activations and layout, their data input followed
+PASS_THROUGH = {
+    "Sigmoid", "Softmax", "LogSoftmax", "Relu", "LeakyRelu", "Clip", "Tanh", "HardSigmoid", "Identity", "Cast",
+    "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Resize", "Upsample",
+}  # fmt: skip
+SCORES = {"Sigmoid", "Softmax", "LogSoftmax", "HardSigmoid", "Tanh"}  # squash a layer's result into scores
+ARITHMETIC = {"Add", "Sub", "Mul", "Div"}  # followed where every other input is a constant (a bias, a scale)
+
+
+def last_compute(model: onnx.ModelProto, scores_only: bool = False) -> set[str]:
+    """The compute layers whose results reach a graph output through activations, layout ops and arithmetic with
+    constants only (not through a residual sum, whose other branch would lead to every layer before it);
+    ``scores_only``: those whose way passes a squashing activation (:data:`SCORES`)."""
+    producer = {out: n for n in model.graph.node for out in n.output}
+    constant = {i.name for i in model.graph.initializer} | {
+        out for n in model.graph.node if n.op_type == "Constant" for out in n.output
+    }
+    found: set[str] = set()
+    stack = [(o.name, False) for o in model.graph.output]
+    while stack:
+        name, scored = stack.pop()
+        node = producer.get(name)
+        if node is None:
+            continue
+        scored = scored or node.op_type in SCORES
+        if node.op_type in COMPUTE_OPS:
+            found |= {node.name} if scored or not scores_only else set()
+        elif node.op_type in PASS_THROUGH and node.input:
+            stack.append((node.input[0], scored))
+        elif node.op_type in ARITHMETIC:
+            computed = [i for i in node.input if i and i not in constant]
+            stack.extend((i, scored) for i in (computed if len(computed) == 1 else []))
+    return found
 
 
 def excluded_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, extra: Iterable[str] = ()) -> list[str]:
-    """Nodes kept in float: configured names, configured op types, first/last layer, and fallback's picks. An
+    """Nodes kept in float: configured names, configured op types, first/last layers, the layers that write the
+    outputs (``keep_output_layers``), and fallback's picks. An
     excluded op type outside ``op_types`` adds no node: it is never quantized, so nothing is kept for it."""
     names = set(cfg.exclude_nodes) | set(extra)
     names |= {n.name for n in model.graph.node if n.op_type in cfg.exclude_op_types and n.op_type in cfg.op_types}
     if cfg.exclude_first_last:
         names |= set(first_last_compute(model))
+    if cfg.keep_output_layers != "off":
+        names |= last_compute(model, scores_only=cfg.keep_output_layers == "auto")
     return sorted(names)
 
 

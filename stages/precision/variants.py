@@ -17,6 +17,7 @@ from kiln.calibration.data import Batch
 from kiln.calibration.quantize import (
     PER_CHANNEL_OPSET,
     excluded_nodes,
+    first_last_compute,
     ort_cpu_scheme,
     per_channel_graph,
     quantizable_op_types,
@@ -238,7 +239,9 @@ def _exclusion_reason(model: onnx.ModelProto, name: str, ccfg: CalibrationConfig
     op = next((n.op_type for n in model.graph.node if n.name == name), "?")
     if op in ccfg.exclude_op_types:
         return f"{op} in calibration.exclude_op_types"
-    return "first/last compute layer (calibration.exclude_first_last)"
+    if name in first_last_compute(model) and ccfg.exclude_first_last:
+        return "first/last compute layer (calibration.exclude_first_last)"
+    return "writes a graph output (calibration.keep_output_layers)"
 
 
 def build_fp8(

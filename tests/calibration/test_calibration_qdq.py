@@ -116,3 +116,32 @@ def test_a_shared_bias_gets_a_copy_per_reader_before_ort_names_one(tmp_path: Pat
     ref = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"input": x})
     got = session.run(None, {"input": x})
     assert np.abs(got[0] - ref[0]).max() < 0.1 * np.abs(ref[0]).max()
+
+
+def test_the_last_layers_are_those_before_each_output_through_activations_not_a_residual_sum() -> None:
+    """A detector's heads (a heatmap through a sigmoid, a box head through a bias Add) each keep their own last
+    layer; a residual sum reaching an output does not make every layer before it a last one."""
+    from onnx import TensorProto, helper
+
+    from kiln.calibration.quantize import excluded_nodes, first_last_compute
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    b = numpy_helper.from_array(np.ones(4, np.float32), "b")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h1"], name="stem"),
+        helper.make_node("MatMul", ["h1", "w"], ["h2"], name="block"),
+        helper.make_node("Add", ["h1", "h2"], ["res"], name="residual"),  # two computed inputs: not followed
+        helper.make_node("MatMul", ["res", "w"], ["hm_logits"], name="heatmap_head"),
+        helper.make_node("Sigmoid", ["hm_logits"], ["heatmap"], name="sig"),
+        helper.make_node("MatMul", ["res", "w"], ["wh_raw"], name="box_head"),
+        helper.make_node("Add", ["wh_raw", "b"], ["wh"], name="bias"),
+        helper.make_node("Identity", ["res"], ["features"], name="features"),
+    ]
+    io = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, 4])  # noqa: E731
+    graph = helper.make_graph(nodes, "heads", [io("x")], [io("heatmap"), io("wh"), io("features")], [w, b])
+    model = helper.make_model(graph)
+    assert first_last_compute(model) == ["box_head", "heatmap_head", "stem"]
+    # by default (keep_output_layers: auto) only the layer whose output is squashed into scores stays float
+    assert excluded_nodes(model, CalibrationConfig()) == ["heatmap_head"]
+    assert excluded_nodes(model, CalibrationConfig(keep_output_layers="on")) == ["box_head", "heatmap_head"]
+    assert excluded_nodes(model, CalibrationConfig(keep_output_layers="off")) == []
