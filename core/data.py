@@ -202,7 +202,7 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         if y is not None and not isinstance(y, torch.Tensor):
             raise DataContractError(
                 f"dataset '{ref}' gives {split}_y as {type(y).__name__}, not a torch.Tensor or None",
-                hint="wrap arrays with torch.from_numpy(...), or give None for no labels",
+                hint=_labels_hint(y),
             )
         counts = {k: len(t) for k, t in zip(_keys(x), tensors(x))}
         if len(set(counts.values())) > 1:
@@ -250,6 +250,18 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
                 f"{list(a.shape[1:])}{_unknown_axes_note(vx, dynamic or {})}",
                 hint=_shape_hint(vx, name, differ, dynamic or {}),
             )
+
+
+def _labels_hint(y: Any) -> str:
+    """The fix for labels that are no tensor: targets in parts (a detector's ``{hm, wh, reg}``, tensors already) are
+    packed into one, which batching, training and validation carry as one; anything else is an array to wrap."""
+    parts = list(y.values()) if isinstance(y, Mapping) else y if isinstance(y, (tuple, list)) else []
+    if parts and all(isinstance(t, torch.Tensor) for t in parts):
+        return (
+            "pack the targets into one tensor, one row per sample (torch.cat along a channel axis, or torch.stack "
+            "along a new axis), and split them again in train.loss (targets[:, :C] for the first C channels)"
+        )
+    return "wrap arrays with torch.from_numpy(...), or give None for no labels"
 
 
 def _item(x: Inputs, name: str) -> str:
@@ -422,6 +434,14 @@ def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
     params = _forward_params(model)
     if not params or any(p.kind == p.VAR_KEYWORD for p in params) and isinstance(x, Mapping):
         return
+    if not isinstance(x, Mapping) and _keywords_only(params):
+        shown = ", ".join(("**" if p.kind == p.VAR_KEYWORD else "") + p.name for p in params)
+        raise DataContractError(
+            f"model '{ref}' forward({shown}) takes keyword arguments only, and the dataset gives {_describe(x)}, "
+            "which is passed by position",
+            hint="return the inputs as a dict {name: tensor} from the data function (train_x and val_x), keyed by "
+            "the names forward() reads",
+        )
     if isinstance(x, Mapping):
         known = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         unknown = [k for k in x if k not in known]
@@ -439,6 +459,13 @@ def check_forward_takes(model: Any, x: Inputs, ref: str) -> None:
                 f"gives a tuple of {len(x)}",
                 hint="give x as a tuple with one tensor per forward parameter, or a dict",
             )
+
+
+def _keywords_only(params: list[inspect.Parameter]) -> bool:
+    """A forward that takes no input by position (``forward(self, **batch)``, ``forward(self, *, x)``): a bare
+    tensor or a tuple of inputs cannot reach it."""
+    by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return not any(p.kind in by_position or p.kind == p.VAR_POSITIONAL for p in params)
 
 
 def integer_ranges(data: DatasetSplits, names: list[str]) -> dict[str, list[int]]:

@@ -39,7 +39,7 @@ from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import evaluate_loss_acc, train
 from kiln.stages.train.metrics import TrainResult
 from kiln.stages.train.precision import resolve_device
-from kiln.stages.train.task import Task, check_task, task_for
+from kiln.stages.train.task import Task, check_task, scoring_task, task_for
 
 
 def build_seeded(config: TrainSettings) -> nn.Module:
@@ -230,11 +230,13 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     model = build_seeded(cfg)
     data = ctx.dataset()
     check_model_fits_data(model, data, cfg.model.name)
+    if cfg.train.loss is not None:
+        ctx.log.info("train.loss %s not called: training is skipped, and no loss is needed", cfg.train.loss)
     with torch.no_grad():
         names = list(flatten_outputs(call(model.eval(), take(data.val_x, slice(0, 2)))))
     # Untrained here: the val accuracy is information, so a model without a logits output just has none
-    scored = cfg.train.loss is not None or logits_name(names, cfg.signature.logits_output) is not None
-    task = task_for(data, cfg.train.loss, cfg.signature.logits_output) if data.val_y is not None and scored else None
+    scored = data.val_y is not None and logits_name(names, cfg.signature.logits_output) is not None
+    task = scoring_task(data, cfg.train.loss, cfg.signature.logits_output) if scored else None
     if task is not None:  # labels that do not fit the outputs: the same error training gives, before evaluating
         check_model_fits_data(model, data, cfg.model.name, task)
     source = cfg.model.checkpoint or "random init"

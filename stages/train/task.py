@@ -9,6 +9,8 @@ FP32 on FP32 outputs.
 
 from __future__ import annotations
 
+import logging
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.user_errors import user_code_error
 from kiln.models.registry import resolve_callable
 
+log = logging.getLogger("kiln.train")
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -87,9 +90,51 @@ CLASSIFY = Task("classification")
 def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | None) -> Task:
     kind = "classification" if data.classification else "regression"
     if loss is None:
+        warn_one_hot(data)
         return Task(kind, logits_output)
     fn = resolve_callable(loss, {}, "train.loss")
     return Task(kind, logits_output, fn)
+
+
+def no_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """Zero: train.loss's stand-in where nothing trains (model.checkpoint, train.enabled: false). The user's loss
+    is not called there, since nothing is optimized and a loss written for other outputs must not stop the run;
+    accuracy reads the logits alone (:meth:`Task.correct`)."""
+    return torch.zeros(())
+
+
+def scoring_task(data: DatasetSplits, loss: str | None, logits_output: str | int | None) -> Task | None:
+    """The task the val accuracy of a model not trained here is read by, or None where there is none to read (float
+    targets beside train.loss). With train.loss, :func:`no_loss` takes its place: the checks stay those of a user
+    loss (labels of its own kind are not refused), and the loss itself is never called."""
+    if loss is None:
+        return task_for(data, None, logits_output)
+    return Task("classification", logits_output, no_loss) if data.classification else None
+
+
+def _one_hot(y: torch.Tensor | None, num_classes: int) -> bool:
+    """Float ``[N, num_classes]`` rows of 0/1 with exactly one 1 each: class labels one-hot encoded."""
+    if y is None or not y.is_floating_point() or y.ndim != 2 or num_classes < 2 or y.shape[1] != num_classes:
+        return False
+    return bool(((y == 0) | (y == 1)).all() and (y.sum(1) == 1).all())
+
+
+def warn_one_hot(data: DatasetSplits) -> None:
+    """Say (once, where the task is decided) that one-hot float labels of a dataset that declares classes train as
+    regression targets: mean squared error, and no accuracy or top-1 agreement. Said, not refused: regression and
+    multi-label targets may look the same."""
+    split = next((s for s in ("train", "val") if _one_hot(getattr(data, f"{s}_y"), data.num_classes)), None)
+    if split is None:
+        return
+    y = getattr(data, f"{split}_y")
+    log.warning(
+        "%s_y is float %s of one-hot rows (0/1, one 1 per row) with num_classes=%d: float labels train as regression "
+        "targets (mean squared error), with no accuracy or top-1 agreement; pass class indices (y.argmax(1)) for "
+        "cross-entropy and top-1 accuracy, or leave them as they are for regression / multi-label",
+        split,
+        list(y.shape),
+        data.num_classes,
+    )
 
 
 def check_positions(target: torch.Tensor, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
@@ -133,6 +178,26 @@ def _output_expr(out: Any) -> str:
     return "outputs[0]"
 
 
+def _scalar_hint(value: Any, out: Any) -> str:
+    """The fix for a train.loss that returned ``value``, not a scalar tensor, by what it returned: a research
+    trainer's ``(loss, stats)`` needs its loss alone, a Python number (``.item()``) the tensor it came from (training
+    backpropagates through it), and only a tensor of many numbers a reduction."""
+    if isinstance(value, (tuple, list)):
+        return "return only the loss tensor (e.g. loss, _ = ...; return loss): the other items are not used"
+    if isinstance(value, dict) and value:
+        key = "loss" if "loss" in value else next(iter(value))
+        return f"return only the loss tensor (e.g. return losses[{key!r}]): the other entries are not used"
+    if isinstance(value, numbers.Number):
+        return (
+            "return the loss tensor computed from the outputs it is given, without .item()/float(): training "
+            "backpropagates through it"
+        )
+    return (
+        f"reduce it to one number, e.g. torch.nn.functional.mse_loss({_output_expr(out)}, targets) (a mean over "
+        "the batch)"
+    )
+
+
 def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
     if task.user_loss is not None:
@@ -150,11 +215,7 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
             ) from None
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ConfigError(
-                f"train.loss returned {got}, not a scalar tensor",
-                hint=f"reduce it to one number, e.g. torch.nn.functional.mse_loss({_output_expr(out)}, targets) "
-                "(a mean over the batch)",
-            )
+            raise ConfigError(f"train.loss returned {got}, not a scalar tensor", hint=_scalar_hint(value, out))
         if not (task.kind == "classification" and labels.per_position(y)):
             return
         try:  # labels per position: accuracy and top-1 read them off the class-logit output, whatever the loss

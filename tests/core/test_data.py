@@ -271,3 +271,45 @@ def test_tuple_data_whose_axis_varies_is_told_to_name_its_inputs() -> None:
         check_splits(data, "d", {"feats": {1: "seq"}, "mask": {1: "seq"}})
     assert "as dicts keyed by forward()'s parameter names" in (err.value.hint or "")
     assert "{0:" not in (err.value.hint or "")
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [
+        lambda n: {"hm": torch.zeros(n, 2, 4, 4), "wh": torch.zeros(n, 2, 4, 4)},
+        lambda n: (torch.zeros(n, 2, 4, 4), torch.zeros(n, 2, 4, 4)),
+    ],
+)
+def test_targets_as_a_dict_or_tuple_of_tensors_are_told_to_pack_them(targets) -> None:
+    """A detector's targets {hm, wh, ...} are tensors already: the fix said to wrap arrays with torch.from_numpy."""
+    data = DatasetSplits(torch.zeros(8, 3), targets(8), torch.zeros(2, 3), targets(2))
+    with pytest.raises(DataContractError, match="gives train_y as (dict|tuple), not a torch.Tensor or None") as err:
+        check_splits(data, "mine:data")
+    assert "pack the targets into one tensor" in err.value.hint and "train.loss" in err.value.hint
+    assert "from_numpy" not in err.value.hint
+    with pytest.raises(DataContractError, match="wrap arrays with torch.from_numpy"):  # arrays still get that fix
+        check_splits(DatasetSplits(torch.zeros(8, 3), [0] * 8, torch.zeros(2, 3), [0] * 2), "mine:data")
+
+
+class _KeywordsOnly(nn.Module):
+    """A research model's forward(**batch): it takes its inputs by name only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, **batch: torch.Tensor) -> torch.Tensor:
+        return self.fc(batch["image"])
+
+
+def test_a_forward_of_keywords_only_fed_a_bare_tensor_is_told_to_give_a_dict() -> None:
+    """It failed with "forward() takes 1 positional argument but 2 were given" and a fix to change the data or
+    model.params."""
+    from kiln.core.data import check_forward_takes
+
+    for x in (torch.zeros(2, 3), (torch.zeros(2, 3),)):
+        with pytest.raises(DataContractError, match="takes keyword arguments only") as err:
+            check_forward_takes(_KeywordsOnly(), x, "m:build")
+        assert "as a dict {name: tensor}" in err.value.hint
+    check_forward_takes(_KeywordsOnly(), {"image": torch.zeros(2, 3)}, "m:build")
+    check_forward_takes(nn.Linear(3, 2), torch.zeros(2, 3), "m:build")

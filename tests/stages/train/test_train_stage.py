@@ -123,6 +123,35 @@ def test_skipped_training(tmp_path: Path, how: str) -> None:
     assert rec.status == "skipped" and 0.0 <= rec.summary.val_accuracy <= 1.0
 
 
+def loss_of_another_models_outputs(outputs: object, targets: torch.Tensor) -> torch.Tensor:
+    """A loss written for outputs this model does not give (CenterNet's, keyed 'heatmap')."""
+    raise KeyError("heatmap")
+
+
+@pytest.mark.parametrize("how", ["disabled", "checkpoint"])
+def test_skipped_training_calls_no_loss(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With model.checkpoint given, train.loss was still tried on the outputs, and a loss that failed there
+    stopped a run that trains nothing; the untrained val accuracy is read off the logits, which needs no loss."""
+    from safetensors.torch import save_file
+
+    from kiln.models.registry import build_model
+
+    ck = tmp_path / "w.safetensors"
+    save_file(build_model("cnn", {"width": 8, "depth": 2}).state_dict(), str(ck))
+    over = {"train.enabled": False} if how == "disabled" else {"model.checkpoint": str(ck)}
+    over["train.loss"] = f"{__name__}:loss_of_another_models_outputs"
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.INFO, logger="kiln")
+    result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path / "wd", STAGES).run(stop="train")
+    assert result.ok, result.error
+    rec = result.records[0]
+    assert rec.status == "skipped" and 0.0 <= rec.summary.val_accuracy <= 1.0
+    said = [r.getMessage() for r in caplog.records if "train.loss" in r.getMessage()]
+    assert len(said) == 1 and "not called: training is skipped" in said[0], said
+
+
 def test_rerun_after_a_crash_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     from kiln.pipeline.runner import cache_key, load_dataset, settings_for
     from kiln.pipeline.stage_list import stage_named

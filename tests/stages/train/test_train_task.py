@@ -181,3 +181,51 @@ def test_a_loss_of_one_number_per_sample_is_told_how_to_read_the_outputs(out, re
     with pytest.raises(ConfigError, match=r"returned a tensor of shape \(2,\), not a scalar") as err:
         check_task(per_row, out, torch.zeros(2, 1), 0, "m")
     assert f"mse_loss({read}, targets)" in err.value.hint
+
+
+@pytest.mark.parametrize(
+    ("loss", "fix"),
+    [
+        (lambda o, y: (o.mean(), {"hm_loss": o.mean().detach()}), "return only the loss tensor"),
+        (lambda o, y: [o.mean(), o.sum()], "return only the loss tensor"),
+        (lambda o, y: o.mean().item(), "without .item()/float()"),
+        (lambda o, y: 0, "without .item()/float()"),
+    ],
+)
+def test_a_loss_returning_a_tuple_or_a_python_number_is_told_what_to_return(loss, fix) -> None:
+    """Both were told to reduce the loss to one number, e.g. with an MSE: a tuple (loss, stats) as CenterNet's
+    trainer returns needs its loss alone, and a number from .item() is one already."""
+    with pytest.raises(ConfigError, match="not a scalar tensor") as err:
+        check_task(Task("regression", None, loss), torch.zeros(2, 1), torch.zeros(2, 1), 0, "m")
+    assert fix in err.value.hint and "mse_loss" not in err.value.hint
+
+
+def _one_hot(n: int, classes: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.arange(n) % classes, classes).float()
+
+
+@pytest.mark.parametrize(
+    ("train_y", "num_classes", "loss", "warned"),
+    [
+        (_one_hot(8, 4), 4, None, True),
+        (_one_hot(8, 4), 0, None, False),  # no classes declared: regression targets that happen to be 0/1
+        (_one_hot(8, 4) * 0.5, 4, None, False),  # soft targets
+        (_one_hot(8, 4).clamp(min=1), 4, None, False),  # multi-hot
+        (_one_hot(8, 4), 4, "torch.nn.functional:cross_entropy", False),  # the user's loss reads them
+        (torch.arange(8) % 4, 4, None, False),  # class indices
+    ],
+)
+def test_one_hot_float_labels_with_classes_are_warned_of(
+    train_y, num_classes, loss, warned, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They trained silently as MSE regression with no accuracy, the user's num_classes notwithstanding."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.WARNING, logger="kiln.train")
+    data = DatasetSplits(torch.zeros(8, 3), train_y, torch.zeros(4, 3), train_y[:4], num_classes=num_classes)
+    task_for(data, loss, None)
+    said = [r.getMessage() for r in caplog.records if "one-hot" in r.getMessage()]
+    assert len(said) == int(warned), said
+    if warned:
+        assert "train_y is float [8, 4]" in said[0] and "num_classes=4" in said[0] and "y.argmax(1)" in said[0]
