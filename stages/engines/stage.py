@@ -283,7 +283,8 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                         raise
                     audit = isinstance(exc, MislabelledEngine)  # a measured fact about the runtime, not a failure
                     (ctx.log.info if audit else ctx.log.warning)("skipping %s: %s", name, exc.message)
-                    skipped.append(f"{name}: {exc.message} (fix: {exc.hint})")
+                    fix = run_fix(precision, device) if audit else exc.hint
+                    skipped.append(f"{name}: {exc.message} (fix: {fix})")
                     continue
                 fields = {"name", "backend", "device", "precision", "size_bytes"}
                 entry = {**meta.model_dump(include=fields), "build_seconds": meta.build_seconds}
@@ -295,6 +296,17 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
             "build.backends: [onnxruntime] builds on any machine)",
         )
     return BuildSummary(engines=engines, skipped=skipped)
+
+
+def run_fix(precision: str, device: str) -> str:
+    """The fix for an engine of a run whose graph the audit finds not in its variant's precision: the backend's
+    runtime has no such kernels on that device (ONNX Runtime's CPU provider runs FP16 graphs in FP32), which the
+    run's settings, not a build flag, change."""
+    return (
+        f"none needed where other engines are built: this backend runs {precision} in another precision on "
+        f"{device.upper()}; {precision} engines come from a device with {precision} kernels (a GPU backend), and "
+        f"precision.variants without {precision} skips the variant"
+    )
 
 
 def _yields(backend: Backend, device: str, precision: str, cfg: Any) -> str | None:
