@@ -1357,6 +1357,7 @@ def loadtest(
         default_model,
         lean_client,
         parse_url,
+        recorded_code_roots,
         recorded_config,
         render_markdown,
         run_workdir,
@@ -1369,9 +1370,9 @@ def loadtest(
     run_config = None if config else recorded_config(engines)
     if run_config is None:
         run_config = _config(config, ())
-    else:  # the run's own modules (its data function) resolve from here, else beside the workdir (where
-        # `kiln run cfg.yaml -w wd` ran, as a project keeps them)
-        _importable(run_workdir(engines).resolve().parent, *filter(None, [_cwd()]))
+    else:  # the run's own modules (its data function) resolve from where the run imported them, else from here,
+        # else beside the workdir (where `kiln run cfg.yaml -w wd` ran, as a project keeps them)
+        _importable(*recorded_code_roots(engines), run_workdir(engines).resolve().parent, *filter(None, [_cwd()]))
     out = Path(output)
     claim_folder(out, "-o", LOADTEST_FILES)  # a loadtest.json Kiln did not write is never replaced
     try:

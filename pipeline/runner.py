@@ -39,7 +39,7 @@ from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
 from kiln.pipeline.manifests import MANIFEST, handed_on, out_of_date, read_manifest
-from kiln.pipeline.user_code import code_version
+from kiln.pipeline.user_code import code_version, import_root
 from kiln.stages.engines.registry import backend_libraries
 
 log = logging.getLogger("kiln")
@@ -260,6 +260,11 @@ def user_code(config: KilnConfig, sections: tuple[str, ...]) -> dict[str, str]:
             if version:
                 out[ref] = version
     return out
+
+
+def code_roots(refs: dict[str, str]) -> list[str]:
+    """The folders the user's code named by ``refs`` (``pkg.mod:fn``) is imported from (not installed code)."""
+    return sorted({root for ref in refs if (root := import_root(ref.partition(":")[0])) is not None})
 
 
 def _source_version(ref: str, label: str) -> str | None:
@@ -528,6 +533,8 @@ class Runner:
                     "stage": stage.name,
                     "key": key,
                     "key_parts": parts,
+                    # where the user's code was imported from: what `kiln loadtest` imports the data function from
+                    "code_roots": code_roots(parts.get("user_code", {})),
                     "status": status,
                     "outputs": outputs,
                     "notes": [n for n in stage.notes if n in outputs],

@@ -48,6 +48,22 @@ def code_version(module: ModuleType | str) -> str | None:
     return hash_json({_label(p, roots): hash_file(p) for p in files})
 
 
+def import_root(module: str) -> str | None:
+    """The folder ``module`` is imported from (``datasets.synth`` at ``/proj/datasets/synth.py``: ``/proj``), found
+    without running it; None for an installed or built-in module, which any process imports as it is."""
+    top, _ = _find_unrun(module)
+    if top is None:
+        return None
+    if top.has_location and top.origin:
+        origin = Path(top.origin).absolute()
+        folder = origin.parent.parent if top.submodule_search_locations is not None else origin.parent
+    elif top.submodule_search_locations:  # a namespace package (no __init__.py): the folder above its own
+        folder = Path(next(iter(top.submodule_search_locations))).absolute().parent
+    else:
+        return None
+    return None if _installed(folder) else str(folder)
+
+
 def _find_unrun(name: str) -> tuple[ModuleSpec | None, ModuleSpec | None]:
     """The specs of ``name``'s top-level package and of ``name`` itself, found along the packages' paths without
     running any of them (``importlib.util.find_spec`` runs a submodule's parents: a ``models/__init__.py`` that

@@ -310,6 +310,14 @@ def recorded_config(path: str | Path) -> KilnConfig | None:
         return None
 
 
+def recorded_code_roots(path: str | Path) -> list[Path]:
+    """The folders the run of ``path`` (a workdir or an engine folder in it) imported its user code from, as its
+    validation recorded them: where the data function resolves when `kiln loadtest` runs elsewhere."""
+    manifest = _run_file(Path(path), "validate/manifest.json")
+    roots = json.loads(manifest.read_text()).get("code_roots", []) if manifest is not None else []
+    return [Path(r) for r in roots if Path(r).is_dir()]
+
+
 def run_workdir(path: str | Path) -> Path:
     """The workdir of ``path``: the workdir itself, or an engine folder's (build/x, package/engines/x)."""
     path = Path(path)

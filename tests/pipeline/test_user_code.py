@@ -98,3 +98,28 @@ def test_a_module_named_by_path_is_hashed_without_running_it_or_its_package(proj
     assert by_name is not None and not ran.exists()
     assert code_version(load("kuc_lazy.net")) == by_name and ran.read_text() == "init net "
     assert code_version("kuc_missing.net") is None
+
+
+def test_the_folder_user_code_is_imported_from_is_recorded_for_loadtest(project, tmp_path: Path) -> None:
+    """A project's `datasets/synth.py` (a package), a top-level module and a namespace package resolve from the
+    project folder; the run's manifest keeps it, so `kiln loadtest` run from elsewhere imports the data function
+    from there; installed code is not recorded."""
+    import json
+
+    from kiln.pipeline.runner import code_roots
+    from kiln.serve.loadtest import recorded_code_roots
+
+    root, _ = project
+    (root / "kuc_datasets").mkdir()
+    (root / "kuc_datasets" / "__init__.py").write_text("")
+    (root / "kuc_datasets" / "synth.py").write_text("def load():\n    return None\n")
+    (root / "kuc_top.py").write_text("def build():\n    return None\n")
+    (root / "kuc_nspkg" / "inner").mkdir(parents=True)
+    (root / "kuc_nspkg" / "inner" / "m.py").write_text("def f():\n    return None\n")
+    importlib.invalidate_caches()
+    refs = {"kuc_datasets.synth:load": "v", "kuc_top:build": "v", "kuc_nspkg.inner.m:f": "v", "numpy:ones": "v"}
+    assert code_roots(refs) == [str(root)]
+    validate = tmp_path / "wd" / "validate"
+    validate.mkdir(parents=True)
+    (validate / "manifest.json").write_text(json.dumps({"code_roots": [str(root), str(tmp_path / "gone")]}))
+    assert recorded_code_roots(tmp_path / "wd" / "build" / "onnxruntime-cpu-fp32") == [root]
