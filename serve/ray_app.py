@@ -116,10 +116,12 @@ def parse_request(
     outside = meta.refusal(feed)
     if outside is not None:
         raise BadRequest(outside)
-    rows = {len(v) for v in feed.values()}
+    if not max_rows:  # run whole: inputs in counts of their own (texts and images) are the engine's to check
+        return feed
+    rows = {len(v) for v in feed.values()}  # joined with other requests and split back by rows: one batch
     if len(rows) > 1:
         raise BadRequest(f"inputs have different batch sizes {sorted(rows)}")
-    if max_rows and rows.pop() > max_rows:
+    if rows.pop() > max_rows:
         raise BadRequest(f"a batch of {len(feed[want[0]])} rows is over this server's limit of {max_rows}")
     return feed
 

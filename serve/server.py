@@ -499,17 +499,23 @@ class BatchFailed(Exception):
 
 
 def _infer_func(
-    runner: Any, outputs: dict[str, np.dtype], buckets: list[int] | None, meta: EngineMetadata | None = None
+    runner: Any,
+    outputs: dict[str, np.dtype],
+    buckets: list[int] | None,
+    meta: EngineMetadata | None = None,
+    batched: bool = True,
 ) -> Callable[..., dict[str, np.ndarray]]:
     """``buckets``: pad every batch to the next of these sizes (engines that build a session and capture a CUDA
     graph per input shape: without it each new batch size the dynamic batcher forms costs a session build).
     ``meta``: inputs outside the sizes the engine was validated for are answered with an error naming them.
+    ``batched``: the requests are joined into one batch (PyTriton's ``@batch``, which holds every output to the
+    rows of the requests' first inputs); else each runs whole, its outputs of any rows (an engine served with
+    ``max_batch_size: 0``: a two-tower model's 5 texts and 2 images).
     Errors are raised as :class:`RequestRefused` or :class:`BatchFailed` with a one-line message, chained to the
     engine's own exception: PyTriton logs the whole chain of a failure here (a refusal in one line), and the client
     gets the last line."""
     from pytriton.decorators import batch
 
-    @batch  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
     def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
         outside = meta.refusal(inputs) if meta is not None else None
         if outside is not None:
@@ -522,9 +528,11 @@ def _infer_func(
             raise BatchFailed(f"the engine failed on this batch: {type(exc).__name__}: {first_line(exc)}") from exc
         return {name: np.asarray(result[name], dtype=dtype) for name, dtype in outputs.items()}
 
+    joined = batch(infer)  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
+
     def infer_requests(requests: list[Any]) -> Any:
         try:
-            return infer(requests)
+            return joined(requests) if batched else [infer(**request) for request in requests]
         except RequestRefused as exc:
             exc.requests = len(requests)
             raise
@@ -671,7 +679,7 @@ def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_
     )
     triton.bind(
         model_name=served.model_name,
-        infer_func=_infer_func(runner, outputs, buckets, served.meta),
+        infer_func=_infer_func(runner, outputs, buckets, served.meta, batched),
         inputs=tensors(served.meta.inputs),
         outputs=tensors(served.meta.outputs),
         config=config,

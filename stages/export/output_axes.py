@@ -101,9 +101,12 @@ def name_output_axes(
 
 
 def _batch_only(model: onnx.ModelProto, axes: Axes) -> bool:
-    """Nothing to probe: the batch is the only dynamic axis, and every output declares its first axis dynamic (the
-    exporters name the batch on their own; a probe of a big model costs an ONNX Runtime session and two runs)."""
-    if {label for dims in axes.values() for label in dims.values()} - {"batch"}:
+    """Nothing to probe: the batch is the only dynamic axis (one name, on the first axis of each input that has
+    it: ``batch`` in Kiln's export, the file's own in a taken graph), and every output declares its first axis
+    dynamic (the exporters name the batch on their own; a probe of a big model costs an ONNX Runtime session and
+    two runs)."""
+    labels = {label for dims in axes.values() for label in dims.values()}
+    if len(labels) > 1 or any(int(axis) != 0 for dims in axes.values() for axis in dims):
         return False
     dims = [o.type.tensor_type.shape.dim for o in model.graph.output if o.type.HasField("tensor_type")]
     return all(d and d[0].dim_param for d in dims)

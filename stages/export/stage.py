@@ -76,6 +76,7 @@ from kiln.models.model_io import (
     read_state_dict,
 )
 from kiln.models.registry import DEFAULT_DATASET, build_model
+from kiln.stages.export.batch_axes import tie_batch_axes
 from kiln.stages.export.declaration import (
     AXIS_STEPS,
     DYNAMIC_SIZES,
@@ -985,6 +986,8 @@ def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]
     except KilnError as exc:
         log.info("output axes of %s not probed: %s", path.name, exc.message)
         return {}
+    if tie_batch_axes(path, feed):  # inputs named apart by their exporter and taken in one count: one batch axis
+        inputs, _ = io_specs(load_onnx(path, load_external_data=False))
     axes = {s.name: {0: str(s.shape[0])} for s in inputs if s.shape and isinstance(s.shape[0], str)}
     for name, dims in graph_axes(inputs).items():
         axes.setdefault(name, {}).update(dims)

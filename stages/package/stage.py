@@ -37,6 +37,7 @@ from kiln.stages.package.declaration import PackageSettings, PackageSummary
 from kiln.stages.package.triton import (
     batchable,
     engine_max_batch,
+    first_axes,
     stock_model,
     triton_config,
     write_python_model,
@@ -67,6 +68,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
     packaged: list[dict[str, Any]] = []
     ray_apps: list[dict[str, Any]] = []
     capped: list[EngineMetadata] = []
+    own_counts: list[EngineMetadata] = []
     for engine_dir in engine_dirs(ctx.inputs["build"]):
         meta = read_metadata(engine_dir)
         result = results.get(meta.name)
@@ -79,6 +81,7 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
             meta = validated
             meta.write(packaged_dir / SIDECAR)
         capped += [meta] if _capped(meta, cfg.max_batch_size) else []
+        own_counts += [meta] if len(first_axes(meta)) > 1 else []
         record: dict[str, Any] = {
             "engine": meta.name,
             "validation": result.model_dump(
@@ -100,6 +103,8 @@ def run(ctx: StageContext[PackageSettings]) -> PackageSummary:
         packaged.append(record)
     if capped:  # a warning where the user asked for the larger batch; the default's cap is information
         _say_batch_limit(ctx, capped, cfg.max_batch_size, asked="max_batch_size" in cfg.model_fields_set)
+    if own_counts:
+        _say_own_counts(ctx, own_counts)
     if ray_apps:
         rayserve.write_serve_config(ctx.out / "ray", ray_apps, cfg.ray)
     if cfg.kserve.enabled and any("triton_model" in m for m in packaged):
@@ -129,4 +134,15 @@ def _say_batch_limit(
         ", ".join(m.name for m in capped),
         " / ".join(map(str, limits)),
         requested,
+    )
+
+
+def _say_own_counts(ctx: StageContext[PackageSettings], metas: list[EngineMetadata]) -> None:
+    """Say that these engines take inputs in counts of their own (:func:`first_axes`), so every server runs each
+    request whole (``max_batch_size: 0``): a model whose inputs share one batch axis gets the batcher back."""
+    ctx.log.info(
+        "%s: inputs in counts of their own (first axes %s) are served unbatched (max_batch_size 0), each request run "
+        "whole; to have servers batch requests, give every input's first axis one name",
+        ", ".join(m.name for m in metas),
+        ", ".join(map(str, first_axes(metas[0]))),
     )

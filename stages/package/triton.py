@@ -55,18 +55,36 @@ def engine_max_batch(meta: EngineMetadata) -> int | None:
     return meta.max_batch()
 
 
+def first_axes(meta: EngineMetadata) -> list[int | str]:
+    """The names (or fixed sizes) the inputs' first axes carry, each once, in input order: one for a model whose
+    inputs come in one batch, several for one that takes them in counts of their own (a two-tower model's
+    ``texts`` and ``images``: axes are tied by the graph's names only)."""
+    return list(dict.fromkeys(s.shape[0] for s in meta.inputs if s.shape))
+
+
 def batchable(meta: EngineMetadata) -> bool:
     """Whether Triton may batch requests: every input and output has a dynamic first axis and another axis after
-    it, and validation found every output's rows to be the samples. A model exported with a fixed batch (say 1),
-    or with an output whose length the values decide (torch.nonzero's ``[u0, 2]``, a detector's boxes after NMS),
-    mixes the batch's rows (CLIP's ``[images, texts]``) or has no batch axis, is served with ``max_batch_size: 0``
-    and its full shapes as dims: a batch of requests could not be split back. So is one with a tensor of the
-    batch axis alone (``[batch]``: a regression's squeezed output, an argmax, a per-sample scalar input): Triton
-    takes no empty ``dims`` and would have clients send ``[batch, 1]`` through a ``reshape``, where Kiln's
-    clients and the engine's own signature send ``[batch]``."""
-    if meta.unbatched_outputs:
+    it, the inputs' first axes are one batch axis (:func:`first_axes`), and validation found every output's rows
+    to be the samples. A model exported with a fixed batch (say 1), or with an output whose length the values
+    decide (torch.nonzero's ``[u0, 2]``, a detector's boxes after NMS), mixes the batch's rows (CLIP's
+    ``[images, texts]``) or has no batch axis, is served with ``max_batch_size: 0`` and its full shapes as dims: a
+    batch of requests could not be split back. So is one whose inputs come in counts of their own (``texts`` and
+    ``images``): Triton's batcher takes one batch size per request and would refuse 5 texts with 2 images. So is
+    one with a tensor of the batch axis alone (``[batch]``: a regression's squeezed output, an argmax, a per-sample
+    scalar input): Triton takes no empty ``dims`` and would have clients send ``[batch, 1]`` through a
+    ``reshape``, where Kiln's clients and the engine's own signature send ``[batch]``."""
+    if meta.unbatched_outputs or len(first_axes(meta)) > 1:
         return False
     return all(len(s.shape) >= 2 and _dynamic(s.shape[0]) for s in meta.inputs + meta.outputs)
+
+
+def _unbatchable(meta: EngineMetadata) -> str:
+    """Why :func:`batchable` is false for ``meta``, in a few words."""
+    if meta.unbatched_outputs:
+        return f"outputs {meta.unbatched_outputs} are not the samples' rows"
+    if len(first_axes(meta)) > 1:
+        return f"its inputs' first axes are {first_axes(meta)}, not one batch axis"
+    return "a tensor without a dynamic first axis and an axis after it"
 
 
 def served_max_batch(meta: EngineMetadata, requested: int) -> int:
@@ -150,7 +168,7 @@ def check_config(cfg: dict[str, Any], meta: EngineMetadata) -> None:
     if "platform" in cfg and (stock is None or cfg["platform"] != stock.platform):
         problems.append(f"platform {cfg['platform']} cannot run a {meta.backend} engine")
     if mbs > 0 and not batchable(meta):
-        problems.append(f"max_batch_size {mbs} but the engine has a fixed batch axis")
+        problems.append(f"max_batch_size {mbs} but the engine takes no batch of requests ({_unbatchable(meta)})")
     problems += _batch_limit_problems(mbs, meta)
     if mbs > 0 and meta.batch_range and meta.batch_range[0] > 1:
         problems.append(f"the engine takes batches from {meta.batch_range[0]}: a single request would fail")

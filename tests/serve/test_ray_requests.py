@@ -1,8 +1,9 @@
 """The Ray Serve app's request handling, its replica class run in this process (no Ray cluster): an unbatched
-engine takes whole batches, one engine call per request, while a batched one still batches requests; an empty or
-wrongly ranked request is a 400 naming the problem, and the replica answers on. tritonclient.http's requests as it
-sends them by default (binary tensors) are answered as it reads them; only the outputs asked for are answered; JSON
-values of another type than the input's are refused, never cast."""
+engine takes whole batches, one engine call per request (a two-tower engine's texts and images in counts of their
+own), while a batched one still batches requests; an empty or wrongly ranked request is a 400 naming the problem,
+and the replica answers on. tritonclient.http's requests as it sends them by default (binary tensors) are answered
+as it reads them; only the outputs asked for are answered; JSON values of another type than the input's are refused,
+never cast."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.engines.stage import build_engine
 from tests.stages.engines.lstm_engine import lstm_engine
+from tests.stages.engines.two_tower_engine import two_tower_engine, two_tower_feed
 
 pytest.importorskip("ray.serve", reason="needs Ray Serve (pip install 'kiln[ray]'; part of .[dev])")
 
@@ -95,6 +97,29 @@ def test_a_batched_engine_still_joins_requests(tmp_path: Path, monkeypatch: pyte
     assert replica.max_rows == 32
     answers = asyncio.run(_answers(replica, np.ones((2, 4, 2), np.float32), np.ones((3, 4, 2), np.float32)))
     assert [(s, body["outputs"][0]["shape"]) for s, body in answers] == [(200, [2, 3]), (200, [3, 3])]
+    assert calls == [5]
+
+
+def test_inputs_in_counts_of_their_own_are_taken_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A two-tower engine (``texts``, ``images``) is served unbatched: 5 texts with 2 images are one engine call,
+    answered as the engine answers them."""
+    engine, _ = two_tower_engine(tmp_path)
+    replica, calls = _replica(engine, monkeypatch)
+    assert replica.max_rows == 0
+    feed = two_tower_feed(5, 2)
+    tensors = [
+        {"name": k, "shape": list(v.shape), "datatype": "FP32", "data": v.ravel().tolist()} for k, v in feed.items()
+    ]
+    [response] = asyncio.run(_responses(replica, _http(json.dumps({"inputs": tensors}).encode())))
+    assert response.status_code == 200, response.body
+    got = {
+        o["name"]: np.asarray(o["data"], np.float32).reshape(o["shape"]) for o in json.loads(response.body)["outputs"]
+    }
+    with load_engine(engine) as runner:
+        want = runner.infer(feed)
+    assert {k: v.shape for k, v in got.items()} == {"text_embeds": (5, 3), "image_embeds": (2, 3)}
+    for name, array in got.items():
+        np.testing.assert_allclose(array, want[name], rtol=1e-6, atol=1e-6)
     assert calls == [5]
 
 

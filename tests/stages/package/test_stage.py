@@ -105,3 +105,43 @@ def test_a_batch_cap_is_a_warning_only_where_the_config_asked_for_more(
     (record,) = caplog.records
     assert record.levelno == (logging.WARNING if asked else logging.INFO)
     assert "served with batches up to 8 rows" in record.getMessage()
+
+
+def test_a_two_tower_engine_is_packaged_unbatched_for_every_server(
+    tmp_path, tiny_config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose inputs come in counts of their own (``texts``, ``images``): both Triton repositories are
+    written with ``max_batch_size: 0`` (Triton's batcher would refuse 5 texts with 2 images), the Ray app's replica
+    takes the same decision from the packaged metadata, and the log says why."""
+    import logging
+
+    import yaml
+
+    from kiln.core.records import Baseline, EngineValidation, ValidationResult
+    from kiln.stages.package.stage import run
+    from kiln.stages.package.triton import served_max_batch
+    from tests.conftest import stage_context
+    from tests.stages.engines.two_tower_engine import two_tower_engine
+
+    (tmp_path / "build").mkdir()
+    _, meta = two_tower_engine(tmp_path / "build")
+    checked = EngineValidation(
+        name=meta.name, backend=meta.backend, precision="fp32", device="cpu", status="validated", passed=True
+    )
+    checked.batch_sizes = [1, 8]
+    (tmp_path / "validate").mkdir()
+    validation = ValidationResult(
+        passed=True, baseline=Baseline(accuracy=None, samples=8, latency_ms={}), engines=[checked], failures=[]
+    )
+    validation.write(tmp_path / "validate" / "validation.json")
+    inputs = {"build": tmp_path / "build", "validate": tmp_path / "validate"}
+    ctx = stage_context("package", tiny_config, tmp_path, tmp_path / "package", inputs)
+    with caplog.at_level(logging.INFO):
+        model = run(ctx).models[0]
+    for layout, name in (("triton", model["triton_model"]), ("triton-python", model["triton_python_model"])):
+        text = (tmp_path / "package" / layout / name / "config.pbtxt").read_text()
+        assert "max_batch_size: 0\n" in text and "dynamic_batching" not in text, (layout, text)
+    app = yaml.safe_load((tmp_path / "package" / "ray" / "serve.yaml").read_text())["applications"][0]["args"]
+    packaged = EngineMetadata.read(tmp_path / "package" / app["engine_dir"] / "kiln-engine.json", hint="")
+    assert served_max_batch(packaged, app["max_batch_size"]) == 0  # what the Ray app's replica serves with
+    assert "inputs in counts of their own (first axes texts, images) are served unbatched" in caplog.text

@@ -9,7 +9,7 @@ from google.protobuf import text_format
 
 from kiln.core.errors import ModelError
 from kiln.core.records import EngineMetadata, TensorSpec
-from kiln.stages.package.triton import check_config, model_config, render_pbtxt, triton_config
+from kiln.stages.package.triton import check_config, model_config, render_pbtxt, served_max_batch, triton_config
 
 # Triton's own ModelConfig message: from the serving extra (`pip install 'kiln[serve]'`, part of `.[dev]`)
 model_config_pb2 = pytest.importorskip(
@@ -97,6 +97,45 @@ def test_an_output_whose_rows_are_not_the_samples_is_served_unbatched(found: boo
     other = CPU.model_copy(deep=True)  # an output whose batch axis another exporter named otherwise: batched
     other.outputs[0].shape[0] = "unk__7"
     assert parse(triton_config("m", other, 32)).max_batch_size == 32
+
+
+TWO_TOWERS = record(
+    {
+        "name": "tt",
+        "backend": "onnxruntime",
+        "device": "cpu",
+        "validated_batch_sizes": [1, 8],
+        "inputs": [
+            {"name": "ids", "shape": ["texts", "seq"], "dtype": "int64"},
+            {"name": "mask", "shape": ["texts", "seq"], "dtype": "int64"},
+            {"name": "pixels", "shape": ["images", 3, 8, 8], "dtype": "float32"},
+        ],
+        "outputs": [
+            {"name": "text_embeds", "shape": ["texts", 16], "dtype": "float32"},
+            {"name": "image_embeds", "shape": ["images", 16], "dtype": "float32"},
+        ],
+    }
+)
+
+
+@pytest.mark.parametrize("backend", [None, "python"])
+def test_inputs_in_counts_of_their_own_are_served_unbatched(backend: str | None) -> None:
+    """A two-tower model's texts and images (first axes of names of their own): Triton's batcher takes one batch
+    size per request and would refuse 5 texts with 2 images, so the model is served whole, with its full shapes."""
+    assert served_max_batch(TWO_TOWERS, 32) == 0
+    cfg = parse(render_pbtxt(model_config("m", TWO_TOWERS, 32, backend=backend)))
+    assert cfg.max_batch_size == 0 and not cfg.HasField("dynamic_batching")
+    assert {t.name: list(t.dims) for t in [*cfg.input, *cfg.output]} == {
+        "ids": [-1, -1],
+        "mask": [-1, -1],
+        "pixels": [-1, 3, 8, 8],
+        "text_embeds": [-1, 16],
+        "image_embeds": [-1, 16],
+    }
+    forced = model_config("m", TWO_TOWERS, 32, backend=backend)
+    forced |= {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": 100}}
+    with pytest.raises(ModelError, match=r"max_batch_size 8 but .* first axes are \['texts', 'images'\]"):
+        check_config(forced, TWO_TOWERS)
 
 
 @pytest.mark.parametrize("where", ["inputs", "outputs"])
