@@ -47,3 +47,40 @@ def test_a_selection_over_constants_alone_mixes_nothing() -> None:
         helper.make_node("Mul", ["s", "nf"], ["pooled"]),
     ]
     assert rows_may_mix(_graph(nodes, [table])) == []
+
+
+def _fill(updates_nodes, updates: str, inits=()):
+    """``plain[ids == 0] = <updates>``: NonZero's positions written by a ScatterND (how `hidden[~mask] = 0`
+    exports: a Wav2Vec2's masked frames)."""
+    zero = numpy_helper.from_array(np.array(0, np.int64), "zero")
+    nodes = [
+        helper.make_node("Cast", ["ids"], ["plain"], to=TensorProto.FLOAT),
+        helper.make_node("Equal", ["ids", "zero"], ["mask"]),
+        helper.make_node("NonZero", ["mask"], ["where"]),
+        helper.make_node("Transpose", ["where"], ["idx"]),
+        *updates_nodes,
+        helper.make_node("ScatterND", ["plain", "idx", updates], ["filled"]),
+        helper.make_node("Slice", ["filled", "s0", "s1", "s2"], ["pooled"]),
+    ]
+    starts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s0", [0]), ("s1", [1]), ("s2", [1]))]
+    return _graph(nodes, [zero, *starts, *inits])
+
+
+def test_a_masked_fill_with_constants_keeps_every_row_its_own() -> None:
+    """The fill's values: zeros sized by the selection (its count reaches them only as a shape)."""
+    fill = numpy_helper.from_array(np.zeros(1, np.float32), "fill")
+    nodes = [
+        helper.make_node("Shape", ["where"], ["n_shape"]),
+        helper.make_node("Slice", ["n_shape", "s2", "s3"], ["count"]),
+        helper.make_node("Expand", ["fill", "count"], ["zeros"]),
+    ]
+    s3 = numpy_helper.from_array(np.array([2], np.int64), "s3")
+    assert rows_may_mix(_fill(nodes, "zeros", [fill, s3])) == []
+
+
+def test_a_fill_with_values_from_the_batch_may_mix_rows() -> None:
+    """Written with a sum over the whole batch: a row gets values of the others."""
+    nodes = [helper.make_node("ReduceSum", ["plain"], ["total"], keepdims=0)]
+    graph = _fill([*nodes, helper.make_node("Expand", ["total", "one"], ["written"])], "written")
+    graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "one"))
+    assert rows_may_mix(graph) == ["pooled"]
