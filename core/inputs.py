@@ -50,19 +50,32 @@ def check_batch_fits(
 AxisSizes = Mapping[str, Mapping[int, int]]  # input name -> axis -> size
 
 
+def named_sizes(specs: list[TensorSpec], axis_sizes: Mapping[str, Sequence[int]]) -> dict[str, dict[int, list[int]]]:
+    """The sizes of each symbolic axis besides the batch, per input and axis, where ``axis_sizes`` names it
+    (``signature.shapes``: a name the graph gives the axis -> sizes, as ``kiln build FILE`` takes them): the
+    graph stages' own reading of the sizes a user gives by axis name. Axes it does not name are left out."""
+    out: dict[str, dict[int, list[int]]] = {}
+    for spec in specs:
+        for axis, dim in enumerate(spec.shape):
+            if axis and isinstance(dim, str) and axis_sizes.get(dim):
+                out.setdefault(spec.name, {})[axis] = sorted(set(axis_sizes[dim]))
+    return out
+
+
 def largest_sizes(specs: list[TensorSpec], axis_sizes: Mapping[str, Sequence[int]]) -> dict[str, dict[int, int]] | None:
     """A size for every symbolic axis besides the batch, per input: the largest its named axis takes in the data
-    (``axis_sizes``: ``signature.dynamic_axes`` name -> sizes), so each axis is at a size the model takes (a decoder's
-    target length need not reach the source's); an axis not named there gets the largest of all. None without
-    sizes (callers then pass one size of their own)."""
+    (``axis_sizes``: ``signature.dynamic_axes`` name -> sizes, :func:`named_sizes`), so each axis is at a size the
+    model takes (a decoder's target length need not reach the source's); an axis not named there gets the largest
+    of all. None without sizes (callers then pass one size of their own)."""
     if not axis_sizes:
         return None
     default = max(max(v) for v in axis_sizes.values())
+    named = named_sizes(specs, axis_sizes)
     out: dict[str, dict[int, int]] = {}
     for spec in specs:
         for axis, dim in enumerate(spec.shape):
             if axis and not (isinstance(dim, int) and dim >= 1):
-                sizes = axis_sizes.get(dim) if isinstance(dim, str) else None
+                sizes = named.get(spec.name, {}).get(axis)
                 out.setdefault(spec.name, {})[axis] = max(sizes) if sizes else default
     return out
 

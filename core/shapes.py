@@ -24,6 +24,17 @@ def graph_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
     return {k: v for k, v in out.items() if v}
 
 
+def axis_names(specs: list[TensorSpec]) -> list[str]:
+    """The names of the dynamic axes besides batch an ONNX graph declares (:func:`graph_axes`), sorted."""
+    return sorted({d for axes in graph_axes(specs).values() for d in axes.values()})
+
+
+def shapes_flag(names: list[str]) -> str:
+    """The ``--set`` that gives sizes to the dynamic axes ``names`` (``signature.shapes``), for a fix line: a graph
+    stage run on a file has no data to take them from."""
+    return "--set 'signature.shapes={" + ", ".join(f"{n}: [MIN, MAX]" for n in names) + "}'"
+
+
 def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]]) -> dict[str, list[int]]:
     """Dynamic axis name -> sizes to validate at: ``configured`` where given, else the smallest and largest
     size of the axis over ``feeds`` (the splits); a single size ``L`` in the data gives ``L // 2`` and ``L``."""

@@ -866,7 +866,7 @@ def _optimize_direct(
     if dst.resolve() == Path(file).resolve():
         raise ModelError(f"refusing to overwrite the input model {file}", hint="choose another -o path")
     with scratch_root(dst.parent), output_file(dst) as staged:
-        summary = optimize_file(Path(file), staged, cfg.optimize)
+        summary = optimize_file(Path(file), staged, cfg.optimize, dict(cfg.signature.shapes))
     results.print(
         f"wrote {dst}: {summary.get('nodes_before')} -> {summary.get('nodes_after')} nodes",
         highlight=False,
@@ -999,9 +999,10 @@ DIRECT = {
                 ["--input-shape"],
                 multiple=True,
                 metavar="[NAME=]DIMS[:DTYPE]",
-                help="an input's shape, one sample without the batch axis, e.g. 3,224,224; one per input for a model "
-                "with several, named as its forward's parameters: --input-shape x=8 --input-shape meta=3 "
-                "(dtype float32, or e.g. ids=128:int64; integer inputs get 0s and 1s). Default: the config's data",
+                help="an input's shape, one sample without the batch axis, e.g. 3,224,224; () for one value per "
+                "sample (a timestep: t=():int64, an input of shape [batch]); one per input for a model with several, "
+                "named as its forward's parameters: --input-shape x=8 --input-shape meta=3 (dtype float32, or e.g. "
+                "ids=128:int64; integer inputs get 0s and 1s). Default: the config's data",
             ),
             click.Option(["-o", "--output"], type=click.Path(dir_okay=False), help="ONNX file to write in direct mode"),
         ),
@@ -1102,11 +1103,15 @@ DIRECT = {
 DIRECT_HELP = {
     "export": "Export to ONNX: from WORKDIR/train, or directly with --checkpoint/--model and -o.",
     "optimize": "Optimize an ONNX graph: `kiln optimize model.onnx -o model.opt.onnx`, or WORKDIR/export without "
-    "MODEL (MODEL may also be the run config: `kiln optimize kiln.yaml`).",
+    "MODEL (MODEL may also be the run config: `kiln optimize kiln.yaml`). A file's dynamic axes besides batch take "
+    "their sizes for the check on random inputs from `--set 'signature.shapes={seq: [8, 128]}'` (by the names "
+    "the graph gives them), else optimize.verify_batch.",
     "precision": "FP32/FP16/INT8/FP8 graph variants: `kiln precision model.onnx -o out/ --variants fp16,int8 "
     "--calibration d.npz`, or of WORKDIR/optimize without MODEL (MODEL may also be the run config).",
     "build": "Build engines: `kiln build model.onnx --backend onnxruntime -o out/`, or from WORKDIR/precision (MODEL "
-    "may also be the run config: `kiln build kiln.yaml`).",
+    "may also be the run config: `kiln build kiln.yaml`). A file's dynamic axes besides batch take their sizes "
+    "(profiles, recorded ranges, the fusion check) from `--set 'signature.shapes={seq: [8, 128]}'`, by the names "
+    "the graph gives them.",
     "validate": "Check engines against PyTorch (WORKDIR) or one engine folder against an ONNX --reference (ENGINE may "
     "also be the run config: `kiln validate kiln.yaml`).",
 }

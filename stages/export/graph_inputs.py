@@ -2,9 +2,10 @@
 
 A forward that takes ``**kwargs`` (nearly every ``transformers`` model) accepts any dict key of the data, so
 :func:`kiln.core.data.check_forward_takes` cannot tell an ignored key from a used one; the graph can. An input no
-node reads (a BERT tokenizer's ``token_type_ids`` beside a DistilBERT) is still an input of every engine, and a
-label among the inputs (Hugging Face's ``labels``) turns the model into a loss: a scalar no engine can answer per
-sample.
+node reads (a BERT tokenizer's ``token_type_ids`` beside a DistilBERT), or reads only for the sizes another input
+has too (a CLIPModel's, through the Shape the dynamo exporter takes its batch size with), is still an input of
+every engine, and a label among the inputs (Hugging Face's ``labels``) turns the model into a loss: a scalar no
+engine can answer per sample.
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ from kiln.core.labels import is_label_name
 log = logging.getLogger("kiln.export")
 
 
-def _read(node: onnx.NodeProto) -> Iterator[str]:
-    """The values ``node`` reads: its inputs and, for If/Loop/Scan, those its subgraphs read (outer-scope names)."""
-    yield from node.input
+# Ops that read only their input's shape, never its values: an input read only by these changes no output but
+# the sizes its axes give (the dynamo exporter takes the batch size from whichever input carries it, read or not)
+SHAPE_OPS = frozenset({"Shape", "Size"})
+
+
+def _read(node: onnx.NodeProto, values: bool = False) -> Iterator[str]:
+    """The values ``node`` reads: its inputs and, for If/Loop/Scan, those its subgraphs read (outer-scope names);
+    with ``values``, only those whose contents it reads (not the input of a Shape or Size)."""
+    if not (values and node.op_type in SHAPE_OPS):
+        yield from node.input
     for attr in node.attribute:
         for graph in [attr.g] if attr.HasField("g") else list(attr.graphs):
             for inner in graph.node:
-                yield from _read(inner)
+                yield from _read(inner, values)
             yield from (o.name for o in graph.output)
 
 
@@ -36,22 +44,43 @@ def unused_inputs(graph: onnx.GraphProto) -> list[str]:
     return [i.name for i in graph.input if i.name not in read]
 
 
+def unread_inputs(graph: onnx.GraphProto) -> list[str]:
+    """The graph's inputs whose values no node reads and no output is: :func:`unused_inputs`, and those read only
+    by Shape or Size nodes whose every axis is fixed or named like an axis of an input whose values are read (the
+    dynamo exporter takes the batch size from any input that has it): their values change nothing, and their sizes
+    come with another input. One whose shape alone carries a size (a length no other input has) is read."""
+    read = {name for node in graph.node for name in _read(node, values=True)} | {o.name for o in graph.output}
+    tied = {d for i in graph.input if i.name in read for d in _dims(i) if isinstance(d, str)}
+    unused = set(unused_inputs(graph))
+    return [
+        i.name
+        for i in graph.input
+        if i.name in unused or (i.name not in read and all(isinstance(d, int) or d in tied for d in _dims(i)))
+    ]
+
+
+def _dims(value: onnx.ValueInfoProto) -> list[int | str | None]:
+    """A value's axes: a fixed size, a name, or None (a size neither fixed nor named)."""
+    return [d.dim_value or d.dim_param or None for d in value.type.tensor_type.shape.dim]
+
+
 def warn_unused_inputs(graph: onnx.GraphProto) -> list[str]:
-    """One warning naming the inputs the graph never reads (:func:`unused_inputs`): each engine still declares
-    them, so every client would send a tensor nothing reads. Returns them."""
-    unused = unused_inputs(graph)
-    if unused:
-        names = ", ".join(f"'{n}'" for n in unused)
+    """One warning naming the inputs whose values the graph never reads (:func:`unread_inputs`; one read only for
+    its shape is said so): each engine still declares them, so every client would send a tensor that changes
+    nothing. Returns them; the graph keeps them (its sizes may come from one of them)."""
+    unread, unused = unread_inputs(graph), set(unused_inputs(graph))
+    if unread:
+        said = ", ".join(f"'{n}'" + ("" if n in unused else " (only its shape is read)") for n in unread)
         log.warning(
             "the model never reads input%s %s: the exported graph and every engine still take %s, so each client "
             "must send %s; drop %s from the data's inputs (the keys of x the data function returns)",
-            "s" if len(unused) > 1 else "",
-            names,
-            "them" if len(unused) > 1 else "it",
-            "them" if len(unused) > 1 else "it",
-            names,
+            "s" if len(unread) > 1 else "",
+            said,
+            "them" if len(unread) > 1 else "it",
+            "them" if len(unread) > 1 else "it",
+            ", ".join(f"'{n}'" for n in unread),
         )
-    return unused
+    return unread
 
 
 def _reached_from(graph: onnx.GraphProto, start: str) -> set[str]:

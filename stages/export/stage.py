@@ -842,17 +842,25 @@ def input_shape_hint(model: nn.Module) -> str:
     flags = " ".join(f"--input-shape {n}=DIMS" for n in names)
     return (
         f"give each input's shape, one sample without the batch axis: {flags} (e.g. image=3,224,224, "
-        "ids=128:int64), or a config whose data.name is a data function the model takes"
+        "ids=128:int64, t=():int64 for one value per sample), or a config whose data.name is a data function the "
+        "model takes"
     )
 
 
-INPUT_SHAPE_FORM = "[NAME=]DIMS[:DTYPE], e.g. 3,224,224 or image=3x224x224 or ids=128:int64"
+INPUT_SHAPE_FORM = "[NAME=]DIMS[:DTYPE]"
+# What DIMS may be: sizes, or nothing for a sample without axes (one value per sample, the input is [batch])
+INPUT_SHAPE_HINT = (
+    f"give {INPUT_SHAPE_FORM}, DIMS one sample's shape without the batch axis: positive integers (3,224,224 or "
+    "3x224x224), or () for one value per sample, an input of shape [batch] (a timestep: t=():int64, or t=:int64); "
+    "e.g. image=3x224x224 or ids=128:int64"
+)
 
 
 def parse_input_shapes(texts: tuple[str, ...]) -> list[TensorSpec]:
     """``--input-shape`` values, ``[NAME=]DIMS[:DTYPE]``: one sample's shape (positive integers separated by ``,``
-    or ``x``, no batch axis) and dtype (float32 by default) per input, as specs with a leading ``batch`` axis. An
-    unnamed shape is the model's only input (``input``), so it stands alone."""
+    or ``x``, in parentheses or not, no batch axis; ``()`` or nothing for a sample without axes, whose input is
+    ``[batch]``: a timestep per sample) and dtype (float32 by default) per input, as specs with a leading ``batch``
+    axis. An unnamed shape is the model's only input (``input``), so it stands alone."""
     specs = [_parse_input_shape(t) for t in texts]
     names = [s.name for s in specs]
     if SINGLE_INPUT in names and len(specs) > 1 and not all("=" in t for t in texts):
@@ -868,17 +876,29 @@ def parse_input_shapes(texts: tuple[str, ...]) -> list[TensorSpec]:
 def _parse_input_shape(text: str) -> TensorSpec:
     name, sep, rest = text.rpartition("=")
     dims, _, dtype = rest.partition(":")
+    shape = _dims(dims)
     try:
-        shape = [int(s) for s in re.split(r"[,x]", dims)]
         np.dtype(dtype or "float32")
-    except (ValueError, TypeError):
-        shape = []
-    if not shape or any(d < 1 for d in shape) or (sep and not name.isidentifier()):
-        raise ConfigError(
-            f"--input-shape '{text}' is not {INPUT_SHAPE_FORM.partition(', e.g.')[0]}",
-            hint=f"one sample's shape without the batch axis, positive integers: {INPUT_SHAPE_FORM}",
-        )
+    except (TypeError, ValueError):
+        shape = None
+    if shape is None or not text.strip() or (sep and not name.isidentifier()):
+        raise ConfigError(f"--input-shape '{text}' is not {INPUT_SHAPE_FORM}", hint=INPUT_SHAPE_HINT)
     return TensorSpec(name=name if sep else SINGLE_INPUT, shape=["batch", *shape], dtype=dtype or "float32")
+
+
+def _dims(text: str) -> list[int] | None:
+    """One sample's sizes: ``3,224,224``, ``3x224x224`` or ``(3, 224, 224)``; ``()`` or nothing is a sample without
+    axes. None for anything else (a size below 1, a word)."""
+    inner = text.strip()
+    if inner.startswith("(") and inner.endswith(")"):
+        inner = inner[1:-1].strip()
+    if not inner:
+        return []
+    try:
+        shape = [int(s) for s in re.split(r"[,x]", inner)]
+    except ValueError:
+        return None
+    return shape if all(d >= 1 for d in shape) else None
 
 
 def example_inputs(specs: list[TensorSpec], batch: int = 2) -> Inputs:

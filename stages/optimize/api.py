@@ -13,7 +13,9 @@ import onnx
 from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ModelError
 from kiln.core.graphsurgeon import gs
-from kiln.core.onnx_io import check_onnx, check_tensor_io, infer_shapes, load_onnx, save_onnx
+from kiln.core.inputs import named_sizes
+from kiln.core.onnx_io import check_onnx, check_tensor_io, infer_shapes, io_specs, load_onnx, save_onnx
+from kiln.core.shapes import axis_names, graph_axes, shapes_flag
 from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
 from kiln.stages.optimize.config import OptimizeConfig
@@ -57,16 +59,43 @@ FIXED_SIZE_HINT = (
 )
 
 
+def unrunnable_hint(model: onnx.ModelProto, why: str, sizes: DataSizes | None, by_shapes: bool) -> str:
+    """The fix for a safety net that cannot run ``model`` on its random inputs, naming only the settings that
+    change them: ``optimize.int_high`` where the graph has integer inputs, ``signature.shapes`` for its named axes
+    besides batch where the caller sizes them from it (``by_shapes``: ``kiln optimize FILE``), and
+    ``optimize.verify_batch``, which sizes the batch and every axis ``sizes`` leaves out."""
+    if "cannot be reshaped" in why:
+        return FIXED_SIZE_HINT
+    specs = io_specs(model)[0]
+    axes = graph_axes(specs)
+    fixes = []
+    if any(s.dtype.startswith(("int", "uint")) for s in specs):
+        fixes.append("set optimize.int_high below the smallest vocabulary / index range")
+    named = axis_names(specs)
+    if by_shapes and named:
+        fixes.append(f"give the sizes the model takes on {_axes(named)}: {shapes_flag(named)}")
+    unsized = sorted({d for n, dims in axes.items() for a, d in dims.items() if a not in (sizes or {}).get(n, {})})
+    takes = f"a size the batch and {_axes(unsized)} all take" if unsized else "a batch size the model takes"
+    fixes.append(f"set optimize.verify_batch to {takes}")
+    return "; or ".join([*fixes, "set optimize.verify: false to rewrite without checking"])
+
+
+def _axes(names: list[str]) -> str:
+    return f"axis{'es' if len(names) > 1 else ''} " + ", ".join(f"'{n}'" for n in names)
+
+
 def optimize_model(
     model: onnx.ModelProto,
     cfg: OptimizeConfig,
     data_sizes: DataSizes | None = None,
     int_ranges: IntRanges | None = None,
+    by_shapes: bool = False,
 ) -> tuple[onnx.ModelProto, dict[str, Any]]:
     """Apply ``cfg.passes`` in order, in rounds to a fixpoint. With ``cfg.verify`` the result is run in ONNX Runtime
     against the original (on random inputs, dynamic axes at ``data_sizes`` and integers within ``int_ranges`` where
     the data gave them); when it differs, each pass is checked on its own, and a pass that changes the outputs (or
-    crashes) is rolled back and reported by name."""
+    crashes) is rolled back and reported by name. ``by_shapes``: ``data_sizes`` come from ``signature.shapes``,
+    which the fix for a model the safety net cannot run then names."""
     t_start = time.perf_counter()
     plan = [resolve(e) for e in cfg.passes]
     current = onnx.ModelProto()
@@ -80,11 +109,7 @@ def optimize_model(
             why = short_reason(exc)
             raise ModelError(
                 f"the optimizer's safety net cannot run the input model on random inputs ({why})",
-                hint=FIXED_SIZE_HINT
-                if "cannot be reshaped" in why
-                else "set optimize.int_high below the smallest vocabulary / index range, or "
-                "optimize.verify_batch to a size every dynamic axis accepts (all take that one "
-                "size); or optimize.verify: false to rewrite without checking",
+                hint=unrunnable_hint(current, why, data_sizes, by_shapes),
             ) from None
     fast, spent = _fast(plan, current, cfg.rounds, verifier)
     if fast is not None:
@@ -237,15 +262,21 @@ def _uses_external_data(path: Path) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in shell.graph.initializer)
 
 
-def optimize_file(src: Path, dst: Path, cfg: OptimizeConfig) -> dict[str, Any]:
+def optimize_file(
+    src: Path, dst: Path, cfg: OptimizeConfig, axis_sizes: dict[str, list[int]] | None = None
+) -> dict[str, Any]:
     """``kiln optimize src -o dst``: any ONNX file, including > 2 GB models whose weights live in external data
-    (the result then keeps its weights in ``<dst>.data`` next to it)."""
+    (the result then keeps its weights in ``<dst>.data`` next to it). ``axis_sizes``: sizes of the graph's dynamic
+    axes besides batch, by the names the graph gives them (``signature.shapes``, as ``kiln build FILE`` takes
+    them), for the safety net's random inputs: a convolution over audio takes no input of ``verify_batch``
+    samples."""
     src, dst = Path(src), Path(dst)
     model = load_onnx(src)
     check_tensor_io(model, str(src), sequence_outputs=True)  # its rewrites keep sequences of tensors, not maps
     ensure_writable(dst.parent, "the -o file's folder")
     external = _uses_external_data(src)
-    out, summary = optimize_model(model, cfg)
+    sizes = named_sizes(io_specs(model)[0], axis_sizes or {})
+    out, summary = optimize_model(model, cfg, sizes, by_shapes=True)
     if dst.resolve() == src.resolve():
         raise ModelError(f"refusing to overwrite the input model {src}", hint="choose another -o path")
     save_onnx(out, dst, external=external)

@@ -66,3 +66,18 @@ def test_largest_sizes_puts_each_axis_at_its_own_largest_size() -> None:
     feed = random_inputs(specs, 2, dynamic=sizes)
     assert feed["src"].shape == (2, 12) and feed["tgt"].shape == (2, 6) and feed["extra"].shape == (2, 12, 4)
     assert largest_sizes(specs, {}) is None
+
+
+def test_named_sizes_map_axis_names_to_each_input_and_axis() -> None:
+    """``signature.shapes`` by the names a graph gives its axes, per input and axis (what ``kiln optimize FILE``
+    sizes its safety net's inputs with): an axis it does not name, and the batch, are left out."""
+    from kiln.core.inputs import named_sizes
+
+    specs = [
+        TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="mask", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="audio", shape=["batch", 1, "samples", "other"], dtype="float32"),
+    ]
+    sizes = named_sizes(specs, {"seq": [16, 8, 16], "samples": [1600, 800], "batch": [4]})
+    assert sizes == {"ids": {1: [8, 16]}, "mask": {1: [8, 16]}, "audio": {2: [800, 1600]}}
+    assert named_sizes(specs, {}) == {}

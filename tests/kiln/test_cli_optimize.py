@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -76,3 +77,31 @@ def test_onnx_graphsurgeons_warnings_go_to_stderr_not_stdout(cli: CliRunner, tmp
     assert "share the same name" not in result.stdout and "[W]" not in result.stdout, result.stdout
     assert result.stdout.startswith("wrote ")
     assert "WARNING" in result.stderr and "share the same name" in result.stderr  # a warning still, on stderr
+
+
+@pytest.fixture
+def audio(tmp_path: Path) -> Path:
+    """x [N, 1, samples] -> Identity -> Conv (kernel 10) -> y: no input of 2 samples runs it."""
+    nodes = [h.make_node("Identity", ["x"], ["a"]), h.make_node("Conv", ["a", "w"], ["y"])]
+    path = tmp_path / "audio.onnx"
+    w = np.random.default_rng(0).standard_normal((4, 1, 10)).astype(np.float32)
+    onnx.save(make_model(nodes, [("x", ["N", 1, "samples"], FLOAT)], ["y"], {"w": w}), str(path))
+    return path
+
+
+def test_signature_shapes_size_the_safety_nets_inputs(cli: CliRunner, audio: Path) -> None:
+    """Before: the net gave every dynamic axis optimize.verify_batch (2 samples, which the convolution refuses)
+    whatever --set signature.shapes said, which `kiln build FILE` honours."""
+    shapes = "signature.shapes={samples: [400, 800]}"
+    wrote, checked = _optimize(cli, audio, "--passes", "eliminate_identity", "--set", shapes)
+    assert wrote.endswith(": 2 -> 1 nodes")
+    assert checked == "verified: outputs match the input model's on random inputs (1 check)"
+
+
+def test_the_fix_names_signature_shapes_and_no_int_high(cli: CliRunner, audio: Path) -> None:
+    """Before: the fix began with optimize.int_high (the model has no integer input) and never named
+    signature.shapes."""
+    refused = cli.invoke(main, ["optimize", str(audio), "-o", str(audio.with_name("out.onnx"))])
+    assert refused.exit_code == 2, refused.output
+    assert "fix: give the sizes the model takes on axis 'samples': --set 'signature.shapes=" in refused.output
+    assert "int_high" not in refused.output

@@ -27,6 +27,7 @@ from kiln.core.onnx_io import (
     ort_session,
     session_options,
 )
+from kiln.core.shapes import axis_names, shapes_flag
 from kiln.core.text import first_line
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
@@ -377,9 +378,22 @@ def maybe_fuse(
     _keep_inputs(model, fused.model)
     err = _parity(model, fused.model, dynamic=dynamic)
     if err is not None:
-        log.warning("ORT transformer fusion not applied: %s; keeping the unfused graph", err)
+        log.warning(
+            "ORT transformer fusion not applied: %s; keeping the unfused graph%s", err, _unsized(model, dynamic, err)
+        )
         return model, {"applied": False, "why": f"fused graph rejected: {err}"}
     return fused.model, {"applied": True, "fused": stats}
+
+
+def _unsized(model: onnx.ModelProto, dynamic: int | AxisSizes | None, err: str) -> str:
+    """Where the fusion check could not run the graph and nothing sized its named dynamic axes besides batch
+    (``kiln build FILE`` without ``signature.shapes``: they ran at the check's batch, which a convolution over
+    audio refuses), how to give their sizes; else nothing."""
+    named = axis_names(io_specs(model)[0])
+    if dynamic is not None or not named or not err.startswith(_CANNOT_RUN):
+        return ""
+    axes = f"dynamic ax{'es' if len(named) > 1 else 'is'} " + ", ".join(f"'{n}'" for n in named)
+    return f" ({axes} ran at {FUSION_CHECK_BATCH}: give the sizes the model takes, {shapes_flag(named)})"
 
 
 def _keep_inputs(model: onnx.ModelProto, fused: onnx.ModelProto) -> None:
@@ -399,8 +413,16 @@ def graph_has_fp16(model: onnx.ModelProto) -> bool:
     return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
 
 
+# The fusion check's batch, and the size of every dynamic axis nothing sizes
+FUSION_CHECK_BATCH = 2
+_CANNOT_RUN = "cannot run random inputs"
+
+
 def _parity(
-    ref: onnx.ModelProto, new: onnx.ModelProto, batch: int = 2, dynamic: int | AxisSizes | None = None
+    ref: onnx.ModelProto,
+    new: onnx.ModelProto,
+    batch: int = FUSION_CHECK_BATCH,
+    dynamic: int | AxisSizes | None = None,
 ) -> str | None:
     """None when both graphs agree on random inputs; else a short description of the difference."""
     try:
@@ -411,7 +433,7 @@ def _parity(
     try:
         want = a.run(None, feed)
     except Exception as exc:  # ORT's own error type; a graph that cannot run these inputs cannot be checked
-        return f"cannot run random inputs to check ({first_line(exc, 160)})"
+        return f"{_CANNOT_RUN} to check ({first_line(exc, 160)})"
     try:
         got = b.run(None, feed)
     except Exception as exc:  # the unfused graph runs them: the fusion broke it (e.g. ORT's fusions on a T5)

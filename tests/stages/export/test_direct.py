@@ -80,6 +80,9 @@ def test_shapes_that_miss_or_misname_an_input_are_refused(
         (("x y=3",), "is not"),
         (("x=3", "4"), "not every one named"),
         (("x=3", "x=4"), "names an input twice"),
+        (("t=int64",), "is not"),
+        (("",), "is not"),
+        (("t=(3",), "is not"),
     ],
 )
 def test_bad_input_shapes_are_config_errors(values: tuple[str, ...], needle: str) -> None:
@@ -94,6 +97,45 @@ def test_input_shape_forms() -> None:
         ("ids", ["batch", 128], "int64"),
     ]
     assert [(s.name, s.shape) for s in parse_input_shapes(("1,8,8",))] == [("input", ["batch", 1, 8, 8])]
+    assert [s.shape for s in parse_input_shapes(("a=(3, 8)",))] == [["batch", 3, 8]]
+
+
+@pytest.mark.parametrize("value", ["t=():int64", "t=:int64", "t=( ):int64"])
+def test_a_sample_without_axes_is_an_input_of_one_value_per_sample(value: str) -> None:
+    """A diffusion timestep is one number per sample, ``[batch]``. Before: ``t=:int64`` was refused, and the one
+    way through, ``t=1:int64``, gave ``[batch, 1]``, which the model's ``x, t`` unpacking refused."""
+    assert [(s.name, s.shape, s.dtype) for s in parse_input_shapes((value,))] == [("t", ["batch"], "int64")]
+
+
+def test_the_refusal_of_a_shape_says_how_to_give_one_value_per_sample() -> None:
+    with pytest.raises(ConfigError, match=r"--input-shape 't=int64' is not \[NAME=\]DIMS\[:DTYPE\]") as err:
+        parse_input_shapes(("t=int64",))
+    assert "() for one value per sample" in (err.value.hint or "") and "t=():int64" in (err.value.hint or "")
+
+
+class _Denoiser(torch.nn.Module):
+    """A diffusion model's shape: ``forward(x, t)``, ``t`` one int64 step per sample, embedded sinusoidally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        (batch,) = t.shape  # a [batch, 1] step is refused here, as a UNet's embedding refuses it
+        freqs = torch.arange(4, dtype=torch.float32)
+        emb = torch.cat([torch.sin(t[:, None] * freqs), torch.cos(t[:, None] * freqs)], dim=1)
+        return self.lin(x) + emb.reshape(batch, 8)
+
+
+def denoiser() -> torch.nn.Module:
+    return _Denoiser()
+
+
+def test_a_model_taking_a_step_per_sample_exports_from_input_shapes(tmp_path: Path) -> None:
+    summary = export_direct(settings(f"{__name__}:denoiser"), None, ("x=8", "t=():int64"), tmp_path / "m.onnx")
+    graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    assert shapes == {"x": ["batch", 8], "t": ["batch"]} and summary["max_abs_err"] < 1e-4
 
 
 class _DrawsNoise(torch.nn.Module):

@@ -6,13 +6,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from onnx import helper
 from torch import nn
 
 from kiln.core.errors import ConfigError
-from kiln.stages.export.graph_inputs import is_label_name
+from kiln.stages.export.graph_inputs import is_label_name, unread_inputs, unused_inputs
 from kiln.stages.export.stage import export_onnx
 
 
@@ -85,6 +87,94 @@ def test_inputs_the_forward_reads_give_no_warning(tmp_path: Path, caplog: pytest
     with caplog.at_level(logging.WARNING, logger="kiln.export"):
         export_onnx(Classifier().eval(), {"input_ids": ids()}, tmp_path / "m.onnx")
     assert not [r for r in caplog.records if "never reads" in r.getMessage()]
+
+
+class TwoTower(nn.Module):
+    """CLIP's shape: texts and images through towers of their own, ``**kwargs`` taking any other key. Where a
+    tower needs the batch size (the class token's expand), the dynamo exporter may read it from any input with the
+    batch axis (``insert_deferred_runtime_asserts``): here from the ignored ``token_type_ids``, through a Shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.conv, self.cls = nn.Embedding(20, 8), nn.Conv2d(3, 8, 4, 4), nn.Parameter(torch.randn(8))
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor, **kwargs: torch.Tensor
+    ) -> dict:
+        text = (self.embed(input_ids) * attention_mask[..., None]).mean(1)
+        patches = self.conv(pixel_values).flatten(2).transpose(1, 2)
+        image = torch.cat([self.cls.expand(pixel_values.shape[0], 1, -1), patches], 1)[:, 0]
+        return {"text": text, "image": image}
+
+
+def test_an_input_read_only_for_its_shape_is_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: its only reader, a Shape node, counted as a use, and nothing was said (a CLIPModel given a
+    tokenizer's ``token_type_ids``): every engine required an input whose values change nothing."""
+    x = {
+        "input_ids": ids(),
+        "attention_mask": torch.ones(2, 5, dtype=torch.long),
+        "pixel_values": torch.rand(2, 3, 8, 8),
+        "token_type_ids": torch.zeros(2, 5, dtype=torch.long),
+    }
+    with caplog.at_level(logging.WARNING, logger="kiln.export"):
+        proto = export_onnx(TwoTower().eval(), x, tmp_path / "m.onnx")
+    readers = [n.op_type for n in proto.graph.node if "token_type_ids" in n.input]
+    assert readers == ["Shape"]  # the case under test: read, but only for its shape
+    warned = [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()]
+    assert warned == [
+        "the model never reads input 'token_type_ids' (only its shape is read): the exported graph and every engine "
+        "still take it, so each client must send it; drop 'token_type_ids' from the data's inputs (the keys of x "
+        "the data function returns)"
+    ]
+    assert "token_type_ids" in [i.name for i in proto.graph.input]  # a warning only: the graph keeps it
+
+
+def _graph(nodes: list[onnx.NodeProto], inputs: list[str], shapes: dict | None = None) -> onnx.GraphProto:
+    """A graph of float inputs ``inputs`` (shaped [batch, 3] unless ``shapes`` says otherwise) and one output."""
+    info = [
+        helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, (shapes or {}).get(n, ["batch", 3])) for n in inputs
+    ]
+    out = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    return helper.make_graph(nodes, "g", info, [out])
+
+
+def test_inputs_read_for_their_values_or_only_their_shapes() -> None:
+    """``a`` is read for its values; ``s`` by Shape and Size only; ``n`` by nothing; ``b`` by a Shape and an Add:
+    only ``s`` and ``n`` are unread, and only ``n`` unused (the export's warning tells them apart)."""
+    nodes = [
+        helper.make_node("Shape", ["s"], ["s_shape"]),
+        helper.make_node("Size", ["s"], ["s_size"]),
+        helper.make_node("Shape", ["b"], ["b_shape"]),
+        helper.make_node("Add", ["a", "b"], ["ab"]),
+        helper.make_node("Reshape", ["ab", "s_shape"], ["y"]),
+    ]
+    graph = _graph(nodes, ["a", "s", "n", "b"])
+    assert unread_inputs(graph) == ["s", "n"]
+    assert unused_inputs(graph) == ["n"]
+
+
+def test_an_input_whose_shape_alone_gives_a_size_is_read() -> None:
+    """``length`` is read only through a Shape, but its axis ``steps`` is no axis of an input whose values are read:
+    its shape is what the graph takes from it (dropping it would lose that size), so it is not called unread."""
+    nodes = [helper.make_node("Shape", ["length"], ["steps"]), helper.make_node("Expand", ["a", "steps"], ["y"])]
+    graph = _graph(nodes, ["a", "length"], {"length": ["batch", "steps"]})
+    assert unread_inputs(graph) == []
+
+
+def test_an_input_read_only_for_its_shape_inside_a_subgraph_is_unread() -> None:
+    """A branch of an If that reads an outer input only through a Shape reads none of its values."""
+    then = helper.make_graph(
+        [helper.make_node("Shape", ["s"], ["t"])], "then", [], [helper.make_value_info("t", onnx.TypeProto())]
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", ["a"], ["e"])], "else", [], [helper.make_value_info("e", onnx.TypeProto())]
+    )
+    nodes = [
+        helper.make_node("ReduceSum", ["a"], ["c"]),
+        helper.make_node("Cast", ["c"], ["cond"], to=onnx.TensorProto.BOOL),
+        helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other),
+    ]
+    assert unread_inputs(_graph(nodes, ["a", "s"], {"s": ["batch", 4]})) == ["s"]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 from onnx import helper as h
 
 from kiln.core.errors import ModelError
-from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.api import optimize_model, unrunnable_hint
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.verify import Verifier, random_inputs, run_ort
 from tests.stages.optimize.optimize_helpers import FLOAT, INT64, f32, make_model, ops, run_pass
@@ -254,6 +254,56 @@ def test_dynamic_axes_take_the_sizes_the_data_has():
     assert ops(out) == ["Conv"] and s["verified"]
     one_length = Verifier(m, OptimizeConfig(), {"x": {2: [400, 400]}})  # one length L: L and L/2, as validation
     assert [f["x"].shape for f in one_length.feeds] == [(2, 1, 400), (1, 1, 200)]
+
+
+def _audio() -> onnx.ModelProto:
+    """A 1-D convolution over audio (kernel 10) on a dynamic ``samples`` axis, and no integer input."""
+    return make_model(
+        [N("Conv", ["x", "w"], ["c"]), N("Identity", ["c"], ["y"])],
+        [("x", ["N", 1, "samples"], FLOAT)],
+        ["y"],
+        {"w": f32(4, 1, 10)},
+    )
+
+
+def test_the_fix_for_a_float_model_names_no_int_high():
+    """Before: every fix began with optimize.int_high, which draws integer inputs only, for a Wav2Vec2 export
+    without any; the fix names the axes optimize.verify_batch would size besides the batch."""
+    with pytest.raises(ModelError, match="safety net cannot run") as err:
+        optimize_model(_audio(), OptimizeConfig())
+    assert "int_high" not in err.value.hint
+    assert err.value.hint == (
+        "set optimize.verify_batch to a size the batch and axis 'samples' all take; or set optimize.verify: false "
+        "to rewrite without checking"
+    )
+
+
+def test_the_fix_names_signature_shapes_where_the_caller_sizes_axes_by_it():
+    """``kiln optimize FILE`` sizes named axes from signature.shapes (``by_shapes``): its fix names that setting
+    with the graph's axis names; the pipeline's optimize (the data's sizes) does not."""
+    with pytest.raises(ModelError, match="safety net cannot run") as err:
+        optimize_model(_audio(), OptimizeConfig(), {}, by_shapes=True)
+    assert err.value.hint.startswith(
+        "give the sizes the model takes on axis 'samples': --set 'signature.shapes={samples: [MIN, MAX]}'; or set "
+        "optimize.verify_batch to a size the batch and axis 'samples' all take"
+    )
+
+
+def test_the_fix_for_a_model_with_integer_inputs_names_int_high_and_no_sized_axis():
+    """Integer inputs: int_high applies. An axis the data sized is not verify_batch's: the batch alone is."""
+    m = make_model(
+        [N("Gather", ["table", "ids"], ["g"]), N("Conv", ["x", "w"], ["y"])],
+        [("ids", ["N", "seq"], INT64), ("x", ["N", 1, "samples"], FLOAT)],
+        ["y", "g"],
+        {"table": f32(5, 4), "w": f32(4, 1, 10)},
+    )
+    hint = unrunnable_hint(m, "Invalid input shape", {"ids": {1: [4, 8]}}, by_shapes=False)
+    assert hint == (
+        "set optimize.int_high below the smallest vocabulary / index range; or set optimize.verify_batch to a size "
+        "the batch and axis 'samples' all take; or set optimize.verify: false to rewrite without checking"
+    )
+    sized = unrunnable_hint(m, "Invalid input shape", {"ids": {1: [4, 8]}, "x": {2: [400, 800]}}, by_shapes=False)
+    assert "set optimize.verify_batch to a batch size the model takes" in sized
 
 
 def test_an_input_model_that_fails_the_checker_is_still_optimized():

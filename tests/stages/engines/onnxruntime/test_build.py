@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from kiln.core.onnx_io import ort_session
 from kiln.core.records import TensorSpec
+from kiln.models.registry import build_model
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.engines.stage import MislabelledEngine, build_engine
+from kiln.stages.export.stage import export_onnx
 from tests.stages.engines.build_graphs import sample, written
 
 ZOO = ["cnn", "transformer", "mlp_embed"]
@@ -192,6 +196,38 @@ def test_an_input_no_node_reads_survives_the_fusion(zoo) -> None:
     fused, note = maybe_fuse(model, "cpu", OnnxRuntimeConfig())
     assert note["applied"], note
     assert [i.name for i in fused.graph.input] == [i.name for i in model.graph.input]
+
+
+class AudioTransformer(torch.nn.Module):
+    """The zoo transformer behind a convolution over audio (kernel 10) on a dynamic ``samples`` axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.body = torch.nn.Conv1d(1, 64, 10, 10), build_model("transformer", {})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.conv(x).mean(-1).reshape(-1, 1, 8, 8))
+
+
+def test_a_fusion_check_on_unsized_axes_says_how_to_size_them(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``kiln build FILE`` without signature.shapes: the check ran 2 samples, which the convolution refuses. Before:
+    a warning that the fusion was not applied, and nothing about the setting that gives the sizes."""
+    from kiln.stages.engines.onnxruntime.build import maybe_fuse
+
+    torch.manual_seed(0)
+    path = tmp_path / "audio.onnx"
+    export_onnx(AudioTransformer().eval(), torch.randn(2, 1, 100), path, dynamic_axes={"input": {2: "samples"}})
+    model = onnx.load(str(path))
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        _, note = maybe_fuse(model, "cpu", OnnxRuntimeConfig())
+    assert not note["applied"] and "cannot run random inputs" in note["why"]
+    warned = [r.getMessage() for r in caplog.records if "fusion not applied" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].endswith(
+        "keeping the unfused graph (dynamic axis 'samples' ran at 2: give the sizes the model takes, "
+        "--set 'signature.shapes={samples: [MIN, MAX]}')"
+    )
+    _, sized = maybe_fuse(model, "cpu", OnnxRuntimeConfig(), {"input": {2: 100}})  # what signature.shapes gives
+    assert sized["applied"], sized
 
 
 @pytest.mark.parametrize(
