@@ -33,7 +33,7 @@ def rows_may_mix(graph: onnx.GraphProto) -> list[str]:
     mixed: set[str] = set()
     for node in graph.node:  # topological order, as the checker requires
         ins = set(node.input)
-        if node.op_type in VALUE_SIZED and ins & batched and node.name not in fills:
+        if node.op_type in VALUE_SIZED and ins & batched and node.output[0] not in fills:
             mixed.update(node.output)
         if ins & batched:
             batched.update(node.output)
@@ -43,7 +43,7 @@ def rows_may_mix(graph: onnx.GraphProto) -> list[str]:
 
 
 def masked_fills(graph: onnx.GraphProto, batched: set[str]) -> set[str]:
-    """The NonZero nodes whose positions (through :data:`POSITIONS` ops) are only the indices of ScatterND nodes
+    """The first outputs of the NonZero nodes whose positions (through :data:`POSITIONS` ops) are only the indices of ScatterND nodes
     whose updates carry no batched values (constants, sized by the selection at most)."""
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in graph.node:
@@ -60,7 +60,7 @@ def masked_fills(graph: onnx.GraphProto, batched: set[str]) -> set[str]:
                 elif user.op_type not in SHAPE_ONLY:  # the selection's count, read as a size, is no row's value
                     uses.append((user, slot))
         if uses and all(u.op_type == "ScatterND" and slot == 1 and u.input[2] not in carries for u, slot in uses):
-            fills.add(node.name)
+            fills.add(node.output[0])  # by its result: nodes need no name
     return fills
 
 

@@ -78,6 +78,31 @@ def test_a_masked_fill_with_constants_keeps_every_row_its_own() -> None:
     assert rows_may_mix(_fill(nodes, "zeros", [fill, s3])) == []
 
 
+def test_a_masked_fill_beside_a_selection_that_mixes_is_told_apart_in_a_graph_of_unnamed_nodes() -> None:
+    """The fill's NonZero and BART's eos gather, neither named (names are optional in ONNX): only the fill is
+    exempt, and the gather's output still mixes rows."""
+    fill = numpy_helper.from_array(np.zeros(1, np.float32), "fill")
+    s3 = numpy_helper.from_array(np.array([2], np.int64), "s3")
+    nodes = [
+        helper.make_node("Shape", ["where"], ["n_shape"]),
+        helper.make_node("Slice", ["n_shape", "s2", "s3"], ["count"]),
+        helper.make_node("Expand", ["fill", "count"], ["zeros"]),
+    ]
+    graph = _fill(nodes, "zeros", [fill, s3])
+    eos_nodes = [
+        helper.make_node("NonZero", ["mask"], ["where2"]),
+        helper.make_node("Transpose", ["where2"], ["idx2"]),
+        helper.make_node("GatherND", ["plain", "idx2"], ["picked"]),
+        helper.make_node("Reshape", ["picked", "shape"], ["plain_out"]),
+    ]
+    graph.node.extend(eos_nodes)
+    graph.initializer.append(numpy_helper.from_array(np.array([-1, 6], np.int64), "shape"))
+    graph.output[1].name = "plain_out"
+    for node in graph.node:
+        node.name = ""
+    assert rows_may_mix(graph) == ["plain_out"]
+
+
 def test_a_fill_with_values_from_the_batch_may_mix_rows() -> None:
     """Written with a sum over the whole batch: a row gets values of the others."""
     nodes = [helper.make_node("ReduceSum", ["plain"], ["total"], keepdims=0)]
