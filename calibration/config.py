@@ -97,8 +97,8 @@ class CalibrationConfig(Section):
     )
     keep_output_layers: AutoOnOff = Field(
         "auto",
-        description="keep the last Conv/MatMul/Gemm before each output in float (auto: before a sigmoid, softmax or "
-        "tanh output, whose scores a quantized layer gives 256 values: a heatmap's ties are peaks of their own)",
+        description="keep the last Conv/MatMul/Gemm before each output in float (auto: before a sigmoid output, "
+        "whose scores a quantized layer gives 256 values: a heatmap's ties are peaks of their own)",
     )
     cache: bool = Field(True, description="reuse calibration ranges across runs (keyed on model, data, settings)")
     trt_table: bool = Field(True, description="also write a TensorRT 10 IInt8Calibrator calibration table")

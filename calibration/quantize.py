@@ -26,10 +26,11 @@ COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
 def first_last_compute(model: onnx.ModelProto) -> list[str]:
-    """The first compute layer and the last one before each graph output (every head of a detector: a heatmap
-    quantized ahead of its sigmoid takes 256 values, whose ties a peak search counts as detections of their own)."""
+    """The first compute layer, the last one in the graph, and the last one before each graph output through
+    activations and layout ops (every head of a detector: a heatmap quantized ahead of its sigmoid takes 256
+    values, whose ties a peak search counts as detections of their own)."""
     names = [n.name for n in model.graph.node if n.op_type in COMPUTE_OPS]
-    return sorted({names[0], *last_compute(model)}) if names else []
+    return sorted({names[0], names[-1], *last_compute(model)}) if names else []
 
 
 # Ops a head's output passes through after its last layer: activations and layout, their data input followed
@@ -37,7 +38,9 @@ PASS_THROUGH = {
     "Sigmoid", "Softmax", "LogSoftmax", "Relu", "LeakyRelu", "Clip", "Tanh", "HardSigmoid", "Identity", "Cast",
     "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Resize", "Upsample",
 }  # fmt: skip
-SCORES = {"Sigmoid", "Softmax", "LogSoftmax", "HardSigmoid", "Tanh"}  # squash a layer's result into scores
+# squash a layer's result into scores that are read on their own (a heatmap's peaks, a multi-label threshold);
+# a softmax's are read by their argmax, which top-1 agreement gates
+SCORES = {"Sigmoid", "HardSigmoid"}
 ARITHMETIC = {"Add", "Sub", "Mul", "Div"}  # followed where every other input is a constant (a bias, a scale)
 
 

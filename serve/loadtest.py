@@ -315,7 +315,8 @@ def recorded_code_roots(path: str | Path) -> list[Path]:
     validation recorded them: where the data function resolves when `kiln loadtest` runs elsewhere."""
     manifest = _run_file(Path(path), "validate/manifest.json")
     roots = json.loads(manifest.read_text()).get("code_roots", []) if manifest is not None else []
-    return [Path(r) for r in roots if Path(r).is_dir()]
+    on_path = {str(Path(p).resolve()) for p in sys.path if p}  # PYTHONPATH's: importable already, left as they are
+    return [Path(r) for r in roots if Path(r).is_dir() and str(Path(r).resolve()) not in on_path]
 
 
 def run_workdir(path: str | Path) -> Path:

@@ -3,53 +3,93 @@
 Exporters name dynamic axes per input unless told otherwise (torch.onnx.export's list form gives
 ``input_ids_dynamic_axes_1`` and ``attention_mask_dynamic_axes_1``, tf2onnx ``unk__1`` and ``unk__2``), and Kiln ties
 axes by name only, so such a BERT would take its ids and its mask in counts of their own and be served one request
-at a time. A two-tower model's ``texts`` and ``images`` really are apart. Which one a file is, running it tells: a
-graph that refuses its inputs in different counts takes them as one batch, whose axes get one name in Kiln's copy.
+at a time. A two-tower model's ``texts`` and ``images`` really are apart. Which one a file is, running it tells: the
+finest grouping of the inputs whose groups the graph takes in counts of their own is the truth, and the inputs of a
+group get one name in Kiln's copy.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from kiln.core.onnx_io import load_onnx, ort_session, save_onnx
+from kiln.stages.export.graph_inputs import unread_inputs
 
 log = logging.getLogger("kiln.export")
+MAX_GROUPS = 5  # first-axis names told apart by running the graph: Bell(5) = 52 runs at most
 
 
-def first_axis_names(path: Path) -> dict[str, str]:
-    """Input name -> the name of its first axis, for the inputs whose first axis is symbolic."""
-    graph = load_onnx(path, load_external_data=False).graph
-    dims = {i.name: i.type.tensor_type.shape.dim for i in graph.input}
-    return {name: d[0].dim_param for name, d in dims.items() if d and d[0].dim_param}
+def first_axis_names(graph: onnx.GraphProto) -> dict[str, str]:
+    """Input name -> its first axis's name, for the inputs whose first axis is not a fixed size (one with no name
+    is called ``<input>``)."""
+    out = {}
+    for value in graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if dims and not dims[0].HasField("dim_value"):
+            out[value.name] = dims[0].dim_param or f"<{value.name}>"
+    return out
 
 
 def tie_batch_axes(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
-    """Rename, in the file at ``path``, the first axes of inputs that the graph refuses to take in counts other than
-    the first input's to that input's first-axis name; returns the renames (old name -> new). ``feed``: at least
-    two rows of every input, which the graph answers (else nothing is probed)."""
-    names = first_axis_names(path)
-    groups = list(dict.fromkeys(names.values()))
-    if len(groups) < 2 or any(len(v) < 2 for v in feed.values()):
+    """Rename, in the file at ``path``, the first axes of inputs the graph takes only in one count to one name (the
+    first input's of each group); returns the renames (old name -> new). Inputs whose values the graph never reads
+    join the first group: their count changes nothing. ``feed``: at least two rows of every input, which the graph
+    answers in one count (else nothing is renamed)."""
+    graph = load_onnx(path, load_external_data=False).graph
+    names = first_axis_names(graph)
+    unread = set(unread_inputs(graph))
+    groups = list(dict.fromkeys(n for k, n in names.items() if k not in unread))
+    if len(set(names.values())) < 2 or not groups or len(groups) > MAX_GROUPS or any(len(v) < 2 for v in feed.values()):
         return {}
     session = ort_session(path)
-    if not _runs(session, feed):
+    blocks = next((p for p in partitions(groups) if _runs(session, _counts(feed, names, p))), None)
+    if blocks is None:  # not even in one count: the data does not fit the graph, which the later stages say
         return {}
-    tied = {g: groups[0] for g in groups[1:] if not _runs(session, _uneven(feed, names, g))}
-    if tied:
-        _rename(path, tied)
+    renames = {name: block[0] for block in blocks for name in block if name != block[0]}
+    renames |= {names[k]: blocks[0][0] for k in unread if k in names and names[k] != blocks[0][0]}
+    if renames:
+        _rename(path, renames, names)
         log.info(
-            "inputs' first axes %s are the batch axis '%s' (the graph takes them in one count)", sorted(tied), groups[0]
+            "inputs' first axes %s are one batch axis with %s (the graph takes them in one count)",
+            sorted(renames),
+            sorted(set(renames.values())),
         )
-    return tied
+    return renames
 
 
-def _uneven(feed: dict[str, np.ndarray], names: dict[str, str], group: str) -> dict[str, np.ndarray]:
-    """``feed`` with the inputs whose first axis is called ``group`` at two rows and the others at three (their rows
-    repeated): counts that differ and that no broadcast of a single row joins."""
-    return {k: np.take(v, np.arange(2 if names.get(k) == group else 3) % len(v), axis=0) for k, v in feed.items()}
+def partitions(items: list[str]) -> Iterator[list[list[str]]]:
+    """Every grouping of ``items``, the finest first (most groups), each group in ``items``' order."""
+    found: list[list[list[str]]] = []
+
+    def grow(rest: list[str], blocks: list[list[str]]) -> None:
+        if not rest:
+            found.append([list(b) for b in blocks])
+            return
+        head, tail = rest[0], rest[1:]
+        for block in blocks:
+            block.append(head)
+            grow(tail, blocks)
+            block.pop()
+        grow(tail, [*blocks, [head]])
+
+    grow(items, [])
+    yield from sorted(found, key=len, reverse=True)
+
+
+def _counts(feed: dict[str, np.ndarray], names: dict[str, str], blocks: list[list[str]]) -> dict[str, np.ndarray]:
+    """``feed`` with each group's inputs at a count of its own (2, 3, ...: rows repeated; no broadcast of a single
+    row joins them), inputs outside every group (unread, or with a fixed first axis) as they are."""
+    rows = {name: 2 + i for i, block in enumerate(blocks) for name in block}
+    out = {}
+    for k, v in feed.items():
+        count = rows.get(names.get(k, ""))
+        out[k] = v if count is None else np.take(v, np.arange(count) % len(v), axis=0)
+    return out
 
 
 def _runs(session: object, feed: dict[str, np.ndarray]) -> bool:
@@ -60,9 +100,16 @@ def _runs(session: object, feed: dict[str, np.ndarray]) -> bool:
     return True
 
 
-def _rename(path: Path, renames: dict[str, str]) -> None:
+def _rename(path: Path, renames: dict[str, str], names: dict[str, str]) -> None:
+    """Give the first axes of the graph's inputs (and every declared shape) their group's name; an unnamed one
+    (``<input>``) gets its name on that input."""
     model = load_onnx(path)  # with its weights: the save writes them again where they were external
-    for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        old = names.get(value.name)
+        if old in renames:
+            dims[0].dim_param = renames[old]
+    for value in [*model.graph.output, *model.graph.value_info]:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]

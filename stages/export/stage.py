@@ -712,15 +712,16 @@ MAX_PERIOD = 64  # the longest period looked for; the range is probed over two o
 
 def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = "") -> list[int] | None:
     """``[period, *residues]`` of the sizes from ``low`` to ``high`` that ``runs``, or None where it runs at every size
-    tried: the three after ``low`` and :data:`SIZE_PROBES` drawn across the range (a fixed draw, so that a rerun
-    finds the same). Otherwise the range is probed size by size (over two periods of :data:`MAX_PERIOD` at most),
-    and the shortest period at which every size runs as the one a period later is kept, with the remainders of the
-    sizes that run; a range probed whole without one gets a period as long as the range: its sizes exactly."""
-    inside = range(low + 1, high + 1)
+    tried: the three after ``low`` and :data:`SIZE_PROBES` drawn from the two periods of :data:`MAX_PERIOD` above it
+    (a fixed draw, so that a rerun finds the same; small sizes are cheap to run). Otherwise those two periods are
+    probed size by size, and the shortest period at which every size runs as the one a period later is kept, with
+    the remainders of the sizes that run; a range probed whole without one gets a period as long as the range: its
+    sizes exactly."""
+    top = min(high, low + 2 * MAX_PERIOD)
+    inside = range(low + 1, top + 1)  # sizes near the smallest: a period shows within two of them, cheaply
     tried = {*inside[:3], *random.Random(0).sample(inside, min(SIZE_PROBES, len(inside)))}
     if all(runs(size) for size in sorted(tried)):
         return None
-    top = min(high, low + 2 * MAX_PERIOD)
     ok = {size: runs(size) for size in range(low, top + 1)}
     width = top - low + 1
     period = next(
@@ -730,7 +731,8 @@ def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = 
     if period is None:
         log.warning(
             "signature axis %s: the model runs at some sizes from %d to %d and not at others, in no pattern of "
-            "period %d or less: no sizes recorded, so a size it cannot take fails in the engine",
+            "period %d or less: no sizes recorded, so a size it cannot take fails in the engine; give the sizes it "
+            "takes in signature.shapes to validate those alone",
             label,
             low,
             high,

@@ -55,11 +55,11 @@ def engine_max_batch(meta: EngineMetadata) -> int | None:
     return meta.max_batch()
 
 
-def first_axes(meta: EngineMetadata) -> list[int | str]:
-    """The names (or fixed sizes) the inputs' first axes carry, each once, in input order: one for a model whose
-    inputs come in one batch, several for one that takes them in counts of their own (a two-tower model's
-    ``texts`` and ``images``: axes are tied by the graph's names only)."""
-    return list(dict.fromkeys(s.shape[0] for s in meta.inputs if s.shape))
+def first_axes(meta: EngineMetadata) -> list[str]:
+    """The names the inputs' dynamic first axes carry, each once, in input order: one for a model whose inputs come
+    in one batch, several for one that takes them in counts of their own (a two-tower model's ``texts`` and
+    ``images``: axes are tied by the graph's names only). A fixed first axis is no batch: :func:`batchable`."""
+    return list(dict.fromkeys(s.shape[0] for s in meta.inputs if s.shape and isinstance(s.shape[0], str)))
 
 
 def batchable(meta: EngineMetadata) -> bool:

@@ -43,8 +43,8 @@ def rows_may_mix(graph: onnx.GraphProto) -> list[str]:
 
 
 def masked_fills(graph: onnx.GraphProto, batched: set[str]) -> set[str]:
-    """The first outputs of the NonZero nodes whose positions (through :data:`POSITIONS` ops) are only the indices of ScatterND nodes
-    whose updates carry no batched values (constants, sized by the selection at most)."""
+    """The first outputs of the NonZero nodes whose positions (through :data:`POSITIONS` ops) are only the indices
+    of ScatterND nodes whose updates carry no batched values (constants, sized by the selection at most)."""
     consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in graph.node:
         for slot, name in enumerate(node.input):

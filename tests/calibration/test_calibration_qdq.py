@@ -145,3 +145,28 @@ def test_the_last_layers_are_those_before_each_output_through_activations_not_a_
     assert excluded_nodes(model, CalibrationConfig()) == ["heatmap_head"]
     assert excluded_nodes(model, CalibrationConfig(keep_output_layers="on")) == ["box_head", "heatmap_head"]
     assert excluded_nodes(model, CalibrationConfig(keep_output_layers="off")) == []
+
+
+def test_auto_keeps_only_sigmoid_heads_and_first_last_keeps_the_graphs_last_layer_behind_a_concat() -> None:
+    """A softmax's scores are read by their argmax, which top-1 agreement gates: kept only with `on`. Heads joined by
+    a Concat (a YOLO's) have no last layer before the output through activations: exclude_first_last still keeps
+    the graph's last."""
+    from onnx import TensorProto, helper
+
+    from kiln.calibration.quantize import excluded_nodes, first_last_compute
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="stem"),
+        helper.make_node("MatMul", ["h", "w"], ["a"], name="head_a"),
+        helper.make_node("MatMul", ["h", "w"], ["b"], name="head_b"),
+        helper.make_node("Concat", ["a", "b"], ["boxes"], axis=1),
+        helper.make_node("MatMul", ["h", "w"], ["c"], name="classes"),
+        helper.make_node("Softmax", ["c"], ["probs"], axis=1),
+    ]
+    io = lambda name, width: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, width])  # noqa: E731
+    graph = helper.make_graph(nodes, "heads", [io("x", 4)], [io("boxes", 8), io("probs", 4)], [w])
+    model = helper.make_model(graph)
+    assert excluded_nodes(model, CalibrationConfig()) == []
+    assert excluded_nodes(model, CalibrationConfig(keep_output_layers="on")) == ["classes"]
+    assert first_last_compute(model) == ["classes", "stem"]  # the graph's last layer, as before

@@ -121,5 +121,8 @@ def test_the_folder_user_code_is_imported_from_is_recorded_for_loadtest(project,
     assert code_roots(refs) == [str(root)]
     validate = tmp_path / "wd" / "validate"
     validate.mkdir(parents=True)
-    (validate / "manifest.json").write_text(json.dumps({"code_roots": [str(root), str(tmp_path / "gone")]}))
-    assert recorded_code_roots(tmp_path / "wd" / "build" / "onnxruntime-cpu-fp32") == [root]
+    project = tmp_path / "project"  # the run's, not on this process's path
+    project.mkdir()
+    recorded = [str(project), str(root), str(tmp_path / "gone")]  # root: on the path (PYTHONPATH's), left as it is
+    (validate / "manifest.json").write_text(json.dumps({"code_roots": recorded}))
+    assert recorded_code_roots(tmp_path / "wd" / "build" / "onnxruntime-cpu-fp32") == [project]

@@ -79,7 +79,7 @@ class _Joined(torch.nn.Module):
 
 def test_inputs_an_exporter_named_apart_and_the_graph_takes_in_one_count_get_one_batch_axis(tmp_path: Path) -> None:
     """torch.onnx.export's list form of dynamic_axes names each input's first axis apart (``ids_dynamic_axes_1``,
-    ``mask_dynamic_axes_1``): the taken graph refuses 2 ids with 1 mask, so Kiln's copy names them one batch axis
+    ``mask_dynamic_axes_1``): the taken graph refuses 2 ids with 3 masks, so Kiln's copy names them one batch axis
     (served batched); a two-tower graph, which answers texts and images apart, keeps its names (test above)."""
     path = tmp_path / "joined.onnx"
     with warnings.catch_warnings():

@@ -1,0 +1,57 @@
+"""Tying the first axes of a taken graph's inputs that its exporter named apart: by running the graph, the finest
+grouping of inputs it takes in counts of their own, whatever the inputs' order; an input it never reads joins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.stages.export.batch_axes import first_axis_names, partitions, tie_batch_axes
+
+W = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+
+
+def _saved(tmp_path: Path, nodes: list, inputs: list[tuple[str, str | None]], outputs: list[tuple[str, str]]) -> Path:
+    def value(name: str, first: str | None) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [first, 4])
+
+    graph = helper.make_graph(nodes, "g", [value(*i) for i in inputs], [value(*o) for o in outputs], [W])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "model.onnx")
+    return tmp_path / "model.onnx"
+
+
+def _feed(*names: str) -> dict[str, np.ndarray]:
+    return {n: np.random.default_rng(0).random((2, 4), np.float32) for n in names}
+
+
+def test_a_tower_listed_first_keeps_its_count_and_the_other_towers_inputs_are_tied(tmp_path: Path) -> None:
+    """Images first, then ids and a mask that must come in one count: ids and mask tied, images apart (checking
+    each input against the first alone tied all three)."""
+    nodes = [
+        helper.make_node("MatMul", ["pixel", "w"], ["img_emb"]),
+        helper.make_node("Mul", ["ids", "mask"], ["t"]),
+        helper.make_node("MatMul", ["t", "w"], ["txt_emb"]),
+    ]
+    inputs = [("pixel", "img_n"), ("ids", "ids_n"), ("mask", "mask_n")]
+    path = _saved(tmp_path, nodes, inputs, [("img_emb", "img_n"), ("txt_emb", "ids_n")])
+    assert tie_batch_axes(path, _feed("pixel", "ids", "mask")) == {"mask_n": "ids_n"}
+    assert first_axis_names(onnx.load(path).graph) == {"pixel": "img_n", "ids": "ids_n", "mask": "ids_n"}
+
+
+def test_an_input_the_graph_never_reads_and_an_unnamed_first_axis_join_the_batch(tmp_path: Path) -> None:
+    """A DistilBERT's token_type_ids, named apart and never read, would keep a count of its own and leave the engine
+    unbatched; an input whose dynamic first axis has no name is tied by its own place."""
+    nodes = [helper.make_node("Mul", ["ids", "mask"], ["t"]), helper.make_node("MatMul", ["t", "w"], ["out"])]
+    path = _saved(tmp_path, nodes, [("ids", "ids_n"), ("mask", None), ("tt", "tt_n")], [("out", "ids_n")])
+    assert tie_batch_axes(path, _feed("ids", "mask", "tt")) == {"<mask>": "ids_n", "tt_n": "ids_n"}
+    assert set(first_axis_names(onnx.load(path).graph).values()) == {"ids_n"}
+
+
+def test_groupings_come_finest_first() -> None:
+    found = list(partitions(["a", "b", "c"]))
+    assert found[0] == [["a"], ["b"], ["c"]] and found[-1] == [["a", "b", "c"]] and len(found) == 5
