@@ -159,17 +159,24 @@ def _macro_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | 
 
 
 def _multilabel_f1(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
-    """Micro-averaged F1 of a multi-label head: logits ``[N, K]`` (one per label, positive above 0: a sigmoid's
-    0.5) against 0/1 targets of the same shape; every (row, label) pair counts once."""
+    """Micro-averaged F1 of a multi-label head: scores ``[N, K]`` (one per label) against 0/1 targets of the same
+    shape; every (row, label) pair counts once. A label is predicted where its logit is above 0, or, for a head
+    that ends in a sigmoid (every score within [0, 1]), where its probability is above 0.5: the same decision."""
     out = _pick(outputs, logits)
     if out.shape != labels.shape:
         raise ValueError(
             f"multilabel_f1 takes 0/1 targets shaped like the logits {list(out.shape)}, not {list(labels.shape)}"
         )
-    pred, y = out > 0, labels > 0.5
+    pred, y = out > decision_threshold(out), labels > 0.5
     tp = np.sum(pred & y)
     denom = np.sum(pred) + np.sum(y)
     return float(2.0 * tp / denom) if denom else 1.0  # nothing predicted, nothing to find: perfect
+
+
+def decision_threshold(scores: np.ndarray) -> float:
+    """0.5 for probabilities (every score within [0, 1]: a sigmoid's output), 0 for logits."""
+    finite = scores[np.isfinite(scores)]
+    return 0.5 if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0 else 0.0
 
 
 def _mse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:

@@ -87,6 +87,11 @@ def test_multilabel_f1_and_a_built_in_that_does_not_fit_the_labels() -> None:
     out = {"logits": np.array([[2.0, -1.0, 3.0], [-2.0, 1.0, -1.0]], np.float32)}
     y = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], np.float32)  # 2 right, 1 missed, 1 extra: 2*2 / (3 + 3)
     assert resolve_metric("multilabel_f1", "logits")(out, y) == pytest.approx(4 / 6)
+    # a head ending in a sigmoid: the same decisions at 0.5 (at 0 every label would count as predicted: 2*2 / 8)
+    probs = {"logits": 1.0 / (1.0 + np.exp(-out["logits"]))}
+    fewer = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], np.float32)  # 2 right, 1 extra: 2*2 / (3 + 2)
+    assert resolve_metric("multilabel_f1", "logits")(out, fewer) == pytest.approx(0.8)
+    assert resolve_metric("multilabel_f1", "logits")(probs, fewer) == pytest.approx(0.8)
     with pytest.raises(ModelError) as err:
         resolve_metric("macro_f1", "logits")(out, y)
     assert "takes class indices" in err.value.message and "multilabel_f1" in err.value.message
