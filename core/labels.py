@@ -8,6 +8,7 @@ as Hugging Face's token-classification models and torch's ``cross_entropy(ignore
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,40 @@ def floating(y: Any) -> bool:
 def per_position(y: Any) -> bool:
     """Integer labels with more than one axis: one per position of each row."""
     return y.ndim > 1 and not floating(y)
+
+
+def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:
+    """The integer input equal to the labels per position ``y`` at every labelled position, or None. Kiln scores the
+    logits at position t against the label at t, so labels that repeat an input (Hugging Face's causal-LM ``labels =
+    input_ids``, which its model shifts itself) train a model to copy it. Labels of one value throughout say nothing
+    of a copy, and are not matched."""
+    if not per_position(y):
+        return None
+    keep = y != IGNORE_LABEL
+    given = y[keep]
+    if given.numel() == 0 or not bool((given != given[0]).any()):
+        return None
+    for name, t in inputs.items():
+        if tuple(t.shape) == tuple(y.shape) and not floating(t) and bool((t[keep] == given).all()):
+            return name
+    return None
+
+
+def is_mask_name(name: str) -> bool:
+    """Named like a Hugging Face attention mask (``attention_mask``, ``decoder_attention_mask``): 0 marks padding."""
+    return name.lower().endswith("attention_mask")
+
+
+def labelled_padding(inputs: Mapping[str, Any], y: Any) -> tuple[str, int]:
+    """The attention-mask input shaped like the labels per position ``y``, and how many of its 0 (padding)
+    positions carry a label: they count in the loss, accuracy and top-1 agreement like real tokens. ``("", 0)``
+    where no input is such a mask."""
+    if not per_position(y):
+        return "", 0
+    for name, t in inputs.items():
+        if is_mask_name(name) and tuple(t.shape) == tuple(y.shape):
+            return name, int(((t == 0) & (y != IGNORE_LABEL)).sum())
+    return "", 0
 
 
 def labelled(y: Any) -> Any:

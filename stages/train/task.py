@@ -20,7 +20,7 @@ from torch import nn
 
 from kiln.core import labels
 from kiln.core.compare import class_axis
-from kiln.core.data import DatasetSplits
+from kiln.core.data import DatasetSplits, tensors
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.user_errors import user_code_error
@@ -89,6 +89,7 @@ CLASSIFY = Task("classification")
 
 def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | None) -> Task:
     kind = "classification" if data.classification else "regression"
+    warn_label_inputs(data)
     if loss is None:
         warn_one_hot(data)
         return Task(kind, logits_output)
@@ -109,32 +110,116 @@ def scoring_task(data: DatasetSplits, loss: str | None, logits_output: str | int
     loss (labels of its own kind are not refused), and the loss itself is never called."""
     if loss is None:
         return task_for(data, None, logits_output)
+    warn_label_inputs(data)
     return Task("classification", logits_output, no_loss) if data.classification else None
 
 
-def _one_hot(y: torch.Tensor | None, num_classes: int) -> bool:
-    """Float ``[N, num_classes]`` rows of 0/1 with exactly one 1 each: class labels one-hot encoded."""
+def _zero_one_rows(y: torch.Tensor | None, num_classes: int) -> str | None:
+    """Float ``[N, num_classes]`` rows of 0/1: ``"one-hot"`` with exactly one 1 in each (class labels one-hot
+    encoded), ``"multi-hot"`` otherwise (multi-label targets); None for any other labels."""
     if y is None or not y.is_floating_point() or y.ndim != 2 or num_classes < 2 or y.shape[1] != num_classes:
-        return False
-    return bool(((y == 0) | (y == 1)).all() and (y.sum(1) == 1).all())
+        return None
+    if not bool(((y == 0) | (y == 1)).all()):
+        return None
+    return "one-hot" if bool((y.sum(1) == 1).all()) else "multi-hot"
+
+
+def _zero_one_fix(kind: str) -> str:
+    """What to do with 0/1 rows that would train as regression targets, by their kind."""
+    if kind == "one-hot":
+        return (
+            "pass class indices (y.argmax(1)) for cross-entropy and top-1 accuracy, or leave them as they are for "
+            "regression / multi-label"
+        )
+    return (
+        "for multi-label classification give train.loss: torch.nn.functional:binary_cross_entropy_with_logits (on "
+        "the model's logits) and validate.metric: multilabel_f1, or leave them as they are "
+        "for regression"
+    )
 
 
 def warn_one_hot(data: DatasetSplits) -> None:
-    """Say (once, where the task is decided) that one-hot float labels of a dataset that declares classes train as
-    regression targets: mean squared error, and no accuracy or top-1 agreement. Said, not refused: regression and
-    multi-label targets may look the same."""
-    split = next((s for s in ("train", "val") if _one_hot(getattr(data, f"{s}_y"), data.num_classes)), None)
-    if split is None:
+    """Say (once, where the task is decided) that float 0/1 labels of a dataset that declares classes train as
+    regression targets: mean squared error, and no accuracy or top-1 agreement. One-hot rows are told to become
+    class indices, multi-hot rows (multi-label targets) to take a binary cross-entropy loss and multilabel_f1.
+    Said, not refused: regression targets may look the same."""
+    found = ((s, _zero_one_rows(getattr(data, f"{s}_y"), data.num_classes)) for s in ("train", "val"))
+    split, kind = next(((s, k) for s, k in found if k is not None), (None, None))
+    if split is None or kind is None:
         return
     y = getattr(data, f"{split}_y")
+    described = "one 1 per row" if kind == "one-hot" else "any number of 1s per row"
     log.warning(
-        "%s_y is float %s of one-hot rows (0/1, one 1 per row) with num_classes=%d: float labels train as regression "
-        "targets (mean squared error), with no accuracy or top-1 agreement; pass class indices (y.argmax(1)) for "
-        "cross-entropy and top-1 accuracy, or leave them as they are for regression / multi-label",
+        "%s_y is float %s of %s rows (0/1, %s) with num_classes=%d: float labels train as regression targets (mean "
+        "squared error), with no accuracy or top-1 agreement; %s",
         split,
         list(y.shape),
+        kind,
+        described,
         data.num_classes,
+        _zero_one_fix(kind),
     )
+
+
+def _splits(data: DatasetSplits) -> list[tuple[str, dict[str, torch.Tensor], torch.Tensor]]:
+    """Each split that has labels: its name, its inputs by name (dict key or position), its labels."""
+    names = list(data.sample_shapes)
+    return [
+        (s, dict(zip(names, tensors(getattr(data, f"{s}_x")))), getattr(data, f"{s}_y"))
+        for s in ("train", "val")
+        if getattr(data, f"{s}_y") is not None
+    ]
+
+
+def warn_copied_input(data: DatasetSplits) -> None:
+    """Say (once) that labels per position equal an input at every labelled position: the logits at position t are
+    scored against the label at t, so the model learns to copy its input and scores accuracy 1.0. Hugging Face's
+    causal-LM ``labels = input_ids`` is this (its model shifts them itself). Said, not refused: a copy task is one."""
+    for split, inputs, y in _splits(data):
+        name = labels.copied_input(inputs, y)
+        if name is None:
+            continue
+        log.warning(
+            "%s_y equals input '%s' at every labelled position: the logits at position t are scored against the "
+            "label at t, so the model learns to copy its input (Hugging Face's causal-LM labels = input_ids, which "
+            "its model shifts itself, are this); for next-token prediction shift them so that position t is "
+            "labelled with token t+1: y[:, :-1] = %s[:, 1:] and y[:, -1] = %d (and %d on padding)",
+            split,
+            name,
+            name,
+            labels.IGNORE_LABEL,
+            labels.IGNORE_LABEL,
+        )
+        return
+
+
+def warn_labelled_padding(data: DatasetSplits) -> None:
+    """Say (once) that labels per position are set where the input named ``attention_mask`` is 0: padding that
+    counts in the loss, accuracy and top-1 agreement like real tokens."""
+    counts: dict[str, int] = {}
+    mask = ""
+    for split, inputs, y in _splits(data):
+        name, count = labels.labelled_padding(inputs, y)
+        if count:
+            mask, counts[split] = name, count
+    if not counts:
+        return
+    where = " and ".join(f"{n:,} positions of {s}_y" for s, n in counts.items())
+    log.warning(
+        "labels are set at %s where input '%s' is 0 (padding): they count in the loss, accuracy and top-1 agreement "
+        "like real tokens; set those labels to %d (y[%s == 0] = %d)",
+        where,
+        mask,
+        labels.IGNORE_LABEL,
+        mask,
+        labels.IGNORE_LABEL,
+    )
+
+
+def warn_label_inputs(data: DatasetSplits) -> None:
+    """Labels per position checked against the inputs beside them, before training: said once each."""
+    warn_copied_input(data)
+    warn_labelled_padding(data)
 
 
 def check_positions(target: torch.Tensor, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
@@ -198,6 +283,19 @@ def _scalar_hint(value: Any, out: Any) -> str:
     )
 
 
+def _per_row_labels(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> ModelError:
+    """The error for one label per row beside class logits per position (a tagger's ``[N, seq, C]``, a segmenter's
+    ``[N, C, H, W]``): the class count is not what differs, the labels' kind is."""
+    axis = class_axis(target.ndim) % target.ndim
+    positions = ", ".join(str(s) for i, s in enumerate(target.shape) if i not in (0, axis))
+    return ModelError(
+        f"model '{model_ref}' gives class logits of shape {tuple(target.shape)}, one row of class scores per "
+        f"position, but the labels have shape {tuple(y.shape)}, one per row",
+        hint=f"give labels per position [N, {positions}] ({labels.IGNORE_LABEL} where a position has no label), "
+        "or make the model pool to one row of class logits per sample [N, classes]",
+    )
+
+
 def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
     if task.user_loss is not None:
@@ -229,6 +327,8 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
     if task.kind == "classification" and labels.per_position(y):
         check_positions(target, y, num_classes, model_ref)
     elif task.kind == "classification":
+        if target.ndim > 2 and y.ndim == 1:
+            raise _per_row_labels(target, y, model_ref)
         if target.ndim != 2 or target.shape[1] < max(num_classes, 2):
             raise ModelError(
                 f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "

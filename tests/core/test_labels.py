@@ -7,7 +7,17 @@ import pytest
 import torch
 
 from kiln.core.compare import compare_arrays
-from kiln.core.labels import IGNORE_LABEL, accuracy, are_indices, dense_cross_entropy, hits, labelled, per_position
+from kiln.core.labels import (
+    IGNORE_LABEL,
+    accuracy,
+    are_indices,
+    copied_input,
+    dense_cross_entropy,
+    hits,
+    labelled,
+    labelled_padding,
+    per_position,
+)
 
 
 def test_per_position_means_integer_labels_with_more_than_one_axis() -> None:
@@ -57,3 +67,35 @@ def test_labels_that_are_no_class_indices_of_the_logits_give_no_accuracy() -> No
     assert accuracy(logits[:, :1], np.zeros((8, 1), np.int64)) is None
     assert not are_indices(logits, np.zeros(8, np.float32))  # float targets
     assert are_indices(np.zeros((2, 3, 4, 4)), np.zeros((2, 4, 4), np.int64))  # per pixel, classes on axis 1
+
+
+def _padded_ids() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [3, 5] and their attention mask: rows of 5, 3 and 2 real tokens, then padding (id 0, mask 0)."""
+    mask = (torch.arange(5)[None, :] < torch.tensor([[5], [3], [2]])).long()
+    return (torch.arange(15).reshape(3, 5) + 1) * mask, mask
+
+
+def test_labels_that_repeat_an_input_at_every_labelled_position_name_it() -> None:
+    ids, mask = _padded_ids()
+    copy = ids.masked_fill(mask == 0, IGNORE_LABEL)  # Hugging Face's causal-LM labels = input_ids
+    assert copied_input({"attention_mask": mask, "input_ids": ids}, copy) == "input_ids"
+    shifted = torch.full_like(ids, IGNORE_LABEL)
+    shifted[:, :-1] = ids[:, 1:]
+    shifted[mask == 0] = IGNORE_LABEL
+    assert copied_input({"input_ids": ids}, shifted) is None
+    assert copied_input({"input_ids": ids.float()}, copy) is None  # float inputs are features, not tokens
+    ones = mask.masked_fill(mask == 0, IGNORE_LABEL)  # one value throughout: no evidence of a copy
+    assert copied_input({"attention_mask": mask}, ones) is None
+    assert copied_input({"input_ids": ids}, ids[:, 0]) is None  # one label per row
+
+
+def test_labels_set_where_the_attention_mask_is_0_are_counted() -> None:
+    ids, mask = _padded_ids()
+    tags = ids % 3
+    assert labelled_padding({"input_ids": ids, "attention_mask": mask}, tags) == ("attention_mask", 5)
+    assert labelled_padding({"attention_mask": mask}, tags.masked_fill(mask == 0, IGNORE_LABEL)) == (
+        "attention_mask",
+        0,
+    )
+    assert labelled_padding({"mask": mask}, tags) == ("", 0)  # named otherwise: not taken for a mask
+    assert labelled_padding({"attention_mask": mask[:, :4]}, tags) == ("", 0)  # shaped otherwise

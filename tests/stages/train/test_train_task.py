@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -12,7 +16,7 @@ from kiln.models.datasets import synthetic_regression, synthetic_text
 from kiln.models.registry import build_model
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
-from kiln.stages.train.task import Task, check_task, task_for
+from kiln.stages.train.task import Task, check_task, scoring_task, task_for
 
 CFG = TrainConfig(epochs=3, batch_size=32, device="cpu", plot=False, grad_accum_steps=2)
 
@@ -207,25 +211,104 @@ def _one_hot(n: int, classes: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("train_y", "num_classes", "loss", "warned"),
     [
-        (_one_hot(8, 4), 4, None, True),
-        (_one_hot(8, 4), 0, None, False),  # no classes declared: regression targets that happen to be 0/1
-        (_one_hot(8, 4) * 0.5, 4, None, False),  # soft targets
-        (_one_hot(8, 4).clamp(min=1), 4, None, False),  # multi-hot
-        (_one_hot(8, 4), 4, "torch.nn.functional:cross_entropy", False),  # the user's loss reads them
-        (torch.arange(8) % 4, 4, None, False),  # class indices
+        (_one_hot(8, 4), 4, None, "one-hot"),
+        (_one_hot(8, 4), 0, None, None),  # no classes declared: regression targets that happen to be 0/1
+        (_one_hot(8, 4) * 0.5, 4, None, None),  # soft targets
+        (_one_hot(8, 4) + _one_hot(8, 4).roll(1, 1), 4, None, "multi-hot"),  # two 1s a row: multi-label
+        (_one_hot(8, 4).clamp(min=1), 4, None, "multi-hot"),
+        (_one_hot(8, 4), 4, "torch.nn.functional:cross_entropy", None),  # the user's loss reads them
+        (_one_hot(8, 4).clamp(min=1), 4, "torch.nn.functional:binary_cross_entropy_with_logits", None),
+        (torch.arange(8) % 4, 4, None, None),  # class indices
     ],
 )
-def test_one_hot_float_labels_with_classes_are_warned_of(
+def test_zero_one_float_labels_with_classes_are_warned_of(
     train_y, num_classes, loss, warned, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """They trained silently as MSE regression with no accuracy, the user's num_classes notwithstanding."""
-    import logging
+    """They trained silently as MSE regression with no accuracy, the user's num_classes notwithstanding: one-hot rows
+    are told to become class indices, multi-hot rows (multi-label targets) to take a BCE loss and multilabel_f1."""
+    said = _warnings(caplog, monkeypatch, lambda: task_for(_rows(train_y, num_classes), loss, None))
+    said = [m for m in said if "rows (0/1" in m]
+    assert len(said) == int(warned is not None), said
+    if warned:
+        assert f"train_y is float [8, 4] of {warned} rows" in said[0] and "num_classes=4" in said[0]
+    if warned == "one-hot":
+        assert "y.argmax(1)" in said[0] and "binary_cross_entropy" not in said[0]
+    if warned == "multi-hot":
+        assert "train.loss: torch.nn.functional:binary_cross_entropy_with_logits" in said[0]
+        assert "validate.metric: multilabel_f1" in said[0] and "y.argmax(1)" not in said[0]
 
+
+def _rows(train_y: torch.Tensor, num_classes: int) -> DatasetSplits:
+    return DatasetSplits(torch.zeros(8, 3), train_y, torch.zeros(4, 3), train_y[:4], num_classes=num_classes)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, run: Callable[[], Any]) -> list[str]:
+    """The kiln.train warnings that ``run`` logs."""
     monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
     caplog.set_level(logging.WARNING, logger="kiln.train")
-    data = DatasetSplits(torch.zeros(8, 3), train_y, torch.zeros(4, 3), train_y[:4], num_classes=num_classes)
-    task_for(data, loss, None)
-    said = [r.getMessage() for r in caplog.records if "one-hot" in r.getMessage()]
-    assert len(said) == int(warned), said
-    if warned:
-        assert "train_y is float [8, 4]" in said[0] and "num_classes=4" in said[0] and "y.argmax(1)" in said[0]
+    run()
+    return [r.getMessage() for r in caplog.records if r.name == "kiln.train" and r.levelno == logging.WARNING]
+
+
+def _tokens(size: int = 8, length: int = 6) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Token ids (0 on padding) with their attention mask, and the next-token labels (-100 past each row's end)."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.arange(length)[None, :] < torch.randint(3, length + 1, (size, 1), generator=g)).long()
+    ids = (torch.randint(1, 12, (size, 1), generator=g) + torch.arange(length)) * mask
+    y = torch.full_like(ids, -100)
+    y[:, :-1] = ids[:, 1:]
+    y[torch.roll(mask, -1, 1) == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask}, y
+
+
+def _lm_data(y: torch.Tensor, x: dict[str, torch.Tensor]) -> DatasetSplits:
+    return DatasetSplits(x, y, x, y, num_classes=32)
+
+
+@pytest.mark.parametrize("loss", [None, "torch.nn.functional:cross_entropy"])
+def test_labels_equal_to_the_input_ids_are_warned_of_with_the_shift(
+    loss, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hugging Face's causal-LM labels = input_ids (its model shifts them) trained a copy model that scored 1.0."""
+    x, shifted = _tokens()
+    copy = x["input_ids"].masked_fill(x["attention_mask"] == 0, -100)
+    said = _warnings(caplog, monkeypatch, lambda: task_for(_lm_data(copy, x), loss, None))
+    copies = [m for m in said if "equals input" in m]
+    assert len(copies) == 1, said
+    assert copies[0].startswith("train_y equals input 'input_ids' at every labelled position")
+    assert "y[:, :-1] = input_ids[:, 1:] and y[:, -1] = -100" in copies[0]
+    caplog.clear()
+    assert not _warnings(caplog, monkeypatch, lambda: task_for(_lm_data(shifted, x), loss, None))
+
+
+def test_labels_on_padding_are_warned_of_once_with_their_count(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token labels without -100 where the attention mask is 0 counted padding in accuracy and top-1 agreement."""
+    x, y = _tokens()
+    tags = x["input_ids"] % 3  # a tag on every position, padding too
+    padding = int((x["attention_mask"] == 0).sum())
+    said = _warnings(caplog, monkeypatch, lambda: scoring_task(_lm_data(tags, x), None, None))
+    assert len(said) == 1, said
+    assert said[0].startswith(f"labels are set at {padding} positions of train_y and {padding} positions of val_y")
+    assert "where input 'attention_mask' is 0" in said[0] and "y[attention_mask == 0] = -100" in said[0]
+    caplog.clear()
+    kept = tags.masked_fill(x["attention_mask"] == 0, -100)
+    assert not _warnings(caplog, monkeypatch, lambda: scoring_task(_lm_data(kept, x), None, None))
+
+
+def test_one_label_per_row_for_logits_per_position_names_the_mismatch() -> None:
+    """It said the dataset's class count differed from the model's, and the fix (num_classes) could not work."""
+    x, y = torch.randint(0, 16, (2, 6)), torch.tensor([0, 1])
+    with pytest.raises(
+        ModelError,
+        match=r"class logits of shape \(2, 6, 2\), one row of class scores per position, but "
+        r"the labels have shape \(2,\), one per row",
+    ) as err:
+        check_task(Task("classification"), Tagger(classes=2)(x), y, 2, "m")
+    assert err.value.hint.startswith("give labels per position [N, 6] (-100 where a position has no label)")
+    assert "pool to one row of class logits per sample" in err.value.hint and "num_classes" not in err.value.hint
+    segmentation = torch.zeros(2, 3, 4, 5)  # [N, C, H, W]
+    with pytest.raises(ModelError, match="one per row") as err:
+        check_task(Task("classification"), segmentation, y, 3, "m")
+    assert "[N, 4, 5]" in err.value.hint
