@@ -71,6 +71,33 @@ def labelled_padding(inputs: Mapping[str, Any], y: Any) -> tuple[str, int]:
     return "", 0
 
 
+def padding_mask(feed: Mapping[str, Any]) -> np.ndarray | None:
+    """The positions an attention-mask input (:func:`is_mask_name`, ``[batch, seq]`` of 0/1) marks as padding
+    (True), or None where the inputs have no such mask or it marks none."""
+    for name, value in feed.items():
+        mask = np.asarray(value)
+        if is_mask_name(name) and mask.ndim == 2 and mask.dtype.kind in "iub" and mask.size:
+            pad = mask == 0
+            return pad if pad.any() else None
+    return None
+
+
+def without_padding(feed: Mapping[str, Any], outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``outputs`` with the positions the attention mask of ``feed`` marks as padding set to 0 in every output laid
+    out ``[batch, seq, ...]`` like it: no one reads an answer there, and runtimes differ there (a causal LM padded on
+    the left has positions that attend to nothing, whose values PyTorch and ONNX Runtime compute differently).
+    Comparisons of an engine with the model read the positions the mask keeps."""
+    pad = padding_mask(feed)
+    if pad is None:
+        return outputs
+    out = {}
+    for name, value in outputs.items():
+        if value.ndim >= 2 and value.shape[:2] == pad.shape:
+            value = np.where(pad.reshape(pad.shape + (1,) * (value.ndim - 2)), np.zeros((), value.dtype), value)
+        out[name] = value
+    return out
+
+
 def labelled(y: Any) -> Any:
     """How many labels ``y`` holds (positions marked ``IGNORE_LABEL`` do not count); a tensor for a tensor, on its
     device, so counting does not wait for the GPU."""

@@ -17,7 +17,7 @@ import numpy as np
 from kiln.core.compare import OutputStats, class_axis, compare_outputs, worst
 from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
 from kiln.core.errors import ModelError
-from kiln.core.labels import IGNORE_LABEL, per_position
+from kiln.core.labels import IGNORE_LABEL, per_position, without_padding
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
@@ -573,13 +573,15 @@ def compare_on(
             out.untaken.append(point)
             continue
         got = batched(infer, feed, largest)
-        out.stats = merge_worst(out.stats, compare_all(expected, got, ref.logits, ref.labelled(i)))
+        kept = compare_all(without_padding(feed, expected), without_padding(feed, got), ref.logits, ref.labelled(i))
+        out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
             got_bs = infer(feed_bs)
             if inspect is not None:
                 out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
-            spot = compare_all(ref.at_batch(i, bs), got_bs, ref.logits, ref.labelled(i, bs))
+            expected_bs, got_bs = without_padding(feed_bs, ref.at_batch(i, bs)), without_padding(feed_bs, got_bs)
+            spot = compare_all(expected_bs, got_bs, ref.logits, ref.labelled(i, bs))
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:
             out.accuracy, out.metric = ref.accuracy_of(got), ref.metric_of(got)

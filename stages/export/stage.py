@@ -45,6 +45,7 @@ from kiln.core.data import (
 )
 from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.inputs import random_inputs
+from kiln.core.labels import without_padding
 from kiln.core.onnx_io import (
     INDEX_HINT,
     check_onnx,
@@ -418,7 +419,11 @@ def parity(
         ref = _torch_outputs(model, x)
     sess = session if session is not None else ort_session(onnx_path)
     _same_outputs(list(ref), [o.name for o in sess.get_outputs()], "at " + (at or f"batch {rows(x)}"), rows(x))
-    got = ort_run(sess, as_feed(x, [i.name for i in sess.get_inputs()]))
+    feed = as_feed(x, [i.name for i in sess.get_inputs()])
+    got = ort_run(sess, feed)
+    # positions an attention mask marks as padding are no one's answer (kiln.core.labels.without_padding)
+    ref = without_padding(feed, ref)
+    got = list(without_padding(feed, dict(zip(ref, got))).values())
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
             raise ShapeMismatch(

@@ -12,6 +12,7 @@ import torch
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, read_feed
 from kiln.core.inputs import random_inputs
+from kiln.core.labels import without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, named_outputs
 from kiln.core.records import EngineMetadata, EngineValidation
@@ -113,7 +114,8 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry = EngineValidation(
         name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="validated"
     )
-    summarize(entry, compare_all(ref, got, logits, mismatch_hint=OTHER_MODEL), logits)
+    kept = compare_all(without_padding(feed, ref), without_padding(feed, got), logits, mismatch_hint=OTHER_MODEL)
+    summarize(entry, kept, logits)
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)

@@ -99,3 +99,19 @@ def test_labels_set_where_the_attention_mask_is_0_are_counted() -> None:
     )
     assert labelled_padding({"mask": mask}, tags) == ("", 0)  # named otherwise: not taken for a mask
     assert labelled_padding({"attention_mask": mask[:, :4]}, tags) == ("", 0)  # shaped otherwise
+
+
+def test_positions_an_attention_mask_marks_as_padding_are_no_ones_answer() -> None:
+    """Outputs laid out [batch, seq, ...] like the mask are 0 at its padding in both answers compared (a causal LM
+    padded on the left computes garbage there, differently per runtime); other outputs are as they were."""
+    from kiln.core.labels import without_padding
+
+    mask = np.array([[0, 1, 1], [1, 1, 1]], np.int64)
+    logits = np.arange(2 * 3 * 2, dtype=np.float32).reshape(2, 3, 2) + 1
+    pooled = np.ones((2, 4), np.float32)
+    out = without_padding({"input_ids": mask * 5, "attention_mask": mask}, {"logits": logits, "pooled": pooled})
+    assert out["logits"][0, 0].tolist() == [0.0, 0.0] and (out["logits"][mask == 1] == logits[mask == 1]).all()
+    assert out["pooled"] is pooled
+    same = {"logits": logits}
+    assert without_padding({"attention_mask": np.ones((2, 3), np.int64)}, same) is same  # nothing padded
+    assert without_padding({"mask": mask}, same) is same  # no attention mask by name

@@ -168,3 +168,35 @@ def test_the_report_names_the_sizes_accuracy_was_measured_at() -> None:
     base.shapes, base.scored_at = [{"samples": 4}, {"samples": 16}, {"samples": 64}], {"samples": 16}
     v = ValidationResult(passed=True, baseline=base, engines=[], failures=[])
     assert any("accuracy 1.0000 on 32 held-out samples at samples=16." in line for line in report_section(v))
+
+
+def test_answers_at_padded_positions_are_not_compared() -> None:
+    """A causal LM padded on the left: an engine whose answers differ from the model's only where the attention
+    mask is 0 (positions that attend to nothing, computed differently per runtime) compares equal; one that differs
+    at a real position does not."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 9, (16, 6), generator=g)
+    mask = torch.ones(16, 6, dtype=torch.int64)
+    mask[::2, :2] = 0  # every other row padded on the left
+    x = {"input_ids": ids * mask, "attention_mask": mask}
+    data = DatasetSplits(x, None, x, None)
+    table = np.random.default_rng(1).standard_normal((10, 4)).astype(np.float32)
+
+    def model(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"logits": table[feed["input_ids"]]}
+
+    def garbage_at_padding(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = model(feed)["logits"].copy()
+        out[feed["attention_mask"] == 0] = 7.0
+        return {"logits": out}
+
+    def wrong_at_a_token(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = model(feed)["logits"].copy()
+        out[:, -1] += 3.0
+        return {"logits": out}
+
+    axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    feeds = held_out(data, lambda v: as_feed(v, ["input_ids", "attention_mask"]), axes, {}, None)
+    ref = held_out_reference(model, feeds, data, None, CheckConfig(), [1, 8], axes)
+    assert compare_on(ref, garbage_at_padding, [1, 8]).stats["logits"].cosine == pytest.approx(1.0)
+    assert compare_on(ref, wrong_at_a_token, [1, 8]).stats["logits"].cosine < 0.99
