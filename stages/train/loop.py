@@ -409,9 +409,9 @@ class _Trainer:
         if self.precision == "fp32" or not ("dtype" in text or "scalar type" in text):
             return None
         return (
-            f"under {self.precision} autocast some ops return {self.precision}: make new tensors with the dtype of the "
-            "one they meet (e.g. torch.zeros(..., dtype=messages.dtype)), or train without autocast "
-            "(train.precision: fp32)"
+            f"under {self.precision} autocast the model's outputs and some ops' results are {self.precision}: in a "
+            "loss, compare outputs.float() with the targets; a tensor your code makes takes the dtype of the one it "
+            "meets (torch.zeros(..., dtype=x.dtype)); or train without autocast (train.precision: fp32)"
         )
 
     # -- the loop -------------------------------------------------------------------------------------

@@ -131,6 +131,7 @@ def test_a_dtype_clash_under_autocast_says_so_and_how_to_train_without(
     error = next(x for x in result.output.splitlines() if x.startswith("error:"))
     assert f"{name}.py:{line}" in error and "while training step 1 (epoch 1) under bf16 autocast" in error, error
     assert "train without autocast (train.precision: fp32)" in result.output
+    assert "in a loss, compare outputs.float() with the targets" in result.output  # a loss's bf16 outputs, too
     result = CliRunner().invoke(main, [*args[:-1], "train.precision=fp32"])  # the same code trains without it
     assert result.exit_code == 0, result.output
 
