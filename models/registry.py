@@ -7,7 +7,9 @@ checking a config needs no torch.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -124,11 +126,28 @@ def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[...
     if not callable(fn):
         what = KINDS.get(kind, ("function",))[0]
         found = f"is not a callable {what}" if hasattr(module, attr) else f"is not defined, so there is no {what}"
+        close = difflib.get_close_matches(attr, [n for n, v in vars(module).items() if callable(v)], n=1)
         raise ConfigError(
             f"'{attr}' in module '{module_name}' {found} (for {kind} '{ref}')",
-            hint=f"point {kind} at a function, e.g. '{example_path(kind, module_name)}'",
+            hint=f"write '{module_name}:{close[0]}' for '{ref}'"
+            if close
+            else f"point {kind} at a function, e.g. '{example_path(kind, module_name)}'",
         )
     return fn
+
+
+def _params_fix(factory: Callable[..., Any], params: dict[str, Any] | None, section: str, fallback: str) -> str:
+    """The fix for params a factory refused: the parameter it takes nearest a name it does not (``layers`` for
+    ``layrs``), else ``fallback``."""
+    try:
+        parameters = inspect.signature(factory).parameters.items()
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return fallback
+    takes = [n for n, p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    for name in params or {}:
+        if name not in takes and (close := difflib.get_close_matches(name, takes, n=1)):
+            return f"write '{close[0]}' for '{name}' in {section}.params (it takes {', '.join(takes)})"
+    return fallback
 
 
 def _shadowed(module: Any, module_name: str) -> Path | None:
@@ -162,7 +181,8 @@ def _call_factory(
             raise err from exc
         if not isinstance(exc, (TypeError, ValueError)):
             raise
-        raise ConfigError(f"{kind} '{ref}' rejected its params {params}: {exc}", hint=params_hint) from exc
+        fix = _params_fix(factory, params, section, params_hint)
+        raise ConfigError(f"{kind} '{ref}' rejected its params {params}: {exc}", hint=fix) from exc
     if not isinstance(obj, expected):
         raise ConfigError(
             f"{kind} factory '{ref}' returned {type(obj).__name__}, not {expected.__module__}.{expected.__name__}",

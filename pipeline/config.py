@@ -137,6 +137,12 @@ def _said(e: Any, key: str, msg: str, at_set: bool) -> str:
     return f"'{key}': {msg}" + (f" (got {got})" if len(got) <= MAX_QUOTED else "")
 
 
+def _closest_key(e: Any) -> str | None:
+    """The valid key nearest an unknown one's spelling (``train`` for ``trian``), or None."""
+    close = difflib.get_close_matches(str(e["loc"][-1]), _valid_keys(e["loc"]), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _valid_keys(loc: tuple[Any, ...]) -> list[str]:
     parent = _model_at(tuple(p for p in loc[:-1]))
     return _field_names(parent) if parent else []
@@ -179,12 +185,17 @@ def _fix(e: Any, key: str, own: str | None, shared: str | None, given: dict[str,
     if shared:
         return f"change {given[shared]} or the config's setting it conflicts with ({PRINTS_KEYS})"
     if own is None:
-        return "see `kiln config` for every key and its default"
+        close = _closest_key(e) if e["type"] == "extra_forbidden" else None
+        return (
+            f"write '{close}' for '{key}' ({PRINTS_KEYS})"
+            if close
+            else "see `kiln config` for every key and its default"
+        )
     words = given[own]
     text = words.partition("=")[2] if words.startswith(f"--set {own}=") else None
     if e["type"] == "extra_forbidden":
         leaf = str(e["loc"][-1])
-        close = difflib.get_close_matches(leaf, _valid_keys(e["loc"]), n=1, cutoff=0.6)
+        close = [c] if (c := _closest_key(e)) else []
         parts, at = own.split("."), len(e["loc"]) - 1
         if close and text is not None and ".".join(parts[: at + 1]) == key:  # the misspelt part is the --set key's
             parts[at] = close[0]

@@ -3,6 +3,7 @@ of the ``validate:`` section (validation applies them to engines; the precision 
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from pydantic import Field, ValidationError, field_validator
@@ -112,7 +113,9 @@ class CheckConfig(Section):
     @classmethod
     def _known_metric(cls, value: str | None) -> str | None:
         if value is not None and value not in BUILTIN_METRICS and ":" not in value:
+            close = difflib.get_close_matches(value, list(BUILTIN_METRICS), n=1)
             raise ValueError(
-                f"unknown metric '{value}': use one of {list(BUILTIN_METRICS)} or an import path 'pkg.mod:fn'"
+                f"unknown metric '{value}'{f' (did you mean {close[0]!r}?)' if close else ''}: use one of "
+                f"{list(BUILTIN_METRICS)} or an import path 'pkg.mod:fn'"
             )
         return value

@@ -42,6 +42,10 @@ def test_digits_is_deterministic_per_seed() -> None:
     assert torch.equal(a.val_y, b.val_y) and not torch.equal(a.val_y, c.val_y)
 
 
+def named_factory(width: int = 4, depth: int = 1) -> torch.nn.Module:
+    return torch.nn.Linear(width, depth)
+
+
 def test_import_path_and_errors() -> None:
     assert resolve_callable("kiln.models.cnn:small_cnn", MODELS, "model") is resolve_callable("cnn", MODELS, "model")
     with pytest.raises(ConfigError, match="(?s)unknown model 'nope'.*cnn"):
@@ -50,6 +54,12 @@ def test_import_path_and_errors() -> None:
         resolve_callable("no_such_pkg.x:f", MODELS, "model")
     with pytest.raises(ConfigError, match="rejected its params"):
         build_model("cnn", {"wdith": 3})
+    with pytest.raises(ConfigError, match="rejected its params") as err:  # a factory whose parameters are named
+        build_model("tests.models.test_models:named_factory", {"wdith": 3})
+    assert err.value.hint.startswith("write 'width' for 'wdith' in model.params"), err.value.hint
+    with pytest.raises(ConfigError, match="is not defined") as err:
+        resolve_callable("kiln.models.cnn:smal_cnn", MODELS, "model")
+    assert err.value.hint == "write 'kiln.models.cnn:small_cnn' for 'kiln.models.cnn:smal_cnn'"
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -19,8 +19,11 @@ def test_unknown_key_names_key_and_valid_choices() -> None:
 
 
 def test_unknown_top_level_section() -> None:
-    with pytest.raises(ConfigError, match="unknown key 'trian'.*train"):
+    with pytest.raises(ConfigError, match="unknown key 'trian'.*train") as e:
         config_from_dict({"trian": {}})
+    assert e.value.hint.startswith("write 'train' for 'trian'")  # a file's typo gets its spelling, as --set's does
+    with pytest.raises(ConfigError, match="did you mean 'token_accuracy'"):
+        config_from_dict({"validate": {"metric": "token_acuracy"}})
 
 
 def test_wrong_type_and_bad_choice() -> None:
