@@ -166,9 +166,10 @@ def _example_sizes(req: BuildRequest) -> dict[str, dict[int, int]] | None:
 
 
 def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
-    """torch.export's ``dynamic_shapes`` for ``forward(*xs)``: the batch axis (1..max batch; the example is batch 2
-    because torch.export specializes sizes 0 and 1) and every named axis of ``signature.dynamic_axes`` over the sizes
-    it takes (``req.axis_sizes``), one ``Dim`` per name, so inputs sharing an axis (ids and mask) stay equal."""
+    """torch.export's ``dynamic_shapes`` for ``forward(*xs)``: the first axes (1..max batch; the example is batch 2
+    because torch.export specializes sizes 0 and 1), one ``Dim`` per name (a two-tower model's texts and images
+    apart), and every named axis of ``signature.dynamic_axes`` over the sizes it takes (``req.axis_sizes``), one
+    ``Dim`` per name, so inputs sharing an axis (ids and mask) stay equal."""
     import torch
 
     # max 3 at least: with the example batch (2) at the range's top, torch suggests pinning the batch to 2 among
@@ -183,9 +184,14 @@ def _dynamic_shapes(req: BuildRequest) -> tuple[tuple[dict[int, Any], ...]]:
         for i, d in enumerate(spec.shape):
             if isinstance(d, int) and d > 0:
                 continue
-            if i > 0 and d not in dims:
+            if i == 0:  # the batch, or a first axis of its own (a two-tower model's texts and images): by name
+                first = d if isinstance(d, str) and d else "batch"
+                batch = torch.export.Dim(re.sub(r"\W", "_", first), min=1, max=max(req.max_batch, 3))
+                axes[i] = dims.setdefault(first, batch)
+                continue
+            if d not in dims:
                 raise BuildError(f"input '{spec.name}' has a dynamic axis {d!r} without known sizes", hint=AXIS_HINT)
-            axes[i] = dims["batch"] if i == 0 else dims[d]
+            axes[i] = dims[d]
         per_input.append(axes)
     return (tuple(per_input),)  # (*xs,): one varargs entry
 

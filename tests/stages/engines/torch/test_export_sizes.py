@@ -67,3 +67,35 @@ def test_an_axis_torch_export_takes_in_steps_is_reported_with_its_step() -> None
     _, one_size, steps = _export(Halves().eval(), (torch.randn(2, 1, 16, 4),), ((dims,),), ["image"])
     assert one_size == {} and steps == {"image": {2: (2, 0)}}
     assert _step(torch.export.Dim("h")) is None and _step(3 * torch.export.Dim("k") + 1) == (3, 1)
+
+
+class TwoTowers(nn.Module):
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return xs[0].float().mean(1, keepdim=True), xs[1] * 2
+
+
+def test_first_axes_of_their_own_stay_apart_and_a_shared_batch_stays_one(tmp_path: Path) -> None:
+    """A two-tower model's texts and images get a Dim each (served 5 texts with 2 images); ids and a mask named
+    with one batch share one."""
+    from kiln.stages.engines.torch.build import _dynamic_shapes
+
+    def request(*inputs: TensorSpec) -> BuildRequest:
+        return BuildRequest(tmp_path / "m.onnx", tmp_path, "cpu", "fp32", TorchConfig(), tmp_path, list(inputs))
+
+    towers = request(
+        TensorSpec(name="tokens", shape=["texts", 6], dtype="int64"),
+        TensorSpec(name="pixels", shape=["images", 4], dtype="float32"),
+    )
+    ((tokens, pixels),) = _dynamic_shapes(towers)
+    assert tokens[0] is not pixels[0] and str(tokens[0]) != str(pixels[0])
+    args = (torch.randint(0, 5, (2, 6)), torch.rand(2, 4))
+    program, _, _ = _export(TwoTowers().eval(), args, _dynamic_shapes(towers), ["tokens", "pixels"])
+    texts, images = program.module()(torch.randint(0, 5, (5, 6)), torch.rand(2, 4))
+    assert texts.shape == (5, 1) and images.shape == (2, 4)
+    ((ids, mask),) = _dynamic_shapes(
+        request(
+            TensorSpec(name="ids", shape=["batch", 6], dtype="int64"),
+            TensorSpec(name="mask", shape=["batch", 6], dtype="int64"),
+        )
+    )
+    assert ids[0] is mask[0]
