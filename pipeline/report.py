@@ -124,10 +124,12 @@ def result_line(report: dict[str, Any]) -> str:
     unchecked = [e for e in engines if e.get("status") != "validated"]
     if unchecked:
         devices = sorted({e.get("device", "?").upper() for e in unchecked})
+        many = len(unchecked) > 1
         verdict += (
-            f", {len(unchecked)} engine{'s' if len(unchecked) > 1 else ''} built but not validated: "
-            f"{', '.join(e['name'] for e in unchecked)} (they target {' / '.join(devices)}, which this machine "
-            "does not have; validate them where they will run)"
+            f", {len(unchecked)} engine{'s' if many else ''} built but not validated: "
+            f"{', '.join(e['name'] for e in unchecked)} ({'they target' if many else 'it targets'} "
+            f"{' / '.join(devices)}, which this machine does not have; validate {'them' if many else 'it'} where "
+            f"{'they' if many else 'it'} will run)"
         )
     return verdict + "".join(f"; {why}" for why in _missing_precisions(report, engines))
 

@@ -96,3 +96,14 @@ def test_a_precision_variant_that_failed_is_said_beside_the_verdict(tmp_path: Pa
     report = build_report(RunResult(tmp_path / "wd", records), cfg)
     assert report["ok"] and result_line(report) == f"PASSED; no int8 engine ({why})"
     assert f"**Result: PASSED; no int8 engine ({why})**" in render_markdown(report)
+
+
+def test_one_engine_not_validated_here_is_said_in_the_singular() -> None:
+    from kiln.pipeline.report import result_line
+
+    engine = {"name": "tensorrt-fp32", "device": "cuda", "status": "not-runnable"}
+    line = result_line({"ok": True, "validation": {"engines": [engine]}})
+    assert line == (
+        "PASSED, 1 engine built but not validated: tensorrt-fp32 (it targets CUDA, which this machine does not "
+        "have; validate it where it will run)"
+    )

@@ -167,7 +167,10 @@ def test_the_report_names_the_sizes_accuracy_was_measured_at() -> None:
     base = Baseline(accuracy=1.0, samples=32, latency_ms={}, logits_output="logits", compared=["logits"])
     base.shapes, base.scored_at = [{"samples": 4}, {"samples": 16}, {"samples": 64}], {"samples": 16}
     v = ValidationResult(passed=True, baseline=base, engines=[], failures=[])
-    assert any("accuracy 1.0000 on 32 held-out samples at samples=16." in line for line in report_section(v))
+    lines = report_section(v)
+    assert any("accuracy 1.0000 on 32 held-out samples at samples=16." in line for line in lines)
+    padded = "(at samples=64 the held-out inputs are padded with zeros past the data's own samples=16)"
+    assert any(padded in line for line in lines), lines
 
 
 def test_answers_at_padded_positions_are_not_compared() -> None:
