@@ -55,6 +55,9 @@ class TrainSummary(Summary):
     fp32_norm_layers: int = 0
     compile: dict[str, Any] | None = None
     update_graph: dict[str, Any] | None = None
+    # what the checks of the data against the task warned of (one-hot labels, labels that copy an input or sit on
+    # padding): the report repeats them where its accuracy is read
+    data_warnings: list[str] = Field(default_factory=list)
     files: list[str] = Field(default_factory=list)
     source: str | None = None
 

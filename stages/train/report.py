@@ -9,9 +9,11 @@ from kiln.core.text import fmt
 
 def report_section(train: Any) -> list[str]:
     """Training's part of report.md (``train``: the stage's ``TrainSummary``): the result and the loss curve."""
+    warned = [f"- **Data:** {said}" for said in getattr(train, "data_warnings", None) or []]
     if train.status == "skipped":
         score = f"; validation accuracy {fmt(train.val_accuracy)}" if train.val_accuracy is not None else ""
-        return ["", "## Training", "", f"Training off: the weights are {train.source}{score}."]
+        off = f"Training off: the weights are {train.source}{score}."
+        return ["", "## Training", "", off, *(["", *warned] if warned else [])]
     if train.val_accuracy is None and not train.epochs:
         return []
     score = (
@@ -30,6 +32,8 @@ def report_section(train: Any) -> list[str]:
         + _graph_note(train.update_graph)
         + ".",
     ]
+    if warned:  # what the data checks said before training: the accuracy of the report is read with it
+        out += ["", *warned]
     if "loss.png" in train.files:
         out += ["", "![loss curve](train/loss.png)"]
     return out

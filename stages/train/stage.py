@@ -7,6 +7,9 @@ writes the weights into the stage's folder; otherwise it trains in this process.
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +87,8 @@ def train_to(
             f"dataset '{data.name}' has no labels (train_y is None): training needs them",
             hint="return train_y/val_y from the data function, set train.enabled: false, or give model.checkpoint",
         )
-    task = task_for(data, config.train.loss, config.signature.logits_output)
+    with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
+        task = task_for(data, config.train.loss, config.signature.logits_output)
     check_model_fits_data(model, data, config.model.name, task)
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     with process_group(env, config.train.distributed, device):
@@ -104,7 +108,24 @@ def train_to(
     check_learned(result)
     if env.is_main:
         save_trained(out, model, config.model, {"dataset": data.name, "input_shapes": data.sample_shapes})
-    return TrainSummary.model_validate(result.summary())
+    return TrainSummary.model_validate({**result.summary(), "data_warnings": data_warnings})
+
+
+@contextmanager
+def said_warnings(logger: logging.Logger) -> Iterator[list[str]]:
+    """The warnings ``logger`` says inside the block, as messages; they are logged as ever."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
 
 
 def check_learned(result: TrainResult) -> None:
@@ -236,7 +257,8 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
         names = list(flatten_outputs(call(model.eval(), take(data.val_x, slice(0, 2)))))
     # Untrained here: the val accuracy is information, so a model without a logits output just has none
     scored = data.val_y is not None and logits_name(names, cfg.signature.logits_output) is not None
-    task = scoring_task(data, cfg.train.loss, cfg.signature.logits_output) if scored else None
+    with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
+        task = scoring_task(data, cfg.train.loss, cfg.signature.logits_output) if scored else None
     if task is not None:  # labels that do not fit the outputs: the same error training gives, before evaluating
         check_model_fits_data(model, data, cfg.model.name, task)
     source = cfg.model.checkpoint or "random init"
@@ -249,4 +271,4 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     save_trained(ctx.out, model, cfg.model, {"source": source})
     keep_trained(ctx.out, cfg.model, model)  # the export stage copies it rather than building it again
     ctx.log.info("training skipped (%s); val accuracy %s", cfg.model.checkpoint or "train.enabled: false", fmt(acc))
-    return TrainSummary(status="skipped", val_accuracy=acc, source=source)
+    return TrainSummary(status="skipped", val_accuracy=acc, source=source, data_warnings=data_warnings)

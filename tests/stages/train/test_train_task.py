@@ -312,3 +312,20 @@ def test_one_label_per_row_for_logits_per_position_names_the_mismatch() -> None:
     with pytest.raises(ModelError, match="one per row") as err:
         check_task(Task("classification"), segmentation, y, 3, "m")
     assert "[N, 4, 5]" in err.value.hint
+
+
+def test_what_the_data_checks_warn_of_is_in_the_report_where_accuracy_is_read() -> None:
+    """The console's warning alone left report.md stating an accuracy that counted padding, without a caveat."""
+    from kiln.stages.train.declaration import TrainSummary
+    from kiln.stages.train.report import report_section
+    from kiln.stages.train.stage import said_warnings
+
+    with said_warnings(logging.getLogger("kiln.train")) as said:
+        x, _ = _tokens()
+        scoring_task(_lm_data(x["input_ids"] % 3, x), None, None)
+    assert len(said) == 1 and "attention_mask" in said[0]
+    for status in ("ran", "skipped"):
+        summary = TrainSummary(status=status, precision="fp32", device="cpu", steps=3, val_accuracy=0.9)
+        summary.data_warnings, summary.source = said, "random init"
+        lines = report_section(summary)
+        assert f"- **Data:** {said[0]}" in lines, (status, lines)
