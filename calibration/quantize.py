@@ -7,9 +7,11 @@ import difflib
 import inspect
 import logging
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from kiln.calibration.config import CalibrationConfig
@@ -124,6 +126,13 @@ def unbounded_nodes(model: onnx.ModelProto, ranges: Ranges) -> dict[str, str]:
     return out
 
 
+def unbounded_quietly(ranges: Ranges) -> AbstractContextManager[Any]:
+    """numpy's division and cast warnings silenced where ``ranges`` hold tensors that are not finite: ORT's
+    quantizer computes a scale for every tensor of the cache, theirs too (NaN), and their nodes stay in float
+    (:func:`unbounded_nodes`), so the warnings name nothing wrong (the log counts those tensors instead)."""
+    return np.errstate(divide="ignore", invalid="ignore") if ranges.unbounded() else nullcontext()
+
+
 def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
     return sorted(set(cfg.op_types) - set(cfg.exclude_op_types))
 
@@ -187,7 +196,8 @@ def quantize_int8(
         source = onnx.load(str(model_path))  # with its weights: the copy is handed over whole
         unshare_biases(source)
     try:
-        with ranges_file(ranges) as cache_path:  # uncached ranges: a scratch file for this call only
+        # uncached ranges: a scratch file for this call only
+        with ranges_file(ranges) as cache_path, unbounded_quietly(ranges):
             quantize_static(
                 source,
                 str(out_path),
@@ -260,7 +270,7 @@ def quantize_fp8(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _quiet_ort_preprocess_warning()
     try:
-        with ranges_file(_as_distribution(ranges)) as cache_path:
+        with ranges_file(_as_distribution(ranges)) as cache_path, unbounded_quietly(ranges):
             quantize_static(
                 model,
                 str(out_path),
