@@ -71,9 +71,11 @@ def shape_points(sizes: dict[str, list[int]]) -> list[dict[str, int]]:
     return [{n: v[min(i, len(v) - 1)] for n, v in sizes.items()} for i in range(count)]
 
 
-def resize(feed: Feed, axes: Axes, point: Mapping[str, int], fill: int = 0) -> Feed:
+def resize(feed: Feed, axes: Axes, point: Mapping[str, int], fill: int = 0, repeat_floats: bool = False) -> Feed:
     """``feed`` with each dynamic axis cut to, or padded with ``fill`` up to, its size in ``point`` (zero is the
-    padding token and the masked-out value of an attention mask)."""
+    padding token and the masked-out value of an attention mask). ``repeat_floats``: a float input grows by repeating
+    its own values along the axis instead (a clip played again, a cloud's points repeated: inputs like the data,
+    where zeros would be silence or points at the origin the data never held)."""
     out = {}
     for name, array in feed.items():
         for axis, label in (axes.get(name) or {}).items():
@@ -82,6 +84,8 @@ def resize(feed: Feed, axes: Axes, point: Mapping[str, int], fill: int = 0) -> F
             axis, size = int(axis), point[label]
             if array.shape[axis] >= size:
                 array = np.take(array, np.arange(size), axis=axis)
+            elif repeat_floats and array.dtype.kind == "f" and array.shape[axis]:
+                array = np.take(array, np.arange(size) % array.shape[axis], axis=axis)
             else:
                 pad = [(0, 0)] * array.ndim
                 pad[axis] = (0, size - array.shape[axis])

@@ -334,11 +334,13 @@ def held_out(
     max_samples: int | None,
 ) -> list[tuple[dict[str, int], Feed]]:
     """The held-out rows (``validate.max_samples`` at most) as named inputs at every validated shape: the sizes of
-    each dynamic axis in the data (train and held-out) or ``signature.shapes``, the largest last."""
+    each dynamic axis in the data (train and held-out) or ``signature.shapes``, the largest last. Past the data's own
+    sizes a float input repeats its values and an integer one takes zeros (the pad token, a mask's 0):
+    :func:`kiln.core.shapes.resize`."""
     n = rows(data.val_x) if max_samples is None else min(max_samples, rows(data.val_x))
     feed = to_feed(take(data.val_x, slice(0, n)))
     seen = [to_feed(data.train_x), feed] if rows(data.train_x) else [feed]
-    return [(p, resize(feed, axes, p)) for p in shape_points(axis_sizes(seen, axes, shapes))]
+    return [(p, resize(feed, axes, p, repeat_floats=True)) for p in shape_points(axis_sizes(seen, axes, shapes))]
 
 
 def held_out_reference(

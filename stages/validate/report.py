@@ -298,14 +298,17 @@ def _compared(b: Any) -> list[str]:
 
 def _padded(b: Any) -> str:
     """Which validated sizes lie past the data's own (where accuracy was measured): there the held-out inputs are
-    padded with zeros (silence, black, the pad token), inputs the data never held, which the gates judge too."""
+    lengthened (float values repeated, integers padded with zeros: the pad token), which the gates judge too."""
     own = getattr(b, "scored_at", None) or {}
     past = [p for p in b.shapes if any(p.get(k, 0) > v for k, v in own.items())]
     if not past:
         return ""
     said = "; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in past)
     data = ", ".join(f"{k}={v}" for k, v in sorted(own.items()))
-    return f" (at {said} the held-out inputs are padded with zeros past the data's own {data})"
+    return (
+        f" (at {said} the held-out inputs are lengthened past the data's own {data}: float values repeated, integers "
+        "padded with zeros)"
+    )
 
 
 def _narrower(v: ValidationResult) -> list[str]:

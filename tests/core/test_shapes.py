@@ -37,3 +37,16 @@ def test_graph_axes_are_the_symbolic_dims_after_batch() -> None:
         TensorSpec(name="x", shape=["b", 3], dtype="float32"),
     ]
     assert graph_axes(specs) == {"ids": {1: "seq"}}
+
+
+def test_a_float_input_lengthened_for_validation_repeats_itself_and_an_integer_one_takes_zeros() -> None:
+    """Audio made longer by silence, a point cloud by points at the origin: inputs the data never held, on which
+    gates judged engines (an INT8 Wav2Vec2 dropped for clips three quarters silent)."""
+    from kiln.core.shapes import resize
+
+    feed = {"audio": np.array([[1.0, 2.0, 3.0]], np.float32), "ids": np.array([[5, 6, 7]], np.int64)}
+    axes = {"audio": {1: "t"}, "ids": {1: "t"}}
+    longer = resize(feed, axes, {"t": 7}, repeat_floats=True)
+    assert longer["audio"].tolist() == [[1, 2, 3, 1, 2, 3, 1]] and longer["ids"].tolist() == [[5, 6, 7, 0, 0, 0, 0]]
+    assert resize(feed, axes, {"t": 5})["audio"].tolist() == [[1, 2, 3, 0, 0]]  # the default: zeros, as before
+    assert resize(feed, axes, {"t": 2}, repeat_floats=True)["audio"].tolist() == [[1, 2]]

@@ -147,8 +147,10 @@ def test_labels_per_row_are_scored_at_the_datas_own_sizes_not_at_a_padded_one(
     assert [p for p, _ in ref.feeds] == [{"samples": 4}, {"samples": 16}, {"samples": 64}]
     assert ref.score == 1 and ref.accuracy == 1.0
     assert "measured at the data's own sizes (samples=16)" in caplog.text
-    padded = _thresholds(ref.feeds[-1][1])["logits"]
-    assert accuracy(padded, _signals().val_y.numpy()) < 0.9  # what was reported before: the padded clips' score
+    longer = ref.feeds[-1][1]["input"]  # past the data's 16 samples a float clip repeats itself, not silence
+    assert np.array_equal(longer[:, 16:32], longer[:, :16])
+    zeros = np.pad(longer[:, :16], ((0, 0), (0, 48)))  # what validation fed before: three quarters silence
+    assert accuracy(_thresholds({"input": zeros})["logits"], _signals().val_y.numpy()) < 0.9
 
 
 def test_labels_per_row_outside_the_validated_range_are_scored_at_the_last_shape_and_said(
@@ -169,7 +171,7 @@ def test_the_report_names_the_sizes_accuracy_was_measured_at() -> None:
     v = ValidationResult(passed=True, baseline=base, engines=[], failures=[])
     lines = report_section(v)
     assert any("accuracy 1.0000 on 32 held-out samples at samples=16." in line for line in lines)
-    padded = "(at samples=64 the held-out inputs are padded with zeros past the data's own samples=16)"
+    padded = "(at samples=64 the held-out inputs are lengthened past the data's own samples=16: float values repeated"
     assert any(padded in line for line in lines), lines
 
 
