@@ -399,12 +399,10 @@ def scoring_point(
     fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes)) if y is not None]
     if fit:
         return feeds, fit[-1]
-    point, ranges = own_point(own, axes), axis_ranges([p for p, _ in feeds])
-    outside = {k: v for k, v in point.items() if k in ranges and not ranges[k][0] <= v <= ranges[k][1]}
-    if outside:
-        log.warning("%s", unscored(labels, point, ranges, metric))
+    point, added = own_point(own, axes), with_own_point(own, feeds, axes)
+    if added is None:
+        log.warning("%s", unscored(labels, point, axis_ranges([p for p, _ in feeds]), metric))
         return feeds, None
-    at = next((i for i, (p, _) in enumerate(feeds[:-1]) if sum(p.values()) > sum(point.values())), len(feeds) - 1)
     log.info(
         "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones: labels per "
         "position %s fit no other",
@@ -412,7 +410,7 @@ def scoring_point(
         _sizes(point),
         _shape(labels),
     )
-    return [*feeds[:at], (point, own), *feeds[at:]], at
+    return added
 
 
 def row_scoring_point(own: Feed, feeds: Points, axes: Axes, metric: bool) -> tuple[Points, int]:
@@ -420,12 +418,12 @@ def row_scoring_point(own: Feed, feeds: Points, axes: Axes, metric: bool) -> tup
     with silence or an image padded with black is another input, whose label may differ). The last validated
     shape with those sizes; else, where they lie within every axis's validated range, a shape of their own added
     to the feeds; else the last shape, said as a warning (the inputs there are cut or padded from the data's)."""
-    point = {k: v for k, v in own_point(own, axes).items() if k != "batch"}
+    point = own_point(own, axes)
     same = [i for i, (p, _) in enumerate(feeds) if all(p.get(k) == v for k, v in point.items())]
     if same:
         return feeds, same[-1]
-    ranges = axis_ranges([p for p, _ in feeds])
-    if any(k in ranges and not ranges[k][0] <= v <= ranges[k][1] for k, v in point.items()):
+    added = with_own_point(own, feeds, axes)
+    if added is None:
         log.warning(
             "task accuracy%s measured at %s, the held-out inputs cut or padded from the data's own sizes (%s), "
             "which lie outside the validated ranges: add the data's sizes to signature.shapes to score the inputs "
@@ -435,21 +433,32 @@ def row_scoring_point(own: Feed, feeds: Points, axes: Axes, metric: bool) -> tup
             _sizes(point),
         )
         return feeds, len(feeds) - 1
-    at = next((i for i, (p, _) in enumerate(feeds[:-1]) if sum(p.values()) > sum(point.values())), len(feeds) - 1)
     log.info(
         "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones",
         " and the metric" if metric else "",
         _sizes(point),
     )
+    return added
+
+
+def with_own_point(own: Feed, feeds: Points, axes: Axes) -> tuple[Points, int] | None:
+    """The feeds with the data's own sizes (:func:`own_point`) added as a shape of their own, in size order before
+    the last (which stays the largest), and its index; None where those sizes lie outside an axis's validated range
+    (the engines are built for those alone)."""
+    point, ranges = own_point(own, axes), axis_ranges([p for p, _ in feeds])
+    if any(k in ranges and not ranges[k][0] <= v <= ranges[k][1] for k, v in point.items()):
+        return None
+    at = next((i for i, (p, _) in enumerate(feeds[:-1]) if sum(p.values()) > sum(point.values())), len(feeds) - 1)
     return [*feeds[:at], (point, own), *feeds[at:]], at
 
 
 def own_point(own: Feed, axes: Axes) -> dict[str, int]:
-    """The data's own size of each dynamic axis (by name), read from the inputs at their own shape."""
+    """The data's own size of each dynamic axis besides the batch (by name, as the validated shapes have them),
+    read from the inputs at their own shape."""
     point: dict[str, int] = {}
     for name, dims in axes.items():
         for axis, label in dims.items():
-            if name in own and int(axis) < own[name].ndim:
+            if name in own and int(axis) < own[name].ndim and label != "batch":
                 point.setdefault(label, int(own[name].shape[int(axis)]))
     return point
 

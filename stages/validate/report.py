@@ -256,7 +256,12 @@ def worst_sample_cosine(e: EngineValidation) -> float | None:
 def _scored_at(b: Any) -> str:
     """Where a model with dynamic axes was scored: the sizes of its inputs there (``seq=128``)."""
     at = getattr(b, "scored_at", None)
-    return f" at {', '.join(f'{k}={v}' for k, v in sorted(at.items()))}" if at and b.accuracy is not None else ""
+    return f" at {_point(dict(sorted(at.items())))}" if at and b.accuracy is not None else ""
+
+
+def _point(sizes: dict[str, int]) -> str:
+    """Dynamic axis sizes as the report says them: ``seq=128, h=64``."""
+    return ", ".join(f"{k}={n}" for k, n in sizes.items())
 
 
 def _reference(b: Any) -> str:
@@ -275,7 +280,7 @@ def _compared(b: Any) -> list[str]:
     """What the engines were compared on: every output, the logits one (if any) for top-1 and accuracy."""
     if not b.compared:
         return []
-    shapes = "; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in b.shapes)
+    shapes = "; ".join(_point(p) for p in b.shapes)
     logits = (
         f"top-1 agreement and accuracy on '{b.logits_output}'"
         if b.logits_output
@@ -303,8 +308,7 @@ def _padded(b: Any) -> str:
     past = [p for p in b.shapes if any(p.get(k, 0) > v for k, v in own.items())]
     if not past:
         return ""
-    said = "; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in past)
-    data = ", ".join(f"{k}={v}" for k, v in sorted(own.items()))
+    said, data = "; ".join(_point(p) for p in past), _point(dict(sorted(own.items())))
     return (
         f" (at {said} the held-out inputs are lengthened past the data's own {data}: float values repeated, integers "
         "padded with zeros)"
@@ -318,7 +322,7 @@ def _narrower(v: ValidationResult) -> list[str]:
     narrow = [e for e in v.engines if e.status == "validated" and every and len(e.shapes) < every]
     return [
         f"{e.name} takes fewer sizes and was validated at "
-        + ("; ".join(", ".join(f"{k}={n}" for k, n in p.items()) for p in e.shapes) or "its own shape only")
+        + ("; ".join(_point(p) for p in e.shapes) or "its own shape only")
         + " (requests of other sizes are refused)."
         for e in narrow
     ]
