@@ -4,8 +4,9 @@ Exporters name dynamic axes per input unless told otherwise (torch.onnx.export's
 ``input_ids_dynamic_axes_1`` and ``attention_mask_dynamic_axes_1``, tf2onnx ``unk__1`` and ``unk__2``), and Kiln ties
 axes by name only, so such a BERT would take its ids and its mask in counts of their own and be served one request
 at a time. A two-tower model's ``texts`` and ``images`` really are apart. Which one a file is, running it tells: the
-finest grouping of the inputs whose groups the graph takes in counts of their own is the truth, and the inputs of a
-group get one name in Kiln's copy.
+finest grouping of the inputs whose groups the graph takes in counts of their own, less groups that no output's
+first axis follows (a mask the graph broadcasts or slices), is the truth, and the inputs of a group get one name in
+Kiln's copy.
 """
 
 from __future__ import annotations
@@ -47,15 +48,18 @@ def tie_batch_axes(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
     if len(set(names.values())) < 2 or not groups or len(groups) > MAX_GROUPS or any(len(v) < 2 for v in feed.values()):
         return {}
     session = ort_session(path)
-    blocks = next((p for p in partitions(groups) if _runs(session, _counts(feed, names, p))), None)
-    if blocks is None:  # not even in one count: the data does not fit the graph, which the later stages say
+    runs = ((p, _run(session, _counts(feed, names, p))) for p in partitions(groups))
+    blocks, outputs = next(((p, out) for p, out in runs if out is not None), (None, None))
+    if blocks is None or outputs is None:  # not even in one count: the data does not fit the graph (said later)
         return {}
+    blocks = _leading(blocks, outputs)
     renames = {name: block[0] for block in blocks for name in block if name != block[0]}
     renames |= {names[k]: blocks[0][0] for k in unread if k in names and names[k] != blocks[0][0]}
     if renames:
         _rename(path, renames, names)
         log.info(
-            "inputs' first axes %s are one batch axis with %s (the graph takes them in one count)",
+            "inputs' first axes %s are one batch axis with %s (the graph takes them in one count only, or no output's "
+            "first axis follows theirs)",
             sorted(renames),
             sorted(set(renames.values())),
         )
@@ -92,12 +96,25 @@ def _counts(feed: dict[str, np.ndarray], names: dict[str, str], blocks: list[lis
     return out
 
 
-def _runs(session: object, feed: dict[str, np.ndarray]) -> bool:
+def _run(session: object, feed: dict[str, np.ndarray]) -> list[np.ndarray] | None:
+    """The graph's outputs on ``feed``, or None where ONNX Runtime refuses its shapes together."""
     try:
-        session.run(None, feed)  # type: ignore[attr-defined]
+        return list(session.run(None, feed))  # type: ignore[attr-defined]
     except Exception:  # ONNX Runtime's own error: the graph does not take these shapes together
-        return False
-    return True
+        return None
+
+
+def _leading(blocks: list[list[str]], outputs: list[np.ndarray]) -> list[list[str]]:
+    """``blocks`` (given counts 2, 3, ... by :func:`_counts`) with each one whose count no output's first axis
+    follows joined to the first that one does: a mask taken in another count without an error (a legacy DistilBERT
+    export broadcasts or slices it) is the batch's still, where a tower's own inputs lead outputs of their own."""
+    rows = {int(o.shape[0]) for o in outputs if o.ndim}
+    leading = [b for i, b in enumerate(blocks) if 2 + i in rows]
+    if not leading or len(leading) == len(blocks):
+        return blocks
+    joined = [list(b) for b in leading]
+    joined[0] += [name for i, b in enumerate(blocks) if 2 + i not in rows for name in b]
+    return joined
 
 
 def _rename(path: Path, renames: dict[str, str], names: dict[str, str]) -> None:

@@ -55,3 +55,16 @@ def test_an_input_the_graph_never_reads_and_an_unnamed_first_axis_join_the_batch
 def test_groupings_come_finest_first() -> None:
     found = list(partitions(["a", "b", "c"]))
     assert found[0] == [["a"], ["b"], ["c"]] and found[-1] == [["a", "b", "c"]] and len(found) == 5
+
+
+def test_a_mask_the_graph_takes_in_any_count_but_no_output_follows_joins_the_batch(tmp_path: Path) -> None:
+    """A legacy torch.onnx.export of a DistilBERT (list-form dynamic_axes: ids and mask named apart) runs with 2 ids
+    and 3 masks, so running alone could not tie them and the engine was served unbatched; its outputs follow the
+    ids' count alone, so the mask joins their batch."""
+    nodes = [
+        helper.make_node("ReduceSum", ["mask"], ["total"], keepdims=0),  # every row of the mask, whatever its count
+        helper.make_node("Add", ["ids", "total"], ["shifted"]),
+        helper.make_node("MatMul", ["shifted", "w"], ["out"]),
+    ]
+    path = _saved(tmp_path, nodes, [("ids", "ids_n"), ("mask", "mask_n")], [("out", "ids_n")])
+    assert tie_batch_axes(path, _feed("ids", "mask")) == {"mask_n": "ids_n"}
