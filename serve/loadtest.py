@@ -94,6 +94,7 @@ class Level:
     # the server went away during the level (GONE_AFTER requests in a row refused), which then stopped: ``seconds``
     # is the time until its last answer, what its throughput counts
     server_gone: bool = False
+    gone_error: str = ""  # the last request's error that found no server: what the stop says, not a later error
 
     def summary(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.asarray([np.nan])
@@ -610,8 +611,11 @@ def run_level(
 
     def failed(exc: Exception) -> None:
         """Count a failed request (under the lock); enough in a row that found no server end the level."""
-        level.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+        said = f"{type(exc).__name__}: {exc}"
+        level.errors.append(said if len(said) <= 300 else f"{said[:150]} ... {said[-145:]}")  # the cause ends it
         refused[0] = refused[0] + 1 if no_server(exc) else 0
+        if refused[0]:
+            level.gone_error = level.errors[-1]
         if refused[0] >= GONE_AFTER:
             level.server_gone = True
             gone.set()
@@ -781,6 +785,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.switch_interval_s = part.switch_interval_s
             merged.client = part.client
             merged.server_gone |= part.server_gone
+            merged.gone_error = merged.gone_error or (part.gone_error if part.server_gone else "")
     finally:
         for w in workers:
             w.join(timeout=10)
@@ -1038,7 +1043,7 @@ def loadtest(
             if level.server_gone:  # the level stopped there: the levels measured are kept
                 gone = (
                     f"the server stopped answering {level.seconds:.1f} s into the level at concurrency {c} "
-                    f"({GONE_AFTER} requests in a row found no server: {level.errors[-1]})"
+                    f"({GONE_AFTER} requests in a row found no server: {level.gone_error})"
                 )
                 after = mark
                 break
