@@ -502,6 +502,45 @@ def _torch_outputs(model: nn.Module, x: Inputs) -> dict[str, np.ndarray]:
         return {k: v.numpy() for k, v in named_outputs(model, x).items()}
 
 
+# Two calls on the same inputs differ by more than this share of the output's largest value (or this much, for
+# outputs near zero) only where forward draws random numbers: arithmetic on one machine repeats itself exactly.
+_RANDOM_SHARE, _RANDOM_FLOOR = 1e-3, 1e-5
+
+RANDOM_HINT = (
+    "draw random numbers only in training (`if self.training:`; F.dropout(x, p, training=self.training)), and "
+    "return the deterministic value at inference (a VAE's mean, mu): engines are checked by comparing their "
+    "outputs with the model's, which draws of their own make impossible"
+)
+
+
+def refuse_random(model: nn.Module, x: Inputs) -> None:
+    """A model that answers the same inputs differently from call to call in eval mode (``torch.randn_like`` in a
+    VAE's forward, ``F.dropout(x, p, training=True)``) is an error naming that, before the export: its export parity,
+    the optimizer's safety net and validation would each fail on the draws, or read them as a model whose rows
+    depend on their batch, and blame something else. Costs one more forward of the export's example rows."""
+    first, second = _torch_outputs(model, x), _torch_outputs(model, x)
+    for name, a in first.items():
+        b = second[name]
+        if a.shape != b.shape:
+            moved = f"shape {a.shape}, then {b.shape}"
+        elif a.dtype.kind != "f":
+            if np.array_equal(a, b):
+                continue
+            moved = f"{int(np.sum(a != b))} of {a.size} values"
+        else:
+            err = max_abs_err(a, b)
+            finite = np.abs(a[np.isfinite(a)])
+            if not err > max(_RANDOM_FLOOR, _RANDOM_SHARE * (float(finite.max()) if finite.size else 0.0)):
+                continue
+            moved = f"by up to {err:.3g}"
+        raise ModelError(
+            f"the model answers the same inputs differently from call to call in eval mode (output '{name}': "
+            f"{moved}): its forward draws random numbers (torch.randn_like, torch.rand, F.dropout with "
+            "training=True)",
+            hint=RANDOM_HINT,
+        )
+
+
 def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = "") -> None:
     """NaN or infinity in the graph's answer where PyTorch's is finite is its own error, named with the samples it
     hits: as an error size it would read as NaN, which no tolerance catches and no other cause explains."""
@@ -767,6 +806,7 @@ def export_direct(
     model.eval()
     x = _direct_example(cfg, model, specs)
     example = take(x, slice(0, 2))  # traced with two rows, like the pipeline's export
+    refuse_random(model, example)
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
     if cfg.export.dynamic_batch:  # at another batch too: a graph that holds the traced one gets those rows right
         check = batch_parity(model, output, example, x, cfg.export.parity_atol)
@@ -1045,6 +1085,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     path = ctx.out / "model.onnx"
     axes = ctx.config.signature.dynamic_axes
     example, x = take(data.val_x, slice(0, 2)), take(data.val_x, slice(0, PARITY_ROWS))
+    refuse_random(model, example)
     proto = export_onnx(model, example, path, cfg.opset, cfg.dynamic_batch, axes)
     session = ort_session(path)  # for the parity check and the output-axis probe
     check = batch_parity(model, path, example, x, cfg.parity_atol, session)

@@ -12,7 +12,7 @@ from kiln.core.errors import ModelError
 from kiln.pipeline.config import load_config
 from kiln.pipeline.runner import settings_for
 from kiln.pipeline.stage_list import stage_named
-from kiln.stages.export.stage import export_direct, parity_error
+from kiln.stages.export.stage import export_direct, parity_error, refuse_random
 
 
 class _MeanPool(torch.nn.Module):
@@ -40,3 +40,38 @@ def test_rounding_is_told_to_widen_the_tolerance() -> None:
     error = parity_error(check, 1e-4, "m.onnx")
     assert "(output 'b', 0.0% of its largest value 40)" in error.message
     assert error.hint.startswith("float rounding differs between the runtimes: raise export.parity_atol")
+
+
+class _Sampling(torch.nn.Module):
+    """A VAE's head as research code writes it: it samples in eval mode too (``hard`` decides how)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.mu = how, torch.nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu = self.mu(x)
+        if self.how == "randn":
+            return mu + torch.randn_like(mu)
+        if self.how == "dropout":
+            return torch.nn.functional.dropout(mu, 0.5, training=True)
+        return torch.nn.functional.dropout(mu, 0.5, training=self.training)
+
+
+def sampling(how: str = "randn") -> torch.nn.Module:
+    return _Sampling(how)
+
+
+@pytest.mark.parametrize("how", ["randn", "dropout"])
+def test_a_model_that_draws_random_numbers_in_eval_mode_is_named_so(tmp_path: Path, how: str) -> None:
+    cfg = settings_for(
+        stage_named("export"), load_config(None, {"model.name": f"{__name__}:sampling", "model.params.how": how})
+    )
+    with pytest.raises(ModelError, match="differently from call to call in eval mode") as err:
+        export_direct(cfg, None, ("x=6",), tmp_path / "m.onnx")
+    assert "if self.training:" in err.value.hint
+    assert not (tmp_path / "m.onnx").exists()  # refused before exporting
+
+
+def test_dropout_that_follows_the_mode_exports() -> None:
+    refuse_random(sampling("mode").eval(), torch.rand(2, 6))
