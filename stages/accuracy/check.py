@@ -497,6 +497,12 @@ def declares_classes(data: DatasetSplits) -> bool:
     return data.classification or data.num_classes > 0
 
 
+def regression(data: DatasetSplits) -> bool:
+    """Float targets in a dataset that declares no classes: the outputs are values to predict, none class logits."""
+    y = data.train_y if data.train_y is not None else data.val_y
+    return y is not None and not declares_classes(data)
+
+
 def top1_output(
     logits: str | None, data: DatasetSplits | None, named: bool = False, output: np.ndarray | None = None
 ) -> str | None:
@@ -509,6 +515,13 @@ def top1_output(
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
     cosine of the whole output and of its worst sample, error and relative error."""
+    if logits is not None and named and data is not None and regression(data):
+        log.info(
+            "output '%s', which signature.logits_output names, holds the prediction of float targets (a "
+            "regression's): compared by cosine, error and relative error, not by top-1 agreement",
+            logits,
+        )
+        return None
     if logits is None or named:
         return logits
     if data is None or not declares_classes(data):

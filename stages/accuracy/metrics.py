@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core.compare import class_axis
-from kiln.core.errors import ModelError
+from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.labels import IGNORE_LABEL, are_indices, per_position
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.models.registry import resolve_callable
@@ -43,6 +43,8 @@ class Metric:
         """The metric of ``outputs``; the user's function failing is their error, named with what Kiln was doing."""
         try:
             returned = self.fn(outputs, labels)
+        except KilnError:  # a built-in's own error, with its own fix
+            raise
         except Exception as exc:  # the user's function (or a built-in on outputs it does not fit): one line
             if self.name in BUILTINS:  # Kiln's own: what it takes, not where in Kiln it raised
                 raise ModelError(
@@ -179,8 +181,29 @@ def decision_threshold(scores: np.ndarray) -> float:
     return 0.5 if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0 else 0.0
 
 
+def _prediction(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None, name: str) -> np.ndarray:
+    """The output a metric of predicted values scores: the one ``signature.logits_output`` names, the only one, or
+    the only one with as many values as the targets. Several that fit (a forecaster's mean and log-variance) are a
+    ConfigError asking to name the prediction: the first of them is as likely the wrong one."""
+    if logits is not None and logits in outputs:
+        return outputs[logits]
+    if len(outputs) == 1:
+        return next(iter(outputs.values()))
+    fit = [k for k, v in outputs.items() if np.size(v) == labels.size]
+    if len(fit) == 1:
+        return outputs[fit[0]]
+    if not fit:
+        raise ValueError(f"no output has as many values as the targets {list(labels.shape)}")
+    raise ConfigError(
+        f"validate.metric '{name}': outputs {', '.join(repr(k) for k in fit)} each fit targets "
+        f"{labels.dtype}{list(labels.shape)}, and none is named as the prediction",
+        hint=f"name it: signature.logits_output={fit[0]} (for float targets it names the output the metric and "
+        "the training loss read, and holds it to no top-1 agreement)",
+    )
+
+
 def _mse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
-    out = _pick(outputs, logits).astype(np.float64)
+    out = _prediction(outputs, labels, logits, "mse").astype(np.float64)
     y = labels.astype(np.float64)
     if out.size != y.size:
         raise ValueError(f"output {list(out.shape)} and targets {list(y.shape)} differ in size")

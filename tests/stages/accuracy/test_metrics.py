@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from kiln.core.errors import ModelError
+from kiln.core.errors import ConfigError, ModelError
 from kiln.core.labels import IGNORE_LABEL
 from kiln.stages.accuracy.config import BUILTIN_METRICS, CheckConfig
 from kiln.stages.accuracy.metrics import BUILTINS, resolve_metric
@@ -110,3 +110,14 @@ def test_a_metric_returning_an_array_is_said_as_such_not_placed_in_kiln() -> Non
     ):
         per_sample(outputs, labels)
     assert Metric("mine:mean", lambda out, y: np.ones(1))(outputs, labels) == 1.0  # one element is a value
+
+
+def test_mse_scores_the_output_that_is_the_prediction() -> None:
+    y = np.array([[1.0, 2.0], [3.0, 4.0]])
+    out = {"log_var": np.zeros((2, 2)), "mean": y + 1.0}
+    assert resolve_metric("mse", "mean")(out, y) == pytest.approx(1.0)  # named: that one, wherever it stands
+    with pytest.raises(ConfigError, match="outputs 'log_var', 'mean' each fit targets") as err:
+        resolve_metric("mse", None)(out, y)  # two could be the prediction: the first is no safer a guess
+    assert "signature.logits_output=log_var" in err.value.hint
+    # one output as large as the targets: that one (a classifier's pooled features beside it do not fit)
+    assert resolve_metric("mse", None)({"feat": np.zeros((2, 5)), "y": y}, y) == pytest.approx(0.0)

@@ -78,6 +78,23 @@ def test_validation_holds_a_named_logits_output_to_top1_on_data_without_classes(
         assert any(f.startswith("top1_agreement") for f in failures)
 
 
+def test_a_named_output_of_float_targets_is_the_prediction_not_class_logits() -> None:
+    """Float targets without classes are a regression's: ``signature.logits_output`` names the output the metric
+    and the training loss read (a forecaster's mean beside its log-variance), whose argmax along its horizon is no
+    class, so it is held to cosine, error and relative error, not to top-1 agreement."""
+    from kiln.stages.validate.stage import reference
+
+    x = torch.randn(96, 16, generator=torch.Generator().manual_seed(1))
+    y = x[:, :4] * 2.0
+    data = DatasetSplits(x[:32], y[:32], x[32:], y[32:])
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
+    ref = reference(_ctx("logits"), data, CheckConfig(), _run, feeds, ["logits"], {})
+    found = compare_on(ref, _flipping, [1, 8])
+    entry = EngineValidation(name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated")
+    summarize(entry, found.stats, ref.logits)
+    assert ref.logits is None and entry.top1_agreement is None
+
+
 def _tiny_graph(path: Path) -> Path:
     """input [batch, 16] float -> MatMul -> logits [batch, 64]."""
     graph = helper.make_graph(
