@@ -342,6 +342,27 @@ def _own_sizes(feed: Mapping[str, np.ndarray], axes: Axes) -> dict[str, int]:
     }
 
 
+def _untied_hint(feed: Mapping[str, np.ndarray], axes: Axes, point: Mapping[str, int]) -> str:
+    """The start of the fix where an input left out of ``signature.dynamic_axes`` has an axis the data gives the
+    size of a varied one (a forecaster's ``calendar [N, 24]`` beside ``past [N, 24, F]`` whose axis 1 is ``time``):
+    it may follow that axis, and then Kiln must cut it too, which only a declaration tells it; empty otherwise."""
+    own = _own_sizes(feed, axes)
+    said = []
+    for name, array in feed.items():
+        if name in axes:
+            continue
+        for axis in range(1, array.ndim):
+            label = next((k for k in point if own.get(k) == array.shape[axis]), None)
+            if label is not None:
+                said.append((name, axis, label))
+                break
+    if not said:
+        return ""
+    listed = ", ".join(f"input '{n}' (axis {a}: {own[lbl]} in the data, as {lbl})" for n, a, lbl in said)
+    declared = ", ".join(f"{n}: {{{a}: {lbl}}}" for n, a, lbl in said)
+    return f"if {listed} varies with it, declare that too, signature.dynamic_axes: {{{declared}}}; else "
+
+
 def _sizes_hint(point: Mapping[str, int], own: Mapping[str, int]) -> str:
     """What to do about a size the model fails at: Kiln made a smaller one by cutting the data's rows (which drops
     what ends them: a sequence's end-of-text token), or the model takes one size only."""
@@ -701,7 +722,7 @@ def check_validated_sizes(
             raise ModelError(
                 f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
                 f"that axis vary: {_reason(exc)}",
-                hint=_sizes_hint(point, _own_sizes(feed, axes)),
+                hint=_untied_hint(feed, axes, point) + _sizes_hint(point, _own_sizes(feed, axes)),
             ) from None
         try:
             err = parity(model, path, inputs, session, at, ref)["max_abs_err"]

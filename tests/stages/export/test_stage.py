@@ -172,6 +172,35 @@ def test_sizes_the_later_stages_run_are_checked_at_export(tmp_path: Path) -> Non
     assert "cutting the data's rows (its own: seq=16)" in hint and "signature.shapes: {seq: [16]}" in hint
 
 
+class Forecaster(nn.Module):
+    """Past values [N, T, 4] and a calendar id per step [N, T]: both follow the time axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.day, self.proj = nn.Embedding(7, 4), nn.Linear(4, 3)
+
+    def forward(self, past: torch.Tensor, calendar: torch.Tensor) -> torch.Tensor:
+        return self.proj(past + self.day(calendar)).mean(1)
+
+
+def test_an_input_left_out_of_a_varied_axis_it_follows_is_named_in_the_fix(tmp_path: Path) -> None:
+    from kiln.core.data import DatasetSplits
+    from kiln.core.onnx_io import ort_session
+    from kiln.stages.export.stage import check_validated_sizes
+
+    x = {"past": torch.randn(12, 16, 4), "calendar": torch.randint(0, 7, (12, 16))}
+    take = lambda rows: {k: v[rows] for k, v in x.items()}  # noqa: E731
+    data, axes = DatasetSplits(take(slice(0, 8)), None, take(slice(8, 12)), None), {"past": {1: "time"}}
+    path, model = tmp_path / "m.onnx", Forecaster().eval()
+    export_onnx(model, take(slice(0, 2)), path, dynamic_axes=axes)
+    with pytest.raises(ModelError, match=r"the model fails at time=8") as err:
+        check_validated_sizes(model, path, ort_session(path), data, ["past", "calendar"], axes, {}, 1e-4)
+    assert (err.value.hint or "").startswith(
+        "if input 'calendar' (axis 1: 16 in the data, as time) varies with it, declare that too, "
+        "signature.dynamic_axes: {calendar: {1: time}}; else"
+    )
+
+
 class MaskedAttention(nn.Module):
     """Attention over a key padding mask: a sample whose keys are all masked is zeros in PyTorch's attention."""
 
