@@ -537,7 +537,9 @@ def top1_output(
         why = f"its class axis has {width} entries and the data {data.num_classes} classes"
     else:
         return logits
-    log.info(
+    # the direct commands' user gave the inputs and sees no report: said where they look, not only with -v
+    log.log(
+        logging.WARNING if data is None else logging.INFO,
         "output '%s' is not held to top-1 agreement or scored for accuracy: it is the class-logit output by default "
         "only, and %s, so its argmax may be no class at all (an embedding's); compared by cosine (the whole "
         "output's and the worst sample's), max abs error and relative error. Naming it "

@@ -141,7 +141,7 @@ def test_direct_validate_holds_only_a_named_output_to_top1(engine: tuple[Path, P
     """``kiln validate ENGINE --reference``'s inputs carry no labels: the only output is held to its cosine, error
     and relative error, said in the log; ``--set signature.logits_output=logits`` holds it to top-1 agreement."""
     model, built, inputs = engine
-    default = invoke("validate", built, "--reference", model, "--inputs", inputs, "-v")
+    default = invoke("validate", built, "--reference", model, "--inputs", inputs)  # a warning: no -v needed
     assert default.exit_code == 0, default.output
     got = _answer(default.output)
     assert "top1_agreement" not in got and got["gates"]["max_rel_err"] is not None
