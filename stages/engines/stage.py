@@ -15,7 +15,7 @@ from kiln.core.errors import BuildError, ConfigError, KilnError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
-from kiln.core.records import EngineMetadata, EngineSource, Variants
+from kiln.core.records import EngineMetadata, EngineSource, IntRange, Variants, by_column, whole_range
 from kiln.core.stage import StageContext
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, Built, read_metadata
@@ -50,7 +50,7 @@ def build_engine(
     torch_model: Callable[[], Any] | None = None,
     axis_sizes: dict[str, list[int]] | None = None,
     calibration: Path | None = None,
-    int_ranges: dict[str, list[int]] | None = None,
+    int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
@@ -142,16 +142,31 @@ def build_engine(
     return meta
 
 
-def _index_ranges(graph: Any, taken: list[Any], data: dict[str, list[int]]) -> dict[str, list[int]]:
+def _index_ranges(graph: Any, taken: list[Any], data: dict[str, IntRange]) -> dict[str, IntRange]:
     """The values each integer input that indexes a table may hold (:func:`kiln.core.onnx_io.index_ranges`): 0 to
     the table's rows - 1 (an axis's size: a graph neural network's nodes), from as far below 0 as the data goes
-    (down to -rows, where ONNX's index ops stop counting; data from 0, as ``torch.gather`` takes, keeps 0)."""
+    (down to -rows, where ONNX's index ops stop counting; data from 0, as ``torch.gather`` takes, keeps 0). An input
+    whose columns index tables of their own keeps a range per column, each column's low from the data's own."""
     names = {s.name for s in taken}
-    out = {}
-    for name, (low, high) in index_ranges(graph).items():
-        if name in names:
-            out[name] = [max(-(high + 1), min(low, data.get(name, [low])[0])), high]
+    out: dict[str, IntRange] = {}
+    for name, bounds in index_ranges(graph).items():
+        if name not in names:
+            continue
+        columns = by_column(bounds, len(bounds))
+        seen = data.get(name)
+        if columns is None:
+            out[name] = _from_data_low(whole_range(bounds), whole_range(seen) if seen else None)
+            continue
+        per_data = by_column(seen, len(columns)) if seen else None
+        lows = per_data or [whole_range(seen) if seen else None] * len(columns)
+        out[name] = [_from_data_low(column, low) for column, low in zip(columns, lows)]
     return out
+
+
+def _from_data_low(bounds: list[int], data: list[int] | None) -> list[int]:
+    """``bounds`` (one index range) reaching below 0 as far as ``data`` (its values in the data) does, to -rows."""
+    low, high = bounds
+    return [max(-(high + 1), min(low, data[0] if data else low)), high]
 
 
 class MislabelledEngine(BuildError):
@@ -283,7 +298,8 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                         raise
                     audit = isinstance(exc, MislabelledEngine)  # a measured fact about the runtime, not a failure
                     (ctx.log.info if audit else ctx.log.warning)("skipping %s: %s", name, exc.message)
-                    fix = run_fix(precision, device) if audit else exc.hint
+                    kept = _kept_in_float(variants[precision], src)
+                    fix = (kept_fix(precision, kept) if kept else run_fix(precision, device)) if audit else exc.hint
                     skipped.append(f"{name}: {exc.message} (fix: {fix})")
                     continue
                 fields = {"name", "backend", "device", "precision", "size_bytes"}
@@ -306,6 +322,26 @@ def run_fix(precision: str, device: str) -> str:
         f"none needed where other engines are built: this backend runs {precision} in another precision on "
         f"{device.upper()}; {precision} engines come from a device with {precision} kernels (a GPU backend), and "
         f"precision.variants without {precision} skips the variant"
+    )
+
+
+def _kept_in_float(variant: Any, src: str) -> list[str]:
+    """The nodes the precision stage's accuracy fallback kept in float in the graph ``src`` an engine reads: the
+    ONNX Runtime CPU graph's own list where ``src`` is that graph, else the variant's."""
+    cpu = variant.report.get("ort_cpu") or {}
+    own = src in variant.backend_paths.values() and src != variant.path
+    return list(cpu.get("kept_fp32") or []) if own else list(variant.kept_fp32)
+
+
+def kept_fix(precision: str, kept: list[str]) -> str:
+    """The fix for an engine the audit finds short of its precision where the accuracy fallback kept nodes in
+    float to pass the gates: that, not the runtime, is what left too little in ``precision``."""
+    named = ", ".join(kept[:4]) + (", ..." if len(kept) > 4 else "")
+    return (
+        f"the precision stage kept {len(kept)} nodes in float ({named}) for the gates its {precision} graph "
+        "failed without them (report.md, Precision): loosen the gate that failed for this precision "
+        f"(validate.gates.per_precision.{precision}, or the metric's drop), calibrate otherwise (calibration.method), "
+        f"or leave {precision} out of precision.variants"
     )
 
 
@@ -333,7 +369,7 @@ def _build_with_fallback(
     max_batch: int,
     torch_model: Callable[[], Any] | None = None,
     sizes: dict[str, list[int]] | None = None,
-    int_ranges: dict[str, list[int]] | None = None,
+    int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot

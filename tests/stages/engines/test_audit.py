@@ -70,3 +70,22 @@ def test_an_int8_encoder_s_fp32_attention_counts_at_the_sizes_built_for(tmp_path
     assert meta.audit["uncounted_nodes"] == {} and meta.audit["share_covers_nodes"] == 1.0
     with pytest.raises(MislabelledEngine, match="computes 27% in int8"):
         build_direct(src, tmp_path / "long", "onnxruntime", "cpu", "int8", BuildConfig(), {"seq": [32]})
+
+
+def test_an_engine_short_of_int8_by_the_fallback_s_float_nodes_is_told_so() -> None:
+    """The audit drops an engine whose graph runs too little in int8; where the accuracy fallback kept nodes in
+    float for the gates (a user metric's), the fix names them and the gates, not the runtime's kernels."""
+    from kiln.core.records import PrecisionVariant
+    from kiln.stages.engines.stage import _kept_in_float, kept_fix
+
+    variant = PrecisionVariant(
+        path="int8/model.onnx",
+        kept_fp32=["node_bmm", "node_cat"],
+        backend_paths={"onnxruntime-cpu": "int8/model.ort_cpu.onnx"},
+        report={"ort_cpu": {"kept_fp32": ["node_linear_2", "node_linear_3"]}},
+    )
+    assert _kept_in_float(variant, "int8/model.ort_cpu.onnx") == ["node_linear_2", "node_linear_3"]
+    assert _kept_in_float(variant, "int8/model.onnx") == ["node_bmm", "node_cat"]
+    fix = kept_fix("int8", ["node_linear_2", "node_linear_3"])
+    assert fix.startswith("the precision stage kept 2 nodes in float (node_linear_2, node_linear_3)")
+    assert "validate.gates.per_precision.int8" in fix and "another precision" not in fix
