@@ -69,7 +69,14 @@ from kiln.stages.train.precision import (
     update_scaler,
 )
 from kiln.stages.train.runtime import determinism, profiler
-from kiln.stages.train.task import CLASSIFY, Task, check_loss_has_grad, check_trainable
+from kiln.stages.train.task import (
+    CLASSIFY,
+    Task,
+    bce_autocast_fix,
+    check_loss_has_grad,
+    check_trainable,
+    loss_errors,
+)
 
 log = logging.getLogger("kiln.train")
 # Skipped steps of one NaN/Inf streak said as warnings; the rest go to the debug log (-v) until the streak ends
@@ -106,7 +113,8 @@ def evaluate_loss_acc(
         out = call(run, rebuild(xb, [t.to(device) for t in tensors(xb)]))
         target = y[i : i + batch].to(device)
         n = float(task.units(target))  # rows, or labelled positions
-        loss_sum += task.loss(out, target).item() * n  # the mean loss, weighted by what it averages over
+        with loss_errors(task, "computing the validation loss"):
+            loss_sum += task.loss(out, target).item() * n  # the mean loss, weighted by what it averages over
         units += n
         hits = task.correct(out, target)
         correct = None if hits is None or correct is None else correct + hits
@@ -414,6 +422,12 @@ class _Trainer:
             "meets (torch.zeros(..., dtype=x.dtype)); or train without autocast (train.precision: fp32)"
         )
 
+    def loss_hint(self, exc: BaseException) -> str | None:
+        """For train.loss failing on a dtype clash under autocast: :meth:`autocast_hint`, or where the clash is in
+        torch's binary_cross_entropy, which autocast cannot run safely, its form on logits."""
+        hint = self.autocast_hint(exc)
+        return hint and (bce_autocast_fix(exc) or hint)
+
     # -- the loop -------------------------------------------------------------------------------------
     def run(self, progress: Progress, prof: Any) -> None:
         with warnings.catch_warnings(), progress.task("training", total=self.cfg.epochs) as bar:
@@ -545,7 +559,8 @@ class _Trainer:
                 # FP32 loss, weighted by the micro-batch's share of the batch (of its rows, or of its labelled
                 # positions): the K weighted means add up to the mean over the whole batch, also when the last
                 # micro-batch is smaller.
-                loss = self.task.loss(out, cy)
+                with loss_errors(self.task, self.doing, self.loss_hint):
+                    loss = self.task.loss(out, cy)
                 check_loss_has_grad(self.task, loss)
                 if len(cy) != rows(xb):  # one micro-batch: weight 1, no extra kernels
                     loss = loss * self.task.share(cy, yb)

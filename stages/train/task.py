@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 import numbers
-from collections.abc import Callable
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +24,10 @@ from torch import nn
 from kiln.core import labels
 from kiln.core.compare import class_axis
 from kiln.core.data import DatasetSplits, tensors
-from kiln.core.errors import ConfigError, ModelError
+from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
-from kiln.core.user_errors import user_code_error
+from kiln.core.text import first_line
+from kiln.core.user_errors import UserCodeError, out_of_memory, user_code_error
 from kiln.models.registry import resolve_callable
 
 log = logging.getLogger("kiln.train")
@@ -92,6 +96,7 @@ def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | N
     warn_label_inputs(data)
     if loss is None:
         warn_one_hot(data)
+        warn_binary(data)
         return Task(kind, logits_output)
     fn = resolve_callable(loss, {}, "train.loss")
     return Task(kind, logits_output, fn)
@@ -158,6 +163,32 @@ def warn_one_hot(data: DatasetSplits) -> None:
         described,
         data.num_classes,
         _zero_one_fix(kind),
+    )
+
+
+def _binary_labels(y: torch.Tensor | None) -> bool:
+    """Float labels of 0/1, one per row (``[N]`` or ``[N, 1]``): what a binary classifier (a click, a fault) is
+    trained on."""
+    if y is None or not y.is_floating_point() or not (y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)):
+        return False
+    return bool(((y == 0) | (y == 1)).all())
+
+
+def warn_binary(data: DatasetSplits) -> None:
+    """Say (once, where the task is decided) that float 0/1 labels, one per row, train as regression targets: mean
+    squared error on the single output, where a one-logit binary classifier wants a binary cross-entropy on its
+    logit. Said, not refused: regression targets may look the same."""
+    split = next((s for s in ("train", "val") if _binary_labels(getattr(data, f"{s}_y"))), None)
+    if split is None:
+        return
+    log.warning(
+        "%s_y is float %s of 0/1 labels, one per row: float targets train with mean squared error on the model's "
+        "output, with no accuracy or top-1 agreement; for a binary classifier (one logit per row) give train.loss: "
+        "torch.nn.functional:binary_cross_entropy_with_logits (on the logit, no final sigmoid) and validate.metric: "
+        "multilabel_f1 (the positive class's F1) or a pkg.mod:fn of your own (AUC), or leave them as they are for "
+        "regression",
+        split,
+        list(getattr(data, f"{split}_y").shape),
     )
 
 
@@ -296,21 +327,86 @@ def _per_row_labels(target: torch.Tensor, y: torch.Tensor, model_ref: str) -> Mo
     )
 
 
+def _class_count_hint(target: torch.Tensor, num_classes: int) -> str:
+    """The fix for class logits too few for the dataset's classes. One logit per row beside two classes is a
+    binary classifier's head (a click-through model's), which trains on float 0/1 labels, not class indices."""
+    if num_classes <= 2 and target.ndim in (1, 2) and target.numel() == len(target):
+        shaped = "[N, 1] (y.float().view(-1, 1))" if target.ndim == 2 else "[N] (y.float())"
+        return (
+            f"a one-logit head is a binary classifier: give float 0/1 labels shaped like its output {shaped} with "
+            "train.loss: torch.nn.functional:binary_cross_entropy_with_logits, or make the model return two logits "
+            "[N, 2] for the integer labels (cross-entropy)"
+        )
+    return "set the model's num_classes to the dataset's, or name the logits output in signature.logits_output"
+
+
+def loss_name(fn: LossFn) -> str:
+    """train.loss's function as the config names it: ``'package.module:function'``."""
+    return f"'{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}'"
+
+
+def bce_autocast_fix(exc: BaseException) -> str | None:
+    """The fix for a dtype clash under autocast raised in torch's binary_cross_entropy (named as train.loss, or
+    called by the user's loss): it takes probabilities, which autocast leaves in bf16/fp16 beside float32 targets,
+    and torch counts it unsafe under autocast (a sigmoid's output in half precision rounds to 0 or 1). The form on
+    logits is safe."""
+    bce = os.path.join("torch", "nn", "functional.py")
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not any(f.name == "binary_cross_entropy" and f.filename.endswith(bce) for f in frames):
+        return None
+    return (
+        "binary_cross_entropy on probabilities is unsafe under autocast: set train.loss: "
+        "torch.nn.functional:binary_cross_entropy_with_logits and have the model return the logit (no final "
+        "sigmoid), or train without autocast (train.precision: fp32)"
+    )
+
+
+def loss_error(task: Task, exc: BaseException, doing: str, hint: str | None = None) -> UserCodeError | None:
+    """``exc``, raised by train.loss, as one error naming the function: in the user's file it names the line
+    too; a library's function named directly (``torch.nn.functional:binary_cross_entropy``) has no line of the
+    user's. None for the built-in loss and for errors with a meaning of their own (Kiln's, out of memory)."""
+    fn = task.user_loss
+    if fn is None or isinstance(exc, KilnError) or out_of_memory(exc):
+        return None
+    what = f"loss function {loss_name(fn)}"
+    err = user_code_error(exc, doing, what, hint)
+    if err is not None:
+        return err
+    fix = hint or (
+        "train.loss is called as function(outputs, targets) on the model's raw outputs: name a function that takes "
+        "them, or wrap this one in a function of your own"
+    )
+    return UserCodeError(
+        f"{what} raised {type(exc).__name__}: {first_line(exc)} while {doing}",
+        hint=f"{fix} (--verbose shows the traceback)",
+        detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
+
+
+@contextmanager
+def loss_errors(
+    task: Task,
+    doing: str | Callable[[], str],
+    hint: str | Callable[[BaseException], str | None] | None = None,
+) -> Iterator[None]:
+    """Around a call of train.loss: an exception it raises becomes :func:`loss_error`'s error, never a traceback.
+    ``doing`` (or a callable giving it at the time) says what Kiln was at; ``hint`` (or a callable giving one for
+    the exception) a fix."""
+    try:
+        yield
+    except Exception as exc:
+        err = loss_error(task, exc, doing() if callable(doing) else doing, hint(exc) if callable(hint) else hint)
+        if err is None:
+            raise
+        raise err from exc
+
+
 def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
     if task.user_loss is not None:
-        hint = "train.loss takes (outputs, targets) and returns a scalar tensor"
-        try:
+        doing = "trying train.loss on the model's outputs for two samples"
+        with loss_errors(task, doing, "train.loss takes (outputs, targets) and returns a scalar tensor"):
             value = task.user_loss(out, y)
-        except Exception as exc:  # the user's function: any error is theirs to see, in one line
-            fn = task.user_loss
-            name = f"loss function '{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}'"
-            err = user_code_error(exc, "trying train.loss on the model's outputs for two samples", name, hint)
-            if err is not None:
-                raise err from exc
-            raise ConfigError(
-                f"train.loss failed on the model's outputs: {type(exc).__name__}: {exc}", hint=hint
-            ) from None
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ConfigError(f"train.loss returned {got}, not a scalar tensor", hint=_scalar_hint(value, out))
@@ -333,8 +429,7 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
             raise ModelError(
                 f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for a batch "
                 f"of 2, but the dataset has {num_classes} classes",
-                hint="set the model's num_classes to the dataset's, or name the logits output in "
-                "signature.logits_output",
+                hint=_class_count_hint(target, num_classes),
             )
     elif tuple(target.shape) != tuple(y.shape):
         # float labels of a classifier (the data declares classes, the output has a row of scores per label)
@@ -370,9 +465,8 @@ def check_loss_has_grad(task: Task, loss: torch.Tensor) -> None:
         return
     fn = task.user_loss
     if fn is not None:
-        name = f"'{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}'"
         raise ConfigError(
-            f"train.loss {name} returned a tensor that does not depend on the model's parameters (it has no "
+            f"train.loss {loss_name(fn)} returned a tensor that does not depend on the model's parameters (it has no "
             "gradient): it was detached, rebuilt from a Python number, or computed under torch.no_grad()",
             hint="return the loss computed from the outputs it is given, without .detach(), .item()/float() or "
             "torch.no_grad()",

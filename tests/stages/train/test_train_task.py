@@ -329,3 +329,77 @@ def test_what_the_data_checks_warn_of_is_in_the_report_where_accuracy_is_read() 
         summary.data_warnings, summary.source = said, "random init"
         lines = report_section(summary)
         assert f"- **Data:** {said[0]}" in lines, (status, lines)
+
+
+def _clicks(size: int = 64) -> DatasetSplits:
+    """Binary click labels: float 0/1, one per row."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(size, 4, generator=g)
+    y = (x[:, 0] > 0).float()
+    return DatasetSplits(x[:48], y[:48], x[48:], y[48:])
+
+
+def _sigmoid_head() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Flatten(0), torch.nn.Sigmoid())
+
+
+def _wrapped_bce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.binary_cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("loss", ["torch.nn.functional:binary_cross_entropy", f"{__name__}:_wrapped_bce"])
+def test_a_loss_failing_under_autocast_is_named_with_the_logits_form_as_fix(loss: str) -> None:
+    """torch's binary_cross_entropy named as train.loss gave a traceback under bf16 autocast (no frame of the
+    user's to name); wrapped in the user's own function it got the error/fix pair. Both now name the function."""
+    data, cfg = _clicks(), CFG.model_copy(update={"precision": "bf16"})
+    with pytest.raises(UserCodeError, match=rf"loss function '{loss}' raised RuntimeError: .*under bf16 autocast") as e:
+        train(_sigmoid_head(), data, cfg, task=task_for(data, loss, None))
+    assert "train.loss: torch.nn.functional:binary_cross_entropy_with_logits" in e.value.hint
+    assert "train without autocast (train.precision: fp32)" in e.value.hint
+    fp32 = train(_sigmoid_head(), data, CFG.model_copy(update={"precision": "fp32"}), task=task_for(data, loss, None))
+    assert fp32.history[-1].loss < fp32.history[0].loss
+
+
+def test_a_library_loss_failing_on_two_samples_is_named() -> None:
+    """It said 'train.loss failed on the model's outputs' without naming the function."""
+    bce = Task("regression", None, torch.nn.functional.binary_cross_entropy_with_logits)
+    name = "'torch.nn.functional:binary_cross_entropy_with_logits'"
+    with pytest.raises(UserCodeError, match=f"loss function {name} raised ValueError: .* for two samples") as e:
+        check_task(bce, torch.zeros(2, 3), torch.zeros(2, 1), 0, "m")
+    assert e.value.hint.startswith("train.loss takes (outputs, targets)")
+
+
+@pytest.mark.parametrize(
+    ("train_y", "loss", "warned"),
+    [
+        (torch.tensor([0.0, 1.0] * 4), None, True),
+        (torch.tensor([[0.0], [1.0]] * 4), None, True),
+        (torch.tensor([0.0, 1.0] * 4), "torch.nn.functional:binary_cross_entropy_with_logits", False),
+        (torch.tensor([0.0, 0.5] * 4), None, False),  # regression targets
+        (torch.tensor([0.0, 1.0] * 4).view(4, 2), None, False),  # two targets a row
+    ],
+)
+def test_zero_one_float_labels_one_per_row_are_warned_of_as_binary(
+    train_y, loss, warned, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Click labels beside a one-logit head trained silently with mean squared error on the logit."""
+    data = DatasetSplits(torch.zeros(len(train_y), 3), train_y, torch.zeros(4, 3), train_y[:4])
+    said = [m for m in _warnings(caplog, monkeypatch, lambda: task_for(data, loss, None)) if "one per row" in m]
+    assert len(said) == int(warned), said
+    if warned:
+        assert said[0].startswith(f"train_y is float {list(train_y.shape)} of 0/1 labels, one per row")
+        assert "mean squared error" in said[0] and "validate.metric: multilabel_f1" in said[0]
+        assert "train.loss: torch.nn.functional:binary_cross_entropy_with_logits" in said[0]
+
+
+@pytest.mark.parametrize(("logits", "shaped"), [(torch.zeros(2, 1), "[N, 1]"), (torch.zeros(2), "[N] (y.float())")])
+def test_integer_labels_beside_one_logit_are_told_of_binary_cross_entropy(logits, shaped) -> None:
+    """It said to set the model's num_classes: a click-through model's one logit wants float labels and BCE."""
+    with pytest.raises(ModelError, match="but the dataset has 2 classes") as err:
+        check_task(Task("classification"), logits, torch.tensor([0, 1]), 2, "m")
+    assert f"float 0/1 labels shaped like its output {shaped}" in err.value.hint
+    assert "binary_cross_entropy_with_logits" in err.value.hint and "two logits [N, 2]" in err.value.hint
+    with pytest.raises(ModelError) as err:  # too few of several logits: the model's class count
+        check_task(Task("classification"), torch.zeros(2, 2), torch.tensor([0, 2]), 3, "m")
+    assert err.value.hint.startswith("set the model's num_classes")
