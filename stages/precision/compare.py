@@ -81,17 +81,66 @@ def rel_error(ref: np.ndarray, got: np.ndarray) -> float:
     return compare_arrays(ref, got).rel_err if ref.shape == got.shape else float("inf")
 
 
-def tensor_errors(ref_model: Model, model: Model, x: Samples, tensors: list[str]) -> dict[str, float]:
-    """Relative L2 error of each named intermediate tensor of ``model`` vs ``ref_model`` on ``x``."""
+def tensor_errors(
+    ref_model: Model, model: Model, x: Samples, tensors: list[str], names: dict[str, str] | None = None
+) -> dict[str, float]:
+    """Relative L2 error of each named intermediate tensor of ``model`` vs ``ref_model`` on ``x``, keyed by its name
+    in ``ref_model``. ``names``: each tensor's counterpart in ``model`` (:func:`matching_tensors`), those without
+    one left out; None: the tensor of the same name."""
     ref_m, m = (onnx.load(str(p)) if isinstance(p, Path) else p for p in (ref_model, model))
+    names = {t: t for t in tensors} if names is None else names
     # a tensor computed from weights alone is a weight: ONNX Runtime folds it into an initializer, which cannot be
     # made a graph output
-    common = _produced(ref_m) & _produced(m) - {ref_m.graph.output[0].name} - _constant(ref_m) - _constant(m)
-    tensors = [t for t in tensors if t in common]  # e.g. a tensor the cast clean-up merged away
+    ours = _produced(ref_m) - _constant(ref_m) - {ref_m.graph.output[0].name}
+    theirs = _produced(m) - _constant(m) - {m.graph.output[0].name}
+    tensors = [t for t in tensors if t in ours and names.get(t) in theirs]  # e.g. one the cast clean-up merged
     ref = run_batched(ref_m, x, extra_outputs=tensors)
-    got = run_batched(m, x, extra_outputs=tensors)
-    names = [ref_m.graph.output[0].name, *tensors]
-    return {t: rel_error(r, g) for t, r, g in zip(names, ref, got)}
+    got = run_batched(m, x, extra_outputs=[names[t] for t in tensors])
+    keys = [ref_m.graph.output[0].name, *tensors]
+    return {t: rel_error(r, g) for t, r, g in zip(keys, ref, got)}
+
+
+PASS_THROUGH = {"Cast", "QuantizeLinear", "DequantizeLinear"}  # store a value in another precision, same meaning
+
+
+def computing_nodes(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """Tensor -> the node that computes it, looking through Casts and Q/DQ pairs (:data:`PASS_THROUGH`)."""
+    by_output = {o: n for n in model.graph.node for o in n.output}
+    out: dict[str, onnx.NodeProto] = {}
+    for tensor, node in by_output.items():
+        seen = 0
+        while node.op_type in PASS_THROUGH and node.input and node.input[0] in by_output and seen < 8:
+            node, seen = by_output[node.input[0]], seen + 1
+        out[tensor] = node
+    return out
+
+
+def producers(model: onnx.ModelProto) -> dict[str, str]:
+    """Tensor -> the op that computes it, looking through Casts and Q/DQ pairs: an FP16 emulation's rounded tensor
+    is its node's, an INT8 graph's dequantized one too, while a tensor a quantizer renamed (ONNX Runtime fuses a
+    Relu into the Conv before it and gives the Conv the Relu's output name) has another op than FP32's."""
+    return {t: n.op_type for t, n in computing_nodes(model).items()}
+
+
+def matching_tensors(ref: onnx.ModelProto, model: onnx.ModelProto) -> dict[str, str]:
+    """Each tensor of ``ref`` that ``model`` computes with the same op, mapped to its name there. Mostly the same
+    name; where a quantizer fused an op into its producer (ONNX Runtime: a Conv's Relu), the fused node keeps its
+    name but writes the fused-in op's output name, which then holds the producer's value: that output is matched
+    to the producer's own tensor (same node name and op, same output position). Tensors left out (the fused-in
+    op's output, one the variant lacks) have no counterpart to compare with."""
+    ours, theirs = producers(ref), producers(model)
+    match = {t: t for t, op in ours.items() if theirs.get(t) == op}
+    taken = set(match.values())
+    by_name = {n.name: n for n in model.graph.node if n.name}
+    for node in ref.graph.node:
+        other = by_name.get(node.name)
+        if other is None or other.op_type != node.op_type or len(other.output) != len(node.output):
+            continue
+        for mine, their in zip(node.output, other.output):
+            if mine and mine not in match and their and their not in taken and theirs.get(their) == node.op_type:
+                match[mine] = their
+                taken.add(their)
+    return match
 
 
 def _constant(model: onnx.ModelProto) -> set[str]:

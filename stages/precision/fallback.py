@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from kiln.core.text import fmt
-from kiln.stages.precision.compare import Samples, take_rows, tensor_errors
+from kiln.stages.precision.compare import Samples, computing_nodes, matching_tensors, take_rows, tensor_errors
 from kiln.stages.precision.config import FallbackConfig
 from kiln.stages.precision.fp16_select import INDEX_OPS
 from kiln.stages.precision.gate import GateCheck, Verdict
@@ -197,36 +197,76 @@ def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:
 def blame(
     fp32: onnx.ModelProto, model: Path, x: Samples, candidates: set[str], kept: set[str], count: int
 ) -> dict[str, str]:
-    """The ``count`` nodes whose output error most exceeds their inputs' error, with a reason each."""
+    """The ``count`` nodes whose output error most exceeds their inputs' error, with a reason each. A tensor is
+    compared only with the one the variant computes with the same op (:func:`matching_tensors`): where a quantizer
+    fused a Relu into its Conv, the Conv is scored on its own output and the Relu, which has no counterpart, is
+    not scored; an input without a counterpart carries the error measured nearest upstream, not none."""
+    variant = onnx.load(str(model), load_external_data=False)
     nodes = [n for n in fp32.graph.node if n.op_type not in INDEX_OPS and n.output]
     float_tensors = _float_tensors(fp32)
-    tensors = sorted({o for n in nodes for o in n.output if o in float_tensors})
-    err = tensor_errors(fp32, model, x, tensors)
+    names = matching_tensors(fp32, variant)
+    tensors = sorted({o for n in nodes for o in n.output if o in float_tensors and o in names})
+    err = tensor_errors(fp32, model, x, tensors, names)
+    carried = _carried_errors(fp32, err, float_tensors)
+    fused = _fused_into(fp32, variant)
     producers = {o: n for n in fp32.graph.node for o in n.output}
     scored: list[tuple[float, onnx.NodeProto, float]] = []
     for n in nodes:
-        out_err = max((err.get(o, 0.0) for o in n.output), default=0.0)
-        in_err = max((err.get(i, 0.0) for i in n.input), default=0.0)
-        jump = _jump(out_err, in_err)
-        scored.append((jump, n, out_err))
+        if not any(o in err for o in n.output):
+            continue  # no counterpart in the variant (fused into another node): its error is that node's
+        out_err = max(err[o] for o in n.output if o in err)
+        in_err = max((carried.get(i, 0.0) for i in n.input if i), default=0.0)
+        scored.append((_jump(out_err, in_err), n, out_err))
     scored.sort(key=lambda s: -s[0])
     picks: dict[str, str] = {}
     for jump, n, out_err in scored:
         if len(picks) >= count or not jump > 1e-6:
             break
-        why = (
-            f"output error {out_err:.3g} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32)"
-            if np.isfinite(jump)
-            else "first node whose output is not finite (FP16 overflow)"
-        )
+        why = _reason(jump, out_err, sorted(k for k, v in fused.items() if v == n.name))
         if n.name in kept:  # the error comes in through its inputs: keep the nodes that produce them
             for i in n.input:
                 p = producers.get(i)
-                if p is not None and p.name in candidates and p.name not in kept and p.op_type not in INDEX_OPS:
-                    picks.setdefault(p.name, f"feeds {n.name} (kept FP32) whose {why}")
+                name = fused.get(p.name, p.name) if p is not None else None  # a fused Relu: the Conv it is part of
+                op = p.op_type if p is not None else None
+                if name in candidates and name not in kept and op not in INDEX_OPS:
+                    picks.setdefault(name, f"feeds {n.name} (kept FP32) whose {why}")
         elif n.name in candidates:
             picks[n.name] = why
     return picks
+
+
+def _reason(jump: float, out_err: float, fused: list[str]) -> str:
+    if not np.isfinite(jump):
+        return "first node whose output is not finite (FP16 overflow)"
+    within = f"; {', '.join(fused)} fused into it by the quantizer" if fused else ""
+    return f"output error {out_err:.3g} vs inputs' {out_err - jump:.3g} (relative L2 vs FP32{within})"
+
+
+def _carried_errors(fp32: onnx.ModelProto, err: dict[str, float], float_tensors: set[str]) -> dict[str, float]:
+    """Each float tensor's error: measured, or where the variant has no counterpart to compare it with, the largest
+    its producer's inputs carry (the error measured nearest upstream). Graph inputs and weights carry none."""
+    carried: dict[str, float] = {}
+    for n in fp32.graph.node:  # graph order: a node's inputs come before it
+        upstream = max((carried.get(i, 0.0) for i in n.input if i), default=0.0)
+        for o in n.output:
+            if o in err:
+                carried[o] = err[o]
+            elif o in float_tensors:
+                carried[o] = upstream
+    return carried
+
+
+def _fused_into(fp32: onnx.ModelProto, variant: onnx.ModelProto) -> dict[str, str]:
+    """FP32 node -> the variant's node it was fused into: the variant computes its output with another node of the
+    FP32 graph (ONNX Runtime's quantizer gives a Conv the output name of the Relu it absorbs)."""
+    ours, theirs = computing_nodes(fp32), computing_nodes(variant)
+    names = {n.name for n in fp32.graph.node}
+    fused: dict[str, str] = {}
+    for tensor, node in ours.items():
+        other = theirs.get(tensor)
+        if other is not None and other.name != node.name and other.name in names and other.op_type != node.op_type:
+            fused[node.name] = other.name
+    return fused
 
 
 def _jump(out_err: float, in_err: float) -> float:

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from kiln.core.artifacts import write_bytes_atomic
-from kiln.stages.precision.compare import Model, Samples, take_rows, tensor_errors
+from kiln.stages.precision.compare import Model, Samples, producers, take_rows, tensor_errors
 from kiln.stages.precision.fp16_select import INDEX_OPS
 
 SAMPLES = 16  # every node output is held in memory at once: a few samples show where error starts
@@ -54,23 +54,6 @@ def node_error_curves(fp32: onnx.ModelProto, variants: dict[str, Model], x: Samp
             err |= tensor_errors(fp32, model, take_rows(x, slice(0, SAMPLES)), same[i : i + CHUNK])
         curves[label] = [err.get(t, float("nan")) for _, t in order]
     return curves
-
-
-PASS_THROUGH = {"Cast", "QuantizeLinear", "DequantizeLinear"}  # store a value in another precision, same meaning
-
-
-def producers(model: onnx.ModelProto) -> dict[str, str]:
-    """Tensor -> the op that computes it, looking through Casts and Q/DQ pairs: an FP16 emulation's rounded tensor
-    is its node's, an INT8 graph's dequantized one too, while a tensor a quantizer renamed (ONNX Runtime fuses a
-    Relu into the Conv before it and gives the Conv the Relu's output name) has another op than FP32's."""
-    by_output = {o: n for n in model.graph.node for o in n.output}
-    out: dict[str, str] = {}
-    for tensor, node in by_output.items():
-        seen = 0
-        while node.op_type in PASS_THROUGH and node.input and node.input[0] in by_output and seen < 8:
-            node, seen = by_output[node.input[0]], seen + 1
-        out[tensor] = node.op_type
-    return out
 
 
 def first_divergence(
