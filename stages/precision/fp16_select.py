@@ -21,6 +21,7 @@ REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
 # precision, but a value beyond FP16's range overflows in them like anywhere else: range checks and the fallback
 # must be able to keep them FP32 (else an FP32 island broken by a Reshape still overflows).
 INDEX_OPS = {"Shape", "Size", "ConstantOfShape", "Range"}
+SEQUENCE_OPS = {"ConcatFromSequence", "SplitToSequence"}  # besides the Sequence* ops
 
 
 def select_fp32_nodes(
@@ -50,15 +51,24 @@ def select_fp32_nodes(
 
 def unconvertible_ops(model: onnx.ModelProto) -> dict[str, str]:
     """Control flow and sequences stay FP32: onnxconverter-common retypes tensors inside subgraphs without
-    their outer readers and writers, and never retypes sequence types or SequenceEmpty's dtype, so converting
-    them yields an invalid graph (an nn.EmbeddingBag export has a Loop over sequences)."""
+    their outer readers and writers, and never retypes sequence types or SequenceEmpty's dtype, while ONNX
+    Runtime's converter retypes sequences but casts them like tensors; either way converting them yields an
+    invalid graph (an nn.EmbeddingBag export has a Loop over sequences). Any node reading or writing a
+    sequence counts, found by the types in ``model``'s value_info (shape-inferred)."""
+    sequences = sequence_values(model)
     out: dict[str, str] = {}
     for n in model.graph.node:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             out[n.name] = f"{n.op_type} has subgraphs (control flow), which FP16 conversion does not support"
-        elif n.op_type.startswith("Sequence") or n.op_type in ("ConcatFromSequence", "SplitToSequence"):
+        elif n.op_type in SEQUENCE_OPS or n.op_type.startswith("Sequence") or sequences & {*n.input, *n.output}:
             out[n.name] = f"{n.op_type} works on sequences, which FP16 conversion does not support"
     return out
+
+
+def sequence_values(model: onnx.ModelProto) -> set[str]:
+    """Names of the sequence-typed values of the main graph (its inputs, outputs and value_info)."""
+    graph = model.graph
+    return {v.name for v in [*graph.input, *graph.output, *graph.value_info] if v.type.HasField("sequence_type")}
 
 
 def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:

@@ -7,6 +7,7 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 from collections.abc import Callable
@@ -313,15 +314,22 @@ def prepare_baselines(
     return out
 
 
-def behind_pytorch(engines: list[EngineValidation], chosen: dict[str, str], onnx_file: bool = False) -> dict[str, str]:
+def behind_pytorch(
+    engines: list[EngineValidation],
+    chosen: dict[str, str],
+    onnx_file: bool = False,
+    cause: Callable[[EngineValidation], str] | None = None,
+) -> dict[str, str]:
     """Batch sizes at which even the chosen engine is slower than the baseline on its own device beyond the
     timing's noise (the paired interval below 1), each said: a user should know that serving PyTorch would be
     faster there (an op the runtime computes slowly, such as ONNX Runtime's DFT on the CPU). ``onnx_file``: a run
-    from ``model.onnx`` with no PyTorch model, whose baseline is that file in ONNX Runtime."""
+    from ``model.onnx`` with no PyTorch model, whose baseline is that file in ONNX Runtime. ``cause``: what in
+    the engine's graph may make it slow (e.g. :func:`loop_note`), said after; '' when nothing is known."""
     by_name = {e.name: e for e in engines}
     baseline = "the input ONNX file" if onnx_file else "PyTorch"
     against = f"{baseline} in ONNX Runtime" if onnx_file else f"{baseline} eager"
-    out = {}
+    out: dict[str, str] = {}
+    causes: dict[str, str] = {}  # engine -> its cause, found once
     for bs, name in chosen.items():
         e = by_name[name]
         label = f"eager-{e.device}"
@@ -334,6 +342,52 @@ def behind_pytorch(engines: list[EngineValidation], chosen: dict[str, str], onnx
             if not onnx_file and not any(o.backend == "torch" and o.device == e.device for o in engines):
                 devices = " with build.torch.devices: [cpu]" if e.device == "cpu" else ""
                 out[bs] += f"; the torch backend compiles PyTorch itself: add torch to build.backends{devices}"
+            if cause is not None and name not in causes:
+                causes[name] = cause(e)
+            out[bs] += f"; {causes[name]}" if causes.get(name) else ""
+    return out
+
+
+def loop_note(engine_dir: Path, export: Path) -> str:
+    """What Loop nodes in the engine's ONNX graph cost, and which modules made them (from the export's node
+    metadata, which the dynamo exporter writes); '' when the engine is no ONNX graph or holds none. ONNX Runtime
+    runs a Loop's body op by op, once per iteration, where PyTorch runs one kernel: an ``nn.EmbeddingBag`` exports
+    as a Loop over the bags."""
+    meta = read_metadata(engine_dir)
+    file = meta.files.get("model", "")
+    if not file.endswith(".onnx"):
+        return ""
+    loops = [n.name for n in load_onnx(engine_dir / file, load_external_data=False).graph.node if n.op_type == "Loop"]
+    if not loops:
+        return ""
+    made = _modules_of(export, set(loops)) if export.is_file() else {}
+    kinds = sorted({k for k, _ in made.values()})
+    names = sorted({m for _, m in made.values()})
+    more = ", ..." if len(names) > 4 else ""
+    where = f" (made by {'/'.join(kinds)} modules {', '.join(names[:4])}{more})" if made else ""
+    what = f"{meta.name}'s graph holds {len(loops)} Loop node{'s' if len(loops) > 1 else ''}{where}, which ONNX "
+    what += "Runtime runs op by op, once per iteration"
+    if "EmbeddingBag" in kinds:
+        return f"{what}: nn.EmbeddingBag exports as a Loop, an nn.Embedding followed by a sum over the bag does not"
+    return f"{what}: control flow in forward (a Python loop over a tensor's values) exports as a Loop"
+
+
+def _modules_of(export: Path, nodes: set[str]) -> dict[str, tuple[str, str]]:
+    """``{node: (module class, module path)}`` for ``nodes`` of the exported graph whose metadata names the module
+    that made them (the dynamo exporter's ``pkg.torch.onnx`` name scopes and class hierarchy)."""
+    out: dict[str, tuple[str, str]] = {}
+    for n in load_onnx(export, load_external_data=False).graph.node:
+        props = {p.key: p.value for p in n.metadata_props}
+        if n.name not in nodes or "pkg.torch.onnx.name_scopes" not in props:
+            continue
+        try:
+            scopes = ast.literal_eval(props["pkg.torch.onnx.name_scopes"])
+            classes = ast.literal_eval(props.get("pkg.torch.onnx.class_hierarchy", "[]"))
+        except (ValueError, SyntaxError):  # metadata of another exporter version: the count alone is said
+            continue
+        if len(scopes) >= 2 and len(classes) >= 2 and scopes[-2]:
+            path = scopes[-2].removeprefix("model.") if classes[0] == "kiln.core.outputs.FlatModel" else scopes[-2]
+            out[n.name] = (classes[-2].rsplit(".", 1)[-1], path)
     return out
 
 
@@ -585,7 +639,9 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     chosen, notes = choose(engines, preference_order(), cfg.choice_margin)
     for bs, note in notes.items():
         ctx.log.info("batch %s: %s", bs, note)
-    for bs, note in behind_pytorch(engines, chosen, not from_torch).items():
+    engine_dir, export = {m.name: d for m, d in zip(metas, dirs)}, ctx.inputs["export"] / "model.onnx"
+    loops = lambda e: loop_note(engine_dir[e.name], export)  # noqa: E731 - read only for an engine said slower
+    for bs, note in behind_pytorch(engines, chosen, not from_torch, loops).items():
         ctx.log.warning("batch %s: %s", bs, note)
         notes[bs] = f"{notes[bs]}; {note}" if bs in notes else note
     result = ValidationResult(

@@ -22,6 +22,7 @@ from kiln.core.errors import BuildError
 from kiln.core.inputs import AxisSizes, largest_sizes, random_inputs
 from kiln.core.onnx_io import (
     io_specs,
+    light_model,
     load_onnx,
     model_carries_precision,
     ort_session,
@@ -309,16 +310,45 @@ def _convert(model: onnx.ModelProto, to_fp16: bool, keep_fp32: list[str] | None)
         convert_float_to_float16,
     )
 
+    from kiln.stages.precision.fp16 import cast_captured_to_fp32
+
     # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
-    ops = {n.op_type for n in model.graph.node}
+    src, fixed = _fp32_sequences_and_control_flow(model)
+    ops = {n.op_type for n in src.graph.node}
     keep = list(keep_fp32 or [])
-    model = convert_float_to_float16(
-        model,
+    converted = onnx.ModelProto()
+    converted.CopyFrom(src)  # the converter works in place; ``src`` keeps the FP32 types for the casts below
+    converted = convert_float_to_float16(
+        converted,
         keep_io_types=True,
+        disable_shape_infer=True,  # done above: the converter must not see the sequence types again
         op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
-        node_block_list=[k for k in keep if k not in ops],
+        node_block_list=sorted({k for k in keep if k not in ops} | fixed),
     )
-    return model, "onnxruntime.transformers.float16 after fusion, io kept fp32"
+    cast_captured_to_fp32(converted, src, fixed)
+    return converted, "onnxruntime.transformers.float16 after fusion, io kept fp32"
+
+
+def _fp32_sequences_and_control_flow(model: onnx.ModelProto) -> tuple[onnx.ModelProto, set[str]]:
+    """A shape-inferred, named copy of ``model`` ready for ORT's converter, and the nodes it must keep FP32.
+
+    Control flow and every node reading or writing a sequence stay FP32 (see ``unconvertible_ops``). The
+    converter retypes every float sequence in value_info to FP16 and casts a blocked node's sequence like a
+    tensor (an invalid graph, e.g. the Loop of an ``nn.EmbeddingBag`` export), so the copy's value_info lists
+    no sequence: what the converter does not see it leaves FP32. Float-list Constants become tensor Constants,
+    which the converter converts (see ``constants_as_tensors``)."""
+    from kiln.stages.precision.fp16 import constants_as_tensors, name_nodes
+    from kiln.stages.precision.fp16_select import sequence_values, unconvertible_ops
+
+    src = onnx.ModelProto()
+    src.CopyFrom(model)
+    constants_as_tensors(name_nodes(src).graph)
+    # The converter's own inference (recorded types kept, failures skipped), on a copy light enough for > 2 GB
+    inferred = onnx.shape_inference.infer_shapes(light_model(src)[0])
+    fixed, sequences = set(unconvertible_ops(inferred)), sequence_values(inferred)
+    del src.graph.value_info[:]
+    src.graph.value_info.extend(v for v in inferred.graph.value_info if v.name not in sequences)
+    return src, fixed
 
 
 def provider_list(device: str, cfg: OnnxRuntimeConfig, conv: bool, precision: str) -> list[Any]:

@@ -146,3 +146,20 @@ def test_a_graph_the_converter_refuses_is_a_model_error() -> None:
     with pytest.raises(ModelError, match="already converted") as err:
         convert_fp16(model, set(), FP16Config())
     assert "other variants are still built" in err.value.hint
+
+
+def test_any_node_reading_or_writing_a_sequence_stays_fp32() -> None:
+    # An Identity passing a sequence on is no Sequence op, yet a converter retyping or casting its output breaks it
+    nodes = [
+        helper.make_node("MatMul", ["input", "w"], ["h"], name="mm"),
+        helper.make_node("SequenceConstruct", ["h", "h"], ["pair"], name="construct"),
+        helper.make_node("Identity", ["pair"], ["pair_again"], name="pass_on"),
+        helper.make_node("ConcatFromSequence", ["pair_again"], ["logits"], name="concat", axis=1),
+    ]
+    model = make_model(nodes, {"w": rng_weights(16, 5)})
+    keep = select_fp32_nodes(model, FP16Config())
+    assert {"construct", "pass_on", "concat"} <= set(keep) and "mm" not in keep
+    assert "sequences" in keep["pass_on"]
+    converted, _ = convert_fp16(model, set(keep), FP16Config())
+    check_onnx(converted)
+    assert node_input_types(converted)["mm"] == F16
