@@ -11,7 +11,8 @@ timed runs after warm-up, CUDA events, inputs already on the GPU, TF32 off. Agre
 and max abs error vs eager FP32 on ``--eval-samples`` random inputs. Build: seconds to produce the runnable
 thing (compile / session / engine build) and its size on disk.
 
-Models: ``resnet18`` and ``bert_base`` from Kiln's zoo (one input), and ``hf_bert``: Hugging Face
+Models: ``resnet18`` and ``bert_base`` from Kiln's zoo (one input), ``hf_vit`` (Hugging Face's ViT-base/16,
+unmasked attention over 197 tokens), and ``hf_bert``: Hugging Face
 ``transformers.BertModel`` + ``Linear(768, 2)`` on ``pooler_output``, ``forward(input_ids, attention_mask)``, exported
 with ``torch.onnx.export(dynamo=True)`` and a dynamic batch on both inputs (issue 12's model; needs ``pip install
 transformers``, skipped with a note otherwise). Row ``baseline_compile`` is the torch.compile baseline exactly as
@@ -131,12 +132,17 @@ def model_specs(smoke: bool, bert_layers: int) -> dict[str, tuple[dict[str, Any]
                 },
                 (16,),
             ),
+            "hf_vit": (
+                {"num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128},
+                (3, 32, 32),
+            ),
         }
     return {
         "resnet18": ({}, (3, 224, 224)),
         "bert_base": ({"layers": bert_layers}, (128, 768)),
         "hf_bert": ({"num_hidden_layers": bert_layers}, (128,)),
         "tv_resnet18": ({}, (3, 224, 224)),
+        "hf_vit": ({"num_hidden_layers": bert_layers}, (3, 224, 224)),
     }
 
 
@@ -154,11 +160,28 @@ class HFBertClassifier(torch.nn.Module):
         return self.head(self.bert(input_ids=input_ids, attention_mask=attention_mask).pooler_output)
 
 
+class HFViTClassifier(torch.nn.Module):
+    """``transformers.ViTForImageClassification`` (ViT-base/16 by default, 10 classes) returning its logits: a
+    transformer whose attention has no mask and 197 tokens, unlike BERT's."""
+
+    def __init__(self, **config: Any) -> None:
+        from transformers import ViTConfig, ViTForImageClassification  # optional: only this model needs it
+
+        super().__init__()
+        size = 224 if config.get("hidden_size", 768) == 768 else 32
+        self.vit = ViTForImageClassification(ViTConfig(num_labels=10, image_size=size, patch_size=16, **config))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.vit(pixel_values=pixel_values).logits
+
+
 def make_model(name: str, params: dict[str, Any]) -> torch.nn.Module:
     if name == "tv_resnet18":  # torchvision's ResNet-18 (a model nobody here wrote); torchvision is on the GPU host
         import torchvision
 
         return torchvision.models.resnet18(**params)
+    if name == "hf_vit":
+        return HFViTClassifier(**params)
     return HFBertClassifier(**params) if name == "hf_bert" else build_model(name, params)
 
 

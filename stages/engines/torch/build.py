@@ -109,6 +109,8 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
         "fp8_gelu_epilogues": (device, precision) == ("cuda", "fp8")
         and cfg.gemm_epilogues != "off"
         and cfg.flavour != "aotinductor",
+        # attention through PyTorch's fused kernels, dispatched at run time (compiled flavour, GPU)
+        "fused_attention": device == "cuda" and _on(cfg.fused_attention, True),
         # cuBLASLt's algorithms chosen by timing where Kiln calls it: its GEMM ops (compiled flavour, GPU)
         "gemm_algorithms": "measured" if _measures(cfg, device, precision, mode) else "heuristic",
     }

@@ -88,6 +88,13 @@ class TorchConfig(Section):
         "auto: on for FP16 GPU engines (their flavour then is compiled), off for the others and "
         "with flavour aotinductor",
     )
+    fused_attention: AutoOnOff = Field(
+        "auto",
+        description="the compiled flavour's FP16/BF16 scaled_dot_product_attention calls as one custom op that "
+        "PyTorch dispatches to its fused kernels (cuDNN, FlashAttention) at run time, where Inductor may fall back "
+        "to an FP32 math form (a ViT's unmasked attention; kiln.stages.engines.torch.attention). auto: on for GPU "
+        "engines",
+    )
     gemm_algorithms: Literal["heuristic", "measured"] = Field(
         "heuristic",
         description="the GPU GEMMs Kiln calls through cuBLASLt itself (gemm_epilogues' linear layers, an FP8 "

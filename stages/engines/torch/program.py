@@ -13,6 +13,7 @@ from kiln.core.cuda_graphs import capture
 from kiln.core.errors import ConfigError
 from kiln.core.text import first_line
 from kiln.stages.engines.torch import conv_epilogues, cublaslt
+from kiln.stages.engines.torch.attention import fuse_attention
 from kiln.stages.engines.torch.fp8_epilogues import fuse_fp8_gelu, measure_fp8_gemms
 from kiln.stages.engines.torch.gemm_epilogues import fuse_linear_epilogues
 
@@ -89,12 +90,13 @@ def compile_program(
     on the GPU replayed as CUDA graphs of Kiln's (:class:`GraphReplays`). Freezing takes effect because every call
     runs under ``torch.inference_mode`` (Inductor freezes only graphs without autograd). With ``gemm_epilogues`` the
     linear layers are rewritten first (:mod:`.gemm_epilogues`), with ``conv_epilogues`` the convolutions
-    (:mod:`.conv_epilogues`), with ``fp8_gelu_epilogues`` an FP8 layer's GELU and the next layer's input cast
-    (:mod:`.fp8_epilogues`), with ``gemm_algorithms: measured`` an FP8 engine's other layers too
-    (:func:`.fp8_epilogues.measure_fp8_gemms`); returns the runnable and how many layers each rewrite took
-    (``gemm_epilogue_layers``, ``conv_epilogue_layers``, ``fp8_epilogue_layers``, ``measured_fp8_layers``; absent
-    where it did not run). ``warn_if_nothing_fused``: per rewrite (``gemm``, ``conv``), whether a program with
-    nothing to rewrite is worth a warning."""
+    (:mod:`.conv_epilogues`), with ``fused_attention`` the FP16 attention calls (:mod:`.attention`), with
+    ``fp8_gelu_epilogues`` an FP8 layer's GELU and the next layer's input cast (:mod:`.fp8_epilogues`), with
+    ``gemm_algorithms: measured`` an FP8 engine's other layers too (:func:`.fp8_epilogues.measure_fp8_gemms`);
+    returns the runnable and how many layers each rewrite took (``gemm_epilogue_layers``, ``conv_epilogue_layers``,
+    ``fused_attention_layers``, ``fp8_epilogue_layers``, ``measured_fp8_layers``; absent where it did not run).
+    ``warn_if_nothing_fused``: per rewrite (``gemm``, ``conv``), whether a program with nothing to rewrite is worth
+    a warning."""
     import torch
 
     warn = warn_if_nothing_fused or {}
@@ -113,6 +115,8 @@ def compile_program(
         )  # older engines: not merged
     if settings.get("conv_epilogues"):  # older engines: off
         rewrites["conv_epilogue_layers"] = conv_epilogues.fuse_conv_epilogues(module, warn.get("conv", False))
+    if settings.get("fused_attention"):  # older engines: off
+        rewrites["fused_attention_layers"] = {"attention": fuse_attention(module)}
     if settings.get("fp8_gelu_epilogues"):  # older engines: off
         rewrites["fp8_epilogue_layers"] = {"linear_bias_gelu_fp8": fuse_fp8_gelu(module, measure)}
     if measure and (taken := measure_fp8_gemms(module)):

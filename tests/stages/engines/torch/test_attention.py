@@ -1,0 +1,103 @@
+"""build.torch.fused_attention: FP16/BF16 attention calls of the compiled flavour's program as ``kiln::attention``,
+which PyTorch dispatches to its fused kernels at run time. The speed is the GPU's (benchmarks/engine_bench.py,
+``hf_vit``); here: the rewrite takes the attention calls it should, computes the same function, lays its output out
+as it declares, and a GPU engine built with it agrees with the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.stages.engines.config import BuildConfig
+from kiln.stages.engines.registry import load_engine
+from kiln.stages.engines.stage import build_engine
+from kiln.stages.engines.torch.attention import fuse_attention, register_op
+from kiln.stages.engines.torch.build import _settings
+from kiln.stages.engines.torch.config import TorchConfig
+from tests.stages.engines.build_graphs import assert_runner_agrees
+
+
+class Attention(nn.Module):
+    """Unmasked self-attention over 13 tokens (a ViT's form), and a masked one after it (BERT's)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(dim, 3 * dim), heads
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
+        y = nn.functional.scaled_dot_product_attention(y, k, v, attn_mask=mask[:, None, None, :])
+        return y.transpose(1, 2).reshape(b, t, d)
+
+
+def _program(dtype: torch.dtype) -> tuple[torch.fx.GraphModule, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Attention().to(dtype).eval()
+    args = (torch.randn(2, 13, 32, dtype=dtype), torch.rand(2, 13) > 0.2)
+    with torch.inference_mode():
+        return torch.export.export(model, args).module(), args
+
+
+def test_low_precision_attention_becomes_the_op_and_computes_the_same() -> None:
+    gm, args = _program(torch.bfloat16)
+    with torch.inference_mode():
+        want = gm(*args)
+        assert fuse_attention(gm, devices=("cpu",)) == 2  # the unmasked call and the masked one, scale kept
+        got = gm(*args)
+    assert [str(n.target) for n in gm.graph.nodes if "attention" in str(n.target)] == ["kiln.attention.default"] * 2
+    torch.testing.assert_close(got, want)
+
+
+def test_fp32_and_other_devices_keep_inductor_s_attention() -> None:
+    gm, _ = _program(torch.float32)
+    assert fuse_attention(gm, devices=("cpu",)) == 0  # FP32: the fused GPU kernels do not take it
+    gm, _ = _program(torch.bfloat16)
+    assert fuse_attention(gm) == 0  # CPU tensors, GPU-only by default
+
+
+def test_the_op_writes_the_layout_its_fake_declares() -> None:
+    register_op()
+    q = torch.randn(2, 4, 13, 8, dtype=torch.bfloat16)
+    real = torch.ops.kiln.attention(q, q, q)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.kiln.attention(*(mode.from_tensor(q) for _ in range(3)))
+    assert real.shape == fake.shape and real.stride() == fake.stride()
+
+
+@pytest.mark.parametrize(
+    ("device", "setting", "on"), [("cuda", "auto", True), ("cpu", "auto", False), ("cuda", "off", False)]
+)
+def test_auto_means_gpu_engines(device: str, setting: str, on: bool) -> None:
+    assert _settings(TorchConfig(fused_attention=setting), device, "fp16", False)["fused_attention"] is on
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_cuda_fp16_transformer_engine_runs_the_op_and_agrees(zoo, tmp_path: Path) -> None:
+    from kiln.models.registry import build_model
+    from tests.stages.engines.build_graphs import ZOO
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return build_model("transformer", ZOO["transformer"][0])
+
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+    meta = build_engine(
+        zoo("transformer"),
+        tmp_path / "e",
+        "torch",
+        "cuda",
+        "fp16",
+        cfg,
+        tmp_path / "c",
+        max_batch=32,
+        torch_model=model,
+    )
+    assert meta.builder_settings["fused_attention_layers"]["attention"] >= 1, meta.builder_settings
+    with load_engine(tmp_path / "e") as runner:
+        assert_runner_agrees(runner, model(), "transformer", (1, 32))
