@@ -18,6 +18,7 @@ import torch
 
 from kiln.core.errors import ConfigError
 from kiln.core.labels import IGNORE_LABEL
+from kiln.core.records import IntRange, TensorSpec
 
 Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 SINGLE_INPUT = "input"  # the ONNX name of a model's only input, when it is passed as a bare tensor
@@ -468,17 +469,45 @@ def _keywords_only(params: list[inspect.Parameter]) -> bool:
     return not any(p.kind in by_position or p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def integer_ranges(data: DatasetSplits, names: list[str]) -> dict[str, list[int]]:
+def integer_ranges(
+    data: DatasetSplits, names: list[str], columns: Mapping[str, int] | None = None
+) -> dict[str, IntRange]:
     """Input name -> [smallest, largest] value in the data, for each integer input: values the model's embeddings and
     index lookups are known to take (a categorical feature with 10 levels fails at 10): the optimizer's safety net
-    draws its random integers there, and the engines take the negative indices the data holds."""
-    out: dict[str, list[int]] = {}
+    draws its random integers there, and the engines take the negative indices the data holds. An input in
+    ``columns`` (name -> the size of a last axis the graph fixes, :func:`fixed_columns`) whose columns hold
+    different ranges gets one [smallest, largest] per column instead (categorical features packed in one input,
+    each column indexing a table of its own size: the widest column's range runs past the others' tables); one
+    whose last axis is dynamic (token ids along a sequence) keeps one range."""
+    lows: dict[str, np.ndarray] = {}
+    highs: dict[str, np.ndarray] = {}
     for x in (data.train_x, data.val_x):
         if not rows(x):
             continue
         for name, values in feed_for_graph(x, names).items():
-            if values.dtype.kind in "iu" and values.size:
-                low, high = int(values.min()), int(values.max())
-                old = out.get(name, [low, high])
-                out[name] = [min(low, old[0]), max(high, old[1])]
+            if values.dtype.kind not in "iu" or not values.size:
+                continue
+            n = (columns or {}).get(name)
+            flat = values.reshape(-1, n) if n and values.ndim >= 2 and values.shape[-1] == n else values.reshape(-1, 1)
+            low, high = flat.min(0), flat.max(0)
+            if name in lows and lows[name].shape != low.shape:  # splits of other widths: one range over both
+                low, high = low.min(keepdims=True), high.max(keepdims=True)
+                lows[name], highs[name] = lows[name].min(keepdims=True), highs[name].max(keepdims=True)
+            lows[name] = np.minimum(low, lows.get(name, low))
+            highs[name] = np.maximum(high, highs.get(name, high))
+    out: dict[str, IntRange] = {}
+    for name, low in lows.items():
+        pairs = [[int(lo), int(hi)] for lo, hi in zip(low, highs[name])]
+        out[name] = pairs if len({tuple(p) for p in pairs}) > 1 else [int(low.min()), int(highs[name].max())]
+    return out
+
+
+def fixed_columns(specs: list[TensorSpec]) -> dict[str, int]:
+    """Input name -> the size of its last axis, for each input (graph ``TensorSpec``) of two or more axes whose
+    last axis the graph fixes: the inputs whose columns :func:`integer_ranges` may range one by one."""
+    out = {}
+    for spec in specs:
+        last = spec.shape[-1] if len(spec.shape) >= 2 else None
+        if isinstance(last, int) and last >= 1:
+            out[spec.name] = last
     return out

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kiln.core.errors import ConfigError
-from kiln.core.records import TensorSpec
+from kiln.core.records import IntRange, TensorSpec, by_column, whole_range
 
 # A batch's inputs may take at most this share of the machine's memory: outputs, activations and a reference
 # copy come on top of them.
@@ -87,13 +87,14 @@ def random_inputs(
     int_high: int = 1,
     seed: int = 0,
     hint: str = "pass concrete input arrays",
-    int_ranges: Mapping[str, Sequence[int]] | None = None,
+    int_ranges: Mapping[str, IntRange] | None = None,
 ) -> dict[str, np.ndarray]:
     """One array per input: ``batch`` on a symbolic first (batch) axis, ``dynamic`` on any other symbolic axis (one
     size for all, or per input and axis; ``None`` or an axis it lacks: an error naming ``hint``); integers in
     [0, ``int_high``] (1 by default, so any embedding accepts them), or in an input's own ``[low, high]`` of
-    ``int_ranges`` (the values the data holds), booleans at random, floats standard normal. A fixed axis keeps its
-    size."""
+    ``int_ranges`` (the values the data holds; each column of the last axis in its own, where it has one per
+    column: :data:`~kiln.core.records.IntRange`), booleans at random, floats standard normal. A fixed axis keeps
+    its size."""
     check_batch_fits(specs, batch, hint=f"{BATCH_HINT}, or {hint}")
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
@@ -103,11 +104,23 @@ def random_inputs(
         if dtype == np.bool_:
             feed[spec.name] = rng.random(shape) < 0.5
         elif dtype.kind in "iu":
-            low, high = (int_ranges or {}).get(spec.name, (0, int_high))
-            feed[spec.name] = rng.integers(low, high + 1, size=shape).astype(dtype)
+            bounds = (int_ranges or {}).get(spec.name, [0, int_high])
+            feed[spec.name] = integers(rng, bounds, shape).astype(dtype)
         else:
             feed[spec.name] = rng.standard_normal(shape).astype(dtype)
     return feed
+
+
+def integers(rng: np.random.Generator, bounds: IntRange, shape: list[int]) -> np.ndarray:
+    """Random integers of ``shape`` within ``bounds``: each column of the last axis within its own range where
+    ``bounds`` has one per column (a packed categorical input: column 0 takes a 10-row table's ids only), else all
+    within the one range (the widest of the columns' where they do not match the last axis)."""
+    columns = by_column(bounds, shape[-1] if len(shape) >= 2 else 0)
+    if columns:
+        low, high = np.array(columns).T
+        return rng.integers(low, high + 1, size=shape)
+    low, high = whole_range(bounds)
+    return rng.integers(low, high + 1, size=shape)
 
 
 def _size(dim: int | str, axis: int, batch: int, dynamic: int | AxisSizes | None, spec: TensorSpec, hint: str) -> int:

@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
-from kiln.core.records import TensorSpec, first_outside
+from kiln.core.records import IntRange, TensorSpec, by_column, first_outside, whole_range
 from kiln.core.text import first_line
 
 # ONNX's protobuf limit: larger models must keep their weights in external data files.
@@ -576,7 +576,7 @@ _NO_LIMIT = float("inf")
 Rows = tuple[int, np.ndarray | None, str]  # axis, the rows of it an output holds (None: all), the output
 
 
-def index_ranges(model: onnx.ModelProto) -> dict[str, list[int]]:
+def index_ranges(model: onnx.ModelProto) -> dict[str, IntRange]:
     """Integer graph input -> ``[0, n - 1]``: the input's values reach the indices of an op that reads positions
     along an axis of ``n`` (known in the graph), through ops that keep values; ``n`` is the smallest such axis. ONNX's
     index ops take a negative index as counted from the end, where ``torch.nn.Embedding``, ``torch.gather`` and
@@ -595,7 +595,10 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, list[int]]:
     An input taken apart row by row (``edge_index[:, 0]`` and ``edge_index[:, 1]``: a ``Gather`` of a constant
     row, a ``Slice``, a ``Split``, along one axis of static size) holds in each row the values that row's ops
     take: the input's range is that of its most permissive row, and none where some row reaches no index op (its
-    values may be anything: a count beside the ids of a category)."""
+    values may be anything: a count beside the ids of a category). Where those rows are the columns of the input's
+    last axis and index axes of different sizes (a recommender's categorical ids packed in one ``[batch, 6]`` input,
+    ``sparse[:, i]`` into table ``i``), the input gets one ``[0, n_i - 1]`` per column instead (:data:`IntRange`):
+    the most permissive row would let an id past a small table through to ONNX Runtime."""
     return _IndexGraph(model).ranges()
 
 
@@ -616,31 +619,39 @@ class _IndexGraph:
         self.declared = {v.name: _dims(v) for v in graph.input}
         self._inferred: dict[str, list[int | None] | None] | None = None
 
-    def ranges(self) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
+    def ranges(self) -> dict[str, IntRange]:
+        out: dict[str, IntRange] = {}
         for value in self.model.graph.input:
             if value.name in self.tables or value.type.tensor_type.elem_type not in _INTEGER:
                 continue
             n = self.limit(value.name)
-            if n != _NO_LIMIT:
+            if isinstance(n, list):
+                out[value.name] = [[0, int(k) - 1] for k in n]
+            elif n != _NO_LIMIT:
                 out[value.name] = [0, int(n) - 1]
         return out
 
-    def limit(self, name: str) -> float:
+    def limit(self, name: str) -> float | list[float]:
         """The number of positions the values of input ``name`` may address: the smallest axis its whole values
         index; for rows taken apart along an axis, each row's own smallest, and the largest over the rows (every
-        row must be taken, else a row's values are free: no limit)."""
+        row must be taken, else a row's values are free: no limit). Rows taken apart along the last axis only,
+        every one indexing and not all alike, give one number per column (see :func:`index_ranges`)."""
         shape = self.declared.get(name)
         sizes, parts = self.reach(name, shape)
         limit = min(sizes, default=_NO_LIMIT)
         by_axis: dict[int, list[tuple[np.ndarray, float]]] = {}
         for axis, rows, out in parts:
             by_axis.setdefault(axis, []).append((rows, min(self.reach(out, None)[0], default=_NO_LIMIT)))
+        per_column = None
         for axis, taken in by_axis.items():
             per_row = np.full(shape[axis], _NO_LIMIT)  # type: ignore[index]
             for rows, n in taken:
                 per_row[rows] = np.minimum(per_row[rows], n)
             limit = min(limit, float(per_row.max()))
+            if len(by_axis) == 1 and 0 < axis == len(shape) - 1:  # type: ignore[arg-type]
+                per_column = np.minimum(per_row, limit)  # what the whole input indexes bounds every column
+        if per_column is not None and limit != _NO_LIMIT and len(set(per_column.tolist())) > 1:
+            return per_column.tolist()
         return limit
 
     def reach(self, start: str, shape: list[int | None] | None) -> tuple[list[int], list[Rows]]:
@@ -829,14 +840,24 @@ def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str
     the sentence), or None. ONNX Runtime stops at the first such index with a traceback from deep in the graph;
     checked before the data reaches it, the error names the input, the value and the table's rows. The data may
     count from the end of a table down to ``-rows``, as ``Gather`` does (an engine's own ranges then start there)."""
-    found = first_outside({k: [-(high + 1), high] for k, (_, high) in index_ranges(model).items()}, feed)
+    found = first_outside({k: from_end(r) for k, r in index_ranges(model).items()}, feed)
     if found is None:
         return None
-    key, value, (_, high) = found
+    key, value, (_, high), column = found
+    where = "" if column is None else f" in column {column} ({key}[..., {column}])"
     return (
-        f"input '{key}' holds {value}: {name} indexes an axis of {high + 1} positions "
+        f"input '{key}' holds {value}{where}: {name} indexes an axis of {high + 1} positions "
         f"with it (values 0 to {high}, or down to {-(high + 1)} counted from its end)"
     )
+
+
+def from_end(bounds: IntRange) -> IntRange:
+    """An index range (:func:`index_ranges`) with the negative indices ONNX's index ops take added: ``[0, n - 1]``
+    becomes ``[-n, n - 1]``, column by column where it has one per column."""
+    columns = by_column(bounds, len(bounds))
+    if columns is not None:
+        return [[-(high + 1), high] for _, high in columns]
+    return [-(whole_range(bounds)[1] + 1), whole_range(bounds)[1]]
 
 
 QDQ = {"QuantizeLinear", "DequantizeLinear"}

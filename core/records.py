@@ -20,6 +20,10 @@ from kiln.core.timing import paired_ratio
 
 SCHEMA_VERSION = 2
 R = TypeVar("R", bound="Record")
+# The values an integer input holds or may hold: one [smallest, largest] over the whole input, or one per column
+# of its last axis (a fixed axis whose columns are features of their own: a recommender's categorical ids packed
+# in one input, each column indexing a table of its own size)
+IntRange = list[int] | list[list[int]]
 
 
 class Record(BaseModel):
@@ -138,8 +142,9 @@ class EngineMetadata(Record):
     # one of the residues (a U-Net's height: [4, 0]; an FPN's that runs at 25-32 and 41-48: [16, 0, 9, ..., 15])
     axis_steps: dict[str, list[int]] = Field(default_factory=dict)
     # integer input -> [smallest, largest] value it may hold: the rows of the table it indexes (an embedding's
-    # vocabulary; kiln.core.onnx_io.index_ranges)
-    index_ranges: dict[str, list[int]] = Field(default_factory=dict)
+    # vocabulary; kiln.core.onnx_io.index_ranges), or one [smallest, largest] per column of its last axis where
+    # its columns index tables of different sizes (a recommender's categorical ids packed in one input)
+    index_ranges: dict[str, IntRange] = Field(default_factory=dict)
     # how long the build took: in the build's summary, not written to kiln-engine.json, so that an identical rebuild
     # writes identical files and what follows it (validate, package) stays cached
     build_seconds: float = Field(0.0, exclude=True)
@@ -259,24 +264,48 @@ class EngineMetadata(Record):
         found = first_outside(self.index_ranges, feed)
         if found is None:
             return None
-        name, value, (low, high) = found
+        name, value, (low, high), column = found
+        where = "" if column is None else f" in column {column} ({name}[..., {column}])"
         return (
-            f"input '{name}' holds {value}: engine {self.name} takes values from {low} to {high} "
-            "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
+            f"input '{name}' holds {value}{where}: engine {self.name} takes values from {low} to {high} "
+            f"{'there ' if where else ''}(the positions of the axis it indexes: a table's rows, a graph's nodes)"
         )
 
 
-def first_outside(ranges: dict[str, list[int]], feed: dict[str, Any]) -> tuple[str, int, list[int]] | None:
-    """The first input of ``feed`` holding a value outside its ``[low, high]`` in ``ranges``: its name, the value
-    past the range (the least below it, else the most above it) and the range; None when all are inside. Inputs
-    missing from ``feed`` or empty are not checked."""
-    for name, (low, high) in ranges.items():
+def first_outside(ranges: dict[str, IntRange], feed: dict[str, Any]) -> tuple[str, int, list[int], int | None] | None:
+    """The first input of ``feed`` holding a value outside its range in ``ranges``: its name, the value past the
+    range (the least below it, else the most above it), the range, and the column of the last axis it lies in
+    where the input has a range per column (:data:`IntRange`; else None); None when all are inside. Inputs missing
+    from ``feed`` or empty are not checked; an input whose last axis does not match its columns is held to the
+    widest of them."""
+    for name, bounds in ranges.items():
         array = feed.get(name)
         if array is None or not getattr(array, "size", 0):
             continue
-        least, most = int(array.min()), int(array.max())
-        if least < low or most > high:
-            return name, least if least < low else most, [low, high]
+        columns = by_column(bounds, array.shape[-1] if getattr(array, "ndim", 0) >= 2 else 0)
+        parts = (
+            [(i, array[..., i], c) for i, c in enumerate(columns)] if columns else [(None, array, whole_range(bounds))]
+        )
+        for column, values, (low, high) in parts:
+            least, most = int(values.min()), int(values.max())
+            if least < low or most > high:
+                return name, least if least < low else most, [low, high], column
+    return None
+
+
+def whole_range(bounds: IntRange) -> list[int]:
+    """One ``[smallest, largest]`` over every column of an :data:`IntRange` (itself where it is one already)."""
+    if bounds and isinstance(bounds[0], list):
+        return [min(c[0] for c in bounds), max(c[1] for c in bounds)]  # type: ignore[index]
+    return list(bounds)  # type: ignore[arg-type]
+
+
+def by_column(bounds: IntRange, columns: int) -> list[list[int]] | None:
+    """The ``[smallest, largest]`` of each column of an :data:`IntRange` that holds one per column of a last axis
+    of ``columns``; None for one range over the whole input, or columns that do not match (then
+    :func:`whole_range` bounds it)."""
+    if bounds and isinstance(bounds[0], list) and len(bounds) == columns:
+        return [list(c) for c in bounds]  # type: ignore[union-attr]
     return None
 
 
@@ -301,7 +330,7 @@ class Variants(Record):
 
     variants: dict[str, PrecisionVariant]
     axis_sizes: dict[str, list[int]] = Field(default_factory=dict)  # dynamic axis besides batch -> sizes in the data
-    int_ranges: dict[str, list[int]] = Field(default_factory=dict)  # integer input -> [smallest, largest] in the data
+    int_ranges: dict[str, IntRange] = Field(default_factory=dict)  # integer input -> its values in the data
 
 
 # ------------------------------------------------------------------------------------------------------ validation

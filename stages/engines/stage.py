@@ -15,7 +15,7 @@ from kiln.core.errors import BuildError, ConfigError, KilnError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
-from kiln.core.records import EngineMetadata, EngineSource, Variants
+from kiln.core.records import EngineMetadata, EngineSource, IntRange, Variants, by_column, whole_range
 from kiln.core.stage import StageContext
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, Built, read_metadata
@@ -50,7 +50,7 @@ def build_engine(
     torch_model: Callable[[], Any] | None = None,
     axis_sizes: dict[str, list[int]] | None = None,
     calibration: Path | None = None,
-    int_ranges: dict[str, list[int]] | None = None,
+    int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
@@ -142,16 +142,31 @@ def build_engine(
     return meta
 
 
-def _index_ranges(graph: Any, taken: list[Any], data: dict[str, list[int]]) -> dict[str, list[int]]:
+def _index_ranges(graph: Any, taken: list[Any], data: dict[str, IntRange]) -> dict[str, IntRange]:
     """The values each integer input that indexes a table may hold (:func:`kiln.core.onnx_io.index_ranges`): 0 to
     the table's rows - 1 (an axis's size: a graph neural network's nodes), from as far below 0 as the data goes
-    (down to -rows, where ONNX's index ops stop counting; data from 0, as ``torch.gather`` takes, keeps 0)."""
+    (down to -rows, where ONNX's index ops stop counting; data from 0, as ``torch.gather`` takes, keeps 0). An input
+    whose columns index tables of their own keeps a range per column, each column's low from the data's own."""
     names = {s.name for s in taken}
-    out = {}
-    for name, (low, high) in index_ranges(graph).items():
-        if name in names:
-            out[name] = [max(-(high + 1), min(low, data.get(name, [low])[0])), high]
+    out: dict[str, IntRange] = {}
+    for name, bounds in index_ranges(graph).items():
+        if name not in names:
+            continue
+        columns = by_column(bounds, len(bounds))
+        seen = data.get(name)
+        if columns is None:
+            out[name] = _from_data_low(whole_range(bounds), whole_range(seen) if seen else None)
+            continue
+        per_data = by_column(seen, len(columns)) if seen else None
+        lows = per_data or [whole_range(seen) if seen else None] * len(columns)
+        out[name] = [_from_data_low(column, low) for column, low in zip(columns, lows)]
     return out
+
+
+def _from_data_low(bounds: list[int], data: list[int] | None) -> list[int]:
+    """``bounds`` (one index range) reaching below 0 as far as ``data`` (its values in the data) does, to -rows."""
+    low, high = bounds
+    return [max(-(high + 1), min(low, data[0] if data else low)), high]
 
 
 class MislabelledEngine(BuildError):
@@ -354,7 +369,7 @@ def _build_with_fallback(
     max_batch: int,
     torch_model: Callable[[], Any] | None = None,
     sizes: dict[str, list[int]] | None = None,
-    int_ranges: dict[str, list[int]] | None = None,
+    int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
 ) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field
 
 from kiln.core.env import environment_subset
+from kiln.core.records import IntRange
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageSettings, Summary
 from kiln.models.config import DataConfig, ModelConfig
@@ -38,7 +39,7 @@ class ExportSummary(Summary):
     opset: int
     parity: dict[str, Any] | None = None
     dynamic_sizes: dict[str, dict[int, list[int]]] = Field(default_factory=dict)
-    int_ranges: dict[str, list[int]] = Field(default_factory=dict)
+    int_ranges: dict[str, IntRange] = Field(default_factory=dict)
     axis_steps: dict[str, list[int]] = Field(default_factory=dict)  # axis -> [step, offset]: the sizes it takes
     # output -> {axis: name}: axes the export fixed although they follow a dynamic input axis, declared dynamic
     output_axes: dict[str, dict[int, str]] = Field(default_factory=dict)
@@ -54,8 +55,10 @@ DYNAMIC_SIZES = "dynamic_sizes.json"
 INT_RANGES = "int_ranges.json"
 
 
-def read_int_ranges(export_dir: Path) -> dict[str, list[int]] | None:
-    """:data:`INT_RANGES` of an export folder (None without one: no integer inputs, or a model.onnx)."""
+def read_int_ranges(export_dir: Path) -> dict[str, IntRange] | None:
+    """:data:`INT_RANGES` of an export folder (None without one: no integer inputs, or a model.onnx): input name ->
+    [smallest, largest], or one per column of a packed input (:data:`~kiln.core.records.IntRange`; files of
+    either form read alike)."""
     path = export_dir / INT_RANGES
     return json.loads(path.read_text()) if path.is_file() else None
 

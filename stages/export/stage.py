@@ -35,6 +35,7 @@ from kiln.core.data import (
     call,
     check_axes_name_inputs,
     feed_for_graph,
+    fixed_columns,
     forward_inputs,
     from_feed,
     input_names,
@@ -1128,7 +1129,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     sizes = dynamic_sizes(data, names, axes)
     if sizes:
         (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
-    ranges = integer_ranges(data, names)
+    ranges = integer_ranges(data, names, fixed_columns(io_specs(proto)[0]))  # a packed input: per column
     if ranges:
         (ctx.out / INT_RANGES).write_text(json.dumps(ranges, indent=2, sort_keys=True) + "\n")
     return ExportSummary(

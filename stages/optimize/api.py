@@ -20,7 +20,7 @@ from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
 from kiln.stages.optimize.config import OptimizeConfig
 from kiln.stages.optimize.gs_io import EmptyAttrs, export_graph, import_graph, refresh_shapes
-from kiln.stages.optimize.verify import DataSizes, IntRanges, Verifier
+from kiln.stages.optimize.verify import DataSizes, IntRanges, Verifier, drawn_ranges
 
 log = logging.getLogger("kiln.optimize")
 
@@ -59,17 +59,23 @@ FIXED_SIZE_HINT = (
 )
 
 
-def unrunnable_hint(model: onnx.ModelProto, why: str, sizes: DataSizes | None, by_shapes: bool) -> str:
+def unrunnable_hint(
+    model: onnx.ModelProto, why: str, sizes: DataSizes | None, by_shapes: bool, int_ranges: IntRanges | None = None
+) -> str:
     """The fix for a safety net that cannot run ``model`` on its random inputs, naming only the settings that
-    change them: ``optimize.int_high`` where the graph has integer inputs, ``signature.shapes`` for its named axes
-    besides batch where the caller sizes them from it (``by_shapes``: ``kiln optimize FILE``), and
-    ``optimize.verify_batch``, which sizes the batch and every axis ``sizes`` leaves out."""
+    change them: ``optimize.int_high`` where the graph has integer inputs it draws from [0, int_high] (not those
+    drawn from a recorded range, :func:`~kiln.stages.optimize.verify.drawn_ranges`, which the fix names apart),
+    ``signature.shapes`` for its named axes besides batch where the caller sizes them from it (``by_shapes``:
+    ``kiln optimize FILE``), and ``optimize.verify_batch``, which sizes the batch and every axis ``sizes`` leaves
+    out."""
     if "cannot be reshaped" in why:
         return FIXED_SIZE_HINT
     specs = io_specs(model)[0]
     axes = graph_axes(specs)
     fixes = []
-    if any(s.dtype.startswith(("int", "uint")) for s in specs):
+    integers = [s.name for s in specs if s.dtype.startswith(("int", "uint"))]
+    ranged = [n for n in integers if n in drawn_ranges(model, int_ranges)]
+    if len(ranged) < len(integers):
         fixes.append("set optimize.int_high below the smallest vocabulary / index range")
     named = axis_names(specs)
     if by_shapes and named:
@@ -77,7 +83,12 @@ def unrunnable_hint(model: onnx.ModelProto, why: str, sizes: DataSizes | None, b
     unsized = sorted({d for n, dims in axes.items() for a, d in dims.items() if a not in (sizes or {}).get(n, {})})
     takes = f"a size the batch and {_axes(unsized)} all take" if unsized else "a batch size the model takes"
     fixes.append(f"set optimize.verify_batch to {takes}")
-    return "; or ".join([*fixes, "set optimize.verify: false to rewrite without checking"])
+    hint = "; or ".join([*fixes, "set optimize.verify: false to rewrite without checking"])
+    if ranged:
+        seen = any(n in (int_ranges or {}) for n in ranged)
+        source = "the values the data holds, export/int_ranges.json" if seen else "the rows of the tables indexed"
+        hint += f" (optimize.int_high does not change {', '.join(repr(n) for n in ranged)}: drawn from {source})"
+    return hint
 
 
 def _axes(names: list[str]) -> str:
@@ -109,7 +120,7 @@ def optimize_model(
             why = short_reason(exc)
             raise ModelError(
                 f"the optimizer's safety net cannot run the input model on random inputs ({why})",
-                hint=unrunnable_hint(current, why, data_sizes, by_shapes),
+                hint=unrunnable_hint(current, why, data_sizes, by_shapes, int_ranges),
             ) from None
     fast, spent = _fast(plan, current, cfg.rounds, verifier)
     if fast is not None:

@@ -31,6 +31,7 @@ from kiln.core.onnx_io import (
     ort_session,
     session_options,
 )
+from kiln.core.records import IntRange, by_column, whole_range
 from kiln.core.shapes import two_sizes
 from kiln.core.text import short_reason
 from kiln.stages.optimize.config import OptimizeConfig
@@ -48,7 +49,7 @@ class Verdict:
 
 
 DataSizes = Mapping[str, Mapping[int, list[int]]]  # input name -> axis -> [smallest, largest] size in the data
-IntRanges = Mapping[str, list[int]]  # integer input name -> [smallest, largest] value in the data
+IntRanges = Mapping[str, IntRange]  # integer input name -> [smallest, largest] value in the data (or per column)
 
 
 def random_inputs(
@@ -62,7 +63,7 @@ def random_inputs(
     other symbolic axes ``dynamic``, when given), integers lie in the data's range of the input (``int_ranges``,
     where the export recorded it), else over the rows of the table the input indexes (an embedding's vocabulary,
     :func:`kiln.core.onnx_io.index_ranges`: an ONNX file from elsewhere has no recorded data), else in
-    [0, int_high]."""
+    [0, int_high]; column by column where either has a range per column (:func:`drawn_ranges`)."""
     specs, _ = io_specs(model)
     return make_inputs(
         specs,
@@ -70,8 +71,35 @@ def random_inputs(
         dynamic=dynamic or cfg.verify_batch,
         int_high=cfg.int_high,
         seed=cfg.seed,
-        int_ranges={**index_ranges(model), **(int_ranges or {})},
+        int_ranges=drawn_ranges(model, int_ranges),
     )
+
+
+def drawn_ranges(model: onnx.ModelProto, int_ranges: IntRanges | None) -> dict[str, IntRange]:
+    """The range the net draws each integer input from, where it has one (the others take [0, int_high]): the
+    data's (``int_ranges``) within the rows of the tables the input indexes (:func:`kiln.core.onnx_io.index_ranges`),
+    column by column where either has a range per column, so that an export that recorded one range for a packed
+    input (an older ``int_ranges.json``: the widest table's) draws no column past its own table."""
+    tables = index_ranges(model)
+    return {**tables, **{name: _within(seen, tables.get(name)) for name, seen in (int_ranges or {}).items()}}
+
+
+def _within(seen: IntRange, table: IntRange | None) -> IntRange:
+    """The data's range ``seen`` cut to the index range ``table`` (down to -rows, as ONNX counts from the end),
+    per column where either is."""
+    if table is None:
+        return seen
+    n = next((len(r) for r in (table, seen) if by_column(r, len(r))), 0)
+    if not n:
+        return _clamp(whole_range(seen), whole_range(table))
+    tables = by_column(table, n) or [whole_range(table)] * n
+    return [_clamp(s, t) for s, t in zip(by_column(seen, n) or [whole_range(seen)] * n, tables)]
+
+
+def _clamp(seen: list[int], table: list[int]) -> list[int]:
+    """``seen`` within ``[-rows, rows - 1]`` of ``table``; the table's own where they do not meet."""
+    low, high = max(seen[0], -(table[1] + 1)), min(seen[1], table[1])
+    return [low, high] if low <= high else list(table)
 
 
 def axis_sizes(

@@ -22,7 +22,7 @@ from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
 from kiln.core.progress import SilentProgress
-from kiln.core.records import TensorSpec, Variants
+from kiln.core.records import IntRange, TensorSpec, Variants
 from kiln.core.shapes import graph_axes
 from kiln.stages.accuracy.check import direct_top1
 from kiln.stages.precision.stage import (
@@ -133,7 +133,7 @@ def _refuse_outside_index(graph: Any, data: dict[str, np.ndarray], calibration: 
         raise InputFileError(f"--calibration {calibration}: {why}", hint=INDEX_HINT)
 
 
-def _random(inputs: list[TensorSpec], cfg: PrecisionSettings, ids: dict[str, list[int]]) -> dict[str, np.ndarray]:
+def _random(inputs: list[TensorSpec], cfg: PrecisionSettings, ids: dict[str, IntRange]) -> dict[str, np.ndarray]:
     """Random calibration inputs; ``ids``: integer inputs drawn over the rows of the table each indexes."""
     sizes = [max(v) for v in cfg.signature.shapes.values() if v]
     hint = "give --calibration data.npz, or --set signature.shapes='{seq: [8, 128]}' to size dynamic axes"

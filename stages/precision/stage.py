@@ -22,7 +22,7 @@ from kiln.calibration.data import calibration_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import check_exclusions
-from kiln.core.data import DatasetSplits, feed_for_graph, integer_ranges, rows, take
+from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import io_specs, load_onnx
 from kiln.core.outputs import class_logits
@@ -114,7 +114,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     Variants(
         variants={name: variant_record(entry) for name, entry in variants.items()},
         axis_sizes=sizes,
-        int_ranges=integer_ranges(data, names),
+        int_ranges=integer_ranges(data, names, fixed_columns(inputs)),
     ).write(ctx.out / "variants.json")
     summary = {
         v: {

@@ -12,9 +12,18 @@ from click.testing import CliRunner
 from torch import nn
 
 from kiln.cli import main
-from kiln.core.data import DataContractError, DatasetSplits, by_keyword, check_splits, input_names
+from kiln.core.data import (
+    DataContractError,
+    DatasetSplits,
+    by_keyword,
+    check_splits,
+    fixed_columns,
+    input_names,
+    integer_ranges,
+)
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.outputs import flatten_outputs, logits_name
+from kiln.core.records import TensorSpec
 from tests.conftest import tiny_config_dict
 
 
@@ -313,3 +322,28 @@ def test_a_forward_of_keywords_only_fed_a_bare_tensor_is_told_to_give_a_dict() -
         assert "as a dict {name: tensor}" in err.value.hint
     check_forward_takes(_KeywordsOnly(), {"image": torch.zeros(2, 3)}, "m:build")
     check_forward_takes(nn.Linear(3, 2), torch.zeros(2, 3), "m:build")
+
+
+def test_integer_ranges_are_per_column_where_the_graph_fixes_the_columns() -> None:
+    """A recommender's ids packed in ``sparse [B, 2]`` (a 10-level and a 1000-level feature): one range per column
+    where the graph fixes the last axis, since the widest column's range ran the optimizer's safety net past the
+    small table; token ids along a dynamic sequence axis, and columns of one range, keep one range."""
+    g = torch.Generator().manual_seed(0)
+    sparse = torch.stack([torch.randint(0, 10, (64,), generator=g), torch.randint(0, 1000, (64,), generator=g)], 1)
+    tokens = torch.randint(0, 50, (64, 6), generator=g)
+    tokens[:, 0] = 1  # a start token: its column differs, but the axis is a sequence
+    same = torch.randint(0, 3, (64, 2), generator=g)
+    x = {"sparse": sparse, "tokens": tokens, "same": same}
+    data = DatasetSplits({k: v[:48] for k, v in x.items()}, None, {k: v[48:] for k, v in x.items()}, None)
+    specs = [
+        TensorSpec(name="sparse", shape=["batch", 2], dtype="int64"),
+        TensorSpec(name="tokens", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="same", shape=["batch", 2], dtype="int64"),
+    ]
+    columns = fixed_columns(specs)
+    assert columns == {"sparse": 2, "same": 2}
+    ranges = integer_ranges(data, list(x), columns)
+    low, high = sparse.min(0).values.tolist(), sparse.max(0).values.tolist()
+    assert ranges["sparse"] == [[low[0], high[0]], [low[1], high[1]]] and high[0] <= 9 < high[1]
+    assert ranges["tokens"] == [0, int(tokens.max())] and ranges["same"] == [0, 2]
+    assert integer_ranges(data, list(x))["sparse"] == [int(sparse.min()), int(sparse.max())]  # no graph: one range

@@ -146,9 +146,10 @@ def test_rows_that_are_not_all_taken_leave_the_input_without_range() -> None:
     assert index_ranges(_rows_graph("Gather", cols=3)) == {}
 
 
-def test_columns_indexing_tables_of_their_own_take_the_largest() -> None:
-    """A tabular model's categorical columns, each with its own embedding (10 and 5 rows): column 0 may hold 9, so
-    the input's range is the larger table's; an input whose whole values also reach a 4-row table takes 4."""
+def test_columns_indexing_tables_of_their_own_take_a_range_each() -> None:
+    """A tabular model's categorical columns, each with its own embedding (10 and 5 rows): each column takes its
+    own table's rows (the larger table's range let a 7 in column 1 through to ONNX Runtime); an input whose whole
+    values also reach a 4-row table takes 4 in every column, one range."""
     tables = [numpy_helper.from_array(np.zeros((n, 3), np.float32), f"t{n}") for n in (10, 5, 4)]
     nodes = [
         _const("c0", 0),
@@ -165,7 +166,41 @@ def test_columns_indexing_tables_of_their_own_take_the_largest() -> None:
     ]
     inputs = [helper.make_tensor_value_info(n, INT64, ["batch", 2]) for n in ("cats", "both")]
     graph = _model(nodes, inputs, ["e0", "e1", "f0", "f1", "f2"], tables)
-    assert index_ranges(graph) == {"cats": [0, 9], "both": [0, 3]}
+    assert index_ranges(graph) == {"cats": [[0, 9], [0, 4]], "both": [0, 3]}
+
+
+def _packed_graph(rows: tuple[int, ...] = (10, 1000)) -> onnx.ModelProto:
+    """A recommender's categorical ids packed in one ``sparse [batch, len(rows)]`` input, as
+    torch.onnx.export(dynamo=True) writes ``table_i(sparse[:, i])``: Gather of a scalar constant column on axis 1,
+    then Gather over table i (of ``rows[i]`` rows)."""
+    tables = [numpy_helper.from_array(np.ones((n, 2), np.float32), f"t{i}") for i, n in enumerate(rows)]
+    nodes = []
+    for i in range(len(rows)):
+        nodes += [
+            _const(f"c{i}", i),
+            helper.make_node("Gather", ["sparse", f"c{i}"], [f"col{i}"], axis=1),
+            helper.make_node("Gather", [f"t{i}", f"col{i}"], [f"e{i}"]),
+        ]
+    nodes += [helper.make_node("Concat", [f"e{i}" for i in range(len(rows))], ["y"], axis=1)]
+    inputs = [helper.make_tensor_value_info("sparse", INT64, ["batch", len(rows)])]
+    return _model(nodes, inputs, ["y"], tables)
+
+
+def test_packed_columns_into_tables_of_other_sizes_take_a_range_per_column() -> None:
+    """``sparse[:, 0]`` into a 10-row table, ``sparse[:, 1]`` into 1000 rows: one range per column, so that an id
+    of 50 in column 0 is named before ONNX Runtime's Gather traceback (the input's one range was [0, 999], which let
+    it through); columns into tables of one size keep one range."""
+    graph = _packed_graph()
+    assert index_ranges(graph) == {"sparse": [[0, 9], [0, 999]]}
+    assert index_ranges(_packed_graph((7, 7))) == {"sparse": [0, 6]}
+    sparse = np.array([[3, 900], [50, 1]], np.int64)
+    with pytest.raises(Exception, match="idx=50 must be within the inclusive range"):
+        ort.InferenceSession(graph.SerializeToString()).run(None, {"sparse": sparse})
+    assert outside_index(graph, {"sparse": sparse}, "rec.onnx") == (
+        "input 'sparse' holds 50 in column 0 (sparse[..., 0]): rec.onnx indexes an axis of 10 positions with it "
+        "(values 0 to 9, or down to -10 counted from its end)"
+    )
+    assert outside_index(graph, {"sparse": np.array([[-10, 999], [9, -1000]])}, "rec.onnx") is None
 
 
 def test_gather_over_a_computed_tensor_takes_its_axis_when_static() -> None:

@@ -81,3 +81,17 @@ def test_named_sizes_map_axis_names_to_each_input_and_axis() -> None:
     sizes = named_sizes(specs, {"seq": [16, 8, 16], "samples": [1600, 800], "batch": [4]})
     assert sizes == {"ids": {1: [8, 16]}, "mask": {1: [8, 16]}, "audio": {2: [800, 1600]}}
     assert named_sizes(specs, {}) == {}
+
+
+def test_integers_ranged_per_column_take_each_column_s_own_range() -> None:
+    """A packed categorical input (column 0 into a 10-row table, column 1 into 1000 rows): each column is drawn in
+    its own range, where drawing every column from the widest ran column 0 past its table; at another width the
+    columns do not match and the widest range holds; one range draws as before."""
+    specs = [TensorSpec(name="sparse", shape=["batch", 2], dtype="int64")]
+    feed = random_inputs(specs, batch=400, int_ranges={"sparse": [[0, 9], [-5, 999]]})["sparse"]
+    assert feed.dtype == np.int64 and feed[:, 0].min() == 0 and feed[:, 0].max() == 9
+    assert feed[:, 1].min() < 0 and feed[:, 1].max() > 900
+    wide = [TensorSpec(name="sparse", shape=["batch", 3], dtype="int64")]
+    assert random_inputs(wide, batch=400, int_ranges={"sparse": [[0, 9], [-5, 999]]})["sparse"][:, 0].max() > 9
+    one = random_inputs(specs, batch=400, int_ranges={"sparse": [0, 9]})["sparse"]
+    assert one.min() == 0 and one.max() == 9

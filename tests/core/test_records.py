@@ -171,6 +171,29 @@ def test_an_empty_input_is_refused_naming_it_unless_validated_at_0() -> None:
     assert meta.refusal({"ids": np.zeros((0, 0), np.int64)}).startswith("input 'ids' has 0 rows")
 
 
+def test_packed_columns_are_each_held_to_their_own_table(tmp_path: Path) -> None:
+    """A recommender's ids packed in ``sparse [batch, 2]`` (tables of 10 and 1000 rows) record a range per column: 50
+    in column 0 is refused naming the column (the input's one range, [0, 999], passed it to ONNX Runtime, whose
+    error a server answered with HTTP 500). The record reads back in either form (one range: older engines)."""
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="sparse", shape=["batch", 2], dtype="int64")]
+    meta.index_ranges = {"sparse": [[0, 9], [0, 999]]}
+    assert meta.refusal({"sparse": np.array([[9, 999], [0, 0]])}) is None
+    assert meta.refusal({"sparse": np.array([[3, 900], [50, 1]])}) == (
+        "input 'sparse' holds 50 in column 0 (sparse[..., 0]): engine e takes values from 0 to 9 there "
+        "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
+    )
+    assert meta.refusal({"sparse": np.array([[3, 1000]])}).startswith("input 'sparse' holds 1000 in column 1 ")
+    three = np.array([[3, 4, 1000]])  # columns the record does not have: held to the widest range, [0, 999]
+    assert meta.outside_values({"sparse": three}).startswith("input 'sparse' holds 1000: ")
+    path = tmp_path / "kiln-engine.json"
+    meta.write(path)
+    assert EngineMetadata.read(path, hint="rebuild").index_ranges == {"sparse": [[0, 9], [0, 999]]}
+    meta.index_ranges = {"sparse": [0, 999]}
+    meta.write(path)
+    assert EngineMetadata.read(path, hint="rebuild").index_ranges == {"sparse": [0, 999]}
+
+
 def test_an_index_past_the_table_is_named_and_the_table_s_own_rows_pass() -> None:
     meta = _meta()
     meta.inputs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64")]

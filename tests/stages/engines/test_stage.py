@@ -121,6 +121,21 @@ def test_an_index_range_reaches_below_zero_as_far_as_the_data_does() -> None:
     assert _index_ranges(graph, taken[:1], {"ids": [3, 5]}) == {"ids": [0, 9]}
 
 
+def test_packed_columns_keep_a_range_each_with_the_data_s_own_lows() -> None:
+    """``sparse[:, i]`` into tables of 10 and 1000 rows: the engine records a range per column (the input's one
+    range, the larger table's, let 50 in column 0 through to ONNX Runtime), each reaching below 0 as far as that
+    column's data does (one range of data, an older record, lowers every column alike, down to its -rows)."""
+    from kiln.core.records import TensorSpec
+    from kiln.stages.engines.stage import _index_ranges
+    from tests.core.test_index_ranges import _packed_graph
+
+    taken = [TensorSpec(name="sparse", shape=["batch", 2], dtype="int64")]
+    assert _index_ranges(_packed_graph(), taken, {}) == {"sparse": [[0, 9], [0, 999]]}
+    per_column = {"sparse": [[-3, 9], [0, 996]]}
+    assert _index_ranges(_packed_graph(), taken, per_column) == {"sparse": [[-3, 9], [0, 999]]}
+    assert _index_ranges(_packed_graph(), taken, {"sparse": [-50, 996]}) == {"sparse": [[-10, 9], [-50, 999]]}
+
+
 def test_an_edge_index_range_starts_at_0_unless_the_data_counts_from_the_end() -> None:
     """A graph neural network's ``edge_index`` reaching GatherElements and ScatterElements over 12 nodes: ONNX would
     take -1 as the last node, torch.gather refuses it; data from 0 records 0 to 11, so the engine refuses a negative

@@ -213,6 +213,53 @@ def test_ids_that_index_a_table_are_drawn_from_its_rows():
     assert optimize_model(m, OptimizeConfig())[1]["verified"]
 
 
+def _packed() -> onnx.ModelProto:
+    """A recommender's ids packed in ``sparse [N, 2]``: column 0 into a 10-row table, column 1 into 1000 rows (the
+    dynamo exporter's ``table_i(sparse[:, i])``: Gather of a constant column, then Gather over the table)."""
+    return make_model(
+        [
+            N("Gather", ["sparse", "c0"], ["col0"], axis=1),
+            N("Gather", ["sparse", "c1"], ["col1"], axis=1),
+            N("Gather", ["small", "col0"], ["a"]),
+            N("Gather", ["big", "col1"], ["b"]),
+            N("Concat", ["a", "b"], ["y"], axis=1),
+        ],
+        [("sparse", ["N", 2], INT64)],
+        ["y"],
+        {"small": f32(10, 4), "big": f32(1000, 4), "c0": np.array(0, np.int64), "c1": np.array(1, np.int64)},
+    )
+
+
+@pytest.mark.parametrize("recorded", [[[0, 9], [1, 996]], [0, 996]], ids=["per-column", "one-range"])
+def test_packed_columns_are_drawn_within_their_own_tables(recorded: list) -> None:
+    """The export recorded the data's values per column (or, in an older int_ranges.json, one range for the input:
+    the widest column's): each column is drawn within its own table, where every column drawn from [0, 996] ran
+    column 0 past its 10 rows and the net refused to run the model."""
+    m = _packed()
+    feed = random_inputs(m, OptimizeConfig(), batch=64, int_ranges={"sparse": recorded})
+    assert feed["sparse"][:, 0].max() <= 9 and feed["sparse"][:, 1].max() > 16
+    assert optimize_model(m, OptimizeConfig(), int_ranges={"sparse": recorded})[1]["verified"]
+
+
+def test_the_fix_says_int_high_does_not_change_an_input_drawn_from_the_data():
+    """ids + 1 index a 5-row table and the data held 0..4: the net draws ids there, whatever optimize.int_high is,
+    so the fix does not offer int_high (which changed nothing) and says why."""
+    m = make_model(
+        [N("Add", ["ids", "one"], ["shifted"]), N("Gather", ["table", "shifted"], ["y"])],
+        [("ids", ["N", 3], INT64)],
+        ["y"],
+        {"table": f32(5, 4), "one": np.array(1, np.int64)},
+    )
+    for high in (16, 3):
+        with pytest.raises(ModelError, match="safety net cannot run") as err:
+            optimize_model(m, OptimizeConfig(int_high=high), int_ranges={"ids": [0, 4]})
+    assert err.value.hint == (
+        "set optimize.verify_batch to a batch size the model takes; or set optimize.verify: false to rewrite without "
+        "checking (optimize.int_high does not change 'ids': drawn from the values the data holds, "
+        "export/int_ranges.json)"
+    )
+
+
 def test_a_dynamic_axis_the_graph_fixes_is_named_as_such():
     """A TorchScript export of attention reshapes to the example's length: the net's random inputs cannot run it,
     and the fix says why and what to re-export, not to lower int_high."""
@@ -290,12 +337,13 @@ def test_the_fix_names_signature_shapes_where_the_caller_sizes_axes_by_it():
 
 
 def test_the_fix_for_a_model_with_integer_inputs_names_int_high_and_no_sized_axis():
-    """Integer inputs: int_high applies. An axis the data sized is not verify_batch's: the batch alone is."""
+    """Integer inputs drawn from [0, int_high] (ids + 1 index the table: no range of their own): int_high applies.
+    An axis the data sized is not verify_batch's: the batch alone is."""
     m = make_model(
-        [N("Gather", ["table", "ids"], ["g"]), N("Conv", ["x", "w"], ["y"])],
+        [N("Add", ["ids", "one"], ["shifted"]), N("Gather", ["table", "shifted"], ["g"]), N("Conv", ["x", "w"], ["y"])],
         [("ids", ["N", "seq"], INT64), ("x", ["N", 1, "samples"], FLOAT)],
         ["y", "g"],
-        {"table": f32(5, 4), "w": f32(4, 1, 10)},
+        {"table": f32(5, 4), "w": f32(4, 1, 10), "one": np.array(1, np.int64)},
     )
     hint = unrunnable_hint(m, "Invalid input shape", {"ids": {1: [4, 8]}}, by_shapes=False)
     assert hint == (
@@ -304,6 +352,11 @@ def test_the_fix_for_a_model_with_integer_inputs_names_int_high_and_no_sized_axi
     )
     sized = unrunnable_hint(m, "Invalid input shape", {"ids": {1: [4, 8]}, "x": {2: [400, 800]}}, by_shapes=False)
     assert "set optimize.verify_batch to a batch size the model takes" in sized
+    direct = make_model([N("Gather", ["table", "ids"], ["g"])], [("ids", ["N", 3], INT64)], ["g"], {"table": f32(5, 4)})
+    assert unrunnable_hint(direct, "Invalid input shape", None, by_shapes=True) == (  # drawn from the table's rows
+        "set optimize.verify_batch to a batch size the model takes; or set optimize.verify: false to rewrite without "
+        "checking (optimize.int_high does not change 'ids': drawn from the rows of the tables indexed)"
+    )
 
 
 def test_an_input_model_that_fails_the_checker_is_still_optimized():
