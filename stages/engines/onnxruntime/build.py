@@ -34,6 +34,8 @@ from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
 from kiln.stages.engines.onnxruntime.autotune import autotune, relevant_knobs
 from kiln.stages.engines.onnxruntime.config import OnnxRuntimeConfig
 from kiln.stages.engines.onnxruntime.loading import settle_load
+from kiln.stages.precision.fp16 import cast_captured_to_fp32, constants_as_tensors, name_nodes
+from kiln.stages.precision.fp16_select import sequence_values, unconvertible_ops
 
 log = logging.getLogger("kiln.build")
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
@@ -310,8 +312,6 @@ def _convert(model: onnx.ModelProto, to_fp16: bool, keep_fp32: list[str] | None)
         convert_float_to_float16,
     )
 
-    from kiln.stages.precision.fp16 import cast_captured_to_fp32
-
     # ORT's own converter: it knows the fused contrib ops and keeps their FP32 accumulations.
     src, fixed = _fp32_sequences_and_control_flow(model)
     ops = {n.op_type for n in src.graph.node}
@@ -337,9 +337,6 @@ def _fp32_sequences_and_control_flow(model: onnx.ModelProto) -> tuple[onnx.Model
     tensor (an invalid graph, e.g. the Loop of an ``nn.EmbeddingBag`` export), so the copy's value_info lists
     no sequence: what the converter does not see it leaves FP32. Float-list Constants become tensor Constants,
     which the converter converts (see ``constants_as_tensors``)."""
-    from kiln.stages.precision.fp16 import constants_as_tensors, name_nodes
-    from kiln.stages.precision.fp16_select import sequence_values, unconvertible_ops
-
     src = onnx.ModelProto()
     src.CopyFrom(model)
     constants_as_tensors(name_nodes(src).graph)

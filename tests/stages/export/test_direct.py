@@ -138,24 +138,22 @@ def test_a_model_taking_a_step_per_sample_exports_from_input_shapes(tmp_path: Pa
     assert shapes == {"x": ["batch", 8], "t": ["batch"]} and summary["max_abs_err"] < 1e-4
 
 
-class _DrawsNoise(torch.nn.Module):
-    """Adds fresh noise on every call: its ONNX graph draws other numbers than PyTorch did."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 4)
+class _WrongExport(torch.nn.Module):
+    """Averages 8 features into 4 groups with scatter_reduce 'mean', which ONNX's ScatterElements lacks: its graph
+    computes another function (a model that draws random numbers is refused before the export)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) + torch.rand(4)
+        index = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]).expand(x.shape[0], 8)
+        return torch.zeros(x.shape[0], 4).scatter_reduce(1, index, x, reduce="mean", include_self=False)
 
 
-def draws_noise() -> torch.nn.Module:
-    return _DrawsNoise()
+def wrong_export() -> torch.nn.Module:
+    return _WrongExport()
 
 
 def test_a_graph_beyond_the_parity_tolerance_is_an_error_not_a_result(tmp_path: Path) -> None:
     """The pipeline holds export parity to export.parity_atol; `kiln export -o` holds it to the same."""
     with pytest.raises(ModelError, match="differs from PyTorch .*: max abs error .* > export.parity_atol") as err:
-        export_direct(settings(f"{__name__}:draws_noise"), None, ("x=8",), tmp_path / "m.onnx")
+        export_direct(settings(f"{__name__}:wrong_export"), None, ("x=8",), tmp_path / "m.onnx")
     assert "random inputs of the --input-shape sizes" in str(err.value)
     assert "give the config's data instead of --input-shape" in (err.value.hint or "")
