@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +41,7 @@ from kiln.stages.train.declaration import TrainSettings, TrainSummary
 from kiln.stages.train.dist import env_from_torchrun, process_group
 from kiln.stages.train.launch import run_torchrun
 from kiln.stages.train.loop import evaluate_loss_acc, train
-from kiln.stages.train.metrics import TrainResult
+from kiln.stages.train.metrics import EpochMetrics, TrainResult
 from kiln.stages.train.precision import resolve_device
 from kiln.stages.train.task import Task, check_task, scoring_task, task_for
 
@@ -106,6 +107,7 @@ def train_to(
             sources=sources,
         )
     check_learned(result)
+    warn_learned_nothing_held_out(result.history)
     if env.is_main:
         save_trained(out, model, config.model, {"dataset": data.name, "input_shapes": data.sample_shapes})
     return TrainSummary.model_validate({**result.summary(), "data_warnings": data_warnings})
@@ -140,6 +142,31 @@ def check_learned(result: TrainResult) -> None:
             f"gradients, {overflow} for fp16 gradient overflow); the model learned nothing",
             hint="check the data and the loss for NaN/Inf, lower train.lr, or use train.precision: bf16 or fp32",
         )
+
+
+def warn_learned_nothing_held_out(history: list[EpochMetrics]) -> None:
+    """Say where the training loss fell by more than half after the first epoch while validation accuracy never rose
+    above the first epoch's: what the model learned does not show in eval mode or on the held-out rows. A model
+    whose BatchNorm keeps running statistics far from its batches' (a small momentum) or that branches on
+    ``self.training`` trains well and answers at chance in eval mode, and validation then passes engines that
+    agree with a model that does nothing; labels that do not belong to their inputs look the same."""
+    scored = [m for m in history if m.val_accuracy is not None and math.isfinite(m.loss)]
+    if len(scored) < 3:
+        return
+    first, last = scored[0], scored[-1]
+    if not (last.loss < 0.5 * first.loss and max(m.val_accuracy for m in scored) <= first.val_accuracy + 0.01):
+        return
+    logging.getLogger("kiln.train").warning(
+        "training loss fell from %.3g (epoch %d) to %.3g (epoch %d), yet validation accuracy stayed at %.3f: what "
+        "the model learned does not show on the held-out rows. Check that forward computes alike in model.eval() "
+        "(a BatchNorm with a small momentum keeps running statistics far from its batches'; a branch on "
+        "self.training) and that val_y labels val_x as train_y labels train_x",
+        first.loss,
+        first.epoch,
+        last.loss,
+        last.epoch,
+        max(m.val_accuracy for m in scored),
+    )
 
 
 def check_fp32(model: nn.Module, model_ref: str) -> None:

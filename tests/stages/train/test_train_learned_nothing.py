@@ -1,12 +1,15 @@
-"""A training in which every optimizer step was skipped learned nothing: an error, not weights that pass."""
+"""A training in which every optimizer step was skipped learned nothing: an error, not weights that pass. One whose
+loss fell while held-out accuracy stayed where it started is warned of."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 from kiln.core.errors import TrainingError
 from kiln.stages.train.metrics import EpochMetrics, TrainResult
-from kiln.stages.train.stage import check_learned
+from kiln.stages.train.stage import check_learned, warn_learned_nothing_held_out
 
 
 def history(*epochs: tuple[int, int, int]) -> TrainResult:
@@ -28,3 +31,36 @@ def test_every_step_skipped_is_an_error(epochs: list[tuple[int, int, int]]) -> N
 @pytest.mark.parametrize("epochs", [[(3, 0, 2)], [(4, 3, 0)], []])
 def test_one_step_taken_or_no_training_is_fine(epochs: list[tuple[int, int, int]]) -> None:
     check_learned(history(*epochs))
+
+
+def _curve(losses: list[float], accuracies: list[float]) -> list[EpochMetrics]:
+    return [
+        EpochMetrics(i + 1, loss, 1.0, 4, 1e-3, val_loss=1.0, val_accuracy=acc)
+        for i, (loss, acc) in enumerate(zip(losses, accuracies))
+    ]
+
+
+def test_a_falling_loss_with_accuracy_stuck_at_its_first_value_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """A MobileNet whose BatchNorm had momentum 0.01: training loss 2.13 -> 0.068, held-out accuracy 0.086 throughout
+    (10 classes): it answers at chance in eval mode, and validation would pass engines that agree with it."""
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        warn_learned_nothing_held_out(_curve([2.13, 0.9, 0.2, 0.068], [0.0859, 0.0859, 0.0859, 0.0859]))
+    said = " ".join(caplog.messages)
+    assert "training loss fell from 2.13 (epoch 1) to 0.068 (epoch 4)" in said and "stayed at 0.086" in said
+    assert "model.eval()" in said and "momentum" in said
+
+
+@pytest.mark.parametrize(
+    ("losses", "accuracies"),
+    [
+        ([2.1, 0.9, 0.2], [0.3, 0.6, 0.9]),  # learning that shows on the held-out rows
+        ([2.1, 1.9, 1.8], [0.3, 0.3, 0.3]),  # a loss that barely fell: nothing learned, nothing to say
+        ([2.1, 0.1], [0.3, 0.3]),  # too few epochs to tell
+    ],
+)
+def test_learning_that_shows_held_out_is_not_warned_of(
+    losses: list[float], accuracies: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        warn_learned_nothing_held_out(_curve(losses, accuracies))
+    assert not caplog.messages
