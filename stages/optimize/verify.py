@@ -174,23 +174,10 @@ class Verifier:
         self.references = [_run(sess, self.feeds[0])]  # must run: else the caller reports why
         # batch 1 as well, where the model takes it (a dynamic axis that must stay >= 2 is not a batch), with every
         # other dynamic axis (a sequence) at a second size too: a length baked in by mistake shows at one of them
-        try:
-            one = random_inputs(
-                model,
-                cfg,
-                batch=1,
-                dynamic=axis_sizes(model, cfg.verify_batch + 1, data_sizes, False),
-                int_ranges=int_ranges,
-            )
-            if any(one[k].shape != v.shape for k, v in self.feeds[0].items()):  # else the same check twice
-                self.references.append(_run(sess, one))
-                self.feeds.append(one)
-        except Exception as exc:
-            log.info(
-                "safety net: the input model does not run at batch 1 (%s); checking at %d only",
-                short_reason(exc, 120),
-                cfg.verify_batch,
-            )
+        second = self._second_feed(model, sess, data_sizes, int_ranges)
+        if second is not None and any(second[0][k].shape != v.shape for k, v in self.feeds[0].items()):
+            self.feeds.append(second[0])  # else the same check twice
+            self.references.append(second[1])
         self.check_graph = _passes_checker(_checkable(model))
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
@@ -198,6 +185,30 @@ class Verifier:
         self.random = any(n.op_type in RANDOM_OPS - {"Dropout"} for n in model.graph.node)
         if self.random:
             log.warning("the model has random ops: the safety net can compare only output shapes and types")
+
+    def _second_feed(
+        self, model: onnx.ModelProto, sess: Any, data_sizes: DataSizes | None, int_ranges: IntRanges | None
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+        """A batch-1 feed the input model runs, and its outputs: the other dynamic axes at their second size
+        (:func:`axis_sizes`), else, where the model does not take that size (a convolution stack that needs 32
+        pixels or more), at the first feed's sizes; None (said) where it does not run at batch 1 at all."""
+        cfg, tried = self.cfg, []
+        for largest in (False, True):
+            sizes = axis_sizes(model, cfg.verify_batch + 1, data_sizes, largest)
+            try:
+                one = random_inputs(model, cfg, batch=1, dynamic=sizes, int_ranges=int_ranges)
+                return one, _run(sess, one)
+            except Exception as exc:
+                at = ", ".join(f"{n}[{a}]={v}" for n, axes in sizes.items() for a, v in axes.items())
+                tried.append(f"batch 1{' with ' + at if at else ''}: {short_reason(exc, 120)}")
+                if not sizes:
+                    break
+        log.info(
+            "safety net: the input model does not run at %s; checking at batch %d only",
+            "; nor at ".join(tried),
+            cfg.verify_batch,
+        )
+        return None
 
     def check(self, candidate: onnx.ModelProto) -> Verdict:
         """Whether ``candidate`` passes the checker and matches the original model on every feed (one ONNX

@@ -384,3 +384,16 @@ def test_rollback_reason_keeps_the_type_error_at_the_end_of_a_nested_message():
     assert short.startswith("Node (n19_16) Op (Loop)") and short.endswith("inferred=float64 declared=float32")
     assert len(short) <= 400 and " ... " in short
     assert short_reason("one\nline") == "one line"
+
+
+def test_batch_one_is_checked_at_the_data_s_size_where_the_model_does_not_take_half_of_it() -> None:
+    """Two 5x5 convolutions without padding need 9 pixels: the data's 16 runs, half of it (8, the second size) does
+    not. The safety net still checks batch 1, at 16, where it checked one feed only and blamed the batch."""
+    m = make_model(
+        [h.make_node("Conv", ["x", "w"], ["y"]), h.make_node("Conv", ["y", "w"], ["z"])],
+        [("x", ["batch", 1, "h", "w_"], FLOAT)],
+        ["z"],
+        {"w": f32(1, 1, 5, 5)},
+    )
+    verifier = Verifier(m, OptimizeConfig(), data_sizes={"x": {2: [16], 3: [16]}})
+    assert [f["x"].shape for f in verifier.feeds] == [(OptimizeConfig().verify_batch, 1, 16, 16), (1, 1, 16, 16)]
