@@ -123,13 +123,20 @@ def producers(model: onnx.ModelProto) -> dict[str, str]:
 
 
 def matching_tensors(ref: onnx.ModelProto, model: onnx.ModelProto) -> dict[str, str]:
-    """Each tensor of ``ref`` that ``model`` computes with the same op, mapped to its name there. Mostly the same
-    name; where a quantizer fused an op into its producer (ONNX Runtime: a Conv's Relu), the fused node keeps its
-    name but writes the fused-in op's output name, which then holds the producer's value: that output is matched
-    to the producer's own tensor (same node name and op, same output position). Tensors left out (the fused-in
-    op's output, one the variant lacks) have no counterpart to compare with."""
-    ours, theirs = producers(ref), producers(model)
-    match = {t: t for t, op in ours.items() if theirs.get(t) == op}
+    """Each tensor of ``ref`` mapped to the tensor of ``model`` that holds its value. Mostly the same name, also
+    where the variant computes it with other ops (a dynamically quantized Gemm ends in an Add that writes the
+    Gemm's output); where a quantizer fused an op into its producer (ONNX Runtime: a Conv's Relu), the fused node
+    keeps its name but writes the fused-in op's output name, which then holds the producer's value: that output is
+    matched to the producer's own tensor (same node name and op, same output position). Tensors left out (the
+    fused-in op's output, one the variant lacks) have no counterpart to compare with."""
+    ours, theirs = computing_nodes(ref), computing_nodes(model)
+    names = {n.name for n in ref.graph.node if n.name}
+
+    def absorbed(t: str) -> bool:  # written by another node of ref's: t's own producer was fused into it
+        mine, other = ours[t], theirs[t]
+        return other.name in names and other.name != mine.name and other.op_type != mine.op_type
+
+    match = {t: t for t in ours if t in theirs and not absorbed(t)}
     taken = set(match.values())
     by_name = {n.name: n for n in model.graph.node if n.name}
     for node in ref.graph.node:
@@ -137,7 +144,7 @@ def matching_tensors(ref: onnx.ModelProto, model: onnx.ModelProto) -> dict[str, 
         if other is None or other.op_type != node.op_type or len(other.output) != len(node.output):
             continue
         for mine, their in zip(node.output, other.output):
-            if mine and mine not in match and their and their not in taken and theirs.get(their) == node.op_type:
+            if mine and mine not in match and their and their not in taken and theirs[their].op_type == node.op_type:
                 match[mine] = their
                 taken.add(their)
     return match

@@ -82,3 +82,40 @@ def test_a_tensor_the_variant_lacks_is_not_scored_as_exact(tmp_path: Path) -> No
     reasons = blame(fp32, path, _samples(), {n.name for n in fp32.graph.node}, set(), 10)
     carried = re.search(r"inputs' ([0-9.e-]+)", reasons["conv2"])
     assert carried is not None and float(carried.group(1)) == float(f"{err['c1']:.3g}"), reasons["conv2"]
+
+
+def gemm_relu_graph() -> onnx.ModelProto:
+    """Gemm -> Relu -> Gemm -> Relu -> Gemm (logits): ONNX Runtime's CPU graph of it is quantized dynamically."""
+    nodes = [
+        helper.make_node("Gemm", ["input", "w1", "b1"], ["g1"], name="gemm1", transB=1),
+        helper.make_node("Relu", ["g1"], ["r1"], name="relu1"),
+        helper.make_node("Gemm", ["r1", "w2", "b2"], ["g2"], name="gemm2", transB=1),
+        helper.make_node("Relu", ["g2"], ["r2"], name="relu2"),
+        helper.make_node("Gemm", ["r2", "w3", "b3"], ["logits"], name="gemm3", transB=1),
+    ]
+    inits = {"w1": _weights(32, 16), "w2": _weights(32, 32), "w3": _weights(10, 32)}
+    inits |= {"b1": _weights(32), "b2": _weights(32), "b3": _weights(10)}
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_gemm_the_variant_computes_with_other_ops_is_still_compared(tmp_path: Path) -> None:
+    """Dynamic quantization rewrites each Gemm into a quantized MatMul and an Add that writes the Gemm's output: that
+    output is compared under its name, so the Relu after it is not blamed for the Gemm's error ("inputs' 0")."""
+    cal = [RNG.standard_normal((16, 16)).astype(np.float32)]
+    src = Source.prepare(gemm_relu_graph(), tmp_path / "fp32" / "model.onnx", cal, None)
+    out = tmp_path / "int8" / "model.ort_cpu.onnx"
+    out.parent.mkdir()
+    assert build_ort_cpu_int8(src, out, CalibrationConfig(cache=False), set())["scheme"] == "dynamic"
+    names = matching_tensors(src.model, onnx.load(str(out)))
+    assert names["g1"] == "g1" and names["g2"] == "g2"
+    ops = {n.name: n.op_type for n in src.model.graph.node}
+    samples = np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32)
+    picks = blame(src.model, out, samples, set(ops), set(), 3)
+    assert picks and all(ops[name] == "Gemm" for name in picks), picks
