@@ -59,7 +59,8 @@ def register_op() -> None:
 
     @attention.register_fake
     def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-        *lead, heads, tokens, _dim = q.shape
+        *_lead, heads, tokens, _dim = q.shape
+        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         return q.new_empty((*lead, tokens, heads, v.shape[-1])).transpose(-3, -2)
 
 
@@ -73,9 +74,11 @@ def fuse_attention(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> 
     op = torch.ops.kiln.attention.default
     taken = 0
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == SDPA]:
-        q = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+        q, k, v = (getattr(a, "meta", {}).get("val") for a in node.args[:3])
         if q is None or q.dim() != 4 or q.device.type not in devices or q.dtype not in (torch.float16, torch.bfloat16):
             continue
+        if k is None or v is None or not q.shape[0] == k.shape[0] == v.shape[0]:
+            continue  # a batch that broadcasts (learned queries [1, H, Q, D] over a batch of keys): left as it is
         given = dict(zip(DEFAULTS, node.args[3:])) | dict(node.kwargs)
         args = (*node.args[:3], *(given.get(name, default) for name, default in DEFAULTS.items()))
         replace_node(gm.graph, node, op, args)

@@ -110,7 +110,7 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
         and cfg.gemm_epilogues != "off"
         and cfg.flavour != "aotinductor",
         # attention through PyTorch's fused kernels, dispatched at run time (compiled flavour, GPU)
-        "fused_attention": device == "cuda" and _on(cfg.fused_attention, True),
+        "fused_attention": device == "cuda" and precision != "fp32" and _on(cfg.fused_attention, True),
         # cuBLASLt's algorithms chosen by timing where Kiln calls it: its GEMM ops (compiled flavour, GPU)
         "gemm_algorithms": "measured" if _measures(cfg, device, precision, mode) else "heuristic",
     }
@@ -228,6 +228,7 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         and not settings["conv_epilogues"]
         and req.precision not in LOWBIT  # replayed as CUDA graphs: their quantize kernels are many small launches
     )
+    settings["fused_attention"] = settings["fused_attention"] and not package_first  # the compiled flavour's rewrite
     # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13, a first
     # convolution with one input channel): there the frozen weights keep their layout. The inputs are channels_last
     # in every case.
@@ -464,6 +465,10 @@ def warm_batches(max_batch: int) -> list[int]:
     return sorted({1, max(max_batch, 1)})
 
 
+# Rewrites of the compiled flavour that ``auto`` turns on by engine kind: a model they fail on is built without them
+AUTO_REWRITES = ("conv_epilogues", "fused_attention")
+
+
 def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], why: str | None) -> dict[str, Any]:
     """The exported program, and the caches of compiling it (torch.compile) at :func:`warm_batches`."""
     import torch
@@ -474,18 +479,19 @@ def _build_compiled(req: BuildRequest, exported: Any, common: dict[str, Any], wh
     t0 = time.perf_counter()
     try:
         rewrites = _compile_and_warm(req, common, cuda_graphs)
-    except Exception as exc:  # Dynamo/Inductor failures, or a fused convolution cuDNN does not run
-        if not (common.get("conv_epilogues") and req.settings.conv_epilogues == "auto"):
+    except Exception as exc:  # Dynamo/Inductor failures, a fused convolution cuDNN does not run, an attention call
+        # auto turned these on for this engine kind, not for this model: the engine is still worth having without
+        dropped = [k for k in AUTO_REWRITES if common.get(k) and getattr(req.settings, k) == "auto"]
+        if not dropped:
             raise _compile_failed(exc) from None
-        # auto turned them on for this engine kind, not for this model: the engine is still worth having without
         why_not = f"{type(exc).__name__}: {first_line(exc, 300)}"
         log.warning(
-            "engine %s: with build.torch.conv_epilogues the model did not compile or run (%s); building it "
-            "without them",
+            "engine %s: with build.torch.%s the model did not compile or run (%s); building it without them",
             req.name,
+            " and ".join(dropped),
             why_not,
         )
-        common = {**common, "conv_epilogues": False, "conv_epilogues_failed": why_not}
+        common = {**common, **dict.fromkeys(dropped, False), **{f"{k}_failed": why_not for k in dropped}}
         try:
             rewrites = _compile_and_warm(req, common, cuda_graphs)
         except Exception as again:

@@ -92,8 +92,9 @@ class TorchConfig(Section):
         "auto",
         description="the compiled flavour's FP16/BF16 scaled_dot_product_attention calls as one custom op that "
         "PyTorch dispatches to its fused kernels (cuDNN, FlashAttention) at run time, where Inductor may fall back "
-        "to an FP32 math form (a ViT's unmasked attention; kiln.stages.engines.torch.attention). auto: on for GPU "
-        "engines",
+        "to an FP32 math form (a ViT's unmasked attention; kiln.stages.engines.torch.attention). auto: on for "
+        "FP16, FP8 and INT8 GPU engines (their flavour is compiled by default; an AOTInductor package keeps "
+        "Inductor's attention), and a model it fails on is built without it",
     )
     gemm_algorithms: Literal["heuristic", "measured"] = Field(
         "heuristic",

@@ -60,6 +60,25 @@ def test_fp32_and_other_devices_keep_inductor_s_attention() -> None:
     assert fuse_attention(gm) == 0  # CPU tensors, GPU-only by default
 
 
+class Pooling(nn.Module):
+    """Learned queries [1, H, Q, D] over a batch of keys, the batch broadcast by the call (Perceiver's latents)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(1, 2, 3, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = x.view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+        return nn.functional.scaled_dot_product_attention(self.latents, kv, kv)
+
+
+def test_a_batch_the_call_broadcasts_is_left_to_inductor() -> None:
+    model = Pooling().to(torch.bfloat16).eval()
+    with torch.inference_mode():
+        gm = torch.export.export(model, (torch.randn(3, 5, 16, dtype=torch.bfloat16),)).module()
+    assert fuse_attention(gm, devices=("cpu",)) == 0
+
+
 def test_the_op_writes_the_layout_its_fake_declares() -> None:
     register_op()
     q = torch.randn(2, 4, 13, 8, dtype=torch.bfloat16)
@@ -70,10 +89,17 @@ def test_the_op_writes_the_layout_its_fake_declares() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "setting", "on"), [("cuda", "auto", True), ("cpu", "auto", False), ("cuda", "off", False)]
+    ("device", "precision", "setting", "on"),
+    [
+        ("cuda", "fp16", "auto", True),
+        ("cuda", "fp8", "auto", True),
+        ("cuda", "fp32", "auto", False),
+        ("cpu", "fp32", "auto", False),
+        ("cuda", "fp16", "off", False),
+    ],
 )
-def test_auto_means_gpu_engines(device: str, setting: str, on: bool) -> None:
-    assert _settings(TorchConfig(fused_attention=setting), device, "fp16", False)["fused_attention"] is on
+def test_auto_means_low_precision_gpu_engines(device: str, precision: str, setting: str, on: bool) -> None:
+    assert _settings(TorchConfig(fused_attention=setting), device, precision, False)["fused_attention"] is on
 
 
 @pytest.mark.gpu
