@@ -498,27 +498,36 @@ def declares_classes(data: DatasetSplits) -> bool:
 
 
 def regression(data: DatasetSplits) -> bool:
-    """Float targets in a dataset that declares no classes: the outputs are values to predict, none class logits."""
+    """Float targets in a dataset that declares no classes, other than class scores: the outputs are values to
+    predict, none class logits. Rows of non-negative values that each sum to 1 (one-hot or soft labels, a
+    distillation's probabilities) are class scores, whose argmax is a class."""
     y = data.train_y if data.train_y is not None else data.val_y
-    return y is not None and not declares_classes(data)
+    if y is None or declares_classes(data):
+        return False
+    rows = np.asarray(y.numpy() if hasattr(y, "numpy") else y, dtype=np.float64)
+    rows = rows.reshape(len(rows), -1)
+    scores = rows.shape[1] > 1 and bool((rows >= 0).all()) and bool(np.allclose(rows.sum(1), 1.0, atol=1e-3))
+    return not scores
 
 
 def top1_output(
     logits: str | None, data: DatasetSplits | None, named: bool = False, output: np.ndarray | None = None
 ) -> str | None:
     """The output whose argmax is a class decision, held to top-1 agreement and scored for accuracy: ``logits``
-    where ``named`` (the user set ``signature.logits_output`` to it: declared class logits, whatever the data
-    holds), or where the data declares classes (:func:`declares_classes`; ``data`` None: inputs without labels, the
-    direct commands') and ``output`` (the reference's, where known) has as many entries along its class axis
-    (:func:`class_axis`) as the data's ``num_classes``; else None (logged). A model's only output is ``logits`` by
+    where ``named`` (the user set ``signature.logits_output`` to it: declared class logits, unless the data's
+    targets are a regression's, :func:`regression`, where it names the prediction), or where the data declares
+    classes (:func:`declares_classes`; ``data`` None: inputs without labels, the direct commands') and ``output``
+    (the reference's, where known) has as many entries along its class axis (:func:`class_axis`) as the data's
+    ``num_classes``; else None (logged). A model's only output is ``logits`` by
     default whatever it holds: without classes, or of another width, it may be an embedding (a ViT backbone without
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
     cosine of the whole output and of its worst sample, error and relative error."""
     if logits is not None and named and data is not None and regression(data):
-        log.info(
+        log.warning(
             "output '%s', which signature.logits_output names, holds the prediction of float targets (a "
-            "regression's): compared by cosine, error and relative error, not by top-1 agreement",
+            "regression's): compared by cosine, error and relative error, not by top-1 agreement (give num_classes "
+            "in the data if its argmax is a class)",
             logits,
         )
         return None
@@ -542,11 +551,12 @@ def top1_output(
         logging.WARNING if data is None else logging.INFO,
         "output '%s' is not held to top-1 agreement or scored for accuracy: it is the class-logit output by default "
         "only, and %s, so its argmax may be no class at all (an embedding's); compared by cosine (the whole "
-        "output's and the worst sample's), max abs error and relative error. Naming it "
-        "(signature.logits_output=%s) holds it to top-1 agreement",
+        "output's and the worst sample's), max abs error and relative error. %s",
         logits,
         why,
-        logits,
+        "num_classes in the data holds it to top-1 agreement"
+        if data is not None and regression(data)
+        else f"Naming it (signature.logits_output={logits}) holds it to top-1 agreement",
     )
     return None
 

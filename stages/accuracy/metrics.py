@@ -197,8 +197,8 @@ def _prediction(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str 
     raise ConfigError(
         f"validate.metric '{name}': outputs {', '.join(repr(k) for k in fit)} each fit targets "
         f"{labels.dtype}{list(labels.shape)}, and none is named as the prediction",
-        hint=f"name it: signature.logits_output={fit[0]} (for float targets it names the output the metric and "
-        "the training loss read, and holds it to no top-1 agreement)",
+        hint=f"set signature.logits_output to the one that is the prediction ({' or '.join(fit)}): for float "
+        "targets it names the output the metric and the training loss read, and holds it to no top-1 agreement",
     )
 
 

@@ -85,14 +85,15 @@ def test_a_named_output_of_float_targets_is_the_prediction_not_class_logits() ->
     from kiln.stages.validate.stage import reference
 
     x = torch.randn(96, 16, generator=torch.Generator().manual_seed(1))
-    y = x[:, :4] * 2.0
-    data = DatasetSplits(x[:32], y[:32], x[32:], y[32:])
-    feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
-    ref = reference(_ctx("logits"), data, CheckConfig(), _run, feeds, ["logits"], {})
-    found = compare_on(ref, _flipping, [1, 8])
-    entry = EngineValidation(name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated")
-    summarize(entry, found.stats, ref.logits)
-    assert ref.logits is None and entry.top1_agreement is None
+    for y, classes in ((x[:, :4] * 2.0, False), (torch.softmax(x @ torch.from_numpy(W), 1), True)):
+        # values to predict; or soft labels (a distillation's probabilities), whose argmax is a class
+        data = DatasetSplits(x[:32], y[:32], x[32:], y[32:])
+        feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
+        ref = reference(_ctx("logits"), data, CheckConfig(), _run, feeds, ["logits"], {})
+        found = compare_on(ref, _flipping, [1, 8])
+        entry = EngineValidation(name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated")
+        summarize(entry, found.stats, ref.logits)
+        assert (ref.logits is not None, entry.top1_agreement is not None) == (classes, classes)
 
 
 def _tiny_graph(path: Path) -> Path:
