@@ -326,11 +326,13 @@ def run_fix(precision: str, device: str) -> str:
 
 
 def _kept_in_float(variant: Any, src: str) -> list[str]:
-    """The nodes the precision stage's accuracy fallback kept in float in the graph ``src`` an engine reads: the
-    ONNX Runtime CPU graph's own list where ``src`` is that graph, else the variant's."""
+    """The nodes the precision stage's accuracy fallback kept in float in the graph ``src`` an engine reads (the
+    ONNX Runtime CPU graph's own fallback where ``src`` is that graph): not those kept by the config or by
+    calibration (``calibration.keep_output_layers``, an unbounded tensor), which no gate asked for."""
     cpu = variant.report.get("ort_cpu") or {}
     own = src in variant.backend_paths.values() and src != variant.path
-    return list(cpu.get("kept_fp32") or []) if own else list(variant.kept_fp32)
+    fallback = (cpu if own else variant.report).get("fallback") or {}
+    return list(fallback.get("nodes") or [])
 
 
 def kept_fix(precision: str, kept: list[str]) -> str:

@@ -80,12 +80,17 @@ def test_an_engine_short_of_int8_by_the_fallback_s_float_nodes_is_told_so() -> N
 
     variant = PrecisionVariant(
         path="int8/model.onnx",
-        kept_fp32=["node_bmm", "node_cat"],
+        kept_fp32=["node_bmm", "node_cat", "node_head"],  # node_head: calibration.keep_output_layers, no gate
         backend_paths={"onnxruntime-cpu": "int8/model.ort_cpu.onnx"},
-        report={"ort_cpu": {"kept_fp32": ["node_linear_2", "node_linear_3"]}},
+        report={
+            "fallback": {"nodes": ["node_bmm", "node_cat"]},
+            "ort_cpu": {"kept_fp32": ["node_head", "node_linear_2"], "fallback": {"nodes": ["node_linear_2"]}},
+        },
     )
-    assert _kept_in_float(variant, "int8/model.ort_cpu.onnx") == ["node_linear_2", "node_linear_3"]
+    assert _kept_in_float(variant, "int8/model.ort_cpu.onnx") == ["node_linear_2"]
     assert _kept_in_float(variant, "int8/model.onnx") == ["node_bmm", "node_cat"]
+    bare = PrecisionVariant(path="int8/model.onnx", kept_fp32=["node_head"], report={"fallback": {"nodes": []}})
+    assert _kept_in_float(bare, "int8/model.onnx") == []  # kept by the config only: the runtime's fix stands
     fix = kept_fix("int8", ["node_linear_2", "node_linear_3"])
     assert fix.startswith("the precision stage kept 2 nodes in float (node_linear_2, node_linear_3)")
     assert "validate.gates.per_precision.int8" in fix and "another precision" not in fix
