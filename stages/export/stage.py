@@ -40,6 +40,7 @@ from kiln.core.data import (
     from_feed,
     input_names,
     integer_ranges,
+    rebuild,
     rows,
     take,
     tensors,
@@ -536,31 +537,63 @@ RANDOM_HINT = (
 
 
 def refuse_random(model: nn.Module, x: Inputs) -> None:
-    """A model that answers the same inputs differently from call to call in eval mode (``torch.randn_like`` in a
-    VAE's forward, ``F.dropout(x, p, training=True)``) is an error naming that, before the export: its export parity,
-    the optimizer's safety net and validation would each fail on the draws, or read them as a model whose rows
-    depend on their batch, and blame something else. Costs one more forward of the export's example rows."""
-    first, second = _torch_outputs(model, x), _torch_outputs(model, x)
+    """A model that answers the same inputs differently from call to call in eval mode is an error naming why,
+    before the export: its export parity, the optimizer's safety net and validation would each fail on it, or read
+    it as a model whose rows depend on their batch, and blame something else. Why: buffers forward updates (a state
+    kept from call to call), inputs it changes in place, or else random draws (``torch.randn_like`` in a VAE's
+    forward, ``F.dropout(x, p, training=True)``). Two forwards of the export's example rows, each on a copy of them
+    (the data is not changed)."""
+    copy = lambda: rebuild(x, [t.clone() for t in tensors(x)])  # noqa: E731
+    given = copy()
+    first = _torch_outputs(model, given)
+    if not all(_same(a, b) for a, b in zip(tensors(given), tensors(x))):
+        raise ModelError(
+            "the model's forward changes its inputs in place (x.mul_(...), x /= 255): the export, the parity check "
+            "and validation would each see other inputs than the data's",
+            hint="compute on new tensors (x = x / 255), not in place on the inputs",
+        )
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    second = _torch_outputs(model, copy())
+    moved = _moved_output(first, second)
+    if moved is None:
+        return
+    said = f"the model answers the same inputs differently from call to call in eval mode ({moved})"
+    updated = [k for k, b in model.named_buffers() if k in buffers and not _same(b, buffers[k])]
+    if updated:
+        raise ModelError(
+            f"{said}: its forward updates buffers ({', '.join(updated[:3])}{', ...' if len(updated) > 3 else ''}), a "
+            "state kept from call to call",
+            hint="update state only in training (`if self.training:`), or pass it in and return it as tensors: an "
+            "engine keeps no state between calls",
+        )
+    raise ModelError(
+        f"{said}: its forward draws random numbers (torch.randn_like, torch.rand, F.dropout with training=True)",
+        hint=RANDOM_HINT,
+    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal tensors, NaN equal to NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+
+
+def _moved_output(first: dict[str, np.ndarray], second: dict[str, np.ndarray]) -> str | None:
+    """The first output that differs between two calls beyond arithmetic's repetition, in words; None if none."""
     for name, a in first.items():
         b = second[name]
         if a.shape != b.shape:
-            moved = f"shape {a.shape}, then {b.shape}"
-        elif a.dtype.kind != "f":
-            if np.array_equal(a, b):
-                continue
-            moved = f"{int(np.sum(a != b))} of {a.size} values"
-        else:
-            err = max_abs_err(a, b)
-            finite = np.abs(a[np.isfinite(a)])
-            if not err > max(_RANDOM_FLOOR, _RANDOM_SHARE * (float(finite.max()) if finite.size else 0.0)):
-                continue
-            moved = f"by up to {err:.3g}"
-        raise ModelError(
-            f"the model answers the same inputs differently from call to call in eval mode (output '{name}': "
-            f"{moved}): its forward draws random numbers (torch.randn_like, torch.rand, F.dropout with "
-            "training=True)",
-            hint=RANDOM_HINT,
-        )
+            return f"output '{name}': shape {a.shape}, then {b.shape}"
+        if a.dtype.kind != "f":
+            if not np.array_equal(a, b):
+                return f"output '{name}': {int(np.sum(a != b))} of {a.size} values"
+            continue
+        err = max_abs_err(a, b)
+        finite = np.abs(a[np.isfinite(a)])
+        if err > max(_RANDOM_FLOOR, _RANDOM_SHARE * (float(finite.max()) if finite.size else 0.0)):
+            return f"output '{name}': by up to {err:.3g}"
+    return None
 
 
 def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = "") -> None:

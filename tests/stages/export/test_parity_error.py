@@ -3,6 +3,7 @@ error's size against the output's own: a wider tolerance is the fix for rounding
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,30 @@ def test_a_model_that_draws_random_numbers_in_eval_mode_is_named_so(tmp_path: Pa
 
 def test_dropout_that_follows_the_mode_exports() -> None:
     refuse_random(sampling("mode").eval(), torch.rand(2, 6))
+
+
+class _Stateful(torch.nn.Module):
+    """A streaming model that keeps a running state in a buffer, or one that scales its input in place."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin = how, torch.nn.Linear(6, 4)
+        self.register_buffer("state", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "buffer":
+            self.state += self.lin(x).mean(0)
+            return self.lin(x) + self.state
+        return self.lin(x.mul_(0.5))
+
+
+@pytest.mark.parametrize(
+    ("how", "said"), [("buffer", "updates buffers (state)"), ("inplace", "changes its inputs in place")]
+)
+def test_state_and_in_place_inputs_are_named_not_called_random(how: str, said: str) -> None:
+    x = torch.rand(2, 6)
+    kept = x.clone()
+    with pytest.raises(ModelError, match=re.escape(said)) as err:
+        refuse_random(_Stateful(how).eval(), x)
+    assert "random numbers" not in err.value.message
+    assert torch.equal(x, kept)  # the data is not changed by the check
