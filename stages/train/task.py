@@ -178,17 +178,20 @@ def warn_binary(data: DatasetSplits) -> None:
     """Say (once, where the task is decided) that float 0/1 labels, one per row, train as regression targets: mean
     squared error on the single output, where a one-logit binary classifier wants a binary cross-entropy on its
     logit. Said, not refused: regression targets may look the same."""
-    split = next((s for s in ("train", "val") if _binary_labels(getattr(data, f"{s}_y"))), None)
-    if split is None:
+    split = "train" if data.train_y is not None else "val"  # the labels the task is trained on decide
+    y = getattr(data, f"{split}_y")
+    if not _binary_labels(y):
         return
+    shaped = " shaped like the logit (y.view(-1, 1) for an [N, 1] output)" if y.ndim == 1 else ""
     log.warning(
         "%s_y is float %s of 0/1 labels, one per row: float targets train with mean squared error on the model's "
-        "output, with no accuracy or top-1 agreement; for a binary classifier (one logit per row) give train.loss: "
-        "torch.nn.functional:binary_cross_entropy_with_logits (on the logit, no final sigmoid) and validate.metric: "
-        "multilabel_f1 (the positive class's F1) or a pkg.mod:fn of your own (AUC), or leave them as they are for "
-        "regression",
+        "output, with no accuracy or top-1 agreement; for a binary classifier (one logit per row) give labels%s, "
+        "train.loss: torch.nn.functional:binary_cross_entropy_with_logits (on the logit, no final sigmoid) and "
+        "validate.metric: multilabel_f1 (the positive class's F1) or a pkg.mod:fn of your own (AUC), or leave them "
+        "as they are for regression",
         split,
-        list(getattr(data, f"{split}_y").shape),
+        list(y.shape),
+        shaped,
     )
 
 

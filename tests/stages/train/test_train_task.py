@@ -391,6 +391,17 @@ def test_zero_one_float_labels_one_per_row_are_warned_of_as_binary(
         assert said[0].startswith(f"train_y is float {list(train_y.shape)} of 0/1 labels, one per row")
         assert "mean squared error" in said[0] and "validate.metric: multilabel_f1" in said[0]
         assert "train.loss: torch.nn.functional:binary_cross_entropy_with_logits" in said[0]
+        # labels [N] beside an [N, 1] logit: the loss and the metric both take them shaped like it
+        assert ("y.view(-1, 1)" in said[0]) == (train_y.ndim == 1)
+
+
+def test_val_labels_that_happen_to_be_zero_or_one_are_not_binary(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Continuous training targets decide the task: a few held-out rows at 0 and 1 are no classifier's."""
+    data = DatasetSplits(torch.zeros(8, 3), torch.rand(8), torch.zeros(4, 3), torch.tensor([0.0, 1.0, 1.0, 0.0]))
+    said = [m for m in _warnings(caplog, monkeypatch, lambda: task_for(data, None, None)) if "one per row" in m]
+    assert not said
 
 
 @pytest.mark.parametrize(("logits", "shaped"), [(torch.zeros(2, 1), "[N, 1]"), (torch.zeros(2), "[N] (y.float())")])
