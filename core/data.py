@@ -502,12 +502,20 @@ def integer_ranges(
     return out
 
 
-def fixed_columns(specs: list[TensorSpec]) -> dict[str, int]:
+def fixed_columns(specs: list[TensorSpec], tables: Mapping[str, Any] | None = None) -> dict[str, int]:
     """Input name -> the size of its last axis, for each input (graph ``TensorSpec``) of two or more axes whose
-    last axis the graph fixes: the inputs whose columns :func:`integer_ranges` may range one by one."""
+    last axis the graph fixes: the inputs whose columns :func:`integer_ranges` may range one by one. ``tables``:
+    the graph's index ranges (:func:`kiln.core.onnx_io.index_ranges`), where given only the inputs whose columns
+    index tables of their own (a range per column there) are kept: token ids of a fixed length keep one range, so
+    the safety net draws every position from all the ids the data holds, not the first only from its start token."""
     out = {}
     for spec in specs:
         last = spec.shape[-1] if len(spec.shape) >= 2 else None
-        if isinstance(last, int) and last >= 1:
+        per_column = tables is None or _per_column(tables.get(spec.name))
+        if isinstance(last, int) and last >= 1 and per_column:
             out[spec.name] = last
     return out
+
+
+def _per_column(bounds: Any) -> bool:
+    return isinstance(bounds, list) and bool(bounds) and isinstance(bounds[0], list)

@@ -54,6 +54,7 @@ from kiln.core.onnx_io import (
     check_tensor_io,
     fixed_batch,
     free_batch,
+    index_ranges,
     infer_shapes,
     io_specs,
     load_onnx,
@@ -1162,7 +1163,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     sizes = dynamic_sizes(data, names, axes)
     if sizes:
         (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
-    ranges = integer_ranges(data, names, fixed_columns(io_specs(proto)[0]))  # a packed input: per column
+    ranges = integer_ranges(data, names, fixed_columns(io_specs(proto)[0], index_ranges(proto)))  # packed: per column
     if ranges:
         (ctx.out / INT_RANGES).write_text(json.dumps(ranges, indent=2, sort_keys=True) + "\n")
     return ExportSummary(

@@ -24,7 +24,7 @@ from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import check_exclusions
 from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import KilnError, ModelError
-from kiln.core.onnx_io import io_specs, load_onnx
+from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.outputs import class_logits
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
@@ -114,7 +114,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     Variants(
         variants={name: variant_record(entry) for name, entry in variants.items()},
         axis_sizes=sizes,
-        int_ranges=integer_ranges(data, names, fixed_columns(inputs)),
+        int_ranges=integer_ranges(data, names, fixed_columns(inputs, index_ranges(graph))),
     ).write(ctx.out / "variants.json")
     summary = {
         v: {

@@ -347,3 +347,9 @@ def test_integer_ranges_are_per_column_where_the_graph_fixes_the_columns() -> No
     assert ranges["sparse"] == [[low[0], high[0]], [low[1], high[1]]] and high[0] <= 9 < high[1]
     assert ranges["tokens"] == [0, int(tokens.max())] and ranges["same"] == [0, 2]
     assert integer_ranges(data, list(x))["sparse"] == [int(sparse.min()), int(sparse.max())]  # no graph: one range
+    # with the graph's index ranges, only an input whose columns index tables of their own is ranged per column:
+    # token ids of a fixed length ([batch, 6], a start token in column 0) keep one range
+    fixed = [*specs[:1], TensorSpec(name="tokens", shape=["batch", 6], dtype="int64")]
+    tables = {"sparse": [[0, 9], [0, 999]], "tokens": [0, 49]}
+    assert fixed_columns(fixed, tables) == {"sparse": 2}
+    assert integer_ranges(data, list(x), fixed_columns(fixed, tables))["tokens"] == [0, int(tokens.max())]
