@@ -152,6 +152,19 @@ def run_ort(model: onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str, np
     return _run(_session(model), feed)
 
 
+def _training_dropout(model: onnx.ModelProto, node: onnx.NodeProto) -> bool:
+    """A Dropout that drops at inference: its ``training_mode`` input (opset 12+) true, or not a constant (an
+    exported ``F.dropout(x, p, training=True)`` writes a constant true)."""
+    if node.op_type != "Dropout" or len(node.input) < 3 or not node.input[2]:
+        return False
+    name = node.input[2]
+    value = next((t for t in model.graph.initializer if t.name == name), None)
+    if value is None:
+        made = next((n for n in model.graph.node if name in n.output and n.op_type == "Constant"), None)
+        value = next((a.t for a in made.attribute if a.name == "value"), None) if made is not None else None
+    return value is None or bool(onnx.numpy_helper.to_array(value).any())
+
+
 class Verifier:
     """Holds the original model's outputs on fixed random inputs; ``check`` compares a candidate to them."""
 
@@ -181,8 +194,11 @@ class Verifier:
         self.check_graph = _passes_checker(_checkable(model))
         if not self.check_graph:
             log.warning("the input model fails the ONNX checker; passes are verified by running them only")
-        # Dropout is deterministic at inference (and eliminate_noop removes it); the others draw on every run.
-        self.random = any(n.op_type in RANDOM_OPS - {"Dropout"} for n in model.graph.node)
+        # Dropout is deterministic at inference (and eliminate_noop removes it) unless its training_mode is set;
+        # the others draw on every run.
+        self.random = any(
+            n.op_type in RANDOM_OPS - {"Dropout"} or _training_dropout(model, n) for n in model.graph.node
+        )
         if self.random:
             log.warning("the model has random ops: the safety net can compare only output shapes and types")
 

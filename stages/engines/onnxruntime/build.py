@@ -316,8 +316,10 @@ def _convert(model: onnx.ModelProto, to_fp16: bool, keep_fp32: list[str] | None)
     src, fixed = _fp32_sequences_and_control_flow(model)
     ops = {n.op_type for n in src.graph.node}
     keep = list(keep_fp32 or [])
-    converted = onnx.ModelProto()
-    converted.CopyFrom(src)  # the converter works in place; ``src`` keeps the FP32 types for the casts below
+    converted = src
+    if fixed:  # the converter works in place; ``src`` keeps the FP32 types for the casts below
+        converted = onnx.ModelProto()
+        converted.CopyFrom(src)
     converted = convert_float_to_float16(
         converted,
         keep_io_types=True,
@@ -325,7 +327,8 @@ def _convert(model: onnx.ModelProto, to_fp16: bool, keep_fp32: list[str] | None)
         op_block_list=DEFAULT_OP_BLOCK_LIST + [k for k in keep if k in ops],
         node_block_list=sorted({k for k in keep if k not in ops} | fixed),
     )
-    cast_captured_to_fp32(converted, src, fixed)
+    if fixed:  # Loop bodies read FP32 copies of the outer tensors they capture
+        cast_captured_to_fp32(converted, src, fixed)
     return converted, "onnxruntime.transformers.float16 after fusion, io kept fp32"
 
 

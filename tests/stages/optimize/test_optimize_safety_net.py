@@ -397,3 +397,19 @@ def test_batch_one_is_checked_at_the_data_s_size_where_the_model_does_not_take_h
     )
     verifier = Verifier(m, OptimizeConfig(), data_sizes={"x": {2: [16], 3: [16]}})
     assert [f["x"].shape for f in verifier.feeds] == [(OptimizeConfig().verify_batch, 1, 16, 16), (1, 1, 16, 16)]
+
+
+@pytest.mark.parametrize(("training", "random"), [(True, True), (False, False)])
+def test_a_dropout_in_training_mode_is_a_random_op(training: bool, random: bool) -> None:
+    """An exported F.dropout(x, p, training=True) drops at inference: compared by value, a pass that moved the draw
+    (eliminate_identity) was rolled back as if it changed the model. One with training_mode false is deterministic."""
+    m = make_model(
+        [
+            N("Identity", ["x"], ["i"]),
+            N("Dropout", ["i", "ratio", "mode"], ["y"]),
+        ],
+        [("x", ["N", 64], FLOAT)],
+        ["y"],
+        {"ratio": np.array(0.5, dtype=np.float32), "mode": np.array(training)},
+    )
+    assert Verifier(m, OptimizeConfig()).random is random
