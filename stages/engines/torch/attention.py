@@ -64,10 +64,11 @@ def register_op() -> None:
         return q.new_empty((*lead, tokens, heads, v.shape[-1])).transpose(-3, -2)
 
 
-def fuse_attention(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> int:
-    """Each 4-D ``scaled_dot_product_attention`` of ``gm`` (its inputs on one of ``devices``, in FP16 or BF16) as
-    ``kiln::attention``; returns how many. An FP32 attention stays Inductor's: FlashAttention and cuDNN do not take
-    FP32, and an engine in FP32 is one asked to compute as PyTorch does."""
+def fuse_attention(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",), masked: bool = True) -> int:
+    """Each 4-D ``scaled_dot_product_attention`` of ``gm`` (its inputs on one of ``devices``, in FP16 or BF16; with
+    an attention mask only where ``masked``) as ``kiln::attention``; returns how many. An FP32 attention stays
+    Inductor's: FlashAttention and cuDNN do not take FP32, and an engine in FP32 is one asked to compute as PyTorch
+    does."""
     import torch
 
     register_op()
@@ -80,6 +81,8 @@ def fuse_attention(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> 
         if k is None or v is None or not q.shape[0] == k.shape[0] == v.shape[0]:
             continue  # a batch that broadcasts (learned queries [1, H, Q, D] over a batch of keys): left as it is
         given = dict(zip(DEFAULTS, node.args[3:])) | dict(node.kwargs)
+        if given.get("attn_mask") is not None and not masked:
+            continue
         args = (*node.args[:3], *(given.get(name, default) for name, default in DEFAULTS.items()))
         replace_node(gm.graph, node, op, args)
         taken += 1

@@ -110,10 +110,19 @@ def _settings(cfg: TorchConfig, device: str, precision: str, has_conv: bool) -> 
         and cfg.gemm_epilogues != "off"
         and cfg.flavour != "aotinductor",
         # attention through PyTorch's fused kernels, dispatched at run time (compiled flavour, GPU)
-        "fused_attention": device == "cuda" and precision != "fp32" and _on(cfg.fused_attention, True),
+        "fused_attention": _attention_scope(cfg.fused_attention, device, precision),
         # cuBLASLt's algorithms chosen by timing where Kiln calls it: its GEMM ops (compiled flavour, GPU)
         "gemm_algorithms": "measured" if _measures(cfg, device, precision, mode) else "heuristic",
     }
+
+
+def _attention_scope(setting: str, device: str, precision: str) -> str | bool:
+    """Which attention calls ``build.torch.fused_attention`` rewrites (:mod:`.attention`): ``all`` (on), ``unmasked``
+    (auto: the calls without a mask, where Inductor was seen to fall back to its FP32 math form, a ViT's; a masked
+    call, BERT's, keeps Inductor's fused kernel), or none (False): off, the CPU, or an FP32 engine."""
+    if device != "cuda" or precision == "fp32" or setting == "off":
+        return False
+    return "all" if setting == "on" else "unmasked"
 
 
 def _measures(cfg: TorchConfig, device: str, precision: str, mode: str) -> bool:
@@ -228,7 +237,8 @@ def build_torch_engine(req: BuildRequest) -> dict[str, Any]:
         and not settings["conv_epilogues"]
         and req.precision not in LOWBIT  # replayed as CUDA graphs: their quantize kernels are many small launches
     )
-    settings["fused_attention"] = settings["fused_attention"] and not package_first  # the compiled flavour's rewrite
+    if package_first:  # the compiled flavour's rewrite: a package keeps Inductor's attention
+        settings["fused_attention"] = False
     # Frozen into an AOTInductor package, channels_last weights gave wrong outputs on the CPU (torch 2.13, a first
     # convolution with one input channel): there the frozen weights keep their layout. The inputs are channels_last
     # in every case.

@@ -92,9 +92,9 @@ class TorchConfig(Section):
         "auto",
         description="the compiled flavour's FP16/BF16 scaled_dot_product_attention calls as one custom op that "
         "PyTorch dispatches to its fused kernels (cuDNN, FlashAttention) at run time, where Inductor may fall back "
-        "to an FP32 math form (a ViT's unmasked attention; kiln.stages.engines.torch.attention). auto: on for "
-        "FP16, FP8 and INT8 GPU engines (their flavour is compiled by default; an AOTInductor package keeps "
-        "Inductor's attention), and a model it fails on is built without it",
+        "to an FP32 math form (kiln.stages.engines.torch.attention). auto: the calls without a mask (where the "
+        "fallback was seen: a ViT's) in FP16, FP8 and INT8 GPU engines, a model it fails on built without it; "
+        "on: every call, masked ones too; an AOTInductor package keeps Inductor's attention",
     )
     gemm_algorithms: Literal["heuristic", "measured"] = Field(
         "heuristic",

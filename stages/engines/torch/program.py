@@ -115,8 +115,9 @@ def compile_program(
         )  # older engines: not merged
     if settings.get("conv_epilogues"):  # older engines: off
         rewrites["conv_epilogue_layers"] = conv_epilogues.fuse_conv_epilogues(module, warn.get("conv", False))
-    if settings.get("fused_attention"):  # older engines: off
-        rewrites["fused_attention_layers"] = {"attention": fuse_attention(module)}
+    if scope := settings.get("fused_attention"):  # older engines: off
+        taken = fuse_attention(module, masked=scope != "unmasked")
+        rewrites["fused_attention_layers"] = {"attention": taken}
     if settings.get("fp8_gelu_epilogues"):  # older engines: off
         rewrites["fp8_epilogue_layers"] = {"linear_bias_gelu_fp8": fuse_fp8_gelu(module, measure)}
     if measure and (taken := measure_fp8_gemms(module)):

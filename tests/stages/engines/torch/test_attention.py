@@ -56,6 +56,15 @@ def test_low_precision_attention_becomes_the_op_and_computes_the_same() -> None:
     torch.testing.assert_close(compiled, want, atol=2e-2, rtol=2e-2)
 
 
+def test_auto_takes_the_unmasked_call_only() -> None:
+    """A masked call (BERT's) keeps Inductor's fused kernel under auto; the unmasked one (a ViT's) is rewritten."""
+    gm, _ = _program(torch.bfloat16)
+    assert fuse_attention(gm, devices=("cpu",), masked=False) == 1
+    assert [n.target for n in gm.graph.nodes if "attention" in str(n.target)][
+        1
+    ] == torch.ops.aten.scaled_dot_product_attention.default
+
+
 def test_fp32_and_other_devices_keep_inductor_s_attention() -> None:
     gm, _ = _program(torch.float32)
     assert fuse_attention(gm, devices=("cpu",)) == 0  # FP32: the fused GPU kernels do not take it
@@ -92,17 +101,20 @@ def test_the_op_writes_the_layout_its_fake_declares() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "precision", "setting", "on"),
+    ("device", "precision", "setting", "scope"),
     [
-        ("cuda", "fp16", "auto", True),
-        ("cuda", "fp8", "auto", True),
+        ("cuda", "fp16", "auto", "unmasked"),
+        ("cuda", "fp8", "auto", "unmasked"),
+        ("cuda", "fp16", "on", "all"),
         ("cuda", "fp32", "auto", False),
         ("cpu", "fp32", "auto", False),
         ("cuda", "fp16", "off", False),
     ],
 )
-def test_auto_means_low_precision_gpu_engines(device: str, precision: str, setting: str, on: bool) -> None:
-    assert _settings(TorchConfig(fused_attention=setting), device, precision, False)["fused_attention"] is on
+def test_auto_means_unmasked_calls_of_low_precision_gpu_engines(
+    device: str, precision: str, setting: str, scope: str | bool
+) -> None:
+    assert _settings(TorchConfig(fused_attention=setting), device, precision, False)["fused_attention"] == scope
 
 
 @pytest.mark.gpu
@@ -115,7 +127,7 @@ def test_cuda_fp16_transformer_engine_runs_the_op_and_agrees(zoo, tmp_path: Path
         torch.manual_seed(0)
         return build_model("transformer", ZOO["transformer"][0])
 
-    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"]))
+    cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], fused_attention="on"))
     meta = build_engine(
         zoo("transformer"),
         tmp_path / "e",
