@@ -16,6 +16,7 @@ from kiln.core.labels import without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, named_outputs
 from kiln.core.records import EngineMetadata, EngineValidation
+from kiln.core.text import short_reason
 from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
 from kiln.models.registry import build_model
@@ -80,7 +81,16 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
     except InputFileError as exc:
         raise InputError(exc.message, hint=OTHER_MODEL) from None
     ref_sess = ort_session(graph)
-    return dict(zip([o.name for o in ref_sess.get_outputs()], ref_sess.run(None, feed)))
+    try:
+        got = ref_sess.run(None, feed)
+    except Exception as exc:  # ONNX Runtime's own error: a size the graph does not take (a 64-row position table)
+        raise InputError(
+            f"reference {reference.name} fails on the engine's inputs {_shapes(feed)} in ONNX Runtime: "
+            f"{short_reason(exc, 300)}",
+            hint="give --inputs at sizes the model takes (the sizes its kiln-engine.json validated), or check that "
+            "the inputs are this model's",
+        ) from None
+    return dict(zip([o.name for o in ref_sess.get_outputs()], got))
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:

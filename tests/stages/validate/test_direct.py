@@ -102,3 +102,40 @@ def test_an_engine_is_validated_at_sizes_past_its_record_and_the_log_says_so(tmp
     said = " ".join(out.output.split())  # the log's lines wrap at the terminal's width
     assert "has 8 rows: engine onnxruntime-cpu-fp32 was validated for batches up to 4" in said
     assert "signature.batch_sizes" in said
+
+
+def _seq_graph(path: Path, table: bool) -> Path:
+    """x [batch, seq] -> Relu; with ``table``, plus a position table of 4 rows: it takes seq 4 only."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    nodes = [helper.make_node("Relu", ["input"], ["r"])]
+    inits = []
+    if table:
+        nodes.append(helper.make_node("Add", ["r", "pos"], ["logits"]))
+        inits.append(numpy_helper.from_array(np.zeros((1, 4), dtype=np.float32), "pos"))
+    else:
+        nodes.append(helper.make_node("Identity", ["r"], ["logits"]))
+    graph = helper.make_graph(
+        nodes,
+        "seq",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "seq"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq"])],
+        inits,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def test_a_reference_graph_that_fails_at_the_inputs_sizes_is_one_error(tmp_path: Path) -> None:
+    """An ONNX reference whose position table is shorter than the inputs (a language model at 100 tokens, its
+    rotary table of 64) was ONNX Runtime's traceback and exit 1."""
+    import numpy as np
+
+    engine = tmp_path / "e"
+    assert invoke("build", _seq_graph(tmp_path / "any.onnx", False), "-o", engine).exit_code == 0
+    np.savez(tmp_path / "x.npz", input=np.ones((2, 6), dtype=np.float32))
+    out = invoke(
+        "validate", engine, "--reference", _seq_graph(tmp_path / "ref.onnx", True), "--inputs", tmp_path / "x.npz"
+    )
+    assert_clean(out, 2, "reference ref.onnx fails on the engine's inputs", "in ONNX Runtime")
