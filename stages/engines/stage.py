@@ -442,14 +442,40 @@ def build_direct(
     batch (``signature.batch_sizes``), which bounds the profiles and autotuning as in the pipeline's build."""
     device = device or default_device(backend)
     src, made_as = variant_source(Path(src), backend, device)
+    if not axis_sizes and made_as:  # the sizes the precision stage saw in its data: the audit counts FLOPs there
+        axis_sizes = _variant_axis_sizes(Path(src))
     # clear errors for a missing or corrupt file, or one with a non-tensor input or output, before any builder runs
     check_tensor_io(load_onnx(src, load_external_data=False), str(src))
+    given = precision
     precision = precision or made_as or audit_graph(src).label()  # unlabelled: what the graph computes in
     _check_choice(backend, device, precision)
     refuse_foreign_folder(out)
     ensure_writable(out.parent, "the -o folder's parent")
     cache = out.parent / ".kiln-cache"
-    return build_engine(src, out, backend, device, precision, cfg, cache, max_batch=max_batch, axis_sizes=axis_sizes)
+    try:
+        return build_engine(
+            src, out, backend, device, precision, cfg, cache, max_batch=max_batch, axis_sizes=axis_sizes
+        )
+    except MislabelledEngine as exc:
+        if given or not made_as:  # a label the user gave, or the audit's own: the hint as it is
+            raise
+        # a variant folder labels the engine itself: the runtime, not a flag, computes it in another precision
+        raise MislabelledEngine(
+            exc.message,
+            hint=f"the {backend} backend runs {precision} in another precision on {device.upper()}: build this "
+            f"variant for a device with {precision} kernels (another --device or --backend), or build the fp32 "
+            "variant here",
+        ) from None
+
+
+def _variant_axis_sizes(graph: Path) -> dict[str, list[int]] | None:
+    """The dynamic-axis sizes ``kiln precision`` recorded beside a variant's graph (``variants.json``): the sizes its
+    own audit counted at, so the build's audit agrees with it (counted at size 1 an axis's attention matmuls, in FP32
+    under INT8, shrink to nothing and the share comes out otherwise)."""
+    try:
+        return Variants.read(graph.parent.parent / "variants.json", hint="rerun `kiln precision`").axis_sizes or None
+    except KilnError:
+        return None
 
 
 def variant_source(src: Path, backend: str, device: str) -> tuple[Path, str | None]:

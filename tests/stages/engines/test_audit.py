@@ -58,6 +58,22 @@ def test_an_fp16_graph_on_the_cpu_provider_computes_in_fp32(tmp_path: Path) -> N
         build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", "fp16", BuildConfig())
 
 
+def test_a_variant_folder_is_told_of_the_runtime_and_audited_at_the_data_s_sizes(tmp_path: Path) -> None:
+    """``kiln build variants/fp16`` gives no --precision (the folder labels it), so "--precision matching the graph"
+    was no fix; and the audit counts at the sizes the precision stage recorded, as its own audit did."""
+    from kiln.core.records import PrecisionVariant, Variants
+    from kiln.stages.engines.stage import _variant_axis_sizes
+
+    (tmp_path / "v" / "fp16").mkdir(parents=True)
+    onnx.save(graph(onnx.TensorProto.FLOAT16), str(tmp_path / "v" / "fp16" / "model.onnx"))
+    listing = Variants(variants={"fp16": PrecisionVariant(path="fp16/model.onnx")}, axis_sizes={"seq": [4, 32]})
+    listing.write(tmp_path / "v" / "variants.json")
+    assert _variant_axis_sizes(tmp_path / "v" / "fp16" / "model.onnx") == {"seq": [4, 32]}
+    with pytest.raises(MislabelledEngine, match="computes 0% in fp16") as err:
+        build_direct(tmp_path / "v" / "fp16", tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+    assert err.value.hint.startswith("the onnxruntime backend runs fp16 in another precision on CPU")
+
+
 def test_an_int8_encoder_s_fp32_attention_counts_at_the_sizes_built_for(tmp_path: Path) -> None:
     """The attention MatMuls of a Q/DQ encoder run in FP32 on ONNX Runtime's CPU provider, their sizes symbolic in
     the graph: at a short sequence the engine is mostly INT8, its FLOPs per sample with attention's; at seq 32
