@@ -205,7 +205,9 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
                 f"dataset '{ref}' gives {split}_y as {type(y).__name__}, not a torch.Tensor or None",
                 hint=_labels_hint(y),
             )
-        counts = {k: len(t) for k, t in zip(_keys(x), tensors(x))}
+        # a tuple's inputs by position (forward's parameter names come with the model, not here)
+        names = _keys(x) if isinstance(x, Mapping) else [f"{split}_x[{i}]" for i in range(len(tensors(x)))]
+        counts = {k: len(t) for k, t in zip(names, tensors(x))}
         if len(set(counts.values())) > 1:
             raise DataContractError(
                 f"dataset '{ref}': the inputs of {split}_x have different row counts {counts} (axis 0 of every "

@@ -51,6 +51,12 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
             ),
             "different row counts",
         ),
+        (  # a tuple's inputs by position, not '0', '1'
+            DatasetSplits(
+                (torch.zeros(8, 2), torch.zeros(2, 8, 3)), None, (torch.zeros(2, 2), torch.zeros(2, 2, 3)), None
+            ),
+            "different row counts \\{'train_x\\[0\\]': 8, 'train_x\\[1\\]': 2\\}",
+        ),
         (
             DatasetSplits(ids(8, 6), None, ids(4, 5), None),
             "input 'input_ids': validation samples are \\[5\\] but training samples are \\[6\\]",
