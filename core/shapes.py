@@ -64,11 +64,18 @@ def two_sizes(lo: int, hi: int) -> list[int]:
 
 
 def shape_points(sizes: dict[str, list[int]]) -> list[dict[str, int]]:
-    """The smallest sizes of every axis together, ..., the largest together (not every combination)."""
+    """The smallest sizes of every axis together, ..., the largest together; with several axes, also each axis at its
+    smallest while the others are at their largest (a decode step's one new token beside a long cache; a tall,
+    narrow image), before the largest: an engine records every axis's range as validated, so the ranges' corners
+    are run, not every combination. The largest together stays last."""
     if not sizes:
         return [{}]
     count = max(len(v) for v in sizes.values())
-    return [{n: v[min(i, len(v) - 1)] for n, v in sizes.items()} for i in range(count)]
+    points = [{n: v[min(i, len(v) - 1)] for n, v in sizes.items()} for i in range(count)]
+    if len(sizes) > 1:
+        corners = [{n: (min(v) if n == axis else max(v)) for n, v in sizes.items()} for axis in sizes]
+        points[-1:-1] = [c for i, c in enumerate(corners) if c not in points and c not in corners[:i]]
+    return points
 
 
 def resize(feed: Feed, axes: Axes, point: Mapping[str, int], fill: int = 0, repeat_floats: bool = False) -> Feed:

@@ -23,6 +23,14 @@ def test_sizes_from_the_data_or_the_config() -> None:
     with pytest.raises(ConfigError, match="signature.shapes names axes \\['len'\\]"):
         axis_sizes([feed(16)], AXES, {"len": [4]})
     assert shape_points({"seq": [8, 16]}) == [{"seq": 8}, {"seq": 16}] and shape_points({}) == [{}]
+    # two axes: paired, plus each at its smallest beside the other's largest (a decode step: 1 new token, 32 past),
+    # the largest together last
+    assert shape_points({"new": [1, 4], "past": [1, 32]}) == [
+        {"new": 1, "past": 1},
+        {"new": 1, "past": 32},
+        {"new": 4, "past": 1},
+        {"new": 4, "past": 32},
+    ]
 
 
 def test_resize_cuts_or_zero_pads_every_tied_axis() -> None:

@@ -67,6 +67,8 @@ def test_pixel_labels_are_scored_at_the_datas_own_sizes_within_the_validated_ran
     assert [p for p, _ in ref.feeds] == [
         {"height": 6, "width": 6},
         {"height": 8, "width": 8},
+        {"height": 6, "width": 12},  # the ranges' corners
+        {"height": 10, "width": 6},
         {"height": 10, "width": 12},
     ]
     own = _run({"input": data.val_x.numpy()})["out"]
@@ -81,7 +83,12 @@ def test_the_datas_own_sizes_among_the_validated_ones_are_scored_where_they_are(
     """The data's 8x8 is the smallest validated shape: accuracy is measured there, not at the largest (where the
     pixel labels fit no image), and no shape is added."""
     _, ref = _reference({"height": [8, 10], "width": [8, 12]})
-    assert [p for p, _ in ref.feeds] == [{"height": 8, "width": 8}, {"height": 10, "width": 12}]
+    assert [p for p, _ in ref.feeds] == [
+        {"height": 8, "width": 8},
+        {"height": 8, "width": 12},
+        {"height": 10, "width": 8},
+        {"height": 10, "width": 12},
+    ]
     assert ref.score == 0 and ref.accuracy is not None
 
 
@@ -91,7 +98,7 @@ def test_own_sizes_outside_the_validated_range_are_said_not_scored(caplog: pytes
     with caplog.at_level("WARNING", logger="kiln.validate"):
         _, ref = _reference({"height": [10, 12], "width": [10, 12]})
     assert ref.score is None and ref.accuracy is None
-    assert len(ref.feeds) == 2 and _judged(ref, _swapped)[0].accuracy is None
+    assert len(ref.feeds) == 4 and _judged(ref, _swapped)[0].accuracy is None  # 10x10, two corners, 12x12
     said = caplog.text
     assert "task accuracy is not measured and max_accuracy_drop is not applied" in said
     assert "(height=8, width=8), outside the validated sizes (height 10..12, width 10..12)" in said
