@@ -163,7 +163,7 @@ def keep_list_after_fusion(
             "%d nodes the precision stage kept FP32 were fused away by ONNX Runtime and run in the fused "
             "kernels' precision: %s",
             len(lost),
-            ", ".join(lost[:10]),
+            ", ".join(lost[:10]) + (f", ... ({len(lost) - 10} more)" if len(lost) > 10 else ""),
         )
     record = {"requested": len(keep), "renamed": {k: v for k, v in mapped.items() if k != v}, "lost": lost}
     return sorted(set(mapped.values())), record
