@@ -331,3 +331,18 @@ def test_the_worst_sample_over_shapes_keeps_its_row_and_a_nan_is_worst() -> None
     nan = merge_worst(stats(0.9, 1), stats(float("nan"), 2))["y"]
     assert np.isnan(nan.sample_cosine) and nan.worst_sample == 2
     assert merge_worst(stats(None, None), stats(0.9, 5))["y"].worst_sample == 5
+
+
+def test_a_drop_of_exactly_the_gate_passes_it() -> None:
+    """113/150 - 110/150 is 0.020000000000000018 in floats: three samples lost of 150 were refused by a gate of
+    0.02, which the report shows as a threshold the engine meets."""
+    from kiln.core.records import EngineValidation
+    from kiln.stages.accuracy.check import accuracy_failures, gates_for
+    from kiln.stages.accuracy.config import CheckConfig
+
+    entry = EngineValidation(name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated")
+    entry.cosine, entry.max_abs_err, entry.accuracy = 1.0, 0.0, 110 / 150
+    gates = gates_for(CheckConfig(), "int8") | {"max_accuracy_drop": 0.02}
+    assert accuracy_failures(entry, gates, 113 / 150) == []
+    entry.accuracy = 109 / 150
+    assert accuracy_failures(entry, gates, 113 / 150) == ["accuracy drop 0.0267 > max_accuracy_drop 0.02"]
