@@ -497,8 +497,16 @@ def variant_source(src: Path, backend: str, device: str) -> tuple[Path, str | No
         if Path(variant.path).parent.name != folder.name:
             continue
         own = variant.backend_paths.get(f"{backend}-{device}")
+        graph = folder.parent / own if own and src.is_dir() else (folder.parent / variant.path if src.is_dir() else src)
+        if variant.unmade and graph.resolve() == (folder.parent / variant.path).resolve():
+            raise ConfigError(
+                f"{src}: kiln precision did not make the {name} variant ({variant.unmade}); its graph is kept for "
+                "inspection, not for engines",
+                hint="build another variant of that folder (fp32), or loosen the gates that failed and rerun kiln "
+                "precision",
+            )
         if src.is_dir():
-            return folder.parent / (own or variant.path), name
+            return graph, name
         if own and src.resolve() != (folder.parent / own).resolve():
             log.warning(
                 "%s is the %s graph for other engine kinds; for %s-%s the precision stage made %s (build it, or the "

@@ -110,3 +110,22 @@ def test_an_engine_short_of_int8_by_the_fallback_s_float_nodes_is_told_so() -> N
     fix = kept_fix("int8", ["node_linear_2", "node_linear_3"])
     assert fix.startswith("the precision stage kept 2 nodes in float (node_linear_2, node_linear_3)")
     assert "validate.gates.per_precision.int8" in fix and "another precision" not in fix
+
+
+def test_a_variant_precision_did_not_make_is_refused(tmp_path: Path, qdq: Path) -> None:
+    """``kiln precision`` keeps a failed variant's graph for inspection; ``kiln build`` of its folder made an engine of
+    it without a word (a TensorRT INT8 engine nobody could validate on that machine)."""
+    import shutil
+
+    from kiln.core.errors import ConfigError
+    from kiln.core.records import PrecisionVariant, Variants
+
+    (tmp_path / "v" / "int8").mkdir(parents=True)
+    shutil.copy(qdq, tmp_path / "v" / "int8" / "model.onnx")
+    unmade = "int8 (Q/DQ graph) not made: worst sample's cosine 0.922 < min_cosine 0.99"
+    variant = PrecisionVariant(path="int8/model.onnx", fallback_passed=False, unmade=unmade)
+    Variants(variants={"int8": variant}).write(tmp_path / "v" / "variants.json")
+    for src in (tmp_path / "v" / "int8", tmp_path / "v" / "int8" / "model.onnx"):
+        with pytest.raises(ConfigError, match="did not make the int8 variant") as err:
+            build_direct(src, tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+        assert "cosine 0.922" in err.value.message and "rerun kiln precision" in err.value.hint
