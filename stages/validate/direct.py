@@ -129,17 +129,42 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
-    entry.failures = check_gates(entry, None, entry.gates, int(batch))
+    entry.failures = check_gates(entry, None, entry.gates, int(batch)) + _nothing_measured(ref)
     entry.passed = not entry.failures
     return entry
+
+
+def _nothing_measured(ref: dict[str, np.ndarray]) -> list[str]:
+    """A failure for each float output the reference answers with NaN or infinity on every sample (equal non-finite
+    values compare as equal, so such an output would pass with cosine 1: nothing measured is no pass); a warning
+    for one that is non-finite on some samples only."""
+    failures = []
+    for name, r in ref.items():
+        if r.dtype.kind != "f" or not r.size or r.ndim == 0:
+            continue
+        bad = ~np.isfinite(r.reshape(len(r), -1)).all(axis=1)
+        if bad.all():
+            failures.append(
+                f"reference output '{name}' is NaN or infinite on all {len(r)} samples: nothing was compared there "
+                "(inputs the model cannot take, e.g. lengths shorter than its subsampling)"
+            )
+        elif bad.any():
+            log.warning(
+                "reference output '%s' is NaN or infinite on %d of %d samples (sample %d first): those are compared "
+                "only by where their non-finite values are",
+                name,
+                int(bad.sum()),
+                len(r),
+                int(np.flatnonzero(bad)[0]),
+            )
+    return failures
 
 
 def _say_new_sizes(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> None:
     """Log that the feed lies outside the sizes the engine's record says it was validated for (its batches or
     axis ranges): servers and ``infer`` refuse them until the engine is validated and packaged at those sizes."""
     shapes = {k: v.shape for k, v in feed.items()}
-    outside = meta.outside_batch(shapes) or meta.outside_range(shapes)
-    if outside is not None:
+    for outside in filter(None, (meta.outside_batch(shapes), meta.outside_range(shapes))):
         log.warning(
             "%s; validated here at these sizes, the engine's record still refuses them: add them to "
             "signature.batch_sizes / signature.shapes and run the pipeline to serve them",
