@@ -906,8 +906,9 @@ def _precision_direct(
         shown = out / Path(v["path"]).relative_to(staged)
         only = f"; for {v['only']} engines only, its Q/DQ graph missed the gates" if v["only"] else ""
         results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32{only})", highlight=False, soft_wrap=True)
+    checked = "calibrated" if set(wanted) & {"int8", "fp8"} else "checked"  # FP16 takes no calibration
     results.print(
-        f"calibrated on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False, soft_wrap=True
+        f"{checked} on {summary['calibration']}; wrote {out / 'variants.json'}", highlight=False, soft_wrap=True
     )
     if summary["missing"] is not None:  # the variants made are written; one asked for and not made fails the command
         raise summary["missing"]

@@ -53,9 +53,12 @@ def precision_direct(
         data = _random(inputs, cfg, index_ranges(graph))
         pcfg.fallback.enabled = False
         source = "RANDOM inputs"
+        calibrated = sorted(set(variants) & {"int8", "fp8"})  # FP16 takes no ranges: only its fallback needs data
         log.warning(
-            "no --calibration: calibrating on RANDOM inputs; INT8 ranges will not match real data and the "
-            "accuracy-driven fallback is off. Give --calibration data.npz (one array per input: %s)",
+            "no --calibration: %s on RANDOM inputs%s and the accuracy-driven fallback is off. Give --calibration "
+            "data.npz (one array per input: %s)",
+            "calibrating" if calibrated else "checking the variants",
+            f"; {'/'.join(v.upper() for v in calibrated)} ranges will not match real data" if calibrated else "",
             ", ".join(i.name for i in inputs),
         )
     rows = len(next(iter(data.values())))
