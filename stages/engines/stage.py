@@ -457,9 +457,10 @@ def build_direct(
             src, out, backend, device, precision, cfg, cache, max_batch=max_batch, axis_sizes=axis_sizes
         )
     except MislabelledEngine as exc:
-        if given or not made_as:  # a label the user gave, or the audit's own: the hint as it is
+        # the graph is in that precision (a variant folder labels it; a label the user gave that the graph's own
+        # audit agrees with): the runtime, not the label, computes it in another one
+        if not (made_as and not given) and not (given and audit_graph(src).label() == given):
             raise
-        # a variant folder labels the engine itself: the runtime, not a flag, computes it in another precision
         raise MislabelledEngine(
             exc.message,
             hint=f"the {backend} backend runs {precision} in another precision on {device.upper()}: build this "
