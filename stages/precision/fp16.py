@@ -264,10 +264,14 @@ def _convert_once(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config)
             max_finite_val=65504.0,
             op_block_list=list(float16.DEFAULT_OP_BLOCK_LIST),
             node_block_list=sorted(fp32_nodes | casts_from_non_float(src)),
+            # a float16 input of an FP32 model (features stored in half precision) is no sign of a graph converted
+            # already, which the converter's check takes it for
+            check_fp16_ready=not any(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 for i in src.graph.input),
         )
     except Exception as exc:  # the converter raises plain exceptions on graphs it cannot handle: a user's model
+        said = " ".join(str(exc).split())[:300]  # its message spans lines: the error is one
         raise ModelError(
-            f"onnxconverter-common cannot convert the graph to FP16 ({type(exc).__name__}: {str(exc)[:300]})",
+            f"onnxconverter-common cannot convert the graph to FP16 ({type(exc).__name__}: {said})",
             hint="drop fp16 from precision.variants (the other variants are "
             "still built); please report the model to Kiln",
         ) from None

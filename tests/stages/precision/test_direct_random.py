@@ -1,4 +1,4 @@
-"""`kiln precision FILE` without --calibration: the warning and the summary say what random inputs are used for, and
+"""`kiln precision FILE`: without --calibration the warning and the summary say what random inputs are used for, and
 name INT8 ranges only where a variant takes ranges (FP16 takes none)."""
 
 from __future__ import annotations
@@ -17,3 +17,27 @@ def test_random_inputs_are_said_for_what_they_do(tmp_path: Path, variants: str, 
     text = " ".join(out.output.split())
     assert f"{said} on RANDOM inputs; wrote" in text
     assert ("INT8 ranges will not match real data" in text) == (variants == "int8")
+
+
+def test_an_fp32_model_with_a_float16_input_gets_its_fp16_variant(tmp_path: Path) -> None:
+    """Features stored in half precision (the model casts them to FP32 first): the converter took the float16 input
+    for a graph converted already and refused, and the error spanned two lines."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT),
+            helper.make_node("MatMul", ["xf", "w"], ["logits"]),
+        ],
+        "half_in",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 4])],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "m.onnx")
+    out = invoke("precision", tmp_path / "m.onnx", "-o", tmp_path / "v", "--variants", "fp16")
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "v" / "fp16" / "model.onnx").is_file()
