@@ -190,7 +190,8 @@ def convert_fp16(model: onnx.ModelProto, fp32_nodes: set[str], cfg: FP16Config) 
                 raise ModelError(
                     f"{exc.message} (after keeping {len(unconvertible)} unconvertible nodes in FP32)", hint=exc.hint
                 ) from None
-            log.warning("fp16: node %s does not convert (%s); keeping it FP32", node, exc.message)
+            # handled (the node stays FP32, the variant's record says why): nothing for the user to do
+            log.info("fp16: node %s does not convert (%s); keeping it FP32", node, exc.message)
             unconvertible[node] = f"FP16 conversion makes an invalid graph here; kept FP32 ({exc.message})"
 
 
