@@ -107,21 +107,22 @@ def evaluate_loss_acc(
     model.eval()
     run = forward or model
     x, y = take(x, slice(env.rank, None, env.world_size)), y[env.rank :: env.world_size]
-    correct, loss_sum, units = 0.0, 0.0, 0.0
+    correct: float | None = 0.0
+    loss_sum, units, scored = 0.0, 0.0, 0.0
     for i in range(0, len(y), batch):
         xb = take(x, slice(i, i + batch))
         out = call(run, rebuild(xb, [t.to(device) for t in tensors(xb)]))
         target = y[i : i + batch].to(device)
-        n = float(task.units(target))  # rows, or labelled positions
+        n = float(task.units(target))  # what the loss averages over: rows, or labelled positions
         with loss_errors(task, "computing the validation loss"):
             loss_sum += task.loss(out, target).item() * n  # the mean loss, weighted by what it averages over
         units += n
-        hits = task.correct(out, target)
-        correct = None if hits is None or correct is None else correct + hits
-    sums = all_sum([correct or 0.0, loss_sum, units], device, env)
+        counted = task.correct(out, target)  # (hits, labelled rows or positions): accuracy's own count
+        correct = None if counted is None or correct is None else correct + counted[0]
+        scored += counted[1] if counted is not None else 0.0
+    sums = all_sum([correct or 0.0, loss_sum, units, scored], device, env)
     model.train(was_training)
-    n = max(1.0, sums[2])
-    return sums[1] / n, (None if correct is None else sums[0] / n)
+    return sums[1] / max(1.0, sums[2]), (None if correct is None else sums[0] / max(1.0, sums[3]))
 
 
 def evaluate(model: nn.Module, x: Inputs, y: torch.Tensor, device: torch.device, batch: int = 256) -> float | None:

@@ -75,17 +75,19 @@ class Task:
         units = self.units(whole)
         return self.units(part) / (units.clamp(min=1) if isinstance(units, torch.Tensor) else units)
 
-    def correct(self, out: Any, y: torch.Tensor) -> float | None:
-        """Correctly classified rows or labelled positions (None: no classes to count)."""
+    def correct(self, out: Any, y: torch.Tensor) -> tuple[float, float] | None:
+        """Correctly classified rows or labelled positions, and how many were scored: accuracy's numerator and
+        denominator (None: no classes to count). The count is its own, not :meth:`units`: a user loss averages
+        over rows, but accuracy over labels per position counts positions."""
         if y.is_floating_point():
             return None
         try:
             logits = self.target(out)
         except ConfigError:  # a user loss on a model without one logits output: no accuracy to report
             return None
-        if not labels.are_indices(logits, y):  # multi-hot or packed labels beside the user's own loss
+        if not labels.are_indices(logits, y):  # multi-hot, packed or CTC labels beside the user's own loss
             return None
-        return float(labels.hits(logits, y).item())
+        return float(labels.hits(logits, y).item()), float(labels.labelled(y).item())
 
 
 CLASSIFY = Task("classification")
@@ -256,19 +258,31 @@ def warn_label_inputs(data: DatasetSplits) -> None:
     warn_labelled_padding(data)
 
 
+def _positions(target: torch.Tensor) -> tuple[int, ...]:
+    """The shape of class logits ``target`` without its class axis: where labels per position would go."""
+    axis = class_axis(target.ndim) % target.ndim
+    return tuple(s for i, s in enumerate(target.shape) if i != axis)
+
+
+def _at_a_fraction(positions: tuple[int, ...], y: torch.Tensor) -> bool:
+    """Logit positions at a whole fraction of the labels' size on every axis after the batch (a SegFormer's, at a
+    quarter of the image), not the same: scaling the logits up fits them."""
+    return (
+        positions != tuple(y.shape)
+        and len(positions) == y.ndim
+        and all(p and s % p == 0 for p, s in zip(positions[1:], y.shape[1:]))
+    )
+
+
 def check_positions(target: torch.Tensor, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """Class logits ``target`` fit labels per position ``y``: one row of class scores per labelled position, which
     accuracy and top-1 agreement read. Logits at a fraction of the labels' size (a SegFormer's, at a quarter) are
     not scaled up by Kiln: the fix says how."""
     axis = class_axis(target.ndim)
-    positions = tuple(s for i, s in enumerate(target.shape) if i != axis % target.ndim)
+    positions = _positions(target)
     if positions == tuple(y.shape) and target.shape[axis] >= max(num_classes, 2):
         return
-    if (
-        positions != tuple(y.shape)
-        and len(positions) == y.ndim
-        and all(p and s % p == 0 for p, s in zip(positions[1:], y.shape[1:]))
-    ):
+    if _at_a_fraction(positions, y):
         hint = (
             f"return the logits at the labels' size {tuple(y.shape[1:])} (a wrapper's forward: "
             "F.interpolate(logits, size=labels' size, mode='bilinear')), or give labels at the logits' size "
@@ -404,6 +418,20 @@ def loss_errors(
         raise err from exc
 
 
+def _say_unscored(task: Task, target: torch.Tensor, y: torch.Tensor) -> None:
+    """Say (once, before training) that labels per position of another length than the class logits' positions
+    (CTC or sequence-to-sequence targets) are the user's loss's to read: no label pairs with a row of logits, so
+    training reports no accuracy and ranks epochs by validation loss."""
+    assert task.user_loss is not None
+    log.info(
+        "labels of shape %s do not follow the positions of class logits %s: train.loss %s reads them, and training "
+        "reports no accuracy (epochs are ranked by validation loss)",
+        list(y.shape[1:]),
+        list(target.shape[1:]),
+        loss_name(task.user_loss),
+    )
+
+
 def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
     """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
     if task.user_loss is not None:
@@ -419,8 +447,12 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
             target = task.target(out)
         except ConfigError:  # no one class-logit output: validation compares the outputs by agreement
             return
-        if target.ndim == y.ndim + 1:  # else labels of another kind beside the user's loss (multi-hot): none read
+        if target.ndim != y.ndim + 1:  # labels of another kind beside the user's loss (multi-hot): none read
+            return
+        if _positions(target) == tuple(y.shape) or _at_a_fraction(_positions(target), y):
             check_positions(target, y, num_classes, model_ref)
+        else:
+            _say_unscored(task, target, y)
         return
     target = task.target(out)
     if task.kind == "classification" and labels.per_position(y):
