@@ -267,10 +267,36 @@ class Reference:
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
         if self.logits is not None:
             self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
+            self._drop_unfollowed_labels()
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
         self.accuracy = None if scored is None else self.accuracy_of(scored)
         self.metric_value = None if scored is None else self.metric_of(scored)
+
+    def _drop_unfollowed_labels(self) -> None:
+        """Target sequences of another length than the class logits' (a CTC model's token ids [N, 24] beside
+        per-frame log-probabilities [N, 63, 30], which a user's loss reads) score no task accuracy and mark no
+        positions for top-1 agreement, which then counts every position; said once. Other labels that do not fit
+        stay, for :func:`check_labels_fit`'s error."""
+        for y, out in zip(self.point_labels, self.outputs):
+            logits = out.get(self.logits)
+            if y is None or logits is None or logits.ndim < 2 or not per_position(y) or y.shape == logits.shape:
+                continue
+            positions = tuple(np.delete(np.array(logits.shape), class_axis(logits.ndim) % logits.ndim))
+            # a sequence of another length only (targets [N, L] beside [N, T, C]); any other misfit is an error there
+            if tuple(y.shape) == positions or logits.ndim != 3 or y.ndim != 2 or y.shape[0] != logits.shape[0]:
+                continue
+            log.warning(
+                "the held-out labels %s%s do not follow the positions of class logits '%s' %s (they take labels "
+                "%s): no task accuracy is measured, and top-1 agreement counts every position",
+                y.dtype,
+                list(y.shape),
+                self.logits,
+                list(logits.shape),
+                list(positions),
+            )
+            self.point_labels = [None] * len(self.point_labels)
+            return
 
     def at_batch(self, index: int, batch: int) -> dict[str, np.ndarray]:
         """The reference on ``batch`` rows of feed ``index`` (:func:`sample_batch`): what an engine called at that

@@ -346,3 +346,12 @@ def test_a_drop_of_exactly_the_gate_passes_it() -> None:
     assert accuracy_failures(entry, gates, 113 / 150) == []
     entry.accuracy = 109 / 150
     assert accuracy_failures(entry, gates, 113 / 150) == ["accuracy drop 0.0267 > max_accuracy_drop 0.02"]
+
+
+def test_target_sequences_of_another_length_score_no_accuracy(caplog: pytest.LogCaptureFixture) -> None:
+    """A CTC model's token ids [N, 24] beside per-frame log-probabilities [N, 63, 30]: its user loss reads them;
+    validation measures no accuracy there and counts top-1 agreement over every frame, and says so."""
+    with caplog.at_level("WARNING", logger="kiln.validate"):
+        ref = reference((4, 63, 30), np.zeros((4, 24), np.int64))
+    assert ref.accuracy is None and ref.labelled(0) is None
+    assert "labels int64[4, 24] do not follow the positions of class logits 'logits' [4, 63, 30]" in caplog.text
