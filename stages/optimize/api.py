@@ -68,9 +68,12 @@ def unrunnable_hint(
     ``signature.shapes`` for its named axes besides batch where the caller sizes them from it (``by_shapes``:
     ``kiln optimize FILE``), and ``optimize.verify_batch``, which sizes the batch and every axis ``sizes`` leaves
     out."""
-    if "cannot be reshaped" in why:
-        return FIXED_SIZE_HINT
     specs = io_specs(model)[0]
+    if "cannot be reshaped" in why:
+        named = axis_names(specs)
+        if by_shapes and named:  # a size the model's own arithmetic refuses (time // 4 frames of 2) is likelier
+            return f"give sizes the model takes on {_axes(named)}: {shapes_flag(named)}; or, if {FIXED_SIZE_HINT}"
+        return FIXED_SIZE_HINT
     axes = graph_axes(specs)
     fixes = []
     integers = [s.name for s in specs if s.dtype.startswith(("int", "uint"))]

@@ -271,6 +271,11 @@ def test_a_dynamic_axis_the_graph_fixes_is_named_as_such():
     assert "fixes the size of an axis its inputs declare dynamic" in err.value.hint
     out, s = optimize_model(m, OptimizeConfig(verify_batch=10))
     assert s["verified"]
+    # `kiln optimize FILE` sizes the axes from signature.shapes: a size the model's own arithmetic refuses (frames
+    # stacked by 4 at a length of 2) is the likelier cause, said first
+    with pytest.raises(ModelError, match="cannot be reshaped") as err:
+        optimize_model(m, OptimizeConfig(), by_shapes=True)
+    assert err.value.hint.startswith("give sizes the model takes on axis 'seq': --set 'signature.shapes={seq: [")
 
 
 def test_dynamic_spatial_axes_are_not_forced_to_one():
