@@ -112,7 +112,7 @@ def build_engine(
             flavour=built.flavour,
             versions=built.versions,
             batch_range=built.batch_range,
-            axis_ranges={k: v for k, v in (axis_sizes or {}).items() if k in named},
+            axis_ranges={k: [min(v), max(v)] for k, v in (axis_sizes or {}).items() if k in named and v},
             axis_steps=built.builder_settings.get("axis_steps")
             or {k: v for k, v in (axis_steps or {}).items() if k in named},
             index_ranges=_index_ranges(graph, taken, int_ranges or {}),

@@ -481,7 +481,12 @@ def test_two_dynamic_axes_of_different_lengths_through_every_engine_kind(tmp_pat
     )
     assert v["passed"] is True, v["failures"]
     assert {e["name"] for e in v["engines"] if e["status"] == "validated"} == {"onnxruntime-cpu-fp32", "torch-cpu-fp32"}
-    assert v["baseline"]["shapes"] == [{"src": 6, "tgt": 3}, {"src": 12, "tgt": 6}]
+    assert v["baseline"]["shapes"] == [  # paired, and each axis at its smallest beside the other's largest
+        {"src": 6, "tgt": 3},
+        {"src": 6, "tgt": 6},
+        {"src": 12, "tgt": 3},
+        {"src": 12, "tgt": 6},
+    ]
 
 
 def test_hidden_and_logits_model_called_with_a_tuple(tmp_path: Path) -> None:

@@ -153,3 +153,24 @@ def test_an_edge_index_range_starts_at_0_unless_the_data_counts_from_the_end() -
         "input 'edge_index' holds -1: engine gin takes values from 0 to 11 "
         "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
     )
+
+
+def test_an_axis_given_one_size_is_recorded_as_a_range(tmp_path: Path) -> None:
+    """A variant's recorded sizes (one: the data's) or a signature.shapes of one size are a range of one in the
+    engine's record: its checks read [smallest, largest] and failed to unpack a list of one."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from kiln.stages.engines.config import BuildConfig
+    from kiln.stages.engines.stage import build_direct
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["input"], ["logits"])],
+        "seq",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "seq"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq"])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "m.onnx")
+    meta = build_direct(tmp_path / "m.onnx", tmp_path / "e", "onnxruntime", "cpu", None, BuildConfig(), {"seq": [16]})
+    assert meta.axis_ranges == {"seq": [16, 16]}
+    assert meta.outside_range({"input": (2, 16)}) is None and meta.outside_range({"input": (2, 8)}) is not None
