@@ -118,4 +118,6 @@ def test_a_gemm_the_variant_computes_with_other_ops_is_still_compared(tmp_path: 
     ops = {n.name: n.op_type for n in src.model.graph.node}
     samples = np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32)
     picks = blame(src.model, out, samples, set(ops), set(), 3)
-    assert picks and all(ops[name] == "Gemm" for name in picks), picks
+    assert picks and ops[next(iter(picks))] == "Gemm", picks  # ranked first: a Gemm's own error
+    # a Relu may follow with the little it adds, but never charged with its Gemm's error against inputs of 0
+    assert not any(ops[n] == "Relu" and "inputs' 0 (" in why for n, why in picks.items()), picks
