@@ -194,6 +194,9 @@ class DataContractError(ConfigError):
     """The data function's splits break the dataset contract."""
 
 
+_MANY_INPUTS = 8  # a list or tuple of more tensors is likelier samples than a forward()'s arguments
+
+
 def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[int, str]] | None = None) -> None:
     """Every contract violation as one error naming the cause: types, structures that differ between train and
     val, row counts that differ, sample shapes that differ (axes named in ``dynamic`` may differ)."""
@@ -208,6 +211,15 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         # a tuple's inputs by position (forward's parameter names come with the model, not here)
         names = _keys(x) if isinstance(x, Mapping) else [f"{split}_x[{i}]" for i in range(len(tensors(x)))]
         counts = {k: len(t) for k, t in zip(names, tensors(x))}
+        if len(set(counts.values())) > 1 and not isinstance(x, Mapping) and len(counts) > _MANY_INPUTS:
+            lengths = sorted(counts.values())
+            raise DataContractError(
+                f"dataset '{ref}': {split}_x is a list of {len(counts)} tensors of {lengths[0]} to {lengths[-1]} rows: "
+                "a list or tuple is read as the model's inputs, one per forward() argument, not as samples",
+                hint="stack the samples into one tensor per input: pad them to one length "
+                "(torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)), give their lengths as a second input "
+                "if forward() needs them, and name the padded axis in signature.dynamic_axes",
+            )
         if len(set(counts.values())) > 1:
             raise DataContractError(
                 f"dataset '{ref}': the inputs of {split}_x have different row counts {counts} (axis 0 of every "

@@ -51,6 +51,10 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
             ),
             "different row counts",
         ),
+        (  # a list of samples of different lengths (utterances), read as that many inputs: told to pad and stack
+            DatasetSplits([torch.zeros(n, 4) for n in range(10, 22)], None, [torch.zeros(2, 4)] * 12, None),
+            "train_x is a list of 12 tensors of 10 to 21 rows: a list or tuple is read as the model's inputs",
+        ),
         (  # a tuple's inputs by position, not '0', '1'
             DatasetSplits(
                 (torch.zeros(8, 2), torch.zeros(2, 8, 3)), None, (torch.zeros(2, 2), torch.zeros(2, 2, 3)), None
