@@ -120,12 +120,7 @@ def test_auto_means_unmasked_calls_of_low_precision_gpu_engines(
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 def test_cuda_fp16_transformer_engine_runs_the_op_and_agrees(zoo, tmp_path: Path) -> None:
-    from kiln.models.registry import build_model
-    from tests.stages.engines.build_graphs import ZOO
-
-    def model() -> nn.Module:
-        torch.manual_seed(0)
-        return build_model("transformer", ZOO["transformer"][0])
+    from tests.stages.engines.torch.test_gemm_epilogues import _transformer as model
 
     cfg = BuildConfig(backends=["torch"], torch=TorchConfig(devices=["cuda"], fused_attention="on"))
     meta = build_engine(
