@@ -377,44 +377,25 @@ def _build_with_fallback(
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
-    cfg = ctx.config.build
     calibration = root / FEEDS_FILE  # saved by the precision stage where a backend calibrates the model itself
+    shared = dict(max_batch=max_batch, axis_sizes=sizes, int_ranges=int_ranges, axis_steps=axis_steps)
+
+    def build(graph: str, **extra: Any) -> EngineMetadata:
+        args = (ctx.out / name, backend, device, precision, ctx.config.build, ctx.cache_dir, ctx.progress)
+        return build_engine(root / graph, *args, **shared, **extra)
+
     try:
-        return build_engine(
-            root / src,
-            ctx.out / name,
-            backend,
-            device,
-            precision,
-            cfg,
-            ctx.cache_dir,
-            ctx.progress,
-            max_batch=max_batch,
+        return build(
+            src,
             keep_fp32=keep,
             torch_model=torch_model,
-            axis_sizes=sizes,
             calibration=calibration if calibration.is_file() else None,
-            int_ranges=int_ranges,
-            axis_steps=axis_steps,
         )
     except BuildError as exc:
         if keep is None or isinstance(exc, MislabelledEngine):
             raise
         ctx.log.warning("%s: %s; building it from the precision stage's %s graph instead", name, exc.message, precision)
-        return build_engine(
-            root / own_graph,
-            ctx.out / name,
-            backend,
-            device,
-            precision,
-            cfg,
-            ctx.cache_dir,
-            ctx.progress,
-            max_batch=max_batch,
-            axis_sizes=sizes,
-            int_ranges=int_ranges,
-            axis_steps=axis_steps,
-        )
+        return build(own_graph)
 
 
 def default_device(backend: str) -> str:
