@@ -26,7 +26,8 @@ SINGLE_INPUT = "input"  # the ONNX name of a model's only input, when it is pass
 
 @dataclass
 class DatasetSplits:
-    """Train and held-out splits. ``num_classes``: 0 for a task without classes (regression, embeddings)."""
+    """Train and held-out splits. ``num_classes``: 0 (or None) for a task without classes (regression,
+    embeddings)."""
 
     train_x: Inputs
     train_y: torch.Tensor | None
@@ -36,6 +37,8 @@ class DatasetSplits:
     name: str = "dataset"
 
     def __post_init__(self) -> None:
+        if self.num_classes is None:  # "no classes", as a user may well write it
+            self.num_classes = 0
         # a list of input tensors is the tuple a user meant (model(*x)): the contract's structures are tuples
         for field in ("train_x", "val_x"):
             if isinstance(getattr(self, field), list):

@@ -97,6 +97,13 @@ def test_contract_violations_name_the_cause(splits: DatasetSplits, message: str)
     assert info.value.hint
 
 
+def test_num_classes_none_means_a_task_without_classes() -> None:
+    from kiln.stages.accuracy.check import declares_classes
+
+    splits = DatasetSplits(ids(8), torch.randn(8), ids(4), torch.randn(4), num_classes=None)
+    assert splits.num_classes == 0 and not declares_classes(splits)
+
+
 def test_labels_per_token_are_classes_or_the_ignore_label() -> None:
     """[N, seq] tags, -100 where a token has none (padding; Hugging Face's token-classification collator)."""
     tags = torch.randint(0, 4, (8, 6))
