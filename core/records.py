@@ -99,12 +99,18 @@ def takes_size(pattern: list[int], size: int) -> bool:
     return size % period in {r % period for r in residues}
 
 
-def steps_text(pattern: list[int]) -> str:
+def steps_text(pattern: list[int], span: tuple[int, int] | None = None) -> str:
     """``[4, 0]`` -> " in steps of 4"; ``[4, 1]`` -> " in steps of 4 from 1"; ``[16, 0, 9, 10, 11]`` -> " at
-    sizes 0, 9-11 modulo 16"; ``[1, 0]`` (any size) -> ""."""
+    sizes 0, 9-11 modulo 16"; ``[1, 0]`` (any size) -> "". With the validated ``span`` (low, high), a pattern
+    that admits few sizes there lists them (" at sizes 16, 32"), clearer than residues of a period as long as
+    the range."""
     period, *residues = pattern
     if period <= 1:
         return ""
+    if span is not None:
+        sizes = [s for s in range(span[0], span[1] + 1) if takes_size(pattern, s)]
+        if len(residues) > 1 and 0 < len(sizes) <= 8:
+            return " at sizes " + ", ".join(map(str, sizes))
     if len(residues) == 1:
         return f" in steps of {period}" + (f" from {residues[0]}" if residues[0] else "")
     runs: list[list[int]] = []
@@ -233,7 +239,7 @@ class EngineMetadata(Record):
                 if not low <= shape[axis] <= high or not takes_size(pattern, shape[axis]):
                     return (
                         f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was validated "
-                        f"for {dim} from {low} to {high}{steps_text(pattern)}"
+                        f"for {dim} from {low} to {high}{steps_text(pattern, (low, high))}"
                     )
         return None
 

@@ -95,7 +95,7 @@ def unrunnable_hint(
 
 
 def _axes(names: list[str]) -> str:
-    return f"axis{'es' if len(names) > 1 else ''} " + ", ".join(f"'{n}'" for n in names)
+    return ("axes " if len(names) > 1 else "axis ") + ", ".join(f"'{n}'" for n in names)
 
 
 def optimize_model(

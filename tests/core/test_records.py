@@ -136,7 +136,11 @@ def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
     meta.axis_steps = {"seq": [4, 0, 3]}  # an FPN's rounding: runs of sizes per period
     assert meta.outside_range({"ids": (2, 11)}) is None and meta.outside_range({"ids": (2, 12)}) is None
     assert meta.outside_range({"ids": (2, 10)}) == (
-        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 at sizes 0, 3 modulo 4"
+        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 at sizes 8, 11, 12, 15, 16"
+    )
+    meta.axis_ranges, meta.axis_steps = {"seq": [16, 32]}, {"seq": [17, 15, 16]}  # a period as long as the range
+    assert meta.outside_range({"ids": (2, 24)}) == (
+        "input 'ids' axis 1 (seq) is 24: engine e was validated for seq from 16 to 32 at sizes 16, 32"
     )
 
 
