@@ -1273,7 +1273,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     "engines",
     default="kiln-out",
     show_default=True,
-    type=click.Path(exists=True),
+    type=click.Path(),
     help="the workdir or engine folder the server serves: expected answers come from its engine",
 )
 @click.option(
@@ -1372,6 +1372,11 @@ def loadtest(
 
     _setup_logging(False, 0)
     lean_client(client, parse_url(url)[0], shared_memory)  # a bad URL or client is said before any folder is made
+    if not Path(engines).exists():
+        raise ConfigError(
+            f"--engines {engines}: no such folder (the workdir or engine folder the server serves)",
+            hint="pass -e WORKDIR (or an engine folder): the path given to `kiln serve`",
+        )
     model = model or default_model(engines)
     run_config = None if config else recorded_config(engines)
     if run_config is None:

@@ -756,13 +756,14 @@ def test_a_load_test_that_failed_its_check_leaves_files_the_next_one_may_replace
     [
         ("grpc://127.0.0.1:8001", ["--client", "kiln"], "HTTP requests whose tensors are in shared memory only"),
         ("http://10.1.2.3:8000", [], "is not this machine"),
+        ("http://127.0.0.1:8000", ["-e", "no-such-workdir"], "pass -e WORKDIR"),
     ],
 )
 def test_a_load_test_that_cannot_run_says_why_before_making_its_folder(
     tmp_path: Path, url: str, extra: list[str], said: str
 ) -> None:
     out = tmp_path / "lt"
-    result = CliRunner().invoke(main, ["loadtest", url, "-e", str(tmp_path), "-o", str(out), *extra])
+    result = CliRunner().invoke(main, ["loadtest", url, "-e", str(tmp_path), "-o", str(out), *extra])  # last -e wins
     assert result.exit_code == 2 and said in result.output and "fix:" in result.output, result.output
     assert not out.exists()
 
