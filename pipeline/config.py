@@ -507,7 +507,8 @@ def set_value(dotted: str, text: str) -> Any:
     A key that takes only a list of fixed choices or of numbers (``precision.variants``, ``signature.batch_sizes``)
     also takes the comma form ``fp32,int8``, as ``kiln precision --variants`` does: no item of such a list can
     hold a comma and no single value is valid there, so it means nothing else. A list of free text (paths, node
-    names) is not split, as an item may hold a comma: ``[a, b]`` is its form."""
+    names) is not split, as an item may hold a comma: ``[a, b]`` is its form; one such item without brackets or a
+    comma is a list of one (``build.backends=onnxruntime``), as no single value is valid there either."""
     path = dotted.split(".")
     if len(path) == 2 and FORMER_PLACES.get(path[1]) == path[0]:  # validate.batch_sizes is signature.batch_sizes
         path = ["signature", path[1]]
@@ -516,8 +517,11 @@ def set_value(dotted: str, text: str) -> Any:
         return None if text in ("null", "~") and _accepts_none(annotation) else text
     text_items = annotation is not None and get_origin(annotation) is list and _takes_text_only(get_args(annotation)[0])
     items = _comma_items(annotation)
+    bare = text.strip() and text.lstrip()[:1] not in "[{" and text not in ("null", "~")
+    if text_items and not items and bare and "," not in text:
+        return [text]
     try:
-        if items and text.strip() and text.lstrip()[:1] not in "[{" and text not in ("null", "~"):
+        if items and bare:
             as_text = all(_takes_text_only(i) for i in items)
             return [p.strip() if as_text else yaml.load(p, Loader=_StrictLoader) for p in text.split(",")]  # noqa: S506
         return yaml.load(text, Loader=yaml.BaseLoader if text_items else _StrictLoader)  # noqa: S506

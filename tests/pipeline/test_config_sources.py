@@ -109,6 +109,12 @@ def test_a_list_of_free_text_keeps_its_commas_and_the_fix_shows_the_list_form(cf
     assert "--set data.depends_on=[shards/,tok/]" in err.hint, err.hint
 
 
+def test_one_item_of_a_list_of_free_text_is_a_list_of_one() -> None:
+    """``--set build.backends=onnxruntime`` as ``precision.variants=int8`` is: no single value is valid there."""
+    assert set_value("build.backends", "onnxruntime") == ["onnxruntime"]
+    assert set_value("build.backends", "[onnxruntime, torch]") == ["onnxruntime", "torch"]
+
+
 def test_a_non_list_for_a_list_from_set_gets_the_list_form(cfg: Path) -> None:
     err = _error(cfg, {"build.backends": set_value("build.backends", "onnxruntime,torch")})
     assert "--set build.backends=[onnxruntime,torch]" in err.hint, err.hint
