@@ -354,12 +354,41 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
             hint=f"label some positions of {split}_y, or give None for no labels",
         )
     if given.numel() and (int(given.min()) < 0 or int(given.max()) >= num_classes):
-        raise DataContractError(
-            f"dataset '{ref}': {split}_y has labels from {int(given.min())} to {int(given.max())}, "
-            f"outside 0..{num_classes - 1} (num_classes {num_classes})"
-            + (f"; {IGNORE_LABEL} marks a position without a label" if dense else ""),
-            hint="fix the labels or num_classes",
-        )
+        raise _out_of_range(given, split, num_classes, ref, dense)
+
+
+def _ignore_value(given: torch.Tensor, num_classes: int) -> tuple[int, int] | None:
+    """The one label value outside 0..num_classes-1 among labels per position that also hold classes, and how many
+    positions hold it: a dataset's own mark for "no label" (VOC's and Cityscapes' 255), which Kiln spells
+    ``IGNORE_LABEL``. None where several values are out of range, or every label is that one value."""
+    outside = given[(given < 0) | (given >= num_classes)]
+    value = int(outside[0])
+    if not bool((outside == value).all()) or len(outside) == len(given):
+        return None
+    return value, len(outside)
+
+
+def _out_of_range(given: torch.Tensor, split: str, num_classes: int, ref: str, dense: bool) -> DataContractError:
+    """The error for labels outside 0..num_classes-1 (``given``: those that are not ``IGNORE_LABEL``). One value
+    out of range among labels per position is most likely the dataset's ignore value: the fix maps it to
+    ``IGNORE_LABEL`` (raising num_classes past it would train classes that never occur)."""
+    found = _ignore_value(given, num_classes) if dense else None
+    message = (
+        f"dataset '{ref}': {split}_y has labels from {int(given.min())} to {int(given.max())}, "
+        f"outside 0..{num_classes - 1} (num_classes {num_classes})"
+    )
+    if found is None:
+        marks = f"; {IGNORE_LABEL} marks a position without a label" if dense else ""
+        return DataContractError(message + marks, hint="fix the labels or num_classes")
+    value, count = found
+    class_too = f", or set num_classes to {value + 1} if {value} is a class" if value == num_classes else ""
+    return DataContractError(
+        f"{message}: {count:,} positions hold {value}, the only label outside 0..{num_classes - 1}; "
+        f"{IGNORE_LABEL} marks a position without a label",
+        hint=f"if {value} marks positions without a label, map it to {IGNORE_LABEL}: y[y == {value}] = "
+        f"{IGNORE_LABEL} (cross-entropy ignores {IGNORE_LABEL} by default; a train.loss with "
+        f"ignore_index={value} then takes ignore_index={IGNORE_LABEL}){class_too}",
+    )
 
 
 def _check_values(x: Inputs, y: torch.Tensor | None, split: str, ref: str) -> None:

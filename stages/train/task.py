@@ -121,21 +121,34 @@ def scoring_task(data: DatasetSplits, loss: str | None, logits_output: str | int
     return Task("classification", logits_output, no_loss) if data.classification else None
 
 
+def _targets_class_axis(y: torch.Tensor) -> int:
+    """The axis float targets ``y`` would hold classes on: float targets train with mean squared error on an output
+    of their own shape, whose class axis is that of class logits of that rank (1 for ``[N, C]`` and
+    ``[N, C, H, W]``, the last for ``[N, seq, C]``: :func:`class_axis`)."""
+    return class_axis(y.ndim) % y.ndim
+
+
 def _zero_one_rows(y: torch.Tensor | None, num_classes: int) -> str | None:
-    """Float ``[N, num_classes]`` rows of 0/1: ``"one-hot"`` with exactly one 1 in each (class labels one-hot
-    encoded), ``"multi-hot"`` otherwise (multi-label targets); None for any other labels."""
-    if y is None or not y.is_floating_point() or y.ndim != 2 or num_classes < 2 or y.shape[1] != num_classes:
+    """Float 0/1 labels with ``num_classes`` entries on their class axis (rows ``[N, C]``, per pixel
+    ``[N, C, H, W]``, per token ``[N, seq, C]``): ``"one-hot"`` with exactly one 1 in each row or position (class
+    labels one-hot encoded), ``"multi-hot"`` otherwise (multi-label targets); None for any other labels."""
+    if y is None or not y.is_floating_point() or y.ndim < 2 or num_classes < 2:
         return None
-    if not bool(((y == 0) | (y == 1)).all()):
+    axis = _targets_class_axis(y)
+    if y.shape[axis] != num_classes or not bool(((y == 0) | (y == 1)).all()):
         return None
-    return "one-hot" if bool((y.sum(1) == 1).all()) else "multi-hot"
+    return "one-hot" if bool((y.sum(axis) == 1).all()) else "multi-hot"
 
 
-def _zero_one_fix(kind: str) -> str:
-    """What to do with 0/1 rows that would train as regression targets, by their kind."""
+def _zero_one_fix(kind: str, y: torch.Tensor) -> str:
+    """What to do with 0/1 labels ``y`` that would train as regression targets, by their kind: one-hot labels
+    become class indices by an argmax over their class axis, a row's or one per position."""
     if kind == "one-hot":
+        axis = _targets_class_axis(y)
+        indices = [s for i, s in enumerate(y.shape) if i != axis]
+        argmax = "y.argmax(1)" if y.ndim == 2 else f"y.argmax({1 if axis == 1 else -1}) gives class indices {indices}"
         return (
-            "pass class indices (y.argmax(1)) for cross-entropy and top-1 accuracy, or leave them as they are for "
+            f"pass class indices ({argmax}) for cross-entropy and top-1 accuracy, or leave them as they are for "
             "regression / multi-label"
         )
     return (
@@ -145,26 +158,34 @@ def _zero_one_fix(kind: str) -> str:
     )
 
 
+def _zero_one_shape(kind: str, y: torch.Tensor) -> str:
+    """How the warning describes 0/1 labels ``y`` of ``kind``: rows ``[N, C]``, or labels per position with their
+    classes on axis 1 (``[N, C, H, W]``) or the last (``[N, seq, C]``)."""
+    ones = "one 1" if kind == "one-hot" else "any number of 1s"
+    if y.ndim == 2:
+        return f"{kind} rows (0/1, {ones} per row)"
+    axis = "axis 1" if _targets_class_axis(y) == 1 else "the last axis"
+    return f"{kind} labels per position (0/1 on {axis}, {ones} per position)"
+
+
 def warn_one_hot(data: DatasetSplits) -> None:
     """Say (once, where the task is decided) that float 0/1 labels of a dataset that declares classes train as
-    regression targets: mean squared error, and no accuracy or top-1 agreement. One-hot rows are told to become
-    class indices, multi-hot rows (multi-label targets) to take a binary cross-entropy loss and multilabel_f1.
-    Said, not refused: regression targets may look the same."""
+    regression targets: mean squared error, and no accuracy or top-1 agreement. One-hot labels (rows, or class maps
+    per pixel or per token) are told to become class indices, multi-hot ones (multi-label targets) to take a binary
+    cross-entropy loss and multilabel_f1. Said, not refused: regression targets may look the same."""
     found = ((s, _zero_one_rows(getattr(data, f"{s}_y"), data.num_classes)) for s in ("train", "val"))
     split, kind = next(((s, k) for s, k in found if k is not None), (None, None))
     if split is None or kind is None:
         return
     y = getattr(data, f"{split}_y")
-    described = "one 1 per row" if kind == "one-hot" else "any number of 1s per row"
     log.warning(
-        "%s_y is float %s of %s rows (0/1, %s) with num_classes=%d: float labels train as regression targets (mean "
-        "squared error), with no accuracy or top-1 agreement; %s",
+        "%s_y is float %s of %s with num_classes=%d: float labels train as regression targets (mean squared error), "
+        "with no accuracy or top-1 agreement; %s",
         split,
         list(y.shape),
-        kind,
-        described,
+        _zero_one_shape(kind, y),
         data.num_classes,
-        _zero_one_fix(kind),
+        _zero_one_fix(kind, y),
     )
 
 

@@ -97,6 +97,50 @@ def test_contract_violations_name_the_cause(splits: DatasetSplits, message: str)
     assert info.value.hint
 
 
+def _masks(ignore: int, n: int = 8) -> torch.Tensor:
+    """Pixel labels [n, 6, 6] of classes 0..3 with a two-pixel unlabelled border of ``ignore`` (VOC's 255)."""
+    y = torch.arange(n * 36).reshape(n, 6, 6) % 4
+    y[:, :2, :] = ignore
+    return y
+
+
+@pytest.mark.parametrize("ignore", [255, 4, -1])
+def test_one_ignore_value_of_the_datasets_own_is_told_to_become_minus_100(ignore: int) -> None:
+    """Segmentation labels with 255 on unlabelled pixels (VOC, Cityscapes) were told to 'fix the labels or
+    num_classes', which points at num_classes=256: the fix names the remap to -100 and the error the count."""
+    y = _masks(ignore)
+    data = DatasetSplits(torch.zeros(8, 3, 6, 6), y, torch.zeros(2, 3, 6, 6), y[:2], num_classes=4)
+    with pytest.raises(DataContractError) as info:
+        check_splits(data, "mine:seg")
+    assert info.value.message.startswith(
+        f"dataset 'mine:seg': train_y has labels from {min(0, ignore)} to {max(3, ignore)}, outside 0..3 "
+        f"(num_classes 4): {8 * 12} positions hold {ignore}, the only label outside 0..3; -100 marks a position "
+        "without a label"
+    )
+    assert info.value.hint.startswith(
+        f"if {ignore} marks positions without a label, map it to -100: y[y == {ignore}] = -100"
+    )
+    assert ("set num_classes to 5" in info.value.hint) == (ignore == 4)  # 4 may be a fifth class as well
+    fixed = y.masked_fill(y == ignore, -100)
+    check_splits(DatasetSplits(data.train_x, fixed, data.val_x, fixed[:2], num_classes=4), "mine:seg")
+
+
+@pytest.mark.parametrize(
+    ("y", "why"),
+    [
+        (_masks(255).masked_fill(_masks(255) == 3, 7), "two values out of range: no one ignore value"),
+        (torch.arange(8) % 4 + 252, "one label per row: no position to leave unlabelled"),
+    ],
+)
+def test_labels_out_of_range_without_one_ignore_value_keep_the_general_fix(y: torch.Tensor, why: str) -> None:
+    n = len(y)
+    x = torch.zeros(n, 3, 6, 6) if y.ndim > 1 else torch.zeros(n, 3)
+    data = DatasetSplits(x, y, x[:2], y[:2], num_classes=4)
+    with pytest.raises(DataContractError) as info:
+        check_splits(data, "mine:seg")
+    assert info.value.hint == "fix the labels or num_classes", why
+
+
 def test_num_classes_none_means_a_task_without_classes() -> None:
     from kiln.stages.accuracy.check import declares_classes
 

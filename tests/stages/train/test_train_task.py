@@ -238,6 +238,64 @@ def test_zero_one_float_labels_with_classes_are_warned_of(
         assert "validate.metric: multilabel_f1" in said[0] and "y.argmax(1)" not in said[0]
 
 
+def _per_pixel_one_hot(classes: int = 4) -> torch.Tensor:
+    """Float one-hot class maps [8, classes, 6, 6]: F.one_hot of [8, 6, 6] labels with the classes moved to axis 1."""
+    y = torch.arange(8 * 36).reshape(8, 6, 6) % classes
+    return torch.nn.functional.one_hot(y, classes).permute(0, 3, 1, 2).float()
+
+
+def _per_token_one_hot(classes: int = 4) -> torch.Tensor:
+    """Float one-hot tags [8, 6, classes], the classes on the last axis as a tagger's logits hold them."""
+    return torch.nn.functional.one_hot(torch.arange(48).reshape(8, 6) % classes, classes).float()
+
+
+@pytest.mark.parametrize(
+    ("train_y", "num_classes", "warned", "fix"),
+    [
+        (_per_pixel_one_hot(), 4, "one-hot", "y.argmax(1) gives class indices [8, 6, 6]"),
+        (_per_token_one_hot(), 4, "one-hot", "y.argmax(-1) gives class indices [8, 6]"),
+        ((_per_pixel_one_hot() + _per_pixel_one_hot().roll(1, 1)).clamp(max=1), 4, "multi-hot", None),
+        (_per_pixel_one_hot(), 0, None, None),  # no classes declared: 0/1 regression targets
+        (torch.randn(8, 4, 6, 6), 0, None, None),  # a denoiser's noise
+        (torch.randn(8, 4, 6, 6), 4, None, None),  # a class-conditional denoiser's noise
+        (_per_pixel_one_hot() * 0.5, 4, None, None),  # soft targets
+        (_per_pixel_one_hot(4).permute(0, 2, 3, 1), 4, None, None),  # classes last of four axes: not the class axis
+        (_per_token_one_hot().transpose(1, 2), 4, None, None),  # classes on axis 1 of three: not the class axis
+    ],
+)
+def test_zero_one_float_labels_per_position_are_warned_of(
+    train_y, num_classes, warned, fix, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One-hot class maps [N, C, H, W] (and one-hot tags [N, seq, C]) beside num_classes trained silently as MSE
+    regression and passed every gate: their classes lie on the axis class logits hold them on, and they are warned
+    of like one-hot rows, with the argmax over that axis as the fix. Float noise of that shape is no label."""
+    said = _warnings(caplog, monkeypatch, lambda: task_for(_rows(train_y, num_classes), None, None))
+    said = [m for m in said if "(0/1" in m]
+    assert len(said) == int(warned is not None), said
+    if warned is None:
+        return
+    assert said[0].startswith(f"train_y is float {list(train_y.shape)} of {warned} labels per position (0/1 on ")
+    assert f"num_classes={num_classes}" in said[0]
+    if fix:
+        assert fix in said[0] and "binary_cross_entropy" not in said[0]
+    else:
+        assert "train.loss: torch.nn.functional:binary_cross_entropy_with_logits" in said[0]
+        assert "validate.metric: multilabel_f1" in said[0] and "argmax" not in said[0]
+
+
+def test_one_hot_class_maps_take_the_warned_fix_and_train_with_cross_entropy() -> None:
+    """The fix the warning gives, y.argmax(1), is labels per pixel that train with cross-entropy and accuracy."""
+    y = _per_pixel_one_hot()
+    data = _rows(y.argmax(1), 4)
+    data.train_x, data.val_x = torch.randn(8, 3, 6, 6), torch.randn(4, 3, 6, 6)
+    task = task_for(data, None, None)
+    assert task.kind == "classification"
+    model = torch.nn.Conv2d(3, 4, 1)
+    check_task(task, model(data.train_x[:2]), data.train_y[:2], 4, "m")
+    result = train(model, data, TrainConfig(epochs=1, batch_size=4, device="cpu", plot=False), task=task)
+    assert result.history[-1].val_accuracy is not None
+
+
 def _rows(train_y: torch.Tensor, num_classes: int) -> DatasetSplits:
     return DatasetSplits(torch.zeros(8, 3), train_y, torch.zeros(4, 3), train_y[:4], num_classes=num_classes)
 
