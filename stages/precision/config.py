@@ -12,7 +12,8 @@ Precision = Literal["fp32", "fp16", "int8", "fp8"]  # fp8: torch engines on GPUs
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # Ops whose FP16 result is unreliable: normalisation statistics, exponentials and powers overflow or lose
-# the small differences they work on. Softmax is kept because its exp/sum is what overflows first.
+# the small differences they work on. Softmax is kept because its exp/sum is what overflows first. Sin/Cos/Tan
+# read phases (timestep and position embeddings) that FP16 rounds by up to 0.25 rad near 1000.
 DEFAULT_FP32_OPS = (
     "LayerNormalization",
     "GroupNormalization",
@@ -30,6 +31,9 @@ DEFAULT_FP32_OPS = (
     "ReduceLogSum",
     "ReduceProd",
     "CumSum",
+    "Sin",
+    "Cos",
+    "Tan",
 )
 
 
@@ -39,6 +43,13 @@ class FP16Config(Section):
         default_factory=lambda: list(DEFAULT_FP32_OPS), description="op types always kept in FP32"
     )
     fp32_nodes: list[str] = Field(default_factory=list, description="node names always kept in FP32")
+    phase_fp32: bool = Field(
+        True,
+        description="keep FP32 the nodes computing the argument of a Sin/Cos/Tan kept FP32 from constants, integer "
+        "inputs and small float inputs (a timestep or position embedding's t*freq): FP16's spacing is 0.5 between "
+        "512 and 1024, so such a phase would be off by up to 0.25 rad; the chain reads no big activation, so it "
+        "costs no speed",
+    )
     decomposed_layernorm: bool = Field(True, description="keep LayerNorm written as ReduceMean/Sub/Pow/Sqrt in FP32")
     long_reduction: int = Field(
         1024,

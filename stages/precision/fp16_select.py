@@ -6,13 +6,17 @@ LayerNorm written out as elementwise ops, long reductions, tensors out of FP16 r
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kiln.stages.precision.casts import FLOAT_ONNX
 from kiln.stages.precision.config import FP16Config
+
+log = logging.getLogger("kiln.precision")
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
 REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
@@ -22,6 +26,10 @@ REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
 # must be able to keep them FP32 (else an FP32 island broken by a Reshape still overflows).
 INDEX_OPS = {"Shape", "Size", "ConstantOfShape", "Range"}
 SEQUENCE_OPS = {"ConcatFromSequence", "SplitToSequence"}  # besides the Sequence* ops
+PERIODIC_OPS = {"Sin", "Cos", "Tan"}
+# A float graph input with at most this many values a sample (a timestep, a position, coordinates) may feed a
+# phase; a bigger one is the model's data, whose processing is no phase computation.
+SMALL_INPUT = 64
 
 
 def select_fp32_nodes(
@@ -36,6 +44,16 @@ def select_fp32_nodes(
             keep.setdefault(n.name, "listed in fp16.fp32_nodes")
     for name, reason in unconvertible_ops(model).items():
         keep.setdefault(name, reason)
+    if cfg.phase_fp32:
+        phases = phase_nodes(model, set(keep))
+        for name, reason in phases.items():
+            keep.setdefault(name, reason)
+        if phases:
+            log.info(
+                "fp16: %d nodes computing a Sin/Cos phase kept FP32 (fp16.phase_fp32): FP16 rounds a phase near "
+                "1000 by up to 0.25 rad",
+                len(phases),
+            )
     if cfg.decomposed_layernorm:
         for name in decomposed_layernorm_nodes(model):
             keep.setdefault(name, "part of a LayerNorm written as elementwise ops")
@@ -63,6 +81,76 @@ def unconvertible_ops(model: onnx.ModelProto) -> dict[str, str]:
         elif n.op_type in SEQUENCE_OPS or n.op_type.startswith("Sequence") or sequences & {*n.input, *n.output}:
             out[n.name] = f"{n.op_type} works on sequences, which FP16 conversion does not support"
     return out
+
+
+def phase_nodes(model: onnx.ModelProto, kept: set[str]) -> dict[str, str]:
+    """``{node: reason}`` for the float nodes computing the argument of a periodic node in ``kept`` (``t * freqs``
+    of a timestep embedding, with its Cast, Unsqueeze, Mul...) from phase sources only (:func:`phase_values`).
+
+    FP16's spacing is 0.5 between 512 and 1024: a phase near 1000 rounds by up to 0.25 rad, so Sin/Cos in FP32
+    alone do not help when their argument was computed in FP16. The chain reads no big activation: it is tiny.
+    """
+    sources = phase_values(model)
+    types = _types(model)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    out: dict[str, str] = {}
+    for node in model.graph.node:
+        if node.op_type not in PERIODIC_OPS or node.name not in kept:
+            continue
+        reason = (
+            f"computes the phase of {node.op_type} '{node.name}' (fp16.phase_fp32): FP16 rounds a phase near 1000 "
+            "by up to 0.25 rad"
+        )
+        seen: set[str] = set()
+        todo = [i for i in node.input if i in sources]
+        while todo:  # through nodes kept already (an Exp making the frequencies): their inputs are phase too
+            p = producers.get(todo.pop())
+            if p is None or p.name in seen:
+                continue
+            seen.add(p.name)
+            if not any(types.get(o, onnx.TensorProto.FLOAT) in FLOAT_ONNX for o in p.output):
+                continue  # integer values are exact: nothing above them to keep
+            if p.name not in kept:
+                out.setdefault(p.name, reason)
+            todo += [i for i in p.input if i in sources]
+    return out
+
+
+def phase_values(model: onnx.ModelProto) -> set[str]:
+    """Tensors that may carry a phase: computed only from initializers, constants, integer tensors (exact, wherever
+    they come from) and float graph inputs of at most ``SMALL_INPUT`` values a sample, never through a periodic op
+    (what reads its output is the model, not a phase) or control flow. A big activation never is one."""
+    types = _types(model)
+    graph = model.graph
+    found = {i.name for i in graph.initializer} | {i.name for i in graph.input if _small_input(i)}
+
+    def source(name: str) -> bool:
+        return not name or name in found or types.get(name, onnx.TensorProto.FLOAT) not in FLOAT_ONNX
+
+    for n in graph.node:
+        if n.op_type in PERIODIC_OPS or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute
+        ):
+            continue
+        if n.op_type in ("Shape", "Size") or all(source(i) for i in n.input):
+            found.update(n.output)
+    return found
+
+
+def _small_input(value: onnx.ValueInfoProto) -> bool:
+    """Whether a graph input is non-float, or float with a known count of at most ``SMALL_INPUT`` values a sample
+    (its first axis is the batch)."""
+    t = value.type.tensor_type
+    if t.elem_type not in FLOAT_ONNX:
+        return True
+    dims = list(t.shape.dim)[1:]
+    return all(d.HasField("dim_value") for d in dims) and math.prod(d.dim_value for d in dims) <= SMALL_INPUT
+
+
+def _types(model: onnx.ModelProto) -> dict[str, int]:
+    graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input, *graph.output]}
+    return types | {i.name: i.data_type for i in graph.initializer}
 
 
 def sequence_values(model: onnx.ModelProto) -> set[str]:
