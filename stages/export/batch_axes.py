@@ -4,9 +4,9 @@ Exporters name dynamic axes per input unless told otherwise (torch.onnx.export's
 ``input_ids_dynamic_axes_1`` and ``attention_mask_dynamic_axes_1``, tf2onnx ``unk__1`` and ``unk__2``), and Kiln ties
 axes by name only, so such a BERT would take its ids and its mask in counts of their own and be served one request
 at a time. A two-tower model's ``texts`` and ``images`` really are apart. Which one a file is, running it tells: the
-finest grouping of the inputs whose groups the graph takes in counts of their own, less groups that no output's
-first axis follows (a mask the graph broadcasts or slices), is the truth, and the inputs of a group get one name in
-Kiln's copy.
+finest grouping of the inputs whose groups the graph takes in counts of their own, less groups whose count no
+output carries at any of its axes (a mask the graph broadcasts or slices), is the truth, and the inputs of a group get
+one name in Kiln's copy.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def tie_batch_axes(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
     """Rename, in the file at ``path``, the first axes of inputs the graph takes only in one count to one name (the
     first input's of each group); returns the renames (old name -> new). Inputs whose values the graph never reads
     join the first group: their count changes nothing. ``feed``: at least two rows of every input, which the graph
-    answers in one count (else nothing is renamed)."""
+    answers in one count (else nothing is renamed). Each tie is a warning saying why: the user named those axes
+    apart, and the engine will refuse them in counts of their own."""
     graph = load_onnx(path, load_external_data=False).graph
     names = first_axis_names(graph)
     unread = set(unread_inputs(graph))
@@ -52,18 +53,37 @@ def tie_batch_axes(path: Path, feed: dict[str, np.ndarray]) -> dict[str, str]:
     blocks, outputs = next(((p, out) for p, out in runs if out is not None), (None, None))
     if blocks is None or outputs is None:  # not even in one count: the data does not fit the graph (said later)
         return {}
-    blocks = _leading(blocks, outputs)
-    renames = {name: block[0] for block in blocks for name in block if name != block[0]}
-    renames |= {names[k]: blocks[0][0] for k in unread if k in names and names[k] != blocks[0][0]}
+    followed = _followed(session, feed, names, blocks, outputs)
+    joined = _leading(blocks, followed)
+    renames = {name: block[0] for block in joined for name in block if name != block[0]}
+    renames |= {names[k]: joined[0][0] for k in unread if k in names and names[k] != joined[0][0]}
     if renames:
         _rename(path, renames, names)
-        log.info(
-            "inputs' first axes %s are one batch axis with %s (the graph takes them in one count only, or no output's "
-            "first axis follows theirs)",
-            sorted(renames),
-            sorted(set(renames.values())),
-        )
+        why = _why_tied(renames, blocks, {names[k]: k for k in unread if k in names})
+        # certain ties (an exporter's per-input names on inputs the graph runs in one count) are said quietly; one
+        # the graph would have run apart, since no output carries that count, is Kiln's judgement: a warning
+        log.log(logging.WARNING if "no output has an axis" in why else logging.INFO, "%s", why)
     return renames
+
+
+def _why_tied(renames: dict[str, str], blocks: list[list[str]], unread: dict[str, str]) -> str:
+    """The tie warning: each renamed first axis with the reason the graph gave (it never reads the input, it runs
+    the group only in one count with another, or no output carries the group's count at any axis)."""
+    block_of = {name: i for i, block in enumerate(blocks) for name in block}
+    why = []
+    for old, new in sorted(renames.items()):
+        if old in unread:
+            reason = f"the graph never reads input '{unread[old]}'"
+        elif block_of.get(old) == block_of.get(new):
+            reason = "the graph runs them only in one count"
+        else:
+            reason = f"no output has an axis that follows the count of '{old}' (the graph reads it whole)"
+        why.append(f"'{old}' is now '{new}' ({reason})")
+    return (
+        "model.onnx names first axes apart that Kiln ties into one batch axis: "
+        + "; ".join(why)
+        + ". The engines take those inputs in one count only"
+    )
 
 
 def partitions(items: list[str]) -> Iterator[list[list[str]]]:
@@ -85,10 +105,13 @@ def partitions(items: list[str]) -> Iterator[list[list[str]]]:
     yield from sorted(found, key=len, reverse=True)
 
 
-def _counts(feed: dict[str, np.ndarray], names: dict[str, str], blocks: list[list[str]]) -> dict[str, np.ndarray]:
-    """``feed`` with each group's inputs at a count of its own (2, 3, ...: rows repeated; no broadcast of a single
-    row joins them), inputs outside every group (unread, or with a fixed first axis) as they are."""
-    rows = {name: 2 + i for i, block in enumerate(blocks) for name in block}
+def _counts(
+    feed: dict[str, np.ndarray], names: dict[str, str], blocks: list[list[str]], start: int = 2
+) -> dict[str, np.ndarray]:
+    """``feed`` with each group's inputs at a count of its own (``start``, ``start`` + 1, ...: rows repeated; no
+    broadcast of a single row joins them), inputs outside every group (unread, or with a fixed first axis) as they
+    are."""
+    rows = {name: start + i for i, block in enumerate(blocks) for name in block}
     out = {}
     for k, v in feed.items():
         count = rows.get(names.get(k, ""))
@@ -104,16 +127,40 @@ def _run(session: object, feed: dict[str, np.ndarray]) -> list[np.ndarray] | Non
         return None
 
 
-def _leading(blocks: list[list[str]], outputs: list[np.ndarray]) -> list[list[str]]:
-    """``blocks`` (given counts 2, 3, ... by :func:`_counts`) with each one whose count no output's first axis
-    follows joined to the first that one does: a mask taken in another count without an error (a legacy DistilBERT
-    export broadcasts or slices it) is the batch's still, where a tower's own inputs lead outputs of their own."""
-    rows = {int(o.shape[0]) for o in outputs if o.ndim}
-    leading = [b for i, b in enumerate(blocks) if 2 + i in rows]
+def _followed(
+    session: object,
+    feed: dict[str, np.ndarray],
+    names: dict[str, str],
+    blocks: list[list[str]],
+    outputs: list[np.ndarray],
+) -> set[int]:
+    """Indices of the ``blocks`` whose count some output carries, at any of its axes (a CLIP score matrix
+    ``[images, texts]`` carries the texts' count at axis 1). ``outputs``: the graph's at counts 2, 3, ...; a second
+    run at other counts tells an axis that follows a count from a fixed size that happens to equal it (3 classes
+    beside 3 masks). Where that run fails, the first alone decides."""
+    start = 2 + len(blocks)
+    again = _run(session, _counts(feed, names, blocks, start))
+    pairs = list(zip(outputs, again if again is not None else [None] * len(outputs)))
+    return {i for i in range(len(blocks)) if any(_carries(a, b, 2 + i, start + i) for a, b in pairs)}
+
+
+def _carries(first: np.ndarray, second: np.ndarray | None, count: int, other: int) -> bool:
+    """Whether an output has an axis of size ``count`` in ``first`` and ``other`` in ``second`` (the same output at
+    the other counts; None or another rank: ``first`` alone)."""
+    if second is None or second.ndim != first.ndim:
+        return count in first.shape
+    return any(a == count and b == other for a, b in zip(first.shape, second.shape))
+
+
+def _leading(blocks: list[list[str]], followed: set[int]) -> list[list[str]]:
+    """``blocks`` with each one whose count no output carries (``followed``: :func:`_followed`) joined to the first
+    that one does: a mask taken in another count without an error (a legacy DistilBERT export broadcasts or slices
+    it) is the batch's still, where a tower's own inputs lead outputs of their own."""
+    leading = [b for i, b in enumerate(blocks) if i in followed]
     if not leading or len(leading) == len(blocks):
         return blocks
     joined = [list(b) for b in leading]
-    joined[0] += [name for i, b in enumerate(blocks) if 2 + i not in rows for name in b]
+    joined[0] += [name for i, b in enumerate(blocks) if i not in followed for name in b]
     return joined
 
 

@@ -47,7 +47,7 @@ from kiln.core.data import (
 )
 from kiln.core.errors import ConfigError, KilnError, ModelError
 from kiln.core.inputs import random_inputs
-from kiln.core.labels import without_padding
+from kiln.core.labels import is_mask_name, without_padding
 from kiln.core.onnx_io import (
     INDEX_HINT,
     check_onnx,
@@ -78,6 +78,7 @@ from kiln.models.model_io import (
     on_random_inputs,
     random_axis_size,
     read_state_dict,
+    torch_model_named,
 )
 from kiln.models.registry import DEFAULT_DATASET, build_model
 from kiln.stages.export.batch_axes import tie_batch_axes
@@ -364,6 +365,27 @@ def _untied_hint(feed: Mapping[str, np.ndarray], axes: Axes, point: Mapping[str,
     listed = ", ".join(f"input '{n}' (axis {a}: {own[lbl]} in the data, as {lbl})" for n, a, lbl in said)
     declared = ", ".join(f"{n}: {{{a}: {lbl}}}" for n, a, lbl in said)
     return f"if {listed} varies with it, declare that too, signature.dynamic_axes: {{{declared}}}; else "
+
+
+def _one_name_hint(feeds: list[Mapping[str, np.ndarray]], axes: Axes, point: Mapping[str, int]) -> str:
+    """The start of the fix where ``point`` gives two axes of other names other sizes that every one of ``feeds``
+    (the data's) gives one size (``{input_ids: {1: seq}, attention_mask: {1: len}}``, both 16 in every row): one
+    name ties axes that must be equal, and the model's code is then not at fault; empty otherwise."""
+    sizes = [_own_sizes(f, axes) for f in feeds]
+    order = list(sizes[0]) if sizes else []
+    pairs = [(a, b) for a in order for b in order[order.index(a) + 1 :] if a in point and b in point]
+    tied = [(a, b) for a, b in pairs if point[a] != point[b] and all(a in s and s.get(b) == s[a] for s in sizes)]
+    if not tied:
+        return ""
+    keep, drop = tied[0]
+    declared = ", ".join(
+        f"{name}: {{" + ", ".join(f"{ax}: {keep if lbl == drop else lbl}" for ax, lbl in dims.items()) + "}"
+        for name, dims in axes.items()
+    )
+    return (
+        f"axes {keep} and {drop} have one size in every row of the data ({sizes[0][keep]}): if they must be equal, "
+        f"give them one name, signature.dynamic_axes: {{{declared}}}; else "
+    )
 
 
 def _sizes_hint(point: Mapping[str, int], own: Mapping[str, int]) -> str:
@@ -757,7 +779,9 @@ def check_validated_sizes(
             raise ModelError(
                 f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
                 f"that axis vary: {_reason(exc)}",
-                hint=_untied_hint(feed, axes, point) + _sizes_hint(point, _own_sizes(feed, axes)),
+                hint=_one_name_hint([feed, *seen], axes, point)
+                + _untied_hint(feed, axes, point)
+                + _sizes_hint(point, _own_sizes(feed, axes)),
             ) from None
         try:
             err = parity(model, path, inputs, session, at, ref)["max_abs_err"]
@@ -771,7 +795,7 @@ def check_validated_sizes(
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}): the exporter "
                 "fixed a size that signature.dynamic_axes makes vary",
-                hint=FIXED_SIZE_HINT,
+                hint=_one_name_hint([feed, *seen], axes, point) + FIXED_SIZE_HINT,
             )
 
 
@@ -1005,11 +1029,26 @@ def _dims(text: str) -> list[int] | None:
 
 
 def example_inputs(specs: list[TensorSpec], batch: int = 2) -> Inputs:
-    """Random inputs of ``specs`` (floats standard normal, integers 0 or 1, which any embedding takes): one
-    tensor for an unnamed shape, else a dict by name (the model is called with keywords)."""
+    """Random inputs of ``specs`` (floats standard normal, integers 0 or 1, which any embedding takes; an input
+    named like an attention mask a valid one, :func:`valid_mask`): one tensor for an unnamed shape, else a dict by
+    name (the model is called with keywords)."""
     arrays = random_inputs(specs, batch, hint="give every axis a size in --input-shape")
+    arrays = {k: valid_mask(v) if is_mask_name(k) else v for k, v in arrays.items()}
     x = {k: torch.from_numpy(v) for k, v in arrays.items()}
     return x[SINGLE_INPUT] if [s.name for s in specs] == [SINGLE_INPUT] else x
+
+
+def valid_mask(like: np.ndarray) -> np.ndarray:
+    """An attention mask of ``like``'s shape and dtype as tokenizers pad: each row ones then zeros along its last
+    axis, the first row whole and each next one a token shorter, never below one token. Random 0/1 would mask a
+    row's first token, whose query under a causal mask then attends to no key: PyTorch and ONNX Runtime answer
+    such a row differently, and the parity check would fail a good graph."""
+    if like.ndim < 2:
+        return np.ones_like(like)
+    length = like.shape[-1]
+    kept = np.maximum(1, length - np.arange(like.shape[0]) % length)
+    shape = (like.shape[0],) + (1,) * (like.ndim - 1)
+    return np.broadcast_to(np.arange(length) < kept.reshape(shape), like.shape).astype(like.dtype)
 
 
 def _describe(specs: list[TensorSpec]) -> str:
@@ -1080,6 +1119,41 @@ def free_checked(proto: onnx.ModelProto, src: Path, batch: int, example: str) ->
     return freed
 
 
+def refuse_other_output_names(model: nn.Module, x: Inputs, outputs: list[str], shown: str, name: str) -> None:
+    """The PyTorch model ``name`` (validation's reference) against the outputs of the taken ``model.onnx`` (``shown``):
+    validation compares outputs by name, so each of PyTorch's must be one of the file's. Told here, where the file
+    is taken, with both lists: no export Kiln runs can rename the user's file. A model that fails on the data's
+    first rows ``x`` is left to the stages that run it, which say why."""
+    try:
+        named = list(_torch_outputs(model, x))
+    except KilnError:
+        raise
+    except Exception as exc:  # the model's own error on the data: validation names it with its fix
+        log.debug("outputs of model '%s' not compared with %s: %s", name, shown, first_line(exc))
+        return
+    missing = [n for n in named if n not in outputs]
+    if not missing:
+        return
+    raise ModelError(
+        f"model '{name}' returns outputs {named}, model.onnx {shown} has {outputs}: validation compares them by name "
+        f"and finds no {missing} in the file",
+        hint=_rename_hint(named, outputs, shown),
+    )
+
+
+def _rename_hint(named: list[str], outputs: list[str], shown: str) -> str:
+    """The fix for outputs named apart: name the file's outputs as PyTorch's, or return a dict of the file's."""
+    if len(named) == len(outputs) == 1:
+        renamed = f"rename the output '{outputs[0]}' of {shown} to '{named[0]}'"
+    else:
+        renamed = f"name the outputs of {shown} {named}"
+    keys = ", ".join(f"'{o}': ..." for o in outputs)
+    return (
+        f"{renamed} (torch.onnx.export(..., output_names={named})), or have forward return a dict with the file's "
+        f"names, {{{keys}}}"
+    )
+
+
 def refuse_outside_index(data: DatasetSplits, path: Path, shown: str, name: str) -> None:
     """Each split of ``data`` (``name``: the data function) against the tables the taken graph at ``path`` (the
     user's ``shown``) indexes (:func:`kiln.core.onnx_io.outside_index`), before any stage runs it on them: ONNX
@@ -1127,6 +1201,12 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         if not on_random_inputs(ctx.config.model, ctx.config.data):
             src = Path(ctx.config.model.onnx)
             refuse_outside_index(ctx.dataset(), ctx.out / "model.onnx", src.name, ctx.config.data.name or "the data")
+        if torch_model_named(ctx.config.model) and "train" in ctx.inputs:
+            model = load_trained(ctx.inputs["train"], ctx.config.model)
+            example = take(ctx.dataset().val_x, slice(0, 2))
+            refuse_other_output_names(
+                model, example, summary.outputs, Path(ctx.config.model.onnx).name, ctx.config.model.name
+            )
         return summary.model_copy(update={"output_axes": _probe_taken(ctx)})
     if not cfg.dynamic_batch:
         # A static graph is fixed at the export example's batch; parity, build and validate all need others.

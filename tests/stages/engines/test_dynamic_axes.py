@@ -158,3 +158,48 @@ def test_first_axes_named_apart_in_the_graph_stay_apart_in_the_engine(tmp_path: 
     with torch.no_grad():
         want = model(torch.from_numpy(img), torch.from_numpy(txt)).numpy()
     np.testing.assert_allclose(next(iter(got.values())), want, rtol=1e-5, atol=1e-6)
+
+
+SCORES_DATA = """
+import torch
+from kiln.core.data import DatasetSplits
+
+
+def load():
+    g = torch.Generator().manual_seed(0)
+    x = {"img": torch.rand(16, 8, generator=g), "txt": torch.rand(16, 6, generator=g)}
+    return DatasetSplits(x, None, x, None)
+"""
+
+
+def test_first_axes_named_apart_stay_apart_through_kiln_run_with_model_onnx(tmp_path: Path, monkeypatch) -> None:
+    """``kiln run`` from the same file (model.onnx plus data): its score output carries the texts' count at axis 1
+    only, and the built engine still takes 4 images with 8 texts."""
+    model, src = _TwoTower().eval(), tmp_path / "tt.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            model,
+            (torch.rand(2, 8), torch.rand(3, 6)),
+            str(src),
+            input_names=["img", "txt"],
+            output_names=["scores"],
+            dynamic_axes={"img": {0: "images"}, "txt": {0: "texts"}, "scores": {0: "images", 1: "texts"}},
+            dynamo=False,
+        )
+    (tmp_path / "scores_data.py").write_text(SCORES_DATA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        f"model: {{onnx: {src}}}\ndata: {{name: scores_data:load}}\nprecision: {{variants: [fp32]}}\n"
+        "build: {backends: [onnxruntime]}\nsignature: {batch_sizes: [1, 4]}\n"
+    )
+    out = invoke("run", str(cfg), "-w", str(tmp_path / "wd"), "--until", "build")
+    assert out.exit_code == 0, out.output
+    assert "ties" not in out.output, out.output
+    img, txt = np.random.rand(4, 8).astype(np.float32), np.random.rand(8, 6).astype(np.float32)
+    with load_engine(tmp_path / "wd" / "build" / "onnxruntime-cpu-fp32") as engine:
+        got = engine.infer({"img": img, "txt": txt})
+    with torch.no_grad():
+        want = model(torch.from_numpy(img), torch.from_numpy(txt)).numpy()
+    np.testing.assert_allclose(next(iter(got.values())), want, rtol=1e-5, atol=1e-6)

@@ -68,3 +68,62 @@ def test_a_mask_the_graph_takes_in_any_count_but_no_output_follows_joins_the_bat
     ]
     path = _saved(tmp_path, nodes, [("ids", "ids_n"), ("mask", "mask_n")], [("out", "ids_n")])
     assert tie_batch_axes(path, _feed("ids", "mask")) == {"mask_n": "ids_n"}
+
+
+def _scores_graph(tmp_path: Path, classes: int = 4) -> Path:
+    """Images and texts embedded apart and scored each against each: ``scores [images, texts]`` carries the texts'
+    count at axis 1 only (CLIP's logits_per_image)."""
+    w = numpy_helper.from_array(np.ones((4, classes), np.float32), "w")
+    nodes = [
+        helper.make_node("MatMul", ["pixel", "w"], ["img_emb"]),
+        helper.make_node("MatMul", ["ids", "w"], ["txt_emb"]),
+        helper.make_node("Transpose", ["txt_emb"], ["txt_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["img_emb", "txt_t"], ["scores"]),
+    ]
+    value = lambda name, dims: helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)  # noqa: E731
+    inputs = [value("ids", ["texts", 4]), value("pixel", ["images", 4])]
+    graph = helper.make_graph(nodes, "g", inputs, [value("scores", ["images", "texts"])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "model.onnx")
+    return tmp_path / "model.onnx"
+
+
+def test_an_input_whose_count_an_output_carries_past_its_first_axis_keeps_its_name(tmp_path: Path) -> None:
+    """A score matrix [images, texts] follows the texts' count at axis 1: texts stay apart from images."""
+    path = _scores_graph(tmp_path)
+    assert tie_batch_axes(path, _feed("ids", "pixel")) == {}
+    assert first_axis_names(onnx.load(path).graph) == {"ids": "texts", "pixel": "images"}
+
+
+def test_a_fixed_output_size_equal_to_a_masks_count_does_not_keep_the_mask_apart(tmp_path: Path, caplog) -> None:
+    """A legacy mask beside 3 classes: the mask's count (3 in the first run) equals a fixed size of the output,
+    which a second run at other counts tells apart; the tie is a warning naming why."""
+    w3 = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    nodes = [
+        helper.make_node("ReduceSum", ["mask"], ["total"], keepdims=0),
+        helper.make_node("Add", ["ids", "total"], ["shifted"]),
+        helper.make_node("MatMul", ["shifted", "w"], ["out"]),
+    ]
+    value = lambda name, dims: helper.make_tensor_value_info(name, TensorProto.FLOAT, dims)  # noqa: E731
+    inputs = [value("ids", ["ids_n", 4]), value("mask", ["mask_n", 4])]
+    graph = helper.make_graph(nodes, "g", inputs, [value("out", ["ids_n", 3])], [w3])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "model.onnx")
+    with caplog.at_level("WARNING", logger="kiln.export"):
+        assert tie_batch_axes(tmp_path / "model.onnx", _feed("ids", "mask")) == {"mask_n": "ids_n"}
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "'mask_n' is now 'ids_n' (no output has an axis that follows the count" in said[0]
+
+
+def test_inputs_the_graph_runs_in_one_count_only_are_tied_quietly_saying_so(tmp_path: Path, caplog) -> None:
+    """An exporter's per-input names (torch.onnx.export's ``input_ids_dynamic_axes_1``) on inputs the graph runs in
+    one count only: the tie is certain, said at INFO, not a warning on every such export."""
+    nodes = [helper.make_node("Mul", ["ids", "mask"], ["t"]), helper.make_node("MatMul", ["t", "w"], ["out"])]
+    path = _saved(tmp_path, nodes, [("ids", "ids_n"), ("mask", "mask_n")], [("out", "ids_n")])
+    with caplog.at_level("INFO", logger="kiln.export"):
+        assert tie_batch_axes(path, _feed("ids", "mask")) == {"mask_n": "ids_n"}
+    said = [r.getMessage() for r in caplog.records if r.name == "kiln.export"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "'mask_n' is now 'ids_n' (the graph runs them only in one count)" in said[0]

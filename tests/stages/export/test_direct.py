@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -157,3 +158,39 @@ def test_a_graph_beyond_the_parity_tolerance_is_an_error_not_a_result(tmp_path: 
         export_direct(settings(f"{__name__}:wrong_export"), None, ("x=8",), tmp_path / "m.onnx")
     assert "random inputs of the --input-shape sizes" in str(err.value)
     assert "give the config's data instead of --input-shape" in (err.value.hint or "")
+
+
+class _Causal(torch.nn.Module):
+    """Two attention layers over token ids under a causal and a padding mask: a row whose first token is padding
+    has a query with no key to attend to, finite in PyTorch and NaN in ONNX Runtime, which the next layer spreads
+    to every position (a CLIP text tower's case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mha = torch.nn.Embedding(4, 8), torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        x, n = self.emb(input_ids), input_ids.shape[1]
+        causal, pad = torch.ones(n, n, dtype=torch.bool).triu(1), attention_mask == 0
+        for _ in range(2):
+            x = x + self.mha(x, x, x, attn_mask=causal, key_padding_mask=pad, need_weights=False)[0]
+        return x
+
+
+def causal() -> torch.nn.Module:
+    return _Causal()
+
+
+def test_an_attention_mask_from_input_shapes_is_a_valid_one(tmp_path: Path) -> None:
+    """--input-shape gives an input named like an attention mask rows of ones then zeros, the first token always
+    kept (random 0/1 masked some rows' first token, and parity failed on a good graph); other integers stay 0/1."""
+    from kiln.stages.export.stage import example_inputs
+
+    shapes = ("input_ids=6:int64", "attention_mask=6:int64", "decoder_attention_mask=6:bool")
+    x = example_inputs(parse_input_shapes(shapes), 8)
+    for name in ("attention_mask", "decoder_attention_mask"):
+        mask = x[name].numpy().astype(int)
+        assert (mask[:, 0] == 1).all() and (np.diff(mask, axis=1) <= 0).all() and (mask == 0).any(), mask
+    assert set(np.unique(x["input_ids"].numpy())) <= {0, 1}
+    summary = export_direct(settings(f"{__name__}:causal"), None, shapes[:2], tmp_path / "m.onnx")
+    assert summary["max_abs_err"] < 1e-4

@@ -407,3 +407,37 @@ def test_a_list_of_outputs_whose_length_follows_the_batch_is_named_as_such(tmp_p
         "example the graph was exported with), which is not supported: a graph has a fixed number of outputs"
     )
     assert "boxes [K, 4], scores [K], labels [K] and an image index [K]" in info.value.hint
+
+
+class MaskedIds(nn.Module):
+    """Token ids and their mask, cut to the mask's length as a Python int: the exporter keeps the example's length,
+    and PyTorch runs ids and a mask of other lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        n = int(attention_mask.shape[1])
+        return (self.emb(input_ids)[:, :n] * attention_mask[..., None]).sum(1)
+
+
+def test_two_names_for_axes_the_data_gives_at_one_size_are_told_to_be_one_name(tmp_path: Path) -> None:
+    """``{input_ids: {1: seq}, attention_mask: {1: len}}``, both 16 in every row of the data: the graph fails where
+    they differ, and the fix says to give them one name before blaming the model's code."""
+    from kiln.core.data import DatasetSplits
+    from kiln.core.onnx_io import ort_session
+    from kiln.stages.export.stage import check_validated_sizes
+
+    x = {"input_ids": torch.randint(0, 5, (12, 16)), "attention_mask": torch.ones(12, 16, dtype=torch.int64)}
+    take = lambda rows: {k: v[rows] for k, v in x.items()}  # noqa: E731
+    data = DatasetSplits(take(slice(0, 8)), None, take(slice(8, 12)), None)
+    axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "len"}}
+    path, model = tmp_path / "m.onnx", MaskedIds().eval()
+    export_onnx(model, take(slice(0, 2)), path, dynamic_axes=axes)
+    with pytest.raises(ModelError, match=r"does not compute the model at .*where PyTorch runs") as err:
+        check_validated_sizes(model, path, ort_session(path), data, list(x), axes, {}, 1e-4)
+    assert (err.value.hint or "").startswith(
+        "axes seq and len have one size in every row of the data (16): if they must be equal, give them one name, "
+        "signature.dynamic_axes: {input_ids: {1: seq}, attention_mask: {1: seq}}; else keep sizes in forward"
+    ), err.value.hint

@@ -104,3 +104,114 @@ def test_inputs_an_exporter_named_apart_and_the_graph_takes_in_one_count_get_one
     run(ctx)
     inputs, _ = io_specs(onnx.load(tmp_path / "out" / "model.onnx"))
     assert inputs[0].shape[0] == inputs[1].shape[0] == named[0]
+
+
+class _Scores(torch.nn.Module):
+    """Images and texts embedded apart and scored each against each: ``scores [images, texts]`` (CLIP's
+    logits_per_image), whose only axis carrying the texts' count is its second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img, self.txt = torch.nn.Linear(6, 4), torch.nn.Linear(5, 4)
+
+    def forward(self, tokens: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
+        return self.img(pixels) @ self.txt(tokens).T
+
+
+def test_a_score_matrix_keeps_the_texts_and_images_axes_apart(tmp_path: Path, caplog) -> None:
+    """A file exported with ``texts`` and ``images`` axes and a ``[images, texts]`` output keeps both names through
+    the export stage, silently, and runs 8 texts with 4 images."""
+    path = tmp_path / "scores.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            _Scores().eval(),
+            (torch.rand(3, 5), torch.rand(2, 6)),
+            str(path),
+            input_names=["tokens", "pixels"],
+            output_names=["scores"],
+            dynamic_axes={"tokens": {0: "texts"}, "pixels": {0: "images"}, "scores": {0: "images", 1: "texts"}},
+            dynamo=False,
+        )
+    cfg = config_from_dict({"model": {"onnx": str(path)}, "data": {"name": "mine:load"}})
+    x = {"tokens": torch.rand(8, 5), "pixels": torch.rand(8, 6)}
+    (tmp_path / "out").mkdir()
+    ctx = stage_context(
+        "export", cfg, tmp_path, tmp_path / "out", {}, load_dataset=lambda: DatasetSplits(x, None, x, None)
+    )
+    with caplog.at_level("WARNING", logger="kiln.export"):
+        run(ctx)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    inputs, outputs = io_specs(onnx.load(tmp_path / "out" / "model.onnx"))
+    assert {s.name: s.shape for s in [*inputs, *outputs]} == {
+        "tokens": ["texts", 5],
+        "pixels": ["images", 6],
+        "scores": ["images", "texts"],
+    }
+    feed = {"tokens": x["tokens"].numpy(), "pixels": x["pixels"][:4].numpy()}
+    assert ort_run(ort_session(tmp_path / "out" / "model.onnx"), feed)[0].shape == (4, 8)
+
+
+SCORER = """
+import torch
+from kiln.core.data import DatasetSplits
+
+
+class Scorer(torch.nn.Module):
+    def __init__(self, as_dict: bool = False) -> None:
+        super().__init__()
+        self.lin, self.as_dict = torch.nn.Linear(5, 3), as_dict
+
+    def forward(self, tokens):
+        y = self.lin(tokens)
+        return {"scores": y} if self.as_dict else y
+
+
+def build(as_dict: bool = False):
+    return Scorer(as_dict)
+
+
+def load():
+    x = torch.rand(16, 5, generator=torch.Generator().manual_seed(0))
+    return DatasetSplits(x[:12], None, x[12:], None)
+"""
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_pytorch_model_whose_outputs_the_file_names_otherwise_is_refused_at_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, as_dict: bool
+) -> None:
+    """model.onnx beside model.name: a bare tensor (Kiln names it ``logits``) against the file's ``scores`` fails at
+    export with both lists and a fix that works (rename, or return a dict of the file's names), not at validate with
+    one to run the export again; a dict with the file's names exports."""
+    from tests.pipeline.test_faults import assert_clean, invoke
+
+    (tmp_path / "scorer.py").write_text(SCORER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            torch.nn.Linear(5, 3).eval(),
+            (torch.rand(2, 5),),
+            str(tmp_path / "scores.onnx"),
+            input_names=["tokens"],
+            output_names=["scores"],
+            dynamic_axes={"tokens": {0: "batch"}, "scores": {0: "batch"}},
+            dynamo=False,
+        )
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(
+        f"model: {{onnx: {tmp_path / 'scores.onnx'}, name: scorer:build, params: {{as_dict: {str(as_dict).lower()}}}}}"
+        "\ndata: {name: scorer:load}\ntrain: {enabled: false}\n"
+    )
+    out = invoke("run", str(cfg), "-w", str(tmp_path / "wd"), "--until", "export")
+    if as_dict:
+        assert out.exit_code == 0, out.output
+        return
+    assert_clean(
+        out,
+        2,
+        "error: model 'scorer:build' returns outputs ['logits'], model.onnx scores.onnx has ['scores']",
+        "fix: rename the output 'scores' of scores.onnx to 'logits'",
+        "or have forward return a dict with the file's names, {'scores': ...}",
+    )
