@@ -559,6 +559,23 @@ RANDOM_HINT = (
 )
 
 
+def warn_wide_inputs(model: nn.Module, x: Inputs) -> None:
+    """Say which float64 inputs a model of float32 weights is given: the graph keeps the data's dtype at its inputs,
+    so every engine and every served request would take twice the bytes of float32 for a model that computes in
+    float32 (numpy's default dtype is float64; a model that casts its inputs runs fine on them)."""
+    weights = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if weights != {torch.float32}:
+        return
+    wide = [n for n, t in zip(input_names(model, x), tensors(x)) if t.dtype == torch.float64]
+    if wide:
+        log.warning(
+            "inputs %s are float64 and the model's weights float32: the engines would take float64 inputs (twice "
+            "the bytes of float32 per request); give float32 from the data function (x.float()) unless the model "
+            "needs float64",
+            wide,
+        )
+
+
 def refuse_random(model: nn.Module, x: Inputs) -> None:
     """A model that answers the same inputs differently from call to call in eval mode is an error naming why,
     before the export: its export parity, the optimizer's safety net and validation would each fail on it, or read
@@ -1222,6 +1239,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     axes = ctx.config.signature.dynamic_axes
     example, x = take(data.val_x, slice(0, 2)), take(data.val_x, slice(0, PARITY_ROWS))
     refuse_random(model, example)
+    warn_wide_inputs(model, example)
     proto = export_onnx(model, example, path, cfg.opset, cfg.dynamic_batch, axes)
     session = ort_session(path)  # for the parity check and the output-axis probe
     check = batch_parity(model, path, example, x, cfg.parity_atol, session)

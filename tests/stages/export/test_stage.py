@@ -441,3 +441,26 @@ def test_two_names_for_axes_the_data_gives_at_one_size_are_told_to_be_one_name(t
         "axes seq and len have one size in every row of the data (16): if they must be equal, give them one name, "
         "signature.dynamic_axes: {input_ids: {1: seq}, attention_mask: {1: seq}}; else keep sizes in forward"
     ), err.value.hint
+
+
+class _Casts(nn.Module):
+    """Casts its input to its weights' dtype, as Hugging Face's vision models do: float64 data runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, pixels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(pixels.to(self.fc.weight.dtype)) + ids[:, :1]
+
+
+def test_float64_inputs_of_a_float32_model_are_said(caplog: pytest.LogCaptureFixture) -> None:
+    from kiln.stages.export.stage import warn_wide_inputs
+
+    x = {"pixels": torch.randn(2, 3, dtype=torch.float64), "ids": torch.zeros(2, 4, dtype=torch.long)}
+    with caplog.at_level("WARNING", logger="kiln"):
+        warn_wide_inputs(_Casts(), x)
+        warn_wide_inputs(_Casts(), {**x, "pixels": x["pixels"].float()})  # float32: nothing to say
+        warn_wide_inputs(_Casts().double(), x)  # a float64 model takes float64
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "inputs ['pixels'] are float64" in said[0] and "x.float()" in said[0], said
