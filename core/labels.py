@@ -15,6 +15,7 @@ import numpy as np
 
 from kiln.core.compare import class_axis
 
+Axes = Mapping[str, Mapping[int, str]]  # input or output -> {axis: name}
 IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugging Face pads token labels with
 
 
@@ -41,7 +42,8 @@ def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:
     """The integer input equal to the labels per position ``y`` at every labelled position, or None. Kiln scores the
     logits at position t against the label at t, so labels that repeat an input (Hugging Face's causal-LM ``labels =
     input_ids``, which its model shifts itself) train a model to copy it. Labels of one value throughout say nothing
-    of a copy, and are not matched."""
+    of a copy, and are not matched; nor is an input named like labels (:func:`is_label_name`): that is the labels
+    given twice, not a model taught to copy."""
     if not per_position(y):
         return None
     keep = y != IGNORE_LABEL
@@ -49,7 +51,9 @@ def copied_input(inputs: Mapping[str, Any], y: Any) -> str | None:
     if given.numel() == 0 or not bool((given != given[0]).any()):
         return None
     for name, t in inputs.items():
-        if tuple(t.shape) == tuple(y.shape) and not floating(t) and bool((t[keep] == given).all()):
+        if is_label_name(name) or tuple(t.shape) != tuple(y.shape) or floating(t):
+            continue
+        if bool((t[keep] == given).all()):
             return name
     return None
 
@@ -59,43 +63,126 @@ def is_mask_name(name: str) -> bool:
     return name.lower().endswith("attention_mask")
 
 
+def is_decoder_name(name: str) -> bool:
+    """Named like an encoder-decoder's decoder input (``decoder_input_ids``, ``decoder_attention_mask``), which lies
+    on the target's axis, not the source's."""
+    return name.lower().startswith("decoder_")
+
+
 def labelled_padding(inputs: Mapping[str, Any], y: Any) -> tuple[str, int]:
     """The attention-mask input shaped like the labels per position ``y``, and how many of its 0 (padding)
     positions carry a label: they count in the loss, accuracy and top-1 agreement like real tokens. ``("", 0)``
-    where no input is such a mask."""
+    where no input is such a mask. Where a decoder input is shaped like the labels (an encoder-decoder whose source
+    and target have one length), the labels are the decoder's (Hugging Face's seq2seq ``labels``): only a decoder
+    mask speaks of their padding."""
     if not per_position(y):
         return "", 0
-    for name, t in inputs.items():
-        if is_mask_name(name) and tuple(t.shape) == tuple(y.shape):
+    shaped = [name for name, t in inputs.items() if tuple(t.shape) == tuple(y.shape)]
+    decoder = any(is_decoder_name(name) for name in shaped)
+    for name in shaped:
+        if is_mask_name(name) and (is_decoder_name(name) or not decoder):
+            t = inputs[name]
             return name, int(((t == 0) & (y != IGNORE_LABEL)).sum())
     return "", 0
 
 
-def padding_mask(feed: Mapping[str, Any]) -> np.ndarray | None:
-    """The positions an attention-mask input (:func:`is_mask_name`, ``[batch, seq]`` of 0/1) marks as padding
-    (True), or None where the inputs have no such mask or it marks none."""
-    for name, value in feed.items():
-        mask = np.asarray(value)
-        if is_mask_name(name) and mask.ndim == 2 and mask.dtype.kind in "iub" and mask.size:
-            pad = mask == 0
-            return pad if pad.any() else None
+def axis_name(axes: Axes | None, name: str, axis: int) -> str | None:
+    """The name ``axes`` (input or output -> {axis: name}) gives axis ``axis`` of ``name``; None where it gives
+    none."""
+    for index, label in ((axes or {}).get(name) or {}).items():
+        if int(index) == axis:
+            return label
     return None
 
 
-def without_padding(feed: Mapping[str, Any], outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``outputs`` with the positions the attention mask of ``feed`` marks as padding set to 0 in every output laid
-    out ``[batch, seq, ...]`` like it: no one reads an answer there, and runtimes differ there (a causal LM padded on
-    the left has positions that attend to nothing, whose values PyTorch and ONNX Runtime compute differently).
-    Comparisons of an engine with the model read the positions the mask keeps."""
-    pad = padding_mask(feed)
-    if pad is None:
-        return outputs
-    out = {}
+def _masks(feed: Mapping[str, Any], shape: tuple[int, ...]) -> list[str]:
+    """The attention-mask inputs of ``feed`` (:func:`is_mask_name`, ``[batch, seq]`` integers) shaped ``shape``."""
+    found = []
+    for name, value in feed.items():
+        mask = np.asarray(value)
+        if is_mask_name(name) and mask.ndim == 2 and mask.dtype.kind in "iub" and mask.size and mask.shape == shape:
+            found.append(name)
+    return found
+
+
+def _rivals(mask: str, shape: tuple[int, ...], feed: Mapping[str, Any], axes: Axes | None) -> list[str]:
+    """Inputs as long as an output (``shape``: its batch and position sizes) that may lie on another axis than
+    ``mask``: another mask that marks other positions, an input whose axis name differs from the mask's, or,
+    where the mask's axis has no name, a decoder input beside an encoder mask (or the reverse)."""
+    ref, own = np.asarray(feed[mask]), axis_name(axes, mask, 1)
+    rivals = []
+    for name, value in feed.items():
+        value = np.asarray(value)
+        if name == mask or value.ndim < 2 or tuple(value.shape[:2]) != shape:
+            continue
+        other = axis_name(axes, name, 1)
+        if is_mask_name(name) and value.shape == ref.shape and not np.array_equal(value, ref):
+            rivals.append(name)
+        elif own is not None and other is not None:
+            if other != own:
+                rivals.append(name)
+        elif is_decoder_name(name) != is_decoder_name(mask):
+            rivals.append(name)
+    return rivals
+
+
+def mask_of(
+    output: str, shape: tuple[int, ...], feed: Mapping[str, Any], axes: Axes | None = None, out_axes: Axes | None = None
+) -> tuple[str | None, list[str]]:
+    """The attention-mask input whose padding is that of ``output`` (shaped ``shape``), and the inputs tied with it.
+
+    By axis name where both are known (``axes``: the inputs' dynamic axes; ``out_axes``: the outputs'): the mask
+    whose axis 1 has the name of the output's axis 1, or none (a decoder's logits beside the encoder's mask alone).
+    Else by shape: the mask shaped like the output's first two axes, unless inputs on another axis are as long
+    (an encoder-decoder whose source and target have one length): then no mask, since a guess would leave real
+    positions uncompared, and the tied inputs are returned for a warning."""
+    shape = tuple(shape[:2])
+    masks = _masks(feed, shape) if len(shape) == 2 else []
+    if not masks:
+        return None, []
+    want = axis_name(out_axes, output, 1)
+    if want not in {label for dims in (axes or {}).values() for label in dims.values()}:
+        want = None  # a name of the exporter's own (s0, unk__3): no input axis has it
+    named = [name for name in masks if axis_name(axes, name, 1) is not None]
+    if want is not None and named:
+        return next((name for name in named if axis_name(axes, name, 1) == want), None), []
+    rivals = _rivals(masks[0], shape, feed, axes)
+    return (None, [masks[0], *rivals]) if rivals else (masks[0], [])
+
+
+def padding_ties(
+    feed: Mapping[str, Any], outputs: Mapping[str, np.ndarray], axes: Axes | None = None, out_axes: Axes | None = None
+) -> dict[str, list[str]]:
+    """Output -> the inputs tied for its padding (:func:`mask_of`), for the outputs whose padding no name decides:
+    :func:`without_padding` compares every position of those."""
+    ties = {}
     for name, value in outputs.items():
-        if value.ndim >= 2 and value.shape[:2] == pad.shape:
+        _, tied = mask_of(name, np.shape(value), feed, axes, out_axes)
+        if tied:
+            ties[name] = tied
+    return ties
+
+
+def without_padding(
+    feed: Mapping[str, Any],
+    outputs: dict[str, np.ndarray],
+    axes: Axes | None = None,
+    out_axes: Axes | None = None,
+) -> dict[str, np.ndarray]:
+    """``outputs`` with the positions an attention mask of ``feed`` marks as padding set to 0, in each output laid
+    out ``[batch, seq, ...]`` on that mask's axis (:func:`mask_of`: by the axis names ``axes`` of the inputs and
+    ``out_axes`` of the outputs where known): no one reads an answer there, and runtimes differ there (a causal LM
+    padded on the left has positions that attend to nothing, whose values PyTorch and ONNX Runtime compute
+    differently). Comparisons of an engine with the model read the positions the mask keeps."""
+    out, changed = {}, False
+    for name, value in outputs.items():
+        mask, _ = mask_of(name, np.shape(value), feed, axes, out_axes)
+        pad = None if mask is None else np.asarray(feed[mask]) == 0
+        if pad is not None and pad.any():
             value = np.where(pad.reshape(pad.shape + (1,) * (value.ndim - 2)), np.zeros((), value.dtype), value)
+            changed = True
         out[name] = value
-    return out
+    return out if changed else outputs
 
 
 def labelled(y: Any) -> Any:

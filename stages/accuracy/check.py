@@ -17,7 +17,7 @@ import numpy as np
 from kiln.core.compare import OutputStats, class_axis, compare_outputs, worst
 from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
 from kiln.core.errors import ModelError
-from kiln.core.labels import IGNORE_LABEL, per_position, without_padding
+from kiln.core.labels import IGNORE_LABEL, padding_ties, per_position, without_padding
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
@@ -205,28 +205,95 @@ def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: b
 
 
 def labels_at_points(
-    labels: np.ndarray | None, feed: Feed, feeds: list[tuple[dict[str, int], Feed]], axes: Axes
+    labels: np.ndarray | None,
+    feed: Feed,
+    feeds: list[tuple[dict[str, int], Feed]],
+    axes: Axes,
+    follows: dict[int, str] | None = None,
 ) -> list[np.ndarray | None]:
-    """The held-out labels at each validated shape: labels per row as they are; labels per position follow the input
-    they are shaped like (a token classifier's ``[N, seq]`` tags follow ``input_ids``: cut, or padded with
-    ``IGNORE_LABEL`` where the input is padded with zeros). None at a shape they cannot follow."""
+    """The held-out labels at each validated shape: labels per row as they are; labels per position follow the axes
+    the class logits' positions lie on (``follows``: label axis -> name, where known) or else the input they are
+    shaped like (a token classifier's ``[N, seq]`` tags follow ``input_ids``): cut, or padded with
+    ``IGNORE_LABEL`` where the input is padded with zeros (:func:`label_axes`). None at a shape they cannot follow,
+    and where inputs on different axes tie, at a shape where those would give other labels."""
     if labels is None or not per_position(labels):
         return [labels] * len(feeds)
-    like = next((k for k, v in feed.items() if v.shape == labels.shape), None)
+    options = label_axes(labels, feed, axes, follows)
     out: list[np.ndarray | None] = []
     for point, resized in feeds:
-        if like is not None:
-            out.append(resize({like: labels}, {like: axes.get(like) or {}}, point, fill=IGNORE_LABEL)[like])
+        if options:
+            ys = [resize({"y": labels}, {"y": dims}, point, fill=IGNORE_LABEL)["y"] for dims in options]
+            out.append(ys[0] if all(np.array_equal(ys[0], y) for y in ys[1:]) else None)
         else:  # e.g. pixel labels [N, H, W] of images [N, 3, H, W]: only at the data's own shape
             out.append(labels if all(resized[k].shape == v.shape for k, v in feed.items()) else None)
     return out
+
+
+def label_axes(
+    labels: np.ndarray, feed: Feed, axes: Axes, follows: dict[int, str] | None = None
+) -> list[dict[int, str]]:
+    """The dynamic axes labels per position may follow (label axis -> name): those of the inputs shaped like the
+    labels, each distinct one; of those, the one ``follows`` names (the class logits' positions) where it is
+    among them. Several: inputs on different axes tie (a source and a target of one length) and no name decides;
+    an input with no dynamic axis counts only where none has one. Empty: no input is shaped like them."""
+    options: list[dict[int, str]] = []
+    for name, value in feed.items():
+        dims = {int(i): n for i, n in (axes.get(name) or {}).items() if n != "batch"}
+        if value.shape == labels.shape and dims not in options:
+            options.append(dims)
+    if follows and follows in options:
+        return [dict(follows)]
+    named = [dims for dims in options if dims]
+    return named or options[:1]
+
+
+def logits_positions(output_axes: Axes | None, logits: str | None, labels: np.ndarray) -> dict[int, str]:
+    """Label axis -> the name of the class logits' axis it lies along, from ``output_axes`` (output -> {axis:
+    name}): the logits' axes without their class axis (:func:`class_axis`), as labels per position have them."""
+    dims = {int(i): n for i, n in ((output_axes or {}).get(logits or "") or {}).items()}
+    ndim = labels.ndim + 1
+    skip = class_axis(ndim) % ndim
+    return {j: dims[k] for j, k in enumerate(i for i in range(ndim) if i != skip) if k in dims and j > 0}
+
+
+def followed_axes(points: list[dict[str, int]], outputs: list[dict[str, np.ndarray]]) -> dict[str, dict[int, str]]:
+    """Output -> {axis: name} for each output axis whose size varies over the validated ``points`` and is that
+    axis's size at every one; an axis as long as two named axes at every point has no name here."""
+    found: dict[str, dict[int, str]] = {}
+    for name in outputs[0] if outputs else {}:
+        shapes = [np.shape(out[name]) for out in outputs if name in out]
+        if len(shapes) != len(points) or len({len(s) for s in shapes}) != 1:
+            continue
+        for axis in range(1, len(shapes[0])):
+            sizes = [s[axis] for s in shapes]
+            if len(set(sizes)) < 2:
+                continue
+            names = [k for k in points[0] if all(p.get(k) == size for p, size in zip(points, sizes))]
+            if len(names) == 1:
+                found.setdefault(name, {})[axis] = names[0]
+    return found
+
+
+def known_output_axes(
+    given: Axes | None, points: list[dict[str, int]], outputs: list[dict[str, np.ndarray]]
+) -> dict[str, dict[int, str]]:
+    """The outputs' axis names: those ``given`` (the exported graph's) that name a validated axis, and those the
+    reference's outputs show over the validated ``points`` (:func:`followed_axes`), which win."""
+    names = {k for p in points for k in p}
+    out = {o: {int(i): n for i, n in dims.items() if n in names} for o, dims in (given or {}).items()}
+    for o, dims in followed_axes(points, outputs).items():
+        out.setdefault(o, {}).update(dims)
+    return {o: dims for o, dims in out.items() if dims}
 
 
 class Reference:
     """What the engines are compared with: the PyTorch model (or, started from an ONNX file, the FP32 ONNX in
     ONNX Runtime) on the held-out inputs at every validated shape, with its labels where there are any (one array
     per shape: :func:`labels_at_points`). ``score``: the index of the shape task accuracy and the metric are
-    measured at (:func:`scoring_point`; negative counts from the end); None: at none, the labels fit none."""
+    measured at (:func:`scoring_point`; negative counts from the end); None: at none, the labels fit none.
+    ``axes`` and ``output_axes``: the inputs' and the outputs' axis names (the outputs' also read off the reference's
+    outputs over the validated shapes: :func:`known_output_axes`), by which each output is compared without the
+    padding of the attention mask on its own axis only."""
 
     def __init__(
         self,
@@ -241,8 +308,11 @@ class Reference:
         score: int | None = -1,
         data: DatasetSplits | None = None,
         named: bool = True,
+        axes: Axes | None = None,
+        output_axes: Axes | None = None,
     ) -> None:
         self.run, self.feeds, self.point_labels, self.logits = run, feeds, labels, logits
+        self.axes: Axes = axes or {}
         self.targets, self.metric = targets, metric
         self.score = None if score is None else score % len(feeds)
         self.coupled = coupled = batch_coupled(run, feeds[0][1], batch, smallest)
@@ -265,6 +335,8 @@ class Reference:
             self.point_labels = [None if y is None else y[:rows] for y in labels]
             self.targets = None if targets is None else targets[:rows]
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
+        self.output_axes = known_output_axes(output_axes, [p for p, _ in self.feeds], self.outputs)
+        self._say_padding_ties()
         if self.logits is not None:
             self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
             self._drop_unfollowed_labels()
@@ -273,30 +345,65 @@ class Reference:
         self.accuracy = None if scored is None else self.accuracy_of(scored)
         self.metric_value = None if scored is None else self.metric_of(scored)
 
-    def _drop_unfollowed_labels(self) -> None:
-        """Target sequences of another length than the class logits' (a CTC model's token ids [N, 24] beside
-        per-frame log-probabilities [N, 63, 30], which a user's loss reads) score no task accuracy and mark no
-        positions for top-1 agreement, which then counts every position; said once. Other labels that do not fit
-        stay, for :func:`check_labels_fit`'s error."""
-        for y, out in zip(self.point_labels, self.outputs):
-            logits = out.get(self.logits)
-            if y is None or logits is None or logits.ndim < 2 or not per_position(y) or y.shape == logits.shape:
-                continue
-            positions = tuple(np.delete(np.array(logits.shape), class_axis(logits.ndim) % logits.ndim))
-            # a sequence of another length only (targets [N, L] beside [N, T, C]); any other misfit is an error there
-            if tuple(y.shape) == positions or logits.ndim != 3 or y.ndim != 2 or y.shape[0] != logits.shape[0]:
-                continue
+    def _say_padding_ties(self) -> None:
+        """Warn once per output whose padding no axis name decides (:func:`kiln.core.labels.mask_of`): it is
+        compared at every position, padding included."""
+        ties: dict[str, list[str]] = {}
+        for (_, feed), out in zip(self.feeds, self.outputs):
+            for name, tied in padding_ties(feed, out, self.axes, self.output_axes).items():
+                ties.setdefault(name, tied)
+        for name, tied in ties.items():
             log.warning(
-                "the held-out labels %s%s do not follow the positions of class logits '%s' %s (they take labels "
-                "%s): no task accuracy is measured, and top-1 agreement counts every position",
-                y.dtype,
-                list(y.shape),
-                self.logits,
-                list(logits.shape),
-                list(positions),
+                "output '%s' is as long as inputs %s, which lie on different axes, and the axis names do not say which "
+                "it follows: its padding is not left out (every position is compared, padding too); name each "
+                "input's axis in signature.dynamic_axes (e.g. {%s: {1: enc}, %s: {1: dec}})",
+                name,
+                " and ".join(f"'{t}'" for t in tied),
+                tied[0],
+                tied[1],
             )
-            self.point_labels = [None] * len(self.point_labels)
+
+    def _drop_unfollowed_labels(self) -> None:
+        """Labels per position that do not fit the class logits' positions score no task accuracy and mark no
+        positions for top-1 agreement, which then counts every position. At the shapes where they miss only, when
+        they fit the scored one (labels cut or padded along another axis that is as long there); at every shape
+        when they miss the scored one (a CTC model's token ids [N, 24] beside per-frame log-probabilities
+        [N, 63, 30], which a user's loss reads). Said once. Other labels that do not fit stay, for
+        :func:`check_labels_fit`'s error."""
+        missed = [i for i, (y, out) in enumerate(zip(self.point_labels, self.outputs)) if self._misses(y, out)]
+        if not missed:
             return
+        i, y = missed[0], self.point_labels[missed[0]]
+        logits = self.outputs[i][self.logits]
+        positions = list(np.delete(np.array(logits.shape), class_axis(logits.ndim) % logits.ndim))
+        if self.score is not None and self.score not in missed:
+            log.warning(
+                "the held-out labels do not follow the positions of class logits '%s' at %s: top-1 agreement "
+                "counts every position there; task accuracy is measured at %s",
+                self.logits,
+                "; ".join(_sizes(self.feeds[j][0]) or "the data's sizes" for j in missed),
+                _sizes(self.feeds[self.score][0]) or "the data's sizes",
+            )
+            self.point_labels = [None if j in missed else y for j, y in enumerate(self.point_labels)]
+            return
+        log.warning(
+            "the held-out labels %s%s do not follow the positions of class logits '%s' %s (they take labels "
+            "%s): no task accuracy is measured, and top-1 agreement counts every position",
+            y.dtype,
+            list(y.shape),
+            self.logits,
+            list(logits.shape),
+            positions,
+        )
+        self.point_labels = [None] * len(self.point_labels)
+
+    def _misses(self, y: np.ndarray | None, out: dict[str, np.ndarray]) -> bool:
+        """Labels per position of a sequence of another length than the class logits' (targets [N, L] beside
+        [N, T, C]); any other misfit is :func:`check_labels_fit`'s error."""
+        logits = out.get(self.logits or "")
+        if y is None or logits is None or logits.ndim != 3 or not per_position(y) or y.ndim != 2:
+            return False
+        return y.shape[0] == logits.shape[0] and y.shape[1] != logits.shape[1] and y.shape != logits.shape
 
     def at_batch(self, index: int, batch: int) -> dict[str, np.ndarray]:
         """The reference on ``batch`` rows of feed ``index`` (:func:`sample_batch`): what an engine called at that
@@ -307,6 +414,11 @@ class Reference:
         if (index, batch) not in self._at:
             self._at[(index, batch)] = self.run(sample_batch(self.feeds[index][1], batch))
         return self._at[(index, batch)]
+
+    def unpadded(self, feed: Feed, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``outputs`` at ``feed`` without the positions an attention mask on their own axis marks as padding
+        (:func:`kiln.core.labels.without_padding`, by the inputs' and outputs' axis names)."""
+        return without_padding(feed, outputs, self.axes, self.output_axes)
 
     @property
     def feed(self) -> Feed:
@@ -383,12 +495,16 @@ def held_out_reference(
     batch_sizes: list[int],
     axes: Axes,
     named: bool = False,
+    output_axes: Axes | None = None,
 ) -> Reference:
     """The reference ``run`` on the held-out ``feeds``, with the labels and ``validate.metric`` it is judged by: what
     validation compares engines with and the precision stage compares variants with. ``logits``: the class-logit
     output ``signature.logits_output`` picks; the metric reads it, and it is held to top-1 agreement where the
     data declares classes or ``named`` (the setting names it: :func:`top1_output`). Accuracy and the metric are
-    measured where the labels fit (:func:`scoring_point`), which may add the data's own sizes to the feeds."""
+    measured where the labels fit (:func:`scoring_point`), which may add the data's own sizes to the feeds.
+    ``output_axes``: output -> {axis: name}, the exported graph's (optional: the reference's outputs over the
+    validated shapes show them too); labels per position follow the class logits' position axes, outputs take the
+    padding of the attention mask on their own axis."""
     n = feed_rows(feeds[-1][1])
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
     metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better)
@@ -399,22 +515,79 @@ def held_out_reference(
             hint="return held-out labels from the data function, or remove validate.metric",
         )
     own = own_feed(data, feeds, n)
-    feeds, score = scoring_point(labels if labels is not None else targets, own, feeds, axes, metric is not None)
-    point_labels = labels_at_points(labels, own, feeds, axes)
+    scored = labels if labels is not None else targets
+    follows = label_positions(run, feeds, own, scored, logits, axes, output_axes, min(batch_sizes))
+    feeds, score = scoring_point(scored, own, feeds, axes, metric is not None, follows)
+    point_labels = labels_at_points(labels, own, feeds, axes, follows)
     # the metric reads the outputs at the scored point: per-position targets follow the inputs there too
     if targets is not None and score is not None:
-        followed = labels_at_points(targets, own, [feeds[score]], axes)[0]
+        followed = labels_at_points(targets, own, [feeds[score]], axes, follows)[0]
         targets = targets if followed is None else followed
     return Reference(
-        run, feeds, point_labels, logits, max(batch_sizes), min(batch_sizes), targets, metric, score, data, named
+        run,
+        feeds,
+        point_labels,
+        logits,
+        max(batch_sizes),
+        min(batch_sizes),
+        targets,
+        metric,
+        score,
+        data,
+        named,
+        axes,
+        output_axes,
     )
+
+
+def label_positions(
+    run: Callable[[Feed], dict[str, np.ndarray]],
+    feeds: Points,
+    own: Feed,
+    labels: np.ndarray | None,
+    logits: str | None,
+    axes: Axes,
+    output_axes: Axes | None,
+    batch: int,
+) -> dict[int, str] | None:
+    """Label axis -> the name of the axis the class logits' positions lie on, for labels per position to follow
+    (:func:`labels_at_points`): from ``output_axes``, or, where inputs on different axes are shaped like the labels
+    (an encoder-decoder whose source and target have one length), from the reference run on ``batch`` rows at each
+    validated shape. Where that leaves the axis unknown, said: the labels are used only at the shapes where the
+    tied inputs agree."""
+    if labels is None or logits is None or not per_position(labels):
+        return None
+    follows = logits_positions(output_axes, logits, labels)
+    if not follows and len(label_axes(labels, own, axes)) > 1:
+        try:
+            outs = [run(sample_batch(feed, batch)) for _, feed in feeds]
+        except Exception:  # the reference's own error surfaces where the comparisons run it
+            outs = []
+        follows = logits_positions(known_output_axes(None, [p for p, _ in feeds], outs), logits, labels)
+    tie = len(label_axes(labels, own, axes, follows)) > 1
+    if tie and any(y is None for y in labels_at_points(labels, own, feeds, axes, follows)):
+        tied = [k for k, v in own.items() if v.shape == labels.shape and axes.get(k)]
+        log.warning(
+            "the held-out labels %s are shaped like inputs %s, which lie on different axes, and class logits '%s' "
+            "do not show which they follow: labels are used only at the validated shapes where those give the same "
+            "labels; name the logits' axes (the exported graph's output axes) to use them at every shape",
+            _shape(labels),
+            " and ".join(f"'{k}'" for k in tied),
+            logits,
+        )
+    return follows or None
 
 
 Points = list[tuple[dict[str, int], Feed]]
 
 
 def scoring_point(
-    labels: np.ndarray | None, own: Feed, feeds: Points, axes: Axes, metric: bool
+    labels: np.ndarray | None,
+    own: Feed,
+    feeds: Points,
+    axes: Axes,
+    metric: bool,
+    follows: dict[int, str] | None = None,
 ) -> tuple[Points, int | None]:
     """The feeds, and the index of the one task accuracy and the metric (``metric``: one is configured) are
     measured at: the last where ``labels`` fit. Labels per row fit any shape, and labels per position that follow
@@ -422,12 +595,12 @@ def scoring_point(
     data's own sizes, since a cut or padded image is labelled by no array of them. Where no validated shape has
     those sizes, they are added as a shape of their own if they lie within every axis's validated range (what the
     engines are built for); else accuracy and the metric are measured nowhere (None), said as a warning: their
-    gates are not applied."""
+    gates are not applied. ``follows``: the axes the class logits' positions lie on (:func:`labels_at_points`)."""
     if labels is None:
         return feeds, len(feeds) - 1
     if not per_position(labels):
         return row_scoring_point(own, feeds, axes, metric)
-    fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes)) if y is not None]
+    fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes, follows)) if y is not None]
     if fit:
         return feeds, fit[-1]
     point, added = own_point(own, axes), with_own_point(own, feeds, axes)
@@ -640,14 +813,14 @@ def compare_on(
             out.untaken.append(point)
             continue
         got = batched(infer, feed, largest)
-        kept = compare_all(without_padding(feed, expected), without_padding(feed, got), ref.logits, ref.labelled(i))
+        kept = compare_all(ref.unpadded(feed, expected), ref.unpadded(feed, got), ref.logits, ref.labelled(i))
         out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
             got_bs = infer(feed_bs)
             if inspect is not None:
                 out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
-            expected_bs, got_bs = without_padding(feed_bs, ref.at_batch(i, bs)), without_padding(feed_bs, got_bs)
+            expected_bs, got_bs = ref.unpadded(feed_bs, ref.at_batch(i, bs)), ref.unpadded(feed_bs, got_bs)
             spot = compare_all(expected_bs, got_bs, ref.logits, ref.labelled(i, bs))
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:

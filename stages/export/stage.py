@@ -467,9 +467,12 @@ def parity(
     _same_outputs(list(ref), [o.name for o in sess.get_outputs()], "at " + (at or f"batch {rows(x)}"), rows(x))
     feed = as_feed(x, [i.name for i in sess.get_inputs()])
     got = ort_run(sess, feed)
-    # positions an attention mask marks as padding are no one's answer (kiln.core.labels.without_padding)
-    ref = without_padding(feed, ref)
-    got = list(without_padding(feed, dict(zip(ref, got))).values())
+    # positions an attention mask marks as padding are no one's answer (kiln.core.labels.without_padding): the mask
+    # on each output's own axis, by the graph's axis names (an encoder's mask is not a decoder's)
+    names = lambda values: {v.name: {i: d for i, d in enumerate(v.shape) if isinstance(d, str)} for v in values}  # noqa: E731
+    axes, out_axes = names(sess.get_inputs()), names(sess.get_outputs())
+    ref = without_padding(feed, ref, axes, out_axes)
+    got = list(without_padding(feed, dict(zip(ref, got)), axes, out_axes).values())
     for (name, r), g in zip(ref.items(), got):
         if g.shape != r.shape:
             raise ShapeMismatch(

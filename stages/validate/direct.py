@@ -12,10 +12,11 @@ import torch
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, read_feed
 from kiln.core.inputs import random_inputs
-from kiln.core.labels import without_padding
+from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, named_outputs
 from kiln.core.records import EngineMetadata, EngineValidation
+from kiln.core.shapes import graph_axes
 from kiln.core.text import short_reason
 from kiln.core.user_errors import out_of_memory, running_user_code
 from kiln.models.model_io import load_weights, read_state_dict
@@ -124,7 +125,10 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry = EngineValidation(
         name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="validated"
     )
-    kept = compare_all(without_padding(feed, ref), without_padding(feed, got), logits, mismatch_hint=OTHER_MODEL)
+    axes, out_axes = graph_axes(meta.inputs), graph_axes(meta.outputs)
+    _say_padding_ties(feed, ref, axes, out_axes)
+    unpadded_ref, unpadded_got = without_padding(feed, ref, axes, out_axes), without_padding(feed, got, axes, out_axes)
+    kept = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
     summarize(entry, kept, logits)
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
@@ -132,6 +136,23 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     entry.failures = check_gates(entry, None, entry.gates, int(batch)) + _nothing_measured(ref)
     entry.passed = not entry.failures
     return entry
+
+
+def _say_padding_ties(
+    feed: dict[str, np.ndarray],
+    ref: dict[str, np.ndarray],
+    axes: dict[str, dict[int, str]],
+    out_axes: dict[str, dict[int, str]],
+) -> None:
+    """Warn of each output whose padding the engine's axis names do not decide (an encoder-decoder's logits as long
+    as the source, in an engine that names no axes): it is compared at every position, padding too."""
+    for name, tied in padding_ties(feed, ref, axes, out_axes).items():
+        log.warning(
+            "output '%s' is as long as inputs %s, and the engine's axis names do not say which it follows: its "
+            "padding is not left out (every position is compared, padding too)",
+            name,
+            " and ".join(f"'{t}'" for t in tied),
+        )
 
 
 def _nothing_measured(ref: dict[str, np.ndarray]) -> list[str]:

@@ -115,3 +115,85 @@ def test_positions_an_attention_mask_marks_as_padding_are_no_ones_answer() -> No
     same = {"logits": logits}
     assert without_padding({"attention_mask": np.ones((2, 3), np.int64)}, same) is same  # nothing padded
     assert without_padding({"mask": mask}, same) is same  # no attention mask by name
+
+
+def _seq2seq_feed(dec_mask: bool = False) -> dict[str, np.ndarray]:
+    """An encoder-decoder's inputs at enc == dec == 4: the source padded after 2 tokens in row 0, the target not."""
+    enc = np.array([[1, 1, 0, 0], [1, 1, 1, 1]], np.int64)
+    feed = {"input_ids": enc * 7, "attention_mask": enc, "decoder_input_ids": np.full((2, 4), 3, np.int64)}
+    if dec_mask:
+        feed["decoder_attention_mask"] = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.int64)
+    return feed
+
+
+SEQ2SEQ_AXES = {
+    "input_ids": {1: "enc"},
+    "attention_mask": {1: "enc"},
+    "decoder_input_ids": {1: "dec"},
+    "decoder_attention_mask": {1: "dec"},
+}
+
+
+def test_an_output_takes_the_padding_of_the_mask_on_its_own_axis_by_name() -> None:
+    """Decoder logits [N, dec, V] beside an encoder state [N, enc, D] at enc == dec: the encoder's attention mask
+    leaves out the encoder state's padding only; the logits keep every position unless a mask on ``dec`` is given."""
+    from kiln.core.labels import without_padding
+
+    logits, state = np.ones((2, 4, 3), np.float32), np.ones((2, 4, 5), np.float32)
+    out_axes = {"logits": {1: "dec"}, "state": {1: "enc"}}
+    out = without_padding(_seq2seq_feed(), {"logits": logits, "state": state}, SEQ2SEQ_AXES, out_axes)
+    assert (out["logits"] == 1).all()
+    assert out["state"][0, 2:].sum() == 0 and out["state"][0, :2].all() and out["state"][1].all()
+    out = without_padding(_seq2seq_feed(dec_mask=True), {"logits": logits}, SEQ2SEQ_AXES, out_axes)
+    assert out["logits"][0, 3].sum() == 0 and out["logits"][0, :3].all() and out["logits"][1].all()
+
+
+def test_an_output_on_the_length_of_inputs_on_two_axes_is_not_masked_by_a_guess() -> None:
+    """Without axis names, decoder logits as long as the source are tied between the encoder's mask and the
+    decoder's inputs: no mask is guessed (every position is compared) and the tie is named; a token classifier's
+    inputs all lie on one axis, and its mask applies as before."""
+    from kiln.core.labels import padding_ties, without_padding
+
+    logits = np.ones((2, 4, 3), np.float32)
+    assert (without_padding(_seq2seq_feed(), {"logits": logits})["logits"] == 1).all()
+    assert padding_ties(_seq2seq_feed(), {"logits": logits}) == {"logits": ["attention_mask", "decoder_input_ids"]}
+    enc_only = {k: SEQ2SEQ_AXES[k] for k in ("input_ids", "attention_mask", "decoder_input_ids")}
+    assert padding_ties(_seq2seq_feed(), {"logits": logits}, enc_only) == {
+        "logits": ["attention_mask", "decoder_input_ids"]
+    }
+    feed = {k: v for k, v in _seq2seq_feed().items() if not k.startswith("decoder")}
+    assert without_padding(feed, {"logits": logits})["logits"][0, 2:].sum() == 0
+    assert padding_ties(feed, {"logits": logits}) == {}
+
+
+def test_labels_that_repeat_an_input_named_like_labels_are_no_copy() -> None:
+    """Hugging Face's ``labels`` among a tagger's inputs equal its labels: that is the labels given twice, not a
+    model taught to copy an input (another error says to keep them out of the inputs)."""
+    ids, mask = _padded_ids()
+    tags = (ids % 3).masked_fill(mask == 0, IGNORE_LABEL)
+    tags[0, 0] = 1 + tags[0, 1]  # not one value throughout
+    assert copied_input({"input_ids": ids, "attention_mask": mask, "labels": tags}, tags) is None
+    assert copied_input({"input_ids": ids, "tags": tags}, tags) == "tags"
+
+
+def test_a_seq2seq_models_labels_are_checked_against_the_decoders_mask_only() -> None:
+    """Labels shaped like both the source and the target (enc == dec) are the decoder's (Hugging Face's
+    seq2seq ``labels``): the encoder's padding says nothing of them; a decoder_attention_mask does."""
+    feed = {k: torch.from_numpy(v) for k, v in _seq2seq_feed().items()}
+    y = torch.full((2, 4), 5)
+    assert labelled_padding(feed, y) == ("", 0)
+    feed = {k: torch.from_numpy(v) for k, v in _seq2seq_feed(dec_mask=True).items()}
+    assert labelled_padding(feed, y) == ("decoder_attention_mask", 1)
+
+
+def test_an_output_axis_name_no_input_has_decides_nothing() -> None:
+    """An exporter's own symbol on the output (``s0``) names no input axis: the shape rule applies, as without
+    names."""
+    from kiln.core.labels import without_padding
+
+    mask = np.array([[0, 1, 1], [1, 1, 1]], np.int64)
+    logits = np.ones((2, 3, 2), np.float32)
+    axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    feed = {"input_ids": mask * 5, "attention_mask": mask}
+    out = without_padding(feed, {"logits": logits}, axes, {"logits": {1: "s0"}})
+    assert out["logits"][0, 0].sum() == 0 and out["logits"][1].all()

@@ -168,3 +168,57 @@ def test_an_output_the_reference_answers_with_nan_everywhere_is_no_pass(tmp_path
     assert out.exit_code == 0, out.output
     assert json.loads(out.output[out.output.index("{") :])["passed"]
     assert "is NaN or infinite on 1 of 4 samples (sample 1 first)" in " ".join(out.output.split())
+
+
+def _seq2seq_onnx(path: Path, changed: bool = False) -> Path:
+    """Decoder logits [batch, dec, 4]: a table row per decoder token plus the masked sum of the source's rows.
+    ``changed``: the table's row for token 9 differs (a model that answers otherwise wherever 9 is decoded)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    table = np.arange(40, dtype=np.float32).reshape(10, 4) / 10
+    if changed:
+        table[9] += 5.0
+    ints = [("input_ids", "enc"), ("attention_mask", "enc"), ("decoder_input_ids", "dec")]
+    nodes = [
+        helper.make_node("Gather", ["table", "decoder_input_ids"], ["dec_rows"]),
+        helper.make_node("Gather", ["table", "input_ids"], ["enc_rows"]),
+        helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["mask_f", "last"], ["mask_3d"]),
+        helper.make_node("Mul", ["enc_rows", "mask_3d"], ["enc_kept"]),
+        helper.make_node("ReduceSum", ["enc_kept", "one"], ["enc_sum"], keepdims=1),
+        helper.make_node("Add", ["dec_rows", "enc_sum"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "seq2seq",
+        [helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", a]) for n, a in ints],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "dec", 4])],
+        [
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(np.array([-1], np.int64), "last"),
+            numpy_helper.from_array(np.array([1], np.int64), "one"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def test_decoder_positions_where_the_source_is_padding_are_compared(tmp_path: Path) -> None:
+    """An encoder-decoder engine validated against a reference that differs only at decoder positions where the
+    source is padding, at enc == dec: the engine's axis names say the logits follow ``dec``, which the encoder's
+    attention mask does not lie on, so those positions are compared and the engine fails. Before: the encoder's
+    mask, shaped like the logits' first two axes, hid them and the engine passed with cosine 1."""
+    import numpy as np
+
+    engine = tmp_path / "e"
+    assert invoke("build", _seq2seq_onnx(tmp_path / "m.onnx"), "-o", engine).exit_code == 0
+    inputs = tmp_path / "in.npz"
+    mask = np.array([[1, 1, 0, 0], [1, 1, 1, 1]], np.int64)
+    dec = np.array([[1, 2, 9, 9], [1, 2, 3, 4]], np.int64)
+    np.savez(inputs, input_ids=mask * 3, attention_mask=mask, decoder_input_ids=dec)
+    same = invoke("validate", engine, "--reference", tmp_path / "m.onnx", "--inputs", inputs)
+    assert same.exit_code == 0, same.output
+    other = _seq2seq_onnx(tmp_path / "other.onnx", changed=True)
+    result = invoke("validate", engine, "--reference", other, "--inputs", inputs)
+    assert result.exit_code != 0 and "cosine" in result.output, result.output
