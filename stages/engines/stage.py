@@ -23,6 +23,7 @@ from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.declaration import BuildSettings, BuildSummary, EngineEntry
 from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_named
+from kiln.stages.engines.sizes import checked_ranges, probe_graphs, record_checked
 from kiln.stages.export.declaration import read_axis_steps
 from kiln.stages.precision.audit import audit_graph, engine_audit, label_problem
 from kiln.stages.precision.config import PRECISIONS
@@ -423,7 +424,8 @@ def build_direct(
     batch (``signature.batch_sizes``), which bounds the profiles and autotuning as in the pipeline's build."""
     device = device or default_device(backend)
     src, made_as = variant_source(Path(src), backend, device)
-    if not axis_sizes and made_as:  # the sizes the precision stage saw in its data: the audit counts FLOPs there
+    from_variant = not axis_sizes and made_as
+    if from_variant:  # the sizes kiln precision recorded (signature.shapes, else its data's): the audit counts there
         axis_sizes = _variant_axis_sizes(Path(src))
     # clear errors for a missing or corrupt file, or one with a non-tensor input or output, before any builder runs
     check_tensor_io(load_onnx(src, load_external_data=False), str(src))
@@ -432,10 +434,20 @@ def build_direct(
     _check_choice(backend, device, precision)
     refuse_foreign_folder(out)
     ensure_writable(out.parent, "the -o folder's parent")
+    ranges, steps = checked_ranges(probe_graphs(Path(src), made_as), dict(axis_sizes or {}), bool(from_variant))
     cache = out.parent / ".kiln-cache"
     try:
-        return build_engine(
-            src, out, backend, device, precision, cfg, cache, max_batch=max_batch, axis_sizes=axis_sizes
+        meta = build_engine(
+            src,
+            out,
+            backend,
+            device,
+            precision,
+            cfg,
+            cache,
+            max_batch=max_batch,
+            axis_sizes=axis_sizes,
+            axis_steps=steps,
         )
     except MislabelledEngine as exc:
         # the graph is in that precision (a variant folder labels it; a label the user gave that the graph's own
@@ -448,6 +460,7 @@ def build_direct(
             f"variant for a device with {precision} kernels (another --device or --backend), or build the fp32 "
             "variant here",
         ) from None
+    return record_checked(out, meta, ranges)
 
 
 def _variant_axis_sizes(graph: Path) -> dict[str, list[int]] | None:

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.errors import InputFileError, KilnError, ModelError
+from kiln.core.errors import ConfigError, InputFileError, KilnError, ModelError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
 from kiln.core.progress import SilentProgress
 from kiln.core.records import IntRange, TensorSpec, Variants
-from kiln.core.shapes import graph_axes
+from kiln.core.shapes import graph_axes, shapes_flag
 from kiln.stages.accuracy.check import direct_top1
 from kiln.stages.precision.stage import (
     TOO_LITTLE_HINT,
@@ -70,6 +70,7 @@ def precision_direct(
     names = [o.name for o in outputs]
     logits = direct_top1(names, cfg.signature.logits_output)
     wanted = list(dict.fromkeys(["fp32", *variants]))  # the FP32 graph is what calibration and the gates measure
+    sizes = recorded_sizes(inputs, data, cfg.signature.shapes)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         source_graph = Source.prepare(
@@ -79,9 +80,6 @@ def precision_direct(
             out.parent / ".kiln-cache" if ccfg.cache else Path(tmp),
             names.index(logits) if logits is not None else None,
         )
-        sizes = {
-            d: [int(data[s.name].shape[i])] for s in inputs for i, d in (graph_axes([s]).get(s.name) or {}).items()
-        }
         built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log, sizes)
     for name, entry in list(built.items()):  # no graph of it any engine can read: not made, here
         if entry.get("unmade") and not entry.get("backend_paths"):
@@ -126,6 +124,23 @@ def _shown(out: Path, entry: dict[str, Any]) -> dict[str, Any]:
         "only": next(iter(only)) if only else None,
         **(entry.get("vs_fp32") or {}),
     }
+
+
+def recorded_sizes(
+    inputs: list[TensorSpec], data: dict[str, np.ndarray], shapes: dict[str, list[int]]
+) -> dict[str, list[int]]:
+    """Each dynamic axis besides batch -> the sizes ``variants.json`` records for the build (its profiles, audit,
+    and the ranges ``kiln build`` probes): those ``signature.shapes`` gives, else the one size the data holds."""
+    seen = {d: [int(data[s.name].shape[i])] for s in inputs for i, d in (graph_axes([s]).get(s.name) or {}).items()}
+    unknown = sorted(set(shapes) - set(seen))
+    if unknown:
+        names = sorted(seen)
+        raise ConfigError(
+            f"signature.shapes names axes {unknown}; the graph's dynamic axes besides batch are {names or 'none'}",
+            hint="key signature.shapes by the names the graph gives its axes"
+            + (f": {shapes_flag(names)}" if names else " (or leave it out)"),
+        )
+    return {d: sorted(set(shapes.get(d) or v)) for d, v in seen.items()}
 
 
 def _refuse_outside_index(graph: Any, data: dict[str, np.ndarray], calibration: Path, src: Path) -> None:
