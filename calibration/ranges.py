@@ -8,8 +8,8 @@ reads back through its ``calibration_cache_path`` argument.
 
 from __future__ import annotations
 
+import io
 import logging
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kiln.calibration.data import ArrayReader, hash_batches
+from kiln.calibration.entropy import beyond_histograms, entropy_ranges
 from kiln.core.artifacts import hash_file, hash_json, write_text_atomic
 from kiln.core.errors import InputError
 from kiln.core.ownership import scratch_dir
@@ -108,7 +109,7 @@ def calibrate(
     import onnxruntime
 
     settings = {
-        "symmetric": symmetric,
+        "symmetric": symmetric if method != "entropy" else None,  # ORT's entropy ranges do not depend on it
         "percentile": percentile if method == "percentile" else None,
         "bins": ENTROPY_BINS if method == "entropy" else None,
     }
@@ -198,8 +199,8 @@ def _run_calibrator(
         extra["percentile"] = percentile
     if method == "entropy":
         extra |= ENTROPY_BINS
-    # ORT's histogram calibrators print their progress: stdout carries results only, so it goes to stderr
-    with scratch_dir("kiln-calib") as tmp, redirect_stdout(sys.stderr):  # tmp: in the workdir, removed on failure
+    # ORT's histogram calibrators print their progress: it goes to Kiln's debug log, not the user's output
+    with scratch_dir("kiln-calib") as tmp, _ort_prints_logged():  # tmp: in the workdir, removed on failure
         calibrator = create_calibrator(
             model_path,
             None,
@@ -208,8 +209,44 @@ def _run_calibrator(
             extra_options=extra,
             use_external_data_format=model_path.with_name(model_path.name + ".data").is_file(),
         )
-        calibrator.collect_data(ArrayReader(input_name, batches))
-        tensors = calibrator.compute_data()
+        tensors = _collect(calibrator, ArrayReader(input_name, batches), method)
     STATS["calibrations"] += 1
     log.info("calibrated %d tensors with %s over %d batches", len(tensors.data), method, len(batches))
     return tensors
+
+
+def _collect(calibrator: Any, reader: ArrayReader, method: str) -> Any:
+    """Run the calibration data through ``calibrator`` and compute its ranges. Entropy: thresholds from
+    :func:`kiln.calibration.entropy.entropy_ranges` (ORT's search, vectorised); a tensor past float32's half range
+    (a mask fill) overflows the width of ORT's histogram, so numpy's bare overflow warning is replaced by one log
+    line naming those tensors, whose ranges are the values seen."""
+    if method != "entropy":
+        calibrator.collect_data(reader)
+        return calibrator.compute_data()
+    with np.errstate(over="ignore"):
+        calibrator.collect_data(reader)
+    histograms = calibrator.collector.get_histogram_dict()
+    wide = beyond_histograms(histograms)
+    if wide:
+        log.info(
+            "entropy calibration: %d tensors reach %.3g (%s%s), a fill value such as an attention mask's "
+            "finfo(float32).min; no histogram spans that, so their ranges are the values seen",
+            len(wide),
+            max(max(abs(float(histograms[n][2])), abs(float(histograms[n][3]))) for n in wide),
+            ", ".join(wide[:4]),
+            f" and {len(wide) - 4} more" if len(wide) > 4 else "",
+        )
+    return entropy_ranges(histograms, ENTROPY_BINS["num_quantized_bins"])
+
+
+@contextmanager
+def _ort_prints_logged() -> Iterator[None]:
+    """ONNX Runtime's calibrators print progress to stdout: captured, and each line logged at debug level."""
+    buffer = io.StringIO()
+    try:
+        with redirect_stdout(buffer):
+            yield
+    finally:
+        for line in buffer.getvalue().splitlines():
+            if line.strip():
+                log.debug("onnxruntime: %s", line.strip())
