@@ -72,11 +72,11 @@ for phase in "$@"; do
       python3 -P benchmarks/engine_bench.py --models hf_bert --batches 1,32 --profile 20 --out "$OUT/eb" \
         --rows kiln_torch,kiln_torch_meas,kiln_torch_fp8,kiln_torch_fp8meas \
         --torch-variant meas:gemm_algorithms=measured --torch-variant fp8meas:precision=fp8,gemm_algorithms=measured ;;
-    # build.torch.fused_attention (issue 33): the GPU-marked tests alone (no demo), then a ViT's and a BERT's FP16
-    # engines with fused attention (auto) and without, beside eager FP16; ATTN_MODELS picks the models
+    # build.torch.fused_attention (issue 33): its GPU-marked test, then a ViT's and a BERT's FP16 engines with fused
+    # attention (auto) and without, beside eager FP16; ATTN_MODELS picks the models
     attention)
-      python3 -P -m pytest -q -rfE -m gpu -p no:cacheprovider --import-mode=append tests > "$OUT/gpu_tests_full.txt" 2>&1
-      tail -25 "$OUT/gpu_tests_full.txt"
+      python3 -P -m pytest -q -rfE -m gpu -p no:cacheprovider --import-mode=append \
+        tests/stages/engines/torch/test_attention.py 2>&1 | tail -8 | tee "$OUT/attention_tests.txt"
       python3 -P benchmarks/engine_bench.py --models "${ATTN_MODELS:-hf_vit,hf_bert}" --batches 1,32 --profile 20 \
         --out "$OUT/attn" --rows eager16,kiln_torch,kiln_torch_noattn --torch-variant noattn:fused_attention=off ;;
     train) python3 benchmarks/train_bench.py --out "$OUT" ${TRAIN_ARGS:-} ;;
