@@ -83,6 +83,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "rounds": args.rounds,
+        "command": f"python benchmarks/entropy_bench.py --rounds {args.rounds}",
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "entropy_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
