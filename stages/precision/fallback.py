@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,30 @@ class FallbackResult:
 
     def summary(self) -> dict[str, Any]:
         return {"passed": self.passed, "rounds": self.rounds, "kept": self.kept, "failures": self.failures}
+
+
+class Label(str):
+    """A fallback's name in its log lines, with the nodes its graph keeps in float before any round (``held``:
+    node -> why) and where they come from (``origin``): each round's line counts them with the round's own, so the
+    count is what the graph keeps in float beyond the configuration's exclusions."""
+
+    held: dict[str, str]
+    origin: str
+
+    def __new__(cls, name: str, held: Mapping[str, str] | None = None, origin: str = "held from the start") -> Label:
+        label = super().__new__(cls, name)
+        label.held, label.origin = dict(held or {}), origin
+        return label
+
+
+def kept_note(kept: Mapping[str, str], label: str) -> str:
+    """``"N nodes kept FP32"`` for a round's graph: the nodes its rounds kept plus those ``label`` holds from the
+    start, said apart where there are any."""
+    held = label.held if isinstance(label, Label) else {}
+    note = f"{len(kept) + len(held)} nodes kept FP32"
+    if not held:
+        return note
+    return f"{note}: {len(held)} {label.origin}" + (f", {len(kept)} by its rounds" if kept else "")
 
 
 # A round improves on the best before it by MIN_TOP1_GAIN top-1 agreement, or at the same top-1 by MIN_COSINE_GAIN
@@ -84,7 +108,8 @@ def run_fallback(
     label: str,
 ) -> FallbackResult:
     """``build(extra_fp32_nodes) -> model path``, judged by ``check`` as an engine of ``precision``.
-    ``candidates``: nodes whose precision ``build`` can change."""
+    ``candidates``: nodes whose precision ``build`` can change; ``label``: the log lines' name (a :class:`Label`
+    where ``build`` keeps nodes in float besides ``extra_fp32_nodes`` and the configuration's exclusions)."""
     kept: dict[str, str] = {}
     result = FallbackResult(path=Path())
     best: tuple[Verdict, int, dict[str, str]] | None = None  # verdict, round, nodes kept
@@ -93,14 +118,17 @@ def run_fallback(
     for round_no in range(cfg.max_rounds + 1):
         result.path = build(set(kept))
         verdict = check(result.path, precision, cfg)
-        result.rounds.append({"round": round_no, "kept": len(kept), **verdict.metrics, "failures": verdict.failures})
+        held = {"held": len(label.held)} if isinstance(label, Label) and label.held else {}
+        result.rounds.append(
+            {"round": round_no, "kept": len(kept), **held, **verdict.metrics, "failures": verdict.failures}
+        )
         log.info(
-            "%s round %d: top-1 agreement %s cosine %s (%d nodes kept FP32)%s",
+            "%s round %d: top-1 agreement %s cosine %s (%s)%s",
             label,
             round_no,
             fmt(verdict.metrics["top1_agreement"]),
             fmt(verdict.metrics["cosine"], ".5f"),
-            len(kept),
+            kept_note(kept, label),
             "" if verdict.passed else f": {'; '.join(verdict.failures)}",
         )
         better = best is None or improves(verdict.metrics, best[0].metrics)
@@ -140,6 +168,7 @@ def run_fallback(
         pruned = _prune(build, check, precision, cfg, kept, added[:at], helped[:at], label)
         if pruned is not None:  # two graphs pass: the faster is kept, measured side by side
             result.timing = _faster(build, check, {"as found": (kept, verdict), "pruned": pruned})
+            _log_choice(label, precision, sorted(set(kept) - set(pruned[0])), result.timing)
             kept, verdict = pruned if result.timing["kept"] == "pruned" else (kept, verdict)
     result.path = build(set(kept))
     result.kept, result.passed, result.failures = kept, verdict.passed, list(verdict.failures)
@@ -163,6 +192,29 @@ def _faster(
     return {"p50_ms": ms, "kept": "as found" if lead else "pruned"}
 
 
+def _log_choice(label: str, precision: str, dropped: list[str], timing: dict[str, Any]) -> None:
+    """Which of the two passing graphs :func:`_faster` kept: with ``dropped`` back in ``precision`` or in float."""
+    found, pruned = timing["p50_ms"]["as found"], timing["p50_ms"]["pruned"]
+    if timing["kept"] == "pruned":
+        log.info(
+            "%s: %s back in %s: the graph runs as fast or faster so (p50 %s ms, vs %s ms with them in float)",
+            label,
+            dropped,
+            precision,
+            fmt(pruned, ".3g"),
+            fmt(found, ".3g"),
+        )
+    else:
+        log.info(
+            "%s: %s stay in float: the graph runs faster so (p50 %s ms, vs %s ms with them in %s)",
+            label,
+            dropped,
+            fmt(found, ".3g"),
+            fmt(pruned, ".3g"),
+            precision,
+        )
+
+
 def _prune(
     build: Callable[[set[str]], Path],
     check: GateCheck,
@@ -182,7 +234,12 @@ def _prune(
         trial = {k: v for k, v in kept.items() if k not in nodes}
         verdict = check(build(set(trial)), precision, cfg)
         if verdict.passed:
-            log.info("%s: %s kept in float bought nothing measurable: back in %s", label, sorted(nodes), precision)
+            log.info(
+                "%s: the gates pass with %s back in %s too (kept in float, they bought nothing measurable)",
+                label,
+                sorted(nodes),
+                precision,
+            )
             kept, dropped = trial, (trial, verdict)
     return dropped
 

@@ -4,6 +4,7 @@ accuracy-driven fallback. Callable without the pipeline (the benchmark and tests
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +30,11 @@ from kiln.calibration.quantize import (
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
 from kiln.core.onnx_io import infer_shapes, save_onnx
-from kiln.stages.precision.audit import compute_precisions
+from kiln.stages.precision.audit import audit_graph, compute_precisions
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
-from kiln.stages.precision.fallback import FallbackResult, run_fallback
+from kiln.stages.precision.fallback import FallbackResult, Label, run_fallback
 from kiln.stages.precision.fp16 import convert_fp16, name_nodes
 from kiln.stages.precision.fp16_select import INDEX_OPS, select_fp32_nodes
 from kiln.stages.precision.gate import GateCheck
@@ -170,16 +171,128 @@ def _build_int8(
     if ccfg.ort_cpu_graph and ccfg.activation_type == "int8":
         ort_out = out.with_name("model.ort_cpu.onnx")
         # from the nodes the Q/DQ graph kept in float where it passed; from the base alone where it did not (its
-        # fallback may have kept every node, and this graph, of another scheme, may need none of them). Those its
-        # fallback kept say so: this graph's own rounds did not keep them
-        inherited = {n: f"kept in the Q/DQ graph ({why})" for n, why in res.kept.items()}
-        start = base | inherited if res.passed else base
-        entry["ort_cpu"] = ort_cpu_with_fallback(src, ort_out, ccfg, fallback, check, start, candidates)
+        # fallback may have kept every node, and this graph, of another scheme, may need none of them)
+        inherited = {n: f"kept in the Q/DQ graph ({why})" for n, why in res.kept.items()} if res.passed else {}
+        entry["ort_cpu"] = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, candidates)
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
         entry["trt_calibration_table"] = table.name
     return entry
+
+
+ORT_CPU = "int8 onnxruntime-cpu"
+INHERITED = "inherited from the Q/DQ graph"
+
+
+def ort_cpu_graph(
+    src: Source,
+    out: Path,
+    ccfg: CalibrationConfig,
+    fallback: FallbackConfig,
+    check: GateCheck,
+    base: dict[str, str],
+    inherited: dict[str, str],
+    candidates: set[str],
+) -> dict[str, Any]:
+    """The ONNX Runtime CPU graph at ``out`` (:func:`ort_cpu_with_fallback`), started from the nodes the Q/DQ graph
+    kept in float (``inherited``) beside the configuration's (``base``). Where it passes at once with them, nothing
+    says it needs them (its scheme is another), while they may leave too little of it in int8 for the precision
+    audit: one more fallback from ``base`` alone, and of the two the passing graph with the larger share of its
+    FLOPs in int8 is kept (``starts`` records both)."""
+    first = ort_cpu_with_fallback(src, out, ccfg, fallback, check, base, candidates, inherited)
+    if not _passed_as_started(first, inherited):
+        return first
+    sizes = _sample_sizes(src.model, check.samples)
+    with_them = _int8_share(out, sizes)
+    shares: dict[str, float | None] = {"with": with_them}
+    log.info(
+        "%s: passed with the %d nodes %s in float (%.0f%% of its FLOPs in int8); tried without them too",
+        ORT_CPU,
+        len(inherited),
+        INHERITED,
+        100 * with_them,
+    )
+    with tempfile.TemporaryDirectory(prefix="kiln-int8-") as tmp:
+        alone_out = Path(tmp) / out.name
+        label = f"{ORT_CPU} (without the Q/DQ graph's nodes)"
+        alone = ort_cpu_with_fallback(src, alone_out, ccfg, fallback, check, base, candidates, label=label)
+        shares["without"] = _int8_share(alone_out, sizes) if alone["fallback"]["passed"] else None
+        chosen = "without" if _more_int8(alone, shares["without"], first, shares["with"]) else "with"
+        if chosen == "without":
+            shutil.copyfile(alone_out, out)
+    _log_start(first, alone, shares, chosen)
+    starts = {k: _start_record(r, shares[k]) for k, r in (("with", first), ("without", alone))}
+    return {
+        **(alone if chosen == "without" else first),
+        "starts": {"inherited": sorted(inherited), **starts, "kept": chosen},
+    }
+
+
+def _more_int8(graph: dict[str, Any], share: float | None, than: dict[str, Any], than_share: float | None) -> bool:
+    """Whether a passing graph (``share`` not None) runs more of its FLOPs in int8 than the other, or as much with
+    fewer nodes in float."""
+    if share is None or than_share is None:
+        return than_share is None and share is not None
+    return (share, -len(graph["kept_fp32"])) > (than_share, -len(than["kept_fp32"]))
+
+
+def _passed_as_started(ort: dict[str, Any], inherited: dict[str, str]) -> bool:
+    """Whether the graph passed in its first round with ``inherited`` nodes in float: untested without them."""
+    rounds = ort["fallback"]["rounds"]
+    return bool(inherited) and ort["fallback"]["passed"] and len(rounds) == 1 and not rounds[0]["failures"]
+
+
+def _log_start(first: dict[str, Any], alone: dict[str, Any], shares: dict[str, float | None], chosen: str) -> None:
+    with_them = f"{shares['with']:.0%} of its FLOPs in int8 with them"
+    if chosen == "without":
+        log.info(
+            "%s: kept without the Q/DQ graph's nodes: %d nodes kept FP32, %s of its FLOPs in int8 (%s)",
+            ORT_CPU,
+            len(alone["kept_fp32"]),
+            f"{shares['without']:.0%}",
+            with_them,
+        )
+        return
+    why = (
+        f"it misses the gates ({'; '.join(alone['fallback']['failures'])})"
+        if shares["without"] is None
+        else f"{shares['without']:.0%} of its FLOPs in int8, {with_them}"
+    )
+    log.info(
+        "%s: kept with the nodes %s (%d nodes kept FP32); without them %s",
+        ORT_CPU,
+        INHERITED,
+        len(first["kept_fp32"]),
+        why,
+    )
+
+
+def _start_record(ort: dict[str, Any], share: float | None) -> dict[str, Any]:
+    fallback = ort["fallback"]
+    return {
+        "passed": fallback["passed"],
+        "int8_share": share,
+        "kept_fp32": len(ort["kept_fp32"]),
+        "failures": fallback["failures"],
+    }
+
+
+def _sample_sizes(model: onnx.ModelProto, feed: Samples) -> dict[str, int]:
+    """The size of each named axis but the first (the batch) of the graph's inputs in ``feed``: where a graph's
+    share of FLOPs in int8 is counted (the check's own samples)."""
+    arrays = feed if isinstance(feed, dict) else {model.graph.input[0].name: feed}
+    sizes: dict[str, int] = {}
+    for inp in model.graph.input:
+        x = arrays.get(inp.name)
+        for axis, dim in enumerate(inp.type.tensor_type.shape.dim):
+            if axis and dim.dim_param and x is not None and axis < np.ndim(x):
+                sizes[dim.dim_param] = int(np.shape(x)[axis])
+    return sizes
+
+
+def _int8_share(path: Path, sizes: dict[str, int]) -> float:
+    return audit_graph(path, sizes).share().get("int8", 0.0)
 
 
 def ort_cpu_with_fallback(
@@ -190,24 +303,28 @@ def ort_cpu_with_fallback(
     check: GateCheck | Samples,
     kept: dict[str, str],
     candidates: set[str],
+    inherited: dict[str, str] | None = None,
+    label: str = ORT_CPU,
 ) -> dict[str, Any]:
     """The ONNX Runtime CPU graph through a fallback of its own: its scheme (uint8 static, or dynamic ranges
     measured per batch) loses accuracy where the symmetric Q/DQ graph does not, and it is what ORT CPU engines
-    run, so passing on the Q/DQ graph says nothing about it. Starts from the nodes the Q/DQ graph kept (``kept``,
-    node -> why), which it keeps too: ``reasons`` lists them beside those its own fallback adds, one per node of
-    ``kept_fp32`` (the report counts the one and lists the other)."""
+    run, so passing on the Q/DQ graph says nothing about it. Starts with ``kept`` (node -> why) and the nodes the
+    Q/DQ graph kept (``inherited``, its round lines count them) in float: ``reasons`` lists them beside those its
+    own fallback adds, one per node of ``kept_fp32`` (the report counts the one and lists the other)."""
     info: dict[str, Any] = {}
+    start = kept | (inherited or {})
 
     def build(extra: set[str]) -> Path:
-        info.update(build_ort_cpu_int8(src, out, ccfg, set(kept) | extra))
+        info.update(build_ort_cpu_int8(src, out, ccfg, set(start) | extra))
         return out
 
-    res = run_fallback(build, as_check(src, check), "int8", fallback, candidates - set(kept), "int8 onnxruntime-cpu")
+    named = Label(label, inherited, INHERITED) if inherited else label
+    res = run_fallback(build, as_check(src, check), "int8", fallback, candidates - set(start), named)
     _in_precision(res, out, "int8")
     return {
         **info,
-        "kept_fp32": sorted(kept | res.kept),
-        "reasons": dict(sorted((kept | res.kept).items())),
+        "kept_fp32": sorted(start | res.kept),
+        "reasons": dict(sorted((start | res.kept).items())),
         "vs_fp32": _vs_fp32(res),
         "fallback": _fallback_record(res),
     }
