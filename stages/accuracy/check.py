@@ -38,10 +38,15 @@ def compare_all(
     logits: str | None,
     where: np.ndarray | None = None,
     mismatch_hint: str = REBUILD,
+    spread: dict[str, float] | None = None,
 ) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
     the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
-    labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads).
+    labelled positions (``where``: a token classifier's padding carries no label and no answer anyone reads);
+    without them, over a dense head's positions only those the reference is confident at
+    (:func:`confident_positions`). Each float output's relative error is relative to how the reference varies
+    between samples (``spread``: :func:`spreads`, the whole held-out set's where this is a few rows of it; else
+    this reference's own): :func:`relative_to_spread`.
     ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
@@ -58,6 +63,8 @@ def compare_all(
             hint="keep the nodes before that threshold in float (calibration.exclude_nodes, precision.fp16."
             "fp32_ops), or serve the scores and threshold them outside the engine",
         )
+    if where is None and logits is not None and logits in ref:
+        where = confident_positions(ref[logits])
     try:
         stats = compare_outputs(ref, got, where={logits: where} if logits is not None and where is not None else None)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
@@ -65,9 +72,74 @@ def compare_all(
             f"the engine's outputs do not match the reference's: {exc}",
             hint=mismatch_hint,
         ) from None
+    stats = relative_to_spread(stats, ref, got, spreads(ref) if spread is None else spread)
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
     return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
+
+
+# A position of a dense head is a decision the reference makes where its top class has at least this probability
+CONFIDENT = 0.5
+# An output (nearly) constant over the samples has no spread to measure an error by: at least this share of its RMS
+SPREAD_FLOOR = 0.01
+
+
+def confident_positions(logits: np.ndarray) -> np.ndarray | None:
+    """Of class logits with positions (``[N, A, C]`` a detector's anchors, ``[N, C, H, W]`` a segmentation's
+    pixels), those where the reference's top class has a probability of :data:`CONFIDENT` or more (softmax over
+    the class axis, :func:`class_axis`; the values themselves where every one lies within [0, 1]), shaped like
+    the logits without their class axis. Only those are decisions anyone reads: a dense head answers at every
+    anchor, most of them background whose class scores all lie low and close, and an engine's small error flips
+    their argmax at random while every detection stays the same. None (count every position): logits per row
+    (``[N, C]``: each row is a sample's answer), fewer than two classes, or no position confident at all (a model
+    with random weights)."""
+    axis = class_axis(logits.ndim)
+    if logits.ndim < 3 or logits.dtype.kind != "f" or logits.shape[axis] < 2:
+        return None
+    r = np.moveaxis(np.asarray(logits, dtype=np.float64), axis, -1)
+    finite = r[np.isfinite(r)]
+    if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0:
+        top = r.max(-1)
+    else:
+        with np.errstate(invalid="ignore", over="ignore"):
+            top = 1.0 / np.exp(r - r.max(-1, keepdims=True)).sum(-1)  # the softmax of the largest logit
+    sure = top >= CONFIDENT
+    return sure if sure.any() else None
+
+
+def spreads(ref: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per float output of at least two rows: the RMS of the reference's deviation from its mean over the rows
+    (the samples), at least :data:`SPREAD_FLOOR` of its own RMS: how much the output varies with its input. What
+    every input shares (a detector's anchor grid under its pixel boxes, an offset) is no information the engine
+    must keep, and would hide an error measured against the output's whole norm."""
+    out: dict[str, float] = {}
+    for name, value in ref.items():
+        r = np.asarray(value)
+        if r.dtype.kind != "f" or r.ndim < 1 or len(r) < 2 or not np.isfinite(r).all():
+            continue
+        r = r.astype(np.float64)
+        rms, dev = float(np.sqrt(np.mean(r**2))), float(np.sqrt(np.mean((r - r.mean(0)) ** 2)))
+        if rms > 0:
+            out[name] = max(dev, SPREAD_FLOOR * rms)
+    return out
+
+
+def relative_to_spread(
+    stats: dict[str, OutputStats], ref: dict[str, np.ndarray], got: dict[str, np.ndarray], spread: dict[str, float]
+) -> dict[str, OutputStats]:
+    """Each float output's relative error as the RMS of its error over its ``spread`` (:func:`spreads`) in place
+    of over its own RMS: a 30 % shrink of pixel boxes is 4 % of their norm, most of which is the anchor grid, and
+    over 100 % of how they vary between images. An infinite error (a value not finite in one of the two) stays,
+    as does the error of an output with no spread measured (one row; non-finite values)."""
+    out = dict(stats)
+    for name, s in stats.items():
+        if s.cosine is None or name not in spread or not np.isfinite(s.rel_err):
+            continue
+        r, g = np.asarray(ref[name], dtype=np.float64), np.asarray(got[name], dtype=np.float64)
+        both = np.isfinite(r) & np.isfinite(g)  # a value not finite alike in both is equal (compare_arrays)
+        err = float(np.sqrt(np.mean((g[both] - r[both]) ** 2))) if both.any() else 0.0
+        out[name] = replace(s, rel_err=err / spread[name])
+    return out
 
 
 def _only_rows_differ(ref: np.ndarray, got: np.ndarray) -> bool:
@@ -195,13 +267,35 @@ COUNT_SLACK = 1e-9
 def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: bool = False) -> dict[str, Any]:
     """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in. A
     model with ``no_class_logits`` (a regression's values, whose task no top-1 agreement guards) gets a concrete
-    ``max_rel_err`` where none is set: the error ``min_cosine`` allows at right angles to the reference,
-    sqrt(2 (1 - c)), now in any direction, since cosine alone passes an offset or a scale."""
+    ``max_rel_err`` where none is set (:func:`derived_rel_err`), held by every float output. With class logits it
+    stays as set: unset, :func:`rel_err_limits` holds every float output but the class logits to the derived one."""
     gates = (cfg.gates if isinstance(cfg, CheckConfig) else cfg).model_dump()
     gates.update(gates.pop("per_precision").get(precision, {}))
     if no_class_logits and gates.get("max_rel_err") is None:
-        gates["max_rel_err"] = round(float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))), 6)
+        gates["max_rel_err"] = derived_rel_err(gates)
     return gates
+
+
+def derived_rel_err(gates: dict[str, Any]) -> float:
+    """The relative error ``min_cosine`` allows at right angles to the reference, sqrt(2 (1 - c)), now in any
+    direction, since cosine alone passes an offset or a scale."""
+    return round(float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))), 6)
+
+
+def rel_err_limits(per_output: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str, float]:
+    """Each float output's relative-error limit: ``max_rel_err`` where the gates set one (the user's, or a model's
+    without class logits: :func:`gates_for`); else every float output's but the class logits' is
+    :func:`derived_rel_err`, per output. Their top-1 agreement guards the class logits, which a scale does not
+    change; the outputs beside them (a detector's boxes, a regression head) are values, which cosine cannot hold:
+    boxes in pixels share the anchor grid, and keep a cosine near 1 whatever the regression does. The class
+    logits are the float output with a top-1 agreement (:func:`compare_all` keeps it on them alone), or the only
+    float output (a binary ``[N, 1]`` logit has no argmax to agree on)."""
+    floats = [n for n, s in per_output.items() if s.get("cosine") is not None]
+    if gates.get("max_rel_err") is not None:
+        return dict.fromkeys(floats, gates["max_rel_err"])
+    logits = [n for n in floats if per_output[n].get("top1_agreement") is not None]
+    exempt = set(logits) if logits else set(floats[:1]) if len(floats) == 1 else set()
+    return {n: derived_rel_err(gates) for n in floats if n not in exempt}
 
 
 def labels_at_points(
@@ -344,6 +438,23 @@ class Reference:
         scored = None if self.score is None else self.outputs[self.score]
         self.accuracy = None if scored is None else self.accuracy_of(scored)
         self.metric_value = None if scored is None else self.metric_of(scored)
+        self._say_vacuous_metric()
+
+    def _say_vacuous_metric(self) -> None:
+        """Warn where the reference's own metric is 0 and higher is better (a recall, an accuracy): no engine can
+        drop below it, so max_metric_drop passes every engine, and the metric most likely reads the wrong outputs
+        or labels. (A metric that is not finite is an error already: :class:`Metric`.)"""
+        if self.metric is None or self.metric_value != 0.0 or not self.metric.higher_is_better:
+            return
+        log.warning(
+            "validate.metric '%s' is 0 for the reference itself: no engine can score lower, so max_metric_drop "
+            "passes every engine whatever it computes; check that the metric reads the right outputs and labels%s",
+            self.metric.name,
+            " (detection_recall: name the class scores in signature.logits_output, boxes [N, K, 4] and labels "
+            "[N, M, 5] of (class, x1, y1, x2, y2) in the boxes' units)"
+            if self.metric.name == "detection_recall"
+            else "",
+        )
 
     def _say_padding_ties(self) -> None:
         """Warn once per output whose padding no axis name decides (:func:`kiln.core.labels.mask_of`): it is
@@ -379,7 +490,7 @@ class Reference:
         if self.score is not None and self.score not in missed:
             log.warning(
                 "the held-out labels do not follow the positions of class logits '%s' at %s: top-1 agreement "
-                "counts every position there; task accuracy is measured at %s",
+                "counts every position the reference is confident at there; task accuracy is measured at %s",
                 self.logits,
                 "; ".join(_sizes(self.feeds[j][0]) or "the data's sizes" for j in missed),
                 _sizes(self.feeds[self.score][0]) or "the data's sizes",
@@ -388,7 +499,8 @@ class Reference:
             return
         log.warning(
             "the held-out labels %s%s do not follow the positions of class logits '%s' %s (they take labels "
-            "%s): no task accuracy is measured, and top-1 agreement counts every position",
+            "%s): no task accuracy is measured, and top-1 agreement counts every position the reference is confident "
+            "at",
             y.dtype,
             list(y.shape),
             self.logits,
@@ -813,7 +925,9 @@ def compare_on(
             out.untaken.append(point)
             continue
         got = batched(infer, feed, largest)
-        kept = compare_all(ref.unpadded(feed, expected), ref.unpadded(feed, got), ref.logits, ref.labelled(i))
+        whole = ref.unpadded(feed, expected)
+        spread = spreads(whole)  # how the outputs vary over every held-out row: the spot checks' errors too
+        kept = compare_all(whole, ref.unpadded(feed, got), ref.logits, ref.labelled(i), spread=spread)
         out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
@@ -821,7 +935,7 @@ def compare_on(
             if inspect is not None:
                 out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
             expected_bs, got_bs = ref.unpadded(feed_bs, ref.at_batch(i, bs)), ref.unpadded(feed_bs, got_bs)
-            spot = compare_all(expected_bs, got_bs, ref.logits, ref.labelled(i, bs))
+            spot = compare_all(expected_bs, got_bs, ref.logits, ref.labelled(i, bs), spread=spread)
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:
             out.accuracy, out.metric = ref.accuracy_of(got), ref.metric_of(got)
@@ -843,14 +957,14 @@ def accuracy_failures(
     baseline_metric: float | None = None,
 ) -> list[str]:
     """Each accuracy gate ``entry`` misses, as a sentence naming the value and its threshold (NaN fails every
-    gate): cosine (of the whole output, and of its worst sample: ``min_cosine`` holds for each sample) and max abs
-    error per output, top-1 agreement of the class logits (flips on ties counted as agreeing:
-    :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
+    gate): cosine (of the whole output, and of its worst sample: ``min_cosine`` holds for each sample), max abs
+    error and relative error (:func:`rel_err_limits`) per output, top-1 agreement of the class logits (flips on
+    ties counted as agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
     fails = []
     per_output = entry.outputs or {
         "": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err, "rel_err": entry.rel_err}
     }
-    rel_limit = gates.get("max_rel_err")
+    rel_limits = rel_err_limits(per_output, gates)
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
         named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
         where = f"output '{name}' " if named else ""
@@ -866,8 +980,9 @@ def accuracy_failures(
             fails.append(_sample_failure(where, s, gates["min_cosine"]))
         if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
             fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
-        if rel_limit is not None and s["cosine"] is not None and not s.get("rel_err", 0.0) <= rel_limit:
-            fails.append(f"{where}relative error {s['rel_err']:.4g} > max_rel_err {rel_limit:.4g}")
+        limit = rel_limits.get(name)
+        if limit is not None and not s.get("rel_err", 0.0) <= limit:
+            fails.append(f"{where}relative error {s['rel_err']:.4g} > max_rel_err {limit:.4g}")
     if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"] - COUNT_SLACK:
         ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
         fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}{ties}")

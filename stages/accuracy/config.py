@@ -34,17 +34,20 @@ class GatesConfig(Section):
     max_rel_err: float | None = Field(
         None,
         ge=0,
-        description="relative L2 error of each float output vs PyTorch; null = for a model without class logits (a "
-        "regression) sqrt(2 * (1 - min_cosine)), the error min_cosine allows in any direction (cosine alone misses "
-        "an offset or a scale), else unchecked",
+        description="relative error of each float output vs PyTorch: the RMS of the error over how the reference "
+        "varies between held-out samples (RMS of its deviation from its mean over them, at least 1 % of its RMS); "
+        "null = sqrt(2 * (1 - min_cosine)), the error min_cosine allows in any direction (cosine alone misses an "
+        "offset or a scale), for every float output but the class logits (top-1 agreement guards those); set, it "
+        "holds the class logits too",
     )
     min_top1_agreement: float = Field(
         0.99,
         ge=0,
         le=1.0,
         description="fraction of samples whose argmax matches PyTorch, on the class-logit output of a task with "
-        "classes (integer labels, or num_classes in the data) or the one signature.logits_output names; an "
-        "integer output's share of equal values",
+        "classes (integer labels, or num_classes in the data) or the one signature.logits_output names (with "
+        "positions, [N, A, C] or [N, C, H, W]: the labelled ones, else those where PyTorch's top class has a "
+        "probability of 0.5 or more); an integer output's share of equal values",
     )
     max_accuracy_drop: float = Field(
         0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)"

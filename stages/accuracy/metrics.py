@@ -14,6 +14,7 @@ below).
 
 from __future__ import annotations
 
+import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from kiln.models.registry import resolve_callable
 
 MetricFn = Callable[[dict[str, np.ndarray], np.ndarray], float]
 IOU = 0.5  # detection_recall: a label box is found by a prediction of its class overlapping it this much
+BOX_NAMES = re.compile(r"box|bbox", re.IGNORECASE)  # boxes, bbox, pred_boxes, bbox_pred
+SCORE_NAMES = re.compile(r"score|logit|cls|class|conf|prob", re.IGNORECASE)  # scores, pred_logits, cls_score
 
 
 @dataclass(frozen=True)
@@ -211,22 +214,28 @@ def _mse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None)
 
 
 def _detection_recall(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
-    """Of the labelled boxes, the fraction found: a prediction whose argmax class is the box's and whose box
-    overlaps it by IoU >= :data:`IOU`, each prediction finding one box at most (greedy by IoU).
+    """Of the labelled boxes, the fraction found: a confident prediction whose argmax class is the box's and whose
+    box overlaps it by IoU >= :data:`IOU`, each prediction finding one box at most (greedy by IoU).
 
-    ``outputs``: a boxes output ``[N, K, 4]`` (x1, y1, x2, y2) and a class-score output ``[N, K, C]`` (the class
-    logits: the one named by ``signature.logits_output``, else the other ``[N, K, *]`` output); ``labels``:
-    ``[N, M, 5]`` rows of (class, x1, y1, x2, y2), a negative class marking padding."""
-    boxes = next((v for v in outputs.values() if v.ndim == 3 and v.shape[-1] == 4), None)
-    scores = outputs.get(logits) if logits is not None else None
-    if scores is None or scores is boxes:
-        scores = next((v for v in outputs.values() if v.ndim == 3 and v is not boxes), None)
-    if boxes is None or scores is None or labels.ndim != 3 or labels.shape[-1] != 5:
+    A prediction is confident where its top class's score says the class is present: a probability of 0.5 or
+    more (a logit of 0 or more; a sigmoid's or softmax's output of 0.5 or more: :func:`decision_threshold`, the
+    decision ``multilabel_f1`` makes too): a dense head
+    answers at every anchor, and recall over all of them would credit a head whose scores say nothing is there
+    (an engine that crushes every score keeps its boxes). For another threshold, or average precision over the
+    ranked scores, give your own metric.
+
+    ``outputs``: boxes ``[N, K, 4]`` (x1, y1, x2, y2) and class scores ``[N, K, C]``, told apart by
+    :func:`_detection_outputs`; ``labels``: ``[N, M, 5]`` rows of (class, x1, y1, x2, y2), a negative class marking
+    padding."""
+    if labels.ndim != 3 or labels.shape[-1] != 5:
         raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
+    box_name, score_name = _detection_outputs(outputs, logits)
+    boxes, scores = outputs[box_name], outputs[score_name]
+    confident = scores.max(-1) >= decision_threshold(scores)
     found = total = 0
-    for b, s, y in zip(boxes, scores, labels):
+    for b, s, sure, y in zip(boxes, scores, confident, labels):
         classes = s.argmax(-1)
-        free = np.ones(len(b), dtype=bool)
+        free = sure.copy()
         for row in y[y[:, 0] >= 0]:
             total += 1
             ious = np.where(free & (classes == int(row[0])), _iou(b, row[1:]), 0.0)
@@ -236,6 +245,49 @@ def _detection_recall(outputs: dict[str, np.ndarray], labels: np.ndarray, logits
     if not total:
         raise ValueError("no labelled box")
     return found / total
+
+
+def _detection_outputs(outputs: dict[str, np.ndarray], logits: str | None) -> tuple[str, str]:
+    """The names of the boxes and the class-score outputs of a dense detection head. The scores: the output
+    ``signature.logits_output`` names, else the one named like scores (:data:`SCORE_NAMES`), else the only
+    ``[N, K, *]`` output beside the boxes. The boxes: of the other ``[N, K, 4]`` outputs, the one named like boxes
+    (:data:`BOX_NAMES`), else the only one. Four classes make scores ``[N, K, 4]`` too: where names do not tell
+    the two apart, a ConfigError asks to name the scores, since either guess is as likely wrong (and the wrong one
+    scores 0 for every engine and the reference alike)."""
+    dense = {k: v for k, v in outputs.items() if np.ndim(v) == 3}
+    named = logits if logits in dense else None
+    fits = [k for k, v in dense.items() if v.shape[-1] == 4 and k != named]
+    boxes = _by_name(fits, BOX_NAMES, SCORE_NAMES)
+    if boxes is None and len(fits) > 1:
+        raise _ambiguous(fits, "boxes", outputs)
+    if boxes is None:
+        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
+    if named is not None:
+        return boxes, named
+    rest = [k for k, v in dense.items() if k != boxes and v.shape[:2] == dense[boxes].shape[:2]]
+    scores = _by_name(rest, SCORE_NAMES, BOX_NAMES)
+    if scores is None and len(rest) > 1:
+        raise _ambiguous(rest, "class scores", outputs)
+    if scores is None:
+        raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
+    return boxes, scores
+
+
+def _by_name(names: list[str], like: re.Pattern[str], unlike: re.Pattern[str]) -> str | None:
+    """The one of ``names`` named ``like`` and not ``unlike``; else, where there is one name only, that one."""
+    hits = [k for k in names if like.search(k) and not unlike.search(k)]
+    if len(hits) == 1:
+        return hits[0]
+    return names[0] if len(names) == 1 else None
+
+
+def _ambiguous(names: list[str], what: str, outputs: dict[str, np.ndarray]) -> ConfigError:
+    return ConfigError(
+        f"validate.metric 'detection_recall': outputs {', '.join(repr(k) for k in names)} could each be the {what} "
+        f"({_shapes(outputs)}), and their names do not say which holds boxes and which class scores",
+        hint=f"set signature.logits_output to the class-score output ({' or '.join(names)}); the metric takes the "
+        "other [N, K, 4] output as the boxes (or name the outputs boxes and scores in the model)",
+    )
 
 
 def _iou(boxes: np.ndarray, box: np.ndarray) -> np.ndarray:
