@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from kiln.core.errors import ConfigError
+from kiln.core.errors import ConfigError, ModelError
 from kiln.core.records import IntRange, TensorSpec, by_column, whole_range
 
 # A batch's inputs may take at most this share of the machine's memory: outputs, activations and a reference
@@ -45,6 +45,48 @@ def check_batch_fits(
             f"this machine has {memory_bytes() / 2**30:.1f} GiB of memory",
             hint=hint,
         )
+
+
+def check_batch_axis(specs: list[TensorSpec], what: str) -> None:
+    """Refuse inputs without a common batch axis: Kiln takes axis 0 of every input as the batch (its batch sizes,
+    the slices the checks compare, the rows of random inputs), so an input whose axis 0 is a fixed size beside one
+    whose axis 0 is dynamic, or inputs fixed at different sizes, would be cut or repeated where they must not (a
+    graph neural network's ``x [nodes, 8]`` beside ``edge_index [2, edges]``) and fail inside ONNX Runtime. Inputs
+    without axes are left out; ``what`` names the model or engine in the error."""
+    firsts = {s.name: s.shape[0] for s in specs if s.shape}
+    fixed = {name: dim for name, dim in firsts.items() if isinstance(dim, int) and dim >= 1}
+    free = [name for name in firsts if name not in fixed]
+    if not fixed or (not free and len(set(fixed.values())) == 1):
+        return
+    shown = {s.name: f"'{s.name}' {_written(s.shape)}" for s in specs if s.name in firsts}
+    if free:
+        name = next(iter(fixed))
+        problem = (
+            f"input {shown[name]} has a fixed axis 0 ({fixed[name]}) while axis 0 of input {shown[free[0]]} is dynamic"
+        )
+    else:
+        problem = "the inputs fix axis 0 at different sizes (" + ", ".join(shown[n] for n in fixed) + ")"
+    raise ModelError(
+        f"{what}: {problem}: Kiln takes axis 0 of every input as the batch, and these inputs have no common one",
+        hint=batch_of_one_hint(specs),
+    )
+
+
+def batch_of_one_hint(specs: list[TensorSpec]) -> str:
+    """The fix for inputs without a common batch axis (:func:`check_batch_axis`): one sample a call, each input under
+    a leading axis of one, written out for ``specs``."""
+    wrapped = ", ".join(f"{s.name} {_written([1, *s.shape])}" for s in specs if s.shape)
+    taken = ", ".join(f"{s.name}[0]" for s in specs if s.shape)
+    return (
+        f"give the model each sample (a whole graph) as a batch of one: export it taking {wrapped} (its forward "
+        f"takes {taken} and returns its outputs with a leading axis of one) and set signature.batch_sizes: [1]; its "
+        "engines take one sample a call and are served unbatched (docs/byom.md, inputs without a batch axis)"
+    )
+
+
+def _written(shape: Sequence[int | str]) -> str:
+    """A declared shape as the errors write it: ``[2, edges]`` (an axis of unknown size: ``?``)."""
+    return "[" + ", ".join(str(d) if d not in (0, "") else "?" for d in shape) + "]"
 
 
 AxisSizes = Mapping[str, Mapping[int, int]]  # input name -> axis -> size

@@ -16,6 +16,7 @@ from onnx import numpy_helper
 
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
+from kiln.core.inputs import check_batch_axis
 from kiln.core.records import IntRange, TensorSpec, by_column, first_outside, whole_range
 from kiln.core.text import first_line
 
@@ -538,7 +539,10 @@ def check_tensor_io(model: onnx.ModelProto, what: str, sequence_outputs: bool = 
     """Every graph input and output of ``model`` is a tensor: engines are fed and answer numpy arrays, and the
     accuracy checks compare arrays. A ModelError names the first that is a sequence, map, optional or sparse tensor
     (a scikit-learn classifier's ZipMap output, a sequence of maps). ``sequence_outputs``: outputs that are
-    sequences of tensors are taken too (the optimizer keeps and compares them)."""
+    sequences of tensors are taken too: the optimizer's reading (it keeps and compares them). Every other reading
+    needs inputs that share a batch axis (:func:`~kiln.core.inputs.check_batch_axis`: the stages and direct commands
+    that batch, slice and repeat inputs take a graph through here first); the optimizer runs a graph at sizes of its
+    own and slices nothing, so a time-major RNN file (``x [5, N, 2]`` beside ``h0 [1, N, 3]``) is its to rewrite."""
     inits = {i.name for i in model.graph.initializer}
     values = [("input", v) for v in model.graph.input if v.name not in inits]
     for role, value in [*values, *(("output", v) for v in model.graph.output)]:
@@ -552,6 +556,8 @@ def check_tensor_io(model: onnx.ModelProto, what: str, sequence_outputs: bool = 
             "Kiln's engines, checks and graph rewrites handle tensors only",
             hint=_not_tensor_hint(model, role, value.name),
         )
+    if not sequence_outputs:
+        check_batch_axis(io_specs(model)[0], what)
 
 
 def _not_tensor_hint(model: onnx.ModelProto, role: str, name: str) -> str:
@@ -574,6 +580,9 @@ _INDEXES = {"Gather", "GatherElements", "ScatterElements", "Scatter", "GatherND"
 _NO_LIMIT = float("inf")
 
 Rows = tuple[int, np.ndarray | None, str]  # axis, the rows of it an output holds (None: all), the output
+# for each axis of a value followed from a graph input, the input's axis it is (None: one of its own, an index's);
+# None: the value's shape is not followed
+Axes = list[int | None] | None
 
 
 def index_ranges(model: onnx.ModelProto) -> dict[str, IntRange]:
@@ -591,6 +600,9 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, IntRange]:
     index's last axis addresses several dims of the data, one per column: the largest of them, as the one range of
     the whole input (the smallest would refuse a valid index into a larger dim). A dim that is not a number in the
     graph (a dynamic axis, or one shape inference cannot find) gives no range: the data decides it at each call.
+    Values are followed through a Gather of constant positions along an axis whose size is not a number (a batch of
+    one unwrapped, ``edge_index[0]``) and through a Concat with constants within the indexed axis (a GNN's self
+    loops, ``torch.cat([src, torch.arange(n)])``).
 
     An input taken apart row by row (``edge_index[:, 0]`` and ``edge_index[:, 1]``: a ``Gather`` of a constant
     row, a ``Slice``, a ``Split``, along one axis of static size) holds in each row the values that row's ops
@@ -656,32 +668,92 @@ class _IndexGraph:
 
     def reach(self, start: str, shape: list[int | None] | None) -> tuple[list[int], list[Rows]]:
         """The sizes of the axes the values of ``start`` index, following ops that keep values; with ``shape`` (the
-        start's own), also the rows of it that ops take apart, while the value followed still has that shape
-        (``Identity``, a wide ``Cast``): see :meth:`rows`."""
+        start's own), also the rows of it that ops take apart, while the value followed still has the start's axes
+        (``Identity``, a wide ``Cast``, a Gather along an axis whose size is not a number: :meth:`unwrapped`): see
+        :meth:`rows`. A Concat with constants within the indexed axis keeps the values' meaning (:meth:`mixed`)."""
         sizes: list[int] = []
         parts: list[Rows] = []
-        todo, seen = [(start, shape is not None)], {start}
+        todo: list[tuple[str, Axes, int]] = [(start, None if shape is None else list(range(len(shape))), 0)]
+        seen = {start}
         while todo:
-            name, same = todo.pop()
+            name, axes, need = todo.pop()
+            view = None if axes is None or shape is None else [None if a is None else shape[a] for a in axes]
             for node, slot in self.consumers.get(name, []):
-                taken = self.rows(node, shape if same else None) if slot == 0 else []
+                taken = [(_start_axis(axes, a), r, out) for a, r, out in self.rows(node, view)] if slot == 0 else []
                 cast = node.op_type == "Cast" and _cast_to(node) in _WIDE
+                unwrapped = self.unwrapped(node, view, axes) if slot == 0 else None
                 if slot == 0 and (node.op_type in _KEEPS_VALUES or cast):
-                    follow = [(node.output[0], same and (cast or node.op_type == "Identity"))]
+                    keeps = cast or node.op_type == "Identity"
+                    follow = [(node.output[0], axes if keeps else None, need)]
                 elif slot == 0 and taken and all(rows is None for _, rows, _ in taken):  # a slice of everything
-                    follow = [(out, same) for _, _, out in taken]
+                    follow = [(out, axes, need) for _, _, out in taken]
+                elif unwrapped is not None:
+                    follow = [(node.output[0], unwrapped, need)]
+                elif node.op_type == "Concat" and (extra := self.mixed(node, name)) is not None:
+                    follow = [(node.output[0], None, max(need, extra))]
                 elif slot == 1 and node.op_type in _INDEXES:
                     n = self.indexed(node)
-                    sizes.extend([n] if n else [])
+                    sizes.extend([n] if n and n >= need else [])  # constants mixed in past the axis: not its ids
                     continue
                 else:
                     parts.extend(taken)
                     continue
-                for out, keeps_shape in follow:
+                for out, kept_axes, at_least in follow:
                     if out not in seen:
                         seen.add(out)
-                        todo.append((out, keeps_shape))
+                        todo.append((out, kept_axes, at_least))
         return sizes, parts
+
+    def unwrapped(self, node: onnx.NodeProto, view: list[int | None] | None, axes: Axes) -> Axes | None:
+        """The start's axes that the output of ``node`` keeps, where ``node`` is a Gather of constant positions along
+        an axis of ``view`` whose size is not a number (``edge_index[0]`` of a batch of one: the batch axis): its
+        values pass through unchanged, and positions along such an axis are alike (samples), so the rows of the
+        start's other axes are still followed. None for any other node (not followed this way)."""
+        if node.op_type != "Gather" or view is None or axes is None or self.constant(node.input[1]) is None:
+            return None
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        axis = int(attrs.get("axis", 0))
+        if not -len(view) <= axis < len(view) or view[axis]:
+            return None
+        axis %= len(view)
+        picked = self.shape(node.input[1])
+        return None if picked is None else [*axes[:axis], *([None] * len(picked)), *axes[axis + 1 :]]
+
+    def mixed(self, node: onnx.NodeProto, name: str) -> int | None:
+        """For a Concat of ``name`` with other inputs that are all integer constants or a ``Range`` of constants
+        (``torch.cat([src, torch.arange(n)])``: a GNN's self loops), the smallest number of positions an indexed
+        axis must have to take those constants too (the values keep their meaning only within it); None where an
+        other input's values are not known."""
+        need = 0
+        for other in node.input:
+            if other == name:
+                continue
+            bounds = self.bounds(other)
+            if bounds is None:
+                return None
+            if bounds:
+                low, high = bounds
+                need = max(need, high + 1, -low)
+        return need
+
+    def bounds(self, name: str) -> tuple[int, int] | tuple[()] | None:
+        """The smallest and largest integer ``name`` holds where it is a constant (:meth:`constant`) or a ``Range``
+        of constants; ``()`` where it holds none; None where not known."""
+        values = self.constant(name)
+        if values is not None:
+            return (int(values.min()), int(values.max())) if values.size else ()
+        node = self.producer.get(name)
+        if node is None or node.op_type != "Range":
+            return None
+        ends = [self.constant(i) for i in node.input]
+        if any(e is None or e.size != 1 for e in ends):
+            return None
+        start, limit, delta = (int(e[0]) for e in ends)  # type: ignore[index]
+        count = max(0, -(-(limit - start) // delta)) if delta else 0
+        if not count:
+            return ()
+        last = start + delta * (count - 1)
+        return min(start, last), max(start, last)
 
     def rows(self, node: onnx.NodeProto, shape: list[int | None] | None) -> list[Rows]:
         """Each output of ``node`` that holds rows of its input 0 (of ``shape``) along one axis: ``Gather`` of
@@ -800,6 +872,11 @@ class _IndexGraph:
         except Exception:  # a Constant of strings or floats: no rows
             return None
         return found.astype(np.int64).ravel() if np.issubdtype(found.dtype, np.integer) else None
+
+
+def _start_axis(axes: Axes, axis: int) -> int:
+    """The graph input's axis that ``axis`` of a value followed from it is (:data:`Axes`)."""
+    return axis if axes is None or axes[axis] is None else axes[axis]  # type: ignore[return-value]
 
 
 def _cast_to(node: onnx.NodeProto) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, read_feed
-from kiln.core.inputs import random_inputs
+from kiln.core.inputs import check_batch_axis, random_inputs
 from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import host_arrays, named_outputs
@@ -96,6 +96,9 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
     meta = read_metadata(engine_dir)
+    # An engine whose inputs share no batch axis (one built before Kiln refused such graphs): said as what it is, not
+    # as the row counts of a feed or as inputs of another model
+    check_batch_axis(meta.inputs, f"engine {engine_dir.name}")
     if inputs is not None:
         feed = read_feed(inputs, meta.inputs)
     else:

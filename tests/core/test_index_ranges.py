@@ -279,3 +279,71 @@ def test_a_torch_gnn_export_records_its_node_count(tmp_path) -> None:
             dynamo=False,
         )
     assert index_ranges(onnx.load(str(path))) == {"edge_index": [0, 6]}
+
+
+def _unwrapped_graph(self_loops: object = None, dynamic_loop: bool = False) -> onnx.ModelProto:
+    """A GCN layer behind a batch axis of one, as torch.onnx.export(dynamo=True) writes ``x[0]``, ``edge_index[0]``:
+    x [batch, 12, 4], edge_index [batch, 2, edges] -> Gather of the scalar 0 along the batch axis -> src, dst (Gather
+    of row 0 and row 1). ``self_loops``: the upper bound of ``Range(0, n, 1)`` (``torch.arange``) concatenated to src
+    and dst (``torch.cat``: add_self_loops), or with ``dynamic_loop`` another graph input; then dst indexes a
+    ScatterND (``index_add_``) and src a GatherND, else dst a ScatterElements (``scatter_add_``) and src a Gather."""
+    nodes = [
+        _const("zero", 0),
+        _const("one", 1),
+        _const("last", [-1]),
+        _const("wide", [1, 4]),
+        helper.make_node("Gather", ["x", "zero"], ["h"], axis=0),
+        helper.make_node("Gather", ["edge_index", "zero"], ["e"], axis=0),
+        helper.make_node("Gather", ["e", "zero"], ["src"], axis=0),
+        helper.make_node("Gather", ["e", "one"], ["dst"], axis=0),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", FLOAT, ["batch", 12, 4]),
+        helper.make_tensor_value_info("edge_index", INT64, ["batch", 2, "edges"]),
+    ]
+    if self_loops is None and not dynamic_loop:
+        nodes += [
+            helper.make_node("Gather", ["h", "src"], ["msg"], axis=0),
+            helper.make_node("Unsqueeze", ["dst", "last"], ["dst1"]),
+            helper.make_node("Expand", ["dst1", "wide"], ["dst2"]),
+            helper.make_node("ScatterElements", ["h", "dst2", "msg"], ["agg"], axis=0, reduction="add"),
+        ]
+        return _model(nodes, inputs, ["agg"])
+    if dynamic_loop:
+        inputs.append(helper.make_tensor_value_info("loop", INT64, ["n"]))
+    else:
+        nodes += [_const("n", self_loops), helper.make_node("Range", ["zero", "n", "one"], ["loop"])]
+    nodes += [
+        helper.make_node("Concat", ["src", "loop"], ["src_all"], axis=0),
+        helper.make_node("Concat", ["dst", "loop"], ["dst_all"], axis=0),
+        helper.make_node("Unsqueeze", ["src_all", "last"], ["src1"]),
+        helper.make_node("Unsqueeze", ["dst_all", "last"], ["dst1"]),
+        helper.make_node("GatherND", ["h", "src1"], ["msg"]),
+        helper.make_node("ScatterND", ["h", "dst1", "msg"], ["agg"], reduction="add"),
+    ]
+    return _model(nodes, inputs, ["agg"])
+
+
+def test_a_batch_of_one_unwrapped_by_a_gather_keeps_the_node_count() -> None:
+    """``edge_index[0]`` is a Gather of constant positions along the batch axis, whose size is no number: its
+    values pass through unchanged, and its rows then index the 12 nodes."""
+    graph = _unwrapped_graph()
+    assert index_ranges(graph) == {"edge_index": [0, 11]}
+    x, edges = np.ones((1, 12, 4), np.float32), np.zeros((1, 2, 5), np.int64)
+    edges[0, 1, 2] = -1  # ONNX Runtime counts it from the end; torch refuses it: the range names it
+    ort.InferenceSession(graph.SerializeToString()).run(None, {"x": x, "edge_index": edges})
+    assert outside_index(graph, {"edge_index": edges}, "gcn.onnx") is None  # -1 counts from the end in ONNX
+    edges[0, 1, 2] = 12
+    assert "holds 12" in (outside_index(graph, {"edge_index": edges}, "gcn.onnx") or "")
+
+
+def test_self_loops_concatenated_within_the_nodes_keep_the_node_count() -> None:
+    """``torch.cat([src, torch.arange(n)])``: a Concat whose other input is a range of constants within the table
+    keeps the edge ids' meaning (index_add_ through ScatterND, x[src] through GatherND)."""
+    assert index_ranges(_unwrapped_graph(self_loops=12)) == {"edge_index": [0, 11]}
+
+
+def test_a_concat_of_values_past_the_table_or_unknown_keeps_no_range() -> None:
+    """Self loops past the 12 nodes, or another input's values, are not what the ids index alone: no range."""
+    assert index_ranges(_unwrapped_graph(self_loops=13)) == {}
+    assert index_ranges(_unwrapped_graph(dynamic_loop=True)) == {}

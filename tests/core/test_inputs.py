@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.core.errors import ConfigError
-from kiln.core.inputs import random_inputs
+from kiln.core.errors import ConfigError, ModelError
+from kiln.core.inputs import check_batch_axis, random_inputs
 from kiln.core.records import TensorSpec
 
 
@@ -95,3 +95,38 @@ def test_integers_ranged_per_column_take_each_column_s_own_range() -> None:
     assert random_inputs(wide, batch=400, int_ranges={"sparse": [[0, 9], [-5, 999]]})["sparse"][:, 0].max() > 9
     one = random_inputs(specs, batch=400, int_ranges={"sparse": [0, 9]})["sparse"]
     assert one.min() == 0 and one.max() == 9
+
+
+def _gnn(nodes: int | str = "nodes", edges: int | str = "edges") -> list[TensorSpec]:
+    """A graph neural network's inputs in their own layout: no batch axis."""
+    return [
+        TensorSpec(name="x", shape=[nodes, 8], dtype="float32"),
+        TensorSpec(name="edge_index", shape=[2, edges], dtype="int64"),
+    ]
+
+
+def test_an_input_with_a_fixed_axis_0_beside_a_dynamic_one_is_refused_with_the_batch_of_one_recipe() -> None:
+    """edge_index's static 2 was taken for a batch (8 rows of it made, or 0 sliced: ONNX Runtime's traceback)."""
+    with pytest.raises(ModelError) as err:
+        check_batch_axis(_gnn(), "model.onnx gcn.onnx")
+    assert err.value.message == (
+        "model.onnx gcn.onnx: input 'edge_index' [2, edges] has a fixed axis 0 (2) while axis 0 of input 'x' "
+        "[nodes, 8] is dynamic: Kiln takes axis 0 of every input as the batch, and these inputs have no common one"
+    )
+    hint = err.value.hint or ""
+    assert "x [1, nodes, 8], edge_index [1, 2, edges]" in hint and "x[0], edge_index[0]" in hint
+    assert "signature.batch_sizes: [1]" in hint and "unbatched" in hint
+
+
+def test_inputs_fixed_at_different_sizes_are_refused() -> None:
+    with pytest.raises(ModelError, match=r"fix axis 0 at different sizes \('x' \[200, 8\], 'edge_index' \[2, 988\]\)"):
+        check_batch_axis(_gnn(200, 988), "model.onnx gcn.onnx")
+
+
+def test_inputs_sharing_a_batch_axis_pass() -> None:
+    """A symbolic batch on every input, one fixed size on every input (a published file's batch of 1), or an input
+    without axes beside them."""
+    wrapped = [TensorSpec(name=s.name, shape=["batch", *s.shape], dtype=s.dtype) for s in _gnn()]
+    scalar = TensorSpec(name="t", shape=[], dtype="float32")
+    check_batch_axis([*wrapped, scalar], "m")
+    check_batch_axis([TensorSpec(name=s.name, shape=[1, *s.shape], dtype=s.dtype) for s in _gnn(200, 988)], "m")

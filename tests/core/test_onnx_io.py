@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from kiln.core.errors import InputFileError, ModelError
 from kiln.core.onnx_io import check_tensor_io, index_ranges, load_onnx, outside_index, save_onnx
@@ -215,3 +215,67 @@ def test_every_command_that_takes_an_onnx_file_refuses_a_zipmap_output_by_name(t
     engine = tmp_path / "tiny"
     assert invoke("build", tiny_onnx(tmp_path / "tiny.onnx"), "-o", engine).exit_code == 0
     assert_clean(invoke("validate", engine, "--reference", model), 2, f"reference clf.onnx: {ZIPMAP_SAID}")
+
+
+def gnn_onnx(path: Path, nodes: int | str = "nodes", edges: int | str = "edges") -> Path:
+    """A GCN layer in a graph neural network's own layout, no batch axis: x [nodes, 4], edge_index [2, edges] ->
+    x[src] summed into dst (Gather, ScatterElements with add) -> y [nodes, 4]."""
+    const = [
+        helper.make_node("Constant", [], [n], value=numpy_helper.from_array(np.array(v, np.int64), n))
+        for n, v in (("zero", 0), ("one", 1), ("last", [-1]), ("wide", [1, 4]))
+    ]
+    nodes_ = [
+        *const,
+        helper.make_node("Gather", ["edge_index", "zero"], ["src"], axis=0),
+        helper.make_node("Gather", ["edge_index", "one"], ["dst"], axis=0),
+        helper.make_node("Gather", ["x", "src"], ["msg"], axis=0),
+        helper.make_node("Unsqueeze", ["dst", "last"], ["dst1"]),
+        helper.make_node("Expand", ["dst1", "wide"], ["dst2"]),
+        helper.make_node("ScatterElements", ["x", "dst2", "msg"], ["y"], axis=0, reduction="add"),
+    ]
+    graph = helper.make_graph(
+        nodes_,
+        "gcn",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [nodes, 4]),
+            helper.make_tensor_value_info("edge_index", TensorProto.INT64, [2, edges]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [nodes, 4])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+NO_BATCH_SAID = (
+    "input 'edge_index' [2, edges] has a fixed axis 0 (2) while axis 0 of input 'x' [nodes, 4] is dynamic: Kiln "
+    "takes axis 0 of every input as the batch"
+)
+
+
+def test_every_command_that_takes_an_onnx_file_refuses_inputs_without_a_common_batch_axis(tmp_path: Path) -> None:
+    """A GNN in its own layout: `kiln run` (with optimize.int_high) and `kiln precision` ended in ONNX Runtime's
+    traceback (edge_index's static 2 sliced and repeated as a batch), `kiln build` made an engine nothing could
+    validate. Each is now one error naming the input and its shape, the fix the batch-of-one recipe; `kiln optimize`,
+    which batches nothing, still takes the file."""
+    from tests.pipeline.test_faults import assert_clean, invoke
+
+    model = gnn_onnx(tmp_path / "gcn.onnx")
+    shapes = "signature.shapes={edges: [6]}"
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "model: {onnx: gcn.onnx}\nprecision: {variants: [fp32, int8]}\nsignature: {batch_sizes: [1, 8]}\n"
+        "optimize: {int_high: 1}\nbuild: {backends: [onnxruntime]}\n"
+    )
+    recipe = "edge_index [1, 2, edges]"
+    assert_clean(invoke("run", config, "-w", tmp_path / "w", "--set", shapes), 2, NO_BATCH_SAID, recipe)
+    for command in (
+        ("precision", model, "-o", tmp_path / "v", "--variants", "int8", "--set", shapes),
+        ("build", model, "-o", tmp_path / "e", "--backend", "onnxruntime", "--set", shapes),
+    ):
+        assert_clean(invoke(*command), 2, f"gcn.onnx: {NO_BATCH_SAID}", recipe)
+    # the optimizer slices nothing by batch: it rewrites such a graph, as it does a time-major RNN's
+    optimized = invoke("optimize", model, "-o", tmp_path / "o.onnx", "--set", shapes, "--set", "optimize.int_high=1")
+    assert optimized.exit_code == 0, optimized.output
+    static = gnn_onnx(tmp_path / "static.onnx", 12, 6)
+    said = "the inputs fix axis 0 at different sizes ('x' [12, 4], 'edge_index' [2, 6])"
+    assert_clean(invoke("precision", static, "-o", tmp_path / "v2", "--variants", "int8"), 2, said, recipe[:13])

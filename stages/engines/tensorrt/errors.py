@@ -37,6 +37,14 @@ PARSER_HINTS: list[tuple[str, str]] = [
     ("opset", "export with another opset (export.opset: 17 or 18)"),
 ]
 DEFAULT_HINT = "try the optimize stage's passes or another export.opset; the onnxruntime backend still builds"
+# A scatter that sums (or takes the max) into its data: how a hand-written graph neural network aggregates messages
+# (index_add_, scatter_add_, scatter_reduce). TensorRT imports only plain (overwriting) scatters, and no graph
+# rewrite or opset turns a reduction into one.
+SCATTER_OPS = ("ScatterND", "ScatterElements")
+SCATTER_HINT = (
+    "this TensorRT supports no scatter with a reduction (index_add_, scatter_add_, scatter_reduce): aggregate with "
+    "a matmul by a dense or sparse adjacency matrix instead, or serve the onnxruntime backend's engine, which runs it"
+)
 
 
 def KilnTrtLogger(trt: ModuleType) -> Any:  # noqa: N802 - a factory standing in for a class
@@ -116,12 +124,20 @@ def parser_error(errors: list[Any], onnx_path: Path) -> BuildError:
     first = errors[0]
     desc = _call(first, "desc")
     where, op = _where(first, onnx_path)
-    text = f"{op} {desc}"
-    hint = next((h for key, h in PARSER_HINTS if key in text), DEFAULT_HINT)
+    hint = parser_hint(op, desc)
     more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return BuildError(
         f"TensorRT's ONNX parser failed at {where} in {onnx_path.name}: {desc.strip()[:300]}{more}", hint=hint
     )
+
+
+def parser_hint(op: str, desc: str) -> str:
+    """The fix for the parser's failure at an ``op`` node saying ``desc``: a scatter with a reduction has its own
+    (:data:`SCATTER_HINT`), else the first of :data:`PARSER_HINTS` the op or message names, else the default."""
+    if op in SCATTER_OPS and "reduction" in desc.lower():
+        return SCATTER_HINT
+    text = f"{op} {desc}"
+    return next((h for key, h in PARSER_HINTS if key in text), DEFAULT_HINT)
 
 
 def _where(error: Any, onnx_path: Path) -> tuple[str, str]:

@@ -222,3 +222,30 @@ def test_decoder_positions_where_the_source_is_padding_are_compared(tmp_path: Pa
     other = _seq2seq_onnx(tmp_path / "other.onnx", changed=True)
     result = invoke("validate", engine, "--reference", other, "--inputs", inputs)
     assert result.exit_code != 0 and "cosine" in result.output, result.output
+
+
+def test_an_engine_whose_inputs_share_no_batch_axis_gets_the_batch_of_one_fix(tmp_path: Path, monkeypatch) -> None:
+    """An engine of a GNN in its own layout (built before Kiln refused such graphs): random inputs or an npz ended
+    in 'different row counts' with the fix to validate against the model it was built from, which it was."""
+    import numpy as np
+
+    import kiln.core.inputs
+    import kiln.core.onnx_io
+    from tests.core.test_onnx_io import gnn_onnx
+
+    model = gnn_onnx(tmp_path / "gcn.onnx")
+    engine = tmp_path / "eng"
+    with monkeypatch.context() as old:  # the Kiln that built it took such graphs
+        old.setattr(kiln.core.inputs, "check_batch_axis", lambda *a, **k: None)
+        old.setattr(kiln.core.onnx_io, "check_batch_axis", lambda *a, **k: None)
+        built = invoke(
+            "build", model, "-o", engine, "--backend", "onnxruntime", "--set", "signature.shapes={edges: [6]}"
+        )
+        assert built.exit_code == 0, built.output
+    feeds = tmp_path / "g.npz"
+    np.savez(feeds, x=np.ones((12, 4), np.float32), edge_index=np.zeros((2, 6), np.int64))
+    said = "engine eng: input 'edge_index' [2, edges] has a fixed axis 0 (2) while axis 0 of input 'x' [nodes, 4]"
+    for extra in ((), ("--inputs", feeds)):
+        result = invoke("validate", engine, "--reference", model, "--set", "signature.shapes={edges: [6]}", *extra)
+        assert_clean(result, 2, said, "edge_index [1, 2, edges]")
+        assert "built from" not in result.output and "one row per sample" not in result.output
