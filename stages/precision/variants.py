@@ -30,7 +30,7 @@ from kiln.calibration.quantize import (
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
 from kiln.core.onnx_io import infer_shapes, save_onnx
-from kiln.stages.precision.audit import audit_graph, compute_precisions
+from kiln.stages.precision.audit import MIN_SHARE, audit_graph, compute_precisions
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
@@ -198,13 +198,16 @@ def ort_cpu_graph(
     """The ONNX Runtime CPU graph at ``out`` (:func:`ort_cpu_with_fallback`), started from the nodes the Q/DQ graph
     kept in float (``inherited``) beside the configuration's (``base``). Where it passes at once with them, nothing
     says it needs them (its scheme is another), while they may leave too little of it in int8 for the precision
-    audit: one more fallback from ``base`` alone, and of the two the passing graph with the larger share of its
-    FLOPs in int8 is kept (``starts`` records both)."""
+    audit (:data:`MIN_SHARE`): then one more fallback from ``base`` alone, and of the two the passing graph with
+    the larger share of its FLOPs in int8 is kept (``starts`` records both). A graph over the audit's share is
+    kept as it is: another fallback would cost more than the few nodes it might bring back."""
     first = ort_cpu_with_fallback(src, out, ccfg, fallback, check, base, candidates, inherited)
     if not _passed_as_started(first, inherited):
         return first
     sizes = _sample_sizes(src.model, check.samples)
     with_them = _int8_share(out, sizes)
+    if with_them >= MIN_SHARE:
+        return first
     shares: dict[str, float | None] = {"with": with_them}
     log.info(
         "%s: passed with the %d nodes %s in float (%.0f%% of its FLOPs in int8); tried without them too",
