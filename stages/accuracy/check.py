@@ -428,6 +428,18 @@ class Reference:
             self.feeds = [(point, feed_take(feed, slice(0, rows))) for point, feed in feeds]
             self.point_labels = [None if y is None else y[:rows] for y in labels]
             self.targets = None if targets is None else targets[:rows]
+            if metric is not None:
+                log.warning(
+                    "validate.metric receives outputs %s stacked batch by batch (%d batches of %d rows: rows "
+                    "i*%d to i*%d+%d are batch i's), since each of their rows depends on its whole batch: a metric "
+                    "over them (a retrieval score over an [images, texts] matrix) should score each batch's block",
+                    coupled,
+                    rows // batch,
+                    batch,
+                    batch,
+                    batch,
+                    batch - 1,
+                )
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
         self.output_axes = known_output_axes(output_axes, [p for p, _ in self.feeds], self.outputs)
         self._say_padding_ties()

@@ -355,3 +355,23 @@ def test_target_sequences_of_another_length_score_no_accuracy(caplog: pytest.Log
         ref = reference((4, 63, 30), np.zeros((4, 24), np.int64))
     assert ref.accuracy is None and ref.labelled(0) is None
     assert "labels int64[4, 24] do not follow the positions of class logits 'logits' [4, 63, 30]" in caplog.text
+
+
+def test_a_metric_over_outputs_coupled_to_their_batch_is_told_how_they_are_stacked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A CLIP score matrix [images, texts] per batch reaches the metric as blocks stacked on axis 0: said, with the
+    rows of each batch, so that a retrieval metric scores each block and not the stack as one matrix."""
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"scores": feed["x"] @ feed["x"].T}  # [batch, batch]
+
+    def metric(outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
+        return float(outputs["scores"].shape[0])
+
+    x = np.random.default_rng(0).standard_normal((20, 3)).astype(np.float32)
+    with caplog.at_level("WARNING", logger="kiln"):
+        ref = Reference(run, [({}, {"x": x})], [None], None, 8, targets=np.zeros(20, np.float32), metric=metric)
+    assert ref.metric_value == 16.0  # two batches of 8 stacked
+    said = [r.getMessage() for r in caplog.records if "stacked batch by batch" in r.getMessage()]
+    assert len(said) == 1 and "2 batches of 8 rows" in said[0] and "rows i*8 to i*8+7" in said[0], said
