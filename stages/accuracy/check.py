@@ -861,6 +861,7 @@ def top1_output(
         return None
     if logits is None or named:
         return logits
+    loud = data is None  # the direct commands' user gave the inputs and sees no report: said where they look
     if data is None or not declares_classes(data):
         why = (
             "the data declares no classes (no integer labels, num_classes 0)"
@@ -872,11 +873,14 @@ def top1_output(
         if width == data.num_classes:
             return logits
         why = f"its class axis has {width} entries and the data {data.num_classes} classes"
+        # integer labels beside a head of a width near theirs (5 for 4 classes): a head sized for other data, most
+        # likely, which training took for class logits (cross-entropy reads any width past the largest label) and
+        # validation cannot; an embedding trained on the labels (metric learning) is far wider, said quietly
+        loud = data.classification and width <= 2 * data.num_classes
     else:
         return logits
-    # the direct commands' user gave the inputs and sees no report: said where they look, not only with -v
     log.log(
-        logging.WARNING if data is None else logging.INFO,
+        logging.WARNING if loud else logging.INFO,
         "output '%s' is not held to top-1 agreement or scored for accuracy: it is the class-logit output by default "
         "only, and %s, so its argmax may be no class at all (an embedding's); compared by cosine (the whole "
         "output's and the worst sample's), max abs error and relative error. %s",

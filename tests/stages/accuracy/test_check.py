@@ -375,3 +375,19 @@ def test_a_metric_over_outputs_coupled_to_their_batch_is_told_how_they_are_stack
     assert ref.metric_value == 16.0  # two batches of 8 stacked
     said = [r.getMessage() for r in caplog.records if "stacked batch by batch" in r.getMessage()]
     assert len(said) == 1 and "2 batches of 8 rows" in said[0] and "rows i*8 to i*8+7" in said[0], said
+
+
+@pytest.mark.parametrize("width, loud", [(5, True), (768, False)])
+def test_a_head_of_another_width_than_the_classes_is_warned_of_when_near_them(
+    width: int, loud: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 5-channel head on 4-class labels (a head sized for other data) is a warning: training took it for class
+    logits, validation cannot; a 768-wide embedding trained on those labels stays an INFO line."""
+    from kiln.core.data import DatasetSplits
+    from kiln.stages.accuracy.check import top1_output
+
+    x, y = torch.randn(8, 3), torch.randint(0, 4, (8,))
+    with caplog.at_level("INFO", logger="kiln"):
+        assert top1_output("logits", DatasetSplits(x, y, x, y, 4), False, np.zeros((8, width), np.float32)) is None
+    levels = [r.levelname for r in caplog.records if "class axis has" in r.getMessage()]
+    assert levels == ["WARNING" if loud else "INFO"], levels
