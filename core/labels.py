@@ -8,6 +8,7 @@ as Hugging Face's token-classification models and torch's ``cross_entropy(ignore
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,6 +96,25 @@ def axis_name(axes: Axes | None, name: str, axis: int) -> str | None:
     return None
 
 
+# Axis names exporters make up, one per input and axis, whatever the sizes: torch.onnx.export with list-form
+# dynamic_axes (``input_ids_dynamic_axes_1``), tf2onnx (``unk__12``), the dynamo exporter (``s0``, ``u1``, and
+# expressions such as ``s0 + 1``), shape inference (``dim_3``, ``MatMul_output_dim_1``). Two inputs of one length
+# get two such names: they tell nothing of which axes are one.
+MADE_NAME = re.compile(r"(?:.*_dynamic_axes_\d+|unk__\d+|[su]\d+|(?:.*_)?dim_\w*|.*[-+*/%()<>=, ].*)")
+
+
+def exporter_made(label: str) -> bool:
+    """Whether an axis name is one an exporter made up (:data:`MADE_NAME`), not one a person gave."""
+    return MADE_NAME.fullmatch(label.strip()) is not None
+
+
+def given_axis_name(axes: Axes | None, name: str, axis: int) -> str | None:
+    """:func:`axis_name`, but None for a name an exporter made up (:func:`exporter_made`): only a name a person
+    gave says that two axes are one, or not."""
+    label = axis_name(axes, name, axis)
+    return None if label is None or exporter_made(str(label)) else label
+
+
 def _masks(feed: Mapping[str, Any], shape: tuple[int, ...]) -> list[str]:
     """The attention-mask inputs of ``feed`` (:func:`is_mask_name`, ``[batch, seq]`` integers) shaped ``shape``."""
     found = []
@@ -107,15 +127,16 @@ def _masks(feed: Mapping[str, Any], shape: tuple[int, ...]) -> list[str]:
 
 def _rivals(mask: str, shape: tuple[int, ...], feed: Mapping[str, Any], axes: Axes | None) -> list[str]:
     """Inputs as long as an output (``shape``: its batch and position sizes) that may lie on another axis than
-    ``mask``: another mask that marks other positions, an input whose axis name differs from the mask's, or,
-    where the mask's axis has no name, a decoder input beside an encoder mask (or the reverse)."""
-    ref, own = np.asarray(feed[mask]), axis_name(axes, mask, 1)
+    ``mask``: another mask that marks other positions, an input whose given axis name differs from the mask's
+    (:func:`given_axis_name`), or, where either has none, a decoder input beside an encoder mask (or the reverse).
+    Without names, an input shaped like the mask at every point (the input ids beside their mask) is no rival."""
+    ref, own = np.asarray(feed[mask]), given_axis_name(axes, mask, 1)
     rivals = []
     for name, value in feed.items():
         value = np.asarray(value)
         if name == mask or value.ndim < 2 or tuple(value.shape[:2]) != shape:
             continue
-        other = axis_name(axes, name, 1)
+        other = given_axis_name(axes, name, 1)
         if is_mask_name(name) and value.shape == ref.shape and not np.array_equal(value, ref):
             rivals.append(name)
         elif own is not None and other is not None:
@@ -131,7 +152,8 @@ def mask_of(
 ) -> tuple[str | None, list[str]]:
     """The attention-mask input whose padding is that of ``output`` (shaped ``shape``), and the inputs tied with it.
 
-    By axis name where both are known (``axes``: the inputs' dynamic axes; ``out_axes``: the outputs'): the mask
+    By axis name where both are given (``axes``: the inputs' dynamic axes; ``out_axes``: the outputs'; names an
+    exporter made up count as none, :func:`given_axis_name`): the mask
     whose axis 1 has the name of the output's axis 1, or none (a decoder's logits beside the encoder's mask alone).
     Else by shape: the mask shaped like the output's first two axes, unless inputs on another axis are as long
     (an encoder-decoder whose source and target have one length): then no mask, since a guess would leave real
@@ -140,12 +162,12 @@ def mask_of(
     masks = _masks(feed, shape) if len(shape) == 2 else []
     if not masks:
         return None, []
-    want = axis_name(out_axes, output, 1)
+    want = given_axis_name(out_axes, output, 1)
     if want not in {label for dims in (axes or {}).values() for label in dims.values()}:
-        want = None  # a name of the exporter's own (s0, unk__3): no input axis has it
-    named = [name for name in masks if axis_name(axes, name, 1) is not None]
+        want = None  # a name of the output's own: no input axis has it
+    named = [name for name in masks if given_axis_name(axes, name, 1) is not None]
     if want is not None and named:
-        return next((name for name in named if axis_name(axes, name, 1) == want), None), []
+        return next((name for name in named if given_axis_name(axes, name, 1) == want), None), []
     rivals = _rivals(masks[0], shape, feed, axes)
     return (None, [masks[0], *rivals]) if rivals else (masks[0], [])
 

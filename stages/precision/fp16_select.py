@@ -27,6 +27,15 @@ REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
 INDEX_OPS = {"Shape", "Size", "ConstantOfShape", "Range"}
 SEQUENCE_OPS = {"ConcatFromSequence", "SplitToSequence"}  # besides the Sequence* ops
 PERIODIC_OPS = {"Sin", "Cos", "Tan"}
+# Ops a phase is computed with from positions, timesteps and frequencies: cheap elementwise and shape ops. A
+# Gather from a float table (an embedding), MatMul, Gemm, Conv and any other op compute the model's activations,
+# not a phase, even from integer inputs (a vocoder's codes): the walk stops there (but see :func:`_phase_op`).
+PHASE_OPS = {
+    *("Cast", "CastLike", "Identity", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Expand", "Tile"),
+    *("Concat", "Split", "Slice", "Transpose", "Gather", "Where", "Range", "Shape", "Size"),
+    *("Constant", "ConstantOfShape", "Mul", "Div", "Add", "Sub", "Neg", "Abs", "Mod", "Floor", "Ceil", "Round"),
+    *("Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Min", "Max", "Clip"),
+}
 # A float graph input with at most this many values a sample (a timestep, a position, coordinates) may feed a
 # phase; a bigger one is the model's data, whose processing is no phase computation.
 SMALL_INPUT = 64
@@ -117,9 +126,10 @@ def phase_nodes(model: onnx.ModelProto, kept: set[str]) -> dict[str, str]:
 
 
 def phase_values(model: onnx.ModelProto) -> set[str]:
-    """Tensors that may carry a phase: computed only from initializers, constants, integer tensors (exact, wherever
-    they come from) and float graph inputs of at most ``SMALL_INPUT`` values a sample, never through a periodic op
-    (what reads its output is the model, not a phase) or control flow. A big activation never is one."""
+    """Tensors that may carry a phase: computed by cheap elementwise and shape ops (:func:`_phase_op`) only from
+    initializers, constants, integer tensors (exact, wherever they come from) and float graph inputs of at most
+    ``SMALL_INPUT`` values a sample; never through a periodic op (what reads its output is the model, not a phase),
+    an embedding lookup, a matrix product or control flow. A big activation never is one."""
     types = _types(model)
     graph = model.graph
     found = {i.name for i in graph.initializer} | {i.name for i in graph.input if _small_input(i)}
@@ -127,14 +137,38 @@ def phase_values(model: onnx.ModelProto) -> set[str]:
     def source(name: str) -> bool:
         return not name or name in found or types.get(name, onnx.TensorProto.FLOAT) not in FLOAT_ONNX
 
+    tables = _float_tables(model)
+    shapes = _shapes(model)
     for n in graph.node:
-        if n.op_type in PERIODIC_OPS or any(
-            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute
-        ):
+        if not _phase_op(n, tables, shapes):
             continue
         if n.op_type in ("Shape", "Size") or all(source(i) for i in n.input):
             found.update(n.output)
     return found
+
+
+def _phase_op(node: onnx.NodeProto, tables: dict[str, int], shapes: dict[str, list[int | None]]) -> bool:
+    """Whether ``node`` may compute a phase (:data:`PHASE_OPS`): not a Gather from a float table of two axes or
+    more (an embedding lookup: its output is the model's activation); a MatMul only as the outer product of
+    positions and frequencies (Hugging Face's rotary embedding: ``inv_freq[:, None] @ positions[None]``), one
+    whose inner axis is 1 or that reads no weight, only values computed from the phase's sources."""
+    if node.op_type == "Gather":
+        return tables.get(node.input[0], 0) < 2
+    if node.op_type == "MatMul":
+        first = shapes.get(node.input[0]) or []
+        return (len(first) >= 2 and first[-1] == 1) or not any(i in tables for i in node.input)
+    return node.op_type in PHASE_OPS
+
+
+def _float_tables(model: onnx.ModelProto) -> dict[str, int]:
+    """Float initializers and Constant outputs (weights, tables), each with its number of axes."""
+    tables = {i.name: len(i.dims) for i in model.graph.initializer if i.data_type in FLOAT_ONNX}
+    for n in model.graph.node:
+        if n.op_type == "Constant":
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            if value is not None and value.data_type in FLOAT_ONNX:
+                tables[n.output[0]] = len(value.dims)
+    return tables
 
 
 def _small_input(value: onnx.ValueInfoProto) -> bool:

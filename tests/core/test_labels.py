@@ -197,3 +197,39 @@ def test_an_output_axis_name_no_input_has_decides_nothing() -> None:
     feed = {"input_ids": mask * 5, "attention_mask": mask}
     out = without_padding(feed, {"logits": logits}, axes, {"logits": {1: "s0"}})
     assert out["logits"][0, 0].sum() == 0 and out["logits"][1].all()
+
+
+@pytest.mark.parametrize(
+    "ids_axis, mask_axis",
+    [
+        ("input_ids_dynamic_axes_1", "attention_mask_dynamic_axes_1"),  # torch.onnx.export, list-form dynamic_axes
+        ("unk__12", "unk__13"),  # tf2onnx
+        ("s0", "s1"),  # the dynamo exporter
+        ("s0 + 1", "dim_1"),
+    ],
+)
+def test_axis_names_an_exporter_made_up_per_input_leave_the_padding_out(ids_axis: str, mask_axis: str) -> None:
+    """A causal LM padded on the left, whose exported inputs each got their own made-up axis name: the names say
+    nothing of which axes are one, so the shape rule applies and the mask's padding is left out, tied to none."""
+    from kiln.core.labels import padding_ties, without_padding
+
+    ids, mask = np.array([[0, 0, 5, 6], [1, 2, 3, 4]]), np.array([[0, 0, 1, 1], [1, 1, 1, 1]])
+    feed = {"input_ids": ids, "attention_mask": mask}
+    axes = {"input_ids": {0: "batch", 1: ids_axis}, "attention_mask": {0: "batch", 1: mask_axis}}
+    logits = np.ones((2, 4, 10), np.float32)
+    for out_axes in (None, {"logits": {1: ids_axis}}):
+        out = without_padding(feed, {"logits": logits}, axes, out_axes)
+        assert out["logits"][0, :2].sum() == 0 and out["logits"][0, 2:].all() and out["logits"][1].all()
+        assert padding_ties(feed, {"logits": logits}, axes, out_axes) == {}
+
+
+def test_made_up_axis_names_keep_a_seq2seqs_decoder_inputs_apart_by_name() -> None:
+    """An encoder-decoder exported with made-up axis names, at enc == dec: the decoder inputs are still told apart
+    by their names, so the decoder logits are masked by no guess."""
+    from kiln.core.labels import padding_ties, without_padding
+
+    axes = {name: {1: f"{name}_dynamic_axes_1"} for name in _seq2seq_feed()}
+    logits = np.ones((2, 4, 3), np.float32)
+    assert (without_padding(_seq2seq_feed(), {"logits": logits}, axes)["logits"] == 1).all()
+    tied = {"logits": ["attention_mask", "decoder_input_ids"]}
+    assert padding_ties(_seq2seq_feed(), {"logits": logits}, axes) == tied

@@ -125,3 +125,81 @@ def test_small_float_input_and_constants_feeding_sin_stay_fp32() -> None:
     x = np.linspace(0, 1, 64, dtype=np.float32)[:, None]
     np.testing.assert_allclose(run_batched(converted, x)[0], run_batched(model, x)[0], atol=5e-3)
     assert node_input_types(converted)["head"] == F16
+
+
+class CodesVocoder(nn.Module):
+    """A Vocos-like head on integer codes: embedding -> transformer -> ``exp(mag) * cos(phase)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 2 * 17)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mag, p = self.head(self.body(self.emb(ids))).chunk(2, -1)
+        return torch.exp(mag) * torch.cos(p), torch.exp(mag) * torch.sin(p)
+
+
+class RotaryAttention(nn.Module):
+    """Llama-style rotary embedding: positions from Range, ``inv_freq`` a buffer, the angles as Hugging Face
+    computes them (``inv_freq[:, None] @ positions[None]``, a MatMul with inner axis 1) or as a product."""
+
+    def __init__(self, outer_matmul: bool) -> None:
+        super().__init__()
+        self.outer_matmul = outer_matmul
+        self.emb, self.q, self.k = nn.Embedding(256, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device).float()
+        if self.outer_matmul:
+            inv = self.inv_freq[None, :, None].expand(ids.shape[0], -1, 1)
+            freqs = (inv @ pos[None, None, :].expand(ids.shape[0], 1, -1)).transpose(1, 2)
+        else:
+            freqs = pos[None, :, None] * self.inv_freq
+        angles = torch.cat([freqs, freqs], -1)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.emb(ids)
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            a, b = t.chunk(2, -1)
+            return torch.cat([-b, a], -1)
+
+        q, k = self.q(x), self.k(x)
+        return torch.softmax((q * cos + rotate(q) * sin) @ (k * cos + rotate(k) * sin).transpose(1, 2), -1) @ x
+
+
+def _phase_kept(tmp_path: Path, model: nn.Module) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """``model`` exported on integer tokens [1, 32] and the nodes kept FP32 for a phase."""
+    torch.manual_seed(0)
+    path = tmp_path / "model.onnx"
+    export_onnx(model.eval(), {"ids": torch.randint(0, 256, (1, 32))}, path)
+    graph = name_nodes(infer_shapes(load_onnx(path)))
+    keep = select_fp32_nodes(graph, FP16Config())
+    return graph, {n: why for n, why in keep.items() if "phase" in why}
+
+
+def test_activations_from_integer_codes_are_no_phase(tmp_path: Path) -> None:
+    """A vocoder on integer codes takes cos of its last layer's output: the embedding lookup and the layers after
+    it are the model, not a phase computed from the codes; they stay FP16."""
+    graph, phase = _phase_kept(tmp_path, CodesVocoder())
+    ops = {n.name: n.op_type for n in graph.graph.node}
+    assert len(phase) <= 4, sorted(ops[n] for n in phase)
+    assert not {ops[n] for n in phase} & {"Gather", "MatMul", "Gemm"}
+    converted, _ = convert_fp16(graph, set(select_fp32_nodes(graph, FP16Config())), FP16Config())
+    types = node_input_types(converted)
+    assert all(types[n.name] == F16 for n in converted.graph.node if n.op_type in ("MatMul", "Gemm"))
+
+
+@pytest.mark.parametrize("outer_matmul", [False, True])
+def test_rotary_angles_stay_fp32_and_the_attention_does_not(tmp_path: Path, outer_matmul: bool) -> None:
+    """Rotary angles (positions times inv_freq, by a product or Hugging Face's inner-axis-1 MatMul) are a phase;
+    the token embedding and the q/k projections are not."""
+    graph, phase = _phase_kept(tmp_path, RotaryAttention(outer_matmul))
+    ops = {n.name: n.op_type for n in graph.graph.node}
+    kept = [ops[n] for n in phase]
+    assert 0 < len(kept) <= 12, kept
+    assert "Gather" not in kept and "Gemm" not in kept
+    assert kept.count("MatMul") == int(outer_matmul)
