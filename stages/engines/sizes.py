@@ -5,7 +5,10 @@ backend's; nothing where nothing was checked."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,21 +19,26 @@ from kiln.core.records import EngineMetadata, Variants, steps_text
 from kiln.core.shapes import axis_names, shapes_flag
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR
+from kiln.stages.export.declaration import MAX_PERIOD, SIZE_PROBES
 
 log = logging.getLogger("kiln.build")
 
 RANGE_PROBES = 128  # sizes tried from a range's failing end inwards, for a range to suggest
+STEP_RUNS = 48  # graph runs a search for an axis's steps spends at most (a U-Net at an image's sizes: seconds each)
+CORNER_AXES = 4  # other axes set at every combination of their ends, to tell an end that never runs
 
 
 def checked_ranges(
     graphs: list[Path], sizes: dict[str, list[int]], from_variant: bool = False
 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """The range ``[smallest, largest]`` of ``sizes`` for each dynamic axis besides batch of the graph, and the
-    steps (``[period, *residues]``, :func:`kiln.stages.export.stage.size_pattern`) it takes between them, found by
-    running the first of ``graphs`` ONNX Runtime opens on the CPU: what ``kiln build FILE`` records, so that an
-    engine refuses a size its graph cannot take with Kiln's error instead of the backend's. Both ends of every range
-    must run (else an error naming the size). Axes it cannot check (no sizes, or no graph runs here) get no range,
-    with a warning naming them. ``from_variant``: the sizes are those ``kiln precision`` recorded."""
+    steps (``[period, *residues]``, as :func:`kiln.stages.export.stage.size_pattern` gives them) it takes between
+    them, found by running the first of ``graphs`` ONNX Runtime opens on the CPU: what ``kiln build FILE`` records,
+    so that an engine refuses a size its graph cannot take with Kiln's error instead of the backend's. An axis is
+    moved alone, else with the axes that must agree with it (:meth:`SizeProbe.partners`); an end that fails however
+    the others are set is an error naming the size. Axes it cannot check (no sizes, no graph runs here, or axes that
+    must agree in a way it cannot pair) get no range, with a warning naming them. ``from_variant``: the sizes are
+    those ``kiln precision`` recorded."""
     names = axis_names(io_specs(load_onnx(graphs[0], load_external_data=False))[0])
     source = "kiln precision's variants.json" if from_variant else "signature.shapes"
     unknown = sorted(set(sizes) - set(names))
@@ -44,22 +52,44 @@ def checked_ranges(
     if missing:
         _warn_unchecked(names, "no sizes were given" + (f" for {', '.join(missing)}" if missing != names else ""))
         return {}, {}
-    probe = SizeProbe.open(graphs)
-    base = probe.base({n: min(sizes[n]) for n in names}, {n: max(sizes[n]) for n in names}) if probe else None
+    probe, why = SizeProbe.open(graphs)
+    ranges = {n: (min(sizes[n]), max(sizes[n])) for n in names}
+    base = probe.base(ranges) if probe else None
     if probe is None or base is None:
-        why = probe.why if probe else SizeProbe.why_not(graphs)
-        _warn_unchecked(names, f"ONNX Runtime could not run the graph on the CPU to check them ({why})")
+        _warn_unchecked(
+            names, f"ONNX Runtime could not run the graph on the CPU to check them ({probe.why if probe else why})"
+        )
         return {}, {}
-    steps = {}
-    for name in names:
-        low, high = min(sizes[name]), max(sizes[name])
-        pattern = probe.pattern(base, name, low, high, source)
+    checked, steps = _probe_axes(probe, base, ranges, source)
+    if from_variant:
+        _warn_single_sizes({n: sizes[n] for n in checked})
+    return checked, steps
+
+
+def _probe_axes(
+    probe: SizeProbe, base: dict[str, int], ranges: dict[str, tuple[int, int]], source: str
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """The ranges and steps :func:`checked_ranges` records, axis by axis, each moved with its partners."""
+    checked, steps, unpaired = {}, {}, []
+    for name, (low, high) in ranges.items():
+        partners = probe.partners(base, name, ranges, source)
+        if partners is None:
+            unpaired.append(name)
+            continue
+        checked[name] = [low, high]
+        pattern = probe.pattern(base, name, partners, low, high)
         if pattern is not None:
             steps[name] = pattern
             log.info("axis %s: the graph takes sizes%s only", name, steps_text(pattern, (low, high)))
-    if from_variant:
-        _warn_single_sizes({n: sizes[n] for n in names})
-    return {n: [min(sizes[n]), max(sizes[n])] for n in names}, steps
+    if unpaired:
+        log.warning(
+            "axes %s: the graph runs at their range ends only with other axes at sizes that do not move with them "
+            "one for one (axes that must agree otherwise), so the engine records no sizes for them and takes any "
+            "(one the graph cannot take fails in the backend, unchecked); give sizes of theirs that run with the "
+            "others' ranges to record theirs",
+            ", ".join(unpaired),
+        )
+    return checked, steps
 
 
 class SizeProbe:
@@ -77,23 +107,16 @@ class SizeProbe:
         self._seen: dict[tuple[tuple[str, int], ...], str | None] = {}
 
     @classmethod
-    def open(cls, graphs: list[Path]) -> SizeProbe | None:
-        """A probe of the first of ``graphs`` ONNX Runtime opens on the CPU, or None."""
+    def open(cls, graphs: list[Path]) -> tuple[SizeProbe | None, str]:
+        """A probe of the first of ``graphs`` ONNX Runtime opens on the CPU, else None and its reason for the
+        first graph."""
+        first = ""
         for path in graphs:
             try:
-                return cls(path)
-            except KilnError:
-                continue
-        return None
-
-    @staticmethod
-    def why_not(graphs: list[Path]) -> str:
-        """ONNX Runtime's reason it cannot open the first of ``graphs``."""
-        try:
-            SizeProbe(graphs[0])
-        except KilnError as exc:
-            return exc.message
-        return "unknown"
+                return cls(path), ""
+            except KilnError as exc:
+                first = first or exc.message
+        return None, first or "unknown"
 
     def fails(self, point: dict[str, int]) -> str | None:
         """ONNX Runtime's error running the graph at ``point`` (axis name -> size), or None where it runs."""
@@ -110,33 +133,164 @@ class SizeProbe:
             return first_line(exc)
         return None
 
-    def base(self, smallest: dict[str, int], largest: dict[str, int]) -> dict[str, int] | None:
+    def base(self, ranges: dict[str, tuple[int, int]]) -> dict[str, int] | None:
         """The sizes the other axes stay at while one is probed: every axis at its smallest, else at its largest
         where only those run; None where neither runs (random inputs the graph cannot take, or neither size)."""
-        for point in (smallest, largest):
+        for end in (0, 1):
+            point = {n: r[end] for n, r in ranges.items()}
             why = self.fails(point)
             if why is None:
                 return point
             self.why = self.why or why
         return None
 
-    def pattern(self, base: dict[str, int], name: str, low: int, high: int, source: str) -> list[int] | None:
-        """The steps of ``name`` between ``low`` and ``high`` (the others at ``base``), after checking both ends
-        run: a range whose end the graph cannot take is an error naming it and the nearest sizes it takes."""
-        from kiln.stages.export.stage import size_pattern  # imports torch: only where a range is probed
-
-        def runs(size: int) -> bool:
-            return self.fails({**base, name: size}) is None
-
+    def partners(
+        self, base: dict[str, int], name: str, ranges: dict[str, tuple[int, int]], source: str
+    ) -> list[str] | None:
+        """The axes that move with ``name`` size for size (none where it runs at both ends alone; else the first
+        of its linked axes, each other axis, all of them, with which both ends run inside every range). None where
+        no such move runs but an end runs with the others at their own ends (axes that must agree otherwise); an
+        end that runs with none of those is an error naming it."""
+        low, high = ranges[name]
+        for group in _groups(name, ranges):
+            points = [_moved(base, name, end, group) for end in (low, high)]
+            if all(_inside(p, ranges) for p in points) and all(self.fails(p) is None for p in points):
+                return group
         for end in (low, high):
             why = self.fails({**base, name: end})
-            if why is not None:
+            if why is not None and not any(self.fails(p) is None for p in _corners(name, end, ranges)):
                 raise ConfigError(
                     f"{source} gives axis {name} sizes from {low} to {high}, but the graph does not run at "
                     f"{name}={end}: {why}",
-                    hint=_taken_hint(runs, name, low, high),
+                    hint=_taken_hint(lambda s: self.fails({**base, name: s}) is None, name, low, high),
                 )
-        return size_pattern(runs, low, high, name)
+        return None
+
+    def pattern(self, base: dict[str, int], name: str, group: list[str], low: int, high: int) -> list[int] | None:
+        """The steps of ``name`` between ``low`` and ``high``, moved with ``group``, the others at ``base``
+        (:func:`size_steps`)."""
+        return size_steps(lambda size: self.fails(_moved(base, name, size, group)) is None, low, high, name)
+
+
+def _groups(name: str, ranges: dict[str, tuple[int, int]]) -> list[list[str]]:
+    """The sets of axes to move with ``name``, in the order tried: none; those linked to it (an equal range, or a
+    name that is arithmetic of its name, as ``past_sequence_length + 1`` of ``past_sequence_length``); each other
+    axis; all of them."""
+    others = [n for n in ranges if n != name]
+    linked = [n for n in others if ranges[n] == ranges[name] or _related(name, n)]
+    groups = [[], linked, *([n] for n in others), others]
+    return [g for i, g in enumerate(groups) if (g or not i) and g not in groups[:i]]
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether one axis name is an expression of the other (``past_sequence_length + 1``)."""
+    words = {a: set(re.findall(r"[A-Za-z_]\w*", a)), b: set(re.findall(r"[A-Za-z_]\w*", b))}
+    return a != b and (a in words[b] or b in words[a])
+
+
+def _moved(base: dict[str, int], name: str, size: int, group: list[str]) -> dict[str, int]:
+    """``base`` with ``name`` at ``size`` and each axis of ``group`` moved by as much."""
+    return {**base, name: size, **{n: base[n] + size - base[name] for n in group}}
+
+
+def _inside(point: dict[str, int], ranges: dict[str, tuple[int, int]]) -> bool:
+    return all(ranges[n][0] <= s <= ranges[n][1] for n, s in point.items())
+
+
+def _corners(name: str, size: int, ranges: dict[str, tuple[int, int]]) -> list[dict[str, int]]:
+    """``name`` at ``size`` with the other axes at each combination of their range ends (all low or all high only,
+    beyond :data:`CORNER_AXES` others)."""
+    others = [n for n in ranges if n != name]
+    combos = (
+        itertools.product((0, 1), repeat=len(others))
+        if len(others) <= CORNER_AXES
+        else [(0,) * len(others), (1,) * len(others)]
+    )
+    return [{name: size, **{n: ranges[n][e] for n, e in zip(others, ends)}} for ends in combos]
+
+
+class _OutOfRuns(Exception):
+    """The run budget of a steps search is spent."""
+
+
+def size_steps(runs: Callable[[int], bool], low: int, high: int, name: str) -> list[int] | None:
+    """``[period, *residues]`` of the sizes from ``low`` to ``high`` that ``runs`` (both ends run), or None where it
+    runs at every size tried, as :func:`kiln.stages.export.stage.size_pattern` finds them (its draw of sizes first,
+    the same answer where every size runs), for at most :data:`STEP_RUNS` runs: a period of a power of two at
+    ``low`` is tried first (a few sizes each, the cheap common case of pooling), then sizes one by one from
+    ``low`` until one period repeats twice. Past the budget, no steps, with a warning: a graph run costs seconds at
+    an image's sizes, and the two periods of size by size probing hundreds of runs."""
+
+    top = min(high, low + 2 * MAX_PERIOD)
+    ok = {low: True, high: True}
+
+    def seen(size: int) -> bool:
+        if size not in ok:
+            if len(ok) >= STEP_RUNS + 2:
+                raise _OutOfRuns
+            ok[size] = runs(size)
+        return ok[size]
+
+    inside = range(low + 1, top + 1)
+    drawn = sorted({*inside[:3], *random.Random(0).sample(inside, min(SIZE_PROBES, len(inside)))})
+    try:
+        if all(seen(size) for size in drawn):
+            return None
+        period = _aligned_period(seen, ok, low, top) or _scanned_period(seen, ok, low, top, top == high)
+    except _OutOfRuns:
+        log.warning(
+            "axis %s: steps not fully probed (%d runs of the graph, the most the build spends): the range %d to %d "
+            "is recorded without steps, so a size between them the graph cannot take fails in the backend; give "
+            "the sizes it takes in signature.shapes to check those alone",
+            name,
+            STEP_RUNS,
+            low,
+            high,
+        )
+        return None
+    if period is None:
+        log.warning(
+            "axis %s: the graph runs at some sizes from %d to %d and not at others, in no pattern of period %d or "
+            "less: no steps recorded, so a size it cannot take fails in the backend",
+            name,
+            low,
+            high,
+            MAX_PERIOD,
+        )
+        return None
+    return [period, *sorted({size % period for size, good in ok.items() if good})]
+
+
+def _fits(ok: dict[int, bool], period: int) -> bool:
+    """Whether every two sizes tried a whole number of ``period`` apart gave the same answer."""
+    first: dict[int, bool] = {}
+    return all(first.setdefault(size % period, good) == good for size, good in ok.items())
+
+
+def _aligned_period(seen: Callable[[int], bool], ok: dict[int, bool], low: int, top: int) -> int | None:
+    """The smallest power of two ``p`` such that the graph runs at the sizes ``low + k p`` only, checked at the
+    sizes tried, one period on, the sizes either side of it, and two periods on; None where none is."""
+    period = 2
+    while low + period <= top:
+        if all(ok[s] == ((s - low) % period == 0) for s in ok):
+            checks = [low + period, low + period - 1, low + period + 1, low + 2 * period]
+            if all(seen(s) == ((s - low) % period == 0) for s in checks if s <= top):
+                return period
+        period *= 2
+    return None
+
+
+def _scanned_period(seen: Callable[[int], bool], ok: dict[int, bool], low: int, top: int, whole: bool) -> int | None:
+    """The shortest period of the sizes that run, found by running sizes one by one from ``low``: the first that
+    holds over two whole periods of them and every size tried; the range's width where it is probed whole without
+    one (its sizes exactly: ``whole``, ``top`` is its largest), else None."""
+    for size in range(low, top + 1):
+        seen(size)
+        span = size - low + 1
+        period = next((p for p in range(2, span // 2 + 1) if _fits(ok, p)), None)
+        if period is not None:
+            return period
+    return top - low + 1 if whole else None
 
 
 def _taken_hint(runs: Callable[[int], bool], name: str, low: int, high: int) -> str:

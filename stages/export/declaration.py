@@ -75,6 +75,10 @@ def read_dynamic_sizes(export_dir: Path) -> dict[str, dict[int, list[int]]] | No
 AXIS_STEPS = "axis_steps.json"
 
 
+SIZE_PROBES = 8  # sizes tried across an axis's range before it is probed whole (size_pattern, kiln build's probe)
+MAX_PERIOD = 64  # the longest period looked for; the range is probed over two of them at most
+
+
 def read_axis_steps(export_dir: Path) -> dict[str, list[int]]:
     """:data:`AXIS_STEPS` of an export folder ({} without one: every size between the validated ones runs)."""
     path = export_dir / AXIS_STEPS

@@ -86,6 +86,8 @@ from kiln.stages.export.declaration import (
     AXIS_STEPS,
     DYNAMIC_SIZES,
     INT_RANGES,
+    MAX_PERIOD,
+    SIZE_PROBES,
     ExportSettings,
     ExportSummary,
 )
@@ -848,10 +850,6 @@ def size_steps(
             out[label] = pattern
             log.info("signature axis %s: the model takes sizes%s only", label, steps_text(pattern))
     return out
-
-
-SIZE_PROBES = 8  # sizes tried across an axis's range before it is probed whole
-MAX_PERIOD = 64  # the longest period looked for; the range is probed over two of them at most
 
 
 def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = "") -> list[int] | None:

@@ -11,18 +11,24 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 
-def unet_graph(path: Path) -> Path:
-    """Write the graph to ``path``: input ``input`` [batch, 3, H, W] float -> ``logits`` [batch, 4, H, W]."""
+def unet_graph(path: Path, levels: int = 1) -> Path:
+    """Write the graph to ``path``: input ``input`` [batch, 3, H, W] float -> ``logits`` [batch, 4, H, W];
+    ``levels`` 2x2 pools before the upsampling, so H and W run at multiples of ``2**levels`` only."""
     rng = np.random.default_rng(0)
     weights = [
         numpy_helper.from_array(rng.standard_normal((2, 3, 1, 1)).astype(np.float32), "w"),
         numpy_helper.from_array(np.zeros(2, np.float32), "b"),
-        numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"),
+        numpy_helper.from_array(np.array([1, 1, 2**levels, 2**levels], np.float32), "scales"),
     ]
     nodes = [
         helper.make_node("Conv", ["input", "w", "b"], ["conv"]),
-        helper.make_node("MaxPool", ["conv"], ["pool"], kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node("Resize", ["pool", "", "scales"], ["up"], mode="nearest"),
+        *(
+            helper.make_node(
+                "MaxPool", [f"pool{i}" if i else "conv"], [f"pool{i + 1}"], kernel_shape=[2, 2], strides=[2, 2]
+            )
+            for i in range(levels)
+        ),
+        helper.make_node("Resize", [f"pool{levels}", "", "scales"], ["up"], mode="nearest"),
         helper.make_node("Concat", ["conv", "up"], ["logits"], axis=1),
     ]
     graph = helper.make_graph(
