@@ -4,7 +4,7 @@ sequence length and wrong at another cannot pass."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,6 +33,18 @@ def shapes_flag(names: list[str]) -> str:
     """The ``--set`` that gives sizes to the dynamic axes ``names`` (``signature.shapes``), for a fix line: a graph
     stage run on a file has no data to take them from."""
     return "--set 'signature.shapes={" + ", ".join(f"{n}: [MIN, MAX]" for n in names) + "}'"
+
+
+def refuse_unknown_axes(shapes: Iterable[str], names: list[str]) -> None:
+    """``signature.shapes`` keyed by axes the graph has (``names``: its dynamic axes besides batch), or one error
+    listing them, with the flag to give."""
+    unknown = sorted(set(shapes) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"signature.shapes names axes {unknown}; the graph's dynamic axes besides batch are {names or 'none'}",
+            hint="key signature.shapes by the names the graph gives its axes"
+            + (f": {shapes_flag(names)}" if names else " (or leave it out)"),
+        )
 
 
 def axis_sizes(feeds: list[Feed], axes: Axes, configured: Mapping[str, list[int]]) -> dict[str, list[int]]:

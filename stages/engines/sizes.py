@@ -16,7 +16,7 @@ from kiln.core.errors import ConfigError, KilnError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, ort_session, session_options
 from kiln.core.records import EngineMetadata, Variants, steps_text
-from kiln.core.shapes import axis_names, shapes_flag
+from kiln.core.shapes import axis_names, refuse_unknown_axes, shapes_flag
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR
 from kiln.stages.export.declaration import MAX_PERIOD, SIZE_PROBES
@@ -41,13 +41,8 @@ def checked_ranges(
     those ``kiln precision`` recorded."""
     names = axis_names(io_specs(load_onnx(graphs[0], load_external_data=False))[0])
     source = "kiln precision's variants.json" if from_variant else "signature.shapes"
-    unknown = sorted(set(sizes) - set(names))
-    if unknown and not from_variant:
-        raise ConfigError(
-            f"signature.shapes names axes {unknown}; the graph's dynamic axes besides batch are {names or 'none'}",
-            hint="key signature.shapes by the names the graph gives its axes"
-            + (f": {shapes_flag(names)}" if names else " (or leave it out)"),
-        )
+    if not from_variant:
+        refuse_unknown_axes(sizes, names)
     missing = [n for n in names if not sizes.get(n)]
     if missing:
         _warn_unchecked(names, "no sizes were given" + (f" for {', '.join(missing)}" if missing != names else ""))

@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.errors import ConfigError, InputFileError, KilnError, ModelError
+from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.feeds import read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
 from kiln.core.progress import SilentProgress
 from kiln.core.records import IntRange, TensorSpec, Variants
-from kiln.core.shapes import graph_axes, shapes_flag
+from kiln.core.shapes import graph_axes, refuse_unknown_axes
 from kiln.stages.accuracy.check import direct_top1
 from kiln.stages.precision.stage import (
     TOO_LITTLE_HINT,
@@ -132,14 +132,7 @@ def recorded_sizes(
     """Each dynamic axis besides batch -> the sizes ``variants.json`` records for the build (its profiles, audit,
     and the ranges ``kiln build`` probes): those ``signature.shapes`` gives, else the one size the data holds."""
     seen = {d: [int(data[s.name].shape[i])] for s in inputs for i, d in (graph_axes([s]).get(s.name) or {}).items()}
-    unknown = sorted(set(shapes) - set(seen))
-    if unknown:
-        names = sorted(seen)
-        raise ConfigError(
-            f"signature.shapes names axes {unknown}; the graph's dynamic axes besides batch are {names or 'none'}",
-            hint="key signature.shapes by the names the graph gives its axes"
-            + (f": {shapes_flag(names)}" if names else " (or leave it out)"),
-        )
+    refuse_unknown_axes(shapes, sorted(seen))
     return {d: sorted(set(shapes.get(d) or v)) for d, v in seen.items()}
 
 
