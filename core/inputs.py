@@ -52,10 +52,17 @@ def check_batch_axis(specs: list[TensorSpec], what: str) -> None:
     the slices the checks compare, the rows of random inputs), so an input whose axis 0 is a fixed size beside one
     whose axis 0 is dynamic, or inputs fixed at different sizes, would be cut or repeated where they must not (a
     graph neural network's ``x [nodes, 8]`` beside ``edge_index [2, edges]``) and fail inside ONNX Runtime. Inputs
-    without axes are left out; ``what`` names the model or engine in the error."""
+    without axes, and those whose axis 0 is 1 (a temperature ``[1]``, an RNN's ``h0 [1, batch, H]``: they broadcast
+    over the batch), are left out, as are inputs that all share a dynamic axis elsewhere (a time-major RNN's
+    ``x [T, batch, F]``: a batch axis, if not first, which the stages that need it first say); ``what`` names the
+    model or engine in the error."""
+    named = [{d for d in s.shape if isinstance(d, str) and d} for s in specs if s.shape]
+    shared = set.intersection(*named) if named else set()
     firsts = {s.name: s.shape[0] for s in specs if s.shape}
-    fixed = {name: dim for name, dim in firsts.items() if isinstance(dim, int) and dim >= 1}
-    free = [name for name in firsts if name not in fixed]
+    fixed = {name: dim for name, dim in firsts.items() if isinstance(dim, int) and dim > 1}
+    if shared:
+        return
+    free = [name for name, dim in firsts.items() if not isinstance(dim, int) or dim < 1]  # dynamic axis 0
     if not fixed or (not free and len(set(fixed.values())) == 1):
         return
     shown = {s.name: f"'{s.name}' {_written(s.shape)}" for s in specs if s.name in firsts}

@@ -130,3 +130,18 @@ def test_inputs_sharing_a_batch_axis_pass() -> None:
     scalar = TensorSpec(name="t", shape=[], dtype="float32")
     check_batch_axis([*wrapped, scalar], "m")
     check_batch_axis([TensorSpec(name=s.name, shape=[1, *s.shape], dtype=s.dtype) for s in _gnn(200, 988)], "m")
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"x": [5, "batch", 2], "h0": [1, "batch", 3]},  # a time-major RNN: its batch is axis 1
+        {"x": ["T", "batch", 2], "h0": [1, "batch", 3]},
+        {"x": ["batch", 4], "t": [1]},  # a temperature shared by the batch
+        {"x": [4, 4], "t": [1]},  # a fixed batch of 4 beside it
+    ],
+)
+def test_inputs_that_broadcast_or_share_a_batch_elsewhere_are_no_graph_without_a_batch(shapes: dict) -> None:
+    from kiln.core.inputs import check_batch_axis
+
+    check_batch_axis([TensorSpec(name=n, shape=s, dtype="float32") for n, s in shapes.items()], "model.onnx m.onnx")
