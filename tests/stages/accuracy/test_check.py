@@ -407,3 +407,18 @@ def test_an_output_nearly_constant_over_samples_is_measured_against_a_tenth_of_i
     assert spread == pytest.approx(0.1 * rms)  # the floor, not the 3.6 % the samples vary by
     error = 0.01 * rms
     assert error / spread < np.sqrt(2 * (1 - 0.99))  # INT8's derived max_rel_err, 0.1414
+
+
+def test_the_headline_relative_error_is_the_outputs_beside_the_class_logits() -> None:
+    """The class logits' relative error is not gated by default: the headline the report shows is the hidden
+    state's, not a larger value of the logits that reads like a failure."""
+    from kiln.core.records import EngineValidation
+    from kiln.stages.accuracy.check import compare_all, summarize
+
+    rng = np.random.default_rng(0)
+    ref = {"logits": rng.standard_normal((32, 4)), "hidden": rng.standard_normal((32, 8))}
+    got = {"logits": ref["logits"] * 1.5, "hidden": ref["hidden"] + 1e-3}
+    stats = compare_all(ref, got, "logits")
+    entry = EngineValidation(name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated")
+    summarize(entry, stats, "logits")
+    assert entry.rel_err == stats["hidden"].rel_err < stats["logits"].rel_err
