@@ -203,6 +203,23 @@ def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: st
     entry.top1_ties = floats[logits].top1_ties if logits in floats else None
 
 
+def _refuse_batch_of_one(
+    run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, coupled: list[str]
+) -> None:
+    """Where the ``coupled`` outputs come with a first axis of one at ``batch`` rows: a model that takes one sample
+    a call (a graph network given a graph as a batch of one), whose batch sizes must be [1]; said as that."""
+    try:
+        ones = [k for k, v in run(sample_batch(feed, batch)).items() if k in coupled and v.shape[:1] == (1,)]
+    except Exception:  # the reference's own error surfaces where the comparisons run it
+        return
+    if ones:
+        raise ModelError(
+            f"the outputs {ones} have a first axis of 1 at a batch of {batch}: the model takes one sample a call "
+            "(a batch of one), not a batch of them",
+            hint="set signature.batch_sizes: [1] (its engines are then served unbatched)",
+        )
+
+
 def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batch: int, smallest: int) -> list[str]:
     """Outputs whose shape beyond the first axis follows the batch size (a contrastive model's ``[images, texts]``
     logits), or whose rows read their batch mates (:func:`mixed_rows`): their rows depend on the whole batch, so
@@ -419,6 +436,7 @@ class Reference:
         if coupled:  # compare whole batches only: a last, shorter batch gives those outputs another shape
             rows = feed_rows(feeds[0][1]) // batch * batch
             if not rows:
+                _refuse_batch_of_one(run, feeds[0][1], batch, coupled)
                 raise ModelError(
                     f"the outputs {coupled} follow the batch beyond their first axis (each row depends "
                     f"on the whole batch), and the data has fewer held-out rows than the largest "

@@ -422,3 +422,12 @@ def test_the_headline_relative_error_is_the_outputs_beside_the_class_logits() ->
     entry = EngineValidation(name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated")
     summarize(entry, stats, "logits")
     assert entry.rel_err == stats["hidden"].rel_err < stats["logits"].rel_err
+
+
+def test_a_model_of_one_sample_a_call_is_told_to_validate_batch_one() -> None:
+    """A graph network given its graph as a batch of one answers [1, nodes, C] at any batch: validated at 32 with
+    one held-out graph, the error says batch sizes [1], not 'more held-out rows'."""
+    x = np.zeros((1, 5, 3), np.float32)
+    with pytest.raises(ModelError, match="first axis of 1 at a batch of 32") as err:
+        Reference(lambda feed: {"logits": feed["x"][:1, :, :2]}, [({}, {"x": x})], [None], None, 32, smallest=1)
+    assert "signature.batch_sizes: [1]" in err.value.hint
