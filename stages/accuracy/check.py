@@ -144,6 +144,33 @@ def relative_to_spread(
     return out
 
 
+def value_ordered(
+    ref: dict[str, np.ndarray], got: dict[str, np.ndarray], names: list[str]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``ref`` and ``got`` with the rows of the outputs ``names`` (whose length the values decide: a detector's
+    boxes, scores and labels after NMS) in one order of their values, the same permutation for the outputs of one
+    length: runtimes order equal scores apart (ONNX Runtime's TopK against torch.topk), and the same detections in
+    another order are no error. Keys are the values rounded to 1e-4 of each output's largest in the reference, so
+    float noise does not reorder; outputs whose lengths differ are left for :func:`compare_all` to name."""
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        if n in ref and n in got and ref[n].ndim >= 1 and len(ref[n]) == len(got[n]) > 1:
+            groups.setdefault(len(ref[n]), []).append(n)
+    ref, got = dict(ref), dict(got)
+    for members in groups.values():
+        scales = {n: float(np.abs(ref[n]).max(initial=0.0)) or 1.0 for n in members}
+        for outs in (ref, got):
+            perm = _value_order(outs, members, scales)
+            outs.update({n: outs[n][perm] for n in members})
+    return ref, got
+
+
+def _value_order(outs: dict[str, np.ndarray], members: list[str], scales: dict[str, float]) -> np.ndarray:
+    """The permutation sorting the rows of ``members`` by their values, rounded (the first column first)."""
+    cols = [np.round(outs[n].reshape(len(outs[n]), -1).astype(np.float64) / scales[n], 4) for n in members]
+    return np.lexsort(np.concatenate(cols, axis=1).T[::-1])
+
+
 def _only_rows_differ(ref: np.ndarray, got: np.ndarray) -> bool:
     return ref.ndim == got.ndim >= 1 and ref.shape[1:] == got.shape[1:] and len(ref) != len(got)
 
@@ -552,6 +579,15 @@ class Reference:
         if y is None or logits is None or logits.ndim != 3 or not per_position(y) or y.ndim != 2:
             return False
         return y.shape[0] == logits.shape[0] and y.shape[1] != logits.shape[1] and y.shape != logits.shape
+
+    @property
+    def by_value(self) -> list[str]:
+        """The outputs whose length the values decide (:attr:`coupled` ones with another number of rows than the
+        samples: a detector's after NMS, torch.nonzero's), compared in an order of their values
+        (:func:`value_ordered`)."""
+        samples = feed_rows(self.feeds[-1][1])
+        last = self.outputs[-1]
+        return [n for n in self.coupled if n in last and last[n].ndim >= 1 and len(last[n]) != samples]
 
     def at_batch(self, index: int, batch: int) -> dict[str, np.ndarray]:
         """The reference on ``batch`` rows of feed ``index`` (:func:`sample_batch`): what an engine called at that
@@ -965,9 +1001,9 @@ def compare_on(
             out.untaken.append(point)
             continue
         got = batched(infer, feed, largest)
-        whole = ref.unpadded(feed, expected)
+        whole, answered = value_ordered(ref.unpadded(feed, expected), ref.unpadded(feed, got), ref.by_value)
         spread = spreads(whole)  # how the outputs vary over every held-out row: the spot checks' errors too
-        kept = compare_all(whole, ref.unpadded(feed, got), ref.logits, ref.labelled(i), spread=spread)
+        kept = compare_all(whole, answered, ref.logits, ref.labelled(i), spread=spread)
         out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
@@ -975,6 +1011,7 @@ def compare_on(
             if inspect is not None:
                 out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
             expected_bs, got_bs = ref.unpadded(feed_bs, ref.at_batch(i, bs)), ref.unpadded(feed_bs, got_bs)
+            expected_bs, got_bs = value_ordered(expected_bs, got_bs, ref.by_value)
             spot = compare_all(expected_bs, got_bs, ref.logits, ref.labelled(i, bs), spread=spread)
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:

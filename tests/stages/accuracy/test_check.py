@@ -431,3 +431,25 @@ def test_a_model_of_one_sample_a_call_is_told_to_validate_batch_one() -> None:
     with pytest.raises(ModelError, match="first axis of 1 at a batch of 32") as err:
         Reference(lambda feed: {"logits": feed["x"][:1, :, :2]}, [({}, {"x": x})], [None], None, 32, smallest=1)
     assert "signature.batch_sizes: [1]" in err.value.hint
+
+
+def test_outputs_whose_length_the_values_decide_compare_in_an_order_of_their_values() -> None:
+    """Detections after NMS: ONNX Runtime's TopK orders equal scores apart from torch.topk, so an exact engine gives
+    the same rows in another order; compared row by row it failed, in an order of their values it agrees."""
+    from kiln.stages.accuracy.check import compare_on
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        scores = feed["x"] @ np.ones((3, 4), np.float32)
+        where = np.argwhere(scores > 0.5)
+        return {"logits": scores, "positives": where, "values": scores[scores > 0.5]}
+
+    def engine(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = run(feed)
+        return {**out, "positives": out["positives"][::-1], "values": out["values"][::-1]}
+
+    x = np.random.default_rng(0).standard_normal((16, 3)).astype(np.float32)
+    ref = Reference(run, [({}, {"x": x})], [None], None, 8)
+    assert set(ref.by_value) == {"positives", "values"}
+    stats = compare_on(ref, engine, [8]).stats
+    assert stats["positives"].top1_agreement == 1.0 and stats["values"].cosine == pytest.approx(1.0)
+    assert stats["values"].max_abs_err == 0.0
