@@ -563,6 +563,16 @@ def main() -> None:
     """
 
 
+def _say_what_changed(records: list[Any]) -> None:
+    """The first stage run again because its own inputs changed (the config, the user's code or data; the stages
+    after it ran because it did), and what changed: a rerun nobody expected says why without -v."""
+    for r in records:
+        own = [part for part in getattr(r, "changed", []) if not part.startswith("inputs")]
+        if r.status == "ran" and own:
+            console.print(f"{escape(r.name)} ran again: changed since the last run: {escape(', '.join(own))}")
+            return
+
+
 def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     """The run's answer on stdout, within 80 columns: each stage's status and time, each engine's accuracy against
     the reference, then its latency at the largest batch size."""
@@ -578,6 +588,7 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
         seconds = seconds_cell(stages[r.name]) if r.name in stages else f"{r.seconds:.2f}"
         table.add_row(r.name, f"[{style}]{r.status}[/]", seconds)
     results.print(table)
+    _say_what_changed(result.records)
     v = validation_of(report)
     if v:
         results.print(_accuracy_table(v, _fmt))

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -54,6 +54,7 @@ class StageRecord:
     summary: Summary | None = None  # the stage's typed summary (a cached stage's, read back)
     error: str | None = None
     original_seconds: float | None = None  # for a cached stage: how long it took when it ran
+    changed: list[str] = field(default_factory=list)  # for a stage run again: the parts of its key that changed
 
 
 @dataclass
@@ -546,7 +547,7 @@ class Runner:
                 },
             )
             self._verified[final] = hash_json(outputs)  # just written and hashed: no need to read it again
-        return StageRecord(stage.name, status, seconds, key, summary)
+        return StageRecord(stage.name, status, seconds, key, summary, changed=changed)
 
 
 def _names(stages: list[str]) -> str:

@@ -937,3 +937,18 @@ def test_a_reader_that_closes_stdout_ends_nothing_early(tmp_path: Path, fails: b
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == (2 if fails else 0), err
     assert err.splitlines() == (["error: the run failed", "fix: fix it"] if fails else []), err
+
+
+def test_a_rerun_says_which_stage_ran_again_and_what_changed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without -v: the first stage whose own inputs changed, not the stages after it (they ran because it did)."""
+    from kiln.cli import _say_what_changed
+    from kiln.pipeline.runner import StageRecord
+
+    records = [
+        StageRecord("train", "cached"),
+        StageRecord("export", "ran", changed=["config.export"]),
+        StageRecord("optimize", "ran", changed=["inputs.export"]),
+    ]
+    _say_what_changed(records)
+    err = capsys.readouterr().err
+    assert "export ran again: changed since the last run: config.export" in err and "optimize" not in err, err
