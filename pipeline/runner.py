@@ -410,15 +410,31 @@ class Runner:
         for up in stage.inputs:
             if up not in self._current:
                 self._refuse_other_settings(stage, up)
+        for up in self._ancestors(stage) - set(stage.inputs) - set(self._current):
+            self._refuse_other_settings(stage, up, code=False)
 
-    def _refuse_other_settings(self, stage: Stage, up: str) -> None:
+    def _ancestors(self, stage: Stage) -> set[str]:
+        """The stages whose folders ``stage``'s inputs were made from, transitively (precision for validate, which
+        reads build's engines): settings of theirs that differ from this command's shaped what ``stage`` reads."""
+        found: set[str] = set()
+        todo = [up for up in stage.inputs if up in self.upstream]
+        while todo:
+            up = todo.pop()
+            for further in self.upstream[up].inputs:
+                if further in self.upstream and further not in found:
+                    found.add(further)
+                    todo.append(further)
+        return found
+
+    def _refuse_other_settings(self, stage: Stage, up: str, code: bool = True) -> None:
         """Stop before ``stage`` reads ``up``'s folder where that was made for another model (its config section:
         `kiln export` with other model.params would build another model and load weights trained for the old one);
         warn where other settings of ``up`` differ (`kiln train --set train.epochs=4`, then `kiln export` without
         it: the export reads the 4-epoch weights, which this config would not make), and where the user's code
         changed since: its hash covers the model's whole module and what it imports, so an edited data function or
         comment changes it as an edited model does, and only the user can tell which. Kiln's own code and the data
-        are not compared here: a rerun of the stage compares them."""
+        are not compared here: a rerun of the stage compares them. ``code``: the user's code too (for the stages
+        ``stage`` reads directly; the ones further up share it, and would say it again)."""
         declared = self.upstream.get(up)
         old = (read_manifest(self.workdir / up) or {}).get("key_parts")
         if declared is None or not isinstance(old, dict):
@@ -427,6 +443,8 @@ class Runner:
         changed = what_changed({k: old.get(k) for k in now}, now)
         if "user_code" in old and "user_code" not in now:
             changed.append("user_code")
+        if not code:
+            changed = [c for c in changed if not c.startswith("user_code")]
         if not changed:
             return
         said = ", ".join(c.removeprefix("config.") for c in changed)

@@ -515,6 +515,20 @@ def test_a_stage_alone_warns_where_its_upstream_had_other_settings(
     assert "first was made with other settings than this command's (train differ)" in caplog.text
 
 
+def test_a_stage_alone_warns_where_a_stage_further_up_had_other_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kiln run --set train.epochs=4`, then `kiln third` without it: third reads second's output, which was made
+    from first's 4-epoch one (`kiln validate` reads build's engines, made from precision's variants of other
+    gates). The stage read directly has the same settings; the one further up is said."""
+    stages = fake_stages()
+    run(tmp_path, stages, **{"train.epochs": 4})
+    with caplog.at_level("WARNING", logger="kiln"):
+        result = alone(tmp_path, "third", stages)
+    assert result.ok
+    assert "first was made with other settings than this command's (train differ)" in caplog.text, caplog.text
+
+
 def test_a_stage_alone_warns_where_the_users_code_changed_since_its_upstream_ran(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
