@@ -90,7 +90,7 @@ def train_to(
         )
     with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
         task = task_for(data, config.train.loss, config.signature.logits_output)
-    check_model_fits_data(model, data, config.model.name, task)
+    check_model_fits_data(model, data, config.model.name, task, config.signature.logits_output)
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     with process_group(env, config.train.distributed, device):
         result = train(
@@ -203,9 +203,17 @@ def _refuse_labels_in_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.
         )
 
 
-def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str, task: Task | None = None) -> None:
+def check_model_fits_data(
+    model: nn.Module,
+    data: DatasetSplits,
+    model_ref: str,
+    task: Task | None = None,
+    logits_output: str | int | None = None,
+) -> None:
     """One forward pass on two samples, so that data which does not fit the model fails with a clear message
-    before training starts (and not as a traceback from deep inside the loop)."""
+    before training starts (and not as a traceback from deep inside the loop); ``signature.logits_output`` is one
+    of its outputs (a misspelt name was said only at the precision stage, after training, with a loss of the
+    user's that never reads it)."""
     check_fp32(model, model_ref)
     x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, 2))
     check_forward_takes(model, x, model_ref)
@@ -236,6 +244,8 @@ def check_model_fits_data(model: nn.Module, data: DatasetSplits, model_ref: str,
     finally:
         model.train()
     outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
+    if logits_output is not None:
+        logits_name(list(outputs), logits_output)  # a ConfigError naming the outputs where it is none of them
     _refuse_labels_in_inputs(model, x, outputs)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
@@ -277,7 +287,7 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     cfg = ctx.config
     model = build_seeded(cfg)
     data = ctx.dataset()
-    check_model_fits_data(model, data, cfg.model.name)
+    check_model_fits_data(model, data, cfg.model.name, logits_output=cfg.signature.logits_output)
     if cfg.train.loss is not None:
         ctx.log.info("train.loss %s not called: training is skipped, and no loss is needed", cfg.train.loss)
     with torch.no_grad():

@@ -258,3 +258,20 @@ def test_labels_given_by_position_are_named_by_forward_and_a_table_output_is_no_
     target = torch.randn(6, 8)
     cond = DatasetSplits({k: v[:4] for k, v in x.items()}, target[:4], {k: v[4:] for k, v in x.items()}, target[4:], 0)
     check_model_fits_data(Conditional(), cond, "cond:build")
+
+
+def user_cross_entropy(outputs: object, targets: torch.Tensor) -> torch.Tensor:
+    """A loss of the user's: it reads the logits itself, never signature.logits_output."""
+    return torch.nn.functional.cross_entropy(outputs, targets)
+
+
+def test_a_misspelt_logits_output_fails_before_training(tmp_path: Path, monkeypatch) -> None:
+    """With a loss of the user's nothing in training reads signature.logits_output: a typo was said only at the
+    precision stage, after the training it would have wasted."""
+    import kiln.stages.train.stage as train_stage
+
+    monkeypatch.setattr(train_stage, "train", lambda *a, **k: pytest.fail("training started"))
+    over = {"signature.logits_output": "cls", "train.loss": f"{__name__}:user_cross_entropy"}
+    result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path, STAGES).run(stop="train")
+    assert "signature.logits_output 'cls' is not an output of the model" in str(result.error), result.error
+    assert [r.status for r in result.records] == ["failed"]
