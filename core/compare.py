@@ -249,3 +249,30 @@ def _top1(
         tie |= (margin <= TIE_SIGMAS * noise) & (noise <= TIE_MAX_NOISE * r2.std(axis=1))
     flips = ri != gi
     return float(np.mean(~flips | tie)), float(np.mean(flips & tie))
+
+
+def value_ordered(
+    ref: dict[str, np.ndarray], got: dict[str, np.ndarray], names: list[str]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``ref`` and ``got`` with the rows of the outputs ``names`` (whose length the values decide: a detector's
+    boxes, scores and labels after NMS) in one order of their values, the same permutation for the outputs of one
+    length: runtimes order equal scores apart (ONNX Runtime's TopK against torch.topk), and the same detections in
+    another order are no error. Keys are the values rounded to 1e-4 of each output's largest in the reference, so
+    float noise does not reorder; outputs whose lengths differ are left for the comparison to name."""
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        if n in ref and n in got and ref[n].ndim >= 1 and len(ref[n]) == len(got[n]) > 1:
+            groups.setdefault(len(ref[n]), []).append(n)
+    ref, got = dict(ref), dict(got)
+    for members in groups.values():
+        scales = {n: float(np.abs(ref[n]).max(initial=0.0)) or 1.0 for n in members}
+        for outs in (ref, got):
+            perm = _value_order(outs, members, scales)
+            outs.update({n: outs[n][perm] for n in members})
+    return ref, got
+
+
+def _value_order(outs: dict[str, np.ndarray], members: list[str], scales: dict[str, float]) -> np.ndarray:
+    """The permutation sorting the rows of ``members`` by their values, rounded (the first column first)."""
+    cols = [np.round(outs[n].reshape(len(outs[n]), -1).astype(np.float64) / scales[n], 4) for n in members]
+    return np.lexsort(np.concatenate(cols, axis=1).T[::-1])

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.core.compare import OutputStats, class_axis, compare_outputs, worst
+from kiln.core.compare import OutputStats, class_axis, compare_outputs, value_ordered, worst
 from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
 from kiln.core.errors import ModelError
 from kiln.core.labels import IGNORE_LABEL, padding_ties, per_position, without_padding
@@ -142,33 +142,6 @@ def relative_to_spread(
         err = float(np.sqrt(np.mean((g[both] - r[both]) ** 2))) if both.any() else 0.0
         out[name] = replace(s, rel_err=err / spread[name])
     return out
-
-
-def value_ordered(
-    ref: dict[str, np.ndarray], got: dict[str, np.ndarray], names: list[str]
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``ref`` and ``got`` with the rows of the outputs ``names`` (whose length the values decide: a detector's
-    boxes, scores and labels after NMS) in one order of their values, the same permutation for the outputs of one
-    length: runtimes order equal scores apart (ONNX Runtime's TopK against torch.topk), and the same detections in
-    another order are no error. Keys are the values rounded to 1e-4 of each output's largest in the reference, so
-    float noise does not reorder; outputs whose lengths differ are left for :func:`compare_all` to name."""
-    groups: dict[int, list[str]] = {}
-    for n in names:
-        if n in ref and n in got and ref[n].ndim >= 1 and len(ref[n]) == len(got[n]) > 1:
-            groups.setdefault(len(ref[n]), []).append(n)
-    ref, got = dict(ref), dict(got)
-    for members in groups.values():
-        scales = {n: float(np.abs(ref[n]).max(initial=0.0)) or 1.0 for n in members}
-        for outs in (ref, got):
-            perm = _value_order(outs, members, scales)
-            outs.update({n: outs[n][perm] for n in members})
-    return ref, got
-
-
-def _value_order(outs: dict[str, np.ndarray], members: list[str], scales: dict[str, float]) -> np.ndarray:
-    """The permutation sorting the rows of ``members`` by their values, rounded (the first column first)."""
-    cols = [np.round(outs[n].reshape(len(outs[n]), -1).astype(np.float64) / scales[n], 4) for n in members]
-    return np.lexsort(np.concatenate(cols, axis=1).T[::-1])
 
 
 def _only_rows_differ(ref: np.ndarray, got: np.ndarray) -> bool:

@@ -464,3 +464,17 @@ def test_float64_inputs_of_a_float32_model_are_said(caplog: pytest.LogCaptureFix
         warn_wide_inputs(_Casts().double(), x)  # a float64 model takes float64
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "inputs ['pixels'] are float64" in said[0] and "x.float()" in said[0], said
+
+
+class _Positives(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, torch.nonzero(x > 0)
+
+
+def test_outputs_whose_length_the_values_decide_are_compared_in_an_order_of_their_values(tmp_path: Path) -> None:
+    """An output whose axis 0 no input has (torch.nonzero's, NMS's detections) is told apart by parity, which
+    compares it in one order of its values (runtimes order tied scores apart) and names it where parity fails."""
+    x = torch.randn(4, 3)
+    export_onnx(_Positives(), x, tmp_path / "m.onnx", 18, True)
+    check = parity(_Positives(), tmp_path / "m.onnx", x)
+    assert check["max_abs_err"] == 0.0 and len(check["by_value"]) == 1, check
