@@ -126,10 +126,15 @@ def _indices(out: np.ndarray, labels: np.ndarray, name: str) -> np.ndarray:
     if not are_indices(out, y):
         raise ValueError(
             f"{name} takes class indices, one per row or position of logits {list(out.shape)}; these labels are "
-            f"{labels.dtype}{list(labels.shape)}"
-            + (" (multi-label: multilabel_f1)" if labels.shape == out.shape else "")
+            f"{labels.dtype}{list(labels.shape)}" + (f" ({_kind(labels)})" if labels.shape == out.shape else "")
         )
     return y
+
+
+def _kind(labels: np.ndarray) -> str:
+    """The metric for labels shaped like the outputs: 0/1 targets are multi-label's, other values a regression's
+    (a denoiser's noise)."""
+    return "multi-label: multilabel_f1" if np.isin(labels, (0, 1)).all() else "regression targets: mse"
 
 
 def _accuracy(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:

@@ -121,3 +121,17 @@ def test_mse_scores_the_output_that_is_the_prediction() -> None:
     assert err.value.hint.startswith("set signature.logits_output to the one that is the prediction (log_var or mean)")
     # one output as large as the targets: that one (a classifier's pooled features beside it do not fit)
     assert resolve_metric("mse", None)({"feat": np.zeros((2, 5)), "y": y}, y) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "labels, named",
+    [
+        (np.random.default_rng(0).standard_normal((4, 2, 3, 3)).astype(np.float32), "regression targets: mse"),
+        ((np.random.default_rng(0).random((4, 2, 3, 3)) > 0.5).astype(np.float32), "multilabel_f1"),
+    ],
+)
+def test_accuracy_on_labels_shaped_like_the_outputs_names_the_metric_that_fits(labels: np.ndarray, named: str) -> None:
+    """A denoiser's noise targets are told to take mse, 0/1 targets multilabel_f1."""
+    out = np.zeros((4, 2, 3, 3), np.float32)
+    with pytest.raises(ValueError, match=named):
+        BUILTINS["accuracy"][0]({"logits": out}, labels, "logits")
