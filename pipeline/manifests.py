@@ -53,22 +53,6 @@ def changed_inputs(workdir: Path, stage: str) -> list[str]:
     return out
 
 
-def failed_since(workdir: Path, stage: str) -> str | None:
-    """The error of the workdir's last run (its report.json) where that run failed after ``stage``'s folder was
-    written: the folder is then an earlier run's, which the failed run, with its other settings or data, did not
-    reach (a run stopped at export keeps the package of the run before). None otherwise."""
-    report, manifest = workdir / "report.json", workdir / stage / MANIFEST
-    if not report.is_file() or not manifest.is_file() or report.stat().st_mtime <= manifest.stat().st_mtime:
-        return None
-    try:
-        last = json.loads(report.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(last, dict) or last.get("ok") is not False:
-        return None
-    return str(last.get("error") or "its gates failed").splitlines()[0]
-
-
 def out_of_date(workdir: Path, stage: str) -> list[tuple[str, list[str]]]:
     """The stages ``stage``'s folder was made from, directly or further up the chain its manifests record (itself
     included), that ran on other outputs of their own upstream stages than those now in ``workdir``

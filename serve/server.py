@@ -68,7 +68,7 @@ from kiln.core.errors import (
 )
 from kiln.core.records import EngineMetadata, ValidationResult
 from kiln.core.text import first_line
-from kiln.pipeline.manifests import changed_inputs, failed_since
+from kiln.pipeline.manifests import changed_inputs
 from kiln.pipeline.workdir_lock import LOCK_NAME, served_workdir
 from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
 from kiln.stages.engines.backend import SIDECAR, read_metadata
@@ -175,13 +175,6 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         raise GateFailure(
             f"{path / 'package'} holds the engines of an earlier run: {' and '.join(changed)} changed since they "
             "were packaged (the last run failed, or stopped, before its package stage)",
-            hint="see report.md and `kiln run` again until it passes; to serve the earlier engines anyway, pass "
-            f"one's folder: kiln serve {packaged[0]}",
-        )
-    if packaged and (failed := failed_since(path, "package")):
-        raise GateFailure(
-            f"{path / 'package'} holds the engines of an earlier run: the last run failed after it was written "
-            f"({first_line(failed, 200)})",
             hint="see report.md and `kiln run` again until it passes; to serve the earlier engines anyway, pass "
             f"one's folder: kiln serve {packaged[0]}",
         )
