@@ -255,24 +255,30 @@ def value_ordered(
     ref: dict[str, np.ndarray], got: dict[str, np.ndarray], names: list[str]
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``ref`` and ``got`` with the rows of the outputs ``names`` (whose length the values decide: a detector's
-    boxes, scores and labels after NMS) in one order of their values, the same permutation for the outputs of one
-    length: runtimes order equal scores apart (ONNX Runtime's TopK against torch.topk), and the same detections in
-    another order are no error. Keys are the values rounded to 1e-4 of each output's largest in the reference, so
-    float noise does not reorder; outputs whose lengths differ are left for the comparison to name."""
+    boxes ``[K, 4]``, scores and labels ``[K]`` after NMS) in one order of their values, the same permutation for
+    the outputs of one length, where that agrees better than the order they came in: runtimes order equal scores
+    apart (ONNX Runtime's TopK against torch.topk), and the same detections in another order are no error, while
+    reduced precision's noise on close boxes would reorder rows that agree as they came. Rows of records only (one
+    or two axes): an output of more (an RNN's time-major ``[T, B, H]``) keeps its order, which is its answer.
+    Outputs whose lengths differ are left for the comparison to name."""
     groups: dict[int, list[str]] = {}
     for n in names:
-        if n in ref and n in got and ref[n].ndim >= 1 and len(ref[n]) == len(got[n]) > 1:
+        if n in ref and n in got and 1 <= ref[n].ndim <= 2 and ref[n].shape == got[n].shape and len(ref[n]) > 1:
             groups.setdefault(len(ref[n]), []).append(n)
     ref, got = dict(ref), dict(got)
     for members in groups.values():
         scales = {n: float(np.abs(ref[n]).max(initial=0.0)) or 1.0 for n in members}
-        for outs in (ref, got):
-            perm = _value_order(outs, members, scales)
-            outs.update({n: outs[n][perm] for n in members})
+        r_perm, g_perm = _value_order(ref, members, scales), _value_order(got, members, scales)
+        as_came = max(_max_abs_err(ref[n], got[n]) for n in members)
+        ordered = max(_max_abs_err(ref[n][r_perm], got[n][g_perm]) for n in members)
+        if ordered < as_came:
+            ref.update({n: ref[n][r_perm] for n in members})
+            got.update({n: got[n][g_perm] for n in members})
     return ref, got
 
 
 def _value_order(outs: dict[str, np.ndarray], members: list[str], scales: dict[str, float]) -> np.ndarray:
-    """The permutation sorting the rows of ``members`` by their values, rounded (the first column first)."""
+    """The permutation sorting the rows of ``members`` by their values, rounded to 1e-4 of each output's largest
+    (the first column first)."""
     cols = [np.round(outs[n].reshape(len(outs[n]), -1).astype(np.float64) / scales[n], 4) for n in members]
     return np.lexsort(np.concatenate(cols, axis=1).T[::-1])

@@ -178,3 +178,23 @@ def test_per_sample_cosine_needs_samples_of_several_finite_values() -> None:
     got[1, 0] = np.nan
     s = compare_arrays(ref, got)
     assert np.isnan(s.sample_cosine) and s.worst_sample == 1
+
+
+def test_value_order_puts_tied_detections_in_one_order_and_leaves_what_agrees_as_it_came() -> None:
+    """Equal scores in another order (ONNX Runtime's TopK) agree once ordered by value; boxes that agree as they
+    came, with reduced precision's noise on close ones, are not reordered into a disagreement; an output of more
+    than two axes (an RNN's time-major [T, B, H]) keeps its order, so steps reversed stay an error."""
+    from kiln.core.compare import value_ordered
+
+    boxes = np.array([[100.0, 0, 10, 10], [100.3, 50, 60, 60], [300, 0, 10, 10]], np.float32)
+    scores = np.array([0.9, 0.9, 0.7], np.float32)
+    ref = {"boxes": boxes, "scores": scores}
+    swapped = {"boxes": boxes[[1, 0, 2]], "scores": scores[[1, 0, 2]]}
+    r, g = value_ordered(ref, swapped, ["boxes", "scores"])
+    assert np.array_equal(r["boxes"], g["boxes"]) and np.array_equal(r["scores"], g["scores"])
+    noisy = {"boxes": boxes + np.array([[0.25, 0, 0, 0], [-0.25, 0, 0, 0], [0, 0, 0, 0]], np.float32), "scores": scores}
+    r, g = value_ordered(ref, noisy, ["boxes", "scores"])
+    assert np.abs(r["boxes"] - g["boxes"]).max() <= 0.25 + 1e-6  # compared as they came
+    steps = np.random.default_rng(0).standard_normal((10, 4, 16)).astype(np.float32)
+    r, g = value_ordered({"out": steps}, {"out": steps[::-1].copy()}, ["out"])
+    assert np.abs(r["out"] - g["out"]).max() > 0.1
