@@ -407,11 +407,12 @@ class Runner:
                 hint=f"run `kiln run` (or `kiln run --from {first}`) with the same config, --set values and "
                 f"--workdir to redo what follows {_names(since)}",
             )
+        said: set[str] = set()
         for up in stage.inputs:
             if up not in self._current:
-                self._refuse_other_settings(stage, up)
-        for up in self._ancestors(stage) - set(stage.inputs) - set(self._current):
-            self._refuse_other_settings(stage, up, code=False)
+                said |= self._refuse_other_settings(stage, up)
+        for up in sorted(self._ancestors(stage) - set(stage.inputs) - set(self._current)):
+            said |= self._refuse_other_settings(stage, up, code=False, said=said)
 
     def _ancestors(self, stage: Stage) -> set[str]:
         """The stages whose folders ``stage``'s inputs were made from, transitively (precision for validate, which
@@ -426,7 +427,9 @@ class Runner:
                     todo.append(further)
         return found
 
-    def _refuse_other_settings(self, stage: Stage, up: str, code: bool = True) -> None:
+    def _refuse_other_settings(
+        self, stage: Stage, up: str, code: bool = True, said: set[str] | None = None
+    ) -> set[str]:
         """Stop before ``stage`` reads ``up``'s folder where that was made for another model (its config section:
         `kiln export` with other model.params would build another model and load weights trained for the old one);
         warn where other settings of ``up`` differ (`kiln train --set train.epochs=4`, then `kiln export` without
@@ -434,23 +437,25 @@ class Runner:
         changed since: its hash covers the model's whole module and what it imports, so an edited data function or
         comment changes it as an edited model does, and only the user can tell which. Kiln's own code and the data
         are not compared here: a rerun of the stage compares them. ``code``: the user's code too (for the stages
-        ``stage`` reads directly; the ones further up share it, and would say it again)."""
+        ``stage`` reads directly; the ones further up share it, and would say it again); ``said``: keys a stage
+        nearer ``stage`` was warned of already. Returns the keys it warned of."""
         declared = self.upstream.get(up)
         old = (read_manifest(self.workdir / up) or {}).get("key_parts")
         if declared is None or not isinstance(old, dict):
-            return
+            return set()
         now = as_recorded(user_parts(declared, self.config))
         changed = what_changed({k: old.get(k) for k in now}, now)
         if "user_code" in old and "user_code" not in now:
             changed.append("user_code")
         if not code:
             changed = [c for c in changed if not c.startswith("user_code")]
+        changed = [c for c in changed if c not in (said or set())]
         if not changed:
-            return
-        said = ", ".join(c.removeprefix("config.") for c in changed)
+            return set()
+        listed = ", ".join(c.removeprefix("config.") for c in changed)
         if "config.model" in changed:
             raise KilnError(
-                f"{up} is out of date: the model changed since it ran ({said}), and stage '{stage.name}' reads "
+                f"{up} is out of date: the model changed since it ran ({listed}), and stage '{stage.name}' reads "
                 f"its output",
                 hint=f"run `kiln run` (or `kiln {up}`, then the stages after it) with this config and --workdir",
             )
@@ -473,6 +478,7 @@ class Runner:
                 stage.name,
                 up,
             )
+        return set(changed)
 
     def _load_dataset(self) -> Any:
         """The run's dataset, loaded on first use and kept for the run: the user's data function is called once a
