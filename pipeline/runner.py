@@ -237,12 +237,12 @@ USER_CODE_KEYS = {
 }
 
 
-def user_parts(stage: Stage, config: KilnConfig) -> dict[str, Any]:
-    """The parts of ``stage``'s key the user sets: its config sections and their code (``user_code``), as the
-    manifest keeps them. Read without the data or any upstream output: what tells whether a stage's folder is what
-    this config would make of the same inputs."""
+def user_parts(stage: Stage, config: KilnConfig, code: bool = True) -> dict[str, Any]:
+    """The parts of ``stage``'s key the user sets: its config sections and their code (``user_code``; ``code``
+    False: not hashed), as the manifest keeps them. Read without the data or any upstream output: what tells
+    whether a stage's folder is what this config would make of the same inputs."""
     sources = tuple(stage.settings.keys())
-    user = user_code(config, sources)
+    user = user_code(config, sources) if code else {}
     return {"config": {s: config_value(config, s) for s in sources}} | ({"user_code": user} if user else {})
 
 
@@ -443,12 +443,10 @@ class Runner:
         old = (read_manifest(self.workdir / up) or {}).get("key_parts")
         if declared is None or not isinstance(old, dict):
             return set()
-        now = as_recorded(user_parts(declared, self.config))
+        now = as_recorded(user_parts(declared, self.config, code))  # further up: the code is said nearer already
         changed = what_changed({k: old.get(k) for k in now}, now)
-        if "user_code" in old and "user_code" not in now:
+        if code and "user_code" in old and "user_code" not in now:
             changed.append("user_code")
-        if not code:
-            changed = [c for c in changed if not c.startswith("user_code")]
         changed = [c for c in changed if c not in (said or set())]
         if not changed:
             return set()
