@@ -179,24 +179,13 @@ def _judged(data: Any, run: Any, engine: Any, precision: str = "int8") -> tuple[
     """An engine judged as validation and the precision stage judge it: the held-out reference of ``data``, the
     comparison at batch sizes 1 and 32, the entry's headline values and the gates of ``precision`` it misses."""
     from kiln.core.data import as_feed
-    from kiln.core.records import EngineValidation
-    from kiln.stages.accuracy.check import (
-        accuracy_failures,
-        compare_on,
-        gates_for,
-        held_out,
-        held_out_reference,
-        summarize,
-    )
+    from kiln.stages.accuracy.check import held_out, held_out_reference
     from kiln.stages.accuracy.config import CheckConfig
+    from tests.stages.accuracy.judging import judged
 
     feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
     ref = held_out_reference(run, feeds, data, "logits", CheckConfig(), [1, 32], {})
-    found = compare_on(ref, engine, [1, 32])
-    entry = EngineValidation(name="e", backend="onnxruntime", precision=precision, device="cpu", status="validated")
-    summarize(entry, found.stats, ref.logits)
-    entry.accuracy = found.accuracy
-    return entry, accuracy_failures(entry, gates_for(CheckConfig(), precision, ref.logits is None), ref.accuracy)
+    return judged(ref, engine, [1, 32], precision)
 
 
 def _embedder() -> tuple[Any, Any]:

@@ -20,14 +20,13 @@ from kiln.core.errors import ConfigError
 from kiln.core.records import EngineValidation
 from kiln.stages.accuracy.check import (
     accuracy_failures,
-    compare_on,
     gates_for,
     held_out,
     held_out_reference,
-    summarize,
 )
 from kiln.stages.accuracy.config import CheckConfig
 from kiln.stages.accuracy.metrics import resolve_metric
+from tests.stages.accuracy.judging import judged
 
 CELLS, STRIDE, CLASSES = 4, 8, 4  # a 32 x 32 image: 4 x 4 anchors of stride 8, 4 classes
 
@@ -126,12 +125,7 @@ def _judge(engine: Any, precision: str, metric: str | None = None) -> tuple[Engi
     data, cfg = _data(), CheckConfig(metric=metric)
     feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
     ref = held_out_reference(_torch_run(TinyDetector()), feeds, data, "scores", cfg, [1, 8], {}, named=True)
-    found = compare_on(ref, engine, [1, 8])
-    entry = EngineValidation(name="e", backend="onnxruntime", precision=precision, device="cpu", status="validated")
-    summarize(entry, found.stats, ref.logits)
-    entry.accuracy, entry.metric = found.accuracy, found.metric
-    gates = gates_for(cfg, precision, ref.logits is None)
-    return entry, accuracy_failures(entry, gates, ref.accuracy, ref.metric, ref.metric_value), ref
+    return (*judged(ref, engine, [1, 8], precision, cfg), ref)
 
 
 def _outputs(x: torch.Tensor, model: nn.Module | None = None) -> dict[str, np.ndarray]:

@@ -14,14 +14,12 @@ from kiln.core.data import DatasetSplits, as_feed
 from kiln.core.labels import accuracy
 from kiln.core.records import Baseline, EngineValidation, ValidationResult
 from kiln.stages.accuracy.check import (
-    accuracy_failures,
     compare_on,
-    gates_for,
     held_out,
     held_out_reference,
-    summarize,
 )
 from kiln.stages.accuracy.config import CheckConfig
+from tests.stages.accuracy.judging import judged
 
 AXES = {"input": {2: "height", 3: "width"}}
 W = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
@@ -52,11 +50,7 @@ def _reference(shapes: dict[str, list[int]]) -> Any:
 
 
 def _judged(ref: Any, engine: Any) -> tuple[EngineValidation, list[str]]:
-    found = compare_on(ref, engine, [1, 8])
-    entry = EngineValidation(name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated")
-    summarize(entry, found.stats, ref.logits)
-    entry.accuracy = found.accuracy
-    return entry, accuracy_failures(entry, gates_for(CheckConfig(), "fp32", ref.logits is None), ref.accuracy)
+    return judged(ref, engine, [1, 8], "fp32")
 
 
 def test_pixel_labels_are_scored_at_the_datas_own_sizes_within_the_validated_range() -> None:
