@@ -72,7 +72,7 @@ from kiln.pipeline.manifests import changed_inputs
 from kiln.pipeline.workdir_lock import LOCK_NAME, served_workdir
 from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
 from kiln.stages.engines.backend import SIDECAR, read_metadata
-from kiln.stages.engines.registry import load_engine
+from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.package import INDEX as PACKAGE_INDEX
 from kiln.stages.package.triton import served_max_batch, write_python_model
 
@@ -195,6 +195,27 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
     if not served:
         _refuse({d.name: verdicts.get(read_metadata(d).name) for d in built})
     return served
+
+
+def runnable_here(served: list[ServedEngine]) -> list[ServedEngine]:
+    """The engines of ``served`` this machine can run (a CUDA engine needs a GPU, a TensorRT one its runtime); each
+    left out is a warning, and none left is an error naming why: Triton would only fail to load them."""
+    kept, why = [], {}
+    for s in served:
+        ok, reason = runnable(s.meta)
+        if ok:
+            kept.append(s)
+        else:
+            why[s.model_name] = reason
+    if not kept:
+        raise BackendUnavailable(
+            f"no engine to serve can run on this machine: {'; '.join(f'{m}: {r}' for m, r in why.items())}",
+            hint="serve it on a machine that can run it (see its kiln-engine.json), or build an engine for this "
+            "machine (kiln build MODEL.onnx --backend onnxruntime)",
+        )
+    for model, reason in why.items():
+        log.warning("not serving %s: %s (the other engines are served)", model, reason)
+    return kept
 
 
 def model_name(engine_name: str) -> str:
@@ -821,7 +842,7 @@ def serve(
     stop = _StopRequest()
     with _signals_to(stop):
         try:
-            served = find_engines(path)
+            served = runnable_here(find_engines(path))
             stop.check()
             if not pytriton:
                 if gpus is None and all(s.meta.device == "cuda" for s in served):
@@ -1643,10 +1664,12 @@ def _died_while_starting(reason: str) -> KilnError:
             hint="rerun with --verbose to see the server's log",
         )
     model, why = failed[1], failed[2].split("\\n")[0].strip()
+    stub_import = "No module named" in why
     return ServerDied(
         f"Triton could not load model {model}: {why}",
-        hint="a 'No module named ...' comes from the Python backend stub, which imports what this process imports: "
-        "install the module into this environment",
+        hint="the Python backend stub imports what this process imports: install the module into this environment"
+        if stub_import
+        else "rerun with --verbose to see the server's log",
     )
 
 

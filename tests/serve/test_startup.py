@@ -19,6 +19,7 @@ from kiln.serve.server import (
     MAX_SOCKET_PATH,
     PortInUse,
     ServerDied,
+    _died_while_starting,
     _ready_or_dead,
     _Reaper,
     _signals_to,
@@ -122,6 +123,13 @@ class _NeverReady:
 
     def is_server_live(self, headers: Any = None) -> bool:
         return False
+
+
+def test_a_model_that_failed_to_load_gets_the_fix_for_its_own_cause() -> None:
+    stub = _died_while_starting("failed to load 'm' version 1: Internal: ModuleNotFoundError: No module named 'zmq'")
+    gpu = _died_while_starting("failed to load 'm' version 1: Invalid argument: instance group m_0 specifies gpu id 0")
+    assert "install the module" in stub.hint
+    assert "m: Invalid argument" in str(gpu) and "install the module" not in gpu.hint
 
 
 def test_a_server_that_died_while_starting_ends_the_wait_with_its_error() -> None:
