@@ -251,6 +251,7 @@ def scratch_root(folder: Path) -> Iterator[Path]:
     the workdir and AOTInductor builds failed. A folder that cannot be written keeps the system's temporary
     folder (said in the log). Yields the folder in use."""
     base = Path(folder).absolute() / SCRATCH  # TMPDIR for compilers that run from another folder
+    made = [p for p in (base, *base.parents) if not p.exists()]  # removed again if the block leaves them empty
     try:
         refuse_link(base, "Kiln's temporary folder")
         base.mkdir(parents=True, exist_ok=True)
@@ -278,10 +279,11 @@ def scratch_root(folder: Path) -> Iterator[Path]:
                 os.environ[k] = v
         _inductor_paths_out_of(root)
         shutil.rmtree(root, ignore_errors=True)
-        try:
-            base.rmdir()  # only when empty: another command's scratch stays
-        except OSError:
-            pass
+        for empty in made or [base]:  # only when empty: another command's scratch, or what the block wrote, stays
+            try:
+                empty.rmdir()
+            except OSError:
+                break
 
 
 @contextmanager

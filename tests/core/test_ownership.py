@@ -131,6 +131,15 @@ def test_scratch_lives_in_the_workdir_and_goes(tmp_path: Path) -> None:
     assert not (tmp_path / ".kiln-tmp").exists() and tempfile.gettempdir() != str(root)
 
 
+def test_folders_the_scratch_made_go_with_it_unless_something_was_written(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), scratch_root(tmp_path / "a" / "b"):
+        raise RuntimeError("the command failed before writing its output")
+    assert list(tmp_path.iterdir()) == []  # a failed `kiln optimize X -o a/b/m.onnx` leaves no empty a/b
+    with scratch_root(tmp_path / "a" / "b"):
+        (tmp_path / "a" / "b" / "m.onnx").write_bytes(b"")
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["m.onnx"]
+
+
 def test_scratch_of_a_relative_workdir_is_named_absolutely(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`-w kiln-out` (the default) is relative: the temporary folder handed to libraries is not, since a compiler
     they start from another folder (Inductor's g++ for a torch CPU engine) would not find a relative one."""
