@@ -253,7 +253,7 @@ def weights_bytes(model: nn.Module) -> bytes:
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
     """Load ``state`` strictly; a tied tensor saved once (by :func:`weights_bytes`, or Hugging Face's
     ``save_pretrained``) fills its aliases, since the model ties them itself."""
-    state = dict(state)
+    state = _without_wrapper_prefix(dict(state), set(model.state_dict()), source)
     for alias, name in tied_names(model).items():
         if alias not in state and name in state:
             state[alias] = state[name]
@@ -266,6 +266,32 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
         first = first if len(first) <= 400 else first[:400] + " ..."  # it lists every missing key
         raise ModelShapeError(f"checkpoint {source} does not fit model: {first}") from None
     return model
+
+
+def _shared_prefix(keys: list[str]) -> str:
+    """The dotted prefix every key starts with (``module.``, ``agent.policy.``), else ''."""
+    parts = [k.split(".") for k in keys]
+    if not parts:
+        return ""
+    common = []
+    for level in zip(*(p[:-1] for p in parts)):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return "".join(f"{c}." for c in common)
+
+
+def _without_wrapper_prefix(state: dict[str, torch.Tensor], wanted: set[str], source: str) -> dict[str, torch.Tensor]:
+    """``state`` with the prefix a wrapper put on every key (DDP's ``module.``, a training wrapper's ``agent.``)
+    taken off, where the keys without it are the model's own, and said; else ``state`` unchanged."""
+    prefix = _shared_prefix(list(state))
+    while prefix and not set(state) <= wanted:
+        stripped = {k[len(prefix) :]: v for k, v in state.items()}
+        if set(stripped) <= wanted:
+            log.info("checkpoint %s: its keys carry the prefix '%s' (a wrapper's); loaded without it", source, prefix)
+            return stripped
+        prefix = prefix[: prefix[:-1].rfind(".") + 1]  # one level shorter: 'agent.policy.' -> 'agent.'
+    return state
 
 
 class ModelShapeError(InputFileError):

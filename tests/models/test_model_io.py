@@ -47,6 +47,22 @@ def test_a_missing_weight_that_is_not_tied_is_still_an_error() -> None:
         load_weights(nn.Linear(2, 2), {"weight": torch.zeros(2, 2)}, "w.safetensors")
 
 
+@pytest.mark.parametrize("prefix", ["module.", "agent.policy."])
+def test_a_checkpoint_saved_from_a_wrapper_loads_without_its_prefix(prefix: str) -> None:
+    """DDP's ``module.`` and a training wrapper's attribute path on every key: the model's own weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    state = {prefix + k: v.clone() for k, v in model.state_dict().items()}
+    fresh = load_weights(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)), state, "w.pt")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_a_prefix_that_does_not_make_the_models_keys_is_still_an_error() -> None:
+    state = {"agent.weight": torch.zeros(2, 2), "agent.other": torch.zeros(2)}
+    with pytest.raises(ModelShapeError, match="agent.weight"):
+        load_weights(nn.Linear(2, 2), state, "w.pt")
+
+
 class Views(nn.Module):
     """Two buffers that are overlapping views of one storage: not aliases, but safetensors refuses them too."""
 
