@@ -43,17 +43,19 @@ PASS_THROUGH = {
 # squash a layer's result into scores that are read on their own (a heatmap's peaks, a multi-label threshold);
 # a softmax's are read by their argmax, which top-1 agreement gates
 SCORES = {"Sigmoid", "HardSigmoid"}
-ARITHMETIC = {"Add", "Sub", "Mul", "Div"}  # followed where every other input is a constant (a bias, a scale)
+# followed where every other input is a constant (a bias, a scale) or computed from shapes (:func:`shape_derived`)
+ARITHMETIC = {"Add", "Sub", "Mul", "Div"}
+SHAPE_OPS = {"Shape", "Size"}  # their outputs are sizes, not the values of the tensor they read
 
 
 def last_compute(model: onnx.ModelProto, scores_only: bool = False) -> set[str]:
     """The compute layers whose results reach a graph output through activations, layout ops and arithmetic with
     constants only (not through a residual sum, whose other branch would lead to every layer before it);
-    ``scores_only``: those whose way passes a squashing activation (:data:`SCORES`)."""
+    ``scores_only``: those whose way passes a squashing activation (:data:`SCORES`). A value computed from the
+    input's sizes counts as a constant: a box head scaled to pixels by an image size read with Shape/Gather where
+    height and width are dynamic is the constant multiplier of a static graph."""
     producer = {out: n for n in model.graph.node for out in n.output}
-    constant = {i.name for i in model.graph.initializer} | {
-        out for n in model.graph.node if n.op_type == "Constant" for out in n.output
-    }
+    constant = shape_derived(model)
     found: set[str] = set()
     stack = [(o.name, False) for o in model.graph.output]
     while stack:
@@ -69,6 +71,18 @@ def last_compute(model: onnx.ModelProto, scores_only: bool = False) -> set[str]:
         elif node.op_type in ARITHMETIC:
             computed = [i for i in node.input if i and i not in constant]
             stack.extend((i, scored) for i in (computed if len(computed) == 1 else []))
+    return found
+
+
+def shape_derived(model: onnx.ModelProto) -> set[str]:
+    """Initializers, Constant outputs, Shape/Size outputs and every value computed from those alone (Gather, Cast,
+    Unsqueeze, Concat of sizes): values that do not depend on the data of any input, only on its shape. Follows the
+    graph's node order (topological, as ONNX requires)."""
+    found = {i.name for i in model.graph.initializer}
+    for n in model.graph.node:
+        inputs = [i for i in n.input if i]
+        if n.op_type in SHAPE_OPS or n.op_type == "Constant" or (inputs and all(i in found for i in inputs)):
+            found.update(n.output)
     return found
 
 
@@ -413,7 +427,7 @@ def quantize_int8_dynamic(
         _SAID_FLOAT.add(model_path)  # once per graph: the precision fallback quantizes it again each round
         log.warning(
             "int8 dynamic: no MatMul was quantized: %s; the ONNX Runtime CPU INT8 graph is float",
-            _why_float(model, exclude),
+            _why_float(model, exclude, ops),
         )
     log.info("int8 dynamic: %d integer MatMuls, %d nodes kept in float", integer, len(exclude))
     return {"integer_matmuls": integer, "excluded": sorted(exclude), "reduce_range": seven_bits}
@@ -422,19 +436,66 @@ def quantize_int8_dynamic(
 _SAID_FLOAT: set[Path] = set()
 
 
-def _why_float(model: onnx.ModelProto, exclude: set[str]) -> str:
-    """Why dynamic quantization left every MatMul float: it quantizes only a MatMul whose second input is a stored
-    weight; an exported graph that reaches its weights through Transpose or Mul nodes has none until constant
-    folding (``kiln optimize``, which the pipeline runs before this stage) makes them stored weights."""
+def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str:
+    """Why dynamic quantization left every MatMul float, with what to do: it quantizes only a MatMul or Gemm whose
+    second input is a stored weight, and none of a graph whose compute is elsewhere (an LSTM); ``exclude`` keeps
+    some in float (a Gemm by its rewritten ``<name>_MatMul`` where Gemm is not among ``ops``, the quantized op types);
+    an exported graph that reaches its weights through Transpose or Mul nodes has none until constant folding
+    (``kiln optimize``, which the pipeline runs before this stage) makes them stored weights."""
     stored = {t.name for t in model.graph.initializer}
-    weighted = [n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in stored]
-    if not weighted:
-        matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
-        return (
-            f"none of its {matmuls} MatMuls takes a stored weight (they reach theirs through other nodes): "
-            "`kiln optimize` the graph first, which folds them"
+    layers = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
+    if not layers:
+        compute = sorted({n.op_type for n in model.graph.node if n.op_type in FLOAT_COMPUTE})
+        where = f": its compute is in {', '.join(compute)}, which dynamic quantization leaves in float"
+        where = where if compute else ""
+        fix = (
+            "calibration.ort_cpu_scheme: static quantizes its convolutions"
+            if {"Conv", "ConvTranspose"} & set(compute)
+            else "drop int8 from precision.variants for this model"
         )
-    return f"all {len(weighted)} MatMuls with stored weights are kept in float (calibration.exclude_* or the fallback)"
+        return f"it has no MatMul or Gemm{where} ({fix})"
+    weighted = [n for n in layers if len(n.input) > 1 and n.input[1] in stored]
+    if not weighted:
+        producer = {o: n for n in model.graph.node for o in n.output}
+        folded = [n for n in layers if len(n.input) > 1 and _folds_to_weight(n.input[1], producer, stored)]
+        if folded:
+            return (
+                f"none of its {len(layers)} MatMuls takes a stored weight ({len(folded)} reach theirs through other "
+                "nodes): `kiln optimize` the graph first, which folds them"
+            )
+        return (
+            f"its {len(layers)} MatMul/Gemm layers each multiply two activations (attention's scores and values), "
+            "which dynamic quantization leaves in float"
+        )
+    by_type = [n.name for n in weighted if n.op_type == "Gemm" and "Gemm" not in ops]
+    by_name = sorted(n.name for n in weighted if n.name not in by_type)
+    said = [f"{len(by_type)} Gemm, and Gemm is not in calibration.op_types (add it there)"] if by_type else []
+    if by_name:
+        names = ", ".join(by_name[:4]) + (", ..." if len(by_name) > 4 else "")
+        said.append(f"{len(by_name)} by calibration.exclude_* or the precision fallback ({names})")
+    return f"its {len(weighted)} MatMul/Gemm layers with stored weights are all kept in float: {'; '.join(said)}"
+
+
+# compute ops dynamic quantization (op_types_to_quantize=["MatMul"]) leaves as they are
+FLOAT_COMPUTE = {"Conv", "ConvTranspose", "LSTM", "GRU", "RNN", "Einsum", "DFT", "STFT", "Attention"}
+
+
+def _folds_to_weight(name: str, producer: dict[str, onnx.NodeProto], stored: set[str]) -> bool:
+    """Whether ``name`` is computed from ``stored`` weights and constants alone (a Transpose of a weight; ``producer``:
+    value -> the node writing it): constant folding makes it a stored weight."""
+    constant = stored
+    seen: set[str] = set()
+    stack = [name]
+    while stack:
+        value = stack.pop()
+        if value in constant or value in seen or not value:
+            continue
+        seen.add(value)
+        node = producer.get(value)
+        if node is None:  # a graph input: an activation
+            return False
+        stack.extend(node.input)
+    return bool(name)
 
 
 def _quiet_ort_preprocess_warning() -> None:

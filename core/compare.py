@@ -39,6 +39,12 @@ TIE_MIN_CLASSES = 4  # the noise is measured on the classes a flip does not invo
 # whose every logit is off (an overflow, a broken kernel) has no ties, only flips.
 TIE_MAX_NOISE = 0.01
 HIGHER_IS_BETTER = {"cosine", "sample_cosine", "top1_agreement"}
+# A mask's fill (-1e9, torch.finfo(dtype).min, -1e4 on a policy's invalid actions or a decoder's banned tokens) is no
+# value to compare: a finite value of at least MASK_MIN, and MASK_RATIO times the median magnitude of the output's
+# other values, that the reference holds in two places or more (masks_of). An output of large values (a
+# regression's, all near 1e6) has a median as large, and none.
+MASK_MIN = 1e4
+MASK_RATIO = 1e3
 
 
 @dataclass(frozen=True)
@@ -74,26 +80,82 @@ def compare_arrays(
     if exact:
         equal = float(np.mean(r == g)) if r.size else 1.0
         return OutputStats(_max_abs_err(r, g), _rel_err(r, g), None, equal)
+    shared = set_aside(r, g)
     with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
-        agreement, ties = _top1(r, g, rel_tie, where)
-    rf, gf = _beside_shared_non_finite(r, g)
-    sample, row = _worst_sample(sample_cosines(r, g))
+        agreement, ties = _top1(r, g, rel_tie, where, shared)
+    rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
+    sample, row = _worst_sample(sample_cosines(r, g, shared))
     return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), _cosine(rf, gf), agreement, ties, sample, row)
 
 
-def max_abs_err(ref: np.ndarray, got: np.ndarray) -> float:
-    """The largest abs difference of two arrays of one shape, as :func:`compare_arrays` counts it: where both hold the
-    same infinity or both a NaN, equal; a value not finite in one of them only, an infinite error."""
+def max_abs_err(ref: np.ndarray, got: np.ndarray, masks: Masks | None = None) -> float:
+    """The largest abs difference of two arrays of one shape, as :func:`compare_arrays` counts it: the values both
+    hold alike (:func:`set_aside`) are equal; a value not finite in one of them only, an infinite error."""
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
-    return _max_abs_err(*_beside_shared_non_finite(r, g))
+    shared = set_aside(r, g, masks)
+    return _max_abs_err(r[~shared], g[~shared])
 
 
-def _beside_shared_non_finite(r: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``r`` and ``g`` without the places where both hold the same infinity or both a NaN: a value that is not
-    finite on purpose (a mask's -inf, a log of 0) and comes out the same is equal, not an infinite error. A NaN or
-    infinity in only one of them stays, and makes the error infinite."""
-    shared = (np.isnan(r) & np.isnan(g)) | (np.isinf(r) & (r == g))
-    return (r[~shared], g[~shared]) if shared.any() else (r, g)
+@dataclass(frozen=True)
+class Masks:
+    """An output's mask fills (:func:`masks_of`): the reference's values in ``values``, and its infinities, mask;
+    a candidate's value masks alike where it has their sign and a magnitude of ``floor`` or more."""
+
+    values: tuple[float, ...]
+    floor: float
+
+
+def masks_of(ref: np.ndarray) -> Masks:
+    """The mask fills of a reference output: finite values of :data:`MASK_MIN` or more, and :data:`MASK_RATIO`
+    times the median magnitude of its other finite values, that it holds in two places or more (a mask's constant
+    repeats; a real value that large is a lone outlier). ``floor``: that bound, from which a candidate's value of
+    the same sign masks too (an FP16 engine's -inf for -1e9). An output of such values only has no other values to
+    measure them by, and no mask fills."""
+    if np.asarray(ref).dtype.kind != "f":  # an integer output (a token id) is compared exactly: no mask
+        return Masks((), MASK_MIN)
+    r = np.asarray(ref, dtype=np.float64).ravel()
+    finite = r[np.isfinite(r)]
+    big, counts = np.unique(finite[np.abs(finite) >= MASK_MIN], return_counts=True)
+    repeated = big[counts >= 2]
+    if not repeated.size and not np.isinf(r).any():
+        return Masks((), MASK_MIN)  # nothing masks: the floor is never read
+    rest = finite[~np.isin(finite, repeated)] if repeated.size else finite
+    if not rest.size:
+        return Masks((), MASK_MIN)
+    floor = max(MASK_MIN, MASK_RATIO * float(np.median(np.abs(rest))))
+    return Masks(tuple(float(v) for v in repeated if abs(v) >= floor), floor)
+
+
+def set_aside(ref: np.ndarray, got: np.ndarray, masks: Masks | None = None) -> np.ndarray:
+    """Where ``ref`` and ``got`` (one shape) hold alike a value that is no number to compare, as a boolean array:
+    a NaN in both, or a mask in both (the reference's infinity or mask fill, :func:`masks_of`; the candidate's value
+    of the same sign and at least the fill's floor): a masked action is masked alike whether it reads -1e9 or
+    -inf, and the fill's size would otherwise drown every error of the values around it. A mask in one of them only
+    stays, a huge or infinite error. ``masks``: the reference's (default: read from ``ref``; a caller comparing
+    one row at a time reads them from all its rows)."""
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    m = masks_of(ref) if masks is None else masks
+    shared = np.isnan(r) & np.isnan(g)
+    masked = np.isinf(r) | np.isin(r, m.values) if m.values else np.isinf(r)
+    if masked.any():
+        shared |= masked & (np.sign(g) == np.sign(r)) & (np.abs(g) >= m.floor)
+    return shared
+
+
+def agrees(
+    ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, masks: Masks | None = None
+) -> tuple[bool, float]:
+    """Whether ``got`` equals ``ref`` (one shape) within ``atol + rtol`` times the largest magnitude of the
+    reference's values compared, and the largest error: beside the values both hold alike (:func:`set_aside`),
+    and scaled by no mask fill (a -1e9 would make the tolerance 1e5). A value not finite in one of them only is an
+    infinite error, never within. ``masks``: as for :func:`set_aside`."""
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    m = masks_of(ref) if masks is None else masks
+    shared = set_aside(r, g, m)
+    err = _max_abs_err(r[~shared], g[~shared])
+    compared = ~shared & np.isfinite(r) & ~np.isin(r, m.values)
+    scale = float(np.max(np.abs(r[compared]), initial=0.0))
+    return bool(err <= atol + rtol * scale), err
 
 
 def compare_outputs(
@@ -122,7 +184,8 @@ def worst(stats: Mapping[str, OutputStats], statistic: str) -> float:
 
 
 def within_tolerance(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> tuple[bool, float, str]:
-    """Is ``got`` equal to ``ref`` within ``atol + rtol * max|ref|``? NaNs and infinities must sit in the same places;
+    """Is ``got`` equal to ``ref`` within ``atol + rtol * max|ref|`` (of the reference's values beside a mask's fill,
+    :func:`masks_of`: a -1e9 would make the tolerance 1e5)? NaNs and infinities must sit in the same places;
     integer outputs must be equal. Returns (ok, max abs error, reason when not ok)."""
     if got.shape != ref.shape or got.dtype != ref.dtype:
         return False, float("inf"), f"{got.dtype}{list(got.shape)} vs {ref.dtype}{list(ref.shape)}"
@@ -135,7 +198,7 @@ def within_tolerance(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float)
     if not np.array_equal(got64[~finite], ref64[~finite], equal_nan=True):  # an inf must stay the same inf
         return False, float("inf"), "has infinities in different places"
     err = float(np.max(np.abs(got64[finite] - ref64[finite]), initial=0.0))
-    scale = float(np.max(np.abs(ref64[finite]), initial=0.0))
+    scale = float(np.max(np.abs(ref64[finite & ~np.isin(ref64, masks_of(ref).values)]), initial=0.0))
     if err > atol + rtol * scale:
         return False, err, f"max abs error {err:.3g} > {atol:g} + {rtol:g} * {scale:.3g}"
     return True, err, ""
@@ -165,7 +228,7 @@ def _cosine(r: np.ndarray, g: np.ndarray) -> float:
     return float(r1 @ g1 / denom)
 
 
-def sample_cosines(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
+def sample_cosines(ref: np.ndarray, got: np.ndarray, shared: np.ndarray | None = None) -> np.ndarray | None:
     """Each sample's cosine: its row of the batch axis, flattened, against the reference's. One sample wrong out of
     a batch hardly moves the cosine of the whole output (its share of the norm is one in N), so gates read the worst
     of these. A sample's own cosine is unstable where its reference norm is small (a blank image's map, a padded
@@ -175,14 +238,15 @@ def sample_cosines(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
     typical sample may have, a sample of median norm or more is in effect held to its own cosine (the error that
     turns it by an angle gives no higher value at the median norm), and a sample fails only when both its direction
     and its error are off. None: under two values per sample (the cosine of one number is its sign), or a reference
-    of zeros only. NaN: a sample with a value that is not finite in one of the two (the same infinity or NaN in
-    both is equal, as for ``cosine``)."""
+    of zeros only. NaN: a sample with a value that is not finite in one of the two (the values both hold alike are
+    equal, as for ``cosine``: :func:`set_aside`, or ``shared`` where the caller has it)."""
     if ref.ndim < 2 or not len(ref) or ref[0].size < 2:
         return None
     r, g = (np.asarray(a, dtype=np.float64).reshape(len(a), -1) for a in (ref, got))
+    shared = (set_aside(r, g) if shared is None else shared).reshape(r.shape)
     finite = np.ones(len(r), dtype=bool)
-    if not (np.isfinite(r).all() and np.isfinite(g).all()):
-        r, g, finite = _rows_beside_non_finite(r, g)
+    if shared.any() or not (np.isfinite(r).all() and np.isfinite(g).all()):
+        r, g, finite = _rows_beside(r, g, shared)
     rr, gg, rg = (np.einsum("ij,ij->i", a, b) for a, b in ((r, r), (g, g), (r, g)))  # no copy of the rows
     norm, got_norm = np.sqrt(rr), np.sqrt(gg)
     if not (norm[finite] > 0).any():
@@ -195,11 +259,10 @@ def sample_cosines(ref: np.ndarray, got: np.ndarray) -> np.ndarray | None:
     return np.where(finite, cos, np.nan)
 
 
-def _rows_beside_non_finite(r: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows ``r`` and ``g`` with the values both hold alike (the same infinity, or NaN in both) set to 0, so they
+def _rows_beside(r: np.ndarray, g: np.ndarray, shared: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``r`` and ``g`` with the values both hold alike (``shared``: :func:`set_aside`) set to 0, so they
     count as equal; and which rows are finite then. A row with a value not finite in one of them only is zeroed
     whole, and is not finite."""
-    shared = (np.isnan(r) & np.isnan(g)) | (np.isinf(r) & (r == g))
     r, g = np.where(shared, 0.0, r), np.where(shared, 0.0, g)
     finite = np.isfinite(r).all(1) & np.isfinite(g).all(1)
     return np.where(finite[:, None], r, 0.0), np.where(finite[:, None], g, 0.0), finite
@@ -221,32 +284,37 @@ def class_axis(ndim: int) -> int:
 
 
 def _top1(
-    r: np.ndarray, g: np.ndarray, rel_tie: float, where: np.ndarray | None = None
+    r: np.ndarray, g: np.ndarray, rel_tie: float, where: np.ndarray | None = None, shared: np.ndarray | None = None
 ) -> tuple[float | None, float | None]:
     """(top-1 agreement, the fraction of rows that flipped on a tie). A flip is a tie where the reference's margin
     between its class and the candidate's lies within ``rel_tie`` of its largest magnitude, or within the
     candidate's own error on that row: :data:`TIE_SIGMAS` robust deviations of its error on the row's other
     classes (so the flip's own error does not excuse it), where that error is small (:data:`TIE_MAX_NOISE` of the
-    row's spread). Rows with fewer than :data:`TIE_MIN_CLASSES` classes have no such measure."""
+    row's spread). Rows with fewer than :data:`TIE_MIN_CLASSES` classes have no such measure. The magnitude, the
+    errors and the spread are those of the values not ``shared`` (:func:`set_aside`: a mask's -1e9 would make every
+    flip a tie)."""
     axis = class_axis(r.ndim)
     if r.ndim < 2 or r.shape[axis] < 2:
         return None, None
-    r2, g2 = (np.moveaxis(a, axis, -1).reshape(-1, r.shape[axis]) for a in (r, g))
+    shared = np.zeros(r.shape, dtype=bool) if shared is None else shared
+    r2, g2, s2 = (np.moveaxis(a, axis, -1).reshape(-1, r.shape[axis]) for a in (r, g, shared))
     if where is not None and where.size == len(r2):
-        r2, g2 = r2[where.reshape(-1)], g2[where.reshape(-1)]
+        r2, g2, s2 = r2[where.reshape(-1)], g2[where.reshape(-1)], s2[where.reshape(-1)]
     if not len(r2):
         return 1.0, 0.0
     ri, gi = r2.argmax(-1), g2.argmax(-1)
     rows = np.arange(len(r2))
     margin = np.abs(r2[rows, ri] - r2[rows, gi])
-    tie = margin <= rel_tie * max(float(np.abs(r2).max(initial=0.0)), 1e-30)
-    if r2.shape[1] >= TIE_MIN_CLASSES:
-        err = np.abs(g2 - r2)
-        err[rows, ri] = err[rows, gi] = np.nan  # the two classes of a flip: their error is the flip itself
-        with warnings.catch_warnings():  # a row of non-finite errors has no noise to measure: NaN, no tie
-            warnings.simplefilter("ignore", RuntimeWarning)
+    values = np.where(s2, np.nan, r2)  # the values compared: beside the masks
+    with warnings.catch_warnings():  # a row of masks or non-finite errors has nothing to measure: NaN, no tie
+        warnings.simplefilter("ignore", RuntimeWarning)
+        tie = margin <= rel_tie * max(float(np.nanmax(np.abs(values), initial=0.0)), 1e-30)
+        if r2.shape[1] >= TIE_MIN_CLASSES:
+            err = np.abs(g2 - r2)
+            err[s2] = np.nan
+            err[rows, ri] = err[rows, gi] = np.nan  # the two classes of a flip: their error is the flip itself
             noise = 1.4826 * np.nanmedian(err, axis=1)
-        tie |= (margin <= TIE_SIGMAS * noise) & (noise <= TIE_MAX_NOISE * r2.std(axis=1))
+            tie |= (margin <= TIE_SIGMAS * noise) & (noise <= TIE_MAX_NOISE * np.nanstd(values, axis=1))
     flips = ri != gi
     return float(np.mean(~flips | tie)), float(np.mean(flips & tie))
 

@@ -1,9 +1,14 @@
 """Named input arrays a user hands Kiln in an ``.npz`` file (``--inputs``, ``--calibration``), read and checked
-against the inputs a model or engine declares."""
+against the inputs a model or engine declares.
+
+A graph that fixes its batch axis (the TorchScript exporter's batch 1, as most published files have it) takes its
+rows one batch of that size at a time: read with ``batched=True``, a file of any whole number of such batches is
+taken (a last partial batch is dropped, with a warning), and :func:`in_batches` and :func:`run_batched` feed it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +16,17 @@ import numpy as np
 from kiln.core.errors import InputFileError
 from kiln.core.records import TensorSpec
 
+log = logging.getLogger("kiln")
+Arrays = dict[str, np.ndarray]
 
-def read_feed(path: Path, specs: list[TensorSpec], taker: str = "the engine") -> dict[str, np.ndarray]:
+
+def read_feed(
+    path: Path, specs: list[TensorSpec], taker: str = "the engine", batched: bool = False
+) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` keyed by the input names of ``taker`` (an engine's ``kiln-engine.json`` "inputs",
-    or a model's graph inputs), checked against their declared dtypes and shapes, rows and values."""
+    or a model's graph inputs), checked against their declared dtypes and shapes, rows and values. ``batched``: the
+    caller feeds a graph that fixes its batch axis (:func:`fixed_batch`) one batch at a time, so any whole number
+    of its batches is taken (:func:`whole_batches`); otherwise rows past that batch are refused."""
     names = [s.name for s in specs]
     hint = f"give an .npz with one array per input: np.savez(path, {', '.join(f'{n}=...' for n in names)})"
     if not path.is_file():
@@ -32,15 +44,20 @@ def read_feed(path: Path, specs: list[TensorSpec], taker: str = "the engine") ->
             raise InputFileError(f"inputs {path} holds pickled objects ({exc})", hint=hint) from None
     if sorted(feed) != sorted(names):
         raise InputFileError(f"inputs {path} has arrays {sorted(feed)}; {taker} takes {sorted(names)}", hint=hint)
-    check_feed(feed, specs, str(path), taker)
+    if batched:
+        feed = whole_batches(feed, specs, str(path), taker)
+    check_feed(feed, specs, str(path), taker, batched)
     return feed
 
 
-def check_feed(feed: Mapping[str, np.ndarray], specs: list[TensorSpec], source: str, taker: str) -> None:
+def check_feed(
+    feed: Mapping[str, np.ndarray], specs: list[TensorSpec], source: str, taker: str, batched: bool = False
+) -> None:
     """Each array against its input: dtype, rank and fixed sizes, at least one row, one row count, and finite
-    values (a NaN in the data would otherwise surface as a failed gate or a skipped training step)."""
+    values (a NaN in the data would otherwise surface as a failed gate or a skipped training step). ``batched``:
+    rows on a fixed batch axis may be any whole number of batches (fed one batch at a time: :func:`in_batches`)."""
     for spec in specs:
-        _check_array(spec, np.asarray(feed[spec.name]), source, taker)
+        _check_array(spec, np.asarray(feed[spec.name]), source, taker, batched)
     counts = {spec.name: len(feed[spec.name]) for spec in specs}
     if len(set(counts.values())) > 1:
         raise InputFileError(
@@ -48,15 +65,18 @@ def check_feed(feed: Mapping[str, np.ndarray], specs: list[TensorSpec], source: 
         )
 
 
-def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str) -> None:
+def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str, batched: bool = False) -> None:
     want = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
+    if batched and want and want[0] is not None and array.ndim and len(array) and len(array) % want[0] == 0:
+        want[0] = None  # whole batches of the fixed size, fed one at a time
     shape_ok = array.ndim == len(want) and all(w is None or w == d for w, d in zip(want, array.shape))
     if array.dtype == np.dtype(spec.dtype) and _only_the_fixed_batch_differs(want, array.shape):
         raise InputFileError(
             f"input '{spec.name}' in {source} has {array.shape[0]} rows; {taker} fixes its batch axis at {want[0]} "
             f"({spec.dtype}{list(spec.shape)})",
-            hint=f"give {want[0]} rows, or export the model with a dynamic batch axis (`kiln run` with model.onnx "
-            "makes a fixed batch axis symbolic where the graph allows it)",
+            hint=(f"give a whole number of batches of {want[0]} rows" if batched else f"give {want[0]} rows")
+            + ", or export the model with a dynamic batch axis (`kiln run` with model.onnx makes a fixed batch axis "
+            "symbolic where the graph allows it)",
         )
     if array.dtype != np.dtype(spec.dtype) or not shape_ok:
         dims = ", ".join(str(w) if w is not None else str(d) for w, d in zip(want, spec.shape))
@@ -71,6 +91,56 @@ def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str) -
         raise InputFileError(
             f"input '{spec.name}' in {source} holds {bad}", hint="clean or drop those samples before handing them over"
         )
+
+
+def fixed_batch(specs: list[TensorSpec]) -> int | None:
+    """The batch size every input fixes on its first axis (a TorchScript export's 1), or None where one is dynamic,
+    the inputs fix different sizes, or there are none."""
+    first = {s.shape[0] if s.shape and isinstance(s.shape[0], int) and s.shape[0] >= 1 else None for s in specs}
+    return first.pop() if len(first) == 1 else None
+
+
+def whole_batches(feed: Arrays, specs: list[TensorSpec], source: str, taker: str) -> Arrays:
+    """``feed`` cut to a whole number of the batches a graph fixes (:func:`fixed_batch`), the rows past the last
+    whole batch dropped with a warning saying how many (padding them would run made-up rows through the model);
+    ``feed`` as it is where the batch axis is dynamic or the rows already fit. Fewer rows than one batch are an
+    error: no row could be fed."""
+    batch = fixed_batch(specs)
+    counts = {len(np.asarray(v)) for v in feed.values() if np.ndim(v)}
+    if batch is None or len(counts) != 1:  # another row count per input: check_feed says so
+        return feed
+    rows = counts.pop()
+    if rows < batch:
+        raise InputFileError(
+            f"the inputs in {source} have {rows} rows; {taker} fixes its batch axis at {batch}",
+            hint=f"give {batch} rows or more (a whole number of batches of {batch})",
+        )
+    kept = rows - rows % batch
+    if kept < rows:
+        log.warning(
+            "%s: %d rows are not a whole number of batches of %d (%s fixes its batch axis): the last %d are left out",
+            source,
+            rows,
+            batch,
+            taker,
+            rows - kept,
+        )
+    return {k: v[:kept] if np.ndim(v) else v for k, v in feed.items()}
+
+
+def in_batches(feed: Mapping[str, np.ndarray], batch: int) -> list[Arrays]:
+    """``feed``'s rows as consecutive feeds of ``batch`` rows each (the last one shorter where they do not divide)."""
+    rows = len(next(iter(feed.values())))
+    return [{k: v[i : i + batch] for k, v in feed.items()} for i in range(0, rows, batch)]
+
+
+def run_batched(run: Callable[[Arrays], Mapping[str, np.ndarray]], feed: Arrays, batch: int | None) -> Arrays:
+    """``run`` (inputs -> named outputs) on ``feed`` one batch of ``batch`` rows at a time, the outputs joined
+    along their first axis: a graph that fixes its batch answers every row. ``batch`` None: one run."""
+    if batch is None:
+        return dict(run(feed))
+    parts = [run(part) for part in in_batches(feed, batch)]
+    return {name: np.concatenate([np.asarray(p[name]) for p in parts]) for name in parts[0]}
 
 
 def _only_the_fixed_batch_differs(want: list[int | None], shape: tuple[int, ...]) -> bool:

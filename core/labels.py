@@ -207,6 +207,38 @@ def without_padding(
     return out if changed else outputs
 
 
+def left_padded(feed: Mapping[str, Any], axes: Axes) -> set[str]:
+    """The dynamic axes (by name) on which an attention mask of ``feed`` (:func:`is_mask_name`, integers) shows
+    left padding: every row's last position is a real token and some row's first is padding, as batches padded
+    for generation are. Such rows hold their real tokens at the end of the axis."""
+    found = set()
+    for name, dims in axes.items():
+        mask = np.asarray(feed[name]) if name in feed and is_mask_name(name) else None
+        if mask is None or mask.dtype.kind not in "iub" or not mask.size:
+            continue
+        for axis, label in dims.items():
+            first, last = np.take(mask, 0, axis=int(axis)), np.take(mask, -1, axis=int(axis))
+            if (last != 0).all() and (first == 0).any():
+                found.add(label)
+    return found
+
+
+def padding_value(feed: Mapping[str, Any], name: str) -> int | None:
+    """The value integer input ``name`` of ``feed`` holds where an attention mask shaped like it (of the same side,
+    encoder or decoder: :func:`is_decoder_name`) marks padding, the most common one: the data's pad token (0, or a
+    Llama's eos id), a mask's own 0. None where no such mask marks any position, or the input holds floats."""
+    value = np.asarray(feed[name])
+    if value.dtype.kind not in "iub":
+        return None
+    for other, mask in feed.items():
+        mask = np.asarray(mask)
+        if is_mask_name(other) and is_decoder_name(other) == is_decoder_name(name) and mask.shape == value.shape:
+            if mask.dtype.kind in "iub" and not mask.all():
+                found, counts = np.unique(value[mask == 0], return_counts=True)
+                return found[counts.argmax()].item()
+    return None
+
+
 def labelled(y: Any) -> Any:
     """How many labels ``y`` holds (positions marked ``IGNORE_LABEL`` do not count); a tensor for a tensor, on its
     device, so counting does not wait for the GPU."""

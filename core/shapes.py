@@ -5,11 +5,13 @@ sequence length and wrong at another cannot pass."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kiln.core.errors import ConfigError
+from kiln.core.labels import left_padded, padding_value
 from kiln.core.records import TensorSpec
 
 if TYPE_CHECKING:  # kiln.core.data imports torch; the graph stages need none of it
@@ -90,24 +92,45 @@ def shape_points(sizes: dict[str, list[int]]) -> list[dict[str, int]]:
     return points
 
 
-def resize(feed: Feed, axes: Axes, point: Mapping[str, int], fill: int = 0, repeat_floats: bool = False) -> Feed:
-    """``feed`` with each dynamic axis cut to, or padded with ``fill`` up to, its size in ``point`` (zero is the
-    padding token and the masked-out value of an attention mask). ``repeat_floats``: a float input grows by repeating
-    its own values along the axis instead (a clip played again, a cloud's points repeated: inputs like the data,
-    where zeros would be silence or points at the origin the data never held)."""
-    out = {}
-    for name, array in feed.items():
-        for axis, label in (axes.get(name) or {}).items():
-            if label not in point:
-                continue
-            axis, size = int(axis), point[label]
-            if array.shape[axis] >= size:
-                array = np.take(array, np.arange(size), axis=axis)
-            elif repeat_floats and array.dtype.kind == "f" and array.shape[axis]:
-                array = np.take(array, np.arange(size) % array.shape[axis], axis=axis)
-            else:
-                pad = [(0, 0)] * array.ndim
-                pad[axis] = (0, size - array.shape[axis])
-                array = np.pad(array, pad, constant_values=fill)
-        out[name] = np.ascontiguousarray(array)
-    return out
+def resize(
+    feed: Feed,
+    axes: Axes,
+    point: Mapping[str, int],
+    fill: int = 0,
+    repeat_floats: bool = False,
+    left: AbstractSet[str] | None = None,
+) -> Feed:
+    """``feed`` with each dynamic axis cut or lengthened to its size in ``point``, every input on one axis alike, so
+    that token ids, their attention mask and labels per token resized by the same ``axes`` stay paired.
+
+    Lengthened by repeating the data's own values along the axis: token ids and their mask tiled together, so the
+    new positions hold tokens as real as the data's and the comparisons read them (a mask lengthened with 0s would
+    mark them padding, which the comparisons leave out). A float input repeats only with ``repeat_floats`` (a clip
+    played again, a cloud's points repeated: where zeros would be silence or points at the origin); without it, an
+    axis that holds one is padded, every input on it: an integer one with the value its data holds where its
+    attention mask marks padding (:func:`kiln.core.labels.padding_value`: the pad token, a mask's 0), else ``fill``.
+    Cut by keeping the first positions, or the last on the axes ``left`` names (None: those whose attention mask
+    shows left padding, :func:`kiln.core.labels.left_padded`), where left-padded rows hold their real tokens."""
+    left = left_padded(feed, axes) if left is None else left
+    out = {name: np.asarray(array) for name, array in feed.items()}
+    fills = {name: padding_value(feed, name) for name in feed}
+    for label, size in point.items():
+        on = [(n, int(i)) for n, dims in axes.items() if n in out for i, d in dims.items() if d == label]
+        tile = all(out[n].shape[i] and (repeat_floats or out[n].dtype.kind != "f") for n, i in on)
+        for name, axis in on:
+            own = fills[name]
+            out[name] = _resized(out[name], axis, size, tile, label in left, fill if own is None else own)
+    return {name: np.ascontiguousarray(array) for name, array in out.items()}
+
+
+def _resized(array: np.ndarray, axis: int, size: int, tile: bool, from_end: bool, fill: float) -> np.ndarray:
+    """``array`` at ``size`` along ``axis``: its first positions, or its last (``from_end``); past its length its
+    values repeated (``tile``) or ``fill``."""
+    have = array.shape[axis]
+    if have >= size:
+        return np.take(array, np.arange(have - size, have) if from_end else np.arange(size), axis=axis)
+    if tile:
+        return np.take(array, np.arange(size) % have, axis=axis)
+    pad = [(0, 0)] * array.ndim
+    pad[axis] = (0, size - have)
+    return np.pad(array, pad, constant_values=fill)

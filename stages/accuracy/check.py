@@ -8,22 +8,32 @@ engines, so a run never ends with validation rejecting a variant the precision s
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from kiln.core.compare import OutputStats, class_axis, compare_outputs, value_ordered, worst
+from kiln.core.compare import (
+    OutputStats,
+    agrees,
+    class_axis,
+    compare_outputs,
+    masks_of,
+    set_aside,
+    value_ordered,
+    worst,
+)
 from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
 from kiln.core.errors import ModelError
-from kiln.core.labels import IGNORE_LABEL, padding_ties, per_position, without_padding
+from kiln.core.labels import IGNORE_LABEL, left_padded, padding_ties, per_position, without_padding
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
-from kiln.stages.accuracy.metrics import Metric, metric_labels, resolve_metric
+from kiln.stages.accuracy.metrics import Metric, default_metric, metric_labels, resolve_metric
 
 log = logging.getLogger("kiln.validate")
 LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
@@ -80,10 +90,10 @@ def compare_all(
 
 # A position of a dense head is a decision the reference makes where its top class has at least this probability
 CONFIDENT = 0.5
-# An output (nearly) constant over the samples has no spread to measure an error by: at least this share of its RMS
-# (an undertrained model's hidden state varies by a few % of it; an error 10x what the norm-relative one would be is
-# the most this measure adds)
-SPREAD_FLOOR = 0.1
+# An output (nearly) constant over the samples has no spread to measure an error by, only noise: at least this share
+# of its RMS. Low, since an output on a level far above its spread (a forecast of a series around 300 that moves by
+# 1) is measured by that spread; an error 1000x what the norm-relative one would be is the most this measure adds.
+SPREAD_FLOOR = 1e-3
 
 
 def confident_positions(logits: np.ndarray) -> np.ndarray | None:
@@ -113,17 +123,30 @@ def spreads(ref: dict[str, np.ndarray]) -> dict[str, float]:
     """Per float output of at least two rows: the RMS of the reference's deviation from its mean over the rows
     (the samples), at least :data:`SPREAD_FLOOR` of its own RMS: how much the output varies with its input. What
     every input shares (a detector's anchor grid under its pixel boxes, an offset) is no information the engine
-    must keep, and would hide an error measured against the output's whole norm."""
+    must keep, and would hide an error measured against the output's whole norm. Over the values compared only:
+    a mask's -inf or -1e9 (:func:`~kiln.core.compare.set_aside`) is neither a spread nor a level."""
     out: dict[str, float] = {}
     for name, value in ref.items():
         r = np.asarray(value)
-        if r.dtype.kind != "f" or r.ndim < 1 or len(r) < 2 or not np.isfinite(r).all():
+        if r.dtype.kind != "f" or r.ndim < 1 or len(r) < 2:
             continue
-        r = r.astype(np.float64)
-        rms, dev = float(np.sqrt(np.mean(r**2))), float(np.sqrt(np.mean((r - r.mean(0)) ** 2)))
-        if rms > 0:
-            out[name] = max(dev, SPREAD_FLOOR * rms)
+        spread = _spread(r.astype(np.float64), set_aside(r, r))
+        if spread is not None:
+            out[name] = spread
     return out
+
+
+def _spread(r: np.ndarray, masked: np.ndarray) -> float | None:
+    """:func:`spreads` of one output, beside its ``masked`` values (each position's mean over the rows that hold a
+    value there); None where nothing is left or all of it is 0."""
+    values = np.where(masked, np.nan, r)
+    if np.isnan(values).all():
+        return None
+    with warnings.catch_warnings():  # a position masked in every row has no mean: it adds nothing
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dev = float(np.sqrt(np.nanmean((values - np.nanmean(values, axis=0)) ** 2)))
+    rms = float(np.sqrt(np.nanmean(values**2)))
+    return max(dev, SPREAD_FLOOR * rms) if rms > 0 else None
 
 
 def relative_to_spread(
@@ -131,15 +154,16 @@ def relative_to_spread(
 ) -> dict[str, OutputStats]:
     """Each float output's relative error as the RMS of its error over its ``spread`` (:func:`spreads`) in place
     of over its own RMS: a 30 % shrink of pixel boxes is 4 % of their norm, most of which is the anchor grid, and
-    over 100 % of how they vary between images. An infinite error (a value not finite in one of the two) stays,
-    as does the error of an output with no spread measured (one row; non-finite values)."""
+    over 100 % of how they vary between images. The values both hold alike (a mask's, :func:`set_aside`) are left
+    out, as :func:`~kiln.core.compare.compare_arrays` leaves them. An infinite error (a value not finite in one of
+    the two) stays, as does the error of an output with no spread measured (one row; nothing but masks)."""
     out = dict(stats)
     for name, s in stats.items():
         if s.cosine is None or name not in spread or not np.isfinite(s.rel_err):
             continue
         r, g = np.asarray(ref[name], dtype=np.float64), np.asarray(got[name], dtype=np.float64)
-        both = np.isfinite(r) & np.isfinite(g)  # a value not finite alike in both is equal (compare_arrays)
-        err = float(np.sqrt(np.mean((g[both] - r[both]) ** 2))) if both.any() else 0.0
+        kept = ~set_aside(ref[name], got[name])
+        err = float(np.sqrt(np.mean((g[kept] - r[kept]) ** 2))) if kept.any() else 0.0
         out[name] = replace(s, rel_err=err / spread[name])
     return out
 
@@ -249,7 +273,9 @@ def mixed_rows(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, got: di
     """Outputs whose last row differs when its sample runs alone from ``got`` (``run`` on the whole ``feed``): rows
     that read their batch mates (a model whose axis 0 is time, not the batch; a normalization over the batch).
     The last row, since one that reads only the rows before it agrees on the first rows by construction. Beyond
-    float noise between batch sizes: an error over 1e-4 of the row's largest value, and over 1e-5."""
+    float noise between batch sizes: an error over 1e-5 plus 1e-4 of the row's largest value compared
+    (:func:`~kiln.core.compare.agrees`: a mask's -inf or -1e9, read from every row, alike in both is equal and
+    scales nothing; where one of them holds it and the other not, the rows differ)."""
     rows = feed_rows(feed)
     if rows < 2:
         return []
@@ -261,8 +287,7 @@ def mixed_rows(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, got: di
     for k, v in got.items():
         if k not in alone or v.shape[:1] != (rows,) or alone[k].shape[1:] != v.shape[1:]:
             continue
-        want, one = v[rows - 1].astype(np.float64), alone[k][0].astype(np.float64)
-        if np.abs(one - want).max(initial=0.0) > max(1e-5, 1e-4 * np.abs(want).max(initial=0.0)):
+        if not agrees(v[rows - 1], alone[k][0], 1e-5, 1e-4, masks_of(v))[0]:
             mixed.append(k)
     return mixed
 
@@ -330,16 +355,18 @@ def labels_at_points(
 ) -> list[np.ndarray | None]:
     """The held-out labels at each validated shape: labels per row as they are; labels per position follow the axes
     the class logits' positions lie on (``follows``: label axis -> name, where known) or else the input they are
-    shaped like (a token classifier's ``[N, seq]`` tags follow ``input_ids``): cut, or padded with
-    ``IGNORE_LABEL`` where the input is padded with zeros (:func:`label_axes`). None at a shape they cannot follow,
+    shaped like (a token classifier's ``[N, seq]`` tags follow ``input_ids``): cut (from the end where the input's
+    attention mask shows left padding) or repeated as the input is (:func:`kiln.core.shapes.resize`; padded with
+    ``IGNORE_LABEL`` where the input is padded) (:func:`label_axes`). None at a shape they cannot follow,
     and where inputs on different axes tie, at a shape where those would give other labels."""
     if labels is None or not per_position(labels):
         return [labels] * len(feeds)
     options = label_axes(labels, feed, axes, follows)
+    left = left_padded(feed, axes)  # cut from the end where the input's rows are, as the input is
     out: list[np.ndarray | None] = []
     for point, resized in feeds:
         if options:
-            ys = [resize({"y": labels}, {"y": dims}, point, fill=IGNORE_LABEL)["y"] for dims in options]
+            ys = [resize({"y": labels}, {"y": dims}, point, fill=IGNORE_LABEL, left=left)["y"] for dims in options]
             out.append(ys[0] if all(np.array_equal(ys[0], y) for y in ys[1:]) else None)
         else:  # e.g. pixel labels [N, H, W] of images [N, 3, H, W]: only at the data's own shape
             out.append(labels if all(resized[k].shape == v.shape for k, v in feed.items()) else None)
@@ -635,7 +662,7 @@ def held_out(
 ) -> list[tuple[dict[str, int], Feed]]:
     """The held-out rows (``validate.max_samples`` at most) as named inputs at every validated shape: the sizes of
     each dynamic axis in the data (train and held-out) or ``signature.shapes``, the largest last. Past the data's own
-    sizes a float input repeats its values and an integer one takes zeros (the pad token, a mask's 0):
+    sizes the inputs on an axis repeat their values along it (token ids with their attention mask):
     :func:`kiln.core.shapes.resize`."""
     n = rows(data.val_x) if max_samples is None else min(max_samples, rows(data.val_x))
     feed = to_feed(take(data.val_x, slice(0, n)))
@@ -658,7 +685,10 @@ def held_out_reference(
     validation compares engines with and the precision stage compares variants with. ``logits``: the class-logit
     output ``signature.logits_output`` picks; the metric reads it, and it is held to top-1 agreement where the
     data declares classes or ``named`` (the setting names it: :func:`top1_output`). Accuracy and the metric are
-    measured where the labels fit (:func:`scoring_point`), which may add the data's own sizes to the feeds.
+    measured where the labels fit (:func:`scoring_point`), which may add the data's own sizes to the feeds. With no
+    ``validate.metric``, float targets (:func:`regression`) are judged by ``mse`` where one output is the prediction
+    (:func:`kiln.stages.accuracy.metrics.default_metric`): the relative error per output misses an engine that is
+    close to the reference yet far worse at the task.
     ``output_axes``: output -> {axis: name}, the exported graph's (optional: the reference's outputs over the
     validated shapes show them too); labels per position follow the class logits' position axes, outputs take the
     padding of the attention mask on their own axis."""
@@ -680,7 +710,7 @@ def held_out_reference(
     if targets is not None and score is not None:
         followed = labels_at_points(targets, own, [feeds[score]], axes, follows)[0]
         targets = targets if followed is None else followed
-    return Reference(
+    ref = Reference(
         run,
         feeds,
         point_labels,
@@ -695,6 +725,16 @@ def held_out_reference(
         axes,
         output_axes,
     )
+    if metric is None and ref.targets is not None and ref.score is not None and regression(data):
+        ref.metric = default_metric(ref.outputs[ref.score], ref.targets, logits)
+        ref.metric_value = ref.metric_of(ref.outputs[ref.score])
+        if ref.metric is not None:
+            log.info(
+                "validate.metric unset: float targets judged by mse, its rise relative to the reference's %.4g "
+                "gated by max_metric_drop (set validate.metric to judge them by another)",
+                ref.metric_value,
+            )
+    return ref
 
 
 def label_positions(
@@ -1044,7 +1084,8 @@ def accuracy_failures(
         drop = metric.drop(baseline_metric, entry.metric)
         if not drop <= gates["max_metric_drop"] + COUNT_SLACK:
             fails.append(
-                f"{metric.name} {entry.metric:.4g} vs {baseline_metric:.4g}: drop {drop:.4g} > max_metric_drop "
+                f"{metric.name} {entry.metric:.4g} vs {baseline_metric:.4g}: "
+                f"{'relative rise' if metric.relative else 'drop'} {drop:.4g} > max_metric_drop "
                 f"{gates['max_metric_drop']}"
             )
     return fails

@@ -11,7 +11,17 @@ from pydantic import Field, ValidationError, field_validator
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
 
-BUILTIN_METRICS = ("accuracy", "macro_f1", "multilabel_f1", "token_accuracy", "mse", "detection_recall")
+BUILTIN_METRICS = (
+    "accuracy",
+    "macro_f1",
+    "multilabel_f1",
+    "token_accuracy",
+    "mse",
+    "rmse",
+    "mae",
+    "smape",
+    "detection_recall",
+)
 
 
 def _default_per_precision() -> dict[str, dict[str, float]]:
@@ -35,7 +45,8 @@ class GatesConfig(Section):
         None,
         ge=0,
         description="relative error of each float output vs PyTorch: the RMS of the error over how the reference "
-        "varies between held-out samples (RMS of its deviation from its mean over them, at least 1 % of its RMS); "
+        "varies between held-out samples (RMS of its deviation from its mean over them, at least 0.1 % of its RMS; "
+        "a mask's fill alike in both, -inf or -1e9, left out); "
         "null = sqrt(2 * (1 - min_cosine)), the error min_cosine allows in any direction (cosine alone misses an "
         "offset or a scale), for every float output but the class logits (top-1 agreement guards those); set, it "
         "holds the class logits too",
@@ -55,8 +66,10 @@ class GatesConfig(Section):
     max_metric_drop: float = Field(
         0.01,
         ge=0,
-        description="allowed drop of validate.metric vs the reference, in the metric's own units (for a metric where "
-        "lower is better, its rise)",
+        description="allowed drop of validate.metric vs the reference: in the metric's own units for a share "
+        "(accuracy, the F1s, detection_recall: 0.01 = 1 point); for an error metric (mse, rmse, mae, smape, and a "
+        "pkg.mod:fn with relative = True) its rise relative to the reference's value, (value - reference) / "
+        "reference (0.01 = 1 % more error; in its own units where the reference's is 0)",
     )
     max_latency_p50_ms: float | None = Field(None, gt=0, description="latency budget at the largest batch size")
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
@@ -105,8 +118,10 @@ class CheckConfig(Section):
         None,
         description="the task's metric on the held-out split, gated by gates.max_metric_drop: a built-in ("
         + ", ".join(BUILTIN_METRICS)
-        + ") or pkg.mod:fn taking (outputs by name, labels) and returning a float; the precision fallback searches "
-        "against it too",
+        + ") or pkg.mod:fn taking (outputs by name, labels) and returning a float (its attributes higher_is_better "
+        "= False and relative = True make it an error metric, judged by its relative rise); the precision fallback "
+        "searches against it too; null: mse for float targets (a regression's) whose prediction is one output, "
+        "else none",
     )
     metric_higher_is_better: bool | None = Field(
         None, description="the metric's direction; null: the function's higher_is_better attribute, else higher"

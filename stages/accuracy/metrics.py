@@ -6,10 +6,17 @@ NNCF's accuracy-aware quantization and Olive's metric goals do). A metric is ``f
 ``outputs`` the model's outputs by name (graph order), ``labels`` the held-out ``val_y`` as a numpy array. Higher
 is better unless the function says otherwise (an attribute ``higher_is_better = False``) or the config does.
 
+The drop is in the metric's own units (a share in [0, 1]: 0.01 is one point), except for an error metric, whose
+units are the targets' (MSE's are their square: targets in the thousands give an MSE in the millions, where any
+fixed allowance is rounding noise or none at all): there it is the relative rise over the reference's value,
+``(value - reference) / reference`` (0.01: 1 % more error). The built-in error metrics are relative; a user's
+metric is when its function says so (an attribute ``relative = True``).
+
 Built-ins, for what users ask most (each reads the class-logit output, ``signature.logits_output``, where it
 needs one): ``accuracy``, ``macro_f1``, ``multilabel_f1`` (0/1 targets shaped like the logits), ``token_accuracy``
-(labels per position, padding excluded), ``mse`` (lower is better) and ``detection_recall`` (box-and-class heads,
-below).
+(labels per position, padding excluded), the error metrics of predicted values ``mse``, ``rmse``, ``mae`` and
+``smape`` (lower is better, relative), and ``detection_recall`` (box-and-class heads, below). Float targets (a
+regression's, a forecaster's) are scored by ``mse`` where no metric is set (:func:`default_metric`).
 """
 
 from __future__ import annotations
@@ -36,11 +43,15 @@ SCORE_NAMES = re.compile(r"score|logit|cls|class|conf|prob", re.IGNORECASE)  # s
 
 @dataclass(frozen=True)
 class Metric:
-    """A resolved metric: its name (as configured), function and direction."""
+    """A resolved metric: its name (as configured), function and direction; ``relative``: its drop is relative to
+    the reference's value (an error metric's, in the targets' units); ``default``: no one configured it, it is the
+    one float targets get (:func:`default_metric`)."""
 
     name: str
     fn: MetricFn
     higher_is_better: bool = True
+    relative: bool = False
+    default: bool = False
 
     def __call__(self, outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
         """The metric of ``outputs``; the user's function failing is their error, named with what Kiln was doing."""
@@ -72,8 +83,11 @@ class Metric:
         return value
 
     def drop(self, baseline: float, value: float) -> float:
-        """How much worse ``value`` is than ``baseline`` (positive: worse), whichever way the metric points."""
-        return baseline - value if self.higher_is_better else value - baseline
+        """How much worse ``value`` is than ``baseline`` (positive: worse), whichever way the metric points: in its
+        own units, or for a :attr:`relative` one over the baseline's magnitude (a rise of 0.01: 1 % worse). Where the
+        baseline is 0 (a perfect fit) there is nothing to be relative to, and the drop is in its own units."""
+        worse = baseline - value if self.higher_is_better else value - baseline
+        return worse / abs(baseline) if self.relative and baseline != 0 else worse
 
 
 def _as_float(returned: object, name: str) -> float:
@@ -100,10 +114,28 @@ def resolve_metric(ref: str | None, logits: str | None, higher_is_better: bool |
         fn, higher = BUILTINS[ref]
         if higher_is_better is not None:
             higher = higher_is_better
-        return Metric(ref, _on_logits(fn, logits, ref), higher)
+        return Metric(ref, _on_logits(fn, logits, ref), higher, ref in RELATIVE)
     fn = resolve_callable(ref, {}, "validate.metric")
     default = bool(getattr(fn, "higher_is_better", True))
-    return Metric(ref, fn, default if higher_is_better is None else higher_is_better)
+    relative = bool(getattr(fn, "relative", False))
+    return Metric(ref, fn, default if higher_is_better is None else higher_is_better, relative)
+
+
+def default_metric(outputs: dict[str, np.ndarray], targets: np.ndarray, logits: str | None) -> Metric | None:
+    """The metric float targets (a regression's, a forecaster's: the caller tells them from class scores) are
+    judged by where ``validate.metric`` is unset: ``mse``, relative, on the output :func:`prediction_candidates`
+    finds alone, as ``mse`` itself would. None where targets are 0/1 (multi-label's, which ``multilabel_f1``
+    scores), no single output is the prediction (several fit, none named; none fits: naming one is the user's
+    setting, not worth an error where they asked for no metric), or a value is not finite (a series' missing
+    values), which would make it an error of a metric no one set."""
+    if not np.issubdtype(targets.dtype, np.floating) or np.isin(targets, (0, 1)).all():
+        return None
+    fit = prediction_candidates(outputs, targets, logits)
+    if len(fit) != 1 or np.size(outputs[fit[0]]) != targets.size:
+        return None
+    if not (np.isfinite(targets).all() and np.isfinite(outputs[fit[0]]).all()):
+        return None
+    return Metric(DEFAULT, _on_logits(_mse, logits, DEFAULT), higher_is_better=False, relative=True, default=True)
 
 
 def _on_logits(fn: Callable[..., float], logits: str | None, name: str) -> MetricFn:
@@ -189,15 +221,21 @@ def decision_threshold(scores: np.ndarray) -> float:
     return 0.5 if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0 else 0.0
 
 
-def _prediction(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None, name: str) -> np.ndarray:
-    """The output a metric of predicted values scores: the one ``signature.logits_output`` names, the only one, or
-    the only one with as many values as the targets. Several that fit (a forecaster's mean and log-variance) are a
-    ConfigError asking to name the prediction: the first of them is as likely the wrong one."""
+def prediction_candidates(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> list[str]:
+    """The outputs that could be the prediction of ``labels``: the one ``signature.logits_output`` names, the only
+    one, else those with as many values as the targets."""
     if logits is not None and logits in outputs:
-        return outputs[logits]
+        return [logits]
     if len(outputs) == 1:
-        return next(iter(outputs.values()))
-    fit = [k for k, v in outputs.items() if np.size(v) == labels.size]
+        return list(outputs)
+    return [k for k, v in outputs.items() if np.size(v) == labels.size]
+
+
+def _prediction(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None, name: str) -> np.ndarray:
+    """The output a metric of predicted values scores (:func:`prediction_candidates`). Several that fit (a
+    forecaster's mean and log-variance) are a ConfigError asking to name the prediction: the first of them is as
+    likely the wrong one."""
+    fit = prediction_candidates(outputs, labels, logits)
     if len(fit) == 1:
         return outputs[fit[0]]
     if not fit:
@@ -210,12 +248,41 @@ def _prediction(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str 
     )
 
 
-def _mse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
-    out = _prediction(outputs, labels, logits, "mse").astype(np.float64)
+def _predicted(
+    outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None, name: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The prediction and the targets, flat and in float64, for an error metric ``name``."""
+    out = _prediction(outputs, labels, logits, name).astype(np.float64)
     y = labels.astype(np.float64)
     if out.size != y.size:
         raise ValueError(f"output {list(out.shape)} and targets {list(y.shape)} differ in size")
-    return float(np.mean((out.reshape(-1) - y.reshape(-1)) ** 2))
+    return out.reshape(-1), y.reshape(-1)
+
+
+def _mse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    out, y = _predicted(outputs, labels, logits, "mse")
+    return float(np.mean((out - y) ** 2))
+
+
+def _rmse(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    out, y = _predicted(outputs, labels, logits, "rmse")
+    return float(np.sqrt(np.mean((out - y) ** 2)))
+
+
+def _mae(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    out, y = _predicted(outputs, labels, logits, "mae")
+    return float(np.mean(np.abs(out - y)))
+
+
+def _smape(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
+    """Symmetric mean absolute percentage error, as a fraction in [0, 2]: the mean of |pred - y| / ((|pred| + |y|)
+    / 2), a term where both are 0 counting 0. Scale-free, as forecasts of series in different units need. Chosen
+    over MAPE, which divides by the target alone: a target of 0 (a day without sales, intermittent demand) makes it
+    infinite and one near 0 outweighs every other term; sMAPE's denominator is 0 only where the forecast is exact."""
+    out, y = _predicted(outputs, labels, logits, "smape")
+    scale = (np.abs(out) + np.abs(y)) / 2.0
+    terms = np.divide(np.abs(out - y), scale, out=np.zeros_like(scale), where=scale > 0)
+    return float(np.mean(terms))
 
 
 def _detection_recall(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
@@ -314,8 +381,16 @@ BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
     "multilabel_f1": (_multilabel_f1, True),
     "token_accuracy": (_token_accuracy, True),
     "mse": (_mse, False),
+    "rmse": (_rmse, False),
+    "mae": (_mae, False),
+    "smape": (_smape, False),
     "detection_recall": (_detection_recall, True),
 }
+DEFAULT = "mse"  # the metric of float targets where validate.metric is unset (default_metric)
+# the error metrics, judged by their rise relative to the reference's value (Metric.drop): mse, rmse and mae are
+# in the targets' units; smape is scale-free, and relative too so that every error metric reads one way (a good
+# forecast's 2 % sMAPE made 3 % is 50 % worse, which a fixed allowance of 0.01 would pass)
+RELATIVE = frozenset({"mse", "rmse", "mae", "smape"})
 
 
 def metric_labels(val_y: Any) -> np.ndarray | None:

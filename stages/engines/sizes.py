@@ -15,7 +15,7 @@ from pathlib import Path
 from kiln.core.errors import ConfigError, KilnError
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, ort_session, session_options
-from kiln.core.records import EngineMetadata, Variants, steps_text
+from kiln.core.records import EngineMetadata, TensorSpec, Variants, steps_text
 from kiln.core.shapes import axis_names, refuse_unknown_axes, shapes_flag
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR
@@ -39,10 +39,17 @@ def checked_ranges(
     the others are set is an error naming the size. Axes it cannot check (no sizes, no graph runs here, or axes that
     must agree in a way it cannot pair) get no range, with a warning naming them. ``from_variant``: the sizes are
     those ``kiln precision`` recorded."""
-    names = axis_names(io_specs(load_onnx(graphs[0], load_external_data=False))[0])
+    specs = io_specs(load_onnx(graphs[0], load_external_data=False))[0]
+    names = axis_names(specs)
     source = "kiln precision's variants.json" if from_variant else "signature.shapes"
     if not from_variant:
         refuse_unknown_axes(sizes, names)
+    unnamed = unnamed_axes(specs)
+    if unnamed:
+        _warn_unnamed(graphs[0], unnamed, names)
+        return {}, {}
+    if not names:
+        return {}, {}
     missing = [n for n in names if not sizes.get(n)]
     if missing:
         _warn_unchecked(names, "no sizes were given" + (f" for {', '.join(missing)}" if missing != names else ""))
@@ -306,6 +313,42 @@ def _warn_unchecked(names: list[str], why: str) -> None:
         why,
         shapes_flag(names),
     )
+
+
+def unnamed_axes(specs: list[TensorSpec]) -> list[tuple[str, int]]:
+    """``(input, axis)`` for each dynamic axis besides the batch that the graph gives no name (``?``: neither a size
+    nor a name, as tf2onnx and some converters write them): ``signature.shapes`` cannot size it, and the probe cannot
+    run the graph without a size for it."""
+    return [(s.name, i) for s in specs for i, d in enumerate(s.shape) if i and d in (0, "")]
+
+
+def _warn_unnamed(path: Path, unnamed: list[tuple[str, int]], names: list[str]) -> None:
+    """Said where the graph has dynamic axes with no name (:func:`unnamed_axes`), named ``input[axis]``: the build
+    records no sizes for any axis. The fix names them in a copy of the file (each apart: one name for axes that are
+    one is the user's to give) and sizes every axis."""
+    given = [_dim_name(k, axis) for k, axis in unnamed]
+    sets = "; ".join(f"d[{k!r}][{axis}].dim_param = {n!r}" for (k, axis), n in zip(unnamed, given))
+    named = path.with_name(f"{path.stem}.named.onnx")
+    command = (
+        f'python -c "import onnx; m = onnx.load({str(path)!r}); '
+        f'd = {{v.name: v.type.tensor_type.shape.dim for v in m.graph.input}}; {sets}; onnx.save(m, {str(named)!r})"'
+    )
+    log.warning(
+        "axes %s have no name in the graph, and signature.shapes sizes axes by name, so the engine records no sizes "
+        "for %s and takes any (one the graph cannot take fails in the backend, unchecked); name them in the file "
+        "(one name for axes that are one): %s, then build %s with %s to probe and record the sizes it takes",
+        ", ".join(f"{k}[{axis}]" for k, axis in unnamed),
+        "them or the graph's other axes" if names else "them",
+        command,
+        named.name,
+        shapes_flag(sorted({*names, *given})),
+    )
+
+
+def _dim_name(name: str, axis: int) -> str:
+    """A name for axis ``axis`` of input ``name`` that YAML reads as text in a flow mapping (``input_1:0`` ->
+    ``input_1_0_1``)."""
+    return f"{re.sub(r'[^A-Za-z0-9_]+', '_', name).strip('_') or 'input'}_{axis}"
 
 
 def _warn_single_sizes(sizes: dict[str, list[int]]) -> None:

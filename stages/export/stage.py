@@ -30,6 +30,7 @@ from kiln.core.data import (
     SINGLE_INPUT,
     DataContractError,
     DatasetSplits,
+    Feed,
     Inputs,
     as_feed,
     call,
@@ -92,6 +93,7 @@ from kiln.stages.export.declaration import (
     ExportSummary,
 )
 from kiln.stages.export.graph_inputs import refuse_label_outputs, warn_unused_inputs
+from kiln.stages.export.other_axes import tie_other_axes
 from kiln.stages.export.output_axes import name_output_axes
 
 log = logging.getLogger("kiln.export")
@@ -126,6 +128,7 @@ def export_onnx(
     axes = _axes(names, dynamic_batch, dynamic_axes or {})
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
     fixed: list[str] = []
+    validation = ""  # where torch.distributions' argument validation made the dynamo exporter fail
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
             fixed = _export(
@@ -147,14 +150,15 @@ def export_onnx(
             interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
             if dynamo:
+                validation = _in_distributions(exc)
                 log.warning("dynamo exporter failed (%s); trying the TorchScript exporter", _reason(exc))
     else:
-        raise ModelError(
+        raise ExportFailed(
             "torch.onnx.export failed: " + " | ".join(errors),
             hint="the model may use an op ONNX cannot express; see the message above",
         )
     if fixed:
-        refuse_traced_branch(fixed, errors)
+        refuse_traced_branch(fixed, errors, validation)
     proto = load_onnx(path)
     name_io(proto.graph, dict(zip(ins, names)), outputs)
     refuse_label_outputs(proto.graph, shapes, rows(example))
@@ -313,17 +317,30 @@ def _traced_value(said: warnings.WarningMessage) -> str:
     return f"{Path(said.filename).name}:{said.lineno}"
 
 
-def refuse_traced_branch(fixed: list[str], errors: list[str]) -> None:
+def refuse_traced_branch(fixed: list[str], errors: list[str], validation: str = "") -> None:
     """After the dynamo exporter failed, the TorchScript exporter traced the model on its example and fixed the
     values Python code read from tensors at ``fixed``. Where dynamo failed because such a value decides a branch
     (a data-dependent guard), the graph holds only the branch the example took and computes it for every input,
-    which the parity check passes whenever the data takes that branch too: an error. Otherwise the values may be
-    shapes or constants: said in the log, with the places, since the parity check compares only the data."""
+    which the parity check passes whenever the data takes that branch too: an error. Where that guard is
+    ``torch.distributions``' argument validation (``validation``: its place), the error says so and how to turn it
+    off, which lets the dynamo exporter through. Otherwise the values may be shapes or constants: said in the log,
+    with the places, since the parity check compares only the data."""
     dynamo = next((e for e in errors if e.startswith("dynamo")), "")
-    named = re.search(r"\(in \w+\(\) at ([^)]+):(\d+)\)", dynamo)  # the line dynamo's error names
+    named = re.search(r"\(in [\w<>]+\(\) at ([^)]+):(\d+)\)", dynamo)  # the line dynamo's error names
     at = f"{Path(named.group(1)).name}:{named.group(2)}" if named else None
     shown = [at] if at in fixed else fixed  # the branch's own line, not every shape read the trace warned of
     places = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    if validation and any(k in dynamo for k in _DATA_DEPENDENT):
+        built = f" (the distribution built at {at})" if at else ""
+        raise ModelError(
+            f"the dynamo exporter stopped at a branch on the inputs' values inside torch.distributions, at "
+            f"{validation}{built}: a distribution checks its parameters' values (validate_args, on by default), "
+            "a branch no graph can export; the TorchScript exporter traced only the branch its example took (the "
+            f"values it fixed at {places} may be shape reads, unrelated)",
+            hint="turn the check off where the model is built: torch.distributions.Distribution."
+            "set_default_validate_args(False) in the model factory (or validate_args=False where the distribution is "
+            "made); the dynamo exporter then exports the model",
+        )
     if any(k in dynamo for k in _DATA_DEPENDENT):
         raise ModelError(
             f"the model decides a branch from its inputs' values at {places} ({dynamo}), and the TorchScript "
@@ -336,6 +353,29 @@ def refuse_traced_branch(fixed: list[str], errors: list[str]) -> None:
         "the example's values there (right for shapes and constants, wrong for a branch on the inputs' values)",
         places,
     )
+
+
+def _in_distributions(exc: BaseException) -> str:
+    """``file:line (in function)`` of the innermost frame of ``torch.distributions.Distribution``'s value checks
+    (validate_args) in the traceback of ``exc`` or its causes (an exporter that failed on one); empty where none is."""
+    checks = Path(torch.distributions.distribution.__file__).resolve()
+    found = ""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for frame in traceback.extract_tb(exc.__traceback__):
+            if frame.name in _VALIDATES and Path(frame.filename).resolve() == checks:
+                found = f"{checks.name}:{frame.lineno} (in {frame.name})"
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return found
+
+
+# Where torch.distributions.Distribution checks values: its parameters (__init__), a sample given to log_prob
+_VALIDATES = ("__init__", "_validate_sample")
+
+
+class ExportFailed(ModelError):
+    """Both exporters failed on the model."""
 
 
 def _own_sizes(feed: Mapping[str, np.ndarray], axes: Axes) -> dict[str, int]:
@@ -800,24 +840,10 @@ def check_validated_sizes(
     smallest and largest: :func:`kiln.core.shapes.axis_sizes`), beside the data's own that :func:`parity` checks.
     A model that runs at one length only, or an exporter that fixed a size it was told varies, is named here with
     what to change, instead of failing deep in calibration or validation."""
-    x = take(data.val_x, slice(0, PARITY_ROWS))
-    feed = feed_for_graph(x, names)
-    seen = [feed_for_graph(take(s, slice(0, 1)), names) for s in (data.train_x, data.val_x) if rows(s)]
-    for point in shape_points(axis_sizes(seen, axes, shapes)) if axes else []:
-        sized = resize(feed, axes, point)
-        if all(sized[n].shape == feed[n].shape for n in feed):
-            continue  # the data's own sizes: parity checked them
+    x, feed, seen = _parity_rows(data, names)
+    for point, sized in _other_sizes(feed, seen, axes, shapes):
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
-        try:
-            ref = _torch_outputs(model, inputs)
-        except Exception as exc:
-            raise ModelError(
-                f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
-                f"that axis vary: {_reason(exc)}",
-                hint=_one_name_hint([feed, *seen], axes, point)
-                + _untied_hint(feed, axes, point)
-                + _sizes_hint(point, _own_sizes(feed, axes)),
-            ) from None
+        ref = _torch_at(model, inputs, point, [feed, *seen], axes)
         by_value: list[str] = []
         try:
             check = parity(model, path, inputs, session, at, ref)
@@ -842,6 +868,68 @@ def check_validated_sizes(
                 "fixed a size that signature.dynamic_axes makes vary",
                 hint=_one_name_hint([feed, *seen], axes, point) + FIXED_SIZE_HINT,
             )
+
+
+def _parity_rows(data: DatasetSplits, names: list[str]) -> tuple[Inputs, Feed, list[Feed]]:
+    """The held-out rows the size checks run (as the model takes them, and as a feed), and one row of each split."""
+    x = take(data.val_x, slice(0, PARITY_ROWS))
+    seen = [feed_for_graph(take(s, slice(0, 1)), names) for s in (data.train_x, data.val_x) if rows(s)]
+    return x, feed_for_graph(x, names), seen
+
+
+def _other_sizes(
+    feed: Feed, seen: list[Feed], axes: Axes, shapes: Mapping[str, list[int]]
+) -> list[tuple[dict[str, int], Feed]]:
+    """Each shape of the dynamic axes the later stages run (:func:`kiln.core.shapes.shape_points`) but the data's
+    own, with ``feed`` resized to it."""
+    out = []
+    for point in shape_points(axis_sizes(seen, axes, shapes)) if axes else []:
+        sized = resize(feed, axes, point)
+        if any(sized[n].shape != feed[n].shape for n in feed):
+            out.append((point, sized))
+    return out
+
+
+def _torch_at(
+    model: nn.Module, inputs: Inputs, point: Mapping[str, int], feeds: list[Feed], axes: Axes
+) -> dict[str, np.ndarray]:
+    """PyTorch's outputs at ``point`` (``feeds``: the data's, first the rows resized); an error naming the size and
+    what to change where the model itself fails there."""
+    try:
+        return _torch_outputs(model, inputs)
+    except Exception as exc:
+        at = ", ".join(f"{k}={v}" for k, v in point.items())
+        raise ModelError(
+            f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
+            f"that axis vary: {_reason(exc)}",
+            hint=_one_name_hint(feeds, axes, point)
+            + _untied_hint(feeds[0], axes, point)
+            + _sizes_hint(point, _own_sizes(feeds[0], axes)),
+        ) from None
+
+
+def export_at_sizes(
+    model: nn.Module,
+    example: Inputs,
+    path: Path,
+    opset: int,
+    data: DatasetSplits,
+    axes: Mapping[str, Mapping[int, str]] | None,
+    shapes: Mapping[str, list[int]],
+) -> onnx.ModelProto:
+    """:func:`export_onnx` with a dynamic batch and ``axes``; where both exporters fail and an axis varies, PyTorch
+    runs first at the other sizes the later stages run (as :func:`check_validated_sizes` does after an export): a
+    model that takes one size (a shape check of its own) fails there with its own error, which is then the one said,
+    not the exporters' (an op traced at that one size the fallback exporter cannot write)."""
+    try:
+        return export_onnx(model, example, path, opset, True, axes)
+    except ExportFailed:
+        if axes:
+            names = input_names(model, example)
+            x, feed, seen = _parity_rows(data, names)
+            for point, sized in _other_sizes(feed, seen, dict(axes), shapes):
+                _torch_at(model, from_feed(sized, x), point, [feed, *seen], dict(axes))
+        raise
 
 
 def size_steps(
@@ -1224,7 +1312,8 @@ def _probe_taken(ctx: StageContext[ExportSettings]) -> dict[str, dict[int, str]]
     except KilnError as exc:
         log.info("output axes of %s not probed: %s", path.name, exc.message)
         return {}
-    if tie_batch_axes(path, feed):  # inputs named apart by their exporter and taken in one count: one batch axis
+    # axes named apart by their exporter that the graph takes at one size: one axis (both ties run)
+    if tie_batch_axes(path, feed) | tie_other_axes(path, feed):
         inputs, _ = io_specs(load_onnx(path, load_external_data=False))
     axes = {s.name: {0: str(s.shape[0])} for s in inputs if s.shape and isinstance(s.shape[0], str)}
     for name, dims in graph_axes(inputs).items():
@@ -1264,7 +1353,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     example, x = take(data.val_x, slice(0, 2)), take(data.val_x, slice(0, PARITY_ROWS))
     refuse_random(model, example)
     warn_wide_inputs(model, example)
-    proto = export_onnx(model, example, path, cfg.opset, cfg.dynamic_batch, axes)
+    proto = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
     session = ort_session(path)  # for the parity check and the output-axis probe
     check = batch_parity(model, path, example, x, cfg.parity_atol, session)
     if not check["max_abs_err"] <= cfg.parity_atol:

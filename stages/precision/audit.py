@@ -1,6 +1,8 @@
 """Which precision a graph computes in, and how much it computes: each compute node's FLOPs per sample (from ONNX
 shape inference at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
-or an integer op is INT8, one on FP16 tensors FP16, the rest FP32.
+or an integer op is INT8, one on FP16 tensors FP16, the rest FP32. An op no runtime computes in integers from Q/DQ
+(LSTM/GRU/RNN, DFT/STFT: :data:`FLOAT_ONLY`) is FP32 behind a DequantizeLinear too: it runs on the dequantized
+values.
 
 The compute nodes, each counted by a standard formula from its shapes: MatMul, Gemm, Conv, ConvTranspose,
 DeformConv and their fused and integer forms (2 x multiply-adds); LSTM, GRU and RNN (their gates' GEMMs at every
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from math import log2, prod
 from pathlib import Path
@@ -51,6 +53,9 @@ ATTENTION |= {"LongformerAttention", "PagedAttention", "QAttention", "QOrderedAt
 COMPUTE |= ATTENTION
 RECURRENT = {"LSTM", "GRU", "RNN", "DynamicQuantizeLSTM"}  # W and R: [directions, gates x hidden, input | hidden]
 COMPUTE |= RECURRENT
+# ops no runtime fuses with the DequantizeLinear before them (no QDQ kernel in ONNX Runtime or TensorRT): they run
+# in float on dequantized values; only ONNX Runtime's DynamicQuantizeLSTM computes an LSTM in integers
+FLOAT_ONLY = FOURIER | {"LSTM", "GRU", "RNN"}
 INTEGER = {"MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv", "DynamicQuantizeMatMul", "QGemm"}
 INTEGER |= {"MatMulIntegerToFloat", "QAttention", "QOrderedMatMul", "MatMulNBits", "QOrderedAttention"}
 INTEGER |= {"QOrderedLongformerAttention", "DynamicQuantizeLSTM"}
@@ -76,6 +81,7 @@ class Audit:
     largest: int = 0
     weight_flops: int = 0  # of MatMul/Gemm nodes whose second operand is a weight (linear layers)
     sizes: dict[str, int] = field(default_factory=dict)  # the dynamic axis sizes the FLOPs are counted at
+    by_node: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # name -> op, precision, FLOPs (counted)
 
     @property
     def total(self) -> int:
@@ -113,6 +119,16 @@ class Audit:
             "uncounted_ops": {op: dict(by) for op, by in sorted(self.uncounted_ops.items())},
             "counted_at": self.sizes,
         }
+
+    def elsewhere(self, precision: str, kept: Collection[str] = ()) -> tuple[int, Counter[str]]:
+        """The counted FLOPs not in ``precision``: those of the ``kept`` nodes (kept in float on purpose), and the
+        others' by op type (what the precision does not reach: ops it does not quantize or cannot compute)."""
+        outside = [(name, op, flops) for name, (op, p, flops) in self.by_node.items() if p != precision]
+        by_op: Counter[str] = Counter()
+        for name, op, flops in outside:
+            if name not in kept:
+                by_op[op] += flops
+        return sum(flops for name, _, flops in outside if name in kept), by_op
 
     def not_counted(self, op: str, precision: str) -> None:
         self.uncounted[precision] += 1
@@ -161,6 +177,7 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
         else:
             out.flops[precision] += flops
             out.largest = max(out.largest, flops)
+            out.by_node[node.name or node.output[0]] = (node.op_type, precision, flops)
             if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in weights:
                 out.weight_flops += flops
     return out
@@ -173,15 +190,15 @@ def compute_precisions(model: onnx.ModelProto | Path) -> Counter[str]:
 
 def _precision(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types: dict[str, int]) -> str:
     """An integer op computes in INT8; a node fed by a DequantizeLinear in what was quantized (Q/DQ: float8 or an
-    8-bit integer), except a DFT or STFT, which no runtime computes in integers (it transforms the dequantized
-    values in float); any other in its operands' float type."""
+    8-bit integer), except an op of :data:`FLOAT_ONLY` (a DFT, an LSTM), which no runtime computes in integers (it
+    runs on the dequantized values in float); any other in its operands' float type."""
     if node.op_type in INTEGER:
         return "int8"
     operands = [i for i in node.input[:2] if i]
     dequantized = [
         producer[i] for i in operands if producer.get(i) is not None and producer[i].op_type == "DequantizeLinear"
     ]
-    if dequantized and node.op_type not in FOURIER:
+    if dequantized and node.op_type not in FLOAT_ONLY:
         float8 = any(types.get(dq.input[0]) in FLOAT8 for dq in dequantized)
         return "fp8" if float8 else "int8"
     # the activation's type, else (a fused op shape inference cannot see through) the weight's

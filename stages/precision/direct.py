@@ -83,7 +83,7 @@ def precision_direct(
         built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log, sizes)
     for name, entry in list(built.items()):  # no graph of it any engine can read: not made, here
         if entry.get("unmade") and not entry.get("backend_paths"):
-            failed[name] = ModelError(entry["unmade"], hint=TOO_LITTLE_HINT)
+            failed[name] = ModelError(entry["unmade"], hint=entry.get("unmade_hint", TOO_LITTLE_HINT))
             del built[name]
     if not set(variants) & set(built):  # none of those asked for: the FP32 copy alone is no answer
         raise ModelError(

@@ -8,6 +8,7 @@ gate the engine will face, not at a stricter or looser target of its own.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,15 @@ from kiln.core.onnx_io import ort_session
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.timing import MIN_ROUNDS, interleave, median_interval, time_calls
-from kiln.stages.accuracy.check import Reference, accuracy_failures, compare_on, gates_for, summarize
+from kiln.stages.accuracy.check import (
+    Comparison,
+    Reference,
+    accuracy_failures,
+    compare_on,
+    gates_for,
+    merge_worst,
+    summarize,
+)
 from kiln.stages.accuracy.config import GatesConfig
 from kiln.stages.precision.config import FallbackConfig
 
@@ -64,6 +73,7 @@ class GateCheck:
 
     def __init__(self, fp32: onnx.ModelProto, ref: Reference, gates: GatesConfig, batch_sizes: list[int]) -> None:
         self.fp32, self.ref, self.gates, self.batch_sizes = fp32, ref, gates, sorted(set(batch_sizes))
+        self.missed: dict[str, list[dict[str, int]]] = {}  # a failure said with its shape -> the shapes missing it
 
     @classmethod
     def on_samples(
@@ -84,19 +94,21 @@ class GateCheck:
 
     def __call__(self, model: Model, precision: str, extra: FallbackConfig | None = None) -> Verdict:
         """``model`` judged as an engine of ``precision``; ``extra``: the fallback's own targets, where set (they
-        can only add to the gates)."""
-        found = compare_on(self.ref, session_runner(model, precision), self.batch_sizes)
-        entry = EngineValidation(name="", backend="onnxruntime", precision=precision, device="cpu", status="validated")
-        summarize(entry, found.stats, self.ref.logits)
-        entry.accuracy, entry.metric = found.accuracy, found.metric
-        failures = accuracy_failures(
-            entry,
-            gates_for(self.gates, precision, self.ref.logits is None),
-            self.ref.accuracy,
-            self.ref.metric,
-            self.ref.metric_value,
-        )
-        failures += _extra_failures(entry, extra)
+        can only add to the gates). With several validated shapes, each missed gate names the shape it missed at
+        (the sizes of the dynamic axes; :meth:`missed_at` gives them back)."""
+        run, gates = session_runner(model, precision), gates_for(self.gates, precision, self.ref.logits is None)
+        found, missed = Comparison(), []
+        for point, feed in self.ref.feeds:  # one shape at a time: the same runs, each shape's gates known too
+            part = compare_on(self.ref, run, self.batch_sizes, takes=lambda f, own=feed: f is own)
+            missed.append((point, self._failures(part, gates, precision, extra)))
+            found.stats = merge_worst(found.stats, part.stats)
+            found.accuracy = part.accuracy if part.accuracy is not None else found.accuracy
+            found.metric = part.metric if part.metric is not None else found.metric
+            found.last = part.last if part.last is not None else found.last
+        entry = _entry(found, precision, self.ref.logits)
+        failures = self._failures(found, gates, precision, extra)
+        if len(self.ref.feeds) > 1:
+            failures = [self._placed(f, missed) for f in failures]
         key = self.ref.logits or next(iter(self.ref.outputs[-1]))
         metrics = {
             "top1_agreement": _agreement(entry),
@@ -111,6 +123,33 @@ class GateCheck:
         assert found.last is not None  # the data's own shape is always validated on a graph of any shape
         return Verdict(metrics, failures, self.ref.outputs[-1][key], found.last[key])
 
+    def _failures(
+        self, found: Comparison, gates: dict[str, Any], precision: str, extra: FallbackConfig | None
+    ) -> list[str]:
+        """Each gate ``found`` misses (validation's, then the fallback's own targets)."""
+        entry = _entry(found, precision, self.ref.logits)
+        fails = accuracy_failures(entry, gates, self.ref.accuracy, self.ref.metric, self.ref.metric_value)
+        return fails + _extra_failures(entry, extra)
+
+    def _placed(self, failure: str, missed: list[tuple[dict[str, int], list[str]]]) -> str:
+        """``failure`` (over every shape) with the shape its value comes from, and the other shapes that miss the
+        same gate; remembered for :meth:`missed_at`."""
+        worst = [point for point, fails in missed if failure in fails]
+        points = worst + [p for p, fails in missed if p not in worst and any(_gate(f) == _gate(failure) for f in fails)]
+        if not points or not points[0]:
+            return failure
+        placed = f"{failure} at {_sizes(points[0])}"
+        placed += f" (and at {'; '.join(_sizes(p) for p in points[1:])})" if points[1:] else ""
+        self.missed[placed] = points
+        return placed
+
+    def missed_at(self, failures: list[str]) -> list[dict[str, int]]:
+        """The shapes (sizes of the dynamic axes) the ``failures`` of a verdict were missed at, each once."""
+        points: list[dict[str, int]] = []
+        for failure in failures:
+            points += [p for p in self.missed.get(failure, []) if p not in points]
+        return points
+
     def time_graphs(self, graphs: dict[str, Path], rounds: int = MIN_ROUNDS) -> dict[str, tuple[float, float, float]]:
         """p50 ms and its 95 % interval of each graph in ONNX Runtime on the held-out samples at the largest batch,
         timed in interleaved rounds: the median of the rounds' medians, the statistic the interval is of."""
@@ -121,6 +160,23 @@ class GateCheck:
             medians = [float(np.median(r)) for r in per_round]
             out[name] = (float(np.median(medians)), *median_interval(medians))
         return out
+
+
+def _entry(found: Comparison, precision: str, logits: str | None) -> EngineValidation:
+    """``found`` as validation's entry for an engine of ``precision``, which the gates read."""
+    entry = EngineValidation(name="", backend="onnxruntime", precision=precision, device="cpu", status="validated")
+    summarize(entry, found.stats, logits)
+    entry.accuracy, entry.metric = found.accuracy, found.metric
+    return entry
+
+
+def _gate(failure: str) -> str:
+    """The gate a failure says it missed: its text without the numbers."""
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", failure)
+
+
+def _sizes(point: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point.items())
 
 
 def _session_timer(run: Any, feed: Feed) -> Any:

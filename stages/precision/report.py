@@ -22,15 +22,15 @@ def report_section(precision: Any) -> list[str]:
             "|---|---|---|",
         ]
         out += [
-            f"| {name}{' (**not made**)' if v.get('unmade') and not v.get('backend_paths') else ''} | "
-            f"{v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |"
+            f"| {_label(name, v)} | {v.get('kept_fp32', 0)} | {fmt(v.get('top1_agreement'))} |"
             for name, v in variants.items()
         ]
         out += [f"| {name} | **failed, not built** | - |" for name in precision.failed]
+        out += [line for name, v in variants.items() for line in _unmade(name, v)]
         for name, v in variants.items():
             if v.get("graph"):
                 out += ["", f"`{name}`: {v['graph']}."]
-            if "ort_cpu_scheme" in v:
+            if "ort_cpu_scheme" in v and not v.get("ort_cpu_unmade"):
                 out += [
                     "",
                     f"ONNX Runtime CPU engines of `{name}` load a graph of their own, quantized "
@@ -58,6 +58,31 @@ def report_section(precision: Any) -> list[str]:
                 )
                 for name, hit in (precision.first_divergence or {}).items()
             ]
+    return out
+
+
+def _label(name: str, v: dict[str, Any]) -> str:
+    """A variant's name in the table, marked where its Q/DQ graph was not made: a row whose numbers are those of a
+    graph that missed the gates must not read as a variant that engines are built from."""
+    if not v.get("unmade"):
+        return name
+    only = ", ".join(v.get("backend_paths") or {})
+    return f"{name} (**Q/DQ graph not made**; only for {only})" if only else f"{name} (**not made**)"
+
+
+def _unmade(name: str, v: dict[str, Any]) -> list[str]:
+    """Why a variant's Q/DQ graph (or ONNX Runtime CPU's own graph) was not made, and which engines that leaves."""
+    out = []
+    if v.get("unmade"):
+        only = ", ".join(v.get("backend_paths") or {})
+        left = (
+            f"engines that build from it (TensorRT's) are not built; {only} engines load their own graph, which passed"
+            if only
+            else "no engine is built from its graph; those compiled from the PyTorch model (the torch backend's) are"
+        )
+        out += ["", f"- **{name}**: {v['unmade']}; {left}."]
+    if v.get("ort_cpu_unmade"):
+        out += ["", f"- `{name}`: {v['ort_cpu_unmade']}; ONNX Runtime CPU engines load the Q/DQ graph instead."]
     return out
 
 

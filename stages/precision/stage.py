@@ -12,28 +12,29 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.data import calibration_batches
+from kiln.calibration.data import Batch, calibration_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
-from kiln.calibration.quantize import check_exclusions
+from kiln.calibration.quantize import check_exclusions, quantizable_op_types
 from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
 from kiln.core.outputs import class_logits
 from kiln.core.progress import Progress
 from kiln.core.records import PrecisionVariant, TensorSpec, Variants
-from kiln.core.shapes import axis_sizes, graph_axes
+from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import StageContext
 from kiln.core.text import fmt
 from kiln.models.model_io import on_random_inputs, torch_model_named
-from kiln.stages.accuracy.check import held_out, held_out_reference
-from kiln.stages.precision.audit import MIN_SHARE, audit_graph
+from kiln.stages.accuracy.check import held_out, held_out_reference, own_point
+from kiln.stages.precision.audit import FLOAT_ONLY, MIN_SHARE, Audit, audit_graph
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.declaration import PrecisionSettings, PrecisionSummary
@@ -72,6 +73,9 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     batches = calibration_batches(data, ccfg, ctx.config.seed, names, inputs) if needs_data else []
     if lowbit and batches:
         save_feeds(batches, names, ctx.out / FEEDS_FILE)
+    sizes = _axis_sizes(data, names, ctx)
+    if not ccfg.reader:  # the user's reader gives the sizes it means to; the data's batches take validation's too
+        batches += at_validated_shapes(batches, validated_axes(ctx, inputs), sizes)
     logits = class_logits([o.name for o in outputs], ctx.config.signature.logits_output, data.val_y)
     logits_index = [o.name for o in outputs].index(logits) if logits is not None else None
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
@@ -88,7 +92,6 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         )
         cache_dir = src.cache_dir if ccfg.cache else None
         check = held_out_check(ctx, data, src, inputs) if set(converted) - {"fp32"} else None
-        sizes = _axis_sizes(data, names, ctx)
         variants, errors = build_variants(src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log, sizes)
         failed = {p: e.message for p, e in errors.items()}
         x_val = check.samples if check is not None else {}
@@ -126,6 +129,7 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             **(_ort_cpu_summary(e["ort_cpu"]) if "ort_cpu" in e else {}),
             **({"reduce_range": True} if e.get("calibration", {}).get("reduce_range") else {}),
             **({"graph": e["graph"]} if "graph" in e else {}),
+            **{k: e[k] for k in ("unmade", "ort_cpu_unmade", "backend_paths") if e.get(k)},
         }
         for v, e in variants.items()
     }
@@ -170,11 +174,14 @@ def build_variants(
                 else:
                     variants["int8"] = build_int8(src, out, ccfg, cfg.fallback, x_val)
                 unmade = not_made(precision, variants[precision])
+                shapes = uncalibrated(x_val, precision, variants[precision], src.batches)
                 if unmade is None:
-                    mark_too_little(precision, variants[precision], root, largest)
+                    if shapes and variants[precision].get("unmade"):
+                        variants[precision]["unmade"] += f" ({shapes})"
+                    mark_too_little(precision, variants[precision], root, largest, quantizable_op_types(ccfg))
                 if unmade:
                     del variants[precision]
-                    raise ModelError(unmade, hint=UNMADE_HINT)
+                    raise ModelError(unmade, hint=f"{shapes}; else {UNMADE_HINT}" if shapes else UNMADE_HINT)
             except KilnError as exc:  # one variant's failure must not take the others with it
                 failed[precision] = outside(root, exc)
                 log.error("precision variant %s failed, the others go on: %s", precision, exc.message)
@@ -202,6 +209,11 @@ def failure_hint(errors: dict[str, KilnError], otherwise: str) -> str:
 
 
 TOO_LITTLE_HINT = (
+    "where the fallback kept most of the compute in float to pass the gates, loosen validate.gates.per_precision for "
+    "it if that accuracy is acceptable; where the compute is in op types it does not reach (named above), quantize "
+    "them (calibration.op_types) if they can be, else drop it from the variants"
+)
+KEPT_HINT = (
     "the fallback kept most of the compute in float to pass the gates: loosen validate.gates.per_precision for it if "
     "that accuracy is acceptable, or drop it from the variants (fp16 keeps more of a model in low precision)"
 )
@@ -228,35 +240,73 @@ def not_made(precision: str, entry: dict[str, Any]) -> str | None:
     return None if own["passed"] else _why(precision, own)
 
 
-def mark_too_little(precision: str, entry: dict[str, Any], root: Path, sizes: dict[str, int]) -> None:
+def mark_too_little(
+    precision: str, entry: dict[str, Any], root: Path, sizes: dict[str, int], quantized: Collection[str] = ()
+) -> None:
     """A graph of the variant with under :data:`MIN_SHARE` of its FLOPs in ``precision`` (counted at ``sizes``, as
     the build audits its engines), because the fallback kept much in float or the precision covers few of the
-    model's ops (ONNX Runtime CPU's INT8 leaves attention's matmuls in FP32): no engine read from it could be
-    labelled ``precision``. ONNX Runtime CPU's own graph that is short is dropped (its engines then read the Q/DQ
-    graph); a short Q/DQ graph is marked ``unmade``, so the engines that read it are not built, said with the
-    share, while those built from the PyTorch model (the torch backend) still are."""
+    model's ops (ONNX Runtime CPU's INT8 leaves attention's matmuls in FP32; no runtime computes an LSTM in INT8 from
+    Q/DQ): no engine read from it could be labelled ``precision``. ONNX Runtime CPU's own graph that is short is
+    dropped (its engines then read the Q/DQ graph); a short Q/DQ graph is marked ``unmade``, so the engines that read
+    it are not built, said with the share and its cause (:func:`too_little`; ``quantized``: the op types
+    calibration quantizes), while those built from the PyTorch model (the torch backend) still are. The fix for
+    the Q/DQ graph's cause goes to ``unmade_hint``."""
     if precision == "fp32" or "path" not in entry:
         return
 
-    def short(label: str, path: Path, kept: list[str]) -> str | None:
-        share = audit_graph(path, sizes).share().get(precision, 0.0)
+    def short(label: str, path: Path, kept: list[str]) -> tuple[str, str] | None:
+        audit = audit_graph(path, sizes)
+        share = audit.share().get(precision, 0.0)
         if share >= MIN_SHARE:
             return None
+        why, hint = too_little(audit, precision, kept, quantized)
         return (
-            f"{label} not made: {share:.0%} of its FLOPs run in {precision} ({len(kept)} nodes kept in float to "
-            f"pass the gates), under the {MIN_SHARE:.0%} an engine labelled {precision} must run (the precision "
-            "audit)"
+            f"{label} not made: {share:.0%} of its FLOPs run in {precision} ({why}), under the {MIN_SHARE:.0%} an "
+            f"engine labelled {precision} must run (the precision audit)",
+            hint,
         )
 
     cpu = entry.get("ort_cpu") or entry
     for backend, path in list((entry.get("backend_paths") or {}).items()):
-        if why := short(f"{precision} ({backend} graph)", root / path, cpu["kept_fp32"]):
-            entry["ort_cpu_unmade"] = why
+        if found := short(f"{precision} ({backend} graph)", root / path, cpu["kept_fp32"]):
+            entry["ort_cpu_unmade"] = found[0]
             entry["backend_paths"].pop(backend)
     if not entry.get("unmade"):
         label = f"{precision} (Q/DQ graph)" if entry.get("backend_paths") else precision
-        if why := short(label, root / entry["path"], entry["kept_fp32"]):
-            entry["unmade"] = why
+        if found := short(label, root / entry["path"], entry["kept_fp32"]):
+            entry["unmade"], entry["unmade_hint"] = found
+
+
+def too_little(audit: Audit, precision: str, kept: list[str], quantized: Collection[str]) -> tuple[str, str]:
+    """Why a graph computes little in ``precision``, and the fix: the ``kept`` nodes (the fallback's and
+    calibration.exclude_*'s) where they hold most of the FLOPs left in float, else the op types that do, said as
+    ops no runtime computes in integers from Q/DQ (:data:`FLOAT_ONLY`: an LSTM), ops outside ``quantized``
+    (calibration.op_types), or ops the quantizer left in float."""
+    held, by_op = audit.elsewhere(precision, kept)
+    kept_said = f"{len(kept)} nodes kept in float to pass the gates"
+    if not by_op or held >= sum(by_op.values()):
+        return kept_said, KEPT_HINT
+    ops = [op for op, _ in by_op.most_common()]
+    carry = ", ".join(f"{op} {by_op[op] / audit.total:.0%}" for op in ops[:4])
+    lowbit = precision in ("int8", "fp8")
+    never = [op for op in ops if lowbit and op in FLOAT_ONLY]
+    left_out = [op for op in ops if lowbit and quantized and op not in FLOAT_ONLY and op not in quantized]
+    said = [f"{kept_said}; the FLOPs outside {precision} are in {carry}"]
+    fixes = []
+    if never:
+        said.append(
+            f"no runtime computes {'/'.join(never)} in {precision} from Q/DQ (quantized, it runs on the dequantized "
+            "values in float)"
+        )
+    if left_out:
+        said.append(f"{'/'.join(left_out)} {'is' if len(left_out) == 1 else 'are'} not in calibration.op_types")
+        fixes.append(f"add {', '.join(left_out)} to calibration.op_types")
+    if never or not left_out:
+        fixes.append(
+            f"drop {precision} from precision.variants for this model: {'/'.join(never or ops[:2])} "
+            f"cannot run in {precision}" + (" (fp16 keeps it in low precision)" if lowbit else "")
+        )
+    return "; ".join(said), "; or ".join(fixes)
 
 
 def _why(label: str, fallback: dict[str, Any]) -> str:
@@ -275,13 +325,60 @@ def held_out_check(
     metric, its batch sizes and the gates of ``validate.gates``."""
     names = [i.name for i in inputs]
     sig, vcfg = ctx.config.signature, ctx.config.validate
-    axes = sig.dynamic_axes or (graph_axes(inputs) if not torch_model_named(ctx.config.model) else {})
+    axes = validated_axes(ctx, inputs)
     feeds = held_out(data, lambda x: feed_for_graph(x, names), axes, sig.shapes, vcfg.max_samples)
     out_names = [o.name for o in src.model.graph.output]
     logits = out_names[src.logits] if src.logits is not None else None
     named = sig.logits_output is not None  # the user's class-logit output: held to top-1 agreement in any case
     ref = held_out_reference(session_runner(src.model), feeds, data, logits, vcfg, sig.batch_sizes, axes, named)
     return GateCheck(src.model, ref, vcfg.gates, sig.batch_sizes)
+
+
+def validated_axes(ctx: StageContext[PrecisionSettings], inputs: list[TensorSpec]) -> Axes:
+    """The dynamic axes validation varies: ``signature.dynamic_axes``, else those the graph names (a run from an
+    ONNX file)."""
+    axes = ctx.config.signature.dynamic_axes
+    return axes or (graph_axes(inputs) if not torch_model_named(ctx.config.model) else {})
+
+
+def at_validated_shapes(batches: list[Batch], axes: Axes, sizes: dict[str, list[int]]) -> list[Batch]:
+    """One calibration batch at each validated shape (:func:`kiln.core.shapes.shape_points` of ``sizes``) that no
+    batch has, the batches taken in turn and resized as validation resizes the held-out data (cut, or grown by
+    repeating the inputs' values along the axis): an activation whose range follows a
+    dynamic axis (attention probabilities over 8 encoder steps are 4 times those over 32) then gets a scale that
+    holds at every size the variant is judged and served at, not only at the data's own."""
+    feeds = [b for b in batches if isinstance(b, dict)]
+    if not axes or not feeds:
+        return []
+    had = [own_point(b, axes) for b in feeds]
+    points = [p for p in shape_points(sizes) if p and not any(_within(p, h) for h in had)]
+    return [resize(feeds[i % len(feeds)], axes, p, repeat_floats=True) for i, p in enumerate(points)]
+
+
+def _within(point: dict[str, int], sizes: dict[str, int]) -> bool:
+    """Whether ``sizes`` (a batch's) are those of ``point`` on every axis it names."""
+    return all(sizes.get(k) == v for k, v in point.items())
+
+
+def uncalibrated(
+    check: Samples | GateCheck | None, precision: str, entry: dict[str, Any], batches: list[Batch]
+) -> str | None:
+    """Where the ``precision`` variant's Q/DQ graph misses its gates only at validated shapes that none of the
+    calibration ``batches`` has (a user's reader at one length): said with the fix, since its activation scales were
+    measured at other sizes. None otherwise."""
+    own = entry.get("fallback")
+    if precision not in ("int8", "fp8") or not isinstance(check, GateCheck) or own is None or own["passed"]:
+        return None
+    points = check.missed_at(own.get("failures") or [])
+    had = [own_point(b, check.ref.axes) for b in batches if isinstance(b, dict)]
+    if not points or any(_within(p, h) for p in points for h in had):
+        return None
+    at = "; ".join(", ".join(f"{k}={v}" for k, v in p.items()) for p in points)
+    return (
+        f"the {precision} Q/DQ graph misses the gates only at {at}, sizes its calibration data does not "
+        "have: calibrate at those sizes too (a calibration.reader yielding batches at them), or narrow "
+        "signature.shapes to sizes it was calibrated at"
+    )
 
 
 def _unconverted(precision: str, log: logging.Logger) -> dict[str, Any]:

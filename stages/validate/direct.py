@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.core.compare import set_aside
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, read_feed
 from kiln.core.inputs import check_batch_axis, random_inputs
@@ -136,7 +137,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     batch = str(len(next(iter(feed.values()))))
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
-    entry.failures = check_gates(entry, None, entry.gates, int(batch)) + _nothing_measured(ref)
+    entry.failures = check_gates(entry, None, entry.gates, int(batch)) + _nothing_measured(ref, got)
     entry.passed = not entry.failures
     return entry
 
@@ -158,28 +159,31 @@ def _say_padding_ties(
         )
 
 
-def _nothing_measured(ref: dict[str, np.ndarray]) -> list[str]:
-    """A failure for each float output the reference answers with NaN or infinity on every sample (equal non-finite
-    values compare as equal, so such an output would pass with cosine 1: nothing measured is no pass); a warning
-    for one that is non-finite on some samples only."""
+def _nothing_measured(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> list[str]:
+    """A failure for each float output with nothing compared on any sample: every value of each sample is one the
+    reference and the engine hold alike as NaN, infinity or a mask's fill (:func:`~kiln.core.compare.set_aside`),
+    which compare as equal, so such an output would pass with cosine 1, and nothing measured is no pass; a warning
+    for one with nothing compared on some samples only. A sample with a masked value among others is compared on
+    those others as usual."""
     failures = []
     for name, r in ref.items():
-        if r.dtype.kind != "f" or not r.size or r.ndim == 0:
+        if r.dtype.kind != "f" or not r.size or r.ndim == 0 or name not in got:
             continue
-        bad = ~np.isfinite(r.reshape(len(r), -1)).all(axis=1)
-        if bad.all():
+        empty = set_aside(r, got[name]).reshape(len(r), -1).all(axis=1)
+        if empty.all():
             failures.append(
-                f"reference output '{name}' is NaN or infinite on all {len(r)} samples: nothing was compared there "
-                "(inputs the model cannot take, e.g. lengths shorter than its subsampling)"
+                f"reference output '{name}' is NaN, infinite or a mask's fill at every value of all {len(r)} "
+                "samples, and so is the engine's: nothing was compared there (inputs the model cannot take, e.g. "
+                "lengths shorter than its subsampling)"
             )
-        elif bad.any():
+        elif empty.any():
             log.warning(
-                "reference output '%s' is NaN or infinite on %d of %d samples (sample %d first): those are compared "
-                "only by where their non-finite values are",
+                "reference output '%s' is NaN, infinite or a mask's fill at every value of %d of %d samples (sample "
+                "%d first), and so is the engine's: nothing was compared on those samples",
                 name,
-                int(bad.sum()),
+                int(empty.sum()),
                 len(r),
-                int(np.flatnonzero(bad)[0]),
+                int(np.flatnonzero(empty)[0]),
             )
     return failures
 

@@ -9,6 +9,7 @@ from typing import Any
 from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
 from kiln.core.timing import ratio_interval
+from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, resolve_metric
 
 RANDOM_INPUTS = (
     "RANDOM arrays of the declared input shapes, not real data: agreement on them says little about the engine "
@@ -111,8 +112,8 @@ def report_section(v: ValidationResult) -> list[str]:
             "",
             "Top-1 flips on ties, counted as agreeing (the reference's margin between the two classes within the "
             "engine's own error on that sample, `kiln.core.compare.TIE_SIGMAS`): "
-            + ", ".join(f"{e.name} {e.top1_ties:.2%} of samples" for e in tied)
-            + ".",
+            + ", ".join(f"{e.name} {e.top1_ties:.2%}" for e in tied)
+            + f" of the {_decisions(b)}, at the validated shape and batch size where the share is largest.",
         ]
     lines += _timing(v) + _metric(v)
     lines += [f"- baseline {x.label} not measured: {x.error}" for x in v.baselines if x.error]
@@ -177,14 +178,53 @@ def _timing(v: ValidationResult) -> list[str]:
     return ["", line]
 
 
+def _decisions(b: Any) -> str:
+    """What a top-1 share counts: the class logits' rows, one per sample, or with labels per position the labelled
+    positions (a token's tag, a pixel's class); class logits with positions and no labels count the positions the
+    reference is confident at."""
+    if b.labelled_positions:
+        return "labelled positions compared"
+    return (
+        "top-1 decisions compared (one per sample; for class logits with positions, one per position the "
+        "reference is confident at)"
+    )
+
+
 def _metric(v: ValidationResult) -> list[str]:
+    """The metric each engine scored beside the reference's, with its drop and gate. Its name is validate.metric's;
+    a value without one is the metric float targets get where validate.metric is unset (:data:`DEFAULT`)."""
     b = v.baseline
-    if b.metric_name is None:
+    if b.metric_name is None and b.metric is None:
         return []
-    per = ", ".join(f"{e.name} {fmt(e.metric, '.4g')}" for e in v.engines if e.metric is not None)
+    name = b.metric_name or DEFAULT
+    default = b.metric_default or not b.metric_name  # a record of before metric_default: a value without a name
+    source = "the default for float targets: validate.metric is unset" if default else "validate.metric"
+    per = "; ".join(
+        f"{e.name} {fmt(e.metric, '.4g')}{_metric_drop(name, b.metric, e)}" for e in v.engines if e.metric is not None
+    )
     if b.labelled_positions == 0:  # labels per position that fit no validated shape (said above)
         per = "not measured: the labels fit no validated size"
-    return ["", f"Metric `{b.metric_name}` (validate.metric): reference {fmt(b.metric, '.4g')}; {per}."]
+    line = f"Metric `{name}` ({source}): reference {fmt(b.metric, '.4g')}; {per}."
+    metric = resolve_metric(name, None) if name in BUILTINS else None
+    if metric is not None and metric.relative:
+        line += (
+            f" `{name}` is an error metric: its rise is relative to the reference's value, (engine - reference) / "
+            "reference, so a `max_metric_drop` of 0.01 allows 1 % more error."
+        )
+    return ["", line]
+
+
+def _metric_drop(name: str, baseline: float | None, e: EngineValidation) -> str:
+    """`` (relative rise 0.02, gate ≤ 0.01)``: a built-in metric's drop from the reference (an error metric's
+    relative rise: :meth:`kiln.stages.accuracy.metrics.Metric.drop`) beside its gate; empty for a user's metric,
+    whose direction the record does not hold."""
+    metric = resolve_metric(name, None) if name in BUILTINS else None
+    if metric is None or baseline is None or e.metric is None:
+        return ""
+    what = "relative rise" if metric.relative and baseline != 0 else "rise" if not metric.higher_is_better else "drop"
+    limit = e.gates.get("max_metric_drop")
+    gate = "" if limit is None else f", gate ≤ {limit:g}"
+    return f" ({what} {metric.drop(baseline, e.metric):.4g}{gate})"
 
 
 def _vs_baselines(v: ValidationResult) -> list[str]:
@@ -303,15 +343,15 @@ def _compared(b: Any) -> list[str]:
 
 def _padded(b: Any) -> str:
     """Which validated sizes lie past the data's own (where accuracy was measured): there the held-out inputs are
-    lengthened (float values repeated, integers padded with zeros: the pad token), which the gates judge too."""
+    lengthened (their values repeated along the axis: token ids with their mask), which the gates judge too."""
     own = getattr(b, "scored_at", None) or {}
     past = [p for p in b.shapes if any(p.get(k, 0) > v for k, v in own.items())]
     if not past:
         return ""
     said, data = "; ".join(_point(p) for p in past), _point(dict(sorted(own.items())))
     return (
-        f" (at {said} the held-out inputs are lengthened past the data's own {data}: float values repeated, integers "
-        "padded with zeros)"
+        f" (at {said} the held-out inputs are lengthened past the data's own {data}: their values repeated along "
+        "the axis)"
     )
 
 

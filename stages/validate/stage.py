@@ -8,8 +8,10 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +31,10 @@ from kiln.core.data import (
     from_feed,
     input_names,
 )
+from kiln.core.errors import ModelError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
+from kiln.core.labels import exporter_made
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, class_logits, host_arrays, logits_name, named_outputs
 from kiln.core.records import (
@@ -45,6 +49,7 @@ from kiln.core.records import (
 )
 from kiln.core.shapes import Axes, graph_axes
 from kiln.core.stage import StageContext
+from kiln.core.text import short_reason
 from kiln.core.timing import BUSY_SPREAD, Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (
@@ -490,11 +495,79 @@ def onnx_reference(
         cfg.max_samples,
     )
     out_names = [o.name for o in outputs]
+    shown = f"model.onnx {Path(ctx.config.model.onnx).name}"
 
     def run(f: Feed) -> dict[str, np.ndarray]:
-        return dict(zip(out_names, sess.run(None, f)))
+        try:
+            return dict(zip(out_names, sess.run(None, f)))
+        except Exception as exc:  # ONNX Runtime's own error, whatever its type: shapes the graph does not take
+            raise reference_error(exc, f, shown, axes, feeds[-1][1]) from None
 
     return reference(ctx, data, cfg, run, feeds, out_names, axes), sess
+
+
+def reference_error(exc: Exception, fed: Feed, shown: str, axes: Axes, largest: Feed) -> ModelError:
+    """ONNX Runtime's failure running the reference ``shown`` on ``fed``, named with the shapes fed: validation
+    sets each named axis apart (one at its smallest beside the others at their largest), which a graph refuses
+    where it takes axes named apart (an exporter's per-input names) at one size only. The fix names alike the axes
+    of one size in the data (``largest``: every axis at its largest), the sizes the graph ran at in the export."""
+    shapes = {k: f"{np.asarray(v).dtype}{list(np.shape(v))}" for k, v in fed.items()}
+    return ModelError(
+        f"ONNX Runtime cannot run the reference, {shown}, on the validation inputs {shapes}: {short_reason(exc, 300)}",
+        hint=_tie_hint(axes, largest),
+    )
+
+
+def _tie_hint(axes: Axes, largest: Feed) -> str:
+    """The fix for a reference that refuses the validated shapes: ``axes`` (input -> {axis: name}) with the axes of
+    one size in ``largest`` named alike, as the ``--set`` of signature.dynamic_axes, where that ties any; else the
+    axes as they are named, to tie by hand, or sizes the graph takes."""
+    named = _tied_alike(axes, largest)
+    if named == {k: dict(v) for k, v in axes.items()}:
+        shown = _axes_text(named) if named else "none besides the batch"
+        return (
+            f"name alike in signature.dynamic_axes the axes the graph takes at one size only (validated as {shown}), "
+            "or give signature.shapes sizes the graph takes"
+        )
+    return (
+        f"name alike the axes the graph takes at one size only: --set 'signature.dynamic_axes={_axes_text(named)}' "
+        "(or the same under signature: in the run's config), or give signature.shapes sizes the graph takes"
+    )
+
+
+def _tied_alike(axes: Axes, largest: Feed) -> dict[str, dict[int, str]]:
+    """``axes`` with the axes of each size in ``largest`` under one name: the first that a person gave among them
+    (not an exporter's, :func:`kiln.core.labels.exporter_made`), else ``seq`` for axes that are all axis 1, else
+    ``size<N>`` (``seq<N>`` where another size took ``seq``)."""
+    sizes: dict[int, list[tuple[str, int]]] = {}
+    for k, dims in axes.items():
+        for axis in dims:
+            if k in largest and np.ndim(largest[k]) > axis:
+                sizes.setdefault(int(np.shape(largest[k])[axis]), []).append((k, axis))
+    out = {k: dict(v) for k, v in axes.items()}
+    taken = {n for dims in axes.values() for n in dims.values()}
+    for size, where in sizes.items():
+        names = list(dict.fromkeys(axes[k][a] for k, a in where))
+        if len(names) < 2:
+            continue
+        given = [n for n in names if not exporter_made(n)]
+        name = given[0] if given else "seq" if all(a == 1 for _, a in where) else f"size{size}"
+        name = f"{name}{size}" if name in taken - set(names) else name
+        taken.add(name)
+        for k, a in where:
+            out[k][a] = name
+    return out
+
+
+def _axes_text(axes: dict[str, dict[int, str]]) -> str:
+    """``{input_ids: {1: seq}, attention_mask: {1: seq}}``: signature.dynamic_axes as YAML's flow style writes it
+    (an input name YAML would not read as that text in quotes)."""
+
+    def key(name: str) -> str:
+        return name if re.fullmatch(r"[A-Za-z_][\w.:/-]*", name) else json.dumps(name)
+
+    inner = (", ".join(f"{a}: {n}" for a, n in d.items()) for d in axes.values())
+    return "{" + ", ".join(f"{key(k)}: {{{dims}}}" for k, dims in zip(axes, inner)) + "}"
 
 
 def reference(
@@ -586,7 +659,8 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         b.logits_output, b.compared, b.shapes = ref.logits, list(ref.outputs[-1]), [p for p, _ in ref.feeds if p]
         b.scored_at = ref.feeds[ref.score][0] or None if ref.score is not None else None
         b.labelled_positions = scored_positions(ref, labelled)
-        b.metric, b.metric_name = ref.metric_value, cfg.metric
+        b.metric, b.metric_name = ref.metric_value, ref.metric.name if ref.metric is not None else cfg.metric
+        b.metric_default = ref.metric is not None and ref.metric.default
         b.accuracy_note = accuracy_absent(ref, data)
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(
@@ -598,6 +672,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
             accuracy_note=baseline.accuracy_note,
             metric=baseline.metric,
             metric_name=baseline.metric_name,
+            metric_default=baseline.metric_default,
         )
     if ref.logits is None:
         ctx.log.info(

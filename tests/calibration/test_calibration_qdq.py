@@ -170,3 +170,34 @@ def test_auto_keeps_only_sigmoid_heads_and_first_last_keeps_the_graphs_last_laye
     assert excluded_nodes(model, CalibrationConfig()) == []
     assert excluded_nodes(model, CalibrationConfig(keep_output_layers="on")) == ["classes"]
     assert first_last_compute(model) == ["classes", "stem"]  # the graph's last layer, as before
+
+
+def test_a_box_head_scaled_by_a_dynamic_image_size_read_with_shape_is_still_the_last_layer() -> None:
+    """``sigmoid(box_head(f)) * [W, H, W, H]`` with W and H read from the image's shape (dynamic height and width):
+    the multiplier is computed from sizes only, so the walk goes through the Mul as through a constant scale."""
+    from onnx import TensorProto, helper
+
+    from kiln.calibration.quantize import excluded_nodes, last_compute
+
+    w = numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
+    idx = [numpy_helper.from_array(np.array(k, np.int64), f"i{k}") for k in (2, 3)]
+    axes = numpy_helper.from_array(np.array([0], np.int64), "axes")
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["image"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["f"]),
+        helper.make_node("Gemm", ["f", "w"], ["raw"], name="box_head"),
+        helper.make_node("Sigmoid", ["raw"], ["unit"]),
+        helper.make_node("Shape", ["image"], ["shape"]),
+        helper.make_node("Gather", ["shape", "i2"], ["h"], axis=0),
+        helper.make_node("Gather", ["shape", "i3"], ["w_px"], axis=0),
+        helper.make_node("Unsqueeze", ["h", "axes"], ["h1"]),
+        helper.make_node("Unsqueeze", ["w_px", "axes"], ["w1"]),
+        helper.make_node("Concat", ["w1", "h1", "w1", "h1"], ["whwh"], axis=0),
+        helper.make_node("Cast", ["whwh"], ["scale"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["unit", "scale"], ["bbox"], name="to_pixels"),
+    ]
+    image = helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, "height", "width"])
+    bbox = helper.make_tensor_value_info("bbox", TensorProto.FLOAT, [1, 4])
+    model = helper.make_model(helper.make_graph(nodes, "boxes", [image], [bbox], [w, *idx, axes]))
+    assert last_compute(model, scores_only=True) == {"box_head"}
+    assert excluded_nodes(model, CalibrationConfig()) == ["box_head"]

@@ -198,3 +198,95 @@ def test_value_order_puts_tied_detections_in_one_order_and_leaves_what_agrees_as
     steps = np.random.default_rng(0).standard_normal((10, 4, 16)).astype(np.float32)
     r, g = value_ordered({"out": steps}, {"out": steps[::-1].copy()}, ["out"])
     assert np.abs(r["out"] - g["out"]).max() > 0.1
+
+
+def _masked_logits(fill: float, share: float = 0.3, classes: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """A policy's logits [80, classes], invalid actions filled with ``fill`` (action 0 always valid), and the
+    positions filled."""
+    rng = np.random.default_rng(3)
+    mask = rng.random((80, classes)) < share
+    mask[:, 0] = False
+    logits = rng.standard_normal((80, classes)).astype(np.float32)
+    return np.where(mask, np.float32(fill), logits), mask
+
+
+@pytest.mark.parametrize("fill", [-1e9, float(np.finfo(np.float32).min), -1e4, -65504.0, -np.inf])
+@pytest.mark.parametrize("share", [0.3, 0.9])  # most actions masked too: the median is a fill's then
+def test_mask_fills_alike_in_both_are_set_aside_and_the_values_around_them_compared(fill: float, share: float) -> None:
+    """A policy whose logits were halved: with a -inf mask, relative error 0.5; with a -1e9 mask the fills drowned
+    it (6.5e-10) and the engine passed."""
+    ref, mask = _masked_logits(fill, share)
+    halved = np.where(mask, ref, ref / 2)
+    s = compare_arrays(ref, halved)
+    assert s.rel_err == pytest.approx(0.5, rel=1e-6) and 0.5 < s.max_abs_err < 3, s
+    assert compare_arrays(ref, ref.copy()).rel_err == 0.0
+    as_inf = np.where(mask, np.float32(-np.inf), ref)  # an FP16 engine's -inf for the fill: masked alike
+    assert compare_arrays(ref, as_inf).max_abs_err == 0.0
+
+
+def test_a_sample_whose_values_are_off_beside_its_mask_fills_is_the_worst() -> None:
+    ref, mask = _masked_logits(-1e9)
+    got = ref.copy()
+    got[7] = np.where(mask[7], ref[7], -ref[7])
+    s = compare_arrays(ref, got)
+    assert s.worst_sample == 7 and s.sample_cosine < 0.9999, s
+
+
+def test_a_mask_in_one_of_the_two_only_is_a_huge_error() -> None:
+    ref, mask = _masked_logits(-1e9)
+    got = ref.copy()
+    row, col = np.argwhere(mask)[0]
+    got[row, col] = 0.5  # the engine lets an invalid action through
+    s = compare_arrays(ref, got)
+    assert s.max_abs_err > 1e8 and s.rel_err > 0.5 and s.cosine < 0.9, s
+    got = ref.copy()
+    got[row, 0] = -1e9  # ...or masks a valid one
+    assert compare_arrays(ref, got).max_abs_err > 1e8
+
+
+def test_large_real_values_are_never_mask_fills() -> None:
+    """Values all near 1e6 (a regression's), a lone large value among small ones, and integer outputs hold no mask
+    fill: their errors count."""
+    from kiln.core.compare import masks_of
+
+    rng = np.random.default_rng(0)
+    level = (1e6 + 1e3 * rng.standard_normal((80, 3))).astype(np.float32)
+    assert masks_of(level).values == ()
+    assert compare_arrays(level, level * np.float32(1.01)).rel_err == pytest.approx(0.01, rel=1e-3)
+    lone = rng.standard_normal((80, 3))
+    lone[5, 1] = -2e4
+    assert masks_of(lone).values == ()
+    got = lone.copy()
+    got[5, 1] = -4e4
+    assert compare_arrays(lone, got).max_abs_err == 2e4
+    ids = np.full((8, 4), 50256, np.int64)  # an end-of-text token id: an integer, compared exactly
+    assert masks_of(ids).values == ()
+
+
+def test_agreement_within_a_tolerance_is_scaled_by_the_values_compared() -> None:
+    """The same -inf in both is equal (not NaN, not wrong); a -1e9 fill does not make the tolerance 1e5."""
+    from kiln.core.compare import agrees
+
+    row = np.array([[0.3, -1.2, -np.inf, 0.8, -np.inf]], np.float32)
+    assert agrees(row, row.copy(), 1e-5, 1e-4) == (True, 0.0)
+    big = np.where(np.isinf(row), np.float32(-1e9), row)
+    ok, err = agrees(big, np.where(np.isinf(row), big, big / 2), 1e-5, 1e-4)
+    assert not ok and err == pytest.approx(0.6)
+    nan = row.copy()
+    nan[0, 0] = np.nan
+    assert agrees(row, nan, 1e-5, 1e-4) == (False, float("inf"))
+
+
+def test_a_mask_fill_makes_no_flip_a_tie() -> None:
+    """``rel_tie`` is relative to the values compared: with a -1e9 fill it excused every flip."""
+    ref = np.array([[1.0, 0.5, -1e9, -1e9], [0.2, 1.0, -1e9, -1e9]])
+    got = np.array([[0.5, 1.0, -1e9, -1e9], [0.2, 1.0, -1e9, -1e9]])
+    assert compare_arrays(ref, got, rel_tie=1e-3).top1_agreement == 0.5
+
+
+def test_the_tolerance_of_an_output_with_a_mask_fill_is_scaled_by_its_values() -> None:
+    """The optimizer's and the export's check: a -1e9 fill made ``rtol * max|ref|`` 1e5."""
+    ref, mask = _masked_logits(-1e9)
+    assert within_tolerance(ref, ref.copy(), atol=1e-5, rtol=1e-4)[0]
+    ok, err, why = within_tolerance(ref, np.where(mask, ref, ref / 2), atol=1e-5, rtol=1e-4)
+    assert not ok and 0.5 < err < 3 and "max abs error" in why

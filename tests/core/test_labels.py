@@ -233,3 +233,24 @@ def test_made_up_axis_names_keep_a_seq2seqs_decoder_inputs_apart_by_name() -> No
     assert (without_padding(_seq2seq_feed(), {"logits": logits}, axes)["logits"] == 1).all()
     tied = {"logits": ["attention_mask", "decoder_input_ids"]}
     assert padding_ties(_seq2seq_feed(), {"logits": logits}, axes) == tied
+
+
+def test_left_padding_is_read_off_the_attention_mask_by_axis() -> None:
+    from kiln.core.labels import left_padded
+
+    axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    left, right = np.array([[0, 1, 1], [1, 1, 1]]), np.array([[1, 1, 0], [1, 1, 1]])
+    assert left_padded({"input_ids": left, "attention_mask": left}, axes) == {"seq"}
+    assert left_padded({"input_ids": right, "attention_mask": right}, axes) == set()
+    assert left_padded({"input_ids": left, "attention_mask": np.ones((2, 3), np.int64)}, axes) == set()
+    assert left_padded({"mask": left}, {"mask": {1: "seq"}}) == set()  # no attention mask by name
+
+
+def test_the_pad_value_is_what_the_data_holds_where_the_mask_marks_padding() -> None:
+    from kiln.core.labels import padding_value
+
+    mask = np.array([[1, 1, 0], [1, 0, 0]], np.int64)
+    feed = {"input_ids": np.where(mask == 1, 9, 2), "attention_mask": mask, "x": np.zeros((2, 3), np.float32)}
+    assert padding_value(feed, "input_ids") == 2 and padding_value(feed, "attention_mask") == 0
+    assert padding_value(feed, "x") is None  # floats: no token to take
+    assert padding_value({"input_ids": feed["input_ids"], "attention_mask": np.ones_like(mask)}, "input_ids") is None

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from kiln.core.errors import ModelError
-from kiln.core.outputs import flatten_outputs, named_outputs
+from kiln.core.errors import ConfigError, ModelError
+from kiln.core.outputs import flatten_outputs, logits_flag, logits_name, named_outputs
 
 
 class _Tagger(nn.Module):
@@ -84,3 +85,29 @@ def test_a_namedtuple_output_is_named_by_its_fields() -> None:
     assert list(flatten_outputs(Out(x, x))) == ["logits", "feats"]
     assert list(flatten_outputs({"head": Out(x, x)})) == ["head.logits", "head.feats"]
     assert list(flatten_outputs((x, x))) == ["output_0", "output_1"]  # a plain tuple as before
+
+
+def test_a_number_that_is_an_outputs_name_names_that_output() -> None:
+    """The TorchScript exporter names outputs ``1`` and ``0``: ``signature.logits_output=0`` (a number, as YAML and
+    --set read it) took the output at index 0, the one named ``1``."""
+    assert logits_name(["1", "0"], 0) == "0" and logits_name(["1", "0"], "1") == "1"
+    assert logits_name(["18"], 18) == "18"
+    assert logits_name(["hidden", "logits"], 1) == "logits" and logits_name(["a", "b"], -1) == "b"
+    with pytest.raises(ConfigError, match="out of range") as err:
+        logits_name(["a", "b"], 2)
+    assert "--set signature.logits_output=a" in err.value.hint
+
+
+@pytest.mark.parametrize("name", ["18", "0", "logits", "true", "null", "1.5", "a b", "it's", "output:0", "[x]"])
+def test_the_suggested_flag_names_the_output_through_the_clis_set_parser(name: str) -> None:
+    """A warning suggested ``signature.logits_output=18``, which --set read as the index 18 (out of range)."""
+    from kiln.pipeline.config import config_from_dict, set_value
+    from tests.conftest import tiny_config_dict
+
+    flag = logits_flag(name)
+    option, given = shlex.split(flag)
+    key, _, text = given.partition("=")
+    assert option == "--set" and key == "signature.logits_output"
+    setting = config_from_dict(tiny_config_dict(signature={"logits_output": set_value(key, text)})).signature
+    names = ["other", name]
+    assert logits_name(names, setting.logits_output) == name

@@ -9,6 +9,8 @@ from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec
 from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
 
+IGNORE = -100
+
 AXES = {"ids": {1: "seq"}, "mask": {1: "seq"}}
 
 
@@ -33,10 +35,11 @@ def test_sizes_from_the_data_or_the_config() -> None:
     ]
 
 
-def test_resize_cuts_or_zero_pads_every_tied_axis() -> None:
+def test_resize_cuts_or_repeats_every_tied_axis() -> None:
     short, long = resize(feed(16), AXES, {"seq": 4}), resize(feed(16), AXES, {"seq": 20})
     assert short["ids"].shape == short["mask"].shape == (2, 4) and (short["ids"] == feed(16)["ids"][:, :4]).all()
-    assert long["mask"].shape == (2, 20) and not long["mask"][:, 16:].any() and long["mask"][:, :16].all()
+    assert long["mask"].shape == (2, 20) and long["mask"].all()
+    assert (long["ids"][:, 16:] == feed(16)["ids"][:, :4]).all()
 
 
 def test_graph_axes_are_the_symbolic_dims_after_batch() -> None:
@@ -47,14 +50,64 @@ def test_graph_axes_are_the_symbolic_dims_after_batch() -> None:
     assert graph_axes(specs) == {"ids": {1: "seq"}}
 
 
-def test_a_float_input_lengthened_for_validation_repeats_itself_and_an_integer_one_takes_zeros() -> None:
+def test_a_float_input_lengthened_for_validation_repeats_itself_and_the_inputs_beside_it_alike() -> None:
     """Audio made longer by silence, a point cloud by points at the origin: inputs the data never held, on which
     gates judged engines (an INT8 Wav2Vec2 dropped for clips three quarters silent)."""
-    from kiln.core.shapes import resize
-
     feed = {"audio": np.array([[1.0, 2.0, 3.0]], np.float32), "ids": np.array([[5, 6, 7]], np.int64)}
     axes = {"audio": {1: "t"}, "ids": {1: "t"}}
     longer = resize(feed, axes, {"t": 7}, repeat_floats=True)
-    assert longer["audio"].tolist() == [[1, 2, 3, 1, 2, 3, 1]] and longer["ids"].tolist() == [[5, 6, 7, 0, 0, 0, 0]]
-    assert resize(feed, axes, {"t": 5})["audio"].tolist() == [[1, 2, 3, 0, 0]]  # the default: zeros, as before
+    assert longer["audio"].tolist() == [[1, 2, 3, 1, 2, 3, 1]] and longer["ids"].tolist() == [[5, 6, 7, 5, 6, 7, 5]]
+    padded = resize(feed, axes, {"t": 5})  # the default: a float axis padded, every input on it alike
+    assert padded["audio"].tolist() == [[1, 2, 3, 0, 0]] and padded["ids"].tolist() == [[5, 6, 7, 0, 0]]
     assert resize(feed, axes, {"t": 2}, repeat_floats=True)["audio"].tolist() == [[1, 2]]
+
+
+LM_AXES = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+
+
+def lm_feed(pad: int = 0, left: bool = False) -> dict[str, np.ndarray]:
+    """Two rows of 3 and 5 real tokens (ids 10 and up) in arrays of 6, padded with ``pad`` on the right or left."""
+    mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]], np.int64)
+    mask = mask[:, ::-1].copy() if left else mask
+    ids = np.where(mask == 1, np.arange(12).reshape(2, 6) + 10, pad)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def test_tokens_lengthened_past_the_data_are_real_tokens_that_the_comparison_reads() -> None:
+    """Ids padded with 0 beside a mask padded with 0 made every position past the data's length padding, which
+    the comparisons leave out: an engine wrong only there passed, and its whole range was recorded as validated."""
+    from kiln.core.labels import without_padding
+
+    data = lm_feed()
+    longer = resize(data, LM_AXES, {"seq": 15}, repeat_floats=True)
+    tiled = np.arange(15) % 6
+    assert (longer["input_ids"] == data["input_ids"][:, tiled]).all()
+    assert (longer["attention_mask"] == data["attention_mask"][:, tiled]).all()
+    ref = np.ones((2, 15, 4), np.float32)
+    late = ref.copy()
+    late[:, 6:] += 1000.0  # wrong at every position past the data's length only
+    kept = without_padding(longer, {"logits": ref}), without_padding(longer, {"logits": late})
+    assert not np.array_equal(kept[0]["logits"], kept[1]["logits"])
+    assert longer["attention_mask"][:, 6:].sum(1).tolist() == [6, 8]  # real tokens past the data's 6 positions
+
+
+def test_cutting_left_padded_rows_keeps_their_real_tokens_at_the_end() -> None:
+    """Left-padded rows (a batch padded for generation) hold their real tokens at the end: a cut that kept the
+    first positions kept padding only, and a shape with nothing to compare passed."""
+    left, right = lm_feed(left=True), lm_feed()
+    cut = resize(left, LM_AXES, {"seq": 2})
+    assert cut["attention_mask"].all() and (cut["input_ids"] == left["input_ids"][:, 4:]).all()
+    assert (resize(right, LM_AXES, {"seq": 2})["input_ids"] == right["input_ids"][:, :2]).all()  # as before
+    labels = np.where(left["attention_mask"] == 1, 7, IGNORE)
+    # labels resized alone follow the ids when told the axes their data pads on the left
+    assert (resize({"y": labels}, {"y": {1: "seq"}}, {"seq": 2}, left={"seq"})["y"] == 7).all()
+
+
+def test_padding_still_added_takes_the_data_pad_token() -> None:
+    """A model that pools its last token that is not the pad token (a Llama classifier padded with eos) reads a
+    0 past the data as a real token: where an axis is padded, the ids take the pad the data holds."""
+    data = {**lm_feed(pad=2), "frames": np.ones((2, 6), np.float32)}
+    axes = {**LM_AXES, "frames": {1: "seq"}}
+    padded = resize(data, axes, {"seq": 8})  # a float input and no repeat_floats: padded
+    assert (padded["input_ids"][:, 6:] == 2).all() and not padded["attention_mask"][:, 6:].any()
+    assert (padded["frames"][:, 6:] == 0).all()

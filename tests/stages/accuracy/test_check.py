@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kiln.core.errors import ModelError
-from kiln.core.labels import IGNORE_LABEL
 from kiln.stages.accuracy.check import Reference
 
 
@@ -148,7 +147,7 @@ class _CausalLM(torch.nn.Module):
 
 def test_next_token_labels_follow_the_input_to_validated_lengths_past_the_data() -> None:
     """Data of length 16 validated at ``signature.shapes: {seq: [4, 24]}``: no validated point has the data's own
-    length, and the labels are cut to 4 and padded with -100 to 24 as the input is. Before: the padded last point
+    length, and the labels are cut to 4 and repeated to 24 as the input is. Before: the padded last point
     was taken for the data's own shape, and labels [N, 16] did not fit the logits [N, 24, vocab]."""
     from kiln.core.data import DatasetSplits, as_feed
     from kiln.core.labels import accuracy
@@ -170,9 +169,10 @@ def test_next_token_labels_follow_the_input_to_validated_lengths_past_the_data()
     ref = held_out_reference(run, feeds, data, "logits", CheckConfig(), [1, 8], axes)
     short, long = ref.point_labels
     assert np.array_equal(short, y[16:, :4].numpy())
-    assert np.array_equal(long[:, :16], y[16:].numpy()) and (long[:, 16:] == IGNORE_LABEL).all()
-    own = run({"input": x[16:].numpy()})["logits"]  # causal: the padding changes no labelled position's logits
-    assert ref.accuracy == pytest.approx(accuracy(own, y[16:].numpy()))
+    tiled = np.arange(24) % 16  # the input repeats its tokens past the data's length, and its labels with it
+    assert np.array_equal(long, y[16:].numpy()[:, tiled])
+    own = run({"input": x[16:].numpy()[:, tiled]})["logits"]
+    assert ref.accuracy == pytest.approx(accuracy(own, long))
 
 
 def _judged(data: Any, run: Any, engine: Any, precision: str = "int8") -> tuple[Any, list[str]]:
@@ -382,22 +382,6 @@ def test_a_head_of_another_width_than_the_classes_is_warned_of_when_near_them(
     assert levels == ["WARNING" if loud else "INFO"], levels
 
 
-def test_an_output_nearly_constant_over_samples_is_measured_against_a_tenth_of_its_norm_at_least() -> None:
-    """A hidden state varying by 3.6 % of its RMS between samples (an undertrained model) with an INT8 error of 1 %
-    of its norm (cosine 0.99995): within INT8's derived limit, where its error over that spread alone (0.28) was
-    not."""
-    from kiln.stages.accuracy.check import spreads
-
-    rng = np.random.default_rng(0)
-    base = rng.standard_normal(64).astype(np.float32)
-    hidden = base + 0.036 * rng.standard_normal((32, 64)).astype(np.float32)
-    spread = spreads({"hidden": hidden})["hidden"]
-    rms = float(np.sqrt(np.mean(hidden.astype(np.float64) ** 2)))
-    assert spread == pytest.approx(0.1 * rms)  # the floor, not the 3.6 % the samples vary by
-    error = 0.01 * rms
-    assert error / spread < np.sqrt(2 * (1 - 0.99))  # INT8's derived max_rel_err, 0.1414
-
-
 def test_the_headline_relative_error_is_the_outputs_beside_the_class_logits() -> None:
     """The class logits' relative error is not gated by default: the headline the report shows is the hidden
     state's, not a larger value of the logits that reads like a failure."""
@@ -442,3 +426,139 @@ def test_outputs_whose_length_the_values_decide_compare_in_an_order_of_their_val
     stats = compare_on(ref, engine, [8]).stats
     assert stats["positives"].top1_agreement == 1.0 and stats["values"].cosine == pytest.approx(1.0)
     assert stats["values"].max_abs_err == 0.0
+
+
+def _forecaster() -> tuple[Any, Any, Any]:
+    """A forecast of a series around 300 with a spread of about 1 (a temperature in kelvin, a grid load), 6 steps
+    ahead: held-out data, the model (its error against the targets 0.28 RMS), and an engine that rounds its
+    forecasts to whole units (error 0.29 RMS: the targets' MSE about doubles, while its error stays small
+    against the outputs' level)."""
+    from kiln.core.data import DatasetSplits
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 6)).astype(np.float32) / 2
+    x = rng.standard_normal((96, 4)).astype(np.float32)
+    y = (x @ w + 300.0 + 0.28 * rng.standard_normal((96, 6))).astype(np.float32)
+    data = DatasetSplits(
+        torch.from_numpy(x[:64]), torch.from_numpy(y[:64]), torch.from_numpy(x[64:]), torch.from_numpy(y[64:])
+    )
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"forecast": feed["input"] @ w + np.float32(300.0)}
+
+    def engine(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"forecast": np.round(run(feed)["forecast"])}
+
+    return data, run, engine
+
+
+def test_float_targets_are_judged_by_mse_where_no_metric_is_set() -> None:
+    """No validate.metric on a regression: mse by default, its relative rise gated, so an engine whose forecasts
+    are twice as far from the targets fails (the errors per output may not see it), and the exact one passes."""
+    from kiln.core.data import as_feed
+    from kiln.stages.accuracy.check import held_out, held_out_reference
+    from kiln.stages.accuracy.config import CheckConfig
+    from tests.stages.accuracy.judging import judged
+
+    data, run, engine = _forecaster()
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
+    ref = held_out_reference(run, feeds, data, "logits", CheckConfig(), [1, 8], {})
+    assert ref.metric is not None and ref.metric.name == "mse" and ref.metric.default
+    assert ref.metric_value == pytest.approx(ref_mse(run, data), rel=1e-5)
+    _, fails = judged(ref, engine, [1, 8], "int8")
+    assert any(f.startswith("mse ") and "max_metric_drop 0.01" in f for f in fails), fails
+    assert judged(ref, run, [1, 8], "fp32")[1] == []
+
+
+def test_no_default_metric_where_the_prediction_is_not_one_output() -> None:
+    """A forecaster's mean beside its log-variance, neither named: which one mse should read is the user's setting
+    (validate.metric: mse asks for it); where they set no metric, none, and no error."""
+    from kiln.core.data import as_feed
+    from kiln.stages.accuracy.check import held_out, held_out_reference
+    from kiln.stages.accuracy.config import CheckConfig
+
+    data, run, _ = _forecaster()
+
+    def gaussian(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        mean = run(feed)["forecast"]
+        return {"mean": mean, "log_var": np.zeros_like(mean)}
+
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
+    ref = held_out_reference(gaussian, feeds, data, "logits", CheckConfig(), [1, 8], {})
+    assert ref.metric is None and ref.metric_value is None
+    named = held_out_reference(gaussian, feeds, data, "mean", CheckConfig(), [1, 8], {})
+    assert named.metric is not None and named.metric_value == pytest.approx(ref_mse(run, data), rel=1e-5)
+
+
+def ref_mse(run: Any, data: Any) -> float:
+    """The model's MSE against the held-out targets."""
+    return float(np.mean((run({"input": data.val_x.numpy()})["forecast"] - data.val_y.numpy()) ** 2))
+
+
+def test_a_forecast_on_a_level_is_measured_by_how_it_varies_not_by_its_level() -> None:
+    """A forecaster of a series around 300 that varies by about 1, and an INT8 engine whose forecasts take a few
+    values: its error is 40 % of the spread, which a floor of 10 % of the RMS (30) made 1.3 % and packaged."""
+    from kiln.stages.accuracy.check import compare_all, gates_for
+    from kiln.stages.accuracy.config import GatesConfig
+
+    rng = np.random.default_rng(0)
+    ref = {"forecast": (300 + 0.9 * rng.standard_normal((80, 6))).astype(np.float32)}
+    got = {"forecast": (300 + 1.5 * np.round((ref["forecast"] - 300) / 1.5)).astype(np.float32)}
+    assert len(np.unique(got["forecast"])) <= 5
+    limit = gates_for(GatesConfig(), "int8", no_class_logits=True)["max_rel_err"]
+    assert compare_all(ref, got, None)["forecast"].rel_err > 2 * limit
+
+
+def test_an_output_constant_over_samples_is_measured_against_a_thousandth_of_its_norm_at_least() -> None:
+    """An output that does not vary between samples has no spread to divide by, only noise: an engine's float
+    rounding of it stays far within the FP32 limit."""
+    from kiln.stages.accuracy.check import spreads
+
+    rng = np.random.default_rng(0)
+    constant = np.tile(rng.standard_normal(64), (32, 1)).astype(np.float32)
+    spread = spreads({"hidden": constant})["hidden"]
+    rms = float(np.sqrt(np.mean(constant.astype(np.float64) ** 2)))
+    assert spread == pytest.approx(1e-3 * rms)
+    assert 1e-7 * rms / spread < np.sqrt(2 * (1 - 0.9999))  # FP32's derived max_rel_err, 0.0141
+
+
+@pytest.mark.parametrize("fill", [-1e9, -np.inf])
+def test_an_output_with_a_mask_is_measured_by_the_spread_of_its_values(fill: float) -> None:
+    """A policy's value head beside logits with invalid actions filled, the mask varying by sample: the fills' spread
+    (5e8) made a halved engine's relative error 1e-9."""
+    from kiln.stages.accuracy.check import compare_all, spreads
+
+    rng = np.random.default_rng(1)
+    mask = rng.random((80, 6)) < 0.3
+    mask[:, 0] = False
+    logits = rng.standard_normal((80, 6)).astype(np.float32)
+    ref = {"logits": np.where(mask, np.float32(fill), logits)}
+    got = {"logits": np.where(mask, np.float32(fill), logits / 2)}
+    assert spreads(ref)["logits"] == pytest.approx(1.0, abs=0.1)
+    assert compare_all(ref, got, None)["logits"].rel_err == pytest.approx(0.5, abs=0.06)
+
+
+def _masked_policy(centred: bool, fill: float) -> Any:
+    """Logits of [B, 6] inputs, filled with ``fill`` where the input is above 1 (each row's own mask); ``centred``:
+    centred over the batch before the mask, so each row reads its batch mates."""
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = feed["x"]
+        raw = x - x.mean(0, keepdims=True) if centred else 2 * x
+        return {"logits": np.where(x > 1.0, np.float32(fill), raw).astype(np.float32)}
+
+    return run
+
+
+@pytest.mark.filterwarnings("error")  # no bare numpy warning from an infinity minus itself
+@pytest.mark.parametrize("fill", [-1e9, -np.inf])
+def test_rows_that_read_their_batch_mates_are_found_beside_a_mask(fill: float) -> None:
+    """With a -1e9 fill the tolerance was 1e5 and a batch-mixing policy was served batched; with -inf the difference
+    was NaN, which no bound exceeds."""
+    from kiln.stages.accuracy.check import mixed_rows
+
+    feed = {"x": np.random.default_rng(2).standard_normal((8, 6)).astype(np.float32)}
+    assert (feed["x"][-1] > 1.0).any()  # the row run alone holds a fill
+    for centred, expected in ((True, ["logits"]), (False, [])):
+        run = _masked_policy(centred, fill)
+        assert mixed_rows(run, feed, run(feed)) == expected

@@ -135,3 +135,63 @@ def test_accuracy_on_labels_shaped_like_the_outputs_names_the_metric_that_fits(l
     out = np.zeros((4, 2, 3, 3), np.float32)
     with pytest.raises(ValueError, match=named):
         BUILTINS["accuracy"][0]({"logits": out}, labels, "logits")
+
+
+def test_an_error_metric_is_judged_by_its_rise_relative_to_the_reference() -> None:
+    """MSE's units are the targets' squared: targets in the thousands put an exact engine's rounding noise (0.022 on
+    1.008e6) over an allowance of 0.01. An error metric's drop is its relative rise; a share's stays in points."""
+    mse = resolve_metric("mse", None)
+    assert mse.relative and mse.drop(1.008e6, 1.008e6 + 0.022) == pytest.approx(0.022 / 1.008e6)
+    assert mse.drop(0.0792, 0.2198) == pytest.approx((0.2198 - 0.0792) / 0.0792)  # 2.8x the error: fails 0.01
+    assert mse.drop(2.0, 1.0) == pytest.approx(-0.5)  # better than the reference
+    assert mse.drop(0.0, 1e-9) == pytest.approx(1e-9)  # a perfect reference: nothing to be relative to
+    accuracy = resolve_metric("accuracy", None)
+    assert not accuracy.relative and accuracy.drop(0.9, 0.8) == pytest.approx(0.1)
+
+
+def test_mae_rmse_and_smape_score_the_prediction() -> None:
+    y = np.array([[1.0, 0.0], [2.0, 4.0]])
+    out = {"pred": np.array([[2.0, 0.0], [2.0, 1.0]])}  # errors 1, 0, 0, 3
+    assert resolve_metric("mae", None)(out, y) == pytest.approx(1.0)
+    assert resolve_metric("rmse", None)(out, y) == pytest.approx(np.sqrt(10 / 4))
+    # |e| / ((|pred| + |y|) / 2): 1/1.5, 0 (both 0: an exact forecast of 0), 0, 3/2.5
+    assert resolve_metric("smape", None)(out, y) == pytest.approx((1 / 1.5 + 3 / 2.5) / 4)
+    for name in ("mae", "rmse", "smape"):
+        m = resolve_metric(name, None)
+        assert not m.higher_is_better and m.relative, name
+    assert CheckConfig(metric="mae").metric == "mae"  # the config takes them
+
+
+def test_a_user_metric_keeps_its_units_unless_it_declares_itself_relative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "relmetrics.py").write_text(
+        "def wape(outputs, labels):\n"
+        "    return 1.0\n\n"
+        "wape.higher_is_better = False\n"
+        "wape.relative = True\n\n"
+        "def score(outputs, labels):\n"
+        "    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "relmetrics", raising=False)
+    assert resolve_metric("relmetrics:wape", None).drop(200.0, 202.0) == pytest.approx(0.01)
+    assert resolve_metric("relmetrics:score", None).drop(200.0, 198.0) == pytest.approx(2.0)
+
+
+def test_float_targets_get_mse_by_default_where_one_output_is_the_prediction() -> None:
+    """The default for float targets: mse, relative, on the output mse itself would read; none (and no error) where
+    it would ask which output is the prediction, and none for 0/1 or integer targets."""
+    from kiln.stages.accuracy.metrics import default_metric
+
+    y = np.array([[1.0, 2.0], [3.0, 4.5]], np.float32)
+    m = default_metric({"forecast": y + 1.0}, y, None)
+    assert m is not None and (m.name, m.default, m.relative, m.higher_is_better) == ("mse", True, True, False)
+    assert m({"forecast": y + 1.0}, y) == pytest.approx(1.0)
+    assert default_metric({"mean": y, "log_var": y}, y, None) is None  # which is the prediction? not guessed
+    assert default_metric({"mean": y, "log_var": y}, y, "mean") is not None  # named
+    assert default_metric({"forecast": np.zeros((2, 3))}, y, None) is None  # no output the targets' size
+    assert default_metric({"logits": y}, (y > 2).astype(np.float32), None) is None  # 0/1: multi-label
+    assert default_metric({"logits": y}, y.astype(np.int64), None) is None  # integers: classes
+    gaps = np.where(y > 4, np.nan, y).astype(np.float32)  # a missing value: the default would fail, not judge
+    assert default_metric({"forecast": y}, gaps, None) is None

@@ -172,7 +172,7 @@ def test_the_report_names_the_sizes_accuracy_was_measured_at() -> None:
     v = ValidationResult(passed=True, baseline=base, engines=[], failures=[])
     lines = report_section(v)
     assert any("accuracy 1.0000 on 32 held-out samples at samples=16." in line for line in lines)
-    padded = "(at samples=64 the held-out inputs are lengthened past the data's own samples=16: float values repeated"
+    padded = "(at samples=64 the held-out inputs are lengthened past the data's own samples=16: their values repeated"
     assert any(padded in line for line in lines), lines
 
 

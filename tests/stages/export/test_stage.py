@@ -478,3 +478,27 @@ def test_outputs_whose_length_the_values_decide_are_compared_in_an_order_of_thei
     export_onnx(_Positives(), x, tmp_path / "m.onnx", 18, True)
     check = parity(_Positives(), tmp_path / "m.onnx", x)
     assert check["max_abs_err"] == 0.0 and len(check["by_value"]) == 1, check
+
+
+class OneLengthEigen(nn.Module):
+    """Takes one length (its own shape check, as Whisper's on its mel frames) and computes what no exporter writes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 4:
+            raise ValueError(f"expects 4 frames, got {x.shape[1]}")
+        return torch.linalg.eigvals(x).real
+
+
+def test_a_model_that_takes_one_size_is_named_when_both_exporters_fail(tmp_path: Path) -> None:
+    """Both exporters fail on the op; PyTorch itself refuses the other validated size: that is what is said, with
+    the fix for an axis the model does not let vary, not the exporters' "an op ONNX cannot express"."""
+    from kiln.core.data import DatasetSplits
+    from kiln.stages.export.stage import export_at_sizes
+
+    x = torch.randn(12, 4, 4)
+    data, axes = DatasetSplits(x[:8], None, x[8:], None), {"input": {1: "frames"}}
+    with pytest.raises(ModelError, match=r"the model fails at frames=2.*expects 4 frames, got 2") as err:
+        export_at_sizes(OneLengthEigen().eval(), x[:2], tmp_path / "m.onnx", 18, data, axes, {})
+    assert "remove the axis from signature.dynamic_axes" in (err.value.hint or "")
+    with pytest.raises(ModelError, match="torch.onnx.export failed"):  # no axis varies: the exporters' error
+        export_at_sizes(OneLengthEigen().eval(), x[:2], tmp_path / "m.onnx", 18, data, None, {})

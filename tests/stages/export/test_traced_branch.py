@@ -74,3 +74,31 @@ def test_the_refusal_names_the_branch_dynamo_named_not_the_shape_reads(tmp_path:
     with pytest.raises(ModelError) as err:
         export_onnx(ReshapesThenBranches().eval(), torch.ones(3, 4), tmp_path / "m.onnx")
     assert f"from its inputs' values at test_traced_branch.py:{branch} (" in err.value.message
+
+
+class ForecastsADistribution(nn.Module):
+    """A forecaster returning its Normal's mean (as HF's TimeSeriesTransformer builds one per step), after a shape read
+    the trace warns of: torch.distributions checks the Normal's scale is positive (validate_args), a branch on the
+    values the dynamo exporter stops at, inside torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+        self.distribution = lambda h: torch.distributions.Normal(h[:, 0], nn.functional.softplus(h[:, 1]))  # BUILT
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = int(math.sqrt(x.shape[1]))
+        return self.distribution(self.head(x.reshape(x.shape[0], side * side))).mean
+
+
+def test_a_branch_in_distribution_argument_checks_is_named_with_the_switch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.distributions.Distribution, "_validate_args", True)  # Python's default (__debug__)
+    with pytest.raises(ModelError) as err:
+        export_onnx(ForecastsADistribution().eval(), torch.ones(3, 4), tmp_path / "m.onnx")
+    built = next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if line.endswith("# BUILT"))
+    assert "inside torch.distributions, at distribution.py:" in err.value.message
+    assert f"(the distribution built at test_traced_branch.py:{built})" in err.value.message
+    assert "validate_args" in err.value.message
+    assert "torch.distributions.Distribution.set_default_validate_args(False)" in (err.value.hint or "")

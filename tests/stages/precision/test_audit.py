@@ -283,3 +283,38 @@ def test_compute_nodes_not_counted_are_named_with_their_op_and_precision() -> No
     assert record["uncounted_ops"] == {"Attention": {"fp32": 1}, "MatMul (in a Loop)": {"fp32": 1}}
     assert record["uncounted_nodes"] == {"fp32": 2} and record["share_covers_nodes"] == round(1 / 3, 4)
     assert record["share"] == {"int8": 1.0} and record["share_floor"]["int8"] < 0.5
+
+
+@pytest.mark.parametrize("op, gates", [("LSTM", 4), ("GRU", 3), ("RNN", 1)])
+def test_a_recurrent_layer_on_dequantized_weights_computes_in_float(op: str, gates: int) -> None:
+    """ONNX Runtime's quantizer, given LSTM among its op types, writes DequantizeLinear -> LSTM: a float LSTM on
+    dequantized weights (no runtime has a Q/DQ LSTM kernel). Beside a small INT8 head, the graph is mostly FP32,
+    not "int8 100 %"; :meth:`Audit.elsewhere` names the LSTM as where the FLOPs outside INT8 are."""
+    hidden, inputs = 16, 3
+    inits = [
+        numpy_helper.from_array(np.ones((1, gates * hidden, inputs), np.int8), "rnn_wq"),
+        numpy_helper.from_array(np.ones((1, gates * hidden, hidden), np.int8), "rnn_rq"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "rnn_s"),
+        numpy_helper.from_array(np.array(0, np.int8), "rnn_z"),
+        numpy_helper.from_array(np.array([1], np.int64), "dirs"),
+    ]
+    nodes = [
+        helper.make_node("DequantizeLinear", ["rnn_wq", "rnn_s", "rnn_z"], ["rnn_w"]),
+        helper.make_node("DequantizeLinear", ["rnn_rq", "rnn_s", "rnn_z"], ["rnn_r"]),
+        helper.make_node(op, ["x", "rnn_w", "rnn_r"], ["", "h"], name="rnn", hidden_size=hidden, layout=1),
+        helper.make_node("Squeeze", ["h", "dirs"], ["h2"]),  # Y_h [batch, directions, hidden] -> [batch, hidden]
+    ]
+    qdq_linear(inits, nodes, "h2", hidden, "y")
+    g = helper.make_graph(
+        nodes,
+        "rnn_head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", inputs])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    a = audit_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), {"seq": 24})
+    assert a.nodes == {"fp32": 1, "int8": 1} and a.label() == "fp32"
+    assert a.flops["fp32"] == 2 * 24 * gates * hidden * (inputs + hidden) and a.flops["int8"] == 2 * hidden * 16
+    kept, by_op = a.elsewhere("int8")
+    assert kept == 0 and list(by_op) == [op]
+    assert a.elsewhere("int8", kept=["rnn"]) == (a.flops["fp32"], Counter())

@@ -50,3 +50,30 @@ def test_precision_section_names_modules_plot_and_failures() -> None:
     )
     assert "| fp16 | **failed, not built** | - |" in md and "**fp16 failed**: FP16 model fails the ONNX checker" in md
     assert "top-1 agreement 0.9850 with 2 nodes kept in float" in md
+
+
+def test_an_int8_qdq_graph_not_made_beside_a_made_ort_cpu_graph_says_so() -> None:
+    """The Q/DQ graph (TensorRT's) missed the gates while ONNX Runtime CPU's own graph passed: the row and a line
+    under the table say the Q/DQ graph was not made, and why, instead of reading as a variant made for every backend."""
+    why = "int8 (Q/DQ graph) not made: no fallback round passed the gates its engines face (output 'bbox' ...)"
+    int8 = {
+        "kept_fp32": 7,
+        "top1_agreement": 1.0,
+        "unmade": why,
+        "backend_paths": {"onnxruntime-cpu": "int8/model.ort_cpu.onnx"},
+        "ort_cpu_scheme": "static",
+        "ort_cpu_top1_agreement": 1.0,
+        "ort_cpu_kept_fp32": 1,
+    }
+    md = render_markdown(_report({"variants": {"fp32": {"kept_fp32": 0}, "int8": int8}}))
+    assert "| int8 (**Q/DQ graph not made**; only for onnxruntime-cpu) | 7 | 1.0000 |" in md
+    assert f"- **int8**: {why}; engines that build from it (TensorRT's) are not built" in md
+
+
+def test_an_ort_cpu_graph_not_made_is_not_said_to_be_loaded() -> None:
+    """ONNX Runtime CPU's own graph missed the gates: its engines run the Q/DQ graph, and the report says so."""
+    why = "int8 (onnxruntime-cpu graph) not made: no fallback round passed the gates its engines face (...)"
+    int8 = {"kept_fp32": 2, "top1_agreement": 0.99, "ort_cpu_unmade": why, "ort_cpu_scheme": "dynamic"}
+    md = render_markdown(_report({"variants": {"fp32": {"kept_fp32": 0}, "int8": int8}}))
+    assert f"`int8`: {why}; ONNX Runtime CPU engines load the Q/DQ graph instead." in md
+    assert "load a graph of their own" not in md

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 from tests.pipeline.test_faults import assert_clean, invoke, tiny_onnx
@@ -160,14 +161,41 @@ def test_an_output_the_reference_answers_with_nan_everywhere_is_no_pass(tmp_path
     np.savez(tmp_path / "neg.npz", input=-np.ones((4, 4), dtype=np.float32))
     out = invoke("validate", engine, "--reference", model, "--inputs", tmp_path / "neg.npz")
     assert out.exit_code == 3, out.output
-    assert "reference output 'logits' is NaN or infinite on all 4 samples" in out.output
+    assert "reference output 'logits' is NaN, infinite or a mask's fill at every value of all 4 samples" in " ".join(
+        out.output.split()
+    )
     half = np.ones((4, 4), dtype=np.float32)
     half[1] = -1
     np.savez(tmp_path / "half.npz", input=half)
     out = invoke("validate", engine, "--reference", model, "--inputs", tmp_path / "half.npz")
     assert out.exit_code == 0, out.output
     assert json.loads(out.output[out.output.index("{") :])["passed"]
-    assert "is NaN or infinite on 1 of 4 samples (sample 1 first)" in " ".join(out.output.split())
+    assert "at every value of 1 of 4 samples (sample 1 first)" in " ".join(out.output.split())
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), -1e9])
+def test_an_engine_equal_to_its_reference_passes_with_a_masked_action_in_every_sample(
+    tmp_path: Path, fill: float
+) -> None:
+    """A policy whose last action is invalid everywhere (its logit filled with -inf): every sample held a non-finite
+    value, and a bit-exact engine failed with "NaN or infinite on all 80 samples", its finite logits compared."""
+    import numpy as np
+
+    mask = helper.make_tensor("mask", TensorProto.FLOAT, [4], [0.0, 0.0, 0.0, fill])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["input", "mask"], ["logits"])],
+        "masked",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 4])],
+        [mask],
+    )
+    model, engine = tmp_path / "m.onnx", tmp_path / "e"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), model)
+    assert invoke("build", model, "-o", engine).exit_code == 0
+    np.savez(tmp_path / "x.npz", input=np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32))
+    out = invoke("validate", engine, "--reference", model, "--inputs", tmp_path / "x.npz")
+    assert out.exit_code == 0, out.output
+    assert "nothing was compared" not in out.output
 
 
 def _seq2seq_onnx(path: Path, changed: bool = False) -> Path:

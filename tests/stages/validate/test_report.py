@@ -88,3 +88,43 @@ def test_the_worst_sample_cosine_is_shown_beside_the_whole_outputs_with_the_gate
     per_output = lines[lines.index("### Per output (worst over shapes and batch sizes)") + 2 :]
     header, _, *rows = _table(per_output)
     assert dict(zip(header, rows[0]))["worst-sample cosine"] == "0.305433"
+
+
+def _scored(metric: float | None, name: str | None, engines: dict[str, float], **baseline: object) -> list[str]:
+    """report.md's validation lines for a reference scoring ``metric`` (``name``: validate.metric's; None: unset)
+    and engines scoring ``engines``, each held to max_metric_drop 0.01."""
+    timed = {"8": Percentiles(p50=0.1, p90=0.1, p99=0.1)}
+    entries = []
+    for engine, value in engines.items():
+        e = EngineValidation(name=engine, backend="onnxruntime", precision="int8", device="cpu", status="validated")
+        e.passed, e.metric, e.latency_ms, e.gates = True, value, timed, {"max_metric_drop": 0.01}
+        entries.append(e)
+    b = Baseline(accuracy=None, samples=8, latency_ms=timed, metric=metric, metric_name=name, **baseline)
+    return report_section(ValidationResult(passed=True, baseline=b, engines=entries, failures=[]))
+
+
+def test_an_error_metric_is_shown_with_its_relative_rise_and_the_default_said_as_such() -> None:
+    """mse in the targets' units (1.008e6): an exact engine's rise is shown relative (2.2e-08, not 0.022); the metric
+    float targets get where validate.metric is unset (a value recorded without a name) is said to be that default."""
+    lines = _scored(1.008e6, "mse", {"fp32": 1.008e6 + 0.022, "int8": 1.1e6})
+    line = next(x for x in lines if x.startswith("Metric `mse`"))
+    assert "(validate.metric)" in line and "fp32 1.008e+06 (relative rise 2.183e-08, gate ≤ 0.01)" in line, line
+    assert "int8 1.1e+06 (relative rise 0.09127, gate ≤ 0.01)" in line and "1 % more error" in line, line
+    default = next(x for x in _scored(0.0792, None, {"int8": 0.2198}) if x.startswith("Metric"))
+    assert default.startswith("Metric `mse` (the default for float targets: validate.metric is unset)"), default
+    assert "int8 0.2198 (relative rise 1.775, gate ≤ 0.01)" in default, default
+    share = next(x for x in _scored(0.9, "accuracy", {"int8": 0.88}) if x.startswith("Metric"))
+    assert "int8 0.88 (drop 0.02, gate ≤ 0.01)" in share and "error metric" not in share, share
+    assert not any(x.startswith("Metric") for x in _scored(None, None, {}))
+
+
+def test_top1_flips_on_ties_are_counted_over_what_top1_compares() -> None:
+    """Per-token logits: the share of ties is of the labelled positions (at the worst shape), not of samples."""
+    timed = {"8": Percentiles(p50=0.1, p90=0.1, p99=0.1)}
+    e = EngineValidation(name="s2s", backend="onnxruntime", precision="int8", device="cpu", status="validated")
+    e.passed, e.top1_agreement, e.top1_ties, e.latency_ms = True, 1.0, 0.1641, timed
+    for positions, counted in [(384, "16.41% of the labelled positions compared"), (None, "top-1 decisions")]:
+        b = Baseline(accuracy=0.9, samples=8, latency_ms=timed, logits_output="logits", labelled_positions=positions)
+        lines = report_section(ValidationResult(passed=True, baseline=b, engines=[e], failures=[]))
+        tie = next(x for x in lines if x.startswith("Top-1 flips on ties"))
+        assert counted in tie and "of samples" not in tie and "where the share is largest" in tie, tie

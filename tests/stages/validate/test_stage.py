@@ -10,7 +10,6 @@ import torch
 
 from kiln.core.compare import compare_arrays
 from kiln.core.data import DatasetSplits
-from kiln.core.labels import IGNORE_LABEL
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
 from kiln.stages.accuracy.check import gates_for, labels_at_points
@@ -41,7 +40,7 @@ def test_compare_identical_and_perturbed() -> None:
 
 
 def test_token_labels_follow_their_input_through_each_validated_length() -> None:
-    """Tags [N, seq] shaped like input_ids are cut or padded with -100 as the ids are cut or padded with zeros, so
+    """Tags [N, seq] shaped like input_ids are cut or repeated as the ids are, so
     top-1 agreement and accuracy count the labelled tokens at every validated length; row labels stay as they are."""
     ids = np.arange(12).reshape(2, 6)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
@@ -50,7 +49,7 @@ def test_token_labels_follow_their_input_through_each_validated_length() -> None
     tags = ids % 3
     short, long = labels_at_points(tags, feed, feeds, axes)
     assert np.array_equal(short, tags[:, :4])
-    assert np.array_equal(long[:, :6], tags) and (long[:, 6:] == IGNORE_LABEL).all()
+    assert np.array_equal(long, tags[:, np.arange(8) % 6])
     rows = np.array([0, 1])
     assert all(r is rows for r in labels_at_points(rows, feed, feeds, axes))
     pixels = np.zeros((2, 5, 5), dtype=np.int64)  # shaped like no input: only at the data's own shape
@@ -447,3 +446,54 @@ def test_the_report_says_why_no_output_is_held_as_class_logits(outputs, said) ->
     ref = SimpleNamespace(accuracy=None, logits=None, score=-1, outputs=[{k: np.zeros(v) for k, v in outputs.items()}])
     note = accuracy_absent(ref, DatasetSplits(x, y, x, y, 2))
     assert note.startswith(said) and note.endswith("signature.logits_output names the class-logit output")
+
+
+def _apart_graph(tmp_path: Path) -> Path:
+    """An export folder whose ``model.onnx`` adds ids to a mask whose lengths its exporter named apart (tf2onnx's
+    ``unk__1``, ``unk__3``): the graph takes them at one length only."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    ins = [
+        helper.make_tensor_value_info(k, TensorProto.FLOAT, ["batch", n])
+        for k, n in (("ids", "unk__1"), ("mask", "unk__3"))
+    ]
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "unk__1"])
+    graph = helper.make_graph([helper.make_node("Add", ["ids", "mask"], ["out"])], "g", ins, [out])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    (tmp_path / "export").mkdir()
+    onnx.save(model, tmp_path / "export" / "model.onnx")
+    return tmp_path / "export"
+
+
+def test_a_reference_that_refuses_the_validated_shapes_is_one_error_naming_them_and_the_axes_to_tie(
+    tmp_path: Path,
+) -> None:
+    """Validation sets each named axis apart (one at its smallest beside the other at its largest); ONNX Runtime's
+    refusal escaped as a traceback. It is one error naming the shapes fed, and its fix, given as the --set it
+    names, validates."""
+    import re
+
+    from kiln.core.errors import ModelError
+    from kiln.pipeline.config import config_from_dict, set_value
+    from kiln.stages.validate.stage import onnx_reference
+    from tests.conftest import stage_context
+
+    export = _apart_graph(tmp_path)
+    short, long = {k: torch.rand(4, 4) for k in ("ids", "mask")}, {k: torch.rand(4, 6) for k in ("ids", "mask")}
+    data = DatasetSplits(short, None, long, None)
+
+    def reference(extra: dict) -> object:
+        cfg = config_from_dict({"model": {"onnx": str(export / "model.onnx")}, "data": {"name": "m:load"}, **extra})
+        ctx = stage_context("validate", cfg, tmp_path, tmp_path, {"export": export}, load_dataset=lambda: data)
+        return onnx_reference(ctx, data, ValidateConfig())
+
+    fed = r"on the validation inputs \{'ids': 'float32\[4, 4\]', 'mask': 'float32\[4, 6\]'\}"
+    with pytest.raises(ModelError, match=fed) as err:
+        reference({})
+    flag = re.search(r"--set '(signature\.dynamic_axes)=(.*?)'", err.value.hint or "")
+    assert flag is not None and flag.group(2) == "{ids: {1: seq}, mask: {1: seq}}"
+    axes = set_value(flag.group(1), flag.group(2))  # the CLI's own reading of the --set
+    ref, _ = reference({"signature": {"dynamic_axes": axes}})
+    assert ref.outputs[-1]["out"].shape == (4, 6)

@@ -1,0 +1,98 @@
+"""A variant with too little of its compute in its precision is not made, said with the cause: the nodes the
+fallback kept in float, or the op types that carry the FLOPs and are not quantized (an LSTM, which no runtime
+computes in INT8 from Q/DQ; an op type left out of calibration.op_types), each with a fix that applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.stages.precision.stage import KEPT_HINT, mark_too_little
+
+OP_TYPES = ["Conv", "ConvTranspose", "MatMul", "Gemm"]  # calibration.op_types' defaults
+
+
+def qdq_head(inits: list[onnx.TensorProto], nodes: list[onnx.NodeProto], x: str, d: int) -> None:
+    """``y = x @ W``, W [d, 4] an INT8 weight through a DequantizeLinear: the one quantized layer."""
+    inits += [
+        numpy_helper.from_array(np.ones((d, 4), np.int8), "head_wq"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "head_s"),
+        numpy_helper.from_array(np.array(0, np.int8), "head_z"),
+    ]
+    nodes += [
+        helper.make_node("DequantizeLinear", ["head_wq", "head_s", "head_z"], ["head_w"]),
+        helper.make_node("MatMul", [x, "head_w"], ["y"], name="head"),
+    ]
+
+
+def save(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], shape: list, path: Path) -> None:
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def lstm_then_head(path: Path, hidden: int = 16) -> None:
+    """A float LSTM over [batch, seq, 3] (LSTM is not among the quantized op types), then an INT8 head."""
+    inits = [
+        numpy_helper.from_array(np.ones((1, 4 * hidden, 3), np.float32), "w"),
+        numpy_helper.from_array(np.ones((1, 4 * hidden, hidden), np.float32), "r"),
+        numpy_helper.from_array(np.array([1], np.int64), "dirs"),
+    ]
+    nodes = [
+        helper.make_node("LSTM", ["x", "w", "r"], ["", "h"], name="lstm", hidden_size=hidden, layout=1),
+        helper.make_node("Squeeze", ["h", "dirs"], ["h2"]),
+    ]
+    qdq_head(inits, nodes, "h2", hidden)
+    save(nodes, inits, ["batch", "seq", 3], path)
+
+
+def conv_then_head(path: Path) -> None:
+    """A float Conv over [batch, 8, 16, 16] (most of the FLOPs), pooled, then an INT8 head."""
+    inits = [numpy_helper.from_array(np.ones((8, 8, 3, 3), np.float32), "k")]
+    nodes = [
+        helper.make_node("Conv", ["x", "k"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("GlobalAveragePool", ["c"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+    ]
+    qdq_head(inits, nodes, "f", 8)
+    save(nodes, inits, ["batch", 8, 16, 16], path)
+
+
+def _entry(kept: list[str] | None = None) -> dict:
+    return {"path": "int8/model.onnx", "kept_fp32": kept or [], "reasons": {}, "fallback": {"passed": True}}
+
+
+def test_an_lstm_int8_cannot_reach_is_named_not_the_gates(tmp_path: Path) -> None:
+    lstm_then_head(tmp_path / "int8" / "model.onnx")
+    entry = _entry()
+    mark_too_little("int8", entry, tmp_path, {"seq": 24}, OP_TYPES)
+    assert "0 nodes kept in float" in entry["unmade"] and "in LSTM 100%" in entry["unmade"]
+    assert "no runtime computes LSTM in int8 from Q/DQ" in entry["unmade"]
+    hint = entry["unmade_hint"]
+    assert "drop int8 from precision.variants for this model: LSTM cannot run in int8" in hint
+    assert "loosen" not in hint and "calibration.op_types" not in hint
+
+
+def test_an_op_type_left_out_of_calibration_is_named_with_the_setting(tmp_path: Path) -> None:
+    conv_then_head(tmp_path / "int8" / "model.onnx")
+    entry = _entry()
+    mark_too_little("int8", entry, tmp_path, {}, ["MatMul", "Gemm"])
+    assert "Conv is not in calibration.op_types" in entry["unmade"]
+    assert entry["unmade_hint"] == "add Conv to calibration.op_types"
+
+
+def test_nodes_the_fallback_kept_are_the_cause_where_they_hold_the_flops(tmp_path: Path) -> None:
+    conv_then_head(tmp_path / "int8" / "model.onnx")
+    entry = _entry(kept=["conv"])
+    mark_too_little("int8", entry, tmp_path, {}, OP_TYPES)
+    assert "(1 nodes kept in float to pass the gates)" in entry["unmade"]
+    assert entry["unmade_hint"] == KEPT_HINT
