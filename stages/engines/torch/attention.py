@@ -81,6 +81,8 @@ def fuse_attention(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",), mas
         if k is None or v is None or not q.shape[0] == k.shape[0] == v.shape[0]:
             continue  # a batch that broadcasts (learned queries [1, H, Q, D] over a batch of keys): left as it is
         given = dict(zip(DEFAULTS, node.args[3:])) | dict(node.kwargs)
+        if masks_nothing(given.get("attn_mask")):
+            given["attn_mask"] = None  # the fused kernels without a mask (FlashAttention's) then take the call
         if given.get("attn_mask") is not None and not masked:
             continue
         args = (*node.args[:3], *(given.get(name, default) for name, default in DEFAULTS.items()))
@@ -90,3 +92,38 @@ def fuse_attention(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",), mas
         gm.graph.lint()
         gm.recompile()
     return taken
+
+
+# Ops that only reshape or broadcast what they are given: a mask through them masks what it masked
+VIEWS = {"aten.expand.default", "aten.unsqueeze.default", "aten.view.default", "aten.reshape.default"}
+
+
+def masks_nothing(mask: Any) -> bool:
+    """Whether ``mask`` (an FX node, or None) is True everywhere whatever the inputs: ``arange(n) + c >= 0``
+    broadcast, the mask ``transformers`` builds for a model without padding (a ViT's) when torch.export traces it,
+    which would otherwise keep the call from the fused kernels that take no mask."""
+    node = _through_views(mask)
+    if getattr(node, "op", None) != "call_function" or str(node.target) != "aten.ge.Scalar":
+        return False
+    bound = node.args[1]
+    return isinstance(bound, int | float) and bound <= 0 and _counts_up_from_zero(node.args[0])
+
+
+def _through_views(node: Any) -> Any:
+    while getattr(node, "op", None) == "call_function" and str(node.target) in VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _counts_up_from_zero(node: Any) -> bool:
+    """An ``arange`` from 0 (or more), plus a number that is not negative, through views: never below 0."""
+    node = _through_views(node)
+    target = str(getattr(node, "target", ""))
+    if target == "aten.add.Tensor" or target == "aten.add.Scalar":
+        tensor, number = node.args[:2]
+        return isinstance(number, int | float) and number >= 0 and _counts_up_from_zero(tensor)
+    if target == "aten.arange.default":
+        return True
+    if target == "aten.arange.start":
+        return isinstance(node.args[0], int | float) and node.args[0] >= 0
+    return False

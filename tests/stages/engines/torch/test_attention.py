@@ -65,6 +65,28 @@ def test_auto_takes_the_unmasked_call_only() -> None:
     ] == torch.ops.aten.scaled_dot_product_attention.default
 
 
+def test_the_all_true_mask_transformers_traces_for_a_vit_counts_as_no_mask() -> None:
+    """torch.export traces a ``transformers`` ViT's attention with the mask ``arange(n) >= 0`` broadcast: it masks
+    nothing, so auto (unmasked calls only) takes it, and the engine computes as PyTorch does."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=8
+    )
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(cfg).eval().to(torch.bfloat16)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        gm = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch", max=8)},)).module()
+        assert fuse_attention(gm, devices=("cpu",), masked=False) == 2
+        got, want = gm(x), model(pixel_values=x)
+    torch.testing.assert_close(got.logits if hasattr(got, "logits") else got[0], want.logits)
+
+
+def test_a_mask_that_reads_the_inputs_is_a_mask() -> None:
+    gm, _ = _program(torch.bfloat16)
+    assert fuse_attention(gm, devices=("cpu",), masked=False) == 1  # the unmasked call only: the other's is the data's
+
+
 def test_fp32_and_other_devices_keep_inductor_s_attention() -> None:
     gm, _ = _program(torch.float32)
     assert fuse_attention(gm, devices=("cpu",)) == 0  # FP32: the fused GPU kernels do not take it
