@@ -44,6 +44,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
+from kiln.core.compare import Masks, agrees, masks_of, set_aside
 from kiln.core.data import feed_for_graph, take
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import largest_sizes, random_inputs
@@ -55,7 +56,7 @@ from kiln.pipeline.config import KilnConfig
 from kiln.serve import stub_times
 from kiln.serve.batching import buckets_for, padded_infer
 from kiln.serve.http_client import HttpClient, HttpError, infer_request, shm_tensor
-from kiln.serve.server import INSTALL_HINT, ServedEngine, find_engines
+from kiln.serve.server import CPU_MAX_BATCH, INSTALL_HINT, ServedEngine, find_engines
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.package import INDEX as PACKAGE_INDEX
 from kiln.stages.package.triton import served_max_batch
@@ -63,11 +64,14 @@ from kiln.stages.package.triton import served_max_batch
 log = logging.getLogger("kiln.serve.loadtest")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 POOL = 64
-# (atol, rtol; rtol is relative to the largest expected value) by engine precision: batching changes kernels'
-# reduction order, so a served answer may differ from the single-sample run by rounding. INT8 engines with
-# dynamic quantization (ORT CPU, Transformers) take activation scales per batch: a sample's output then depends
-# slightly on its batch mates, hence their wider band.
-TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 2e-2), "bf16": (1e-3, 3e-2), "int8": (1e-2, 1e-1)}
+# (atol, rtol; rtol is relative to the largest expected value compared, answer_error) by engine precision: the base
+# of the band a served answer is held to, for the rounding a batch's other kernels (another reduction order) bring.
+# INT8 takes FP16's: a static INT8 engine answers alike in any batch. Where a sample's answer depends on its batch
+# mates (dynamic quantization takes activation scales per batch), batch_deviation measures by how much and
+# answer_band widens the band to BAND_SAFETY times that.
+TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 2e-2), "bf16": (1e-3, 3e-2), "int8": (1e-3, 2e-2)}
+BAND_SAFETY = 4.0  # the band's rtol is at least this many times the largest batch-mate deviation measured
+BAND_ROWS = 8  # the small batch measured, beside the largest the server forms
 REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its duration and request budget
 # The client threads' interpreter switch interval (Python's default is 5 ms): a thread whose answer has arrived waits
 # up to that long for the lock while another thread of its process runs, and the wait lands on its latency. On the
@@ -396,6 +400,57 @@ def expected_outputs(runner: Any, pool: list[dict]) -> list[dict[str, np.ndarray
     return [{k: np.asarray(v) for k, v in runner.infer(feed).items()} for feed in pool]
 
 
+def batch_deviation(
+    runner: Any, pool: list[dict], expected: list[dict], limit: int, base: tuple[float, float]
+) -> dict[str, Any]:
+    """How far the engine's answers batched with others lie from its single-sample ones (``expected``): the pool
+    run in whole batches of :data:`BAND_ROWS` and of ``limit`` rows (the server's largest batch, padded as the
+    server pads it). Per output, the rtol (of the answer's largest value compared, as :func:`answer_error` counts
+    it) a batched answer needs beside the ``base`` atol; ``atol``: the error of answers with no value to scale by.
+    A static engine's is about 0; a dynamically quantized one's is the band its batch mates move it by."""
+    size = min(limit, len(pool))
+    batches = sorted({min(BAND_ROWS, size), size} - {0, 1})
+    buckets = buckets_for(runner, limit)
+    outputs = list(expected[0])
+    masks = answer_masks(expected, outputs)
+    rtol, atol = dict.fromkeys(outputs, 0.0), 0.0
+    for b in batches:
+        for start in range(0, len(pool) - b + 1, b):
+            feed = {k: np.concatenate([r[k] for r in pool[start : start + b]]) for k in pool[0]}
+            got = padded_infer(runner, feed, buckets)
+            for i, want in enumerate(expected[start : start + b]):
+                for name in outputs:
+                    rows = np.asarray(got[name])
+                    if len(rows) != b or rows[i : i + 1].shape != want[name].shape:
+                        continue  # an output without a row per sample: nothing to set beside the single answer
+                    err, scale = _error_and_scale(want[name], rows[i : i + 1], masks[name])
+                    if scale > 0:
+                        rtol[name] = worse(rtol[name], max(0.0, err - base[0]) / scale)
+                    else:
+                        atol = worse(atol, err)
+    return {"batches": batches, "rtol": rtol, "atol": atol}
+
+
+def _error_and_scale(want: np.ndarray, got: np.ndarray, masks: Masks) -> tuple[float, float]:
+    """The largest error of ``got`` against ``want`` and the largest magnitude of ``want``'s values compared:
+    what :func:`~kiln.core.compare.agrees` holds the error to ``atol + rtol`` times of."""
+    _, err = agrees(want, got, 0.0, 0.0, masks)
+    r = np.asarray(want, dtype=np.float64)
+    compared = ~set_aside(r, got, masks) & np.isfinite(r) & ~np.isin(r, masks.values)
+    return err, float(np.max(np.abs(r[compared]), initial=0.0))
+
+
+def answer_band(base: tuple[float, float], deviation: dict[str, Any]) -> tuple[float, float]:
+    """The tolerance served answers are held to: ``base``, widened to :data:`BAND_SAFETY` times the batch-mate
+    deviation measured (:func:`batch_deviation`). A deviation that is not finite (a batched answer with a NaN or
+    an infinity its single answer lacks) widens nothing: a served batch would give that answer, which is wrong."""
+    if not all(np.isfinite(v) for v in (*deviation["rtol"].values(), deviation["atol"])):
+        log.warning("batched, the engine answers with non-finite values its single-sample answers lack")
+    rtols = [v for v in deviation["rtol"].values() if np.isfinite(v)]
+    atol = deviation["atol"] if np.isfinite(deviation["atol"]) else 0.0
+    return max(base[0], BAND_SAFETY * atol), max(base[1], BAND_SAFETY * max(rtols, default=0.0))
+
+
 def _inputs(module: Any, feed: dict[str, np.ndarray], binary: bool = True) -> list[Any]:
     """tritonclient's input tensors; ``binary`` False: JSON data (the Ray Serve app reads JSON only)."""
     from tritonclient.utils import np_to_triton_dtype
@@ -590,8 +645,8 @@ def run_level(
     lean = lean_client(client, protocol, shared_memory)
     level, lock = Level(concurrency, client="kiln" if lean else "tritonclient"), threading.Lock()
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
-    atol, rtol = tolerance
     outputs = list(expected[0])
+    masks = answer_masks(expected, outputs)
     setup = _client(module, protocol, address)[0] if shared_memory else None
     regions = SharedMemory(module, setup, pool, expected, concurrency) if setup else None
     if lean:  # Kiln's client sends the regions' JSON (SharedMemory.input_specs)
@@ -664,14 +719,13 @@ def run_level(
                     if got is None or got.shape != want.shape:
                         ok = False
                         continue
-                    diff = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))) if got.size else 0.0
-                    err = max(err, diff)
-                    ok &= diff <= atol + rtol * float(np.max(np.abs(want))) if want.size else True
+                    right, diff = answer_error(want, got, tolerance, masks[name])
+                    err, ok = worse(err, diff), ok and right
                 with lock:
                     refused[0], answered_at[0] = 0, max(answered_at[0], done)
                     level.latencies_ms.append(ms)
                     level.sent_ns.append(sent)
-                    level.max_abs_err = max(level.max_abs_err, err)
+                    level.max_abs_err = worse(level.max_abs_err, err)
                     level.mismatches += not ok
         finally:
             (http or client).close()
@@ -697,6 +751,27 @@ def run_level(
             regions.close()
             setup.close()
     return level
+
+
+def answer_masks(expected: list[dict], outputs: list[str]) -> dict[str, Masks]:
+    """Each output's mask fills (:func:`~kiln.core.compare.masks_of`), read from every expected answer at once: a
+    single answer's few values are too few to tell a policy's -1e9 from a large value."""
+    return {n: masks_of(np.concatenate([np.ravel(e[n]) for e in expected])) for n in outputs}
+
+
+def answer_error(want: np.ndarray, got: np.ndarray, tolerance: tuple[float, float], masks: Masks) -> tuple[bool, float]:
+    """Whether a served answer equals the engine's within ``tolerance`` (atol, rtol of the largest expected value
+    compared), and its largest error: as validation compares (:func:`~kiln.core.compare.agrees`), the same
+    infinity, NaN or mask fill in both is equal and scales nothing, and a value not finite in one only is an
+    infinite error."""
+    if not want.size:
+        return True, 0.0
+    return agrees(want, got, *tolerance, masks)
+
+
+def worse(a: float, b: float) -> float:
+    """The larger of two errors, NaN if either is (Python's ``max`` keeps the first where one is NaN)."""
+    return float("nan") if np.isnan(a) or np.isnan(b) else max(a, b)
 
 
 def no_server(exc: BaseException) -> bool:
@@ -780,7 +855,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.collections = merged_collections(merged.collections, part.collections)
             merged.mismatches += part.mismatches
             merged.errors += part.errors
-            merged.max_abs_err = max(merged.max_abs_err, part.max_abs_err)
+            merged.max_abs_err = worse(merged.max_abs_err, part.max_abs_err)
             merged.seconds = max(merged.seconds, part.seconds)
             merged.switch_interval_s = part.switch_interval_s
             merged.client = part.client
@@ -1022,13 +1097,16 @@ def loadtest(
     lean_client(client, protocol, shared_memory)  # a client that cannot be used here is said before any work
     engine = engine_for(engines, model)
     pool, source = request_pool(engine, config)
-    tolerance = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
+    base = TOLERANCE.get(engine.meta.precision, TOLERANCE["fp16"])
+    limit = served_max_batch(engine.meta, CPU_MAX_BATCH)
     server_batches(protocol, address, model)  # a server that is not there is said before the engine loads
     host = address.rsplit(":", 1)[0]
     metrics = f"http://{host}:{metrics_port}/metrics" if metrics_port and protocol != "ray" else None
     # One load for the expected answers and the in-process timings: a torch engine compiles when it loads.
     with load_engine(engine.engine_dir) as runner:
         expected = expected_outputs(runner, pool)
+        deviation = batch_deviation(runner, pool, expected, limit, base)
+        tolerance = answer_band(base, deviation)
         sends = (shared_memory, switch_interval_s, client)
         first_answer(protocol, address, model, pool, expected, tolerance, *sends, engine=engine.meta.name)
         before = server_batches(protocol, address, model)  # after the first request: the levels' counts only
@@ -1058,7 +1136,7 @@ def loadtest(
             mark = after
             _log_level(levels[-1])
         if inprocess:
-            with_inprocess(levels, runner, pool, served_max_batch(engine.meta, 32))
+            with_inprocess(levels, runner, pool, limit)
     batches = {k: after[k] - before[k] for k in ("inference_count", "execution_count")}
     result = {
         "url": url,
@@ -1066,7 +1144,13 @@ def loadtest(
         "engine": engine.meta.name,
         "precision": engine.meta.precision,
         "inputs": source,
-        "tolerance": {"atol": tolerance[0], "rtol": tolerance[1]},
+        "tolerance": {
+            "atol": tolerance[0],
+            "rtol": tolerance[1],
+            "base": {"atol": base[0], "rtol": base[1]},
+            "batch_deviation": deviation,
+            "safety": BAND_SAFETY,
+        },
         "duration_s": duration_s,
         "max_requests": max_requests,
         "client_processes": processes,
@@ -1171,6 +1255,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             else ""
         ),
     ]
+    lines += tolerance_lines(result)
     if result.get("mean_batch"):
         lines += [
             "",
@@ -1178,6 +1263,26 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{result['server']['execution_count']} executions (mean batch {result['mean_batch']:.2f}).",
         ]
     return "\n".join(lines + split_table(result["levels"])) + "\n"
+
+
+def tolerance_lines(result: dict[str, Any]) -> list[str]:
+    """What an answer was held to (:func:`answer_band`), what batching moved the engine's own answers by, and the
+    largest error the levels saw; none for a result without the measurement."""
+    tol = result.get("tolerance") or {}
+    deviation = tol.get("batch_deviation")
+    if deviation is None:
+        return []
+    moved = max(deviation["rtol"].values(), default=0.0)
+    batches = ", ".join(map(str, deviation["batches"])) or "none (the server forms no batch)"
+    seen = max((lv.get("max_abs_err", 0.0) for lv in result["levels"]), default=0.0)
+    return [
+        "",
+        f"Wrong: off the engine's own answer by more than {tol['atol']:g} + {tol['rtol']:g} x the answer's largest "
+        f"value ({result['precision']}'s base {tol['base']['atol']:g} + {tol['base']['rtol']:g}, widened to "
+        f"{tol['safety']:g} x the batch-mate deviation). Batch-mate deviation: the engine's answers in batches of "
+        f"{batches} against its single-sample ones, up to {moved:.3g} x the answer's largest value. Largest error "
+        f"seen under load: {seen:.3g}.",
+    ]
 
 
 def split_table(levels: list[dict[str, Any]]) -> list[str]:

@@ -28,16 +28,23 @@ def run_batched(
     model: Model, x: Samples, batch: int = 64, extra_outputs: list[str] | None = None, threads: int = 0
 ) -> list[np.ndarray]:
     """All outputs (the graph's outputs, then ``extra_outputs`` after its first when given) over ``x`` in
-    batches, as float64."""
+    batches of ``batch`` rows, or of the batch the graph fixes (the only one it takes), as float64."""
     if extra_outputs:
         model = _with_outputs(model, extra_outputs)
     sess = ort_session(model, threads=threads)
     feed = x if isinstance(x, dict) else {sess.get_inputs()[0].name: x}
+    batch = _fixed_batch(sess) or batch
     parts: list[list[np.ndarray]] = []
     for i in range(0, n_rows(x), batch):
         parts.append(sess.run(None, {k: v[i : i + batch] for k, v in feed.items()}))
     # atleast_1d: an intermediate tensor may be a scalar (an attention scale); one value per batch then
     return [np.concatenate([np.atleast_1d(p[k]) for p in parts]).astype(np.float64) for k in range(len(parts[0]))]
+
+
+def _fixed_batch(sess: Any) -> int | None:
+    """The batch size every input of ``sess`` fixes on its first axis; None where one is dynamic or they differ."""
+    first = {s[0] if s and isinstance(s[0], int) and s[0] >= 1 else None for s in (i.shape for i in sess.get_inputs())}
+    return first.pop() if len(first) == 1 else None
 
 
 def _with_outputs(model: Model, names: list[str]) -> onnx.ModelProto:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core.errors import InputFileError, KilnError, ModelError
-from kiln.core.feeds import read_feed
+from kiln.core.feeds import fixed_batch, in_batches, read_feed
 from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
 from kiln.core.progress import SilentProgress
@@ -46,7 +46,7 @@ def precision_direct(
     inputs, outputs = io_specs(graph)
     ccfg, pcfg = cfg.calibration, cfg.precision.model_copy(deep=True)
     if calibration is not None:
-        data = read_feed(calibration, inputs, "the model")
+        data = read_feed(calibration, inputs, "the model", batched=True)
         _refuse_outside_index(graph, data, calibration, src)
         source = f"{calibration} ({len(next(iter(data.values())))} rows)"
     else:
@@ -61,12 +61,8 @@ def precision_direct(
             f"; {'/'.join(v.upper() for v in calibrated)} ranges will not match real data" if calibrated else "",
             ", ".join(i.name for i in inputs),
         )
-    rows = len(next(iter(data.values())))
-    batches = [
-        {k: v[i : i + ccfg.batch_size] for k, v in data.items()}
-        for i in range(0, min(rows, ccfg.batch_size * ccfg.num_batches), ccfg.batch_size)
-    ]
-    x_val = {k: v[: pcfg.fallback.samples] for k, v in data.items()}
+    batches = _calibration_batches(data, inputs, ccfg.batch_size, ccfg.num_batches)
+    x_val = _whole_batches(data, inputs, pcfg.fallback.samples)  # the fallback's check runs them batch by batch
     names = [o.name for o in outputs]
     logits = direct_top1(names, cfg.signature.logits_output)
     wanted = list(dict.fromkeys(["fp32", *variants]))  # the FP32 graph is what calibration and the gates measure
@@ -97,6 +93,22 @@ def precision_direct(
         "failed": {k: e.message for k, e in failed.items()},
         "missing": missing_error(failed, list(built)),
     }
+
+
+def _calibration_batches(
+    data: dict[str, np.ndarray], inputs: list[TensorSpec], size: int, count: int
+) -> list[dict[str, np.ndarray]]:
+    """The first ``size * count`` rows of ``data`` in batches of ``size`` rows, or of the batch the graph fixes
+    (:func:`~kiln.core.feeds.fixed_batch`; it takes no other), so as many rows calibrate either way."""
+    return in_batches(_whole_batches(data, inputs, size * count), fixed_batch(inputs) or size)
+
+
+def _whole_batches(data: dict[str, np.ndarray], inputs: list[TensorSpec], rows: int) -> dict[str, np.ndarray]:
+    """The first ``rows`` rows of ``data``, cut to whole batches where the graph fixes its batch axis (at least one
+    batch)."""
+    b = fixed_batch(inputs)
+    kept = rows if b is None else max(b, rows - rows % b)
+    return {k: v[:kept] for k, v in data.items()}
 
 
 def missing_error(failed: dict[str, KilnError], made: list[str]) -> ModelError | None:

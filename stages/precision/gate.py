@@ -17,7 +17,8 @@ import numpy as np
 import onnx
 
 from kiln.core.data import Feed
-from kiln.core.onnx_io import ort_session
+from kiln.core.feeds import fixed_batch
+from kiln.core.onnx_io import io_specs, ort_session
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.timing import MIN_ROUNDS, interleave, median_interval, time_calls
@@ -79,13 +80,14 @@ class GateCheck:
     def on_samples(
         cls, fp32: onnx.ModelProto, x: np.ndarray | Feed, logits: int | None = 0, gates: GatesConfig | None = None
     ) -> GateCheck:
-        """A check on ``x`` alone (one shape, no labels), for graphs judged outside a pipeline run."""
+        """A check on ``x`` alone (one shape, no labels), for graphs judged outside a pipeline run: in batches of up
+        to 64 rows, or of the batch ``fp32`` fixes (its only one; ``x`` then holds whole batches of it)."""
         feed = x if isinstance(x, dict) else {fp32.graph.input[0].name: x}
         names = [o.name for o in fp32.graph.output]
         name = names[logits] if logits is not None and logits < len(names) else None
-        rows = len(next(iter(feed.values())))
-        ref = Reference(session_runner(fp32), [({}, feed)], [None], name, min(64, rows))
-        return cls(fp32, ref, gates or GatesConfig(), [min(64, rows)])
+        batch = fixed_batch(io_specs(fp32)[0]) or min(64, len(next(iter(feed.values()))))
+        ref = Reference(session_runner(fp32), [({}, feed)], [None], name, batch)
+        return cls(fp32, ref, gates or GatesConfig(), [batch])
 
     @property
     def samples(self) -> Feed:

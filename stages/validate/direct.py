@@ -11,7 +11,7 @@ import torch
 
 from kiln.core.compare import set_aside
 from kiln.core.errors import InputError, InputFileError, KilnError
-from kiln.core.feeds import check_feed, read_feed
+from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs
 from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
@@ -56,8 +56,9 @@ def _reference_error(reference: Path, cfg: ValidateSettings, feed: dict[str, np.
 
 
 def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings) -> dict[str, np.ndarray]:
-    """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU) or a PyTorch checkpoint of
-    ``cfg.model`` (called with the feed's arrays as keyword arguments when there are several)."""
+    """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU; one batch at a time where it fixes
+    its batch axis) or a PyTorch checkpoint of ``cfg.model`` (called with the feed's arrays as keyword arguments
+    when there are several)."""
     if reference.suffix != ".onnx":
         model = load_weights(build_model(cfg.model.name, cfg.model.params), read_state_dict(reference), str(reference))
         x = {k: torch.from_numpy(v) for k, v in feed.items()}
@@ -79,12 +80,13 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
             hint="validate an engine against the ONNX model it was built from",
         )
     try:
-        check_feed(feed, specs, "the engine's inputs", f"reference {reference.name}")  # ranks, dtypes, sizes
+        check_feed(feed, specs, "the engine's inputs", f"reference {reference.name}", batched=True)  # ranks, sizes
     except InputFileError as exc:
         raise InputError(exc.message, hint=OTHER_MODEL) from None
     ref_sess = ort_session(graph)
+    names = [o.name for o in ref_sess.get_outputs()]
     try:
-        got = ref_sess.run(None, feed)
+        return run_batched(lambda part: dict(zip(names, ref_sess.run(None, part))), feed, fixed_batch(specs))
     except Exception as exc:  # ONNX Runtime's own error: a size the graph does not take (a 64-row position table)
         raise InputError(
             f"reference {reference.name} fails on the engine's inputs {_shapes(feed)} in ONNX Runtime: "
@@ -92,16 +94,17 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
             hint="give --inputs at sizes the model takes (the sizes its kiln-engine.json validated), or check that "
             "the inputs are this model's",
         ) from None
-    return dict(zip([o.name for o in ref_sess.get_outputs()], got))
 
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
+    """``engine_dir`` against ``reference`` on every row of ``inputs`` (else random ones); an engine that fixes its
+    batch axis runs them one batch of that size at a time, and its latency is that batch's."""
     meta = read_metadata(engine_dir)
     # An engine whose inputs share no batch axis (one built before Kiln refused such graphs): said as what it is, not
     # as the row counts of a feed or as inputs of another model
     check_batch_axis(meta.inputs, f"engine {engine_dir.name}")
     if inputs is not None:
-        feed = read_feed(inputs, meta.inputs)
+        feed = read_feed(inputs, meta.inputs, batched=True)
     else:
         sizes = [max(v) for v in cfg.signature.shapes.values() if v]
         feed = random_inputs(
@@ -112,12 +115,15 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
         )
     # The engine's own refusals (a token id past its table) before the reference runs; sizes past those it was
     # validated for are what this command is for: checked here, said in the log
-    check_engine_feed(meta, feed, allow_outside_ranges=True)
-    _say_new_sizes(meta, feed)
+    b = fixed_batch(meta.inputs)
+    parts = in_batches(feed, b) if b is not None else [feed]
+    for part in parts:
+        check_engine_feed(meta, part, allow_outside_ranges=True)
+    _say_new_sizes(meta, parts[0])
     ref = reference_outputs(reference, feed, cfg)
     with load_engine(engine_dir) as runner:
-        got = runner.infer(feed, allow_outside_ranges=True)
-        t = runner.time_ms(feed, cfg.validate.warmup, cfg.validate.iterations)
+        got = run_batched(lambda part: runner.infer(part, allow_outside_ranges=True), feed, b)
+        t = runner.time_ms(parts[0], cfg.validate.warmup, cfg.validate.iterations)
     for name, r in ref.items():
         if name in got and got[name].shape != r.shape:
             raise InputFileError(
@@ -134,7 +140,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     unpadded_ref, unpadded_got = without_padding(feed, ref, axes, out_axes), without_padding(feed, got, axes, out_axes)
     kept = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
     summarize(entry, kept, logits)
-    batch = str(len(next(iter(feed.values()))))
+    batch = str(len(next(iter(parts[0].values()))))  # the batch timed: the engine's fixed one, else every row
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
     entry.failures = check_gates(entry, None, entry.gates, int(batch)) + _nothing_measured(ref, got)

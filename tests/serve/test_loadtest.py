@@ -358,3 +358,159 @@ def test_an_in_process_time_that_varies_is_called_noisy_beside_its_ratio(monkeyp
     result = {"model": "m", "engine": "e", "precision": "fp32", "url": "u", "inputs": "real", "duration_s": 1}
     md = render_markdown(result | {"max_requests": 9, "levels": [level]})
     assert "50% (noisy)" in md and "Noisy: the in-process time" in md
+
+
+class _Result:
+    def __init__(self, outputs: dict[str, np.ndarray]) -> None:
+        self.outputs = outputs
+
+    def as_numpy(self, name: str) -> np.ndarray:
+        return self.outputs[name]
+
+
+class _Server:
+    """A client that answers request ``k`` (its input ``k``) with ``answers[k]``, as tritonclient's does."""
+
+    def __init__(self, answers: list[dict[str, np.ndarray]]) -> None:
+        self.answers = answers
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray], **_: object) -> _Result:
+        return _Result(self.answers[int(inputs["k"][0])])
+
+    def close(self) -> None:
+        pass
+
+
+def _level(monkeypatch: pytest.MonkeyPatch, expected: list[dict], answers: list[dict], precision: str = "fp32"):
+    import kiln.serve.loadtest as loadtest
+
+    monkeypatch.setattr(loadtest, "_client_module", lambda protocol: SimpleNamespace())
+    monkeypatch.setattr(loadtest, "_client", lambda module, protocol, address: (_Server(answers), {}))
+    monkeypatch.setattr(loadtest, "_inputs", lambda module, feed, binary=True: feed)
+    pool = [{"k": np.array([k])} for k in range(len(expected))]
+    tolerance = loadtest.TOLERANCE[precision]
+    return loadtest.run_level("http", "127.0.0.1:1", "m", pool, expected, tolerance, 1, 30.0, len(expected))
+
+
+def _policy_answers(fill: float) -> list[dict[str, np.ndarray]]:
+    """80 answers of a policy's logits [1, 6], some actions filled with ``fill``, and a value [1, 1]."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(80):
+        logits = rng.standard_normal((1, 6)).astype(np.float32)
+        logits[0, rng.random(6) < 0.3] = fill
+        out.append({"logits": logits, "value": rng.standard_normal((1, 1)).astype(np.float32)})
+    return out
+
+
+def test_answers_holding_the_same_infinity_as_the_engine_are_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A -inf mask: -inf - -inf was NaN, every answer with a masked action was counted wrong, and the level's
+    max_abs_err stayed 0.0."""
+    expected = _policy_answers(-np.inf)
+    answers = [{k: v + np.float32(1e-7) * np.isfinite(v) for k, v in e.items()} for e in expected]
+    level = _level(monkeypatch, expected, answers)
+    assert (level.mismatches, len(level.latencies_ms)) == (0, 80)
+    assert 0 < level.max_abs_err < 1e-6
+
+
+def test_wrong_answers_beside_a_large_mask_fill_are_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A -1e9 mask made the tolerance 1e5 (1e8 for INT8): a server with halved logits passed."""
+    expected = _policy_answers(-1e9)
+    answers = [
+        {"logits": np.where(e["logits"] > -1e8, e["logits"] / 2, e["logits"]), "value": e["value"]} for e in expected
+    ]
+    level = _level(monkeypatch, expected, answers, "int8")
+    assert level.mismatches > 60 and 0.5 < level.max_abs_err < 3
+
+
+def test_a_nan_answer_is_wrong_and_its_error_infinite(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = _policy_answers(-np.inf)
+    answers = [dict(e) for e in expected]
+    answers[3] = {"logits": np.full((1, 6), np.nan, np.float32), "value": expected[3]["value"]}
+    level = _level(monkeypatch, expected, answers)
+    assert level.mismatches == 1 and level.max_abs_err == float("inf")
+
+
+def _graph_engine(folder: Path, mates: bool) -> Path:
+    """An ONNX Runtime CPU engine of ``y = x @ w`` ([batch, 4] -> [batch, 3]); ``mates``: plus 0.002 x the batch's
+    largest value, an answer that depends on its batch mates as a dynamically quantized engine's does."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if not mates else "xw"])]
+    if mates:
+        k = numpy_helper.from_array(np.array(0.002, np.float32), "k")
+        nodes += [
+            helper.make_node("ReduceMax", ["xw"], ["top"], keepdims=0),  # over every axis: the batch's largest
+            helper.make_node("Mul", ["top", "k"], ["shift"]),
+            helper.make_node("Add", ["xw", "shift"], ["y"]),
+        ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [w, *([k] if mates else [])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "m.onnx")
+    build_direct(folder / "m.onnx", folder / "engine", "onnxruntime", "cpu", None, BuildConfig())
+    return folder / "engine"
+
+
+def _band(engine_dir: Path) -> tuple[list[dict], dict, tuple[float, float], np.ndarray]:
+    """For a pool of 32 requests: the engine's single-sample answers, the batch-mate deviation measured with a
+    served batch limit of 16, the INT8 band it gives, and the engine's answers in two batches of 16."""
+    from kiln.serve.loadtest import TOLERANCE, answer_band, batch_deviation, expected_outputs
+    from kiln.stages.engines.registry import load_engine
+
+    rng = np.random.default_rng(0)
+    pool = [{"x": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(32)]
+    with load_engine(engine_dir) as runner:
+        expected = expected_outputs(runner, pool)
+        deviation = batch_deviation(runner, pool, expected, 16, TOLERANCE["int8"])
+        batched = np.concatenate(
+            [runner.infer({"x": np.concatenate([p["x"] for p in pool[i : i + 16]])})["y"] for i in (0, 16)]
+        )
+    return expected, deviation, answer_band(TOLERANCE["int8"], deviation), batched
+
+
+def test_a_static_engine_is_held_tightly_and_a_3_percent_wrong_answer_is_wrong(tmp_path: Path) -> None:
+    """An engine whose answers do not depend on their batch mates (a static INT8 one's) measures about no
+    deviation and keeps the tight base band: answers 3 % off are wrong, where a fixed INT8 band of 10 % of the
+    answer's largest value let them pass."""
+    from kiln.serve.loadtest import answer_error, answer_masks
+
+    expected, deviation, band, _ = _band(_graph_engine(tmp_path, mates=False))
+    masks = answer_masks(expected, ["y"])
+    wrong = [answer_error(e["y"], e["y"] * np.float32(0.97), band, masks["y"])[0] for e in expected]
+    assert not any(wrong)
+    assert deviation["batches"] == [8, 16] and deviation["rtol"]["y"] < 1e-5 and band[1] <= 0.02, deviation
+
+
+def test_an_engine_whose_answers_depend_on_their_batch_mates_gets_the_band_it_measures(tmp_path: Path) -> None:
+    """The same graph shifted by the batch's largest value: its batched answers lie off its single ones by a few
+    percent, which the band takes in (its own answers in batches of 16 are right), at four times what was measured."""
+    from kiln.serve.loadtest import BAND_SAFETY, TOLERANCE, answer_error, answer_masks
+
+    expected, deviation, band, batched = _band(_graph_engine(tmp_path, mates=True))
+    measured = deviation["rtol"]["y"]
+    assert measured > TOLERANCE["int8"][1] / BAND_SAFETY and band[1] == pytest.approx(BAND_SAFETY * measured)
+    masks = answer_masks(expected, ["y"])
+    right = [answer_error(e["y"], batched[i : i + 1], band, masks["y"])[0] for i, e in enumerate(expected)]
+    base = [answer_error(e["y"], batched[i : i + 1], TOLERANCE["int8"], masks["y"])[0] for i, e in enumerate(expected)]
+    assert all(right) and not all(base)
+
+
+def test_the_report_says_the_band_and_the_deviation_it_was_measured_from() -> None:
+    from kiln.serve.loadtest import render_markdown
+
+    latency = {"p50": 1.0, "p90": 1.0, "p99": 1.0}
+    level = {"concurrency": 1, "requests": 9, "throughput_rps": 50.0, "latency_ms": latency, "mismatches": 2}
+    level |= {"errors": 0, "max_abs_err": 2.31}
+    deviation = {"batches": [8, 32], "rtol": {"bbox": 0.0, "cls": 0.03}, "atol": 0.0}
+    tolerance = {"atol": 1e-3, "rtol": 0.12, "base": {"atol": 1e-3, "rtol": 0.02}, "batch_deviation": deviation}
+    result = {"model": "m", "engine": "e", "precision": "int8", "url": "u", "inputs": "real", "duration_s": 1}
+    md = render_markdown(result | {"max_requests": 9, "levels": [level], "tolerance": tolerance | {"safety": 4.0}})
+    assert "0.001 + 0.12 x the answer's largest value (int8's base 0.001 + 0.02" in md, md
+    assert "batches of 8, 32" in md and "up to 0.03 x" in md and "Largest error seen under load: 2.31" in md

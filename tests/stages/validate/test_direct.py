@@ -277,3 +277,59 @@ def test_an_engine_whose_inputs_share_no_batch_axis_gets_the_batch_of_one_fix(tm
         result = invoke("validate", engine, "--reference", model, "--set", "signature.shapes={edges: [6]}", *extra)
         assert_clean(result, 2, said, "edge_index [1, 2, edges]")
         assert "built from" not in result.output and "one row per sample" not in result.output
+
+
+def fixed_batch_onnx(path: Path, relu: bool = True) -> Path:
+    """input [1, 4] -> MatMul (positive weights) -> Relu -> logits [1, 3]: a batch fixed at 1, as the TorchScript
+    exporter writes it. Without ``relu`` it differs from the graph with it only on rows of negative inputs."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    w = numpy_helper.from_array(np.arange(1, 13, dtype=np.float32).reshape(4, 3) / 12, "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["input", "w"], ["m"]),
+            helper.make_node("Relu" if relu else "Identity", ["m"], ["logits"]),
+        ],
+        "fixed",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def _rows(tmp_path: Path, rows: int = 8) -> Path:
+    """``rows`` rows of positive inputs but the last, which is negative."""
+    import numpy as np
+
+    x = np.random.default_rng(0).uniform(0.1, 1.0, (rows, 4)).astype(np.float32)
+    x[-1] *= -1
+    np.savez(tmp_path / "x.npz", input=x)
+    return tmp_path / "x.npz"
+
+
+def _validated(out) -> dict:
+    import json
+
+    return json.JSONDecoder().raw_decode(out.output[out.output.index("{\n") :])[0]  # error/fix lines may follow
+
+
+def test_an_engine_of_a_fixed_batch_is_validated_on_every_row_one_batch_at_a_time(tmp_path: Path) -> None:
+    """A graph that fixes its batch at 1 takes an .npz of 8 rows, each run alone; its latency is keyed by the batch
+    the engine runs (1), not the row count."""
+    model, engine = fixed_batch_onnx(tmp_path / "m.onnx"), tmp_path / "e"
+    assert invoke("build", model, "-o", engine).exit_code == 0
+    out = invoke("validate", engine, "--reference", model, "--inputs", _rows(tmp_path))
+    assert out.exit_code == 0, out.output
+    assert list(_validated(out)["latency_ms"]) == ["1"]
+
+
+def test_every_row_of_a_fixed_batch_is_compared(tmp_path: Path) -> None:
+    """The engine differs from its reference on the last of 8 rows only: that row is compared, and is the worst."""
+    engine = tmp_path / "e"
+    assert invoke("build", fixed_batch_onnx(tmp_path / "id.onnx", relu=False), "-o", engine).exit_code == 0
+    out = invoke("validate", engine, "--reference", fixed_batch_onnx(tmp_path / "m.onnx"), "--inputs", _rows(tmp_path))
+    assert out.exit_code != 0, out.output
+    assert _validated(out)["outputs"]["logits"]["worst_sample"] == 7
