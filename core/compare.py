@@ -122,23 +122,27 @@ def masks_of(ref: np.ndarray) -> Masks:
     rest = finite[~np.isin(finite, repeated)] if repeated.size else finite
     if not rest.size:
         return Masks((), MASK_MIN)
-    floor = max(MASK_MIN, MASK_RATIO * float(np.median(np.abs(rest))))
+    nonzero = rest[rest != 0]  # a sparse output's zeros (a padded box list) would make any large value a fill
+    floor = max(MASK_MIN, MASK_RATIO * float(np.median(np.abs(nonzero if nonzero.size else rest))))
     return Masks(tuple(float(v) for v in repeated if abs(v) >= floor), floor)
 
 
 def set_aside(ref: np.ndarray, got: np.ndarray, masks: Masks | None = None) -> np.ndarray:
     """Where ``ref`` and ``got`` (one shape) hold alike a value that is no number to compare, as a boolean array:
     a NaN in both, or a mask in both (the reference's infinity or mask fill, :func:`masks_of`; the candidate's value
-    of the same sign and at least the fill's floor): a masked action is masked alike whether it reads -1e9 or
-    -inf, and the fill's size would otherwise drown every error of the values around it. A mask in one of them only
-    stays, a huge or infinite error. ``masks``: the reference's (default: read from ``ref``; a caller comparing
-    one row at a time reads them from all its rows)."""
+    of the same sign within a factor of 2 of the fill, or an infinity): a masked action is masked alike whether it
+    reads -1e9 or -inf, and the fill's size would otherwise drown every error of the values around it. A mask in
+    one of them only stays, a huge or infinite error. ``masks``: the reference's (default: read from ``ref``; a
+    caller comparing one row at a time reads them from all its rows)."""
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     m = masks_of(ref) if masks is None else masks
     shared = np.isnan(r) & np.isnan(g)
     masked = np.isinf(r) | np.isin(r, m.values) if m.values else np.isinf(r)
-    if masked.any():
-        shared |= masked & (np.sign(g) == np.sign(r)) & (np.abs(g) >= m.floor)
+    if masked.any():  # the candidate's value within a factor of 2 of the fill, or an infinity
+        with np.errstate(invalid="ignore"):
+            a = np.abs(g)
+            near = np.isinf(g) | np.where(np.isinf(r), a >= m.floor, (a >= 0.5 * np.abs(r)) & (a <= 2 * np.abs(r)))
+        shared |= masked & (np.sign(g) == np.sign(r)) & near
     return shared
 
 

@@ -385,6 +385,7 @@ class Baseline(Part):
     metric: float | None = None  # validate.metric on the held-out split (metric_name says which)
     metric_name: str | None = None
     metric_default: bool = False  # the metric is the default for float targets, not validate.metric
+    metric_scale: float | None = None  # an error metric's relative drop is over this: the targets' spread
     compared: list[str] = Field(default_factory=list)  # the outputs every engine is compared on
     shapes: list[dict[str, int]] = Field(default_factory=list)  # dynamic axis sizes validated at (besides batch)
     scored_at: dict[str, int] | None = None  # the dynamic axis sizes accuracy and the metric are measured at

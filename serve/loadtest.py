@@ -71,6 +71,7 @@ POOL = 64
 # answer_band widens the band to BAND_SAFETY times that.
 TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 2e-2), "bf16": (1e-3, 3e-2), "int8": (1e-3, 2e-2)}
 BAND_SAFETY = 4.0  # the band's rtol is at least this many times the largest batch-mate deviation measured
+BAND_CAP = 0.1  # ... and at most this: beyond it a batch-mate's answer would pass for any sample's (said in the log)
 BAND_ROWS = 8  # the small batch measured, beside the largest the server forms
 REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its duration and request budget
 # The client threads' interpreter switch interval (Python's default is 5 ms): a thread whose answer has arrived waits
@@ -442,13 +443,22 @@ def _error_and_scale(want: np.ndarray, got: np.ndarray, masks: Masks) -> tuple[f
 
 def answer_band(base: tuple[float, float], deviation: dict[str, Any]) -> tuple[float, float]:
     """The tolerance served answers are held to: ``base``, widened to :data:`BAND_SAFETY` times the batch-mate
-    deviation measured (:func:`batch_deviation`). A deviation that is not finite (a batched answer with a NaN or
-    an infinity its single answer lacks) widens nothing: a served batch would give that answer, which is wrong."""
+    deviation measured (:func:`batch_deviation`), up to :data:`BAND_CAP`. A deviation that is not finite (a batched
+    answer with a NaN or an infinity its single answer lacks) widens nothing: a served batch would give that answer,
+    which is wrong."""
     if not all(np.isfinite(v) for v in (*deviation["rtol"].values(), deviation["atol"])):
         log.warning("batched, the engine answers with non-finite values its single-sample answers lack")
     rtols = [v for v in deviation["rtol"].values() if np.isfinite(v)]
     atol = deviation["atol"] if np.isfinite(deviation["atol"]) else 0.0
-    return max(base[0], BAND_SAFETY * atol), max(base[1], BAND_SAFETY * max(rtols, default=0.0))
+    rtol = BAND_SAFETY * max(rtols, default=0.0)
+    if rtol > BAND_CAP:
+        log.warning(
+            "batched, the engine's answers move by up to %.3g of their largest value: answers are held to %g, and a "
+            "correct server may be counted wrong (an engine whose answers depend on their batch mates)",
+            rtol / BAND_SAFETY,
+            BAND_CAP,
+        )
+    return max(base[0], min(BAND_SAFETY * atol, BAND_CAP)), max(base[1], min(rtol, BAND_CAP))
 
 
 def _inputs(module: Any, feed: dict[str, np.ndarray], binary: bool = True) -> list[Any]:

@@ -33,7 +33,7 @@ from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
-from kiln.stages.accuracy.metrics import Metric, default_metric, metric_labels, resolve_metric
+from kiln.stages.accuracy.metrics import Metric, default_metric, metric_labels, resolve_metric, scaled_by
 
 log = logging.getLogger("kiln.validate")
 LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
@@ -93,7 +93,7 @@ CONFIDENT = 0.5
 # An output (nearly) constant over the samples has no spread to measure an error by, only noise: at least this share
 # of its RMS. Low, since an output on a level far above its spread (a forecast of a series around 300 that moves by
 # 1) is measured by that spread; an error 1000x what the norm-relative one would be is the most this measure adds.
-SPREAD_FLOOR = 1e-3
+SPREAD_FLOOR = 1e-2
 
 
 def confident_positions(logits: np.ndarray) -> np.ndarray | None:
@@ -730,10 +730,11 @@ def held_out_reference(
         ref.metric_value = ref.metric_of(ref.outputs[ref.score])
         if ref.metric is not None:
             log.info(
-                "validate.metric unset: float targets judged by mse, its rise relative to the reference's %.4g "
-                "gated by max_metric_drop (set validate.metric to judge them by another)",
+                "validate.metric unset: float targets judged by mse (the reference's %.4g), its rise over the "
+                "targets' variance gated by max_metric_drop (set validate.metric to judge them by another)",
                 ref.metric_value,
             )
+    ref.metric = scaled_by(ref.metric, ref.targets)
     return ref
 
 

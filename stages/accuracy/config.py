@@ -45,7 +45,7 @@ class GatesConfig(Section):
         None,
         ge=0,
         description="relative error of each float output vs PyTorch: the RMS of the error over how the reference "
-        "varies between held-out samples (RMS of its deviation from its mean over them, at least 0.1 % of its RMS; "
+        "varies between held-out samples (RMS of its deviation from its mean over them, at least 1 % of its RMS; "
         "a mask's fill alike in both, -inf or -1e9, left out); "
         "null = sqrt(2 * (1 - min_cosine)), the error min_cosine allows in any direction (cosine alone misses an "
         "offset or a scale), for every float output but the class logits (top-1 agreement guards those); set, it "
@@ -68,8 +68,9 @@ class GatesConfig(Section):
         ge=0,
         description="allowed drop of validate.metric vs the reference: in the metric's own units for a share "
         "(accuracy, the F1s, detection_recall: 0.01 = 1 point); for an error metric (mse, rmse, mae, smape, and a "
-        "pkg.mod:fn with relative = True) its rise relative to the reference's value, (value - reference) / "
-        "reference (0.01 = 1 % more error; in its own units where the reference's is 0)",
+        "pkg.mod:fn with relative = True) its rise over the targets' spread in its units (mse: their variance, "
+        "0.01 = one point of R^2; rmse: their standard deviation; mae: their mean absolute deviation), else over the "
+        "reference's value (0.01 = 1 % more error; in its own units where that is 0)",
     )
     max_latency_p50_ms: float | None = Field(None, gt=0, description="latency budget at the largest batch size")
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.

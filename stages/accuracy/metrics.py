@@ -8,7 +8,8 @@ is better unless the function says otherwise (an attribute ``higher_is_better = 
 
 The drop is in the metric's own units (a share in [0, 1]: 0.01 is one point), except for an error metric, whose
 units are the targets' (MSE's are their square: targets in the thousands give an MSE in the millions, where any
-fixed allowance is rounding noise or none at all): there it is the relative rise over the reference's value,
+fixed allowance is rounding noise or none at all): there it is the rise over the targets' spread in the metric's
+units (:func:`scaled_by`: an MSE's over their variance, R^2 points), else over the reference's value,
 ``(value - reference) / reference`` (0.01: 1 % more error). The built-in error metrics are relative; a user's
 metric is when its function says so (an attribute ``relative = True``).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import re
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ class Metric:
     higher_is_better: bool = True
     relative: bool = False
     default: bool = False
+    scale: float | None = None  # what a relative drop is over: the targets' spread in the metric's units (scaled_by)
 
     def __call__(self, outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
         """The metric of ``outputs``; the user's function failing is their error, named with what Kiln was doing."""
@@ -84,10 +86,24 @@ class Metric:
 
     def drop(self, baseline: float, value: float) -> float:
         """How much worse ``value`` is than ``baseline`` (positive: worse), whichever way the metric points: in its
-        own units, or for a :attr:`relative` one over the baseline's magnitude (a rise of 0.01: 1 % worse). Where the
-        baseline is 0 (a perfect fit) there is nothing to be relative to, and the drop is in its own units."""
+        own units, or for a :attr:`relative` one over :attr:`scale`, the targets' spread (an MSE's rise over their
+        variance: R^2 points), else over the baseline's magnitude. Not over the baseline alone where the targets
+        give a scale: a reference that fits its targets closely has a small error, and any engine's noise would be
+        many times it. With neither (targets that do not vary, a perfect fit) the drop is in its own units."""
         worse = baseline - value if self.higher_is_better else value - baseline
-        return worse / abs(baseline) if self.relative and baseline != 0 else worse
+        over = self.scale or abs(baseline) if self.relative else 0.0
+        return worse / over if over else worse
+
+
+def scaled_by(metric: Metric | None, targets: np.ndarray | None) -> Metric | None:
+    """``metric`` with the scale its relative drop is over (:meth:`Metric.drop`): for ``mse`` the targets'
+    variance, ``rmse`` their standard deviation, ``mae`` their mean absolute deviation; others as they are."""
+    if metric is None or not metric.relative or targets is None or metric.name not in SPREADS:
+        return metric
+    y = np.asarray(targets, dtype=np.float64)
+    y = y[np.isfinite(y)]
+    scale = float(SPREADS[metric.name](y - y.mean())) if y.size > 1 else 0.0
+    return replace(metric, scale=scale) if scale > 0 else metric
 
 
 def _as_float(returned: object, name: str) -> float:
@@ -387,10 +403,16 @@ BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
     "detection_recall": (_detection_recall, True),
 }
 DEFAULT = "mse"  # the metric of float targets where validate.metric is unset (default_metric)
-# the error metrics, judged by their rise relative to the reference's value (Metric.drop): mse, rmse and mae are
-# in the targets' units; smape is scale-free, and relative too so that every error metric reads one way (a good
+# the error metrics, judged by their relative rise (Metric.drop): mse, rmse and mae over the targets' spread in their
+# units (SPREADS); smape is scale-free, over the reference's value so that every error metric reads one way (a good
 # forecast's 2 % sMAPE made 3 % is 50 % worse, which a fixed allowance of 0.01 would pass)
 RELATIVE = frozenset({"mse", "rmse", "mae", "smape"})
+# the targets' spread in each error metric's units, of their deviations from their mean (scaled_by)
+SPREADS: dict[str, Callable[[np.ndarray], float]] = {
+    "mse": lambda d: np.mean(d**2),
+    "rmse": lambda d: np.sqrt(np.mean(d**2)),
+    "mae": lambda d: np.mean(np.abs(d)),
+}
 
 
 def metric_labels(val_y: Any) -> np.ndarray | None:

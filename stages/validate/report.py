@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -200,28 +201,35 @@ def _metric(v: ValidationResult) -> list[str]:
     default = b.metric_default or not b.metric_name  # a record of before metric_default: a value without a name
     source = "the default for float targets: validate.metric is unset" if default else "validate.metric"
     per = "; ".join(
-        f"{e.name} {fmt(e.metric, '.4g')}{_metric_drop(name, b.metric, e)}" for e in v.engines if e.metric is not None
+        f"{e.name} {fmt(e.metric, '.4g')}{_metric_drop(name, b.metric, e, b.metric_scale)}"
+        for e in v.engines
+        if e.metric is not None
     )
     if b.labelled_positions == 0:  # labels per position that fit no validated shape (said above)
         per = "not measured: the labels fit no validated size"
     line = f"Metric `{name}` ({source}): reference {fmt(b.metric, '.4g')}; {per}."
     metric = resolve_metric(name, None) if name in BUILTINS else None
     if metric is not None and metric.relative:
-        line += (
-            f" `{name}` is an error metric: its rise is relative to the reference's value, (engine - reference) / "
-            "reference, so a `max_metric_drop` of 0.01 allows 1 % more error."
+        line += f" `{name}` is an error metric: its rise is relative to " + (
+            f"the targets' spread in its units ({b.metric_scale:.4g}), (engine - reference) / spread: for `mse` "
+            "a `max_metric_drop` of 0.01 allows one point of R^2."
+            if b.metric_scale
+            else "the reference's value, (engine - reference) / reference: 0.01 allows 1 % more error."
         )
     return ["", line]
 
 
-def _metric_drop(name: str, baseline: float | None, e: EngineValidation) -> str:
+def _metric_drop(name: str, baseline: float | None, e: EngineValidation, scale: float | None = None) -> str:
     """`` (relative rise 0.02, gate ≤ 0.01)``: a built-in metric's drop from the reference (an error metric's
-    relative rise: :meth:`kiln.stages.accuracy.metrics.Metric.drop`) beside its gate; empty for a user's metric,
-    whose direction the record does not hold."""
+    rise over the targets' spread, ``scale``, else over the reference's value:
+    :meth:`kiln.stages.accuracy.metrics.Metric.drop`) beside its gate; empty for a user's metric, whose direction
+    the record does not hold."""
     metric = resolve_metric(name, None) if name in BUILTINS else None
     if metric is None or baseline is None or e.metric is None:
         return ""
-    what = "relative rise" if metric.relative and baseline != 0 else "rise" if not metric.higher_is_better else "drop"
+    metric = replace(metric, scale=scale)
+    relative = metric.relative and (scale or baseline != 0)
+    what = "relative rise" if relative else "rise" if not metric.higher_is_better else "drop"
     limit = e.gates.get("max_metric_drop")
     gate = "" if limit is None else f", gate ≤ {limit:g}"
     return f" ({what} {metric.drop(baseline, e.metric):.4g}{gate})"

@@ -661,6 +661,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         b.labelled_positions = scored_positions(ref, labelled)
         b.metric, b.metric_name = ref.metric_value, ref.metric.name if ref.metric is not None else cfg.metric
         b.metric_default = ref.metric is not None and ref.metric.default
+        b.metric_scale = ref.metric.scale if ref.metric is not None else None
         b.accuracy_note = accuracy_absent(ref, data)
     if baseline.error:  # the accuracy reference must have numbers: eager on the CPU
         baseline = Baseline(
@@ -673,6 +674,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
             metric=baseline.metric,
             metric_name=baseline.metric_name,
             metric_default=baseline.metric_default,
+            metric_scale=baseline.metric_scale,
         )
     if ref.logits is None:
         ctx.log.info(

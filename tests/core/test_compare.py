@@ -290,3 +290,18 @@ def test_the_tolerance_of_an_output_with_a_mask_fill_is_scaled_by_its_values() -
     assert within_tolerance(ref, ref.copy(), atol=1e-5, rtol=1e-4)[0]
     ok, err, why = within_tolerance(ref, np.where(mask, ref, ref / 2), atol=1e-5, rtol=1e-4)
     assert not ok and 0.5 < err < 3 and "max abs error" in why
+
+
+def test_large_values_that_repeat_in_a_sparse_output_are_compared_not_set_aside() -> None:
+    """Box areas of 16384 beside zeros (a padded list) are values: an engine's 81920 for them is an error, though a
+    -inf for a -1e9 fill still masks alike."""
+    ref = np.zeros((8, 100), np.float32)
+    ref[:, :3], ref[:7, 3] = 16384, np.arange(1, 8)
+    got = ref.copy()
+    got[:, :3] = 81920
+    assert compare_arrays(ref, got).max_abs_err == 65536
+    fill = np.random.default_rng(0).normal(size=(10, 6)).astype(np.float32)
+    fill[:, :2] = -1e9
+    overflowed = fill.copy()
+    overflowed[:, :2] = -np.inf
+    assert compare_arrays(fill, overflowed).max_abs_err == 0

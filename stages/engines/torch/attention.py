@@ -121,7 +121,9 @@ def _counts_up_from_zero(node: Any) -> bool:
     target = str(getattr(node, "target", ""))
     if target == "aten.add.Tensor" or target == "aten.add.Scalar":
         tensor, number = node.args[:2]
-        return isinstance(number, int | float) and number >= 0 and _counts_up_from_zero(tensor)
+        alpha = node.kwargs.get("alpha", 1)  # add(x, y, alpha=a) is x + a * y
+        up = isinstance(number, int | float) and isinstance(alpha, int | float) and number * alpha >= 0
+        return up and _counts_up_from_zero(tensor)
     if target == "aten.arange.default":
         return True
     if target == "aten.arange.start":

@@ -496,20 +496,36 @@ def ref_mse(run: Any, data: Any) -> float:
 
 
 def test_a_forecast_on_a_level_is_measured_by_how_it_varies_not_by_its_level() -> None:
-    """A forecaster of a series around 300 that varies by about 1, and an INT8 engine whose forecasts take a few
-    values: its error is 40 % of the spread, which a floor of 10 % of the RMS (30) made 1.3 % and packaged."""
+    """A forecaster of a series around 30 that varies by about 1, and an INT8 engine whose forecasts take a few
+    values: its error is 40 % of the spread, which a floor of 10 % of the RMS (3) made 14 % and packaged. (Around
+    300 the floor of 1 % is the spread again: the default metric, mse, judges such a forecast.)"""
     from kiln.stages.accuracy.check import compare_all, gates_for
     from kiln.stages.accuracy.config import GatesConfig
 
     rng = np.random.default_rng(0)
-    ref = {"forecast": (300 + 0.9 * rng.standard_normal((80, 6))).astype(np.float32)}
-    got = {"forecast": (300 + 1.5 * np.round((ref["forecast"] - 300) / 1.5)).astype(np.float32)}
+    ref = {"forecast": (30 + 0.9 * rng.standard_normal((80, 6))).astype(np.float32)}
+    got = {"forecast": (30 + 1.5 * np.round((ref["forecast"] - 30) / 1.5)).astype(np.float32)}
     assert len(np.unique(got["forecast"])) <= 5
     limit = gates_for(GatesConfig(), "int8", no_class_logits=True)["max_rel_err"]
     assert compare_all(ref, got, None)["forecast"].rel_err > 2 * limit
 
 
-def test_an_output_constant_over_samples_is_measured_against_a_thousandth_of_its_norm_at_least() -> None:
+def test_fp16_rounding_of_an_output_that_barely_varies_passes_fp16s_limit() -> None:
+    """A level near 300 moving by about 1, and anchors the same for every image: exact values rounded to FP16 (2.4e-4
+    of their level) stay within FP16's derived limit, 0.0447, whose floor keeps them from being over noise."""
+    from kiln.stages.accuracy.check import compare_all, gates_for
+    from kiln.stages.accuracy.config import GatesConfig
+
+    rng = np.random.default_rng(0)
+    level = (300 + rng.standard_normal((80, 6))).astype(np.float32)
+    anchors = np.tile(rng.uniform(0, 640, (1, 1000, 4)), (16, 1, 1)).astype(np.float32)
+    limit = gates_for(GatesConfig(), "fp16", no_class_logits=True)["max_rel_err"]
+    for ref in (level, anchors):
+        got = ref.astype(np.float16).astype(np.float32)
+        assert compare_all({"y": ref}, {"y": got}, None)["y"].rel_err < limit
+
+
+def test_an_output_constant_over_samples_is_measured_against_a_hundredth_of_its_norm_at_least() -> None:
     """An output that does not vary between samples has no spread to divide by, only noise: an engine's float
     rounding of it stays far within the FP32 limit."""
     from kiln.stages.accuracy.check import spreads
@@ -518,7 +534,7 @@ def test_an_output_constant_over_samples_is_measured_against_a_thousandth_of_its
     constant = np.tile(rng.standard_normal(64), (32, 1)).astype(np.float32)
     spread = spreads({"hidden": constant})["hidden"]
     rms = float(np.sqrt(np.mean(constant.astype(np.float64) ** 2)))
-    assert spread == pytest.approx(1e-3 * rms)
+    assert spread == pytest.approx(1e-2 * rms)
     assert 1e-7 * rms / spread < np.sqrt(2 * (1 - 0.9999))  # FP32's derived max_rel_err, 0.0141
 
 

@@ -149,6 +149,22 @@ def test_an_error_metric_is_judged_by_its_rise_relative_to_the_reference() -> No
     assert not accuracy.relative and accuracy.drop(0.9, 0.8) == pytest.approx(0.1)
 
 
+def test_an_error_metrics_rise_is_over_the_targets_spread_where_they_give_one() -> None:
+    """Over the reference's own error, a good fit's INT8 noise is many times it (MSE 0.00874 -> 0.00942: 7.8 %), and a
+    reference that fits exactly makes any rounding infinite; over the targets' variance the rise is R^2 points."""
+    from kiln.stages.accuracy.metrics import scaled_by
+
+    y = np.random.default_rng(0).normal(size=500)
+    mse = scaled_by(resolve_metric("mse", None), y)
+    assert mse.scale == pytest.approx(np.var(y))
+    assert mse.drop(0.00874, 0.00942) == pytest.approx(0.00068 / np.var(y)) and mse.drop(0.00874, 0.00942) < 0.01
+    assert mse.drop(1e-14, 5.2e-8) < 1e-6  # an exact reference: the engine's rounding is no rise to speak of
+    assert mse.drop(0.0792 * np.var(y), 0.2198 * np.var(y)) > 0.1  # a forecast 2.8x the reference's error
+    assert scaled_by(resolve_metric("rmse", None), y).scale == pytest.approx(np.std(y))
+    assert scaled_by(resolve_metric("smape", None), y).scale is None  # scale-free: over the reference's value
+    assert scaled_by(resolve_metric("mse", None), np.ones(9)).scale is None  # targets that do not vary
+
+
 def test_mae_rmse_and_smape_score_the_prediction() -> None:
     y = np.array([[1.0, 0.0], [2.0, 4.0]])
     out = {"pred": np.array([[2.0, 0.0], [2.0, 1.0]])}  # errors 1, 0, 0, 3

@@ -82,6 +82,20 @@ def test_the_all_true_mask_transformers_traces_for_a_vit_counts_as_no_mask() -> 
     torch.testing.assert_close(got.logits if hasattr(got, "logits") else got[0], want.logits)
 
 
+def test_a_mask_that_counts_down_below_zero_is_a_mask() -> None:
+    """``arange(n) - 3 >= 0`` (``add`` with ``alpha=-1``) masks the first three keys."""
+
+    class Shifted(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            mask = torch.add(torch.arange(q.shape[2]), 3, alpha=-1) >= 0
+            return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask.expand(q.shape[0], 1, 1, -1))
+
+    q = torch.randn(2, 4, 6, 8, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        gm = torch.export.export(Shifted(), (q,)).module()
+    assert fuse_attention(gm, devices=("cpu",), masked=False) == 0
+
+
 def test_a_mask_that_reads_the_inputs_is_a_mask() -> None:
     gm, _ = _program(torch.bfloat16)
     assert fuse_attention(gm, devices=("cpu",), masked=False) == 1  # the unmasked call only: the other's is the data's
