@@ -41,6 +41,10 @@ WARMUP_STEPS = 3
 # anew, and captures after which the update stays eager
 MISSES_BEFORE_RECAPTURE = 3
 MAX_CAPTURES = 3
+# Captures that raised before the update stays eager: a capture can fail for a passing reason (the caching allocator
+# out of memory while another process fills the GPU must not free blocks mid-capture), so the first failure is tried
+# again after WARMUP_STEPS more eager steps; an update that cannot be captured fails the same way twice
+FAILED_CAPTURES = 2
 
 
 def wanted(setting: str, device: torch.device, skips_on_device: bool, processes: int = 1) -> bool:
@@ -95,6 +99,8 @@ class GraphedUpdate:
         self.captures = 0
         self.captured_at: int | None = None
         self.eager_steps = 0  # steps after the capture that ran eagerly (gradients that did not fit)
+        self.failed = 0  # captures that raised
+        self.retry_at = WARMUP_STEPS  # the step after which the next capture is tried
         self.failure: str | None = None
 
     def __call__(self, loss: torch.Tensor) -> torch.Tensor:
@@ -109,7 +115,7 @@ class GraphedUpdate:
             self.graph = None
         self.misses = 0
         if self.graph is None and (
-            self.steps <= WARMUP_STEPS or self.failure is not None or not self._capture(loss, grads)
+            self.steps <= self.retry_at or self.failure is not None or not self._capture(loss, grads)
         ):
             return self.update(loss)
         assert self.graph is not None and self.loss is not None and self.values is not None
@@ -165,7 +171,7 @@ class GraphedUpdate:
             self.on_failure()
             for p, g in zip(self.params, own):  # this step's own gradients back, for its eager update
                 p.grad = g
-            return self._give_up(first_line(exc))
+            return self._failed(first_line(exc))
         finally:
             for group, (lr, capturable) in zip(self.opt.param_groups, kept):
                 group["lr"] = lr
@@ -175,6 +181,17 @@ class GraphedUpdate:
         self.captured, self.without = grads, [g is None for g in grads]
         self.captured_at = self.captured_at or self.steps
         return True
+
+    def _failed(self, reason: str) -> bool:
+        """A capture raised: tried again after a few eager steps, the last time given up."""
+        self.failed += 1
+        if self.failed >= FAILED_CAPTURES:
+            return self._give_up(reason)
+        self.retry_at = self.steps + WARMUP_STEPS
+        log.info(
+            "capturing the update failed at step %d (tried again after step %d): %s", self.steps, self.retry_at, reason
+        )
+        return False
 
     def _give_up(self, reason: str) -> bool:
         self.graph, self.failure = None, reason

@@ -193,6 +193,32 @@ def test_parameters_without_gradients_are_left_alone_and_a_new_set_is_captured_a
     assert max_diff(eager, graphed) < 1e-5
 
 
+@pytest.mark.gpu
+def test_a_capture_that_fails_once_is_captured_a_few_steps_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture can fail for a passing reason (another process filling the GPU's memory); the next try succeeds."""
+    real_capture, tries = update_graph.capture, []
+
+    def once_failing(work: Any, device: torch.device, warmups: int = 1) -> Any:
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        return real_capture(work, device, warmups)
+
+    monkeypatch.setattr(update_graph, "capture", once_failing)
+    data, cfg = tiny_data(400), gpu_cfg(precision="fp16")
+    eager, graphed = tiny_net(), tiny_net()
+    train(eager, data, with_graph(cfg, "off"))
+    r = train(graphed, data, with_graph(cfg, "on"))
+    assert r.update_graph == {
+        "captured": True,
+        "from_step": 2 * WARMUP_STEPS + 1,
+        "captures": 1,
+        "eager_steps_after_capture": 0,
+        "failure": None,
+    }
+    assert max_diff(eager, graphed) < 1e-5
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_failed_capture_leaves_the_update_eager_with_one_warning(
     precision: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -203,12 +229,14 @@ def test_a_failed_capture_leaves_the_update_eager_with_one_warning(
     from torch.amp.grad_scaler import OptState
 
     def failing_capture(work: Any, device: torch.device, warmups: int = 1) -> Any:
+        tries.append(1)
         if scalers[-1].is_enabled():  # fp16: what GradScaler.unscale_ records before any kernel
             scalers[-1]._per_optimizer_states[id(optimizers[-1])]["stage"] = OptState.UNSCALED
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
     scalers: list[torch.amp.GradScaler] = []
     optimizers: list[torch.optim.Optimizer] = []
+    tries: list[int] = []
     real_make_scaler, real_make_optimizer = loop_module.make_scaler, loop_module.make_optimizer
     monkeypatch.setattr(loop_module, "make_scaler", lambda *a: scalers.append(real_make_scaler(*a)) or scalers[-1])
     monkeypatch.setattr(
@@ -220,8 +248,9 @@ def test_a_failed_capture_leaves_the_update_eager_with_one_warning(
     train(eager, tiny_data(), with_graph(cfg, "off"))
     monkeypatch.setattr(update_graph, "wanted", lambda *args: True)  # as on a GPU
     graphed = tiny_net()
-    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+    with caplog.at_level(logging.INFO, logger="kiln.train"):
         r = train(graphed, tiny_data(), with_graph(cfg, "auto"))
+    assert len(tries) == 2  # the first failure is tried again a few steps later
     assert r.update_graph == {
         "captured": False,
         "from_step": None,
@@ -229,6 +258,9 @@ def test_a_failed_capture_leaves_the_update_eager_with_one_warning(
         "eager_steps_after_capture": 0,
         "failure": "CUDA error: operation not permitted when stream is capturing",
     }
+    assert [m.message.split(" (")[0] for m in caplog.records if "capturing the update failed" in m.message] == [
+        f"capturing the update failed at step {WARMUP_STEPS + 1}"
+    ]
     assert [m.message.split(":")[0] for m in caplog.records if "CUDA graph" in m.message] == [
         "the update after the backward pass runs without a CUDA graph (slower on the host, same result)"
     ]
