@@ -44,3 +44,18 @@ def saved(tmp: Path) -> Path:
     p = tmp / "model.onnx"
     onnx.save(conv_model(), p)
     return p
+
+
+def save_x_to_y(path: Path, nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], shape: list) -> Path:
+    """A graph of ``nodes`` from float input "x" of ``shape`` to float output "y" (its shape left to inference),
+    saved at ``path`` (opset 17)."""
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path

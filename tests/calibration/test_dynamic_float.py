@@ -7,27 +7,19 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.quantize import _SAID_FLOAT, quantize_int8_dynamic
+from tests.calibration.calib_graphs import save_x_to_y
 
 
 def transposed_weight(path: Path) -> Path:
     """``x @ W.T``, as exporters write ``nn.Linear`` before constant folding: the MatMul reads a Transpose."""
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32), "w")
     nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
-        [w],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
+    return save_x_to_y(path, nodes, [w], ["n", 4])
 
 
 def test_weights_behind_other_nodes_are_said_once_with_the_fix(
@@ -41,18 +33,6 @@ def test_weights_behind_other_nodes_are_said_once_with_the_fix(
     said = [r.getMessage() for r in caplog.records if "no MatMul was quantized" in r.getMessage()]
     assert len(said) == 1 and "none of its 1 MatMuls takes a stored weight" in said[0]
     assert "`kiln optimize` the graph first" in said[0]
-
-
-def _graph(path: Path, nodes: list, inits: list, x: list) -> Path:
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        inits,
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
 
 
 def _said(tmp_path: Path, src: Path, cfg: CalibrationConfig, caplog: pytest.LogCaptureFixture, *exclude: str) -> str:
@@ -70,7 +50,7 @@ def test_a_graph_whose_compute_is_an_lstm_is_not_sent_to_kiln_optimize(
     """An optimized LSTM forecaster has no MatMul at all: the cause is the LSTM, and folding cannot help."""
     w = numpy_helper.from_array(np.ones((1, 16, 3), np.float32), "w")
     r = numpy_helper.from_array(np.ones((1, 16, 4), np.float32), "r")
-    src = _graph(
+    src = save_x_to_y(
         tmp_path / "lstm.onnx", [helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=4)], [w, r], [5, "n", 3]
     )
     said = _said(tmp_path, src, CalibrationConfig(), caplog)
@@ -81,7 +61,7 @@ def test_a_graph_whose_compute_is_an_lstm_is_not_sent_to_kiln_optimize(
 def test_a_gemm_the_fallback_kept_is_named_as_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The one Gemm (no MatMul) kept in float by the fallback: said as kept, by name, not as "0 MatMuls"."""
     w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
-    src = _graph(tmp_path / "gemm.onnx", [helper.make_node("Gemm", ["x", "w"], ["y"], name="head")], [w], ["n", 4])
+    src = save_x_to_y(tmp_path / "gemm.onnx", [helper.make_node("Gemm", ["x", "w"], ["y"], name="head")], [w], ["n", 4])
     said = _said(tmp_path, src, CalibrationConfig(), caplog, "head")
     assert "its 1 MatMul/Gemm layers with stored weights are all kept in float" in said
     assert "by calibration.exclude_* or the precision fallback (head)" in said and "0 MatMuls" not in said
@@ -90,6 +70,6 @@ def test_a_gemm_the_fallback_kept_is_named_as_kept(tmp_path: Path, caplog: pytes
 
 
 def test_matmuls_of_two_activations_are_said_as_such(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    src = _graph(tmp_path / "qk.onnx", [helper.make_node("MatMul", ["x", "x"], ["y"])], [], [4, 4])
+    src = save_x_to_y(tmp_path / "qk.onnx", [helper.make_node("MatMul", ["x", "x"], ["y"])], [], [4, 4])
     said = _said(tmp_path, src, CalibrationConfig(), caplog)
     assert "multiply two activations" in said and "kiln optimize" not in said

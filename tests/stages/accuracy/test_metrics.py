@@ -22,6 +22,13 @@ def logits_for(pred: list[int], classes: int = 3) -> np.ndarray:
     return out
 
 
+def importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, source: str) -> None:
+    """``source`` as module ``name`` on the import path for this test (a fresh import, not one cached before)."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
 def test_accuracy_and_macro_f1() -> None:
     y = np.array([0, 0, 1, 2])
     out = {"logits": logits_for([0, 1, 1, 2])}
@@ -57,16 +64,17 @@ def test_detection_recall_matches_class_and_overlap() -> None:
 
 
 def test_user_metric_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "mymetrics.py").write_text(
+    importable(
+        tmp_path,
+        monkeypatch,
+        "mymetrics",
         "import numpy as np\n\n"
         "def err(outputs, labels):\n"
         "    return float(np.abs(outputs['y'].ravel() - labels).mean())\n\n"
         "err.higher_is_better = False\n\n"
         "def broken(outputs, labels):\n"
-        "    return outputs['missing']\n"
+        "    return outputs['missing']\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "mymetrics", raising=False)
     m = resolve_metric("mymetrics:err", None)
     assert not m.higher_is_better and m({"y": np.array([1.0, 2.0])}, np.array([1.0, 1.0])) == pytest.approx(0.5)
     assert resolve_metric("mymetrics:err", None, higher_is_better=True).higher_is_better  # the config wins
@@ -181,16 +189,17 @@ def test_mae_rmse_and_smape_score_the_prediction() -> None:
 def test_a_user_metric_keeps_its_units_unless_it_declares_itself_relative(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "relmetrics.py").write_text(
+    importable(
+        tmp_path,
+        monkeypatch,
+        "relmetrics",
         "def wape(outputs, labels):\n"
         "    return 1.0\n\n"
         "wape.higher_is_better = False\n"
         "wape.relative = True\n\n"
         "def score(outputs, labels):\n"
-        "    return 1.0\n"
+        "    return 1.0\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "relmetrics", raising=False)
     assert resolve_metric("relmetrics:wape", None).drop(200.0, 202.0) == pytest.approx(0.01)
     assert resolve_metric("relmetrics:score", None).drop(200.0, 198.0) == pytest.approx(2.0)
 

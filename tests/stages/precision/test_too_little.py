@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from kiln.stages.precision.stage import KEPT_HINT, mark_too_little
+from tests.calibration.calib_graphs import save_x_to_y
 
 OP_TYPES = ["Conv", "ConvTranspose", "MatMul", "Gemm"]  # calibration.op_types' defaults
 
@@ -28,18 +29,6 @@ def qdq_head(inits: list[onnx.TensorProto], nodes: list[onnx.NodeProto], x: str,
     ]
 
 
-def save(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], shape: list, path: Path) -> None:
-    g = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        inits,
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
-
-
 def lstm_then_head(path: Path, hidden: int = 16) -> None:
     """A float LSTM over [batch, seq, 3] (LSTM is not among the quantized op types), then an INT8 head."""
     inits = [
@@ -52,7 +41,7 @@ def lstm_then_head(path: Path, hidden: int = 16) -> None:
         helper.make_node("Squeeze", ["h", "dirs"], ["h2"]),
     ]
     qdq_head(inits, nodes, "h2", hidden)
-    save(nodes, inits, ["batch", "seq", 3], path)
+    save_x_to_y(path, nodes, inits, ["batch", "seq", 3])
 
 
 def conv_then_head(path: Path) -> None:
@@ -64,7 +53,7 @@ def conv_then_head(path: Path) -> None:
         helper.make_node("Flatten", ["p"], ["f"]),
     ]
     qdq_head(inits, nodes, "f", 8)
-    save(nodes, inits, ["batch", 8, 16, 16], path)
+    save_x_to_y(path, nodes, inits, ["batch", 8, 16, 16])
 
 
 def _entry(kept: list[str] | None = None) -> dict:
