@@ -82,7 +82,7 @@ def compare_all(
             f"the engine's outputs do not match the reference's: {exc}",
             hint=mismatch_hint,
         ) from None
-    stats = relative_to_spread(stats, ref, got, spreads(ref) if spread is None else spread)
+    stats = relative_to_spread(stats, ref, got, spreads(ref) if spread is None else spread, logits)
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
     return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
@@ -150,16 +150,23 @@ def _spread(r: np.ndarray, masked: np.ndarray) -> float | None:
 
 
 def relative_to_spread(
-    stats: dict[str, OutputStats], ref: dict[str, np.ndarray], got: dict[str, np.ndarray], spread: dict[str, float]
+    stats: dict[str, OutputStats],
+    ref: dict[str, np.ndarray],
+    got: dict[str, np.ndarray],
+    spread: dict[str, float],
+    logits: str | None = None,
 ) -> dict[str, OutputStats]:
     """Each float output's relative error as the RMS of its error over its ``spread`` (:func:`spreads`) in place
     of over its own RMS: a 30 % shrink of pixel boxes is 4 % of their norm, most of which is the anchor grid, and
     over 100 % of how they vary between images. The values both hold alike (a mask's, :func:`set_aside`) are left
     out, as :func:`~kiln.core.compare.compare_arrays` leaves them. An infinite error (a value not finite in one of
-    the two) stays, as does the error of an output with no spread measured (one row; nothing but masks)."""
+    the two) stays, as does the error of an output with no spread measured (one row; nothing but masks). The class
+    ``logits`` keep the error over their norm: what it holds is their scale (the softmax's confidence), which an
+    offset every class shares does not change, and logits that barely vary between samples (a model little
+    trained) would otherwise make FP16's rounding a large error."""
     out = dict(stats)
     for name, s in stats.items():
-        if s.cosine is None or name not in spread or not np.isfinite(s.rel_err):
+        if s.cosine is None or name not in spread or name == logits or not np.isfinite(s.rel_err):
             continue
         r, g = np.asarray(ref[name], dtype=np.float64), np.asarray(got[name], dtype=np.float64)
         kept = ~set_aside(ref[name], got[name])
@@ -218,7 +225,7 @@ def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: st
     # an integer output's error is a difference of class indices or counts, no measure of closeness: where the
     # model has float outputs, the headline errors are theirs
     errors = floats or stats
-    # the class logits' relative error is gated only where the user sets max_rel_err (rel_err_limits): the
+    # the class logits' relative error is gated (rel_err_limits) at FP32 and FP16 alone: the
     # headline, which reports show, is the other outputs' where there are any
     values = {n: v for n, v in errors.items() if n != logits} or errors
     entry.max_abs_err, entry.rel_err = worst(errors, "max_abs_err"), worst(values, "rel_err")
@@ -310,6 +317,8 @@ def sample_batch(x: Any, batch: int) -> Any:
 # Shares of counted rows (113/150 - 110/150 = 0.020000000000000018) compared with a gate: a drop of exactly the
 # gate passes it, as the report's threshold says
 COUNT_SLACK = 1e-9
+# Precisions of calibrated ranges, which may move an output's scale as a whole (rel_err_limits)
+LOWBIT = ("int8", "fp8")
 
 
 def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: bool = False) -> dict[str, Any]:
@@ -330,19 +339,25 @@ def derived_rel_err(gates: dict[str, Any]) -> float:
     return round(float(np.sqrt(2.0 * (1.0 - gates["min_cosine"]))), 6)
 
 
-def rel_err_limits(per_output: dict[str, dict[str, Any]], gates: dict[str, Any]) -> dict[str, float]:
+def rel_err_limits(
+    per_output: dict[str, dict[str, Any]], gates: dict[str, Any], precision: str = "fp32"
+) -> dict[str, float]:
     """Each float output's relative-error limit: ``max_rel_err`` where the gates set one (the user's, or a model's
-    without class logits: :func:`gates_for`); else every float output's but the class logits' is
-    :func:`derived_rel_err`, per output. Their top-1 agreement guards the class logits, which a scale does not
-    change; the outputs beside them (a detector's boxes, a regression head) are values, which cosine cannot hold:
-    boxes in pixels share the anchor grid, and keep a cosine near 1 whatever the regression does. The class
-    logits are the float output with a top-1 agreement (:func:`compare_all` keeps it on them alone), or the only
-    float output (a binary ``[N, 1]`` logit has no argmax to agree on)."""
+    without class logits: :func:`gates_for`); else :func:`derived_rel_err`, per output, for every float output but,
+    in an 8-bit engine, the class logits. The outputs beside them (a detector's boxes, a regression head) are
+    values, which cosine cannot hold: boxes in pixels share the anchor grid, and keep a cosine near 1 whatever the
+    regression does. The class logits' scale is their softmax's confidence, which an FP32 or FP16 engine keeps (a
+    logit 1.5 times the reference's has a cosine of 1 and the same argmax); an INT8 or FP8 engine's calibrated
+    ranges may move it as a whole, and there their top-1 agreement and the accuracy guard them. The class logits
+    are the float output with a top-1 agreement (:func:`compare_all` keeps it on them alone), or the only float
+    output (a binary ``[N, 1]`` logit has no argmax to agree on)."""
     floats = [n for n, s in per_output.items() if s.get("cosine") is not None]
     if gates.get("max_rel_err") is not None:
         return dict.fromkeys(floats, gates["max_rel_err"])
     logits = [n for n in floats if per_output[n].get("top1_agreement") is not None]
     exempt = set(logits) if logits else set(floats[:1]) if len(floats) == 1 else set()
+    if precision not in LOWBIT:
+        exempt = set()
     return {n: derived_rel_err(gates) for n in floats if n not in exempt}
 
 
@@ -1055,7 +1070,7 @@ def accuracy_failures(
     per_output = entry.outputs or {
         "": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err, "rel_err": entry.rel_err}
     }
-    rel_limits = rel_err_limits(per_output, gates)
+    rel_limits = rel_err_limits(per_output, gates, entry.precision)
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
         named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
         where = f"output '{name}' " if named else ""
@@ -1071,8 +1086,8 @@ def accuracy_failures(
             fails.append(_sample_failure(where, s, gates["min_cosine"]))
         if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
             fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
-        limit = rel_limits.get(name)
-        if limit is not None and not s.get("rel_err", 0.0) <= limit:
+        limit, rel = rel_limits.get(name), s.get("rel_err")
+        if limit is not None and rel is not None and not rel <= limit:
             fails.append(f"{where}relative error {s['rel_err']:.4g} > max_rel_err {limit:.4g}")
     if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"] - COUNT_SLACK:
         ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""

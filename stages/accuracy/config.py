@@ -48,8 +48,8 @@ class GatesConfig(Section):
         "varies between held-out samples (RMS of its deviation from its mean over them, at least 1 % of its RMS; "
         "a mask's fill alike in both, -inf or -1e9, left out); "
         "null = sqrt(2 * (1 - min_cosine)), the error min_cosine allows in any direction (cosine alone misses an "
-        "offset or a scale), for every float output but the class logits (top-1 agreement guards those); set, it "
-        "holds the class logits too",
+        "offset or a scale), for every float output; the class logits' error is over their norm, and in INT8/FP8 "
+        "engines only a set max_rel_err holds them (top-1 agreement guards them there)",
     )
     min_top1_agreement: float = Field(
         0.99,

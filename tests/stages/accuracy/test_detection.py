@@ -20,6 +20,7 @@ from kiln.core.errors import ConfigError
 from kiln.core.records import EngineValidation
 from kiln.stages.accuracy.check import (
     accuracy_failures,
+    derived_rel_err,
     gates_for,
     held_out,
     held_out_reference,
@@ -200,12 +201,18 @@ def test_boxes_shrunk_by_30_percent_fail_int8_and_a_faithful_engine_passes_fp32(
     assert failures == [] and entry.metric == pytest.approx(1.0)
 
 
-def test_the_class_logits_stay_free_of_a_relative_error_no_one_set(tmp_path: Path) -> None:
-    """Logits scaled by 1.5 decide every class as before: top-1 agreement guards them, not a relative error the
-    user did not set; setting max_rel_err holds them to it too."""
+def test_the_class_logits_are_free_of_a_relative_error_no_one_set_only_in_an_8_bit_engine(tmp_path: Path) -> None:
+    """Logits scaled by 1.5 decide every class as before: in an INT8 engine, whose calibrated ranges may move a
+    whole output's scale, top-1 agreement guards them; an FP32 or FP16 engine keeps the softmax's confidence, so
+    there they fail the relative error cosine derives. Setting max_rel_err holds them to it in any engine."""
     engine = _engine(TinyDetector(scale=1.5), tmp_path, "scaled")
     entry, failures, _ = _judge(engine, "int8")
     assert entry.top1_agreement == 1.0 and failures == []
+    for precision in ("fp32", "fp16"):
+        entry, failures, _ = _judge(engine, precision)
+        assert entry.cosine > 0.9999 and len(failures) == 1
+        limit = derived_rel_err(gates_for(CheckConfig(), precision))
+        assert failures[0].startswith("output 'scores' relative error") and failures[0].endswith(f"{limit:.4g}")
     entry.outputs["boxes"]["rel_err"] = 0.0
     held = accuracy_failures(entry, gates_for(CheckConfig(gates={"max_rel_err": 0.1}), "int8"), None)
     assert held and held[0].startswith("output 'scores' relative error")
