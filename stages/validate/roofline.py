@@ -108,9 +108,13 @@ def _best_seconds(fn: Any, device: str, calls: int = 10) -> float:
 
 def roofline(entry: EngineValidation, flops_per_sample: int, peak: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per batch size: the engine's achieved TFLOP/s at its p50 and the share of the measured peak of its
-    precision (FP16's for INT8/FP8 where those are not measured) and of the datasheet's."""
+    precision (FP16's for INT8/FP8 where those are not measured, FP32's for FP16) and of the datasheet's. An
+    INT8/FP8 engine has no share of an FP32 peak (a CPU's): its integer kernels outrun it, so that share, past
+    100 %, would say nothing."""
     measured, sheet = peak.get("measured", {}), peak.get("datasheet", {})
     kind = entry.precision if entry.precision in measured else ("fp16" if "fp16" in measured else "fp32")
+    if kind == "fp32" and entry.precision in ("int8", "fp8"):
+        kind = entry.precision  # not measured: no share
     out = {}
     for bs, lat in entry.latency_ms.items():
         tflops = flops_per_sample * int(bs) / (lat.p50 / 1e3) / 1e12

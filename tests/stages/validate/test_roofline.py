@@ -25,6 +25,8 @@ def test_achieved_tflops_and_share_of_the_peaks() -> None:
     assert rl.sig(1.23456e-4) == 1.235e-4  # four significant figures, never rounded to 0 on a slow machine
     int8 = rl.roofline(entry("int8", 10.0), int(1e9), peak)["32"]  # no INT8 peak measured: FP16's stands in
     assert int8["peak"] == "fp16" and int8["pct_of_datasheet"] is None
+    cpu = rl.roofline(entry("int8", 10.0), int(1e9), {"measured": {"fp32": 2.0}})["32"]  # not FP32's (160 %)
+    assert cpu["peak"] == "int8" and cpu["pct_of_measured_peak"] is None and cpu["tflops"] == pytest.approx(3.2)
 
 
 def test_the_peak_is_measured_once_per_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
