@@ -144,9 +144,14 @@ def check_learned(result: TrainResult) -> None:
         )
 
 
+# A rise of held-out accuracy smaller than this is none (warn_learned_nothing_held_out)
+ROOM_TO_RISE = 0.01
+
+
 def warn_learned_nothing_held_out(history: list[EpochMetrics]) -> None:
     """Say where the training loss fell by more than half after the first epoch while validation accuracy never rose
-    above the first epoch's: what the model learned does not show in eval mode or on the held-out rows. A model
+    above the first epoch's (and had room to: a first epoch right on nearly every row has learned the task): what
+    the model learned does not show in eval mode or on the held-out rows. A model
     whose BatchNorm keeps running statistics far from its batches' (a small momentum) or that branches on
     ``self.training`` trains well and answers at chance in eval mode, and validation then passes engines that
     agree with a model that does nothing; labels that do not belong to their inputs look the same."""
@@ -154,7 +159,9 @@ def warn_learned_nothing_held_out(history: list[EpochMetrics]) -> None:
     if len(scored) < 3:
         return
     first, last = scored[0], scored[-1]
-    if not (last.loss < 0.5 * first.loss and max(m.val_accuracy for m in scored) <= first.val_accuracy + 0.01):
+    if first.val_accuracy + ROOM_TO_RISE >= 1.0:
+        return
+    if not (last.loss < 0.5 * first.loss and max(m.val_accuracy for m in scored) <= first.val_accuracy + ROOM_TO_RISE):
         return
     logging.getLogger("kiln.train").warning(
         "training loss fell from %.3g (epoch %d) to %.3g (epoch %d), yet validation accuracy stayed at %.3f: what "

@@ -56,6 +56,7 @@ def test_a_falling_loss_with_accuracy_stuck_at_its_first_value_is_warned_of(capl
         ([2.1, 0.9, 0.2], [0.3, 0.6, 0.9]),  # learning that shows on the held-out rows
         ([2.1, 1.9, 1.8], [0.3, 0.3, 0.3]),  # a loss that barely fell: nothing learned, nothing to say
         ([2.1, 0.1], [0.3, 0.3]),  # too few epochs to tell
+        ([1.14, 0.8, 0.6, 0.533], [0.99916, 0.99997, 1.0, 1.0]),  # right from the first epoch: no room to rise
     ],
 )
 def test_learning_that_shows_held_out_is_not_warned_of(
