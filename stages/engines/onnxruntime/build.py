@@ -417,13 +417,14 @@ def maybe_fuse(
 
 def _unsized(model: onnx.ModelProto, dynamic: int | AxisSizes | None, err: str) -> str:
     """Where the fusion check could not run the graph and nothing sized its named dynamic axes besides batch
-    (``kiln build FILE`` without ``signature.shapes``: they ran at the check's batch, which a convolution over
-    audio refuses), how to give their sizes; else nothing."""
+    (``kiln build FILE`` without ``signature.shapes``: they ran at each of :data:`UNSIZED_TRIES`, which a
+    convolution over long audio refuses), how to give their sizes; else nothing."""
     named = axis_names(io_specs(model)[0])
     if dynamic is not None or not named or not err.startswith(_CANNOT_RUN):
         return ""
     axes = f"dynamic ax{'es' if len(named) > 1 else 'is'} " + ", ".join(f"'{n}'" for n in named)
-    return f" ({axes} ran at {FUSION_CHECK_BATCH}: give the sizes the model takes, {shapes_flag(named)})"
+    tried = ", ".join(str(n) for n in UNSIZED_TRIES[:-1]) + f" and {UNSIZED_TRIES[-1]}"
+    return f" ({axes} ran at {tried}: give the sizes the model takes, {shapes_flag(named)})"
 
 
 def _keep_inputs(model: onnx.ModelProto, fused: onnx.ModelProto) -> None:
@@ -443,8 +444,10 @@ def graph_has_fp16(model: onnx.ModelProto) -> bool:
     return any(i.data_type == onnx.TensorProto.FLOAT16 for i in model.graph.initializer)
 
 
-# The fusion check's batch, and the size of every dynamic axis nothing sizes
+# The fusion check's batch, and the sizes tried in turn for the dynamic axes nothing sizes, until the unfused graph
+# runs (a convolution over an image or audio refuses the smallest)
 FUSION_CHECK_BATCH = 2
+UNSIZED_TRIES = (FUSION_CHECK_BATCH, 16, 64, 256)
 _CANNOT_RUN = "cannot run random inputs"
 
 
@@ -459,11 +462,16 @@ def _parity(
         a, b = (ort_session(m) for m in (ref, new))
     except BuildError as exc:  # e.g. a fused op with no CPU kernel: cannot check, so do not fuse
         return f"cannot run on CPU to check ({first_line(exc, 120)})"
-    feed = random_inputs(io_specs(ref)[0], batch, dynamic=dynamic or batch)
-    try:
-        want = a.run(None, feed)
-    except Exception as exc:  # ORT's own error type; a graph that cannot run these inputs cannot be checked
-        return f"{_CANNOT_RUN} to check ({first_line(exc, 160)})"
+    specs = io_specs(ref)[0]
+    for size in [dynamic] if dynamic else UNSIZED_TRIES:
+        feed = random_inputs(specs, batch, dynamic=size)
+        try:
+            want = a.run(None, feed)
+            break
+        except Exception as exc:  # ORT's own error type; a graph that cannot run these inputs cannot be checked
+            failed = exc
+    else:
+        return f"{_CANNOT_RUN} to check ({first_line(failed, 160)})"
     try:
         got = b.run(None, feed)
     except Exception as exc:  # the unfused graph runs them: the fusion broke it (e.g. ORT's fusions on a T5)

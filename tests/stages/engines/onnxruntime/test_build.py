@@ -199,34 +199,38 @@ def test_an_input_no_node_reads_survives_the_fusion(zoo) -> None:
 
 
 class AudioTransformer(torch.nn.Module):
-    """The zoo transformer behind a convolution over audio (kernel 10) on a dynamic ``samples`` axis."""
+    """The zoo transformer behind a convolution over audio (kernel ``k``) on a dynamic ``samples`` axis."""
 
-    def __init__(self) -> None:
+    def __init__(self, k: int = 10) -> None:
         super().__init__()
-        self.conv, self.body = torch.nn.Conv1d(1, 64, 10, 10), build_model("transformer", {})
+        self.conv, self.body = torch.nn.Conv1d(1, 64, k, k), build_model("transformer", {})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(self.conv(x).mean(-1).reshape(-1, 1, 8, 8))
 
 
 def test_a_fusion_check_on_unsized_axes_says_how_to_size_them(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """``kiln build FILE`` without signature.shapes: the check ran 2 samples, which the convolution refuses. Before:
-    a warning that the fusion was not applied, and nothing about the setting that gives the sizes."""
+    """``kiln build FILE`` without signature.shapes: the check tries a few sizes; a kernel-10 convolution runs at
+    16 samples and is fused; one of 400 (wav2vec's receptive field) refuses them all, and the warning says how to
+    give the sizes."""
     from kiln.stages.engines.onnxruntime.build import maybe_fuse
 
     torch.manual_seed(0)
+    short = tmp_path / "short.onnx"
+    export_onnx(AudioTransformer(10).eval(), torch.randn(2, 1, 100), short, dynamic_axes={"input": {2: "samples"}})
+    assert maybe_fuse(onnx.load(str(short)), "cpu", OnnxRuntimeConfig())[1]["applied"]
     path = tmp_path / "audio.onnx"
-    export_onnx(AudioTransformer().eval(), torch.randn(2, 1, 100), path, dynamic_axes={"input": {2: "samples"}})
+    export_onnx(AudioTransformer(400).eval(), torch.randn(2, 1, 800), path, dynamic_axes={"input": {2: "samples"}})
     model = onnx.load(str(path))
     with caplog.at_level(logging.WARNING, logger="kiln"):
         _, note = maybe_fuse(model, "cpu", OnnxRuntimeConfig())
     assert not note["applied"] and "cannot run random inputs" in note["why"]
     warned = [r.getMessage() for r in caplog.records if "fusion not applied" in r.getMessage()]
     assert len(warned) == 1 and warned[0].endswith(
-        "keeping the unfused graph (dynamic axis 'samples' ran at 2: give the sizes the model takes, "
-        "--set 'signature.shapes={samples: [MIN, MAX]}')"
+        "keeping the unfused graph (dynamic axis 'samples' ran at 2, 16, 64 and 256: give the sizes the model "
+        "takes, --set 'signature.shapes={samples: [MIN, MAX]}')"
     )
-    _, sized = maybe_fuse(model, "cpu", OnnxRuntimeConfig(), {"input": {2: 100}})  # what signature.shapes gives
+    _, sized = maybe_fuse(model, "cpu", OnnxRuntimeConfig(), {"input": {2: 800}})  # what signature.shapes gives
     assert sized["applied"], sized
 
 
@@ -328,5 +332,6 @@ def test_the_fusion_check_runs_at_a_size_the_model_takes() -> None:
         [w],
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
-    assert "cannot run random inputs" in _parity(model, model)
+    assert _parity(model, model) is None  # unsized: 2 samples fail, 16 run
+    assert "cannot run random inputs" in _parity(model, model, dynamic=4)  # a size given is the one tried
     assert _parity(model, model, dynamic=64) is None
