@@ -66,8 +66,7 @@ class Metric:
                 raise ModelError(
                     f"validate.metric '{self.name}' does not fit outputs {_shapes(outputs)} and labels "
                     f"{labels.dtype}{list(labels.shape)}: {exc}",
-                    hint=f"pick another built-in ({', '.join(b for b in BUILTINS if b != self.name)}), or give "
-                    "your own metric as 'module:function' (outputs: dict of name -> array, labels: array) -> float",
+                    hint=_misfit_hint(self.name, exc),
                 ) from None
             frame = traceback.extract_tb(exc.__traceback__)[-1]  # where it raised: the user's line
             at = f" ({frame.filename}:{frame.lineno})"
@@ -237,6 +236,22 @@ def decision_threshold(scores: np.ndarray) -> float:
     return 0.5 if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0 else 0.0
 
 
+class NoPrediction(ValueError):
+    """No output is shaped like the targets: every built-in metric of predicted values fails alike."""
+
+
+def _misfit_hint(name: str, exc: Exception) -> str:
+    """The fix for a built-in metric that does not fit the outputs: where no output is shaped like the targets
+    (several targets per sample, one per output), no built-in reads them; else another built-in may."""
+    own = "your own metric as 'module:function' (outputs: dict of name -> array, labels: array) -> float"
+    if isinstance(exc, NoPrediction):
+        return (
+            f"give {own}, reading each output against its own columns of the targets (targets[:, 0], "
+            "targets[:, 1:]): no built-in splits them"
+        )
+    return f"pick another built-in ({', '.join(b for b in BUILTINS if b != name)}), or give {own}"
+
+
 def prediction_candidates(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> list[str]:
     """The outputs that could be the prediction of ``labels``: the one ``signature.logits_output`` names, the only
     one, else those with as many values as the targets."""
@@ -255,7 +270,7 @@ def _prediction(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str 
     if len(fit) == 1:
         return outputs[fit[0]]
     if not fit:
-        raise ValueError(f"no output has as many values as the targets {list(labels.shape)}")
+        raise NoPrediction(f"no output has as many values as the targets {list(labels.shape)}")
     raise ConfigError(
         f"validate.metric '{name}': outputs {', '.join(repr(k) for k in fit)} each fit targets "
         f"{labels.dtype}{list(labels.shape)}, and none is named as the prediction",

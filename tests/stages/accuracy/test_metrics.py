@@ -220,3 +220,15 @@ def test_float_targets_get_mse_by_default_where_one_output_is_the_prediction() -
     assert default_metric({"logits": y}, y.astype(np.int64), None) is None  # integers: classes
     gaps = np.where(y > 4, np.nan, y).astype(np.float32)  # a missing value: the default would fail, not judge
     assert default_metric({"forecast": y}, gaps, None) is None
+
+
+def test_targets_no_output_is_shaped_like_are_told_of_a_metric_of_ones_own() -> None:
+    """Two [N, 1] heads over targets [N, 2]: mse fits no output, nor would rmse, mae or smape, so the fix names a
+    user metric that splits the targets rather than the other built-ins."""
+    outputs = {"click": np.zeros((4, 1), np.float32), "value": np.zeros((4, 1), np.float32)}
+    with pytest.raises(ModelError, match=r"no output has as many values as the targets \[4, 2\]") as err:
+        resolve_metric("mse", None)(outputs, np.zeros((4, 2), np.float32))
+    assert "targets[:, 0]" in err.value.hint and "rmse" not in err.value.hint
+    with pytest.raises(ModelError) as err:  # a misfit of another kind: the other built-ins may fit
+        resolve_metric("accuracy", None)({"y": np.zeros((4, 3, 2), np.float32)}, np.zeros(5, np.int64))
+    assert "pick another built-in" in err.value.hint
