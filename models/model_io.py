@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,15 @@ def _say_random(path: str) -> None:
     )
 
 
+# Keys under which training code keeps the model's weights beside its other state: PyTorch's checkpoint recipe
+# ('model_state_dict'), Lightning, timm and MMEngine ('state_dict'), torchvision's references, detectron2 and fairseq
+# ('model'), DeepSpeed ('module'), and the many scripts that name their network 'net'.
+WEIGHTS_KEYS = ("state_dict", "model_state_dict", "model", "module", "net")
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in the file ``path``: a safetensors file, or a ``torch.save``'d state dict or training
+    checkpoint (:func:`_weights_in`), read without running code from the file."""
     if not path.is_file():
         raise InputFileError(f"checkpoint not found: {path}", hint="fix model.checkpoint")
     try:
@@ -189,14 +198,43 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise InputFileError(
             f"cannot read checkpoint {path}: {reason}", hint="give a safetensors file or a torch.save'd state_dict"
         ) from None
-    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-        state = state["model"]
+    return _weights_in(state, path)
+
+
+def _weights_in(state: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in what ``torch.load`` read: the object itself where it holds tensors, else the one dict of
+    tensors under a key of :data:`WEIGHTS_KEYS` (a training checkpoint, with the epoch and optimizer state
+    beside it; the key used is logged). Anything else is an error naming the dict's keys and those holding
+    tensors, since which of those is the model's is not Kiln's to guess."""
     if not isinstance(state, dict):
         raise InputFileError(
             f"checkpoint {path} holds {type(state).__name__}, not a state dict",
             hint="save with torch.save(model.state_dict(), path)",
         )
-    return state
+    if not state or any(isinstance(v, torch.Tensor) for v in state.values()):  # {}: a model without weights
+        return state
+    holders = [
+        k for k, v in state.items() if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())
+    ]
+    known = [k for k in holders if k in WEIGHTS_KEYS]
+    if len(known) == 1:
+        log.info(
+            "checkpoint %s: a training checkpoint (keys %s); loading the weights under '%s'",
+            path,
+            _few(list(state), 8),
+            known[0],
+        )
+        return state[known[0]]
+    listed = f"checkpoint {path} holds a dict with keys [{_few([repr(k) for k in state], 8)}], not a state dict"
+    if not holders:
+        raise InputFileError(
+            f"{listed}, and none of them holds a dict of tensors", hint="save with torch.save(model.state_dict(), path)"
+        )
+    held = " and ".join(repr(k) for k in holders[:4]) + (f" and {len(holders) - 4} more" if len(holders) > 4 else "")
+    raise InputFileError(
+        f"{listed}: {held} hold{'s' if len(holders) == 1 else ''} tensors",
+        hint=f"save the model's weights alone, e.g. torch.save(ckpt['{holders[0]}'], path), and give that file",
+    )
 
 
 def _load_failure(exc: Exception) -> str:
@@ -252,9 +290,11 @@ def weights_bytes(model: nn.Module) -> bytes:
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
     """Load ``state`` strictly; a tied tensor saved once (by :func:`weights_bytes`, or Hugging Face's
-    ``save_pretrained``) fills its aliases, since the model ties them itself."""
-    state = _without_wrapper_prefix(dict(state), set(model.state_dict()), source)
-    for alias, name in tied_names(model).items():
+    ``save_pretrained``) fills its aliases, since the model ties them itself. Keys that do not fit are summed up
+    (:func:`_misfit`), not quoted from torch's message, which lists every missing key first."""
+    tied = tied_names(model)
+    state = _without_wrapper_prefix(dict(state), set(model.state_dict()), tied, source)
+    for alias, name in tied.items():
         if alias not in state and name in state:
             state[alias] = state[name]
         elif name not in state and alias in state:
@@ -262,10 +302,68 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        first = " ".join(str(exc).splitlines()[0:3])
-        first = first if len(first) <= 400 else first[:400] + " ..."  # it lists every missing key
-        raise ModelShapeError(f"checkpoint {source} does not fit model: {first}") from None
+        message, prefixes = _misfit(model.state_dict(), state, exc)
+        raise ModelShapeError(
+            f"checkpoint {source} does not fit model {type(model).__name__}: {message}", prefixes
+        ) from None
     return model
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    """The first ``n`` of ``items`` and how many more: the examples of a long list of keys."""
+    more = f", ... {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def _misfit(wanted: dict[str, torch.Tensor], state: dict[str, Any], exc: RuntimeError) -> tuple[str, list[str]]:
+    """How ``state`` misses the model's keys ``wanted``: the count and first few of the missing keys, the unexpected
+    ones and the size mismatches, and a prefix that explains missing keys; with the prefixes under which the
+    checkpoint has all of its missing keys. Torch's own first lines where the keys and shapes all fit (a module's
+    own loading refused the state)."""
+    missing = [k for k in wanted if k not in state]
+    unexpected = [k for k in state if k not in wanted]
+    sizes = [
+        f"{k}: {list(v.shape)} in the checkpoint, {list(wanted[k].shape)} in the model"
+        for k, v in state.items()
+        if k in wanted and isinstance(v, torch.Tensor) and v.shape != wanted[k].shape
+    ]
+    parts = [f"{len(missing)} of the model's {len(wanted)} keys missing ({_few(missing)})"] if missing else []
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected key{'s' if len(unexpected) > 1 else ''} ({_few(unexpected)})")
+    if sizes:
+        parts.append(f"size mismatch for {len(sizes)} key{'s' if len(sizes) > 1 else ''} ({_few(sizes, 2)})")
+    if not parts:
+        return " ".join(str(exc).split())[:400], []
+    note, prefixes = _prefix_note(missing, unexpected)
+    return "; ".join(parts) + note, [] if sizes else prefixes
+
+
+def _prefix_note(missing: list[str], unexpected: list[str]) -> tuple[str, list[str]]:
+    """Where missing keys are unexpected ones under a prefix (the checkpoint's ``model.head.weight`` for the
+    model's ``head.weight``), or the other way round: the sentence saying so, and the checkpoint's prefixes that
+    hold every missing key."""
+    ours = _prefix_counts(unexpected, set(missing))
+    if ours:
+        top = max(ours.values())
+        prefixes = sorted(p for p, n in ours.items() if n == top)
+        how_many = f"the {top}" if top == len(missing) else f"{top} of the"
+        where = f"the prefix '{prefixes[0]}'" if len(prefixes) == 1 else "each of the prefixes "
+        where += ", ".join(f"'{p}'" for p in prefixes) if len(prefixes) > 1 else ""
+        example = next(k for k in missing if f"{prefixes[0]}{k}" in unexpected)
+        note = f"; the checkpoint has {how_many} missing keys under {where} ({prefixes[0]}{example} for {example})"
+        return note, prefixes if top == len(missing) else []
+    theirs = _prefix_counts(missing, set(unexpected))
+    if not theirs:
+        return "", []
+    prefix, top = theirs.most_common(1)[0]
+    example = next(k for k in unexpected if f"{prefix}{k}" in missing)
+    note = f"; the model has {top} of the unexpected keys under the prefix '{prefix}'"
+    return f"{note} ({prefix}{example} for {example})", []
+
+
+def _prefix_counts(keys: list[str], bare: set[str]) -> Counter[str]:
+    """For each dotted prefix, how many of ``keys`` are a key of ``bare`` under it."""
+    return Counter(k[: i + 1] for k in keys for i, c in enumerate(k) if c == "." and k[i + 1 :] in bare)
 
 
 def _shared_prefix(keys: list[str]) -> str:
@@ -281,9 +379,12 @@ def _shared_prefix(keys: list[str]) -> str:
     return "".join(f"{c}." for c in common)
 
 
-def _without_wrapper_prefix(state: dict[str, torch.Tensor], wanted: set[str], source: str) -> dict[str, torch.Tensor]:
+def _without_wrapper_prefix(
+    state: dict[str, torch.Tensor], wanted: set[str], tied: dict[str, str], source: str
+) -> dict[str, torch.Tensor]:
     """``state`` with the prefix a wrapper put on every key (DDP's ``module.``, a training wrapper's ``agent.``)
-    taken off, where the keys without it are the model's own, and said; else ``state`` unchanged."""
+    taken off, where the keys without it are the model's own, and said; else the model's keys under one prefix
+    (:func:`_model_under_prefix`); else ``state`` unchanged."""
     prefix = _shared_prefix(list(state))
     while prefix and not set(state) <= wanted:
         stripped = {k[len(prefix) :]: v for k, v in state.items()}
@@ -291,17 +392,55 @@ def _without_wrapper_prefix(state: dict[str, torch.Tensor], wanted: set[str], so
             log.info("checkpoint %s: its keys carry the prefix '%s' (a wrapper's); loaded without it", source, prefix)
             return stripped
         prefix = prefix[: prefix[:-1].rfind(".") + 1]  # one level shorter: 'agent.policy.' -> 'agent.'
-    return state
+    return _model_under_prefix(state, wanted, tied, source)
+
+
+def _model_under_prefix(
+    state: dict[str, torch.Tensor], wanted: set[str], tied: dict[str, str], source: str
+) -> dict[str, torch.Tensor]:
+    """The keys of ``state`` under the one prefix that holds every key the model has (a tied pair by either
+    name), without it: a LightningModule's ``model.``, beside other modules of it (a loss's ``criterion.weight``),
+    which are left out and said. Keys under the prefix are loaded as strictly as any. ``state`` unchanged where
+    its top level has the model's keys, or no prefix or several (a student and a teacher) do."""
+    need = {tied.get(k, k) for k in wanted}
+    if need <= {tied.get(k, k) for k in state}:
+        return state
+    candidates = {k[: i + 1] for k in state for i, c in enumerate(k) if c == "." and k[i + 1 :] in wanted}
+    covering = [p for p in candidates if need <= {tied.get(k[len(p) :], k[len(p) :]) for k in state if k.startswith(p)}]
+    if len(covering) != 1:
+        return state
+    prefix = covering[0]
+    left = [k for k in state if not k.startswith(prefix)]
+    log.info(
+        "checkpoint %s: the model's keys are under the prefix '%s'; loaded without it, leaving out %d key%s "
+        "outside it (%s)",
+        source,
+        prefix,
+        len(left),
+        "s" if len(left) != 1 else "",
+        _few(left),
+    )
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 class ModelShapeError(InputFileError):
-    def __init__(self, message: str) -> None:
-        super().__init__(
-            message,
-            hint="check model.name/model.params match the checkpoint's architecture; a factory that reads its "
-            "architecture from a file: name the file in model.params (a change to it then retrains), or "
-            "`kiln run --force train`",
-        )
+    """A checkpoint that does not fit the model. Where the checkpoint holds all the model's keys under several
+    prefixes (``prefixes``), the fix is to save one of them alone; otherwise to match the architecture."""
+
+    def __init__(self, message: str, prefixes: list[str] | None = None) -> None:
+        if prefixes:
+            p = prefixes[0]
+            hint = (
+                f"save the weights under one prefix, without it: torch.save({{k.removeprefix('{p}'): v for k, v in "
+                f"sd.items() if k.startswith('{p}')}}, path) for '{p}', and give that file"
+            )
+        else:
+            hint = (
+                "check model.name/model.params match the checkpoint's architecture; a factory that reads its "
+                "architecture from a file: name the file in model.params (a change to it then retrains), or "
+                "`kiln run --force train`"
+            )
+        super().__init__(message, hint=hint)
 
 
 def save_trained(out: Path, model: nn.Module, config: ModelConfig, extra: dict[str, Any] | None = None) -> None:

@@ -83,15 +83,41 @@ def example_path(kind: str, module: str | None = None) -> str:
 
 
 def check_name(ref: str, table: dict[str, str], kind: str) -> None:
-    """A name that is neither a built-in of ``table`` nor an import path is a ConfigError listing the built-ins;
-    nothing is imported."""
-    if ref not in table and ":" not in ref:
-        raise ConfigError(
-            f"unknown {kind} '{ref}'",
-            hint=f"use one of {sorted(table)} or an import path like '{example_path(kind)}'"
-            if table
-            else f"give an import path 'module:function', like '{example_path(kind)}'",
-        )
+    """A name that is neither a built-in of ``table`` nor an import path is a ConfigError: the import path with a
+    colon where a dot stands for it (``mymodels.build``), else the built-ins; nothing is imported."""
+    if ref in table or ":" in ref:
+        return
+    if colon := _with_colon(ref):
+        hint = f"write '{colon}' for '{ref}': an import path puts a colon before the function"
+    elif table:
+        hint = f"use one of {sorted(table)} or an import path like '{example_path(kind)}'"
+    else:
+        hint = f"give an import path 'module:function', like '{example_path(kind)}'"
+    raise ConfigError(f"unknown {kind} '{ref}'", hint=hint)
+
+
+def _with_colon(ref: str) -> str | None:
+    """``mymodels:build`` for ``mymodels.build``, where the part before the last dot is a module on the import
+    path; None otherwise."""
+    module_name, _, attr = ref.rpartition(".")
+    return f"{module_name}:{attr}" if module_name and attr.isidentifier() and _findable(module_name) else None
+
+
+def _findable(module_name: str) -> bool:
+    """Whether ``module_name`` can be imported, told by the import system's finders without importing it or its
+    packages (``importlib.util.find_spec`` imports the parents): checking a config runs no user code."""
+    parts = module_name.split(".")
+    locations: list[str] | None = None  # sys.path for the top-level name, then each package's own folders
+    for depth in range(1, len(parts) + 1):
+        if not parts[depth - 1].isidentifier():
+            return False
+        name = ".".join(parts[:depth])
+        finders = [f for f in sys.meta_path if hasattr(f, "find_spec")]
+        spec = next((s for f in finders if (s := f.find_spec(name, locations)) is not None), None)
+        if spec is None or (depth < len(parts) and not spec.submodule_search_locations):
+            return False
+        locations = list(spec.submodule_search_locations or [])
+    return True
 
 
 def resolve_callable(ref: str, table: dict[str, str], kind: str) -> Callable[..., Any]:

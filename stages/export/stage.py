@@ -151,7 +151,7 @@ def export_onnx(
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
             if dynamo:
                 validation = _in_distributions(exc)
-                log.warning("dynamo exporter failed (%s); trying the TorchScript exporter", _reason(exc))
+                log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", _reason(exc))
     else:
         raise ExportFailed(
             "torch.onnx.export failed: " + " | ".join(errors),

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load, save
 from torch import nn
 
-from kiln.core.errors import ConfigError
-from kiln.models.model_io import ModelShapeError, load_weights, tied_names, weights_bytes
+from kiln.core.errors import ConfigError, InputFileError
+from kiln.models.model_io import ModelShapeError, load_weights, read_state_dict, tied_names, weights_bytes
 
 
 class TiedLM(nn.Module):
@@ -43,7 +43,7 @@ def test_a_file_holding_only_the_alias_loads() -> None:
 
 
 def test_a_missing_weight_that_is_not_tied_is_still_an_error() -> None:
-    with pytest.raises(ModelShapeError, match="Missing key"):
+    with pytest.raises(ModelShapeError, match="1 of the model's 2 keys missing \\(bias\\)"):
         load_weights(nn.Linear(2, 2), {"weight": torch.zeros(2, 2)}, "w.safetensors")
 
 
@@ -61,6 +61,112 @@ def test_a_prefix_that_does_not_make_the_models_keys_is_still_an_error() -> None
     state = {"agent.weight": torch.zeros(2, 2), "agent.other": torch.zeros(2)}
     with pytest.raises(ModelShapeError, match="agent.weight"):
         load_weights(nn.Linear(2, 2), state, "w.pt")
+
+
+def net() -> nn.Module:
+    """A small model with a buffer: Conv + BatchNorm + Linear."""
+    return nn.Sequential(nn.Conv1d(1, 4, 3), nn.BatchNorm1d(4), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return a.state_dict().keys() == b.state_dict().keys() and all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())
+    )
+
+
+def training_checkpoint(key: str, weights: dict[str, torch.Tensor]) -> dict[str, object]:
+    """What a training script saves: the weights under ``key`` beside the epoch, optimizer state and config."""
+    opt = torch.optim.SGD(net().parameters(), lr=0.1, momentum=0.9)
+    return {key: weights, "epoch": 3, "optimizer": opt.state_dict(), "config": {"width": 4, "lr": 0.1}}
+
+
+@pytest.mark.parametrize("key", ["state_dict", "model_state_dict", "model", "module", "net"])
+def test_a_training_checkpoints_weights_load_from_the_key_that_holds_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, key: str
+) -> None:
+    """Before: only 'model' was looked in; {'state_dict': ...} (plain scripts, Lightning) did not fit the model."""
+    torch.manual_seed(0)
+    model = net()
+    torch.save(training_checkpoint(key, model.state_dict()), tmp_path / "ckpt.pt")
+    with caplog.at_level("INFO", logger="kiln"):
+        fresh = load_weights(net(), read_state_dict(tmp_path / "ckpt.pt"), "ckpt.pt")
+    assert same_weights(fresh, model)
+    assert f"the weights under '{key}'" in caplog.text
+
+
+def test_a_lightning_checkpoint_loads_the_models_keys_under_its_prefix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LightningModule's state dict: the network's keys under its attribute's name, beside a loss's buffer."""
+    torch.manual_seed(0)
+    model = net()
+    weights = {f"model.{k}": v for k, v in model.state_dict().items()} | {"criterion.weight": torch.ones(3)}
+    torch.save(training_checkpoint("state_dict", weights), tmp_path / "ckpt.pt")
+    with caplog.at_level("INFO", logger="kiln"):
+        fresh = load_weights(net(), read_state_dict(tmp_path / "ckpt.pt"), "ckpt.pt")
+    assert same_weights(fresh, model)
+    assert "prefix 'model.'" in caplog.text and "criterion.weight" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("saved", "said", "fix"),
+    [
+        (
+            {"generator": "weights", "epoch": 3},
+            "holds a dict with keys ['generator', 'epoch'], not a state dict: 'generator' holds tensors",
+            "torch.save(ckpt['generator'], path)",
+        ),
+        (
+            {"model": "weights", "state_dict": "weights", "epoch": 3},
+            "'model' and 'state_dict' hold tensors",
+            "torch.save(ckpt['model'], path)",
+        ),
+        (
+            {"epoch": 3, "config": {"lr": 0.1}},
+            "and none of them holds a dict of tensors",
+            "torch.save(model.state_dict()",
+        ),
+    ],
+)
+def test_a_dict_that_is_not_a_state_dict_is_named_by_its_keys(tmp_path: Path, saved: dict, said: str, fix: str) -> None:
+    """Before: it went to the model as a state dict and the error listed the model's keys as missing, cut off."""
+    weights = net().state_dict()
+    torch.save({k: weights if v == "weights" else v for k, v in saved.items()}, tmp_path / "ckpt.pt")
+    with pytest.raises(InputFileError) as err:
+        read_state_dict(tmp_path / "ckpt.pt")
+    assert said in err.value.message and fix in err.value.hint, (err.value.message, err.value.hint)
+
+
+def test_a_checkpoint_that_does_not_fit_is_summed_up_not_cut_off() -> None:
+    """Before: torch's message cut at 400 characters, which dropped the unexpected keys after the missing ones."""
+    shallower = nn.Sequential(*[nn.Linear(4, 4) for _ in range(29)])  # the model under 'layers.', one layer short
+    state = {f"layers.{k}": v for k, v in shallower.state_dict().items()} | {"extra.weight": torch.zeros(1)}
+    with pytest.raises(ModelShapeError) as err:
+        load_weights(nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)]), state, "w.pt")
+    message = err.value.message
+    assert "60 of the model's 60 keys missing (0.weight, 0.bias, 1.weight, ... 57 more)" in message, message
+    assert "59 unexpected keys (layers.0.weight, layers.0.bias, layers.1.weight, ... 56 more)" in message, message
+    assert (
+        "the checkpoint has 58 of the missing keys under the prefix 'layers.' (layers.0.weight for 0.weight)" in message
+    )
+    assert not message.endswith("...")
+
+
+def test_a_checkpoint_holding_the_model_under_two_prefixes_names_both() -> None:
+    """A distillation checkpoint (student and teacher of one architecture): which one is not Kiln's to guess."""
+    model = net()
+    state = {f"{p}{k}": v for p in ("student.", "teacher.") for k, v in model.state_dict().items()}
+    with pytest.raises(ModelShapeError) as err:
+        load_weights(net(), state, "w.pt")
+    assert "under each of the prefixes 'student.', 'teacher.'" in err.value.message, err.value.message
+    assert "k.removeprefix('student.')" in err.value.hint, err.value.hint
+
+
+def test_a_size_mismatch_names_both_shapes() -> None:
+    with pytest.raises(ModelShapeError) as err:
+        load_weights(nn.Linear(4, 3), nn.Linear(5, 3).state_dict(), "w.pt")
+    assert "size mismatch for 1 key (weight: [3, 5] in the checkpoint, [3, 4] in the model)" in err.value.message
+    assert "architecture" in err.value.hint
 
 
 class Views(nn.Module):

@@ -150,3 +150,29 @@ def test_an_unnamed_user_dataset_is_named_by_its_function(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert load_dataset("kiln_unnamed_data:load").name == "kiln_unnamed_data:load"
     assert load_dataset("digits").name != "kiln_unnamed_data:load"
+
+
+def test_a_dot_for_the_colon_of_an_import_path_gets_the_path_with_the_colon(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'pkg.build' for 'pkg:build' said only 'unknown model' and listed the built-ins; the module is found on the
+    import path without importing it (a config check runs no user code)."""
+    import sys
+
+    from kiln.models.registry import check_name
+
+    (tmp_path / "dotpkg_s26").mkdir()
+    (tmp_path / "dotpkg_s26" / "__init__.py").write_text("raise SystemExit('imported')\n")
+    (tmp_path / "dotpkg_s26" / "nets.py").write_text("def build():\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for ref, fixed in [("dotpkg_s26.build", "dotpkg_s26:build"), ("dotpkg_s26.nets.build", "dotpkg_s26.nets:build")]:
+        with pytest.raises(ConfigError, match=f"unknown model '{ref}'") as err:
+            check_name(ref, MODELS, "model")
+        assert err.value.hint.startswith(f"write '{fixed}' for '{ref}'"), err.value.hint
+    assert "dotpkg_s26" not in sys.modules
+    with pytest.raises(ConfigError) as err:
+        resolve_callable("kiln.models.cnn.small_cnn", MODELS, "model")
+    assert err.value.hint.startswith("write 'kiln.models.cnn:small_cnn' for 'kiln.models.cnn.small_cnn'")
+    with pytest.raises(ConfigError, match="unknown model 'no_such_pkg_s26.build'") as err:  # no such module: as before
+        check_name("no_such_pkg_s26.build", MODELS, "model")
+    assert "cnn" in err.value.hint and "mymodels:build" in err.value.hint

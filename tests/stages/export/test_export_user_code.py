@@ -48,3 +48,27 @@ def test_a_ctrl_c_that_comes_out_of_the_exporter_as_another_error_stops_the_expo
             export_onnx(nn.Linear(4, 2).eval(), torch.zeros(2, 4), tmp_path / "m.onnx")
     finally:
         interrupt._seen.clear()
+
+
+class FailsUnderDynamo(nn.Module):
+    """A forward the dynamo exporter fails on and the TorchScript exporter takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():
+            raise RuntimeError("not while torch.export traces (it refuses)")
+        return self.fc(x)
+
+
+def test_the_fallback_warning_quotes_the_dynamo_error_once_without_doubled_parentheses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reason, which ends with its own parenthesis (where in the user's code), was put in another pair."""
+    with caplog.at_level("WARNING", logger="kiln"):
+        export_onnx(FailsUnderDynamo().eval(), torch.zeros(2, 4), tmp_path / "m.onnx")
+    said = [r.getMessage() for r in caplog.records if "dynamo exporter failed" in r.getMessage()]
+    assert len(said) == 1 and "(it refuses) (in forward() at" in said[0], said
+    assert "))" not in said[0], said[0]
