@@ -26,7 +26,8 @@ STATISTICS: dict[str, str] = {
     "cosine is noise: sample_cosines)",
     "worst_sample": "the row of the batch axis that sample_cosine comes from",
     "top1_agreement": "fraction of rows whose argmax over the class axis agrees (the last; axis 1 of [N, C, H, W] "
-    "maps), a flip on a tie counting as agreement",
+    "maps), a flip on a tie counting as agreement; of class logits with a class axis of one entry (a binary "
+    "classifier's one logit), the agreement of its decision, the logit above its threshold",
     "top1_ties": "fraction of rows whose argmax flipped on a tie: the reference's margin between the two classes "
     "within the candidate's own, small error on that row (TIE_SIGMAS robust deviations of its error on the other "
     "classes, at most TIE_MAX_NOISE of the row's spread)",
@@ -49,7 +50,8 @@ MASK_RATIO = 1e3
 
 @dataclass(frozen=True)
 class OutputStats:
-    """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2). An
+    """The statistics of one output. ``top1_agreement`` is None for outputs without a class axis (rank < 2), or with
+    one of a single entry unless it is a binary classifier's logit (:func:`compare_arrays`'s ``binary_at``). An
     integer or boolean output (a predicted class, a mask) has no cosine: its ``top1_agreement`` is the share of its
     values that are equal, the decision a class output makes. ``sample_cosine`` is None where there are no samples
     to tell apart (:func:`sample_cosines`)."""
@@ -67,12 +69,20 @@ class OutputStats:
 
 
 def compare_arrays(
-    ref: np.ndarray, got: np.ndarray, rel_tie: float = 0.0, where: np.ndarray | None = None
+    ref: np.ndarray,
+    got: np.ndarray,
+    rel_tie: float = 0.0,
+    where: np.ndarray | None = None,
+    binary_at: float | None = None,
 ) -> OutputStats:
     """``got`` against ``ref`` (same shape). ``rel_tie``: a top-1 mismatch where the reference's two logits lie
     within ``rel_tie`` of its largest magnitude is a tie, not a disagreement (random weights give near-ties that
     FP16 legitimately flips). ``where``: top-1 agreement over these rows/positions only (a boolean array shaped like
-    the logits without their class axis: the labelled tokens of a token classifier, not its padding)."""
+    the logits without their class axis: the labelled tokens of a token classifier, not its padding).
+    ``binary_at``: the output holds class logits, and a class axis of one entry is a binary classifier's one logit,
+    whose decision is the value above ``binary_at`` (0 for a logit, 0.5 for a sigmoid's probability): its top-1
+    agreement is that decision's (:func:`_top1`). None: a class axis of one entry has no top-1 (a regression's
+    ``[N, 1]`` values)."""
     exact = np.asarray(ref).dtype.kind in "iub"
     r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
     if r.shape != g.shape:
@@ -82,7 +92,7 @@ def compare_arrays(
         return OutputStats(_max_abs_err(r, g), _rel_err(r, g), None, equal)
     shared = set_aside(r, g)
     with np.errstate(invalid="ignore"):  # an infinity minus itself: NaN, which is no tie and no agreement
-        agreement, ties = _top1(r, g, rel_tie, where, shared)
+        agreement, ties = _top1(r, g, rel_tie, where, shared, binary_at)
     rf, gf = (r[~shared], g[~shared]) if shared.any() else (r, g)
     sample, row = _worst_sample(sample_cosines(r, g, shared))
     return OutputStats(_max_abs_err(rf, gf), _rel_err(rf, gf), _cosine(rf, gf), agreement, ties, sample, row)
@@ -167,14 +177,22 @@ def compare_outputs(
     got: Mapping[str, np.ndarray] | Sequence[np.ndarray],
     rel_tie: float = 0.0,
     where: Mapping[str, np.ndarray] | None = None,
+    binary_at: Mapping[str, float] | None = None,
 ) -> dict[str, OutputStats]:
     """Per output: by name for mappings (the reference's names), by position (``"0"``, ``"1"``...) for sequences.
-    ``where``: per output (by those names), the rows/positions its top-1 agreement counts (:func:`compare_arrays`)."""
-    where = where or {}
+    ``where``: per output (by those names), the rows/positions its top-1 agreement counts; ``binary_at``: per output,
+    the decision threshold of a binary classifier's one logit (:func:`compare_arrays`)."""
+    where, binary_at = where or {}, binary_at or {}
     if isinstance(ref, Mapping):
         got_map = got if isinstance(got, Mapping) else dict(zip(ref, got))
-        return {name: compare_arrays(value, got_map[name], rel_tie, where.get(name)) for name, value in ref.items()}
-    return {str(i): compare_arrays(r, g, rel_tie, where.get(str(i))) for i, (r, g) in enumerate(zip(ref, got))}
+        return {
+            name: compare_arrays(value, got_map[name], rel_tie, where.get(name), binary_at.get(name))
+            for name, value in ref.items()
+        }
+    return {
+        str(i): compare_arrays(r, g, rel_tie, where.get(str(i)), binary_at.get(str(i)))
+        for i, (r, g) in enumerate(zip(ref, got))
+    }
 
 
 def worst(stats: Mapping[str, OutputStats], statistic: str) -> float:
@@ -288,7 +306,12 @@ def class_axis(ndim: int) -> int:
 
 
 def _top1(
-    r: np.ndarray, g: np.ndarray, rel_tie: float, where: np.ndarray | None = None, shared: np.ndarray | None = None
+    r: np.ndarray,
+    g: np.ndarray,
+    rel_tie: float,
+    where: np.ndarray | None = None,
+    shared: np.ndarray | None = None,
+    binary_at: float | None = None,
 ) -> tuple[float | None, float | None]:
     """(top-1 agreement, the fraction of rows that flipped on a tie). A flip is a tie where the reference's margin
     between its class and the candidate's lies within ``rel_tie`` of its largest magnitude, or within the
@@ -296,8 +319,12 @@ def _top1(
     classes (so the flip's own error does not excuse it), where that error is small (:data:`TIE_MAX_NOISE` of the
     row's spread). Rows with fewer than :data:`TIE_MIN_CLASSES` classes have no such measure. The magnitude, the
     errors and the spread are those of the values not ``shared`` (:func:`set_aside`: a mask's -1e9 would make every
-    flip a tie)."""
+    flip a tie). A class axis of one entry with ``binary_at`` given is one logit z, the two classes' logits
+    [``binary_at``, z] (:func:`_two_classes`): its decision, z above ``binary_at``, flips on a tie where the
+    reference's z lies within ``rel_tie`` of the largest distance of its values from ``binary_at``."""
     axis = class_axis(r.ndim)
+    if binary_at is not None and r.ndim >= 2 and r.shape[axis] == 1:
+        r, g, shared = _two_classes(r, g, shared, axis, binary_at)
     if r.ndim < 2 or r.shape[axis] < 2:
         return None, None
     shared = np.zeros(r.shape, dtype=bool) if shared is None else shared
@@ -321,6 +348,18 @@ def _top1(
             tie |= (margin <= TIE_SIGMAS * noise) & (noise <= TIE_MAX_NOISE * np.nanstd(values, axis=1))
     flips = ri != gi
     return float(np.mean(~flips | tie)), float(np.mean(flips & tie))
+
+
+def _two_classes(
+    r: np.ndarray, g: np.ndarray, shared: np.ndarray | None, axis: int, at: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """One logit per row (a class axis of one entry) as the two classes' logits, measured from the decision
+    threshold ``at``: [0, z - at]. The argmax is then the decision (class 1 where z lies above ``at``; a tie at
+    ``at`` itself is class 0, as ``z > at`` says), and the margin between the classes is the distance from ``at``."""
+    r, g = (np.concatenate([np.zeros_like(a), a - at], axis) for a in (r, g))
+    if shared is not None:
+        shared = np.concatenate([np.zeros_like(shared), shared], axis)
+    return r, g, shared
 
 
 def value_ordered(

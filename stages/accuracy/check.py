@@ -33,7 +33,14 @@ from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
-from kiln.stages.accuracy.metrics import Metric, default_metric, metric_labels, resolve_metric, scaled_by
+from kiln.stages.accuracy.metrics import (
+    Metric,
+    decision_threshold,
+    default_metric,
+    metric_labels,
+    resolve_metric,
+    scaled_by,
+)
 
 log = logging.getLogger("kiln.validate")
 LATENCY_GATE = "p50 latency"  # how the one gate that is not about accuracy starts
@@ -56,7 +63,9 @@ def compare_all(
     without them, over a dense head's positions only those the reference is confident at
     (:func:`confident_positions`). Each float output's relative error is relative to how the reference varies
     between samples (``spread``: :func:`spreads`, the whole held-out set's where this is a few rows of it; else
-    this reference's own): :func:`relative_to_spread`.
+    this reference's own): :func:`relative_to_spread`. Class logits of one entry on their class axis are a binary
+    classifier's logit (:func:`binary_logit`), whose top-1 agreement is that of its decision: above the threshold
+    :func:`~kiln.stages.accuracy.metrics.decision_threshold` reads off the reference (0 for a logit).
     ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
@@ -75,8 +84,10 @@ def compare_all(
         )
     if where is None and logits is not None and logits in ref:
         where = confident_positions(ref[logits])
+    binary = {logits: decision_threshold(ref[logits])} if logits in ref and binary_logit(ref[logits]) else None
     try:
-        stats = compare_outputs(ref, got, where={logits: where} if logits is not None and where is not None else None)
+        masks = {logits: where} if logits is not None and where is not None else None
+        stats = compare_outputs(ref, got, where=masks, binary_at=binary)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
         raise ModelError(
             f"the engine's outputs do not match the reference's: {exc}",
@@ -349,8 +360,8 @@ def rel_err_limits(
     regression does. The class logits' scale is their softmax's confidence, which an FP32 or FP16 engine keeps (a
     logit 1.5 times the reference's has a cosine of 1 and the same argmax); an INT8 or FP8 engine's calibrated
     ranges may move it as a whole, and there their top-1 agreement and the accuracy guard them. The class logits
-    are the float output with a top-1 agreement (:func:`compare_all` keeps it on them alone), or the only float
-    output (a binary ``[N, 1]`` logit has no argmax to agree on)."""
+    are the float output with a top-1 agreement (:func:`compare_all` keeps it on them alone, a binary classifier's
+    one logit included), or the only float output (class logits with no top-1 to agree on: one value per row)."""
     floats = [n for n, s in per_output.items() if s.get("cosine") is not None]
     if gates.get("max_rel_err") is not None:
         return dict.fromkeys(floats, gates["max_rel_err"])
@@ -509,14 +520,30 @@ class Reference:
         self.outputs = [batched(run, feed, batch) for _, feed in self.feeds]  # the largest batch, every shape
         self.output_axes = known_output_axes(output_axes, [p for p, _ in self.feeds], self.outputs)
         self._say_padding_ties()
+        if self.logits is None and not named:
+            self.logits = binary_default(self.outputs[-1], data)
         if self.logits is not None:
             self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
             self._drop_unfollowed_labels()
+        self.binary_at = self._binary_decisions()
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
         self.accuracy = None if scored is None else self.accuracy_of(scored)
         self.metric_value = None if scored is None else self.metric_of(scored)
         self._say_vacuous_metric()
+
+    def _binary_decisions(self) -> float | None:
+        """Where the class logits are a binary classifier's one logit (:func:`binary_logit`): the threshold its
+        decision is taken at (:func:`~kiln.stages.accuracy.metrics.decision_threshold` of the reference's values at
+        the scored point, as :func:`compare_all` takes it), with the 0/1 targets, one per row, as the labels its
+        accuracy is scored against where the data gave no integer labels (float 0/1 targets, as
+        ``binary_cross_entropy_with_logits`` takes them). None: no such output."""
+        at = self.outputs[-1 if self.score is None else self.score]
+        if not binary_logit(at.get(self.logits or "")):
+            return None
+        if all(y is None for y in self.point_labels) and (y := binary_labels(self.targets)) is not None:
+            self.point_labels = [y] * len(self.feeds)
+        return decision_threshold(at[self.logits])
 
     def _say_vacuous_metric(self) -> None:
         """Warn where the reference's own metric is 0 and higher is better (a recall, an accuracy): no engine can
@@ -631,9 +658,12 @@ class Reference:
         return None if self.score is None else self.point_labels[self.score]
 
     def accuracy_of(self, outputs: dict[str, np.ndarray]) -> float | None:
-        """Task accuracy of outputs at the point :attr:`score` names (None: no class logits or no labels)."""
+        """Task accuracy of outputs at the point :attr:`score` names (None: no class logits or no labels); of a
+        binary classifier's one logit, its decision's (:func:`binary_accuracy`)."""
         if self.logits is None or self.labels is None or self.logits not in outputs:
             return None
+        if self.binary_at is not None:
+            return binary_accuracy(outputs[self.logits], self.labels, self.binary_at)
         check_labels_fit(outputs[self.logits], self.labels, self.logits)
         return label_accuracy(outputs[self.logits], self.labels)
 
@@ -917,14 +947,66 @@ def declares_classes(data: DatasetSplits) -> bool:
 def regression(data: DatasetSplits) -> bool:
     """Float targets in a dataset that declares no classes, other than class scores: the outputs are values to
     predict, none class logits. Rows of non-negative values that each sum to 1 (one-hot or soft labels, a
-    distillation's probabilities) are class scores, whose argmax is a class."""
+    distillation's probabilities) are class scores, whose argmax is a class; a 0/1 label per row
+    (:func:`binary_labels`) is a binary classifier's."""
     y = data.train_y if data.train_y is not None else data.val_y
-    if y is None or declares_classes(data):
+    if y is None or declares_classes(data) or binary_labels(y) is not None:
         return False
     rows = np.asarray(y.numpy() if hasattr(y, "numpy") else y, dtype=np.float64)
     rows = rows.reshape(len(rows), -1)
     scores = rows.shape[1] > 1 and bool((rows >= 0).all()) and bool(np.allclose(rows.sum(1), 1.0, atol=1e-3))
     return not scores
+
+
+def binary_logit(output: np.ndarray | None) -> bool:
+    """A float output with a class axis (:func:`class_axis`) of one entry (``[N, 1]``): as class logits, a binary
+    classifier's one logit per row (or position), whose decision is the logit above 0; as anything else, a value
+    per row (a regression's)."""
+    return (
+        output is not None
+        and output.dtype.kind == "f"
+        and output.ndim >= 2
+        and output.shape[class_axis(output.ndim)] == 1
+    )
+
+
+def binary_labels(y: Any) -> np.ndarray | None:
+    """``y`` (a tensor or an array) as one 0/1 label per row, ``[N]``, where it is that: ``[N]`` or ``[N, 1]`` of 0s
+    and 1s (floats, as ``binary_cross_entropy_with_logits`` takes them, or integers); else None."""
+    if y is None:
+        return None
+    a = np.asarray(y.numpy() if hasattr(y, "numpy") else y)
+    if a.ndim not in (1, 2) or (a.ndim == 2 and a.shape[1] != 1) or not a.size or a.dtype.kind not in "fiub":
+        return None
+    return a.reshape(-1) if bool(np.isin(a, (0, 1)).all()) else None
+
+
+def binary_default(outputs: dict[str, np.ndarray], data: DatasetSplits | None) -> str | None:
+    """The default class-logit output (:func:`~kiln.core.outputs.logits_name`: the only output, or ``logits``) where
+    it is a binary classifier's one logit (:func:`binary_logit`) in a binary task (:func:`binary_task`): float 0/1
+    targets, which leave a run without class logits otherwise (float targets are a regression's). None elsewhere."""
+    if data is None or not binary_task(data):
+        return None
+    name = logits_name(list(outputs), None)
+    return name if name is not None and binary_logit(outputs.get(name)) else None
+
+
+def binary_task(data: DatasetSplits) -> bool:
+    """Whether the data says the task is a binary classification, whose class logits may be one logit per row:
+    ``num_classes`` 2, or a 0/1 label per row (:func:`binary_labels`)."""
+    y = data.train_y if data.train_y is not None else data.val_y
+    return data.num_classes == 2 or binary_labels(y) is not None
+
+
+def binary_accuracy(logits: np.ndarray, labels: np.ndarray, at: float) -> float | None:
+    """Share of the labelled rows (or positions) whose decision, a binary classifier's one logit above ``at``
+    (:func:`binary_logit`), is their 0/1 label; None where the labels are no 0/1 label per decision."""
+    decisions = np.asarray(logits).reshape(-1) > at  # the class axis has one entry: one decision per row
+    y = np.asarray(labels).reshape(-1)
+    keep = y != IGNORE_LABEL
+    if y.size != decisions.size or not keep.any() or not np.isin(y[keep], (0, 1)).all():
+        return None
+    return float(np.mean(decisions[keep] == (y[keep] > 0.5)))
 
 
 def top1_output(
@@ -935,7 +1017,8 @@ def top1_output(
     targets are a regression's, :func:`regression`, where it names the prediction), or where the data declares
     classes (:func:`declares_classes`; ``data`` None: inputs without labels, the direct commands') and ``output``
     (the reference's, where known) has as many entries along its class axis (:func:`class_axis`) as the data's
-    ``num_classes``; else None (logged). A model's only output is ``logits`` by
+    ``num_classes``, or one entry in a binary task (:func:`binary_task`: a binary classifier's one logit,
+    :func:`binary_logit`); else None (logged). A model's only output is ``logits`` by
     default whatever it holds: without classes, or of another width, it may be an embedding (a ViT backbone without
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
@@ -944,28 +1027,34 @@ def top1_output(
         log.warning(
             "output '%s', which signature.logits_output names, holds the prediction of float targets (a "
             "regression's): compared by cosine, error and relative error, not by top-1 agreement (give num_classes "
-            "in the data if its argmax is a class)",
+            "in the data if it holds class logits)",
             logits,
         )
         return None
     if logits is None or named:
         return logits
     loud = data is None  # the direct commands' user gave the inputs and sees no report: said where they look
+    if data is not None and binary_logit(output) and binary_task(data):
+        return logits  # one logit per row of a two-class task: its decision is the class
     if data is None or not declares_classes(data):
         why = (
             "the data declares no classes (no integer labels, num_classes 0)"
             if data is not None
             else "the inputs given carry no labels"
         )
-    elif data.num_classes and output is not None and output.ndim >= 2:
+    elif (data.num_classes or binary_logit(output)) and output is not None and output.ndim >= 2:
         width = output.shape[class_axis(output.ndim)]
         if width == data.num_classes:
             return logits
-        why = f"its class axis has {width} entries and the data {data.num_classes} classes"
+        why = (
+            f"its class axis has {width} entries and the data {data.num_classes} classes"
+            if data.num_classes
+            else "its class axis has 1 entry and the labels are no 0/1 label per row (a binary classifier's)"
+        )
         # integer labels beside a head of a width near theirs (5 for 4 classes): a head sized for other data, most
         # likely, which training took for class logits (cross-entropy reads any width past the largest label) and
         # validation cannot; an embedding trained on the labels (metric learning) is far wider, said quietly
-        loud = data.classification and width <= 2 * data.num_classes
+        loud = data.classification and (width <= 2 * data.num_classes or width == 1)
     else:
         return logits
     log.log(

@@ -2,7 +2,10 @@
 
 Calibration and the fallback's accuracy check read ``--calibration data.npz`` (one array per model input, rows
 along axis 0). Without it, both would run on random inputs: calibration then warns loudly, and the
-accuracy-driven fallback is switched off, because random data must never decide what passes.
+accuracy-driven fallback is switched off, because random data must never decide what passes. As in a run, the
+data is calibrated at its own sizes and, one batch each, at every other shape of the sizes recorded for the build
+(``signature.shapes``), and each variant is judged at every one of those shapes: an engine built from a variant
+takes those sizes, so none of them goes unjudged.
 
 A variant that fails does not take the others with it: those made are written, and the summary carries the error
 the command ends with (:func:`missing_error`). Only when none of the variants asked for is made is nothing written.
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.feeds import fixed_batch, in_batches, read_feed
@@ -23,11 +27,15 @@ from kiln.core.inputs import random_inputs
 from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_specs, load_onnx, outside_index
 from kiln.core.progress import SilentProgress
 from kiln.core.records import IntRange, TensorSpec, Variants
-from kiln.core.shapes import graph_axes, refuse_unknown_axes
-from kiln.stages.accuracy.check import direct_top1
+from kiln.core.shapes import Axes, graph_axes, refuse_unknown_axes, resize, shape_points
+from kiln.stages.accuracy.check import Reference, direct_top1
+from kiln.stages.accuracy.refusal import refusing
+from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.stage import (
+    RANDOM_OFF,
     TOO_LITTLE_HINT,
     PrecisionSettings,
+    at_validated_shapes,
     build_variants,
     failure_hint,
     variant_record,
@@ -35,6 +43,7 @@ from kiln.stages.precision.stage import (
 from kiln.stages.precision.variants import Source
 
 log = logging.getLogger("kiln.precision")
+RANDOM_OFF_HINT = f"give real inputs, --calibration FILE.npz (one array per input): {RANDOM_OFF}"
 
 
 def precision_direct(
@@ -61,12 +70,13 @@ def precision_direct(
             f"; {'/'.join(v.upper() for v in calibrated)} ranges will not match real data" if calibrated else "",
             ", ".join(i.name for i in inputs),
         )
+    sizes, axes = recorded_sizes(inputs, data, cfg.signature.shapes), graph_axes(inputs)
     batches = _calibration_batches(data, inputs, ccfg.batch_size, ccfg.num_batches)
+    batches += at_validated_shapes(batches, axes, sizes)
     x_val = _whole_batches(data, inputs, pcfg.fallback.samples)  # the fallback's check runs them batch by batch
     names = [o.name for o in outputs]
     logits = direct_top1(names, cfg.signature.logits_output)
     wanted = list(dict.fromkeys(["fp32", *variants]))  # the FP32 graph is what calibration and the gates measure
-    sizes = recorded_sizes(inputs, data, cfg.signature.shapes)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kiln-precision-") as tmp:
         source_graph = Source.prepare(
@@ -76,7 +86,12 @@ def precision_direct(
             out.parent / ".kiln-cache" if ccfg.cache else Path(tmp),
             names.index(logits) if logits is not None else None,
         )
-        built, failed = build_variants(source_graph, out, wanted, pcfg, ccfg, x_val, SilentProgress(), log, sizes)
+        shown = (src.name, "--calibration" if calibration is not None else "random")
+        check = shapes_check(source_graph.model, x_val, axes, sizes, logits, cfg, shown)
+        off = None if calibration is not None else RANDOM_OFF_HINT
+        built, failed = build_variants(
+            source_graph, out, wanted, pcfg, ccfg, check, SilentProgress(), log, sizes, variants, off
+        )
     for name, entry in list(built.items()):  # no graph of it any engine can read: not made, here
         if entry.get("unmade") and not entry.get("backend_paths"):
             failed[name] = ModelError(entry["unmade"], hint=entry.get("unmade_hint", TOO_LITTLE_HINT))
@@ -93,6 +108,27 @@ def precision_direct(
         "failed": {k: e.message for k, e in failed.items()},
         "missing": missing_error(failed, list(built)),
     }
+
+
+def shapes_check(
+    model: onnx.ModelProto,
+    x_val: dict[str, np.ndarray],
+    axes: Axes,
+    sizes: dict[str, list[int]],
+    logits: str | None,
+    cfg: PrecisionSettings,
+    shown: tuple[str, str],
+) -> GateCheck:
+    """The check variants are judged by: ``x_val`` resized to every shape of ``sizes``
+    (:func:`kiln.core.shapes.shape_points`, the largest last) as a run resizes its held-out data, the FP32 ``model``
+    run on each (a shape it cannot run is one error: :func:`kiln.stages.accuracy.refusal.reference_error`, naming
+    the file and the inputs of ``shown``), and ``validate.gates``; in batches of up to 64 rows, or of the batch the
+    graph fixes."""
+    feeds = [(p, resize(x_val, axes, p, repeat_floats=True)) for p in shape_points(sizes)]
+    run = refusing(session_runner(model), shown[0], axes, feeds[-1][1], shown[1])
+    batch = fixed_batch(io_specs(model)[0]) or min(64, len(next(iter(x_val.values()))))
+    ref = Reference(run, feeds, [None] * len(feeds), logits, batch, axes=axes)
+    return GateCheck(model, ref, cfg.validate.gates, [batch])
 
 
 def _calibration_batches(

@@ -71,14 +71,16 @@ def _label(name: str, v: dict[str, Any]) -> str:
 
 
 def _unmade(name: str, v: dict[str, Any]) -> list[str]:
-    """Why a variant's Q/DQ graph (or ONNX Runtime CPU's own graph) was not made, and which engines that leaves."""
+    """Why a variant's Q/DQ graph (or ONNX Runtime CPU's own graph) was not made, and which engines that leaves: the
+    torch backend's are said only for a run with a PyTorch model (``pytorch_model``), the one they compile from."""
     out = []
     if v.get("unmade"):
         only = ", ".join(v.get("backend_paths") or {})
+        torch = "; those the torch backend compiles from the PyTorch model (where build.backends lists it) still are"
         left = (
             f"engines that build from it (TensorRT's) are not built; {only} engines load their own graph, which passed"
             if only
-            else "no engine is built from its graph; those compiled from the PyTorch model (the torch backend's) are"
+            else "no engine is built from its graph" + (torch if v.get("pytorch_model") else "")
         )
         out += ["", f"- **{name}**: {v['unmade']}; {left}."]
     if v.get("ort_cpu_unmade"):

@@ -34,6 +34,7 @@ from kiln.core.stage import StageContext
 from kiln.core.text import fmt
 from kiln.models.model_io import on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import held_out, held_out_reference, own_point
+from kiln.stages.accuracy.refusal import refusing
 from kiln.stages.precision.audit import FLOAT_ONLY, MIN_SHARE, Audit, audit_graph
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
@@ -53,7 +54,8 @@ from kiln.stages.precision.variants import Source, build_fp8, build_fp16, build_
 
 def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     cfg, ccfg = ctx.config.precision, ctx.config.calibration
-    if on_random_inputs(ctx.config.model, ctx.config.data) and cfg.fallback.enabled:
+    random = on_random_inputs(ctx.config.model, ctx.config.data)
+    if random and cfg.fallback.enabled:
         # random inputs (a run from model.onnx without data): as `kiln precision` without --calibration, they
         # never decide which nodes stay in float
         ctx.log.warning("precision: the accuracy-driven fallback is off on random inputs; give data.name for it")
@@ -92,7 +94,10 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
         )
         cache_dir = src.cache_dir if ccfg.cache else None
         check = held_out_check(ctx, data, src, inputs) if set(converted) - {"fp32"} else None
-        variants, errors = build_variants(src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log, sizes)
+        off = f"give data.name, a data function of real inputs: {RANDOM_OFF}; or drop it from precision.variants"
+        variants, errors = build_variants(
+            src, ctx.out, converted, cfg, ccfg, check, ctx.progress, ctx.log, sizes, wanted, off if random else None
+        )
         failed = {p: e.message for p, e in errors.items()}
         x_val = check.samples if check is not None else {}
         modules = torch_modules(src.model, *_export_graph(ctx))
@@ -130,6 +135,8 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
             **({"reduce_range": True} if e.get("calibration", {}).get("reduce_range") else {}),
             **({"graph": e["graph"]} if "graph" in e else {}),
             **{k: e[k] for k in ("unmade", "ort_cpu_unmade", "backend_paths") if e.get(k)},
+            # the report says which engines an unmade graph leaves: the torch backend's need a PyTorch model
+            **({"pytorch_model": True} if e.get("unmade") and torch_model_named(ctx.config.model) else {}),
         }
         for v, e in variants.items()
     }
@@ -151,14 +158,20 @@ def build_variants(
     progress: Progress,
     log: logging.Logger,
     sizes: dict[str, list[int]] | None = None,
+    asked: Collection[str] | None = None,
+    off_hint: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, KilnError]]:
     """Each wanted variant into ``root/<precision>/model.onnx`` (FP32: ``src.path``, already there), judged by
     ``x_val`` (validation's check, or samples to check on); a variant that fails, that no fallback round got
     through the gates, or that is too little in its precision at the largest ``sizes`` of its dynamic axes (where
-    the build audits its engines) is listed with why (variant -> message) and the others go on."""
+    the build audits its engines) is listed with why (variant -> message) and the others go on. A failure is
+    logged when it happens only while another variant of ``asked`` (those the user asked for; None: ``wanted``)
+    goes on: else the error the caller ends with is the one line that says it. ``off_hint``: the fix for a variant
+    no round passed while ``cfg.fallback`` is off (random inputs switch it off: real data is the fix there)."""
     if {"int8", "fp8"} & set(wanted):  # the Q/DQ variants keep what calibration.exclude_* name in float
         check_exclusions(src.model, ccfg)
     largest = {k: max(v) for k, v in (sizes or {}).items() if v}
+    hint = UNMADE_HINT if cfg.fallback.enabled else off_hint or FALLBACK_OFF_HINT
     variants: dict[str, Any] = {}
     failed: dict[str, KilnError] = {}
     with progress.task("precision variants", total=len(wanted)) as bar:
@@ -181,10 +194,11 @@ def build_variants(
                     mark_too_little(precision, variants[precision], root, largest, quantizable_op_types(ccfg))
                 if unmade:
                     del variants[precision]
-                    raise ModelError(unmade, hint=f"{shapes}; else {UNMADE_HINT}" if shapes else UNMADE_HINT)
+                    raise ModelError(unmade, hint=f"{shapes}; else {hint}" if shapes else hint)
             except KilnError as exc:  # one variant's failure must not take the others with it
                 failed[precision] = outside(root, exc)
-                log.error("precision variant %s failed, the others go on: %s", precision, exc.message)
+                if any(p != precision and p not in failed for p in (wanted if asked is None else asked)):
+                    log.error("precision variant %s failed, the others go on: %s", precision, exc.message)
                 shutil.rmtree(root / precision, ignore_errors=True)
             else:
                 _log_variant(log, precision, variants[precision])
@@ -221,6 +235,11 @@ UNMADE_HINT = (
     "loosen validate.gates.per_precision for it if that accuracy is acceptable, raise precision.fallback.max_rounds, "
     "or drop it from precision.variants"
 )
+FALLBACK_OFF_HINT = (
+    "set precision.fallback.enabled: true (the accuracy-driven fallback keeps in float the nodes that miss the gates), "
+    "loosen validate.gates.per_precision for it if that accuracy is acceptable, or drop it from precision.variants"
+)
+RANDOM_OFF = "on random inputs the accuracy-driven fallback, which keeps in float the nodes that miss the gates, is off"
 
 
 def not_made(precision: str, entry: dict[str, Any]) -> str | None:
@@ -330,8 +349,15 @@ def held_out_check(
     out_names = [o.name for o in src.model.graph.output]
     logits = out_names[src.logits] if src.logits is not None else None
     named = sig.logits_output is not None  # the user's class-logit output: held to top-1 agreement in any case
-    ref = held_out_reference(session_runner(src.model), feeds, data, logits, vcfg, sig.batch_sizes, axes, named)
+    run = refusing(session_runner(src.model), _reference_named(ctx), axes, feeds[-1][1])
+    ref = held_out_reference(run, feeds, data, logits, vcfg, sig.batch_sizes, axes, named)
     return GateCheck(src.model, ref, vcfg.gates, sig.batch_sizes)
+
+
+def _reference_named(ctx: StageContext[PrecisionSettings]) -> str:
+    """The FP32 graph as an error names it: the ONNX file a run starts from, as validation names its reference."""
+    onnx_file = ctx.config.model.onnx
+    return f"model.onnx {Path(onnx_file).name}" if onnx_file else "the exported FP32 graph (optimize/model.onnx)"
 
 
 def validated_axes(ctx: StageContext[PrecisionSettings], inputs: list[TensorSpec]) -> Axes:

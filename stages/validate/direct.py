@@ -15,7 +15,7 @@ from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, run_
 from kiln.core.inputs import check_batch_axis, random_inputs
 from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
-from kiln.core.outputs import host_arrays, named_outputs
+from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
 from kiln.core.records import EngineMetadata, EngineValidation
 from kiln.core.shapes import graph_axes
 from kiln.core.text import short_reason
@@ -140,12 +140,39 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     unpadded_ref, unpadded_got = without_padding(feed, ref, axes, out_axes), without_padding(feed, got, axes, out_axes)
     kept = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
     summarize(entry, kept, logits)
+    _say_no_top1(ref, cfg.signature.logits_output, logits, entry)
     batch = str(len(next(iter(parts[0].values()))))  # the batch timed: the engine's fixed one, else every row
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
     entry.failures = check_gates(entry, None, entry.gates, int(batch)) + _nothing_measured(ref, got)
     entry.passed = not entry.failures
     return entry
+
+
+COMPARED_BY = "compared by cosine (the whole output's and the worst sample's), max abs error and relative error"
+
+
+def _say_no_top1(
+    ref: dict[str, np.ndarray], setting: str | int | None, logits: str | None, entry: EngineValidation
+) -> None:
+    """Warn, where no top-1 agreement was computed, why, and what the outputs were compared by: no output is the
+    class-logit output (several, none named ``logits``; one named as features) and none is named, or the named one
+    has no class axis to agree on. The default output held to nothing is said where it is chosen
+    (:func:`~kiln.stages.accuracy.check.top1_output`); an integer output is held to its share of equal values."""
+    names = list(ref)
+    if entry.top1_agreement is not None or (logits is None and logits_name(names, setting) is not None):
+        return
+    if logits is not None and ref[logits].dtype.kind != "f":
+        return
+    fix = "--set signature.logits_output=NAME holds the class-logit output to top-1 agreement"
+    if logits is not None:
+        why = f"output '{logits}', which signature.logits_output names, has no class axis (one value per row)"
+        fix = "name an output with a class axis ([N, C] logits, or [N, 1]: one binary logit)"
+    elif len(names) == 1 and FEATURE_NAMES.search(names[0]):
+        why = f"the only output, '{names[0]}', is named as features"
+    else:
+        why = f"{len(names)} outputs ({', '.join(names)}), none named '{SINGLE_OUTPUT}'"
+    log.warning("no top-1 agreement: %s; %s (%s)", why, COMPARED_BY, fix)
 
 
 def _say_padding_ties(

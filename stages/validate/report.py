@@ -51,7 +51,7 @@ def report_section(v: ValidationResult) -> list[str]:
         f"Accuracy reference: {_reference(b)} on the CPU, accuracy {fmt(b.accuracy)} on {b.samples} held-out "
         f"samples{_scored_at(b)}. Speedups are against {against + ' in ONNX Runtime' if onnx_file else against} on the "
         f"engine's own device{'' if onnx_file else ' (eager; other baselines below)'}.",
-        *_compared(b),
+        *_compared(v),
         *_narrower(v),
         "",
         "| engine | precision | device | passed | max abs err | "
@@ -161,7 +161,8 @@ def _p50(latency: dict[str, Any], size: str) -> str:
 
 
 def _timing(v: ValidationResult) -> list[str]:
-    """How latency was timed, and whether the machine was too busy for the figures to mean much."""
+    """How latency was timed (at which sizes of the dynamic axes besides the batch, where the model has any), and
+    whether the machine was too busy for the figures to mean much."""
     t = v.timing
     if not t:
         return []
@@ -171,6 +172,8 @@ def _timing(v: ValidationResult) -> list[str]:
         "(baseline / engine, paired round by round), with its 95 % interval: it need not equal the ratio of the two "
         f"p50s. Load average {t['load_before']} → {t['load_after']} on {t['cpus']} CPUs."
     )
+    if t.get("timed_at"):  # a model with dynamic axes besides the batch: its latency depends on their sizes too
+        line += f" Timed at {_point(t['timed_at'])} (the largest validated sizes), at each batch size."
     if t.get("busy"):
         line += (
             f" **The machine was too busy to time**: intervals {100 * t['median_spread']:.0f} % of p50 wide (median); "
@@ -324,13 +327,15 @@ UNSCORED = (
 )
 
 
-def _compared(b: Any) -> list[str]:
-    """What the engines were compared on: every output, the logits one (if any) for top-1 and accuracy."""
+def _compared(v: ValidationResult) -> list[str]:
+    """What the engines were compared on: every output, the logits one (if any) for top-1 and accuracy, each said
+    only where it was measured."""
+    b = v.baseline
     if not b.compared:
         return []
     shapes = "; ".join(_point(p) for p in b.shapes)
     logits = (
-        f"top-1 agreement and accuracy on '{b.logits_output}'"
+        _measured_on_logits(v)
         if b.logits_output
         else f"no class-logit output ({b.accuracy_note or 'no labels or classes in the data'}): no top-1 "
         "agreement or accuracy, and each output's relative error gated"
@@ -347,6 +352,23 @@ def _compared(b: Any) -> list[str]:
         f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
         + (f" Dynamic axes validated at: {shapes}{_padded(b)}." if shapes else ""),
     ]
+
+
+def _measured_on_logits(v: ValidationResult) -> str:
+    """What was measured on the class-logit output: top-1 agreement (where an engine gave one) and task accuracy
+    (where the reference has one), and why each that was not, was not."""
+    b = v.baseline
+    validated = [e for e in v.engines if e.status == "validated"]
+    top1 = any(e.top1_agreement is not None for e in validated)
+    measured = [what for what, done in (("top-1 agreement", top1), ("accuracy", b.accuracy is not None)) if done]
+    missing = []
+    if not top1:
+        why = "no engine was validated here" if not validated else "it has no class axis: one value per row"
+        missing.append(f"no top-1 agreement ({why})")
+    if b.accuracy is None:
+        missing.append(f"no task accuracy ({b.accuracy_note or 'no labels fit it'})")
+    said = f"{' and '.join(measured)} on '{b.logits_output}'" if measured else f"class-logit output '{b.logits_output}'"
+    return "; ".join([said, *missing]) if measured else f"{said}: {' and '.join(missing)}"
 
 
 def _padded(b: Any) -> str:

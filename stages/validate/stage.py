@@ -8,10 +8,8 @@ warm-up at each configured batch size, with the PyTorch baseline measured in the
 from __future__ import annotations
 
 import ast
-import json
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +29,8 @@ from kiln.core.data import (
     from_feed,
     input_names,
 )
-from kiln.core.errors import ModelError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.labels import accuracy as label_accuracy
-from kiln.core.labels import exporter_made
 from kiln.core.onnx_io import io_specs, load_onnx, ort_session
 from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, class_logits, host_arrays, logits_name, named_outputs
 from kiln.core.records import (
@@ -49,7 +45,6 @@ from kiln.core.records import (
 )
 from kiln.core.shapes import Axes, graph_axes
 from kiln.core.stage import StageContext
-from kiln.core.text import short_reason
 from kiln.core.timing import BUSY_SPREAD, Timer, interleave, ratio_interval, time_calls, warm_up
 from kiln.models.model_io import load_trained, torch_model_named
 from kiln.stages.accuracy.check import (
@@ -65,6 +60,7 @@ from kiln.stages.accuracy.check import (
     summarize,
 )
 from kiln.stages.accuracy.metrics import Metric
+from kiln.stages.accuracy.refusal import reference_error
 from kiln.stages.engines.backend import engine_dirs, read_metadata
 from kiln.stages.engines.registry import backend_named, load_engine, preference_order, runnable
 from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
@@ -506,70 +502,6 @@ def onnx_reference(
     return reference(ctx, data, cfg, run, feeds, out_names, axes), sess
 
 
-def reference_error(exc: Exception, fed: Feed, shown: str, axes: Axes, largest: Feed) -> ModelError:
-    """ONNX Runtime's failure running the reference ``shown`` on ``fed``, named with the shapes fed: validation
-    sets each named axis apart (one at its smallest beside the others at their largest), which a graph refuses
-    where it takes axes named apart (an exporter's per-input names) at one size only. The fix names alike the axes
-    of one size in the data (``largest``: every axis at its largest), the sizes the graph ran at in the export."""
-    shapes = {k: f"{np.asarray(v).dtype}{list(np.shape(v))}" for k, v in fed.items()}
-    return ModelError(
-        f"ONNX Runtime cannot run the reference, {shown}, on the validation inputs {shapes}: {short_reason(exc, 300)}",
-        hint=_tie_hint(axes, largest),
-    )
-
-
-def _tie_hint(axes: Axes, largest: Feed) -> str:
-    """The fix for a reference that refuses the validated shapes: ``axes`` (input -> {axis: name}) with the axes of
-    one size in ``largest`` named alike, as the ``--set`` of signature.dynamic_axes, where that ties any; else the
-    axes as they are named, to tie by hand, or sizes the graph takes."""
-    named = _tied_alike(axes, largest)
-    if named == {k: dict(v) for k, v in axes.items()}:
-        shown = _axes_text(named) if named else "none besides the batch"
-        return (
-            f"name alike in signature.dynamic_axes the axes the graph takes at one size only (validated as {shown}), "
-            "or give signature.shapes sizes the graph takes"
-        )
-    return (
-        f"name alike the axes the graph takes at one size only: --set 'signature.dynamic_axes={_axes_text(named)}' "
-        "(or the same under signature: in the run's config), or give signature.shapes sizes the graph takes"
-    )
-
-
-def _tied_alike(axes: Axes, largest: Feed) -> dict[str, dict[int, str]]:
-    """``axes`` with the axes of each size in ``largest`` under one name: the first that a person gave among them
-    (not an exporter's, :func:`kiln.core.labels.exporter_made`), else ``seq`` for axes that are all axis 1, else
-    ``size<N>`` (``seq<N>`` where another size took ``seq``)."""
-    sizes: dict[int, list[tuple[str, int]]] = {}
-    for k, dims in axes.items():
-        for axis in dims:
-            if k in largest and np.ndim(largest[k]) > axis:
-                sizes.setdefault(int(np.shape(largest[k])[axis]), []).append((k, axis))
-    out = {k: dict(v) for k, v in axes.items()}
-    taken = {n for dims in axes.values() for n in dims.values()}
-    for size, where in sizes.items():
-        names = list(dict.fromkeys(axes[k][a] for k, a in where))
-        if len(names) < 2:
-            continue
-        given = [n for n in names if not exporter_made(n)]
-        name = given[0] if given else "seq" if all(a == 1 for _, a in where) else f"size{size}"
-        name = f"{name}{size}" if name in taken - set(names) else name
-        taken.add(name)
-        for k, a in where:
-            out[k][a] = name
-    return out
-
-
-def _axes_text(axes: dict[str, dict[int, str]]) -> str:
-    """``{input_ids: {1: seq}, attention_mask: {1: seq}}``: signature.dynamic_axes as YAML's flow style writes it
-    (an input name YAML would not read as that text in quotes)."""
-
-    def key(name: str) -> str:
-        return name if re.fullmatch(r"[A-Za-z_][\w.:/-]*", name) else json.dumps(name)
-
-    inner = (", ".join(f"{a}: {n}" for a, n in d.items()) for d in axes.values())
-    return "{" + ", ".join(f"{key(k)}: {{{dims}}}" for k, dims in zip(axes, inner)) + "}"
-
-
 def reference(
     ctx: StageContext[ValidateSettings],
     data: DatasetSplits,
@@ -594,13 +526,34 @@ def accuracy_absent(ref: Reference, data: DatasetSplits) -> str | None:
         return None
     if data.val_y is None:
         return "the data has no held-out labels (val_y is None)"
+    metric = getattr(ref, "metric", None)
+    binary = getattr(ref, "binary_at", None) is not None  # a binary classifier's one logit
+    if ref.logits is not None and binary and ref.score is not None:
+        y = data.val_y
+        return (
+            f"the labels {str(y.dtype).removeprefix('torch.')}{list(y.shape)} are no 0/1 label per row for "
+            f"'{ref.logits}', a binary classifier's one logit"
+        ) + (f"; {_scored_by(metric)}" if metric is not None else "")
     if not data.classification:
-        return "the labels are no classes (float targets): no top-1 accuracy; validate.metric scores them"
+        return f"the labels are no classes (float targets): {_scored_by(metric)}"
     if ref.logits is None:
         return no_class_logits(list(ref.outputs[-1]) if getattr(ref, "outputs", None) else [], ref, data)
     if ref.score is None:
         return "the labels per position fit no validated size (add the data's own sizes to signature.shapes)"
     return None
+
+
+def _scored_by(metric: Metric | None) -> str:
+    """What scores float targets instead of task accuracy: ``validate.metric``, the default ``mse``, or nothing
+    (0/1 targets shaped like the logits, several outputs the targets' size), said with the setting to give."""
+    if metric is None:
+        return (
+            "no metric scores them: set validate.metric, e.g. multilabel_f1 for 0/1 targets shaped like the logits, "
+            "mse for values to predict, or your own pkg.mod:fn"
+        )
+    if metric.default:
+        return f"{metric.name} scores them (the default for float targets: validate.metric is unset)"
+    return f"validate.metric '{metric.name}' scores them"
 
 
 def no_class_logits(names: list[str], ref: Reference, data: DatasetSplits) -> str:
@@ -690,6 +643,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
         contenders = {f"baseline {b.label}": t for b, t in prepared if t}
         contenders.update({c.entry.name: c.timers for c in checked if c.timers})
         latency, timing = time_interleaved(contenders, sizes, cfg, ctx)
+        timing.update(timed_at(ref))
     except BaseException:
         for c in checked:
             if c.runner is not None:
@@ -749,6 +703,14 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     for e in engines:
         ctx.log.info("%s: %s", e.name, e.status)
     return result
+
+
+def timed_at(ref: Reference) -> dict[str, dict[str, int]]:
+    """``{"timed_at": {axis: size}}``: the sizes of the dynamic axes besides the batch that latency is timed at (the
+    last validated shape, the largest: :attr:`Reference.feed`), for validation.json's ``timing``; empty for a model
+    without such axes, whose latency depends on the batch alone."""
+    point = ref.feeds[-1][0]
+    return {"timed_at": dict(point)} if point else {}
 
 
 def _session_timer(sess: Any, feed: Feed, cfg: ValidateConfig) -> Timer:

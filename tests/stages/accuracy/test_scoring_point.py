@@ -110,7 +110,12 @@ def test_the_report_says_the_accuracy_gate_was_not_applied() -> None:
     compared = next(line for line in report_section(v) if line.startswith("Compared outputs"))
     assert "accuracy on 'out'" not in compared and "top-1 agreement on 'out' (every position)" in compared
     assert "task accuracy not measured, and `max_accuracy_drop` (and `max_metric_drop`) not applied" in compared
-    base.labelled_positions = 1024
+    base.labelled_positions, base.accuracy = 1024, 0.9
+    v.engines = [
+        EngineValidation(
+            name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated", top1_agreement=1.0
+        )
+    ]
     compared = next(line for line in report_section(v) if line.startswith("Compared outputs"))
     assert "top-1 agreement and accuracy on 'out', counted over the 1,024 labelled positions" in compared
 

@@ -157,6 +157,7 @@ def test_auto_is_static_when_matmul_is_not_quantized(tmp_path: Path, transformer
         **{"precision.variants": ["fp32", "int8"], "calibration.exclude_op_types": ["MatMul"]},
     )
     assert "of its FLOPs run in int8" in variants["int8"].unmade and not variants["int8"].backend_paths
+    assert summary["variants"]["int8"]["pytorch_model"]  # report.md says the torch backend's engines still build
 
 
 def test_dynamic_without_matmul_is_a_config_error() -> None:

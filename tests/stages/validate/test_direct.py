@@ -333,3 +333,51 @@ def test_every_row_of_a_fixed_batch_is_compared(tmp_path: Path) -> None:
     out = invoke("validate", engine, "--reference", fixed_batch_onnx(tmp_path / "m.onnx"), "--inputs", _rows(tmp_path))
     assert out.exit_code != 0, out.output
     assert _validated(out)["outputs"]["logits"]["worst_sample"] == 7
+
+
+def _two_heads(path: Path) -> Path:
+    """input [batch, 4] -> click [batch, 1] (a binary classifier's logit) and value [batch, 1] (a regression's)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((4, 1)).astype(np.float32), k) for k in ("wc", "wv")]
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["input", "wc"], ["click"]),
+            helper.make_node("MatMul", ["input", "wv"], ["value"]),
+        ],
+        "two_heads",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, ["batch", 1]) for k in ("click", "value")],
+        weights,
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def test_direct_validation_warns_what_it_compared_by_without_top1_and_names_a_click_logits_decision(
+    tmp_path: Path,
+) -> None:
+    """Two [N, 1] heads, none named 'logits': the log says no top-1 agreement was computed, why, and what the outputs
+    were compared by; naming the click logit holds its decision (the sign) to top-1 agreement, and the value beside
+    it is no logit."""
+    import json
+
+    import numpy as np
+
+    model, engine, inputs = _two_heads(tmp_path / "m.onnx"), tmp_path / "e", tmp_path / "x.npz"
+    assert invoke("build", model, "-o", engine).exit_code == 0
+    np.savez(inputs, input=np.random.default_rng(1).standard_normal((64, 4)).astype(np.float32))
+    default = invoke("validate", engine, "--reference", model, "--inputs", inputs)
+    assert default.exit_code == 0, default.output
+    said = " ".join(default.output[: default.output.index("{")].split())
+    assert "no top-1 agreement: 2 outputs (click, value), none named 'logits'; compared by cosine" in said, said
+    assert "signature.logits_output=NAME" in said, said
+    named = invoke(
+        "validate", engine, "--reference", model, "--inputs", inputs, "--set", "signature.logits_output=click"
+    )
+    assert named.exit_code == 0, named.output
+    assert "no top-1 agreement" not in named.output[: named.output.index("{")]
+    got = json.loads(named.output[named.output.index("{") :])
+    assert got["top1_agreement"] == 1.0 and got["outputs"]["value"]["top1_agreement"] is None

@@ -128,3 +128,42 @@ def test_top1_flips_on_ties_are_counted_over_what_top1_compares() -> None:
         lines = report_section(ValidationResult(passed=True, baseline=b, engines=[e], failures=[]))
         tie = next(x for x in lines if x.startswith("Top-1 flips on ties"))
         assert counted in tie and "of samples" not in tie and "where the share is largest" in tie, tie
+
+
+def _compared_line(top1: float | None, accuracy: float | None, note: str | None) -> str:
+    """The "Compared outputs" sentence of a two-head model whose click logit is the class-logit output."""
+    timed = {"8": Percentiles(p50=0.1, p90=0.1, p99=0.1)}
+    e = EngineValidation(name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated")
+    e.passed, e.top1_agreement, e.accuracy, e.latency_ms = True, top1, accuracy, timed
+    b = Baseline(accuracy=accuracy, accuracy_note=note, samples=8, latency_ms=timed, logits_output="click")
+    b.compared = ["click", "value"]
+    lines = report_section(ValidationResult(passed=True, baseline=b, engines=[e], failures=[]))
+    return next(x for x in lines if x.startswith("Compared outputs"))
+
+
+def test_the_compared_outputs_say_only_what_was_measured_on_the_class_logits() -> None:
+    """A named class-logit output claims top-1 agreement and accuracy only where each was measured, and says why
+    one was not."""
+    note = "the labels float32[300, 2] are no 0/1 label per row for 'click', a binary classifier's one logit"
+    assert "; top-1 agreement and accuracy on 'click'." in _compared_line(0.99, 0.9, None)
+    top1 = _compared_line(0.99, None, note)
+    assert f"; top-1 agreement on 'click'; no task accuracy ({note})." in top1, top1
+    neither = _compared_line(None, None, note)
+    assert "top-1 agreement and accuracy" not in neither and "top-1 agreement on" not in neither, neither
+    assert (
+        "class-logit output 'click': no top-1 agreement (it has no class axis: one value per row) and no task "
+        f"accuracy ({note})"
+    ) in neither, neither
+
+
+def test_the_latency_note_names_the_sizes_a_model_of_dynamic_axes_was_timed_at() -> None:
+    """Latency of a model with a length axis depends on it: the report says the sizes it was timed at (the largest
+    validated), and says nothing of sizes for a model whose only dynamic axis is the batch."""
+    timed = {"8": Percentiles(p50=0.1, p90=0.1, p99=0.1)}
+    timing = {"rounds": 12, "cpus": 2, "load_before": 0.1, "load_after": 0.1, "median_spread": 0.01, "busy": False}
+    b = Baseline(accuracy=None, samples=8, latency_ms=timed)
+    for extra, said in (({"timed_at": {"samples": 24000}}, True), ({}, False)):
+        v = ValidationResult(passed=True, baseline=b, engines=[], failures=[], timing={**timing, **extra})
+        line = next(x for x in report_section(v) if x.startswith("Latency:"))
+        assert ("Timed at samples=24000 (the largest validated sizes)" in line) == said, line
+        assert ("Timed at" in line) == said

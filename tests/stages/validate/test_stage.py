@@ -503,3 +503,13 @@ def test_a_reference_that_refuses_the_validated_shapes_is_one_error_naming_them_
     axes = set_value(flag.group(1), flag.group(2))  # the CLI's own reading of the --set
     ref, _ = reference({"signature": {"dynamic_axes": axes}})
     assert ref.outputs[-1]["out"].shape == (4, 6)
+
+
+def test_latency_is_recorded_with_the_sizes_of_the_dynamic_axes_it_was_timed_at() -> None:
+    """validation.json's ``timing.timed_at``: the last validated point (the largest sizes, which the reference feeds
+    latency), only for a model with dynamic axes besides the batch."""
+    from kiln.stages.validate.stage import timed_at
+
+    feeds = [({"samples": 8000}, {}), ({"samples": 24000}, {})]
+    assert timed_at(SimpleNamespace(feeds=feeds)) == {"timed_at": {"samples": 24000}}
+    assert timed_at(SimpleNamespace(feeds=[({}, {})])) == {}
