@@ -19,7 +19,9 @@ import numpy as np
 # statistic -> what it measures (for docs, reports and error messages)
 STATISTICS: dict[str, str] = {
     "max_abs_err": "largest absolute difference (inf when the candidate has non-finite values)",
-    "rel_err": "relative L2 error ||got - ref|| / ||ref||",
+    "rel_err": "relative L2 error ||got - ref|| / ||ref||; in validation, of every float output but the class "
+    "logits, the RMS error over how the reference varies between the held-out samples (at least 1 % of its RMS)",
+    "norm_rel_err": "where rel_err is over the spread between samples, the relative L2 error over the norm",
     "cosine": "cosine similarity of the whole output, flattened (1.0 when both are all zeros)",
     "sample_cosine": "the worst sample's cosine: each sample (row of the batch axis) flattened against its reference "
     "row, or where higher, the cosine its error would give on a sample of the median norm (a near-zero sample's own "
@@ -63,6 +65,7 @@ class OutputStats:
     top1_ties: float | None = None  # of the rows, those that flipped on a tie (counted as agreeing above)
     sample_cosine: float | None = None  # the worst sample's cosine (NaN: a sample with a non-finite value)
     worst_sample: int | None = None  # which row of the batch axis that is
+    norm_rel_err: float | None = None  # the error over the output's norm, where rel_err is over something else
 
     def as_dict(self) -> dict[str, float | None]:
         return asdict(self)

@@ -182,7 +182,7 @@ def relative_to_spread(
         r, g = np.asarray(ref[name], dtype=np.float64), np.asarray(got[name], dtype=np.float64)
         kept = ~set_aside(ref[name], got[name])
         err = float(np.sqrt(np.mean((g[kept] - r[kept]) ** 2))) if kept.any() else 0.0
-        out[name] = replace(s, rel_err=err / spread[name])
+        out[name] = replace(s, rel_err=err / spread[name], norm_rel_err=s.rel_err)
     return out
 
 
@@ -211,6 +211,7 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 pick(t.top1_agreement, s.top1_agreement, True),
                 pick(t.top1_ties, s.top1_ties, False),
                 *_worse_sample(t, s),
+                pick(t.norm_rel_err, s.norm_rel_err, False),
             )
         out[name] = s
     return out
@@ -1177,7 +1178,7 @@ def accuracy_failures(
             fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
         limit, rel = rel_limits.get(name), s.get("rel_err")
         if limit is not None and rel is not None and not rel <= limit:
-            fails.append(f"{where}relative error {s['rel_err']:.4g} > max_rel_err {limit:.4g}")
+            fails.append(f"{where}relative error {s['rel_err']:.4g} > max_rel_err {limit:.4g}{_over_spread(s)}")
     if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"] - COUNT_SLACK:
         ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
         fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}{ties}")
@@ -1194,6 +1195,23 @@ def accuracy_failures(
                 f"{gates['max_metric_drop']}"
             )
     return fails
+
+
+# A relative error over the spread this many times the one over the norm: the spread is a small share of the output
+SMALL_SPREAD = 5.0
+
+
+def _over_spread(stats: dict[str, Any]) -> str:
+    """Where the relative error is over a spread between samples much smaller than the output's norm (held-out
+    inputs alike, or an output on a level far above its variation), what it is over and the error over the norm:
+    a user sees a cosine of 0.9999999 beside the failure and needs both."""
+    norm = stats.get("norm_rel_err")
+    if norm is None or not norm > 0 or not stats["rel_err"] > SMALL_SPREAD * norm:
+        return ""
+    return (
+        f" (the RMS error over how the reference varies between the held-out samples, {norm / stats['rel_err']:.2%}"
+        f" of its RMS; over its norm the error is {norm:.2g}: held-out inputs that vary more measure it better)"
+    )
 
 
 def _sample_failure(where: str, stats: dict[str, Any], limit: float) -> str:

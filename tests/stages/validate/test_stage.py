@@ -12,7 +12,7 @@ from kiln.core.compare import compare_arrays
 from kiln.core.data import DatasetSplits
 from kiln.core.records import Baseline, EngineMetadata, EngineValidation, Percentiles
 from kiln.core.shapes import resize
-from kiln.stages.accuracy.check import gates_for, labels_at_points
+from kiln.stages.accuracy.check import compare_all, gates_for, labels_at_points
 from kiln.stages.validate.baselines import measure, percentiles, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.memory import PeakMemory
@@ -100,6 +100,21 @@ def test_a_regression_is_gated_on_its_relative_error_too() -> None:
     shifted8.precision = "int8"  # ... not in an INT8 engine
     assert check_gates(shifted8, None, gates_for(ValidateConfig(), "int8", False), 8) == []
     assert check_gates(shifted, None, {**int8, "max_rel_err": 0.01}, 8)
+
+
+def test_an_error_over_a_small_spread_says_what_it_is_over() -> None:
+    """An embedding that barely varies between the held-out samples (0.8 % of its norm): FP16-sized noise is 5 % of
+    that spread at a cosine of 0.9999999; the failure says the error is over the spread and gives the one over
+    the norm, where before it read as a 4 % error."""
+    rng = np.random.default_rng(0)
+    ref = {"embedding": 1 + 0.008 * rng.standard_normal((64, 32))}
+    got = {"embedding": ref["embedding"] * (1 + 5e-4 * rng.standard_normal((64, 32)))}
+    stats = compare_all(ref, got, None)["embedding"]
+    assert stats.cosine > 0.999999 and stats.rel_err > 0.0447 and stats.norm_rel_err < 1e-3
+    shifted = entry(top1_agreement=None, accuracy=None, cosine=stats.cosine, outputs={"embedding": stats.as_dict()})
+    (failure,) = check_gates(shifted, None, gates_for(ValidateConfig(), "fp16", True), 8)
+    assert failure.startswith(f"relative error {stats.rel_err:.4g} > max_rel_err 0.04472 (the RMS error over how")
+    assert f"over its norm the error is {stats.norm_rel_err:.2g}" in failure
 
 
 def test_nan_output_fails_cosine_gate() -> None:
