@@ -1210,8 +1210,9 @@ def _over_spread(stats: dict[str, Any]) -> str:
     if norm is None or not norm > 0 or not stats["rel_err"] > SMALL_SPREAD * norm:
         return ""
     return (
-        f" (the RMS error over how the reference varies between the held-out samples, only {norm / stats['rel_err']:.2%}"
-        f" of its RMS; over its norm the error is {norm:.2g}: held-out inputs that vary more measure it better)"
+        " (the RMS error over how the reference varies between the held-out samples, only "
+        f"{norm / stats['rel_err']:.2%} of its RMS; over its norm the error is {norm:.2g}: held-out inputs that "
+        "vary more measure it better)"
     )
 
 
