@@ -26,6 +26,7 @@ log = logging.getLogger("kiln.calibration")
 
 
 Batch = np.ndarray | dict[str, np.ndarray]  # one input's rows, or a feed of named inputs
+ReaderBatch = Batch | tuple[np.ndarray, ...]  # as a reader yields it: also one array per input, in input order
 
 
 def dataset_batches(
@@ -45,9 +46,10 @@ def dataset_batches(
     return batches
 
 
-def read_reader(cfg: CalibrationConfig) -> list[Batch]:
-    """Call the user's reader and take its first ``num_batches`` batches, as they come: an array, or a dict of
-    arrays by input name (a ``(x, y)`` pair gives its ``x``)."""
+def read_reader(cfg: CalibrationConfig) -> list[ReaderBatch]:
+    """Call the user's reader and take its first ``num_batches`` batches, as they come: an array, a dict of arrays
+    by input name, or a tuple of arrays (one per input, or an ``(x, y)`` pair: :func:`_reader_feed` tells them
+    apart by the model's inputs; a pair whose ``x`` is a dict or a tuple gives its ``x``)."""
     assert cfg.reader is not None
     fn = resolve_callable(cfg.reader, {}, "calibration reader")
     what = f"calibration reader '{cfg.reader}'"
@@ -78,7 +80,8 @@ SHAPE_HINT = "preprocess calibration data exactly like validation data"
 def reader_batches(cfg: CalibrationConfig, inputs: list[TensorSpec]) -> list[Batch]:
     """The user reader's batches, checked against the model's ``inputs`` and cast to their dtypes. A named
     (dynamic) axis takes any size, one size per batch wherever the graph names it. One input: its array per
-    batch (a dict keyed by its name is read too); several: a dict of every input, keyed by name."""
+    batch (a dict keyed by its name is read too); several: a dict of every input, keyed by name, or a tuple of
+    one array per input, in the model's input order."""
     out: list[Batch] = []
     for i, item in enumerate(read_reader(cfg)):
         feed = _reader_feed(cfg, i, item, inputs)
@@ -96,9 +99,11 @@ def reader_batches(cfg: CalibrationConfig, inputs: list[TensorSpec]) -> list[Bat
     return out
 
 
-def _reader_feed(cfg: CalibrationConfig, i: int, item: Batch, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+def _reader_feed(cfg: CalibrationConfig, i: int, item: ReaderBatch, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
     """A reader's batch keyed by the model's input names; keys that are not exactly those are an error."""
     names = [s.name for s in inputs]
+    if isinstance(item, tuple):
+        return _tuple_feed(cfg, i, item, names)
     if not isinstance(item, dict):
         if len(names) > 1:
             raise ConfigError(
@@ -120,6 +125,23 @@ def _reader_feed(cfg: CalibrationConfig, i: int, item: Batch, inputs: list[Tenso
             hint=f"key each batch by the model's input names: {', '.join(names)}",
         )
     return item
+
+
+def _tuple_feed(
+    cfg: CalibrationConfig, i: int, item: tuple[np.ndarray, ...], names: list[str]
+) -> dict[str, np.ndarray]:
+    """A tuple batch as a feed: for one input, its first array (an ``(x, y)`` pair from a DataLoader gives ``x``);
+    for several, one array per input by position, as :func:`kiln.core.data.feed_for_graph` feeds a tuple of the
+    data's."""
+    if len(names) == 1 and item:
+        return {names[0]: item[0]}
+    if len(item) != len(names):
+        raise ConfigError(
+            f"calibration batch {i} of reader '{cfg.reader}' is a tuple of {len(item)} arrays; the model takes "
+            f"{len(names)} inputs ({', '.join(names)})",
+            hint=f"yield one array per input in this order ({', '.join(names)}), or a dict {{input name: batch}}",
+        )
+    return dict(zip(names, item))
 
 
 def _check_shapes(i: int, feed: dict[str, np.ndarray], inputs: list[TensorSpec]) -> None:
@@ -168,14 +190,28 @@ def _unusable(item: np.ndarray) -> str | None:
     return None
 
 
-def _as_batches(source: Iterable[Any]) -> Iterator[Batch]:
+def _as_batches(source: Iterable[Any]) -> Iterator[ReaderBatch]:
     for item in source:
-        if isinstance(item, (tuple, list)):  # (x, y) pairs from a DataLoader
-            item = item[0]
-        if isinstance(item, Mapping):  # {input_name: array}, the ONNX Runtime reader convention
-            yield {str(k): _as_array(v) for k, v in item.items()}
-        else:
-            yield _as_array(item)
+        yield _as_batch(item)
+
+
+def _as_batch(item: Any) -> ReaderBatch:
+    """One yielded batch as numpy: a dict by input name (the ONNX Runtime reader convention), a tuple of arrays
+    (one per input, or a DataLoader's ``(x, y)`` of arrays), or one array. A tuple holding more than arrays is a
+    DataLoader's ``(x, y)`` whose ``y`` is no array (a list of labels or of targets): its ``x``, left unread."""
+    if isinstance(item, Mapping):
+        return {str(k): _as_array(v) for k, v in item.items()}
+    if _all_arrays(item):
+        return tuple(_as_array(v) for v in item)
+    if isinstance(item, (tuple, list)) and item:
+        x = item[0]
+        return _as_batch(x) if isinstance(x, Mapping) or _all_arrays(x) else _as_array(x)
+    return _as_array(item)
+
+
+def _all_arrays(item: Any) -> bool:
+    """Whether ``item`` is a tuple or list of arrays or tensors only."""
+    return isinstance(item, (tuple, list)) and all(isinstance(v, (np.ndarray, torch.Tensor)) for v in item)
 
 
 def _as_array(item: Any) -> np.ndarray:
@@ -206,10 +242,10 @@ def _data_inputs(data: DatasetSplits, names: list[str] | None) -> list[TensorSpe
     return [TensorSpec(name=k, shape=["batch", *t.shape[1:]], dtype=str(t.numpy().dtype)) for k, t in zip(keys, parts)]
 
 
-def hash_batches(batches: list[Batch]) -> str:
+def hash_batches(batches: list[ReaderBatch]) -> str:
     """Content hash of the calibration data (names, shapes, dtypes and bytes): part of the cache key."""
     h = hashlib.sha256()
-    flat = [a for b in batches for a in (b.items() if isinstance(b, dict) else [(None, b)])]
+    flat = [a for b in batches for a in _named_arrays(b)]
     for name, b in flat:
         if name is not None:
             h.update(name.encode())
@@ -217,6 +253,13 @@ def hash_batches(batches: list[Batch]) -> str:
         h.update(f"{b.shape}{b.dtype}".encode())
         h.update(memoryview(b).cast("B") if b.size else b"")  # the buffer itself: no copy of a large dataset
     return h.hexdigest()
+
+
+def _named_arrays(batch: ReaderBatch) -> list[tuple[str | None, np.ndarray]]:
+    """A batch's arrays with their input names (None: by position)."""
+    if isinstance(batch, dict):
+        return list(batch.items())
+    return [(None, a) for a in batch] if isinstance(batch, tuple) else [(None, batch)]
 
 
 class ArrayReader:

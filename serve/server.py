@@ -66,7 +66,7 @@ from kiln.core.errors import (
     KilnError,
     storage_error,
 )
-from kiln.core.records import EngineMetadata, ValidationResult
+from kiln.core.records import EngineMetadata, ValidationResult, steps_text
 from kiln.core.text import first_line
 from kiln.pipeline.manifests import changed_inputs
 from kiln.pipeline.workdir_lock import LOCK_NAME, served_workdir
@@ -141,6 +141,20 @@ def _refuse(verdicts: dict[str, Any]) -> None:
         )
 
 
+def _unvalidated_sizes(meta: EngineMetadata) -> str:
+    """The sizes a server takes for an engine no validation has seen, as its own record bounds them (the sizes it
+    was built for, ``kiln-engine.json``'s ``axis_ranges``, and its profiles' largest batch); any, where none."""
+    bounds = [
+        f"{dim} from {low} to {high}{steps_text(meta.axis_steps.get(dim, [1, 0]), (low, high))}"
+        for dim, (low, high) in meta.axis_ranges.items()
+    ]
+    limit = meta.max_batch()
+    bounds += [f"batches up to {limit}"] if limit is not None else []
+    if not bounds:
+        return "at any size its axes take"
+    return f"only at the sizes it records, those it was built for ({', '.join(bounds)})"
+
+
 def find_engines(path: str | Path) -> list[ServedEngine]:
     """The engines to serve under ``path``: one engine folder (refused if its workdir's validation failed it), a
     package folder's ``engines`` (a workdir's ``package``, or a copy of it), a workdir's ``package/engines`` (all
@@ -155,10 +169,11 @@ def find_engines(path: str | Path) -> list[ServedEngine]:
         elif not (path.parent.parent / PACKAGE_INDEX).is_file():  # not a package's: no validation has seen it
             log.warning(
                 "engine %s has no validation record beside it (a workdir's validate/validation.json, a package's "
-                "kiln-package.json): served at any size its axes take, its checks unknown here (`kiln validate %s "
-                "--reference MODEL` checks it and prints the result, keeping no record; serve a `kiln run` workdir "
-                "or its package to serve only engines with one)",
+                "kiln-package.json): served %s, its checks unknown here (`kiln validate %s --reference MODEL` checks "
+                "it and prints the result, keeping no record; serve a `kiln run` workdir or its package to serve "
+                "only engines with one)",
                 meta.name,
+                _unvalidated_sizes(meta),
                 path,
             )
         return [ServedEngine(model_name(meta.name), path, meta)]

@@ -4,19 +4,24 @@ precision) engine the config asks for. ``kiln build model.onnx ...`` calls :func
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
-from kiln.core.errors import BuildError, ConfigError, KilnError
+from kiln.core.errors import BuildError, ConfigError, KilnError, ModelError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, IntRange, Variants, by_column, whole_range
 from kiln.core.stage import StageContext
+from kiln.core.text import short_reason
 from kiln.models.model_io import load_trained
 from kiln.stages.engines.backend import SIDECAR, Backend, BuildRequest, Built, read_metadata
 from kiln.stages.engines.config import BuildConfig
@@ -73,24 +78,24 @@ def build_engine(
     t0 = time.perf_counter()
     early = EarlyAudit(onnx_path, precision, name, axis_sizes)
     with (progress or SilentProgress()).task(f"building {name}", total=1) as bar, atomic_dir(out_dir) as out:
-        built = chosen.build(
-            BuildRequest(
-                onnx_path,
-                out,
-                device,
-                precision,
-                settings,
-                Path(cache_dir),
-                inputs,
-                max_batch,
-                keep_fp32,
-                dict(axis_sizes or {}),
-                name=name,
-                torch_model=torch_model,
-                calibration=calibration,
-                check_graph=early,
-            )
+        request = BuildRequest(
+            onnx_path,
+            out,
+            device,
+            precision,
+            settings,
+            Path(cache_dir),
+            inputs,
+            max_batch,
+            keep_fp32,
+            dict(axis_sizes or {}),
+            name=name,
+            torch_model=torch_model,
+            calibration=calibration,
+            check_graph=early,
         )
+        with naming_source(out, onnx_path):
+            built = chosen.build(request)
         for file in built.files.values():  # an ONNX engine must take every shape its source graph takes
             if file.endswith(".onnx"):
                 check_engine_graph(onnx_path, out / file, name)
@@ -399,6 +404,21 @@ def _build_with_fallback(
         return build(own_graph)
 
 
+@contextmanager
+def naming_source(staging: Path, source: Path) -> Iterator[None]:
+    """Errors raised inside the block name ``source`` where they named a file in ``staging``: a backend's library
+    (ONNX Runtime's "Load model from X failed") names the copy it was handed in the staging folder, whose name
+    means nothing to the user and is gone once the build fails."""
+    try:
+        yield
+    except KilnError as exc:
+        inside = re.compile(re.escape(str(staging)) + r"[/\\][^\s:'\"]*")
+        if inside.search(exc.message):
+            exc.message = inside.sub(lambda _: str(source), exc.message)
+            exc.args = (exc.message, *exc.args[1:])
+        raise
+
+
 def default_device(backend: str) -> str:
     """The device ``kiln build --backend B`` builds for when none is given: the backend's only one (TensorRT:
     cuda, which TensorRT-RTX builds for on a machine without a GPU), else the CPU."""
@@ -428,7 +448,9 @@ def build_direct(
     if from_variant:  # the sizes kiln precision recorded (signature.shapes, else its data's): the audit counts there
         axis_sizes = _variant_axis_sizes(Path(src))
     # clear errors for a missing or corrupt file, or one with a non-tensor input or output, before any builder runs
-    check_tensor_io(load_onnx(src, load_external_data=False), str(src))
+    model = load_onnx(src, load_external_data=False)  # the checks read no weights
+    check_tensor_io(model, str(src))
+    check_graph(model, Path(src))
     given = precision
     precision = precision or made_as or audit_graph(src).label()  # unlabelled: what the graph computes in
     _check_choice(backend, device, precision)
@@ -461,6 +483,41 @@ def build_direct(
             "variant here",
         ) from None
     return record_checked(out, meta, ranges)
+
+
+def check_graph(model: onnx.ModelProto, src: Path) -> None:
+    """The ONNX checker on the file the user gave, as ``kiln run`` checks it: a broken graph (a node reading a
+    tensor nothing makes) is said as one, naming the file, before any backend names the copy it builds from.
+    ``model``: ``src`` as :func:`load_onnx` read it, without its external data (which it found); it is changed into
+    what the checker can read (:func:`_as_checked`). Not the full check: its strict shape inference refuses graphs
+    ONNX Runtime runs."""
+    try:
+        onnx.checker.check_model(_as_checked(model))
+    except Exception as exc:
+        raise ModelError(
+            f"{src} fails the ONNX checker: {short_reason(exc)}",
+            hint="re-export with a supported opset, or report the model to Kiln",
+        ) from None
+
+
+def _as_checked(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` changed in place for the checker: each weight kept in an external file becomes a graph input of
+    its type and shape (the checker looks for the file from the working folder, not the model's), and an input
+    or output declared without a shape, which ONNX Runtime runs and ``kiln run`` infers before its check, gets an
+    empty one."""
+    graph = model.graph
+    inputs = {v.name for v in graph.input}
+    for i in reversed(range(len(graph.initializer))):  # deleting in place: no copy of the weights held inline
+        weight = graph.initializer[i]
+        if weight.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        if weight.name not in inputs:
+            graph.input.append(onnx.helper.make_tensor_value_info(weight.name, weight.data_type, list(weight.dims)))
+        del graph.initializer[i]
+    for value in (*graph.input, *graph.output):
+        if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.SetInParent()
+    return model
 
 
 def _variant_axis_sizes(graph: Path) -> dict[str, list[int]] | None:

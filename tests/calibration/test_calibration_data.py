@@ -120,7 +120,7 @@ def _text_data(seq: int = 16) -> DatasetSplits:
 def text_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "text_calib.py").write_text(
         textwrap.dedent("""
-        import numpy as np
+        import numpy as np, torch
         def both(seq=8):
             for _ in range(2):
                 yield {"input_ids": np.ones((4, seq), np.int32), "attention_mask": np.ones((4, seq), np.int32)}
@@ -136,6 +136,19 @@ def text_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             yield {"ids": np.ones((4, 8), np.int64)}
         def with_labels():
             yield {"x": np.ones((4, 8), np.int64), "labels": np.zeros(4, np.int64)}
+        def in_order():
+            for _ in range(2):
+                yield [np.full((4, 8), 3, np.int32), torch.zeros(4, 8)]
+        def three():
+            yield (np.ones((4, 8)), np.ones((4, 8)), np.zeros(4))
+        def dict_and_labels():
+            yield {"input_ids": np.ones((4, 8)), "attention_mask": np.ones((4, 8))}, np.zeros(4)
+        def pair_and_labels():
+            yield (np.ones((4, 8)), np.ones((4, 8))), np.zeros(4)
+        def array_and_labels():
+            yield np.ones((4, 8)), np.zeros(4)
+        def array_and_ragged_targets():
+            yield np.ones((4, 8)), [[1], [1, 2]]
         """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -175,3 +188,21 @@ def test_a_single_input_reader_takes_a_batch_of_one_key_or_a_dataloaders_with_it
     assert [b.shape for b in got] == [(4, 8)]
     got = calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:with_labels"), inputs=TEXT_INPUTS[:1])
     assert [b.shape for b in got] == [(4, 8)]
+
+
+def test_a_reader_may_yield_a_tuple_of_one_array_per_input_in_input_order(text_readers: None) -> None:
+    """A tuple or list of arrays, one per model input, feeds them by position (as a tuple does in the data); a
+    ``(x, labels)`` pair still gives its ``x``, whatever ``x`` is; another count is said as the tuple it is."""
+    data = _text_data()
+    got = calibration_batches(data, CalibrationConfig(reader="text_calib:in_order"), inputs=TEXT_INPUTS)
+    assert len(got) == 2 and all(list(b) == ["input_ids", "attention_mask"] for b in got)
+    assert (got[0]["input_ids"] == 3).all() and (got[0]["attention_mask"] == 0).all()
+    assert got[0]["input_ids"].dtype == np.int64 and got[0]["attention_mask"].shape == (4, 8)
+    for reader in ("dict_and_labels", "pair_and_labels"):
+        got = calibration_batches(data, CalibrationConfig(reader=f"text_calib:{reader}"), inputs=TEXT_INPUTS)
+        assert [sorted(b) for b in got] == [["attention_mask", "input_ids"]], reader
+    for reader in ("array_and_labels", "array_and_ragged_targets"):
+        got = calibration_batches(data, CalibrationConfig(reader=f"text_calib:{reader}"), inputs=TEXT_INPUTS[:1])
+        assert [b.shape for b in got] == [(4, 8)], reader
+    with pytest.raises(ConfigError, match=r"calibration batch 0 .* is a tuple of 3 arrays; the model takes 2 inputs"):
+        calibration_batches(data, CalibrationConfig(reader="text_calib:three"), inputs=TEXT_INPUTS)
