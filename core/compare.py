@@ -140,10 +140,14 @@ def masks_of(ref: np.ndarray) -> Masks:
     return Masks(tuple(float(v) for v in repeated if abs(v) >= floor), floor)
 
 
+FP16_MAX = 65504.0  # the largest finite FP16 value, where an FP16 graph clamps a larger fill
+
+
 def set_aside(ref: np.ndarray, got: np.ndarray, masks: Masks | None = None) -> np.ndarray:
     """Where ``ref`` and ``got`` (one shape) hold alike a value that is no number to compare, as a boolean array:
     a NaN in both, or a mask in both (the reference's infinity or mask fill, :func:`masks_of`; the candidate's value
-    of the same sign within a factor of 2 of the fill, or an infinity): a masked action is masked alike whether it
+    of the same sign within a factor of 2 of the fill, FP16's largest value for a fill past it, or an infinity): a
+    masked action is masked alike whether it
     reads -1e9 or -inf, and the fill's size would otherwise drown every error of the values around it. A mask in
     one of them only stays, a huge or infinite error. ``masks``: the reference's (default: read from ``ref``; a
     caller comparing one row at a time reads them from all its rows)."""
@@ -155,6 +159,8 @@ def set_aside(ref: np.ndarray, got: np.ndarray, masks: Masks | None = None) -> n
         with np.errstate(invalid="ignore"):
             a = np.abs(g)
             near = np.isinf(g) | np.where(np.isinf(r), a >= m.floor, (a >= 0.5 * np.abs(r)) & (a <= 2 * np.abs(r)))
+            # a fill past FP16's range comes out of an FP16 graph clamped to its largest value (-65504 for -1e9)
+            near |= (np.abs(r) > FP16_MAX) & (a >= 0.5 * FP16_MAX)
         shared |= masked & (np.sign(g) == np.sign(r)) & near
     return shared
 

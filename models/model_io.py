@@ -202,21 +202,23 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _weights_in(state: Any, path: Path) -> dict[str, torch.Tensor]:
-    """The state dict in what ``torch.load`` read: the object itself where it holds tensors, else the one dict of
-    tensors under a key of :data:`WEIGHTS_KEYS` (a training checkpoint, with the epoch and optimizer state
-    beside it; the key used is logged). Anything else is an error naming the dict's keys and those holding
+    """The state dict in what ``torch.load`` read: the one dict of tensors under a key of :data:`WEIGHTS_KEYS` (a
+    training checkpoint, with the epoch, optimizer state and scalar tensors beside it; the key used is logged),
+    else the object itself where it holds tensors. Anything else is an error naming the dict's keys and those holding
     tensors, since which of those is the model's is not Kiln's to guess."""
     if not isinstance(state, dict):
         raise InputFileError(
             f"checkpoint {path} holds {type(state).__name__}, not a state dict",
             hint="save with torch.save(model.state_dict(), path)",
         )
-    if not state or any(isinstance(v, torch.Tensor) for v in state.values()):  # {}: a model without weights
-        return state
     holders = [
         k for k, v in state.items() if isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values())
     ]
     known = [k for k in holders if k in WEIGHTS_KEYS]
+    # a state dict's values are tensors, never dicts: a known key holding tensors beside a scalar tensor (a step
+    # count, best_acc1) is a training checkpoint's
+    if not state or (len(known) != 1 and any(isinstance(v, torch.Tensor) for v in state.values())):
+        return state  # {}: a model without weights
     if len(known) == 1:
         log.info(
             "checkpoint %s: a training checkpoint (keys %s); loading the weights under '%s'",

@@ -948,10 +948,10 @@ def declares_classes(data: DatasetSplits) -> bool:
 def regression(data: DatasetSplits) -> bool:
     """Float targets in a dataset that declares no classes, other than class scores: the outputs are values to
     predict, none class logits. Rows of non-negative values that each sum to 1 (one-hot or soft labels, a
-    distillation's probabilities) are class scores, whose argmax is a class; a 0/1 label per row
-    (:func:`binary_labels`) is a binary classifier's."""
+    distillation's probabilities) are class scores, whose argmax is a class. Float 0/1 targets stay a regression's
+    (a least-squares rate) unless ``num_classes`` is 2 (:func:`binary_task`): their threshold is the user's to say."""
     y = data.train_y if data.train_y is not None else data.val_y
-    if y is None or declares_classes(data) or binary_labels(y) is not None:
+    if y is None or declares_classes(data):
         return False
     rows = np.asarray(y.numpy() if hasattr(y, "numpy") else y, dtype=np.float64)
     rows = rows.reshape(len(rows), -1)
@@ -994,9 +994,10 @@ def binary_default(outputs: dict[str, np.ndarray], data: DatasetSplits | None) -
 
 def binary_task(data: DatasetSplits) -> bool:
     """Whether the data says the task is a binary classification, whose class logits may be one logit per row:
-    ``num_classes`` 2, or a 0/1 label per row (:func:`binary_labels`)."""
+    ``num_classes`` 2, or integer 0/1 labels (:func:`binary_labels`). Float 0/1 targets alone do not: a model fit
+    to them by least squares predicts a rate, whose decision is no logit above 0."""
     y = data.train_y if data.train_y is not None else data.val_y
-    return data.num_classes == 2 or binary_labels(y) is not None
+    return data.num_classes == 2 or (data.classification and binary_labels(y) is not None)
 
 
 def binary_accuracy(logits: np.ndarray, labels: np.ndarray, at: float) -> float | None:

@@ -222,6 +222,8 @@ def test_mask_fills_alike_in_both_are_set_aside_and_the_values_around_them_compa
     assert compare_arrays(ref, ref.copy()).rel_err == 0.0
     as_inf = np.where(mask, np.float32(-np.inf), ref)  # an FP16 engine's -inf for the fill: masked alike
     assert compare_arrays(ref, as_inf).max_abs_err == 0.0
+    clamped = np.where(mask, np.float32(max(fill, -65504.0)), ref)  # an FP16 graph's clamp of a fill past its range
+    assert compare_arrays(ref, clamped).rel_err == 0.0
 
 
 def test_a_sample_whose_values_are_off_beside_its_mask_fills_is_the_worst() -> None:

@@ -75,9 +75,16 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 def training_checkpoint(key: str, weights: dict[str, torch.Tensor]) -> dict[str, object]:
-    """What a training script saves: the weights under ``key`` beside the epoch, optimizer state and config."""
+    """What a training script saves: the weights under ``key`` beside the epoch, optimizer state, config and a
+    scalar tensor (PyTorch's ImageNet example saves ``best_acc1`` as one)."""
     opt = torch.optim.SGD(net().parameters(), lr=0.1, momentum=0.9)
-    return {key: weights, "epoch": 3, "optimizer": opt.state_dict(), "config": {"width": 4, "lr": 0.1}}
+    return {
+        key: weights,
+        "epoch": 3,
+        "optimizer": opt.state_dict(),
+        "config": {"width": 4, "lr": 0.1},
+        "best_acc1": torch.tensor(71.5),
+    }
 
 
 @pytest.mark.parametrize("key", ["state_dict", "model_state_dict", "model", "module", "net"])

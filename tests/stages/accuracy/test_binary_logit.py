@@ -77,8 +77,8 @@ def _splits(y: torch.Tensor, num_classes: int) -> DatasetSplits:
     ("labels", "num_classes"),
     [
         ("float [N, 1]", 2),  # the held-out user's: float clicks, num_classes 2
-        ("float [N, 1]", 0),
-        ("float [N]", 0),
+        ("float [N]", 2),
+        ("integer [N]", 0),  # integer labels are classes
         ("integer [N]", 2),
     ],
 )
@@ -108,11 +108,13 @@ def test_a_flipped_decision_of_a_one_logit_classifier_is_gated_by_top1_and_accur
     [
         torch.from_numpy(X.numpy() @ W * 3.0 + 1.0),  # values to predict
         torch.from_numpy((X.numpy() @ W > 0)[:, 0] * 2 + (X.numpy()[:, 0] > 0)).long(),  # 4 classes
+        torch.from_numpy(CLICK),  # float 0/1 targets without num_classes: a least-squares rate's, no threshold
     ],
-    ids=["regression", "four classes"],
+    ids=["regression", "four classes", "float 0/1 without num_classes"],
 )
 def test_a_one_value_output_of_no_binary_task_has_no_decision_to_agree_on(y: torch.Tensor) -> None:
-    """A regression's [N, 1] (float targets) or a one-value head beside labels of 4 classes: no top-1 agreement and
+    """A regression's [N, 1] (float targets, 0/1 ones too unless num_classes is 2) or a one-value head beside labels
+    of 4 classes: no top-1 agreement and
     no accuracy, whatever the signs of its values do; its error is gated instead."""
     ref = _reference(_splits(y, 0), _click, ["logits"])
     entry, failures = _judged(ref, _flipping)

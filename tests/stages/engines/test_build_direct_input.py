@@ -1,5 +1,6 @@
 """``kiln build FILE``: a file ONNX Runtime cannot load is named as the user gave it, never by the staging folder
-Kiln builds in, and a graph the ONNX checker refuses is said as such, with the fix ``kiln run`` gives for it."""
+Kiln builds in, and a graph the ONNX checker and ONNX Runtime both refuse is said as such, with the fix ``kiln run``
+gives for it."""
 
 from __future__ import annotations
 
@@ -82,3 +83,23 @@ def test_an_output_declared_without_a_shape_passes_the_check(tmp_path: Path) -> 
     model.graph.output[0].type.tensor_type.ClearField("shape")
     onnx.save(model, src)
     assert build_direct(src, tmp_path / "e", "onnxruntime", "cpu", None, BuildConfig()).precision == "fp32"
+
+
+def test_a_graph_only_the_checker_refuses_is_built_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nodes out of topological order: the checker refuses them, ONNX Runtime sorts them itself and runs the graph."""
+    weight = numpy_helper.from_array(np.eye(4, dtype=np.float32) * 2, "w")
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["h"], ["y"]), helper.make_node("MatMul", ["x", "w"], ["h"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+        [weight],
+    )
+    src = tmp_path / "unsorted.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    with caplog.at_level("WARNING", logger="kiln"):
+        meta = build_direct(src, tmp_path / "e", "onnxruntime", "cpu", None, BuildConfig())
+    assert meta.backend == "onnxruntime" and (tmp_path / "e" / "kiln-engine.json").exists()
+    assert any("fails the ONNX checker" in r.getMessage() and "build goes on" in r.getMessage() for r in caplog.records)
