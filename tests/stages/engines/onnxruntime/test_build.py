@@ -334,4 +334,13 @@ def test_the_fusion_check_runs_at_a_size_the_model_takes() -> None:
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     assert _parity(model, model) is None  # unsized: 2 samples fail, 16 run
     assert "cannot run random inputs" in _parity(model, model, dynamic=4)  # a size given is the one tried
+    video = onnx.helper.make_graph(  # [batch, 3, T, H, W]: 2 x 3 x 256^3 floats is past the tries' memory
+        [onnx.helper.make_node("Conv", ["x", "w5"], ["y"])],
+        "v",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 3, "t", "h", "w"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(np.ones((1, 3, 70, 70, 70), np.float32), "w5")],
+    )
+    video_model = onnx.helper.make_model(video, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    assert "cannot run random inputs" in _parity(video_model, video_model)  # 2, 16 and 64 fail; 256 is not tried
     assert _parity(model, model, dynamic=64) is None
