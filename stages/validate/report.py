@@ -350,8 +350,21 @@ def _compared(v: ValidationResult) -> list[str]:
     return [
         "",
         f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
-        + (f" Dynamic axes validated at: {shapes}{_padded(b)}." if shapes else ""),
+        + (f" Dynamic axes validated at: {shapes}{_padded(b)}." if shapes else "")
+        + _coupled(v),
     ]
+
+
+def _coupled(v: ValidationResult) -> str:
+    """Outputs whose rows depend on the whole batch (a two-tower model's image-text logits ``[batch, batch]``):
+    compared on whole batches, and served unbatched (the Triton configs' max_batch_size 0), said with why."""
+    if not v.batch_coupled:
+        return ""
+    names = ", ".join(f"'{n}'" for n in v.batch_coupled)
+    return (
+        f" {names} depend{'s' if len(v.batch_coupled) == 1 else ''} on the whole batch (its rows are not the "
+        "samples'): compared on whole batches, and served unbatched (no server batches requests together)."
+    )
 
 
 def _measured_on_logits(v: ValidationResult) -> str:

@@ -156,6 +156,19 @@ def test_the_compared_outputs_say_only_what_was_measured_on_the_class_logits() -
     ) in neither, neither
 
 
+def test_outputs_coupled_across_the_batch_are_said_with_how_they_are_served() -> None:
+    """A two-tower model's image-text logits [batch, batch]: validation records them (the Triton configs then take
+    no batching); the report said nothing of it."""
+    b = Baseline(accuracy=None, samples=8, latency_ms={})
+    b.compared = ["logits_per_image", "logits_per_text", "text_embeds"]
+    coupled = ["logits_per_image", "logits_per_text"]
+    v = ValidationResult(passed=True, baseline=b, engines=[], failures=[], batch_coupled=coupled)
+    line = next(x for x in report_section(v) if x.startswith("Compared outputs"))
+    assert "'logits_per_image', 'logits_per_text' depend on the whole batch" in line and "served unbatched" in line
+    v.batch_coupled = []
+    assert "whole batch" not in next(x for x in report_section(v) if x.startswith("Compared outputs"))
+
+
 def test_the_latency_note_names_the_sizes_a_model_of_dynamic_axes_was_timed_at() -> None:
     """Latency of a model with a length axis depends on it: the report says the sizes it was timed at (the largest
     validated), and says nothing of sizes for a model whose only dynamic axis is the batch."""
