@@ -211,7 +211,7 @@ def test_a_capture_that_fails_once_is_captured_a_few_steps_later(monkeypatch: py
     r = train(graphed, data, with_graph(cfg, "on"))
     assert r.update_graph == {
         "captured": True,
-        "from_step": 2 * WARMUP_STEPS + 1,
+        "from_step": 2 * WARMUP_STEPS + 2,  # failed at step 4, eager through 7 (3 more), captured at 8
         "captures": 1,
         "eager_steps_after_capture": 0,
         "failure": None,
