@@ -54,7 +54,7 @@ class FP16Config(Section):
     long_reduction: int = Field(
         1024,
         ge=1,
-        description="reductions over at least this many elements stay FP32 "
+        description="sums and means over at least this many elements stay FP32 (a max or min is exact in FP16) "
         "(unknown/dynamic reduced axes count as long)",
     )
     range_check: bool = Field(True, description="keep ops whose weights or calibrated activations exceed FP16")

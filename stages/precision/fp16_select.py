@@ -19,7 +19,8 @@ from kiln.stages.precision.config import FP16Config
 log = logging.getLogger("kiln.precision")
 
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE}
-REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "ReduceMax", "ReduceMin"}
+# Reductions that add their elements up (a max or a min adds nothing: in FP16 it is the FP32 result rounded)
+SUMMING_OPS = {"ReduceSum", "ReduceMean", "ReduceL1", "GlobalAveragePool"}
 # Ops whose outputs are shapes or indices, never the model's float values: no reason to keep them FP32. Ops that
 # only move float values (Reshape, Transpose, Concat, Cast...) add no rounding error, so nothing selects them for
 # precision, but a value beyond FP16's range overflows in them like anywhere else: range checks and the fallback
@@ -274,12 +275,12 @@ def _reduce_axes(n: onnx.NodeProto, rank: int, inits: dict[str, onnx.TensorProto
 
 
 def long_reductions(model: onnx.ModelProto, threshold: int) -> dict[str, str]:
-    """Reductions (and global pools) over >= ``threshold`` elements: FP16 sums lose small addends."""
+    """Reductions that sum (and average pools) over >= ``threshold`` elements: FP16 sums lose small addends."""
     shapes = _shapes(model)
     inits = {i.name: i for i in model.graph.initializer}
     out: dict[str, str] = {}
     for n in model.graph.node:
-        if n.op_type not in REDUCE_OPS | {"GlobalAveragePool"}:
+        if n.op_type not in SUMMING_OPS:
             continue
         shape = shapes.get(n.input[0])
         if shape is None:

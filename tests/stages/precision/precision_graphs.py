@@ -85,11 +85,11 @@ def decomposed_layernorm_graph() -> onnx.ModelProto:
     )
 
 
-def reduction_graph(length: int) -> onnx.ModelProto:
-    """input [batch, 16] -> MatMul to [batch, length] -> Unsqueeze -> ReduceSum over the length axis -> logits."""
+def reduction_graph(length: int, op: str = "ReduceSum") -> onnx.ModelProto:
+    """input [batch, 16] -> MatMul to [batch, length] -> ``op`` (a ReduceSum) over the length axis -> logits."""
     n = [
         helper.make_node("MatMul", ["input", "w1"], ["h"], name="mm1"),
-        helper.make_node("ReduceSum", ["h", "axes"], ["s"], name="reduce", keepdims=1),
+        helper.make_node(op, ["h", "axes"], ["s"], name="reduce", keepdims=1),
         helper.make_node("Mul", ["s", "w2"], ["logits"], name="head"),
     ]
     return make_model(

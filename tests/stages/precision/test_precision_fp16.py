@@ -64,6 +64,13 @@ def test_decomposed_layernorm_found_and_kept() -> None:
     assert types["ln_var"] == F32 and types["mm1"] == F16
 
 
+@pytest.mark.parametrize("op", ["ReduceMax", "ReduceMin"])
+def test_a_long_max_or_min_is_converted(op: str) -> None:
+    """A max accumulates nothing: in FP16 it is the FP32 result rounded (PointNet's global max-pool over its points
+    was kept in FP32, with casts around it, as a long sum would be)."""
+    assert "reduce" not in select_fp32_nodes(reduction_graph(4096, op), FP16Config(long_reduction=1024))
+
+
 def test_plain_reducemean_is_not_mistaken_for_layernorm() -> None:
     model = reduction_graph(8)
     assert decomposed_layernorm_nodes(model) == []
