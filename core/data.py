@@ -214,14 +214,20 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         # a tuple's inputs by position (forward's parameter names come with the model, not here)
         names = _keys(x) if isinstance(x, Mapping) else [f"{split}_x[{i}]" for i in range(len(tensors(x)))]
         counts = {k: len(t) for k, t in zip(names, tensors(x))}
-        if len(set(counts.values())) > 1 and not isinstance(x, Mapping) and len(counts) > _MANY_INPUTS:
+        one_each = y is not None and len(counts) == len(y)  # as many tensors as labels: the samples themselves
+        listed = not isinstance(x, Mapping) and len(counts) > _MANY_INPUTS
+        if listed and (len(set(counts.values())) > 1 or one_each):
             lengths = sorted(counts.values())
+            ragged = lengths[0] != lengths[-1]
+            rows_of = f"{lengths[0]} to {lengths[-1]} rows" if ragged else f"{lengths[0]} rows each"
             raise DataContractError(
-                f"dataset '{ref}': {split}_x is a list of {len(counts)} tensors of {lengths[0]} to {lengths[-1]} rows: "
+                f"dataset '{ref}': {split}_x is a list of {len(counts)} tensors of {rows_of}: "
                 "a list or tuple is read as the model's inputs, one per forward() argument, not as samples",
                 hint="stack the samples into one tensor per input: pad them to one length "
                 "(torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)), give their lengths as a second input "
-                "if forward() needs them, and name the padded axis in signature.dynamic_axes",
+                "if forward() needs them, and name the padded axis in signature.dynamic_axes"
+                if ragged
+                else "stack the samples into one tensor per input (torch.stack(samples))",
             )
         if len(set(counts.values())) > 1:
             raise DataContractError(

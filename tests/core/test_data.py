@@ -55,6 +55,12 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
             DatasetSplits([torch.zeros(n, 4) for n in range(10, 22)], None, [torch.zeros(2, 4)] * 12, None),
             "train_x is a list of 12 tensors of 10 to 21 rows: a list or tuple is read as the model's inputs",
         ),
+        (  # point clouds of one size listed, one per label: the samples, not 240 inputs (it said "256 rows")
+            DatasetSplits(
+                [torch.zeros(256, 3)] * 24, torch.zeros(24, dtype=torch.long), [torch.zeros(256, 3)] * 4, None
+            ),
+            "train_x is a list of 24 tensors of 256 rows each: a list or tuple is read as the model's inputs",
+        ),
         (  # a tuple's inputs by position, not '0', '1'
             DatasetSplits(
                 (torch.zeros(8, 2), torch.zeros(2, 8, 3)), None, (torch.zeros(2, 2), torch.zeros(2, 2, 3)), None
