@@ -16,7 +16,7 @@ from kiln.core.inputs import check_batch_axis, random_inputs
 from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
-from kiln.core.records import EngineMetadata, EngineValidation
+from kiln.core.records import EngineMetadata, EngineValidation, steps_text, takes_size
 from kiln.core.shapes import graph_axes
 from kiln.core.text import short_reason
 from kiln.core.user_errors import out_of_memory, running_user_code
@@ -225,9 +225,25 @@ def _say_new_sizes(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> None:
     """Log that the feed lies outside the sizes the engine's record says it was validated for (its batches or
     axis ranges): servers and ``infer`` refuse them until the engine is validated and packaged at those sizes."""
     shapes = {k: v.shape for k, v in feed.items()}
-    for outside in filter(None, (meta.outside_batch(shapes), meta.outside_range(shapes))):
+    off = _off_step(meta, shapes)
+    if off:  # the export found the graph takes only sizes on its steps: no pipeline run will serve this one
+        log.warning("%s (the export found so); the engine may fail on this size: give sizes it takes", off)
+    for outside in filter(None, (meta.outside_batch(shapes), None if off else meta.outside_range(shapes))):
         log.warning(
             "%s; validated here at these sizes, the engine's record still refuses them: add them to "
             "signature.batch_sizes / signature.shapes and run the pipeline to serve them",
             outside,
         )
+
+
+def _off_step(meta: EngineMetadata, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The first input axis whose size lies off the steps the engine records for it (``axis_steps``: a U-Net's
+    height in steps of 4), said with them; None where every size is on its steps."""
+    for spec in meta.inputs:
+        shape = shapes.get(spec.name, ())
+        for axis, dim in enumerate(spec.shape[: len(shape)]):
+            pattern = meta.axis_steps.get(dim) if isinstance(dim, str) else None
+            if pattern and not takes_size(pattern, shape[axis]):
+                takes = f"the graph takes {dim} only{steps_text(pattern)}"
+                return f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: {takes}"
+    return None

@@ -381,3 +381,39 @@ def test_direct_validation_warns_what_it_compared_by_without_top1_and_names_a_cl
     assert "no top-1 agreement" not in named.output[: named.output.index("{")]
     got = json.loads(named.output[named.output.index("{") :])
     assert got["top1_agreement"] == 1.0 and got["outputs"]["value"]["top1_agreement"] is None
+
+
+def test_a_size_off_the_graphs_steps_is_said_as_that_not_as_one_to_add(caplog: pytest.LogCaptureFixture) -> None:
+    """A U-Net's height in steps of 4 given at 30: the warning told to add 30 to signature.shapes, where no run can
+    serve it (the graph's Concat refuses it)."""
+    import logging
+
+    import numpy as np
+
+    from kiln.core.records import EngineMetadata, EngineSource, TensorSpec
+    from kiln.stages.validate.direct import _say_new_sizes
+
+    spec = TensorSpec(name="x", shape=["batch", 3, "h", "w"], dtype="float32")
+    meta = EngineMetadata(
+        name="e",
+        backend="onnxruntime",
+        device="cpu",
+        precision="fp32",
+        inputs=[spec],
+        outputs=[spec],
+        source=EngineSource(file="m.onnx", sha256="0" * 64),
+        files={"model": "engine.onnx"},
+        flavour="onnxruntime",
+        versions={"onnxruntime": "1"},
+        axis_ranges={"h": [16, 32], "w": [16, 32]},
+        axis_steps={"h": [4, 0], "w": [4, 0]},
+    )
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        _say_new_sizes(meta, {"x": np.zeros((2, 3, 30, 32), np.float32)})
+        _say_new_sizes(meta, {"x": np.zeros((2, 3, 36, 32), np.float32)})  # on its steps, past the range: add it
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        said[0].startswith("input 'x' axis 2 (h) is 30: the graph takes h only in steps of 4")
+        and "add them" not in said[0]
+    )
+    assert len(said) == 2 and "add them to signature.batch_sizes / signature.shapes" in said[1]
