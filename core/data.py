@@ -214,7 +214,8 @@ def check_splits(data: DatasetSplits, ref: str, dynamic: Mapping[str, Mapping[in
         # a tuple's inputs by position (forward's parameter names come with the model, not here)
         names = _keys(x) if isinstance(x, Mapping) else [f"{split}_x[{i}]" for i in range(len(tensors(x)))]
         counts = {k: len(t) for k, t in zip(names, tensors(x))}
-        one_each = y is not None and len(counts) == len(y)  # as many tensors as labels: the samples themselves
+        # as many tensors as labels, of other row counts than the labels': the samples themselves
+        one_each = y is not None and len(counts) == len(y) and set(counts.values()) != {len(y)}
         listed = not isinstance(x, Mapping) and len(counts) > _MANY_INPUTS
         if listed and (len(set(counts.values())) > 1 or one_each):
             lengths = sorted(counts.values())

@@ -984,12 +984,28 @@ def binary_labels(y: Any) -> np.ndarray | None:
 
 def binary_default(outputs: dict[str, np.ndarray], data: DatasetSplits | None) -> str | None:
     """The default class-logit output (:func:`~kiln.core.outputs.logits_name`: the only output, or ``logits``) where
-    it is a binary classifier's one logit (:func:`binary_logit`) in a binary task (:func:`binary_task`): float 0/1
-    targets, which leave a run without class logits otherwise (float targets are a regression's). None elsewhere."""
-    if data is None or not binary_task(data):
+    it is a binary classifier's one logit (:func:`binary_logit`) in a binary task (:func:`binary_task`: float 0/1
+    targets with ``num_classes`` 2, which leave a run without class logits otherwise). None elsewhere; float 0/1
+    targets without it beside such an output are warned of, once: they are judged as a regression's."""
+    if data is None:
         return None
     name = logits_name(list(outputs), None)
-    return name if name is not None and binary_logit(outputs.get(name)) else None
+    one_logit = name is not None and binary_logit(outputs.get(name))
+    if not binary_task(data):
+        y = data.train_y if data.train_y is not None else data.val_y
+        if one_logit and binary_labels(y) is not None and id(data) not in _SAID_RATE:
+            _SAID_RATE.add(id(data))
+            log.warning(
+                "float 0/1 targets beside the one-value output '%s': judged as a regression's (a rate, by its "
+                "error); for a one-logit classifier, num_classes=2 in DatasetSplits holds its decision (the logit "
+                "above 0) to top-1 agreement and accuracy",
+                name,
+            )
+        return None
+    return name if one_logit else None
+
+
+_SAID_RATE: set[int] = set()  # datasets whose float 0/1 targets were warned of (binary_default)
 
 
 def binary_task(data: DatasetSplits) -> bool:

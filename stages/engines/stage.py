@@ -450,7 +450,7 @@ def build_direct(
     # clear errors for a missing or corrupt file, or one with a non-tensor input or output, before any builder runs
     model = load_onnx(src, load_external_data=False)  # the checks read no weights
     check_tensor_io(model, str(src))
-    check_graph(model, Path(src))
+    check_graph(model, Path(src), backend)
     given = precision
     precision = precision or made_as or audit_graph(src).label()  # unlabelled: what the graph computes in
     _check_choice(backend, device, precision)
@@ -485,21 +485,25 @@ def build_direct(
     return record_checked(out, meta, ranges)
 
 
-def check_graph(model: onnx.ModelProto, src: Path) -> None:
+def check_graph(model: onnx.ModelProto, src: Path, backend: str = "onnxruntime") -> None:
     """The ONNX checker on the file the user gave, as ``kiln run`` checks it: a broken graph (a node reading a
     tensor nothing makes) is said as one, naming the file, before any backend names the copy it builds from.
     ``model``: ``src`` as :func:`load_onnx` read it, without its external data (which it found); it is changed into
     what the checker can read (:func:`_as_checked`). Not the full check: its strict shape inference refuses graphs
     ONNX Runtime runs. The checker is stricter than the runtimes (nodes out of topological order, a graph
-    without a name, a Constant's tensor in an external file): where ONNX Runtime loads the graph, its verdict is
-    a warning and the build goes on."""
+    without a name, a Constant's tensor in an external file): where ONNX Runtime loads the graph, and for any
+    other ``backend`` (TensorRT's parser sorts nodes and takes plugin ops ONNX Runtime lacks), its verdict is a
+    warning and the build goes on to the backend's own."""
     try:
         onnx.checker.check_model(_as_checked(model))
         return
     except Exception as exc:
         reason = short_reason(exc)
-    if _onnxruntime_loads(src):
-        log.warning("%s fails the ONNX checker (%s); ONNX Runtime loads it, so the build goes on", src, reason)
+    if backend != "onnxruntime" or _onnxruntime_loads(src):
+        goes_on = (
+            f"the {backend} build goes on" if backend != "onnxruntime" else "ONNX Runtime loads it: the build goes on"
+        )
+        log.warning("%s fails the ONNX checker (%s); %s", src, reason, goes_on)
         return
     raise ModelError(
         f"{src} fails the ONNX checker: {reason}",

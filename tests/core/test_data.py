@@ -420,3 +420,11 @@ def test_integer_ranges_are_per_column_where_the_graph_fixes_the_columns() -> No
     tables = {"sparse": [[0, 9], [0, 999]], "tokens": [0, 49]}
     assert fixed_columns(fixed, tables) == {"sparse": 2}
     assert integer_ranges(data, list(x), fixed_columns(fixed, tables))["tokens"] == [0, int(tokens.max())]
+
+
+def test_as_many_inputs_as_rows_are_inputs_not_samples() -> None:
+    """Ten inputs of ten rows each beside ten labels: a wide model's inputs (every one has a row per label), not a
+    list of ten samples."""
+    x = tuple(torch.zeros(10, 4) for _ in range(10))
+    data = DatasetSplits(x, torch.zeros(10), x, torch.zeros(10))
+    check_splits(data, "d")

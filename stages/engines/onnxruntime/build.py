@@ -15,6 +15,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from kiln.core.compare import within_tolerance
@@ -28,6 +29,7 @@ from kiln.core.onnx_io import (
     ort_session,
     session_options,
 )
+from kiln.core.records import TensorSpec
 from kiln.core.shapes import axis_names, shapes_flag
 from kiln.core.text import first_line
 from kiln.stages.engines.dynamic_axes import check_engine_graph, lost_in_model
@@ -452,6 +454,16 @@ UNSIZED_BYTES = 64 << 20  # the largest random feed a try makes; past it, the si
 _CANNOT_RUN = "cannot run random inputs"
 
 
+def _feed_bytes(specs: list[TensorSpec], batch: int, size: int) -> int:
+    """The bytes of :func:`random_inputs`' feed with ``batch`` rows and every other dynamic axis at ``size``,
+    counted before any array is made."""
+    total = 0
+    for spec in specs:
+        dims = [d if isinstance(d, int) else batch if i == 0 else size for i, d in enumerate(spec.shape)]
+        total += int(np.prod(dims, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+    return total
+
+
 def _parity(
     ref: onnx.ModelProto,
     new: onnx.ModelProto,
@@ -465,9 +477,9 @@ def _parity(
         return f"cannot run on CPU to check ({first_line(exc, 120)})"
     specs, want = io_specs(ref)[0], None
     for size in [dynamic] if dynamic else UNSIZED_TRIES:
-        feed = random_inputs(specs, batch, dynamic=size)
-        if not dynamic and size != FUSION_CHECK_BATCH and sum(v.nbytes for v in feed.values()) > UNSIZED_BYTES:
+        if not dynamic and size != FUSION_CHECK_BATCH and _feed_bytes(specs, batch, size) > UNSIZED_BYTES:
             break  # a video's time, height and width at 256 each: no check is worth that memory
+        feed = random_inputs(specs, batch, dynamic=size)
         try:
             want = a.run(None, feed)
             break

@@ -170,3 +170,17 @@ def test_the_precision_stage_holds_a_one_logit_classifier_to_its_decision(tmp_pa
     assert check.ref.logits == "logits" and verdict.metrics["top1_agreement"] == 1.0
     assert check.ref.accuracy is not None
     onnx.checker.check_model(model)
+
+
+def test_float_clicks_without_num_classes_are_warned_of_as_judged_a_regression(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The usual way to train a one-logit classifier (BCE-with-logits takes float targets) without num_classes:
+    judged as a rate, which a warning says, with the setting that holds the decision."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        ref = _reference(_splits(torch.from_numpy(CLICK), 0), _click, ["logits"])
+    assert ref.logits is None
+    said = [r.getMessage() for r in caplog.records if "float 0/1 targets" in r.getMessage()]
+    assert len(said) == 1 and "num_classes=2" in said[0]

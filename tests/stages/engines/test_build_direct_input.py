@@ -103,3 +103,17 @@ def test_a_graph_only_the_checker_refuses_is_built_with_a_warning(
         meta = build_direct(src, tmp_path / "e", "onnxruntime", "cpu", None, BuildConfig())
     assert meta.backend == "onnxruntime" and (tmp_path / "e" / "kiln-engine.json").exists()
     assert any("fails the ONNX checker" in r.getMessage() and "build goes on" in r.getMessage() for r in caplog.records)
+
+
+def test_another_backend_is_left_to_its_own_parser(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """TensorRT's parser takes plugin ops ONNX Runtime lacks (EfficientNMS_TRT as graphsurgeon adds it): the
+    checker's verdict on a graph for it is a warning, not ONNX Runtime's refusal."""
+    from kiln.core.onnx_io import load_onnx
+    from kiln.stages.engines.stage import check_graph
+
+    src = _save(tmp_path / "broken.onnx", helper.make_node("MatMul", ["x", "nonexistent_tensor"], ["y"]))
+    with caplog.at_level("WARNING", logger="kiln"):
+        check_graph(load_onnx(src, load_external_data=False), src, "tensorrt")
+    assert any("the tensorrt build goes on" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ModelError, match="fails the ONNX checker"):
+        check_graph(load_onnx(src, load_external_data=False), src, "onnxruntime")
