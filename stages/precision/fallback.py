@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,21 @@ def _finite(x: float | None) -> float:
     return float(x) if x is not None and np.isfinite(x) else -2.0
 
 
+# Where each round's start is said while a stage shows progress (round_notes); None: nowhere but the log
+_ROUND_NOTE: ContextVar[Callable[[str], None] | None] = ContextVar("fallback_round_note", default=None)
+
+
+@contextmanager
+def round_notes(note: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, each fallback round's start is said through ``note`` (the precision stage's progress bar):
+    a round judges a graph at every validated shape, minutes for a long input, and otherwise logs only at INFO."""
+    token = _ROUND_NOTE.set(note)
+    try:
+        yield
+    finally:
+        _ROUND_NOTE.reset(token)
+
+
 def run_fallback(
     build: Callable[[set[str]], Path],
     check: GateCheck,
@@ -116,6 +133,9 @@ def run_fallback(
     helped: list[bool] = []  # per round after the first: did its nodes improve on the best before them
     added: list[set[str]] = []  # per round after the first: the nodes it kept
     for round_no in range(cfg.max_rounds + 1):
+        say = _ROUND_NOTE.get()
+        if say is not None:
+            say(f"{label}: round {round_no} of at most {cfg.max_rounds} ({len(kept)} nodes kept in float)")
         result.path = build(set(kept))
         verdict = check(result.path, precision, cfg)
         held = {"held": len(label.held)} if isinstance(label, Label) and label.held else {}

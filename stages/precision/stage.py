@@ -40,6 +40,7 @@ from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.declaration import PrecisionSettings, PrecisionSummary
 from kiln.stages.precision.emulate import emulate_fp16
+from kiln.stages.precision.fallback import round_notes
 from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.node_errors import (
     DIVERGENCE,
@@ -174,7 +175,7 @@ def build_variants(
     hint = UNMADE_HINT if cfg.fallback.enabled else off_hint or FALLBACK_OFF_HINT
     variants: dict[str, Any] = {}
     failed: dict[str, KilnError] = {}
-    with progress.task("precision variants", total=len(wanted)) as bar:
+    with progress.task("precision variants", total=len(wanted)) as bar, round_notes(lambda n: bar.advance(0, n)):
         for precision in wanted:
             out = root / precision / "model.onnx"
             try:

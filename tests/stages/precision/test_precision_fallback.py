@@ -213,3 +213,26 @@ def test_a_round_that_mends_the_worst_sample_improves_and_the_fallback_target_ho
     entry.cosine, entry.outputs = 0.9999, {"logits": {"sample_cosine": 0.95}}
     said = _extra_failures(entry, FallbackConfig(min_cosine=0.999))
     assert said == ["worst-sample cosine 0.950000 < fallback target 0.999"]
+
+
+def test_each_round_is_said_to_the_progress_bar(tmp_path: Path) -> None:
+    """A round judges a graph at every validated shape (minutes for a 500-frame vocoder) and logs at INFO only: the
+    precision stage's bar says each round as it starts."""
+    from kiln.stages.precision.fallback import round_notes, run_fallback
+
+    w = rng_weights(16, 10)
+    fp32 = make_model([helper.make_node("MatMul", ["input", "w"], ["logits"], name="mm")], {"w": w})
+    off = make_model(
+        [helper.make_node("MatMul", ["input", "w"], ["logits"], name="mm")], {"w": w + rng_weights(16, 10, seed=1)}
+    )
+
+    def build(extra: set[str]) -> Path:
+        onnx.save(off, str(tmp_path / "variant.onnx"))
+        return tmp_path / "variant.onnx"
+
+    notes: list[str] = []
+    with round_notes(notes.append):
+        result = run_fallback(build, GateCheck.on_samples(fp32, inputs(256)), "fp16", FallbackConfig(), {"mm"}, "fp16")
+    assert len(notes) == len(result.rounds) > 1 and notes[0].startswith("fp16: round 0 of at most")
+    run_fallback(build, GateCheck.on_samples(fp32, inputs(256)), "fp16", FallbackConfig(), {"mm"}, "fp16")
+    assert len(notes) == len(result.rounds)  # outside the block: nothing said
