@@ -17,7 +17,7 @@ from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_json
 from kiln.core.errors import BuildError, ConfigError, KilnError, ModelError
 from kiln.core.inputs import check_batch_fits
-from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx
+from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx, ort_session
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, IntRange, Variants, by_column, whole_range
 from kiln.core.stage import StageContext
@@ -513,14 +513,9 @@ def check_graph(model: onnx.ModelProto, src: Path, backend: str = "onnxruntime")
 
 def _onnxruntime_loads(src: Path) -> bool:
     """Whether ONNX Runtime makes a CPU session of ``src`` (no graph optimisation: only whether the graph holds)."""
-    import onnxruntime as ort  # only for a graph the checker refused
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    opts.log_severity_level = 4
     try:
-        ort.InferenceSession(str(src), opts, providers=["CPUExecutionProvider"])
-    except Exception:  # ORT's own error types: the graph is broken for the runtimes too
+        ort_session(src, optimization="none")
+    except KilnError:  # ORT's reason, wrapped: the graph is broken for the runtimes too
         return False
     return True
 

@@ -390,21 +390,16 @@ def test_a_size_off_the_graphs_steps_is_said_as_that_not_as_one_to_add(caplog: p
 
     import numpy as np
 
-    from kiln.core.records import EngineMetadata, EngineSource, TensorSpec
+    from kiln.core.records import TensorSpec
     from kiln.stages.validate.direct import _say_new_sizes
+    from tests.stages.package.test_stage import engine_meta
 
     spec = TensorSpec(name="x", shape=["batch", 3, "h", "w"], dtype="float32")
-    meta = EngineMetadata(
-        name="e",
+    meta = engine_meta(
         backend="onnxruntime",
         device="cpu",
-        precision="fp32",
         inputs=[spec],
         outputs=[spec],
-        source=EngineSource(file="m.onnx", sha256="0" * 64),
-        files={"model": "engine.onnx"},
-        flavour="onnxruntime",
-        versions={"onnxruntime": "1"},
         axis_ranges={"h": [16, 32], "w": [16, 32]},
         axis_steps={"h": [4, 0], "w": [4, 0]},
     )
