@@ -238,10 +238,15 @@ class EngineMetadata(Record):
                 pattern = self.axis_steps.get(dim, [1, 0])
                 if not low <= shape[axis] <= high or not takes_size(pattern, shape[axis]):
                     return (
-                        f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was validated "
-                        f"for {dim} from {low} to {high}{steps_text(pattern, (low, high))}"
+                        f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was "
+                        f"{self.vouched()} for {dim} from {low} to {high}{steps_text(pattern, (low, high))}"
                     )
         return None
+
+    def vouched(self) -> str:
+        """What the engine's sizes were checked by: "validated" once validation recorded the batches it compared
+        the engine at (the package stage writes them), else "built" (a ``kiln build`` engine no one validated)."""
+        return "validated" if self.validated_batch_sizes else "built"
 
     def tied_mismatch(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
         """Why inputs of these shapes cannot run together: two of them differ on an axis of one name (the batch, a

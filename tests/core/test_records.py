@@ -124,6 +124,11 @@ def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
     assert meta.outside_range({"ids": (2, 100)}) is None  # no range recorded: nothing to hold it to
     meta.axis_ranges = {"seq": [8, 16]}
     assert meta.outside_range({"ids": (2, 8)}) is None and meta.outside_range({"ids": (64, 16)}) is None
+    assert (  # an engine no one validated (kiln build alone) is not said to be validated
+        meta.outside_range({"ids": (2, 17)})
+        == "input 'ids' axis 1 (seq) is 17: engine e was built for seq from 8 to 16"
+    )
+    meta.validated_batch_sizes = [1, 64]  # what validation records once it compared the engine
     assert (
         meta.outside_range({"ids": (2, 17)})
         == "input 'ids' axis 1 (seq) is 17: engine e was validated for seq from 8 to 16"

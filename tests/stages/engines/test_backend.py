@@ -82,7 +82,7 @@ def test_a_named_axis_outside_its_validated_range_is_one_error_naming_it() -> No
     long = {**GOOD, "input_ids": np.zeros((2, 17), np.int64)}
     with pytest.raises(InputError) as err:
         check_feed(ranged, long)
-    assert err.value.message == "input 'input_ids' axis 1 (seq) is 17: engine e was validated for seq from 4 to 16"
+    assert err.value.message == "input 'input_ids' axis 1 (seq) is 17: engine e was built for seq from 4 to 16"
     assert "axis_ranges" in err.value.hint and "allow_outside_ranges=True" in err.value.hint
     check_feed(ranged, long, allow_outside_ranges=True)
     check_feed(META, long)  # an engine that records no range takes any size

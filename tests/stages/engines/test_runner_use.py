@@ -93,7 +93,7 @@ def test_a_size_outside_the_validated_range_is_refused_before_the_engine_runs(ra
             with pytest.raises(InputError) as err:
                 runner.infer({"x": x[:, :seq]})
             assert err.value.message == (
-                f"input 'x' axis 1 (seq) is {seq}: engine onnxruntime-cpu-fp32 was validated for seq from 4 to 8"
+                f"input 'x' axis 1 (seq) is {seq}: engine onnxruntime-cpu-fp32 was built for seq from 4 to 8"
             )
             assert "\n  fix: " in str(err.value) and "allow_outside_ranges=True" in err.value.hint
         # the documented way to try a size before validating it
