@@ -259,6 +259,21 @@ def check_model_fits_data(
         check_task(task, out, y[:2], data.num_classes, model_ref)
 
 
+def _task_that_fits(ctx: StageContext[TrainSettings], model: nn.Module, data: DatasetSplits, task: Task) -> Task | None:
+    """``task`` where the labels fit the model's outputs. With training skipped the val accuracy is information,
+    and float labels that only a metric reads (a detector's boxes for ``validate.metric``) fit no default loss
+    without being wrong: then None, said as a warning. Class labels that do not fit the logits stay the error
+    training gives (a head of the wrong width)."""
+    try:
+        check_model_fits_data(model, data, ctx.config.model.name, task)
+    except ModelError as exc:
+        if data.val_y is None or not data.val_y.is_floating_point():
+            raise
+        ctx.log.warning("val accuracy not measured (training is skipped, no loss reads the labels): %s", exc.message)
+        return None
+    return task
+
+
 def run(ctx: StageContext[TrainSettings]) -> TrainSummary:
     cfg = ctx.config
     if not torch_model_named(cfg.model):  # started from model.onnx alone: there is no PyTorch model to train
@@ -303,8 +318,8 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     scored = data.val_y is not None and logits_name(names, cfg.signature.logits_output) is not None
     with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
         task = scoring_task(data, cfg.train.loss, cfg.signature.logits_output) if scored else None
-    if task is not None:  # labels that do not fit the outputs: the same error training gives, before evaluating
-        check_model_fits_data(model, data, cfg.model.name, task)
+    if task is not None:
+        task = _task_that_fits(ctx, model, data, task)
     source = cfg.model.checkpoint or "random init"
     if cfg.model.checkpoint:
         load_weights(model, read_state_dict(Path(cfg.model.checkpoint)), cfg.model.checkpoint)

@@ -275,3 +275,40 @@ def test_a_misspelt_logits_output_fails_before_training(tmp_path: Path, monkeypa
     result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path, STAGES).run(stop="train")
     assert "signature.logits_output 'cls' is not an output of the model" in str(result.error), result.error
     assert [r.status for r in result.records] == ["failed"]
+
+
+class BoxHead(torch.nn.Module):
+    """A detector's head: 10 queries of 5 classes + no-object and their boxes, a dict of two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(12, 10 * 10)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        z = self.proj(x.flatten(1)).view(-1, 10, 10)
+        return {"logits": z[..., :6], "pred_boxes": z[..., 6:].sigmoid()}
+
+
+def box_data() -> object:
+    """Images [N, 3, 2, 2] with one box label each, (class, x1, y1, x2, y2): what detection_recall reads."""
+    from kiln.core.data import DatasetSplits
+
+    g = torch.Generator().manual_seed(0)
+    x, boxes = torch.randn(16, 3, 2, 2, generator=g), torch.rand(16, 1, 5, generator=g)
+    return DatasetSplits(x[:8], boxes[:8], x[8:], boxes[8:], 5)
+
+
+def test_skipped_training_leaves_labels_no_loss_reads_unscored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pretrained detector with box labels (for validate.metric) and training off: the labels fit no default
+    loss, which no one calls; the untrained val accuracy is left out with a warning, not the run failed."""
+    over = {"train.enabled": False, "model.name": f"{__name__}:BoxHead", "model.params": {}}
+    over["data.name"] = f"{__name__}:box_data"
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.INFO, logger="kiln")
+    result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path / "wd", STAGES).run(stop="train")
+    assert result.ok, result.error
+    assert result.records[0].status == "skipped" and result.records[0].summary.val_accuracy is None
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("val accuracy not measured" in m and "(2, 10, 6)" in m for m in said), said
