@@ -834,38 +834,38 @@ def scoring_point(
     follows: dict[int, str] | None = None,
 ) -> tuple[Points, int | None]:
     """The feeds, and the index of the one task accuracy and the metric (``metric``: one is configured) are
-    measured at: the last where ``labels`` fit. Labels per row fit any shape, and labels per position that follow
-    an input (a tagger's ``[N, seq]``) every one; pixel labels ``[N, H, W]`` of images ``[N, 3, H, W]`` fit only the
-    data's own sizes, since a cut or padded image is labelled by no array of them. Where no validated shape has
-    those sizes, they are added as a shape of their own if they lie within every axis's validated range (what the
-    engines are built for); else accuracy and the metric are measured nowhere (None), said as a warning: their
-    gates are not applied. ``follows``: the axes the class logits' positions lie on (:func:`labels_at_points`)."""
+    measured at: the data's own sizes, the inputs the labels were given for (:func:`own_scoring_point`). Labels
+    per position that follow an input (a tagger's ``[N, seq]``, a causal LM's next tokens) fit any shape too, cut
+    or tiled with it, but a tiled row is another text than the one labelled (a context that repeats itself makes
+    the next tokens easy): they are scored elsewhere only where the data's own sizes lie outside the validated
+    ranges, at the last shape they fit. Pixel labels ``[N, H, W]`` of images ``[N, 3, H, W]`` fit only the data's
+    own sizes, since a cut or padded image is labelled by no array of them: outside the validated ranges accuracy
+    and the metric are measured nowhere (None), said as a warning: their gates are not applied. ``follows``: the
+    axes the class logits' positions lie on (:func:`labels_at_points`)."""
     if labels is None:
         return feeds, len(feeds) - 1
     if not per_position(labels):
-        return row_scoring_point(own, feeds, axes, metric)
+        return own_scoring_point(own, feeds, axes, metric, len(feeds) - 1)
     fit = [i for i, y in enumerate(labels_at_points(labels, own, feeds, axes, follows)) if y is not None]
     if fit:
-        return feeds, fit[-1]
+        return own_scoring_point(own, feeds, axes, metric, fit[-1], labels)
     point, added = own_point(own, axes), with_own_point(own, feeds, axes)
     if added is None:
         log.warning("%s", unscored(labels, point, axis_ranges([p for p, _ in feeds]), metric))
         return feeds, None
-    log.info(
-        "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones: labels per "
-        "position %s fit no other",
-        " and the metric" if metric else "",
-        _sizes(point),
-        _shape(labels),
-    )
+    _say_own_point(point, metric, labels)
     return added
 
 
-def row_scoring_point(own: Feed, feeds: Points, axes: Axes, metric: bool) -> tuple[Points, int]:
-    """Where labels per row are scored: the data's own sizes, the inputs the labels were given for (audio padded
-    with silence or an image padded with black is another input, whose label may differ). The last validated
-    shape with those sizes; else, where they lie within every axis's validated range, a shape of their own added
-    to the feeds; else the last shape, said as a warning (the inputs there are cut or padded from the data's)."""
+def own_scoring_point(
+    own: Feed, feeds: Points, axes: Axes, metric: bool, fallback: int, labels: np.ndarray | None = None
+) -> tuple[Points, int]:
+    """Where labels that fit other sizes too (per row, or per position following an input: ``labels``) are scored:
+    the data's own sizes, the inputs the labels were given for (audio padded with silence or an image padded with
+    black is another input, whose label may differ; a text tiled to a longer length repeats itself). The last
+    validated shape with those sizes; else, where they lie within every axis's validated range, a shape of their
+    own added to the feeds; else ``fallback`` (the last shape the labels fit), said as a warning (the inputs there
+    are cut or padded from the data's)."""
     point = own_point(own, axes)
     same = [i for i, (p, _) in enumerate(feeds) if all(p.get(k) == v for k, v in point.items())]
     if same:
@@ -873,20 +873,27 @@ def row_scoring_point(own: Feed, feeds: Points, axes: Axes, metric: bool) -> tup
     added = with_own_point(own, feeds, axes)
     if added is None:
         log.warning(
-            "task accuracy%s measured at %s, the held-out inputs cut or padded from the data's own sizes (%s), "
+            "task accuracy%s measured at %s, the held-out inputs%s cut or padded from the data's own sizes (%s), "
             "which lie outside the validated ranges: add the data's sizes to signature.shapes to score the inputs "
             "as labelled",
             " and the metric" if metric else "",
-            _sizes(feeds[-1][0]),
+            _sizes(feeds[fallback][0]),
+            "" if labels is None else " and their labels",
             _sizes(point),
         )
-        return feeds, len(feeds) - 1
+        return feeds, fallback
+    _say_own_point(point, metric, labels)
+    return added
+
+
+def _say_own_point(point: dict[str, int], metric: bool, labels: np.ndarray | None) -> None:
+    """Logs that accuracy (and the metric) are measured at the data's own sizes, validated as a shape of their own."""
     log.info(
-        "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones",
+        "task accuracy%s measured at the data's own sizes (%s), validated beside the configured ones%s",
         " and the metric" if metric else "",
         _sizes(point),
+        "" if labels is None else f": the inputs the labels per position {_shape(labels)} were given for",
     )
-    return added
 
 
 def with_own_point(own: Feed, feeds: Points, axes: Axes) -> tuple[Points, int] | None:
@@ -1036,7 +1043,8 @@ def top1_output(
     classes (:func:`declares_classes`; ``data`` None: inputs without labels, the direct commands') and ``output``
     (the reference's, where known) has as many entries along its class axis (:func:`class_axis`) as the data's
     ``num_classes``, or one entry in a binary task (:func:`binary_task`: a binary classifier's one logit,
-    :func:`binary_logit`); else None (logged). A model's only output is ``logits`` by
+    :func:`binary_logit`); else None (logged; as a warning where it has one class more than the data, a no-object
+    class: :func:`_say_no_object`). A model's only output is ``logits`` by
     default whatever it holds: without classes, or of another width, it may be an embedding (a ViT backbone without
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
@@ -1064,6 +1072,9 @@ def top1_output(
         width = output.shape[class_axis(output.ndim)]
         if width == data.num_classes:
             return logits
+        if data.num_classes and width == data.num_classes + 1:
+            _say_no_object(logits, width, data.num_classes)
+            return None
         why = (
             f"its class axis has {width} entries and the data {data.num_classes} classes"
             if data.num_classes
@@ -1087,6 +1098,21 @@ def top1_output(
         else f"Naming it (signature.logits_output={logits}) holds it to top-1 agreement",
     )
     return None
+
+
+def _say_no_object(logits: str, width: int, num_classes: int) -> None:
+    """Warns of a default class-logit output with one class more than the data declares: most likely class logits
+    with a no-object class (a DETR or YOLOS detector's ``[N, queries, classes + 1]``), which only a name declares,
+    since the argmax of the extra class is no class of the data's. Without it they are gated as plain values."""
+    log.warning(
+        "output '%s' has %d classes and the data %d (one more: a no-object class?): compared by cosine, max abs "
+        "error and relative error, not held to top-1 agreement or scored for accuracy; name it in "
+        "signature.logits_output (signature.logits_output=%s) to compare it as class logits",
+        logits,
+        width,
+        num_classes,
+        logits,
+    )
 
 
 def direct_top1(names: list[str], setting: str | int | None) -> str | None:

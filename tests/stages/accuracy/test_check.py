@@ -146,9 +146,10 @@ class _CausalLM(torch.nn.Module):
 
 
 def test_next_token_labels_follow_the_input_to_validated_lengths_past_the_data() -> None:
-    """Data of length 16 validated at ``signature.shapes: {seq: [4, 24]}``: no validated point has the data's own
-    length, and the labels are cut to 4 and repeated to 24 as the input is. Before: the padded last point
-    was taken for the data's own shape, and labels [N, 16] did not fit the logits [N, 24, vocab]."""
+    """Data of length 16 validated at ``signature.shapes: {seq: [4, 24]}``: the labels are cut to 4 and repeated to
+    24 as the input is, and accuracy is measured at the data's own length, 16, validated beside them (within their
+    range). Before: the padded last point was taken for the data's own shape, and labels [N, 16] did not fit the
+    logits [N, 24, vocab]."""
     from kiln.core.data import DatasetSplits, as_feed
     from kiln.core.labels import accuracy
     from kiln.stages.accuracy.check import held_out, held_out_reference
@@ -167,12 +168,13 @@ def test_next_token_labels_follow_the_input_to_validated_lengths_past_the_data()
     feeds = held_out(data, lambda v: as_feed(v, ["input"]), axes, {"seq": [4, 24]}, None)
     assert [p for p, _ in feeds] == [{"seq": 4}, {"seq": 24}]
     ref = held_out_reference(run, feeds, data, "logits", CheckConfig(), [1, 8], axes)
-    short, long = ref.point_labels
-    assert np.array_equal(short, y[16:, :4].numpy())
+    assert [p for p, _ in ref.feeds] == [{"seq": 4}, {"seq": 16}, {"seq": 24}]
+    short, same, long = ref.point_labels
+    assert np.array_equal(short, y[16:, :4].numpy()) and np.array_equal(same, y[16:].numpy())
     tiled = np.arange(24) % 16  # the input repeats its tokens past the data's length, and its labels with it
     assert np.array_equal(long, y[16:].numpy()[:, tiled])
-    own = run({"input": x[16:].numpy()[:, tiled]})["logits"]
-    assert ref.accuracy == pytest.approx(accuracy(own, long))
+    own = run({"input": x[16:].numpy()})["logits"]
+    assert ref.score == 1 and ref.accuracy == pytest.approx(accuracy(own, same))
 
 
 def _judged(data: Any, run: Any, engine: Any, precision: str = "int8") -> tuple[Any, list[str]]:
@@ -378,8 +380,28 @@ def test_a_head_of_another_width_than_the_classes_is_warned_of_when_near_them(
     x, y = torch.randn(8, 3), torch.randint(0, 4, (8,))
     with caplog.at_level("INFO", logger="kiln"):
         assert top1_output("logits", DatasetSplits(x, y, x, y, 4), False, np.zeros((8, width), np.float32)) is None
-    levels = [r.levelname for r in caplog.records if "class axis has" in r.getMessage()]
+    levels = [r.levelname for r in caplog.records if "classes" in r.getMessage()]
     assert levels == ["WARNING" if loud else "INFO"], levels
+
+
+def test_class_logits_with_a_no_object_class_are_warned_of_with_the_name_to_give(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A detector's ``logits`` [N, 10, 6] (5 classes and no-object) beside float box labels and num_classes=5: not
+    compared as class logits by default, and said as a warning that names signature.logits_output as the fix (an
+    INFO line before, since float labels are no classifier's). An embedding of another width stays an INFO line."""
+    from kiln.core.data import DatasetSplits
+    from kiln.stages.accuracy.check import top1_output
+
+    x, boxes = torch.randn(8, 3), torch.rand(8, 10, 4)
+    data = DatasetSplits(x, boxes, x, boxes, num_classes=5)
+    with caplog.at_level("INFO", logger="kiln"):
+        assert top1_output("logits", data, False, np.zeros((8, 10, 6), np.float32)) is None
+        assert top1_output("logits", data, False, np.zeros((8, 10, 64), np.float32)) is None
+    said = [r for r in caplog.records if "logits" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "INFO"], said
+    assert "6 classes and the data 5 (one more: a no-object class?)" in said[0].getMessage()
+    assert "signature.logits_output" in said[0].getMessage()
 
 
 def test_the_headline_relative_error_is_the_outputs_beside_the_class_logits() -> None:

@@ -211,3 +211,81 @@ def test_answers_at_padded_positions_are_not_compared() -> None:
     ref = held_out_reference(model, feeds, data, None, CheckConfig(), [1, 8], axes)
     assert compare_on(ref, garbage_at_padding, [1, 8]).stats["logits"].cosine == pytest.approx(1.0)
     assert compare_on(ref, wrong_at_a_token, [1, 8]).stats["logits"].cosine < 0.99
+
+
+LM_AXES = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+VOCAB = 10
+
+
+class _CausalLM(torch.nn.Module):
+    """A tiny causal LM: each position's next-token logits from the mean of the real tokens' embeddings up to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask[..., None].float()
+        h = (self.emb(ids) * m).cumsum(1) / m.cumsum(1).clamp(min=1)
+        return self.head(h)
+
+
+def _lm_data() -> DatasetSplits:
+    """Token rows of length 16, the last 4 positions of every other row padding; next-token labels, -100 where
+    nothing follows (the last real token, padding)."""
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, VOCAB, (48, 1), generator=g) + torch.arange(17) * torch.randint(1, 3, (48, 1), generator=g)
+    seqs %= VOCAB
+    ids, y = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+    mask = torch.ones_like(ids)
+    mask[::2, 12:] = 0
+    ids, y = ids * mask, y.masked_fill(mask == 0, -100)
+    y[::2, 11] = -100
+    x = {"input_ids": ids, "attention_mask": mask}
+    return DatasetSplits(
+        {k: v[:16] for k, v in x.items()}, y[:16], {k: v[16:] for k, v in x.items()}, y[16:], num_classes=VOCAB
+    )
+
+
+def _lm_run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    model = _CausalLM().eval()
+    with torch.no_grad():
+        ids, mask = torch.from_numpy(feed["input_ids"]), torch.from_numpy(feed["attention_mask"])
+        return {"logits": model(ids, mask).numpy()}
+
+
+def _lm_reference(shapes: dict[str, list[int]], caplog: pytest.LogCaptureFixture) -> Any:
+    data = _lm_data()
+    feeds = held_out(data, lambda v: as_feed(v, ["input_ids", "attention_mask"]), LM_AXES, shapes, None)
+    with caplog.at_level("INFO", logger="kiln.validate"):
+        return held_out_reference(_lm_run, feeds, data, "logits", CheckConfig(), [1, 8], LM_AXES)
+
+
+def test_next_token_labels_are_scored_at_the_datas_own_length_within_the_validated_range(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A causal LM's rows of 16 tokens validated at ``signature.shapes: {seq: [4, 32]}``: at 32 each row and its
+    labels are tiled twice, a context that repeats itself, which is not the text labelled. The data's own 16 is
+    validated beside them and accuracy measured there, the model's accuracy on the real text."""
+    data = _lm_data()
+    ref = _lm_reference({"seq": [4, 32]}, caplog)
+    assert [p for p, _ in ref.feeds] == [{"seq": 4}, {"seq": 16}, {"seq": 32}]
+    assert ref.score == 1 and ref.feeds[ref.score][0] == {"seq": 16}
+    own = _lm_run({k: v.numpy() for k, v in data.val_x.items()})["logits"]
+    assert ref.accuracy == pytest.approx(accuracy(own, data.val_y.numpy()))
+    tiled = ref.feeds[-1][1]
+    assert accuracy(_lm_run(tiled)["logits"], ref.point_labels[-1]) != pytest.approx(ref.accuracy)
+    assert "measured at the data's own sizes (seq=16)" in caplog.text
+
+
+def test_next_token_labels_outside_the_validated_range_are_scored_at_the_last_fitting_length_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rows of 16 tokens validated at 24 and 32 only: the engines are not built for 16, so accuracy is measured at
+    32 (labels tiled with their input), and the log says the inputs there are not the data's own."""
+    ref = _lm_reference({"seq": [24, 32]}, caplog)
+    assert [p for p, _ in ref.feeds] == [{"seq": 24}, {"seq": 32}]
+    assert ref.score == 1 and ref.accuracy is not None
+    said = [r for r in caplog.records if "cut or padded from the data's own sizes (seq=16)" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING" and "measured at seq=32" in said[0].getMessage()
