@@ -547,9 +547,17 @@ class Reference:
         return decision_threshold(at[self.logits])
 
     def _say_vacuous_metric(self) -> None:
-        """Warn where the reference's own metric is 0 and higher is better (a recall, an accuracy): no engine can
-        drop below it, so max_metric_drop passes every engine, and the metric most likely reads the wrong outputs
-        or labels. (A metric that is not finite is an error already: :class:`Metric`.)"""
+        """Warn where the reference's own task accuracy, or its metric where higher is better (a recall), is 0: no
+        engine can drop below it, so max_accuracy_drop or max_metric_drop passes every engine; the model is
+        untrained, or the labels or the metric read outputs they do not belong to. (A metric that is not finite
+        is an error already: :class:`Metric`.)"""
+        if self.accuracy == 0.0:
+            log.warning(
+                "task accuracy is 0 for the reference itself: no engine can score lower, so max_accuracy_drop passes "
+                "every engine whatever it computes; check that the model is trained and that the labels are the "
+                "classes of output '%s' (signature.logits_output)",
+                self.logits,
+            )
         if self.metric is None or self.metric_value != 0.0 or not self.metric.higher_is_better:
             return
         log.warning(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -600,3 +601,23 @@ def test_rows_that_read_their_batch_mates_are_found_beside_a_mask(fill: float) -
     for centred, expected in ((True, ["logits"]), (False, [])):
         run = _masked_policy(centred, fill)
         assert mixed_rows(run, feed, run(feed)) == expected
+
+
+def test_a_reference_that_scores_no_label_right_is_warned_of(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An untrained model's accuracy of 0: max_accuracy_drop then passes every engine, whatever it computes."""
+    logits = np.eye(4, dtype=np.float32)[[0, 1, 2, 3, 0, 1, 2, 3]]
+    x = np.zeros((8, 3), np.float32)
+
+    def reference_at(labels: np.ndarray) -> Reference:
+        return Reference(lambda feed: {"logits": logits[: len(feed["x"])]}, [({}, {"x": x})], [labels], "logits", 4)
+
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.WARNING, logger="kiln")
+    assert reference_at((logits.argmax(1) + 1) % 4).accuracy == 0.0
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("task accuracy is 0 for the reference itself" in m and "'logits'" in m for m in said), said
+    caplog.clear()
+    assert reference_at(logits.argmax(1)).accuracy == 1.0
+    assert not [r for r in caplog.records if "reference itself" in r.getMessage()]
