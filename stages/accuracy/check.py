@@ -34,6 +34,7 @@ from kiln.core.records import EngineValidation
 from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
 from kiln.stages.accuracy.metrics import (
+    BOX_FORMAT,
     Metric,
     decision_threshold,
     default_metric,
@@ -564,8 +565,8 @@ class Reference:
             "validate.metric '%s' is 0 for the reference itself: no engine can score lower, so max_metric_drop "
             "passes every engine whatever it computes; check that the metric reads the right outputs and labels%s",
             self.metric.name,
-            " (detection_recall: name the class scores in signature.logits_output, boxes [N, K, 4] and labels "
-            "[N, M, 5] of (class, x1, y1, x2, y2) in the boxes' units)"
+            " (detection_recall: name the class scores in signature.logits_output, labels [N, M, 5] of (class, x1, "
+            f"y1, x2, y2); {BOX_FORMAT})"
             if self.metric.name == "detection_recall"
             else "",
         )
@@ -748,7 +749,7 @@ def held_out_reference(
     padding of the attention mask on their own axis."""
     n = feed_rows(feeds[-1][1])
     labels = data.val_y[:n].numpy() if data.val_y is not None and data.classification else None
-    metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better)
+    metric = resolve_metric(cfg.metric, logits, cfg.metric_higher_is_better, num_classes=data.num_classes)
     targets = metric_labels(data.val_y[:n] if data.val_y is not None else None)
     if metric is not None and targets is None:
         raise ModelError(

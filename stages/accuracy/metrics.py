@@ -26,6 +26,7 @@ import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,11 @@ MetricFn = Callable[[dict[str, np.ndarray], np.ndarray], float]
 IOU = 0.5  # detection_recall: a label box is found by a prediction of its class overlapping it this much
 BOX_NAMES = re.compile(r"box|bbox", re.IGNORECASE)  # boxes, bbox, pred_boxes, bbox_pred
 SCORE_NAMES = re.compile(r"score|logit|cls|class|conf|prob", re.IGNORECASE)  # scores, pred_logits, cls_score
+# detection_recall's boxes: what a reference that scores 0 is most often given instead (said where it is warned of)
+BOX_FORMAT = (
+    "boxes must be (x1, y1, x2, y2) in the labels' units; transformers' detectors give (cx, cy, w, h), normalised: "
+    "convert them in a wrapper"
+)
 
 
 @dataclass(frozen=True)
@@ -121,12 +127,18 @@ def _as_float(returned: object, name: str) -> float:
     return float(value.reshape(()))
 
 
-def resolve_metric(ref: str | None, logits: str | None, higher_is_better: bool | None = None) -> Metric | None:
-    """``validate.metric``: a built-in name or ``pkg.mod:fn`` (imported here; a bad path is a ConfigError)."""
+def resolve_metric(
+    ref: str | None, logits: str | None, higher_is_better: bool | None = None, num_classes: int = 0
+) -> Metric | None:
+    """``validate.metric``: a built-in name or ``pkg.mod:fn`` (imported here; a bad path is a ConfigError).
+    ``num_classes``: the data's (0: not declared), which tells ``detection_recall`` a DETR-style head's scores, one
+    class wider (:func:`_class_decisions`)."""
     if ref is None:
         return None
     if ref in BUILTINS:
         fn, higher = BUILTINS[ref]
+        if ref in TAKES_CLASSES:
+            fn = partial(fn, num_classes=num_classes)
         if higher_is_better is not None:
             higher = higher_is_better
         return Metric(ref, _on_logits(fn, logits, ref), higher, ref in RELATIVE)
@@ -316,28 +328,27 @@ def _smape(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | Non
     return float(np.mean(terms))
 
 
-def _detection_recall(outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None) -> float:
-    """Of the labelled boxes, the fraction found: a confident prediction whose argmax class is the box's and whose
-    box overlaps it by IoU >= :data:`IOU`, each prediction finding one box at most (greedy by IoU).
+def _detection_recall(
+    outputs: dict[str, np.ndarray], labels: np.ndarray, logits: str | None, num_classes: int = 0
+) -> float:
+    """Of the labelled boxes, the fraction found: a confident prediction whose class is the box's and whose box
+    overlaps it by IoU >= :data:`IOU`, each prediction finding one box at most (greedy by IoU).
 
-    A prediction is confident where its top class's score says the class is present: a probability of 0.5 or
-    more (a logit of 0 or more; a sigmoid's or softmax's output of 0.5 or more: :func:`decision_threshold`, the
-    decision ``multilabel_f1`` makes too): a dense head
-    answers at every anchor, and recall over all of them would credit a head whose scores say nothing is there
-    (an engine that crushes every score keeps its boxes). For another threshold, or average precision over the
-    ranked scores, give your own metric.
+    A prediction is confident where its class's score says the class is present, a probability of 0.5 or more
+    (:func:`_class_decisions`): a dense head answers at every anchor, and recall over all of them would credit a
+    head whose scores say nothing is there (an engine that crushes every score keeps its boxes). For another
+    threshold, or average precision over the ranked scores, give your own metric.
 
-    ``outputs``: boxes ``[N, K, 4]`` (x1, y1, x2, y2) and class scores ``[N, K, C]``, told apart by
-    :func:`_detection_outputs`; ``labels``: ``[N, M, 5]`` rows of (class, x1, y1, x2, y2), a negative class marking
-    padding."""
+    ``outputs``: boxes ``[N, K, 4]`` (x1, y1, x2, y2, in the labels' units) and class scores ``[N, K, C]``, told
+    apart by :func:`_detection_outputs`; ``labels``: ``[N, M, 5]`` rows of (class, x1, y1, x2, y2), a negative
+    class marking padding; ``num_classes``: the data's (0: not declared)."""
     if labels.ndim != 3 or labels.shape[-1] != 5:
         raise ValueError("detection_recall needs boxes [N, K, 4], class scores [N, K, C] and labels [N, M, 5]")
     box_name, score_name = _detection_outputs(outputs, logits)
-    boxes, scores = outputs[box_name], outputs[score_name]
-    confident = scores.max(-1) >= decision_threshold(scores)
+    boxes = outputs[box_name]
+    predicted, confident = _class_decisions(outputs[score_name], num_classes)
     found = total = 0
-    for b, s, sure, y in zip(boxes, scores, confident, labels):
-        classes = s.argmax(-1)
+    for b, classes, sure, y in zip(boxes, predicted, confident, labels):
         free = sure.copy()
         for row in y[y[:, 0] >= 0]:
             total += 1
@@ -348,6 +359,22 @@ def _detection_recall(outputs: dict[str, np.ndarray], labels: np.ndarray, logits
     if not total:
         raise ValueError("no labelled box")
     return found / total
+
+
+def _class_decisions(scores: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each prediction's class and whether it is confident, from class scores ``[N, K, C]``. Where ``C`` is the
+    data's ``num_classes`` + 1, they are a DETR-style head's logits (DETR, YOLOS): a softmax over every class, the
+    last "no object"; the class is the likeliest real one, confident where its softmax probability is 0.5 or more,
+    which a uniform shift of the logits (that softmax ignores) leaves as it is. Elsewhere (``num_classes`` unknown,
+    or ``C`` equal to it) each class is scored on its own, a sigmoid's: the top class, confident where its score is
+    0.5 or more as a probability, 0 or more as a logit (:func:`decision_threshold`, the decision ``multilabel_f1``
+    makes too)."""
+    if not num_classes or scores.shape[-1] != num_classes + 1:
+        return scores.argmax(-1), scores.max(-1) >= decision_threshold(scores)
+    from scipy.special import softmax  # here: scipy's import is slow, and only this metric needs it
+
+    real = softmax(scores.astype(np.float64), axis=-1)[..., :-1]
+    return real.argmax(-1), real.max(-1) >= 0.5
 
 
 def _detection_outputs(outputs: dict[str, np.ndarray], logits: str | None) -> tuple[str, str]:
@@ -418,6 +445,7 @@ BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
     "detection_recall": (_detection_recall, True),
 }
 DEFAULT = "mse"  # the metric of float targets where validate.metric is unset (default_metric)
+TAKES_CLASSES = frozenset({"detection_recall"})  # built-ins that read the data's num_classes (resolve_metric)
 # the error metrics, judged by their relative rise (Metric.drop): mse, rmse and mae over the targets' spread in their
 # units (SPREADS); smape is scale-free, over the reference's value so that every error metric reads one way (a good
 # forecast's 2 % sMAPE made 3 % is 50 % worse, which a fixed allowance of 0.01 would pass)

@@ -10,8 +10,9 @@ from typing import Any
 from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
 from kiln.core.timing import ratio_interval
-from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, resolve_metric
+from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, RELATIVE, resolve_metric
 
+DEFAULT_LOGITS = "logits"  # the output taken as the class logits by default (kiln.core.outputs, which loads torch)
 RANDOM_INPUTS = (
     "RANDOM arrays of the declared input shapes, not real data: agreement on them says little about the engine "
     "on real inputs"
@@ -334,12 +335,7 @@ def _compared(v: ValidationResult) -> list[str]:
     if not b.compared:
         return []
     shapes = "; ".join(_point(p) for p in b.shapes)
-    logits = (
-        _measured_on_logits(v)
-        if b.logits_output
-        else f"no class-logit output ({b.accuracy_note or 'no labels or classes in the data'}): no top-1 "
-        "agreement or accuracy, and each output's relative error gated"
-    )
+    logits = _measured_on_logits(v) if b.logits_output else _without_class_logits(b)
     if b.labelled_positions == 0:  # labels per position that fit no validated shape
         logits = (f"top-1 agreement on '{b.logits_output}' (every position); " if b.logits_output else "") + UNSCORED
     elif b.logits_output and b.labelled_positions is not None:  # a tag per token / a class per pixel
@@ -353,6 +349,38 @@ def _compared(v: ValidationResult) -> list[str]:
         + (f" Dynamic axes validated at: {shapes}{_padded(b)}." if shapes else "")
         + _coupled(v),
     ]
+
+
+def _without_class_logits(b: Any) -> str:
+    """What was measured where no output is the class logits: why none is (:func:`_no_class_logits`), and why there
+    is no task accuracy (``accuracy_note``: no labels, float targets), each said where it is another reason."""
+    why, note = _no_class_logits(b), b.accuracy_note
+    said = f"no class-logit output ({why}): no top-1 agreement"
+    if note is None or note == why:
+        return f"{said} or accuracy, and each output's relative error gated"
+    return f"{said}, and each output's relative error gated; no task accuracy ({note})"
+
+
+def _no_class_logits(b: Any) -> str:
+    """Why no output was taken as the class logits, with the setting that names one: float targets scored by an
+    error metric are a regression's values (``accuracy_note`` says so); several outputs, none named ``logits``, leave
+    none by default; else the output that is the default was not held as class logits, which it is only beside
+    integer labels (or ``num_classes`` without labels) and a class axis ``num_classes`` wide
+    (:func:`kiln.stages.accuracy.check.top1_output`)."""
+    names, metric = b.compared, b.metric_name or (DEFAULT if b.metric is not None else None)
+    if metric in RELATIVE and b.accuracy_note:
+        return b.accuracy_note
+    default = names[0] if len(names) == 1 else DEFAULT_LOGITS if DEFAULT_LOGITS in names else None
+    if default is None:
+        return (
+            f"{len(names)} outputs ({', '.join(names)}), none named '{DEFAULT_LOGITS}': set "
+            "`signature.logits_output` to the one that holds class logits"
+        )
+    return (
+        f"output '{default}' is taken as class logits by default only beside integer labels (or num_classes without "
+        "labels) with a class axis num_classes wide (a DETR-style head's is one wider, for no object): set "
+        f"`signature.logits_output: {default}` if it holds class logits"
+    )
 
 
 def _coupled(v: ValidationResult) -> str:

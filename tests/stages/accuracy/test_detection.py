@@ -238,3 +238,27 @@ def test_top1_agreement_counts_the_anchors_the_reference_is_confident_at(tmp_pat
 
     entry, failures, _ = _judge(swapped, "int8")
     assert entry.top1_agreement == 0.0 and any(f.startswith("top1_agreement 0.0000") for f in failures)
+
+
+@pytest.mark.parametrize("num_classes, recall", [(CLASSES, 1.0), (0, 0.0)])
+def test_a_detr_head_is_scored_by_its_softmax_where_the_data_declares_its_classes(
+    num_classes: int, recall: float
+) -> None:
+    """A DETR/YOLOS head: logits over the data's classes and a no-object class last, read through their softmax.
+    Every query says class 2 at 64 % with logits all below 0, which a sigmoid's reading takes for no class; the
+    validation's reference reads it through the classes the data declares."""
+    data = _data()
+    data.num_classes = num_classes
+    feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One query per image: the detector's box at its object's cell, that object's class at -1 beside -3s."""
+        out, rows = _torch_run(TinyDetector())(feed), np.arange(len(feed["input"]))
+        cell = out["scores"].max(-1).argmax(-1)
+        logits = np.full((len(rows), 1, CLASSES + 1), -3.0, np.float32)
+        logits[rows, 0, out["scores"][rows, cell].argmax(-1)] = -1.0  # p = 0.64 against 4 others at -3
+        return {"logits": logits, "pred_boxes": out["boxes"][rows, cell][:, None]}
+
+    cfg = CheckConfig(metric="detection_recall")
+    ref = held_out_reference(run, feeds, data, "logits", cfg, [1, 8], {}, named=True)
+    assert ref.metric_value == recall

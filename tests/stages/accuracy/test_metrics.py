@@ -63,6 +63,28 @@ def test_detection_recall_matches_class_and_overlap() -> None:
     assert resolve_metric("detection_recall", None)({"boxes": boxes, "scores": scores}, labels) == pytest.approx(0.5)
 
 
+def test_detection_recall_reads_a_detr_head_by_its_softmax_with_no_object_last() -> None:
+    """A DETR/YOLOS head: class logits one wider than the data's num_classes, the last "no object", whose softmax
+    says whether a class is there. A softmax probability of 0.23 is no detection though its logit is above 0, one of
+    0.63 is one though every logit is below 0, and a uniform shift of the logits (an INT8 offset) changes nothing."""
+    labels = np.array([[[2, 0.2, 0.2, 0.6, 0.6]]], np.float32)
+    boxes = np.array([[[0.2, 0.2, 0.6, 0.6]]], np.float32)
+    unsure = np.array([[[0.5, 0.5, 1.0, 0.5, 0.5, 0.9]]], np.float32)  # softmax p(class 2) = 0.23
+    sure = np.array([[[-3, -3, -1, -3, -3, -4]]], np.float32)  # softmax p(class 2) = 0.63
+    absent = np.array([[[0, 0, 1, 0, 0, 5]]], np.float32)  # "no object" likeliest; class 2 the likeliest real one
+    detr = resolve_metric("detection_recall", "logits", num_classes=5)
+    for logits, found in ((unsure, 0.0), (sure, 1.0), (absent, 0.0)):
+        for shift in (0.0, 7.0, -7.0):
+            assert detr({"pred_boxes": boxes, "logits": logits + shift}, labels) == found, (logits, shift)
+    # as many scores as classes, or no num_classes: each class on its own (a sigmoid's logit of 0 or more)
+    for sigmoid in (
+        resolve_metric("detection_recall", "logits", num_classes=6),
+        resolve_metric("detection_recall", "logits"),
+    ):
+        assert sigmoid({"pred_boxes": boxes, "logits": unsure}, labels) == 1.0
+        assert sigmoid({"pred_boxes": boxes, "logits": sure}, labels) == 0.0
+
+
 def test_user_metric_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     importable(
         tmp_path,

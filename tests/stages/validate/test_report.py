@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.core.data import DatasetSplits, as_feed
 from kiln.core.records import Baseline, EngineValidation, Percentiles, ValidationResult
+from kiln.core.signature import Signature
+from kiln.models.config import ModelConfig
+from kiln.stages.accuracy.check import held_out
+from kiln.stages.accuracy.config import CheckConfig
 from kiln.stages.validate.report import report_section
+from kiln.stages.validate.stage import accuracy_absent, reference
 
 
 def _table(lines: list[str]) -> list[list[str]]:
@@ -180,3 +192,66 @@ def test_the_latency_note_names_the_sizes_a_model_of_dynamic_axes_was_timed_at()
         line = next(x for x in report_section(v) if x.startswith("Latency:"))
         assert ("Timed at samples=24000 (the largest validated sizes)" in line) == said, line
         assert ("Timed at" in line) == said
+
+
+RNG = np.random.default_rng(0)
+X = torch.from_numpy(RNG.standard_normal((24, 4)).astype(np.float32))
+HEADS = {
+    k: RNG.standard_normal((4, n)).astype(np.float32) for k, n in (("output_0", 256), ("output_1", 4), ("output_2", 1))
+}
+QUERIES = RNG.standard_normal((4, 3 * 6)).astype(np.float32)  # a detector's 3 queries of 5 classes + no object
+
+
+def _three_heads(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A model of three unnamed outputs (a tuple's), the first 256 class logits."""
+    return {k: feed["input"] @ w for k, w in HEADS.items()}
+
+
+def _detector(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A YOLOS-like head: ``logits [N, 3, 6]`` (5 classes and no object) beside boxes ``[N, 3, 4]``."""
+    x = feed["input"]
+    boxes = np.concatenate([np.full((len(x), 3, 2), 0.2), np.full((len(x), 3, 2), 0.6)], -1).astype(np.float32)
+    return {"logits": (x @ QUERIES).reshape(len(x), 3, 6), "pred_boxes": boxes}
+
+
+def _reported(data: DatasetSplits, run: Any, names: list[str], setting: str | None, metric: str | None) -> str:
+    """The "Compared outputs" sentence of a run of ``run`` on ``data``: the validate stage's own reference and
+    notes, as a run records them."""
+    sig = Signature(logits_output=setting, batch_sizes=[1, 8])
+    ctx = SimpleNamespace(config=SimpleNamespace(signature=sig, model=ModelConfig()))
+    cfg = CheckConfig(metric=metric)
+    ref = reference(ctx, data, cfg, run, held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None), names, {})
+    b = Baseline(accuracy=ref.accuracy, accuracy_note=accuracy_absent(ref, data), samples=8, latency_ms={})
+    b.logits_output, b.compared, b.metric_name = ref.logits, list(ref.outputs[-1]), metric
+    lines = report_section(ValidationResult(passed=True, baseline=b, engines=[], failures=[]))
+    return next(x for x in lines if x.startswith("Compared outputs"))
+
+
+def test_the_report_says_why_no_output_is_the_class_logits_apart_from_why_there_is_no_accuracy() -> None:
+    """Three unnamed outputs and num_classes 256 without labels, and a DETR-style head (5 classes + no object)
+    beside float box labels: the reason for no class-logit output was the one for no task accuracy (no labels,
+    float targets). It names why no output was taken, and the setting that takes one; a regression's (float targets
+    scored by mse), whose targets are values, says that once."""
+    unlabelled = DatasetSplits(X[:8], None, X, None, num_classes=256)
+    line = _reported(unlabelled, _three_heads, list(HEADS), None, None)
+    assert (
+        "no class-logit output (3 outputs (output_0, output_1, output_2), none named 'logits': set "
+        "`signature.logits_output` to the one that holds class logits): no top-1 agreement"
+    ) in line, line
+    assert "; no task accuracy (the data has no held-out labels (val_y is None))." in line, line
+    assert "class-logit output 'output_0'" in _reported(unlabelled, _three_heads, list(HEADS), "output_0", None)
+
+    y = torch.tensor([[2.0, 0.2, 0.2, 0.6, 0.6]]).repeat(len(X), 1, 1)  # one box per image: (class, x1, y1, x2, y2)
+    boxes = DatasetSplits(X[:8], y[:8], X, y, num_classes=5)
+    line = _reported(boxes, _detector, ["logits", "pred_boxes"], None, "detection_recall")
+    why = line[line.index("no class-logit output (") : line.index("): no top-1 agreement")]
+    assert "`signature.logits_output: logits`" in why and "one wider" in why and "float targets" not in why, line
+    assert "; no task accuracy (the labels are no classes (float targets)" in line, line
+    assert "class-logit output 'logits'" in _reported(boxes, _detector, ["logits", "pred_boxes"], "logits", None)
+
+    y = torch.from_numpy(X.numpy() @ HEADS["output_2"])
+    line = _reported(
+        DatasetSplits(X[:8], y[:8], X, y), lambda f: {"y": f["input"] @ HEADS["output_2"]}, ["y"], None, "mse"
+    )
+    assert "no class-logit output (the labels are no classes (float targets): validate.metric 'mse'" in line, line
+    assert "no top-1 agreement or accuracy" in line and "no task accuracy" not in line, line
