@@ -140,6 +140,8 @@ def test_top1_flips_on_ties_are_counted_over_what_top1_compares() -> None:
         lines = report_section(ValidationResult(passed=True, baseline=b, engines=[e], failures=[]))
         tie = next(x for x in lines if x.startswith("Top-1 flips on ties"))
         assert counted in tie and "of samples" not in tie and "where the share is largest" in tie, tie
+        row = next(x for x in lines if x.startswith("| s2s |"))
+        assert "1.0000 (with 16.41% ties)" in row, row  # the headline says the ties are in the figure
 
 
 def _compared_line(top1: float | None, accuracy: float | None, note: str | None) -> str:
