@@ -18,7 +18,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.ranges import Ranges, _ort_method, ranges_file
 from kiln.core.cpu_int8 import resolve_reduce_range
 from kiln.core.errors import ConfigError, ModelError
-from kiln.core.onnx_io import value_names
+from kiln.core.onnx_io import rename_values, value_names
 from kiln.core.text import first_line
 
 log = logging.getLogger("kiln.calibration")
@@ -239,7 +239,7 @@ def quantize_int8(
             hint="keep the node it names in float (calibration.exclude_nodes), or drop int8 from "
             "precision.variants (the other variants are still built)",
         ) from None
-    q = onnx.load(str(out_path), load_external_data=False)
+    q = _float_outputs_at(out_path, model)
     counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
     log.info(
         "int8: %d Q / %d DQ nodes, %d nodes kept in float",
@@ -255,6 +255,64 @@ def quantize_int8(
         "method": ranges.method,
         "reduce_range": seven_bits,
     }
+
+
+def _float_outputs_at(out_path: Path, source: onnx.ModelProto) -> onnx.ModelProto:
+    """The quantized graph at ``out_path`` with :func:`serve_float_outputs` applied, saved back where it changed
+    (its external weights, not loaded, stay where they are)."""
+    q = onnx.load(str(out_path), load_external_data=False)
+    served = serve_float_outputs(q, source)
+    if served:
+        onnx.save_model(q, str(out_path))
+        log.info("quantized graph: outputs %s served in float (their readers in the graph stay quantized)", served)
+    return q
+
+
+def serve_float_outputs(model: onnx.ModelProto, source: onnx.ModelProto) -> list[str]:
+    """Serve each graph output that the quantized ``model`` also reads from the float tensor its Q/DQ pair
+    quantizes, keeping its name. Returns the outputs so served.
+
+    ONNX Runtime's QDQ quantizer puts a QuantizeLinear/DequantizeLinear pair on every tensor a quantized node reads;
+    where that tensor is a graph output too, its producer writes ``<name>_QuantizeLinear_Input`` and the
+    DequantizeLinear writes ``<name>``, so the served output is rounded to INT8 (or E4M3) and clipped to its
+    calibrated range: an error no node kept in float can remove (a seq2seq encoder's last hidden state that
+    cross-attention reads, a decoder's new keys and values, a backbone's features returned beside its logits). The
+    names are put the way ORT writes them for a tensor that is not an output: the producer writes ``<name>``, the
+    DequantizeLinear ``<name>_DequantizeLinear_Output``, which the readers (subgraphs too) read, so they stay
+    quantized. Only where that producer is the node ``source`` (the float graph) computes the output with: ORT
+    removes a Relu ahead of an asymmetric Q, whose zero point clips at 0, and the Q's input is then the Relu's
+    input. An output nothing else reads keeps its pair: it is the output quantization of the layer that writes it."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    computes = {o: (n.name, n.op_type) for n in source.graph.node for o in n.output}
+    read = {i for n in model.graph.node for i in n.input}
+    named = {v.name for v in (*model.graph.input, *model.graph.output, *model.graph.initializer)}
+    taken = value_names(model.graph)
+    outputs = [o.name for o in model.graph.output]
+    mapping: dict[str, str] = {}  # the float tensor -> the output's name, the output -> its DequantizeLinear's
+    for out in outputs:
+        pre = _quantized_from(out, producer)
+        node = producer.get(pre) if pre is not None else None
+        if node is None or pre in named or out not in read or computes.get(out) != (node.name, node.op_type):
+            continue
+        mapping |= {pre: out, out: _unused(f"{out}_DequantizeLinear_Output", taken)}
+    rename_values(model.graph, mapping)
+    for o, name in zip(model.graph.output, outputs):  # the graph's outputs keep their names
+        o.name = name
+    return [out for out in outputs if out in mapping]
+
+
+def _unused(name: str, taken: set[str]) -> str:
+    """``name``, or with the first number appended that makes it a name ``taken`` lacks; added to ``taken``."""
+    fresh = next(f"{name}{k or ''}" for k in range(len(taken) + 1) if f"{name}{k or ''}" not in taken)
+    taken.add(fresh)
+    return fresh
+
+
+def _quantized_from(tensor: str, producer: dict[str, onnx.NodeProto]) -> str | None:
+    """The tensor that ``tensor`` is the DequantizeLinear(QuantizeLinear(...)) of; None where it is not one."""
+    dq = producer.get(tensor)
+    q = producer.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+    return q.input[0] if q is not None and q.op_type == "QuantizeLinear" else None
 
 
 FP8_OPSET = 19  # QuantizeLinear/DequantizeLinear with float8 types
@@ -304,7 +362,7 @@ def quantize_fp8(
             f"onnxruntime.quantization.quantize_static (FP8) failed ({type(exc).__name__}: {str(exc)[:300]})",
             hint="keep the node it names in float (calibration.exclude_nodes), or drop fp8 from precision.variants",
         ) from None
-    q = onnx.load(str(out_path), load_external_data=False)
+    q = _float_outputs_at(out_path, model)
     counts = {op: sum(n.op_type == op for n in q.graph.node) for op in ("QuantizeLinear", "DequantizeLinear")}
     log.info("fp8: %d Q / %d DQ nodes, %d nodes kept in float", *counts.values(), len(exclude))
     return {"excluded": exclude, "qdq_nodes": counts, "opset": FP8_OPSET, "method": ranges.method}
