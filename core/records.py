@@ -184,13 +184,15 @@ class EngineMetadata(Record):
         return max(self.validated_batch_sizes) if self.validated_batch_sizes else None
 
     def refusal(self, feed: dict[str, Any]) -> str | None:
-        """Why a server refuses this request (one array per input): an input is empty (:meth:`empty_input`), has
-        more rows than the engine was validated for (:meth:`outside_batch`), its shapes lie outside the sizes the
-        engine was validated for (:meth:`outside_range`), or an input holds an index past the table it indexes
-        (:meth:`outside_values`); None when the engine takes it."""
+        """Why a server refuses this request (one array per input): an input's axes differ from those its graph
+        fixes (:meth:`misshapen`), it is empty (:meth:`empty_input`), has more rows than the engine was validated
+        for (:meth:`outside_batch`), its shapes lie outside the sizes the engine was validated for
+        (:meth:`outside_range`), or an input holds an index past the table it indexes (:meth:`outside_values`);
+        None when the engine takes it."""
         shapes = {k: v.shape for k, v in feed.items()}
         return (
-            self.empty_input(shapes)
+            self.misshapen(shapes)
+            or self.empty_input(shapes)
             or self.outside_batch(shapes)
             or self.outside_range(shapes)
             or self.outside_values(feed)
@@ -211,16 +213,67 @@ class EngineMetadata(Record):
                 )
         return None
 
+    def misshapen(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """Why inputs of these shapes differ from what the engine's graph fixes (a sentence naming the input: its
+        number of axes, or an axis the graph holds at one size given another), or None. Said before any backend
+        sees them, whose own error (ONNX Runtime's, TensorRT's) does not say the size is one the graph was exported
+        with."""
+        for spec in self.inputs:
+            shape = shapes.get(spec.name)
+            if shape is not None and len(shape) != len(spec.shape):
+                dims = ", ".join(map(str, spec.shape))
+                return (
+                    f"input '{spec.name}' has {len(shape)} axes {list(shape)}: engine {self.name} takes "
+                    f"{len(spec.shape)} ([{dims}])"
+                )
+        fixed = self.fixed_axis(shapes)
+        return None if fixed is None else self.fixed_refusal(*fixed)
+
+    def fixed_refusal(self, name: str, axis: int, size: int, fixed: int) -> str:
+        """The sentence refusing input ``name`` at ``size`` on an axis its graph fixes at ``fixed``."""
+        return (
+            f"input '{name}' axis {axis} is {size}: engine {self.name} takes {fixed} there (a fixed size of its graph)"
+        )
+
+    def fixed_axis(self, shapes: dict[str, tuple[int, ...]]) -> tuple[str, int, int, int] | None:
+        """The first axis of these shapes at a size other than the one the engine's graph fixes it at (an integer
+        in the input's shape): (input, axis, size given, fixed size); None when every fixed axis matches."""
+        for spec in self.inputs:
+            for axis, (dim, size) in enumerate(zip(spec.shape, shapes.get(spec.name, ()))):
+                if isinstance(dim, int) and dim >= 1 and size != dim:
+                    return spec.name, axis, size, dim
+        return None
+
     def empty_input(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
         """Why inputs of these shapes are empty (a sentence naming the input: 0 rows, or 0 on another axis, a
         sequence of length 0), or None. Refused before any backend sees them: ONNX Runtime's LSTM and GRU kernels
         abort the process on a batch of 0 (an upstream bug), taking a server's stub or replica with it. An axis
-        the engine was validated at 0 for (its :attr:`axis_ranges` start at 0: a decoder's empty past) takes 0."""
+        besides the batch that the engine was validated at 0 for (its :attr:`axis_ranges` start at 0: a decoder's
+        empty past) takes 0; the batch never does (:meth:`empty_axis`)."""
+        found = self.empty_axis(shapes)
+        return None if found is None else self.empty_refusal(*found)
+
+    def empty_refusal(self, name: str, axis: int, dim: str | int) -> str:
+        """The sentence refusing input ``name`` at size 0 on ``axis`` (named ``dim``), with the sizes the engine
+        was validated for on that axis where it records them."""
+        if axis == 0:
+            return f"input '{name}' has 0 rows: engine {self.name} takes no empty inputs"
+        if str(dim) in self.axis_ranges:
+            low, high = self.axis_ranges[str(dim)]
+            return (
+                f"input '{name}' axis {axis} ({dim}) is 0: engine {self.name} was {self.vouched()} for {dim} from "
+                f"{low} to {high}"
+            )
+        return f"input '{name}' axis {axis} ({dim}) is 0: engine {self.name} takes no empty inputs"
+
+    def empty_axis(self, shapes: dict[str, tuple[int, ...]]) -> tuple[str, int, str | int] | None:
+        """The first axis of these shapes at size 0 that the engine does not take at 0: (input, axis, the axis's
+        name or fixed size); None when there is none. Axis 0 is the batch (or a count of its own), never taken at
+        0; another axis is taken at 0 where its :attr:`axis_ranges` start at 0."""
         for spec in self.inputs:
             for axis, (dim, size) in enumerate(zip(spec.shape, shapes.get(spec.name, ()))):
-                if size == 0 and self.axis_ranges.get(str(dim), [1])[0] > 0:
-                    where = "has 0 rows" if axis == 0 else f"axis {axis} ({dim}) is 0"
-                    return f"input '{spec.name}' {where}: engine {self.name} takes no empty inputs"
+                if size == 0 and (axis == 0 or self.axis_ranges.get(str(dim), [1])[0] > 0):
+                    return spec.name, axis, dim
         return None
 
     def outside_range(self, shapes: dict[str, tuple[int, ...]]) -> str | None:

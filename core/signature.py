@@ -82,10 +82,20 @@ class Signature(Section):
 
     @field_validator("shapes")
     @classmethod
-    def _positive_sizes(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
+    def _sizes_taken(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Sizes of 0 or more: an axis besides the batch may be empty (a decoder's past at the prefill step, which
+        engines then take at 0); the batch never is (ONNX Runtime's LSTM and GRU kernels abort on an empty batch)."""
         for name, sizes in value.items():
-            if not sizes or any(size < 1 for size in sizes):
-                raise ValueError(f"axis '{name}' sizes {sizes}: give one or more sizes of at least 1")
+            if name == BATCH_AXIS and 0 in sizes:
+                raise ValueError(
+                    f"axis '{name}' sizes {sizes}: the batch takes no size 0; give batch sizes of at least 1 in "
+                    "signature.batch_sizes (signature.shapes sizes the axes besides the batch)"
+                )
+            if not sizes or any(size < 0 for size in sizes):
+                raise ValueError(
+                    f"axis '{name}' sizes {sizes}: give one or more sizes of 0 or more (0: an empty axis, a "
+                    "decoder's past at its first step)"
+                )
         return value
 
     @field_validator("batch_sizes")

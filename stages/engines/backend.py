@@ -330,9 +330,7 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
                 f"engine {meta.name}: input '{spec.name}' is a {type(array).__name__}, not a numpy array",
                 hint="pass numpy arrays (np.asarray(x), or tensor.numpy())",
             )
-        fixed = [d if isinstance(d, int) and d >= 1 else None for d in spec.shape]
-        shape_ok = array.ndim == len(fixed) and all(f is None or f == n for f, n in zip(fixed, array.shape))
-        if array.dtype != np.dtype(spec.dtype) or not shape_ok:
+        if array.dtype != np.dtype(spec.dtype) or array.ndim != len(spec.shape):
             dims = ", ".join(str(d) for d in spec.shape)
             raise InputError(
                 f"engine {meta.name}: input '{spec.name}' is {array.dtype}{list(array.shape)}, the engine takes "
@@ -341,9 +339,12 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
                 "kiln-engine.json's axis_ranges)",
             )
     shapes = {k: v.shape for k, v in feed.items()}
-    empty = meta.empty_input(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
+    fixed = meta.fixed_axis(shapes)
+    if fixed is not None:
+        raise InputError(meta.fixed_refusal(*fixed), hint=fixed_hint(*fixed))
+    empty = meta.empty_axis(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
     if empty is not None:
-        raise InputError(empty, hint="pass one row or more, and no axis of size 0")
+        raise InputError(meta.empty_refusal(*empty), hint=empty_hint(*empty))
     check_sizes(meta, shapes, allow_outside_ranges)
     outside = meta.outside_values(feed)
     if outside is not None:
@@ -352,6 +353,31 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
             hint="pass indices within what the input indexes (a token id past the vocabulary: a tokenizer made for "
             "another model; a node index past the graph's nodes)",
         )
+
+
+def fixed_hint(name: str, axis: int, size: int, fixed: int) -> str:
+    """The fix for an input given at ``size`` on an axis its graph fixes at ``fixed``: that size, or an engine
+    exported with the axis dynamic (the batch: ``export.dynamic_batch``; another: ``signature.dynamic_axes``)."""
+    declare = (
+        "export.dynamic_batch: true"
+        if axis == 0
+        else f"signature.dynamic_axes: {{{name}: {{{axis}: NAME}}}}, sizes in signature.shapes"
+    )
+    return f"pass '{name}' at {fixed} on axis {axis}, or export the model with that axis dynamic ({declare}) and build"
+
+
+def empty_hint(name: str, axis: int, dim: str | int) -> str:
+    """The fix for an input empty on ``axis`` where the engine takes no 0: one row or more for the batch; for
+    another axis, a size it takes, or an engine validated at 0 (``signature.shapes`` from 0: a decoder's empty
+    past)."""
+    if axis == 0:
+        return "pass one row or more (no engine takes an empty batch: ONNX Runtime's LSTM and GRU abort on one)"
+    if not isinstance(dim, str) or not dim.isidentifier():  # fixed, or an axis of no name that no size declares
+        return f"pass '{name}' with a size of 1 or more on axis {axis}"
+    return (
+        f"pass '{name}' at a size of {dim} the engine takes (kiln-engine.json's axis_ranges), or declare 0 among "
+        f"{dim}'s sizes (signature.shapes: {{{dim}: [0, ...]}}) and build the engine again"
+    )
 
 
 def check_sizes(meta: EngineMetadata, shapes: dict[str, tuple[int, ...]], allow_outside_ranges: bool = False) -> None:

@@ -180,6 +180,38 @@ def test_an_empty_input_is_refused_naming_it_unless_validated_at_0() -> None:
     assert meta.refusal({"ids": np.zeros((0, 0), np.int64)}).startswith("input 'ids' has 0 rows")
 
 
+def test_an_empty_axis_says_the_sizes_validated_and_the_batch_is_never_empty() -> None:
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="past", shape=["batch", "past", 8], dtype="float32")]
+    meta.axis_ranges, meta.validated_batch_sizes = {"past": [4, 16]}, [1, 8]
+    assert meta.refusal({"past": np.zeros((2, 0, 8), np.float32)}) == (
+        "input 'past' axis 1 (past) is 0: engine e was validated for past from 4 to 16"
+    )
+    assert meta.empty_axis({"past": (2, 0, 8)}) == ("past", 1, "past")
+    # an axis 0 of its own name validated from 0 (a graph taking counts of their own) is a batch still: never empty
+    meta.inputs = [TensorSpec(name="nodes", shape=["n", 8], dtype="float32")]
+    meta.axis_ranges = {"n": [0, 16]}
+    assert (
+        meta.refusal({"nodes": np.zeros((0, 8), np.float32)})
+        == "input 'nodes' has 0 rows: engine e takes no empty inputs"
+    )
+
+
+def test_a_fixed_axis_at_another_size_is_refused_naming_it() -> None:
+    """An image exported at 3x64x96: a request at 128x192 is refused as a fixed size of the graph, before a server
+    hands it to a backend whose own error does not say so."""
+    meta = _meta()
+    meta.inputs = [TensorSpec(name="pixel_values", shape=["batch", 3, 64, 96], dtype="float32")]
+    assert meta.refusal({"pixel_values": np.zeros((1, 3, 64, 96), np.float32)}) is None
+    assert meta.refusal({"pixel_values": np.zeros((1, 3, 128, 192), np.float32)}) == (
+        "input 'pixel_values' axis 2 is 128: engine e takes 64 there (a fixed size of its graph)"
+    )
+    assert meta.fixed_axis({"pixel_values": (1, 3, 128, 192)}) == ("pixel_values", 2, 128, 64)
+    assert meta.refusal({"pixel_values": np.zeros((1, 64, 96), np.float32)}) == (
+        "input 'pixel_values' has 3 axes [1, 64, 96]: engine e takes 4 ([batch, 3, 64, 96])"
+    )
+
+
 def test_packed_columns_are_each_held_to_their_own_table(tmp_path: Path) -> None:
     """A recommender's ids packed in ``sparse [batch, 2]`` (tables of 10 and 1000 rows) record a range per column: 50
     in column 0 is refused naming the column (the input's one range, [0, 999], passed it to ONNX Runtime, whose

@@ -44,7 +44,7 @@ def test_a_feed_as_declared_passes() -> None:
             "input 'input_ids' is int32[2, 5], the engine takes int64[batch, seq]",
         ),
         ({"pixels": np.zeros((2, 3, 8), np.float32)}, "input 'pixels' is float32[2, 3, 8]"),
-        ({"pixels": np.zeros((2, 1, 8, 8), np.float32)}, "takes float32[batch, 3, 8, 8]"),
+        ({"pixels": np.zeros((2, 1, 8, 8), np.float32)}, "input 'pixels' axis 1 is 1: engine e takes 3 there"),
         ({"pixels": [[0.0]]}, "input 'pixels' is a list, not a numpy array"),
         ({"extra": np.zeros(1)}, "needs inputs ['input_ids', 'pixels'], got ['extra', 'input_ids', 'pixels']"),
     ],
@@ -74,6 +74,27 @@ def test_an_empty_input_is_one_error_naming_it(feed: dict, needle: str) -> None:
     with pytest.raises(InputError) as err:
         check_feed(META, feed)
     assert err.value.message.startswith(needle) and err.value.hint
+
+
+def test_a_fixed_axis_at_another_size_says_how_to_export_it_dynamic() -> None:
+    with pytest.raises(InputError) as err:
+        check_feed(META, {**GOOD, "pixels": np.zeros((2, 3, 16, 8), np.float32)})
+    assert err.value.message == "input 'pixels' axis 2 is 16: engine e takes 8 there (a fixed size of its graph)"
+    assert err.value.hint == (
+        "pass 'pixels' at 8 on axis 2, or export the model with that axis dynamic (signature.dynamic_axes: "
+        "{pixels: {2: NAME}}, sizes in signature.shapes) and build"
+    )
+
+
+def test_an_empty_axis_says_how_to_declare_0() -> None:
+    ranged = META.model_copy(update={"axis_ranges": {"seq": [4, 16]}})
+    with pytest.raises(InputError) as err:
+        check_feed(ranged, {**GOOD, "input_ids": np.zeros((2, 0), np.int64)})
+    assert err.value.message == "input 'input_ids' axis 1 (seq) is 0: engine e was built for seq from 4 to 16"
+    assert "signature.shapes: {seq: [0, ...]}" in err.value.hint
+    check_feed(
+        META.model_copy(update={"axis_ranges": {"seq": [0, 16]}}), {**GOOD, "input_ids": np.zeros((2, 0), np.int64)}
+    )
 
 
 def test_a_named_axis_outside_its_validated_range_is_one_error_naming_it() -> None:

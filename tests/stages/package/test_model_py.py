@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kiln.stages.engines.backend import read_metadata
+from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.package.triton import model_config, write_python_model
 from tests.serve.test_batching import doubling_engine  # noqa: F401  (the fixture: a real engine of y = 2 x)
 
@@ -49,6 +49,10 @@ def test_the_model_answers_each_request_and_freezes_what_start_up_built(
     meta = read_metadata(doubling_engine)
     target = tmp_path / "double"
     write_python_model(target, doubling_engine, meta, 8)
+    # a record that leaves axis 1 to the graph, so that a request of 4 there passes the stub's own check and fails
+    # the engine (its graph fixes 3): a batch the engine cannot run
+    loose = [spec.model_copy(update={"shape": ["batch", "features"]}) for spec in meta.inputs]
+    meta.model_copy(update={"inputs": loose}).write(target / "1" / "engine" / SIDECAR)
     args = {"model_repository": str(target), "model_version": "1", "model_name": "double"}
     args["model_config"] = json.dumps(model_config("double", meta, 8, "python"))
     model = _model(target, monkeypatch)
