@@ -11,10 +11,29 @@ from typing import Any
 
 import numpy as np
 
+from kiln.core.errors import InputError
+
 COPY_THREADS = 4  # threads that copy a large batch's rows into the engine's buffer (numpy copies release the GIL)
 PARALLEL_COPY_BYTES = 16 << 20  # smaller batches are copied by one thread: handing shares out costs more than it saves
 
 _copiers: dict[int, ThreadPoolExecutor] = {}
+
+
+# ONNX Runtime's error for an argument it refuses (its status INVALID_ARGUMENT): by the class, as the module and name
+# its bindings give it, and by the message it starts (a build whose bindings raise another class)
+ORT_INVALID_ARGUMENT = ("onnxruntime.capi.onnxruntime_pybind11_state", "InvalidArgument")
+ORT_INVALID_MESSAGE = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT"
+
+
+def request_fault(exc: BaseException) -> bool:
+    """Whether the engine's exception on a request is the request's own fault, answered as the client's error
+    (HTTP 400), not the server's (500): Kiln's :class:`InputError` (the engine's check of its inputs), or ONNX
+    Runtime's INVALID_ARGUMENT, which it raises for inputs it cannot run (an index past a Gather's table, a rank or
+    a size its graph does not take). Told by the class's name, so a server of another backend imports no ONNX
+    Runtime."""
+    kind = type(exc)
+    ort = (kind.__module__, kind.__qualname__) == ORT_INVALID_ARGUMENT or str(exc).startswith(ORT_INVALID_MESSAGE)
+    return ort or isinstance(exc, InputError)
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -64,7 +64,7 @@ from kiln.stages.package.triton import served_max_batch
 log = logging.getLogger("kiln.serve.loadtest")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 POOL = 64
-# (atol, rtol; rtol is relative to the largest expected value compared, answer_error) by engine precision: the base
+# (atol, rtol; rtol is relative to the answer's scale, answer_error) by engine precision: the base
 # of the band a served answer is held to, for the rounding a batch's other kernels (another reduction order) bring.
 # INT8 takes FP16's: a static INT8 engine answers alike in any batch. Where a sample's answer depends on its batch
 # mates (dynamic quantization takes activation scales per batch), batch_deviation measures by how much and
@@ -406,14 +406,15 @@ def batch_deviation(
 ) -> dict[str, Any]:
     """How far the engine's answers batched with others lie from its single-sample ones (``expected``): the pool
     run in whole batches of :data:`BAND_ROWS` and of ``limit`` rows (the server's largest batch, padded as the
-    server pads it). Per output, the rtol (of the answer's largest value compared, as :func:`answer_error` counts
-    it) a batched answer needs beside the ``base`` atol; ``atol``: the error of answers with no value to scale by.
-    A static engine's is about 0; a dynamically quantized one's is the band its batch mates move it by."""
+    server pads it). Per output, the rtol (of the answer's scale, as :func:`answer_error` counts it) a batched
+    answer needs beside the ``base`` atol; ``atol``: the error of answers with no value to scale by. A static
+    engine's is about 0; a dynamically quantized one's is the band its batch mates move it by."""
     size = min(limit, len(pool))
     batches = sorted({min(BAND_ROWS, size), size} - {0, 1})
     buckets = buckets_for(runner, limit)
     outputs = list(expected[0])
     masks = answer_masks(expected, outputs)
+    scales = answer_scales(expected, masks)
     rtol, atol = dict.fromkeys(outputs, 0.0), 0.0
     for b in batches:
         for start in range(0, len(pool) - b + 1, b):
@@ -424,7 +425,7 @@ def batch_deviation(
                     rows = np.asarray(got[name])
                     if len(rows) != b or rows[i : i + 1].shape != want[name].shape:
                         continue  # an output without a row per sample: nothing to set beside the single answer
-                    err, scale = _error_and_scale(want[name], rows[i : i + 1], masks[name])
+                    err, scale = _error_and_scale(want[name], rows[i : i + 1], masks[name], scales[name])
                     if scale > 0:
                         rtol[name] = worse(rtol[name], max(0.0, err - base[0]) / scale)
                     else:
@@ -432,13 +433,14 @@ def batch_deviation(
     return {"batches": batches, "rtol": rtol, "atol": atol}
 
 
-def _error_and_scale(want: np.ndarray, got: np.ndarray, masks: Masks) -> tuple[float, float]:
-    """The largest error of ``got`` against ``want`` and the largest magnitude of ``want``'s values compared:
-    what :func:`~kiln.core.compare.agrees` holds the error to ``atol + rtol`` times of."""
+def _error_and_scale(want: np.ndarray, got: np.ndarray, masks: Masks, typical: float) -> tuple[float, float]:
+    """The largest error of ``got`` against ``want`` (as :func:`~kiln.core.compare.agrees` counts it) and the
+    answer's scale: the largest magnitude of ``want``'s values compared, or the output's ``typical`` magnitude
+    (:func:`answer_scales`) where that is larger."""
     _, err = agrees(want, got, 0.0, 0.0, masks)
     r = np.asarray(want, dtype=np.float64)
     compared = ~set_aside(r, got, masks) & np.isfinite(r) & ~np.isin(r, masks.values)
-    return err, float(np.max(np.abs(r[compared]), initial=0.0))
+    return err, max(float(np.max(np.abs(r[compared]), initial=0.0)), typical)
 
 
 def answer_band(base: tuple[float, float], deviation: dict[str, Any]) -> tuple[float, float]:
@@ -453,7 +455,7 @@ def answer_band(base: tuple[float, float], deviation: dict[str, Any]) -> tuple[f
     rtol = BAND_SAFETY * max(rtols, default=0.0)
     if rtol > BAND_CAP:
         log.warning(
-            "batched, the engine's answers move by up to %.3g of their largest value: answers are held to %g, and a "
+            "batched, the engine's answers move by up to %.3g of their scale: answers are held to %g, and a "
             "correct server may be counted wrong (an engine whose answers depend on their batch mates)",
             rtol / BAND_SAFETY,
             BAND_CAP,
@@ -657,6 +659,7 @@ def run_level(
     issued = iter(range(max_requests))  # next() under the lock: the shared request budget
     outputs = list(expected[0])
     masks = answer_masks(expected, outputs)
+    scales = answer_scales(expected, masks)
     setup = _client(module, protocol, address)[0] if shared_memory else None
     regions = SharedMemory(module, setup, pool, expected, concurrency) if setup else None
     if lean:  # Kiln's client sends the regions' JSON (SharedMemory.input_specs)
@@ -729,7 +732,7 @@ def run_level(
                     if got is None or got.shape != want.shape:
                         ok = False
                         continue
-                    right, diff = answer_error(want, got, tolerance, masks[name])
+                    right, diff = answer_error(want, got, tolerance, masks[name], scales[name])
                     err, ok = worse(err, diff), ok and right
                 with lock:
                     refused[0], answered_at[0] = 0, max(answered_at[0], done)
@@ -769,14 +772,30 @@ def answer_masks(expected: list[dict], outputs: list[str]) -> dict[str, Masks]:
     return {n: masks_of(np.concatenate([np.ravel(e[n]) for e in expected])) for n in outputs}
 
 
-def answer_error(want: np.ndarray, got: np.ndarray, tolerance: tuple[float, float], masks: Masks) -> tuple[bool, float]:
-    """Whether a served answer equals the engine's within ``tolerance`` (atol, rtol of the largest expected value
-    compared), and its largest error: as validation compares (:func:`~kiln.core.compare.agrees`), the same
-    infinity, NaN or mask fill in both is equal and scales nothing, and a value not finite in one only is an
-    infinite error."""
+def answer_scales(expected: list[dict], masks: dict[str, Masks]) -> dict[str, float]:
+    """Each output's typical magnitude over the expected answers: the RMS of its values compared (finite, no mask
+    fill). An answer's rtol scales by this where the answer's own values are smaller (:func:`answer_error`): a
+    rounding a batch brings moves an output by about as much for every sample, so a one-value output near 0 (a
+    binary logit at its threshold) held to its own value would be wrong at any batch but its single one."""
+    scales = {}
+    for name, m in masks.items():
+        r = np.concatenate([np.ravel(e[name]) for e in expected]).astype(np.float64)
+        r = r[np.isfinite(r) & ~np.isin(r, m.values)]
+        scales[name] = float(np.sqrt(np.mean(r**2))) if r.size else 0.0
+    return scales
+
+
+def answer_error(
+    want: np.ndarray, got: np.ndarray, tolerance: tuple[float, float], masks: Masks, typical: float
+) -> tuple[bool, float]:
+    """Whether a served answer equals the engine's within ``tolerance`` (atol, rtol of the answer's scale: its
+    largest expected value compared, or the output's ``typical`` magnitude where larger, :func:`answer_scales`),
+    and its largest error: as validation compares (:func:`~kiln.core.compare.agrees`), the same infinity, NaN or
+    mask fill in both is equal and scales nothing, and a value not finite in one only is an infinite error."""
     if not want.size:
         return True, 0.0
-    return agrees(want, got, *tolerance, masks)
+    err, scale = _error_and_scale(want, got, masks, typical)
+    return bool(err <= tolerance[0] + tolerance[1] * scale), err
 
 
 def worse(a: float, b: float) -> float:
@@ -1287,11 +1306,11 @@ def tolerance_lines(result: dict[str, Any]) -> list[str]:
     seen = max((lv.get("max_abs_err", 0.0) for lv in result["levels"]), default=0.0)
     return [
         "",
-        f"Wrong: off the engine's own answer by more than {tol['atol']:g} + {tol['rtol']:g} x the answer's largest "
-        f"value ({result['precision']}'s base {tol['base']['atol']:g} + {tol['base']['rtol']:g}, widened to "
-        f"{tol['safety']:g} x the batch-mate deviation). Batch-mate deviation: the engine's answers in batches of "
-        f"{batches} against its single-sample ones, up to {moved:.3g} x the answer's largest value. Largest error "
-        f"seen under load: {seen:.3g}.",
+        f"Wrong: off the engine's own answer by more than {tol['atol']:g} + {tol['rtol']:g} x the answer's scale "
+        f"(its largest value, or its output's RMS over the requests where larger; {result['precision']}'s base "
+        f"{tol['base']['atol']:g} + {tol['base']['rtol']:g}, widened to {tol['safety']:g} x the batch-mate "
+        f"deviation). Batch-mate deviation: the engine's answers in batches of {batches} against its single-sample "
+        f"ones, up to {moved:.3g} x the answer's scale. Largest error seen under load: {seen:.3g}.",
     ]
 
 

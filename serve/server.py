@@ -70,7 +70,7 @@ from kiln.core.records import EngineMetadata, ValidationResult, steps_text
 from kiln.core.text import first_line
 from kiln.pipeline.manifests import changed_inputs
 from kiln.pipeline.workdir_lock import LOCK_NAME, served_workdir
-from kiln.serve.batching import buckets_for, padded_infer, warm_buckets
+from kiln.serve.batching import buckets_for, padded_infer, request_fault, warm_buckets
 from kiln.stages.engines.backend import SIDECAR, read_metadata
 from kiln.stages.engines.registry import load_engine, runnable
 from kiln.stages.package import INDEX as PACKAGE_INDEX
@@ -523,15 +523,26 @@ def check_stub_numpy(numpy_version: str, pytriton_version: str) -> None:
 
 class RequestRefused(Exception):
     """`kiln serve --pytriton`: the batch's requests are not what the engine takes (outside its validated sizes,
-    an index past its table, the engine's own :class:`InputError`). Answered as its message alone, HTTP 400
-    (:data:`PROXY_MODEL_PY`), and logged as one line (:class:`_RefusalInOneLine`). ``requests``: how many requests
-    the refused batch held."""
+    an index past its table, the engine's own :class:`InputError`, ONNX Runtime's INVALID_ARGUMENT). Answered as
+    its message alone, HTTP 400 (:data:`PROXY_MODEL_PY`), and logged as one line (:class:`_RefusalInOneLine`).
+    ``requests``: how many requests the refused batch held."""
 
     requests = 1
 
 
 class BatchFailed(Exception):
     """`kiln serve --pytriton`: the engine failed on a batch it takes. Answered as its message alone, HTTP 500."""
+
+
+def engine_failure(exc: Exception) -> RequestRefused | BatchFailed:
+    """What a batch the engine raised ``exc`` on is answered with: :class:`RequestRefused` (HTTP 400) where its
+    requests are at fault (:func:`~kiln.serve.batching.request_fault`: the engine's own input check, or ONNX
+    Runtime's INVALID_ARGUMENT), :class:`BatchFailed` (HTTP 500) for any other failure of the engine."""
+    if isinstance(exc, InputError):
+        return RequestRefused(first_line(exc, 1000))
+    if request_fault(exc):
+        return RequestRefused(f"the engine refused this request: {first_line(exc, 1000)}")
+    return BatchFailed(f"the engine failed on this batch: {type(exc).__name__}: {first_line(exc)}")
 
 
 def _infer_func(
@@ -558,10 +569,8 @@ def _infer_func(
             raise RequestRefused(outside)
         try:
             result = padded_infer(runner, inputs, buckets)
-        except InputError as exc:  # the engine's own check: the request's fault
-            raise RequestRefused(first_line(exc, 1000)) from exc
         except Exception as exc:
-            raise BatchFailed(f"the engine failed on this batch: {type(exc).__name__}: {first_line(exc)}") from exc
+            raise engine_failure(exc) from exc
         return {name: np.asarray(result[name], dtype=dtype) for name, dtype in outputs.items()}
 
     joined = batch(infer)  # PyTriton's: the dynamic batcher's requests arrive as one batch of numpy arrays
