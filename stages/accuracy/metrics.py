@@ -364,16 +364,21 @@ def _detection_recall(
 def _class_decisions(scores: np.ndarray, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """Each prediction's class and whether it is confident, from class scores ``[N, K, C]``. Where ``C`` is the
     data's ``num_classes`` + 1, they are a DETR-style head's logits (DETR, YOLOS): a softmax over every class, the
-    last "no object"; the class is the likeliest real one, confident where its softmax probability is 0.5 or more,
+    last "no object"; the class is the likeliest real one, confident where its softmax probability is 0.5 or more
+    (scores within [0, 1] that sum to 1 are taken as that softmax's output already),
     which a uniform shift of the logits (that softmax ignores) leaves as it is. Elsewhere (``num_classes`` unknown,
     or ``C`` equal to it) each class is scored on its own, a sigmoid's: the top class, confident where its score is
     0.5 or more as a probability, 0 or more as a logit (:func:`decision_threshold`, the decision ``multilabel_f1``
     makes too)."""
+    threshold = decision_threshold(scores)
     if not num_classes or scores.shape[-1] != num_classes + 1:
-        return scores.argmax(-1), scores.max(-1) >= decision_threshold(scores)
-    from scipy.special import softmax  # here: scipy's import is slow, and only this metric needs it
+        return scores.argmax(-1), scores.max(-1) >= threshold
+    if threshold == 0.5 and np.allclose(scores.sum(-1), 1.0, atol=0.02):  # a wrapper's softmax: not twice
+        real = scores[..., :-1]
+    else:
+        from scipy.special import softmax  # here: scipy's import is slow, and only this metric needs it
 
-    real = softmax(scores.astype(np.float64), axis=-1)[..., :-1]
+        real = softmax(scores.astype(np.float64), axis=-1)[..., :-1]
     return real.argmax(-1), real.max(-1) >= 0.5
 
 

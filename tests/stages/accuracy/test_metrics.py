@@ -76,6 +76,10 @@ def test_detection_recall_reads_a_detr_head_by_its_softmax_with_no_object_last()
     for logits, found in ((unsure, 0.0), (sure, 1.0), (absent, 0.0)):
         for shift in (0.0, 7.0, -7.0):
             assert detr({"pred_boxes": boxes, "logits": logits + shift}, labels) == found, (logits, shift)
+    # a wrapper that returns the softmax itself: its probabilities are read as they are, not flattened by another
+    probs = np.exp(sure) / np.exp(sure).sum(-1, keepdims=True)
+    assert detr({"pred_boxes": boxes, "logits": probs}, labels) == 1.0
+    assert detr({"pred_boxes": boxes, "logits": np.exp(unsure) / np.exp(unsure).sum(-1, keepdims=True)}, labels) == 0
     # as many scores as classes, or no num_classes: each class on its own (a sigmoid's logit of 0 or more)
     for sigmoid in (
         resolve_metric("detection_recall", "logits", num_classes=6),
