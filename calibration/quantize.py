@@ -298,7 +298,17 @@ def serve_float_outputs(model: onnx.ModelProto, source: onnx.ModelProto) -> list
     rename_values(model.graph, mapping)
     for o, name in zip(model.graph.output, outputs):  # the graph's outputs keep their names
         o.name = name
-    return [out for out in outputs if out in mapping]
+    served = [out for out in outputs if out in mapping]
+    _copies_read_float(model, {mapping[out]: out for out in served}, set(outputs))
+    return served
+
+
+def _copies_read_float(model: onnx.ModelProto, float_of: dict[str, str], outputs: set[str]) -> None:
+    """Point each Identity that copies a served output's DequantizeLinear into another graph output (a tensor
+    returned twice: ``last_hidden_state`` and ``hidden_states[-1]``) at the float tensor, so both come out alike."""
+    for node in model.graph.node:
+        if node.op_type == "Identity" and node.input[0] in float_of and node.output[0] in outputs:
+            node.input[0] = float_of[node.input[0]]
 
 
 def _unused(name: str, taken: set[str]) -> str:

@@ -123,3 +123,28 @@ def test_an_output_whose_activation_the_quantizer_removed_keeps_its_qdq(tmp_path
     quantize_int8(path, tmp_path / "q.onnx", ranges, cfg)
     got = _run(tmp_path / "q.onnx", data[0])
     assert got["h"].min() >= 0 and [o.name for o in onnx.load(str(tmp_path / "q.onnx")).graph.output] == ["y", "h"]
+
+
+def test_a_copy_of_an_output_served_in_float_is_served_in_float_too(tmp_path: Path) -> None:
+    """A model that returns one tensor twice (``last_hidden_state`` and ``hidden_states[-1]``) exports the second as
+    an Identity of the first: both must come out alike, not one in float and its copy from the Q/DQ pair."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), k) for k, s in
+               (("w1", (16, 32)), ("w2", (32, 8)))]  # fmt: skip
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["a"], name="mm1"),
+        helper.make_node("Relu", ["a"], ["h"], name="relu"),
+        helper.make_node("MatMul", ["h", "w2"], ["y"], name="mm2"),
+        helper.make_node("Identity", ["h"], ["h2"], name="copy"),
+    ]
+    io = lambda name, c: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["n", c])  # noqa: E731
+    graph = helper.make_graph(nodes, "g", [io("x", 16)], [io("y", 8), io("h", 32), io("h2", 32)], weights)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    ranges = calibrate(path, _data(), "x", "minmax", cache_dir=tmp_path / "cache")
+    cfg = CalibrationConfig(exclude_nodes=["mm1"], exclude_first_last=False, keep_output_layers="off")
+    quantize_int8(path, tmp_path / "q.onnx", ranges, cfg)
+    x = _data(seed=1)[0]
+    ref, got = _run(path, x), _run(tmp_path / "q.onnx", x)
+    np.testing.assert_allclose(got["h"], ref["h"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["h2"], ref["h2"], rtol=1e-6, atol=1e-6)
