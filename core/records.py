@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.core.artifacts import write_text_atomic
 from kiln.core.errors import InputFileError
+from kiln.core.signature import BATCH_AXIS
 from kiln.core.timing import paired_ratio
 
 SCHEMA_VERSION = 2
@@ -256,7 +257,7 @@ class EngineMetadata(Record):
     def empty_refusal(self, name: str, axis: int, dim: str | int) -> str:
         """The sentence refusing input ``name`` at size 0 on ``axis`` (named ``dim``), with the sizes the engine
         was validated for on that axis where it records them."""
-        if axis == 0:
+        if str(dim) == BATCH_AXIS or (axis == 0 and str(dim) not in self.axis_ranges):
             return f"input '{name}' has 0 rows: engine {self.name} takes no empty inputs"
         if str(dim) in self.axis_ranges:
             low, high = self.axis_ranges[str(dim)]
@@ -268,11 +269,11 @@ class EngineMetadata(Record):
 
     def empty_axis(self, shapes: dict[str, tuple[int, ...]]) -> tuple[str, int, str | int] | None:
         """The first axis of these shapes at size 0 that the engine does not take at 0: (input, axis, the axis's
-        name or fixed size); None when there is none. Axis 0 is the batch (or a count of its own), never taken at
-        0; another axis is taken at 0 where its :attr:`axis_ranges` start at 0."""
+        name or fixed size); None when there is none. The batch is never taken at 0; another axis (a count of its
+        own on axis 0 too: a two-tower model's texts) is taken at 0 where its :attr:`axis_ranges` start at 0."""
         for spec in self.inputs:
             for axis, (dim, size) in enumerate(zip(spec.shape, shapes.get(spec.name, ()))):
-                if size == 0 and (axis == 0 or self.axis_ranges.get(str(dim), [1])[0] > 0):
+                if size == 0 and (str(dim) == BATCH_AXIS or self.axis_ranges.get(str(dim), [1])[0] > 0):
                     return spec.name, axis, dim
         return None
 

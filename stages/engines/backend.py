@@ -25,6 +25,7 @@ from kiln.core.artifacts import hash_file
 from kiln.core.errors import InputError, InputFileError
 from kiln.core.records import EngineMetadata, PrecisionVariant, TensorSpec
 from kiln.core.sections import Section
+from kiln.core.signature import BATCH_AXIS
 from kiln.core.text import first_line
 from kiln.core.timing import time_calls, warm_up
 
@@ -344,7 +345,7 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
         raise InputError(meta.fixed_refusal(*fixed), hint=fixed_hint(*fixed))
     empty = meta.empty_axis(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
     if empty is not None:
-        raise InputError(meta.empty_refusal(*empty), hint=empty_hint(*empty))
+        raise InputError(meta.empty_refusal(*empty), hint=empty_hint(*empty, ranged=str(empty[2]) in meta.axis_ranges))
     check_sizes(meta, shapes, allow_outside_ranges)
     outside = meta.outside_values(feed)
     if outside is not None:
@@ -366,11 +367,11 @@ def fixed_hint(name: str, axis: int, size: int, fixed: int) -> str:
     return f"pass '{name}' at {fixed} on axis {axis}, or export the model with that axis dynamic ({declare}) and build"
 
 
-def empty_hint(name: str, axis: int, dim: str | int) -> str:
-    """The fix for an input empty on ``axis`` where the engine takes no 0: one row or more for the batch; for
-    another axis, a size it takes, or an engine validated at 0 (``signature.shapes`` from 0: a decoder's empty
-    past)."""
-    if axis == 0:
+def empty_hint(name: str, axis: int, dim: str | int, ranged: bool = False) -> str:
+    """The fix for an input empty on ``axis`` where the engine takes no 0: one row or more for the batch (axis 0
+    that no range of its own sizes: ``ranged``); for another axis, a size it takes, or an engine validated at 0
+    (``signature.shapes`` from 0: a decoder's empty past)."""
+    if str(dim) == BATCH_AXIS or (axis == 0 and not ranged):
         return "pass one row or more (no engine takes an empty batch: ONNX Runtime's LSTM and GRU abort on one)"
     if not isinstance(dim, str) or not dim.isidentifier():  # fixed, or an axis of no name that no size declares
         return f"pass '{name}' with a size of 1 or more on axis {axis}"

@@ -188,13 +188,17 @@ def test_an_empty_axis_says_the_sizes_validated_and_the_batch_is_never_empty() -
         "input 'past' axis 1 (past) is 0: engine e was validated for past from 4 to 16"
     )
     assert meta.empty_axis({"past": (2, 0, 8)}) == ("past", 1, "past")
-    # an axis 0 of its own name validated from 0 (a graph taking counts of their own) is a batch still: never empty
-    meta.inputs = [TensorSpec(name="nodes", shape=["n", 8], dtype="float32")]
-    meta.axis_ranges = {"n": [0, 16]}
-    assert (
-        meta.refusal({"nodes": np.zeros((0, 8), np.float32)})
-        == "input 'nodes' has 0 rows: engine e takes no empty inputs"
-    )
+    # an axis 0 of its own name validated from 0 (a two-tower model's texts, counted apart from the batch) takes 0,
+    # as validation ran it; the batch never does, nor an axis 0 of no range of its own (another file's batch name)
+    meta.inputs = [TensorSpec(name="texts", shape=["texts", 8], dtype="float32")]
+    meta.axis_ranges = {"texts": [0, 16]}
+    assert meta.refusal({"texts": np.zeros((0, 8), np.float32)}) is None
+    for name in ("batch", "batch_size"):
+        meta.inputs = [TensorSpec(name="x", shape=[name, 8], dtype="float32")]
+        meta.axis_ranges = {"texts": [0, 16]} if name != "batch" else {"batch": [0, 16]}
+        assert (
+            meta.refusal({"x": np.zeros((0, 8), np.float32)}) == "input 'x' has 0 rows: engine e takes no empty inputs"
+        )
 
 
 def test_a_fixed_axis_at_another_size_is_refused_naming_it() -> None:

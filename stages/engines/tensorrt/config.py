@@ -22,9 +22,9 @@ class ShapeRange(Section):
             raise ValueError(f"min/opt/max must have the same rank, got {self.min}, {self.opt}, {self.max}")
         if any(not (a <= b <= c) for a, b, c in zip(self.min, self.opt, self.max)):
             raise ValueError(f"need min <= opt <= max on every axis, got {self.min}, {self.opt}, {self.max}")
-        # TensorRT takes empty tensors (a decoder's empty past), but no profile of an empty batch
-        if (self.min and self.min[0] < 1) or any(d < 0 for d in self.min):
-            raise ValueError(f"shape dims must be >= 1 on the batch axis 0 and >= 0 on others, got min {self.min}")
+        # TensorRT takes empty tensors (a decoder's empty past); an empty batch is refused where the batch is known
+        if any(d < 0 for d in self.min):
+            raise ValueError(f"shape dims must be >= 0, got min {self.min}")
         return self
 
 
