@@ -272,7 +272,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from kiln import load_engine
-from kiln.serve.batching import batched_infer, buckets_for, warm_buckets
+from kiln.serve.batching import batched_infer, buckets_for, request_fault, warm_buckets
 from kiln.serve.stub_times import StubStamps, StubTimes, sent_times
 from kiln.serve.stub_parent import exit_with_server
 
@@ -358,9 +358,9 @@ class TritonPythonModel:
                     raise exc  # it ran alone already
                 answers[i] = self._run([feeds[i]])[0]
             except Exception as one:
-                failed.append((i, f"the engine failed on this request: {type(one).__name__}: {one}"))
-        for i, why in failed:  # the request's own fault where the engine answered others of the batch
-            refused[i] = (why, bool(answers))
+                failed.append((i, f"the engine failed on this request: {type(one).__name__}: {one}", one))
+        for i, why, one in failed:  # the request's own fault where the engine answered others, or said so
+            refused[i] = (why, bool(answers) or request_fault(one))
         return answers, refused
 
     def _run(self, feeds):

@@ -69,9 +69,15 @@ def test_the_model_answers_each_request_and_freezes_what_start_up_built(
         good, bad = model.execute([{"x": np.ones((1, 3), np.float32)}, {"x": np.ones((1, 4), np.float32)}])
         assert good.error is None and (good.outputs[0][1] == 2).all()
         assert bad.outputs is None and bad.error.startswith("3:the engine failed on this request")  # 400
-        [alone] = model.execute([{"x": np.ones((1, 4), np.float32)}])  # nothing to tell it from a failed engine
-        assert alone.outputs is None and alone.error.startswith("None:the engine failed on this request")
+        # alone, ONNX Runtime's INVALID_ARGUMENT says it is the request's fault: a 400 still
+        [alone] = model.execute([{"x": np.ones((1, 4), np.float32)}])
+        assert alone.outputs is None and alone.error.startswith("3:the engine failed on this request")
         assert (model.execute([{"x": np.ones((1, 3), np.float32)}])[0].outputs[0][1] == 2).all()
+        run = model._run
+        model._run = lambda feeds: (_ for _ in ()).throw(RuntimeError("out of memory"))  # the engine's own failure
+        [alone] = model.execute([{"x": np.ones((1, 3), np.float32)}])  # nothing tells it from a failed engine: a 500
+        assert alone.outputs is None and alone.error.startswith("None:the engine failed on this request")
+        model._run = run
     finally:
         gc.unfreeze()
         model.finalize()
