@@ -558,14 +558,16 @@ def integer_ranges(
 def fixed_columns(specs: list[TensorSpec], tables: Mapping[str, Any] | None = None) -> dict[str, int]:
     """Input name -> the size of its last axis, for each input (graph ``TensorSpec``) of two or more axes whose
     last axis the graph fixes: the inputs whose columns :func:`integer_ranges` may range one by one. ``tables``:
-    the graph's index ranges (:func:`kiln.core.onnx_io.index_ranges`), where given only the inputs whose columns
-    index tables of their own (a range per column there) are kept: token ids of a fixed length keep one range, so
-    the safety net draws every position from all the ids the data holds, not the first only from its start token."""
+    the graph's index ranges (:func:`kiln.core.onnx_io.index_ranges`), where given an input with one range there is
+    left out: token ids of a fixed length keep one range, so the safety net draws every position from all the ids
+    the data holds, not the first only from its start token. An input with a range per column there (ids packed
+    for tables of their own), or with none (an index the graph computes from it in ways not followed), is kept: the
+    data's range of one column may run past the table another column's values reach."""
     out = {}
     for spec in specs:
         last = spec.shape[-1] if len(spec.shape) >= 2 else None
-        per_column = tables is None or _per_column(tables.get(spec.name))
-        if isinstance(last, int) and last >= 1 and per_column:
+        bounds = None if tables is None else tables.get(spec.name)
+        if isinstance(last, int) and last >= 1 and (bounds is None or _per_column(bounds)):
             out[spec.name] = last
     return out
 

@@ -580,6 +580,7 @@ _INDEXES = {"Gather", "GatherElements", "ScatterElements", "Scatter", "GatherND"
 _NO_LIMIT = float("inf")
 
 Rows = tuple[int, np.ndarray | None, str]  # axis, the rows of it an output holds (None: all), the output
+Shifted = tuple[np.ndarray, int]  # a constant added to an index (one value, or one per column), the positions indexed
 # for each axis of a value followed from a graph input, the input's axis it is (None: one of its own, an index's);
 # None: the value's shape is not followed
 Axes = list[int | None] | None
@@ -610,7 +611,12 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, IntRange]:
     values may be anything: a count beside the ids of a category). Where those rows are the columns of the input's
     last axis and index axes of different sizes (a recommender's categorical ids packed in one ``[batch, 6]`` input,
     ``sparse[:, i]`` into table ``i``), the input gets one ``[0, n_i - 1]`` per column instead (:data:`IntRange`):
-    the most permissive row would let an id past a small table through to ONNX Runtime."""
+    the most permissive row would let an id past a small table through to ONNX Runtime.
+
+    An index shifted by a constant ``c`` on its way (an ``Add`` or ``Sub``: ``ids - 1``; categorical columns that
+    share one embedding, each shifted to its own rows, ``emb(x_cat + offsets)``) takes the values that keep it within
+    the axis: ``[-c, n - 1 - c]``, one per column where ``c`` holds one number per column of the input's last axis;
+    an input that also indexes as it is takes only the values both allow."""
     return _IndexGraph(model).ranges()
 
 
@@ -636,20 +642,34 @@ class _IndexGraph:
         for value in self.model.graph.input:
             if value.name in self.tables or value.type.tensor_type.elem_type not in _INTEGER:
                 continue
-            n = self.limit(value.name)
-            if isinstance(n, list):
-                out[value.name] = [[0, int(k) - 1] for k in n]
-            elif n != _NO_LIMIT:
-                out[value.name] = [0, int(n) - 1]
+            found = self.allowed(value.name)
+            if found is not None:
+                out[value.name] = found
         return out
 
-    def limit(self, name: str) -> float | list[float]:
-        """The number of positions the values of input ``name`` may address: the smallest axis its whole values
-        index; for rows taken apart along an axis, each row's own smallest, and the largest over the rows (every
-        row must be taken, else a row's values are free: no limit). Rows taken apart along the last axis only,
-        every one indexing and not all alike, give one number per column (see :func:`index_ranges`)."""
+    def allowed(self, name: str) -> IntRange | None:
+        """The values input ``name`` may hold: 0 to :meth:`limit` - 1 where its values index as they are, and within
+        what each constant added on the way leaves of the axis it then indexes (:meth:`shift`: ``x + c`` into ``n``
+        positions takes ``-c`` to ``n - 1 - c``); one range per column where the columns differ. None where nothing
+        bounds it, or the bounds leave no value (a reading of the graph that cannot be right)."""
         shape = self.declared.get(name)
-        sizes, parts = self.reach(name, shape)
+        sizes, parts, shifts = self.reach(name, shape)
+        n = np.atleast_1d(np.asarray(self.limit(shape, sizes, parts), float))
+        low, high = np.where(n == _NO_LIMIT, -_NO_LIMIT, 0.0), n - 1
+        for shift, rows in shifts:
+            if shift.size in {1, low.size} or low.size == 1:
+                low, high = np.maximum(low, -shift), np.minimum(high, rows - 1 - shift)
+        if not np.isfinite(high).all() or (low > high).any():
+            return None
+        pairs = [[int(a), int(b)] for a, b in zip(low, high)]
+        return pairs if len({tuple(p) for p in pairs}) > 1 else pairs[0]
+
+    def limit(self, shape: list[int | None] | None, sizes: list[int], parts: list[Rows]) -> float | list[float]:
+        """The number of positions the values of an input (of ``shape``; its :meth:`reach`: ``sizes``, ``parts``)
+        may address: the smallest axis its whole values index; for rows taken apart along an axis, each row's own
+        smallest, and the largest over the rows (every row must be taken, else a row's values are free: no limit).
+        Rows taken apart along the last axis only, every one indexing and not all alike, give one number per column
+        (see :func:`index_ranges`)."""
         limit = min(sizes, default=_NO_LIMIT)
         by_axis: dict[int, list[tuple[np.ndarray, float]]] = {}
         for axis, rows, out in parts:
@@ -666,13 +686,15 @@ class _IndexGraph:
             return per_column.tolist()
         return limit
 
-    def reach(self, start: str, shape: list[int | None] | None) -> tuple[list[int], list[Rows]]:
+    def reach(self, start: str, shape: list[int | None] | None) -> tuple[list[int], list[Rows], list[Shifted]]:
         """The sizes of the axes the values of ``start`` index, following ops that keep values; with ``shape`` (the
         start's own), also the rows of it that ops take apart, while the value followed still has the start's axes
         (``Identity``, a wide ``Cast``, a Gather along an axis whose size is not a number: :meth:`unwrapped`): see
-        :meth:`rows`. A Concat with constants within the indexed axis keeps the values' meaning (:meth:`mixed`)."""
+        :meth:`rows`. A Concat with constants within the indexed axis keeps the values' meaning (:meth:`mixed`).
+        Last, each constant added to the values on the way (:meth:`shift`) with the smallest axis the sum indexes."""
         sizes: list[int] = []
         parts: list[Rows] = []
+        shifts: list[Shifted] = []
         todo: list[tuple[str, Axes, int]] = [(start, None if shape is None else list(range(len(shape))), 0)]
         seen = {start}
         while todo:
@@ -691,6 +713,10 @@ class _IndexGraph:
                     follow = [(node.output[0], unwrapped, need)]
                 elif node.op_type == "Concat" and (extra := self.mixed(node, name)) is not None:
                     follow = [(node.output[0], None, max(need, extra))]
+                elif not need and (shift := self.shift(node, slot, view, axes, shape)) is not None:
+                    rows = min(self.reach(node.output[0], None)[0], default=None)
+                    shifts.extend([(shift, rows)] if rows else [])
+                    continue
                 elif slot == 1 and node.op_type in _INDEXES:
                     n = self.indexed(node)
                     sizes.extend([n] if n and n >= need else [])  # constants mixed in past the axis: not its ids
@@ -702,7 +728,29 @@ class _IndexGraph:
                     if out not in seen:
                         seen.add(out)
                         todo.append((out, kept_axes, at_least))
-        return sizes, parts
+        return sizes, parts, shifts
+
+    def shift(
+        self, node: onnx.NodeProto, slot: int, view: list[int | None] | None, axes: Axes, start: list[int | None] | None
+    ) -> np.ndarray | None:
+        """What ``node`` adds to its input ``slot``, a value followed from a graph input (of shape ``start``; the
+        value's axes ``axes`` of it, of sizes ``view``), where ``node`` is an Add or Sub of a constant: one number,
+        or one per column of the input's last axis (an offset per categorical column into one table the columns
+        share, ``emb(x_cat + offsets)``). None for any other node, a constant broadcast along another axis, and a
+        Sub from a constant (``c - x`` reverses the values)."""
+        if node.op_type not in {"Add", "Sub"} or len(node.input) != 2 or (node.op_type == "Sub" and slot != 0):
+            return None
+        values = self.constant(node.input[1 - slot])
+        if values is None or not values.size:
+            return None
+        sign = -1 if node.op_type == "Sub" else 1
+        if values.size == 1:
+            return sign * values
+        dims = self.shape(node.input[1 - slot])
+        if not view or axes is None or start is None or dims is None or len(dims) > len(view):
+            return None
+        last = axes[-1] == len(start) - 1 and view[-1] == values.size
+        return sign * values if last and dims[-1] == values.size and all(d == 1 for d in dims[:-1]) else None
 
     def unwrapped(self, node: onnx.NodeProto, view: list[int | None] | None, axes: Axes) -> Axes | None:
         """The start's axes that the output of ``node`` keeps, where ``node`` is a Gather of constant positions along
@@ -917,24 +965,32 @@ def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str
     the sentence), or None. ONNX Runtime stops at the first such index with a traceback from deep in the graph;
     checked before the data reaches it, the error names the input, the value and the table's rows. The data may
     count from the end of a table down to ``-rows``, as ``Gather`` does (an engine's own ranges then start there)."""
-    found = first_outside({k: from_end(r) for k, r in index_ranges(model).items()}, feed)
+    ranges = index_ranges(model)
+    found = first_outside({k: from_end(r) for k, r in ranges.items()}, feed)
     if found is None:
         return None
-    key, value, (_, high), column = found
+    key, value, _, column = found
+    low, high = whole_range(ranges[key] if column is None else ranges[key][column])  # type: ignore[arg-type]
     where = "" if column is None else f" in column {column} ({key}[..., {column}])"
     return (
-        f"input '{key}' holds {value}{where}: {name} indexes an axis of {high + 1} positions "
-        f"with it (values 0 to {high}, or down to {-(high + 1)} counted from its end)"
+        f"input '{key}' holds {value}{where}: {name} indexes an axis of {high - low + 1} positions "
+        f"with it (values {low} to {high}, or down to {2 * low - high - 1} counted from its end)"
     )
 
 
 def from_end(bounds: IntRange) -> IntRange:
     """An index range (:func:`index_ranges`) with the negative indices ONNX's index ops take added: ``[0, n - 1]``
-    becomes ``[-n, n - 1]``, column by column where it has one per column."""
+    becomes ``[-n, n - 1]`` (``[low, high]``, an index shifted by ``-low``: ``[low - n, high]``), column by column
+    where it has one per column."""
     columns = by_column(bounds, len(bounds))
     if columns is not None:
-        return [[-(high + 1), high] for _, high in columns]
-    return [-(whole_range(bounds)[1] + 1), whole_range(bounds)[1]]
+        return [_from_end(c) for c in columns]
+    return _from_end(whole_range(bounds))
+
+
+def _from_end(bounds: list[int]) -> list[int]:
+    low, high = bounds
+    return [2 * low - high - 1, high]
 
 
 QDQ = {"QuantizeLinear", "DequantizeLinear"}

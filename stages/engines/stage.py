@@ -170,9 +170,10 @@ def _index_ranges(graph: Any, taken: list[Any], data: dict[str, IntRange]) -> di
 
 
 def _from_data_low(bounds: list[int], data: list[int] | None) -> list[int]:
-    """``bounds`` (one index range) reaching below 0 as far as ``data`` (its values in the data) does, to -rows."""
+    """``bounds`` (one index range) reaching below its low as far as ``data`` (its values in the data) does, as far
+    as ONNX's negative indices reach (-rows for a range from 0; a shifted column's reaches as far below its low)."""
     low, high = bounds
-    return [max(-(high + 1), min(low, data[0] if data else low)), high]
+    return [max(2 * low - high - 1, min(low, data[0] if data else low)), high]
 
 
 class MislabelledEngine(BuildError):

@@ -67,7 +67,8 @@ def unrunnable_hint(
     drawn from a recorded range, :func:`~kiln.stages.optimize.verify.drawn_ranges`, which the fix names apart),
     ``signature.shapes`` for its named axes besides batch where the caller sizes them from it (``by_shapes``:
     ``kiln optimize FILE``), and ``optimize.verify_batch``, which sizes the batch and every axis ``sizes`` leaves
-    out."""
+    out. An index past a table (ONNX Runtime's Gather "out of data bounds") is the integers' alone
+    (:func:`_past_table_hint`)."""
     specs = io_specs(model)[0]
     if "cannot be reshaped" in why:
         named = axis_names(specs)
@@ -77,6 +78,8 @@ def unrunnable_hint(
     axes = graph_axes(specs)
     fixes = []
     integers = [s.name for s in specs if s.dtype.startswith(("int", "uint"))]
+    if integers and any(m in why.lower() for m in _PAST_TABLE):
+        return _past_table_hint(model, integers, int_ranges)
     ranged = [n for n in integers if n in drawn_ranges(model, int_ranges)]
     if len(ranged) < len(integers):
         fixes.append("set optimize.int_high below the smallest vocabulary / index range")
@@ -96,6 +99,33 @@ def unrunnable_hint(
 
 def _axes(names: list[str]) -> str:
     return ("axes " if len(names) > 1 else "axis ") + ", ".join(f"'{n}'" for n in names)
+
+
+# ONNX Runtime's errors for an index past the axis it reads (Gather and ScatterElements, GatherElements, GatherND)
+_PAST_TABLE = ("out of data bounds", "out of range value in index tensor", "invalid index found")
+
+
+def _past_table_hint(model: onnx.ModelProto, integers: list[str], int_ranges: IntRanges | None) -> str:
+    """The fix for random ``integers`` that index past a table of ``model``: the batch size has no part in it. An
+    input drawn from [0, int_high] takes a lower int_high; one drawn from the data's values (export/int_ranges.json)
+    a range per column, where one range over columns that index tables of their own (or rows of one shared table,
+    each column shifted by an offset) draws a column past its own rows."""
+    drawn = drawn_ranges(model, int_ranges)
+    free = [n for n in integers if n not in drawn]
+    seen = [n for n in integers if n in (int_ranges or {})]
+    fixes = [f"set optimize.int_high below the rows of the smallest table {_quoted(free)} index"] if free else []
+    if seen:
+        fixes.append(
+            f"rerun the export (kiln run --force export) to record the data's range of each column of {_quoted(seen)} "
+            "in export/int_ranges.json, one [low, high] per column"
+        )
+    fixes.append("set optimize.verify: false to rewrite without checking")
+    drew = f"the integers the safety net drew for {_quoted(integers)} index past a table of the graph"
+    return f"{drew}: " + "; or ".join(fixes)
+
+
+def _quoted(names: list[str]) -> str:
+    return ", ".join(f"'{n}'" for n in names)
 
 
 def optimize_model(

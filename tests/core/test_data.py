@@ -428,3 +428,24 @@ def test_as_many_inputs_as_rows_are_inputs_not_samples() -> None:
     x = tuple(torch.zeros(10, 4) for _ in range(10))
     data = DatasetSplits(x, torch.zeros(10), x, torch.zeros(10))
     check_splits(data, "d")
+
+
+def test_an_integer_input_the_graph_gives_no_range_keeps_a_range_per_column() -> None:
+    """A tabular FT-Transformer's ``x_cat [B, 3]`` (4, 10 and 3 levels) indexes its shared table only after an offset
+    per column is added, where the graph's index ranges may hold nothing for it: its columns are ranged one by one
+    all the same (one range, 0 to 9, has the safety net draw past the 3-level column's rows). Token ids of a fixed
+    length, which the graph ranges by their table, keep one range."""
+    g = torch.Generator().manual_seed(0)
+    x_cat = torch.stack([torch.randint(0, k, (64,), generator=g) for k in (4, 10, 3)], 1)
+    tokens = torch.randint(0, 50, (64, 6), generator=g)
+    tokens[:, 0] = 1  # a start token: its column differs, but the axis is a sequence
+    x = {"x_cat": x_cat, "tokens": tokens}
+    data = DatasetSplits({k: v[:48] for k, v in x.items()}, None, {k: v[48:] for k, v in x.items()}, None)
+    specs = [
+        TensorSpec(name="x_cat", shape=["batch", 3], dtype="int64"),
+        TensorSpec(name="tokens", shape=["batch", 6], dtype="int64"),
+    ]
+    columns = fixed_columns(specs, {"tokens": [0, 49]})
+    assert columns == {"x_cat": 3}
+    ranges = integer_ranges(data, list(x), columns)
+    assert ranges == {"x_cat": [[0, 3], [0, 9], [0, 2]], "tokens": [0, int(tokens.max())]}

@@ -247,7 +247,7 @@ def test_embedding_ranges_are_unchanged() -> None:
     """The embedding cases index_ranges had before (tests/core/test_onnx_io.py's graph): a 1-D table gives none."""
     from tests.core.test_onnx_io import _indexing_graph
 
-    assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1], "small": [0, 9]}
+    assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1], "pos": [-1, 8], "small": [0, 9]}
 
 
 class _Gin(nn.Module):

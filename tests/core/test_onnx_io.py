@@ -85,8 +85,8 @@ def test_a_session_of_a_graph_with_an_unused_big_weight() -> None:
 
 def _indexing_graph() -> onnx.ModelProto:
     """ids -> Gather over a 10-row table; kind -> Unsqueeze -> Gather over a 2-row table (an FP16 table, cast);
-    small (uint8) -> Cast to int64 -> Gather; pos -> Add -> Gather and hashed -> Cast to int8 -> Gather (values
-    changed on the way: no range); x (float) and flat (a 1-D table) have none."""
+    small (uint8) -> Cast to int64 -> Gather; pos -> Add of 1 -> Gather (-1 to 8: row pos + 1); hashed -> Cast to
+    int8 -> Gather (values wrapped on the way: no range); x (float) and flat (a 1-D table) have none."""
     table = numpy_helper.from_array(np.zeros((10, 4), np.float32), "table")
     kinds = numpy_helper.from_array(np.zeros((2, 4), np.float16), "kinds")
     flat = numpy_helper.from_array(np.zeros(7, np.float32), "flat1d")
@@ -119,7 +119,7 @@ def _indexing_graph() -> onnx.ModelProto:
 
 
 def test_index_ranges_are_the_rows_of_the_embedding_tables_an_input_indexes() -> None:
-    assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1], "small": [0, 9]}
+    assert index_ranges(_indexing_graph()) == {"ids": [0, 9], "kind": [0, 1], "pos": [-1, 8], "small": [0, 9]}
 
 
 def test_an_index_past_a_table_is_named_with_its_input_and_range() -> None:

@@ -136,6 +136,18 @@ def test_packed_columns_keep_a_range_each_with_the_data_s_own_lows() -> None:
     assert _index_ranges(_packed_graph(), taken, {"sparse": [-50, 996]}) == {"sparse": [[-10, 9], [-50, 999]]}
 
 
+def test_a_shifted_column_keeps_the_rows_its_shift_leaves_it(tmp_path: Path) -> None:
+    """FT-Transformer's ``emb(x_cat + offsets)``, offsets [0, 4, 14] into one table of 17 rows: column 2 takes -14 to
+    2 (rows 0 to 16), as PyTorch does; a floor at -(high + 1), right for a range from 0, cut it to -3."""
+    from kiln.core.records import TensorSpec
+    from kiln.stages.engines.stage import _index_ranges
+    from tests.core.test_onnx_io_offsets import _ft_graph
+
+    taken = [TensorSpec(name="x_cat", shape=["batch", 3], dtype="int64")]
+    data = {"x_cat": [[0, 3], [0, 9], [0, 2]]}
+    assert _index_ranges(_ft_graph(tmp_path), taken, data) == {"x_cat": [[0, 16], [-4, 12], [-14, 2]]}
+
+
 def test_an_edge_index_range_starts_at_0_unless_the_data_counts_from_the_end() -> None:
     """A graph neural network's ``edge_index`` reaching GatherElements and ScatterElements over 12 nodes: ONNX would
     take -1 as the last node, torch.gather refuses it; data from 0 records 0 to 11, so the engine refuses a negative

@@ -185,17 +185,17 @@ def test_layernorm_fusion_skips_empty_axes_and_still_fuses_the_real_one():
 
 
 def test_net_that_cannot_run_the_model_is_a_clear_error():
-    """ids + 1 index a 5-row table: the net's integers (0..int_high) run past it."""
+    """ids * 2 index a 5-row table: the net's integers (0..int_high) run past it."""
     m = make_model(
-        [N("Add", ["ids", "one"], ["shifted"]), N("Gather", ["table", "shifted"], ["y"])],
+        [N("Mul", ["ids", "two"], ["doubled"]), N("Gather", ["table", "doubled"], ["y"])],
         [("ids", ["N", 3], INT64)],
         ["y"],
-        {"table": f32(5, 4), "one": np.array(1, np.int64)},
+        {"table": f32(5, 4), "two": np.array(2, np.int64)},
     )
     with pytest.raises(ModelError, match="safety net cannot run") as err:
         optimize_model(m, OptimizeConfig())
     assert "int_high" in err.value.hint and "verify: false" in err.value.hint
-    out, s = optimize_model(m, OptimizeConfig(int_high=3))
+    out, s = optimize_model(m, OptimizeConfig(int_high=2))
     assert s["verified"]
 
 
@@ -242,21 +242,22 @@ def test_packed_columns_are_drawn_within_their_own_tables(recorded: list) -> Non
 
 
 def test_the_fix_says_int_high_does_not_change_an_input_drawn_from_the_data():
-    """ids + 1 index a 5-row table and the data held 0..4: the net draws ids there, whatever optimize.int_high is,
-    so the fix does not offer int_high (which changed nothing) and says why."""
+    """ids * 2 index a 10-row table and the data's range recorded for ids is 5..9: the net draws ids there, whatever
+    optimize.int_high is, and every index drawn runs past the table (ONNX Runtime's "out of data bounds"), so the
+    fix offers neither int_high nor verify_batch (which change nothing there): the data's range per column."""
     m = make_model(
-        [N("Add", ["ids", "one"], ["shifted"]), N("Gather", ["table", "shifted"], ["y"])],
+        [N("Mul", ["ids", "two"], ["doubled"]), N("Gather", ["table", "doubled"], ["y"])],
         [("ids", ["N", 3], INT64)],
         ["y"],
-        {"table": f32(5, 4), "one": np.array(1, np.int64)},
+        {"table": f32(10, 4), "two": np.array(2, np.int64)},
     )
     for high in (16, 3):
-        with pytest.raises(ModelError, match="safety net cannot run") as err:
-            optimize_model(m, OptimizeConfig(int_high=high), int_ranges={"ids": [0, 4]})
+        with pytest.raises(ModelError, match="out of data bounds") as err:
+            optimize_model(m, OptimizeConfig(int_high=high), int_ranges={"ids": [5, 9]})
     assert err.value.hint == (
-        "set optimize.verify_batch to a batch size the model takes; or set optimize.verify: false to rewrite without "
-        "checking (optimize.int_high does not change 'ids': drawn from the values the data holds, "
-        "export/int_ranges.json)"
+        "the integers the safety net drew for 'ids' index past a table of the graph: rerun the export (kiln run "
+        "--force export) to record the data's range of each column of 'ids' in export/int_ranges.json, one "
+        "[low, high] per column; or set optimize.verify: false to rewrite without checking"
     )
 
 
@@ -342,13 +343,13 @@ def test_the_fix_names_signature_shapes_where_the_caller_sizes_axes_by_it():
 
 
 def test_the_fix_for_a_model_with_integer_inputs_names_int_high_and_no_sized_axis():
-    """Integer inputs drawn from [0, int_high] (ids + 1 index the table: no range of their own): int_high applies.
+    """Integer inputs drawn from [0, int_high] (ids * 2 index the table: no range of their own): int_high applies.
     An axis the data sized is not verify_batch's: the batch alone is."""
     m = make_model(
-        [N("Add", ["ids", "one"], ["shifted"]), N("Gather", ["table", "shifted"], ["g"]), N("Conv", ["x", "w"], ["y"])],
+        [N("Mul", ["ids", "two"], ["doubled"]), N("Gather", ["table", "doubled"], ["g"]), N("Conv", ["x", "w"], ["y"])],
         [("ids", ["N", "seq"], INT64), ("x", ["N", 1, "samples"], FLOAT)],
         ["y", "g"],
-        {"table": f32(5, 4), "w": f32(4, 1, 10), "one": np.array(1, np.int64)},
+        {"table": f32(5, 4), "w": f32(4, 1, 10), "two": np.array(2, np.int64)},
     )
     hint = unrunnable_hint(m, "Invalid input shape", {"ids": {1: [4, 8]}}, by_shapes=False)
     assert hint == (
@@ -361,6 +362,23 @@ def test_the_fix_for_a_model_with_integer_inputs_names_int_high_and_no_sized_axi
     assert unrunnable_hint(direct, "Invalid input shape", None, by_shapes=True) == (  # drawn from the table's rows
         "set optimize.verify_batch to a batch size the model takes; or set optimize.verify: false to rewrite without "
         "checking (optimize.int_high does not change 'ids': drawn from the rows of the tables indexed)"
+    )
+
+
+def test_an_index_drawn_past_a_table_is_fixed_by_the_integers_not_the_batch_size():
+    """ONNX Runtime's Gather stops at an index past its table ("out of data bounds"): for ids drawn from
+    [0, int_high] the fix is a lower int_high, not verify_batch, which changes no value."""
+    m = make_model(
+        [N("Mul", ["ids", "two"], ["doubled"]), N("Gather", ["table", "doubled"], ["g"])],
+        [("ids", ["N", 3], INT64)],
+        ["g"],
+        {"table": f32(10, 4), "two": np.array(2, np.int64)},
+    )
+    with pytest.raises(ModelError, match="out of data bounds") as err:
+        optimize_model(m, OptimizeConfig(int_high=100))
+    assert err.value.hint == (
+        "the integers the safety net drew for 'ids' index past a table of the graph: set optimize.int_high below "
+        "the rows of the smallest table 'ids' index; or set optimize.verify: false to rewrite without checking"
     )
 
 

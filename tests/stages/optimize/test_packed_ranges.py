@@ -8,10 +8,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+from kiln.core.data import DatasetSplits, fixed_columns, integer_ranges
+from kiln.core.onnx_io import index_ranges, io_specs
 from kiln.pipeline.api import run_pipeline
 from kiln.pipeline.config import config_from_dict
+from kiln.stages.optimize.api import optimize_model
+from kiln.stages.optimize.config import OptimizeConfig
 from tests.conftest import tiny_config_dict
+from tests.core.test_onnx_io_offsets import CARDINALITIES, _ft_graph
 
 PACKED = """
 import torch
@@ -54,3 +60,19 @@ def test_a_packed_categorical_input_passes_the_safety_net(tmp_path: Path, monkey
     assert [r.status for r in result.records] == ["ran", "ran", "ran"]
     ranges = json.loads((tmp_path / "wd" / "export" / "int_ranges.json").read_text())["sparse"]
     assert len(ranges) == 2 and ranges[0][1] <= 9 < ranges[1][1]
+
+
+def test_offset_columns_into_one_shared_table_pass_the_safety_net(tmp_path: Path) -> None:
+    """A tabular FT-Transformer's ``x_cat`` (4, 10 and 3 levels, shifted into one shared 17-row table): the ranges
+    the export records (as the export stage computes them) hold one per column, and the safety net, drawing each
+    column within its own, runs the model; one range, 0 to 9, draws past the table's rows in column 2."""
+    graph = _ft_graph(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    x = {
+        "x_num": torch.rand(64, 7, generator=g),
+        "x_cat": torch.stack([torch.randint(0, k, (64,), generator=g) for k in CARDINALITIES], 1),
+    }
+    data = DatasetSplits({k: v[:48] for k, v in x.items()}, None, {k: v[48:] for k, v in x.items()}, None)
+    ranges = integer_ranges(data, list(x), fixed_columns(io_specs(graph)[0], index_ranges(graph)))
+    assert ranges == {"x_cat": [[0, 3], [0, 9], [0, 2]]}
+    assert optimize_model(graph, OptimizeConfig(), int_ranges=ranges)[1]["verified"]
