@@ -20,13 +20,31 @@ Axes = Mapping[str, Mapping[int, str]]  # input or output -> {axis: name}
 IGNORE_LABEL = -100  # torch's cross_entropy default ignore_index, and what Hugging Face pads token labels with
 
 
-LABEL_NAMES = {"label", "labels", "target", "targets", "start_positions", "end_positions"}
+# The label arguments of Hugging Face's heads, given which the model returns its loss: ``labels`` (and ``mc_labels``,
+# ``next_sentence_label``: the suffixes), a question answerer's ``start_positions``/``end_positions``, the
+# forecasters' ``future_values`` (PatchTST, Informer, Autoformer, TimesFM) and the regressors' ``target_values``
+LABEL_NAMES = {
+    "label",
+    "labels",
+    "target",
+    "targets",
+    "start_positions",
+    "end_positions",
+    "future_values",
+    "target_values",
+}
 
 
 def is_label_name(name: str) -> bool:
     """Named like the labels a model computes its loss from (``labels``, ``targets``, ``mc_labels``...)."""
     low = name.lower()
     return low in LABEL_NAMES or low.endswith(("_label", "_labels"))
+
+
+def is_loss_name(name: str) -> bool:
+    """Named like Hugging Face's ``ModelOutput.loss`` (a nested output's too, ``output.loss``): the output a model
+    returns only where it is given its labels."""
+    return name.rsplit(".", 1)[-1].lower() == "loss"
 
 
 def floating(y: Any) -> bool:

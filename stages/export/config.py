@@ -11,3 +11,8 @@ class ExportConfig(Section):
     opset: int = Field(18, ge=13, le=23, description="the dynamo exporter needs >= 18")
     dynamic_batch: bool = Field(True, description="false: a fixed-batch graph; direct `kiln export` only")
     parity_atol: float = Field(1e-4, gt=0, description="max abs error allowed between ONNX Runtime and PyTorch")
+    parity_rtol: float = Field(
+        1e-5,
+        ge=0,
+        description="and this share of each output's largest |value| on top (float32 rounding grows with the values)",
+    )

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import onnx
 
 from kiln.core.data import DataContractError
-from kiln.core.labels import is_label_name
+from kiln.core.labels import is_label_name, is_loss_name
 
 log = logging.getLogger("kiln.export")
 
@@ -83,31 +83,55 @@ def warn_unused_inputs(graph: onnx.GraphProto) -> list[str]:
     return unread
 
 
-def _reached_from(graph: onnx.GraphProto, start: str) -> set[str]:
-    """The values computed from ``start`` (the graph's nodes are in topological order, as the checker requires)."""
+def _reached_from(graph: onnx.GraphProto, start: str, values: bool = False) -> set[str]:
+    """The values computed from ``start`` (the graph's nodes are in topological order, as the checker requires);
+    with ``values``, only from its values (not through the Shape or Size that reads its sizes alone)."""
     reached = {start}
     for node in graph.node:
-        if any(name in reached for name in _read(node)):
+        if any(name in reached for name in _read(node, values)):
             reached.update(node.output)
     return reached
 
 
+def _loss_label(graph: onnx.GraphProto, name: str, unbatched: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The scalar loss (:func:`kiln.core.labels.is_loss_name`, 0-d) computed from the values of input ``name``
+    where no output with a batch axis is (``unbatched``: the outputs without one, by shape): a model returns such an
+    output only from its labels. None where there is none."""
+    reached = _reached_from(graph, name, values=True)
+    if any(o.name in reached and o.name not in unbatched for o in graph.output):
+        return None
+    return next((o for o, shape in unbatched.items() if o in reached and not shape and is_loss_name(o)), None)
+
+
+def _label_output(graph: onnx.GraphProto, name: str, unbatched: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The output without a batch axis (``unbatched``) that makes input ``name`` the labels: one computed from it
+    where it is named like labels (:func:`kiln.core.labels.is_label_name`), else :func:`_loss_label`."""
+    if is_label_name(name):
+        reached = _reached_from(graph, name)
+        return next((o.name for o in graph.output if o.name in reached and o.name in unbatched), None)
+    return _loss_label(graph, name, unbatched)
+
+
 def refuse_label_outputs(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]], batch: int) -> None:
     """A DataContractError where an output without a batch axis (a scalar, or a first axis other than the
-    ``batch`` rows of the example it came out of: ``shapes``) is computed from an input named like labels: the
-    data puts its labels among the model's inputs, and the model returns its loss. An engine answers one row per
-    sample, and its clients have no labels to send; outputs without a batch axis are otherwise served unbatched."""
-    labels = [i.name for i in graph.input if is_label_name(i.name)]
-    for label in labels:
-        reached = _reached_from(graph, label)
-        for out in graph.output:
-            shape = shapes.get(out.name)
-            if out.name not in reached or shape is None or shape[:1] == (batch,):
-                continue
-            what = "a scalar" if not shape else f"shaped {list(shape)} at a batch of {batch}, with no batch axis"
-            raise DataContractError(
-                f"the model's output '{out.name}' is {what}, computed from its input '{label}' (a loss): an engine "
-                "answers one row per sample, and its clients have no labels to send",
-                hint=f"keep '{label}' out of the data's inputs (x): labels go in train_y/val_y, where training "
-                "computes the loss; or return only per-sample outputs from forward",
-            )
+    ``batch`` rows of the example it came out of: ``shapes``) is computed from labels among the inputs: an input
+    named like labels, or one whose values only a scalar ``loss`` is computed from (Hugging Face's forecasters'
+    ``future_values`` by any name). The data puts its labels among the model's inputs, and the model returns its
+    loss. An engine answers one row per sample, and its clients have no labels to send; outputs without a batch
+    axis are otherwise served unbatched."""
+    unbatched = {o.name: shapes[o.name] for o in graph.output if shapes.get(o.name, (batch,))[:1] != (batch,)}
+    if not unbatched:
+        return
+    named = sorted(graph.input, key=lambda i: not is_label_name(i.name))  # labels by name first, as they were
+    for label in (i.name for i in named):
+        out = _label_output(graph, label, unbatched)
+        if out is None:
+            continue
+        shape = unbatched[out]
+        what = "a scalar" if not shape else f"shaped {list(shape)} at a batch of {batch}, with no batch axis"
+        raise DataContractError(
+            f"the model's output '{out}' is {what}, computed from its input '{label}' (a loss): an engine "
+            "answers one row per sample, and its clients have no labels to send",
+            hint=f"keep '{label}' out of the data's inputs (x): return the labels as y (train_y/val_y), from "
+            "which training computes the loss (train.loss); or return only per-sample outputs from forward",
+        )

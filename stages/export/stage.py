@@ -25,7 +25,7 @@ from torch import nn
 
 from kiln.core import interrupt
 from kiln.core.artifacts import ensure_writable
-from kiln.core.compare import max_abs_err, value_ordered, within_tolerance
+from kiln.core.compare import masks_of, max_abs_err, value_ordered, within_tolerance
 from kiln.core.data import (
     SINGLE_INPUT,
     DataContractError,
@@ -530,7 +530,7 @@ def parity(
             )
         _refuse_non_finite(name, r, g, at)
     errs = {name: max_abs_err(r, g) for (name, r), g in zip(ref.items(), got)}
-    scale = {name: float(np.abs(r).max()) if r.size else 0.0 for name, r in ref.items()}
+    scale = {name: _largest(r) for name, r in ref.items()}
     return {
         "max_abs_err": max(errs.values()),
         "per_output": errs,
@@ -538,6 +538,35 @@ def parity(
         "samples": rows(x),
         "by_value": by_value,
     }
+
+
+def _largest(ref: np.ndarray) -> float:
+    """An output's largest finite magnitude beside a mask's fill (:func:`kiln.core.compare.masks_of`: a -1e9 or
+    -inf would make any error a share of nothing), the size its float rounding scales with; 0 for an integer
+    output, which is compared exactly."""
+    if ref.dtype.kind != "f":
+        return 0.0
+    r = np.asarray(ref, dtype=np.float64)
+    keep = np.isfinite(r) & ~np.isin(r, masks_of(ref).values)
+    return float(np.max(np.abs(r[keep]), initial=0.0))
+
+
+def within_parity(errs: Mapping[str, float], scale: Mapping[str, float], atol: float, rtol: float) -> bool:
+    """Whether every output's error (``errs``) is within ``atol + rtol *`` its own largest value (``scale``): float
+    rounding grows with the values a graph computes, so each output is held to its own size."""
+    return all(err <= atol + rtol * scale.get(name, 0.0) for name, err in errs.items())
+
+
+def parity_passes(check: Mapping[str, Any], atol: float, rtol: float) -> bool:
+    """Whether a :func:`parity` result is within ``atol`` and ``rtol`` (:func:`within_parity`)."""
+    return within_parity(check["per_output"], check["scale"], atol, rtol)
+
+
+def require_parity(check: Mapping[str, Any], atol: float, rtol: float, where: str, advice: str = "") -> None:
+    """:func:`parity_error` where a :func:`parity` result is not within ``export.parity_atol`` and
+    ``export.parity_rtol`` (:func:`parity_passes`)."""
+    if not parity_passes(check, atol, rtol):
+        raise parity_error(check, atol, where, advice, rtol)
 
 
 def _same_outputs(names: list[str], exported: list[str], at: str, batch: int) -> None:
@@ -718,15 +747,15 @@ FIXED_SIZE_HINT = (
 
 
 def batch_parity(
-    model: nn.Module, path: Path, example: Inputs, x: Inputs, atol: float, session: Any = None
+    model: nn.Module, path: Path, example: Inputs, x: Inputs, atol: float, session: Any = None, rtol: float = 0.0
 ) -> dict[str, Any]:
     """:func:`parity` on ``x``, whose batch differs from ``example``'s, the rows the graph was traced with (the first
     rows of ``x``). A graph that fails at ``x`` (ONNX Runtime refuses it, an output of another shape, or an error
-    over ``atol`` where the traced rows come out otherwise within ``x`` than alone) but computes ``example`` within
-    ``atol`` holds the traced batch (Swin's ``B = int(windows.shape[0] / n)``): a ModelError
-    says so, and where, instead of an ONNX Runtime traceback or advice to raise the tolerance. Otherwise the check
-    at ``x``, held to ``atol`` by the caller; the traced batch runs only when ``x`` fails, so a good graph costs
-    one run."""
+    over the tolerance, ``atol + rtol *`` each output's largest value, where the traced rows come out otherwise
+    within ``x`` than alone) but computes ``example`` within it holds the traced batch (Swin's
+    ``B = int(windows.shape[0] / n)``): a ModelError says so, and where, instead of an ONNX Runtime traceback or
+    advice to raise the tolerance. Otherwise the check at ``x``, held to the tolerance by the caller; the traced
+    batch runs only when ``x`` fails, so a good graph costs one run."""
     at = f"batch {rows(x)}"
     try:
         ref = _torch_outputs(model, x)
@@ -736,13 +765,13 @@ def batch_parity(
             hint="make forward take any batch size: the export's batch axis is dynamic",
         ) from None
     check, why = _parity_or_why(model, path, x, session, ref)
-    if check is not None and (check["max_abs_err"] <= atol or rows(x) == rows(example)):
+    if check is not None and (parity_passes(check, atol, rtol) or rows(x) == rows(example)):
         return check
     traced, _ = _parity_or_why(model, path, example, session) if rows(x) != rows(example) else (None, "")
-    # over atol at x only: the batch's doing if the graph gives the traced rows other values within x than alone
-    # (a graph that is merely inexact, worst on rows past the traced ones, gives them the same values)
-    moved = check is None or _rows_move(path, session, example, x) > atol
-    if traced is not None and traced["max_abs_err"] <= atol and moved:
+    # over the tolerance at x only: the batch's doing if the graph gives the traced rows other values within x than
+    # alone (a graph that is merely inexact, worst on rows past the traced ones, gives them the same values)
+    moved = check is None or not within_parity(_rows_move(path, session, example, x), check["scale"], atol, rtol)
+    if traced is not None and parity_passes(traced, atol, rtol) and moved:
         line = _batch_pinned_at(model, example)
         raise ModelError(
             f"the exported graph depends on the batch size it was traced at ({at}: {why}; batch {rows(example)}: "
@@ -758,16 +787,19 @@ def batch_parity(
     return check
 
 
-def _rows_move(path: Path, session: Any, example: Inputs, x: Inputs) -> float:
-    """How far the graph's outputs for ``example``'s rows, the first of ``x``, differ between a run on ``x`` and a
-    run on ``example`` alone (outputs whose rows are the samples): 0 for a graph that does not depend on its batch."""
+def _rows_move(path: Path, session: Any, example: Inputs, x: Inputs) -> dict[str, float]:
+    """Output -> how far the graph's outputs for ``example``'s rows, the first of ``x``, differ between a run on
+    ``x`` and a run on ``example`` alone (outputs whose rows are the samples): 0 for a graph that does not depend on
+    its batch."""
     sess = session if session is not None else ort_session(path)
     names = [i.name for i in sess.get_inputs()]
     whole, alone = ort_run(sess, as_feed(x, names)), ort_run(sess, as_feed(example, names))
     n = rows(example)
-    same = [(w, a) for w, a in zip(whole, alone) if w.ndim and w.shape[1:] == a.shape[1:] and len(a) == n]
-    diffs = [max_abs_err(w[:n], a) for w, a in same]
-    return max(diffs, default=0.0)
+    outputs = [o.name for o in sess.get_outputs()]
+    same = [
+        (o, w, a) for o, w, a in zip(outputs, whole, alone) if w.ndim and w.shape[1:] == a.shape[1:] and len(a) == n
+    ]
+    return {o: max_abs_err(w[:n], a) for o, w, a in same}
 
 
 def _parity_or_why(
@@ -835,9 +867,11 @@ def check_validated_sizes(
     axes: Axes,
     shapes: Mapping[str, list[int]],
     atol: float,
+    rtol: float = 0.0,
 ) -> None:
     """PyTorch and the exported graph at every size of the dynamic axes that the later stages run (validation's
-    smallest and largest: :func:`kiln.core.shapes.axis_sizes`), beside the data's own that :func:`parity` checks.
+    smallest and largest: :func:`kiln.core.shapes.axis_sizes`), beside the data's own that :func:`parity` checks,
+    each output within ``atol + rtol *`` its largest value (:func:`within_parity`).
     A model that runs at one length only, or an exporter that fixed a size it was told varies, is named here with
     what to change, instead of failing deep in calibration or validation."""
     x, feed, seen = _parity_rows(data, names)
@@ -847,14 +881,14 @@ def check_validated_sizes(
         by_value: list[str] = []
         try:
             check = parity(model, path, inputs, session, at, ref)
-            err, by_value = check["max_abs_err"], check["by_value"]
+            over, by_value = not parity_passes(check, atol, rtol), check["by_value"]
         except ModelError:
             raise
         except Exception as exc:  # ONNX Runtime's own error: the graph holds the size it was exported at
-            err, why = float("inf"), first_line(exc)
+            over, why = True, first_line(exc)
         else:
-            why = f"max abs error {err:.3g} > export.parity_atol {atol:g}"
-        if not err <= atol and by_value:
+            why = _over_tolerance(check, atol, rtol)
+        if over and by_value:
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}), and outputs "
                 f"{by_value} have a length the values decide (NMS, a threshold): where Kiln made that size by "
@@ -862,7 +896,7 @@ def check_validated_sizes(
                 hint="validate at sizes the data has (signature.shapes) or at sizes of inputs that tie no scores, "
                 "or export the model before its thresholding (its raw scores and boxes) and threshold outside",
             )
-        if not err <= atol:
+        if over:
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}): the exporter "
                 "fixed a size that signature.dynamic_axes makes vary",
@@ -1017,18 +1051,19 @@ def export_direct(
     example = take(x, slice(0, 2))  # traced with two rows, like the pipeline's export
     refuse_random(model, example)
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
+    atol, rtol = cfg.export.parity_atol, cfg.export.parity_rtol
     if cfg.export.dynamic_batch:  # at another batch too: a graph that holds the traced one gets those rows right
-        check = batch_parity(model, output, example, x, cfg.export.parity_atol)
+        check = batch_parity(model, output, example, x, atol, rtol=rtol)
     else:
         check = parity(model, output, example)
-    if not check["max_abs_err"] <= cfg.export.parity_atol:  # held to the tolerance the pipeline holds it to
-        random = (
-            "random inputs can be far from what the model meets (masks, ids): give the config's data instead of "
-            "--input-shape; "
-            if specs
-            else ""
-        )
-        raise parity_error(check, cfg.export.parity_atol, f"{output.name}, on {_example_source(specs)}", random)
+    random = (
+        "random inputs can be far from what the model meets (masks, ids): give the config's data instead of "
+        "--input-shape; "
+        if specs
+        else ""
+    )
+    # held to the tolerance the pipeline holds it to
+    require_parity(check, atol, rtol, f"{output.name}, on {_example_source(specs)}", random)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
 
@@ -1037,14 +1072,12 @@ def export_direct(
 _WRONG_SHARE = 1e-3
 
 
-def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "") -> ModelError:
-    """The export parity failure of a :func:`parity` result: the worst output, its error against its own largest
-    value, and a fix by that size. A small share is float rounding (fused or reordered arithmetic in ONNX
-    Runtime), which a wider ``export.parity_atol`` accepts; a large one is a graph that computes something else,
-    which a wider tolerance would ship."""
-    per, scale = check.get("per_output") or {}, check.get("scale") or {}
-    worst = max(per, key=per.__getitem__) if per else None
-    err, top = check["max_abs_err"], scale.get(worst, 0.0)
+def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "", rtol: float = 0.0) -> ModelError:
+    """The export parity failure of a :func:`parity` result: the output furthest past its tolerance (``atol + rtol
+    *`` its largest value), its error against its own largest value, and a fix by that size. A small share is float
+    rounding (fused or reordered arithmetic in ONNX Runtime), which a wider ``export.parity_rtol`` accepts; a large
+    one is a graph that computes something else, which a wider tolerance would ship."""
+    worst, err, top = _worst_output(check, atol, rtol)
     share = f", {err / top:.1%} of its largest value {top:.3g}" if top else ""
     said = f"output '{worst}'{share}" if worst else "all outputs"
     if not top or err / top > _WRONG_SHARE:
@@ -1055,12 +1088,30 @@ def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "
             "intermediate values as extra outputs to find the first that differs, and write it with other ops"
         )
     else:
-        hint = f"{advice}float rounding differs between the runtimes: raise export.parity_atol (now {atol:g})"
+        hint = (
+            f"{advice}float rounding differs between the runtimes: raise export.parity_rtol (now {rtol:g}) above "
+            f"the error's share of the output's largest value, {err / top:.2g}, or export.parity_atol (now {atol:g})"
+        )
     return ModelError(
-        f"the exported graph differs from PyTorch ({where}): max abs error {err:.3g} > export.parity_atol {atol:g} "
-        f"({said})",
-        hint=hint,
+        f"the exported graph differs from PyTorch ({where}): {_over_tolerance(check, atol, rtol)} ({said})", hint=hint
     )
+
+
+def _worst_output(check: Mapping[str, Any], atol: float, rtol: float) -> tuple[str | None, float, float]:
+    """The output of a :func:`parity` result furthest past its tolerance (``atol + rtol *`` its largest value), its
+    error and its largest value; no name, the largest error and 0 where it names no outputs."""
+    per, scale = check.get("per_output") or {}, check.get("scale") or {}
+    if not per:
+        return None, check["max_abs_err"], 0.0
+    worst = max(per, key=lambda name: per[name] / max(atol + rtol * scale.get(name, 0.0), np.finfo(float).tiny))
+    return worst, per[worst], scale.get(worst, 0.0)
+
+
+def _over_tolerance(check: Mapping[str, Any], atol: float, rtol: float) -> str:
+    """``max abs error E > export.parity_atol A + export.parity_rtol R x S``: the worst output's error against its
+    tolerance (:func:`_worst_output`), in words."""
+    _, err, top = _worst_output(check, atol, rtol)
+    return f"max abs error {err:.3g} > export.parity_atol {atol:g} + export.parity_rtol {rtol:g} x {top:.3g}"
 
 
 def _example_source(specs: list[TensorSpec] | None) -> str:
@@ -1355,9 +1406,8 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     warn_wide_inputs(model, example)
     proto = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
     session = ort_session(path)  # for the parity check and the output-axis probe
-    check = batch_parity(model, path, example, x, cfg.parity_atol, session)
-    if not check["max_abs_err"] <= cfg.parity_atol:
-        raise parity_error(check, cfg.parity_atol, f"{path.name}, on the data's first {check['samples']} rows")
+    check = batch_parity(model, path, example, x, cfg.parity_atol, session, cfg.parity_rtol)
+    require_parity(check, cfg.parity_atol, cfg.parity_rtol, f"{path.name}, on the data's first {check['samples']} rows")
     log.info(
         "exported %d nodes, opset %d, parity max abs err %.2e",
         len(proto.graph.node),
@@ -1365,7 +1415,9 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         check["max_abs_err"],
     )
     names = [i.name for i in proto.graph.input]
-    check_validated_sizes(model, path, session, data, names, axes or {}, ctx.config.signature.shapes, cfg.parity_atol)
+    check_validated_sizes(
+        model, path, session, data, names, axes or {}, ctx.config.signature.shapes, cfg.parity_atol, cfg.parity_rtol
+    )
     steps = size_steps(model, data, names, axes or {}, ctx.config.signature.shapes)
     if steps:
         (ctx.out / AXIS_STEPS).write_text(json.dumps(steps, indent=2, sort_keys=True) + "\n")

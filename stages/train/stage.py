@@ -28,7 +28,7 @@ from kiln.core.data import (
     tensors,
 )
 from kiln.core.errors import ConfigError, ModelError, TrainingError
-from kiln.core.labels import is_label_name
+from kiln.core.labels import is_label_name, is_loss_name
 from kiln.core.outputs import flatten_outputs, logits_name
 from kiln.core.progress import Progress
 from kiln.core.stage import StageContext
@@ -190,23 +190,54 @@ def check_fp32(model: nn.Module, model_ref: str) -> None:
         )
 
 
-def _refuse_labels_in_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> None:
-    """Labels among the inputs (a Hugging Face model's ``labels``, nanoGPT's ``targets``) make the model return its
-    loss, a scalar no engine can answer per sample: the export refuses it, so say it before training rather than
-    after. Inputs are named by a dict's keys, or by ``forward``'s parameters for positional ones."""
+def _input_names(model: nn.Module, x: Any) -> list[str]:
+    """The data's inputs by name: a dict's keys, or ``forward``'s parameters for positional ones."""
     if isinstance(x, dict):
-        names = list(x)
-    else:
-        params = list(inspect.signature(model.forward).parameters)
-        names = params[: len(x)] if isinstance(x, (tuple, list)) else params[:1]
-    labels = [n for n in names if is_label_name(n)]
-    losses = [n for n, t in outputs.items() if t.ndim == 0]
-    if labels and losses:
+        return list(x)
+    params = list(inspect.signature(model.forward).parameters)
+    return params[: len(x)] if isinstance(x, (tuple, list)) else params[:1]
+
+
+def _loss_goes_without(model: nn.Module, x: dict[str, Any], key: str) -> bool:
+    """Whether the model, called without input ``key`` of ``x``, runs and returns no scalar ``loss``
+    (:func:`kiln.core.labels.is_loss_name`): Hugging Face's models return their loss only where given their labels,
+    whatever the labels' name. A forward that needs the key (an error without it) says nothing."""
+    try:
+        with torch.no_grad():
+            out = flatten_outputs(call(model, {k: v for k, v in x.items() if k != key}))
+    except Exception:  # noqa: BLE001 - a required input: not one the loss alone reads
+        return False
+    return not any(is_loss_name(n) and t.ndim == 0 for n, t in out.items())
+
+
+def _label_among(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> str | None:
+    """The input that makes the model return a scalar (its loss): one named like labels, else, beside a scalar
+    ``loss``, a dict key without which the model returns none. None where no input does."""
+    labels = [n for n in _input_names(model, x) if is_label_name(n)]
+    if labels:
+        return labels[0]
+    if not isinstance(x, dict) or not any(is_loss_name(n) and t.ndim == 0 for n, t in outputs.items()):
+        return None
+    was = model.training
+    model.eval()  # no dropout, and no BatchNorm statistics moved by the probes
+    try:
+        return next((k for k in x if _loss_goes_without(model, x, k)), None)
+    finally:
+        model.train(was)
+
+
+def _refuse_labels_in_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> None:
+    """Labels among the inputs (a Hugging Face model's ``labels`` or its forecasters' ``future_values``, nanoGPT's
+    ``targets``, or a key without which the model returns no ``loss``) make the model return its loss, a scalar no
+    engine can answer per sample: the export refuses it, so say it before training rather than after."""
+    losses = sorted((n for n, t in outputs.items() if t.ndim == 0), key=lambda n: not is_loss_name(n))
+    label = _label_among(model, x, outputs) if losses else None
+    if label is not None:
         raise DataContractError(
-            f"the model's output '{losses[0]}' is a scalar with its input '{labels[0]}' among the data's inputs (a "
+            f"the model's output '{losses[0]}' is a scalar with its input '{label}' among the data's inputs (a "
             "loss): an engine answers one row per sample, and its clients have no labels to send",
-            hint=f"keep '{labels[0]}' out of the data's inputs (x): labels go in train_y/val_y, where training "
-            "computes the loss; or return only per-sample outputs from forward",
+            hint=f"keep '{label}' out of the data's inputs (x): return the labels as y (train_y/val_y), from which "
+            "training computes the loss (train.loss); or return only per-sample outputs from forward",
         )
 
 

@@ -254,3 +254,28 @@ def test_the_pad_value_is_what_the_data_holds_where_the_mask_marks_padding() -> 
     assert padding_value(feed, "input_ids") == 2 and padding_value(feed, "attention_mask") == 0
     assert padding_value(feed, "x") is None  # floats: no token to take
     assert padding_value({"input_ids": feed["input_ids"], "attention_mask": np.ones_like(mask)}, "input_ids") is None
+
+
+@pytest.mark.parametrize(
+    "name, label",
+    [
+        ("future_values", True),  # Hugging Face's time-series forecasters (PatchTST, Informer, Autoformer...)
+        ("target_values", True),  # PatchTST's and PatchTSMixer's regression heads
+        ("next_sentence_label", True),
+        ("mc_labels", True),
+        ("start_positions", True),
+        ("past_values", False),
+        ("future_time_features", False),
+    ],
+)
+def test_the_label_arguments_of_hugging_face_heads_are_named_like_labels(name: str, label: bool) -> None:
+    from kiln.core.labels import is_label_name
+
+    assert is_label_name(name) is label
+
+
+@pytest.mark.parametrize("name, loss", [("loss", True), ("Loss", True), ("output.loss", True), ("losses", False)])
+def test_a_loss_is_named_like_hugging_faces_model_output_loss(name: str, loss: bool) -> None:
+    from kiln.core.labels import is_loss_name
+
+    assert is_loss_name(name) is loss

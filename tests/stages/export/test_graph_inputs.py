@@ -183,3 +183,86 @@ def test_an_input_read_only_for_its_shape_inside_a_subgraph_is_unread() -> None:
 )
 def test_label_names(name: str, label: bool) -> None:
     assert is_label_name(name) is label
+
+
+class Forecaster(nn.Module):
+    """A time-series forecaster shaped like Hugging Face's PatchTST: ``forward(past_values, **kwargs)`` forecasts 4
+    steps of 2 channels, and where given the future (the keyword ``label``) either returns the scalar loss against
+    it (``loss``) or reads it as known covariates into every forecast (not ``loss``)."""
+
+    def __init__(self, label: str = "future_values", loss: bool = True) -> None:
+        super().__init__()
+        self.head, self.label, self.loss = nn.Linear(16, 8), label, loss
+
+    def forward(self, past_values: torch.Tensor, **kwargs: torch.Tensor) -> dict:
+        prediction = self.head(past_values.flatten(1)).view(-1, 4, 2)
+        future = kwargs.get(self.label)
+        if future is None:
+            return {"prediction_outputs": prediction}
+        if not self.loss:
+            return {"prediction_outputs": prediction + future}
+        return {"loss": F.mse_loss(prediction, future), "prediction_outputs": prediction}
+
+
+def series(label: str = "future_values") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"past_values": torch.randn(2, 8, 2, generator=g), label: torch.randn(2, 4, 2, generator=g)}
+
+
+def test_a_forecasters_future_values_that_make_it_return_its_loss_are_one_error(tmp_path: Path) -> None:
+    """``future_values`` is the label argument of Hugging Face's forecasters. Before: the export passed, and every
+    engine took the future as an input and answered a scalar ``loss``, served unbatched."""
+    with pytest.raises(ConfigError) as err:
+        export_onnx(Forecaster().eval(), series(), tmp_path / "m.onnx")
+    assert "output 'loss' is a scalar, computed from its input 'future_values'" in err.value.message
+    assert "keep 'future_values' out of the data's inputs (x)" in err.value.hint
+
+
+def test_an_input_only_a_scalar_loss_reads_is_the_labels_whatever_its_name(tmp_path: Path) -> None:
+    """A 0-d ``loss`` (Hugging Face's ModelOutput.loss) computed from an input that no per-sample output reads:
+    that input is the labels, named like them or not."""
+    with pytest.raises(ConfigError) as err:
+        export_onnx(Forecaster("horizon").eval(), series("horizon"), tmp_path / "m.onnx")
+    assert "output 'loss' is a scalar, computed from its input 'horizon'" in err.value.message
+    assert "keep 'horizon' out of the data's inputs (x)" in err.value.hint
+
+
+def test_future_values_a_forecaster_reads_into_its_forecast_export(tmp_path: Path) -> None:
+    """An input named like labels that makes no loss (known future covariates) is an input like any other."""
+    proto = export_onnx(Forecaster(loss=False).eval(), series(), tmp_path / "m.onnx")
+    assert [i.name for i in proto.graph.input] == ["past_values", "future_values"]
+
+
+class Regularised(nn.Module):
+    """A scalar ``loss`` computed from the one input that the per-sample output reads too: no input is labels."""
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"y": x * 2, "loss": x.pow(2).mean()}
+
+
+def test_a_scalar_loss_of_an_input_the_outputs_read_exports(tmp_path: Path) -> None:
+    proto = export_onnx(Regularised().eval(), torch.rand(2, 3), tmp_path / "m.onnx")
+    assert [o.name for o in proto.graph.output] == ["y", "loss"]
+
+
+@pytest.mark.slow
+def test_hugging_faces_patchtst_given_its_future_values_is_one_error(tmp_path: Path) -> None:
+    """The user's case: transformers' PatchTSTForPrediction, with ``future_values`` among the data's inputs."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.PatchTSTConfig(
+        num_input_channels=2,
+        context_length=16,
+        prediction_length=4,
+        patch_length=4,
+        patch_stride=4,
+        d_model=8,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        ffn_dim=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.PatchTSTForPrediction(cfg).eval()
+    x = {"past_values": torch.randn(2, 16, 2), "future_values": torch.randn(2, 4, 2)}
+    with pytest.raises(ConfigError) as err:
+        export_onnx(model, x, tmp_path / "m.onnx")
+    assert "output 'loss' is a scalar, computed from its input 'future_values'" in err.value.message

@@ -260,6 +260,55 @@ def test_labels_given_by_position_are_named_by_forward_and_a_table_output_is_no_
     check_model_fits_data(Conditional(), cond, "cond:build")
 
 
+class _Forecaster(torch.nn.Module):
+    """Hugging Face's forecasters' shape: ``forward(past_values, **kwargs)``; given the future (keyword ``label``)
+    it returns the scalar loss against it beside the forecast. ``always``: a scalar ``loss`` of its input alone,
+    returned on every call (no input is labels)."""
+
+    def __init__(self, label: str = "future_values", always: bool = False) -> None:
+        super().__init__()
+        self.fc, self.label, self.always = torch.nn.Linear(4, 2), label, always
+
+    def forward(self, past_values: torch.Tensor, **kwargs: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.fc(past_values)
+        future = kwargs.get(self.label)
+        if self.always:
+            return {"prediction": prediction, "loss": past_values.pow(2).mean()}
+        if future is None:
+            return {"prediction": prediction}
+        return {"loss": torch.nn.functional.mse_loss(prediction, future), "prediction": prediction}
+
+
+def _series(*keys: str):
+    from kiln.core.data import DatasetSplits
+
+    x = {"past_values": torch.randn(6, 4), **{k: torch.randn(6, 2) for k in keys}}
+    y = torch.randn(6, 2)
+    return DatasetSplits({k: v[:4] for k, v in x.items()}, y[:4], {k: v[4:] for k, v in x.items()}, y[4:], 0)
+
+
+@pytest.mark.parametrize("label", ["future_values", "horizon"])
+def test_an_input_that_makes_the_model_return_its_loss_is_refused_before_training(label: str) -> None:
+    """``future_values`` (Hugging Face's forecasters' labels) by its name; an input of another name by the model
+    returning no ``loss`` without it. Before: both trained, and the export passed with a scalar output."""
+    from kiln.core.data import DataContractError
+    from kiln.stages.train.stage import check_model_fits_data
+
+    model = _Forecaster(label)
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DataContractError, match=f"output 'loss' is a scalar with its input '{label}'") as err:
+        check_model_fits_data(model, _series(label), "fc:build")
+    assert f"keep '{label}' out of the data's inputs (x)" in err.value.hint
+    assert model.training and all(torch.equal(v, kept[k]) for k, v in model.state_dict().items())
+
+
+def test_a_loss_returned_without_any_optional_input_names_no_input() -> None:
+    """A scalar ``loss`` the model returns whatever it is given is no sign that an input is labels."""
+    from kiln.stages.train.stage import check_model_fits_data
+
+    check_model_fits_data(_Forecaster("horizon", always=True), _series("horizon"), "fc:build")
+
+
 def user_cross_entropy(outputs: object, targets: torch.Tensor) -> torch.Tensor:
     """A loss of the user's: it reads the logits itself, never signature.logits_output."""
     return torch.nn.functional.cross_entropy(outputs, targets)
