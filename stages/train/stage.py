@@ -90,7 +90,8 @@ def train_to(
         )
     with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
         task = task_for(data, config.train.loss, config.signature.logits_output)
-    check_model_fits_data(model, data, config.model.name, task, config.signature.logits_output)
+    probe = min(2, config.train.batch_size)  # a model of one sample a call (a graph as a batch of one) trains at 1
+    check_model_fits_data(model, data, config.model.name, task, config.signature.logits_output, probe)
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     with process_group(env, config.train.distributed, device):
         result = train(
@@ -247,13 +248,16 @@ def check_model_fits_data(
     model_ref: str,
     task: Task | None = None,
     logits_output: str | int | None = None,
+    probe_rows: int = 2,
 ) -> None:
-    """One forward pass on two samples, so that data which does not fit the model fails with a clear message
+    """One forward pass on two samples (``probe_rows``: fewer where training takes fewer a step: a model of one
+    sample a call, a graph given as a batch of one, trains at ``train.batch_size: 1``), so that data which does not
+    fit the model fails with a clear message
     before training starts (and not as a traceback from deep inside the loop); ``signature.logits_output`` is one
     of its outputs (a misspelt name was said only at the precision stage, after training, with a loss of the
     user's that never reads it)."""
     check_fp32(model, model_ref)
-    x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, 2))
+    x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, probe_rows))
     check_forward_takes(model, x, model_ref)
     try:
         with torch.no_grad():
@@ -287,7 +291,7 @@ def check_model_fits_data(
     _refuse_labels_in_inputs(model, x, outputs)
     y = data.train_y if data.train_y is not None else data.val_y
     if task is not None and y is not None:
-        check_task(task, out, y[:2], data.num_classes, model_ref)
+        check_task(task, out, y[:probe_rows], data.num_classes, model_ref)
 
 
 def _task_that_fits(ctx: StageContext[TrainSettings], model: nn.Module, data: DatasetSplits, task: Task) -> Task | None:
@@ -296,7 +300,7 @@ def _task_that_fits(ctx: StageContext[TrainSettings], model: nn.Module, data: Da
     without being wrong: then None, said as a warning. Class labels that do not fit the logits stay the error
     training gives (a head of the wrong width)."""
     try:
-        check_model_fits_data(model, data, ctx.config.model.name, task)
+        check_model_fits_data(model, data, ctx.config.model.name, task, probe_rows=min(2, ctx.config.train.batch_size))
     except ModelError as exc:
         if data.val_y is None or not data.val_y.is_floating_point():
             raise
@@ -340,7 +344,9 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     cfg = ctx.config
     model = build_seeded(cfg)
     data = ctx.dataset()
-    check_model_fits_data(model, data, cfg.model.name, logits_output=cfg.signature.logits_output)
+    check_model_fits_data(
+        model, data, cfg.model.name, logits_output=cfg.signature.logits_output, probe_rows=min(2, cfg.train.batch_size)
+    )
     if cfg.train.loss is not None:
         ctx.log.info("train.loss %s not called: training is skipped, and no loss is needed", cfg.train.loss)
     with torch.no_grad():

@@ -361,3 +361,32 @@ def test_skipped_training_leaves_labels_no_loss_reads_unscored(
     assert result.records[0].status == "skipped" and result.records[0].summary.val_accuracy is None
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("val accuracy not measured" in m and "(2, 10, 6)" in m for m in said), said
+
+
+class OneSampleACall(torch.nn.Module):
+    """A model of one sample a call (a graph as a batch of one: byom.md): it reads row 0 and answers one row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[0]).unsqueeze(0)
+
+
+def one_sample_data() -> object:
+    from kiln.core.data import DatasetSplits
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=g), torch.randn(12, 3, generator=g)
+    return DatasetSplits(x[:8], y[:8], x[8:], y[8:], 0)
+
+
+def test_a_model_of_one_sample_a_call_trains_at_batch_size_1(tmp_path: Path) -> None:
+    """The check before training ran it on two samples, which such a model answers with one row: an error, though
+    training at train.batch_size 1 feeds it one sample a step."""
+    over = {"model.name": f"{__name__}:OneSampleACall", "model.params": {}, "data.name": f"{__name__}:one_sample_data"}
+    over |= {"train.batch_size": 1, "train.epochs": 1, "signature.batch_sizes": [1]}
+    result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path / "wd", STAGES).run(stop="train")
+    assert result.ok, result.error
+    assert result.records[0].status == "ran"
