@@ -18,7 +18,7 @@ import torch
 
 from kiln.core.errors import ConfigError
 from kiln.core.labels import IGNORE_LABEL
-from kiln.core.records import IntRange, TensorSpec
+from kiln.core.records import IntRange, TensorSpec, trailing_axes
 
 Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 SINGLE_INPUT = "input"  # the ONNX name of a model's only input, when it is passed as a bare tensor
@@ -528,10 +528,11 @@ def integer_ranges(
     """Input name -> [smallest, largest] value in the data, for each integer input: values the model's embeddings and
     index lookups are known to take (a categorical feature with 10 levels fails at 10): the optimizer's safety net
     draws its random integers there, and the engines take the negative indices the data holds. An input in
-    ``columns`` (name -> the size of a last axis the graph fixes, :func:`fixed_columns`) whose columns hold
-    different ranges gets one [smallest, largest] per column instead (categorical features packed in one input,
-    each column indexing a table of its own size: the widest column's range runs past the others' tables); one
-    whose last axis is dynamic (token ids along a sequence) keeps one range."""
+    ``columns`` (name -> the cells of last axes the graph fixes, :func:`fixed_columns`) whose cells hold different
+    ranges gets one [smallest, largest] per cell instead, flattened (categorical features packed in one input,
+    each column indexing a table of its own size: the widest column's range runs past the others' tables; DLRM's
+    ``[batch, tables, ids]``, a table's ids in each row of cells); one whose last axis is dynamic (token ids along a
+    sequence) keeps one range."""
     lows: dict[str, np.ndarray] = {}
     highs: dict[str, np.ndarray] = {}
     for x in (data.train_x, data.val_x):
@@ -541,7 +542,7 @@ def integer_ranges(
             if values.dtype.kind not in "iu" or not values.size:
                 continue
             n = (columns or {}).get(name)
-            flat = values.reshape(-1, n) if n and values.ndim >= 2 and values.shape[-1] == n else values.reshape(-1, 1)
+            flat = values.reshape(-1, n) if n and trailing_axes(values.shape, n) else values.reshape(-1, 1)
             low, high = flat.min(0), flat.max(0)
             if name in lows and lows[name].shape != low.shape:  # splits of other widths: one range over both
                 low, high = low.min(keepdims=True), high.max(keepdims=True)
@@ -556,20 +557,31 @@ def integer_ranges(
 
 
 def fixed_columns(specs: list[TensorSpec], tables: Mapping[str, Any] | None = None) -> dict[str, int]:
-    """Input name -> the size of its last axis, for each input (graph ``TensorSpec``) of two or more axes whose
-    last axis the graph fixes: the inputs whose columns :func:`integer_ranges` may range one by one. ``tables``:
-    the graph's index ranges (:func:`kiln.core.onnx_io.index_ranges`), where given an input with one range there is
-    left out: token ids of a fixed length keep one range, so the safety net draws every position from all the ids
-    the data holds, not the first only from its start token. An input with a range per column there (ids packed
-    for tables of their own), or with none (an index the graph computes from it in ways not followed), is kept: the
-    data's range of one column may run past the table another column's values reach."""
+    """Input name -> the number of cells of its last axes the graph fixes (past the first, the batch: ``[batch, 4,
+    3]`` has 12, ``[batch, seq, 3]`` 3), for each input (graph ``TensorSpec``) of two or more axes whose last axis
+    the graph fixes: the inputs whose cells :func:`integer_ranges` may range one by one. ``tables``: the graph's
+    index ranges (:func:`kiln.core.onnx_io.index_ranges`), where given an input with one range there is left out:
+    token ids of a fixed length keep one range, so the safety net draws every position from all the ids the data
+    holds, not the first only from its start token. An input with a range per column or cell there (ids packed for
+    tables of their own) takes as many cells; one with none (an index the graph computes from it in ways not
+    followed) is kept: the data's range of one cell may run past the table another cell's values reach."""
     out = {}
     for spec in specs:
-        last = spec.shape[-1] if len(spec.shape) >= 2 else None
         bounds = None if tables is None else tables.get(spec.name)
-        if isinstance(last, int) and last >= 1 and (bounds is None or _per_column(bounds)):
-            out[spec.name] = last
+        cells = _fixed_cells(spec.shape[1:])
+        if cells and (bounds is None or _per_column(bounds)):
+            out[spec.name] = len(bounds) if bounds is not None else cells
     return out
+
+
+def _fixed_cells(dims: list[int | str]) -> int:
+    """The number of cells of the last of ``dims`` that are fixed (sizes, not names); 0 where the last is not."""
+    cells = 0
+    for dim in reversed(dims):
+        if not isinstance(dim, int) or dim < 1:
+            break
+        cells = (cells or 1) * dim
+    return cells
 
 
 def _per_column(bounds: Any) -> bool:

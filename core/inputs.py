@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from kiln.core.errors import ConfigError, ModelError
-from kiln.core.records import IntRange, TensorSpec, by_column, whole_range
+from kiln.core.records import IntRange, TensorSpec, by_column, cell_axes, whole_range
 
 # A batch's inputs may take at most this share of the machine's memory: outputs, activations and a reference
 # copy come on top of them.
@@ -161,12 +161,13 @@ def random_inputs(
 
 
 def integers(rng: np.random.Generator, bounds: IntRange, shape: list[int]) -> np.ndarray:
-    """Random integers of ``shape`` within ``bounds``: each column of the last axis within its own range where
-    ``bounds`` has one per column (a packed categorical input: column 0 takes a 10-row table's ids only), else all
-    within the one range (the widest of the columns' where they do not match the last axis)."""
-    columns = by_column(bounds, shape[-1] if len(shape) >= 2 else 0)
-    if columns:
-        low, high = np.array(columns).T
+    """Random integers of ``shape`` within ``bounds``: each column of the last axis (or cell of the last axes,
+    :func:`~kiln.core.records.cell_axes`) within its own range where ``bounds`` has one per column or cell (a packed
+    categorical input: column 0 takes a 10-row table's ids only), else all within the one range (the widest of the
+    columns' where they do not match the last axes)."""
+    axes = cell_axes(bounds, shape)
+    if axes:
+        low, high = np.array(by_column(bounds, len(bounds))).T.reshape(2, *axes)
         return rng.integers(low, high + 1, size=shape)
     low, high = whole_range(bounds)
     return rng.integers(low, high + 1, size=shape)

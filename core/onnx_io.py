@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from onnx import numpy_helper
 from kiln.core.cpu_int8 import ask_exact_int8
 from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.inputs import check_batch_axis
-from kiln.core.records import IntRange, TensorSpec, by_column, first_outside, whole_range
+from kiln.core.records import IntRange, TensorSpec, by_column, cell_text, first_outside, whole_range
 from kiln.core.text import first_line
 
 # ONNX's protobuf limit: larger models must keep their weights in external data files.
@@ -611,12 +612,15 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, IntRange]:
     values may be anything: a count beside the ids of a category). Where those rows are the columns of the input's
     last axis and index axes of different sizes (a recommender's categorical ids packed in one ``[batch, 6]`` input,
     ``sparse[:, i]`` into table ``i``), the input gets one ``[0, n_i - 1]`` per column instead (:data:`IntRange`):
-    the most permissive row would let an id past a small table through to ONNX Runtime.
+    the most permissive row would let an id past a small table through to ONNX Runtime. Rows taken apart along an
+    axis before the last, every axis after it fixed (DLRM's multi-hot ids ``[batch, 4, 3]``, 3 ids for each of 4
+    tables, ``sparse[:, i]``), give one per cell of those axes, flattened: cell ``i * 3 + j`` takes table ``i``'s.
 
     An index shifted by a constant ``c`` on its way (an ``Add`` or ``Sub``: ``ids - 1``; categorical columns that
     share one embedding, each shifted to its own rows, ``emb(x_cat + offsets)``) takes the values that keep it within
-    the axis: ``[-c, n - 1 - c]``, one per column where ``c`` holds one number per column of the input's last axis;
-    an input that also indexes as it is takes only the values both allow."""
+    the axis: ``[-c, n - 1 - c]``, one per column where ``c`` holds one number per column of the input's last axis
+    (alike in every row of a range per cell); an input that also indexes as it is takes only the values both
+    allow."""
     return _IndexGraph(model).ranges()
 
 
@@ -650,14 +654,16 @@ class _IndexGraph:
     def allowed(self, name: str) -> IntRange | None:
         """The values input ``name`` may hold: 0 to :meth:`limit` - 1 where its values index as they are, and within
         what each constant added on the way leaves of the axis it then indexes (:meth:`shift`: ``x + c`` into ``n``
-        positions takes ``-c`` to ``n - 1 - c``); one range per column where the columns differ. None where nothing
+        positions takes ``-c`` to ``n - 1 - c``); one range per column (or cell) where they differ. None where nothing
         bounds it, or the bounds leave no value (a reading of the graph that cannot be right)."""
         shape = self.declared.get(name)
         sizes, parts, shifts = self.reach(name, shape)
         n = np.atleast_1d(np.asarray(self.limit(shape, sizes, parts), float))
         low, high = np.where(n == _NO_LIMIT, -_NO_LIMIT, 0.0), n - 1
         for shift, rows in shifts:
-            if shift.size in {1, low.size} or low.size == 1:
+            if low.size % shift.size == 0:  # one per column of the last axis: alike in every row's cells
+                shift = np.tile(shift, low.size // shift.size)
+            if shift.size == low.size or low.size == 1:
                 low, high = np.maximum(low, -shift), np.minimum(high, rows - 1 - shift)
         if not np.isfinite(high).all() or (low > high).any():
             return None
@@ -668,22 +674,25 @@ class _IndexGraph:
         """The number of positions the values of an input (of ``shape``; its :meth:`reach`: ``sizes``, ``parts``)
         may address: the smallest axis its whole values index; for rows taken apart along an axis, each row's own
         smallest, and the largest over the rows (every row must be taken, else a row's values are free: no limit).
-        Rows taken apart along the last axis only, every one indexing and not all alike, give one number per column
-        (see :func:`index_ranges`)."""
+        Rows taken apart along one axis only (past the batch, every axis after it fixed), every one indexing and not
+        all alike, give one number per cell of that axis and those after it, flattened: per column where it is the
+        last (see :func:`index_ranges`)."""
         limit = min(sizes, default=_NO_LIMIT)
         by_axis: dict[int, list[tuple[np.ndarray, float]]] = {}
         for axis, rows, out in parts:
             by_axis.setdefault(axis, []).append((rows, min(self.reach(out, None)[0], default=_NO_LIMIT)))
-        per_column = None
+        per_cell = None
         for axis, taken in by_axis.items():
             per_row = np.full(shape[axis], _NO_LIMIT)  # type: ignore[index]
             for rows, n in taken:
                 per_row[rows] = np.minimum(per_row[rows], n)
             limit = min(limit, float(per_row.max()))
-            if len(by_axis) == 1 and 0 < axis == len(shape) - 1:  # type: ignore[arg-type]
-                per_column = np.minimum(per_row, limit)  # what the whole input indexes bounds every column
-        if per_column is not None and limit != _NO_LIMIT and len(set(per_column.tolist())) > 1:
-            return per_column.tolist()
+            after = shape[axis + 1 :]  # type: ignore[index]
+            if len(by_axis) == 1 and axis > 0 and all(isinstance(d, int) and d > 0 for d in after):
+                # what the whole input indexes bounds every row; a row's cells are those of the fixed axes after it
+                per_cell = np.repeat(np.minimum(per_row, limit), math.prod(after))
+        if per_cell is not None and limit != _NO_LIMIT and len(set(per_cell.tolist())) > 1:
+            return per_cell.tolist()
         return limit
 
     def reach(self, start: str, shape: list[int | None] | None) -> tuple[list[int], list[Rows], list[Shifted]]:
@@ -969,9 +978,12 @@ def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str
     found = first_outside({k: from_end(r) for k, r in ranges.items()}, feed)
     if found is None:
         return None
-    key, value, _, column = found
-    low, high = whole_range(ranges[key] if column is None else ranges[key][column])  # type: ignore[arg-type]
-    where = "" if column is None else f" in column {column} ({key}[..., {column}])"
+    key, value, _, cell = found
+    bounds = (
+        ranges[key] if cell is None else ranges[key][int(np.ravel_multi_index(cell, feed[key].shape[-len(cell) :]))]
+    )
+    low, high = whole_range(bounds)  # type: ignore[arg-type]
+    where = cell_text(key, cell)
     return (
         f"input '{key}' holds {value}{where}: {name} indexes an axis of {high - low + 1} positions "
         f"with it (values {low} to {high}, or down to {2 * low - high - 1} counted from its end)"
@@ -981,7 +993,7 @@ def outside_index(model: onnx.ModelProto, feed: dict[str, np.ndarray], name: str
 def from_end(bounds: IntRange) -> IntRange:
     """An index range (:func:`index_ranges`) with the negative indices ONNX's index ops take added: ``[0, n - 1]``
     becomes ``[-n, n - 1]`` (``[low, high]``, an index shifted by ``-low``: ``[low - n, high]``), column by column
-    where it has one per column."""
+    (or cell by cell) where it has one per column (or cell)."""
     columns = by_column(bounds, len(bounds))
     if columns is not None:
         return [_from_end(c) for c in columns]

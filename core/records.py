@@ -9,6 +9,8 @@ half-understood. ``SCHEMA_VERSION`` changes when a field changes meaning.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -23,7 +25,8 @@ SCHEMA_VERSION = 2
 R = TypeVar("R", bound="Record")
 # The values an integer input holds or may hold: one [smallest, largest] over the whole input, or one per column
 # of its last axis (a fixed axis whose columns are features of their own: a recommender's categorical ids packed
-# in one input, each column indexing a table of its own size)
+# in one input, each column indexing a table of its own size), or one per cell of its last fixed axes, flattened
+# (DLRM's multi-hot ids [batch, 4, 3], 4 tables of 3 ids each: cell t * 3 + j is table t's; cell_axes)
 IntRange = list[int] | list[list[int]]
 
 
@@ -149,8 +152,9 @@ class EngineMetadata(Record):
     # one of the residues (a U-Net's height: [4, 0]; an FPN's that runs at 25-32 and 41-48: [16, 0, 9, ..., 15])
     axis_steps: dict[str, list[int]] = Field(default_factory=dict)
     # integer input -> [smallest, largest] value it may hold: the rows of the table it indexes (an embedding's
-    # vocabulary; kiln.core.onnx_io.index_ranges), or one [smallest, largest] per column of its last axis where
-    # its columns index tables of different sizes (a recommender's categorical ids packed in one input)
+    # vocabulary; kiln.core.onnx_io.index_ranges), or one [smallest, largest] per column of its last axis (or per
+    # cell of its last fixed axes: IntRange) where they index tables of different sizes (a recommender's categorical
+    # ids packed in one input)
     index_ranges: dict[str, IntRange] = Field(default_factory=dict)
     # how long the build took: in the build's summary, not written to kiln-engine.json, so that an identical rebuild
     # writes identical files and what follows it (validate, package) stays cached
@@ -329,33 +333,50 @@ class EngineMetadata(Record):
         found = first_outside(self.index_ranges, feed)
         if found is None:
             return None
-        name, value, (low, high), column = found
-        where = "" if column is None else f" in column {column} ({name}[..., {column}])"
+        name, value, (low, high), cell = found
+        where = cell_text(name, cell)
         return (
             f"input '{name}' holds {value}{where}: engine {self.name} takes values from {low} to {high} "
             f"{'there ' if where else ''}(the positions of the axis it indexes: a table's rows, a graph's nodes)"
         )
 
 
-def first_outside(ranges: dict[str, IntRange], feed: dict[str, Any]) -> tuple[str, int, list[int], int | None] | None:
+# Where in an input a value lies that its range per cell refuses: the cell's position along the input's last axes
+Cell = tuple[int, ...]
+
+
+def first_outside(ranges: dict[str, IntRange], feed: dict[str, Any]) -> tuple[str, int, list[int], Cell | None] | None:
     """The first input of ``feed`` holding a value outside its range in ``ranges``: its name, the value past the
-    range (the least below it, else the most above it), the range, and the column of the last axis it lies in
-    where the input has a range per column (:data:`IntRange`; else None); None when all are inside. Inputs missing
-    from ``feed`` or empty are not checked; an input whose last axis does not match its columns is held to the
-    widest of them."""
+    range (the least below it, else the most above it), the range, and the cell it lies in (its position along the
+    input's last axes, :func:`cell_axes`) where the input has a range per cell (:data:`IntRange`; else None); None
+    when all are inside. Inputs missing from ``feed`` or empty are not checked; an input whose axes do not match its
+    cells is held to the widest of them."""
+    import numpy as np  # the feed's arrays are numpy's already; the records alone load without it
+
     for name, bounds in ranges.items():
         array = feed.get(name)
         if array is None or not getattr(array, "size", 0):
             continue
-        columns = by_column(bounds, array.shape[-1] if getattr(array, "ndim", 0) >= 2 else 0)
-        parts = (
-            [(i, array[..., i], c) for i, c in enumerate(columns)] if columns else [(None, array, whole_range(bounds))]
-        )
-        for column, values, (low, high) in parts:
+        axes = cell_axes(bounds, array.shape)
+        if axes is None:
+            parts = [(None, array, whole_range(bounds))]
+        else:
+            flat, cells = array.reshape(-1, len(bounds)), by_column(bounds, len(bounds)) or []
+            parts = [(tuple(int(k) for k in np.unravel_index(i, axes)), flat[:, i], c) for i, c in enumerate(cells)]
+        for cell, values, (low, high) in parts:
             least, most = int(values.min()), int(values.max())
             if least < low or most > high:
-                return name, least if least < low else most, [low, high], column
+                return name, least if least < low else most, [low, high], cell
     return None
+
+
+def cell_text(name: str, cell: Cell | None) -> str:
+    """Where in input ``name`` a value of ``cell`` (:func:`first_outside`) lies, for a sentence: `` in column 2
+    (x[..., 2])`` on the last axis alone, `` at x[..., 3, 0]`` on several; empty for a range over the whole input."""
+    if cell is None:
+        return ""
+    index = ", ".join(str(i) for i in cell)
+    return f" in column {index} ({name}[..., {index}])" if len(cell) == 1 else f" at {name}[..., {index}]"
 
 
 def whole_range(bounds: IntRange) -> list[int]:
@@ -371,6 +392,25 @@ def by_column(bounds: IntRange, columns: int) -> list[list[int]] | None:
     :func:`whole_range` bounds it)."""
     if bounds and isinstance(bounds[0], list) and len(bounds) == columns:
         return [list(c) for c in bounds]  # type: ignore[union-attr]
+    return None
+
+
+def cell_axes(bounds: IntRange, shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The sizes of the last axes of an array of ``shape`` whose cells, flattened, an :data:`IntRange` of one range
+    per cell ranges one by one: the fewest last axes past the first (the batch) that hold as many cells as it has
+    ranges, the last alone for a range per column (the count tells the two apart: 3 ranges over a ``[batch, 4, 3]``
+    input are its columns, 12 its cells). None for one range over the whole input, or a count no last axes hold
+    (then :func:`whole_range` bounds it)."""
+    if not (bounds and isinstance(bounds[0], list)):
+        return None
+    return trailing_axes(shape, len(bounds))
+
+
+def trailing_axes(shape: Sequence[int], cells: int) -> tuple[int, ...] | None:
+    """The fewest last axes of ``shape``, past the first, that hold ``cells`` cells together, or None."""
+    for first in range(len(shape) - 1, 0, -1):
+        if math.prod(shape[first:]) == cells:
+            return tuple(shape[first:])
     return None
 
 

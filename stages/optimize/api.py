@@ -14,7 +14,16 @@ from kiln.core.artifacts import ensure_writable
 from kiln.core.errors import ModelError
 from kiln.core.graphsurgeon import gs
 from kiln.core.inputs import named_sizes
-from kiln.core.onnx_io import check_onnx, check_tensor_io, infer_shapes, io_specs, load_onnx, save_onnx
+from kiln.core.onnx_io import (
+    check_onnx,
+    check_tensor_io,
+    index_ranges,
+    infer_shapes,
+    io_specs,
+    load_onnx,
+    save_onnx,
+)
+from kiln.core.records import IntRange
 from kiln.core.shapes import axis_names, graph_axes, shapes_flag
 from kiln.core.text import short_reason
 from kiln.stages.optimize.catalog import resolve
@@ -107,21 +116,37 @@ _PAST_TABLE = ("out of data bounds", "out of range value in index tensor", "inva
 
 def _past_table_hint(model: onnx.ModelProto, integers: list[str], int_ranges: IntRanges | None) -> str:
     """The fix for random ``integers`` that index past a table of ``model``: the batch size has no part in it. An
-    input drawn from [0, int_high] takes a lower int_high; one drawn from the data's values (export/int_ranges.json)
-    a range per column, where one range over columns that index tables of their own (or rows of one shared table,
-    each column shifted by an offset) draws a column past its own rows."""
-    drawn = drawn_ranges(model, int_ranges)
+    input drawn from [0, int_high] takes a lower int_high. One drawn from the data's one range
+    (export/int_ranges.json) whose fixed last axes the graph gives no range (an index computed in ways not
+    followed) takes a rerun of the export, which records a range per column or cell. One the graph gives one range,
+    the largest table's of those it packs, is kept whole by a rerun: Kiln ranges its tables one by one only where
+    they are taken apart along one axis with every axis after it fixed (:func:`kiln.core.onnx_io.index_ranges`)."""
+    drawn, tables = drawn_ranges(model, int_ranges), index_ranges(model)
+    fixed = {s.name for s in io_specs(model)[0] if len(s.shape) >= 2 and isinstance(s.shape[-1], int)}
     free = [n for n in integers if n not in drawn]
-    seen = [n for n in integers if n in (int_ranges or {})]
+    rerun = [n for n in integers if n in fixed and n not in tables and _one_range((int_ranges or {}).get(n))]
+    packed = [n for n in integers if _one_range(tables.get(n))]
     fixes = [f"set optimize.int_high below the rows of the smallest table {_quoted(free)} index"] if free else []
-    if seen:
+    if rerun:
         fixes.append(
-            f"rerun the export (kiln run --force export) to record the data's range of each column of {_quoted(seen)} "
+            f"rerun the export (kiln run --force export) to record the data's range of each column of {_quoted(rerun)} "
             "in export/int_ranges.json, one [low, high] per column"
+        )
+    if packed:
+        fixes.append(
+            f"where {_quoted(packed)} {'packs' if len(packed) == 1 else 'pack'} ids for tables of their own, Kiln "
+            "ranges the tables one by one only where every axis after the one they are taken apart along is fixed "
+            f"({packed[0]} [batch, tables, ids] read as {packed[0]}[:, i]): fix the size of those axes at export, or "
+            "give one input per table"
         )
     fixes.append("set optimize.verify: false to rewrite without checking")
     drew = f"the integers the safety net drew for {_quoted(integers)} index past a table of the graph"
     return f"{drew}: " + "; or ".join(fixes)
+
+
+def _one_range(bounds: IntRange | None) -> bool:
+    """Whether ``bounds`` is one [low, high] over a whole input (not None, nor one per column or cell)."""
+    return bool(bounds) and not isinstance(bounds[0], list)  # type: ignore[index]
 
 
 def _quoted(names: list[str]) -> str:

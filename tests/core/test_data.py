@@ -449,3 +449,21 @@ def test_an_integer_input_the_graph_gives_no_range_keeps_a_range_per_column() ->
     assert columns == {"x_cat": 3}
     ranges = integer_ranges(data, list(x), columns)
     assert ranges == {"x_cat": [[0, 3], [0, 9], [0, 2]], "tokens": [0, int(tokens.max())]}
+
+
+def test_ids_of_tables_on_an_axis_before_the_last_are_ranged_per_cell() -> None:
+    """DLRM's multi-hot ids ``sparse [B, 4, 3]``: 4 tables (1000, 50, 20 and 5 rows) of 3 ids each. Where the graph
+    ranges its cells one by one, so does the data: cell ``t * 3 + j`` holds table ``t``'s ids (one range over the
+    last axis, the ids within a table, had the safety net draw up to 999 for the 5-row table). An input the graph
+    gives no range is ranged per cell of its fixed axes too."""
+    g = torch.Generator().manual_seed(0)
+    rows = (1000, 50, 20, 5)
+    sparse = torch.stack([torch.randint(0, n, (64, 3), generator=g) for n in rows], 1)
+    data = DatasetSplits({"sparse": sparse[:48]}, None, {"sparse": sparse[48:]}, None)
+    specs = [TensorSpec(name="sparse", shape=["batch", 4, 3], dtype="int64")]
+    tables = {"sparse": [[0, n - 1] for n in rows for _ in range(3)]}
+    assert fixed_columns(specs, tables) == fixed_columns(specs) == {"sparse": 12}
+    ranges = integer_ranges(data, ["sparse"], fixed_columns(specs, tables))["sparse"]
+    flat = sparse.reshape(64, 12)
+    assert ranges == [[int(lo), int(hi)] for lo, hi in zip(flat.min(0).values, flat.max(0).values)]
+    assert max(high for _, high in ranges[9:]) <= 4 < ranges[0][1]

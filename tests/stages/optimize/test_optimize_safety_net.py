@@ -261,6 +261,33 @@ def test_the_fix_says_int_high_does_not_change_an_input_drawn_from_the_data():
     )
 
 
+@pytest.mark.parametrize("recorded", [{"sparse": [0, 996]}, None], ids=["data", "tables"])
+def test_tables_taken_apart_before_a_dynamic_axis_get_a_fix_about_the_layout(recorded: dict | None) -> None:
+    """``sparse [N, 2, S]``, ``sparse[:, 0]`` into 10 rows and ``sparse[:, 1]`` into 1000, ``S`` dynamic: Kiln keeps
+    one range, the larger table's, and the net draws past the small one. The fix names the layout Kiln ranges per
+    table, not a rerun of the export, which records the same one range again."""
+    m = make_model(
+        [
+            N("Gather", ["sparse", "c0"], ["ids0"], axis=1),
+            N("Gather", ["sparse", "c1"], ["ids1"], axis=1),
+            N("Gather", ["small", "ids0"], ["a"]),
+            N("Gather", ["big", "ids1"], ["b"]),
+            N("Concat", ["a", "b"], ["y"], axis=1),
+        ],
+        [("sparse", ["N", 2, "S"], INT64)],
+        ["y"],
+        {"small": f32(10, 4), "big": f32(1000, 4), "c0": np.array(0, np.int64), "c1": np.array(1, np.int64)},
+    )
+    with pytest.raises(ModelError, match="out of data bounds") as err:
+        optimize_model(m, OptimizeConfig(), int_ranges=recorded)
+    assert err.value.hint == (
+        "the integers the safety net drew for 'sparse' index past a table of the graph: where 'sparse' packs ids "
+        "for tables of their own, Kiln ranges the tables one by one only where every axis after the one they are "
+        "taken apart along is fixed (sparse [batch, tables, ids] read as sparse[:, i]): fix the size of those axes "
+        "at export, or give one input per table; or set optimize.verify: false to rewrite without checking"
+    )
+
+
 def test_a_dynamic_axis_the_graph_fixes_is_named_as_such():
     """A TorchScript export of attention reshapes to the example's length: the net's random inputs cannot run it,
     and the fix says why and what to re-export, not to lower int_high."""
