@@ -322,9 +322,20 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
 
 
 def run_fix(precision: str, device: str) -> str:
-    """The fix for an engine of a run whose graph the audit finds not in its variant's precision: the backend's
-    runtime has no such kernels on that device (ONNX Runtime's CPU provider runs FP16 graphs in FP32), which the
-    run's settings, not a build flag, change."""
+    """The fix for an engine of a run whose graph the audit finds not in its variant's precision, where the
+    accuracy fallback kept no node in float. On the CPU, INT8 engines are ONNX Runtime's, which has INT8 kernels
+    there (MatMulInteger, QLinearMatMul, ConvInteger): the float left is the graph's, which the precision settings
+    change. Otherwise the backend's runtime has no such kernels on that device (ONNX Runtime's CPU provider runs
+    FP16 graphs in FP32), which the run's settings, not a build flag, change."""
+    if has_kernels(precision, device):
+        return (
+            "ONNX Runtime computes int8 on CPU (MatMul, Gemm and Conv as MatMulInteger, QLinearMatMul, "
+            "ConvInteger): the compute nodes in float are those the precision stage kept in float or did not "
+            "quantize (report.md, Precision, names the nodes kept and why): keep fewer (calibration.exclude_nodes, "
+            "calibration.exclude_op_types, calibration.keep_output_layers), quantize their op types "
+            "(calibration.op_types), or accept that this model has no int8 engine (precision.variants without "
+            "int8 skips the variant)"
+        )
     return (
         f"none needed where other engines are built: this backend runs {precision} in another precision on "
         f"{device.upper()}; {precision} engines come from a device with {precision} kernels (a GPU backend), and "
@@ -332,14 +343,25 @@ def run_fix(precision: str, device: str) -> str:
     )
 
 
+def has_kernels(precision: str, device: str) -> bool:
+    """Whether the engines Kiln builds in ``precision`` on ``device`` run it in kernels of that precision, where an
+    audit refusal is the graph's doing: INT8 on the CPU, ONNX Runtime's alone (the torch backend's INT8 is for
+    CUDA GPUs). ONNX Runtime's FP16 on the CPU runs in FP32 through casts."""
+    return precision == "int8" and device == "cpu"
+
+
 def _kept_in_float(variant: Any, src: str) -> list[str]:
     """The nodes the precision stage's accuracy fallback kept in float in the graph ``src`` an engine reads (the
     ONNX Runtime CPU graph's own fallback where ``src`` is that graph): not those kept by the config or by
-    calibration (``calibration.keep_output_layers``, an unbounded tensor), which no gate asked for."""
+    calibration (``calibration.keep_output_layers``, an unbounded tensor), which no gate asked for. The ONNX
+    Runtime CPU graph starts from the nodes the Q/DQ graph's fallback kept: those it still keeps count too."""
     cpu = variant.report.get("ort_cpu") or {}
     own = src in variant.backend_paths.values() and src != variant.path
-    fallback = (cpu if own else variant.report).get("fallback") or {}
-    return list(fallback.get("nodes") or [])
+    fallback = list(((cpu if own else variant.report).get("fallback") or {}).get("nodes") or [])
+    if own:
+        inherited = (variant.report.get("fallback") or {}).get("nodes") or []
+        fallback += [n for n in inherited if n in (cpu.get("kept_fp32") or []) and n not in fallback]
+    return fallback
 
 
 def kept_fix(precision: str, kept: list[str]) -> str:
@@ -479,7 +501,9 @@ def build_direct(
             raise
         raise MislabelledEngine(
             exc.message,
-            hint=f"the {backend} backend runs {precision} in another precision on {device.upper()}: build this "
+            hint=run_fix(precision, device)
+            if has_kernels(precision, device)
+            else f"the {backend} backend runs {precision} in another precision on {device.upper()}: build this "
             f"variant for a device with {precision} kernels (another --device or --backend), or build the fp32 "
             "variant here",
         ) from None

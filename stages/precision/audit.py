@@ -14,7 +14,8 @@ INT8 linear layers is then not "int8 100 %".
 Other compute nodes cannot be counted per sample, and are recorded by precision (``uncounted``) and by op
 (``uncounted_ops``): attention ops (their FLOPs depend on heads, masks and cached lengths their shapes do not give),
 an Einsum of three operands or more (its cost depends on the order of contraction), any compute node inside a
-Loop, Scan or If body (it runs as many times as the data says), and one whose shapes inference cannot give.
+Loop, Scan or If body (it runs as many times as the data says), and one whose shapes inference cannot give (named
+``"MatMul (after a Loop)"`` where it computes on a Loop's, Scan's or If's output, whose shape is the data's).
 Where onnx's inference leaves a compute node's shapes unknown (it does not compute a Slice or Range whose bounds
 come from a Shape: a transformer's position ids, then its attention heads' Reshape), ONNX Runtime's symbolic shape
 inference runs at the same sizes first. Each precision's share then has a floor (:func:`share_floor`) that the
@@ -71,8 +72,9 @@ log = logging.getLogger("kiln")
 @dataclass
 class Audit:
     """FLOPs per sample by precision; ``uncounted``: compute nodes, by precision, whose FLOPs could not be counted
-    (``uncounted_ops``: the same by op, ``"MatMul (in a Loop)"`` for one in a subgraph); ``largest``: the FLOPs of
-    the largest node counted (what :func:`share_floor` weighs an uncounted one at)."""
+    (``uncounted_ops``: the same by op, ``"MatMul (in a Loop)"`` for one in a subgraph, ``"MatMul (after a Loop)"``
+    for one on its output); ``largest``: the FLOPs of the largest node counted (what :func:`share_floor` weighs an
+    uncounted one at)."""
 
     flops: Counter[str] = field(default_factory=Counter)
     nodes: Counter[str] = field(default_factory=Counter)
@@ -163,6 +165,7 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
     types.update({t.name: t.data_type for g in graphs for t in g.initializer})
     producer = {o: n for g in graphs for n in g.node for o in n.output}
     weights = {t.name for t in m.graph.initializer} | _transposed(m)
+    after = _after_control_flow(m.graph)
     out = Audit(sizes=used)
     for node, owner in nested:  # runs as many times as its Loop says, or in one branch of an If: not per sample
         precision = _precision(node, producer, types)
@@ -173,7 +176,9 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
         flops = _flops(node, shapes, scalars, opset)
         out.nodes[precision] += 1
         if flops is None:
-            out.not_counted(node.op_type, precision)
+            owner = next((after[i] for i in node.input if i in after), None)
+            shapeless = owner is not None and node.op_type not in ATTENTION  # attention's own sizes are the cause
+            out.not_counted(f"{node.op_type} (after a {owner})" if shapeless else node.op_type, precision)
         else:
             out.flops[precision] += flops
             out.largest = max(out.largest, flops)
@@ -330,6 +335,18 @@ def _subgraphs(graph: onnx.GraphProto) -> list[tuple[str, onnx.GraphProto]]:
     return out
 
 
+def _after_control_flow(graph: onnx.GraphProto) -> dict[str, str]:
+    """Each tensor computed from a Loop's, Scan's or If's output, with that op: its shape is the data's (a
+    Loop's trip count, the branch taken), which shape inference cannot give to the nodes after it."""
+    out: dict[str, str] = {}
+    for node in graph.node:  # in topological order, as ONNX keeps them
+        owner = node.op_type if node.op_type in ("Loop", "Scan", "If") else None
+        owner = owner or next((out[i] for i in node.input if i in out), None)
+        if owner is not None:
+            out.update(dict.fromkeys(node.output, owner))
+    return out
+
+
 def _transposed(model: onnx.ModelProto) -> set[str]:
     """Outputs of a Transpose of an initializer (an exporter's ``x @ W.T``): weights too."""
     inits = {t.name for t in model.graph.initializer}
@@ -458,16 +475,38 @@ def label_problem(audit: dict[str, Any], label: str) -> str | None:
     share = audit.get("share") or {}
     floor = audit.get("share_floor", share)
     if label in LOW and floor.get(label, 0.0) < MIN_SHARE:
-        ran = ", ".join(f"{p} {v:.0%}" for p, v in share.items()) or "nothing counted"
-        held = f"{share.get(label, 0.0):.0%}"
         if floor.get(label, 0.0) < share.get(label, 0.0):
-            held += f" (as little as {floor.get(label, 0.0):.0%} with its uncounted compute nodes"
-            held += f" {audit.get('uncounted_ops') or audit.get('uncounted_nodes')})"
-        return f"labelled {label}, it computes {held} in {label} ({ran}; {audit.get('method')})"
+            return _unsized_problem(audit, label, share.get(label, 0.0), floor.get(label, 0.0))
+        ran = ", ".join(f"{p} {v:.0%}" for p, v in share.items()) or "nothing counted"
+        return f"labelled {label}, it computes {share.get(label, 0.0):.0%} in {label} ({ran}; {audit.get('method')})"
     low = _low_label(floor)
     if label == "fp32" and low is not None:
         return f"labelled fp32, its graph computes {floor[low]:.0%} in {low} ({audit.get('method')})"
     return None
+
+
+def _unsized_problem(audit: dict[str, Any], label: str, share: float, floor: float) -> str:
+    """The refusal of a ``label`` that only the compute nodes not sized put in doubt, led by what is certain: how
+    many compute nodes run in ``label``, how many in another precision could not be sized and which ops they are;
+    the share of the FLOPs counted (``share``, which leaves them out) only beside its ``floor``."""
+    nodes = audit.get("compute_nodes") or {}
+    by_op = {op: sum(n for p, n in by.items() if p != label) for op, by in (audit.get("uncounted_ops") or {}).items()}
+    others = {p: n for p, n in (audit.get("uncounted_nodes") or {}).items() if p != label and n}
+    ops = ", ".join(_op_count(op, n) for op, n in sorted(by_op.items(), key=lambda kv: -kv[1]) if n)
+    unsized = sum(others.values())
+    return (
+        f"labelled {label}, {nodes.get(label, 0)} of its {sum(nodes.values())} compute nodes "
+        f"{'runs' if nodes.get(label, 0) == 1 else 'run'} in {label} and "
+        f"{unsized} in {'/'.join(sorted(others))} could not be sized{f' ({ops})' if ops else ''}: {share:.0%} of "
+        f"the FLOPs counted run in {label}, as little as {floor:.0%} with those {unsized} (each weighed as the "
+        f"largest node counted; {audit.get('method')})"
+    )
+
+
+def _op_count(op: str, n: int) -> str:
+    """``"MatMul (after a Loop)"`` seen 3 times as ``"MatMul x3 after a Loop"``."""
+    name, _, where = op.partition(" (")
+    return f"{name} x{n}" + (f" {where.rstrip(')')}" if where else "")
 
 
 def _low_label(share: Mapping[str, float]) -> str | None:

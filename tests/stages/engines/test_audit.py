@@ -114,6 +114,51 @@ def test_an_engine_short_of_int8_by_the_fallback_s_float_nodes_is_told_so() -> N
     assert "validate.gates.per_precision.int8" in fix and "another precision" not in fix
 
 
+def test_the_ort_cpu_graph_s_nodes_inherited_from_the_q_dq_fallback_are_named() -> None:
+    """The ONNX Runtime CPU INT8 graph starts from the nodes the Q/DQ graph's fallback kept and passes at once: its
+    own fallback keeps none, yet those nodes are why its engine is short of int8, and the fix names them (it said
+    the backend runs int8 in another precision on CPU)."""
+    from kiln.core.records import PrecisionVariant
+    from kiln.stages.engines.stage import _kept_in_float
+
+    variant = PrecisionVariant(
+        path="int8/model.onnx",
+        kept_fp32=["node_bmm", "node_linear_3"],
+        backend_paths={"onnxruntime-cpu": "int8/model.ort_cpu.onnx"},
+        report={
+            "fallback": {"nodes": ["node_bmm", "node_linear_3", "node_cat"]},
+            "ort_cpu": {"kept_fp32": ["node_bmm", "node_linear_3"], "fallback": {"nodes": []}},
+        },
+    )
+    assert _kept_in_float(variant, "int8/model.ort_cpu.onnx") == ["node_bmm", "node_linear_3"]
+
+
+def test_the_fix_for_int8_on_the_cpu_is_the_graph_s_not_the_runtime_s() -> None:
+    """ONNX Runtime has INT8 kernels on the CPU: an INT8 engine short of int8 there is so by what its graph keeps
+    in float, not by a runtime computing int8 in another precision; FP16 on the CPU is."""
+    from kiln.stages.engines.stage import run_fix
+
+    fix = run_fix("int8", "cpu")
+    assert "another precision" not in fix and "calibration.op_types" in fix and "no int8 engine" in fix
+    assert run_fix("fp16", "cpu").startswith("none needed where other engines are built: this backend runs fp16 in")
+
+
+def test_kiln_build_of_an_int8_variant_short_after_a_loop_is_told_of_its_float_nodes(tmp_path: Path) -> None:
+    """`kiln build` of an INT8 variant whose FP32 MatMuls after a Loop (a DLRM's EmbeddingBag tables) could not be
+    sized: the refusal leads with the nodes it knows, and its fix is about the nodes kept in float, since ONNX
+    Runtime has INT8 kernels on the CPU (it said the backend runs int8 in another precision on CPU)."""
+    from kiln.core.records import PrecisionVariant, Variants
+    from tests.stages.precision.test_audit_unsized import dlrm_like
+
+    (tmp_path / "v" / "int8").mkdir(parents=True)
+    onnx.save(dlrm_like(), str(tmp_path / "v" / "int8" / "model.onnx"))
+    Variants(variants={"int8": PrecisionVariant(path="int8/model.onnx")}).write(tmp_path / "v" / "variants.json")
+    with pytest.raises(MislabelledEngine) as err:
+        build_direct(tmp_path / "v" / "int8", tmp_path / "engine", "onnxruntime", "cpu", None, BuildConfig())
+    assert "2 of its 5 compute nodes run in int8 and 3 in fp32 could not be sized" in err.value.message
+    assert "another precision" not in err.value.hint and "calibration.op_types" in err.value.hint
+
+
 def test_a_variant_precision_did_not_make_is_refused(tmp_path: Path, qdq: Path) -> None:
     """``kiln precision`` keeps a failed variant's graph for inspection; ``kiln build`` of its folder made an engine of
     it without a word (a TensorRT INT8 engine nobody could validate on that machine)."""

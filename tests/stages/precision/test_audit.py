@@ -153,7 +153,9 @@ def test_uncounted_nodes_weigh_against_a_low_label() -> None:
     counted node, in the precision it runs in, against the others (the share's floor)."""
     a = Audit(flops=Counter(int8=300), nodes=Counter(int8=3, fp32=4), uncounted=Counter(fp32=4), largest=100)
     assert a.share() == {"int8": 1.0} and a.floor() == {"int8": round(300 / 700, 4)} and a.label() == "fp32"
-    assert "as little as 43% with its uncounted compute nodes {'fp32': 4}" in label_problem(a.record(), "int8")
+    problem = label_problem(a.record(), "int8")
+    assert problem.startswith("labelled int8, 3 of its 7 compute nodes run in int8 and 4 in fp32 could not be sized:")
+    assert "100% of the FLOPs counted run in int8, as little as 43% with those 4" in problem
     int8 = Audit(flops=Counter(int8=300), nodes=Counter(int8=4), uncounted=Counter(int8=1), largest=100)
     assert int8.floor() == {"int8": 1.0} and label_problem(int8.record(), "int8") is None
 
