@@ -14,5 +14,5 @@ class ExportConfig(Section):
     parity_rtol: float = Field(
         1e-5,
         ge=0,
-        description="and this share of each output's largest |value| on top (float32 rounding grows with the values)",
+        description="and this share of the |value| an error is on, on top (float32 rounding grows with the values)",
     )

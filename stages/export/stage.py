@@ -530,7 +530,7 @@ def parity(
             )
         _refuse_non_finite(name, r, g, at)
     errs = {name: max_abs_err(r, g) for (name, r), g in zip(ref.items(), got)}
-    scale = {name: _largest(r) for name, r in ref.items()}
+    scale = {name: _scale_at_worst(r, g) for (name, r), g in zip(ref.items(), got)}
     return {
         "max_abs_err": max(errs.values()),
         "per_output": errs,
@@ -540,20 +540,25 @@ def parity(
     }
 
 
-def _largest(ref: np.ndarray) -> float:
-    """An output's largest finite magnitude beside a mask's fill (:func:`kiln.core.compare.masks_of`: a -1e9 or
-    -inf would make any error a share of nothing), the size its float rounding scales with; 0 for an integer
-    output, which is compared exactly."""
-    if ref.dtype.kind != "f":
+def _scale_at_worst(ref: np.ndarray, got: np.ndarray) -> float:
+    """The magnitude of an output's value where the graph's answer is furthest from it (a mask's fill and values
+    that are not finite left out: :func:`kiln.core.compare.masks_of`), the size float rounding scales with there:
+    the error must be explained by the value it is on, so a lone large value (a -1e9 fill, an outlier) widens the
+    tolerance of no other, and a small channel beside a large one is held to its own size. 0 for an integer
+    output, compared exactly."""
+    if ref.dtype.kind != "f" or ref.size == 0:
         return 0.0
-    r = np.asarray(ref, dtype=np.float64)
-    keep = np.isfinite(r) & ~np.isin(r, masks_of(ref).values)
-    return float(np.max(np.abs(r[keep]), initial=0.0))
+    r, g = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    keep = np.isfinite(r) & np.isfinite(g) & ~np.isin(r, masks_of(ref).values)
+    if not keep.any():
+        return 0.0
+    err = np.where(keep, np.abs(g - r), -1.0)
+    return float(np.abs(r.flat[int(np.argmax(err))]))
 
 
 def within_parity(errs: Mapping[str, float], scale: Mapping[str, float], atol: float, rtol: float) -> bool:
-    """Whether every output's error (``errs``) is within ``atol + rtol *`` its own largest value (``scale``): float
-    rounding grows with the values a graph computes, so each output is held to its own size."""
+    """Whether every output's error (``errs``) is within ``atol + rtol *`` the value it is on (``scale``:
+    :func:`_scale_at_worst`): float rounding grows with the values a graph computes, so each is held to its size."""
     return all(err <= atol + rtol * scale.get(name, 0.0) for name, err in errs.items())
 
 
@@ -751,7 +756,7 @@ def batch_parity(
 ) -> dict[str, Any]:
     """:func:`parity` on ``x``, whose batch differs from ``example``'s, the rows the graph was traced with (the first
     rows of ``x``). A graph that fails at ``x`` (ONNX Runtime refuses it, an output of another shape, or an error
-    over the tolerance, ``atol + rtol *`` each output's largest value, where the traced rows come out otherwise
+    over the tolerance, ``atol + rtol *`` the value each output's error is on, where the traced rows come out otherwise
     within ``x`` than alone) but computes ``example`` within it holds the traced batch (Swin's
     ``B = int(windows.shape[0] / n)``): a ModelError says so, and where, instead of an ONNX Runtime traceback or
     advice to raise the tolerance. Otherwise the check at ``x``, held to the tolerance by the caller; the traced
@@ -871,7 +876,7 @@ def check_validated_sizes(
 ) -> None:
     """PyTorch and the exported graph at every size of the dynamic axes that the later stages run (validation's
     smallest and largest: :func:`kiln.core.shapes.axis_sizes`), beside the data's own that :func:`parity` checks,
-    each output within ``atol + rtol *`` its largest value (:func:`within_parity`).
+    each output within ``atol + rtol *`` the value its error is on (:func:`within_parity`).
     A model that runs at one length only, or an exporter that fixed a size it was told varies, is named here with
     what to change, instead of failing deep in calibration or validation."""
     x, feed, seen = _parity_rows(data, names)
@@ -1067,18 +1072,18 @@ def export_direct(
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
 
-# An error this large a share of the output's own largest value is no float rounding: the graph computes another
+# An error this large a share of the value it is on is no float rounding: the graph computes another
 # function (an op the exporter writes wrongly, as ``scatter_reduce(reduce="mean")``, for which ONNX has no reduction)
 _WRONG_SHARE = 1e-3
 
 
 def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "", rtol: float = 0.0) -> ModelError:
     """The export parity failure of a :func:`parity` result: the output furthest past its tolerance (``atol + rtol
-    *`` its largest value), its error against its own largest value, and a fix by that size. A small share is float
+    *`` the value its error is on), its error against that value, and a fix by that size. A small share is float
     rounding (fused or reordered arithmetic in ONNX Runtime), which a wider ``export.parity_rtol`` accepts; a large
     one is a graph that computes something else, which a wider tolerance would ship."""
     worst, err, top = _worst_output(check, atol, rtol)
-    share = f", {err / top:.1%} of its largest value {top:.3g}" if top else ""
+    share = f", {err / top:.1%} of the value there, {top:.3g}" if top else ""
     said = f"output '{worst}'{share}" if worst else "all outputs"
     if not top or err / top > _WRONG_SHARE:
         hint = (
@@ -1090,7 +1095,7 @@ def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "
     else:
         hint = (
             f"{advice}float rounding differs between the runtimes: raise export.parity_rtol (now {rtol:g}) above "
-            f"the error's share of the output's largest value, {err / top:.2g}, or export.parity_atol (now {atol:g})"
+            f"the error's share of the value it is on, {err / top:.2g}, or export.parity_atol (now {atol:g})"
         )
     return ModelError(
         f"the exported graph differs from PyTorch ({where}): {_over_tolerance(check, atol, rtol)} ({said})", hint=hint
@@ -1098,8 +1103,8 @@ def parity_error(check: dict[str, Any], atol: float, where: str, advice: str = "
 
 
 def _worst_output(check: Mapping[str, Any], atol: float, rtol: float) -> tuple[str | None, float, float]:
-    """The output of a :func:`parity` result furthest past its tolerance (``atol + rtol *`` its largest value), its
-    error and its largest value; no name, the largest error and 0 where it names no outputs."""
+    """The output of a :func:`parity` result furthest past its tolerance (``atol + rtol *`` the value its error is
+    on), its error and that value; no name, the largest error and 0 where it names no outputs."""
     per, scale = check.get("per_output") or {}, check.get("scale") or {}
     if not per:
         return None, check["max_abs_err"], 0.0
