@@ -560,17 +560,19 @@ def fixed_columns(specs: list[TensorSpec], tables: Mapping[str, Any] | None = No
     """Input name -> the number of cells of its last axes the graph fixes (past the first, the batch: ``[batch, 4,
     3]`` has 12, ``[batch, seq, 3]`` 3), for each input (graph ``TensorSpec``) of two or more axes whose last axis
     the graph fixes: the inputs whose cells :func:`integer_ranges` may range one by one. ``tables``: the graph's
-    index ranges (:func:`kiln.core.onnx_io.index_ranges`), where given an input with one range there is left out:
-    token ids of a fixed length keep one range, so the safety net draws every position from all the ids the data
-    holds, not the first only from its start token. An input with a range per column or cell there (ids packed for
-    tables of their own) takes as many cells; one with none (an index the graph computes from it in ways not
-    followed) is kept: the data's range of one cell may run past the table another cell's values reach."""
+    index ranges (:func:`kiln.core.onnx_io.index_ranges`), where given only an input with a range per column or cell
+    there (ids packed for tables of their own, columns shifted into one shared table) takes as many cells: token
+    ids of a fixed length keep one range, so the safety net draws every position from all the ids the data holds,
+    not the first only from its start token, and so does an input the graph gives no range (an image's uint8
+    pixels would take one range per pixel)."""
     out = {}
     for spec in specs:
         bounds = None if tables is None else tables.get(spec.name)
         cells = _fixed_cells(spec.shape[1:])
-        if cells and (bounds is None or _per_column(bounds)):
-            out[spec.name] = len(bounds) if bounds is not None else cells
+        if cells and tables is None:
+            out[spec.name] = cells
+        elif cells and _per_column(bounds):
+            out[spec.name] = len(bounds)
     return out
 
 

@@ -430,32 +430,36 @@ def test_as_many_inputs_as_rows_are_inputs_not_samples() -> None:
     check_splits(data, "d")
 
 
-def test_an_integer_input_the_graph_gives_no_range_keeps_a_range_per_column() -> None:
-    """A tabular FT-Transformer's ``x_cat [B, 3]`` (4, 10 and 3 levels) indexes its shared table only after an offset
-    per column is added, where the graph's index ranges may hold nothing for it: its columns are ranged one by one
-    all the same (one range, 0 to 9, has the safety net draw past the 3-level column's rows). Token ids of a fixed
-    length, which the graph ranges by their table, keep one range."""
+def test_columns_shifted_into_one_table_are_ranged_one_by_one_and_an_unranged_input_is_not() -> None:
+    """A tabular FT-Transformer's ``x_cat [B, 3]`` (4, 10 and 3 levels) indexes its shared table after an offset per
+    column, which the graph's index ranges follow (a range per column): its columns are ranged one by one (one
+    range, 0 to 9, had the safety net draw past the 3-level column's rows). Token ids of a fixed length, which the
+    graph ranges by their table, keep one range; so do an input the graph gives no range (uint8 pixels cast to
+    float would take one range per pixel, ids behind a clamp one per position)."""
     g = torch.Generator().manual_seed(0)
     x_cat = torch.stack([torch.randint(0, k, (64,), generator=g) for k in (4, 10, 3)], 1)
     tokens = torch.randint(0, 50, (64, 6), generator=g)
     tokens[:, 0] = 1  # a start token: its column differs, but the axis is a sequence
-    x = {"x_cat": x_cat, "tokens": tokens}
+    pixels = torch.randint(0, 256, (64, 3, 4, 4), generator=g)
+    x = {"x_cat": x_cat, "tokens": tokens, "pixels": pixels}
     data = DatasetSplits({k: v[:48] for k, v in x.items()}, None, {k: v[48:] for k, v in x.items()}, None)
     specs = [
         TensorSpec(name="x_cat", shape=["batch", 3], dtype="int64"),
         TensorSpec(name="tokens", shape=["batch", 6], dtype="int64"),
+        TensorSpec(name="pixels", shape=["batch", 3, 4, 4], dtype="int64"),
     ]
-    columns = fixed_columns(specs, {"tokens": [0, 49]})
+    columns = fixed_columns(specs, {"tokens": [0, 49], "x_cat": [[0, 16], [-4, 12], [-14, 2]]})
     assert columns == {"x_cat": 3}
     ranges = integer_ranges(data, list(x), columns)
-    assert ranges == {"x_cat": [[0, 3], [0, 9], [0, 2]], "tokens": [0, int(tokens.max())]}
+    assert ranges["x_cat"] == [[0, 3], [0, 9], [0, 2]] and ranges["tokens"] == [0, int(tokens.max())]
+    assert ranges["pixels"] == [int(pixels.min()), int(pixels.max())]
 
 
 def test_ids_of_tables_on_an_axis_before_the_last_are_ranged_per_cell() -> None:
     """DLRM's multi-hot ids ``sparse [B, 4, 3]``: 4 tables (1000, 50, 20 and 5 rows) of 3 ids each. Where the graph
     ranges its cells one by one, so does the data: cell ``t * 3 + j`` holds table ``t``'s ids (one range over the
-    last axis, the ids within a table, had the safety net draw up to 999 for the 5-row table). An input the graph
-    gives no range is ranged per cell of its fixed axes too."""
+    last axis, the ids within a table, had the safety net draw up to 999 for the 5-row table); so does a caller
+    without the graph's ranges."""
     g = torch.Generator().manual_seed(0)
     rows = (1000, 50, 20, 5)
     sparse = torch.stack([torch.randint(0, n, (64, 3), generator=g) for n in rows], 1)
