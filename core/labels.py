@@ -213,13 +213,19 @@ def without_padding(
     out ``[batch, seq, ...]`` on that mask's axis (:func:`mask_of`: by the axis names ``axes`` of the inputs and
     ``out_axes`` of the outputs where known): no one reads an answer there, and runtimes differ there (a causal LM
     padded on the left has positions that attend to nothing, whose values PyTorch and ONNX Runtime compute
-    differently). Comparisons of an engine with the model read the positions the mask keeps."""
+    differently). Comparisons of an engine with the model read the positions the mask keeps. A float output whose
+    last axis is the mask's (a question-answering head's span logits ``[batch, seq]``) gets -inf there instead:
+    its argmax is over the positions, and a 0 at padding would win wherever every real logit is below 0, as one
+    in both the reference and a wrong engine (a -inf in both is set aside by every comparison:
+    :func:`kiln.core.compare.set_aside`)."""
     out, changed = {}, False
     for name, value in outputs.items():
         mask, _ = mask_of(name, np.shape(value), feed, axes, out_axes)
         pad = None if mask is None else np.asarray(feed[mask]) == 0
         if pad is not None and pad.any():
-            value = np.where(pad.reshape(pad.shape + (1,) * (value.ndim - 2)), np.zeros((), value.dtype), value)
+            over_positions = value.ndim == pad.ndim and value.dtype.kind == "f"
+            fill = np.array(-np.inf if over_positions else 0, value.dtype)
+            value = np.where(pad.reshape(pad.shape + (1,) * (value.ndim - 2)), fill, value)
             changed = True
         out[name] = value
     return out if changed else outputs
