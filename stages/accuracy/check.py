@@ -527,6 +527,8 @@ class Reference:
         if self.logits is not None:
             self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
             self._drop_unfollowed_labels()
+            if named:
+                self._drop_misfit_labels()
         self.binary_at = self._binary_decisions()
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
@@ -588,6 +590,25 @@ class Reference:
                 tied[0],
                 tied[1],
             )
+
+    def _drop_misfit_labels(self) -> None:
+        """Labels that do not fit the class logits ``signature.logits_output`` names (a question-answering head's
+        ``start_logits [N, seq]`` beside span labels ``[N, 2]`` that the user's loss and metric read) score no task
+        accuracy, said once: the setting holds the output to top-1 agreement with the reference whatever the data
+        holds. Unnamed, such labels stay :func:`check_labels_fit`'s error."""
+        at = self.score if self.score is not None else len(self.outputs) - 1
+        y, out = self.point_labels[at], self.outputs[at].get(self.logits or "")
+        if y is None or out is None:
+            return
+        try:
+            check_labels_fit(out, y, self.logits or "")
+        except ModelError as exc:
+            log.warning(
+                "%s: no task accuracy is measured on them; top-1 agreement with the reference is (a metric of "
+                "your own, validate.metric, can score such labels)",
+                exc.message,
+            )
+            self.point_labels = [None] * len(self.point_labels)
 
     def _drop_unfollowed_labels(self) -> None:
         """Labels per position that do not fit the class logits' positions score no task accuracy and mark no

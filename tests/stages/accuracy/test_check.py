@@ -13,10 +13,18 @@ from kiln.core.errors import ModelError
 from kiln.stages.accuracy.check import Reference
 
 
-def reference(logits_shape: tuple[int, ...], labels: np.ndarray) -> Reference:
+def reference(logits_shape: tuple[int, ...], labels: np.ndarray, named: bool = False) -> Reference:
+    """The reference of a model whose output ``logits`` is the class logits: by default as the data's classes make
+    it (their count its class axis's width), ``named`` as signature.logits_output names it."""
+    from kiln.core.data import DatasetSplits
+    from kiln.stages.accuracy.check import class_axis
+
     x = np.zeros((logits_shape[0], 3), np.float32)
     out = np.random.default_rng(0).standard_normal(logits_shape).astype(np.float32)
-    return Reference(lambda feed: {"logits": out[: len(feed["x"])]}, [({}, {"x": x})], [labels], "logits", 4)
+    run = lambda feed: {"logits": out[: len(feed["x"])]}  # noqa: E731
+    y = torch.from_numpy(labels)
+    data = DatasetSplits(torch.from_numpy(x), y, torch.from_numpy(x), y, logits_shape[class_axis(len(logits_shape))])
+    return Reference(run, [({}, {"x": x})], [labels], "logits", 4, data=data, named=named)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +34,20 @@ def reference(logits_shape: tuple[int, ...], labels: np.ndarray) -> Reference:
 def test_labels_that_do_not_fit_the_logits_are_named(logits_shape: tuple, labels_shape: tuple) -> None:
     with pytest.raises(ModelError, match=rf"labels int64\[{', '.join(map(str, labels_shape))}\] do not fit"):
         reference(logits_shape, np.zeros(labels_shape, np.int64))
+
+
+def test_labels_that_do_not_fit_a_named_output_score_no_accuracy_and_keep_its_top1(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A question-answering head named in signature.logits_output (``start_logits [N, seq]``) beside span labels
+    ``[N, 2]`` its user's loss and metric read: the run failed at the precision stage, its fix to name the output
+    in the setting that named it; the named output is held to top-1 agreement whatever the data holds."""
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.WARNING, logger="kiln")
+    ref = reference((4, 10), np.zeros((4, 2), np.int64), named=True)
+    assert ref.accuracy is None and ref.logits == "logits"
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("do not fit the class-logit output 'logits'" in m and "no task accuracy" in m for m in said), said
 
 
 def test_labels_per_row_and_per_position_fit() -> None:
