@@ -212,17 +212,18 @@ def _loss_goes_without(model: nn.Module, x: dict[str, Any], key: str) -> bool:
 
 
 def _label_among(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> str | None:
-    """The input that makes the model return a scalar (its loss): one named like labels, else, beside a scalar
-    ``loss``, a dict key without which the model returns none. None where no input does."""
+    """The inputs that make the model return a scalar (its loss), quoted: those named like labels (every one: a
+    question-answering head's start and end positions), else, beside a scalar ``loss``, a dict key without which
+    the model returns none. None where no input does."""
     labels = [n for n in _input_names(model, x) if is_label_name(n)]
     if labels:
-        return labels[0]
+        return " and ".join(f"'{n}'" for n in labels)
     if not isinstance(x, dict) or not any(is_loss_name(n) and t.ndim == 0 for n, t in outputs.items()):
         return None
     was = model.training
     model.eval()  # no dropout, and no BatchNorm statistics moved by the probes
     try:
-        return next((k for k in x if _loss_goes_without(model, x, k)), None)
+        return next((f"'{k}'" for k in x if _loss_goes_without(model, x, k)), None)
     finally:
         model.train(was)
 
@@ -235,9 +236,10 @@ def _refuse_labels_in_inputs(model: nn.Module, x: Any, outputs: dict[str, torch.
     label = _label_among(model, x, outputs) if losses else None
     if label is not None:
         raise DataContractError(
-            f"the model's output '{losses[0]}' is a scalar with its input '{label}' among the data's inputs (a "
-            "loss): an engine answers one row per sample, and its clients have no labels to send",
-            hint=f"keep '{label}' out of the data's inputs (x): return the labels as y (train_y/val_y), from which "
+            f"the model's output '{losses[0]}' is a scalar with its input{'s' if ' and ' in label else ''} {label} "
+            "among the data's inputs (a loss): an engine answers one row per sample, and its clients have no labels "
+            "to send",
+            hint=f"keep {label} out of the data's inputs (x): return the labels as y (train_y/val_y), from which "
             "training computes the loss (train.loss); or return only per-sample outputs from forward",
         )
 

@@ -390,3 +390,27 @@ def test_a_model_of_one_sample_a_call_trains_at_batch_size_1(tmp_path: Path) -> 
     result = Runner(config_from_dict(tiny_config_dict(**over)), tmp_path / "wd", STAGES).run(stop="train")
     assert result.ok, result.error
     assert result.records[0].status == "ran"
+
+
+def test_every_input_named_like_labels_is_named_in_the_refusal() -> None:
+    """A question-answering head given both ``start_positions`` and ``end_positions`` in x: the fix named the first
+    only, and a user who followed it met the error again for the second."""
+    from kiln.core.data import DataContractError, DatasetSplits
+    from kiln.stages.train.stage import check_model_fits_data
+
+    class Qa(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, start_positions: torch.Tensor, end_positions: torch.Tensor) -> dict:
+            logits = self.fc(x)
+            loss = logits[:, 0].sub(start_positions).pow(2).mean() + logits[:, 1].sub(end_positions).pow(2).mean()
+            return {"loss": loss, "start_logits": logits[:, :1], "end_logits": logits[:, 1:]}
+
+    x = {"x": torch.randn(6, 4), "start_positions": torch.zeros(6), "end_positions": torch.ones(6)}
+    y = torch.randn(6, 2)
+    data = DatasetSplits({k: v[:4] for k, v in x.items()}, y[:4], {k: v[4:] for k, v in x.items()}, y[4:], 0)
+    with pytest.raises(DataContractError, match="its inputs 'start_positions' and 'end_positions' among") as err:
+        check_model_fits_data(Qa(), data, "qa:build")
+    assert "keep 'start_positions' and 'end_positions' out of the data's inputs" in err.value.hint
