@@ -8,9 +8,11 @@ micro-batches, so the last, smaller batch of an epoch is weighted exactly like a
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
@@ -82,8 +84,23 @@ class _Structured:
         self.loader, self.like = loader, like
 
     def __iter__(self) -> Iterator[tuple[Inputs, torch.Tensor]]:
-        for *xs, y in self.loader:
+        for *xs, y in forked_iter(self.loader):
             yield rebuild(self.like, xs), y
+
+
+def forked_iter(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)``, whose worker processes (``num_workers`` > 0) are forked with the garbage collector's
+    objects frozen: a worker collects none of the objects it inherits. A forked child that collects one that owns
+    threads of its parent's (an ONNX Runtime session left for the collector: the data function's, a notebook's)
+    waits forever on a lock no thread of the child holds; the parent collects its garbage first, where it can."""
+    if not loader.num_workers:
+        return iter(loader)
+    gc.collect()
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()
 
     def __len__(self) -> int:
         return len(self.loader)
