@@ -206,9 +206,29 @@ def _loss_goes_without(model: nn.Module, x: dict[str, Any], key: str) -> bool:
     try:
         with torch.no_grad():
             out = flatten_outputs(call(model, {k: v for k, v in x.items() if k != key}))
-    except Exception:  # noqa: BLE001 - a required input: not one the loss alone reads
-        return False
+    except Exception:  # noqa: BLE001 - a required input: the loss alone reads it where only the loss follows it
+        return _only_the_loss_follows(model, x, key)
     return not any(is_loss_name(n) and t.ndim == 0 for n, t in out.items())
+
+
+def _only_the_loss_follows(model: nn.Module, x: dict[str, Any], key: str) -> bool:
+    """Whether, with input ``key`` of ``x`` changed (its floats shifted, its integers rolled over the batch), the
+    model's scalar ``loss`` changes and no other output does: a required argument that only the loss reads (a
+    forward(past, future) returning the forecast and its loss against the future)."""
+    value = x[key]
+    if not isinstance(value, torch.Tensor) or value.ndim == 0 or len(value) < 2:
+        return False
+    other = value + 1 if value.is_floating_point() else value.roll(1, 0)
+    try:
+        with torch.no_grad():
+            before = flatten_outputs(call(model, x))
+            after = flatten_outputs(call(model, {**x, key: other}))
+    except Exception:  # noqa: BLE001 - values the model cannot take: no evidence either way
+        return False
+    losses = [n for n, t in before.items() if is_loss_name(n) and t.ndim == 0]
+    rest = [n for n in before if n not in losses]
+    changed = lambda n: not torch.equal(before[n], after.get(n, before[n]))  # noqa: E731
+    return bool(losses) and any(changed(n) for n in losses) and not any(changed(n) for n in rest)
 
 
 def _label_among(model: nn.Module, x: Any, outputs: dict[str, torch.Tensor]) -> str | None:

@@ -414,3 +414,31 @@ def test_every_input_named_like_labels_is_named_in_the_refusal() -> None:
     with pytest.raises(DataContractError, match="its inputs 'start_positions' and 'end_positions' among") as err:
         check_model_fits_data(Qa(), data, "qa:build")
     assert "keep 'start_positions' and 'end_positions' out of the data's inputs" in err.value.hint
+
+
+def test_a_required_argument_only_the_loss_reads_is_refused_before_training() -> None:
+    """``forward(past, future)`` returning the forecast and its loss against ``future``: without ``future`` the
+    model raises, which said nothing, and the export refused it only after training."""
+    from kiln.core.data import DataContractError, DatasetSplits
+    from kiln.stages.train.stage import check_model_fits_data
+
+    class Forecast(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, past: torch.Tensor, future: torch.Tensor) -> dict[str, torch.Tensor]:
+            prediction = self.fc(past)
+            return {"prediction": prediction, "loss": torch.nn.functional.mse_loss(prediction, future)}
+
+    class Conditioned(Forecast):  # a required input the prediction reads too: no label
+        def forward(self, past: torch.Tensor, future: torch.Tensor) -> dict[str, torch.Tensor]:
+            prediction = self.fc(past) + future
+            return {"prediction": prediction, "loss": prediction.pow(2).mean()}
+
+    x = {"past": torch.randn(6, 4), "future": torch.randn(6, 2)}
+    y = torch.randn(6, 2)
+    data = DatasetSplits({k: v[:4] for k, v in x.items()}, y[:4], {k: v[4:] for k, v in x.items()}, y[4:], 0)
+    with pytest.raises(DataContractError, match="its input 'future' among"):
+        check_model_fits_data(Forecast(), data, "fc:build")
+    check_model_fits_data(Conditioned(), data, "fc:build")
