@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kiln.core.errors import ConfigError
-from kiln.core.labels import left_padded, padding_value
+from kiln.core.labels import is_mask_name, left_padded, padding_value
 from kiln.core.records import TensorSpec
 
 if TYPE_CHECKING:  # kiln.core.data imports torch; the graph stages need none of it
@@ -105,8 +105,10 @@ def resize(
 
     Lengthened by repeating the data's own values along the axis: token ids and their mask tiled together, so the
     new positions hold tokens as real as the data's and the comparisons read them (a mask lengthened with 0s would
-    mark them padding, which the comparisons leave out). A float input repeats only with ``repeat_floats`` (a clip
-    played again, a cloud's points repeated: where zeros would be silence or points at the origin); without it, an
+    mark them padding, which the comparisons leave out); where the mask shows rows padded at their end, each row
+    repeats its real positions only (:func:`_tiled_rows`), so no padding lands mid-row. A float input repeats
+    only with ``repeat_floats`` (a clip played again, a cloud's points repeated: where zeros would be silence or
+    points at the origin); without it, an
     axis that holds one is padded, every input on it: an integer one with the value its data holds where its
     attention mask marks padding (:func:`kiln.core.labels.padding_value`: the pad token, a mask's 0), else ``fill``.
     Cut by keeping the first positions, or the last on the axes ``left`` names (None: those whose attention mask
@@ -117,10 +119,36 @@ def resize(
     for label, size in point.items():
         on = [(n, int(i)) for n, dims in axes.items() if n in out for i, d in dims.items() if d == label]
         tile = all(out[n].shape[i] and (repeat_floats or out[n].dtype.kind != "f") for n, i in on)
+        real = _real_lengths(out, on) if tile and label not in left else None
         for name, axis in on:
             own = fills[name]
+            if real is not None and axis == 1 and out[name].shape[0] == len(real) and out[name].shape[1] < size:
+                out[name] = _tiled_rows(out[name], real, size)
+                continue
             out[name] = _resized(out[name], axis, size, tile, label in left, fill if own is None else own)
     return {name: np.ascontiguousarray(array) for name, array in out.items()}
+
+
+def _real_lengths(out: Feed, on: list[tuple[str, int]]) -> np.ndarray | None:
+    """Each row's count of real positions on an axis whose attention mask (axis 1 of an integer ``[N, seq]`` input
+    named like one, :func:`kiln.core.labels.is_mask_name`) shows right padding: every row starts real, some end in
+    padding. None where no such mask lies on it."""
+    for name, axis in on:
+        mask = out[name]
+        if axis != 1 or not is_mask_name(name) or mask.ndim != 2 or mask.dtype.kind not in "iub" or not mask.size:
+            continue
+        real = mask != 0
+        if real[:, 0].all() and not real[:, -1].all():
+            return real.sum(1)
+    return None
+
+
+def _tiled_rows(array: np.ndarray, real: np.ndarray, size: int) -> np.ndarray:
+    """``array`` lengthened to ``size`` along axis 1, each row repeating its own ``real`` first positions: a clip
+    padded at its end plays again from its start, its mask 1 throughout, where tiling the whole row would put its
+    padding in the middle (a mask no client sends, which Wav2Vec2 reads as a shorter clip)."""
+    index = np.arange(size)[None, :] % np.maximum(real, 1)[:, None]
+    return np.take_along_axis(array, index.reshape(index.shape + (1,) * (array.ndim - 2)), axis=1)
 
 
 def _resized(array: np.ndarray, axis: int, size: int, tile: bool, from_end: bool, fill: float) -> np.ndarray:

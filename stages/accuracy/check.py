@@ -27,7 +27,7 @@ from kiln.core.compare import (
 )
 from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
 from kiln.core.errors import ModelError
-from kiln.core.labels import IGNORE_LABEL, left_padded, padding_ties, per_position, without_padding
+from kiln.core.labels import IGNORE_LABEL, is_mask_name, left_padded, padding_ties, per_position, without_padding
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
@@ -391,10 +391,16 @@ def labels_at_points(
         return [labels] * len(feeds)
     options = label_axes(labels, feed, axes, follows)
     left = left_padded(feed, axes)  # cut from the end where the input's rows are, as the input is
+    masks = {k: v for k, v in feed.items() if is_mask_name(k) and k in axes and len(v) == len(labels)}
     out: list[np.ndarray | None] = []
     for point, resized in feeds:
-        if options:
-            ys = [resize({"y": labels}, {"y": dims}, point, fill=IGNORE_LABEL, left=left)["y"] for dims in options]
+        if options:  # beside the masks, so labels repeat each row's real positions as its tokens do
+            ys = [
+                resize(
+                    {**masks, "y": labels}, {**{k: axes[k] for k in masks}, "y": dims}, point, IGNORE_LABEL, left=left
+                )["y"]
+                for dims in options
+            ]
             out.append(ys[0] if all(np.array_equal(ys[0], y) for y in ys[1:]) else None)
         else:  # e.g. pixel labels [N, H, W] of images [N, 3, H, W]: only at the data's own shape
             out.append(labels if all(resized[k].shape == v.shape for k, v in feed.items()) else None)

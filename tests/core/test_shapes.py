@@ -80,15 +80,20 @@ def test_tokens_lengthened_past_the_data_are_real_tokens_that_the_comparison_rea
 
     data = lm_feed()
     longer = resize(data, LM_AXES, {"seq": 15}, repeat_floats=True)
-    tiled = np.arange(15) % 6
-    assert (longer["input_ids"] == data["input_ids"][:, tiled]).all()
-    assert (longer["attention_mask"] == data["attention_mask"][:, tiled]).all()
+    # each row repeats its own real tokens (3 and 5 of them): no padding lands mid-row, as tiling whole rows put it
+    assert (
+        longer["input_ids"][0].tolist() == [10, 11, 12] * 5
+        and longer["input_ids"][1].tolist() == [16, 17, 18, 19, 20] * 3
+    )
+    assert longer["attention_mask"].all()
     ref = np.ones((2, 15, 4), np.float32)
     late = ref.copy()
     late[:, 6:] += 1000.0  # wrong at every position past the data's length only
     kept = without_padding(longer, {"logits": ref}), without_padding(longer, {"logits": late})
     assert not np.array_equal(kept[0]["logits"], kept[1]["logits"])
-    assert longer["attention_mask"][:, 6:].sum(1).tolist() == [6, 8]  # real tokens past the data's 6 positions
+    unpadded = lm_feed()
+    unpadded["attention_mask"][:] = 1  # rows without padding tile whole, as before
+    assert (resize(unpadded, LM_AXES, {"seq": 15})["input_ids"] == unpadded["input_ids"][:, np.arange(15) % 6]).all()
 
 
 def test_cutting_left_padded_rows_keeps_their_real_tokens_at_the_end() -> None:

@@ -289,3 +289,20 @@ def test_next_token_labels_outside_the_validated_range_are_scored_at_the_last_fi
     assert ref.score == 1 and ref.accuracy is not None
     said = [r for r in caplog.records if "cut or padded from the data's own sizes (seq=16)" in r.getMessage()]
     assert len(said) == 1 and said[0].levelname == "WARNING" and "measured at seq=32" in said[0].getMessage()
+
+
+def test_tags_past_the_datas_length_repeat_each_rows_real_tokens_as_its_ids_do() -> None:
+    """Rows padded at their end, lengthened: the ids repeat each row's real tokens (no padding mid-row), and the
+    tags per token repeat with them, so each tag stays on its token."""
+    from kiln.core.shapes import resize
+    from kiln.stages.accuracy.check import labels_at_points
+
+    mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.int64)
+    ids = np.where(mask == 1, np.arange(8).reshape(2, 4) + 10, 0)
+    tags = np.where(mask == 1, np.arange(8).reshape(2, 4) + 100, -100)
+    own = {"input_ids": ids, "attention_mask": mask}
+    axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "seq"}}
+    feeds = [({"seq": 4}, own), ({"seq": 9}, resize(own, axes, {"seq": 9}))]
+    _, longer = labels_at_points(tags, own, feeds, axes)
+    assert (longer - 90 == feeds[1][1]["input_ids"]).all()  # tag = id + 90 on every position, real throughout
+    assert longer[0].tolist() == [100, 101, 102] * 3
