@@ -552,7 +552,8 @@ def _scale_at_worst(ref: np.ndarray, got: np.ndarray) -> float:
     keep = np.isfinite(r) & np.isfinite(g) & ~np.isin(r, masks_of(ref).values)
     if not keep.any():
         return 0.0
-    err = np.where(keep, np.abs(g - r), -1.0)
+    err = np.full(r.shape, -1.0)
+    err[keep] = np.abs(g[keep] - r[keep])  # the kept values only: an infinity in both would be NaN, said as a warning
     return float(np.abs(r.flat[int(np.argmax(err))]))
 
 

@@ -4,6 +4,7 @@ error's size against the output's own: a wider tolerance is the fix for rounding
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,10 @@ def test_a_lone_large_value_widens_no_other_values_tolerance() -> None:
     got = ref + np.array([[0.5, 0.0, 0.5], [0.5, 0.5, 0.5]], np.float32)
     got[0, 1] = ref[0, 1]
     assert _scale_at_worst(ref, got) < 1.0  # the value the error is on, not the fill
+    padded = np.where(np.arange(3) == 2, -np.inf, ref).astype(np.float32)  # padding set aside as -inf in both
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inf - inf was a NaN, said to the user as a RuntimeWarning
+        assert _scale_at_worst(padded, padded + np.float32(0.5)) < 1.0
     cfg = ExportConfig()
     check = {"max_abs_err": 0.5, "per_output": {"y": 0.5}, "scale": {"y": _scale_at_worst(ref, got)}}
     with pytest.raises(ModelError, match="output 'y'"):
