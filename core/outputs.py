@@ -69,8 +69,8 @@ def _leaves(value: Any, path: str, ref: str, left_out: list[str]) -> list[tuple[
         else:
             kind = type(child).__name__
             hint = (
-                "a transformers model returns its key/value cache when its config has use_cache: build it with "
-                "use_cache=False, or return the tensors you serve (e.g. outputs.logits)"
+                "a transformers model returns its key/value cache (past_key_values) when its config has use_cache: "
+                "build it with use_cache=False, or return the tensors you serve (e.g. outputs.logits)"
                 if kind.endswith("Cache")
                 else "return only tensors (in tuples, lists, dicts or ModelOutputs) from forward()"
             )

@@ -240,7 +240,7 @@ def test_outputs_flatten_and_the_logits_default() -> None:
 
     with pytest.raises(ModelError, match="as DynamicCache") as caught:
         flatten_outputs({"logits": t, "past_key_values": DynamicCache()})
-    assert "use_cache=False" in caught.value.hint
+    assert "use_cache=False" in caught.value.hint and "past_key_values" in caught.value.hint
     assert logits_name(["x"], None) == "x" and logits_name(["hidden", "logits"], None) == "logits"
     # one output whose name says it holds features (a T5 encoder, a sentence embedder): no class logits by default
     for features in ("last_hidden_state", "pooler_output", "image_embeds", "embedding", "features"):
