@@ -67,7 +67,7 @@ from kiln.core.onnx_io import (
     value_names,
 )
 from kiln.core.outputs import FlatModel, named_outputs
-from kiln.core.records import TensorSpec, steps_text
+from kiln.core.records import TensorSpec, steps_text, takes_size
 from kiln.core.shapes import Axes, axis_sizes, graph_axes, resize, shape_points
 from kiln.core.stage import StageContext
 from kiln.core.text import first_line, root_cause, short_reason
@@ -748,7 +748,9 @@ def _refuse_non_finite(name: str, ref: np.ndarray, got: np.ndarray, at: str = ""
 
 FIXED_SIZE_HINT = (
     "keep sizes in forward as tensor shapes (x.shape[1]), not Python ints (int(x.shape[1]), a length kept from "
-    "__init__), or remove that axis from signature.dynamic_axes if the model takes one size"
+    "__init__); a Python loop over a dynamic axis (for t in range(x.shape[1])) is unrolled to the export's size: "
+    "write it with tensor ops over the whole axis (cumsum, a vectorised scan); or remove that axis from "
+    "signature.dynamic_axes if the model takes one size"
 )
 
 
@@ -833,24 +835,33 @@ _GUARD = re.compile(r"\bEq\(.*\[guard added\] \((.+?):(\d+) in (\w+)\)")
 
 def _batch_pinned_at(model: nn.Module, example: Inputs) -> str:
     """``window_reverse() at swin.py:13 (B = int(...))``: where in the user's code torch.export, tracing ``model``
-    with a dynamic batch, pinned the batch to the example's; empty where it cannot be told. Only torch's
-    symbolic-shapes log says where (its first equality guard placed from a user's file), so it is read, on this
-    error path only; a torch that words it otherwise leaves the line unnamed."""
+    with a dynamic batch, pinned the batch to the example's (:func:`_pinned_at`)."""
+    return _pinned_at(model, example, {name: {0: "batch"} for name in input_names(model, example)})
+
+
+def _pinned_at(model: nn.Module, example: Inputs, axes: Mapping[str, Mapping[int, str]]) -> str:
+    """``forward() at ssm.py:24 (for t in range(l):)``: where in the user's code torch.export, tracing ``model``
+    with ``axes`` (input -> {axis: name}) dynamic, pinned one to the example's size (a Python loop over it, a size
+    computed as a Python number); empty where it cannot be told. Only torch's symbolic-shapes log says where (its
+    first equality guard placed from a user's file), so it is read, on error paths only; a torch that words it
+    otherwise leaves the line unnamed."""
     said: list[str] = []
     catch = logging.Handler()
     catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     shapes = logging.getLogger(SHAPES_LOG)
-    batch = torch.export.Dim("batch", min=1, max=65536)
+    labels = {label for dims in axes.values() for label in dims.values()}
+    made = {n: torch.export.Dim(n, min=1, max=65536) if n == "batch" else torch.export.Dim(n, min=1) for n in labels}
     args = tuple(tensors(example))
     with _quiet_torch():
         saved = shapes.level, shapes.propagate, shapes.handlers
         shapes.setLevel(logging.INFO)  # torch's own handler on it writes to the terminal: only ``catch`` hears
         shapes.propagate, shapes.handlers = False, [catch]
         try:
-            dims = (tuple({0: batch} for _ in args),)
+            names = input_names(model, example)
+            dims = (tuple({int(a): made[d] for a, d in axes.get(n, {}).items()} or None for n in names),)
             torch.export.export(FlatModel(model, example), args, dynamic_shapes=dims, strict=False)
-        except Exception as exc:  # noqa: BLE001 - expected: the batch is pinned; the guard's log line says where
-            log.debug("torch.export with a dynamic batch: %s", first_line(exc))
+        except Exception as exc:  # noqa: BLE001 - expected: a size is pinned; the guard's log line says where
+            log.debug("torch.export with dynamic axes %s: %s", sorted(labels), first_line(exc))
         finally:
             shapes.setLevel(saved[0])
             shapes.propagate, shapes.handlers = saved[1:]
@@ -881,9 +892,27 @@ def check_validated_sizes(
     A model that runs at one length only, or an exporter that fixed a size it was told varies, is named here with
     what to change, instead of failing deep in calibration or validation."""
     x, feed, seen = _parity_rows(data, names)
+    check_sizes_of(model, path, session, x, feed, seen, axes, shapes, atol, rtol)
+
+
+def check_sizes_of(
+    model: nn.Module,
+    path: Path,
+    session: Any,
+    x: Inputs,
+    feed: Feed,
+    seen: list[Feed],
+    axes: Axes,
+    shapes: Mapping[str, list[int]],
+    atol: float,
+    rtol: float = 0.0,
+) -> None:
+    """:func:`check_validated_sizes` on the rows ``x`` (``feed``: as the graph takes them) resized to each size,
+    the sizes taken from ``shapes`` or else from ``seen`` (a row of each split: their smallest and largest; half
+    of one size)."""
     for point, sized in _other_sizes(feed, seen, axes, shapes):
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
-        ref = _torch_at(model, inputs, point, [feed, *seen], axes)
+        ref = _torch_at(model, inputs, point, [feed, *seen], axes, shapes)
         by_value: list[str] = []
         try:
             check = parity(model, path, inputs, session, at, ref)
@@ -903,9 +932,10 @@ def check_validated_sizes(
                 "or export the model before its thresholding (its raw scores and boxes) and threshold outside",
             )
         if over:
+            line = _pinned_at(model, take(x, slice(0, 2)), axes)  # the loop or Python number that fixed it
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}): the exporter "
-                "fixed a size that signature.dynamic_axes makes vary",
+                f"fixed a size that signature.dynamic_axes makes vary{' in ' + line if line else ''}",
                 hint=_one_name_hint([feed, *seen], axes, point) + FIXED_SIZE_HINT,
             )
 
@@ -931,21 +961,103 @@ def _other_sizes(
 
 
 def _torch_at(
-    model: nn.Module, inputs: Inputs, point: Mapping[str, int], feeds: list[Feed], axes: Axes
+    model: nn.Module,
+    inputs: Inputs,
+    point: Mapping[str, int],
+    feeds: list[Feed],
+    axes: Axes,
+    listed: Mapping[str, list[int]],
 ) -> dict[str, np.ndarray]:
-    """PyTorch's outputs at ``point`` (``feeds``: the data's, first the rows resized); an error naming the size and
-    what to change where the model itself fails there."""
+    """PyTorch's outputs at ``point`` (``feeds``: the data's, first the rows resized; ``listed``: the sizes
+    ``signature.shapes`` gives); an error naming the size and what to change where the model itself fails there,
+    or where an output of it holds no finite value there (:func:`_refuse_nothing_finite`)."""
+    at = ", ".join(f"{k}={v}" for k, v in point.items())
     try:
-        return _torch_outputs(model, inputs)
+        ref = _torch_outputs(model, inputs)
     except Exception as exc:
-        at = ", ".join(f"{k}={v}" for k, v in point.items())
+        steps = _steps_hint(model, inputs, point, feeds[0], axes, listed)
         raise ModelError(
             f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
             f"that axis vary: {_reason(exc)}",
-            hint=_one_name_hint(feeds, axes, point)
+            hint=steps
+            or _one_name_hint(feeds, axes, point)
             + _untied_hint(feeds[0], axes, point)
             + _sizes_hint(point, _own_sizes(feeds[0], axes)),
         ) from None
+    _refuse_nothing_finite(ref, point, _own_sizes(feeds[0], axes), listed)
+    return ref
+
+
+def _refuse_nothing_finite(
+    ref: Mapping[str, np.ndarray], point: Mapping[str, int], own: Mapping[str, int], listed: Mapping[str, list[int]]
+) -> None:
+    """A ModelError where a float output of PyTorch's (``ref``, at ``point``) is NaN or infinite at every value of
+    every row (``exp`` of a sum that grows with the length overflows float32): the graph's NaN there equals it, so
+    nothing would be compared and the size recorded as validated, the engines answering NaN at it. An output with
+    finite values beside its infinities (-inf at masked positions) is compared as usual. ``own``: the data's sizes,
+    ``listed``: ``signature.shapes``, for the sizes the fix suggests."""
+    empty = [n for n, r in ref.items() if r.dtype.kind == "f" and r.size and not np.isfinite(r).any()]
+    if not empty:
+        return
+    at = ", ".join(f"{k}={v}" for k, v in point.items())
+    keep = {k: sorted({*listed.get(k, []), own.get(k, v)} - {v}) or [own.get(k, v)] for k, v in point.items()}
+    example = "{" + ", ".join(f"{k}: {v}" for k, v in keep.items()) + "}"
+    raise ModelError(
+        f"the model's output '{empty[0]}' is NaN or infinite at every value at {at}: it overflows (or divides by "
+        "zero) at this size, so nothing there can be compared",
+        hint=f"validate at sizes it takes, signature.shapes: {example}; or compute in a form that stays finite "
+        "there (in log space, or with the running maximum subtracted before exp)",
+    )
+
+
+# Sizes the step probe of a failed size runs at least, from the smaller of it and the data's: a period shows twice
+_STEP_SPAN = 8
+
+
+def _steps_hint(
+    model: nn.Module, like: Inputs, point: Mapping[str, int], feed: Feed, axes: Axes, listed: Mapping[str, list[int]]
+) -> str:
+    """The fix where PyTorch fails at ``point`` because a size there that ``signature.shapes`` lists (``listed``) is
+    off the steps the model takes that axis in (a U-Net's odd height, which its pooling and upsampling cannot meet
+    again): PyTorch runs on one row of ``feed`` at the sizes between that one and the data's (eight more at least),
+    the others at the data's, and a period seen twice is said with the sizes nearest; empty where none explains it
+    (a model that takes one length). Sizes Kiln made (half the data's) are left to the other hints."""
+    own = _own_sizes(feed, axes)
+    one = {k: v[:1] for k, v in feed.items()}
+    said = []
+    for label, size in point.items():
+        if size not in listed.get(label, ()) or label not in own:
+            continue
+        low = min(size, own[label])
+        high = min(max(size, own[label], low + _STEP_SPAN), low + 2 * MAX_PERIOD)
+        pattern = size_pattern(_runs_at(model, one, like, axes, own, label), low, high, label)
+        if pattern is None or 2 * pattern[0] > high - low + 1 or takes_size(pattern, size):
+            continue
+        period = pattern[0]
+        near = [s for s in range(max(1, size - period), size) if takes_size(pattern, s)][-1:]
+        near += [s for s in range(size + 1, size + period + 1) if takes_size(pattern, s)][:1]
+        said.append(
+            f"{label}={size} is not a size the model takes: it takes {label}{steps_text(pattern)} "
+            f"({', '.join(map(str, near))}, ...)"
+        )
+    return "; ".join(said) + ": list such sizes in signature.shapes" if said else ""
+
+
+def _runs_at(
+    model: nn.Module, feed: Feed, like: Inputs, axes: Axes, base: Mapping[str, int], label: str
+) -> Callable[[int], bool]:
+    """Whether PyTorch runs ``model`` on ``feed`` (rebuilt as ``like``) resized to ``base`` with axis ``label`` at
+    a size: the step probes' question, each size asked once."""
+
+    @cache
+    def runs(size: int) -> bool:
+        try:
+            _torch_outputs(model, from_feed(resize(feed, axes, {**base, label: size}), like))
+        except Exception:  # the model cannot take that size
+            return False
+        return True
+
+    return runs
 
 
 def export_at_sizes(
@@ -968,7 +1080,7 @@ def export_at_sizes(
             names = input_names(model, example)
             x, feed, seen = _parity_rows(data, names)
             for point, sized in _other_sizes(feed, seen, dict(axes), shapes):
-                _torch_at(model, from_feed(sized, x), point, [feed, *seen], dict(axes))
+                _torch_at(model, from_feed(sized, x), point, [feed, *seen], dict(axes), shapes)
         raise
 
 
@@ -987,16 +1099,7 @@ def size_steps(
     smallest = {label: min(v) for label, v in sizes.items() if v}
     out = {}
     for label, values in sizes.items():
-
-        @cache
-        def runs(size: int, label: str = label) -> bool:
-            try:
-                _torch_outputs(model, from_feed(resize(feed, axes, {**smallest, label: size}), x))
-            except Exception:  # the model cannot take that size
-                return False
-            return True
-
-        pattern = size_pattern(runs, min(values), max(values), label)
+        pattern = size_pattern(_runs_at(model, feed, x, axes, smallest, label), min(values), max(values), label)
         if pattern is not None:
             out[label] = pattern
             log.info("signature axis %s: the model takes sizes%s only", label, steps_text(pattern))
@@ -1041,7 +1144,9 @@ def export_direct(
 ) -> dict[str, Any]:
     """Export ``cfg.model`` to ``output`` without a workdir. The example inputs are ``input_shapes``
     (``--input-shape``, random arrays of those shapes) or the first rows of the configured data; a model that takes
-    neither is a ConfigError asking for each input's shape."""
+    neither is a ConfigError asking for each input's shape. The graph is checked as the pipeline checks it: at
+    another batch, and at other sizes of ``signature.dynamic_axes`` (:func:`check_sizes_of`), so a graph that holds
+    the example's length (a Python loop unrolled to it) is an error, not a file declaring that axis dynamic."""
     ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
     specs = parse_input_shapes(input_shapes) if input_shapes else None
     model = build_model(cfg.model.name, cfg.model.params)
@@ -1058,10 +1163,11 @@ def export_direct(
     refuse_random(model, example)
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
     atol, rtol = cfg.export.parity_atol, cfg.export.parity_rtol
+    session = ort_session(output)
     if cfg.export.dynamic_batch:  # at another batch too: a graph that holds the traced one gets those rows right
-        check = batch_parity(model, output, example, x, atol, rtol=rtol)
+        check = batch_parity(model, output, example, x, atol, session, rtol)
     else:
-        check = parity(model, output, example)
+        check = parity(model, output, example, session)
     random = (
         "random inputs can be far from what the model meets (masks, ids): give the config's data instead of "
         "--input-shape; "
@@ -1070,6 +1176,12 @@ def export_direct(
     )
     # held to the tolerance the pipeline holds it to
     require_parity(check, atol, rtol, f"{output.name}, on {_example_source(specs)}", random)
+    if cfg.signature.dynamic_axes:
+        on = x if cfg.export.dynamic_batch else example  # a fixed batch takes the traced rows only
+        names = [i.name for i in proto.graph.input]
+        seen = [feed_for_graph(take(on, slice(0, 1)), names)]
+        feed, axes = feed_for_graph(on, names), dict(cfg.signature.dynamic_axes)
+        check_sizes_of(model, output, session, on, feed, seen, axes, cfg.signature.shapes, atol, rtol)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
 
