@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.core.compare import set_aside
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs
@@ -27,6 +26,7 @@ from kiln.stages.engines.backend import check_feed as check_engine_feed
 from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.validate.baselines import percentiles
+from kiln.stages.validate.measured import NO_FINITE_FIX, nothing_measured
 from kiln.stages.validate.stage import ValidateSettings, check_gates
 
 log = logging.getLogger("kiln.validate")
@@ -144,8 +144,10 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     batch = str(len(next(iter(parts[0].values()))))  # the batch timed: the engine's fixed one, else every row
     entry.latency_ms = {batch: percentiles(t)}
     entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
-    entry.failures = check_gates(entry, None, entry.gates, int(batch)) + _nothing_measured(ref, got)
+    unmeasured = nothing_measured(ref, got)
+    entry.failures = check_gates(entry, None, entry.gates, int(batch)) + unmeasured
     entry.passed = not entry.failures
+    entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
 
 
@@ -190,35 +192,6 @@ def _say_padding_ties(
             name,
             " and ".join(f"'{t}'" for t in tied),
         )
-
-
-def _nothing_measured(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> list[str]:
-    """A failure for each float output with nothing compared on any sample: every value of each sample is one the
-    reference and the engine hold alike as NaN, infinity or a mask's fill (:func:`~kiln.core.compare.set_aside`),
-    which compare as equal, so such an output would pass with cosine 1, and nothing measured is no pass; a warning
-    for one with nothing compared on some samples only. A sample with a masked value among others is compared on
-    those others as usual."""
-    failures = []
-    for name, r in ref.items():
-        if r.dtype.kind != "f" or not r.size or r.ndim == 0 or name not in got:
-            continue
-        empty = set_aside(r, got[name]).reshape(len(r), -1).all(axis=1)
-        if empty.all():
-            failures.append(
-                f"reference output '{name}' is NaN, infinite or a mask's fill at every value of all {len(r)} "
-                "samples, and so is the engine's: nothing was compared there (inputs the model cannot take, e.g. "
-                "lengths shorter than its subsampling)"
-            )
-        elif empty.any():
-            log.warning(
-                "reference output '%s' is NaN, infinite or a mask's fill at every value of %d of %d samples (sample "
-                "%d first), and so is the engine's: nothing was compared on those samples",
-                name,
-                int(empty.sum()),
-                len(r),
-                int(np.flatnonzero(empty)[0]),
-            )
-    return failures
 
 
 def _say_new_sizes(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> None:

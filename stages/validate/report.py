@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kiln.core.errors import KilnError
 from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
 from kiln.core.timing import ratio_interval
-from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, RELATIVE, resolve_metric
+from kiln.stages.accuracy.metrics import BUILTINS, DEFAULT, RELATIVE, Metric, resolve_metric
+from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
 
 DEFAULT_LOGITS = "logits"  # the output taken as the class logits by default (kiln.core.outputs, which loads torch)
 RANDOM_INPUTS = (
@@ -29,9 +33,16 @@ def direct_report(result: EngineValidation, inputs: Path | None) -> dict[str, An
     return {"inputs": inputs_record(inputs), **result.model_dump(mode="json", exclude_none=True)}
 
 
-def gate_failure_hint(inputs: Path | None) -> str:
-    """The fix for a failed gate of a direct validation; on random inputs, real ones come first."""
+def gate_failure_hint(inputs: Path | None, failures: Sequence[str] = ()) -> str:
+    """The fix for a failed gate of a direct validation; on random inputs, real ones come first. Where only outputs
+    with nothing measured failed (:func:`~kiln.stages.validate.measured.nothing_measured`: the reference itself is no
+    number there), inputs the model takes, which neither the engine's precision nor a gate changes."""
+    empty = unmeasured(failures)
+    if empty and len(empty) == len(failures):
+        return NO_FINITE_FIX
     relax = "inspect the engine's precision, or relax validate.gates if acceptable"
+    if empty:
+        relax = f"{NO_FINITE_FIX}; for the other failures, {relax}"
     if inputs is None:
         return f"these were random inputs: validate on real ones with --inputs data.npz (one array per input); {relax}"
     return relax
@@ -203,47 +214,83 @@ def _decisions(b: Any) -> str:
 
 
 def _metric(v: ValidationResult) -> list[str]:
-    """The metric each engine scored beside the reference's, with its drop and gate. Its name is validate.metric's;
-    a value without one is the metric float targets get where validate.metric is unset (:data:`DEFAULT`)."""
+    """The metric each engine scored beside the reference's, with its drop and gate, and the unit the gate is in.
+    Its name is validate.metric's; a value without one is the metric float targets get where validate.metric is
+    unset (:data:`DEFAULT`)."""
     b = v.baseline
     if b.metric_name is None and b.metric is None:
         return []
     name = b.metric_name or DEFAULT
     default = b.metric_default or not b.metric_name  # a record of before metric_default: a value without a name
     source = "the default for float targets: validate.metric is unset" if default else "validate.metric"
-    per = "; ".join(
-        f"{e.name} {fmt(e.metric, '.4g')}{_metric_drop(name, b.metric, e, b.metric_scale)}"
-        for e in v.engines
-        if e.metric is not None
-    )
+    metric = _resolved(name, b.metric_scale)
+    scored = [e for e in v.engines if e.metric is not None]
+    per = "; ".join(f"{e.name} {fmt(e.metric, '.4g')}{_metric_drop(metric, b.metric, e)}" for e in scored)
     if b.labelled_positions == 0:  # labels per position that fit no validated shape (said above)
         per = "not measured: the labels fit no validated size"
-    line = f"Metric `{name}` ({source}): reference {fmt(b.metric, '.4g')}; {per}."
-    metric = resolve_metric(name, None) if name in BUILTINS else None
-    if metric is not None and metric.relative:
-        line += f" `{name}` is an error metric: its rise is relative to " + (
-            f"the targets' spread in its units ({b.metric_scale:.4g}), (engine - reference) / spread: for `mse` "
-            "a `max_metric_drop` of 0.01 allows one point of R^2."
-            if b.metric_scale
-            else "the reference's value, (engine - reference) / reference: 0.01 allows 1 % more error."
+    limits = {e.gates.get("max_metric_drop") for e in scored} - {None}
+    limit = limits.pop() if len(limits) == 1 else None  # gates per precision that differ: each beside its engine
+    gate = _metric_gate(name, metric, b.metric, limit)
+    return ["", f"Metric `{name}` ({source}): reference {fmt(b.metric, '.4g')}; {per}. {gate}"]
+
+
+def _resolved(name: str, scale: float | None) -> Metric | None:
+    """The metric ``name`` as validation judged it, with the scale its relative drop was over: a built-in, or a
+    user's function whose module this process imported already (the run that validated); None for a user's metric
+    that a cached run reads from its record, which runs none of the user's code."""
+    module = name.partition(":")[0]
+    if name not in BUILTINS and module not in sys.modules:
+        return None
+    try:
+        metric = resolve_metric(name, None)
+    except KilnError:  # the module no longer holds the function: said as unknown, not as an error of the report
+        return None
+    return None if metric is None else replace(metric, scale=scale)
+
+
+def _metric_gate(name: str, metric: Metric | None, baseline: float | None, limit: float | None) -> str:
+    """What ``validate.gates.max_metric_drop`` (``limit`` where every engine has the same) holds the metric to, in
+    the unit :meth:`Metric.drop` takes it in: a drop in the metric's own units, or an error metric's rise over the
+    targets' spread or over the reference's value; for a user's metric not known here, both, as its function
+    decides."""
+    at_most = "at most the gate" if limit is None else f"at most {limit:g}"
+    share = "the gate's share" if limit is None else f"{100 * limit:g} %"
+    if metric is None:
+        return (
+            f"Gate (`max_metric_drop`): a drop of {at_most} in `{name}`'s own units, or, where its function sets "
+            f"`relative = True`, {share} worse than the reference's value."
         )
-    return ["", line]
+    worse = "drop" if metric.higher_is_better else "rise"
+    direction = f"{'higher' if metric.higher_is_better else 'lower'} is better"
+    if not metric.relative or not (metric.scale or baseline):
+        return f"Gate (`max_metric_drop`): a {worse} of {at_most} in `{name}`'s own units ({direction})."
+    what = "an error metric" if not metric.higher_is_better else "judged relatively"
+    diff = "(reference - engine)" if metric.higher_is_better else "(engine - reference)"
+    if metric.scale:
+        r2 = "" if name != "mse" or limit is None else f": at most {limit:g} of R^2 lost"
+        return (
+            f"Gate (`max_metric_drop`): a {worse} of {at_most} times the targets' spread in its units "
+            f"({metric.scale:.4g}), {diff} / spread{r2}; `{name}` is {what} ({direction})."
+        )
+    more = "more error" if not metric.higher_is_better else "lower"
+    return (
+        f"Gate (`max_metric_drop`): a {worse} of {at_most} times the reference's value, {diff} / reference: "
+        f"{share} {more} than the reference's; `{name}` is {what} ({direction})."
+    )
 
 
-def _metric_drop(name: str, baseline: float | None, e: EngineValidation, scale: float | None = None) -> str:
-    """`` (relative rise 0.02, gate ≤ 0.01)``: a built-in metric's drop from the reference (an error metric's
-    rise over the targets' spread, ``scale``, else over the reference's value:
-    :meth:`kiln.stages.accuracy.metrics.Metric.drop`) beside its gate; empty for a user's metric, whose direction
-    the record does not hold."""
-    metric = resolve_metric(name, None) if name in BUILTINS else None
-    if metric is None or baseline is None or e.metric is None:
-        return ""
-    metric = replace(metric, scale=scale)
-    relative = metric.relative and (scale or baseline != 0)
-    what = "relative rise" if relative else "rise" if not metric.higher_is_better else "drop"
+def _metric_drop(metric: Metric | None, baseline: float | None, e: EngineValidation) -> str:
+    """`` (relative rise 0.02, gate ≤ 0.01)``: the metric's drop from the reference (an error metric's rise over
+    the targets' spread, else over the reference's value: :meth:`kiln.stages.accuracy.metrics.Metric.drop`) beside
+    its gate; the gate alone for a metric whose direction is not known here (:func:`_resolved`)."""
     limit = e.gates.get("max_metric_drop")
-    gate = "" if limit is None else f", gate ≤ {limit:g}"
-    return f" ({what} {metric.drop(baseline, e.metric):.4g}{gate})"
+    gate = "" if limit is None else f"gate ≤ {limit:g}"
+    if metric is None or baseline is None or e.metric is None:
+        return f" ({gate})" if gate else ""
+    relative = metric.relative and (metric.scale or baseline != 0)
+    worse = "drop" if metric.higher_is_better else "rise"
+    what = f"relative {worse}" if relative else worse
+    return f" ({what} {metric.drop(baseline, e.metric):.4g}{', ' + gate if gate else ''})"
 
 
 def _vs_baselines(v: ValidationResult) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.core.compare import class_axis, compare_arrays
+from kiln.core.compare import class_axis, compare_arrays, value_ordered
 from kiln.core.data import (
     DatasetSplits,
     Feed,
@@ -52,6 +52,7 @@ from kiln.stages.accuracy.check import (
     Comparison,
     Reference,
     accuracy_failures,
+    batched,
     compare_on,
     gates_for,
     held_out,
@@ -68,6 +69,7 @@ from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedu
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.coupling import rows_may_mix
 from kiln.stages.validate.declaration import ValidateSettings
+from kiln.stages.validate.measured import NO_FINITE_FIX, has_no_number_samples, nothing_measured, unmeasured
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.roofline import peak_tflops, roofline
 
@@ -87,9 +89,12 @@ def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict
 
 
 def engine_hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
-    """What to try when an engine missed accuracy gates: its backend's hints (the way it was built may explain)."""
-    accuracy = [f for f in failures if not f.startswith(LATENCY_GATE)]
-    return backend_named(meta.backend).hints(meta, accuracy) if accuracy else []
+    """What to try when an engine missed accuracy gates: its backend's hints (the way it was built may explain);
+    where nothing was measured (:func:`~kiln.stages.validate.measured.nothing_measured`), inputs the model gives
+    a number at, which no way of building changes."""
+    empty = unmeasured(failures)
+    accuracy = [f for f in failures if not f.startswith(LATENCY_GATE) and f not in empty]
+    return (backend_named(meta.backend).hints(meta, accuracy) if accuracy else []) + ([NO_FINITE_FIX] if empty else [])
 
 
 def check_gates(
@@ -120,6 +125,7 @@ class Checked:
     runner: Any = None
     timers: dict[int, Timer] = field(default_factory=dict)
     found: Comparison | None = None
+    unmeasured: list[str] = field(default_factory=list)  # outputs with nothing compared at a shape: failures
 
 
 def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: StageContext[ValidateSettings]) -> Checked:
@@ -154,6 +160,7 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
             inspect=lambda feed, got: declared_shape_problems(meta, feed, got),  # one call, as a server gets it
         )
         summarize(entry, found.stats, ref.logits)
+        empty = measured_nothing(ref, runner.infer, found, max(sizes), meta.name)
         entry.accuracy, entry.metric = found.accuracy, found.metric
         entry.shapes = [p for p, _ in ref.feeds if p and p not in found.untaken]
         entry.batch_sizes = list(sizes)  # servers take batches up to the largest (the package stage records them)
@@ -162,7 +169,26 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
         runner.deactivate()
         raise
     entry.status = "validated"
-    return Checked(entry, meta, runner, timers, found)
+    return Checked(entry, meta, runner, timers, found, empty)
+
+
+def measured_nothing(
+    ref: Reference, infer: Callable[[Feed], dict[str, np.ndarray]], found: Comparison, largest: int, engine: str
+) -> list[str]:
+    """At each shape the engine took, a failure for each output it and the reference hold alike as no number on
+    every sample, where nothing was compared (:func:`~kiln.stages.validate.measured.nothing_measured`, which warns
+    of some samples only). The engine runs again, in batches of ``largest`` as :func:`compare_on` ran it, only at
+    shapes where the reference has such a sample: elsewhere nothing can be set aside on a whole sample."""
+    failures = []
+    last = len(ref.feeds) - 1
+    for i, ((point, feed), expected) in enumerate(zip(ref.feeds, ref.outputs)):
+        if point in found.untaken or not has_no_number_samples(ref.unpadded(feed, expected)):
+            continue
+        got = found.last if i == last and found.last is not None else batched(infer, feed, largest)
+        whole, answered = value_ordered(ref.unpadded(feed, expected), ref.unpadded(feed, got), ref.by_value)
+        at = " at " + ", ".join(f"{k}={v}" for k, v in point.items()) if point else ""
+        failures += nothing_measured(whole, answered, at, f"engine {engine}")
+    return failures
 
 
 def finish_engine(
@@ -178,7 +204,7 @@ def finish_engine(
     entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
     entry.gates = gates_for(cfg, meta.precision, ref.logits is None)
     entry.failures = check_gates(entry, ref.accuracy, entry.gates, largest, ref.metric, ref.metric_value)
-    entry.failures += found.problems
+    entry.failures += c.unmeasured + found.problems
     entry.passed = not entry.failures
     entry.hints = engine_hints(meta, entry.failures)
     if found.untaken:

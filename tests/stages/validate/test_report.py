@@ -130,6 +130,40 @@ def test_an_error_metric_is_shown_with_its_relative_rise_and_the_default_said_as
     assert not any(x.startswith("Metric") for x in _scored(None, None, {}))
 
 
+def psnr(outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
+    """A user's metric in dB, higher is better, without ``relative = True``: its drop is in dB."""
+    mse = float(np.mean((next(iter(outputs.values())) - labels) ** 2))
+    return 10 * np.log10(1 / mse)
+
+
+def rel_err(outputs: dict[str, np.ndarray], labels: np.ndarray) -> float:
+    """A user's error metric, judged by its rise over the reference's value."""
+    return float(np.abs(next(iter(outputs.values())) - labels).mean())
+
+
+rel_err.higher_is_better = False  # type: ignore[attr-defined]
+rel_err.relative = True  # type: ignore[attr-defined]
+
+
+def test_a_users_metric_is_shown_with_its_gate_in_its_own_units() -> None:
+    """A PSNR without ``relative = True`` is gated by its drop in dB (max_metric_drop 0.01: 0.01 dB), which the line
+    says beside each engine's drop; one with it by its rise over the reference's value."""
+    line = next(x for x in _scored(24.97, f"{__name__}:psnr", {"int8": 24.9}) if x.startswith("Metric"))
+    assert "int8 24.9 (drop 0.07, gate ≤ 0.01)" in line, line
+    assert "a drop of at most 0.01 in" in line and "own units (higher is better)" in line, line
+    line = next(x for x in _scored(2.0, f"{__name__}:rel_err", {"int8": 2.1}) if x.startswith("Metric"))
+    assert "int8 2.1 (relative rise 0.05, gate ≤ 0.01)" in line, line
+    assert "1 % more error than the reference's" in line and "(lower is better)" in line, line
+
+
+def test_a_users_metric_not_loaded_here_is_shown_with_its_gate_and_both_units() -> None:
+    """A cached run renders the report without running the user's code: the gate stands beside each engine, with
+    what it is in for either kind of function."""
+    line = next(x for x in _scored(24.97, "not_imported_here.metrics:psnr", {"int8": 24.9}) if x.startswith("Metric"))
+    assert "int8 24.9 (gate ≤ 0.01)" in line, line
+    assert "a drop of at most 0.01 in" in line and "where its function sets `relative = True`, 1 % worse" in line
+
+
 def test_top1_flips_on_ties_are_counted_over_what_top1_compares() -> None:
     """Per-token logits: the share of ties is of the labelled positions (at the worst shape), not of samples."""
     timed = {"8": Percentiles(p50=0.1, p90=0.1, p99=0.1)}
