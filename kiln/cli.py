@@ -1314,8 +1314,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     "-c",
     "config",
     type=click.Path(dir_okay=False),
-    help="the run's config (YAML/TOML/JSON): its validation data become the requests (default: the config the "
-    "workdir's run recorded, else the demo's)",
+    help="the run's config (YAML/TOML/JSON): its first 64 validation samples become the requests (the pool's cap; "
+    "default: the config the workdir's run recorded, else the demo's)",
 )
 @click.option(
     "--processes",

@@ -131,7 +131,8 @@ def result_line(report: dict[str, Any]) -> str:
             f"{' / '.join(devices)}, which this machine does not have; validate {'them' if many else 'it'} where "
             f"{'they' if many else 'it'} will run)"
         )
-    return verdict + "".join(f"; {why}" for why in _missing_precisions(report, engines))
+    missing = [*_missing_precisions(report, engines), *_unmade_graph_engines(report, engines)]
+    return verdict + "".join(f"; {why}" for why in missing)
 
 
 def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
@@ -151,6 +152,26 @@ def _missing_precisions(report: dict[str, Any], engines: list[dict[str, Any]]) -
         why = failed.get(p) or _skipped_reason(skipped, p)
         out.append(f"no {p} engine" + (f" ({why})" if why else ""))
     return out
+
+
+def _unmade_graph_engines(report: dict[str, Any], engines: list[dict[str, Any]]) -> list[str]:
+    """The engines not built because the graph they read was not made, where their precision has other engines
+    (an INT8 Q/DQ graph short of the gates while ONNX Runtime CPU's own INT8 graph passed: no TensorRT INT8 engine),
+    grouped by reason: :func:`_missing_precisions` says only precisions with no engine at all."""
+    if not engines:
+        return []
+    stages = report.get("stages", {})
+    variants = (stages.get("precision", {}).get("summary") or {}).get("variants") or {}
+    skipped = (stages.get("build", {}).get("summary") or {}).get("skipped") or []
+    built = {e.get("precision") for e in engines}
+    unbuilt: dict[str, list[str]] = {}
+    for line in skipped:
+        name, _, why = line.partition(": ")
+        precision = name.rpartition("-")[2]
+        unmade = (variants.get(precision) or {}).get("unmade")
+        if precision in built and unmade and why.startswith(unmade):
+            unbuilt.setdefault(unmade, []).append(name)
+    return [f"no {', '.join(names)} engine{'s' if len(names) > 1 else ''} ({why})" for why, names in unbuilt.items()]
 
 
 def _skipped_reason(skipped: list[str], precision: str) -> str:

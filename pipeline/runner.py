@@ -298,6 +298,36 @@ def what_changed(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return out
 
 
+def code_said_by_module(changed: list[str], old: dict[str, Any], new: dict[str, Any], config: KilnConfig) -> list[str]:
+    """:func:`what_changed`'s names (of key parts ``old`` -> ``new``) with the user's edited code said as what its
+    hash covers: the module named and the local modules it imports (an edit anywhere in them changes the hash of
+    every function the config takes from it), not those functions as if each had changed. Code named in one of the
+    two runs only stays as it is."""
+    before, after = old.get("user_code") or {}, new.get("user_code") or {}
+    edited = [ref for ref in before if ref in after and before[ref] != after[ref]]
+    modules: dict[str, list[str]] = {}
+    for ref in edited:
+        modules.setdefault(ref.partition(":")[0], []).append(ref)
+    said = {
+        module: f"module {module} (the module of {_uses(refs, config)}, or a local module it imports)"
+        for module, refs in modules.items()
+    }
+    out = []
+    for part in changed:
+        ref = part.removeprefix("user_code.") if part.startswith("user_code.") else None
+        if ref not in edited:
+            out.append(part)
+        elif line := said.pop(ref.partition(":")[0], None):  # once a module, where its first function was
+            out.append(line)
+    return out
+
+
+def _uses(refs: list[str], config: KilnConfig) -> str:
+    """``model 'm:build' and data 'm:load'``: what the config takes ``refs`` as (:data:`USER_CODE_KEYS`)."""
+    named = [(label, ref) for key, label in USER_CODE_KEYS.items() if (ref := config_at(config, key)) in refs]
+    return " and ".join(f"{label} '{ref}'" for label, ref in named or [("code", r) for r in refs])
+
+
 class Runner:
     def __init__(
         self,
@@ -521,6 +551,7 @@ class Runner:
                 original_seconds=old.get("seconds"),
             )
         changed = what_changed(old.get("key_parts", {}), parts) if old and not forced else []
+        changed = code_said_by_module(changed, old.get("key_parts", {}) if old else {}, parts, self.config)
         why = f" (changed since the last run: {', '.join(changed)})" if changed else ""
         if old and not forced and old.get("key") == key:
             why = " (its files were changed or damaged since it ran: rebuilding)"

@@ -2,10 +2,11 @@
 
 Each concurrency level runs ``c`` threads, each with its own client (tritonclient's clients are not shared
 between threads), sending single-sample requests round-robin from a pool for ``duration`` seconds or until
-``max_requests`` answers, whichever comes first. The pool is real validation data when the run's dataset covers
-the engine's inputs, else random inputs of the engine's shapes (the report says which, and why); its expected
-outputs come from the engine run in-process, one sample at a time, so an answer that went wrong under load (mixed
-up between requests in a batch, truncated, of another model) is counted, reported and fails the command.
+``max_requests`` answers, whichever comes first. The pool is real validation data (its first ``POOL`` samples) when
+the run's dataset covers the engine's inputs, else random inputs of the engine's shapes (the report says which, and
+why); its expected outputs come from the engine run in-process, one sample at a time, so an answer that went wrong
+under load (mixed up between requests in a batch, truncated, of another model) is counted, reported and fails the
+command.
 
 ``ray://127.0.0.1:8000`` drives the Ray Serve application the package stage writes (``package/ray/serve.yaml``)
 the same way: it speaks the KServe v2 protocol in JSON, so the same HTTP client sends JSON tensors; it keeps no
@@ -45,7 +46,7 @@ import numpy as np
 
 from kiln.core.artifacts import write_bytes_atomic, write_json_atomic, write_text_atomic
 from kiln.core.compare import Masks, agrees, masks_of, set_aside
-from kiln.core.data import feed_for_graph, take
+from kiln.core.data import feed_for_graph, rows, take
 from kiln.core.errors import BackendUnavailable, ConfigError, GateFailure, KilnError
 from kiln.core.inputs import largest_sizes, random_inputs
 from kiln.core.records import TensorSpec
@@ -63,7 +64,7 @@ from kiln.stages.package.triton import served_max_batch
 
 log = logging.getLogger("kiln.serve.loadtest")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-POOL = 64
+POOL = 64  # the request pool's cap, in samples (`kiln loadtest --help` says it)
 # (atol, rtol; rtol is relative to the answer's scale, answer_error) by engine precision: the base
 # of the band a served answer is held to, for the rounding a batch's other kernels (another reduction order) bring.
 # INT8 takes FP16's: a static INT8 engine answers alike in any batch. Where a sample's answer depends on its batch
@@ -353,9 +354,9 @@ def _repository_names(path: Path) -> dict[str, str]:
 
 
 def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = POOL) -> tuple[list[dict], str]:
-    """Single-sample feeds and where they came from: the run's validation data when they cover every input of the
-    engine (by name for a dict, by position otherwise, with the engine's dtypes and fixed sizes), else random arrays
-    of the engine's shapes, with the reason."""
+    """Single-sample feeds and where they came from: the run's first ``size`` validation samples when they cover
+    every input of the engine (by name for a dict, by position otherwise, with the engine's dtypes and fixed sizes),
+    else random arrays of the engine's shapes, with the reason."""
     specs = engine.meta.inputs
     if config is None:
         why = "no config"
@@ -371,9 +372,10 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
         except KilnError as exc:
             why = exc.message
         else:
-            n = len(next(iter(feed.values())))
+            n, total = len(next(iter(feed.values()))), rows(data.val_x)
             pool = [{k: v[i : i + 1] for k, v in feed.items()} for i in range(n)]
-            return pool, f"real validation data of dataset '{config.data.name or data.name}' ({n} samples)"
+            held = f"the first {n} of its {total} samples: the pool's cap" if total > n else f"{n} samples"
+            return pool, f"real validation data of dataset '{config.data.name or data.name}' ({held})"
     log.warning("engine %s gets RANDOM inputs: %s", engine.meta.name, why)
     # an axis besides the batch at the largest size the engine was validated for
     sizes = largest_sizes(specs, engine.meta.axis_ranges)

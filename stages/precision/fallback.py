@@ -246,12 +246,12 @@ def _prune(
     label: str,
 ) -> tuple[dict[str, str], Verdict] | None:
     """Drop the nodes of rounds that did not measurably improve, where the graph without them still passes: a node
-    stays in float only if that helped. None: nothing dropped."""
+    stays in float only if that helped. ``added[i]``: round i + 1's nodes. None: nothing dropped."""
     dropped: tuple[dict[str, str], Verdict] | None = None
-    for nodes, good in zip(added, helped):
+    for round_no, (nodes, good) in enumerate(zip(added, helped), start=1):
         if good:
             continue
-        trial = {k: v for k, v in kept.items() if k not in nodes}
+        trial = _without(kept, nodes, round_no)
         verdict = check(build(set(trial)), precision, cfg)
         if verdict.passed:
             log.info(
@@ -262,6 +262,24 @@ def _prune(
             )
             kept, dropped = trial, (trial, verdict)
     return dropped
+
+
+def _without(kept: dict[str, str], nodes: set[str], round_no: int) -> dict[str, str]:
+    """``kept`` without ``nodes`` (round ``round_no``'s), its reasons true of the graph without them: a node kept
+    for feeding one of them says that one was dropped, not that it is kept FP32."""
+    dropped = f"kept FP32 in round {round_no}, dropped when it bought nothing measurable"
+    out = {}
+    for name, why in kept.items():
+        if name not in nodes:
+            for gone in nodes:
+                why = why.replace(_feeds(gone), _feeds(gone, dropped))
+            out[name] = why
+    return out
+
+
+def _feeds(consumer: str, state: str = "kept FP32") -> str:
+    """How a node's reason names the FP32 node it was kept for feeding (:func:`blame`)."""
+    return f"feeds {consumer} ({state})"
 
 
 def _informative(x: Samples, ref: np.ndarray, got: np.ndarray) -> Samples:
@@ -306,7 +324,7 @@ def blame(
                 name = fused.get(p.name, p.name) if p is not None else None  # a fused Relu: the Conv it is part of
                 op = p.op_type if p is not None else None
                 if name in candidates and name not in kept and op not in INDEX_OPS:
-                    picks.setdefault(name, f"feeds {n.name} (kept FP32) whose {why}")
+                    picks.setdefault(name, f"{_feeds(n.name)} whose {why}")
         elif n.name in candidates:
             picks[n.name] = why
     return picks

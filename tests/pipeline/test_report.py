@@ -107,3 +107,35 @@ def test_one_engine_not_validated_here_is_said_in_the_singular() -> None:
         "PASSED, 1 engine built but not validated: tensorrt-fp32 (it targets CUDA, which this machine does not "
         "have; validate it where it will run)"
     )
+
+
+def test_engines_of_a_graph_not_made_are_named_beside_the_verdict(tmp_path: Path) -> None:
+    """An INT8 Q/DQ graph short of the gates while ONNX Runtime CPU's own INT8 graph passed: int8 has an engine,
+    yet the engines that read the Q/DQ graph (TensorRT's) are not built, and the result line names them and why."""
+    from kiln.core.records import EngineValidation
+    from kiln.pipeline.report import result_line
+    from kiln.stages.engines.declaration import BuildSummary, EngineEntry
+    from kiln.stages.precision.declaration import PrecisionSummary
+
+    why = "int8 (Q/DQ graph) not made: no fallback round passed the gates its engines face (cosine 0.99 < 0.999)"
+    fp16 = "engine onnxruntime-cpu-fp16 is labelled fp16, it computes 0% in fp16"
+    made = {"backend": "onnxruntime", "device": "cpu", "precision": "int8", "name": "onnxruntime-cpu-int8"}
+    trt = {"backend": "tensorrt", "device": "cuda", "precision": "fp16", "name": "tensorrt-fp16"}
+    variants = {"fp16": {}, "int8": {"unmade": why, "backend_paths": {"onnxruntime-cpu": "int8/model.ort_cpu.onnx"}}}
+    skipped = [f"onnxruntime-cpu-fp16: {fp16} (fix: none needed)", f"tensorrt-int8: {why}"]
+    built = [EngineEntry(**e, build_seconds=1, size_bytes=1) for e in (made, trt)]
+    engines = [
+        EngineValidation(**made, status="validated"),
+        EngineValidation(**trt, status="not-runnable", reason="no CUDA GPU"),
+    ]
+    records = [
+        StageRecord("precision", "ran", 0.1, summary=PrecisionSummary(variants=variants)),
+        StageRecord("build", "ran", 0.1, summary=BuildSummary(engines=built, skipped=skipped)),
+        StageRecord("validate", "ran", 0.1, summary=VALIDATION.model_copy(update={"engines": engines})),
+    ]
+    cfg = config_from_dict(tiny_config_dict(), source=str(tmp_path / "kiln.yaml"))
+    report = build_report(RunResult(tmp_path / "wd", records), cfg)
+    line = result_line(report)
+    assert line.startswith("PASSED, 1 engine built but not validated: tensorrt-fp16 "), line
+    assert line.endswith(f"; no tensorrt-int8 engine ({why})"), line
+    assert "onnxruntime-cpu-fp16" not in line  # fp16 has an engine: a backend that runs it in fp32 is no news

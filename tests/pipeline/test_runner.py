@@ -545,3 +545,34 @@ def test_a_stage_alone_warns_where_the_users_code_changed_since_its_upstream_ran
         result = alone(work, "second", stages, **{"model.name": "mine:make"})
     assert result.ok and statuses(result) == {"second": "ran"}
     assert "model ran before your code changed (mine:make)" in caplog.text
+
+
+def test_an_edited_user_module_is_said_as_the_module_not_the_functions_named_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user code's hash covers the module named and the local modules it imports: a function appended to it
+    reruns the stage, and the rerun names that module and what the config takes from it, not those functions as if
+    they had changed."""
+    import importlib
+    import sys
+
+    from kiln.models.config import DataConfig, ModelConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class ModelAndData(StageSettings):
+        model: ModelConfig
+        data: DataConfig
+
+    module = tmp_path / "mine.py"
+    module.write_text("def make():\n    return 1\n\n\ndef data():\n    return 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stage = Stage("model", "tests.pipeline.fake_stages:modelled", (), ModelAndData, ValueSummary, (), lambda s: {})
+    options = {"model.name": "mine:make", "model.params": {}, "data.name": "mine:data"}
+    run(tmp_path / "wd", [stage], **options)
+    module.write_text(module.read_text() + "\n\ndef unrelated():\n    return 3\n")
+    sys.modules.pop("mine", None)
+    importlib.invalidate_caches()
+    (record,) = run(tmp_path / "wd", [stage], **options).records
+    assert record.status == "ran" and record.changed == [
+        "module mine (the module of model 'mine:make' and data 'mine:data', or a local module it imports)"
+    ]

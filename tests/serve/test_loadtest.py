@@ -626,3 +626,20 @@ def test_a_server_of_wrong_answers_still_fails_against_the_outputs_scale(
     off = [dict(a) for a in served]
     off[0]["logit"] = off[0]["logit"] + np.float32(0.1)
     assert _level(monkeypatch, expected, off, tolerance=band).mismatches == 1
+
+
+def test_a_pool_capped_below_the_split_says_how_much_of_it_it_holds(engines: dict[str, ServedEngine]) -> None:
+    """The requests are the first ``size`` validation samples: a split larger than that is said as such, in the
+    source line and in `kiln loadtest --help`, not as if the pool were the whole split."""
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+    from kiln.serve.loadtest import POOL
+
+    model = "tests.user_models:two_in"
+    pool, source = request_pool(engines[model], config(model, "tests.user_models:two_in_data"), size=3)
+    assert len(pool) == 3 and source.endswith("(the first 3 of its 8 samples: the pool's cap)"), source
+    _, whole = request_pool(engines[model], config(model, "tests.user_models:two_in_data"), size=POOL)
+    assert whole.endswith("(8 samples)"), whole
+    help_text = " ".join(CliRunner().invoke(main, ["loadtest", "--help"]).output.split())
+    assert f"its first {POOL} validation samples" in help_text, help_text
