@@ -983,7 +983,8 @@ def _validate_direct(
     _answer(json.dumps(direct_report(result, fed), indent=2))  # plain JSON on stdout: `> v.json` keeps it
     if not result.passed:
         raise GateFailure(
-            f"engine {result.name} failed its gates: {'; '.join(result.failures)}", hint=gate_failure_hint(fed)
+            f"engine {result.name} failed its gates: {'; '.join(result.failures)}",
+            hint=gate_failure_hint(fed, result.failures),
         )
 
 

@@ -63,6 +63,7 @@ def _run(tmp_path: Path, data: str, seq: list[int]) -> tuple[dict, dict, str]:
     result, _ = run_pipeline(cfg, tmp_path, stop="validate")
     assert isinstance(result.error, GateFailure), result.error
     assert "nothing was compared there" in result.error.message
+    assert result.error.hint == NO_FINITE_FIX  # the run's fix line: no gate or precision helps here
     (engine,) = json.loads((tmp_path / "validate" / "validation.json").read_text())["engines"]
     return engine, json.loads((tmp_path / "report.json").read_text()), (tmp_path / "report.md").read_text()
 
