@@ -532,7 +532,8 @@ class EngineValidation(Part):
     failures: list[str] = Field(default_factory=list)
     hints: list[str] = Field(default_factory=list)  # what to try about the failures (not gates themselves)
     dropped: str | None = None  # why a validated engine is not packaged (precision.require_speedup)
-    gates: dict[str, float | None] = Field(default_factory=dict)  # the thresholds it was held to (report shows them)
+    gates: dict[str, float | list[str] | None] = Field(default_factory=dict)  # the thresholds it was held to, and
+    # gated_outputs where set (report shows them)
 
 
 NONE_VALIDATED = "no engine could be validated on this machine"  # a failure no gate threshold changes

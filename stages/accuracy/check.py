@@ -26,7 +26,7 @@ from kiln.core.compare import (
     worst,
 )
 from kiln.core.data import DatasetSplits, Feed, feed_for_graph, feed_rows, feed_take, rows, take
-from kiln.core.errors import ModelError
+from kiln.core.errors import ConfigError, ModelError
 from kiln.core.labels import IGNORE_LABEL, is_mask_name, left_padded, padding_ties, per_position, without_padding
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.outputs import logits_name
@@ -57,6 +57,7 @@ def compare_all(
     where: np.ndarray | None = None,
     mismatch_hint: str = REBUILD,
     spread: dict[str, float] | None = None,
+    decisions: bool = False,
 ) -> dict[str, OutputStats]:
     """Every output of the reference against the candidate's output of the same name; top-1 agreement only on
     the class-logit output (on a hidden state it would be noise), and with per-position labels only over the
@@ -66,7 +67,9 @@ def compare_all(
     between samples (``spread``: :func:`spreads`, the whole held-out set's where this is a few rows of it; else
     this reference's own): :func:`relative_to_spread`. Class logits of one entry on their class axis are a binary
     classifier's logit (:func:`binary_logit`), whose top-1 agreement is that of its decision: above the threshold
-    :func:`~kiln.stages.accuracy.metrics.decision_threshold` reads off the reference (0 for a logit).
+    :func:`~kiln.stages.accuracy.metrics.decision_threshold` reads off the reference (0 for a logit). With
+    ``decisions`` (a multi-label head's logits: :func:`multi_hot`) each label is such a decision, and the agreement
+    is over every (sample, label) pair (:func:`as_decisions`).
     ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
@@ -83,12 +86,15 @@ def compare_all(
             hint="keep the nodes before that threshold in float (calibration.exclude_nodes, precision.fp16."
             "fp32_ops), or serve the scores and threshold them outside the engine",
         )
-    if where is None and logits is not None and logits in ref:
+    decide = decisions and logits is not None and logits in ref
+    if where is None and logits is not None and logits in ref and not decide:
         where = confident_positions(ref[logits])
-    binary = {logits: decision_threshold(ref[logits])} if logits in ref and binary_logit(ref[logits]) else None
+    one = logits in ref and (decide or binary_logit(ref[logits]))
+    binary = {logits: decision_threshold(ref[logits])} if one else None
     try:
         masks = {logits: where} if logits is not None and where is not None else None
-        stats = compare_outputs(ref, got, where=masks, binary_at=binary)
+        compared = as_decisions(ref, got, logits) if decide else (ref, got)
+        stats = compare_outputs(*compared, where=masks, binary_at=binary)
     except ValueError as exc:  # an output of another shape than the reference's at the same inputs
         raise ModelError(
             f"the engine's outputs do not match the reference's: {exc}",
@@ -98,6 +104,17 @@ def compare_all(
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
     return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
+
+
+def as_decisions(
+    ref: dict[str, np.ndarray], got: dict[str, np.ndarray], logits: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``ref`` and ``got`` with a multi-label head's ``logits`` ``[N, K, ...]`` as ``[N, K..., 1]``: each label a
+    binary classifier's one logit, whose top-1 agreement (:func:`~kiln.core.compare.compare_arrays`' ``binary_at``)
+    is its decision's, counted over every (sample, label) pair. Each sample's values stay its row: its cosine and
+    errors are the same."""
+    r, g = ref[logits], got[logits]
+    return {**ref, logits: r.reshape(len(r), -1, 1)}, {**got, logits: g.reshape(len(g), -1, 1)}
 
 
 # A position of a dense head is a decision the reference makes where its top class has at least this probability
@@ -338,8 +355,10 @@ def gates_for(cfg: CheckConfig | GatesConfig, precision: str, no_class_logits: b
     """The gates an engine of ``precision`` is held to: the defaults with that precision's overrides merged in. A
     model with ``no_class_logits`` (a regression's values, whose task no top-1 agreement guards) gets a concrete
     ``max_rel_err`` where none is set (:func:`derived_rel_err`), held by every float output. With class logits it
-    stays as set: unset, :func:`rel_err_limits` holds every float output but the class logits to the derived one."""
-    gates = (cfg.gates if isinstance(cfg, CheckConfig) else cfg).model_dump()
+    stays as set: unset, :func:`rel_err_limits` holds every float output but the class logits to the derived one.
+    ``gated_outputs`` is in the gates only where set (:func:`accuracy_failures` reads it; absent: every output)."""
+    config = cfg.gates if isinstance(cfg, CheckConfig) else cfg
+    gates = config.model_dump(exclude=None if config.gated_outputs else {"gated_outputs"})  # None: every output
     gates.update(gates.pop("per_precision").get(precision, {}))
     if no_class_logits and gates.get("max_rel_err") is None:
         gates["max_rel_err"] = derived_rel_err(gates)
@@ -529,18 +548,34 @@ class Reference:
         self.output_axes = known_output_axes(output_axes, [p for p, _ in self.feeds], self.outputs)
         self._say_padding_ties()
         if self.logits is None and not named:
-            self.logits = binary_default(self.outputs[-1], data)
+            self.logits = binary_default(self.outputs[-1], data) or multi_label_default(self.outputs[-1], data)
         if self.logits is not None:
             self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
             self._drop_unfollowed_labels()
             if named:
                 self._drop_misfit_labels()
+        self.multi_label = self._multi_label()
         self.binary_at = self._binary_decisions()
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
         self.accuracy = None if scored is None else self.accuracy_of(scored)
         self.metric_value = None if scored is None else self.metric_of(scored)
         self._say_vacuous_metric()
+
+    def _multi_label(self) -> bool:
+        """Whether the class logits are a multi-label head's (:func:`multi_hot`: float 0/1 targets shaped like them),
+        held to decision agreement in place of top-1 agreement (:func:`compare_all`'s ``decisions``); said once."""
+        at = self.outputs[-1 if self.score is None else self.score]
+        if self.logits is None or not multi_hot(self.targets, at.get(self.logits)):
+            return False
+        log.info(
+            "class logits '%s' are a multi-label head's (float 0/1 targets shaped like them): held to decision "
+            "agreement, the share of (sample, label) pairs whose decision (the logit above %g) is the reference's, "
+            "by min_top1_agreement, in place of top-1 agreement",
+            self.logits,
+            decision_threshold(at[self.logits]),
+        )
+        return True
 
     def _binary_decisions(self) -> float | None:
         """Where the class logits are a binary classifier's one logit (:func:`binary_logit`): the threshold its
@@ -807,6 +842,7 @@ def held_out_reference(
         axes,
         output_axes,
     )
+    gated_outputs(cfg.gates.gated_outputs, list(ref.outputs[-1]))  # a misspelt name: said before any variant is made
     if metric is None and ref.targets is not None and ref.score is not None and regression(data):
         ref.metric = default_metric(ref.outputs[ref.score], ref.targets, logits)
         ref.metric_value = ref.metric_of(ref.outputs[ref.score])
@@ -1059,6 +1095,29 @@ def binary_task(data: DatasetSplits) -> bool:
     return data.num_classes == 2 or (data.classification and binary_labels(y) is not None)
 
 
+def multi_hot(targets: Any, output: np.ndarray | None) -> bool:
+    """Float 0/1 targets (a tensor or an array) shaped like ``output`` beyond its rows, whose class axis
+    (:func:`class_axis`) has two entries or more: a multi-label head's, trained with binary cross-entropy on its
+    logits, each label a decision of its own (the logit above 0, as ``multilabel_f1`` takes it)."""
+    if targets is None or output is None or output.dtype.kind != "f" or output.ndim < 2:
+        return False
+    y = np.asarray(targets.numpy() if hasattr(targets, "numpy") else targets)
+    if y.dtype.kind != "f" or y.shape[1:] != output.shape[1:] or output.shape[class_axis(output.ndim)] < 2:
+        return False
+    return bool(np.isin(y, (0, 1)).all())
+
+
+def multi_label_default(outputs: dict[str, np.ndarray], data: DatasetSplits | None) -> str | None:
+    """The default class-logit output (:func:`~kiln.core.outputs.logits_name`) where it is a multi-label head's
+    (:func:`multi_hot`) and the data's ``num_classes`` is its number of labels: as for float 0/1 targets of one
+    logit (:func:`binary_task`), float 0/1 targets alone may be a least-squares rate's, whose decision is no logit
+    above 0. None elsewhere."""
+    name = logits_name(list(outputs), None)
+    if data is None or name is None or not multi_hot(data.val_y, outputs.get(name)):
+        return None
+    return name if outputs[name].shape[class_axis(outputs[name].ndim)] == data.num_classes else None
+
+
 def binary_accuracy(logits: np.ndarray, labels: np.ndarray, at: float) -> float | None:
     """Share of the labelled rows (or positions) whose decision, a binary classifier's one logit above ``at``
     (:func:`binary_logit`), is their 0/1 label; None where the labels are no 0/1 label per decision."""
@@ -1085,7 +1144,7 @@ def top1_output(
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
     cosine of the whole output and of its worst sample, error and relative error."""
-    if logits is not None and named and data is not None and regression(data):
+    if logits is not None and named and data is not None and regression(data) and not multi_hot(data.val_y, output):
         log.warning(
             "output '%s', which signature.logits_output names, holds the prediction of float targets (a "
             "regression's): compared by cosine, error and relative error, not by top-1 agreement (give num_classes "
@@ -1126,12 +1185,13 @@ def top1_output(
         logging.WARNING if loud else logging.INFO,
         "output '%s' is not held to top-1 agreement or scored for accuracy: it is the class-logit output by default "
         "only, and %s, so its argmax may be no class at all (an embedding's); compared by cosine (the whole "
-        "output's and the worst sample's), max abs error and relative error. %s",
+        "output's and the worst sample's), max abs error and relative error. If it holds class scores, %s holds "
+        "their argmax to top-1 agreement; an image or other values need no name",
         logits,
         why,
-        "num_classes in the data holds it to top-1 agreement"
+        "num_classes in the data"
         if data is not None and regression(data)
-        else f"Naming it (signature.logits_output={logits}) holds it to top-1 agreement",
+        else f"naming it (signature.logits_output={logits})",
     )
     return None
 
@@ -1201,7 +1261,7 @@ def compare_on(
         got = batched(infer, feed, largest)
         whole, answered = value_ordered(ref.unpadded(feed, expected), ref.unpadded(feed, got), ref.by_value)
         spread = spreads(whole)  # how the outputs vary over every held-out row: the spot checks' errors too
-        kept = compare_all(whole, answered, ref.logits, ref.labelled(i), spread=spread)
+        kept = compare_all(whole, answered, ref.logits, ref.labelled(i), spread=spread, decisions=ref.multi_label)
         out.stats = merge_worst(out.stats, kept)
         for bs in batch_sizes:
             feed_bs = sample_batch(feed, bs)
@@ -1210,7 +1270,9 @@ def compare_on(
                 out.problems += [p for p in inspect(feed_bs, got_bs) if p not in out.problems]
             expected_bs, got_bs = ref.unpadded(feed_bs, ref.at_batch(i, bs)), ref.unpadded(feed_bs, got_bs)
             expected_bs, got_bs = value_ordered(expected_bs, got_bs, ref.by_value)
-            spot = compare_all(expected_bs, got_bs, ref.logits, ref.labelled(i, bs), spread=spread)
+            spot = compare_all(
+                expected_bs, got_bs, ref.logits, ref.labelled(i, bs), spread=spread, decisions=ref.multi_label
+            )
             out.stats = merge_worst(out.stats, {n: _batch_wide(v) for n, v in spot.items()})
         if i == ref.score:
             out.accuracy, out.metric = ref.accuracy_of(got), ref.metric_of(got)
@@ -1234,31 +1296,22 @@ def accuracy_failures(
     """Each accuracy gate ``entry`` misses, as a sentence naming the value and its threshold (NaN fails every
     gate): cosine (of the whole output, and of its worst sample: ``min_cosine`` holds for each sample), max abs
     error and relative error (:func:`rel_err_limits`) per output, top-1 agreement of the class logits (flips on
-    ties counted as agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's."""
+    ties counted as agreeing: :mod:`kiln.core.compare`), the task accuracy's drop and the metric's. The per-output
+    gates hold the outputs ``gates["gated_outputs"]`` lists (:func:`gated_outputs`; every output where it is None or
+    absent): an output the user reads no answer from (an encoder's hidden state) keeps its figures in the entry."""
     fails = []
     per_output = entry.outputs or {
         "": {"cosine": entry.cosine, "max_abs_err": entry.max_abs_err, "rel_err": entry.rel_err}
     }
+    gated = gated_outputs(gates.get("gated_outputs"), list(per_output)) if entry.outputs else set(per_output)
     rel_limits = rel_err_limits(per_output, gates, entry.precision)
     for name, s in per_output.items():  # per output: the worst one must pass (named when the model has several)
-        named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
-        where = f"output '{name}' " if named else ""
-        if s["cosine"] is None and s.get("top1_agreement") is not None:  # integer values: equal, or not
-            if not s["top1_agreement"] >= gates["min_top1_agreement"] - COUNT_SLACK:
-                fails.append(
-                    f"{where}{s['top1_agreement']:.4f} of its values equal < min_top1_agreement "
-                    f"{gates['min_top1_agreement']}"
-                )
-        elif not s["cosine"] >= gates["min_cosine"]:
-            fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
-        elif s.get("sample_cosine") is not None and not s["sample_cosine"] >= gates["min_cosine"]:
-            fails.append(_sample_failure(where, s, gates["min_cosine"]))
-        if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
-            fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
-        limit, rel = rel_limits.get(name), s.get("rel_err")
-        if limit is not None and rel is not None and not rel <= limit:
-            fails.append(f"{where}relative error {s['rel_err']:.4g} > max_rel_err {limit:.4g}{_over_spread(s)}")
-    if entry.top1_agreement is not None and not entry.top1_agreement >= gates["min_top1_agreement"] - COUNT_SLACK:
+        if name in gated:
+            named = name and (len(per_output) > 1 or s["cosine"] is None)  # "of its values equal" needs an "it"
+            fails += _output_failures(f"output '{name}' " if named else "", s, gates, rel_limits.get(name))
+    logits = [n for n, s in per_output.items() if s["cosine"] is not None and s.get("top1_agreement") is not None]
+    top1 = entry.top1_agreement if not logits or logits[0] in gated else None  # the class logits' own
+    if top1 is not None and not top1 >= gates["min_top1_agreement"] - COUNT_SLACK:
         ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
         fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}{ties}")
     if baseline_acc is not None and entry.accuracy is not None:
@@ -1273,6 +1326,43 @@ def accuracy_failures(
                 f"{'relative rise' if metric.relative else 'drop'} {drop:.4g} > max_metric_drop "
                 f"{gates['max_metric_drop']}"
             )
+    return fails
+
+
+def gated_outputs(names: list[str] | None, outputs: list[str]) -> set[str]:
+    """The outputs the per-output gates hold: those ``validate.gates.gated_outputs`` lists (``names``), every one of
+    ``outputs`` (the model's) where it is None; a name the model has no output of is a ConfigError naming them."""
+    if names is None:
+        return set(outputs)
+    unknown = [n for n in names if n not in outputs]
+    if unknown:
+        raise ConfigError(
+            f"validate.gates.gated_outputs names {unknown}, which the model has no output of (its outputs: {outputs})",
+            hint=f"list outputs of {outputs} in validate.gates.gated_outputs, or set it to null to gate every output",
+        )
+    return set(names)
+
+
+def _output_failures(where: str, s: dict[str, Any], gates: dict[str, Any], rel_limit: float | None) -> list[str]:
+    """The per-output gates one output's statistics ``s`` miss, each said after ``where`` (its name, or nothing):
+    the share of equal values of an integer output, else the cosine (the whole output's, then the worst
+    sample's); the max abs error; the relative error, against ``rel_limit`` (:func:`rel_err_limits`)."""
+    fails = []
+    if s["cosine"] is None and s.get("top1_agreement") is not None:  # integer values: equal, or not
+        if not s["top1_agreement"] >= gates["min_top1_agreement"] - COUNT_SLACK:
+            fails.append(
+                f"{where}{s['top1_agreement']:.4f} of its values equal < min_top1_agreement "
+                f"{gates['min_top1_agreement']}"
+            )
+    elif not s["cosine"] >= gates["min_cosine"]:
+        fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
+    elif s.get("sample_cosine") is not None and not s["sample_cosine"] >= gates["min_cosine"]:
+        fails.append(_sample_failure(where, s, gates["min_cosine"]))
+    if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:
+        fails.append(f"{where}max_abs_err {s['max_abs_err']:.3g} > {gates['max_abs_err']}")
+    rel = s.get("rel_err")
+    if rel_limit is not None and rel is not None and not rel <= rel_limit:
+        fails.append(f"{where}relative error {rel:.4g} > max_rel_err {rel_limit:.4g}{_over_spread(s)}")
     return fails
 
 

@@ -58,7 +58,9 @@ class GatesConfig(Section):
         description="fraction of samples whose argmax matches PyTorch, on the class-logit output of a task with "
         "classes (integer labels, or num_classes in the data) or the one signature.logits_output names (with "
         "positions, [N, A, C] or [N, C, H, W]: the labelled ones, else those where PyTorch's top class has a "
-        "probability of 0.5 or more); an integer output's share of equal values",
+        "probability of 0.5 or more); of a binary classifier's one logit or a multi-label head's logits (float 0/1 "
+        "targets shaped like them), the share of their decisions (the logit above 0; one per sample, or per "
+        "(sample, label) pair) that match; an integer output's share of equal values",
     )
     max_accuracy_drop: float = Field(
         0.01, ge=0, le=1.0, description="allowed task-accuracy drop vs PyTorch (0.01 = 1 point)"
@@ -73,6 +75,14 @@ class GatesConfig(Section):
         "reference's value (0.01 = 1 % more error; in its own units where that is 0)",
     )
     max_latency_p50_ms: float | None = Field(None, gt=0, description="latency budget at the largest batch size")
+    gated_outputs: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the outputs the gates above hold (cosine, errors, top-1 agreement), by name: the others are "
+        "still compared and reported, and their misses fail no engine and no precision fallback round (a seq2seq "
+        "model's encoder_last_hidden_state beside its logits); task accuracy and validate.metric stay gated; "
+        "null = every output",
+    )
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
     per_precision: dict[str, dict[str, float]] = Field(
         default_factory=lambda: _default_per_precision(),
@@ -87,6 +97,10 @@ class GatesConfig(Section):
             return value  # pydantic reports the type error
         merged: dict[str, Any] = _default_per_precision()
         for precision, overrides in value.items():
+            if isinstance(overrides, dict) and "gated_outputs" in overrides:
+                raise ValueError(
+                    f"{precision}.gated_outputs: one list for every precision (validate.gates.gated_outputs)"
+                )
             both = isinstance(overrides, dict) and isinstance(merged.get(precision), dict)
             merged[precision] = {**merged[precision], **overrides} if both else overrides
         return merged
@@ -95,7 +109,7 @@ class GatesConfig(Section):
     @classmethod
     def _known_overrides(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         # A dict of dicts escapes the strict section check: a misspelt gate would be silently ignored.
-        gates = sorted(set(cls.model_fields) - {"per_precision"})
+        gates = sorted(set(cls.model_fields) - {"per_precision", "gated_outputs"})
         for precision, overrides in value.items():
             if precision not in PRECISIONS:
                 raise ValueError(f"unknown precision '{precision}' (valid: {', '.join(PRECISIONS)})")

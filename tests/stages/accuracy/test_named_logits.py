@@ -167,3 +167,20 @@ def test_direct_precision_holds_only_a_named_output_to_top1(
     assert result.exit_code == 0, result.output
     int8 = json.loads((out / "variants.json").read_text())["variants"]["int8"]
     assert (int8["vs_fp32"]["top1_agreement"] is not None) == bool(setting)
+
+
+def test_the_hint_to_name_an_unheld_output_is_only_for_class_scores(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct commands warn of an output held to no top-1 agreement: naming it is offered only for class scores,
+    since a super-resolution net's image ``[N, 3, H, W]`` named so would be held to an argmax over its RGB channels."""
+    import logging
+
+    from kiln.stages.accuracy.check import direct_top1
+
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert direct_top1(["image"], None) is None
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "If it holds class scores, naming it (signature.logits_output=image)" in said, said
+    assert "an image or other values need no name" in said
