@@ -339,8 +339,8 @@ def _shape_hint(x: Inputs, name: str, differ: list[int], dynamic: Mapping[str, A
 
 def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> None:
     """Integer labels are classes 0..num_classes-1, one per row ([N]) or one per position ([N, S] token labels,
-    [N, H, W] pixel labels; ``IGNORE_LABEL`` marks a position without one: kiln.core.labels); float targets may
-    have any shape."""
+    [N, H, W] pixel labels; ``IGNORE_LABEL`` marks a row or position without one, as torch's cross-entropy and
+    Kiln's accuracy read it: kiln.core.labels); float targets may have any shape."""
     if y.dtype.is_floating_point:
         return
     if y.dtype.is_complex or y.dtype == torch.bool:
@@ -354,11 +354,11 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
             hint="pass num_classes=... to DatasetSplits (or float targets for regression)",
         )
     dense = y.ndim > 1
-    given = y[y != IGNORE_LABEL] if dense else y
+    given = y[y != IGNORE_LABEL]
     if not given.numel():  # nothing to train on or to measure accuracy with; never a run that says it passed
         raise DataContractError(
-            f"dataset '{ref}': every label of {split}_y is {IGNORE_LABEL} (no position has a label)",
-            hint=f"label some positions of {split}_y, or give None for no labels",
+            f"dataset '{ref}': every label of {split}_y is {IGNORE_LABEL} (no row or position has a label)",
+            hint=f"label some {'positions' if dense else 'rows'} of {split}_y, or give None for no labels",
         )
     if given.numel() and (int(given.min()) < 0 or int(given.max()) >= num_classes):
         raise _out_of_range(given, split, num_classes, ref, dense)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from kiln.core.data import (
     DataContractError,
@@ -23,6 +24,7 @@ from kiln.core.data import (
     call,
     check_axes_name_inputs,
     check_forward_takes,
+    forward_inputs,
     rows,
     take,
     tensors,
@@ -147,12 +149,24 @@ def check_learned(result: TrainResult) -> None:
 
 # A rise of held-out accuracy smaller than this is none (warn_learned_nothing_held_out)
 ROOM_TO_RISE = 0.01
+# A held-out loss that falls below this share of the first epoch's shows learning (warn_learned_nothing_held_out)
+HELD_OUT_FALL = 0.75
+
+
+def held_out_loss_fell(scored: list[EpochMetrics]) -> bool:
+    """Whether the validation loss fell clearly below the first epoch's (to under :data:`HELD_OUT_FALL` of it):
+    the model learned something that shows on the held-out rows, even where accuracy moves little (a tagger whose
+    labels are mostly one class starts near its final accuracy)."""
+    first = scored[0].val_loss
+    later = [m.val_loss for m in scored[1:] if m.val_loss is not None and math.isfinite(m.val_loss)]
+    return first is not None and math.isfinite(first) and bool(later) and min(later) < HELD_OUT_FALL * first
 
 
 def warn_learned_nothing_held_out(history: list[EpochMetrics]) -> None:
     """Say where the training loss fell by more than half after the first epoch while validation accuracy never rose
-    above the first epoch's (and had room to: a first epoch right on nearly every row has learned the task): what
-    the model learned does not show in eval mode or on the held-out rows. A model
+    above the first epoch's (and had room to: a first epoch right on nearly every row has learned the task) and the
+    validation loss did not fall clearly either: what the model learned does not show in eval mode or on the
+    held-out rows. A model
     whose BatchNorm keeps running statistics far from its batches' (a small momentum) or that branches on
     ``self.training`` trains well and answers at chance in eval mode, and validation then passes engines that
     agree with a model that does nothing; labels that do not belong to their inputs look the same."""
@@ -160,7 +174,7 @@ def warn_learned_nothing_held_out(history: list[EpochMetrics]) -> None:
     if len(scored) < 3:
         return
     first, last = scored[0], scored[-1]
-    if first.val_accuracy + ROOM_TO_RISE >= 1.0:
+    if first.val_accuracy + ROOM_TO_RISE >= 1.0 or held_out_loss_fell(scored):
         return
     if not (last.loss < 0.5 * first.loss and max(m.val_accuracy for m in scored) <= first.val_accuracy + ROOM_TO_RISE):
         return
@@ -281,10 +295,27 @@ def check_model_fits_data(
     check_fp32(model, model_ref)
     x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, probe_rows))
     check_forward_takes(model, x, model_ref)
+    with EmbeddingLookups() as lookups:
+        out = _probe(model, data, x, model_ref, lookups)
+    check_token_ids(model, data, x, lookups)
+    outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
+    if logits_output is not None:
+        logits_name(list(outputs), logits_output)  # a ConfigError naming the outputs where it is none of them
+    _refuse_labels_in_inputs(model, x, outputs)
+    y = data.train_y if data.train_y is not None else data.val_y
+    if task is not None and y is not None:
+        check_task(task, out, y[:probe_rows], data.num_classes, model_ref, _lacks_decoder_inputs(model, x))
+
+
+def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookups: EmbeddingLookups) -> Any:
+    """The model's outputs on the probe rows ``x`` in eval mode, or one error naming what it cannot take: a token
+    id past an embedding's rows (:func:`check_token_ids`, from the ``lookups`` recorded), else the forward's own
+    error."""
     try:
         with torch.no_grad():
-            out = call(model.eval(), x)
+            return call(model.eval(), x)
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        check_token_ids(model, data, x, lookups)
         parts = tensors(x)
         what = (
             f"input {tuple(parts[0].shape)} ({parts[0].dtype})"
@@ -307,13 +338,82 @@ def check_model_fits_data(
         raise err from exc
     finally:
         model.train()
-    outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
-    if logits_output is not None:
-        logits_name(list(outputs), logits_output)  # a ConfigError naming the outputs where it is none of them
-    _refuse_labels_in_inputs(model, x, outputs)
-    y = data.train_y if data.train_y is not None else data.val_y
-    if task is not None and y is not None:
-        check_task(task, out, y[:probe_rows], data.num_classes, model_ref)
+
+
+class EmbeddingLookups(TorchFunctionMode):
+    """Inside it, every ``torch.nn.functional.embedding`` call (an ``nn.Embedding``'s, a subclass's, a model's own)
+    is recorded with the index tensor it was given and its table: what the lookup indexes, after anything the model
+    did to its ids first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is nn.functional.embedding:
+            ids = args[0] if args else kwargs.get("input")
+            table = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(ids, torch.Tensor) and isinstance(table, torch.Tensor):
+                self.calls.append((ids, table))
+        return func(*args, **kwargs)
+
+
+def _tables(probe: torch.Tensor, lookups: EmbeddingLookups) -> list[torch.Tensor]:
+    """The embedding tables input ``probe`` was looked up in as it is (its own memory and shape, a view of it at
+    most): only then are the data's values that input's ids. An input the model maps first (``ids % vocab``) is
+    looked up in none."""
+    return [
+        table
+        for ids, table in lookups.calls
+        if ids.data_ptr() == probe.data_ptr() and ids.shape == probe.shape and ids.dtype == probe.dtype
+    ]
+
+
+def _input_label(x: Any, key: Any) -> str:
+    """How an error names input ``key`` of split ``x``: ``['input_ids']``, ``[1]``, or nothing for one tensor."""
+    return "" if isinstance(x, torch.Tensor) else f"[{key!r}]" if isinstance(x, dict) else f"[{key}]"
+
+
+def check_token_ids(model: nn.Module, data: DatasetSplits, probe: Any, lookups: EmbeddingLookups) -> None:
+    """Every integer input that the probe looked up in an embedding table as it is (:func:`_tables`) holds ids
+    within the table's rows, in both splits: an id past them fails only when its batch comes, as a raw ``index out
+    of range in self`` (after a whole epoch where it is a held-out row's). Inputs the model transforms first are
+    not checked."""
+    keys = list(probe) if isinstance(probe, dict) else range(len(tensors(probe)))
+    names = {id(p): n.removesuffix(".weight") for n, p in model.named_parameters()}
+    for key, t in zip(keys, tensors(probe)):
+        if not t.numel() or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            continue
+        for table in _tables(t, lookups):
+            for split in ("train", "val"):
+                split_x = getattr(data, f"{split}_x")
+                ids = split_x[key] if isinstance(split_x, dict) else tensors(split_x)[key]
+                where = f"{split}_x{_input_label(split_x, key)}"
+                _check_ids(ids, where, names.get(id(table), "?"), tuple(table.shape), data.name)
+
+
+def _check_ids(ids: torch.Tensor, where: str, name: str, shape: tuple[int, ...], ref: str) -> None:
+    """``ids`` index the rows of an embedding table of ``shape``, or the error naming the first id outside and its
+    row."""
+    size = shape[0]
+    if not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < size):
+        return
+    at = ((ids < 0) | (ids >= size)).nonzero()[0]
+    value = int(ids[tuple(at)])
+    side = f"past the {size} rows" if value >= size else f"below the first of the {size} rows"
+    bigger = f", or build the model with a vocabulary of at least {int(ids.max()) + 1}" if value >= size else ""
+    raise DataContractError(
+        f"dataset '{ref}': {where} holds token id {value} at row {int(at[0])}, {side} of the model's embedding "
+        f"'{name}' (a table of {' x '.join(map(str, shape))}: ids 0..{size - 1})",
+        hint=f"keep the ids within 0..{size - 1} (map ids the vocabulary lacks to its unknown-token id){bigger}",
+    )
+
+
+def _lacks_decoder_inputs(model: nn.Module, x: Any) -> bool:
+    """Whether the model's forward takes ``decoder_input_ids`` and the data does not give it: an encoder-decoder
+    (BART, T5) then decodes something else than the labels (Hugging Face's: the shifted source)."""
+    return "decoder_input_ids" in forward_inputs(model) and "decoder_input_ids" not in _input_names(model, x)
 
 
 def _task_that_fits(ctx: StageContext[TrainSettings], model: nn.Module, data: DatasetSplits, task: Task) -> Task | None:

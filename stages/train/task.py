@@ -3,8 +3,9 @@
 Integer labels: cross-entropy on the class-logit output (``signature.logits_output``), and accuracy; with a label
 per position (token tagging ``[N, S]``, segmentation ``[N, H, W]``: :mod:`kiln.core.labels`) both average over the
 labelled positions. Float targets: mean squared error on the single (or named) output, no accuracy.
-``train.loss``: the user's ``(outputs, targets) -> scalar`` on the model's raw outputs. The loss is computed in
-FP32 on FP32 outputs.
+``train.loss``: the user's ``(outputs, targets) -> scalar`` on the model's raw outputs; a loss taken from torch
+itself (``torch.nn.functional:binary_cross_entropy_with_logits``) reads one tensor, so it is given the output the
+built-in loss would read (:meth:`Task.target`). The loss is computed in FP32 on FP32 outputs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import numbers
 import os
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,19 +54,35 @@ class Task:
         return outs[name]
 
     def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
-        """The mean loss over ``y``'s rows, or over its labelled positions (per-position labels)."""
+        """The mean loss over ``y``'s labelled rows or positions (``IGNORE_LABEL`` marks those without a label), or
+        over the rows of float targets."""
         if self.user_loss is not None:
-            return self.user_loss(out, y)
+            return self.user_loss(self.loss_input(out), y)
         if self.kind == "classification":
             y = y.long()  # class indices of any integer dtype (int32 from numpy, uint8): cross-entropy takes int64
-            if labels.per_position(y):
-                return labels.dense_cross_entropy(self.target(out).float(), y)
-            return nn.functional.cross_entropy(self.target(out).float(), y)
+            return labels.dense_cross_entropy(self.target(out).float(), y)
         return nn.functional.mse_loss(self.target(out).float(), y.float())
 
+    def loss_input(self, out: Any) -> Any:
+        """What train.loss is given: the model's outputs as ``forward`` returns them, the contract of a function of
+        the user's; but a loss taken from torch (:func:`from_torch`) reads one tensor, so beside a dict, ModelOutput
+        or tuple it gets the output the built-in loss reads (:meth:`target`): a ``transformers`` model's logits."""
+        if isinstance(out, torch.Tensor) or self.user_loss is None or not from_torch(self.user_loss):
+            return out
+        try:
+            return self.target(out)
+        except ConfigError:
+            names = list(flatten_outputs(out))
+            raise ConfigError(
+                f"the model has outputs {names}; which of them does train.loss {loss_name(self.user_loss)} read?",
+                hint="set signature.logits_output to its name or index, or wrap the loss in a function of your own "
+                f"that picks it: {_wrapper(self.user_loss, _output_expr(out))}",
+            ) from None
+
     def units(self, y: torch.Tensor) -> float | torch.Tensor:
-        """What :meth:`loss` averages over: rows, or labelled positions (a tensor on ``y``'s device)."""
-        if self.user_loss is None and self.kind == "classification" and labels.per_position(y):
+        """What :meth:`loss` averages over: labelled rows or positions of class labels (a tensor on ``y``'s device),
+        or rows."""
+        if self.user_loss is None and self.kind == "classification":
             return labels.labelled(y)
         return float(len(y))
 
@@ -91,6 +108,17 @@ class Task:
 
 
 CLASSIFY = Task("classification")
+
+
+def from_torch(fn: LossFn) -> bool:
+    """Whether train.loss is a function of torch itself (``torch.nn.functional``), written for one output tensor,
+    not for a model's outputs as a whole."""
+    return (getattr(fn, "__module__", None) or "").split(".")[0] == "torch"
+
+
+def _wrapper(fn: LossFn, read: str) -> str:
+    """A function of the user's that adapts loss ``fn`` to train.loss's call, reading the output ``read``."""
+    return f"def loss(outputs, targets): return {getattr(fn, '__name__', 'fn')}({read}, targets)"
 
 
 def task_for(data: DatasetSplits, loss: str | None, logits_output: str | int | None) -> Task:
@@ -295,10 +323,23 @@ def _at_a_fraction(positions: tuple[int, ...], y: torch.Tensor) -> bool:
     )
 
 
-def check_positions(target: torch.Tensor, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
+# The fix for logits per position that do not follow the labels, where the model's forward takes decoder inputs the
+# data lacks: a Hugging Face encoder-decoder given none decodes its shifted source, whose length its logits have
+DECODER_FIX = (
+    "give the model's decoder_input_ids, which the data lacks: the labels shifted right, starting with the decoder "
+    "start token (dec[:, 0] = start, dec[:, 1:] = labels[:, :-1], the pad token where -100), and "
+    "decoder_attention_mask (labels != -100); without them an encoder-decoder decodes its shifted source, whose "
+    "length the logits have"
+)
+
+
+def check_positions(
+    target: torch.Tensor, y: torch.Tensor, num_classes: int, model_ref: str, lacks_decoder: bool = False
+) -> None:
     """Class logits ``target`` fit labels per position ``y``: one row of class scores per labelled position, which
     accuracy and top-1 agreement read. Logits at a fraction of the labels' size (a SegFormer's, at a quarter) are
-    not scaled up by Kiln: the fix says how."""
+    not scaled up by Kiln: the fix says how. ``lacks_decoder``: the model's forward takes ``decoder_input_ids`` the
+    data does not give, the likely cause of logits of another length (:data:`DECODER_FIX`)."""
     axis = class_axis(target.ndim)
     positions = _positions(target)
     if positions == tuple(y.shape) and target.shape[axis] >= max(num_classes, 2):
@@ -314,6 +355,7 @@ def check_positions(target: torch.Tensor, y: torch.Tensor, num_classes: int, mod
             "make the model return one row of class logits per labelled position, set its num_classes to the "
             "dataset's, or name the logits output in signature.logits_output"
         )
+        hint = f"{DECODER_FIX}; or {hint}" if lacks_decoder and positions != tuple(y.shape) else hint
     raise ModelError(
         f"model '{model_ref}' gives class logits of shape {tuple(target.shape)} for labels of shape "
         f"{tuple(y.shape)} ({num_classes} classes): a label per position needs logits shaped like the labels plus "
@@ -330,6 +372,24 @@ def _output_expr(out: Any) -> str:
     if isinstance(out, dict) and out:
         return f"outputs[{next(iter(out))!r}]"
     return "outputs[0]"
+
+
+def _loss_fix(task: Task, out: Any) -> str:
+    """The fix for a train.loss that fails on the model's outputs for two samples: how it is called, and a function
+    of the user's that adapts it, reading the output the built-in loss reads (``outputs['logits']``)."""
+    assert task.user_loss is not None
+    read = _output_expr(out)
+    if isinstance(out, Mapping):
+        try:
+            name = logits_name(list(out), task.logits_output)
+        except ConfigError:
+            name = None
+        read = f"outputs[{name!r}]" if name in out else read
+    return (
+        "train.loss takes (outputs, targets), the model's outputs as forward returns them, and returns a scalar "
+        "tensor: name a function that does, or wrap this one in a function of your own: "
+        + _wrapper(task.user_loss, read)
+    )
 
 
 def _scalar_hint(value: Any, out: Any) -> str:
@@ -453,12 +513,15 @@ def _say_unscored(task: Task, target: torch.Tensor, y: torch.Tensor) -> None:
     )
 
 
-def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str) -> None:
-    """The model's output on two samples fits the task: a clear error before training, not a traceback in it."""
+def check_task(
+    task: Task, out: Any, y: torch.Tensor, num_classes: int, model_ref: str, lacks_decoder: bool = False
+) -> None:
+    """The model's output on two samples fits the task: a clear error before training, not a traceback in it.
+    ``lacks_decoder``: the model takes decoder inputs the data does not give (:func:`check_positions`)."""
     if task.user_loss is not None:
         doing = "trying train.loss on the model's outputs for two samples"
-        with loss_errors(task, doing, "train.loss takes (outputs, targets) and returns a scalar tensor"):
-            value = task.user_loss(out, y)
+        with loss_errors(task, doing, _loss_fix(task, out)):
+            value = task.loss(out, y)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ConfigError(f"train.loss returned {got}, not a scalar tensor", hint=_scalar_hint(value, out))
@@ -477,7 +540,7 @@ def check_task(task: Task, out: Any, y: torch.Tensor, num_classes: int, model_re
         return
     target = task.target(out)
     if task.kind == "classification" and labels.per_position(y):
-        check_positions(target, y, num_classes, model_ref)
+        check_positions(target, y, num_classes, model_ref, lacks_decoder)
     elif task.kind == "classification":
         if target.ndim > 2 and y.ndim == 1:
             raise _per_row_labels(target, y, model_ref)

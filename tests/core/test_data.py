@@ -88,7 +88,7 @@ def ids(n: int, s: int = 6) -> dict[str, torch.Tensor]:
                 torch.zeros(2, dtype=torch.long),
                 num_classes=4,
             ),
-            "train_y has labels from -100 to -100, outside 0..3 \\(num_classes 4\\)\n",
+            "every label of train_y is -100 \\(no row or position has a label\\)",
         ),
         (
             DatasetSplits(torch.zeros(8, 2), torch.zeros(8, dtype=torch.bool), torch.zeros(2, 2), None),
@@ -159,6 +159,17 @@ def test_labels_per_token_are_classes_or_the_ignore_label() -> None:
     tags = torch.randint(0, 4, (8, 6))
     tags[:, 4:] = -100
     check_splits(DatasetSplits(ids(8), tags, ids(4), tags[:4], num_classes=4), "d")
+
+
+def test_the_ignore_label_in_labels_one_per_row_is_no_label_out_of_range() -> None:
+    """Labels [N] holding -100 were said to run 'from -100 to 7, outside 0..8': -100 is the ignore value wherever it
+    is (torch's cross-entropy and Kiln's accuracy leave it out), and a model of logits per position then gets the
+    error that names the shape the labels need."""
+    y = torch.tensor([0, 3, -100, 1, 2, -100, 3, 0])
+    check_splits(DatasetSplits(torch.zeros(8, 2), y, torch.zeros(2, 2), y[:2], num_classes=4), "d")
+    out = torch.tensor([0, 7, -100, 1, 2, -100, 3, 0])
+    with pytest.raises(DataContractError, match=r"train_y has labels from 0 to 7, outside 0\.\.3"):
+        check_splits(DatasetSplits(torch.zeros(8, 2), out, torch.zeros(2, 2), y[:2], num_classes=4), "d")
 
 
 def test_a_declared_dynamic_axis_may_differ_between_splits() -> None:

@@ -65,3 +65,36 @@ def test_learning_that_shows_held_out_is_not_warned_of(
     with caplog.at_level(logging.WARNING, logger="kiln.train"):
         warn_learned_nothing_held_out(_curve(losses, accuracies))
     assert not caplog.messages
+
+
+def _tagger_curve(val_losses: list[float | None]) -> list[EpochMetrics]:
+    """A named-entity tagger's epochs: most tokens are 'O', so held-out accuracy starts high and moves little."""
+    losses, accuracies = [1.9, 0.9, 0.6, 0.45, 0.38, 0.35], [0.817, 0.818, 0.82, 0.821, 0.824, 0.825]
+    return [
+        EpochMetrics(i + 1, loss, 1.0, 4, 1e-3, val_loss=val, val_accuracy=acc)
+        for i, (loss, val, acc) in enumerate(zip(losses, val_losses, accuracies))
+    ]
+
+
+def test_a_held_out_loss_falling_with_the_training_loss_is_not_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    """A tagger whose val_loss fell 1.43 -> 0.48 while accuracy went 0.817 -> 0.825 was told that what it learned
+    does not show on the held-out rows: the held-out loss shows it."""
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        warn_learned_nothing_held_out(_tagger_curve([1.43, 0.9, 0.7, 0.6, 0.52, 0.48]))
+    assert not caplog.messages
+
+
+@pytest.mark.parametrize(
+    "val_losses",
+    [
+        [1.43, 1.42, 1.44, 1.43, 1.41, 1.43],  # flat
+        [1.43, 1.6, 1.9, 2.2, 2.5, 2.9],  # rising: labels that do not belong to their inputs
+        [None] * 6,  # not measured
+    ],
+)
+def test_a_held_out_loss_that_does_not_fall_keeps_the_warning(
+    val_losses: list[float | None], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        warn_learned_nothing_held_out(_tagger_curve(val_losses))
+    assert any("does not show on the held-out rows" in m for m in caplog.messages)
