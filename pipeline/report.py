@@ -125,10 +125,12 @@ def result_line(report: dict[str, Any]) -> str:
     if unchecked:
         devices = sorted({e.get("device", "?").upper() for e in unchecked})
         many = len(unchecked) > 1
+        why = "; ".join(sorted({e["reason"] for e in unchecked if e.get("reason")}))
+        why = f": {why}" if why else ", which this machine does not have"  # a GPU host without the backend's runtime
         verdict += (
             f", {len(unchecked)} engine{'s' if many else ''} built but not validated: "
             f"{', '.join(e['name'] for e in unchecked)} ({'they target' if many else 'it targets'} "
-            f"{' / '.join(devices)}, which this machine does not have; validate {'them' if many else 'it'} where "
+            f"{' / '.join(devices)}{why}; validate {'them' if many else 'it'} where "
             f"{'they' if many else 'it'} will run)"
         )
     missing = [*_missing_precisions(report, engines), *_unmade_graph_engines(report, engines)]

@@ -107,6 +107,13 @@ def test_one_engine_not_validated_here_is_said_in_the_singular() -> None:
         "PASSED, 1 engine built but not validated: tensorrt-fp32 (it targets CUDA, which this machine does not "
         "have; validate it where it will run)"
     )
+    # a GPU host whose ONNX Runtime has no CUDA provider: the engine's own reason, not "no such device"
+    engine = {**engine, "name": "onnxruntime-cuda-fp16", "reason": "CUDAExecutionProvider not available"}
+    line = result_line({"ok": True, "validation": {"engines": [engine]}})
+    assert line == (
+        "PASSED, 1 engine built but not validated: onnxruntime-cuda-fp16 (it targets CUDA: CUDAExecutionProvider "
+        "not available; validate it where it will run)"
+    )
 
 
 def test_engines_of_a_graph_not_made_are_named_beside_the_verdict(tmp_path: Path) -> None:
