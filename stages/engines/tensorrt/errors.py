@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,7 +73,7 @@ def _logger_class(trt: ModuleType) -> type:
 
         def last_errors(self, n: int = 3) -> str:
             useful = [e for e in self.errors if "cudaError 35" not in e and "CUDA driver" not in e] or self.errors
-            return " | ".join(e.strip()[:300] for e in useful[-n:]) or "(no error message from TensorRT)"
+            return " | ".join(one_line(e) for e in useful[-n:]) or "(no error message from TensorRT)"
 
     return _Logger
 
@@ -127,8 +128,21 @@ def parser_error(errors: list[Any], onnx_path: Path) -> BuildError:
     hint = parser_hint(op, desc)
     more = f" (+{len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return BuildError(
-        f"TensorRT's ONNX parser failed at {where} in {onnx_path.name}: {desc.strip()[:300]}{more}", hint=hint
+        f"TensorRT's ONNX parser failed at {where} in {onnx_path.name}: {one_line(desc)}{more}", hint=hint
     )
+
+
+# TensorRT's messages end in where its source raised them: "[checkMacros.cpp::catchCudaError::272]"
+_SOURCE_MARK = re.compile(r"\[\w+\.(?:cpp|cu|h)::[^\]]*\]?")
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """A TensorRT message as one line of at most ``limit`` characters, cut at a word with "...": an error line
+    holds no line break, nor the source location TensorRT appends (cut mid-name, it reads as garbage)."""
+    flat = " ".join(_SOURCE_MARK.sub(" ", text).split())
+    if len(flat) <= limit:
+        return flat
+    return flat[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def parser_hint(op: str, desc: str) -> str:
