@@ -177,13 +177,17 @@ def _unmade_graph_engines(report: dict[str, Any], engines: list[dict[str, Any]])
 
 
 def _skipped_reason(skipped: list[str], precision: str) -> str:
-    """The build's reason for not building an engine of ``precision`` (its ``skipped`` lines read "name: why (fix:
-    ...)"), without the fix; empty where it names none."""
+    """The build's reasons for not building the engines of ``precision`` (its ``skipped`` lines read "name: why
+    (fix: ...)"), without the fixes: one engine's alone, several each after its name (a CPU backend without FP16
+    kernels and a GPU one whose parser failed are two reasons); empty where it names none."""
+    reasons = {}
     for line in skipped:
         name, _, why = line.partition(": ")
         if name.endswith(f"-{precision}") and why:
-            return why.split(" (fix: ")[0]
-    return ""
+            reasons[name] = " ".join(why.split(" (fix: ")[0].split())
+    if len(reasons) == 1:
+        return next(iter(reasons.values()))
+    return "; ".join(f"{name}: {why}" for name, why in reasons.items())
 
 
 def seconds_cell(stage: dict[str, Any]) -> str:

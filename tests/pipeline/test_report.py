@@ -70,6 +70,13 @@ def test_a_precision_asked_for_without_an_engine_is_said_beside_the_verdict() ->
         "validation": {"engines": [{"name": "onnxruntime-cpu-fp32", "precision": "fp32", "status": "validated"}]},
     }
     assert result_line(report) == f"PASSED; no int8 engine ({why})"
+    # two engines of a precision skipped for two reasons: each said after its engine's name, on one line
+    parser = "TensorRT's ONNX parser failed at node 'lstm' (op LSTM) in model.onnx: Invalid Node\nISelectLayer"
+    report["stages"]["build"]["summary"]["skipped"].append(f"tensorrt-int8: {parser} (fix: try another opset)")
+    assert result_line(report) == (
+        f"PASSED; no int8 engine (onnxruntime-cpu-int8: {why}; tensorrt-int8: TensorRT's ONNX parser failed at node "
+        "'lstm' (op LSTM) in model.onnx: Invalid Node ISelectLayer)"
+    )
     report["validation"]["engines"].append({"name": "x-int8", "precision": "int8", "status": "validated"})
     assert result_line(report) == "PASSED"
 
