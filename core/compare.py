@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -29,7 +30,8 @@ STATISTICS: dict[str, str] = {
     "worst_sample": "the row of the batch axis that sample_cosine comes from",
     "top1_agreement": "fraction of rows whose argmax over the class axis agrees (the last; axis 1 of [N, C, H, W] "
     "maps), a flip on a tie counting as agreement; of class logits with a class axis of one entry (a binary "
-    "classifier's one logit), the agreement of its decision, the logit above its threshold",
+    "classifier's one logit), the agreement of its decision, the logit above its threshold; of a multi-label head's "
+    "logits (agreement 'decision'), the share of (sample, label) pairs whose decision agrees",
     "top1_ties": "fraction of rows whose argmax flipped on a tie: the reference's margin between the two classes "
     "within the candidate's own, small error on that row (TIE_SIGMAS robust deviations of its error on the other "
     "classes, at most TIE_MAX_NOISE of the row's spread)",
@@ -42,6 +44,14 @@ TIE_MIN_CLASSES = 4  # the noise is measured on the classes a flip does not invo
 # whose every logit is off (an overflow, a broken kernel) has no ties, only flips.
 TIE_MAX_NOISE = 0.01
 HIGHER_IS_BETTER = {"cosine", "sample_cosine", "top1_agreement"}
+# What an output's top1_agreement counts: "top1", the argmax of each row (a binary classifier's one logit: its
+# decision); "decision", a multi-label head's decision per (sample, label) pair, each label's logit above 0
+Agreement = Literal["top1", "decision"]
+# How reports and failures name each: one name for the figure that min_top1_agreement holds
+AGREEMENT_NAMES: dict[str, str] = {
+    "top1": "top-1 agreement",
+    "decision": "decision agreement (per label: logit > 0, or > 0.5 for probabilities)",
+}
 # A mask's fill (-1e9, torch.finfo(dtype).min, -1e4 on a policy's invalid actions or a decoder's banned tokens) is no
 # value to compare: a finite value of at least MASK_MIN, and MASK_RATIO times the median magnitude of the output's
 # other values, that the reference holds in two places or more (masks_of). An output of large values (a
@@ -56,7 +66,8 @@ class OutputStats:
     one of a single entry unless it is a binary classifier's logit (:func:`compare_arrays`'s ``binary_at``). An
     integer or boolean output (a predicted class, a mask) has no cosine: its ``top1_agreement`` is the share of its
     values that are equal, the decision a class output makes. ``sample_cosine`` is None where there are no samples
-    to tell apart (:func:`sample_cosines`)."""
+    to tell apart (:func:`sample_cosines`). ``agreement`` says what ``top1_agreement`` counts (:data:`Agreement`):
+    the comparison of a multi-label head sets "decision"; it is no statistic, and :meth:`as_dict` leaves it out."""
 
     max_abs_err: float
     rel_err: float
@@ -66,9 +77,13 @@ class OutputStats:
     sample_cosine: float | None = None  # the worst sample's cosine (NaN: a sample with a non-finite value)
     worst_sample: int | None = None  # which row of the batch axis that is
     norm_rel_err: float | None = None  # the error over the output's norm, where rel_err is over something else
+    agreement: Agreement = "top1"
 
     def as_dict(self) -> dict[str, float | None]:
-        return asdict(self)
+        """The statistics (:data:`STATISTICS`) by name, as records keep them: numbers only."""
+        stats = asdict(self)
+        del stats["agreement"]
+        return stats
 
 
 def compare_arrays(

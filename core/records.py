@@ -507,16 +507,19 @@ class EngineValidation(Part):
     status: Literal["validated", "not-runnable"]
     passed: bool | None = None
     reason: str | None = None
-    max_abs_err: float | None = None  # the worst output's (as cosine, rel_err)
+    max_abs_err: float | None = None  # the worst gated output's (as cosine, rel_err): what the gates judged
     rel_err: float | None = None
     cosine: float | None = None
-    top1_agreement: float | None = None  # of the class-logit output
+    top1_agreement: float | None = None  # of the class-logit output, where the gates hold it (gated_outputs)
     top1_ties: float | None = None  # of its rows, those that flipped on a tie (kiln.core.compare), in the agreement
+    # what the class logits' top1_agreement counts (kiln.core.compare.Agreement): "top1", the argmax per row;
+    # "decision", a multi-label head's decision per (sample, label) pair. Records of before it: "top1"
+    agreement: Literal["top1", "decision"] = "top1"
     accuracy: float | None = None
     metric: float | None = None  # validate.metric at the data's own shape (the baseline's metric_name)
     outputs: dict[str, dict[str, float | None]] = Field(
         default_factory=dict
-    )  # output -> OutputStats, worst over shapes
+    )  # output -> OutputStats, worst over shapes: every output, gated or not
     shapes: list[dict[str, int]] = Field(default_factory=list)
     batch_sizes: list[int] = Field(default_factory=list)  # compared with the reference at each (empty: not compared)
     latency_ms: dict[str, Percentiles] = Field(default_factory=dict)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kiln.core.compare import (
+    AGREEMENT_NAMES,
     OutputStats,
     agrees,
     class_axis,
@@ -69,7 +70,8 @@ def compare_all(
     classifier's logit (:func:`binary_logit`), whose top-1 agreement is that of its decision: above the threshold
     :func:`~kiln.stages.accuracy.metrics.decision_threshold` reads off the reference (0 for a logit). With
     ``decisions`` (a multi-label head's logits: :func:`multi_hot`) each label is such a decision, and the agreement
-    is over every (sample, label) pair (:func:`as_decisions`).
+    is over every (sample, label) pair (:func:`as_decisions`), marked so (``agreement="decision"``: reports and
+    failures name it decision agreement, not top-1).
     ``mismatch_hint``: the fix when the outputs are not the reference's (names or shapes)."""
     missing = sorted(set(ref) - set(got))
     if missing:
@@ -101,6 +103,8 @@ def compare_all(
             hint=mismatch_hint,
         ) from None
     stats = relative_to_spread(stats, ref, got, spreads(ref) if spread is None else spread, logits)
+    if decide:
+        stats[logits] = replace(stats[logits], agreement="decision")
     # an integer output keeps its agreement (its share of equal values: compare_arrays) in place of a cosine
     keep = {n for n, s in stats.items() if n == logits or s.cosine is None}
     return {n: s if n in keep else replace(s, top1_agreement=None, top1_ties=None) for n, s in stats.items()}
@@ -230,6 +234,7 @@ def merge_worst(a: dict[str, OutputStats], b: dict[str, OutputStats]) -> dict[st
                 pick(t.top1_ties, s.top1_ties, False),
                 *_worse_sample(t, s),
                 pick(t.norm_rel_err, s.norm_rel_err, False),
+                "decision" if "decision" in (t.agreement, s.agreement) else "top1",
             )
         out[name] = s
     return out
@@ -244,17 +249,22 @@ def _worse_sample(a: OutputStats, b: OutputStats) -> tuple[float | None, int | N
     return (y, b.worst_sample) if b_worse else (x, a.worst_sample)
 
 
-def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: str | None) -> None:
-    """The per-output statistics into the entry: the worst output carries the headline values (the relative error
-    the worst of the outputs beside the class logits, where there are any). An
-    integer output has no cosine and is no class logits: its share of equal values stays in its own row (gated
-    there), so a model of integer outputs only has no headline cosine or top-1 agreement, and its errors count in
-    the headline only when the model has no float output."""
+def summarize(
+    entry: EngineValidation, stats: dict[str, OutputStats], logits: str | None, gated: list[str] | None = None
+) -> None:
+    """The per-output statistics into the entry, every output's, and its headline values: those of the worst output
+    the gates hold (``gated``: ``validate.gates.gated_outputs``; None: every output), so the headline says what the
+    gates judged (the relative error the worst of them beside the class logits, where there are any); the class
+    logits' top-1 agreement only where they are gated. An integer output has no cosine and is no class logits: its
+    share of equal values stays in its own row (gated there), so a model of integer outputs only has no headline
+    cosine or top-1 agreement, and its errors count in the headline only when no float output is gated.
+    ``entry.agreement`` says what the class logits' agreement counts (:data:`~kiln.core.compare.Agreement`)."""
     entry.outputs = {n: s.as_dict() for n, s in stats.items()}
-    floats = {n: s for n, s in stats.items() if s.cosine is not None}
+    held = {n: s for n, s in stats.items() if gated is None or n in gated} or stats
+    floats = {n: s for n, s in held.items() if s.cosine is not None}
     # an integer output's error is a difference of class indices or counts, no measure of closeness: where the
     # model has float outputs, the headline errors are theirs
-    errors = floats or stats
+    errors = floats or held
     # the class logits' relative error is gated (rel_err_limits) at FP32 and FP16 alone: the
     # headline, which reports show, is the other outputs' where there are any
     values = {n: v for n, v in errors.items() if n != logits} or errors
@@ -262,6 +272,7 @@ def summarize(entry: EngineValidation, stats: dict[str, OutputStats], logits: st
     entry.cosine = worst(floats, "cosine") if floats else None
     entry.top1_agreement = floats[logits].top1_agreement if logits in floats else None
     entry.top1_ties = floats[logits].top1_ties if logits in floats else None
+    entry.agreement = stats[logits].agreement if logits in stats else "top1"
 
 
 def _refuse_batch_of_one(
@@ -1312,8 +1323,7 @@ def accuracy_failures(
     logits = [n for n, s in per_output.items() if s["cosine"] is not None and s.get("top1_agreement") is not None]
     top1 = entry.top1_agreement if not logits or logits[0] in gated else None  # the class logits' own
     if top1 is not None and not top1 >= gates["min_top1_agreement"] - COUNT_SLACK:
-        ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
-        fails.append(f"top1_agreement {entry.top1_agreement:.4f} < {gates['min_top1_agreement']}{ties}")
+        fails.append(_agreement_failure(entry, gates["min_top1_agreement"]))
     if baseline_acc is not None and entry.accuracy is not None:
         drop = baseline_acc - entry.accuracy
         if not drop <= gates["max_accuracy_drop"] + COUNT_SLACK:
@@ -1327,6 +1337,15 @@ def accuracy_failures(
                 f"{gates['max_metric_drop']}"
             )
     return fails
+
+
+def _agreement_failure(entry: EngineValidation, limit: float) -> str:
+    """The class logits' agreement below ``min_top1_agreement``, named for what it counts (``entry.agreement``): a
+    multi-label head's decision agreement is no argmax's, and a user who reads "top-1" looks for the wrong flips."""
+    ties = f" (flips on ties, counted as agreeing: {entry.top1_ties:.4f})" if entry.top1_ties else ""
+    if entry.agreement == "decision":
+        return f"{AGREEMENT_NAMES['decision']} {entry.top1_agreement:.4f} < min_top1_agreement {limit}{ties}"
+    return f"top1_agreement {entry.top1_agreement:.4f} < {limit}{ties}"
 
 
 def gated_outputs(names: list[str] | None, outputs: list[str]) -> set[str]:

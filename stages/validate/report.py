@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kiln.core.compare import AGREEMENT_NAMES
 from kiln.core.errors import KilnError
 from kiln.core.records import EngineValidation, Memory, ValidationResult
 from kiln.core.text import fmt
@@ -68,7 +69,7 @@ def report_section(v: ValidationResult) -> list[str]:
         "",
         "| engine | precision | device | passed | max abs err | "
         + ("rel err | " if rel else "")
-        + "cosine | worst-sample cosine | top-1 agree | accuracy | "
+        + f"cosine | worst-sample cosine | {_agreement_header(v)} | accuracy | "
         + " | ".join(f"p50 ms @{s}" for s in sizes)
         + f" | speedup @{sizes[-1] if sizes else ''} |",
         "|---|---|---|---|---|---|---|---|---|" + "---|" * (len(sizes) + rel + 1),
@@ -105,7 +106,7 @@ def report_section(v: ValidationResult) -> list[str]:
             + (f"{_gated(fmt(e.rel_err, '.4g'), '≤', g.get('max_rel_err'))} | " if rel else "")
             + f"{_gated(fmt(e.cosine, '.6f'), '≥', g.get('min_cosine'))} | "
             f"{_gated(fmt(sample, '.6f'), '≥', sample_gate)} | "
-            f"{_gated(_top1(e), '≥', top1_gate)} | "
+            f"{_gated(_top1(e), '≥', top1_gate) if e.top1_agreement is not None else _ungated_top1(e)} | "
             f"{_gated(fmt(e.accuracy), '≥', None if drop is None else round(drop, 4))} | "
             f"{lat + ' | ' if lat else ''}{last} | {speed} |"
         )
@@ -117,8 +118,9 @@ def report_section(v: ValidationResult) -> list[str]:
             "of the held-out samples' own (each row of the batch axis, flattened), held to `min_cosine` too; a "
             "sample near zero, whose own cosine is noise, counts the cosine its error would give on a sample of "
             "the median norm where that is higher (`kiln.core.compare.sample_cosines`). Both are the worst "
-            "output's.",
+            "output's" + _of_gated(v) + ".",
         ]
+    lines += _decision_note(v)
     tied = [e for e in v.engines if e.top1_ties]
     if tied:
         lines += [
@@ -135,6 +137,61 @@ def report_section(v: ValidationResult) -> list[str]:
         lines += ["", "### Gate failures", ""] + [f"- {f}" for f in v.failures]
         lines += [f"- {e.name}, what to try: {h}" for e in v.engines for h in e.hints]
     return lines + _vs_baselines(v) + _memory(v) + _chosen(v, sizes) + _speed_table(v) + _roofline(v)
+
+
+def gated_names(e: EngineValidation) -> set[str]:
+    """The outputs an engine's gates hold: those ``validate.gates.gated_outputs`` lists (its gates record the list
+    where it is set), else every output it was compared on."""
+    names = e.gates.get("gated_outputs")
+    return set(names) if isinstance(names, list) else set(e.outputs)
+
+
+def _not_gated(v: ValidationResult) -> list[str]:
+    """The outputs compared but held by no gate (left out of ``validate.gates.gated_outputs``), in their order."""
+    validated = [e for e in v.engines if e.status == "validated"]
+    return list(dict.fromkeys(n for e in validated for n in e.outputs if n not in gated_names(e)))
+
+
+def _of_gated(v: ValidationResult) -> str:
+    """What the headline values are the worst of, where some outputs are not gated: the gated ones'."""
+    if not _not_gated(v):
+        return ""
+    return (
+        " among those the gates hold (`validate.gates.gated_outputs`); the outputs marked not gated in the "
+        "per-output table are compared and fail no gate"
+    )
+
+
+def _class_logits(e: EngineValidation) -> str | None:
+    """The engine's class-logit output: the float output with an agreement (no other keeps one:
+    :func:`kiln.stages.accuracy.check.compare_all`); None where it has none."""
+    return next(
+        (n for n, s in e.outputs.items() if s.get("cosine") is not None and s.get("top1_agreement") is not None), None
+    )
+
+
+def _agreement_header(v: ValidationResult) -> str:
+    """The headline column of the class logits' agreement: a multi-label head's is decision agreement."""
+    return "decision agree" if any(e.agreement == "decision" for e in v.engines) else "top-1 agree"
+
+
+def _decision_note(v: ValidationResult) -> list[str]:
+    """What decision agreement counts, where a multi-label head's class logits are held to it."""
+    if not any(e.agreement == "decision" for e in v.engines):
+        return []
+    return [
+        "",
+        f"Decision agree: the class logits are a multi-label head's (float 0/1 targets shaped like them), held to "
+        f"{AGREEMENT_NAMES['decision']}, the share of (sample, label) pairs whose decision is the reference's, by "
+        "`min_top1_agreement`, in place of top-1 agreement (a multi-label head answers by no argmax).",
+    ]
+
+
+def _ungated_top1(e: EngineValidation) -> str:
+    """The headline agreement cell of an engine without one: "not gated" where its class logits have one but are
+    left out of ``validate.gates.gated_outputs`` (the per-output table shows it), else none."""
+    logits = _class_logits(e)
+    return "not gated" if logits is not None and logits not in gated_names(e) else fmt(None)
 
 
 def _top1(e: EngineValidation) -> str:
@@ -352,8 +409,10 @@ def _gated(value: str, op: str, limit: float | None) -> str:
 
 
 def worst_sample_cosine(e: EngineValidation) -> float | None:
-    """The lowest worst-sample cosine over the engine's outputs (NaN is lowest; None: no output has one)."""
-    values = [v for s in e.outputs.values() if (v := s.get("sample_cosine")) is not None]
+    """The lowest worst-sample cosine over the outputs the engine's gates hold (:func:`gated_names`), as its other
+    headline values are (NaN is lowest; None: no such output has one)."""
+    held = gated_names(e)
+    values = [v for n, s in e.outputs.items() if n in held and (v := s.get("sample_cosine")) is not None]
     if not values:
         return None
     return float("nan") if any(math.isnan(v) for v in values) else min(values)
@@ -397,9 +456,11 @@ def _compared(v: ValidationResult) -> list[str]:
             f", counted over the {b.labelled_positions:,} labelled positions of the held-out samples (labels "
             "per position; -100 marks one without)"
         )
+    ungated = _not_gated(v)
+    free = f"; not gated: {', '.join(ungated)} (`validate.gates.gated_outputs`)" if ungated else ""
     return [
         "",
-        f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated); {logits}."
+        f"Compared outputs: {', '.join(b.compared)} (error and cosine per output, the worst gated{free}); {logits}."
         + (f" Dynamic axes validated at: {shapes}{_padded(b)}." if shapes else "")
         + _coupled(v),
     ]
@@ -450,12 +511,14 @@ def _coupled(v: ValidationResult) -> str:
 
 
 def _measured_on_logits(v: ValidationResult) -> str:
-    """What was measured on the class-logit output: top-1 agreement (where an engine gave one) and task accuracy
-    (where the reference has one), and why each that was not, was not."""
+    """What was measured on the class-logit output: top-1 agreement, a multi-label head's decision agreement
+    (where an engine gave one, gated or not) and task accuracy (where the reference has one), and why each that was
+    not, was not."""
     b = v.baseline
     validated = [e for e in v.engines if e.status == "validated"]
-    top1 = any(e.top1_agreement is not None for e in validated)
-    measured = [what for what, done in (("top-1 agreement", top1), ("accuracy", b.accuracy is not None)) if done]
+    top1 = any(e.top1_agreement is not None or _class_logits(e) is not None for e in validated)
+    agreement = AGREEMENT_NAMES[next((e.agreement for e in validated if e.agreement != "top1"), "top1")]
+    measured = [what for what, done in ((agreement, top1), ("accuracy", b.accuracy is not None)) if done]
     missing = []
     if not top1:
         why = "no engine was validated here" if not validated else "it has no class axis: one value per row"
@@ -494,7 +557,9 @@ def _narrower(v: ValidationResult) -> list[str]:
 
 
 def _per_output(v: ValidationResult) -> list[str]:
-    """Each output's worst statistics per engine, when the model has more than one output."""
+    """Each output's worst statistics per engine, when the model has more than one output; those no gate holds
+    (left out of ``validate.gates.gated_outputs``) marked not gated, the class logits' decision agreement marked as
+    such."""
     rows = [
         (e, name, s)
         for e in v.engines
@@ -511,9 +576,12 @@ def _per_output(v: ValidationResult) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for e, name, s in rows:
+        held = "" if name in gated_names(e) else " (not gated)"
+        decision = " (decision)" if e.agreement == "decision" and name == _class_logits(e) else ""
         out.append(
-            f"| {e.name} | {name} | {fmt(s['max_abs_err'], '.2e')} | {fmt(s['rel_err'], '.2e')} | "
-            f"{fmt(s['cosine'], '.6f')} | {fmt(s.get('sample_cosine'), '.6f')} | {fmt(s['top1_agreement'])} |"
+            f"| {e.name} | {name}{held} | {fmt(s['max_abs_err'], '.2e')} | {fmt(s['rel_err'], '.2e')} | "
+            f"{fmt(s['cosine'], '.6f')} | {fmt(s.get('sample_cosine'), '.6f')} | "
+            f"{fmt(s['top1_agreement'])}{decision} |"
         )
     return out
 

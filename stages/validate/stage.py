@@ -129,8 +129,9 @@ class Checked:
 
 
 def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: StageContext[ValidateSettings]) -> Checked:
-    """Load the engine (peak memory measured), compare it with the reference at every shape and batch size, and
-    warm it up for timing; the runner stays active until :func:`finish_engine`."""
+    """Load the engine (peak memory measured), compare it with the reference at every shape and batch size (the
+    entry's headline over the outputs its gates hold), and warm it up for timing; the runner stays active until
+    :func:`finish_engine`."""
     meta = read_metadata(engine_dir)
     entry = EngineValidation(
         name=meta.name, backend=meta.backend, precision=meta.precision, device=meta.device, status="not-runnable"
@@ -159,7 +160,8 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
             takes=lambda feed: takes_shape(meta, feed),
             inspect=lambda feed, got: declared_shape_problems(meta, feed, got),  # one call, as a server gets it
         )
-        summarize(entry, found.stats, ref.logits)
+        entry.gates = gates_for(cfg, meta.precision, ref.logits is None)
+        summarize(entry, found.stats, ref.logits, gated_list(entry.gates))  # the headline: what the gates judge
         empty = measured_nothing(ref, runner.infer, found, max(sizes), meta.name)
         entry.accuracy, entry.metric = found.accuracy, found.metric
         entry.shapes = [p for p, _ in ref.feeds if p and p not in found.untaken]
@@ -170,6 +172,12 @@ def check_engine(engine_dir: Path, ref: Reference, cfg: ValidateConfig, ctx: Sta
         raise
     entry.status = "validated"
     return Checked(entry, meta, runner, timers, found, empty)
+
+
+def gated_list(gates: dict[str, Any]) -> list[str] | None:
+    """The outputs ``validate.gates.gated_outputs`` lists, as an engine's gates record them (None: every output)."""
+    names = gates.get("gated_outputs")
+    return list(names) if isinstance(names, list) else None
 
 
 def measured_nothing(
@@ -194,7 +202,8 @@ def measured_nothing(
 def finish_engine(
     c: Checked, ref: Reference, baselines: list[Baseline], cfg: ValidateConfig, largest: int
 ) -> EngineValidation:
-    """Unload the engine; its speedups (with their intervals), gates, failures and hints."""
+    """Unload the engine; its speedups (with their intervals), the gates it misses (:func:`check_engine` recorded
+    them), and hints."""
     entry, meta, found = c.entry, c.meta, c.found
     if c.runner is not None:
         c.runner.deactivate()
@@ -202,7 +211,6 @@ def finish_engine(
         return entry
     entry.speedups, entry.speedup_ci = speedups(meta.device, entry.latency_ms, baselines)
     entry.speedup_vs_baseline = entry.speedups.get(f"eager-{meta.device}", {})
-    entry.gates = gates_for(cfg, meta.precision, ref.logits is None)
     entry.failures = check_gates(entry, ref.accuracy, entry.gates, largest, ref.metric, ref.metric_value)
     entry.failures += c.unmeasured + found.problems
     entry.passed = not entry.failures

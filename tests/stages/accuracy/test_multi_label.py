@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from kiln.core.data import DatasetSplits, as_feed
+from kiln.core.records import Baseline, EngineValidation, Percentiles, ValidationResult
 from kiln.core.signature import Signature
 from kiln.models.config import ModelConfig
-from kiln.stages.accuracy.check import held_out
+from kiln.stages.accuracy.check import gates_for, held_out
 from kiln.stages.accuracy.config import CheckConfig
+from kiln.stages.validate.report import report_section
 from tests.stages.accuracy.judging import judged
 
 RNG = np.random.default_rng(0)
@@ -65,7 +67,9 @@ def test_labels_flipped_near_the_threshold_fail_decision_agreement(num_classes: 
     assert (_near_zero_flipping({"input": X[64:]})["logits"].argmax(1) == z.argmax(1)).all()
     assert 0.03 < flipped.mean() < 0.2
     assert ref.logits == "logits" and entry.top1_agreement == pytest.approx(1 - flipped.mean())
-    assert any(f.startswith("top1_agreement") for f in failures), failures
+    assert entry.agreement == "decision"
+    said = f"decision agreement (per label: logit > 0, or > 0.5 for probabilities) {entry.top1_agreement:.4f} <"
+    assert any(f.startswith(said) for f in failures) and not any(f.startswith("top1") for f in failures), failures
     same, none = judged(ref, _run, [1, 8], "int8")
     assert same.top1_agreement == 1.0 and none == []
 
@@ -80,3 +84,34 @@ def test_decision_agreement_is_said_where_the_reference_is_made(
         _reference(5, None)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "decision agreement" in said and "(sample, label)" in said, said
+
+
+def _report(engines: list[EngineValidation]) -> list[str]:
+    """report.md's validation lines for ``engines``, each held to INT8's gates, of a model of class logits."""
+    timed = {"8": Percentiles(p50=0.1, p90=0.1, p99=0.1)}
+    for e in engines:
+        e.gates, e.latency_ms, e.passed = gates_for(CheckConfig(), "int8"), timed, not e.failures
+    b = Baseline(accuracy=None, samples=96, latency_ms=timed, logits_output="logits", compared=["logits"])
+    failures = [f for e in engines for f in e.failures]
+    return report_section(ValidationResult(passed=not failures, baseline=b, engines=engines, failures=failures))
+
+
+def test_the_report_names_decision_agreement_and_a_record_without_the_flag_stays_top1() -> None:
+    """A multi-label head's figure is decision agreement in the table's header, the compared outputs and the gate
+    failure, not top-1 agreement; a record written before the flag (no ``agreement``) reads as top-1."""
+    entry, failures = judged(_reference(5, None), _near_zero_flipping, [1, 8], "int8")
+    entry.failures = failures
+    lines = _report([entry])
+    header = next(x for x in lines if x.startswith("| engine |"))
+    assert "| decision agree |" in header and "top-1" not in header, header
+    row = next(x for x in lines if x.startswith("| e |"))
+    assert f"| {entry.top1_agreement:.4f} (≥ 0.97) |" in row, row
+    compared = next(x for x in lines if x.startswith("Compared outputs"))
+    assert "decision agreement (per label: logit > 0, or > 0.5 for probabilities) on 'logits'" in compared
+    assert any(x.startswith("Decision agree: the class logits are a multi-label head's") for x in lines)
+    assert any(x.startswith("- decision agreement (per label") for x in lines), lines
+
+    old = EngineValidation.model_validate(entry.model_dump(mode="json", exclude={"agreement"}))
+    assert old.agreement == "top1"
+    old_header = next(x for x in _report([old]) if x.startswith("| engine |"))
+    assert "| top-1 agree |" in old_header and "decision" not in old_header, old_header
