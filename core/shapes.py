@@ -112,27 +112,80 @@ def resize(
     axis that holds one is padded, every input on it: an integer one with the value its data holds where its
     attention mask marks padding (:func:`kiln.core.labels.padding_value`: the pad token, a mask's 0), else ``fill``.
     Cut by keeping the first positions, or the last on the axes ``left`` names (None: those whose attention mask
-    shows left padding, :func:`kiln.core.labels.left_padded`), where left-padded rows hold their real tokens."""
+    shows left padding, :func:`kiln.core.labels.left_padded`), where left-padded rows hold their real tokens.
+    An input that holds each row's length along an axis (:func:`length_inputs`) says where the row's padding
+    starts where no mask does, and is resized with the axis so the two agree (:func:`_resized_lengths`)."""
     left = left_padded(feed, axes) if left is None else left
     out = {name: np.asarray(array) for name, array in feed.items()}
     fills = {name: padding_value(feed, name) for name in feed}
+    measures = length_inputs(out, axes, point)
     for label, size in point.items():
         on = [(n, int(i)) for n, dims in axes.items() if n in out for i, d in dims.items() if d == label]
+        lengths = [n for n, measured in measures.items() if measured == label]
+        have = out[on[0][0]].shape[on[0][1]] if on else 0
         tile = all(out[n].shape[i] and (repeat_floats or out[n].dtype.kind != "f") for n, i in on)
-        real = _real_lengths(out, on) if tile and label not in left else None
+        real = _real_lengths(out, on, [out[n] for n in lengths]) if tile and label not in left else None
         for name, axis in on:
             own = fills[name]
             if real is not None and axis == 1 and out[name].shape[0] == len(real) and out[name].shape[1] < size:
                 out[name] = _tiled_rows(out[name], real, size)
                 continue
             out[name] = _resized(out[name], axis, size, tile, label in left, fill if own is None else own)
+        for name in lengths:
+            out[name] = _resized_lengths(out[name], have, size, tile, rows=real is not None)
     return {name: np.ascontiguousarray(array) for name, array in out.items()}
 
 
-def _real_lengths(out: Feed, on: list[tuple[str, int]]) -> np.ndarray | None:
+def is_length_name(name: str) -> bool:
+    """Named like each row's length along an axis (``lengths``, ``seq_len``, ``input_lengths``, ``ilens``): the
+    name ends in ``len``, ``lens``, ``length`` or ``lengths``."""
+    return name.lower().endswith(("len", "lens", "length", "lengths"))
+
+
+def length_inputs(feed: Feed, axes: Axes, point: Mapping[str, int]) -> dict[str, str]:
+    """Input -> the dynamic axis (of those ``point`` sizes) it holds each row's length along, as
+    ``pack_padded_sequence`` takes it: an integer ``[N]`` or ``[N, 1]`` input named like lengths
+    (:func:`is_length_name`) and on no dynamic axis itself, whose values lie in 0..the axis's size for exactly one
+    axis whose inputs have its ``N`` rows. Values that fit several axes, or none, say nothing of which they measure:
+    such an input is left as it is."""
+    found = {}
+    for name, value in feed.items():
+        value = np.asarray(value)
+        if name in axes and axes[name] or not is_length_name(name) or value.dtype.kind not in "iu" or not value.size:
+            continue
+        if value.ndim != 1 and value.shape[1:] != (1,):
+            continue
+        fits = [label for label in point if _measures(feed, axes, label, value)]
+        if len(fits) == 1:
+            found[name] = fits[0]
+    return found
+
+
+def _measures(feed: Feed, axes: Axes, label: str, lengths: np.ndarray) -> bool:
+    """Whether ``lengths`` can be each row's length along axis ``label``: the inputs on it have one size there and
+    as many rows as ``lengths``, and every value lies within 0..that size."""
+    on = [(np.shape(feed[n]), int(i)) for n, dims in axes.items() if n in feed for i, d in dims.items() if d == label]
+    sizes, rows = {shape[i] for shape, i in on}, {shape[0] for shape, _ in on}
+    return len(sizes) == 1 and rows == {len(lengths)} and 0 <= lengths.min() and lengths.max() <= sizes.pop()
+
+
+def _resized_lengths(lengths: np.ndarray, have: int, size: int, tile: bool, rows: bool) -> np.ndarray:
+    """Each row's length once its axis goes from ``have`` to ``size`` positions as :func:`resize` makes it: cut,
+    at most ``size``; lengthened by repeating each row's real positions (``rows``, :func:`_tiled_rows`), ``size``
+    (0 stays 0: a row of padding repeats padding); by repeating whole rows (``tile``), ``size`` for a row with no
+    padding; padded at the end, unchanged."""
+    if size <= have:
+        return np.minimum(lengths, size)
+    if rows:
+        return np.where(lengths > 0, size, 0).astype(lengths.dtype)
+    return np.where(lengths == have, size, lengths).astype(lengths.dtype) if tile else lengths
+
+
+def _real_lengths(out: Feed, on: list[tuple[str, int]], lengths: list[np.ndarray]) -> np.ndarray | None:
     """Each row's count of real positions on an axis whose attention mask (axis 1 of an integer ``[N, seq]`` input
     named like one, :func:`kiln.core.labels.is_mask_name`) shows right padding: every row starts real, some end in
-    padding. None where no such mask lies on it."""
+    padding; else the first of ``lengths`` (inputs that hold each row's length along it, :func:`length_inputs`).
+    None where neither lies on it."""
     for name, axis in on:
         mask = out[name]
         if axis != 1 or not is_mask_name(name) or mask.ndim != 2 or mask.dtype.kind not in "iub" or not mask.size:
@@ -140,7 +193,7 @@ def _real_lengths(out: Feed, on: list[tuple[str, int]]) -> np.ndarray | None:
         real = mask != 0
         if real[:, 0].all() and not real[:, -1].all():
             return real.sum(1)
-    return None
+    return lengths[0].reshape(-1) if lengths else None
 
 
 def _tiled_rows(array: np.ndarray, real: np.ndarray, size: int) -> np.ndarray:
