@@ -110,7 +110,7 @@ def train_to(
             sources=sources,
         )
     check_learned(result)
-    warn_learned_nothing_held_out(result.history)
+    warn_learned_nothing_held_out(result.history, chance_loss(task, data.num_classes))
     if env.is_main:
         save_trained(out, model, config.model, {"dataset": data.name, "input_shapes": data.sample_shapes})
     return TrainSummary.model_validate({**result.summary(), "data_warnings": data_warnings})
@@ -149,24 +149,39 @@ def check_learned(result: TrainResult) -> None:
 
 # A rise of held-out accuracy smaller than this is none (warn_learned_nothing_held_out)
 ROOM_TO_RISE = 0.01
-# A held-out loss that falls below this share of the first epoch's shows learning (warn_learned_nothing_held_out)
+# A held-out loss that falls below this share of the first epoch's, and of chance level, shows learning
+# (warn_learned_nothing_held_out)
 HELD_OUT_FALL = 0.75
 
 
-def held_out_loss_fell(scored: list[EpochMetrics]) -> bool:
-    """Whether the validation loss fell clearly below the first epoch's (to under :data:`HELD_OUT_FALL` of it):
-    the model learned something that shows on the held-out rows, even where accuracy moves little (a tagger whose
-    labels are mostly one class starts near its final accuracy)."""
+def chance_loss(task: Task, num_classes: int) -> float | None:
+    """The held-out loss of a model that answers at chance: ``ln(num_classes)``, the cross-entropy of uniform class
+    scores, where the loss is Kiln's own cross-entropy over classes; None where it is unknown (a train.loss of the
+    user's, float targets, fewer than two classes)."""
+    if task.kind != "classification" or task.user_loss is not None or num_classes < 2:
+        return None
+    return math.log(num_classes)
+
+
+def held_out_loss_fell(scored: list[EpochMetrics], chance: float | None) -> bool:
+    """Whether the validation loss fell clearly (to under :data:`HELD_OUT_FALL` of the first epoch's) and below
+    chance level ``chance`` too (under :data:`HELD_OUT_FALL` of it): the model learned something that shows on the
+    held-out rows, even where accuracy moves little (a tagger whose labels are mostly one class starts near its
+    final accuracy). A loss that falls yet stays above chance is no such sign: a model answering at chance in eval
+    mode (BatchNorm statistics far from its batches') can start far above it and fall as its logits shrink. Where
+    chance is unknown (None), a falling loss shows nothing."""
     first = scored[0].val_loss
+    if chance is None or first is None or not math.isfinite(first):
+        return False
     later = [m.val_loss for m in scored[1:] if m.val_loss is not None and math.isfinite(m.val_loss)]
-    return first is not None and math.isfinite(first) and bool(later) and min(later) < HELD_OUT_FALL * first
+    return bool(later) and min(later) < HELD_OUT_FALL * min(first, chance)
 
 
-def warn_learned_nothing_held_out(history: list[EpochMetrics]) -> None:
+def warn_learned_nothing_held_out(history: list[EpochMetrics], chance: float | None = None) -> None:
     """Say where the training loss fell by more than half after the first epoch while validation accuracy never rose
     above the first epoch's (and had room to: a first epoch right on nearly every row has learned the task) and the
-    validation loss did not fall clearly either: what the model learned does not show in eval mode or on the
-    held-out rows. A model
+    validation loss did not fall clearly below the first epoch's and chance level ``chance`` either
+    (:func:`held_out_loss_fell`): what the model learned does not show in eval mode or on the held-out rows. A model
     whose BatchNorm keeps running statistics far from its batches' (a small momentum) or that branches on
     ``self.training`` trains well and answers at chance in eval mode, and validation then passes engines that
     agree with a model that does nothing; labels that do not belong to their inputs look the same."""
@@ -174,7 +189,7 @@ def warn_learned_nothing_held_out(history: list[EpochMetrics]) -> None:
     if len(scored) < 3:
         return
     first, last = scored[0], scored[-1]
-    if first.val_accuracy + ROOM_TO_RISE >= 1.0 or held_out_loss_fell(scored):
+    if first.val_accuracy + ROOM_TO_RISE >= 1.0 or held_out_loss_fell(scored, chance):
         return
     if not (last.loss < 0.5 * first.loss and max(m.val_accuracy for m in scored) <= first.val_accuracy + ROOM_TO_RISE):
         return
@@ -295,7 +310,7 @@ def check_model_fits_data(
     check_fp32(model, model_ref)
     x = take(data.train_x if rows(data.train_x) else data.val_x, slice(0, probe_rows))
     check_forward_takes(model, x, model_ref)
-    with EmbeddingLookups() as lookups:
+    with EmbeddingLookups(x) as lookups:
         out = _probe(model, data, x, model_ref, lookups)
     check_token_ids(model, data, x, lookups)
     outputs = flatten_outputs(out, f"model '{model_ref}'")  # every output a tensor (or None, left out)
@@ -342,12 +357,15 @@ def _probe(model: nn.Module, data: DatasetSplits, x: Any, model_ref: str, lookup
 
 class EmbeddingLookups(TorchFunctionMode):
     """Inside it, every ``torch.nn.functional.embedding`` call (an ``nn.Embedding``'s, a subclass's, a model's own)
-    is recorded with the index tensor it was given and its table: what the lookup indexes, after anything the model
-    did to its ids first."""
+    is recorded with the index tensor it was given, that tensor's version counter then, and its table: what the
+    lookup indexes, after anything the model did to its ids first. ``before``: the version counter of each of the
+    ``probe`` inputs' tensors (:func:`kiln.core.data.tensors`) as the forward starts, against which an edit in place
+    (``ids.masked_fill_(ids >= vocab, unk)``) shows."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: Any) -> None:
         super().__init__()
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.before = [_version(t) for t in tensors(probe)]
+        self.calls: list[tuple[torch.Tensor, int | None, torch.Tensor]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -355,18 +373,31 @@ class EmbeddingLookups(TorchFunctionMode):
             ids = args[0] if args else kwargs.get("input")
             table = args[1] if len(args) > 1 else kwargs.get("weight")
             if isinstance(ids, torch.Tensor) and isinstance(table, torch.Tensor):
-                self.calls.append((ids, table))
+                self.calls.append((ids, _version(ids), table))
         return func(*args, **kwargs)
 
 
-def _tables(probe: torch.Tensor, lookups: EmbeddingLookups) -> list[torch.Tensor]:
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, which every edit in place of it (or of a view sharing its memory) raises; None for
+    an inference tensor, which keeps none (and which no forward outside inference mode can edit in place)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _tables(probe: torch.Tensor, before: int | None, lookups: EmbeddingLookups) -> list[torch.Tensor]:
     """The embedding tables input ``probe`` was looked up in as it is (its own memory and shape, a view of it at
-    most): only then are the data's values that input's ids. An input the model maps first (``ids % vocab``) is
+    most, unedited since the forward began at version ``before``): only then are the data's values that input's
+    ids. An input the model maps first (``ids % vocab``, or ``ids.masked_fill_(ids >= vocab, 0)`` in place) is
     looked up in none."""
     return [
         table
-        for ids, table in lookups.calls
-        if ids.data_ptr() == probe.data_ptr() and ids.shape == probe.shape and ids.dtype == probe.dtype
+        for ids, version, table in lookups.calls
+        if ids.data_ptr() == probe.data_ptr()
+        and ids.shape == probe.shape
+        and ids.dtype == probe.dtype
+        and version == before
     ]
 
 
@@ -382,10 +413,10 @@ def check_token_ids(model: nn.Module, data: DatasetSplits, probe: Any, lookups: 
     not checked."""
     keys = list(probe) if isinstance(probe, dict) else range(len(tensors(probe)))
     names = {id(p): n.removesuffix(".weight") for n, p in model.named_parameters()}
-    for key, t in zip(keys, tensors(probe)):
+    for key, t, before in zip(keys, tensors(probe), lookups.before):
         if not t.numel() or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             continue
-        for table in _tables(t, lookups):
+        for table in _tables(t, before, lookups):
             for split in ("train", "val"):
                 split_x = getattr(data, f"{split}_x")
                 ids = split_x[key] if isinstance(split_x, dict) else tensors(split_x)[key]

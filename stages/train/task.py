@@ -10,10 +10,13 @@ built-in loss would read (:meth:`Task.target`). The loss is computed in FP32 on 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import numbers
 import os
 import traceback
+import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -111,9 +114,19 @@ CLASSIFY = Task("classification")
 
 
 def from_torch(fn: LossFn) -> bool:
-    """Whether train.loss is a function of torch itself (``torch.nn.functional``), written for one output tensor,
-    not for a model's outputs as a whole."""
-    return (getattr(fn, "__module__", None) or "").split(".")[0] == "torch"
+    """Whether train.loss is a loss of torch itself, written for one output tensor, not for a model's outputs as a
+    whole: a ``torch.nn.functional`` function or torch operator (``torch:binary_cross_entropy_with_logits``), a
+    ``torch.nn`` loss module (``nn.BCEWithLogitsLoss()``), or one of these with arguments bound
+    (``functools.partial(F.cross_entropy, label_smoothing=0.1)``). A function the user compiled with
+    ``torch.jit.script`` (module ``torch.jit``) is the user's, written for the outputs as a whole."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if type(fn).__module__ == "torch.nn.modules.loss":
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    if isinstance(fn, types.BuiltinFunctionType):
+        return module == "torch" or module.startswith(("torch._C", "torch.nn"))
+    return inspect.isfunction(fn) and module == "torch.nn.functional"
 
 
 def _wrapper(fn: LossFn, read: str) -> str:

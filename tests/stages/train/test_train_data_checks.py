@@ -31,8 +31,8 @@ def _ids(size: int = 8, length: int = 6, vocab: int = 16) -> torch.Tensor:
 
 
 def test_labels_one_per_row_with_the_ignore_label_get_the_shape_error_for_logits_per_position() -> None:
-    """Tags [N, seq] sliced to one a row kept their -100s, and the range check spoke first ('labels from -100 to 7,
-    outside 0..8'); the same labels without -100 got the error naming the shape they need."""
+    """Labels one per row that hold -100 (no label), beside logits per position, get the error naming the shape
+    the labels need, as the same labels without -100 do: -100 is no label here too, not a class out of range."""
     x = _ids()
     y = torch.tensor([0, 7, -100, 3, 1, -100, 2, 8])
     data = DatasetSplits(x[:6], y[:6], x[6:], y[6:], num_classes=9)
@@ -46,7 +46,8 @@ def test_labels_one_per_row_with_the_ignore_label_get_the_shape_error_for_logits
 
 def test_labels_one_per_row_with_the_ignore_label_score_the_labelled_rows_only() -> None:
     """-100 leaves a row out of the loss and the accuracy, as it leaves a position out: a batch of rows without a
-    label weighs nothing in the validation loss (it was NaN), and the others weigh by their labelled rows."""
+    label weighs nothing in the validation loss (no NaN from an empty mean), and the others weigh by their labelled
+    rows."""
     x = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
     y = torch.tensor([0, 1, -100, 1, -100, -100, -100, -100, 1, 0, 0, -100])
     torch.manual_seed(0)
@@ -89,8 +90,8 @@ def _translation(decoder: bool) -> DatasetSplits:
 
 
 def test_an_encoder_decoder_without_its_decoder_inputs_is_told_to_give_them() -> None:
-    """The fix said to make the model return a row of logits per labelled position or to set num_classes: the
-    logits had the source's length because no decoder_input_ids were given."""
+    """Logits of the source's length, from a model whose forward takes decoder_input_ids the data does not give,
+    are told to give the decoder inputs (the labels shifted right) first."""
     with pytest.raises(ModelError, match=r"logits of shape \(2, 10, 20\) for labels of shape \(2, 4\)") as e:
         check_model_fits_data(Seq2Seq(), _translation(decoder=False), "s2s:build", Task("classification"))
     assert e.value.hint.startswith("give the model's decoder_input_ids, which the data lacks")
@@ -125,7 +126,8 @@ def test_a_tiny_bart_without_decoder_inputs_is_told_to_give_them() -> None:
 
 
 def test_a_token_id_past_the_embedding_in_the_held_out_split_is_named_before_training() -> None:
-    """It surfaced after a whole epoch as 'IndexError: index out of range in self' while evaluating."""
+    """An id past the embedding's rows in val_x, outside the probed rows, is named with its split, row and the
+    table's size before training, not met as an IndexError when its batch comes."""
     x = _ids(12)
     val = x[8:].clone()
     val[3, 2] = 16
@@ -147,11 +149,12 @@ def test_a_token_id_past_the_embedding_in_the_probed_rows_is_named_not_the_forwa
         check_model_fits_data(Typed(), data, "typed:build", Task("classification"))
 
 
-@pytest.mark.parametrize("model", [lambda: Hashed(), lambda: HashedInside()])
+@pytest.mark.parametrize("model", [lambda: Hashed(), lambda: HashedInside(), lambda: UnknownInPlace()])
 def test_ids_the_model_maps_before_its_embedding_are_not_checked(model) -> None:
-    """No false alarm where the lookup is not given the data's input as it is: mapped by the model's forward, or
-    by an nn.Embedding subclass of its own."""
+    """No false alarm where the lookup is not given the data's input as it is: mapped by the model's forward (into
+    a new tensor or in place), or by an nn.Embedding subclass of its own."""
     x = _ids(8, 6, vocab=40)
+    x[0, 0] = 39  # an id past the table in the probed rows
     data = DatasetSplits(x, x[:, 0] % 2, x, x[:, 0] % 2, num_classes=2)
     check_model_fits_data(model(), data, "hashed:build", Task("classification"))
 
@@ -184,6 +187,13 @@ class Hashed(Pooled):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.emb(input_ids % 16).mean(1))
+
+
+class UnknownInPlace(Pooled):
+    """Ids the vocabulary lacks mapped to the unknown-token id 0, in place, before the lookup."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(input_ids.masked_fill_(input_ids >= 16, 0)).mean(1))
 
 
 class HashEmbedding(nn.Embedding):

@@ -1,15 +1,19 @@
 """A training in which every optimizer step was skipped learned nothing: an error, not weights that pass. One whose
-loss fell while held-out accuracy stayed where it started is warned of."""
+loss fell while held-out accuracy stayed where it started, and whose held-out loss did not fall below chance level,
+is warned of."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
+import torch
 
 from kiln.core.errors import TrainingError
 from kiln.stages.train.metrics import EpochMetrics, TrainResult
-from kiln.stages.train.stage import check_learned, warn_learned_nothing_held_out
+from kiln.stages.train.stage import chance_loss, check_learned, warn_learned_nothing_held_out
+from kiln.stages.train.task import Task
 
 
 def history(*epochs: tuple[int, int, int]) -> TrainResult:
@@ -41,8 +45,9 @@ def _curve(losses: list[float], accuracies: list[float]) -> list[EpochMetrics]:
 
 
 def test_a_falling_loss_with_accuracy_stuck_at_its_first_value_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
-    """A MobileNet whose BatchNorm had momentum 0.01: training loss 2.13 -> 0.068, held-out accuracy 0.086 throughout
-    (10 classes): it answers at chance in eval mode, and validation would pass engines that agree with it."""
+    """Training loss 2.13 -> 0.068 with held-out accuracy 0.086 throughout (10 classes), as from a BatchNorm of a
+    small momentum: the model answers at chance in eval mode, and validation would pass engines that agree with
+    it."""
     with caplog.at_level(logging.WARNING, logger="kiln.train"):
         warn_learned_nothing_held_out(_curve([2.13, 0.9, 0.2, 0.068], [0.0859, 0.0859, 0.0859, 0.0859]))
     said = " ".join(caplog.messages)
@@ -77,10 +82,10 @@ def _tagger_curve(val_losses: list[float | None]) -> list[EpochMetrics]:
 
 
 def test_a_held_out_loss_falling_with_the_training_loss_is_not_warned_of(caplog: pytest.LogCaptureFixture) -> None:
-    """A tagger whose val_loss fell 1.43 -> 0.48 while accuracy went 0.817 -> 0.825 was told that what it learned
-    does not show on the held-out rows: the held-out loss shows it."""
+    """A held-out loss falling 1.43 -> 0.48, below chance level (ln 9 = 2.2 for 9 classes), shows learning where
+    held-out accuracy moves little (0.817 -> 0.825: most tokens are one class)."""
     with caplog.at_level(logging.WARNING, logger="kiln.train"):
-        warn_learned_nothing_held_out(_tagger_curve([1.43, 0.9, 0.7, 0.6, 0.52, 0.48]))
+        warn_learned_nothing_held_out(_tagger_curve([1.43, 0.9, 0.7, 0.6, 0.52, 0.48]), chance=math.log(9))
     assert not caplog.messages
 
 
@@ -96,5 +101,41 @@ def test_a_held_out_loss_that_does_not_fall_keeps_the_warning(
     val_losses: list[float | None], caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="kiln.train"):
-        warn_learned_nothing_held_out(_tagger_curve(val_losses))
+        warn_learned_nothing_held_out(_tagger_curve(val_losses), chance=math.log(9))
     assert any("does not show on the held-out rows" in m for m in caplog.messages)
+
+
+def _eval_mode_at_chance(val_losses: list[float]) -> list[EpochMetrics]:
+    """Epochs of a 10-class model that trains well and answers at chance in eval mode (BatchNorm running statistics
+    far from its batches'): held-out accuracy flat, held-out loss far above chance (its logits are large)."""
+    losses = [2.18, 1.88, 1.53, 1.18, 0.91, 0.72]
+    return [
+        EpochMetrics(i + 1, loss, 1.0, 50, 1e-3, val_loss=val, val_accuracy=0.161)
+        for i, (loss, val) in enumerate(zip(losses, val_losses))
+    ]
+
+
+@pytest.mark.parametrize("chance", [math.log(10), None])
+def test_a_held_out_loss_falling_but_above_chance_keeps_the_warning(
+    chance: float | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A held-out loss that halves (61 -> 30) yet stays far above chance level (ln 10 = 2.3) is no sign of
+    learning; nor is any falling held-out loss where chance level is unknown (a train.loss of the user's)."""
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        warn_learned_nothing_held_out(_eval_mode_at_chance([61.3, 53.8, 47.3, 41.3, 35.7, 29.6]), chance=chance)
+    assert any("stayed at 0.161" in m for m in caplog.messages)
+
+
+def test_a_held_out_loss_falling_from_above_chance_to_well_below_it_shows_learning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        warn_learned_nothing_held_out(_eval_mode_at_chance([3.1, 2.6, 2.1, 1.8, 1.6, 1.5]), chance=math.log(10))
+    assert not caplog.messages
+
+
+def test_chance_level_is_known_for_kilns_own_cross_entropy_only() -> None:
+    assert chance_loss(Task("classification"), 9) == pytest.approx(math.log(9))
+    assert chance_loss(Task("classification", None, torch.nn.functional.cross_entropy), 9) is None
+    assert chance_loss(Task("regression"), 0) is None
+    assert chance_loss(Task("classification"), 1) is None

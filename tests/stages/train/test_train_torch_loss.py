@@ -4,6 +4,8 @@ tuple; a function of the user's keeps the whole output."""
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ from kiln.core.user_errors import UserCodeError
 from kiln.stages.train.config import TrainConfig
 from kiln.stages.train.loop import train
 from kiln.stages.train.stage import check_model_fits_data
-from kiln.stages.train.task import Task, check_task, task_for
+from kiln.stages.train.task import Task, check_task, from_torch, task_for
 
 BCE = "torch.nn.functional:binary_cross_entropy_with_logits"
 CFG = TrainConfig(epochs=2, batch_size=16, device="cpu", plot=False, precision="fp32")
@@ -55,7 +57,7 @@ def _multi_hot(size: int = 64) -> DatasetSplits:
 
 
 def test_a_torch_loss_reads_the_logits_of_a_model_returning_a_dict() -> None:
-    """It was called on the dict itself: AttributeError 'dict' object has no attribute 'size'."""
+    """torch's loss is given the dict's logits, not the dict, in the check before training and in training."""
     data = _multi_hot()
     task = task_for(data, BCE, None)
     check_model_fits_data(DictTagger(), data, "m:build", task)
@@ -67,7 +69,7 @@ def test_a_torch_loss_reads_the_logits_of_a_model_returning_a_dict() -> None:
 
 
 def test_a_tiny_roberta_multi_label_classifier_trains_with_the_recommended_loss() -> None:
-    """The finding: every transformers model returns a ModelOutput, which torch's loss cannot read."""
+    """A transformers model returns a ModelOutput: torch's loss is given its logits."""
     transformers = pytest.importorskip("transformers")
     config = transformers.RobertaConfig(
         vocab_size=32,
@@ -108,7 +110,7 @@ def test_the_users_own_loss_keeps_the_whole_output() -> None:
 
 
 def test_a_loss_failing_on_the_whole_output_is_told_how_to_wrap_it() -> None:
-    """The fix said only 'train.loss takes (outputs, targets) and returns a scalar tensor'."""
+    """A function of the user's that fails on a dict output is shown a wrapper reading the dict's logits."""
 
     def naive(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
         return nn.functional.binary_cross_entropy_with_logits(outputs, targets)
@@ -127,3 +129,56 @@ def test_a_torch_loss_beside_several_unnamed_outputs_asks_which_it_reads() -> No
     assert "binary_cross_entropy_with_logits(outputs[0], targets)" in err.value.hint
     picked = Task("regression", 1, nn.functional.binary_cross_entropy_with_logits)
     check_task(picked, TwoHeads()(torch.randn(2, 6)), torch.zeros(2, 3), 3, "m")
+
+
+def own_bce(outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """A loss of the user's, written for the whole output."""
+    return nn.functional.binary_cross_entropy_with_logits(outputs["logits"], targets)
+
+
+def scripted(fn: Any) -> Any:
+    """``fn`` compiled by TorchScript (its module is then torch.jit), without the deprecation warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(fn)
+
+
+def test_a_torchscript_loss_of_the_users_keeps_the_whole_output() -> None:
+    out = DictTagger()(torch.randn(2, 6))
+    want = nn.functional.binary_cross_entropy_with_logits(out["logits"], torch.zeros(2, 3))
+    assert torch.allclose(Task("regression", None, scripted(own_bce)).loss(out, torch.zeros(2, 3)), want)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        functools.partial(nn.functional.binary_cross_entropy_with_logits, reduction="mean"),
+        functools.partial(functools.partial(nn.functional.binary_cross_entropy_with_logits), reduction="mean"),
+        nn.BCEWithLogitsLoss(),
+    ],
+)
+def test_torch_losses_with_arguments_bound_or_as_modules_read_the_logits(loss: Any) -> None:
+    out = DictTagger()(torch.randn(2, 6))
+    want = nn.functional.binary_cross_entropy_with_logits(out["logits"], torch.zeros(2, 3))
+    assert torch.allclose(Task("regression", None, loss).loss(out, torch.zeros(2, 3)), want)
+
+
+def test_label_smoothing_bound_to_torchs_cross_entropy_reads_the_logits() -> None:
+    smoothed = functools.partial(nn.functional.cross_entropy, label_smoothing=0.1)
+    out, y = DictTagger()(torch.randn(2, 6)), torch.tensor([0, 2])
+    assert torch.equal(Task("classification", None, smoothed).loss(out, y), smoothed(out["logits"], y))
+
+
+class OwnLoss(nn.modules.loss._Loss):
+    """A loss module of the user's, built on torch's base class: written for the whole output."""
+
+    def forward(self, outputs: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy_with_logits(outputs["logits"], targets)
+
+
+def test_what_is_torchs_own_loss() -> None:
+    assert from_torch(nn.functional.binary_cross_entropy_with_logits) and from_torch(nn.CrossEntropyLoss())
+    assert from_torch(torch.binary_cross_entropy_with_logits)
+    assert (
+        not from_torch(scripted(own_bce)) and not from_torch(OwnLoss()) and not from_torch(functools.partial(own_bce))
+    )
