@@ -565,7 +565,7 @@ class Reference:
             self._drop_unfollowed_labels()
             if named:
                 self._drop_misfit_labels()
-        self.multi_label = self._multi_label()
+        self.multi_label = self._multi_label(data)
         self.binary_at = self._binary_decisions()
         self._at: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         scored = None if self.score is None else self.outputs[self.score]
@@ -573,14 +573,17 @@ class Reference:
         self.metric_value = None if scored is None else self.metric_of(scored)
         self._say_vacuous_metric()
 
-    def _multi_label(self) -> bool:
-        """Whether the class logits are a multi-label head's (:func:`multi_hot`: float 0/1 targets shaped like them),
-        held to decision agreement in place of top-1 agreement (:func:`compare_all`'s ``decisions``); said once."""
+    def _multi_label(self, data: DatasetSplits | None) -> bool:
+        """Whether the class logits are a multi-label head's (:func:`multi_hot`: float multi-hot targets shaped like
+        them, in ``data`` that declares classes: ``num_classes`` given, as a one-logit decision needs it), held to
+        decision agreement in place of top-1 agreement (:func:`compare_all`'s ``decisions``); said once. Without
+        ``num_classes`` float 0/1 targets are a regression's (:func:`regression`), whose threshold is the user's."""
         at = self.outputs[-1 if self.score is None else self.score]
-        if self.logits is None or not multi_hot(self.targets, at.get(self.logits)):
+        classes = data is not None and data.num_classes > 0
+        if not classes or self.logits is None or not multi_hot(self.targets, at.get(self.logits)):
             return False
         log.info(
-            "class logits '%s' are a multi-label head's (float 0/1 targets shaped like them): held to decision "
+            "class logits '%s' are a multi-label head's (float multi-hot targets shaped like them): held to decision "
             "agreement, the share of (sample, label) pairs whose decision (the logit above %g) is the reference's, "
             "by min_top1_agreement, in place of top-1 agreement",
             self.logits,
@@ -1108,14 +1111,17 @@ def binary_task(data: DatasetSplits) -> bool:
 
 def multi_hot(targets: Any, output: np.ndarray | None) -> bool:
     """Float 0/1 targets (a tensor or an array) shaped like ``output`` beyond its rows, whose class axis
-    (:func:`class_axis`) has two entries or more: a multi-label head's, trained with binary cross-entropy on its
-    logits, each label a decision of its own (the logit above 0, as ``multilabel_f1`` takes it)."""
+    (:func:`class_axis`) has two entries or more, not one-hot: a multi-label head's, trained with binary
+    cross-entropy on its logits, each label a decision of its own (the logit above 0, as ``multilabel_f1`` takes
+    it). Targets with exactly one 1 in every row (or position) are one-hot class labels, as training tells them
+    apart: class scores whose argmax is the class, held to top-1 agreement."""
     if targets is None or output is None or output.dtype.kind != "f" or output.ndim < 2:
         return False
     y = np.asarray(targets.numpy() if hasattr(targets, "numpy") else targets)
-    if y.dtype.kind != "f" or y.shape[1:] != output.shape[1:] or output.shape[class_axis(output.ndim)] < 2:
+    axis = class_axis(output.ndim)
+    if y.dtype.kind != "f" or y.shape[1:] != output.shape[1:] or output.shape[axis] < 2:
         return False
-    return bool(np.isin(y, (0, 1)).all())
+    return bool(np.isin(y, (0, 1)).all()) and not bool((y.sum(axis) == 1).all())
 
 
 def multi_label_default(outputs: dict[str, np.ndarray], data: DatasetSplits | None) -> str | None:
@@ -1155,11 +1161,11 @@ def top1_output(
     its head, one trained with a loss of the user's on labelled data), whose argmax is no class and whose top-1
     agreement would pass or fail an engine at random. It is then compared as outputs without class logits are:
     cosine of the whole output and of its worst sample, error and relative error."""
-    if logits is not None and named and data is not None and regression(data) and not multi_hot(data.val_y, output):
+    if logits is not None and named and data is not None and regression(data):
         log.warning(
             "output '%s', which signature.logits_output names, holds the prediction of float targets (a "
             "regression's): compared by cosine, error and relative error, not by top-1 agreement (give num_classes "
-            "in the data if it holds class logits)",
+            "in the data if it holds class logits, or a multi-label head's)",
             logits,
         )
         return None

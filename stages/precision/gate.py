@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from kiln.core.compare import AGREEMENT_NAMES
 from kiln.core.data import Feed
 from kiln.core.feeds import fixed_batch
 from kiln.core.onnx_io import io_specs, ort_session
@@ -43,7 +44,7 @@ class Verdict:
 
     metrics: dict[str, float | None]
     failures: list[str]
-    ref: np.ndarray  # the class-logit output (else the first) at the data's own shape: the FP32 graph's...
+    ref: np.ndarray  # the gated class-logit output (else the first gated) at the data's own shape: FP32's...
     got: np.ndarray  # ...and the candidate's, for choosing the samples the fallback's blame looks at
 
     @property
@@ -107,11 +108,11 @@ class GateCheck:
             found.accuracy = part.accuracy if part.accuracy is not None else found.accuracy
             found.metric = part.metric if part.metric is not None else found.metric
             found.last = part.last if part.last is not None else found.last
-        entry = _entry(found, precision, self.ref.logits)
+        entry = _entry(found, precision, self.ref.logits, gates)
         failures = self._failures(found, gates, precision, extra)
         if len(self.ref.feeds) > 1:
             failures = [self._placed(f, missed) for f in failures]
-        key = self.ref.logits or next(iter(self.ref.outputs[-1]))
+        key = _judged_output(self.ref.logits, list(self.ref.outputs[-1]), gates)
         metrics = {
             "top1_agreement": _agreement(entry),
             "top1_ties": entry.top1_ties,
@@ -129,7 +130,7 @@ class GateCheck:
         self, found: Comparison, gates: dict[str, Any], precision: str, extra: FallbackConfig | None
     ) -> list[str]:
         """Each gate ``found`` misses (validation's, then the fallback's own targets)."""
-        entry = _entry(found, precision, self.ref.logits)
+        entry = _entry(found, precision, self.ref.logits, gates)
         fails = accuracy_failures(entry, gates, self.ref.accuracy, self.ref.metric, self.ref.metric_value)
         return fails + _extra_failures(entry, extra)
 
@@ -164,10 +165,14 @@ class GateCheck:
         return out
 
 
-def _entry(found: Comparison, precision: str, logits: str | None) -> EngineValidation:
-    """``found`` as validation's entry for an engine of ``precision``, which the gates read."""
+def _entry(found: Comparison, precision: str, logits: str | None, gates: dict[str, Any]) -> EngineValidation:
+    """``found`` as validation's entry for an engine of ``precision`` held to ``gates``, which the gates read: its
+    headline values over the outputs the gates hold (``validate.gates.gated_outputs``), as validation's are, so the
+    fallback's own targets and its ranking of rounds read the figures validation judges, not an output it leaves
+    ungated (a seq2seq model's encoder state)."""
     entry = EngineValidation(name="", backend="onnxruntime", precision=precision, device="cpu", status="validated")
-    summarize(entry, found.stats, logits)
+    entry.gates = gates
+    summarize(entry, found.stats, logits, _gated_list(gates))
     entry.accuracy, entry.metric = found.accuracy, found.metric
     return entry
 
@@ -197,7 +202,8 @@ def _extra_failures(entry: EngineValidation, extra: FallbackConfig | None) -> li
         return fails
     if extra.min_top1_agreement is not None and entry.top1_agreement is not None:
         if not entry.top1_agreement >= extra.min_top1_agreement:
-            fails.append(f"top1_agreement {entry.top1_agreement:.4f} < fallback target {extra.min_top1_agreement}")
+            said = AGREEMENT_NAMES["decision"] if entry.agreement == "decision" else "top1_agreement"
+            fails.append(f"{said} {entry.top1_agreement:.4f} < fallback target {extra.min_top1_agreement}")
     if extra.min_cosine is not None and entry.cosine is not None and not entry.cosine >= extra.min_cosine:
         fails.append(f"cosine {entry.cosine:.6f} < fallback target {extra.min_cosine}")
     sample = _worst_sample(entry)  # held to the same target, as the gates hold it to min_cosine
@@ -207,18 +213,39 @@ def _extra_failures(entry: EngineValidation, extra: FallbackConfig | None) -> li
 
 
 def _agreement(entry: EngineValidation) -> float | None:
-    """The class logits' top-1 agreement; for a model of integer outputs only, their worst share of equal values:
-    the signal the fallback measures its rounds by."""
+    """The class logits' top-1 agreement (a multi-label head's: its decision agreement); for a model of integer
+    outputs only, their worst share of equal values among the gated outputs: the signal the fallback measures its
+    rounds by."""
     if entry.top1_agreement is not None or entry.cosine is not None:
         return entry.top1_agreement
-    shares = [o["top1_agreement"] for o in (entry.outputs or {}).values() if o.get("top1_agreement") is not None]
+    shares = [o["top1_agreement"] for o in _held(entry).values() if o.get("top1_agreement") is not None]
     return min(shares) if shares else None
 
 
 def _worst_sample(entry: EngineValidation) -> float | None:
-    """The worst sample's cosine over the outputs (NaN is worst; None: no output has one), gated like the cosine."""
-    values = [v for o in (entry.outputs or {}).values() if (v := o.get("sample_cosine")) is not None]
+    """The worst sample's cosine over the gated outputs (NaN is worst; None: no such output has one), held like the
+    cosine."""
+    values = [v for o in _held(entry).values() if (v := o.get("sample_cosine")) is not None]
     return None if not values else float("nan") if np.isnan(values).any() else min(values)
+
+
+def _judged_output(logits: str | None, outputs: list[str], gates: dict[str, Any]) -> str:
+    """The output whose flips the fallback's blame starts from: the class logits where the gates hold them, else the
+    first output they hold (``validate.gates.gated_outputs``; every output where unset)."""
+    held = _gated_list(gates) or outputs
+    return logits if logits is not None and logits in held else held[0]
+
+
+def _gated_list(gates: dict[str, Any]) -> list[str] | None:
+    """The outputs ``validate.gates.gated_outputs`` lists, as :func:`gates_for` records them (None: every output)."""
+    names = gates.get("gated_outputs")
+    return list(names) if isinstance(names, list) else None
+
+
+def _held(entry: EngineValidation) -> dict[str, dict[str, float | None]]:
+    """The entry's per-output statistics of the outputs its gates hold (:func:`_gated_list`; every one where unset)."""
+    names = _gated_list(entry.gates)
+    return {n: o for n, o in (entry.outputs or {}).items() if names is None or n in names}
 
 
 def logits_index(fp32: onnx.ModelProto, logits_output: str | int | None) -> int | None:

@@ -27,7 +27,7 @@ from kiln.stages.engines.backend import read_metadata
 from kiln.stages.engines.registry import load_engine
 from kiln.stages.validate.baselines import percentiles
 from kiln.stages.validate.measured import NO_FINITE_FIX, nothing_measured
-from kiln.stages.validate.stage import ValidateSettings, check_gates
+from kiln.stages.validate.stage import ValidateSettings, check_gates, gated_list
 
 log = logging.getLogger("kiln.validate")
 
@@ -98,7 +98,8 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
     """``engine_dir`` against ``reference`` on every row of ``inputs`` (else random ones); an engine that fixes its
-    batch axis runs them one batch of that size at a time, and its latency is that batch's."""
+    batch axis runs them one batch of that size at a time, and its latency is that batch's. Its headline values are
+    over the outputs its gates hold (``validate.gates.gated_outputs``), as the stage's are."""
     meta = read_metadata(engine_dir)
     # An engine whose inputs share no batch axis (one built before Kiln refused such graphs): said as what it is, not
     # as the row counts of a feed or as inputs of another model
@@ -139,11 +140,11 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     _say_padding_ties(feed, ref, axes, out_axes)
     unpadded_ref, unpadded_got = without_padding(feed, ref, axes, out_axes), without_padding(feed, got, axes, out_axes)
     kept = compare_all(unpadded_ref, unpadded_got, logits, mismatch_hint=OTHER_MODEL)
-    summarize(entry, kept, logits)
+    entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
+    summarize(entry, kept, logits, gated_list(entry.gates))  # the headline: what the gates judge
     _say_no_top1(ref, cfg.signature.logits_output, logits, entry)
     batch = str(len(next(iter(parts[0].values()))))  # the batch timed: the engine's fixed one, else every row
     entry.latency_ms = {batch: percentiles(t)}
-    entry.gates = gates_for(cfg.validate, meta.precision, logits is None)
     unmeasured = nothing_measured(ref, got)
     entry.failures = check_gates(entry, None, entry.gates, int(batch)) + unmeasured
     entry.passed = not entry.failures

@@ -30,20 +30,23 @@ def inputs_record(inputs: Path | None) -> dict[str, str]:
 
 
 def direct_report(result: EngineValidation, inputs: Path | None) -> dict[str, Any]:
-    """``kiln validate ENGINE --reference ...``'s JSON: what the engine was fed, then its validation."""
-    return {"inputs": inputs_record(inputs), **result.model_dump(mode="json", exclude_none=True)}
+    """``kiln validate ENGINE --reference ...``'s JSON: what the engine was fed, then its validation. What the class
+    logits' agreement counts (``agreement``) is said only beside an agreement measured: a model held to none has no
+    kind of it to claim."""
+    exclude = {"agreement"} if result.top1_agreement is None else None
+    return {"inputs": inputs_record(inputs), **result.model_dump(mode="json", exclude_none=True, exclude=exclude)}
 
 
 def gate_failure_hint(inputs: Path | None, failures: Sequence[str] = ()) -> str:
-    """The fix for a failed gate of a direct validation; on random inputs, real ones come first. Where only outputs
-    with nothing measured failed (:func:`~kiln.stages.validate.measured.nothing_measured`: the reference itself is no
-    number there), inputs the model takes, which neither the engine's precision nor a gate changes."""
+    """The fix for a failed gate of a direct validation; on random inputs, real ones come first (a reference that
+    is no number anywhere on standard normal arrays, a log or square root of negatives, is most likely theirs).
+    Where only outputs with nothing measured failed (:func:`~kiln.stages.validate.measured.nothing_measured`: the
+    reference itself is no number there), inputs the model takes, which neither the engine's precision nor a gate
+    changes."""
     empty = unmeasured(failures)
-    if empty and len(empty) == len(failures):
-        return NO_FINITE_FIX
     relax = "inspect the engine's precision, or relax validate.gates if acceptable"
     if empty:
-        relax = f"{NO_FINITE_FIX}; for the other failures, {relax}"
+        relax = NO_FINITE_FIX if len(empty) == len(failures) else f"{NO_FINITE_FIX}; for the other failures, {relax}"
     if inputs is None:
         return f"these were random inputs: validate on real ones with --inputs data.npz (one array per input); {relax}"
     return relax
@@ -181,8 +184,8 @@ def _decision_note(v: ValidationResult) -> list[str]:
         return []
     return [
         "",
-        f"Decision agree: the class logits are a multi-label head's (float 0/1 targets shaped like them), held to "
-        f"{AGREEMENT_NAMES['decision']}, the share of (sample, label) pairs whose decision is the reference's, by "
+        "Decision agree: the class logits are a multi-label head's (float multi-hot targets shaped like them), held "
+        f"to {AGREEMENT_NAMES['decision']}, the share of (sample, label) pairs whose decision is the reference's, by "
         "`min_top1_agreement`, in place of top-1 agreement (a multi-label head answers by no argmax).",
     ]
 

@@ -1,8 +1,10 @@
 """A multi-label head: logits ``[N, K]`` beside float 0/1 targets shaped like them (binary cross-entropy on the
 logits, ``validate.metric: multilabel_f1``). Each label is a decision of its own, the logit above 0: where the
-logits are class logits (named in ``signature.logits_output``, or ``num_classes`` K in the data) they are held
-to decision agreement, the share of (sample, label) pairs whose decision is the reference's, gated by
-``min_top1_agreement``, in place of the agreement of their argmax, which a multi-label head does not answer by."""
+data declares K labels (``num_classes``) and the logits are class logits (named in ``signature.logits_output``, or
+K wide) they are held to decision agreement, the share of (sample, label) pairs whose decision is the reference's,
+gated by ``min_top1_agreement``, in place of the agreement of their argmax, which a multi-label head does not answer
+by. One-hot rows (exactly one 1 each) are class labels, whose argmax is the class: held to top-1 agreement. Without
+``num_classes``, float 0/1 targets are a regression's, whose threshold is the user's to say."""
 
 from __future__ import annotations
 
@@ -45,18 +47,24 @@ def _near_zero_flipping(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"logits": np.where(_flipped(out), -out, out)}
 
 
-def _reference(num_classes: int, setting: str | None) -> Any:
+def _reference(
+    num_classes: int, setting: str | None, x: np.ndarray = X, targets: np.ndarray = TAGS, run: Any = _run
+) -> Any:
+    """Validation's reference of ``run`` on ``x`` with float ``targets`` (multi-hot by default), the first 64 rows
+    for training and the rest held out."""
     from kiln.stages.validate.stage import reference
 
-    y = torch.from_numpy(TAGS)
-    data = DatasetSplits(torch.from_numpy(X[:64]), y[:64], torch.from_numpy(X[64:]), y[64:], num_classes=num_classes)
+    y, xs = torch.from_numpy(targets), torch.from_numpy(x)
+    data = DatasetSplits(xs[:64], y[:64], xs[64:], y[64:], num_classes=num_classes)
     sig = Signature(logits_output=setting, batch_sizes=[1, 8])
     ctx = SimpleNamespace(config=SimpleNamespace(signature=sig, validate=CheckConfig(), model=ModelConfig()))
     feeds = held_out(data, lambda v: as_feed(v, ["input"]), {}, {}, None)
-    return reference(ctx, data, CheckConfig(metric="multilabel_f1"), _run, feeds, ["logits"], {})
+    metric = "multilabel_f1" if num_classes else None
+    outputs = list(run({"input": x[:1]}))
+    return reference(ctx, data, CheckConfig(metric=metric), run, feeds, outputs, {})
 
 
-@pytest.mark.parametrize(("num_classes", "setting"), [(5, None), (5, "logits"), (0, "logits")])
+@pytest.mark.parametrize(("num_classes", "setting"), [(5, None), (5, "logits")])
 def test_labels_flipped_near_the_threshold_fail_decision_agreement(num_classes: int, setting: str | None) -> None:
     """A few percent of the (sample, label) decisions flip, no row's argmax: decision agreement counts the flips and
     fails INT8's 0.97, where argmax agreement was 1.0 and passed the engine."""
@@ -72,6 +80,66 @@ def test_labels_flipped_near_the_threshold_fail_decision_agreement(num_classes: 
     assert any(f.startswith(said) for f in failures) and not any(f.startswith("top1") for f in failures), failures
     same, none = judged(ref, _run, [1, 8], "int8")
     assert same.top1_agreement == 1.0 and none == []
+
+
+ROWS = RNG.standard_normal((400, 6)).astype(np.float32)  # many rows: the share of close calls is steady
+ONE_HOT = np.eye(5, dtype=np.float32)[(ROWS @ W).argmax(1)]  # one 1 per row: each row's class
+CLOSE = 0.1  # the engine below swaps the two largest logits of the rows whose margin is within this
+
+
+def _close_calls_swapped(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An engine that answers the runner-up class on the rows whose two largest logits lie within ``CLOSE``: their
+    argmax flips, while nearly every logit keeps its side of 0."""
+    z = _run(feed)["logits"].copy()
+    order = np.argsort(-z, 1)
+    rows = np.arange(len(z))
+    top, second = order[:, 0], order[:, 1]
+    close = z[rows, top] - z[rows, second] < CLOSE
+    z[rows[close], top[close]], z[rows[close], second[close]] = (
+        z[rows[close], second[close]],
+        z[rows[close], top[close]],
+    )
+    return {"logits": z}
+
+
+def test_one_hot_rows_are_class_labels_held_to_top1_agreement() -> None:
+    """One-hot float targets with ``num_classes`` 5 and the logits named: an INT8 engine that flips the argmax of
+    the close calls (several percent of the rows) fails top-1 agreement, which their per-label decisions would
+    not see."""
+    ref = _reference(5, "logits", ROWS, ONE_HOT)
+    entry, failures = judged(ref, _close_calls_swapped, [1, 8], "int8")
+    z = ROWS[64:] @ W
+    swapped = (_close_calls_swapped({"input": ROWS[64:]})["logits"].argmax(1) != z.argmax(1)).mean()
+    assert 0.04 < swapped < 0.15
+    assert any(f.startswith("top1_agreement") for f in failures), failures
+    assert entry.top1_agreement == pytest.approx(1 - swapped)
+    assert not ref.multi_label and entry.agreement == "top1"
+
+
+OCCUPANCY = (RNG.random((400, 16)) < 0.3).astype(np.float32)  # 16 cells, each 0/1: a regression's targets
+FIT, OFF = RNG.standard_normal((2, 400, 16)).astype(np.float32)  # the regressor's own error, and an engine's
+CELLS = {float(v): i for i, v in enumerate(ROWS[:, 0])}  # a row's index, by its first input
+
+
+def _occupancy(noise: float) -> Any:
+    """A regressor fit by least squares to :data:`OCCUPANCY`: each value near its 0/1 target, 0.05 off either way;
+    ``noise`` more off, as an engine of a lower precision is."""
+
+    def run(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        i = np.array([CELLS[float(v)] for v in feed["input"][:, 0]])
+        return {"pred": OCCUPANCY[i] + 0.05 * FIT[i] + noise * OFF[i]}
+
+    return run
+
+
+def test_float_0_1_targets_without_num_classes_are_a_regressions_even_where_the_output_is_named() -> None:
+    """An occupancy grid's regressor (``num_classes`` 0, ``signature.logits_output: pred``): its values near 0.5 are
+    no decision of the model's, so an FP16 engine off by 0.01 is judged by cosine and error, not by how many cells
+    cross a threshold."""
+    ref = _reference(0, "pred", ROWS, OCCUPANCY, _occupancy(0.0))
+    entry, failures = judged(ref, _occupancy(0.01), [1, 8], "fp16")
+    assert failures == [] and entry.top1_agreement is None, failures
+    assert ref.logits is None and not ref.multi_label
 
 
 def test_decision_agreement_is_said_where_the_reference_is_made(
