@@ -66,10 +66,11 @@ class CalibrationConfig(Section):
     ort_cpu_scheme: Literal["auto", "static", "dynamic"] = Field(
         "auto",
         description="how that ONNX Runtime CPU graph is quantized. static: calibrated, asymmetric uint8 "
-        "activations (ORT's fastest x86 kernels for convolutions); dynamic: MatMul layers only, "
-        "activation ranges measured per batch at run time, so a sample's output depends "
-        "slightly on its batch mates (ONNX Runtime's advice for Transformers); auto: dynamic "
-        "when the graph has MatMul or Gemm layers and no convolutions, else static",
+        "activations (ORT's fastest x86 kernels for convolutions); dynamic: MatMul/Gemm layers and "
+        "LSTMs (ORT's DynamicQuantizeLSTM; it has no int8 GRU or RNN kernel), activation ranges "
+        "measured per batch at run time, so a sample's output depends slightly on its batch mates "
+        "(ONNX Runtime's advice for Transformers); auto: dynamic when the graph has MatMul, Gemm or "
+        "LSTM layers and no convolutions, else static",
     )
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
@@ -90,7 +91,9 @@ class CalibrationConfig(Section):
     )
     exclude_nodes: list[str] = Field(default_factory=list, description="node names kept in float")
     exclude_op_types: list[str] = Field(
-        default_factory=list, description="op types among op_types kept in float, e.g. [Gemm]"
+        default_factory=list,
+        description="op types among op_types kept in float, e.g. [Gemm]; [LSTM] keeps the LSTMs of the dynamic "
+        "ONNX Runtime CPU graph (ort_cpu_scheme) in float",
     )
     exclude_first_last: bool = Field(
         False, description="keep the first Conv/MatMul/Gemm and the last before each output in float"
@@ -107,7 +110,7 @@ class CalibrationConfig(Section):
     def _dynamic_needs_matmul(self) -> CalibrationConfig:
         if self.ort_cpu_scheme == "dynamic" and ("MatMul" not in self.op_types or "MatMul" in self.exclude_op_types):
             raise ValueError(
-                "ort_cpu_scheme 'dynamic' quantizes MatMul layers only, and MatMul is not among the "
+                "ort_cpu_scheme 'dynamic' quantizes MatMul layers (and LSTMs), and MatMul is not among the "
                 "quantized op types (op_types / exclude_op_types); use 'static' or 'auto'"
             )
         return self

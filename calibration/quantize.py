@@ -119,7 +119,7 @@ def check_exclusions(model: onnx.ModelProto, cfg: CalibrationConfig) -> None:
                 f"'{name}' -> {', '.join(difflib.get_close_matches(name, real, 3, 0))}" for *_, name, real in wrong
             ),
         )
-    idle = [o for o in cfg.exclude_op_types if o not in cfg.op_types]
+    idle = [o for o in cfg.exclude_op_types if o not in cfg.op_types and o not in DYNAMIC_RECURRENT]
     if idle:
         log.warning(
             "calibration.exclude_op_types: %s not in calibration.op_types, so never quantized: the setting keeps "
@@ -149,6 +149,27 @@ def unbounded_quietly(ranges: Ranges) -> AbstractContextManager[Any]:
 
 def quantizable_op_types(cfg: CalibrationConfig) -> list[str]:
     return sorted(set(cfg.op_types) - set(cfg.exclude_op_types))
+
+
+# Recurrent ops ONNX Runtime's dynamic quantization computes in int8: an LSTM, as its DynamicQuantizeLSTM kernel (int8
+# weights, each step's input and hidden state quantized as it runs). It has no int8 kernel for GRU or RNN, which stay
+# float. No runtime computes them in int8 from Q/DQ, so calibration.op_types (the Q/DQ graph's) does not list them.
+DYNAMIC_RECURRENT = ("LSTM",)
+
+
+def dynamic_op_types(cfg: CalibrationConfig) -> list[str]:
+    """The op types the dynamic ONNX Runtime CPU graph quantizes: MatMul (a Gemm too, rewritten into one) and the
+    recurrent ops of :data:`DYNAMIC_RECURRENT` that ``calibration.exclude_op_types`` does not keep in float."""
+    return ["MatMul", *(op for op in DYNAMIC_RECURRENT if op not in cfg.exclude_op_types)]
+
+
+def dynamic_nodes(model: onnx.ModelProto, cfg: CalibrationConfig) -> set[str]:
+    """The nodes the ONNX Runtime CPU graph of ``model`` quantizes beyond ``calibration.op_types`` (its LSTMs, where
+    its scheme is dynamic): candidates of that graph's precision fallback too, which may keep them in float."""
+    if ort_cpu_scheme(model, cfg) != "dynamic":
+        return set()
+    extra = set(dynamic_op_types(cfg)) - {"MatMul"}
+    return {n.name for n in model.graph.node if n.op_type in extra}
 
 
 PER_CHANNEL_OPSET = 13  # DequantizeLinear's ``axis``: one scale per channel
@@ -445,12 +466,13 @@ def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:
     """``cfg.ort_cpu_scheme`` with ``auto`` resolved: ONNX Runtime's quantization guide recommends dynamic
     quantization for Transformer-style graphs and static for CNNs. On a Transformer, dynamic wins on CPU
     because ORT fuses each quantized MatMul with its bias into one DynamicQuantizeMatMul kernel, while the
-    static graph adds Q/DQ nodes on every activation (measured in benchmarks/precision_bench.py).
-    Dynamic quantizes MatMul layers only, so it needs MatMul among the quantized op types."""
+    static graph adds Q/DQ nodes on every activation (measured in benchmarks/precision_bench.py). A recurrent
+    graph (an LSTM's) is dynamic too: only dynamic quantization computes an LSTM in int8 (:data:`DYNAMIC_RECURRENT`).
+    Dynamic quantizes MatMul layers and LSTMs, so it needs MatMul among the quantized op types."""
     if cfg.ort_cpu_scheme != "auto":
         return cfg.ort_cpu_scheme  # the config refuses "dynamic" without MatMul among the quantized op types
     ops = {n.op_type for n in model.graph.node}
-    transformer_like = bool(ops & {"MatMul", "Gemm"}) and not ops & {"Conv", "ConvTranspose"}
+    transformer_like = bool(ops & {"MatMul", "Gemm", *DYNAMIC_RECURRENT}) and not ops & {"Conv", "ConvTranspose"}
     return "dynamic" if transformer_like and "MatMul" in quantizable_op_types(cfg) else "static"
 
 
@@ -459,7 +481,8 @@ def quantize_int8_dynamic(
 ) -> dict[str, Any]:
     """ONNX Runtime CPU graph with int8 weights and run-time (per batch) uint8 activation scales: needs no
     calibration ranges. Float-kept nodes as in the Q/DQ graph; unlike it, MatMuls of two activations (q k^T,
-    attention x v) stay float too (ORT's MatMulConstBOnly default for dynamic quantization)."""
+    attention x v) stay float too (ORT's MatMulConstBOnly default for dynamic quantization), and LSTMs are
+    quantized (:func:`dynamic_op_types`: ORT's DynamicQuantizeLSTM)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     model = onnx.load(str(model_path), load_external_data=False)
@@ -476,7 +499,7 @@ def quantize_int8_dynamic(
         quantize_dynamic(
             str(model_path),
             str(out_path),
-            op_types_to_quantize=["MatMul"],  # never empty: ORT reads an empty list as "every op it can"
+            op_types_to_quantize=dynamic_op_types(cfg),  # never empty: ORT reads an empty list as "every op it can"
             per_channel=cfg.per_channel,
             weight_type=QuantType.QInt8,  # u8 activations x s8 weights: the VNNI / AVX2 kernel pairing
             reduce_range=seven_bits,
@@ -491,31 +514,36 @@ def quantize_int8_dynamic(
         ) from None
     q = onnx.load(str(out_path), load_external_data=False)
     integer = sum(n.op_type == "MatMulInteger" for n in q.graph.node)
-    if integer == 0 and model_path not in _SAID_FLOAT:
+    lstms = sum(n.op_type == "DynamicQuantizeLSTM" for n in q.graph.node)
+    if integer + lstms == 0 and model_path not in _SAID_FLOAT:
         _SAID_FLOAT.add(model_path)  # once per graph: the precision fallback quantizes it again each round
         log.warning(
-            "int8 dynamic: no MatMul was quantized: %s; the ONNX Runtime CPU INT8 graph is float",
+            "int8 dynamic: no MatMul or LSTM was quantized: %s; the ONNX Runtime CPU INT8 graph is float",
             _why_float(model, exclude, ops),
         )
-    log.info("int8 dynamic: %d integer MatMuls, %d nodes kept in float", integer, len(exclude))
-    return {"integer_matmuls": integer, "excluded": sorted(exclude), "reduce_range": seven_bits}
+    log.info("int8 dynamic: %d integer MatMuls, %d integer LSTMs, %d nodes kept in float", integer, lstms, len(exclude))
+    return {"integer_matmuls": integer, "integer_lstms": lstms, "excluded": sorted(exclude), "reduce_range": seven_bits}
 
 
 _SAID_FLOAT: set[Path] = set()
 
 
 def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str:
-    """Why dynamic quantization left every MatMul float, with what to do: it quantizes only a MatMul or Gemm whose
-    second input is a stored weight, and none of a graph whose compute is elsewhere (an LSTM); ``exclude`` keeps
-    some in float (a Gemm by its rewritten ``<name>_MatMul`` where Gemm is not among ``ops``, the quantized op types);
-    an exported graph that reaches its weights through Transpose or Mul nodes has none until constant folding
-    (``kiln optimize``, which the pipeline runs before this stage) makes them stored weights."""
+    """Why dynamic quantization left every MatMul and LSTM float, with what to do: it quantizes only a MatMul or
+    Gemm whose second input is a stored weight, and LSTMs, none of a graph whose compute is elsewhere (a GRU, a
+    convolution); ``exclude`` keeps some in float (a Gemm by its rewritten ``<name>_MatMul`` where Gemm is not among
+    ``ops``, the quantized op types); an exported graph that reaches its weights through Transpose or Mul nodes has
+    none until constant folding (``kiln optimize``, which the pipeline runs before this stage) makes them stored
+    weights."""
     stored = {t.name for t in model.graph.initializer}
     layers = [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
     if not layers:
         compute = sorted({n.op_type for n in model.graph.node if n.op_type in FLOAT_COMPUTE})
-        where = f": its compute is in {', '.join(compute)}, which dynamic quantization leaves in float"
-        where = where if compute else ""
+        where = (
+            f": its compute is in {', '.join(compute)}, which dynamic quantization leaves in float" if compute else ""
+        )
+        if {n.op_type for n in model.graph.node} & set(DYNAMIC_RECURRENT):
+            where += f"{';' if where else ':'} its LSTMs are kept in float (calibration.exclude_*, or the fallback)"
         fix = (
             "calibration.ort_cpu_scheme: static quantizes its convolutions"
             if {"Conv", "ConvTranspose"} & set(compute)
@@ -544,8 +572,9 @@ def _why_float(model: onnx.ModelProto, exclude: set[str], ops: list[str]) -> str
     return f"its {len(weighted)} MatMul/Gemm layers with stored weights are all kept in float: {'; '.join(said)}"
 
 
-# compute ops dynamic quantization (op_types_to_quantize=["MatMul"]) leaves as they are
-FLOAT_COMPUTE = {"Conv", "ConvTranspose", "LSTM", "GRU", "RNN", "Einsum", "DFT", "STFT", "Attention"}
+# compute ops dynamic quantization (op_types_to_quantize: MatMul, LSTM) leaves as they are: ONNX Runtime has no
+# dynamic int8 kernel for a GRU or an RNN
+FLOAT_COMPUTE = {"Conv", "ConvTranspose", "GRU", "RNN", "Einsum", "DFT", "STFT", "Attention"}
 
 
 def _folds_to_weight(name: str, producer: dict[str, onnx.NodeProto], stored: set[str]) -> bool:

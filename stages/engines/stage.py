@@ -579,7 +579,9 @@ def variant_source(src: Path, backend: str, device: str) -> tuple[Path, str | No
     """The graph to build for this backend and device, and the precision it was made for, where ``src`` is a variant
     of ``kiln precision`` (its folder, or one of its graphs, beside ``variants.json``); else ``src`` as it is. A
     variant may hold a graph made for one engine kind (ONNX Runtime CPU's INT8): given the folder, that graph is
-    built; given another of its graphs for that engine kind, a warning names the one made for it."""
+    built; given another of its graphs for that engine kind, a warning names the one made for it. A variant not made
+    (listed ``unmade``, or a folder beside ``variants.json`` that it does not list) is refused: the graph it keeps is
+    for inspection, and built as it is, it would be labelled by what it computes in, its failure unsaid."""
     folder = src if src.is_dir() else src.parent
     listing = folder.parent / "variants.json"
     if not listing.is_file():
@@ -616,7 +618,12 @@ def variant_source(src: Path, backend: str, device: str) -> tuple[Path, str | No
                 folder,
             )
         return src, name
-    return (src / "model.onnx" if src.is_dir() else src), None
+    made = ", ".join(n for n, v in variants.items() if not v.unmade or v.backend_paths)
+    raise ConfigError(
+        f"{src}: {listing} lists no variant in {folder.name}/: kiln precision did not make it (a variant it did not "
+        "make may keep its graph there for inspection, not for engines)",
+        hint=f"build a variant {listing.name} lists ({made}), or rerun kiln precision for this one",
+    )
 
 
 def refuse_foreign_folder(out: Path) -> None:

@@ -2,7 +2,7 @@
 shape inference at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
 or an integer op is INT8, one on FP16 tensors FP16, the rest FP32. An op no runtime computes in integers from Q/DQ
 (LSTM/GRU/RNN, DFT/STFT: :data:`FLOAT_ONLY`) is FP32 behind a DequantizeLinear too: it runs on the dequantized
-values.
+values; ONNX Runtime's dynamic quantization computes an LSTM in integers (DynamicQuantizeLSTM: INT8).
 
 The compute nodes, each counted by a standard formula from its shapes: MatMul, Gemm, Conv, ConvTranspose,
 DeformConv and their fused and integer forms (2 x multiply-adds); LSTM, GRU and RNN (their gates' GEMMs at every
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import log2, prod
 from pathlib import Path
@@ -153,7 +154,8 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
     m = load_onnx(model, load_external_data=False) if isinstance(model, Path) else model
     light, _ = light_model(m)
     used = _pin(light, sizes or {})
-    m = infer_shapes(light, strict=False)  # recorded symbolic shapes dropped: inferred at the pinned sizes
+    with _shaped_as_lstm(light):
+        m = infer_shapes(light, strict=False)  # recorded symbolic shapes dropped: inferred at the pinned sizes
     shapes = _shapes(m)
     scalars, opset = _scalars(m.graph), _opset(m)
     compute = [n for n in m.graph.node if _is_compute(n)]
@@ -186,6 +188,23 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
             if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in weights:
                 out.weight_flops += flops
     return out
+
+
+@contextmanager
+def _shaped_as_lstm(model: onnx.ModelProto) -> Iterator[None]:
+    """ONNX Runtime's DynamicQuantizeLSTM nodes of ``model`` shown to onnx's shape inference, which has no rule for
+    them, as the LSTM each computes (its first eight inputs are an LSTM's, its outputs are shaped alike), and put
+    back after: the nodes after one (a second layer's LSTM, the head) then have shapes, and their FLOPs count."""
+    swapped = [(node, onnx.NodeProto()) for node in model.graph.node if node.op_type == "DynamicQuantizeLSTM"]
+    for node, kept in swapped:
+        kept.CopyFrom(node)
+        node.op_type, node.domain = "LSTM", ""
+        del node.input[8:]
+    try:
+        yield
+    finally:
+        for node, kept in swapped:
+            node.CopyFrom(kept)
 
 
 def compute_precisions(model: onnx.ModelProto | Path) -> Counter[str]:

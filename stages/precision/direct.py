@@ -8,7 +8,9 @@ data is calibrated at its own sizes and, one batch each, at every other shape of
 takes those sizes, so none of them goes unjudged.
 
 A variant that fails does not take the others with it: those made are written, and the summary carries the error
-the command ends with (:func:`missing_error`). Only when none of the variants asked for is made is nothing written.
+the command ends with (:func:`missing_error`). One whose graph is too little in its precision keeps that graph for
+inspection, listed in ``variants.json`` as not made (``unmade``), as a run lists it, so ``kiln build`` refuses it.
+Only when none of the variants asked for is made is nothing written.
 """
 
 from __future__ import annotations
@@ -92,21 +94,22 @@ def precision_direct(
         built, failed = build_variants(
             source_graph, out, wanted, pcfg, ccfg, check, SilentProgress(), log, sizes, variants, off
         )
-    for name, entry in list(built.items()):  # no graph of it any engine can read: not made, here
+    for name, entry in built.items():  # no graph of it any engine can read: not made, here
         if entry.get("unmade") and not entry.get("backend_paths"):
             failed[name] = ModelError(entry["unmade"], hint=entry.get("unmade_hint", TOO_LITTLE_HINT))
-            del built[name]
-    if not set(variants) & set(built):  # none of those asked for: the FP32 copy alone is no answer
+    made = [k for k in built if k not in failed]
+    if not set(variants) & set(made):  # none of those asked for: the FP32 copy alone is no answer
         raise ModelError(
             "precision variants failed: " + "; ".join(f"{p}: {e.message}" for p, e in failed.items()),
             hint=failure_hint(failed, "or drop the variant from --variants"),
         )
+    # listed as not made, as a run lists it: `kiln build` refuses the graph its folder keeps for inspection
     Variants(variants={k: variant_record(v) for k, v in built.items()}, axis_sizes=sizes).write(out / "variants.json")
     return {
         "calibration": source,
-        "variants": {k: _shown(out, v) for k, v in built.items()},
+        "variants": {k: _shown(out, built[k]) for k in made},
         "failed": {k: e.message for k, e in failed.items()},
-        "missing": missing_error(failed, list(built)),
+        "missing": missing_error(failed, made),
     }
 
 
@@ -160,17 +163,16 @@ def missing_error(failed: dict[str, KilnError], made: list[str]) -> ModelError |
 
 
 def _shown(out: Path, entry: dict[str, Any]) -> dict[str, Any]:
-    """A made variant as the command reports it: the graph its engines run, and for a variant whose Q/DQ graph
-    missed the gates, the one backend whose own graph passed (only its engines are built)."""
+    """A made variant as the command reports it: the graph its engines run, its nodes kept in float and its
+    accuracy, and for a variant whose Q/DQ graph was not made, the one backend whose own graph was (only its engines
+    are built)."""
     only = entry.get("backend_paths") if entry.get("unmade") else None
-    path, kept = (
-        (next(iter(only.values())), entry["ort_cpu"]["kept_fp32"]) if only else (entry["path"], entry["kept_fp32"])
-    )
+    graph = entry["ort_cpu"] if only else entry
     return {
-        "path": str(out / path),
-        "kept_fp32": len(kept),
+        "path": str(out / (next(iter(only.values())) if only else entry["path"])),
+        "kept_fp32": len(graph["kept_fp32"]),
         "only": next(iter(only)) if only else None,
-        **(entry.get("vs_fp32") or {}),
+        **(graph.get("vs_fp32") or {}),
     }
 
 

@@ -22,7 +22,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import Batch, calibration_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
-from kiln.calibration.quantize import check_exclusions, quantizable_op_types
+from kiln.calibration.quantize import DYNAMIC_RECURRENT, check_exclusions, quantizable_op_types
 from kiln.core.data import DatasetSplits, feed_for_graph, fixed_columns, integer_ranges, rows, take
 from kiln.core.errors import KilnError, ModelError
 from kiln.core.onnx_io import index_ranges, io_specs, load_onnx
@@ -35,7 +35,7 @@ from kiln.core.text import fmt
 from kiln.models.model_io import on_random_inputs, torch_model_named
 from kiln.stages.accuracy.check import held_out, held_out_reference, own_point
 from kiln.stages.accuracy.refusal import refusing
-from kiln.stages.precision.audit import FLOAT_ONLY, MIN_SHARE, Audit, audit_graph
+from kiln.stages.precision.audit import FLOAT_ONLY, MIN_SHARE, RECURRENT, Audit, audit_graph
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import PrecisionConfig
 from kiln.stages.precision.declaration import PrecisionSettings, PrecisionSummary
@@ -300,7 +300,8 @@ def mark_too_little(
 def too_little(audit: Audit, precision: str, kept: list[str], quantized: Collection[str]) -> tuple[str, str]:
     """Why a graph computes little in ``precision``, and the fix: the ``kept`` nodes (the fallback's and
     calibration.exclude_*'s) where they hold most of the FLOPs left in float, else the op types that do, said as
-    ops no runtime computes in integers from Q/DQ (:data:`FLOAT_ONLY`: an LSTM), ops outside ``quantized``
+    ops no runtime computes in integers from Q/DQ (:data:`FLOAT_ONLY`: a GRU; an LSTM, which ONNX Runtime CPU's
+    dynamically quantized graph computes in INT8: :data:`DYNAMIC_RECURRENT`), ops outside ``quantized``
     (calibration.op_types), or ops the quantizer left in float."""
     held, by_op = audit.elsewhere(precision, kept)
     kept_said = f"{len(kept)} nodes kept in float to pass the gates"
@@ -312,21 +313,42 @@ def too_little(audit: Audit, precision: str, kept: list[str], quantized: Collect
     never = [op for op in ops if lowbit and op in FLOAT_ONLY]
     left_out = [op for op in ops if lowbit and quantized and op not in FLOAT_ONLY and op not in quantized]
     said = [f"{kept_said}; the FLOPs outside {precision} are in {carry}"]
-    fixes = []
-    if never:
-        said.append(
-            f"no runtime computes {'/'.join(never)} in {precision} from Q/DQ (quantized, it runs on the dequantized "
-            "values in float)"
-        )
+    said_never, fixes, nowhere = _no_qdq_kernel(never, precision) if never else ([], [], [])
+    said += said_never
     if left_out:
         said.append(f"{'/'.join(left_out)} {'is' if len(left_out) == 1 else 'are'} not in calibration.op_types")
         fixes.append(f"add {', '.join(left_out)} to calibration.op_types")
-    if never or not left_out:
+    if nowhere or not (left_out or fixes):
         fixes.append(
-            f"drop {precision} from precision.variants for this model: {'/'.join(never or ops[:2])} "
-            f"cannot run in {precision}" + (" (fp16 keeps it in low precision)" if lowbit else "")
+            f"drop {precision} from precision.variants for this model: {'/'.join(nowhere or ops[:2])} "
+            f"cannot run in {precision}" + (" (on a GPU backend, fp16 keeps it in low precision)" if lowbit else "")
         )
     return "; ".join(said), "; or ".join(fixes)
+
+
+def _no_qdq_kernel(never: list[str], precision: str) -> tuple[list[str], list[str], list[str]]:
+    """What is said of ``never``, the ops of :data:`FLOAT_ONLY` that carry FLOPs outside ``precision``, the fixes
+    there are, and those of them no runtime computes in ``precision`` at all: ONNX Runtime CPU's own INT8 graph,
+    dynamically quantized, computes an LSTM in INT8 (:data:`DYNAMIC_RECURRENT`); nothing computes a GRU, an RNN or
+    a DFT in INT8."""
+    dynamic = [op for op in never if precision == "int8" and op in DYNAMIC_RECURRENT]
+    nowhere = [op for op in never if op not in dynamic]
+    said = [
+        f"no runtime computes {'/'.join(never)} in {precision} from Q/DQ (quantized, it runs on the dequantized "
+        "values in float)"
+    ]
+    if precision == "int8" and set(nowhere) & RECURRENT:
+        said.append("nor through ONNX Runtime's dynamic quantization, whose one int8 recurrent kernel is LSTM's")
+    if dynamic:
+        said.append(f"ONNX Runtime CPU computes {'/'.join(dynamic)} in int8 through dynamic quantization only")
+    return said, [DYNAMIC_HINT.format(ops="/".join(dynamic))] if dynamic else [], nowhere
+
+
+DYNAMIC_HINT = (
+    "ONNX Runtime CPU engines run {ops} in int8 from their own graph, dynamically quantized (DynamicQuantizeLSTM: "
+    "calibration.ort_cpu_graph true, calibration.ort_cpu_scheme auto or dynamic, {ops} not in "
+    "calibration.exclude_op_types); for other backends drop int8 from precision.variants for this model"
+)
 
 
 def _why(label: str, fallback: dict[str, Any]) -> str:

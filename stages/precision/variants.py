@@ -17,6 +17,7 @@ from kiln.calibration.config import CalibrationConfig
 from kiln.calibration.data import Batch
 from kiln.calibration.quantize import (
     PER_CHANNEL_OPSET,
+    dynamic_nodes,
     excluded_nodes,
     first_last_compute,
     ort_cpu_scheme,
@@ -173,7 +174,8 @@ def _build_int8(
         # from the nodes the Q/DQ graph kept in float where it passed; from the base alone where it did not (its
         # fallback may have kept every node, and this graph, of another scheme, may need none of them)
         inherited = {n: f"kept in the Q/DQ graph ({why})" for n, why in res.kept.items()} if res.passed else {}
-        entry["ort_cpu"] = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, candidates)
+        cpu_candidates = candidates | (dynamic_nodes(src.model, ccfg) - set(base))  # its LSTMs, where dynamic
+        entry["ort_cpu"] = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, cpu_candidates)
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
         table = write_trt_table(ranges.amax(), out.parent / "calibration.cache")
@@ -340,7 +342,8 @@ def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_flo
     scheme = ort_cpu_scheme(src.model, ccfg)
     if scheme == "dynamic":
         info = quantize_int8_dynamic(src.path, out, ccfg, keep_float)
-        return {"scheme": scheme, "integer_matmuls": info["integer_matmuls"], "reduce_range": info["reduce_range"]}
+        kept = ("integer_matmuls", "integer_lstms", "reduce_range")
+        return {"scheme": scheme, **{k: info[k] for k in kept}}
     ort_cfg = ccfg.model_copy(update={"activation_type": "uint8", "symmetric_activations": False})
     info = quantize_int8(src.path, out, src.ranges(ccfg.method, ort_cfg), ort_cfg, keep_float)
     return {"scheme": scheme, "qdq_nodes": info["qdq_nodes"], "reduce_range": info["reduce_range"]}

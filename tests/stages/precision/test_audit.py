@@ -4,6 +4,7 @@ graph contradicts."""
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -320,3 +321,20 @@ def test_a_recurrent_layer_on_dequantized_weights_computes_in_float(op: str, gat
     kept, by_op = a.elsewhere("int8")
     assert kept == 0 and list(by_op) == [op]
     assert a.elsewhere("int8", kept=["rnn"]) == (a.flops["fp32"], Counter())
+
+
+def test_dynamically_quantized_lstm_layers_count_in_int8(tmp_path: Path) -> None:
+    """ONNX Runtime's dynamic quantization of a 2-layer LSTM classifier writes DynamicQuantizeLSTM nodes, which
+    onnx's shape inference has no rule for: each is INT8, and every node after the first (the second layer, the
+    head) is counted too, at the FLOPs of the FP32 graph."""
+    from onnxruntime.quantization import quantize_dynamic
+    from torch import nn
+
+    from tests.stages.precision.rnn_graphs import SEQ, rnn_classifier
+
+    fp32, int8 = rnn_classifier(tmp_path / "lstm.onnx", nn.LSTM), tmp_path / "int8.onnx"
+    quantize_dynamic(str(fp32), str(int8), op_types_to_quantize=["LSTM", "MatMul"])
+    assert [n.op_type for n in onnx.load(int8).graph.node].count("DynamicQuantizeLSTM") == 2
+    float_audit, a = audit_graph(fp32, {"seq": SEQ}), audit_graph(int8, {"seq": SEQ})
+    assert a.flops == {"int8": float_audit.total} and not a.uncounted
+    assert a.nodes == {"int8": 3} and a.label() == "int8"

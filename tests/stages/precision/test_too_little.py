@@ -1,6 +1,7 @@
 """A variant with too little of its compute in its precision is not made, said with the cause: the nodes the
 fallback kept in float, or the op types that carry the FLOPs and are not quantized (an LSTM, which no runtime
-computes in INT8 from Q/DQ; an op type left out of calibration.op_types), each with a fix that applies."""
+computes in INT8 from Q/DQ but ONNX Runtime CPU's dynamic graph does; a GRU, which nothing does; an op type left out
+of calibration.op_types), each with a fix that applies."""
 
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ def qdq_head(inits: list[onnx.TensorProto], nodes: list[onnx.NodeProto], x: str,
     ]
 
 
-def lstm_then_head(path: Path, hidden: int = 16) -> None:
-    """A float LSTM over [batch, seq, 3] (LSTM is not among the quantized op types), then an INT8 head."""
+def lstm_then_head(path: Path, hidden: int = 16, op: str = "LSTM") -> None:
+    """A float LSTM (or GRU: ``op``) over [batch, seq, 3] (not among the quantized op types), then an INT8 head."""
+    gates = {"LSTM": 4, "GRU": 3}[op]
     inits = [
-        numpy_helper.from_array(np.ones((1, 4 * hidden, 3), np.float32), "w"),
-        numpy_helper.from_array(np.ones((1, 4 * hidden, hidden), np.float32), "r"),
+        numpy_helper.from_array(np.ones((1, gates * hidden, 3), np.float32), "w"),
+        numpy_helper.from_array(np.ones((1, gates * hidden, hidden), np.float32), "r"),
         numpy_helper.from_array(np.array([1], np.int64), "dirs"),
     ]
     nodes = [
-        helper.make_node("LSTM", ["x", "w", "r"], ["", "h"], name="lstm", hidden_size=hidden, layout=1),
+        helper.make_node(op, ["x", "w", "r"], ["", "h"], name="lstm", hidden_size=hidden, layout=1),
         helper.make_node("Squeeze", ["h", "dirs"], ["h2"]),
     ]
     qdq_head(inits, nodes, "h2", hidden)
@@ -60,15 +62,33 @@ def _entry(kept: list[str] | None = None) -> dict:
     return {"path": "int8/model.onnx", "kept_fp32": kept or [], "reasons": {}, "fallback": {"passed": True}}
 
 
-def test_an_lstm_int8_cannot_reach_is_named_not_the_gates(tmp_path: Path) -> None:
+def test_an_lstm_the_qdq_graph_cannot_reach_is_named_with_onnx_runtime_cpus_dynamic_int8(tmp_path: Path) -> None:
+    """An LSTM computes in float from Q/DQ, but ONNX Runtime CPU's dynamically quantized graph runs it in INT8
+    (DynamicQuantizeLSTM): the fix says so, not that it cannot run in INT8."""
     lstm_then_head(tmp_path / "int8" / "model.onnx")
     entry = _entry()
     mark_too_little("int8", entry, tmp_path, {"seq": 24}, OP_TYPES)
     assert "0 nodes kept in float" in entry["unmade"] and "in LSTM 100%" in entry["unmade"]
     assert "no runtime computes LSTM in int8 from Q/DQ" in entry["unmade"]
+    assert "ONNX Runtime CPU computes LSTM in int8 through dynamic quantization only" in entry["unmade"]
     hint = entry["unmade_hint"]
-    assert "drop int8 from precision.variants for this model: LSTM cannot run in int8" in hint
-    assert "loosen" not in hint and "calibration.op_types" not in hint
+    assert hint.startswith("ONNX Runtime CPU engines run LSTM in int8 from their own graph, dynamically quantized")
+    assert "for other backends drop int8 from precision.variants" in hint
+    assert "cannot run" not in hint and "fp16" not in hint and "loosen" not in hint
+
+
+def test_a_gru_no_runtime_computes_in_int8_is_said_so_without_a_cpu_fp16_fix(tmp_path: Path) -> None:
+    """ONNX Runtime's dynamic quantization has no int8 GRU kernel: drop int8, and fp16 only on a GPU backend (the
+    CPU builds no FP16 engine)."""
+    lstm_then_head(tmp_path / "int8" / "model.onnx", op="GRU")
+    entry = _entry()
+    mark_too_little("int8", entry, tmp_path, {"seq": 24}, OP_TYPES)
+    assert "no runtime computes GRU in int8 from Q/DQ" in entry["unmade"]
+    assert "nor through ONNX Runtime's dynamic quantization" in entry["unmade"]
+    assert entry["unmade_hint"] == (
+        "drop int8 from precision.variants for this model: GRU cannot run in int8 (on a GPU backend, fp16 keeps it "
+        "in low precision)"
+    )
 
 
 def test_an_op_type_left_out_of_calibration_is_named_with_the_setting(tmp_path: Path) -> None:
