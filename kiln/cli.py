@@ -915,7 +915,9 @@ def _precision_direct(
         summary = precision_direct(Path(file), staged, wanted, Path(calibration) if calibration else None, settings)
     for name, v in summary["variants"].items():
         shown = out / Path(v["path"]).relative_to(staged)
-        only = f"; for {v['only']} engines only, its Q/DQ graph missed the gates" if v["only"] else ""
+        only = (
+            f"; for {v['only']} engines only, its Q/DQ graph was not made (variants.json says why)" if v["only"] else ""
+        )
         results.print(f"{name}: {shown} ({v['kept_fp32']} nodes kept FP32{only})", highlight=False, soft_wrap=True)
     checked = "calibrated" if set(wanted) & {"int8", "fp8"} else "checked"  # FP16 takes no calibration
     results.print(
