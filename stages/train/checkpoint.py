@@ -11,6 +11,8 @@ import hashlib
 import io
 import json
 import logging
+import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -152,10 +154,12 @@ def find_resume(
     key: str,
     sources: dict[str, Any] | None = None,
     settings: dict[str, Any] | None = None,
+    outputs: Path | None = None,
 ) -> Path | None:
     """The checkpoint to resume from: an explicit path, or (auto) an unfinished run of the same key trained from
     the same ``sources`` (:func:`changed_sources`; None: not compared), or a finished one whose train ``settings``
-    differ from these in :data:`NOTES_ONLY` alone (:func:`notes_only_changed`)."""
+    differ from these in :data:`NOTES_ONLY` alone (:func:`notes_only_changed`) or whose stage ``outputs`` folder
+    does not hold what it trained (:func:`outputs_written`: stopped before the stage wrote them)."""
     if setting == "never":
         return None
     if setting != "auto":
@@ -169,8 +173,8 @@ def find_resume(
     if not last.is_file() or info.get("run_key") != key:
         _say_interrupted_beside(ckpt_dir)
         return None  # nothing or another config's: start fresh
-    if info.get("complete") and not notes_only_changed(info, settings):
-        return None  # a finished run asked for again (forced, or its outputs gone): train afresh
+    if info.get("complete") and not notes_only_changed(info, settings) and outputs_written(info, outputs):
+        return None  # a finished run whose outputs were written, asked for again (forced): train afresh
     why = changed_sources(info.get("sources"), sources)
     if why:
         log.warning("not resuming the interrupted run in %s: %s; training afresh", last, why)
@@ -203,6 +207,44 @@ def notes_only_changed(info: dict[str, Any], settings: dict[str, Any] | None) ->
     if settings is None or info.get("settings") != settings_digest(settings):
         return False
     return {k: info.get("notes", {}).get(k) for k in NOTES_ONLY} != {k: settings.get(k) for k in NOTES_ONLY}
+
+
+def taken_because(ckpt_dir: Path, settings: dict[str, Any]) -> str:
+    """Why the finished run in ``ckpt_dir`` is taken rather than trained again, in words for the log."""
+    if notes_only_changed(_read_info(ckpt_dir), settings):
+        return "its settings differ in " + ", ".join(f"train.{k}" for k in NOTES_ONLY) + " alone"
+    return "it was stopped after its last checkpoint, before its outputs were written"
+
+
+def outputs_folder(out_dir: Path | None) -> Path | None:
+    """The stage folder that the runner's staging folder ``out_dir`` (``.train.staging-<pid>-<hex>``, see
+    :func:`kiln.core.ownership.temp_name`) becomes; None for any other folder: not run by the pipeline runner."""
+    found = re.fullmatch(r"\.(.+)\.staging-\d+-[0-9a-f]{8}", out_dir.name) if out_dir is not None else None
+    return out_dir.parent / found[1] if found else None
+
+
+def history_digest(epochs: Any) -> str:
+    """Hash of a run's per-epoch metrics (timings included: one run's alone), NaN/Inf as null like the manifest."""
+    clean = [
+        {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}
+        for m in epochs or []
+        if isinstance(m, dict)
+    ]
+    return hash_json(clean)[:16]
+
+
+def outputs_written(info: dict[str, Any], outputs: Path | None) -> bool:
+    """Whether the stage folder ``outputs`` holds what the finished run of ``info`` (last.json) trained: its
+    manifest records that run's epochs. Only then is a run of equal settings asked for again (``--force``, or
+    ``kiln train``); otherwise it was stopped before writing them and its checkpoint gives them without training.
+    True where this cannot be told (no ``outputs`` folder known, a last.json that records no history)."""
+    if outputs is None or "history" not in info:
+        return True
+    try:
+        summary = json.loads((outputs / "manifest.json").read_text())["summary"]
+        return history_digest(summary["epochs"]) == info["history"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def run_info(key: str, settings: dict[str, Any], **state: Any) -> dict[str, Any]:

@@ -106,11 +106,14 @@ WORKER_LINE = re.compile(r"\[rank \d+\] (WARNING|ERROR|CRITICAL) (kiln[\w.]*): (
 
 def relay(line: str, log: logging.Logger, said: set[str]) -> None:
     """One line of torchrun's output into this process's log: a worker's warning as a warning, said once however
-    many ranks say it (``said``: the messages said so far), everything else (torchrun's own output, the workers'
-    info) at info level, which -v shows."""
+    many ranks say it (``said``: the messages said so far; the other ranks' lines of it at debug level, -vv),
+    everything else (torchrun's own output, the workers' info) at info level, which -v shows."""
     found = WORKER_LINE.fullmatch(line)
-    if found is None or found.group(3) in said:
+    if found is None:
         log.info("[torchrun] %s", line)
+        return
+    if found.group(3) in said:
+        log.debug("[torchrun] %s", line)
         return
     said.add(found.group(3))
     log.warning("%s (from the torchrun workers)", found.group(3))

@@ -29,6 +29,7 @@ from torch import nn
 
 from kiln.core.data import DatasetSplits, Inputs, call, rebuild, rows, take, tensors
 from kiln.core.errors import InputFileError, TrainingError
+from kiln.core.outputs import flatten_outputs
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.text import fmt
 from kiln.core.user_errors import running_user_code
@@ -125,6 +126,29 @@ def evaluate_loss_acc(
     return sums[1] / max(1.0, sums[2]), (None if correct is None else sums[0] / max(1.0, sums[3]))
 
 
+def outputs_finite(
+    model: nn.Module,
+    x: Inputs,
+    device: torch.device,
+    env: DistEnv = DistEnv(),
+    batch: int = 256,
+    forward: Callable[..., Any] | None = None,
+) -> bool:
+    """Whether ``model`` (run by ``forward``) answers this process's share of the held-out inputs ``x`` (as
+    :func:`evaluate_loss_acc` takes it) with finite outputs only: tells a NaN of the model from one of the loss."""
+    was_training = model.training
+    model.eval()
+    x = take(x, slice(env.rank, None, env.world_size))
+    finite = True
+    with torch.no_grad():
+        for i in range(0, rows(x), batch):
+            xb = take(x, slice(i, i + batch))
+            out = flatten_outputs(call(forward or model, rebuild(xb, [t.to(device) for t in tensors(xb)])))
+            finite = finite and all(bool(torch.isfinite(t).all()) for t in out.values() if t.is_floating_point())
+    model.train(was_training)
+    return finite
+
+
 def evaluate(model: nn.Module, x: Inputs, y: torch.Tensor, device: torch.device, batch: int = 256) -> float | None:
     return evaluate_loss_acc(model, x, y, device, batch=batch)[1]
 
@@ -164,7 +188,10 @@ def train(
         torch.manual_seed(seed)
         model.to(device).train()
         norms = stack.enter_context(fp32_norms(model, device, precision, cfg.amp.fp32_norms))
-        trainer = _Trainer(model, data, cfg, seed, env, device, precision, ckpt_dir, run_key, on_step, task, sources)
+        outputs = ckpt.outputs_folder(out_dir)
+        trainer = _Trainer(
+            model, data, cfg, seed, env, device, precision, ckpt_dir, run_key, on_step, task, sources, outputs
+        )
         trainer.result.fp32_norms = norms
         prof = stack.enter_context(profiler(cfg.profile_steps, device, out_dir if env.is_main else None))
         trainer.run(progress or SilentProgress(), prof)
@@ -206,6 +233,7 @@ class _Trainer:
         on_step: StepHook | None,
         task: Task = CLASSIFY,
         sources: dict[str, Any] | None = None,
+        outputs: Path | None = None,
     ) -> None:
         self.model, self.data, self.cfg, self.env, self.device = model, data, cfg, env, device
         self.precision, self.ckpt_dir, self.run_key, self.on_step = precision, ckpt_dir, run_key, on_step
@@ -236,7 +264,8 @@ class _Trainer:
         self.best_tie_loss: float | None = None  # the best epoch's validation loss: breaks validation accuracy ties
         self.acc: dict[str, float] = {}  # running sums of the current epoch (this process's share)
         self.settings = cfg.model_dump(mode="json")  # recorded in last.json (checkpoint.run_info)
-        self.finished = False  # a finished run taken whole: nothing to train (checkpoint.notes_only_changed)
+        self.finished = False  # a finished run taken whole: nothing to train (checkpoint.find_resume)
+        self.outputs = outputs  # the stage folder the outputs go to (checkpoint.outputs_written)
         self._maybe_resume()
         self.ddp = wrap_ddp(model, env, cfg.distributed, device)  # after loading: DDP broadcasts rank 0's weights
         # What the steps call: torch.compile of the DDP module (DDP first: see compile.py), or the module itself.
@@ -279,7 +308,7 @@ class _Trainer:
         if self.ckpt_dir is None and self.cfg.checkpoint.resume in ("auto", "never"):
             return
         resume, folder = self.cfg.checkpoint.resume, self.ckpt_dir or Path(".")
-        path = ckpt.find_resume(resume, folder, self.run_key, self.sources, self.settings)
+        path = ckpt.find_resume(resume, folder, self.run_key, self.sources, self.settings, self.outputs)
         if path is None:
             return
         state = ckpt.load_state(path)
@@ -305,9 +334,7 @@ class _Trainer:
         if resume == "auto" and state.get("complete") and self.epoch >= self.cfg.epochs:
             self.finished = True
             log.info(
-                "took the finished run in %s (its settings differ in %s alone): not trained again",
-                path,
-                ", ".join(f"train.{k}" for k in ckpt.NOTES_ONLY),
+                "took the finished run in %s (%s): not trained again", path, ckpt.taken_because(folder, self.settings)
             )
             return
         log.info("resumed from %s at epoch %d, step %d", path, self.epoch + 1, state["global_step"])
@@ -397,6 +424,7 @@ class _Trainer:
         if self.ckpt_dir is None or not self.env.is_main:
             return
         state = {"epoch": self.epoch, "complete": complete, "global_step": self.result.global_step}
+        state["history"] = ckpt.history_digest([vars(m) for m in self.result.history])  # checkpoint.outputs_written
         info = ckpt.run_info(self.run_key, self.settings, **state)
         ckpt.write_info(self.ckpt_dir, info | ({"sources": self.sources} if self.sources is not None else {}))
 
@@ -438,6 +466,7 @@ class _Trainer:
                 m = self._epoch(prof)
                 note = f"loss {m.loss:.3f}" + (f" acc {m.val_accuracy:.3f}" if m.val_accuracy is not None else "")
                 bar.advance(1, note=note)
+        self._say_most_skipped()
         if self.finished:  # its last.pt stays as it is; last.json records the settings it now stands for
             self._save_info(complete=True)
         else:
@@ -454,6 +483,23 @@ class _Trainer:
             r.selected_epoch = r.best_epoch
         elif self.cfg.checkpoint.select == "best":
             log.warning("checkpoint.select: best: no epoch had a finite validation score; the last epoch's weights")
+
+    def _say_most_skipped(self) -> None:
+        """Warn when most of the run's steps were skipped and the run still ends (all of them: the stage's error):
+        the weights then come from a few steps, whatever the last epoch's loss says."""
+        planned = sum(m.steps for m in self.result.history)
+        bad = sum(m.nonfinite_steps for m in self.result.history)
+        overflow = sum(m.skipped_steps for m in self.result.history)
+        if self.env.is_main and planned and planned / 2 < bad + overflow < planned:
+            log.warning(
+                "%d of the run's %d training steps were skipped (%d with a non-finite loss or gradients, %d for fp16 "
+                "gradient overflow): the weights learned from %d steps only",
+                bad + overflow,
+                planned,
+                bad,
+                overflow,
+                planned - bad - overflow,
+            )
 
     def _epoch(self, prof: Any) -> EpochMetrics:
         cfg, epoch = self.cfg, self.epoch
@@ -582,13 +628,17 @@ class _Trainer:
             if math.isfinite(norm_v) and math.isfinite(loss_v):
                 self.bad_streak = 0
                 continue
-            if self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v) and self._scale_can_back_off():
+            overflow = self.scaler.is_enabled() and self._loss_finite_everywhere(loss_v, norm_v)
+            if overflow and self._scale_can_back_off():
                 # fp16 gradient overflow on a finite loss: the scaler skipped the step and backs off. That
                 # is how dynamic loss scaling finds its scale, not a NaN/Inf loss: it ends a NaN streak
                 # rather than extending it (a large init_scale takes dozens of back-offs).
                 self.acc["skipped"] += 1
                 self.bad_streak = 0
                 log.info("step %d skipped: fp16 gradients overflowed (loss scale backs off)", s.step)
+                continue
+            if overflow and self.cfg.amp.loss_scale != "dynamic":
+                self._fixed_scale_overflow(s)
                 continue
             self.acc["nonfinite"] += 1
             self.bad_streak += 1
@@ -601,13 +651,38 @@ class _Trainer:
                 "; further skipped steps of this streak at -v" if self.bad_streak == SAID_STREAK else "",
             )
             if self.bad_streak > self.cfg.amp.nonfinite_patience:
+                # another precision helps a reduced-precision run only: fp32 is the most range there is
                 other = " or ".join(p for p in ("bf16", "fp32") if p != self.precision)
+                precision = f"use train.precision: {other}, " if self.precision != "fp32" else ""
                 raise TrainingError(
                     f"loss/gradients non-finite for {self.bad_streak} consecutive steps, at step "
                     f"{s.step} (epoch {s.epoch + 1}) in {self.precision}; last good checkpoint: {self.last_good}",
-                    hint=f"lower train.lr, use train.precision: {other}, or raise train.amp.nonfinite_patience; "
+                    hint=f"lower train.lr, {precision}or raise train.amp.nonfinite_patience; "
                     "train.checkpoint.resume: <last.pt> continues from the checkpoint",
                 )
+
+    def _fixed_scale_overflow(self, s: StepStats) -> None:
+        """A step whose fp16 gradients overflowed the fixed loss scale on a finite loss: skipped and counted as an
+        fp16 overflow (``skipped_steps``), yet toward nonfinite_patience too, since a fixed scale never backs off
+        and would overflow on every later step alike."""
+        scale = self.cfg.amp.loss_scale
+        self.acc["skipped"] += 1
+        self.bad_streak += 1
+        (log.warning if self.bad_streak <= SAID_STREAK else log.debug)(
+            "step %d skipped: fp16 gradients non-finite on a finite loss with the fixed loss scale %s (an overflow "
+            "of train.amp.loss_scale, or NaN gradients of their own)%s",
+            s.step,
+            scale,
+            "; further skipped steps of this streak at -v" if self.bad_streak == SAID_STREAK else "",
+        )
+        if self.bad_streak > self.cfg.amp.nonfinite_patience:
+            raise TrainingError(
+                f"fp16 gradients non-finite on a finite loss for {self.bad_streak} consecutive steps with the fixed "
+                f"loss scale {scale} (an overflow of it, or NaN gradients of their own), at step {s.step} (epoch "
+                f"{s.epoch + 1}); last good checkpoint: {self.last_good}",
+                hint="lower train.amp.loss_scale or use train.amp.loss_scale: dynamic (it backs off from overflows "
+                "and tells them from NaN gradients), or train.precision: bf16",
+            )
 
     def _scale_can_back_off(self) -> bool:
         """Can an overflow on a finite loss still be the loss scale's fault? Not with a static scale, nor once
@@ -657,15 +732,21 @@ class _Trainer:
                     forward=self.net,
                 )
             if not math.isfinite(m.val_loss):  # said once per evaluation: a NaN the loss curve would just drop
-                log.warning(
-                    "the validation loss after epoch %d is %s: the model answers some held-out samples with NaN or "
-                    "infinity (a row whose attention keys are all masked gives NaN in torch's fast attention path)",
-                    self.epoch + 1,
-                    m.val_loss,
-                )
+                log.warning("the validation loss after epoch %d is %s: %s", self.epoch + 1, m.val_loss, self._why_nan())
             if self._improves(m):
                 self._keep_best(m)
         return m
+
+    def _why_nan(self) -> str:
+        """Why the validation loss is not finite, in words: the model's outputs, or (finite outputs) the loss."""
+        if not outputs_finite(self.model, self.data.val_x, self.device, self.env, self.eval_batch, self.net):
+            return (
+                "the model answers some held-out samples with NaN or infinity (a row whose attention keys are all "
+                "masked gives NaN in torch's fast attention path)"
+            )
+        if self.cfg.loss is not None:
+            return f"the model's outputs are finite: train.loss {self.cfg.loss} returns NaN or infinity for them"
+        return "the model's outputs are finite: the loss of them is not (check the held-out labels)"
 
     def _improves(self, m: EpochMetrics) -> bool:
         """Whether epoch ``m`` beats the best so far: by validation accuracy where there are classes (at equal

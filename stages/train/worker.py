@@ -15,13 +15,13 @@ from typing import Any
 from kiln.core.artifacts import write_json_atomic
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import KilnError, TrainingError
-from kiln.pipeline.config import load_config
+from kiln.pipeline.config import KilnConfig, load_config
 from kiln.pipeline.fingerprints import splits_hash
-from kiln.pipeline.runner import load_dataset, settings_for
+from kiln.pipeline.runner import cache_key, load_dataset, settings_for
 from kiln.stages.train.declaration import STAGE
 from kiln.stages.train.dist import end_worker, env_from_torchrun
 from kiln.stages.train.launch import ERROR, SUMMARY
-from kiln.stages.train.stage import train_to
+from kiln.stages.train.stage import train_to, trained_from
 
 
 def check_same_data(data: DatasetSplits, sources: dict[str, Any] | None, rank: int) -> None:
@@ -37,6 +37,14 @@ def check_same_data(data: DatasetSplits, sources: dict[str, Any] | None, rank: i
         hint="make the data function deterministic: seed its randomness (numpy.random.default_rng(seed), "
         "torch.Generator().manual_seed(seed)) and read files in a fixed order",
     )
+
+
+def own_sources(config: KilnConfig, data: DatasetSplits, out: Path) -> dict[str, Any] | None:
+    """The code and data the run trains from, fingerprinted as the pipeline keys the stage (``trained_from``): a
+    worker started by hand (no ``--sources``) then resumes only a checkpoint of the same code and data too. The
+    data's hash is computed afresh, never one kept in a workdir (``data.skip_unchanged``)."""
+    fresh = config.model_copy(update={"data": config.data.model_copy(update={"skip_unchanged": False})})
+    return trained_from(cache_key(STAGE, fresh, out, dataset=lambda: data)[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,10 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config)
         settings = settings_for(STAGE, config)
-        sources = json.loads(args.sources.read_text()) if args.sources else None
         ckpt_dir = args.checkpoint_dir or args.out / "checkpoints"
         data = load_dataset(config)
-        check_same_data(data, sources, env.rank)
+        if args.sources is not None:  # Kiln's own launcher: what its process keyed the stage with
+            sources = json.loads(args.sources.read_text())
+            check_same_data(data, sources, env.rank)
+        else:
+            sources = own_sources(config, data, args.out)
         summary = train_to(args.out, settings, data, ckpt_dir, sources=sources)
     except KilnError as exc:
         # Every process that stops writes it (atomically; the same error on every rank for a config error): the

@@ -456,4 +456,4 @@ def test_a_nan_streak_says_a_few_steps_and_a_fix_other_than_the_precision_in_use
     skipped = [r for r in caplog.records if "skipped: loss" in r.getMessage()]
     assert len(skipped) == 3 and "further skipped steps of this streak at -v" in skipped[-1].getMessage()
     assert "9 consecutive steps" in str(err.value) and " in fp32;" in str(err.value)
-    assert err.value.hint.startswith("lower train.lr, use train.precision: bf16,")
+    assert err.value.hint.startswith("lower train.lr, or raise train.amp.nonfinite_patience;")
