@@ -143,8 +143,18 @@ def check_learned(result: TrainResult) -> None:
         raise TrainingError(
             f"no training step was taken: all {planned} were skipped ({nonfinite} with a non-finite loss or "
             f"gradients, {overflow} for fp16 gradient overflow); the model learned nothing",
-            hint="check the data and the loss for NaN/Inf, lower train.lr, or use train.precision: bf16 or fp32",
+            hint=_none_taken_fix(nonfinite, overflow),
         )
+
+
+def _none_taken_fix(nonfinite: int, overflow: int) -> str:
+    """The fix for a training whose every step was skipped: fp16 overflows alone are the loss scale's to fix."""
+    if overflow and not nonfinite:
+        return (
+            "the scaled fp16 gradients overflowed at every step: use train.amp.loss_scale: dynamic or a lower fixed "
+            "scale, or train.precision: bf16"
+        )
+    return "check the data and the loss for NaN/Inf, lower train.lr, or use train.precision: bf16 or fp32"
 
 
 # A rise of held-out accuracy smaller than this is none (warn_learned_nothing_held_out)
