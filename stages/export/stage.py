@@ -12,7 +12,7 @@ import re
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from functools import cache
 from pathlib import Path
@@ -160,6 +160,7 @@ def export_onnx(
     if fixed:
         refuse_traced_branch(fixed, errors, validation)
     proto = load_onnx(path)
+    _restore_axis_names(proto.graph, {d for a in axes.values() for d in a.values()})
     name_io(proto.graph, dict(zip(ins, names)), outputs)
     refuse_label_outputs(proto.graph, shapes, rows(example))
     warn_unused_inputs(proto.graph)
@@ -281,11 +282,8 @@ def _export(
     if dynamo:
         # Graph rewriting is the optimize stage's job (verified, reported, reversible per pass), so export raw.
         kw["optimize"] = False
-        dims: dict[str, Any] = {}  # one Dim per name: a shared name means equal sizes (input_ids/attention_mask)
-        for label in {d for a in axes.values() for d in a.values()}:
-            dims[label] = (
-                torch.export.Dim(label, min=1, max=65536) if label == "batch" else torch.export.Dim(label, min=1)
-            )
+        # one Dim per name: a shared name means equal sizes (input_ids/attention_mask)
+        dims = _torch_dims({d for a in axes.values() for d in a.values()})
         if any(axes.values()):
             # FlatModel takes *xs: the exporter sees them as one (tuple) argument
             kw["dynamic_shapes"] = (tuple({a: dims[d] for a, d in axes[n].items()} or None for n in names),)
@@ -298,6 +296,49 @@ def _export(
         warnings.simplefilter("always", torch.jit.TracerWarning)
         torch.onnx.export(model, args, str(path), **kw)
     return list(dict.fromkeys(place for w in said if (place := _traced_value(w))))
+
+
+def _dim_names(labels: Iterable[str]) -> dict[str, str]:
+    """Axis name -> the name its ``torch.export.Dim`` gets, which must be a Python identifier: an identifier as it
+    is, another name with each other character as ``_`` (``seq-len`` -> ``seq_len``; ``2d`` -> ``d_2d``), kept apart
+    from every other name. ``signature.dynamic_axes`` may name an axis anything; the graph's axes get those names
+    back (:func:`_restore_axis_names`)."""
+    labels = sorted(set(labels))
+    out = {label: label for label in labels if label.isidentifier()}
+    taken = set(out)
+    for label in labels:
+        if label in out:
+            continue
+        base = re.sub(r"\W", "_", label)
+        base = base if base[:1].isalpha() or base[:1] == "_" else f"d_{base}"
+        name = next(n for k in range(len(taken) + 1) if (n := f"{base}_{k}" if k else base) not in taken)
+        out[label] = name
+        taken.add(name)
+    return out
+
+
+def _torch_dims(labels: Iterable[str]) -> dict[str, Any]:
+    """Axis name -> its ``torch.export.Dim`` (:func:`_dim_names`): sizes from 1, the batch's at most 65536."""
+    names = _dim_names(labels)
+    return {
+        label: torch.export.Dim(name, min=1, max=65536) if label == "batch" else torch.export.Dim(name, min=1)
+        for label, name in names.items()
+    }
+
+
+def _restore_axis_names(graph: onnx.GraphProto, labels: Iterable[str]) -> None:
+    """The names ``signature.dynamic_axes`` gives its axes (``labels``) back in the graph's inputs, outputs and value
+    infos where the dynamo exporter wrote the identifiers :func:`_dim_names` gave them instead (``seq_len`` for
+    ``seq-len``, also inside a size it derived: ``seq_len - 6``), so the file declares the axes by the config's
+    names as the TorchScript exporter's does."""
+    renamed = {name: label for label, name in _dim_names(labels).items() if name != label}
+    if not renamed:
+        return
+    found = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = found.sub(lambda m: renamed[m.group(1)], dim.dim_param)
 
 
 # The TorchScript tracer's warning where Python code reads a tensor's value (``if x.sum() > 0``, ``.item()``,
@@ -388,10 +429,11 @@ def _own_sizes(feed: Mapping[str, np.ndarray], axes: Axes) -> dict[str, int]:
     }
 
 
-def _untied_hint(feed: Mapping[str, np.ndarray], axes: Axes, point: Mapping[str, int]) -> str:
+def _untied_hint(feed: Mapping[str, np.ndarray], axes: Axes, point: Mapping[str, int], source: str = "the data") -> str:
     """The start of the fix where an input left out of ``signature.dynamic_axes`` has an axis the data gives the
     size of a varied one (a forecaster's ``calendar [N, 24]`` beside ``past [N, 24, F]`` whose axis 1 is ``time``):
-    it may follow that axis, and then Kiln must cut it too, which only a declaration tells it; empty otherwise."""
+    it may follow that axis, and then Kiln must cut it too, which only a declaration tells it; empty otherwise.
+    ``source``: what ``feed`` is, in words (``kiln export -o``'s example)."""
     own = _own_sizes(feed, axes)
     said = []
     for name, array in feed.items():
@@ -404,15 +446,18 @@ def _untied_hint(feed: Mapping[str, np.ndarray], axes: Axes, point: Mapping[str,
                 break
     if not said:
         return ""
-    listed = ", ".join(f"input '{n}' (axis {a}: {own[lbl]} in the data, as {lbl})" for n, a, lbl in said)
+    listed = ", ".join(f"input '{n}' (axis {a}: {own[lbl]} in {source}, as {lbl})" for n, a, lbl in said)
     declared = ", ".join(f"{n}: {{{a}: {lbl}}}" for n, a, lbl in said)
     return f"if {listed} varies with it, declare that too, signature.dynamic_axes: {{{declared}}}; else "
 
 
-def _one_name_hint(feeds: list[Mapping[str, np.ndarray]], axes: Axes, point: Mapping[str, int]) -> str:
+def _one_name_hint(
+    feeds: list[Mapping[str, np.ndarray]], axes: Axes, point: Mapping[str, int], source: str = "the data"
+) -> str:
     """The start of the fix where ``point`` gives two axes of other names other sizes that every one of ``feeds``
-    (the data's) gives one size (``{input_ids: {1: seq}, attention_mask: {1: len}}``, both 16 in every row): one
-    name ties axes that must be equal, and the model's code is then not at fault; empty otherwise."""
+    (the data's; ``source`` says whose, in words) gives one size (``{input_ids: {1: seq}, attention_mask: {1:
+    len}}``, both 16 in every row): one name ties axes that must be equal, and the model's code is then not at
+    fault; empty otherwise."""
     sizes = [_own_sizes(f, axes) for f in feeds]
     order = list(sizes[0]) if sizes else []
     pairs = [(a, b) for a in order for b in order[order.index(a) + 1 :] if a in point and b in point]
@@ -425,27 +470,40 @@ def _one_name_hint(feeds: list[Mapping[str, np.ndarray]], axes: Axes, point: Map
         for name, dims in axes.items()
     )
     return (
-        f"axes {keep} and {drop} have one size in every row of the data ({sizes[0][keep]}): if they must be equal, "
+        f"axes {keep} and {drop} have one size in every row of {source} ({sizes[0][keep]}): if they must be equal, "
         f"give them one name, signature.dynamic_axes: {{{declared}}}; else "
     )
 
 
-def _sizes_hint(point: Mapping[str, int], own: Mapping[str, int]) -> str:
+def _sizes_hint(
+    point: Mapping[str, int], own: Mapping[str, int], listed: Mapping[str, list[int]], direct: bool = False
+) -> str:
     """What to do about a size the model fails at: Kiln made a smaller one by cutting the data's rows (which drops
-    what ends them: a sequence's end-of-text token), or the model takes one size only."""
-    cut = {k: own[k] for k, v in point.items() if k in own and v < own[k]}
+    what ends them: a sequence's end-of-text token), ``signature.shapes`` lists one (``listed``) the model does not
+    take, or the model takes one size only. ``direct``: ``kiln export -o``, whose rows are its example's, and whose
+    fix suggests no list of the example's sizes alone, which would check no other size."""
+    cut = {k: own[k] for k, v in point.items() if k in own and v < own[k] and v not in listed.get(k, ())}
+    given = ", ".join(f"{k}={v}" for k, v in point.items() if v in listed.get(k, ()) and v != own.get(k, v))
     example = "{" + ", ".join(f"{k}: [{own.get(k, v)}]" for k, v in point.items()) + "}"
     if cut:
         sizes = ", ".join(f"{k}={v}" for k, v in cut.items())
-        return (
-            f"Kiln made that size by cutting the data's rows (its own: {sizes}), which drops what ends them (a "
-            "sequence's end token) or gives a size the model's strides or pooling do not divide: validate at sizes "
-            f"the data has, signature.shapes: {example}; or remove the axis from signature.dynamic_axes if the "
-            "model takes one size"
+        fix = (
+            "list sizes it takes in signature.shapes"
+            if direct
+            else f"validate at sizes the data has, signature.shapes: {example}"
         )
-    return (
-        "if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it takes in "
-        f"signature.shapes, e.g. {example}"
+        return (
+            f"Kiln made that size by cutting {_source(direct)}'s rows (its own: {sizes}), which drops what ends them "
+            "(a sequence's end token) or gives a size the model's strides or pooling do not divide: "
+            f"{fix}; or remove the axis from signature.dynamic_axes if the model takes one size"
+        )
+    if given:
+        return (
+            f"signature.shapes lists {given}: list there only sizes the model takes, or remove that axis from "
+            "signature.dynamic_axes if it takes one size"
+        )
+    return "if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it takes in " + (
+        "signature.shapes" if direct else f"signature.shapes, e.g. {example}"
     )
 
 
@@ -850,14 +908,13 @@ def _pinned_at(model: nn.Module, example: Inputs, axes: Mapping[str, Mapping[int
     catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     shapes = logging.getLogger(SHAPES_LOG)
     labels = {label for dims in axes.values() for label in dims.values()}
-    made = {n: torch.export.Dim(n, min=1, max=65536) if n == "batch" else torch.export.Dim(n, min=1) for n in labels}
     args = tuple(tensors(example))
     with _quiet_torch():
         saved = shapes.level, shapes.propagate, shapes.handlers
         shapes.setLevel(logging.INFO)  # torch's own handler on it writes to the terminal: only ``catch`` hears
         shapes.propagate, shapes.handlers = False, [catch]
         try:
-            names = input_names(model, example)
+            made, names = _torch_dims(labels), input_names(model, example)
             dims = (tuple({int(a): made[d] for a, d in axes.get(n, {}).items()} or None for n in names),)
             torch.export.export(FlatModel(model, example), args, dynamic_shapes=dims, strict=False)
         except Exception as exc:  # noqa: BLE001 - expected: a size is pinned; the guard's log line says where
@@ -906,13 +963,21 @@ def check_sizes_of(
     shapes: Mapping[str, list[int]],
     atol: float,
     rtol: float = 0.0,
+    direct: bool = False,
 ) -> None:
     """:func:`check_validated_sizes` on the rows ``x`` (``feed``: as the graph takes them) resized to each size,
     the sizes taken from ``shapes`` or else from ``seen`` (a row of each split: their smallest and largest; half
-    of one size)."""
-    for point, sized in _other_sizes(feed, seen, axes, shapes):
+    of one size). ``direct``: for ``kiln export -o``, where no later stage runs a size Kiln makes: one the model
+    cannot take gives way to the smallest it takes (:func:`_direct_point`), and the errors speak of the example."""
+    whose = "the example's" if direct else "the data's"
+    tie = (
+        "give inputs that tie no scores (a config whose data.name gives real ones)"
+        if direct
+        else "validate at sizes the data has (signature.shapes) or at sizes of inputs that tie no scores"
+    )
+    for point, sized in _sizes_to_check(model, x, feed, seen, axes, shapes, direct):
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
-        ref = _torch_at(model, inputs, point, [feed, *seen], axes, shapes)
+        ref = _torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct)
         by_value: list[str] = []
         try:
             check = parity(model, path, inputs, session, at, ref)
@@ -927,17 +992,22 @@ def check_sizes_of(
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}), and outputs "
                 f"{by_value} have a length the values decide (NMS, a threshold): where Kiln made that size by "
-                "repeating the data's values, it tied scores, and runtimes break ties apart (another detection kept)",
-                hint="validate at sizes the data has (signature.shapes) or at sizes of inputs that tie no scores, "
-                "or export the model before its thresholding (its raw scores and boxes) and threshold outside",
+                f"repeating {whose} values, it tied scores, and runtimes break ties apart (another detection kept)",
+                hint=f"{tie}, or export the model before its thresholding (its raw scores and boxes) and threshold "
+                "outside",
             )
         if over:
             line = _pinned_at(model, take(x, slice(0, 2)), axes)  # the loop or Python number that fixed it
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}): the exporter "
                 f"fixed a size that signature.dynamic_axes makes vary{' in ' + line if line else ''}",
-                hint=_one_name_hint([feed, *seen], axes, point) + FIXED_SIZE_HINT,
+                hint=_one_name_hint([feed, *seen], axes, point, _source(direct)) + FIXED_SIZE_HINT,
             )
+
+
+def _source(direct: bool) -> str:
+    """What the rows the size checks resize are, in words: the data's, or ``kiln export -o``'s example."""
+    return "the example" if direct else "the data"
 
 
 def _parity_rows(data: DatasetSplits, names: list[str]) -> tuple[Inputs, Feed, list[Feed]]:
@@ -960,6 +1030,86 @@ def _other_sizes(
     return out
 
 
+def _sizes_to_check(
+    model: nn.Module,
+    x: Inputs,
+    feed: Feed,
+    seen: list[Feed],
+    axes: Axes,
+    shapes: Mapping[str, list[int]],
+    direct: bool,
+) -> list[tuple[dict[str, int], Feed]]:
+    """:func:`_other_sizes`; for ``kiln export -o`` (``direct``) each as :func:`_direct_point` moves it, once."""
+    points = _other_sizes(feed, seen, axes, shapes)
+    if not direct:
+        return points
+    out: list[tuple[dict[str, int], Feed]] = []
+    for point, _ in points:
+        moved = _direct_point(model, x, feed, axes, point, shapes)
+        if moved is not None and all(moved != p for p, _ in out):
+            out.append((moved, resize(feed, axes, moved)))
+    return out
+
+
+def _direct_point(
+    model: nn.Module, like: Inputs, feed: Feed, axes: Axes, point: Mapping[str, int], listed: Mapping[str, list[int]]
+) -> dict[str, int] | None:
+    """The sizes ``kiln export -o`` checks for ``point``. A size Kiln made there (half the example's, not one
+    ``signature.shapes`` lists) where PyTorch fails, or answers nothing finite, on a row of ``feed`` says nothing of
+    the graph: it gives way to the smallest size from it up that PyTorch takes (a convolution of kernel 7 without
+    padding takes 7 and more), or, where none below the example's does, to the example's own, which the parity
+    check ran; said in the log either way. None where no axis then differs from the example's."""
+    own = _own_sizes(feed, axes)
+    made = [k for k, v in point.items() if k in own and v < own[k] and v not in listed.get(k, ())]
+    why = _why_not_at(model, {k: v[:1] for k, v in feed.items()}, like, axes)
+    reason = why(point) if made else ""
+    if not reason:
+        return dict(point)
+    moved, base = dict(point), {**point, **{k: own[k] for k in made}}
+    for label in made:
+        sizes = range(point[label], own[label])
+        moved[label] = next((s for s in sizes if not why({**base, label: s})), own[label])
+        _say_moved(label, point[label], moved[label], own[label], reason)
+    return None if all(v == own.get(k, v) for k, v in moved.items()) else moved
+
+
+def _say_moved(label: str, made: int, size: int, own: int, reason: str) -> None:
+    """The log line of :func:`_direct_point` for one axis: the size checked in place of the one Kiln made."""
+    if size == made:
+        return
+    if size < own:
+        log.info(
+            "signature axis %s: the smallest size from %d the model takes is %d (at %d: %s): the graph is checked "
+            "at %s=%d in place of %d",
+            *(label, made, size, made, reason, label, size, made),
+        )
+        return
+    log.warning(
+        "signature axis %s: the model takes no size from %d up to the example's, %d (at %d: %s): the graph is "
+        "checked at %s=%d alone; list in signature.shapes larger sizes it takes to check it there",
+        *(label, made, own, made, reason, label, own),
+    )
+
+
+def _why_not_at(model: nn.Module, feed: Feed, like: Inputs, axes: Axes) -> Callable[[Mapping[str, int]], str]:
+    """Why PyTorch's ``model`` on ``feed`` (rebuilt as ``like``) resized to a point leaves nothing to compare
+    there: its error, or an output NaN or infinite at every value; empty where it does not. Each point asked
+    once."""
+
+    @cache
+    def why(point: tuple[tuple[str, int], ...]) -> str:
+        try:
+            with warnings.catch_warnings():  # what the model warns of at a size only probed is not the user's run's
+                warnings.simplefilter("ignore")
+                ref = _torch_outputs(model, from_feed(resize(feed, axes, dict(point)), like))
+        except Exception as exc:  # the model cannot take that size
+            return _reason(exc)
+        empty = _nothing_finite(ref)
+        return f"output '{empty[0]}' is NaN or infinite at every value" if empty else ""
+
+    return lambda point: why(tuple(sorted(point.items())))
+
+
 def _torch_at(
     model: nn.Module,
     inputs: Inputs,
@@ -967,51 +1117,103 @@ def _torch_at(
     feeds: list[Feed],
     axes: Axes,
     listed: Mapping[str, list[int]],
+    direct: bool = False,
 ) -> dict[str, np.ndarray]:
     """PyTorch's outputs at ``point`` (``feeds``: the data's, first the rows resized; ``listed``: the sizes
-    ``signature.shapes`` gives); an error naming the size and what to change where the model itself fails there,
-    or where an output of it holds no finite value there (:func:`_refuse_nothing_finite`)."""
+    ``signature.shapes`` gives; ``direct``: ``kiln export -o``'s example, not data); an error naming the size and
+    what to change where the model itself fails there, or where an output of it holds no finite value there
+    (:func:`_nothing_finite_error`; :func:`_padded_to_nothing` where Kiln's zero padding is what gives that)."""
     at = ", ".join(f"{k}={v}" for k, v in point.items())
+    own = _own_sizes(feeds[0], axes)
     try:
         ref = _torch_outputs(model, inputs)
     except Exception as exc:
         steps = _steps_hint(model, inputs, point, feeds[0], axes, listed)
+        runs = "a size the export checks" if direct else "a size the later stages run it at"
         raise ModelError(
-            f"the model fails at {at}, a size the later stages run it at since signature.dynamic_axes makes "
-            f"that axis vary: {_reason(exc)}",
+            f"the model fails at {at}, {runs} since signature.dynamic_axes makes that axis vary: {_reason(exc)}",
             hint=steps
-            or _one_name_hint(feeds, axes, point)
-            + _untied_hint(feeds[0], axes, point)
-            + _sizes_hint(point, _own_sizes(feeds[0], axes)),
+            or _one_name_hint(feeds, axes, point, _source(direct))
+            + _untied_hint(feeds[0], axes, point, _source(direct))
+            + _sizes_hint(point, own, listed, direct),
         ) from None
-    _refuse_nothing_finite(ref, point, _own_sizes(feeds[0], axes), listed)
+    empty = _nothing_finite(ref)
+    if empty and _zeros_give_it(model, inputs, point, feeds[0], axes):
+        raise _padded_to_nothing(empty[0], point, own, direct)
+    if empty:
+        raise _nothing_finite_error(empty[0], point, own, listed, direct)
     return ref
 
 
-def _refuse_nothing_finite(
-    ref: Mapping[str, np.ndarray], point: Mapping[str, int], own: Mapping[str, int], listed: Mapping[str, list[int]]
-) -> None:
-    """A ModelError where a float output of PyTorch's (``ref``, at ``point``) is NaN or infinite at every value of
-    every row (``exp`` of a sum that grows with the length overflows float32): the graph's NaN there equals it, so
-    nothing would be compared and the size recorded as validated, the engines answering NaN at it. An output with
-    finite values beside its infinities (-inf at masked positions) is compared as usual. ``own``: the data's sizes,
-    ``listed``: ``signature.shapes``, for the sizes the fix suggests."""
-    empty = [n for n, r in ref.items() if r.dtype.kind == "f" and r.size and not np.isfinite(r).any()]
-    if not empty:
-        return
+def _nothing_finite(ref: Mapping[str, np.ndarray]) -> list[str]:
+    """The float outputs of ``ref`` that are NaN or infinite at every value of every row (``exp`` of a sum that
+    grows with the length overflows float32): the graph's NaN there equals PyTorch's, so nothing in them would be
+    compared and the parity check would pass with an error of 0. An output with finite values beside its
+    infinities (-inf at masked positions) is compared as usual."""
+    return [n for n, r in ref.items() if r.dtype.kind == "f" and r.size and not np.isfinite(r).any()]
+
+
+def _nothing_finite_error(
+    name: str, point: Mapping[str, int], own: Mapping[str, int], listed: Mapping[str, list[int]], direct: bool
+) -> ModelError:
+    """The ModelError where output ``name`` of PyTorch's is nowhere finite at ``point``: at a size the later stages
+    run, the engines would answer NaN there and the size be recorded as validated. The sizes the fix suggests are
+    ``listed`` (``signature.shapes``) and the data's (``own``), the failing one left out of the axes that differ
+    from the data's (those at fault) only. ``direct``: ``kiln export -o``, whose fix suggests no list of the
+    example's sizes alone, which would check no other size."""
     at = ", ".join(f"{k}={v}" for k, v in point.items())
-    keep = {k: sorted({*listed.get(k, []), own.get(k, v)} - {v}) or [own.get(k, v)] for k, v in point.items()}
-    example = "{" + ", ".join(f"{k}: {v}" for k, v in keep.items()) + "}"
-    raise ModelError(
-        f"the model's output '{empty[0]}' is NaN or infinite at every value at {at}: it overflows (or divides by "
+    keep = {
+        k: sorted({*listed.get(k, []), own.get(k, v)} - ({v} if v != own.get(k, v) else set()))
+        for k, v in point.items()
+    }
+    sizes = "{" + ", ".join(f"{k}: {v}" for k, v in keep.items()) + "}"
+    if not direct:
+        first = f"validate at sizes it takes, signature.shapes: {sizes}"
+    elif any(s != own.get(k) for k, v in keep.items() for s in v):
+        first = f"list sizes where it is finite in signature.shapes, e.g. {sizes}"
+    else:
+        first = "list sizes where it is finite in signature.shapes"
+    return ModelError(
+        f"the model's output '{name}' is NaN or infinite at every value at {at}: it overflows (or divides by "
         "zero) at this size, so nothing there can be compared",
-        hint=f"validate at sizes it takes, signature.shapes: {example}; or compute in a form that stays finite "
-        "there (in log space, or with the running maximum subtracted before exp)",
+        hint=f"{first}; or compute in a form that stays finite there (in log space, or with the running maximum "
+        "subtracted before exp)",
     )
 
 
-# Sizes the step probe of a failed size runs at least, from the smaller of it and the data's: a period shows twice
-_STEP_SPAN = 8
+def _zeros_give_it(model: nn.Module, like: Inputs, point: Mapping[str, int], feed: Feed, axes: Axes) -> bool:
+    """Whether ``feed`` reached ``point`` by padding its float inputs with zeros (:func:`kiln.core.shapes.resize`
+    repeats a float input's values only when asked) and PyTorch, given those values repeated to the same sizes
+    instead, answers a finite value in every output: then the zeros Kiln added, not the model, leave nothing
+    finite there (0/0 where a row is normalised)."""
+    padded, repeated = resize(feed, axes, point), resize(feed, axes, point, repeat_floats=True)
+    if all(np.array_equal(padded[n], repeated[n]) for n in padded):
+        return False
+    try:
+        return not _nothing_finite(_torch_outputs(model, from_feed(repeated, like)))
+    except Exception:  # the model takes no repeated values either: not the padding's doing
+        return False
+
+
+def _padded_to_nothing(name: str, point: Mapping[str, int], own: Mapping[str, int], direct: bool) -> ModelError:
+    """The ModelError where output ``name`` is nowhere finite at ``point`` on inputs Kiln lengthened with zeros
+    only (:func:`_zeros_give_it`): the fix is inputs of that length, or sizes no longer than the rows' own."""
+    at = ", ".join(f"{k}={v}" for k, v in point.items())
+    grown = ", ".join(f"{k}={own[k]}" for k, v in point.items() if k in own and v > own[k])
+    whose, inputs = ("the example's", "inputs") if direct else ("the data's", "data")
+    return ModelError(
+        f"the model's output '{name}' is NaN or infinite at every value at {at}, where Kiln lengthened {whose} "
+        "rows by padding their float inputs with zeros; with their own values repeated to that length it is "
+        "finite: the zeros Kiln added, not the model, leave nothing there to compare (0/0 where a row is normalised)",
+        hint=f"give {inputs} whose rows have that length, or list in signature.shapes sizes no longer than "
+        f"{whose} ({grown})",
+    )
+
+
+# Sizes past the data's own the step probe tries besides its first draw (:func:`_first_probes`): a model that
+# takes sizes in steps of one of these (strides and poolings: 2, 4, 8, ...; 3, 6, 12, ...) takes the data's size
+# plus its step
+_OWN_PLUS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
 
 def _steps_hint(
@@ -1019,9 +1221,11 @@ def _steps_hint(
 ) -> str:
     """The fix where PyTorch fails at ``point`` because a size there that ``signature.shapes`` lists (``listed``) is
     off the steps the model takes that axis in (a U-Net's odd height, which its pooling and upsampling cannot meet
-    again): PyTorch runs on one row of ``feed`` at the sizes between that one and the data's (eight more at least),
-    the others at the data's, and a period seen twice is said with the sizes nearest; empty where none explains it
-    (a model that takes one length). Sizes Kiln made (half the data's) are left to the other hints."""
+    again): PyTorch runs on one row of ``feed`` at the sizes of the window :func:`size_steps` probes (two periods
+    of :data:`MAX_PERIOD` from the smaller of that size and the data's), the other axes at the data's, and a period
+    is said with the sizes nearest; empty where none explains it. Where a first sample shows no steps (the data's
+    size alone runs, or every size from one on: :func:`_steps_may_show`), the window is not probed. Sizes Kiln
+    made (half the data's) are left to the other hints."""
     own = _own_sizes(feed, axes)
     one = {k: v[:1] for k, v in feed.items()}
     said = []
@@ -1029,8 +1233,11 @@ def _steps_hint(
         if size not in listed.get(label, ()) or label not in own:
             continue
         low = min(size, own[label])
-        high = min(max(size, own[label], low + _STEP_SPAN), low + 2 * MAX_PERIOD)
-        pattern = size_pattern(_runs_at(model, one, like, axes, own, label), low, high, label)
+        high = low + 2 * MAX_PERIOD
+        runs = _runs_at(model, one, like, axes, own, label)
+        if not _steps_may_show(runs, [*_first_probes(low, high), *(own[label] + p for p in _OWN_PLUS)], own[label]):
+            continue
+        pattern = size_pattern(runs, low, high, label)
         if pattern is None or 2 * pattern[0] > high - low + 1 or takes_size(pattern, size):
             continue
         period = pattern[0]
@@ -1041,6 +1248,17 @@ def _steps_hint(
             f"({', '.join(map(str, near))}, ...)"
         )
     return "; ".join(said) + ": list such sizes in signature.shapes" if said else ""
+
+
+def _steps_may_show(runs: Callable[[int], bool], sizes: list[int], own: int) -> bool:
+    """Whether the sizes PyTorch runs at among ``sizes`` and the data's (``own``) may follow steps: it runs at one
+    besides ``own``, and in size order they turn from running to failing, or back, more than once. A model that
+    takes the data's size alone, every size from a smallest on (a kernel wider than shorter inputs) or up to a
+    largest (a position table) shows no steps, and the step probe's hundred-odd runs are saved."""
+    order = sorted({*sizes, own})
+    ran = [runs(s) for s in order]
+    flips = sum(a != b for a, b in zip(ran, ran[1:]))
+    return flips > 1 and any(r for s, r in zip(order, ran) if s != own)
 
 
 def _runs_at(
@@ -1114,9 +1332,7 @@ def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = 
     the remainders of the sizes that run; a range probed whole without one gets a period as long as the range: its
     sizes exactly."""
     top = min(high, low + 2 * MAX_PERIOD)
-    inside = range(low + 1, top + 1)  # sizes near the smallest: a period shows within two of them, cheaply
-    tried = {*inside[:3], *random.Random(0).sample(inside, min(SIZE_PROBES, len(inside)))}
-    if all(runs(size) for size in sorted(tried)):
+    if all(runs(size) for size in _first_probes(low, top)):
         return None
     ok = {size: runs(size) for size in range(low, top + 1)}
     width = top - low + 1
@@ -1136,6 +1352,14 @@ def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = 
         )
         return None
     return [period, *sorted({size % period for size, good in ok.items() if good})]
+
+
+def _first_probes(low: int, top: int) -> list[int]:
+    """The sizes :func:`size_pattern` tries first from ``low`` to ``top``: the three after ``low`` (sizes near the
+    smallest: a period shows within two of them, cheaply) and :data:`SIZE_PROBES` drawn across the range (a fixed
+    draw, so that a rerun finds the same)."""
+    inside = range(low + 1, top + 1)
+    return sorted({*inside[:3], *random.Random(0).sample(inside, min(SIZE_PROBES, len(inside)))})
 
 
 # ------------------------------------------------------------------------ direct mode: `kiln export -o model.onnx`
@@ -1161,6 +1385,7 @@ def export_direct(
     x = _direct_example(cfg, model, specs)
     example = take(x, slice(0, 2))  # traced with two rows, like the pipeline's export
     refuse_random(model, example)
+    refuse_nothing_finite(model, x if cfg.export.dynamic_batch else example, _example_source(specs), bool(specs))
     proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
     atol, rtol = cfg.export.parity_atol, cfg.export.parity_rtol
     session = ort_session(output)
@@ -1181,8 +1406,44 @@ def export_direct(
         names = [i.name for i in proto.graph.input]
         seen = [feed_for_graph(take(on, slice(0, 1)), names)]
         feed, axes = feed_for_graph(on, names), dict(cfg.signature.dynamic_axes)
-        check_sizes_of(model, output, session, on, feed, seen, axes, cfg.signature.shapes, atol, rtol)
+        check_sizes_of(model, output, session, on, feed, seen, axes, cfg.signature.shapes, atol, rtol, direct=True)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
+
+
+# The fix where random --input-shape values are what the model cannot take
+REAL_INPUTS_HINT = (
+    "give it real inputs in place of --input-shape's random ones: a config whose data.name is a data function the "
+    "model takes (kiln export CONFIG -o FILE)"
+)
+
+
+def refuse_nothing_finite(model: nn.Module, x: Inputs, source: str, random: bool = False) -> None:
+    """A ModelError where an output of PyTorch's on ``kiln export -o``'s own rows ``x`` (``source``, in words) is NaN
+    or infinite at every value (:func:`_nothing_finite`): the parity check would pass it with an error of 0, nothing
+    compared, and no validation follows to fail it (the pipeline's does, at the data's size). On ``random`` inputs
+    (``--input-shape``'s standard normal values) those values are the likely cause (the log of a negative number),
+    and the fix asks for real ones. A model that fails on ``x`` is left to the parity check, which says why."""
+    try:
+        empty = _nothing_finite(_torch_outputs(model, x))
+    except Exception as exc:  # noqa: BLE001 - the parity check runs it again and names the error
+        log.debug("outputs on %s not checked for finite values: %s", source, first_line(exc))
+        return
+    if not empty:
+        return
+    said = (
+        f"the model's output '{empty[0]}' is NaN or infinite at every value on {source}: nothing there can be compared"
+    )
+    if random:
+        raise ModelError(
+            f"{said}, and random normal values may be what it cannot take (the log or square root of a negative "
+            "number)",
+            hint=REAL_INPUTS_HINT,
+        )
+    raise ModelError(
+        said,
+        hint="find where it turns NaN or infinite (the log of 0, an exp that overflows float32, 0/0) and compute in "
+        "a form that stays finite there, or check the data function's values",
+    )
 
 
 # An error this large a share of the value it is on is no float rounding: the graph computes another
@@ -1257,18 +1518,28 @@ def _direct_example(cfg: ExportSettings, model: nn.Module, specs: list[TensorSpe
             call(model, example)
     except Exception as exc:  # the model rejects them: say so, not "an op ONNX cannot express" or a traceback
         reason = first_line(exc)
-        raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=input_shape_hint(model)) from None
+        hint = input_shape_hint(model, random=bool(specs))
+        raise ConfigError(f"model '{cfg.model.name}' rejects {what}: {reason}", hint=hint) from None
     return example
 
 
-def input_shape_hint(model: nn.Module) -> str:
-    """The fix for a model whose inputs Kiln cannot tell: one ``--input-shape`` per input of its forward."""
+def input_shape_hint(model: nn.Module, random: bool = False) -> str:
+    """The fix for a model whose inputs Kiln cannot tell: one ``--input-shape`` per input of its forward. With
+    ``random``, for a model that rejected ``--input-shape``'s inputs: their random values (a length of 0, an id
+    it has no row for) may be what it rejects, not their shapes, and real inputs come from a data function."""
     names = forward_inputs(model) or ["NAME"]
     flags = " ".join(f"--input-shape {n}=DIMS" for n in names)
+    shapes = f"{flags} (e.g. image=3,224,224, ids=128:int64, t=():int64 for one value per sample)"
+    if random:
+        return (
+            "--input-shape gives random values (floats standard normal, integers 0 or 1), which the model may reject "
+            "where the shapes are right (a length of 0): give it real inputs, a config whose data.name is a data "
+            f"function the model takes (kiln export CONFIG -o FILE); else check each input's shape, one sample "
+            f"without the batch axis: {shapes}"
+        )
     return (
-        f"give each input's shape, one sample without the batch axis: {flags} (e.g. image=3,224,224, "
-        "ids=128:int64, t=():int64 for one value per sample), or a config whose data.name is a data function the "
-        "model takes"
+        f"give each input's shape, one sample without the batch axis: {shapes}, or a config whose data.name is a "
+        "data function the model takes"
     )
 
 

@@ -1,11 +1,13 @@
 """The dynamic axes are checked at sizes other than the export's: by ``kiln export -o`` as by the pipeline, a size
-where the model's own output holds no finite value is refused, a Python loop over an axis is named as what fixed
-it, and a listed size off the steps a U-Net takes sizes in is said as that."""
+where the model's own output holds no finite value is refused (the padding Kiln added named where it is the cause),
+a Python loop over an axis is named as what fixed it, whatever the axis is called, and a listed size off the steps
+a U-Net or an FPN takes sizes in is said as that."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -15,6 +17,7 @@ from kiln.cli import main
 from kiln.core.data import DatasetSplits
 from kiln.core.errors import ModelError
 from kiln.core.onnx_io import ort_session
+from kiln.stages.export.declaration import MAX_PERIOD
 from kiln.stages.export.stage import check_validated_sizes, export_onnx
 from tests.core.test_ownership import one_error
 
@@ -44,6 +47,10 @@ class CumsumScan(LoopScan):
         return self.head(torch.cumsum(self.emb(x), 1).mean(1))
 
 
+# where the error names the loop: its ``for`` line
+LOOP_AT = f"test_sizes_checked.py:{LoopScan.forward.__code__.co_firstlineno + 3}"
+
+
 def loop() -> nn.Module:
     return LoopScan()
 
@@ -59,11 +66,11 @@ def _export(factory: str, out: Path, *sets: str):
 
 
 def test_direct_export_refuses_a_loop_the_exporter_unrolled_at_the_example_length(tmp_path: Path) -> None:
-    """Before: the graph, declared [batch, seq] and unrolled to 12 steps, was written (exit 0); ONNX Runtime then
-    failed at any other length."""
+    """A graph declared [batch, seq] but unrolled to the example's 12 steps, which ONNX Runtime cannot run at another
+    length, is no file: the error names the loop's line."""
     out = tmp_path / "m.onnx"
     result = _export("loop", out)
-    one_error(result, "does not compute the model at seq=6", "test_sizes_checked.py:34", "Python loop")
+    one_error(result, "does not compute the model at seq=6", LOOP_AT, "Python loop")
     assert not out.exists()
     fine = _export("cumsum", out)
     assert fine.exit_code == 0 and out.exists(), fine.output
@@ -83,7 +90,7 @@ def _checked(tmp_path: Path, model: nn.Module, x: torch.Tensor, axes: dict, shap
 
 
 def test_the_pipeline_names_the_loop_that_fixed_the_length(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match=r"seq=6.*in forward\(\) at .*test_sizes_checked.py:34 \(for t in") as err:
+    with pytest.raises(ModelError, match=rf"seq=6.*in forward\(\) at .*{LOOP_AT} \(for t in") as err:
         _checked(tmp_path, LoopScan(), torch.randint(0, 4, (12, 12)), {"input": {1: "seq"}}, {})
     assert "a Python loop over a dynamic axis" in (err.value.hint or "")
 
@@ -101,7 +108,8 @@ class Overflows(nn.Module):
 
 
 def test_a_size_where_the_models_output_is_nowhere_finite_is_refused(tmp_path: Path) -> None:
-    """Before: NaN and infinity compared as equal to the graph's, and seq=24 was recorded as validated."""
+    """PyTorch's infinity everywhere at seq=24 would equal the graph's and pass with an error of 0: refused, the fix
+    naming the sizes left."""
     x, axes = torch.randint(0, 4, (12, 8)), {"input": {1: "seq"}}
     with pytest.raises(ModelError, match=r"output 'logits' is NaN or infinite at every value at seq=24") as err:
         _checked(tmp_path, Overflows(), x, axes, {"seq": [4, 24]})
@@ -140,7 +148,7 @@ class TinyUNet(nn.Module):
 
 
 def test_a_listed_size_off_the_models_steps_is_said_as_that(tmp_path: Path) -> None:
-    """Before: the fix said to give h and w one name, spoke of a sequence's end token and to validate at 16 only."""
+    """A U-Net's listed odd height fails with the steps it takes as the fix, not as axes to tie or rows Kiln cut."""
     axes = {"input": {2: "h", 3: "w"}}
     with pytest.raises(ModelError, match="the model fails at h=9, w=10") as err:
         _checked(tmp_path, TinyUNet(), torch.rand(12, 1, 16, 16), axes, {"h": [9, 16], "w": [10, 16]})
@@ -148,3 +156,123 @@ def test_a_listed_size_off_the_models_steps_is_said_as_that(tmp_path: Path) -> N
         "h=9 is not a size the model takes: it takes h in steps of 2 (8, 10, ...): list such sizes in signature.shapes"
     )
     _checked(tmp_path, TinyUNet(), torch.rand(12, 1, 16, 16), axes, {"h": [8, 16], "w": [10, 16]})
+
+
+def test_an_axis_name_that_is_no_identifier_is_exported_and_checked_by_that_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``seq-len`` is no name torch.export.Dim takes: the dynamo exporter still exports the axis, declared by the
+    config's name, and the loop that fixed a length is still named, by ``kiln export -o`` as by the pipeline."""
+    axes, path = {"input": {1: "seq-len"}}, tmp_path / "m.onnx"
+    export_onnx(CumsumScan().eval(), torch.randint(0, 4, (2, 12)), path, dynamic_axes=axes)
+    assert "dynamo exporter failed" not in caplog.text
+    assert [d.dim_param for d in onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim] == ["batch", "seq-len"]
+    with pytest.raises(ModelError, match=rf"seq-len=6.*in forward\(\) at .*{LOOP_AT} \(for t in"):
+        _checked(tmp_path, LoopScan(), torch.randint(0, 4, (12, 12)), axes, {})
+    args = ["export", "--model", f"{HERE}:loop", "--input-shape", "input=12:int64", "-o", str(tmp_path / "d.onnx")]
+    result = CliRunner().invoke(main, [*args, "--set", "signature.dynamic_axes={input: {1: seq-len}}"])
+    one_error(result, "does not compute the model at seq-len=6", LOOP_AT, "Python loop")
+
+
+class UnitSteps(nn.Module):
+    """Each step scaled to unit length, then pooled: a step of zeros gives 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x / x.norm(dim=-1, keepdim=True)).mean(1))
+
+
+class GrowsPastFloat32(nn.Module):
+    """``exp`` of a sum of ones over time: finite at 8 steps (e^40), infinite at 24 (e^120) whatever the values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(5 * torch.cumsum(x * 0 + 1, 1)).mean(1)
+
+
+def test_nothing_finite_where_kilns_zero_padding_gives_it_blames_the_padding(tmp_path: Path) -> None:
+    """Floats lengthened with zeros give a normalising model 0/0; on its own values repeated it is finite, so the
+    error says the padding leaves nothing to compare and the fix keeps to the data's length. A model infinite on
+    repeated values too is refused as overflowing."""
+    x, axes = torch.randn(12, 16, 4), {"input": {1: "seq"}}
+    with pytest.raises(ModelError, match=r"at seq=32, where Kiln lengthened the data's rows by padding") as err:
+        _checked(tmp_path, UnitSteps(), x, axes, {"seq": [16, 32]})
+    assert "give data whose rows have that length" in (err.value.hint or "")
+    assert "sizes no longer than the data's (seq=16)" in (err.value.hint or "")
+    with pytest.raises(ModelError, match=r"NaN or infinite at every value at seq=24: it overflows"):
+        _checked(tmp_path, GrowsPastFloat32(), x[:, :8], axes, {"seq": [8, 24]})
+
+
+class HeightBesideWidth(nn.Module):
+    """``log(h - w/2 - 1)`` on an image of ones: NaN where the height is short beside the width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x.sum(2).mean(-1) - x.sum(3).mean(-1) / 2 - 1) * self.scale
+
+
+def test_the_sizes_a_nothing_finite_fix_suggests_leave_out_the_failing_size_on_the_axis_at_fault_only(
+    tmp_path: Path,
+) -> None:
+    """At h=8, w=16 only h differs from the data's 16x16: w keeps both its listed sizes."""
+    axes, shapes = {"input": {2: "h", 3: "w"}}, {"h": [8, 16], "w": [8, 16]}
+    with pytest.raises(ModelError, match="NaN or infinite at every value at h=8, w=16") as err:
+        _checked(tmp_path, HeightBesideWidth(), torch.ones(12, 1, 16, 16), axes, shapes)
+    assert "signature.shapes: {h: [16], w: [8, 16]}" in (err.value.hint or "")
+
+
+class SkipsMeet(nn.Module):
+    """An FPN's size rule: it takes sizes 0 and 13-15 modulo 16 only, a period longer than eight sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] % 16 not in (0, 13, 14, 15):
+            raise ValueError(f"size {x.shape[1]} does not meet the skip connection")
+        return self.head(x).mean(1)
+
+
+def test_a_listed_size_off_steps_of_a_long_period_is_said_with_them(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="the model fails at seq=17") as err:
+        _checked(tmp_path, SkipsMeet(), torch.randn(12, 32, 4), {"input": {1: "seq"}}, {"seq": [17, 32]})
+    assert err.value.hint == (
+        "seq=17 is not a size the model takes: it takes seq at sizes 0, 13-15 modulo 16 (16, 29, ...): list such "
+        "sizes in signature.shapes"
+    )
+
+
+class OneLength(nn.Module):
+    """Checks its input's length itself: it takes 16 steps only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 16:
+            raise ValueError(f"length {x.shape[1]} != 16")
+        return self.head(x).mean(1)
+
+
+def test_a_listed_size_of_a_model_that_takes_one_length_is_said_as_listed_after_a_short_probe(
+    tmp_path: Path,
+) -> None:
+    """The step probe stops once a first sample shows the data's length alone runs (not the two periods of 64 it
+    probes for steps), and the fix speaks of the listed size, not of one Kiln made."""
+    model, x, axes = OneLength().eval(), torch.randn(12, 16, 4), {"input": {1: "seq"}}
+    data, path = DatasetSplits(x[:8], None, x[8:], None), tmp_path / "m.onnx"
+    export_onnx(model, x[:2], path, dynamic_axes=axes)
+    calls: list[int] = []
+    forward = model.forward
+    model.forward = lambda t: calls.append(t.shape[1]) or forward(t)  # type: ignore[method-assign]
+    with pytest.raises(ModelError, match="the model fails at seq=200") as err:
+        check_validated_sizes(model, path, ort_session(path), data, ["input"], axes, {"seq": [16, 200]}, 1e-4)
+    assert len(calls) < MAX_PERIOD
+    assert (err.value.hint or "").startswith("signature.shapes lists seq=200: list there only sizes the model takes")
