@@ -32,7 +32,7 @@ from kiln.core.labels import IGNORE_LABEL, is_mask_name, left_padded, padding_ti
 from kiln.core.labels import accuracy as label_accuracy
 from kiln.core.outputs import logits_name
 from kiln.core.records import EngineValidation
-from kiln.core.shapes import Axes, axis_sizes, resize, shape_points
+from kiln.core.shapes import Axes, axis_sizes, length_inputs, resize, shape_points
 from kiln.stages.accuracy.config import CheckConfig, GatesConfig
 from kiln.stages.accuracy.metrics import (
     BOX_FORMAT,
@@ -424,10 +424,15 @@ def labels_at_points(
     masks = {k: v for k, v in feed.items() if is_mask_name(k) and k in axes and len(v) == len(labels)}
     out: list[np.ndarray | None] = []
     for point, resized in feeds:
-        if options:  # beside the masks, so labels repeat each row's real positions as its tokens do
+        if options:  # beside the masks and lengths, so labels repeat each row's real positions as its tokens do
+            lengths = {k: feed[k] for k in length_inputs(feed, axes, point) if len(feed[k]) == len(labels)}
             ys = [
                 resize(
-                    {**masks, "y": labels}, {**{k: axes[k] for k in masks}, "y": dims}, point, IGNORE_LABEL, left=left
+                    {**masks, **lengths, "y": labels},
+                    {**{k: axes[k] for k in masks}, "y": dims},
+                    point,
+                    IGNORE_LABEL,
+                    left=left,
                 )["y"]
                 for dims in options
             ]

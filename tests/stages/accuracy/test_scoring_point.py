@@ -306,3 +306,19 @@ def test_tags_past_the_datas_length_repeat_each_rows_real_tokens_as_its_ids_do()
     _, longer = labels_at_points(tags, own, feeds, axes)
     assert (longer - 90 == feeds[1][1]["input_ids"]).all()  # tag = id + 90 on every position, real throughout
     assert longer[0].tolist() == [100, 101, 102] * 3
+
+
+def test_tags_of_rows_whose_lengths_an_input_holds_repeat_as_their_ids_do() -> None:
+    """Rows padded at their end whose lengths an input holds (`pack_padded_sequence`'s), no mask: lengthened, the
+    tags repeat each row's real tokens as the ids do, each tag on its token."""
+    from kiln.core.shapes import resize
+    from kiln.stages.accuracy.check import labels_at_points
+
+    real = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)
+    ids = np.where(real, np.arange(8).reshape(2, 4) + 10, 0)
+    tags = np.where(real, np.arange(8).reshape(2, 4) + 100, -100)
+    own = {"ids": ids, "lengths": real.sum(1)}
+    axes = {"ids": {1: "seq"}}
+    feeds = [({"seq": 4}, own), ({"seq": 9}, resize(own, axes, {"seq": 9}))]
+    _, longer = labels_at_points(tags, own, feeds, axes)
+    assert (longer - 90 == feeds[1][1]["ids"]).all() and longer[0].tolist() == [100, 101, 102] * 3
