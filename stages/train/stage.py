@@ -111,6 +111,7 @@ def train_to(
         )
     check_learned(result)
     warn_learned_nothing_held_out(result.history, chance_loss(task, data.num_classes))
+    warn_diverged(result.history, chance_loss(task, data.num_classes))
     if env.is_main:
         save_trained(out, model, config.model, {"dataset": data.name, "input_shapes": data.sample_shapes})
     return TrainSummary.model_validate({**result.summary(), "data_warnings": data_warnings})
@@ -185,6 +186,26 @@ def held_out_loss_fell(scored: list[EpochMetrics], chance: float | None) -> bool
         return False
     later = [m.val_loss for m in scored[1:] if m.val_loss is not None and math.isfinite(m.val_loss)]
     return bool(later) and min(later) < HELD_OUT_FALL * min(first, chance)
+
+
+# A training loss this many times chance level at the end is a diverged training (warn_diverged)
+DIVERGED = 10.0
+
+
+def warn_diverged(history: list[EpochMetrics], chance: float | None) -> None:
+    """Warn where the last epoch's training loss is still :data:`DIVERGED` times the loss of answering at chance
+    (``chance``: :func:`chance_loss`) or more: a learning rate too high blows the loss up while every number stays
+    finite, so no skipped step says so, and the run would go on to validate weights that answer worse than chance."""
+    last = next((m.loss for m in reversed(history) if math.isfinite(m.loss)), None)
+    if chance is None or last is None or last < DIVERGED * chance:
+        return
+    logging.getLogger("kiln.train").warning(
+        "the training loss ended at %.3g, %.0f times the %.3g of answering at chance: the training diverged; lower "
+        "train.lr",
+        last,
+        last / chance,
+        chance,
+    )
 
 
 def warn_learned_nothing_held_out(history: list[EpochMetrics], chance: float | None = None) -> None:

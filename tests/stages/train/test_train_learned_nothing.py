@@ -142,3 +142,21 @@ def test_chance_level_is_known_for_kilns_own_cross_entropy_only() -> None:
     assert chance_loss(Task("classification", None, torch.nn.functional.cross_entropy), 9) is None
     assert chance_loss(Task("regression"), 0) is None
     assert chance_loss(Task("classification"), 1) is None
+
+
+def test_a_training_loss_ending_far_above_chance_is_said_to_have_diverged(caplog: pytest.LogCaptureFixture) -> None:
+    from kiln.stages.train.stage import warn_diverged
+
+    def losses(*values: float) -> list[EpochMetrics]:
+        return [EpochMetrics(i + 1, v, 1.0, 4, 1e-3) for i, v in enumerate(values)]
+
+    chance = math.log(4)
+    with caplog.at_level(logging.WARNING, logger="kiln.train"):
+        warn_diverged(losses(7e16, 2e15), chance)
+        assert "the training diverged; lower train.lr" in caplog.text
+        caplog.clear()
+        warn_diverged(losses(1.6, 0.4), chance)  # learned
+        warn_diverged(losses(1.4, 1.39), chance)  # near chance: the learned-nothing checks' to judge
+        warn_diverged(losses(7e16, 2e15), None)  # chance unknown (a user's loss, float targets)
+        warn_diverged(losses(float("nan")), chance)
+    assert not caplog.text
