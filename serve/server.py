@@ -697,6 +697,21 @@ def _one_line_errors() -> None:
     Model.get_proxy_model_files = files
 
 
+def say_capped(served: list[ServedEngine], asked: int) -> None:
+    """Warn where ``--max-batch`` asks for more rows than an engine was validated for: Triton forms at most the
+    largest validated batch (:func:`served_max_batch`), and a given option is not overridden without a word."""
+    for s in served:
+        mbs = served_max_batch(s.meta, asked)
+        if 0 < mbs < asked:
+            log.warning(
+                "%s: --max-batch %d capped to %d, the largest batch it was validated at; to serve larger batches, "
+                "add the size to signature.batch_sizes and validate again",
+                s.model_name,
+                asked,
+                mbs,
+            )
+
+
 def _bind(triton: Any, served: ServedEngine, runner: Any, max_batch: int, queue_delay_us: int) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
@@ -867,6 +882,8 @@ def serve(
     with _signals_to(stop):
         try:
             served = runnable_here(find_engines(path))
+            if max_batch is not None:
+                say_capped(served, max_batch)
             stop.check()
             if not pytriton:
                 if gpus is None and all(s.meta.device == "cuda" for s in served):

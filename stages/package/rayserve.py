@@ -31,7 +31,7 @@ ENGINES = "engines"  # the package's engine folders, one per engine, beside ray/
 HEADER = """\
 # Ray Serve config written by Kiln's package stage: one application per validated engine, KServe v2 JSON at
 # POST http://HOST:PORT/v2/models/<model>/infer, and kiln-health: GET /v2/health/ready once all of them run.
-# Start it from the package folder (engine_dir is relative to it):
+# Start it from the package folder (engine_dir is relative to it), with Ray Serve installed (pip install 'kiln[ray]'):
 #   cd <package> && serve run ray/serve.yaml
 # (on a Ray cluster: RAY_ADDRESS=... serve deploy ray/serve.yaml, each application's runtime_env.working_dir naming
 # the package, e.g. local:///shared/path/package; every node needs kiln installed).

@@ -95,6 +95,7 @@ def test_a_packaged_run_writes_the_ray_config_and_the_manifest(tmp_path: Path) -
     assert result.ok
     package = tmp_path / "run" / "package"
     serve = yaml.safe_load((package / "ray" / "serve.yaml").read_text())
+    assert "pip install 'kiln[ray]'" in (package / "ray" / "serve.yaml").read_text()  # what `serve run` needs
     [app] = [a for a in serve["applications"] if a["args"].get("engine_dir", "").endswith("onnxruntime-cpu-fp32")]
     assert (package / app["args"]["engine_dir"]).is_dir()  # the packaged folder, not the stage's staging one
     assert app["route_prefix"] == f"/v2/models/{app['args']['model_name']}"
