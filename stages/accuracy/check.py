@@ -1373,6 +1373,11 @@ def gated_outputs(names: list[str] | None, outputs: list[str]) -> set[str]:
     return set(names)
 
 
+def _cosine_said(cosine: float) -> str:
+    """A cosine as a failure says it: NaN is no angle, but an output with no direction (all zeros) or no number."""
+    return f"{cosine:.6f}" if np.isfinite(cosine) else "undefined (one side all zeros, or NaN/inf in it)"
+
+
 def _output_failures(where: str, s: dict[str, Any], gates: dict[str, Any], rel_limit: float | None) -> list[str]:
     """The per-output gates one output's statistics ``s`` miss, each said after ``where`` (its name, or nothing):
     the share of equal values of an integer output, else the cosine (the whole output's, then the worst
@@ -1385,7 +1390,7 @@ def _output_failures(where: str, s: dict[str, Any], gates: dict[str, Any], rel_l
                 f"{gates['min_top1_agreement']}"
             )
     elif not s["cosine"] >= gates["min_cosine"]:
-        fails.append(f"{where}cosine {s['cosine']:.6f} < min_cosine {gates['min_cosine']}")
+        fails.append(f"{where}cosine {_cosine_said(s['cosine'])} < min_cosine {gates['min_cosine']}")
     elif s.get("sample_cosine") is not None and not s["sample_cosine"] >= gates["min_cosine"]:
         fails.append(_sample_failure(where, s, gates["min_cosine"]))
     if gates["max_abs_err"] is not None and not s["max_abs_err"] <= gates["max_abs_err"]:

@@ -126,3 +126,12 @@ def test_a_gated_output_the_model_does_not_have_is_an_error_naming_its_outputs()
 def test_gated_outputs_is_a_list_of_names_for_every_precision(gates: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CheckConfig(gates=gates)
+
+
+def test_a_nan_cosine_is_said_as_undefined_with_its_likely_causes() -> None:
+    from kiln.stages.accuracy.check import _output_failures
+
+    stats = {"cosine": float("nan"), "max_abs_err": 0.5, "rel_err": None}
+    gates = {"min_cosine": 0.99, "max_abs_err": None, "min_top1_agreement": 0.97}
+    (failure,) = _output_failures("output 'reg' ", stats, gates, None)
+    assert failure == "output 'reg' cosine undefined (one side all zeros, or NaN/inf in it) < min_cosine 0.99"
