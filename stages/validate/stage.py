@@ -569,7 +569,13 @@ def accuracy_absent(ref: Reference, data: DatasetSplits) -> str | None:
             f"'{ref.logits}', a binary classifier's one logit"
         ) + (f"; {_scored_by(metric)}" if metric is not None else "")
     if not data.classification:
-        return f"the labels are no classes (float targets): {_scored_by(metric)}"
+        y = data.val_y
+        packed = (  # num_classes given beside float rows: classes packed with values, which only a metric splits
+            f" {str(y.dtype).removeprefix('torch.')}{list(y.shape)} beside num_classes {data.num_classes}, packed"
+            if data.num_classes
+            else ""
+        )
+        return f"the labels are no classes (float targets{packed}): {_scored_by(metric)}"
     if ref.logits is None:
         return no_class_logits(list(ref.outputs[-1]) if getattr(ref, "outputs", None) else [], ref, data)
     if ref.score is None:

@@ -282,7 +282,7 @@ def test_the_report_says_why_no_output_is_the_class_logits_apart_from_why_there_
     line = _reported(boxes, _detector, ["logits", "pred_boxes"], None, "detection_recall")
     why = line[line.index("no class-logit output (") : line.index("): no top-1 agreement")]
     assert "`signature.logits_output: logits`" in why and "one wider" in why and "float targets" not in why, line
-    assert "; no task accuracy (the labels are no classes (float targets)" in line, line
+    assert "; no task accuracy (the labels are no classes (float targets float32[24, 1, 5] beside num_classes 5" in line
     assert "class-logit output 'logits'" in _reported(boxes, _detector, ["logits", "pred_boxes"], "logits", None)
 
     y = torch.from_numpy(X.numpy() @ HEADS["output_2"])

@@ -452,6 +452,15 @@ def test_report_json_says_why_the_baseline_has_no_accuracy(labels, logits, score
     assert accuracy_absent(SimpleNamespace(accuracy=0.9, logits="logits", score=-1), data) is None
 
 
+def test_float_rows_beside_num_classes_are_said_as_packed_targets() -> None:
+    """A multi-task model's labels, a class and a value per row as floats beside num_classes: the note says what
+    they are, not only that they are no classes."""
+    x, y = torch.randn(8, 3), torch.rand(8, 2)
+    note = accuracy_absent(SimpleNamespace(accuracy=None, logits="cls", score=-1), DatasetSplits(x, y, x, y, 5))
+    assert note.startswith("the labels are no classes (float targets float32[8, 2] beside num_classes 5, packed): ")
+    assert "no metric scores them: set validate.metric" in note
+
+
 @pytest.mark.parametrize(
     ("outputs", "said"),
     [
