@@ -38,6 +38,13 @@ def temp_name(final: Path, kind: str = "tmp") -> Path:
     return final.parent / f".{final.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}"
 
 
+def final_of(temp: Path, kind: str = "staging") -> Path | None:
+    """The path a :func:`temp_name` of ``kind`` stands in for (``.train.staging-<pid>-<hex>`` -> ``train``); None
+    for a name that is no such temporary one."""
+    found = _LEFTOVER.match(temp.name)
+    return temp.parent / found["final"] if found and found["kind"] == kind else None
+
+
 def is_leftover(name: str) -> bool:
     """Whether ``name`` is one of Kiln's temporary names (:func:`temp_name`), a killed command's or a live one's."""
     return _LEFTOVER.match(name) is not None

@@ -12,7 +12,6 @@ import io
 import json
 import logging
 import math
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from kiln.core.artifacts import hash_json, write_bytes_atomic, write_json_atomic
 from kiln.core.errors import InputFileError
+from kiln.core.ownership import final_of
 from kiln.models.model_io import weights_bytes
 
 log = logging.getLogger("kiln.train")
@@ -219,8 +219,7 @@ def taken_because(ckpt_dir: Path, settings: dict[str, Any]) -> str:
 def outputs_folder(out_dir: Path | None) -> Path | None:
     """The stage folder that the runner's staging folder ``out_dir`` (``.train.staging-<pid>-<hex>``, see
     :func:`kiln.core.ownership.temp_name`) becomes; None for any other folder: not run by the pipeline runner."""
-    found = re.fullmatch(r"\.(.+)\.staging-\d+-[0-9a-f]{8}", out_dir.name) if out_dir is not None else None
-    return out_dir.parent / found[1] if found else None
+    return final_of(out_dir) if out_dir is not None else None
 
 
 def history_digest(epochs: Any) -> str:

@@ -17,7 +17,15 @@ from click.testing import CliRunner
 from kiln.calibration.ranges import calibrate
 from kiln.cli import main
 from kiln.core.errors import StorageError
-from kiln.core.ownership import claim_folder, inductor_cache_dir, output_file, record_owned, scratch_root
+from kiln.core.ownership import (
+    claim_folder,
+    final_of,
+    inductor_cache_dir,
+    output_file,
+    record_owned,
+    scratch_root,
+    temp_name,
+)
 from tests.calibration.calib_graphs import batches, saved
 from tests.conftest import tiny_config_dict
 
@@ -199,3 +207,9 @@ def test_home_unset_or_odd(tmp_path: Path, home: str | None) -> None:
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     assert not list((tmp_path / "system-tmp").iterdir()) and not (work / ".kiln-tmp").exists()
     assert (work / "train" / "loss.png").is_file()
+
+
+def test_a_staging_name_gives_back_the_path_it_stands_in_for(tmp_path: Path) -> None:
+    assert final_of(temp_name(tmp_path / "train", "staging")) == tmp_path / "train"
+    assert final_of(temp_name(tmp_path / "train", "old")) is None  # another kind of temporary name
+    assert final_of(tmp_path / "train") is None
