@@ -593,12 +593,7 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     if v:
         results.print(_accuracy_table(v, _fmt))
         results.print(_latency_table(v))
-        for e in v.engines:
-            if e.status != "validated":
-                console.print(
-                    f"[yellow]{escape(e.name)}[/]: built for {escape(e.device.upper())}, not validated "
-                    f"here: {escape(e.reason or '')}",
-                )
+        _print_unvalidated(v.engines)
     precision = report.get("stages", {}).get("precision", {}).get("summary", {})
     for name, why in precision.get("failed", {}).items():
         console.print(
@@ -607,6 +602,21 @@ def _print_summary(result: Any, report: dict[str, Any], workdir: Path) -> None:
     # sentences wrap between words at the console's width (80 columns in a pipe or a log); a path stays one line
     results.print(f"result: {escape(result_line(report))}", highlight=False)
     results.print(f"report: {workdir / 'report.md'}", highlight=False, soft_wrap=True)
+
+
+def _print_unvalidated(engines: list[Any]) -> None:
+    """Which engine could not be validated here for which reason, one line per reason, where the engines differ in
+    it: the result line names them all with their reasons, so one shared reason is said once, there."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for e in engines:
+        if e.status != "validated":
+            groups.setdefault((e.device.upper(), e.reason or ""), []).append(e.name)
+    if len(groups) < 2:
+        return
+    for (device, reason), names in groups.items():
+        console.print(
+            f"[yellow]{escape(', '.join(names))}[/]: built for {escape(device)}, not validated here: {escape(reason)}"
+        )
 
 
 def _accuracy_table(v: Any, fmt: Callable[..., str]) -> Table:

@@ -952,3 +952,28 @@ def test_a_rerun_says_which_stage_ran_again_and_what_changed(capsys: pytest.Capt
     _say_what_changed(records)
     err = capsys.readouterr().err
     assert "export ran again: changed since the last run: config.export" in err and "optimize" not in err, err
+
+
+@pytest.mark.parametrize("reasons", [["no CUDA GPU"] * 3, ["no CUDA GPU", "no CUDA GPU", "no onnxruntime-gpu"]])
+def test_engines_not_validated_here_are_listed_apart_only_where_their_reasons_differ(monkeypatch, reasons) -> None:
+    """The result line names every engine not validated and the reasons; a line per engine on top of it repeats it
+    where they share one reason, and says which engine has which where they do not."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    import kiln.cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(kiln.cli, "console", Console(file=out, width=200))
+    engines = [SimpleNamespace(name=f"e{i}", status="not run", device="cuda", reason=r) for i, r in enumerate(reasons)]
+    kiln.cli._print_unvalidated([SimpleNamespace(name="cpu", status="validated", device="cpu", reason=None), *engines])
+    lines = out.getvalue().splitlines()
+    if len(set(reasons)) == 1:
+        assert lines == []
+    else:
+        assert lines == [
+            "e0, e1: built for CUDA, not validated here: no CUDA GPU",
+            "e2: built for CUDA, not validated here: no onnxruntime-gpu",
+        ]
