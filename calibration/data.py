@@ -46,6 +46,13 @@ def dataset_batches(
     return batches
 
 
+def check_reader(settings: Any) -> None:
+    """The stage check (:attr:`kiln.core.stage.Stage.checks`) of ``settings.calibration.reader``: its import path
+    names a function, before any stage's work is spent."""
+    if settings.calibration.reader is not None:
+        resolve_callable(settings.calibration.reader, {}, "calibration reader")
+
+
 def read_reader(cfg: CalibrationConfig) -> list[ReaderBatch]:
     """Call the user's reader and take its first ``num_batches`` batches, as they come: an array, a dict of arrays
     by input name, or a tuple of arrays (one per input, or an ``(x, y)`` pair: :func:`_reader_feed` tells them

@@ -128,7 +128,10 @@ class Stage:
     only a stage that names ``"dataset"`` here can read the dataset (``StageContext.dataset``). ``random_inputs``:
     whether it may read the random inputs a run from ``model.onnx`` without data has (training has no PyTorch model
     to train then, and does not; its key then need not hold what sizes them). ``report``: its section of report.md.
-    ``notes``: its output files for people only (a loss plot), which no later stage's key holds.
+    ``notes``: its output files for people only (a loss plot), which no later stage's key holds. ``checks``:
+    ``"module:function"`` of quick checks of its settings (the user code they name imports and takes the call it
+    will get), each given the settings: the runner runs them before an earlier stage does work, so a typo in a
+    metric's import path fails before training, not after it.
     """
 
     name: str
@@ -145,6 +148,7 @@ class Stage:
     random_inputs: bool = True
     # files of its output for people (a plot, a profiler trace) that no later stage reads: left out of their keys
     notes: tuple[str, ...] = ()
+    checks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.entry.count(":") != 1 or not all(self.entry.split(":")):
@@ -159,6 +163,12 @@ class Stage:
         """The code that runs the stage (``entry``), imported here, on first use."""
         module, _, function = self.entry.partition(":")
         return getattr(importlib.import_module(module), function)
+
+    def check(self, settings: StageSettings) -> None:
+        """Run :attr:`checks` on ``settings``: each raises the user's error (a ConfigError) for what it finds."""
+        for entry in self.checks:
+            module, _, function = entry.partition(":")
+            getattr(importlib.import_module(module), function)(settings)
 
     def run(self, ctx: StageContext[Any]) -> Summary:
         return self.function()(ctx)

@@ -365,6 +365,8 @@ class Runner:
         self._threads_said = False
         self._current: set[str] = set()  # stages this run ran or found cached: current (see _refuse_out_of_date)
         last_reader = max((i for i, s in enumerate(self.stages) if "dataset" in s.data), default=-1)
+        self._ahead = self.stages[: names.index(stop) + 1 if stop is not None else None]  # this run's stages
+        self._checked = False
         for i, stage in enumerate(self.stages):
             if error is not None:
                 records.append(StageRecord(stage.name, "not-run"))
@@ -410,6 +412,16 @@ class Runner:
             if stop is not None and stage.name == stop:
                 break
         return RunResult(self.workdir, records, error)
+
+    def _check_ahead(self, stage: Stage) -> None:
+        """Before the first stage of the run that does work, the quick checks (:attr:`Stage.checks`) of it and the
+        stages after it in this run: a mistake in a later stage's settings fails now, not after minutes of
+        training. A run whose stages are all cached runs none (nor imports the code they name)."""
+        if self._checked:
+            return
+        self._checked = True
+        for later in self._ahead[self._ahead.index(stage) :]:
+            later.check(settings_for(later, self.config))
 
     def _kept_after(self, i: int) -> str:
         """Said after failed gates: the folders of the stages after the ``i``-th that an earlier run finished and
@@ -560,6 +572,7 @@ class Runner:
             why = " (its files were changed or damaged since it ran: rebuilding)"
             log.warning("%s: cached outputs do not match their recorded sha256", stage.name)
         refuse_foreign(stage.name, final, old)
+        self._check_ahead(stage)
         log.info("%s: running%s", stage.name, why)
         t0 = time.perf_counter()
         with atomic_dir(final) as out:

@@ -22,6 +22,7 @@ regression's, a forecaster's) are scored by ``mse`` where no metric is set (:fun
 
 from __future__ import annotations
 
+import inspect
 import re
 import traceback
 from collections.abc import Callable
@@ -74,8 +75,8 @@ class Metric:
                     f"{labels.dtype}{list(labels.shape)}: {exc}",
                     hint=_misfit_hint(self.name, exc),
                 ) from None
-            frame = traceback.extract_tb(exc.__traceback__)[-1]  # where it raised: the user's line
-            at = f" ({frame.filename}:{frame.lineno})"
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+            at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else _defined_at(self.fn)  # the user's line
             raise ModelError(
                 f"validate.metric '{self.name}'{at} failed on outputs {_shapes(outputs)} and labels "
                 f"{labels.dtype}{list(labels.shape)}: {type(exc).__name__}: {exc}",
@@ -143,9 +144,37 @@ def resolve_metric(
             higher = higher_is_better
         return Metric(ref, _on_logits(fn, logits, ref), higher, ref in RELATIVE)
     fn = resolve_callable(ref, {}, "validate.metric")
+    _refuse_misfit_call(fn, ref)
     default = bool(getattr(fn, "higher_is_better", True))
     relative = bool(getattr(fn, "relative", False))
     return Metric(ref, fn, default if higher_is_better is None else higher_is_better, relative)
+
+
+def check_metric(settings: Any) -> None:
+    """The stage check (:attr:`kiln.core.stage.Stage.checks`) of a stage that scores ``settings.validate.metric``:
+    a built-in name, or a function that imports and takes ``(outputs, labels)``."""
+    resolve_metric(settings.validate.metric, None)
+
+
+def _refuse_misfit_call(fn: Callable[..., Any], ref: str) -> None:
+    """A ConfigError where ``fn`` cannot be called as ``fn(outputs, labels)`` (another number of parameters, a
+    keyword-only one without a default): said before any output is scored. A callable whose signature Python cannot
+    read (a C function) is left to its first call."""
+    try:
+        inspect.signature(fn).bind({}, None)
+    except ValueError:
+        return
+    except TypeError as exc:
+        raise ConfigError(
+            f"validate.metric '{ref}'{_defined_at(fn)} cannot be called as fn(outputs, labels): {exc}",
+            hint="the metric takes (outputs: dict of name -> array, labels: array) and returns a float",
+        ) from None
+
+
+def _defined_at(fn: Callable[..., Any]) -> str:
+    """`` (file:line)`` where ``fn`` is defined; empty where Python does not know."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
 
 
 def default_metric(outputs: dict[str, np.ndarray], targets: np.ndarray, logits: str | None) -> Metric | None:

@@ -77,4 +77,5 @@ STAGE = Stage(
     "FP16 mixed precision and INT8 (Q/DQ) graphs",
     data=("dataset", "calibration"),
     report=report_section,
+    checks=("kiln.calibration.data:check_reader", "kiln.stages.accuracy.metrics:check_metric"),
 )

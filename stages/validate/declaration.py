@@ -54,4 +54,5 @@ STAGE = Stage(
     "accuracy and latency of every engine vs PyTorch, with gates",
     data=("dataset", "onnx"),
     report=report_section,
+    checks=("kiln.stages.accuracy.metrics:check_metric",),
 )

@@ -576,3 +576,54 @@ def test_an_edited_user_module_is_said_as_the_module_not_the_functions_named_in_
     assert record.status == "ran" and record.changed == [
         "module mine (the module of model 'mine:make' and data 'mine:data', or a local module it imports)"
     ]
+
+
+CHECKED: list[str] = []
+
+
+def refuse_odd_epochs(settings: Any) -> None:
+    """A stage check (Stage.checks) for the fake third stage: odd train.epochs is a config error."""
+    from kiln.core.errors import ConfigError
+
+    CHECKED.append("third")
+    if settings.train.epochs % 2:
+        raise ConfigError("train.epochs is odd", hint="set an even train.epochs")
+
+
+def test_a_later_stages_checks_run_before_the_first_stage_does_work_and_not_on_a_cached_run(tmp_path: Path) -> None:
+    """A mistake in the last stage's settings fails the run before the first stage runs; a fully cached run
+    runs no check (nor imports what they name), and a run that stops before the checked stage runs none."""
+    stages = fake_stages()
+    stages[2] = dataclasses.replace(stages[2], checks=(f"{__name__}:refuse_odd_epochs",))
+    CHECKED.clear()
+    failed = run(tmp_path, stages, **{"train.epochs": 3})
+    assert statuses(failed)["first"] == "failed" and not RAN and "train.epochs is odd" in str(failed.error)
+    assert CHECKED == ["third"] and not (tmp_path / "first").exists()
+    assert run(tmp_path, stages).ok and CHECKED == ["third", "third"]  # checked once a run
+    assert run(tmp_path, stages).ok and CHECKED == ["third", "third"]  # all cached: no check
+    RAN.clear()
+    Runner(config_from_dict(tiny_config_dict(seed=2)), tmp_path, stages).run(stop="second")
+    assert CHECKED == ["third", "third"] and RAN["first"] == 1
+
+
+@pytest.mark.parametrize(
+    ("source", "said"),
+    [
+        ("def score(outputs, labels, scale):\n    return 1.0\n", "cannot be called as fn(outputs, labels)"),
+        ("def scored(outputs, labels):\n    return 1.0\n", "'score' in module 'early_metric' is not defined"),
+    ],
+)
+def test_a_metric_that_cannot_score_fails_the_run_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, said: str
+) -> None:
+    """validate.metric is first called after training and building: its import path and its call are checked
+    before the train stage does any work."""
+    (tmp_path / "early_metric.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "early_metric", raising=False)
+    cfg = config_from_dict(tiny_config_dict(**{"validate.metric": "early_metric:score"}))
+    result = Runner(cfg, tmp_path / "wd", STAGES).run()
+    assert statuses(result)["train"] == "failed" and said in str(result.error), result.error
+    assert not (tmp_path / "wd" / "train").exists()
+    if "called" in said:
+        assert f"{tmp_path / 'early_metric.py'}:1" in str(result.error)  # the user's function, not Kiln's call
