@@ -85,14 +85,15 @@ def train_to(
     env = env_from_torchrun()
     device = resolve_device(config.train, env.local_rank if env.enabled else None)
     model = build_seeded(config)
-    if data.train_y is None:
+    probe = min(2, config.train.batch_size)  # a model of one sample a call (a graph as a batch of one) trains at 1
+    if data.train_y is None:  # labels left among the inputs are the cause to name first, with their own fix
+        check_model_fits_data(model, data, config.model.name, None, config.signature.logits_output, probe)
         raise ConfigError(
             f"dataset '{data.name}' has no labels (train_y is None): training needs them",
             hint="return train_y/val_y from the data function, set train.enabled: false, or give model.checkpoint",
         )
     with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
         task = task_for(data, config.train.loss, config.signature.logits_output)
-    probe = min(2, config.train.batch_size)  # a model of one sample a call (a graph as a batch of one) trains at 1
     check_model_fits_data(model, data, config.model.name, task, config.signature.logits_output, probe)
     check_axes_name_inputs(model, data.train_x, config.signature.dynamic_axes)
     with process_group(env, config.train.distributed, device):

@@ -442,3 +442,30 @@ def test_a_required_argument_only_the_loss_reads_is_refused_before_training() ->
     with pytest.raises(DataContractError, match="its input 'future' among"):
         check_model_fits_data(Forecast(), data, "fc:build")
     check_model_fits_data(Conditioned(), data, "fc:build")
+
+
+def test_labels_among_the_inputs_of_data_without_y_are_named_before_the_missing_labels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data that put its labels among the inputs and returned no y: the missing y's fix (train.enabled: false)
+    led to the export's refusal of the loss output; the labels among the inputs are the cause, said first."""
+    (tmp_path / "loss_in_x.py").write_text(
+        "import torch\n"
+        "from kiln import DatasetSplits\n\n\n"
+        "class WithLoss(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(4, 2)\n\n"
+        "    def forward(self, x, labels):\n"
+        "        logits = self.fc(x)\n"
+        "        return {'loss': torch.nn.functional.cross_entropy(logits, labels), 'logits': logits}\n\n\n"
+        "def build():\n"
+        "    return WithLoss()\n\n\n"
+        "def load():\n"
+        "    x = {'x': torch.randn(8, 4), 'labels': torch.zeros(8, dtype=torch.long)}\n"
+        "    return DatasetSplits({k: v[:6] for k, v in x.items()}, None, {k: v[6:] for k, v in x.items()}, None)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config_from_dict(tiny_config_dict(**{"model": {"name": "loss_in_x:build"}, "data.name": "loss_in_x:load"}))
+    result = Runner(cfg, tmp_path / "wd", STAGES).run(stop="train")
+    assert "output 'loss' is a scalar with its input 'labels'" in str(result.error), result.error
