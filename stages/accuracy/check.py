@@ -121,6 +121,9 @@ def as_decisions(
     return {**ref, logits: r.reshape(len(r), -1, 1)}, {**got, logits: g.reshape(len(g), -1, 1)}
 
 
+# The reference's top class the same at this many rows or positions (or more) is warned of: below it, one class on
+# top may be the held-out rows' own
+MIN_ONE_CLASS = 16
 # A position of a dense head is a decision the reference makes where its top class has at least this probability
 CONFIDENT = 0.5
 # An output (nearly) constant over the samples has no spread to measure an error by, only noise: at least this share
@@ -577,6 +580,7 @@ class Reference:
         self.accuracy = None if scored is None else self.accuracy_of(scored)
         self.metric_value = None if scored is None else self.metric_of(scored)
         self._say_vacuous_metric()
+        self._say_one_class()
 
     def _multi_label(self, data: DatasetSplits | None) -> bool:
         """Whether the class logits are a multi-label head's (:func:`multi_hot`: float multi-hot targets shaped like
@@ -632,6 +636,30 @@ class Reference:
             if self.metric.name == "detection_recall"
             else "",
         )
+
+    def _say_one_class(self) -> None:
+        """Warn where the reference puts one class on top at every row (every position, for logits per position):
+        top-1 agreement then asks an engine only to keep that class on top, which an engine far off often still
+        does, and the cosine is the offset's; the model is untrained, or one class dominates its head (a CTC blank),
+        or the held-out rows are all of one class."""
+        at = self.outputs[-1 if self.score is None else self.score]
+        logits = at.get(self.logits or "")
+        if logits is None or self.multi_label or self.binary_at is not None or logits.dtype.kind != "f":
+            return
+        axis = class_axis(logits.ndim)
+        if logits.ndim < 2 or logits.shape[axis] < 2:
+            return
+        top = np.argmax(logits, axis=axis)
+        if top.size >= MIN_ONE_CLASS and (top == top.flat[0]).all():
+            log.warning(
+                "the reference puts class %d of output '%s' on top at all %d of its %s: top-1 agreement only asks an "
+                "engine to keep it there, which a wrong engine may still do; check that the model is trained, or "
+                "gate by a metric that reads the rest (validate.metric)",
+                int(top.flat[0]),
+                self.logits,
+                top.size,
+                "rows" if top.ndim == 1 else "positions",
+            )
 
     def _say_padding_ties(self) -> None:
         """Warn once per output whose padding no axis name decides (:func:`kiln.core.labels.mask_of`): it is

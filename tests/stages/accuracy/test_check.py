@@ -643,3 +643,33 @@ def test_a_reference_that_scores_no_label_right_is_warned_of(
     caplog.clear()
     assert reference_at(logits.argmax(1)).accuracy == 1.0
     assert not [r for r in caplog.records if "reference itself" in r.getMessage()]
+
+
+@pytest.mark.parametrize("per_position", [False, True])
+def test_a_reference_with_one_class_on_top_everywhere_is_warned_of(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, per_position: bool
+) -> None:
+    """A CTC head whose blank dominates every frame: top-1 agreement 1.0 for any engine that keeps the blank on top."""
+    rng = np.random.default_rng(0)
+    shape = (4, 8, 5) if per_position else (32, 5)
+    logits = rng.standard_normal(shape).astype(np.float32)
+    x = np.arange(shape[0], dtype=np.float32)[:, None]  # each row its own index: rows run alone answer alike
+
+    def reference_of(values: np.ndarray) -> Reference:
+        return Reference(
+            lambda feed: {"logits": values[feed["x"][:, 0].astype(int)]}, [({}, {"x": x})], [None], "logits", 4
+        )
+
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.WARNING, logger="kiln")
+    blank = logits.copy()
+    blank[..., 0] += 20.0
+    reference_of(blank)
+    said = [r.getMessage() for r in caplog.records if "on top at all" in r.getMessage()]
+    where = "positions" if per_position else "rows"
+    assert len(said) == 1 and said[0].startswith(
+        f"the reference puts class 0 of output 'logits' on top at all 32 of its {where}"
+    )
+    caplog.clear()
+    reference_of(logits)
+    assert not [r for r in caplog.records if "on top at all" in r.getMessage()]
