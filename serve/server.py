@@ -991,6 +991,17 @@ def _serve_pytriton(
             shutil.rmtree(workspace.parent, ignore_errors=True)
 
 
+def _named(process: Any) -> str:
+    """``name (pid)`` of a psutil process, or ``pid (gone)`` for one that exited since it was listed: a process that
+    ends between two looks is what a reaper meets, and its name must not turn a stop into a traceback."""
+    import psutil
+
+    try:
+        return f"{process.name()} ({process.pid})"
+    except psutil.Error:
+        return f"{process.pid} (gone)"
+
+
 def _kill_starting(triton: Any) -> None:
     """A stop signal while PyTriton's server starts: nothing was served, so nothing drains. The server is killed, so
     that a step waiting on it (a model loading, which takes seconds) ends now, and PyTriton's own stop does not wait
@@ -1237,7 +1248,7 @@ class _Reaper:
         left += [p for p in self._from_scratch() if p not in left]
         self._regions([p.pid for p in left])  # what they map goes with them (close() removes it)
         if left:
-            log.log(level, "%s: killing %s", why, ", ".join(f"{p.name()} ({p.pid})" for p in left))
+            log.log(level, "%s: killing %s", why, ", ".join(_named(p) for p in left))
         for p in left:
             try:
                 p.kill()

@@ -280,3 +280,19 @@ def test_a_ctrl_c_the_command_took_before_the_servers_handlers_is_a_stop() -> No
             assert signal.getsignal(signal.SIGINT) is stop
             assert stop.requested and stopped_by() == signal.SIGTERM
         assert signal.getsignal(signal.SIGINT) is interrupt._on_signal  # the command's handlers are back
+
+
+def test_a_process_that_exits_before_it_is_named_is_said_gone_not_a_traceback() -> None:
+    """The reaper lists the server's processes, then names them in its log: one may exit in between."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from kiln.serve.server import _named
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    process = psutil.Process(child.pid)
+    assert _named(process) in {f"{process.name()} ({child.pid})", f"{child.pid} (gone)"}
+    child.wait()
+    assert _named(process) == f"{child.pid} (gone)"
