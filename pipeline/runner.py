@@ -41,6 +41,7 @@ from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
 from kiln.pipeline.manifests import MANIFEST, handed_on, out_of_date, read_manifest
 from kiln.pipeline.user_code import code_version, import_root
 from kiln.stages.engines.registry import backend_libraries
+from kiln.stages.validate.declaration import REQUIRED
 from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
 
 log = logging.getLogger("kiln")
@@ -76,6 +77,11 @@ def gate_hint(failures: list[str], status: str) -> str:
         return (
             "validate the engines on a machine that runs them (`kiln validate` there), or add a backend this "
             "machine runs (build.backends: [onnxruntime])"
+        )
+    if all(f.startswith(REQUIRED) for f in failures):
+        return (
+            "the result line and report.md say why no such engine was made; relax its "
+            "validate.gates.per_precision only if its numbers are acceptable, or take it out of precision.required"
         )
     if unmeasured(failures) and len(unmeasured(failures)) == len(failures):
         return NO_FINITE_FIX  # no gate or precision changes an output that is no number in PyTorch too

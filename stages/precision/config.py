@@ -100,6 +100,12 @@ class PrecisionConfig(Section):
     )
     fp16: FP16Config = Field(default_factory=FP16Config)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+    required: list[Precision] = Field(
+        default_factory=list,
+        description="precisions the run must deliver: with no engine of one validated, passed and packaged (its "
+        "variant not made for its gates, no backend building it, or dropped as slower), validation fails (exit 3); "
+        "without it such a precision is only said missing on the result line",
+    )
     require_speedup: bool = Field(
         False,
         description="drop (do not package) an INT8/FP16 engine slower than the "

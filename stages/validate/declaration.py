@@ -15,19 +15,24 @@ from kiln.stages.engines.registry import backend_libraries
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.report import report_section
 
+# how a failure of precision.required starts (a precision the run was asked for and did not deliver)
+REQUIRED = "precision.required: "
+
 
 @dataclass(frozen=True)
 class ValidateSettings(StageSettings):
     """What validation reads: its section (timing, gates, baselines), the model and data the reference comes from,
-    the signature (batch sizes, shapes, logits output) and whether slower reduced precision is dropped."""
+    the signature (batch sizes, shapes, logits output), whether slower reduced precision is dropped and which
+    precisions the run must deliver."""
 
-    SOURCES = {"require_speedup": "precision.require_speedup"}
+    SOURCES = {"require_speedup": "precision.require_speedup", "required": "precision.required"}
     seed: int
     model: ModelConfig
     data: DataConfig
     validate: ValidateConfig
     signature: Signature
     require_speedup: bool
+    required: list[str]
 
 
 def _env(cfg: ValidateSettings) -> dict[str, Any]:

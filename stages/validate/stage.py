@@ -68,7 +68,7 @@ from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.coupling import rows_may_mix
-from kiln.stages.validate.declaration import ValidateSettings
+from kiln.stages.validate.declaration import REQUIRED, ValidateSettings
 from kiln.stages.validate.measured import NO_FINITE_FIX, has_no_number_samples, nothing_measured, unmeasured
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.roofline import peak_tflops, roofline
@@ -86,6 +86,27 @@ def compare(ref: np.ndarray, got: np.ndarray, labels: np.ndarray | None) -> dict
         "top1_agreement": stats.top1_agreement,
         "accuracy": accuracy,
     }
+
+
+def required_failures(required: list[str], engines: list[EngineValidation], dropped: list[str]) -> list[str]:
+    """A failure for each precision of ``precision.required`` with no engine validated, passed and kept (not
+    ``dropped`` as slower), saying which of those it lacks: a run asked to deliver INT8 must not pass on its FP32
+    engines alone."""
+    out = []
+    for p in required:
+        mine = [e for e in engines if e.precision == p]
+        if any(e.status == "validated" and e.passed and e.name not in dropped for e in mine):
+            continue
+        if not mine:
+            why = f"no {p} engine was built (the result line says why)"
+        elif all(e.status != "validated" for e in mine):
+            why = f"{p} engines were built only for devices this machine lacks ({', '.join(e.name for e in mine)})"
+        elif any(e.status == "validated" and e.passed for e in mine):
+            why = f"every {p} engine that passed was slower and dropped ({', '.join(dropped)})"
+        else:
+            why = f"no {p} engine passed its gates"
+        out.append(f"{REQUIRED}{why}")
+    return out
 
 
 def engine_hints(meta: EngineMetadata, failures: list[str]) -> list[str]:
@@ -704,6 +725,7 @@ def run(ctx: StageContext[ValidateSettings]) -> ValidationResult:
     speed = speed_vs_fp32(engines)  # reduced precision that is not faster than FP32: flagged, or dropped
     # INT8/FP8 slower than the FP16 engine beside it is never the one to serve: dropped in any case
     dropped = drop_slower(engines, speed if ctx.config.require_speedup else [r for r in speed if _under_fp16(r)])
+    failures += required_failures(ctx.config.required, engines, dropped)
     for row in speed:
         if row["slower"]:
             judge = row["judged_against"]
