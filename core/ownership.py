@@ -27,6 +27,11 @@ from kiln.core.errors import StorageError
 
 OWNED = ".kiln-owned.json"  # in an output folder: name -> [size, mtime_ns] of every file Kiln wrote there
 SCRATCH = ".kiln-tmp"  # a workdir's or output folder's own temporary space
+CACHE = ".kiln-cache"  # beside a direct command's -o: its calibration and build caches
+ENGINE_RECORD = "kiln-engine.json"  # an engine folder's own record of its files (``file_hashes``), by `kiln build`
+# a file that says which command filled the folder whose .kiln-owned.json records it
+MADE_BY = {"variants.json": "kiln precision", "loadtest.json": "kiln loadtest"}
+CACHED = "Kiln's cache"
 log = logging.getLogger("kiln")
 _LEFTOVER = re.compile(r"^\.(?P<final>.+)\.(?P<kind>staging|old|tmp|scratch)-(?P<pid>\d+)-[0-9a-f]{8}(\.tmp)?$")
 
@@ -149,11 +154,71 @@ def claim_folder(folder: Path, what: str = "-o", names: Iterable[str] | None = N
         if p.is_symlink() or not p.is_file() or owned.get(rel) != _stat(p)
     )
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise StorageError(
-            f"{what} {folder} already holds files Kiln did not write ({shown}); writing there would replace them",
+            f"{what} {folder} already holds {held(folder, [folder / rel for rel in foreign])}; writing there would "
+            "replace them",
             hint=f"move them away, or give {what} a new or empty folder (or one an earlier run of this command wrote)",
         )
+
+
+def held(folder: Path, paths: Iterable[Path]) -> str:
+    """What ``paths`` (files inside ``folder``) are, for a refusal to write over them: the files no Kiln command
+    wrote, then other Kiln commands' output (:func:`kiln_output`), by whose it is and where that is recorded."""
+    records: dict[Path, dict[str, list[int]]] = {}
+    foreign: list[str] = []
+    kilns: dict[str, list[str]] = {}
+    for p in paths:
+        whose = kiln_output(folder, p, records)
+        if whose is None:
+            foreign.append(p.relative_to(folder).as_posix())
+        elif whose[1] not in kilns.setdefault(whose[0], []):
+            kilns[whose[0]].append(whose[1])
+    parts = [f"files Kiln did not write ({_listed(foreign)})"] if foreign else []
+    if kilns:
+        said = [f"{who} {'' if who == CACHED else 'recorded in '}{_listed(at, 3)}" for who, at in kilns.items()]
+        parts.append(f"other Kiln commands' output ({'; '.join(said)})")
+    return " and ".join(parts)
+
+
+def _listed(items: list[str], first: int = 5) -> str:
+    return ", ".join(items[:first]) + (f" and {len(items) - first} more" if len(items) > first else "")
+
+
+def kiln_output(
+    folder: Path, path: Path, records: dict[Path, dict[str, list[int]]] | None = None
+) -> tuple[str, str] | None:
+    """Whose output ``path``, a file inside ``folder``, is where another Kiln command wrote it, and where that is
+    recorded (relative to ``folder``): a file in Kiln's cache (:data:`CACHE`), one an engine's
+    :data:`ENGINE_RECORD` lists, or one a ``.kiln-owned.json`` of its folder or a folder above it (up to
+    ``folder``) records unchanged, or that record. None: no Kiln command wrote it, or it changed since (a link
+    never counts). ``records``: the ``.kiln-owned.json`` already read, by folder."""
+    rel = path.relative_to(folder)
+    if path.is_symlink() or not path.is_file():
+        return None
+    if CACHE in rel.parts[:-1]:
+        return CACHED, Path(*rel.parts[: rel.parts.index(CACHE) + 1]).as_posix()
+    records = {} if records is None else records
+    for d in [path.parent, *path.parent.parents][: len(rel.parts)]:  # from the file's folder up to ``folder``
+        name, at = path.relative_to(d).as_posix(), d.relative_to(folder)
+        if name in _engine_files(d):
+            return "kiln build's output", (at / ENGINE_RECORD).as_posix()
+        record = records.setdefault(d, owned_files(d))
+        if record.get(name) == _stat(path) or (name == OWNED and record):  # a file it records, or the record
+            command = next((c for marker, c in MADE_BY.items() if (d / marker).is_file()), "a Kiln command")
+            return f"{command}'s output", (at / OWNED).as_posix()
+    return None
+
+
+def _engine_files(folder: Path) -> list[str]:
+    """The files of the engine in ``folder``: those its :data:`ENGINE_RECORD` lists, and the record itself; none
+    without a readable one."""
+    if not (folder / ENGINE_RECORD).is_file():
+        return []
+    try:
+        listed = json.loads((folder / ENGINE_RECORD).read_text()).get("file_hashes")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [*listed, ENGINE_RECORD] if isinstance(listed, dict) else []
 
 
 def record_owned(folder: Path, names: Iterable[str] | None = None) -> None:

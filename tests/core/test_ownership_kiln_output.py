@@ -1,0 +1,58 @@
+"""An output folder holding another Kiln command's output (a `kiln precision` folder recorded in its
+`.kiln-owned.json`, a `kiln build` engine, Kiln's `.kiln-cache`) is still refused, and the refusal says whose output
+it is rather than calling Kiln's own files "files Kiln did not write"; a file no Kiln command wrote is still named
+as such."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from kiln.cli import main
+from kiln.core.ownership import held
+from tests.pipeline.test_faults import assert_clean, tiny_onnx
+
+
+def _kiln(*args: object) -> object:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _precision(model: Path, out: Path) -> object:
+    return _kiln("precision", model, "-o", out, "--variants", "int8")
+
+
+def _error(result: object) -> str:
+    return next(line for line in result.output.splitlines() if line.startswith("error:"))
+
+
+def test_another_kiln_commands_output_is_named_as_such(tmp_path: Path) -> None:
+    model, there = tiny_onnx(tmp_path / "m.onnx"), tmp_path / "there"
+    assert _precision(model, there / "v").exit_code == 0  # there/v and Kiln's cache there/.kiln-cache
+    assert _kiln("build", there / "v" / "fp32", "-o", there / "eng").exit_code == 0
+    result = _precision(model, there)
+    assert_clean(result, 2, "kiln precision's output recorded in v/.kiln-owned.json")
+    error = _error(result)
+    assert "Kiln's cache .kiln-cache" in error and "kiln build's output recorded in eng/kiln-engine.json" in error
+    assert "did not write" not in error and "v/int8" not in error
+
+
+def test_files_kiln_did_not_write_are_named_beside_kilns_own(tmp_path: Path) -> None:
+    model, there = tiny_onnx(tmp_path / "m.onnx"), tmp_path / "there"
+    assert _precision(model, there / "v").exit_code == 0
+    (there / "notes.txt").write_text("the user's own")
+    (there / "v" / "fp32" / "model.onnx").write_bytes(b"edited by hand")
+    result = _precision(model, there)
+    assert_clean(result, 2, "already holds files Kiln did not write (notes.txt, v/fp32/model.onnx)")
+    assert "kiln precision's output recorded in v/.kiln-owned.json" in _error(result)
+    assert (there / "notes.txt").read_text() == "the user's own"
+
+
+def test_a_whole_precision_folder_is_its_output_record_and_all(tmp_path: Path) -> None:
+    """What a caller refusing the whole folder (its `.kiln-owned.json` included) is told of a `kiln precision`
+    folder: that command's output, not files Kiln did not write."""
+    out = tmp_path / "v"
+    assert _precision(tiny_onnx(tmp_path / "m.onnx"), out).exit_code == 0
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    assert out / ".kiln-owned.json" in files
+    assert held(out, files) == "other Kiln commands' output (kiln precision's output recorded in .kiln-owned.json)"
