@@ -19,6 +19,15 @@ if TYPE_CHECKING:  # kiln.core.data imports torch; the graph stages need none of
 
 Axes = Mapping[str, Mapping[int, str]]
 
+# How far each repeated copy of a float input moves from the one before it, as a share of the input's spread: far
+# above float rounding, so a model's scores on a copy tie with none on the data (a detector's top-k peaks, which
+# PyTorch and ONNX Runtime order apart where equal), and far below what changes what the input shows
+COPY_STEP = 1e-3
+# Each axis's copies move by COPY_STEP times 1 + axis * this: factors whose ratios are irrational, so no count of
+# copies along one axis moves a value as far as a count along another (an image grown in both height and width
+# holds no patch twice)
+_AXIS_FACTOR = (5**0.5 - 1) / 2
+
 
 def graph_axes(specs: list[TensorSpec]) -> dict[str, dict[int, str]]:
     """The dynamic axes besides batch an ONNX graph declares (symbolic dims), as ``signature.dynamic_axes``."""
@@ -108,7 +117,9 @@ def resize(
     mark them padding, which the comparisons leave out); where the mask shows rows padded at their end, each row
     repeats its real positions only (:func:`_tiled_rows`), so no padding lands mid-row. A float input repeats
     only with ``repeat_floats`` (a clip played again, a cloud's points repeated: where zeros would be silence or
-    points at the origin); without it, an
+    points at the origin), each copy shifted by a step of its spread (:func:`copy_step`; not one named like a mask),
+    so the model's scores on a copy tie with none on the data: runtimes order equal scores apart (top-k, argmax),
+    which would fail a right graph; integers repeat exactly. Without it, an
     axis that holds one is padded, every input on it: an integer one with the value its data holds where its
     attention mask marks padding (:func:`kiln.core.labels.padding_value`: the pad token, a mask's 0), else ``fill``.
     Cut by keeping the first positions, or the last on the axes ``left`` names (None: those whose attention mask
@@ -127,10 +138,12 @@ def resize(
         real = _real_lengths(out, on, [out[n] for n in lengths]) if tile and label not in left else None
         for name, axis in on:
             own = fills[name]
+            grows = tile and out[name].shape[axis] < size and not is_mask_name(name)
+            step = copy_step(out[name], axis) if grows else 0.0
             if real is not None and axis == 1 and out[name].shape[0] == len(real) and out[name].shape[1] < size:
-                out[name] = _tiled_rows(out[name], real, size)
+                out[name] = _tiled_rows(out[name], real, size, step)
                 continue
-            out[name] = _resized(out[name], axis, size, tile, label in left, fill if own is None else own)
+            out[name] = _resized(out[name], axis, size, tile, label in left, fill if own is None else own, step)
         for name in lengths:
             out[name] = _resized_lengths(out[name], have, size, tile, rows=real is not None)
     return {name: np.ascontiguousarray(array) for name, array in out.items()}
@@ -196,22 +209,53 @@ def _real_lengths(out: Feed, on: list[tuple[str, int]], lengths: list[np.ndarray
     return lengths[0].reshape(-1) if lengths else None
 
 
-def _tiled_rows(array: np.ndarray, real: np.ndarray, size: int) -> np.ndarray:
+def copy_step(array: np.ndarray, axis: int) -> float:
+    """How far :func:`resize` shifts each repeated copy of ``array`` along ``axis`` from the one before: 0 for an
+    integer or boolean array (token ids, masks: repeated exactly); for a float one :data:`COPY_STEP` times its
+    spread (the standard deviation of its finite values; their largest magnitude, or 1, where all are equal), so
+    zeros move too, times a factor of the axis (:data:`_AXIS_FACTOR`)."""
+    if array.dtype.kind != "f" or not array.size:
+        return 0.0
+    values = np.asarray(array, np.float64)
+    values = values[np.isfinite(values)]
+    spread = float(values.std()) if values.size else 0.0
+    spread = spread or float(np.abs(values).max(initial=0.0)) or 1.0
+    return COPY_STEP * spread * (1.0 + axis * _AXIS_FACTOR)
+
+
+def _shifted(array: np.ndarray, copies: np.ndarray, step: float) -> np.ndarray:
+    """``array`` with each position moved by ``step`` times the number of its copy (``copies``: 0 for the data's
+    own positions, broadcast against ``array``), in its own dtype; as it is where ``step`` is 0."""
+    return (array + copies * step).astype(array.dtype) if step else array
+
+
+def _tiled_rows(array: np.ndarray, real: np.ndarray, size: int, step: float = 0.0) -> np.ndarray:
     """``array`` lengthened to ``size`` along axis 1, each row repeating its own ``real`` first positions: a clip
     padded at its end plays again from its start, its mask 1 throughout, where tiling the whole row would put its
-    padding in the middle (a mask no client sends, which Wav2Vec2 reads as a shorter clip)."""
-    index = np.arange(size)[None, :] % np.maximum(real, 1)[:, None]
-    return np.take_along_axis(array, index.reshape(index.shape + (1,) * (array.ndim - 2)), axis=1)
+    padding in the middle (a mask no client sends, which Wav2Vec2 reads as a shorter clip). Each copy is shifted by
+    ``step`` from the one before (:func:`copy_step`)."""
+    length = np.maximum(real, 1)[:, None]
+    trailing = (1,) * (array.ndim - 2)
+    index = np.arange(size)[None, :] % length
+    tiled = np.take_along_axis(array, index.reshape(index.shape + trailing), axis=1)
+    copies = np.arange(size)[None, :] // length
+    return _shifted(tiled, copies.reshape(copies.shape + trailing), step)
 
 
-def _resized(array: np.ndarray, axis: int, size: int, tile: bool, from_end: bool, fill: float) -> np.ndarray:
+def _resized(
+    array: np.ndarray, axis: int, size: int, tile: bool, from_end: bool, fill: float, step: float = 0.0
+) -> np.ndarray:
     """``array`` at ``size`` along ``axis``: its first positions, or its last (``from_end``); past its length its
-    values repeated (``tile``) or ``fill``."""
+    values repeated (``tile``), each copy shifted by ``step`` from the one before (:func:`copy_step`), or
+    ``fill``."""
     have = array.shape[axis]
     if have >= size:
         return np.take(array, np.arange(have - size, have) if from_end else np.arange(size), axis=axis)
     if tile:
-        return np.take(array, np.arange(size) % have, axis=axis)
+        copies = np.arange(size) // have
+        shape = [1] * array.ndim
+        shape[axis] = size
+        return _shifted(np.take(array, np.arange(size) % have, axis=axis), copies.reshape(shape), step)
     pad = [(0, 0)] * array.ndim
     pad[axis] = (0, size - have)
     return np.pad(array, pad, constant_values=fill)

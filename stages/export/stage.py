@@ -112,6 +112,20 @@ def export_onnx(
     ``example``: a tensor, tuple or dict of inputs (the dataset contract); ONNX input names come from the dict keys
     or the forward's parameters, output names from :func:`kiln.core.outputs.flatten_outputs`. ``dynamic_axes``:
     axes besides the batch axis that vary, named (one name ties axes of several inputs together)."""
+    return export_with_fallback(model, example, path, opset, dynamic_batch, dynamic_axes)[0]
+
+
+def export_with_fallback(
+    model: nn.Module,
+    example: Inputs,
+    path: Path,
+    opset: int = 18,
+    dynamic_batch: bool = True,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+) -> tuple[onnx.ModelProto, str]:
+    """:func:`export_onnx`, and why the dynamo exporter failed where the graph is the TorchScript exporter's
+    (empty where it is dynamo's): a later check that the fallback's graph fails then names the code dynamo
+    refused, which is what to fix."""
     model = model.eval()
     check_axes_name_inputs(model, example, dynamic_axes)
     names = input_names(model, example)
@@ -129,6 +143,7 @@ def export_onnx(
     # The dynamo exporter writes opset 18 at least, whatever is asked; older opsets need the TorchScript one.
     fixed: list[str] = []
     validation = ""  # where torch.distributions' argument validation made the dynamo exporter fail
+    refused = ""  # why the dynamo exporter failed, where the TorchScript one then exported the graph
     for dynamo in (True, False) if opset >= 18 else (False,):
         try:
             fixed = _export(
@@ -150,8 +165,8 @@ def export_onnx(
             interrupt.check()  # a Ctrl-C that landed inside the exporter's imports came out as another error
             errors.append(f"{'dynamo' if dynamo else 'torchscript'} exporter: {_reason(exc)}")
             if dynamo:
-                validation = _in_distributions(exc)
-                log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", _reason(exc))
+                validation, refused = _in_distributions(exc), _reason(exc)
+                log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", refused)
     else:
         raise ExportFailed(
             "torch.onnx.export failed: " + " | ".join(errors),
@@ -171,7 +186,7 @@ def export_onnx(
     save_onnx(proto, path)
     _drop_unreferenced_data(path)
     check_onnx(path, "exported model")  # from the file: the checker then needs no serialized copy of the model
-    return proto
+    return proto, refused
 
 
 # Rows the export's parity check runs: it compares the same arithmetic in two runtimes, which a few rows show as
@@ -246,14 +261,19 @@ def _lost_axes(path: Path, names: dict[str, str], axes: dict[str, dict[int, str]
 
 
 def _reason(exc: BaseException) -> str:
-    """The most specific line of an exporter error (the dynamo exporter wraps the real cause), and where in the
-    user's own code it arose, where that can be told."""
-    return first_line(root_cause(exc)) + _user_location(exc)
+    """The most specific line of an exporter error (the dynamo exporter wraps the real cause), the op its ONNX
+    translation was converting (:func:`_failed_node`), and where in the user's own code it arose, where those can
+    be told."""
+    node = _failed_node(exc)
+    op = f", converting {node.target}" if node is not None else ""
+    return first_line(root_cause(exc)) + op + _user_location(exc)
 
 
 def _user_location(exc: BaseException | None) -> str:
-    """ " (in forward() at mine.py:12)": the innermost frame in the user's files of the error or its causes, or the
-    one a Dynamo error quotes "from user code"; empty when the error is not the user's code's."""
+    """ " (in forward() at mine.py:12)": the innermost frame in the user's files of the error or its causes, the
+    one a Dynamo error quotes "from user code", or the user's line of the graph node the dynamo exporter's ONNX
+    translation failed on (:func:`_failed_node`); empty when the error is not the user's code's."""
+    first = exc
     while exc is not None:
         frame = user_frame(exc)
         if frame is not None:
@@ -263,7 +283,32 @@ def _user_location(exc: BaseException | None) -> str:
             path, line, fn = quoted.groups()
             return f" (in {fn}() at {Path(path).name}:{line})"
         exc = exc.__cause__ or exc.__context__
-    return ""
+    return _node_location(_failed_node(first))
+
+
+def _node_location(node: torch.fx.Node | None) -> str:
+    """ " (in forward() at mine.py:12)": the innermost frame in the user's files of the stack a graph node was
+    traced at; empty where it records none."""
+    stack = str(node.meta.get("stack_trace") or "") if node is not None else ""
+    traced = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', stack)
+    path, line, fn = next((t for t in reversed(traced) if is_user_file(t[0])), ("", "", ""))
+    return f" (in {fn}() at {Path(path).name}:{line})" if path else ""
+
+
+def _failed_node(exc: BaseException | None) -> torch.fx.Node | None:
+    """The graph node the dynamo exporter's ONNX translation was converting when it failed (``aten.remainder.Scalar``
+    with a symbolic divisor): a local of its frames in ``torch.onnx``, whose error names neither the op plainly nor
+    the user's line the node records (``meta["stack_trace"]``). None where no such frame holds one."""
+    while exc is not None:
+        tb = exc.__traceback__
+        while tb is not None:
+            if f"{Path('torch', 'onnx')}" in tb.tb_frame.f_code.co_filename:
+                node = next((v for v in list(tb.tb_frame.f_locals.values()) if isinstance(v, torch.fx.Node)), None)
+                if node is not None:
+                    return node
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _export(
@@ -942,14 +987,16 @@ def check_validated_sizes(
     shapes: Mapping[str, list[int]],
     atol: float,
     rtol: float = 0.0,
+    dynamo: str = "",
 ) -> None:
     """PyTorch and the exported graph at every size of the dynamic axes that the later stages run (validation's
     smallest and largest: :func:`kiln.core.shapes.axis_sizes`), beside the data's own that :func:`parity` checks,
     each output within ``atol + rtol *`` the value its error is on (:func:`within_parity`).
     A model that runs at one length only, or an exporter that fixed a size it was told varies, is named here with
-    what to change, instead of failing deep in calibration or validation."""
+    what to change, instead of failing deep in calibration or validation. ``dynamo``: why the dynamo exporter
+    failed, where the graph is the TorchScript exporter's (:func:`export_with_fallback`)."""
     x, feed, seen = _parity_rows(data, names)
-    check_sizes_of(model, path, session, x, feed, seen, axes, shapes, atol, rtol)
+    check_sizes_of(model, path, session, x, feed, seen, axes, shapes, atol, rtol, dynamo=dynamo)
 
 
 def check_sizes_of(
@@ -964,11 +1011,16 @@ def check_sizes_of(
     atol: float,
     rtol: float = 0.0,
     direct: bool = False,
+    dynamo: str = "",
 ) -> None:
     """:func:`check_validated_sizes` on the rows ``x`` (``feed``: as the graph takes them) resized to each size,
     the sizes taken from ``shapes`` or else from ``seen`` (a row of each split: their smallest and largest; half
     of one size). ``direct``: for ``kiln export -o``, where no later stage runs a size Kiln makes: one the model
-    cannot take gives way to the smallest it takes (:func:`_direct_point`), and the errors speak of the example."""
+    cannot take gives way to the smallest it takes (:func:`_direct_point`), and the errors speak of the example.
+    Where outputs that order or count by value (indices, a length the values decide) are off on inputs Kiln padded
+    with zeros, whose equal scores runtimes order apart, the graph passes if it computes the model on the inputs
+    grown by their own values (:func:`_computes_untied`). ``dynamo``: why the dynamo exporter failed, where the
+    graph is the TorchScript exporter's, said with the error."""
     whose = "the example's" if direct else "the data's"
     tie = (
         "give inputs that tie no scores (a config whose data.name gives real ones)"
@@ -979,30 +1031,105 @@ def check_sizes_of(
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
         ref = _torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct)
         by_value: list[str] = []
+        indices: list[str] = []
         try:
             check = parity(model, path, inputs, session, at, ref)
             over, by_value = not parity_passes(check, atol, rtol), check["by_value"]
+            indices = _integers_over(check, ref, atol, rtol)
         except ModelError:
             raise
         except Exception as exc:  # ONNX Runtime's own error: the graph holds the size it was exported at
             over, why = True, first_line(exc)
         else:
             why = _over_tolerance(check, atol, rtol)
+        if over and (by_value or indices) and _computes_untied(model, path, session, x, feed, axes, point, atol, rtol):
+            log.info(
+                "at %s the outputs %s differ on %s inputs padded with zeros (equal scores there, which runtimes "
+                "order apart) and agree on them grown by their own values: the graph computes the model there",
+                *(at, by_value or indices, whose),
+            )
+            continue
         if over and by_value:
             raise ModelError(
                 f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}), and outputs "
-                f"{by_value} have a length the values decide (NMS, a threshold): where Kiln made that size by "
-                f"repeating {whose} values, it tied scores, and runtimes break ties apart (another detection kept)",
+                f"{by_value} have a length the values decide (NMS, a threshold): scores may tie on the inputs Kiln "
+                f"made that size from {whose} (its zero padding, equal values of their own), and runtimes break ties "
+                "apart (another detection kept)" + _fell_back(dynamo),
                 hint=f"{tie}, or export the model before its thresholding (its raw scores and boxes) and threshold "
                 "outside",
             )
         if over:
             line = _pinned_at(model, take(x, slice(0, 2)), axes)  # the loop or Python number that fixed it
-            raise ModelError(
-                f"the exported graph does not compute the model at {at}, where PyTorch runs ({why}): the exporter "
-                f"fixed a size that signature.dynamic_axes makes vary{' in ' + line if line else ''}",
-                hint=_one_name_hint([feed, *seen], axes, point, _source(direct)) + FIXED_SIZE_HINT,
-            )
+            named = _one_name_hint([feed, *seen], axes, point, _source(direct))
+            raise _fixed_size_error(f"at {at}, where PyTorch runs ({why})", line, indices, tie, named, dynamo)
+
+
+def _fixed_size_error(where: str, line: str, indices: list[str], tie: str, named: str, dynamo: str) -> ModelError:
+    """The size check's error where the graph does not compute the model ``where`` (the sizes, and the error there):
+    the exporter fixed a size (at ``line`` of the user's code, where found); or, with integer outputs off
+    (``indices``), equal scores they index, which runtimes order apart (``tie``: the fix for that). ``named``: the
+    start of the fix where two axes may be one (:func:`_one_name_hint`); ``dynamo``: why the dynamo exporter
+    failed, where the graph is the TorchScript exporter's (:func:`_fell_back`, :func:`_dynamo_hint`)."""
+    ties = f", or its integer outputs {indices} index scores that tie there (top-k, argmax), which runtimes order apart"
+    return ModelError(
+        f"the exported graph does not compute the model {where}: the exporter fixed a size that "
+        f"signature.dynamic_axes makes vary{' in ' + line if line else ''}{ties if indices else ''}"
+        + _fell_back(dynamo),
+        hint=_dynamo_hint(dynamo)
+        + (f"if {indices} are indices of tied scores, {tie}; else " if indices else "")
+        + named
+        + FIXED_SIZE_HINT,
+    )
+
+
+def _integers_over(check: Mapping[str, Any], ref: Mapping[str, np.ndarray], atol: float, rtol: float) -> list[str]:
+    """The integer outputs of a :func:`parity` result past the tolerance: indices (``torch.topk``'s, an argmax),
+    which pick one of equal scores as each runtime orders them."""
+    per, scale = check["per_output"], check["scale"]
+    return [n for n, r in ref.items() if r.dtype.kind in "iub" and not within_parity({n: per[n]}, scale, atol, rtol)]
+
+
+def _computes_untied(
+    model: nn.Module,
+    path: Path,
+    session: Any,
+    like: Inputs,
+    feed: Feed,
+    axes: Axes,
+    point: Mapping[str, int],
+    atol: float,
+    rtol: float,
+) -> bool:
+    """Whether the graph computes the model at ``point`` on ``feed``'s float inputs grown by repeating their own
+    values, each copy shifted so no value repeats (:func:`kiln.core.shapes.resize`, as validation grows them), where
+    the size check padded them with zeros: a constant region, on which a detector's scores tie. False where both
+    grow the inputs alike, or the model or the graph fails on them."""
+    grown, padded = resize(feed, axes, point, repeat_floats=True), resize(feed, axes, point)
+    if all(np.array_equal(grown[n], padded[n]) for n in grown):
+        return False
+    inputs = from_feed(grown, like)
+    try:
+        return parity_passes(parity(model, path, inputs, session, ref=_torch_outputs(model, inputs)), atol, rtol)
+    except Exception:  # noqa: BLE001 - the model or the graph cannot take them: no evidence the graph is right
+        return False
+
+
+def _fell_back(dynamo: str) -> str:
+    """The end of a size check's error where the graph is the TorchScript exporter's: the dynamo exporter, whose
+    graph keeps sizes symbolic, failed first (``dynamo``: why, and where in the user's code); empty otherwise."""
+    return f"; this graph is the TorchScript exporter's: the dynamo exporter failed first ({dynamo})" if dynamo else ""
+
+
+def _dynamo_hint(dynamo: str) -> str:
+    """The start of a size check's fix where the dynamo exporter failed first at a line of the user's code that its
+    error names (``dynamo``): change that code, so its graph is exported; empty otherwise."""
+    named = re.search(r"\(in ([\w<>]+\(\) at [^)]+)\)$", dynamo)
+    if named is None:
+        return ""
+    return (
+        f"change the code the dynamo exporter failed on, in {named.group(1)}, so that it exports the model (its "
+        "graph keeps sizes symbolic, where the TorchScript exporter's trace may fix them); else "
+    )
 
 
 def _source(direct: bool) -> str:
@@ -1286,13 +1413,13 @@ def export_at_sizes(
     data: DatasetSplits,
     axes: Mapping[str, Mapping[int, str]] | None,
     shapes: Mapping[str, list[int]],
-) -> onnx.ModelProto:
-    """:func:`export_onnx` with a dynamic batch and ``axes``; where both exporters fail and an axis varies, PyTorch
-    runs first at the other sizes the later stages run (as :func:`check_validated_sizes` does after an export): a
-    model that takes one size (a shape check of its own) fails there with its own error, which is then the one said,
-    not the exporters' (an op traced at that one size the fallback exporter cannot write)."""
+) -> tuple[onnx.ModelProto, str]:
+    """:func:`export_with_fallback` with a dynamic batch and ``axes``; where both exporters fail and an axis varies,
+    PyTorch runs first at the other sizes the later stages run (as :func:`check_validated_sizes` does after an
+    export): a model that takes one size (a shape check of its own) fails there with its own error, which is then the
+    one said, not the exporters' (an op traced at that one size the fallback exporter cannot write)."""
     try:
-        return export_onnx(model, example, path, opset, True, axes)
+        return export_with_fallback(model, example, path, opset, True, axes)
     except ExportFailed:
         if axes:
             names = input_names(model, example)
@@ -1386,7 +1513,9 @@ def export_direct(
     example = take(x, slice(0, 2))  # traced with two rows, like the pipeline's export
     refuse_random(model, example)
     refuse_nothing_finite(model, x if cfg.export.dynamic_batch else example, _example_source(specs), bool(specs))
-    proto = export_onnx(model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes)
+    proto, dynamo = export_with_fallback(
+        model, example, output, cfg.export.opset, cfg.export.dynamic_batch, cfg.signature.dynamic_axes
+    )
     atol, rtol = cfg.export.parity_atol, cfg.export.parity_rtol
     session = ort_session(output)
     if cfg.export.dynamic_batch:  # at another batch too: a graph that holds the traced one gets those rows right
@@ -1406,7 +1535,8 @@ def export_direct(
         names = [i.name for i in proto.graph.input]
         seen = [feed_for_graph(take(on, slice(0, 1)), names)]
         feed, axes = feed_for_graph(on, names), dict(cfg.signature.dynamic_axes)
-        check_sizes_of(model, output, session, on, feed, seen, axes, cfg.signature.shapes, atol, rtol, direct=True)
+        shapes = cfg.signature.shapes
+        check_sizes_of(model, output, session, on, feed, seen, axes, shapes, atol, rtol, direct=True, dynamo=dynamo)
     return {"path": str(output), "nodes": len(proto.graph.node), **check}
 
 
@@ -1793,7 +1923,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     example, x = take(data.val_x, slice(0, 2)), take(data.val_x, slice(0, PARITY_ROWS))
     refuse_random(model, example)
     warn_wide_inputs(model, example)
-    proto = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
+    proto, dynamo = export_at_sizes(model, example, path, cfg.opset, data, axes, ctx.config.signature.shapes)
     session = ort_session(path)  # for the parity check and the output-axis probe
     check = batch_parity(model, path, example, x, cfg.parity_atol, session, cfg.parity_rtol)
     require_parity(check, cfg.parity_atol, cfg.parity_rtol, f"{path.name}, on the data's first {check['samples']} rows")
@@ -1804,9 +1934,8 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         check["max_abs_err"],
     )
     names = [i.name for i in proto.graph.input]
-    check_validated_sizes(
-        model, path, session, data, names, axes or {}, ctx.config.signature.shapes, cfg.parity_atol, cfg.parity_rtol
-    )
+    shapes, atol, rtol = ctx.config.signature.shapes, cfg.parity_atol, cfg.parity_rtol
+    check_validated_sizes(model, path, session, data, names, axes or {}, shapes, atol, rtol, dynamo)
     steps = size_steps(model, data, names, axes or {}, ctx.config.signature.shapes)
     if steps:
         (ctx.out / AXIS_STEPS).write_text(json.dumps(steps, indent=2, sort_keys=True) + "\n")

@@ -7,7 +7,7 @@ import pytest
 
 from kiln.core.errors import ConfigError
 from kiln.core.records import TensorSpec
-from kiln.core.shapes import axis_sizes, graph_axes, resize, shape_points
+from kiln.core.shapes import axis_sizes, copy_step, graph_axes, resize, shape_points
 
 IGNORE = -100
 
@@ -56,7 +56,9 @@ def test_a_float_input_lengthened_for_validation_repeats_itself_and_the_inputs_b
     feed = {"audio": np.array([[1.0, 2.0, 3.0]], np.float32), "ids": np.array([[5, 6, 7]], np.int64)}
     axes = {"audio": {1: "t"}, "ids": {1: "t"}}
     longer = resize(feed, axes, {"t": 7}, repeat_floats=True)
-    assert longer["audio"].tolist() == [[1, 2, 3, 1, 2, 3, 1]] and longer["ids"].tolist() == [[5, 6, 7, 5, 6, 7, 5]]
+    step = copy_step(feed["audio"], 1)  # each copy a step of the clip's spread above the one before
+    assert np.allclose(longer["audio"], [[1, 2, 3, 1 + step, 2 + step, 3 + step, 1 + 2 * step]])
+    assert longer["ids"].tolist() == [[5, 6, 7, 5, 6, 7, 5]]
     padded = resize(feed, axes, {"t": 5})  # the default: a float axis padded, every input on it alike
     assert padded["audio"].tolist() == [[1, 2, 3, 0, 0]] and padded["ids"].tolist() == [[5, 6, 7, 0, 0]]
     assert resize(feed, axes, {"t": 2}, repeat_floats=True)["audio"].tolist() == [[1, 2]]
@@ -116,3 +118,33 @@ def test_padding_still_added_takes_the_data_pad_token() -> None:
     padded = resize(data, axes, {"seq": 8})  # a float input and no repeat_floats: padded
     assert (padded["input_ids"][:, 6:] == 2).all() and not padded["attention_mask"][:, 6:].any()
     assert (padded["frames"][:, 6:] == 0).all()
+
+
+def test_repeated_float_copies_hold_no_value_of_the_data_so_no_score_ties_with_it() -> None:
+    """An 8x8 image grown to 12x12 by exact copies held each pixel twice: a detector's peaks tied, and PyTorch's and
+    ONNX Runtime's top-k ordered them apart, failing a right graph. Each copy is shifted (zeros too), differently
+    along each axis; integer inputs and a float mask still repeat exactly."""
+    image = np.random.default_rng(0).random((2, 3, 8, 8)).astype(np.float32)
+    image[:, :, :2] = 0.0  # zeros move too
+    flags = np.array([[1.0, 1.0, 0.0]], np.float32)
+    feed = {"image": image, "grid": np.arange(2 * 64).reshape(2, 1, 8, 8), "attention_mask": flags}
+    axes = {"image": {2: "h", 3: "w"}, "grid": {2: "h", 3: "w"}, "attention_mask": {1: "t"}}
+    grown = resize(feed, axes, {"h": 12, "w": 12, "t": 5}, repeat_floats=True)
+    assert np.array_equal(grown["image"][:, :, :8, :8], image)
+    assert not np.isin(grown["image"][:, :, 8:], image).any() and not np.isin(grown["image"][..., 8:], image).any()
+    # the copy below and the copy to the right hold the same pixels, each moved by its own axis's step
+    below, right = grown["image"][:, :, 8:, :4], grown["image"][:, :, :4, 8:]
+    assert np.abs(below - right).min() > 1e-4 * image.std()
+    assert np.array_equal(grown["grid"], feed["grid"][:, :, np.arange(12) % 8][..., np.arange(12) % 8])
+    assert grown["attention_mask"].tolist() == [[1, 1, 0, 1, 1]]
+
+
+def test_rows_repeating_their_real_positions_shift_each_float_copy_and_keep_their_mask() -> None:
+    """A clip padded at its end plays again from its start, each replay shifted; its mask and ids stay exact."""
+    mask = np.array([[1, 1, 1, 0, 0, 0]], np.int64)
+    feed = {"audio": np.array([[0.0, 1.0, 2.0, 0.0, 0.0, 0.0]], np.float32), "attention_mask": mask}
+    axes = {"audio": {1: "t"}, "attention_mask": {1: "t"}}
+    longer = resize(feed, axes, {"t": 8}, repeat_floats=True)
+    step = copy_step(feed["audio"], 1)
+    assert step > 0 and longer["attention_mask"].tolist() == [[1] * 8]
+    assert np.allclose(longer["audio"], [[0, 1, 2, step, 1 + step, 2 + step, 2 * step, 1 + 2 * step]])

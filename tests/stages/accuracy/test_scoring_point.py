@@ -154,7 +154,7 @@ def test_labels_per_row_are_scored_at_the_datas_own_sizes_not_at_a_padded_one(
     assert ref.score == 1 and ref.accuracy == 1.0
     assert "measured at the data's own sizes (samples=16)" in caplog.text
     longer = ref.feeds[-1][1]["input"]  # past the data's 16 samples a float clip repeats itself, not silence
-    assert np.array_equal(longer[:, 16:32], longer[:, :16])
+    assert np.allclose(longer[:, 16:32], longer[:, :16], atol=1e-2)  # each copy shifted a little
     zeros = np.pad(longer[:, :16], ((0, 0), (0, 48)))  # what validation fed before: three quarters silence
     assert accuracy(_thresholds({"input": zeros})["logits"], _signals().val_y.numpy()) < 0.9
 

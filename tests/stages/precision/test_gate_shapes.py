@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.core.shapes import copy_step
 from kiln.stages.accuracy.check import Reference
 from kiln.stages.accuracy.config import GatesConfig
 from kiln.stages.precision.gate import GateCheck, session_runner
@@ -78,5 +79,6 @@ def test_data_batches_are_calibrated_at_each_validated_shape_they_lack() -> None
     added = at_validated_shapes([batch], {"x": {1: "seq"}}, {"seq": [8, 16, 24]})
     assert [b["x"].shape for b in added] == [(2, 8, 4), (2, 24, 4)]  # seq=16 is the data's own
     np.testing.assert_array_equal(added[0]["x"], batch["x"][:, :8])  # cut, as validation cuts
-    np.testing.assert_array_equal(added[1]["x"][:, 16:], batch["x"][:, :8])  # grown by repeating its values
+    grown = batch["x"][:, :8] + copy_step(batch["x"], 1)  # grown by repeating its values, each copy shifted
+    np.testing.assert_allclose(added[1]["x"][:, 16:], grown, rtol=1e-6)
     assert at_validated_shapes([batch], {}, {}) == []
