@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -9,6 +10,8 @@ import numpy as np
 
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.records import IntRange, TensorSpec, by_column, cell_axes, whole_range
+
+log = logging.getLogger("kiln.inputs")
 
 # A batch's inputs may take at most this share of the machine's memory: outputs, activations and a reference
 # copy come on top of them.
@@ -127,6 +130,27 @@ def largest_sizes(specs: list[TensorSpec], axis_sizes: Mapping[str, Sequence[int
                 sizes = named.get(spec.name, {}).get(axis)
                 out.setdefault(spec.name, {})[axis] = max(sizes) if sizes else default
     return out
+
+
+def recorded_sizes(
+    specs: list[TensorSpec], axis_ranges: Mapping[str, Sequence[int]], what: str = "random inputs"
+) -> dict[str, dict[int, int]]:
+    """A size for each symbolic axis besides the batch that ``axis_ranges`` names (an engine's recorded
+    ``axis_ranges``: axis name -> [smallest, largest]), per input and axis: the largest of its range, the size that
+    runs every position the engine was built for. Axes it does not name are left out, so that
+    :func:`random_inputs` refuses them (no size is known to be one the engine takes). The log says which sizes
+    ``what`` (the inputs made at them) takes, since the range's other sizes are not run."""
+    sizes = {
+        name: {axis: max(taken) for axis, taken in axes.items()}
+        for name, axes in named_sizes(specs, axis_ranges).items()
+    }
+    chosen = {spec.shape[axis]: size for spec in specs for axis, size in sizes.get(spec.name, {}).items()}
+    if chosen:
+        said = ", ".join(f"{dim}={size} (of {list(axis_ranges[dim])})" for dim, size in chosen.items())
+        log.warning(
+            "%s at %s: the largest size of each range the engine records (its smaller ones are not run)", what, said
+        )
+    return sizes
 
 
 def random_inputs(

@@ -1328,7 +1328,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     "config",
     type=click.Path(dir_okay=False),
     help="the run's config (YAML/TOML/JSON): its first 64 validation samples become the requests (the pool's cap; "
-    "default: the config the workdir's run recorded, else the demo's)",
+    "default: the config the workdir's run recorded, else none: random requests of the engine's shapes)",
 )
 @click.option(
     "--processes",
@@ -1404,7 +1404,7 @@ def loadtest(
     model = model or default_model(engines)
     run_config = None if config else recorded_config(engines)
     if run_config is None:
-        run_config = _config(config, ())
+        run_config = _config(config, ()) if config else None  # no data given: random requests, said so
     else:  # the run's own modules (its data function) resolve from where the run imported them, else from here,
         # else beside the workdir (where `kiln run cfg.yaml -w wd` ran, as a project keeps them)
         _importable(*recorded_code_roots(engines), run_workdir(engines).resolve().parent, *filter(None, [_cwd()]))

@@ -82,6 +82,11 @@ CLIENT_SWITCH_S = 200e-6
 TAIL_WINDOW_S = 0.1  # tail_windows' window
 TAIL_MIN_WINDOWS = 20  # fewer windows than this: tail_windows says nothing
 GONE_AFTER = 3  # requests in a row that found no server (connection refused): it is gone, and the level stops
+# why the requests are random where neither -c nor a workdir's recorded run gives data (none is made up)
+NO_DATA = (
+    "no data given, so random arrays of the engine's recorded shapes and ranges; to send real data, give -c CONFIG "
+    "(a config whose data.name gives the engine's inputs) or -e WORKDIR (the `kiln run` workdir it came from)"
+)
 
 
 @dataclass
@@ -359,7 +364,7 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
     else random arrays of the engine's shapes, with the reason."""
     specs = engine.meta.inputs
     if config is None:
-        why = "no config"
+        why = NO_DATA
     elif on_random_inputs(config.model, config.data):
         why = "the run has no data: model.onnx without data.name"
     else:
@@ -376,11 +381,12 @@ def request_pool(engine: ServedEngine, config: KilnConfig | None, size: int = PO
             pool = [{k: v[i : i + 1] for k, v in feed.items()} for i in range(n)]
             held = f"the first {n} of its {total} samples: the pool's cap" if total > n else f"{n} samples"
             return pool, f"real validation data of dataset '{config.data.name or data.name}' ({held})"
-    log.warning("engine %s gets RANDOM inputs: %s", engine.meta.name, why)
     # an axis besides the batch at the largest size the engine was validated for
     sizes = largest_sizes(specs, engine.meta.axis_ranges)
     hint = "give the run's config (-c) so that its validation data become the requests"
     pool = [random_inputs(specs, 1, sizes, seed=i, hint=hint) for i in range(size)]
+    shapes = ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in pool[0].items())
+    log.warning("engine %s gets RANDOM inputs (%s): %s", engine.meta.name, shapes, why)
     return pool, f"RANDOM ({size} samples; {why})"
 
 
@@ -391,7 +397,7 @@ def fit(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     kinds = {np.dtype(spec.dtype).kind, array.dtype.kind}
     kind_ok = len(kinds) == 1 or kinds <= set("iu")  # int32 data for an int64 input: the same values
     if not (shape_ok and kind_ok):
-        dims = ", ".join("batch" if w is None else str(w) for w in want)
+        dims = ", ".join(str(d) if isinstance(d, int) and d > 0 else str(d or "?") for d in spec.shape)
         raise ConfigError(
             f"the data's input '{spec.name}' is {array.dtype}{list(array.shape)}, the engine takes {spec.dtype}[{dims}]"
         )

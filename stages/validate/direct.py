@@ -11,7 +11,7 @@ import torch
 
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, run_batched
-from kiln.core.inputs import check_batch_axis, random_inputs
+from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
 from kiln.core.labels import padding_ties, without_padding
 from kiln.core.onnx_io import check_tensor_io, io_specs, load_onnx, ort_session
 from kiln.core.outputs import FEATURE_NAMES, SINGLE_OUTPUT, host_arrays, logits_name, named_outputs
@@ -111,7 +111,7 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
         feed = random_inputs(
             meta.inputs,
             batch=max(cfg.signature.batch_sizes),
-            dynamic=max(sizes) if sizes else None,
+            dynamic=max(sizes) if sizes else recorded_sizes(meta.inputs, meta.axis_ranges, "RANDOM inputs"),
             hint="pass --inputs file.npz with concrete arrays",
         )
     # The engine's own refusals (a token id past its table) before the reference runs; sizes past those it was

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kiln.core.errors import ConfigError, ModelError
-from kiln.core.inputs import check_batch_axis, random_inputs
+from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
 from kiln.core.records import TensorSpec
 
 
@@ -29,6 +29,21 @@ def test_other_dynamic_axes_need_a_size() -> None:
         random_inputs(spec, batch=2, hint="give shapes")
     assert err.value.hint == "give shapes"
     assert random_inputs(spec, batch=2, dynamic=7)["ids"].shape == (2, 7)
+
+
+def test_an_engines_recorded_ranges_size_the_axes_they_name_and_only_those(caplog: pytest.LogCaptureFixture) -> None:
+    specs = [
+        TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="mask", shape=["batch", "seq"], dtype="int64"),
+        TensorSpec(name="pixels", shape=["batch", 3, "height"], dtype="float32"),
+    ]
+    sizes = recorded_sizes(specs, {"seq": [4, 32]})
+    assert sizes == {"ids": {1: 32}, "mask": {1: 32}}  # "height" has no recorded range: left out
+    assert "seq=32 (of [4, 32])" in caplog.text
+    with pytest.raises(ConfigError, match="'pixels' has dynamic axes besides the batch axis"):
+        random_inputs(specs, batch=2, dynamic=sizes)
+    feed = random_inputs(specs[:2], batch=2, dynamic=sizes)
+    assert feed["ids"].shape == (2, 32) and feed["ids"].min() >= 0 and feed["ids"].max() <= 1
 
 
 def test_only_a_dynamic_batch_axis_is_set() -> None:

@@ -145,6 +145,26 @@ def test_the_config_the_run_recorded_gives_its_validation_data(
     assert recorded_config(tmp_path / "elsewhere") is None
 
 
+def test_a_load_test_of_a_workdir_sends_its_runs_data_not_random_requests(
+    engines: dict[str, ServedEngine], tmp_path: Path
+) -> None:
+    """Without -c, `kiln loadtest -e WORKDIR` takes the data of the config the run recorded (the pool is made before
+    the first request, so no server is needed to see it)."""
+    import socket
+
+    from click.testing import CliRunner
+
+    from kiln.cli import main
+
+    wd = _workdir(tmp_path, engines, ["onnxruntime-cpu-fp32"], None)
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    out = CliRunner().invoke(main, ["loadtest", url, "-e", str(wd), "--duration", "1", "-o", str(tmp_path / "lt")])
+    assert out.exit_code == 2 and "start the server first" in out.output, out.output
+    assert "RANDOM" not in out.output and "no data given" not in out.output, out.output
+
+
 @pytest.mark.parametrize(
     "spec,array,ok",
     [
