@@ -127,6 +127,16 @@ def steps_text(pattern: list[int], span: tuple[int, int] | None = None) -> str:
     return f" at sizes {listed} modulo {period}"
 
 
+def _probed_steps(dim: str, pattern: list[int], span: tuple[int, int]) -> str:
+    """The steps an engine's graph takes ``dim`` in (:func:`steps_text`), said apart from the range it was
+    validated for: the export or the build found them (running the model between the range's ends, or
+    torch.export's constraints), not validation, which runs at its own sizes only; "" where it takes every size."""
+    steps = steps_text(pattern, span)
+    return (
+        f", and its graph takes {dim} only{steps} (steps found at export or build, not each validated)" if steps else ""
+    )
+
+
 class EngineMetadata(Record):
     """``kiln-engine.json``: what an engine is, what it takes, and how it was built.
 
@@ -297,7 +307,7 @@ class EngineMetadata(Record):
                 if not low <= shape[axis] <= high or not takes_size(pattern, shape[axis]):
                     return (
                         f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was "
-                        f"{self.vouched()} for {dim} from {low} to {high}{steps_text(pattern, (low, high))}"
+                        f"{self.vouched()} for {dim} from {low} to {high}{_probed_steps(dim, pattern, (low, high))}"
                     )
         return None
 

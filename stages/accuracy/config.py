@@ -4,12 +4,25 @@ of the ``validate:`` section (validation applies them to engines; the precision 
 from __future__ import annotations
 
 import difflib
+import logging
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from kiln.core.sections import Section
 from kiln.stages.precision.config import PRECISIONS
+
+log = logging.getLogger("kiln.config")
+# The validation context of a per-precision value checked against its gate's bounds, as a top-level gate alone:
+# no gate the user set there to hold against the per-precision defaults
+BOUNDS_ONLY: dict[str, bool] = {"bounds_only": True}
 
 BUILTIN_METRICS = (
     "accuracy",
@@ -86,8 +99,43 @@ class GatesConfig(Section):
     # Reduced precisions get their own looser defaults: FP16/INT8 cannot match FP32 to 1e-4.
     per_precision: dict[str, dict[str, float]] = Field(
         default_factory=lambda: _default_per_precision(),
-        description="overrides of the gates above per precision, merged into these defaults gate by gate",
+        description="overrides of the gates above per precision, merged into these defaults gate by gate; a gate "
+        "above set stricter than its default holds every precision whose own value here is not set, and one set "
+        "looser leaves a precision's stricter default (said in a warning)",
     )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _set_gates_hold(cls, data: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        """The gates as validated, with the top-level ones the user set held against the per-precision defaults
+        (:meth:`_hold_set_gates`); the per-precision values the raw ``data`` names are the user's own. Not where
+        a per-precision value is checked against its gate's bounds alone (:data:`BOUNDS_ONLY`)."""
+        gates = handler(data)
+        if isinstance(data, dict) and info.context is not BOUNDS_ONLY:  # an instance (assignment, copies): held
+            given = data.get("per_precision")
+            gates._hold_set_gates(given if isinstance(given, dict) else {})
+        return gates
+
+    def _hold_set_gates(self, given: dict[str, Any]) -> None:
+        """Each top-level gate the user set, against the per-precision values they did not (``given``: those they
+        did). Tightened past its default, it replaces a looser per-precision default: a user who tightens "the
+        gate" expects every engine held to it. Set looser than a precision's default, that default stays, and a
+        warning names the key that loosens it: the per-precision defaults are the looser gates reduced precisions
+        need, never tightened by loosening the FP32 one."""
+        for gate in sorted(self.model_fields_set - {"per_precision", "gated_outputs"}):
+            value, default = getattr(self, gate), type(self).model_fields[gate].default
+            tightened = value != default and _stricter(gate, value, default) == value
+            kept = {}
+            for precision, own in self.per_precision.items():
+                if gate not in own or own[gate] == value or gate in (given.get(precision) or {}):
+                    continue
+                if _stricter(gate, value, own[gate]) == value:  # the user's value is the stricter
+                    if tightened:
+                        own[gate] = value
+                elif not tightened:
+                    kept[precision] = own[gate]
+            if kept:
+                _warn_kept(gate, value, kept)
 
     @field_validator("per_precision", mode="before")
     @classmethod
@@ -118,7 +166,7 @@ class GatesConfig(Section):
                 raise ValueError(f"unknown gate {unknown} for {precision} (valid gates: {', '.join(gates)})")
             for gate, limit in overrides.items():  # the same bounds as the gate itself (a plain dict escapes them)
                 try:
-                    cls.model_validate({gate: limit})
+                    cls.model_validate({gate: limit}, context=BOUNDS_ONLY)
                 except ValidationError as exc:
                     raise ValueError(f"{precision}.{gate}: {exc.errors()[0]['msg']} (got {limit!r})") from None
         return value
@@ -152,3 +200,24 @@ class CheckConfig(Section):
                 f"{list(BUILTIN_METRICS)} or an import path 'pkg.mod:fn'"
             )
         return value
+
+
+def _stricter(gate: str, a: float | None, b: float | None) -> float | None:
+    """The stricter of two limits of ``gate``: the higher of a ``min_`` gate's, the lower of a ``max_`` gate's
+    (None, unchecked, is the loosest)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return max(a, b) if gate.startswith("min_") else min(a, b)
+
+
+def _warn_kept(gate: str, value: float | None, kept: dict[str, float]) -> None:
+    """Said where a top-level gate the user set looser leaves the stricter defaults of the precisions ``kept``."""
+    log.warning(
+        "validate.gates.%s %s does not hold %s engines: their own defaults (%s) are stricter and stay; to loosen "
+        "them too, set %s",
+        gate,
+        value,
+        ", ".join(kept),
+        ", ".join(f"{p} {v}" for p, v in kept.items()),
+        ", ".join(f"validate.gates.per_precision.{p}.{gate}" for p in kept),
+    )

@@ -342,7 +342,7 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
     shapes = {k: v.shape for k, v in feed.items()}
     fixed = meta.fixed_axis(shapes)
     if fixed is not None:
-        raise InputError(meta.fixed_refusal(*fixed), hint=fixed_hint(*fixed))
+        raise InputError(meta.fixed_refusal(*fixed), hint=fixed_hint(*fixed, pinned=pinned_at_export(meta, *fixed[:2])))
     empty = meta.empty_axis(shapes)  # an empty batch aborts ONNX Runtime's LSTM/GRU kernels, and the process
     if empty is not None:
         raise InputError(meta.empty_refusal(*empty), hint=empty_hint(*empty, ranged=str(empty[2]) in meta.axis_ranges))
@@ -356,9 +356,25 @@ def check_feed(meta: EngineMetadata, feed: dict[str, Any], *, allow_outside_rang
         )
 
 
-def fixed_hint(name: str, axis: int, size: int, fixed: int) -> str:
+def pinned_at_export(meta: EngineMetadata, name: str, axis: int) -> bool:
+    """Whether the engine takes input ``name``'s ``axis`` at one size because torch.export fixed it while
+    ``signature.dynamic_axes`` has it vary (the torch backend's ``one_size_axes``: an nn.GRU's length), rather than
+    because the graph it was built from fixes it. Axes are keys of JSON objects there: text once read back."""
+    pinned = meta.builder_settings.get("one_size_axes", {}).get(name, {})
+    return str(axis) in {str(a) for a in pinned}
+
+
+def fixed_hint(name: str, axis: int, size: int, fixed: int, pinned: bool = False) -> str:
     """The fix for an input given at ``size`` on an axis its graph fixes at ``fixed``: that size, or an engine
-    exported with the axis dynamic (the batch: ``export.dynamic_batch``; another: ``signature.dynamic_axes``)."""
+    exported with the axis dynamic (the batch: ``export.dynamic_batch``; another: ``signature.dynamic_axes``).
+    ``pinned`` (:func:`pinned_at_export`): the axis is dynamic already and torch.export fixed it, which no setting
+    undoes, so the other sizes are the ONNX graph's engines' of the same run."""
+    if pinned:
+        return (
+            f"pass '{name}' at {fixed} on axis {axis}: torch.export fixed that size when it compiled this engine, "
+            "though the run's config has the axis vary; for other sizes use an engine of the same run built from "
+            "the ONNX graph (ONNX Runtime, TensorRT)"
+        )
     declare = (
         "export.dynamic_batch: true"
         if axis == 0

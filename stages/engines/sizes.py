@@ -37,8 +37,10 @@ def checked_ranges(
     so that an engine refuses a size its graph cannot take with Kiln's error instead of the backend's. An axis is
     moved alone, else with the axes that must agree with it (:meth:`SizeProbe.partners`); an end that fails however
     the others are set is an error naming the size. Axes it cannot check (no sizes, no graph runs here, or axes that
-    must agree in a way it cannot pair) get no range, with a warning naming them. ``from_variant``: the sizes are
-    those ``kiln precision`` recorded."""
+    must agree in a way it cannot pair) get no range, with a warning naming them; for axes given no sizes that
+    warning waits for the build (:func:`record_checked`), since a backend that needs them (TensorRT's profiles)
+    refuses the graph rather than take any size. ``from_variant``: the sizes are those ``kiln precision``
+    recorded."""
     specs = io_specs(load_onnx(graphs[0], load_external_data=False))[0]
     names = axis_names(specs)
     source = "kiln precision's variants.json" if from_variant else "signature.shapes"
@@ -50,9 +52,7 @@ def checked_ranges(
         return {}, {}
     if not names:
         return {}, {}
-    missing = [n for n in names if not sizes.get(n)]
-    if missing:
-        _warn_unchecked(names, "no sizes were given" + (f" for {', '.join(missing)}" if missing != names else ""))
+    if any(not sizes.get(n) for n in names):  # said once the backend builds without them (record_checked)
         return {}, {}
     probe, why = SizeProbe.open(graphs)
     ranges = {n: (min(sizes[n]), max(sizes[n])) for n in names}
@@ -379,9 +379,20 @@ def probe_graphs(src: Path, made_as: str | None) -> list[Path]:
 
 def record_checked(out: Path, meta: EngineMetadata, ranges: dict[str, list[int]]) -> EngineMetadata:
     """``meta`` with only the axis ranges the build checked (:func:`checked_ranges`); the sizes it was given still
-    shaped its profiles and audit."""
+    shaped its profiles and audit. Called once the backend built the engine: where its graph's named axes were
+    given no sizes, it takes any, which is said here, not before a backend that refuses them (TensorRT) fails."""
+    _warn_unsized(meta)
     kept = {k: v for k, v in meta.axis_ranges.items() if k in ranges}
     if kept != meta.axis_ranges:
         meta.axis_ranges = kept
         meta.write(out / SIDECAR)
     return meta
+
+
+def _warn_unsized(meta: EngineMetadata) -> None:
+    """Said of an engine built from a graph whose named dynamic axes were not all given sizes: it records none
+    (:func:`checked_ranges`) and takes any. Axes of no name were said already (:func:`_warn_unnamed`)."""
+    names = axis_names(meta.inputs)
+    missing = [n for n in names if n not in meta.axis_ranges]
+    if missing and not unnamed_axes(meta.inputs):
+        _warn_unchecked(names, "no sizes were given" + (f" for {', '.join(missing)}" if missing != names else ""))

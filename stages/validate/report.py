@@ -561,8 +561,9 @@ def _narrower(v: ValidationResult) -> list[str]:
 
 def _per_output(v: ValidationResult) -> list[str]:
     """Each output's worst statistics per engine, when the model has more than one output; those no gate holds
-    (left out of ``validate.gates.gated_outputs``) marked not gated, the class logits' decision agreement marked as
-    such."""
+    (left out of ``validate.gates.gated_outputs``) marked not gated, the class logits' decision agreement and an
+    integer output's share of equal values (no cosine: top-k indices, a predicted class) marked as such, since
+    the top-1 column holds them."""
     rows = [
         (e, name, s)
         for e in v.engines
@@ -581,6 +582,7 @@ def _per_output(v: ValidationResult) -> list[str]:
     for e, name, s in rows:
         held = "" if name in gated_names(e) else " (not gated)"
         decision = " (decision)" if e.agreement == "decision" and name == _class_logits(e) else ""
+        decision = " (equal values)" if s["cosine"] is None and s["top1_agreement"] is not None else decision
         out.append(
             f"| {e.name} | {name}{held} | {fmt(s['max_abs_err'], '.2e')} | {fmt(s['rel_err'], '.2e')} | "
             f"{fmt(s['cosine'], '.6f')} | {fmt(s.get('sample_cosine'), '.6f')} | "

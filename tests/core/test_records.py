@@ -118,6 +118,9 @@ def test_validation_hands_servers_the_batches_each_engine_was_validated_at() -> 
     assert older.served_metadata(meta) is meta  # a validation.json that predates them: the engine as built
 
 
+PROBED = "(steps found at export or build, not each validated)"
+
+
 def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
     meta = _meta()
     meta.inputs = [TensorSpec(name="ids", shape=["batch", "seq"], dtype="int64")]
@@ -136,16 +139,25 @@ def test_inputs_outside_the_validated_axis_sizes_are_named() -> None:
     meta.axis_steps = {"seq": [4, 0]}  # torch.export's h = 4*_h: the sizes between the steps are refused too
     assert meta.outside_range({"ids": (2, 12)}) is None
     assert meta.outside_range({"ids": (2, 10)}) == (
-        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 in steps of 4"
+        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16, and its graph takes seq only "
+        f"in steps of 4 {PROBED}"  # the steps were probed, not validated: said apart from the range
     )
     meta.axis_steps = {"seq": [4, 0, 3]}  # an FPN's rounding: runs of sizes per period
     assert meta.outside_range({"ids": (2, 11)}) is None and meta.outside_range({"ids": (2, 12)}) is None
     assert meta.outside_range({"ids": (2, 10)}) == (
-        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16 at sizes 8, 11, 12, 15, 16"
+        "input 'ids' axis 1 (seq) is 10: engine e was validated for seq from 8 to 16, and its graph takes seq only "
+        f"at sizes 8, 11, 12, 15, 16 {PROBED}"
     )
     meta.axis_ranges, meta.axis_steps = {"seq": [16, 32]}, {"seq": [17, 15, 16]}  # a period as long as the range
     assert meta.outside_range({"ids": (2, 24)}) == (
-        "input 'ids' axis 1 (seq) is 24: engine e was validated for seq from 16 to 32 at sizes 16, 32"
+        "input 'ids' axis 1 (seq) is 24: engine e was validated for seq from 16 to 32, and its graph takes seq only "
+        f"at sizes 16, 32 {PROBED}"
+    )
+    meta.axis_steps = {"seq": [8, 0, 5, 6, 7]}  # an FPN's, over a range too wide to list: never "validated at"
+    meta.axis_ranges = {"seq": [64, 96]}
+    assert meta.outside_range({"ids": (2, 65)}) == (
+        "input 'ids' axis 1 (seq) is 65: engine e was validated for seq from 64 to 96, and its graph takes seq only "
+        f"at sizes 0, 5-7 modulo 8 {PROBED}"
     )
 
 

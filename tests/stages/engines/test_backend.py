@@ -132,3 +132,28 @@ def test_an_lstm_engine_refuses_an_empty_batch_instead_of_aborting_the_process(t
         with pytest.raises(InputError, match=r"^input 'input' axis 1 \(time\) is 0"):
             runner.infer({"input": np.ones((3, 0, 2), np.float32)})
     assert "one row or more" in err.value.hint
+
+
+def test_an_axis_torch_export_fixed_says_to_use_another_engine_not_to_make_it_dynamic(tmp_path: Path) -> None:
+    """An nn.GRU's length, which torch.export takes at one size (the torch backend records it in
+    ``one_size_axes``): the axis is dynamic in signature.dynamic_axes already, so the fix names an engine of the
+    run that takes other sizes, not that setting."""
+    import torch
+
+    from kiln.stages.engines.torch.build import _export
+    from tests.stages.engines.torch.test_export_sizes import GRUModel
+
+    dims = {0: torch.export.Dim("batch", min=1, max=8), 1: torch.export.Dim("seq", min=2, max=16)}
+    _, one_size, _ = _export(GRUModel().eval(), (torch.randint(0, 20, (2, 12)),), ((dims,),), ["tokens"])
+    tokens = TensorSpec(name="tokens", shape=["batch", one_size["tokens"][1]], dtype="int64")
+    built = META.model_copy(
+        update={"name": "torch-cpu-fp32", "inputs": [tokens], "builder_settings": {"one_size_axes": one_size}}
+    )
+    built.write(tmp_path / "kiln-engine.json")  # as the engine keeps it: the axes become JSON's text keys
+    meta = EngineMetadata.read(tmp_path / "kiln-engine.json", hint="")
+    with pytest.raises(InputError) as err:
+        check_feed(meta, {"tokens": np.zeros((1, 7), np.int64)})
+    assert err.value.message.startswith("input 'tokens' axis 1 is 7: engine torch-cpu-fp32 takes 12 there")
+    assert "signature.dynamic_axes" not in err.value.hint, err.value.hint
+    assert err.value.hint.startswith("pass 'tokens' at 12 on axis 1: torch.export fixed that size"), err.value.hint
+    assert "ONNX Runtime" in err.value.hint and "TensorRT" in err.value.hint

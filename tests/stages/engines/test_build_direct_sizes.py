@@ -35,7 +35,9 @@ def test_a_size_between_the_steps_is_kilns_input_error_not_the_backends(tmp_path
     _build(tmp_path, {"H": [8, 32], "W": [8, 32]})
     with load_engine(tmp_path / "engine") as runner:
         assert runner.infer({"input": images(1, 10)})["logits"].shape == (1, 4, 10, 10)
-        with pytest.raises(InputError, match=r"axis 2 \(H\) is 9: .* from 8 to 32 in steps of 2"):
+        with pytest.raises(
+            InputError, match=r"axis 2 \(H\) is 9: .* from 8 to 32, and its graph takes H only in steps of 2"
+        ):
             runner.infer({"input": images(1, 9)})
 
 
@@ -51,6 +53,18 @@ def test_no_sizes_record_no_range_and_warn_naming_the_axes(tmp_path: Path, caplo
     assert meta.axis_ranges == {} and meta.axis_steps == {}
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(m.startswith("axes H, W: no sizes were given") and "signature.shapes={H:" in m for m in said), said
+
+
+def test_a_backend_that_refuses_axes_without_sizes_is_not_said_to_take_any(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TensorRT needs sizes for its profiles: its error is the one thing said, not beside a warning that the
+    engine takes any size (ONNX Runtime's build, which takes any, still warns: the test above)."""
+    src = unet_graph(tmp_path / "unet.onnx")
+    with caplog.at_level(logging.WARNING, logger="kiln.build"), pytest.raises(ConfigError, match="no sizes known"):
+        build_direct(src, tmp_path / "engine", "tensorrt", "cuda", None, BuildConfig(), None)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert not [m for m in said if "takes any" in m], said
 
 
 def test_sizes_for_axes_the_graph_lacks_are_refused(tmp_path: Path) -> None:

@@ -291,3 +291,31 @@ def test_the_report_says_why_no_output_is_the_class_logits_apart_from_why_there_
     )
     assert "no class-logit output (the labels are no classes (float targets): validate.metric 'mse'" in line, line
     assert "no top-1 agreement or accuracy" in line and "no task accuracy" not in line, line
+
+
+def test_an_integer_outputs_share_of_equal_values_is_not_called_top1_agreement() -> None:
+    """A detector's top-k indices beside its scores: the indices' statistic is the share of equal values
+    (compare_outputs gives it no cosine), marked as such in the per-output table's top-1 column."""
+    from kiln.core.compare import compare_outputs
+
+    rng = np.random.default_rng(0)
+    scores = rng.standard_normal((8, 10)).astype(np.float32)
+    inds = rng.integers(0, 100, (8, 10))
+    got_inds = inds.copy()
+    got_inds[:, :2] += 1  # two of ten values differ in every row
+    stats = compare_outputs({"scores": scores, "inds": inds}, {"scores": scores + 1e-4, "inds": got_inds})
+    engine = EngineValidation(
+        name="e", backend="onnxruntime", precision="fp32", device="cpu", status="validated", passed=False
+    )
+    engine.outputs = {n: s.as_dict() for n, s in stats.items()}
+    engine.gates = {"min_cosine": 0.9999, "min_top1_agreement": 0.99}
+    engine.latency_ms = {"8": Percentiles(p50=0.2, p90=0.2, p99=0.2)}
+    v = ValidationResult(
+        passed=False, baseline=Baseline(accuracy=None, samples=8, latency_ms={}), engines=[engine], failures=[]
+    )
+    lines = report_section(v)
+    header, _, *rows = _table(lines[lines.index("### Per output (worst over shapes and batch sizes)") + 2 :])
+    cells = {row[1]: dict(zip(header, row)) for row in rows}
+    column = next(h for h in header if h.startswith("top-1"))
+    assert cells["inds"][column] == "0.8000 (equal values)", cells
+    assert "equal values" not in cells["scores"][column], cells  # a float output's top-1 agreement stays as it is

@@ -1,0 +1,56 @@
+"""A top-level gate the user sets against the per-precision defaults (``validate.gates.per_precision``): tightened,
+it holds every precision whose own value the user left at its default; loosened past such a default, the default
+stays and a warning names the key that loosens it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kiln.pipeline.config import config_from_dict, load_config
+from kiln.stages.accuracy.check import gates_for
+from kiln.stages.validate.stage import check_gates
+from tests.stages.validate.test_stage import entry
+
+
+def test_a_tightened_top_level_gate_holds_the_reduced_precisions_too() -> None:
+    cfg = load_config(None, {"validate.gates.min_cosine": 0.9999999})
+    for precision in ("fp32", "fp16", "int8", "fp8"):
+        assert gates_for(cfg.validate_, precision)["min_cosine"] == 0.9999999, precision
+    int8 = gates_for(cfg.validate_, "int8")
+    assert int8["min_top1_agreement"] == 0.97 and int8["max_accuracy_drop"] == 0.02  # gates not set keep theirs
+    assert any("min_cosine" in f for f in check_gates(entry(cosine=0.99999), 0.95, int8, 8))
+    assert config_from_dict(cfg.dump()).validate_.gates == cfg.validate_.gates  # `kiln config` reads back the same
+
+
+def test_a_per_precision_value_the_user_sets_still_wins_over_the_top_level_gate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        cfg = load_config(
+            None, {"validate.gates.min_cosine": 0.9999999, "validate.gates.per_precision.int8.min_cosine": 0.98}
+        )
+    assert gates_for(cfg.validate_, "int8")["min_cosine"] == 0.98
+    assert gates_for(cfg.validate_, "fp16")["min_cosine"] == 0.9999999
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing set was left unheld
+
+
+def test_a_top_level_gate_loosened_past_a_precisions_default_leaves_it_and_says_how_to_set_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """min_cosine 0.95 is looser than INT8's default 0.99, which stays and is said; 0.9995 loosens the FP32
+    engines' gate only, still above the reduced precisions' defaults: they keep theirs, with nothing to say."""
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        cfg = load_config(None, {"validate.gates.min_cosine": 0.95})
+    assert gates_for(cfg.validate_, "fp32")["min_cosine"] == 0.95
+    assert gates_for(cfg.validate_, "int8")["min_cosine"] == 0.99
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "validate.gates.min_cosine 0.95" in said[0], said
+    assert "int8 0.99" in said[0] and "validate.gates.per_precision.int8.min_cosine" in said[0], said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kiln"):  # loosened for FP32 only: still above their defaults
+        cfg = load_config(None, {"validate.gates.min_cosine": 0.9995})
+    assert gates_for(cfg.validate_, "int8")["min_cosine"] == 0.99
+    assert gates_for(cfg.validate_, "fp16")["min_cosine"] == 0.999
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
