@@ -18,6 +18,7 @@ from kiln.core.artifacts import atomic_dir, ensure_writable, hash_file, hash_jso
 from kiln.core.errors import BuildError, ConfigError, KilnError, ModelError
 from kiln.core.inputs import check_batch_fits
 from kiln.core.onnx_io import check_tensor_io, index_ranges, io_specs, load_onnx, ort_session
+from kiln.core.ownership import held
 from kiln.core.progress import Progress, SilentProgress
 from kiln.core.records import EngineMetadata, EngineSource, IntRange, Variants, by_column, whole_range
 from kiln.core.stage import StageContext
@@ -30,7 +31,7 @@ from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_named
 from kiln.stages.engines.sizes import checked_ranges, probe_graphs, record_checked
 from kiln.stages.export.declaration import read_axis_steps
-from kiln.stages.precision.audit import audit_graph, engine_audit, label_problem
+from kiln.stages.precision.audit import audit_graph, doubt_fix, engine_audit, label_problem
 from kiln.stages.precision.config import PRECISIONS
 
 log = logging.getLogger("kiln.build")
@@ -180,16 +181,26 @@ class MislabelledEngine(BuildError):
     """An engine whose precision label its own graph contradicts (an "FP16" engine that computes in FP32)."""
 
 
+class UnsizedLabel(MislabelledEngine):
+    """An engine whose label only compute nodes the audit could not size put in doubt: its fix (what sizes them)
+    is its own, not the fixes of a runtime that computes another precision."""
+
+
 def refuse_mislabelled(audit: dict[str, Any], precision: str, name: str) -> None:
     """Raise :class:`MislabelledEngine` where the audit contradicts the engine's ``precision`` label (TensorRT's
-    declared precision flags are not audited: it picks layers at build)."""
+    declared precision flags are not audited: it picks layers at build). Where only compute nodes the audit could
+    not size put the label in doubt, the fix says what sizes them, not what contradicts the label."""
     problem = label_problem(audit, precision)
-    if problem and not audit["method"].startswith("declared by TensorRT"):
-        raise MislabelledEngine(
-            f"engine {name} is {problem}",
-            hint="build it with --precision matching the graph (or none: the audit labels it), or give the "
-            "backend a graph in that precision (kiln precision makes them)",
-        )
+    if not problem or audit["method"].startswith("declared by TensorRT"):
+        return
+    doubt = doubt_fix(audit, precision)  # only nodes it could not size put the label in doubt
+    if doubt:
+        raise UnsizedLabel(f"engine {name} is {problem}", hint=doubt)
+    raise MislabelledEngine(
+        f"engine {name} is {problem}",
+        hint="build it with --precision matching the graph (or none: the audit labels it), or give the "
+        "backend a graph in that precision (kiln precision makes them)",
+    )
 
 
 class EarlyAudit:
@@ -306,7 +317,8 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                     audit = isinstance(exc, MislabelledEngine)  # a measured fact about the runtime, not a failure
                     (ctx.log.info if audit else ctx.log.warning)("skipping %s: %s", name, exc.message)
                     kept = _kept_in_float(variants[precision], src)
-                    fix = (kept_fix(precision, kept) if kept else run_fix(precision, device)) if audit else exc.hint
+                    runtime = audit and not isinstance(exc, UnsizedLabel)  # not a label in doubt: its own fix
+                    fix = (kept_fix(precision, kept) if kept else run_fix(precision, device)) if runtime else exc.hint
                     skipped.append(f"{name}: {exc.message} (fix: {fix})")
                     continue
                 fields = {"name", "backend", "device", "precision", "size_bytes"}
@@ -494,6 +506,8 @@ def build_direct(
             axis_sizes=axis_sizes,
             axis_steps=steps,
         )
+    except UnsizedLabel:
+        raise  # its fix sizes the nodes that put the label in doubt
     except MislabelledEngine as exc:
         # the graph is in that precision (a variant folder labels it; a label the user gave that the graph's own
         # audit agrees with): the runtime, not the label, computes it in another one
@@ -639,8 +653,17 @@ def refuse_foreign_folder(out: Path) -> None:
         ours = set()
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
     if foreign:
+        files = [f for name in foreign for f in _files_of(out / name)]
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise ConfigError(
-            f"-o {out} already holds files Kiln did not write ({shown}); building there would replace them",
+            f"-o {out} already holds {held(out, files) if files else f'files Kiln did not write ({shown})'}; "
+            "building there would replace them",
             hint="give a new or empty folder for -o (or one a previous `kiln build` wrote)",
         )
+
+
+def _files_of(path: Path) -> list[Path]:
+    """``path`` if a file (or a link), else the files under it: what a refusal to replace it names, by whose."""
+    if path.is_symlink() or not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_symlink() or not p.is_dir())

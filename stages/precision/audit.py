@@ -1,5 +1,5 @@
-"""Which precision a graph computes in, and how much it computes: each compute node's FLOPs per sample (from ONNX
-shape inference at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
+"""Which precision a graph computes in, and how much it computes: each compute node's FLOPs per sample (from its
+shapes at concrete sizes) and the precision the graph gives it — a MatMul/Conv fed by a DequantizeLinear
 or an integer op is INT8, one on FP16 tensors FP16, the rest FP32. An op no runtime computes in integers from Q/DQ
 (LSTM/GRU/RNN, DFT/STFT: :data:`FLOAT_ONLY`) is FP32 behind a DequantizeLinear too: it runs on the dequantized
 values; ONNX Runtime's dynamic quantization computes an LSTM in integers (DynamicQuantizeLSTM: INT8).
@@ -18,8 +18,11 @@ Loop, Scan or If body (it runs as many times as the data says), and one whose sh
 ``"MatMul (after a Loop)"`` where it computes on a Loop's, Scan's or If's output, whose shape is the data's).
 Where onnx's inference leaves a compute node's shapes unknown (it does not compute a Slice or Range whose bounds
 come from a Shape: a transformer's position ids, then its attention heads' Reshape), ONNX Runtime's symbolic shape
-inference runs at the same sizes first. Each precision's share then has a floor (:func:`share_floor`) that the
-labels are judged by: the uncounted nodes' FLOPs are not silently dropped.
+inference runs at the same sizes first; where both leave one unsized (an exported ``torch.stft(center=True)``: its
+reflect Pad, then a Reshape to a size computed from the input's), the graph runs once on ONNX Runtime's CPU provider
+at those sizes, and the shapes its tensors come out with are read (not those after a Loop, Scan or If: the
+data's). Each precision's share then has a floor (:func:`share_floor`) that the labels are judged by: the uncounted
+nodes' FLOPs are not silently dropped.
 
 The precision stage uses it to refuse a variant with no compute node left in its precision; the build stage to
 record each engine's precision shares in ``kiln-engine.json`` and to refuse a label the graph contradicts (an
@@ -38,10 +41,11 @@ from math import log2, prod
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from kiln.core.onnx_io import infer_shapes, light_model, load_onnx
+from kiln.core.onnx_io import infer_shapes, light_model, load_onnx, ort_session
 
 # ONNX's compute ops and ONNX Runtime's fused forms of them (com.microsoft; their FLOPs count where shapes are known)
 COMPUTE = {"MatMul", "Gemm", "Conv", "ConvTranspose", "DeformConv", "FusedMatMul", "FusedConv", "FusedGemm"}
@@ -65,6 +69,7 @@ SUBGRAPHS = ("body", "then_branch", "else_branch")  # Loop and Scan, If
 WEIGHT_INPUT = {"QLinearMatMul": 3, "QLinearConv": 3, "QGemm": 3}  # where the second operand sits
 LOW = ("int8", "fp8", "fp16")
 FLOAT8 = (onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2)
+FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
 MIN_SHARE = 0.5  # an engine labelled INT8/FP16 must run at least this share of its FLOPs in that precision
 
 log = logging.getLogger("kiln")
@@ -148,9 +153,11 @@ def share_floor(share: dict[str, float], total: int, uncounted: Mapping[str, int
     return {p: round(v * total / (total + largest * against[p]), 4) for p, v in share.items()}
 
 
-def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = None) -> Audit:
+def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = None, run: bool = True) -> Audit:
     """The graph's compute nodes by precision and FLOPs for one sample: batch 1, each other named axis at
-    ``sizes`` (1 where not given)."""
+    ``sizes`` (1 where not given). ``run``: the graph may run once on ONNX Runtime for the shapes both shape
+    inferences leave unknown (:func:`_run_shapes`); False where only the node counts are wanted."""
+    given = model
     m = load_onnx(model, load_external_data=False) if isinstance(model, Path) else model
     light, _ = light_model(m)
     used = _pin(light, sizes or {})
@@ -161,20 +168,24 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
     compute = [n for n in m.graph.node if _is_compute(n)]
     if any(_flops(n, shapes, scalars, opset) is None for n in compute):
         shapes = {**_symbolic_shapes(m), **shapes}
+    unsized = _unsized(compute, shapes, scalars, opset, _after_control_flow(m.graph)) if run else []
+    if unsized:
+        shapes = {**_run_shapes(given, m, unsized), **shapes}
     nested = [(n, owner) for owner, g in _subgraphs(m.graph) for n in g.node if _is_compute(n)]
     graphs = [m.graph, *(g for _, g in _subgraphs(m.graph))]
     types = {v.name: v.type.tensor_type.elem_type for g in graphs for v in [*g.value_info, *g.input, *g.output]}
     types.update({t.name: t.data_type for g in graphs for t in g.initializer})
     producer = {o: n for g in graphs for n in g.node for o in n.output}
+    inits = {t.name for g in graphs for t in g.initializer}
     weights = {t.name for t in m.graph.initializer} | _transposed(m)
     after = _after_control_flow(m.graph)
     out = Audit(sizes=used)
     for node, owner in nested:  # runs as many times as its Loop says, or in one branch of an If: not per sample
-        precision = _precision(node, producer, types)
+        precision = _precision(node, producer, types, inits)
         out.nodes[precision] += 1
         out.not_counted(f"{node.op_type} (in a {owner})", precision)
     for node in compute:
-        precision = _precision(node, producer, types)
+        precision = _precision(node, producer, types, inits)
         flops = _flops(node, shapes, scalars, opset)
         out.nodes[precision] += 1
         if flops is None:
@@ -188,6 +199,23 @@ def audit_graph(model: onnx.ModelProto | Path, sizes: dict[str, int] | None = No
             if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in weights:
                 out.weight_flops += flops
     return out
+
+
+def flops_by_op(model: onnx.ModelProto) -> dict[str, int] | None:
+    """The graph's FLOPs per sample by op type, for telling a CNN from a Transformer by where its compute is
+    (:func:`kiln.calibration.quantize.ort_cpu_scheme`); None where that count would mislead: an input axis of no
+    fixed size past the batch (counted at 1, where convolutions weigh as little as their weights), or a compute
+    node it cannot count."""
+    inputs = model.graph.input
+    if not all(d.HasField("dim_value") for i in inputs for d in list(i.type.tensor_type.shape.dim)[1:]):
+        return None
+    audit = audit_graph(model, run=False)
+    if audit.uncounted_ops:
+        return None
+    out: Counter[str] = Counter()
+    for op, _, flops in audit.by_node.values():
+        out[op] += flops
+    return dict(out)
 
 
 @contextmanager
@@ -209,25 +237,53 @@ def _shaped_as_lstm(model: onnx.ModelProto) -> Iterator[None]:
 
 def compute_precisions(model: onnx.ModelProto | Path) -> Counter[str]:
     """Compute nodes per precision (``int8``, ``fp16``, ``fp32``)."""
-    return audit_graph(model).nodes
+    return audit_graph(model, run=False).nodes
 
 
-def _precision(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types: dict[str, int]) -> str:
-    """An integer op computes in INT8; a node fed by a DequantizeLinear in what was quantized (Q/DQ: float8 or an
-    8-bit integer), except an op of :data:`FLOAT_ONLY` (a DFT, an LSTM), which no runtime computes in integers (it
-    runs on the dequantized values in float); any other in its operands' float type."""
+def _precision(
+    node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], types: dict[str, int], inits: set[str]
+) -> str:
+    """An integer op computes in INT8; a node fed by a DequantizeLinear (its first two operands: activation and
+    weight) in what was quantized (Q/DQ: float8 or an 8-bit integer), unless its weight is a plain float
+    (:func:`_float_weight`: a layer kept in float, whose input the layer before quantized, runs in float) or it is
+    an op of :data:`FLOAT_ONLY` (a DFT, an LSTM), which no runtime computes in integers (it runs on the dequantized
+    values in float); any other in its operands' float type."""
     if node.op_type in INTEGER:
         return "int8"
     operands = [i for i in node.input[:2] if i]
-    dequantized = [
-        producer[i] for i in operands if producer.get(i) is not None and producer[i].op_type == "DequantizeLinear"
-    ]
-    if dequantized and node.op_type not in FLOAT_ONLY:
+    dequantized = [dq for i in operands if (dq := _dequantized(i, producer)) is not None]
+    float_weight = any(_float_weight(i, producer, types, inits) for i in operands)
+    if dequantized and not float_weight and node.op_type not in FLOAT_ONLY:
         float8 = any(types.get(dq.input[0]) in FLOAT8 for dq in dequantized)
         return "fp8" if float8 else "int8"
     # the activation's type, else (a fused op shape inference cannot see through) the weight's
     elem = types.get(node.input[0]) or (types.get(node.input[1]) if len(node.input) > 1 else None)
     return "fp16" if elem == onnx.TensorProto.FLOAT16 else "fp32"
+
+
+# Ops that move or relabel values without computing on them: a DequantizeLinear's output through them is still
+# the quantized values (a weight transposed or reshaped after its DequantizeLinear)
+LAYOUT_OPS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+
+
+def _dequantized(name: str, producer: dict[str, onnx.NodeProto]) -> onnx.NodeProto | None:
+    """The DequantizeLinear that ``name`` comes from, through layout ops only (:data:`LAYOUT_OPS`); None where it
+    does not come from one (a float initializer, a computed activation)."""
+    node = producer.get(name)
+    while node is not None and node.op_type in LAYOUT_OPS and node.input:
+        node = producer.get(node.input[0])
+    return node if node is not None and node.op_type == "DequantizeLinear" else None
+
+
+def _float_weight(name: str, producer: dict[str, onnx.NodeProto], types: dict[str, int], inits: set[str]) -> bool:
+    """Whether ``name`` is a float weight not quantized: a float initializer (of ``inits``) or Constant, reached
+    through layout ops only (:data:`LAYOUT_OPS`), with no DequantizeLinear on the way."""
+    node = producer.get(name)
+    while node is not None and node.op_type in LAYOUT_OPS and node.input:
+        name, node = node.input[0], producer.get(node.input[0])
+    if node is not None:
+        return node.op_type == "Constant"
+    return name in inits and types.get(name) in FLOAT_TYPES
 
 
 def _is_compute(node: onnx.NodeProto) -> bool:
@@ -409,15 +465,70 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
         return {}
 
 
+def _unsized(
+    compute: list[onnx.NodeProto],
+    shapes: dict[str, list[int]],
+    scalars: Mapping[str, int],
+    opset: int,
+    after: Mapping[str, str],
+) -> list[str]:
+    """The tensors of the compute nodes still unsized (their inputs and outputs of no known shape), save those of
+    attention ops (their shapes do not give their FLOPs) and of nodes after a Loop, Scan or If (their shapes are
+    the data's, which one run on made-up inputs does not give)."""
+    out: dict[str, None] = {}
+    for node in compute:
+        if node.op_type in ATTENTION or any(i in after for i in node.input):
+            continue
+        if _flops(node, shapes, scalars, opset) is None:
+            out.update(dict.fromkeys(t for t in [*node.input, *node.output] if t and t not in shapes))
+    return list(out)
+
+
+def _run_shapes(model: onnx.ModelProto | Path, pinned: onnx.ModelProto, names: list[str]) -> dict[str, list[int]]:
+    """The shapes of the tensors ``names`` from one run of ``model`` on ONNX Runtime's CPU provider, fed zeros at
+    ``pinned``'s input sizes (the sizes the audit counts at): the concrete shapes where neither shape inference
+    computes them (an STFT's framing, a Reshape to a size computed from the input's). ``model`` as given, with its
+    weights (``pinned`` is a light copy, whose big weights are stubs; a file's external data is read here), and
+    the tensors added as its outputs for the run only. {} where it cannot run: those nodes stay uncounted."""
+    try:
+        feed = _zeros(pinned)
+        full = load_onnx(model) if isinstance(model, Path) else model
+        outputs = {o.name for o in full.graph.output}
+        added = [onnx.ValueInfoProto(name=n) for n in names if n not in outputs]
+        full.graph.output.extend(added)
+        try:
+            session = ort_session(full, optimization="none")
+        finally:
+            del full.graph.output[len(full.graph.output) - len(added) :]
+        arrays = session.run(names, feed)
+    except Exception as exc:  # a helper for counting: the nodes it cannot give stay uncounted, by precision
+        log.debug("running the graph for its shapes failed: %s", exc)
+        return {}
+    return {n: list(a.shape) for n, a in zip(names, arrays) if a.ndim and all(a.shape)}
+
+
+def _zeros(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Zeros of each graph input's type and (pinned) shape: valid values for an index or a mask input too."""
+    inits = {t.name for t in model.graph.initializer}
+    return {
+        v.name: np.zeros(
+            [d.dim_value for d in v.type.tensor_type.shape.dim],
+            onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type),
+        )
+        for v in model.graph.input
+        if v.name not in inits
+    }
+
+
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
         # an unknown first axis is the batch, pinned to 1 at the inputs (shape inference loses it through a Reshape
-        # whose target it computes from the input's shape); an unknown axis elsewhere leaves the tensor unknown
-        dims = [
-            d.dim_value if d.dim_value > 0 else (1 if axis == 0 else 0)
-            for axis, d in enumerate(v.type.tensor_type.shape.dim)
-        ]
+        # whose target it computes from the input's shape); an unknown axis elsewhere leaves the tensor unknown, as
+        # does the one axis of a vector (an STFT's window built to a length inference does not compute, not a batch)
+        shape = v.type.tensor_type.shape.dim
+        batch = 1 if len(shape) > 1 else 0
+        dims = [d.dim_value if d.dim_value > 0 else (batch if axis == 0 else 0) for axis, d in enumerate(shape)]
         if dims and all(dims):
             out[v.name] = dims
     for t in model.graph.initializer:
@@ -502,6 +613,33 @@ def label_problem(audit: dict[str, Any], label: str) -> str | None:
     if label == "fp32" and low is not None:
         return f"labelled fp32, its graph computes {floor[low]:.0%} in {low} ({audit.get('method')})"
     return None
+
+
+def in_doubt(audit: dict[str, Any], label: str) -> bool:
+    """Whether only the compute nodes not sized put a low-precision ``label`` in doubt: its share of the FLOPs
+    counted holds :data:`MIN_SHARE`, its floor (those nodes weighed against it) does not."""
+    share = (audit.get("share") or {}).get(label, 0.0)
+    return label in LOW and share >= MIN_SHARE > audit.get("share_floor", {}).get(label, share)
+
+
+def doubt_fix(audit: dict[str, Any], label: str) -> str | None:
+    """The fix for an engine refused only because compute nodes could not be sized (:func:`in_doubt`), else None:
+    nothing counted contradicts the label, so no gate or kernel is to blame. A dynamic axis left at 1 (no size
+    given) can leave a graph unable to run (an STFT's frame longer than its signal): its real size is the fix."""
+    if not in_doubt(audit, label):
+        return None
+    sizes = audit.get("counted_at") or {}
+    at = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    resize = (
+        "give the dynamic axes the sizes the engine serves (--set 'signature.shapes={AXIS: [MIN, MAX]}'), "
+        if 1 in sizes.values()
+        else ""
+    )
+    return (
+        f"the label is in doubt, not contradicted: the audit could not size those nodes{f' at {at}' if at else ''} "
+        f"(shape inference, then one ONNX Runtime run there); {resize}compute them in {label} too "
+        f"(calibration.op_types, fewer calibration.exclude_nodes), or leave {label} out of precision.variants"
+    )
 
 
 def _unsized_problem(audit: dict[str, Any], label: str, share: float, floor: float) -> str:

@@ -627,6 +627,11 @@ def _peak(p: dict[str, Any]) -> str:
     return measured + (f" (datasheet {sheet})" if sheet else "")
 
 
+def at_least(row: dict[str, Any]) -> str:
+    """ "≥ " before a roofline row's figures where its FLOPs leave out compute nodes the audit could not count."""
+    return "≥ " if row.get("flops_lower_bound") else ""
+
+
 def _roofline(v: ValidationResult) -> list[str]:
     """Achieved TFLOP/s per engine and batch beside the device's measured GEMM peak (and the datasheet's)."""
     rows = [e for e in v.engines if e.roofline]
@@ -656,7 +661,8 @@ def _roofline(v: ValidationResult) -> list[str]:
         share = ", ".join(f"{k} {x:.0%}" for k, x in e.precision_share.items()) or "-"
         for bs, r in sorted(e.roofline.items(), key=lambda kv: int(kv[0])):
             out.append(
-                f"| {e.name} | {share} | {(e.flops_per_sample or 0) / 1e9:.3g} | {bs} | {r['tflops']:.3g} | "
+                f"| {e.name} | {share} | {at_least(r)}{(e.flops_per_sample or 0) / 1e9:.3g} | {bs} | "
+                f"{at_least(r)}{r['tflops']:.3g} | "
                 f"{fmt(r['pct_of_measured_peak'], '.1f')} ({r['peak']}) | {fmt(r['pct_of_datasheet'], '.1f')} |"
             )
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,22 @@ def sig(x: float) -> float:
 
 
 def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's with the threads its peak is measured on (:func:`cpu_threads`)."""
     import platform
 
     import torch
 
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    return f"{platform.processor() or platform.machine()} x{cpu_threads()} threads"
+
+
+def cpu_threads() -> int:
+    """The threads a CPU peak is measured on: every core this process may use, as ONNX Runtime's CPU engines
+    take them (their pools default to the cores), not the fewer PyTorch may run on while a busy machine lowers
+    them (:func:`kiln.core.threads.cpu_threads_for_load`): a peak of one thread would put a two-thread engine
+    past 100 % of it."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def peak_tflops(device: str, cache_dir: Path | None) -> dict[str, Any]:
@@ -64,10 +74,16 @@ def _measure(device: str) -> dict[str, float]:
     n = GEMM[device]
     dtypes = {"fp32": torch.float32, "fp16": torch.float16} if device == "cuda" else {"fp32": torch.float32}
     out = {}
-    for label, dtype in dtypes.items():
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        out[label] = sig(2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, device) / 1e12)
+    before = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(cpu_threads())
+    try:
+        for label, dtype in dtypes.items():
+            a = torch.randn(n, n, device=device, dtype=dtype)
+            b = torch.randn(n, n, device=device, dtype=dtype)
+            out[label] = sig(2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, device) / 1e12)
+    finally:
+        torch.set_num_threads(before)
     if device == "cuda":
         out.update(_measure_lowbit(n))
     return out
@@ -106,11 +122,14 @@ def _best_seconds(fn: Any, device: str, calls: int = 10) -> float:
     return best
 
 
-def roofline(entry: EngineValidation, flops_per_sample: int, peak: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def roofline(
+    entry: EngineValidation, flops_per_sample: int, peak: dict[str, Any], covers: float = 1.0
+) -> dict[str, dict[str, Any]]:
     """Per batch size: the engine's achieved TFLOP/s at its p50 and the share of the measured peak of its
     precision (FP16's for INT8/FP8 where those are not measured, FP32's for FP16) and of the datasheet's. An
     INT8/FP8 engine has no share of an FP32 peak (a CPU's): its integer kernels outrun it, so that share, past
-    100 %, would say nothing."""
+    100 %, would say nothing. ``covers``: the share of the compute nodes whose FLOPs the audit counted
+    (``share_covers_nodes``); under 1, ``flops_lower_bound`` says the FLOPs, and so the TFLOP/s, are a floor."""
     measured, sheet = peak.get("measured", {}), peak.get("datasheet", {})
     kind = entry.precision if entry.precision in measured else ("fp16" if "fp16" in measured else "fp32")
     if kind == "fp32" and entry.precision in ("int8", "fp8"):
@@ -118,7 +137,7 @@ def roofline(entry: EngineValidation, flops_per_sample: int, peak: dict[str, Any
     out = {}
     for bs, lat in entry.latency_ms.items():
         tflops = flops_per_sample * int(bs) / (lat.p50 / 1e3) / 1e12
-        row: dict[str, Any] = {"tflops": sig(tflops), "peak": kind}
+        row: dict[str, Any] = {"tflops": sig(tflops), "peak": kind, "flops_lower_bound": covers < 1.0}
         row["pct_of_measured_peak"] = row["pct_of_datasheet"] = None
         if measured.get(kind):
             row["pct_of_measured_peak"] = sig(100 * tflops / measured[kind])

@@ -257,7 +257,8 @@ def add_roofline(checked: list[Checked], cache_dir: Path | None) -> dict[str, di
             peaks[c.entry.device] = peak_tflops(c.entry.device, cache_dir)
         c.entry.flops_per_sample = flops
         c.entry.precision_share = c.meta.audit.get("share") or {}
-        c.entry.roofline = roofline(c.entry, flops, peaks[c.entry.device])
+        covers = c.meta.audit.get("share_covers_nodes", 1.0)  # under 1: FLOPs of nodes it could not count are left out
+        c.entry.roofline = roofline(c.entry, flops, peaks[c.entry.device], covers)
     return peaks
 
 

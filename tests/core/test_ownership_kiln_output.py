@@ -56,3 +56,12 @@ def test_a_whole_precision_folder_is_its_output_record_and_all(tmp_path: Path) -
     files = sorted(p for p in out.rglob("*") if p.is_file())
     assert out / ".kiln-owned.json" in files
     assert held(out, files) == "other Kiln commands' output (kiln precision's output recorded in .kiln-owned.json)"
+
+
+def test_a_build_into_a_precision_folder_names_that_command_s_output(tmp_path: Path) -> None:
+    """`kiln build v/fp32 -o v`: refused, as the precision folder's own output, not as files Kiln did not write."""
+    out = tmp_path / "v"
+    assert _precision(tiny_onnx(tmp_path / "m.onnx"), out).exit_code == 0
+    result = _kiln("build", out / "fp32", "-o", out)
+    assert_clean(result, 2, "already holds other Kiln commands' output (kiln precision's output recorded in")
+    assert "did not write" not in _error(result)

@@ -139,8 +139,9 @@ def test_attention_matmuls_on_symbolic_sizes_are_counted(monkeypatch: pytest.Mon
     assert a.share() == {"int8": round(linear / (linear + attn), 4), "fp32": round(attn / (linear + attn), 4)}
     assert a.label() == "fp32" and "labelled int8, it computes 27% in int8" in label_problem(a.record(), "int8")
 
-    # without ONNX Runtime's symbolic shape inference (the audit before it), onnx's alone leaves them uncounted
+    # without ONNX Runtime's symbolic shape inference or a run of the graph, onnx's alone leaves them uncounted
     monkeypatch.setattr(audit_module, "_symbolic_shapes", lambda model: {})
+    monkeypatch.setattr(audit_module, "_run_shapes", lambda model, pinned, names: {})
     before = audit_graph(attention(d), {"seq": seq})
     assert before.flops == {"int8": linear} and before.share() == {"int8": 1.0}
     # ... recorded by precision, and the share says what it covers and how low it may be
@@ -338,3 +339,35 @@ def test_dynamically_quantized_lstm_layers_count_in_int8(tmp_path: Path) -> None
     float_audit, a = audit_graph(fp32, {"seq": SEQ}), audit_graph(int8, {"seq": SEQ})
     assert a.flops == {"int8": float_audit.total} and not a.uncounted
     assert a.nodes == {"int8": 3} and a.label() == "int8"
+
+
+def test_a_layer_kept_in_float_after_a_quantized_one_computes_in_float() -> None:
+    """calibration.exclude_nodes keeps a conv in float: its input still arrives through the Q/DQ pair of the layer
+    before, its weight is a plain float. It runs in float; it was counted INT8, and an engine whose big layer was
+    kept in float was labelled 99.99 % INT8 and built."""
+    inits = [
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+        numpy_helper.from_array(np.ones((4, 3, 3, 3), np.int8), "w1q"),
+        numpy_helper.from_array(np.ones((64, 4, 3, 3), np.float32), "w2"),  # the big layer, kept in float
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["img", "s", "z"], ["iq"]),
+        helper.make_node("DequantizeLinear", ["iq", "s", "z"], ["idq"]),
+        helper.make_node("DequantizeLinear", ["w1q", "s", "z"], ["w1"]),
+        helper.make_node("Conv", ["idq", "w1"], ["c1"], name="conv_int8", pads=[1, 1, 1, 1]),
+        helper.make_node("QuantizeLinear", ["c1", "s", "z"], ["c1q"]),
+        helper.make_node("DequantizeLinear", ["c1q", "s", "z"], ["c1dq"]),
+        helper.make_node("Conv", ["c1dq", "w2"], ["y"], name="conv_kept", pads=[1, 1, 1, 1]),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "kept",
+        [helper.make_tensor_value_info("img", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        inits,
+    )
+    a = audit_graph(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert a.nodes == {"int8": 1, "fp32": 1}
+    assert a.by_node["conv_kept"][1] == "fp32" and a.by_node["conv_int8"][1] == "int8"
+    assert a.label() == "fp32" and a.share()["fp32"] > 0.9

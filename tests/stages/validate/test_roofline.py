@@ -41,3 +41,36 @@ def test_the_peak_is_measured_once_per_device(tmp_path: Path, monkeypatch: pytes
 def test_a_real_cpu_gemm_peak_is_positive_and_below_the_physical_floor() -> None:
     """2 x 1024^3 FLOPs per GEMM: a CPU at more than 100 TFLOP/s would be a timing bug."""
     assert 0 < rl._measure("cpu")["fp32"] < 100
+
+
+def test_flops_of_an_audit_that_left_nodes_uncounted_are_a_lower_bound() -> None:
+    """An audit that counted a quarter of the compute nodes (an STFT model's head alone): its FLOPs, and the TFLOP/s
+    from them, are a floor, said in every row; an audit that counted them all says they are not."""
+    peak = {"measured": {"fp32": 2.0}}
+    partial = rl.roofline(entry("fp32", 10.0), 160, peak, covers=0.25)["32"]
+    assert partial["flops_lower_bound"] is True
+    assert rl.roofline(entry("fp32", 10.0), 160, peak)["32"]["flops_lower_bound"] is False
+
+
+def test_a_cpu_peak_is_measured_on_every_core_whatever_torch_runs_on_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine lowers PyTorch to one thread while ONNX Runtime's engines take every core: a one-thread peak
+    put them at 300 % of it. The peak and its device name take every core; PyTorch's own setting is given back."""
+    import torch
+
+    seen: list[int] = []
+    monkeypatch.setattr(rl, "_best_seconds", lambda fn, device: seen.append(torch.get_num_threads()) or 1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rl._measure("cpu")
+        assert seen == [rl.cpu_threads()] and torch.get_num_threads() == 1
+        assert rl.device_name("cpu").endswith(f"x{rl.cpu_threads()} threads")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_report_marks_figures_from_a_count_that_left_nodes_out() -> None:
+    from kiln.stages.validate.report import at_least
+
+    assert at_least({"flops_lower_bound": True}) == "≥ " and at_least({"flops_lower_bound": False}) == ""
+    assert at_least({}) == ""  # a record from before the field
