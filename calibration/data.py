@@ -89,7 +89,7 @@ def reader_batches(cfg: CalibrationConfig, inputs: list[TensorSpec]) -> list[Bat
     (dynamic) axis takes any size, one size per batch wherever the graph names it. One input: its array per
     batch (a dict keyed by its name is read too); several: a dict of every input, keyed by name, or a tuple of
     one array per input, in the model's input order."""
-    out: list[Batch] = []
+    feeds: list[dict[str, np.ndarray]] = []
     for i, item in enumerate(read_reader(cfg)):
         feed = _reader_feed(cfg, i, item, inputs)
         _check_shapes(i, feed, inputs)
@@ -101,13 +101,28 @@ def reader_batches(cfg: CalibrationConfig, inputs: list[TensorSpec]) -> list[Bat
                     f"calibration batch {i}{where} of reader '{cfg.reader}' {problem}",
                     hint="yield real numbers, one row or more per batch, preprocessed exactly like validation data",
                 )
-        cast = {s.name: feed[s.name].astype(np.dtype(s.dtype), copy=False) for s in inputs}
-        out.append(cast if len(inputs) > 1 else cast[inputs[0].name])
-    return out
+        feeds.append({s.name: feed[s.name].astype(np.dtype(s.dtype), copy=False) for s in inputs})
+    _refuse_all_zero(cfg, feeds, inputs)
+    return [f if len(inputs) > 1 else f[inputs[0].name] for f in feeds]
+
+
+def _refuse_all_zero(cfg: CalibrationConfig, feeds: list[dict[str, np.ndarray]], inputs: list[TensorSpec]) -> None:
+    """A float input that is 0 in every sample of every batch is a reader's mistake (arrays never filled, the wrong
+    field read): its range is 0, so no INT8 scale can be calibrated from it, and the run would go on without the
+    INT8 variant. Integer inputs may be all 0 (token type ids)."""
+    for spec in inputs:
+        if np.dtype(spec.dtype).kind == "f" and not any(np.any(f[spec.name]) for f in feeds):
+            n = len(feeds)
+            raise ConfigError(
+                f"calibration reader '{cfg.reader}' yields input '{spec.name}' as 0 in every sample of its {n} "
+                f"batch{'es' if n > 1 else ''}: its range is 0, nothing to calibrate INT8 scales from",
+                hint="yield real samples of the input, preprocessed exactly like validation data",
+            )
 
 
 def _reader_feed(cfg: CalibrationConfig, i: int, item: ReaderBatch, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
-    """A reader's batch keyed by the model's input names; keys that are not exactly those are an error."""
+    """A reader's batch keyed by the model's input names; keys that are not exactly those (beside a DataLoader's
+    labels) are an error, for one input too: a key that names no input is a reader feeding the wrong field."""
     names = [s.name for s in inputs]
     if isinstance(item, tuple):
         return _tuple_feed(cfg, i, item, names)
@@ -119,16 +134,16 @@ def _reader_feed(cfg: CalibrationConfig, i: int, item: ReaderBatch, inputs: list
                 hint="yield a dict {input name: batch} holding every input",
             )
         return {names[0]: item}
+    keys = list(item)
     item = {k: v for k, v in item.items() if k in names or not is_label_name(k)}  # a DataLoader's batch: its labels
-    if len(names) == 1 and len(item) == 1:  # one input: the one array, whatever its key
-        return {names[0]: next(iter(item.values()))}
     missing = [n for n in names if n not in item]
     extra = [k for k in item if k not in names]
     if missing or extra:
         said = [f"lacks {', '.join(map(repr, missing))}"] if missing else []
         said += [f"has {', '.join(map(repr, extra))}, which the model does not take"] if extra else []
         raise ConfigError(
-            f"calibration batch {i} of reader '{cfg.reader}' {' and '.join(said)}",
+            f"calibration batch {i} of reader '{cfg.reader}' has keys {keys}; the model takes {names}"
+            + (f": the batch {' and '.join(said)}" if len(names) > 1 else ""),
             hint=f"key each batch by the model's input names: {', '.join(names)}",
         )
     return item
@@ -137,18 +152,31 @@ def _reader_feed(cfg: CalibrationConfig, i: int, item: ReaderBatch, inputs: list
 def _tuple_feed(
     cfg: CalibrationConfig, i: int, item: tuple[np.ndarray, ...], names: list[str]
 ) -> dict[str, np.ndarray]:
-    """A tuple batch as a feed: for one input, its first array (an ``(x, y)`` pair from a DataLoader gives ``x``);
-    for several, one array per input by position, as :func:`kiln.core.data.feed_for_graph` feeds a tuple of the
-    data's."""
-    if len(names) == 1 and item:
-        return {names[0]: item[0]}
-    if len(item) != len(names):
+    """A tuple batch as a feed: one array per input by position, as :func:`kiln.core.data.feed_for_graph` feeds a
+    tuple of the data's; for one input, an ``(x, y)`` pair from a DataLoader gives ``x``. Any other count is an
+    error: a pair whose ``y`` is another float batch of ``x``'s shape is two batches, not ``x`` and its labels
+    (a tagger's integer labels may have the shape of its integer ids)."""
+    if len(item) == len(names) or (len(names) == 1 and len(item) == 2 and not _second_batch(*item)):
+        return dict(zip(names, item))
+    if len(names) == 1:
+        two = " (its second array is another float batch of the first's shape, not labels)" if len(item) == 2 else ""
         raise ConfigError(
-            f"calibration batch {i} of reader '{cfg.reader}' is a tuple of {len(item)} arrays; the model takes "
-            f"{len(names)} inputs ({', '.join(names)})",
-            hint=f"yield one array per input in this order ({', '.join(names)}), or a dict {{input name: batch}}",
+            f"calibration batch {i} of reader '{cfg.reader}' is a tuple of {len(item)} arrays{two}; the model takes "
+            f"1 input ({names[0]})",
+            hint=f"yield one array per batch, or a dict {{'{names[0]}': batch}}; a pair is read as (x, labels) only "
+            "where its second array is no float batch of x's shape",
         )
-    return dict(zip(names, item))
+    raise ConfigError(
+        f"calibration batch {i} of reader '{cfg.reader}' is a tuple of {len(item)} arrays; the model takes "
+        f"{len(names)} inputs ({', '.join(names)})",
+        hint=f"yield one array per input in this order ({', '.join(names)}), or a dict {{input name: batch}}",
+    )
+
+
+def _second_batch(x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether ``y`` of a reader's pair is a batch like ``x`` (float, of its rank and sizes past the batch axis)
+    rather than its labels or targets."""
+    return x.dtype.kind == y.dtype.kind == "f" and x.shape[1:] == y.shape[1:]
 
 
 def _check_shapes(i: int, feed: dict[str, np.ndarray], inputs: list[TensorSpec]) -> None:

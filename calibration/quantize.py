@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -163,10 +163,10 @@ def dynamic_op_types(cfg: CalibrationConfig) -> list[str]:
     return ["MatMul", *(op for op in DYNAMIC_RECURRENT if op not in cfg.exclude_op_types)]
 
 
-def dynamic_nodes(model: onnx.ModelProto, cfg: CalibrationConfig) -> set[str]:
+def dynamic_nodes(model: onnx.ModelProto, cfg: CalibrationConfig, flops: Mapping[str, int] | None = None) -> set[str]:
     """The nodes the ONNX Runtime CPU graph of ``model`` quantizes beyond ``calibration.op_types`` (its LSTMs, where
     its scheme is dynamic): candidates of that graph's precision fallback too, which may keep them in float."""
-    if ort_cpu_scheme(model, cfg) != "dynamic":
+    if ort_cpu_scheme(model, cfg, flops) != "dynamic":
         return set()
     extra = set(dynamic_op_types(cfg)) - {"MatMul"}
     return {n.name for n in model.graph.node if n.op_type in extra}
@@ -462,18 +462,35 @@ def unshare_biases(model: onnx.ModelProto) -> None:
             model.graph.initializer.remove(tensors[name])
 
 
-def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig) -> str:
+def ort_cpu_scheme(model: onnx.ModelProto, cfg: CalibrationConfig, flops: Mapping[str, int] | None = None) -> str:
     """``cfg.ort_cpu_scheme`` with ``auto`` resolved: ONNX Runtime's quantization guide recommends dynamic
     quantization for Transformer-style graphs and static for CNNs. On a Transformer, dynamic wins on CPU
     because ORT fuses each quantized MatMul with its bias into one DynamicQuantizeMatMul kernel, while the
     static graph adds Q/DQ nodes on every activation (measured in benchmarks/precision_bench.py). A recurrent
     graph (an LSTM's) is dynamic too: only dynamic quantization computes an LSTM in int8 (:data:`DYNAMIC_RECURRENT`).
-    Dynamic quantizes MatMul layers and LSTMs, so it needs MatMul among the quantized op types."""
+    A graph with both convolutions and those layers goes by where its FLOPs are (``flops``: per op type, given by
+    the caller, which counts them; :func:`_mostly_dynamic`), not by the ops it has: the patch-embedding convolution
+    of a ViT, DeiT or Swin makes no CNN of it. Dynamic quantizes MatMul layers and LSTMs, so it needs MatMul among
+    the quantized op types."""
     if cfg.ort_cpu_scheme != "auto":
         return cfg.ort_cpu_scheme  # the config refuses "dynamic" without MatMul among the quantized op types
     ops = {n.op_type for n in model.graph.node}
-    transformer_like = bool(ops & {"MatMul", "Gemm", *DYNAMIC_RECURRENT}) and not ops & {"Conv", "ConvTranspose"}
-    return "dynamic" if transformer_like and "MatMul" in quantizable_op_types(cfg) else "static"
+    if not ops & DYNAMIC_OPS or "MatMul" not in quantizable_op_types(cfg):
+        return "static"
+    return "dynamic" if not ops & STATIC_OPS or _mostly_dynamic(flops) else "static"
+
+
+STATIC_OPS = {"Conv", "ConvTranspose"}  # what static quantization is for: a CNN's compute
+DYNAMIC_OPS = {"MatMul", "Gemm", *DYNAMIC_RECURRENT}  # what dynamic quantization computes in int8
+
+
+def _mostly_dynamic(flops: Mapping[str, int] | None) -> bool:
+    """Whether more of the graph's FLOPs per sample (``flops``: by op type, the precision audit's count, None where
+    the graph could not be sized: then judged by its ops, a convolution making it static) are in MatMul/Gemm layers
+    and LSTMs than in convolutions."""
+    if flops is None:
+        return False
+    return sum(flops.get(op, 0) for op in DYNAMIC_OPS) > sum(flops.get(op, 0) for op in STATIC_OPS)
 
 
 def quantize_int8_dynamic(

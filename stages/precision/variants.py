@@ -3,6 +3,7 @@ accuracy-driven fallback. Callable without the pipeline (the benchmark and tests
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
@@ -30,8 +31,9 @@ from kiln.calibration.quantize import (
 )
 from kiln.calibration.ranges import Ranges, calibrate
 from kiln.calibration.trt_table import write_trt_table
+from kiln.core.errors import InputError
 from kiln.core.onnx_io import infer_shapes, save_onnx
-from kiln.stages.precision.audit import MIN_SHARE, audit_graph, compute_precisions
+from kiln.stages.precision.audit import MIN_SHARE, audit_graph, compute_precisions, flops_by_op
 from kiln.stages.precision.compare import Samples
 from kiln.stages.precision.config import FallbackConfig, FP16Config
 from kiln.stages.precision.emulate import emulate_fp16
@@ -71,6 +73,12 @@ class Source:
         save_onnx(model, path)
         return cls(model, path, model.graph.input[0].name, batches, cache_dir, logits, labelled)
 
+    @functools.cached_property
+    def flops(self) -> dict[str, int] | None:
+        """FLOPs per sample by op type (:func:`~kiln.stages.precision.audit.flops_by_op`): which ONNX Runtime CPU
+        INT8 scheme the graph gets (:func:`~kiln.calibration.quantize.ort_cpu_scheme`)."""
+        return flops_by_op(self.model)
+
     def ranges(self, method: str, ccfg: CalibrationConfig) -> Ranges:
         return calibrate(
             self.path,
@@ -102,7 +110,7 @@ def build_fp16(
     ccfg: CalibrationConfig,
 ) -> dict[str, Any]:
     """FP16 graph at ``out``: sensitive and out-of-range nodes FP32, then fallback until the gates hold."""
-    amax = src.ranges("minmax", ccfg).amax() if cfg.range_check and src.batches else {}
+    amax, unchecked = _fp16_amax(src, cfg, ccfg)
     base = select_fp32_nodes(src.model, cfg, amax)
     info: dict[str, Any] = {}
     unconvertible: dict[str, str] = {}  # nodes the converter cannot make FP16: FP32 in every round after
@@ -120,7 +128,22 @@ def build_fp16(
             return emulated
 
         res = run_fallback(build, as_check(src, x_val), "fp16", fallback, _float_nodes(src.model) - set(base), "fp16")
-    return _entry(out, base | unconvertible | res.kept, res, {**info, "unconvertible": sorted(unconvertible)})
+    extra = {**info, "unconvertible": sorted(unconvertible), **({"range_check": unchecked} if unchecked else {})}
+    return _entry(out, base | unconvertible | res.kept, res, extra)
+
+
+def _fp16_amax(src: Source, cfg: FP16Config, ccfg: CalibrationConfig) -> tuple[dict[str, float], str | None]:
+    """The calibrated magnitudes the FP16 range check keeps out-of-FP16-range tensors' nodes in FP32 by, and why
+    the check was skipped (None: it ran or is off). FP16 needs no scales: calibration data that gives no usable
+    ranges (:func:`kiln.calibration.ranges.check_ranges`) is the INT8 variant's failure to report, and FP16 goes on
+    without the check, its fallback still keeping in FP32 the nodes whose overflow misses the gates."""
+    if not (cfg.range_check and src.batches):
+        return {}, None
+    try:
+        return src.ranges("minmax", ccfg).amax(), None
+    except InputError as exc:
+        log.warning("fp16: range check skipped, the calibration data gives no ranges: %s", exc.message)
+        return {}, f"skipped: {exc.message}"
 
 
 def build_int8(
@@ -174,7 +197,9 @@ def _build_int8(
         # from the nodes the Q/DQ graph kept in float where it passed; from the base alone where it did not (its
         # fallback may have kept every node, and this graph, of another scheme, may need none of them)
         inherited = {n: f"kept in the Q/DQ graph ({why})" for n, why in res.kept.items()} if res.passed else {}
-        cpu_candidates = candidates | (dynamic_nodes(src.model, ccfg) - set(base))  # its LSTMs, where dynamic
+        cpu_candidates = candidates | (
+            dynamic_nodes(src.model, ccfg, src.flops) - set(base)
+        )  # its LSTMs, where dynamic
         entry["ort_cpu"] = ort_cpu_graph(src, ort_out, ccfg, fallback, check, base, inherited, cpu_candidates)
         entry["backend_paths"] = {"onnxruntime-cpu": f"{out.parent.name}/{ort_out.name}"}
     if ccfg.trt_table:
@@ -339,7 +364,7 @@ def build_ort_cpu_int8(src: Source, out: Path, ccfg: CalibrationConfig, keep_flo
     """The INT8 graph ONNX Runtime CPU engines load instead of the symmetric Q/DQ one: its scheme and what
     was quantized. Same float-kept nodes. Static: uint8 activations, which need a calibration of their own
     (the cached ranges hold scales computed for one encoding)."""
-    scheme = ort_cpu_scheme(src.model, ccfg)
+    scheme = ort_cpu_scheme(src.model, ccfg, src.flops)
     if scheme == "dynamic":
         info = quantize_int8_dynamic(src.path, out, ccfg, keep_float)
         kept = ("integer_matmuls", "integer_lstms", "reduce_range")

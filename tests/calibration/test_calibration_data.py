@@ -135,7 +135,7 @@ def text_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         def wrong_key():
             yield {"ids": np.ones((4, 8), np.int64)}
         def with_labels():
-            yield {"x": np.ones((4, 8), np.int64), "labels": np.zeros(4, np.int64)}
+            yield {"input_ids": np.ones((4, 8), np.int64), "labels": np.zeros(4, np.int64)}
         def in_order():
             for _ in range(2):
                 yield [np.full((4, 8), 3, np.int32), torch.zeros(4, 8)]
@@ -181,13 +181,15 @@ def test_a_reader_feeds_every_input_of_a_model_by_name(text_readers: None) -> No
             calibration_batches(data, CalibrationConfig(reader=f"text_calib:{reader}"), inputs=TEXT_INPUTS)
 
 
-def test_a_single_input_reader_takes_a_batch_of_one_key_or_a_dataloaders_with_its_labels(text_readers: None) -> None:
-    """One input: a dict batch's one array whatever its key (as before dict batches were read by name), and a
-    DataLoader-style batch's labels are left out."""
-    got = calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:wrong_key"), inputs=TEXT_INPUTS[:1])
-    assert [b.shape for b in got] == [(4, 8)]
+def test_a_single_input_reader_batch_is_keyed_by_its_name_and_its_labels_left_out(text_readers: None) -> None:
+    """One input: a dict batch keyed by the input's name, a DataLoader-style batch's labels left out; a key that
+    names no input is an error naming the keys and the inputs (it would feed whatever field it holds)."""
     got = calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:with_labels"), inputs=TEXT_INPUTS[:1])
     assert [b.shape for b in got] == [(4, 8)]
+    with pytest.raises(
+        ConfigError, match=r"reader 'text_calib:wrong_key' has keys \['ids'\]; the model takes \['input_ids'\]\n"
+    ):
+        calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:wrong_key"), inputs=TEXT_INPUTS[:1])
 
 
 def test_a_reader_may_yield_a_tuple_of_one_array_per_input_in_input_order(text_readers: None) -> None:
@@ -206,3 +208,68 @@ def test_a_reader_may_yield_a_tuple_of_one_array_per_input_in_input_order(text_r
         assert [b.shape for b in got] == [(4, 8)], reader
     with pytest.raises(ConfigError, match=r"calibration batch 0 .* is a tuple of 3 arrays; the model takes 2 inputs"):
         calibration_batches(data, CalibrationConfig(reader="text_calib:three"), inputs=TEXT_INPUTS)
+
+
+IMAGE_INPUTS = [TensorSpec(name="pixel_values", shape=["batch", 3, 4, 4], dtype="float32")]
+
+
+@pytest.fixture
+def image_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "image_calib.py").write_text(
+        textwrap.dedent("""
+        import numpy as np
+        rng = np.random.default_rng(0)
+        def two_batches():
+            yield rng.random((4, 3, 4, 4)), rng.random((4, 3, 4, 4))
+        def three():
+            yield rng.random((4, 3, 4, 4)), np.zeros(4, np.int64), np.ones(4)
+        def with_labels():
+            yield rng.random((4, 3, 4, 4)), np.zeros(4, np.int64)
+        def with_float_targets():
+            yield rng.random((4, 3, 4, 4)), rng.random((4, 10))
+        def ids_and_tags():
+            yield np.full((4, 8), 3, np.int64), np.ones((4, 8), np.int64)
+        def zeros(n=2):
+            for _ in range(n):
+                yield {"pixel_values": np.zeros((4, 3, 4, 4), np.float32)}
+        def one_zero_batch():
+            yield {"pixel_values": np.zeros((4, 3, 4, 4), np.float32)}
+            yield {"pixel_values": rng.random((4, 3, 4, 4))}
+        """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_pair_of_two_batches_for_one_input_is_an_error_an_x_y_pair_is_not(image_readers: None) -> None:
+    """A tuple of two float batches of one shape, for a model of one input, is two batches (only the first would
+    calibrate); a pair whose second array is labels or targets of another shape, or integer labels of the ids'
+    shape (a tagger's), is a DataLoader's (x, y) and gives its x; three arrays for one input are an error."""
+    data = _text_data()
+    for reader, says in (
+        ("two_batches", r"tuple of 2 arrays \(its second array is another float batch"),
+        ("three", "tuple of 3 arrays"),
+    ):
+        with pytest.raises(
+            ConfigError, match=f"batch 0 of reader 'image_calib:{reader}' is a {says}.*takes 1 input \\(pixel_values\\)"
+        ):
+            calibration_batches(data, CalibrationConfig(reader=f"image_calib:{reader}"), inputs=IMAGE_INPUTS)
+    for reader in ("with_labels", "with_float_targets"):
+        got = calibration_batches(data, CalibrationConfig(reader=f"image_calib:{reader}"), inputs=IMAGE_INPUTS)
+        assert [b.shape for b in got] == [(4, 3, 4, 4)], reader
+    got = calibration_batches(data, CalibrationConfig(reader="image_calib:ids_and_tags"), inputs=TEXT_INPUTS[:1])
+    assert [b.shape for b in got] == [(4, 8)] and (got[0] == 3).all()  # a tagger's ids and tags, of one shape: x
+
+
+def test_a_float_input_that_is_zero_in_every_sample_is_an_error(image_readers: None, text_readers: None) -> None:
+    """Calibration data of all zeros has no range: the reader's mistake, said with the reader and the input, not
+    INT8 (and FP16) variants dropped later; one zero batch among real ones, or integer inputs of zeros, are fine."""
+    data = _text_data()
+    with pytest.raises(
+        ConfigError,
+        match="reader 'image_calib:zeros' yields input 'pixel_values' as 0 in every sample of its 2 batches",
+    ):
+        calibration_batches(data, CalibrationConfig(reader="image_calib:zeros"), inputs=IMAGE_INPUTS)
+    got = calibration_batches(data, CalibrationConfig(reader="image_calib:one_zero_batch"), inputs=IMAGE_INPUTS)
+    assert len(got) == 2
+    got = calibration_batches(data, CalibrationConfig(reader="text_calib:in_order"), inputs=TEXT_INPUTS)
+    assert (got[0]["attention_mask"] == 0).all()  # an integer input all 0 (token type ids): no mistake

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.calibration.ranges import STATS
-from kiln.core.errors import ModelError
+from kiln.core.errors import ConfigError, ModelError
 from kiln.core.records import Variants
 from kiln.models.registry import build_model
 from kiln.pipeline.config import config_from_dict
@@ -183,3 +183,16 @@ def test_a_variant_not_made_says_so_in_its_table_row() -> None:
     summary = PrecisionSummary(variants={"fp32": {"kept_fp32": 0, "top1_agreement": 1.0}, "int8": unmade})
     rows = [line for line in report_section(summary) if line.startswith("| ")]
     assert "| int8 (**not made**) | 3 |" in "\n".join(rows) and "| fp32 | 0 |" in "\n".join(rows)
+
+
+def test_a_calibration_reader_of_zeros_stops_the_stage(
+    tmp_path: Path, exported: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader whose batches are 0 in every sample is the user's mistake: one error naming the reader and its
+    input, which the run stops with, not a run that goes on without its INT8 (and FP16) variants."""
+    (tmp_path / "zeros_calib.py").write_text(
+        "import numpy as np\ndef reader():\n    yield {'input': np.zeros((4, 1, 8, 8), np.float32)}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="reader 'zeros_calib:reader' yields input 'input' as 0 in every sample"):
+        _run(tmp_path, exported, **{"calibration.reader": "zeros_calib:reader"})
