@@ -70,7 +70,8 @@ class CalibrationConfig(Section):
         "LSTMs (ORT's DynamicQuantizeLSTM; it has no int8 GRU or RNN kernel), activation ranges "
         "measured per batch at run time, so a sample's output depends slightly on its batch mates "
         "(ONNX Runtime's advice for Transformers); auto: dynamic when the graph has MatMul, Gemm or "
-        "LSTM layers and no convolutions, else static",
+        "LSTM layers and no convolutions, or more of its FLOPs in those than in convolutions (a ViT's patch "
+        "embedding), else static",
     )
     op_types: list[str] = Field(
         default_factory=lambda: list(DEFAULT_OP_TYPES),
