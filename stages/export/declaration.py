@@ -101,4 +101,5 @@ STAGE = Stage(
     _env,
     "torch.onnx.export with a dynamic batch axis; checker, shape inference, parity (or model.onnx, checked)",
     data=("dataset", "onnx"),
+    checks=("kiln.stages.precision.audit:check_model_onnx",),  # a model.onnx that is not FP32
 )

@@ -45,6 +45,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from kiln.core.errors import ModelError
 from kiln.core.onnx_io import infer_shapes, light_model, load_onnx, ort_session
 
 # ONNX's compute ops and ONNX Runtime's fused forms of them (com.microsoft; their FLOPs count where shapes are known)
@@ -668,3 +669,49 @@ def _op_count(op: str, n: int) -> str:
 
 def _low_label(share: Mapping[str, float]) -> str | None:
     return next((p for p in LOW if share.get(p, 0.0) >= MIN_SHARE), None)
+
+
+FP32_HINT = (
+    "give the FP32 graph it was made from (the model before quantization or FP16 conversion: `kiln export`'s or "
+    "`kiln optimize`'s output, or the FP32 ONNX file of your exporter); Kiln makes every variant from it"
+)
+
+
+def check_model_onnx(settings: Any) -> None:
+    """The export stage's check (:attr:`kiln.core.stage.Stage.checks`): a ``model.onnx`` already INT8, FP8 or FP16
+    is refused before the run takes it, which would make its FP32 reference and variants from it."""
+    if settings.model.onnx:
+        refuse_low_precision(Path(settings.model.onnx), f"model.onnx {settings.model.onnx}", "a run")
+
+
+def refuse_low_precision(graph: onnx.ModelProto | Path, src: str, taker: str) -> None:
+    """Refuse an input (``src``, for ``taker``: the command or run that takes an FP32 graph) that computes mostly
+    in INT8, FP8 or FP16 already, by the audit's label (:meth:`Audit.label`: a low precision holding half of the
+    FLOPs, the rule ``kiln build`` judges an engine's label by). Its variants would be made from no FP32 reference:
+    quantizing Q/DQ or FP16 nodes again fails inside ONNX Runtime, and its copy would be written as the fp32
+    variant. An FP32 graph with a few nodes in FP16 is taken."""
+    audit = audit_graph(graph)
+    low = audit.label()
+    if low == "fp32":
+        return
+    graph = load_onnx(graph, load_external_data=False) if isinstance(graph, Path) else graph
+    nodes, share = audit.nodes, audit.share().get(low, 0.0)
+    flops = f", {share:.0%} of its FLOPs" if audit.total else ""
+    raise ModelError(
+        f"{src} is already {low.upper()}: {nodes[low]} of its {sum(nodes.values())} compute nodes run in {low}"
+        f"{flops} ({_low_precision_found(graph, low)}); {taker} takes an FP32 graph",
+        hint=FP32_HINT,
+    )
+
+
+def _low_precision_found(graph: onnx.ModelProto, low: str) -> str:
+    """What makes ``graph`` ``low``, as a user can look it up: its Q/DQ nodes and integer ops, or its float16
+    weights."""
+    if low == "fp16":
+        inits = graph.graph.initializer
+        half = sum(t.data_type == onnx.TensorProto.FLOAT16 for t in inits)
+        return f"{half} float16 weights of its {len(inits)} initializers"
+    ops = Counter(n.op_type for n in graph.graph.node)
+    found = [f"{ops[q]} {q}" for q in ("QuantizeLinear", "DequantizeLinear") if ops[q]]
+    qdq = [" and ".join(found) + " nodes"] if found else []
+    return ", ".join(qdq + [f"{n} {op}" for op, n in sorted(ops.items()) if op in INTEGER])

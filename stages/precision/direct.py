@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from kiln.core.records import IntRange, TensorSpec, Variants
 from kiln.core.shapes import Axes, graph_axes, refuse_unknown_axes, resize, shape_points
 from kiln.stages.accuracy.check import Reference, direct_top1
 from kiln.stages.accuracy.refusal import refusing
-from kiln.stages.precision.audit import INTEGER, audit_graph
+from kiln.stages.precision.audit import refuse_low_precision
 from kiln.stages.precision.gate import GateCheck, session_runner
 from kiln.stages.precision.stage import (
     RANDOM_OFF,
@@ -49,10 +48,6 @@ from kiln.stages.precision.variants import Source
 log = logging.getLogger("kiln.precision")
 RANDOM_OFF_HINT = f"give real inputs, --calibration FILE.npz (one array per input): {RANDOM_OFF}"
 FEW_ROWS = 32  # one calibration batch at the default calibration.batch_size: fewer rows are warned about
-FP32_HINT = (
-    "give the FP32 graph it was made from (the model before quantization or FP16 conversion: `kiln export`'s or "
-    "`kiln optimize`'s output, or the FP32 ONNX file of your exporter); kiln precision makes every variant from it"
-)
 
 
 def precision_direct(
@@ -61,7 +56,7 @@ def precision_direct(
     """Write ``out/<precision>/model.onnx`` for each variant and ``out/variants.json``; returns a summary."""
     graph = load_onnx(src)
     check_tensor_io(graph, str(src))
-    refuse_low_precision(graph, src)
+    refuse_low_precision(graph, str(src), "kiln precision")
     inputs, outputs = io_specs(graph)
     ccfg, pcfg = cfg.calibration, cfg.precision.model_copy(deep=True)
     if calibration is not None:
@@ -193,38 +188,6 @@ def recorded_sizes(
     seen = {d: [int(data[s.name].shape[i])] for s in inputs for i, d in (graph_axes([s]).get(s.name) or {}).items()}
     refuse_unknown_axes(shapes, sorted(seen))
     return {d: sorted(set(shapes.get(d) or v)) for d, v in seen.items()}
-
-
-def refuse_low_precision(graph: onnx.ModelProto, src: Path) -> None:
-    """Refuse an input that computes mostly in INT8, FP8 or FP16 already, by the precision audit's label
-    (:meth:`~kiln.stages.precision.audit.Audit.label`: a low precision holding half of the FLOPs, the rule
-    ``kiln build`` judges an engine's label by). Its variants would be made from no FP32 reference: quantizing Q/DQ
-    or FP16 nodes again fails inside ONNX Runtime, and its copy would be written as the fp32 variant. An FP32 graph
-    with a few nodes in FP16 is taken."""
-    audit = audit_graph(graph)
-    low = audit.label()
-    if low == "fp32":
-        return
-    nodes, share = audit.nodes, audit.share().get(low, 0.0)
-    flops = f", {share:.0%} of its FLOPs" if audit.total else ""
-    raise ModelError(
-        f"{src} is already {low.upper()}: {nodes[low]} of its {sum(nodes.values())} compute nodes run in {low}"
-        f"{flops} ({_low_precision_found(graph, low)}); kiln precision takes an FP32 graph",
-        hint=FP32_HINT,
-    )
-
-
-def _low_precision_found(graph: onnx.ModelProto, low: str) -> str:
-    """What makes ``graph`` ``low``, as a user can look it up: its Q/DQ nodes and integer ops, or its float16
-    weights."""
-    if low == "fp16":
-        inits = graph.graph.initializer
-        half = sum(t.data_type == onnx.TensorProto.FLOAT16 for t in inits)
-        return f"{half} float16 weights of its {len(inits)} initializers"
-    ops = Counter(n.op_type for n in graph.graph.node)
-    found = [f"{ops[q]} {q}" for q in ("QuantizeLinear", "DequantizeLinear") if ops[q]]
-    qdq = [" and ".join(found) + " nodes"] if found else []
-    return ", ".join(qdq + [f"{n} {op}" for op, n in sorted(ops.items()) if op in INTEGER])
 
 
 def _warn_few_rows(data: dict[str, np.ndarray], calibration: Path, variants: list[str], few: int) -> None:

@@ -135,3 +135,17 @@ def test_a_calibration_set_of_very_few_rows_is_warned_about(tmp_path: Path, rows
     assert (
         "holds only 1 row: INT8 scales and the variants' accuracy check come from that few samples" in text
     ) == warned, text
+
+
+def test_a_run_from_a_model_onnx_already_int8_is_refused_before_it_takes_it(tmp_path: Path) -> None:
+    """`kiln run` with model.onnx a Q/DQ graph: the export stage's check refuses it before anything is written."""
+    from kiln.pipeline.config import config_from_dict
+    from kiln.pipeline.runner import Runner
+    from kiln.pipeline.stage_list import STAGES
+
+    onnx.save(_qdq_graph(), tmp_path / "q.onnx")
+    cfg = config_from_dict({"model": {"onnx": str(tmp_path / "q.onnx")}, "build": {"backends": ["onnxruntime"]}})
+    result = Runner(cfg, tmp_path / "wd", STAGES).run()
+    assert f"model.onnx {tmp_path / 'q.onnx'} is already INT8" in str(result.error), result.error
+    assert "a run takes an FP32 graph" in str(result.error) and "give the FP32 graph" in (result.error.hint or "")
+    assert not (tmp_path / "wd" / "export").exists()
