@@ -41,7 +41,7 @@ from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
 from kiln.pipeline.manifests import MANIFEST, handed_on, out_of_date, read_manifest
 from kiln.pipeline.user_code import code_version, import_root
 from kiln.stages.engines.registry import backend_libraries
-from kiln.stages.validate.declaration import REQUIRED
+from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED
 from kiln.stages.validate.measured import NO_FINITE_FIX, unmeasured
 
 log = logging.getLogger("kiln")
@@ -73,7 +73,7 @@ class RunResult:
 def gate_hint(failures: list[str], status: str) -> str:
     """The fix line for failed validation gates: relaxing a gate helps only where a number missed it; engines
     this machine cannot run are validated where they run."""
-    if all(f.startswith(NONE_VALIDATED) for f in failures):
+    if all(f.startswith(NONE_VALIDATED) or f.startswith(REQUIRED) and UNVALIDATED in f for f in failures):
         return (
             "validate the engines on a machine that runs them (`kiln validate` there), or add a backend this "
             "machine runs (build.backends: [onnxruntime])"

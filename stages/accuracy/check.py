@@ -650,7 +650,19 @@ class Reference:
         if logits.ndim < 2 or logits.shape[axis] < 2:
             return
         top = np.argmax(logits, axis=axis)
-        if top.size >= MIN_ONE_CLASS and (top == top.flat[0]).all():
+        if top.size < MIN_ONE_CLASS or not (top == top.flat[0]).all():
+            return
+        labels = self.point_labels[-1 if self.score is None else self.score]
+        y = np.asarray(labels) if labels is not None else np.empty(0)
+        y = y[y != IGNORE_LABEL]  # positions without a label
+        if y.size and (y == top.flat[0]).all():
+            log.warning(  # the model is right: the held-out rows test nothing else
+                "the held-out rows are all of class %d, which the reference puts on top at all %d of them: top-1 "
+                "agreement only asks an engine to keep it there; hold out rows of other classes to test more",
+                int(top.flat[0]),
+                top.size,
+            )
+        else:
             log.warning(
                 "the reference puts class %d of output '%s' on top at all %d of its %s: top-1 agreement only asks an "
                 "engine to keep it there, which a wrong engine may still do; check that the model is trained, or "

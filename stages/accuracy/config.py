@@ -122,20 +122,25 @@ class GatesConfig(Section):
         gate" expects every engine held to it. Set looser than a precision's default, that default stays, and a
         warning names the key that loosens it: the per-precision defaults are the looser gates reduced precisions
         need, never tightened by loosening the FP32 one."""
+        defaults = _default_per_precision()
         for gate in sorted(self.model_fields_set - {"per_precision", "gated_outputs"}):
             value, default = getattr(self, gate), type(self).model_fields[gate].default
             tightened = value != default and _stricter(gate, value, default) == value
-            kept = {}
+            kept, held = {}, {}
             for precision, own in self.per_precision.items():
-                if gate not in own or own[gate] == value or gate in (given.get(precision) or {}):
+                mine = (given.get(precision) or {}).get(gate)  # a value equal to the default (a printed config) is not
+                if gate not in own or own[gate] == value or mine not in (None, defaults.get(precision, {}).get(gate)):
                     continue
                 if _stricter(gate, value, own[gate]) == value:  # the user's value is the stricter
                     if tightened:
+                        held[precision] = own[gate]
                         own[gate] = value
                 elif not tightened:
                     kept[precision] = own[gate]
             if kept:
                 _warn_kept(gate, value, kept)
+            if held:
+                _warn_held(gate, value, held)
 
     @field_validator("per_precision", mode="before")
     @classmethod
@@ -208,6 +213,19 @@ def _stricter(gate: str, a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
         return b if a is None else a
     return max(a, b) if gate.startswith("min_") else min(a, b)
+
+
+def _warn_held(gate: str, value: float | None, held: dict[str, float]) -> None:
+    """Said where a top-level gate the user set stricter replaces the looser defaults of the precisions ``held``:
+    an INT8 variant that met its own default may now be left unmade."""
+    log.warning(
+        "validate.gates.%s %s holds %s engines too, in place of their looser defaults (%s); to keep one, set %s",
+        gate,
+        value,
+        ", ".join(held),
+        ", ".join(f"{p} {v}" for p, v in held.items()),
+        " or ".join(f"validate.gates.per_precision.{p}.{gate}" for p in held),
+    )
 
 
 def _warn_kept(gate: str, value: float | None, kept: dict[str, float]) -> None:

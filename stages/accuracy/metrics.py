@@ -160,8 +160,8 @@ def _refuse_misfit_call(fn: Callable[..., Any], ref: str) -> None:
     """A ConfigError where ``fn`` cannot be called as ``fn(outputs, labels)`` (another number of parameters, a
     keyword-only one without a default): said before any output is scored. A callable whose signature Python cannot
     read (a C function) is left to its first call."""
-    try:
-        inspect.signature(fn).bind({}, None)
+    try:  # the callable's own parameters: a decorator's wrapper (functools.wraps) may fill in the wrapped ones
+        inspect.signature(fn, follow_wrapped=False).bind({}, None)
     except ValueError:
         return
     except TypeError as exc:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kiln.core.sections import Section
 
@@ -93,6 +93,9 @@ class FallbackConfig(Section):
 
 
 class PrecisionConfig(Section):
+    # read by validation alone (its SOURCES name them): no reason to make the graph variants again
+    UNKEYED: ClassVar[tuple[str, ...]] = ("required", "require_speedup")
+
     variants: list[Precision] = Field(
         default_factory=lambda: ["fp32", "fp16", "int8"],
         min_length=1,
@@ -117,3 +120,11 @@ class PrecisionConfig(Section):
         description="plot each variant's per-node error vs FP32 along the graph "
         "(precision/node_errors.png) and name the first diverging node",
     )
+
+    @model_validator(mode="after")
+    def _required_are_made(self) -> PrecisionConfig:
+        """A precision the run must deliver is one it makes: else the run would fail only after every stage ran."""
+        missing = [p for p in self.required if p not in self.variants]
+        if missing:
+            raise ValueError(f"precision.required {missing} are not among precision.variants {self.variants}")
+        return self

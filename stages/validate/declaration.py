@@ -17,6 +17,8 @@ from kiln.stages.validate.report import report_section
 
 # how a failure of precision.required starts (a precision the run was asked for and did not deliver)
 REQUIRED = "precision.required: "
+# how a failure of precision.required says its engines exist but could not run here (validated where they run)
+UNVALIDATED = "were built but not validated on this machine"
 
 
 @dataclass(frozen=True)

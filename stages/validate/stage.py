@@ -68,7 +68,7 @@ from kiln.stages.precision.speed import drop_slower, speed_vs_fp32
 from kiln.stages.validate.baselines import from_rounds, prepare_baseline, speedups
 from kiln.stages.validate.config import ValidateConfig
 from kiln.stages.validate.coupling import rows_may_mix
-from kiln.stages.validate.declaration import REQUIRED, ValidateSettings
+from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED, ValidateSettings
 from kiln.stages.validate.measured import NO_FINITE_FIX, has_no_number_samples, nothing_measured, unmeasured
 from kiln.stages.validate.memory import PeakMemory, wait_a_sample
 from kiln.stages.validate.roofline import peak_tflops, roofline
@@ -100,9 +100,11 @@ def required_failures(required: list[str], engines: list[EngineValidation], drop
         if not mine:
             why = f"no {p} engine was built (the result line says why)"
         elif all(e.status != "validated" for e in mine):
-            why = f"{p} engines were built only for devices this machine lacks ({', '.join(e.name for e in mine)})"
+            reasons = "; ".join(dict.fromkeys(e.reason for e in mine if e.reason))
+            why = f"{p} engines {UNVALIDATED} ({', '.join(e.name for e in mine)}{': ' + reasons if reasons else ''})"
         elif any(e.status == "validated" and e.passed for e in mine):
-            why = f"every {p} engine that passed was slower and dropped ({', '.join(dropped)})"
+            slower = [e.name for e in mine if e.name in dropped]
+            why = f"every {p} engine that passed was slower and dropped ({', '.join(slower)})"
         else:
             why = f"no {p} engine passed its gates"
         out.append(f"{REQUIRED}{why}")

@@ -673,3 +673,18 @@ def test_a_reference_with_one_class_on_top_everywhere_is_warned_of(
     caplog.clear()
     reference_of(logits)
     assert not [r for r in caplog.records if "on top at all" in r.getMessage()]
+
+
+def test_held_out_rows_all_of_the_class_the_reference_predicts_are_said_as_that(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trained binary classifier whose held-out rows are all class 1: not an untrained model."""
+    logits = np.tile(np.array([[-3.0, 3.0]], np.float32), (32, 1))
+    x = np.arange(32, dtype=np.float32)[:, None]
+    monkeypatch.setattr(logging.getLogger("kiln"), "propagate", True)  # the CLI tests turn it off
+    caplog.set_level(logging.WARNING, logger="kiln")
+    labels = np.ones(32, np.int64)
+    Reference(lambda feed: {"logits": logits[feed["x"][:, 0].astype(int)]}, [({}, {"x": x})], [labels], "logits", 4)
+    said = [r.getMessage() for r in caplog.records if "class 1" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the held-out rows are all of class 1"), said
+    assert "trained" not in said[0]

@@ -33,7 +33,25 @@ def test_a_per_precision_value_the_user_sets_still_wins_over_the_top_level_gate(
         )
     assert gates_for(cfg.validate_, "int8")["min_cosine"] == 0.98
     assert gates_for(cfg.validate_, "fp16")["min_cosine"] == 0.9999999
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # nothing set was left unheld
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == [  # the defaults it replaces are said, with the key that keeps one; int8's own value is not
+        "validate.gates.min_cosine 0.9999999 holds fp16, fp8 engines too, in place of their looser defaults "
+        "(fp16 0.999, fp8 0.99); to keep one, set validate.gates.per_precision.fp16.min_cosine or "
+        "validate.gates.per_precision.fp8.min_cosine"
+    ]
+
+
+def test_a_printed_config_edited_at_the_top_reads_as_the_same_edit_in_a_short_one() -> None:
+    """`kiln config` spells out the per-precision defaults: as values equal to them, they are not the user's own,
+    and tightening the top-level gate in that printout holds the reduced precisions as it does in a short config."""
+    import yaml
+
+    printed = yaml.safe_load(yaml.safe_dump(load_config(None, {}).dump()))
+    printed["validate"]["gates"]["min_cosine"] = 0.99999
+    full = config_from_dict(printed)
+    short = load_config(None, {"validate.gates.min_cosine": 0.99999})
+    assert gates_for(full.validate_, "int8") == gates_for(short.validate_, "int8")
+    assert gates_for(full.validate_, "int8")["min_cosine"] == 0.99999
 
 
 def test_a_top_level_gate_loosened_past_a_precisions_default_leaves_it_and_says_how_to_set_it(

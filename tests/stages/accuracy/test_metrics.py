@@ -258,3 +258,29 @@ def test_targets_no_output_is_shaped_like_are_told_of_a_metric_of_ones_own() -> 
     with pytest.raises(ModelError) as err:  # a misfit of another kind: the other built-ins may fit
         resolve_metric("accuracy", None)({"y": np.zeros((4, 3, 2), np.float32)}, np.zeros(5, np.int64))
     assert "pick another built-in" in err.value.hint
+
+
+def test_a_metric_whose_decorator_fills_in_a_parameter_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A functools.wraps wrapper takes (outputs, labels) and calls the wrapped metric with a third argument: the
+    wrapper's own parameters are what Kiln calls, not the wrapped function's; one that cannot take them is refused."""
+    importable(
+        tmp_path,
+        monkeypatch,
+        "wrapped_metrics",
+        "import functools\n\n"
+        "def with_k(f):\n"
+        "    @functools.wraps(f)\n"
+        "    def w(outputs, labels):\n"
+        "        return f(outputs, labels, 1)\n"
+        "    return w\n\n"
+        "@with_k\n"
+        "def met(outputs, labels, k):\n"
+        "    return float(k)\n\n"
+        "def three(outputs, labels, k):\n"
+        "    return 1.0\n",
+    )
+    assert resolve_metric("wrapped_metrics:met", None)({"y": np.zeros(2)}, np.zeros(2)) == 1.0
+    with pytest.raises(ConfigError, match=r"cannot be called as fn\(outputs, labels\)"):
+        resolve_metric("wrapped_metrics:three", None)
