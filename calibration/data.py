@@ -55,8 +55,8 @@ def check_reader(settings: Any) -> None:
 
 def read_reader(cfg: CalibrationConfig) -> list[ReaderBatch]:
     """Call the user's reader and take its first ``num_batches`` batches, as they come: an array, a dict of arrays
-    by input name, or a tuple of arrays (one per input, or an ``(x, y)`` pair: :func:`_reader_feed` tells them
-    apart by the model's inputs; a pair whose ``x`` is a dict or a tuple gives its ``x``)."""
+    by input name, or a tuple of arrays (one per input, or an ``(x, y, ...)`` batch: :func:`_reader_feed` tells
+    them apart by the model's inputs; a pair whose ``x`` is a dict or a tuple gives its ``x``)."""
     assert cfg.reader is not None
     fn = resolve_callable(cfg.reader, {}, "calibration reader")
     what = f"calibration reader '{cfg.reader}'"
@@ -87,11 +87,13 @@ SHAPE_HINT = "preprocess calibration data exactly like validation data"
 def reader_batches(cfg: CalibrationConfig, inputs: list[TensorSpec]) -> list[Batch]:
     """The user reader's batches, checked against the model's ``inputs`` and cast to their dtypes. A named
     (dynamic) axis takes any size, one size per batch wherever the graph names it. One input: its array per
-    batch (a dict keyed by its name is read too); several: a dict of every input, keyed by name, or a tuple of
-    one array per input, in the model's input order."""
+    batch (a dict keyed by its name is read too, or by another name where that is its one key not named like
+    labels); several: a dict of every input, keyed by name, or a tuple of one array per input, in the model's
+    input order."""
     feeds: list[dict[str, np.ndarray]] = []
+    taken: set[str] = set()  # dict keys read as the one input though they name no input
     for i, item in enumerate(read_reader(cfg)):
-        feed = _reader_feed(cfg, i, item, inputs)
+        feed = _reader_feed(cfg, i, item, inputs, taken)
         _check_shapes(i, feed, inputs)
         for name, array in feed.items():
             problem = _unusable(array)
@@ -102,27 +104,42 @@ def reader_batches(cfg: CalibrationConfig, inputs: list[TensorSpec]) -> list[Bat
                     hint="yield real numbers, one row or more per batch, preprocessed exactly like validation data",
                 )
         feeds.append({s.name: feed[s.name].astype(np.dtype(s.dtype), copy=False) for s in inputs})
+    if taken:  # said once per run, not per batch
+        log.warning(
+            "calibration reader '%s' yields no key '%s': took its key %s as the model's input '%s'",
+            cfg.reader,
+            inputs[0].name,
+            ", ".join(map(repr, sorted(taken))),
+            inputs[0].name,
+        )
     _refuse_all_zero(cfg, feeds, inputs)
     return [f if len(inputs) > 1 else f[inputs[0].name] for f in feeds]
 
 
 def _refuse_all_zero(cfg: CalibrationConfig, feeds: list[dict[str, np.ndarray]], inputs: list[TensorSpec]) -> None:
-    """A float input that is 0 in every sample of every batch is a reader's mistake (arrays never filled, the wrong
-    field read): its range is 0, so no INT8 scale can be calibrated from it, and the run would go on without the
-    INT8 variant. Integer inputs may be all 0 (token type ids)."""
-    for spec in inputs:
-        if np.dtype(spec.dtype).kind == "f" and not any(np.any(f[spec.name]) for f in feeds):
-            n = len(feeds)
-            raise ConfigError(
-                f"calibration reader '{cfg.reader}' yields input '{spec.name}' as 0 in every sample of its {n} "
-                f"batch{'es' if n > 1 else ''}: its range is 0, nothing to calibrate INT8 scales from",
-                hint="yield real samples of the input, preprocessed exactly like validation data",
-            )
+    """Float inputs that are all 0 in every sample of every batch are a reader's mistake (arrays never filled, the
+    wrong field read): there is nothing to calibrate at all. One such input beside others that vary may be real
+    data (an RNN's initial state, a padding mask without padding): the INT8 variant's own range check fails INT8
+    alone there, and FP32 and FP16 go on. Integer inputs may be all 0 (token type ids)."""
+    floats = [s.name for s in inputs if np.dtype(s.dtype).kind == "f"]
+    if not floats or any(np.any(f[name]) for f in feeds for name in floats):
+        return
+    n = len(feeds)
+    which = f"input '{floats[0]}'" if len(floats) == 1 else f"every float input ({', '.join(floats)})"
+    raise ConfigError(
+        f"calibration reader '{cfg.reader}' yields {which} as 0 in every sample of its {n} "
+        f"batch{'es' if n > 1 else ''}: {'its range is' if len(floats) == 1 else 'their ranges are'} 0, nothing "
+        "to calibrate INT8 scales from",
+        hint="yield real samples of the input, preprocessed exactly like validation data",
+    )
 
 
-def _reader_feed(cfg: CalibrationConfig, i: int, item: ReaderBatch, inputs: list[TensorSpec]) -> dict[str, np.ndarray]:
+def _reader_feed(
+    cfg: CalibrationConfig, i: int, item: ReaderBatch, inputs: list[TensorSpec], taken: set[str]
+) -> dict[str, np.ndarray]:
     """A reader's batch keyed by the model's input names; keys that are not exactly those (beside a DataLoader's
-    labels) are an error, for one input too: a key that names no input is a reader feeding the wrong field."""
+    labels) are an error, except for one input, where a dict's one key not named like labels is read as that
+    input (the key is added to ``taken``, for a warning), as a dataset's ``{"pixel_values": x, "labels": y}``."""
     names = [s.name for s in inputs]
     if isinstance(item, tuple):
         return _tuple_feed(cfg, i, item, names)
@@ -136,6 +153,10 @@ def _reader_feed(cfg: CalibrationConfig, i: int, item: ReaderBatch, inputs: list
         return {names[0]: item}
     keys = list(item)
     item = {k: v for k, v in item.items() if k in names or not is_label_name(k)}  # a DataLoader's batch: its labels
+    if len(names) == 1 and len(item) == 1 and names[0] not in item:
+        (key,) = item
+        taken.add(key)
+        return {names[0]: item[key]}
     missing = [n for n in names if n not in item]
     extra = [k for k in item if k not in names]
     if missing or extra:
@@ -153,30 +174,18 @@ def _tuple_feed(
     cfg: CalibrationConfig, i: int, item: tuple[np.ndarray, ...], names: list[str]
 ) -> dict[str, np.ndarray]:
     """A tuple batch as a feed: one array per input by position, as :func:`kiln.core.data.feed_for_graph` feeds a
-    tuple of the data's; for one input, an ``(x, y)`` pair from a DataLoader gives ``x``. Any other count is an
-    error: a pair whose ``y`` is another float batch of ``x``'s shape is two batches, not ``x`` and its labels
-    (a tagger's integer labels may have the shape of its integer ids)."""
-    if len(item) == len(names) or (len(names) == 1 and len(item) == 2 and not _second_batch(*item)):
+    tuple of the data's; for one input, its first array (a DataLoader's ``(x, y)`` or ``(x, y, ...)`` batch gives
+    ``x``, whatever ``y`` is: labels, or targets of ``x``'s shape as a denoiser's or a forecaster's). For several
+    inputs, any other count is an error."""
+    if len(names) == 1 and item:
+        return {names[0]: item[0]}
+    if len(item) == len(names):
         return dict(zip(names, item))
-    if len(names) == 1:
-        two = " (its second array is another float batch of the first's shape, not labels)" if len(item) == 2 else ""
-        raise ConfigError(
-            f"calibration batch {i} of reader '{cfg.reader}' is a tuple of {len(item)} arrays{two}; the model takes "
-            f"1 input ({names[0]})",
-            hint=f"yield one array per batch, or a dict {{'{names[0]}': batch}}; a pair is read as (x, labels) only "
-            "where its second array is no float batch of x's shape",
-        )
     raise ConfigError(
         f"calibration batch {i} of reader '{cfg.reader}' is a tuple of {len(item)} arrays; the model takes "
-        f"{len(names)} inputs ({', '.join(names)})",
+        f"{len(names)} input{'s' if len(names) > 1 else ''} ({', '.join(names)})",
         hint=f"yield one array per input in this order ({', '.join(names)}), or a dict {{input name: batch}}",
     )
-
-
-def _second_batch(x: np.ndarray, y: np.ndarray) -> bool:
-    """Whether ``y`` of a reader's pair is a batch like ``x`` (float, of its rank and sizes past the batch axis)
-    rather than its labels or targets."""
-    return x.dtype.kind == y.dtype.kind == "f" and x.shape[1:] == y.shape[1:]
 
 
 def _check_shapes(i: int, feed: dict[str, np.ndarray], inputs: list[TensorSpec]) -> None:

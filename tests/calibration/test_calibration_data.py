@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import struct
 import textwrap
 from pathlib import Path
@@ -133,7 +134,10 @@ def text_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         def ragged():
             yield {"input_ids": np.ones((4, 8)), "attention_mask": np.ones((4, 7))}
         def wrong_key():
-            yield {"ids": np.ones((4, 8), np.int64)}
+            for _ in range(2):
+                yield {"ids": np.full((4, 8), 5, np.int64), "labels": np.zeros(4, np.int64)}
+        def two_wrong_keys():
+            yield {"ids": np.ones((4, 8), np.int64), "mask": np.ones((4, 8), np.int64)}
         def with_labels():
             yield {"input_ids": np.ones((4, 8), np.int64), "labels": np.zeros(4, np.int64)}
         def in_order():
@@ -181,15 +185,29 @@ def test_a_reader_feeds_every_input_of_a_model_by_name(text_readers: None) -> No
             calibration_batches(data, CalibrationConfig(reader=f"text_calib:{reader}"), inputs=TEXT_INPUTS)
 
 
-def test_a_single_input_reader_batch_is_keyed_by_its_name_and_its_labels_left_out(text_readers: None) -> None:
-    """One input: a dict batch keyed by the input's name, a DataLoader-style batch's labels left out; a key that
-    names no input is an error naming the keys and the inputs (it would feed whatever field it holds)."""
+def test_a_single_input_reader_batch_is_keyed_by_its_name_and_its_labels_left_out(
+    text_readers: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One input: a dict batch keyed by the input's name, a DataLoader-style batch's labels left out; a dict whose
+    one key not named like labels names no input gives that key's array, said once in a warning; two such keys
+    are an error naming the keys and the inputs (either could be the wrong field)."""
     got = calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:with_labels"), inputs=TEXT_INPUTS[:1])
     assert [b.shape for b in got] == [(4, 8)]
+    with caplog.at_level(logging.WARNING, logger="kiln.calibration"):
+        got = calibration_batches(
+            _text_data(), CalibrationConfig(reader="text_calib:wrong_key"), inputs=TEXT_INPUTS[:1]
+        )
+    assert len(got) == 2 and all((b == 5).all() for b in got)
+    said = [r.getMessage() for r in caplog.records if "took its key" in r.getMessage()]
+    assert said == [
+        "calibration reader 'text_calib:wrong_key' yields no key 'input_ids': took its key 'ids' as the model's "
+        "input 'input_ids'"
+    ]  # once for the run, not once per batch
     with pytest.raises(
-        ConfigError, match=r"reader 'text_calib:wrong_key' has keys \['ids'\]; the model takes \['input_ids'\]\n"
+        ConfigError,
+        match=r"reader 'text_calib:two_wrong_keys' has keys \['ids', 'mask'\]; the model takes \['input_ids'\]\n",
     ):
-        calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:wrong_key"), inputs=TEXT_INPUTS[:1])
+        calibration_batches(_text_data(), CalibrationConfig(reader="text_calib:two_wrong_keys"), inputs=TEXT_INPUTS[:1])
 
 
 def test_a_reader_may_yield_a_tuple_of_one_array_per_input_in_input_order(text_readers: None) -> None:
@@ -232,6 +250,11 @@ def image_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         def zeros(n=2):
             for _ in range(n):
                 yield {"pixel_values": np.zeros((4, 3, 4, 4), np.float32)}
+        def state_of_zeros():
+            for _ in range(2):
+                yield {"x": rng.random((4, 5, 3)), "h0": np.zeros((4, 6), np.float32)}
+        def all_zeros():
+            yield {"x": np.zeros((4, 5, 3)), "h0": np.zeros((4, 6), np.float32)}
         def one_zero_batch():
             yield {"pixel_values": np.zeros((4, 3, 4, 4), np.float32)}
             yield {"pixel_values": rng.random((4, 3, 4, 4))}
@@ -240,29 +263,22 @@ def image_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
-def test_a_pair_of_two_batches_for_one_input_is_an_error_an_x_y_pair_is_not(image_readers: None) -> None:
-    """A tuple of two float batches of one shape, for a model of one input, is two batches (only the first would
-    calibrate); a pair whose second array is labels or targets of another shape, or integer labels of the ids'
-    shape (a tagger's), is a DataLoader's (x, y) and gives its x; three arrays for one input are an error."""
+def test_a_tuple_for_one_input_gives_its_first_array(image_readers: None) -> None:
+    """For a model of one input, a tuple is a DataLoader's (x, y) or (x, y, ...) batch and gives its x, whatever y
+    is: labels, targets of another shape, float targets of x's shape (a denoiser's clean image, a forecaster's
+    target window), or integer labels of the ids' shape (a tagger's)."""
     data = _text_data()
-    for reader, says in (
-        ("two_batches", r"tuple of 2 arrays \(its second array is another float batch"),
-        ("three", "tuple of 3 arrays"),
-    ):
-        with pytest.raises(
-            ConfigError, match=f"batch 0 of reader 'image_calib:{reader}' is a {says}.*takes 1 input \\(pixel_values\\)"
-        ):
-            calibration_batches(data, CalibrationConfig(reader=f"image_calib:{reader}"), inputs=IMAGE_INPUTS)
-    for reader in ("with_labels", "with_float_targets"):
+    for reader in ("with_labels", "with_float_targets", "two_batches", "three"):
         got = calibration_batches(data, CalibrationConfig(reader=f"image_calib:{reader}"), inputs=IMAGE_INPUTS)
         assert [b.shape for b in got] == [(4, 3, 4, 4)], reader
     got = calibration_batches(data, CalibrationConfig(reader="image_calib:ids_and_tags"), inputs=TEXT_INPUTS[:1])
     assert [b.shape for b in got] == [(4, 8)] and (got[0] == 3).all()  # a tagger's ids and tags, of one shape: x
 
 
-def test_a_float_input_that_is_zero_in_every_sample_is_an_error(image_readers: None, text_readers: None) -> None:
+def test_float_inputs_that_are_zero_in_every_sample_are_an_error(image_readers: None, text_readers: None) -> None:
     """Calibration data of all zeros has no range: the reader's mistake, said with the reader and the input, not
-    INT8 (and FP16) variants dropped later; one zero batch among real ones, or integer inputs of zeros, are fine."""
+    INT8 (and FP16) variants dropped later; one zero batch among real ones, integer inputs of zeros, or one float
+    input of zeros beside one that varies (an RNN's initial state: INT8's own range check judges it) are fine."""
     data = _text_data()
     with pytest.raises(
         ConfigError,
@@ -273,3 +289,11 @@ def test_a_float_input_that_is_zero_in_every_sample_is_an_error(image_readers: N
     assert len(got) == 2
     got = calibration_batches(data, CalibrationConfig(reader="text_calib:in_order"), inputs=TEXT_INPUTS)
     assert (got[0]["attention_mask"] == 0).all()  # an integer input all 0 (token type ids): no mistake
+    state = [
+        TensorSpec(name="x", shape=["batch", 5, 3], dtype="float32"),
+        TensorSpec(name="h0", shape=["batch", 6], dtype="float32"),
+    ]
+    got = calibration_batches(data, CalibrationConfig(reader="image_calib:state_of_zeros"), inputs=state)
+    assert len(got) == 2 and not got[0]["h0"].any() and got[0]["x"].any()
+    with pytest.raises(ConfigError, match=r"yields every float input \(x, h0\) as 0 in every sample of its 1 batch:"):
+        calibration_batches(data, CalibrationConfig(reader="image_calib:all_zeros"), inputs=state)
