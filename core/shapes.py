@@ -25,7 +25,7 @@ Axes = Mapping[str, Mapping[int, str]]
 COPY_STEP = 1e-3
 # Each axis's copies move by COPY_STEP times 1 + axis * this: factors whose ratios are irrational, so no count of
 # copies along one axis moves a value as far as a count along another (an image grown in both height and width
-# holds no patch twice)
+# holds no patch twice); the k-th copy's share of its step steps by this too (:func:`_copy_shares`)
 _AXIS_FACTOR = (5**0.5 - 1) / 2
 
 
@@ -108,6 +108,7 @@ def resize(
     fill: int = 0,
     repeat_floats: bool = False,
     left: AbstractSet[str] | None = None,
+    step_sign: int = 1,
 ) -> Feed:
     """``feed`` with each dynamic axis cut or lengthened to its size in ``point``, every input on one axis alike, so
     that token ids, their attention mask and labels per token resized by the same ``axes`` stay paired.
@@ -117,9 +118,11 @@ def resize(
     mark them padding, which the comparisons leave out); where the mask shows rows padded at their end, each row
     repeats its real positions only (:func:`_tiled_rows`), so no padding lands mid-row. A float input repeats
     only with ``repeat_floats`` (a clip played again, a cloud's points repeated: where zeros would be silence or
-    points at the origin), each copy shifted by a step of its spread (:func:`copy_step`; not one named like a mask),
-    so the model's scores on a copy tie with none on the data: runtimes order equal scores apart (top-k, argmax),
-    which would fail a right graph; integers repeat exactly. Without it, an
+    points at the origin), each copy shifted by its own share, at most one, of a step of its spread (:func:`copy_step`,
+    :func:`_copy_shares`: the first copy by the whole step, none further, however many copies), up (``step_sign``
+    1) or down (-1), so the model's scores on a copy tie with none on the data: runtimes order equal scores apart
+    (top-k, argmax), which would fail a right graph; integers, and floats that are flags (one named like a mask, or
+    of two values at most: a 0/1 or 0/-inf mask, one-hot rows), repeat exactly. Without it, an
     axis that holds one is padded, every input on it: an integer one with the value its data holds where its
     attention mask marks padding (:func:`kiln.core.labels.padding_value`: the pad token, a mask's 0), else ``fill``.
     Cut by keeping the first positions, or the last on the axes ``left`` names (None: those whose attention mask
@@ -139,7 +142,7 @@ def resize(
         for name, axis in on:
             own = fills[name]
             grows = tile and out[name].shape[axis] < size and not is_mask_name(name)
-            step = copy_step(out[name], axis) if grows else 0.0
+            step = step_sign * copy_step(out[name], axis) if grows else 0.0
             if real is not None and axis == 1 and out[name].shape[0] == len(real) and out[name].shape[1] < size:
                 out[name] = _tiled_rows(out[name], real, size, step)
                 continue
@@ -210,23 +213,33 @@ def _real_lengths(out: Feed, on: list[tuple[str, int]], lengths: list[np.ndarray
 
 
 def copy_step(array: np.ndarray, axis: int) -> float:
-    """How far :func:`resize` shifts each repeated copy of ``array`` along ``axis`` from the one before: 0 for an
-    integer or boolean array (token ids, masks: repeated exactly); for a float one :data:`COPY_STEP` times its
-    spread (the standard deviation of its finite values; their largest magnitude, or 1, where all are equal), so
-    zeros move too, times a factor of the axis (:data:`_AXIS_FACTOR`)."""
+    """How far :func:`resize` shifts the first repeated copy of ``array`` along ``axis`` from the data, and at most
+    any later one (:func:`_copy_shares`): 0 for an integer or boolean array (token ids, masks: repeated exactly) and
+    for a float one of two distinct finite values at most (a 0/1, 0/-inf or 0/-1e9 mask, one-hot rows: flags, which
+    a shift would turn into values no client sends); for another float one :data:`COPY_STEP` times its spread (the
+    standard deviation of its finite values), so zeros move too, times a factor of the axis (:data:`_AXIS_FACTOR`).
+    """
     if array.dtype.kind != "f" or not array.size:
         return 0.0
     values = np.asarray(array, np.float64)
     values = values[np.isfinite(values)]
-    spread = float(values.std()) if values.size else 0.0
-    spread = spread or float(np.abs(values).max(initial=0.0)) or 1.0
-    return COPY_STEP * spread * (1.0 + axis * _AXIS_FACTOR)
+    if np.unique(values).size <= 2:
+        return 0.0
+    return COPY_STEP * float(values.std()) * (1.0 + axis * _AXIS_FACTOR)
+
+
+def _copy_shares(copies: np.ndarray) -> np.ndarray:
+    """The share of its step each copy is shifted by (``copies``: each position's copy number, 0 for the data's own):
+    0 for the data, 1 for the first copy, and 1 - frac((k - 1) * :data:`_AXIS_FACTOR`) for the k-th, distinct for
+    every k and within (0, 1], so the shift stays within a step however many copies a short input is grown by."""
+    shares = 1.0 - np.modf(np.maximum(copies - 1, 0) * _AXIS_FACTOR)[0]
+    return np.where(copies > 0, shares, 0.0)
 
 
 def _shifted(array: np.ndarray, copies: np.ndarray, step: float) -> np.ndarray:
-    """``array`` with each position moved by ``step`` times the number of its copy (``copies``: 0 for the data's
-    own positions, broadcast against ``array``), in its own dtype; as it is where ``step`` is 0."""
-    return (array + copies * step).astype(array.dtype) if step else array
+    """``array`` with each position moved by ``step`` times its copy's share (:func:`_copy_shares`; ``copies``: 0
+    for the data's own positions, broadcast against ``array``), in its own dtype; as it is where ``step`` is 0."""
+    return (array + _copy_shares(copies) * step).astype(array.dtype) if step else array
 
 
 def _tiled_rows(array: np.ndarray, real: np.ndarray, size: int, step: float = 0.0) -> np.ndarray:

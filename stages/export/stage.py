@@ -1102,12 +1102,22 @@ def _computes_untied(
 ) -> bool:
     """Whether the graph computes the model at ``point`` on ``feed``'s float inputs grown by repeating their own
     values, each copy shifted so no value repeats (:func:`kiln.core.shapes.resize`, as validation grows them), where
-    the size check padded them with zeros: a constant region, on which a detector's scores tie. False where both
-    grow the inputs alike, or the model or the graph fails on them."""
-    grown, padded = resize(feed, axes, point, repeat_floats=True), resize(feed, axes, point)
-    if all(np.array_equal(grown[n], padded[n]) for n in grown):
-        return False
-    inputs = from_feed(grown, like)
+    the size check padded them with zeros: a constant region, on which a detector's scores tie. The copies are
+    shifted up, then down: a score that falls as the input rises peaks in the data's own copy one way and in a later
+    copy the other, where a graph that fixed the data's size is wrong; it passes only where both agree. False where
+    both grow the inputs alike, or the model or the graph fails on them."""
+    padded = resize(feed, axes, point)
+    for sign in (1, -1):
+        grown = resize(feed, axes, point, repeat_floats=True, step_sign=sign)
+        if all(np.array_equal(grown[n], padded[n]) for n in grown):
+            return False
+        if not _computes_on(model, path, session, from_feed(grown, like), atol, rtol):
+            return False
+    return True
+
+
+def _computes_on(model: nn.Module, path: Path, session: Any, inputs: Inputs, atol: float, rtol: float) -> bool:
+    """Whether the graph's outputs on ``inputs`` are within the tolerance of PyTorch's; False where either fails."""
     try:
         return parity_passes(parity(model, path, inputs, session, ref=_torch_outputs(model, inputs)), atol, rtol)
     except Exception:  # noqa: BLE001 - the model or the graph cannot take them: no evidence the graph is right

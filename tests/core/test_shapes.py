@@ -12,6 +12,7 @@ from kiln.core.shapes import axis_sizes, copy_step, graph_axes, resize, shape_po
 IGNORE = -100
 
 AXES = {"ids": {1: "seq"}, "mask": {1: "seq"}}
+SECOND = 1 - (5**0.5 - 1) / 2  # the second copy's share of its step (the first copy's is 1)
 
 
 def feed(seq: int) -> dict[str, np.ndarray]:
@@ -56,8 +57,8 @@ def test_a_float_input_lengthened_for_validation_repeats_itself_and_the_inputs_b
     feed = {"audio": np.array([[1.0, 2.0, 3.0]], np.float32), "ids": np.array([[5, 6, 7]], np.int64)}
     axes = {"audio": {1: "t"}, "ids": {1: "t"}}
     longer = resize(feed, axes, {"t": 7}, repeat_floats=True)
-    step = copy_step(feed["audio"], 1)  # each copy a step of the clip's spread above the one before
-    assert np.allclose(longer["audio"], [[1, 2, 3, 1 + step, 2 + step, 3 + step, 1 + 2 * step]])
+    step = copy_step(feed["audio"], 1)  # the first copy a step of the clip's spread above it, the next a share
+    assert np.allclose(longer["audio"], [[1, 2, 3, 1 + step, 2 + step, 3 + step, 1 + SECOND * step]])
     assert longer["ids"].tolist() == [[5, 6, 7, 5, 6, 7, 5]]
     padded = resize(feed, axes, {"t": 5})  # the default: a float axis padded, every input on it alike
     assert padded["audio"].tolist() == [[1, 2, 3, 0, 0]] and padded["ids"].tolist() == [[5, 6, 7, 0, 0]]
@@ -147,4 +148,37 @@ def test_rows_repeating_their_real_positions_shift_each_float_copy_and_keep_thei
     longer = resize(feed, axes, {"t": 8}, repeat_floats=True)
     step = copy_step(feed["audio"], 1)
     assert step > 0 and longer["attention_mask"].tolist() == [[1] * 8]
-    assert np.allclose(longer["audio"], [[0, 1, 2, step, 1 + step, 2 + step, 2 * step, 1 + 2 * step]])
+    assert np.allclose(longer["audio"], [[0, 1, 2, step, 1 + step, 2 + step, SECOND * step, 1 + SECOND * step]])
+
+
+def test_the_shift_of_many_copies_stays_within_one_step_and_no_two_copies_share_one() -> None:
+    """4 real samples grown to 4096: each copy moved one step further than the one before drifted 1.3 standard
+    deviations from the data; shifted up or down, every copy is within a step of it, each by its own amount."""
+    audio = np.random.default_rng(0).standard_normal((1, 4)).astype(np.float32)
+    step = copy_step(audio, 1)
+    for sign in (1, -1):
+        longer = resize({"audio": audio}, {"audio": {1: "t"}}, {"t": 4096}, repeat_floats=True, step_sign=sign)
+        shifts = (longer["audio"].reshape(1024, 4) - audio).mean(axis=1)
+        assert shifts[0] == 0 and np.isclose(shifts[1], sign * step, rtol=1e-3)
+        assert np.all(np.abs(shifts) <= step * (1 + 1e-3)) and np.all(sign * shifts[1:] > 0)
+        assert np.unique(np.round(shifts / step, 5)).size == 1024  # no two copies alike, so no scores tie
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        np.array([[0.0, -np.inf, 0.0, -np.inf]]),  # an additive mask, not named like one
+        np.array([[0.0, -1e9, -1e9, 0.0]]),
+        np.array([[1.0, 0.0, 1.0, 1.0]]),
+        np.array([[1.0, 1.0, 1.0, 1.0]]),
+        np.eye(4)[None, [0, 2, 1, 3]],  # one-hot rows along the grown axis
+    ],
+)
+def test_float_flags_repeat_exactly_where_other_floats_shift(flags: np.ndarray) -> None:
+    """A float key_padding_mask's padding 0 became 7e-4 in its copies: a value no client sends. Floats of two values
+    at most are flags and repeat as they are, beside a float signal whose copies shift."""
+    feed = {"key_padding_mask": flags.astype(np.float32), "x": np.arange(4.0, dtype=np.float32)[None, :]}
+    axes = {"key_padding_mask": {1: "t"}, "x": {1: "t"}}
+    longer = resize(feed, axes, {"t": 10}, repeat_floats=True)
+    assert np.array_equal(longer["key_padding_mask"], feed["key_padding_mask"][:, np.arange(10) % 4])
+    assert copy_step(feed["key_padding_mask"], 1) == 0.0 and not np.array_equal(longer["x"][0, 4:8], feed["x"][0])

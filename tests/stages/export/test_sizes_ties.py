@@ -106,3 +106,28 @@ def test_a_fallback_graph_that_fails_the_size_check_names_the_dynamo_failure(tmp
     error, fix = (next(li for li in result.output.splitlines() if li.startswith(p)) for p in ("error:", "fix:"))
     assert f"aten.remainder.Scalar (in forward() at {REMAINDER_AT})" in error, error
     assert fix.startswith(f"fix: change the code the dynamo exporter failed on, in forward() at {REMAINDER_AT}"), fix
+
+
+class PeakPhase(nn.Module):
+    """The position of each row's peak score modulo its length: the TorchScript exporter (the dynamo one refuses the
+    remainder on a symbolic length) records ``torch.tensor([length])`` as the example's. The score falls as the
+    input rises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        nn.init.constant_(self.fc.weight, -0.5)
+        nn.init.constant_(self.fc.bias, 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = self.fc(x)[..., 0].argmax(1) % x.shape[1]
+        return pos % torch.tensor([x.shape[1]])
+
+
+def test_a_fixed_length_is_found_where_copies_shifted_up_keep_the_peak_in_the_data(tmp_path: Path) -> None:
+    """Grown inputs whose copies all shifted up kept this model's peak in the data's own copy, where the fixed length
+    is right, and the graph passed; real rows at 16 with their peak at 11 then gave 3. Copies shifted down move the
+    peak past the data's length."""
+    x = torch.rand(12, 8, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ModelError, match=r"at seq=16.*the exporter fixed a size that signature.dynamic_axes"):
+        _checked(tmp_path, PeakPhase(), x, {"input": {1: "seq"}}, {"seq": [8, 16]})
