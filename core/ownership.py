@@ -19,8 +19,9 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 
 from kiln.core.errors import StorageError
@@ -32,6 +33,9 @@ ENGINE_RECORD = "kiln-engine.json"  # an engine folder's own record of its files
 # a file that says which command filled the folder whose .kiln-owned.json records it
 MADE_BY = {"variants.json": "kiln precision", "loadtest.json": "kiln loadtest"}
 CACHED = "Kiln's cache"
+EXAMINED = 100  # files a refusal classifies at most (:func:`held`): it names only a few of each kind
+# what a folder records of Kiln's files: its engine's (kiln-engine.json) and its .kiln-owned.json
+Recorded = tuple[frozenset[str], dict[str, list[int]]]
 log = logging.getLogger("kiln")
 _LEFTOVER = re.compile(r"^\.(?P<final>.+)\.(?P<kind>staging|old|tmp|scratch)-(?P<pid>\d+)-[0-9a-f]{8}(\.tmp)?$")
 
@@ -163,11 +167,14 @@ def claim_folder(folder: Path, what: str = "-o", names: Iterable[str] | None = N
 
 def held(folder: Path, paths: Iterable[Path]) -> str:
     """What ``paths`` (files inside ``folder``) are, for a refusal to write over them: the files no Kiln command
-    wrote, then other Kiln commands' output (:func:`kiln_output`), by whose it is and where that is recorded."""
-    records: dict[Path, dict[str, list[int]]] = {}
+    wrote, then other Kiln commands' output (:func:`kiln_output`), by whose it is and where that is recorded.
+    Only the first :data:`EXAMINED` are classified (the message names a few of each kind), so a huge folder costs
+    little: the rest are counted where ``paths`` is a list, else only said to be there."""
+    records: dict[Path, Recorded] = {}
     foreign: list[str] = []
     kilns: dict[str, list[str]] = {}
-    for p in paths:
+    rest = iter(paths)
+    for p in islice(rest, EXAMINED):
         whose = kiln_output(folder, p, records)
         if whose is None:
             foreign.append(p.relative_to(folder).as_posix())
@@ -177,6 +184,9 @@ def held(folder: Path, paths: Iterable[Path]) -> str:
     if kilns:
         said = [f"{who} {'' if who == CACHED else 'recorded in '}{_listed(at, 3)}" for who, at in kilns.items()]
         parts.append(f"other Kiln commands' output ({'; '.join(said)})")
+    left = len(paths) - EXAMINED if isinstance(paths, Sized) else int(next(rest, None) is not None)
+    if left > 0:
+        parts.append(f"{left} more files" if isinstance(paths, Sized) else "more files")
     return " and ".join(parts)
 
 
@@ -184,14 +194,13 @@ def _listed(items: list[str], first: int = 5) -> str:
     return ", ".join(items[:first]) + (f" and {len(items) - first} more" if len(items) > first else "")
 
 
-def kiln_output(
-    folder: Path, path: Path, records: dict[Path, dict[str, list[int]]] | None = None
-) -> tuple[str, str] | None:
+def kiln_output(folder: Path, path: Path, records: dict[Path, Recorded] | None = None) -> tuple[str, str] | None:
     """Whose output ``path``, a file inside ``folder``, is where another Kiln command wrote it, and where that is
     recorded (relative to ``folder``): a file in Kiln's cache (:data:`CACHE`), one an engine's
     :data:`ENGINE_RECORD` lists, or one a ``.kiln-owned.json`` of its folder or a folder above it (up to
     ``folder``) records unchanged, or that record. None: no Kiln command wrote it, or it changed since (a link
-    never counts). ``records``: the ``.kiln-owned.json`` already read, by folder."""
+    never counts). ``records``: what was already read, by folder (:func:`_recorded`), so that asking of many
+    files reads each folder's records once."""
     rel = path.relative_to(folder)
     if path.is_symlink() or not path.is_file():
         return None
@@ -200,13 +209,20 @@ def kiln_output(
     records = {} if records is None else records
     for d in [path.parent, *path.parent.parents][: len(rel.parts)]:  # from the file's folder up to ``folder``
         name, at = path.relative_to(d).as_posix(), d.relative_to(folder)
-        if name in _engine_files(d):
+        if d not in records:
+            records[d] = _recorded(d)
+        engine, record = records[d]
+        if name in engine:
             return "kiln build's output", (at / ENGINE_RECORD).as_posix()
-        record = records.setdefault(d, owned_files(d))
         if record.get(name) == _stat(path) or (name == OWNED and record):  # a file it records, or the record
             command = next((c for marker, c in MADE_BY.items() if (d / marker).is_file()), "a Kiln command")
             return f"{command}'s output", (at / OWNED).as_posix()
     return None
+
+
+def _recorded(folder: Path) -> Recorded:
+    """What ``folder`` records of Kiln's files: its engine's (:func:`_engine_files`) and its ``.kiln-owned.json``."""
+    return frozenset(_engine_files(folder)), owned_files(folder)
 
 
 def _engine_files(folder: Path) -> list[str]:

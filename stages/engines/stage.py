@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -653,17 +654,25 @@ def refuse_foreign_folder(out: Path) -> None:
         ours = set()
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
     if foreign:
-        files = [f for name in foreign for f in _files_of(out / name)]
+        files = (f for name in foreign for f in _files_of(out / name))  # walked only as far as the message needs
+        first = list(islice(files, 1))
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        what = held(out, chain(first, files)) if first else f"files Kiln did not write ({shown})"
         raise ConfigError(
-            f"-o {out} already holds {held(out, files) if files else f'files Kiln did not write ({shown})'}; "
-            "building there would replace them",
+            f"-o {out} already holds {what}; building there would replace them",
             hint="give a new or empty folder for -o (or one a previous `kiln build` wrote)",
         )
 
 
-def _files_of(path: Path) -> list[Path]:
-    """``path`` if a file (or a link), else the files under it: what a refusal to replace it names, by whose."""
+def _files_of(path: Path) -> Iterator[Path]:
+    """``path`` if a file (or a link), else the files under it, in name order and lazily (a refusal looks at the
+    first few only): what a refusal to replace it names, by whose."""
     if path.is_symlink() or not path.is_dir():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.is_symlink() or not p.is_dir())
+        yield path
+        return
+    try:
+        entries = sorted(path.iterdir())
+    except OSError:
+        return
+    for p in entries:
+        yield from _files_of(p)

@@ -278,13 +278,21 @@ def _dequantized(name: str, producer: dict[str, onnx.NodeProto]) -> onnx.NodePro
 
 def _float_weight(name: str, producer: dict[str, onnx.NodeProto], types: dict[str, int], inits: set[str]) -> bool:
     """Whether ``name`` is a float weight not quantized: a float initializer (of ``inits``) or Constant, reached
-    through layout ops only (:data:`LAYOUT_OPS`), with no DequantizeLinear on the way."""
+    through layout ops (:data:`LAYOUT_OPS`) and Casts to a float type only (weights stored as float16 and cast to
+    float are plain float weights), with no DequantizeLinear on the way."""
     node = producer.get(name)
-    while node is not None and node.op_type in LAYOUT_OPS and node.input:
+    while node is not None and (node.op_type in LAYOUT_OPS or _float_cast(node)) and node.input:
         name, node = node.input[0], producer.get(node.input[0])
     if node is not None:
         return node.op_type == "Constant"
     return name in inits and types.get(name) in FLOAT_TYPES
+
+
+def _float_cast(node: onnx.NodeProto) -> bool:
+    """A Cast to a float type: from a float weight, still a float weight (from an integer one, the initializer's
+    type says it is none)."""
+    to = next((a.i for a in node.attribute if a.name == "to"), None)
+    return node.op_type == "Cast" and to in FLOAT_TYPES
 
 
 def _is_compute(node: onnx.NodeProto) -> bool:
@@ -639,8 +647,15 @@ def doubt_fix(audit: dict[str, Any], label: str) -> str | None:
     return (
         f"the label is in doubt, not contradicted: the audit could not size those nodes{f' at {at}' if at else ''} "
         f"(shape inference, then one ONNX Runtime run there); {resize}compute them in {label} too "
-        f"(calibration.op_types, fewer calibration.exclude_nodes), or leave {label} out of precision.variants"
+        f"({_knobs(label)}), or leave {label} out of precision.variants"
     )
+
+
+def _knobs(label: str) -> str:
+    """The settings that choose which nodes compute in ``label``: FP16's own, else calibration's (INT8, FP8)."""
+    if label == "fp16":
+        return "fewer precision.fp16.fp32_ops and precision.fp16.fp32_nodes"
+    return "calibration.op_types, fewer calibration.exclude_nodes"
 
 
 def _unsized_problem(audit: dict[str, Any], label: str, share: float, floor: float) -> str:
@@ -689,8 +704,11 @@ def refuse_low_precision(graph: onnx.ModelProto | Path, src: str, taker: str) ->
     in INT8, FP8 or FP16 already, by the audit's label (:meth:`Audit.label`: a low precision holding half of the
     FLOPs, the rule ``kiln build`` judges an engine's label by). Its variants would be made from no FP32 reference:
     quantizing Q/DQ or FP16 nodes again fails inside ONNX Runtime, and its copy would be written as the fp32
-    variant. An FP32 graph with a few nodes in FP16 is taken."""
-    audit = audit_graph(graph)
+    variant. An FP32 graph with a few nodes in FP16 is taken. The graph runs on ONNX Runtime to size nodes
+    (:func:`audit_graph`'s ``run``) only where those could make it low (:func:`_sizing_may_refuse`)."""
+    audit = audit_graph(graph, run=False)
+    if _sizing_may_refuse(audit):
+        audit = audit_graph(graph)
     low = audit.label()
     if low == "fp32":
         return
@@ -702,6 +720,14 @@ def refuse_low_precision(graph: onnx.ModelProto | Path, src: str, taker: str) ->
         f"{flops} ({_low_precision_found(graph, low)}); {taker} takes an FP32 graph",
         hint=FP32_HINT,
     )
+
+
+def _sizing_may_refuse(audit: Audit) -> bool:
+    """Whether an audit labelled fp32 without sizing its unsized nodes could be labelled low once they are: some
+    low precision is in doubt (:func:`in_doubt`), or has nodes not counted. A low label already holds with them
+    weighed against it (its floor); an fp32 one with only fp32 nodes unsized stays fp32."""
+    record = audit.record()
+    return audit.label() == "fp32" and any(audit.uncounted[p] or in_doubt(record, p) for p in LOW)
 
 
 def _low_precision_found(graph: onnx.ModelProto, low: str) -> str:

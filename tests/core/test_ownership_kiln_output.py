@@ -5,12 +5,19 @@ as such."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
+from pytest import MonkeyPatch
 
 from kiln.cli import main
-from kiln.core.ownership import held
+from kiln.core import ownership
+from kiln.core.errors import ConfigError
+from kiln.core.ownership import held, record_owned
+from kiln.stages.engines.stage import refuse_foreign_folder
 from tests.pipeline.test_faults import assert_clean, tiny_onnx
 
 
@@ -65,3 +72,41 @@ def test_a_build_into_a_precision_folder_names_that_command_s_output(tmp_path: P
     result = _kiln("build", out / "fp32", "-o", out)
     assert_clean(result, 2, "already holds other Kiln commands' output (kiln precision's output recorded in")
     assert "did not write" not in _error(result)
+
+
+def test_each_folder_s_records_are_read_once_however_many_files(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    """A refusal over many files reads each folder's `.kiln-owned.json` and engine record once, not once a file."""
+    out, reads = tmp_path / "out", Counter[str]()
+    (out / "eng").mkdir(parents=True)
+    for i in range(30):
+        (out / f"kept_{i}.bin").write_bytes(b"x")
+    record_owned(out)
+    for i in range(30):
+        (out / "eng" / f"user_{i}.txt").write_text("u")
+    (out / "eng" / "kiln-engine.json").write_text(json.dumps({"file_hashes": {"model.plan": "0"}}))
+    for name in ("owned_files", "_engine_files"):
+        real = getattr(ownership, name)
+        monkeypatch.setattr(ownership, name, lambda d, real=real, name=name: reads.update([name]) or real(d))
+    said = held(out, sorted(p for p in out.rglob("*") if p.is_file()))
+    assert "files Kiln did not write (eng/user_0.txt, eng/user_1.txt" in said
+    assert "a Kiln command's output recorded in .kiln-owned.json" in said
+    assert "kiln build's output recorded in eng/kiln-engine.json" in said
+    assert reads == {"owned_files": 2, "_engine_files": 2}  # out and out/eng, each once
+
+
+def test_a_huge_foreign_folder_is_looked_at_only_as_far_as_the_message_needs(
+    tmp_path: Path, monkeypatch: MonkeyPatch
+) -> None:
+    """`kiln build -o` over a folder holding a big dataset: a few files are named, the rest said to be there, and
+    only as many are classified as the message can show."""
+    out, looked = tmp_path / "out", []
+    for i in range(3 * ownership.EXAMINED):
+        (out / "dataset" / f"part_{i // 100}").mkdir(parents=True, exist_ok=True)
+        (out / "dataset" / f"part_{i // 100}" / f"row_{i}.txt").write_text("u")
+    real = ownership.kiln_output
+    monkeypatch.setattr(ownership, "kiln_output", lambda *a: looked.append(a[1]) or real(*a))
+    with pytest.raises(ConfigError) as refused:
+        refuse_foreign_folder(out)
+    assert "files Kiln did not write (dataset/part_0/row_0.txt, dataset/part_0/row_1.txt" in refused.value.message
+    assert refused.value.message.endswith("and more files; building there would replace them")
+    assert len(looked) <= ownership.EXAMINED

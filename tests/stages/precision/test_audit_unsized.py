@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
+from pytest import MonkeyPatch
 
-from kiln.stages.precision.audit import audit_graph, label_problem
+from kiln.core.errors import ModelError
+from kiln.stages.precision import audit
+from kiln.stages.precision.audit import audit_graph, doubt_fix, label_problem
 
 D = 8
 
@@ -81,3 +85,81 @@ def test_float_nodes_after_a_loop_lead_the_refusal_with_what_is_certain() -> Non
         "labelled int8, 2 of its 5 compute nodes run in int8 and 3 in fp32 could not be sized (MatMul x3 after a Loop)"
     )
     assert "as little as 40% with those 3" in problem
+
+
+def test_the_fix_for_a_label_in_doubt_names_the_settings_of_that_precision() -> None:
+    """FP16 chooses its float nodes by precision.fp16's settings, INT8 and FP8 by calibration's."""
+    record = {"share": {"fp16": 0.9, "int8": 0.9, "fp8": 0.9}, "share_floor": {"fp16": 0.3, "int8": 0.3, "fp8": 0.3}}
+    fp16 = doubt_fix(record, "fp16") or ""
+    assert "precision.fp16.fp32_ops" in fp16 and "precision.fp16.fp32_nodes" in fp16 and "calibration" not in fp16
+    for label in ("int8", "fp8"):
+        fix = doubt_fix(record, label) or ""
+        assert "calibration.op_types" in fix and "calibration.exclude_nodes" in fix and "fp32_ops" not in fix
+
+
+def _data_sized(x: str, name: str, nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> str:
+    """An FP32 MatMul of the columns of ``x`` [batch, D] that are 0 in its first row (NonZero: a count only the
+    data gives) by their transpose: neither shape inference sizes it, one ONNX Runtime run (on zeros: every column)
+    does."""
+    inits += [
+        numpy_helper.from_array(np.array(0, np.int64), f"{name}_first"),
+        numpy_helper.from_array(np.array(0, np.float32), f"{name}_zero"),
+        numpy_helper.from_array(np.array([0], np.int64), f"{name}_axis"),
+    ]
+    nodes += [
+        helper.make_node("Gather", [x, f"{name}_first"], [f"{name}_row"], axis=0),
+        helper.make_node("Equal", [f"{name}_row", f"{name}_zero"], [f"{name}_mask"]),
+        helper.make_node("NonZero", [f"{name}_mask"], [f"{name}_at"]),
+        helper.make_node("Squeeze", [f"{name}_at", f"{name}_axis"], [f"{name}_picked"]),
+        helper.make_node("Gather", [x, f"{name}_picked"], [f"{name}_x"], axis=1),
+        helper.make_node("Transpose", [f"{name}_x"], [f"{name}_xt"]),
+        helper.make_node("MatMul", [f"{name}_x", f"{name}_xt"], [f"{name}_y"], name=name),
+    ]
+    return f"{name}_y"
+
+
+def _graph(int8: bool) -> onnx.ModelProto:
+    """Two small FP32 MatMuls shape inference cannot size, beside one INT8 layer (``int8``) or one FP32 MatMul."""
+    nodes: list[onnx.NodeProto] = []
+    inits = [numpy_helper.from_array(np.ones((D, D), np.float32), "w")]
+    if int8:
+        y = _int8_linear("x", "layer", nodes, inits)
+    else:
+        nodes.append(helper.make_node("MatMul", ["x", "w"], ["y"], name="layer"))
+        y = "y"
+    outs = [y, _data_sized("x", "small1", nodes, inits), _data_sized("x", "small2", nodes, inits)]
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", D])],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+        inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _runs(monkeypatch: MonkeyPatch) -> list[list[str]]:
+    """The ONNX Runtime runs the audit makes to size nodes, by the tensors each sizes."""
+    runs: list[list[str]] = []
+    real = audit._run_shapes
+    monkeypatch.setattr(
+        audit, "_run_shapes", lambda model, pinned, names: runs.append(names) or real(model, pinned, names)
+    )
+    return runs
+
+
+def test_an_fp32_input_with_only_fp32_nodes_unsized_is_taken_without_running(monkeypatch: MonkeyPatch) -> None:
+    """Sizing FP32 nodes cannot make an FP32 graph low: the input is taken without loading it into ONNX Runtime."""
+    runs = _runs(monkeypatch)
+    assert audit_graph(_graph(int8=False), run=False).uncounted == {"fp32": 2}
+    audit.refuse_low_precision(_graph(int8=False), "m.onnx", "kiln precision")
+    assert runs == []
+
+
+def test_an_input_whose_label_only_unsized_nodes_put_in_doubt_is_sized_and_refused(monkeypatch: MonkeyPatch) -> None:
+    """Unsized, the FP32 nodes weigh as the INT8 layer each (its floor 33%); sized by one run they are small."""
+    runs = _runs(monkeypatch)
+    assert audit.in_doubt(audit_graph(_graph(int8=True), run=False).record(), "int8")
+    with pytest.raises(ModelError, match="m.onnx is already INT8"):
+        audit.refuse_low_precision(_graph(int8=True), "m.onnx", "kiln precision")
+    assert len(runs) == 1

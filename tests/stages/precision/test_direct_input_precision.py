@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from kiln.cli import main
+from kiln.stages.precision.audit import audit_graph
 from tests.pipeline.test_faults import assert_clean
 from tests.stages.precision.precision_graphs import OPSET, rng_weights
 
@@ -95,6 +96,26 @@ def _a_little_fp16() -> onnx.ModelProto:
     return _model(nodes, inits)
 
 
+def _quantized_input_half_weights() -> onnx.ModelProto:
+    """An FP32 graph with a Q/DQ pair on its input only and its weights stored as float16, each Cast to float before
+    its MatMul: every MatMul computes in float."""
+    scale, zero = numpy_helper.from_array(np.array(0.05, np.float32), "s"), numpy_helper.from_array(np.int8(0), "z")
+    nodes = [
+        helper.make_node("QuantizeLinear", ["input", "s", "z"], ["xq"], name="quant"),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dequant"),
+        helper.make_node("Cast", ["w1_16"], ["w1"], name="w1_to_float", to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["w2_16"], ["w2"], name="w2_to_float", to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["xd", "w1"], ["h"], name="mm1"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["logits"], name="mm2"),
+    ]
+    halves = [
+        numpy_helper.from_array(rng_weights(*w, seed=i).astype(np.float16), f"w{i + 1}_16")
+        for i, w in enumerate([(16, 64), (64, 10)])
+    ]
+    return _model(nodes, [scale, zero, *halves])
+
+
 def _precision(tmp: Path, model: onnx.ModelProto, variants: str, rows: int = 64) -> object:
     onnx.save(model, tmp / "m.onnx")
     np.savez(tmp / "d.npz", input=np.random.default_rng(0).standard_normal((rows, 16)).astype(np.float32))
@@ -149,3 +170,12 @@ def test_a_run_from_a_model_onnx_already_int8_is_refused_before_it_takes_it(tmp_
     assert f"model.onnx {tmp_path / 'q.onnx'} is already INT8" in str(result.error), result.error
     assert "a run takes an FP32 graph" in str(result.error) and "give the FP32 graph" in (result.error.hint or "")
     assert not (tmp_path / "wd" / "export").exists()
+
+
+def test_a_quantized_input_and_half_weights_cast_to_float_are_an_fp32_graph(tmp_path: Path) -> None:
+    """A Q/DQ pair on the input only, weights stored as float16 and Cast to float: audited fp32 and taken."""
+    model = _quantized_input_half_weights()
+    assert audit_graph(model).label() == "fp32"
+    result = _precision(tmp_path, model, "fp32")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "v" / "fp32" / "model.onnx").is_file()
