@@ -534,7 +534,8 @@ def _measured_on_logits(v: ValidationResult) -> str:
 
 def _padded(b: Any) -> str:
     """Which validated sizes lie past the data's own (where accuracy was measured): there the held-out inputs are
-    lengthened (their values repeated along the axis: token ids with their mask), which the gates judge too."""
+    lengthened (their values repeated along the axis: token ids with their mask; float copies shifted slightly,
+    :func:`kiln.core.shapes.copy_step`), which the gates judge too."""
     own = getattr(b, "scored_at", None) or {}
     past = [p for p in b.shapes if any(p.get(k, 0) > v for k, v in own.items())]
     if not past:
@@ -542,7 +543,7 @@ def _padded(b: Any) -> str:
     said, data = "; ".join(_point(p) for p in past), _point(dict(sorted(own.items())))
     return (
         f" (at {said} the held-out inputs are lengthened past the data's own {data}: their values repeated along "
-        "the axis)"
+        "the axis, each copy of a float input shifted by a fraction of its spread so that no score ties)"
     )
 
 
