@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -711,7 +711,7 @@ class _IndexGraph:
             view = None if axes is None or shape is None else [None if a is None else shape[a] for a in axes]
             for node, slot in self.consumers.get(name, []):
                 taken = [(_start_axis(axes, a), r, out) for a, r, out in self.rows(node, view)] if slot == 0 else []
-                cast = node.op_type == "Cast" and _cast_to(node) in _WIDE
+                cast = node.op_type == "Cast" and cast_to(node) in _WIDE
                 unwrapped = self.unwrapped(node, view, axes) if slot == 0 else None
                 if slot == 0 and (node.op_type in _KEEPS_VALUES or cast):
                     keeps = cast or node.op_type == "Identity"
@@ -911,12 +911,14 @@ class _IndexGraph:
     def constant(self, name: str) -> np.ndarray | None:
         """The integer values of ``name`` where it is an initializer or a Constant node's output, or one reshaped or
         cast (torch.onnx.export(dynamo=True) writes a slice's bounds as ``Reshape(Cast(Constant))``), else None."""
-        node = self.producer.get(name)
-        while node is not None and (
-            node.op_type in {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
-            or (node.op_type == "Cast" and _cast_to(node) == onnx.TensorProto.INT64)  # no narrowing wrap
-        ):
-            name, node = node.input[0], self.producer.get(node.input[0])
+        name, node = traced_back(
+            name,
+            self.producer,
+            lambda n: (
+                n.op_type in {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+                or (n.op_type == "Cast" and cast_to(n) == onnx.TensorProto.INT64)
+            ),  # no narrowing wrap
+        )
         try:
             if node is not None and node.op_type == "Constant" and node.attribute:
                 value = onnx.helper.get_attribute_value(node.attribute[0])
@@ -936,9 +938,20 @@ def _start_axis(axes: Axes, axis: int) -> int:
     return axis if axes is None or axes[axis] is None else axes[axis]  # type: ignore[return-value]
 
 
-def _cast_to(node: onnx.NodeProto) -> int:
+def cast_to(node: onnx.NodeProto) -> int:
     """The type a Cast node casts to."""
     return next((a.i for a in node.attribute if a.name == "to"), 0)
+
+
+def traced_back(
+    name: str, producer: dict[str, onnx.NodeProto], through: Callable[[onnx.NodeProto], bool]
+) -> tuple[str, onnx.NodeProto | None]:
+    """The value ``name`` comes from through the nodes ``through`` accepts (each read along its first input: a
+    Reshape, a Cast), and the node that makes it (None: a graph input or an initializer)."""
+    node = producer.get(name)
+    while node is not None and node.input and through(node):
+        name, node = node.input[0], producer.get(node.input[0])
+    return name, node
 
 
 def _dims(value: onnx.ValueInfoProto) -> list[int | None] | None:

@@ -126,21 +126,17 @@ class GatesConfig(Section):
         for gate in sorted(self.model_fields_set - {"per_precision", "gated_outputs"}):
             value, default = getattr(self, gate), type(self).model_fields[gate].default
             tightened = value != default and _stricter(gate, value, default) == value
-            kept, held = {}, {}
+            touched = {}  # tightened: the looser defaults it replaces; loosened: the stricter ones that stay
             for precision, own in self.per_precision.items():
                 mine = (given.get(precision) or {}).get(gate)  # a value equal to the default (a printed config) is not
                 if gate not in own or own[gate] == value or mine not in (None, defaults.get(precision, {}).get(gate)):
                     continue
-                if _stricter(gate, value, own[gate]) == value:  # the user's value is the stricter
+                if (_stricter(gate, value, own[gate]) == value) == tightened:
+                    touched[precision] = own[gate]
                     if tightened:
-                        held[precision] = own[gate]
                         own[gate] = value
-                elif not tightened:
-                    kept[precision] = own[gate]
-            if kept:
-                _warn_kept(gate, value, kept)
-            if held:
-                _warn_held(gate, value, held)
+            if touched:
+                _warn_defaults(gate, value, touched, tightened)
 
     @field_validator("per_precision", mode="before")
     @classmethod
@@ -215,27 +211,15 @@ def _stricter(gate: str, a: float | None, b: float | None) -> float | None:
     return max(a, b) if gate.startswith("min_") else min(a, b)
 
 
-def _warn_held(gate: str, value: float | None, held: dict[str, float]) -> None:
-    """Said where a top-level gate the user set stricter replaces the looser defaults of the precisions ``held``:
-    an INT8 variant that met its own default may now be left unmade."""
-    log.warning(
-        "validate.gates.%s %s holds %s engines too, in place of their looser defaults (%s); to keep one, set %s",
-        gate,
-        value,
-        ", ".join(held),
-        ", ".join(f"{p} {v}" for p, v in held.items()),
-        " or ".join(f"validate.gates.per_precision.{p}.{gate}" for p in held),
-    )
-
-
-def _warn_kept(gate: str, value: float | None, kept: dict[str, float]) -> None:
-    """Said where a top-level gate the user set looser leaves the stricter defaults of the precisions ``kept``."""
-    log.warning(
-        "validate.gates.%s %s does not hold %s engines: their own defaults (%s) are stricter and stay; to loosen "
-        "them too, set %s",
-        gate,
-        value,
-        ", ".join(kept),
-        ", ".join(f"{p} {v}" for p, v in kept.items()),
-        ", ".join(f"validate.gates.per_precision.{p}.{gate}" for p in kept),
-    )
+def _warn_defaults(gate: str, value: float | None, defaults: dict[str, float], tightened: bool) -> None:
+    """Said where a top-level gate the user set replaces the looser ``defaults`` of some precisions (``tightened``:
+    an INT8 variant that met its own default may now be left unmade), or leaves their stricter ones."""
+    keys = [f"validate.gates.per_precision.{p}.{gate}" for p in defaults]
+    values = ", ".join(f"{p} {v}" for p, v in defaults.items())
+    if tightened:
+        said = f"holds {', '.join(defaults)} engines too, in place of their looser defaults ({values}); to keep one, "
+        said += f"set {' or '.join(keys)}"
+    else:
+        said = f"does not hold {', '.join(defaults)} engines: their own defaults ({values}) are stricter and stay; "
+        said += f"to loosen them too, set {', '.join(keys)}"
+    log.warning("validate.gates.%s %s %s", gate, value, said)

@@ -46,7 +46,7 @@ import onnx
 from onnx import numpy_helper
 
 from kiln.core.errors import ModelError
-from kiln.core.onnx_io import infer_shapes, light_model, load_onnx, ort_session
+from kiln.core.onnx_io import cast_to, infer_shapes, light_model, load_onnx, ort_session, traced_back
 
 # ONNX's compute ops and ONNX Runtime's fused forms of them (com.microsoft; their FLOPs count where shapes are known)
 COMPUTE = {"MatMul", "Gemm", "Conv", "ConvTranspose", "DeformConv", "FusedMatMul", "FusedConv", "FusedGemm"}
@@ -270,29 +270,21 @@ LAYOUT_OPS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identi
 def _dequantized(name: str, producer: dict[str, onnx.NodeProto]) -> onnx.NodeProto | None:
     """The DequantizeLinear that ``name`` comes from, through layout ops only (:data:`LAYOUT_OPS`); None where it
     does not come from one (a float initializer, a computed activation)."""
-    node = producer.get(name)
-    while node is not None and node.op_type in LAYOUT_OPS and node.input:
-        node = producer.get(node.input[0])
+    _, node = traced_back(name, producer, lambda n: n.op_type in LAYOUT_OPS)
     return node if node is not None and node.op_type == "DequantizeLinear" else None
 
 
 def _float_weight(name: str, producer: dict[str, onnx.NodeProto], types: dict[str, int], inits: set[str]) -> bool:
     """Whether ``name`` is a float weight not quantized: a float initializer (of ``inits``) or Constant, reached
     through layout ops (:data:`LAYOUT_OPS`) and Casts to a float type only (weights stored as float16 and cast to
-    float are plain float weights), with no DequantizeLinear on the way."""
-    node = producer.get(name)
-    while node is not None and (node.op_type in LAYOUT_OPS or _float_cast(node)) and node.input:
-        name, node = node.input[0], producer.get(node.input[0])
+    float are plain float weights; from an integer one, the initializer's type says it is none), with no
+    DequantizeLinear on the way."""
+    name, node = traced_back(
+        name, producer, lambda n: n.op_type in LAYOUT_OPS or n.op_type == "Cast" and cast_to(n) in FLOAT_TYPES
+    )
     if node is not None:
         return node.op_type == "Constant"
     return name in inits and types.get(name) in FLOAT_TYPES
-
-
-def _float_cast(node: onnx.NodeProto) -> bool:
-    """A Cast to a float type: from a float weight, still a float weight (from an integer one, the initializer's
-    type says it is none)."""
-    to = next((a.i for a in node.attribute if a.name == "to"), None)
-    return node.op_type == "Cast" and to in FLOAT_TYPES
 
 
 def _is_compute(node: onnx.NodeProto) -> bool:
