@@ -977,3 +977,22 @@ def test_engines_not_validated_here_are_listed_apart_only_where_their_reasons_di
             "e0, e1: built for CUDA, not validated here: no CUDA GPU",
             "e2: built for CUDA, not validated here: no onnxruntime-gpu",
         ]
+
+
+def test_a_stages_repeated_warning_is_said_once_and_the_servers_each_time(capsys) -> None:
+    import logging
+
+    from kiln.cli import _setup_logging
+
+    _setup_logging(quiet=False, verbose=False)
+    try:
+        for _ in range(2):
+            logging.getLogger("kiln.validate").warning("the reference puts class 3 on top at all 64 of its rows")
+            logging.getLogger("kiln.serve.server").warning("a request with 3 rows was refused")
+        logging.getLogger("kiln.validate").warning("the reference puts class 4 on top at all 64 of its rows")
+        err = capsys.readouterr().err
+        assert err.count("class 3 on top") == 1 and err.count("class 4 on top") == 1
+        assert err.count("was refused") == 2
+    finally:
+        root = logging.getLogger()
+        root.handlers[:] = [h for h in root.handlers if not getattr(h, "kiln", False)]
