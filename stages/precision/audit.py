@@ -448,7 +448,11 @@ def _pin(model: onnx.ModelProto, sizes: dict[str, int]) -> dict[str, int]:
 def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     """Concrete shapes from ONNX Runtime's symbolic shape inference on ``model`` (inputs pinned), which computes the
     shape arithmetic onnx's inference leaves unknown; {} where it fails. Its steps are run here rather than its
-    ``infer_shapes``, which writes a model file into the working directory when a shape stays unknown."""
+    ``infer_shapes``, which writes a model file into the working directory when a shape stays unknown. Its own
+    warnings (an index whose sign it cannot tell) are about its arithmetic, not the user's model: debug only."""
+    said = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = said.level
+    said.setLevel(logging.ERROR)
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
@@ -464,6 +468,8 @@ def _symbolic_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     except Exception as exc:  # a helper for counting: the nodes it cannot give stay uncounted, by precision
         log.debug("symbolic shape inference failed: %s", exc)
         return {}
+    finally:
+        said.setLevel(level)
 
 
 def _unsized(

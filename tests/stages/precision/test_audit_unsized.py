@@ -163,3 +163,35 @@ def test_an_input_whose_label_only_unsized_nodes_put_in_doubt_is_sized_and_refus
     with pytest.raises(ModelError, match="m.onnx is already INT8"):
         audit.refuse_low_precision(_graph(int8=True), "m.onnx", "kiln precision")
     assert len(runs) == 1
+
+
+def test_symbolic_shape_inference_keeps_its_own_warnings_to_itself(caplog) -> None:
+    """ORT's symbolic shape inference warns when it cannot tell an index's sign (a Slice starting at seq/4 - 1):
+    arithmetic of the helper the audit counts with, nothing the user can act on."""
+    import logging
+
+    from onnx import TensorProto, helper
+
+    from kiln.stages.precision.audit import _symbolic_shapes
+
+    consts = {"one": 1, "four": 4, "big": 1000}
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "one"], ["L"], axis=0),
+        helper.make_node("Div", ["L", "four"], ["q"]),
+        helper.make_node("Sub", ["q", "one"], ["start"]),
+        helper.make_node("Slice", ["x", "start", "big", "one"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor(k, TensorProto.INT64, [1], [v]) for k, v in consts.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with caplog.at_level(logging.WARNING):
+        shapes = _symbolic_shapes(model)
+    assert shapes["start"] == [1]  # it ran
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert logging.getLogger("onnxruntime.tools.symbolic_shape_infer").level == logging.NOTSET  # level restored
