@@ -37,14 +37,21 @@ def direct_report(result: EngineValidation, inputs: Path | None) -> dict[str, An
     return {"inputs": inputs_record(inputs), **result.model_dump(mode="json", exclude_none=True, exclude=exclude)}
 
 
-def gate_failure_hint(inputs: Path | None, failures: Sequence[str] = ()) -> str:
+FP32_OFF = (
+    "an fp32 engine differs from its reference by more than rounding, so it computes something else on these "
+    "inputs: validate it against the ONNX file it was built from (--reference .../export/model.onnx) to tell the "
+    "export from the build (an export fixes a branch on a size in forward to the size it was exported at)"
+)
+
+
+def gate_failure_hint(inputs: Path | None, failures: Sequence[str] = (), precision: str = "") -> str:
     """The fix for a failed gate of a direct validation; on random inputs, real ones come first (a reference that
     is no number anywhere on standard normal arrays, a log or square root of negatives, is most likely theirs).
     Where only outputs with nothing measured failed (:func:`~kiln.stages.validate.measured.nothing_measured`: the
     reference itself is no number there), inputs the model takes, which neither the engine's precision nor a gate
-    changes."""
+    changes. An FP32 engine has no precision to inspect: where it fails, its graph differs (:data:`FP32_OFF`)."""
     empty = unmeasured(failures)
-    relax = "inspect the engine's precision, or relax validate.gates if acceptable"
+    relax = FP32_OFF if precision == "fp32" else "inspect the engine's precision, or relax validate.gates if acceptable"
     if empty:
         relax = NO_FINITE_FIX if len(empty) == len(failures) else f"{NO_FINITE_FIX}; for the other failures, {relax}"
     if inputs is None:

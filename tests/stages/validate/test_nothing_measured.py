@@ -103,3 +103,9 @@ def test_the_direct_fix_for_nothing_measured_is_about_the_inputs() -> None:
     mixed = gate_failure_hint(Path("x.npz"), [failure, "cosine 0.5 < min_cosine 0.9999"])
     assert mixed.startswith(NO_FINITE_FIX) and "relax validate.gates" in mixed
     assert gate_failure_hint(Path("x.npz"), ["cosine 0.5 < min_cosine 0.9999"]).startswith("inspect the engine's")
+
+
+def test_the_direct_fix_for_an_fp32_engine_is_its_graph_not_its_precision() -> None:
+    failed = ["cosine 0.996 < min_cosine 0.9999"]
+    assert gate_failure_hint(Path("x.npz"), failed, "fp32").startswith("an fp32 engine differs from its reference")
+    assert gate_failure_hint(Path("x.npz"), failed, "int8").startswith("inspect the engine's precision")
