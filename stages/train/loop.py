@@ -103,7 +103,8 @@ def evaluate_loss_acc(
     forward: Callable[..., Any] | None = None,
 ) -> tuple[float, float | None]:
     """FP32 validation loss and accuracy (None without class labels); each process takes every W-th sample,
-    then one all-reduce. ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
+    then one all-reduce. ``batch``: the rows of one call, no more than the model takes (the training loop passes
+    its micro-batch). ``forward``: what runs ``model`` (its compiled version), by default ``model`` itself."""
     was_training = model.training
     model.eval()
     run = forward or model
@@ -271,7 +272,6 @@ class _Trainer:
         # What the steps call: torch.compile of the DDP module (DDP first: see compile.py), or the module itself.
         # self.model stays the plain module, so state dicts never carry torch.compile's "_orig_mod." prefix.
         self.net = CompiledModel(self.ddp, cfg.compile_options, device)
-        # Evaluation in batches of one micro-batch: with static graphs that is a shape the compiled module serves
         micro = -(-self.local_batch // cfg.grad_accum_steps)
         if cfg.grad_accum_steps > self.local_batch:  # exact still: micro-batches of one sample, one step each
             log.warning(
@@ -282,7 +282,9 @@ class _Trainer:
                 self.local_batch,
                 self.local_batch,
             )
-        self.eval_batch = micro if self.net.static else 256
+        # Evaluation in batches of one micro-batch: a size the model takes (a graph given as a batch of one takes
+        # one a call, train.batch_size: 1), and with static graphs a shape the compiled module serves
+        self.eval_batch = micro
         # The update after the backward pass as one CUDA graph (update_graph.py), where it never waits for the host
         graphed = update_graph.wanted(cfg.update_graph, device, skips_on_device(self.opt), env.world_size)
         # torch.compile's CUDA graphs: .grad stays allocated and is zeroed in place, autograd adds into it (compile.py)

@@ -529,13 +529,12 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     cfg = ctx.config
     model = build_seeded(cfg)
     data = ctx.dataset()
-    check_model_fits_data(
-        model, data, cfg.model.name, logits_output=cfg.signature.logits_output, probe_rows=min(2, cfg.train.batch_size)
-    )
+    probe = min(2, cfg.train.batch_size)  # rows the model takes a call: a batch-of-one model is given one
+    check_model_fits_data(model, data, cfg.model.name, logits_output=cfg.signature.logits_output, probe_rows=probe)
     if cfg.train.loss is not None:
         ctx.log.info("train.loss %s not called: training is skipped, and no loss is needed", cfg.train.loss)
     with torch.no_grad():
-        names = list(flatten_outputs(call(model.eval(), take(data.val_x, slice(0, 2)))))
+        names = list(flatten_outputs(call(model.eval(), take(data.val_x, slice(0, probe)))))
     # Untrained here: the val accuracy is information, so a model without a logits output just has none
     scored = data.val_y is not None and logits_name(names, cfg.signature.logits_output) is not None
     with said_warnings(logging.getLogger("kiln.train")) as data_warnings:
@@ -548,7 +547,8 @@ def _skip(ctx: StageContext[TrainSettings]) -> TrainSummary:
     acc = None
     if task is not None:
         with running_user_code("evaluating the untrained model on the validation data", model=True):
-            acc = evaluate_loss_acc(model.eval(), data.val_x, data.val_y, torch.device("cpu"), task=task)[1]
+            val_x, val_y, cpu = data.val_x, data.val_y, torch.device("cpu")
+            acc = evaluate_loss_acc(model.eval(), val_x, val_y, cpu, batch=cfg.train.batch_size, task=task)[1]
     save_trained(ctx.out, model, cfg.model, {"source": source})
     keep_trained(ctx.out, cfg.model, model)  # the export stage copies it rather than building it again
     ctx.log.info("training skipped (%s); val accuracy %s", cfg.model.checkpoint or "train.enabled: false", fmt(acc))

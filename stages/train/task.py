@@ -61,10 +61,12 @@ class Task:
         over the rows of float targets."""
         if self.user_loss is not None:
             return self.user_loss(self.loss_input(out), y)
+        target = self.target(out)
+        check_rows(target, len(y))
         if self.kind == "classification":
             y = y.long()  # class indices of any integer dtype (int32 from numpy, uint8): cross-entropy takes int64
-            return labels.dense_cross_entropy(self.target(out).float(), y)
-        return nn.functional.mse_loss(self.target(out).float(), y.float())
+            return labels.dense_cross_entropy(target.float(), y)
+        return nn.functional.mse_loss(target.float(), y.float())
 
     def loss_input(self, out: Any) -> Any:
         """What train.loss is given: the model's outputs as ``forward`` returns them, the contract of a function of
@@ -111,6 +113,28 @@ class Task:
 
 
 CLASSIFY = Task("classification")
+
+# How a model that takes one sample a call is configured (docs/byom.md): the fix where its outputs lack rows
+ONE_A_CALL_FIX = (
+    "a model that takes one sample a call (a graph given as a batch of one, its forward reading x[0]) runs at "
+    "batch 1: set signature.batch_sizes: [1] and train.batch_size: 1 (docs/byom.md); otherwise return one output "
+    "row per input row (axis 0 of every output is the batch)"
+)
+
+
+def check_rows(target: torch.Tensor, rows_in: int) -> None:
+    """The output the built-in loss reads has one row per input row (``rows_in``, the labels' rows): each label is
+    scored against its own row. A model that reads only its first row (a batch of one) and is given several returns
+    fewer, which cross-entropy refuses with a shape error, or which it pairs with the wrong labels where the sizes
+    happen to flatten alike, and which mean squared error broadcasts."""
+    if target.ndim == 0 or len(target) == rows_in:
+        return
+    raise ModelError(
+        f"the model returns {len(target)} row{'s' if len(target) != 1 else ''} of output "
+        f"{tuple(target.shape)} for {rows_in} input rows: the loss pairs each input row (and its label) with an "
+        "output row of its own",
+        hint=ONE_A_CALL_FIX,
+    )
 
 
 def from_torch(fn: LossFn) -> bool:
@@ -552,6 +576,7 @@ def check_task(
             _say_unscored(task, target, y)
         return
     target = task.target(out)
+    check_rows(target, len(y))
     if task.kind == "classification" and labels.per_position(y):
         check_positions(target, y, num_classes, model_ref, lacks_decoder)
     elif task.kind == "classification":
