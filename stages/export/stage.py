@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -855,6 +855,13 @@ FIXED_SIZE_HINT = (
     "write it with tensor ops over the whole axis (cumsum, a vectorised scan); or remove that axis from "
     "signature.dynamic_axes if the model takes one size"
 )
+# The fix where the line the exporter fixed a size at is an ``if`` on it (:func:`_size_branch`): the graph holds the
+# branch its example took, so each side's sizes need a graph of their own, or the branch must go
+BRANCH_FIX = (
+    "make the branch on the size unconditional, so that one graph serves every size: compute what it adds as a "
+    "tensor expression that is 0 where nothing is needed (pad = (stride - L % stride) % stride, padding by 0 where "
+    "L is a multiple), not under an if"
+)
 
 
 def batch_parity(
@@ -934,6 +941,8 @@ BATCH_FIXED_HINT = (
     "to reshape/view"
 )
 _GUARD = re.compile(r"\bEq\(.*\[guard added\] \((.+?):(\d+) in (\w+)\)")
+# a branch on a remainder its example took the other side of (``if L % 4 != 0:`` at L=45): torch guards it unequal
+_MOD_GUARD = re.compile(r"\bNe\(Mod\(.*\[guard added\] \((.+?):(\d+) in (\w+)\)")
 
 
 def _batch_pinned_at(model: nn.Module, example: Inputs) -> str:
@@ -945,9 +954,9 @@ def _batch_pinned_at(model: nn.Module, example: Inputs) -> str:
 def _pinned_at(model: nn.Module, example: Inputs, axes: Mapping[str, Mapping[int, str]]) -> str:
     """``forward() at ssm.py:24 (for t in range(l):)``: where in the user's code torch.export, tracing ``model``
     with ``axes`` (input -> {axis: name}) dynamic, pinned one to the example's size (a Python loop over it, a size
-    computed as a Python number); empty where it cannot be told. Only torch's symbolic-shapes log says where (its
-    first equality guard placed from a user's file), so it is read, on error paths only; a torch that words it
-    otherwise leaves the line unnamed."""
+    computed as a Python number, a branch on it); empty where it cannot be told. Only torch's symbolic-shapes log
+    says where (its first equality guard placed from a user's file, else its first on a remainder being unequal), so
+    it is read, on error paths only; a torch that words it otherwise leaves the line unnamed."""
     said: list[str] = []
     catch = logging.Handler()
     catch.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
@@ -968,7 +977,7 @@ def _pinned_at(model: nn.Module, example: Inputs, axes: Mapping[str, Mapping[int
             shapes.setLevel(saved[0])
             shapes.propagate, shapes.handlers = saved[1:]
     files = {f for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)}
-    for found in filter(None, map(_GUARD.search, said)):
+    for found in filter(None, [*map(_GUARD.search, said), *map(_MOD_GUARD.search, said)]):
         short, lineno, fn = found.groups()
         path = next((f for f in files if f.endswith(short) and is_user_file(f)), None)
         if path is not None:
@@ -1078,8 +1087,20 @@ def _fixed_size_error(where: str, line: str, indices: list[str], tie: str, named
         hint=_dynamo_hint(dynamo)
         + (f"if {indices} are indices of tied scores, {tie}; else " if indices else "")
         + named
-        + FIXED_SIZE_HINT,
+        + (
+            BRANCH_FIX + "; or give signature.shapes sizes on one side of the branch only"
+            if _size_branch(line)
+            else FIXED_SIZE_HINT
+        ),
     )
+
+
+def _size_branch(line: str) -> bool:
+    """Whether the user's code :func:`_pinned_at` names (``forward() at m.py:44 (if L % self.stride != 0:)``) is an
+    ``if`` statement on the size: the graph then holds the side of the branch its example took, which no fix of how
+    the size is read mends. A conditional expression (``a if flag else b``) may test something else than the size
+    that line reads, so it is not one."""
+    return re.search(r":\d+ \((?:el)?if\b.*\)$", line) is not None
 
 
 def _integers_over(check: Mapping[str, Any], ref: Mapping[str, np.ndarray], atol: float, rtol: float) -> list[str]:
@@ -1399,20 +1420,74 @@ def _steps_may_show(runs: Callable[[int], bool], sizes: list[int], own: int) -> 
 
 
 def _runs_at(
-    model: nn.Module, feed: Feed, like: Inputs, axes: Axes, base: Mapping[str, int], label: str
+    model: nn.Module,
+    feed: Feed,
+    like: Inputs,
+    axes: Axes,
+    base: Mapping[str, int],
+    label: str,
+    graph: GraphAt | None = None,
+    wrong: dict[int, str] | None = None,
 ) -> Callable[[int], bool]:
     """Whether PyTorch runs ``model`` on ``feed`` (rebuilt as ``like``) resized to ``base`` with axis ``label`` at
-    a size: the step probes' question, each size asked once."""
+    a size, and, with ``graph``, the exported graph gives its outputs there (:func:`_graph_misses`): the step probes'
+    question, each size asked once. ``wrong``: filled with the sizes where PyTorch runs and the graph does not, and
+    why."""
 
     @cache
     def runs(size: int) -> bool:
+        point = {**base, label: size}
+        inputs = from_feed(resize(feed, axes, point), like)
         try:
-            _torch_outputs(model, from_feed(resize(feed, axes, {**base, label: size}), like))
+            ref = _torch_outputs(model, inputs)
         except Exception:  # the model cannot take that size
             return False
-        return True
+        why = _graph_misses(model, graph, like, feed, axes, point, inputs, ref) if graph is not None else ""
+        if why and wrong is not None:
+            wrong[size] = why
+        return not why
 
     return runs
+
+
+class GraphAt(NamedTuple):
+    """The exported graph the step probe holds to PyTorch (:func:`size_steps`): ONNX Runtime's ``session`` open on
+    ``path``, each output within ``atol + rtol *`` the value its error is on (:func:`within_parity`)."""
+
+    path: Path
+    session: Any
+    atol: float
+    rtol: float
+
+
+def _graph_misses(
+    model: nn.Module,
+    graph: GraphAt,
+    like: Inputs,
+    feed: Feed,
+    axes: Axes,
+    point: Mapping[str, int],
+    inputs: Inputs,
+    ref: dict[str, np.ndarray],
+) -> str:
+    """Why the exported graph does not give PyTorch's outputs ``ref`` on ``inputs`` (``feed`` resized to ``point``):
+    its error past the tolerance, or ONNX Runtime's; empty where it gives them. Integer outputs and outputs that
+    order or count by value, off only where Kiln padded float inputs with zeros (equal scores, which runtimes order
+    apart), pass where the graph computes the model on them grown by their own values (:func:`_computes_untied`)."""
+    path, session, atol, rtol = graph
+    at = ", ".join(f"{k}={v}" for k, v in point.items())
+    try:
+        check = parity(model, path, inputs, session, at, ref)
+    except KilnError as exc:  # another shape, NaN where PyTorch is finite: not PyTorch's outputs
+        return exc.message
+    except Exception as exc:  # ONNX Runtime's own error: the graph holds another size
+        return "ONNX Runtime: " + short_reason(exc, 200)
+    if parity_passes(check, atol, rtol):
+        return ""
+    tied = check["by_value"] or _integers_over(check, ref, atol, rtol)
+    if tied and _computes_untied(model, path, session, like, feed, axes, point, atol, rtol):
+        return ""
+    return _over_tolerance(check, atol, rtol)
 
 
 def export_at_sizes(
@@ -1440,13 +1515,21 @@ def export_at_sizes(
 
 
 def size_steps(
-    model: nn.Module, data: DatasetSplits, names: list[str], axes: Axes, shapes: Mapping[str, list[int]]
+    model: nn.Module,
+    data: DatasetSplits,
+    names: list[str],
+    axes: Axes,
+    shapes: Mapping[str, list[int]],
+    graph: GraphAt | None = None,
 ) -> dict[str, list[int]]:
     """Dynamic axis -> ``[period, *residues]`` where the model takes only the sizes between the smallest and largest
     the later stages run whose remainder by the period is a residue (a U-Net's height: a multiple of 4 for its
     pooling and upsampling to meet again, ``[4, 0]``; an FPN whose stride-2 convolutions round up runs at 25-32 and
     41-48, ``[16, 0, 9, ..., 15]``), found by running PyTorch on one sample: the engines record it, and servers
-    refuse a size it excludes with an error naming the sizes, where the engine would fail (or answer wrongly)."""
+    refuse a size it excludes with an error naming the sizes, where the engine would fail (or answer wrongly).
+    With ``graph`` (the exported one), a size counts as taken only where that graph also gives PyTorch's outputs:
+    an exporter that kept the side of a branch on the size its example took (``if L % 4 != 0: pad``) leaves a graph
+    that is right at some sizes only, which is warned of (:func:`_warn_graph_steps`), and the others are refused."""
     x = take(data.val_x, slice(0, 1))
     feed = feed_for_graph(x, names)
     seen = [feed_for_graph(take(s, slice(0, 1)), names) for s in (data.train_x, data.val_x) if rows(s)]
@@ -1454,11 +1537,37 @@ def size_steps(
     smallest = {label: min(v) for label, v in sizes.items() if v}
     out = {}
     for label, values in sizes.items():
-        pattern = size_pattern(_runs_at(model, feed, x, axes, smallest, label), min(values), max(values), label)
+        wrong: dict[int, str] = {}
+        runs = _runs_at(model, feed, x, axes, smallest, label, graph, wrong)
+        pattern = size_pattern(runs, min(values), max(values), label)
         if pattern is not None:
             out[label] = pattern
+        if pattern is not None and wrong:
+            example = take(data.val_x, slice(0, 2))
+            _warn_graph_steps(label, pattern, (min(values), max(values)), wrong, _pinned_at(model, example, axes))
+        elif pattern is not None:
             log.info("signature axis %s: the model takes sizes%s only", label, steps_text(pattern))
     return out
+
+
+def _warn_graph_steps(
+    label: str, pattern: list[int], span: tuple[int, int], wrong: Mapping[int, str], line: str
+) -> None:
+    """The warning where the exported graph gives PyTorch's outputs on axis ``label`` at the sizes of ``pattern``
+    only (within ``span``, the validated range), and not at the sizes of ``wrong`` (each with why), where PyTorch
+    runs: the cause (the exporter fixed the side of a branch on the size its example took, at ``line`` of the user's
+    code where :func:`_pinned_at` found it) and the fix, which lets one graph serve every size."""
+    first = min(wrong)
+    if line and not _size_branch(line):
+        cause, fix = f"the exporter fixed a size that signature.dynamic_axes makes vary in {line}", FIXED_SIZE_HINT
+    else:
+        where = f" in {line}" if line else " in forward (if L % stride != 0: pad)"
+        cause, fix = f"the exporter kept the side its example took of a branch on the size{where}", BRANCH_FIX
+    log.warning(
+        "signature axis %s: the exported graph gives PyTorch's outputs only at %s%s: at %s=%d, where PyTorch runs, "
+        "%s; %s. The engines record these sizes and refuse the others; fix: %s",
+        *(label, label, steps_text(pattern, span), label, first, wrong[first], cause, fix),
+    )
 
 
 def size_pattern(runs: Callable[[int], bool], low: int, high: int, label: str = "") -> list[int] | None:
@@ -1946,7 +2055,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
     names = [i.name for i in proto.graph.input]
     shapes, atol, rtol = ctx.config.signature.shapes, cfg.parity_atol, cfg.parity_rtol
     check_validated_sizes(model, path, session, data, names, axes or {}, shapes, atol, rtol, dynamo)
-    steps = size_steps(model, data, names, axes or {}, ctx.config.signature.shapes)
+    steps = size_steps(model, data, names, axes or {}, shapes, GraphAt(path, session, atol, rtol))
     if steps:
         (ctx.out / AXIS_STEPS).write_text(json.dumps(steps, indent=2, sort_keys=True) + "\n")
     feed = feed_for_graph(take(data.val_x, slice(0, 2)), names)
