@@ -168,3 +168,25 @@ def output_folder(folder: Path, what: str = "-o") -> Iterator[Path]:
     with atomic_dir(folder) as staging:
         yield staging
         record_owned(staging)
+
+
+MANIFEST = "manifest.json"
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    """The stage's manifest, or None when it is missing, unreadable or not the shape Kiln writes (a damaged
+    manifest means the stage is redone, never trusted)."""
+    try:
+        m = json.loads((stage_dir / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ok = (
+        isinstance(m, dict)
+        and isinstance(m.get("key"), str)
+        and isinstance(m.get("outputs"), dict)
+        and isinstance(m.get("sizes", {}), dict)
+        and isinstance(m.get("key_parts", {}), dict)
+        and isinstance(m.get("summary", {}), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in m["outputs"].items())
+    )
+    return m if ok else None

@@ -3,32 +3,10 @@ and loads none of the pipeline)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from kiln.core.artifacts import hash_json
-
-MANIFEST = "manifest.json"
-
-
-def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
-    """The stage's manifest, or None when it is missing, unreadable or not the shape Kiln writes (a damaged
-    manifest means the stage is redone, never trusted)."""
-    try:
-        m = json.loads((stage_dir / MANIFEST).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    ok = (
-        isinstance(m, dict)
-        and isinstance(m.get("key"), str)
-        and isinstance(m.get("outputs"), dict)
-        and isinstance(m.get("sizes", {}), dict)
-        and isinstance(m.get("key_parts", {}), dict)
-        and isinstance(m.get("summary", {}), dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in m["outputs"].items())
-    )
-    return m if ok else None
+from kiln.core.artifacts import hash_json, read_manifest
 
 
 def handed_on(m: dict[str, Any]) -> str:

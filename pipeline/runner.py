@@ -21,11 +21,13 @@ from typing import Any
 
 from kiln.core import interrupt
 from kiln.core.artifacts import (
+    MANIFEST,
     atomic_dir,
     clean_stale_staging,
     hash_json,
     hash_source,
     hash_tree,
+    read_manifest,
     write_json_atomic,
 )
 from kiln.core.env import environment, keep_facts_in
@@ -38,7 +40,7 @@ from kiln.core.threads import cpu_threads_for_load
 from kiln.models.registry import resolve_callable
 from kiln.pipeline.config import KilnConfig
 from kiln.pipeline.fingerprints import FINGERPRINTS, dataset_fingerprint
-from kiln.pipeline.manifests import MANIFEST, handed_on, out_of_date, read_manifest
+from kiln.pipeline.manifests import handed_on, out_of_date
 from kiln.pipeline.user_code import code_version, import_root
 from kiln.stages.engines.registry import backend_libraries
 from kiln.stages.validate.declaration import REQUIRED, UNVALIDATED

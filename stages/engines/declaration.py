@@ -38,6 +38,8 @@ class EngineEntry(BaseModel):
     precision: str
     build_seconds: float
     size_bytes: int
+    # kept from the previous build, its inputs unchanged (kiln.stages.engines.reuse): build_seconds is that build's
+    reused: bool = False
 
 
 class BuildSummary(Summary):

@@ -30,6 +30,7 @@ from kiln.stages.engines.config import BuildConfig
 from kiln.stages.engines.declaration import BuildSettings, BuildSummary, EngineEntry
 from kiln.stages.engines.dynamic_axes import check_engine_graph
 from kiln.stages.engines.registry import BACKENDS, backend_named
+from kiln.stages.engines.reuse import PreviousBuild, inputs_key
 from kiln.stages.engines.sizes import checked_ranges, probe_graphs, record_checked
 from kiln.stages.export.declaration import read_axis_steps
 from kiln.stages.precision.audit import audit_graph, doubt_fix, engine_audit, label_problem
@@ -60,6 +61,7 @@ def build_engine(
     calibration: Path | None = None,
     int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
+    inputs_hash: str | None = None,
 ) -> EngineMetadata:
     """Build one engine into ``out_dir`` (replaced atomically) and return its metadata (``kiln-engine.json``).
 
@@ -68,7 +70,9 @@ def build_engine(
     ``int_ranges``: each integer input's values in the data (an index the data holds below 0 is one the model
     takes: PyTorch's ``table[i]`` counts it from the end, as ONNX's ``Gather`` does); ``axis_steps``: dynamic axis ->
     [step, offset] where the model takes only sizes ``offset + k * step`` (the export found them; a torch engine's
-    own capture may find them too).
+    own capture may find them too); ``inputs_hash``: the hash of everything the engine is built from
+    (:func:`kiln.stages.engines.reuse.inputs_key`), recorded as its ``settings_hash`` so that a rerun of the build
+    stage can keep it; None: the hash of the build's own arguments.
     """
     chosen = _check_choice(backend, device, precision)
     onnx_path, out_dir = Path(onnx_path), Path(out_dir)
@@ -129,7 +133,7 @@ def build_engine(
             build_seconds=round(time.perf_counter() - t0, 3),
             audit=audit,
         )
-        meta.settings_hash = hash_json(
+        meta.settings_hash = inputs_hash or hash_json(
             {
                 "backend": backend,
                 "device": device,
@@ -262,6 +266,9 @@ def _check_choice(backend: str, device: str, precision: str) -> Any:
 
 
 def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
+    """Build every (backend, device, precision) engine the config plans for the precision stage's variants. An
+    engine whose own inputs are those of an engine in the previous run's build folder is copied from it, not built
+    again (:mod:`kiln.stages.engines.reuse`): a rerun caused by another engine's inputs costs that engine alone."""
     cfg = ctx.config.build
     root = ctx.inputs["precision"]
     record = Variants.read(root / "variants.json", hint="run `kiln run --from precision`")
@@ -272,6 +279,10 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
     # The trained model, for backends that compile PyTorch itself (torch): loaded only if one asks.
     torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config.model)) if "train" in ctx.inputs else None
     steps = read_axis_steps(ctx.inputs["export"]) if "export" in ctx.inputs else {}
+    shapes = {"max_batch": max_batch, "axis_sizes": sizes, "int_ranges": record.int_ranges, "axis_steps": steps}
+    previous = PreviousBuild(
+        ctx.workdir / ctx.name, ctx.key_parts, ctx.log
+    )  # engines whose inputs are unchanged are kept
     engines: list[EngineEntry] = []
     skipped: list[str] = []
     for precision in variants:
@@ -295,6 +306,11 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                     ctx.log.info("not building %s: %s", name, variants[precision].unmade)
                     skipped.append(f"{name}: {variants[precision].unmade}")
                     continue
+                graphs = [root / src] + ([root / variants[precision].path] if keep is not None else [])
+                key = inputs_key(ctx, backend, device, precision, graphs, keep, shapes)
+                if kept := previous.take(name, key, ctx.out / name):
+                    engines.append(EngineEntry.model_validate(kept))
+                    continue
                 try:
                     meta = _build_with_fallback(
                         root,
@@ -311,6 +327,7 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
                         sizes,
                         record.int_ranges,
                         steps,
+                        key,
                     )
                 except BuildError as exc:
                     if not backend.optional(settings) and not isinstance(exc, MislabelledEngine):
@@ -415,12 +432,15 @@ def _build_with_fallback(
     sizes: dict[str, list[int]] | None = None,
     int_ranges: dict[str, IntRange] | None = None,
     axis_steps: dict[str, list[int]] | None = None,
+    inputs_hash: str | None = None,
 ) -> EngineMetadata:
     """Build from ``src``; an engine converted at build time (``keep`` given) that the backend's converter cannot
     convert is built from the precision stage's own graph instead, which passed the ONNX checker (ORT's FP16
     converter fails on control flow and sequences, e.g. an nn.EmbeddingBag)."""
     calibration = root / FEEDS_FILE  # saved by the precision stage where a backend calibrates the model itself
-    shared = dict(max_batch=max_batch, axis_sizes=sizes, int_ranges=int_ranges, axis_steps=axis_steps)
+    shared = dict(
+        max_batch=max_batch, axis_sizes=sizes, int_ranges=int_ranges, axis_steps=axis_steps, inputs_hash=inputs_hash
+    )
 
     def build(graph: str, **extra: Any) -> EngineMetadata:
         args = (ctx.out / name, backend, device, precision, ctx.config.build, ctx.cache_dir, ctx.progress)
