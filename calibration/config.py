@@ -36,7 +36,12 @@ class CalibrationConfig(Section):
         "minmax", description="how activation ranges are chosen from the calibration data"
     )
     num_batches: int = Field(8, ge=1, description="calibration batches (a fixed number: the cache key depends on it)")
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(
+        32,
+        ge=1,
+        description="rows per calibration batch; batches hold at most the largest signature.batch_sizes (fewer for "
+        "a graph whose outputs answer fewer rows a call), the batch_size x num_batches rows then in more batches",
+    )
     reader: str | None = Field(
         None,
         description="user data reader 'package.module:function' returning an iterable of input batches; "

@@ -271,12 +271,69 @@ def calibration_batches(
     seed: int = 0,
     names: list[str] | None = None,
     inputs: list[TensorSpec] | None = None,
+    limit: tuple[int, str] | None = None,
 ) -> list[Batch]:
     """The calibration batches: the reader's, checked against ``inputs`` (the graph's; default: the data's own,
-    by ``names``), else the dataset's."""
+    by ``names``), else the dataset's; split to at most ``limit`` rows each (:func:`batch_limit`: the most rows,
+    and why), so every row calibrates."""
     if cfg.reader:
-        return reader_batches(cfg, inputs or _data_inputs(data, names))
-    return dataset_batches(data, cfg, seed, names)
+        batches = reader_batches(cfg, inputs or _data_inputs(data, names))
+    else:
+        batches = dataset_batches(data, cfg, seed, names)
+    return split_batches(batches, *limit) if limit is not None else batches
+
+
+def rows_per_call(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> int | None:
+    """The rows one call of a graph answers where it is fewer than it may be fed: every input's batch axis is
+    symbolic, yet every output fixes its axis 0 at one number (a graph network in the batch-of-one layout, exported
+    with a batch axis, reads ``x[0]`` only and returns ``[1, nodes, C]``). Rows past those are fed and never read.
+    None: the graph answers every row it is fed."""
+    if not inputs or not outputs or any(not s.shape or not isinstance(s.shape[0], str) for s in inputs):
+        return None
+    first = {o.shape[0] if o.shape and isinstance(o.shape[0], int) and o.shape[0] >= 1 else None for o in outputs}
+    return first.pop() if len(first) == 1 else None
+
+
+def batch_limit(
+    batch_sizes: list[int], inputs: list[TensorSpec] | None = None, outputs: list[TensorSpec] | None = None
+) -> tuple[int, str]:
+    """The most rows one calibration (or check) batch may hold, and why: the largest of ``batch_sizes``
+    (signature.batch_sizes; a model validated at [1] may read one row a call), or fewer where the graph's outputs
+    answer fewer rows a call (:func:`rows_per_call`): a batch of more rows would calibrate on its first rows only."""
+    limits = [(max(batch_sizes), f"the largest of signature.batch_sizes {sorted(batch_sizes)}")]
+    answered = rows_per_call(inputs or [], outputs or [])
+    if answered is not None:
+        limits.append((answered, f"the graph's outputs hold {answered} row{'s' if answered > 1 else ''} a call"))
+    return min(limits)
+
+
+def split_batches(batches: list[Batch], most: int, why: str) -> list[Batch]:
+    """``batches`` with each of more than ``most`` rows split into consecutive batches of ``most`` rows (the last
+    shorter): the same rows in the same order, each read by the model. Said once in the log where any is split."""
+    out = [part for batch in batches for part in _split(batch, most)]
+    if len(out) > len(batches):
+        log.info(
+            "calibration: %d rows in %d batches of at most %s (%s), not %s",
+            sum(batch_rows(b) for b in batches),
+            len(out),
+            f"{most} row" if most == 1 else f"{most} rows",
+            why,
+            "1 batch" if len(batches) == 1 else f"{len(batches)} batches",
+        )
+    return out
+
+
+def _split(batch: Batch, most: int) -> list[Batch]:
+    """One batch as consecutive batches of at most ``most`` rows."""
+    cuts = range(0, batch_rows(batch), most)
+    if isinstance(batch, dict):
+        return [{k: v[i : i + most] for k, v in batch.items()} for i in cuts]
+    return [batch[i : i + most] for i in cuts]
+
+
+def batch_rows(batch: Batch) -> int:
+    """The rows of a batch (of its first input, for a feed)."""
+    return len(next(iter(batch.values())) if isinstance(batch, dict) else batch)
 
 
 def _data_inputs(data: DatasetSplits, names: list[str] | None) -> list[TensorSpec]:

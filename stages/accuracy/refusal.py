@@ -17,10 +17,16 @@ from kiln.core.errors import ModelError
 from kiln.core.labels import exporter_made
 from kiln.core.shapes import Axes
 from kiln.core.text import short_reason
+from kiln.stages.accuracy.check import own_point
 
 
 def refusing(
-    run: Callable[[Feed], dict[str, np.ndarray]], shown: str, axes: Axes, largest: Feed, inputs: str = "validation"
+    run: Callable[[Feed], dict[str, np.ndarray]],
+    shown: str,
+    axes: Axes,
+    largest: Feed,
+    inputs: str = "validation",
+    own: dict[str, int] | None = None,
 ) -> Callable[[Feed], dict[str, np.ndarray]]:
     """``run`` (a reference in ONNX Runtime) with any failure of it raised as :func:`reference_error`."""
 
@@ -28,23 +34,53 @@ def refusing(
         try:
             return run(fed)
         except Exception as exc:  # ONNX Runtime's own error, whatever its type: shapes the graph does not take
-            raise reference_error(exc, fed, shown, axes, largest, inputs) from None
+            raise reference_error(exc, fed, shown, axes, largest, inputs, own) from None
 
     return guarded
 
 
 def reference_error(
-    exc: Exception, fed: Feed, shown: str, axes: Axes, largest: Feed, inputs: str = "validation"
+    exc: Exception,
+    fed: Feed,
+    shown: str,
+    axes: Axes,
+    largest: Feed,
+    inputs: str = "validation",
+    own: dict[str, int] | None = None,
 ) -> ModelError:
     """ONNX Runtime's failure running the reference ``shown`` on ``fed`` (the ``inputs`` ones: validation's, or
     those a direct command checks on), named with the shapes fed: validation sets each named axis apart (one at its
     smallest beside the others at their largest), which a graph refuses where it takes axes named apart (an
     exporter's per-input names) at one size only. The fix names alike the axes of one size in the data
-    (``largest``: every axis at its largest), the sizes the graph ran at in the export."""
+    (``largest``: every axis at its largest), the sizes the graph ran at in the export. Where the sizes fed are
+    below ``own`` (the rows' own size of each axis), Kiln cut the rows itself, and the fix says so first
+    (:func:`_resized_hint`): a cut row may index what was cut away (an edge list's node ids). Rows lengthened
+    (repeated) index nothing new: a graph that refuses them refuses the size."""
     shapes = {k: f"{np.asarray(v).dtype}{list(np.shape(v))}" for k, v in fed.items()}
+    at, hint = own_point(fed, axes), _tie_hint(axes, largest)
+    if own is not None and any(v < own.get(k, v) for k, v in at.items()):
+        tied = _tied_alike(axes, largest) != {k: dict(v) for k, v in axes.items()}
+        hint = _resized_hint(inputs, own, at) + (f"; or {hint}" if tied else "")
     return ModelError(
         f"ONNX Runtime cannot run the reference, {shown}, on the {inputs} inputs {shapes}: {short_reason(exc, 300)}",
-        hint=_tie_hint(axes, largest),
+        hint=hint,
+    )
+
+
+def _resized_hint(inputs: str, own: dict[str, int], at: dict[str, int]) -> str:
+    """The fix where Kiln resized the ``inputs`` rows from their ``own`` sizes to the validated sizes ``at`` (cut
+    to their first positions on some axis), as it does to check every validated shape: rows at a validated size,
+    taken as they are, or validated sizes that include the rows' own."""
+    given = "--calibration" if inputs == "random" else inputs
+
+    def said(point: dict[str, int]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in point.items())
+
+    return (
+        f"Kiln resized the {inputs} rows from their own sizes ({said(own)}) to the validated sizes ({said(at)}), "
+        "cutting them along an axis, which breaks a row whose values index the positions cut away (an edge to a "
+        f"node past the nodes kept): give {given} rows at a validated size ({said(at)}), taken as they are, or "
+        f"signature.shapes that include the rows' own sizes ({said(own)})"
     )
 
 

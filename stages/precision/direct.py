@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from kiln.calibration.data import Batch, batch_limit, batch_rows, split_batches
 from kiln.core.errors import InputFileError, KilnError, ModelError
 from kiln.core.feeds import fixed_batch, in_batches, read_feed
 from kiln.core.inputs import random_inputs
@@ -30,7 +31,7 @@ from kiln.core.onnx_io import INDEX_HINT, check_tensor_io, index_ranges, io_spec
 from kiln.core.progress import SilentProgress
 from kiln.core.records import IntRange, TensorSpec, Variants
 from kiln.core.shapes import Axes, graph_axes, refuse_unknown_axes, resize, shape_points
-from kiln.stages.accuracy.check import Reference, direct_top1
+from kiln.stages.accuracy.check import Reference, direct_top1, own_point
 from kiln.stages.accuracy.refusal import refusing
 from kiln.stages.precision.audit import refuse_low_precision
 from kiln.stages.precision.gate import GateCheck, session_runner
@@ -62,7 +63,6 @@ def precision_direct(
     if calibration is not None:
         data = read_feed(calibration, inputs, "the model", batched=True)
         _refuse_outside_index(graph, data, calibration, src)
-        _warn_few_rows(data, calibration, variants, min(FEW_ROWS, ccfg.batch_size * ccfg.num_batches))
         source = f"{calibration} ({len(next(iter(data.values())))} rows)"
     else:
         data = _random(inputs, cfg, index_ranges(graph))
@@ -77,7 +77,10 @@ def precision_direct(
             ", ".join(i.name for i in inputs),
         )
     sizes, axes = recorded_sizes(inputs, data, cfg.signature.shapes), graph_axes(inputs)
-    batches = _calibration_batches(data, inputs, ccfg.batch_size, ccfg.num_batches)
+    limit = batch_limit(cfg.signature.batch_sizes, inputs, outputs)  # at most the rows one call reads
+    batches = _calibration_batches(data, inputs, ccfg.batch_size, ccfg.num_batches, limit)
+    if calibration is not None:
+        _warn_few_rows(batches, calibration, variants, min(FEW_ROWS, ccfg.batch_size * ccfg.num_batches))
     batches += at_validated_shapes(batches, axes, sizes)
     x_val = _whole_batches(data, inputs, pcfg.fallback.samples)  # the fallback's check runs them batch by batch
     names = [o.name for o in outputs]
@@ -129,21 +132,28 @@ def shapes_check(
     """The check variants are judged by: ``x_val`` resized to every shape of ``sizes``
     (:func:`kiln.core.shapes.shape_points`, the largest last) as a run resizes its held-out data, the FP32 ``model``
     run on each (a shape it cannot run is one error: :func:`kiln.stages.accuracy.refusal.reference_error`, naming
-    the file and the inputs of ``shown``), and ``validate.gates``; in batches of up to 64 rows, or of the batch the
-    graph fixes."""
+    the file and the inputs of ``shown``, and the rows' own sizes where they were resized), and ``validate.gates``;
+    in batches of up to 64 rows and no more than :func:`~kiln.calibration.data.batch_limit` (the largest
+    signature.batch_sizes, the rows one call reads), or of the batch the graph fixes."""
     feeds = [(p, resize(x_val, axes, p, repeat_floats=True)) for p in shape_points(sizes)]
-    run = refusing(session_runner(model), shown[0], axes, feeds[-1][1], shown[1])
-    batch = fixed_batch(io_specs(model)[0]) or min(64, len(next(iter(x_val.values()))))
+    run = refusing(session_runner(model), shown[0], axes, feeds[-1][1], shown[1], own_point(x_val, axes))
+    specs, outs = io_specs(model)
+    most = batch_limit(cfg.signature.batch_sizes, specs, outs)[0]
+    batch = fixed_batch(specs) or min(64, most, len(next(iter(x_val.values()))))
     ref = Reference(run, feeds, [None] * len(feeds), logits, batch, axes=axes)
     return GateCheck(model, ref, cfg.validate.gates, [batch])
 
 
 def _calibration_batches(
-    data: dict[str, np.ndarray], inputs: list[TensorSpec], size: int, count: int
-) -> list[dict[str, np.ndarray]]:
+    data: dict[str, np.ndarray], inputs: list[TensorSpec], size: int, count: int, limit: tuple[int, str]
+) -> list[Batch]:
     """The first ``size * count`` rows of ``data`` in batches of ``size`` rows, or of the batch the graph fixes
-    (:func:`~kiln.core.feeds.fixed_batch`; it takes no other), so as many rows calibrate either way."""
-    return in_batches(_whole_batches(data, inputs, size * count), fixed_batch(inputs) or size)
+    (:func:`~kiln.core.feeds.fixed_batch`; it takes no other), so as many rows calibrate either way; batches of
+    a dynamic batch axis hold no more than ``limit`` (:func:`~kiln.calibration.data.batch_limit`), which the
+    rows then fill in more batches."""
+    fixed = fixed_batch(inputs)
+    batches: list[Batch] = list(in_batches(_whole_batches(data, inputs, size * count), fixed or size))
+    return batches if fixed is not None else split_batches(batches, *limit)
 
 
 def _whole_batches(data: dict[str, np.ndarray], inputs: list[TensorSpec], rows: int) -> dict[str, np.ndarray]:
@@ -190,10 +200,11 @@ def recorded_sizes(
     return {d: sorted(set(shapes.get(d) or v)) for d, v in seen.items()}
 
 
-def _warn_few_rows(data: dict[str, np.ndarray], calibration: Path, variants: list[str], few: int) -> None:
-    """Warn where ``--calibration`` holds fewer than ``few`` rows: INT8/FP8 scales are the ranges those rows
-    reach, and the variants are judged on the same rows, so a handful of samples decides both."""
-    rows = len(next(iter(data.values())))
+def _warn_few_rows(batches: list[Batch], calibration: Path, variants: list[str], few: int) -> None:
+    """Warn where the calibration ``batches`` made of ``--calibration`` hold fewer than ``few`` rows (each batch
+    no larger than the rows one call reads, so every row counted is one the model reads): INT8/FP8 scales are the
+    ranges those rows reach, and the variants are judged on the same rows, so a handful of samples decides both."""
+    rows = sum(batch_rows(b) for b in batches)
     if rows < few:
         scaled = "/".join(v.upper() for v in variants if v in ("int8", "fp8"))
         log.warning(

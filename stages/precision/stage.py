@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kiln.calibration.config import CalibrationConfig
-from kiln.calibration.data import Batch, calibration_batches
+from kiln.calibration.data import Batch, batch_limit, calibration_batches
 from kiln.calibration.feeds import FILE as FEEDS_FILE
 from kiln.calibration.feeds import save_feeds
 from kiln.calibration.quantize import DYNAMIC_RECURRENT, check_exclusions, quantizable_op_types
@@ -73,7 +73,9 @@ def run(ctx: StageContext[PrecisionSettings]) -> PrecisionSummary:
     # FP8/INT8 engines of the torch backend calibrate the PyTorch model on the same batches, saved for the build
     lowbit = bool({"fp8", "int8"} & set(wanted))
     needs_data = "int8" in converted or ("fp16" in converted and cfg.fp16.range_check) or lowbit
-    batches = calibration_batches(data, ccfg, ctx.config.seed, names, inputs) if needs_data else []
+    # at most the rows a call reads (a batch-of-one graph network reads row 0 only): every calibration row is read
+    limit = batch_limit(ctx.config.signature.batch_sizes, inputs, outputs)
+    batches = calibration_batches(data, ccfg, ctx.config.seed, names, inputs, limit) if needs_data else []
     if lowbit and batches:
         save_feeds(batches, names, ctx.out / FEEDS_FILE)
     sizes = _axis_sizes(data, names, ctx)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.calibration.data import rows_per_call
 from kiln.core.errors import InputError, InputFileError, KilnError
 from kiln.core.feeds import check_feed, fixed_batch, in_batches, read_feed, run_batched
 from kiln.core.inputs import check_batch_axis, random_inputs, recorded_sizes
@@ -55,22 +56,28 @@ def _reference_error(reference: Path, cfg: ValidateSettings, feed: dict[str, np.
     )
 
 
-def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings) -> dict[str, np.ndarray]:
+def reference_outputs(
+    reference: Path, feed: dict[str, np.ndarray], cfg: ValidateSettings, batch: int | None = None
+) -> dict[str, np.ndarray]:
     """Every output of the reference, by name: an ONNX model (ONNX Runtime, CPU; one batch at a time where it fixes
     its batch axis) or a PyTorch checkpoint of ``cfg.model`` (called with the feed's arrays as keyword arguments
-    when there are several)."""
+    when there are several); ``batch``: rows a call, as the engine is run (None: every row in one call)."""
     if reference.suffix != ".onnx":
         model = load_weights(build_model(cfg.model.name, cfg.model.params), read_state_dict(reference), str(reference))
-        x = {k: torch.from_numpy(v) for k, v in feed.items()}
+        model = model.float().eval()
+
+        def run(part: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            x = {k: torch.from_numpy(v) for k, v in part.items()}
+            return host_arrays(named_outputs(model, next(iter(x.values())) if len(x) == 1 else x))
+
         doing = "running the reference model on the engine's inputs"
         try:
             with torch.inference_mode(), running_user_code(doing, f"reference {reference.name}", OTHER_MODEL, True):
-                outs = named_outputs(model.float().eval(), next(iter(x.values())) if len(x) == 1 else x)
+                return run_batched(run, feed, batch)
         except KilnError:
             raise
         except Exception as exc:  # in torch, not the user's file: out of memory, or the inputs are another model's
             raise _reference_error(reference, cfg, feed, exc) from None
-        return host_arrays(outs)
     graph = load_onnx(reference)
     check_tensor_io(graph, f"reference {reference.name}")
     specs, _ = io_specs(graph)
@@ -86,7 +93,7 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
     ref_sess = ort_session(graph)
     names = [o.name for o in ref_sess.get_outputs()]
     try:
-        return run_batched(lambda part: dict(zip(names, ref_sess.run(None, part))), feed, fixed_batch(specs))
+        return run_batched(lambda part: dict(zip(names, ref_sess.run(None, part))), feed, fixed_batch(specs) or batch)
     except Exception as exc:  # ONNX Runtime's own error: a size the graph does not take (a 64-row position table)
         raise InputError(
             f"reference {reference.name} fails on the engine's inputs {_shapes(feed)} in ONNX Runtime: "
@@ -98,8 +105,10 @@ def reference_outputs(reference: Path, feed: dict[str, np.ndarray], cfg: Validat
 
 def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg: ValidateSettings) -> EngineValidation:
     """``engine_dir`` against ``reference`` on every row of ``inputs`` (else random ones); an engine that fixes its
-    batch axis runs them one batch of that size at a time, and its latency is that batch's. Its headline values are
-    over the outputs its gates hold (``validate.gates.gated_outputs``), as the stage's are."""
+    batch axis, or whose outputs answer fewer rows a call than it may be fed (a batch-of-one graph network's
+    ``[1, nodes, C]``: :func:`~kiln.calibration.data.rows_per_call`), runs them one batch of that size at a time,
+    the reference too, so every row is compared, and its latency is that batch's. Its headline values are over the
+    outputs its gates hold (``validate.gates.gated_outputs``), as the stage's are."""
     meta = read_metadata(engine_dir)
     # An engine whose inputs share no batch axis (one built before Kiln refused such graphs): said as what it is, not
     # as the row counts of a feed or as inputs of another model
@@ -116,12 +125,12 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
         )
     # The engine's own refusals (a token id past its table) before the reference runs; sizes past those it was
     # validated for are what this command is for: checked here, said in the log
-    b = fixed_batch(meta.inputs)
+    b = fixed_batch(meta.inputs) or rows_per_call(meta.inputs, meta.outputs)
     parts = in_batches(feed, b) if b is not None else [feed]
     for part in parts:
         check_engine_feed(meta, part, allow_outside_ranges=True)
     _say_new_sizes(meta, parts[0])
-    ref = reference_outputs(reference, feed, cfg)
+    ref = reference_outputs(reference, feed, cfg, b)
     with load_engine(engine_dir) as runner:
         got = run_batched(lambda part: runner.infer(part, allow_outside_ranges=True), feed, b)
         t = runner.time_ms(parts[0], cfg.validate.warmup, cfg.validate.iterations)
