@@ -293,23 +293,25 @@ class EngineMetadata(Record):
 
     def outside_range(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
         """Why inputs of these shapes lie outside the sizes the engine was validated for (a sentence naming the
-        input, the axis and the range), or differ on an axis they share (:meth:`tied_mismatch`), or None."""
+        input, the axis and the range, for each named axis outside: a source and a target length both), or differ
+        on an axis they share (:meth:`tied_mismatch`), or None."""
         tied = self.tied_mismatch(shapes)
         if tied is not None:
             return tied
+        said: dict[str, str] = {}  # one sentence per axis name: inputs sharing an axis are one size here
         for spec in self.inputs:
             for axis, dim in enumerate(spec.shape):
                 shape = shapes.get(spec.name, ())
-                if not isinstance(dim, str) or dim not in self.axis_ranges or axis >= len(shape):
+                if not isinstance(dim, str) or dim not in self.axis_ranges or axis >= len(shape) or dim in said:
                     continue
                 low, high = self.axis_ranges[dim]
                 pattern = self.axis_steps.get(dim, [1, 0])
                 if not low <= shape[axis] <= high or not takes_size(pattern, shape[axis]):
-                    return (
+                    said[dim] = (
                         f"input '{spec.name}' axis {axis} ({dim}) is {shape[axis]}: engine {self.name} was "
                         f"{self.vouched()} for {dim} from {low} to {high}{_probed_steps(dim, pattern, (low, high))}"
                     )
-        return None
+        return "; ".join(said.values()) or None
 
     def vouched(self) -> str:
         """What the engine's sizes were checked by: "validated" once validation recorded the batches it compared

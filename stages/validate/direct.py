@@ -154,11 +154,24 @@ def validate_direct(engine_dir: Path, reference: Path, inputs: Path | None, cfg:
     _say_no_top1(ref, cfg.signature.logits_output, logits, entry)
     batch = str(len(next(iter(parts[0].values()))))  # the batch timed: the engine's fixed one, else every row
     entry.latency_ms = {batch: percentiles(t)}
+    entry.batch_sizes, entry.shapes = [int(batch)], [sizes] if (sizes := _named_sizes(meta, feed)) else []
     unmeasured = nothing_measured(ref, got)
     entry.failures = check_gates(entry, None, entry.gates, int(batch)) + unmeasured
     entry.passed = not entry.failures
     entry.hints = [NO_FINITE_FIX] if unmeasured else []
     return entry
+
+
+def _named_sizes(meta: EngineMetadata, feed: dict[str, np.ndarray]) -> dict[str, int]:
+    """The size of each named axis past the batch that ``feed`` holds (``src``, ``tgt``): the shape compared at,
+    as the stage records its validated shapes."""
+    return {
+        dim: int(feed[spec.name].shape[axis])
+        for spec in meta.inputs
+        if spec.name in feed
+        for axis, dim in enumerate(spec.shape)
+        if axis and isinstance(dim, str) and axis < feed[spec.name].ndim
+    }
 
 
 COMPARED_BY = "compared by cosine (the whole output's and the worst sample's), max abs error and relative error"

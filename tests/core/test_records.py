@@ -263,3 +263,19 @@ def test_an_index_past_the_table_is_named_and_the_table_s_own_rows_pass() -> Non
         "(the positions of the axis it indexes: a table's rows, a graph's nodes)"
     )
     assert meta.refusal({"ids": np.array([[10, 2]])}).startswith("input 'ids' holds 10:")
+
+
+def test_every_axis_outside_its_validated_sizes_is_named() -> None:
+    """An encoder-decoder's source and target lengths both past their ranges: the user learns both at once."""
+    meta = _meta()
+    meta.inputs = [
+        TensorSpec(name="input_ids", shape=["batch", "src"], dtype="int64"),
+        TensorSpec(name="attention_mask", shape=["batch", "src"], dtype="int64"),
+        TensorSpec(name="decoder_input_ids", shape=["batch", "tgt"], dtype="int64"),
+    ]
+    meta.axis_ranges = {"src": [6, 12], "tgt": [6, 13]}
+    said = meta.outside_range({"input_ids": (2, 5), "attention_mask": (2, 5), "decoder_input_ids": (2, 25)})
+    assert said == (
+        "input 'input_ids' axis 1 (src) is 5: engine e was built for src from 6 to 12; "
+        "input 'decoder_input_ids' axis 1 (tgt) is 25: engine e was built for tgt from 6 to 13"
+    )

@@ -686,7 +686,16 @@ def test_direct_validate_says_when_its_inputs_are_random(
     np.savez(tmp_path / "real.npz", **arrays)
     real = cli.invoke(main, ["validate", str(engine), *reference, "--inputs", str(tmp_path / "real.npz")])
     assert real.exit_code == 0, real.output
-    assert json.loads(real.stdout)["inputs"] == {"kind": "file", "path": str(tmp_path / "real.npz")}
+    report = json.loads(real.stdout)
+    assert report["inputs"] == {"kind": "file", "path": str(tmp_path / "real.npz")}
+    assert report["batch_sizes"] == [2]  # what it compared at, as the stage's records say
+    named = {
+        d: arrays[s.name].shape[i]
+        for s in read_metadata(engine).inputs
+        for i, d in enumerate(s.shape)
+        if i and isinstance(d, str)
+    }
+    assert report["shapes"] == ([named] if named else [])
     assert "RANDOM" not in real.output
 
 
