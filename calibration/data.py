@@ -17,6 +17,7 @@ import torch
 from kiln.calibration.config import CalibrationConfig
 from kiln.core.data import DatasetSplits, feed_for_graph, rows, take, tensors
 from kiln.core.errors import ConfigError
+from kiln.core.feeds import in_batches
 from kiln.core.labels import is_label_name
 from kiln.core.records import TensorSpec
 from kiln.core.user_errors import running_user_code, user_frame
@@ -324,11 +325,11 @@ def split_batches(batches: list[Batch], most: int, why: str) -> list[Batch]:
 
 
 def _split(batch: Batch, most: int) -> list[Batch]:
-    """One batch as consecutive batches of at most ``most`` rows."""
-    cuts = range(0, batch_rows(batch), most)
+    """One batch as consecutive batches of at most ``most`` rows (inputs taken in counts of their own, texts beside
+    images, each cut into as many parts: :func:`~kiln.core.feeds.in_batches`)."""
     if isinstance(batch, dict):
-        return [{k: v[i : i + most] for k, v in batch.items()} for i in cuts]
-    return [batch[i : i + most] for i in cuts]
+        return in_batches(batch, most)
+    return [batch[i : i + most] for i in range(0, batch_rows(batch), most)]
 
 
 def batch_rows(batch: Batch) -> int:

@@ -53,16 +53,59 @@ def read_feed(
 def check_feed(
     feed: Mapping[str, np.ndarray], specs: list[TensorSpec], source: str, taker: str, batched: bool = False
 ) -> None:
-    """Each array against its input: dtype, rank and fixed sizes, at least one row, one row count, and finite
-    values (a NaN in the data would otherwise surface as a failed gate or a skipped training step). ``batched``:
-    rows on a fixed batch axis may be any whole number of batches (fed one batch at a time: :func:`in_batches`)."""
+    """Each array against its input: dtype, rank and fixed sizes, at least one row, one row count among the inputs
+    whose axis 0 is one axis (:func:`row_groups`: a two-tower model takes its texts and images in counts of their
+    own), and finite values (a NaN in the data would otherwise surface as a failed gate or a skipped training
+    step). ``batched``: rows on a fixed batch axis may be any whole number of batches (fed one batch at a time:
+    :func:`in_batches`)."""
     for spec in specs:
         _check_array(spec, np.asarray(feed[spec.name]), source, taker, batched)
-    counts = {spec.name: len(feed[spec.name]) for spec in specs}
-    if len(set(counts.values())) > 1:
-        raise InputFileError(
-            f"the inputs in {source} have different row counts {counts}", hint="give every input one row per sample"
-        )
+    groups = row_groups(specs)
+    for axis, names in groups.items():
+        counts = {name: len(feed[name]) for name in names}
+        if len(set(counts.values())) > 1:
+            raise InputFileError(
+                f"the inputs in {source} have different row counts {counts}"
+                + (f" on their shared axis 0 {_said_axis(axis)}" if len(groups) > 1 else ""),
+                hint=_row_count_fix(groups, axis),
+            )
+
+
+def row_groups(specs: list[TensorSpec]) -> dict[int | str | None, list[str]]:
+    """The inputs by the axis 0 they declare: its name (``texts``, ``images``), or its fixed size; None groups those
+    whose axis 0 has neither (an unknown size). Inputs of one group take one row count, those of different groups
+    their own. Inputs without axes are left out."""
+    groups: dict[int | str | None, list[str]] = {}
+    for spec in specs:
+        if spec.shape:
+            groups.setdefault(_first_axis(spec.shape[0]), []).append(spec.name)
+    return groups
+
+
+def _first_axis(dim: int | str) -> int | str | None:
+    """What identifies an axis 0: its name, its fixed size, or None where the graph gives neither."""
+    if isinstance(dim, str):
+        return dim or None
+    return dim if dim >= 1 else None
+
+
+def _said_axis(axis: int | str | None) -> str:
+    """An axis 0 as the errors name it: ``'texts'``, ``fixed at 1``, ``of unknown size``."""
+    if isinstance(axis, str):
+        return f"'{axis}'"
+    return f"fixed at {axis}" if axis is not None else "of unknown size"
+
+
+def _row_count_fix(groups: dict[int | str | None, list[str]], axis: int | str | None) -> str:
+    """The fix for inputs of one axis-0 group that differ in rows: one row per sample, naming the groups where the
+    inputs have several (those of another axis 0 may differ)."""
+    if len(groups) == 1:
+        return "give every input one row per sample"
+    others = "; ".join(f"{', '.join(n)} on {_said_axis(a)}" for a, n in groups.items() if a != axis)
+    return (
+        f"give {', '.join(groups[axis])} (axis 0 {_said_axis(axis)}) one row count; inputs on another axis 0 take "
+        f"counts of their own ({others})"
+    )
 
 
 def _check_array(spec: TensorSpec, array: np.ndarray, source: str, taker: str, batched: bool = False) -> None:
@@ -129,9 +172,17 @@ def whole_batches(feed: Arrays, specs: list[TensorSpec], source: str, taker: str
 
 
 def in_batches(feed: Mapping[str, np.ndarray], batch: int) -> list[Arrays]:
-    """``feed``'s rows as consecutive feeds of ``batch`` rows each (the last one shorter where they do not divide)."""
-    rows = len(next(iter(feed.values())))
-    return [{k: v[i : i + batch] for k, v in feed.items()} for i in range(0, rows, batch)]
+    """``feed``'s rows as consecutive feeds of ``batch`` rows each (the last one shorter where they do not divide).
+    Inputs taken in counts of their own (10 texts beside 3 images: :func:`row_groups`) are each cut into as many
+    consecutive parts as the longest needs, of at most ``batch`` rows; an input with fewer rows than parts repeats
+    them, so that every feed holds rows of every input (a part without images is no call the model takes)."""
+    counts = {len(v) for v in feed.values()}
+    if len(counts) == 1:
+        rows = counts.pop()
+        return [{k: v[i : i + batch] for k, v in feed.items()} for i in range(0, rows, batch)]
+    parts = -(-max(counts) // batch)
+    cut = {k: np.array_split(np.resize(v, (max(len(v), parts), *v.shape[1:])), parts) for k, v in feed.items()}
+    return [{k: cut[k][i] for k in feed} for i in range(parts)]
 
 
 def run_batched(run: Callable[[Arrays], Mapping[str, np.ndarray]], feed: Arrays, batch: int | None) -> Arrays:

@@ -27,11 +27,25 @@ FORMER_PLACES = {
 }
 
 
-_OWN_COUNTS = (
-    ". Kiln's export gives every input's axis 0 the one batch axis; for inputs taken in counts of their own (a "
-    "two-tower model's images and texts), export the model yourself with a name per first axis "
-    "(torch.onnx.export's dynamic_axes) and give it as model.onnx, whose axis names Kiln keeps"
-)
+class HintedValueError(ValueError):
+    """A config value's error that carries its own fix: pydantic keeps the exception in the error's context, and
+    the config layer gives ``hint`` as the fix line in place of its generic one (:mod:`kiln.pipeline.config`)."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def _axis_zero_fix(name: str, dim: str) -> str:
+    """The fix for axis 0 named in ``signature.dynamic_axes``: Kiln's export ties every input's axis 0 into the one
+    batch axis, so a model taking inputs in counts of their own is exported by the user, with a name per first axis,
+    and given as ``model.onnx`` (whose axis names Kiln keeps: docs/serving.md)."""
+    return (
+        "for inputs taken in counts of their own (a two-tower model's images and texts), export the model yourself "
+        f"with a name per first axis (torch.onnx.export(..., dynamic_axes={{'{name}': {{0: '{dim}'}}, ...}})) and "
+        "give it as model.onnx, whose axis names Kiln keeps; else drop axis 0 from signature.dynamic_axes (the "
+        "batch axis is dynamic already)"
+    )
 
 
 class Signature(Section):
@@ -68,10 +82,13 @@ class Signature(Section):
         for name, axes in value.items():
             for axis, dim in axes.items():
                 if axis < 1:
-                    raise ValueError(
+                    raise HintedValueError(
                         f"input '{name}' axis {axis}: axes are counted from 1 here (0 is the batch, which "
                         "export.dynamic_batch makes dynamic; negative indices are not taken)"
-                        + (_OWN_COUNTS if axis == 0 else "")
+                        + (". Kiln's export gives every input's axis 0 the one batch axis" if axis == 0 else ""),
+                        _axis_zero_fix(name, str(dim))
+                        if axis == 0
+                        else f"count the axes from 1, axis 1 the first after the batch (e.g. {{{name}: {{1: {dim}}}}})",
                     )
                 if not str(dim).strip() or str(dim) == BATCH_AXIS:
                     raise ValueError(

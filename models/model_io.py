@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kiln.core.artifacts import write_bytes_atomic
+from kiln.core.compare import class_axis
 from kiln.core.data import DatasetSplits, feed_for_graph, rows
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.core.feeds import check_feed
@@ -75,7 +76,7 @@ def check_onnx_takes(path: Path, data: DatasetSplits, ref: str, signature: Signa
     graph_inputs, graph_outputs = io_specs(graph)
     if signature is not None:
         check_onnx_axes(path, graph_inputs, signature.dynamic_axes)
-        _check_onnx_classes(path, graph_outputs, data, ref, signature.logits_output)
+        _check_onnx_classes(path, graph_inputs, graph_outputs, data, ref, signature.logits_output)
     # the batch axis is the run's to choose (signature.batch_sizes), whatever size the file fixed it to
     specs = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) if s.shape else s for s in graph_inputs]
     names = [s.name for s in specs]
@@ -116,20 +117,46 @@ def check_onnx_axes(path: Path, inputs: list[TensorSpec], dynamic_axes: dict[str
 
 
 def _check_onnx_classes(
-    path: Path, outputs: list[TensorSpec], data: DatasetSplits, ref: str, setting: str | int | None
+    path: Path,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    data: DatasetSplits,
+    ref: str,
+    setting: str | int | None,
 ) -> None:
     """Class labels against the class-logit output of a ``model.onnx`` run: fewer logits than classes is another
-    model's data (accuracy near chance, and a run that passes)."""
+    model's data, and a class axis named as an input's axis 0 (:func:`_batch_class_axis`) holds no classes at all
+    (accuracy near chance, and a run that passes)."""
     name = logits_name([o.name for o in outputs], setting)
     labels = data.val_y if data.val_y is not None else data.train_y
     if name is None or labels is None or data.num_classes <= 0 or labels.ndim != 1 or labels.is_floating_point():
         return
     shape = next(o.shape for o in outputs if o.name == name)
+    if setting is not None:  # a default output whose axis is no class axis is left out of accuracy by validation
+        _batch_class_axis(path, inputs, name, shape)
     if len(shape) == 2 and isinstance(shape[1], int) and shape[1] < max(data.num_classes, 2):
         raise ConfigError(
             f"model.onnx {path.name} gives class logits of shape {list(shape)} (output '{name}'), but dataset "
             f"'{ref}' has {data.num_classes} classes",
             hint="give the data the model was trained for, or name the class-logit output in signature.logits_output",
+        )
+
+
+def _batch_class_axis(path: Path, inputs: list[TensorSpec], name: str, shape: list[int | str]) -> None:
+    """Refuse the class-logit output ``signature.logits_output`` names where its class axis (:func:`class_axis`)
+    is an input's axis 0 by name: its size is the count of rows of that input (CLIP's ``logits_per_image``
+    ``[images, texts]``), so its argmax picks a row of the batch, not a class. A class axis of another dynamic
+    axis (a question-answering head's ``start_logits [batch, seq]``) is a position, which labels may name."""
+    if len(shape) < 2:
+        return
+    axis = shape[class_axis(len(shape))]
+    firsts = {s.shape[0]: s.name for s in reversed(inputs) if s.shape and isinstance(s.shape[0], str) and s.shape[0]}
+    if isinstance(axis, str) and axis in firsts:
+        raise ConfigError(
+            f"output '{name}' of model.onnx {path.name}, which signature.logits_output names, is {list(shape)}: its "
+            f"class axis '{axis}' is axis 0 of input '{firsts[axis]}' (one entry per row of the batch), not classes",
+            hint="name an output whose last axis holds the classes in signature.logits_output, or leave it unset "
+            "and score the outputs with validate.metric (a retrieval score over the batch)",
         )
 
 
@@ -292,7 +319,9 @@ def weights_bytes(model: nn.Module) -> bytes:
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
     """Load ``state`` strictly; a tied tensor saved once (by :func:`weights_bytes`, or Hugging Face's
-    ``save_pretrained``) fills its aliases, since the model ties them itself. Keys that do not fit are summed up
+    ``save_pretrained``) fills its aliases, since the model ties them itself. A checkpoint holding every key of the
+    model, each of its shape, beside others loads, the others named in a warning (:func:`_without_unused`: one
+    tower of a two-tower model from the whole model's checkpoint). Keys that do not fit are summed up
     (:func:`_misfit`), not quoted from torch's message, which lists every missing key first."""
     tied = tied_names(model)
     state = _without_wrapper_prefix(dict(state), set(model.state_dict()), tied, source)
@@ -301,6 +330,7 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
             state[alias] = state[name]
         elif name not in state and alias in state:
             state[name] = state[alias]
+    state = _without_unused(model, state, source)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
@@ -309,6 +339,41 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) 
             f"checkpoint {source} does not fit model {type(model).__name__}: {message}", prefixes
         ) from None
     return model
+
+
+def _without_unused(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """``state`` without the keys ``model`` has no use for, where it holds every key of the model with the model's
+    shape: those are all its weights, and the rest belong to modules it leaves out (a CLIPModel checkpoint's
+    ``vision_model.*`` and ``logit_scale`` for its text tower), said in a warning. Else ``state`` as it is, for the
+    strict load to sum up what does not fit (a missing key or another shape is another architecture)."""
+    wanted = model.state_dict()
+    unused = [k for k in state if k not in wanted]
+    fits = all(k in state and _shape(state[k]) == tuple(v.shape) for k, v in wanted.items())
+    if not unused or not fits:
+        return state
+    log.warning(
+        "checkpoint %s: %d key%s not used by model %s (%s); every key of the model is loaded from it",
+        source,
+        len(unused),
+        "s" if len(unused) != 1 else "",
+        type(model).__name__,
+        _few(_key_groups(unused), 4),
+    )
+    return {k: v for k, v in state.items() if k in wanted}
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    """A state value's shape (None for one that is no tensor, which then fits no key)."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _key_groups(keys: list[str]) -> list[str]:
+    """``keys`` by their first dotted part, in order: ``vision_model.* (39 keys)`` for several under one, a key
+    alone as itself (``logit_scale``)."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.split(".", 1)[0], []).append(key)
+    return [f"{first}.* ({len(held)} keys)" if len(held) > 1 else held[0] for first, held in groups.items()]
 
 
 def _few(items: list[str], n: int = 3) -> str:

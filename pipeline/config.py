@@ -181,7 +181,11 @@ def _named_as(place: str, key: str) -> str:
 
 def _fix(e: Any, key: str, own: str | None, shared: str | None, given: dict[str, str]) -> str:
     """The fix of one error: for a ``--set``, the ``--set`` as it should be written where that is known (a key
-    spelt as the schema has it, a list in brackets), else which ``--set`` to change."""
+    spelt as the schema has it, a list in brackets), else which ``--set`` to change. A check that knows its own
+    fix (a ValueError with a ``hint``: :class:`kiln.core.signature.HintedValueError`) gives that one."""
+    own_fix = getattr((e.get("ctx") or {}).get("error"), "hint", None)
+    if own_fix:
+        return str(own_fix)
     if shared:
         return f"change {given[shared]} or the config's setting it conflicts with ({PRINTS_KEYS})"
     if own is None:

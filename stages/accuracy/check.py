@@ -320,6 +320,32 @@ def batch_coupled(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, batc
     return coupled + [k for k in mixed_rows(run, sample_batch(feed, batch), big) if k not in coupled]
 
 
+def class_axis_follows_batch(
+    run: Callable[[Feed], dict[str, np.ndarray]],
+    feed: Feed,
+    outputs: dict[str, np.ndarray],
+    name: str | None,
+    batch: int,
+    smallest: int,
+) -> bool:
+    """Whether output ``name``'s class axis (:func:`class_axis`) follows the batch: as long as the first batch of
+    ``outputs`` (``run`` over ``feed`` in batches of ``batch`` rows) and, probed at ``smallest`` rows (or one row
+    fewer, with one batch size), as long as that. A class axis of as many classes as the batch has rows keeps its
+    size at the other. False where the model fails the probe (its error surfaces where the comparisons run it)."""
+    out = outputs.get(name or "")
+    first = min(batch, feed_rows(feed))
+    if out is None or out.ndim < 2 or out.shape[class_axis(out.ndim)] != first:
+        return False
+    other = smallest if smallest < first else first - 1
+    if other < 1:
+        return False
+    try:
+        probed = run(sample_batch(feed, other)).get(name or "")
+    except Exception:  # the reference's own error surfaces where the comparisons run it
+        return False
+    return probed is not None and np.ndim(probed) == out.ndim and probed.shape[class_axis(out.ndim)] == other
+
+
 def mixed_rows(run: Callable[[Feed], dict[str, np.ndarray]], feed: Feed, got: dict[str, np.ndarray]) -> list[str]:
     """Outputs whose last row differs when its sample runs alone from ``got`` (``run`` on the whole ``feed``): rows
     that read their batch mates (a model whose axis 0 is time, not the batch; a normalization over the batch).
@@ -570,6 +596,8 @@ class Reference:
             self.logits = binary_default(self.outputs[-1], data) or multi_label_default(self.outputs[-1], data)
         if self.logits is not None:
             self.logits = top1_output(self.logits, data, named, self.outputs[-1].get(self.logits))
+            self._refuse_batch_classes(named, batch, smallest)
+        if self.logits is not None:
             self._drop_unfollowed_labels()
             if named:
                 self._drop_misfit_labels()
@@ -581,6 +609,30 @@ class Reference:
         self.metric_value = None if scored is None else self.metric_of(scored)
         self._say_vacuous_metric()
         self._say_one_class()
+
+    def _refuse_batch_classes(self, named: bool, batch: int, smallest: int) -> None:
+        """Class logits whose class axis is as long as the batch (:func:`class_axis_follows_batch`: CLIP's
+        ``logits_per_image [images, texts]``) hold no classes: their argmax picks a row of the batch, which no class
+        label names. Named in ``signature.logits_output`` beside labels, a ConfigError (without labels the name
+        holds it to top-1 agreement with the reference, as asked); the default output is left out of top-1
+        agreement and accuracy, said as a warning."""
+        labelled = any(y is not None for y in self.point_labels)
+        if (named and not labelled) or not class_axis_follows_batch(
+            self.run, self.feeds[-1][1], self.outputs[-1], self.logits, batch, smallest
+        ):
+            return
+        said = (
+            f"the class axis of output '{self.logits}' is as long as the batch (one entry per row of it, as an "
+            "[images, texts] similarity's), not classes"
+        )
+        if named:
+            raise ConfigError(
+                f"{said}: signature.logits_output names it as class logits",
+                hint="name an output whose last axis holds the classes in signature.logits_output, or leave it "
+                "unset and score the outputs with validate.metric (a retrieval score over the batch)",
+            )
+        log.warning("%s: no top-1 agreement or task accuracy is measured on it (validate.metric can score it)", said)
+        self.logits = None
 
     def _multi_label(self, data: DatasetSplits | None) -> bool:
         """Whether the class logits are a multi-label head's (:func:`multi_hot`: float multi-hot targets shaped like

@@ -79,3 +79,54 @@ def test_only_a_batch_every_input_fixes_alike_is_fixed() -> None:
     assert fixed_batch([TensorSpec(name="x", shape=["batch", 4], dtype="float32")]) is None
     two = [TensorSpec(name="a", shape=[1, 4], dtype="float32"), TensorSpec(name="b", shape=[2, 4], dtype="float32")]
     assert fixed_batch(two) is None
+
+
+TWO_TOWER = [
+    TensorSpec(name="input_ids", shape=["texts", "seq"], dtype="int64"),
+    TensorSpec(name="attention_mask", shape=["texts", "seq"], dtype="int64"),
+    TensorSpec(name="pixel_values", shape=["images", 3, 4, 4], dtype="float32"),
+]
+
+
+def _two_tower_npz(path: Path, texts: int, masks: int, images: int) -> Path:
+    np.savez(
+        path,
+        input_ids=np.ones((texts, 8), np.int64),
+        attention_mask=np.ones((masks, 8), np.int64),
+        pixel_values=np.zeros((images, 3, 4, 4), np.float32),
+    )
+    return path
+
+
+def test_inputs_on_first_axes_of_their_own_take_counts_of_their_own(tmp_path: Path) -> None:
+    """10 texts beside 3 images, as the engine's `infer` and `kiln serve` take them. Before: refused for 'different
+    row counts', with the fix to give every input one row per sample."""
+    feed = read_feed(_two_tower_npz(tmp_path / "x.npz", 10, 10, 3), TWO_TOWER, "the engine", batched=True)
+    assert {k: len(v) for k, v in feed.items()} == {"input_ids": 10, "attention_mask": 10, "pixel_values": 3}
+
+
+def test_inputs_sharing_a_first_axis_take_one_row_count(tmp_path: Path) -> None:
+    path = _two_tower_npz(tmp_path / "x.npz", 10, 9, 3)
+    with pytest.raises(InputFileError) as err:
+        read_feed(path, TWO_TOWER, "the engine")
+    assert "different row counts {'input_ids': 10, 'attention_mask': 9} on their shared axis 0 'texts'" in (
+        err.value.message
+    )
+    assert err.value.hint == (
+        "give input_ids, attention_mask (axis 0 'texts') one row count; inputs on another axis 0 take counts of "
+        "their own (pixel_values on 'images')"
+    )
+    one_axis = [s.model_copy(update={"shape": ["batch", *s.shape[1:]]}) for s in TWO_TOWER]
+    with pytest.raises(InputFileError, match="different row counts") as err:
+        read_feed(_two_tower_npz(tmp_path / "y.npz", 10, 10, 3), one_axis, "the engine")
+    assert err.value.hint == "give every input one row per sample"
+
+
+def test_batches_of_inputs_in_counts_of_their_own_hold_rows_of_every_input() -> None:
+    """40 texts beside 3 images in batches of 16: each batch holds texts and images, none more than 16 of either."""
+    feed = {"texts": np.arange(40), "images": np.arange(3)}
+    parts = in_batches(feed, 16)
+    assert [(len(p["texts"]), len(p["images"])) for p in parts] == [(14, 1), (13, 1), (13, 1)]
+    assert np.concatenate([p["texts"] for p in parts]).tolist() == list(range(40))
+    two = in_batches({"texts": np.arange(40), "images": np.arange(2)}, 16)  # fewer images than batches: repeated
+    assert [p["images"].tolist() for p in two] == [[0], [1], [0]]

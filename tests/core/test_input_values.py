@@ -117,11 +117,20 @@ def test_dynamic_axes_that_would_move_the_batch_axis(axes: str, needle: str) -> 
     assert_clean(invoke("config", "--set", f"signature.dynamic_axes={axes}"), 2, needle, "signature.dynamic_axes")
 
 
-def test_a_first_axis_of_its_own_is_refused_with_the_way_that_takes_it() -> None:
-    """Kiln's export ties every input's axis 0 to one batch; a two-tower model is told how to keep them apart."""
-    out = invoke("config", "--set", "signature.dynamic_axes={pixel_values: {0: images}}")
-    assert_clean(out, 2, "counts of their own", "signature.dynamic_axes")
-    assert "give it as model.onnx, whose axis names Kiln keeps" in out.output
+@pytest.mark.parametrize("given", ["--set", "file"])
+def test_a_first_axis_of_its_own_is_refused_with_the_way_that_takes_it(tmp_path: Path, given: str) -> None:
+    """Kiln's export ties every input's axis 0 to one batch; a two-tower model is told how to keep them apart, in
+    the fix line (it once said only to give the key a value it takes, or to see `kiln config`)."""
+    if given == "file":
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("signature: {dynamic_axes: {pixel_values: {0: images}}}\n")
+        out = invoke("config", cfg)
+    else:
+        out = invoke("config", "--set", "signature.dynamic_axes={pixel_values: {0: images}}")
+    assert_clean(out, 2, "axis 0", "signature.dynamic_axes")
+    fix = next(ln for ln in out.output.splitlines() if ln.startswith("fix:"))
+    assert "counts of their own" in fix and "give it as model.onnx, whose axis names Kiln keeps" in fix, fix
+    assert "{'pixel_values': {0: 'images'}" in fix, fix
 
 
 @pytest.mark.parametrize("shapes", ["{seq: [-2]}", "{seq: []}", "{batch: [0]}"])

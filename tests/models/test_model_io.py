@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load, save
 from torch import nn
 
+from kiln.core.data import DatasetSplits
 from kiln.core.errors import ConfigError, InputFileError
 from kiln.models.model_io import ModelShapeError, load_weights, read_state_dict, tied_names, weights_bytes
 
@@ -339,3 +340,115 @@ def test_an_onnx_start_whose_output_is_not_a_tensor_stops_where_the_data_meets_i
         random_splits(path, Signature(), 0)
     with pytest.raises(ModelError, match=said):
         dataset_for(ModelConfig(onnx=str(path)), DataConfig(name="digits"), Signature(), 0)
+
+
+class TwoTower(nn.Module):
+    """A CLIP's layout: a text tower, an image tower and a logit scale beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_model, self.vision_model = nn.Linear(6, 4), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        self.logit_scale = nn.Parameter(torch.ones(()))
+
+
+class TextTower(nn.Module):
+    """The text tower alone, under the same name as in :class:`TwoTower`."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.text_model = nn.Linear(width, 4)
+
+
+def test_one_tower_loads_from_the_whole_models_checkpoint_naming_the_keys_left_out(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every key of the text tower is in the two-tower checkpoint, of its shape. Before: refused for '5 unexpected
+    keys', though every weight the tower needs was there."""
+    torch.manual_seed(0)
+    whole = TwoTower()
+    with caplog.at_level("WARNING", logger="kiln"):
+        tower = load_weights(TextTower(), whole.state_dict(), "clip.safetensors")
+    assert torch.equal(tower.text_model.weight, whole.text_model.weight)
+    said = "checkpoint clip.safetensors: 5 keys not used by model TextTower (logit_scale, vision_model.* (4 keys))"
+    assert said in caplog.text, caplog.text
+
+
+def test_keys_left_over_beside_a_missing_or_misshaped_one_stay_an_error() -> None:
+    state = TwoTower().state_dict()
+    with pytest.raises(ModelShapeError, match="5 unexpected keys .*; size mismatch for 1 key \\(text_model.weight"):
+        load_weights(TextTower(width=7), state, "clip.safetensors")
+    del state["text_model.bias"]
+    with pytest.raises(ModelShapeError, match="1 of the model's 2 keys missing \\(text_model.bias\\)"):
+        load_weights(TextTower(), state, "clip.safetensors")
+
+
+def _two_tower_onnx(path: Path) -> Path:
+    """texts [texts, 4] and images [images, 4] -> logits_per_image [images, texts] and class_logits [images, 4]: a
+    file exported with a name per first axis, as docs/serving.md has a two-tower model exported."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["texts"], ["t"], perm=[1, 0]),
+            helper.make_node("MatMul", ["images", "t"], ["logits_per_image"]),
+            helper.make_node("MatMul", ["images", "w"], ["class_logits"]),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("texts", TensorProto.FLOAT, ["texts", 4]),
+            helper.make_tensor_value_info("images", TensorProto.FLOAT, ["images", 4]),
+        ],
+        [
+            helper.make_tensor_value_info("logits_per_image", TensorProto.FLOAT, ["images", "texts"]),
+            helper.make_tensor_value_info("class_logits", TensorProto.FLOAT, ["images", 4]),
+        ],
+        [w],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
+
+
+def _pairs() -> DatasetSplits:
+    g = torch.Generator().manual_seed(0)
+    x = {"texts": torch.randn(24, 4, generator=g), "images": torch.randn(24, 4, generator=g)}
+    y = torch.randint(0, 4, (24,), generator=g)
+    return DatasetSplits({k: v[:16] for k, v in x.items()}, y[:16], {k: v[16:] for k, v in x.items()}, y[16:], 4)
+
+
+def test_an_onnx_start_naming_a_class_axis_that_is_an_inputs_first_axis_stops(tmp_path: Path) -> None:
+    """logits_per_image's last axis is the batch's texts, not the data's 4 classes. Before: the run measured an
+    accuracy of the argmax over each batch's texts against the labels, and passed."""
+    from kiln.core.signature import Signature
+    from kiln.models.model_io import check_onnx_takes
+
+    path = _two_tower_onnx(tmp_path / "clip.onnx")
+    with pytest.raises(ConfigError) as err:
+        check_onnx_takes(path, _pairs(), "pairs", Signature(logits_output="logits_per_image"))
+    said = "output 'logits_per_image' of model.onnx clip.onnx, which signature.logits_output names, is ['images', "
+    assert said + "'texts']: its class axis 'texts' is axis 0 of input 'texts'" in err.value.message
+    assert "validate.metric" in err.value.hint
+    check_onnx_takes(path, _pairs(), "pairs", Signature(logits_output="class_logits"))  # a class axis of 4
+    check_onnx_takes(path, _pairs(), "pairs", Signature())  # none named: validation decides what it scores
+
+
+def test_an_onnx_start_naming_logits_over_a_dynamic_axis_besides_the_batch_goes_on(tmp_path: Path) -> None:
+    """A question-answering head's start_logits [batch, seq]: its argmax is a position, which labels may name."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from kiln.core.signature import Signature
+    from kiln.models.model_io import check_onnx_takes
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["start_logits"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+        [helper.make_tensor_value_info("start_logits", TensorProto.FLOAT, ["batch", "seq"])],
+    )
+    path = tmp_path / "qa.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    x, y = torch.randn(8, 6), torch.randint(0, 6, (8,))
+    check_onnx_takes(path, DatasetSplits(x, y, x, y, 6), "qa", Signature(logits_output="start_logits"))
