@@ -521,27 +521,26 @@ def _one_name_hint(
 
 
 def _sizes_hint(
-    point: Mapping[str, int], own: Mapping[str, int], listed: Mapping[str, list[int]], direct: bool = False
+    point: Mapping[str, int],
+    own: Mapping[str, int],
+    listed: Mapping[str, list[int]],
+    direct: bool = False,
+    uncut: Mapping[str, list[int]] | None = None,
+    split_has: bool = False,
 ) -> str:
     """What to do about a size the model fails at: Kiln made a smaller one by cutting the data's rows (which drops
-    what ends them: a sequence's end-of-text token), ``signature.shapes`` lists one (``listed``) the model does not
-    take, or the model takes one size only. ``direct``: ``kiln export -o``, whose rows are its example's, and whose
-    fix suggests no list of the example's sizes alone, which would check no other size."""
+    what the rest of a row needs: a sequence's end-of-text token, nodes a graph's edges still index),
+    ``signature.shapes`` lists one (``listed``) the model does not take, or the model takes one size only.
+    ``direct``: ``kiln export -o``, whose rows are its example's, and whose fix suggests no list of the example's
+    sizes alone, which would check no other size. ``uncut``: sizes Kiln makes from the held-out rows without cutting
+    them that the model takes (:func:`_uncut_sizes`), suggested in place of the rows' own alone, which would lock
+    the engine to one size; ``split_has``: the training split's rows have the size cut to, which is where that size
+    came from."""
     cut = {k: own[k] for k, v in point.items() if k in own and v < own[k] and v not in listed.get(k, ())}
     given = ", ".join(f"{k}={v}" for k, v in point.items() if v in listed.get(k, ()) and v != own.get(k, v))
     example = "{" + ", ".join(f"{k}: [{own.get(k, v)}]" for k, v in point.items()) + "}"
     if cut:
-        sizes = ", ".join(f"{k}={v}" for k, v in cut.items())
-        fix = (
-            "list sizes it takes in signature.shapes"
-            if direct
-            else f"validate at sizes the data has, signature.shapes: {example}"
-        )
-        return (
-            f"Kiln made that size by cutting {_source(direct)}'s rows (its own: {sizes}), which drops what ends them "
-            "(a sequence's end token) or gives a size the model's strides or pooling do not divide: "
-            f"{fix}; or remove the axis from signature.dynamic_axes if the model takes one size"
-        )
+        return _cut_hint(point, cut, example, direct, uncut, split_has)
     if given:
         return (
             f"signature.shapes lists {given}: list there only sizes the model takes, or remove that axis from "
@@ -550,6 +549,88 @@ def _sizes_hint(
     return "if the model takes one size, remove that axis from signature.dynamic_axes; else list sizes it takes in " + (
         "signature.shapes" if direct else f"signature.shapes, e.g. {example}"
     )
+
+
+def _cut_hint(
+    point: Mapping[str, int],
+    cut: Mapping[str, int],
+    example: str,
+    direct: bool,
+    uncut: Mapping[str, list[int]] | None,
+    split_has: bool,
+) -> str:
+    """:func:`_sizes_hint` where Kiln cut the rows (``cut``: their own size of each axis it cut): whose rows have
+    the size, and sizes to validate at that need no cutting (``uncut`` where given, else the rows' own). Where the
+    training split's rows have the size (``split_has``), the model takes it, so the cutting is the cause."""
+    sizes = ", ".join(f"{k}={v}" for k, v in cut.items())
+    if direct:
+        fix = "list sizes it takes in signature.shapes"
+    elif uncut:
+        listed = "{" + ", ".join(f"{k}: {v}" for k, v in uncut.items()) + "}"
+        fix = (
+            "validate at the held-out rows' own size and a larger one Kiln makes by repeating them, which the model "
+            f"runs at, signature.shapes: {listed}"
+        )
+    else:
+        fix = f"validate at sizes the data has, signature.shapes: {example}"
+    if not split_has:
+        return (
+            f"Kiln made that size by cutting {_source(direct)}'s rows (its own: {sizes}), which drops what the "
+            "rest of a row needs (a sequence's end token, nodes a graph's edges still index) or gives a size the "
+            f"model's strides or pooling do not divide: {fix}; or remove the axis from signature.dynamic_axes if the "
+            "model takes one size"
+        )
+    at = ", ".join(f"{k}={point[k]}" for k in cut)
+    return (
+        f"{at} is the training split's rows' size, but the later stages make every size from the held-out rows: "
+        f"Kiln cut those (their own: {sizes}) to it, which drops what the rest of a row needs (a sequence's end "
+        f"token, nodes a graph's edges still index): {fix}; or hold out rows of the smallest size, which Kiln only "
+        "lengthens"
+    )
+
+
+def _uncut_sizes(
+    model: nn.Module, like: Inputs, feed: Feed, axes: Axes, own: Mapping[str, int]
+) -> dict[str, list[int]]:
+    """Each axis's size in the held-out rows ``feed`` and twice it: sizes Kiln makes from them without cutting
+    (:func:`kiln.core.shapes.resize` lengthens by repeating or padding), where PyTorch answers something finite at
+    every shape the later stages run over them (:func:`kiln.core.shapes.shape_points`), their floats padded with
+    zeros (as the export checks) and repeated (as validation and calibration grow them); empty where it does not,
+    or the rows have no size on an axis."""
+    sizes = {k: [v, 2 * v] for k, v in sorted(own.items()) if v > 0}
+    if not sizes or len(sizes) < len(own):
+        return {}
+    row = {k: v[:1] for k, v in feed.items()}
+    for point in shape_points(sizes):
+        for repeat in (False, True):
+            try:
+                with warnings.catch_warnings():  # what the model warns of at a size only probed is not the user's
+                    warnings.simplefilter("ignore")
+                    ref = _torch_outputs(model, from_feed(resize(row, axes, point, repeat_floats=repeat), like))
+            except Exception:  # noqa: BLE001 - the model cannot take that size: suggest none of these
+                return {}
+            if _nothing_finite(ref):
+                return {}
+    return sizes
+
+
+def _uncut_if_cut(
+    model: nn.Module, like: Inputs, point: Mapping[str, int], feeds: list[Feed], axes: Axes, direct: bool
+) -> tuple[dict[str, list[int]], bool]:
+    """For :func:`_sizes_hint` in a run (not ``direct``) where Kiln cut the held-out rows (``feeds[0]``) to reach
+    ``point``: the sizes it makes from them uncut that the model takes (:func:`_uncut_sizes`), and whether another
+    split's row (``feeds[1:]``) has ``point``'s sizes (:func:`_split_has`). Nothing is run otherwise."""
+    own = _own_sizes(feeds[0], axes)
+    if direct or not any(v < own.get(k, v) for k, v in point.items()):
+        return {}, False
+    return _uncut_sizes(model, like, feeds[0], axes, own), _split_has(point, own, feeds[1:], axes)
+
+
+def _split_has(point: Mapping[str, int], own: Mapping[str, int], seen: list[Feed], axes: Axes) -> bool:
+    """Whether a row of another split than the held-out rows (``own``: their sizes; ``seen``: a row of each split)
+    has every size of ``point`` that Kiln made by cutting those."""
+    cut = {k: v for k, v in point.items() if k in own and v < own[k]}
+    return bool(cut) and any(all(_own_sizes(f, axes).get(k) == v for k, v in cut.items()) for f in seen)
 
 
 @contextmanager
@@ -1293,7 +1374,7 @@ def _torch_at(
             hint=steps
             or _one_name_hint(feeds, axes, point, _source(direct))
             + _untied_hint(feeds[0], axes, point, _source(direct))
-            + _sizes_hint(point, own, listed, direct),
+            + _sizes_hint(point, own, listed, direct, *_uncut_if_cut(model, inputs, point, feeds, axes, direct)),
         ) from None
     empty = _nothing_finite(ref)
     if empty and _zeros_give_it(model, inputs, point, feeds[0], axes):
