@@ -26,6 +26,7 @@ Loopback only: this generates load, and is not meant to be pointed at someone el
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
@@ -72,7 +73,9 @@ POOL = 64  # the request pool's cap, in samples (`kiln loadtest --help` says it)
 # answer_band widens the band to BAND_SAFETY times that.
 TOLERANCE = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 2e-2), "bf16": (1e-3, 3e-2), "int8": (1e-3, 2e-2)}
 BAND_SAFETY = 4.0  # the band's rtol is at least this many times the largest batch-mate deviation measured
-BAND_CAP = 0.1  # ... and at most this: beyond it a batch-mate's answer would pass for any sample's (said in the log)
+BAND_CAP = 0.1  # ... and at most this: beyond it a batch-mate's answer would pass for any sample's (said in the log),
+SEPARATION_SHARE = 0.5  # ... or this share of how far apart the requests' answers lie, where larger (band_cap)
+SEPARATION_VALUES = 2e8  # answer_separation compares every two answers: up to this many values in all (seconds)
 BAND_ROWS = 8  # the small batch measured, beside the largest the server forms
 REQUEST_TIMEOUT_S = 60.0  # one request; the level's loop is bounded by its duration and request budget
 # The client threads' interpreter switch interval (Python's default is 5 ms): a thread whose answer has arrived waits
@@ -96,6 +99,7 @@ class Level:
     mismatches: int = 0
     errors: list[str] = field(default_factory=list)
     max_abs_err: float = 0.0
+    worst_wrong: float = 0.0  # the largest error of a wrong answer, of its scale (relative_error): 0 where none was
     seconds: float = 0.0
     switch_interval_s: float = 0.0  # the clients' thread switch interval while they ran
     client: str = "tritonclient"  # what sent the requests: tritonclient, or kiln's HTTP client (kiln.serve.http_client)
@@ -120,6 +124,7 @@ class Level:
             "errors": len(self.errors),
             "error_examples": self.errors[:3],
             "max_abs_err": self.max_abs_err,
+            "worst_wrong": self.worst_wrong,
             "client_switch_interval_s": self.switch_interval_s,
             "client": self.client,
             "tail_windows": tail_windows(self.sent_ns, self.latencies_ms),
@@ -438,7 +443,35 @@ def batch_deviation(
                         rtol[name] = worse(rtol[name], max(0.0, err - base[0]) / scale)
                     else:
                         atol = worse(atol, err)
-    return {"batches": batches, "rtol": rtol, "atol": atol}
+    moved = BAND_SAFETY * max((v for v in rtol.values() if np.isfinite(v)), default=0.0)
+    apart = answer_separation(expected, masks, scales) if moved > BAND_CAP else None  # only where it may widen
+    return {"batches": batches, "rtol": rtol, "atol": atol, "separation": apart}
+
+
+def answer_separation(expected: list[dict], masks: dict[str, Masks], scales: dict[str, float]) -> float | None:
+    """How far apart the requests' answers lie: over every two requests whose answers differ, the largest error
+    (of the answer's scale, as :func:`answer_error` counts it) of one's answer held against the other's, over their
+    outputs, at its smallest. A band under it still counts another request's answer wrong (a server that mixes up
+    its batch's rows), however far batching moves the engine's own answers. None where no two answers compare, or
+    comparing them all would take more than :data:`SEPARATION_VALUES` values."""
+    if len(expected) ** 2 * sum(np.size(v) for v in expected[0].values()) > SEPARATION_VALUES:
+        return None
+    nearest = None
+    for i, want in enumerate(expected):
+        for j, other in enumerate(expected):
+            if i == j or any(other[n].shape != want[n].shape for n in want):
+                continue  # answers of another shape are told apart by it
+            apart = max(relative_error(want[n], other[n], masks[n], scales[n]) for n in want)
+            if apart > 0:  # two requests with the same answer: a mix-up of them is no wrong answer
+                nearest = apart if nearest is None else min(nearest, apart)
+    return nearest
+
+
+def relative_error(want: np.ndarray, got: np.ndarray, masks: Masks, typical: float) -> float:
+    """``got``'s error against ``want`` in units of the answer's scale (:func:`_error_and_scale`), as a band's rtol
+    counts it."""
+    err, scale = _error_and_scale(want, got, masks, typical)
+    return err / scale if scale > 0 else (float("inf") if err > 0 else 0.0)
 
 
 def _error_and_scale(want: np.ndarray, got: np.ndarray, masks: Masks, typical: float) -> tuple[float, float]:
@@ -451,24 +484,65 @@ def _error_and_scale(want: np.ndarray, got: np.ndarray, masks: Masks, typical: f
     return err, max(float(np.max(np.abs(r[compared]), initial=0.0)), typical)
 
 
+def band_cap(deviation: dict[str, Any]) -> float:
+    """The widest rtol a served answer may be held to: :data:`BAND_CAP`, or where the requests' answers lie further
+    apart (:func:`answer_separation`, measured where batching moves the engine's answers past the cap)
+    :data:`SEPARATION_SHARE` of that, so that another request's answer stays wrong in either case."""
+    apart = deviation.get("separation")
+    return max(BAND_CAP, SEPARATION_SHARE * apart) if apart is not None and np.isfinite(apart) else BAND_CAP
+
+
 def answer_band(base: tuple[float, float], deviation: dict[str, Any]) -> tuple[float, float]:
     """The tolerance served answers are held to: ``base``, widened to :data:`BAND_SAFETY` times the batch-mate
-    deviation measured (:func:`batch_deviation`), up to :data:`BAND_CAP`. A deviation that is not finite (a batched
+    deviation measured (:func:`batch_deviation`), up to :func:`band_cap`. A deviation that is not finite (a batched
     answer with a NaN or an infinity its single answer lacks) widens nothing: a served batch would give that answer,
     which is wrong."""
     if not all(np.isfinite(v) for v in (*deviation["rtol"].values(), deviation["atol"])):
         log.warning("batched, the engine answers with non-finite values its single-sample answers lack")
     rtols = [v for v in deviation["rtol"].values() if np.isfinite(v)]
     atol = deviation["atol"] if np.isfinite(deviation["atol"]) else 0.0
-    rtol = BAND_SAFETY * max(rtols, default=0.0)
-    if rtol > BAND_CAP:
+    rtol, cap = BAND_SAFETY * max(rtols, default=0.0), band_cap(deviation)
+    if rtol > cap:
         log.warning(
-            "batched, the engine's answers move by up to %.3g of their scale: answers are held to %g, and a "
-            "correct server may be counted wrong (an engine whose answers depend on their batch mates)",
+            "batched, the engine's answers move by up to %.3g of their scale: answers are held to %.3g (beyond it "
+            "another request's answer could pass), and a correct server may be counted wrong (an engine whose "
+            "answers depend on their batch mates)",
             rtol / BAND_SAFETY,
-            BAND_CAP,
+            cap,
         )
-    return max(base[0], min(BAND_SAFETY * atol, BAND_CAP)), max(base[1], min(rtol, BAND_CAP))
+    return max(base[0], min(BAND_SAFETY * atol, BAND_CAP)), max(base[1], min(rtol, cap))
+
+
+def batching_cause(deviation: dict[str, Any], tolerance: tuple[float, float], worst: float) -> str | None:
+    """Why a correct server's answers were counted wrong, where batching moves the engine's own answers past what
+    they could be held to (:func:`answer_band` capped the band) and the wrong answers, off by up to ``worst`` of
+    their scale, lie within :data:`BAND_SAFETY` times what it moves them by; None otherwise (the server's fault: an
+    answer further off is no batch mate's doing)."""
+    moved = max((v for v in deviation["rtol"].values() if np.isfinite(v)), default=0.0)
+    if not tolerance[1] < BAND_SAFETY * moved or not worst <= BAND_SAFETY * moved:
+        return None
+    return (
+        f"the engine answers differently in a batch than alone: in batches of "
+        f"{', '.join(map(str, deviation['batches']))} its answers move by up to {moved:.3g} of their scale, and "
+        f"answers can be held to no more than {tolerance[1]:.3g} (where another request's answer is still wrong); "
+        f"the wrong ones were off by up to {worst:.3g}, within {BAND_SAFETY:g} x that, as the server's dynamic "
+        "batching moves them (a dynamically quantized INT8 engine computes its activation scales per batch)"
+    )
+
+
+def batching_hint(engines: str | Path, engine: ServedEngine, protocol: str) -> str:
+    """The fix for an engine whose answers depend on their batch mates (:func:`batching_cause`): a load test of an
+    engine that answers alike in any batch, or of this one served unbatched, tells the server's own faults. Names
+    the FP32 engine served beside it, of its own backend and device first."""
+    own = (engine.meta.backend, engine.meta.device)
+    fp32 = [e for e in find_engines(engines) if e.meta.precision == "fp32"]
+    fp32.sort(key=lambda e: ((e.meta.backend, e.meta.device) != own, e.model_name))
+    unbatched = ", or this one served without batching (kiln serve --max-batch 0)" if protocol != "ray" else ""
+    return (
+        f"load-test the FP32 engine (--model {fp32[0].model_name if fp32 else 'NAME'}) or an INT8 engine with "
+        f"static scales (calibration.ort_cpu_scheme: static, docs/stages.md){unbatched}; if its answers differ too, "
+        "check that the server serves the engine -e names"
+    )
 
 
 def _inputs(module: Any, feed: dict[str, np.ndarray], binary: bool = True) -> list[Any]:
@@ -723,7 +797,7 @@ def run_level(
                     continue
                 done = time.perf_counter()
                 ms = (done - t0) * 1e3
-                err, ok = 0.0, True
+                err, ok, off = 0.0, True, 0.0
                 if http:
                     shapes = {o["name"]: o.get("shape") for o in result.get("outputs", [])}
                     answer = regions.answer(slot, shapes, expected[k])
@@ -738,15 +812,18 @@ def run_level(
                             level.errors.append(f"output {name} unreadable: {exc}"[:300])
                         got = None
                     if got is None or got.shape != want.shape:
-                        ok = False
+                        ok, off = False, float("inf")
                         continue
                     right, diff = answer_error(want, got, tolerance, masks[name], scales[name])
                     err, ok = worse(err, diff), ok and right
+                    if not right:
+                        off = worse(off, relative_error(want, got, masks[name], scales[name]))
                 with lock:
                     refused[0], answered_at[0] = 0, max(answered_at[0], done)
                     level.latencies_ms.append(ms)
                     level.sent_ns.append(sent)
                     level.max_abs_err = worse(level.max_abs_err, err)
+                    level.worst_wrong = worse(level.worst_wrong, off)
                     level.mismatches += not ok
         finally:
             (http or client).close()
@@ -893,6 +970,7 @@ def run_level_processes(processes: int, *args: Any) -> Level:
             merged.mismatches += part.mismatches
             merged.errors += part.errors
             merged.max_abs_err = worse(merged.max_abs_err, part.max_abs_err)
+            merged.worst_wrong = worse(merged.worst_wrong, part.worst_wrong)
             merged.seconds = max(merged.seconds, part.seconds)
             merged.switch_interval_s = part.switch_interval_s
             merged.client = part.client
@@ -1207,6 +1285,14 @@ def loadtest(
         )
     wrong = sum(lv["mismatches"] for lv in levels)
     failed = sum(lv["errors"] for lv in levels)
+    worst = functools.reduce(worse, (lv["worst_wrong"] for lv in levels), 0.0)
+    cause = batching_cause(deviation, tolerance, worst) if wrong and not failed else None  # failed: the server's
+    if cause:
+        raise GateFailure(
+            f"{wrong} answers differed from the engine's direct output under load (see {out / 'loadtest.json'}): "
+            f"{cause}",
+            hint=batching_hint(engines, engine, protocol),
+        )
     if wrong or failed:
         raise GateFailure(
             f"{wrong} answers differed from the engine's direct output and {failed} requests failed "
@@ -1312,13 +1398,19 @@ def tolerance_lines(result: dict[str, Any]) -> list[str]:
     moved = max(deviation["rtol"].values(), default=0.0)
     batches = ", ".join(map(str, deviation["batches"])) or "none (the server forms no batch)"
     seen = max((lv.get("max_abs_err", 0.0) for lv in result["levels"]), default=0.0)
+    apart = deviation.get("separation")
+    cap = f"{band_cap(deviation):.3g}" + (
+        f": {SEPARATION_SHARE:g} x how far apart the requests' answers lie ({apart:.3g} x their scale)"
+        if apart is not None and band_cap(deviation) > BAND_CAP
+        else ""
+    )
     return [
         "",
         f"Wrong: off the engine's own answer by more than {tol['atol']:g} + {tol['rtol']:g} x the answer's scale "
         f"(its largest value, or its output's RMS over the requests where larger; {result['precision']}'s base "
         f"{tol['base']['atol']:g} + {tol['base']['rtol']:g}, widened to {tol['safety']:g} x the batch-mate "
-        f"deviation). Batch-mate deviation: the engine's answers in batches of {batches} against its single-sample "
-        f"ones, up to {moved:.3g} x the answer's scale. Largest error seen under load: {seen:.3g}.",
+        f"deviation, up to {cap}). Batch-mate deviation: the engine's answers in batches of {batches} against its "
+        f"single-sample ones, up to {moved:.3g} x the answer's scale. Largest error seen under load: {seen:.3g}.",
     ]
 
 
