@@ -94,6 +94,9 @@ class StageContext(Generic[S]):
     # and data hashes), set by the runner: a stage whose work outlives one run (the train stage's checkpoints) can
     # tell whether it is still the same. Empty outside the runner.
     key_parts: dict[str, Any] = field(default_factory=dict)
+    # Set by the runner where the user forced the stage (``--force NAME``): it keeps nothing of its previous output
+    # (the build stage's engines), whatever else changed.
+    forced: bool = False
     _data: DatasetSplits | None = None
 
     @property

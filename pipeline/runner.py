@@ -593,6 +593,7 @@ class Runner:
                 self.progress,
                 load_dataset=self._load_dataset if "dataset" in stage.data else None,
                 key_parts=parts,
+                forced=forced,
             )
             run = stage.function()
             # PyTorch gets the cores a busy machine leaves idle (said once a run), in a stage whose code loads it

@@ -88,13 +88,14 @@ def _named_files(value: Any) -> dict[str, str]:
 
 class PreviousBuild:
     """The build stage's folder as the previous run finished it (``<workdir>/build``, which the running stage
-    replaces only once it is done), with the file hashes and summary its manifest recorded. A rerun whose stage
-    key is the previous one's (``--force build``, or files damaged since) keeps nothing: it rebuilds every engine."""
+    replaces only once it is done), with the file hashes and summary its manifest recorded. A forced rerun
+    (``--force build``, ``forced``) or one whose stage key is the previous one's (files damaged since) keeps nothing:
+    it rebuilds every engine."""
 
-    def __init__(self, folder: Path, key_parts: dict[str, Any], log: logging.Logger) -> None:
+    def __init__(self, folder: Path, key_parts: dict[str, Any], log: logging.Logger, forced: bool = False) -> None:
         manifest = read_manifest(folder) or {}
         self.folder, self.log = folder, log
-        forced = manifest.get("key_parts") == key_parts
+        forced = forced or manifest.get("key_parts") == key_parts
         self.outputs: dict[str, str] = {} if forced else manifest.get("outputs") or {}
         engines = (manifest.get("summary") or {}).get("engines")
         self.entries = {e.get("name"): e for e in engines if isinstance(e, dict)} if isinstance(engines, list) else {}

@@ -280,9 +280,7 @@ def run(ctx: StageContext[BuildSettings]) -> BuildSummary:
     torch_model = (lambda: load_trained(ctx.inputs["train"], ctx.config.model)) if "train" in ctx.inputs else None
     steps = read_axis_steps(ctx.inputs["export"]) if "export" in ctx.inputs else {}
     shapes = {"max_batch": max_batch, "axis_sizes": sizes, "int_ranges": record.int_ranges, "axis_steps": steps}
-    previous = PreviousBuild(
-        ctx.workdir / ctx.name, ctx.key_parts, ctx.log
-    )  # engines whose inputs are unchanged are kept
+    previous = PreviousBuild(ctx.workdir / ctx.name, ctx.key_parts, ctx.log, ctx.forced)  # unchanged engines: kept
     engines: list[EngineEntry] = []
     skipped: list[str] = []
     for precision in variants:

@@ -106,6 +106,9 @@ def test_a_changed_setting_rebuilds_only_the_engines_of_its_backend(tmp_path: Pa
     # and --force build rebuilds every engine, their inputs unchanged
     forced = _build(work, force=True, torch={"flavour": "compiled"}, onnxruntime={"intra_op_threads": 1})
     assert not any(e.reused for e in forced.values())
+    # also where something else changed in the same run (here another backend's setting): forced keeps nothing
+    both = _build(work, force=True, onnxruntime={"intra_op_threads": 1})
+    assert not any(e.reused for e in both.values())
 
 
 def test_an_engine_whose_files_changed_since_its_build_is_built_again(tmp_path: Path, zoo) -> None:
