@@ -1639,11 +1639,16 @@ def _warn_graph_steps(
     runs: the cause (the exporter fixed the side of a branch on the size its example took, at ``line`` of the user's
     code where :func:`_pinned_at` found it) and the fix, which lets one graph serve every size."""
     first = min(wrong)
-    if line and not _size_branch(line):
+    if not line:  # no line of the user's found (the branch may lie in a library's code, which they cannot edit)
+        cause = (
+            "the exporter fixed something that follows the size, a branch on it most likely (an `if L % stride "
+            "!= 0:` pad in forward or in a library's module)"
+        )
+        fix = f"{BRANCH_FIX}; or give signature.shapes sizes on one side of it only"
+    elif not _size_branch(line):
         cause, fix = f"the exporter fixed a size that signature.dynamic_axes makes vary in {line}", FIXED_SIZE_HINT
     else:
-        where = f" in {line}" if line else " in forward (if L % stride != 0: pad)"
-        cause, fix = f"the exporter kept the side its example took of a branch on the size{where}", BRANCH_FIX
+        cause, fix = f"the exporter kept the side its example took of a branch on the size in {line}", BRANCH_FIX
     log.warning(
         "signature axis %s: the exported graph gives PyTorch's outputs only at %s%s: at %s=%d, where PyTorch runs, "
         "%s; %s. The engines record these sizes and refuse the others; fix: %s",

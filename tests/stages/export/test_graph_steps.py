@@ -167,3 +167,14 @@ def test_with_a_second_dynamic_axis_only_the_branched_one_records_steps(tmp_path
     result = _run(tmp_path, "branchy", "at_16", cfg, stop="export", axes={"input": {1: "seq", 2: "ch"}})
     assert result.error is None, result.error
     assert _steps(tmp_path) == {"seq": [4, 0]}
+
+
+def test_without_a_line_of_the_users_the_warning_names_no_made_up_one(caplog: pytest.LogCaptureFixture) -> None:
+    """The branch may lie in a library's module (a patch embedding in site-packages): no line is quoted as if it were
+    the user's, and the fix that needs no code edit, sizes on one side of the branch, is offered too."""
+    from kiln.stages.export.stage import _warn_graph_steps
+
+    with caplog.at_level(logging.WARNING, logger="kiln.export"):
+        _warn_graph_steps("seq", [4, 0], (8, 16), {9: "max abs error 0.5"}, "")
+    assert "branch on it most likely" in caplog.text and "in forward (if" not in caplog.text
+    assert "or give signature.shapes sizes on one side of it only" in caplog.text
