@@ -345,11 +345,14 @@ def _without_unused(model: nn.Module, state: dict[str, torch.Tensor], source: st
     """``state`` without the keys ``model`` has no use for, where it holds every key of the model with the model's
     shape: those are all its weights, and the rest belong to modules it leaves out (a CLIPModel checkpoint's
     ``vision_model.*`` and ``logit_scale`` for its text tower), said in a warning. Else ``state`` as it is, for the
-    strict load to sum up what does not fit (a missing key or another shape is another architecture)."""
+    strict load to sum up what does not fit (a missing key or another shape is another architecture, and so is a
+    key under a module the model has: ``layers.2.*`` of a deeper model beside its ``layers.0``, ``layers.1``)."""
     wanted = model.state_dict()
     unused = [k for k in state if k not in wanted]
     fits = all(k in state and _shape(state[k]) == tuple(v.shape) for k, v in wanted.items())
-    if not unused or not fits:
+    modules = {prefix for k in wanted for prefix in _module_paths(k)}
+    deeper = any(prefix in modules for k in unused for prefix in _module_paths(k))
+    if not unused or not fits or deeper:
         return state
     log.warning(
         "checkpoint %s: %d key%s not used by model %s (%s); every key of the model is loaded from it",
@@ -360,6 +363,13 @@ def _without_unused(model: nn.Module, state: dict[str, torch.Tensor], source: st
         _few(_key_groups(unused), 4),
     )
     return {k: v for k, v in state.items() if k in wanted}
+
+
+def _module_paths(key: str) -> list[str]:
+    """The modules a state key lies under, indices as ``#`` (the nth of a list of like modules is one of them):
+    ``layers``, ``layers.#``, ``layers.#.attn`` for ``layers.2.attn.weight``."""
+    parts = ["#" if part.isdigit() else part for part in key.split(".")[:-1]]
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:

@@ -382,6 +382,20 @@ def test_keys_left_over_beside_a_missing_or_misshaped_one_stay_an_error() -> Non
         load_weights(TextTower(), state, "clip.safetensors")
 
 
+def test_a_deeper_models_checkpoint_is_still_refused() -> None:
+    """Layers 2 and 3 of a four-layer model beside the two a two-layer model has: every key of the smaller model is
+    there, but the extra ones extend a module it has (another architecture), not a tower it leaves out."""
+    deep, shallow = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ModelShapeError, match="4 unexpected keys"):
+        load_weights(shallow, deep.state_dict(), "deep.safetensors")
+    layered = nn.Module()
+    layered.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+    deeper = nn.Module()
+    deeper.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    with pytest.raises(ModelShapeError, match="2 unexpected keys"):
+        load_weights(layered, deeper.state_dict(), "deeper.safetensors")
+
+
 def _two_tower_onnx(path: Path) -> Path:
     """texts [texts, 4] and images [images, 4] -> logits_per_image [images, texts] and class_logits [images, 4]: a
     file exported with a name per first axis, as docs/serving.md has a two-tower model exported."""
