@@ -1021,7 +1021,7 @@ def _validate_direct(
     if not result.passed:
         raise GateFailure(
             f"engine {result.name} failed its gates: {'; '.join(result.failures)}",
-            hint=gate_failure_hint(fed, result.failures, result.precision),
+            hint=gate_failure_hint(fed, result.failures, result.precision, Path(reference)),
         )
 
 

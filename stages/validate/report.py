@@ -38,25 +38,36 @@ def direct_report(result: EngineValidation, inputs: Path | None) -> dict[str, An
 
 
 FP32_OFF = (
-    "an fp32 engine differs from its reference by more than rounding, so it computes something else on these "
-    "inputs: validate it against the ONNX file it was built from (--reference .../export/model.onnx) to tell the "
-    "export from the build (an export fixes a branch on a size in forward to the size it was exported at)"
+    "an fp32 engine whose cosine or top-1 agreement misses its reference computes something else on these inputs, "
+    "not its precision: compare the PyTorch model with the ONNX file the engine was built from (its kiln-engine.json "
+    "source; an export fixes a branch on a size in forward to the size it was exported at), then that file with the "
+    "engine (ONNX Runtime's graph optimizations, the torch backend's rewrites)"
 )
 
 
-def gate_failure_hint(inputs: Path | None, failures: Sequence[str] = (), precision: str = "") -> str:
+def gate_failure_hint(
+    inputs: Path | None, failures: Sequence[str] = (), precision: str = "", reference: Path | None = None
+) -> str:
     """The fix for a failed gate of a direct validation; on random inputs, real ones come first (a reference that
     is no number anywhere on standard normal arrays, a log or square root of negatives, is most likely theirs).
     Where only outputs with nothing measured failed (:func:`~kiln.stages.validate.measured.nothing_measured`: the
     reference itself is no number there), inputs the model takes, which neither the engine's precision nor a gate
-    changes. An FP32 engine has no precision to inspect: where it fails, its graph differs (:data:`FP32_OFF`)."""
+    changes. An FP32 engine against a PyTorch ``reference`` has no precision to inspect where its cosine or top-1
+    agreement fails (:data:`FP32_OFF`); a tolerance the user tightened past rounding keeps the usual fix."""
     empty = unmeasured(failures)
-    relax = FP32_OFF if precision == "fp32" else "inspect the engine's precision, or relax validate.gates if acceptable"
+    relax = "inspect the engine's precision, or relax validate.gates if acceptable"
+    if precision == "fp32" and _computes_otherwise(failures) and (reference is None or reference.suffix != ".onnx"):
+        relax = FP32_OFF
     if empty:
         relax = NO_FINITE_FIX if len(empty) == len(failures) else f"{NO_FINITE_FIX}; for the other failures, {relax}"
     if inputs is None:
         return f"these were random inputs: validate on real ones with --inputs data.npz (one array per input); {relax}"
     return relax
+
+
+def _computes_otherwise(failures: Sequence[str]) -> bool:
+    """Whether a failure is one rounding does not explain: a cosine or a top-1 agreement below its gate."""
+    return any("< min_cosine" in f or "< min_top1_agreement" in f for f in failures)
 
 
 def report_section(v: ValidationResult) -> list[str]:

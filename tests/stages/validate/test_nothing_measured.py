@@ -106,6 +106,11 @@ def test_the_direct_fix_for_nothing_measured_is_about_the_inputs() -> None:
 
 
 def test_the_direct_fix_for_an_fp32_engine_is_its_graph_not_its_precision() -> None:
-    failed = ["cosine 0.996 < min_cosine 0.9999"]
-    assert gate_failure_hint(Path("x.npz"), failed, "fp32").startswith("an fp32 engine differs from its reference")
-    assert gate_failure_hint(Path("x.npz"), failed, "int8").startswith("inspect the engine's precision")
+    failed, ckpt = ["cosine 0.996 < min_cosine 0.9999"], Path("model.safetensors")
+    assert gate_failure_hint(Path("x.npz"), failed, "fp32", ckpt).startswith("an fp32 engine whose cosine")
+    assert gate_failure_hint(Path("x.npz"), failed, "int8", ckpt).startswith("inspect the engine's precision")
+    # a tolerance tightened past rounding, or a reference that is already an ONNX file: the usual fix
+    tight = ["max abs err 8.6e-07 > max_abs_err 0.0"]
+    assert gate_failure_hint(Path("x.npz"), tight, "fp32", ckpt).startswith("inspect the engine's precision")
+    onnx_ref = Path("export/model.onnx")
+    assert gate_failure_hint(Path("x.npz"), failed, "fp32", onnx_ref).startswith("inspect the engine's precision")
