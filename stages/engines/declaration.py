@@ -50,7 +50,8 @@ class BuildSummary(Summary):
 
 
 def report_section(build: BuildSummary) -> list[str]:
-    """The engines' part of report.md: what was built (or not, and why), how long it took, how large."""
+    """The engines' part of report.md: what was built (or not, and why), how long it took, how large; an engine kept
+    from the previous build (its inputs unchanged) says so beside the time its build took then."""
     if not build.engines:
         return []
     out = [
@@ -60,10 +61,9 @@ def report_section(build: BuildSummary) -> list[str]:
         "| engine | backend | device | precision | build s | size MB |",
         "|---|---|---|---|---|---|",
     ]
-    out += [
-        f"| {e.name} | {e.backend} | {e.device} | {e.precision} | {e.build_seconds:.2f} | {e.size_bytes / 1e6:.2f} |"
-        for e in build.engines
-    ]
+    for e in build.engines:
+        built = f"kept (built in {e.build_seconds:.2f})" if e.reused else f"{e.build_seconds:.2f}"
+        out.append(f"| {e.name} | {e.backend} | {e.device} | {e.precision} | {built} | {e.size_bytes / 1e6:.2f} |")
     return out + [f"- not built: {s}" for s in build.skipped]
 
 

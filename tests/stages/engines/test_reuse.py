@@ -18,6 +18,7 @@ from kiln.pipeline.config import config_from_dict
 from kiln.pipeline.runner import Runner, settings_for
 from kiln.pipeline.stage_list import stage_named
 from kiln.stages.engines.backend import read_metadata, verify_files
+from kiln.stages.engines.declaration import BuildSummary, report_section
 from kiln.stages.engines.registry import BACKENDS
 from kiln.stages.engines.reuse import inputs_key
 
@@ -87,6 +88,10 @@ def test_a_variant_s_changed_graph_rebuilds_its_engine_and_keeps_the_other(
     # the kept engine is the previous one, files, metadata and summary entry alike
     assert hash_tree(work / "build" / kept) == before[kept]
     assert second[kept].model_dump(exclude={"reused"}) == first[kept].model_dump(exclude={"reused"})
+    # the report says which engine was kept, and the build time it took then
+    table = "\n".join(report_section(BuildSummary(engines=list(second.values()))))
+    assert f"| {kept} |" in table and f"kept (built in {first[kept].build_seconds:.2f})" in table
+    assert table.count("kept (built in") == 1
     # the rebuilt one is built from the new graph
     graph = work / "precision" / changed / "model.onnx"
     assert read_metadata(work / "build" / rebuilt).source.sha256 == hash_file(graph)
