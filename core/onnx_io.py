@@ -314,6 +314,24 @@ def save_onnx(model: onnx.ModelProto, path: Path, external: bool = False) -> Non
     onnx.save_model(model, str(path))  # appends the marked tensors to their location beside ``path``
 
 
+def metadata_value(model: onnx.ModelProto, key: str) -> str | None:
+    """The value of ``key`` in the model's own metadata (``metadata_props``), or None where it has none."""
+    return next((p.value for p in model.metadata_props if p.key == key), None)
+
+
+def set_metadata(path: Path, key: str, value: str) -> None:
+    """Set ``key`` of the ONNX file's own metadata to ``value`` (replacing any earlier one), rewriting only the
+    file's protobuf: weights it keeps in external files are neither read nor moved, so their references hold."""
+    shell = onnx.load(str(path), load_external_data=False)
+    kept = [p for p in shell.metadata_props if p.key != key]
+    del shell.metadata_props[:]
+    shell.metadata_props.extend(kept)
+    shell.metadata_props.add(key=key, value=value)
+    staged = path.with_name(f".{path.name}.{os.getpid()}.metadata")
+    staged.write_bytes(shell.SerializeToString())
+    os.replace(staged, path)  # whole or not at all: a reader never sees a half-written graph
+
+
 def _mark_external(model: onnx.ModelProto, location: str, threshold: int = 1024) -> None:
     """Mark every initializer of ``threshold`` bytes or more as stored in ``location``, which
     :func:`onnx.save_model` then writes beside the model. onnx's own ``save_as_external_data`` refuses a location

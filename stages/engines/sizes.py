@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import re
 from collections.abc import Callable
@@ -14,12 +15,12 @@ from pathlib import Path
 
 from kiln.core.errors import ConfigError, KilnError
 from kiln.core.inputs import random_inputs
-from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, ort_session, session_options
-from kiln.core.records import EngineMetadata, TensorSpec, Variants, steps_text
+from kiln.core.onnx_io import index_ranges, io_specs, load_onnx, metadata_value, ort_session, session_options
+from kiln.core.records import EngineMetadata, TensorSpec, Variants, steps_text, takes_size
 from kiln.core.shapes import axis_names, refuse_unknown_axes, shapes_flag
 from kiln.core.text import first_line
 from kiln.stages.engines.backend import SIDECAR
-from kiln.stages.export.declaration import MAX_PERIOD, SIZE_PROBES
+from kiln.stages.export.declaration import GRAPH_STEPS_KEY, MAX_PERIOD, SIZE_PROBES, parse_graph_steps
 
 log = logging.getLogger("kiln.build")
 
@@ -40,7 +41,8 @@ def checked_ranges(
     must agree in a way it cannot pair) get no range, with a warning naming them; for axes given no sizes that
     warning waits for the build (:func:`record_checked`), since a backend that needs them (TensorRT's profiles)
     refuses the graph rather than take any size. ``from_variant``: the sizes are those ``kiln precision``
-    recorded."""
+    recorded. Steps the file's export wrote into its metadata (:data:`GRAPH_STEPS_KEY`: sizes where its graph runs
+    but does not compute the model) are recorded too, merged with the probe's: a size must be on both."""
     specs = io_specs(load_onnx(graphs[0], load_external_data=False))[0]
     names = axis_names(specs)
     source = "kiln precision's variants.json" if from_variant else "signature.shapes"
@@ -63,6 +65,7 @@ def checked_ranges(
         )
         return {}, {}
     checked, steps = _probe_axes(probe, base, ranges, source)
+    steps = _with_recorded(steps, recorded_steps(graphs), {n: sizes[n] for n in checked}, graphs[0], source)
     if from_variant:
         _warn_single_sizes({n: sizes[n] for n in checked})
     return checked, steps
@@ -92,6 +95,57 @@ def _probe_axes(
             ", ".join(unpaired),
         )
     return checked, steps
+
+
+def recorded_steps(graphs: list[Path]) -> dict[str, list[int]]:
+    """The axis steps the export of the first of ``graphs`` that has them wrote into its metadata
+    (:data:`GRAPH_STEPS_KEY`; a variant of ``kiln precision`` may have them on its FP32 graph only), {} where none
+    has."""
+    for path in graphs:
+        text = metadata_value(load_onnx(path, load_external_data=False), GRAPH_STEPS_KEY)
+        if text is not None:
+            return parse_graph_steps(text, str(path))
+    return {}
+
+
+def _with_recorded(
+    steps: dict[str, list[int]],
+    recorded: dict[str, list[int]],
+    sizes: dict[str, list[int]],
+    src: Path,
+    source: str,
+) -> dict[str, list[int]]:
+    """The probe's ``steps`` merged with those the file's export ``recorded``, for the axes the build checked
+    (``sizes``: the sizes given each), said in the log; a given size off the recorded steps is warned of, since
+    the engine then refuses it."""
+    out = dict(steps)
+    for name, pattern in recorded.items():
+        if name not in sizes:
+            continue
+        out[name] = merged_steps(steps.get(name), pattern)
+        low, high = min(sizes[name]), max(sizes[name])
+        log.info(
+            "axis %s: %s records that its graph computes the model at %s%s only (metadata %s): the engine refuses "
+            "the others",
+            *(name, src.name, name, steps_text(pattern, (low, high)), GRAPH_STEPS_KEY),
+        )
+        off = [s for s in sizes[name] if not takes_size(pattern, s)]
+        if off:
+            log.warning(
+                "axis %s: %s gives %s, where the graph of %s does not compute the model (its export recorded %s%s "
+                "only): the engine refuses %s; give %s sizes on those steps",
+                *(name, source, ", ".join(f"{name}={s}" for s in off), src.name, name, steps_text(pattern)),
+                *("it" if len(off) == 1 else "them", name),
+            )
+    return out
+
+
+def merged_steps(found: list[int] | None, recorded: list[int]) -> list[int]:
+    """The steps (``[period, *residues]``) of the sizes both ``found`` (None: every size) and ``recorded`` take."""
+    if found is None:
+        return recorded
+    period = math.lcm(found[0], recorded[0])
+    return [period, *(r for r in range(period) if takes_size(found, r) and takes_size(recorded, r))]
 
 
 class SizeProbe:

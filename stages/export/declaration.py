@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field
 
 from kiln.core.env import environment_subset
+from kiln.core.errors import InputFileError
 from kiln.core.records import IntRange
 from kiln.core.signature import Signature
 from kiln.core.stage import Stage, StageSettings, Summary
@@ -83,6 +84,38 @@ def read_axis_steps(export_dir: Path) -> dict[str, list[int]]:
     """:data:`AXIS_STEPS` of an export folder ({} without one: every size between the validated ones runs)."""
     path = export_dir / AXIS_STEPS
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# The key of an exported ONNX file's own metadata (``metadata_props``) that holds the steps its export found, as
+# JSON of :data:`AXIS_STEPS`'s form: ``kiln export -o FILE`` writes it, ``kiln build FILE`` records it on the engine.
+GRAPH_STEPS_KEY = "kiln.axis_steps"
+
+
+def parse_graph_steps(text: str | None, shown: str) -> dict[str, list[int]]:
+    """The axis steps (axis -> ``[period, *residues]``) an ONNX file's metadata holds under :data:`GRAPH_STEPS_KEY`
+    (``text``; None: the file has none, {}); ``shown``: the file, for the error where the value is not of that form
+    (an engine cannot refuse by steps it cannot read, and a file with them computes wrong answers off them)."""
+    if text is None:
+        return {}
+    try:
+        steps = json.loads(text)
+    except ValueError:
+        steps = None
+    if not isinstance(steps, dict) or not all(isinstance(k, str) and _is_steps(v) for k, v in steps.items()):
+        raise InputFileError(
+            f"{shown}: its metadata {GRAPH_STEPS_KEY} is not axis -> [period, *residues] "
+            f'(as {{"seq": [4, 0]}}): {text[:80]!r}',
+            hint=f"export the file again with `kiln export ... -o FILE`, or remove {GRAPH_STEPS_KEY} from its "
+            "metadata_props",
+        )
+    return steps
+
+
+def _is_steps(value: object) -> bool:
+    """Whether ``value`` is ``[period, *residues]``: a period of 1 or more, each residue below it."""
+    if not isinstance(value, list) or len(value) < 2 or not all(type(v) is int for v in value):
+        return False
+    return value[0] >= 1 and all(0 <= r < value[0] for r in value[1:])
 
 
 def _env(cfg: ExportSettings) -> dict[str, Any]:

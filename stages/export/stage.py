@@ -64,6 +64,7 @@ from kiln.core.onnx_io import (
     outside_index,
     rename_values,
     save_onnx,
+    set_metadata,
     value_names,
 )
 from kiln.core.outputs import FlatModel, named_outputs
@@ -86,6 +87,7 @@ from kiln.stages.export.batch_axes import tie_batch_axes
 from kiln.stages.export.declaration import (
     AXIS_STEPS,
     DYNAMIC_SIZES,
+    GRAPH_STEPS_KEY,
     INT_RANGES,
     MAX_PERIOD,
     SIZE_PROBES,
@@ -1102,7 +1104,7 @@ def check_sizes_of(
     rtol: float = 0.0,
     direct: bool = False,
     dynamo: str = "",
-) -> None:
+) -> list[dict[str, int]]:
     """:func:`check_validated_sizes` on the rows ``x`` (``feed``: as the graph takes them) resized to each size,
     the sizes taken from ``shapes`` or else from ``seen`` (a row of each split: their smallest and largest; half
     of one size). ``direct``: for ``kiln export -o``, where no later stage runs a size Kiln makes: one the model
@@ -1110,14 +1112,15 @@ def check_sizes_of(
     Where outputs that order or count by value (indices, a length the values decide) are off on inputs Kiln padded
     with zeros, whose equal scores runtimes order apart, the graph passes if it computes the model on the inputs
     grown by their own values (:func:`_computes_untied`). ``dynamo``: why the dynamo exporter failed, where the
-    graph is the TorchScript exporter's, said with the error."""
+    graph is the TorchScript exporter's, said with the error. Returns the sizes checked (the step probe's range)."""
     whose = "the example's" if direct else "the data's"
     tie = (
         "give inputs that tie no scores (a config whose data.name gives real ones)"
         if direct
         else "validate at sizes the data has (signature.shapes) or at sizes of inputs that tie no scores"
     )
-    for point, sized in _sizes_to_check(model, x, feed, seen, axes, shapes, direct):
+    points = _sizes_to_check(model, x, feed, seen, axes, shapes, direct)
+    for point, sized in points:
         at, inputs = ", ".join(f"{k}={v}" for k, v in point.items()), from_feed(sized, x)
         ref = _torch_at(model, inputs, point, [feed, *seen], axes, shapes, direct)
         by_value: list[str] = []
@@ -1152,6 +1155,7 @@ def check_sizes_of(
             line = _pinned_at(model, take(x, slice(0, 2)), axes)  # the loop or Python number that fixed it
             named = _one_name_hint([feed, *seen], axes, point, _source(direct))
             raise _fixed_size_error(f"at {at}, where PyTorch runs ({why})", line, indices, tie, named, dynamo)
+    return [point for point, _ in points]
 
 
 def _fixed_size_error(where: str, line: str, indices: list[str], tie: str, named: str, dynamo: str) -> ModelError:
@@ -1611,10 +1615,26 @@ def size_steps(
     With ``graph`` (the exported one), a size counts as taken only where that graph also gives PyTorch's outputs:
     an exporter that kept the side of a branch on the size its example took (``if L % 4 != 0: pad``) leaves a graph
     that is right at some sizes only, which is warned of (:func:`_warn_graph_steps`), and the others are refused."""
-    x = take(data.val_x, slice(0, 1))
-    feed = feed_for_graph(x, names)
     seen = [feed_for_graph(take(s, slice(0, 1)), names) for s in (data.train_x, data.val_x) if rows(s)]
     sizes = axis_sizes(seen, axes, shapes) if axes else {}
+    example = take(data.val_x, slice(0, 2))
+    return steps_over(model, take(example, slice(0, 1)), example, names, axes, sizes, graph)
+
+
+def steps_over(
+    model: nn.Module,
+    x: Inputs,
+    example: Inputs,
+    names: list[str],
+    axes: Axes,
+    sizes: Mapping[str, list[int]],
+    graph: GraphAt | None = None,
+) -> dict[str, list[int]]:
+    """:func:`size_steps` on the rows ``x`` (one, where the graph takes any batch), each axis probed from the
+    smallest to the largest of its ``sizes``, the others at their smallest: the part that needs rows alone, not a
+    dataset (``kiln export -o`` has its example). ``example``: the rows the export traced, for the line of the
+    user's code a warning names (:func:`_pinned_at`)."""
+    feed = feed_for_graph(x, names)
     smallest = {label: min(v) for label, v in sizes.items() if v}
     out = {}
     for label, values in sizes.items():
@@ -1624,7 +1644,6 @@ def size_steps(
         if pattern is not None:
             out[label] = pattern
         if pattern is not None and wrong:
-            example = take(data.val_x, slice(0, 2))
             _warn_graph_steps(label, pattern, (min(values), max(values)), wrong, _pinned_at(model, example, axes))
         elif pattern is not None:
             log.info("signature axis %s: the model takes sizes%s only", label, steps_text(pattern))
@@ -1702,7 +1721,10 @@ def export_direct(
     (``--input-shape``, random arrays of those shapes) or the first rows of the configured data; a model that takes
     neither is a ConfigError asking for each input's shape. The graph is checked as the pipeline checks it: at
     another batch, and at other sizes of ``signature.dynamic_axes`` (:func:`check_sizes_of`), so a graph that holds
-    the example's length (a Python loop unrolled to it) is an error, not a file declaring that axis dynamic."""
+    the example's length (a Python loop unrolled to it) is an error, not a file declaring that axis dynamic. Across
+    the sizes checked, the graph is then held to PyTorch size by size (:func:`steps_over`): where it is right at some
+    steps only (a branch on the size the exporter fixed), that is warned of, and the steps are written into the
+    file's metadata (:func:`record_graph_steps`) and returned as ``axis_steps``."""
     ensure_writable(output.parent, "the -o file's folder")  # before minutes of work, not after
     specs = parse_input_shapes(input_shapes) if input_shapes else None
     model = build_model(cfg.model.name, cfg.model.params)
@@ -1735,14 +1757,40 @@ def export_direct(
     )
     # held to the tolerance the pipeline holds it to
     require_parity(check, atol, rtol, f"{output.name}, on {_example_source(specs)}", random)
+    steps: dict[str, list[int]] = {}
     if cfg.signature.dynamic_axes:
         on = x if cfg.export.dynamic_batch else example  # a fixed batch takes the traced rows only
         names = [i.name for i in proto.graph.input]
         seen = [feed_for_graph(take(on, slice(0, 1)), names)]
         feed, axes = feed_for_graph(on, names), dict(cfg.signature.dynamic_axes)
         shapes = cfg.signature.shapes
-        check_sizes_of(model, output, session, on, feed, seen, axes, shapes, atol, rtol, direct=True, dynamo=dynamo)
-    return {"path": str(output), "nodes": len(proto.graph.node), **check}
+        points = check_sizes_of(
+            model, output, session, on, feed, seen, axes, shapes, atol, rtol, direct=True, dynamo=dynamo
+        )
+        one = take(on, slice(0, 1)) if cfg.export.dynamic_batch else on
+        sizes = _checked_spans(feed, axes, points)
+        steps = steps_over(model, one, example, names, axes, sizes, GraphAt(output, session, atol, rtol))
+        record_graph_steps(output, steps)
+    return {"path": str(output), "nodes": len(proto.graph.node), **check, "axis_steps": steps}
+
+
+def _checked_spans(feed: Feed, axes: Axes, points: list[dict[str, int]]) -> dict[str, list[int]]:
+    """Each named dynamic axis -> the sizes ``kiln export -o`` held the graph to PyTorch at: the example's own
+    (the parity check's) and those of the size check (``points``, as :func:`_direct_point` moved them), whose
+    smallest and largest bound the step probe (a size Kiln made that the model cannot take is no end of it)."""
+    spans = {label: [size] for label, size in _own_sizes(feed, axes).items()}
+    for point in points:
+        for label, size in point.items():
+            spans.setdefault(label, []).append(size)
+    return spans
+
+
+def record_graph_steps(path: Path, steps: Mapping[str, list[int]]) -> None:
+    """Write the axis steps the export found (:func:`steps_over`) into the ONNX file's own metadata
+    (:data:`GRAPH_STEPS_KEY`), where ``kiln build FILE`` reads them: an engine built from the file alone then
+    refuses the sizes its graph gets wrong, as the pipeline's engines do. Nothing where no axis has steps."""
+    if steps:
+        set_metadata(path, GRAPH_STEPS_KEY, json.dumps(dict(steps), sort_keys=True))
 
 
 # The fix where random --input-shape values are what the model cannot take
@@ -2146,6 +2194,7 @@ def run(ctx: StageContext[ExportSettings]) -> ExportSummary:
         (ctx.out / AXIS_STEPS).write_text(json.dumps(steps, indent=2, sort_keys=True) + "\n")
     feed = feed_for_graph(take(data.val_x, slice(0, 2)), names)
     followed = name_output_axes(path, feed, _axes(names, cfg.dynamic_batch, axes or {}), session)
+    record_graph_steps(path, steps)  # the file carries them too, for `kiln build` of it outside the run
     sizes = dynamic_sizes(data, names, axes)
     if sizes:
         (ctx.out / DYNAMIC_SIZES).write_text(json.dumps(sizes, indent=2, sort_keys=True) + "\n")
