@@ -178,7 +178,8 @@ def test_a_per_pixel_model_is_served_at_two_image_sizes(tmp_path: Path, serve_ar
     message = _serve_and_ask(wd, [feed(8), feed(16)], feed(64), *serve_args)
     assert message == (
         "HTTP 400: [400] input 'input' axis 2 (height) is 64: engine onnxruntime-cpu-fp32 was validated for height "
-        "from 8 to 16"
+        "from 8 to 16; input 'input' axis 3 (width) is 64: engine onnxruntime-cpu-fp32 was validated for width from 8 "
+        "to 16"  # every axis outside its range, so that one refusal says all the sizes to change
     ), message
 
 
