@@ -351,7 +351,8 @@ def _check_labels(y: torch.Tensor, split: str, num_classes: int, ref: str) -> No
     if not isinstance(num_classes, int) or num_classes < 1:
         raise DataContractError(
             f"dataset '{ref}': integer labels but num_classes is {num_classes!r}, not a positive integer",
-            hint="pass num_classes=... to DatasetSplits (or float targets for regression)",
+            hint="pass num_classes=... to DatasetSplits (or float targets for regression); labels that are group ids "
+            "for a train.loss of yours (a contrastive loss's positives) take num_classes = the number of groups",
         )
     dense = y.ndim > 1
     given = y[y != IGNORE_LABEL]

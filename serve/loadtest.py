@@ -1398,6 +1398,7 @@ def tolerance_lines(result: dict[str, Any]) -> list[str]:
     moved = max(deviation["rtol"].values(), default=0.0)
     batches = ", ".join(map(str, deviation["batches"])) or "none (the server forms no batch)"
     seen = max((lv.get("max_abs_err", 0.0) for lv in result["levels"]), default=0.0)
+    moved_said = "none (identical)" if moved == 0 else f"up to {moved:.3g} x the answer's scale"
     apart = deviation.get("separation")
     cap = f"{band_cap(deviation):.3g}" + (
         f": {SEPARATION_SHARE:g} x how far apart the requests' answers lie ({apart:.3g} x their scale)"
@@ -1410,7 +1411,7 @@ def tolerance_lines(result: dict[str, Any]) -> list[str]:
         f"(its largest value, or its output's RMS over the requests where larger; {result['precision']}'s base "
         f"{tol['base']['atol']:g} + {tol['base']['rtol']:g}, widened to {tol['safety']:g} x the batch-mate "
         f"deviation, up to {cap}). Batch-mate deviation: the engine's answers in batches of {batches} against its "
-        f"single-sample ones, up to {moved:.3g} x the answer's scale. Largest error seen under load: {seen:.3g}.",
+        f"single-sample ones, {moved_said}. Largest error seen under load: {seen:.3g}.",
     ]
 
 

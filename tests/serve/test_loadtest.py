@@ -663,3 +663,16 @@ def test_a_pool_capped_below_the_split_says_how_much_of_it_it_holds(engines: dic
     assert whole.endswith("(8 samples)"), whole
     help_text = " ".join(CliRunner().invoke(main, ["loadtest", "--help"]).output.split())
     assert f"its first {POOL} validation samples" in help_text, help_text
+
+
+def test_a_deviation_of_zero_is_said_as_none_not_as_a_limit_of_zero() -> None:
+    from kiln.serve.loadtest import render_markdown
+
+    latency = {"p50": 1.0, "p90": 1.0, "p99": 1.0}
+    level = {"concurrency": 1, "requests": 9, "throughput_rps": 50.0, "latency_ms": latency, "mismatches": 0}
+    level |= {"errors": 0, "max_abs_err": 0.0}
+    deviation = {"batches": [8, 16], "rtol": {"embedding": 0.0}, "atol": 0.0}
+    tolerance = {"atol": 1e-5, "rtol": 1e-4, "base": {"atol": 1e-5, "rtol": 1e-4}, "batch_deviation": deviation}
+    result = {"model": "m", "engine": "e", "precision": "fp32", "url": "u", "inputs": "real", "duration_s": 1}
+    md = render_markdown(result | {"max_requests": 9, "levels": [level], "tolerance": tolerance | {"safety": 4.0}})
+    assert "single-sample ones, none (identical)." in md and "up to 0 x" not in md, md
