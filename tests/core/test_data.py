@@ -486,8 +486,7 @@ def test_ids_of_tables_on_an_axis_before_the_last_are_ranged_per_cell() -> None:
 
 def test_integer_labels_without_num_classes_name_group_ids_in_the_fix() -> None:
     """Labels that are a contrastive loss's groups (positives share an id) need num_classes too: the fix says so."""
-    from kiln.core.data import _check_labels
-    from kiln.core.errors import DataContractError
+    from kiln.core.data import DataContractError, _check_labels
 
     with pytest.raises(DataContractError) as caught:
         _check_labels(torch.tensor([0, 1, 1, 2]), "train", 0, "emb:load")
