@@ -846,6 +846,7 @@ class Direct:
     switches: tuple[str, ...] = ()  # with no FILE argument: options that select direct mode
     both: tuple[str, ...] = ()  # options of both modes
     workdir_sets: Callable[[dict[str, Any]], tuple[str, ...]] = lambda values: ()  # what they set in the workdir
+    takes_workdir: bool = False  # the direct mode reads the workdir too (export: its trained weights)
 
 
 def stage_command(name: str, help: str, direct: Direct | None = None) -> click.Command:
@@ -870,7 +871,7 @@ def stage_command(name: str, help: str, direct: Direct | None = None) -> click.C
             return _stage_in_workdir(name, config, workdir, sets + extra, quiet)
         results.quiet = quiet and name != "validate"  # validate's JSON is its answer, not a summary
         try:
-            direct.run(file, config, sets, **values)
+            direct.run(file, config, sets, **values, **({"workdir": workdir} if direct.takes_workdir else {}))
         finally:
             results.quiet = False
 
@@ -885,6 +886,7 @@ def _export_direct(
     model_name: str | None,
     input_shape: tuple[str, ...],
     output: str | None,
+    workdir: str,
 ) -> None:
     from kiln.pipeline.runner import settings_for
     from kiln.stages.export.stage import export_direct
@@ -893,6 +895,8 @@ def _export_direct(
     # --input-shape say what it takes
     model = {"model.name": model_name, **({} if config else {"data.name": None})} if model_name else {}
     cfg = _load(config, {**model, **_parse_sets(sets)}, _given(sets))
+    if checkpoint is None and cfg.model.checkpoint is None:
+        checkpoint = _trained_in(Path(workdir), cfg.model.name, cfg.model.params)
     dst = Path(output or "model.onnx")
     with scratch_root(dst.parent), output_file(dst) as staged:
         summary = export_direct(settings_for(stage_named("export"), cfg), checkpoint, input_shape, staged)
@@ -900,6 +904,26 @@ def _export_direct(
         f"wrote {dst} ({summary['nodes']} nodes, parity max abs err {summary['max_abs_err']:.2e})",
         highlight=False,
     )
+
+
+def _trained_in(workdir: Path, name: str, params: dict[str, Any]) -> str | None:
+    """The weights the workdir's train stage wrote for this model (its name and params as the stage recorded
+    them), said on stderr: ``kiln export -o`` after ``kiln run`` exports the trained model, not initial weights.
+    None where the workdir trained none, or another model."""
+    from kiln.core.artifacts import read_manifest
+
+    manifest = read_manifest(workdir / "train") or {}
+    recorded = ((manifest.get("key_parts") or {}).get("config") or {}).get("model") or {}
+    weights = workdir / "train" / "model.safetensors"
+    if recorded.get("name") != name or (recorded.get("params") or {}) != params or not weights.is_file():
+        return None
+    console.print(
+        f"[yellow]weights[/]: the trained ones in {weights} (the workdir's train stage); --checkpoint FILE exports "
+        "others",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return str(weights)
 
 
 def _optimize_direct(
@@ -1059,6 +1083,7 @@ DIRECT = {
         _export_direct,
         needs="-o/--output or --checkpoint",
         switches=("checkpoint", "output"),
+        takes_workdir=True,
     ),
     "optimize": Direct(
         (

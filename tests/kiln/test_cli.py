@@ -355,6 +355,40 @@ def test_direct_export_takes_the_configs_checkpoint(cli: CliRunner, tmp_path: Pa
     np.testing.assert_allclose(run(tmp_path / "from_config.onnx"), run(explicit), atol=1e-6)
 
 
+def test_direct_export_in_a_trained_workdir_takes_its_trained_weights(
+    cli: CliRunner, tmp_path: Path, write_yaml
+) -> None:
+    """`kiln export CFG -w out -o m.onnx` after `kiln run`: the train stage's weights, not the initial ones (it once
+    exported initial weights, exit 0, with a warning); another model's training is left alone."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from safetensors.torch import save_file
+
+    from kiln.core.artifacts import write_json_atomic
+    from kiln.models.registry import build_model
+
+    torch.manual_seed(7)
+    trained = build_model("cnn")
+    (tmp_path / "wd" / "train").mkdir(parents=True)
+    save_file(trained.state_dict(), str(tmp_path / "wd" / "train" / "model.safetensors"))
+    recorded = {"config": {"model": {"name": "cnn", "params": {}, "checkpoint": None, "onnx": None}}}
+    manifest = {"key": "k", "outputs": {}, "key_parts": recorded, "summary": {}}
+    write_json_atomic(tmp_path / "wd" / "train" / "manifest.json", manifest)
+    cfg = write_yaml({"model": {"name": "cnn"}})
+    result = cli.invoke(main, ["export", str(cfg), "-w", str(tmp_path / "wd"), "-o", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 0, result.output
+    assert "the trained ones in" in result.stderr and "initial weights" not in result.output
+    x = np.random.default_rng(0).random((4, 1, 8, 8), dtype=np.float32)
+    got = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"input": x})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(got, trained.eval()(torch.from_numpy(x)).numpy(), atol=1e-5)
+    other = write_yaml({"model": {"name": "cnn", "params": {"width": 8}}})  # not the model the workdir trained
+    result = cli.invoke(main, ["export", str(other), "-w", str(tmp_path / "wd"), "-o", str(tmp_path / "o.onnx")])
+    assert result.exit_code == 0, result.output
+    assert "the trained ones in" not in result.output and "initial weights" in result.output
+
+
 @pytest.mark.parametrize(
     "args",
     [
