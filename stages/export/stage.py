@@ -170,10 +170,7 @@ def export_with_fallback(
                 validation, refused = _in_distributions(exc), _reason(exc)
                 log.warning("dynamo exporter failed: %s; trying the TorchScript exporter", refused)
     else:
-        raise ExportFailed(
-            "torch.onnx.export failed: " + " | ".join(errors),
-            hint="the model may use an op ONNX cannot express; see the message above",
-        )
+        raise ExportFailed("torch.onnx.export failed: " + " | ".join(errors), hint=_export_failed_hint(errors, opset))
     if fixed:
         refuse_traced_branch(fixed, errors, validation)
     proto = load_onnx(path)
@@ -945,6 +942,17 @@ BRANCH_FIX = (
     "tensor expression that is 0 where nothing is needed (pad = (stride - L % stride) % stride, padding by 0 where "
     "L is a multiple), not under an if"
 )
+
+
+def _export_failed_hint(errors: list[str], opset: int) -> str:
+    """The fix where both exporters failed: a later opset where the exporter names the one its op came in
+    (``Support for this operator was added in version 20``: ``AffineGrid``, ``GridSample``'s modes), else an op ONNX
+    may not express."""
+    versions = [int(v) for e in errors for v in re.findall(r"added in (?:opset )?version (\d+)", e)]
+    later = max((v for v in versions if v > opset), default=None)
+    if later is not None:
+        return f"export at the opset that has the op: --set export.opset={later} (the config's export.opset)"
+    return "the model may use an op ONNX cannot express; see the message above"
 
 
 def batch_parity(

@@ -177,3 +177,17 @@ def test_a_lone_large_value_widens_no_other_values_tolerance() -> None:
     check = {"max_abs_err": 0.5, "per_output": {"y": 0.5}, "scale": {"y": _scale_at_worst(ref, got)}}
     with pytest.raises(ModelError, match="output 'y'"):
         require_parity(check, cfg.parity_atol, cfg.parity_rtol, "m.onnx")
+
+
+def test_an_op_of_a_later_opset_gets_that_opset_as_the_fix() -> None:
+    from kiln.stages.export.stage import _export_failed_hint
+
+    said = [
+        "dynamo exporter: it fixed input 'input' axis 2 (h)",
+        "torchscript exporter: Exporting the operator 'aten::affine_grid_generator' to ONNX opset version 18 is not "
+        "supported. Support for this operator was added in version 20, try exporting with this version",
+    ]
+    assert _export_failed_hint(said, 18) == (
+        "export at the opset that has the op: --set export.opset=20 (the config's export.opset)"
+    )
+    assert "cannot express" in _export_failed_hint(said[:1], 18)
