@@ -34,6 +34,9 @@ DEFAULT_FP32_OPS = (
     "Sin",
     "Cos",
     "Tan",
+    # a sampling grid's coordinates in [-1, 1] step 2**-11 in FP16: a fraction of a pixel off on large images
+    "AffineGrid",
+    "GridSample",
 )
 
 

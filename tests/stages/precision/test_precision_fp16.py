@@ -234,3 +234,34 @@ def test_a_models_own_float_to_int_cast_behind_a_kept_node_converts() -> None:
     assert cast_chains(converted) == []
     x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
     np.testing.assert_allclose(run_batched(converted, x)[0], x, atol=1e-2)
+
+
+def test_a_spatial_transformers_sampling_stays_fp32() -> None:
+    """AffineGrid's grid and GridSample's read of it: coordinates in [-1, 1] move by 2**-11 in FP16."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["theta_flat"], name="loc"),
+        helper.make_node("Reshape", ["theta_flat", "theta_shape"], ["theta"], name="theta"),
+        helper.make_node("AffineGrid", ["theta", "size"], ["grid"], name="affine_grid"),
+        helper.make_node("GridSample", ["image", "grid"], ["y"], name="grid_sample"),
+    ]
+    rng = np.random.default_rng(0)
+    inits = [
+        onnx.numpy_helper.from_array(rng.standard_normal((16, 6)).astype(np.float32) * 0.01, "w"),
+        onnx.numpy_helper.from_array(np.array([-1, 2, 3], np.int64), "theta_shape"),
+        onnx.numpy_helper.from_array(np.array([1, 1, 8, 8], np.int64), "size"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "stn",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16]),
+            helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 1, 8, 8]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 8, 8])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    keep, converted, _ = _convert(model)
+    assert {"affine_grid", "grid_sample"} <= set(keep)
+    types = node_input_types(converted)
+    assert types["affine_grid"] == types["grid_sample"] == F32 and types["loc"] == F16
