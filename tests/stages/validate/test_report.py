@@ -319,3 +319,19 @@ def test_an_integer_outputs_share_of_equal_values_is_not_called_top1_agreement()
     column = next(h for h in header if h.startswith("top-1"))
     assert cells["inds"][column] == "0.8000 (equal values)", cells
     assert "equal values" not in cells["scores"][column], cells  # a float output's top-1 agreement stays as it is
+
+
+def test_an_embedding_output_is_said_to_be_compared_as_features_for_one_reason() -> None:
+    """The only output named as features: one sentence on what it is held to, not the class-logits default's rule
+    beside the features' note."""
+    engine = EngineValidation(
+        name="e", backend="onnxruntime", precision="int8", device="cpu", status="validated", passed=True
+    )
+    engine.latency_ms = {"1": Percentiles(p50=0.1, p90=0.1, p99=0.1)}
+    note = "the only output, 'embedding', is named as features"
+    baseline = Baseline(accuracy=None, samples=8, latency_ms=engine.latency_ms, compared=["embedding"])
+    baseline.accuracy_note = note
+    v = ValidationResult(passed=True, baseline=baseline, engines=[engine], failures=[])
+    line = next(x for x in report_section(v) if x.startswith("Compared outputs"))
+    assert "'embedding' is named as features (an embedding), held to cosine" in line, line
+    assert "DETR" not in line and "taken as class logits by default" not in line
