@@ -11,7 +11,6 @@ their names.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from torch import nn
 from kiln.core.data import call, rebuild, tensors
 from kiln.core.errors import ConfigError, ModelError
 from kiln.core.labels import floating
+from kiln.core.text import FEATURE_NAME_PATTERN
 
 SINGLE_OUTPUT = "logits"
 
@@ -81,7 +81,7 @@ def _leaves(value: Any, path: str, ref: str, left_out: list[str]) -> list[tuple[
 # Output names that say "features, not class scores" (Hugging Face's ModelOutput keys: last_hidden_state,
 # pooler_output, image_embeds, ...): the argmax of a hidden vector is no class, and its top-1 agreement would fail
 # INT8 and FP16 engines that agree with the model everywhere that matters (cosine, error).
-FEATURE_NAMES = re.compile(r"hidden_state|embed|pooler|feature", re.IGNORECASE)
+FEATURE_NAMES = FEATURE_NAME_PATTERN  # re-exported: the stages import it from here
 
 
 def logits_name(names: Sequence[str], setting: str | int | None) -> str | None:

@@ -45,3 +45,8 @@ def root_cause(exc: BaseException) -> BaseException:
 def fmt(value: Any, spec: str = ".4f") -> str:
     """A number for a report table, ``-`` when absent."""
     return "-" if value is None else format(value, spec)
+
+
+# Output names that say they hold features (an embedding, a hidden state), not class logits: torch-free, so that
+# report.md is written in a run that loads no torch.
+FEATURE_NAME_PATTERN = re.compile(r"hidden_state|embed|pooler|feature", re.IGNORECASE)
